@@ -1,0 +1,6 @@
+"""The EVON optimizer, its batched linear algebra and the parameter split."""
+
+from .evon import EVON, NonFiniteGradientError
+from .grouping import build_optimizer, build_param_groups, describe_param_groups
+
+__all__ = ["EVON", "NonFiniteGradientError", "build_optimizer", "build_param_groups", "describe_param_groups"]

@@ -1,0 +1,652 @@
+"""EVON: Eigenbasis Variational Online Newton, as a ``torch.optim.Optimizer``.
+
+Each parameter group is trained either by EVON (``algorithm="evon"``, the default) or by
+AdamW (``algorithm="adamw"``). EVON parameters of equal (2-D) shape inside a group share a
+*bucket*: their state lives in stacked ``(B, m, n)`` tensors so every step is a handful of
+batched matmuls, and the per-parameter entries of ``optimizer.state`` are views into them.
+
+The algorithm is the one in ``EVON_SPEC.md`` (and the paper's appendix derivation). Usage::
+
+    opt = EVON(model.parameters(), lr=..., ess=len(train_set))
+    for batch in loader:
+        for _ in range(opt.mc_samples):
+            with opt.sampled_params(train=True):   # weights = one posterior sample
+                model(**batch).loss.backward()      # micro-batches may be accumulated here
+        opt.step()
+        opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.adam import adam as _functional_adam
+
+from .linalg import clip_update, eigenbasis, power_qr, rotate, sample_perturbation, unrotate
+
+Tensor = torch.Tensor
+
+CLIP_MODES = ("none", "element", "spectral", "whiten")
+ALGORITHMS = ("evon", "adamw")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Raised by ``EVON.step`` for a NaN/inf gradient when ``nonfinite="raise"``."""
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """How EVON views a parameter as a matrix: 1-D/0-D as ``1×d``, N-D as ``(d0, rest)``."""
+    if len(shape) <= 1:
+        return 1, int(math.prod(shape))
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def preconditioned_sides(
+    shape: tuple[int, ...], max_precond_dim: int, identity_basis: bool
+) -> tuple[bool, bool]:
+    """Which sides get an eigenbasis. 1-D tensors and IVON mode get none (``Q = I``)."""
+    if identity_basis or len(shape) <= 1:
+        return False, False
+    m, n = matrix_shape(shape)
+    return 1 < m <= max_precond_dim, 1 < n <= max_precond_dim
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """Float32 for every parameter dtype, except float64 parameters keep float64."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class _Bucket:
+    """EVON parameters of one group with the same matrix shape, device and bases."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    m: int
+    n: int
+    left: bool
+    right: bool
+    dtype: torch.dtype
+    state: dict[str, Tensor] = field(default_factory=dict)  # stacked persistent state
+    # transient, only between the first sample of a step and ``step()``
+    acc: Tensor | None = None  # Σ_s G°_s ⊙ z_s
+    z: Tensor | None = None  # standard-normal draw of the sample in progress
+    mean: Tensor | None = None  # the posterior mean while a sample is in the weights
+    entry: Tensor | None = None  # rotated gradient ⊙ z already present when the sample began
+
+    @property
+    def preconditioned(self) -> bool:
+        return self.left or self.right
+
+    @property
+    def initialized(self) -> bool:
+        return not self.preconditioned or "L" in self.state or "R" in self.state
+
+    @property
+    def t(self) -> int:
+        return int(self.state["step"].item())
+
+    def bases(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.state.get("Q_L"), self.state.get("Q_R")
+
+    def matrices(self, tensors: list[Tensor | None]) -> Tensor:
+        """Stack per-parameter tensors as ``(B, m, n)`` in the state dtype (None -> zeros)."""
+        shaped = [
+            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype)
+            if x is None
+            else x.reshape(self.m, self.n)
+            for x in tensors
+        ]
+        return torch.stack(shaped).to(self.dtype)
+
+    def grads(self) -> Tensor:
+        return self.matrices([p.grad for p in self.params])
+
+    def write_params(self, values: Tensor) -> None:
+        targets = [p.data.view(self.m, self.n) for p in self.params]
+        torch._foreach_copy_(targets, list(values.unbind(0)))
+
+    def noisy_phase(self) -> bool:
+        """Whether the coming step estimates the Hessian from sampled weights."""
+        g = self.group
+        if math.isinf(g["ess"]):
+            return False
+        if not g["phased_gradients"]:
+            return True
+        # phased gradients: the initialising step and even updates are clean
+        return self.initialized and (self.t + 1) % 2 == 1
+
+
+class EVON(Optimizer):
+    """Variational optimizer learning a SOAP-Bubble posterior ``N(M, P diag(V) Pᵀ)``.
+
+    Args:
+        params: parameters or parameter groups. A group may set ``algorithm="adamw"``
+            (embeddings, heads, 1-D tensors in the paper's LM runs); every other group is EVON.
+        lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``).
+        ess: effective sample size ζ, usually the training-set size. ``inf`` disables the
+            noise: a deterministic SOAP-like method with squared rotated gradients as Hessian.
+        hess_init: initial Hessian h0 > 0 everywhere.
+        betas: (β1, β2) for the rotated momentum and the Hessian.
+        weight_decay: prior precision per datum δ: the prior is ``N(0, (ζ δ)^-1 I)``.
+        mc_samples: posterior samples per step (the number of ``sampled_params`` blocks).
+        precondition_frequency: refresh the eigenbases every f updates (one power step + QR).
+        max_precond_dim: a side larger than this keeps the identity basis.
+        shampoo_beta: β3 for the statistics L and R (default: β2).
+        hess_clip_ratio: γ of the adaptive Hessian clipping (None: off).
+        clip: update clipping: "none" (the pure algorithm), "element" (|Δ_ij| ≤ radius),
+            "spectral" (singular values ≤ radius) or "whiten" (Newton–Schulz, as Muon).
+        clip_radius: the radius for "element" and "spectral".
+        phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
+            noisy steps (sampled weights; Hessian updated).
+        identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
+        nonfinite: "skip" (warn, leave everything untouched) or "raise" on a NaN/inf gradient.
+        seed: seed of the posterior noise; each data-parallel rank derives its own stream.
+        eps: the ε of adaptive Hessian clipping.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
+        lr: float = 1e-3,
+        ess: float = float("inf"),
+        hess_init: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 1e-4,
+        mc_samples: int = 1,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 4096,
+        shampoo_beta: float | None = None,
+        hess_clip_ratio: float | None = None,
+        clip: str = "none",
+        clip_radius: float = 1.0,
+        phased_gradients: bool = False,
+        identity_basis: bool = False,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        nonfinite: str = "skip",
+        seed: int | None = None,
+        eps: float = 1e-12,
+    ) -> None:
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
+        defaults = dict(
+            algorithm="evon",
+            lr=lr,
+            ess=ess,
+            hess_init=hess_init,
+            betas=tuple(betas),
+            weight_decay=weight_decay,
+            mc_samples=mc_samples,
+            precondition_frequency=precondition_frequency,
+            max_precond_dim=max_precond_dim,
+            shampoo_beta=shampoo_beta,
+            hess_clip_ratio=hess_clip_ratio,
+            clip=clip,
+            clip_radius=clip_radius,
+            phased_gradients=phased_gradients,
+            identity_basis=identity_basis,
+            eps=eps,
+            adamw_eps=adamw_eps,
+        )
+        self._adamw_defaults = dict(
+            lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay
+        )
+        self.nonfinite = nonfinite
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        self.seed = int(seed)
+        self.skipped_steps = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._buckets: list[_Bucket] | None = None
+        self._samples = 0  # samples recorded since the last step
+        self._in_sample = False
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ set-up
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if param_group.get("algorithm", "evon") == "adamw":
+            for key, value in getattr(self, "_adamw_defaults", {}).items():
+                param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        if hasattr(self, "_adamw_defaults"):  # after __init__: validate and re-bucket
+            self._validate(self.param_groups[-1])
+            self._buckets = None
+
+    @staticmethod
+    def _validate(group: dict[str, Any]) -> None:
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"Invalid {name}: {group.get(name)!r} (must be {rule})")
+
+        need(group["algorithm"] in ALGORITHMS, "algorithm", "'evon' or 'adamw'")
+        need(group["lr"] >= 0.0, "lr", ">= 0")
+        b1, b2 = group["betas"]
+        need(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, "betas", "two numbers in [0, 1)")
+        need(group["weight_decay"] >= 0.0, "weight_decay", ">= 0")
+        if group["algorithm"] == "adamw":
+            need(group["adamw_eps"] > 0.0, "adamw_eps", "> 0")
+            return
+        need(group["ess"] > 0.0, "ess", "> 0 (float('inf') for no noise)")
+        need(
+            math.isfinite(group["hess_init"]) and group["hess_init"] > 0.0, "hess_init", "a finite number > 0"
+        )
+        need(
+            isinstance(group["mc_samples"], int) and group["mc_samples"] >= 1, "mc_samples", "an integer >= 1"
+        )
+        need(
+            isinstance(group["precondition_frequency"], int) and group["precondition_frequency"] >= 1,
+            "precondition_frequency",
+            "an integer >= 1",
+        )
+        need(
+            isinstance(group["max_precond_dim"], int) and group["max_precond_dim"] >= 1,
+            "max_precond_dim",
+            "an integer >= 1",
+        )
+        sb = group["shampoo_beta"]
+        need(sb is None or 0.0 <= sb < 1.0, "shampoo_beta", "None or in [0, 1)")
+        gamma = group["hess_clip_ratio"]
+        need(gamma is None or gamma > 0.0, "hess_clip_ratio", "None or > 0")
+        need(group["clip"] in CLIP_MODES, "clip", f"one of {CLIP_MODES}")
+        need(group["clip_radius"] > 0.0, "clip_radius", "> 0")
+        need(group["eps"] > 0.0, "eps", "> 0")
+
+    @property
+    def mc_samples(self) -> int:
+        """The largest ``mc_samples`` over EVON groups (how many samples a step expects)."""
+        return max((g["mc_samples"] for g in self.param_groups if g["algorithm"] == "evon"), default=1)
+
+    def _rank(self) -> int:
+        dist = torch.distributed
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed((self.seed + 1_000_003 * self._rank()) % 2**63)
+            self._generators[device] = gen
+        return gen
+
+    def _build_buckets(self) -> list[_Bucket]:
+        buckets: dict[tuple, _Bucket] = {}
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] != "evon":
+                continue
+            for p in group["params"]:
+                m, n = matrix_shape(p.shape)
+                left, right = preconditioned_sides(
+                    tuple(p.shape), group["max_precond_dim"], group["identity_basis"]
+                )
+                key = (gi, p.device, m, n, left, right, state_dtype(p))
+                if key not in buckets:
+                    buckets[key] = _Bucket(group, [], m, n, left, right, state_dtype(p))
+                buckets[key].params.append(p)
+        for b in buckets.values():
+            self._stack_state(b)
+        return list(buckets.values())
+
+    def _stack_state(self, b: _Bucket) -> None:
+        """Move per-parameter state into stacked storage; per-parameter entries become views."""
+        device, dt = b.params[0].device, b.dtype
+        first = self.state[b.params[0]]
+        step = first.get("step", torch.zeros((), dtype=torch.float32)).detach().clone().cpu()
+        fresh = {
+            "hess": lambda: torch.full((b.m, b.n), b.group["hess_init"], device=device, dtype=dt),
+            "exp_avg": lambda: torch.zeros(b.m, b.n, device=device, dtype=dt),
+        }
+        keys = list(fresh) + [k for k in ("L", "R", "Q_L", "Q_R") if k in first]
+        for k in keys:
+            per_param = [self.state[p].get(k) for p in b.params]
+            if any(x is None for x in per_param) and k not in fresh:
+                raise ValueError(f"EVON state {k!r} is missing for some parameters of shape {(b.m, b.n)}")
+            b.state[k] = torch.stack([fresh[k]() if x is None else x.to(device, dt) for x in per_param])
+        b.state["step"] = step
+        for i, p in enumerate(b.params):
+            st = self.state[p]
+            for k in keys:
+                st[k] = b.state[k][i]
+            st["step"] = step
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        if self._buckets is None:
+            self._buckets = self._build_buckets()
+        return self._buckets
+
+    # ----------------------------------------------------------- sampling
+    @contextlib.contextmanager
+    def sampled_params(self, train: bool = True) -> Iterator[None]:
+        """Put one posterior sample into every EVON-owned weight for the enclosed code.
+
+        With ``train=True`` the gradients accumulated inside the block are recorded for
+        the next ``step()``. Do not zero them between samples or micro-batches: as with
+        gradient accumulation, ``step()`` uses their sum divided by the number of samples.
+        On exit, also on an exception, the mean is restored bit-for-bit; a sample whose
+        block raised is not recorded. ``train=False`` only samples (evaluation, BMA).
+        """
+        if self._in_sample:
+            raise RuntimeError("sampled_params() blocks cannot be nested")
+        self._in_sample = True
+        perturbed: list[_Bucket] = []
+        ok = False
+        try:
+            with torch.no_grad():
+                for b in self.buckets:
+                    if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
+                        perturbed.append(b)
+                        self._perturb(b, train)
+            yield
+            ok = True
+        finally:
+            with torch.no_grad():
+                for b in perturbed:
+                    if b.mean is not None:
+                        b.write_params(b.mean)
+                    if b.z is not None:
+                        if ok:
+                            b.acc.add_(rotate(b.grads(), *b.bases()).mul_(b.z))
+                        elif b.entry is not None:
+                            b.acc.add_(b.entry)  # forget the failed sample's bookkeeping
+                    b.mean = b.z = b.entry = None
+            if ok and train:
+                self._samples += 1
+            self._in_sample = False
+
+    def _perturb(self, b: _Bucket, train: bool) -> None:
+        g = b.group
+        device = b.params[0].device
+        b.mean = torch.stack([p.detach().reshape(b.m, b.n) for p in b.params])  # exact copy
+        z = torch.randn(
+            len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype
+        )
+        q_left, q_right = b.bases() if b.initialized else (None, None)
+        noise = sample_perturbation(z, b.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
+        b.write_params(b.mean.to(b.dtype) + noise)
+        if train and b.initialized:
+            b.z = z
+            if b.acc is None:
+                b.acc = torch.zeros_like(z)
+            if any(p.grad is not None for p in b.params):
+                # gradients already present belong to earlier samples: cancel them from this one
+                b.entry = rotate(b.grads(), q_left, q_right).mul_(z)
+                b.acc.sub_(b.entry)
+
+    def current_noise(self, p: Tensor) -> Tensor:
+        """The rotated-space draw ``E`` (shaped m×n) of the sample now in ``p`` (for tests)."""
+        for b in self.buckets:
+            for i, q in enumerate(b.params):
+                if q is p:
+                    if b.z is None:
+                        raise RuntimeError("no training sample is in progress for this parameter")
+                    g = b.group
+                    return b.z[i] * torch.rsqrt(g["ess"] * (b.state["hess"][i] + g["weight_decay"]))
+        raise KeyError("parameter is not trained by EVON in this optimizer")
+
+    # --------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # noqa: C901
+        """One EVON update of every EVON group and one AdamW update of every AdamW group.
+
+        ``closure`` (optional) is called once inside ``sampled_params(train=True)``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(), self.sampled_params(train=True):
+                loss = closure()
+        if self._in_sample:
+            raise RuntimeError("step() called inside a sampled_params() block")
+        needs_samples = [b for b in self.buckets if b.initialized and b.noisy_phase()]
+        if needs_samples and self._samples == 0:
+            raise RuntimeError(
+                "EVON needs the gradient at a posterior sample: run forward/backward inside "
+                "`with optimizer.sampled_params(train=True):` before step()"
+            )
+        num_samples = max(self._samples, 1)
+        grads = {
+            id(b): b.grads().div_(num_samples)
+            for b in self.buckets
+            if any(p.grad is not None for p in b.params)
+        }
+        adamw = self._adamw_inputs(num_samples)
+        if not self._all_finite(grads, adamw):
+            self._discard_samples()
+            return loss
+
+        for b in self.buckets:
+            if id(b) in grads:
+                self._evon_update(b, grads[id(b)], num_samples)
+        for group, (params, g_list, states) in adamw.items():
+            self._adamw_update(group, params, g_list, states)
+        self._discard_samples()
+        return loss
+
+    def _discard_samples(self) -> None:
+        self._samples = 0
+        for b in self.buckets:
+            b.acc = None
+
+    def _adamw_inputs(self, num_samples: int) -> dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]:
+        out = {}
+        for gi, group in enumerate(self.param_groups):
+            if group["algorithm"] != "adamw":
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            g_list = [p.grad for p in params]
+            if num_samples > 1:
+                g_list = torch._foreach_div(g_list, num_samples)
+            out[gi] = (params, g_list, [self.state[p] for p in params])
+        return out
+
+    def _all_finite(self, grads: dict[int, Tensor], adamw: dict) -> bool:
+        checks = [torch.isfinite(g).all() for g in grads.values()]
+        checks += [torch.isfinite(b.acc).all() for b in self.buckets if b.acc is not None]
+        for _, g_list, _ in adamw.values():
+            checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
+        if not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
+            return True
+        bad = self._first_nonfinite()
+        msg = f"non-finite gradient in {bad}; the step was skipped and the optimizer state is unchanged"
+        if self.nonfinite == "raise":
+            self._discard_samples()
+            raise NonFiniteGradientError(msg)
+        self.skipped_steps += 1
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return False
+
+    def _first_nonfinite(self) -> str:
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+                    return f"{name} (shape {tuple(p.shape)})"
+        return "the Hessian estimate (overflow in G° ⊙ E / V)"
+
+    def _evon_update(self, b: _Bucket, grad: Tensor, num_samples: int) -> None:
+        g, st = b.group, b.state
+        beta1, beta2 = g["betas"]
+        beta3 = beta2 if g["shampoo_beta"] is None else g["shampoo_beta"]
+        delta, ess = g["weight_decay"], g["ess"]
+        clean = g["phased_gradients"] and not b.noisy_phase() and not math.isinf(ess)
+
+        if not b.initialized:
+            self._update_statistics(b, grad, beta3)
+            if b.left:
+                st["Q_L"] = eigenbasis(st["L"])
+            if b.right:
+                st["Q_R"] = eigenbasis(st["R"])
+            self._point_state_views(b, ("L", "R", "Q_L", "Q_R"))
+            return
+
+        t = b.t + 1
+        q_left, q_right = b.bases()
+        hess = st["hess"]
+        g_rot = rotate(grad, q_left, q_right)
+        if math.isinf(ess):
+            h_hat = g_rot.square()
+        elif clean or b.acc is None:
+            h_hat = None
+        else:
+            h_hat = b.acc.mul_(torch.sqrt(ess * (hess + delta))).div_(num_samples)
+        if h_hat is not None:
+            gamma = g["hess_clip_ratio"]
+            if gamma is not None:
+                bound = gamma * (hess + g["eps"])
+                h_hat = torch.minimum(torch.maximum(h_hat, -bound), bound)
+            correction = (hess - h_hat).square_().div_(hess + delta).mul_(0.5 * (1 - beta2) ** 2)
+            hess.mul_(beta2).add_(h_hat, alpha=1 - beta2).add_(correction)
+
+        exp_avg = st["exp_avg"]
+        exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
+        numer = exp_avg / (1 - beta1**t)
+        if delta != 0.0:
+            mean = b.matrices([p.detach() for p in b.params])
+            numer.add_(rotate(mean, q_left, q_right), alpha=delta)
+        update = clip_update(unrotate(numer.div_(hess + delta), q_left, q_right), g["clip"], g["clip_radius"])
+        targets = [p.data.view(b.m, b.n) for p in b.params]
+        torch._foreach_add_(targets, list(update.to(b.params[0].dtype).unbind(0)), alpha=-g["lr"])
+
+        if b.preconditioned and not (g["phased_gradients"] and not clean and not math.isinf(ess)):
+            self._update_statistics(b, grad, beta3)
+        st["step"].add_(1)
+        if b.preconditioned and t % g["precondition_frequency"] == 0:
+            self._refresh_bases(b)
+
+    @staticmethod
+    def _update_statistics(b: _Bucket, grad: Tensor, beta3: float) -> None:
+        st = b.state
+        if b.left:
+            gg = grad @ grad.mT
+            st["L"] = st["L"].mul_(beta3).add_(gg, alpha=1 - beta3) if "L" in st else gg.mul_(1 - beta3)
+        if b.right:
+            gg = grad.mT @ grad
+            st["R"] = st["R"].mul_(beta3).add_(gg, alpha=1 - beta3) if "R" in st else gg.mul_(1 - beta3)
+
+    def _refresh_bases(self, b: _Bucket) -> None:
+        st = b.state
+        old_left, old_right = b.bases()
+        new_left = power_qr(st["L"], old_left) if b.left else None
+        new_right = power_qr(st["R"], old_right) if b.right else None
+        # Ḡ <- Q_L,newᵀ Q_L,old Ḡ Q_R,oldᵀ Q_R,new ; H is deliberately not rotated
+        st["exp_avg"].copy_(rotate(unrotate(st["exp_avg"], old_left, old_right), new_left, new_right))
+        if b.left:
+            st["Q_L"].copy_(new_left)
+        if b.right:
+            st["Q_R"].copy_(new_right)
+
+    def _point_state_views(self, b: _Bucket, keys: tuple[str, ...]) -> None:
+        for i, p in enumerate(b.params):
+            for k in keys:
+                if k in b.state:
+                    self.state[p][k] = b.state[k][i]
+
+    @staticmethod
+    def _adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
+        for p, st in zip(params, states):
+            if "step" not in st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        _functional_adam(
+            params,
+            grads,
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [],
+            [st["step"] for st in states],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["adamw_eps"],
+            maximize=False,
+            decoupled_weight_decay=True,
+        )
+
+    # ---------------------------------------------------------- inspection
+    def _locate(self, p: Tensor) -> tuple[_Bucket, int]:
+        for b in self.buckets:
+            for i, q in enumerate(b.params):
+                if q is p:
+                    return b, i
+        raise KeyError("parameter is not trained by EVON in this optimizer")
+
+    def posterior_factors(self, p: Tensor) -> dict[str, Any]:
+        """``Q_L``, ``Q_R`` (None where identity), ``hess`` and the group's ess/weight decay."""
+        b, i = self._locate(p)
+        q_left, q_right = b.bases() if b.initialized else (None, None)
+        return {
+            "Q_L": None if q_left is None else q_left[i],
+            "Q_R": None if q_right is None else q_right[i],
+            "hess": b.state["hess"][i],
+            "ess": b.group["ess"],
+            "weight_decay": b.group["weight_decay"],
+            "matrix_shape": (b.m, b.n),
+        }
+
+    def posterior_covariance(self, p: Tensor) -> Tensor:
+        """Dense covariance of ``p.flatten()`` (row-major), for small parameters."""
+        from .linalg import dense_covariance
+
+        f = self.posterior_factors(p)
+        return dense_covariance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
+
+    def posterior_std(self, p: Tensor) -> Tensor:
+        """Marginal posterior standard deviations, shaped like ``p``."""
+        from .linalg import marginal_variance
+
+        f = self.posterior_factors(p)
+        return (
+            marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
+            .sqrt()
+            .reshape(p.shape)
+        )
+
+    # ---------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["evon"] = {
+            "seed": self.seed,
+            "rank": self._rank(),
+            "skipped_steps": self.skipped_steps,
+            "rng": {str(dev): gen.get_state() for dev, gen in self._generators.items()},
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("evon", None)
+        super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter dtype; EVON state stays float32/64
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        evon_params = {id(p) for g in self.param_groups if g["algorithm"] == "evon" for p in g["params"]}
+        for idx, p in zip(saved_ids, params):
+            if id(p) in evon_params and idx in state_dict["state"]:
+                for k, v in state_dict["state"][idx].items():
+                    if k != "step" and torch.is_tensor(v):
+                        self.state[p][k] = v.to(device=p.device, dtype=state_dtype(p))
+        self._buckets = None
+        self._generators = {}
+        if extra is not None:
+            self.seed = int(extra["seed"])
+            self.skipped_steps = int(extra.get("skipped_steps", 0))
+            if int(extra.get("rank", 0)) == self._rank():
+                for dev, rng_state in extra.get("rng", {}).items():
+                    self._generator(torch.device(dev)).set_state(rng_state.cpu())

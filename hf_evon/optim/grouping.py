@@ -1,0 +1,102 @@
+"""Which parameters EVON owns: the paper's split, overridable by name patterns."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .evon import EVON
+
+
+def _output_head_ids(model: nn.Module) -> set[int]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+
+
+def _embedding_ids(model: nn.Module) -> set[int]:
+    return {
+        id(p)
+        for mod in model.modules()
+        if isinstance(mod, nn.Embedding | nn.EmbeddingBag)
+        for p in mod.parameters()
+    }
+
+
+def _matches(name: str, patterns: Iterable[str] | None) -> bool:
+    return any(re.search(pat, name) for pat in patterns or ())
+
+
+def build_param_groups(
+    model: nn.Module,
+    evon_patterns: Iterable[str] | None = None,
+    adamw_patterns: Iterable[str] | None = None,
+    adamw_lr: float | None = None,
+    adamw_weight_decay: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Split trainable parameters into an EVON group and AdamW groups.
+
+    EVON gets the matrices (2-D and conv kernels, LoRA ``A``/``B`` included); AdamW gets
+    embeddings, the output head (``model.get_output_embeddings()``) and 1-D tensors, as in
+    the paper. Frozen parameters are left out; tied weights appear once. Name regexes
+    override the split: ``adamw_patterns`` first, then ``evon_patterns``. Each group carries
+    ``param_names`` so the split can be inspected (``describe_param_groups``).
+    """
+    head, embeddings = _output_head_ids(model), _embedding_ids(model)
+    evon, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():  # deduplicates tied weights
+        if not p.requires_grad:
+            continue
+        if _matches(name, adamw_patterns):
+            (decay if p.ndim >= 2 else no_decay).append((name, p))
+        elif _matches(name, evon_patterns):
+            evon.append((name, p))
+        elif p.ndim < 2:
+            no_decay.append((name, p))
+        elif id(p) in head or id(p) in embeddings:
+            decay.append((name, p))
+        else:
+            evon.append((name, p))
+
+    def group(items: list[tuple[str, torch.Tensor]], **extra: Any) -> dict[str, Any]:
+        return {"params": [p for _, p in items], "param_names": [n for n, _ in items], **extra}
+
+    adamw_extra = {} if adamw_lr is None else {"lr": adamw_lr}
+    groups = [group(evon, algorithm="evon")] if evon else []
+    if decay:
+        groups.append(group(decay, algorithm="adamw", weight_decay=adamw_weight_decay, **adamw_extra))
+    if no_decay:
+        groups.append(group(no_decay, algorithm="adamw", weight_decay=0.0, **adamw_extra))
+    if not groups:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    return groups
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    evon_patterns: Iterable[str] | None = None,
+    adamw_patterns: Iterable[str] | None = None,
+    adamw_lr: float | None = None,
+    adamw_weight_decay: float = 0.0,
+    **evon_kwargs: Any,
+) -> EVON:
+    """``EVON`` over ``build_param_groups(model, ...)``; ``evon_kwargs`` go to ``EVON``."""
+    groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
+    return EVON(groups, **evon_kwargs)
+
+
+def describe_param_groups(groups: list[dict[str, Any]]) -> str:
+    """One line per group: algorithm, parameter count, names (for logs and checks)."""
+    lines = []
+    for g in groups:
+        count = sum(p.numel() for p in g["params"])
+        names = g.get("param_names") or [f"<{len(g['params'])} unnamed>"]
+        lines.append(
+            f"{g.get('algorithm', 'evon'):5s} {count:>12,d} params  {len(g['params'])} tensors: {', '.join(names)}"
+        )
+    return "\n".join(lines)
