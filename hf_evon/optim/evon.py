@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +211,9 @@ class EVON(Optimizer):
         self._buckets: list[_Bucket] | None = None
         self._samples = 0  # samples recorded since the last step
         self._in_sample = False
+        # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
+        self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
+        self._synchronized = False
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ set-up
@@ -407,6 +410,7 @@ class EVON(Optimizer):
                 loss = closure()
         if self._in_sample:
             raise RuntimeError("step() called inside a sampled_params() block")
+        self.synchronize()
         needs_samples = [b for b in self.buckets if b.initialized and b.noisy_phase()]
         if needs_samples and self._samples == 0:
             raise RuntimeError(
@@ -432,8 +436,33 @@ class EVON(Optimizer):
         self._discard_samples()
         return loss
 
+    def synchronize(self) -> None:
+        """Average, across data-parallel ranks, what the next step uses.
+
+        Each rank keeps its *own* gradients while sampling (its Hessian estimate needs them);
+        this averages the gradients and the Hessian numerators once per step. ``step()``
+        calls it; call it earlier to clip or log gradients that are already averaged.
+        Without a ``gradient_reducer`` (single process) it does nothing.
+        """
+        if self._synchronized:
+            return
+        if self.gradient_reducer is None:
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise RuntimeError(
+                    "EVON is running in a multi-process job but was not prepared for it: call "
+                    "`hf_evon.prepare_distributed(model, optimizer)` after accelerator.prepare(); "
+                    "otherwise DDP averages gradients before EVON can form each rank's Hessian estimate"
+                )
+            return
+        tensors = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        tensors += [b.acc for b in self.buckets if b.acc is not None]
+        self.gradient_reducer(tensors)
+        self._synchronized = True
+
     def _discard_samples(self) -> None:
         self._samples = 0
+        self._synchronized = False
         for b in self.buckets:
             b.acc = None
 
