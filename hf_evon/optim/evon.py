@@ -75,6 +75,7 @@ class _Bucket:
     right: bool
     dtype: torch.dtype
     state: dict[str, Tensor] = field(default_factory=dict)  # stacked persistent state
+    refresh_phase: list[int] = field(default_factory=list)  # refresh when (t + phase) % f == 0
     # transient, only between the first sample of a step and ``step()``
     acc: Tensor | None = None  # Σ_s G°_s ⊙ z_s
     z: Tensor | None = None  # standard-normal draw of the sample in progress
@@ -147,6 +148,10 @@ class EVON(Optimizer):
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
             noisy steps (sampled weights; Hessian updated).
         identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).
+        stagger_refresh: give each matrix its own phase in the refresh cycle (still every f
+            updates), balanced by cost, so no step pays for all QRs at once. False refreshes
+            every matrix after the updates with t % f == 0. A group's first (or only) matrix
+            always has phase 0.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups.
         nonfinite: "skip" (warn, leave everything untouched) or "raise" on a NaN/inf gradient.
         seed: seed of the posterior noise; each data-parallel rank derives its own stream.
@@ -170,6 +175,7 @@ class EVON(Optimizer):
         clip_radius: float = 1.0,
         phased_gradients: bool = False,
         identity_basis: bool = False,
+        stagger_refresh: bool = True,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -196,6 +202,7 @@ class EVON(Optimizer):
             clip_radius=clip_radius,
             phased_gradients=phased_gradients,
             identity_basis=identity_basis,
+            stagger_refresh=stagger_refresh,
             eps=eps,
             adamw_eps=adamw_eps,
         )
@@ -298,7 +305,29 @@ class EVON(Optimizer):
                 buckets[key].params.append(p)
         for b in buckets.values():
             self._stack_state(b)
+        self._assign_refresh_phases(list(buckets.values()))
         return list(buckets.values())
+
+    def _assign_refresh_phases(self, buckets: list[_Bucket]) -> None:
+        """Spread each group's QR work evenly over the f steps of a refresh cycle."""
+        for group in self.param_groups:
+            members = [(b, i) for b in buckets if b.group is group for i in range(len(b.params))]
+            for b in buckets:
+                if b.group is group:
+                    b.refresh_phase = [0] * len(b.params)
+            if not group.get("stagger_refresh", False):
+                continue
+            f = group["precondition_frequency"]
+            load = [0.0] * f
+
+            def cost(member: tuple[_Bucket, int]) -> float:
+                b = member[0]
+                return float(b.m**3 * b.left + b.n**3 * b.right)
+
+            for b, i in sorted(members, key=cost, reverse=True):  # stable: ties keep order
+                phase = load.index(min(load))
+                b.refresh_phase[i] = phase
+                load[phase] += cost((b, i))
 
     def _stack_state(self, b: _Bucket) -> None:
         """Move per-parameter state into stacked storage; per-parameter entries become views."""
@@ -431,8 +460,8 @@ class EVON(Optimizer):
         for b in self.buckets:
             if id(b) in grads:
                 self._evon_update(b, grads[id(b)], num_samples)
-        for group, (params, g_list, states) in adamw.items():
-            self._adamw_update(group, params, g_list, states)
+        for gi, (params, g_list, states) in adamw.items():
+            self._adamw_update(self.param_groups[gi], params, g_list, states)
         self._discard_samples()
         return loss
 
@@ -552,8 +581,11 @@ class EVON(Optimizer):
         if b.preconditioned and not (g["phased_gradients"] and not clean and not math.isinf(ess)):
             self._update_statistics(b, grad, beta3)
         st["step"].add_(1)
-        if b.preconditioned and t % g["precondition_frequency"] == 0:
-            self._refresh_bases(b)
+        if b.preconditioned:
+            f = g["precondition_frequency"]
+            due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
+            if due:
+                self._refresh_bases(b, None if len(due) == len(b.params) else due)
 
     @staticmethod
     def _update_statistics(b: _Bucket, grad: Tensor, beta3: float) -> None:
@@ -565,17 +597,19 @@ class EVON(Optimizer):
             gg = grad.mT @ grad
             st["R"] = st["R"].mul_(beta3).add_(gg, alpha=1 - beta3) if "R" in st else gg.mul_(1 - beta3)
 
-    def _refresh_bases(self, b: _Bucket) -> None:
+    def _refresh_bases(self, b: _Bucket, members: list[int] | None) -> None:
+        """One power iteration + QR for the given bucket members (None: all of them)."""
         st = b.state
-        old_left, old_right = b.bases()
-        new_left = power_qr(st["L"], old_left) if b.left else None
-        new_right = power_qr(st["R"], old_right) if b.right else None
+        idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
+        old_left = st["Q_L"][idx] if b.left else None
+        old_right = st["Q_R"][idx] if b.right else None
+        new_left = power_qr(st["L"][idx], old_left) if b.left else None
+        new_right = power_qr(st["R"][idx], old_right) if b.right else None
         # Ḡ <- Q_L,newᵀ Q_L,old Ḡ Q_R,oldᵀ Q_R,new ; H is deliberately not rotated
-        st["exp_avg"].copy_(rotate(unrotate(st["exp_avg"], old_left, old_right), new_left, new_right))
-        if b.left:
-            st["Q_L"].copy_(new_left)
-        if b.right:
-            st["Q_R"].copy_(new_right)
+        moved = rotate(unrotate(st["exp_avg"][idx], old_left, old_right), new_left, new_right)
+        for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
+            if value is not None:
+                st[key][idx] = value
 
     def _point_state_views(self, b: _Bucket, keys: tuple[str, ...]) -> None:
         for i, p in enumerate(b.params):
