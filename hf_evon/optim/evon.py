@@ -41,6 +41,11 @@ class NonFiniteGradientError(FloatingPointError):
     """Raised by ``EVON.step`` for a NaN/inf gradient when ``nonfinite="raise"``."""
 
 
+def _betas_ok(betas: Any) -> bool:
+    """A pair of numbers in [0, 1)."""
+    return len(tuple(betas)) == 2 and all(0.0 <= b < 1.0 for b in betas)
+
+
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     """How EVON views a parameter as a matrix: 1-D/0-D as ``1×d``, N-D as ``(d0, rest)``."""
     if len(shape) <= 1:
@@ -111,7 +116,8 @@ class _Bucket:
         return self.matrices([p.grad for p in self.params])
 
     def write_params(self, values: Tensor) -> None:
-        targets = [p.data.view(self.m, self.n) for p in self.params]
+        # detach() shares the version counter: autograd notices a graph used across a swap
+        targets = [p.detach().view(self.m, self.n) for p in self.params]
         torch._foreach_copy_(targets, list(values.unbind(0)))
 
     def noisy_phase(self) -> bool:
@@ -186,6 +192,16 @@ class EVON(Optimizer):
     ) -> None:
         if nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
+        # the AdamW defaults are checked here too: with no AdamW group they would go unchecked,
+        # and a group's message would name "lr"/"betas" rather than the argument given
+        for name, value, ok, rule in (
+            ("adamw_lr", adamw_lr, adamw_lr is None or adamw_lr >= 0.0, "None or >= 0"),
+            ("adamw_betas", adamw_betas, _betas_ok(adamw_betas), "two numbers in [0, 1)"),
+            ("adamw_eps", adamw_eps, adamw_eps > 0.0, "> 0"),
+            ("adamw_weight_decay", adamw_weight_decay, adamw_weight_decay >= 0.0, ">= 0"),
+        ):
+            if not ok:
+                raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
         defaults = dict(
             algorithm="evon",
             lr=lr,
@@ -216,6 +232,7 @@ class EVON(Optimizer):
         self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._buckets: list[_Bucket] | None = None
+        self._bucket_index: dict[int, tuple[_Bucket, int]] | None = None
         self._samples = 0  # samples recorded since the last step
         self._in_sample = False
         # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
@@ -241,8 +258,7 @@ class EVON(Optimizer):
 
         need(group["algorithm"] in ALGORITHMS, "algorithm", "'evon' or 'adamw'")
         need(group["lr"] >= 0.0, "lr", ">= 0")
-        b1, b2 = group["betas"]
-        need(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, "betas", "two numbers in [0, 1)")
+        need(_betas_ok(group["betas"]), "betas", "two numbers in [0, 1)")
         need(group["weight_decay"] >= 0.0, "weight_decay", ">= 0")
         if group["algorithm"] == "adamw":
             need(group["adamw_eps"] > 0.0, "adamw_eps", "> 0")
@@ -354,6 +370,7 @@ class EVON(Optimizer):
     @property
     def buckets(self) -> list[_Bucket]:
         if self._buckets is None:
+            self._bucket_index = None
             self._buckets = self._build_buckets()
         return self._buckets
 
@@ -417,14 +434,11 @@ class EVON(Optimizer):
 
     def current_noise(self, p: Tensor) -> Tensor:
         """The rotated-space draw ``E`` (shaped m×n) of the sample now in ``p`` (for tests)."""
-        for b in self.buckets:
-            for i, q in enumerate(b.params):
-                if q is p:
-                    if b.z is None:
-                        raise RuntimeError("no training sample is in progress for this parameter")
-                    g = b.group
-                    return b.z[i] * torch.rsqrt(g["ess"] * (b.state["hess"][i] + g["weight_decay"]))
-        raise KeyError("parameter is not trained by EVON in this optimizer")
+        b, i = self._locate(p)
+        if b.z is None:
+            raise RuntimeError("no training sample is in progress for this parameter")
+        g = b.group
+        return b.z[i] * torch.rsqrt(g["ess"] * (b.state["hess"][i] + g["weight_decay"]))
 
     # --------------------------------------------------------------- step
     @torch.no_grad()
@@ -644,11 +658,11 @@ class EVON(Optimizer):
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[_Bucket, int]:
-        for b in self.buckets:
-            for i, q in enumerate(b.params):
-                if q is p:
-                    return b, i
-        raise KeyError("parameter is not trained by EVON in this optimizer")
+        if self._buckets is None or self._bucket_index is None:
+            self._bucket_index = {id(q): (b, i) for b in self.buckets for i, q in enumerate(b.params)}
+        if id(p) not in self._bucket_index:
+            raise KeyError("parameter is not trained by EVON in this optimizer")
+        return self._bucket_index[id(p)]
 
     def posterior_factors(self, p: Tensor) -> dict[str, Any]:
         """``Q_L``, ``Q_R`` (None where identity), ``hess`` and the group's ess/weight decay."""

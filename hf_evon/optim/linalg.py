@@ -50,8 +50,7 @@ def sample_perturbation(
 
 def eigenbasis(stat: Tensor) -> Tensor:
     """Full eigendecomposition used once, at initialisation (columns in ``eigh``'s order)."""
-    with exact_float32_matmul():
-        return torch.linalg.eigh(stat).eigenvectors.contiguous()  # row-major, like reloaded state
+    return torch.linalg.eigh(stat).eigenvectors.contiguous()  # row-major, like reloaded state
 
 
 @contextlib.contextmanager
@@ -85,6 +84,7 @@ def cholesky_qr(a: Tensor) -> Tensor:
     m, n = a.shape[-2:]
     col_norm = torch.linalg.vector_norm(a, dim=-2, keepdim=True)
     x = (a / torch.where(col_norm > 0, col_norm, torch.ones_like(col_norm))).double()
+    # (scaling columns by positive numbers leaves Q unchanged and improves the conditioning)
     shift = 11.0 * (m * n + n * (n + 1)) * torch.finfo(torch.float64).eps * x.square().sum((-2, -1))
     q, info1 = _cholesky_qr_pass(x, shift.unsqueeze(-1))
     q, info2 = _cholesky_qr_pass(q)
@@ -97,11 +97,6 @@ def cholesky_qr(a: Tensor) -> Tensor:
     return q
 
 
-def orthonormal_factor(a: Tensor) -> Tensor:
-    """``Q`` of ``A = Q R``: LAPACK Householder on CPU, CholeskyQR3 on accelerators."""
-    return torch.linalg.qr(a).Q if a.device.type == "cpu" else cholesky_qr(a)
-
-
 def power_qr(stat: Tensor, q: Tensor) -> Tensor:
     """One power iteration followed by QR: the cheap eigenbasis refresh of SOAP.
 
@@ -109,10 +104,13 @@ def power_qr(stat: Tensor, q: Tensor) -> Tensor:
     Column signs are chosen so each new basis vector points like the old one
     (``diag(Q_oldᵀ Q_new) ≥ 0``): QR is unique only up to these signs, and fixing them makes
     the result independent of the QR algorithm and keeps noise draws continuous.
+    On accelerators the product is formed in float64, which TF32 settings never touch.
     """
-    with exact_float32_matmul():
-        new = orthonormal_factor(stat @ q)
-        signs = torch.where((q * new).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(new.dtype)
+    if stat.device.type == "cpu":
+        new = torch.linalg.qr(stat @ q).Q
+    else:
+        new = cholesky_qr(stat.double() @ q.double()).to(q.dtype)
+    signs = torch.where((q * new).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(new.dtype)
     return new * signs
 
 
@@ -165,5 +163,5 @@ def dense_covariance(
     eye = torch.eye
     left = eye(m, dtype=hess.dtype, device=hess.device) if q_left is None else q_left
     right = eye(n, dtype=hess.dtype, device=hess.device) if q_right is None else q_right
-    basis = torch.kron(left, right)
+    basis = torch.kron(left.contiguous(), right.contiguous())
     return (basis * rotated_variance(hess, ess, weight_decay).reshape(-1)) @ basis.mT

@@ -1,0 +1,298 @@
+"""Model cards (README.md) for EVON posterior checkpoints, rendered with ``huggingface_hub.ModelCard``.
+
+The template is ``hf_evon/templates/evon_posterior.md`` (a copy of the repository's
+``model_cards/evon_posterior.md``). A card states the base model, that the repo holds an
+EVON posterior, its hyperparameters, which parameters are covered, metrics at the mean and
+under BMA when given, and a snippet that loads model + posterior and decodes with BMA.
+
+A posterior usually lives beside a model or an adapter that has its own card, so an
+existing ``README.md`` is *updated*: the ``evon`` / ``variational-inference`` tags are
+added to its metadata, ``library_name`` and ``base_model`` are filled in only where
+missing (a ``transformers`` or ``peft`` repo keeps its own library, so the Hub still
+loads it correctly), and the EVON section, delimited by ``<!-- hf-evon:start -->`` /
+``<!-- hf-evon:end -->``, replaces the previous one or is appended. The rest of the text is
+kept as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import uuid
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+__all__ = [
+    "EVON_TAGS",
+    "LIBRARY_NAME",
+    "SECTION_END",
+    "SECTION_START",
+    "render_model_card",
+    "save_model_card",
+    "template_path",
+    "update_model_card",
+]
+
+LIBRARY_NAME = "hf-evon"
+EVON_TAGS = ("evon", "variational-inference", "bayesian-deep-learning")
+SECTION_START = "<!-- hf-evon:start -->"
+SECTION_END = "<!-- hf-evon:end -->"
+
+# (config key, label) rows of the hyperparameter table, in this order, where present
+_HYPERPARAMETER_ROWS = (
+    ("ess", "effective sample size `ess` (ζ)"),
+    ("weight_decay", "`weight_decay` (δ; prior N(0, 1/(ζδ)))"),
+    ("hess_init", "`hess_init` (initial Hessian)"),
+    ("betas", "`betas` (momentum, Hessian)"),
+    ("precondition_frequency", "`precondition_frequency` (eigenbasis refresh, steps)"),
+    ("mc_samples", "`mc_samples` (posterior samples per step)"),
+    ("lr", "learning rate `lr`"),
+    ("clip", "update clipping `clip`"),
+    ("clip_radius", "`clip_radius`"),
+    ("hess_clip_ratio", "`hess_clip_ratio` (adaptive Hessian clipping γ)"),
+    ("shampoo_beta", "`shampoo_beta` (β3 of the L/R statistics)"),
+    ("max_precond_dim", "`max_precond_dim`"),
+    ("phased_gradients", "`phased_gradients`"),
+    ("identity_basis", "`identity_basis` (IVON mode)"),
+    ("optimizer_step", "optimizer steps taken"),
+)
+_SKIPPED_METRICS = ("runtime", "per_second", "epoch", "num_samples", "num_bma_samples")
+
+
+def template_path() -> str:
+    """Path of the packaged card template (``hf_evon/templates/evon_posterior.md``)."""
+    return str(resources.files("hf_evon") / "templates" / "evon_posterior.md")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.6g}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_fmt(v) for v in value) + ")"
+    return str(value)
+
+
+def _is_hub_id(name: str | None) -> bool:
+    """Whether ``name`` can go into the card's ``base_model`` metadata (a Hub id, not a path)."""
+    if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _name_patterns(names: list[str]) -> list[tuple[str, int]]:
+    """Collapse layer indices (``.h.3.`` -> ``.h.*.``) to summarise many covered names."""
+    counts: dict[str, int] = {}
+    for name in names:
+        pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+        counts[pattern] = counts.get(pattern, 0) + 1
+    return list(counts.items())
+
+
+def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]]:
+    """Rows (metric, at the mean, under BMA).
+
+    Accepts ``{"mean": {...}, "bma": {...}}`` or a flat dict such as
+    ``trainer.evaluate()`` returns, where ``eval_bma_<metric>`` (or ``<metric>_bma``) is the
+    BMA value and every other ``eval_<metric>`` the value at the mean. Timing keys are dropped.
+    """
+    if not metrics:
+        return []
+    mean: dict[str, Any] = {}
+    bma: dict[str, Any] = {}
+    if set(metrics) <= {"mean", "bma"} and all(isinstance(v, Mapping) for v in metrics.values()):
+        mean = dict(metrics.get("mean", {}))
+        bma = dict(metrics.get("bma", {}))
+    else:
+        for key, value in metrics.items():
+            name = re.sub(r"^(eval|test|validation)_", "", str(key))
+            if name.startswith("bma_"):
+                bma[name[4:]] = value
+            elif name.endswith("_bma"):
+                bma[name[:-4]] = value
+            else:
+                mean[name.removeprefix("mean_")] = value
+    order = list(dict.fromkeys([*mean, *bma]))
+    rows = []
+    for name in order:
+        if any(s in name for s in _SKIPPED_METRICS):
+            continue
+        values = [mean.get(name), bma.get(name)]
+        if not any(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            continue
+        rows.append((name, *("–" if v is None else _fmt(v) for v in values)))
+    return rows
+
+
+def _usage_snippet(
+    posterior: Any, base_model: str | None, location: str, subfolder: str | None, model_id: str | None
+) -> str:
+    sub = f', subfolder="{subfolder}"' if subfolder else ""
+    is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in str(
+        posterior.config.get("model_class", "")
+    )
+    lines = []
+    if is_peft:
+        base = model_id or base_model or "<base model id>"
+        lines += [
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "from hf_evon import EVONPosterior, generate_bma",
+            "",
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            f'model = PeftModel.from_pretrained(base, "{location}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
+        ]
+    else:
+        model_location = model_id or location
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "from hf_evon import EVONPosterior, generate_bma",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{model_location}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{model_location}")',
+        ]
+    lines += [
+        f'posterior = EVONPosterior.from_pretrained("{location}"{sub})',
+        "posterior.check_model(model)  # raises if the posterior belongs to another model",
+        "",
+        'inputs = tokenizer("The meaning of life is", return_tensors="pt")',
+        "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
+        "    model, posterior, inputs.input_ids, attention_mask=inputs.attention_mask,",
+        "    num_samples=8, max_new_tokens=32,",
+        ")",
+        "print(tokenizer.decode(output_ids[0], skip_special_tokens=True))",
+    ]
+    return "\n".join(lines)
+
+
+def render_model_card(
+    posterior: Any,
+    base_model: str | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    *,
+    repo_id: str | None = None,
+    subfolder: str | None = None,
+    model_id: str | None = None,
+    num_bma_samples: int | None = None,
+    model_name: str | None = None,
+    tags: list[str] | None = None,
+    license: str | None = None,
+    datasets: list[str] | str | None = None,
+    language: list[str] | str | None = None,
+) -> ModelCard:
+    """A fresh model card for ``posterior`` (see :func:`save_model_card` for the arguments)."""
+    base_model = base_model or posterior.config.get("base_model") or None
+    location = repo_id or "path/to/this/directory"
+    card_data = ModelCardData(
+        library_name=LIBRARY_NAME,
+        tags=list(dict.fromkeys([*EVON_TAGS, *(tags or [])])),
+        base_model=base_model if _is_hub_id(base_model) else None,
+        license=license,
+        datasets=datasets,
+        language=language,
+    )
+    config = posterior.config
+    hyperparameters = [(label, _fmt(config[key])) for key, label in _HYPERPARAMETER_ROWS if key in config]
+    if posterior.num_point_estimates is None:
+        points = "the number of point-estimate parameters was not recorded."
+    else:
+        points = (
+            f"the model's other {posterior.num_point_estimate_tensors} tensors ({posterior.num_point_estimates:,} "
+            "parameters, e.g. embeddings, output head, biases, norms and frozen weights) are point estimates."
+        )
+    return ModelCard.from_template(
+        card_data,
+        template_path=template_path(),
+        model_name=model_name or (f"EVON posterior for {base_model}" if base_model else "EVON posterior"),
+        base_model_text=f"`{base_model}`" if base_model else "this model",
+        hyperparameters=hyperparameters,
+        num_covered_tensors=len(posterior.names),
+        num_covered_params=f"{posterior.num_covered:,}",
+        point_estimates_text=points,
+        name_patterns=_name_patterns(list(posterior.names)),
+        metrics_rows=_metric_rows(metrics),
+        num_bma_samples=num_bma_samples,
+        usage_snippet=_usage_snippet(posterior, base_model, location, subfolder, model_id),
+        eigenbasis_dtype=config.get("eigenbasis_dtype", "float32"),
+        format_version=config.get("format_version", 1),
+    )
+
+
+def _section(text: str) -> str:
+    start, end = text.find(SECTION_START), text.find(SECTION_END)
+    if start < 0 or end < start:
+        raise RuntimeError("the EVON card template lost its section markers")
+    return text[start : end + len(SECTION_END)]
+
+
+def update_model_card(existing: ModelCard, fresh: ModelCard) -> ModelCard:
+    """Merge ``fresh`` (a rendered EVON card) into ``existing`` without losing anything of it."""
+    data = existing.data
+    current_tags = data.tags or []
+    tags = [current_tags] if isinstance(current_tags, str) else list(current_tags)
+    data.tags = list(dict.fromkeys([*tags, *(fresh.data.tags or [])]))
+    if not getattr(data, "library_name", None):
+        data.library_name = LIBRARY_NAME
+    if fresh.data.base_model and not getattr(data, "base_model", None):
+        data.base_model = fresh.data.base_model
+    text = existing.text
+    section = _section(fresh.text)
+    start, end = text.find(SECTION_START), text.find(SECTION_END)
+    if start >= 0 and end > start:
+        text = text[:start] + section + text[end + len(SECTION_END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
+
+
+def save_model_card(
+    directory: str | os.PathLike,
+    posterior: Any,
+    base_model: str | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> ModelCard:
+    """Create ``directory/README.md`` for ``posterior``, or update the one that is there.
+
+    Args:
+        directory: where the posterior (and usually the model or adapter) is saved.
+        posterior: an ``EVONPosterior``.
+        base_model: Hub id of the base model (default: what the posterior recorded). Only a
+            valid Hub id goes into the metadata; a local path is mentioned in the text only.
+        metrics: ``{"mean": {...}, "bma": {...}}`` or a flat ``trainer.evaluate()`` dict
+            (``eval_bma_*`` keys are the BMA column).
+        **kwargs: ``repo_id`` (where model + posterior live, for the snippet), ``subfolder``,
+            ``model_id`` (override the model id in the snippet), ``num_bma_samples``,
+            ``model_name``, ``tags``, ``license``, ``datasets``, ``language``.
+
+    Returns the card that was written. The write is atomic (temporary file + ``os.replace``).
+    """
+    fresh = render_model_card(posterior, base_model, metrics, **kwargs)
+    path = os.path.join(os.fspath(directory), "README.md")
+    card = fresh
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            existing = ModelCard(fh.read(), ignore_metadata_errors=True)
+        card = update_model_card(existing, fresh)
+    tmp = os.path.join(os.path.dirname(path), f".README.md.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
+            fh.write(str(card))
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    return card

@@ -1,0 +1,790 @@
+"""EVONPosterior: built from a trained EVON optimizer, sampled, checked, saved and loaded.
+
+Two trained models are shared by the tests (module scope, a few CPU seconds):
+- a small MLP (weights 4×5 and 3×4 in EVON, biases in AdamW) whose EVON state after 12
+  steps has Q ≠ I and a Hessian spread over more than an order of magnitude, so that the
+  covariance checks see a genuinely non-isotropic, rotated Gaussian;
+- a tiny GPT-2 (2 layers, 32 wide) for transformers/PEFT integration and file checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import hf_evon
+from hf_evon import EVONPosterior, PosteriorMismatchError
+from hf_evon.model_card import SECTION_START, render_model_card, save_model_card, template_path
+from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, _name_seed
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run as fast on one intra-op thread, and stay fast when the CPUs are shared
+    (with 2 threads on 2 busy cores a tiny GPT-2 step took 2 s instead of 0.03 s)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _train(model: nn.Module, opt: hf_evon.EVON, batches: list, loss_fn) -> None:
+    for batch in batches:
+        with opt.sampled_params(train=True):
+            loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    """(model, optimizer, posterior) of a small regression MLP trained by EVON."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    x = torch.randn(256, 5) * torch.tensor([3.0, 1.0, 0.5, 0.2, 2.0])
+    y = torch.tanh(x @ torch.randn(5, 4)) @ torch.randn(4, 3) + 0.1 * torch.randn(256, 3)
+    opt = hf_evon.build_optimizer(
+        model, lr=0.05, ess=256, betas=(0.9, 0.95), hess_init=0.05, precondition_frequency=2, seed=0
+    )
+    _train(model, opt, [(x, y)] * 12, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    return model, opt, EVONPosterior.from_optimizer(opt, model)
+
+
+def _tiny_gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+
+
+def _lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """(model, optimizer, posterior) of a tiny GPT-2 trained 5 steps by EVON."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_tiny_gpt2_config())
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1000, precondition_frequency=2, seed=0)
+    _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(5)], _lm_loss)
+    return model, opt, EVONPosterior.from_optimizer(opt, model)
+
+
+def _evon_named(opt, model) -> dict[str, torch.Tensor]:
+    ids = {id(p) for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]}
+    return {n: p for n, p in model.named_parameters() if id(p) in ids}
+
+
+def _assert_same_factors(a: EVONPosterior, b: EVONPosterior) -> None:
+    assert a.names == b.names
+    for name in a.names:
+        fa, fb = a[name], b[name]
+        assert fa.shape == fb.shape and fa.matrix_shape == fb.matrix_shape
+        assert torch.equal(fa.hess, fb.hess), name
+        for qa, qb in ((fa.Q_L, fb.Q_L), (fa.Q_R, fb.Q_R)):
+            assert (qa is None) == (qb is None), name
+            if qa is not None:
+                assert torch.equal(qa, qb), name
+
+
+def _file_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def _run_python(code: str, *args: str, env: dict | None = None) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(env or os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+# a fresh interpreter: load the posterior, write its factors and a seeded draw to a file
+DUMP_POSTERIOR = """
+    import sys
+    from safetensors.torch import save_file
+    from hf_evon import EVONPosterior
+
+    kwargs = {"subfolder": sys.argv[3]} if len(sys.argv) > 3 else {}
+    p = EVONPosterior.from_pretrained(sys.argv[1], **kwargs)
+    out = {}
+    for name in p.names:
+        f = p[name]
+        out[name + ".hess"] = f.hess
+        if f.Q_L is not None:
+            out[name + ".Q_L"] = f.Q_L
+        if f.Q_R is not None:
+            out[name + ".Q_R"] = f.Q_R
+    for name, value in p.draw(4, seed=7).items():
+        out[name + ".draw"] = value.contiguous()
+    save_file(out, sys.argv[2])
+    print(repr(p))
+"""
+
+
+def _check_dump(dump: Path, posterior: EVONPosterior) -> None:
+    loaded = load_file(dump)
+    expected = posterior.to_tensors()
+    expected.update({f"{n}.draw": v for n, v in posterior.draw(4, seed=7).items()})
+    assert set(loaded) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key
+
+
+# ----------------------------------------------------------------------------- construction
+def test_from_optimizer_covers_exactly_the_evon_params(mlp, gpt2):
+    for model, opt, post in (mlp, gpt2):
+        evon = _evon_named(opt, model)
+        assert post.names == sorted(evon)
+        points = [p for n, p in model.named_parameters() if n not in evon]
+        assert post.num_point_estimate_tensors == len(points) > 0
+        assert post.num_point_estimates == sum(p.numel() for p in points)
+        assert post.num_covered == sum(p.numel() for p in evon.values())
+        text = repr(post)
+        assert f"covers {len(evon)} tensors / {post.num_covered:,} parameters" in text
+        assert f"{len(points)} tensors / {post.num_point_estimates:,} parameters are point estimates" in text
+    assert gpt2[2].names[0] == "transformer.h.0.attn.c_attn.weight"
+
+
+def test_trained_state_is_rotated_and_anisotropic(mlp):
+    """The fixtures must exercise rotations and varying curvature, or later checks prove little."""
+    _, _, post = mlp
+    for name in post.names:
+        f = post[name]
+        assert f.Q_L is not None and f.Q_R is not None
+        assert (f.Q_L - torch.eye(f.matrix_shape[0])).abs().max() > 0.3
+        assert f.hess.max() / f.hess.min() > 10
+
+
+def test_factors_match_the_optimizer_and_are_a_snapshot(mlp):
+    model, opt, post = mlp
+    for name, p in _evon_named(opt, model).items():
+        f, g = post[name], opt.posterior_factors(p)
+        assert (
+            torch.equal(f.hess, g["hess"]) and torch.equal(f.Q_L, g["Q_L"]) and torch.equal(f.Q_R, g["Q_R"])
+        )
+        assert f.ess == g["ess"] == 256 and f.weight_decay == g["weight_decay"]
+        assert f.shape == tuple(p.shape) and f.matrix_shape == g["matrix_shape"]
+        assert f.hess.data_ptr() != g["hess"].data_ptr()  # a copy, not a view of the live state
+    assert post.config["hess_init"] == 0.05 and post.config["betas"] == (0.9, 0.95)
+    assert post.config["precondition_frequency"] == 2 and post.config["optimizer_step"] == 11
+
+
+def test_from_optimizer_rejects_a_model_it_was_not_built_for(mlp):
+    _, opt, _ = mlp
+    other = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    with pytest.raises(PosteriorMismatchError, match=r"0\.weight \(shape \(4, 5\)\).*not a parameter"):
+        EVONPosterior.from_optimizer(opt, other)
+
+
+def test_from_optimizer_unwraps_accelerate(mlp):
+    from accelerate import Accelerator
+
+    model, opt, post = mlp
+    wrapped_model, wrapped_opt = Accelerator(cpu=True).prepare(model, opt)
+    assert wrapped_opt is not opt
+    _assert_same_factors(post, EVONPosterior.from_optimizer(wrapped_opt, wrapped_model))
+    with pytest.raises(TypeError, match="expected an hf_evon EVON optimizer; got SGD"):
+        EVONPosterior.from_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+def test_from_factors_checks_shapes(mlp):
+    from hf_evon.posterior import MatrixFactors
+
+    f = mlp[2]["2.weight"]
+    ok = EVONPosterior.from_factors({"w": f})
+    assert ok.names == ["w"] and torch.equal(ok.std("w"), mlp[2].std("2.weight"))
+    bad = MatrixFactors(f.Q_R, f.Q_L, f.hess, f.shape, f.matrix_shape, f.ess, f.weight_decay)  # bases swapped
+    with pytest.raises(PosteriorMismatchError, match=r"'w\.Q_L' has shape \(4, 4\); expected \(3, 3\)"):
+        EVONPosterior.from_factors({"w": bad})
+
+
+def test_untrained_optimizer_gives_the_prior_like_initial_posterior():
+    model = nn.Linear(3, 2)
+    opt = hf_evon.EVON(model.parameters(), ess=10.0, hess_init=0.5, weight_decay=0.1)
+    post = EVONPosterior.from_optimizer(opt, model)  # no step yet: Q = I, H = hess_init
+    assert post["weight"].Q_L is None and post["weight"].Q_R is None
+    torch.testing.assert_close(post.std("weight"), torch.full((2, 3), (10.0 * 0.6) ** -0.5))
+    assert post.num_point_estimates == 0 and post.names == ["bias", "weight"]
+
+
+# ----------------------------------------------------------------------------- moments
+def test_covariance_equals_the_optimizers(mlp):
+    model, opt, post = mlp
+    for name, p in _evon_named(opt, model).items():
+        assert torch.equal(post.covariance(name), opt.posterior_covariance(p))
+        assert torch.equal(post.std(name), opt.posterior_std(p))
+
+
+def test_std_is_sqrt_of_the_covariance_diagonal(mlp, gpt2):
+    for post in (mlp[2], gpt2[2]):
+        name = min(post.names, key=lambda n: math.prod(post[n].shape))
+        cov = post.covariance(name, max_elements=1024)
+        torch.testing.assert_close(post.std(name), cov.diagonal().sqrt().reshape(post[name].shape))
+
+
+def test_covariance_refuses_big_parameters(gpt2):
+    post = gpt2[2]
+    with pytest.raises(ValueError, match=r"'transformer\.h\.0\.attn\.c_attn\.weight' has 3072 elements"):
+        post.covariance("transformer.h.0.attn.c_attn.weight", max_elements=3000)
+    big = nn.Linear(65, 64)  # 4160 > 4096 elements: refused by default
+    post_big = EVONPosterior.from_optimizer(hf_evon.EVON([big.weight], ess=1.0), big)
+    with pytest.raises(ValueError, match=r"'weight' has 4160 elements.*at most 4096"):
+        post_big.covariance("weight")
+
+
+def test_empirical_covariance_matches_within_sampling_error(mlp):
+    """N draws of the 3×4 matrix: every entry of Σ̂ = XᵀX/N is within sampling error of Σ.
+
+    For zero-mean Gaussian x, Isserlis' theorem gives Var(x_i x_j) = Σ_ii Σ_jj + Σ_ij², so
+    z_ij = (Σ̂_ij − Σ_ij) / sqrt((Σ_ii Σ_jj + Σ_ij²)/N) is ≈ N(0, 1) (N = 40000). Over the
+    K = 78 distinct entries a union bound gives P(max |z| > 4.5) ≤ 2K·Φ(−4.5) ≈ 5e-4, so
+    4.5 is the threshold of a test with level 5e-4 (the seed is fixed: the result is
+    deterministic). The same statistic must reject nearby wrong covariances (power).
+    """
+    _, _, post = mlp
+    name, n_draws = "2.weight", 40_000
+    x = post.draw(n_draws, seed=1234, names=[name])[name].reshape(n_draws, -1).double()
+    emp = x.T @ x / n_draws
+    f = post[name]
+
+    def max_z(cov: torch.Tensor) -> float:
+        cov = cov.double()
+        var = (torch.outer(cov.diagonal(), cov.diagonal()) + cov.square()) / n_draws
+        return float(((emp - cov) / var.sqrt()).abs().max())
+
+    assert max_z(post.covariance(name)) < 4.5
+    from hf_evon.optim.linalg import dense_covariance
+
+    def cov_with(q_left, q_right, ess):
+        return dense_covariance(f.hess, q_left, q_right, ess, f.weight_decay)
+
+    wrong = {  # plausible implementation errors, each must be detected
+        "Q_L transposed": cov_with(f.Q_L.T.contiguous(), f.Q_R, f.ess),
+        "Q_R transposed": cov_with(f.Q_L, f.Q_R.T.contiguous(), f.ess),
+        "no left rotation": cov_with(None, f.Q_R, f.ess),
+        "diagonal (IVON-like)": torch.diag(cov_with(f.Q_L, f.Q_R, f.ess).diagonal()),
+        "ess off by 10%": cov_with(f.Q_L, f.Q_R, 1.1 * f.ess),
+    }
+    for label, cov in wrong.items():
+        assert max_z(cov) > 4.5, label
+
+
+def test_draw_is_the_documented_transform_of_seeded_normals(mlp):
+    """draw() = Q_L (z ⊙ √V) Q_Rᵀ with z from the per-parameter generator (linalg's formula)."""
+    from hf_evon.optim.linalg import sample_perturbation
+
+    _, _, post = mlp
+    draws = post.draw(3, seed=99)
+    for name in post.names:
+        f = post[name]
+        gen = torch.Generator().manual_seed(_name_seed(99, name))
+        z = torch.randn(3, *f.matrix_shape, generator=gen)
+        expected = sample_perturbation(z, f.hess, f.Q_L, f.Q_R, f.ess, f.weight_decay)
+        torch.testing.assert_close(draws[name], expected.reshape(3, *f.shape), rtol=1e-5, atol=1e-7)
+
+
+def test_draw_determinism_subsets_and_dtypes(gpt2):
+    post = gpt2[2]
+    a, b, c = post.draw(2, seed=5), post.draw(2, seed=5), post.draw(2, seed=6)
+    assert list(a) == post.names
+    for name in post.names:
+        assert a[name].shape == (2, *post[name].shape) and a[name].dtype == torch.float32
+        assert torch.equal(a[name], b[name])
+        assert not torch.equal(a[name], c[name])
+    name = post.names[3]
+    subset = post.draw(2, seed=5, names=[name])
+    assert list(subset) == [name] and torch.equal(subset[name], a[name])
+    assert post.draw(2, seed=5, names=name, dtype=torch.bfloat16)[name].dtype == torch.bfloat16
+    torch.manual_seed(3)
+    g1 = post.draw(1)
+    torch.manual_seed(3)
+    g2 = post.draw(1)
+    assert all(torch.equal(v, g2[k]) for k, v in g1.items())  # seed=None follows torch's RNG
+    with pytest.raises(KeyError, match="transformer.wte.weight"):
+        post.draw(1, names=["transformer.wte.weight"])
+    with pytest.raises(ValueError, match="num_samples"):
+        post.draw(0)
+
+
+def test_with_ess_scales_the_variance_and_inf_removes_it(mlp):
+    _, _, post = mlp
+    name = "0.weight"
+    torch.testing.assert_close(post.with_ess(4 * post.ess).std(name), post.std(name) / 2)
+    frozen = post.with_ess(float("inf"))
+    assert all(bool((v == 0).all()) for v in frozen.draw(3, seed=0).values())
+    assert bool((frozen.std(name) == 0).all()) and frozen.ess == math.inf
+    assert post.ess == 256  # the original is unchanged
+    with pytest.raises(PosteriorMismatchError, match="ess must be > 0"):
+        post.with_ess(0.0)
+
+
+def test_to_changes_storage_not_results(mlp):
+    _, _, post = mlp
+    wide = post.to(dtype=torch.float64)
+    assert wide["0.weight"].hess.dtype == torch.float64
+    assert wide.draw(2, seed=1)["0.weight"].dtype == torch.float64
+    torch.testing.assert_close(wide.std("0.weight").float(), post.std("0.weight"))
+
+
+# ----------------------------------------------------------------------------- sampled()
+def test_sampled_puts_a_sample_in_and_restores_bit_for_bit(gpt2):
+    model, _, post = gpt2
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    delta = post.draw(1, seed=11)
+    with post.sampled(model, seed=11) as m:
+        assert m is model
+        for name, p in model.named_parameters():
+            if name in post:
+                torch.testing.assert_close(p.detach() - before[name], delta[name][0], rtol=1e-5, atol=1e-6)
+                assert not torch.equal(p.detach(), before[name])
+            else:
+                assert torch.equal(p.detach(), before[name]), name  # point estimates untouched
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_sampled_restores_on_exception_and_in_half_precision(mlp):
+    model, _, post = mlp
+    half = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(torch.bfloat16)
+    half.load_state_dict(model.state_dict())
+    for m in (model, half):
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(RuntimeError, match="boom"):
+            with post.sampled(m, seed=0):
+                assert not torch.equal(m[0].weight.detach(), before["0.weight"])
+                raise RuntimeError("boom")
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+
+
+def test_sampled_same_seed_same_sample_and_checks_the_model_first(mlp):
+    model, _, post = mlp
+    with post.sampled(model, seed=4):
+        first = model[2].weight.detach().clone()
+    with post.sampled(model, seed=4):
+        assert torch.equal(model[2].weight.detach(), first)
+    wrong = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    with pytest.raises(PosteriorMismatchError, match=r"'0\.weight' has shape \(6, 5\) in the model"):
+        with post.sampled(wrong):
+            pass
+    assert all(torch.equal(wrong.state_dict()[k], v) for k, v in before.items())
+
+
+# ----------------------------------------------------------------------------- check_model
+def test_check_model_names_the_offending_tensor(gpt2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model, _, post = gpt2
+    post.check_model(model)  # fits its own model
+    other_names = nn.Sequential(nn.Linear(32, 96))
+    with pytest.raises(
+        PosteriorMismatchError, match=r"'transformer\.h\.0\.attn\.c_attn\.weight' is not a parameter"
+    ):
+        post.check_model(other_names)
+    wider = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=48, n_head=2, vocab_size=100, n_positions=32))
+    with pytest.raises(
+        PosteriorMismatchError, match=r"'transformer\.h\.0\.attn\.c_attn\.weight' has shape \(48, 144\)"
+    ):
+        post.check_model(wider)
+    shallower = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32))
+    with pytest.raises(
+        PosteriorMismatchError, match=r"'transformer\.h\.1\.attn\.c_attn\.weight' is not a parameter"
+    ):
+        post.check_model(shallower)
+
+
+# ----------------------------------------------------------------------------- files
+def test_round_trip_in_a_fresh_process(gpt2, tmp_path):
+    _, _, post = gpt2
+    post.save_pretrained(tmp_path / "ckpt")
+    loaded = EVONPosterior.from_pretrained(tmp_path / "ckpt")
+    _assert_same_factors(post, loaded)
+    assert repr(loaded) == repr(post)
+    for key in ("ess", "weight_decay", "hess_init", "betas", "precondition_frequency", "mc_samples", "clip"):
+        assert loaded.config[key] == post.config[key], key
+    out = _run_python(DUMP_POSTERIOR, str(tmp_path / "ckpt"), str(tmp_path / "dump.safetensors"))
+    assert repr(post) in out
+    _check_dump(tmp_path / "dump.safetensors", post)  # identical tensors and identical seeded draws
+
+
+def test_file_format_is_as_documented(mlp, tmp_path):
+    _, _, post = mlp
+    post.save_pretrained(tmp_path, model_card=False)
+    assert sorted(os.listdir(tmp_path)) == sorted([POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
+    config = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())
+    assert config["format_version"] == 1 and config["ess"] == 256 and config["eigenbasis_dtype"] == "float32"
+    assert config["parameters"]["2.weight"] == {
+        "shape": [3, 4],
+        "matrix_shape": [3, 4],
+        "left_basis": True,
+        "right_basis": True,
+    }
+    with safe_open(tmp_path / POSTERIOR_WEIGHTS_NAME, framework="pt") as fh:
+        assert sorted(fh.keys()) == [
+            f"{n}.{k}" for n in ("0.weight", "2.weight") for k in ("Q_L", "Q_R", "hess")
+        ]
+        assert fh.metadata()["checkpoint_id"] == config["checkpoint_id"]
+    inf = post.with_ess(float("inf"))
+    inf.save_pretrained(tmp_path / "inf", model_card=False)
+    assert json.loads((tmp_path / "inf" / POSTERIOR_CONFIG_NAME).read_text())["ess"] == "inf"  # strict JSON
+    assert EVONPosterior.from_pretrained(tmp_path / "inf").ess == math.inf
+
+
+def test_identity_sides_are_absent_from_the_file(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 1))  # 1×3 weight: m = 1, so no left basis
+    opt = hf_evon.EVON(model.parameters(), lr=0.1, ess=50.0, precondition_frequency=1)
+    _train(model, opt, [torch.randn(8, 3)] * 3, lambda m, x: m(x).square().mean())
+    post = EVONPosterior.from_optimizer(opt, model)
+    assert post["0.weight"].Q_L is None and post["0.weight"].Q_R is not None
+    post.save_pretrained(tmp_path, model_card=False)
+    with safe_open(tmp_path / POSTERIOR_WEIGHTS_NAME, framework="pt") as fh:
+        assert sorted(fh.keys()) == ["0.bias.hess", "0.weight.Q_R", "0.weight.hess"]
+    _assert_same_factors(post, EVONPosterior.from_pretrained(tmp_path))
+
+
+def test_saving_beside_a_transformers_model_keeps_its_files(gpt2, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    model, _, post = gpt2
+    model.save_pretrained(tmp_path)
+    model_files = _file_bytes(tmp_path)
+    assert "model.safetensors" in model_files and "config.json" in model_files
+    post.save_pretrained(tmp_path)
+    post.with_ess(2000.0).save_pretrained(tmp_path)  # overwrite the posterior: still no harm
+    after = _file_bytes(tmp_path)
+    assert set(after) == set(model_files) | {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "README.md"}
+    assert all(after[name] == data for name, data in model_files.items())
+    reloaded = GPT2LMHeadModel.from_pretrained(tmp_path)
+    loaded = EVONPosterior.from_pretrained(tmp_path, model=reloaded)
+    assert loaded.ess == 2000.0
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monkeypatch):
+    import hf_evon.posterior as posterior_module
+
+    _, _, post = mlp
+    post.save_pretrained(tmp_path)
+    before = _file_bytes(tmp_path)
+    newer = post.with_ess(999.0)
+
+    def failing_writer(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(posterior_module, "save_file", failing_writer)
+    with pytest.raises(OSError, match="disk full"):
+        newer.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert _file_bytes(tmp_path) == before
+
+    real_replace = os.replace
+
+    def replace_fails_on_config(src, dst):  # the weights file is already moved when this fails
+        if str(dst).endswith(POSTERIOR_CONFIG_NAME):
+            raise OSError("interrupted")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_fails_on_config)
+    with pytest.raises(OSError, match="interrupted"):
+        newer.save_pretrained(tmp_path)
+    monkeypatch.undo()
+    assert _file_bytes(tmp_path) == before  # weights rolled back, no temporary files left
+    assert EVONPosterior.from_pretrained(tmp_path).ess == 256
+
+
+def test_half_precision_eigenbases_halve_the_bases(gpt2, tmp_path):
+    _, _, post = gpt2
+    post.save_pretrained(tmp_path / "f32", model_card=False)
+    post.save_pretrained(tmp_path / "bf16", eigenbasis_dtype=torch.bfloat16, model_card=False)
+    post.save_pretrained(tmp_path / "f16", eigenbasis_dtype="float16", model_card=False)
+    size = {k: (tmp_path / k / POSTERIOR_WEIGHTS_NAME).stat().st_size for k in ("f32", "bf16", "f16")}
+    basis_elems = sum(q.numel() for f in post.factors.values() for q in (f.Q_L, f.Q_R) if q is not None)
+    hess_elems = sum(f.hess.numel() for f in post.factors.values())
+    for half in ("bf16", "f16"):
+        saved = size["f32"] - size[half]
+        assert abs(saved - 2 * basis_elems) < 1024  # 2 bytes saved per basis entry (headers differ a little)
+    # the bases are 77% of this posterior's entries, so the file shrinks to ~61%
+    assert size["bf16"] / size["f32"] < (2 * basis_elems + 4 * hess_elems + 2048) / (
+        4 * basis_elems + 4 * hess_elems
+    )
+    loaded = EVONPosterior.from_pretrained(tmp_path / "bf16")
+    assert loaded.config["eigenbasis_dtype"] == "bfloat16"
+    for name in post.names:
+        f, g = post[name], loaded[name]
+        assert g.Q_L.dtype == torch.float32 and torch.equal(g.hess, f.hess)
+        torch.testing.assert_close(g.Q_L, f.Q_L, atol=2**-8, rtol=2**-8)
+        torch.testing.assert_close(loaded.std(name), post.std(name), rtol=0.02, atol=0)
+
+
+def test_reorthonormalize_option(gpt2, tmp_path):
+    from hf_evon.posterior import _orthonormality_error
+
+    _, _, post = gpt2
+    post.save_pretrained(tmp_path, eigenbasis_dtype=torch.bfloat16, model_card=False)
+    plain = EVONPosterior.from_pretrained(tmp_path)
+    fixed = EVONPosterior.from_pretrained(tmp_path, reorthonormalize=True)
+    name = "transformer.h.0.mlp.c_fc.weight"
+    assert _orthonormality_error(plain[name].Q_R) > 1e-3
+    assert _orthonormality_error(fixed[name].Q_R) < 1e-4
+
+
+# ----------------------------------------------------------------------------- load errors
+def _corrupt(src: Path, dst: Path, tensors=None, config=None) -> Path:
+    """Copy a saved posterior, editing its tensors and/or config JSON."""
+    dst.mkdir()
+    data = load_file(src / POSTERIOR_WEIGHTS_NAME)
+    with safe_open(src / POSTERIOR_WEIGHTS_NAME, framework="pt") as fh:
+        metadata = fh.metadata()
+    if tensors is not None:
+        tensors(data)
+    save_file(data, dst / POSTERIOR_WEIGHTS_NAME, metadata=metadata)
+    cfg = json.loads((src / POSTERIOR_CONFIG_NAME).read_text())
+    if config is not None:
+        config(cfg)
+    (dst / POSTERIOR_CONFIG_NAME).write_text(json.dumps(cfg))
+    return dst
+
+
+W = "2.weight"
+
+
+def _set(d, key, value):
+    d[key] = value
+
+
+LOAD_ERRORS = {
+    "newer format version": (None, lambda c: _set(c, "format_version", 2), r"format_version 2 .*newer"),
+    "unknown format version": (
+        None,
+        lambda c: _set(c, "format_version", "1.0"),
+        r"format_version '1.0' is not a known",
+    ),
+    "missing Q_L": (lambda t: t.pop(f"{W}.Q_L"), None, rf"'{W}\.Q_L' is missing"),
+    "missing hess": (lambda t: t.pop(f"{W}.hess"), None, rf"'{W}\.hess' is missing"),
+    "hess shape": (
+        lambda t: _set(t, f"{W}.hess", t[f"{W}.hess"][:, :3].contiguous()),
+        None,
+        rf"'{W}\.hess' has shape \[3, 3\]; expected \[3, 4\]",
+    ),
+    "Q_R shape": (
+        lambda t: _set(t, f"{W}.Q_R", torch.eye(5)),
+        None,
+        rf"'{W}\.Q_R' has shape \[5, 5\]; expected \[4, 4\]",
+    ),
+    "declared shape": (
+        None,
+        lambda c: _set(c["parameters"][W], "shape", [4, 3]),
+        rf"'{W}': matrix_shape \[3, 4\] does not match shape \[4, 3\]",
+    ),
+    "NaN in hess": (
+        lambda t: t[f"{W}.hess"].view(-1)[5].fill_(float("nan")),
+        None,
+        rf"'{W}\.hess' has non-finite",
+    ),
+    "inf in Q_R": (
+        lambda t: t[f"{W}.Q_R"].view(-1)[0].fill_(float("inf")),
+        None,
+        rf"'{W}\.Q_R' has non-finite",
+    ),
+    "Q_L not orthonormal": (lambda t: t[f"{W}.Q_L"].mul_(1.01), None, rf"'{W}\.Q_L' is not orthonormal"),
+    "negative hess": (
+        lambda t: t[f"{W}.hess"].view(-1)[2].fill_(-0.5),
+        None,
+        rf"'{W}\.hess' has non-positive",
+    ),
+    "integer hess": (
+        lambda t: _set(t, f"{W}.hess", t[f"{W}.hess"].to(torch.int32)),
+        None,
+        rf"'{W}\.hess' has dtype I32",
+    ),
+    "undeclared tensor": (
+        lambda t: _set(t, "lm_head.weight.hess", torch.ones(2, 2)),
+        None,
+        r"\['lm_head\.weight\.hess'\]",
+    ),
+    "undeclared parameter": (
+        None,
+        lambda c: c["parameters"].pop("0.weight"),
+        r"\['0\.weight\.Q_L', '0\.weight\.Q_R', '0\.weight\.hess'\]",
+    ),
+    "bad ess": (None, lambda c: _set(c, "ess", -1), r"ess must be > 0"),
+    "other save's config": (
+        None,
+        lambda c: _set(c, "checkpoint_id", "0" * 32),
+        r"evon_posterior\.safetensors \(checkpoint [0-9a-f]+\) and evon_posterior_config\.json \(checkpoint 0+\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOAD_ERRORS))
+def test_load_errors_name_the_tensor(mlp, tmp_path, case):
+    tensors, config, message = LOAD_ERRORS[case]
+    _, _, post = mlp
+    post.save_pretrained(tmp_path / "good", model_card=False)
+    EVONPosterior.from_pretrained(tmp_path / "good")  # the unedited copy loads
+    bad = _corrupt(tmp_path / "good", tmp_path / "bad", tensors, config)
+    with pytest.raises(PosteriorMismatchError, match=message):
+        EVONPosterior.from_pretrained(bad)
+
+
+def test_zero_hessian_is_accepted_only_with_weight_decay(mlp, tmp_path):
+    _, _, post = mlp
+    post.save_pretrained(tmp_path / "good", model_card=False)
+    zero = lambda t: t[f"{W}.hess"].view(-1)[0].fill_(0.0)  # noqa: E731
+    ok = _corrupt(tmp_path / "good", tmp_path / "ok", zero)
+    assert EVONPosterior.from_pretrained(ok)[W].hess.min() == 0  # V = 1/(ζδ): finite
+    no_decay = _corrupt(tmp_path / "good", tmp_path / "bad", zero, lambda c: _set(c, "weight_decay", 0.0))
+    with pytest.raises(PosteriorMismatchError, match=rf"'{W}\.hess' has non-positive"):
+        EVONPosterior.from_pretrained(no_decay)
+
+
+def test_missing_files_and_model_mismatch_on_load(mlp, gpt2, tmp_path):
+    _, _, post = mlp
+    with pytest.raises(FileNotFoundError, match=POSTERIOR_CONFIG_NAME):
+        EVONPosterior.from_pretrained(tmp_path)
+    post.save_pretrained(tmp_path, model_card=False)
+    with pytest.raises(PosteriorMismatchError, match=r"'0\.weight' is not a parameter"):
+        EVONPosterior.from_pretrained(tmp_path, model=gpt2[0])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        EVONPosterior.from_pretrained(tmp_path, map_locaton="cpu")
+
+
+def test_loading_never_unpickles(mlp, tmp_path, monkeypatch):
+    _, _, post = mlp
+    post.save_pretrained(tmp_path)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("loading a posterior must not unpickle anything")
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    _assert_same_factors(post, EVONPosterior.from_pretrained(tmp_path))
+
+
+# ----------------------------------------------------------------------------- PEFT
+def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    base = GPT2LMHeadModel(_tiny_gpt2_config())
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(base, lora)
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=500, precondition_frequency=2, seed=0)
+    _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(4)], _lm_loss)
+    post = EVONPosterior.from_optimizer(opt, model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert post.names == sorted(trainable) and len(post.names) == 4
+    assert post.names[0] == "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    assert post.num_point_estimates == sum(p.numel() for p in frozen)
+    assert any(post[n].Q_L is not None for n in post.names)
+
+    model.save_pretrained(tmp_path)
+    adapter_files = _file_bytes(tmp_path)
+    assert "adapter_model.safetensors" in adapter_files and "README.md" in adapter_files
+    post.save_pretrained(tmp_path)
+    after = _file_bytes(tmp_path)
+    for name, data in adapter_files.items():
+        if name != "README.md":
+            assert after[name] == data, name
+    readme = after["README.md"].decode()
+    peft_text = adapter_files["README.md"].decode().split("---", 2)[2].strip()
+    assert peft_text in readme and readme.count(SECTION_START) == 1
+    assert "library_name: peft" in readme and "- evon" in readme  # PEFT's card updated, not replaced
+    assert "PeftModel.from_pretrained(base" in readme
+
+    torch.manual_seed(1)
+    reloaded = PeftModel.from_pretrained(GPT2LMHeadModel(_tiny_gpt2_config()), tmp_path)
+    loaded = EVONPosterior.from_pretrained(tmp_path, model=reloaded)
+    _assert_same_factors(post, loaded)
+    lora_a = dict(reloaded.named_parameters())[post.names[0]]
+    mean = lora_a.detach().clone()
+    with loaded.sampled(reloaded, seed=0):
+        assert not torch.equal(lora_a.detach(), mean)
+    assert torch.equal(lora_a.detach(), mean)
+    with pytest.raises(PosteriorMismatchError, match="pass the wrapped model, e.g. the PeftModel"):
+        loaded.check_model(reloaded.get_base_model())
+
+
+# ----------------------------------------------------------------------------- model card
+def test_model_card_content(gpt2, tmp_path):
+    _, _, post = gpt2
+    metrics = {"eval_loss": 4.61, "eval_bma_loss": 4.52, "eval_bma_ece": 0.031, "eval_runtime": 1.5}
+    card = save_model_card(
+        tmp_path, post, base_model="openai-community/gpt2", metrics=metrics, num_bma_samples=8
+    )
+    text = (tmp_path / "README.md").read_text()
+    assert text == str(card)
+    assert card.data.library_name == "hf-evon" and card.data.base_model == "openai-community/gpt2"
+    assert {"evon", "variational-inference"} <= set(card.data.tags)
+    for expected in (
+        "EVON posterior",
+        "`openai-community/gpt2`",
+        "| effective sample size `ess` (ζ) | 1000 |",
+        "| `weight_decay` (δ; prior N(0, 1/(ζδ))) | 0.0001 |",
+        "| `hess_init` (initial Hessian) | 0.1 |",
+        "| `betas` (momentum, Hessian) | (0.9, 0.999) |",
+        "| `precondition_frequency` (eigenbasis refresh, steps) | 2 |",
+        "8 weight matrices (24,576 parameters) have a posterior",
+        "| `transformer.h.*.attn.c_attn.weight` | 2 |",
+        "| metric | at the posterior mean | BMA (8 samples) |",
+        "| loss | 4.61 | 4.52 |",
+        "| ece | – | 0.031 |",
+        "from hf_evon import EVONPosterior, generate_bma",
+        "output_ids = generate_bma(",
+    ):
+        assert expected in text, expected
+    assert "runtime" not in text
+    local = render_model_card(
+        post, base_model=str(tmp_path), metrics={"mean": {"acc": 0.5}, "bma": {"acc": 0.6}}
+    )
+    assert local.data.base_model is None  # a local path is not a Hub id: text only
+    assert "| acc | 0.5 | 0.6 |" in local.text
+
+
+def test_existing_readme_is_updated_not_overwritten(gpt2, tmp_path):
+    _, _, post = gpt2
+    original = "---\nlicense: mit\nlibrary_name: transformers\ntags:\n- text-generation\n---\n# My model\n\nTrained on cats.\n"
+    (tmp_path / "README.md").write_text(original)
+    save_model_card(tmp_path, post)
+    save_model_card(tmp_path, post.with_ess(12345.0))  # again: the EVON section is replaced, not repeated
+    from huggingface_hub import ModelCard
+
+    card = ModelCard((tmp_path / "README.md").read_text())
+    assert card.data.license == "mit" and card.data.library_name == "transformers"
+    assert card.data.tags[0] == "text-generation" and {"evon", "variational-inference"} <= set(card.data.tags)
+    assert card.text.startswith("# My model\n\nTrained on cats.\n")
+    assert card.text.count(SECTION_START) == 1 and "| 12345 |" in card.text and "| 1000 |" not in card.text
+
+
+def test_card_template_is_packaged_and_identical_to_model_cards():
+    packaged = Path(template_path())
+    assert packaged.parent.name == "templates" and packaged.parent.parent.name == "hf_evon"
+    assert packaged.read_bytes() == (REPO_ROOT / "model_cards" / "evon_posterior.md").read_bytes()

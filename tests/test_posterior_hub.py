@@ -1,0 +1,217 @@
+"""EVONPosterior on the Hub: the real ``huggingface_hub`` client against a local stand-in.
+
+``tests/hub_stub.py`` serves the Hub endpoints the client uses (create repo/branch,
+README validation, preupload + NDJSON commit, model info, HEAD/GET resolve) on
+127.0.0.1 with a random free port; the client is pointed at it with ``endpoint=`` (in
+process) or ``HF_ENDPOINT`` (in a fresh interpreter) and a dummy token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+from safetensors.torch import load_file
+from torch import nn
+
+import hf_evon
+from hf_evon import EVONPosterior
+from hf_evon.model_card import SECTION_START
+from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+
+try:
+    from hub_stub import HubStub
+except ImportError:  # tests/ imported as a package
+    from tests.hub_stub import HubStub
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_dummy_token"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models run as fast on one intra-op thread, and stay fast when the CPUs are shared
+    (with 2 threads on 2 busy cores a tiny GPT-2 step took 2 s instead of 0.03 s)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def hub():
+    with HubStub() as stub:
+        yield stub
+
+
+@pytest.fixture(scope="module")
+def posterior() -> EVONPosterior:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    x, y = torch.randn(128, 6), torch.randn(128, 2)
+    opt = hf_evon.build_optimizer(
+        model, lr=0.05, ess=128, betas=(0.9, 0.95), precondition_frequency=2, seed=0
+    )
+    for _ in range(6):
+        with opt.sampled_params(train=True):
+            nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return EVONPosterior.from_optimizer(opt, model)
+
+
+def _same(a: EVONPosterior, b: EVONPosterior) -> None:
+    assert a.names == b.names and a.ess == b.ess
+    ta, tb = a.to_tensors(), b.to_tensors()
+    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    da, db = a.draw(3, seed=21), b.draw(3, seed=21)
+    assert all(torch.equal(da[k], db[k]) for k in da)
+
+
+def _load(hub: HubStub, repo_id: str, cache: Path, **kwargs) -> EVONPosterior:
+    return EVONPosterior.from_pretrained(
+        repo_id, token=TOKEN, endpoint=hub.endpoint, cache_dir=cache, **kwargs
+    )
+
+
+def test_push_then_load_by_repo_id(hub, posterior, tmp_path):
+    info = posterior.push_to_hub("alice/evon-mlp", token=TOKEN, endpoint=hub.endpoint)
+    assert info.oid in info.commit_url and hub.commits("alice/evon-mlp")[0] == "Upload EVON posterior"
+    files = hub.files("alice/evon-mlp")
+    assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "README.md"} <= set(files)
+    assert ("POST", "/api/models/alice/evon-mlp/preupload/main") in hub.requests
+    assert ("POST", "/api/models/alice/evon-mlp/commit/main") in hub.requests
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.library_name == "hf-evon" and {"evon", "variational-inference"} <= set(card.data.tags)
+    assert 'EVONPosterior.from_pretrained("alice/evon-mlp")' in card.text
+
+    loaded = _load(hub, "alice/evon-mlp", tmp_path / "cache")
+    _same(posterior, loaded)
+    assert ("HEAD", f"/alice/evon-mlp/resolve/main/{POSTERIOR_WEIGHTS_NAME}") in hub.requests
+    # the download is cached: it loads again without the server
+    _same(posterior, _load(hub, "alice/evon-mlp", tmp_path / "cache", local_files_only=True))
+    with pytest.raises(LocalEntryNotFoundError):
+        _load(hub, "alice/evon-mlp", tmp_path / "empty-cache", local_files_only=True)
+
+
+def test_revision_subfolder_and_pull_request(hub, posterior, tmp_path):
+    repo = "alice/evon-revisions"
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    tempered = posterior.with_ess(4 * posterior.ess)
+    tempered.push_to_hub(
+        repo, token=TOKEN, endpoint=hub.endpoint, revision="tempered", path_in_repo="posterior"
+    )
+    assert f"posterior/{POSTERIOR_WEIGHTS_NAME}" in hub.files(repo, "tempered")
+    assert f"posterior/{POSTERIOR_WEIGHTS_NAME}" not in hub.files(repo, "main")
+    card = ModelCard(hub.files(repo, "tempered")["README.md"].decode())
+    assert 'subfolder="posterior"' in card.text and card.text.count(SECTION_START) == 1
+
+    _same(tempered, _load(hub, repo, tmp_path, revision="tempered", subfolder="posterior"))
+    _same(posterior, _load(hub, repo, tmp_path))  # main is untouched
+    with pytest.raises(FileNotFoundError, match=rf"{POSTERIOR_CONFIG_NAME} is missing"):
+        _load(hub, repo, tmp_path, subfolder="posterior")  # not on main
+    with pytest.raises(RevisionNotFoundError):
+        _load(hub, repo, tmp_path, revision="no-such-branch")
+
+    info = posterior.with_ess(2 * posterior.ess).push_to_hub(
+        repo, token=TOKEN, endpoint=hub.endpoint, create_pr=True
+    )
+    assert info.pr_url is not None and info.pr_revision == "refs/pr/1"
+    assert _load(hub, repo, tmp_path, revision="refs/pr/1").ess == 2 * posterior.ess
+    assert _load(hub, repo, tmp_path).ess == posterior.ess  # a PR does not change main
+
+
+def test_push_beside_a_model_keeps_its_files_and_updates_its_card(hub, posterior, tmp_path):
+    repo = "alice/model-with-posterior"
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo(repo)
+    model_files = {
+        "config.json": json.dumps({"model_type": "gpt2"}).encode(),
+        "model.safetensors": os.urandom(4096),
+        "README.md": b"---\nlicense: apache-2.0\nlibrary_name: transformers\ntags:\n- text-generation\n---\n\n# A model\n\nIts own text.\n",
+    }
+    for path, data in model_files.items():
+        api.upload_file(path_or_fileobj=data, path_in_repo=path, repo_id=repo)
+    posterior.push_to_hub(
+        repo,
+        token=TOKEN,
+        endpoint=hub.endpoint,
+        model_card_kwargs={"metrics": {"eval_loss": 1.25, "eval_bma_loss": 1.20}},
+    )
+    files = hub.files(repo)
+    assert all(files[p] == data for p, data in model_files.items() if p != "README.md")
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.license == "apache-2.0" and card.data.library_name == "transformers"
+    assert card.data.tags[0] == "text-generation" and "evon" in card.data.tags
+    assert card.text.lstrip().startswith("# A model\n\nIts own text.")
+    assert "| loss | 1.25 | 1.2 |" in card.text
+
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)  # again: one EVON section
+    assert ModelCard(hub.files(repo)["README.md"].decode()).text.count(SECTION_START) == 1
+    assert all(hub.files(repo)[p] == data for p, data in model_files.items() if p != "README.md")
+
+
+def test_save_pretrained_with_push_to_hub(hub, posterior, tmp_path):
+    posterior.save_pretrained(
+        tmp_path / "local", push_to_hub=True, repo_id="alice/pushed", token=TOKEN, endpoint=hub.endpoint
+    )
+    assert (tmp_path / "local" / POSTERIOR_WEIGHTS_NAME).is_file()
+    assert load_file(tmp_path / "local" / POSTERIOR_WEIGHTS_NAME).keys() == posterior.to_tensors().keys()
+    _same(posterior, _load(hub, "alice/pushed", tmp_path / "cache"))
+
+
+def test_missing_repo_and_missing_posterior(hub, tmp_path):
+    with pytest.raises(RepositoryNotFoundError):
+        _load(hub, "alice/does-not-exist", tmp_path)
+    HfApi(endpoint=hub.endpoint, token=TOKEN).create_repo("alice/empty")
+    with pytest.raises(FileNotFoundError, match=rf"alice/empty: {POSTERIOR_CONFIG_NAME} is missing"):
+        _load(hub, "alice/empty", tmp_path)
+
+
+def test_load_by_repo_id_in_a_fresh_process_via_hf_endpoint(hub, posterior, tmp_path):
+    posterior.push_to_hub("alice/fresh", token=TOKEN, endpoint=hub.endpoint, eigenbasis_dtype=torch.bfloat16)
+    code = """
+        import sys
+        from safetensors.torch import save_file
+        from hf_evon import EVONPosterior
+
+        p = EVONPosterior.from_pretrained("alice/fresh")
+        out = dict(p.to_tensors())
+        out.update({n + ".draw": v.contiguous() for n, v in p.draw(2, seed=3).items()})
+        save_file(out, sys.argv[1])
+        print(p.config["eigenbasis_dtype"])
+    """
+    env = dict(
+        os.environ,
+        HF_ENDPOINT=hub.endpoint,
+        HF_TOKEN=TOKEN,
+        HF_HOME=str(tmp_path / "hf_home"),
+        OMP_NUM_THREADS="1",
+    )
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(tmp_path / "dump.safetensors")],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip() == "bfloat16"
+    here = _load(hub, "alice/fresh", tmp_path / "cache")  # same bytes, loaded in this process
+    dump = load_file(tmp_path / "dump.safetensors")
+    expected = dict(here.to_tensors())
+    expected.update({n + ".draw": v for n, v in here.draw(2, seed=3).items()})
+    assert set(dump) == set(expected) and all(torch.equal(dump[k], v) for k, v in expected.items())
+    # and the bfloat16 bases are the originals rounded, upcast to float32
+    for name in posterior.names:
+        assert torch.equal(here[name].Q_L, posterior[name].Q_L.to(torch.bfloat16).float())
