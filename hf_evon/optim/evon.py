@@ -454,7 +454,7 @@ class EVON(Optimizer):
         if self._in_sample:
             raise RuntimeError("step() called inside a sampled_params() block")
         self.synchronize()
-        needs_samples = [b for b in self.buckets if b.initialized and b.noisy_phase()]
+        needs_samples = [b for b in self.buckets if b.noisy_phase()]
         if needs_samples and self._samples == 0:
             raise RuntimeError(
                 "EVON needs the gradient at a posterior sample: run forward/backward inside "

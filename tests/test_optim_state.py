@@ -1,0 +1,482 @@
+"""EVON's contract as a torch optimizer: state, checkpoints, validation, failure handling,
+sampling and the posterior it reports."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hf_evon import EVON, NonFiniteGradientError
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------- helpers
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An MLP whose weights go to EVON (two share a shape: a bucket) and biases to AdamW."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).to(dtype)
+
+
+def make_data(n: int = 32, seed: int = 1, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randint(0, 3, (n,), generator=g)
+
+
+def groups(model: nn.Module) -> list[dict]:
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    return [{"params": weights}, {"params": biases, "algorithm": "adamw"}]
+
+
+def make_opt(model: nn.Module, **overrides) -> EVON:
+    options = dict(
+        lr=0.05,
+        ess=64.0,
+        hess_init=0.5,
+        betas=(0.9, 0.99),
+        weight_decay=1e-3,
+        precondition_frequency=3,
+        mc_samples=2,
+        adamw_lr=0.01,
+        adamw_weight_decay=0.01,
+        seed=123,
+    )
+    options.update(overrides)
+    return EVON(groups(model), **options)
+
+
+def loss_fn(model: nn.Module, data) -> torch.Tensor:
+    X, y = data
+    return nn.functional.cross_entropy(model(X), y)
+
+
+def train_step(model: nn.Module, opt: EVON, data) -> None:
+    for _ in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def snapshot(model: nn.Module, opt: EVON) -> dict[str, torch.Tensor]:
+    """Deep copy of every weight and every optimizer state tensor."""
+    out = {f"param.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            for key, value in opt.state[p].items():
+                out[f"state.{gi}.{pi}.{key}"] = value.detach().clone()
+    return out
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert torch.equal(a[key], b[key]), f"{key} changed"
+
+
+def roundtrip(obj) -> object:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# ------------------------------------------------------------------------ checkpoints
+def test_state_dict_loads_with_weights_only() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(4):
+        train_step(model, opt, data)
+    sd = roundtrip(opt.state_dict())
+    assert sd.keys() == opt.state_dict().keys()
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            saved = sd["state"][sd["param_groups"][gi]["params"][pi]]
+            for key, value in opt.state[p].items():
+                assert torch.equal(saved[key], value), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_is_bit_for_bit(dtype: torch.dtype) -> None:
+    """Save mid-run, reload into fresh copies, continue: identical to never stopping."""
+    data = make_data(dtype=dtype)
+    total, stop = 11, 5  # the stop is between refreshes (f = 3), mid phase
+
+    model = make_model(dtype=dtype)
+    opt = make_opt(model)
+    for _ in range(total):
+        train_step(model, opt, data)
+    uninterrupted = snapshot(model, opt)
+
+    model = make_model(dtype=dtype)
+    opt = make_opt(model)
+    for _ in range(stop):
+        train_step(model, opt, data)
+    checkpoint = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    del model, opt
+
+    resumed_model = make_model(seed=42, dtype=dtype)  # other weights, other seed: all must load
+    resumed_opt = make_opt(resumed_model, seed=7)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    for _ in range(total - stop):
+        train_step(resumed_model, resumed_opt, data)
+    assert_identical(snapshot(resumed_model, resumed_opt), uninterrupted)
+    # EVON state keeps its own precision in a bfloat16 model
+    w = resumed_opt.param_groups[0]["params"][0]
+    assert resumed_opt.state[w]["hess"].dtype == torch.float32
+
+
+def test_state_holds_no_copy_of_the_weights() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(4):
+        train_step(model, opt, data)
+    expected_numel = 0
+    for p in opt.param_groups[0]["params"]:  # EVON: both sides preconditioned
+        m, n = p.shape
+        shapes = {
+            "hess": (m, n),
+            "exp_avg": (m, n),
+            "step": (),
+            "L": (m, m),
+            "R": (n, n),
+            "Q_L": (m, m),
+            "Q_R": (n, n),
+        }
+        assert {k: tuple(v.shape) for k, v in opt.state[p].items()} == shapes
+        expected_numel += sum(math.prod(s) for s in shapes.values())
+    for p in opt.param_groups[1]["params"]:  # AdamW
+        shapes = {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+        assert {k: tuple(v.shape) for k, v in opt.state[p].items()} == shapes
+        expected_numel += sum(math.prod(s) for s in shapes.values())
+    saved = roundtrip(opt.state_dict())
+    numel = sum(v.numel() for st in saved["state"].values() for v in st.values() if torch.is_tensor(v))
+    assert numel == expected_numel
+
+
+# ------------------------------------------------------------------------- validation
+INVALID = [
+    ({"lr": -0.1}, "lr", ">= 0"),
+    ({"lr": float("nan")}, "lr", ">= 0"),
+    ({"ess": 0.0}, "ess", "> 0"),
+    ({"ess": -5.0}, "ess", "> 0"),
+    ({"ess": float("nan")}, "ess", "> 0"),
+    ({"hess_init": 0.0}, "hess_init", "> 0"),
+    ({"hess_init": float("inf")}, "hess_init", "finite"),
+    ({"betas": (1.0, 0.9)}, "betas", "[0, 1)"),
+    ({"betas": (0.9, 1.0)}, "betas", "[0, 1)"),
+    ({"betas": (-0.1, 0.9)}, "betas", "[0, 1)"),
+    ({"betas": (0.9,)}, "betas", "[0, 1)"),
+    ({"weight_decay": -1e-4}, "weight_decay", ">= 0"),
+    ({"mc_samples": 0}, "mc_samples", ">= 1"),
+    ({"mc_samples": 1.5}, "mc_samples", "integer"),
+    ({"precondition_frequency": 0}, "precondition_frequency", ">= 1"),
+    ({"max_precond_dim": 0}, "max_precond_dim", ">= 1"),
+    ({"shampoo_beta": 1.0}, "shampoo_beta", "[0, 1)"),
+    ({"shampoo_beta": -0.5}, "shampoo_beta", "[0, 1)"),
+    ({"hess_clip_ratio": 0.0}, "hess_clip_ratio", "> 0"),
+    ({"clip": "norm"}, "clip", "spectral"),
+    ({"clip_radius": 0.0}, "clip_radius", "> 0"),
+    ({"eps": 0.0}, "eps", "> 0"),
+    ({"nonfinite": "ignore"}, "nonfinite", "'skip'"),
+    ({"adamw_lr": -0.01}, "adamw_lr", ">= 0"),
+    ({"adamw_betas": (0.9, 1.5)}, "adamw_betas", "[0, 1)"),
+    ({"adamw_eps": 0.0}, "adamw_eps", "> 0"),
+    ({"adamw_weight_decay": -0.1}, "adamw_weight_decay", ">= 0"),
+]
+
+
+@pytest.mark.parametrize("with_adamw_group", [False, True])
+@pytest.mark.parametrize(
+    ("kwargs", "name", "rule"), INVALID, ids=[f"{n}={list(k.values())[0]}" for k, n, _ in INVALID]
+)
+def test_invalid_hyperparameter_raises(kwargs: dict, name: str, rule: str, with_adamw_group: bool) -> None:
+    model = make_model()
+    params = groups(model) if with_adamw_group else [p for n, p in model.named_parameters() if "weight" in n]
+    with pytest.raises(ValueError) as info:
+        EVON(params, **{"ess": 10.0, **kwargs})
+    message = str(info.value)
+    assert name in message and rule in message, message
+
+
+@pytest.mark.parametrize(
+    ("group", "name"),
+    [
+        ({"algorithm": "sgd"}, "algorithm"),
+        ({"lr": -1.0}, "lr"),
+        ({"clip": "x"}, "clip"),
+        ({"ess": 0.0}, "ess"),
+    ],
+)
+def test_invalid_param_group_raises(group: dict, name: str) -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match=name):
+        EVON([{"params": list(model.parameters()), **group}], ess=10.0)
+    opt = EVON([next(model.parameters())], ess=10.0)
+    with pytest.raises(ValueError, match=name):
+        opt.add_param_group({"params": [model[2].weight], **group})
+
+
+def test_valid_edge_values_are_accepted() -> None:
+    model = make_model()
+    weights = [p for n, p in model.named_parameters() if "weight" in n]
+    EVON(weights, lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, shampoo_beta=0.0, ess=float("inf"))
+    EVON(weights, ess=1e-3, hess_init=1e-8, clip_radius=float("inf"), hess_clip_ratio=1e9, max_precond_dim=1)
+
+
+# ----------------------------------------------------------------- non-finite gradients
+@pytest.mark.parametrize("where", ["evon", "adamw", "inf"])
+def test_nonfinite_gradient_skips_the_step(where: str) -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    before = snapshot(model, opt)
+    target = {"evon": model[2].weight, "adamw": model[0].bias, "inf": model[4].weight}[where]
+    for s in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+            if s == 1:
+                target.grad.view(-1)[0] = float("inf") if where == "inf" else float("nan")
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        opt.step()
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+    assert opt.skipped_steps == 1
+    # usable afterwards: the next finite step is a normal update
+    train_step(model, opt, data)
+    after = snapshot(model, opt)
+    w = model[2].weight
+    assert int(opt.state[w]["step"]) == int(before["state.0.1.step"]) + 1
+    assert not torch.equal(after["param.2.weight"], before["param.2.weight"])
+    assert all(torch.isfinite(v).all() for v in after.values())
+
+
+def test_nonfinite_gradient_can_raise() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model, nonfinite="raise")
+    for _ in range(3):
+        train_step(model, opt, data)
+    before = snapshot(model, opt)
+    for _ in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            (loss_fn(model, data) * float("nan")).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # raising, not warning
+        with pytest.raises(NonFiniteGradientError, match="non-finite"):
+            opt.step()
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+    train_step(model, opt, data)  # and it recovers
+    assert not torch.equal(model[2].weight, before["param.2.weight"])
+
+
+# --------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("train", [True, False])
+def test_sampled_params_restores_weights_bit_for_bit(train: bool) -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with opt.sampled_params(train=train):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+        loss_fn(model, data).backward()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    # the weights inside were a sample (EVON weights moved, AdamW biases did not)
+    for k in before:
+        assert torch.equal(inside[k], before[k]) == k.endswith("bias"), k
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), opt.sampled_params(train=train):
+        assert not torch.equal(model[0].weight, before["0.weight"])
+        raise Boom
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    opt.zero_grad()
+    train_step(model, opt, data)  # still usable: the failed sample left no trace
+
+
+def test_step_without_sampled_params_raises() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)  # the initialising step
+    before = snapshot(model, opt)
+    loss_fn(model, data).backward()
+    with pytest.raises(RuntimeError, match="sampled_params"):
+        opt.step()
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+    # IVON mode / 1-D parameters have no initialising step: the very first step needs a sample
+    w = nn.Parameter(torch.randn(5))
+    ivon = EVON([w], ess=10.0)
+    w.square().sum().backward()
+    with pytest.raises(RuntimeError, match="sampled_params"):
+        ivon.step()
+    # deterministic mode (ess = inf) needs none
+    det = EVON([nn.Parameter(torch.randn(3, 4))], ess=float("inf"))
+    for p in det.param_groups[0]["params"]:
+        p.square().sum().backward()
+    det.step()
+
+
+def draw_samples(opt: EVON, model: nn.Module, count: int) -> list[torch.Tensor]:
+    out = []
+    for _ in range(count):
+        with opt.sampled_params(train=False):
+            out.append(torch.cat([p.detach().reshape(-1).clone() for p in opt.param_groups[0]["params"]]))
+    return out
+
+
+def test_noise_is_reproducible_from_the_seed() -> None:
+    data = make_data()
+    runs = {}
+    for label, seed in (("a", 5), ("b", 5), ("c", 6)):
+        model = make_model()
+        opt = make_opt(model, seed=seed)
+        for _ in range(4):
+            train_step(model, opt, data)
+        runs[label] = (snapshot(model, opt), draw_samples(opt, model, 3))
+    assert_identical(runs["a"][0], runs["b"][0])
+    assert all(torch.equal(x, y) for x, y in zip(runs["a"][1], runs["b"][1]))
+    assert not torch.equal(runs["a"][0]["param.2.weight"], runs["c"][0]["param.2.weight"])
+    assert not any(torch.equal(x, y) for x, y in zip(runs["a"][1], runs["c"][1]))
+
+
+# -------------------------------------------------------------------------- posterior
+def trained_float64(steps: int = 12) -> tuple[nn.Module, EVON]:
+    """A float64 model with a non-trivial posterior (refreshed bases, uneven Hessian),
+    including a 1-D EVON parameter (Q = I) and a one-sided one (max_precond_dim)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 7)).double()
+    extra = nn.Parameter(torch.randn(5, dtype=F64))
+    params = [model[0].weight, model[2].weight, extra]
+    opt = EVON(
+        [{"params": params}, {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"}],
+        lr=0.1,
+        ess=50.0,
+        hess_init=1.0,
+        betas=(0.9, 0.6),  # a fast Hessian average: an uneven, clearly non-isotropic posterior
+        weight_decay=0.01,
+        precondition_frequency=2,
+        max_precond_dim=6,
+        seed=0,
+    )
+    X, y = torch.randn(40, 4, dtype=F64), torch.randint(0, 7, (40,))
+    for _ in range(steps):
+        with opt.sampled_params(train=True):
+            (nn.functional.cross_entropy(model(X), y) + 0.1 * extra.pow(4).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    model.extra = extra
+    return model, opt
+
+
+def covariance_from_state(opt: EVON, p: torch.Tensor) -> torch.Tensor:
+    """Cov(vec W) of W = M + Q_L E Q_Rᵀ, E_kl ~ N(0, V_kl), entry by entry (row-major vec)."""
+    st, group = opt.state[p], opt.param_groups[0]
+    H = st["hess"].to(F64)
+    m, n = H.shape
+    Q_L = st["Q_L"].to(F64) if "Q_L" in st else torch.eye(m, dtype=F64)
+    Q_R = st["Q_R"].to(F64) if "Q_R" in st else torch.eye(n, dtype=F64)
+    V = 1.0 / (group["ess"] * (H + group["weight_decay"]))
+    # W_ij - M_ij = Σ_kl Q_L[i,k] E_kl Q_R[j,l]  =>  Cov[(i,j),(a,b)] = Σ_kl Q_L[i,k] Q_R[j,l] V_kl Q_L[a,k] Q_R[b,l]
+    cov = torch.einsum("ik,jl,kl,ak,bl->ijab", Q_L, Q_R, V, Q_L, Q_R)
+    return cov.reshape(m * n, m * n)
+
+
+def test_posterior_covariance_and_std_match_the_state() -> None:
+    model, opt = trained_float64()
+    params = opt.param_groups[0]["params"]
+    sides = [(("Q_L" in opt.state[p]), ("Q_R" in opt.state[p])) for p in params]
+    assert sides == [(True, True), (False, True), (False, False)]  # (3,4); (7,3): 7 > 6; 1-D
+    for p in params:
+        cov = opt.posterior_covariance(p)
+        assert cov.shape == (p.numel(), p.numel())
+        torch.testing.assert_close(cov, covariance_from_state(opt, p), rtol=1e-12, atol=1e-15)
+        std = opt.posterior_std(p)
+        assert std.shape == p.shape
+        torch.testing.assert_close(std.reshape(-1) ** 2, torch.diagonal(cov), rtol=1e-12, atol=0)
+    w = params[0]
+    cov = opt.posterior_covariance(w)
+    assert (cov - torch.diag(torch.diagonal(cov))).abs().max() > 0.05 * torch.diagonal(
+        cov
+    ).max()  # not diagonal
+
+
+def max_z(empirical: torch.Tensor, cov: torch.Tensor, N: int) -> float:
+    """Largest |z| of a sample covariance of N Gaussian draws against a candidate covariance."""
+    d = torch.diagonal(cov)
+    se = ((d[:, None] * d[None, :] + cov**2) / (N - 1)).sqrt()
+    return float(((empirical - cov) / se).abs().max())
+
+
+def test_samples_follow_the_posterior_covariance() -> None:
+    """The empirical covariance of many sampled weights matches posterior_covariance.
+
+    Under the null, the sample covariance entry S_ij of N Gaussian draws has standard error
+    sqrt((Σ_ii Σ_jj + Σ_ij²) / (N − 1)); with 10000 draws a |z| above 5.5 anywhere among the
+    entries has probability < 1e-5. The same check rejects plausible mistakes (a swapped
+    Kronecker order, a diagonal covariance), so it has the power to fail.
+    """
+    model, opt = trained_float64()
+    params = opt.param_groups[0]["params"]
+    means = [p.detach().clone() for p in params]
+    N = 10000
+    draws = torch.stack(draw_samples(opt, model, N))
+    assert all(torch.equal(p, m) for p, m in zip(params, means))  # train=False left the means
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    for i, p in enumerate(params):
+        x = draws[:, offsets[i] : offsets[i + 1]]
+        cov = opt.posterior_covariance(p)
+        var = torch.diagonal(cov)
+        mean_z = (x.mean(0) - p.detach().reshape(-1)) / (var / N).sqrt()
+        assert float(mean_z.abs().max()) < 5.5
+        emp = torch.cov(x.T)
+
+        assert max_z(emp, cov, N) < 5.5, f"param {i}"
+        if i == 0:  # power: the wrong structures are rejected by the same statistic
+            m, n = p.shape
+            st = opt.state[p]
+            V = 1.0 / (50.0 * (st["hess"] + 0.01))
+            swapped = torch.kron(st["Q_R"], st["Q_L"]) * V.T.reshape(-1) @ torch.kron(st["Q_R"], st["Q_L"]).T
+            assert max_z(emp, swapped, N) > 20
+            assert max_z(emp, torch.diag(var), N) > 20
+    # the joint draws of different matrices are independent (block-diagonal posterior)
+    cross = torch.cov(draws.T)[offsets[0] : offsets[1], offsets[1] : offsets[2]]
+    sd0 = torch.diagonal(opt.posterior_covariance(params[0])).sqrt()
+    sd1 = torch.diagonal(opt.posterior_covariance(params[1])).sqrt()
+    assert float((cross / (sd0[:, None] * sd1[None, :]) * math.sqrt(N - 1)).abs().max()) < 5.5
+
+
+def test_reloaded_optimizer_reports_the_same_posterior() -> None:
+    model, opt = trained_float64()
+    w = opt.param_groups[0]["params"][0]
+    cov = opt.posterior_covariance(w)
+    clone_model = copy.deepcopy(model)
+    clone_params = [clone_model[0].weight, clone_model[2].weight, clone_model.extra]
+    clone = EVON(
+        [
+            {"params": clone_params},
+            {"params": [clone_model[0].bias, clone_model[2].bias], "algorithm": "adamw"},
+        ],
+        ess=50.0,
+        weight_decay=0.01,
+        max_precond_dim=6,
+    )
+    clone.load_state_dict(roundtrip(opt.state_dict()))
+    torch.testing.assert_close(clone.posterior_covariance(clone_params[0]), cov, rtol=0, atol=0)
