@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--bma-samples", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--beta2", type=float, default=0.999, help="β2, the Hessian EMA")
     ap.add_argument("--ess-scale", type=float, default=1.0, help="ess = this × training-set size")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -101,7 +102,7 @@ def main() -> None:
         ess=args.ess_scale * n_train,
         hess_init=0.1,
         weight_decay=1e-3,
-        betas=(0.9, 0.999),
+        betas=(0.9, args.beta2),
         clip="element",
         clip_radius=0.1,
         precondition_frequency=10,

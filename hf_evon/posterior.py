@@ -1220,12 +1220,13 @@ def _read_groups(
                 if not _all_finite(slot):
                     raise PosteriorMismatchError(f"tensor {key!r} has non-finite values (NaN or inf)")
                 if kind == "hess":
-                    low = float(slot.min())
-                    if low < 0 or (weight_decay == 0.0 and low <= 0):
+                    # IVON's update keeps H + δ > 0 (H itself may dip below 0 by less than δ)
+                    low = float(slot.min()) + weight_decay
+                    if low <= 0:
                         raise PosteriorMismatchError(
-                            f"tensor {key!r} has non-positive values (min {low:g}); EVON's Hessian estimate "
-                            "is positive, so the variance 1/(ess·(hess + weight_decay)) would be negative "
-                            "or infinite"
+                            f"tensor {key!r} has non-positive hess + weight_decay (min {low:g}); EVON "
+                            "keeps it positive, else the variance 1/(ess·(hess + weight_decay)) would be "
+                            "negative or infinite"
                         )
                     continue
                 tol = _ORTHONORMAL_TOL.get(stored[key], 1e-3)

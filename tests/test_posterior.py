@@ -657,6 +657,14 @@ def test_zero_hessian_is_accepted_only_with_weight_decay(mlp, tmp_path):
     zero = lambda t: t[f"{W}.hess"].view(-1)[0].fill_(0.0)  # noqa: E731
     ok = _corrupt(tmp_path / "good", tmp_path / "ok", zero)
     assert EVONPosterior.from_pretrained(ok)[W].hess.min() == 0  # V = 1/(ζδ): finite
+    # IVON's Hessian update guarantees H + δ > 0, not H > 0: a value just above -δ is valid
+    delta = post.weight_decay
+    slightly_negative = lambda t: t[f"{W}.hess"].view(-1)[0].fill_(-0.5 * delta)  # noqa: E731
+    ok2 = _corrupt(tmp_path / "good", tmp_path / "ok2", slightly_negative)
+    assert EVONPosterior.from_pretrained(ok2)[W].hess.min() == pytest.approx(-0.5 * delta)
+    below = lambda t: t[f"{W}.hess"].view(-1)[0].fill_(-1.5 * delta)  # noqa: E731
+    with pytest.raises(PosteriorMismatchError, match=rf"'{W}\.hess' has non-positive"):
+        EVONPosterior.from_pretrained(_corrupt(tmp_path / "good", tmp_path / "below", below))
     no_decay = _corrupt(tmp_path / "good", tmp_path / "bad", zero, lambda c: _set(c, "weight_decay", 0.0))
     with pytest.raises(PosteriorMismatchError, match=rf"'{W}\.hess' has non-positive"):
         EVONPosterior.from_pretrained(no_decay)
