@@ -1,0 +1,195 @@
+"""Decoding speed of BMA: plain ``generate`` vs a naive per-sample loop vs ``generate_bma``.
+
+GPU (the issue's setting): GPT-2 small config (124M, random init), greedy decoding::
+
+    python benchmarks/generate_bma.py --device cuda --dtype bfloat16
+
+CPU (a smaller model and fewer tokens so it finishes in minutes)::
+
+    python benchmarks/generate_bma.py --device cpu --small --new-tokens 16
+
+Methods, all greedy, exactly ``--new-tokens`` tokens per prompt:
+
+- ``plain``: ``model.generate`` at the posterior mean (one model, no BMA).
+- ``naive``: S sampled deep copies of the model, each with its own KV cache, run one after
+  another at every step; their probabilities are averaged per token (what BMA costs
+  without batching).
+- ``bma``: ``hf_evon.generate_bma`` (one forward of batch S·B per step).
+
+The posterior comes from an EVON optimizer over the transformer-block matrices after its
+initialising step and a few updates on random tokens (the values do not matter for speed).
+Timings: one warm-up call per configuration, ``torch.cuda.synchronize()`` around every timed
+call, the median of ``--repeats`` runs. tokens/s counts new tokens of the whole batch; the
+BMA times include drawing the S weight samples once per call, which ``draw ms`` shows alone;
+``decode/plain`` is the BMA time without the draw over the plain time (per-token cost ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+import hf_evon._batched_samples as batched
+from hf_evon import EVON, EVONPosterior, build_param_groups, generate_bma
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_config(args: argparse.Namespace) -> GPT2Config:
+    if args.small:
+        return GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=512, vocab_size=8192)
+    return GPT2Config()  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
+
+
+def build_posterior(model: GPT2LMHeadModel, device: torch.device, steps: int = 3) -> EVONPosterior:
+    """An EVON posterior over the block matrices: the init step plus ``steps`` updates."""
+    groups = [g for g in build_param_groups(model) if g["algorithm"] == "evon"]
+    opt = EVON(groups, lr=1e-4, ess=1e5, precondition_frequency=2, seed=0)
+    vocab = model.config.vocab_size
+    for _ in range(steps + 1):
+        x = torch.randint(0, vocab, (2, 32), device=device)
+        with opt.sampled_params(train=True):
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        model.zero_grad(set_to_none=True)
+    return EVONPosterior.from_optimizer(opt, model)
+
+
+def sampled_copies(model: torch.nn.Module, posterior: EVONPosterior, num_samples: int, seed: int) -> list:
+    """S deep copies with the weights ``M + ΔW_s`` of the same draw ``generate_bma`` uses."""
+    draws = posterior.draw(num_samples, seed=seed, device=next(model.parameters()).device)
+    copies = []
+    for s in range(num_samples):
+        m = copy.deepcopy(model)
+        params = dict(m.named_parameters())
+        with torch.no_grad():
+            for name, delta in draws.items():
+                p = params[name]
+                p.copy_((p.to(delta.dtype) + delta[s]).to(p.dtype))
+        copies.append(m)
+    return copies
+
+
+@torch.no_grad()
+def naive_generate(models: list, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """S models one after another per token, each with its own cache; probabilities averaged."""
+    caches = [DynamicCache(config=m.config) for m in models]
+    step_ids = input_ids
+    out = input_ids
+    for _ in range(new_tokens):
+        log_probs = []
+        for m, cache in zip(models, caches):
+            logits = m(input_ids=step_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            log_probs.append(torch.log_softmax(logits[:, -1].float(), dim=-1))
+        mean = torch.logsumexp(torch.stack(log_probs), dim=0)
+        step_ids = mean.argmax(-1, keepdim=True)
+        out = torch.cat([out, step_ids], dim=-1)
+    return out
+
+
+def draw_only(model: torch.nn.Module, posterior: EVONPosterior, num_samples: int) -> None:
+    """What ``generate_bma`` does before decoding: draw S samples, build per-sample weights."""
+    with batched.BatchedSamples(model, posterior, num_samples, seed=0):
+        pass
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up (allocator, kernels, lazy init)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--samples", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small", action="store_true", help="4 layers, 256 wide, 8192 tokens")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive loop (it is slow)")
+    parser.add_argument(
+        "--strategy",
+        default="materialize",
+        choices=batched.STRATEGIES,
+        help="per-sample weights: x@(M+ΔW_s) (materialize) or x@M + x@ΔW_s (delta)",
+    )
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    batched.DEFAULT_STRATEGY = args.strategy
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    model = GPT2LMHeadModel(model_config(args)).to(device)
+    posterior = build_posterior(model, device)
+    model = model.to(dtype).eval()
+    vocab = model.config.vocab_size
+    gen_kwargs = dict(
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    covered = sum(dict(model.named_parameters())[n].numel() for n in posterior.names)
+    print(
+        f"device={device} dtype={args.dtype} params={n_params / 1e6:.1f}M covered={covered / 1e6:.1f}M "
+        f"prompt={args.prompt_len} new_tokens={args.new_tokens} strategy={args.strategy} "
+        f"threads={torch.get_num_threads()}"
+    )
+    header = (
+        f"{'S':>3} {'B':>3} | {'plain tok/s':>11} {'naive tok/s':>11} {'bma tok/s':>10} | "
+        f"{'bma/naive':>9} {'bma ms/tok':>10} {'plain ms/tok':>12} {'bma/plain lat':>13} | {'draw ms':>8} "
+        f"{'decode/plain':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for batch in args.batch_sizes:
+        ids = torch.randint(0, vocab, (batch, args.prompt_len), device=device)
+        t_plain = timed(lambda ids=ids: model.generate(ids, **gen_kwargs), device, args.repeats)
+        for s in args.samples:
+            t_bma = timed(
+                lambda ids=ids, s=s: generate_bma(model, posterior, ids, num_samples=s, seed=0, **gen_kwargs),
+                device,
+                args.repeats,
+            )
+            t_draw = timed(lambda s=s: draw_only(model, posterior, s), device, args.repeats)
+            t_naive = float("nan")
+            if not args.no_naive:
+                copies = sampled_copies(model, posterior, s, seed=0)
+                t_naive = timed(
+                    lambda ids=ids, c=copies: naive_generate(c, ids, args.new_tokens), device, args.repeats
+                )
+                del copies
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            tokens = batch * args.new_tokens
+            print(
+                f"{s:>3} {batch:>3} | {tokens / t_plain:>11.1f} {tokens / t_naive:>11.1f} {tokens / t_bma:>10.1f} | "
+                f"{t_naive / t_bma:>9.2f} {1e3 * t_bma / args.new_tokens:>10.2f} "
+                f"{1e3 * t_plain / args.new_tokens:>12.2f} {t_bma / t_plain:>13.2f} | {1e3 * t_draw:>8.1f} "
+                f"{(t_bma - t_draw) / t_plain:>12.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Text corpora and a small BPE tokenizer for the examples, with no network access.
+
+The default corpus is the Python standard library found on this machine: its ``.py``
+sources (test suites left out) and the ``pydoc`` topic texts. It is real, varied text (code,
+docstrings, English prose) of ~13 MB, present wherever Python is, so the pre-training
+example runs offline. Any ``datasets`` text dataset can be used instead.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+__all__ = [
+    "Document",
+    "dataset_corpus",
+    "encode_documents",
+    "load_or_train_tokenizer",
+    "split_documents",
+    "stdlib_corpus",
+    "train_bpe_tokenizer",
+]
+
+Document = tuple[str, str]  # (name, text)
+EOS = "<|endoftext|>"
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+
+
+def _stable_hash(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def stdlib_corpus(max_bytes: int | None = None, include_docs: bool = True) -> list[Document]:
+    """The standard library's ``.py`` files (no tests, no site-packages) and pydoc topics.
+
+    With ``max_bytes`` a deterministic pseudo-random subset of whole documents is kept (the
+    order is a hash of the file name), so a smaller corpus is still a mix of all modules.
+    """
+    root = os.path.dirname(os.__file__)
+    docs: list[Document] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for fname in sorted(filenames):
+            if not fname.endswith(".py") or fname.startswith("test_"):
+                continue
+            path = os.path.join(dirpath, fname)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text.strip():
+                docs.append((os.path.relpath(path, root), text))
+    if include_docs:
+        try:
+            from pydoc_data.topics import topics
+        except ImportError:  # pragma: no cover - stripped-down Pythons
+            topics = {}
+        docs += [(f"pydoc:{key}", text) for key, text in sorted(topics.items())]
+    docs.sort(key=lambda d: (_stable_hash(d[0]), d[0]))
+    if max_bytes is not None:
+        kept, size = [], 0
+        for doc in docs:
+            if size >= max_bytes:
+                break
+            kept.append(doc)
+            size += len(doc[1].encode())
+        docs = kept
+    return docs
+
+
+def dataset_corpus(
+    name: str,
+    config: str | None = None,
+    split: str = "train",
+    text_column: str = "text",
+    max_bytes: int | None = None,
+) -> list[Document]:
+    """Documents from a ``datasets`` text dataset (a Hub name or a local path/script)."""
+    from datasets import load_dataset
+
+    ds = load_dataset(name, config, split=split)
+    docs, size = [], 0
+    for i, row in enumerate(ds):
+        text = row[text_column]
+        if not text or not text.strip():
+            continue
+        docs.append((f"{name}:{i}", text))
+        size += len(text.encode())
+        if max_bytes is not None and size >= max_bytes:
+            break
+    return docs
+
+
+def split_documents(
+    docs: list[Document], val_fraction: float = 0.02
+) -> tuple[list[Document], list[Document]]:
+    """Whole documents go to validation by a hash of their name (no leakage inside a file)."""
+    bound = int(val_fraction * 10_000)
+    train = [d for d in docs if (_stable_hash(d[0]) >> 7) % 10_000 >= bound]
+    val = [d for d in docs if (_stable_hash(d[0]) >> 7) % 10_000 < bound]
+    if not val and len(train) > 1:  # tiny corpora: keep at least one validation document
+        val, train = train[-1:], train[:-1]
+    return train, val
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> object:
+    """A byte-level BPE tokenizer (GPT-2 style) trained on ``texts``, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS)
+
+
+def load_or_train_tokenizer(directory: str, texts: Iterable[str], vocab_size: int = 4096) -> object:
+    """Load the tokenizer saved in ``directory`` if its vocabulary size matches, else train and save it."""
+    from transformers import PreTrainedTokenizerFast
+
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        tok = PreTrainedTokenizerFast.from_pretrained(directory)
+        if len(tok) == vocab_size:
+            return tok
+    tok = train_bpe_tokenizer(texts, vocab_size)
+    tok.save_pretrained(directory)
+    return tok
+
+
+def _batched(items: list[str], size: int) -> Iterator[list[str]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def encode_documents(tokenizer: object, texts: list[str]) -> torch.Tensor:
+    """One 1-D token stream (int32): every document followed by the end-of-text token."""
+    eos = tokenizer.eos_token_id
+    chunks: list[torch.Tensor] = []
+    for batch in _batched(texts, 256):
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            chunks.append(torch.tensor(ids + [eos], dtype=torch.int32))
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int32)

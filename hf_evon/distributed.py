@@ -1,0 +1,390 @@
+"""EVON under data parallelism (``accelerate launch``, ``torchrun``; DDP on CPUs or GPUs).
+
+Why this is needed: each rank samples its *own* posterior noise ``E_r``, and EVON's Hessian
+estimate needs ``G°_r ⊙ E_r`` formed from the rank's *own* gradient ``G_r``. DDP averages the
+gradients during ``backward()``, before EVON can form that product, so the correct aggregate
+(the mean over ranks of ``G_r``, ``G°_r`` and ``G°_r ⊙ E_r / V``) cannot be recovered from
+DDP's result. The fix is one call after ``accelerator.prepare``::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    evon = hf_evon.prepare_distributed(model, optimizer)   # the EVON inside `optimizer`
+    for batch in loader:
+        with accelerator.accumulate(model):
+            with evon.sampled_params(train=True):
+                accelerator.backward(model(**batch).loss)
+            optimizer.step()            # averages gradients + Hessian numerators, once
+            optimizer.zero_grad()
+
+What it does:
+
+* stops DDP's own gradient averaging by registering a communication hook that hands back
+  each rank's local gradient bucket unchanged (no communication in ``backward``; so
+  ``no_sync``/``accelerator.accumulate`` change nothing either);
+* sets ``optimizer.gradient_reducer``: ``EVON.synchronize()`` (run by ``step()``, once per
+  step) passes it every gradient (EVON- *and* AdamW-owned: the AdamW parameters end up
+  averaged exactly like plain DDP) and each bucket's Hessian numerator ``Σ_s G°_s ⊙ z_s``;
+  it averages them across ranks in a few flat all-reduces (one per dtype/device and
+  ``bucket_cap_mb`` chunk);
+* gives every rank rank 0's noise seed, so a job is reproducible from one seed while each
+  rank still draws its own stream (EVON seeds rank ``r`` with ``seed + 1_000_003·r``).
+
+All ranks then apply the same update to the same weights and hold identical optimizer state.
+
+Mistakes are reported, not silently trained through: forgetting this call makes the first
+``step()`` raise in a multi-process job; preparing a model that is not the DDP-wrapped one
+while DDP still averages is detected at the first noisy steps; ranks that disagree on which
+gradients exist raise instead of hanging.
+
+FSDP (v1 ``FullyShardedDataParallel`` and FSDP2 ``fully_shard``), DTensor-sharded parameters
+and DeepSpeed are **not supported**: EVON's eigenbasis is per whole weight matrix, and a rank
+holding a shard (or a flattened 1-D view) would silently train a different, wrong posterior.
+:func:`prepare_distributed` raises :class:`UnsupportedParallelismError` for them. Use DDP
+(``accelerate launch`` without an FSDP/DeepSpeed config).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .optim.evon import EVON
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "RankAverager",
+    "UnsupportedParallelismError",
+    "check_ranks_in_sync",
+    "check_supported_parallelism",
+    "prepare_distributed",
+    "unwrap_optimizer",
+]
+
+_PREPARED_ATTR = "_hf_evon_local_gradients"
+
+
+class UnsupportedParallelismError(RuntimeError):
+    """The model is sharded (FSDP, FSDP2, DTensor, DeepSpeed): EVON cannot train it correctly."""
+
+
+def _is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if _is_initialized() else 1
+
+
+def unwrap_optimizer(optimizer: Any) -> EVON:
+    """The ``EVON`` inside ``optimizer`` (e.g. accelerate's ``AcceleratedOptimizer``)."""
+    seen = optimizer
+    for _ in range(8):
+        if isinstance(seen, EVON):
+            return seen
+        seen = getattr(seen, "optimizer", None)
+        if seen is None:
+            break
+    raise TypeError(
+        f"expected an hf_evon.EVON optimizer (possibly wrapped by accelerate), got {type(optimizer).__name__}; "
+        "other optimizers need no preparation for DDP"
+    )
+
+
+def _module_chain(model: nn.Module) -> list[nn.Module]:
+    """``model`` and the modules it wraps (``torch.compile``'s ``_orig_mod``, DDP's ``module``)."""
+    out: list[nn.Module] = []
+    m: Any = model
+    while isinstance(m, nn.Module) and all(m is not x for x in out):
+        out.append(m)
+        m = getattr(m, "_orig_mod", None) or getattr(m, "module", None)
+    return out
+
+
+def check_supported_parallelism(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedParallelismError` for FSDP/FSDP2/DTensor/DeepSpeed models.
+
+    EVON's posterior (and its eigenbasis) is defined per whole weight matrix; a sharded or
+    flattened parameter would be trained as a different matrix, i.e. wrongly, so we refuse.
+    """
+    hint = (
+        "EVON needs every rank to hold whole weight matrices; use plain DDP (`accelerate launch` without "
+        "an FSDP/DeepSpeed config) instead"
+    )
+    chain = _module_chain(model)
+    if any(type(m).__name__ == "DeepSpeedEngine" for m in chain):
+        raise UnsupportedParallelismError(
+            f"EVON cannot run under DeepSpeed (ZeRO partitions the weights): {hint}"
+        )
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        FullyShardedDataParallel = ()  # type: ignore[assignment,misc]  # noqa: N806
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()  # type: ignore[assignment,misc]  # noqa: N806
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        DTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
+    for root in chain:
+        for name, mod in root.named_modules():
+            if isinstance(mod, FullyShardedDataParallel):
+                raise UnsupportedParallelismError(
+                    f"EVON cannot run under FSDP (module {name or type(mod).__name__!r} is FullyShardedDataParallel): {hint}"
+                )
+            if isinstance(mod, FSDPModule):
+                raise UnsupportedParallelismError(
+                    f"EVON cannot run under FSDP2 (module {name or type(mod).__name__!r} was fully_shard()-ed): {hint}"
+                )
+        for name, p in root.named_parameters():
+            if isinstance(p, DTensor):
+                raise UnsupportedParallelismError(
+                    f"EVON cannot train DTensor-sharded parameters (e.g. {name!r}, placements "
+                    f"{getattr(p, 'placements', '?')}): {hint}"
+                )
+
+
+def _local_gradient_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: no communication; every rank keeps its own (unscaled) gradient."""
+    fut: torch.futures.Future[Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# DDP validates the hook's annotations by identity; `from __future__ import annotations` made them strings
+_local_gradient_hook.__annotations__ = {
+    "state": Any,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[Tensor],
+}
+
+
+def _ddp_modules(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
+    found = []
+    for root in _module_chain(model):
+        for mod in root.modules():
+            if isinstance(mod, nn.parallel.DistributedDataParallel) and all(mod is not f for f in found):
+                found.append(mod)
+    return found
+
+
+class RankAverager:
+    """``EVON.gradient_reducer``: averages a list of tensors across ranks, in place.
+
+    Tensors are packed per (device, dtype) into flat buffers of at most ``bucket_cap_mb``,
+    each all-reduced once (asynchronously, all in flight together), divided by the world size
+    and unpacked. All ranks end with bitwise identical values.
+
+    Args:
+        group: the data-parallel process group (default: the whole world).
+        bucket_cap_mb: upper bound of one flat buffer (bounds the extra memory).
+        check_consistency: before reducing, check (one tiny all-reduce) that every rank passes
+            the same number of tensors and elements, and raise instead of hanging if not.
+        verify_local_gradients: at the first noisy steps, check that the ranks' gradients
+            differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
+        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        bucket_cap_mb: float = 64.0,
+        check_consistency: bool = True,
+        verify_local_gradients: bool = False,
+        optimizer: EVON | None = None,
+    ) -> None:
+        self.group = group
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.check_consistency = check_consistency
+        self.verify_local_gradients = verify_local_gradients
+        self.optimizer = optimizer
+        self.calls = 0  # how many times it averaged (once per optimizer step)
+        self._verifications_left = 3
+
+    def __call__(self, tensors: list[Tensor]) -> None:
+        self.calls += 1
+        world = _world_size(self.group)
+        if world == 1 or not tensors:
+            return
+        if self.check_consistency:
+            self._check_same_structure(tensors)
+        if self.verify_local_gradients and self._verifications_left > 0:
+            self._verify_local(tensors)
+        works = []
+        buckets = self._buckets(tensors)
+        flats = []
+        for bucket in buckets:
+            flat = _flatten_dense_tensors(bucket)
+            flats.append(flat)
+            works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        for bucket, flat, work in zip(buckets, flats, works):
+            work.wait()
+            flat.div_(world)
+            torch._foreach_copy_(bucket, list(_unflatten_dense_tensors(flat, bucket)))
+
+    def _buckets(self, tensors: list[Tensor]) -> list[list[Tensor]]:
+        by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for t in tensors:
+            if t.is_sparse:
+                raise TypeError("EVON's gradient reducer does not support sparse gradients")
+            key = (t.device, t.dtype)
+            nbytes = t.numel() * t.element_size()
+            chunks = by_kind.setdefault(key, [[]])
+            if chunks[-1] and sizes.get(key, 0) + nbytes > self.bucket_cap_bytes:
+                chunks.append([])
+                sizes[key] = 0
+            chunks[-1].append(t)
+            sizes[key] = sizes.get(key, 0) + nbytes
+        return [chunk for chunks in by_kind.values() for chunk in chunks]
+
+    def _check_same_structure(self, tensors: list[Tensor]) -> None:
+        count, numel = len(tensors), sum(t.numel() for t in tensors)
+        sig = torch.tensor([count, numel, -count, -numel], dtype=torch.int64, device=tensors[0].device)
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
+        hi_count, hi_numel, lo_count, lo_numel = sig.tolist()
+        if (hi_count, hi_numel) != (-lo_count, -lo_numel):
+            raise RuntimeError(
+                "EVON: the ranks disagree on which gradients to average (tensors per rank between "
+                f"{-lo_count} and {hi_count}, elements between {-lo_numel} and {hi_numel}; this rank: "
+                f"{count}, {numel}). Every rank must run the same sampled_params() blocks and produce "
+                "gradients for the same parameters (with DDP, find_unused_parameters=True gives "
+                "unused parameters zero gradients)"
+            )
+
+    def _verify_local(self, tensors: list[Tensor]) -> None:
+        opt = self.optimizer
+        if opt is None:
+            return
+        num_acc = sum(b.acc is not None for b in opt.buckets)
+        if num_acc == 0:  # no noise in this step (ess=inf, a clean phase): ranks may agree
+            return
+        self._verifications_left -= 1
+        grads = tensors[: len(tensors) - num_acc]
+        if not grads:
+            return
+        fingerprint = torch.stack(
+            [g.detach().double().square().sum() + g.detach().double().sum() for g in grads]
+        ).sum()
+        if fingerprint.item() == 0.0:
+            return
+        both = torch.stack([fingerprint, -fingerprint])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if both[0].item() == -both[1].item():
+            raise RuntimeError(
+                "EVON: every rank has bitwise the same gradients at its own posterior sample, so something "
+                "averaged them before EVON could form each rank's Hessian estimate. The model that runs "
+                "forward/backward is probably DDP-wrapped but was not the one passed to "
+                "hf_evon.prepare_distributed(model, optimizer): pass the model returned by "
+                "accelerator.prepare() (the DDP wrapper), not an unwrapped module"
+            )
+
+
+def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
+    """Give every rank rank 0's seed; (re)create generators that were seeded otherwise."""
+    seed = torch.tensor([evon.seed], dtype=torch.int64, device=device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(seed, src=src, group=group)
+    evon.seed = int(seed.item())
+    expected = (evon.seed + 1_000_003 * evon._rank()) % 2**63
+    for dev, gen in list(evon._generators.items()):
+        if gen.initial_seed() != expected:  # made before the rank was known, or another seed
+            del evon._generators[dev]
+
+
+def prepare_distributed(
+    model: nn.Module,
+    optimizer: Any,
+    *,
+    process_group: Any = None,
+    bucket_cap_mb: float = 64.0,
+    check_consistency: bool = True,
+) -> EVON:
+    """Make an EVON optimizer correct under data parallelism; call after ``accelerator.prepare``.
+
+    Args:
+        model: the model as prepared (the DDP wrapper from ``accelerator.prepare``/``DDP(...)``).
+        optimizer: ``EVON`` or a wrapper of it (accelerate's ``AcceleratedOptimizer``).
+        process_group: the data-parallel group (default: the world).
+        bucket_cap_mb: size bound of one flat all-reduce buffer.
+        check_consistency: check every step that all ranks reduce the same tensors.
+
+    Returns:
+        The ``EVON`` instance (for ``sampled_params``, which wrappers do not forward).
+
+    Raises:
+        UnsupportedParallelismError: FSDP, FSDP2, DTensor-sharded or DeepSpeed models.
+        RuntimeError: DDP already has another communication hook.
+        TypeError: ``optimizer`` is not EVON.
+
+    Safe to call in a single process (it then only checks the model) and more than once.
+    """
+    evon = unwrap_optimizer(optimizer)
+    check_supported_parallelism(model)
+    ddps = _ddp_modules(model)
+    for ddp in ddps:
+        if getattr(ddp, _PREPARED_ATTR, False):
+            continue
+        try:
+            ddp.register_comm_hook(state=None, hook=_local_gradient_hook)
+        except RuntimeError as err:
+            raise RuntimeError(
+                "could not stop DDP's gradient averaging: this DDP model already has a communication hook "
+                "(e.g. accelerate's DistributedDataParallelKwargs(comm_hook=...)) or has run backward already. "
+                "Remove the hook and call hf_evon.prepare_distributed right after accelerator.prepare()"
+            ) from err
+        setattr(ddp, _PREPARED_ATTR, True)
+    if _world_size(process_group) == 1:
+        return evon
+    params = [p for g in evon.param_groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    _sync_seed(evon, process_group, device)
+    covered = {id(p) for d in ddps for p in d.parameters()}
+    evon.gradient_reducer = RankAverager(
+        group=process_group,
+        bucket_cap_mb=bucket_cap_mb,
+        check_consistency=check_consistency,
+        # a plain module in a multi-process job: fine for hand-made data parallelism, wrong if
+        # a DDP wrapper we were not given still averages -> check the first noisy steps
+        verify_local_gradients=not all(id(p) in covered for p in params),
+        optimizer=evon,
+    )
+    return evon
+
+
+def check_ranks_in_sync(model: nn.Module, optimizer: Any, group: Any = None) -> None:
+    """Raise if any rank's weights or EVON/AdamW state differ bitwise from rank 0's.
+
+    A debugging aid (it all-reduces a checksum per tensor); after every step of a prepared
+    job all ranks must agree exactly.
+    """
+    if _world_size(group) == 1:
+        return
+    evon = unwrap_optimizer(optimizer)
+    named: list[tuple[str, Tensor]] = [(f"param {n}", p) for n, p in model.named_parameters()]
+    for gi, g in enumerate(evon.param_groups):
+        for pi, p in enumerate(g["params"]):
+            for k, v in sorted(evon.state.get(p, {}).items()):
+                if torch.is_tensor(v):
+                    named.append((f"state[{gi}][{pi}][{k}]", v))
+    if not named:
+        return
+    device = named[0][1].device
+
+    def checksum(t: Tensor) -> Tensor:
+        x = t.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        w = torch.arange(1, x.numel() + 1, device=device, dtype=torch.float64)
+        return (x * w.remainder(97).add(1)).sum()
+
+    local = torch.stack([checksum(t) for _, t in named])
+    both = torch.cat([local, -local])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    diff = (both[: len(named)] != -both[len(named) :]).nonzero().flatten().tolist()
+    if diff:
+        names = ", ".join(named[i][0] for i in diff[:5])
+        raise RuntimeError(f"ranks are out of sync in {len(diff)} tensors, e.g. {names}")

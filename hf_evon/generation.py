@@ -1,0 +1,348 @@
+"""Bayesian model averaging (BMA) for causal language models with an EVON posterior.
+
+``generate_bma`` decodes with the BMA predictive: at every step the next-token
+*probabilities* of S weight samples are averaged (log-mean-exp of log-softmax, never a mean
+of logits), then the usual logits processors, stopping criteria and token choice of
+``model.generate`` apply to ``log p̄``. ``bma_log_likelihood`` scores given sequences under
+the same predictive (evaluation loss / perplexity).
+
+Speed: the S samples are not S models. They run as one forward of batch ``S·B``
+(sample-major) in which only the posterior's matrices have S versions, applied by batched
+matmuls (see ``hf_evon._batched_samples``); each sample has its own rows of one shared KV
+cache, reused across steps. The weights are drawn once per call from ``seed`` and kept for
+the whole sequence. The model's parameters are never written.
+
+``generate_bma`` plugs into ``model.generate(custom_generate=<callable>)``: transformers
+prepares the generation config, attention mask, position ids, logits processors and
+stopping criteria exactly as for ``model.generate``; only the decoding loop is ours.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._batched_samples import BatchedSamples, log_mean_prob
+
+Tensor = torch.Tensor
+
+__all__ = ["BMALogLikelihood", "bma_log_likelihood", "generate_bma"]
+
+_UNSUPPORTED_KWARGS = ("assistant_model", "synced_gpus", "prefix_allowed_tokens_fn", "past_key_values")
+
+
+def _generation_model(model: nn.Module) -> nn.Module:
+    """The transformers model whose ``generate``/``forward`` to run (PEFT: the LoRA-injected base)."""
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        config = model.active_peft_config if hasattr(model, "active_peft_config") else None
+        if config is not None and getattr(config, "is_prompt_learning", False):
+            raise NotImplementedError("BMA decoding supports LoRA-style PEFT models, not prompt learning")
+        return model.get_base_model()
+    return model
+
+
+def _expand_samples(value: Any, num_samples: int, batch: int) -> Any:
+    """Repeat a per-row tensor for every sample (sample-major); leave broadcast rows alone."""
+    if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch:
+        return value.repeat(num_samples, *([1] * (value.ndim - 1)))
+    return value
+
+
+def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Generator | None):
+    """The decoding loop handed to ``model.generate(custom_generate=...)``."""
+    from transformers import DynamicCache
+    from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode
+
+    num_samples = sampler.num_samples
+
+    def bma_decode(
+        model: nn.Module,
+        input_ids: Tensor,
+        logits_processor: Any,
+        stopping_criteria: Any,
+        generation_config: Any,
+        **model_kwargs: Any,
+    ) -> Any:
+        mode = generation_config.get_generation_mode()
+        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+            raise ValueError(
+                f"generate_bma supports greedy decoding and sampling, not {mode.value} "
+                "(num_beams, penalty_alpha, dola_layers must keep their defaults)"
+            )
+        if not hasattr(model, "_prefill"):
+            import transformers
+
+            raise RuntimeError(
+                f"generate_bma drives transformers' decoding helpers (_prefill, _update_model_kwargs_for_generation) "
+                f"of transformers 5.x (tested with 5.23); this is transformers {transformers.__version__}"
+            )
+        if model.config.is_encoder_decoder:
+            raise ValueError("generate_bma supports decoder-only (causal) language models")
+        pad_token_id = generation_config._pad_token_tensor
+        return_dict = generation_config.return_dict_in_generate
+        want = {
+            k: return_dict and getattr(generation_config, k)
+            for k in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+        }
+        scores: tuple[Tensor, ...] = ()
+        raw_logits: tuple[Tensor, ...] = ()
+        attentions: tuple[Any, ...] = ()
+        hidden_states: tuple[Any, ...] = ()
+        has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        batch = input_ids.shape[0]
+        unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+        if pad_token_id is not None:
+            pad_token_id = pad_token_id.to(input_ids.device)
+
+        # every sample gets its own rows (sample-major) and thereby its own KV cache entries
+        kwargs = {k: _expand_samples(v, num_samples, batch) for k, v in model_kwargs.items()}
+        if kwargs.get("use_cache", True) and "past_key_values" in kwargs:
+            kwargs["past_key_values"] = DynamicCache(config=model.config.get_text_config(decoder=True))
+        expanded_ids = input_ids.repeat(num_samples, 1)
+        outputs = model._prefill(expanded_ids, generation_config, kwargs)
+        while True:
+            kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
+            logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
+            log_probs = log_mean_prob(torch.log_softmax(logits, dim=-1).view(num_samples, batch, -1))
+            next_scores = logits_processor(input_ids, log_probs)
+            if want["output_scores"]:
+                scores += (next_scores,)
+            if want["output_logits"]:
+                raw_logits += (log_probs,)
+            if want["output_attentions"]:
+                attentions += (outputs.attentions,)
+            if want["output_hidden_states"]:
+                hidden_states += (outputs.hidden_states,)
+            del outputs
+
+            if generation_config.do_sample:
+                probs = torch.softmax(next_scores, dim=-1)
+                next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+            else:
+                next_tokens = torch.argmax(next_scores, dim=-1)
+            if has_eos_stopping_criteria:  # finished sequences continue with padding
+                next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            expanded_ids = torch.cat([expanded_ids, next_tokens.repeat(num_samples)[:, None]], dim=-1)
+            unfinished = unfinished & ~stopping_criteria(input_ids, scores if want["output_scores"] else None)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            if unfinished.max() == 0:
+                break
+            step = 1 if kwargs.get("use_cache", True) else None
+            model_inputs = model.prepare_inputs_for_generation(
+                expanded_ids, next_sequence_length=step, **kwargs
+            )
+            outputs = model(**model_inputs, return_dict=True)
+
+        if streamer is not None:
+            streamer.end()
+        if not return_dict:
+            return input_ids
+        return GenerateDecoderOnlyOutput(
+            sequences=input_ids,
+            scores=scores if want["output_scores"] else None,
+            logits=raw_logits if want["output_logits"] else None,
+            attentions=attentions if want["output_attentions"] else None,
+            hidden_states=hidden_states if want["output_hidden_states"] else None,
+            past_key_values=None,  # S·B rows, not reusable by a plain generate call
+        )
+
+    return bma_decode
+
+
+@torch.no_grad()
+def generate_bma(
+    model: nn.Module,
+    posterior: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    num_samples: int = 8,
+    seed: int | None = None,
+    **generation_kwargs: Any,
+) -> Any:
+    """Generate with the BMA predictive: next-token probabilities averaged over S samples.
+
+    Args:
+        model: a transformers causal LM (or a PEFT LoRA model) holding the posterior mean.
+        posterior: an ``EVONPosterior`` over (some of) ``model.named_parameters()``.
+        input_ids: ``(B, T)`` prompts, left-padded for batches (as for ``model.generate``).
+        attention_mask: ``(B, T)``; derived from ``pad_token_id`` when omitted, as transformers does.
+        num_samples: S, the number of weight samples (drawn once, kept for the whole call).
+        seed: makes the call reproducible: seeds the weight draw and the token sampling of
+            ``do_sample=True`` (``seed=None``: fresh weights, torch's global RNG for tokens).
+        **generation_kwargs: anything ``model.generate`` takes for greedy/sampling:
+            ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+            ``repetition_penalty`` and the other processors, ``eos_token_id``, ``pad_token_id``,
+            ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
+            ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ``stop_strings``
+            (with ``tokenizer``). Beam search and assisted decoding are not supported.
+
+    Returns:
+        As ``model.generate``: the ``(B, T + new)`` token ids, or with
+        ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` whose ``scores`` are
+        the processed ``log p̄`` (the log of the averaged probabilities after the logits
+        processors) and whose ``logits`` are the unprocessed ``log p̄``. Attentions and hidden
+        states, if requested, are per sample (batch ``S·B``, sample-major).
+    """
+    for key in _UNSUPPORTED_KWARGS:
+        if generation_kwargs.get(key) is not None:
+            raise ValueError(f"generate_bma does not support {key!r}")
+    if generation_kwargs.get("cache_implementation") not in (None, "dynamic"):
+        raise ValueError(
+            "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
+        )
+    streamer = generation_kwargs.pop("streamer", None)
+    tokenizer = generation_kwargs.pop("tokenizer", None)
+    stop_strings = generation_kwargs.pop("stop_strings", None)
+    if stop_strings is not None:
+        # transformers drops ``tokenizer`` for callable ``custom_generate``: build the criterion here
+        from transformers import StoppingCriteriaList, StopStringCriteria
+
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=...")
+        criteria = StoppingCriteriaList(generation_kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+        generation_kwargs["stopping_criteria"] = criteria
+
+    gen_model = _generation_model(model)
+    if hasattr(posterior, "check_model"):
+        posterior.check_model(model)
+    generator = None
+    if seed is not None:  # do_sample may also come from the model's generation_config
+        generator = torch.Generator(device=input_ids.device)
+        generator.manual_seed((int(seed) * 2654435761 + 1) % 2**63)  # distinct from the weight draw
+    with BatchedSamples(model, posterior, num_samples, seed=seed) as sampler:
+        decoder = _make_decoder(sampler, streamer, generator)
+        return gen_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            streamer=streamer,
+            custom_generate=decoder,
+            **generation_kwargs,
+        )
+
+
+@dataclass
+class BMALogLikelihood:
+    """Per-token log-likelihoods of sequences under the BMA predictive (and per sample).
+
+    Positions follow the causal-LM convention of transformers: entry ``t`` scores token
+    ``t+1`` given tokens ``≤ t``, so tensors have length ``T - 1``.
+
+    Attributes:
+        token_log_probs: ``(B, T-1)`` ``log p̄(x_{t+1} | x_{≤t})``, 0 where not scored.
+        mask: ``(B, T-1)`` bool, the scored positions (labels ≠ -100).
+        sample_token_log_probs: ``(S, B, T-1)`` the same under each sample alone.
+
+    ``loss`` is the mean negative log-likelihood per scored token (what a causal LM's
+    ``loss`` is), ``perplexity = exp(loss)``, ``sequence_log_likelihood`` the per-sequence sums.
+    """
+
+    token_log_probs: Tensor
+    mask: Tensor
+    sample_token_log_probs: Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return self.sample_token_log_probs.shape[0]
+
+    @property
+    def num_tokens(self) -> Tensor:
+        """``(B,)`` scored tokens per sequence."""
+        return self.mask.sum(-1)
+
+    @property
+    def sequence_log_likelihood(self) -> Tensor:
+        """``(B,)`` ``Σ_t log p̄``: the log-likelihood of each sequence under the BMA predictive."""
+        return (self.token_log_probs * self.mask).sum(-1)
+
+    @property
+    def loss(self) -> Tensor:
+        """Mean NLL per scored token over the whole batch (a scalar)."""
+        return -self.sequence_log_likelihood.sum() / self.mask.sum().clamp(min=1)
+
+    @property
+    def perplexity(self) -> Tensor:
+        return torch.exp(self.loss)
+
+    @property
+    def sample_losses(self) -> Tensor:
+        """``(S,)`` the loss of each sample alone (no averaging)."""
+        total = (self.sample_token_log_probs * self.mask).sum((-1, -2))
+        return -total / self.mask.sum().clamp(min=1)
+
+    def group_loss(self, k: int) -> Tensor:
+        """Expected BMA loss with ``k`` samples: the mean over the ``S // k`` disjoint groups
+        of ``k`` consecutive samples (a less noisy gain-vs-S curve than one group)."""
+        if not 1 <= k <= self.num_samples:
+            raise ValueError(f"k must be in [1, {self.num_samples}]; got {k}")
+        groups = self.sample_token_log_probs[: (self.num_samples // k) * k]
+        groups = groups.reshape(self.num_samples // k, k, *groups.shape[1:])
+        nll = -(log_mean_prob(groups, dim=1) * self.mask).sum((-1, -2)) / self.mask.sum().clamp(min=1)
+        return nll.mean()
+
+    def first(self, k: int) -> BMALogLikelihood:
+        """The BMA of the first ``k`` samples only (gain-vs-S curves from one call)."""
+        if not 1 <= k <= self.num_samples:
+            raise ValueError(f"k must be in [1, {self.num_samples}]; got {k}")
+        sub = self.sample_token_log_probs[:k]
+        return BMALogLikelihood((log_mean_prob(sub) * self.mask), self.mask, sub)
+
+
+@torch.no_grad()
+def bma_log_likelihood(
+    model: nn.Module,
+    posterior: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    labels: Tensor | None = None,
+    num_samples: int = 8,
+    seed: int | None = None,
+) -> BMALogLikelihood:
+    """Log-likelihood of ``input_ids`` under the BMA predictive ``p̄ = 1/S Σ_s p(· | W_s)``.
+
+    One forward of batch ``S·B`` (as in ``generate_bma``). ``labels`` follow transformers'
+    convention (same shape as ``input_ids``, ``-100`` = not scored, shifted inside); by default
+    they are ``input_ids`` with padding (``attention_mask == 0``) ignored. With an attention
+    mask, position ids are counted from the first real token, so left- and right-padded
+    sequences score as they would alone. Loss and perplexity: ``result.loss``,
+    ``result.perplexity``; see ``BMALogLikelihood``.
+    """
+    gen_model = _generation_model(model)
+    if hasattr(posterior, "check_model"):
+        posterior.check_model(model)
+    if labels is None:
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+    batch = input_ids.shape[0]
+    inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
+    if attention_mask is not None and "position_ids" in inspect.signature(gen_model.forward).parameters:
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        inputs["position_ids"] = positions.repeat(num_samples, 1)
+    targets = labels[:, 1:]
+    mask = targets != -100
+    safe_targets = targets.masked_fill(~mask, 0)
+    with BatchedSamples(model, posterior, num_samples, seed=seed):
+        logits = gen_model(**inputs, return_dict=True).logits
+    per_sample = []
+    for s in range(num_samples):  # one sample at a time keeps the float32 copy small
+        chunk = logits[s * batch : (s + 1) * batch, :-1].float()
+        lp = torch.log_softmax(chunk, dim=-1).gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
+        per_sample.append(lp.masked_fill(~mask, 0.0))
+    del logits
+    sample_lp = torch.stack(per_sample)
+    return BMALogLikelihood(log_mean_prob(sample_lp) * mask, mask, sample_lp)
+
+
+def bma_loss_curve(result: BMALogLikelihood, sizes: list[int] | None = None) -> dict[int, float]:
+    """Expected BMA loss for ``k`` samples (``group_loss``), for each ``k`` in ``sizes`` (default 1, 2, 4, …)."""
+    if sizes is None:
+        sizes = [2**i for i in range(int(math.log2(result.num_samples)) + 1)]
+    return {k: float(result.group_loss(k)) for k in sizes}

@@ -1,0 +1,188 @@
+"""Calibration metrics for (BMA) evaluation: accuracy, NLL, ECE and the Brier score.
+
+One implementation, used by ``EVONTrainer.evaluate`` and by the ``evaluate`` modules shipped
+in ``hf_evon/metrics_modules`` (load them offline with :func:`load_metric`, e.g.
+``load_metric("ece")``, and combine them with other metrics in your ``compute_metrics``).
+
+Every function takes ``predictions`` of shape ``(N, C)`` and integer ``references`` of shape
+``(N,)``. ``input_type`` says what the predictions are:
+
+* ``"probs"`` (default): class probabilities, rows summing to one;
+* ``"logits"``: unnormalised scores, turned into probabilities with a softmax;
+* ``"log_probs"``: log-probabilities (e.g. a BMA predictive, ``logsumexp_s log p_s − log S``).
+
+Items whose reference equals ``ignore_index`` (default ``-100``, the transformers convention)
+are left out, so flattened token-classification outputs can be passed directly. Inputs may
+be numpy arrays, torch tensors or nested lists; the computation runs in float64 and every
+function returns a Python ``float``.
+
+Definitions (N items, C classes, ``p_i`` the predicted distribution of item ``i``, ``y_i`` its label):
+
+* accuracy ``= (1/N) Σ_i [argmax_c p_ic = y_i]``;
+* negative log-likelihood ``= −(1/N) Σ_i log p_{i, y_i}`` (natural log);
+* Brier score ``= (1/N) Σ_i Σ_c (p_ic − [c = y_i])²``, the multi-class Brier score in ``[0, 2]``;
+* expected calibration error (Guo et al., 2017) with ``n_bins`` equal-width confidence bins
+  ``B_b = {i : (b−1)/n_bins < max_c p_ic ≤ b/n_bins}``:
+  ``ECE = Σ_b (|B_b|/N) · |acc(B_b) − conf(B_b)|``, where ``acc`` is the fraction of correct
+  argmax predictions and ``conf`` the mean top probability in the bin.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "INPUT_TYPES",
+    "METRIC_MODULES",
+    "accuracy",
+    "brier_score",
+    "calibration_metrics",
+    "expected_calibration_error",
+    "load_metric",
+    "metric_module_path",
+    "negative_log_likelihood",
+]
+
+INPUT_TYPES = ("probs", "logits", "log_probs")
+
+# module folder name -> accepted aliases for load_metric
+METRIC_MODULES: dict[str, tuple[str, ...]] = {
+    "expected_calibration_error": ("ece", "expected_calibration_error"),
+    "brier_score": ("brier", "brier_score"),
+    "negative_log_likelihood": ("nll", "negative_log_likelihood"),
+}
+
+
+def _as_tensor(x: Any, dtype: torch.dtype) -> Tensor:
+    if isinstance(x, Tensor):
+        return x.detach().to("cpu", dtype)
+    return torch.as_tensor(x, dtype=dtype)
+
+
+def _log_probs(
+    predictions: Any, references: Any, input_type: str, ignore_index: int | None
+) -> tuple[Tensor, Tensor]:
+    """Validated ``(log p (N, C) float64, labels (N,) int64)`` with ignored items removed."""
+    if input_type not in INPUT_TYPES:
+        raise ValueError(f"input_type must be one of {INPUT_TYPES}; got {input_type!r}")
+    preds = _as_tensor(predictions, torch.float64)
+    labels = _as_tensor(references, torch.float64)
+    if preds.ndim != 2:
+        raise ValueError(f"predictions must have shape (N, C); got {tuple(preds.shape)}")
+    if labels.ndim != 1 or labels.shape[0] != preds.shape[0]:
+        raise ValueError(
+            f"references must have shape (N,) matching predictions {tuple(preds.shape)}; got {tuple(labels.shape)}"
+        )
+    if not bool(torch.all(labels == labels.round())):
+        raise ValueError("references must be integer class indices")
+    labels = labels.long()
+    if ignore_index is not None:
+        keep = labels != ignore_index
+        preds, labels = preds[keep], labels[keep]
+    if preds.shape[0] == 0:
+        raise ValueError("no items to evaluate (empty input, or every reference is ignore_index)")
+    num_classes = preds.shape[1]
+    if bool(((labels < 0) | (labels >= num_classes)).any()):
+        raise ValueError(f"references must be in [0, {num_classes}); got values outside")
+    if input_type == "logits":
+        return torch.log_softmax(preds, dim=-1), labels
+    if input_type == "log_probs":
+        if bool((preds > 1e-6).any()):
+            raise ValueError("log_probs must be <= 0")
+        return preds, labels
+    if bool((preds < 0).any()) or not torch.allclose(preds.sum(-1), torch.ones(()).double(), atol=1e-3):
+        raise ValueError(
+            "probs must be non-negative with rows summing to 1 (pass input_type='logits' or 'log_probs' otherwise)"
+        )
+    return preds.log(), labels
+
+
+def accuracy(
+    predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
+) -> float:
+    """Fraction of items whose most probable class is the reference."""
+    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
+    return float((logp.argmax(-1) == labels).double().mean())
+
+
+def negative_log_likelihood(
+    predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
+) -> float:
+    """Mean ``−log p(reference)`` (natural log); ``inf`` if a reference has probability 0."""
+    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
+    return float(-logp.gather(1, labels[:, None]).mean())
+
+
+def brier_score(
+    predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
+) -> float:
+    """Mean over items of ``Σ_c (p_c − onehot_c)²`` (multi-class Brier score, in [0, 2])."""
+    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
+    probs = logp.exp()
+    onehot = torch.nn.functional.one_hot(labels, probs.shape[1]).double()
+    return float((probs - onehot).square().sum(-1).mean())
+
+
+def expected_calibration_error(
+    predictions: Any,
+    references: Any,
+    n_bins: int = 15,
+    input_type: str = "probs",
+    ignore_index: int | None = -100,
+) -> float:
+    """Top-label ECE with ``n_bins`` equal-width bins over the confidence (0, 1]."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
+    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
+    conf, pred = logp.exp().max(-1)
+    correct = (pred == labels).double()
+    # bin b (0-based) holds (u_b, u_{b+1}] with u = linspace(0, 1, n_bins + 1): its index is the
+    # number of inner boundaries strictly below the confidence (exact at the boundaries)
+    inner = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64)[1:-1]
+    bins = torch.searchsorted(inner, conf, side="left")
+    acc_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, correct)
+    conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, conf)
+    # Σ_b (|B_b|/N) |acc_b − conf_b| = Σ_b |Σ_{i∈B_b} (correct_i − conf_i)| / N
+    return float((acc_sum - conf_sum).abs().sum() / conf.shape[0])
+
+
+def calibration_metrics(
+    predictions: Any,
+    references: Any,
+    input_type: str = "probs",
+    n_bins: int = 15,
+    ignore_index: int | None = -100,
+) -> dict[str, float]:
+    """``{"nll", "accuracy", "ece", "brier"}`` in one call (the keys ``EVONTrainer`` reports)."""
+    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
+    return {
+        "nll": negative_log_likelihood(logp, labels, "log_probs", None),
+        "accuracy": accuracy(logp, labels, "log_probs", None),
+        "ece": expected_calibration_error(logp, labels, n_bins, "log_probs", None),
+        "brier": brier_score(logp, labels, "log_probs", None),
+    }
+
+
+def metric_module_path(name: str) -> str:
+    """Folder of the packaged ``evaluate`` module for ``name`` (``"ece"``, ``"brier"``, ``"nll"`` or full names)."""
+    for folder, aliases in METRIC_MODULES.items():
+        if name in aliases:
+            return os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics_modules", folder)
+    known = sorted(a for aliases in METRIC_MODULES.values() for a in aliases)
+    raise ValueError(f"unknown hf-evon metric {name!r}; choose one of {known}")
+
+
+def load_metric(name: str, **kwargs: Any) -> Any:
+    """``evaluate.load`` of a packaged calibration metric, from its local folder (no network).
+
+    ``name``: ``"ece"``/``"expected_calibration_error"``, ``"brier"``/``"brier_score"`` or
+    ``"nll"``/``"negative_log_likelihood"``. ``kwargs`` go to ``evaluate.load``.
+    """
+    import evaluate
+
+    return evaluate.load(metric_module_path(name), **kwargs)

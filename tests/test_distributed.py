@@ -1,0 +1,318 @@
+"""EVON under 2-process data parallelism (CPU, gloo), launched by ``accelerate launch``.
+
+One launch of ``tests/distributed_worker.py`` runs every scenario; the checks here recompute
+what each rank should have done from the raw material the ranks saved (their batches,
+sampled weights and noise), independently of the optimizer's code.
+
+Launch command: ``accelerate launch --multi_gpu --num_processes 2``. On a machine without
+GPUs this starts 2 CPU processes (torchrun) and accelerate uses DDP over gloo; with accelerate
+1.15 ``--cpu --num_processes 2`` starts a single process unless an MPI hostfile is given.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hf_evon import build_optimizer, prepare_distributed
+from hf_evon.distributed import RankAverager, UnsupportedParallelismError, unwrap_optimizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "distributed_worker.py")
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+worker = _load_worker()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ddp")
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        WORKER,
+        str(out),
+    ]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    print(f"2-process worker: {time.time() - start:.1f}s")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_gradients(weights: dict, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A rank's own gradient at its sampled weights, recomputed here on a plain model."""
+    model = worker.tiny_gpt2()
+    model.load_state_dict(weights)
+    for ids in batches:  # accelerate scales each micro-batch loss by 1/MICRO
+        (model(input_ids=ids, labels=ids).loss / worker.MICRO).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _rot(x, ql, qr):
+    return ql.mT @ x @ qr
+
+
+def test_world_and_seed(ranks: list[dict]) -> None:
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["seed_before"] != ranks[1]["seed_before"]
+    # every rank gets rank 0's seed (reproducible job), the streams still differ by rank
+    assert ranks[0]["seed_after"] == ranks[1]["seed_after"] == ranks[0]["seed_before"]
+
+
+def test_local_gradients_are_each_ranks_own(ranks: list[dict]) -> None:
+    """DDP must not average during backward: p.grad is exactly the rank's own gradient."""
+    for step in range(1, 6):
+        grads = []
+        for r in ranks:
+            rec = r["steps"][step]
+            expect = local_gradients(rec["sampled_weights"], rec["batches"])
+            for name, g in rec["local_grad"].items():
+                torch.testing.assert_close(g, expect[name], rtol=1e-10, atol=1e-13)
+            grads.append(rec["local_grad"])
+        assert all(not torch.allclose(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_noise_differs_between_ranks(ranks: list[dict]) -> None:
+    for step in range(1, 6):
+        n0, n1 = ranks[0]["steps"][step]["noise"], ranks[1]["steps"][step]["noise"]
+        assert n0 and n0.keys() == n1.keys()
+        for name in n0:
+            a, b = n0[name].flatten(), n1[name].flatten()
+            corr = float(torch.dot(a, b) / (a.norm() * b.norm()))
+            assert abs(corr) < 0.5, (step, name, corr)  # independent draws, not copies or sign flips
+        # and the sampled weights of the EVON matrices differ between ranks
+        w0, w1 = ranks[0]["steps"][step]["sampled_weights"], ranks[1]["steps"][step]["sampled_weights"]
+        assert not torch.equal(w0["transformer.h.0.mlp.c_fc.weight"], w1["transformer.h.0.mlp.c_fc.weight"])
+
+
+def test_hessian_is_mean_of_each_ranks_own_estimate(ranks: list[dict]) -> None:
+    """H_new from Ĥ = mean_r G°_r ⊙ E_r / V, G_r recomputed here; momentum from mean_r G°_r."""
+    hp = ranks[0]["hparams"]
+    beta1, beta2 = hp["betas"]
+    ess, delta = hp["ess"], hp["weight_decay"]
+    checked = 0
+    for step in range(1, 6):
+        recs = [r["steps"][step] for r in ranks]
+        grads = [local_gradients(rec["sampled_weights"], rec["batches"]) for rec in recs]
+        for name in recs[0]["noise"]:
+            key = f"0.{name}"
+            before, after = recs[0]["before"], recs[0]["after"]
+            assert all(torch.equal(rec["before"][f"{key}.hess"], before[f"{key}.hess"]) for rec in recs)
+            hess = before[f"{key}.hess"]
+            ql, qr = before[f"{key}.Q_L"], before[f"{key}.Q_R"]
+            var = 1.0 / (ess * (hess + delta))
+            g_rot = [_rot(g[name], ql, qr) for g in grads]
+            h_hats = [gr * rec["noise"][name] / var for gr, rec in zip(g_rot, recs)]
+            h_hat = sum(h_hats) / len(h_hats)
+            expect = (
+                beta2 * hess
+                + (1 - beta2) * h_hat
+                + 0.5 * (1 - beta2) ** 2 * (hess - h_hat) ** 2 / (hess + delta)
+            )
+            torch.testing.assert_close(after[f"{key}.hess"], expect, rtol=1e-9, atol=1e-12)
+            # negative control: Ĥ from DDP's averaged gradient would be measurably different
+            g_mean = sum(g_rot) / 2
+            wrong = sum(g_mean * rec["noise"][name] / var for rec in recs) / 2
+            wrong_h = (
+                beta2 * hess
+                + (1 - beta2) * wrong
+                + 0.5 * (1 - beta2) ** 2 * (hess - wrong) ** 2 / (hess + delta)
+            )
+            assert (wrong_h - after[f"{key}.hess"]).abs().max() > 1e3 * (
+                expect - after[f"{key}.hess"]
+            ).abs().max()
+            # momentum: the mean rotated gradient, re-expressed in the refreshed basis if one happened
+            m = beta1 * before[f"{key}.exp_avg"] + (1 - beta1) * sum(g_rot) / 2
+            nl, nr = after[f"{key}.Q_L"], after[f"{key}.Q_R"]
+            m = nl.mT @ ql @ m @ qr.mT @ nr
+            torch.testing.assert_close(after[f"{key}.exp_avg"], m, rtol=1e-8, atol=1e-12)
+            checked += 1
+    assert checked == 5 * 4  # 4 EVON matrices in the tiny GPT-2, 5 noisy steps
+
+
+def test_adamw_parameters_averaged_like_ddp(ranks: list[dict]) -> None:
+    """AdamW-owned parameters (embeddings, head, norms) see the plain mean gradient."""
+    recs = [r["steps"][3] for r in ranks]
+    grads = [local_gradients(rec["sampled_weights"], rec["batches"]) for rec in recs]
+    for name in ("transformer.wte.weight", "transformer.ln_f.weight", "transformer.h.0.attn.c_attn.bias"):
+        key = next(k for k in recs[0]["after"] if k.endswith(f".{name}.exp_avg") and not k.startswith("0."))
+        mean = (grads[0][name] + grads[1][name]) / 2
+        expect = 0.9 * recs[0]["before"][key] + 0.1 * mean
+        torch.testing.assert_close(recs[0]["after"][key], expect, rtol=1e-9, atol=1e-13)
+        assert not torch.allclose(recs[0]["after"][key], 0.9 * recs[0]["before"][key] + 0.1 * grads[0][name])
+
+
+def test_ranks_identical_after_every_step(ranks: list[dict]) -> None:
+    for step in range(6):
+        a, b = ranks[0]["steps"][step], ranks[1]["steps"][step]
+        for key in a["mean_weights"]:
+            assert torch.equal(a["mean_weights"][key], b["mean_weights"][key]), (step, key)
+        for key in a["after"]:
+            assert torch.equal(a["after"][key], b["after"][key]), (step, key)
+    for key in ranks[0]["final_state"]:
+        assert torch.equal(ranks[0]["final_state"][key], ranks[1]["final_state"][key]), key
+    moved = [
+        k
+        for k in ranks[0]["final_weights"]
+        if not torch.equal(ranks[0]["final_weights"][k], ranks[0]["initial"][k])
+    ]
+    assert len(moved) > 10  # the equality is not that of untouched weights
+
+
+def test_synchronize_once_per_step_with_accumulation(ranks: list[dict]) -> None:
+    # 6 optimizer steps of 2 accumulated micro-batches each: 6 reductions, not 12
+    assert ranks[0]["reducer_calls"] == ranks[1]["reducer_calls"] == 6
+
+
+def test_two_ranks_match_one_process_with_double_batch(ranks: list[dict]) -> None:
+    """Deterministic mode (ess=inf): 2 ranks x batch 4 == 1 process x batch 8.
+
+    What is exactly equal: the data, the initial weights and the algorithm. What is not: the
+    float summation order (one reduction over 8 sequences vs. (mean_4 + mean_4) / 2), so each
+    gradient entry differs by a few ulps (~1e-16 relative in float64). EVON amplifies that
+    where its statistics are rank-deficient: R = Σ GᵀG of a 12×36 gradient has rank ≤ 12, so
+    the eigenbasis inside the null space is not unique and eigh/QR may return any rotation of
+    it (Q_R and the rotated-space momentum/Hessian then differ by O(1), harmlessly, since
+    nothing lives there yet). So we compare basis-independent quantities: the weights, L, R,
+    the momentum mapped back to parameter space (Q_L Ḡ Q_Rᵀ) and the AdamW state. Measured:
+    ≤ 5e-8 of each tensor's scale after 5 steps; we allow 1e-6 of the scale, and check that a
+    run which saw only one rank's half of the batch is > 1e-3 of the scale away.
+    """
+    model = worker.tiny_gpt2()
+    opt = build_optimizer(model, **worker.deterministic_hparams())
+    half = worker.tiny_gpt2()
+    half_opt = build_optimizer(half, **worker.deterministic_hparams())
+    for step in range(5):
+        ids = worker.global_batch(step, 8)
+        for m, o, x in ((model, opt, ids), (half, half_opt, ids[:4])):
+            with o.sampled_params(train=True):
+                m(input_ids=x, labels=x).loss.backward()
+            o.step()
+            o.zero_grad()
+
+    def invariant(weights: dict, state: dict) -> dict[str, torch.Tensor]:
+        out = {f"w.{k}": v for k, v in weights.items()}
+        for key, value in state.items():
+            if key.endswith((".L", ".R", ".exp_avg_sq")) or (
+                key.endswith(".exp_avg") and not key.startswith("0.")
+            ):
+                out[key] = value
+            elif key.endswith(".exp_avg"):  # EVON momentum lives in the eigenbasis: map it back
+                base = key[: -len(".exp_avg")]
+                out[f"{base}.momentum"] = state[f"{base}.Q_L"] @ value @ state[f"{base}.Q_R"].mT
+        return out
+
+    ref = invariant(model.state_dict(), worker.evon_state(opt))
+    other = invariant(half.state_dict(), worker.evon_state(half_opt))
+    assert len(ref) == len(model.state_dict()) + 4 * 3 + 12 * 2  # EVON: L, R, momentum; AdamW: m, v
+    for r in ranks:
+        got = invariant(r["det_weights"], r["det_state"])
+        assert got.keys() == ref.keys()
+        for key, value in got.items():
+            scale = float(ref[key].abs().max())
+            assert float((value - ref[key]).abs().max()) <= 1e-6 * scale, key
+    far = [k for k in ref if float((other[k] - ref[k]).abs().max()) > 1e-3 * float(ref[k].abs().max())]
+    assert len(far) == len(ref), sorted(set(ref) - set(far))
+
+
+def test_forgetting_prepare_distributed_raises(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["error_forgot"] is not None and "prepare_distributed" in r["error_forgot"]
+        assert r["error_forgot"].startswith("RuntimeError")
+
+
+def test_preparing_the_unwrapped_module_is_detected(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["error_unwrapped"] is not None and "averaged them" in r["error_unwrapped"]
+
+
+def test_ranks_disagreeing_on_gradients_raise_instead_of_hanging(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert r["error_mismatch"] is not None and "disagree" in r["error_mismatch"]
+
+
+def test_fsdp_is_refused(ranks: list[dict]) -> None:
+    for r in ranks:
+        assert (
+            r["error_fsdp1"]
+            and r["error_fsdp1"].startswith("UnsupportedParallelismError")
+            and "FSDP" in r["error_fsdp1"]
+        )
+        assert (
+            r["error_fsdp2"]
+            and r["error_fsdp2"].startswith("UnsupportedParallelismError")
+            and "FSDP2" in r["error_fsdp2"]
+        )
+
+
+# ---------------------------------------------------------------- single-process unit checks
+def test_single_process_prepare_is_a_noop_and_unwraps() -> None:
+    model = worker.tiny_gpt2()
+    opt = build_optimizer(model, ess=100.0)
+
+    class Wrapper:  # like accelerate's AcceleratedOptimizer
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    assert prepare_distributed(model, Wrapper(opt)) is opt
+    assert opt.gradient_reducer is None
+    assert unwrap_optimizer(Wrapper(Wrapper(opt))) is opt
+    with pytest.raises(TypeError, match="EVON"):
+        prepare_distributed(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_deepspeed_engine_is_refused() -> None:
+    class DeepSpeedEngine(torch.nn.Module):  # stands in for deepspeed's engine (matched by name)
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    model = worker.tiny_gpt2()
+    with pytest.raises(UnsupportedParallelismError, match="DeepSpeed"):
+        prepare_distributed(DeepSpeedEngine(model), build_optimizer(model, ess=100.0))
+
+
+def test_rank_averager_packs_by_dtype_and_cap() -> None:
+    avg = RankAverager(bucket_cap_mb=1e-4)  # ~100 bytes per flat buffer
+    ts = [torch.ones(10), torch.ones(3), torch.ones(20, dtype=torch.float64), torch.ones(30)]
+    buckets = avg._buckets(ts)
+    assert all(len({t.dtype for t in b}) == 1 for b in buckets)
+    assert sorted(len(b) for b in buckets) == [1, 1, 2]  # 40 B + 12 B share one; + 120 B would pass ~105 B
+    assert sum(len(b) for b in buckets) == len(ts)
+    assert math.isclose(avg.bucket_cap_bytes, 1e-4 * 2**20, abs_tol=1)

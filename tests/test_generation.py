@@ -1,0 +1,525 @@
+"""BMA decoding and scoring (issue 5): exactness against slow references, padding, sampling,
+eos, streamer, Llama and PEFT-LoRA models, weights untouched, and that BMA helps."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.streamers import BaseStreamer
+
+import hf_evon
+from hf_evon import EVONPosterior, bma_log_likelihood, generate_bma
+from hf_evon.generation import bma_loss_curve
+
+VOCAB = 48
+NOISY_ESS = 30.0  # ~0.5 std per weight in the eigenbasis: samples disagree clearly
+
+
+# ----------------------------------------------------------------------------- helpers
+def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=2
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def train_posterior(model: torch.nn.Module, steps: int = 3, **kwargs) -> EVONPosterior:
+    """A real EVON posterior: the initialising step plus a few updates on random tokens."""
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1e4, precondition_frequency=2, seed=0, **kwargs)
+    gen = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps + 1):
+        x = torch.randint(3, VOCAB, (4, 12), generator=gen)
+        with opt.sampled_params(train=True):
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return EVONPosterior.from_optimizer(opt, model)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"{k} changed"
+    assert not any("forward" in m.__dict__ for m in model.modules()), "a patched forward was left behind"
+
+
+def sampled_copies(model: torch.nn.Module, posterior: EVONPosterior, num_samples: int, seed: int) -> list:
+    """S deep copies holding ``M + ΔW_s`` for the draws of ``posterior.draw(S, seed)``."""
+    draws = posterior.draw(num_samples, seed=seed)
+    assert set(draws) == set(posterior.names)
+    copies = []
+    for s in range(num_samples):
+        m = copy.deepcopy(model)
+        params = dict(m.named_parameters())
+        with torch.no_grad():
+            for name, delta in draws.items():
+                p = params[name]
+                p.copy_((p.to(delta.dtype) + delta[s]).to(p.dtype))
+        copies.append(m)
+    return copies
+
+
+def _forward_model(m: torch.nn.Module) -> torch.nn.Module:
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
+@torch.no_grad()
+def reference_greedy(copies: list, input_ids, attention_mask, new_tokens: int):
+    """Slow BMA: every sample its own model and cache, mean of softmax, greedy; log p̄ per step."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = [DynamicCache(config=m.config) for m in copies]
+    ids, step_ids, step_pos = input_ids, input_ids, positions
+    scores = []
+    for _ in range(new_tokens):
+        probs = []
+        for m, cache in zip(copies, caches):
+            out = _forward_model(m)(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            probs.append(torch.softmax(out.logits[:, -1].float(), dim=-1))
+        log_mean = torch.stack(probs).mean(0).log()
+        scores.append(log_mean)
+        step_ids = log_mean.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, step_ids], dim=-1)
+        mask = torch.cat([mask, torch.ones_like(step_ids)], dim=-1)
+        step_pos = step_pos[:, -1:] + 1
+    return ids, scores
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model = tiny_gpt2()
+    return model, train_posterior(model)
+
+
+PROMPTS = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, 7, 30, 12]])
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("num_samples", [1, 3])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_zero_variance_equals_generate(gpt2, arch, num_samples):
+    model, posterior = gpt2 if arch == "gpt2" else (tiny_llama(), None)
+    if posterior is None:
+        posterior = train_posterior(model)
+    zero = posterior.with_ess(float("inf"))
+    assert all(bool((d == 0).all()) for d in zero.draw(2, seed=0).values())
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = model.generate(PROMPTS, **kwargs)
+    got = generate_bma(model, zero, PROMPTS, num_samples=num_samples, seed=0, **kwargs)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_matches_slow_reference(gpt2, arch):
+    model, posterior = gpt2 if arch == "gpt2" else (tiny_llama(1), None)
+    if posterior is None:
+        posterior = train_posterior(model)
+    noisy = posterior.with_ess(NOISY_ESS)
+    before = snapshot(model)
+    num_samples, new = 3, 10
+    out = generate_bma(
+        model,
+        noisy,
+        PROMPTS,
+        num_samples=num_samples,
+        seed=7,
+        max_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
+    ref_ids, ref_scores = reference_greedy(sampled_copies(model, noisy, num_samples, 7), PROMPTS, None, new)
+    assert torch.equal(out.sequences, ref_ids)
+    assert len(out.scores) == new
+    for got, want in zip(out.scores, ref_scores):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # the samples really differ: BMA is not the mean model here
+    mean_scores = model.generate(
+        PROMPTS,
+        max_new_tokens=1,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    ).scores[0]
+    assert (out.scores[0] - torch.log_softmax(mean_scores, -1)).abs().max() > 1e-2
+    # scoring the generated sequence gives the same log p̄ of the chosen tokens
+    scored = bma_log_likelihood(model, noisy, out.sequences, num_samples=num_samples, seed=7)
+    start = PROMPTS.shape[1]
+    for t in range(new):
+        chosen = out.sequences[:, start + t]
+        want = out.logits[t].gather(-1, chosen[:, None]).squeeze(-1)
+        torch.testing.assert_close(scored.token_log_probs[:, start + t - 1], want, atol=1e-5, rtol=0)
+    assert_unchanged(model, before)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(gpt2):
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    prompts = [[5, 9, 17], [40, 41, 7, 7, 30, 12], [11, 12, 13, 14]]
+    ids, mask = left_pad(prompts)
+    kwargs = dict(num_samples=4, seed=3, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    batch = generate_bma(model, noisy, ids, attention_mask=mask, **kwargs)
+    for row, prompt in enumerate(prompts):
+        alone = generate_bma(model, noisy, torch.tensor([prompt]), **kwargs)
+        assert batch[row, ids.shape[1] :].tolist() == alone[0, len(prompt) :].tolist()
+    # and it is the slow reference on the padded batch too
+    ref_ids, _ = reference_greedy(sampled_copies(model, noisy, 4, 3), ids, mask, 8)
+    assert torch.equal(batch, ref_ids)
+
+
+def test_seeded_sampling_is_reproducible(gpt2):
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    kwargs = dict(
+        num_samples=3,
+        max_new_tokens=20,
+        do_sample=True,
+        temperature=0.9,
+        top_k=20,
+        top_p=0.95,
+        pad_token_id=0,
+    )
+    kwargs["eos_token_id"] = None
+    a = generate_bma(model, noisy, PROMPTS, seed=11, **kwargs)
+    torch.manual_seed(123)  # the global RNG must not matter when a seed is given
+    b = generate_bma(model, noisy, PROMPTS, seed=11, **kwargs)
+    c = generate_bma(model, noisy, PROMPTS, seed=12, **kwargs)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert a.shape == (2, PROMPTS.shape[1] + 20)
+
+
+def test_processors_apply_to_log_mean_probs(gpt2):
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    out = generate_bma(
+        model,
+        noisy,
+        PROMPTS,
+        num_samples=2,
+        seed=0,
+        max_new_tokens=6,
+        do_sample=False,
+        repetition_penalty=1.5,
+        pad_token_id=0,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
+    processor = RepetitionPenaltyLogitsProcessor(1.5)
+    start = PROMPTS.shape[1]
+    for t, (score, log_mean) in enumerate(zip(out.scores, out.logits)):
+        torch.testing.assert_close(torch.logsumexp(log_mean, -1), torch.zeros(2), atol=1e-5, rtol=0)
+        expected = processor(out.sequences[:, : start + t], log_mean.clone())
+        torch.testing.assert_close(score, expected, atol=0, rtol=0)
+        assert not torch.equal(score, log_mean)  # the penalty did something
+        assert torch.equal(out.sequences[:, start + t], score.argmax(-1))
+
+
+def test_eos_finishes_rows_and_pads(gpt2):
+    model, posterior = gpt2
+    # zero variance: identical to model.generate, including eos/pad handling
+    zero = posterior.with_ess(float("inf"))
+    free = model.generate(PROMPTS, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    eos = int(free[0, PROMPTS.shape[1] + 2])
+    pad = next(t for t in range(3, VOCAB) if t != eos)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=pad, eos_token_id=eos)
+    expected = model.generate(PROMPTS, **kwargs)
+    assert torch.equal(generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **kwargs), expected)
+    # noisy: a row that emitted eos only gets padding afterwards
+    noisy = posterior.with_ess(NOISY_ESS)
+    free = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=5, **dict(kwargs, eos_token_id=None))
+    eos = int(free[0, PROMPTS.shape[1] + 2])
+    pad = next(
+        t for t in range(3, VOCAB) if t not in (eos,) and t not in free[:, PROMPTS.shape[1] :].tolist()[0]
+    )
+    out = generate_bma(
+        model, noisy, PROMPTS, num_samples=3, seed=5, **dict(kwargs, eos_token_id=eos, pad_token_id=pad)
+    )
+    generated = out[0, PROMPTS.shape[1] :].tolist()
+    first = generated.index(eos)
+    assert first <= 2
+    assert generated[: first + 1] == free[0, PROMPTS.shape[1] : PROMPTS.shape[1] + first + 1].tolist()
+    assert generated[first + 1 :] == [pad] * (len(generated) - first - 1)
+    assert len(generated) - first - 1 > 0 or out.shape[1] < free.shape[1]
+
+
+class _Collect(BaseStreamer):
+    def __init__(self) -> None:
+        self.puts: list[torch.Tensor] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.clone())
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+def test_streamer_receives_tokens(gpt2):
+    model, posterior = gpt2
+    streamer = _Collect()
+    prompt = PROMPTS[:1]
+    out = generate_bma(
+        model,
+        posterior.with_ess(NOISY_ESS),
+        prompt,
+        num_samples=2,
+        seed=0,
+        max_new_tokens=7,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        streamer=streamer,
+    )
+    assert streamer.ended == 1
+    assert torch.equal(streamer.puts[0].reshape(-1), prompt[0])
+    assert (
+        torch.cat([p.reshape(-1) for p in streamer.puts[1:]]).tolist() == out[0, prompt.shape[1] :].tolist()
+    )
+    assert len(streamer.puts) == 1 + 7
+
+
+def test_peft_lora_posterior(gpt2):
+    peft = pytest.importorskip("peft")
+    base = tiny_gpt2(seed=2)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True
+    )
+    model = peft.get_peft_model(base, config)
+    posterior = train_posterior(model)
+    assert posterior.names and all("lora_" in n for n in posterior.names)
+    before = snapshot(model)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    zero = posterior.with_ess(float("inf"))
+    assert torch.equal(
+        generate_bma(model, zero, PROMPTS, num_samples=3, seed=0, **kwargs),
+        model.generate(input_ids=PROMPTS, **kwargs),
+    )
+    noisy = posterior.with_ess(NOISY_ESS / 10)
+    out = generate_bma(
+        model,
+        noisy,
+        PROMPTS,
+        num_samples=3,
+        seed=4,
+        return_dict_in_generate=True,
+        output_scores=True,
+        **kwargs,
+    )
+    ref_ids, ref_scores = reference_greedy(sampled_copies(model, noisy, 3, 4), PROMPTS, None, 8)
+    assert torch.equal(out.sequences, ref_ids)
+    for got, want in zip(out.scores, ref_scores):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (out.scores[0] - zero_scores(model, zero)).abs().max() > 1e-3  # adapters' noise matters
+    assert_unchanged(model, before)
+
+
+def zero_scores(model, zero):
+    return generate_bma(
+        model,
+        zero,
+        PROMPTS,
+        num_samples=1,
+        seed=0,
+        max_new_tokens=1,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_scores=True,
+    ).scores[0]
+
+
+# ----------------------------------------------------------------------------- scoring
+def test_bma_log_likelihood_equals_direct_computation(gpt2):
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    ids, mask = left_pad([[5, 9, 17, 3], [40, 41, 7, 7, 30, 12, 3], [11, 12]])
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, -1] = -100  # an ignored position inside a sequence
+    before = snapshot(model)
+    result = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=4, seed=9)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    per_sample = []
+    for m in sampled_copies(model, noisy, 4, 9):
+        with torch.no_grad():
+            logits = m(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        lp = torch.log_softmax(logits[:, :-1].float(), -1)
+        per_sample.append(lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1))
+    per_sample = torch.stack(per_sample)
+    valid = labels[:, 1:] != -100
+    expected = (per_sample.exp().mean(0).log()) * valid
+    assert torch.equal(result.mask, valid)
+    torch.testing.assert_close(result.token_log_probs, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.sample_token_log_probs, per_sample * valid, atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.sequence_log_likelihood, expected.sum(-1), atol=1e-4, rtol=0)
+    loss = -expected.sum() / valid.sum()
+    torch.testing.assert_close(result.loss, loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(result.perplexity, loss.exp(), atol=1e-4, rtol=1e-5)
+    # each padded row scores as it does alone
+    alone = bma_log_likelihood(model, noisy, torch.tensor([[11, 12]]), num_samples=4, seed=9)
+    torch.testing.assert_close(alone.token_log_probs[0, -1], result.token_log_probs[2, -1], atol=1e-5, rtol=0)
+    # S = 1 at zero variance is the model's own loss
+    plain = bma_log_likelihood(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=1)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain.loss, model(input_ids=PROMPTS, labels=PROMPTS).loss, atol=1e-5, rtol=0
+        )
+    assert_unchanged(model, before)
+
+
+# ----------------------------------------------------------------------------- safety
+def test_model_restored_after_an_exception(gpt2):
+    model, posterior = gpt2
+    before = snapshot(model)
+
+    class Boom(StoppingCriteria):
+        calls = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            Boom.calls += 1
+            if Boom.calls == 2:
+                raise RuntimeError("boom")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        generate_bma(
+            model,
+            posterior.with_ess(NOISY_ESS),
+            PROMPTS,
+            num_samples=3,
+            seed=0,
+            max_new_tokens=5,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Boom()]),
+        )
+    assert_unchanged(model, before)
+    # the model is a plain model again: batch B, not S·B
+    assert model.generate(PROMPTS, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (2, 8)
+
+
+def test_unsupported_requests_raise(gpt2):
+    model, posterior = gpt2
+    with pytest.raises(ValueError, match="beam"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, num_beams=2, pad_token_id=0)
+    # a posterior on a LayerNorm weight cannot be batched: a clear error, nothing left patched
+    other = tiny_gpt2(seed=3)
+    covered_norm = train_posterior(other, steps=1, evon_patterns=[r"ln_f\.weight"])
+    assert "transformer.ln_f.weight" in covered_norm.names
+    with pytest.raises(NotImplementedError, match="transformer.ln_f.weight"):
+        generate_bma(other, covered_norm, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0)
+    assert not any("forward" in m.__dict__ for m in other.modules())
+    with pytest.raises(hf_evon.PosteriorMismatchError):
+        generate_bma(tiny_llama(), posterior, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0)
+
+
+# ----------------------------------------------------------------------------- BMA helps
+def _stdlib_bytes(names: list[str]) -> torch.Tensor:
+    root = os.path.dirname(os.__file__)
+    data = b"".join(open(os.path.join(root, n), "rb").read() for n in names)
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def train_char_lm(steps: int, ess: float, seq: int = 64, batch: int = 16, seed: int = 0):
+    """A byte-level GPT-2 trained with EVON on a small slice of the standard library's source.
+
+    Small data and many epochs: the regime where the posterior's spread matters.
+    """
+    train = _stdlib_bytes(["argparse.py"])[:10000]
+    valid = _stdlib_bytes(["functools.py"])[: 128 * seq]
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=256,
+        n_positions=seq,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = GPT2LMHeadModel(cfg)
+    opt = hf_evon.build_optimizer(
+        model, lr=0.1, ess=ess, weight_decay=1e-4, precondition_frequency=10, adamw_lr=3e-3, seed=seed
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(train) - seq, (batch,), generator=gen)
+        x = torch.stack([train[s : s + seq] for s in starts])
+        with opt.sampled_params(train=True):
+            model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return model, EVONPosterior.from_optimizer(opt, model), valid.view(-1, seq)
+
+
+def test_bma_lowers_validation_loss():
+    # ess = the number of training tokens, as the paper sets it
+    model, posterior, valid = train_char_lm(steps=400, ess=10000.0)
+    with torch.no_grad():
+        mean_loss = float(model(input_ids=valid, labels=valid).loss)
+    result = bma_log_likelihood(model, posterior, valid, num_samples=16, seed=0)
+    curve = bma_loss_curve(result, [1, 2, 4, 8, 16])  # averaged over disjoint groups of S samples
+    print(
+        f"\nvalidation loss: mean {mean_loss:.4f}, BMA by S { ({k: round(v, 4) for k, v in curve.items()}) }"
+    )
+    assert result.first(8).loss < mean_loss  # the issue's check: BMA with S = 8 beats the mean
+    assert curve[8] < mean_loss
+    assert curve[8] < curve[1]  # averaging beats its members

@@ -1,0 +1,160 @@
+"""hf_evon.metrics against hand computations, and its evaluate modules (offline)."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from hf_evon import accuracy, brier_score, expected_calibration_error, negative_log_likelihood
+from hf_evon.metrics import calibration_metrics, load_metric, metric_module_path
+
+# 6 items, 3 classes; confidences 0.9, 0.8, 0.55, 0.5, 0.45, 0.7 (top class first column
+# unless noted). Hand-made so every bin of a 5-bin ECE is easy to check.
+PROBS = np.array(
+    [
+        [0.90, 0.05, 0.05],  # conf 0.90, pred 0, label 0: correct   -> bin (0.8, 1.0]
+        [0.10, 0.80, 0.10],  # conf 0.80, pred 1, label 2: wrong     -> bin (0.6, 0.8]
+        [0.55, 0.25, 0.20],  # conf 0.55, pred 0, label 0: correct   -> bin (0.4, 0.6]
+        [0.25, 0.25, 0.50],  # conf 0.50, pred 2, label 2: correct   -> bin (0.4, 0.6]
+        [0.45, 0.35, 0.20],  # conf 0.45, pred 0, label 1: wrong     -> bin (0.4, 0.6]
+        [0.15, 0.70, 0.15],  # conf 0.70, pred 1, label 1: correct   -> bin (0.6, 0.8]
+    ]
+)
+LABELS = np.array([0, 2, 0, 2, 1, 1])
+
+
+def test_accuracy_nll_brier_by_hand():
+    assert accuracy(PROBS, LABELS) == pytest.approx(4 / 6)
+    picked = [0.90, 0.10, 0.55, 0.50, 0.35, 0.70]
+    assert negative_log_likelihood(PROBS, LABELS) == pytest.approx(-np.mean(np.log(picked)))
+    brier_rows = [
+        0.1**2 + 0.05**2 + 0.05**2,
+        0.1**2 + 0.8**2 + 0.9**2,
+        0.45**2 + 0.25**2 + 0.2**2,
+        0.25**2 + 0.25**2 + 0.5**2,
+        0.45**2 + 0.65**2 + 0.2**2,
+        0.15**2 + 0.3**2 + 0.15**2,
+    ]
+    assert brier_score(PROBS, LABELS) == pytest.approx(np.mean(brier_rows))
+
+
+def test_ece_by_hand():
+    # 5 bins: (0.4,0.6]: items 2,3,4 acc 2/3 conf 0.5; (0.6,0.8]: items 1,5 acc 1/2 conf 0.75;
+    # (0.8,1]: item 0 acc 1 conf 0.9
+    expected = 3 / 6 * abs(2 / 3 - 0.5) + 2 / 6 * abs(0.5 - 0.75) + 1 / 6 * abs(1 - 0.9)
+    assert expected_calibration_error(PROBS, LABELS, n_bins=5) == pytest.approx(expected)
+    # one bin: |accuracy - mean confidence|
+    assert expected_calibration_error(PROBS, LABELS, n_bins=1) == pytest.approx(
+        abs(4 / 6 - np.mean([0.9, 0.8, 0.55, 0.5, 0.45, 0.7]))
+    )
+    # a confidence exactly on a boundary (0.8 with 5 bins) belongs to the lower bin (0.6, 0.8]:
+    # items 1 and 5 share it (0.25); in (0.8, 1] it would be 0.5·0.8 + 0.5·0.3 = 0.55
+    assert expected_calibration_error(PROBS[[1, 5]], LABELS[[1, 5]], n_bins=5) == pytest.approx(0.25)
+
+
+def test_perfect_calibration_and_extremes():
+    # confidence 0.75 on 4 items, 3 of them right: perfectly calibrated in its bin
+    probs = np.array([[0.75, 0.25]] * 4)
+    labels = np.array([0, 0, 0, 1])
+    assert expected_calibration_error(probs, labels) == pytest.approx(0.0, abs=1e-12)
+    onehot = np.eye(3)[LABELS]
+    assert brier_score(onehot, LABELS) == 0.0 and negative_log_likelihood(onehot, LABELS) == 0.0
+    wrong = np.eye(3)[(LABELS + 1) % 3]
+    assert brier_score(wrong, LABELS) == pytest.approx(2.0)
+    assert math.isinf(negative_log_likelihood(wrong, LABELS))
+
+
+def test_input_types_agree_and_ignore_index():
+    logits = torch.randn(50, 4, generator=torch.Generator().manual_seed(0)) * 3
+    labels = torch.randint(0, 4, (50,), generator=torch.Generator().manual_seed(1))
+    probs = torch.softmax(logits, -1)
+    logp = torch.log_softmax(logits, -1)
+    for fn in (accuracy, negative_log_likelihood, brier_score, expected_calibration_error):
+        ref = fn(probs, labels)
+        assert fn(logits, labels, input_type="logits") == pytest.approx(ref, rel=1e-6)
+        assert fn(logp, labels, input_type="log_probs") == pytest.approx(ref, rel=1e-6)
+        assert fn(probs.tolist(), labels.tolist()) == pytest.approx(ref, rel=1e-6)
+        # ignored items are left out
+        padded = torch.cat([labels, torch.full((7,), -100)])
+        extra = torch.cat([probs, torch.full((7, 4), 0.25)])
+        assert fn(extra, padded) == pytest.approx(ref, rel=1e-12)
+    combined = calibration_metrics(logits, labels, input_type="logits")
+    assert combined == pytest.approx(
+        {
+            "nll": negative_log_likelihood(probs, labels),
+            "accuracy": accuracy(probs, labels),
+            "ece": expected_calibration_error(probs, labels),
+            "brier": brier_score(probs, labels),
+        },
+        rel=1e-6,
+    )
+
+
+@pytest.mark.parametrize(
+    "predictions,references,kwargs,match",
+    [
+        ([[0.5, 0.5]], [0, 1], {}, "references must have shape"),
+        ([0.5, 0.5], [0], {}, r"shape \(N, C\)"),
+        ([[0.7, 0.7]], [0], {}, "rows summing to 1"),
+        ([[0.5, 0.5]], [2], {}, r"in \[0, 2\)"),
+        ([[0.5, 0.5]], [0.5], {}, "integer"),
+        ([[0.5, 0.5]], [-100], {}, "no items"),
+        ([[0.5, 0.5]], [0], {"input_type": "softmax"}, "input_type"),
+        ([[0.1, -0.2]], [0], {"input_type": "log_probs"}, "<= 0"),
+    ],
+)
+def test_invalid_inputs(predictions, references, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        negative_log_likelihood(predictions, references, **kwargs)
+
+
+def test_ece_bins_validated():
+    with pytest.raises(ValueError, match="n_bins"):
+        expected_calibration_error(PROBS, LABELS, n_bins=0)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("network access is not allowed in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.parametrize(
+    "alias,key,fn,extra",
+    [
+        ("ece", "expected_calibration_error", expected_calibration_error, {"n_bins": 5}),
+        ("expected_calibration_error", "expected_calibration_error", expected_calibration_error, {}),
+        ("brier", "brier_score", brier_score, {}),
+        ("nll", "negative_log_likelihood", negative_log_likelihood, {}),
+    ],
+)
+def test_evaluate_modules_load_offline_and_agree(no_network, alias, key, fn, extra):
+    metric = load_metric(alias)
+    result = metric.compute(predictions=PROBS.tolist(), references=LABELS.tolist(), **extra)
+    assert set(result) == {key}
+    assert result[key] == pytest.approx(fn(PROBS, LABELS, **extra), rel=1e-12)
+    # batches added incrementally, logits input
+    logits = np.log(PROBS) + 1.7
+    for row, label in zip(logits, LABELS):
+        metric.add(predictions=row.tolist(), references=int(label))
+    again = metric.compute(input_type="logits", **extra)
+    assert again[key] == pytest.approx(result[key], rel=1e-9)
+
+
+def test_evaluate_module_path_and_unknown_name():
+    import evaluate
+
+    path = metric_module_path("brier")
+    assert path.endswith("metrics_modules/brier_score")
+    assert evaluate.load(path).compute(predictions=PROBS.tolist(), references=LABELS.tolist())[
+        "brier_score"
+    ] == pytest.approx(brier_score(PROBS, LABELS))
+    with pytest.raises(ValueError, match="unknown hf-evon metric"):
+        load_metric("accuracy")

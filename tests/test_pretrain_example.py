@@ -1,0 +1,122 @@
+"""Smoke runs of examples/pretrain_lm.py with tiny settings (1 process and 2 processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "pretrain_lm.py")
+TINY = [
+    "--max-steps", "4", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
+    "--batch-size", "4", "--grad-accum", "2", "--vocab-size", "384", "--corpus-mb", "0.3",
+    "--eval-every", "2", "--val-batches", "2", "--bma-samples", "3", "--warmup-steps", "1", "--no-progress",
+]  # fmt: skip
+
+
+def run(args: list[str], processes: int = 1) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    if processes == 1:
+        cmd = [sys.executable, SCRIPT, *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), SCRIPT, *args,
+        ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("corpus_cache"))  # tokenizer + tokens, built once
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, cache: str) -> tuple[str, str]:
+    out_dir = str(tmp_path_factory.mktemp("pretrain"))
+    return out_dir, run([*TINY, "--output-dir", out_dir, "--cache-dir", cache])
+
+
+def test_single_process_reports_mean_and_bma_validation_loss(single: tuple[str, str]) -> None:
+    out_dir, log = single
+    lines = re.findall(
+        r"step (\d+): train loss [\d.]+ \| val loss \(mean\) ([\d.]+) \| val loss \(BMA, S=3\) ([\d.]+)", log
+    )
+    assert [int(s) for s, _, _ in lines] == [2, 4]
+    for _, mean, bma in lines:
+        assert 1.0 < float(mean) < 8.0 and 1.0 < float(bma) < 8.0  # ln(384) ≈ 5.95 at the start
+    assert "1 process(es)" in log
+    final = json.load(open(os.path.join(out_dir, "metrics.json")))["final"]
+    assert final["step"] == 4 and final["processes"] == 1
+    assert final["val_loss_bma"] == pytest.approx(float(lines[-1][2]), abs=1e-4)
+
+
+def test_single_process_saves_model_posterior_and_card(single: tuple[str, str]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_evon import EVONPosterior
+
+    out_dir, _ = single
+    model_dir = os.path.join(out_dir, "model")
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "evon_posterior.safetensors",
+        "README.md",
+    ):
+        assert os.path.isfile(os.path.join(model_dir, name)), name
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) == 384 and model.config.vocab_size == 384
+    posterior = EVONPosterior.from_pretrained(model_dir)
+    posterior.check_model(model)
+    assert len(posterior.names) == 4  # c_attn, attn c_proj, c_fc, mlp c_proj of the one layer
+    assert all("wte" not in n and "ln" not in n for n in posterior.names)  # AdamW-owned: no posterior
+    ids = torch.tensor([tok("def f(x):\n    return x")["input_ids"]])
+    with posterior.sampled(model, seed=0):
+        sampled = model(input_ids=ids).logits
+    assert not torch.equal(sampled, model(input_ids=ids).logits)
+    card = open(os.path.join(model_dir, "README.md")).read()
+    assert "BMA" in card or "bma" in card
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "soap", "ivon"])
+def test_baselines_run(optimizer: str, cache: str, tmp_path) -> None:
+    args = [*TINY, "--max-steps", "2", "--eval-every", "0", "--optimizer", optimizer]
+    log = run([*args, "--output-dir", str(tmp_path), "--cache-dir", cache])
+    final = re.search(rf"final \({optimizer}, 2 steps.*", log)
+    assert final, log[-3000:]
+    assert ("val_loss_bma=" in final.group(0)) == (optimizer == "ivon")  # AdamW, SOAP-mode: no posterior
+    posterior = os.path.join(tmp_path, "model", "evon_posterior.safetensors")
+    assert os.path.isfile(posterior) == (optimizer == "ivon")
+
+
+def test_two_processes(cache: str, tmp_path) -> None:
+    out_dir = str(tmp_path)
+    log = run(
+        [*TINY, "--max-steps", "2", "--eval-every", "0", "--output-dir", out_dir, "--cache-dir", cache], 2
+    )
+    assert "2 process(es), MULTI_CPU" in log
+    assert re.search(r"final \(evon, 2 steps.*val_loss_mean=[\d.]+ val_loss_bma=[\d.]+", log)
+    final = json.load(open(os.path.join(out_dir, "metrics.json")))["final"]
+    assert final["processes"] == 2
+    assert os.path.isfile(os.path.join(out_dir, "model", "evon_posterior.safetensors"))
