@@ -186,3 +186,22 @@ def load_metric(name: str, **kwargs: Any) -> Any:
     import evaluate
 
     return evaluate.load(metric_module_path(name), **kwargs)
+
+
+def evaluate_metric_info(description: str, citation: str, inputs_description: str) -> Any:
+    """The ``evaluate.MetricInfo`` shared by the packaged calibration modules (same inputs)."""
+    import datasets
+    import evaluate
+
+    return evaluate.MetricInfo(
+        description=description,
+        citation=citation,
+        inputs_description=inputs_description,
+        features=datasets.Features(
+            {
+                "predictions": datasets.Sequence(datasets.Value("float64")),
+                "references": datasets.Value("int64"),
+            }
+        ),
+        reference_urls=["https://github.com/huggingface/evaluate"],
+    )

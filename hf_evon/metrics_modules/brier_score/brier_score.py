@@ -4,7 +4,6 @@ Load it with ``hf_evon.metrics.load_metric("brier_score")`` or ``evaluate.load(<
 The computation is ``hf_evon.metrics.brier_score`` (one implementation for the trainer and this module).
 """
 
-import datasets
 import evaluate
 
 from hf_evon import metrics as _metrics
@@ -43,18 +42,7 @@ Examples:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
 class BrierScore(evaluate.Metric):
     def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Sequence(datasets.Value("float64")),
-                    "references": datasets.Value("int64"),
-                }
-            ),
-            reference_urls=["https://github.com/huggingface/evaluate"],
-        )
+        return _metrics.evaluate_metric_info(_DESCRIPTION, _CITATION, _KWARGS_DESCRIPTION)
 
     def _compute(self, predictions, references, input_type: str = "probs", ignore_index: int = -100):
         value = _metrics.brier_score(

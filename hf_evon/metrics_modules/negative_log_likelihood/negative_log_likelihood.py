@@ -4,7 +4,6 @@ Load it with ``hf_evon.metrics.load_metric("negative_log_likelihood")`` or ``eva
 The computation is ``hf_evon.metrics.negative_log_likelihood`` (one implementation for the trainer and this module).
 """
 
-import datasets
 import evaluate
 
 from hf_evon import metrics as _metrics
@@ -35,18 +34,7 @@ Examples:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
 class NegativeLogLikelihood(evaluate.Metric):
     def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Sequence(datasets.Value("float64")),
-                    "references": datasets.Value("int64"),
-                }
-            ),
-            reference_urls=["https://github.com/huggingface/evaluate"],
-        )
+        return _metrics.evaluate_metric_info(_DESCRIPTION, _CITATION, _KWARGS_DESCRIPTION)
 
     def _compute(self, predictions, references, input_type: str = "probs", ignore_index: int = -100):
         value = _metrics.negative_log_likelihood(
