@@ -414,6 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary += f" val_loss_bma={final['val_loss_bma']:.4f}"
     accelerator.print(summary)
     save(args, accelerator, raw, tokenizer, evon if has_posterior else None, final, history)
+    # Every rank waits for the main process to finish writing before the process group is torn down:
+    # a rank that destroys its gloo group while its peer is still busy aborts ("terminate called ...").
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
 
