@@ -606,3 +606,38 @@ def test_adamw_group_matches_torch_adamw(mc_samples: int) -> None:
             assert torch.equal(a, b)
             assert torch.equal(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"])
     assert not torch.equal(emb, make()[0])  # it trained
+
+
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "data"])
+def test_gradient_changed_after_the_sample_is_used_by_the_step(how: str) -> None:
+    """The step reuses the rotation of the gradient made when the sample ended only if the
+    gradient is still the same: clipping it in between (through autograd-visible ops or behind
+    their back via ``.data``) must reach the momentum, while the Hessian keeps the recorded
+    ``G° ⊙ E``."""
+
+    def run(change: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(11)
+        problem = Problem((4, 3), gen)
+        p = torch.nn.Parameter(problem.init.clone())
+        opt = EVON([p], seed=5, **{**BASE, "precondition_frequency": 100})
+        for step in range(2):
+            with opt.sampled_params(train=True):
+                problem.loss(p).backward()
+            if change and step == 1:
+                if how == "data":
+                    p.grad.data.mul_(0.5)
+                else:
+                    norm = float(p.grad.norm())
+                    torch.nn.utils.clip_grad_norm_([p], max_norm=0.5 * norm)
+            q_left, q_right = opt.state[p].get("Q_L"), opt.state[p].get("Q_R")
+            grad = p.grad.detach().clone()
+            opt.step()
+            opt.zero_grad()
+        st = opt.state[p]
+        return st["hess"].clone(), st["exp_avg"].clone(), (1 - BASE["betas"][0]) * q_left.T @ grad @ q_right
+
+    hess_kept, momentum_kept, _ = run(change=False)
+    hess_clipped, momentum_clipped, expected = run(change=True)
+    torch.testing.assert_close(momentum_clipped, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(momentum_clipped, 0.5 * momentum_kept, rtol=1e-6, atol=1e-12)
+    assert torch.equal(hess_clipped, hess_kept)  # H̃ from the gradient the sample produced

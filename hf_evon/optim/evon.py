@@ -86,6 +86,8 @@ class _Bucket:
     z: Tensor | None = None  # standard-normal draw of the sample in progress
     mean: Tensor | None = None  # the posterior mean while a sample is in the weights
     entry: Tensor | None = None  # rotated gradient ⊙ z already present when the sample began
+    exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
+    rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
 
     @property
     def preconditioned(self) -> bool:
@@ -114,6 +116,13 @@ class _Bucket:
 
     def grads(self) -> Tensor:
         return self.matrices([p.grad for p in self.params])
+
+    def rotated_mean_grad(self, grad: Tensor, num_samples: int) -> Tensor:
+        """``Q_Lᵀ grad Q_R`` for ``grad`` = gradient sum / num_samples; the rotation made at the
+        last sample's exit is reused when ``step()`` found the gradients unchanged since."""
+        if self.rotated_grads is not None:
+            return self.rotated_grads.div_(num_samples)
+        return rotate(grad, *self.bases())
 
     def write_params(self, values: Tensor) -> None:
         # detach() shares the version counter: autograd notices a graph used across a swap
@@ -405,7 +414,10 @@ class EVON(Optimizer):
                         b.write_params(b.mean)
                     if b.z is not None:
                         if ok:
-                            b.acc.add_(rotate(b.grads(), *b.bases()).mul_(b.z))
+                            # the same product is the step's rotated gradient if nothing changes it
+                            b.exit_grads = b.grads()
+                            b.rotated_grads = rotate(b.exit_grads, *b.bases())
+                            b.acc.addcmul_(b.rotated_grads, b.z)
                         elif b.entry is not None:
                             b.acc.add_(b.entry)  # forget the failed sample's bookkeeping
                     b.mean = b.z = b.entry = None
@@ -461,13 +473,15 @@ class EVON(Optimizer):
                 "`with optimizer.sampled_params(train=True):` before step()"
             )
         num_samples = max(self._samples, 1)
-        grads = {
-            id(b): b.grads().div_(num_samples)
-            for b in self.buckets
-            if any(p.grad is not None for p in b.params)
-        }
+        grads, unchanged = {}, []
+        for b in self.buckets:
+            if any(p.grad is not None for p in b.params):
+                grad = b.grads()
+                if b.rotated_grads is not None:  # clipped, reduced or accumulated since the exit?
+                    unchanged.append((b, torch.eq(grad, b.exit_grads).all()))
+                grads[id(b)] = grad.div_(num_samples)
         adamw = self._adamw_inputs(num_samples)
-        if not self._all_finite(grads, adamw):
+        if not self._all_finite(grads, adamw, unchanged):
             self._discard_samples()
             return loss
 
@@ -507,7 +521,7 @@ class EVON(Optimizer):
         self._samples = 0
         self._synchronized = False
         for b in self.buckets:
-            b.acc = None
+            b.acc = b.exit_grads = b.rotated_grads = None
 
     def _adamw_inputs(self, num_samples: int) -> dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]:
         out = {}
@@ -523,12 +537,24 @@ class EVON(Optimizer):
             out[gi] = (params, g_list, [self.state[p] for p in params])
         return out
 
-    def _all_finite(self, grads: dict[int, Tensor], adamw: dict) -> bool:
+    def _all_finite(
+        self, grads: dict[int, Tensor], adamw: dict, unchanged: list[tuple[_Bucket, Tensor]]
+    ) -> bool:
+        """Whether every gradient is finite; also settles, in the same single device sync,
+        which buckets may reuse their exit rotation (``unchanged``)."""
         checks = [torch.isfinite(g).all() for g in grads.values()]
         checks += [torch.isfinite(b.acc).all() for b in self.buckets if b.acc is not None]
         for _, g_list, _ in adamw.values():
             checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
-        if not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all()):
+        flags = checks + [flag for _, flag in unchanged]
+        if not flags:
+            return True
+        values = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+        for (b, _), same in zip(unchanged, values[len(checks) :]):
+            if not same:
+                b.exit_grads = b.rotated_grads = None
+            b.exit_grads = None  # compared; only the rotation is still needed
+        if all(values[: len(checks)]):
             return True
         bad = self._first_nonfinite()
         msg = f"non-finite gradient in {bad}; the step was skipped and the optimizer state is unchanged"
@@ -567,7 +593,7 @@ class EVON(Optimizer):
         t = b.t + 1
         q_left, q_right = b.bases()
         hess = st["hess"]
-        g_rot = rotate(grad, q_left, q_right)
+        g_rot = b.rotated_mean_grad(grad, num_samples)
         if math.isinf(ess):
             h_hat = g_rot.square()
         elif clean or b.acc is None:
