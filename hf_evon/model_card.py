@@ -52,6 +52,7 @@ _HYPERPARAMETER_ROWS = (
     ("precondition_frequency", "`precondition_frequency` (eigenbasis refresh, steps)"),
     ("mc_samples", "`mc_samples` (posterior samples per step)"),
     ("lr", "learning rate `lr`"),
+    ("final_lr", "learning rate at save time (scheduled)"),
     ("clip", "update clipping `clip`"),
     ("clip_radius", "`clip_radius`"),
     ("hess_clip_ratio", "`hess_clip_ratio` (adaptive Hessian clipping γ)"),
@@ -136,45 +137,73 @@ def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]
     return rows
 
 
+def _auto_class(model_class: str) -> str:
+    """The transformers Auto class that reloads a model saved as ``model_class``."""
+    if "CausalLM" in model_class or "LMHead" in model_class:
+        return "AutoModelForCausalLM"
+    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MaskedLM"):
+        if task in model_class:
+            return f"AutoModelFor{task}"
+    return "AutoModel"
+
+
 def _usage_snippet(
     posterior: Any, base_model: str | None, location: str, subfolder: str | None, model_id: str | None
 ) -> str:
+    """Runnable code that loads the model and this posterior and predicts with BMA: decoding
+    with ``generate_bma`` for causal LMs, averaged class probabilities otherwise."""
     sub = f', subfolder="{subfolder}"' if subfolder else ""
-    is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in str(
-        posterior.config.get("model_class", "")
-    )
-    lines = []
+    model_class = str(posterior.config.get("model_class", ""))
+    is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in model_class
+    auto = _auto_class(model_class)
+    causal = auto == "AutoModelForCausalLM"
+    hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
+    lines = [] if causal else ["import torch"]
     if is_peft:
         base = model_id or base_model or "<base model id>"
         lines += [
             "from peft import PeftModel",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "from hf_evon import EVONPosterior, generate_bma",
+            f"from transformers import {auto}, AutoTokenizer",
+            f"from hf_evon import {hf_evon_names}",
             "",
-            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            f'base = {auto}.from_pretrained("{base}")',
             f'model = PeftModel.from_pretrained(base, "{location}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
         ]
     else:
         model_location = model_id or location
         lines += [
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "from hf_evon import EVONPosterior, generate_bma",
+            f"from transformers import {auto}, AutoTokenizer",
+            f"from hf_evon import {hf_evon_names}",
             "",
-            f'model = AutoModelForCausalLM.from_pretrained("{model_location}")',
+            f'model = {auto}.from_pretrained("{model_location}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{model_location}")',
         ]
     lines += [
         f'posterior = EVONPosterior.from_pretrained("{location}"{sub})',
         "posterior.check_model(model)  # raises if the posterior belongs to another model",
         "",
-        'inputs = tokenizer("The meaning of life is", return_tensors="pt")',
-        "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
-        "    model, posterior, inputs.input_ids, attention_mask=inputs.attention_mask,",
-        "    num_samples=8, max_new_tokens=32,",
-        ")",
-        "print(tokenizer.decode(output_ids[0], skip_special_tokens=True))",
     ]
+    if causal:
+        lines += [
+            'inputs = tokenizer("The meaning of life is", return_tensors="pt")',
+            "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
+            "    model, posterior, inputs.input_ids, attention_mask=inputs.attention_mask,",
+            "    num_samples=8, seed=0, max_new_tokens=32,",
+            ")",
+            "print(tokenizer.decode(output_ids[0], skip_special_tokens=True))",
+        ]
+    else:
+        lines += [
+            'inputs = tokenizer("An example input.", return_tensors="pt")',
+            "model.eval()",
+            "probs = 0.0",
+            "with torch.no_grad():",
+            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+            "        with posterior.sampled(model, seed=seed):",
+            "            probs = probs + model(**inputs).logits.softmax(-1) / 8",
+            "print(probs)",
+        ]
     return "\n".join(lines)
 
 

