@@ -286,15 +286,11 @@ class RankAverager:
 
 
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
-    """Give every rank rank 0's seed; (re)create generators that were seeded otherwise."""
+    """Give every rank rank 0's seed (each rank's noise stream is derived from it and its rank)."""
     seed = torch.tensor([evon.seed], dtype=torch.int64, device=device)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(seed, src=src, group=group)
     evon.seed = int(seed.item())
-    expected = (evon.seed + 1_000_003 * evon._rank()) % 2**63
-    for dev, gen in list(evon._generators.items()):
-        if gen.initial_seed() != expected:  # made before the rank was known, or another seed
-            del evon._generators[dev]
 
 
 def prepare_distributed(

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import math
 import os
@@ -87,7 +86,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .optim.evon import matrix_shape
+from .optim.evon import derived_seed, matrix_shape
 from .optim.linalg import dense_covariance, exact_float32_matmul, marginal_variance, unrotate
 
 Tensor = torch.Tensor
@@ -215,8 +214,7 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 
 def _name_seed(seed: int, name: str) -> int:
     """A per-parameter seed: draws do not depend on which other parameters are drawn."""
-    digest = hashlib.blake2b(f"{int(seed)}\x00{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return derived_seed(seed, name)
 
 
 def _resolve_seed(seed: int | None) -> int:

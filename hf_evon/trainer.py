@@ -237,6 +237,12 @@ class EVONConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.fp16:  # before TrainingArguments' own checks, so this is the error users see
+            raise ValueError(
+                "EVONConfig.fp16 = True is not supported: fp16 needs loss scaling (GradScaler), and EVON "
+                "records its Hessian estimate G°⊙E from the scaled gradients; use bf16=True (no scaling) "
+                "or float32"
+            )
         super().__post_init__()
         if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:
             self.evon_hess_clip_ratio = None  # "0" on the command line means off
@@ -589,7 +595,7 @@ class EVONTrainer(Trainer):
     # ------------------------------------------------------------------ clipping / grad norm
     def _recorded_samples(self, optimizer: EVON) -> int:
         # EVON divides every gradient by the number of sampled_params(train=True) blocks
-        return max(int(getattr(optimizer, "_samples", 1)), 1)
+        return max(optimizer.recorded_samples, 1)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         """Clip the *mean* gradient over the step's samples to ``max_grad_norm``; return its norm."""

@@ -278,16 +278,16 @@ def test_eos_finishes_rows_and_pads(gpt2):
     free = model.generate(PROMPTS, max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
     eos = int(free[0, PROMPTS.shape[1] + 2])
     pad = next(t for t in range(3, VOCAB) if t != eos)
-    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=pad, eos_token_id=eos)
+    # an explicit mask: with none, prompt tokens equal to the pad id would be masked out
+    mask = torch.ones_like(PROMPTS)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=pad, eos_token_id=eos, attention_mask=mask)
     expected = model.generate(PROMPTS, **kwargs)
     assert torch.equal(generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **kwargs), expected)
     # noisy: a row that emitted eos only gets padding afterwards
     noisy = posterior.with_ess(NOISY_ESS)
     free = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=5, **dict(kwargs, eos_token_id=None))
     eos = int(free[0, PROMPTS.shape[1] + 2])
-    pad = next(
-        t for t in range(3, VOCAB) if t not in (eos,) and t not in free[:, PROMPTS.shape[1] :].tolist()[0]
-    )
+    pad = next(t for t in range(3, VOCAB) if t != eos and not bool((free[0] == t).any()))
     out = generate_bma(
         model, noisy, PROMPTS, num_samples=3, seed=5, **dict(kwargs, eos_token_id=eos, pad_token_id=pad)
     )

@@ -137,6 +137,56 @@ def test_resume_is_bit_for_bit(dtype: torch.dtype) -> None:
     assert resumed_opt.state[w]["hess"].dtype == torch.float32
 
 
+def standard_normal_draws(opt: EVON, model: nn.Module, data, steps: int) -> list[torch.Tensor]:
+    """The standard-normal z of every training sample: E = z / √(ζ (H + δ)), so z = E √(ζ (H + δ))."""
+    out = []
+    for _ in range(steps):
+        with opt.sampled_params(train=True):
+            zs = []
+            for group in opt.param_groups:
+                if group["algorithm"] != "evon":
+                    continue
+                for p in group["params"]:
+                    scale = (group["ess"] * (opt.state[p]["hess"] + group["weight_decay"])).sqrt()
+                    zs.append((opt.current_noise(p) * scale).reshape(-1))
+            out.append(torch.cat(zs))
+            loss_fn(model, data).backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def test_every_rank_resumes_its_own_noise_from_a_checkpoint_saved_by_rank_0() -> None:
+    """Under DDP only rank 0 writes the checkpoint; rank 1 must still continue its own stream."""
+
+    def on_rank(opt: EVON, rank: int) -> EVON:
+        opt._rank = lambda: rank  # what torch.distributed.get_rank() would say
+        return opt
+
+    data = make_data()
+    total, stop = 7, 3
+    model = make_model()
+    rank1 = on_rank(make_opt(model), 1)
+    train_step(model, rank1, data)  # the initialising step
+    uninterrupted = standard_normal_draws(rank1, model, data, total)
+
+    model = make_model()
+    rank0 = on_rank(make_opt(model), 0)
+    train_step(model, rank0, data)
+    rank0_draws = standard_normal_draws(rank0, model, data, stop)
+    checkpoint = roundtrip({"model": model.state_dict(), "optimizer": rank0.state_dict()})
+
+    resumed_model = make_model(seed=42)
+    resumed = on_rank(make_opt(resumed_model, seed=7), 1)
+    resumed_model.load_state_dict(checkpoint["model"])
+    resumed.load_state_dict(checkpoint["optimizer"])
+    continued = standard_normal_draws(resumed, resumed_model, data, total - stop)
+    # z is recovered through H, which differs between the histories: equal up to rounding
+    for t, (a, b) in enumerate(zip(continued, uninterrupted[stop:])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"rank 1's draw {stop + t} after resuming")
+    assert all((a - b).abs().max() > 0.1 for a, b in zip(rank0_draws, uninterrupted))  # ranks differ
+
+
 def test_state_holds_no_copy_of_the_weights() -> None:
     model, data = make_model(), make_data()
     opt = make_opt(model)
@@ -480,3 +530,38 @@ def test_reloaded_optimizer_reports_the_same_posterior() -> None:
     )
     clone.load_state_dict(roundtrip(opt.state_dict()))
     torch.testing.assert_close(clone.posterior_covariance(clone_params[0]), cov, rtol=0, atol=0)
+
+
+def test_recorded_samples_counts_completed_training_samples() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    assert opt.recorded_samples == 0
+    for expected in (1, 2):
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+        assert opt.recorded_samples == expected
+    with opt.sampled_params(train=False):
+        pass
+    with pytest.raises(ZeroDivisionError), opt.sampled_params(train=True):
+        raise ZeroDivisionError  # a failed sample is not recorded
+    assert opt.recorded_samples == 2
+    opt.step()
+    assert opt.recorded_samples == 0
+
+
+def test_fp16_grad_scaler_is_refused_and_leaves_the_optimizer_usable() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    before = snapshot(model, opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with opt.sampled_params(train=True):
+        scaler.scale(loss_fn(model, data)).backward()
+    with pytest.raises(NotImplementedError, match="GradScaler.*bfloat16"):
+        scaler.step(opt)
+    assert_identical(snapshot(model, opt), before)
+    assert opt.recorded_samples == 0  # the scaled sample is dropped, not carried into the next step
+    opt.zero_grad()
+    train_step(model, opt, data)  # still usable without the scaler
+    assert not torch.equal(snapshot(model, opt)["param.0.weight"], before["param.0.weight"])

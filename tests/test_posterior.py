@@ -61,7 +61,7 @@ def mlp():
     x = torch.randn(256, 5) * torch.tensor([3.0, 1.0, 0.5, 0.2, 2.0])
     y = torch.tanh(x @ torch.randn(5, 4)) @ torch.randn(4, 3) + 0.1 * torch.randn(256, 3)
     opt = hf_evon.build_optimizer(
-        model, lr=0.05, ess=256, betas=(0.9, 0.95), hess_init=0.05, precondition_frequency=2, seed=0
+        model, lr=0.05, ess=256, betas=(0.9, 0.95), hess_init=0.05, precondition_frequency=2, seed=1
     )
     _train(model, opt, [(x, y)] * 12, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
     return model, opt, EVONPosterior.from_optimizer(opt, model)

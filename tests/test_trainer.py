@@ -187,6 +187,7 @@ def test_hfargumentparser_parses_every_evon_field(tmp_path):
         ("evon_patterns", ["(unclosed"]),
         ("bma_num_samples", -1),
         ("bma_ece_bins", 0),
+        ("fp16", True),  # loss scaling would corrupt the Hessian estimate
     ],
 )
 def test_config_rejects_invalid_values(tmp_path, field, value):

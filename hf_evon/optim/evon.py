@@ -19,6 +19,7 @@ The algorithm is the one in ``EVON_SPEC.md`` (and the paper's appendix derivatio
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -61,6 +62,13 @@ def preconditioned_sides(
         return False, False
     m, n = matrix_shape(shape)
     return 1 < m <= max_precond_dim, 1 < n <= max_precond_dim
+
+
+def derived_seed(seed: int, *labels: object) -> int:
+    """A 63-bit seed for the stream named by ``labels`` (rank, block, parameter name, ...):
+    streams are independent of each other and of how many other streams were drawn."""
+    text = "\x00".join(str(x) for x in (int(seed), *labels))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -173,6 +181,9 @@ class EVON(Optimizer):
         eps: the ε of adaptive Hessian clipping.
     """
 
+    # torch.amp.GradScaler then hands step() its scale instead of stepping blindly: EVON refuses it
+    _step_supports_amp_scaling = True
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
@@ -240,6 +251,10 @@ class EVON(Optimizer):
         self.seed = int(seed)
         self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._generator_streams: dict[torch.device, tuple] = {}
+        # sampled_params blocks entered so far; a block's noise is fixed by (seed, rank, block, device),
+        # so any rank resumes its own stream from a checkpoint saved by another rank
+        self._sample_blocks = 0
         self._buckets: list[_Bucket] | None = None
         self._bucket_index: dict[int, tuple[_Bucket, int]] | None = None
         self._samples = 0  # samples recorded since the last step
@@ -302,16 +317,26 @@ class EVON(Optimizer):
         """The largest ``mc_samples`` over EVON groups (how many samples a step expects)."""
         return max((g["mc_samples"] for g in self.param_groups if g["algorithm"] == "evon"), default=1)
 
+    @property
+    def recorded_samples(self) -> int:
+        """``sampled_params(train=True)`` blocks recorded since the last step: ``step()`` divides
+        the accumulated gradients by this (at least 1), so code that clips or logs the summed
+        gradient before the step divides by it too."""
+        return self._samples
+
     def _rank(self) -> int:
         dist = torch.distributed
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def _generator(self, device: torch.device) -> torch.Generator:
+        """The noise generator of the current ``sampled_params`` block on ``device``."""
+        stream = (self.seed, self._rank(), self._sample_blocks, str(device))
         gen = self._generators.get(device)
         if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed((self.seed + 1_000_003 * self._rank()) % 2**63)
-            self._generators[device] = gen
+            gen = self._generators[device] = torch.Generator(device=device)
+        if self._generator_streams.get(device) != stream:
+            gen.manual_seed(derived_seed(*stream))
+            self._generator_streams[device] = stream
         return gen
 
     def _build_buckets(self) -> list[_Bucket]:
@@ -397,6 +422,7 @@ class EVON(Optimizer):
         if self._in_sample:
             raise RuntimeError("sampled_params() blocks cannot be nested")
         self._in_sample = True
+        self._sample_blocks += 1
         perturbed: list[_Bucket] = []
         ok = False
         try:
@@ -459,6 +485,14 @@ class EVON(Optimizer):
 
         ``closure`` (optional) is called once inside ``sampled_params(train=True)``.
         """
+        if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step
+            self.found_inf = self.grad_scale = None
+            self._discard_samples()  # the scaled samples must not leak into a later step
+            raise NotImplementedError(
+                "EVON cannot be stepped by a torch.amp.GradScaler (fp16 loss scaling): its Hessian "
+                "estimate G°⊙E is recorded from the scaled gradients at each sample's exit. Train in "
+                "bfloat16 autocast (no loss scaling needed) or float32. The state is unchanged; the samples are dropped"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad(), self.sampled_params(train=True):
@@ -726,9 +760,8 @@ class EVON(Optimizer):
         sd = super().state_dict()
         sd["evon"] = {
             "seed": self.seed,
-            "rank": self._rank(),
+            "sample_blocks": self._sample_blocks,
             "skipped_steps": self.skipped_steps,
-            "rng": {str(dev): gen.get_state() for dev, gen in self._generators.items()},
         }
         return sd
 
@@ -746,10 +779,7 @@ class EVON(Optimizer):
                     if k != "step" and torch.is_tensor(v):
                         self.state[p][k] = v.to(device=p.device, dtype=state_dtype(p))
         self._buckets = None
-        self._generators = {}
         if extra is not None:
             self.seed = int(extra["seed"])
             self.skipped_steps = int(extra.get("skipped_steps", 0))
-            if int(extra.get("rank", 0)) == self._rank():
-                for dev, rng_state in extra.get("rng", {}).items():
-                    self._generator(torch.device(dev)).set_state(rng_state.cpu())
+            self._sample_blocks = int(extra.get("sample_blocks", 0))
