@@ -13,15 +13,18 @@ Methods, all greedy, exactly ``--new-tokens`` tokens per prompt:
 - ``plain``: ``model.generate`` at the posterior mean (one model, no BMA).
 - ``naive``: S sampled deep copies of the model, each with its own KV cache, run one after
   another at every step; their probabilities are averaged per token (what BMA costs
-  without batching).
-- ``bma``: ``hf_evon.generate_bma`` (one forward of batch S·B per step).
+  without batching). Its time includes making the S sampled copies (the same draw), as a
+  user of this approach pays it on every call with fresh samples; ``copies ms`` shows it.
+- ``bma``: ``hf_evon.generate_bma`` (one forward of batch S·B per step), including its
+  draw of the S samples (``draw ms`` alone).
 
-The posterior comes from an EVON optimizer over the transformer-block matrices after its
-initialising step and a few updates on random tokens (the values do not matter for speed).
-Timings: one warm-up call per configuration, ``torch.cuda.synchronize()`` around every timed
-call, the median of ``--repeats`` runs. tokens/s counts new tokens of the whole batch; the
-BMA times include drawing the S weight samples once per call, which ``draw ms`` shows alone;
-``decode/plain`` is the BMA time without the draw over the plain time (per-token cost ratio).
+``--strategy`` picks how ``generate_bma`` applies the samples (``auto``: per matrix, by FLOPs
+on CPU; ``materialize`` on GPU; see ``hf_evon/_batched_samples.py``). ``factored`` in the
+table counts the matrices applied through their bases. Timings: one warm-up call per
+configuration, ``torch.cuda.synchronize()`` around every timed call, the median of
+``--repeats`` runs; tokens/s counts new tokens of the whole batch. ``bma/naive`` is the
+speed-up of ``generate_bma`` over the naive loop (both with their draw); ``bma/plain lat``
+the per-token latency ratio to plain ``generate``.
 """
 
 from __future__ import annotations
@@ -93,10 +96,16 @@ def naive_generate(models: list, input_ids: torch.Tensor, new_tokens: int) -> to
     return out
 
 
-def draw_only(model: torch.nn.Module, posterior: EVONPosterior, num_samples: int) -> None:
-    """What ``generate_bma`` does before decoding: draw S samples, build per-sample weights."""
-    with batched.BatchedSamples(model, posterior, num_samples, seed=0):
-        pass
+def draw_only(
+    model: torch.nn.Module, posterior: EVONPosterior, num_samples: int, ids: torch.Tensor, new: int
+) -> int:
+    """What ``generate_bma`` does before decoding; returns how many matrices it factors."""
+    batch, prompt = ids.shape
+    rows = batch * (prompt + batched.DECODE_ROW_COST * new)
+    with batched.BatchedSamples(
+        model, posterior, num_samples, seed=0, rows=rows, batch_size=batch
+    ) as sampler:
+        return len(sampler.factored)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -129,9 +138,9 @@ def main() -> None:
     parser.add_argument("--no-naive", action="store_true", help="skip the naive loop (it is slow)")
     parser.add_argument(
         "--strategy",
-        default="materialize",
+        default="auto",
         choices=batched.STRATEGIES,
-        help="per-sample weights: x@(M+ΔW_s) (materialize) or x@M + x@ΔW_s (delta)",
+        help="per-sample weights x@(M+ΔW_s) (materialize), x@M + ((x@Q_in)@E_s)@Q_outᵀ (factored), or auto",
     )
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -158,7 +167,7 @@ def main() -> None:
     header = (
         f"{'S':>3} {'B':>3} | {'plain tok/s':>11} {'naive tok/s':>11} {'bma tok/s':>10} | "
         f"{'bma/naive':>9} {'bma ms/tok':>10} {'plain ms/tok':>12} {'bma/plain lat':>13} | {'draw ms':>8} "
-        f"{'decode/plain':>12}"
+        f"{'copies ms':>9} {'factored':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -171,11 +180,17 @@ def main() -> None:
                 device,
                 args.repeats,
             )
-            t_draw = timed(lambda s=s: draw_only(model, posterior, s), device, args.repeats)
-            t_naive = float("nan")
+            t_draw = timed(
+                lambda s=s, ids=ids: draw_only(model, posterior, s, ids, args.new_tokens),
+                device,
+                args.repeats,
+            )
+            factored = draw_only(model, posterior, s, ids, args.new_tokens)
+            t_naive = t_copies = float("nan")
             if not args.no_naive:
+                t_copies = timed(lambda s=s: sampled_copies(model, posterior, s, seed=0), device, 1)
                 copies = sampled_copies(model, posterior, s, seed=0)
-                t_naive = timed(
+                t_naive = t_copies + timed(
                     lambda ids=ids, c=copies: naive_generate(c, ids, args.new_tokens), device, args.repeats
                 )
                 del copies
@@ -186,7 +201,7 @@ def main() -> None:
                 f"{s:>3} {batch:>3} | {tokens / t_plain:>11.1f} {tokens / t_naive:>11.1f} {tokens / t_bma:>10.1f} | "
                 f"{t_naive / t_bma:>9.2f} {1e3 * t_bma / args.new_tokens:>10.2f} "
                 f"{1e3 * t_plain / args.new_tokens:>12.2f} {t_bma / t_plain:>13.2f} | {1e3 * t_draw:>8.1f} "
-                f"{(t_bma - t_draw) / t_plain:>12.2f}",
+                f"{1e3 * t_copies:>9.1f} {factored:>4}/{len(posterior.names):<3}",
                 flush=True,
             )
 

@@ -9,13 +9,24 @@ batched matmul. Everything else (embeddings, norms, attention, the KV cache) is 
 run on the larger batch. The model's parameters are never written, so the mean is untouched
 bit-for-bit, also when the block raises.
 
-Memory: while active, S copies of the *covered* matrices only, in the parameter dtype
-(GPT-2 small: 85M covered values, so S = 8 holds 0.68G values: 2.7 GB float32, 1.4 GB
-bfloat16), plus transiently the posterior's float32 draw of one chunk of names
-(``DRAW_CHUNK_ELEMENTS``). Embeddings, head, norms and biases stay single.
-Why materialise ``M + ΔW_s`` rather than ``x @ M + x @ ΔW_s``: one batched matmul instead of
-two, and per decoding step S weight reads instead of S + 1 (measured on CPU, GPT-2 4×256,
-S = 8: 12.0 vs 15.9 ms/token at batch 1). Both are available (``strategy``).
+Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``):
+
+- ``"materialize"``: store ``W_s = M + Q_L E_s Q_Rᵀ`` and run one batched matmul ``x_s @ W_s``.
+  Forming ``W_s`` costs ``m·n·(m+n)`` multiply-adds per sample (GPT-2 small, S = 8: 2.3
+  TFLOP), once per call; each step then costs what S plain forwards cost.
+- ``"factored"``: keep only ``E_s = z_s ⊙ √V`` (drawn without any matmul) and run
+  ``x_s @ M + ((x_s @ Q_in) @ E_s) @ Q_outᵀ``: the bases multiply the activations, shared by all
+  samples, so nothing is formed per weight; each input row costs ``m² + n² + m·n`` more.
+- ``"auto"`` (default): on CPU, per matrix, whichever of the two costs fewer FLOPs for the
+  number of rows the call will run (``rows``: batch × tokens per sample; short generations
+  favour ``factored``); on accelerators ``materialize`` (one kernel per layer and step keeps
+  decoding latency at that of the plain model; the one-off draw is fast there).
+
+Both give the same samples (the same ``E_s``); results differ only by float rounding.
+Memory: S ``(m, n)`` tensors per covered matrix either way (``W_s`` or ``E_s``), in the
+parameter dtype (GPT-2 small: 85M covered values, so S = 8 holds 0.68G values: 2.7 GB
+float32, 1.4 GB bfloat16), plus transiently the posterior's float32 draw of one chunk of
+names (``DRAW_CHUNK_ELEMENTS``). Embeddings, head, norms and biases stay single.
 
 Supported owners of covered parameters: ``nn.Linear`` (including PEFT's LoRA ``lora_A`` /
 ``lora_B`` layers, which are plain ``nn.Linear``), transformers' ``Conv1D`` (GPT-2) and
@@ -36,9 +47,16 @@ from torch import nn
 
 Tensor = torch.Tensor
 
-STRATEGIES = ("materialize", "delta")
-DEFAULT_STRATEGY = "materialize"  # benchmarks/generate_bma.py --strategy switches it
+STRATEGIES = ("auto", "materialize", "factored")
+DEFAULT_STRATEGY = "auto"  # benchmarks/generate_bma.py --strategy switches it
 DRAW_CHUNK_ELEMENTS = 2**27  # float32 values drawn at once (512 MiB)
+# "auto" on CPU, calibrated on GPT-2 4×256, 32-token prompt: a decoding step runs the factored
+# matmuls on one row per sample, several times less efficiently per FLOP than the draw's large
+# GEMMs, so it counts as DECODE_ROW_COST rows (S = 8, B = 1: factored wins up to ~40 new
+# tokens, 420 vs 657 ms for 16); below MIN_FACTORED_ROWS rows per step (S·B) the three extra
+# small matmuls per layer cost more than the draw they save (S = 1: 7.7 vs 3.5 ms per token).
+DECODE_ROW_COST = 4
+MIN_FACTORED_ROWS = 8
 
 
 def _conv1d_type() -> type | None:
@@ -66,9 +84,12 @@ class BatchedSamples:
         posterior: an ``EVONPosterior`` (anything with ``names`` and ``draw``).
         num_samples: S.
         seed: seed of the weight draws (``posterior.draw(S, seed=seed, ...)``).
-        strategy: ``"materialize"`` stores ``W_s = M + ΔW_s`` and runs ``x @ W_s`` (one
-            batched matmul, the default: fewer FLOPs and fewer bytes per step);
-            ``"delta"`` runs ``x @ M`` once plus ``x @ ΔW_s`` batched (kept for comparison).
+        strategy: ``"auto"``, ``"materialize"`` or ``"factored"`` (see the module docstring).
+        rows: how many input rows per sample the block will run (batch × tokens; a decoding
+            step's rows weighted by ``DECODE_ROW_COST``), for ``"auto"``; ``None`` (unknown)
+            materializes.
+        batch_size: B, the rows per sample of one forward step (``"auto"`` materializes when
+            S·B < ``MIN_FACTORED_ROWS``); ``None``: not limiting.
     """
 
     def __init__(
@@ -78,6 +99,8 @@ class BatchedSamples:
         num_samples: int,
         seed: int | None = None,
         strategy: str | None = None,
+        rows: int | None = None,
+        batch_size: int | None = None,
     ) -> None:
         strategy = DEFAULT_STRATEGY if strategy is None else strategy
         if not isinstance(num_samples, int) or num_samples < 1:
@@ -89,6 +112,9 @@ class BatchedSamples:
         self.num_samples = num_samples
         self.seed = seed
         self.strategy = strategy
+        self.rows = rows
+        self.batch_size = batch_size
+        self.factored: set[str] = set()  # names applied factored (set on entry)
         self._patched: list[tuple[nn.Module, Any]] = []
         self.extra_bytes = 0  # memory held by the per-sample weights while active
 
@@ -107,8 +133,8 @@ class BatchedSamples:
             raise RuntimeError(f"covered parameters not found in any module: {missing}")
         return owners
 
-    def _draws(self, params: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
-        """Every covered parameter's S perturbations, drawn a chunk of names at a time.
+    def _draws(self, params: dict[str, Tensor], rotated: bool) -> Iterator[tuple[str, Tensor]]:
+        """Every given parameter's S draws (``posterior.draw``), a chunk of names at a time.
 
         ``EVONPosterior.draw`` seeds each name on its own, so the values do not depend on how
         names are chunked; chunks of at most ``DRAW_CHUNK_ELEMENTS`` float32 values keep the
@@ -124,10 +150,40 @@ class BatchedSamples:
             if last or size + self.num_samples * params[names[i + 1]].numel() > DRAW_CHUNK_ELEMENTS:
                 devices = {params[n].device for n in chunk}
                 device = next(iter(devices)) if len(devices) == 1 else None
-                draws = self.posterior.draw(self.num_samples, seed=self.seed, names=chunk, device=device)
+                kwargs = {"rotated": True} if rotated else {}
+                draws = self.posterior.draw(
+                    self.num_samples, seed=self.seed, names=chunk, device=device, **kwargs
+                )
                 for n in chunk:
                     yield n, draws.pop(n)
                 chunk, size = [], 0
+
+    def _factored_names(self, params: dict[str, Tensor], owners: dict[nn.Module, dict[str, str]]) -> set[str]:
+        """The covered weights applied as ``x @ M + ((x @ Q_in) @ E_s) @ Q_outᵀ``."""
+        if self.strategy == "materialize" or not hasattr(self.posterior, "__getitem__"):
+            return set()
+        linear_types = tuple(t for t in (nn.Linear, _conv1d_type()) if t is not None)
+        chosen = set()
+        for module, attrs in owners.items():
+            name = attrs.get("weight")
+            if not isinstance(module, linear_types) or name is None or len(attrs) != 1:
+                continue  # embeddings, or a covered bias too: materialize
+            f = self.posterior[name]
+            if params[name].dim() != 2 or (f.Q_L is None and f.Q_R is None):
+                continue  # no basis: the draw needs no matmul, materializing is cheaper
+            if self.strategy == "factored":
+                chosen.add(name)
+                continue
+            if params[name].device.type != "cpu" or self.rows is None:
+                continue
+            if self.batch_size is not None and self.num_samples * self.batch_size < MIN_FACTORED_ROWS:
+                continue
+            m, n = f.matrix_shape
+            draw_cost = (m * m * n if f.Q_L is not None else 0) + (m * n * n if f.Q_R is not None else 0)
+            per_row = m * n + (m * m if f.Q_L is not None else 0) + (n * n if f.Q_R is not None else 0)
+            if self.rows * per_row < draw_cost:
+                chosen.add(name)
+        return chosen
 
     def __enter__(self) -> BatchedSamples:
         named = dict(self.model.named_parameters())
@@ -151,28 +207,40 @@ class BatchedSamples:
                 raise NotImplementedError(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
         if self.seed is None:  # one seed for all names, as a single draw(seed=None) would do
             self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        factored = self._factored_names(params, owners)
         per_sample: dict[str, Tensor] = {}
         with torch.no_grad():
-            for name, delta in self._draws(params):
-                mean = params[name].detach()
-                delta = delta.to(mean.device)
-                if delta.shape != (self.num_samples, *mean.shape):
-                    raise ValueError(
-                        f"posterior draw for {name!r} has shape {tuple(delta.shape)}, expected "
-                        f"{(self.num_samples, *mean.shape)}"
+            for rotated, group in (
+                (False, [n for n in params if n not in factored]),
+                (True, sorted(factored)),
+            ):
+                for name, draw in self._draws({n: params[n] for n in group}, rotated):
+                    mean = params[name].detach()
+                    draw = draw.to(mean.device)
+                    expected = (
+                        self.num_samples,
+                        *(self.posterior[name].matrix_shape if rotated else mean.shape),
                     )
-                if self.strategy == "materialize":
-                    # same rounding as writing a sample into the weights: (M + ΔW) in float, then cast
-                    value = (mean.to(delta.dtype) + delta).to(mean.dtype)
-                else:
-                    value = delta.to(mean.dtype)
-                per_sample[name] = value.contiguous()
-                self.extra_bytes += value.numel() * value.element_size()
+                    if tuple(draw.shape) != expected:
+                        raise ValueError(
+                            f"posterior draw for {name!r} has shape {tuple(draw.shape)}, expected {expected}"
+                        )
+                    if rotated:
+                        value = draw.to(mean.dtype)  # E_s, applied between the bases
+                    else:  # same rounding as writing a sample into the weights: (M + ΔW) in float, then cast
+                        value = (mean.to(draw.dtype) + draw).to(mean.dtype)
+                    per_sample[name] = value.contiguous()
+                    self.extra_bytes += value.numel() * value.element_size()
+        self.factored = factored
         try:
             for module, attrs in owners.items():
                 weights = {attr: per_sample[name] for attr, name in attrs.items()}
                 label = next(iter(attrs.values()))
-                self._patch(module, self._make_forward(module, weights, label))
+                if label in factored:
+                    forward = self._factored_forward(module, weights["weight"], self.posterior[label], label)
+                else:
+                    forward = self._make_forward(module, weights, label)
+                self._patch(module, forward)
         except BaseException:
             self._restore()
             raise
@@ -198,13 +266,13 @@ class BatchedSamples:
     def _make_forward(
         self, module: nn.Module, weights: dict[str, Tensor], label: str
     ) -> Callable[..., Tensor]:
+        """``x_s @ W_s (+ b_s)``: per-sample materialized weights (and biases), one batched matmul."""
         if isinstance(module, nn.Embedding):
             return self._embedding_forward(module, weights, label)
         conv1d = _conv1d_type()
         # batched weights laid out (S, in, out) for bmm: Linear stores (out, in), Conv1D (in, out)
         transpose = not (conv1d is not None and isinstance(module, conv1d))
         s_count = self.num_samples
-        delta_mode = self.strategy == "delta"
         w_s = weights.get("weight")
         b_s = weights.get("bias")
         w_bmm = None if w_s is None else (w_s.mT if transpose else w_s)
@@ -213,19 +281,39 @@ class BatchedSamples:
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
             xs = _sample_major(x, s_count, label)
             weight = self_.weight.mT if transpose else self_.weight
-            bias = self_.bias
-            if delta_mode:
-                shared = xs @ weight  # one matmul with the mean, as plain forward
-                if bias is not None:
-                    shared = shared + bias
-                y = shared if w_bmm is None else torch.baddbmm(shared, xs, w_bmm)
-                if bias_s is not None:
-                    y = y + bias_s
-            else:
-                w = w_bmm if w_bmm is not None else weight.expand(s_count, *weight.shape)
-                b = bias_s if bias_s is not None else bias
-                y = torch.bmm(xs, w) if b is None else torch.baddbmm(b.expand(s_count, 1, -1), xs, w)
+            w = w_bmm if w_bmm is not None else weight.expand(s_count, *weight.shape)
+            b = bias_s if bias_s is not None else self_.bias
+            y = torch.bmm(xs, w) if b is None else torch.baddbmm(b.expand(s_count, 1, -1), xs, w)
             return y.reshape(*x.shape[:-1], y.shape[-1])
+
+        return forward
+
+    def _factored_forward(
+        self, module: nn.Module, e_s: Tensor, factors: Any, label: str
+    ) -> Callable[..., Tensor]:
+        """``x_s @ M + ((x_s @ Q_in) @ E_s) @ Q_outᵀ``: the mean's own forward plus the sample's
+        deviation applied through the bases (shared by all samples) and ``E_s`` (S, m, n)."""
+        conv1d = _conv1d_type()
+        dtype, device = e_s.dtype, e_s.device
+
+        def basis(q: Tensor | None) -> Tensor | None:
+            return None if q is None else q.to(device=device, dtype=dtype)
+
+        if conv1d is not None and isinstance(module, conv1d):  # weight (in, out) = (m, n)
+            q_in, q_out, e_io = basis(factors.Q_L), basis(factors.Q_R), e_s
+        else:  # nn.Linear: weight (out, in) = (m, n), x @ ΔWᵀ = x Q_R E_sᵀ Q_Lᵀ
+            q_in, q_out, e_io = basis(factors.Q_R), basis(factors.Q_L), e_s.mT
+        mean_forward = type(module).forward
+        s_count = self.num_samples
+
+        def forward(self_: nn.Module, x: Tensor) -> Tensor:
+            y = mean_forward(self_, x)
+            xs = _sample_major(x, s_count, label)
+            t = xs if q_in is None else xs @ q_in
+            t = torch.bmm(t, e_io)
+            if q_out is not None:
+                t = t @ q_out.mT
+            return y + t.reshape(y.shape)
 
         return forward
 
@@ -233,20 +321,16 @@ class BatchedSamples:
         self, module: nn.Module, weights: dict[str, Tensor], label: str
     ) -> Callable[..., Tensor]:
         s_count = self.num_samples
-        w_s = weights["weight"]  # (S, V, d) — materialized or delta
+        w_s = weights["weight"]  # (S, V, d), materialized
         vocab = w_s.shape[1]
         flat = w_s.reshape(s_count * vocab, -1)
-        delta_mode = self.strategy == "delta"
 
         def forward(self_: nn.Module, ids: Tensor) -> Tensor:
             if ids.shape[0] % s_count:
                 raise RuntimeError(f"{label}: expected a leading batch of S·B rows, got {tuple(ids.shape)}")
             offsets = torch.arange(s_count, device=ids.device).mul_(vocab).view(s_count, *[1] * ids.ndim)
             shifted = (ids.reshape(s_count, -1, *ids.shape[1:]) + offsets).reshape(ids.shape)
-            out = F.embedding(shifted, flat)
-            if delta_mode:
-                out = out + F.embedding(ids, self_.weight)
-            return out
+            return F.embedding(shifted, flat)
 
         return forward
 

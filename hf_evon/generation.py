@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._batched_samples import BatchedSamples, log_mean_prob
+from ._batched_samples import DECODE_ROW_COST, BatchedSamples, log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -156,6 +156,16 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
     return bma_decode
 
 
+def _max_new_tokens(gen_model: nn.Module, input_ids: Tensor, generation_kwargs: dict[str, Any]) -> int:
+    """The most tokens the call can add (for the cost model of the batched samples)."""
+    config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
+    new = generation_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is None:
+        max_length = generation_kwargs.get("max_length", getattr(config, "max_length", None)) or 20
+        new = max_length - input_ids.shape[1]
+    return max(int(new), 1)
+
+
 @torch.no_grad()
 def generate_bma(
     model: nn.Module,
@@ -217,7 +227,11 @@ def generate_bma(
     if seed is not None:  # do_sample may also come from the model's generation_config
         generator = torch.Generator(device=input_ids.device)
         generator.manual_seed((int(seed) * 2654435761 + 1) % 2**63)  # distinct from the weight draw
-    with BatchedSamples(model, posterior, num_samples, seed=seed) as sampler:
+    new_tokens = _max_new_tokens(gen_model, input_ids, generation_kwargs)
+    rows = input_ids.shape[0] * (input_ids.shape[1] + DECODE_ROW_COST * new_tokens)
+    with BatchedSamples(
+        model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0]
+    ) as sampler:
         decoder = _make_decoder(sampler, streamer, generator)
         return gen_model.generate(
             input_ids=input_ids,
@@ -329,7 +343,7 @@ def bma_log_likelihood(
     targets = labels[:, 1:]
     mask = targets != -100
     safe_targets = targets.masked_fill(~mask, 0)
-    with BatchedSamples(model, posterior, num_samples, seed=seed):
+    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=input_ids.numel()):
         logits = gen_model(**inputs, return_dict=True).logits
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small

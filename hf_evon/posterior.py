@@ -623,6 +623,7 @@ class EVONPosterior:
         names: Iterable[str] | str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        rotated: bool = False,
     ) -> dict[str, Tensor]:
         """Draw perturbations ``W_s − M`` without touching any model.
 
@@ -630,6 +631,9 @@ class EVONPosterior:
         generator seeded by ``(seed, name)``, so the same seed gives the same values for a
         parameter whatever subset is drawn (on the same device type). Math in float32;
         ``dtype`` casts the result. ``seed=None`` takes a seed from torch's global RNG.
+        ``rotated=True`` returns the same draws before the bases are applied,
+        ``E_s = z_s ⊙ √V`` shaped ``(S, m, n)`` (``W_s − M = Q_L E_s Q_Rᵀ``): no matmuls, for code
+        that applies the bases to activations instead of to the weights.
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
@@ -658,9 +662,12 @@ class EVONPosterior:
                 gen = torch.Generator(device=dev)
                 gen.manual_seed(_name_seed(seed, group.names[i]))
                 z[j].normal_(generator=gen)
-            noise = _perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
+            if rotated:
+                noise = z.mul_(torch.rsqrt(group.ess * (hess + group.weight_decay)).unsqueeze(1))
+            else:
+                noise = _perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
             for j, i in enumerate(idx):
-                value = noise[j].reshape(num_samples, *group.shapes[i])
+                value = noise[j] if rotated else noise[j].reshape(num_samples, *group.shapes[i])
                 out[group.names[i]] = value if dtype is None else value.to(dtype)
         return {name: out[name] for name in self.names if name in out}
 

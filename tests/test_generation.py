@@ -21,6 +21,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_evon
+import hf_evon._batched_samples as batched
 from hf_evon import EVONPosterior, bma_log_likelihood, generate_bma
 from hf_evon.generation import bma_loss_curve
 
@@ -144,10 +145,17 @@ def gpt2():
 PROMPTS = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, 7, 30, 12]])
 
 
+@pytest.fixture(params=["materialize", "factored"])
+def strategy(request, monkeypatch):
+    """Both ways of applying the samples (per-sample weights, or bases on the activations)."""
+    monkeypatch.setattr(batched, "DEFAULT_STRATEGY", request.param)
+    return request.param
+
+
 # ----------------------------------------------------------------------------- exactness
 @pytest.mark.parametrize("num_samples", [1, 3])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_zero_variance_equals_generate(gpt2, arch, num_samples):
+def test_zero_variance_equals_generate(strategy, gpt2, arch, num_samples):
     model, posterior = gpt2 if arch == "gpt2" else (tiny_llama(), None)
     if posterior is None:
         posterior = train_posterior(model)
@@ -160,7 +168,7 @@ def test_zero_variance_equals_generate(gpt2, arch, num_samples):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_matches_slow_reference(gpt2, arch):
+def test_matches_slow_reference(strategy, gpt2, arch):
     model, posterior = gpt2 if arch == "gpt2" else (tiny_llama(1), None)
     if posterior is None:
         posterior = train_posterior(model)
@@ -206,7 +214,7 @@ def test_matches_slow_reference(gpt2, arch):
     assert_unchanged(model, before)
 
 
-def test_left_padded_batch_equals_each_prompt_alone(gpt2):
+def test_left_padded_batch_equals_each_prompt_alone(strategy, gpt2):
     model, posterior = gpt2
     noisy = posterior.with_ess(NOISY_ESS)
     prompts = [[5, 9, 17], [40, 41, 7, 7, 30, 12], [11, 12, 13, 14]]
@@ -335,7 +343,7 @@ def test_streamer_receives_tokens(gpt2):
     assert len(streamer.puts) == 1 + 7
 
 
-def test_peft_lora_posterior(gpt2):
+def test_peft_lora_posterior(strategy, gpt2):
     peft = pytest.importorskip("peft")
     base = tiny_gpt2(seed=2)
     config = peft.LoraConfig(
@@ -387,7 +395,7 @@ def zero_scores(model, zero):
 
 
 # ----------------------------------------------------------------------------- scoring
-def test_bma_log_likelihood_equals_direct_computation(gpt2):
+def test_bma_log_likelihood_equals_direct_computation(strategy, gpt2):
     model, posterior = gpt2
     noisy = posterior.with_ess(NOISY_ESS)
     ids, mask = left_pad([[5, 9, 17, 3], [40, 41, 7, 7, 30, 12, 3], [11, 12]])
@@ -523,3 +531,25 @@ def test_bma_lowers_validation_loss():
     assert result.first(8).loss < mean_loss  # the issue's check: BMA with S = 8 beats the mean
     assert curve[8] < mean_loss
     assert curve[8] < curve[1]  # averaging beats its members
+
+
+def test_auto_strategy_follows_the_flop_count(gpt2):
+    """``auto`` factors a matrix exactly when rows·(mn + m² + n²) < m²n + mn² (bases present)."""
+    model, posterior = gpt2
+    for rows in (1, 40, 10**6):
+        expected = set()
+        for name in posterior.names:
+            f = posterior[name]
+            m, n = f.matrix_shape
+            left, right = f.Q_L is not None, f.Q_R is not None
+            if (left or right) and rows * (
+                m * n + left * m * m + right * n * n
+            ) < left * m * m * n + right * m * n * n:
+                expected.add(name)
+        with batched.BatchedSamples(model, posterior, 2, seed=0, rows=rows) as sampler:
+            assert sampler.factored == expected, rows
+    assert expected == set()  # many rows: every matrix materialized
+    with batched.BatchedSamples(model, posterior, 2, seed=0, rows=1) as sampler:
+        assert sampler.factored and sampler.factored == {
+            n for n in posterior.names if posterior[n].Q_L is not None or posterior[n].Q_R is not None
+        }
