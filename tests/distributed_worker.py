@@ -203,6 +203,7 @@ def main() -> None:
     scenario_fsdp(accelerator, out)
     torch.save(out, os.path.join(out_dir, f"rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group on every rank together
 
 
 if __name__ == "__main__":

@@ -759,6 +759,10 @@ DDP_WORKER = textwrap.dedent(
     state = {n: p.detach() for n, p in trainer.model.named_parameters()}
     state["eval_bma_nll"] = torch.tensor(metrics["eval_bma_nll"])
     torch.save(state, out / f"rank{rank}.pt")
+    # tear down together: a rank leaving with its gloo group alive while the other still works
+    # can abort at exit ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     """
 )
 
