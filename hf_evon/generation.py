@@ -79,7 +79,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
 
             raise RuntimeError(
                 f"generate_bma drives transformers' decoding helpers (_prefill, _update_model_kwargs_for_generation) "
-                f"of transformers 5.x (tested with 5.23); this is transformers {transformers.__version__}"
+                f"of transformers 5.x (tested with 5.17 and 5.23); this is transformers {transformers.__version__}"
             )
         if model.config.is_encoder_decoder:
             raise ValueError("generate_bma supports decoder-only (causal) language models")
