@@ -1,0 +1,87 @@
+"""The eigenbasis QR used on accelerators (shifted CholeskyQR3), checked on CPU.
+
+CI has no GPU, so the accelerator branch of ``power_qr`` never runs there; its QR,
+``cholesky_qr``, is device-agnostic and is tested here against the defining properties of a
+QR factorisation and against LAPACK's Householder QR.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_evon.optim.linalg import cholesky_qr, power_qr
+
+F64 = torch.float64
+
+
+def with_condition_number(batch: int, n: int, kappa: float, seed: int) -> torch.Tensor:
+    """``U diag(σ) Vᵀ`` with singular values log-spaced from 1 down to 1/κ."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(batch, n, n, generator=gen, dtype=F64)).Q
+    v = torch.linalg.qr(torch.randn(batch, n, n, generator=gen, dtype=F64)).Q
+    sigma = torch.logspace(0, -torch.log10(torch.tensor(kappa)).item(), n, dtype=F64)
+    return (u * sigma) @ v.mT
+
+
+def assert_is_q_of(q: torch.Tensor, a: torch.Tensor, tol: float) -> None:
+    """Q orthonormal and QᵀA upper triangular (A = QR), relative to the size of A."""
+    eye = torch.eye(q.shape[-1], dtype=q.dtype)
+    assert float((q.mT @ q - eye).abs().max()) < tol
+    r = q.mT @ a
+    scale = torch.linalg.matrix_norm(a, keepdim=True)
+    assert float((torch.tril(r, -1) / scale).abs().max()) < tol
+
+
+def same_up_to_column_signs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    signs = torch.where((a * b).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(a.dtype)
+    return (a * signs - b).abs().max()
+
+
+@pytest.mark.parametrize("kappa", [10.0, 1e6, 1e12])
+def test_cholesky_qr_is_a_qr_of_ill_conditioned_matrices(kappa: float) -> None:
+    a = with_condition_number(3, 24, kappa, seed=int(kappa) % 97)
+    q = cholesky_qr(a)
+    assert q.dtype == F64 and torch.isfinite(q).all()
+    assert_is_q_of(q, a, tol=1e-11)
+    if kappa <= 1e6:  # Q of a QR is unique up to column signs: it is LAPACK's
+        assert float(same_up_to_column_signs(q, torch.linalg.qr(a).Q)) < 1e-8
+
+
+def test_cholesky_qr_of_float32_keeps_float32_and_orthonormality() -> None:
+    a = with_condition_number(2, 32, 1e5, seed=3).float()
+    q = cholesky_qr(a)
+    assert q.dtype == torch.float32
+    assert_is_q_of(q.double(), a.double(), tol=1e-5)
+
+
+def test_cholesky_qr_falls_back_for_a_zero_member() -> None:
+    a = with_condition_number(3, 8, 100.0, seed=5)
+    a[1] = 0.0  # Cholesky of a zero Gram matrix fails: that member uses Householder QR
+    q = cholesky_qr(a)
+    assert torch.isfinite(q).all()
+    eye = torch.eye(8, dtype=F64)
+    assert float((q.mT @ q - eye).abs().max()) < 1e-12
+    for i in (0, 2):
+        assert_is_q_of(q[i], a[i], tol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "dtype,decades,tol",
+    [(F64, 10, 1e-5), (torch.float32, 3, 1e-3)],  # columns below eps·λ_max are not determined
+)
+def test_refresh_on_accelerators_equals_the_cpu_refresh(dtype: torch.dtype, decades: int, tol: float) -> None:
+    """``power_qr``'s accelerator formula (float64 product, CholeskyQR3, the same sign rule)
+    gives the CPU result (Householder) for a statistic whose eigenvalues span many decades, as
+    EMAs of G Gᵀ do: their bases agree wherever the state's precision determines them."""
+    gen = torch.Generator().manual_seed(11)
+    n = 48
+    eigvecs = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64)).Q
+    stat = ((eigvecs * torch.logspace(0, -decades, n, dtype=F64)) @ eigvecs.mT).to(dtype).unsqueeze(0)
+    q_old = torch.linalg.qr(eigvecs + 0.05 * torch.randn(n, n, generator=gen, dtype=F64)).Q.to(dtype)[None]
+    cpu = power_qr(stat, q_old)
+    accel = cholesky_qr(stat.double() @ q_old.double()).to(dtype)
+    accel = accel * torch.where((q_old * accel).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(dtype)
+    assert cpu.dtype == dtype
+    assert float((cpu - accel).abs().max()) < tol
+    assert bool(((q_old * cpu).sum(-2) >= 0).all())  # columns point like the old basis
