@@ -163,11 +163,19 @@ class BatchedSamples:
         if self.strategy == "materialize" or not hasattr(self.posterior, "__getitem__"):
             return set()
         linear_types = tuple(t for t in (nn.Linear, _conv1d_type()) if t is not None)
+        # a weight tied into an embedding, or whose module also has a covered bias, is materialized
+        # for every owner: all owners of a name must share one representation of its samples
+        excluded = {
+            name
+            for module, attrs in owners.items()
+            if not isinstance(module, linear_types) or set(attrs) != {"weight"}
+            for name in attrs.values()
+        }
         chosen = set()
-        for module, attrs in owners.items():
+        for attrs in owners.values():
             name = attrs.get("weight")
-            if not isinstance(module, linear_types) or name is None or len(attrs) != 1:
-                continue  # embeddings, or a covered bias too: materialize
+            if name is None or name in excluded:
+                continue
             f = self.posterior[name]
             if params[name].dim() != 2 or (f.Q_L is None and f.Q_R is None):
                 continue  # no basis: the draw needs no matmul, materializing is cheaper

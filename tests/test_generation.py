@@ -553,3 +553,19 @@ def test_auto_strategy_follows_the_flop_count(gpt2):
         assert sampler.factored and sampler.factored == {
             n for n in posterior.names if posterior[n].Q_L is not None or posterior[n].Q_R is not None
         }
+
+
+def test_tied_embedding_and_head_share_one_representation(strategy):
+    """A covered weight owned by both the embedding and the (tied) LM head is materialized for
+    both, whatever the strategy: the embedding lookup needs whole per-sample weights."""
+    model = tiny_gpt2(seed=4)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    posterior = train_posterior(model, evon_patterns=[r"wte\.weight"])
+    assert "transformer.wte.weight" in posterior.names
+    noisy = posterior.with_ess(NOISY_ESS)
+    with batched.BatchedSamples(model, noisy, 2, seed=0, rows=1) as sampler:
+        assert "transformer.wte.weight" not in sampler.factored
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=2, **kwargs)
+    ref_ids, _ = reference_greedy(sampled_copies(model, noisy, 3, 2), PROMPTS, None, 6)
+    assert torch.equal(out, ref_ids)
