@@ -308,6 +308,13 @@ def test_draw_is_the_documented_transform_of_seeded_normals(mlp):
         z = torch.randn(3, *f.matrix_shape, generator=gen)
         expected = sample_perturbation(z, f.hess, f.Q_L, f.Q_R, f.ess, f.weight_decay)
         torch.testing.assert_close(draws[name], expected.reshape(3, *f.shape), rtol=1e-5, atol=1e-7)
+    # rotated=True: the same draws before the bases, E = z ⊙ √V exactly
+    rotated = post.draw(3, seed=99, rotated=True)
+    for name in post.names:
+        f = post[name]
+        gen = torch.Generator().manual_seed(_name_seed(99, name))
+        z = torch.randn(3, *f.matrix_shape, generator=gen)
+        assert torch.equal(rotated[name], z * torch.rsqrt(f.ess * (f.hess + f.weight_decay)))
 
 
 def test_draw_determinism_subsets_and_dtypes(gpt2):
