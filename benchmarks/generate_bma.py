@@ -25,6 +25,11 @@ configuration, ``torch.cuda.synchronize()`` around every timed call, the median 
 ``--repeats`` runs; tokens/s counts new tokens of the whole batch. ``bma/naive`` is the
 speed-up of ``generate_bma`` over the naive loop (both with their draw); ``bma/plain lat``
 the per-token latency ratio to plain ``generate``.
+
+Measured on CPU (2 cores, ``--small --new-tokens 16``): S = 8, B = 1: naive 17.6 tok/s,
+generate_bma 41.4 (2.36×, factored); S = 16, B = 1: 3.68×; B = 8: 1.4–1.5× (materialized). On a
+CPU every sample costs its own arithmetic and weight reads, so batching saves the draw and the
+per-call overhead only; the issue's targets (≥ 4× at S = 8, latency ≤ 2× plain) are for GPUs.
 """
 
 from __future__ import annotations

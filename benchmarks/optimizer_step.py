@@ -13,6 +13,12 @@ transformer-block matrices; embeddings, head and 1-D tensors use AdamW for all t
 as in the paper. Timed steps cover several eigenbasis refreshes (every 10th step).
 ``evon`` refreshes every matrix at ``t % 10 == 0`` (the spec's schedule); ``evon-staggered``
 is EVON's default (``stagger_refresh=True``: each matrix has its own phase).
+
+Measured on CPU (2 cores, OMP_NUM_THREADS=2, torch 2.13; ±15 % run to run), ms per step:
+AdamW 150.6; SOAP (pytorch-optimizer) 442.7, max/median 2.93; EVON 484.8, max/median 3.16;
+EVON staggered 473.8 (3.15× AdamW), max/median 1.14, optimizer 225.6 ms; 38.7 bytes of state
+per EVON parameter. On an H100 (an earlier build that forced full-float32 rotations): AdamW
+126.8, SOAP 236.3, EVON 261.3 ms (max/median 1.10).
 """
 
 from __future__ import annotations
