@@ -105,10 +105,9 @@ def draw_only(
     model: torch.nn.Module, posterior: EVONPosterior, num_samples: int, ids: torch.Tensor, new: int
 ) -> int:
     """What ``generate_bma`` does before decoding; returns how many matrices it factors."""
-    batch, prompt = ids.shape
-    rows = batch * (prompt + batched.DECODE_ROW_COST * new)
+    rows = batched.expected_rows(*ids.shape, new)
     with batched.BatchedSamples(
-        model, posterior, num_samples, seed=0, rows=rows, batch_size=batch
+        model, posterior, num_samples, seed=0, rows=rows, batch_size=len(ids)
     ) as sampler:
         return len(sampler.factored)
 
@@ -193,8 +192,13 @@ def main() -> None:
             factored = draw_only(model, posterior, s, ids, args.new_tokens)
             t_naive = t_copies = float("nan")
             if not args.no_naive:
-                t_copies = timed(lambda s=s: sampled_copies(model, posterior, s, seed=0), device, 1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()  # built once: the copies the loop then runs on
                 copies = sampled_copies(model, posterior, s, seed=0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t_copies = time.perf_counter() - start
                 t_naive = t_copies + timed(
                     lambda ids=ids, c=copies: naive_generate(c, ids, args.new_tokens), device, args.repeats
                 )

@@ -59,6 +59,11 @@ DECODE_ROW_COST = 4
 MIN_FACTORED_ROWS = 8
 
 
+def expected_rows(batch_size: int, prompt_tokens: int, new_tokens: int = 0) -> int:
+    """``rows`` for a call over ``batch_size`` prompts that adds up to ``new_tokens`` tokens."""
+    return batch_size * (prompt_tokens + DECODE_ROW_COST * new_tokens)
+
+
 def _conv1d_type() -> type | None:
     try:
         from transformers.pytorch_utils import Conv1D
@@ -85,9 +90,8 @@ class BatchedSamples:
         num_samples: S.
         seed: seed of the weight draws (``posterior.draw(S, seed=seed, ...)``).
         strategy: ``"auto"``, ``"materialize"`` or ``"factored"`` (see the module docstring).
-        rows: how many input rows per sample the block will run (batch × tokens; a decoding
-            step's rows weighted by ``DECODE_ROW_COST``), for ``"auto"``; ``None`` (unknown)
-            materializes.
+        rows: how many input rows per sample the block will run (``expected_rows``), for
+            ``"auto"``; ``None`` (unknown) materializes.
         batch_size: B, the rows per sample of one forward step (``"auto"`` materializes when
             S·B < ``MIN_FACTORED_ROWS``); ``None``: not limiting.
     """
@@ -158,10 +162,10 @@ class BatchedSamples:
                     yield n, draws.pop(n)
                 chunk, size = [], 0
 
-    def _factored_names(self, params: dict[str, Tensor], owners: dict[nn.Module, dict[str, str]]) -> set[str]:
-        """The covered weights applied as ``x @ M + ((x @ Q_in) @ E_s) @ Q_outᵀ``."""
+    def _factored(self, params: dict[str, Tensor], owners: dict[nn.Module, dict[str, str]]) -> dict[str, Any]:
+        """The covered weights applied as ``x @ M + ((x @ Q_in) @ E_s) @ Q_outᵀ``, with their factors."""
         if self.strategy == "materialize" or not hasattr(self.posterior, "__getitem__"):
-            return set()
+            return {}
         linear_types = tuple(t for t in (nn.Linear, _conv1d_type()) if t is not None)
         # a weight tied into an embedding, or whose module also has a covered bias, is materialized
         # for every owner: all owners of a name must share one representation of its samples
@@ -171,7 +175,7 @@ class BatchedSamples:
             if not isinstance(module, linear_types) or set(attrs) != {"weight"}
             for name in attrs.values()
         }
-        chosen = set()
+        chosen = {}
         for attrs in owners.values():
             name = attrs.get("weight")
             if name is None or name in excluded:
@@ -180,7 +184,7 @@ class BatchedSamples:
             if params[name].dim() != 2 or (f.Q_L is None and f.Q_R is None):
                 continue  # no basis: the draw needs no matmul, materializing is cheaper
             if self.strategy == "factored":
-                chosen.add(name)
+                chosen[name] = f
                 continue
             if params[name].device.type != "cpu" or self.rows is None:
                 continue
@@ -190,7 +194,7 @@ class BatchedSamples:
             draw_cost = (m * m * n if f.Q_L is not None else 0) + (m * n * n if f.Q_R is not None else 0)
             per_row = m * n + (m * m if f.Q_L is not None else 0) + (n * n if f.Q_R is not None else 0)
             if self.rows * per_row < draw_cost:
-                chosen.add(name)
+                chosen[name] = f
         return chosen
 
     def __enter__(self) -> BatchedSamples:
@@ -215,7 +219,7 @@ class BatchedSamples:
                 raise NotImplementedError(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
         if self.seed is None:  # one seed for all names, as a single draw(seed=None) would do
             self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-        factored = self._factored_names(params, owners)
+        factored = self._factored(params, owners)
         per_sample: dict[str, Tensor] = {}
         with torch.no_grad():
             for rotated, group in (
@@ -225,10 +229,7 @@ class BatchedSamples:
                 for name, draw in self._draws({n: params[n] for n in group}, rotated):
                     mean = params[name].detach()
                     draw = draw.to(mean.device)
-                    expected = (
-                        self.num_samples,
-                        *(self.posterior[name].matrix_shape if rotated else mean.shape),
-                    )
+                    expected = (self.num_samples, *(factored[name].matrix_shape if rotated else mean.shape))
                     if tuple(draw.shape) != expected:
                         raise ValueError(
                             f"posterior draw for {name!r} has shape {tuple(draw.shape)}, expected {expected}"
@@ -239,13 +240,13 @@ class BatchedSamples:
                         value = (mean.to(draw.dtype) + draw).to(mean.dtype)
                     per_sample[name] = value.contiguous()
                     self.extra_bytes += value.numel() * value.element_size()
-        self.factored = factored
+        self.factored = set(factored)
         try:
             for module, attrs in owners.items():
                 weights = {attr: per_sample[name] for attr, name in attrs.items()}
                 label = next(iter(attrs.values()))
                 if label in factored:
-                    forward = self._factored_forward(module, weights["weight"], self.posterior[label], label)
+                    forward = self._factored_forward(module, weights["weight"], factored[label], label)
                 else:
                     forward = self._make_forward(module, weights, label)
                 self._patch(module, forward)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._batched_samples import DECODE_ROW_COST, BatchedSamples, log_mean_prob
+from ._batched_samples import BatchedSamples, expected_rows, log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -227,8 +227,7 @@ def generate_bma(
     if seed is not None:  # do_sample may also come from the model's generation_config
         generator = torch.Generator(device=input_ids.device)
         generator.manual_seed((int(seed) * 2654435761 + 1) % 2**63)  # distinct from the weight draw
-    new_tokens = _max_new_tokens(gen_model, input_ids, generation_kwargs)
-    rows = input_ids.shape[0] * (input_ids.shape[1] + DECODE_ROW_COST * new_tokens)
+    rows = expected_rows(*input_ids.shape, _max_new_tokens(gen_model, input_ids, generation_kwargs))
     with BatchedSamples(
         model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0]
     ) as sampler:
@@ -343,7 +342,7 @@ def bma_log_likelihood(
     targets = labels[:, 1:]
     mask = targets != -100
     safe_targets = targets.masked_fill(~mask, 0)
-    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=input_ids.numel()):
+    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=expected_rows(*input_ids.shape)):
         logits = gen_model(**inputs, return_dict=True).logits
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small

@@ -212,11 +212,6 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _name_seed(seed: int, name: str) -> int:
-    """A per-parameter seed: draws do not depend on which other parameters are drawn."""
-    return derived_seed(seed, name)
-
-
 def _resolve_seed(seed: int | None) -> int:
     """``None`` takes a seed from torch's global RNG, so ``torch.manual_seed`` reproduces it."""
     if seed is None:
@@ -660,12 +655,11 @@ class EVONPosterior:
             z = torch.empty(len(idx), num_samples, group.m, group.n, device=dev, dtype=dt)
             for j, i in enumerate(idx):
                 gen = torch.Generator(device=dev)
-                gen.manual_seed(_name_seed(seed, group.names[i]))
+                gen.manual_seed(derived_seed(seed, group.names[i]))  # independent of the names drawn with it
                 z[j].normal_(generator=gen)
-            if rotated:
-                noise = z.mul_(torch.rsqrt(group.ess * (hess + group.weight_decay)).unsqueeze(1))
-            else:
-                noise = _perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
+            if rotated:  # E_s: the same draws, bases left for the caller to apply
+                q_left = q_right = None
+            noise = _perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
             for j, i in enumerate(idx):
                 value = noise[j] if rotated else noise[j].reshape(num_samples, *group.shapes[i])
                 out[group.names[i]] = value if dtype is None else value.to(dtype)

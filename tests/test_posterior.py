@@ -27,7 +27,8 @@ from torch import nn
 import hf_evon
 from hf_evon import EVONPosterior, PosteriorMismatchError
 from hf_evon.model_card import SECTION_START, render_model_card, save_model_card, template_path
-from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, _name_seed
+from hf_evon.optim.evon import derived_seed
+from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -304,7 +305,7 @@ def test_draw_is_the_documented_transform_of_seeded_normals(mlp):
     draws = post.draw(3, seed=99)
     for name in post.names:
         f = post[name]
-        gen = torch.Generator().manual_seed(_name_seed(99, name))
+        gen = torch.Generator().manual_seed(derived_seed(99, name))
         z = torch.randn(3, *f.matrix_shape, generator=gen)
         expected = sample_perturbation(z, f.hess, f.Q_L, f.Q_R, f.ess, f.weight_decay)
         torch.testing.assert_close(draws[name], expected.reshape(3, *f.shape), rtol=1e-5, atol=1e-7)
@@ -312,7 +313,7 @@ def test_draw_is_the_documented_transform_of_seeded_normals(mlp):
     rotated = post.draw(3, seed=99, rotated=True)
     for name in post.names:
         f = post[name]
-        gen = torch.Generator().manual_seed(_name_seed(99, name))
+        gen = torch.Generator().manual_seed(derived_seed(99, name))
         z = torch.randn(3, *f.matrix_shape, generator=gen)
         assert torch.equal(rotated[name], z * torch.rsqrt(f.ess * (f.hess + f.weight_decay)))
 

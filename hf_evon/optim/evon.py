@@ -250,8 +250,7 @@ class EVON(Optimizer):
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
         self.seed = int(seed)
         self.skipped_steps = 0
-        self._generators: dict[torch.device, torch.Generator] = {}
-        self._generator_streams: dict[torch.device, tuple] = {}
+        self._generators: dict[torch.device, tuple[tuple, torch.Generator]] = {}  # (stream, generator)
         # sampled_params blocks entered so far; a block's noise is fixed by (seed, rank, block, device),
         # so any rank resumes its own stream from a checkpoint saved by another rank
         self._sample_blocks = 0
@@ -331,12 +330,12 @@ class EVON(Optimizer):
     def _generator(self, device: torch.device) -> torch.Generator:
         """The noise generator of the current ``sampled_params`` block on ``device``."""
         stream = (self.seed, self._rank(), self._sample_blocks, str(device))
-        gen = self._generators.get(device)
+        seeded, gen = self._generators.get(device, (None, None))
         if gen is None:
-            gen = self._generators[device] = torch.Generator(device=device)
-        if self._generator_streams.get(device) != stream:
+            gen = torch.Generator(device=device)
+        if seeded != stream:
             gen.manual_seed(derived_seed(*stream))
-            self._generator_streams[device] = stream
+            self._generators[device] = (stream, gen)
         return gen
 
     def _build_buckets(self) -> list[_Bucket]:
@@ -585,9 +584,9 @@ class EVON(Optimizer):
             return True
         values = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
         for (b, _), same in zip(unchanged, values[len(checks) :]):
+            b.exit_grads = None  # compared; only the rotation may still be needed
             if not same:
-                b.exit_grads = b.rotated_grads = None
-            b.exit_grads = None  # compared; only the rotation is still needed
+                b.rotated_grads = None
         if all(values[: len(checks)]):
             return True
         bad = self._first_nonfinite()
