@@ -1,4 +1,4 @@
-"""The eigenbasis QR used on accelerators (shifted CholeskyQR3), checked on CPU.
+"""The eigenbasis maths: the initial basis's column order, and the QR used on accelerators.
 
 CI has no GPU, so the accelerator branch of ``power_qr`` never runs there; its QR,
 ``cholesky_qr``, is device-agnostic and is tested here against the defining properties of a
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_evon.optim.linalg import cholesky_qr, power_qr
+from hf_evon.optim.linalg import cholesky_qr, eigenbasis, power_qr
 
 F64 = torch.float64
 
@@ -85,3 +85,44 @@ def test_refresh_on_accelerators_equals_the_cpu_refresh(dtype: torch.dtype, deca
     assert cpu.dtype == dtype
     assert float((cpu - accel).abs().max()) < tol
     assert bool(((q_old * cpu).sum(-2) >= 0).all())  # columns point like the old basis
+
+
+def column_angles(q: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """Angle (radians) between each column of ``q`` and the same column of ``vectors`` (up to sign)."""
+    cos = (q * vectors).sum(-2).abs() / (q.norm(dim=-2) * vectors.norm(dim=-2))
+    return torch.arccos(cos.clamp(max=1.0))
+
+
+def spread_statistic(n: int, seed: int, dtype: torch.dtype = F64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PSD ``L`` with well-separated eigenvalues, and its eigenvectors in descending order."""
+    gen = torch.Generator().manual_seed(seed)
+    vectors = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=F64)).Q
+    values = torch.logspace(0, -3, n, dtype=F64)  # descending, ratio ~2.2 between neighbours
+    return ((vectors * values) @ vectors.T).to(dtype), vectors.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_refresh_keeps_the_initial_basis_on_a_fixed_statistics_eigenvectors(dtype: torch.dtype) -> None:
+    """The refresh QR(L·Q) is orthogonal iteration: its stable fixed point is the eigenbasis in
+    descending order. The initial basis must start there, so that with L held fixed the columns
+    (and the Hessian H attached to them, which is not rotated) stay on L's eigenvectors."""
+    stat, vectors = spread_statistic(8, seed=0, dtype=dtype)
+    q = eigenbasis(stat)
+    assert float(column_angles(q.double(), vectors.double()).max()) < 1e-3  # descending order
+    for _ in range(50):
+        q = power_qr(stat.unsqueeze(0), q.unsqueeze(0))[0]
+        assert float(column_angles(q.double(), vectors.double()).max()) < 1e-3
+
+
+def test_an_ascending_basis_drifts_off_the_eigenvectors_under_the_refresh() -> None:
+    """Why the order matters: started in eigh's ascending order, the same refresh moves columns
+    off their eigenvectors (they slide towards the dominant directions) within a few steps."""
+    stat, vectors = spread_statistic(8, seed=0)
+    q = torch.linalg.eigh(stat).eigenvectors  # ascending
+    ascending = vectors.flip(-1)
+    assert float(column_angles(q, ascending).max()) < 1e-6
+    worst = 0.0
+    for _ in range(20):
+        q = power_qr(stat.unsqueeze(0), q.unsqueeze(0))[0]
+        worst = max(worst, float(column_angles(q, ascending).max()))
+    assert worst > 0.4  # more than 25 degrees

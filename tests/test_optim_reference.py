@@ -78,6 +78,9 @@ class ReferenceEVON:
         self.hess_clip_events = 0
         self.update_clip_events = 0
         self.refresh_times: list[int] = []
+        # refreshes that changed nothing (L unchanged since a basis that is already its fixed point):
+        # they may or may not have happened, and either way the state is the same
+        self.noop_refresh_times: list[int] = []
 
     # -- the posterior
     def V(self) -> torch.Tensor:
@@ -173,11 +176,9 @@ class ReferenceEVON:
                     self.hess_clip_events += 1
                 H_hat = torch.clamp(H_hat, -bound, bound)
             H = self.H
-            self.H = (
-                self.beta2 * H
-                + (1 - self.beta2) * H_hat
-                + 0.5 * (1 - self.beta2) ** 2 * (H - H_hat) ** 2 / (H + self.delta)
-            )
+            self.H = self.beta2 * H + (1 - self.beta2) * H_hat
+            if not math.isinf(self.ess):  # IVON's correction, for the sampled estimator only
+                self.H = self.H + 0.5 * (1 - self.beta2) ** 2 * (H - H_hat) ** 2 / (H + self.delta)
         self.Gbar = self.beta1 * self.Gbar + (1 - self.beta1) * G_rot
         U = (self.Gbar / (1 - self.beta1**t) + self.delta * Q_L.T @ self.M @ Q_R) / (self.H + self.delta)
         update = self.clip_update(Q_L @ U @ Q_R.T)
@@ -194,10 +195,10 @@ class ReferenceEVON:
         new_R = torch.linalg.qr(self.R @ self.Q_R).Q if self.right else self.Q_R
         return new_L, new_R
 
-    def refresh(self, new_L: torch.Tensor, new_R: torch.Tensor) -> None:
+    def refresh(self, new_L: torch.Tensor, new_R: torch.Tensor, noop: bool = False) -> None:
         self.Gbar = new_L.T @ self.Q_L @ self.Gbar @ self.Q_R.T @ new_R  # H is NOT rotated
         self.Q_L, self.Q_R = new_L, new_R
-        self.refresh_times.append(self.t)
+        (self.noop_refresh_times if noop else self.refresh_times).append(self.t)
 
 
 # ---------------------------------------------------------------------- the test problems
@@ -433,11 +434,17 @@ def run_against_reference(
         if not (ref.left or ref.right):
             assert ref.refresh_times == []
             continue
-        times = ref.refresh_times
-        assert times and 1 <= times[0] <= f, f"param {i}: refreshes at {times}"
-        assert times == list(range(times[0], ref.t + 1, f)), f"param {i}: refreshes at {times}"
+        times, noops = set(ref.refresh_times), set(ref.noop_refresh_times)
+        # a fixed phase: every refresh that changed the basis lies on it, and every time on it
+        # refreshed (possibly as a no-op)
+        phases = [
+            first
+            for first in range(1, f + 1)
+            if times <= set(range(first, ref.t + 1, f)) <= times | noops
+        ]
+        assert times and phases, f"param {i}: refreshes at {sorted(times)} (no-ops at {sorted(noops)})"
         if not hp.get("stagger_refresh", True) or len(preconditioned) == 1:
-            assert times[0] == f, f"param {i}: refreshes at {times}, expected t % {f} == 0"
+            assert f in phases, f"param {i}: refreshes at {sorted(times)}, expected t % {f} == 0"
     return refs
 
 
@@ -460,7 +467,9 @@ def follow_refresh(ref: ReferenceEVON, st: dict) -> None:
     def dist(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max())
 
-    if max(dist(opt_L, new_L), dist(opt_R, new_R)) < max(dist(opt_L, ref.Q_L), dist(opt_R, ref.Q_R)):
+    if max(dist(new_L, ref.Q_L), dist(new_R, ref.Q_R)) < 1e-12:  # a refresh here changes nothing
+        ref.refresh(new_L, new_R, noop=True)
+    elif max(dist(opt_L, new_L), dist(opt_R, new_R)) < max(dist(opt_L, ref.Q_L), dist(opt_R, ref.Q_R)):
         ref.refresh(new_L, new_R)
 
 
@@ -645,3 +654,82 @@ def test_gradient_changed_after_the_sample_is_used_by_the_step(how: str) -> None
     torch.testing.assert_close(momentum_clipped, expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(momentum_clipped, factor * momentum_kept, rtol=1e-10, atol=1e-12)
     assert torch.equal(hess_clipped, hess_kept)  # H̃ from the gradient the sample produced
+
+
+# ------------------------------------------------ the deterministic mode against SOAP-style code
+class SoapStyleReference:
+    """EVON with ``ess = inf`` written the way SOAP's reference code is organised, independently
+    of ``ReferenceEVON``: per matrix, float64, ``exp_avg_sq`` of the projected gradient as the
+    Hessian (no IVON correction term: squared gradients are never negative), Newton step
+    ``(m̂ + δ·project(M)) / (exp_avg_sq + δ)``, SOAP's schedule (eigh in descending order on the
+    first step, which only initialises; one power iteration + QR every ``f`` updates after)."""
+
+    def __init__(self, weight: torch.Tensor, hp: dict) -> None:
+        self.hp = hp
+        self.M = weight.detach().to(F64).clone()
+        m, n = self.M.shape
+        self.exp_avg = torch.zeros(m, n, dtype=F64)
+        self.exp_avg_sq = torch.full((m, n), float(hp["hess_init"]), dtype=F64)
+        self.GG = [torch.zeros(m, m, dtype=F64), torch.zeros(n, n, dtype=F64)]
+        self.Q: list[torch.Tensor] | None = None
+        self.step = 0
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.Q[0].T @ x @ self.Q[1]
+
+    def project_back(self, x: torch.Tensor) -> torch.Tensor:
+        return self.Q[0] @ x @ self.Q[1].T
+
+    def update_preconditioner(self, grad: torch.Tensor) -> None:
+        beta3 = self.hp["betas"][1]
+        self.GG[0] = beta3 * self.GG[0] + (1 - beta3) * grad @ grad.T
+        self.GG[1] = beta3 * self.GG[1] + (1 - beta3) * grad.T @ grad
+        if self.Q is None:
+            self.Q = [torch.linalg.eigh(gg).eigenvectors.flip(-1) for gg in self.GG]
+        elif self.step % self.hp["precondition_frequency"] == 0:
+            momentum = self.project_back(self.exp_avg)
+            self.Q = [torch.linalg.qr(gg @ q).Q for gg, q in zip(self.GG, self.Q)]
+            self.exp_avg = self.project(momentum)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.Q is None:
+            self.update_preconditioner(grad)
+            return
+        beta1, beta2 = self.hp["betas"]
+        delta, lr = self.hp["weight_decay"], self.hp["lr"]
+        self.step += 1
+        g = self.project(grad)
+        self.exp_avg = beta1 * self.exp_avg + (1 - beta1) * g
+        self.exp_avg_sq = beta2 * self.exp_avg_sq + (1 - beta2) * g * g
+        numer = self.exp_avg / (1 - beta1**self.step) + delta * self.project(self.M)
+        self.M = self.M - lr * self.project_back(numer / (self.exp_avg_sq + delta))
+        self.update_preconditioner(grad)
+
+
+@pytest.mark.parametrize("shapes", [[(3, 3), (4, 4)], [(6, 6), (5, 5), (5, 5)]])
+def test_deterministic_mode_follows_a_soap_style_reference(shapes: list[tuple[int, int]]) -> None:
+    """``ess = inf`` is SOAP with a Newton step: weights equal an independent float64 SOAP-style
+    implementation to ~1e-9 over several refreshes (the weights do not depend on QR's column signs).
+
+    Square weights: a rank-deficient first gradient would leave part of the initial eigenbasis (the
+    null space of G Gᵀ) free, and two equally valid bases then give different trajectories."""
+    hp = dict(BASE, ess=float("inf"), precondition_frequency=3, stagger_refresh=False, max_precond_dim=64)
+    gen = torch.Generator().manual_seed(21)
+    problems = [Problem(s, gen) for s in shapes]
+    params = [torch.nn.Parameter(pr.init.clone()) for pr in problems]
+    refs = [SoapStyleReference(p, hp) for p in params]
+    opt = EVON(params, seed=0, **hp)
+    for _ in range(20):
+        grads = [pr.grad(p.detach()) for p, pr in zip(params, problems)]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        opt.zero_grad()
+        for ref, g in zip(refs, grads):
+            ref(g)
+        for p, ref in zip(params, refs):
+            torch.testing.assert_close(p.detach(), ref.M, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(opt.state[p]["hess"], ref.exp_avg_sq, rtol=1e-9, atol=1e-12)
+    assert all(ref.step == 19 for ref in refs)
+    moved = [float((p.detach() - pr.init).abs().max()) for p, pr in zip(params, problems)]
+    assert min(moved) > 1e-2  # the comparison is about weights that really moved

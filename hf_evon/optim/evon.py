@@ -638,8 +638,14 @@ class EVON(Optimizer):
             if gamma is not None:
                 bound = gamma * (hess + g["eps"])
                 h_hat = torch.minimum(torch.maximum(h_hat, -bound), bound)
-            correction = (hess - h_hat).square_().div_(hess + delta).mul_(0.5 * (1 - beta2) ** 2)
-            hess.mul_(beta2).add_(h_hat, alpha=1 - beta2).add_(correction)
+            correction = None
+            if not math.isinf(ess):
+                # IVON's correction keeps H + δ > 0 for the sampled estimator, which can be negative;
+                # squared gradients (ess = inf) cannot, and neither the spec nor SOAP has the term there
+                correction = (hess - h_hat).square_().div_(hess + delta).mul_(0.5 * (1 - beta2) ** 2)
+            hess.mul_(beta2).add_(h_hat, alpha=1 - beta2)
+            if correction is not None:
+                hess.add_(correction)
 
         exp_avg = st["exp_avg"]
         exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)

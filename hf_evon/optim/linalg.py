@@ -49,8 +49,13 @@ def sample_perturbation(
 
 
 def eigenbasis(stat: Tensor) -> Tensor:
-    """Full eigendecomposition used once, at initialisation (columns in ``eigh``'s order)."""
-    return torch.linalg.eigh(stat).eigenvectors.contiguous()  # row-major, like reloaded state
+    """Full eigendecomposition used once, at initialisation, columns in DESCENDING eigenvalue order.
+
+    The refresh ``QR(L·Q)`` is orthogonal iteration, whose stable fixed point has the columns in
+    descending order; started from ``eigh``'s ascending order the columns drift off L's
+    eigenvectors within a few refreshes even for a fixed L (SOAP and the paper sort descending).
+    """
+    return torch.linalg.eigh(stat).eigenvectors.flip(-1).contiguous()  # row-major, like reloaded state
 
 
 @contextlib.contextmanager
