@@ -438,9 +438,7 @@ def run_against_reference(
         # a fixed phase: every refresh that changed the basis lies on it, and every time on it
         # refreshed (possibly as a no-op)
         phases = [
-            first
-            for first in range(1, f + 1)
-            if times <= set(range(first, ref.t + 1, f)) <= times | noops
+            first for first in range(1, f + 1) if times <= set(range(first, ref.t + 1, f)) <= times | noops
         ]
         assert times and phases, f"param {i}: refreshes at {sorted(times)} (no-ops at {sorted(noops)})"
         if not hp.get("stagger_refresh", True) or len(preconditioned) == 1:
