@@ -106,7 +106,7 @@ class EVONConfig(TrainingArguments):
     """
 
     learning_rate: float = field(
-        default=0.05,
+        default=0.02,
         metadata={
             "help": "EVON learning rate α (EVON-owned weight matrices). EVON takes Newton-like steps "
             "(momentum / (H + δ)), so its scale is not AdamW's: with the default element-wise clipping at "
@@ -131,7 +131,7 @@ class EVONConfig(TrainingArguments):
         default=0.95, metadata={"help": "β1: momentum of the rotated gradient, in [0, 1)."}
     )
     evon_beta2: float = field(
-        default=0.95,
+        default=0.995,
         metadata={"help": "β2: averaging of the Hessian estimate, in [0, 1) (the paper's CLIP runs: 0.95)."},
     )
     evon_shampoo_beta: float | None = field(
@@ -141,7 +141,7 @@ class EVONConfig(TrainingArguments):
         },
     )
     evon_weight_decay: float = field(
-        default=1e-6,
+        default=2.5e-5,
         metadata={
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters."
@@ -325,7 +325,7 @@ class EVONConfig(TrainingArguments):
             else self.evon_adamw_learning_rate,
             "adamw_weight_decay": self.weight_decay,
             "lr": self.learning_rate,
-            "ess": float(ess),
+            "ess": ess if isinstance(ess, str) else float(ess),
             "hess_init": self.evon_hess_init,
             "betas": (self.evon_beta1, self.evon_beta2),
             "weight_decay": self.evon_weight_decay,
@@ -483,7 +483,7 @@ class EVONTrainer(Trainer):
         if self.optimizer is None:
             ess = self.args.evon_ess
             if ess is None:
-                ess = float(self._training_set_size())
+                ess = "auto"
             self.optimizer = build_optimizer(opt_model, **self.args.evon_optimizer_kwargs(ess))
         return self.optimizer
 

@@ -127,7 +127,17 @@ def scenario_deterministic(accelerator, out: dict) -> None:
 
 
 def deterministic_hparams() -> dict:
-    return dict(lr=0.02, ess=float("inf"), hess_init=0.1, precondition_frequency=2, adamw_lr=0.01)
+    return dict(
+        lr=0.02,
+        ess=float("inf"),
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        precondition_frequency=2,
+        adamw_lr=0.01,
+    )
 
 
 def expect_error(out: dict, key: str, fn) -> None:

