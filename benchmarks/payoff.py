@@ -297,7 +297,11 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
     )  # fmt: skip
     la.fit(loader(task.train))
     la.optimize_prior_precision(
-        method="gridsearch", val_loader=loader(task.cal), pred_type="glm", link_approx="probit", progress_bar=False
+        method="gridsearch",
+        val_loader=loader(task.cal),
+        pred_type="glm",
+        link_approx="probit",
+        progress_bar=False,
     )
     probs, labels = [], []
     with torch.no_grad():
@@ -386,7 +390,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
                 out[task][row] = vals[0]
                 continue
             out[task][row] = {
-                k: (statistics.fmean(v[k] for v in vals), statistics.pstdev(v[k] for v in vals) if len(vals) > 1 else 0.0)
+                k: (
+                    statistics.fmean(v[k] for v in vals),
+                    statistics.pstdev(v[k] for v in vals) if len(vals) > 1 else 0.0,
+                )
                 for k in vals[0]
                 if isinstance(vals[0][k], int | float) and vals[0][k] is not None
             }
@@ -399,7 +406,11 @@ def targets(summary: dict[str, dict[str, Any]], bma_row: str) -> tuple[list[str]
     for task, rows in summary.items():
         adam, mean, best_bma = rows["AdamW"], rows["EVON mean"], rows[bma_row]
         lm = task == "tiny_gpt2"
-        ok_acc = (mean["nll"][0] <= adam["nll"][0] * 1.01) if lm else (mean["accuracy"][0] >= adam["accuracy"][0] - 0.01)
+        ok_acc = (
+            (mean["nll"][0] <= adam["nll"][0] * 1.01)
+            if lm
+            else (mean["accuracy"][0] >= adam["accuracy"][0] - 0.01)
+        )
         ok_bma = best_bma["nll"][0] <= mean["nll"][0]
         ok_best = min(best_bma["nll"][0], mean["nll"][0]) <= adam["nll"][0]
         evon_gains.append(mean["nll"][0] - best_bma["nll"][0])
@@ -418,15 +429,20 @@ def targets(summary: dict[str, dict[str, Any]], bma_row: str) -> tuple[list[str]
 def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, Any]) -> str:
     out = [f"# EVON payoff benchmark ({meta['seeds']} seeds, mean ± sd; {meta['minutes']:.1f} min)", ""]
     for task, rows in summary.items():
-        out += [f"## {task}", "", "| method | accuracy ↑ | NLL ↓ | ECE ↓ | Brier ↓ |", "|---|---|---|---|---|"]
+        out += [
+            f"## {task}",
+            "",
+            "| method | accuracy ↑ | NLL ↓ | ECE ↓ | Brier ↓ |",
+            "|---|---|---|---|---|",
+        ]
         for row, m in rows.items():
             if row.startswith("_"):
                 continue
             if isinstance(m, str):
                 out.append(f"| {row} | {m} | | | |")
                 continue
-            cell = lambda k: f"{m[k][0]:.4f} ± {m[k][1]:.4f}"  # noqa: E731
-            out.append(f"| {row} | {cell('accuracy')} | {cell('nll')} | {cell('ece')} | {cell('brier')} |")
+            cells = " | ".join(f"{m[k][0]:.4f} ± {m[k][1]:.4f}" for k in ("accuracy", "nll", "ece", "brier"))
+            out.append(f"| {row} | {cells} |")
         if "_evon" in rows:
             e = rows["_evon"]
             out.append(
@@ -459,7 +475,9 @@ def plot(summary: dict[str, dict[str, Any]], path: str) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 4.2), squeeze=False)
     colors = plt.cm.tab10.colors
     for ax, task in zip(axes[0], tasks):
-        vals = [summary[task][r]["nll"] if isinstance(summary[task].get(r), dict) else (math.nan, 0) for r in rows]
+        vals = [
+            summary[task][r]["nll"] if isinstance(summary[task].get(r), dict) else (math.nan, 0) for r in rows
+        ]
         ax.bar(range(len(rows)), [v[0] for v in vals], yerr=[v[1] for v in vals], color=colors[: len(rows)])
         ax.set_title(task)
         ax.set_xticks([])
@@ -476,9 +494,13 @@ def plot(summary: dict[str, dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", nargs="+", default=["digits", "breast_cancer", "tiny_gpt2", "minilm_full", "minilm_lora"])
+    parser.add_argument(
+        "--tasks", nargs="+", default=["digits", "breast_cancer", "tiny_gpt2", "minilm_full", "minilm_lora"]
+    )
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--fast", action="store_true", help="few epochs/steps: a smoke test, not a measurement")
+    parser.add_argument(
+        "--fast", action="store_true", help="few epochs/steps: a smoke test, not a measurement"
+    )
     parser.add_argument("--samples", type=int, nargs="+", default=[8, 32], help="BMA sizes for EVON")
     parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon"])
     parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
@@ -503,7 +525,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = summarize(runs)
     meta = {"seeds": args.seeds, "minutes": (time.perf_counter() - start) / 60, "fast": args.fast}
     bma_row = f"EVON calibrated BMA@{max(args.samples)}"
-    report = markdown(summary, bma_row, meta) if {"adamw", "evon"} <= set(args.methods) else json.dumps(summary)
+    report = (
+        markdown(summary, bma_row, meta) if {"adamw", "evon"} <= set(args.methods) else json.dumps(summary)
+    )
     print(report)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -12,6 +12,8 @@ _PUBLIC = {
     "EVON": "optim",
     "NonFiniteGradientError": "optim",
     "build_optimizer": "optim",
+    "RECIPES": "optim",
+    "calibrate_posterior": "calibration",
     "build_param_groups": "optim",
     "describe_param_groups": "optim",
     "EVONPosterior": "posterior",

@@ -145,10 +145,14 @@ def calibrate_posterior(
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
     if not isinstance(batches, Sequence) and iter(batches) is batches:
-        raise TypeError("calibrate_posterior: batches must be re-iterable (a list or a DataLoader), not an iterator")
+        raise TypeError(
+            "calibrate_posterior: batches must be re-iterable (a list or a DataLoader), not an iterator"
+        )
     trained = float(posterior.config.get("trained_ess", posterior.ess))
     if math.isinf(trained):
-        raise ValueError("calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate")
+        raise ValueError(
+            "calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate"
+        )
     shift = is_causal_lm(model) if shift_labels is None else bool(shift_labels)
     was_training = model.training
     model.eval()

@@ -36,7 +36,9 @@ def test_default_ess_is_a_posterior_scaled_to_the_weights() -> None:
     opt = EVON(weights)
     one_sample(opt, model)
     ess = opt.param_groups[0]["ess"]
-    expected = 1.0 / (DEFAULT_INIT_STD_RATIO**2 * pooled_rms_sq(weights) * (DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY))
+    expected = 1.0 / (
+        DEFAULT_INIT_STD_RATIO**2 * pooled_rms_sq(weights) * (DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY)
+    )
     assert math.isfinite(ess)
     assert ess == pytest.approx(expected, rel=1e-6)
     # H = h0 everywhere at first: the RMS posterior std is exactly init_std_ratio x the RMS weight
@@ -53,7 +55,8 @@ def test_default_prior_floor_is_the_weights_scale() -> None:
     g = opt.param_groups[0]
     floor = 1.0 / math.sqrt(g["ess"] * g["weight_decay"])
     assert floor / math.sqrt(pooled_rms_sq(weights)) == pytest.approx(
-        DEFAULT_INIT_STD_RATIO * math.sqrt((DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY) / DEFAULT_WEIGHT_DECAY), rel=1e-6
+        DEFAULT_INIT_STD_RATIO * math.sqrt((DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY) / DEFAULT_WEIGHT_DECAY),
+        rel=1e-6,
     )
     assert floor / math.sqrt(pooled_rms_sq(weights)) < 1.01
 
@@ -83,7 +86,9 @@ def test_auto_ess_is_resolved_once_and_survives_a_state_dict_round_trip() -> Non
     assert next(g["ess"] for g in clone.param_groups if g["algorithm"] == "evon") == ess
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [({"ess": "automatic"}, "ess"), ({"init_std_ratio": 0.0}, "init_std_ratio")])
+@pytest.mark.parametrize(
+    ("kwargs", "name"), [({"ess": "automatic"}, "ess"), ({"init_std_ratio": 0.0}, "init_std_ratio")]
+)
 def test_bad_auto_ess_arguments_name_themselves(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         EVON([nn.Parameter(torch.ones(2, 2))], **kwargs)
@@ -102,7 +107,8 @@ def test_posterior_health_matches_a_closed_form() -> None:
     ratios = [math.sqrt(float(v.sum()) / float(p.double().square().sum())) for v, p in zip(var, weights)]
     all_h = torch.cat([h.reshape(-1) for h in hess])
     assert stats["noise_to_signal"] == pytest.approx(
-        math.sqrt(sum(float(v.sum()) for v in var) / sum(float(p.double().square().sum()) for p in weights)), rel=1e-5
+        math.sqrt(sum(float(v.sum()) for v in var) / sum(float(p.double().square().sum()) for p in weights)),
+        rel=1e-5,
     )
     assert stats["noise_to_signal_max"] == pytest.approx(max(ratios), rel=1e-5)
     assert stats["hess_min"] == pytest.approx(float(all_h.min()), rel=1e-6)
@@ -148,3 +154,38 @@ def test_step_checks_health_periodically() -> None:
             opt.step()
             opt.zero_grad()
     assert sum("runaway" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "llama", "clip-finetuning"])
+def test_recipes_are_the_paper_tables_and_explicit_arguments_win(name: str) -> None:
+    from hf_evon import RECIPES
+
+    model = mlp()
+    opt = build_optimizer(model, recipe=name, lr=0.123)
+    group = next(g for g in opt.param_groups if g["algorithm"] == "evon")
+    for key, value in RECIPES[name].items():
+        if key != "lr":
+            assert group[key] == (tuple(value) if isinstance(value, tuple) else value), key
+    assert group["lr"] == 0.123
+
+
+def test_the_nanogpt_recipe_is_its_table_row() -> None:
+    """Spot check against the paper's Table (EVON (NanoGPT)): ζ 5.27e6, h0 0.582, α 1.72e-2,
+    β1 0.943, 1-β2 9.12e-4, δ 1e-6, β3 0.995, γ 1.5."""
+    from hf_evon import RECIPES
+
+    r = RECIPES["nanogpt"]
+    assert (r["ess"], r["hess_init"], r["lr"], r["weight_decay"], r["shampoo_beta"], r["hess_clip_ratio"]) == (
+        5.27e6,
+        0.582,
+        1.72e-2,
+        1e-6,
+        0.995,
+        1.5,
+    )
+    assert r["betas"][0] == 0.943 and 1 - r["betas"][1] == pytest.approx(9.12e-4)
+
+
+def test_an_unknown_recipe_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="clip-finetuning"):
+        build_optimizer(mlp(), recipe="gpt5")

@@ -2,5 +2,13 @@
 
 from .evon import EVON, NonFiniteGradientError
 from .grouping import build_optimizer, build_param_groups, describe_param_groups
+from .recipes import RECIPES
 
-__all__ = ["EVON", "NonFiniteGradientError", "build_optimizer", "build_param_groups", "describe_param_groups"]
+__all__ = [
+    "EVON",
+    "RECIPES",
+    "NonFiniteGradientError",
+    "build_optimizer",
+    "build_param_groups",
+    "describe_param_groups",
+]

@@ -324,7 +324,11 @@ class EVON(Optimizer):
             return
         need(
             group["ess"] == AUTO_ESS
-            or (isinstance(group["ess"], int | float) and not isinstance(group["ess"], bool) and group["ess"] > 0.0),
+            or (
+                isinstance(group["ess"], int | float)
+                and not isinstance(group["ess"], bool)
+                and group["ess"] > 0.0
+            ),
             "ess",
             "'auto' or a number > 0 (float('inf') for no noise)",
         )
@@ -832,7 +836,9 @@ class EVON(Optimizer):
                         (hess < g["weight_decay"]).sum().to(b.dtype),
                         torch.tensor(float(hess.numel()), dtype=b.dtype, device=hess.device),
                     ]
-                ).double().cpu()
+                )
+                .double()
+                .cpu()
             )
         if not rows:
             return {}

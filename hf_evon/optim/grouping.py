@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .evon import EVON
+from .recipes import recipe_kwargs
 
 
 def _output_head_ids(model: nn.Module) -> set[int]:
@@ -83,11 +84,16 @@ def build_optimizer(
     adamw_patterns: Iterable[str] | None = None,
     adamw_lr: float | None = None,
     adamw_weight_decay: float = 0.0,
+    recipe: str | None = None,
     **evon_kwargs: Any,
 ) -> EVON:
-    """``EVON`` over ``build_param_groups(model, ...)``; ``evon_kwargs`` go to ``EVON``."""
+    """``EVON`` over ``build_param_groups(model, ...)``; ``evon_kwargs`` go to ``EVON``.
+
+    ``recipe`` names one of the paper's tuned settings (:data:`hf_evon.optim.recipes.RECIPES`:
+    "nanogpt", "llama", "clip-finetuning"); ``evon_kwargs`` given next to it win.
+    """
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
-    return EVON(groups, **evon_kwargs)
+    return EVON(groups, **recipe_kwargs(recipe, evon_kwargs))
 
 
 def describe_param_groups(groups: list[dict[str, Any]]) -> str:
