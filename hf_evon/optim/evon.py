@@ -419,7 +419,7 @@ class EVON(Optimizer):
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.is_complex():
-                label = names[i] if names else f"parameter {i} of the group"
+                label = repr(names[i]) if names else f"#{i} of its group"
                 raise ValueError(
                     f"EVON cannot train the complex parameter {label} (shape {tuple(p.shape)}, {p.dtype}): "
                     "its posterior and eigenbasis are real. Train it as a real tensor (torch.view_as_real) "
