@@ -52,6 +52,38 @@ def test_both_training_loops_give_identical_weights(samples: int, micro: int) ->
     assert_identical(runs["zeroing_step"], runs["accumulating_step"])
 
 
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_both_loops_agree_under_ddp(tmp_path, bucket_view: bool) -> None:
+    """DDP (one gloo process): with ``gradient_as_bucket_view`` the gradients are views into
+    DDP's buffers, which every backward overwrites; the earlier samples' sum must survive."""
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    from hf_evon import prepare_distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        data = make_data(n=32)
+        batches = [(data[0][k::2], data[1][k::2]) for k in range(2)]
+        runs = {}
+        for step_fn in (accumulating_step, zeroing_step):
+            model = make_model()
+            ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+            opt = make_opt(model, mc_samples=2)
+            prepare_distributed(ddp, opt)
+            for _ in range(4):
+                step_fn(ddp, opt, batches, 2)
+            runs[step_fn.__name__] = snapshot(model, opt)
+        plain = make_model()
+        plain_opt = make_opt(plain, mc_samples=2)
+        for _ in range(4):
+            accumulating_step(plain, plain_opt, batches, 2)
+    finally:
+        dist.destroy_process_group()
+    assert_identical(runs["zeroing_step"], runs["accumulating_step"])
+    assert_identical(runs["accumulating_step"], snapshot(plain, plain_opt))
+
+
 def test_inside_a_block_grad_holds_only_that_samples_gradient() -> None:
     model, data = make_model(), make_data()
     opt = make_opt(model)

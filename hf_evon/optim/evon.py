@@ -581,6 +581,10 @@ class EVON(Optimizer):
                     ref, version = self._consumed.get(id(p), (None, None))
                     if ref is not None and ref() is grad and grad._version == version:
                         keep = None  # the last step used it already
+                    elif grad._base is not None:
+                        # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
+                        # block's backward overwrites: keep a copy
+                        keep = grad.clone()
                     p.grad = None
                 out.append((p, grad, keep))
         return out
@@ -592,16 +596,17 @@ class EVON(Optimizer):
             for p, grad, _ in stash:
                 p.grad = grad
             return
-        sums, own = [], []
+        own, kept = [], []
         for p, _, keep in stash:
             if keep is None:
                 continue
-            if p.grad is not None:
-                sums.append(keep)
+            if p.grad is None:
+                p.grad = keep
+            else:  # added into the block's own tensor, which may be a buffer view DDP relies on
                 own.append(p.grad)
-            p.grad = keep
-        if sums:
-            torch._foreach_add_(sums, own)
+                kept.append(keep)
+        if own:
+            torch._foreach_add_(own, kept)
 
     def _record_sample(self, b: _Bucket, alone: bool) -> None:
         """Add this sample's ``G°_s ⊙ z_s`` to the Hessian numerator. ``alone``: no earlier
