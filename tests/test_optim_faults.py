@@ -171,6 +171,23 @@ def test_a_spike_that_would_overflow_H_skips_the_step_and_names_the_parameter(op
     assert int(opt.state[model[4].weight]["step"]) == 6
 
 
+def test_an_adamw_overflow_is_named_too() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)  # biases in an AdamW group
+    train_step(model, opt, data)
+    before = snapshot(model, opt)
+    for _ in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+    model[2].bias.grad.mul_(1e30)  # finite, but its square (AdamW's second moment) is not
+    with pytest.warns(
+        RuntimeWarning, match=r"^overflow in AdamW's squared gradient of param_groups\[1\]\['params'\]\[1\]"
+    ):
+        opt.step()
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+
+
 def test_the_overflow_check_leaves_the_state_unchanged() -> None:
     model, data = make_model(), make_data()
     opt = EVON(model.named_parameters(), ess=200.0, seed=0)

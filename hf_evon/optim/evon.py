@@ -168,7 +168,7 @@ class _Bucket:
         # detach() shares the version counter: autograd notices a graph used across a swap;
         # copy_ into the parameter's own shape works for any memory layout (channels_last)
         targets = [self.params[i].detach() for i in idx]
-        torch._foreach_copy_(targets, [values[i].view(t.shape) for i, t in zip(idx, targets)])
+        torch._foreach_copy_(targets, [values[i].reshape(t.shape) for i, t in zip(idx, targets)])
 
     def subset(self, members: list[int]) -> _Bucket:
         """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
@@ -536,7 +536,8 @@ class EVON(Optimizer):
         consumed and nobody cleared are dropped, not counted again.
         On exit, also on an exception, the mean is restored bit-for-bit; a sample whose block
         raised is not recorded and its gradient is discarded (``.grad`` is as before the
-        block). Frozen parameters (``requires_grad=False``) are not perturbed.
+        block, less gradients the last step consumed). Frozen parameters
+        (``requires_grad=False``) are not perturbed.
         ``train=False`` only samples (evaluation, BMA).
         """
         if self._in_sample:
@@ -557,7 +558,7 @@ class EVON(Optimizer):
             ok = True
         finally:
             with torch.no_grad():
-                kept = set() if stash is None else {id(p) for p, _, keep in stash if keep is not None}
+                kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                 for b in perturbed:
                     if b.mean is not None:
                         b.write_params(b.mean, b.live)
@@ -570,9 +571,9 @@ class EVON(Optimizer):
                 self._samples += 1
             self._in_sample = False
 
-    def _set_aside_grads(self) -> list[tuple[Tensor, Tensor | None, Tensor | None]]:
-        """``(param, grad at entry, the part kept for this step)``; every ``.grad`` is then None,
-        so the block's backward leaves exactly this sample's gradient there."""
+    def _set_aside_grads(self) -> list[tuple[Tensor, Tensor | None]]:
+        """``(param, its gradient kept for this step)`` for every parameter; every ``.grad`` is
+        then None, so the block's backward leaves exactly this sample's gradient there."""
         out = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -586,18 +587,19 @@ class EVON(Optimizer):
                         # block's backward overwrites: keep a copy
                         keep = grad.clone()
                     p.grad = None
-                out.append((p, grad, keep))
+                out.append((p, keep))
         return out
 
     @staticmethod
-    def _restore_grads(stash: list[tuple[Tensor, Tensor | None, Tensor | None]], recorded: bool) -> None:
-        """``.grad`` = kept + this sample's gradient (``recorded``), or as at entry (a failed block)."""
+    def _restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> None:
+        """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
+        failed block: as at entry, less what the last step consumed)."""
         if not recorded:
-            for p, grad, _ in stash:
-                p.grad = grad
+            for p, keep in stash:
+                p.grad = keep
             return
         own, kept = [], []
-        for p, _, keep in stash:
+        for p, keep in stash:
             if keep is None:
                 continue
             if p.grad is None:
@@ -881,7 +883,7 @@ class EVON(Optimizer):
         # added in each parameter's own shape: works for any memory layout (channels_last)
         torch._foreach_add_(
             [p.data for p in b.params],
-            [u.view(p.shape) for u, p in zip(update.unbind(0), b.params)],
+            [u.reshape(p.shape) for u, p in zip(update.unbind(0), b.params)],
             alpha=-g["lr"],
         )
 
