@@ -3,6 +3,8 @@ that the optimizer once had, and checks the behaviour ``torch.optim`` users expe
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import operator
 import warnings
@@ -16,12 +18,32 @@ from hf_evon import EVON
 
 
 # ------------------------------------------------- item 3: the reference packages' loop
-def accumulating_step(model: nn.Module, opt: EVON, batches: list, samples: int) -> None:
-    """This package's loop: gradients accumulate over samples and micro-batches; zero_grad after the step."""
-    for data in batches:
+class Boom(Exception):
+    pass
+
+
+def failed_block(model: nn.Module, opt: EVON, data) -> None:
+    """A sample whose block raises after its backward (caught): it must leave no trace."""
+    with contextlib.suppress(Boom), opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+        raise Boom
+
+
+def idle_block(model: nn.Module, opt: EVON, data) -> None:
+    """Uses up the same block of the noise stream as ``failed_block``, and nothing else."""
+    with opt.sampled_params(train=False):
+        pass
+
+
+def accumulating_step(model: nn.Module, opt: EVON, batches: list, samples: int, between=None) -> None:
+    """This package's loop: gradients accumulate over samples and micro-batches; zero_grad after the step.
+    ``between(model, opt, data)`` runs after the first micro-batch's samples."""
+    for k, data in enumerate(batches):
         for _ in range(samples):
             with opt.sampled_params(train=True):
                 loss_fn(model, data).backward()
+        if between is not None and k == 0:
+            between(model, opt, data)
     opt.step()
     opt.zero_grad()
 
@@ -65,23 +87,31 @@ def test_both_loops_agree_under_ddp(tmp_path, bucket_view: bool) -> None:
     try:
         data = make_data(n=32)
         batches = [(data[0][k::2], data[1][k::2]) for k in range(2)]
+        loops = {
+            "accumulating": accumulating_step,
+            "zeroing": zeroing_step,
+            "failing": functools.partial(accumulating_step, between=failed_block),
+        }
         runs = {}
-        for step_fn in (accumulating_step, zeroing_step):
+        for name, step_fn in loops.items():
             model = make_model()
             ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
             opt = make_opt(model, mc_samples=2)
             prepare_distributed(ddp, opt)
             for _ in range(4):
                 step_fn(ddp, opt, batches, 2)
-            runs[step_fn.__name__] = snapshot(model, opt)
-        plain = make_model()
-        plain_opt = make_opt(plain, mc_samples=2)
-        for _ in range(4):
-            accumulating_step(plain, plain_opt, batches, 2)
+            runs[name] = snapshot(model, opt)
     finally:
         dist.destroy_process_group()
-    assert_identical(runs["zeroing_step"], runs["accumulating_step"])
-    assert_identical(runs["accumulating_step"], snapshot(plain, plain_opt))
+    for name, between in (("plain", None), ("plain, idle block", idle_block)):
+        model = make_model()
+        opt = make_opt(model, mc_samples=2)
+        for _ in range(4):
+            accumulating_step(model, opt, batches, 2, between)
+        runs[name] = snapshot(model, opt)
+    assert_identical(runs["zeroing"], runs["accumulating"])
+    assert_identical(runs["accumulating"], runs["plain"])
+    assert_identical(runs["failing"], runs["plain, idle block"])
 
 
 def test_inside_a_block_grad_holds_only_that_samples_gradient() -> None:
@@ -100,9 +130,6 @@ def test_inside_a_block_grad_holds_only_that_samples_gradient() -> None:
 
 # ------------------------------------------------- item 7: a block that raises after backward
 def test_a_failed_sample_leaves_no_trace() -> None:
-    class Boom(Exception):
-        pass
-
     data = make_data()
     runs = []
     for fail in (False, True):
