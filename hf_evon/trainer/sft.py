@@ -1,0 +1,27 @@
+"""EVON for TRL's ``SFTTrainer`` (needs ``pip install hf-evon[trl]``).
+
+``EVONSFTTrainer`` trains with EVON and keeps everything of ``SFTTrainer``: dataset preparation
+and packing, its loss (the fused LM head), its logged metrics (``mean_token_accuracy``,
+``entropy``, ``num_tokens``), ``peft_config``. ``EVONSFTConfig`` is ``SFTConfig`` plus the EVON
+fields (``learning_rate`` is EVON's α).
+"""
+
+from trl import SFTConfig, SFTTrainer
+
+from .config import evon_config_class
+from .mixin import EVONTrainerMixin
+
+__all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
+
+#: ``SFTConfig`` plus every EVON field of :class:`~hf_evon.EVONConfig`
+EVONSFTConfig = evon_config_class(SFTConfig)
+
+
+class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
+    """TRL's ``SFTTrainer`` with EVON (``args``: an :data:`EVONSFTConfig`).
+
+    The mean metrics of ``evaluate()`` are read from ``SFTTrainer``'s own evaluation pass (its
+    per-token log-probabilities), so an evaluation costs ``1 + bma_num_samples`` passes.
+    """
+
+    config_class = EVONSFTConfig
