@@ -354,11 +354,13 @@ def bma_predict(
         probs = logp.exp().float()
         if probs.ndim >= 3:
             probs = pad(probs, dim=1, pad_index=-100)
-        predictions = nested_concat(predictions, gather(probs.contiguous()).cpu(), padding_index=-100)
+        probs = gather(probs.contiguous()).cpu()
+        predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
         if isinstance(labels, Tensor):
             if labels.ndim >= 2:
                 labels = pad(labels, dim=1, pad_index=-100)
-            label_ids = nested_concat(label_ids, gather(labels.contiguous()).cpu(), padding_index=-100)
+            labels = gather(labels.contiguous()).cpu()
+            label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
     metrics = {}
     if metrics_acc is not None:
         metrics = {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()}
