@@ -24,7 +24,7 @@ Any other ``Trainer`` subclass: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)
 
 from typing import Any
 
-from .config import EVONConfig, evon_config_class
+from .config import EVONConfig, evon_config_class, register_evon_config
 from .mixin import EVONTrainerMixin
 from .trainers import EVONSeq2SeqConfig, EVONSeq2SeqTrainer, EVONTrainer
 
@@ -37,6 +37,7 @@ __all__ = [
     "EVONTrainer",
     "EVONTrainerMixin",
     "evon_config_class",
+    "register_evon_config",
 ]
 
 

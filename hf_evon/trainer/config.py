@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 
 from ..optim.evon import CLIP_MODES
 
-__all__ = ["EVONConfig", "evon_config_class"]
+__all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 
 
 @dataclass
@@ -329,12 +329,21 @@ class EVONConfig(TrainingArguments):
 _COMBINED: dict[type, type] = {}
 
 
+def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfig]) -> None:
+    """Make ``combined`` (a declared ``EVONConfig`` + ``base`` dataclass) what
+    :func:`evon_config_class` returns for ``base``."""
+    if not (issubclass(combined, EVONConfig) and issubclass(combined, base)):
+        raise TypeError(f"{combined.__name__} must subclass both EVONConfig and {base.__name__}")
+    _COMBINED[base] = combined
+
+
 def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     """``EVONConfig`` combined with ``base`` (e.g. TRL's ``SFTConfig``): every field of both.
 
-    ``EVONConfig``'s fields win where both define one (``learning_rate`` is EVON's α). The class
-    is built once per ``base``; ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to
-    itself.
+    ``EVONConfig``'s fields win where both define one (``learning_rate`` is EVON's α).
+    ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to itself, a base with a declared
+    combination (``EVONSFTConfig``, ``EVONSeq2SeqConfig``) to that; any other is built once, as
+    ``hf_evon.trainer.config.EVON<Base>`` (so checkpoints can pickle it).
     """
     if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
         raise TypeError(f"base must be a TrainingArguments subclass; got {base!r}")
@@ -343,7 +352,10 @@ def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     if base is TrainingArguments:
         return EVONConfig
     if base not in _COMBINED:
-        combined = type(f"EVON{base.__name__}", (EVONConfig, base), {"__module__": __name__})
+        name = f"EVON{base.__name__}"
+        while name in globals():
+            name += "_"
+        combined = type(name, (EVONConfig, base), {"__module__": __name__, "__qualname__": name})
         combined.__doc__ = f"``{base.__name__}`` plus the EVON fields of :class:`EVONConfig`."
-        _COMBINED[base] = dataclass(combined)
+        globals()[name] = _COMBINED[base] = dataclass(combined)
     return _COMBINED[base]

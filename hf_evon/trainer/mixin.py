@@ -190,7 +190,8 @@ class EVONTrainerMixin:
             stacklevel=3,
         )
         values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
-        values["hub_token"] = args.hub_token
+        # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
+        values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
         return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})
 
     @staticmethod

@@ -6,19 +6,26 @@ and packing, its loss (the fused LM head), its logged metrics (``mean_token_accu
 fields (``learning_rate`` is EVON's α).
 """
 
+from dataclasses import dataclass
+
 from trl import SFTConfig, SFTTrainer
 
-from .config import evon_config_class
+from .config import EVONConfig, register_evon_config
 from .mixin import EVONTrainerMixin
 
 __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
 
-#: ``SFTConfig`` plus every EVON field of :class:`~hf_evon.EVONConfig`
-EVONSFTConfig = evon_config_class(SFTConfig)
+
+@dataclass
+class EVONSFTConfig(EVONConfig, SFTConfig):
+    """``SFTConfig`` plus every EVON field of :class:`~hf_evon.EVONConfig` (``learning_rate`` is EVON's α)."""
+
+
+register_evon_config(SFTConfig, EVONSFTConfig)
 
 
 class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
-    """TRL's ``SFTTrainer`` with EVON (``args``: an :data:`EVONSFTConfig`).
+    """TRL's ``SFTTrainer`` with EVON (``args``: an :class:`EVONSFTConfig`).
 
     The mean metrics of ``evaluate()`` are read from ``SFTTrainer``'s own evaluation pass (its
     per-token log-probabilities), so an evaluation costs ``1 + bma_num_samples`` passes.

@@ -1,8 +1,10 @@
 """The EVON trainers: :class:`EVONTrainerMixin` on ``transformers.Trainer`` and ``Seq2SeqTrainer``."""
 
+from dataclasses import dataclass
+
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
-from .config import EVONConfig, evon_config_class
+from .config import EVONConfig, register_evon_config
 from .mixin import EVONTrainerMixin
 
 __all__ = ["EVONSeq2SeqConfig", "EVONSeq2SeqTrainer", "EVONTrainer"]
@@ -18,8 +20,12 @@ class EVONTrainer(EVONTrainerMixin, Trainer):
     config_class = EVONConfig
 
 
-#: ``Seq2SeqTrainingArguments`` (``predict_with_generate``, generation settings) plus the EVON fields
-EVONSeq2SeqConfig = evon_config_class(Seq2SeqTrainingArguments)
+@dataclass
+class EVONSeq2SeqConfig(EVONConfig, Seq2SeqTrainingArguments):
+    """``Seq2SeqTrainingArguments`` (``predict_with_generate``, generation settings) plus the EVON fields."""
+
+
+register_evon_config(Seq2SeqTrainingArguments, EVONSeq2SeqConfig)
 
 
 class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
