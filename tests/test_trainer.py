@@ -222,7 +222,8 @@ def test_optimizer_from_config_and_ess_default(tmp_path):
 
 def test_plain_training_arguments_are_converted(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=0.03)
-    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    with pytest.warns(UserWarning, match="is now EVON's learning rate"):
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
     assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 0.03
 
 

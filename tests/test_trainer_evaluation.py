@@ -132,3 +132,13 @@ def test_predict_bma_needs_a_posterior_and_samples(tmp_path):
     trainer.args.bma_num_samples = 0
     with pytest.raises(ValueError, match="bma_num_samples = 0"):
         trainer.predict(classification_data(8), bma=True)
+
+
+def test_bma_every_k_counts_an_evaluation_of_several_datasets_once(tmp_path):
+    evaluation = {"a": classification_data(16, seed=1), "b": classification_data(16, seed=2)}
+    trainer = _trained(
+        tmp_path, evaluation=evaluation, max_steps=4, eval_strategy="steps", eval_steps=1, bma_eval_every=2
+    )
+    for name in ("a", "b"):
+        evals = [h for h in trainer.state.log_history if f"eval_{name}_loss" in h]
+        assert [h["step"] for h in evals if f"eval_{name}_bma_nll" in h] == [2, 4], name

@@ -162,7 +162,8 @@ class EVONTrainerMixin:
         self._evon_items_global = False
         self._evon_evaluation: PosteriorEvaluation | None = None
         self._evon_in_training = False
-        self._evon_evaluations = 0  # evaluations during the current train(), for bma_eval_every
+        self._evon_evaluations = 0  # evaluation steps during the current train(), for bma_eval_every
+        self._evon_evaluated_step = -1
         self._causal_lm = self._detect_causal_lm()
         if self._causal_lm:
             # transformers 5.23 decides this from ``model.loss_type``, which is None for e.g. GPT-2
@@ -473,19 +474,26 @@ class EVONTrainerMixin:
         inputs: dict[str, Any],
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
+        **kwargs: Any,
     ) -> Any:
         evaluation = self._evon_evaluation
         if evaluation is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
         with evaluation.batch(inputs.get("labels")):  # labels first: a loss may pop them
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
 
     def _bma_due(self) -> bool:
         """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
         if not self._evon_in_training:
             return True
         every = self.args.bma_eval_every
-        self._evon_evaluations += 1
+        if self.state.global_step != self._evon_evaluated_step:  # several eval datasets: one evaluation
+            self._evon_evaluated_step = self.state.global_step
+            self._evon_evaluations += 1
         at_end = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
         return at_end or (every > 0 and self._evon_evaluations % every == 0)
 
@@ -526,7 +534,7 @@ class EVONTrainerMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self._posterior_from_checkpoint = False
-        self._evon_in_training, self._evon_evaluations = True, 0
+        self._evon_in_training, self._evon_evaluations, self._evon_evaluated_step = True, 0, -1
         try:
             return super().train(*args, **kwargs)
         finally:
