@@ -75,7 +75,7 @@ def fit(
 
 def run(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(__doc__, argv)
-    steps = 2500 if args.fast else 20000
+    steps = 1500 if args.fast else 20000
     X, y = separable_data(seed=args.seed)
     n = len(y)
     objective = LogisticObjective(X, y, ess=float(n), delta=1.0 / (PRIOR_VARIANCE * n))

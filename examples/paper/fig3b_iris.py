@@ -107,7 +107,7 @@ def fit(
 
 def run(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(__doc__, argv)
-    steps, draws, warmup = (1500, 150, 100) if args.fast else (20000, 1500, 500)
+    steps, draws, warmup = (1000, 100, 60) if args.fast else (20000, 1500, 500)
     X, y = iris()
     out = Outputs(
         NAME,
