@@ -277,7 +277,7 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
     trainer.save_model()  # model (or adapter) + evon_posterior.* + model card
     keys = ("accuracy", "nll", "ece", "brier")
     return {
-        "mean": {k: metrics[f"eval_{k}"] for k in keys},
+        "mean": {k: metrics[f"eval_mean_{k}"] for k in keys},
         "bma": {k: metrics[f"eval_bma_{k}"] for k in keys},
         "std": trainer.posterior_statistics()["evon/posterior_std_mean"],
     }

@@ -20,6 +20,8 @@ _PUBLIC = {
     "PosteriorMismatchError": "posterior",
     "EVONConfig": "trainer",
     "EVONTrainer": "trainer",
+    "EVONTrainerMixin": "trainer",
+    "EVONSeq2SeqTrainer": "trainer",
     "generate_bma": "generation",
     "bma_log_likelihood": "generation",
     "prepare_distributed": "distributed",

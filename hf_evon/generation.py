@@ -255,6 +255,8 @@ class BMALogLikelihood:
 
     ``loss`` is the mean negative log-likelihood per scored token (what a causal LM's
     ``loss`` is), ``perplexity = exp(loss)``, ``sequence_log_likelihood`` the per-sequence sums.
+    With no scored token at all (every label -100) the means are NaN, as the model's own loss
+    (0/0), not a perfect loss of 0 and perplexity 1.
     """
 
     token_log_probs: Tensor
@@ -278,7 +280,7 @@ class BMALogLikelihood:
     @property
     def loss(self) -> Tensor:
         """Mean NLL per scored token over the whole batch (a scalar)."""
-        return -self.sequence_log_likelihood.sum() / self.mask.sum().clamp(min=1)
+        return -self.sequence_log_likelihood.sum() / self.mask.sum()
 
     @property
     def perplexity(self) -> Tensor:
@@ -288,7 +290,7 @@ class BMALogLikelihood:
     def sample_losses(self) -> Tensor:
         """``(S,)`` the loss of each sample alone (no averaging)."""
         total = (self.sample_token_log_probs * self.mask).sum((-1, -2))
-        return -total / self.mask.sum().clamp(min=1)
+        return -total / self.mask.sum()
 
     def group_loss(self, k: int) -> Tensor:
         """Expected BMA loss with ``k`` samples: the mean over the ``S // k`` disjoint groups
@@ -297,7 +299,7 @@ class BMALogLikelihood:
             raise ValueError(f"k must be in [1, {self.num_samples}]; got {k}")
         groups = self.sample_token_log_probs[: (self.num_samples // k) * k]
         groups = groups.reshape(self.num_samples // k, k, *groups.shape[1:])
-        nll = -(log_mean_prob(groups, dim=1) * self.mask).sum((-1, -2)) / self.mask.sum().clamp(min=1)
+        nll = -(log_mean_prob(groups, dim=1) * self.mask).sum((-1, -2)) / self.mask.sum()
         return nll.mean()
 
     def first(self, k: int) -> BMALogLikelihood:

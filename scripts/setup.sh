@@ -9,4 +9,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,examples]"
+# the pin again: an extra that depends on torch (trl, pyro-ppl) must not upgrade it
+.venv/bin/python -m pip install -q -e ".[test,examples,trl]" "torch==2.13.0"

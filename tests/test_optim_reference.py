@@ -313,8 +313,12 @@ def run_against_reference(
     seed: int = 0,
     spec_schedule: bool = False,
     optimizer_grads: bool = False,
+    zero_grad_inside: bool = False,
 ) -> list[ReferenceEVON]:
-    """Drive EVON and one reference per parameter; compare everything after every step."""
+    """Drive EVON and one reference per parameter; compare everything after every step.
+
+    ``zero_grad_inside``: the IVON/EVON reference packages' loop, ``opt.zero_grad()`` first in
+    every sampled block and never after ``step()``."""
     hp = {**BASE, **options}
     gen = torch.Generator().manual_seed(1000 + seed)
     problems = [Problem(s, gen) for s in shapes]
@@ -348,6 +352,8 @@ def run_against_reference(
         for _ in range(opt.mc_samples):
             if use_context:
                 with opt.sampled_params(train=True):
+                    if zero_grad_inside:
+                        opt.zero_grad()
                     for i, p in enumerate(params):
                         records[i].append((p.detach().clone(), current_noise_or_none(opt, p)))
                     for part in parts:  # gradient accumulation over micro-batches
@@ -361,7 +367,8 @@ def run_against_reference(
                     records[i].append((p.detach().clone(), None))
                 sum(pr.loss(p) for p, pr in zip(params, problems)).backward()
         opt.step()
-        opt.zero_grad()
+        if not zero_grad_inside:
+            opt.zero_grad()
 
         for i, (p, pr, ref) in enumerate(zip(params, problems, refs)):
             where = f"step {step}, param {i} {tuple(pr.shape)}"
@@ -496,6 +503,16 @@ def test_matches_reference(case: str) -> None:
         ]
     if case in ("vector", "identity_basis"):
         assert not refs[0].left and not refs[0].right
+
+
+@pytest.mark.parametrize(("mc_samples", "microbatches"), [(1, 1), (2, 1), (2, 3)])
+def test_reference_package_loop_matches_reference(mc_samples: int, microbatches: int) -> None:
+    """``with opt.sampled_params(): opt.zero_grad(); loss.backward()`` per sample (the IVON/EVON
+    packages' loop, the previous step's gradient still in ``.grad``) follows the spec too."""
+    refs = run_against_reference(
+        {"mc_samples": mc_samples}, [(3, 5), (4, 2)], microbatches=microbatches, zero_grad_inside=True
+    )
+    assert all(r.t == 13 for r in refs)
 
 
 def test_float32_parameters_match_reference() -> None:

@@ -139,6 +139,7 @@ EVON_FIELDS_CLI = {
     "bma_num_samples": ("11", 11),
     "bma_seed": ("5", 5),
     "bma_ece_bins": ("20", 20),
+    "bma_eval_every": ("3", 3),
     "learning_rate": ("0.07", 0.07),
 }
 
@@ -221,7 +222,8 @@ def test_optimizer_from_config_and_ess_default(tmp_path):
 
 def test_plain_training_arguments_are_converted(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=0.03)
-    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    with pytest.warns(UserWarning, match="is now EVON's learning rate"):
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
     assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 0.03
 
 
@@ -516,13 +518,12 @@ def test_bma_metrics_equal_a_direct_computation_classification(tmp_path):
         "evaluation changed the mean"
     )
     for key in ("nll", "accuracy", "ece", "brier"):
-        assert metrics[f"eval_{key}"] == pytest.approx(mean[key], rel=1e-5, abs=1e-7), key
+        assert metrics[f"eval_mean_{key}"] == pytest.approx(mean[key], rel=1e-5, abs=1e-7), key
         assert metrics[f"eval_bma_{key}"] == pytest.approx(bma[key], rel=1e-5, abs=1e-7), key
-    assert metrics["eval_nll"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
-    assert abs(metrics["eval_bma_nll"] - metrics["eval_nll"]) > 1e-4  # the samples differ from the mean
+    # equal batches: the Trainer's per-batch average eval_loss equals the overall mean NLL
+    assert metrics["eval_mean_nll"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert abs(metrics["eval_bma_nll"] - metrics["eval_mean_nll"]) > 1e-4  # the samples differ from the mean
     assert abs(bma["nll"] - logit_avg["nll"]) > 1e-4  # averaging logits would be detected
-    # equal batches: the per-batch average (like eval_loss) equals the overall mean
-    assert metrics["eval_bma_loss"] == pytest.approx(metrics["eval_bma_nll"], rel=1e-5)
 
 
 def test_bma_metrics_causal_lm(tmp_path):
@@ -536,13 +537,12 @@ def test_bma_metrics_causal_lm(tmp_path):
     mean, bma, logit_avg = _direct_bma(
         trainer.model, trainer.current_posterior(), evaluation, [0, 1, 2], causal=True
     )
-    assert metrics["eval_nll"] == pytest.approx(mean, rel=1e-5)
-    assert metrics["eval_perplexity"] == pytest.approx(math.exp(mean), rel=1e-5)
+    assert metrics["eval_mean_nll"] == pytest.approx(mean, rel=1e-5)
+    assert metrics["eval_mean_perplexity"] == pytest.approx(math.exp(mean), rel=1e-5)
     assert metrics["eval_bma_nll"] == pytest.approx(bma, rel=1e-5)
     assert metrics["eval_bma_perplexity"] == pytest.approx(math.exp(bma), rel=1e-5)
     # one eval batch: the per-batch loss is the token mean, as the model's own loss
     assert metrics["eval_loss"] == pytest.approx(mean, rel=1e-5)
-    assert metrics["eval_bma_loss"] == pytest.approx(bma, rel=1e-5)
     assert abs(bma - mean) > 1e-4 and abs(bma - logit_avg) > 1e-5
 
 
@@ -552,12 +552,12 @@ def test_bma_disabled_and_no_posterior(tmp_path):
         model=tiny_bert(), args=config(tmp_path, bma_num_samples=0), eval_dataset=evaluation
     )
     metrics = trainer.evaluate()
-    assert "eval_accuracy" in metrics and not any("_bma_" in k for k in metrics)
+    assert "eval_mean_accuracy" in metrics and not any("_bma_" in k for k in metrics)
     trainer2 = EVONTrainer(
         model=tiny_bert(), args=config(tmp_path, bma_num_samples=2), eval_dataset=evaluation
     )
     metrics2 = trainer2.evaluate()  # no optimizer, no posterior: mean metrics only
-    assert "eval_nll" in metrics2 and not any("_bma_" in k for k in metrics2)
+    assert "eval_mean_nll" in metrics2 and not any("_bma_" in k for k in metrics2)
 
 
 # ---------------------------------------------------------------------------- PEFT
@@ -660,10 +660,10 @@ def test_saved_output_reloads_in_a_fresh_process_and_reproduces_bma(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     fresh = json.loads(proc.stdout.split("RESULT", 1)[1])
     for name in ("full", "lora"):
-        for key in ("nll", "accuracy", "ece", "brier", "loss"):
+        for key in ("nll", "accuracy", "ece", "brier"):
             mine, theirs = results[name][f"eval_bma_{key}"], fresh[name][f"eval_bma_{key}"]
             assert theirs == pytest.approx(mine, rel=1e-5, abs=1e-7), (name, key)
-        assert fresh[name]["eval_nll"] == pytest.approx(results[name]["eval_nll"], rel=1e-5)
+        assert fresh[name]["eval_mean_nll"] == pytest.approx(results[name]["eval_mean_nll"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- hub

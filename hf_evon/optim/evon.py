@@ -14,6 +14,10 @@ The algorithm is the one in ``EVON_SPEC.md`` (and the paper's appendix derivatio
                 model(**batch).loss.backward()      # micro-batches may be accumulated here
         opt.step()
         opt.zero_grad()
+
+The loop of the IVON/EVON reference packages, ``with opt.sampled_params(train=True):
+opt.zero_grad(); loss.backward()`` per sample, gives the same update: each block records its
+own gradient, whatever the code inside does with ``zero_grad`` (see ``sampled_params``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import numbers
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,9 +73,33 @@ class NonFiniteGradientError(FloatingPointError):
     """Raised by ``EVON.step`` for a NaN/inf gradient when ``nonfinite="raise"``."""
 
 
+def _is_real(x: Any) -> bool:
+    """A real number (Python or NumPy scalar); not a bool, a string or None."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    """An integer (Python or NumPy scalar); not a bool, a float or a string."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _finite(x: Any) -> bool:
+    return _is_real(x) and math.isfinite(x)
+
+
 def _betas_ok(betas: Any) -> bool:
-    """A pair of numbers in [0, 1)."""
-    return len(tuple(betas)) == 2 and all(0.0 <= b < 1.0 for b in betas)
+    """A pair (tuple or list) of numbers in [0, 1)."""
+    return (
+        isinstance(betas, tuple | list)
+        and len(betas) == 2
+        and all(_is_real(b) and 0.0 <= b < 1.0 for b in betas)
+    )
+
+
+def _require(name: str, value: Any, ok: bool, rule: str) -> None:
+    """The one place argument errors are raised: the message names the argument and its rule."""
+    if not ok:
+        raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -118,7 +148,7 @@ class _Bucket:
     acc: Tensor | None = None  # Σ_s G°_s ⊙ z_s
     z: Tensor | None = None  # standard-normal draw of the sample in progress
     mean: Tensor | None = None  # the posterior mean while a sample is in the weights
-    entry: Tensor | None = None  # rotated gradient ⊙ z already present when the sample began
+    live: list[int] | None = None  # members a sample perturbs (None: all; frozen ones are left alone)
     exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
     rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
 
@@ -157,10 +187,44 @@ class _Bucket:
             return self.rotated_grads.div_(num_samples)
         return rotate(grad, *self.bases())
 
-    def write_params(self, values: Tensor) -> None:
-        # detach() shares the version counter: autograd notices a graph used across a swap
-        targets = [p.detach().view(self.m, self.n) for p in self.params]
-        torch._foreach_copy_(targets, list(values.unbind(0)))
+    def write_params(self, values: Tensor, members: list[int] | None = None) -> None:
+        """Copy ``values[i]`` into member ``i`` (all members, or those listed)."""
+        idx = range(len(self.params)) if members is None else members
+        # detach() shares the version counter: autograd notices a graph used across a swap;
+        # copy_ into the parameter's own shape works for any memory layout (channels_last)
+        targets = [self.params[i].detach() for i in idx]
+        torch._foreach_copy_(targets, [values[i].reshape(t.shape) for i, t in zip(idx, targets)])
+
+    def subset(self, members: list[int]) -> _Bucket:
+        """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
+        idx = torch.tensor(members, device=self.state["hess"].device)
+
+        def pick(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.index_select(0, idx)
+
+        sub = _Bucket(
+            self.group,
+            [self.params[i] for i in members],
+            self.m,
+            self.n,
+            self.left,
+            self.right,
+            self.dtype,
+            state={k: v if k == "step" else pick(v) for k, v in self.state.items()},  # one shared counter
+            refresh_phase=[self.refresh_phase[i] for i in members],
+        )
+        sub.acc, sub.exit_grads, sub.rotated_grads = (
+            pick(self.acc),
+            pick(self.exit_grads),
+            pick(self.rotated_grads),
+        )
+        return sub
+
+    def scatter(self, sub: _Bucket, members: list[int]) -> None:
+        idx = torch.tensor(members, device=self.state["hess"].device)
+        for k, v in sub.state.items():
+            if k != "step":
+                self.state[k].index_copy_(0, idx, v)
 
     def noisy_phase(self) -> bool:
         """Whether the coming step estimates the Hessian from sampled weights."""
@@ -171,6 +235,25 @@ class _Bucket:
             return True
         # phased gradients: the initialising step and even updates are clean
         return self.initialized and (self.t + 1) % 2 == 1
+
+
+@dataclass
+class _Plan:
+    """One bucket's step, prepared by ``EVON._plan`` before anything is changed."""
+
+    bucket: _Bucket
+    work: _Bucket  # the bucket itself, or the subset of members that have a gradient
+    members: list[int] | None  # that subset's indices (None: all members)
+    grad: Tensor  # the mean gradient over the step's samples, (B, m, n)
+    unchanged: Tensor | None = None  # device flag: gradients as at the last sample's exit
+    g_rot: Tensor | None = None  # rotated gradient, when formed already (ess = inf)
+    hess: Tensor | None = None  # candidate H (None: H is not updated this step)
+
+    @property
+    def clean(self) -> bool:
+        """A clean (gradient-at-the-mean) step of phased gradients: no Hessian update."""
+        g = self.work.group
+        return g["phased_gradients"] and not self.work.noisy_phase() and not math.isinf(g["ess"])
 
 
 class EVON(Optimizer):
@@ -243,24 +326,30 @@ class EVON(Optimizer):
         seed: int | None = None,
         eps: float = 1e-12,
     ) -> None:
-        if nonfinite not in ("skip", "raise"):
-            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
+        _require("nonfinite", nonfinite, nonfinite in ("skip", "raise"), "'skip' or 'raise'")
+        _require("seed", seed, seed is None or _is_int(seed), "None or an integer")
         # the AdamW defaults are checked here too: with no AdamW group they would go unchecked,
         # and a group's message would name "lr"/"betas" rather than the argument given
-        for name, value, ok, rule in (
-            ("adamw_lr", adamw_lr, adamw_lr is None or adamw_lr >= 0.0, "None or >= 0"),
-            ("adamw_betas", adamw_betas, _betas_ok(adamw_betas), "two numbers in [0, 1)"),
-            ("adamw_eps", adamw_eps, adamw_eps > 0.0, "> 0"),
-            ("adamw_weight_decay", adamw_weight_decay, adamw_weight_decay >= 0.0, ">= 0"),
-        ):
-            if not ok:
-                raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
+        _require(
+            "adamw_lr",
+            adamw_lr,
+            adamw_lr is None or (_finite(adamw_lr) and adamw_lr >= 0.0),
+            "None or a finite number >= 0",
+        )
+        _require("adamw_betas", adamw_betas, _betas_ok(adamw_betas), "two numbers in [0, 1)")
+        _require("adamw_eps", adamw_eps, _finite(adamw_eps) and adamw_eps > 0.0, "a finite number > 0")
+        _require(
+            "adamw_weight_decay",
+            adamw_weight_decay,
+            _finite(adamw_weight_decay) and adamw_weight_decay >= 0.0,
+            "a finite number >= 0",
+        )
         defaults = dict(
             algorithm="evon",
             lr=lr,
             ess=ess,
             hess_init=hess_init,
-            betas=tuple(betas),
+            betas=betas,
             weight_decay=weight_decay,
             mc_samples=mc_samples,
             precondition_frequency=precondition_frequency,
@@ -276,6 +365,9 @@ class EVON(Optimizer):
             eps=eps,
             adamw_eps=adamw_eps,
         )
+        # the keywords themselves, before any group: the message names the keyword given
+        self._validate({**defaults, "params": []})
+        defaults["betas"] = tuple(betas)
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay
         )
@@ -294,6 +386,9 @@ class EVON(Optimizer):
         self._bucket_index: dict[int, tuple[_Bucket, int]] | None = None
         self._samples = 0  # samples recorded since the last step
         self._in_sample = False
+        # the gradients the last step consumed, as (weak reference, version) by id(param): a
+        # sampled_params block drops them instead of adding them to the new step's samples
+        self._consumed: dict[int, tuple[weakref.ref, int]] = {}
         # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
@@ -301,62 +396,78 @@ class EVON(Optimizer):
 
     # ------------------------------------------------------------------ set-up
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim``'s ``add_param_group``, validated; refused while samples are pending.
+
+        A new group rebuilds the buckets, which would drop the Hessian numerators recorded by
+        ``sampled_params`` blocks since the last ``step()``: add groups right after a step.
+        """
+        if self._in_sample or self._samples:
+            raise RuntimeError(
+                "add_param_group() was called between a sampled_params(train=True) block and step(): "
+                f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() "
+                "first, then add the group before the next sample"
+            )
         if param_group.get("algorithm", "evon") == "adamw":
-            for key, value in getattr(self, "_adamw_defaults", {}).items():
+            for key, value in self._adamw_defaults.items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
-        if hasattr(self, "_adamw_defaults"):  # after __init__: validate and re-bucket
+        try:
             self._validate(self.param_groups[-1])
-            self._buckets = None
+        except ValueError:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            raise
+        self._buckets = None
 
     @staticmethod
     def _validate(group: dict[str, Any]) -> None:
-        def need(ok: bool, name: str, rule: str) -> None:
-            if not ok:
-                raise ValueError(f"Invalid {name}: {group.get(name)!r} (must be {rule})")
+        """Check a group's hyperparameters (types and values); the message names the field."""
 
-        need(group["algorithm"] in ALGORITHMS, "algorithm", "'evon' or 'adamw'")
-        need(group["lr"] >= 0.0, "lr", ">= 0")
-        need(_betas_ok(group["betas"]), "betas", "two numbers in [0, 1)")
-        need(group["weight_decay"] >= 0.0, "weight_decay", ">= 0")
+        def need(name: str, ok: bool, rule: str) -> None:
+            _require(name, group.get(name), ok, rule)
+
+        def positive_int(name: str) -> None:
+            need(name, _is_int(group[name]) and group[name] >= 1, "an integer >= 1")
+
+        def flag(name: str) -> None:
+            need(name, isinstance(group[name], bool), "True or False (a bool, not a string or number)")
+
+        need("algorithm", group["algorithm"] in ALGORITHMS, "'evon' or 'adamw'")
+        need("lr", _finite(group["lr"]) and group["lr"] >= 0.0, "a finite number >= 0")
+        need("betas", _betas_ok(group["betas"]), "two numbers in [0, 1)")
+        wd = group["weight_decay"]
+        need("weight_decay", _finite(wd) and wd >= 0.0, "a finite number >= 0")
         if group["algorithm"] == "adamw":
-            need(group["adamw_eps"] > 0.0, "adamw_eps", "> 0")
+            need("adamw_eps", _finite(group["adamw_eps"]) and group["adamw_eps"] > 0.0, "a finite number > 0")
             return
+        ess = group["ess"]
         need(
-            group["ess"] == AUTO_ESS
-            or (
-                isinstance(group["ess"], int | float)
-                and not isinstance(group["ess"], bool)
-                and group["ess"] > 0.0
-            ),
             "ess",
+            ess == AUTO_ESS if isinstance(ess, str) else (_is_real(ess) and ess > 0.0),
             "'auto' or a number > 0 (float('inf') for no noise)",
         )
         ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
-        need(math.isfinite(ratio) and ratio > 0.0, "init_std_ratio", "a finite number > 0")
-        need(
-            math.isfinite(group["hess_init"]) and group["hess_init"] > 0.0, "hess_init", "a finite number > 0"
-        )
-        need(
-            isinstance(group["mc_samples"], int) and group["mc_samples"] >= 1, "mc_samples", "an integer >= 1"
-        )
-        need(
-            isinstance(group["precondition_frequency"], int) and group["precondition_frequency"] >= 1,
-            "precondition_frequency",
-            "an integer >= 1",
-        )
-        need(
-            isinstance(group["max_precond_dim"], int) and group["max_precond_dim"] >= 1,
-            "max_precond_dim",
-            "an integer >= 1",
-        )
+        need("init_std_ratio", _finite(ratio) and ratio > 0.0, "a finite number > 0")
+        need("hess_init", _finite(group["hess_init"]) and group["hess_init"] > 0.0, "a finite number > 0")
+        for name in ("mc_samples", "precondition_frequency", "max_precond_dim"):
+            positive_int(name)
         sb = group["shampoo_beta"]
-        need(sb is None or 0.0 <= sb < 1.0, "shampoo_beta", "None or in [0, 1)")
+        need("shampoo_beta", sb is None or (_is_real(sb) and 0.0 <= sb < 1.0), "None or a number in [0, 1)")
         gamma = group["hess_clip_ratio"]
-        need(gamma is None or gamma > 0.0, "hess_clip_ratio", "None or > 0")
-        need(group["clip"] in CLIP_MODES, "clip", f"one of {CLIP_MODES}")
-        need(group["clip_radius"] > 0.0, "clip_radius", "> 0")
-        need(group["eps"] > 0.0, "eps", "> 0")
+        need("hess_clip_ratio", gamma is None or (_is_real(gamma) and gamma > 0.0), "None or a number > 0")
+        need("clip", isinstance(group["clip"], str) and group["clip"] in CLIP_MODES, f"one of {CLIP_MODES}")
+        need("clip_radius", _is_real(group["clip_radius"]) and group["clip_radius"] > 0.0, "a number > 0")
+        need("eps", _finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
+        for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
+            flag(name)
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                label = repr(names[i]) if names else f"#{i} of its group"
+                raise ValueError(
+                    f"EVON cannot train the complex parameter {label} (shape {tuple(p.shape)}, {p.dtype}): "
+                    "its posterior and eigenbasis are real. Train it as a real tensor (torch.view_as_real) "
+                    "or in a group with algorithm='adamw'"
+                )
 
     @property
     def mc_samples(self) -> int:
@@ -482,45 +593,103 @@ class EVON(Optimizer):
     def sampled_params(self, train: bool = True) -> Iterator[None]:
         """Put one posterior sample into every EVON-owned weight for the enclosed code.
 
-        With ``train=True`` the gradients accumulated inside the block are recorded for
-        the next ``step()``. Do not zero them between samples or micro-batches: as with
-        gradient accumulation, ``step()`` uses their sum divided by the number of samples.
-        On exit, also on an exception, the mean is restored bit-for-bit; a sample whose
-        block raised is not recorded. ``train=False`` only samples (evaluation, BMA).
+        With ``train=True`` the block records its own gradient for the next ``step()``, which
+        uses the sum over the step's blocks divided by their number. Inside the block ``.grad``
+        holds only this block's gradient (micro-batches accumulate there as usual): the
+        gradients of earlier samples are set aside at entry and added back at exit, so
+        ``opt.zero_grad()`` inside the block (the IVON/EVON reference packages' loop) and
+        accumulating without it give the same update. Gradients the previous ``step()``
+        consumed and nobody cleared are dropped, not counted again.
+        On exit, also on an exception, the mean is restored bit-for-bit; a sample whose block
+        raised is not recorded and its gradient is discarded (``.grad`` is as before the
+        block, less gradients the last step consumed). Frozen parameters
+        (``requires_grad=False``) are not perturbed.
+        ``train=False`` only samples (evaluation, BMA).
         """
         if self._in_sample:
             raise RuntimeError("sampled_params() blocks cannot be nested")
         self._in_sample = True
         self._sample_blocks += 1
         perturbed: list[_Bucket] = []
+        stash = self._set_aside_grads() if train else None
         ok = False
         try:
             with torch.no_grad():
                 for b in self.buckets:
                     if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
-                        perturbed.append(b)
-                        self._perturb(b, train)
+                        perturbed.append(b)  # before the draw: an error inside still restores it
+                        if not self._perturb(b, train):
+                            perturbed.pop()
             yield
             ok = True
         finally:
             with torch.no_grad():
+                kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                 for b in perturbed:
                     if b.mean is not None:
-                        b.write_params(b.mean)
-                    if b.z is not None:
-                        if ok:
-                            # the same product is the step's rotated gradient if nothing changes it
-                            b.exit_grads = b.grads()
-                            b.rotated_grads = rotate(b.exit_grads, *b.bases())
-                            b.acc.addcmul_(b.rotated_grads, b.z)
-                        elif b.entry is not None:
-                            b.acc.add_(b.entry)  # forget the failed sample's bookkeeping
-                    b.mean = b.z = b.entry = None
+                        b.write_params(b.mean, b.live)
+                    if ok and b.z is not None:
+                        self._record_sample(b, alone=not any(id(p) in kept for p in b.params))
+                    b.mean = b.z = b.live = None
+                if stash is not None:
+                    self._restore_grads(stash, ok)
             if ok and train:
                 self._samples += 1
             self._in_sample = False
 
-    def _perturb(self, b: _Bucket, train: bool) -> None:
+    def _set_aside_grads(self) -> list[tuple[Tensor, Tensor | None]]:
+        """``(param, its gradient kept for this step)`` for every parameter; every ``.grad`` is
+        then None, so the block's backward leaves exactly this sample's gradient there."""
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = keep = p.grad
+                if grad is not None:
+                    ref, version = self._consumed.get(id(p), (None, None))
+                    if ref is not None and ref() is grad and grad._version == version:
+                        keep = None  # the last step used it already
+                    elif grad._base is not None:
+                        # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
+                        # block's backward overwrites: keep a copy
+                        keep = grad.clone()
+                    p.grad = None
+                out.append((p, keep))
+        return out
+
+    @staticmethod
+    def _restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> None:
+        """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
+        failed block: as at entry, less what the last step consumed)."""
+        if not recorded:
+            for p, keep in stash:
+                p.grad = keep
+            return
+        own, kept = [], []
+        for p, keep in stash:
+            if keep is None:
+                continue
+            if p.grad is None:
+                p.grad = keep
+            else:  # added into the block's own tensor, which may be a buffer view DDP relies on
+                own.append(p.grad)
+                kept.append(keep)
+        if own:
+            torch._foreach_add_(own, kept)
+
+    def _record_sample(self, b: _Bucket, alone: bool) -> None:
+        """Add this sample's ``G°_s ⊙ z_s`` to the Hessian numerator. ``alone``: no earlier
+        gradient is added to it, so its rotation is the step's too if nothing changes it."""
+        grads = b.grads()
+        rotated = rotate(grads, *b.bases())
+        b.acc.addcmul_(rotated, b.z)
+        b.exit_grads, b.rotated_grads = (grads, rotated) if alone else (None, None)
+
+    def _perturb(self, b: _Bucket, train: bool) -> bool:
+        """Write a posterior draw into the bucket's unfrozen members; False if all are frozen."""
+        live = [i for i, p in enumerate(b.params) if p.requires_grad]
+        if not live:
+            return False
+        b.live = None if len(live) == len(b.params) else live
         g = b.group
         device = b.params[0].device
         b.mean = torch.stack([p.detach().reshape(b.m, b.n) for p in b.params])  # exact copy
@@ -529,15 +698,12 @@ class EVON(Optimizer):
         )
         q_left, q_right = b.bases() if b.initialized else (None, None)
         noise = sample_perturbation(z, b.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
-        b.write_params(b.mean.to(b.dtype) + noise)
+        b.write_params(b.mean.to(b.dtype) + noise, b.live)
         if train and b.initialized:
             b.z = z
             if b.acc is None:
                 b.acc = torch.zeros_like(z)
-            if any(p.grad is not None for p in b.params):
-                # gradients already present belong to earlier samples: cancel them from this one
-                b.entry = rotate(b.grads(), q_left, q_right).mul_(z)
-                b.acc.sub_(b.entry)
+        return True
 
     def current_noise(self, p: Tensor) -> Tensor:
         """The rotated-space draw ``E`` (shaped m×n) of the sample now in ``p`` (for tests)."""
@@ -576,21 +742,14 @@ class EVON(Optimizer):
                 "`with optimizer.sampled_params(train=True):` before step()"
             )
         num_samples = max(self._samples, 1)
-        grads, unchanged = {}, []
-        for b in self.buckets:
-            if any(p.grad is not None for p in b.params):
-                grad = b.grads()
-                if b.rotated_grads is not None:  # clipped, reduced or accumulated since the exit?
-                    unchanged.append((b, torch.eq(grad, b.exit_grads).all()))
-                grads[id(b)] = grad.div_(num_samples)
+        plans = [plan for b in self.buckets if (plan := self._plan(b, num_samples)) is not None]
         adamw = self._adamw_inputs(num_samples)
-        if not self._all_finite(grads, adamw, unchanged):
+        if not self._all_finite(plans, adamw):
             self._discard_samples()
             return loss
 
-        for b in self.buckets:
-            if id(b) in grads:
-                self._evon_update(b, grads[id(b)], num_samples)
+        for plan in plans:
+            self._evon_update(plan, num_samples)
         for gi, (params, g_list, states) in adamw.items():
             self._adamw_update(self.param_groups[gi], params, g_list, states)
         self._discard_samples()
@@ -628,6 +787,12 @@ class EVON(Optimizer):
         self._synchronized = False
         for b in self.buckets:
             b.acc = b.exit_grads = b.rotated_grads = None
+        self._consumed = {
+            id(p): (weakref.ref(p.grad), p.grad._version)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        }
 
     def _adamw_inputs(self, num_samples: int) -> dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]:
         out = {}
@@ -643,27 +808,76 @@ class EVON(Optimizer):
             out[gi] = (params, g_list, [self.state[p] for p in params])
         return out
 
-    def _all_finite(
-        self, grads: dict[int, Tensor], adamw: dict, unchanged: list[tuple[_Bucket, Tensor]]
-    ) -> bool:
-        """Whether every gradient is finite; also settles, in the same single device sync,
-        which buckets may reuse their exit rotation (``unchanged``)."""
-        checks = [torch.isfinite(g).all() for g in grads.values()]
-        checks += [torch.isfinite(b.acc).all() for b in self.buckets if b.acc is not None]
+    def _plan(self, b: _Bucket, num_samples: int) -> _Plan | None:
+        """Everything the bucket's update needs that can fail, computed without changing any state.
+
+        Members without a gradient (frozen, unused) are left out, as ``torch.optim`` does: their
+        weights and state stay bit-identical. The candidate Hessian is formed here so that one
+        device sync (``_all_finite``) can check it together with the gradients.
+        """
+        active = [i for i, p in enumerate(b.params) if p.grad is not None]
+        if not active:
+            return None
+        # the initialising step only records statistics: done for the whole bucket
+        members = None if len(active) == len(b.params) or not b.initialized else active
+        work = b if members is None else b.subset(members)
+        grad = work.grads()
+        # clipped, reduced or accumulated since the last sample's exit?
+        unchanged = None if work.rotated_grads is None else torch.eq(grad, work.exit_grads).all()
+        plan = _Plan(b, work, members, grad.div_(num_samples), unchanged=unchanged)
+        if work.initialized:
+            self._hessian_candidate(plan, num_samples)
+        return plan
+
+    @staticmethod
+    def _hessian_candidate(plan: _Plan, num_samples: int) -> None:
+        """``plan.hess``: H after this step (None: not updated), and at ess = inf the rotated gradient."""
+        b, g = plan.work, plan.work.group
+        beta2 = g["betas"][1]
+        delta, ess = g["weight_decay"], g["ess"]
+        hess = b.state["hess"]
+        if math.isinf(ess):
+            plan.g_rot = rotate(plan.grad, *b.bases())
+            h_hat = plan.g_rot.square()
+        elif plan.clean or b.acc is None:
+            return
+        else:
+            h_hat = b.acc.mul_(torch.sqrt(ess * (hess + delta))).div_(num_samples)
+        gamma = g["hess_clip_ratio"]
+        if gamma is not None:
+            bound = gamma * (hess + g["eps"])
+            h_hat = torch.minimum(torch.maximum(h_hat, -bound), bound)
+        new = hess.mul(beta2).add_(h_hat, alpha=1 - beta2)
+        if not math.isinf(ess):
+            # IVON's correction ½(1−β2)²(H−Ĥ)²/(H+δ) keeps H + δ > 0 for the sampled estimator, which
+            # can be negative (squared gradients cannot: neither the spec nor SOAP has it at ess = inf).
+            # Scaled before squaring: a finite spike in Ĥ must not overflow (H−Ĥ)² on its way
+            scaled = (hess - h_hat).mul_((1 - beta2) / math.sqrt(2.0)).div_(torch.sqrt(hess + delta))
+            new.add_(scaled.square_())
+        plan.hess = new
+
+    def _all_finite(self, plans: list[_Plan], adamw: dict) -> bool:
+        """Whether every gradient and every candidate Hessian is finite; also settles, in the same
+        single device sync, which buckets may reuse their exit rotation."""
+        checks = []
+        for plan in plans:
+            ok = torch.isfinite(plan.grad).all()
+            checks.append(ok if plan.hess is None else ok & torch.isfinite(plan.hess).all())
         for _, g_list, _ in adamw.values():
+            # the norm also overflows where AdamW's squared gradient would
             checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
-        flags = checks + [flag for _, flag in unchanged]
+        reusable = [plan for plan in plans if plan.unchanged is not None]
+        flags = checks + [plan.unchanged for plan in reusable]
         if not flags:
             return True
         values = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
-        for (b, _), same in zip(unchanged, values[len(checks) :]):
-            b.exit_grads = None  # compared; only the rotation may still be needed
+        for plan, same in zip(reusable, values[len(checks) :]):
+            plan.work.exit_grads = None  # compared; only the rotation may still be needed
             if not same:
-                b.rotated_grads = None
+                plan.work.rotated_grads = None
         if all(values[: len(checks)]):
             return True
-        bad = self._first_nonfinite()
-        msg = f"non-finite gradient in {bad}; the step was skipped and the optimizer state is unchanged"
+        msg = f"{self._first_nonfinite(plans, adamw)}; the step was skipped and the optimizer state is unchanged"
         if self.nonfinite == "raise":
             self._discard_samples()
             raise NonFiniteGradientError(msg)
@@ -671,21 +885,45 @@ class EVON(Optimizer):
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
         return False
 
-    def _first_nonfinite(self) -> str:
+    def _param_label(self, p: Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
                     name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
                     return f"{name} (shape {tuple(p.shape)})"
-        return "the Hessian estimate (overflow in G° ⊙ E / V)"
+        return f"a parameter of shape {tuple(p.shape)}"
 
-    def _evon_update(self, b: _Bucket, grad: Tensor, num_samples: int) -> None:
+    def _first_nonfinite(self, plans: list[_Plan], adamw: dict) -> str:
+        """What made the step non-finite, naming the parameter (slow; only after a failed check)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    return f"non-finite gradient in {self._param_label(p)}"
+        for plan in plans:
+            if plan.hess is not None:
+                bad = (~torch.isfinite(plan.hess)).flatten(1).any(1).nonzero().flatten().tolist()
+                if bad:
+                    p = plan.work.params[bad[0]]
+                    return (
+                        f"overflow in the Hessian estimate of {self._param_label(p)}: its gradient is finite "
+                        "but so large (a spike) that H would not be"
+                    )
+        for params, g_list, _ in adamw.values():
+            for p, norm in zip(params, torch._foreach_norm(g_list)):
+                if not bool(torch.isfinite(norm)):
+                    return (
+                        f"overflow in AdamW's squared gradient of {self._param_label(p)}: its gradient is "
+                        "finite but so large (a spike) that its square is not"
+                    )
+        return "a non-finite value"
+
+    def _evon_update(self, plan: _Plan, num_samples: int) -> None:
+        b, grad = plan.work, plan.grad
         g, st = b.group, b.state
         beta1, beta2 = g["betas"]
         beta3 = beta2 if g["shampoo_beta"] is None else g["shampoo_beta"]
         delta, ess = g["weight_decay"], g["ess"]
-        clean = g["phased_gradients"] and not b.noisy_phase() and not math.isinf(ess)
 
         if not b.initialized:
             self._update_statistics(b, grad, beta3)
@@ -698,27 +936,10 @@ class EVON(Optimizer):
 
         t = b.t + 1
         q_left, q_right = b.bases()
+        g_rot = plan.g_rot if plan.g_rot is not None else b.rotated_mean_grad(grad, num_samples)
         hess = st["hess"]
-        g_rot = b.rotated_mean_grad(grad, num_samples)
-        if math.isinf(ess):
-            h_hat = g_rot.square()
-        elif clean or b.acc is None:
-            h_hat = None
-        else:
-            h_hat = b.acc.mul_(torch.sqrt(ess * (hess + delta))).div_(num_samples)
-        if h_hat is not None:
-            gamma = g["hess_clip_ratio"]
-            if gamma is not None:
-                bound = gamma * (hess + g["eps"])
-                h_hat = torch.minimum(torch.maximum(h_hat, -bound), bound)
-            correction = None
-            if not math.isinf(ess):
-                # IVON's correction keeps H + δ > 0 for the sampled estimator, which can be negative;
-                # squared gradients (ess = inf) cannot, and neither the spec nor SOAP has the term there
-                correction = (hess - h_hat).square_().div_(hess + delta).mul_(0.5 * (1 - beta2) ** 2)
-            hess.mul_(beta2).add_(h_hat, alpha=1 - beta2)
-            if correction is not None:
-                hess.add_(correction)
+        if plan.hess is not None:
+            hess.copy_(plan.hess)
 
         exp_avg = st["exp_avg"]
         exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
@@ -727,10 +948,15 @@ class EVON(Optimizer):
             mean = b.matrices([p.detach() for p in b.params])
             numer.add_(rotate(mean, q_left, q_right), alpha=delta)
         update = clip_update(unrotate(numer.div_(hess + delta), q_left, q_right), g["clip"], g["clip_radius"])
-        targets = [p.data.view(b.m, b.n) for p in b.params]
-        torch._foreach_add_(targets, list(update.to(b.params[0].dtype).unbind(0)), alpha=-g["lr"])
+        update = update.to(b.params[0].dtype)
+        # added in each parameter's own shape: works for any memory layout (channels_last)
+        torch._foreach_add_(
+            [p.data for p in b.params],
+            [u.reshape(p.shape) for u, p in zip(update.unbind(0), b.params)],
+            alpha=-g["lr"],
+        )
 
-        if b.preconditioned and not (g["phased_gradients"] and not clean and not math.isinf(ess)):
+        if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
             self._update_statistics(b, grad, beta3)
         st["step"].add_(1)
         if b.preconditioned:
@@ -738,6 +964,8 @@ class EVON(Optimizer):
             due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
             if due:
                 self._refresh_bases(b, None if len(due) == len(b.params) else due)
+        if plan.members is not None:
+            plan.bucket.scatter(b, plan.members)
 
     @staticmethod
     def _update_statistics(b: _Bucket, grad: Tensor, beta3: float) -> None:

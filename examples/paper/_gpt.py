@@ -1,0 +1,206 @@
+"""The small-GPT set-up shared by Fig. 1 (middle/right) + Fig. 4 and Table 3.
+
+Data: the Python standard library's sources and pydoc texts (``hf_evon.data.stdlib_corpus``,
+a fixed pseudo-random subset of whole documents), split by document, tokenised by a small
+byte-level BPE trained on the training part. Model: a config-built GPT-2 (no dropout).
+Every run sees the same batches in the same order (one seeded generator per run).
+
+Optimizers: the paper's NanoGPT table for EVON (lr 1.72e-2, h0 0.582, β1 0.943, 1−β2 9.12e-4,
+δ 1e-6, β3 0.995) and IVON (lr 142, h0 1.8e-2, β1 0.89, 1−β2 1.23e-4, δ 1e-6, element clip
+1e-4); ζ = the number of training tokens for both (the paper's ζ was tuned for 1B tokens of
+FineWeb; ζ = n is the textbook choice for a mean per-token loss). SOAP mode is EVON with
+ζ = ∞ (no noise, squared rotated gradients as Hessian), IVON mode EVON with Q = I. As in the
+paper, embeddings, the output head and 1-D tensors are trained by AdamW in every run.
+Schedule (NanoGPT's): linear warm-up over 10% of the steps, constant, linear cool-down to 0
+over the last third.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_evon import EVON, EVONPosterior, build_param_groups
+from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
+from hf_evon.generation import bma_log_likelihood, bma_loss_curve
+
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+EVON_TABLE = dict(
+    lr=1.72e-2, hess_init=0.582, betas=(0.943, 1 - 9.12e-4), weight_decay=1e-6, shampoo_beta=0.995
+)
+IVON_TABLE = dict(
+    lr=142.0, hess_init=1.8e-2, betas=(0.89, 1 - 1.23e-4), weight_decay=1e-6, clip="element", clip_radius=1e-4
+)
+# Table 3's components on top of the plain EVON: whitening replaces the spectral clip
+COMPONENTS = {
+    "Whiten": dict(clip="whiten"),
+    "PG": dict(phased_gradients=True),
+    "clip": dict(hess_clip_ratio=1.5),
+}
+PLAIN = dict(clip="spectral", clip_radius=1.0)
+
+
+@dataclass
+class Setup:
+    """Sizes of one run; ``fast`` shrinks everything to a few seconds."""
+
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 64
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    vocab_size: int = 512
+    corpus_bytes: int = 1_500_000
+    val_sequences: int = 48
+    eval_every: int = 25
+    precondition_frequency: int = 10
+
+    @classmethod
+    def fast(cls) -> Setup:
+        return cls(
+            steps=12,
+            batch_size=4,
+            seq_len=32,
+            n_layer=1,
+            n_embd=32,
+            vocab_size=300,
+            corpus_bytes=120_000,
+            val_sequences=8,
+            eval_every=6,
+        )
+
+
+@dataclass
+class Data:
+    train: torch.Tensor  # 1-D token stream
+    val: torch.Tensor  # (val_sequences, seq_len)
+    vocab_size: int
+
+
+def load_data(setup: Setup) -> Data:
+    docs = stdlib_corpus(max_bytes=setup.corpus_bytes)
+    train_docs, val_docs = split_documents(docs, val_fraction=0.05)
+    tok = train_bpe_tokenizer((t for _, t in train_docs), vocab_size=setup.vocab_size)
+    train = encode_documents(tok, [t for _, t in train_docs]).long()
+    val = encode_documents(tok, [t for _, t in val_docs]).long()
+    usable = (len(val) // setup.seq_len) * setup.seq_len
+    val = val[:usable].reshape(-1, setup.seq_len)[: setup.val_sequences]
+    if len(val) < setup.val_sequences:
+        raise ValueError(f"validation split has {len(val)} sequences, fewer than {setup.val_sequences}")
+    return Data(train, val, len(tok))
+
+
+def build_model(setup: Setup, vocab_size: int, seed: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=setup.seq_len,
+        n_embd=setup.n_embd,
+        n_layer=setup.n_layer,
+        n_head=setup.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def evon_kwargs(method: str, train_tokens: int, variant: dict[str, Any] | None = None) -> dict[str, Any]:
+    """EVON's arguments for a method: "EVON" (+ a Table-3 variant), "IVON" or "SOAP"."""
+    if method == "IVON":
+        return dict(IVON_TABLE, ess=float(train_tokens), identity_basis=True)
+    kw = dict(EVON_TABLE, ess=float("inf") if method == "SOAP" else float(train_tokens))
+    kw.update(PLAIN if variant is None else variant)
+    return kw
+
+
+def variant_kwargs(name: str) -> dict[str, Any]:
+    """Table 3's configuration names ("Plain", "Whiten+PG+clip", ...) as EVON arguments."""
+    kw = dict(PLAIN)
+    if name != "Plain":
+        for part in name.split("+"):
+            kw.update(COMPONENTS["clip" if part == "Clip" else part])
+    return kw
+
+
+def schedule(steps: int) -> Any:
+    warmup, cooldown = max(1, steps // 10), int(steps * 2 / 3)
+
+    def factor(k: int) -> float:
+        if k < warmup:
+            return (k + 1) / warmup
+        if k < cooldown:
+            return 1.0
+        return max(0.0, 1 - (k - cooldown) / max(1, steps - cooldown))
+
+    return factor
+
+
+@dataclass
+class Run:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    curve_steps: list[int] = field(default_factory=list)
+    curve_loss: list[float] = field(default_factory=list)
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, val: torch.Tensor) -> float:
+    """Validation loss at the posterior mean (mean NLL per predicted token)."""
+    return float(model(input_ids=val, labels=val).loss)
+
+
+def train(method: str, data: Data, setup: Setup, seed: int, variant: dict[str, Any] | None = None) -> Run:
+    """Train one model; "AdamW" is torch's AdamW on everything, others EVON modes."""
+    model = build_model(setup, data.vocab_size, seed)
+    groups = build_param_groups(model, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
+    if method == "AdamW":
+        for g in groups:
+            g.pop("algorithm"), g.pop("param_names")
+        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, **ADAMW)
+    else:
+        opt = EVON(
+            groups,
+            adamw_betas=ADAMW["betas"],
+            precondition_frequency=setup.precondition_frequency,
+            seed=seed,
+            **evon_kwargs(method, len(data.train), variant),
+        )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(setup.steps))
+    gen = torch.Generator().manual_seed(seed)
+    run = Run(model, opt)
+    span = setup.seq_len
+    for k in range(setup.steps):
+        starts = torch.randint(0, len(data.train) - span, (setup.batch_size,), generator=gen)
+        batch = torch.stack([data.train[s : s + span] for s in starts.tolist()])
+        if isinstance(opt, EVON):
+            for _ in range(opt.mc_samples):
+                with opt.sampled_params(train=True):
+                    model(input_ids=batch, labels=batch).loss.backward()
+        else:
+            model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if (k + 1) % setup.eval_every == 0 or k + 1 == setup.steps:
+            run.curve_steps.append(k + 1)
+            run.curve_loss.append(mean_loss(model, data.val))
+    if not math.isfinite(run.curve_loss[-1]):
+        raise FloatingPointError(f"{method}: the validation loss is {run.curve_loss[-1]}")
+    return run
+
+
+def bma_curve(run: Run, val: torch.Tensor, sizes: list[int], seed: int) -> dict[int, float]:
+    """Expected BMA validation loss with k samples, for each k in ``sizes`` (disjoint groups of
+    the max(sizes) samples drawn, ``hf_evon.generation.bma_loss_curve``)."""
+    posterior = EVONPosterior.from_optimizer(run.optimizer, run.model)
+    result = bma_log_likelihood(run.model, posterior, val, num_samples=max(sizes), seed=seed)
+    return bma_loss_curve(result, sizes)

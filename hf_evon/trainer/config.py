@@ -1,0 +1,361 @@
+"""``EVONConfig``: ``TrainingArguments`` plus every EVON hyperparameter and the BMA settings.
+
+One place for what a run is configured with; the Trainer plumbing that reads it lives in
+:mod:`hf_evon.trainer.mixin`, the evaluation in :mod:`hf_evon.trainer.evaluation`.
+:func:`evon_config_class` combines ``EVONConfig`` with another trainer's arguments class
+(e.g. TRL's ``SFTConfig``), so the EVON fields compose with any ``Trainer`` subclass.
+"""
+
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from ..optim.evon import CLIP_MODES
+
+__all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
+
+
+@dataclass
+class EVONConfig(TrainingArguments):
+    r"""``TrainingArguments`` plus every EVON hyperparameter and the BMA evaluation settings.
+
+    ``learning_rate`` is EVON's learning rate α; ``weight_decay``, ``adam_beta1``,
+    ``adam_beta2`` and ``adam_epsilon`` configure the AdamW part (parameters EVON does not
+    own). EVON's own prior precision is ``evon_weight_decay``. ``optim`` and ``optim_args``
+    are not used (EVON builds its own optimizer): setting them warns.
+    Every field can be set from the command line through ``HfArgumentParser``.
+    """
+
+    learning_rate: float = field(
+        default=0.05,
+        metadata={
+            "help": "EVON learning rate α (EVON-owned weight matrices). EVON takes Newton-like steps "
+            "(momentum / (H + δ)), so its scale is not AdamW's: with the default element-wise clipping at "
+            "radius 0.01 a weight moves at most α·0.01 per step. The AdamW part has its own "
+            "evon_adamw_learning_rate."
+        },
+    )
+    evon_ess: float | None = field(
+        default=None,
+        metadata={
+            "help": "Effective sample size ζ of the variational objective: the posterior variance is "
+            "1/(ζ(H+δ)). Default (None): the training-set size, len(train_dataset) (an error for datasets "
+            "without a length). Larger values temper the posterior (less noise); 'inf' disables the noise "
+            "(a deterministic SOAP-like optimizer)."
+        },
+    )
+    evon_hess_init: float = field(
+        default=0.01,
+        metadata={"help": "Initial Hessian estimate h0 > 0 (everywhere). Sets the initial noise."},
+    )
+    evon_beta1: float = field(
+        default=0.95, metadata={"help": "β1: momentum of the rotated gradient, in [0, 1)."}
+    )
+    evon_beta2: float = field(
+        default=0.95,
+        metadata={"help": "β2: averaging of the Hessian estimate, in [0, 1) (the paper's CLIP runs: 0.95)."},
+    )
+    evon_shampoo_beta: float | None = field(
+        default=None,
+        metadata={
+            "help": "β3: averaging of the Shampoo statistics L and R, in [0, 1). Default (None): evon_beta2."
+        },
+    )
+    evon_weight_decay: float = field(
+        default=1e-6,
+        metadata={
+            "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
+            "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters."
+        },
+    )
+    evon_mc_samples: int = field(
+        default=1, metadata={"help": "Posterior samples (forward/backward passes) per micro-batch, >= 1."}
+    )
+    evon_precondition_frequency: int = field(
+        default=10,
+        metadata={"help": "Refresh the eigenbases every f optimizer steps (one power iteration + QR)."},
+    )
+    evon_max_precond_dim: int = field(
+        default=4096,
+        metadata={
+            "help": "A matrix side larger than this keeps the identity basis (no eigenbasis on that side)."
+        },
+    )
+    evon_hess_clip_ratio: float | None = field(
+        default=2.0,
+        metadata={
+            "help": "γ of the adaptive Hessian clipping: each Hessian estimate is clamped to ±γ(H+ε). "
+            "None (or 0 on the command line) disables it. The paper's CLIP runs use 2.0."
+        },
+    )
+    evon_clip: str = field(
+        default="element",
+        metadata={
+            "help": "Clipping of EVON's update: 'none' (the pure algorithm), 'element' (|Δ_ij| <= radius, as "
+            "IVON), 'spectral' (singular values <= radius) or 'whiten' (Newton-Schulz orthogonalisation, as "
+            "Muon; the paper's CLIP and NanoGPT runs, with a learning rate ~1e-2: it costs ~15 matmuls per "
+            "matrix and step, noticeable on CPU).",
+            "choices": list(CLIP_MODES),
+        },
+    )
+    evon_clip_radius: float = field(
+        default=0.01, metadata={"help": "Radius of 'element' and 'spectral' clipping, > 0."}
+    )
+    evon_phased_gradients: bool = field(
+        default=False,
+        metadata={"help": "Alternate clean steps (gradient at the mean) and noisy steps (Hessian update)."},
+    )
+    evon_identity_basis: bool = field(
+        default=False,
+        metadata={"help": "Keep Q = I everywhere: IVON, a diagonal posterior (for comparisons)."},
+    )
+    evon_stagger_refresh: bool = field(
+        default=True,
+        metadata={"help": "Spread the eigenbasis refreshes of different matrices over the f steps."},
+    )
+    evon_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of EVON's posterior noise during training. Default (None): seed."},
+    )
+    evon_nonfinite: str = field(
+        default="skip",
+        metadata={
+            "help": "On a NaN/inf gradient: 'skip' the step (warn, state unchanged) or 'raise'.",
+            "choices": ["skip", "raise"],
+        },
+    )
+    evon_adamw_learning_rate: float | None = field(
+        default=1e-4,
+        metadata={
+            "help": "Learning rate of the AdamW part (embeddings, LM head, biases, norms); None: learning_rate "
+            "(only sensible when EVON's and AdamW's rates happen to coincide). Its weight decay, betas and "
+            "epsilon are weight_decay, adam_beta1/2 and adam_epsilon."
+        },
+    )
+    evon_patterns: list[str] | None = field(
+        default=None,
+        metadata={"help": "Regexes (re.search on parameter names) of parameters to give to EVON anyway."},
+    )
+    adamw_patterns: list[str] | None = field(
+        default=None,
+        metadata={"help": "Regexes of parameters to give to AdamW (checked before evon_patterns)."},
+    )
+    bma_num_samples: int = field(
+        default=8,
+        metadata={
+            "help": "Posterior samples S for the Bayesian-model-averaging metrics of evaluate() (eval_bma_*). "
+            "0 disables BMA evaluation (metrics at the posterior mean are still reported)."
+        },
+    )
+    bma_seed: int = field(
+        default=0,
+        metadata={
+            "help": "BMA sample s uses seed bma_seed + s, so evaluations are reproducible and comparable."
+        },
+    )
+    bma_ece_bins: int = field(
+        default=15, metadata={"help": "Number of equal-width confidence bins of the ECE."}
+    )
+    bma_eval_every: int = field(
+        default=1,
+        metadata={
+            "help": "BMA passes cost bma_num_samples forward passes per evaluation: run them on every k-th "
+            "evaluation during training (1: every one), or with 0 only at the end (the evaluation at the last "
+            "training step). evaluate() outside train() always runs them. Evaluations without BMA still report "
+            "the eval_mean_* metrics."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.fp16:  # before TrainingArguments' own checks, so this is the error users see
+            raise ValueError(
+                "EVONConfig.fp16 = True is not supported: fp16 needs loss scaling (GradScaler), and EVON "
+                "records its Hessian estimate G°⊙E from the scaled gradients; use bf16=True (no scaling) "
+                "or float32"
+            )
+        super().__post_init__()
+        if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:
+            self.evon_hess_clip_ratio = None  # "0" on the command line means off
+
+        def need(ok: bool, name: str, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"EVONConfig.{name} = {getattr(self, name)!r} is invalid: it must be {rule}")
+
+        def unit(x: Any) -> bool:
+            return isinstance(x, int | float) and 0.0 <= x < 1.0
+
+        def positive_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+        need(self.learning_rate >= 0, "learning_rate", ">= 0")
+        need(
+            self.evon_ess is None or self.evon_ess > 0,
+            "evon_ess",
+            "None (training-set size) or > 0 ('inf' allowed)",
+        )
+        need(
+            math.isfinite(self.evon_hess_init) and self.evon_hess_init > 0,
+            "evon_hess_init",
+            "a finite number > 0",
+        )
+        need(unit(self.evon_beta1), "evon_beta1", "in [0, 1)")
+        need(unit(self.evon_beta2), "evon_beta2", "in [0, 1)")
+        need(
+            self.evon_shampoo_beta is None or unit(self.evon_shampoo_beta),
+            "evon_shampoo_beta",
+            "None or in [0, 1)",
+        )
+        need(
+            math.isfinite(self.evon_weight_decay) and self.evon_weight_decay >= 0,
+            "evon_weight_decay",
+            "finite and >= 0",
+        )
+        need(positive_int(self.evon_mc_samples), "evon_mc_samples", "an integer >= 1")
+        need(positive_int(self.evon_precondition_frequency), "evon_precondition_frequency", "an integer >= 1")
+        need(positive_int(self.evon_max_precond_dim), "evon_max_precond_dim", "an integer >= 1")
+        need(
+            self.evon_hess_clip_ratio is None or self.evon_hess_clip_ratio > 0,
+            "evon_hess_clip_ratio",
+            "None (off) or > 0",
+        )
+        need(self.evon_clip in CLIP_MODES, "evon_clip", f"one of {CLIP_MODES}")
+        need(self.evon_clip_radius > 0, "evon_clip_radius", "> 0")
+        need(self.evon_nonfinite in ("skip", "raise"), "evon_nonfinite", "'skip' or 'raise'")
+        need(
+            self.evon_adamw_learning_rate is None or self.evon_adamw_learning_rate >= 0,
+            "evon_adamw_learning_rate",
+            "None (learning_rate) or >= 0",
+        )
+        need(
+            isinstance(self.bma_num_samples, int)
+            and not isinstance(self.bma_num_samples, bool)
+            and self.bma_num_samples >= 0,
+            "bma_num_samples",
+            "an integer >= 0",
+        )
+        need(positive_int(self.bma_ece_bins), "bma_ece_bins", "an integer >= 1")
+        need(
+            isinstance(self.bma_eval_every, int)
+            and not isinstance(self.bma_eval_every, bool)
+            and self.bma_eval_every >= 0,
+            "bma_eval_every",
+            "an integer >= 0 (0: only at the end of training)",
+        )
+        best = self.metric_for_best_model or ""
+        if self.bma_eval_every != 1 and "bma_" in best:
+            raise ValueError(
+                f"EVONConfig.metric_for_best_model = {best!r} is a BMA metric, which only evaluations with BMA "
+                f"report, but EVONConfig.bma_eval_every = {self.bma_eval_every}: set bma_eval_every=1 or choose "
+                "an eval_mean_* metric"
+            )
+        # the AdamW part: TrainingArguments accepts anything here, torch.optim.AdamW fails much later
+        need(unit(self.adam_beta1), "adam_beta1", "in [0, 1) (β1 of the AdamW part)")
+        need(unit(self.adam_beta2), "adam_beta2", "in [0, 1) (β2 of the AdamW part)")
+        need(
+            isinstance(self.adam_epsilon, int | float)
+            and math.isfinite(self.adam_epsilon)
+            and self.adam_epsilon >= 0,
+            "adam_epsilon",
+            "finite and >= 0 (ε of the AdamW part)",
+        )
+        need(
+            isinstance(self.weight_decay, int | float)
+            and math.isfinite(self.weight_decay)
+            and self.weight_decay >= 0,
+            "weight_decay",
+            "finite and >= 0 (decoupled weight decay of the AdamW part)",
+        )
+        self._warn_unused_optimizer_settings()
+        for name in ("evon_patterns", "adamw_patterns"):
+            patterns = getattr(self, name)
+            if isinstance(patterns, str):
+                patterns = [patterns]
+                setattr(self, name, patterns)
+            for pat in patterns or ():
+                try:
+                    re.compile(pat)
+                except re.error as err:
+                    raise ValueError(f"EVONConfig.{name}: {pat!r} is not a valid regex ({err})") from None
+
+    def _warn_unused_optimizer_settings(self) -> None:
+        """``optim``/``optim_args`` select the Trainer's optimizer, which EVON replaces: say so."""
+        default = type(self).__dataclass_fields__["optim"].default
+        optim = getattr(self.optim, "value", self.optim)
+        if optim != getattr(default, "value", default) or self.optim_args:
+            warnings.warn(
+                f"EVONConfig.optim = {optim!r} (optim_args = {self.optim_args!r}) is ignored: EVONTrainer always "
+                "builds EVON (EVON for weight matrices, AdamW for embeddings, the LM head and 1-D tensors). "
+                "Configure it with the evon_* fields (learning_rate is EVON's α, evon_adamw_learning_rate and "
+                "adam_beta1/2, adam_epsilon, weight_decay the AdamW part) and leave optim at its default.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def evon_optimizer_kwargs(self, ess: float) -> dict[str, Any]:
+        """Keyword arguments of :func:`hf_evon.build_optimizer` for these settings."""
+        return {
+            "evon_patterns": self.evon_patterns,
+            "adamw_patterns": self.adamw_patterns,
+            "adamw_lr": self.learning_rate
+            if self.evon_adamw_learning_rate is None
+            else self.evon_adamw_learning_rate,
+            "adamw_weight_decay": self.weight_decay,
+            "lr": self.learning_rate,
+            "ess": float(ess),
+            "hess_init": self.evon_hess_init,
+            "betas": (self.evon_beta1, self.evon_beta2),
+            "weight_decay": self.evon_weight_decay,
+            "mc_samples": self.evon_mc_samples,
+            "precondition_frequency": self.evon_precondition_frequency,
+            "max_precond_dim": self.evon_max_precond_dim,
+            "shampoo_beta": self.evon_shampoo_beta,
+            "hess_clip_ratio": self.evon_hess_clip_ratio,
+            "clip": self.evon_clip,
+            "clip_radius": self.evon_clip_radius,
+            "phased_gradients": self.evon_phased_gradients,
+            "identity_basis": self.evon_identity_basis,
+            "stagger_refresh": self.evon_stagger_refresh,
+            "adamw_betas": (self.adam_beta1, self.adam_beta2),
+            "adamw_eps": self.adam_epsilon,
+            "nonfinite": self.evon_nonfinite,
+            "seed": self.seed if self.evon_seed is None else self.evon_seed,
+        }
+
+
+_COMBINED: dict[type, type] = {}
+
+
+def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfig]) -> None:
+    """Make ``combined`` (a declared ``EVONConfig`` + ``base`` dataclass) what
+    :func:`evon_config_class` returns for ``base``."""
+    if not (issubclass(combined, EVONConfig) and issubclass(combined, base)):
+        raise TypeError(f"{combined.__name__} must subclass both EVONConfig and {base.__name__}")
+    _COMBINED[base] = combined
+
+
+def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
+    """``EVONConfig`` combined with ``base`` (e.g. TRL's ``SFTConfig``): every field of both.
+
+    ``EVONConfig``'s fields win where both define one (``learning_rate`` is EVON's α).
+    ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to itself, a base with a declared
+    combination (``EVONSFTConfig``, ``EVONSeq2SeqConfig``) to that; any other is built once, as
+    ``hf_evon.trainer.config.EVON<Base>`` (so checkpoints can pickle it).
+    """
+    if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
+        raise TypeError(f"base must be a TrainingArguments subclass; got {base!r}")
+    if issubclass(base, EVONConfig):
+        return base
+    if base is TrainingArguments:
+        return EVONConfig
+    if base not in _COMBINED:
+        name = f"EVON{base.__name__}"
+        while name in globals():
+            name += "_"
+        combined = type(name, (EVONConfig, base), {"__module__": __name__, "__qualname__": name})
+        combined.__doc__ = f"``{base.__name__}`` plus the EVON fields of :class:`EVONConfig`."
+        globals()[name] = _COMBINED[base] = dataclass(combined)
+    return _COMBINED[base]

@@ -1,0 +1,371 @@
+"""Posterior evaluation for the EVON trainers: metrics at the posterior mean, under BMA, and BMA predictions.
+
+Metric keys (``prefix`` is ``eval`` for ``evaluate()``, ``test`` for ``predict()``), namespaced so
+that nothing a user's ``compute_metrics`` returns is replaced (a clash keeps the user's value and
+warns):
+
+* ``{prefix}_mean_<m>``: at the posterior mean (the trained weights);
+* ``{prefix}_bma_<m>``: under Bayesian model averaging over ``bma_num_samples`` posterior samples
+  (sample ``s`` uses seed ``bma_seed + s``), averaging *probabilities*:
+  ``log p̄ = logsumexp_s log_softmax(logits_s) − log S``;
+
+with ``<m>`` = ``nll``, ``accuracy``, ``ece``, ``brier`` for (token) classification (definitions in
+:mod:`hf_evon.metrics`) and ``nll``, ``perplexity`` (mean NLL per label token over the whole set,
+and its exp) for causal LMs. The ``Trainer``'s ``eval_loss`` stays the ``Trainer``'s: the average
+of per-batch mean losses of the model (label smoothing and custom losses included); compare
+``eval_mean_nll`` with ``eval_bma_nll`` (exact per-item means over the whole set) instead.
+
+Cost: the mean metrics reuse the ``Trainer``'s own evaluation pass (its model outputs are read
+through a forward hook), so an evaluation costs ``1 + S`` passes; only when that pass yields no
+usable outputs (e.g. a custom ``prediction_step`` that skips the model's logits) one more pass at
+the mean runs. The BMA passes have their own progress bar.
+"""
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers.trainer_pt_utils import nested_concat
+from transformers.trainer_utils import PredictionOutput
+from transformers.utils import logging
+
+from ..metrics import calibration_metrics
+
+logger = logging.get_logger(__name__)
+
+Tensor = torch.Tensor
+
+__all__ = ["PosteriorEvaluation", "bma_predict", "merge_metrics"]
+
+
+# ------------------------------------------------------------------------------------------ per batch
+def task_of(logits: Tensor, labels: Tensor, causal_lm: bool) -> str | None:
+    """``causal_lm``, ``classification``, ``token_classification`` or None (nothing to average)."""
+    if causal_lm and logits.ndim == 3 and labels.ndim == 2:
+        return "causal_lm"
+    if labels.is_floating_point() or logits.shape[-1] < 2:
+        return None  # regression / multi-label: no class distribution to average
+    if logits.ndim == 2 and labels.ndim == 1:
+        return "classification"
+    if logits.ndim == 3 and labels.ndim == 2 and logits.shape[:2] == labels.shape:
+        return "token_classification"
+    return None
+
+
+def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
+    """What the metrics need of full log-probabilities ``logp``: causal LMs keep ``log p(label token)``
+    ``(B, T-1)``; classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with the BMA's logsumexp."""
+    if task == "causal_lm":
+        target = labels[:, 1:].clamp_min(0).unsqueeze(-1)
+        return logp[:, :-1].gather(-1, target.to(logp.device)).squeeze(-1)
+    return logp
+
+
+def _log_softmax(logits: Tensor) -> Tensor:
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def _metric_log_probs(logits: Tensor, labels: Tensor, task: str) -> Tensor:
+    """``reduce_log_probs(log_softmax(logits))`` without a float64 copy of an LM's full logits."""
+    if task == "causal_lm":
+        picked = reduce_log_probs(torch.log_softmax(logits.float(), dim=-1), labels, task)
+        return picked.double()
+    return _log_softmax(logits)
+
+
+class _Accumulator:
+    """Per-batch log-probabilities, gathered across processes, summarised at the end."""
+
+    def __init__(self, trainer: Any, task: str) -> None:
+        self.task = task
+        self.gather = trainer.accelerator.gather_for_metrics
+        self.pad = trainer.accelerator.pad_across_processes
+        self.ece_bins = trainer.args.bma_ece_bins
+        self.outputs: list[tuple[Tensor, Tensor]] = []
+
+    def add(self, logp: Tensor, labels: Tensor) -> None:
+        labels = labels.to(logp.device)
+        if self.task == "causal_lm":
+            mask = labels[:, 1:].ne(-100)
+            nll = -(logp * mask).sum(-1)  # per sequence
+            stats = torch.stack([nll, mask.sum(-1).double()], dim=-1)  # (B, 2)
+            self.outputs.append((self.gather(stats).cpu(), torch.empty(0)))
+            return
+        if self.task == "token_classification":
+            logp, labels = self.pad(logp, dim=1, pad_index=0.0), self.pad(labels, dim=1, pad_index=-100)
+        self.outputs.append((self.gather(logp.contiguous()).cpu(), self.gather(labels.contiguous()).cpu()))
+
+    def summary(self) -> dict[str, float]:
+        if self.task == "causal_lm":
+            stats = torch.cat([o for o, _ in self.outputs])
+            tokens = float(stats[:, 1].sum())
+            # no label token at all: NaN, as the model's own mean loss (not 0 / perplexity 1)
+            nll = float(stats[:, 0].sum()) / tokens if tokens > 0 else math.nan
+            return {"nll": nll, "perplexity": math.exp(min(nll, 700.0)) if nll == nll else math.nan}
+        if self.task == "token_classification":
+            logp = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs])
+            labels = torch.cat([lab.reshape(-1) for _, lab in self.outputs])
+        else:
+            logp = torch.cat([o for o, _ in self.outputs])
+            labels = torch.cat([lab for _, lab in self.outputs])
+        return calibration_metrics(logp, labels, "log_probs", n_bins=self.ece_bins)
+
+
+def merge_metrics(metrics: dict[str, float], ours: dict[str, float]) -> dict[str, float]:
+    """Add ``ours`` to ``metrics`` without replacing a key that is already there (the user's)."""
+    for key, value in ours.items():
+        if key in metrics:
+            warnings.warn(
+                f"metric {key!r} from compute_metrics clashes with EVON's posterior metric of that name: "
+                "the compute_metrics value is kept, EVON's is dropped (rename the key in compute_metrics)",
+                UserWarning,
+                stacklevel=3,
+            )
+            continue
+        metrics[key] = value
+    return metrics
+
+
+def _output_field(output: Any, name: str) -> Any:
+    if isinstance(output, dict):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        outputs = model(**inputs)
+    if isinstance(outputs, dict):
+        return outputs["logits"]
+    return outputs[1 if "labels" in inputs else 0]
+
+
+# ------------------------------------------------------------------------------------------ passes
+def _progress(trainer: Any, total: int | None, description: str) -> Any:
+    from tqdm.auto import tqdm
+
+    disable = bool(trainer.args.disable_tqdm) or not trainer.is_local_process_zero()
+    return tqdm(total=total, desc=description, disable=disable, leave=False, dynamic_ncols=True)
+
+
+def _sample_passes(
+    trainer: Any,
+    dataloader: Any,
+    posterior: Any,
+    seeds: list[int | None],
+    transform: Callable[[Tensor, Tensor | None], Tensor],
+    description: str,
+) -> Iterator[tuple[Tensor, dict[str, Any]]]:
+    """One pass over ``dataloader`` per seed (None: the posterior mean); yields, per batch of the
+    last pass, ``log p̄`` (``transform`` of each pass's logits, averaged in probability) and the inputs.
+
+    The passes are sample-major: each sample is drawn once (``posterior.sampled``) for all batches.
+    """
+    model = trainer._wrap_model(trainer.model, training=False)
+    model.eval()
+    try:
+        batches = len(dataloader)
+    except TypeError:
+        batches = None
+    accumulated: list[Tensor] = []
+    with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
+        for p_index, seed in enumerate(seeds):
+            context = (
+                contextlib.nullcontext() if seed is None else posterior.sampled(trainer.model, seed=seed)
+            )
+            last = p_index == len(seeds) - 1
+            with context:
+                for b_index, inputs in enumerate(dataloader):
+                    inputs = trainer._prepare_inputs(inputs)
+                    logp = transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
+                    if p_index == 0:
+                        accumulated.append(logp)
+                    else:
+                        accumulated[b_index] = torch.logaddexp(accumulated[b_index], logp)
+                    bar.update(1)
+                    if last:
+                        yield accumulated[b_index] - math.log(len(seeds)), inputs
+                        accumulated[b_index] = None  # type: ignore[call-overload]
+
+
+class PosteriorEvaluation:
+    """The posterior metrics of one ``evaluate()``: mean metrics read from the Trainer's own pass
+    (:meth:`watch` + :meth:`batch`), then the BMA passes (:meth:`finish`)."""
+
+    def __init__(self, trainer: Any, metric_key_prefix: str, with_bma: bool) -> None:
+        self.trainer = trainer
+        self.prefix = metric_key_prefix
+        self.with_bma = with_bma
+        self.task: str | None = None
+        self.mean: _Accumulator | None = None
+        self.reused = True  # False once a batch gave no usable model output
+        self.unsupported = False  # no labels, or no class distribution: no posterior metrics
+        self._outputs: list[Any] | None = None
+
+    # ---- reading the Trainer's pass
+    @contextlib.contextmanager
+    def watch(self, model: nn.Module) -> Iterator[None]:
+        """Record the model's outputs (forward hook) while the Trainer's evaluation loop runs."""
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._outputs is not None:
+                self._outputs.append(output)
+
+        handle = model.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def batch(self, labels: Any) -> Iterator[None]:
+        """Around one ``prediction_step``: add its batch at the mean to the mean metrics."""
+        self._outputs = []
+        try:
+            yield
+            outputs = self._outputs
+        finally:
+            self._outputs = None
+        if self.unsupported or not self.reused:
+            return
+        if not isinstance(labels, Tensor):
+            self.unsupported = True
+            return
+        logp = self._mean_log_probs(outputs, labels)
+        if logp is None:
+            if not self.unsupported:
+                self.reused = False
+            return
+        self.mean.add(logp, labels)  # type: ignore[union-attr]
+
+    def _mean_log_probs(self, outputs: list[Any], labels: Tensor) -> Tensor | None:
+        causal = self.trainer._causal_lm
+        for output in reversed(outputs):  # the last forward is the loss forward (after any generate())
+            logits = _output_field(output, "logits")
+            if (
+                isinstance(logits, Tensor)
+                and logits.ndim == labels.ndim + 1
+                and logits.shape[:-1] == labels.shape
+            ) or (isinstance(logits, Tensor) and logits.ndim == 2 and labels.ndim == 1):
+                if not self._set_task(task_of(logits, labels, causal), logits, labels):
+                    return None
+                return _metric_log_probs(logits, labels.to(logits.device), self.task)  # type: ignore[arg-type]
+        if causal:
+            for output in reversed(outputs):
+                # TRL's fused LM head: log p(label token) of the shifted labels, 0 where ignored
+                token_logp = _output_field(output, "log_probs")
+                if isinstance(token_logp, Tensor) and token_logp.shape == labels[:, 1:].shape:
+                    self._set_task("causal_lm", token_logp, labels)
+                    return token_logp.double()
+        return None
+
+    def _set_task(self, task: str | None, logits: Tensor, labels: Tensor) -> bool:
+        if self.task is None:
+            if task is None:
+                logger.warning(
+                    "EVONTrainer: mean/BMA metrics need class logits (classification or causal LM); got "
+                    f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: skipped"
+                )
+                self.unsupported = True
+                return False
+            self.task = task
+            self.mean = _Accumulator(self.trainer, task)
+        return True
+
+    # ---- after the Trainer's pass
+    def finish(self, dataloader: Any) -> dict[str, float]:
+        """Mean metrics (from the Trainer's pass, or one own pass), then the BMA passes if due."""
+        if self.unsupported:
+            return {}
+        trainer, args = self.trainer, self.trainer.args
+        posterior = trainer.current_posterior() if self.with_bma and args.bma_num_samples > 0 else None
+        if self.with_bma and args.bma_num_samples > 0 and posterior is None:
+            logger.warning(
+                "EVONTrainer: no posterior yet (no EVON optimizer, no posterior=): BMA metrics skipped"
+            )
+        if not self.reused or self.mean is None:
+            if not self._own_mean_pass(dataloader):
+                return {}
+        metrics = {f"{self.prefix}_mean_{k}": v for k, v in self.mean.summary().items()}  # type: ignore[union-attr]
+        if posterior is not None:
+            seeds: list[int | None] = [args.bma_seed + s for s in range(args.bma_num_samples)]
+            bma = _Accumulator(trainer, self.task)  # type: ignore[arg-type]
+            task = self.task
+
+            def transform(logits: Tensor, labels: Tensor | None) -> Tensor:
+                return _metric_log_probs(logits, labels, task)  # type: ignore[arg-type]
+
+            description = f"BMA evaluation ({len(seeds)} posterior samples)"
+            for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description):
+                bma.add(logp, inputs["labels"])
+            metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
+        return metrics
+
+    def _own_mean_pass(self, dataloader: Any) -> bool:
+        """One pass at the mean, when the Trainer's pass gave nothing to reuse."""
+        self.task, self.mean = None, None
+        model = self.trainer._wrap_model(self.trainer.model, training=False)
+        model.eval()
+        for inputs in dataloader:
+            inputs = self.trainer._prepare_inputs(inputs)
+            labels = inputs.get("labels")
+            if not isinstance(labels, Tensor):
+                return False
+            logits = _forward_logits(self.trainer, model, inputs)
+            if not self._set_task(task_of(logits, labels, self.trainer._causal_lm), logits, labels):
+                return False
+            self.mean.add(_metric_log_probs(logits, labels, self.task), labels)  # type: ignore[union-attr, arg-type]
+        return self.mean is not None
+
+
+# ------------------------------------------------------------------------------------------ predict
+def bma_predict(
+    trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test"
+) -> PredictionOutput:
+    """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input.
+
+    ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
+    like ``Trainer.predict``), ``label_ids`` the labels (if any), ``metrics`` the
+    ``{prefix}_bma_*`` metrics where the task has them.
+    """
+    args = trainer.args
+    seeds: list[int | None] = [args.bma_seed + s for s in range(args.bma_num_samples)]
+    gather, pad = trainer.accelerator.gather_for_metrics, trainer.accelerator.pad_across_processes
+    predictions: Any = None
+    label_ids: Any = None
+    metrics_acc: _Accumulator | None = None
+    checked = False
+    description = f"BMA prediction ({len(seeds)} posterior samples)"
+    for logp, inputs in _sample_passes(
+        trainer, dataloader, posterior, seeds, lambda logits, _: _log_softmax(logits), description
+    ):
+        labels = inputs.get("labels")
+        if isinstance(labels, Tensor) and not checked:
+            task = task_of(logp, labels, trainer._causal_lm)
+            metrics_acc = None if task is None else _Accumulator(trainer, task)
+        checked = True
+        if metrics_acc is not None and isinstance(labels, Tensor):
+            metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels)
+        probs = logp.exp().float()
+        if probs.ndim >= 3:
+            probs = pad(probs, dim=1, pad_index=-100)
+        probs = gather(probs.contiguous()).cpu()
+        predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
+        if isinstance(labels, Tensor):
+            if labels.ndim >= 2:
+                labels = pad(labels, dim=1, pad_index=-100)
+            labels = gather(labels.contiguous()).cpu()
+            label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
+    metrics = {}
+    if metrics_acc is not None:
+        metrics = {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()}
+    return PredictionOutput(
+        predictions=None if predictions is None else predictions.numpy(),
+        label_ids=None if label_ids is None else np.asarray(label_ids.numpy()),
+        metrics=metrics,
+    )

@@ -1,0 +1,618 @@
+"""``EVONTrainerMixin``: the EVON training plumbing for any ``transformers.Trainer`` subclass.
+
+``class MyTrainer(EVONTrainerMixin, SomeTrainer)`` (the mixin first) keeps ``SomeTrainer``'s data
+handling, ``compute_loss``, metrics and logs; its own ``training_step`` is not called while EVON
+trains (the sampled step below replaces it), its ``compute_loss`` is.
+
+What the trainer does differently from ``transformers.Trainer``:
+
+* **Optimizer.** ``create_optimizer`` builds ``EVON`` through :func:`hf_evon.build_optimizer`
+  (EVON for weight matrices, AdamW for embeddings, the LM head and 1-D tensors; see the
+  ``evon_*`` fields of :class:`EVONConfig`). ``args.optim`` is not used (setting it warns; so
+  does passing plain ``TrainingArguments``, whose ``learning_rate`` becomes EVON's α).
+* **Sampled training step.** Every micro-batch runs ``evon_mc_samples`` forward/backward
+  passes, each inside ``optimizer.sampled_params(train=True)`` (the backward pass too, so
+  gradient checkpointing recomputes at the sampled weights). Each micro-batch draws its own
+  samples, so a step with A accumulated micro-batches averages A·K samples.
+* **Loss scaling.** ``EVON.step`` divides the accumulated gradients (of EVON *and* AdamW
+  parameters) by the number of recorded samples, A·K. The trainer therefore back-propagates
+  ``A · w_i · loss_i`` for micro-batch ``i``, where ``loss_i`` is the model's mean loss over
+  the micro-batch's items (examples, or label tokens for token-level losses) and
+  ``w_i = n_i / N`` its share of the items of the whole accumulated batch. After EVON's
+  division the gradient is exactly the item-weighted mean gradient of the accumulated batch,
+  i.e. the gradient of one batch A times larger. (The trainer counts items itself, shifting
+  the labels of causal LMs, and does not pass ``num_items_in_batch`` to the model: the
+  plain ``Trainer`` relies on each model honouring it, which sequence classifiers don't.)
+  A custom ``compute_loss_func`` (or ``loss_is_scaled_for_ga=True``) keeps the ``Trainer``
+  convention: it receives ``num_items_in_batch`` and must return the share of the loss of
+  the accumulated batch; the trainer then back-propagates ``A · loss``.
+* **Gradient clipping and grad-norm logging** refer to the *mean* gradient over the step's
+  samples (what EVON uses), not to the sum that ``p.grad`` holds: the norm is divided by A·K,
+  and ``max_grad_norm`` clips the mean. Clipping rescales the gradients of every parameter
+  (EVON and AdamW); the Hessian estimate of EVON is not rescaled (it estimates curvature,
+  not the step). ``optimizer.synchronize()`` runs first (a no-op on one process). A
+  non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
+* **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
+  deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
+  of the rotated-space Hessian H) and ``evon/skipped_steps``.
+* **Evaluation.** ``evaluate()`` runs the subclass's evaluation (``eval_loss`` and your
+  ``compute_metrics``, at the posterior mean), reads the model's outputs of that pass for the
+  ``eval_mean_*`` metrics, then runs ``bma_num_samples`` passes at posterior samples
+  ``seed = bma_seed + s`` for ``eval_bma_*`` (each sample drawn once for every batch from an
+  :class:`~hf_evon.EVONPosterior` snapshot, so training's noise stream is untouched), on every
+  ``bma_eval_every``-th evaluation during training. Keys and definitions:
+  :mod:`hf_evon.trainer.evaluation`. ``predict()`` is the subclass's (at the posterior mean);
+  ``predict(..., bma=True)`` returns BMA-averaged probabilities. For a model without EVON
+  training (e.g. reloaded) pass ``posterior=EVONPosterior.from_pretrained(dir)``.
+* **Saving.** Every checkpoint and ``save_model()`` write ``evon_posterior.safetensors`` and
+  ``evon_posterior_config.json`` next to the model (or the PEFT adapter) and create/update the
+  model card (``README.md``). ``push_to_hub()`` uploads the output directory, posterior and
+  card included. The optimizer state (``optimizer.pt``, ``torch.load(weights_only=True)``-safe,
+  including EVON's noise generator) makes ``resume_from_checkpoint`` continue exactly. With
+  ``load_best_model_at_end`` the best checkpoint's posterior comes back with its weights.
+* **Data parallelism.** After the Trainer wraps the model, ``hf_evon.prepare_distributed`` makes
+  EVON correct under DDP (per-rank noise, gradients and Hessian numerators averaged once per
+  step by ``EVON.synchronize``); FSDP and DeepSpeed are not supported.
+* **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
+  then owns the LoRA matrices and the posterior covers the adapter.
+"""
+
+import inspect
+import math
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainingArguments
+from transformers.utils import logging
+
+from ..optim import EVON, build_optimizer
+from ..optim.linalg import marginal_variance
+from .config import EVONConfig, evon_config_class
+from .evaluation import PosteriorEvaluation, bma_predict, merge_metrics
+
+logger = logging.get_logger(__name__)
+
+Tensor = torch.Tensor
+
+__all__ = ["EVONTrainerMixin"]
+
+POSTERIOR_FILES = ("evon_posterior.safetensors", "evon_posterior_config.json")
+
+
+def _unwrap_evon(optimizer: Any) -> EVON | None:
+    """The EVON instance behind accelerate's ``AcceleratedOptimizer`` (or similar wrappers)."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, EVON) and seen < 8:
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return optimizer if isinstance(optimizer, EVON) else None
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if _is_peft_model(model) else model
+
+
+def _count_items(labels: Tensor | None, shift: bool) -> Tensor | None:
+    """Label items a mean loss averages over: entries != -100 (causal LMs: from position 1)."""
+    if not isinstance(labels, Tensor):
+        return None
+    if shift:
+        labels = labels[..., 1:]
+    return labels.ne(-100).sum()
+
+
+class EVONTrainerMixin:
+    """EVON training, posterior evaluation and saving for any ``transformers.Trainer`` subclass.
+
+    Put it first among the bases: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)`` (see
+    :class:`~hf_evon.EVONTrainer`, :class:`~hf_evon.trainer.EVONSeq2SeqTrainer` and, with TRL,
+    :class:`~hf_evon.trainer.EVONSFTTrainer`). It overrides the optimizer, the training step,
+    clipping, logging, evaluation, prediction and saving hooks of ``Trainer``; the subclass keeps
+    its data handling, loss (``compute_loss``), metrics and logs.
+
+    Args (beyond the ``Trainer`` subclass's):
+        args: an :class:`EVONConfig`, or the subclass's own arguments combined with the EVON fields
+            (:func:`~hf_evon.trainer.evon_config_class`, e.g. ``EVONSFTConfig``). Plain arguments
+            are converted, EVON fields at their defaults, with a warning: their ``learning_rate``
+            becomes EVON's α.
+        peft_config: a ``peft.PeftConfig``; the model is wrapped with ``peft.get_peft_model``
+            (as TRL's trainers do; a subclass whose ``__init__`` takes ``peft_config`` wraps it
+            itself) and EVON learns a posterior over the adapter.
+        posterior: an :class:`~hf_evon.EVONPosterior` for evaluation and saving before (or
+            without) training, e.g. loaded with ``EVONPosterior.from_pretrained``. Once the
+            trainer has an EVON optimizer, the optimizer's current posterior is used.
+
+    See :mod:`hf_evon.trainer.mixin` for the training step, loss scaling, clipping, logged
+    statistics and saved files, :mod:`hf_evon.trainer.evaluation` for the metric keys.
+    """
+
+    #: the arguments class used when ``args`` is None
+    config_class: type[EVONConfig] = EVONConfig
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        *trainer_args: Any,
+        peft_config: Any = None,
+        posterior: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = self._evon_arguments(args)
+        if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
+            kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
+        elif peft_config is not None:
+            model = self._wrap_peft(model, args, peft_config)
+        super().__init__(model, args, *trainer_args, **kwargs)
+        self.posterior = posterior
+        self._posterior_from_checkpoint = False
+        self._evon_step_items: Tensor | None = None
+        self._evon_items_global = False
+        self._evon_evaluation: PosteriorEvaluation | None = None
+        self._evon_in_training = False
+        self._evon_evaluations = 0  # evaluation steps during the current train(), for bma_eval_every
+        self._evon_evaluated_step = -1
+        self._causal_lm = self._detect_causal_lm()
+        if self._causal_lm:
+            # transformers 5.23 decides this from ``model.loss_type``, which is None for e.g. GPT-2
+            # although its loss shifts the labels: it then over-counts ``num_items_in_batch`` by one
+            # token per sequence, which makes the Trainer's own ``eval_loss`` too small
+            self._loss_shifts_labels = True
+
+    def _evon_arguments(self, args: TrainingArguments | None) -> EVONConfig:
+        """``args`` as an EVON config; plain arguments are converted, with a warning."""
+        if args is None:
+            return self.config_class(output_dir="tmp_trainer")
+        if isinstance(args, EVONConfig):
+            return args
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"args must be an EVONConfig or TrainingArguments; got {type(args).__name__}")
+        target = evon_config_class(type(args))
+        warnings.warn(
+            f"{type(self).__name__} got a plain {type(args).__name__}: converted to {target.__name__} with the "
+            f"EVON fields at their defaults. Its learning_rate = {args.learning_rate!r} is now EVON's learning "
+            "rate α (EVON takes Newton-like steps, momentum / (H + δ); its scale is not AdamW's), and the AdamW "
+            f"part (embeddings, LM head, 1-D tensors) uses evon_adamw_learning_rate = "
+            f"{target.__dataclass_fields__['evon_adamw_learning_rate'].default!r}. Pass an {target.__name__} with "
+            "learning_rate (EVON's α) and evon_adamw_learning_rate set to choose both.",
+            UserWarning,
+            stacklevel=3,
+        )
+        values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
+        # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
+        values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
+        return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})
+
+    @staticmethod
+    def _wrap_peft(model: Any, args: TrainingArguments, peft_config: Any) -> nn.Module:
+        if model is None or not isinstance(model, nn.Module):
+            raise ValueError("peft_config= needs a model (an nn.Module) to wrap")
+        if _is_peft_model(model):
+            raise ValueError("the model is already a PeftModel: pass peft_config=None")
+        from peft import get_peft_model
+
+        checkpointing = getattr(args, "activation_checkpointing", None) or getattr(
+            args, "gradient_checkpointing", None
+        )
+        if checkpointing and hasattr(model, "enable_input_require_grads"):
+            # reentrant checkpointing needs an input that requires grad when the base is frozen
+            model.enable_input_require_grads()
+        return get_peft_model(model, peft_config)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def evon_optimizer(self) -> EVON | None:
+        """The ``EVON`` instance (unwrapped from accelerate's ``AcceleratedOptimizer``), if any."""
+        return _unwrap_evon(self.optimizer)
+
+    def _detect_causal_lm(self) -> bool:
+        if getattr(self, "_loss_shifts_labels", False):
+            return True
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model = _base_model(self.accelerator.unwrap_model(self.model))
+        config = getattr(model, "config", None)
+        if getattr(config, "is_encoder_decoder", False):
+            return False
+        return model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+    def current_posterior(self) -> Any:
+        """The posterior that belongs to the model's current weights, or None.
+
+        A snapshot of the EVON optimizer's posterior; the ``posterior`` given to the trainer
+        before it has an optimizer; the best checkpoint's posterior after
+        ``load_best_model_at_end`` restored that checkpoint's weights.
+        """
+        if self._posterior_from_checkpoint:
+            return self.posterior
+        opt = self.evon_optimizer
+        if opt is not None and any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
+            from ..posterior import EVONPosterior
+
+            return EVONPosterior.from_optimizer(opt, self.model)
+        return self.posterior
+
+    def _training_set_size(self) -> int:
+        dataset = self.train_dataset
+        try:
+            return len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(
+                "EVONConfig.evon_ess is None, which means the training-set size, but the training dataset has "
+                "no length (an IterableDataset?): set evon_ess explicitly"
+            ) from None
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """EVON through :func:`hf_evon.build_optimizer`, configured by the ``evon_*`` fields."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            ess = self.args.evon_ess
+            if ess is None:
+                ess = float(self._training_set_size())
+            self.optimizer = build_optimizer(opt_model, **self.args.evon_optimizer_kwargs(ess))
+        return self.optimizer
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> Any:
+        """The Trainer's set-up, then :func:`hf_evon.prepare_distributed` for multi-process runs.
+
+        Under DDP each rank must keep its own gradients while sampling (its Hessian estimate needs
+        them): ``prepare_distributed`` stops DDP's averaging and lets ``EVON.synchronize`` reduce
+        gradients and Hessian numerators once per step. In one process it only checks the model
+        (FSDP/DeepSpeed are refused with a clear error).
+        """
+        model, train_dataloader = super()._prepare_for_training(
+            max_steps, train_dataloader, resume_from_checkpoint
+        )
+        if self.evon_optimizer is not None:
+            from ..distributed import prepare_distributed
+
+            prepare_distributed(model, self.optimizer)
+        return model, train_dataloader
+
+    # ------------------------------------------------------------------ training step
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: torch.device
+    ) -> tuple[list, Any]:
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        counts = [
+            _count_items(b.get("labels") if isinstance(b, dict) else None, self._causal_lm)
+            for b in batch_samples
+        ]
+        self._evon_step_items = None
+        self._evon_items_global = False
+        if counts and all(c is not None for c in counts):
+            total = torch.stack([c.to(device) for c in counts]).sum()
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                total = self.accelerator.gather(total.reshape(1)).sum()
+                self._evon_items_global = True
+            self._evon_step_items = total
+        return batch_samples, num_items_in_batch
+
+    def _loss_is_scaled_for_ga(self) -> bool:
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return self.compute_loss_func is not None
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Tensor | Any],
+        num_items_in_batch: Tensor | int | None = None,
+    ) -> Tensor:
+        """``evon_mc_samples`` sampled forward/backward passes on one micro-batch.
+
+        Returns the loss to log (mean over the samples, this micro-batch's share of the
+        accumulated batch's mean loss); see the module docstring for the scaling.
+        """
+        optimizer = self.evon_optimizer
+        if optimizer is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        from transformers.utils import is_sagemaker_mp_enabled
+
+        if is_sagemaker_mp_enabled() or self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "EVONTrainer supports neither SageMaker model parallelism nor DeepSpeed"
+            )
+        cp_context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        accumulation = self.current_gradient_accumulation_steps
+        with cp_context():
+            model.train()
+            inputs = self._prepare_inputs(inputs)
+            if self._loss_is_scaled_for_ga():
+                loss_kwargs = {"num_items_in_batch": num_items_in_batch}
+                share = torch.ones((), device=self.args.device)
+            else:
+                loss_kwargs = {"num_items_in_batch": None}
+                items = _count_items(inputs.get("labels"), self._causal_lm)
+                total = self._evon_step_items
+                if items is None or total is None or float(total) == 0.0:
+                    share = torch.tensor(1.0 / accumulation, device=self.args.device)
+                else:
+                    share = items.to(self.args.device, torch.float32) / total.to(
+                        self.args.device, torch.float32
+                    )
+                    if self._evon_items_global:
+                        share = share * self.accelerator.num_processes
+            reported = torch.zeros((), device=self.args.device)
+            samples = optimizer.mc_samples
+            for _ in range(samples):
+                with optimizer.sampled_params(train=True):
+                    with self.compute_loss_context_manager():
+                        loss = self.compute_loss(model, inputs, **loss_kwargs)
+                    if self.args.n_gpu > 1:
+                        loss = loss.mean()
+                    loss = loss * share.to(loss.dtype)
+                    # EVON.step divides by the number of recorded samples (A·K): multiply by A
+                    self.accelerator.backward(loss * accumulation)
+                reported += loss.detach().float()
+            del inputs
+            if (
+                self.args.torch_empty_cache_steps is not None
+                and self.state.global_step % self.args.torch_empty_cache_steps == 0
+            ):
+                from accelerate.utils.memory import clear_device_cache
+
+                clear_device_cache()
+            return reported / samples
+
+    # ------------------------------------------------------------------ clipping / grad norm
+    def _recorded_samples(self, optimizer: EVON) -> int:
+        # EVON divides every gradient by the number of sampled_params(train=True) blocks
+        return max(optimizer.recorded_samples, 1)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """Clip the *mean* gradient over the step's samples to ``max_grad_norm``; return its norm."""
+        if self.evon_optimizer is None:
+            return super()._clip_grad_norm(model)
+        return self._mean_grad_norm(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.evon_optimizer is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return self._mean_grad_norm(model, None)
+
+    def _mean_grad_norm(self, model: nn.Module, max_norm: float | None) -> Tensor:
+        """Norm of the mean gradient over the step's samples, clipped to ``max_norm`` if given.
+
+        A non-finite norm leaves the gradients as they are: scaling them by ``max_norm / nan``
+        would write NaN into every gradient, and EVON's non-finite warning would then name the
+        first parameter instead of the one that went wrong.
+        """
+        optimizer = self.evon_optimizer
+        optimizer.synchronize()
+        n = self._recorded_samples(optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if max_norm is not None and bool(torch.isfinite(total)):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * n, total, foreach=True)
+        return total / n
+
+    # ------------------------------------------------------------------ logging
+    @torch.no_grad()
+    def posterior_statistics(self) -> dict[str, float]:
+        """``evon/posterior_std_mean``, ``evon/hess_min``/``max``/``mean``, ``evon/skipped_steps``."""
+        optimizer = self.evon_optimizer
+        if optimizer is None:
+            return {}
+        buckets = optimizer.buckets
+        if not buckets:
+            return {}
+        h_min, h_max, h_sum, std_sum, count = math.inf, -math.inf, 0.0, 0.0, 0
+        for b in buckets:
+            hess, group = b.state["hess"], b.group
+            q_left, q_right = b.bases() if b.initialized else (None, None)
+            h_min = min(h_min, float(hess.min()))
+            h_max = max(h_max, float(hess.max()))
+            h_sum += float(hess.double().sum())
+            if math.isinf(group["ess"]):
+                std = torch.zeros(())
+            else:
+                std = (
+                    marginal_variance(hess, q_left, q_right, group["ess"], group["weight_decay"])
+                    .clamp_min(0)
+                    .sqrt()
+                )
+            std_sum += float(std.double().sum())
+            count += hess.numel()
+        return {
+            "evon/posterior_std_mean": std_sum / count,
+            "evon/hess_min": h_min,
+            "evon/hess_max": h_max,
+            "evon/hess_mean": h_sum / count,
+            "evon/skipped_steps": float(optimizer.skipped_steps),
+        }
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and not any(k.startswith("eval_") for k in logs):
+            logs = {**logs, **self.posterior_statistics()}
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The subclass's loop (``eval_loss``, ``compute_metrics``), read for ``eval_mean_*``, then BMA."""
+        if description != "Evaluation":
+            return super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=self._bma_due())
+        self._evon_evaluation = evaluation
+        try:
+            with evaluation.watch(self.model):
+                output = super().evaluation_loop(
+                    dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+                )
+        finally:
+            self._evon_evaluation = None
+        merge_metrics(output.metrics, evaluation.finish(dataloader))
+        return output
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        evaluation = self._evon_evaluation
+        if evaluation is None:
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+        with evaluation.batch(inputs.get("labels")):  # labels first: a loss may pop them
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+
+    def _bma_due(self) -> bool:
+        """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
+        if not self._evon_in_training:
+            return True
+        every = self.args.bma_eval_every
+        if self.state.global_step != self._evon_evaluated_step:  # several eval datasets: one evaluation
+            self._evon_evaluated_step = self.state.global_step
+            self._evon_evaluations += 1
+        at_end = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+        return at_end or (every > 0 and self._evon_evaluations % every == 0)
+
+    def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
+        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead."""
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
+        evaluation.reused = False
+        return evaluation.finish(dataloader)
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        bma: bool = False,
+    ) -> Any:
+        """The subclass's ``predict`` (at the posterior mean), or with ``bma=True`` BMA predictions.
+
+        ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
+        over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
+        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them.
+        """
+        if not bma:
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        posterior = self.current_posterior()
+        if posterior is None:
+            raise ValueError(
+                "predict(bma=True) needs a posterior: train with EVON first, or pass "
+                "posterior=EVONPosterior.from_pretrained(...) to the trainer"
+            )
+        if self.args.bma_num_samples < 1:
+            raise ValueError(
+                f"predict(bma=True) needs posterior samples, but EVONConfig.bma_num_samples = "
+                f"{self.args.bma_num_samples}: set it to >= 1"
+            )
+        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._posterior_from_checkpoint = False
+        self._evon_in_training, self._evon_evaluations, self._evon_evaluated_step = True, 0, -1
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._evon_in_training = False
+
+    def _load_best_model(self) -> None:
+        """Load the best checkpoint's weights *and* its posterior (the optimizer's is the last step's)."""
+        super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        if best and all(os.path.isfile(os.path.join(best, f)) for f in POSTERIOR_FILES):
+            from ..posterior import EVONPosterior
+
+            device = next(self.model.parameters()).device
+            self.posterior = EVONPosterior.from_pretrained(best, device=device)
+            self._posterior_from_checkpoint = True
+
+    # ------------------------------------------------------------------ saving
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The model (or adapter) as usual, plus the posterior and the model card."""
+        super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        posterior = self.current_posterior()
+        if posterior is None:
+            return
+        posterior.save_pretrained(output_dir, model_card=False)
+        self._write_model_card(output_dir, posterior)
+
+    def _latest_posterior_metrics(self) -> dict[str, float] | None:
+        for entry in reversed(self.state.log_history if self.state is not None else []):
+            if any(k.startswith("eval_") and "_bma_" in k for k in entry):
+                return {k: v for k, v in entry.items() if isinstance(v, int | float)}
+        return None
+
+    def _write_model_card(self, directory: str, posterior: Any) -> None:
+        try:
+            from ..model_card import save_model_card
+        except ImportError:  # pragma: no cover - the model card module ships with the package
+            logger.warning("hf_evon.model_card is not available: the model card was not written")
+            return
+        base = getattr(posterior, "config", {}).get("base_model")
+        kwargs: dict[str, Any] = {"base_model": base}
+        metrics = self._latest_posterior_metrics()
+        if metrics:
+            kwargs["metrics"] = metrics
+        try:
+            save_model_card(directory, posterior, **kwargs)
+        except TypeError:
+            save_model_card(directory, posterior, base_model=base)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's card, then the EVON section (the Trainer's card replaces README.md)."""
+        super().create_model_card(*args, **kwargs)
+        if not self.is_world_process_zero():
+            return
+        posterior = self.current_posterior()
+        if posterior is None and all(
+            os.path.isfile(os.path.join(self.args.output_dir, f)) for f in POSTERIOR_FILES
+        ):
+            from ..posterior import EVONPosterior
+
+            posterior = EVONPosterior.from_pretrained(self.args.output_dir)
+        if posterior is not None:
+            self._write_model_card(self.args.output_dir, posterior)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Copy the checkpoint's posterior into the output directory before the Trainer uploads it."""
+        if self.is_world_process_zero():
+            output_dir = self.args.output_dir
+            copied = False
+            for name in POSTERIOR_FILES:
+                src = os.path.join(checkpoint_folder, name)
+                if os.path.isfile(src):
+                    shutil.copy(src, os.path.join(output_dir, name))
+                    copied = True
+            if copied:
+                from ..posterior import EVONPosterior
+
+                self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
+        super()._push_from_checkpoint(checkpoint_folder)

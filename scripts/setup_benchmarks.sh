@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Adds the peers of benchmarks/payoff.py to ./.venv (after scripts/setup.sh).
+# laplace-torch declares torchvision, whose wheels here need a newer torch than the pinned CPU
+# build (an unpinned install replaces torch with a multi-GB CUDA build; torchvision 0.28 fails
+# to load against torch 2.13.0+cpu and breaks every transformers import). laplace-torch's
+# last-layer Laplace does not use torchvision, so it is installed without it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/python -m pip install -q "torch==2.13.0" ivon-opt matplotlib opt-einsum torchmetrics
+.venv/bin/python -m pip install -q --no-deps laplace-torch asdfghjkl backpack-for-pytorch curvlinops-for-pytorch
+.venv/bin/python -c "import laplace, ivon" 

@@ -1,0 +1,402 @@
+"""EVON under every training loop and every fault (issue 9): each test reproduces a failure
+that the optimizer once had, and checks the behaviour ``torch.optim`` users expect instead."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import operator
+import warnings
+
+import pytest
+import torch
+from test_optim_state import assert_identical, loss_fn, make_data, make_model, make_opt, snapshot, train_step
+from torch import nn
+
+from hf_evon import EVON
+
+
+# ------------------------------------------------- item 3: the reference packages' loop
+class Boom(Exception):
+    pass
+
+
+def failed_block(model: nn.Module, opt: EVON, data) -> None:
+    """A sample whose block raises after its backward (caught): it must leave no trace."""
+    with contextlib.suppress(Boom), opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+        raise Boom
+
+
+def idle_block(model: nn.Module, opt: EVON, data) -> None:
+    """Uses up the same block of the noise stream as ``failed_block``, and nothing else."""
+    with opt.sampled_params(train=False):
+        pass
+
+
+def accumulating_step(model: nn.Module, opt: EVON, batches: list, samples: int, between=None) -> None:
+    """This package's loop: gradients accumulate over samples and micro-batches; zero_grad after the step.
+    ``between(model, opt, data)`` runs after the first micro-batch's samples."""
+    for k, data in enumerate(batches):
+        for _ in range(samples):
+            with opt.sampled_params(train=True):
+                loss_fn(model, data).backward()
+        if between is not None and k == 0:
+            between(model, opt, data)
+    opt.step()
+    opt.zero_grad()
+
+
+def zeroing_step(model: nn.Module, opt: EVON, batches: list, samples: int) -> None:
+    """The IVON/EVON reference packages' loop: zero_grad inside every block, never after the step."""
+    for data in batches:
+        for _ in range(samples):
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                loss_fn(model, data).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize(("samples", "micro"), [(1, 1), (2, 1), (2, 2)], ids=["S1", "S2", "S2-accumulated"])
+def test_both_training_loops_give_identical_weights(samples: int, micro: int) -> None:
+    data = make_data(n=32)
+    batches = [(data[0][k::micro], data[1][k::micro]) for k in range(micro)]  # gradient accumulation
+    runs = {}
+    for step_fn in (accumulating_step, zeroing_step):
+        model = make_model()
+        opt = make_opt(model, mc_samples=samples)
+        for _ in range(6):
+            step_fn(model, opt, batches, samples)
+        runs[step_fn.__name__] = snapshot(model, opt)
+    # the loops did train (not two idle copies)
+    assert not torch.equal(runs["zeroing_step"]["param.0.weight"], make_model().state_dict()["0.weight"])
+    assert_identical(runs["zeroing_step"], runs["accumulating_step"])
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_both_loops_agree_under_ddp(tmp_path, bucket_view: bool) -> None:
+    """DDP (one gloo process): with ``gradient_as_bucket_view`` the gradients are views into
+    DDP's buffers, which every backward overwrites; the earlier samples' sum must survive."""
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised")
+    from hf_evon import prepare_distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        data = make_data(n=32)
+        batches = [(data[0][k::2], data[1][k::2]) for k in range(2)]
+        loops = {
+            "accumulating": accumulating_step,
+            "zeroing": zeroing_step,
+            "failing": functools.partial(accumulating_step, between=failed_block),
+        }
+        runs = {}
+        for name, step_fn in loops.items():
+            model = make_model()
+            ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+            opt = make_opt(model, mc_samples=2)
+            prepare_distributed(ddp, opt)
+            for _ in range(4):
+                step_fn(ddp, opt, batches, 2)
+            runs[name] = snapshot(model, opt)
+    finally:
+        dist.destroy_process_group()
+    for name, between in (("plain", None), ("plain, idle block", idle_block)):
+        model = make_model()
+        opt = make_opt(model, mc_samples=2)
+        for _ in range(4):
+            accumulating_step(model, opt, batches, 2, between)
+        runs[name] = snapshot(model, opt)
+    assert_identical(runs["zeroing"], runs["accumulating"])
+    assert_identical(runs["accumulating"], runs["plain"])
+    assert_identical(runs["failing"], runs["plain, idle block"])
+
+
+def test_inside_a_block_grad_holds_only_that_samples_gradient() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    w = model[0].weight
+    own = []
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            assert w.grad is None
+            loss_fn(model, data).backward()
+            own.append(w.grad.clone())
+    torch.testing.assert_close(w.grad, own[0] + own[1], rtol=0, atol=0)
+
+
+# ------------------------------------------------- item 7: a block that raises after backward
+def test_a_failed_sample_leaves_no_trace() -> None:
+    data = make_data()
+    runs = []
+    for fail in (False, True):
+        model = make_model()
+        opt = make_opt(model)
+        for step in range(5):
+            for s in range(opt.mc_samples):
+                if step == 3 and s == 1 and fail:
+                    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+                    with pytest.raises(Boom), opt.sampled_params(train=True):
+                        loss_fn(model, data).backward()
+                        raise Boom
+                    assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters())
+                    assert opt.recorded_samples == 1
+                elif step == 3 and s == 1:
+                    with opt.sampled_params(train=False):  # uses up the same block of the noise stream
+                        pass
+                with opt.sampled_params(train=True):
+                    loss_fn(model, data).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(snapshot(model, opt))
+    assert_identical(runs[1], runs[0])
+
+
+# ------------------------------------------------- item 5: a finite gradient spike
+def spiked_run(spike: float, *, where: str, **options) -> tuple[nn.Module, EVON, list[str]]:
+    """Eight steps of a named model; step 3's gradient of ``where`` multiplied by ``spike``."""
+    model, data = make_model(), make_data()
+    opt = EVON(model.named_parameters(), seed=0, **options)
+    messages = []
+    for step in range(8):
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+            if step == 3:
+                model.get_parameter(where).grad.mul_(spike)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        messages += [str(w.message) for w in caught]
+        opt.zero_grad()
+    return model, opt, messages
+
+
+def assert_all_finite(model: nn.Module, opt: EVON) -> None:
+    for name, value in snapshot(model, opt).items():
+        assert torch.isfinite(value).all(), name
+
+
+# ×1e8 at ess = inf overflowed the IVON correction term until it was dropped there (item 2)
+@pytest.mark.parametrize(("ess", "spike"), [(200.0, 1e14), (float("inf"), 1e8)])
+def test_a_finite_gradient_spike_is_absorbed(ess: float, spike: float) -> None:
+    model, opt, messages = spiked_run(spike, where="2.weight", ess=ess)
+    assert messages == [] and opt.skipped_steps == 0
+    assert_all_finite(model, opt)
+    assert float(opt.state[model[2].weight]["hess"].max()) > 1e6  # the spike did reach H
+
+
+@pytest.mark.parametrize("options", [{}, {"ess": 200.0}], ids=["defaults", "ess=200"])
+def test_a_spike_that_would_overflow_H_skips_the_step_and_names_the_parameter(options: dict) -> None:
+    model, opt, messages = spiked_run(1e30, where="4.weight", **options)
+    assert opt.skipped_steps == 1 and len(messages) == 1
+    assert messages[0].startswith("overflow in the Hessian estimate of 4.weight (shape (5, 5))"), messages[0]
+    assert_all_finite(model, opt)
+    # training went on after the skipped step: 8 steps, the initialising one and the skipped one not counted
+    assert int(opt.state[model[4].weight]["step"]) == 6
+
+
+def test_an_adamw_overflow_is_named_too() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)  # biases in an AdamW group
+    train_step(model, opt, data)
+    before = snapshot(model, opt)
+    for _ in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+    model[2].bias.grad.mul_(1e30)  # finite, but its square (AdamW's second moment) is not
+    with pytest.warns(
+        RuntimeWarning, match=r"^overflow in AdamW's squared gradient of param_groups\[1\]\['params'\]\[1\]"
+    ):
+        opt.step()
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+
+
+def test_the_overflow_check_leaves_the_state_unchanged() -> None:
+    model, data = make_model(), make_data()
+    opt = EVON(model.named_parameters(), ess=200.0, seed=0)
+    for _ in range(3):
+        train_step(model, opt, data)
+    before = snapshot(model, opt)
+    with opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+        model[4].weight.grad.mul_(1e30)
+    with pytest.warns(RuntimeWarning, match=r"overflow in the Hessian estimate of 4\.weight"):
+        opt.step()
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+
+
+# ------------------------------------------------- item 6: frozen and gradient-less parameters
+def test_frozen_and_unused_parameters_stay_bit_identical() -> None:
+    model, data = make_model(), make_data()
+    unused = nn.Linear(5, 5)  # in the optimizer, never in the forward
+    frozen = model[2].weight  # shares the 5×5 bucket with model[4].weight
+    frozen.requires_grad_(False)
+    kept = {"frozen": frozen.detach().clone(), "unused": unused.weight.detach().clone()}
+    opt = EVON([*model.parameters(), *unused.parameters()], ess=50.0, weight_decay=0.1, seed=0)
+    for _ in range(5):
+        with opt.sampled_params(train=True):
+            assert torch.equal(frozen, kept["frozen"])  # no noise in a frozen weight
+            loss_fn(model, data).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(frozen, kept["frozen"]) and torch.equal(unused.weight, kept["unused"])
+    for p in (frozen, unused.weight):
+        assert torch.equal(opt.state[p]["exp_avg"], torch.zeros(5, 5))  # no momentum
+        assert torch.equal(opt.state[p]["hess"], torch.full((5, 5), 0.1))  # no Hessian update
+    # the bucket's trained member did train
+    assert int(opt.state[model[4].weight]["step"]) == 4
+    assert float(opt.state[model[4].weight]["exp_avg"].abs().max()) > 0
+
+
+# ------------------------------------------------- item 8: add_param_group with pending samples
+def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
+    data = make_data()
+    runs = []
+    for attempt in (False, True):
+        model = make_model()
+        opt = make_opt(model)
+        extra = nn.Parameter(torch.ones(4, 4))
+        train_step(model, opt, data)
+        for _ in range(opt.mc_samples):
+            with opt.sampled_params(train=True):
+                loss_fn(model, data).backward()
+        if attempt:
+            groups = list(opt.param_groups)
+            with pytest.raises(RuntimeError, match=r"add_param_group.*step\(\)"):
+                opt.add_param_group({"params": [extra]})
+            assert len(opt.param_groups) == len(groups) and all(map(operator.is_, opt.param_groups, groups))
+            assert opt.recorded_samples == opt.mc_samples
+        opt.step()
+        opt.zero_grad()
+        opt.add_param_group({"params": [extra]})  # fine right after a step
+        train_step(model, opt, data)
+        runs.append(snapshot(model, opt))
+    assert_identical(runs[1], runs[0])
+
+
+# ------------------------------------------------- item 9: complex parameters
+def test_complex_parameters_are_refused_by_name() -> None:
+    z = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"complex parameter 'rotor'.*view_as_real"):
+        EVON([("w", nn.Parameter(torch.randn(3, 4))), ("rotor", z)])
+    opt = EVON([nn.Parameter(torch.randn(3, 4))])
+    with pytest.raises(ValueError, match=r"complex parameter #0"):
+        opt.add_param_group({"params": [z]})
+    assert len(opt.param_groups) == 1  # the refused group is not kept
+    EVON([{"params": [z], "algorithm": "adamw"}])  # AdamW handles complex tensors
+
+
+# ------------------------------------------------- items 10, 11: arguments
+BAD_ARGUMENTS = [
+    ({"weight_decay": float("inf")}, "weight_decay", "finite"),
+    ({"identity_basis": "false"}, "identity_basis", "bool"),
+    ({"phased_gradients": "false"}, "phased_gradients", "bool"),
+    ({"stagger_refresh": "false"}, "stagger_refresh", "bool"),
+    ({"identity_basis": 0}, "identity_basis", "bool"),
+    ({"lr": "0.1"}, "lr", "number"),
+    ({"lr": float("inf")}, "lr", "finite"),
+    ({"ess": None}, "ess", "number"),
+    ({"ess": "100"}, "ess", "number"),
+    ({"betas": 0.9}, "betas", "two numbers"),
+    ({"betas": "ab"}, "betas", "two numbers"),
+    ({"betas": (0.9, "0.99")}, "betas", "two numbers"),
+    ({"hess_init": "0.1"}, "hess_init", "number"),
+    ({"mc_samples": True}, "mc_samples", "integer"),
+    ({"shampoo_beta": "0.9"}, "shampoo_beta", "number"),
+    ({"hess_clip_ratio": "1.5"}, "hess_clip_ratio", "number"),
+    ({"clip_radius": None}, "clip_radius", "number"),
+    ({"eps": float("inf")}, "eps", "finite"),
+    ({"seed": "abc"}, "seed", "integer"),
+    ({"seed": 1.5}, "seed", "integer"),
+    ({"seed": True}, "seed", "integer"),
+    ({"adamw_lr": "0.1"}, "adamw_lr", "number"),
+    ({"adamw_betas": 0.9}, "adamw_betas", "two numbers"),
+    ({"adamw_weight_decay": float("inf")}, "adamw_weight_decay", "finite"),
+    ({"adamw_eps": None}, "adamw_eps", "number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name", "rule"), BAD_ARGUMENTS, ids=[repr(k)[1:-1] for k, _, _ in BAD_ARGUMENTS]
+)
+def test_bad_arguments_are_refused_by_name(kwargs: dict, name: str, rule: str) -> None:
+    with pytest.raises(ValueError) as info:
+        EVON([nn.Parameter(torch.randn(3, 4))], **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"Invalid {name}: ") and rule in message, message
+
+
+@pytest.mark.parametrize(
+    ("group", "name"),
+    [
+        ({"identity_basis": "false"}, "identity_basis"),
+        ({"lr": "0.1"}, "lr"),
+        ({"weight_decay": math.inf}, "weight_decay"),
+    ],
+)
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was(group: dict, name: str) -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    before = list(opt.param_groups)
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2, 2))], **group})
+    assert len(opt.param_groups) == len(before) and all(map(operator.is_, opt.param_groups, before))
+    train_step(model, opt, data)  # still usable
+
+
+def test_numpy_numbers_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    w = nn.Parameter(torch.randn(3, 4))
+    opt = EVON(
+        [w], lr=np.float32(0.1), ess=np.float64(100.0), betas=(np.float64(0.9), 0.99), seed=np.int64(3)
+    )
+    assert opt.seed == 3
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            w.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.isfinite(w).all() and int(opt.state[w]["step"]) == 2
+
+
+# ------------------------------------------------- item 13: channels_last convolution kernels
+def test_channels_last_conv_weights_train_like_contiguous_ones() -> None:
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(4, 3, 3, 3, generator=gen)
+    target = torch.randn(4, 3, 3, 3, generator=gen)
+    runs = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        w = nn.Parameter(init.clone().to(memory_format=layout))
+        assert w.is_contiguous(memory_format=layout)
+        opt = EVON([w], ess=100.0, seed=0, lr=0.05)
+        for _ in range(4):
+            with opt.sampled_params(train=True):
+                assert not torch.equal(w, init)  # a sample is in the weight
+                ((w - target).square() * (1 + w.square())).sum().backward()  # elementwise: layout-free
+            opt.step()
+            opt.zero_grad()
+        assert w.is_contiguous(memory_format=layout)  # the layout is kept
+        runs.append(w.detach().contiguous())
+    assert torch.equal(runs[1], runs[0])
+    assert not torch.equal(runs[0], init)
+
+
+def test_channels_last_conv_model_runs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 6, 6).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 2, (8,))
+    opt = EVON(model.parameters(), ess=100.0, seed=0)
+    first = model[0].weight.detach().clone()
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.isfinite(model[0].weight).all() and not torch.equal(model[0].weight, first)

@@ -1,0 +1,168 @@
+"""The paper scripts (examples/paper) in their --fast mode, plus the Gaussian algebra they use.
+
+Each script must write its PNG, markdown table and JSON, and its numbers must have the
+properties the experiment is about (a Gaussian's KL to itself is 0, nothing beats the optimal
+full Gaussian's objective, EVON's fit beats IVON's where the posterior is correlated, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+PAPER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "paper")
+sys.path.insert(0, PAPER_DIR)
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("scipy")
+pytest.importorskip("sklearn")
+
+import _common  # noqa: E402
+
+F64 = torch.float64
+
+
+def run_fast(module_name: str, out_dir: str) -> dict:
+    """Run a script's fast mode; check the three files exist and agree; return the JSON."""
+    module = __import__(module_name)
+    record = module.run(["--fast", "--out-dir", out_dir, "--seed", "0"])
+    for ext in ("png", "md", "json"):
+        path = os.path.join(out_dir, f"{module.NAME}.{ext}")
+        assert os.path.getsize(path) > 0, path
+    with open(os.path.join(out_dir, f"{module.NAME}.png"), "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out_dir, f"{module.NAME}.json")) as fh:
+        saved = json.load(fh)
+    assert saved["experiment"] == module.NAME and saved["fast"] is True and saved["seed"] == 0
+    assert set(saved) >= {"settings", "results", "wall_s", "torch", "script"}
+    with open(os.path.join(out_dir, f"{module.NAME}.md")) as fh:
+        md = fh.read()
+    assert f"examples/paper/{module.NAME}.py --fast" in md  # the numbers carry their source
+    assert record["results"].keys() == saved["results"].keys()
+    return saved
+
+
+# ----------------------------------------------------------------------------- Gaussian algebra
+def random_spd(d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, d, generator=g, dtype=F64)
+    return a @ a.T + 0.5 * torch.eye(d, dtype=F64)
+
+
+def test_gaussian_kl_matches_torch_distributions() -> None:
+    mu0, mu1 = torch.tensor([0.3, -1.0, 2.0], dtype=F64), torch.tensor([1.0, 0.5, -0.2], dtype=F64)
+    c0, c1 = random_spd(3, 0), random_spd(3, 1)
+    expected = torch.distributions.kl_divergence(
+        torch.distributions.MultivariateNormal(mu0, c0), torch.distributions.MultivariateNormal(mu1, c1)
+    )
+    assert _common.gaussian_kl(mu0, c0, mu1, c1) == pytest.approx(float(expected), rel=1e-10)
+    assert _common.gaussian_kl(mu0, c0, mu0, c0) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_w2_to_gaussian_of_exact_quantiles_and_shift() -> None:
+    n = 400
+    u = (torch.arange(n, dtype=F64) + 0.5) / n
+    quantiles = 1.5 + 0.7 * math.sqrt(2) * torch.erfinv(2 * u - 1)
+    assert _common.w2_to_gaussian(quantiles, 1.5, 0.7) == pytest.approx(0.0, abs=1e-12)
+    # a shift by c moves every quantile by c: W2 = c exactly
+    assert _common.w2_to_gaussian(quantiles + 0.25, 1.5, 0.7) == pytest.approx(0.25, rel=1e-12)
+
+
+def test_logistic_objective_expected_loss_matches_monte_carlo() -> None:
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(30, 3, generator=g, dtype=F64), torch.sign(torch.randn(30, generator=g, dtype=F64))
+    obj = _common.LogisticObjective(X, y, ess=30.0, delta=0.1)
+    mu, cov = torch.tensor([0.5, -0.2, 1.0], dtype=F64), random_spd(3, 2) * 0.1
+    kl = torch.distributions.kl_divergence(
+        torch.distributions.MultivariateNormal(mu, cov),
+        torch.distributions.MultivariateNormal(torch.zeros(3, dtype=F64), torch.eye(3, dtype=F64) / 3.0),
+    )
+    W = torch.distributions.MultivariateNormal(mu, cov).sample((200_000,))
+    expected_loss = torch.nn.functional.softplus(-(W @ X.T) * y).mean()
+    assert float(obj(mu, cov)) == pytest.approx(float(30.0 * expected_loss + kl), rel=2e-3)
+
+
+# ----------------------------------------------------------------------------- the scripts
+def test_fig1_left_fast(tmp_path) -> None:
+    res = run_fast("fig1_left", str(tmp_path))["results"]
+    assert res["optimal full Gaussian"]["kl_to_optimum"] == pytest.approx(0.0, abs=1e-12)
+    full = res["optimal full Gaussian"]["objective"]
+    for name in ("optimal diagonal Gaussian", "EVON", "IVON"):
+        assert res[name]["objective"] >= full - 1e-9  # the optimum is the floor
+    # a diagonal Gaussian cannot beat the optimal diagonal one
+    assert res["IVON"]["objective"] >= res["optimal diagonal Gaussian"]["objective"] - 1e-9
+    assert res["EVON"]["kl_to_optimum"] < res["IVON"]["kl_to_optimum"]
+    ivon_cov = torch.tensor(res["IVON"]["cov"])
+    assert ivon_cov[0, 1] == 0.0  # IVON mode is diagonal
+    assert float(torch.tensor(res["EVON"]["cov"])[0, 1]) < 0.0  # EVON found the (negative) correlation
+
+
+def test_fig2_logreg_fast(tmp_path) -> None:
+    res = run_fast("fig2_logreg", str(tmp_path))["results"]
+    assert res["optimal_diagonal"] > res["optimal_full"]
+    for method in ("EVON", "IVON"):
+        curve = res["curves"][method]
+        assert curve["steps"][-1] == 1500 and len(curve["steps"]) == len(curve["objective"]) == 15
+        assert min(curve["objective"]) >= res["optimal_full"] - 1e-6
+    assert min(res["curves"]["IVON"]["objective"]) >= res["optimal_diagonal"] - 1e-6
+
+
+def test_fig3a_mlp_fast(tmp_path) -> None:
+    res = run_fast("fig3a_mlp", str(tmp_path))["results"]
+    assert set(res) == {"small EVON", "small IVON", "large EVON", "large IVON"}
+    for r in res.values():
+        assert r["finite"] and r["std_away"] > 0 and r["std_near"] > 0
+
+
+def test_fig3b_iris_fast(tmp_path) -> None:
+    pytest.importorskip("pyro")
+    saved = run_fast("fig3b_iris", str(tmp_path))
+    res = saved["results"]
+    assert len(res["per_weight"]["EVON"]["w2"]) == len(res["per_weight"]["IVON"]["std_ratio"]) == 15
+    assert all(r > 0 for m in ("EVON", "IVON") for r in res["per_weight"][m]["std_ratio"])
+    # the paper's point, already visible after a short run: the diagonal posterior is narrower
+    assert res["summary"]["IVON"]["median_std_ratio"] < res["summary"]["EVON"]["median_std_ratio"]
+
+
+def test_fig4_gpt_fast(tmp_path) -> None:
+    pytest.importorskip("tokenizers")
+    saved = run_fast("fig4_gpt", str(tmp_path))
+    res, vocab = saved["results"], saved["settings"]["vocab_size"]
+    assert set(res["final_loss"]) == {"AdamW", "SOAP", "IVON", "EVON"}
+    for loss in res["final_loss"].values():
+        assert loss < math.log(vocab)  # every run learned something: below the uniform predictor
+    assert set(res["bma_gain_pct"]) == {"EVON", "IVON"} and set(res["claims"]) and len(res["claims"]) == 4
+    for m, curve in res["bma_loss"].items():
+        mean = res["final_loss"][m]
+        for k, v in curve.items():
+            assert res["bma_gain_pct"][m][k] == pytest.approx(100 * (mean - v) / mean)
+
+
+def test_table3_ablation_fast(tmp_path) -> None:
+    pytest.importorskip("tokenizers")
+    res = run_fast("table3_ablation", str(tmp_path))["results"]
+    assert set(res["variants"]) == {"Plain", "Clip", "Whiten"}
+    for r in res["variants"].values():
+        assert r["bma_change_pct"] == pytest.approx(
+            100 * (r["loss_bma"] - r["loss_at_mean"]) / r["loss_at_mean"]
+        )
+
+
+def test_variant_names_map_to_evon_arguments() -> None:
+    import _gpt
+
+    assert _gpt.variant_kwargs("Plain") == {"clip": "spectral", "clip_radius": 1.0}
+    assert _gpt.variant_kwargs("Whiten+PG+clip") == {
+        "clip": "whiten",
+        "clip_radius": 1.0,
+        "phased_gradients": True,
+        "hess_clip_ratio": 1.5,
+    }
+    assert _gpt.variant_kwargs("Clip") == {"clip": "spectral", "clip_radius": 1.0, "hess_clip_ratio": 1.5}
+    assert _gpt.evon_kwargs("SOAP", 100)["ess"] == math.inf
+    assert _gpt.evon_kwargs("IVON", 100)["identity_basis"] is True

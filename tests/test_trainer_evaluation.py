@@ -1,0 +1,144 @@
+"""Evaluation users can afford: one mean pass, BMA's own progress bar, BMA every k evaluations, BMA predict."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_trainer import _direct_bma, classification_data, config, lm_data, tiny_bert, tiny_gpt2
+
+from hf_evon import EVONTrainer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _trained(tmp_path, make=tiny_bert, train=None, evaluation=None, **overrides) -> EVONTrainer:
+    values = dict(max_steps=2, evon_ess=60.0, bma_num_samples=2, bma_seed=3)
+    values.update(overrides)
+    trainer = EVONTrainer(
+        model=make(),
+        args=config(tmp_path, **values),
+        train_dataset=classification_data() if train is None else train,
+        eval_dataset=classification_data(48, seed=1) if evaluation is None else evaluation,
+    )
+    trainer.train()
+    return trainer
+
+
+def _count_forwards(model: torch.nn.Module) -> list[int]:
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+
+    model.register_forward_pre_hook(hook)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_evaluate_reuses_the_trainers_mean_pass(tmp_path, kind):
+    """1 + S passes per evaluation (was 2 + S), with the same metrics as one computed on its own."""
+    if kind == "bert":
+        trainer = _trained(tmp_path)  # 48 eval examples, batches of 16: 3 batches
+        batches = 3
+    else:
+        trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(20, seed=1))  # 2 batches (16 + 4)
+        batches = 2
+    calls = _count_forwards(trainer.model)
+    metrics = trainer.evaluate()
+    assert calls[0] == (1 + 2) * batches
+    # the same numbers as the stand-alone computation (its own pass at the mean)
+    alone = trainer.posterior_metrics(trainer.get_eval_dataloader())
+    assert {k for k in metrics if "_mean_" in k or "_bma_" in k} == set(alone)
+    for key, value in alone.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_bma_has_its_own_progress_bar(tmp_path, capsys):
+    trainer = _trained(tmp_path, disable_tqdm=False)
+    capsys.readouterr()
+    trainer.evaluate()
+    err = capsys.readouterr().err
+    assert "BMA evaluation (2 posterior samples)" in err
+    assert "/6 " in err or "/6[" in err  # 2 samples × 3 batches
+    quiet = _trained(tmp_path / "q", disable_tqdm=True)
+    capsys.readouterr()
+    quiet.evaluate()
+    assert "BMA evaluation" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("every,with_bma", [(1, [1, 2, 3, 4]), (2, [2, 4]), (3, [3, 4]), (0, [4])])
+def test_bma_every_k_evaluations_or_only_at_the_end(tmp_path, every, with_bma):
+    trainer = _trained(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, bma_eval_every=every, logging_steps=10
+    )
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [1, 2, 3, 4]
+    assert [h["step"] for h in evals if "eval_bma_nll" in h] == with_bma
+    assert all("eval_mean_nll" in h for h in evals)  # the mean metrics come with every evaluation
+    assert "eval_bma_nll" in trainer.evaluate()  # outside train(): always
+
+
+def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
+    trainer = _trained(tmp_path, bma_num_samples=3)
+    test = classification_data(40, seed=2)  # batches of 16, 16, 8
+    out = trainer.predict(test, bma=True)
+    _, bma, _ = _direct_bma(trainer.model, trainer.current_posterior(), test, seeds=[3, 4, 5])
+    batch = {k: torch.tensor(v) for k, v in test[:].items()}
+    trainer.model.eval()
+    with torch.no_grad():
+        samples = []
+        for seed in (3, 4, 5):
+            with trainer.current_posterior().sampled(trainer.model, seed=seed):
+                samples.append(torch.softmax(trainer.model(**batch).logits.double(), -1))
+    expected = torch.stack(samples).mean(0)
+    assert out.predictions.shape == (40, 3)
+    np.testing.assert_allclose(out.predictions, expected.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(out.label_ids, np.asarray(test["labels"]))
+    for key in ("nll", "accuracy", "ece", "brier"):
+        assert out.metrics[f"test_bma_{key}"] == pytest.approx(bma[key], rel=1e-5, abs=1e-7), key
+    # bma=False is the Trainer's own predict: logits at the mean
+    plain = trainer.predict(test)
+    with torch.no_grad():
+        np.testing.assert_allclose(
+            plain.predictions, trainer.model(**batch).logits.numpy(), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_predict_bma_causal_lm(tmp_path):
+    trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(8, seed=1), bma_num_samples=2, bma_seed=0)
+    test = lm_data(6, seed=2)
+    out = trainer.predict(test, bma=True)
+    _, bma_nll, _ = _direct_bma(trainer.model, trainer.current_posterior(), test, [0, 1], causal=True)
+    assert out.predictions.shape == (6, 12, 100)
+    np.testing.assert_allclose(out.predictions.sum(-1), 1.0, rtol=1e-5)
+    assert out.metrics["test_bma_nll"] == pytest.approx(bma_nll, rel=1e-5)
+    assert out.metrics["test_bma_perplexity"] == pytest.approx(math.exp(bma_nll), rel=1e-5)
+
+
+def test_predict_bma_needs_a_posterior_and_samples(tmp_path):
+    untrained = EVONTrainer(model=tiny_bert(), args=config(tmp_path), eval_dataset=classification_data(8))
+    with pytest.raises(ValueError, match="needs a posterior"):
+        untrained.predict(classification_data(8), bma=True)
+    trainer = _trained(tmp_path / "t")
+    trainer.args.bma_num_samples = 0
+    with pytest.raises(ValueError, match="bma_num_samples = 0"):
+        trainer.predict(classification_data(8), bma=True)
+
+
+def test_bma_every_k_counts_an_evaluation_of_several_datasets_once(tmp_path):
+    evaluation = {"a": classification_data(16, seed=1), "b": classification_data(16, seed=2)}
+    trainer = _trained(
+        tmp_path, evaluation=evaluation, max_steps=4, eval_strategy="steps", eval_steps=1, bma_eval_every=2
+    )
+    for name in ("a", "b"):
+        evals = [h for h in trainer.state.log_history if f"eval_{name}_loss" in h]
+        assert [h["step"] for h in evals if f"eval_{name}_bma_nll" in h] == [2, 4], name

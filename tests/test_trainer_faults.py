@@ -1,0 +1,162 @@
+"""EVONTrainer/EVONConfig under bad input and faults: no silent overrides, clear errors, the right names."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from test_trainer import classification_data, config, lm_data, tiny_bert, tiny_gpt2
+from transformers import TrainingArguments
+
+from hf_evon import EVONConfig, EVONTrainer, bma_log_likelihood, build_optimizer
+from hf_evon.posterior import EVONPosterior
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------------------- issue 9.12
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("adam_beta1", 1.0),
+        ("adam_beta1", -0.1),
+        ("adam_beta2", 1.5),
+        ("adam_epsilon", -1e-8),
+        ("adam_epsilon", float("nan")),
+        ("weight_decay", -0.01),
+    ],
+)
+def test_config_validates_the_adamw_fields_by_their_config_name(tmp_path, field, value):
+    """The error comes from EVONConfig, naming its own field, not later from EVON's keyword."""
+    with pytest.raises(ValueError, match=rf"EVONConfig\.{field} = "):
+        EVONConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
+
+
+def test_metric_for_best_model_needs_bma_on_every_evaluation(tmp_path):
+    with pytest.raises(ValueError, match="bma_eval_every"):
+        EVONConfig(
+            output_dir=str(tmp_path), report_to="none", metric_for_best_model="eval_bma_nll", bma_eval_every=2
+        )
+    # mean metrics are on every evaluation
+    EVONConfig(
+        output_dir=str(tmp_path), report_to="none", metric_for_best_model="eval_mean_nll", bma_eval_every=2
+    )
+
+
+# ---------------------------------------------------------------------------- issue 11.1
+def test_plain_training_arguments_warn_that_learning_rate_becomes_evons_alpha(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=5e-5)
+    with pytest.warns(UserWarning, match=r"learning_rate = 5e-05 is now EVON's learning rate α") as record:
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    text = " ".join(str(w.message) for w in record)
+    assert "evon_adamw_learning_rate" in text and "Pass an EVONConfig" in text  # what to set
+    assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 5e-5
+
+
+def test_optim_is_ignored_with_a_warning(tmp_path):
+    with pytest.warns(UserWarning, match=r"EVONConfig\.optim = 'adafactor' .* is ignored"):
+        EVONConfig(output_dir=str(tmp_path), report_to="none", optim="adafactor")
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, optim="sgd")
+    with pytest.warns(UserWarning) as record:
+        EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    messages = [str(w.message) for w in record]
+    assert any("EVONConfig.optim = 'sgd'" in m and "ignored" in m for m in messages), messages
+    # the defaults warn about nothing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EVONConfig(output_dir=str(tmp_path), report_to="none")
+
+
+def test_compute_metrics_keys_are_never_replaced(tmp_path):
+    """The user's `accuracy`/`nll` are theirs; ours are eval_mean_*/eval_bma_*; a clash keeps theirs."""
+    returned: dict[str, float] = {}
+
+    def compute_metrics(prediction):
+        logits, labels = prediction.predictions, prediction.label_ids
+        ours = {
+            "accuracy": float((logits.argmax(-1) == labels).mean()) + 10.0,  # deliberately not our accuracy
+            "nll": float(np.abs(logits).mean()),
+            "mean_ece": -1.0,  # clashes with eval_mean_ece
+        }
+        returned.clear()
+        returned.update(ours)
+        return ours
+
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=2, bma_num_samples=2),
+        train_dataset=classification_data(), eval_dataset=classification_data(32, seed=1),
+        compute_metrics=compute_metrics,
+    )  # fmt: skip
+    trainer.train()
+    with pytest.warns(UserWarning, match="'eval_mean_ece' from compute_metrics clashes"):
+        metrics = trainer.evaluate()
+    assert metrics["eval_accuracy"] == pytest.approx(returned["accuracy"])
+    assert metrics["eval_nll"] == pytest.approx(returned["nll"])
+    assert metrics["eval_mean_ece"] == -1.0
+    for key in ("nll", "accuracy", "brier"):
+        assert 0.0 <= metrics[f"eval_mean_{key}"] < 10.0 and 0.0 <= metrics[f"eval_bma_{key}"] < 10.0
+    assert "eval_bma_loss" not in metrics  # no BMA twin of eval_loss: compare eval_mean_nll, eval_bma_nll
+
+
+# ---------------------------------------------------------------------------- issue 9.14
+def test_nonfinite_warning_names_the_parameter_at_fault_under_clipping(tmp_path):
+    """The grad-norm pass must not spread one parameter's NaN to every gradient before EVON looks."""
+    culprit = "bert.encoder.layer.1.output.dense.weight"
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=3, max_grad_norm=1.0),
+        train_dataset=classification_data(),
+    )
+    parameter = dict(trainer.model.named_parameters())[culprit]
+    parameter.register_hook(lambda g: g * math.nan if trainer.state.global_step == 0 else g)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.train()
+    nonfinite = [str(w.message) for w in record if "non-finite gradient" in str(w.message)]
+    assert len(nonfinite) == 1, nonfinite
+    assert nonfinite[0].startswith(f"non-finite gradient in {culprit} "), nonfinite[0]
+    assert trainer.evon_optimizer.skipped_steps == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_bma_log_likelihood_with_no_scored_token_is_nan_like_the_model():
+    model = tiny_gpt2().eval()
+    opt = build_optimizer(model, lr=1e-2, ess=1e3, seed=0)
+    x = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with opt.sampled_params(train=True):
+        model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    labels = torch.full_like(x, -100)
+    with torch.no_grad():
+        model_loss = model(input_ids=x, labels=labels).loss
+    assert torch.isnan(model_loss)  # the model's own convention
+    result = bma_log_likelihood(model, posterior, x, labels=labels, num_samples=2, seed=0)
+    assert torch.isnan(result.loss) and torch.isnan(result.perplexity)
+    assert torch.isnan(result.sample_losses).all() and torch.isnan(result.group_loss(1))
+    # one scored token is an ordinary finite loss
+    labels[0, 3] = x[0, 3]
+    assert torch.isfinite(bma_log_likelihood(model, posterior, x, labels=labels, num_samples=2, seed=0).loss)
+
+
+def test_evaluation_with_no_label_token_reports_nan_not_a_perfect_score(tmp_path):
+    evaluation = lm_data(8, seed=1).to_dict()
+    evaluation["labels"] = [[-100] * len(row) for row in evaluation["labels"]]
+    trainer = EVONTrainer(
+        model=tiny_gpt2(), args=config(tmp_path, max_steps=1, bma_num_samples=2),
+        train_dataset=lm_data(8), eval_dataset=Dataset.from_dict(evaluation),
+    )  # fmt: skip
+    trainer.train()
+    metrics = trainer.evaluate()
+    for key in ("eval_mean_nll", "eval_mean_perplexity", "eval_bma_nll", "eval_bma_perplexity"):
+        assert math.isnan(metrics[key]), (key, metrics[key])

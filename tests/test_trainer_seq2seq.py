@@ -1,0 +1,82 @@
+"""EVONSeq2SeqTrainer (EVONTrainerMixin + Seq2SeqTrainer) on a tiny T5 built from a config, CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import T5Config, T5ForConditionalGeneration
+
+from hf_evon import EVON
+from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
+from hf_evon.trainer.evaluation import PosteriorEvaluation
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def tiny_t5() -> T5ForConditionalGeneration:
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(config)
+
+
+def reversal_data(n: int, seed: int) -> Dataset:
+    """Targets are the reversed inputs; some targets are shorter (label padding is -100)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 64, (n, 6), generator=g)
+    labels = ids.flip(-1).clone()
+    labels[::3, 4:] = -100
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def _direct_token_nll(model, data: Dataset) -> float:
+    batch = {k: torch.tensor(v) for k, v in data[:].items()}
+    model.eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(**batch).logits.double(), -1)
+    labels = batch["labels"]
+    keep = labels.ne(-100)
+    return float(-logp[keep].gather(-1, labels[keep][:, None]).mean())
+
+
+@pytest.mark.parametrize("generate", [False, True])
+def test_seq2seq_trainer_trains_with_evon_and_reports_posterior_metrics(tmp_path, generate, monkeypatch):
+    evaluation = reversal_data(12, seed=1)
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=8,
+        per_device_eval_batch_size=16, learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=300.0,
+        evon_hess_init=1.0, lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True,
+        bma_num_samples=2, predict_with_generate=generate, generation_max_length=7, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(
+        model=tiny_t5(), args=args, train_dataset=reversal_data(32, seed=0), eval_dataset=evaluation,
+        compute_metrics=(lambda p: {"rows": float(len(p.predictions))}) if generate else None,
+    )  # fmt: skip
+    trainer.train()
+    assert isinstance(trainer.evon_optimizer, EVON) and trainer.evon_optimizer.skipped_steps == 0
+
+    def no_second_mean_pass(self, dataloader):
+        raise AssertionError("the Trainer's own pass should have been reused")
+
+    monkeypatch.setattr(PosteriorEvaluation, "_own_mean_pass", no_second_mean_pass)
+    metrics = trainer.evaluate()
+    # the mean metrics come from the loss forward of the Trainer's own pass (not from generate()'s)
+    assert metrics["eval_mean_nll"] == pytest.approx(_direct_token_nll(trainer.model, evaluation), rel=1e-5)
+    assert metrics["eval_loss"] == pytest.approx(
+        metrics["eval_mean_nll"], rel=1e-5
+    )  # one batch: T5's own mean
+    assert 0.0 <= metrics["eval_mean_accuracy"] <= 1.0 and math.isfinite(metrics["eval_bma_nll"])
+    assert abs(metrics["eval_bma_nll"] - metrics["eval_mean_nll"]) > 1e-5
+    if generate:
+        assert metrics["eval_rows"] == 12.0  # the user's compute_metrics on generated tokens

@@ -1,0 +1,167 @@
+"""EVON inside TRL's SFTTrainer (EVONTrainerMixin + SFTTrainer): packing, TRL's metrics, evon/* logs, BMA.
+
+A tiny GPT-2 built from a config, a byte-level BPE tokenizer trained here on standard-library
+docstrings, a few steps on CPU. Skipped without ``trl`` (``pip install hf-evon[trl]``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import json
+import math
+import string
+import textwrap
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from hf_evon import EVON
+from hf_evon.posterior import POSTERIOR_WEIGHTS_NAME
+
+trl = pytest.importorskip("trl")
+
+from hf_evon.trainer import EVONSFTConfig, EVONSFTTrainer  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _paragraphs() -> list[str]:
+    texts = []
+    for module in (json, textwrap, string, collections, functools, inspect):
+        for obj in [module, *vars(module).values()]:
+            doc = inspect.getdoc(obj) if callable(obj) or obj is module else None
+            if doc:
+                texts += [p.strip() for p in doc.split("\n\n") if len(p.strip()) > 40]
+    return sorted(set(texts))
+
+
+@pytest.fixture(scope="module")
+def corpus() -> tuple[PreTrainedTokenizerFast, Dataset, Dataset]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = _paragraphs()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=384,
+            special_tokens=["<|endoftext|>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>")
+    return tokenizer, Dataset.from_dict({"text": texts[:48]}), Dataset.from_dict({"text": texts[48:60]})
+
+
+def tiny_gpt2(tokenizer: PreTrainedTokenizerFast) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=128,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def sft_config(tmp_path, **overrides) -> EVONSFTConfig:
+    values = dict(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False, seed=0,
+        max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=64, logging_steps=1,
+        packing=True, max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no",
+        lr_scheduler_type="constant", learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=1e3,
+        evon_hess_init=1.0, evon_precondition_frequency=2, bma_num_samples=2,
+    )  # fmt: skip
+    values.update(overrides)
+    return EVONSFTConfig(**values)
+
+
+def test_sft_trainer_with_evon_packing_trl_metrics_evon_logs_and_bma(tmp_path, corpus):
+    tokenizer, train, evaluation = corpus
+    model = tiny_gpt2(tokenizer)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = EVONSFTTrainer(
+        model=model, args=sft_config(tmp_path), train_dataset=train, eval_dataset=evaluation,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    assert trainer.args.packing and "position_ids" in next(
+        iter(trainer.get_train_dataloader())
+    )  # packed rows
+    trainer.train()
+    opt = trainer.evon_optimizer
+    assert isinstance(opt, EVON)
+    evon_names = next(g for g in opt.param_groups if g["algorithm"] == "evon")["param_names"]
+    assert "transformer.h.0.attn.c_attn.weight" in evon_names
+    named = dict(trainer.model.named_parameters())
+    assert all(not torch.equal(named[n].detach(), before[n]) for n in evon_names)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3
+    for entry in logs:  # TRL's training metrics and ours, side by side
+        assert {"mean_token_accuracy", "entropy", "num_tokens"} <= set(entry), entry
+        assert (
+            entry["evon/posterior_std_mean"] > 0
+            and entry["evon/hess_min"] > 0
+            and math.isfinite(entry["loss"])
+        )
+
+    calls = [0]
+    trainer.model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    metrics = trainer.evaluate()
+    batches = len(trainer.get_eval_dataloader())
+    assert batches == 1
+    assert calls[0] == 1 + 2  # TRL's pass is reused for the mean metrics, then S = 2 samples
+    assert {"eval_loss", "eval_mean_token_accuracy", "eval_entropy"} <= set(metrics)  # TRL's
+    # ours: read from TRL's fused per-token log-probabilities, so one batch gives exactly its loss
+    assert metrics["eval_mean_nll"] == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert metrics["eval_mean_perplexity"] == pytest.approx(math.exp(metrics["eval_mean_nll"]), rel=1e-6)
+    assert (
+        math.isfinite(metrics["eval_bma_nll"])
+        and abs(metrics["eval_bma_nll"] - metrics["eval_mean_nll"]) > 1e-5
+    )
+    trainer.save_model()
+    assert (tmp_path / "out" / POSTERIOR_WEIGHTS_NAME).is_file()
+
+
+def test_plain_sft_config_is_converted_keeping_its_fields(tmp_path, corpus):
+    tokenizer, train, _ = corpus
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, packing=True, max_length=48,
+        learning_rate=3e-4, gradient_checkpointing=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"plain SFTConfig: converted to EVONSFTConfig"):
+        trainer = EVONSFTTrainer(
+            model=tiny_gpt2(tokenizer), args=args, train_dataset=train, processing_class=tokenizer
+        )
+    assert isinstance(trainer.args, EVONSFTConfig) and isinstance(trainer.args, trl.SFTConfig)
+    assert trainer.args.packing and trainer.args.max_length == 48 and trainer.args.learning_rate == 3e-4
+
+
+def test_sft_peft_config_is_wrapped_by_trl_and_the_posterior_covers_the_adapter(tmp_path, corpus):
+    from peft import LoraConfig, PeftModel
+
+    tokenizer, train, evaluation = corpus
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # peft: fan_in_fan_out for GPT-2's Conv1D
+        trainer = EVONSFTTrainer(
+            model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, max_steps=2), train_dataset=train,
+            eval_dataset=evaluation, processing_class=tokenizer, peft_config=lora,
+        )  # fmt: skip
+    assert isinstance(trainer.model, PeftModel)
+    trainer.train()
+    posterior = trainer.current_posterior()
+    assert posterior.names and all("lora_" in n for n in posterior.names)
+    metrics = trainer.evaluate()
+    assert math.isfinite(metrics["eval_bma_nll"]) and "eval_mean_token_accuracy" in metrics
