@@ -182,13 +182,17 @@ def assert_all_finite(model: nn.Module, opt: EVON) -> None:
 # ×1e8 at ess = inf overflowed the IVON correction term until it was dropped there (item 2)
 @pytest.mark.parametrize(("ess", "spike"), [(200.0, 1e14), (float("inf"), 1e8)])
 def test_a_finite_gradient_spike_is_absorbed(ess: float, spike: float) -> None:
-    model, opt, messages = spiked_run(spike, where="2.weight", ess=ess)
+    # no Hessian clipping (the default γ = 2 would clamp the spike before it reaches H)
+    model, opt, messages = spiked_run(spike, where="2.weight", ess=ess, hess_clip_ratio=None, clip="none")
     assert messages == [] and opt.skipped_steps == 0
     assert_all_finite(model, opt)
     assert float(opt.state[model[2].weight]["hess"].max()) > 1e6  # the spike did reach H
 
 
-@pytest.mark.parametrize("options", [{}, {"ess": 200.0}], ids=["defaults", "ess=200"])
+PURE = {"hess_clip_ratio": None, "clip": "none"}  # the unclipped algorithm: a spike reaches H
+
+
+@pytest.mark.parametrize("options", [PURE, {"ess": 200.0, **PURE}], ids=["auto-ess", "ess=200"])
 def test_a_spike_that_would_overflow_H_skips_the_step_and_names_the_parameter(options: dict) -> None:
     model, opt, messages = spiked_run(1e30, where="4.weight", **options)
     assert opt.skipped_steps == 1 and len(messages) == 1
@@ -215,9 +219,18 @@ def test_an_adamw_overflow_is_named_too() -> None:
     assert_identical(snapshot(model, opt), before)
 
 
+def test_a_spike_that_would_overflow_the_shampoo_statistics_skips_the_step() -> None:
+    """With the defaults (γ = 2 clamps the Hessian estimate) a ×1e30 spike still overflowed
+    L = β3 L + (1-β3) G Gᵀ (1e60): inf/NaN in L, then in the eigenbasis and every weight."""
+    model, opt, messages = spiked_run(1e30, where="4.weight")
+    assert opt.skipped_steps == 1 and len(messages) == 1
+    assert messages[0].startswith("overflow in the Shampoo statistics (G Gᵀ) of 4.weight"), messages[0]
+    assert_all_finite(model, opt)
+
+
 def test_the_overflow_check_leaves_the_state_unchanged() -> None:
     model, data = make_model(), make_data()
-    opt = EVON(model.named_parameters(), ess=200.0, seed=0)
+    opt = EVON(model.named_parameters(), ess=200.0, seed=0, **PURE)
     for _ in range(3):
         train_step(model, opt, data)
     before = snapshot(model, opt)
@@ -247,7 +260,7 @@ def test_frozen_and_unused_parameters_stay_bit_identical() -> None:
     assert torch.equal(frozen, kept["frozen"]) and torch.equal(unused.weight, kept["unused"])
     for p in (frozen, unused.weight):
         assert torch.equal(opt.state[p]["exp_avg"], torch.zeros(5, 5))  # no momentum
-        assert torch.equal(opt.state[p]["hess"], torch.full((5, 5), 0.1))  # no Hessian update
+        assert torch.equal(opt.state[p]["hess"], torch.full((5, 5), opt.defaults["hess_init"]))  # no update
     # the bucket's trained member did train
     assert int(opt.state[model[4].weight]["step"]) == 4
     assert float(opt.state[model[4].weight]["exp_avg"].abs().max()) > 0

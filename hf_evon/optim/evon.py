@@ -861,7 +861,8 @@ class EVON(Optimizer):
         single device sync, which buckets may reuse their exit rotation."""
         checks = []
         for plan in plans:
-            ok = torch.isfinite(plan.grad).all()
+            # ‖G‖²_F bounds every entry of G Gᵀ and Gᵀ G: finite means L and R stay finite
+            ok = torch.isfinite(torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()).all()
             checks.append(ok if plan.hess is None else ok & torch.isfinite(plan.hess).all())
         for _, g_list, _ in adamw.values():
             # the norm also overflows where AdamW's squared gradient would
@@ -909,6 +910,14 @@ class EVON(Optimizer):
                         f"overflow in the Hessian estimate of {self._param_label(p)}: its gradient is finite "
                         "but so large (a spike) that H would not be"
                     )
+        for plan in plans:
+            sq = torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()
+            bad = (~torch.isfinite(sq)).nonzero().flatten().tolist()
+            if bad:
+                return (
+                    f"overflow in the Shampoo statistics (G Gᵀ) of {self._param_label(plan.work.params[bad[0]])}: "
+                    "its gradient is finite but so large (a spike) that its square is not"
+                )
         for params, g_list, _ in adamw.values():
             for p, norm in zip(params, torch._foreach_norm(g_list)):
                 if not bool(torch.isfinite(norm)):
