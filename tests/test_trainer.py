@@ -204,8 +204,12 @@ def test_optimizer_from_config_and_ess_default(tmp_path):
     assert isinstance(opt, EVON) and trainer.evon_optimizer is opt
     evon = [g for g in opt.param_groups if g["algorithm"] == "evon"]
     adamw = [g for g in opt.param_groups if g["algorithm"] == "adamw"]
-    assert len(evon) == 1 and evon[0]["ess"] == 40.0  # None -> training-set size
-    assert evon[0]["lr"] == 2e-2 and evon[0]["weight_decay"] == 1e-3 and evon[0]["betas"] == (0.95, 0.95)
+    assert len(evon) == 1 and evon[0]["ess"] == "auto"  # None (the former default) -> "auto"
+    assert opt.buckets  # the first sample or step resolves it: initial std = 5% of the weights' RMS
+    weights = [p for p in evon[0]["params"]]
+    rms_sq = sum(float(p.detach().double().square().sum()) for p in weights) / sum(p.numel() for p in weights)
+    assert evon[0]["ess"] == pytest.approx(1.0 / (0.05**2 * rms_sq * (evon[0]["hess_init"] + 1e-3)), rel=1e-6)
+    assert evon[0]["lr"] == 2e-2 and evon[0]["weight_decay"] == 1e-3 and evon[0]["betas"] == (0.95, 0.995)
     assert all(g["lr"] == 1e-3 and g["betas"] == (0.8, 0.999) for g in adamw)
     assert {g["weight_decay"] for g in adamw} == {0.05, 0.0}
     evon_names = set(evon[0]["param_names"])
@@ -398,7 +402,7 @@ def test_clipping_and_grad_norm_refer_to_the_mean_gradient(tmp_path):
     logged_clipped = next(h["grad_norm"] for h in clipped.state.log_history if "grad_norm" in h)
     assert logged_clipped == pytest.approx(float(norm), rel=1e-4)  # the norm before clipping
     manual_model = tiny_bert()
-    manual = build_optimizer(manual_model, **clipped.args.evon_optimizer_kwargs(float("inf")))
+    manual = build_optimizer(manual_model, **clipped.args.evon_optimizer_kwargs())
     for p, q in zip(manual_model.parameters(), ref_model.parameters()):
         p.grad = q.grad * 0.5
     manual.step()

@@ -14,7 +14,15 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..optim.evon import CLIP_MODES
+from ..optim.evon import (
+    AUTO_ESS,
+    CLIP_MODES,
+    DEFAULT_BETAS,
+    DEFAULT_INIT_STD_RATIO,
+    DEFAULT_LR,
+    DEFAULT_WEIGHT_DECAY,
+)
+from ..optim.recipes import RECIPES
 
 __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 
@@ -31,22 +39,36 @@ class EVONConfig(TrainingArguments):
     """
 
     learning_rate: float = field(
-        default=0.05,
+        default=DEFAULT_LR,
         metadata={
             "help": "EVON learning rate α (EVON-owned weight matrices). EVON takes Newton-like steps "
             "(momentum / (H + δ)), so its scale is not AdamW's: with the default element-wise clipping at "
-            "radius 0.01 a weight moves at most α·0.01 per step. The AdamW part has its own "
-            "evon_adamw_learning_rate."
+            "radius 0.01 a weight moves at most α·0.01 = 2e-4 per step, like Adam at 2e-4 (MiniLM fine-tuning "
+            "in benchmarks/payoff.py). The AdamW part has its own evon_adamw_learning_rate."
         },
     )
-    evon_ess: float | None = field(
+    evon_recipe: str | None = field(
         default=None,
         metadata={
-            "help": "Effective sample size ζ of the variational objective: the posterior variance is "
-            "1/(ζ(H+δ)). Default (None): the training-set size, len(train_dataset) (an error for datasets "
-            "without a length). Larger values temper the posterior (less noise); 'inf' disables the noise "
-            "(a deterministic SOAP-like optimizer)."
+            "help": "One of the paper's tuned settings (hf_evon.RECIPES: 'nanogpt', 'llama', 'clip-finetuning', "
+            "each citing its table). It sets learning_rate and the evon_* fields that are still at their "
+            "defaults; fields you set yourself win. Default: our scale-free defaults.",
         },
+    )
+    evon_ess: str = field(
+        default=AUTO_ESS,
+        metadata={
+            "help": "Effective sample size ζ of the variational objective: the posterior variance is "
+            "1/(ζ(H+δ)). 'auto' (default): the ζ whose initial posterior std is evon_init_std_ratio times the "
+            "RMS of the weights (ζ = N, the textbook choice, makes the noise larger than the weights of "
+            "every model we tried). A number tempers the posterior by hand; 'inf' disables the noise "
+            "(a deterministic SOAP-like optimizer). After training, calibrate the sampling scale on held-out "
+            "data (EVONTrainer(calibration_dataset=...) or trainer.calibrate())."
+        },
+    )
+    evon_init_std_ratio: float = field(
+        default=DEFAULT_INIT_STD_RATIO,
+        metadata={"help": "For evon_ess='auto': the initial posterior std relative to the weights' RMS."},
     )
     evon_hess_init: float = field(
         default=0.01,
@@ -56,8 +78,11 @@ class EVONConfig(TrainingArguments):
         default=0.95, metadata={"help": "β1: momentum of the rotated gradient, in [0, 1)."}
     )
     evon_beta2: float = field(
-        default=0.95,
-        metadata={"help": "β2: averaging of the Hessian estimate, in [0, 1) (the paper's CLIP runs: 0.95)."},
+        default=DEFAULT_BETAS[1],
+        metadata={
+            "help": "β2: averaging of the Hessian estimate, in [0, 1). 0.995 averages ~200 steps: at the small "
+            "noise of evon_ess='auto' each estimate is noisy (the paper's CLIP runs: 0.95)."
+        },
     )
     evon_shampoo_beta: float | None = field(
         default=None,
@@ -66,10 +91,12 @@ class EVONConfig(TrainingArguments):
         },
     )
     evon_weight_decay: float = field(
-        default=1e-6,
+        default=DEFAULT_WEIGHT_DECAY,
         metadata={
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
-            "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters."
+            "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
+            "Default 2.5e-5 = evon_init_std_ratio² · evon_hess_init: with evon_ess='auto' the prior's std (the "
+            "noise where H has collapsed) is then at most the weights' RMS."
         },
     )
     evon_mc_samples: int = field(
@@ -192,10 +219,34 @@ class EVONConfig(TrainingArguments):
             return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
         need(self.learning_rate >= 0, "learning_rate", ">= 0")
+        if self.evon_ess is None:  # the former default (None: the training-set size) now means "auto"
+            self.evon_ess = AUTO_ESS
+        if isinstance(self.evon_ess, str) and self.evon_ess != AUTO_ESS:
+            try:  # from the command line: "1e6", "inf"
+                self.evon_ess = float(self.evon_ess)
+            except ValueError:
+                pass
         need(
-            self.evon_ess is None or self.evon_ess > 0,
+            self.evon_ess == AUTO_ESS
+            or (
+                isinstance(self.evon_ess, int | float)
+                and not isinstance(self.evon_ess, bool)
+                and self.evon_ess > 0
+            ),
             "evon_ess",
-            "None (training-set size) or > 0 ('inf' allowed)",
+            "'auto' or a number > 0 ('inf' allowed)",
+        )
+        need(
+            isinstance(self.evon_init_std_ratio, int | float)
+            and math.isfinite(self.evon_init_std_ratio)
+            and self.evon_init_std_ratio > 0,
+            "evon_init_std_ratio",
+            "a finite number > 0",
+        )
+        need(
+            self.evon_recipe is None or self.evon_recipe in RECIPES,
+            "evon_recipe",
+            f"None or one of {sorted(RECIPES)}",
         )
         need(
             math.isfinite(self.evon_hess_init) and self.evon_hess_init > 0,
@@ -295,8 +346,38 @@ class EVONConfig(TrainingArguments):
                 stacklevel=3,
             )
 
-    def evon_optimizer_kwargs(self, ess: float) -> dict[str, Any]:
-        """Keyword arguments of :func:`hf_evon.build_optimizer` for these settings."""
+    # recipe key -> the config field that holds it (betas: two fields)
+    _RECIPE_FIELDS = {
+        "lr": "learning_rate",
+        "ess": "evon_ess",
+        "hess_init": "evon_hess_init",
+        "weight_decay": "evon_weight_decay",
+        "shampoo_beta": "evon_shampoo_beta",
+        "hess_clip_ratio": "evon_hess_clip_ratio",
+        "clip": "evon_clip",
+        "clip_radius": "evon_clip_radius",
+    }
+
+    def evon_optimizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`hf_evon.build_optimizer` for these settings (with
+        ``evon_recipe``, the recipe's values for every field still at its default)."""
+        kwargs = self._evon_field_kwargs()
+        if self.evon_recipe is None:
+            return kwargs
+        fields = type(self).__dataclass_fields__
+        at_default = {name for name, f in fields.items() if getattr(self, name, None) == f.default}
+        for key, value in RECIPES[self.evon_recipe].items():
+            if key == "betas":
+                beta1, beta2 = kwargs["betas"]
+                kwargs["betas"] = (
+                    value[0] if "evon_beta1" in at_default else beta1,
+                    value[1] if "evon_beta2" in at_default else beta2,
+                )
+            elif self._RECIPE_FIELDS[key] in at_default:
+                kwargs[key] = value
+        return kwargs
+
+    def _evon_field_kwargs(self) -> dict[str, Any]:
         return {
             "evon_patterns": self.evon_patterns,
             "adamw_patterns": self.adamw_patterns,
@@ -305,7 +386,8 @@ class EVONConfig(TrainingArguments):
             else self.evon_adamw_learning_rate,
             "adamw_weight_decay": self.weight_decay,
             "lr": self.learning_rate,
-            "ess": float(ess),
+            "ess": self.evon_ess,
+            "init_std_ratio": self.evon_init_std_ratio,
             "hess_init": self.evon_hess_init,
             "betas": (self.evon_beta1, self.evon_beta2),
             "weight_decay": self.evon_weight_decay,

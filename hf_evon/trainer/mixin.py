@@ -148,15 +148,24 @@ class EVONTrainerMixin:
         *trainer_args: Any,
         peft_config: Any = None,
         posterior: Any = None,
+        calibration_dataset: Any = None,
         **kwargs: Any,
     ) -> None:
         args = self._evon_arguments(args)
+        if calibration_dataset is not None and calibration_dataset is kwargs.get("eval_dataset"):
+            raise ValueError(
+                "calibration_dataset is the eval_dataset: the sampling scale would be chosen on the examples the "
+                "BMA metrics are reported on. Hold out separate examples for calibration"
+            )
         if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
             kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
         elif peft_config is not None:
             model = self._wrap_peft(model, args, peft_config)
         super().__init__(model, args, *trainer_args, **kwargs)
         self.posterior = posterior
+        self.calibration_dataset = calibration_dataset
+        self.calibration: Any = None  # the last CalibrationResult, valid at global step _calibrated_step
+        self._calibrated_step = -1
         self._posterior_from_checkpoint = False
         self._evon_step_items: Tensor | None = None
         self._evon_items_global = False
@@ -241,28 +250,66 @@ class EVONTrainerMixin:
         if opt is not None and any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
             from ..posterior import EVONPosterior
 
-            return EVONPosterior.from_optimizer(opt, self.model)
+            posterior = EVONPosterior.from_optimizer(opt, self.model)
+            if self.calibration is not None and self._calibrated_step == self.state.global_step:
+                posterior = posterior.with_ess(self.calibration.ess)
+                posterior.config["trained_ess"] = self.calibration.trained_ess
+                posterior.config["calibration"] = self.calibration.to_json()
+            return posterior
         return self.posterior
 
-    def _training_set_size(self) -> int:
-        dataset = self.train_dataset
-        try:
-            return len(dataset)  # type: ignore[arg-type]
-        except TypeError:
+    def calibrate(self, dataset: Any = None, grid: Any = None, num_samples: int | None = None) -> Any:
+        """Choose the posterior's sampling scale by BMA NLL on held-out ``dataset``.
+
+        :func:`hf_evon.calibrate_posterior` on ``dataset`` (default: the trainer's
+        ``calibration_dataset``), with ``bma_num_samples`` samples (8 if 0) and seeds from
+        ``bma_seed``. Until the next optimizer step, ``current_posterior()`` — so evaluation,
+        saving and the model card — uses the calibrated scale. Runs by itself at the end of
+        ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
+        """
+        from ..calibration import DEFAULT_GRID, DEFAULT_NUM_SAMPLES, calibrate_posterior
+
+        dataset = self.calibration_dataset if dataset is None else dataset
+        if dataset is None:
             raise ValueError(
-                "EVONConfig.evon_ess is None, which means the training-set size, but the training dataset has "
-                "no length (an IterableDataset?): set evon_ess explicitly"
-            ) from None
+                "calibrate() needs held-out data: pass dataset= or EVONTrainer(calibration_dataset=...)"
+            )
+        if dataset is self.eval_dataset:
+            raise ValueError(
+                "calibrate(): dataset is the eval_dataset; calibrate on other examples than you report on"
+            )
+        self.calibration = None
+        posterior = self.current_posterior()
+        if posterior is None:
+            raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
+        model = self._wrap_model(self.model, training=False)
+        batches = [self._prepare_inputs(b) for b in self.get_eval_dataloader(dataset)]
+        _, result = calibrate_posterior(
+            model,
+            posterior,
+            batches,
+            grid=DEFAULT_GRID if grid is None else grid,
+            num_samples=num_samples or self.args.bma_num_samples or DEFAULT_NUM_SAMPLES,
+            seed=self.args.bma_seed,
+            shift_labels=self._causal_lm,
+        )
+        self.calibration, self._calibrated_step = result, self.state.global_step
+        self.log(
+            {
+                "calibration/ess": result.ess,
+                "calibration/ess_multiplier": result.multiplier,
+                "calibration/bma_nll": result.nll_at_best,
+                "calibration/mean_nll": result.mean_nll,
+            }
+        )
+        return result
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """EVON through :func:`hf_evon.build_optimizer`, configured by the ``evon_*`` fields."""
         opt_model = self.model if model is None else model
         if self.optimizer is None:
-            ess = self.args.evon_ess
-            if ess is None:
-                ess = float(self._training_set_size())
-            self.optimizer = build_optimizer(opt_model, **self.args.evon_optimizer_kwargs(ess))
+            self.optimizer = build_optimizer(opt_model, **self.args.evon_optimizer_kwargs())
         return self.optimizer
 
     def _prepare_for_training(
@@ -429,7 +476,9 @@ class EVONTrainerMixin:
                 )
             std_sum += float(std.double().sum())
             count += hess.numel()
+        health = {f"evon/{k}": v for k, v in optimizer.posterior_health(warn=True).items()}
         return {
+            **health,
             "evon/posterior_std_mean": std_sum / count,
             "evon/hess_min": h_min,
             "evon/hess_max": h_max,
@@ -536,9 +585,12 @@ class EVONTrainerMixin:
         self._posterior_from_checkpoint = False
         self._evon_in_training, self._evon_evaluations, self._evon_evaluated_step = True, 0, -1
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(*args, **kwargs)
         finally:
             self._evon_in_training = False
+        if self.calibration_dataset is not None and self.current_posterior() is not None:
+            self.calibrate()
+        return output
 
     def _load_best_model(self) -> None:
         """Load the best checkpoint's weights *and* its posterior (the optimizer's is the last step's)."""
