@@ -33,7 +33,8 @@ import hf_evon
 from hf_evon import EVONPosterior
 from hf_evon.optim import build_param_groups
 from hf_evon.optim.evon import matrix_shape, preconditioned_sides
-from hf_evon.posterior import POSTERIOR_WEIGHTS_NAME, MatrixFactors, _orthonormality_error
+from hf_evon.posterior import POSTERIOR_WEIGHTS_NAME, MatrixFactors
+from hf_evon.posterior_math import orthonormality_error
 
 
 def _orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -122,7 +123,7 @@ def main() -> None:
         loaded = EVONPosterior.from_pretrained(directory)
         load_s = time.perf_counter() - t0
         worst = max(
-            _orthonormality_error(q) for f in loaded.factors.values() for q in (f.Q_L, f.Q_R) if q is not None
+            orthonormality_error(q) for f in loaded.factors.values() for q in (f.Q_L, f.Q_R) if q is not None
         )
         name = f"{POSTERIOR_WEIGHTS_NAME} ({label} bases)"
         print(f"{name:44s} {mib(size)} {size / model_size:9.2f} {save_s:6.1f}s {load_s:6.1f}s  {worst:.2e}")

@@ -495,7 +495,7 @@ def test_saving_beside_a_transformers_model_keeps_its_files(gpt2, tmp_path):
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monkeypatch):
-    import hf_evon.posterior as posterior_module
+    import hf_evon.posterior_format as format_module
 
     _, _, post = mlp
     post.save_pretrained(tmp_path)
@@ -505,7 +505,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
     def failing_writer(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(posterior_module, "save_file", failing_writer)
+    monkeypatch.setattr(format_module, "save_file", failing_writer)
     with pytest.raises(OSError, match="disk full"):
         newer.save_pretrained(tmp_path)
     monkeypatch.undo()
@@ -551,7 +551,7 @@ def test_half_precision_eigenbases_halve_the_bases(gpt2, tmp_path):
 
 
 def test_reorthonormalize_option(gpt2, tmp_path):
-    from hf_evon.posterior import _orthonormality_error
+    from hf_evon.posterior_math import orthonormality_error as _orthonormality_error
 
     _, _, post = gpt2
     post.save_pretrained(tmp_path, eigenbasis_dtype=torch.bfloat16, model_card=False)
