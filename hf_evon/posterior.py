@@ -40,6 +40,7 @@ from .posterior_format import (
     POSTERIOR_WEIGHTS_NAME,
     PosteriorMismatchError,
     as_dtype,
+    check_finite_std,
     check_noise_scale,
     dtype_name,
     posterior_tensors,
@@ -450,9 +451,12 @@ class EVONPosterior:
 
         Variances scale as ``1/ess``: a larger ζ narrows the posterior (tempering).
         """
+        if isinstance(ess, bool) or not isinstance(ess, int | float):
+            raise TypeError(f"with_ess: ess must be a number (math.inf for no noise); got {ess!r}")
         ess = float(ess)
         check_noise_scale(ess, self.weight_decay, "with_ess")
         groups = [replace(g, ess=ess) for g in self._groups]
+        check_finite_std(groups, "with_ess")
         config = dict(self.config, ess=ess)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
@@ -560,10 +564,10 @@ class EVONPosterior:
         hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HUB_DOWNLOAD_KWARGS}
         if kwargs:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
-        config_path, weights_path = resolve_files(
+        config, weights_path = resolve_files(
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
         )
-        loaded = read_posterior(config_path, weights_path, device, reorthonormalize)
+        loaded = read_posterior(config, weights_path, device, reorthonormalize)
         posterior = cls(
             loaded.groups, loaded.config, loaded.num_point_estimates, loaded.num_point_estimate_tensors
         )

@@ -55,9 +55,10 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .optim.evon import matrix_shape
-from .posterior_math import FactorGroup, orthonormality_error, polar_step
+from .posterior_math import FactorGroup, compute_dtype, orthonormality_error, polar_step, std_scale
 
 if TYPE_CHECKING:
     from .posterior import EVONPosterior
@@ -76,6 +77,12 @@ Tensor = torch.Tensor
 FORMAT_VERSION = 1
 POSTERIOR_WEIGHTS_NAME = "evon_posterior.safetensors"
 POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
+# the weights file a config may name: the canonical one, or one staged by an interrupted save
+_WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
+# files a save leaves only when it is killed; the next save removes them
+_STALE_FILE_RE = re.compile(
+    r"evon_posterior\.[0-9a-f]{32}\.safetensors|\.evon_posterior(_config\.json|\.safetensors)(\.bak)?\.[0-9a-f]{32}\.tmp"
+)
 
 # EVON group entries recorded as hyperparameters (those present in the optimizer's group)
 HYPERPARAMETER_KEYS = (
@@ -153,14 +160,84 @@ def json_value(value: Any) -> Any:
     return str(value)
 
 
-def _number(value: Any, field: str) -> float:
-    """A float from the JSON config ("inf" allowed), or a mismatch error naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise PosteriorMismatchError(f"config field {field!r} must be a number; got {value!r}")
-    try:
-        return float(value)
-    except ValueError:
-        raise PosteriorMismatchError(f"config field {field!r} must be a number; got {value!r}") from None
+def _rule_error(where: str, field: str, rule: str, value: Any) -> PosteriorMismatchError:
+    return PosteriorMismatchError(f"{where}: field {field!r} must be {rule}; got {value!r}")
+
+
+def _number(value: Any, field: str, where: str = POSTERIOR_CONFIG_NAME) -> float:
+    """A JSON number (``"inf"`` allowed, as written for an infinite ess), or an error naming the field."""
+    if value == "inf":
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _rule_error(where, field, 'a number (or "inf")', value)
+    return float(value)
+
+
+def _integer(value: Any, field: str, where: str, minimum: int = 0) -> int:
+    """A JSON integer ``>= minimum``: ``64.7`` or ``"64"`` is refused, never truncated."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _rule_error(where, field, f"an integer >= {minimum}", value)
+    return value
+
+
+def _boolean(value: Any, field: str, where: str) -> bool:
+    """A JSON ``true``/``false``: the string ``"false"`` would be truthy, so it is refused."""
+    if not isinstance(value, bool):
+        raise _rule_error(where, field, "true or false", value)
+    return value
+
+
+def _string(value: Any, field: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise _rule_error(where, field, "a string", value)
+    return value
+
+
+def _betas(value: Any, field: str, where: str) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise _rule_error(where, field, "a list of two numbers", value)
+    return (_number(value[0], f"{field}[0]", where), _number(value[1], f"{field}[1]", where))
+
+
+def _weights_file(value: Any, field: str, where: str) -> str:
+    """A plain file name written by :func:`write_posterior`: never a path out of the directory."""
+    if not isinstance(value, str) or not _WEIGHTS_FILE_RE.fullmatch(value):
+        raise _rule_error(
+            where, field, f"{POSTERIOR_WEIGHTS_NAME!r} or 'evon_posterior.<32 hex digits>.safetensors'", value
+        )
+    return value
+
+
+# the optional top-level fields and their JSON types; unknown fields are kept as they are
+_FIELD_PARSERS: dict[str, tuple[Callable[[Any, str, str], Any], bool]] = {  # (parser, null allowed)
+    "lr": (_number, False),
+    "final_lr": (_number, False),
+    "hess_init": (_number, False),
+    "clip_radius": (_number, False),
+    "eps": (_number, False),
+    "shampoo_beta": (_number, True),
+    "hess_clip_ratio": (_number, True),
+    "max_basis_ratio": (_number, True),
+    "betas": (_betas, False),
+    "mc_samples": (lambda v, f, w: _integer(v, f, w, 1), False),
+    "precondition_frequency": (lambda v, f, w: _integer(v, f, w, 1), False),
+    "max_precond_dim": (_integer, False),
+    "optimizer_step": (_integer, False),
+    "num_point_estimates": (_integer, True),
+    "num_point_estimate_tensors": (_integer, True),
+    "phased_gradients": (_boolean, False),
+    "identity_basis": (_boolean, False),
+    "stagger_refresh": (_boolean, False),
+    "clip": (_string, False),
+    "checkpoint_id": (_string, False),
+    "library": (_string, False),
+    "library_version": (_string, False),
+    "eigenbasis_dtype": (_string, False),
+    "hess_dtype": (_string, False),
+    "base_model": (_string, True),
+    "model_class": (_string, True),
+    "weights_file": (_weights_file, False),
+}
 
 
 def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
@@ -169,6 +246,25 @@ def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
         raise PosteriorMismatchError(f"{where}: ess must be > 0 (inf for no noise); got {ess!r}")
     if not (weight_decay >= 0.0 and math.isfinite(weight_decay)):
         raise PosteriorMismatchError(f"{where}: weight_decay must be finite and >= 0; got {weight_decay!r}")
+
+
+def check_finite_std(groups: list[FactorGroup], where: str, field: str = "ess") -> None:
+    """Refuse a noise scale whose ``1/√(ess·(hess + weight_decay))`` is not finite where sampling computes it.
+
+    ``ess > 0`` is not enough: ``ess = 1e-46`` (or a tiny ``hess + weight_decay``) underflows
+    to 0 in float32 and every draw would write inf/NaN into the weights.
+    """
+    for g in groups:
+        scale = std_scale(g.hess.to(compute_dtype(g.hess)), g.ess, g.weight_decay)
+        if _all_finite(scale):
+            continue
+        i = next(i for i in range(len(g.names)) if not bool(torch.isfinite(scale[i]).all()))
+        low = float((g.ess * (g.hess[i].to(scale.dtype) + g.weight_decay)).min())
+        raise PosteriorMismatchError(
+            f"{where}: {field} = {g.ess:g} (weight_decay {g.weight_decay:g}) makes the posterior std "
+            f"1/sqrt(ess·(hess + weight_decay)) of {g.names[i]!r} non-finite: ess·(hess + weight_decay) "
+            f"reaches {low:g} in {dtype_name(scale.dtype)}"
+        )
 
 
 # ----------------------------------------------------------------------------- config schema
@@ -195,31 +291,42 @@ class _Entry:
         return out
 
 
-def _parse_entry(name: str, entry: Any, ess: float, weight_decay: float) -> _Entry:
+def _shape(value: Any, field: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise _rule_error(where, field, "a non-empty list of integers >= 1", value)
+    for d in value:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise _rule_error(where, field, "a non-empty list of integers >= 1", value)
+    return tuple(value)
+
+
+def _parse_entry(name: str, entry: Any, ess: float, weight_decay: float, where: str) -> _Entry:
+    field = f"parameters.{name}"
     if not isinstance(entry, dict):
-        raise PosteriorMismatchError(f"{POSTERIOR_CONFIG_NAME}: entry for {name!r} must be an object")
-    try:
-        shape = tuple(int(s) for s in entry["shape"])
-        declared = tuple(int(s) for s in entry["matrix_shape"])
-        left, right = bool(entry["left_basis"]), bool(entry["right_basis"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise PosteriorMismatchError(
-            f"{POSTERIOR_CONFIG_NAME}: entry for {name!r} needs shape, matrix_shape, left_basis, "
-            f"right_basis ({err!r})"
-        ) from None
+        raise _rule_error(where, field, "an object", entry)
+    missing = [k for k in ("shape", "matrix_shape", "left_basis", "right_basis") if k not in entry]
+    if missing:
+        raise PosteriorMismatchError(f"{where}: field {field!r} lacks {missing}")
+    shape = _shape(entry["shape"], f"{field}.shape", where)
+    declared = _shape(entry["matrix_shape"], f"{field}.matrix_shape", where)
+    left = _boolean(entry["left_basis"], f"{field}.left_basis", where)
+    right = _boolean(entry["right_basis"], f"{field}.right_basis", where)
     if len(declared) != 2 or declared != matrix_shape(shape):
         raise PosteriorMismatchError(
             f"{name!r}: matrix_shape {list(declared)} does not match shape {list(shape)} "
             f"(EVON views it as {list(matrix_shape(shape))})"
         )
-    p_ess = _number(entry.get("ess", ess), f"parameters.{name}.ess")
-    p_wd = _number(entry.get("weight_decay", weight_decay), f"parameters.{name}.weight_decay")
+    p_ess = _number(entry.get("ess", ess), f"{field}.ess", where)
+    p_wd = _number(entry.get("weight_decay", weight_decay), f"{field}.weight_decay", where)
     check_noise_scale(p_ess, p_wd, repr(name))
     return _Entry(name, shape, declared[0], declared[1], left, right, p_ess, p_wd)
 
 
 def file_config(
-    posterior: EVONPosterior, eigenbasis_dtype: torch.dtype | None, checkpoint_id: str
+    posterior: EVONPosterior,
+    eigenbasis_dtype: torch.dtype | None,
+    checkpoint_id: str,
+    weights_file: str = POSTERIOR_WEIGHTS_NAME,
 ) -> dict[str, Any]:
     """The JSON config of ``posterior`` as it will be written (JSON-safe values)."""
     from . import __version__
@@ -232,6 +339,7 @@ def file_config(
         library="hf-evon",
         library_version=__version__,
         checkpoint_id=checkpoint_id,
+        weights_file=weights_file,
         ess=posterior.ess,
         weight_decay=posterior.weight_decay,
         eigenbasis_dtype=dtype_name(eigenbasis_dtype or (bases[0] if bases else factors[0].hess).dtype),
@@ -380,136 +488,158 @@ class LoadedPosterior:
     num_point_estimate_tensors: int | None
 
 
-def read_posterior(
-    config_path: str, weights_path: str, device: Any, reorthonormalize: bool
-) -> LoadedPosterior:
-    """Read and validate a config/weights pair (see the module docstring for every check)."""
+def read_config(config_path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON config, every field of known meaning type-checked (errors name the field and the file)."""
+    where = os.fspath(config_path)
     try:
-        with open(config_path, encoding="utf-8") as fh:
+        with open(where, encoding="utf-8") as fh:
             raw = json.load(fh)
     except (OSError, ValueError) as err:
-        raise PosteriorMismatchError(f"{POSTERIOR_CONFIG_NAME}: cannot read the config ({err})") from err
+        raise PosteriorMismatchError(f"{where}: cannot read the config ({err})") from err
     if not isinstance(raw, dict):
-        raise PosteriorMismatchError(f"{POSTERIOR_CONFIG_NAME}: the config must be a JSON object")
+        raise PosteriorMismatchError(f"{where}: the config must be a JSON object")
     version = raw.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise PosteriorMismatchError(
-            f"{POSTERIOR_CONFIG_NAME}: format_version {version!r} is not a known EVON posterior format "
+            f"{where}: format_version {version!r} is not a known EVON posterior format "
             f"(this hf-evon reads version {FORMAT_VERSION})"
         )
     if version > FORMAT_VERSION:
         raise PosteriorMismatchError(
-            f"{POSTERIOR_CONFIG_NAME}: format_version {version} was written by a newer hf-evon; this one "
+            f"{where}: format_version {version} was written by a newer hf-evon; this one "
             f"reads version {FORMAT_VERSION}: upgrade hf-evon"
         )
-    ess = _number(raw.get("ess"), "ess")
-    weight_decay = _number(raw.get("weight_decay"), "weight_decay")
-    check_noise_scale(ess, weight_decay, POSTERIOR_CONFIG_NAME)
+    config = dict(raw)
+    config["ess"] = _number(raw.get("ess"), "ess", where)
+    config["weight_decay"] = _number(raw.get("weight_decay"), "weight_decay", where)
+    check_noise_scale(config["ess"], config["weight_decay"], where)
+    for field, (parse, nullable) in _FIELD_PARSERS.items():
+        if field in raw and not (nullable and raw[field] is None):
+            config[field] = parse(raw[field], field, where)
     parameters = raw.get("parameters")
     if not isinstance(parameters, dict) or not parameters:
-        raise PosteriorMismatchError(
-            f"{POSTERIOR_CONFIG_NAME}: 'parameters' must list the covered parameters"
-        )
+        raise PosteriorMismatchError(f"{where}: 'parameters' must list the covered parameters")
+    config["_path"] = where
+    return config
 
+
+def weights_file_name(config: Mapping[str, Any]) -> str:
+    """The weights file a (validated) config belongs to: ``weights_file``, or the canonical name."""
+    return config.get("weights_file", POSTERIOR_WEIGHTS_NAME)
+
+
+def read_posterior(
+    config: dict[str, Any], weights_path: str, device: Any, reorthonormalize: bool
+) -> LoadedPosterior:
+    """Read and validate the weights of a config from :func:`read_config` (see the module docstring)."""
+    where = config["_path"]
+    ess, weight_decay = config["ess"], config["weight_decay"]
     try:
         handle = safe_open(weights_path, framework="pt", device="cpu")
     except Exception as err:  # safetensors raises its own error types for corrupt headers
-        raise PosteriorMismatchError(
-            f"{POSTERIOR_WEIGHTS_NAME}: not a readable safetensors file ({err})"
-        ) from err
+        raise PosteriorMismatchError(f"{weights_path}: not a readable safetensors file ({err})") from err
+    parameters = config["parameters"]
     with handle as fh:
         metadata = fh.metadata() or {}
-        saved_id, config_id = metadata.get("checkpoint_id"), raw.get("checkpoint_id")
+        saved_id, config_id = metadata.get("checkpoint_id"), config.get("checkpoint_id")
         if saved_id is not None and config_id is not None and saved_id != config_id:
             raise PosteriorMismatchError(
-                f"{POSTERIOR_WEIGHTS_NAME} (checkpoint {saved_id}) and {POSTERIOR_CONFIG_NAME} (checkpoint "
+                f"{weights_file_name(config)} (checkpoint {saved_id}) and {POSTERIOR_CONFIG_NAME} (checkpoint "
                 f"{config_id}) come from different saves; save the posterior again"
             )
-        entries = [_parse_entry(name, parameters[name], ess, weight_decay) for name in sorted(parameters)]
+        entries = [
+            _parse_entry(name, parameters[name], ess, weight_decay, where) for name in sorted(parameters)
+        ]
         stored = _check_tensor_headers(fh, entries)
         groups = _read_groups(fh, entries, stored, device, reorthonormalize)
-    config = {k: v for k, v in raw.items() if k != "parameters"}
-    config["ess"], config["weight_decay"] = ess, weight_decay
-    if isinstance(config.get("betas"), list):
-        config["betas"] = tuple(config["betas"])
-    config["format_version"] = FORMAT_VERSION
+    check_finite_std(groups, where)
+    out = {k: v for k, v in config.items() if k not in ("parameters", "_path")}
+    out["format_version"] = FORMAT_VERSION
     return LoadedPosterior(
-        groups, config, raw.get("num_point_estimates"), raw.get("num_point_estimate_tensors")
+        groups, out, config.get("num_point_estimates"), config.get("num_point_estimate_tensors")
     )
 
 
 # ----------------------------------------------------------------------------- write
-def _fsync_write(path: str, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _temp_path(directory: str, final_name: str) -> str:
-    return os.path.join(directory, f".{final_name}.{uuid.uuid4().hex}.tmp")
-
-
-def _commit_files(pairs: list[tuple[str, str]]) -> None:
-    """Move each temporary file onto its final path; on any error restore the previous files.
-
-    Previous files are kept (hard link, or copy) until every move succeeded, so an error
-    while moving the second file puts the first one back: the directory then holds the
-    previous checkpoint, byte for byte. Temporary and backup files never remain.
-    """
-    backups: list[tuple[str, str | None]] = []  # (final, backup or None if it did not exist)
-    moved: list[tuple[str, str | None]] = []
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        for _, final in pairs:
-            if os.path.exists(final):
-                backup = _temp_path(os.path.dirname(final), os.path.basename(final) + ".bak")
-                try:
-                    os.link(final, backup)
-                except OSError:
-                    shutil.copy2(final, backup)
-                backups.append((final, backup))
-            else:
-                backups.append((final, None))
-        for (tmp, final), entry in zip(pairs, backups):
-            os.replace(tmp, final)
-            moved.append(entry)
-    except BaseException:
-        for final, backup in reversed(moved):
-            with contextlib.suppress(OSError):
-                if backup is None:
-                    os.remove(final)
-                else:
-                    os.replace(backup, final)
-        raise
+        os.fsync(fd)
     finally:
-        for tmp, _ in pairs:
+        os.close(fd)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make renames in ``directory`` durable (POSIX; elsewhere opening a directory fails: skipped)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_config(directory: str, config: dict[str, Any]) -> None:
+    """Write the config atomically: a temporary file, fsync, then one ``os.replace`` onto the name."""
+    tmp = os.path.join(directory, f".{POSTERIOR_CONFIG_NAME}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write((json.dumps(config, indent=2, allow_nan=False) + "\n").encode())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(directory, POSTERIOR_CONFIG_NAME))
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # gone already after the replace
+    _fsync_dir(directory)
+
+
+def _remove_stale_files(directory: str) -> None:
+    """Remove what killed saves left behind (staged weights, temporaries, old ``.bak`` files)."""
+    for name in os.listdir(directory):
+        if _STALE_FILE_RE.fullmatch(name):
             with contextlib.suppress(OSError):
-                os.remove(tmp)
-        for _, backup in backups:
-            if backup is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(backup)
+                os.remove(os.path.join(directory, name))
 
 
 def write_posterior(posterior: EVONPosterior, directory: str, eigenbasis_dtype: torch.dtype | None) -> None:
-    """Write the two files of ``posterior`` into ``directory`` (which must exist), atomically."""
+    """Write the two files of ``posterior`` into ``directory`` (which must exist), atomically.
+
+    The config is the switch: the weights are written under a new name first, then the
+    config naming them replaces the old config in one ``os.replace``; only then is the
+    canonical weights file replaced (a hard link of the staged one, or a copy) and the config
+    rewritten to name it. A kill after any step leaves a config whose weights file exists
+    and matches it: the old posterior before the switch, the new one after.
+    """
     tensors = posterior_tensors(posterior, eigenbasis_dtype)
     checkpoint_id = uuid.uuid4().hex
     metadata = {"format": "pt", "format_version": str(FORMAT_VERSION), "checkpoint_id": checkpoint_id}
-    config_bytes = (
-        json.dumps(file_config(posterior, eigenbasis_dtype, checkpoint_id), indent=2, allow_nan=False) + "\n"
-    ).encode()
-    weights_path = os.path.join(directory, POSTERIOR_WEIGHTS_NAME)
-    config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-    tmp_weights = _temp_path(directory, POSTERIOR_WEIGHTS_NAME)
-    tmp_config = _temp_path(directory, POSTERIOR_CONFIG_NAME)
+    staged_name = f"evon_posterior.{checkpoint_id}.safetensors"
+    staged = os.path.join(directory, staged_name)
+    canonical = os.path.join(directory, POSTERIOR_WEIGHTS_NAME)
+    tmp_canonical = os.path.join(directory, f".{POSTERIOR_WEIGHTS_NAME}.{checkpoint_id}.tmp")
+    switched = False
     try:
-        save_file(tensors, tmp_weights, metadata=metadata)
-        with open(tmp_weights, "rb+") as fh:
-            os.fsync(fh.fileno())
-        _fsync_write(tmp_config, config_bytes)
-        _commit_files([(tmp_weights, weights_path), (tmp_config, config_path)])
+        save_file(tensors, staged, metadata=metadata)
+        _fsync_file(staged)
+        _write_config(directory, file_config(posterior, eigenbasis_dtype, checkpoint_id, staged_name))
+        switched = True  # from here on the directory holds the new posterior
+        try:
+            os.link(staged, tmp_canonical)
+        except OSError:  # no hard links on this file system
+            shutil.copyfile(staged, tmp_canonical)
+            _fsync_file(tmp_canonical)
+        os.replace(tmp_canonical, canonical)
+        _fsync_dir(directory)
+        _write_config(directory, file_config(posterior, eigenbasis_dtype, checkpoint_id))
+        _remove_stale_files(directory)
     finally:
-        for tmp in (tmp_weights, tmp_config):
+        with contextlib.suppress(OSError):
+            os.remove(tmp_canonical)
+        if not switched:
             with contextlib.suppress(OSError):
-                os.remove(tmp)
+                os.remove(staged)

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from .posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from .posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, read_config, weights_file_name
 
 if TYPE_CHECKING:
     import torch
@@ -41,36 +41,41 @@ def resolve_files(
     cache_dir: str | os.PathLike | None,
     local_files_only: bool,
     hub_kwargs: dict[str, Any],
-) -> tuple[str, str]:
-    """Local paths of the config and weights: from a directory, or downloaded from the Hub."""
+) -> tuple[dict[str, Any], str]:
+    """The validated config and the local path of the weights file it names.
+
+    From a directory, or downloaded from the Hub. The config comes first: it names the
+    weights file (see ``posterior_format.write_posterior`` for why).
+    """
     if os.path.isdir(path):
         directory = os.path.join(path, subfolder) if subfolder else path
-        files = tuple(os.path.join(directory, f) for f in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME))
-        for f in files:
-            if not os.path.isfile(f):
-                raise FileNotFoundError(
-                    f"no EVON posterior in {directory!r}: {os.path.basename(f)} is missing"
-                )
-        return files  # type: ignore[return-value]
+        config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no EVON posterior in {directory!r}: {POSTERIOR_CONFIG_NAME} is missing")
+        config = read_config(config_path)
+        weights_path = os.path.join(directory, weights_file_name(config))
+        if not os.path.isfile(weights_path):
+            raise FileNotFoundError(
+                f"no EVON posterior in {directory!r}: {weights_file_name(config)} (named by "
+                f"{POSTERIOR_CONFIG_NAME}) is missing"
+            )
+        return config, weights_path
     if os.path.exists(path):
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    out = []
-    for fname in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME):
+    def download(fname: str) -> str:
         try:
-            out.append(
-                hf_hub_download(
-                    path,
-                    fname,
-                    subfolder=subfolder,
-                    revision=revision,
-                    token=token,
-                    cache_dir=cache_dir,
-                    local_files_only=local_files_only,
-                    **hub_kwargs,
-                )
+            return hf_hub_download(
+                path,
+                fname,
+                subfolder=subfolder,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                **hub_kwargs,
             )
         except EntryNotFoundError as err:
             if isinstance(err, LocalEntryNotFoundError):  # offline / not cached: not "missing"
@@ -81,7 +86,9 @@ def resolve_files(
                 + (f" (revision {revision})" if revision else "")
             )
             raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
-    return out[0], out[1]
+
+    config = read_config(download(POSTERIOR_CONFIG_NAME))
+    return config, download(weights_file_name(config))
 
 
 def push_posterior(

@@ -91,6 +91,11 @@ class FactorGroup:
         )
 
 
+def std_scale(hess: Tensor, ess: float, weight_decay: float) -> Tensor:
+    """``√V = 1/√(ζ(H + δ))`` exactly as sampling computes it (so validation checks the same numbers)."""
+    return torch.rsqrt(ess * (hess + weight_decay))
+
+
 def perturbations(
     z: Tensor, hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
 ) -> Tensor:
@@ -102,7 +107,7 @@ def perturbations(
     times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases).
     """
     b, s, m, n = z.shape
-    x = z * torch.rsqrt(ess * (hess + weight_decay)).unsqueeze(1)
+    x = z * std_scale(hess, ess, weight_decay).unsqueeze(1)
     with exact_float32_matmul():
         if q_left is not None:  # Q_L @ [X_1 … X_S] as one (m, S·n) block per matrix
             x = unrotate(x.transpose(1, 2).reshape(b, m, s * n), q_left, None)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -524,6 +525,139 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
     monkeypatch.undo()
     assert _file_bytes(tmp_path) == before  # weights rolled back, no temporary files left
     assert EVONPosterior.from_pretrained(tmp_path).ess == 256
+
+
+class _Killed(BaseException):
+    """The process died: no handler may catch it, and nothing after it touches the disk."""
+
+
+def _kill_after(monkeypatch, k: int | None) -> list[str]:
+    """Route every file-system call of a save through a counter; after call ``k`` the process dies.
+
+    Call ``k`` itself completes; every later call raises :class:`_Killed` without running, so
+    cleanup handlers (``finally``, ``except``) cannot repair anything, as after a SIGKILL.
+    ``k=None`` only counts. Returns the list of calls made.
+    """
+    import builtins
+    import shutil
+
+    import hf_evon.posterior_format as format_module
+
+    calls: list[str] = []
+
+    def wrap(fn, label):
+        def call(*args, **kwargs):
+            if k is not None and len(calls) >= k:
+                raise _Killed(f"{label} after the kill")
+            out = fn(*args, **kwargs)
+            calls.append(label)
+            if len(calls) == k:
+                raise _Killed(f"killed right after call {k} ({label})")
+            return out
+
+        return call
+
+    for name in (
+        "open",
+        "fsync",
+        "replace",
+        "rename",
+        "link",
+        "remove",
+        "unlink",
+        "listdir",
+        "makedirs",
+        "mkdir",
+    ):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name), f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", wrap(builtins.open, "open"))
+    monkeypatch.setattr(shutil, "copyfile", wrap(shutil.copyfile, "shutil.copyfile"))
+    monkeypatch.setattr(format_module, "save_file", wrap(format_module.save_file, "save_file"))
+    return calls
+
+
+def _hess_scaled(post: EVONPosterior, factor: float) -> EVONPosterior:
+    from dataclasses import replace
+
+    factors = {n: replace(f, hess=f.hess * factor) for n, f in post.factors.items()}
+    return EVONPosterior.from_factors(factors, post.config)
+
+
+def _kill_every_call(monkeypatch, tmp_path: Path, pristine: Path, save, old: dict, new: dict) -> list[str]:
+    """Kill ``save`` after each of its file-system calls in turn; the directory must load as old or new.
+
+    ``old``/``new`` are the tensors of the posterior before/after the save. Returns, per k,
+    which one loaded: once the switch is made, every later kill must give the new one.
+    """
+    with monkeypatch.context() as patch:
+        calls = _kill_after(patch, None)
+        save(tmp_path / "count")
+    assert len(calls) > 10, calls  # the save really went through the wrapped calls
+    seen = []
+    for k in range(1, len(calls) + 1):
+        target = tmp_path / f"kill{k}"
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _kill_after(patch, k)
+            with pytest.raises(_Killed):
+                save(target)
+        loaded = EVONPosterior.from_pretrained(target).to_tensors()  # no repair in between
+        which = [label for label, t in (("old", old), ("new", new)) if t.keys() == loaded.keys()]
+        which = [
+            label
+            for label in which
+            if all(torch.equal(loaded[key], (old, new)[label == "new"][key]) for key in loaded)
+        ]
+        assert len(which) == 1, (k, calls[k - 1])
+        seen.append(which[0])
+    assert seen == sorted(seen, key=lambda w: w == "new") and seen[0] == "old" and seen[-1] == "new", seen
+    return seen
+
+
+def test_a_save_killed_after_any_file_system_call_loads_as_old_or_new(mlp, tmp_path, monkeypatch):
+    """Issue 9 item 4: no kill point leaves a pair that does not load; the next save removes the leftovers."""
+    _, _, post = mlp
+    newer = _hess_scaled(post.with_ess(999.0), 2.0)
+    pristine = tmp_path / "pristine"
+    post.save_pretrained(pristine)
+
+    seen = _kill_every_call(
+        monkeypatch, tmp_path, pristine, newer.save_pretrained, post.to_tensors(), newer.to_tensors()
+    )
+    assert "old" in seen and "new" in seen
+    # the next save over what any kill left removes every staged or temporary file
+    for k in range(1, len(seen) + 1):
+        target = tmp_path / f"kill{k}"
+        post.save_pretrained(target)
+        left = sorted(n for n in os.listdir(target) if "evon_posterior" in n)  # README.md is model_card's
+        assert left == sorted([POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME]), (k, left)
+        assert EVONPosterior.from_pretrained(target).ess == 256
+
+
+def test_trainer_save_model_killed_over_an_earlier_save_loads_as_old_or_new(tmp_path, monkeypatch):
+    """Issue 9 item 4 through ``trainer.save_model()`` (model files, posterior, model card)."""
+    from datasets import Dataset
+    from transformers import GPT2LMHeadModel
+
+    from hf_evon import EVONConfig, EVONTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (8, 12))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = EVONConfig(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_train_batch_size=4,
+        max_steps=1, evon_ess=1e4, save_strategy="no", disable_tqdm=True, bma_num_samples=0, seed=0,
+    )  # fmt: skip
+    trainer = EVONTrainer(model=GPT2LMHeadModel(_tiny_gpt2_config()), args=args, train_dataset=data)
+    trainer.train()
+    pristine = tmp_path / "pristine"
+    trainer.save_model(str(pristine))
+    old = EVONPosterior.from_pretrained(pristine).to_tensors()
+    trainer.args.max_steps = 2
+    trainer.train()  # a new state: the save under test replaces the earlier one
+    new = trainer.current_posterior().to_tensors()
+    assert not all(torch.equal(old[key], new[key]) for key in old)
+    _kill_every_call(monkeypatch, tmp_path, pristine, lambda d: trainer.save_model(str(d)), old, new)
 
 
 def test_half_precision_eigenbases_halve_the_bases(gpt2, tmp_path):
