@@ -354,6 +354,20 @@ def test_with_ess_scales_the_variance_and_inf_removes_it(mlp):
         post.with_ess(0.0)
 
 
+def test_with_ess_refuses_a_noise_scale_that_underflows(mlp):
+    """Issue 9 item 10: with_ess(1e-46) passed ``ess > 0`` and then sampled inf/NaN weights."""
+    model, _, post = mlp
+    with pytest.raises(PosteriorMismatchError, match=r"with_ess: ess = 1e-46 .* non-finite"):
+        post.with_ess(1e-46)
+    # the smallest ess whose float32 product with H + δ stays normal still samples finite weights
+    low = float((post["0.weight"].hess + post.weight_decay).min())
+    ok = post.with_ess(2 * torch.finfo(torch.float32).tiny / low)
+    with ok.sampled(model, seed=0):
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    with pytest.raises(TypeError, match=r"with_ess: ess must be a number .*got '0\.1'"):
+        post.with_ess("0.1")
+
+
 def test_to_changes_storage_not_results(mlp):
     _, _, post = mlp
     wide = post.to(dtype=torch.float64)
@@ -776,6 +790,45 @@ LOAD_ERRORS = {
         r"\['0\.weight\.Q_L', '0\.weight\.Q_R', '0\.weight\.hess'\]",
     ),
     "bad ess": (None, lambda c: _set(c, "ess", -1), r"ess must be > 0"),
+    # issue 9 item 10: ess > 0 is not enough; ζ(H + δ) must not underflow where sampling computes it
+    "ess underflows": (
+        None,
+        lambda c: _set(c, "ess", 1e-46),
+        r"evon_posterior_config\.json: ess = 1e-46 \(weight_decay .*\) makes the posterior std .* of "
+        r"'0\.weight' non-finite",
+    ),
+    # issue 9 item 11: wrong JSON types are refused naming the field and the file, never coerced
+    "string bool left_basis": (
+        None,
+        lambda c: _set(c["parameters"][W], "left_basis", "false"),
+        rf"evon_posterior_config\.json: field 'parameters\.{W}\.left_basis' must be true or false; got 'false'",
+    ),
+    "float shape": (
+        None,
+        lambda c: _set(c["parameters"][W], "shape", [3.2, 4.7]),
+        rf"evon_posterior_config\.json: field 'parameters\.{W}\.shape' must be a non-empty list of integers",
+    ),
+    "float matrix_shape": (
+        None,
+        lambda c: _set(c["parameters"][W], "matrix_shape", [3.0, 4.0]),
+        rf"field 'parameters\.{W}\.matrix_shape' must be a non-empty list of integers >= 1; got \[3\.0, 4\.0\]",
+    ),
+    "string ess": (None, lambda c: _set(c, "ess", "256"), r"config\.json: field 'ess' must be a number"),
+    "string bool hyperparameter": (
+        None,
+        lambda c: _set(c, "identity_basis", "false"),
+        r"evon_posterior_config\.json: field 'identity_basis' must be true or false; got 'false'",
+    ),
+    "float step": (
+        None,
+        lambda c: _set(c, "optimizer_step", 11.5),
+        r"field 'optimizer_step' must be an integer >= 0; got 11\.5",
+    ),
+    "weights file outside the directory": (
+        None,
+        lambda c: _set(c, "weights_file", "../evon_posterior.safetensors"),
+        r"field 'weights_file' must be 'evon_posterior\.safetensors' or",
+    ),
     "other save's config": (
         None,
         lambda c: _set(c, "checkpoint_id", "0" * 32),
@@ -793,6 +846,18 @@ def test_load_errors_name_the_tensor(mlp, tmp_path, case):
     bad = _corrupt(tmp_path / "good", tmp_path / "bad", tensors, config)
     with pytest.raises(PosteriorMismatchError, match=message):
         EVONPosterior.from_pretrained(bad)
+
+
+def test_version_1_files_without_weights_file_still_load(mlp, tmp_path):
+    """Files written before the config named its weights file read the canonical one."""
+    _, _, post = mlp
+    post.save_pretrained(tmp_path / "good", model_card=False)
+    assert (
+        json.loads((tmp_path / "good" / POSTERIOR_CONFIG_NAME).read_text())["weights_file"]
+        == POSTERIOR_WEIGHTS_NAME
+    )
+    old = _corrupt(tmp_path / "good", tmp_path / "v1", config=lambda c: c.pop("weights_file"))
+    _assert_same_factors(post, EVONPosterior.from_pretrained(old))
 
 
 def test_zero_hessian_is_accepted_only_with_weight_decay(mlp, tmp_path):
