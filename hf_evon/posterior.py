@@ -49,9 +49,11 @@ from .posterior_format import (
 )
 from .posterior_hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_posterior, resolve_files
 from .posterior_math import (
+    DEFAULT_MAX_BASIS_RATIO,
     FactorGroup,
     MatrixFactors,
     compute_dtype,
+    drop_wide_bases,
     perturbations,
     resolve_seed,
 )
@@ -107,13 +109,26 @@ class EVONPosterior:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_optimizer(cls, optimizer: Any, model: nn.Module) -> EVONPosterior:
+    def from_optimizer(
+        cls,
+        optimizer: Any,
+        model: nn.Module,
+        *,
+        max_basis_ratio: float | None = DEFAULT_MAX_BASIS_RATIO,
+        eigenbasis_dtype: torch.dtype | str | None = None,
+    ) -> EVONPosterior:
         """Snapshot the posterior of every EVON-owned parameter of ``optimizer``.
 
         Parameters are matched to ``model.named_parameters()`` by identity, so names are the
         model's own (for a ``PeftModel`` e.g. ``base_model.model....lora_A.default.weight``).
         Factors are copied: the posterior does not change when training continues. Wrappers
         (accelerate's ``AcceleratedOptimizer``, ``(Distributed)DataParallel``) are unwrapped.
+
+        By default the posterior is *lean* (:meth:`lean`): a basis whose side is more than
+        ``max_basis_ratio`` times the other side (the d×d side of a LoRA matrix) is dropped,
+        every marginal variance kept; ``max_basis_ratio=None`` keeps every basis (an exact
+        copy of the optimizer's factors). ``eigenbasis_dtype`` (e.g. ``torch.float16``) holds
+        the bases in half precision (half their bytes; see ``benchmarks/posterior_size.py``).
         """
         optimizer = _unwrap_optimizer(optimizer)
         model = _unwrap_model(model)
@@ -163,12 +178,15 @@ class EVONPosterior:
         config["model_class"] = type(model).__name__
         covered = {id(p) for _, p, _ in entries}
         points = [p for _, p in named if id(p) not in covered]
-        return cls.from_factors(
+        posterior = cls.from_factors(
             factors,
             config,
             num_point_estimates=sum(p.numel() for p in points),
             num_point_estimate_tensors=len(points),
         )
+        if max_basis_ratio is None and eigenbasis_dtype is None:
+            return posterior
+        return posterior.lean(max_basis_ratio, eigenbasis_dtype)
 
     @classmethod
     def from_factors(
@@ -446,6 +464,43 @@ class EVONPosterior:
             )
 
     # ------------------------------------------------------------------ variants
+    def lean(
+        self,
+        max_basis_ratio: float | None = DEFAULT_MAX_BASIS_RATIO,
+        eigenbasis_dtype: torch.dtype | str | None = None,
+    ) -> EVONPosterior:
+        """A cheaper copy: wide bases dropped (marginal variances kept), bases optionally in half precision.
+
+        A basis whose side is more than ``max_basis_ratio`` times the other side becomes the
+        identity, with ``H`` re-expressed so that ``std()`` is unchanged (only correlations
+        along that side are lost; ``hf_evon.posterior_math.drop_wide_bases``). For an r×d
+        LoRA matrix this removes the d×d basis, which is most of a full posterior's bytes.
+        ``None`` keeps every basis. ``eigenbasis_dtype`` casts the kept bases (``H`` keeps
+        its dtype). The ratio used is recorded as ``config["max_basis_ratio"]``.
+        """
+        groups = self._groups
+        config = dict(self.config)
+        if max_basis_ratio is not None:
+            if isinstance(max_basis_ratio, bool) or not isinstance(max_basis_ratio, int | float):
+                raise TypeError(f"max_basis_ratio must be a number >= 1 or None; got {max_basis_ratio!r}")
+            if not max_basis_ratio >= 1.0:
+                raise ValueError(
+                    f"max_basis_ratio must be >= 1 (or None: keep every basis); got {max_basis_ratio!r}"
+                )
+            groups = [drop_wide_bases(g, float(max_basis_ratio)) for g in groups]
+            previous = config.get("max_basis_ratio")
+            config["max_basis_ratio"] = float(
+                max_basis_ratio if previous is None else min(previous, max_basis_ratio)
+            )
+        eig = as_dtype(eigenbasis_dtype)
+        if eig is not None:
+            if not eig.is_floating_point:
+                raise ValueError(f"eigenbasis_dtype must be a floating dtype; got {eig}")
+            cast = lambda q: None if q is None else q.to(eig)  # noqa: E731
+            groups = [replace(g, q_left=cast(g.q_left), q_right=cast(g.q_right)) for g in groups]
+            config["eigenbasis_dtype"] = dtype_name(eig)
+        return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
+
     def with_ess(self, ess: float) -> EVONPosterior:
         """A copy with effective sample size ``ess`` everywhere (``inf``: zero variance).
 

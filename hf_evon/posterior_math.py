@@ -133,3 +133,41 @@ def polar_step(q: Tensor) -> Tensor:
         gram = q.mT @ q
         eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
         return q @ (1.5 * eye - 0.5 * gram)
+
+
+# A basis is kept when its side is at most this many times the other side: its k×k entries
+# then cost at most this many times the weight's own m×n. Wider sides (the d×d input side of
+# an r×d LoRA matrix, 48× for MiniLM; GPT-2's 4d×4d MLP side, 4×) hold most of a full
+# posterior's bytes; dropping them keeps every marginal variance (see ``drop_wide_bases``).
+DEFAULT_MAX_BASIS_RATIO = 3.0
+
+
+def drop_wide_bases(group: FactorGroup, max_basis_ratio: float) -> FactorGroup:
+    """The identity instead of a basis whose side is over ``max_basis_ratio`` × the other side.
+
+    ``H`` is re-expressed on that side so that every marginal variance stays exactly what it
+    was (only correlations along the dropped side are lost). For the right side, with
+    ``V = 1/(ζ(H + δ))``, the new variance is ``V' = V (Q_R ⊙ Q_R)ᵀ``, i.e.
+    ``H' + δ = 1 / ((H + δ)⁻¹ (Q_R ⊙ Q_R)ᵀ)``: a Q_R²-weighted harmonic mean of ``H + δ`` (rows
+    of ``Q_R ⊙ Q_R`` sum to 1), independent of ζ, so ``with_ess`` stays exact. The left side
+    is the transpose. Marginals ``Var(W) = Q_L² V Q_R²ᵀ`` are then unchanged.
+    """
+    m, n = group.m, group.n
+    right = group.q_right is not None and n > max_basis_ratio * m
+    left = group.q_left is not None and m > max_basis_ratio * n
+    if not (left or right):
+        return group
+    wide = torch.float64  # the harmonic mean in float64: H spans many decades
+    inv = 1.0 / (group.hess.to(wide) + group.weight_decay)  # (B, m, n)
+    with exact_float32_matmul():
+        if right:
+            inv = inv @ group.q_right.to(wide).square().mT
+        if left:
+            inv = group.q_left.to(wide).square() @ inv
+    hess = (1.0 / inv - group.weight_decay).to(group.hess.dtype)
+    return replace(
+        group,
+        hess=hess,
+        q_left=None if left else group.q_left,
+        q_right=None if right else group.q_right,
+    )

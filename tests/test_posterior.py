@@ -83,14 +83,18 @@ def _lm_loss(model, ids):
 
 @pytest.fixture(scope="module")
 def gpt2():
-    """(model, optimizer, posterior) of a tiny GPT-2 trained 5 steps by EVON."""
+    """(model, optimizer, full posterior) of a tiny GPT-2 trained 5 steps by EVON.
+
+    Every basis is kept (``max_basis_ratio=None``): the MLP's 128×128 sides would be dropped
+    by the default lean posterior, and several tests here are about bases.
+    """
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(_tiny_gpt2_config())
     opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1000, precondition_frequency=2, seed=0)
     _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(5)], _lm_loss)
-    return model, opt, EVONPosterior.from_optimizer(opt, model)
+    return model, opt, EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
 
 
 def _evon_named(opt, model) -> dict[str, torch.Tensor]:
@@ -352,6 +356,55 @@ def test_with_ess_scales_the_variance_and_inf_removes_it(mlp):
     assert post.ess == 256  # the original is unchanged
     with pytest.raises(PosteriorMismatchError, match="ess must be > 0"):
         post.with_ess(0.0)
+
+
+def test_lean_posterior_drops_wide_bases_and_keeps_every_marginal(gpt2):
+    """Issue 11 item 6: a basis wider than 3x the other side goes; std() and its ess scaling stay exact."""
+    model, opt, full = gpt2
+    lean = EVONPosterior.from_optimizer(opt, model)  # the default
+    assert lean.config["max_basis_ratio"] == 3.0 and "max_basis_ratio" not in full.config
+    fc, proj, attn = (f"transformer.h.0.{k}.weight" for k in ("mlp.c_fc", "mlp.c_proj", "attn.c_attn"))
+    assert (
+        full[fc].Q_R is not None and lean[fc].Q_R is None and torch.equal(lean[fc].Q_L, full[fc].Q_L)
+    )  # 32×128
+    assert full[proj].Q_L is not None and lean[proj].Q_L is None and lean[proj].Q_R is not None  # 128×32
+    assert torch.equal(lean[attn].Q_R, full[attn].Q_R) and torch.equal(lean[attn].hess, full[attn].hess)  # 3x
+    for name in full.names:
+        torch.testing.assert_close(lean.std(name), full.std(name), rtol=2e-6, atol=0)
+        torch.testing.assert_close(
+            lean.with_ess(7.0).std(name), full.with_ess(7.0).std(name), rtol=2e-6, atol=0
+        )
+    # H' + δ is the Q_R²-weighted harmonic mean of H + δ, row by row (float64 reference)
+    f, delta = full[fc], full.weight_decay
+    ref = 1.0 / ((1.0 / (f.hess.double() + delta)) @ f.Q_R.double().square().T) - delta
+    torch.testing.assert_close(lean[fc].hess.double(), ref, rtol=1e-6, atol=0)
+    # what is lost is the correlation along the dropped side only: the dense covariances differ
+    small = nn.Linear(13, 3)  # 3×13: the 13×13 right basis is dropped
+    evon = hf_evon.EVON(small.parameters(), lr=0.05, ess=100.0, precondition_frequency=1)
+    _train(small, evon, [torch.randn(16, 13)] * 3, lambda m, x: m(x).square().mean())
+    a, b = (
+        EVONPosterior.from_optimizer(evon, small, max_basis_ratio=None),
+        EVONPosterior.from_optimizer(evon, small),
+    )
+    assert b["weight"].Q_R is None and b["weight"].Q_L is not None
+    ca, cb = a.covariance("weight"), b.covariance("weight")
+    torch.testing.assert_close(cb.diagonal(), ca.diagonal(), rtol=1e-5, atol=0)
+    assert (ca - cb).abs().max() > 1e-3 * ca.diagonal().max()
+    with pytest.raises(ValueError, match="max_basis_ratio must be >= 1"):
+        full.lean(0.5)
+
+
+def test_lean_posterior_with_half_precision_bases_round_trips(gpt2, tmp_path):
+    model, opt, _ = gpt2
+    post = EVONPosterior.from_optimizer(opt, model, eigenbasis_dtype=torch.float16)
+    bases = [q for f in post.factors.values() for q in (f.Q_L, f.Q_R) if q is not None]
+    assert bases and all(q.dtype == torch.float16 for q in bases)
+    assert all(post[n].hess.dtype == torch.float32 for n in post.names)
+    post.save_pretrained(tmp_path, model_card=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    assert loaded.config["eigenbasis_dtype"] == "float16" and loaded.config["max_basis_ratio"] == 3.0
+    for name in post.names:
+        torch.testing.assert_close(loaded.std(name), post.std(name), rtol=1e-6, atol=0)
 
 
 def test_with_ess_refuses_a_noise_scale_that_underflows(mlp):
@@ -928,6 +981,9 @@ def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     assert "adapter_model.safetensors" in adapter_files and "README.md" in adapter_files
     post.save_pretrained(tmp_path)
     after = _file_bytes(tmp_path)
+    # issue 11 item 6: the default (lean) posterior is at most 2x the adapter, headers included
+    sizes = len(after[POSTERIOR_WEIGHTS_NAME]), len(adapter_files["adapter_model.safetensors"])
+    assert sizes[0] <= 2 * sizes[1], sizes
     for name, data in adapter_files.items():
         if name != "README.md":
             assert after[name] == data, name
