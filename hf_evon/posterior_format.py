@@ -1,7 +1,8 @@
 """The EVON posterior file format (version 1): the one contract for reading and writing it.
 
 A posterior checkpoint is two files in one directory (or Hub repo folder); nothing else in
-the directory is read, written or deleted, except ``README.md`` (the model card, written by
+the directory is read, written or deleted (save for the staged weights and temporaries of
+a save, see the end), except ``README.md`` (the model card, written by
 ``hf_evon.model_card``), which is created or *updated* (metadata merged, an EVON section
 replaced or appended), never replaced wholesale.
 
@@ -12,18 +13,26 @@ replaced or appended), never replaced wholesale.
     * ``<name>.Q_L``: ``(m, m)`` orthonormal, absent where the left basis is the identity;
     * ``<name>.Q_R``: ``(n, n)`` orthonormal, absent where the right basis is the identity.
 
-    ``Q_L``/``Q_R`` are stored in float32, or in bfloat16/float16 with
-    ``save_pretrained(..., eigenbasis_dtype=torch.bfloat16)`` (about half the file). The
-    header metadata holds ``format_version`` and a ``checkpoint_id`` shared with the JSON.
+    ``Q_L``/``Q_R`` are stored in the dtype the posterior holds them in (float32 from the
+    optimizer), or in bfloat16/float16 with ``from_optimizer(..., eigenbasis_dtype=...)`` or
+    ``save_pretrained(..., eigenbasis_dtype=torch.float16)`` (about half the bases' bytes).
+    A lean posterior (``EVONPosterior.lean``, the default of ``from_optimizer``) stores no
+    basis for a side more than ``max_basis_ratio`` times the other (its ``H`` re-expressed):
+    the file is the same format, that side simply has the identity basis. The header
+    metadata holds ``format_version`` and a ``checkpoint_id`` shared with the JSON.
 
 ``evon_posterior_config.json``
-    ``format_version`` (1), ``library``/``library_version``, ``checkpoint_id``, ``ess``
+    ``format_version`` (1), ``library``/``library_version``, ``checkpoint_id``,
+    ``weights_file`` (the weights file this config belongs to: ``evon_posterior.safetensors``,
+    or ``evon_posterior.<checkpoint_id>.safetensors`` after a save killed midway; absent in
+    files written before it existed, which means the canonical name), ``ess``
     and ``weight_decay`` (``"inf"`` encodes an infinite ess), the other EVON
     hyperparameters (``hess_init``, ``betas``, ``precondition_frequency``, ``mc_samples``,
     ``max_precond_dim``, ``shampoo_beta``, ``hess_clip_ratio``, ``clip``, ``clip_radius``,
     ``phased_gradients``, ``identity_basis``, ``lr`` — the scheduler's ``initial_lr`` when
     there is one, with the rate at save time as ``final_lr`` — ... as present), ``optimizer_step``,
-    ``eigenbasis_dtype``, ``hess_dtype``, ``base_model``, ``model_class``,
+    ``eigenbasis_dtype``, ``hess_dtype``, ``max_basis_ratio`` (lean posteriors; null or
+    absent: every basis kept), ``base_model``, ``model_class``,
     ``num_point_estimates`` / ``num_point_estimate_tensors`` (model parameters and tensors
     without a posterior) and ``parameters``: for each covered name, in sorted order,
     ``{"shape": [...], "matrix_shape": [m, n], "left_basis": bool, "right_basis": bool}``,
@@ -32,7 +41,11 @@ replaced or appended), never replaced wholesale.
     ``(d0, rest)``, as ``hf_evon.optim.evon.matrix_shape``).
 
 Loading checks everything and raises :class:`PosteriorMismatchError` naming the offending
-tensor: unknown or newer ``format_version``, a weights file from another save, missing or
+tensor or config field (and the file): unknown or newer ``format_version``, a field of the
+wrong JSON type (``"false"`` for a boolean, ``64.7`` for a shape, a string for a number:
+refused, never coerced or truncated), an ``ess``/``weight_decay``/``hess`` whose posterior
+std ``1/√(ess·(hess + weight_decay))`` is not finite in float32 (e.g. ``ess = 1e-46``
+underflows), a weights file from another save, missing or
 unexpected tensors, shapes that do not match the declared ones, non-float or non-finite
 values, ``hess`` negative (or zero where ``weight_decay`` is 0: infinite variance), an
 eigenbasis that is not orthonormal (``‖QᵀQx − x‖ ≤ tol·‖x‖`` on random probes, ``tol``
@@ -43,10 +56,14 @@ no re-orthonormalisation by default, because
 basis would cost seconds per GPT-2-sized model; ``from_pretrained(...,
 reorthonormalize=True)`` applies one Newton–Schulz polar step ``Q ← Q (3I − QᵀQ) / 2``.
 
-Writes are atomic: both files are written to temporary files in the target directory and
-moved into place with ``os.replace``; an error on the way (including while moving the
-second file) restores the previous checkpoint, and a reader that meets a mixed pair
-(e.g. after a power loss) is stopped by the ``checkpoint_id`` check.
+Writes are atomic, and survive a kill after any file-system call: the weights are written
+(and fsynced) as ``evon_posterior.<checkpoint_id>.safetensors``; the config naming them is
+written to a temporary file and moved onto ``evon_posterior_config.json`` with one
+``os.replace``, the single switch from the old posterior to the new one; then
+``evon_posterior.safetensors`` is replaced by a hard link to (or copy of) the new weights and
+the config is rewritten to name it; files left by killed saves are removed at the end of the
+next save. A reader follows ``weights_file`` and so always sees one consistent pair; a mixed
+pair (e.g. files copied by hand) is stopped by the ``checkpoint_id`` check.
 """
 
 from __future__ import annotations
