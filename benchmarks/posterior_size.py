@@ -31,6 +31,16 @@ held-out data, with the posterior mean's NLL for scale.
 
     python benchmarks/posterior_size.py [--factors direct|optimizer] [--out DIR]
     python benchmarks/posterior_size.py --what trained [--samples 32] [--out DIR]
+
+Measured (2-core shared CPU, torch 2.13; bytes of the weights file vs the model/adapter file,
+BMA NLL relative to the full posterior's):
+
+* tiny GPT-2, ``--only gpt2 --steps 150 --samples 32``: full 1,903,168 B (3.92x), lean
+  854,160 B (1.76x, NLL +0.04%), lean + float16 bases 624,784 B (1.29x, +0.04%); NLL of the
+  mean 3.6353, full BMA 3.6376 (this posterior's noise barely moves the NLL).
+* MiniLM LoRA, ``--only lora --steps 60 --samples 16``: full 29,533,884 B (48.9x), lean
+  624,572 B (1.03x, NLL −3.1%: better), lean + float16 618,402 B (1.02x, −3.1%); NLL of the
+  mean 1.4159, full BMA 1.3264. Not separated from Monte Carlo error (16 samples, one seed).
 """
 
 from __future__ import annotations
