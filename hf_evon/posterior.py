@@ -5,89 +5,58 @@ optimizer has learned, keyed by the model's own parameter names, so it can be us
 the optimizer: sampled into a model (``with posterior.sampled(model): ...``), drawn as a
 batch of perturbations (``posterior.draw(S)``), inspected (``std``, ``covariance``),
 saved next to the model (``save_pretrained``), loaded (``from_pretrained``) and shared on
-the Hub (``push_to_hub``).
+the Hub (``push_to_hub``). Parameters EVON does not own (embeddings, heads, 1-D tensors
+when grouped with ``build_param_groups``) are point estimates.
 
-For each covered matrix ``W`` (shape ``m×n`` after EVON's reshape) the posterior is::
+One concern per module, so each is found in one place:
 
-    vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(vec V) (Q_L ⊗ Q_R)ᵀ),   V = 1 / (ζ (H + δ))
-
-(row-major ``vec``), ``M`` being the model's current weight (the mean), ``Q_L``/``Q_R`` the
-eigenbases (identity where absent), ``H`` the rotated-space Hessian, ``ζ`` the effective
-sample size ``ess`` and ``δ`` the weight decay. Parameters EVON does not own (embeddings,
-heads, 1-D tensors when grouped with ``build_param_groups``) are point estimates.
-
-File format (version 1)
------------------------
-A posterior checkpoint is two files in one directory (or Hub repo folder); nothing else in
-the directory is read, written or deleted, except ``README.md`` (the model card), which is
-created or *updated* (metadata merged, an EVON section replaced or appended), never
-replaced wholesale.
-
-``evon_posterior.safetensors`` (safetensors only: loading never unpickles anything)
-    For each covered parameter ``<name>`` (exactly as in ``model.named_parameters()``):
-
-    * ``<name>.hess``: ``H``, shape ``(m, n)``, float32 (float64 for float64 parameters);
-    * ``<name>.Q_L``: ``(m, m)`` orthonormal, absent where the left basis is the identity;
-    * ``<name>.Q_R``: ``(n, n)`` orthonormal, absent where the right basis is the identity.
-
-    ``Q_L``/``Q_R`` are stored in float32, or in bfloat16/float16 with
-    ``save_pretrained(..., eigenbasis_dtype=torch.bfloat16)`` (about half the file). The
-    header metadata holds ``format_version`` and a ``checkpoint_id`` shared with the JSON.
-
-``evon_posterior_config.json``
-    ``format_version`` (1), ``library``/``library_version``, ``checkpoint_id``, ``ess``
-    and ``weight_decay`` (``"inf"`` encodes an infinite ess), the other EVON
-    hyperparameters (``hess_init``, ``betas``, ``precondition_frequency``, ``mc_samples``,
-    ``max_precond_dim``, ``shampoo_beta``, ``hess_clip_ratio``, ``clip``, ``clip_radius``,
-    ``phased_gradients``, ``identity_basis``, ``lr`` — the scheduler's ``initial_lr`` when
-    there is one, with the rate at save time as ``final_lr`` — ... as present), ``optimizer_step``,
-    ``eigenbasis_dtype``, ``hess_dtype``, ``base_model``, ``model_class``,
-    ``num_point_estimates`` / ``num_point_estimate_tensors`` (model parameters and tensors
-    without a posterior) and ``parameters``: for each covered name, in sorted order,
-    ``{"shape": [...], "matrix_shape": [m, n], "left_basis": bool, "right_basis": bool}``,
-    plus ``ess``/``weight_decay`` where a parameter's group differs from the top level.
-    The parameter is reshaped row-major: ``W.reshape(m, n)`` (1-D as ``1×d``, N-D as
-    ``(d0, rest)``, as ``hf_evon.optim.evon.matrix_shape``).
-
-Loading checks everything and raises :class:`PosteriorMismatchError` naming the offending
-tensor: unknown or newer ``format_version``, a weights file from another save, missing or
-unexpected tensors, shapes that do not match the declared ones, non-float or non-finite
-values, ``hess`` negative (or zero where ``weight_decay`` is 0: infinite variance), an
-eigenbasis that is not orthonormal (``‖QᵀQx − x‖ ≤ tol·‖x‖`` on random probes, ``tol``
-set by the stored dtype). Half-precision eigenbases are upcast to float32 *as stored*
-(GPT-2 small: ‖QᵀQx − x‖/‖x‖ ≤ 3e-3 for bfloat16, 3e-4 for float16, 1.5e-6 for float32):
-no re-orthonormalisation by default, because
-``Q diag(V) Qᵀ`` is still a valid covariance close to the saved one, and a QR of every
-basis would cost seconds per GPT-2-sized model; ``from_pretrained(...,
-reorthonormalize=True)`` applies one Newton–Schulz polar step ``Q ← Q (3I − QᵀQ) / 2``.
-
-Writes are atomic: both files are written to temporary files in the target directory and
-moved into place with ``os.replace``; an error on the way (including while moving the
-second file) restores the previous checkpoint, and a reader that meets a mixed pair
-(e.g. after a power loss) is stopped by the ``checkpoint_id`` check.
+* ``hf_evon.posterior_math``: the Gaussian (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗
+  Q_R)ᵀ)``, ``V = 1/(ζ(H + δ))``), its factors and batched sampling;
+* ``hf_evon.posterior_format``: the file format, as one readable contract (tensor names,
+  config schema, validation, atomic read/write);
+* ``hf_evon.posterior_hub``: finding/downloading the files and pushing them to the Hub;
+* this module: the :class:`EVONPosterior` object tying them to models and optimizers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from .optim.evon import derived_seed, matrix_shape
-from .optim.linalg import dense_covariance, exact_float32_matmul, marginal_variance, unrotate
+from .optim.linalg import dense_covariance, marginal_variance
+from .posterior_format import (
+    FORMAT_VERSION,
+    HYPERPARAMETER_KEYS,
+    POSTERIOR_CONFIG_NAME,
+    POSTERIOR_WEIGHTS_NAME,
+    PosteriorMismatchError,
+    as_dtype,
+    check_finite_std,
+    check_noise_scale,
+    dtype_name,
+    posterior_tensors,
+    read_posterior,
+    write_posterior,
+)
+from .posterior_hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_posterior, resolve_files
+from .posterior_math import (
+    DEFAULT_MAX_BASIS_RATIO,
+    FactorGroup,
+    MatrixFactors,
+    compute_dtype,
+    drop_wide_bases,
+    perturbations,
+    resolve_seed,
+)
 
 Tensor = torch.Tensor
 
@@ -100,261 +69,7 @@ __all__ = [
     "PosteriorMismatchError",
 ]
 
-FORMAT_VERSION = 1
-POSTERIOR_WEIGHTS_NAME = "evon_posterior.safetensors"
-POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
 MAX_DENSE_COVARIANCE_ELEMENTS = 4096
-
-# EVON group entries recorded as hyperparameters (those present in the optimizer's group)
-_HYPERPARAMETER_KEYS = (
-    "lr",
-    "ess",
-    "weight_decay",
-    "hess_init",
-    "betas",
-    "mc_samples",
-    "precondition_frequency",
-    "max_precond_dim",
-    "shampoo_beta",
-    "hess_clip_ratio",
-    "clip",
-    "clip_radius",
-    "phased_gradients",
-    "identity_basis",
-    "stagger_refresh",
-    "eps",
-)
-_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-# ‖QᵀQx − x‖ / ‖x‖ allowed on load, by the dtype the basis was stored in. Rounding a basis
-# to a format with unit roundoff u moves it by ~u/√3 per direction (see the benchmark):
-# these bounds are ~10x that, and far below what a wrong or corrupted basis gives.
-_ORTHONORMAL_TOL = {
-    torch.float64: 1e-6,
-    torch.float32: 1e-3,
-    torch.float16: 1e-2,
-    torch.bfloat16: 6e-2,
-}
-_HUB_DOWNLOAD_KWARGS = ("force_download", "endpoint", "etag_timeout", "headers", "user_agent")
-
-
-class PosteriorMismatchError(ValueError):
-    """A posterior does not fit a model, or a posterior file is invalid.
-
-    The message always names the offending tensor (or config field), so a mismatch is
-    never silently skipped.
-    """
-
-
-@dataclass(frozen=True)
-class MatrixFactors:
-    """The posterior of one covered parameter, in EVON's matrix view of it.
-
-    ``Q_L``/``Q_R`` are ``None`` where the basis is the identity; ``hess`` is ``H`` (m×n);
-    ``shape`` is the parameter's own shape and ``matrix_shape`` the ``(m, n)`` it is
-    reshaped to (row-major).
-    """
-
-    Q_L: Tensor | None
-    Q_R: Tensor | None
-    hess: Tensor
-    shape: tuple[int, ...]
-    matrix_shape: tuple[int, int]
-    ess: float
-    weight_decay: float
-
-    @property
-    def variance(self) -> Tensor:
-        """``V = 1 / (ζ (H + δ))``, the rotated-space variance (m×n)."""
-        return 1.0 / (self.ess * (self.hess.to(_compute_dtype(self.hess)) + self.weight_decay))
-
-
-@dataclass
-class _Group:
-    """Covered matrices of equal shape, bases and noise scale, stacked for batched math."""
-
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    m: int
-    n: int
-    q_left: Tensor | None  # (B, m, m)
-    q_right: Tensor | None  # (B, n, n)
-    hess: Tensor  # (B, m, n)
-    ess: float
-    weight_decay: float
-
-    def factors(self, i: int) -> MatrixFactors:
-        return MatrixFactors(
-            Q_L=None if self.q_left is None else self.q_left[i],
-            Q_R=None if self.q_right is None else self.q_right[i],
-            hess=self.hess[i],
-            shape=self.shapes[i],
-            matrix_shape=(self.m, self.n),
-            ess=self.ess,
-            weight_decay=self.weight_decay,
-        )
-
-    def map_tensors(self, fn: Any) -> _Group:
-        return replace(
-            self,
-            q_left=None if self.q_left is None else fn(self.q_left),
-            q_right=None if self.q_right is None else fn(self.q_right),
-            hess=fn(self.hess),
-        )
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    """The eigenbasis math runs in float32 (float64 stays float64)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _resolve_seed(seed: int | None) -> int:
-    """``None`` takes a seed from torch's global RNG, so ``torch.manual_seed`` reproduces it."""
-    if seed is None:
-        return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-    return int(seed)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    name = str(value).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {value!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def _json_value(value: Any) -> Any:
-    """JSON-safe copy: tuples become lists, infinities the strings "inf"/"-inf"."""
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    if isinstance(value, tuple | list):
-        return [_json_value(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _json_value(v) for k, v in value.items()}
-    if isinstance(value, torch.dtype):
-        return _dtype_name(value)
-    if isinstance(value, bool | int | float | str) or value is None:
-        return value
-    return str(value)
-
-
-def _number(value: Any, field: str) -> float:
-    """A float from the JSON config ("inf" allowed), or a mismatch error naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise PosteriorMismatchError(f"config field {field!r} must be a number; got {value!r}")
-    try:
-        return float(value)
-    except ValueError:
-        raise PosteriorMismatchError(f"config field {field!r} must be a number; got {value!r}") from None
-
-
-def _check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
-    if not ess > 0.0:
-        raise PosteriorMismatchError(f"{where}: ess must be > 0 (inf for no noise); got {ess!r}")
-    if not (weight_decay >= 0.0 and math.isfinite(weight_decay)):
-        raise PosteriorMismatchError(f"{where}: weight_decay must be finite and >= 0; got {weight_decay!r}")
-
-
-def _orthonormality_error(q: Tensor, probes: int = 2) -> float:
-    """``max ‖QᵀQx − x‖ / ‖x‖`` over fixed random probes: O(k n²) instead of O(n³)."""
-    q32 = q.to(_compute_dtype(q))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
-    with exact_float32_matmul():
-        residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q
-    return float((residual.norm(dim=0) / x.norm(dim=0)).max())
-
-
-def _perturbations(
-    z: Tensor, hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
-) -> Tensor:
-    """``Q_L (z_s ⊙ √V) Q_Rᵀ`` for ``z`` of shape ``(B, S, m, n)``: S samples of B matrices.
-
-    The math of ``linalg.sample_perturbation``, arranged so that all S samples of a matrix
-    share one batched matmul per side: samples are folded into the columns (left basis) or
-    rows (right basis) instead of broadcasting Q over S, which would copy every basis S
-    times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases).
-    """
-    b, s, m, n = z.shape
-    x = z * torch.rsqrt(ess * (hess + weight_decay)).unsqueeze(1)
-    with exact_float32_matmul():
-        if q_left is not None:  # Q_L @ [X_1 … X_S] as one (m, S·n) block per matrix
-            x = unrotate(x.transpose(1, 2).reshape(b, m, s * n), q_left, None)
-            x = x.reshape(b, m, s, n).transpose(1, 2)
-        if q_right is not None:  # [X_1; …; X_S] @ Q_Rᵀ as one (S·m, n) block per matrix
-            x = unrotate(x.reshape(b, s * m, n), None, q_right)
-    return x.reshape(b, s, m, n)
-
-
-def _polar_step(q: Tensor) -> Tensor:
-    """One Newton–Schulz step towards the nearest orthonormal matrix: ``Q (3I − QᵀQ) / 2``."""
-    with exact_float32_matmul():
-        gram = q.mT @ q
-        eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
-        return q @ (1.5 * eye - 0.5 * gram)
-
-
-def _fsync_write(path: str, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _temp_path(directory: str, final_name: str) -> str:
-    return os.path.join(directory, f".{final_name}.{uuid.uuid4().hex}.tmp")
-
-
-def _commit_files(pairs: list[tuple[str, str]]) -> None:
-    """Move each temporary file onto its final path; on any error restore the previous files.
-
-    Previous files are kept (hard link, or copy) until every move succeeded, so an error
-    while moving the second file puts the first one back: the directory then holds the
-    previous checkpoint, byte for byte. Temporary and backup files never remain.
-    """
-    backups: list[tuple[str, str | None]] = []  # (final, backup or None if it did not exist)
-    moved: list[tuple[str, str | None]] = []
-    try:
-        for _, final in pairs:
-            if os.path.exists(final):
-                backup = _temp_path(os.path.dirname(final), os.path.basename(final) + ".bak")
-                try:
-                    os.link(final, backup)
-                except OSError:
-                    shutil.copy2(final, backup)
-                backups.append((final, backup))
-            else:
-                backups.append((final, None))
-        for (tmp, final), entry in zip(pairs, backups):
-            os.replace(tmp, final)
-            moved.append(entry)
-    except BaseException:
-        for final, backup in reversed(moved):
-            with contextlib.suppress(OSError):
-                if backup is None:
-                    os.remove(final)
-                else:
-                    os.replace(backup, final)
-        raise
-    finally:
-        for tmp, _ in pairs:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-        for _, backup in backups:
-            if backup is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(backup)
 
 
 class EVONPosterior:
@@ -376,7 +91,7 @@ class EVONPosterior:
 
     def __init__(
         self,
-        groups: list[_Group],
+        groups: list[FactorGroup],
         config: dict[str, Any],
         num_point_estimates: int | None = None,
         num_point_estimate_tensors: int | None = None,
@@ -394,13 +109,26 @@ class EVONPosterior:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_optimizer(cls, optimizer: Any, model: nn.Module) -> EVONPosterior:
+    def from_optimizer(
+        cls,
+        optimizer: Any,
+        model: nn.Module,
+        *,
+        max_basis_ratio: float | None = DEFAULT_MAX_BASIS_RATIO,
+        eigenbasis_dtype: torch.dtype | str | None = None,
+    ) -> EVONPosterior:
         """Snapshot the posterior of every EVON-owned parameter of ``optimizer``.
 
         Parameters are matched to ``model.named_parameters()`` by identity, so names are the
         model's own (for a ``PeftModel`` e.g. ``base_model.model....lora_A.default.weight``).
         Factors are copied: the posterior does not change when training continues. Wrappers
         (accelerate's ``AcceleratedOptimizer``, ``(Distributed)DataParallel``) are unwrapped.
+
+        By default the posterior is *lean* (:meth:`lean`): a basis whose side is more than
+        ``max_basis_ratio`` times the other side (the d×d side of a LoRA matrix) is dropped,
+        every marginal variance kept; ``max_basis_ratio=None`` keeps every basis (an exact
+        copy of the optimizer's factors). ``eigenbasis_dtype`` (e.g. ``torch.float16``) holds
+        the bases in half precision (half their bytes; see ``benchmarks/posterior_size.py``).
         """
         optimizer = _unwrap_optimizer(optimizer)
         model = _unwrap_model(model)
@@ -436,7 +164,7 @@ class EVONPosterior:
                 weight_decay=float(f["weight_decay"]),
             )
         first = evon_groups[0]
-        config = {k: first[k] for k in _HYPERPARAMETER_KEYS if k in first}
+        config = {k: first[k] for k in HYPERPARAMETER_KEYS if k in first}
         if "initial_lr" in first:  # under an LR scheduler: the configured (peak) rate, not today's
             config["lr"], config["final_lr"] = first["initial_lr"], first["lr"]
         if "betas" in config:
@@ -450,12 +178,15 @@ class EVONPosterior:
         config["model_class"] = type(model).__name__
         covered = {id(p) for _, p, _ in entries}
         points = [p for _, p in named if id(p) not in covered]
-        return cls.from_factors(
+        posterior = cls.from_factors(
             factors,
             config,
             num_point_estimates=sum(p.numel() for p in points),
             num_point_estimate_tensors=len(points),
         )
+        if max_basis_ratio is None and eigenbasis_dtype is None:
+            return posterior
+        return posterior.lean(max_basis_ratio, eigenbasis_dtype)
 
     @classmethod
     def from_factors(
@@ -503,7 +234,7 @@ class EVONPosterior:
             (m, n), left, right, ess, wd = key[:5]
             fs = [factors[nm] for nm in names]
             groups.append(
-                _Group(
+                FactorGroup(
                     names=names,
                     shapes=[f.shape for f in fs],
                     m=m,
@@ -526,7 +257,7 @@ class EVONPosterior:
             ),
             None,
         )
-        config["eigenbasis_dtype"] = _dtype_name(basis.dtype if basis is not None else some.hess.dtype)
+        config["eigenbasis_dtype"] = dtype_name(basis.dtype if basis is not None else some.hess.dtype)
         config.setdefault("ess", some.ess)
         config.setdefault("weight_decay", some.weight_decay)
         return cls(groups, config, num_point_estimates, num_point_estimate_tensors)
@@ -596,11 +327,11 @@ class EVONPosterior:
                 f"covariance() is for parameters with at most {max_elements} elements "
                 "(pass max_elements to override, or use std() / draw())"
             )
-        dt = _compute_dtype(f.hess)
+        dt = compute_dtype(f.hess)
         return dense_covariance(f.hess.to(dt), *self._bases(f, dt, f.hess.device), f.ess, f.weight_decay)
 
     def _marginal_variance(self, f: MatrixFactors) -> Tensor:
-        dt = _compute_dtype(f.hess)
+        dt = compute_dtype(f.hess)
         return marginal_variance(f.hess.to(dt), *self._bases(f, dt, f.hess.device), f.ess, f.weight_decay)
 
     @staticmethod
@@ -632,7 +363,7 @@ class EVONPosterior:
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
-        seed = _resolve_seed(seed)
+        seed = resolve_seed(seed)
         wanted = self._select(names)
         out: dict[str, Tensor] = {}
         for group in self._groups:
@@ -640,7 +371,7 @@ class EVONPosterior:
             if not idx:
                 continue
             dev = torch.device(device) if device is not None else group.hess.device
-            dt = _compute_dtype(group.hess)
+            dt = compute_dtype(group.hess)
 
             def take(
                 t: Tensor | None, idx: list[int] = idx, dev: torch.device = dev, dt: torch.dtype = dt
@@ -659,7 +390,7 @@ class EVONPosterior:
                 z[j].normal_(generator=gen)
             if rotated:  # E_s: the same draws, bases left for the caller to apply
                 q_left = q_right = None
-            noise = _perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
+            noise = perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
             for j, i in enumerate(idx):
                 value = noise[j] if rotated else noise[j].reshape(num_samples, *group.shapes[i])
                 out[group.names[i]] = value if dtype is None else value.to(dtype)
@@ -685,7 +416,7 @@ class EVONPosterior:
         """
         self.check_model(model)
         params = dict(_unwrap_model(model).named_parameters(remove_duplicate=False))
-        seed = _resolve_seed(seed)
+        seed = resolve_seed(seed)
         by_device: dict[torch.device, list[str]] = {}
         for name in self.names:
             by_device.setdefault(params[name].device, []).append(name)
@@ -733,14 +464,54 @@ class EVONPosterior:
             )
 
     # ------------------------------------------------------------------ variants
+    def lean(
+        self,
+        max_basis_ratio: float | None = DEFAULT_MAX_BASIS_RATIO,
+        eigenbasis_dtype: torch.dtype | str | None = None,
+    ) -> EVONPosterior:
+        """A cheaper copy: wide bases dropped (marginal variances kept), bases optionally in half precision.
+
+        A basis whose side is more than ``max_basis_ratio`` times the other side becomes the
+        identity, with ``H`` re-expressed so that ``std()`` is unchanged (only correlations
+        along that side are lost; ``hf_evon.posterior_math.drop_wide_bases``). For an r×d
+        LoRA matrix this removes the d×d basis, which is most of a full posterior's bytes.
+        ``None`` keeps every basis. ``eigenbasis_dtype`` casts the kept bases (``H`` keeps
+        its dtype). The ratio used is recorded as ``config["max_basis_ratio"]``.
+        """
+        groups = self._groups
+        config = dict(self.config)
+        if max_basis_ratio is not None:
+            if isinstance(max_basis_ratio, bool) or not isinstance(max_basis_ratio, int | float):
+                raise TypeError(f"max_basis_ratio must be a number >= 1 or None; got {max_basis_ratio!r}")
+            if not max_basis_ratio >= 1.0:
+                raise ValueError(
+                    f"max_basis_ratio must be >= 1 (or None: keep every basis); got {max_basis_ratio!r}"
+                )
+            groups = [drop_wide_bases(g, float(max_basis_ratio)) for g in groups]
+            previous = config.get("max_basis_ratio")
+            config["max_basis_ratio"] = float(
+                max_basis_ratio if previous is None else min(previous, max_basis_ratio)
+            )
+        eig = as_dtype(eigenbasis_dtype)
+        if eig is not None:
+            if not eig.is_floating_point:
+                raise ValueError(f"eigenbasis_dtype must be a floating dtype; got {eig}")
+            cast = lambda q: None if q is None else q.to(eig)  # noqa: E731
+            groups = [replace(g, q_left=cast(g.q_left), q_right=cast(g.q_right)) for g in groups]
+            config["eigenbasis_dtype"] = dtype_name(eig)
+        return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
+
     def with_ess(self, ess: float) -> EVONPosterior:
         """A copy with effective sample size ``ess`` everywhere (``inf``: zero variance).
 
         Variances scale as ``1/ess``: a larger ζ narrows the posterior (tempering).
         """
+        if isinstance(ess, bool) or not isinstance(ess, int | float):
+            raise TypeError(f"with_ess: ess must be a number (math.inf for no noise); got {ess!r}")
         ess = float(ess)
-        _check_noise_scale(ess, self.weight_decay, "with_ess")
+        check_noise_scale(ess, self.weight_decay, "with_ess")
         groups = [replace(g, ess=ess) for g in self._groups]
+        check_finite_std(groups, "with_ess")
         config = dict(self.config, ess=ess)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
@@ -751,7 +522,7 @@ class EVONPosterior:
         groups = [g.map_tensors(lambda t: t.to(device=device, dtype=dtype)) for g in self._groups]
         config = dict(self.config)
         if dtype is not None:
-            config["eigenbasis_dtype"] = _dtype_name(dtype)
+            config["eigenbasis_dtype"] = dtype_name(dtype)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     def __copy__(self) -> EVONPosterior:
@@ -771,62 +542,7 @@ class EVONPosterior:
     # ------------------------------------------------------------------ files
     def to_tensors(self, eigenbasis_dtype: torch.dtype | str | None = None) -> dict[str, Tensor]:
         """The file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous)."""
-        eig = _as_dtype(eigenbasis_dtype)
-        if eig is not None and eig not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise ValueError(f"eigenbasis_dtype must be float32, bfloat16 or float16; got {eig}")
-        tensors: dict[str, Tensor] = {}
-        for name in self.names:
-            f = self[name]
-            for key, q in (("Q_L", f.Q_L), ("Q_R", f.Q_R)):
-                if q is not None:
-                    tensors[f"{name}.{key}"] = (
-                        q.detach().to("cpu", dtype=eig or q.dtype, copy=True).contiguous()
-                    )
-            # copies: the factors are views into stacked buffers, which safetensors refuses to save
-            tensors[f"{name}.hess"] = f.hess.detach().to("cpu", copy=True).contiguous()
-        return tensors
-
-    def _basis_dtype(self) -> torch.dtype:
-        """The dtype the bases are held in now (the Hessian's where every basis is the identity)."""
-        for g in self._groups:
-            for q in (g.q_left, g.q_right):
-                if q is not None:
-                    return q.dtype
-        return self._groups[0].hess.dtype
-
-    def _file_config(self, eigenbasis_dtype: torch.dtype | None, checkpoint_id: str) -> dict[str, Any]:
-        from . import __version__
-
-        config = {k: v for k, v in self.config.items() if k not in ("format_version", "parameters")}
-        hess_dtype = self._groups[0].hess.dtype
-        config.update(
-            format_version=FORMAT_VERSION,
-            library="hf-evon",
-            library_version=__version__,
-            checkpoint_id=checkpoint_id,
-            ess=self.ess,
-            weight_decay=self.weight_decay,
-            eigenbasis_dtype=_dtype_name(eigenbasis_dtype or self._basis_dtype()),
-            hess_dtype=_dtype_name(hess_dtype),
-            num_point_estimates=self.num_point_estimates,
-            num_point_estimate_tensors=self.num_point_estimate_tensors,
-        )
-        parameters = {}
-        for name in self.names:
-            f = self[name]
-            entry: dict[str, Any] = {
-                "shape": list(f.shape),
-                "matrix_shape": list(f.matrix_shape),
-                "left_basis": f.Q_L is not None,
-                "right_basis": f.Q_R is not None,
-            }
-            if f.ess != self.ess:
-                entry["ess"] = f.ess
-            if f.weight_decay != self.weight_decay:
-                entry["weight_decay"] = f.weight_decay
-            parameters[name] = entry
-        config["parameters"] = parameters
-        return _json_value(config)
+        return posterior_tensors(self, eigenbasis_dtype)
 
     def save_pretrained(
         self,
@@ -838,7 +554,8 @@ class EVONPosterior:
         """Write ``evon_posterior.safetensors`` + ``evon_posterior_config.json`` (+ model card).
 
         Safe beside a model: only these two files and ``README.md`` (updated, not replaced)
-        are touched. Atomic: a failed save leaves the previous checkpoint intact.
+        are touched. Atomic: a failed save leaves the previous checkpoint intact. The format
+        is specified in :mod:`hf_evon.posterior_format`.
 
         Args:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
@@ -854,35 +571,15 @@ class EVONPosterior:
         card_kwargs = dict(kwargs.pop("model_card_kwargs", None) or {})
         push_kwargs = {}
         if push_to_hub:
-            push_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _PUSH_KWARGS}
+            push_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in PUSH_KWARGS}
         if kwargs:
             raise TypeError(f"save_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
         directory = os.fspath(save_directory)
         if os.path.isfile(directory):
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
         os.makedirs(directory, exist_ok=True)
-        eig = _as_dtype(eigenbasis_dtype)
-        tensors = self.to_tensors(eig)
-        checkpoint_id = uuid.uuid4().hex
-        metadata = {"format": "pt", "format_version": str(FORMAT_VERSION), "checkpoint_id": checkpoint_id}
-        config_bytes = (
-            json.dumps(self._file_config(eig, checkpoint_id), indent=2, sort_keys=False, allow_nan=False)
-            + "\n"
-        ).encode()
-        weights_path = os.path.join(directory, POSTERIOR_WEIGHTS_NAME)
-        config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-        tmp_weights = _temp_path(directory, POSTERIOR_WEIGHTS_NAME)
-        tmp_config = _temp_path(directory, POSTERIOR_CONFIG_NAME)
-        try:
-            save_file(tensors, tmp_weights, metadata=metadata)
-            with open(tmp_weights, "rb+") as fh:
-                os.fsync(fh.fileno())
-            _fsync_write(tmp_config, config_bytes)
-            _commit_files([(tmp_weights, weights_path), (tmp_config, config_path)])
-        finally:
-            for tmp in (tmp_weights, tmp_config):
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
+        eig = as_dtype(eigenbasis_dtype)
+        write_posterior(self, directory, eig)
         if write_card:
             from .model_card import save_model_card
 
@@ -905,7 +602,7 @@ class EVONPosterior:
     ) -> EVONPosterior:
         """Load a posterior from a local directory or a Hub repo (``revision``, ``subfolder``).
 
-        Every file is validated (see the module docstring); a problem raises
+        Every file is validated (see :mod:`hf_evon.posterior_format`); a problem raises
         :class:`PosteriorMismatchError` naming the tensor. Only safetensors and JSON are read.
 
         Keyword arguments:
@@ -919,71 +616,19 @@ class EVONPosterior:
         device = kwargs.pop("device", "cpu")
         model = kwargs.pop("model", None)
         reorthonormalize = bool(kwargs.pop("reorthonormalize", False))
-        hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _HUB_DOWNLOAD_KWARGS}
+        hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HUB_DOWNLOAD_KWARGS}
         if kwargs:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
-        config_path, weights_path = _resolve_files(
+        config, weights_path = resolve_files(
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
         )
-        posterior = cls._load_files(config_path, weights_path, device, reorthonormalize)
+        loaded = read_posterior(config, weights_path, device, reorthonormalize)
+        posterior = cls(
+            loaded.groups, loaded.config, loaded.num_point_estimates, loaded.num_point_estimate_tensors
+        )
         if model is not None:
             posterior.check_model(model)
         return posterior
-
-    @classmethod
-    def _load_files(
-        cls, config_path: str, weights_path: str, device: Any, reorthonormalize: bool
-    ) -> EVONPosterior:
-        try:
-            with open(config_path, encoding="utf-8") as fh:
-                raw = json.load(fh)
-        except (OSError, ValueError) as err:
-            raise PosteriorMismatchError(f"{POSTERIOR_CONFIG_NAME}: cannot read the config ({err})") from err
-        if not isinstance(raw, dict):
-            raise PosteriorMismatchError(f"{POSTERIOR_CONFIG_NAME}: the config must be a JSON object")
-        version = raw.get("format_version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise PosteriorMismatchError(
-                f"{POSTERIOR_CONFIG_NAME}: format_version {version!r} is not a known EVON posterior format "
-                f"(this hf-evon reads version {FORMAT_VERSION})"
-            )
-        if version > FORMAT_VERSION:
-            raise PosteriorMismatchError(
-                f"{POSTERIOR_CONFIG_NAME}: format_version {version} was written by a newer hf-evon; this one "
-                f"reads version {FORMAT_VERSION}: upgrade hf-evon"
-            )
-        ess = _number(raw.get("ess"), "ess")
-        weight_decay = _number(raw.get("weight_decay"), "weight_decay")
-        _check_noise_scale(ess, weight_decay, POSTERIOR_CONFIG_NAME)
-        parameters = raw.get("parameters")
-        if not isinstance(parameters, dict) or not parameters:
-            raise PosteriorMismatchError(
-                f"{POSTERIOR_CONFIG_NAME}: 'parameters' must list the covered parameters"
-            )
-
-        try:
-            handle = safe_open(weights_path, framework="pt", device="cpu")
-        except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise PosteriorMismatchError(
-                f"{POSTERIOR_WEIGHTS_NAME}: not a readable safetensors file ({err})"
-            ) from err
-        with handle as fh:
-            metadata = fh.metadata() or {}
-            saved_id, config_id = metadata.get("checkpoint_id"), raw.get("checkpoint_id")
-            if saved_id is not None and config_id is not None and saved_id != config_id:
-                raise PosteriorMismatchError(
-                    f"{POSTERIOR_WEIGHTS_NAME} (checkpoint {saved_id}) and {POSTERIOR_CONFIG_NAME} (checkpoint "
-                    f"{config_id}) come from different saves; save the posterior again"
-                )
-            entries = [_parse_entry(name, parameters[name], ess, weight_decay) for name in sorted(parameters)]
-            stored = _check_tensor_headers(fh, entries)
-            groups = _read_groups(fh, entries, stored, device, reorthonormalize)
-        config = {k: v for k, v in raw.items() if k != "parameters"}
-        config["ess"], config["weight_decay"] = ess, weight_decay
-        if isinstance(config.get("betas"), list):
-            config["betas"] = tuple(config["betas"])
-        config["format_version"] = FORMAT_VERSION
-        return cls(groups, config, raw.get("num_point_estimates"), raw.get("num_point_estimate_tensors"))
 
     # ------------------------------------------------------------------ hub
     def push_to_hub(
@@ -1008,69 +653,19 @@ class EVONPosterior:
         the repo root. ``revision`` commits to that branch (created if missing).
         Returns the ``huggingface_hub.CommitInfo``.
         """
-        from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
-        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
-
-        from .model_card import save_model_card
-
-        api = HfApi(endpoint=endpoint, token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        if revision is not None and revision != "main" and not create_pr:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        folder = (path_in_repo or "").strip("/")
-        with tempfile.TemporaryDirectory(prefix="evon_posterior_push_") as tmp:
-            card_dir = os.path.join(tmp, "card")
-            files_dir = os.path.join(tmp, "files")
-            os.makedirs(card_dir)
-            try:
-                existing = hf_hub_download(
-                    repo_id,
-                    "README.md",
-                    revision=revision,
-                    token=token,
-                    endpoint=api.endpoint,
-                    cache_dir=os.path.join(tmp, "cache"),
-                )
-                shutil.copyfile(existing, os.path.join(card_dir, "README.md"))
-            except (EntryNotFoundError, RevisionNotFoundError) as err:
-                if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
-                    raise
-            self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
-            card_kwargs = dict(model_card_kwargs or {})
-            card_kwargs.setdefault("repo_id", repo_id)
-            card_kwargs.setdefault("subfolder", folder or None)
-            save_model_card(card_dir, self, **card_kwargs)
-            operations = [
-                CommitOperationAdd(
-                    path_in_repo=f"{folder}/{fname}" if folder else fname,
-                    path_or_fileobj=os.path.join(files_dir, fname),
-                )
-                for fname in (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
-            ]
-            operations.append(
-                CommitOperationAdd(
-                    path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md")
-                )
-            )
-            return api.create_commit(
-                repo_id,
-                operations,
-                commit_message=commit_message or "Upload EVON posterior",
-                revision=revision,
-                create_pr=create_pr,
-            )
-
-
-_PUSH_KWARGS = (
-    "repo_id",
-    "commit_message",
-    "private",
-    "token",
-    "revision",
-    "create_pr",
-    "path_in_repo",
-    "endpoint",
-)
+        return push_posterior(
+            self,
+            repo_id,
+            commit_message,
+            private,
+            token,
+            revision,
+            create_pr,
+            eigenbasis_dtype,
+            model_card_kwargs,
+            path_in_repo,
+            endpoint,
+        )
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -1113,197 +708,3 @@ def _name_hint(name: str, params: Mapping[str, Tensor]) -> str:
         if name.endswith("." + other):
             return f" (the model has {other!r}: pass the wrapped model, e.g. the PeftModel, the posterior was built from)"
     return ""
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One covered parameter as declared in the config."""
-
-    name: str
-    shape: tuple[int, ...]
-    m: int
-    n: int
-    left: bool
-    right: bool
-    ess: float
-    weight_decay: float
-
-    def tensors(self) -> list[tuple[str, tuple[int, int]]]:
-        """(kind, expected shape) of the tensors the file must hold for this parameter."""
-        out = [("hess", (self.m, self.n))]
-        if self.left:
-            out.append(("Q_L", (self.m, self.m)))
-        if self.right:
-            out.append(("Q_R", (self.n, self.n)))
-        return out
-
-
-_STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def _parse_entry(name: str, entry: Any, ess: float, weight_decay: float) -> _Entry:
-    if not isinstance(entry, dict):
-        raise PosteriorMismatchError(f"{POSTERIOR_CONFIG_NAME}: entry for {name!r} must be an object")
-    try:
-        shape = tuple(int(s) for s in entry["shape"])
-        declared = tuple(int(s) for s in entry["matrix_shape"])
-        left, right = bool(entry["left_basis"]), bool(entry["right_basis"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise PosteriorMismatchError(
-            f"{POSTERIOR_CONFIG_NAME}: entry for {name!r} needs shape, matrix_shape, left_basis, "
-            f"right_basis ({err!r})"
-        ) from None
-    if len(declared) != 2 or declared != matrix_shape(shape):
-        raise PosteriorMismatchError(
-            f"{name!r}: matrix_shape {list(declared)} does not match shape {list(shape)} "
-            f"(EVON views it as {list(matrix_shape(shape))})"
-        )
-    p_ess = _number(entry.get("ess", ess), f"parameters.{name}.ess")
-    p_wd = _number(entry.get("weight_decay", weight_decay), f"parameters.{name}.weight_decay")
-    _check_noise_scale(p_ess, p_wd, repr(name))
-    return _Entry(name, shape, declared[0], declared[1], left, right, p_ess, p_wd)
-
-
-def _check_tensor_headers(fh: Any, entries: list[_Entry]) -> dict[str, torch.dtype]:
-    """Presence, dtype and shape of every tensor, from the header alone (nothing read yet)."""
-    keys = set(fh.keys())
-    stored: dict[str, torch.dtype] = {}
-    for e in entries:
-        for kind, want in e.tensors():
-            key = f"{e.name}.{kind}"
-            if key not in keys:
-                raise PosteriorMismatchError(f"tensor {key!r} is missing from {POSTERIOR_WEIGHTS_NAME}")
-            header = fh.get_slice(key)
-            dtype = _STORED_DTYPES.get(header.get_dtype())
-            if dtype is None:
-                raise PosteriorMismatchError(
-                    f"tensor {key!r} has dtype {header.get_dtype()}; expected one of {sorted(_STORED_DTYPES)}"
-                )
-            if tuple(header.get_shape()) != want:
-                raise PosteriorMismatchError(
-                    f"tensor {key!r} has shape {list(header.get_shape())}; expected {list(want)}"
-                )
-            stored[key] = dtype
-    extra = sorted(keys - set(stored))
-    if extra:
-        raise PosteriorMismatchError(
-            f"{POSTERIOR_WEIGHTS_NAME} holds tensors the config does not declare: {extra[:5]} "
-            "(refusing to skip them silently)"
-        )
-    return stored
-
-
-def _all_finite(t: Tensor) -> bool:
-    """A finite sum implies finite entries (NaN/inf propagate); only a non-finite sum needs the slow check."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
-
-
-def _read_groups(
-    fh: Any, entries: list[_Entry], stored: dict[str, torch.dtype], device: Any, reorthonormalize: bool
-) -> list[_Group]:
-    """Read every tensor once, straight into its group's stacked buffer, validating its values."""
-    buckets: dict[tuple, list[_Entry]] = {}
-    for e in entries:
-        dt = torch.float64 if stored[f"{e.name}.hess"] == torch.float64 else torch.float32
-        buckets.setdefault((e.m, e.n, e.left, e.right, e.ess, e.weight_decay, dt), []).append(e)
-    groups = []
-    for (m, n, left, right, ess, weight_decay, dt), members in buckets.items():
-        size = len(members)
-        buffers = {
-            "hess": torch.empty(size, m, n, dtype=dt, device=device),
-            "Q_L": torch.empty(size, m, m, dtype=dt, device=device) if left else None,
-            "Q_R": torch.empty(size, n, n, dtype=dt, device=device) if right else None,
-        }
-        for i, e in enumerate(members):
-            for kind, _ in e.tensors():
-                key = f"{e.name}.{kind}"
-                slot = buffers[kind][i]
-                slot.copy_(fh.get_tensor(key))  # upcasts half-precision bases to float32
-                if not _all_finite(slot):
-                    raise PosteriorMismatchError(f"tensor {key!r} has non-finite values (NaN or inf)")
-                if kind == "hess":
-                    # IVON's update keeps H + δ > 0 (H itself may dip below 0 by less than δ)
-                    low = float(slot.min()) + weight_decay
-                    if low <= 0:
-                        raise PosteriorMismatchError(
-                            f"tensor {key!r} has non-positive hess + weight_decay (min {low:g}); EVON "
-                            "keeps it positive, else the variance 1/(ess·(hess + weight_decay)) would be "
-                            "negative or infinite"
-                        )
-                    continue
-                tol = _ORTHONORMAL_TOL.get(stored[key], 1e-3)
-                err = _orthonormality_error(slot)
-                if err > tol:
-                    raise PosteriorMismatchError(
-                        f"tensor {key!r} is not orthonormal (‖QᵀQx − x‖/‖x‖ = {err:.3g} > {tol:g} for "
-                        f"{_dtype_name(stored[key])})"
-                    )
-        if reorthonormalize:
-            for kind in ("Q_L", "Q_R"):
-                if buffers[kind] is not None:
-                    buffers[kind] = _polar_step(buffers[kind])
-        groups.append(
-            _Group(
-                names=[e.name for e in members],
-                shapes=[e.shape for e in members],
-                m=m,
-                n=n,
-                q_left=buffers["Q_L"],
-                q_right=buffers["Q_R"],
-                hess=buffers["hess"],
-                ess=ess,
-                weight_decay=weight_decay,
-            )
-        )
-    return groups
-
-
-def _resolve_files(
-    path: str,
-    revision: str | None,
-    subfolder: str | None,
-    token: str | bool | None,
-    cache_dir: str | os.PathLike | None,
-    local_files_only: bool,
-    hub_kwargs: dict[str, Any],
-) -> tuple[str, str]:
-    """Local paths of the config and weights: from a directory, or downloaded from the Hub."""
-    if os.path.isdir(path):
-        directory = os.path.join(path, subfolder) if subfolder else path
-        files = tuple(os.path.join(directory, f) for f in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME))
-        for f in files:
-            if not os.path.isfile(f):
-                raise FileNotFoundError(
-                    f"no EVON posterior in {directory!r}: {os.path.basename(f)} is missing"
-                )
-        return files  # type: ignore[return-value]
-    if os.path.exists(path):
-        raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    out = []
-    for fname in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME):
-        try:
-            out.append(
-                hf_hub_download(
-                    path,
-                    fname,
-                    subfolder=subfolder,
-                    revision=revision,
-                    token=token,
-                    cache_dir=cache_dir,
-                    local_files_only=local_files_only,
-                    **hub_kwargs,
-                )
-            )
-        except EntryNotFoundError as err:
-            if isinstance(err, LocalEntryNotFoundError):  # offline / not cached: not "missing"
-                raise
-            where = (
-                f"{path}"
-                + (f"/{subfolder}" if subfolder else "")
-                + (f" (revision {revision})" if revision else "")
-            )
-            raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
-    return out[0], out[1]

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -93,7 +94,11 @@ def _lm_loss(model, ids):
 
 @pytest.fixture(scope="module")
 def gpt2():
-    """(model, optimizer, posterior) of a tiny GPT-2 trained 5 steps by EVON."""
+    """(model, optimizer, full posterior) of a tiny GPT-2 trained 5 steps by EVON.
+
+    Every basis is kept (``max_basis_ratio=None``): the MLP's 128×128 sides would be dropped
+    by the default lean posterior, and several tests here are about bases.
+    """
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -113,7 +118,7 @@ def gpt2():
         adamw_lr=None,
     )
     _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(5)], _lm_loss)
-    return model, opt, EVONPosterior.from_optimizer(opt, model)
+    return model, opt, EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
 
 
 def _evon_named(opt, model) -> dict[str, torch.Tensor]:
@@ -402,6 +407,69 @@ def test_with_ess_scales_the_variance_and_inf_removes_it(mlp):
         post.with_ess(0.0)
 
 
+def test_lean_posterior_drops_wide_bases_and_keeps_every_marginal(gpt2):
+    """Issue 11 item 6: a basis wider than 3x the other side goes; std() and its ess scaling stay exact."""
+    model, opt, full = gpt2
+    lean = EVONPosterior.from_optimizer(opt, model)  # the default
+    assert lean.config["max_basis_ratio"] == 3.0 and "max_basis_ratio" not in full.config
+    fc, proj, attn = (f"transformer.h.0.{k}.weight" for k in ("mlp.c_fc", "mlp.c_proj", "attn.c_attn"))
+    assert (
+        full[fc].Q_R is not None and lean[fc].Q_R is None and torch.equal(lean[fc].Q_L, full[fc].Q_L)
+    )  # 32×128
+    assert full[proj].Q_L is not None and lean[proj].Q_L is None and lean[proj].Q_R is not None  # 128×32
+    assert torch.equal(lean[attn].Q_R, full[attn].Q_R) and torch.equal(lean[attn].hess, full[attn].hess)  # 3x
+    for name in full.names:
+        torch.testing.assert_close(lean.std(name), full.std(name), rtol=2e-6, atol=0)
+        torch.testing.assert_close(
+            lean.with_ess(7.0).std(name), full.with_ess(7.0).std(name), rtol=2e-6, atol=0
+        )
+    # H' + δ is the Q_R²-weighted harmonic mean of H + δ, row by row (float64 reference)
+    f, delta = full[fc], full.weight_decay
+    ref = 1.0 / ((1.0 / (f.hess.double() + delta)) @ f.Q_R.double().square().T) - delta
+    torch.testing.assert_close(lean[fc].hess.double(), ref, rtol=1e-6, atol=0)
+    # what is lost is the correlation along the dropped side only: the dense covariances differ
+    small = nn.Linear(13, 3)  # 3×13: the 13×13 right basis is dropped
+    evon = hf_evon.EVON(small.parameters(), lr=0.05, ess=100.0, precondition_frequency=1)
+    _train(small, evon, [torch.randn(16, 13)] * 3, lambda m, x: m(x).square().mean())
+    a, b = (
+        EVONPosterior.from_optimizer(evon, small, max_basis_ratio=None),
+        EVONPosterior.from_optimizer(evon, small),
+    )
+    assert b["weight"].Q_R is None and b["weight"].Q_L is not None
+    ca, cb = a.covariance("weight"), b.covariance("weight")
+    torch.testing.assert_close(cb.diagonal(), ca.diagonal(), rtol=1e-5, atol=0)
+    assert (ca - cb).abs().max() > 1e-3 * ca.diagonal().max()
+    with pytest.raises(ValueError, match="max_basis_ratio must be >= 1"):
+        full.lean(0.5)
+
+
+def test_lean_posterior_with_half_precision_bases_round_trips(gpt2, tmp_path):
+    model, opt, _ = gpt2
+    post = EVONPosterior.from_optimizer(opt, model, eigenbasis_dtype=torch.float16)
+    bases = [q for f in post.factors.values() for q in (f.Q_L, f.Q_R) if q is not None]
+    assert bases and all(q.dtype == torch.float16 for q in bases)
+    assert all(post[n].hess.dtype == torch.float32 for n in post.names)
+    post.save_pretrained(tmp_path, model_card=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    assert loaded.config["eigenbasis_dtype"] == "float16" and loaded.config["max_basis_ratio"] == 3.0
+    for name in post.names:
+        torch.testing.assert_close(loaded.std(name), post.std(name), rtol=1e-6, atol=0)
+
+
+def test_with_ess_refuses_a_noise_scale_that_underflows(mlp):
+    """Issue 9 item 10: with_ess(1e-46) passed ``ess > 0`` and then sampled inf/NaN weights."""
+    model, _, post = mlp
+    with pytest.raises(PosteriorMismatchError, match=r"with_ess: ess = 1e-46 .* non-finite"):
+        post.with_ess(1e-46)
+    # the smallest ess whose float32 product with H + δ stays normal still samples finite weights
+    low = float((post["0.weight"].hess + post.weight_decay).min())
+    ok = post.with_ess(2 * torch.finfo(torch.float32).tiny / low)
+    with ok.sampled(model, seed=0):
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    with pytest.raises(TypeError, match=r"with_ess: ess must be a number .*got '0\.1'"):
+        post.with_ess("0.1")
+
+
 def test_to_changes_storage_not_results(mlp):
     _, _, post = mlp
     wide = post.to(dtype=torch.float64)
@@ -556,7 +624,7 @@ def test_saving_beside_a_transformers_model_keeps_its_files(gpt2, tmp_path):
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monkeypatch):
-    import hf_evon.posterior as posterior_module
+    import hf_evon.posterior_format as format_module
 
     _, _, post = mlp
     post.save_pretrained(tmp_path)
@@ -566,7 +634,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
     def failing_writer(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(posterior_module, "save_file", failing_writer)
+    monkeypatch.setattr(format_module, "save_file", failing_writer)
     with pytest.raises(OSError, match="disk full"):
         newer.save_pretrained(tmp_path)
     monkeypatch.undo()
@@ -585,6 +653,139 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
     monkeypatch.undo()
     assert _file_bytes(tmp_path) == before  # weights rolled back, no temporary files left
     assert EVONPosterior.from_pretrained(tmp_path).ess == 256
+
+
+class _Killed(BaseException):
+    """The process died: no handler may catch it, and nothing after it touches the disk."""
+
+
+def _kill_after(monkeypatch, k: int | None) -> list[str]:
+    """Route every file-system call of a save through a counter; after call ``k`` the process dies.
+
+    Call ``k`` itself completes; every later call raises :class:`_Killed` without running, so
+    cleanup handlers (``finally``, ``except``) cannot repair anything, as after a SIGKILL.
+    ``k=None`` only counts. Returns the list of calls made.
+    """
+    import builtins
+    import shutil
+
+    import hf_evon.posterior_format as format_module
+
+    calls: list[str] = []
+
+    def wrap(fn, label):
+        def call(*args, **kwargs):
+            if k is not None and len(calls) >= k:
+                raise _Killed(f"{label} after the kill")
+            out = fn(*args, **kwargs)
+            calls.append(label)
+            if len(calls) == k:
+                raise _Killed(f"killed right after call {k} ({label})")
+            return out
+
+        return call
+
+    for name in (
+        "open",
+        "fsync",
+        "replace",
+        "rename",
+        "link",
+        "remove",
+        "unlink",
+        "listdir",
+        "makedirs",
+        "mkdir",
+    ):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name), f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", wrap(builtins.open, "open"))
+    monkeypatch.setattr(shutil, "copyfile", wrap(shutil.copyfile, "shutil.copyfile"))
+    monkeypatch.setattr(format_module, "save_file", wrap(format_module.save_file, "save_file"))
+    return calls
+
+
+def _hess_scaled(post: EVONPosterior, factor: float) -> EVONPosterior:
+    from dataclasses import replace
+
+    factors = {n: replace(f, hess=f.hess * factor) for n, f in post.factors.items()}
+    return EVONPosterior.from_factors(factors, post.config)
+
+
+def _kill_every_call(monkeypatch, tmp_path: Path, pristine: Path, save, old: dict, new: dict) -> list[str]:
+    """Kill ``save`` after each of its file-system calls in turn; the directory must load as old or new.
+
+    ``old``/``new`` are the tensors of the posterior before/after the save. Returns, per k,
+    which one loaded: once the switch is made, every later kill must give the new one.
+    """
+    with monkeypatch.context() as patch:
+        calls = _kill_after(patch, None)
+        save(tmp_path / "count")
+    assert len(calls) > 10, calls  # the save really went through the wrapped calls
+    seen = []
+    for k in range(1, len(calls) + 1):
+        target = tmp_path / f"kill{k}"
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _kill_after(patch, k)
+            with pytest.raises(_Killed):
+                save(target)
+        loaded = EVONPosterior.from_pretrained(target).to_tensors()  # no repair in between
+        which = [label for label, t in (("old", old), ("new", new)) if t.keys() == loaded.keys()]
+        which = [
+            label
+            for label in which
+            if all(torch.equal(loaded[key], (old, new)[label == "new"][key]) for key in loaded)
+        ]
+        assert len(which) == 1, (k, calls[k - 1])
+        seen.append(which[0])
+    assert seen == sorted(seen, key=lambda w: w == "new") and seen[0] == "old" and seen[-1] == "new", seen
+    return seen
+
+
+def test_a_save_killed_after_any_file_system_call_loads_as_old_or_new(mlp, tmp_path, monkeypatch):
+    """Issue 9 item 4: no kill point leaves a pair that does not load; the next save removes the leftovers."""
+    _, _, post = mlp
+    newer = _hess_scaled(post.with_ess(999.0), 2.0)
+    pristine = tmp_path / "pristine"
+    post.save_pretrained(pristine)
+
+    seen = _kill_every_call(
+        monkeypatch, tmp_path, pristine, newer.save_pretrained, post.to_tensors(), newer.to_tensors()
+    )
+    assert "old" in seen and "new" in seen
+    # the next save over what any kill left removes every staged or temporary file
+    for k in range(1, len(seen) + 1):
+        target = tmp_path / f"kill{k}"
+        post.save_pretrained(target)
+        left = sorted(n for n in os.listdir(target) if "evon_posterior" in n)  # README.md is model_card's
+        assert left == sorted([POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME]), (k, left)
+        assert EVONPosterior.from_pretrained(target).ess == 256
+
+
+def test_trainer_save_model_killed_over_an_earlier_save_loads_as_old_or_new(tmp_path, monkeypatch):
+    """Issue 9 item 4 through ``trainer.save_model()`` (model files, posterior, model card)."""
+    from datasets import Dataset
+    from transformers import GPT2LMHeadModel
+
+    from hf_evon import EVONConfig, EVONTrainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (8, 12))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = EVONConfig(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_train_batch_size=4,
+        max_steps=1, evon_ess=1e4, save_strategy="no", disable_tqdm=True, bma_num_samples=0, seed=0,
+    )  # fmt: skip
+    trainer = EVONTrainer(model=GPT2LMHeadModel(_tiny_gpt2_config()), args=args, train_dataset=data)
+    trainer.train()
+    pristine = tmp_path / "pristine"
+    trainer.save_model(str(pristine))
+    old = EVONPosterior.from_pretrained(pristine).to_tensors()
+    trainer.args.max_steps = 2
+    trainer.train()  # a new state: the save under test replaces the earlier one
+    new = trainer.current_posterior().to_tensors()
+    assert not all(torch.equal(old[key], new[key]) for key in old)
+    _kill_every_call(monkeypatch, tmp_path, pristine, lambda d: trainer.save_model(str(d)), old, new)
 
 
 def test_half_precision_eigenbases_halve_the_bases(gpt2, tmp_path):
@@ -612,7 +813,7 @@ def test_half_precision_eigenbases_halve_the_bases(gpt2, tmp_path):
 
 
 def test_reorthonormalize_option(gpt2, tmp_path):
-    from hf_evon.posterior import _orthonormality_error
+    from hf_evon.posterior_math import orthonormality_error as _orthonormality_error
 
     _, _, post = gpt2
     post.save_pretrained(tmp_path, eigenbasis_dtype=torch.bfloat16, model_card=False)
@@ -703,6 +904,45 @@ LOAD_ERRORS = {
         r"\['0\.weight\.Q_L', '0\.weight\.Q_R', '0\.weight\.hess'\]",
     ),
     "bad ess": (None, lambda c: _set(c, "ess", -1), r"ess must be > 0"),
+    # issue 9 item 10: ess > 0 is not enough; ζ(H + δ) must not underflow where sampling computes it
+    "ess underflows": (
+        None,
+        lambda c: _set(c, "ess", 1e-46),
+        r"evon_posterior_config\.json: ess = 1e-46 \(weight_decay .*\) makes the posterior std .* of "
+        r"'0\.weight' non-finite",
+    ),
+    # issue 9 item 11: wrong JSON types are refused naming the field and the file, never coerced
+    "string bool left_basis": (
+        None,
+        lambda c: _set(c["parameters"][W], "left_basis", "false"),
+        rf"evon_posterior_config\.json: field 'parameters\.{W}\.left_basis' must be true or false; got 'false'",
+    ),
+    "float shape": (
+        None,
+        lambda c: _set(c["parameters"][W], "shape", [3.2, 4.7]),
+        rf"evon_posterior_config\.json: field 'parameters\.{W}\.shape' must be a non-empty list of integers",
+    ),
+    "float matrix_shape": (
+        None,
+        lambda c: _set(c["parameters"][W], "matrix_shape", [3.0, 4.0]),
+        rf"field 'parameters\.{W}\.matrix_shape' must be a non-empty list of integers >= 1; got \[3\.0, 4\.0\]",
+    ),
+    "string ess": (None, lambda c: _set(c, "ess", "256"), r"config\.json: field 'ess' must be a number"),
+    "string bool hyperparameter": (
+        None,
+        lambda c: _set(c, "identity_basis", "false"),
+        r"evon_posterior_config\.json: field 'identity_basis' must be true or false; got 'false'",
+    ),
+    "float step": (
+        None,
+        lambda c: _set(c, "optimizer_step", 11.5),
+        r"field 'optimizer_step' must be an integer >= 0; got 11\.5",
+    ),
+    "weights file outside the directory": (
+        None,
+        lambda c: _set(c, "weights_file", "../evon_posterior.safetensors"),
+        r"field 'weights_file' must be 'evon_posterior\.safetensors' or",
+    ),
     "other save's config": (
         None,
         lambda c: _set(c, "checkpoint_id", "0" * 32),
@@ -720,6 +960,18 @@ def test_load_errors_name_the_tensor(mlp, tmp_path, case):
     bad = _corrupt(tmp_path / "good", tmp_path / "bad", tensors, config)
     with pytest.raises(PosteriorMismatchError, match=message):
         EVONPosterior.from_pretrained(bad)
+
+
+def test_version_1_files_without_weights_file_still_load(mlp, tmp_path):
+    """Files written before the config named its weights file read the canonical one."""
+    _, _, post = mlp
+    post.save_pretrained(tmp_path / "good", model_card=False)
+    assert (
+        json.loads((tmp_path / "good" / POSTERIOR_CONFIG_NAME).read_text())["weights_file"]
+        == POSTERIOR_WEIGHTS_NAME
+    )
+    old = _corrupt(tmp_path / "good", tmp_path / "v1", config=lambda c: c.pop("weights_file"))
+    _assert_same_factors(post, EVONPosterior.from_pretrained(old))
 
 
 def test_zero_hessian_is_accepted_only_with_weight_decay(mlp, tmp_path):
@@ -803,6 +1055,9 @@ def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     assert "adapter_model.safetensors" in adapter_files and "README.md" in adapter_files
     post.save_pretrained(tmp_path)
     after = _file_bytes(tmp_path)
+    # issue 11 item 6: the default (lean) posterior is at most 2x the adapter, headers included
+    sizes = len(after[POSTERIOR_WEIGHTS_NAME]), len(adapter_files["adapter_model.safetensors"])
+    assert sizes[0] <= 2 * sizes[1], sizes
     for name, data in adapter_files.items():
         if name != "README.md":
             assert after[name] == data, name

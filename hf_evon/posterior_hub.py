@@ -1,0 +1,156 @@
+"""EVON posteriors on the Hugging Face Hub: find the two files locally or download them, push them.
+
+Only ``huggingface_hub`` calls live here; what the files hold is ``posterior_format``'s
+business, and the model card's is ``model_card``'s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from .posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, read_config, weights_file_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from .posterior import EVONPosterior
+
+# keyword arguments of save_pretrained(push_to_hub=True) that go to push_to_hub
+PUSH_KWARGS = (
+    "repo_id",
+    "commit_message",
+    "private",
+    "token",
+    "revision",
+    "create_pr",
+    "path_in_repo",
+    "endpoint",
+)
+# keyword arguments of from_pretrained that go to hf_hub_download
+HUB_DOWNLOAD_KWARGS = ("force_download", "endpoint", "etag_timeout", "headers", "user_agent")
+
+
+def resolve_files(
+    path: str,
+    revision: str | None,
+    subfolder: str | None,
+    token: str | bool | None,
+    cache_dir: str | os.PathLike | None,
+    local_files_only: bool,
+    hub_kwargs: dict[str, Any],
+) -> tuple[dict[str, Any], str]:
+    """The validated config and the local path of the weights file it names.
+
+    From a directory, or downloaded from the Hub. The config comes first: it names the
+    weights file (see ``posterior_format.write_posterior`` for why).
+    """
+    if os.path.isdir(path):
+        directory = os.path.join(path, subfolder) if subfolder else path
+        config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"no EVON posterior in {directory!r}: {POSTERIOR_CONFIG_NAME} is missing")
+        config = read_config(config_path)
+        weights_path = os.path.join(directory, weights_file_name(config))
+        if not os.path.isfile(weights_path):
+            raise FileNotFoundError(
+                f"no EVON posterior in {directory!r}: {weights_file_name(config)} (named by "
+                f"{POSTERIOR_CONFIG_NAME}) is missing"
+            )
+        return config, weights_path
+    if os.path.exists(path):
+        raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    def download(fname: str) -> str:
+        try:
+            return hf_hub_download(
+                path,
+                fname,
+                subfolder=subfolder,
+                revision=revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                **hub_kwargs,
+            )
+        except EntryNotFoundError as err:
+            if isinstance(err, LocalEntryNotFoundError):  # offline / not cached: not "missing"
+                raise
+            where = (
+                f"{path}"
+                + (f"/{subfolder}" if subfolder else "")
+                + (f" (revision {revision})" if revision else "")
+            )
+            raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
+
+    config = read_config(download(POSTERIOR_CONFIG_NAME))
+    return config, download(weights_file_name(config))
+
+
+def push_posterior(
+    posterior: EVONPosterior,
+    repo_id: str,
+    commit_message: str | None,
+    private: bool | None,
+    token: str | bool | None,
+    revision: str | None,
+    create_pr: bool,
+    eigenbasis_dtype: torch.dtype | None,
+    model_card_kwargs: dict[str, Any] | None,
+    path_in_repo: str | None,
+    endpoint: str | None,
+) -> Any:
+    """``EVONPosterior.push_to_hub``: the two files + the updated card in one commit."""
+    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
+
+    from .model_card import save_model_card
+
+    api = HfApi(endpoint=endpoint, token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    if revision is not None and revision != "main" and not create_pr:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    folder = (path_in_repo or "").strip("/")
+    with tempfile.TemporaryDirectory(prefix="evon_posterior_push_") as tmp:
+        card_dir = os.path.join(tmp, "card")
+        files_dir = os.path.join(tmp, "files")
+        os.makedirs(card_dir)
+        try:
+            existing = hf_hub_download(
+                repo_id,
+                "README.md",
+                revision=revision,
+                token=token,
+                endpoint=api.endpoint,
+                cache_dir=os.path.join(tmp, "cache"),
+            )
+            shutil.copyfile(existing, os.path.join(card_dir, "README.md"))
+        except (EntryNotFoundError, RevisionNotFoundError) as err:
+            if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
+                raise
+        posterior.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
+        card_kwargs = dict(model_card_kwargs or {})
+        card_kwargs.setdefault("repo_id", repo_id)
+        card_kwargs.setdefault("subfolder", folder or None)
+        save_model_card(card_dir, posterior, **card_kwargs)
+        operations = [
+            CommitOperationAdd(
+                path_in_repo=f"{folder}/{fname}" if folder else fname,
+                path_or_fileobj=os.path.join(files_dir, fname),
+            )
+            for fname in (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+        ]
+        operations.append(
+            CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
+        )
+        return api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or "Upload EVON posterior",
+            revision=revision,
+            create_pr=create_pr,
+        )

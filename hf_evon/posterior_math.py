@@ -1,0 +1,173 @@
+"""The Gaussian maths of an EVON posterior: its factors, samples, and basis checks.
+
+For each covered matrix ``W`` (shape ``m×n`` after EVON's reshape) the posterior is::
+
+    vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(vec V) (Q_L ⊗ Q_R)ᵀ),   V = 1 / (ζ (H + δ))
+
+(row-major ``vec``), ``M`` being the model's current weight (the mean), ``Q_L``/``Q_R`` the
+eigenbases (identity where absent), ``H`` the rotated-space Hessian, ``ζ`` the effective
+sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files or the Hub
+(``posterior_format`` and ``posterior_hub``) or about models (``posterior``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from .optim.linalg import exact_float32_matmul, unrotate
+
+Tensor = torch.Tensor
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """The eigenbasis math runs in float32 (float64 stays float64)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def resolve_seed(seed: int | None) -> int:
+    """``None`` takes a seed from torch's global RNG, so ``torch.manual_seed`` reproduces it."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    return int(seed)
+
+
+@dataclass(frozen=True)
+class MatrixFactors:
+    """The posterior of one covered parameter, in EVON's matrix view of it.
+
+    ``Q_L``/``Q_R`` are ``None`` where the basis is the identity; ``hess`` is ``H`` (m×n);
+    ``shape`` is the parameter's own shape and ``matrix_shape`` the ``(m, n)`` it is
+    reshaped to (row-major).
+    """
+
+    Q_L: Tensor | None
+    Q_R: Tensor | None
+    hess: Tensor
+    shape: tuple[int, ...]
+    matrix_shape: tuple[int, int]
+    ess: float
+    weight_decay: float
+
+    @property
+    def variance(self) -> Tensor:
+        """``V = 1 / (ζ (H + δ))``, the rotated-space variance (m×n)."""
+        return 1.0 / (self.ess * (self.hess.to(compute_dtype(self.hess)) + self.weight_decay))
+
+
+@dataclass
+class FactorGroup:
+    """Covered matrices of equal shape, bases and noise scale, stacked for batched math."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    m: int
+    n: int
+    q_left: Tensor | None  # (B, m, m)
+    q_right: Tensor | None  # (B, n, n)
+    hess: Tensor  # (B, m, n)
+    ess: float
+    weight_decay: float
+
+    def factors(self, i: int) -> MatrixFactors:
+        return MatrixFactors(
+            Q_L=None if self.q_left is None else self.q_left[i],
+            Q_R=None if self.q_right is None else self.q_right[i],
+            hess=self.hess[i],
+            shape=self.shapes[i],
+            matrix_shape=(self.m, self.n),
+            ess=self.ess,
+            weight_decay=self.weight_decay,
+        )
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> FactorGroup:
+        return replace(
+            self,
+            q_left=None if self.q_left is None else fn(self.q_left),
+            q_right=None if self.q_right is None else fn(self.q_right),
+            hess=fn(self.hess),
+        )
+
+
+def std_scale(hess: Tensor, ess: float, weight_decay: float) -> Tensor:
+    """``√V = 1/√(ζ(H + δ))`` exactly as sampling computes it (so validation checks the same numbers)."""
+    return torch.rsqrt(ess * (hess + weight_decay))
+
+
+def perturbations(
+    z: Tensor, hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
+) -> Tensor:
+    """``Q_L (z_s ⊙ √V) Q_Rᵀ`` for ``z`` of shape ``(B, S, m, n)``: S samples of B matrices.
+
+    The math of ``linalg.sample_perturbation``, arranged so that all S samples of a matrix
+    share one batched matmul per side: samples are folded into the columns (left basis) or
+    rows (right basis) instead of broadcasting Q over S, which would copy every basis S
+    times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases).
+    """
+    b, s, m, n = z.shape
+    x = z * std_scale(hess, ess, weight_decay).unsqueeze(1)
+    with exact_float32_matmul():
+        if q_left is not None:  # Q_L @ [X_1 … X_S] as one (m, S·n) block per matrix
+            x = unrotate(x.transpose(1, 2).reshape(b, m, s * n), q_left, None)
+            x = x.reshape(b, m, s, n).transpose(1, 2)
+        if q_right is not None:  # [X_1; …; X_S] @ Q_Rᵀ as one (S·m, n) block per matrix
+            x = unrotate(x.reshape(b, s * m, n), None, q_right)
+    return x.reshape(b, s, m, n)
+
+
+def orthonormality_error(q: Tensor, probes: int = 2) -> float:
+    """``max ‖QᵀQx − x‖ / ‖x‖`` over fixed random probes: O(k n²) instead of O(n³)."""
+    q32 = q.to(compute_dtype(q))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
+    with exact_float32_matmul():
+        residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q
+    return float((residual.norm(dim=0) / x.norm(dim=0)).max())
+
+
+def polar_step(q: Tensor) -> Tensor:
+    """One Newton–Schulz step towards the nearest orthonormal matrix: ``Q (3I − QᵀQ) / 2``."""
+    with exact_float32_matmul():
+        gram = q.mT @ q
+        eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
+        return q @ (1.5 * eye - 0.5 * gram)
+
+
+# A basis is kept when its side is at most this many times the other side: its k×k entries
+# then cost at most this many times the weight's own m×n. Wider sides (the d×d input side of
+# an r×d LoRA matrix, 48× for MiniLM; GPT-2's 4d×4d MLP side, 4×) hold most of a full
+# posterior's bytes; dropping them keeps every marginal variance (see ``drop_wide_bases``).
+DEFAULT_MAX_BASIS_RATIO = 3.0
+
+
+def drop_wide_bases(group: FactorGroup, max_basis_ratio: float) -> FactorGroup:
+    """The identity instead of a basis whose side is over ``max_basis_ratio`` × the other side.
+
+    ``H`` is re-expressed on that side so that every marginal variance stays exactly what it
+    was (only correlations along the dropped side are lost). For the right side, with
+    ``V = 1/(ζ(H + δ))``, the new variance is ``V' = V (Q_R ⊙ Q_R)ᵀ``, i.e.
+    ``H' + δ = 1 / ((H + δ)⁻¹ (Q_R ⊙ Q_R)ᵀ)``: a Q_R²-weighted harmonic mean of ``H + δ`` (rows
+    of ``Q_R ⊙ Q_R`` sum to 1), independent of ζ, so ``with_ess`` stays exact. The left side
+    is the transpose. Marginals ``Var(W) = Q_L² V Q_R²ᵀ`` are then unchanged.
+    """
+    m, n = group.m, group.n
+    right = group.q_right is not None and n > max_basis_ratio * m
+    left = group.q_left is not None and m > max_basis_ratio * n
+    if not (left or right):
+        return group
+    wide = torch.float64  # the harmonic mean in float64: H spans many decades
+    inv = 1.0 / (group.hess.to(wide) + group.weight_decay)  # (B, m, n)
+    with exact_float32_matmul():
+        if right:
+            inv = inv @ group.q_right.to(wide).square().mT
+        if left:
+            inv = group.q_left.to(wide).square() @ inv
+    hess = (1.0 / inv - group.weight_decay).to(group.hess.dtype)
+    return replace(
+        group,
+        hess=hess,
+        q_left=None if left else group.q_left,
+        q_right=None if right else group.q_right,
+    )
