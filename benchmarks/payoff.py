@@ -39,7 +39,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,7 @@ class Task:
 
 
 def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    out = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
@@ -268,7 +268,7 @@ class _DictLogits(nn.Module):
         self.model = model
 
     def forward(self, x: Any) -> torch.Tensor:
-        data = {k: v for k, v in x.items() if k != "labels"} if isinstance(x, dict) else x
+        data = {k: v for k, v in x.items() if k != "labels"} if isinstance(x, Mapping) else x
         return forward(self.model, data)
 
 
@@ -279,6 +279,8 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
         return "laplace-torch not installed"
     if not task.classification:
         return "n/a: laplace-torch's classification likelihood needs one label per input"
+    from transformers import BatchEncoding  # laplace-torch moves inputs with .to(): a dict has none
+
     wrapped = _DictLogits(model).eval()
     dict_inputs = isinstance(task.train[0][0], dict)
 
@@ -286,7 +288,7 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
         dataset = range(sum(len(y) for _, y in task.train))
 
     def loader(batches: list[Batch]) -> Any:
-        items = [({**x, "labels": y}, y) if dict_inputs else (x, y) for x, y in batches]
+        items = [(BatchEncoding({**x, "labels": y}), y) if dict_inputs else (x, y) for x, y in batches]
         out = Loader(items)
         out.dataset = range(sum(len(y) for _, y in batches))
         return out
@@ -306,7 +308,7 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
     probs, labels = [], []
     with torch.no_grad():
         for x, y in task.test:
-            data = {**x, "labels": y} if dict_inputs else x
+            data = BatchEncoding({**x, "labels": y}) if dict_inputs else x
             probs.append(la(data, pred_type="glm", link_approx="probit").double())
             labels.append(y)
     return scores(torch.cat(probs).clamp_min(1e-300).log(), torch.cat(labels))
