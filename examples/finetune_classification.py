@@ -219,6 +219,8 @@ def common_arguments(args: argparse.Namespace, output_dir: str) -> dict[str, Any
         lr_scheduler_type="linear",
         warmup_steps=0.1,
         save_strategy="no",
+        eval_strategy="steps" if args.eval_steps > 0 else "no",
+        eval_steps=args.eval_steps if args.eval_steps > 0 else None,
         logging_steps=args.logging_steps,
         disable_tqdm=True,
         seed=args.seed,
@@ -339,6 +341,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "curves with examples/plot_evon_logs.py)",
     )
     p.add_argument("--logging-steps", type=int, default=10, help="optimizer steps between logged values")
+    p.add_argument(
+        "--eval-steps",
+        type=int,
+        default=0,
+        help="also evaluate (mean and BMA) every N steps (0: only at the end)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, default=1,
