@@ -164,7 +164,7 @@ def test_trainer_card_snippet_runs_as_written(task, tmp_path, tokenizer, capsys)
         torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_lora_classifier_card_from_save_pretrained_with_the_model(tokenizer):
+def test_lora_classifier_card_given_the_model_names_num_labels(tokenizer):
     """Outside the Trainer, passing the model gives the snippet the label count too."""
     from peft import LoraConfig, TaskType, get_peft_model
     from transformers import BertConfig, BertForSequenceClassification
