@@ -23,6 +23,7 @@ text; classes balanced.
     python examples/finetune_classification.py                  # the three methods, a few minutes on CPU
     python examples/finetune_classification.py --lora           # LoRA on the attention matrices
     python examples/finetune_classification.py --dataset imdb   # any `datasets` dataset (text/label columns)
+    python examples/finetune_classification.py --methods evon --report-to tensorboard  # + evon/* curves
 
 EVON/IVON settings: ``EVONConfig``'s defaults (element-wise update clipping at radius 0.01 with
 α = 0.05, adaptive Hessian clipping γ = 2, β = (0.95, 0.95), h0 = 0.01) and a tempered
@@ -209,7 +210,7 @@ def calibration_compute_metrics() -> Any:
 def common_arguments(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     return dict(
         output_dir=output_dir,
-        report_to="none",
+        report_to=args.report_to,
         use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=64,
@@ -218,7 +219,9 @@ def common_arguments(args: argparse.Namespace, output_dir: str) -> dict[str, Any
         lr_scheduler_type="linear",
         warmup_steps=0.1,
         save_strategy="no",
-        logging_steps=10,
+        eval_strategy="steps" if args.eval_steps > 0 else "no",
+        eval_steps=args.eval_steps if args.eval_steps > 0 else None,
+        logging_steps=args.logging_steps,
         disable_tqdm=True,
         seed=args.seed,
     )
@@ -331,6 +334,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sides larger than this keep the identity basis (1024 skips the 1536-wide MLP side: faster)",
     )  # fmt: skip
     p.add_argument("--bma-samples", type=int, default=8, help="posterior samples S for BMA")
+    p.add_argument(
+        "--report-to",
+        default="none",
+        help="Trainer loggers, e.g. tensorboard (runs in <output-dir>/<method>/runs; plot the evon/* "
+        "curves with examples/plot_evon_logs.py)",
+    )
+    p.add_argument("--logging-steps", type=int, default=10, help="optimizer steps between logged values")
+    p.add_argument(
+        "--eval-steps",
+        type=int,
+        default=0,
+        help="also evaluate (mean and BMA) every N steps (0: only at the end)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, default=1,

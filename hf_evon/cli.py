@@ -1,25 +1,63 @@
 """The ``hf-evon`` command line.
 
-Subcommands are registered in ``SUBCOMMANDS``: each entry is a function that adds its own
-subparser (``add_parser(subparsers)``) and sets ``func`` (called with the parsed args,
-returns an exit code). Add a subcommand by appending such a function.
+Subcommands are registered in ``SUBCOMMANDS``: each entry is *one* function that adds its
+own subparser (``add_parser(subparsers)``), declares its options (every option has help)
+and sets ``func`` (called with the parsed args, returns an exit code). Add a subcommand by
+writing such a function and appending it (``calibrate`` is the next one planned).
+
+Errors never show a traceback. A command line that asks for something impossible (an empty
+prompt, an unknown device, a missing local directory, ...) raises :class:`UsageError` and
+is reported as argparse reports a bad option: usage line, ``hf-evon COMMAND: error: ...``,
+exit code 2. Other failures a user can meet (a file that does not load, the Hub unreachable)
+print ``hf-evon COMMAND: error: ...`` with exit code 1.
 
 ``hf-evon generate --model DIR --prompt "def f(" --samples 8 --max-new-tokens 32``
     decodes with Bayesian model averaging (``hf_evon.generate_bma``) from a saved model
     (a transformers causal LM or a PEFT adapter directory) and its EVON posterior
     (``evon_posterior.safetensors`` + config, by default in the same directory).
+
+``hf-evon inspect DIR_OR_REPO_ID``
+    summarises a saved posterior without a model: covered tensors, posterior std
+    statistics per tensor, file sizes (and the model's weight files beside it), and the
+    calibrated scale where the config records one.
+
+A location (``--model``, ``--posterior``, ``inspect``'s argument) is a local directory when
+it exists or looks like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``); otherwise it must be a
+Hub repo id (``name`` or ``namespace/name``) and is looked up on the Hub.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Posterior config entry written by post-hoc calibration: {"ess": float | "inf", ...}
+CALIBRATION_KEY = "calibration"
+# Weight files of a model or adapter saved beside a posterior (sizes shown by `inspect`).
+MODEL_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
+
+
+# --------------------------------------------------------------------- shared helpers
+class UsageError(ValueError):
+    """The command line asks for something impossible; reported like argparse's errors (exit 2)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive integer; got {value}")
+    return value
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -34,6 +72,70 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def _looks_local(value: str) -> bool:
+    """Whether ``value`` is meant as a local path (a Hub repo id has at most one ``/``)."""
+    return (
+        value.startswith((".", "/", "~", os.sep))
+        or value.count("/") > 1
+        or (os.altsep is not None and os.altsep in value)
+        or (os.sep != "/" and os.sep in value)
+    )
+
+
+def check_location(value: str, option: str) -> str:
+    """``"local"`` for an existing directory, ``"hub"`` for a valid repo id; else a clear error.
+
+    Why: huggingface_hub reports a mistyped local path as "Repo id must be in the form ...",
+    which hides that the directory does not exist.
+    """
+    if os.path.isdir(value):
+        return "local"
+    if os.path.exists(value):
+        raise UsageError(f"{option} {value!r} is a file; pass the directory that holds it")
+    if _looks_local(value):
+        raise UsageError(f"{option} {value!r}: no such local directory")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        raise UsageError(
+            f"{option} {value!r} is neither a local directory nor a Hub repo id ('name' or 'namespace/name')"
+        ) from None
+    return "hub"
+
+
+def _from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
+    """``load()``, with a Hub failure reported as such (the value was not a local directory)."""
+    where = check_location(value, option)
+    try:
+        return load()
+    except OSError as err:
+        if where == "local":
+            raise
+        raise OSError(
+            f"{option} {value!r} is not a local directory, so it was looked up on the Hugging Face Hub, "
+            f"which failed: {err}"
+        ) from err
+
+
+def _add_location_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of Hub locations")
+
+
+def _version_text() -> str:
+    from . import __version__
+
+    deps = []
+    for dist in ("torch", "transformers", "peft"):
+        try:
+            deps.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            deps.append(f"{dist} not installed")
+    return f"hf-evon {__version__} ({', '.join(deps)})"
+
+
+# --------------------------------------------------------------------- generate
 def _add_generate(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -42,60 +144,70 @@ def _add_generate(subparsers: Any) -> None:
         "the next-token probabilities of S weight samples are averaged.",
     )
     p.add_argument(
-        "--model", required=True, help="model directory (or Hub id); a PEFT adapter directory works too"
+        "--model",
+        required=True,
+        help="local model directory or Hub repo id (a transformers causal LM, or a PEFT adapter directory)",
     )
-    p.add_argument("--posterior", help="posterior directory or Hub id (default: --model)")
+    p.add_argument("--posterior", help="posterior directory or Hub repo id (default: --model)")
     p.add_argument("--posterior-subfolder", default=None, help="subfolder of --posterior holding the files")
-    p.add_argument("--revision", default=None, help="Hub revision for --model/--posterior")
+    _add_location_options(p)
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     prompts.add_argument(
         "--prompt-ids", action="append", type=_parse_ids, help='token ids, e.g. "5 9 17" (repeat for a batch)'
     )
-    p.add_argument("--samples", type=int, default=8, help="S, posterior samples averaged (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--samples", type=_positive_int, default=8, help="S, posterior samples averaged (default 8)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=_positive_int, default=32, help="tokens to generate per prompt (default 32)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the weight draw and token sampling (default 0)")
     p.add_argument("--do-sample", action="store_true", help="sample tokens instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--temperature", type=float, default=None, help="softmax temperature (with --do-sample)")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most probable tokens (with --do-sample)"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling: keep tokens of cumulative probability p"
+    )
+    p.add_argument(
+        "--repetition-penalty", type=float, default=None, help="penalise repeated tokens (1.0: no penalty)"
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="model weight dtype (default: as saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.set_defaults(func=_run_generate)
+    p.set_defaults(func=_run_generate, parser=p)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-evon", description="EVON posteriors for Hugging Face models.")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in SUBCOMMANDS:
-        add(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hf-evon``; returns the exit code (also when called from Python)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
-    try:
-        return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError, NotImplementedError, OSError) as err:
-        print(f"hf-evon {args.command}: error: {err}", file=sys.stderr)
-        return 1
-
-
-# --------------------------------------------------------------------- generate
 def _torch_dtype(name: str) -> Any:
     import torch
 
     return None if name == "auto" else getattr(torch, name)
+
+
+def resolve_device(name: str | None) -> Any:
+    """The ``torch.device`` for ``--device``, checked to exist here (before any model is loaded)."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UsageError(f"--device {name!r}: CUDA is not available ({why}); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device {name!r}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name!r}: MPS is not available on this machine; use --device cpu")
+    return device
 
 
 def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
@@ -145,28 +257,66 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     return None
 
 
+def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argparse.Namespace) -> None:
+    """Refuse prompts the model cannot run: empty, token ids outside the embedding table,
+    or longer (with the new tokens) than the model's context."""
+    option = "--prompt" if args.prompt is not None else "--prompt-ids"
+    lengths = attention_mask.sum(dim=1).tolist()
+    for row, length in enumerate(lengths):
+        if length == 0:
+            shown = f" ({args.prompt[row]!r})" if args.prompt is not None else ""
+            raise UsageError(f"{option} number {row + 1}{shown} has no tokens: give a non-empty prompt")
+    vocab = model.get_input_embeddings().num_embeddings
+    used = input_ids[attention_mask.bool()]
+    bad = used[(used < 0) | (used >= vocab)]
+    if bad.numel():
+        raise UsageError(
+            f"{option}: token id {int(bad[0])} is outside the model's vocabulary (ids 0 to {vocab - 1})"
+        )
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        longest = int(max(lengths))
+        if longest > context:
+            raise UsageError(
+                f"{option}: a prompt of {longest} tokens is longer than the model's context of {context} "
+                "tokens (config.max_position_embeddings)"
+            )
+        if longest + args.max_new_tokens > context:
+            raise UsageError(
+                f"--max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens exceeds the "
+                f"model's context of {context} tokens (config.max_position_embeddings): use "
+                f"--max-new-tokens {context - longest} or less"
+            )
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .generation import generate_bma
     from .posterior import EVONPosterior
 
-    if args.samples < 1:
-        raise ValueError(f"--samples must be >= 1; got {args.samples}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _load_model(args.model, args.revision, _torch_dtype(args.dtype)).to(device).eval()
-    posterior = EVONPosterior.from_pretrained(
-        args.posterior or args.model,
-        revision=args.revision,
-        subfolder=args.posterior_subfolder,
-        device=device,
+    device = resolve_device(args.device)
+    posterior_location = args.posterior or args.model
+    posterior_option = "--posterior" if args.posterior else "--model"
+    model = _from_location(
+        args.model, "--model", lambda: _load_model(args.model, args.revision, _torch_dtype(args.dtype))
+    )
+    model = model.to(device).eval()
+    posterior = _from_location(
+        posterior_location,
+        posterior_option,
+        lambda: EVONPosterior.from_pretrained(
+            posterior_location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
+        ),
     )
     tokenizer = _load_tokenizer(args.model, args.revision, model)
 
     pad_id = None
     if args.prompt is not None:
         if tokenizer is None:
-            raise ValueError(f"no tokenizer found for {args.model!r}: pass token ids with --prompt-ids")
+            raise UsageError(
+                f"--model {args.model!r} has no tokenizer files: pass token ids with --prompt-ids"
+            )
         tokenizer.padding_side = "left"  # decoder-only batches are left-padded
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
@@ -183,6 +333,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         pad_id = 0 if pad_id is None else int(pad_id)
         input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in args.prompt_ids])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in args.prompt_ids])
+    _check_prompts(input_ids, attention_mask, model, args)
 
     gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
@@ -218,6 +369,186 @@ def _run_generate(args: argparse.Namespace) -> int:
         else:
             print(" ".join(map(str, prompt_ids + new_ids)))
     return 0
+
+
+# --------------------------------------------------------------------- inspect
+def _add_inspect(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="summarise a saved EVON posterior (covered tensors, std statistics, file sizes)",
+        description="Print what a posterior checkpoint holds, without loading a model: the covered tensors, "
+        "statistics of the marginal posterior standard deviations per tensor, the file sizes (and those of "
+        "the model weights saved beside it), and the calibrated scale if the config records one.",
+    )
+    p.add_argument("location", help="posterior directory or Hub repo id")
+    p.add_argument("--subfolder", default=None, help="subfolder of the location holding the posterior files")
+    _add_location_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_run_inspect, parser=p)
+
+
+def _file_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """Bytes of the posterior files and, for a local directory, of the model weights beside them."""
+    from .posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+
+    names = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+    if os.path.isdir(args.location):
+        directory = os.path.join(args.location, args.subfolder) if args.subfolder else args.location
+        sizes = {f: os.path.getsize(os.path.join(directory, f)) for f in names}
+        for f in sorted(os.listdir(args.location)):
+            if MODEL_WEIGHT_FILE.fullmatch(f):
+                sizes[f] = os.path.getsize(os.path.join(args.location, f))
+        return sizes
+    from huggingface_hub import hf_hub_download  # already in the cache: from_pretrained fetched them
+
+    return {
+        f: os.path.getsize(
+            hf_hub_download(args.location, f, subfolder=args.subfolder, revision=args.revision)
+        )
+        for f in names
+    }
+
+
+def inspect_posterior(posterior: Any) -> dict[str, Any]:
+    """Summary of ``posterior`` (what ``hf-evon inspect`` prints): hyperparameters, coverage,
+    per-tensor std statistics, and the calibrated scale recorded in its config (or None)."""
+    import torch
+
+    config = posterior.config
+    tensors = {}
+    for name in posterior.names:
+        std = posterior.std(name).double().flatten()
+        f = posterior[name]
+        tensors[name] = {
+            "shape": list(f.shape),
+            "bases": "".join(s for s, q in (("L", f.Q_L), ("R", f.Q_R)) if q is not None) or "none",
+            "std_min": float(std.min()),
+            "std_median": float(torch.median(std)),
+            "std_mean": float(std.mean()),
+            "std_max": float(std.max()),
+        }
+    return {
+        "format_version": config.get("format_version"),
+        "library_version": config.get("library_version"),
+        "ess": posterior.ess,
+        "weight_decay": posterior.weight_decay,
+        "optimizer_step": config.get("optimizer_step"),
+        "base_model": config.get("base_model"),
+        "model_class": config.get("model_class"),
+        "eigenbasis_dtype": config.get("eigenbasis_dtype"),
+        "calibration": config.get(CALIBRATION_KEY),
+        "num_covered_tensors": len(posterior.names),
+        "num_covered_params": posterior.num_covered,
+        "num_point_estimate_tensors": posterior.num_point_estimate_tensors,
+        "num_point_estimates": posterior.num_point_estimates,
+        "tensors": tensors,
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _num(x: Any) -> str:
+    return (
+        "inf" if isinstance(x, float) and math.isinf(x) else (f"{x:.4g}" if isinstance(x, float) else str(x))
+    )
+
+
+def _calibration_text(calibration: Any) -> str:
+    """The config's ``calibration`` entry, with its source."""
+    from .posterior import POSTERIOR_CONFIG_NAME
+
+    if calibration is None:
+        return "none recorded"
+    source = f"(from {POSTERIOR_CONFIG_NAME}, '{CALIBRATION_KEY}')"
+    if isinstance(calibration, dict):
+        return ", ".join(f"{k} {_num(v)}" for k, v in calibration.items()) + " " + source
+    return f"{calibration!r} {source}"
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from .posterior import EVONPosterior
+
+    posterior = _from_location(
+        args.location,
+        "location",
+        lambda: EVONPosterior.from_pretrained(
+            args.location, revision=args.revision, subfolder=args.subfolder
+        ),
+    )
+    summary = inspect_posterior(posterior)
+    summary["files"] = _file_sizes(args)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    points = (
+        "not recorded"
+        if summary["num_point_estimates"] is None
+        else f"{summary['num_point_estimate_tensors']} tensors, {summary['num_point_estimates']:,} parameters"
+    )
+    lines = [
+        f"EVON posterior at {args.location}" + (f"/{args.subfolder}" if args.subfolder else ""),
+        f"  format {summary['format_version']}, written by hf-evon {summary['library_version']}; "
+        f"model {summary['model_class']} (base {summary['base_model']})",
+        f"  ess {_num(summary['ess'])}, weight_decay {_num(summary['weight_decay'])}, "
+        f"EVON updates {summary['optimizer_step']}, eigenbases stored in {summary['eigenbasis_dtype']}",
+        f"  calibration: {_calibration_text(summary['calibration'])}",
+        f"  covered: {summary['num_covered_tensors']} tensors, {summary['num_covered_params']:,} parameters; "
+        f"point estimates: {points}",
+        "  files: " + ", ".join(f"{f} {_size(n)}" for f, n in summary["files"].items()),
+        "",
+        "posterior std (marginal, per element)",
+    ]
+    width = max(len(n) for n in summary["tensors"])
+    lines.append(
+        f"  {'tensor':<{width}}  {'shape':<12} bases {'min':>10} {'median':>10} {'mean':>10} {'max':>10}"
+    )
+    for name, t in summary["tensors"].items():
+        shape = "x".join(map(str, t["shape"]))
+        stats = " ".join(f"{t[k]:>10.3g}" for k in ("std_min", "std_median", "std_mean", "std_max"))
+        lines.append(f"  {name:<{width}}  {shape:<12} {t['bases']:<5} {stats}")
+    print("\n".join(lines))
+    return 0
+
+
+# --------------------------------------------------------------------- entry point
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_inspect]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-evon", description="EVON posteriors for Hugging Face models.")
+    parser.add_argument(
+        "--version", action="version", version=_version_text(), help="print versions and exit"
+    )
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="run `hf-evon COMMAND -h` for its options"
+    )
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hf-evon``; returns the exit code (also when called from Python)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        args.parser.print_usage(sys.stderr)
+        print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, NotImplementedError, OSError) as err:
+        print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

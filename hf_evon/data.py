@@ -1,9 +1,22 @@
-"""Text corpora and a small BPE tokenizer for the examples, with no network access.
+"""Offline text data for language-model runs: a corpus, a split, a BPE tokenizer, a token stream.
+
+Why it is in the package: the examples, the benchmarks and the paper's reproduction scripts
+all pre-train small language models on machines without network access, and they need the
+same corpus, split and tokenizer to be comparable. This module is that one shared helper
+(documented in the README, "Offline data"); it is not needed to use EVON.
 
 The default corpus is the Python standard library found on this machine: its ``.py``
 sources (test suites left out) and the ``pydoc`` topic texts. It is real, varied text (code,
-docstrings, English prose) of ~13 MB, present wherever Python is, so the pre-training
-example runs offline. Any ``datasets`` text dataset can be used instead.
+docstrings, English prose) of ~13 MB, present wherever Python is. Any ``datasets`` text
+dataset can be used instead (:func:`dataset_corpus`). Typical use::
+
+    docs = stdlib_corpus(max_bytes=2_000_000)
+    train_docs, val_docs = split_documents(docs, val_fraction=0.02)
+    tokenizer = load_or_train_tokenizer("out/tokenizer", (t for _, t in train_docs), vocab_size=4096)
+    train_ids = encode_documents(tokenizer, [t for _, t in train_docs])  # 1-D int32 stream
+
+Everything is deterministic: the same Python installation gives the same documents, split
+and tokens.
 """
 
 from __future__ import annotations
@@ -11,10 +24,15 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
 __all__ = [
+    "EOS",
     "Document",
     "dataset_corpus",
     "encode_documents",
@@ -24,8 +42,8 @@ __all__ = [
     "train_bpe_tokenizer",
 ]
 
-Document = tuple[str, str]  # (name, text)
-EOS = "<|endoftext|>"
+Document = tuple[str, str]  # (name, text): the name keys the split and the subset order
+EOS = "<|endoftext|>"  # the tokenizers' end-of-text (also bos/unk) token, appended to every document
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
@@ -79,7 +97,9 @@ def dataset_corpus(
     text_column: str = "text",
     max_bytes: int | None = None,
 ) -> list[Document]:
-    """Documents from a ``datasets`` text dataset (a Hub name or a local path/script)."""
+    """Documents from a ``datasets`` text dataset (a Hub name, or a local directory of text
+    files), named ``"<name>:<row>"``; empty rows are skipped; with ``max_bytes`` reading stops
+    once that many bytes were collected (the last document is kept whole)."""
     from datasets import load_dataset
 
     ds = load_dataset(name, config, split=split)
@@ -98,7 +118,10 @@ def dataset_corpus(
 def split_documents(
     docs: list[Document], val_fraction: float = 0.02
 ) -> tuple[list[Document], list[Document]]:
-    """Whole documents go to validation by a hash of their name (no leakage inside a file)."""
+    """``(train, validation)``: a document goes to validation when a hash of its name falls in
+    the first ``val_fraction`` of the hash range, so whole files stay on one side (no leakage
+    inside a file) and the split does not depend on the corpus order or size. A corpus too
+    small to get a validation document gives its last one."""
     bound = int(val_fraction * 10_000)
     train = [d for d in docs if (_stable_hash(d[0]) >> 7) % 10_000 >= bound]
     val = [d for d in docs if (_stable_hash(d[0]) >> 7) % 10_000 < bound]
@@ -107,8 +130,12 @@ def split_documents(
     return train, val
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> object:
-    """A byte-level BPE tokenizer (GPT-2 style) trained on ``texts``, as a transformers fast tokenizer."""
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2 style) trained on ``texts``, as a transformers fast tokenizer.
+
+    Byte-level, so any text encodes and decodes back unchanged; :data:`EOS` is its only
+    special token (eos, bos and unk). Needs the ``tokenizers`` package (the examples extra).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -125,8 +152,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> object:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=EOS)
 
 
-def load_or_train_tokenizer(directory: str, texts: Iterable[str], vocab_size: int = 4096) -> object:
-    """Load the tokenizer saved in ``directory`` if its vocabulary size matches, else train and save it."""
+def load_or_train_tokenizer(
+    directory: str, texts: Iterable[str], vocab_size: int = 4096
+) -> PreTrainedTokenizerFast:
+    """Load the tokenizer saved in ``directory`` if its vocabulary size matches, else train and save it
+    (training on the standard library takes tens of seconds; later runs reuse the file)."""
     from transformers import PreTrainedTokenizerFast
 
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
@@ -143,8 +173,9 @@ def _batched(items: list[str], size: int) -> Iterator[list[str]]:
         yield items[i : i + size]
 
 
-def encode_documents(tokenizer: object, texts: list[str]) -> torch.Tensor:
-    """One 1-D token stream (int32): every document followed by the end-of-text token."""
+def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    """One 1-D token stream (int32): every document followed by the end-of-text token, in order
+    (language-model blocks are then slices of it)."""
     eos = tokenizer.eos_token_id
     chunks: list[torch.Tensor] = []
     for batch in _batched(texts, 256):

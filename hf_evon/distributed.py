@@ -7,13 +7,13 @@ gradients during ``backward()``, before EVON can form that product, so the corre
 DDP's result. The fix is one call after ``accelerator.prepare``::
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    evon = hf_evon.prepare_distributed(model, optimizer)   # the EVON inside `optimizer`
+    optimizer = hf_evon.prepare_distributed(model, optimizer)  # the same handle, now also EVON's API
     for batch in loader:
-        with accelerator.accumulate(model):
-            with evon.sampled_params(train=True):
+        for _ in range(optimizer.mc_samples):
+            with optimizer.sampled_params(train=True):
                 accelerator.backward(model(**batch).loss)
-            optimizer.step()            # averages gradients + Hessian numerators, once
-            optimizer.zero_grad()
+        optimizer.step()            # averages gradients + Hessian numerators, once
+        optimizer.zero_grad()
 
 What it does:
 
@@ -25,6 +25,9 @@ What it does:
   averaged exactly like plain DDP) and each bucket's Hessian numerator ``Σ_s G°_s ⊙ z_s``;
   it averages them across ranks in a few flat all-reduces (one per dtype/device and
   ``bucket_cap_mb`` chunk);
+* makes the handle you pass (accelerate's ``AcceleratedOptimizer``) answer EVON's own API
+  (``sampled_params``, ``mc_samples``, ``posterior_std``, ...; see :class:`EVONHandle`),
+  so one object does accelerate's ``step``/``zero_grad`` and EVON's sampling;
 * gives every rank rank 0's noise seed, so a job is reproducible from one seed while each
   rank still draws its own stream (EVON seeds rank ``r`` with ``seed + 1_000_003·r``).
 
@@ -56,10 +59,13 @@ from .optim.evon import EVON
 Tensor = torch.Tensor
 
 __all__ = [
+    "EVONAcceleratedOptimizer",
+    "EVONHandle",
     "RankAverager",
     "UnsupportedParallelismError",
     "check_ranks_in_sync",
     "check_supported_parallelism",
+    "as_evon_handle",
     "prepare_distributed",
     "unwrap_optimizer",
 ]
@@ -92,6 +98,60 @@ def unwrap_optimizer(optimizer: Any) -> EVON:
         f"expected an hf_evon.EVON optimizer (possibly wrapped by accelerate), got {type(optimizer).__name__}; "
         "other optimizers need no preparation for DDP"
     )
+
+
+class EVONHandle:
+    """Mixin for optimizer wrappers: attributes the wrapper lacks are the wrapped EVON's.
+
+    Why: accelerate's ``AcceleratedOptimizer`` forwards ``step``/``zero_grad``/``state_dict``
+    but not ``sampled_params`` or ``mc_samples``, so users kept two handles.
+    :func:`prepare_distributed` gives the wrapper this mixin (it stays the same object, an
+    instance of its own class too); the wrapper's own methods (``step``, which honours
+    accelerate's gradient accumulation, ``zero_grad``, ...) are unchanged.
+    """
+
+    def __getattr__(self, name: str) -> Any:  # only called when normal lookup fails
+        if name.startswith("__") or name == "optimizer":  # unset during unpickling: no recursion
+            raise AttributeError(name)
+        try:
+            evon = unwrap_optimizer(self)
+        except TypeError:
+            raise AttributeError(name) from None
+        return getattr(evon, name)
+
+
+try:
+    from accelerate.optimizer import AcceleratedOptimizer
+except ImportError:  # pragma: no cover - accelerate is a dependency
+    AcceleratedOptimizer = None  # type: ignore[assignment,misc]
+    EVONAcceleratedOptimizer = None  # type: ignore[assignment,misc]
+else:
+
+    class EVONAcceleratedOptimizer(EVONHandle, AcceleratedOptimizer):
+        """accelerate's ``AcceleratedOptimizer`` around an EVON, with EVON's API (importable, so it pickles)."""
+
+
+_HANDLE_CLASSES: dict[type, type] = {}
+if EVONAcceleratedOptimizer is not None:
+    _HANDLE_CLASSES[AcceleratedOptimizer] = EVONAcceleratedOptimizer
+
+
+def as_evon_handle(optimizer: Any) -> Any:
+    """``optimizer`` itself, answering EVON's API too (see :class:`EVONHandle`).
+
+    A bare EVON is returned as is; a wrapper (accelerate's ``AcceleratedOptimizer`` or any
+    object holding the EVON as ``.optimizer``) gets :class:`EVONHandle` mixed into its class.
+    """
+    unwrap_optimizer(optimizer)  # raises TypeError for non-EVON optimizers
+    cls = type(optimizer)
+    if isinstance(optimizer, EVON | EVONHandle):
+        return optimizer
+    handle_cls = _HANDLE_CLASSES.get(cls)
+    if handle_cls is None:
+        handle_cls = type(f"EVON{cls.__name__}", (EVONHandle, cls), {"__module__": cls.__module__})
+        _HANDLE_CLASSES[cls] = handle_cls
+    optimizer.__class__ = handle_cls
+    return optimizer
 
 
 def _module_chain(model: nn.Module) -> list[nn.Module]:
@@ -300,7 +360,7 @@ def prepare_distributed(
     process_group: Any = None,
     bucket_cap_mb: float = 64.0,
     check_consistency: bool = True,
-) -> EVON:
+) -> EVON | EVONHandle:
     """Make an EVON optimizer correct under data parallelism; call after ``accelerator.prepare``.
 
     Args:
@@ -311,7 +371,9 @@ def prepare_distributed(
         check_consistency: check every step that all ranks reduce the same tensors.
 
     Returns:
-        The ``EVON`` instance (for ``sampled_params``, which wrappers do not forward).
+        ``optimizer`` itself (the same object), which now also answers EVON's API
+        (``sampled_params``, ``mc_samples``, ...) when it is a wrapper: one handle for the
+        whole loop. ``hf_evon.distributed.unwrap_optimizer`` gives the bare EVON if needed.
 
     Raises:
         UnsupportedParallelismError: FSDP, FSDP2, DTensor-sharded or DeepSpeed models.
@@ -321,6 +383,7 @@ def prepare_distributed(
     Safe to call in a single process (it then only checks the model) and more than once.
     """
     evon = unwrap_optimizer(optimizer)
+    handle = as_evon_handle(optimizer)
     check_supported_parallelism(model)
     ddps = _ddp_modules(model)
     for ddp in ddps:
@@ -336,7 +399,7 @@ def prepare_distributed(
             ) from err
         setattr(ddp, _PREPARED_ATTR, True)
     if _world_size(process_group) == 1:
-        return evon
+        return handle
     params = [p for g in evon.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
     _sync_seed(evon, process_group, device)
@@ -350,7 +413,7 @@ def prepare_distributed(
         verify_local_gradients=not all(id(p) in covered for p in params),
         optimizer=evon,
     )
-    return evon
+    return handle
 
 
 def check_ranks_in_sync(model: nn.Module, optimizer: Any, group: Any = None) -> None:

@@ -12,6 +12,12 @@ missing (a ``transformers`` or ``peft`` repo keeps its own library, so the Hub s
 loads it correctly), and the EVON section, delimited by ``<!-- hf-evon:start -->`` /
 ``<!-- hf-evon:end -->``, replaces the previous one or is appended. The rest of the text is
 kept as it was.
+
+A card pushed by ``EVONTrainer`` (:func:`save_trainer_model_card`) also names the repo id in
+its snippet, counts the Trainer's optimizer steps, and corrects the ``- optimizer:`` line of
+the Trainer's own card (which reports ``TrainingArguments.optim``, not EVON). Every snippet
+is meant to run as written: it names the saved directory (or the repo id) and, for a PEFT
+classifier, the label count the base model must be built with.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ __all__ = [
     "SECTION_START",
     "render_model_card",
     "save_model_card",
+    "save_trainer_model_card",
     "template_path",
     "update_model_card",
 ]
@@ -60,9 +67,14 @@ _HYPERPARAMETER_ROWS = (
     ("max_precond_dim", "`max_precond_dim`"),
     ("phased_gradients", "`phased_gradients`"),
     ("identity_basis", "`identity_basis` (IVON mode)"),
-    ("optimizer_step", "optimizer steps taken"),
+    (
+        "optimizer_step",
+        "EVON updates of the mean (`optimizer_step`; the first step only builds the eigenbases)",
+    ),
 )
 _SKIPPED_METRICS = ("runtime", "per_second", "epoch", "num_samples", "num_bma_samples")
+_SKIPPED_METRIC_NAMES = ("step",)  # the log entry's step, not a metric
+_OPTIMIZER_LINE = re.compile(r"^- optimizer: .*$", re.MULTILINE)  # the Trainer card's hyperparameter list
 
 
 def template_path() -> str:
@@ -128,13 +140,16 @@ def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]
     order = list(dict.fromkeys([*mean, *bma]))
     rows = []
     for name in order:
-        if any(s in name for s in _SKIPPED_METRICS):
+        if name in _SKIPPED_METRIC_NAMES or any(s in name for s in _SKIPPED_METRICS):
             continue
         values = [mean.get(name), bma.get(name)]
         if not any(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             continue
         rows.append((name, *("–" if v is None else _fmt(v) for v in values)))
     return rows
+
+
+_LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
 
 
 def _auto_class(model_class: str) -> str:
@@ -147,11 +162,23 @@ def _auto_class(model_class: str) -> str:
     return "AutoModel"
 
 
+def _num_labels(model: Any) -> int | None:
+    """The label count of a classifier (``model.config.num_labels``; PEFT models forward it)."""
+    value = getattr(getattr(model, "config", None), "num_labels", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _usage_snippet(
-    posterior: Any, base_model: str | None, location: str, subfolder: str | None, model_id: str | None
+    posterior: Any,
+    base_model: str | None,
+    location: str,
+    subfolder: str | None,
+    model_id: str | None,
+    num_labels: int | None,
 ) -> str:
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
-    with ``generate_bma`` for causal LMs, averaged class probabilities otherwise."""
+    with ``generate_bma`` for causal LMs, averaged class probabilities otherwise. A PEFT
+    classifier's base model is built with ``num_labels`` (its head is in the adapter)."""
     sub = f', subfolder="{subfolder}"' if subfolder else ""
     model_class = str(posterior.config.get("model_class", ""))
     is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in model_class
@@ -159,6 +186,7 @@ def _usage_snippet(
     causal = auto == "AutoModelForCausalLM"
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
     lines = [] if causal else ["import torch"]
+    labels = f", num_labels={num_labels}" if num_labels is not None and auto in _LABELLED_AUTO_CLASSES else ""
     if is_peft:
         base = model_id or base_model or "<base model id>"
         lines += [
@@ -166,7 +194,7 @@ def _usage_snippet(
             f"from transformers import {auto}, AutoTokenizer",
             f"from hf_evon import {hf_evon_names}",
             "",
-            f'base = {auto}.from_pretrained("{base}")',
+            f'base = {auto}.from_pretrained("{base}"{labels})',
             f'model = PeftModel.from_pretrained(base, "{location}")',
             f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
         ]
@@ -216,6 +244,8 @@ def render_model_card(
     subfolder: str | None = None,
     model_id: str | None = None,
     num_bma_samples: int | None = None,
+    model: Any = None,
+    training_steps: int | None = None,
     model_name: str | None = None,
     tags: list[str] | None = None,
     license: str | None = None,
@@ -224,7 +254,7 @@ def render_model_card(
 ) -> ModelCard:
     """A fresh model card for ``posterior`` (see :func:`save_model_card` for the arguments)."""
     base_model = base_model or posterior.config.get("base_model") or None
-    location = repo_id or "path/to/this/directory"
+    location = repo_id or "path/to/this/directory"  # save_model_card passes the directory
     card_data = ModelCardData(
         library_name=LIBRARY_NAME,
         tags=list(dict.fromkeys([*EVON_TAGS, *(tags or [])])),
@@ -235,6 +265,8 @@ def render_model_card(
     )
     config = posterior.config
     hyperparameters = [(label, _fmt(config[key])) for key, label in _HYPERPARAMETER_ROWS if key in config]
+    if training_steps is not None:
+        hyperparameters.append(("optimizer steps taken (Trainer `global_step`)", _fmt(training_steps)))
     if posterior.num_point_estimates is None:
         points = "the number of point-estimate parameters was not recorded."
     else:
@@ -254,7 +286,9 @@ def render_model_card(
         name_patterns=_name_patterns(list(posterior.names)),
         metrics_rows=_metric_rows(metrics),
         num_bma_samples=num_bma_samples,
-        usage_snippet=_usage_snippet(posterior, base_model, location, subfolder, model_id),
+        usage_snippet=_usage_snippet(
+            posterior, base_model, location, subfolder, model_id, _num_labels(model)
+        ),
         eigenbasis_dtype=config.get("eigenbasis_dtype", "float32"),
         format_version=config.get("format_version", 1),
     )
@@ -267,8 +301,9 @@ def _section(text: str) -> str:
     return text[start : end + len(SECTION_END)]
 
 
-def update_model_card(existing: ModelCard, fresh: ModelCard) -> ModelCard:
-    """Merge ``fresh`` (a rendered EVON card) into ``existing`` without losing anything of it."""
+def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | None = None) -> ModelCard:
+    """Merge ``fresh`` (a rendered EVON card) into ``existing`` without losing anything of it,
+    except the ``- optimizer: ...`` line of a Trainer card, which becomes ``optimizer`` if given."""
     data = existing.data
     current_tags = data.tags or []
     tags = [current_tags] if isinstance(current_tags, str) else list(current_tags)
@@ -278,6 +313,8 @@ def update_model_card(existing: ModelCard, fresh: ModelCard) -> ModelCard:
     if fresh.data.base_model and not getattr(data, "base_model", None):
         data.base_model = fresh.data.base_model
     text = existing.text
+    if optimizer is not None:
+        text = _OPTIMIZER_LINE.sub(lambda _: f"- optimizer: {optimizer}", text)
     section = _section(fresh.text)
     start, end = text.find(SECTION_START), text.find(SECTION_END)
     if start >= 0 and end > start:
@@ -303,19 +340,25 @@ def save_model_card(
             valid Hub id goes into the metadata; a local path is mentioned in the text only.
         metrics: ``{"mean": {...}, "bma": {...}}`` or a flat ``trainer.evaluate()`` dict
             (``eval_bma_*`` keys are the BMA column).
-        **kwargs: ``repo_id`` (where model + posterior live, for the snippet), ``subfolder``,
-            ``model_id`` (override the model id in the snippet), ``num_bma_samples``,
-            ``model_name``, ``tags``, ``license``, ``datasets``, ``language``.
+        **kwargs: ``repo_id`` (where model + posterior live, for the snippet; default: the
+            absolute path of ``directory``, so the snippet runs where it was saved),
+            ``subfolder``, ``model_id`` (override the model id in the snippet), ``model`` (the
+            trained model: a PEFT classifier's snippet needs its ``num_labels``),
+            ``training_steps``, ``num_bma_samples``, ``model_name``, ``tags``, ``license``,
+            ``datasets``, ``language``; ``optimizer``: text for the ``- optimizer:`` line of
+            an existing Trainer card.
 
     Returns the card that was written. The write is atomic (temporary file + ``os.replace``).
     """
+    optimizer = kwargs.pop("optimizer", None)
+    kwargs.setdefault("repo_id", os.path.abspath(os.fspath(directory)))
     fresh = render_model_card(posterior, base_model, metrics, **kwargs)
     path = os.path.join(os.fspath(directory), "README.md")
     card = fresh
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as fh:
             existing = ModelCard(fh.read(), ignore_metadata_errors=True)
-        card = update_model_card(existing, fresh)
+        card = update_model_card(existing, fresh, optimizer)
     tmp = os.path.join(os.path.dirname(path), f".README.md.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8", newline="") as fh:
@@ -325,3 +368,50 @@ def save_model_card(
         with contextlib.suppress(OSError):
             os.remove(tmp)
     return card
+
+
+def _latest_posterior_metrics(trainer: Any) -> dict[str, float] | None:
+    """The last logged evaluation that has BMA metrics (``eval_*_bma_*`` / ``eval_bma_*``)."""
+    state = getattr(trainer, "state", None)
+    for entry in reversed(state.log_history if state is not None else []):
+        if any(k.startswith("eval_") and "bma_" in k for k in entry):
+            return {k: v for k, v in entry.items() if isinstance(v, int | float)}
+    return None
+
+
+def _optimizer_text(trainer: Any, posterior: Any) -> str:
+    """What trained the model, from the trainer's optimizer (the posterior config otherwise)."""
+    groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None) or []
+    evon = [g for g in groups if g.get("algorithm", "evon") == "evon"]
+    adamw = [g for g in groups if g.get("algorithm") == "adamw"]
+    source = evon[0] if evon else posterior.config
+    keys = ("lr", "ess", "betas", "weight_decay")
+    text = "EVON (hf-evon; " + ", ".join(f"{k} {_fmt(source[k])}" for k in keys if k in source) + ")"
+    text += " for the weight matrices of the EVON posterior below"
+    if adamw:
+        a = adamw[0]
+        text += "; AdamW (" + ", ".join(
+            f"{k} {_fmt(a[k])}" for k in ("lr", "betas", "weight_decay") if k in a
+        )
+        text += ") for the other trainable tensors"
+    return text
+
+
+def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: Any) -> ModelCard:
+    """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
+    it pushes to (``hub_model_id``) in the snippet, its ``global_step``, its model (for a PEFT
+    classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""
+    args = trainer.args
+    state = getattr(trainer, "state", None)
+    kwargs: dict[str, Any] = {
+        "base_model": posterior.config.get("base_model"),
+        "metrics": _latest_posterior_metrics(trainer),
+        "model": trainer.model,
+        "training_steps": getattr(state, "global_step", None) or None,
+        "num_bma_samples": getattr(args, "bma_num_samples", None),
+        "optimizer": _optimizer_text(trainer, posterior),
+    }
+    hub_id = getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)
+    if getattr(args, "push_to_hub", False) and hub_id:
+        kwargs["repo_id"] = hub_id
+    return save_model_card(directory, posterior, **kwargs)

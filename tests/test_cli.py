@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -203,3 +205,193 @@ def test_stop_strings_with_tokenizer(saved):
     out = generate_bma(model, posterior, ids, tokenizer=tokenizer, stop_strings=[stop], **kwargs)
     assert out[0, ids.shape[1] :].tolist() == new[: first + 1]
     assert first + 1 < len(new)  # it did stop early
+
+
+# ----------------------------------------------------------------------------- errors (issue 9.15, 11.7)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "--prompt number 1 ('') has no tokens"),
+        (["--prompt", "ab", "--prompt", ""], "--prompt number 2 ('') has no tokens"),
+        (
+            ["--prompt-ids", "5 999"],
+            "--prompt-ids: token id 999 is outside the model's vocabulary (ids 0 to 35)",
+        ),
+        (
+            ["--prompt-ids", " ".join(["5"] * 65)],
+            "--prompt-ids: a prompt of 65 tokens is longer than the model's context of 64",
+        ),
+        (
+            ["--prompt-ids", " ".join(["5"] * 60), "--max-new-tokens", "5"],
+            "--max-new-tokens 5 after a prompt of 60 tokens exceeds the model's context of 64 tokens",
+        ),
+        (["--prompt", "ab", "--device", "bogus"], "--device 'bogus' is not a torch device"),
+        (["--prompt", "ab", "--device", "cuda"], "--device 'cuda': CUDA is not available"),
+        (["--prompt", "ab", "--device", "cuda:1"], "--device 'cuda:1': CUDA is not available"),
+    ],
+)
+def test_bad_generate_input_is_an_argparse_style_error(saved, capsys, args, message):
+    """What a user can get wrong on the command line is reported as argparse reports a bad
+    option (usage, ``hf-evon generate: error: ...``, exit code 2), never as a traceback."""
+    if any(a.startswith("cuda") for a in args) and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    path, *_ = saved
+    code = main(["generate", "--model", str(path), "--samples", "1", "--max-new-tokens", "2", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "\nusage: hf-evon generate " in "\n" + err.replace("\r", "\n")
+    assert f"hf-evon generate: error: {message}" in err
+
+
+def test_bad_input_in_a_subprocess_prints_no_traceback(saved):
+    path, *_ = saved
+    exe = shutil.which("hf-evon")
+    cmd = [exe] if exe else [sys.executable, "-m", "hf_evon.cli"]
+    done = subprocess.run(
+        [*cmd, "generate", "--model", str(path), "--prompt", "", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "hf-evon generate: error: --prompt number 1 ('') has no tokens" in done.stderr
+
+
+@pytest.mark.parametrize("location", ["./no-such-dir", "{tmp}/missing", "a/b/c"])
+def test_missing_local_directory_is_not_reported_as_a_repo_id(tmp_path, capsys, location):
+    location = location.format(tmp=tmp_path)
+    code = main(["generate", "--model", location, "--prompt", "x", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"hf-evon generate: error: --model {location!r}: no such local directory" in err
+    assert "Repo id" not in err
+    code = main(["inspect", location])
+    assert code == 2
+    assert (
+        f"hf-evon inspect: error: location {location!r}: no such local directory" in capsys.readouterr().err
+    )
+
+
+def test_a_file_or_an_invalid_name_is_neither_directory_nor_repo_id(saved, capsys):
+    path, *_ = saved
+    weights = str(path / "model.safetensors")
+    assert main(["inspect", weights]) == 2
+    assert f"location {weights!r} is a file; pass the directory that holds it" in capsys.readouterr().err
+    assert main(["inspect", "bad name!"]) == 2
+    assert "'bad name!' is neither a local directory nor a Hub repo id" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"hf-evon {hf_evon.__version__} (torch {torch.__version__}, transformers ")
+
+
+def test_every_option_has_help():
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
+    assert set(subparsers.choices) >= {"generate", "inspect"}
+    for name, sub in [("hf-evon", parser), *subparsers.choices.items()]:
+        for action in sub._actions:
+            assert action.help and action.help.strip(), f"{name}: {action.option_strings or action.dest}"
+
+
+# ----------------------------------------------------------------------------- inspect (issue 11.7)
+def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path, capsys):
+    path, model, _, posterior = saved
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(path, directory)
+    assert main(["inspect", str(directory), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert list(summary["tensors"]) == list(posterior.names)
+    assert summary["num_covered_tensors"] == len(posterior.names)
+    assert summary["num_covered_params"] == sum(posterior.std(n).numel() for n in posterior.names)
+    for name, row in summary["tensors"].items():
+        std = posterior.std(name).double()
+        assert row["shape"] == list(dict(model.named_parameters())[name].shape)
+        assert row["std_min"] == float(std.min()) and row["std_max"] == float(std.max())
+        assert row["std_mean"] == float(std.mean()) and row["std_median"] == float(std.flatten().median())
+        assert row["bases"] == "LR"
+    assert summary["ess"] == 30.0 and summary["calibration"] is None
+    assert summary["files"] == {
+        f: (directory / f).stat().st_size
+        for f in ("evon_posterior.safetensors", "evon_posterior_config.json", "model.safetensors")
+    }
+
+    config_path = directory / "evon_posterior_config.json"
+    config = json.loads(config_path.read_text())
+    config["calibration"] = {"ess": "inf", "nll_before": 2.5, "nll_after": 2.25}
+    config_path.write_text(json.dumps(config))
+    assert main(["inspect", str(directory), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] == config["calibration"]
+    assert main(["inspect", str(directory)]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "calibration: ess inf, nll_before 2.5, nll_after 2.25 (from evon_posterior_config.json, 'calibration')"
+        in text
+    )
+
+
+def test_inspect_text(saved, capsys):
+    path, _, _, posterior = saved
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert f"EVON posterior at {path}" in text
+    assert "calibration: none recorded" in text
+    assert f"covered: {len(posterior.names)} tensors" in text
+    size = (path / "evon_posterior.safetensors").stat().st_size
+    assert f"evon_posterior.safetensors {size / 1024:.1f} KiB" in text
+    for name in posterior.names:
+        (row,) = [line for line in text.splitlines() if line.strip().startswith(name + " ")]
+        assert row.split()[-1] == f"{float(posterior.std(name).max()):.3g}"
+
+
+def test_inspect_missing_posterior_is_a_clear_error(saved, tmp_path, capsys):
+    path, model, *_ = saved
+    model.save_pretrained(tmp_path)
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "hf-evon inspect: error:" in capsys.readouterr().err
+
+
+def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
+    """A repo id is looked up on the Hub (here a local stand-in); when that fails, the error
+    says it was a Hub lookup because no such local directory exists."""
+    try:
+        from hub_stub import HubStub
+    except ImportError:  # tests/ imported as a package
+        from tests.hub_stub import HubStub
+    _, _, _, posterior = saved
+    code = """
+        import sys
+        from hf_evon.cli import main
+        print("CODE", main(["inspect", "alice/cli-posterior", "--json"]))
+        print("CODE", main(["inspect", "alice/no-such-repo"]))
+    """
+    with HubStub() as hub:
+        posterior.push_to_hub("alice/cli-posterior", token="hf_dummy", endpoint=hub.endpoint)
+        env = dict(
+            os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1"
+        )
+        env.pop("HF_HUB_OFFLINE", None)
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        files = hub.files("alice/cli-posterior")
+    head, tail = done.stdout.split("CODE 0\n")
+    assert tail.strip() == "CODE 1", done.stderr[-3000:]
+    summary = json.loads(head)
+    assert list(summary["tensors"]) == list(posterior.names)
+    assert summary["files"] == {
+        f: len(files[f]) for f in ("evon_posterior.safetensors", "evon_posterior_config.json")
+    }
+    assert (
+        "hf-evon inspect: error: location 'alice/no-such-repo' is not a local directory, so it was looked up "
+        "on the Hugging Face Hub, which failed:" in done.stderr
+    )

@@ -301,7 +301,11 @@ def test_single_process_prepare_is_a_noop_and_unwraps() -> None:
         def __init__(self, optimizer):
             self.optimizer = optimizer
 
-    assert prepare_distributed(model, Wrapper(opt)) is opt
+    wrapper = Wrapper(opt)
+    assert prepare_distributed(model, wrapper) is wrapper  # the same handle, now with EVON's API
+    assert isinstance(wrapper, Wrapper) and wrapper.mc_samples == opt.mc_samples
+    assert wrapper.sampled_params.__self__ is opt
+    assert prepare_distributed(model, opt) is opt
     assert opt.gradient_reducer is None
     assert unwrap_optimizer(Wrapper(Wrapper(opt))) is opt
     with pytest.raises(TypeError, match="EVON"):
@@ -341,3 +345,87 @@ def test_rank_averager_packs_by_dtype_and_cap() -> None:
     assert sorted(len(b) for b in buckets) == [1, 1, 2]  # 40 B + 12 B share one; + 120 B would pass ~105 B
     assert sum(len(b) for b in buckets) == len(ts)
     assert math.isclose(avg.bucket_cap_bytes, 1e-4 * 2**20, abs_tol=1)
+
+
+def _accelerate_run(use_accelerate: bool, micro: int) -> dict[str, torch.Tensor]:
+    """Three EVON steps of 2 samples over ``micro`` accumulated micro-batches: through one
+    accelerate-prepared handle, or with the bare EVON (loss / micro, as accelerate scales it)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    torch.manual_seed(0)
+    model = worker.tiny_gpt2()
+    optimizer = build_optimizer(model, lr=0.05, ess=500.0, mc_samples=2, precondition_frequency=2, seed=3)
+    batches = [[torch.randint(0, 32, (2, 6)) for _ in range(micro)] for _ in range(3)]
+    if not use_accelerate:
+        for step_batches in batches:
+            for _ in range(optimizer.mc_samples):
+                with optimizer.sampled_params(train=True):
+                    for ids in step_batches:
+                        (model(input_ids=ids, labels=ids).loss / micro).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        optimizer = prepare_distributed(model, optimizer)  # the README's accelerate loop, one handle
+        for step_batches in batches:
+            for _ in range(optimizer.mc_samples):
+                with optimizer.sampled_params(train=True):
+                    for ids in step_batches:
+                        with accelerator.accumulate(model):
+                            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert type(optimizer).__name__ == "EVONAcceleratedOptimizer"
+        return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_prepared_accelerate_optimizer_is_one_handle(micro: int) -> None:
+    """accelerate's AcceleratedOptimizer, once through prepare_distributed, samples as EVON
+    does and steps as accelerate does: the weights equal the bare EVON loop's bit for bit."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from hf_evon.distributed import EVONAcceleratedOptimizer
+
+    assert issubclass(EVONAcceleratedOptimizer, AcceleratedOptimizer)
+    expected = _accelerate_run(False, micro)
+    got = _accelerate_run(True, micro)
+    assert set(got) == set(expected)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+
+
+def test_handle_forwards_only_what_the_wrapper_lacks_and_pickles() -> None:
+    import pickle
+
+    model = worker.tiny_gpt2()
+    opt = build_optimizer(model, ess=100.0)
+
+    class Wrapper:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self):
+            return "wrapper's step"
+
+    wrapper = prepare_distributed(model, Wrapper(opt))
+    assert wrapper.step() == "wrapper's step" and wrapper.posterior_std == opt.posterior_std
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        wrapper.no_such_thing  # noqa: B018
+    assert prepare_distributed(model, wrapper) is wrapper and type(wrapper).__mro__[2] is Wrapper
+    with pytest.raises(TypeError, match="EVON"):
+        prepare_distributed(model, Wrapper(torch.optim.AdamW(model.parameters())))
+    from hf_evon.distributed import EVONAcceleratedOptimizer
+
+    handle = object.__new__(EVONAcceleratedOptimizer)
+    handle.__setstate__({"optimizer": opt, "scaler": None})
+    copy = pickle.loads(pickle.dumps(handle))
+    assert type(copy) is EVONAcceleratedOptimizer and copy.mc_samples == opt.mc_samples

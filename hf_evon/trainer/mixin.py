@@ -616,27 +616,10 @@ class EVONTrainerMixin:
         posterior.save_pretrained(output_dir, model_card=False)
         self._write_model_card(output_dir, posterior)
 
-    def _latest_posterior_metrics(self) -> dict[str, float] | None:
-        for entry in reversed(self.state.log_history if self.state is not None else []):
-            if any(k.startswith("eval_") and "_bma_" in k for k in entry):
-                return {k: v for k, v in entry.items() if isinstance(v, int | float)}
-        return None
-
     def _write_model_card(self, directory: str, posterior: Any) -> None:
-        try:
-            from ..model_card import save_model_card
-        except ImportError:  # pragma: no cover - the model card module ships with the package
-            logger.warning("hf_evon.model_card is not available: the model card was not written")
-            return
-        base = getattr(posterior, "config", {}).get("base_model")
-        kwargs: dict[str, Any] = {"base_model": base}
-        metrics = self._latest_posterior_metrics()
-        if metrics:
-            kwargs["metrics"] = metrics
-        try:
-            save_model_card(directory, posterior, **kwargs)
-        except TypeError:
-            save_model_card(directory, posterior, base_model=base)
+        from ..model_card import save_trainer_model_card
+
+        save_trainer_model_card(self, directory, posterior)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's card, then the EVON section (the Trainer's card replaces README.md)."""

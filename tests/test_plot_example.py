@@ -1,0 +1,86 @@
+"""``examples/plot_evon_logs.py``: the ``evon/*`` scalars an ``EVONTrainer`` writes with
+``report_to="tensorboard"`` are read back exactly and drawn as a PNG (issue 11.8)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("matplotlib")
+
+from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location(
+        "plot_evon_logs", REPO_ROOT / "examples" / "plot_evon_logs.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+plot_evon_logs = _load_example()
+
+
+def test_tensorboard_is_in_the_examples_extra():
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"tensorboard", "matplotlib"} <= set(extras["examples"])
+
+
+def test_trainer_tensorboard_logs_are_read_back_and_plotted(tmp_path):
+    from datasets import Dataset
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (24, 8), generator=g)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 1] % 3).tolist()})
+    args = EVONConfig(
+        output_dir=str(tmp_path / "out"), report_to="tensorboard",
+        use_cpu=True, per_device_train_batch_size=8, max_steps=6, logging_steps=1, learning_rate=2e-2,
+        evon_ess=100.0, evon_precondition_frequency=2, save_strategy="no", disable_tqdm=True,
+        bma_num_samples=2, seed=0,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=BertForSequenceClassification(config), args=args, train_dataset=data, eval_dataset=data
+    )
+    trainer.train()
+    trainer.evaluate()
+    for cb in trainer.callback_handler.callbacks:  # flush the event files
+        if getattr(cb, "tb_writer", None) is not None:
+            cb.tb_writer.flush()
+
+    scalars = plot_evon_logs.read_scalars(str(tmp_path / "out" / "runs"))
+    logged = [e for e in trainer.state.log_history if "evon/hess_mean" in e]
+    assert len(logged) == 6
+    for key in ("evon/posterior_std_mean", "evon/hess_min", "evon/hess_mean", "evon/hess_max", "loss"):
+        steps, values = scalars[f"train/{key}"]
+        assert steps == [e["step"] for e in logged]
+        np.testing.assert_array_equal(np.float32(values), np.float32([e[key] for e in logged]))
+    final = trainer.state.log_history[-1]
+    assert np.float32(scalars["eval/bma_nll"][1][-1]) == np.float32(final["eval_bma_nll"])
+
+    png = tmp_path / "curves.png"
+    drawn = plot_evon_logs.main([str(tmp_path / "out" / "runs"), "--output", str(png), "--title", "test"])
+    assert drawn == [name for name, _, _ in plot_evon_logs.PANELS]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_or_empty_logdir_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="is not a directory"):
+        plot_evon_logs.read_scalars(str(tmp_path / "nope"))
+    with pytest.raises(SystemExit, match="no TensorBoard scalars"):
+        plot_evon_logs.read_scalars(str(tmp_path))
