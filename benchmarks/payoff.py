@@ -506,7 +506,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--samples", type=int, nargs="+", default=[8, 32], help="BMA sizes for EVON")
     parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon"])
     parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
+    parser.add_argument(
+        "--combine", nargs="+", default=None, metavar="JSON",
+        help="no training: one report from the .json files of earlier runs (e.g. tasks run in parallel)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.combine:
+        runs, minutes = {}, 0.0
+        for path in args.combine:
+            with open(path) as fh:
+                saved = json.load(fh)
+            runs.update(saved["runs"])
+            minutes = max(minutes, saved["meta"]["minutes"])
+            args.seeds = saved["meta"]["seeds"]
+        return report(runs, args, minutes)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     start = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -524,8 +537,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name} seed {seed}: " + ", ".join(
                 f"{r} nll {v['nll']:.4f} acc {v['accuracy']:.3f}" for r, v in rows.items() if isinstance(v, dict) and "nll" in v
             ), flush=True)  # fmt: skip
+    return report(runs, args, (time.perf_counter() - start) / 60)
+
+
+def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, minutes: float) -> dict[str, Any]:
     summary = summarize(runs)
-    meta = {"seeds": args.seeds, "minutes": (time.perf_counter() - start) / 60, "fast": args.fast}
+    meta = {"seeds": args.seeds, "minutes": minutes, "fast": args.fast}
     bma_row = f"EVON calibrated BMA@{max(args.samples)}"
     report = (
         markdown(summary, bma_row, meta) if {"adamw", "evon"} <= set(args.methods) else json.dumps(summary)

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, calibrate_posterior
@@ -37,7 +38,9 @@ def make_model(width: int) -> nn.Module:
 
 def load_data(seed: int) -> tuple[torch.Tensor, ...]:
     x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, test_size=0.3, random_state=seed, stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.3, random_state=seed, stratify=y)
+    scaler = StandardScaler().fit(x_tr)  # standardised pixels, as for any tabular input
+    x_tr, x_te = scaler.transform(x_tr), scaler.transform(x_te)
     as_x = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
     as_y = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
     return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
@@ -77,7 +80,7 @@ def main() -> None:
     ap.add_argument("--output-dir", default="outputs/quickstart")
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--bma-samples", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -3,7 +3,7 @@
 Subcommands are registered in ``SUBCOMMANDS``: each entry is *one* function that adds its
 own subparser (``add_parser(subparsers)``), declares its options (every option has help)
 and sets ``func`` (called with the parsed args, returns an exit code). Add a subcommand by
-writing such a function and appending it (``calibrate`` is the next one planned).
+writing such a function and appending it.
 
 Errors never show a traceback. A command line that asks for something impossible (an empty
 prompt, an unknown device, a missing local directory, ...) raises :class:`UsageError` and
@@ -517,7 +517,83 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------- entry point
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_inspect]
+# --------------------------------------------------------------------- calibrate
+def _add_calibrate(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="choose the posterior's sampling scale by BMA NLL on a held-out text file",
+        description="Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is "
+        "cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at the mean), "
+        "and the best scale is saved as the posterior's ess, with the search in its config. Use text the model "
+        "was not trained on, and other text than you report on.",
+    )
+    p.add_argument(
+        "--model", required=True, help="local model directory or Hub repo id (a transformers causal LM)"
+    )
+    p.add_argument("--posterior", help="posterior directory or Hub repo id (default: --model)")
+    p.add_argument("--posterior-subfolder", default=None, help="subfolder of --posterior holding the files")
+    _add_location_options(p)
+    p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
+    p.add_argument("--output", required=True, help="directory to save the calibrated posterior to")
+    p.add_argument("--block-size", type=_positive_int, default=128, help="tokens per block (default 128)")
+    p.add_argument("--max-blocks", type=_positive_int, default=64, help="blocks used at most (default 64)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="blocks per forward pass (default 8)")
+    p.add_argument(
+        "--samples", type=_positive_int, default=8, help="S, posterior samples per scale (default 8)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the weight draws (default 0)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
+    p.add_argument("--json", action="store_true", help="print the calibration as JSON")
+    p.set_defaults(func=_run_calibrate, parser=p)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from .calibration import calibrate_posterior
+    from .posterior import EVONPosterior
+
+    if not os.path.isfile(args.text):
+        raise UsageError(f"--text {args.text!r} is not a file")
+    device = resolve_device(args.device)
+    model = _from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, None))
+    model = model.to(device).eval()
+    location = args.posterior or args.model
+    posterior = _from_location(
+        location,
+        "--posterior" if args.posterior else "--model",
+        lambda: EVONPosterior.from_pretrained(
+            location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
+        ),
+    )
+    tokenizer = _load_tokenizer(args.model, args.revision, model)
+    if tokenizer is None:
+        raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
+    with open(args.text, encoding="utf-8") as fh:
+        ids = tokenizer(fh.read(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    block = min(args.block_size, getattr(model.config, "max_position_embeddings", args.block_size))
+    n = min(len(ids) // block, args.max_blocks)
+    if n == 0:
+        raise UsageError(f"--text {args.text!r} holds {len(ids)} tokens: fewer than one block of {block}")
+    rows = ids[: n * block].view(n, block).to(device)
+    batches = [
+        {"input_ids": rows[i : i + args.batch_size], "labels": rows[i : i + args.batch_size]}
+        for i in range(0, n, args.batch_size)
+    ]
+    calibrated, result = calibrate_posterior(
+        model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True
+    )
+    calibrated.save_pretrained(args.output)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(
+            f"calibrated ess {result.ess:.4g} = {result.multiplier:.3g} x the trained {result.trained_ess:.4g}: "
+            f"BMA NLL {result.nll_at_best:.4f} vs {result.mean_nll:.4f} at the mean on {result.num_targets} tokens; "
+            f"saved to {args.output}"
+        )
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_inspect, _add_calibrate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -313,7 +313,10 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
         assert row["shape"] == list(dict(model.named_parameters())[name].shape)
         assert row["std_min"] == float(std.min()) and row["std_max"] == float(std.max())
         assert row["std_mean"] == float(std.mean()) and row["std_median"] == float(std.flatten().median())
-        assert row["bases"] == "LR"
+        f = posterior[name]  # lean posteriors drop a basis wider than 3x the other side
+        assert row["bases"] == (
+            ("L" if f.Q_L is not None else "") + ("R" if f.Q_R is not None else "") or "none"
+        )
     assert summary["ess"] == 30.0 and summary["calibration"] is None
     assert summary["files"] == {
         f: (directory / f).stat().st_size
@@ -395,3 +398,28 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
         "hf-evon inspect: error: location 'alice/no-such-repo' is not a local directory, so it was looked up "
         "on the Hugging Face Hub, which failed:" in done.stderr
     )
+
+
+def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_path, capsys):
+    """``hf-evon calibrate`` = calibrate_posterior on the text's blocks; generate then uses it."""
+    from hf_evon.calibration import calibrate_posterior
+
+    path, model, tokenizer, posterior = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    out = tmp_path / "calibrated"
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(out)]
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    ids = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    n = len(ids) // 16
+    rows = ids[: n * 16].view(n, 16)
+    batches = [{"input_ids": rows[i : i + 8], "labels": rows[i : i + 8]} for i in range(0, n, 8)]
+    _, expected = calibrate_posterior(model, posterior, batches, num_samples=2, seed=0, shift_labels=True)
+    assert printed["nll"] == pytest.approx(expected.nll, rel=1e-9)
+    assert printed["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-9)
+    loaded = EVONPosterior.from_pretrained(out)
+    assert loaded.ess == expected.ess and loaded.config["calibration"]["nll"] == pytest.approx(expected.nll)
+    # a missing text file is a usage error, not a traceback
+    assert main([*argv[:-4], "--text", str(tmp_path / "nope.txt"), "--output", str(out)]) == 2
+    assert "is not a file" in capsys.readouterr().err
