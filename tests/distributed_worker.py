@@ -77,7 +77,15 @@ def scenario_noisy(accelerator, out: dict) -> None:
     """(a) Hessian aggregate, (b) distinct noise, (c) identical ranks, accumulation, seeding."""
     rank = accelerator.process_index
     model = tiny_gpt2()
-    hp = dict(lr=0.05, ess=500.0, hess_init=0.3, betas=(0.9, 0.99), weight_decay=1e-3, clip="whiten")
+    hp = dict(
+        lr=0.05,
+        ess=500.0,
+        hess_init=0.3,
+        betas=(0.9, 0.99),
+        weight_decay=1e-3,
+        clip="whiten",
+        hess_clip_ratio=None,
+    )
     # a different seed per rank: prepare_distributed must hand every rank rank 0's
     optimizer = build_optimizer(model, precondition_frequency=2, adamw_lr=0.01, seed=7 + 100 * rank, **hp)
     out["seed_before"] = optimizer.seed
