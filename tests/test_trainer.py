@@ -118,6 +118,7 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 EVON_FIELDS_CLI = {
     "evon_ess": ("123.5", 123.5),
     "evon_init_std_ratio": ("0.1", 0.1),
+    "posterior_max_basis_ratio": ("0", None),
     "evon_recipe": ("nanogpt", "nanogpt"),
     "evon_hess_init": ("0.25", 0.25),
     "evon_beta1": ("0.8", 0.8),

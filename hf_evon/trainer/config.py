@@ -171,6 +171,15 @@ class EVONConfig(TrainingArguments):
         default=None,
         metadata={"help": "Regexes of parameters to give to AdamW (checked before evon_patterns)."},
     )
+    posterior_max_basis_ratio: float | None = field(
+        default=3.0,
+        metadata={
+            "help": "Saved posteriors drop an eigenbasis whose side is more than this many times the other "
+            "side (a LoRA matrix's d x d side): every marginal std is kept, the posterior stays within ~2x the "
+            "model or adapter bytes (MiniLM LoRA: 1.03x instead of 48.9x; benchmarks/posterior_size.py). "
+            "None (or 0 on the command line) keeps every basis: the full posterior."
+        },
+    )
     bma_num_samples: int = field(
         default=8,
         metadata={
@@ -205,6 +214,8 @@ class EVONConfig(TrainingArguments):
                 "or float32"
             )
         super().__post_init__()
+        if self.posterior_max_basis_ratio is not None and self.posterior_max_basis_ratio == 0:
+            self.posterior_max_basis_ratio = None  # "0" on the command line means keep every basis
         if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:
             self.evon_hess_clip_ratio = None  # "0" on the command line means off
 
@@ -242,6 +253,15 @@ class EVONConfig(TrainingArguments):
             and self.evon_init_std_ratio > 0,
             "evon_init_std_ratio",
             "a finite number > 0",
+        )
+        need(
+            self.posterior_max_basis_ratio is None
+            or (
+                isinstance(self.posterior_max_basis_ratio, int | float)
+                and self.posterior_max_basis_ratio >= 1
+            ),
+            "posterior_max_basis_ratio",
+            "None (keep every basis) or a number >= 1",
         )
         need(
             self.evon_recipe is None or self.evon_recipe in RECIPES,

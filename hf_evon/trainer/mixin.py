@@ -250,7 +250,9 @@ class EVONTrainerMixin:
         if opt is not None and any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
             from ..posterior import EVONPosterior
 
-            posterior = EVONPosterior.from_optimizer(opt, self.model)
+            posterior = EVONPosterior.from_optimizer(
+                opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio
+            )
             if self.calibration is not None and self._calibrated_step == self.state.global_step:
                 posterior = posterior.with_ess(self.calibration.ess)
                 posterior.config["trained_ess"] = self.calibration.trained_ess
