@@ -29,10 +29,21 @@ from hf_evon.generation import bma_log_likelihood, bma_loss_curve
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 EVON_TABLE = dict(
-    lr=1.72e-2, hess_init=0.582, betas=(0.943, 1 - 9.12e-4), weight_decay=1e-6, shampoo_beta=0.995
+    lr=1.72e-2,
+    hess_init=0.582,
+    betas=(0.943, 1 - 9.12e-4),
+    weight_decay=1e-6,
+    shampoo_beta=0.995,
+    hess_clip_ratio=None,  # off in "Plain"; Table 3's "clip" component sets 1.5
 )
 IVON_TABLE = dict(
-    lr=142.0, hess_init=1.8e-2, betas=(0.89, 1 - 1.23e-4), weight_decay=1e-6, clip="element", clip_radius=1e-4
+    lr=142.0,
+    hess_init=1.8e-2,
+    betas=(0.89, 1 - 1.23e-4),
+    weight_decay=1e-6,
+    clip="element",
+    clip_radius=1e-4,
+    hess_clip_ratio=None,
 )
 # Table 3's components on top of the plain EVON: whitening replaces the spectral clip
 COMPONENTS = {

@@ -64,6 +64,7 @@ def fit(
         betas=(0.9, 0.999),
         mc_samples=4,
         clip="element",
+        hess_clip_ratio=None,  # the paper's small-scale runs use no Hessian clipping
         clip_radius=0.1,
         identity_basis=identity_basis,
         precondition_frequency=10,

@@ -83,6 +83,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
             ess=float(n),
             weight_decay=0.01 / n,
             clip="element",
+            hess_clip_ratio=None,  # the paper's small-scale runs use no Hessian clipping
             identity_basis=method == "IVON",
             seed=args.seed,
             **hp,

@@ -95,6 +95,7 @@ def train_and_sample(
         ess=ess_start,
         betas=(0.9, hp.pop("beta2")),
         clip="element",
+        hess_clip_ratio=None,  # the paper's small-scale runs use no Hessian clipping
         identity_basis=method == "IVON",
         seed=seed,
         **hp,
