@@ -256,16 +256,20 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
 
     name = "ivon" if identity_basis else "evon"
     lr_factor = args.lora_lr_factor if args.lora else 1.0
+    # with --evon-recipe the paper's table sets α, ζ, h0, δ and the clipping (EVONConfig.evon_recipe)
+    evon = (
+        {"evon_recipe": args.evon_recipe}
+        if args.evon_recipe
+        else dict(
+            learning_rate=args.evon_lr * lr_factor, evon_ess=args.evon_ess, evon_hess_init=args.evon_hess_init,
+            evon_clip=args.evon_clip, evon_clip_radius=args.evon_clip_radius, evon_weight_decay=args.evon_weight_decay,
+        )
+    )  # fmt: skip
     config = EVONConfig(
         **common_arguments(args, os.path.join(args.output_dir, name)),
-        learning_rate=args.evon_lr * lr_factor,
+        **evon,
         evon_adamw_learning_rate=args.adamw_lr * lr_factor,
         weight_decay=0.01,
-        evon_ess=args.evon_ess,
-        evon_hess_init=args.evon_hess_init,
-        evon_clip=args.evon_clip,
-        evon_clip_radius=args.evon_clip_radius,
-        evon_weight_decay=args.evon_weight_decay,
         evon_max_precond_dim=args.max_precond_dim,
         evon_identity_basis=identity_basis,
         bma_num_samples=args.bma_samples,
@@ -322,6 +326,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--evon-ess", type=float, default=1e6,
         help="effective sample size ζ (None/0: the training-set size); the paper's CLIP runs use 1e7..1e10",
     )  # fmt: skip
+    p.add_argument(
+        "--evon-recipe",
+        choices=["clip-finetuning"],
+        default=None,
+        help="the paper's CLIP fine-tuning settings (its best-hyperparameters table) instead of the --evon-* values",
+    )
     p.add_argument("--evon-hess-init", type=float, default=0.01)
     p.add_argument(
         "--evon-clip", default="element", choices=["none", "element", "spectral", "whiten"],

@@ -103,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--min-lr-ratio", type=float, default=0.1)
     o.add_argument("--grad-clip", type=float, default=0.0, help="clip the mean gradient's norm (0: off)")
     e = ap.add_argument_group("EVON (soap: ess=inf; ivon: identity basis)")
+    e.add_argument(
+        "--recipe",
+        choices=["nanogpt", "llama"],
+        default=None,
+        help="the paper's tuned EVON settings (hf_evon.RECIPES, from its NanoGPT/Llama table) instead of the "
+        "--ess ... --clip-radius values below (GPU-scale runs: batch 512, thousands of steps)",
+    )
     e.add_argument("--ess", type=float, default=EVON_DEFAULTS["ess"])
     e.add_argument("--hess-init", type=float, default=EVON_DEFAULTS["hess_init"])
     e.add_argument("--beta1", type=float, default=EVON_DEFAULTS["beta1"])
@@ -229,6 +236,16 @@ def build_optimizer_for(args: argparse.Namespace, model: torch.nn.Module) -> tor
             g.pop("algorithm")
             g.pop("param_names")
         return torch.optim.AdamW(groups, lr=args.adamw_lr, betas=(0.9, 0.95))
+    if args.recipe is not None:
+        from hf_evon.optim.recipes import recipe_kwargs
+
+        fixed = dict(identity_basis=args.optimizer == "ivon", precondition_frequency=args.precondition_frequency,
+                     mc_samples=args.mc_samples, adamw_betas=(0.9, 0.95), seed=args.seed)  # fmt: skip
+        if args.optimizer == "soap":
+            fixed["ess"] = float("inf")
+        if args.lr is not None:
+            fixed["lr"] = args.lr
+        return EVON(groups, **recipe_kwargs(args.recipe, fixed))
     return EVON(
         groups,
         lr=lr,

@@ -120,3 +120,19 @@ def test_two_processes(cache: str, tmp_path) -> None:
     final = json.load(open(os.path.join(out_dir, "metrics.json")))["final"]
     assert final["processes"] == 2
     assert os.path.isfile(os.path.join(out_dir, "model", "evon_posterior.safetensors"))
+
+
+@pytest.mark.parametrize("recipe", ["nanogpt", "llama"])
+def test_recipe_option_builds_the_papers_table(recipe: str) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import pretrain_lm
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import RECIPES
+
+    args = pretrain_lm.parse_args(["--recipe", recipe, "--output-dir", "unused"])
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    opt = pretrain_lm.build_optimizer_for(args, model)
+    group = next(g for g in opt.param_groups if g["algorithm"] == "evon")
+    for key, value in RECIPES[recipe].items():
+        assert group[key] == (tuple(value) if isinstance(value, tuple) else value), key
