@@ -387,6 +387,14 @@ def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- report
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and population sd; with a non-finite value (a calibrated multiplier of ∞) the median
+    and NaN, which the report prints as such."""
+    if all(math.isfinite(v) for v in values):
+        return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+    return statistics.median(values), math.nan
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """task -> row -> metric -> (mean, sd) over seeds; strings (n/a reasons) kept."""
     out: dict[str, dict[str, Any]] = {}
@@ -398,13 +406,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
                 out[task][row] = vals[0]
                 continue
             out[task][row] = {
-                k: (
-                    statistics.fmean(v[k] for v in vals),
-                    statistics.pstdev(v[k] for v in vals) if len(vals) > 1 else 0.0,
-                )
-                for k in vals[0]
-                if isinstance(vals[0][k], int | float) and vals[0][k] is not None
+                k: mean_sd([v[k] for v in vals]) for k in vals[0] if isinstance(vals[0][k], int | float)
             }
+            if row == "_evon":
+                out[task][row]["calibrated_multipliers"] = [v["calibrated_multiplier"] for v in vals]
     return out
 
 
@@ -454,7 +459,7 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
         if "_evon" in rows:
             e = rows["_evon"]
             out.append(
-                f"\nEVON: trained ζ {e['trained_ess'][0]:.3g}, calibrated ×{e['calibrated_multiplier'][0]:.3g}, "
+                f"\nEVON: trained ζ {e['trained_ess'][0]:.3g}, calibrated × {', '.join(f'{m:.3g}' for m in e['calibrated_multipliers'])} (per seed), "
                 f"noise/signal {e['noise_to_signal'][0]:.3g}, H below prior {e['hess_below_prior'][0]:.1%}"
             )
         out.append("")
@@ -525,6 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs.update(saved["runs"])
             minutes = max(minutes, saved["meta"]["minutes"])
             args.seeds = saved["meta"]["seeds"]
+            args.samples = saved["meta"].get("samples", args.samples)
         return report(runs, args, minutes)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     start = time.perf_counter()
@@ -540,6 +546,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if "evon" in args.methods:
                 rows.update(run_evon(task, seed, args.samples))
             runs.setdefault(name, []).append(rows)
+            if args.out:  # after every seed: a crash later loses nothing measured so far
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out + ".partial.json", "w") as fh:
+                    json.dump(
+                        {
+                            "meta": {"seeds": args.seeds, "minutes": (time.perf_counter() - start) / 60},
+                            "runs": runs,
+                        },
+                        fh,
+                    )
             print(f"{name} seed {seed}: " + ", ".join(
                 f"{r} nll {v['nll']:.4f} acc {v['accuracy']:.3f}" for r, v in rows.items() if isinstance(v, dict) and "nll" in v
             ), flush=True)  # fmt: skip
@@ -548,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, minutes: float) -> dict[str, Any]:
     summary = summarize(runs)
-    meta = {"seeds": args.seeds, "minutes": minutes, "fast": args.fast}
+    meta = {"seeds": args.seeds, "minutes": minutes, "fast": args.fast, "samples": args.samples}
     bma_row = f"EVON calibrated BMA@{max(args.samples)}"
     report = (
         markdown(summary, bma_row, meta) if {"adamw", "evon"} <= set(args.methods) else json.dumps(summary)
