@@ -235,6 +235,26 @@ def _usage_snippet(
     return "\n".join(lines)
 
 
+def _calibration_text(config: Mapping[str, Any]) -> str:
+    """What the card says about the posterior's sampling scale (hf_evon.calibration)."""
+    cal = config.get("calibration")
+    if not isinstance(cal, Mapping):
+        return (
+            "Not calibrated: samples use the scale EVON trained with. Choose it on held-out data with "
+            "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`) before relying on BMA: on that data the "
+            "calibrated BMA is never worse than the mean."
+        )
+    mult = "∞" if cal.get("ess") == "inf" else _fmt(float(cal["ess"]) / float(cal["trained_ess"]))
+    return (
+        f"Calibrated on {_fmt(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
+        f"({_fmt(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean): "
+        f"`ess` = {_fmt(cal.get('ess'))} ({mult} × the trained {_fmt(cal.get('trained_ess'))}; ∞ means the "
+        f"mean itself predicts best). Held-out NLL {_fmt(min([cal['mean_nll'], *cal.get('nll', [])]))} vs "
+        f"{_fmt(cal.get('mean_nll'))} at the mean. Sampling from this posterior (`posterior.sampled`, "
+        "`generate_bma`, `hf-evon generate`) uses this scale."
+    )
+
+
 def render_model_card(
     posterior: Any,
     base_model: str | None = None,
@@ -289,6 +309,7 @@ def render_model_card(
         usage_snippet=_usage_snippet(
             posterior, base_model, location, subfolder, model_id, _num_labels(model)
         ),
+        calibration_text=_calibration_text(config),
         eigenbasis_dtype=config.get("eigenbasis_dtype", "float32"),
         format_version=config.get("format_version", 1),
     )

@@ -248,3 +248,27 @@ def test_trainer_pushed_card_names_repo_evon_and_steps_and_its_snippet_runs(tmp_
         trainer.model, trainer.current_posterior(), tokenizer("An example input.", return_tensors="pt")
     )
     torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
+    """The card promised that BMA beats the mean; now it says what the sampling scale rests on."""
+    from torch import nn
+
+    from hf_evon.calibration import calibrate_posterior
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = hf_evon.build_optimizer(model, seed=0)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    assert "Not calibrated" in str(render_model_card(posterior))
+    calibrated, result = calibrate_posterior(model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2)
+    text = str(render_model_card(calibrated))
+    assert "Not calibrated" not in text
+    assert f"Calibrated on {result.num_targets} held-out targets" in text
+    assert f"Held-out NLL {result.nll_at_best:.6g} vs {result.mean_nll:.6g} at the mean" in text
