@@ -13,3 +13,23 @@ torch.set_num_threads(1)
 def _fixed_seed() -> None:
     """Every test starts from the same global RNG state (tests may still seed their own)."""
     torch.manual_seed(0)
+
+
+# The unclipped algorithm with the settings most tests here were written for (EVON's own defaults
+# before ess="auto" and the clipping defaults): a test names only the values it changes.
+PLAIN_EVON = dict(
+    lr=1e-3,
+    ess=float("inf"),
+    hess_init=0.1,
+    betas=(0.9, 0.999),
+    weight_decay=1e-4,
+    hess_clip_ratio=None,
+    clip="none",
+    clip_radius=1.0,
+    adamw_lr=None,
+)
+
+
+def plain_evon(**overrides):
+    """``PLAIN_EVON`` updated by ``overrides`` (keyword arguments of ``EVON``/``build_optimizer``)."""
+    return {**PLAIN_EVON, **overrides}

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import plain_evon
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import hf_evon
@@ -44,20 +45,7 @@ def saved(tmp_path_factory):
             vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1
         )
     )
-    opt = hf_evon.build_optimizer(
-        model,
-        lr=1e-2,
-        ess=1e4,
-        precondition_frequency=2,
-        seed=0,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randint(2, vocab, (4, 12), generator=gen)

@@ -175,7 +175,14 @@ def test_the_nanogpt_recipe_is_its_table_row() -> None:
     from hf_evon import RECIPES
 
     r = RECIPES["nanogpt"]
-    assert (r["ess"], r["hess_init"], r["lr"], r["weight_decay"], r["shampoo_beta"], r["hess_clip_ratio"]) == (
+    assert (
+        r["ess"],
+        r["hess_init"],
+        r["lr"],
+        r["weight_decay"],
+        r["shampoo_beta"],
+        r["hess_clip_ratio"],
+    ) == (
         5.27e6,
         0.582,
         1.72e-2,

@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from conftest import plain_evon
 
 from hf_evon import build_optimizer, prepare_distributed
 from hf_evon.distributed import RankAverager, UnsupportedParallelismError, unwrap_optimizer
@@ -284,18 +285,7 @@ def test_fsdp_is_refused(ranks: list[dict]) -> None:
 # ---------------------------------------------------------------- single-process unit checks
 def test_single_process_prepare_is_a_noop_and_unwraps() -> None:
     model = worker.tiny_gpt2()
-    opt = build_optimizer(
-        model,
-        ess=100.0,
-        lr=1e-3,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = build_optimizer(model, **plain_evon(ess=100.0))
 
     class Wrapper:  # like accelerate's AcceleratedOptimizer
         def __init__(self, optimizer):
@@ -322,18 +312,7 @@ def test_deepspeed_engine_is_refused() -> None:
     with pytest.raises(UnsupportedParallelismError, match="DeepSpeed"):
         prepare_distributed(
             DeepSpeedEngine(model),
-            build_optimizer(
-                model,
-                ess=100.0,
-                lr=1e-3,
-                hess_init=0.1,
-                betas=(0.9, 0.999),
-                weight_decay=1e-4,
-                hess_clip_ratio=None,
-                clip="none",
-                clip_radius=1.0,
-                adamw_lr=None,
-            ),
+            build_optimizer(model, **plain_evon(ess=100.0)),
         )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import plain_evon
 
 from hf_evon import EVON
 
@@ -83,20 +84,17 @@ class OrthogonalRegression:
         lr = 0.2
         opt = EVON(
             [W],
-            lr=lr,
-            ess=self.ess,
-            hess_init=1.0,
-            weight_decay=self.delta,
-            betas=(0.9, 0.999),
-            shampoo_beta=0.9995,
-            mc_samples=4,
-            precondition_frequency=10,
-            identity_basis=identity_basis,
-            seed=seed,
-            hess_clip_ratio=None,
-            clip="none",
-            clip_radius=1.0,
-            adamw_lr=None,
+            **plain_evon(
+                lr=lr,
+                ess=self.ess,
+                hess_init=1.0,
+                weight_decay=self.delta,
+                shampoo_beta=0.9995,
+                mc_samples=4,
+                precondition_frequency=10,
+                identity_basis=identity_basis,
+                seed=seed,
+            ),
         )
         for k in range(steps):
             linear_decay(opt, lr, k, steps)
@@ -230,17 +228,15 @@ def train_logistic(X: torch.Tensor, y: torch.Tensor, *, steps: int, identity_bas
     w = torch.nn.Parameter(torch.zeros(1, D, dtype=F64))  # like nn.Linear(D, 1).weight: full covariance
     opt = EVON(
         [w],
-        lr=1.0,
-        ess=float(n),
-        hess_init=0.1,
-        weight_decay=0.01 / n,
-        betas=(0.9, 0.999),
-        clip="element",
-        clip_radius=0.1,
-        identity_basis=identity_basis,
-        seed=seed,
-        hess_clip_ratio=None,
-        adamw_lr=None,
+        **plain_evon(
+            lr=1.0,
+            ess=float(n),
+            weight_decay=0.01 / n,
+            clip="element",
+            clip_radius=0.1,
+            identity_basis=identity_basis,
+            seed=seed,
+        ),
     )
     for k in range(steps):
         linear_decay(opt, 1.0, k, steps)

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import plain_evon
 from torch import nn
 
 from hf_evon import EVON, NonFiniteGradientError
@@ -274,30 +275,8 @@ def test_invalid_hyperparameter_raises(kwargs: dict, name: str, rule: str, with_
 def test_invalid_param_group_raises(group: dict, name: str) -> None:
     model = make_model()
     with pytest.raises(ValueError, match=name):
-        EVON(
-            [{"params": list(model.parameters()), **group}],
-            ess=10.0,
-            lr=1e-3,
-            hess_init=0.1,
-            betas=(0.9, 0.999),
-            weight_decay=1e-4,
-            hess_clip_ratio=None,
-            clip="none",
-            clip_radius=1.0,
-            adamw_lr=None,
-        )
-    opt = EVON(
-        [next(model.parameters())],
-        ess=10.0,
-        lr=1e-3,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+        EVON([{"params": list(model.parameters()), **group}], **plain_evon(ess=10.0))
+    opt = EVON([next(model.parameters())], **plain_evon(ess=10.0))
     with pytest.raises(ValueError, match=name):
         opt.add_param_group({"params": [model[2].weight], **group})
 
@@ -305,31 +284,12 @@ def test_invalid_param_group_raises(group: dict, name: str) -> None:
 def test_valid_edge_values_are_accepted() -> None:
     model = make_model()
     weights = [p for n, p in model.named_parameters() if "weight" in n]
+    EVON(weights, **plain_evon(lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, shampoo_beta=0.0))
     EVON(
         weights,
-        lr=0.0,
-        betas=(0.0, 0.0),
-        weight_decay=0.0,
-        shampoo_beta=0.0,
-        ess=float("inf"),
-        hess_init=0.1,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
-    EVON(
-        weights,
-        ess=1e-3,
-        hess_init=1e-8,
-        clip_radius=float("inf"),
-        hess_clip_ratio=1e9,
-        max_precond_dim=1,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        clip="none",
-        adamw_lr=None,
+        **plain_evon(
+            ess=1e-3, hess_init=1e-8, clip_radius=float("inf"), hess_clip_ratio=1e9, max_precond_dim=1
+        ),
     )
 
 
@@ -419,34 +379,12 @@ def test_step_without_sampled_params_raises() -> None:
     assert_identical(snapshot(model, opt), before)
     # IVON mode / 1-D parameters have no initialising step: the very first step needs a sample
     w = nn.Parameter(torch.randn(5))
-    ivon = EVON(
-        [w],
-        ess=10.0,
-        lr=1e-3,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    ivon = EVON([w], **plain_evon(ess=10.0))
     w.square().sum().backward()
     with pytest.raises(RuntimeError, match="sampled_params"):
         ivon.step()
     # deterministic mode (ess = inf) needs none
-    det = EVON(
-        [nn.Parameter(torch.randn(3, 4))],
-        ess=float("inf"),
-        lr=1e-3,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    det = EVON([nn.Parameter(torch.randn(3, 4))], **plain_evon())
     for p in det.param_groups[0]["params"]:
         p.square().sum().backward()
     det.step()
@@ -485,18 +423,16 @@ def trained_float64(steps: int = 12) -> tuple[nn.Module, EVON]:
     params = [model[0].weight, model[2].weight, extra]
     opt = EVON(
         [{"params": params}, {"params": [model[0].bias, model[2].bias], "algorithm": "adamw"}],
-        lr=0.1,
-        ess=50.0,
-        hess_init=1.0,
-        betas=(0.9, 0.6),  # a fast Hessian average: an uneven, clearly non-isotropic posterior
-        weight_decay=0.01,
-        precondition_frequency=2,
-        max_precond_dim=6,
-        seed=0,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
+        **plain_evon(
+            lr=0.1,
+            ess=50.0,
+            hess_init=1.0,
+            betas=(0.9, 0.6),
+            weight_decay=0.01,
+            precondition_frequency=2,
+            max_precond_dim=6,
+            seed=0,
+        ),
     )
     X, y = torch.randn(40, 4, dtype=F64), torch.randint(0, 7, (40,))
     for _ in range(steps):
@@ -598,16 +534,7 @@ def test_reloaded_optimizer_reports_the_same_posterior() -> None:
             {"params": clone_params},
             {"params": [clone_model[0].bias, clone_model[2].bias], "algorithm": "adamw"},
         ],
-        ess=50.0,
-        weight_decay=0.01,
-        max_precond_dim=6,
-        lr=1e-3,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
+        **plain_evon(ess=50.0, weight_decay=0.01, max_precond_dim=6),
     )
     clone.load_state_dict(roundtrip(opt.state_dict()))
     torch.testing.assert_close(clone.posterior_covariance(clone_params[0]), cov, rtol=0, atol=0)

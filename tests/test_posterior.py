@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import plain_evon
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -64,17 +65,7 @@ def mlp():
     y = torch.tanh(x @ torch.randn(5, 4)) @ torch.randn(4, 3) + 0.1 * torch.randn(256, 3)
     opt = hf_evon.build_optimizer(
         model,
-        lr=0.05,
-        ess=256,
-        betas=(0.9, 0.95),
-        hess_init=0.05,
-        precondition_frequency=2,
-        seed=1,
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
+        **plain_evon(lr=0.05, ess=256, betas=(0.9, 0.95), hess_init=0.05, precondition_frequency=2, seed=1),
     )
     _train(model, opt, [(x, y)] * 12, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
     return model, opt, EVONPosterior.from_optimizer(opt, model)
@@ -103,20 +94,7 @@ def gpt2():
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(_tiny_gpt2_config())
-    opt = hf_evon.build_optimizer(
-        model,
-        lr=1e-2,
-        ess=1000,
-        precondition_frequency=2,
-        seed=0,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1000, precondition_frequency=2, seed=0))
     _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(5)], _lm_loss)
     return model, opt, EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
 
@@ -257,18 +235,7 @@ def test_from_factors_checks_shapes(mlp):
 
 def test_untrained_optimizer_gives_the_prior_like_initial_posterior():
     model = nn.Linear(3, 2)
-    opt = hf_evon.EVON(
-        model.parameters(),
-        ess=10.0,
-        hess_init=0.5,
-        weight_decay=0.1,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.EVON(model.parameters(), **plain_evon(ess=10.0, hess_init=0.5, weight_decay=0.1))
     post = EVONPosterior.from_optimizer(opt, model)  # no step yet: Q = I, H = hess_init
     assert post["weight"].Q_L is None and post["weight"].Q_R is None
     torch.testing.assert_close(post.std("weight"), torch.full((2, 3), (10.0 * 0.6) ** -0.5))
@@ -296,18 +263,7 @@ def test_covariance_refuses_big_parameters(gpt2):
         post.covariance("transformer.h.0.attn.c_attn.weight", max_elements=3000)
     big = nn.Linear(65, 64)  # 4160 > 4096 elements: refused by default
     post_big = EVONPosterior.from_optimizer(
-        hf_evon.EVON(
-            [big.weight],
-            ess=1.0,
-            lr=1e-3,
-            hess_init=0.1,
-            betas=(0.9, 0.999),
-            weight_decay=1e-4,
-            hess_clip_ratio=None,
-            clip="none",
-            clip_radius=1.0,
-            adamw_lr=None,
-        ),
+        hf_evon.EVON([big.weight], **plain_evon(ess=1.0)),
         big,
     )
     with pytest.raises(ValueError, match=r"'weight' has 4160 elements.*at most 4096"):
@@ -584,19 +540,7 @@ def test_file_format_is_as_documented(mlp, tmp_path):
 
 def test_identity_sides_are_absent_from_the_file(tmp_path):
     model = nn.Sequential(nn.Linear(3, 1))  # 1×3 weight: m = 1, so no left basis
-    opt = hf_evon.EVON(
-        model.parameters(),
-        lr=0.1,
-        ess=50.0,
-        precondition_frequency=1,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.EVON(model.parameters(), **plain_evon(lr=0.1, ess=50.0, precondition_frequency=1))
     _train(model, opt, [torch.randn(8, 3)] * 3, lambda m, x: m(x).square().mean())
     post = EVONPosterior.from_optimizer(opt, model)
     assert post["0.weight"].Q_L is None and post["0.weight"].Q_R is not None
@@ -1027,20 +971,7 @@ def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     base = GPT2LMHeadModel(_tiny_gpt2_config())
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
     model = get_peft_model(base, lora)
-    opt = hf_evon.build_optimizer(
-        model,
-        lr=1e-2,
-        ess=500,
-        precondition_frequency=2,
-        seed=0,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=500, precondition_frequency=2, seed=0))
     _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(4)], _lm_loss)
     post = EVONPosterior.from_optimizer(opt, model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -1179,20 +1110,7 @@ def test_model_card_snippet_runs_and_predicts_with_bma(task, tmp_path, capsys):
         model = BertForSequenceClassification(config)
         loss = lambda m, b: m(input_ids=b, labels=b[:, 0] % 2).loss  # noqa: E731
         batches = [torch.randint(0, vocab, (4, 8)) for _ in range(4)]
-    opt = hf_evon.build_optimizer(
-        model,
-        lr=1e-2,
-        ess=100,
-        precondition_frequency=2,
-        seed=0,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=100, precondition_frequency=2, seed=0))
     _train(model, opt, batches, loss)
     post = EVONPosterior.from_optimizer(opt, model)
     model.save_pretrained(tmp_path)
@@ -1231,19 +1149,7 @@ def test_model_card_snippet_runs_and_predicts_with_bma(task, tmp_path, capsys):
 def test_recorded_lr_is_the_scheduled_peak_and_the_final_rate():
     torch.manual_seed(0)
     net = nn.Linear(3, 2)
-    opt = hf_evon.EVON(
-        [net.weight],
-        lr=0.1,
-        ess=100,
-        seed=0,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
-    )
+    opt = hf_evon.EVON([net.weight], **plain_evon(lr=0.1, ess=100, seed=0))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
     x = torch.randn(8, 3)
     _train(net, opt, [x] * 3, lambda m, b: m(b).square().mean(), scheduler=sched)

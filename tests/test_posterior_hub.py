@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import plain_evon
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 from safetensors.torch import load_file
@@ -58,18 +59,7 @@ def posterior() -> EVONPosterior:
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
     x, y = torch.randn(128, 6), torch.randn(128, 2)
     opt = hf_evon.build_optimizer(
-        model,
-        lr=0.05,
-        ess=128,
-        betas=(0.9, 0.95),
-        precondition_frequency=2,
-        seed=0,
-        hess_init=0.1,
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
-        adamw_lr=None,
+        model, **plain_evon(lr=0.05, ess=128, betas=(0.9, 0.95), precondition_frequency=2, seed=0)
     )
     for _ in range(6):
         with opt.sampled_params(train=True):
