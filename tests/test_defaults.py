@@ -196,3 +196,22 @@ def test_the_nanogpt_recipe_is_its_table_row() -> None:
 def test_an_unknown_recipe_names_the_choices() -> None:
     with pytest.raises(ValueError, match="clip-finetuning"):
         build_optimizer(mlp(), recipe="gpt5")
+
+
+def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
+    import peft
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))
+    opt = build_optimizer(model, lr=0.03)
+    evon = [g for g in opt.param_groups if g["algorithm"] == "evon"]
+    adapters = [g for g in evon if all("lora_" in n for n in g["param_names"])]
+    assert len(adapters) == 1 and adapters[0]["lr"] == pytest.approx(0.03 * 5.0)
+    assert sorted(adapters[0]["param_names"]) == sorted(
+        n for n, p in model.named_parameters() if "lora_" in n and p.requires_grad
+    )
+    same = build_optimizer(model, lr=0.03, adapter_lr_scale=1)
+    assert [g["lr"] for g in same.param_groups if g["algorithm"] == "evon"] == [0.03]
+    with pytest.raises(ValueError, match="adapter_lr_scale"):
+        build_optimizer(model, adapter_lr_scale=0)
