@@ -378,6 +378,8 @@ class EVON(Optimizer):
         self.skipped_steps = 0
         # posterior_health(warn=True) every this many steps (one host sync each; 0: never)
         self.health_check_every = 100
+        self._updates = 0  # steps taken by this object (for the health check's period)
+        self._health_warned: set[str] = set()  # each health warning is given once
         self._generators: dict[torch.device, tuple[tuple, torch.Generator]] = {}  # (stream, generator)
         # sampled_params blocks entered so far; a block's noise is fixed by (seed, rank, block, device),
         # so any rank resumes its own stream from a checkpoint saved by another rank
@@ -753,7 +755,7 @@ class EVON(Optimizer):
         for gi, (params, g_list, states) in adamw.items():
             self._adamw_update(self.param_groups[gi], params, g_list, states)
         self._discard_samples()
-        self._updates = getattr(self, "_updates", 0) + 1
+        self._updates += 1
         if self.health_check_every and self._updates % self.health_check_every == 0:
             self.posterior_health(warn=True)
         return loss
@@ -1059,7 +1061,7 @@ class EVON(Optimizer):
                 continue
             hess = b.state["hess"]
             var = torch.reciprocal(g["ess"] * (hess + g["weight_decay"]))
-            w_sq = torch.stack([p.detach().to(b.dtype).square().sum() for p in b.params])
+            w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
             var_sum = var.sum(dim=(1, 2))
             ratios.append((var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt())
             rows.append(
@@ -1094,7 +1096,7 @@ class EVON(Optimizer):
         return stats
 
     def _warn_health(self, stats: dict[str, float]) -> None:
-        warned = self.__dict__.setdefault("_health_warned", set())
+        warned = self._health_warned
         if stats["noise_to_signal_max"] >= 1.0 and "runaway" not in warned:
             warned.add("runaway")
             warnings.warn(
