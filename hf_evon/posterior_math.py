@@ -17,14 +17,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .optim.linalg import exact_float32_matmul, unrotate
+from .optim.evon import state_dtype as compute_dtype  # float32 math; float64 stays float64
+from .optim.linalg import exact_float32_matmul, rotated_variance, unrotate
 
 Tensor = torch.Tensor
-
-
-def compute_dtype(t: Tensor) -> torch.dtype:
-    """The eigenbasis math runs in float32 (float64 stays float64)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -54,7 +50,7 @@ class MatrixFactors:
     @property
     def variance(self) -> Tensor:
         """``V = 1 / (ζ (H + δ))``, the rotated-space variance (m×n)."""
-        return 1.0 / (self.ess * (self.hess.to(compute_dtype(self.hess)) + self.weight_decay))
+        return rotated_variance(self.hess.to(compute_dtype(self.hess)), self.ess, self.weight_decay)
 
 
 @dataclass
