@@ -611,7 +611,6 @@ def _kill_after(monkeypatch, k: int | None) -> list[str]:
     ``k=None`` only counts. Returns the list of calls made.
     """
     import builtins
-    import shutil
 
     import hf_evon.posterior_format as format_module
 
@@ -674,11 +673,10 @@ def _kill_every_call(monkeypatch, tmp_path: Path, pristine: Path, save, old: dic
             with pytest.raises(_Killed):
                 save(target)
         loaded = EVONPosterior.from_pretrained(target).to_tensors()  # no repair in between
-        which = [label for label, t in (("old", old), ("new", new)) if t.keys() == loaded.keys()]
         which = [
             label
-            for label in which
-            if all(torch.equal(loaded[key], (old, new)[label == "new"][key]) for key in loaded)
+            for label, t in (("old", old), ("new", new))
+            if t.keys() == loaded.keys() and all(torch.equal(loaded[key], t[key]) for key in loaded)
         ]
         assert len(which) == 1, (k, calls[k - 1])
         seen.append(which[0])
