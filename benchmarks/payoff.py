@@ -257,7 +257,7 @@ def fit_temperature(logp: torch.Tensor, labels: torch.Tensor) -> float:
         return loss
 
     opt.step(closure)
-    return float(log_t.exp())
+    return float(log_t.detach().exp())
 
 
 class _DictLogits(nn.Module):
@@ -285,11 +285,10 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
     dict_inputs = isinstance(task.train[0][0], dict)
 
     class Loader(list):
-        dataset = range(sum(len(y) for _, y in task.train))
+        """A list of batches with the ``dataset`` length laplace-torch reads for its scaling."""
 
     def loader(batches: list[Batch]) -> Any:
-        items = [(BatchEncoding({**x, "labels": y}), y) if dict_inputs else (x, y) for x, y in batches]
-        out = Loader(items)
+        out = Loader((BatchEncoding({**x, "labels": y}), y) if dict_inputs else (x, y) for x, y in batches)
         out.dataset = range(sum(len(y) for _, y in batches))
         return out
 

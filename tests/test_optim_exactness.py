@@ -13,8 +13,9 @@ Everything compared against is computed here, in float64, from the problem alone
 from __future__ import annotations
 
 import math
+import os
+import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,19 +23,11 @@ from conftest import plain_evon
 
 from hf_evon import EVON
 
+# the paper scripts' logistic objective, its L-BFGS optimum, the digits loader and the decay schedule
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "paper"))
+from _common import LogisticObjective, digits_3_vs_5, linear_decay, relative_frobenius  # noqa: E402
+
 F64 = torch.float64
-
-
-def rel_frobenius(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
-
-
-def linear_decay(opt: EVON, lr: float, k: int, steps: int) -> None:
-    """Constant learning rate, then linear decay to 0 over the last third of training."""
-    start = 2 * steps // 3
-    if k >= start:
-        for group in opt.param_groups:
-            group["lr"] = lr * (1 - (k - start) / (steps - start))
 
 
 # ------------------------------------------------------------------------ linear regression
@@ -117,11 +110,11 @@ def test_linear_regression_covariance_is_exact() -> None:
         torch.linalg.norm(Sigma - torch.diag(torch.diagonal(Sigma))) / torch.linalg.norm(Sigma)
     )
     mean_field = torch.diag(1.0 / torch.diagonal(problem.precision))
-    mean_field_err = rel_frobenius(mean_field, Sigma)
+    mean_field_err = relative_frobenius(mean_field, Sigma)
     assert diagonal_floor > 0.4
 
     mean, cov = problem.train(steps=7000, identity_basis=False, seed=0)
-    evon_err = rel_frobenius(cov, Sigma)
+    evon_err = relative_frobenius(cov, Sigma)
     print(
         f"EVON covariance error {evon_err:.4f}; diagonal floor {diagonal_floor:.4f}, mean field {mean_field_err:.4f}"
     )
@@ -133,94 +126,15 @@ def test_linear_regression_covariance_is_exact() -> None:
     # IVON (basis held at the identity): diagonal, hence at least the floor away; and it is
     # the mean-field optimum that a diagonal variational method converges to
     _, ivon_cov = problem.train(steps=2500, identity_basis=True, seed=0)
-    ivon_err = rel_frobenius(ivon_cov, Sigma)
+    ivon_err = relative_frobenius(ivon_cov, Sigma)
     print(f"IVON covariance error {ivon_err:.4f}")
     assert torch.count_nonzero(ivon_cov - torch.diag(torch.diagonal(ivon_cov))) == 0
     assert ivon_err >= diagonal_floor - 1e-9
     assert ivon_err > 0.3
-    assert rel_frobenius(torch.diagonal(ivon_cov), torch.diagonal(mean_field)) < 0.1
+    assert relative_frobenius(torch.diagonal(ivon_cov), torch.diagonal(mean_field)) < 0.1
 
 
 # ----------------------------------------------------------------------- logistic regression
-def digits_3_vs_5() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's 8×8 digits, 3 (+1) vs 5 (−1); non-constant pixels / 16, plus a bias."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    keep = (data.target == 3) | (data.target == 5)
-    X = data.data[keep] / 16.0
-    X = X[:, X.std(0) > 0]
-    X = np.hstack([X, np.ones((len(X), 1))])
-    y = np.where(data.target[keep] == 3, 1.0, -1.0)
-    return torch.tensor(X, dtype=F64), torch.tensor(y, dtype=F64)
-
-
-class GaussianObjective:
-    """ζ E_q[ℓ] + KL(q ‖ N(0, (ζδ)⁻¹ I)) for q = N(μ, Σ), ℓ the mean logistic loss.
-
-    E_q[ℓ] is exact up to quadrature: each margin wᵀx_i is N(μᵀx_i, x_iᵀΣx_i) under q,
-    and its expected softplus is a 1-D Gauss–Hermite integral (64 nodes).
-    """
-
-    def __init__(self, X: torch.Tensor, y: torch.Tensor, ess: float, delta: float) -> None:
-        self.X, self.y = X, y
-        self.ess, self.prior_precision = ess, ess * delta
-        nodes, weights = np.polynomial.hermite_e.hermegauss(64)  # ∫ f(x) e^{-x²/2} dx
-        self.nodes = torch.tensor(nodes, dtype=F64)
-        self.weights = torch.tensor(weights / weights.sum(), dtype=F64)
-
-    def __call__(
-        self, mu: torch.Tensor, Sigma: torch.Tensor, chol: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        X, s0, D = self.X, self.prior_precision, self.X.shape[1]
-        m = X @ mu
-        v = ((X @ Sigma) * X).sum(1).clamp_min(0.0)
-        margins = m[:, None] + v.sqrt()[:, None] * self.nodes[None, :]
-        expected_loss = (F.softplus(-self.y[:, None] * margins) * self.weights).sum(1).mean()
-        if chol is not None:
-            logdet = 2 * torch.log(torch.diagonal(chol)).sum()
-        else:
-            logdet = torch.linalg.slogdet(Sigma)[1]
-        kl = 0.5 * (s0 * torch.trace(Sigma) + s0 * mu @ mu - D - D * math.log(s0) - logdet)
-        return self.ess * expected_loss + kl
-
-
-def optimal_gaussian(objective: GaussianObjective, full: bool) -> float:
-    """min over N(μ, LLᵀ) (full) or N(μ, diag σ²) of the objective, by L-BFGS in float64."""
-    from scipy.optimize import minimize
-
-    D = objective.X.shape[1]
-    if full:
-        rows, cols = torch.tril_indices(D, D)
-        on_diag = rows == cols
-
-        def unpack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            entries = torch.where(on_diag, torch.exp(x[D:]), x[D:])  # positive diagonal
-            chol = torch.zeros(D, D, dtype=F64).index_put((rows, cols), entries)
-            return x[:D], chol @ chol.T, chol
-
-        x0 = np.zeros(D + len(rows))
-        x0[D:][on_diag.numpy()] = math.log(0.1)
-    else:
-
-        def unpack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            std = torch.exp(x[D:])
-            return x[:D], torch.diag(std**2), torch.diag(std)
-
-        x0 = np.concatenate([np.zeros(D), np.full(D, math.log(0.1))])
-
-    def fun(x: np.ndarray) -> tuple[float, np.ndarray]:
-        xt = torch.tensor(x, dtype=F64, requires_grad=True)
-        value = objective(*unpack(xt))
-        value.backward()
-        return float(value.detach()), xt.grad.numpy()
-
-    result = minimize(
-        fun, x0, jac=True, method="L-BFGS-B", options=dict(maxiter=10000, ftol=1e-15, gtol=1e-9)
-    )
-    return float(result.fun)
-
-
 def train_logistic(X: torch.Tensor, y: torch.Tensor, *, steps: int, identity_basis: bool, seed: int):
     """The paper's settings: ζ = n, α = 1, h0 = 0.1, δ = 0.01/n, β = (0.9, 0.999), element-wise
     clip 0.1, full batch; plus a learning rate decayed to 0 over the last third."""
@@ -252,9 +166,9 @@ def test_logistic_regression_objective_reaches_full_gaussian_optimum() -> None:
     X, y = digits_3_vs_5()
     n, D = X.shape
     assert (n, D) == (365, 55)
-    objective = GaussianObjective(X, y, ess=float(n), delta=0.01 / n)
-    full_opt = optimal_gaussian(objective, full=True)
-    diag_opt = optimal_gaussian(objective, full=False)
+    objective = LogisticObjective(X, y, ess=float(n), delta=0.01 / n)
+    full_opt = objective.optimum(full=True)[2]
+    diag_opt = objective.optimum(full=False)[2]
     print(f"optimal full Gaussian {full_opt:.3f}, optimal diagonal Gaussian {diag_opt:.3f}")
     # structure matters on this problem (the paper's point): the best diagonal Gaussian is
     # far worse than the best full one

@@ -178,6 +178,23 @@ def ellipse_xy(mu: torch.Tensor, cov: torch.Tensor, radius: float, points: int =
     return (circle * evals.clamp_min(0).sqrt()) @ evecs.T + mu.to(F64)
 
 
+def digits_3_vs_5() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's 8×8 digits, 3 (+1) vs 5 (−1); non-constant pixels / 16, plus a bias."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    keep = (data.target == 3) | (data.target == 5)
+    X = data.data[keep] / 16.0
+    X = X[:, X.std(0) > 0]
+    X = np.hstack([X, np.ones((len(X), 1))])
+    y = np.where(data.target[keep] == 3, 1.0, -1.0)
+    return torch.tensor(X, dtype=F64), torch.tensor(y, dtype=F64)
+
+
+def relative_frobenius(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+
+
 class LogisticObjective:
     """ζ E_q[ℓ] + KL(q ‖ N(0, (ζδ)⁻¹ I)) for q = N(μ, Σ), ℓ the mean logistic loss (labels ±1).
 

@@ -20,7 +20,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,8 +29,10 @@ from _common import (  # noqa: E402
     F64,
     LogisticObjective,
     Outputs,
+    digits_3_vs_5,
     markdown_table,
     parse_args,
+    relative_frobenius,
     setup_matplotlib,
     train_variational,
 )
@@ -44,23 +45,6 @@ SETTINGS = {
     "EVON": dict(lr=1.0, hess_init=0.1, betas=(0.9, 0.999), clip_radius=0.1),
     "IVON": dict(lr=1.0, hess_init=0.05, betas=(0.9, 0.9995), clip_radius=0.1),
 }
-
-
-def digits_3_vs_5() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's 8×8 digits, 3 (+1) vs 5 (−1); non-constant pixels / 16, plus a bias."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    keep = (data.target == 3) | (data.target == 5)
-    X = data.data[keep] / 16.0
-    X = X[:, X.std(0) > 0]
-    X = np.hstack([X, np.ones((len(X), 1))])
-    y = np.where(data.target[keep] == 3, 1.0, -1.0)
-    return torch.tensor(X, dtype=F64), torch.tensor(y, dtype=F64)
-
-
-def relative_frobenius(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
