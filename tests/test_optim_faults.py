@@ -179,17 +179,17 @@ def assert_all_finite(model: nn.Module, opt: EVON) -> None:
         assert torch.isfinite(value).all(), name
 
 
+PURE = {"hess_clip_ratio": None, "clip": "none"}  # the unclipped algorithm: a spike reaches H
+
+
 # ×1e8 at ess = inf overflowed the IVON correction term until it was dropped there (item 2)
 @pytest.mark.parametrize(("ess", "spike"), [(200.0, 1e14), (float("inf"), 1e8)])
 def test_a_finite_gradient_spike_is_absorbed(ess: float, spike: float) -> None:
     # no Hessian clipping (the default γ = 2 would clamp the spike before it reaches H)
-    model, opt, messages = spiked_run(spike, where="2.weight", ess=ess, hess_clip_ratio=None, clip="none")
+    model, opt, messages = spiked_run(spike, where="2.weight", ess=ess, **PURE)
     assert messages == [] and opt.skipped_steps == 0
     assert_all_finite(model, opt)
     assert float(opt.state[model[2].weight]["hess"].max()) > 1e6  # the spike did reach H
-
-
-PURE = {"hess_clip_ratio": None, "clip": "none"}  # the unclipped algorithm: a spike reaches H
 
 
 @pytest.mark.parametrize("options", [PURE, {"ess": 200.0, **PURE}], ids=["auto-ess", "ess=200"])

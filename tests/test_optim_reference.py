@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import plain_evon
 
 from hf_evon import EVON
 
@@ -602,20 +603,16 @@ def test_adamw_group_matches_torch_adamw(mc_samples: int) -> None:
             {"params": [emb, bias], "algorithm": "adamw"},
             {"params": [head], "algorithm": "adamw", "lr": 0.03, "weight_decay": 0.0},
         ],
-        lr=0.1,
-        ess=40.0,
-        mc_samples=mc_samples,
-        adamw_lr=0.01,
-        adamw_betas=(0.85, 0.99),
-        adamw_eps=1e-6,
-        adamw_weight_decay=0.1,
-        seed=0,
-        hess_init=0.1,
-        betas=(0.9, 0.999),
-        weight_decay=1e-4,
-        hess_clip_ratio=None,
-        clip="none",
-        clip_radius=1.0,
+        **plain_evon(
+            lr=0.1,
+            ess=40.0,
+            mc_samples=mc_samples,
+            adamw_lr=0.01,
+            adamw_betas=(0.85, 0.99),
+            adamw_eps=1e-6,
+            adamw_weight_decay=0.1,
+            seed=0,
+        ),
     )
     emb2, bias2, head2 = make()
     ref = torch.optim.AdamW(

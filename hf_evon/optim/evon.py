@@ -1053,8 +1053,8 @@ class EVON(Optimizer):
         the cause and the fix: runaway noise (max noise-to-signal ≥ 1: samples no longer
         resemble the mean) or collapse to the prior (most of H below δ).
         """
-        rows = []  # per bucket: [sum V, sum W², min H, max H, sum H, #H<δ, numel] and per-matrix ratios
-        ratios = []
+        # per bucket, on its device: [sum V, sum W², min H, max H, sum H, #H<δ, max per-matrix ratio]
+        rows, numel = [], 0
         for b in self.buckets:
             g = b.group
             if math.isinf(g["ess"]):
@@ -1063,33 +1063,27 @@ class EVON(Optimizer):
             var = torch.reciprocal(g["ess"] * (hess + g["weight_decay"]))
             w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
             var_sum = var.sum(dim=(1, 2))
-            ratios.append((var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt())
-            rows.append(
-                torch.stack(
-                    [
-                        var_sum.sum(),
-                        w_sq.sum(),
-                        hess.min(),
-                        hess.max(),
-                        hess.sum(),
-                        (hess < g["weight_decay"]).sum().to(b.dtype),
-                        torch.tensor(float(hess.numel()), dtype=b.dtype, device=hess.device),
-                    ]
-                )
-                .double()
-                .cpu()
-            )
+            ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
+            row = [
+                var_sum.sum(),
+                w_sq.sum(),
+                hess.min(),
+                hess.max(),
+                hess.sum(),
+                (hess < g["weight_decay"]).sum(),
+            ]
+            rows.append(torch.stack([x.double() for x in (*row, ratio.max())]))
+            numel += hess.numel()
         if not rows:
             return {}
-        t = torch.stack(rows)
-        worst = torch.cat([r.double().cpu() for r in ratios]).max()
+        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu()  # the one host sync
         stats = {
             "noise_to_signal": float((t[:, 0].sum() / t[:, 1].sum().clamp_min(1e-300)).sqrt()),
-            "noise_to_signal_max": float(worst),
+            "noise_to_signal_max": float(t[:, 6].max()),
             "hess_min": float(t[:, 2].min()),
             "hess_max": float(t[:, 3].max()),
-            "hess_mean": float(t[:, 4].sum() / t[:, 6].sum()),
-            "hess_below_prior": float(t[:, 5].sum() / t[:, 6].sum()),
+            "hess_mean": float(t[:, 4].sum() / numel),
+            "hess_below_prior": float(t[:, 5].sum() / numel),
         }
         if warn:
             self._warn_health(stats)

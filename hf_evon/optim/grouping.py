@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .evon import DEFAULT_LR, EVON
+from .evon import DEFAULT_LR, EVON, _require
 from .recipes import recipe_kwargs
 
 # LoRA adapters (PEFT's ``lora_A``/``lora_B``) get this multiple of EVON's rate: ``B`` starts at
@@ -102,8 +102,12 @@ def build_optimizer(
     matrices (PEFT's ``lora_A``/``lora_B``) form their own EVON group at ``adapter_lr_scale``
     times EVON's rate (1: the same rate).
     """
-    if not (isinstance(adapter_lr_scale, int | float) and adapter_lr_scale > 0):
-        raise ValueError(f"Invalid adapter_lr_scale: {adapter_lr_scale!r} (must be a number > 0)")
+    _require(
+        "adapter_lr_scale",
+        adapter_lr_scale,
+        isinstance(adapter_lr_scale, int | float) and adapter_lr_scale > 0,
+        "a number > 0",
+    )
     kwargs = recipe_kwargs(recipe, evon_kwargs)
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
     split = []
