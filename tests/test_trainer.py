@@ -30,15 +30,6 @@ from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVO
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on shared cores: one thread is faster and makes timings stable."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 # ---------------------------------------------------------------------------- fixtures
 def tiny_bert(seed: int = 0, dropout: float = 0.0, num_labels: int = 3) -> BertForSequenceClassification:
     torch.manual_seed(seed)
