@@ -71,6 +71,7 @@ from transformers.utils import logging
 
 from ..optim import EVON, build_optimizer
 from ..optim.linalg import marginal_variance
+from ..posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 from .config import EVONConfig, evon_config_class
 from .evaluation import PosteriorEvaluation, bma_predict, merge_metrics
 
@@ -80,7 +81,7 @@ Tensor = torch.Tensor
 
 __all__ = ["EVONTrainerMixin"]
 
-POSTERIOR_FILES = ("evon_posterior.safetensors", "evon_posterior_config.json")
+POSTERIOR_FILES = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
 
 
 def _unwrap_evon(optimizer: Any) -> EVON | None:
