@@ -69,6 +69,7 @@ from torch import nn
 from transformers import TrainingArguments
 from transformers.utils import logging
 
+from ..distributed import prepare_distributed, unwrap_optimizer
 from ..optim import EVON, build_optimizer
 from ..optim.linalg import marginal_variance
 from ..posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
@@ -85,12 +86,11 @@ POSTERIOR_FILES = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
 
 
 def _unwrap_evon(optimizer: Any) -> EVON | None:
-    """The EVON instance behind accelerate's ``AcceleratedOptimizer`` (or similar wrappers)."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, EVON) and seen < 8:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, EVON) else None
+    """The EVON instance behind accelerate's ``AcceleratedOptimizer`` (or similar wrappers), or None."""
+    try:
+        return unwrap_optimizer(optimizer)
+    except TypeError:
+        return None
 
 
 def _is_peft_model(model: nn.Module) -> bool:
@@ -329,8 +329,6 @@ class EVONTrainerMixin:
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
-            from ..distributed import prepare_distributed
-
             prepare_distributed(model, self.optimizer)
         return model, train_dataloader
 
