@@ -123,6 +123,14 @@ def _add_location_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of Hub locations")
 
 
+def _add_model_posterior_options(p: argparse.ArgumentParser, model_help: str) -> None:
+    """``--model``, ``--posterior``, ``--posterior-subfolder`` and ``--revision``."""
+    p.add_argument("--model", required=True, help=model_help)
+    p.add_argument("--posterior", help="posterior directory or Hub repo id (default: --model)")
+    p.add_argument("--posterior-subfolder", default=None, help="subfolder of --posterior holding the files")
+    _add_location_options(p)
+
+
 def _version_text() -> str:
     from . import __version__
 
@@ -143,14 +151,9 @@ def _add_generate(subparsers: Any) -> None:
         description="Generate text with the BMA predictive of a saved model + EVON posterior: at every step "
         "the next-token probabilities of S weight samples are averaged.",
     )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="local model directory or Hub repo id (a transformers causal LM, or a PEFT adapter directory)",
+    _add_model_posterior_options(
+        p, "local model directory or Hub repo id (a transformers causal LM, or a PEFT adapter directory)"
     )
-    p.add_argument("--posterior", help="posterior directory or Hub repo id (default: --model)")
-    p.add_argument("--posterior-subfolder", default=None, help="subfolder of --posterior holding the files")
-    _add_location_options(p)
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     prompts.add_argument(
@@ -257,6 +260,26 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     return None
 
 
+def _load_model_posterior_tokenizer(
+    args: argparse.Namespace, device: Any, dtype: Any
+) -> tuple[Any, Any, Any]:
+    """``--model`` (on ``device``, in eval mode), its posterior (``--posterior``, default ``--model``,
+    and ``--posterior-subfolder``) and its tokenizer (or None)."""
+    from .posterior import EVONPosterior
+
+    model = _from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype))
+    model = model.to(device).eval()
+    location = args.posterior or args.model
+    posterior = _from_location(
+        location,
+        "--posterior" if args.posterior else "--model",
+        lambda: EVONPosterior.from_pretrained(
+            location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
+        ),
+    )
+    return model, posterior, _load_tokenizer(args.model, args.revision, model)
+
+
 def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argparse.Namespace) -> None:
     """Refuse prompts the model cannot run: empty, token ids outside the embedding table,
     or longer (with the new tokens) than the model's context."""
@@ -293,23 +316,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .generation import generate_bma
-    from .posterior import EVONPosterior
 
     device = resolve_device(args.device)
-    posterior_location = args.posterior or args.model
-    posterior_option = "--posterior" if args.posterior else "--model"
-    model = _from_location(
-        args.model, "--model", lambda: _load_model(args.model, args.revision, _torch_dtype(args.dtype))
-    )
-    model = model.to(device).eval()
-    posterior = _from_location(
-        posterior_location,
-        posterior_option,
-        lambda: EVONPosterior.from_pretrained(
-            posterior_location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
-        ),
-    )
-    tokenizer = _load_tokenizer(args.model, args.revision, model)
+    model, posterior, tokenizer = _load_model_posterior_tokenizer(args, device, _torch_dtype(args.dtype))
 
     pad_id = None
     if args.prompt is not None:
@@ -527,12 +536,7 @@ def _add_calibrate(subparsers: Any) -> None:
         "and the best scale is saved as the posterior's ess, with the search in its config. Use text the model "
         "was not trained on, and other text than you report on.",
     )
-    p.add_argument(
-        "--model", required=True, help="local model directory or Hub repo id (a transformers causal LM)"
-    )
-    p.add_argument("--posterior", help="posterior directory or Hub repo id (default: --model)")
-    p.add_argument("--posterior-subfolder", default=None, help="subfolder of --posterior holding the files")
-    _add_location_options(p)
+    _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
     p.add_argument("--output", required=True, help="directory to save the calibrated posterior to")
     p.add_argument("--block-size", type=_positive_int, default=128, help="tokens per block (default 128)")
@@ -549,22 +553,11 @@ def _add_calibrate(subparsers: Any) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> int:
     from .calibration import calibrate_posterior
-    from .posterior import EVONPosterior
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
     device = resolve_device(args.device)
-    model = _from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, None))
-    model = model.to(device).eval()
-    location = args.posterior or args.model
-    posterior = _from_location(
-        location,
-        "--posterior" if args.posterior else "--model",
-        lambda: EVONPosterior.from_pretrained(
-            location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
-        ),
-    )
-    tokenizer = _load_tokenizer(args.model, args.revision, model)
+    model, posterior, tokenizer = _load_model_posterior_tokenizer(args, device, None)
     if tokenizer is None:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
     with open(args.text, encoding="utf-8") as fh:

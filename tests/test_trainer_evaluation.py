@@ -12,14 +12,6 @@ from test_trainer import _direct_bma, classification_data, config, lm_data, tiny
 from hf_evon import EVONTrainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def _trained(tmp_path, make=tiny_bert, train=None, evaluation=None, **overrides) -> EVONTrainer:
     values = dict(max_steps=2, evon_ess=60.0, bma_num_samples=2, bma_seed=3)
     values.update(overrides)

@@ -16,14 +16,6 @@ from hf_evon import EVONConfig, EVONTrainer, bma_log_likelihood, build_optimizer
 from hf_evon.posterior import EVONPosterior
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 # ---------------------------------------------------------------------------- issue 9.12
 @pytest.mark.parametrize(
     "field,value",

@@ -14,14 +14,6 @@ from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
 from hf_evon.trainer.evaluation import PosteriorEvaluation
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def tiny_t5() -> T5ForConditionalGeneration:
     torch.manual_seed(0)
     config = T5Config(

@@ -28,14 +28,6 @@ trl = pytest.importorskip("trl")
 from hf_evon.trainer import EVONSFTConfig, EVONSFTTrainer  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def _paragraphs() -> list[str]:
     texts = []
     for module in (json, textwrap, string, collections, functools, inspect):

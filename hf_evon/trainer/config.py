@@ -18,6 +18,10 @@ from ..optim.evon import (
     AUTO_ESS,
     CLIP_MODES,
     DEFAULT_BETAS,
+    DEFAULT_CLIP,
+    DEFAULT_CLIP_RADIUS,
+    DEFAULT_HESS_CLIP_RATIO,
+    DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_LR,
     DEFAULT_WEIGHT_DECAY,
@@ -71,11 +75,11 @@ class EVONConfig(TrainingArguments):
         metadata={"help": "For evon_ess='auto': the initial posterior std relative to the weights' RMS."},
     )
     evon_hess_init: float = field(
-        default=0.01,
+        default=DEFAULT_HESS_INIT,
         metadata={"help": "Initial Hessian estimate h0 > 0 (everywhere). Sets the initial noise."},
     )
     evon_beta1: float = field(
-        default=0.95, metadata={"help": "β1: momentum of the rotated gradient, in [0, 1)."}
+        default=DEFAULT_BETAS[0], metadata={"help": "β1: momentum of the rotated gradient, in [0, 1)."}
     )
     evon_beta2: float = field(
         default=DEFAULT_BETAS[1],
@@ -113,14 +117,14 @@ class EVONConfig(TrainingArguments):
         },
     )
     evon_hess_clip_ratio: float | None = field(
-        default=2.0,
+        default=DEFAULT_HESS_CLIP_RATIO,
         metadata={
             "help": "γ of the adaptive Hessian clipping: each Hessian estimate is clamped to ±γ(H+ε). "
             "None (or 0 on the command line) disables it. The paper's CLIP runs use 2.0."
         },
     )
     evon_clip: str = field(
-        default="element",
+        default=DEFAULT_CLIP,
         metadata={
             "help": "Clipping of EVON's update: 'none' (the pure algorithm), 'element' (|Δ_ij| <= radius, as "
             "IVON), 'spectral' (singular values <= radius) or 'whiten' (Newton-Schulz orthogonalisation, as "
@@ -130,7 +134,7 @@ class EVONConfig(TrainingArguments):
         },
     )
     evon_clip_radius: float = field(
-        default=0.01, metadata={"help": "Radius of 'element' and 'spectral' clipping, > 0."}
+        default=DEFAULT_CLIP_RADIUS, metadata={"help": "Radius of 'element' and 'spectral' clipping, > 0."}
     )
     evon_phased_gradients: bool = field(
         default=False,

@@ -69,8 +69,10 @@ from torch import nn
 from transformers import TrainingArguments
 from transformers.utils import logging
 
+from ..distributed import prepare_distributed, unwrap_optimizer
 from ..optim import EVON, build_optimizer
 from ..optim.linalg import marginal_variance
+from ..posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 from .config import EVONConfig, evon_config_class
 from .evaluation import PosteriorEvaluation, bma_predict, merge_metrics
 
@@ -80,16 +82,15 @@ Tensor = torch.Tensor
 
 __all__ = ["EVONTrainerMixin"]
 
-POSTERIOR_FILES = ("evon_posterior.safetensors", "evon_posterior_config.json")
+POSTERIOR_FILES = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
 
 
 def _unwrap_evon(optimizer: Any) -> EVON | None:
-    """The EVON instance behind accelerate's ``AcceleratedOptimizer`` (or similar wrappers)."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, EVON) and seen < 8:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, EVON) else None
+    """The EVON instance behind accelerate's ``AcceleratedOptimizer`` (or similar wrappers), or None."""
+    try:
+        return unwrap_optimizer(optimizer)
+    except TypeError:
+        return None
 
 
 def _is_peft_model(model: nn.Module) -> bool:
@@ -328,8 +329,6 @@ class EVONTrainerMixin:
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
-            from ..distributed import prepare_distributed
-
             prepare_distributed(model, self.optimizer)
         return model, train_dataloader
 
@@ -461,30 +460,28 @@ class EVONTrainerMixin:
         buckets = optimizer.buckets
         if not buckets:
             return {}
-        h_min, h_max, h_sum, std_sum, count = math.inf, -math.inf, 0.0, 0.0, 0
+        rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
+        count = 0
         for b in buckets:
             hess, group = b.state["hess"], b.group
             q_left, q_right = b.bases() if b.initialized else (None, None)
-            h_min = min(h_min, float(hess.min()))
-            h_max = max(h_max, float(hess.max()))
-            h_sum += float(hess.double().sum())
             if math.isinf(group["ess"]):
-                std = torch.zeros(())
+                std_sum = hess.new_zeros((), dtype=torch.float64)
             else:
-                std = (
-                    marginal_variance(hess, q_left, q_right, group["ess"], group["weight_decay"])
-                    .clamp_min(0)
-                    .sqrt()
-                )
-            std_sum += float(std.double().sum())
+                std = marginal_variance(hess, q_left, q_right, group["ess"], group["weight_decay"])
+                std_sum = std.clamp_min(0).sqrt().double().sum()
+            rows.append(torch.stack([hess.min().double(), hess.max().double(), hess.double().sum(), std_sum]))
             count += hess.numel()
+        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu()
+        h_min, h_max = float(t[:, 0].min()), float(t[:, 1].max())
+        h_sum, std_sum = t[:, 2].tolist(), t[:, 3].tolist()
         health = {f"evon/{k}": v for k, v in optimizer.posterior_health(warn=True).items()}
         return {
             **health,
-            "evon/posterior_std_mean": std_sum / count,
+            "evon/posterior_std_mean": sum(std_sum) / count,
             "evon/hess_min": h_min,
             "evon/hess_max": h_max,
-            "evon/hess_mean": h_sum / count,
+            "evon/hess_mean": sum(h_sum) / count,
             "evon/skipped_steps": float(optimizer.skipped_steps),
         }
 
