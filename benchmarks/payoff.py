@@ -352,7 +352,7 @@ def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
 
 def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     model = task.make_model(seed)
-    opt = build_optimizer(model, adamw_lr=task.adamw_lr, seed=seed)
+    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed)
     start = time.perf_counter()
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
     posterior = EVONPosterior.from_optimizer(opt, model)
@@ -517,6 +517,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon"])
     parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
     parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1,
+        help="runs (task, seed) in this many processes of one thread each (default: one per core)",
+    )  # fmt: skip
+    parser.add_argument(
         "--combine", nargs="+", default=None, metavar="JSON",
         help="no training: one report from the .json files of earlier runs (e.g. tasks run in parallel)",
     )  # fmt: skip
@@ -531,34 +535,70 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.seeds = saved["meta"]["seeds"]
             args.samples = saved["meta"].get("samples", args.samples)
         return report(runs, args, minutes)
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if args.jobs > 1:
+        pass  # each worker process runs one thread
+    elif os.environ.get("OMP_NUM_THREADS"):  # otherwise torch's default: every core
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     start = time.perf_counter()
+    # the slowest tasks first, so parallel workers finish together
+    jobs = sorted(
+        ((n, s) for n in args.tasks for s in range(args.seeds)), key=lambda j: -TASK_COST.get(j[0], 0)
+    )
+    done: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def record(job: tuple[str, int], rows: dict[str, Any]) -> None:
+        done[job] = rows
+        if args.out:  # after every run: a crash later loses nothing measured so far
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out + ".partial.json", "w") as fh:
+                minutes = (time.perf_counter() - start) / 60
+                json.dump({"meta": {"seeds": args.seeds, "minutes": minutes}, "runs": collect(done)}, fh)
+        print(f"{job[0]} seed {job[1]}: " + ", ".join(
+            f"{r} nll {v['nll']:.4f} acc {v['accuracy']:.3f}" for r, v in rows.items() if isinstance(v, dict) and "nll" in v
+        ), flush=True)  # fmt: skip
+
+    if args.jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        ctx = multiprocessing.get_context("spawn")  # fork after torch's thread pools start can hang
+        with ProcessPoolExecutor(
+            args.jobs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,)
+        ) as pool:
+            futures = {
+                pool.submit(run_job, name, seed, args.fast, args.methods, args.samples): (name, seed)
+                for name, seed in jobs
+            }
+            for future in as_completed(futures):
+                record(futures[future], future.result())
+    else:
+        for name, seed in jobs:
+            record((name, seed), run_job(name, seed, args.fast, args.methods, args.samples))
+    return report(collect(done), args, (time.perf_counter() - start) / 60)
+
+
+# relative cost per seed (measured on the 2-core machine), to start the slowest first
+TASK_COST = {"minilm_full": 10.0, "minilm_lora": 5.0, "tiny_gpt2": 3.0, "digits": 1.0, "breast_cancer": 0.5}
+
+
+def run_job(name: str, seed: int, fast: bool, methods: list[str], samples: list[int]) -> dict[str, Any]:
+    task = make_task(name, seed, fast)
+    rows: dict[str, Any] = {}
+    if "adamw" in methods:
+        rows.update(run_adamw(task, seed))
+    if "ivon" in methods:
+        rows.update(run_ivon(task, seed, samples[0]))
+    if "evon" in methods:
+        rows.update(run_evon(task, seed, samples))
+    return rows
+
+
+def collect(done: dict[tuple[str, int], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Runs by task, in seed order."""
     runs: dict[str, list[dict[str, Any]]] = {}
-    for name in args.tasks:
-        for seed in range(args.seeds):
-            task = make_task(name, seed, args.fast)
-            rows: dict[str, Any] = {}
-            if "adamw" in args.methods:
-                rows.update(run_adamw(task, seed))
-            if "ivon" in args.methods:
-                rows.update(run_ivon(task, seed, args.samples[0]))
-            if "evon" in args.methods:
-                rows.update(run_evon(task, seed, args.samples))
-            runs.setdefault(name, []).append(rows)
-            if args.out:  # after every seed: a crash later loses nothing measured so far
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out + ".partial.json", "w") as fh:
-                    json.dump(
-                        {
-                            "meta": {"seeds": args.seeds, "minutes": (time.perf_counter() - start) / 60},
-                            "runs": runs,
-                        },
-                        fh,
-                    )
-            print(f"{name} seed {seed}: " + ", ".join(
-                f"{r} nll {v['nll']:.4f} acc {v['accuracy']:.3f}" for r, v in rows.items() if isinstance(v, dict) and "nll" in v
-            ), flush=True)  # fmt: skip
-    return report(runs, args, (time.perf_counter() - start) / 60)
+    for name, seed in sorted(done, key=lambda j: j[1]):
+        runs.setdefault(name, []).append(done[(name, seed)])
+    return runs
 
 
 def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, minutes: float) -> dict[str, Any]:

@@ -261,14 +261,14 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
         {"evon_recipe": args.evon_recipe}
         if args.evon_recipe
         else dict(
-            learning_rate=args.evon_lr * lr_factor, evon_ess=args.evon_ess, evon_hess_init=args.evon_hess_init,
+            evon_learning_rate=args.evon_lr * lr_factor, evon_ess=args.evon_ess, evon_hess_init=args.evon_hess_init,
             evon_clip=args.evon_clip, evon_clip_radius=args.evon_clip_radius, evon_weight_decay=args.evon_weight_decay,
         )
     )  # fmt: skip
     config = EVONConfig(
         **common_arguments(args, os.path.join(args.output_dir, name)),
         **evon,
-        evon_adamw_learning_rate=args.adamw_lr * lr_factor,
+        learning_rate=args.adamw_lr * lr_factor,  # the AdamW part's rate; α is set above or by the recipe
         weight_decay=0.01,
         evon_max_precond_dim=args.max_precond_dim,
         evon_identity_basis=identity_basis,

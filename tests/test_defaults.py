@@ -215,3 +215,37 @@ def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
     assert [g["lr"] for g in same.param_groups if g["algorithm"] == "evon"] == [0.03]
     with pytest.raises(ValueError, match="adapter_lr_scale"):
         build_optimizer(model, adapter_lr_scale=0)
+
+
+def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> None:
+    from hf_evon.optim.evon import lr_from_adamw_lr
+
+    model = mlp()
+    opt = build_optimizer(model, learning_rate=5e-5)
+    rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
+    assert rates == {"evon": pytest.approx(0.001, rel=1e-12), "adamw": 5e-5}
+    # the step-size rule: with the element clip binding, each weight moves by α·radius = 0.2·rate
+    for radius in (0.01, 0.5):
+        assert lr_from_adamw_lr(3e-4, radius) * radius == pytest.approx(0.2 * 3e-4, rel=1e-12)
+    evon_params = [p for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]]
+    for t in range(2):  # the first step only initialises the eigenbases
+        before = [p.detach().clone() for p in evon_params]
+        one_sample(opt, model, seed=t)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e3)  # H << |momentum|: the element clip binds everywhere
+        opt.step()
+        opt.zero_grad()
+    # the clip acts in the weights' own basis: every entry moves by exactly α·radius = 0.2·rate
+    moves = torch.cat([(p.detach() - old).abs().flatten() for p, old in zip(evon_params, before)])
+    assert torch.allclose(moves, torch.full_like(moves, 0.2 * 5e-5), rtol=1e-3)
+    # explicit α, explicit AdamW rate and a recipe's α win over the derived ones
+    both = build_optimizer(model, learning_rate=5e-5, lr=0.07, adamw_lr=1e-2)
+    assert {g["algorithm"]: g["lr"] for g in both.param_groups} == {"evon": 0.07, "adamw": 1e-2}
+    recipe = build_optimizer(model, learning_rate=5e-5, recipe="nanogpt")
+    from hf_evon import RECIPES
+
+    assert {g["algorithm"]: g["lr"] for g in recipe.param_groups} == {"evon": RECIPES["nanogpt"]["lr"], "adamw": 5e-5}
+    with pytest.raises(ValueError, match="adamw_lr"):
+        lr_from_adamw_lr(float("nan"))
+    with pytest.raises(ValueError, match="step_ratio"):
+        lr_from_adamw_lr(1e-3, step_ratio=2.0)

@@ -38,7 +38,7 @@ def _args(output_dir: Path, **overrides) -> EVONConfig:
         per_device_train_batch_size=4,
         per_device_eval_batch_size=8,
         max_steps=3,
-        learning_rate=2e-2,
+        evon_learning_rate=2e-2,
         evon_ess=100.0,
         evon_precondition_frequency=2,
         lr_scheduler_type="constant",

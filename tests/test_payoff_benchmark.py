@@ -27,6 +27,8 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
             "evon",
             "--samples",
             "2",
+            "--jobs",
+            "2",
             "--out",
             out,
         ]

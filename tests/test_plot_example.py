@@ -50,7 +50,7 @@ def test_trainer_tensorboard_logs_are_read_back_and_plotted(tmp_path):
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 1] % 3).tolist()})
     args = EVONConfig(
         output_dir=str(tmp_path / "out"), report_to="tensorboard",
-        use_cpu=True, per_device_train_batch_size=8, max_steps=6, logging_steps=1, learning_rate=2e-2,
+        use_cpu=True, per_device_train_batch_size=8, max_steps=6, logging_steps=1, evon_learning_rate=2e-2,
         evon_ess=100.0, evon_precondition_frequency=2, save_strategy="no", disable_tqdm=True,
         bma_num_samples=2, seed=0,
     )  # fmt: skip

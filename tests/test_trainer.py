@@ -85,7 +85,7 @@ def config(tmp_path: Path, **overrides) -> EVONConfig:
         per_device_train_batch_size=8,
         per_device_eval_batch_size=16,
         max_steps=4,
-        learning_rate=2e-2,
+        evon_learning_rate=2e-2,
         evon_adamw_learning_rate=1e-3,
         evon_ess=1e4,
         evon_hess_init=1.0,
@@ -135,6 +135,7 @@ EVON_FIELDS_CLI = {
     "bma_ece_bins": ("20", 20),
     "bma_eval_every": ("3", 3),
     "learning_rate": ("0.07", 0.07),
+    "evon_learning_rate": ("0.03", 0.03),
 }
 
 

@@ -148,3 +148,58 @@ def test_a_recipe_fills_the_fields_left_at_their_defaults(tmp_path) -> None:
     assert kwargs["betas"] == recipe["betas"] and kwargs["weight_decay"] == recipe["weight_decay"]
     with pytest.raises(ValueError, match="evon_recipe"):
         EVONConfig(output_dir=str(tmp_path), report_to="none", evon_recipe="gpt5")
+
+
+def _rates(trainer: EVONTrainer) -> dict[str, set[float]]:
+    rates: dict[str, set[float]] = {}
+    for g in trainer.create_optimizer().param_groups:
+        rates.setdefault(g["algorithm"], set()).add(round(g["lr"], 12))
+    return rates
+
+
+def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path) -> None:
+    from peft import LoraConfig, TaskType
+    from test_trainer import classification_data, tiny_bert
+
+    data = classification_data(16)
+    args = dict(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    scratch = EVONTrainer(model=tiny_bert(), args=EVONConfig(**args), train_dataset=data)
+    assert scratch.args.learning_rate == 1e-3  # built from a config: from scratch
+    assert _rates(scratch) == {"evon": {0.02}, "adamw": {1e-3}}
+
+    tiny_bert().save_pretrained(tmp_path / "pretrained")
+    from transformers import BertForSequenceClassification
+
+    def pretrained() -> BertForSequenceClassification:
+        return BertForSequenceClassification.from_pretrained(tmp_path / "pretrained")
+
+    full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
+    assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
+    # full fine-tuning: α = FINETUNING_STEP_RATIO (0.5) · rate / radius, the new task head at 5x
+    assert _rates(full) == {"evon": {0.0025, 0.0125}, "adamw": {5e-5}}
+    fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.0125]
+    assert fast == [["classifier.weight"]]
+
+    lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"])
+    adapter = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data, peft_config=lora)
+    assert adapter.args.learning_rate == 1e-3  # PEFT trains adapters (and the new head) from scratch
+    opt = adapter.create_optimizer()
+    fast = [
+        n
+        for g in opt.param_groups
+        if g["algorithm"] == "evon"
+        for n in g["param_names"]
+        if g["lr"] == 5 * 0.02
+    ]
+    evon = [n for g in opt.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]
+    assert (
+        fast == evon and "base_model.model.classifier.modules_to_save.default.weight" in fast
+    )  # the new head too
+
+    given = EVONTrainer(model=pretrained(), args=EVONConfig(**args, learning_rate=2e-4), train_dataset=data)
+    assert given.args.learning_rate == 2e-4 and _rates(given) == {"evon": {0.01, 0.05}, "adamw": {2e-4}}
+    alpha = EVONConfig(**args, learning_rate=2e-4, evon_learning_rate=0.05, evon_adamw_learning_rate=1e-5)
+    assert _rates(EVONTrainer(model=pretrained(), args=alpha, train_dataset=data)) == {
+        "evon": {0.05, 0.25},
+        "adamw": {1e-5},
+    }

@@ -46,13 +46,20 @@ def test_metric_for_best_model_needs_bma_on_every_evaluation(tmp_path):
 
 
 # ---------------------------------------------------------------------------- issue 11.1
-def test_plain_training_arguments_warn_that_learning_rate_becomes_evons_alpha(tmp_path):
+def test_plain_training_arguments_keep_their_learning_rates_meaning(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=5e-5)
-    with pytest.warns(UserWarning, match=r"learning_rate = 5e-05 is now EVON's learning rate α") as record:
+    with pytest.warns(UserWarning, match=r"learning_rate = 5e-05 is used as for AdamW") as record:
         trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
     text = " ".join(str(w.message) for w in record)
-    assert "evon_adamw_learning_rate" in text and "Pass an EVONConfig" in text  # what to set
+    assert (
+        "EVON's α = 0.001 (0.0025 when all weights of a pretrained model" in text
+        and "Pass an EVONConfig" in text
+    )
     assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 5e-5
+    opt = trainer.create_optimizer()
+    rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
+    # AdamW's rate as given; EVON's α from the 0.2 step-RMS rule at the default clip radius 0.01
+    assert rates == {"evon": pytest.approx(0.2 * 5e-5 / 0.01, rel=1e-12), "adamw": 5e-5}
 
 
 def test_optim_is_ignored_with_a_warning(tmp_path):

@@ -47,7 +47,7 @@ def test_seq2seq_trainer_trains_with_evon_and_reports_posterior_metrics(tmp_path
     evaluation = reversal_data(12, seed=1)
     args = EVONSeq2SeqConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=8,
-        per_device_eval_batch_size=16, learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=300.0,
+        per_device_eval_batch_size=16, evon_learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=300.0,
         evon_hess_init=1.0, lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True,
         bma_num_samples=2, predict_with_generate=generate, generation_max_length=7, seed=0,
     )  # fmt: skip

@@ -73,7 +73,7 @@ def sft_config(tmp_path, **overrides) -> EVONSFTConfig:
         output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False, seed=0,
         max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=64, logging_steps=1,
         packing=True, max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no",
-        lr_scheduler_type="constant", learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=1e3,
+        lr_scheduler_type="constant", evon_learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=1e3,
         evon_hess_init=1.0, evon_precondition_frequency=2, bma_num_samples=2,
     )  # fmt: skip
     values.update(overrides)

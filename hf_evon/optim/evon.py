@@ -55,17 +55,49 @@ AUTO_ESS = "auto"
 #   (Table "Best hyperparameters for CLIP finetuning": h0 1e-3-1e-2, β1 0.95, γ 2) with a slower
 #   Hessian average than its 1-β2 = 0.05, because at small noise the Price estimator is noisy;
 #   0.995 still lets H leave h0 within ~200 steps.
-# * clip="element", clip_radius=0.01, lr=0.02: each weight moves at most 2e-4 per step, like
-#   Adam's per-coordinate step at lr 2e-4 (the IVON recipe's element-wise clipping).
-DEFAULT_LR = 0.02
+# * clip="element", clip_radius=0.01 (the IVON recipe's element-wise clipping), lr = α = 0.02: early
+#   on H << |momentum|, the clip binds and every weight moves by α·radius per step, like sign descent.
+#   Adam's steps on noisy gradients are ~0.2·lr in RMS (the ratio Moonlight matches Muon to AdamW
+#   with: Liu et al. 2025, "Muon is scalable for LLM training"), so an AdamW rate maps to
+#   α = ADAMW_STEP_RATIO · rate / radius (``lr_from_adamw_lr``); α = 0.02 is AdamW's default 1e-3,
+#   the best α on digits and the tiny GPT-2 in benchmarks/payoff.py, where AdamW is run at 1e-3.
+#   Full fine-tuning of a pretrained model takes FINETUNING_STEP_RATIO instead: there the gradients
+#   are small and consistent, so AdamW's steps are nearer its full rate (benchmarks/payoff.py,
+#   MiniLM full fine-tuning at AdamW's 1e-4, seed 0: ratio 0.2 NLL 1.23 (ECE 0.48, underfit),
+#   0.5 NLL 0.61 (AdamW 0.64), 1.0 NLL 1.02; from scratch, 0.5 and 1.0 were worse than 0.2:
+#   digits NLL 0.14-0.29 and 0.24-0.44 vs 0.10, the tiny GPT-2 4.83 and 5.51 vs 4.65).
+ADAMW_STEP_RATIO = 0.2
+FINETUNING_STEP_RATIO = 0.5
+DEFAULT_CLIP_RADIUS = 0.01
+DEFAULT_ADAMW_LR = 1e-3  # torch.optim.AdamW's default, for the parameters EVON does not own
+
+
+def lr_from_adamw_lr(
+    adamw_lr: float, clip_radius: float = DEFAULT_CLIP_RADIUS, step_ratio: float = ADAMW_STEP_RATIO
+) -> float:
+    """EVON's α whose clipped steps match AdamW's at ``adamw_lr`` (step RMS ``step_ratio``·rate).
+
+    So a learning rate tuned for AdamW carries over: 1e-3 (from scratch, LoRA) -> 0.02; for full
+    fine-tuning (``step_ratio=FINETUNING_STEP_RATIO``) 5e-5 -> 0.0025.
+    """
+    _require(
+        "adamw_lr",
+        adamw_lr,
+        _is_real(adamw_lr) and _finite(adamw_lr) and adamw_lr >= 0,
+        "a finite number >= 0",
+    )
+    _require("clip_radius", clip_radius, _is_real(clip_radius) and clip_radius > 0, "a number > 0")
+    _require("step_ratio", step_ratio, _is_real(step_ratio) and 0 < step_ratio <= 1, "a number in (0, 1]")
+    return step_ratio * adamw_lr / clip_radius
+
+
+DEFAULT_LR = ADAMW_STEP_RATIO * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS  # 0.02
 DEFAULT_HESS_INIT = 0.01
 DEFAULT_BETAS = (0.95, 0.995)
 DEFAULT_INIT_STD_RATIO = 0.05
 DEFAULT_WEIGHT_DECAY = DEFAULT_INIT_STD_RATIO**2 * DEFAULT_HESS_INIT
 DEFAULT_HESS_CLIP_RATIO = 2.0
 DEFAULT_CLIP = "element"
-DEFAULT_CLIP_RADIUS = 0.01
-DEFAULT_ADAMW_LR = 1e-3  # torch.optim.AdamW's default, for the parameters EVON does not own
 ALGORITHMS = ("evon", "adamw")
 
 

@@ -9,15 +9,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from .evon import DEFAULT_LR, EVON, _require
+from .evon import (
+    ADAMW_STEP_RATIO,
+    DEFAULT_CLIP_RADIUS,
+    DEFAULT_LR,
+    EVON,
+    FINETUNING_STEP_RATIO,
+    _require,
+    lr_from_adamw_lr,
+)
 from .recipes import recipe_kwargs
 
-# LoRA adapters (PEFT's ``lora_A``/``lora_B``) get this multiple of EVON's rate: ``B`` starts at
-# zero and only a few matrices carry the whole update, so they need larger steps than full
-# fine-tuning, as with AdamW (1e-3 for LoRA vs 5e-5-2e-4 for full fine-tuning; measured in
-# benchmarks/payoff.py: MiniLM LoRA at α 0.02 ended at NLL 1.54 vs AdamW's 0.84).
+# Parameters that start from scratch inside a pretrained model get this multiple of EVON's rate:
+# what PEFT trains (LoRA ``lora_A``/``lora_B``, the ``modules_to_save`` copies) and a fine-tuned
+# model's new task head. ``B`` and the head start at zero or at random, and their gradients point
+# the same way step after step, where AdamW moves the full rate per step (EVON's sign-like steps
+# are sized for the 0.2·rate RMS of noisy gradients). Measured in benchmarks/payoff.py (MiniLM,
+# seed 0): LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full
+# fine-tuning with the head at 1x: accuracy 0.79 but NLL 1.23 (ECE 0.48, far too unconfident).
 ADAPTER_LR_SCALE = 5.0
-_ADAPTER = re.compile(r"(^|\.)lora_[AB](\.|$)")
+_ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
+# transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
+# ``score``, question answering ``qa_outputs``): new in a model loaded with ``from_pretrained``
+_TASK_HEAD = re.compile(r"(^|\.)(classifier|pre_classifier|score|qa_outputs)(\.|$)")
+
+
+def pretrained_name(model: nn.Module) -> str:
+    """The checkpoint a (PEFT-wrapped) transformers model was loaded from; "" if built from a config."""
+    config = getattr(model, "config", None)  # PEFT models answer with their base model's config
+    name = getattr(config, "_name_or_path", "") if config is not None else ""
+    return name if isinstance(name, str) else ""
+
+
+def is_full_finetuning(model: nn.Module) -> bool:
+    """All of a pretrained model's weights are trained: loaded with ``from_pretrained``, no PEFT adapters."""
+    if not pretrained_name(model) or hasattr(model, "peft_config"):
+        return False
+    return not any(_ADAPTER.search(n) for n, p in model.named_parameters() if p.requires_grad)
 
 
 def _output_head_ids(model: nn.Module) -> set[int]:
@@ -93,14 +121,20 @@ def build_optimizer(
     adamw_weight_decay: float = 0.0,
     recipe: str | None = None,
     adapter_lr_scale: float = ADAPTER_LR_SCALE,
+    learning_rate: float | None = None,
     **evon_kwargs: Any,
 ) -> EVON:
     """``EVON`` over ``build_param_groups(model, ...)``; ``evon_kwargs`` go to ``EVON``.
 
     ``recipe`` names one of the paper's tuned settings (:data:`hf_evon.optim.recipes.RECIPES`:
-    "nanogpt", "llama", "clip-finetuning"); ``evon_kwargs`` given next to it win. LoRA
-    matrices (PEFT's ``lora_A``/``lora_B``) form their own EVON group at ``adapter_lr_scale``
-    times EVON's rate (1: the same rate).
+    "nanogpt", "llama", "clip-finetuning"); ``evon_kwargs`` given next to it win. What starts
+    from scratch in a pretrained model (PEFT's ``lora_A``/``lora_B`` and ``modules_to_save``, the
+    task head of a model loaded with ``from_pretrained``) forms its own EVON group at
+    ``adapter_lr_scale`` times EVON's rate (1: the same rate).
+    ``learning_rate`` is the rate you would give AdamW: EVON's α becomes
+    :func:`~hf_evon.optim.evon.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe`` sets α; at
+    ``FINETUNING_STEP_RATIO`` when :func:`is_full_finetuning`) and the AdamW part uses it (unless
+    ``adamw_lr`` is given).
     """
     _require(
         "adapter_lr_scale",
@@ -108,11 +142,20 @@ def build_optimizer(
         isinstance(adapter_lr_scale, int | float) and adapter_lr_scale > 0,
         "a number > 0",
     )
+    if learning_rate is not None:
+        if "lr" not in evon_kwargs and recipe is None:
+            radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
+            ratio = FINETUNING_STEP_RATIO if is_full_finetuning(model) else ADAMW_STEP_RATIO
+            evon_kwargs["lr"] = lr_from_adamw_lr(learning_rate, radius, ratio)
+        adamw_lr = learning_rate if adamw_lr is None else adamw_lr
     kwargs = recipe_kwargs(recipe, evon_kwargs)
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
     split = []
+    new_heads = bool(pretrained_name(model))
     for g in groups:
-        is_adapter = [bool(_ADAPTER.search(n)) for n in g["param_names"]]
+        is_adapter = [
+            bool(_ADAPTER.search(n) or (new_heads and _TASK_HEAD.search(n))) for n in g["param_names"]
+        ]
         if g["algorithm"] != "evon" or not any(is_adapter) or adapter_lr_scale == 1:
             split.append(g)
             continue

@@ -17,45 +17,62 @@ from transformers import TrainingArguments
 from ..optim.evon import (
     AUTO_ESS,
     CLIP_MODES,
+    DEFAULT_ADAMW_LR,
     DEFAULT_BETAS,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
-    DEFAULT_LR,
     DEFAULT_WEIGHT_DECAY,
 )
 from ..optim.recipes import RECIPES
 
 __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 
+# learning_rate=None: EVONTrainer picks one of these from the model (the rate AdamW would get)
+SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
+FINETUNING_LEARNING_RATE = 5e-5  # TrainingArguments' default; full fine-tuning of a pretrained model
+
 
 @dataclass
 class EVONConfig(TrainingArguments):
     r"""``TrainingArguments`` plus every EVON hyperparameter and the BMA evaluation settings.
 
-    ``learning_rate`` is EVON's learning rate α; ``weight_decay``, ``adam_beta1``,
-    ``adam_beta2`` and ``adam_epsilon`` configure the AdamW part (parameters EVON does not
-    own). EVON's own prior precision is ``evon_weight_decay``. ``optim`` and ``optim_args``
+    ``learning_rate`` means what it means for ``Trainer``: the rate you would give AdamW. The
+    AdamW part (embeddings, heads, 1-D tensors) uses it as is, and EVON's α is derived from it so
+    that EVON's clipped steps match AdamW's (:func:`hf_evon.optim.evon.lr_from_adamw_lr`): a rate
+    tuned for AdamW carries over. Left unset, it is chosen from the model (see the field).
+    ``weight_decay``, ``adam_beta1``, ``adam_beta2`` and ``adam_epsilon`` configure the AdamW
+    part. EVON's own prior precision is ``evon_weight_decay``. ``optim`` and ``optim_args``
     are not used (EVON builds its own optimizer): setting them warns.
     Every field can be set from the command line through ``HfArgumentParser``.
     """
 
-    learning_rate: float = field(
-        default=DEFAULT_LR,
+    learning_rate: float | None = field(
+        default=None,
         metadata={
-            "help": "EVON learning rate α (EVON-owned weight matrices). EVON takes Newton-like steps "
-            "(momentum / (H + δ)), so its scale is not AdamW's: with the default element-wise clipping at "
-            "radius 0.01 a weight moves at most α·0.01 = 2e-4 per step, like Adam at 2e-4 (MiniLM fine-tuning "
-            "in benchmarks/payoff.py). The AdamW part has its own evon_adamw_learning_rate."
+            "help": "The learning rate you would give AdamW (the Trainer's meaning). The AdamW part uses it; EVON's "
+            "α = 0.2 · learning_rate / evon_clip_radius, so EVON's clipped, sign-like steps have the RMS of "
+            "AdamW's (0.2 · rate; 0.5 · rate when all weights of a pretrained model are fine-tuned, where "
+            "gradients are consistent: hf_evon.optim.evon.FINETUNING_STEP_RATIO) — unless evon_learning_rate sets α. Default (None): 1e-3 for a model trained "
+            "from scratch or through PEFT adapters (torch's AdamW default; the rate benchmarks/payoff.py "
+            "gives AdamW there), 5e-5 for full fine-tuning of a pretrained model (one loaded with "
+            "from_pretrained; the Trainer's default)."
+        },
+    )
+    evon_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "EVON's learning rate α itself (the paper's scale: its tables use 0.004-0.095). Default "
+            "(None): derived from learning_rate (0.02 at 1e-3). Set by evon_recipe."
         },
     )
     evon_recipe: str | None = field(
         default=None,
         metadata={
             "help": "One of the paper's tuned settings (hf_evon.RECIPES: 'nanogpt', 'llama', 'clip-finetuning', "
-            "each citing its table). It sets learning_rate and the evon_* fields that are still at their "
+            "each citing its table). It sets evon_learning_rate and the evon_* fields that are still at their "
             "defaults; fields you set yourself win. Default: our scale-free defaults.",
         },
     )
@@ -160,11 +177,10 @@ class EVONConfig(TrainingArguments):
         },
     )
     evon_adamw_learning_rate: float | None = field(
-        default=1e-4,
+        default=None,
         metadata={
-            "help": "Learning rate of the AdamW part (embeddings, LM head, biases, norms); None: learning_rate "
-            "(only sensible when EVON's and AdamW's rates happen to coincide). Its weight decay, betas and "
-            "epsilon are weight_decay, adam_beta1/2 and adam_epsilon."
+            "help": "Learning rate of the AdamW part (embeddings, heads, biases, norms). Default (None): "
+            "learning_rate. Its weight decay, betas and epsilon are weight_decay, adam_beta1/2 and adam_epsilon."
         },
     )
     evon_patterns: list[str] | None = field(
@@ -233,7 +249,17 @@ class EVONConfig(TrainingArguments):
         def positive_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
-        need(self.learning_rate >= 0, "learning_rate", ">= 0")
+        def rate(x: Any) -> bool:
+            return x is None or (
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+            )
+
+        need(rate(self.learning_rate), "learning_rate", "None (chosen from the model) or finite and >= 0")
+        need(
+            rate(self.evon_learning_rate),
+            "evon_learning_rate",
+            "None (from learning_rate) or finite and >= 0",
+        )
         if self.evon_ess is None:  # the former default (None: the training-set size) now means "auto"
             self.evon_ess = AUTO_ESS
         if isinstance(self.evon_ess, str) and self.evon_ess != AUTO_ESS:
@@ -364,15 +390,15 @@ class EVONConfig(TrainingArguments):
             warnings.warn(
                 f"EVONConfig.optim = {optim!r} (optim_args = {self.optim_args!r}) is ignored: EVONTrainer always "
                 "builds EVON (EVON for weight matrices, AdamW for embeddings, the LM head and 1-D tensors). "
-                "Configure it with the evon_* fields (learning_rate is EVON's α, evon_adamw_learning_rate and "
-                "adam_beta1/2, adam_epsilon, weight_decay the AdamW part) and leave optim at its default.",
+                "Configure it with learning_rate (as for AdamW), the evon_* fields (evon_learning_rate is EVON's α) "
+                "and adam_beta1/2, adam_epsilon, weight_decay (the AdamW part), and leave optim at its default.",
                 UserWarning,
                 stacklevel=3,
             )
 
     # recipe key -> the config field that holds it (betas: two fields)
     _RECIPE_FIELDS = {
-        "lr": "learning_rate",
+        "lr": "evon_learning_rate",
         "ess": "evon_ess",
         "hess_init": "evon_hess_init",
         "weight_decay": "evon_weight_decay",
@@ -384,8 +410,12 @@ class EVONConfig(TrainingArguments):
 
     def evon_optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :func:`hf_evon.build_optimizer` for these settings (with
-        ``evon_recipe``, the recipe's values for every field still at its default)."""
+        ``evon_recipe``, the recipe's values for every field still at its default).
+        ``learning_rate=None`` (which ``EVONTrainer`` resolves from the model first) gives the
+        optimizer's own defaults, those for training from scratch."""
         kwargs = self._evon_field_kwargs()
+        if self.evon_learning_rate is not None:
+            kwargs["lr"] = self.evon_learning_rate
         if self.evon_recipe is None:
             return kwargs
         fields = type(self).__dataclass_fields__
@@ -405,11 +435,9 @@ class EVONConfig(TrainingArguments):
         return {
             "evon_patterns": self.evon_patterns,
             "adamw_patterns": self.adamw_patterns,
-            "adamw_lr": self.learning_rate
-            if self.evon_adamw_learning_rate is None
-            else self.evon_adamw_learning_rate,
+            "learning_rate": self.learning_rate,
+            "adamw_lr": self.evon_adamw_learning_rate,
             "adamw_weight_decay": self.weight_decay,
-            "lr": self.learning_rate,
             "ess": self.evon_ess,
             "init_std_ratio": self.evon_init_std_ratio,
             "hess_init": self.evon_hess_init,
@@ -446,7 +474,8 @@ def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfi
 def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     """``EVONConfig`` combined with ``base`` (e.g. TRL's ``SFTConfig``): every field of both.
 
-    ``EVONConfig``'s fields win where both define one (``learning_rate`` is EVON's α).
+    ``EVONConfig``'s fields win where both define one (``learning_rate``: chosen from the model
+    unless set).
     ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to itself, a base with a declared
     combination (``EVONSFTConfig``, ``EVONSeq2SeqConfig``) to that; any other is built once, as
     ``hf_evon.trainer.config.EVON<Base>`` (so checkpoints can pickle it).

@@ -71,9 +71,11 @@ from transformers.utils import logging
 
 from ..distributed import prepare_distributed, unwrap_optimizer
 from ..optim import EVON, build_optimizer
+from ..optim.evon import FINETUNING_STEP_RATIO, lr_from_adamw_lr
+from ..optim.grouping import is_full_finetuning, pretrained_name
 from ..optim.linalg import marginal_variance
 from ..posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
-from .config import EVONConfig, evon_config_class
+from .config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig, evon_config_class
 from .evaluation import PosteriorEvaluation, bma_predict, merge_metrics
 
 logger = logging.get_logger(__name__)
@@ -174,12 +176,29 @@ class EVONTrainerMixin:
         self._evon_in_training = False
         self._evon_evaluations = 0  # evaluation steps during the current train(), for bma_eval_every
         self._evon_evaluated_step = -1
+        self._resolve_learning_rate()
         self._causal_lm = self._detect_causal_lm()
         if self._causal_lm:
             # transformers 5.23 decides this from ``model.loss_type``, which is None for e.g. GPT-2
             # although its loss shifts the labels: it then over-counts ``num_items_in_batch`` by one
             # token per sequence, which makes the Trainer's own ``eval_loss`` too small
             self._loss_shifts_labels = True
+
+    def _resolve_learning_rate(self) -> None:
+        """``learning_rate=None``: a rate for how the model is trained (see ``EVONConfig.learning_rate``)."""
+        if self.args.learning_rate is not None:
+            return
+        full_finetuning = self.model is not None and is_full_finetuning(self.model)
+        name = pretrained_name(self.model) if full_finetuning else ""
+        self.args.learning_rate = FINETUNING_LEARNING_RATE if full_finetuning else SCRATCH_LEARNING_RATE
+        logger.info(
+            f"EVONConfig.learning_rate = {self.args.learning_rate} (unset: "
+            + (
+                f"full fine-tuning of the pretrained {name!r})"
+                if full_finetuning
+                else "training from scratch or through PEFT)"
+            )
+        )
 
     def _evon_arguments(self, args: TrainingArguments | None) -> EVONConfig:
         """``args`` as an EVON config; plain arguments are converted, with a warning."""
@@ -192,11 +211,11 @@ class EVONTrainerMixin:
         target = evon_config_class(type(args))
         warnings.warn(
             f"{type(self).__name__} got a plain {type(args).__name__}: converted to {target.__name__} with the "
-            f"EVON fields at their defaults. Its learning_rate = {args.learning_rate!r} is now EVON's learning "
-            "rate α (EVON takes Newton-like steps, momentum / (H + δ); its scale is not AdamW's), and the AdamW "
-            f"part (embeddings, LM head, 1-D tensors) uses evon_adamw_learning_rate = "
-            f"{target.__dataclass_fields__['evon_adamw_learning_rate'].default!r}. Pass an {target.__name__} with "
-            "learning_rate (EVON's α) and evon_adamw_learning_rate set to choose both.",
+            f"EVON fields at their defaults. Its learning_rate = {args.learning_rate!r} is used as for AdamW: by the "
+            "AdamW part (embeddings, heads, 1-D tensors) and, through lr_from_adamw_lr, for EVON's α = "
+            f"{lr_from_adamw_lr(args.learning_rate):g} ({lr_from_adamw_lr(args.learning_rate, step_ratio=FINETUNING_STEP_RATIO):g} "
+            f"when all weights of a pretrained model are fine-tuned). Pass an {target.__name__} to set the EVON fields (and to "
+            "let EVONTrainer choose the learning rate from the model).",
             UserWarning,
             stacklevel=3,
         )
