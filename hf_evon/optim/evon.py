@@ -167,15 +167,28 @@ class _Bucket:
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
 
+    def stacked(self, tensors: list[Tensor]) -> Tensor:
+        """Stack per-parameter tensors as ``(B, m, n)``, their dtype kept (one copy).
+
+        Called under ``no_grad``: no ``detach``, and no ``reshape`` of a tensor that is already
+        ``m×n``, so the aten ops of a step do not grow with the number of parameters."""
+        mn = (self.m, self.n)
+        return torch.stack([x if x.shape == mn else x.reshape(mn) for x in tensors])
+
     def matrices(self, tensors: list[Tensor | None]) -> Tensor:
         """Stack per-parameter tensors as ``(B, m, n)`` in the state dtype (None -> zeros)."""
         shaped = [
-            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype)
-            if x is None
-            else x.reshape(self.m, self.n)
+            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype) if x is None else x
             for x in tensors
         ]
-        return torch.stack(shaped).to(self.dtype)
+        out = self.stacked(shaped)
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
+    def unstacked(self, values: Tensor, idx: Iterable[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """``(params, values in each parameter's own shape)`` for the listed members (one unbind)."""
+        rows = values.unbind(0)
+        pairs = [(self.params[i], rows[i]) for i in idx]
+        return [p for p, _ in pairs], [v if v.shape == p.shape else v.reshape(p.shape) for p, v in pairs]
 
     def grads(self) -> Tensor:
         return self.matrices([p.grad for p in self.params])
@@ -190,10 +203,10 @@ class _Bucket:
     def write_params(self, values: Tensor, members: list[int] | None = None) -> None:
         """Copy ``values[i]`` into member ``i`` (all members, or those listed)."""
         idx = range(len(self.params)) if members is None else members
-        # detach() shares the version counter: autograd notices a graph used across a swap;
-        # copy_ into the parameter's own shape works for any memory layout (channels_last)
-        targets = [self.params[i].detach() for i in idx]
-        torch._foreach_copy_(targets, [values[i].reshape(t.shape) for i, t in zip(idx, targets)])
+        # in place into the parameters themselves (callers hold no_grad): the version counter
+        # moves, so autograd notices a graph used across a swap; copy_ into the parameter's
+        # own shape works for any memory layout (channels_last)
+        torch._foreach_copy_(*self.unstacked(values, idx))
 
     def subset(self, members: list[int]) -> _Bucket:
         """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
@@ -694,7 +707,7 @@ class EVON(Optimizer):
         b.live = None if len(live) == len(b.params) else live
         g = b.group
         device = b.params[0].device
-        b.mean = torch.stack([p.detach().reshape(b.m, b.n) for p in b.params])  # exact copy
+        b.mean = b.stacked(b.params)  # exact copy, in the parameters' dtype
         z = torch.randn(
             len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype
         )
@@ -956,16 +969,13 @@ class EVON(Optimizer):
         exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
         numer = exp_avg / (1 - beta1**t)
         if delta != 0.0:
-            mean = b.matrices([p.detach() for p in b.params])
+            mean = b.matrices(b.params)
             numer.add_(rotate(mean, q_left, q_right), alpha=delta)
         update = clip_update(unrotate(numer.div_(hess + delta), q_left, q_right), g["clip"], g["clip_radius"])
-        update = update.to(b.params[0].dtype)
+        if update.dtype != b.params[0].dtype:
+            update = update.to(b.params[0].dtype)
         # added in each parameter's own shape: works for any memory layout (channels_last)
-        torch._foreach_add_(
-            [p.data for p in b.params],
-            [u.reshape(p.shape) for u, p in zip(update.unbind(0), b.params)],
-            alpha=-g["lr"],
-        )
+        torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
 
         if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
             self._update_statistics(b, grad, beta3)
