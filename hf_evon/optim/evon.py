@@ -36,7 +36,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _functional_adam
 
-from .linalg import clip_update, eigenbasis, power_qr, rotate, sample_perturbation, unrotate
+from .linalg import clip_update, eigenbasis, gram, power_qr, rotate, sample_perturbation, unrotate
 
 Tensor = torch.Tensor
 
@@ -992,10 +992,10 @@ class EVON(Optimizer):
     def _update_statistics(b: _Bucket, grad: Tensor, beta3: float) -> None:
         st = b.state
         if b.left:
-            gg = grad @ grad.mT
+            gg = gram(grad)
             st["L"] = st["L"].mul_(beta3).add_(gg, alpha=1 - beta3) if "L" in st else gg.mul_(1 - beta3)
         if b.right:
-            gg = grad.mT @ grad
+            gg = gram(grad.mT)
             st["R"] = st["R"].mul_(beta3).add_(gg, alpha=1 - beta3) if "R" in st else gg.mul_(1 - beta3)
 
     def _refresh_bases(self, b: _Bucket, members: list[int] | None) -> None:

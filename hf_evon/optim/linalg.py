@@ -36,6 +36,36 @@ def unrotate(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor
     return x
 
 
+# gram() halves the rows while both halves keep at least this many: smaller blocks save little
+# arithmetic and cost launches
+GRAM_MIN_BLOCK = 128
+
+
+def gram(x: Tensor) -> Tensor:
+    """``X Xᵀ`` of every member of a stack ``(B, m, k)``, with about half the multiply-adds.
+
+    The product is symmetric, so (as BLAS's ``syrk``) only one off-diagonal block needs a
+    multiplication: the rows are halved, the upper block ``X_top X_botᵀ`` is multiplied and
+    mirrored, and the two diagonal blocks of all members recurse as one batch of ``2B``. Each
+    level costs 3/4 of the level above, so ``j`` levels cost ``1/2 + 2^-(j+1)`` of
+    ``X @ X.mT`` (17/32 for ``m = 3072``). Every entry is the same dot product as in
+    ``X @ X.mT`` (only the rounding of the sum may differ), and the result is exactly symmetric.
+    """
+    b, m, k = x.shape
+    h = m // 2
+    if m % 2 or h < GRAM_MIN_BLOCK:
+        return x @ x.mT
+    halves = x.reshape(2 * b, h, k)  # members 2i, 2i+1: the top and bottom rows of member i
+    diag = gram(halves).view(b, 2, h, h)
+    off = halves[0::2] @ halves[1::2].mT
+    out = x.new_empty(b, m, m)
+    out[:, :h, :h] = diag[:, 0]
+    out[:, h:, h:] = diag[:, 1]
+    out[:, :h, h:] = off
+    out[:, h:, :h] = off.mT
+    return out
+
+
 def rotated_variance(hess: Tensor, ess: float, weight_decay: float) -> Tensor:
     """``V = 1 / (ζ (H + δ))``, the diagonal variance in the eigenbasis."""
     return 1.0 / (ess * (hess + weight_decay))
