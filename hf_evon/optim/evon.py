@@ -151,6 +151,10 @@ class _Bucket:
     live: list[int] | None = None  # members a sample perturbs (None: all; frozen ones are left alone)
     exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
     rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
+    # Q_Lᵀ M Q_R of the current weights, kept up to date by step() where that is exact (see
+    # ``EVON._rotated_mean``), with each weight's (version, data_ptr) when it was last valid
+    rotated_mean: Tensor | None = None
+    mean_stamps: list[tuple[int, int]] | None = None
 
     @property
     def preconditioned(self) -> bool:
@@ -206,7 +210,25 @@ class _Bucket:
         # in place into the parameters themselves (callers hold no_grad): the version counter
         # moves, so autograd notices a graph used across a swap; copy_ into the parameter's
         # own shape works for any memory layout (channels_last)
+        fresh = self.rotated_mean_valid()
         torch._foreach_copy_(*self.unstacked(values, idx))
+        if fresh:  # our own write (a sample in, the mean back out): the rotated mean stays valid
+            self.stamp_mean()
+
+    def stamp_mean(self) -> None:
+        """Record the weights' versions: ``rotated_mean`` is the rotation of the weights as now."""
+        self.mean_stamps = [(p._version, p.data_ptr()) for p in self.params]
+
+    def rotated_mean_valid(self) -> bool:
+        """Whether ``rotated_mean`` is the rotation of the weights as they are now: nothing but
+        this optimizer wrote them since (in-place writes bump a tensor's version; assigning
+        ``.data`` moves its storage; only in-place writes through ``.data`` go unseen)."""
+        stamps = self.mean_stamps
+        return (
+            self.rotated_mean is not None
+            and stamps is not None
+            and all(s == (p._version, p.data_ptr()) for s, p in zip(stamps, self.params))
+        )
 
     def subset(self, members: list[int]) -> _Bucket:
         """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
@@ -968,14 +990,22 @@ class EVON(Optimizer):
         exp_avg = st["exp_avg"]
         exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
         numer = exp_avg / (1 - beta1**t)
-        if delta != 0.0:
-            mean = b.matrices(b.params)
-            numer.add_(rotate(mean, q_left, q_right), alpha=delta)
-        update = clip_update(unrotate(numer.div_(hess + delta), q_left, q_right), g["clip"], g["clip_radius"])
+        track = self._tracks_rotated_mean(plan)
+        mean_rot = self._rotated_mean(b, track) if delta != 0.0 else None
+        if mean_rot is not None:
+            numer.add_(mean_rot, alpha=delta)
+        step_rot = numer.div_(hess + delta)  # U, in the eigenbasis
+        update = clip_update(unrotate(step_rot, q_left, q_right), g["clip"], g["clip_radius"])
         if update.dtype != b.params[0].dtype:
             update = update.to(b.params[0].dtype)
         # added in each parameter's own shape: works for any memory layout (channels_last)
         torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
+        if track and mean_rot is not None:
+            # unclipped: M - αΔ rotates to Q_Lᵀ M Q_R - αU exactly (Q orthonormal), no matmul
+            b.rotated_mean = mean_rot.sub_(step_rot, alpha=g["lr"])
+            b.stamp_mean()
+        else:
+            plan.bucket.rotated_mean = b.rotated_mean = None
 
         if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
             self._update_statistics(b, grad, beta3)
@@ -987,6 +1017,32 @@ class EVON(Optimizer):
                 self._refresh_bases(b, None if len(due) == len(b.params) else due)
         if plan.members is not None:
             plan.bucket.scatter(b, plan.members)
+
+    @staticmethod
+    def _tracks_rotated_mean(plan: _Plan) -> bool:
+        """Whether this step can carry ``Q_Lᵀ M Q_R`` over to the next one without a rotation.
+
+        Exact when the update is not clipped (``clip="none"``: ``M - αΔ`` rotates to
+        ``Q_Lᵀ M Q_R - αU``) and the weights hold exactly what the optimizer computes (their
+        dtype is the state's: a bfloat16 model rounds M each step). Costs one ``m×n`` float
+        tensor per matrix; saves the prior term's two matmuls per step. The whole bucket must
+        step (members without a gradient would need their own bookkeeping).
+        """
+        b = plan.work
+        return (
+            plan.members is None
+            and b.preconditioned
+            and b.group["clip"] == "none"
+            and b.group["weight_decay"] != 0.0
+            and b.params[0].dtype == b.dtype
+        )
+
+    @staticmethod
+    def _rotated_mean(b: _Bucket, track: bool) -> Tensor:
+        """``Q_Lᵀ M Q_R``: the tracked one when it is still the weights' rotation, else rotated now."""
+        if track and b.rotated_mean_valid():
+            return b.rotated_mean
+        return rotate(b.matrices(b.params), *b.bases())
 
     @staticmethod
     def _update_statistics(b: _Bucket, grad: Tensor, beta3: float) -> None:
@@ -1011,6 +1067,9 @@ class EVON(Optimizer):
         for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
             if value is not None:
                 st[key][idx] = value
+        if b.rotated_mean is not None:  # the refreshed members' weights, in their new bases
+            listed = range(len(b.params)) if members is None else members
+            b.rotated_mean[idx] = rotate(b.matrices([b.params[i] for i in listed]), new_left, new_right)
 
     def _point_state_views(self, b: _Bucket, keys: tuple[str, ...]) -> None:
         for i, p in enumerate(b.params):
