@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_evon import EVON
+from hf_evon.optim import linalg
 
 Tensor = torch.Tensor
 
@@ -98,16 +99,17 @@ class NaiveEVON:
     def __init__(self, params: list[Tensor], *, seed: int = 0, **hp: float) -> None:
         self.params = params
         self.hp = hp
-        self.gen = torch.Generator().manual_seed(seed)
+        device = params[0].device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
         self.state: list[dict[str, Tensor]] = []
         for p in params:
             m, n = p.shape
             self.state.append(
                 {
-                    "H": torch.full((m, n), hp["hess_init"]),
-                    "Gbar": torch.zeros(m, n),
-                    "L": torch.zeros(m, m),
-                    "R": torch.zeros(n, n),
+                    "H": torch.full((m, n), hp["hess_init"], device=device),
+                    "Gbar": torch.zeros(m, n, device=device),
+                    "L": torch.zeros(m, m, device=device),
+                    "R": torch.zeros(n, n, device=device),
                 }
             )
         self.t = 0
@@ -122,7 +124,7 @@ class NaiveEVON:
     def sampled_params(self, train: bool = True) -> Iterator[None]:
         means, noises = [], []
         for p, st in zip(self.params, self.state):
-            E = torch.randn(p.shape, generator=self.gen) * self.V(st).sqrt()
+            E = torch.randn(p.shape, generator=self.gen, device=p.device) * self.V(st).sqrt()
             means.append(p.detach().clone())
             if self.initialised:
                 p.copy_(p + st["Q_L"] @ E @ st["Q_R"].T)
@@ -167,7 +169,9 @@ class NaiveEVON:
                 st["Gbar"] = beta1 * st["Gbar"] + (1 - beta1) * G_rot
                 Q_L, Q_R = st["Q_L"], st["Q_R"]
                 U = (st["Gbar"] / (1 - beta1**self.t) + delta * (Q_L.T @ p @ Q_R)) / (st["H"] + delta)
-                update = (Q_L @ U @ Q_R.T).clamp(-hp["clip_radius"], hp["clip_radius"])
+                update = Q_L @ U @ Q_R.T
+                if hp["clip"] == "element":
+                    update = update.clamp(-hp["clip_radius"], hp["clip_radius"])
                 p.sub_(hp["lr"] * update)
             st["L"] = beta2 * st["L"] + (1 - beta2) * G @ G.T
             st["R"] = beta2 * st["R"] + (1 - beta2) * G.T @ G
@@ -186,16 +190,19 @@ class NaiveEVON:
 class Run:
     """One optimizer on its own copy of the matrices, driven by the users' loop."""
 
-    def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int = 0) -> None:
+    def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int = 0, device: str = "cpu") -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.params = [torch.nn.Parameter(0.02 * torch.randn(s, generator=gen)) for s in shapes]
-        self.targets = [0.02 * torch.randn(s, generator=gen) for s in shapes]
+        self.params = [torch.nn.Parameter(0.02 * torch.randn(s, generator=gen).to(device)) for s in shapes]
+        self.targets = [0.02 * torch.randn(s, generator=gen).to(device) for s in shapes]
+        self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         self.name = name
-        if name in ("hf-evon", "hf-evon-spec"):
+        # "-noclip": clip="none" (no update clipping), for both EVONs
+        settings = {**SETTINGS, "clip": "none"} if "-noclip" in name else SETTINGS
+        if name.startswith("hf-evon"):
             # "hf-evon-spec": every matrix refreshes at t % f == 0 (the spec's schedule), no staggering
-            self.opt = EVON(self.params, seed=seed, stagger_refresh=name == "hf-evon", **SETTINGS)
-        elif name == "naive":
-            self.opt = NaiveEVON(self.params, seed=seed, **SETTINGS)
+            self.opt = EVON(self.params, seed=seed, stagger_refresh=name != "hf-evon-spec", **settings)
+        elif name.startswith("naive"):
+            self.opt = NaiveEVON(self.params, seed=seed, **settings)
         elif name == "soap":
             from pytorch_optimizer import SOAP
 
@@ -210,18 +217,22 @@ class Run:
     def step(self, around: Callable[[], contextlib.AbstractContextManager]) -> float:
         """One training step; ``around()`` wraps the optimizer's parts. Returns their seconds."""
         block = None if self.name == "soap" else self.opt.sampled_params(train=True)
+        self.sync()
         t0 = time.perf_counter()
         with around():
             if block is not None:
                 block.__enter__()
+        self.sync()
         elapsed = time.perf_counter() - t0
         self.backward()
+        self.sync()
         t0 = time.perf_counter()
         with around():
             if block is not None:
                 block.__exit__(None, None, None)
             self.opt.step()
             self.opt.zero_grad()
+        self.sync()
         return elapsed + time.perf_counter() - t0
 
 
@@ -230,7 +241,16 @@ def _cycle() -> int:
 
 
 def count(name: str, shapes: list[tuple[int, int]]) -> dict[str, float]:
-    """Aten ops and matmul FLOPs per steady step, averaged over one refresh cycle."""
+    """Aten ops and matmul FLOPs per steady step, averaged over one refresh cycle.
+
+    A name ending in ``-accel`` counts the path EVON takes on accelerators (the blocked
+    symmetric product for ``G Gᵀ``, ``Gᵀ G``; CPU uses one matmul, faster there)."""
+    if name.endswith("-accel"):
+        saved, linalg.GRAM_BLOCKED_ON_CPU = linalg.GRAM_BLOCKED_ON_CPU, True
+        try:
+            return count(name.removesuffix("-accel"), shapes)
+        finally:
+            linalg.GRAM_BLOCKED_ON_CPU = saved
     run = Run(name, shapes)
     run.step(contextlib.nullcontext)  # initialises L, R and the bases
     ops, flops = OpCounter(), 0
@@ -253,10 +273,10 @@ def count(name: str, shapes: list[tuple[int, int]]) -> dict[str, float]:
 
 
 def interleaved_times(
-    names: list[str], shapes: list[tuple[int, int]], repeats: int
+    names: list[str], shapes: list[tuple[int, int]], repeats: int, device: str = "cpu"
 ) -> dict[str, list[float]]:
     """Per-cycle mean step seconds, the optimizers alternating cycle by cycle (order flipped)."""
-    runs = {n: Run(n, shapes) for n in names}
+    runs = {n: Run(n, shapes, device=device) for n in names}
     for run in runs.values():
         for _ in range(_cycle() + 1):  # initialise, then one cycle of warm-up
             run.step(contextlib.nullcontext)
@@ -286,10 +306,14 @@ def main() -> None:
     ap.add_argument("--time-blocks", type=int, default=6, help="6 blocks = 24 matrices")
     ap.add_argument("--repeats", type=int, default=6, help="timed refresh cycles per optimizer")
     ap.add_argument("--skip", nargs="*", default=[], choices=["ops", "flops", "time"])
+    ap.add_argument("--device", default="cpu", help="where the timed section runs (counts: always CPU)")
+    ap.add_argument("--time-names", nargs="+", default=["hf-evon", "naive"], help="optimizers to time")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = ["hf-evon", "hf-evon-spec", "naive"] + (["soap"] if soap_available() else [])
+    noclip = ["hf-evon-noclip", "naive-noclip"]
+    accel = ["hf-evon-accel", "hf-evon-noclip-accel"]
     result: dict[str, dict] = {"torch": torch.__version__, "settings": {**SETTINGS}}
     if not soap_available():
         print("pytorch_optimizer is not installed: no SOAP row")
@@ -303,35 +327,39 @@ def main() -> None:
             print(f"| {n} | {r[1]['ops']:.1f} | {r[12]['ops']:.1f} | {r[12]['ops'] / r[1]['ops']:.2f} |")
 
     if "flops" not in args.skip:
-        rows = {n: count(n, block_shapes(args.width)) for n in names}
+        rows = {n: count(n, block_shapes(args.width)) for n in names + noclip + accel}
         result["flops"] = rows
-        ref = rows["naive"]["gflop"]
         print(f"\n### matmul GFLOP per steady step, one block at width {args.width}\n")
-        print("| optimizer | GFLOP | × naive EVON |\n|---|---:|---:|")
+        print("| optimizer | clip | GFLOP | × naive EVON (same clip) |\n|---|---|---:|---:|")
         for n, r in rows.items():
-            print(f"| {n} | {r['gflop']:.1f} | {r['gflop'] / ref:.3f} |")
+            ref = rows["naive-noclip" if "-noclip" in n else "naive"]["gflop"]
+            clip = "none" if "-noclip" in n else SETTINGS["clip"]
+            print(f"| {n} | {clip} | {r['gflop']:.1f} | {r['gflop'] / ref:.3f} |")
 
     if "time" not in args.skip:
         shapes = block_shapes(args.time_width, args.time_blocks)
-        times = interleaved_times(["hf-evon", "naive"], shapes, args.repeats)
+        times = interleaved_times(args.time_names, shapes, args.repeats, args.device)
         result["time"] = {"shapes": shapes, "seconds_per_step": times}
         med = {n: statistics.median(v) for n, v in times.items()}
+        where = "CPU, one thread" if args.device == "cpu" else args.device
         print(
-            f"\n### CPU ms per steady step, {len(shapes)} matrices (width {args.time_width}), one thread, "
+            f"\n### ms per steady step ({where}), {len(shapes)} matrices (width {args.time_width}), "
             f"{args.repeats} interleaved cycles of {_cycle()} steps\n"
         )
         print("| optimizer | median ms | min–max ms | × naive EVON |\n|---|---:|---:|---:|")
         for n, v in times.items():
-            print(
-                f"| {n} | {1e3 * med[n]:.1f} | {1e3 * min(v):.1f}–{1e3 * max(v):.1f} | "
-                f"{med[n] / med['naive']:.3f} |"
-            )
-        ratios = [a / b for a, b in zip(times["hf-evon"], times["naive"])]
-        print(
-            f"\nper-cycle ratio hf-evon / naive: median {statistics.median(ratios):.3f}, "
-            f"min {min(ratios):.3f}, max {max(ratios):.3f}"
-        )
-        result["time"]["ratio_per_cycle"] = ratios
+            ratio = f"{med[n] / med['naive']:.3f}" if "naive" in med else "-"
+            print(f"| {n} | {1e3 * med[n]:.1f} | {1e3 * min(v):.1f}–{1e3 * max(v):.1f} | {ratio} |")
+        result["time"]["ratio_per_cycle"] = {}
+        for n in times:
+            base = "naive-noclip" if "-noclip" in n and "naive-noclip" in times else "naive"
+            if n.startswith("hf-evon") and base in times:
+                ratios = [a / b for a, b in zip(times[n], times[base])]
+                result["time"]["ratio_per_cycle"][n] = ratios
+                print(
+                    f"\nper-cycle ratio {n} / {base}: median {statistics.median(ratios):.3f}, "
+                    f"min {min(ratios):.3f}, max {max(ratios):.3f}"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
