@@ -253,6 +253,7 @@ def count(name: str, shapes: list[tuple[int, int]]) -> dict[str, float]:
             linalg.GRAM_BLOCKED_ON_CPU = saved
     run = Run(name, shapes)
     run.step(contextlib.nullcontext)  # initialises L, R and the bases
+    run.step(contextlib.nullcontext)  # the first update (EVON forms the carried rotated mean there)
     ops, flops = OpCounter(), 0
 
     @contextlib.contextmanager
