@@ -24,9 +24,27 @@ Sections:
   the naive reference alternate cycle by cycle in one process; median and spread (min-max)
   of the per-cycle mean step time.
 
-Measured (2-core shared CPU, torch 2.13, one thread, ``python benchmarks/optimizer_flops.py``):
-see the table printed by the run recorded in the docstring of the commit that last changed
-this file; the current figures are in ``FIGURES`` below.
+Measured on the project's 2-core CPU shared with other jobs (torch 2.13, one thread;
+``python benchmarks/optimizer_flops.py --time-names hf-evon naive hf-evon-noclip naive-noclip``,
+pytorch_optimizer not installed there, so no SOAP row):
+
+* aten ops per step (width 64): hf-evon 569.8 with one block, 751.4 with twelve; with the
+  spec's schedule (``stagger_refresh=False``) 569.8 and 569.8; naive 292 and 3504. Staggering
+  adds one refresh call per bucket and phase (at most buckets × f per cycle: 798 ops at 24 blocks).
+* matmul GFLOP per step, one GPT-2-small block (width 768): naive 268.9 (the issue measured
+  268.9 for the paper's code too); hf-evon on CPU 268.9 (1.000), with ``clip="none"`` 224.9 (0.836);
+  on accelerators (blocked symmetric ``G Gᵀ``, ``Gᵀ G``) 247.1 (0.919), with ``clip="none"``
+  203.0 (0.755). With element-wise clipping the prior term must rotate the weights each step
+  (clipping acts in parameter space, so ``Q_Lᵀ clip(Δ) Q_R`` is not ``U``): the sample, the
+  gradient's rotation, the prior term and the update each map a new m×n matrix across the bases
+  (2 matmuls each), so exactness bounds that case at about 0.87 even with an ideal symmetric
+  product for the statistics.
+* ms per step, 24 matrices (6 blocks, width 256), 6 interleaved cycles, median (min-max):
+  hf-evon 993 (760-1497) vs naive 848 (651-1182), per-cycle ratio 1.17 (1.09-1.29);
+  ``clip="none"``: 697 (655-1198) vs 687 (657-1075), ratio 1.02 (0.97-1.11). On CPU both do the
+  same matmuls (the blocked Gram product is slower there); torch.profiler puts the rest in
+  element-wise passes over the stacked ``(B, m, n)`` tensors and the check that the gradients
+  are unchanged since the sample's exit.
 """
 
 from __future__ import annotations
@@ -61,8 +79,6 @@ SETTINGS = dict(
     precondition_frequency=10,
 )
 
-FIGURES = """(filled in from the measured run; see the module docstring)"""
-
 
 def block_shapes(width: int, blocks: int = 1) -> list[tuple[int, int]]:
     """The four matrices of a GPT-2 block (attention in/out, MLP in/out), ``blocks`` times."""
@@ -93,8 +109,8 @@ class NaiveEVON:
     ``δ Q_Lᵀ M Q_R`` (2), ``Δ = Q_L U Q_Rᵀ`` (2), ``G Gᵀ`` and ``Gᵀ G`` (2); every ``f`` updates
     (all matrices at ``t % f == 0``) ``qr(L Q_L)``, ``qr(R Q_R)`` (1 each + QR) and ``Ḡ``
     unrotated with the old bases and rotated with the new ones (4). The first step only forms
-    ``L``, ``R`` and their ``eigh`` bases (descending order). Element-wise ops as written.
-    """
+    ``L``, ``R`` and their ``eigh`` bases (descending order). Element-wise ops as written;
+    the update is clipped element-wise (``clip="element"``) or not (``"none"``)."""
 
     def __init__(self, params: list[Tensor], *, seed: int = 0, **hp: float) -> None:
         self.params = params

@@ -313,7 +313,9 @@ class EVON(Optimizer):
         max_precond_dim: a side larger than this keeps the identity basis.
         shampoo_beta: β3 for the statistics L and R (default: β2).
         hess_clip_ratio: γ of the adaptive Hessian clipping (None: off).
-        clip: update clipping: "none" (the pure algorithm), "element" (|Δ_ij| ≤ radius),
+        clip: update clipping: "none" (the pure algorithm; it also keeps the prior term's rotated
+            mean between steps: one more m×n float per matrix, two fewer matmuls per step),
+            "element" (|Δ_ij| ≤ radius),
             "spectral" (singular values ≤ radius) or "whiten" (Newton–Schulz, as Muon).
         clip_radius: the radius for "element" and "spectral".
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
