@@ -41,7 +41,9 @@ pytorch_optimizer not installed there, so no SOAP row):
   product for the statistics.
 * ms per step, 24 matrices (6 blocks, width 256), 6 interleaved cycles, median (min-max):
   hf-evon 993 (760-1497) vs naive 848 (651-1182), per-cycle ratio 1.17 (1.09-1.29);
-  ``clip="none"``: 697 (655-1198) vs 687 (657-1075), ratio 1.02 (0.97-1.11). On CPU both do the
+  ``clip="none"``: 697 (655-1198) vs 687 (657-1075), ratio 1.02 (0.97-1.11). A quieter rerun
+  (``--repeats 4``): 736 (721-744) vs 667 (664-672), ratio 1.105 (1.074-1.114); the code before
+  this benchmark existed (commit 23373aa) gave 1.096 (1.083-1.132) the same way. On CPU both do the
   same matmuls (the blocked Gram product is slower there); torch.profiler puts the rest in
   element-wise passes over the stacked ``(B, m, n)`` tensors and the check that the gradients
   are unchanged since the sample's exit.
