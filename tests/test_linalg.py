@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from hf_evon.optim.linalg import cholesky_qr, eigenbasis, power_qr
+from hf_evon.optim.linalg import GRAM_MIN_BLOCK, cholesky_qr, eigenbasis, gram, power_qr
 
 F64 = torch.float64
 
@@ -128,3 +128,35 @@ def test_an_ascending_basis_drifts_off_the_eigenvectors_under_the_refresh() -> N
     for _ in range(20):
         q = power_qr(stat.unsqueeze(0), q.unsqueeze(0))[0]
     assert float(column_angles(q, ascending).max()) == pytest.approx(math.pi / 2, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("shape", "levels"),
+    [
+        ((2, 8 * GRAM_MIN_BLOCK, 24), 3),  # halved three times
+        ((3, 2 * GRAM_MIN_BLOCK + 2, 5), 1),  # one level, then odd halves stop it
+        ((1, 2 * GRAM_MIN_BLOCK - 2, 9), 0),  # halves below the minimum block: a plain matmul
+        ((2, 3, 5), 0),
+    ],
+)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gram_is_x_xt_with_the_symmetric_savings(
+    shape: tuple[int, int, int], levels: int, transposed: bool
+) -> None:
+    """``gram(X) = X Xᵀ`` (float64, to rounding), exactly symmetric, with the multiply-adds of
+    ``levels`` halvings: ``1/2 + 2^-(levels+1)`` of ``X @ X.mT`` (FlopCounterMode's count)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen, dtype=F64)
+    if transposed:  # the R side passes Gᵀ, a non-contiguous view
+        x = torch.randn(shape[0], shape[2], shape[1], generator=gen, dtype=F64).mT
+    counter = FlopCounterMode(display=False)
+    with counter:
+        g = gram(x, blocked=True)  # the accelerators' path (CPU uses one matmul by default)
+    expected = x @ x.mT
+    torch.testing.assert_close(g, expected, rtol=1e-13, atol=1e-13 * float(expected.abs().max()))
+    assert torch.equal(g, g.mT)
+    b, m, k = x.shape
+    assert counter.get_total_flops() == 2 * b * m * m * k * (0.5 + 2.0 ** -(levels + 1))
+    torch.testing.assert_close(gram(x, blocked=False), expected, rtol=0, atol=0)

@@ -36,7 +36,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _functional_adam
 
-from .linalg import clip_update, eigenbasis, power_qr, rotate, sample_perturbation, unrotate
+from .linalg import clip_update, eigenbasis, gram, power_qr, rotate, sample_perturbation, unrotate
 
 Tensor = torch.Tensor
 
@@ -183,6 +183,10 @@ class _Bucket:
     live: list[int] | None = None  # members a sample perturbs (None: all; frozen ones are left alone)
     exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
     rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
+    # Q_Lᵀ M Q_R of the current weights, kept up to date by step() where that is exact (see
+    # ``EVON._rotated_mean``), with each weight's (version, data_ptr) when it was last valid
+    rotated_mean: Tensor | None = None
+    mean_stamps: list[tuple[int, int]] | None = None
 
     @property
     def preconditioned(self) -> bool:
@@ -199,15 +203,28 @@ class _Bucket:
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
 
+    def stacked(self, tensors: list[Tensor]) -> Tensor:
+        """Stack per-parameter tensors as ``(B, m, n)``, their dtype kept (one copy).
+
+        Called under ``no_grad``: no ``detach``, and no ``reshape`` of a tensor that is already
+        ``m×n``, so the aten ops of a step do not grow with the number of parameters."""
+        mn = (self.m, self.n)
+        return torch.stack([x if x.shape == mn else x.reshape(mn) for x in tensors])
+
     def matrices(self, tensors: list[Tensor | None]) -> Tensor:
         """Stack per-parameter tensors as ``(B, m, n)`` in the state dtype (None -> zeros)."""
         shaped = [
-            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype)
-            if x is None
-            else x.reshape(self.m, self.n)
+            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype) if x is None else x
             for x in tensors
         ]
-        return torch.stack(shaped).to(self.dtype)
+        out = self.stacked(shaped)
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
+    def unstacked(self, values: Tensor, idx: Iterable[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """``(params, values in each parameter's own shape)`` for the listed members (one unbind)."""
+        rows = values.unbind(0)
+        pairs = [(self.params[i], rows[i]) for i in idx]
+        return [p for p, _ in pairs], [v if v.shape == p.shape else v.reshape(p.shape) for p, v in pairs]
 
     def grads(self) -> Tensor:
         return self.matrices([p.grad for p in self.params])
@@ -222,10 +239,28 @@ class _Bucket:
     def write_params(self, values: Tensor, members: list[int] | None = None) -> None:
         """Copy ``values[i]`` into member ``i`` (all members, or those listed)."""
         idx = range(len(self.params)) if members is None else members
-        # detach() shares the version counter: autograd notices a graph used across a swap;
-        # copy_ into the parameter's own shape works for any memory layout (channels_last)
-        targets = [self.params[i].detach() for i in idx]
-        torch._foreach_copy_(targets, [values[i].reshape(t.shape) for i, t in zip(idx, targets)])
+        # in place into the parameters themselves (callers hold no_grad): the version counter
+        # moves, so autograd notices a graph used across a swap; copy_ into the parameter's
+        # own shape works for any memory layout (channels_last)
+        fresh = self.rotated_mean_valid()
+        torch._foreach_copy_(*self.unstacked(values, idx))
+        if fresh:  # our own write (a sample in, the mean back out): the rotated mean stays valid
+            self.stamp_mean()
+
+    def stamp_mean(self) -> None:
+        """Record the weights' versions: ``rotated_mean`` is the rotation of the weights as now."""
+        self.mean_stamps = [(p._version, p.data_ptr()) for p in self.params]
+
+    def rotated_mean_valid(self) -> bool:
+        """Whether ``rotated_mean`` is the rotation of the weights as they are now: nothing but
+        this optimizer wrote them since (in-place writes bump a tensor's version; assigning
+        ``.data`` moves its storage; only in-place writes through ``.data`` go unseen)."""
+        stamps = self.mean_stamps
+        return (
+            self.rotated_mean is not None
+            and stamps is not None
+            and all(s == (p._version, p.data_ptr()) for s, p in zip(stamps, self.params))
+        )
 
     def subset(self, members: list[int]) -> _Bucket:
         """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
@@ -310,7 +345,9 @@ class EVON(Optimizer):
         max_precond_dim: a side larger than this keeps the identity basis.
         shampoo_beta: β3 for the statistics L and R (default: β2).
         hess_clip_ratio: γ of the adaptive Hessian clipping (None: off).
-        clip: update clipping: "none" (the pure algorithm), "element" (|Δ_ij| ≤ radius),
+        clip: update clipping: "none" (the pure algorithm; it also keeps the prior term's rotated
+            mean between steps: one more m×n float per matrix, two fewer matmuls per step),
+            "element" (|Δ_ij| ≤ radius),
             "spectral" (singular values ≤ radius) or "whiten" (Newton–Schulz, as Muon).
         clip_radius: the radius for "element" and "spectral".
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
@@ -726,7 +763,7 @@ class EVON(Optimizer):
         b.live = None if len(live) == len(b.params) else live
         g = b.group
         device = b.params[0].device
-        b.mean = torch.stack([p.detach().reshape(b.m, b.n) for p in b.params])  # exact copy
+        b.mean = b.stacked(b.params)  # exact copy, in the parameters' dtype
         z = torch.randn(
             len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype
         )
@@ -987,17 +1024,22 @@ class EVON(Optimizer):
         exp_avg = st["exp_avg"]
         exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
         numer = exp_avg / (1 - beta1**t)
-        if delta != 0.0:
-            mean = b.matrices([p.detach() for p in b.params])
-            numer.add_(rotate(mean, q_left, q_right), alpha=delta)
-        update = clip_update(unrotate(numer.div_(hess + delta), q_left, q_right), g["clip"], g["clip_radius"])
-        update = update.to(b.params[0].dtype)
+        track = self._tracks_rotated_mean(plan)
+        mean_rot = self._rotated_mean(b, track) if delta != 0.0 else None
+        if mean_rot is not None:
+            numer.add_(mean_rot, alpha=delta)
+        step_rot = numer.div_(hess + delta)  # U, in the eigenbasis
+        update = clip_update(unrotate(step_rot, q_left, q_right), g["clip"], g["clip_radius"])
+        if update.dtype != b.params[0].dtype:
+            update = update.to(b.params[0].dtype)
         # added in each parameter's own shape: works for any memory layout (channels_last)
-        torch._foreach_add_(
-            [p.data for p in b.params],
-            [u.reshape(p.shape) for u, p in zip(update.unbind(0), b.params)],
-            alpha=-g["lr"],
-        )
+        torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
+        if track and mean_rot is not None:
+            # unclipped: M - αΔ rotates to Q_Lᵀ M Q_R - αU exactly (Q orthonormal), no matmul
+            b.rotated_mean = mean_rot.sub_(step_rot, alpha=g["lr"])
+            b.stamp_mean()
+        else:
+            plan.bucket.rotated_mean = b.rotated_mean = None
 
         if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
             self._update_statistics(b, grad, beta3)
@@ -1011,13 +1053,39 @@ class EVON(Optimizer):
             plan.bucket.scatter(b, plan.members)
 
     @staticmethod
+    def _tracks_rotated_mean(plan: _Plan) -> bool:
+        """Whether this step can carry ``Q_Lᵀ M Q_R`` over to the next one without a rotation.
+
+        Exact when the update is not clipped (``clip="none"``: ``M - αΔ`` rotates to
+        ``Q_Lᵀ M Q_R - αU``) and the weights hold exactly what the optimizer computes (their
+        dtype is the state's: a bfloat16 model rounds M each step). Costs one ``m×n`` float
+        tensor per matrix; saves the prior term's two matmuls per step. The whole bucket must
+        step (members without a gradient would need their own bookkeeping).
+        """
+        b = plan.work
+        return (
+            plan.members is None
+            and b.preconditioned
+            and b.group["clip"] == "none"
+            and b.group["weight_decay"] != 0.0
+            and b.params[0].dtype == b.dtype
+        )
+
+    @staticmethod
+    def _rotated_mean(b: _Bucket, track: bool) -> Tensor:
+        """``Q_Lᵀ M Q_R``: the tracked one when it is still the weights' rotation, else rotated now."""
+        if track and b.rotated_mean_valid():
+            return b.rotated_mean
+        return rotate(b.matrices(b.params), *b.bases())
+
+    @staticmethod
     def _update_statistics(b: _Bucket, grad: Tensor, beta3: float) -> None:
         st = b.state
         if b.left:
-            gg = grad @ grad.mT
+            gg = gram(grad)
             st["L"] = st["L"].mul_(beta3).add_(gg, alpha=1 - beta3) if "L" in st else gg.mul_(1 - beta3)
         if b.right:
-            gg = grad.mT @ grad
+            gg = gram(grad.mT)
             st["R"] = st["R"].mul_(beta3).add_(gg, alpha=1 - beta3) if "R" in st else gg.mul_(1 - beta3)
 
     def _refresh_bases(self, b: _Bucket, members: list[int] | None) -> None:
@@ -1033,6 +1101,9 @@ class EVON(Optimizer):
         for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
             if value is not None:
                 st[key][idx] = value
+        if b.rotated_mean is not None:  # the refreshed members' weights, in their new bases
+            listed = range(len(b.params)) if members is None else members
+            b.rotated_mean[idx] = rotate(b.matrices([b.params[i] for i in listed]), new_left, new_right)
 
     def _point_state_views(self, b: _Bucket, keys: tuple[str, ...]) -> None:
         for i, p in enumerate(b.params):
