@@ -128,3 +128,19 @@ def test_an_ascending_basis_drifts_off_the_eigenvectors_under_the_refresh() -> N
     for _ in range(20):
         q = power_qr(stat.unsqueeze(0), q.unsqueeze(0))[0]
     assert float(column_angles(q, ascending).max()) == pytest.approx(math.pi / 2, abs=1e-6)
+
+
+def test_eigenbasis_signs_do_not_depend_on_the_solver() -> None:
+    """Each column's largest entry is positive, so a basis is a function of L alone: the same L
+    (up to rounding, e.g. gradients averaged over ranks in another order) gives the same noise.
+    ``eigh`` alone returns columns of either sign (about half negative here)."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(16, 8, 12, generator=gen, dtype=torch.float64)
+    stat = g @ g.mT
+    q = eigenbasis(stat)
+    top = torch.gather(q, -2, q.abs().argmax(dim=-2, keepdim=True))
+    assert bool((top > 0).all())
+    evals = torch.linalg.eigvalsh(stat).flip(-1)
+    torch.testing.assert_close(q.mT @ stat @ q, torch.diag_embed(evals), atol=1e-10, rtol=0)
+    raw = torch.linalg.eigh(stat).eigenvectors.flip(-1)
+    assert bool((torch.gather(raw, -2, raw.abs().argmax(dim=-2, keepdim=True)) < 0).any())
