@@ -191,3 +191,42 @@ def test_single_process_shard_keeps_everything_and_cannot_be_undone() -> None:
     assert optimizer_state_bytes(opt) == opt.sharding.state_bytes_expected() + 4 * len(opt.buckets)
     with pytest.raises(ValueError, match="shard=True"):
         prepare_distributed(model, opt)
+
+
+# ---------------------------------------------------------------------------- EVONTrainer
+TRAINER_WORKER = os.path.join(HERE, "sharded_trainer_worker.py")
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+    out = {}
+    for world in (1, 2):
+        d = str(tmp_path_factory.mktemp(f"trainer{world}"))
+        launch(world, d, TRAINER_WORKER)
+        out[world] = (d, [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)])
+    return out
+
+
+def test_trainer_two_ranks_equal_one_process_and_resume_exactly(trainer_runs) -> None:
+    (_, (ref,)), (_, ranks) = trainer_runs[1], trainer_runs[2]
+    for r in ranks:
+        assert _max_rel(ref["weights"], r["weights"]) <= 1e-6
+        assert all(
+            torch.equal(r["weights"][k], r["resumed"][k]) for k in r["weights"]
+        )  # resume_from_checkpoint
+        assert all(torch.equal(ranks[0]["weights"][k], r["weights"][k]) for k in r["weights"])
+    assert all(torch.equal(ref["weights"][k], ref["resumed"][k]) for k in ref["weights"])
+
+
+def test_trainer_checkpoint_holds_the_unsharded_state_and_posterior(trainer_runs) -> None:
+    ckpt = {w: os.path.join(trainer_runs[w][0], "first", "checkpoint-2") for w in (1, 2)}
+    one, two = (torch.load(os.path.join(ckpt[w], "optimizer.pt"), weights_only=True) for w in (1, 2))
+    assert one["state"].keys() == two["state"].keys() and len(one["state"]) == 16
+    for i, st in one["state"].items():
+        assert st.keys() == two["state"][i].keys()
+        for k, v in st.items():
+            torch.testing.assert_close(two["state"][i][k].to(v.device), v, rtol=1e-6, atol=1e-12)
+    a, b = (EVONPosterior.from_pretrained(ckpt[w]).to_tensors() for w in (1, 2))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-12)

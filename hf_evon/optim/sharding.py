@@ -120,6 +120,8 @@ class EVONSharding:
         self._means: list[tuple[Tensor, Tensor]] = []  # non-owned sampled params' means
         self._averager: Any = None
         self._factors: dict[int, dict[str, Any]] | None = None  # gathered posterior factors
+        self._state: dict[int, Any] | None = None  # gathered state_dict()["state"]
+        # both caches hold until the state changes (step, load): see prefetch()
 
     # ------------------------------------------------------------- ownership
     def owns(self, p: Tensor) -> bool:
@@ -214,8 +216,8 @@ class EVONSharding:
             self.averager([t for t in tensors if t is not None])
 
     def after_step(self) -> None:
-        """Owners' new weights to every rank; cached gathered factors are stale now."""
-        self._factors = None
+        """Owners' new weights to every rank; gathered factors and state are stale now."""
+        self._factors = self._state = None
         with torch.no_grad():
             self._broadcast_from_owners(self.params)
 
@@ -237,21 +239,32 @@ class EVONSharding:
         return out
 
     def full_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
-        """The local ``state_dict`` with every rank's entries (a collective; CPU copies)."""
-        local = {k: _cpu_copy(v) for k, v in sd["state"].items()}
-        merged: dict[int, Any] = {}
-        for part in self._gather_objects(local):
-            merged.update(part)
-        sd = dict(sd)
-        sd["state"] = dict(sorted(merged.items()))
-        return sd
+        """The local ``state_dict`` with every rank's entries (a collective unless
+        :meth:`prefetch` gathered them since the last step; CPU copies)."""
+        if self._state is None:
+            local = {k: _cpu_copy(v) for k, v in sd["state"].items()}
+            merged: dict[int, Any] = {}
+            for part in self._gather_objects(local):
+                merged.update(part)
+            self._state = dict(sorted(merged.items()))
+        return {**sd, "state": self._state}
+
+    def prefetch(self) -> None:
+        """Gather the full state and every posterior factor now, on every rank (a collective).
+
+        Why: the Trainer saves the optimizer and the posterior from rank 0 only; after this,
+        ``state_dict()`` and ``EVONPosterior.from_optimizer`` need no collective until the next
+        step, so rank-0-only code cannot hang waiting for the other ranks.
+        """
+        self.optimizer.state_dict()
+        self.gather_factors()
 
     def local_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         """A full ``state_dict`` cut to the entries of the parameters this rank owns."""
         ids = [i for g in sd["param_groups"] for i in g["params"]]
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         keep = {i for i, p in zip(ids, params) if self.owns(p)}
-        self._factors = None
+        self._factors = self._state = None
         return {**sd, "state": {k: v for k, v in sd["state"].items() if k in keep}}
 
     def drop_foreign_state(self) -> None:
@@ -260,10 +273,13 @@ class EVONSharding:
         for p in [p for p in opt.state if not self.owns(p)]:
             del opt.state[p]
         opt._buckets = None
+        self._factors = self._state = None
 
     def gather_factors(self) -> None:
         """Fetch every matrix's posterior factors to every rank (a collective): after this,
         ``posterior_factors`` answers for matrices other ranks own, until the next step."""
+        if self._factors is not None:
+            return
         opt = self.optimizer
         local = {}
         for p in self.params:
