@@ -38,6 +38,10 @@ Mistakes are reported, not silently trained through: forgetting this call makes 
 while DDP still averages is detected at the first noisy steps; ranks that disagree on which
 gradients exist raise instead of hanging.
 
+To shard EVON's own state and work over the ranks (per-rank state and optimizer FLOPs
+~1/world), pass ``shard=True`` (:mod:`hf_evon.optim.sharding`; the Trainer's
+``EVONConfig(evon_shard=True)``).
+
 FSDP (v1 ``FullyShardedDataParallel`` and FSDP2 ``fully_shard``), DTensor-sharded parameters
 and DeepSpeed are **not supported**: EVON's eigenbasis is per whole weight matrix, and a rank
 holding a shard (or a flattened 1-D view) would silently train a different, wrong posterior.
@@ -173,7 +177,8 @@ def check_supported_parallelism(model: nn.Module) -> None:
     """
     hint = (
         "EVON needs every rank to hold whole weight matrices; use plain DDP (`accelerate launch` without "
-        "an FSDP/DeepSpeed config) instead"
+        "an FSDP/DeepSpeed config) instead, with hf_evon.prepare_distributed(model, optimizer, shard=True) "
+        "(EVONConfig(evon_shard=True)) to shard EVON's state and work over the ranks"
     )
     chain = _module_chain(model)
     if any(type(m).__name__ == "DeepSpeedEngine" for m in chain):
@@ -199,8 +204,11 @@ def check_supported_parallelism(model: nn.Module) -> None:
                     f"EVON cannot run under FSDP (module {name or type(mod).__name__!r} is FullyShardedDataParallel): {hint}"
                 )
             if isinstance(mod, FSDPModule):
+                sharded = next((n for n, p in mod.named_parameters() if isinstance(p, DTensor)), None)
+                what = f", e.g. parameter {sharded!r} is a DTensor shard" if sharded else ""
                 raise UnsupportedParallelismError(
-                    f"EVON cannot run under FSDP2 (module {name or type(mod).__name__!r} was fully_shard()-ed): {hint}"
+                    f"EVON cannot run under FSDP2 (module {name or type(mod).__name__!r} was fully_shard()-ed"
+                    f"{what}): {hint}"
                 )
         for name, p in root.named_parameters():
             if isinstance(p, DTensor):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
+from hf_evon import EVONPosterior, build_optimizer, check_ranks_in_sync, prepare_distributed
 from hf_evon.optim.sharding import optimizer_state_bytes
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 6, 3, 12
@@ -41,9 +41,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(GLOBAL_BATCH, 8, generator=gen, dtype=torch.float64)
 
 
-def make(world: int):
+def make(world: int, frozen: str | None = None):
     model = tiny_model()
     opt = build_optimizer(model, adamw_patterns=[r"^14\."], **HP)  # the last Linear: AdamW
+    if frozen is not None:  # frozen after the optimizer took it: a bucket member without gradient
+        model.get_parameter(frozen).requires_grad_(False)
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     handle = prepare_distributed(ddp, opt, shard=True)
     return model, ddp, handle
@@ -108,6 +110,13 @@ def main(out: str) -> None:
     train(model2, ddp2, opt2, RESUME_AT, STEPS, rank, world)
     result["resumed"] = {k: v.detach().clone() for k, v in model2.state_dict().items()}
     result["resumed_state"] = opt2.state_dict()
+    check_ranks_in_sync(ddp2, opt2)
+
+    # a frozen EVON matrix in the optimizer: never perturbed, never updated
+    model3, ddp3, opt3 = make(world, frozen="6.weight")
+    frozen: list = []
+    train(model3, ddp3, opt3, 0, 3, rank, world, frozen)
+    result["frozen"] = frozen
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -230,3 +230,14 @@ def test_trainer_checkpoint_holds_the_unsharded_state_and_posterior(trainer_runs
     assert a.keys() == b.keys() and a
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_frozen_matrix_stays_put_and_the_rest_equals_one_process(runs, world: int) -> None:
+    ref = runs[1][1][0]["frozen"]
+    start = worker.tiny_model().state_dict()["6.weight"]
+    for r in runs[world][1]:
+        for a, b in zip(ref, r["frozen"]):
+            assert _max_rel(a, b) <= 1e-6
+            assert torch.equal(b["6.weight"], start)
+    assert not torch.equal(ref[-1]["4.weight"], worker.tiny_model().state_dict()["4.weight"])
