@@ -79,9 +79,10 @@ def main(out: str) -> None:
     evon = first.evon_optimizer
     assert evon.sharding is not None and evon.sharding.world == world
     weights = {n: p.detach().clone() for n, p in first.model.named_parameters()}
+    stats = first.posterior_statistics()  # every rank: it pools the ranks' shares
     resumed = run(os.path.join(out, "resumed"), world, resume=os.path.join(out, "first", "checkpoint-2"))
     again = {n: p.detach().clone() for n, p in resumed.model.named_parameters()}
-    torch.save({"weights": weights, "resumed": again}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save({"weights": weights, "resumed": again, "stats": stats}, os.path.join(out, f"rank{rank}.pt"))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

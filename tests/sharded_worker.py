@@ -98,6 +98,7 @@ def main(out: str) -> None:
         "state_bytes_expected": opt.sharding.state_bytes_expected(),
         "owned": [opt.sharding.owns(p) for g in opt.param_groups for p in g["params"]],
         "full_state": final_state,
+        "health": opt.posterior_health(warn=False),  # every rank: it pools the ranks' shares
     }
     posterior = EVONPosterior.from_optimizer(opt, model)  # every rank: it gathers
     if rank == 0:

@@ -241,3 +241,22 @@ def test_a_frozen_matrix_stays_put_and_the_rest_equals_one_process(runs, world: 
             assert _max_rel(a, b) <= 1e-6
             assert torch.equal(b["6.weight"], start)
     assert not torch.equal(ref[-1]["4.weight"], worker.tiny_model().state_dict()["4.weight"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_health_statistics_pool_every_ranks_share(runs, world: int) -> None:
+    ref = runs[1][1][0]["health"]
+    assert ref and "noise_to_signal" in ref
+    for r in runs[world][1]:
+        assert r["health"].keys() == ref.keys()
+        for k, v in ref.items():
+            assert r["health"][k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_trainer_logged_statistics_pool_every_ranks_share(trainer_runs) -> None:
+    ref = trainer_runs[1][1][0]["stats"]
+    assert "evon/hess_mean" in ref and "evon/noise_to_signal" in ref
+    for r in trainer_runs[2][1]:
+        assert r["stats"].keys() == ref.keys()
+        for k, v in ref.items():
+            assert r["stats"][k] == pytest.approx(v, rel=1e-6, abs=1e-12), k

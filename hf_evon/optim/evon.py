@@ -1110,9 +1110,11 @@ class EVON(Optimizer):
             ]
             rows.append(torch.stack([x.double() for x in (*row, ratio.max())]))
             numel += hess.numel()
-        if not rows:
+        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 7)  # one sync
+        if self.sharding is not None:  # every rank's matrices, not only this rank's share
+            t, numel = self.sharding.pool_rows(t, numel)
+        if not len(t):
             return {}
-        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu()  # the one host sync
         stats = {
             "noise_to_signal": float((t[:, 0].sum() / t[:, 1].sum().clamp_min(1e-300)).sqrt()),
             "noise_to_signal_max": float(t[:, 6].max()),

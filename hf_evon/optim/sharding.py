@@ -230,6 +230,12 @@ class EVONSharding:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag.item()) == 0
 
+    def pool_rows(self, rows: Tensor, count: int) -> tuple[Tensor, int]:
+        """Every rank's per-bucket statistics rows (CPU) and element counts, pooled (a
+        collective): health checks and logs describe the whole posterior, not one share."""
+        parts = self._gather_objects((rows.double(), int(count)))
+        return torch.cat([r for r, _ in parts]), sum(c for _, c in parts)
+
     # ------------------------------------------------------------- state
     def _gather_objects(self, obj: Any) -> list[Any]:
         if self.world == 1:

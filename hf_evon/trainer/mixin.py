@@ -475,7 +475,7 @@ class EVONTrainerMixin:
         if optimizer is None:
             return {}
         buckets = optimizer.buckets
-        if not buckets:
+        if not buckets and optimizer.sharding is None:
             return {}
         rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
         count = 0
@@ -489,7 +489,11 @@ class EVONTrainerMixin:
                 std_sum = std.clamp_min(0).sqrt().double().sum()
             rows.append(torch.stack([hess.min().double(), hess.max().double(), hess.double().sum(), std_sum]))
             count += hess.numel()
-        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu()
+        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 4)
+        if optimizer.sharding is not None:  # sharded: pool every rank's matrices (a collective)
+            t, count = optimizer.sharding.pool_rows(t, count)
+        if not len(t):
+            return {}
         h_min, h_max = float(t[:, 0].min()), float(t[:, 1].max())
         h_sum, std_sum = t[:, 2].tolist(), t[:, 3].tolist()
         health = {f"evon/{k}": v for k, v in optimizer.posterior_health(warn=True).items()}
