@@ -118,6 +118,7 @@ class EVONSharding:
         owners = assign_owners(costs, self.world)
         self.owner: dict[int, int] = {id(p): r for p, r in zip(self.params, owners)}
         self._means: list[tuple[Tensor, Tensor]] = []  # non-owned sampled params' means
+        self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per matrix
         self._averager: Any = None
         self._factors: dict[int, dict[str, Any]] | None = None  # gathered posterior factors
         self._state: dict[int, Any] | None = None  # gathered state_dict()["state"]
@@ -138,10 +139,9 @@ class EVONSharding:
         """``z`` for the bucket's members, each from its own matrix's stream (world-independent)."""
         device = b.params[0].device
         opt = self.optimizer
-        gen = opt._generators.get(("matrix", device))
+        gen = self._generators.get(device)
         if gen is None:
-            gen = torch.Generator(device=device)
-            opt._generators[("matrix", device)] = gen  # type: ignore[index]
+            gen = self._generators[device] = torch.Generator(device=device)
         out = torch.empty(len(b.params), b.m, b.n, device=device, dtype=b.dtype)
         for i, p in enumerate(b.params):
             gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], opt._sample_blocks))
