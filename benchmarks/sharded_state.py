@@ -13,7 +13,7 @@ Usage: ``python benchmarks/sharded_state.py [--dim 128 --layers 4 --steps 6]``.
 
 Measured on the 2-core CPU dev machine (shared: load average 4-6 from other jobs, so the
 times are rough), ``python benchmarks/sharded_state.py --steps 8`` (4 layers of d = 128:
-7.08M EVON-covered weights, float32; optimizer ms = max over ranks, mean of 6 timed steps):
+0.79M EVON-covered weights, float32, ~36 state bytes each; optimizer ms = max over ranks, mean of 6 timed steps):
 
 | world | sharded state / rank (MB) | sum over ranks (MB) | ratio to total/world | sharded optimizer ms / step | unsharded state / rank (MB) | unsharded optimizer ms / step |
 |---|---|---|---|---|---|---|
