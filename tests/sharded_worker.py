@@ -88,6 +88,8 @@ def main(out: str) -> None:
     samples: list = []
     train(model, ddp, opt, 0, RESUME_AT, rank, world, trace, samples)
     checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+    if rank == 0:
+        torch.save(checkpoint, os.path.join(out, "checkpoint.pt"))
     train(model, ddp, opt, RESUME_AT, STEPS, rank, world, trace)
     final_state = opt.state_dict()
     result = {

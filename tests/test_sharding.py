@@ -260,3 +260,18 @@ def test_trainer_logged_statistics_pool_every_ranks_share(trainer_runs) -> None:
         assert r["stats"].keys() == ref.keys()
         for k, v in ref.items():
             assert r["stats"][k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sharded_checkpoint_resumes_in_one_process(runs, world: int) -> None:
+    """The gathered checkpoint is world-size independent: one process continues it like the
+    one-process run (the unsharded format, so an unsharded EVON loads it too)."""
+    ckpt = torch.load(os.path.join(runs[world][0], "checkpoint.pt"), weights_only=True)
+    model, ddp, opt = worker.make(1)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+    worker.train(model, ddp, opt, worker.RESUME_AT, worker.STEPS, 0, 1)
+    assert _max_rel(runs[1][1][0]["trace"][-1], model.state_dict()) <= 1e-6
+    plain = build_optimizer(worker.tiny_model(), adamw_patterns=[r"^14\."], **worker.HP)
+    plain.load_state_dict(ckpt["optim"])
+    assert len(plain.state) == 16
