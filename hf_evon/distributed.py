@@ -38,6 +38,10 @@ Mistakes are reported, not silently trained through: forgetting this call makes 
 while DDP still averages is detected at the first noisy steps; ranks that disagree on which
 gradients exist raise instead of hanging.
 
+To shard EVON's own state and work over the ranks (per-rank state and optimizer FLOPs
+~1/world), pass ``shard=True`` (:mod:`hf_evon.optim.sharding`; the Trainer's
+``EVONConfig(evon_shard=True)``).
+
 FSDP (v1 ``FullyShardedDataParallel`` and FSDP2 ``fully_shard``), DTensor-sharded parameters
 and DeepSpeed are **not supported**: EVON's eigenbasis is per whole weight matrix, and a rank
 holding a shard (or a flattened 1-D view) would silently train a different, wrong posterior.
@@ -55,6 +59,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .optim.evon import EVON
+from .optim.sharding import EVONSharding
 
 Tensor = torch.Tensor
 
@@ -172,7 +177,8 @@ def check_supported_parallelism(model: nn.Module) -> None:
     """
     hint = (
         "EVON needs every rank to hold whole weight matrices; use plain DDP (`accelerate launch` without "
-        "an FSDP/DeepSpeed config) instead"
+        "an FSDP/DeepSpeed config) instead, with hf_evon.prepare_distributed(model, optimizer, shard=True) "
+        "(EVONConfig(evon_shard=True)) to shard EVON's state and work over the ranks"
     )
     chain = _module_chain(model)
     if any(type(m).__name__ == "DeepSpeedEngine" for m in chain):
@@ -198,8 +204,11 @@ def check_supported_parallelism(model: nn.Module) -> None:
                     f"EVON cannot run under FSDP (module {name or type(mod).__name__!r} is FullyShardedDataParallel): {hint}"
                 )
             if isinstance(mod, FSDPModule):
+                sharded = next((n for n, p in mod.named_parameters() if isinstance(p, DTensor)), None)
+                what = f", e.g. parameter {sharded!r} is a DTensor shard" if sharded else ""
                 raise UnsupportedParallelismError(
-                    f"EVON cannot run under FSDP2 (module {name or type(mod).__name__!r} was fully_shard()-ed): {hint}"
+                    f"EVON cannot run under FSDP2 (module {name or type(mod).__name__!r} was fully_shard()-ed"
+                    f"{what}): {hint}"
                 )
         for name, p in root.named_parameters():
             if isinstance(p, DTensor):
@@ -360,6 +369,7 @@ def prepare_distributed(
     process_group: Any = None,
     bucket_cap_mb: float = 64.0,
     check_consistency: bool = True,
+    shard: bool = False,
 ) -> EVON | EVONHandle:
     """Make an EVON optimizer correct under data parallelism; call after ``accelerator.prepare``.
 
@@ -369,6 +379,12 @@ def prepare_distributed(
         process_group: the data-parallel group (default: the world).
         bucket_cap_mb: size bound of one flat all-reduce buffer.
         check_consistency: check every step that all ranks reduce the same tensors.
+        shard: each rank owns a cost-balanced share of the parameters, keeps only their state
+            and does only their maths; weights and posterior samples are exchanged (see
+            :mod:`hf_evon.optim.sharding`, also for its noise semantics: one posterior sample
+            shared by all ranks, one noise stream per matrix). Also valid in one process,
+            where it is the reference a sharded multi-process run equals. Call it before the
+            first ``step()``; ``state_dict()`` then becomes a collective (call it on every rank).
 
     Returns:
         ``optimizer`` itself (the same object), which now also answers EVON's API
@@ -398,11 +414,22 @@ def prepare_distributed(
                 "Remove the hook and call hf_evon.prepare_distributed right after accelerator.prepare()"
             ) from err
         setattr(ddp, _PREPARED_ATTR, True)
-    if _world_size(process_group) == 1:
-        return handle
+    world = _world_size(process_group)
     params = [p for g in evon.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
-    _sync_seed(evon, process_group, device)
+    if world > 1:
+        _sync_seed(evon, process_group, device)
+    if shard:
+        if evon.sharding is None:
+            evon.sharding = EVONSharding(evon, process_group)
+            evon.sharding.drop_foreign_state()
+        if world > 1:
+            evon.gradient_reducer = evon.sharding.reduce_gradients
+        return handle
+    if evon.sharding is not None:
+        raise ValueError("this EVON was prepared with shard=True already; it cannot be unsharded")
+    if world == 1:
+        return handle
     covered = {id(p) for d in ddps for p in d.parameters()}
     evon.gradient_reducer = RankAverager(
         group=process_group,
@@ -426,7 +453,8 @@ def check_ranks_in_sync(model: nn.Module, optimizer: Any, group: Any = None) -> 
         return
     evon = unwrap_optimizer(optimizer)
     named: list[tuple[str, Tensor]] = [(f"param {n}", p) for n, p in model.named_parameters()]
-    for gi, g in enumerate(evon.param_groups):
+    # sharded: each rank holds other state; the weights must still agree
+    for gi, g in enumerate(evon.param_groups if evon.sharding is None else []):
         for pi, p in enumerate(g["params"]):
             for k, v in sorted(evon.state.get(p, {}).items()):
                 if torch.is_tensor(v):

@@ -132,6 +132,9 @@ class EVONPosterior:
         """
         optimizer = _unwrap_optimizer(optimizer)
         model = _unwrap_model(model)
+        sharding = getattr(optimizer, "sharding", None)
+        if sharding is not None:  # sharded EVON: a collective, so every rank calls from_optimizer
+            sharding.gather_factors()
         named = list(model.named_parameters())
         names_by_id = {id(p): name for name, p in named}
         evon_groups = [g for g in optimizer.param_groups if g.get("algorithm", "evon") == "evon"]
@@ -169,7 +172,7 @@ class EVONPosterior:
             config["lr"], config["final_lr"] = first["initial_lr"], first["lr"]
         if "betas" in config:
             config["betas"] = tuple(config["betas"])
-        steps = [optimizer.state.get(p, {}).get("step") for _, p, _ in entries]
+        steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
         step = next((s for s in steps if s is not None), None)
         config["optimizer_step"] = (
             int(step.item() if torch.is_tensor(step) else step) if step is not None else 0

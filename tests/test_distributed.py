@@ -279,6 +279,8 @@ def test_fsdp_is_refused(ranks: list[dict]) -> None:
             r["error_fsdp2"]
             and r["error_fsdp2"].startswith("UnsupportedParallelismError")
             and "FSDP2" in r["error_fsdp2"]
+            and "parameter 'transformer." in r["error_fsdp2"]  # names a sharded parameter
+            and "shard=True" in r["error_fsdp2"]  # and what is supported
         )
 
 

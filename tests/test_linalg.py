@@ -160,3 +160,19 @@ def test_gram_is_x_xt_with_the_symmetric_savings(
     b, m, k = x.shape
     assert counter.get_total_flops() == 2 * b * m * m * k * (0.5 + 2.0 ** -(levels + 1))
     torch.testing.assert_close(gram(x, blocked=False), expected, rtol=0, atol=0)
+
+
+def test_eigenbasis_signs_do_not_depend_on_the_solver() -> None:
+    """Each column's largest entry is positive, so a basis is a function of L alone: the same L
+    (up to rounding, e.g. gradients averaged over ranks in another order) gives the same noise.
+    ``eigh`` alone returns columns of either sign (about half negative here)."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(16, 8, 12, generator=gen, dtype=torch.float64)
+    stat = g @ g.mT
+    q = eigenbasis(stat)
+    top = torch.gather(q, -2, q.abs().argmax(dim=-2, keepdim=True))
+    assert bool((top > 0).all())
+    evals = torch.linalg.eigvalsh(stat).flip(-1)
+    torch.testing.assert_close(q.mT @ stat @ q, torch.diag_embed(evals), atol=1e-10, rtol=0)
+    raw = torch.linalg.eigh(stat).eigenvectors.flip(-1)
+    assert bool((torch.gather(raw, -2, raw.abs().argmax(dim=-2, keepdim=True)) < 0).any())

@@ -125,6 +125,7 @@ EVON_FIELDS_CLI = {
     "evon_phased_gradients": ("true", True),
     "evon_identity_basis": ("true", True),
     "evon_stagger_refresh": ("false", False),
+    "evon_shard": ("true", True),
     "evon_seed": ("17", 17),
     "evon_nonfinite": ("raise", "raise"),
     "evon_adamw_learning_rate": ("0.0004", 0.0004),

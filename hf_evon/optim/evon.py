@@ -30,13 +30,16 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _functional_adam
 
 from .linalg import clip_update, eigenbasis, gram, power_qr, rotate, sample_perturbation, unrotate
+
+if TYPE_CHECKING:
+    from .sharding import EVONSharding
 
 Tensor = torch.Tensor
 
@@ -262,6 +265,19 @@ class _Bucket:
             and all(s == (p._version, p.data_ptr()) for s, p in zip(stamps, self.params))
         )
 
+    def subset_params(self, members: list[int]) -> _Bucket:
+        """A bucket of the listed members, before any state is stacked (sharding's filter)."""
+        return _Bucket(
+            self.group,
+            [self.params[i] for i in members],
+            self.m,
+            self.n,
+            self.left,
+            self.right,
+            self.dtype,
+            refresh_phase=[self.refresh_phase[i] for i in members],
+        )
+
     def subset(self, members: list[int]) -> _Bucket:
         """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
         idx = torch.tensor(members, device=self.state["hess"].device)
@@ -463,6 +479,9 @@ class EVON(Optimizer):
         # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
+        # set by hf_evon.prepare_distributed(shard=True): this rank owns (keeps state for, updates) a
+        # share of the parameters; see hf_evon.optim.sharding
+        self.sharding: EVONSharding | None = None
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ set-up
@@ -581,11 +600,15 @@ class EVON(Optimizer):
                 if key not in buckets:
                     buckets[key] = _Bucket(group, [], m, n, left, right, state_dtype(p))
                 buckets[key].params.append(p)
-        for b in buckets.values():
+        built = list(buckets.values())
+        self._assign_refresh_phases(built)  # over every member: the schedule is the same sharded or not
+        if self.sharding is not None:  # keep (and allocate state for) only this rank's members
+            built = [b.subset_params(self.sharding.owned_members(b)) for b in built]
+            built = [b for b in built if b.params]
+        for b in built:
             self._stack_state(b)
-        self._assign_refresh_phases(list(buckets.values()))
         self._resolve_auto_ess()
-        return list(buckets.values())
+        return built
 
     @torch.no_grad()
     def _resolve_auto_ess(self) -> None:
@@ -691,10 +714,14 @@ class EVON(Optimizer):
                         perturbed.append(b)  # before the draw: an error inside still restores it
                         if not self._perturb(b, train):
                             perturbed.pop()
+                if self.sharding is not None:
+                    self.sharding.share_sample()
             yield
             ok = True
         finally:
             with torch.no_grad():
+                if self.sharding is not None:
+                    self.sharding.end_sample(recorded=ok and train)
                 kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                 for b in perturbed:
                     if b.mean is not None:
@@ -762,11 +789,8 @@ class EVON(Optimizer):
             return False
         b.live = None if len(live) == len(b.params) else live
         g = b.group
-        device = b.params[0].device
         b.mean = b.stacked(b.params)  # exact copy, in the parameters' dtype
-        z = torch.randn(
-            len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype
-        )
+        z = self._standard_normal(b)
         q_left, q_right = b.bases() if b.initialized else (None, None)
         noise = sample_perturbation(z, b.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
         b.write_params(b.mean.to(b.dtype) + noise, b.live)
@@ -775,6 +799,13 @@ class EVON(Optimizer):
             if b.acc is None:
                 b.acc = torch.zeros_like(z)
         return True
+
+    def _standard_normal(self, b: _Bucket) -> Tensor:
+        """The bucket's draw ``z``: this rank's stream, or (sharded) one stream per matrix."""
+        if self.sharding is not None:
+            return self.sharding.standard_normal(b)
+        device = b.params[0].device
+        return torch.randn(len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype)
 
     def current_noise(self, p: Tensor) -> Tensor:
         """The rotated-space draw ``E`` (shaped m×n) of the sample now in ``p`` (for tests)."""
@@ -823,6 +854,8 @@ class EVON(Optimizer):
             self._evon_update(plan, num_samples)
         for gi, (params, g_list, states) in adamw.items():
             self._adamw_update(self.param_groups[gi], params, g_list, states)
+        if self.sharding is not None:
+            self.sharding.after_step()
         self._discard_samples()
         self._updates += 1
         if self.health_check_every and self._updates % self.health_check_every == 0:
@@ -871,6 +904,8 @@ class EVON(Optimizer):
             if group["algorithm"] != "adamw":
                 continue
             params = [p for p in group["params"] if p.grad is not None]
+            if self.sharding is not None:
+                params = [p for p in params if self.sharding.owns(p)]
             if not params:
                 continue
             g_list = [p.grad for p in params]
@@ -940,14 +975,15 @@ class EVON(Optimizer):
             checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
         reusable = [plan for plan in plans if plan.unchanged is not None]
         flags = checks + [plan.unchanged for plan in reusable]
-        if not flags:
-            return True
-        values = torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+        values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
         for plan, same in zip(reusable, values[len(checks) :]):
             plan.work.exit_grads = None  # compared; only the rotation may still be needed
             if not same:
                 plan.work.rotated_grads = None
-        if all(values[: len(checks)]):
+        finite = all(values[: len(checks)])
+        if self.sharding is not None:  # sharded: skip on every rank or on none
+            finite = self.sharding.all_ranks(finite)
+        if finite:
             return True
         msg = f"{self._first_nonfinite(plans, adamw)}; the step was skipped and the optimizer state is unchanged"
         if self.nonfinite == "raise":
@@ -1177,9 +1213,11 @@ class EVON(Optimizer):
             ]
             rows.append(torch.stack([x.double() for x in (*row, ratio.max())]))
             numel += hess.numel()
-        if not rows:
+        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 7)  # one sync
+        if self.sharding is not None:  # every rank's matrices, not only this rank's share
+            t, numel = self.sharding.pool_rows(t, numel)
+        if not len(t):
             return {}
-        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu()  # the one host sync
         stats = {
             "noise_to_signal": float((t[:, 0].sum() / t[:, 1].sum().clamp_min(1e-300)).sqrt()),
             "noise_to_signal_max": float(t[:, 6].max()),
@@ -1219,6 +1257,8 @@ class EVON(Optimizer):
 
     def posterior_factors(self, p: Tensor) -> dict[str, Any]:
         """``Q_L``, ``Q_R`` (None where identity), ``hess`` and the group's ess/weight decay."""
+        if self.sharding is not None and not self.sharding.owns(p):
+            return self.sharding.remote_factors(p)
         b, i = self._locate(p)
         q_left, q_right = b.bases() if b.initialized else (None, None)
         return {
@@ -1256,11 +1296,15 @@ class EVON(Optimizer):
             "sample_blocks": self._sample_blocks,
             "skipped_steps": self.skipped_steps,
         }
+        if self.sharding is not None:  # a collective: every rank gets the full, unsharded state
+            sd = self.sharding.full_state_dict(sd)
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop("evon", None)
+        if self.sharding is not None:  # a full state dict: keep this rank's part only
+            state_dict = self.sharding.local_state_dict(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter dtype; EVON state stays float32/64
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]

@@ -92,8 +92,13 @@ def eigenbasis(stat: Tensor) -> Tensor:
     The refresh ``QR(L·Q)`` is orthogonal iteration, whose stable fixed point has the columns in
     descending order; started from ``eigh``'s ascending order the columns drift off L's
     eigenvectors within a few refreshes even for a fixed L (SOAP and the paper sort descending).
+    Each column's largest-magnitude entry is made positive: ``eigh`` fixes signs arbitrarily, and
+    a rounding-level change of L (gradients averaged over ranks in another order) can flip
+    them, and with them every later noise draw (as ``power_qr`` fixes its signs too).
     """
-    return torch.linalg.eigh(stat).eigenvectors.flip(-1).contiguous()  # row-major, like reloaded state
+    q = torch.linalg.eigh(stat).eigenvectors.flip(-1)
+    signs = torch.gather(q, -2, q.abs().argmax(dim=-2, keepdim=True)).sign()
+    return (q * signs).contiguous()  # row-major, like reloaded state
 
 
 @contextlib.contextmanager

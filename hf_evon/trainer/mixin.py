@@ -52,7 +52,9 @@ What the trainer does differently from ``transformers.Trainer``:
   ``load_best_model_at_end`` the best checkpoint's posterior comes back with its weights.
 * **Data parallelism.** After the Trainer wraps the model, ``hf_evon.prepare_distributed`` makes
   EVON correct under DDP (per-rank noise, gradients and Hessian numerators averaged once per
-  step by ``EVON.synchronize``); FSDP and DeepSpeed are not supported.
+  step by ``EVON.synchronize``); FSDP and DeepSpeed are not supported. ``evon_shard=True``
+  shards EVON's state and work over the ranks (:mod:`hf_evon.optim.sharding`); checkpoints
+  and posteriors are gathered to the unsharded format first.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
@@ -348,8 +350,23 @@ class EVONTrainerMixin:
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
-            prepare_distributed(model, self.optimizer)
+            prepare_distributed(model, self.optimizer, shard=self.args.evon_shard)
         return model, train_dataloader
+
+    def _gather_sharded_state(self) -> None:
+        """With ``evon_shard``: gather the optimizer state and posterior on every rank, so the
+        Trainer's rank-0-only saving (``optimizer.pt``, the posterior) needs no collective."""
+        opt = self.evon_optimizer
+        if opt is not None and opt.sharding is not None:
+            opt.sharding.prefetch()
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        self._gather_sharded_state()
+        super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self._gather_sharded_state()
+        super().save_model(output_dir, _internal_call)
 
     # ------------------------------------------------------------------ training step
     def get_batch_samples(
@@ -477,7 +494,7 @@ class EVONTrainerMixin:
         if optimizer is None:
             return {}
         buckets = optimizer.buckets
-        if not buckets:
+        if not buckets and optimizer.sharding is None:
             return {}
         rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
         count = 0
@@ -491,7 +508,11 @@ class EVONTrainerMixin:
                 std_sum = std.clamp_min(0).sqrt().double().sum()
             rows.append(torch.stack([hess.min().double(), hess.max().double(), hess.double().sum(), std_sum]))
             count += hess.numel()
-        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu()
+        t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 4)
+        if optimizer.sharding is not None:  # sharded: pool every rank's matrices (a collective)
+            t, count = optimizer.sharding.pool_rows(t, count)
+        if not len(t):
+            return {}
         h_min, h_max = float(t[:, 0].min()), float(t[:, 1].max())
         h_sum, std_sum = t[:, 2].tolist(), t[:, 3].tolist()
         health = {f"evon/{k}": v for k, v in optimizer.posterior_health(warn=True).items()}

@@ -1,0 +1,129 @@
+"""Worker for tests/test_sharding.py: sharded EVON under DDP (gloo, CPU), any world size.
+
+Run by ``torch.distributed.run --nproc_per_node W sharded_worker.py OUT_DIR`` (W = 1 is the
+single-process reference). Every rank trains the same tiny float64 model on its rows of each
+step's global batch and saves what the test compares: the weights after every step, its
+state bytes, the full (gathered) state dict, a resumed run's weights and the posterior.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_evon import EVONPosterior, build_optimizer, check_ranks_in_sync, prepare_distributed
+from hf_evon.optim.sharding import optimizer_state_bytes
+
+STEPS, RESUME_AT, GLOBAL_BATCH = 6, 3, 12
+HP = dict(seed=7, mc_samples=2, precondition_frequency=2, adamw_lr=1e-2)
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    """Eight 8x8 matrices (balanced ownership; the 8th, "14.", trained by AdamW) and biases.
+
+    Square matrices and 12 rows per step keep every G Gᵀ full rank: a degenerate eigenspace
+    has no unique eigenbasis, and rounding alone would pick different ones in different runs.
+    """
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(GLOBAL_BATCH, 8, generator=gen, dtype=torch.float64)
+    return x, torch.randn(GLOBAL_BATCH, 8, generator=gen, dtype=torch.float64)
+
+
+def make(world: int, frozen: str | None = None):
+    model = tiny_model()
+    opt = build_optimizer(model, adamw_patterns=[r"^14\."], **HP)  # the last Linear: AdamW
+    if frozen is not None:  # frozen after the optimizer took it: a bucket member without gradient
+        model.get_parameter(frozen).requires_grad_(False)
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    handle = prepare_distributed(ddp, opt, shard=True)
+    return model, ddp, handle
+
+
+def train(
+    model,
+    ddp,
+    opt,
+    start: int,
+    stop: int,
+    rank: int,
+    world: int,
+    trace: list | None = None,
+    samples: list | None = None,
+) -> None:
+    rows = GLOBAL_BATCH // world
+    for step in range(start, stop):
+        x, y = batch(step)
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        for _ in range(opt.mc_samples):
+            with opt.sampled_params(train=True):
+                if samples is not None:
+                    samples.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+                nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if trace is not None:
+            trace.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def main(out: str) -> None:
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_num_threads(1)
+    model, ddp, opt = make(world)
+    trace: list = []
+    samples: list = []
+    train(model, ddp, opt, 0, RESUME_AT, rank, world, trace, samples)
+    checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+    if rank == 0:
+        torch.save(checkpoint, os.path.join(out, "checkpoint.pt"))
+    train(model, ddp, opt, RESUME_AT, STEPS, rank, world, trace)
+    final_state = opt.state_dict()
+    result = {
+        "world": world,
+        "trace": trace,
+        "samples": samples,
+        "state_bytes": optimizer_state_bytes(opt),
+        "state_bytes_expected": opt.sharding.state_bytes_expected(),
+        "owned": [opt.sharding.owns(p) for g in opt.param_groups for p in g["params"]],
+        "full_state": final_state,
+        "health": opt.posterior_health(warn=False),  # every rank: it pools the ranks' shares
+    }
+    posterior = EVONPosterior.from_optimizer(opt, model)  # every rank: it gathers
+    if rank == 0:
+        posterior.save_pretrained(os.path.join(out, "posterior"), model_card=False)
+
+    # resume: fresh objects, the checkpoint, the same steps again
+    model2, ddp2, opt2 = make(world)
+    model2.load_state_dict(checkpoint["model"])
+    opt2.load_state_dict(checkpoint["optim"])
+    train(model2, ddp2, opt2, RESUME_AT, STEPS, rank, world)
+    result["resumed"] = {k: v.detach().clone() for k, v in model2.state_dict().items()}
+    result["resumed_state"] = opt2.state_dict()
+    check_ranks_in_sync(ddp2, opt2)
+
+    # a frozen EVON matrix in the optimizer: never perturbed, never updated
+    model3, ddp3, opt3 = make(world, frozen="6.weight")
+    frozen: list = []
+    train(model3, ddp3, opt3, 0, 3, rank, world, frozen)
+    result["frozen"] = frozen
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,277 @@
+"""Sharded EVON (``prepare_distributed(..., shard=True)``) on 1, 2 and 3 CPU processes (gloo).
+
+``tests/sharded_worker.py`` trains the same tiny float64 model on each world size (the
+global batch split over the ranks) and saves weights, state and posterior; world 1 is the
+single-process reference with the same noise semantics (one shared sample, one stream per
+matrix). The checks recompute what they compare from shapes and files, not from the
+optimizer's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
+from hf_evon.optim.sharding import assign_owners, optimizer_state_bytes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "sharded_worker.py")
+spec = importlib.util.spec_from_file_location("sharded_worker", WORKER)
+worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, out: str, script: str = WORKER) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
+    cmd += ["--master_port", str(_free_port()), script, out]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+    out = {}
+    for world in (1, 2, 3):
+        d = str(tmp_path_factory.mktemp(f"world{world}"))
+        launch(world, d)
+        out[world] = (
+            d,
+            [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)],
+        )
+    return out
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-300)) for k in a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_step_equals_the_single_process_run(runs, world: int) -> None:
+    ref = runs[1][1][0]
+    ranks = runs[world][1]
+    for r in ranks:
+        assert len(r["trace"]) == worker.STEPS
+        assert len(r["samples"]) == worker.RESUME_AT * worker.HP["mc_samples"]
+        for a, b in zip(ref["samples"], r["samples"]):  # each posterior sample, as every rank saw it
+            assert _max_rel(a, b) <= 1e-6
+        for a, b in zip(ref["trace"], r["trace"]):
+            assert _max_rel(a, b) <= 1e-6
+    # and the noise really moved the weights: the comparison is not of untouched values
+    assert _max_rel(ref["samples"][-1], ref["trace"][worker.RESUME_AT - 2]) > 1e-4
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_hold_bitwise_identical_weights(runs, world: int) -> None:
+    ranks = runs[world][1]
+    for r in ranks[1:]:
+        for a, b in zip(ranks[0]["trace"], r["trace"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(ranks[0]["samples"], r["samples"]):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_resume_from_a_full_state_dict_is_bit_for_bit(runs, world: int) -> None:
+    for r in runs[world][1]:
+        final = r["trace"][-1]
+        assert all(torch.equal(final[k], r["resumed"][k]) for k in final)
+        a, b = r["full_state"]["state"], r["resumed_state"]["state"]
+        assert a.keys() == b.keys()
+        for i in a:
+            assert all(torch.equal(a[i][k], b[i][k]) for k in a[i])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_state_dict_is_the_unsharded_one(runs, world: int) -> None:
+    ref = runs[1][1][0]["full_state"]
+    for r in runs[world][1]:
+        sd = r["full_state"]
+        assert sd["param_groups"] == ref["param_groups"]
+        assert sd["evon"] == ref["evon"]
+        assert sd["state"].keys() == ref["state"].keys()
+        for i, st in ref["state"].items():
+            assert st.keys() == sd["state"][i].keys()
+            for k, v in st.items():
+                torch.testing.assert_close(sd["state"][i][k], v, rtol=1e-6, atol=1e-12)
+
+
+def _expected_state_bytes(owned: list[bool]) -> int:
+    """Bytes of state for the owned parameters of the worker's model, from shapes alone:
+    an EVON 8x8 float64 weight (layers 0-12) holds hess, exp_avg, L, R, Q_L, Q_R; an AdamW
+    tensor (layer 14's weight, every bias) exp_avg, exp_avg_sq and a float32 step; EVON
+    adds one float32 step per bucket (one shape here) held."""
+    model = worker.tiny_model()
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer(model, adamw_patterns=[r"^14\."], **worker.HP)
+    order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
+    total, evon = 0, False
+    for name, mine in zip(order, owned):
+        if not mine:
+            continue
+        numel = 64 if name.endswith("weight") else 8
+        if name.endswith("weight") and not name.startswith("14."):
+            total += 6 * numel * 8
+            evon = True
+        else:
+            total += 2 * numel * 8 + 4
+    return total + 4 * evon
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_rank_holds_only_its_share_of_the_state(runs, world: int) -> None:
+    ranks = runs[world][1]
+    total = runs[1][1][0]["state_bytes"]
+    assert total == _expected_state_bytes([True] * 16)
+    owners = [[r["owned"][i] for r in ranks] for i in range(16)]
+    assert all(sum(o) == 1 for o in owners)  # every parameter has exactly one owner
+    for r in ranks:
+        assert r["state_bytes"] == _expected_state_bytes(r["owned"])
+        assert r["state_bytes"] <= 1.2 * total / world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_posterior_of_a_sharded_run_is_the_single_process_one(runs, world: int) -> None:
+    ref = EVONPosterior.from_pretrained(os.path.join(runs[1][0], "posterior"))
+    post = EVONPosterior.from_pretrained(os.path.join(runs[world][0], "posterior"))  # loads in one process
+    assert sorted(os.listdir(os.path.join(runs[world][0], "posterior"))) == sorted(
+        os.listdir(os.path.join(runs[1][0], "posterior"))
+    )
+    drop = {"checkpoint_id"}  # a fresh id per save
+    assert {k: v for k, v in post.config.items() if k not in drop} == {
+        k: v for k, v in ref.config.items() if k not in drop
+    }
+    a, b = ref.to_tensors(), post.to_tensors()
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-12)
+    # and it samples the same distribution: same draws from the same seed
+    model_a, model_b = worker.tiny_model(), worker.tiny_model()
+    with ref.sampled(model_a, seed=3), post.sampled(model_b, seed=3):
+        for (n, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
+            torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-12, msg=n)
+
+
+def test_owners_are_deterministic_and_balanced() -> None:
+    costs = [5.0, 5.0, 5.0, 5.0, 1.0, 1.0, 8.0]
+    assert assign_owners(costs, 2) == assign_owners(list(costs), 2)
+    loads = [0.0, 0.0]
+    for c, r in zip(costs, assign_owners(costs, 2)):
+        loads[r] += c
+    assert sorted(loads) == [15.0, 15.0]
+    assert assign_owners(costs, 1) == [0] * len(costs)
+
+
+def test_single_process_shard_keeps_everything_and_cannot_be_undone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = build_optimizer(model, seed=0)
+    handle = prepare_distributed(model, opt, shard=True)
+    assert handle is opt and opt.sharding is not None and opt.sharding.world == 1
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert optimizer_state_bytes(opt) == opt.sharding.state_bytes_expected() + 4 * len(opt.buckets)
+    with pytest.raises(ValueError, match="shard=True"):
+        prepare_distributed(model, opt)
+
+
+# ---------------------------------------------------------------------------- EVONTrainer
+TRAINER_WORKER = os.path.join(HERE, "sharded_trainer_worker.py")
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+    out = {}
+    for world in (1, 2):
+        d = str(tmp_path_factory.mktemp(f"trainer{world}"))
+        launch(world, d, TRAINER_WORKER)
+        out[world] = (d, [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)])
+    return out
+
+
+def test_trainer_two_ranks_equal_one_process_and_resume_exactly(trainer_runs) -> None:
+    (_, (ref,)), (_, ranks) = trainer_runs[1], trainer_runs[2]
+    for r in ranks:
+        assert _max_rel(ref["weights"], r["weights"]) <= 1e-6
+        assert all(
+            torch.equal(r["weights"][k], r["resumed"][k]) for k in r["weights"]
+        )  # resume_from_checkpoint
+        assert all(torch.equal(ranks[0]["weights"][k], r["weights"][k]) for k in r["weights"])
+    assert all(torch.equal(ref["weights"][k], ref["resumed"][k]) for k in ref["weights"])
+
+
+def test_trainer_checkpoint_holds_the_unsharded_state_and_posterior(trainer_runs) -> None:
+    ckpt = {w: os.path.join(trainer_runs[w][0], "first", "checkpoint-2") for w in (1, 2)}
+    one, two = (torch.load(os.path.join(ckpt[w], "optimizer.pt"), weights_only=True) for w in (1, 2))
+    assert one["state"].keys() == two["state"].keys() and len(one["state"]) == 16
+    for i, st in one["state"].items():
+        assert st.keys() == two["state"][i].keys()
+        for k, v in st.items():
+            torch.testing.assert_close(two["state"][i][k].to(v.device), v, rtol=1e-6, atol=1e-12)
+    a, b = (EVONPosterior.from_pretrained(ckpt[w]).to_tensors() for w in (1, 2))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_frozen_matrix_stays_put_and_the_rest_equals_one_process(runs, world: int) -> None:
+    ref = runs[1][1][0]["frozen"]
+    start = worker.tiny_model().state_dict()["6.weight"]
+    for r in runs[world][1]:
+        for a, b in zip(ref, r["frozen"]):
+            assert _max_rel(a, b) <= 1e-6
+            assert torch.equal(b["6.weight"], start)
+    assert not torch.equal(ref[-1]["4.weight"], worker.tiny_model().state_dict()["4.weight"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_health_statistics_pool_every_ranks_share(runs, world: int) -> None:
+    ref = runs[1][1][0]["health"]
+    assert ref and "noise_to_signal" in ref
+    for r in runs[world][1]:
+        assert r["health"].keys() == ref.keys()
+        for k, v in ref.items():
+            assert r["health"][k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_trainer_logged_statistics_pool_every_ranks_share(trainer_runs) -> None:
+    ref = trainer_runs[1][1][0]["stats"]
+    assert "evon/hess_mean" in ref and "evon/noise_to_signal" in ref
+    for r in trainer_runs[2][1]:
+        assert r["stats"].keys() == ref.keys()
+        for k, v in ref.items():
+            assert r["stats"][k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sharded_checkpoint_resumes_in_one_process(runs, world: int) -> None:
+    """The gathered checkpoint is world-size independent: one process continues it like the
+    one-process run (the unsharded format, so an unsharded EVON loads it too)."""
+    ckpt = torch.load(os.path.join(runs[world][0], "checkpoint.pt"), weights_only=True)
+    model, ddp, opt = worker.make(1)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+    worker.train(model, ddp, opt, worker.RESUME_AT, worker.STEPS, 0, 1)
+    assert _max_rel(runs[1][1][0]["trace"][-1], model.state_dict()) <= 1e-6
+    plain = build_optimizer(worker.tiny_model(), adamw_patterns=[r"^14\."], **worker.HP)
+    plain.load_state_dict(ckpt["optim"])
+    assert len(plain.state) == 16
