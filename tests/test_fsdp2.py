@@ -215,7 +215,7 @@ def test_bad_setups_are_refused_naming_the_parameter(runs) -> None:
         assert "'layers.2.weight'" in e["mixed"]
         assert e["partly"].startswith(unsupported) and "'emb.weight' is a plain tensor" in e["partly"]
         assert e["unsharded_mode"].startswith(unsupported) and "shard=True" in e["unsharded_mode"]
-        assert "layers.0.weight" in e["unsharded_mode"]
+        assert "parameter 'emb.weight'" in e["unsharded_mode"]
         assert e["not_prepared"].startswith("RuntimeError") and "prepare_distributed" in e["not_prepared"]
         assert "layers.0.weight" in e["not_prepared"]
         assert e["fsdp1"].startswith(unsupported) and "FSDP1" in e["fsdp1"] and "fully_shard" in e["fsdp1"]
