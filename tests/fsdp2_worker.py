@@ -24,6 +24,7 @@ from hf_evon.optim.sharding import optimizer_state_bytes
 
 STEPS, RESUME_AT, GLOBAL_BATCH, VOCAB, DIM, DEPTH = 5, 3, 12, 11, 7, 5
 HP = dict(seed=11, mc_samples=2, precondition_frequency=2, adamw_lr=1e-2)
+MAX_NORM = 0.3  # gradient clipping between the samples and the step (binds at some steps)
 
 
 class Net(nn.Module):
@@ -86,7 +87,7 @@ def make(mesh=None):
     return model, prepare_distributed(model, opt, shard=True)
 
 
-def train(model, opt, start, stop, rank, world, trace=None, samples=None) -> None:
+def train(model, opt, start, stop, rank, world, trace=None, samples=None, norms=None) -> None:
     rows = GLOBAL_BATCH // world
     for step in range(start, stop):
         ids, x, y = (t[rank * rows : (rank + 1) * rows] for t in batch(step))
@@ -95,6 +96,10 @@ def train(model, opt, start, stop, rank, world, trace=None, samples=None) -> Non
                 if samples is not None and s == 0:
                     samples.append(full_weights(model))  # what the forward pass sees
                 nn.functional.mse_loss(model(ids, x), y).backward()
+        # the sum of the samples' gradients (DTensors under FSDP2: clip_grad_norm_ handles them)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM * opt.mc_samples)
+        if norms is not None:
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) / opt.mc_samples)
         opt.step()
         opt.zero_grad()
         if trace is not None:
@@ -105,10 +110,12 @@ def run(mesh, rank: int, world: int, out: str, tag: str) -> dict:
     model, opt = make(mesh)
     trace: list = []
     samples: list = []
-    train(model, opt, 0, RESUME_AT, rank, world, trace, samples)
+    norms: list = []
+    train(model, opt, 0, RESUME_AT, rank, world, trace, samples, norms)
     checkpoint = {"model": full_weights(model), "optim": opt.state_dict()}
-    train(model, opt, RESUME_AT, STEPS, rank, world, trace, samples)
+    train(model, opt, RESUME_AT, STEPS, rank, world, trace, samples, norms)
     result = {
+        "norms": norms,
         "world": world,
         "trace": trace,
         "samples": samples,

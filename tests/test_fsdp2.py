@@ -68,6 +68,7 @@ def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_step_and_sample_equal_the_single_process_run(runs, ref, world: int) -> None:
     assert len(ref["trace"]) == worker.STEPS and len(ref["samples"]) == worker.STEPS
+    assert max(ref["norms"]) > worker.MAX_NORM  # the clipping between samples and step binds
     for r in runs[world][1]:
         run = r["fsdp2"]
         assert len(run["trace"]) == worker.STEPS and len(run["samples"]) == worker.STEPS

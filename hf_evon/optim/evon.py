@@ -858,6 +858,8 @@ class EVON(Optimizer):
         if self._in_sample:
             raise RuntimeError("step() called inside a sampled_params() block")
         self.synchronize()
+        if self.sharding is not None:  # FSDP2: the owners gather the step's (clipped) gradients
+            self.sharding.before_step()
         needs_samples = [b for b in self.buckets if b.noisy_phase()]
         if needs_samples and self._samples == 0:
             raise RuntimeError(

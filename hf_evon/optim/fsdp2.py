@@ -258,8 +258,12 @@ class FSDP2Sharding(EVONSharding):
                 self._gather_grads()
 
     def reduce_gradients(self, tensors: list[Tensor]) -> None:
-        """``EVON.gradient_reducer``: FSDP2 averaged the gradients already; the owners get the
-        step's full gradients (and a fresh copy of the weights if they were written)."""
+        """``EVON.gradient_reducer``: nothing to do, FSDP2's reduce-scatter averaged the gradients
+        already (so ``synchronize()`` and clipping in between see them averaged)."""
+
+    def before_step(self) -> None:
+        """The owners get the step's full gradients as they are now (after any clipping of the
+        DTensor gradients) and a fresh copy of the weights if someone wrote them."""
         with torch.no_grad():
             self._refresh()
             self._gather_grads()

@@ -159,6 +159,9 @@ class EVONSharding:
     def before_sample(self) -> None:
         """At a ``sampled_params`` block's entry, before any draw (nothing to do under DDP)."""
 
+    def before_step(self) -> None:
+        """In ``step()``, after ``synchronize()`` (nothing to do under DDP)."""
+
     def adamw_tensors(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """The tensors AdamW updates for ``params`` and their gradients."""
         return params, [p.grad for p in params]
