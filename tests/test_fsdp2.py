@@ -23,6 +23,7 @@ from hf_evon.optim.fsdp2 import shard_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "fsdp2_worker.py")
+TRAINER_WORKER = os.path.join(HERE, "fsdp2_trainer_worker.py")
 spec = importlib.util.spec_from_file_location("fsdp2_worker", WORKER)
 worker = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(worker)
@@ -34,9 +35,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, out: str) -> None:
+def launch(world: int, out: str, script: str = WORKER) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-    cmd += ["--master_port", str(_free_port()), WORKER, out]
+    cmd += ["--master_port", str(_free_port()), script, out]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -220,3 +221,14 @@ def test_bad_setups_are_refused_naming_the_parameter(runs) -> None:
         assert e["not_prepared"].startswith("RuntimeError") and "prepare_distributed" in e["not_prepared"]
         assert "layers.0.weight" in e["not_prepared"]
         assert e["fsdp1"].startswith(unsupported) and "FSDP1" in e["fsdp1"] and "fully_shard" in e["fsdp1"]
+
+
+def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(tmp_path) -> None:
+    """accelerate enables its FSDP plugin on GPUs/accelerators only: on 2 CPU processes the
+    Trainer's fsdp arguments would give plain DDP; EVONTrainer says so before any step."""
+    launch(2, str(tmp_path), TRAINER_WORKER)
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"trainer_rank{rank}.txt")) as f:
+            msg = f.read()
+        assert msg.startswith("UnsupportedParallelismError: ") and "accelerate did not enable FSDP" in msg
+        assert "MULTI_CPU" in msg and "fully_shard" in msg

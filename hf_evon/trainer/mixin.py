@@ -343,15 +343,31 @@ class EVONTrainerMixin:
 
         Under DDP each rank must keep its own gradients while sampling (its Hessian estimate needs
         them): ``prepare_distributed`` stops DDP's averaging and lets ``EVON.synchronize`` reduce
-        gradients and Hessian numerators once per step. In one process it only checks the model
-        (FSDP/DeepSpeed are refused with a clear error).
+        gradients and Hessian numerators once per step. Under FSDP2 (``fsdp`` with
+        ``fsdp_config={"fsdp_version": 2}``) it shards EVON over the FSDP2 mesh. In one process
+        it only checks the model (FSDP1/DeepSpeed are refused with a clear error).
         """
+        if self._fsdp_requested_without_plugin():
+            from ..distributed import UnsupportedParallelismError
+
+            raise UnsupportedParallelismError(
+                "the Trainer's fsdp arguments are set, but accelerate did not enable FSDP (distributed "
+                f"type {self.accelerator.state.distributed_type}): accelerate enables its FSDP plugin on "
+                "GPUs and other accelerators only, not on CPU processes, so this run would silently be "
+                "plain DDP. On CPUs drop fsdp/fsdp_config (DDP; evon_shard=True shards EVON's state and "
+                "work), or shard the model yourself with torch.distributed.fsdp.fully_shard and a plain "
+                "training loop (hf_evon.prepare_distributed supports FSDP2 on CPU/gloo)"
+            )
         model, train_dataloader = super()._prepare_for_training(
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
-            prepare_distributed(model, self.optimizer, shard=self.args.evon_shard)
+            prepare_distributed(model, self.optimizer, shard=True if self.args.evon_shard else None)
         return model, train_dataloader
+
+    def _fsdp_requested_without_plugin(self) -> bool:
+        """Whether ``fsdp`` was asked for but accelerate runs without its FSDP plugin (CPUs)."""
+        return bool(self.args.fsdp) and getattr(self.accelerator.state, "fsdp_plugin", None) is None
 
     def _gather_sharded_state(self) -> None:
         """With ``evon_shard``: gather the optimizer state and posterior on every rank, so the
