@@ -63,11 +63,22 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = build_model(args.dim, args.layers)
+    if args.shard == 2:  # FSDP2: every Linear and the root fully_shard-ed on a 1-D CPU mesh
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for mod in model:
+            if isinstance(mod, nn.Linear):
+                fully_shard(mod, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ddp = model
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = build_optimizer(model, seed=0, precondition_frequency=2)
-    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    prepare_distributed(ddp, opt, shard=bool(args.shard))
+    prepare_distributed(ddp, opt, shard=True if args.shard else None)
     rows = args.batch // world
-    opt_seconds = 0.0
+    opt_seconds = fb_seconds = 0.0
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(args.batch, args.dim, generator=gen)[rank * rows : (rank + 1) * rows]
@@ -83,9 +94,19 @@ def worker(args: argparse.Namespace) -> None:
         t3 = time.perf_counter()
         if step >= 2:  # the first steps initialise the bases
             opt_seconds += (t1 - t0) + (t3 - t2)
-    ms = torch.tensor([opt_seconds / max(args.steps - 2, 1) * 1e3])
+            fb_seconds += t2 - t1
+    timed = max(args.steps - 2, 1)
+    ms = torch.tensor([opt_seconds / timed * 1e3, fb_seconds / timed * 1e3])
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    out = {"world": world, "rank": rank, "state_bytes": optimizer_state_bytes(opt), "opt_ms": float(ms)}
+    out = {
+        "world": world,
+        "rank": rank,
+        "state_bytes": optimizer_state_bytes(opt),
+        "opt_ms": float(ms[0]),
+        "fwd_bwd_ms": float(ms[1]),
+        # FSDP2: the owners' full copies of their matrices (outside optimizer.state)
+        "copy_bytes": opt.sharding.proxy_bytes() if hasattr(opt.sharding, "proxy_bytes") else 0,
+    }
     with open(os.path.join(args.out, f"s{args.shard}w{world}r{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -112,12 +133,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--fsdp2", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shard", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.fsdp2:
+        fsdp2_table(args)
         return
     rows = []
     with tempfile.TemporaryDirectory() as out:
@@ -137,6 +162,26 @@ def main() -> None:
             f"| {world} | {per / 1e6:.2f} | {summed / 1e6:.2f} | {per / (total / world):.2f} | "
             f"{sharded[0]['opt_ms']:.1f} | {max(r['state_bytes'] for r in unsharded) / 1e6:.2f} | "
             f"{unsharded[0]['opt_ms']:.1f} |"
+        )
+
+
+def fsdp2_table(args: argparse.Namespace) -> None:
+    """Per-rank EVON state, owners' full copies and times under FSDP2 (``--fsdp2``)."""
+    with tempfile.TemporaryDirectory() as out:
+        rows = [run_world(args, out, int(w), 2) for w in args.worlds.split(",")]
+    total = sum(r["state_bytes"] for r in rows[0])
+    print(
+        "| world | FSDP2 EVON state / rank (MB) | ratio to total/world | owners' full copies / rank (MB) | "
+        "optimizer ms / step | forward+backward ms / step |"
+    )
+    print("|---|---|---|---|---|---|")
+    for ranks in rows:
+        world = len(ranks)
+        per = max(r["state_bytes"] for r in ranks)
+        print(
+            f"| {world} | {per / 1e6:.2f} | {per / (total / world):.2f} | "
+            f"{max(r['copy_bytes'] for r in ranks) / 1e6:.2f} | {ranks[0]['opt_ms']:.1f} | "
+            f"{ranks[0]['fwd_bwd_ms']:.1f} |"
         )
 
 

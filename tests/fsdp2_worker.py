@@ -79,15 +79,15 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def make(mesh=None):
+def make(mesh=None, **hp):
     model = net()
     if mesh is not None:
         shard(model, mesh)
-    opt = build_optimizer(model, adamw_patterns=[r"^emb\."], **HP)
+    opt = build_optimizer(model, adamw_patterns=[r"^emb\."], **{**HP, **hp})
     return model, prepare_distributed(model, opt, shard=True)
 
 
-def train(model, opt, start, stop, rank, world, trace=None, samples=None, norms=None) -> None:
+def train(model, opt, start, stop, rank, world, trace=None, samples=None, norms=None, clip_every=1) -> None:
     rows = GLOBAL_BATCH // world
     for step in range(start, stop):
         ids, x, y = (t[rank * rows : (rank + 1) * rows] for t in batch(step))
@@ -96,6 +96,12 @@ def train(model, opt, start, stop, rank, world, trace=None, samples=None, norms=
                 if samples is not None and s == 0:
                     samples.append(full_weights(model))  # what the forward pass sees
                 nn.functional.mse_loss(model(ids, x), y).backward()
+        if step % clip_every:
+            opt.step()
+            opt.zero_grad()
+            if trace is not None:
+                trace.append(full_weights(model))
+            continue
         # the sum of the samples' gradients (DTensors under FSDP2: clip_grad_norm_ handles them)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM * opt.mc_samples)
         if norms is not None:
@@ -146,6 +152,13 @@ def run(mesh, rank: int, world: int, out: str, tag: str) -> dict:
     train(model2, opt2, RESUME_AT, STEPS, rank, world)
     result["resumed"] = full_weights(model2)
     result["resumed_state"] = opt2.state_dict()
+
+    # one sample per step (the owners reuse the gradients gathered at its exit unless they
+    # changed), clipped at every other step only
+    model3, opt3 = make(mesh, mc_samples=1)
+    single: list = []
+    train(model3, opt3, 0, STEPS, rank, world, single, clip_every=2)
+    result["single"] = single
     return result
 
 

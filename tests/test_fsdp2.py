@@ -82,6 +82,17 @@ def test_every_step_and_sample_equal_the_single_process_run(runs, ref, world: in
     assert _max_rel(ref["trace"][-1], worker.net().state_dict()) > 1e-3
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_sample_per_step_with_and_without_clipping_equals_the_single_process_run(
+    runs, ref, world
+) -> None:
+    assert len(ref["single"]) == worker.STEPS
+    for r in runs[world][1]:
+        for a, b in zip(ref["single"], r["fsdp2"]["single"], strict=True):
+            assert _max_rel(a, b) <= 1e-6
+    assert _max_rel(ref["single"][-1], ref["trace"][-1]) > 1e-3  # another run than the 2-sample one
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_see_bitwise_identical_weights(runs, world: int) -> None:
     ranks = [r["fsdp2"] for r in runs[world][1]]

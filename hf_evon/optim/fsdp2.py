@@ -83,6 +83,8 @@ class FSDP2Sharding(EVONSharding):
                 self.index[id(q)] = self.index[id(p)]  # its noise stream is the matrix's
                 self.owner[id(q)] = self.rank
         self._stamps: list[tuple[int, int, int]] | None = None
+        # each rank's rows of the gradients the owners got at the last sample's exit
+        self._exit_rows: list[Tensor | None] | None = None
         self._pull()
 
     def _every_rank_owns(self, p: Tensor, group: dict[str, Any]) -> bool:
@@ -206,8 +208,9 @@ class FSDP2Sharding(EVONSharding):
                 self.proxy[key].copy_(value)
         self._stamp()
 
-    def _refresh(self) -> None:
-        """Pull the owners' copies if any rank's shard was written by someone else since."""
+    def _refresh(self, grads_changed: bool = False) -> bool:
+        """Pull the owners' copies if any rank's shard was written by someone else since; also
+        agrees (the same all-reduce) whether ``grads_changed`` on any rank, and returns that."""
         with torch.no_grad():
             for p in self.evon_params:  # frozen or not, as the DTensor is now
                 q = self.proxy.get(id(p))
@@ -216,11 +219,12 @@ class FSDP2Sharding(EVONSharding):
             now = [(p._version, _local(p)._version, _local(p).data_ptr()) for p in self.evon_params]
             stale = now != self._stamps
             if self.world > 1:
-                flag = torch.tensor([int(stale)], dtype=torch.int32)
+                flag = torch.tensor([int(stale), int(grads_changed)], dtype=torch.int32)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-                stale = bool(flag.item())
+                stale, grads_changed = (bool(x) for x in flag.tolist())
             if stale:
                 self._pull()
+        return grads_changed
 
     def _gather_grads(self) -> None:
         """Owners' copies get the full (FSDP2-averaged) gradient of their matrices; None where
@@ -256,6 +260,8 @@ class FSDP2Sharding(EVONSharding):
             self._stamp()
             if recorded:
                 self._gather_grads()
+                grads = [p.grad for p in self.evon_params]
+                self._exit_rows = [None if g is None else _local(g).clone() for g in grads]
 
     def reduce_gradients(self, tensors: list[Tensor]) -> None:
         """``EVON.gradient_reducer``: nothing to do, FSDP2's reduce-scatter averaged the gradients
@@ -263,10 +269,17 @@ class FSDP2Sharding(EVONSharding):
 
     def before_step(self) -> None:
         """The owners get the step's full gradients as they are now (after any clipping of the
-        DTensor gradients) and a fresh copy of the weights if someone wrote them."""
+        DTensor gradients) and a fresh copy of the weights if someone wrote them. The gather is
+        skipped when every rank's rows equal those gathered at the last sample's exit (one
+        sample per step and nothing changed them since): the owners hold them already."""
         with torch.no_grad():
-            self._refresh()
-            self._gather_grads()
+            rows = self._exit_rows
+            same = rows is not None and all(
+                (g is None) == (r is None) and (g is None or torch.equal(_local(g), r))
+                for g, r in zip((p.grad for p in self.evon_params), rows)
+            )
+            if self._refresh(grads_changed=not same):
+                self._gather_grads()
 
     def after_step(self) -> None:
         self._factors = self._state = None
@@ -274,6 +287,7 @@ class FSDP2Sharding(EVONSharding):
             self._from_owners(self.evon_params)
             for q in self.proxy.values():
                 q.grad = None
+        self._exit_rows = None
         self._stamp()
 
     # ------------------------------------------------------------- state
