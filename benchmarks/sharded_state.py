@@ -9,7 +9,10 @@ rank: optimizer state bytes (every storage once), and the optimizer's own time p
 gradient averaging), the forward/backward excluded. "ratio" is max per-rank bytes over
 (total / world); the target is ≤ 1.2.
 
-Usage: ``python benchmarks/sharded_state.py [--dim 128 --layers 4 --steps 6]``.
+Usage: ``python benchmarks/sharded_state.py [--dim 128 --layers 4 --steps 6] [--fsdp2]``.
+``--fsdp2``: the same model with every Linear and the root ``fully_shard``-ed (FSDP2, a 1-D
+CPU mesh), EVON sharded over it (:mod:`hf_evon.optim.fsdp2`); it also reports the owners'
+full copies of their matrices (outside ``optimizer.state``) and the forward/backward time.
 
 Measured on the 2-core CPU dev machine (shared: load average 4-6 from other jobs, so the
 times are rough), ``python benchmarks/sharded_state.py --steps 8`` (4 layers of d = 128:
@@ -27,6 +30,21 @@ time; what the table does show is the work: unsharded, every rank repeats all th
 W ranks on 2 cores take ~2.5x longer; sharded, the same total work is split and the time
 stays at the one-process level. With one core (or GPU) per rank the sharded maths falls ~1/W.
 No GPU was lent for this measurement.
+
+FSDP2, ``python benchmarks/sharded_state.py --fsdp2 --steps 8`` (same model and machine, load
+average ~4; optimizer ms: ``sampled_params`` entry/exit with the row exchanges, plus ``step()``
+with the gradient gather and the rows of the new means sent back):
+
+| world | FSDP2 EVON state / rank (MB) | ratio to total/world | owners' full copies / rank (MB) | optimizer ms / step | forward+backward ms / step |
+|---|---|---|---|---|---|
+| 1 | 28.35 | 1.00 | 3.15 | 150.9 | 21.9 |
+| 2 | 14.17 | 1.00 | 1.57 | 124.2 | 138.4 |
+| 4 | 7.09 | 1.00 | 0.79 | 159.8 | 359.7 |
+
+The state is the DDP-sharded one (the biases' AdamW state is split by rows too); the owners'
+copies add 4 bytes per owned float32 weight (~1/9 of the state). The forward/backward time
+grows with the world here because FSDP2's all-gathers and reduce-scatters run over gloo on 2
+shared cores; that is FSDP2's cost, not EVON's.
 """
 
 from __future__ import annotations

@@ -42,11 +42,16 @@ To shard EVON's own state and work over the ranks (per-rank state and optimizer 
 ~1/world), pass ``shard=True`` (:mod:`hf_evon.optim.sharding`; the Trainer's
 ``EVONConfig(evon_shard=True)``).
 
-FSDP (v1 ``FullyShardedDataParallel`` and FSDP2 ``fully_shard``), DTensor-sharded parameters
-and DeepSpeed are **not supported**: EVON's eigenbasis is per whole weight matrix, and a rank
-holding a shard (or a flattened 1-D view) would silently train a different, wrong posterior.
-:func:`prepare_distributed` raises :class:`UnsupportedParallelismError` for them. Use DDP
-(``accelerate launch`` without an FSDP/DeepSpeed config).
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is supported in sharded mode: after
+``fully_shard`` (each layer and the root, one 1-D mesh) and building EVON on the sharded model,
+``prepare_distributed(model, optimizer)`` shards EVON over the mesh (``shard=None``, the default,
+means sharded under FSDP2): matrix owners gather their rows and gradients and send back the rows
+of each sample and new mean (:mod:`hf_evon.optim.fsdp2`). Supported layout: every parameter a
+DTensor ``Shard(0)`` (uneven rows allowed) on one 1-D mesh. Refused with
+:class:`UnsupportedParallelismError` naming the parameter: FSDP1 ``FullyShardedDataParallel``
+and DeepSpeed (flat parameters mixing matrices: EVON's eigenbasis is per whole matrix),
+``Shard(1)``, 2-D (HSDP) or several meshes, parameters outside ``fully_shard``, DTensors without
+FSDP2 (tensor parallelism), and FSDP2 with ``shard=False``.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ _PREPARED_ATTR = "_hf_evon_local_gradients"
 
 
 class UnsupportedParallelismError(RuntimeError):
-    """The model is sharded (FSDP, FSDP2, DTensor, DeepSpeed): EVON cannot train it correctly."""
+    """A parallel set-up EVON cannot train correctly (FSDP1, DeepSpeed, FSDP2 other than ``Shard(0)``
+    on one 1-D mesh, DTensors without FSDP2); the message names the parameter and what is supported."""
 
 
 def _is_initialized() -> bool:

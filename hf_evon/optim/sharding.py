@@ -25,6 +25,9 @@ concatenated batch, so a run on W ranks with batch b per rank equals (to roundin
 sharded run (``shard=True`` in a single process: world 1, the reference) with batch W·b and the
 same seed. Non-sharded DDP instead gives each rank its own noise (W samples per step).
 
+Under FSDP2 (``fully_shard``), :class:`hf_evon.optim.fsdp2.FSDP2Sharding` extends this class:
+the same ownership, noise streams and checkpoint format, with the matrices' rows exchanged.
+
 Checkpoints: ``state_dict()`` is a collective that returns the *full* state on every rank
 (the same format as a non-sharded optimizer's); ``load_state_dict`` keeps only this rank's
 part. Every rank must call ``state_dict()`` (the Trainer integration does); posteriors

@@ -52,9 +52,12 @@ What the trainer does differently from ``transformers.Trainer``:
   ``load_best_model_at_end`` the best checkpoint's posterior comes back with its weights.
 * **Data parallelism.** After the Trainer wraps the model, ``hf_evon.prepare_distributed`` makes
   EVON correct under DDP (per-rank noise, gradients and Hessian numerators averaged once per
-  step by ``EVON.synchronize``); FSDP and DeepSpeed are not supported. ``evon_shard=True``
+  step by ``EVON.synchronize``); FSDP1 and DeepSpeed are not supported. ``evon_shard=True``
   shards EVON's state and work over the ranks (:mod:`hf_evon.optim.sharding`); checkpoints
-  and posteriors are gathered to the unsharded format first.
+  and posteriors are gathered to the unsharded format first. Under FSDP2 (``fsdp`` with
+  ``fsdp_config={"fsdp_version": 2}``, which accelerate enables on GPUs/accelerators only)
+  EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`); that path is untested here
+  (no GPU), and on CPU processes the ``fsdp`` arguments raise instead of silently running DDP.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
