@@ -162,6 +162,38 @@ def run(mesh, rank: int, world: int, out: str, tag: str) -> dict:
     return result
 
 
+def nonfinite(mesh, rank: int, world: int) -> dict:
+    """A NaN in one rank's rows of one matrix's gradient: every rank skips the step together,
+    weights and state unchanged, and the warning names the matrix on the rank that holds it."""
+    import warnings
+
+    model, opt = make(mesh)
+    train(model, opt, 0, 2, rank, world)
+    before = full_weights(model)
+    state = opt.state_dict()
+    ids, x, y = batch(9)
+    with opt.sampled_params(train=True):
+        nn.functional.mse_loss(model(ids, x), y).backward()
+    with opt.sampled_params(train=True):
+        nn.functional.mse_loss(model(ids, x), y).backward()
+    if rank == world - 1:
+        model.layers[3].weight.grad._local_tensor[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    opt.zero_grad()
+    after = opt.state_dict()
+    same_state = all(
+        torch.equal(v, after["state"][i][k]) for i, st in state["state"].items() for k, v in st.items()
+    )
+    weights = full_weights(model)
+    return {
+        "skipped": opt.skipped_steps,
+        "unchanged": all(torch.equal(before[k], weights[k]) for k in before) and same_state,
+        "messages": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    }
+
+
 def expect_error(fn) -> str | None:
     try:
         fn()
@@ -233,6 +265,8 @@ def main(out: str) -> None:
     result = {"fsdp2": run(mesh, rank, world, out, "fsdp2")}
     if world == 1:
         result["reference"] = run(None, rank, world, out, "reference")
+    if world > 1:
+        result["nonfinite"] = nonfinite(mesh, rank, world)
     if world == 2:
         try:
             result["refusals"] = refusals(mesh, world)

@@ -243,3 +243,13 @@ def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(tmp_path) ->
             msg = f.read()
         assert msg.startswith("UnsupportedParallelismError: ") and "accelerate did not enable FSDP" in msg
         assert "MULTI_CPU" in msg and "fully_shard" in msg
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int) -> None:
+    for rank, r in enumerate(runs[world][1]):
+        nf = r["nonfinite"]
+        assert nf["skipped"] == 1 and nf["unchanged"]
+        assert len(nf["messages"]) == 1 and "the step was skipped" in nf["messages"][0]
+        if rank == world - 1:  # the rank holding the NaN row names the matrix
+            assert "layers.3.weight" in nf["messages"][0]

@@ -1021,6 +1021,8 @@ class EVON(Optimizer):
         return False
 
     def _param_label(self, p: Tensor) -> str:
+        if self.sharding is not None:  # FSDP2: a bucket member stands for its DTensor
+            p = self.sharding.model_param(p)
         for gi, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
                 if q is p:
@@ -1033,7 +1035,10 @@ class EVON(Optimizer):
         """What made the step non-finite, naming the parameter (slow; only after a failed check)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                g = p.grad
+                if g is not None and _is_dtensor(g):  # FSDP2: this rank's rows (no collective)
+                    g = g._local_tensor
+                if g is not None and not bool(torch.isfinite(g).all()):
                     return f"non-finite gradient in {self._param_label(p)}"
         for plan in plans:
             if plan.hess is not None:
