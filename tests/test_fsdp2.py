@@ -253,3 +253,24 @@ def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int)
         assert len(nf["messages"]) == 1 and "the step was skipped" in nf["messages"][0]
         if rank == world - 1:  # the rank holding the NaN row names the matrix
             assert "layers.3.weight" in nf["messages"][0]
+
+
+def test_trainer_refuses_to_resume_fsdp2_sharded_evon_through_dcp(tmp_path) -> None:
+    """The GPU-only Trainer + FSDP2 path cannot resume EVON through torch's distributed
+    checkpoint: EVONTrainer says so (the sharding object stands in for a real FSDP2 one)."""
+    from datasets import Dataset
+
+    from hf_evon import EVONConfig, EVONTrainer
+    from hf_evon.distributed import UnsupportedParallelismError
+    from hf_evon.optim.fsdp2 import FSDP2Sharding
+
+    model = torch.nn.Linear(4, 4)
+    args = EVONConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
+    data = Dataset.from_dict({"x": [[0.0] * 4]})
+    trainer = EVONTrainer(model=model, args=args, train_dataset=data)
+    trainer.create_optimizer()
+    trainer.evon_optimizer.sharding = object.__new__(FSDP2Sharding)
+    with pytest.raises(UnsupportedParallelismError, match="cannot resume an FSDP2 run"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+    trainer.evon_optimizer.sharding = None  # not FSDP2: the Trainer's own (nothing to load here)
+    trainer._load_optimizer_and_scheduler(None)

@@ -57,7 +57,9 @@ What the trainer does differently from ``transformers.Trainer``:
   and posteriors are gathered to the unsharded format first. Under FSDP2 (``fsdp`` with
   ``fsdp_config={"fsdp_version": 2}``, which accelerate enables on GPUs/accelerators only)
   EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`); that path is untested here
-  (no GPU), and on CPU processes the ``fsdp`` arguments raise instead of silently running DDP.
+  (no GPU), resuming it from a Trainer checkpoint is refused (torch's distributed checkpoint
+  does not fit EVON's per-matrix state), and on CPU processes the ``fsdp`` arguments raise
+  instead of silently running DDP.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
@@ -378,6 +380,27 @@ class EVONTrainerMixin:
         opt = self.evon_optimizer
         if opt is not None and opt.sharding is not None:
             opt.sharding.prefetch()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's, except under FSDP2 with sharded EVON, where it would fail obscurely.
+
+        Why refused: the Trainer resumes FSDP2 optimizers through torch's distributed checkpoint
+        (``set_optimizer_state_dict``), which expects per-parameter state shaped (or sharded)
+        like the parameters and initialises an empty optimizer by a ``step()`` without samples;
+        EVON's per-matrix state (``L``, ``R``, bases) held by one owner fits neither (a CPU check
+        with torch 2.13 fails with a KeyError).
+        """
+        opt = self.evon_optimizer
+        if checkpoint is not None and opt is not None and getattr(opt.sharding, "fsdp2", False):
+            from ..distributed import UnsupportedParallelismError
+
+            raise UnsupportedParallelismError(
+                "EVONTrainer cannot resume an FSDP2 run from a Trainer checkpoint: the Trainer loads FSDP2 "
+                "optimizer state through torch.distributed.checkpoint, which EVON's per-matrix state does not "
+                "fit. Resume with a plain loop instead: optimizer.state_dict() (a collective, every rank) saves "
+                "the unsharded state and optimizer.load_state_dict() restores it exactly"
+            )
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         self._gather_sharded_state()
