@@ -13,7 +13,9 @@ and checkpoint format) with row exchanges:
   one process;
 * gradients to owners: at each ``sampled_params(train=True)`` exit (the sample's Hessian
   numerator needs its gradient) and at ``step()`` (the step's accumulated, possibly clipped,
-  gradient), one ``all_to_all`` per dtype sends every rank's rows of each matrix to its owner;
+  gradient; skipped when every rank's rows are still those sent at the last exit, as with one
+  unclipped sample per step), one ``all_to_all`` per dtype sends every rank's rows of each
+  matrix to its owner. FSDP2's reduce-scatter averaged them already: EVON adds no reduction;
 * weights from owners: each sample (at the block's entry) and each new mean (after ``step()``)
   go back by one ``all_to_all`` per dtype, every rank writing its own rows into the DTensor's
   local shard. Every rank keeps its own rows of the mean during a block and restores them at the
