@@ -42,11 +42,16 @@ To shard EVON's own state and work over the ranks (per-rank state and optimizer 
 ~1/world), pass ``shard=True`` (:mod:`hf_evon.optim.sharding`; the Trainer's
 ``EVONConfig(evon_shard=True)``).
 
-FSDP (v1 ``FullyShardedDataParallel`` and FSDP2 ``fully_shard``), DTensor-sharded parameters
-and DeepSpeed are **not supported**: EVON's eigenbasis is per whole weight matrix, and a rank
-holding a shard (or a flattened 1-D view) would silently train a different, wrong posterior.
-:func:`prepare_distributed` raises :class:`UnsupportedParallelismError` for them. Use DDP
-(``accelerate launch`` without an FSDP/DeepSpeed config).
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is supported in sharded mode: after
+``fully_shard`` (each layer and the root, one 1-D mesh) and building EVON on the sharded model,
+``prepare_distributed(model, optimizer)`` shards EVON over the mesh (``shard=None``, the default,
+means sharded under FSDP2): matrix owners gather their rows and gradients and send back the rows
+of each sample and new mean (:mod:`hf_evon.optim.fsdp2`). Supported layout: every parameter a
+DTensor ``Shard(0)`` (uneven rows allowed) on one 1-D mesh. Refused with
+:class:`UnsupportedParallelismError` naming the parameter: FSDP1 ``FullyShardedDataParallel``
+and DeepSpeed (flat parameters mixing matrices: EVON's eigenbasis is per whole matrix),
+``Shard(1)``, 2-D (HSDP) or several meshes, parameters outside ``fully_shard``, DTensors without
+FSDP2 (tensor parallelism), and FSDP2 with ``shard=False``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .optim.evon import EVON
+from .optim.fsdp2 import FSDP2Sharding
 from .optim.sharding import EVONSharding
 
 Tensor = torch.Tensor
@@ -79,7 +85,8 @@ _PREPARED_ATTR = "_hf_evon_local_gradients"
 
 
 class UnsupportedParallelismError(RuntimeError):
-    """The model is sharded (FSDP, FSDP2, DTensor, DeepSpeed): EVON cannot train it correctly."""
+    """A parallel set-up EVON cannot train correctly (FSDP1, DeepSpeed, FSDP2 other than ``Shard(0)``
+    on one 1-D mesh, DTensors without FSDP2); the message names the parameter and what is supported."""
 
 
 def _is_initialized() -> bool:
@@ -169,16 +176,25 @@ def _module_chain(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def check_supported_parallelism(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedParallelismError` for FSDP/FSDP2/DTensor/DeepSpeed models.
+def check_supported_parallelism(model: nn.Module, optimizer: Any = None) -> Any:
+    """Raise :class:`UnsupportedParallelismError` for set-ups EVON cannot train; return the
+    FSDP2 device mesh if ``model`` is ``fully_shard``-ed in the supported way (else None).
 
-    EVON's posterior (and its eigenbasis) is defined per whole weight matrix; a sharded or
-    flattened parameter would be trained as a different matrix, i.e. wrongly, so we refuse.
+    EVON's posterior (and its eigenbasis) is defined per whole weight matrix; a flattened
+    parameter (FSDP1, DeepSpeed ZeRO) would be trained as a different matrix, i.e. wrongly, so
+    those are refused. FSDP2 is supported when every parameter (of the model, and of
+    ``optimizer`` if given) is a DTensor sharded on dim 0 (``Shard(0)``, uneven allowed) over
+    one 1-D device mesh: the owners of the matrices gather their rows
+    (:mod:`hf_evon.optim.fsdp2`). Other DTensor layouts (``Shard(1)``, HSDP's 2-D mesh,
+    ``Replicate``/``Partial``, several meshes, tensor parallelism without FSDP2) are refused,
+    naming the parameter.
     """
     hint = (
-        "EVON needs every rank to hold whole weight matrices; use plain DDP (`accelerate launch` without "
-        "an FSDP/DeepSpeed config) instead, with hf_evon.prepare_distributed(model, optimizer, shard=True) "
-        "(EVONConfig(evon_shard=True)) to shard EVON's state and work over the ranks"
+        "EVON needs whole weight matrices or FSDP2 rows: use plain DDP (`accelerate launch` without an "
+        "FSDP/DeepSpeed config) with hf_evon.prepare_distributed(model, optimizer, shard=True) "
+        "(EVONConfig(evon_shard=True)) to shard EVON's state and work over the ranks, or FSDP2 "
+        "(torch.distributed.fsdp.fully_shard on one 1-D device mesh, parameters Shard(0); accelerate's "
+        "fsdp_version=2), which prepare_distributed shards EVON for"
     )
     chain = _module_chain(model)
     if any(type(m).__name__ == "DeepSpeedEngine" for m in chain):
@@ -194,28 +210,77 @@ def check_supported_parallelism(model: nn.Module) -> None:
     except ImportError:  # pragma: no cover - older torch
         FSDPModule = ()  # type: ignore[assignment,misc]  # noqa: N806
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Shard
     except ImportError:  # pragma: no cover - older torch
-        DTensor = ()  # type: ignore[assignment,misc]  # noqa: N806
+        DTensor = Shard = ()  # type: ignore[assignment,misc]  # noqa: N806
+    fsdp2 = False
     for root in chain:
         for name, mod in root.named_modules():
             if isinstance(mod, FullyShardedDataParallel):
                 raise UnsupportedParallelismError(
-                    f"EVON cannot run under FSDP (module {name or type(mod).__name__!r} is FullyShardedDataParallel): {hint}"
+                    f"EVON cannot run under FSDP1 (module {name or type(mod).__name__!r} is "
+                    f"FullyShardedDataParallel, whose flat parameters mix matrices): {hint}"
                 )
-            if isinstance(mod, FSDPModule):
-                sharded = next((n for n, p in mod.named_parameters() if isinstance(p, DTensor)), None)
-                what = f", e.g. parameter {sharded!r} is a DTensor shard" if sharded else ""
+            fsdp2 = fsdp2 or isinstance(mod, FSDPModule)
+    named: list[tuple[str, Tensor]] = list(chain[-1].named_parameters())
+    names = {id(p): n for n, p in named}
+    if optimizer is not None:
+        evon = unwrap_optimizer(optimizer)
+        for gi, g in enumerate(evon.param_groups):
+            labels = g.get("param_names")
+            for i, p in enumerate(g["params"]):
+                if id(p) not in names:
+                    names[id(p)] = labels[i] if labels else f"param_groups[{gi}]['params'][{i}]"
+                    named.append((names[id(p)], p))
+    dtensors = [(n, p) for n, p in named if isinstance(p, DTensor)]
+    if not fsdp2:
+        if dtensors:
+            n, p = dtensors[0]
+            raise UnsupportedParallelismError(
+                f"EVON cannot train DTensor-sharded parameters outside FSDP2 (e.g. {n!r}, placements "
+                f"{tuple(p.placements)}: tensor parallelism?): {hint}"
+            )
+        return None
+    mesh = None
+    for n, p in named:
+        if not isinstance(p, DTensor):
+            raise UnsupportedParallelismError(
+                f"EVON under FSDP2 needs every trained parameter sharded by fully_shard, but {n!r} is a plain "
+                f"tensor (shape {tuple(p.shape)}): call fully_shard on the root module too. {hint}"
+            )
+        if p.device_mesh.ndim != 1:
+            raise UnsupportedParallelismError(
+                f"EVON under FSDP2 supports a 1-D device mesh only, but {n!r} lives on a "
+                f"{p.device_mesh.ndim}-D mesh {tuple(p.device_mesh.shape)} with placements {tuple(p.placements)} "
+                f"(HSDP?): {hint}"
+            )
+        if tuple(p.placements) != (Shard(0),):
+            raise UnsupportedParallelismError(
+                f"EVON under FSDP2 supports parameters sharded on dim 0 (Shard(0)) only, but {n!r} has "
+                f"placements {tuple(p.placements)} (shape {tuple(p.shape)}): drop fully_shard's "
+                f"shard_placement_fn. {hint}"
+            )
+        if p.dim() == 0:
+            raise UnsupportedParallelismError(f"EVON under FSDP2 cannot train the 0-d DTensor {n!r}: {hint}")
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise UnsupportedParallelismError(
+                f"EVON under FSDP2 needs one device mesh for all parameters, but {n!r} is on {p.device_mesh} "
+                f"and earlier ones on {mesh}: {hint}"
+            )
+    if mesh is not None:  # the rows each rank holds must be torch.chunk's (FSDP2's layout)
+        from .optim.fsdp2 import shard_rows
+
+        rank, world = mesh.get_local_rank(), mesh.size()
+        for n, p in named:
+            want = shard_rows(p.shape[0], world, rank)[1]
+            if tuple(p._local_tensor.shape) != (want, *p.shape[1:]):
                 raise UnsupportedParallelismError(
-                    f"EVON cannot run under FSDP2 (module {name or type(mod).__name__!r} was fully_shard()-ed"
-                    f"{what}): {hint}"
+                    f"EVON under FSDP2: {n!r} (shape {tuple(p.shape)}) holds local rows "
+                    f"{tuple(p._local_tensor.shape)} on rank {rank}, not torch.chunk's {want}: {hint}"
                 )
-        for name, p in root.named_parameters():
-            if isinstance(p, DTensor):
-                raise UnsupportedParallelismError(
-                    f"EVON cannot train DTensor-sharded parameters (e.g. {name!r}, placements "
-                    f"{getattr(p, 'placements', '?')}): {hint}"
-                )
+    return mesh
 
 
 def _local_gradient_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -369,7 +434,7 @@ def prepare_distributed(
     process_group: Any = None,
     bucket_cap_mb: float = 64.0,
     check_consistency: bool = True,
-    shard: bool = False,
+    shard: bool | None = None,
 ) -> EVON | EVONHandle:
     """Make an EVON optimizer correct under data parallelism; call after ``accelerator.prepare``.
 
@@ -385,6 +450,11 @@ def prepare_distributed(
             shared by all ranks, one noise stream per matrix). Also valid in one process,
             where it is the reference a sharded multi-process run equals. Call it before the
             first ``step()``; ``state_dict()`` then becomes a collective (call it on every rank).
+            None (the default): sharded under FSDP2 (the only way EVON runs there), not under
+            DDP. Under FSDP2 (``fully_shard``; parameters ``Shard(0)`` on one 1-D mesh, whose
+            group is then the data-parallel group) each matrix's owner gathers its rows and
+            gradient and sends the rows of each new mean and sample back
+            (:mod:`hf_evon.optim.fsdp2`); the AdamW part is updated row-wise on every rank.
 
     Returns:
         ``optimizer`` itself (the same object), which now also answers EVON's API
@@ -392,7 +462,8 @@ def prepare_distributed(
         whole loop. ``hf_evon.distributed.unwrap_optimizer`` gives the bare EVON if needed.
 
     Raises:
-        UnsupportedParallelismError: FSDP, FSDP2, DTensor-sharded or DeepSpeed models.
+        UnsupportedParallelismError: FSDP1 or DeepSpeed models; FSDP2 with ``shard=False`` or
+            with another layout than ``Shard(0)`` on one 1-D mesh; DTensors without FSDP2.
         RuntimeError: DDP already has another communication hook.
         TypeError: ``optimizer`` is not EVON.
 
@@ -400,7 +471,9 @@ def prepare_distributed(
     """
     evon = unwrap_optimizer(optimizer)
     handle = as_evon_handle(optimizer)
-    check_supported_parallelism(model)
+    mesh = check_supported_parallelism(model, evon)
+    if mesh is not None:
+        return _prepare_fsdp2(model, evon, handle, mesh, shard)
     ddps = _ddp_modules(model)
     for ddp in ddps:
         if getattr(ddp, _PREPARED_ATTR, False):
@@ -420,6 +493,8 @@ def prepare_distributed(
     if world > 1:
         _sync_seed(evon, process_group, device)
     if shard:
+        if isinstance(evon.sharding, FSDP2Sharding):
+            raise ValueError("this EVON was prepared for FSDP2, but the model given is not fully_shard-ed")
         if evon.sharding is None:
             evon.sharding = EVONSharding(evon, process_group)
             evon.sharding.drop_foreign_state()
@@ -443,6 +518,29 @@ def prepare_distributed(
     return handle
 
 
+def _prepare_fsdp2(model: nn.Module, evon: EVON, handle: Any, mesh: Any, shard: bool | None) -> Any:
+    """``prepare_distributed`` for an FSDP2 model (checked by ``check_supported_parallelism``)."""
+    if shard is False:
+        name = next((n for n, _ in _module_chain(model)[-1].named_parameters()), None)
+        what = f" (parameter {name!r} is a DTensor shard, {mesh.size()} ranks)" if name else ""
+        raise UnsupportedParallelismError(
+            f"EVON under FSDP2 needs its sharded mode{what}: call prepare_distributed with shard=True or "
+            "shard=None (the default), which shards EVON over the FSDP2 mesh"
+        )
+    if evon.sharding is not None:
+        if not isinstance(evon.sharding, FSDP2Sharding):
+            raise ValueError("this EVON was prepared with shard=True under DDP; the model is FSDP2 now")
+        return handle
+    group = mesh.get_group()
+    params = [p for g in evon.param_groups for p in g["params"]]
+    if _world_size(group) > 1:
+        _sync_seed(evon, group, params[0]._local_tensor.device if params else torch.device("cpu"))
+    evon.sharding = FSDP2Sharding(evon, mesh)
+    evon.sharding.drop_foreign_state()
+    evon.gradient_reducer = evon.sharding.reduce_gradients  # also in one process: it gathers rows
+    return handle
+
+
 def check_ranks_in_sync(model: nn.Module, optimizer: Any, group: Any = None) -> None:
     """Raise if any rank's weights or EVON/AdamW state differ bitwise from rank 0's.
 
@@ -452,7 +550,10 @@ def check_ranks_in_sync(model: nn.Module, optimizer: Any, group: Any = None) -> 
     if _world_size(group) == 1:
         return
     evon = unwrap_optimizer(optimizer)
-    named: list[tuple[str, Tensor]] = [(f"param {n}", p) for n, p in model.named_parameters()]
+    # FSDP2 DTensors: each rank holds its own rows by design; the check covers plain tensors
+    named: list[tuple[str, Tensor]] = [
+        (f"param {n}", p) for n, p in model.named_parameters() if not hasattr(p, "placements")
+    ]
     # sharded: each rank holds other state; the weights must still agree
     for gi, g in enumerate(evon.param_groups if evon.sharding is None else []):
         for pi, p in enumerate(g["params"]):

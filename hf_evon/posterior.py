@@ -178,7 +178,7 @@ class EVONPosterior:
             int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
         )
         config["base_model"] = _base_model_name(model)
-        config["model_class"] = type(model).__name__
+        config["model_class"] = _model_class(model).__name__
         covered = {id(p) for _, p, _ in entries}
         points = [p for _, p in named if id(p) not in covered]
         posterior = cls.from_factors(
@@ -685,6 +685,18 @@ def _unwrap_model(model: nn.Module) -> nn.Module:
     while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
         model = model.module
     return model
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass (``FSDP<Name>``)."""
+    cls = type(model)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return cls
+    if issubclass(cls, FSDPModule):
+        return next((b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), cls)
+    return cls
 
 
 def _base_model_name(model: nn.Module) -> str | None:

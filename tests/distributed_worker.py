@@ -193,17 +193,17 @@ def scenario_misuse(accelerator, out: dict) -> None:
 
 
 def scenario_fsdp(accelerator, out: dict) -> None:
-    """(f) FSDP (v1 and FSDP2) must be refused with a clear error."""
+    """(f) FSDP1, and FSDP2 without EVON's sharded mode, must be refused with a clear error."""
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     def fsdp1() -> None:
         model = FullyShardedDataParallel(tiny_gpt2().float(), device_id=torch.device("cpu"))
         prepare_distributed(model, build_optimizer(model, ess=100.0))
 
-    def fsdp2() -> None:
+    def fsdp2() -> None:  # supported in EVON's sharded mode only (tests/test_fsdp2.py)
         model = tiny_gpt2().float()
         fully_shard(model)
-        prepare_distributed(model, build_optimizer(model, ess=100.0))
+        prepare_distributed(model, build_optimizer(model, ess=100.0), shard=False)
 
     expect_error(out, "error_fsdp1", fsdp1)
     expect_error(out, "error_fsdp2", fsdp2)

@@ -161,6 +161,11 @@ def derived_seed(seed: int, *labels: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
+def _is_dtensor(p: Tensor) -> bool:
+    """Whether ``p`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallelism)."""
+    return type(p).__name__ == "DTensor" and hasattr(p, "placements")
+
+
 def state_dtype(param: Tensor) -> torch.dtype:
     """Float32 for every parameter dtype, except float64 parameters keep float64."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -592,6 +597,12 @@ class EVON(Optimizer):
             if group["algorithm"] != "evon":
                 continue
             for p in group["params"]:
+                if self.sharding is None and _is_dtensor(p):
+                    raise RuntimeError(
+                        f"EVON cannot train the DTensor {self._param_label(p)} as a plain tensor: under "
+                        "FSDP2 (fully_shard) call hf_evon.prepare_distributed(model, optimizer) before the "
+                        "first sampled_params()/step() (it shards EVON over the mesh)"
+                    )
                 m, n = matrix_shape(p.shape)
                 left, right = preconditioned_sides(
                     tuple(p.shape), group["max_precond_dim"], group["identity_basis"]
@@ -603,7 +614,7 @@ class EVON(Optimizer):
         built = list(buckets.values())
         self._assign_refresh_phases(built)  # over every member: the schedule is the same sharded or not
         if self.sharding is not None:  # keep (and allocate state for) only this rank's members
-            built = [b.subset_params(self.sharding.owned_members(b)) for b in built]
+            built = [self.sharding.owned_bucket(b) for b in built]
             built = [b for b in built if b.params]
         for b in built:
             self._stack_state(b)
@@ -620,8 +631,11 @@ class EVON(Optimizer):
         for group in self.param_groups:
             if group["algorithm"] != "evon" or group["ess"] != AUTO_ESS:
                 continue
-            sq = [p.detach().float().square().sum() for p in group["params"]]
-            total = torch.stack(sq).cpu() if sq else torch.zeros(0)
+            if self.sharding is not None:  # FSDP2: the owners' full matrices (a collective)
+                total = self.sharding.square_sums(group["params"])
+            else:
+                sq = [p.detach().float().square().sum() for p in group["params"]]
+                total = torch.stack(sq).cpu() if sq else torch.zeros(0)
             sizes = [p.numel() for p in group["params"]]
             nonzero = [(float(t), n) for t, n in zip(total.tolist(), sizes) if t > 0.0]
             if nonzero:
@@ -656,7 +670,7 @@ class EVON(Optimizer):
     def _stack_state(self, b: _Bucket) -> None:
         """Move per-parameter state into stacked storage; per-parameter entries become views."""
         device, dt = b.params[0].device, b.dtype
-        first = self.state[b.params[0]]
+        first = self._member_state(b.params[0])
         step = first.get("step", torch.zeros((), dtype=torch.float32)).detach().clone().cpu()
         fresh = {
             "hess": lambda: torch.full((b.m, b.n), b.group["hess_init"], device=device, dtype=dt),
@@ -664,16 +678,21 @@ class EVON(Optimizer):
         }
         keys = list(fresh) + [k for k in ("L", "R", "Q_L", "Q_R") if k in first]
         for k in keys:
-            per_param = [self.state[p].get(k) for p in b.params]
+            per_param = [self._member_state(p).get(k) for p in b.params]
             if any(x is None for x in per_param) and k not in fresh:
                 raise ValueError(f"EVON state {k!r} is missing for some parameters of shape {(b.m, b.n)}")
             b.state[k] = torch.stack([fresh[k]() if x is None else x.to(device, dt) for x in per_param])
         b.state["step"] = step
         for i, p in enumerate(b.params):
-            st = self.state[p]
+            st = self._member_state(p)
             for k in keys:
                 st[k] = b.state[k][i]
             st["step"] = step
+
+    def _member_state(self, p: Tensor) -> dict[str, Any]:
+        """``self.state`` of a bucket member (under FSDP2 the member is the owner's full copy
+        of a DTensor parameter, whose state is kept under the DTensor)."""
+        return self.state[p if self.sharding is None else self.sharding.model_param(p)]
 
     @property
     def buckets(self) -> list[_Bucket]:
@@ -709,6 +728,8 @@ class EVON(Optimizer):
         ok = False
         try:
             with torch.no_grad():
+                if self.sharding is not None:  # FSDP2: the owners' copies of the weights up to date
+                    self.sharding.before_sample()
                 for b in self.buckets:
                     if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
                         perturbed.append(b)  # before the draw: an error inside still restores it
@@ -837,6 +858,8 @@ class EVON(Optimizer):
         if self._in_sample:
             raise RuntimeError("step() called inside a sampled_params() block")
         self.synchronize()
+        if self.sharding is not None:  # FSDP2: the owners gather the step's (clipped) gradients
+            self.sharding.before_step()
         needs_samples = [b for b in self.buckets if b.noisy_phase()]
         if needs_samples and self._samples == 0:
             raise RuntimeError(
@@ -908,10 +931,14 @@ class EVON(Optimizer):
                 params = [p for p in params if self.sharding.owns(p)]
             if not params:
                 continue
-            g_list = [p.grad for p in params]
+            states = [self.state[p] for p in params]
+            if self.sharding is not None:  # FSDP2: each rank's own rows (local shards)
+                params, g_list = self.sharding.adamw_tensors(params)
+            else:
+                g_list = [p.grad for p in params]
             if num_samples > 1:
                 g_list = torch._foreach_div(g_list, num_samples)
-            out[gi] = (params, g_list, [self.state[p] for p in params])
+            out[gi] = (params, g_list, states)
         return out
 
     def _plan(self, b: _Bucket, num_samples: int) -> _Plan | None:
@@ -994,6 +1021,8 @@ class EVON(Optimizer):
         return False
 
     def _param_label(self, p: Tensor) -> str:
+        if self.sharding is not None:  # FSDP2: a bucket member stands for its DTensor
+            p = self.sharding.model_param(p)
         for gi, group in enumerate(self.param_groups):
             for i, q in enumerate(group["params"]):
                 if q is p:
@@ -1006,7 +1035,10 @@ class EVON(Optimizer):
         """What made the step non-finite, naming the parameter (slow; only after a failed check)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                g = p.grad
+                if g is not None and _is_dtensor(g):  # FSDP2: this rank's rows (no collective)
+                    g = g._local_tensor
+                if g is not None and not bool(torch.isfinite(g).all()):
                     return f"non-finite gradient in {self._param_label(p)}"
         for plan in plans:
             if plan.hess is not None:
@@ -1145,7 +1177,7 @@ class EVON(Optimizer):
         for i, p in enumerate(b.params):
             for k in keys:
                 if k in b.state:
-                    self.state[p][k] = b.state[k][i]
+                    self._member_state(p)[k] = b.state[k][i]
 
     @staticmethod
     def _adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
@@ -1174,6 +1206,8 @@ class EVON(Optimizer):
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[_Bucket, int]:
+        if self.sharding is not None:  # FSDP2: a DTensor's bucket member is its owner's full copy
+            p = self.sharding.bucket_param(p)
         if self._buckets is None or self._bucket_index is None:
             self._bucket_index = {id(q): (b, i) for b in self.buckets for i, q in enumerate(b.params)}
         if id(p) not in self._bucket_index:

@@ -25,6 +25,9 @@ concatenated batch, so a run on W ranks with batch b per rank equals (to roundin
 sharded run (``shard=True`` in a single process: world 1, the reference) with batch W·b and the
 same seed. Non-sharded DDP instead gives each rank its own noise (W samples per step).
 
+Under FSDP2 (``fully_shard``), :class:`hf_evon.optim.fsdp2.FSDP2Sharding` extends this class:
+the same ownership, noise streams and checkpoint format, with the matrices' rows exchanged.
+
 Checkpoints: ``state_dict()`` is a collective that returns the *full* state on every rank
 (the same format as a non-sharded optimizer's); ``load_state_dict`` keeps only this rank's
 part. Every rank must call ``state_dict()`` (the Trainer integration does); posteriors
@@ -103,6 +106,7 @@ class EVONSharding:
         self.world = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self.params: list[Tensor] = []
+        ranked: list[Tensor] = []  # the parameters ownership is assigned for
         costs: list[float] = []
         self.index: dict[int, int] = {}  # id(param) -> position among EVON params (noise stream)
         seen: set[int] = set()
@@ -114,9 +118,12 @@ class EVONSharding:
                 if g["algorithm"] == "evon":
                     self.index[id(p)] = len(self.index)
                 self.params.append(p)
-                costs.append(parameter_cost(p, g))
+                if not self._every_rank_owns(p, g):
+                    ranked.append(p)
+                    costs.append(parameter_cost(p, g))
         owners = assign_owners(costs, self.world)
-        self.owner: dict[int, int] = {id(p): r for p, r in zip(self.params, owners)}
+        # a parameter missing here is owned by every rank (its own part of it: FSDP2's AdamW shards)
+        self.owner: dict[int, int] = {id(p): r for p, r in zip(ranked, owners)}
         self._means: list[tuple[Tensor, Tensor]] = []  # non-owned sampled params' means
         self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per matrix
         self._averager: Any = None
@@ -125,11 +132,42 @@ class EVONSharding:
         # both caches hold until the state changes (step, load): see prefetch()
 
     # ------------------------------------------------------------- ownership
+    def _every_rank_owns(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p`` is left out of the assignment, each rank owning its own part of it."""
+        return False
+
     def owns(self, p: Tensor) -> bool:
         return self.owner.get(id(p), self.rank) == self.rank
 
     def owned_members(self, b: _Bucket) -> list[int]:
         return [i for i, p in enumerate(b.params) if self.owns(p)]
+
+    def owned_bucket(self, b: _Bucket) -> _Bucket:
+        """The bucket of this rank's members (``EVON._build_buckets``' filter)."""
+        return b.subset_params(self.owned_members(b))
+
+    def bucket_param(self, p: Tensor) -> Tensor:
+        """The tensor that stands for ``p`` in this rank's buckets (``p`` itself under DDP)."""
+        return p
+
+    def model_param(self, q: Tensor) -> Tensor:
+        """The optimizer's parameter a bucket member stands for (inverse of ``bucket_param``)."""
+        return q
+
+    def square_sums(self, params: list[Tensor]) -> Tensor:
+        """``Σ p²`` (float32, on the CPU) of each parameter, for ``ess="auto"``."""
+        sq = [p.detach().float().square().sum() for p in params]
+        return torch.stack(sq).cpu() if sq else torch.zeros(0)
+
+    def before_sample(self) -> None:
+        """At a ``sampled_params`` block's entry, before any draw (nothing to do under DDP)."""
+
+    def before_step(self) -> None:
+        """In ``step()``, after ``synchronize()`` (nothing to do under DDP)."""
+
+    def adamw_tensors(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """The tensors AdamW updates for ``params`` and their gradients."""
+        return params, [p.grad for p in params]
 
     def _src(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r

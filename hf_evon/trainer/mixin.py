@@ -52,9 +52,14 @@ What the trainer does differently from ``transformers.Trainer``:
   ``load_best_model_at_end`` the best checkpoint's posterior comes back with its weights.
 * **Data parallelism.** After the Trainer wraps the model, ``hf_evon.prepare_distributed`` makes
   EVON correct under DDP (per-rank noise, gradients and Hessian numerators averaged once per
-  step by ``EVON.synchronize``); FSDP and DeepSpeed are not supported. ``evon_shard=True``
+  step by ``EVON.synchronize``); FSDP1 and DeepSpeed are not supported. ``evon_shard=True``
   shards EVON's state and work over the ranks (:mod:`hf_evon.optim.sharding`); checkpoints
-  and posteriors are gathered to the unsharded format first.
+  and posteriors are gathered to the unsharded format first. Under FSDP2 (``fsdp`` with
+  ``fsdp_config={"fsdp_version": 2}``, which accelerate enables on GPUs/accelerators only)
+  EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`); that path is untested here
+  (no GPU), resuming it from a Trainer checkpoint is refused (torch's distributed checkpoint
+  does not fit EVON's per-matrix state), and on CPU processes the ``fsdp`` arguments raise
+  instead of silently running DDP.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
@@ -343,15 +348,31 @@ class EVONTrainerMixin:
 
         Under DDP each rank must keep its own gradients while sampling (its Hessian estimate needs
         them): ``prepare_distributed`` stops DDP's averaging and lets ``EVON.synchronize`` reduce
-        gradients and Hessian numerators once per step. In one process it only checks the model
-        (FSDP/DeepSpeed are refused with a clear error).
+        gradients and Hessian numerators once per step. Under FSDP2 (``fsdp`` with
+        ``fsdp_config={"fsdp_version": 2}``) it shards EVON over the FSDP2 mesh. In one process
+        it only checks the model (FSDP1/DeepSpeed are refused with a clear error).
         """
+        if self._fsdp_requested_without_plugin():
+            from ..distributed import UnsupportedParallelismError
+
+            raise UnsupportedParallelismError(
+                "the Trainer's fsdp arguments are set, but accelerate did not enable FSDP (distributed "
+                f"type {self.accelerator.state.distributed_type}): accelerate enables its FSDP plugin on "
+                "GPUs and other accelerators only, not on CPU processes, so this run would silently be "
+                "plain DDP. On CPUs drop fsdp/fsdp_config (DDP; evon_shard=True shards EVON's state and "
+                "work), or shard the model yourself with torch.distributed.fsdp.fully_shard and a plain "
+                "training loop (hf_evon.prepare_distributed supports FSDP2 on CPU/gloo)"
+            )
         model, train_dataloader = super()._prepare_for_training(
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
-            prepare_distributed(model, self.optimizer, shard=self.args.evon_shard)
+            prepare_distributed(model, self.optimizer, shard=True if self.args.evon_shard else None)
         return model, train_dataloader
+
+    def _fsdp_requested_without_plugin(self) -> bool:
+        """Whether ``fsdp`` was asked for but accelerate runs without its FSDP plugin (CPUs)."""
+        return bool(self.args.fsdp) and getattr(self.accelerator.state, "fsdp_plugin", None) is None
 
     def _gather_sharded_state(self) -> None:
         """With ``evon_shard``: gather the optimizer state and posterior on every rank, so the
@@ -359,6 +380,27 @@ class EVONTrainerMixin:
         opt = self.evon_optimizer
         if opt is not None and opt.sharding is not None:
             opt.sharding.prefetch()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's, except under FSDP2 with sharded EVON, where it would fail obscurely.
+
+        Why refused: the Trainer resumes FSDP2 optimizers through torch's distributed checkpoint
+        (``set_optimizer_state_dict``), which expects per-parameter state shaped (or sharded)
+        like the parameters and initialises an empty optimizer by a ``step()`` without samples;
+        EVON's per-matrix state (``L``, ``R``, bases) held by one owner fits neither (a CPU check
+        with torch 2.13 fails with a KeyError).
+        """
+        opt = self.evon_optimizer
+        if checkpoint is not None and opt is not None and getattr(opt.sharding, "fsdp2", False):
+            from ..distributed import UnsupportedParallelismError
+
+            raise UnsupportedParallelismError(
+                "EVONTrainer cannot resume an FSDP2 run from a Trainer checkpoint: the Trainer loads FSDP2 "
+                "optimizer state through torch.distributed.checkpoint, which EVON's per-matrix state does not "
+                "fit. Resume with a plain loop instead: optimizer.state_dict() (a collective, every rank) saves "
+                "the unsharded state and optimizer.load_state_dict() restores it exactly"
+            )
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         self._gather_sharded_state()

@@ -1,0 +1,276 @@
+"""Sharded EVON under FSDP2 (``fully_shard``) on 1, 2 and 3 CPU processes (gloo).
+
+``tests/fsdp2_worker.py`` trains a tiny float64 model whose matrices (7 and 11 rows) split
+unevenly over the ranks, each layer and the root ``fully_shard``-ed; world 1 also trains the
+reference: the same model without FSDP2, one process, ``prepare_distributed(shard=True)``
+(the noise semantics sharded runs share: one sample, one stream per matrix), whole batch.
+The checks recompute what they compare from shapes and files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_evon import EVONPosterior, build_optimizer
+from hf_evon.optim.fsdp2 import shard_rows
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "fsdp2_worker.py")
+TRAINER_WORKER = os.path.join(HERE, "fsdp2_trainer_worker.py")
+spec = importlib.util.spec_from_file_location("fsdp2_worker", WORKER)
+worker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(worker)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, out: str, script: str = WORKER) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
+    cmd += ["--master_port", str(_free_port()), script, out]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+    out = {}
+    for world in (1, 2, 3):
+        d = str(tmp_path_factory.mktemp(f"fsdp2_world{world}"))
+        launch(world, d)
+        out[world] = (
+            d,
+            [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)],
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(runs) -> dict:
+    return runs[1][1][0]["reference"]
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-300)) for k in a)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_step_and_sample_equal_the_single_process_run(runs, ref, world: int) -> None:
+    assert len(ref["trace"]) == worker.STEPS and len(ref["samples"]) == worker.STEPS
+    assert max(ref["norms"]) > worker.MAX_NORM  # the clipping between samples and step binds
+    for r in runs[world][1]:
+        run = r["fsdp2"]
+        assert len(run["trace"]) == worker.STEPS and len(run["samples"]) == worker.STEPS
+        for a, b in zip(ref["samples"], run["samples"]):  # each step's first sample, full weights
+            assert _max_rel(a, b) <= 1e-6
+        for a, b in zip(ref["trace"], run["trace"]):
+            assert _max_rel(a, b) <= 1e-6
+    # the comparison is of moved values: the noise perturbs, the steps train
+    assert _max_rel(ref["samples"][-1], ref["trace"][-2]) > 1e-3
+    assert _max_rel(ref["trace"][-1], worker.net().state_dict()) > 1e-3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_sample_per_step_with_and_without_clipping_equals_the_single_process_run(
+    runs, ref, world
+) -> None:
+    assert len(ref["single"]) == worker.STEPS
+    for r in runs[world][1]:
+        for a, b in zip(ref["single"], r["fsdp2"]["single"], strict=True):
+            assert _max_rel(a, b) <= 1e-6
+    assert _max_rel(ref["single"][-1], ref["trace"][-1]) > 1e-3  # another run than the 2-sample one
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_see_bitwise_identical_weights(runs, world: int) -> None:
+    ranks = [r["fsdp2"] for r in runs[world][1]]
+    for r in ranks[1:]:
+        for key in ("trace", "samples"):
+            for a, b in zip(ranks[0][key], r[key]):
+                assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_resume_from_the_gathered_state_dict_is_bit_for_bit(runs, world: int) -> None:
+    for r in runs[world][1]:
+        run = r["fsdp2"]
+        final = run["trace"][-1]
+        assert all(torch.equal(final[k], run["resumed"][k]) for k in final)
+        a, b = run["full_state"]["state"], run["resumed_state"]["state"]
+        assert a.keys() == b.keys() and len(a) == 11
+        for i in a:
+            assert all(torch.equal(a[i][k], b[i][k]) for k in a[i])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_state_dict_is_the_single_process_one(runs, ref, world: int) -> None:
+    want = ref["full_state"]
+    for r in runs[world][1]:
+        sd = r["fsdp2"]["full_state"]
+        assert sd["param_groups"] == want["param_groups"]
+        assert sd["evon"] == want["evon"]
+        assert sd["state"].keys() == want["state"].keys()
+        for i, st in want["state"].items():  # AdamW rows gathered to whole tensors too
+            assert st.keys() == sd["state"][i].keys()
+            for k, v in st.items():
+                assert sd["state"][i][k].shape == v.shape
+                torch.testing.assert_close(sd["state"][i][k], v, rtol=1e-6, atol=1e-12)
+
+
+def _optimizer_order() -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) in the optimizer's order; EVON trains the ``layers.*.weight``."""
+    model = worker.net()
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    opt = build_optimizer(model, adamw_patterns=[r"^emb\."], **worker.HP)
+    return [(name_of[id(p)], p) for g in opt.param_groups for p in g["params"]]
+
+
+def _is_evon(name: str) -> bool:
+    return name.startswith("layers.") and name.endswith("weight")
+
+
+def _expected_state_bytes(world: int, rank: int, owned: list[bool]) -> int:
+    """From shapes alone: a 7x7 float64 EVON matrix holds hess, exp_avg, L, R, Q_L, Q_R (plus a
+    float32 step per bucket held); AdamW tensors (the embedding, every bias) hold exp_avg and
+    exp_avg_sq of this rank's rows only, and a float32 step."""
+    total, evon = 0, False
+    for (name, p), mine in zip(_optimizer_order(), owned, strict=True):
+        if _is_evon(name):
+            if mine:
+                total += 6 * p.numel() * 8
+                evon = True
+        else:
+            assert mine  # every rank owns its rows of every AdamW tensor
+            rows = shard_rows(p.shape[0], world, rank)[1]
+            total += 2 * rows * (p.numel() // p.shape[0]) * 8 + 4
+    return total + 4 * evon
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_rank_holds_only_its_share_of_the_state(runs, ref, world: int) -> None:
+    total = ref["state_bytes"]
+    assert total == _expected_state_bytes(1, 0, [True] * 11)
+    ranks = [r["fsdp2"] for r in runs[world][1]]
+    for i, (name, _) in enumerate(_optimizer_order()):
+        owners = sum(r["owned"][i] for r in ranks)
+        assert owners == (1 if _is_evon(name) else world)  # one owner per matrix; AdamW: rows
+    for rank, r in enumerate(ranks):
+        assert r["state_bytes"] == _expected_state_bytes(world, rank, r["owned"])
+        assert r["state_bytes"] <= 1.2 * total / world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_posterior_equals_the_single_process_one(runs, ref, world: int) -> None:
+    a = EVONPosterior.from_pretrained(os.path.join(runs[1][0], "posterior_reference"))
+    b = EVONPosterior.from_pretrained(os.path.join(runs[world][0], "posterior_fsdp2"))  # loads in one process
+    drop = {"checkpoint_id"}
+    assert {k: v for k, v in b.config.items() if k not in drop} == {
+        k: v for k, v in a.config.items() if k not in drop
+    }
+    ta, tb = a.to_tensors(), b.to_tensors()
+    assert ta.keys() == tb.keys() and len(ta) > 0
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-6, atol=1e-12)
+    model_a, model_b = worker.net(), worker.net()
+    with a.sampled(model_a, seed=3), b.sampled(model_b, seed=3):  # the same draws from the same seed
+        for (n, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
+            torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-12, msg=n)
+    for r in runs[world][1]:  # posterior_std answers on every rank, for every matrix
+        assert r["fsdp2"]["std"].keys() == ref["std"].keys() == {"layers.0.weight"}
+        assert _max_rel(ref["std"], r["fsdp2"]["std"]) <= 1e-6
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_health_statistics_pool_every_ranks_share(runs, ref, world: int) -> None:
+    assert ref["health"] and "noise_to_signal" in ref["health"]
+    for r in runs[world][1]:
+        h = r["fsdp2"]["health"]
+        assert h.keys() == ref["health"].keys()
+        for k, v in ref["health"].items():
+            assert h[k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_fsdp2_checkpoint_resumes_in_one_process_without_fsdp(runs, ref, world: int) -> None:
+    ckpt = torch.load(os.path.join(runs[world][0], "checkpoint_fsdp2.pt"), weights_only=True)
+    model, opt = worker.make(None)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+    worker.train(model, opt, worker.RESUME_AT, worker.STEPS, 0, 1)
+    assert _max_rel(ref["trace"][-1], dict(model.named_parameters())) <= 1e-6
+
+
+def test_bad_setups_are_refused_naming_the_parameter(runs) -> None:
+    for r in runs[2][1]:
+        assert "refusals_crash" not in r, r.get("refusals_crash")
+        e = r["refusals"]
+        unsupported = "UnsupportedParallelismError: "
+        assert e["dim1"].startswith(unsupported) and "'0.weight'" in e["dim1"] and "Shard(0)" in e["dim1"]
+        assert "Shard(dim=1)" in e["dim1"]
+        assert (
+            e["hsdp"].startswith(unsupported)
+            and "1-D device mesh" in e["hsdp"]
+            and "'emb.weight'" in e["hsdp"]
+        )
+        assert e["mixed"].startswith(unsupported) and "one device mesh" in e["mixed"]
+        assert "'layers.2.weight'" in e["mixed"]
+        assert e["partly"].startswith(unsupported) and "'emb.weight' is a plain tensor" in e["partly"]
+        assert e["unsharded_mode"].startswith(unsupported) and "shard=True" in e["unsharded_mode"]
+        assert "parameter 'emb.weight'" in e["unsharded_mode"]
+        assert e["not_prepared"].startswith("RuntimeError") and "prepare_distributed" in e["not_prepared"]
+        assert "layers.0.weight" in e["not_prepared"]
+        assert e["fsdp1"].startswith(unsupported) and "FSDP1" in e["fsdp1"] and "fully_shard" in e["fsdp1"]
+
+
+def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(tmp_path) -> None:
+    """accelerate enables its FSDP plugin on GPUs/accelerators only: on 2 CPU processes the
+    Trainer's fsdp arguments would give plain DDP; EVONTrainer says so before any step."""
+    launch(2, str(tmp_path), TRAINER_WORKER)
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"trainer_rank{rank}.txt")) as f:
+            msg = f.read()
+        assert msg.startswith("UnsupportedParallelismError: ") and "accelerate did not enable FSDP" in msg
+        assert "MULTI_CPU" in msg and "fully_shard" in msg
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int) -> None:
+    for rank, r in enumerate(runs[world][1]):
+        nf = r["nonfinite"]
+        assert nf["skipped"] == 1 and nf["unchanged"]
+        assert len(nf["messages"]) == 1 and "the step was skipped" in nf["messages"][0]
+        if rank == world - 1:  # the rank holding the NaN row names the matrix
+            assert "layers.3.weight" in nf["messages"][0]
+
+
+def test_trainer_refuses_to_resume_fsdp2_sharded_evon_through_dcp(tmp_path) -> None:
+    """The GPU-only Trainer + FSDP2 path cannot resume EVON through torch's distributed
+    checkpoint: EVONTrainer says so (the sharding object stands in for a real FSDP2 one)."""
+    from datasets import Dataset
+
+    from hf_evon import EVONConfig, EVONTrainer
+    from hf_evon.distributed import UnsupportedParallelismError
+    from hf_evon.optim.fsdp2 import FSDP2Sharding
+
+    model = torch.nn.Linear(4, 4)
+    args = EVONConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1)
+    data = Dataset.from_dict({"x": [[0.0] * 4]})
+    trainer = EVONTrainer(model=model, args=args, train_dataset=data)
+    trainer.create_optimizer()
+    trainer.evon_optimizer.sharding = object.__new__(FSDP2Sharding)
+    with pytest.raises(UnsupportedParallelismError, match="cannot resume an FSDP2 run"):
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+    trainer.evon_optimizer.sharding = None  # not FSDP2: the Trainer's own (nothing to load here)
+    trainer._load_optimizer_and_scheduler(None)
