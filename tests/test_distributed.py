@@ -21,6 +21,7 @@ import time
 import pytest
 import torch
 from conftest import plain_evon
+from launcher import free_port, worker_env
 
 from hf_evon import build_optimizer, prepare_distributed
 from hf_evon.distributed import RankAverager, UnsupportedParallelismError, unwrap_optimizer
@@ -56,24 +57,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         WORKER,
         str(out),
     ]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
+    env = worker_env()
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     print(f"2-process worker: {time.time() - start:.1f}s")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_gradients(weights: dict, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from launcher import rank_results, torchrun
 
 from hf_evon import EVONPosterior, build_optimizer
 from hf_evon.optim.fsdp2 import shard_rows
@@ -29,30 +27,12 @@ worker = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(worker)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, out: str, script: str = WORKER) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-    cmd += ["--master_port", str(_free_port()), script, out]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
     out = {}
     for world in (1, 2, 3):
         d = str(tmp_path_factory.mktemp(f"fsdp2_world{world}"))
-        launch(world, d)
-        out[world] = (
-            d,
-            [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)],
-        )
+        out[world] = (d, rank_results(world, WORKER, d))
     return out
 
 
@@ -237,7 +217,7 @@ def test_bad_setups_are_refused_naming_the_parameter(runs) -> None:
 def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(tmp_path) -> None:
     """accelerate enables its FSDP plugin on GPUs/accelerators only: on 2 CPU processes the
     Trainer's fsdp arguments would give plain DDP; EVONTrainer says so before any step."""
-    launch(2, str(tmp_path), TRAINER_WORKER)
+    torchrun(2, TRAINER_WORKER, str(tmp_path))
     for rank in range(2):
         with open(os.path.join(tmp_path, f"trainer_rank{rank}.txt")) as f:
             msg = f.read()

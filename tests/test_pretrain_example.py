@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from launcher import free_port, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_lm.py")
@@ -20,27 +21,19 @@ TINY = [
 
 
 def run(args: list[str], processes: int = 1) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    env = worker_env()
     if processes == 1:
         cmd = [sys.executable, SCRIPT, *args]
     else:
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port()), SCRIPT, *args,
+            "--main_process_port", str(free_port()), SCRIPT, *args,
         ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from launcher import rank_results, torchrun
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
@@ -29,30 +27,12 @@ worker = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(worker)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, out: str, script: str = WORKER) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-    cmd += ["--master_port", str(_free_port()), script, out]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
     out = {}
     for world in (1, 2, 3):
         d = str(tmp_path_factory.mktemp(f"world{world}"))
-        launch(world, d)
-        out[world] = (
-            d,
-            [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)],
-        )
+        out[world] = (d, rank_results(world, WORKER, d))
     return out
 
 
@@ -202,7 +182,7 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[st
     out = {}
     for world in (1, 2):
         d = str(tmp_path_factory.mktemp(f"trainer{world}"))
-        launch(world, d, TRAINER_WORKER)
+        torchrun(world, TRAINER_WORKER, d)
         out[world] = (d, [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)])
     return out
 

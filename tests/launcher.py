@@ -1,0 +1,37 @@
+"""Launching multi-process CPU (gloo) workers from the tests: one helper for every such test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict[str, str]:
+    """CPU only, one thread per process, the repository importable."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(TESTS))
+
+
+def torchrun(world: int, script: str, *args: str) -> None:
+    """Run ``script args`` in ``world`` processes (``torch.distributed.run``); fail with its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
+    cmd += ["--master_port", str(free_port()), script, *args]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def rank_results(world: int, script: str, out: str) -> list[dict]:
+    """Run a worker that saves ``rank{r}.pt`` under ``out``, and load what each rank saved."""
+    torchrun(world, script, out)
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
