@@ -146,12 +146,7 @@ class FSDP2Sharding(EVONSharding):
             cols = {id(p): p.numel() // max(p.shape[0], 1) for p in mine}
             recv_sizes = [sum(self._rows(p, r)[1] * cols[id(p)] for p in mine) for r in range(self.world)]
             device = local[0].device
-            flat_in = torch.cat(send) if send else torch.empty(0, dtype=ps[0].dtype, device=device)
-            flat_out = torch.empty(sum(recv_sizes), dtype=ps[0].dtype, device=device)
-            if self.world > 1:
-                dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=self.group)
-            else:
-                flat_out.copy_(flat_in)
+            flat_out = self._all_to_all(send, send_sizes, recv_sizes, ps[0].dtype, device)
             full = {id(p): torch.empty(p.shape, dtype=p.dtype, device=device) for p in mine}
             dst, src, pos = [], [], 0
             for r in range(self.world):
@@ -166,6 +161,23 @@ class FSDP2Sharding(EVONSharding):
                 torch._foreach_copy_(dst, src)
             out.update(full)
         return out
+
+    def _all_to_all(
+        self,
+        send: list[Tensor],
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        dtype: torch.dtype,
+        device: Any,
+    ) -> Tensor:
+        """One ``all_to_all_single`` of the flattened pieces (``send_sizes[r]`` elements to rank r)."""
+        flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
+        flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        if self.world > 1:
+            dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=self.group)
+        else:
+            flat_out.copy_(flat_in)
+        return flat_out
 
     def _from_owners(self, params: list[Tensor]) -> None:
         """Every rank's local shard of ``params`` gets its rows of the owner's full copy."""
@@ -187,12 +199,7 @@ class FSDP2Sharding(EVONSharding):
                     if self.owner[id(p)] == r:
                         recv_sizes[r] += _local(p).numel()
                         order.append(p)
-            flat_in = torch.cat(send) if send else torch.empty(0, dtype=ps[0].dtype, device=device)
-            flat_out = torch.empty(sum(recv_sizes), dtype=ps[0].dtype, device=device)
-            if self.world > 1:
-                dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=self.group)
-            else:
-                flat_out.copy_(flat_in)
+            flat_out = self._all_to_all(send, send_sizes, recv_sizes, ps[0].dtype, device)
             targets = [_local(p) for p in order]
             pieces = flat_out.split([t.numel() for t in targets])
             pairs = [(t, v.view(t.shape)) for t, v in zip(targets, pieces) if t.numel()]
