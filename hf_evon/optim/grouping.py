@@ -26,7 +26,8 @@ from .recipes import recipe_kwargs
 # the same way step after step, where AdamW moves the full rate per step (EVON's sign-like steps
 # are sized for the 0.2·rate RMS of noisy gradients). Measured in benchmarks/payoff.py (MiniLM,
 # seed 0): LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full
-# fine-tuning with the head at 1x: accuracy 0.79 but NLL 1.23 (ECE 0.48, far too unconfident).
+# fine-tuning (step ratio 0.2) with the head at 1x: NLL 1.23, at 5x 1.15; with the fine-tuning
+# step ratio 0.5 and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660.
 ADAPTER_LR_SCALE = 5.0
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 # transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
