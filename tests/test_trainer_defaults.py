@@ -180,6 +180,16 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.0125]
     assert fast == [["classifier.weight"]]
 
+    # from_config of the checkpoint's config: its name is in the config, but the weights are new
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    built = AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(tmp_path / "pretrained")
+    )
+    assert built.config._name_or_path == str(tmp_path / "pretrained")
+    fresh = EVONTrainer(model=built, args=EVONConfig(**args), train_dataset=data)
+    assert fresh.args.learning_rate == 1e-3 and _rates(fresh) == {"evon": {0.02}, "adamw": {1e-3}}
+
     lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"])
     adapter = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data, peft_config=lora)
     assert adapter.args.learning_rate == 1e-3  # PEFT trains adapters (and the new head) from scratch

@@ -36,10 +36,18 @@ _TASK_HEAD = re.compile(r"(^|\.)(classifier|pre_classifier|score|qa_outputs)(\.|
 
 
 def pretrained_name(model: nn.Module) -> str:
-    """The checkpoint a (PEFT-wrapped) transformers model was loaded from; "" if built from a config."""
+    """The checkpoint a (PEFT-wrapped) transformers model's weights were loaded from; "" if built
+    from a config. ``from_config`` of a downloaded config keeps the checkpoint's name in
+    ``config._name_or_path`` but starts from scratch: loaded weights are told apart by what
+    ``from_pretrained`` leaves on the model (transformers 5 records ``_weight_conversions``; every
+    version returns it in eval mode, where a newly built model is in training mode)."""
     config = getattr(model, "config", None)  # PEFT models answer with their base model's config
     name = getattr(config, "_name_or_path", "") if config is not None else ""
-    return name if isinstance(name, str) else ""
+    if not isinstance(name, str) or not name:
+        return ""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    loaded = getattr(base, "_weight_conversions", None) is not None or not base.training
+    return name if loaded else ""
 
 
 def is_full_finetuning(model: nn.Module) -> bool:
