@@ -261,7 +261,7 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
         {"evon_recipe": args.evon_recipe}
         if args.evon_recipe
         else dict(
-            evon_learning_rate=args.evon_lr * lr_factor, evon_ess=args.evon_ess, evon_hess_init=args.evon_hess_init,
+            evon_learning_rate=args.evon_lr * lr_factor, evon_ess=args.evon_ess or "auto", evon_hess_init=args.evon_hess_init,
             evon_clip=args.evon_clip, evon_clip_radius=args.evon_clip_radius, evon_weight_decay=args.evon_weight_decay,
         )
     )  # fmt: skip
@@ -324,7 +324,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--evon-ess", type=float, default=1e6,
-        help="effective sample size ζ (None/0: the training-set size); the paper's CLIP runs use 1e7..1e10",
+        help="effective sample size ζ (0: 'auto', the package default: initial noise 5%% of the weights' RMS); the paper's CLIP runs use 1e7..1e10",
     )  # fmt: skip
     p.add_argument(
         "--evon-recipe",
