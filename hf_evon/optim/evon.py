@@ -827,7 +827,9 @@ class EVON(Optimizer):
         if self.sharding is not None:
             return self.sharding.standard_normal(b)
         device = b.params[0].device
-        return torch.randn(len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype)
+        return torch.randn(
+            len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype
+        )
 
     def current_noise(self, p: Tensor) -> Tensor:
         """The rotated-space draw ``E`` (shaped m×n) of the sample now in ``p`` (for tests)."""
