@@ -345,6 +345,9 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
 
 
+_CARD_TMP = re.compile(r"\.README\.md\.[0-9a-f]{32}\.tmp")
+
+
 def save_model_card(
     directory: str | os.PathLike,
     posterior: Any,
@@ -380,7 +383,12 @@ def save_model_card(
         with open(path, encoding="utf-8") as fh:
             existing = ModelCard(fh.read(), ignore_metadata_errors=True)
         card = update_model_card(existing, fresh, optimizer)
-    tmp = os.path.join(os.path.dirname(path), f".README.md.{uuid.uuid4().hex}.tmp")
+    folder = os.path.dirname(path)
+    for name in os.listdir(folder):  # left by a write that was killed before its os.replace
+        if _CARD_TMP.fullmatch(name):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, name))
+    tmp = os.path.join(folder, f".README.md.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8", newline="") as fh:
             fh.write(str(card))

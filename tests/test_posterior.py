@@ -1050,7 +1050,10 @@ def test_existing_readme_is_updated_not_overwritten(gpt2, tmp_path):
     original = "---\nlicense: mit\nlibrary_name: transformers\ntags:\n- text-generation\n---\n# My model\n\nTrained on cats.\n"
     (tmp_path / "README.md").write_text(original)
     save_model_card(tmp_path, post)
+    killed = tmp_path / ".README.md.0123456789abcdef0123456789abcdef.tmp"  # a write killed before os.replace
+    killed.write_text("half a card")
     save_model_card(tmp_path, post.with_ess(12345.0))  # again: the EVON section is replaced, not repeated
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]  # and the leftover is gone
     from huggingface_hub import ModelCard
 
     card = ModelCard((tmp_path / "README.md").read_text())
