@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from importlib import resources
@@ -346,6 +347,7 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
 
 
 _CARD_TMP = re.compile(r"\.README\.md\.[0-9a-f]{32}\.tmp")
+_CARD_TMP_STALE_SECONDS = 600  # a card is written in well under a second
 
 
 def save_model_card(
@@ -385,9 +387,10 @@ def save_model_card(
         card = update_model_card(existing, fresh, optimizer)
     folder = os.path.dirname(path)
     for name in os.listdir(folder):  # left by a write that was killed before its os.replace
-        if _CARD_TMP.fullmatch(name):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(folder, name))
+        stale = os.path.join(folder, name)
+        with contextlib.suppress(OSError):  # not one another process is writing now
+            if _CARD_TMP.fullmatch(name) and time.time() - os.path.getmtime(stale) > _CARD_TMP_STALE_SECONDS:
+                os.remove(stale)
     tmp = os.path.join(folder, f".README.md.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8", newline="") as fh:

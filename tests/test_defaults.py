@@ -244,8 +244,14 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     recipe = build_optimizer(model, learning_rate=5e-5, recipe="nanogpt")
     from hf_evon import RECIPES
 
-    assert {g["algorithm"]: g["lr"] for g in recipe.param_groups} == {"evon": RECIPES["nanogpt"]["lr"], "adamw": 5e-5}
+    assert {g["algorithm"]: g["lr"] for g in recipe.param_groups} == {
+        "evon": RECIPES["nanogpt"]["lr"],
+        "adamw": 5e-5,
+    }
     with pytest.raises(ValueError, match="adamw_lr"):
         lr_from_adamw_lr(float("nan"))
     with pytest.raises(ValueError, match="step_ratio"):
         lr_from_adamw_lr(1e-3, step_ratio=2.0)
+    for bad in (float("nan"), -1e-3, "1e-3", True):  # named as learning_rate even when α is given
+        with pytest.raises(ValueError, match="learning_rate"):
+            build_optimizer(model, learning_rate=bad, lr=0.02)

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -1052,8 +1053,11 @@ def test_existing_readme_is_updated_not_overwritten(gpt2, tmp_path):
     save_model_card(tmp_path, post)
     killed = tmp_path / ".README.md.0123456789abcdef0123456789abcdef.tmp"  # a write killed before os.replace
     killed.write_text("half a card")
+    os.utime(killed, (time.time() - 3600,) * 2)
+    writing = tmp_path / ".README.md.fedcba9876543210fedcba9876543210.tmp"  # another process, writing now
+    writing.write_text("a card")
     save_model_card(tmp_path, post.with_ess(12345.0))  # again: the EVON section is replaced, not repeated
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]  # and the leftover is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["README.md", writing.name])  # leftover gone
     from huggingface_hub import ModelCard
 
     card = ModelCard((tmp_path / "README.md").read_text())

@@ -187,8 +187,20 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
         AutoConfig.from_pretrained(tmp_path / "pretrained")
     )
     assert built.config._name_or_path == str(tmp_path / "pretrained")
-    fresh = EVONTrainer(model=built, args=EVONConfig(**args), train_dataset=data)
+    fresh = EVONTrainer(model=built.eval(), args=EVONConfig(**args), train_dataset=data)  # eval mode too
     assert fresh.args.learning_rate == 1e-3 and _rates(fresh) == {"evon": {0.02}, "adamw": {1e-3}}
+
+    # a linear probe (backbone frozen) trains a new head from scratch, not a pretrained model
+    probe = pretrained()
+    for p in probe.bert.parameters():
+        p.requires_grad_(False)
+    assert EVONTrainer(model=probe, args=EVONConfig(**args), train_dataset=data).args.learning_rate == 1e-3
+
+    # one unset config serves trainers of both kinds: each resolves its own rate, the config stays unset
+    shared = EVONConfig(**args)
+    assert EVONTrainer(model=pretrained(), args=shared, train_dataset=data).args.learning_rate == 5e-5
+    assert shared.learning_rate is None
+    assert EVONTrainer(model=tiny_bert(), args=shared, train_dataset=data).args.learning_rate == 1e-3
 
     lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"])
     adapter = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data, peft_config=lora)

@@ -82,7 +82,9 @@ def lr_from_adamw_lr(
     """EVON's α whose clipped steps match AdamW's at ``adamw_lr`` (step RMS ``step_ratio``·rate).
 
     So a learning rate tuned for AdamW carries over: 1e-3 (from scratch, LoRA) -> 0.02; for full
-    fine-tuning (``step_ratio=FINETUNING_STEP_RATIO``) 5e-5 -> 0.0025.
+    fine-tuning (``step_ratio=FINETUNING_STEP_RATIO``) 5e-5 -> 0.0025. The match assumes
+    ``clip="element"`` (the default), where the radius bounds each weight's step; with another
+    ``clip`` the radius means something else (``"whiten"`` ignores it): set α (``lr``) yourself.
     """
     _require(
         "adamw_lr",

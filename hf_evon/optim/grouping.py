@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -31,30 +32,33 @@ from .recipes import recipe_kwargs
 ADAPTER_LR_SCALE = 5.0
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 # transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
-# ``score``, question answering ``qa_outputs``): new in a model loaded with ``from_pretrained``
+# ``score``, question answering ``qa_outputs``), by name: usually new in a model loaded with
+# ``from_pretrained`` for a task (a checkpoint that already holds a trained head gets the rate too)
 _TASK_HEAD = re.compile(r"(^|\.)(classifier|pre_classifier|score|qa_outputs)(\.|$)")
 
 
 def pretrained_name(model: nn.Module) -> str:
     """The checkpoint a (PEFT-wrapped) transformers model's weights were loaded from; "" if built
     from a config. ``from_config`` of a downloaded config keeps the checkpoint's name in
-    ``config._name_or_path`` but starts from scratch: loaded weights are told apart by what
-    ``from_pretrained`` leaves on the model (transformers 5 records ``_weight_conversions``; every
-    version returns it in eval mode, where a newly built model is in training mode)."""
+    ``config._name_or_path`` but starts from scratch: loaded weights are told apart by the
+    ``_weight_conversions`` list that transformers' (>= 5) ``from_pretrained`` always leaves."""
     config = getattr(model, "config", None)  # PEFT models answer with their base model's config
     name = getattr(config, "_name_or_path", "") if config is not None else ""
     if not isinstance(name, str) or not name:
         return ""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    loaded = getattr(base, "_weight_conversions", None) is not None or not base.training
-    return name if loaded else ""
+    return name if getattr(base, "_weight_conversions", None) is not None else ""
 
 
 def is_full_finetuning(model: nn.Module) -> bool:
-    """All of a pretrained model's weights are trained: loaded with ``from_pretrained``, no PEFT adapters."""
+    """Most of a pretrained model's weights are trained: loaded with ``from_pretrained``, no PEFT
+    adapters, more than half of its entries trainable (a linear probe trains a new head from scratch)."""
     if not pretrained_name(model) or hasattr(model, "peft_config"):
         return False
-    return not any(_ADAPTER.search(n) for n, p in model.named_parameters() if p.requires_grad)
+    params = list(model.named_parameters())
+    if any(_ADAPTER.search(n) for n, p in params if p.requires_grad):
+        return False
+    return 2 * sum(p.numel() for _, p in params if p.requires_grad) > sum(p.numel() for _, p in params)
 
 
 def _output_head_ids(model: nn.Module) -> set[int]:
@@ -152,6 +156,15 @@ def build_optimizer(
         "a number > 0",
     )
     if learning_rate is not None:
+        _require(
+            "learning_rate",
+            learning_rate,
+            isinstance(learning_rate, int | float)
+            and not isinstance(learning_rate, bool)
+            and math.isfinite(learning_rate)
+            and learning_rate >= 0,
+            "a finite number >= 0",
+        )
         if "lr" not in evon_kwargs and recipe is None:
             radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
             ratio = FINETUNING_STEP_RATIO if is_full_finetuning(model) else ADAMW_STEP_RATIO

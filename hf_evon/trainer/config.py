@@ -182,7 +182,7 @@ class EVONConfig(TrainingArguments):
             "help": "Under DDP, each rank owns a cost-balanced share of the matrices: it keeps only their "
             "state and does only their maths (per-rank state and optimizer FLOPs ~1/world). All ranks then "
             "share one posterior sample per step (one noise stream per matrix), so the result equals one "
-            "process with the whole batch; off (the default, as before): each rank draws its own sample. "
+            "process with the whole batch and evon_shard=True (whose noise streams are the same); off (the default, as before): each rank draws its own sample. "
             "Under FSDP2 EVON is always sharded (over the FSDP2 mesh)."
         },
     )

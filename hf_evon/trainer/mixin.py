@@ -64,6 +64,7 @@ What the trainer does differently from ``transformers.Trainer``:
   then owns the LoRA matrices and the posterior covers the adapter.
 """
 
+import copy
 import inspect
 import math
 import os
@@ -197,6 +198,7 @@ class EVONTrainerMixin:
             return
         full_finetuning = self.model is not None and is_full_finetuning(self.model)
         name = pretrained_name(self.model) if full_finetuning else ""
+        self.args = copy.copy(self.args)  # the caller's config stays unset, for its next trainer
         self.args.learning_rate = FINETUNING_LEARNING_RATE if full_finetuning else SCRATCH_LEARNING_RATE
         logger.info(
             f"EVONConfig.learning_rate = {self.args.learning_rate} (unset: "
