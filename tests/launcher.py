@@ -23,15 +23,15 @@ def worker_env() -> dict[str, str]:
     return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(TESTS))
 
 
-def torchrun(world: int, script: str, *args: str) -> None:
+def torchrun(world: int, script: str, *args: str, timeout: float = 300) -> None:
     """Run ``script args`` in ``world`` processes (``torch.distributed.run``); fail with its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
     cmd += ["--master_port", str(free_port()), script, *args]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def rank_results(world: int, script: str, out: str) -> list[dict]:
+def rank_results(world: int, script: str, out: str, timeout: float = 300) -> list[dict]:
     """Run a worker that saves ``rank{r}.pt`` under ``out``, and load what each rank saved."""
-    torchrun(world, script, out)
+    torchrun(world, script, out, timeout=timeout)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -255,3 +255,10 @@ def test_a_sharded_checkpoint_resumes_in_one_process(runs, world: int) -> None:
     plain = build_optimizer(worker.tiny_model(), adamw_patterns=[r"^14\."], **worker.HP)
     plain.load_state_dict(ckpt["optim"])
     assert len(plain.state) == 16
+
+
+def test_a_step_without_samples_raises_on_every_rank_not_only_the_owners(tmp_path) -> None:
+    """Rank 1 owns no matrix: it must refuse the step too, not wait in a collective for ever."""
+    results = rank_results(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), timeout=90)
+    assert [bool(r["message"]) for r in results] == [True, True]
+    assert all("sampled_params" in r["message"] for r in results)

@@ -865,8 +865,11 @@ class EVON(Optimizer):
         self.synchronize()
         if self.sharding is not None:  # FSDP2: the owners gather the step's (clipped) gradients
             self.sharding.before_step()
-        needs_samples = [b for b in self.buckets if b.noisy_phase()]
-        if needs_samples and self._samples == 0:
+        if self._samples == 0:
+            needs_samples = any(b.noisy_phase() for b in self.buckets)
+            if self.sharding is not None:  # a rank that owns no noisy matrix must raise too
+                needs_samples = not self.sharding.all_ranks(not needs_samples)
+        if self._samples == 0 and needs_samples:
             raise RuntimeError(
                 "EVON needs the gradient at a posterior sample: run forward/backward inside "
                 "`with optimizer.sampled_params(train=True):` before step()"

@@ -107,14 +107,19 @@ class FSDP2Sharding(EVONSharding):
     def square_sums(self, params: list[Tensor]) -> Tensor:
         """Each owner's ``Σ p²`` of its full copy (as one process computes it), summed over ranks."""
         self._refresh()
-        out = torch.zeros(len(params), dtype=torch.float32)
+        # on the parameters' device: NCCL (accelerate's backend on GPUs) refuses CPU tensors
+        out = torch.zeros(len(params), dtype=torch.float32, device=self._device())
         for i, p in enumerate(params):
             q = self.proxy.get(id(p))
             if q is not None:
-                out[i] = q.float().square().sum().cpu()
+                out[i] = q.float().square().sum()
         if self.world > 1:
             dist.all_reduce(out, group=self.group)  # one non-zero term each: exact
-        return out
+        return out.cpu()
+
+    def _device(self) -> torch.device:
+        """Where this rank's shards live: the device of every collective's tensors."""
+        return _local(self.params[0]).device if self.params else torch.device("cpu")
 
     def adamw_tensors(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         return [_local(p) for p in params], [_local(p.grad) for p in params]
@@ -228,7 +233,9 @@ class FSDP2Sharding(EVONSharding):
             now = [(p._version, _local(p)._version, _local(p).data_ptr()) for p in self.evon_params]
             stale = now != self._stamps
             if self.world > 1:
-                flag = torch.tensor([int(stale), int(grads_changed)], dtype=torch.int32)
+                flag = torch.tensor(
+                    [int(stale), int(grads_changed)], dtype=torch.int32, device=self._device()
+                )
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
                 stale, grads_changed = (bool(x) for x in flag.tolist())
             if stale:
