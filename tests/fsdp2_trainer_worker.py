@@ -16,7 +16,8 @@
   runs), the same global batch.
 
 Each rank of ``fsdp2``/``reference`` saves ``rank{r}.pt``: the full weights, the set-up seen,
-the EVON-owned parameters and logs; ``save_model`` writes ``OUT_DIR/saved``.
+the set-up seen and the logs; the run saves ``run/checkpoint-2`` (and ``checkpoint-3``) and
+``save_model`` writes ``OUT_DIR/saved``.
 Usage: ``torch.distributed.run --nproc_per_node W fsdp2_trainer_worker.py OUT_DIR MODE``.
 """
 
@@ -88,7 +89,8 @@ def config(out: str, world: int, mode: str) -> EVONConfig:
         evon_precondition_frequency=2,
         evon_seed=7,
         lr_scheduler_type="constant",
-        save_strategy="no",
+        save_strategy="no" if mode == "refused" else "steps",
+        save_steps=2,  # checkpoint-2 mid-run (checkpoints gather the sharded state first)
         logging_steps=1,
         disable_tqdm=True,
         bma_num_samples=0,

@@ -261,15 +261,21 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
 
     saved = load_file(os.path.join(fsdp_dir, "saved", "model.safetensors"))
     assert _max_rel(ref["weights"], saved) <= 1e-6
-    a = EVONPosterior.from_pretrained(os.path.join(ref_dir, "saved"))
-    b = EVONPosterior.from_pretrained(os.path.join(fsdp_dir, "saved"))
     drop = {"checkpoint_id"}
-    assert {k: v for k, v in b.config.items() if k not in drop} == {
-        k: v for k, v in a.config.items() if k not in drop
-    }
-    ta, tb = a.to_tensors(), b.to_tensors()
-    assert ta.keys() == tb.keys() and len(ta) > 0
-    assert _max_rel(ta, tb) <= 1e-6  # per tensor (an eigenbasis' near-zero entries differ more)
+    for where in ("run/checkpoint-2", "saved"):  # mid-run checkpoint, and save_model
+        a = EVONPosterior.from_pretrained(os.path.join(ref_dir, where))
+        b = EVONPosterior.from_pretrained(os.path.join(fsdp_dir, where))
+        assert {k: v for k, v in b.config.items() if k not in drop} == {
+            k: v for k, v in a.config.items() if k not in drop
+        }
+        ta, tb = a.to_tensors(), b.to_tensors()
+        assert ta.keys() == tb.keys() and len(ta) > 0
+        assert _max_rel(ta, tb) <= 1e-6  # per tensor (an eigenbasis' near-zero entries differ more)
+    # the Trainer's FSDP checkpoint holds the optimizer state gathered to whole tensors, by name
+    optim = torch.load(os.path.join(fsdp_dir, "run", "checkpoint-2", "optimizer.bin"), weights_only=True)
+    assert optim["state"].keys() == init.keys()
+    for name in (f"net.{i}.weight" for i in range(0, 13, 2)):  # EVON's (the last Linear: AdamW)
+        assert optim["state"][name]["Q_L"].shape == init[name].shape
     model_a, model_b = tw.base.Regressor(), tw.base.Regressor()
     with a.sampled(model_a, seed=3), b.sampled(model_b, seed=3):  # the same draws from the same seed
         wa = {n: p.detach().clone() for n, p in model_a.named_parameters()}
