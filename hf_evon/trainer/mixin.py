@@ -55,11 +55,14 @@ What the trainer does differently from ``transformers.Trainer``:
   step by ``EVON.synchronize``); FSDP1 and DeepSpeed are not supported. ``evon_shard=True``
   shards EVON's state and work over the ranks (:mod:`hf_evon.optim.sharding`); checkpoints
   and posteriors are gathered to the unsharded format first. Under FSDP2 (``fsdp`` with
-  ``fsdp_config={"fsdp_version": 2}``, which accelerate enables on GPUs/accelerators only)
-  EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`); that path is untested here
-  (no GPU), resuming it from a Trainer checkpoint is refused (torch's distributed checkpoint
-  does not fit EVON's per-matrix state), and on CPU processes the ``fsdp`` arguments raise
-  instead of silently running DDP.
+  ``fsdp_config={"fsdp_version": 2}``, which accelerate 1.15 enables on GPUs/accelerators only)
+  accelerate ``fully_shard``-s the model and switches the optimizer's parameters to the
+  DTensors, then EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`). Tested on
+  CPU only, 2 gloo processes with accelerate's GPU-only FSDP switch turned on in the test
+  worker (``tests/fsdp2_trainer_worker.py``): weights, checkpoint and ``save_model`` posteriors
+  equal the one-process ``evon_shard=True`` run. Resuming an FSDP2 run from a Trainer
+  checkpoint is refused (torch's distributed checkpoint does not fit EVON's per-matrix state),
+  and on CPU processes the ``fsdp`` arguments raise instead of silently running DDP.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
@@ -349,7 +352,10 @@ class EVONTrainerMixin:
         Under DDP each rank must keep its own gradients while sampling (its Hessian estimate needs
         them): ``prepare_distributed`` stops DDP's averaging and lets ``EVON.synchronize`` reduce
         gradients and Hessian numerators once per step. Under FSDP2 (``fsdp`` with
-        ``fsdp_config={"fsdp_version": 2}``) it shards EVON over the FSDP2 mesh. In one process
+        ``fsdp_config={"fsdp_version": 2}``) the Trainer builds EVON on the plain model and
+        accelerate then ``fully_shard``-s it and puts the DTensors into EVON's param groups
+        (EVON builds its buckets lazily, at their first use, so nothing refers to the old
+        tensors); ``prepare_distributed`` then shards EVON over the FSDP2 mesh. In one process
         it only checks the model (FSDP1/DeepSpeed are refused with a clear error).
         """
         if self._fsdp_requested_without_plugin():
