@@ -271,11 +271,18 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
         ta, tb = a.to_tensors(), b.to_tensors()
         assert ta.keys() == tb.keys() and len(ta) > 0
         assert _max_rel(ta, tb) <= 1e-6  # per tensor (an eigenbasis' near-zero entries differ more)
-    # the Trainer's FSDP checkpoint holds the optimizer state gathered to whole tensors, by name
+    # the Trainer's FSDP checkpoint holds the optimizer state gathered to whole tensors, by name:
+    # the reference checkpoint's (unsharded, by index), without EVON's own entry (seed, streams)
     optim = torch.load(os.path.join(fsdp_dir, "run", "checkpoint-2", "optimizer.bin"), weights_only=True)
-    assert optim["state"].keys() == init.keys()
-    for name in (f"net.{i}.weight" for i in range(0, 13, 2)):  # EVON's (the last Linear: AdamW)
-        assert optim["state"][name]["Q_L"].shape == init[name].shape
+    want = torch.load(os.path.join(ref_dir, "run", "checkpoint-2", "optimizer.pt"), weights_only=True)
+    assert optim["state"].keys() == init.keys() and "evon" in want and "evon" not in optim
+    names = [n for g in optim["param_groups"] for n in g["param_names"]]
+    ids = [i for g in want["param_groups"] for i in g["params"]]
+    assert len(names) == len(ids) == len(init) and len(want["state"]) == len(init)
+    assert sum("Q_L" in optim["state"][n] for n in names) == 8  # every weight: EVON; biases: AdamW
+    for name, i in zip(names, ids, strict=True):
+        assert optim["state"][name].keys() == want["state"][i].keys()
+        assert _max_rel(want["state"][i], optim["state"][name]) <= 1e-6
     model_a, model_b = tw.base.Regressor(), tw.base.Regressor()
     with a.sampled(model_a, seed=3), b.sampled(model_b, seed=3):  # the same draws from the same seed
         wa = {n: p.detach().clone() for n, p in model_a.named_parameters()}
