@@ -17,7 +17,8 @@
 
 Each rank of ``fsdp2``/``reference`` saves ``rank{r}.pt``: the full weights, the set-up seen,
 the set-up seen and the logs; the run saves ``run/checkpoint-2`` (and ``checkpoint-3``) and
-``save_model`` writes ``OUT_DIR/saved``.
+``save_model`` writes ``OUT_DIR/saved``; ``fsdp2`` then tries to resume a fresh trainer from
+``checkpoint-2`` and records the error.
 Usage: ``torch.distributed.run --nproc_per_node W fsdp2_trainer_worker.py OUT_DIR MODE``.
 """
 
@@ -142,6 +143,13 @@ def train(out: str, world: int, rank: int, mode: str) -> None:
         "skipped": evon.skipped_steps,
     }
     trainer.save_model(os.path.join(out, "saved"))  # every rank: the Trainer gathers the weights
+    if mode == "fsdp2":  # resuming through the Trainer's FSDP checkpoint loading is refused
+        again = EVONTrainer(model=base.Regressor(), args=config(out, world, mode), train_dataset=data())
+        try:
+            again.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
+            result["resume"] = f"resumed to step {again.state.global_step}"
+        except Exception as err:  # noqa: BLE001 - the test checks the type and message
+            result["resume"] = f"{type(err).__name__}: {err}"
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 

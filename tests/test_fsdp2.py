@@ -252,6 +252,8 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
         assert r["fsdp_modules"] == sorted(["", *(f"net.{i}" for i in range(0, 15, 2))])
         assert r["fsdp2_sharding"] and r["dtensor_params"] == len(init)
         assert r["steps"] == tw.STEPS and r["skipped"] == 0
+        assert r["resume"].startswith("UnsupportedParallelismError: ")
+        assert "cannot resume an FSDP2 run from a Trainer checkpoint" in r["resume"]
         assert _max_rel(ref["weights"], r["weights"]) <= 1e-6
         assert all(torch.equal(ranks[0]["weights"][k], r["weights"][k]) for k in init)
         got = [e["grad_norm"] for e in r["log"] if "grad_norm" in e]
