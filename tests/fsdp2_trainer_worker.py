@@ -1,9 +1,25 @@
 """Worker for tests/test_fsdp2.py: ``EVONTrainer`` with the Trainer's FSDP2 arguments on CPUs.
 
-accelerate (1.15) enables its FSDP plugin only for GPUs and other accelerators, not for
-``MULTI_CPU``: the Trainer would silently train plain DDP. EVONTrainer refuses before any
-step; each rank writes the error it got to ``OUT_DIR/trainer_rank{r}.txt``.
-Usage: ``torch.distributed.run --nproc_per_node 2 fsdp2_trainer_worker.py OUT_DIR``.
+``MODE`` (argv[2]):
+
+* ``refused``: accelerate (1.15) enables its FSDP plugin only for GPUs and other accelerators,
+  not for ``MULTI_CPU`` (``accelerate/state.py``, ``AcceleratorState.__init__``: the branch
+  listing ``MULTI_GPU``, ``MULTI_NPU``, ...): the Trainer would silently train plain DDP.
+  EVONTrainer refuses before any step; each rank writes the error to ``trainer_rank{r}.txt``.
+* ``fsdp2``: the same arguments, with accelerate's decision patched *in this worker only*
+  (:func:`enable_fsdp_on_cpu`) to what it does on GPUs: ``DistributedType.FSDP`` with the
+  plugin. The Trainer and accelerate then take their own FSDP2 path unchanged
+  (``fully_shard`` of each ``Linear`` and the root, the optimizer's parameters switched to the
+  DTensors, ``prepare_distributed`` shards EVON over the mesh). Trains the float64 regressor
+  of ``sharded_trainer_worker`` and calls ``save_model``.
+* ``reference``: one process, no FSDP, ``evon_shard=True`` (the noise semantics of sharded
+  runs), the same global batch.
+
+Each rank of ``fsdp2``/``reference`` saves ``rank{r}.pt``: the full weights, the set-up seen,
+the set-up seen and the logs; the run saves ``run/checkpoint-2`` (and ``checkpoint-3``) and
+``save_model`` writes ``OUT_DIR/saved``; ``fsdp2`` then tries to resume a fresh trainer from
+``checkpoint-2`` and records the error.
+Usage: ``torch.distributed.run --nproc_per_node W fsdp2_trainer_worker.py OUT_DIR MODE``.
 """
 
 from __future__ import annotations
@@ -16,37 +32,87 @@ import torch.distributed as dist
 from datasets import Dataset
 from torch import nn
 
-from hf_evon import EVONConfig, EVONTrainer
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sharded_trainer_worker as base  # noqa: E402
+
+from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
+
+STEPS, MAX_NORM = 3, 0.3  # the clipping binds at some steps
 
 
-class Regressor(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
+def enable_fsdp_on_cpu() -> None:
+    """Make accelerate treat ``MULTI_CPU`` with an FSDP plugin as FSDP, as it does ``MULTI_GPU``.
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        out = self.lin(x.float())
-        return {"loss": nn.functional.mse_loss(out, labels.float()), "logits": out}
+    Mirrors the GPU branch of ``AcceleratorState.__init__`` (accelerate 1.15): set
+    ``distributed_type = FSDP`` and ``fsdp_plugin``, and record the type in ``PartialState``'s
+    shared state (every later ``AcceleratorState()`` copies it back from there).
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs) -> None:  # noqa: ANN001
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    AcceleratorState.__init__ = patched
 
 
-def main(out: str) -> None:
-    torch.set_num_threads(1)
-    rank = int(os.environ.get("RANK", "0"))
-    data = Dataset.from_dict({"x": torch.randn(16, 4).tolist(), "labels": torch.randn(16, 4).tolist()})
-    args = EVONConfig(
+def data() -> Dataset:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(base.GLOBAL_BATCH * STEPS, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(base.GLOBAL_BATCH * STEPS, 8, generator=gen, dtype=torch.float64)
+    return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()})
+
+
+def config(out: str, world: int, mode: str) -> EVONConfig:
+    if mode == "reference":
+        parallel = dict(evon_shard=True)
+    else:  # the Trainer's own FSDP2 arguments (transformers 5.23 spelling; "fsdp_" prefixes are dropped)
+        parallel = dict(
+            fsdp="full_shard",
+            fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Linear"]},
+            ddp_backend="gloo",
+        )
+    return EVONConfig(
         output_dir=os.path.join(out, "run"),
         report_to="none",
         use_cpu=True,
-        ddp_backend="gloo",
-        max_steps=2,
-        per_device_train_batch_size=4,
-        fsdp=True,
-        fsdp_config={"fsdp_version": 2},
+        per_device_train_batch_size=base.GLOBAL_BATCH // world,
+        max_steps=STEPS,
+        learning_rate=2e-2,
+        evon_adamw_learning_rate=1e-2,
+        evon_mc_samples=2,
+        evon_precondition_frequency=2,
+        evon_seed=7,
+        lr_scheduler_type="constant",
+        save_strategy="no" if mode == "refused" else "steps",
+        save_steps=2,  # checkpoint-2 mid-run (checkpoints gather the sharded state first)
+        logging_steps=1,
         disable_tqdm=True,
         bma_num_samples=0,
-        save_strategy="no",
+        seed=0,
+        max_grad_norm=MAX_NORM,
+        **parallel,
     )
-    trainer = EVONTrainer(model=Regressor(), args=args, train_dataset=data)
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a whole tensor (a collective for DTensors), named as in one process."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def refused(out: str, rank: int) -> None:
+    args = config(out, 2, "refused")
+    trainer = EVONTrainer(model=base.Regressor(), args=args, train_dataset=data())
     try:
         trainer.train()
         msg = f"trained {trainer.state.global_step} steps"
@@ -54,10 +120,53 @@ def main(out: str) -> None:
         msg = f"{type(err).__name__}: {err}"
     with open(os.path.join(out, f"trainer_rank{rank}.txt"), "w") as f:
         f.write(msg)
+
+
+def train(out: str, world: int, rank: int, mode: str) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from hf_evon.optim.fsdp2 import FSDP2Sharding
+
+    trainer = EVONTrainer(model=base.Regressor(), args=config(out, world, mode), train_dataset=data())
+    trainer.train()
+    evon = trainer.evon_optimizer
+    result = {
+        "distributed_type": str(trainer.accelerator.state.distributed_type),
+        "is_fsdp2": bool(trainer.accelerator.is_fsdp2),
+        "fsdp_modules": sorted(n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)),
+        "sharding": type(evon.sharding).__name__,
+        "fsdp2_sharding": isinstance(evon.sharding, FSDP2Sharding),
+        "dtensor_params": sum(hasattr(p, "placements") for p in trainer.model.parameters()),
+        "weights": full_weights(trainer.model),
+        "log": trainer.state.log_history,
+        "steps": trainer.state.global_step,
+        "skipped": evon.skipped_steps,
+    }
+    trainer.save_model(os.path.join(out, "saved"))  # every rank: the Trainer gathers the weights
+    if mode == "fsdp2":  # resuming through the Trainer's FSDP checkpoint loading is refused
+        again = EVONTrainer(model=base.Regressor(), args=config(out, world, mode), train_dataset=data())
+        try:
+            again.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
+            result["resume"] = f"resumed to step {again.state.global_step}"
+        except Exception as err:  # noqa: BLE001 - the test checks the type and message
+            result["resume"] = f"{type(err).__name__}: {err}"
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def main(out: str, mode: str) -> None:
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if mode == "refused":
+        refused(out, rank)
+    else:
+        if mode == "fsdp2":
+            enable_fsdp_on_cpu()
+        train(out, world, rank, mode)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

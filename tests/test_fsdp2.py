@@ -217,12 +217,79 @@ def test_bad_setups_are_refused_naming_the_parameter(runs) -> None:
 def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(tmp_path) -> None:
     """accelerate enables its FSDP plugin on GPUs/accelerators only: on 2 CPU processes the
     Trainer's fsdp arguments would give plain DDP; EVONTrainer says so before any step."""
-    torchrun(2, TRAINER_WORKER, str(tmp_path))
+    torchrun(2, TRAINER_WORKER, str(tmp_path), "refused")
     for rank in range(2):
         with open(os.path.join(tmp_path, f"trainer_rank{rank}.txt")) as f:
             msg = f.read()
         assert msg.startswith("UnsupportedParallelismError: ") and "accelerate did not enable FSDP" in msg
         assert "MULTI_CPU" in msg and "fully_shard" in msg
+
+
+def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
+    """The Trainer's own FSDP2 path (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``)
+    on 2 CPU processes, accelerate's GPU-only FSDP switch turned on in the worker: the same
+    weights and posterior as one process with ``evon_shard=True`` on the same global batch."""
+    spec = importlib.util.spec_from_file_location("fsdp2_trainer_worker", TRAINER_WORKER)
+    tw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tw)
+    runs = {}
+    for world, mode in ((2, "fsdp2"), (1, "reference")):
+        d = str(tmp_path / mode)
+        os.makedirs(d)
+        torchrun(world, TRAINER_WORKER, d, mode)
+        runs[mode] = (
+            d,
+            [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)],
+        )
+    (ref_dir, (ref,)), (fsdp_dir, ranks) = runs["reference"], runs["fsdp2"]
+    assert ref["sharding"] == "EVONSharding" and ref["dtensor_params"] == 0 and not ref["is_fsdp2"]
+    init = {n: p.detach() for n, p in tw.base.Regressor().named_parameters()}
+    assert _max_rel(ref["weights"], init) > 1e-3  # trained: the comparison is of moved weights
+    norms = [e["grad_norm"] for e in ref["log"] if "grad_norm" in e]
+    assert len(norms) == tw.STEPS and max(norms) > tw.MAX_NORM  # the clipping binds
+    for r in ranks:  # really FSDP2 through accelerate and the Trainer, not DDP
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["is_fsdp2"]
+        assert r["fsdp_modules"] == sorted(["", *(f"net.{i}" for i in range(0, 15, 2))])
+        assert r["fsdp2_sharding"] and r["dtensor_params"] == len(init)
+        assert r["steps"] == tw.STEPS and r["skipped"] == 0
+        assert r["resume"].startswith("UnsupportedParallelismError: ")
+        assert "cannot resume an FSDP2 run from a Trainer checkpoint" in r["resume"]
+        assert _max_rel(ref["weights"], r["weights"]) <= 1e-6
+        assert all(torch.equal(ranks[0]["weights"][k], r["weights"][k]) for k in init)
+        got = [e["grad_norm"] for e in r["log"] if "grad_norm" in e]
+        assert got == pytest.approx(norms, rel=1e-6)
+    # save_model: the weights the Trainer gathered, and the posterior, loaded in one process
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(fsdp_dir, "saved", "model.safetensors"))
+    assert _max_rel(ref["weights"], saved) <= 1e-6
+    drop = {"checkpoint_id"}
+    for where in ("run/checkpoint-2", "saved"):  # mid-run checkpoint, and save_model
+        a = EVONPosterior.from_pretrained(os.path.join(ref_dir, where))
+        b = EVONPosterior.from_pretrained(os.path.join(fsdp_dir, where))
+        assert {k: v for k, v in b.config.items() if k not in drop} == {
+            k: v for k, v in a.config.items() if k not in drop
+        }
+        ta, tb = a.to_tensors(), b.to_tensors()
+        assert ta.keys() == tb.keys() and len(ta) > 0
+        assert _max_rel(ta, tb) <= 1e-6  # per tensor (an eigenbasis' near-zero entries differ more)
+    # the Trainer's FSDP checkpoint holds the optimizer state gathered to whole tensors, by name:
+    # the reference checkpoint's (unsharded, by index), without EVON's own entry (seed, streams)
+    optim = torch.load(os.path.join(fsdp_dir, "run", "checkpoint-2", "optimizer.bin"), weights_only=True)
+    want = torch.load(os.path.join(ref_dir, "run", "checkpoint-2", "optimizer.pt"), weights_only=True)
+    assert optim["state"].keys() == init.keys() and "evon" in want and "evon" not in optim
+    names = [n for g in optim["param_groups"] for n in g["param_names"]]
+    ids = [i for g in want["param_groups"] for i in g["params"]]
+    assert len(names) == len(ids) == len(init) and len(want["state"]) == len(init)
+    assert sum("Q_L" in optim["state"][n] for n in names) == 8  # every weight: EVON; biases: AdamW
+    for name, i in zip(names, ids, strict=True):
+        assert optim["state"][name].keys() == want["state"][i].keys()
+        assert _max_rel(want["state"][i], optim["state"][name]) <= 1e-6
+    model_a, model_b = tw.base.Regressor(), tw.base.Regressor()
+    with a.sampled(model_a, seed=3), b.sampled(model_b, seed=3):  # the same draws from the same seed
+        wa = {n: p.detach().clone() for n, p in model_a.named_parameters()}
+        wb = {n: p.detach().clone() for n, p in model_b.named_parameters()}
+        assert _max_rel(wa, wb) <= 1e-6 and _max_rel(wa, init) > 1e-6
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -55,11 +55,14 @@ What the trainer does differently from ``transformers.Trainer``:
   step by ``EVON.synchronize``); FSDP1 and DeepSpeed are not supported. ``evon_shard=True``
   shards EVON's state and work over the ranks (:mod:`hf_evon.optim.sharding`); checkpoints
   and posteriors are gathered to the unsharded format first. Under FSDP2 (``fsdp`` with
-  ``fsdp_config={"fsdp_version": 2}``, which accelerate enables on GPUs/accelerators only)
-  EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`); that path is untested here
-  (no GPU), resuming it from a Trainer checkpoint is refused (torch's distributed checkpoint
-  does not fit EVON's per-matrix state), and on CPU processes the ``fsdp`` arguments raise
-  instead of silently running DDP.
+  ``fsdp_config={"fsdp_version": 2}``, which accelerate 1.15 enables on GPUs/accelerators only)
+  accelerate ``fully_shard``-s the model and switches the optimizer's parameters to the
+  DTensors, then EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`). Tested on
+  CPU only, 2 gloo processes with accelerate's GPU-only FSDP switch turned on in the test
+  worker (``tests/fsdp2_trainer_worker.py``): weights, checkpoint and ``save_model`` posteriors
+  equal the one-process ``evon_shard=True`` run. Resuming an FSDP2 run from a Trainer
+  checkpoint is refused (torch's distributed checkpoint does not fit EVON's per-matrix state),
+  and on CPU processes the ``fsdp`` arguments raise instead of silently running DDP.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
@@ -351,7 +354,10 @@ class EVONTrainerMixin:
         Under DDP each rank must keep its own gradients while sampling (its Hessian estimate needs
         them): ``prepare_distributed`` stops DDP's averaging and lets ``EVON.synchronize`` reduce
         gradients and Hessian numerators once per step. Under FSDP2 (``fsdp`` with
-        ``fsdp_config={"fsdp_version": 2}``) it shards EVON over the FSDP2 mesh. In one process
+        ``fsdp_config={"fsdp_version": 2}``) the Trainer builds EVON on the plain model and
+        accelerate then ``fully_shard``-s it and puts the DTensors into EVON's param groups
+        (EVON builds its buckets lazily, at their first use, so nothing refers to the old
+        tensors); ``prepare_distributed`` then shards EVON over the FSDP2 mesh. In one process
         it only checks the model (FSDP1/DeepSpeed are refused with a clear error).
         """
         if self._fsdp_requested_without_plugin():
@@ -365,12 +371,20 @@ class EVONTrainerMixin:
                 "work), or shard the model yourself with torch.distributed.fsdp.fully_shard and a plain "
                 "training loop (hf_evon.prepare_distributed supports FSDP2 on CPU/gloo)"
             )
+        if resume_from_checkpoint is not None and self._accelerate_fsdp2():
+            # before the Trainer loads anything: EVON is not sharded yet at that point, so the
+            # check in _load_optimizer_and_scheduler alone would let torch's DCP fail obscurely
+            self._refuse_fsdp2_resume()
         model, train_dataloader = super()._prepare_for_training(
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
             prepare_distributed(model, self.optimizer, shard=True if self.args.evon_shard else None)
         return model, train_dataloader
+
+    def _accelerate_fsdp2(self) -> bool:
+        """Whether accelerate runs its FSDP2 plugin (the Trainer's ``fsdp`` arguments, version 2)."""
+        return bool(getattr(self.accelerator, "is_fsdp2", False))
 
     def _fsdp_requested_without_plugin(self) -> bool:
         """Whether ``fsdp`` was asked for but accelerate runs without its FSDP plugin (CPUs)."""
@@ -390,19 +404,30 @@ class EVONTrainerMixin:
         (``set_optimizer_state_dict``), which expects per-parameter state shaped (or sharded)
         like the parameters and initialises an empty optimizer by a ``step()`` without samples;
         EVON's per-matrix state (``L``, ``R``, bases) held by one owner fits neither (a CPU check
-        with torch 2.13 fails with a KeyError).
+        with torch 2.13 fails with a KeyError). The Trainer loads the checkpoint before
+        ``prepare_distributed`` shards EVON, so ``_prepare_for_training`` refuses first (without
+        that, the Trainer's real FSDP2 path, ``tests/fsdp2_trainer_worker.py``, failed with EVON's
+        "not prepared" RuntimeError); this check covers other callers.
         """
         opt = self.evon_optimizer
-        if checkpoint is not None and opt is not None and getattr(opt.sharding, "fsdp2", False):
-            from ..distributed import UnsupportedParallelismError
-
-            raise UnsupportedParallelismError(
-                "EVONTrainer cannot resume an FSDP2 run from a Trainer checkpoint: the Trainer loads FSDP2 "
-                "optimizer state through torch.distributed.checkpoint, which EVON's per-matrix state does not "
-                "fit. Resume with a plain loop instead: optimizer.state_dict() (a collective, every rank) saves "
-                "the unsharded state and optimizer.load_state_dict() restores it exactly"
-            )
+        if (
+            checkpoint is not None
+            and opt is not None
+            and (getattr(opt.sharding, "fsdp2", False) or self._accelerate_fsdp2())
+        ):
+            self._refuse_fsdp2_resume()
         super()._load_optimizer_and_scheduler(checkpoint)
+
+    @staticmethod
+    def _refuse_fsdp2_resume() -> None:
+        from ..distributed import UnsupportedParallelismError
+
+        raise UnsupportedParallelismError(
+            "EVONTrainer cannot resume an FSDP2 run from a Trainer checkpoint: the Trainer loads FSDP2 "
+            "optimizer state through torch.distributed.checkpoint, which EVON's per-matrix state does not "
+            "fit. Resume with a plain loop instead: optimizer.state_dict() (a collective, every rank) saves "
+            "the unsharded state and optimizer.load_state_dict() restores it exactly"
+        )
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         self._gather_sharded_state()
