@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .sharding import EVONSharding, _cpu_copy
+from .sharding import EVONSharding, _cpu_copy, _fresh
 
 if TYPE_CHECKING:
     from .evon import EVON, _Bucket
@@ -340,7 +340,7 @@ class FSDP2Sharding(EVONSharding):
                 merged.update(part)
             merged.update(rows)
             self._state = dict(sorted(merged.items()))
-        return {**sd, "state": self._state}
+        return {**sd, "state": _fresh(self._state)}
 
     def local_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         out = super().local_state_dict(sd)

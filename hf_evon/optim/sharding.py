@@ -291,7 +291,7 @@ class EVONSharding:
             for part in self._gather_objects(local):
                 merged.update(part)
             self._state = dict(sorted(merged.items()))
-        return {**sd, "state": self._state}
+        return {**sd, "state": _fresh(self._state)}
 
     def prefetch(self) -> None:
         """Gather the full state and every posterior factor now, on every rank (a collective).
@@ -373,3 +373,10 @@ def _cpu_copy(v: Any) -> Any:
     if isinstance(v, dict):
         return {k: _cpu_copy(x) for k, x in v.items()}
     return v
+
+
+def _fresh(state: dict[Any, Any]) -> dict[Any, Any]:
+    """The cached full state in new dicts (its tensors shared): callers may rekey or edit what
+    ``state_dict()`` returns (torch's distributed checkpoint renames its keys in place, which
+    had turned the cache's parameter indices into names until the next step)."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}
