@@ -17,8 +17,8 @@
 
 Each rank of ``fsdp2``/``reference`` saves ``rank{r}.pt``: the full weights, the set-up seen,
 the set-up seen and the logs; the run saves ``run/checkpoint-2`` (and ``checkpoint-3``) and
-``save_model`` writes ``OUT_DIR/saved``; ``fsdp2`` then tries to resume a fresh trainer from
-``checkpoint-2`` and records the error.
+``save_model`` writes ``OUT_DIR/saved``; ``fsdp2`` then resumes a fresh trainer from
+``checkpoint-2`` (into ``OUT_DIR/resumed``) to the end and records its weights (or the error).
 Usage: ``torch.distributed.run --nproc_per_node W fsdp2_trainer_worker.py OUT_DIR MODE``.
 """
 
@@ -69,7 +69,7 @@ def data() -> Dataset:
     return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()})
 
 
-def config(out: str, world: int, mode: str) -> EVONConfig:
+def config(out: str, world: int, mode: str, run: str = "run") -> EVONConfig:
     if mode == "reference":
         parallel = dict(evon_shard=True)
     else:  # the Trainer's own FSDP2 arguments (transformers 5.23 spelling; "fsdp_" prefixes are dropped)
@@ -79,7 +79,7 @@ def config(out: str, world: int, mode: str) -> EVONConfig:
             ddp_backend="gloo",
         )
     return EVONConfig(
-        output_dir=os.path.join(out, "run"),
+        output_dir=os.path.join(out, run),
         report_to="none",
         use_cpu=True,
         per_device_train_batch_size=base.GLOBAL_BATCH // world,
@@ -143,11 +143,16 @@ def train(out: str, world: int, rank: int, mode: str) -> None:
         "skipped": evon.skipped_steps,
     }
     trainer.save_model(os.path.join(out, "saved"))  # every rank: the Trainer gathers the weights
-    if mode == "fsdp2":  # resuming through the Trainer's FSDP checkpoint loading is refused
-        again = EVONTrainer(model=base.Regressor(), args=config(out, world, mode), train_dataset=data())
+    if mode == "fsdp2":  # a fresh 2-process trainer resumes from the mid-run checkpoint to the end
+        again = EVONTrainer(
+            model=base.Regressor(), args=config(out, world, mode, run="resumed"), train_dataset=data()
+        )
         try:
             again.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
             result["resume"] = f"resumed to step {again.state.global_step}"
+            result["resumed_weights"] = full_weights(again.model)
+            result["resumed_log"] = again.state.log_history
+            result["resumed_skipped"] = again.evon_optimizer.skipped_steps
         except Exception as err:  # noqa: BLE001 - the test checks the type and message
             result["resume"] = f"{type(err).__name__}: {err}"
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -252,8 +252,12 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
         assert r["fsdp_modules"] == sorted(["", *(f"net.{i}" for i in range(0, 15, 2))])
         assert r["fsdp2_sharding"] and r["dtensor_params"] == len(init)
         assert r["steps"] == tw.STEPS and r["skipped"] == 0
-        assert r["resume"].startswith("UnsupportedParallelismError: ")
-        assert "cannot resume an FSDP2 run from a Trainer checkpoint" in r["resume"]
+        # a fresh 2-process run resumed from checkpoint-2 ends bit-for-bit where this one did
+        assert r["resume"] == f"resumed to step {tw.STEPS}", r["resume"]
+        assert all(torch.equal(r["weights"][k], r["resumed_weights"][k]) for k in init)
+        assert r["resumed_skipped"] == 0
+        resumed = [e["grad_norm"] for e in r["resumed_log"] if "grad_norm" in e]  # 2 restored, 1 new
+        assert resumed == [e["grad_norm"] for e in r["log"] if "grad_norm" in e]
         assert _max_rel(ref["weights"], r["weights"]) <= 1e-6
         assert all(torch.equal(ranks[0]["weights"][k], r["weights"][k]) for k in init)
         got = [e["grad_norm"] for e in r["log"] if "grad_norm" in e]
@@ -302,9 +306,10 @@ def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int)
             assert "layers.3.weight" in nf["messages"][0]
 
 
-def test_trainer_refuses_to_resume_fsdp2_sharded_evon_through_dcp(tmp_path) -> None:
-    """The GPU-only Trainer + FSDP2 path cannot resume EVON through torch's distributed
-    checkpoint: EVONTrainer says so (the sharding object stands in for a real FSDP2 one)."""
+def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_path) -> None:
+    """Under FSDP2 EVON's state is resumed from ``evon_optimizer.pt`` (the Trainer's optimizer.bin,
+    torch's distributed checkpoint, does not fit it): a checkpoint without it is refused by name
+    (the sharding object stands in for a real FSDP2 one)."""
     from datasets import Dataset
 
     from hf_evon import EVONConfig, EVONTrainer
@@ -317,7 +322,7 @@ def test_trainer_refuses_to_resume_fsdp2_sharded_evon_through_dcp(tmp_path) -> N
     trainer = EVONTrainer(model=model, args=args, train_dataset=data)
     trainer.create_optimizer()
     trainer.evon_optimizer.sharding = object.__new__(FSDP2Sharding)
-    with pytest.raises(UnsupportedParallelismError, match="cannot resume an FSDP2 run"):
+    with pytest.raises(UnsupportedParallelismError, match="has no evon_optimizer.pt"):
         trainer._load_optimizer_and_scheduler(str(tmp_path))
     trainer.evon_optimizer.sharding = None  # not FSDP2: the Trainer's own (nothing to load here)
     trainer._load_optimizer_and_scheduler(None)

@@ -60,9 +60,11 @@ What the trainer does differently from ``transformers.Trainer``:
   DTensors, then EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`). Tested on
   CPU only, 2 gloo processes with accelerate's GPU-only FSDP switch turned on in the test
   worker (``tests/fsdp2_trainer_worker.py``): weights, checkpoint and ``save_model`` posteriors
-  equal the one-process ``evon_shard=True`` run. Resuming an FSDP2 run from a Trainer
-  checkpoint is refused (torch's distributed checkpoint does not fit EVON's per-matrix state),
-  and on CPU processes the ``fsdp`` arguments raise instead of silently running DDP.
+  equal the one-process ``evon_shard=True`` run. FSDP2 checkpoints also hold EVON's full state
+  (``evon_optimizer.pt``; torch's distributed checkpoint, the Trainer's ``optimizer.bin``, does
+  not fit EVON's per-matrix state), from which ``resume_from_checkpoint`` continues bit-for-bit
+  (tested on the same path). On CPU processes the ``fsdp`` arguments raise instead of silently
+  running DDP.
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 """
@@ -78,7 +80,10 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.utils import logging
+from transformers.utils.import_utils import check_torch_load_is_safe
 
 from ..distributed import prepare_distributed, unwrap_optimizer
 from ..optim import EVON, build_optimizer
@@ -96,6 +101,7 @@ Tensor = torch.Tensor
 __all__ = ["EVONTrainerMixin"]
 
 POSTERIOR_FILES = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
 
 
 def _unwrap_evon(optimizer: Any) -> EVON | None:
@@ -357,8 +363,10 @@ class EVONTrainerMixin:
         ``fsdp_config={"fsdp_version": 2}``) the Trainer builds EVON on the plain model and
         accelerate then ``fully_shard``-s it and puts the DTensors into EVON's param groups
         (EVON builds its buckets lazily, at their first use, so nothing refers to the old
-        tensors); ``prepare_distributed`` then shards EVON over the FSDP2 mesh. In one process
-        it only checks the model (FSDP1/DeepSpeed are refused with a clear error).
+        tensors); ``prepare_distributed`` then shards EVON over the FSDP2 mesh and, when
+        resuming, EVON's state is loaded from ``evon_optimizer.pt`` (see
+        :meth:`_load_optimizer_and_scheduler`). In one process it only checks the model
+        (FSDP1/DeepSpeed are refused with a clear error).
         """
         if self._fsdp_requested_without_plugin():
             from ..distributed import UnsupportedParallelismError
@@ -371,15 +379,19 @@ class EVONTrainerMixin:
                 "work), or shard the model yourself with torch.distributed.fsdp.fully_shard and a plain "
                 "training loop (hf_evon.prepare_distributed supports FSDP2 on CPU/gloo)"
             )
-        if resume_from_checkpoint is not None and self._accelerate_fsdp2():
-            # before the Trainer loads anything: EVON is not sharded yet at that point, so the
-            # check in _load_optimizer_and_scheduler alone would let torch's DCP fail obscurely
-            self._refuse_fsdp2_resume()
+        self._evon_fsdp2_resume = None  # set by _load_optimizer_and_scheduler under FSDP2
         model, train_dataloader = super()._prepare_for_training(
             max_steps, train_dataloader, resume_from_checkpoint
         )
         if self.evon_optimizer is not None:
             prepare_distributed(model, self.optimizer, shard=True if self.args.evon_shard else None)
+            if self._evon_fsdp2_resume is not None:
+                # EVON is sharded over the FSDP2 mesh only now: every rank loads the full state
+                # saved by _save_optimizer_and_scheduler and keeps its own part
+                check_torch_load_is_safe()
+                state = torch.load(self._evon_fsdp2_resume, map_location="cpu", weights_only=True)
+                self.evon_optimizer.load_state_dict(state)
+                self._evon_fsdp2_resume = None
         return model, train_dataloader
 
     def _accelerate_fsdp2(self) -> bool:
@@ -397,37 +409,58 @@ class EVONTrainerMixin:
         if opt is not None and opt.sharding is not None:
             opt.sharding.prefetch()
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The Trainer's, except under FSDP2 with sharded EVON, where it would fail obscurely.
+    def _evon_fsdp2(self) -> bool:
+        """Whether EVON runs under FSDP2 (accelerate's plugin, or sharded over an FSDP2 mesh)."""
+        opt = self.evon_optimizer
+        return opt is not None and (getattr(opt.sharding, "fsdp2", False) or self._accelerate_fsdp2())
 
-        Why refused: the Trainer resumes FSDP2 optimizers through torch's distributed checkpoint
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's, plus, under FSDP2, EVON's full state in ``evon_optimizer.pt``.
+
+        The Trainer's FSDP2 ``optimizer.bin`` (torch's distributed checkpoint, gathered by
+        parameter name) lacks EVON's own entry (seed, noise streams) and cannot be loaded back
+        into sharded EVON; ``optimizer.state_dict()`` (a collective: every rank calls it) is the
+        full unsharded state, which the process that saves writes (atomically).
+        """
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self._evon_fsdp2():
+            state = self.evon_optimizer.state_dict()
+            if self.args.should_save:
+                path = os.path.join(output_dir, EVON_OPTIMIZER_NAME)
+                torch.save(state, path + ".tmp")
+                os.replace(path + ".tmp", path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's, except under FSDP2, where EVON's state comes from ``evon_optimizer.pt``.
+
+        The Trainer resumes FSDP2 optimizers through torch's distributed checkpoint
         (``set_optimizer_state_dict``), which expects per-parameter state shaped (or sharded)
         like the parameters and initialises an empty optimizer by a ``step()`` without samples;
-        EVON's per-matrix state (``L``, ``R``, bases) held by one owner fits neither (a CPU check
-        with torch 2.13 fails with a KeyError). The Trainer loads the checkpoint before
-        ``prepare_distributed`` shards EVON, so ``_prepare_for_training`` refuses first (without
-        that, the Trainer's real FSDP2 path, ``tests/fsdp2_trainer_worker.py``, failed with EVON's
-        "not prepared" RuntimeError); this check covers other callers.
+        EVON's per-matrix state (``L``, ``R``, bases) held by one owner fits neither. So under
+        FSDP2 only the scheduler is loaded here; the Trainer calls this before
+        ``prepare_distributed`` shards EVON, so ``_prepare_for_training`` loads the full state
+        saved by :meth:`_save_optimizer_and_scheduler` afterwards, on every rank (each keeps its
+        own part). A checkpoint without that file (written before it existed) is refused.
         """
-        opt = self.evon_optimizer
-        if (
-            checkpoint is not None
-            and opt is not None
-            and (getattr(opt.sharding, "fsdp2", False) or self._accelerate_fsdp2())
-        ):
-            self._refuse_fsdp2_resume()
-        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or not self._evon_fsdp2():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, EVON_OPTIMIZER_NAME)
+        if not os.path.isfile(path):
+            from ..distributed import UnsupportedParallelismError
 
-    @staticmethod
-    def _refuse_fsdp2_resume() -> None:
-        from ..distributed import UnsupportedParallelismError
-
-        raise UnsupportedParallelismError(
-            "EVONTrainer cannot resume an FSDP2 run from a Trainer checkpoint: the Trainer loads FSDP2 "
-            "optimizer state through torch.distributed.checkpoint, which EVON's per-matrix state does not "
-            "fit. Resume with a plain loop instead: optimizer.state_dict() (a collective, every rank) saves "
-            "the unsharded state and optimizer.load_state_dict() restores it exactly"
-        )
+            raise UnsupportedParallelismError(
+                f"EVONTrainer cannot resume this FSDP2 run: the checkpoint {checkpoint} has no "
+                f"{EVON_OPTIMIZER_NAME} (EVON's full optimizer state, written by EVONTrainer's FSDP2 "
+                "checkpoints); the Trainer's optimizer.bin (torch.distributed.checkpoint) does not fit "
+                "EVON's per-matrix state and lacks its noise streams"
+            )
+        self._evon_fsdp2_resume = path
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught:
+                check_torch_load_is_safe()
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught)
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         self._gather_sharded_state()
