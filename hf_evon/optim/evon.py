@@ -293,17 +293,8 @@ class _Bucket:
         def pick(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.index_select(0, idx)
 
-        sub = _Bucket(
-            self.group,
-            [self.params[i] for i in members],
-            self.m,
-            self.n,
-            self.left,
-            self.right,
-            self.dtype,
-            state={k: v if k == "step" else pick(v) for k, v in self.state.items()},  # one shared counter
-            refresh_phase=[self.refresh_phase[i] for i in members],
-        )
+        sub = self.subset_params(members)
+        sub.state = {k: v if k == "step" else pick(v) for k, v in self.state.items()}  # one shared counter
         sub.acc, sub.exit_grads, sub.rotated_grads = (
             pick(self.acc),
             pick(self.exit_grads),
