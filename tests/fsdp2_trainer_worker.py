@@ -29,11 +29,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from datasets import Dataset
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharded_trainer_worker as base  # noqa: E402
+from fsdp2_worker import full_weights  # noqa: E402
 
 from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
 
@@ -62,13 +61,6 @@ def enable_fsdp_on_cpu() -> None:
     AcceleratorState.__init__ = patched
 
 
-def data() -> Dataset:
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(base.GLOBAL_BATCH * STEPS, 8, generator=gen, dtype=torch.float64)
-    y = torch.randn(base.GLOBAL_BATCH * STEPS, 8, generator=gen, dtype=torch.float64)
-    return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()})
-
-
 def config(out: str, world: int, mode: str, run: str = "run") -> EVONConfig:
     if mode == "reference":
         parallel = dict(evon_shard=True)
@@ -78,41 +70,20 @@ def config(out: str, world: int, mode: str, run: str = "run") -> EVONConfig:
             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Linear"]},
             ddp_backend="gloo",
         )
-    return EVONConfig(
-        output_dir=os.path.join(out, run),
-        report_to="none",
-        use_cpu=True,
-        per_device_train_batch_size=base.GLOBAL_BATCH // world,
+    return base.trainer_config(
+        os.path.join(out, run),
+        world,
         max_steps=STEPS,
-        learning_rate=2e-2,
-        evon_adamw_learning_rate=1e-2,
-        evon_mc_samples=2,
-        evon_precondition_frequency=2,
-        evon_seed=7,
-        lr_scheduler_type="constant",
-        save_strategy="no" if mode == "refused" else "steps",
-        save_steps=2,  # checkpoint-2 mid-run (checkpoints gather the sharded state first)
+        save_strategy="no" if mode == "refused" else "steps",  # checkpoint-2 mid-run
         logging_steps=1,
-        disable_tqdm=True,
-        bma_num_samples=0,
-        seed=0,
         max_grad_norm=MAX_NORM,
         **parallel,
     )
 
 
-def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a whole tensor (a collective for DTensors), named as in one process."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
-    return out
-
-
 def refused(out: str, rank: int) -> None:
     args = config(out, 2, "refused")
-    trainer = EVONTrainer(model=base.Regressor(), args=args, train_dataset=data())
+    trainer = EVONTrainer(model=base.Regressor(), args=args, train_dataset=base.data(STEPS))
     try:
         trainer.train()
         msg = f"trained {trainer.state.global_step} steps"
@@ -127,7 +98,9 @@ def train(out: str, world: int, rank: int, mode: str) -> None:
 
     from hf_evon.optim.fsdp2 import FSDP2Sharding
 
-    trainer = EVONTrainer(model=base.Regressor(), args=config(out, world, mode), train_dataset=data())
+    trainer = EVONTrainer(
+        model=base.Regressor(), args=config(out, world, mode), train_dataset=base.data(STEPS)
+    )
     trainer.train()
     evon = trainer.evon_optimizer
     result = {
@@ -145,7 +118,9 @@ def train(out: str, world: int, rank: int, mode: str) -> None:
     trainer.save_model(os.path.join(out, "saved"))  # every rank: the Trainer gathers the weights
     if mode == "fsdp2":  # a fresh 2-process trainer resumes from the mid-run checkpoint to the end
         again = EVONTrainer(
-            model=base.Regressor(), args=config(out, world, mode, run="resumed"), train_dataset=data()
+            model=base.Regressor(),
+            args=config(out, world, mode, run="resumed"),
+            train_dataset=base.data(STEPS),
         )
         try:
             again.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))

@@ -36,15 +36,16 @@ class Regressor(nn.Module):
         return {"loss": loss, "logits": out}
 
 
-def data() -> Dataset:
+def data(steps: int = STEPS) -> Dataset:
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(GLOBAL_BATCH * STEPS, 8, generator=gen, dtype=torch.float64)
-    y = torch.randn(GLOBAL_BATCH * STEPS, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(GLOBAL_BATCH * steps, 8, generator=gen, dtype=torch.float64)
+    y = torch.randn(GLOBAL_BATCH * steps, 8, generator=gen, dtype=torch.float64)
     return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()})
 
 
-def run(out: str, world: int, resume: str | None = None) -> EVONTrainer:
-    args = EVONConfig(
+def trainer_config(out: str, world: int, **changes) -> EVONConfig:
+    """The EVON settings every multi-process Trainer test shares (``changes`` override them)."""
+    settings = dict(
         output_dir=out,
         report_to="none",
         use_cpu=True,
@@ -62,9 +63,13 @@ def run(out: str, world: int, resume: str | None = None) -> EVONTrainer:
         disable_tqdm=True,
         bma_num_samples=0,
         seed=0,
-        evon_shard=True,
-        ddp_backend="gloo" if world > 1 else None,
-        max_grad_norm=1.0,
+    )
+    return EVONConfig(**{**settings, **changes})
+
+
+def run(out: str, world: int, resume: str | None = None) -> EVONTrainer:
+    args = trainer_config(
+        out, world, evon_shard=True, ddp_backend="gloo" if world > 1 else None, max_grad_norm=1.0
     )
     trainer = EVONTrainer(model=Regressor(), args=args, train_dataset=data())
     trainer.train(resume_from_checkpoint=resume)

@@ -9,9 +9,9 @@ The checks recompute what they compare from shapes and files.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
+import fsdp2_worker as worker
 import pytest
 import torch
 from launcher import rank_results, torchrun
@@ -22,9 +22,6 @@ from hf_evon.optim.fsdp2 import shard_rows
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "fsdp2_worker.py")
 TRAINER_WORKER = os.path.join(HERE, "fsdp2_trainer_worker.py")
-spec = importlib.util.spec_from_file_location("fsdp2_worker", WORKER)
-worker = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(worker)
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +226,8 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
     """The Trainer's own FSDP2 path (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``)
     on 2 CPU processes, accelerate's GPU-only FSDP switch turned on in the worker: the same
     weights and posterior as one process with ``evon_shard=True`` on the same global batch."""
-    spec = importlib.util.spec_from_file_location("fsdp2_trainer_worker", TRAINER_WORKER)
-    tw = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tw)
+    import fsdp2_trainer_worker as tw
+
     runs = {}
     for world, mode in ((2, "fsdp2"), (1, "reference")):
         d = str(tmp_path / mode)

@@ -9,10 +9,10 @@ optimizer's own bookkeeping.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+import sharded_worker as worker
 import torch
 from launcher import rank_results, torchrun
 from torch import nn
@@ -22,9 +22,6 @@ from hf_evon.optim.sharding import assign_owners, optimizer_state_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharded_worker.py")
-spec = importlib.util.spec_from_file_location("sharded_worker", WORKER)
-worker = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(worker)
 
 
 @pytest.fixture(scope="module")
