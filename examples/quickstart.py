@@ -129,10 +129,15 @@ def main() -> None:
     for name, m in rows.items():
         print(f"{name:18s} {m['accuracy']:9.4f} {m['nll']:7.4f} {m['ece']:7.4f} {m['brier']:7.4f}")
     mean, averaged = rows["EVON (mean)"], rows[f"EVON (BMA@{args.bma_samples})"]
+    scale = (
+        f"ess = inf: BMA is the mean (no scale beat it by more than {calibration.standard_errors:g} "
+        "standard error)"
+        if calibration.ess == float("inf")
+        else f"ess = {calibration.ess:.4g} = {calibration.multiplier:.3g} x the trained {calibration.trained_ess:.4g}"
+    )
     print(
-        f"calibrated sampling scale: ess = {calibration.ess:.4g} = {calibration.multiplier:.3g} x the trained "
-        f"{calibration.trained_ess:.4g} (held-out NLL {calibration.nll_at_best:.4f} vs {calibration.mean_nll:.4f} "
-        f"at the mean, {calibration.num_targets} images)"
+        f"calibrated sampling scale: {scale}; held-out NLL {calibration.chosen_nll:.4f} vs "
+        f"{calibration.mean_nll:.4f} at the mean, {calibration.num_targets} images"
     )
     print(
         f"BMA vs the mean on test: NLL {averaged['nll']:.4f} vs {mean['nll']:.4f}, "

@@ -60,6 +60,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number >= 0; got {text!r}") from None
+    if not (value >= 0.0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"wants a finite number >= 0; got {value}")
+    return value
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(tok) for tok in text.replace(",", " ").split()]
@@ -533,8 +543,8 @@ def _add_calibrate(subparsers: Any) -> None:
         help="choose the posterior's sampling scale by BMA NLL on a held-out text file",
         description="Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is "
         "cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at the mean), "
-        "and the best scale is saved as the posterior's ess, with the search in its config. Use text the model "
-        "was not trained on, and other text than you report on.",
+        "and the least noisy scale within one standard error of the best is saved as the posterior's ess, with the "
+        "search in its config. Use text the model was not trained on, and other text than you report on.",
     )
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
@@ -546,6 +556,12 @@ def _add_calibrate(subparsers: Any) -> None:
         "--samples", type=_positive_int, default=8, help="S, posterior samples per scale (default 8)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the weight draws (default 0)")
+    p.add_argument(
+        "--standard-errors", type=_non_negative_float, default=None, metavar="K",
+        help="a scale must beat every less noisy one (the mean first) by more than K standard errors of the "
+        "NLL difference, over tokens and draws (default: hf_evon.calibration.DEFAULT_STANDARD_ERRORS, 1; 0 keeps "
+        "the lowest NLL)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
     p.set_defaults(func=_run_calibrate, parser=p)
@@ -571,8 +587,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         {"input_ids": rows[i : i + args.batch_size], "labels": rows[i : i + args.batch_size]}
         for i in range(0, n, args.batch_size)
     ]
+    rule = {} if args.standard_errors is None else {"standard_errors": args.standard_errors}
     calibrated, result = calibrate_posterior(
-        model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True
+        model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True, **rule
     )
     calibrated.save_pretrained(args.output)
     if args.json:
@@ -580,7 +597,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     else:
         print(
             f"calibrated ess {result.ess:.4g} = {result.multiplier:.3g} x the trained {result.trained_ess:.4g}: "
-            f"BMA NLL {result.nll_at_best:.4f} vs {result.mean_nll:.4f} at the mean on {result.num_targets} tokens; "
+            f"BMA NLL {result.chosen_nll:.4f} vs {result.mean_nll:.4f} at the mean on {result.num_targets} tokens; "
             f"saved to {args.output}"
         )
     return 0

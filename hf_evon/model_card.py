@@ -246,11 +246,14 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             "calibrated BMA is never worse than the mean."
         )
     mult = "∞" if cal.get("ess") == "inf" else _fmt(float(cal["ess"]) / float(cal["trained_ess"]))
+    # files written before the one-standard-error rule record no chosen_nll: theirs was the minimum
+    chosen = cal.get("chosen_nll", min([cal["mean_nll"], *cal.get("nll", [])]))
     return (
         f"Calibrated on {_fmt(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
         f"({_fmt(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean): "
-        f"`ess` = {_fmt(cal.get('ess'))} ({mult} × the trained {_fmt(cal.get('trained_ess'))}; ∞ means the "
-        f"mean itself predicts best). Held-out NLL {_fmt(min([cal['mean_nll'], *cal.get('nll', [])]))} vs "
+        f"`ess` = {_fmt(cal.get('ess'))} ({mult} × the trained {_fmt(cal.get('trained_ess'))}; ∞ means no "
+        f"scale predicted better than the mean by more than {_fmt(cal.get('standard_errors', 0.0))} standard "
+        f"error(s)). Held-out NLL {_fmt(chosen)} vs "
         f"{_fmt(cal.get('mean_nll'))} at the mean. Sampling from this posterior (`posterior.sampled`, "
         "`generate_bma`, `hf-evon generate`) uses this scale."
     )

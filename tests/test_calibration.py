@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -32,22 +33,27 @@ def trained(seed: int = 0, steps: int = 30) -> tuple[nn.Module, EVONPosterior, l
     return model, EVONPosterior.from_optimizer(opt, model), [batch(50) for _ in range(2)], [batch(50)]
 
 
-def bma_nll(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> float:
-    """Reference: a plain loop over samples, averaging probabilities."""
-    total, count = 0.0, 0
+def bma_nlls(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> list[float]:
+    """Reference: a plain loop over samples, averaging probabilities; NLL per example."""
+    out = []
     for x, y in batches:
         probs = torch.zeros(len(y), 3, dtype=torch.float64)
         for s in seeds:
             with posterior.sampled(model, seed=s), torch.no_grad():
                 probs += torch.softmax(model(x).double(), -1) / len(seeds)
-        total -= float(probs[torch.arange(len(y)), y].log().sum())
-        count += len(y)
-    return total / count
+        out += (-probs[torch.arange(len(y)), y].log()).tolist()
+    return out
+
+
+def bma_nll(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> float:
+    return statistics.fmean(bma_nlls(model, posterior, batches, seeds))
 
 
 def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum() -> None:
     model, post, cal, _ = trained()
-    calibrated, result = calibrate_posterior(model, post, cal, grid=[0.1, 1.0, 10.0], num_samples=4, seed=7)
+    calibrated, result = calibrate_posterior(
+        model, post, cal, grid=[0.1, 1.0, 10.0], num_samples=4, seed=7, standard_errors=0
+    )
     assert result.trained_ess == post.ess
     assert [g / post.ess for g in result.grid] == pytest.approx([10.0, 1.0, 0.1])
     for ess, nll in zip(result.grid, result.nll):
@@ -59,7 +65,102 @@ def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum() -> None:
     best = min([(result.mean_nll, math.inf)] + list(zip(result.nll, result.grid)))
     assert result.ess == best[1]
     assert calibrated.ess == best[1]
-    assert result.nll_at_best == best[0]  # the NLL of the chosen ζ (∞ included: never above the mean's)
+    assert result.chosen_nll == best[0]  # the NLL of the chosen ζ (∞ included: never above the mean's)
+
+
+def draw_probs(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> list[list[float]]:
+    """Reference: p(label) of every example under each draw, by a plain loop (draw-major)."""
+    out = []
+    for s in seeds:
+        probs = []
+        for x, y in batches:
+            with posterior.sampled(model, seed=s), torch.no_grad():
+                probs += torch.softmax(model(x).double(), -1)[torch.arange(len(y)), y].tolist()
+        out.append(probs)
+    return out
+
+
+def one_standard_error_choice(candidates: list[list[list[float]]], k: float) -> int:
+    """Reference rule, written from its definition with Python floats: ``candidates`` are draws ×
+    examples of p(label), least noise first (the mean: one draw). The error of a difference is
+    the per-example one plus the jackknife over the common draw index."""
+
+    def nlls(draws: list[list[float]], leave_out: int | None = None) -> list[float]:
+        kept = [d for j, d in enumerate(draws) if j != leave_out or len(draws) == 1]
+        return [-math.log(statistics.fmean(col)) for col in zip(*kept)]
+
+    means = [statistics.fmean(nlls(c)) for c in candidates]
+    best = means.index(min(means))
+    for i, c in enumerate(candidates):
+        diff = [a - b for a, b in zip(nlls(c), nlls(candidates[best]))]
+        var = statistics.variance(diff) / len(diff)
+        s = max(len(c), len(candidates[best]))
+        if s > 1:
+            loo = [
+                statistics.fmean(a - b for a, b in zip(nlls(c, j), nlls(candidates[best], j)))
+                for j in range(s)
+            ]
+            var += (s - 1) / s * sum((v - statistics.fmean(loo)) ** 2 for v in loo)
+        if statistics.fmean(diff) <= k * math.sqrt(var):
+            return i
+    raise AssertionError("unreachable: the best candidate is within 0 of itself")
+
+
+def test_the_choice_is_the_least_noisy_scale_within_k_standard_errors_of_the_best() -> None:
+    model, post, cal, _ = trained(seed=1, steps=100)  # a case where noise helps, a little
+    x, y = zip(*cal)
+    with torch.no_grad():
+        mean = torch.softmax(model(torch.cat(x)).double(), -1)[torch.arange(100), torch.cat(y)]
+    chosen = []
+    for k in (0.0, 1.0, 3.0):
+        _, result = calibrate_posterior(
+            model, post, cal, grid=[10.0, 1.0, 0.1, 0.01, 1e-3], num_samples=4, seed=3, standard_errors=k
+        )
+        candidates = [[mean.tolist()]] + [
+            draw_probs(model, post.with_ess(e), cal, range(3, 7)) for e in result.grid
+        ]
+        index = one_standard_error_choice(candidates, k)
+        assert result.ess == ([math.inf] + result.grid)[index]
+        assert result.chosen_nll == ([result.mean_nll] + result.nll)[index]
+        assert result.standard_errors == k
+        chosen.append(result.multiplier)
+    assert chosen[0] < math.inf and chosen[2] == math.inf  # the rule decides here: k=0 and k=3 differ
+
+
+def test_a_small_gain_keeps_the_mean_and_a_clear_one_does_not() -> None:
+    from hf_evon.calibration import _least_noise_within
+
+    gen = torch.Generator().manual_seed(0)
+    mean = -torch.rand(1, 400, generator=gen, dtype=torch.float64)  # log p of the mean
+    z = torch.randn(1, 400, generator=gen, dtype=torch.float64)
+    z = 0.02 * (z - z.mean())  # per-example scatter: the error of a mean difference is ~0.001
+    small = (mean + 0.0005 + z).repeat(4, 1)  # 4 equal draws, better by exactly 0.0005 on average
+    clear = (mean + 0.01 + z).repeat(4, 1)  # better by 0.01, ten errors
+    assert _least_noise_within([mean, small], 1.0) == 0
+    assert _least_noise_within([mean, small], 0.0) == 1
+    assert _least_noise_within([mean, clear], 1.0) == 1
+    # among finite scales too: a noisier scale must beat a less noisy one clearly
+    assert _least_noise_within([mean, clear, clear + 0.0005 + z.flip(1)], 1.0) == 1
+    assert _least_noise_within([mean, clear, clear + 0.0005 + z.flip(1)], 0.0) == 2
+
+
+def test_a_gain_that_depends_on_the_draws_is_not_taken_for_a_better_scale() -> None:
+    """Every example moves together with the draw (+0.3, -0.1, +0.05, -0.15 in log p): the BMA is
+    better on average, every example agrees, yet another set of draws could well be worse."""
+    from hf_evon.calibration import _gain_and_error, _least_noise_within
+
+    gen = torch.Generator().manual_seed(1)
+    mean = -torch.rand(1, 400, generator=gen, dtype=torch.float64)
+    shifts = torch.tensor([0.3, -0.1, 0.05, -0.15], dtype=torch.float64)[:, None]
+    lucky = mean + shifts + 0.01 * torch.randn(4, 400, generator=gen, dtype=torch.float64)
+    gain, error = _gain_and_error(lucky, mean)
+    per_example = float((-torch.logsumexp(lucky, 0) + math.log(4) + mean[0]).std()) / math.sqrt(400)
+    assert gain < -10 * per_example  # the per-example error alone would take it
+    assert _least_noise_within([mean, lucky], 1.0) == 0
+    assert _least_noise_within([mean, lucky], 0.0) == 1
+    # the same average gain in every draw is real
+    steady = mean + float(-gain) + 0.01 * torch.randn(4, 400, generator=gen, dtype=torch.float64)
+    assert _least_noise_within([mean, steady], 1.0) == 1
 
 
 def test_noise_that_only_hurts_calibrates_to_the_mean() -> None:
@@ -112,7 +213,13 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"grid": [0.0, 1.0]}, "grid"), ({"grid": [math.inf]}, "grid"), ({"num_samples": 0}, "num_samples")],
+    [
+        ({"grid": [0.0, 1.0]}, "grid"),
+        ({"grid": [math.inf]}, "grid"),
+        ({"num_samples": 0}, "num_samples"),
+        ({"standard_errors": -1.0}, "standard_errors"),
+        ({"standard_errors": math.nan}, "standard_errors"),
+    ],
 )
 def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
     model, post, cal, _ = trained(steps=1)

@@ -263,4 +263,4 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     text = str(render_model_card(calibrated))
     assert "Not calibrated" not in text
     assert f"Calibrated on {result.num_targets} held-out targets" in text
-    assert f"Held-out NLL {result.nll_at_best:.6g} vs {result.mean_nll:.6g} at the mean" in text
+    assert f"Held-out NLL {result.chosen_nll:.6g} vs {result.mean_nll:.6g} at the mean" in text

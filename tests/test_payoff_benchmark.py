@@ -47,3 +47,77 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
     # a combined report from the saved run is the same report
     payoff.main(["--combine", out + ".json", "--out", out + "_again"])
     assert open(out + "_again.md").read() == report
+
+
+def test_bma_of_several_sizes_averages_the_first_k_draws_of_one_sequence() -> None:
+    import math
+
+    import torch
+
+    draws = [
+        torch.log_softmax(
+            torch.randn(5, 3, generator=torch.Generator().manual_seed(s), dtype=torch.float64), -1
+        )
+        for s in range(4)
+    ]
+    calls = []
+
+    def predict(s: int) -> torch.Tensor:
+        calls.append(s)
+        return draws[s]
+
+    out = payoff.bma(predict, [2, 4])
+    assert calls == [0, 1, 2, 3]  # each draw made once for both sizes
+    for k in (2, 4):
+        expected = torch.stack([d.exp() for d in draws[:k]]).mean(0).log()
+        assert torch.allclose(out[k], expected, atol=1e-12, rtol=0)
+    assert set(out) == {2, 4} and not math.isclose(float(out[2].sum()), float(out[4].sum()))
+
+
+def test_last_layer_features_are_the_inputs_of_the_active_logits_layer() -> None:
+    """The features laplace-torch is fitted on: exactly what the model's logits layer sees."""
+    import peft
+    import torch
+    from torch import nn
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x = torch.randn(5, 4)
+    head, feats = payoff.last_layer_features(mlp, [(x, torch.zeros(5))])
+    assert head is mlp[2] and torch.equal(feats[0][0], mlp[:2](x))
+
+    cfg = BertConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    bert = BertForSequenceClassification(cfg)
+    model = peft.get_peft_model(
+        bert, peft.LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"])
+    ).eval()
+    with torch.no_grad():  # the trained copy differs from the frozen original
+        model.base_model.model.classifier.modules_to_save["default"].weight.add_(1.0)
+    ids = {"input_ids": torch.randint(0, 30, (3, 6))}
+    head, feats = payoff.last_layer_features(model, [(ids, torch.zeros(3))])
+    assert head is model.base_model.model.classifier.modules_to_save["default"]
+    pooled = model.base_model.model.bert(**ids).pooler_output
+    assert torch.allclose(feats[0][0], pooled, atol=0, rtol=0)
+
+
+def test_ivon_leaves_frozen_parameters_alone() -> None:
+    """A LoRA model's frozen base weights must not be sampled or decayed by the IVON baseline."""
+    ivon = pytest.importorskip("ivon")
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = payoff.ivon_optimizer(ivon, model, n_train=32)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            assert torch.equal(model[0].weight, frozen)  # not perturbed in the sample
+            nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model[0].weight, frozen)

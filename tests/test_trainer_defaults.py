@@ -105,7 +105,7 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     tr, cal = trainer(tmp_path, calibration_dataset=breast_cancer()[1])
     tr.train()
     result = tr.calibration
-    assert result is not None and result.nll_at_best <= result.mean_nll
+    assert result is not None and result.chosen_nll <= result.mean_nll
     posterior = tr.current_posterior()
     assert posterior.ess == result.ess
     assert posterior.config["calibration"]["nll"] == pytest.approx(result.nll)
@@ -113,6 +113,10 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     tr.save_model(str(tmp_path / "saved"))
     loaded = EVONPosterior.from_pretrained(str(tmp_path / "saved"))
     assert loaded.ess == result.ess and loaded.config["trained_ess"] == pytest.approx(result.trained_ess)
+    # calibrate() again with the rule off: the lowest NLL, recorded as such
+    again = tr.calibrate(standard_errors=0.0)
+    assert again.standard_errors == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll])
+    assert result.standard_errors == 1.0 and again.nll == pytest.approx(result.nll)
     # a further optimizer step makes the calibration stale: the trained scale is back
     tr.state.global_step += 1
     assert tr.current_posterior().ess == result.trained_ess

@@ -298,16 +298,28 @@ class EVONTrainerMixin:
             return posterior
         return self.posterior
 
-    def calibrate(self, dataset: Any = None, grid: Any = None, num_samples: int | None = None) -> Any:
+    def calibrate(
+        self,
+        dataset: Any = None,
+        grid: Any = None,
+        num_samples: int | None = None,
+        standard_errors: float | None = None,
+    ) -> Any:
         """Choose the posterior's sampling scale by BMA NLL on held-out ``dataset``.
 
         :func:`hf_evon.calibrate_posterior` on ``dataset`` (default: the trainer's
         ``calibration_dataset``), with ``bma_num_samples`` samples (8 if 0) and seeds from
-        ``bma_seed``. Until the next optimizer step, ``current_posterior()`` — so evaluation,
-        saving and the model card — uses the calibrated scale. Runs by itself at the end of
+        ``bma_seed``; ``standard_errors`` as there. Until the next optimizer step,
+        ``current_posterior()`` — so evaluation, saving and the model card — uses the calibrated
+        scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
         """
-        from ..calibration import DEFAULT_GRID, DEFAULT_NUM_SAMPLES, calibrate_posterior
+        from ..calibration import (
+            DEFAULT_GRID,
+            DEFAULT_NUM_SAMPLES,
+            DEFAULT_STANDARD_ERRORS,
+            calibrate_posterior,
+        )
 
         dataset = self.calibration_dataset if dataset is None else dataset
         if dataset is None:
@@ -332,13 +344,14 @@ class EVONTrainerMixin:
             num_samples=num_samples or self.args.bma_num_samples or DEFAULT_NUM_SAMPLES,
             seed=self.args.bma_seed,
             shift_labels=self._causal_lm,
+            standard_errors=DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
         self.log(
             {
                 "calibration/ess": result.ess,
                 "calibration/ess_multiplier": result.multiplier,
-                "calibration/bma_nll": result.nll_at_best,
+                "calibration/bma_nll": result.chosen_nll,
                 "calibration/mean_nll": result.mean_nll,
             }
         )
