@@ -116,6 +116,54 @@ def test_posterior_health_matches_a_closed_form() -> None:
     assert stats["hess_below_prior"] == pytest.approx(float((all_h < 1e-3).double().mean()))
 
 
+def test_hess_init_share_follows_the_recursion_when_the_data_has_no_curvature() -> None:
+    """Zero gradients: the Price estimate Ĥ is 0, so H_t obeys H ← β2·H + ½(1−β2)²H²/(H+δ)
+    (IVON's correction) from h0 and the share is h0·β2ᵗ / H_t, computed here in float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights, ess=1e4, weight_decay=1e-4)
+    h0, beta2, delta = DEFAULT_HESS_INIT, opt.param_groups[0]["betas"][1], 1e-4
+    x = torch.randn(16, 8, dtype=torch.float64)
+    h = h0
+    for k in range(31):  # the first step sets up the eigenbases and leaves H at h0: t = k updates after it
+        with opt.sampled_params(train=True):
+            (0.0 * model(x).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        t = k
+        h = h if t == 0 else beta2 * h + 0.5 * (1 - beta2) ** 2 * h * h / (h + delta)
+        if t in (0, 1, 30):
+            assert float(opt.state[weights[0]]["hess"].max()) == pytest.approx(h, rel=1e-12)
+            share = opt.posterior_health(warn=False)["hess_init_share"]
+            assert share == pytest.approx(h0 * beta2**t / h, rel=1e-12)
+    assert 0.99 < share < 1.0  # all of H is what h0 decayed to (the correction adds a little)
+
+
+@pytest.mark.parametrize("gamma", [None, 2.0])
+def test_hess_init_share_falls_when_the_data_has_curvature(gamma: float | None) -> None:
+    """A loss with curvature 100 per weight. Without Hessian clipping H learns it and h0's
+    share falls to almost 0; with the default γ = 2 the estimate is clipped to 2·H, so H grows
+    by a factor ≤ β2 + (1−β2)·γ + (1−β2)² per update (the last term bounds IVON's correction)
+    and 200 steps leave h0's share ≥ (β2 / that factor)ᵗ ≈ 0.14: H cannot follow the data fast."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False))
+    opt = EVON(list(model.parameters()), ess=1e6, hess_clip_ratio=gamma)
+    for _ in range(200):
+        with opt.sampled_params(train=True):
+            (50.0 * model[0].weight.square().sum()).backward()  # Hessian 100·I
+        opt.step()
+        opt.zero_grad()
+    stats = opt.posterior_health(warn=False)
+    t, (_, beta2) = 199, opt.param_groups[0]["betas"]  # the first step only sets up the eigenbases
+    if gamma is None:
+        assert stats["hess_mean"] > 10.0 and stats["hess_init_share"] < 1e-3
+    else:
+        growth = beta2 + (1 - beta2) * gamma + (1 - beta2) ** 2
+        assert stats["hess_max"] <= DEFAULT_HESS_INIT * growth**t * (1 + 1e-5)
+        assert 0.1 < (beta2 / growth) ** t <= stats["hess_init_share"] < 1.0
+
+
 def test_runaway_noise_warns_once_naming_the_cause() -> None:
     """ess = N-style noise on a small model: the std dwarfs the weights (the issue's MLP case)."""
     model = mlp()

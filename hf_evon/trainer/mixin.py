@@ -34,7 +34,8 @@ What the trainer does differently from ``transformers.Trainer``:
   non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
   deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
-  of the rotated-space Hessian H) and ``evon/skipped_steps``.
+  of the rotated-space Hessian H), ``evon/skipped_steps`` and every ``posterior_health()``
+  statistic (``evon/noise_to_signal``, ``evon/hess_below_prior``, ``evon/hess_init_share``, ...).
 * **Evaluation.** ``evaluate()`` runs the subclass's evaluation (``eval_loss`` and your
   ``compute_metrics``, at the posterior mean), reads the model's outputs of that pass for the
   ``eval_mean_*`` metrics, then runs ``bma_num_samples`` passes at posterior samples
