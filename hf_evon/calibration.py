@@ -54,11 +54,15 @@ class CalibrationResult:
     num_targets: int
     seed: int
     standard_errors: float = DEFAULT_STANDARD_ERRORS
-    chosen_nll: float = math.nan  # the held-out BMA NLL at ``ess`` (the mean's when ess = inf)
 
     @property
     def multiplier(self) -> float:
         return self.ess / self.trained_ess
+
+    @property
+    def chosen_nll(self) -> float:
+        """The held-out BMA NLL at the chosen ``ess`` (the mean's when ess = inf)."""
+        return self.mean_nll if math.isinf(self.ess) else self.nll[self.grid.index(self.ess)]
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe (``inf`` as the string ``"inf"``, as in the posterior config)."""
@@ -69,6 +73,7 @@ class CalibrationResult:
         d = asdict(self)
         d["ess"], d["trained_ess"] = enc(self.ess), enc(self.trained_ess)
         d["grid"] = [enc(x) for x in self.grid]
+        d["chosen_nll"] = self.chosen_nll
         d["method"] = "gridsearch (BMA NLL on held-out data)"
         return d
 
@@ -212,7 +217,6 @@ def calibrate_posterior(
         num_targets=int(mean_logp.numel()),
         seed=seed,
         standard_errors=float(standard_errors),
-        chosen_nll=([mean_nll] + nlls)[index],
     )
     calibrated = posterior.with_ess(chosen)
     calibrated.config["trained_ess"] = trained

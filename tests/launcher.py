@@ -35,3 +35,14 @@ def rank_results(world: int, script: str, out: str, timeout: float = 300) -> lis
     """Run a worker that saves ``rank{r}.pt`` under ``out``, and load what each rank saved."""
     torchrun(world, script, out, timeout=timeout)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def runs_per_world(
+    tmp_path_factory, script: str, prefix: str, worlds=(1, 2, 3)
+) -> dict[int, tuple[str, list[dict]]]:
+    """``{world: (its output directory, what each rank saved)}``: ``script`` run once per world size."""
+    out = {}
+    for world in worlds:
+        d = str(tmp_path_factory.mktemp(f"{prefix}{world}"))
+        out[world] = (d, rank_results(world, script, d))
+    return out

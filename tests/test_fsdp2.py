@@ -14,7 +14,7 @@ import os
 import fsdp2_worker as worker
 import pytest
 import torch
-from launcher import rank_results, torchrun
+from launcher import runs_per_world, torchrun
 
 from hf_evon import EVONPosterior, build_optimizer
 from hf_evon.optim.fsdp2 import shard_rows
@@ -26,11 +26,7 @@ TRAINER_WORKER = os.path.join(HERE, "fsdp2_trainer_worker.py")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
-    out = {}
-    for world in (1, 2, 3):
-        d = str(tmp_path_factory.mktemp(f"fsdp2_world{world}"))
-        out[world] = (d, rank_results(world, WORKER, d))
-    return out
+    return runs_per_world(tmp_path_factory, WORKER, "fsdp2_world")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import os
 import pytest
 import sharded_worker as worker
 import torch
-from launcher import rank_results, torchrun
+from launcher import rank_results, runs_per_world, torchrun
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
@@ -26,11 +26,7 @@ WORKER = os.path.join(HERE, "sharded_worker.py")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
-    out = {}
-    for world in (1, 2, 3):
-        d = str(tmp_path_factory.mktemp(f"world{world}"))
-        out[world] = (d, rank_results(world, WORKER, d))
-    return out
+    return runs_per_world(tmp_path_factory, WORKER, "world")
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
