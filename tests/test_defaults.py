@@ -252,10 +252,14 @@ def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))
-    opt = build_optimizer(model, lr=0.03)
+    opt = build_optimizer(model, lr=0.03, clip="element")
     evon = [g for g in opt.param_groups if g["algorithm"] == "evon"]
     adapters = [g for g in evon if all("lora_" in n for n in g["param_names"])]
     assert len(adapters) == 1 and adapters[0]["lr"] == pytest.approx(0.03 * 5.0)
+    # the default clip ("whiten_rms"): adapters at 1.25x, so their steps have entry RMS 0.8·1.25 = 1.0·rate
+    whitened = build_optimizer(model, learning_rate=1e-3)
+    rates = sorted(g["lr"] for g in whitened.param_groups if g["algorithm"] == "evon")
+    assert rates == pytest.approx([0.1], rel=1e-12)  # 0.8 · 1e-3 / 0.01 · 1.25
     assert sorted(adapters[0]["param_names"]) == sorted(
         n for n, p in model.named_parameters() if "lora_" in n and p.requires_grad
     )
@@ -265,26 +269,48 @@ def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
         build_optimizer(model, adapter_lr_scale=0)
 
 
-def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> None:
-    from hf_evon.optim.evon import lr_from_adamw_lr
-
-    model = mlp()
-    opt = build_optimizer(model, learning_rate=5e-5)
-    rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
-    assert rates == {"evon": pytest.approx(0.001, rel=1e-12), "adamw": 5e-5}
-    # the step-size rule: with the element clip binding, each weight moves by α·radius = 0.2·rate
-    for radius in (0.01, 0.5):
-        assert lr_from_adamw_lr(3e-4, radius) * radius == pytest.approx(0.2 * 3e-4, rel=1e-12)
+def _moves_under_binding_clip(opt: EVON, model: nn.Module) -> list[torch.Tensor]:
+    """Each EVON matrix's change in the second step, under full-rank gradients far above H."""
     evon_params = [p for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]]
+    gen = torch.Generator().manual_seed(0)
     for t in range(2):  # the first step only initialises the eigenbases
         before = [p.detach().clone() for p in evon_params]
         one_sample(opt, model, seed=t)
         for p in model.parameters():
-            p.grad = torch.full_like(p, 1e3)  # H << |momentum|: the element clip binds everywhere
+            p.grad = 1e3 * torch.randn(p.shape, generator=gen)  # H << |momentum|: the clip binds
         opt.step()
         opt.zero_grad()
-    # the clip acts in the weights' own basis: every entry moves by exactly α·radius = 0.2·rate
-    moves = torch.cat([(p.detach() - old).abs().flatten() for p, old in zip(evon_params, before)])
+    return [p.detach() - old for p, old in zip(evon_params, before)]
+
+
+def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> None:
+    from hf_evon.optim.evon import STEP_RATIOS, lr_from_adamw_lr
+
+    model = mlp()
+    # from scratch the default clip is "whiten_rms": entry RMS α·radius = 0.8·rate
+    opt = build_optimizer(model, learning_rate=5e-5)
+    rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
+    assert rates == {"evon": pytest.approx(0.004, rel=1e-12), "adamw": 5e-5}
+    assert {g["clip"] for g in opt.param_groups if g["algorithm"] == "evon"} == {"whiten_rms"}
+    for move in _moves_under_binding_clip(opt, model):
+        # Newton–Schulz leaves singular values in ~[0.7, 1.2], not exactly 1
+        rms = move.square().mean().sqrt().item()
+        assert 0.6 * 0.8 * 5e-5 < rms < 1.25 * 0.8 * 5e-5, rms
+    # the step-size rule: α·radius = ratio·rate for every radius, the ratio of the clip mode
+    for radius in (0.01, 0.5):
+        for clip, finetuning in STEP_RATIOS:
+            alpha = lr_from_adamw_lr(3e-4, radius, clip=clip, finetuning=finetuning)
+            assert alpha * radius == pytest.approx(STEP_RATIOS[(clip, finetuning)] * 3e-4, rel=1e-12)
+    assert STEP_RATIOS[("element", False)] == 0.2 and STEP_RATIOS[("whiten_rms", False)] == 0.8
+    with pytest.raises(ValueError, match="clip"):
+        lr_from_adamw_lr(1e-3, clip="whiten")  # no measured ratio: α is the user's to set
+    opt = build_optimizer(model, learning_rate=5e-5, clip="element")
+    assert {g["algorithm"]: g["lr"] for g in opt.param_groups} == {
+        "evon": pytest.approx(0.001, rel=1e-12),
+        "adamw": 5e-5,
+    }
+    # the element clip acts in the weights' own basis: every entry moves by exactly α·radius = 0.2·rate
+    moves = torch.cat([m.abs().flatten() for m in _moves_under_binding_clip(opt, model)])
     assert torch.allclose(moves, torch.full_like(moves, 0.2 * 5e-5), rtol=1e-3)
     # explicit α, explicit AdamW rate and a recipe's α win over the derived ones
     both = build_optimizer(model, learning_rate=5e-5, lr=0.07, adamw_lr=1e-2)

@@ -193,7 +193,8 @@ def test_matches_slow_reference(strategy, gpt2, arch):
     assert torch.equal(out.sequences, ref_ids)
     assert len(out.scores) == new
     for got, want in zip(out.scores, ref_scores):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        # float32 scores of size ~4 from differently ordered sums: a relative tolerance of ~100 ulps
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-5)
     # the samples really differ: BMA is not the mean model here
     mean_scores = model.generate(
         PROMPTS,

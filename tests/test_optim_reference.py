@@ -118,6 +118,11 @@ class ReferenceEVON:
         if self.clip == "whiten":
             self.update_clip_events += 1
             return muon_newton_schulz(delta)
+        if (
+            self.clip == "whiten_rms"
+        ):  # orthogonalised, then entries of RMS radius (min(m, n) unit singular values)
+            self.update_clip_events += 1
+            return muon_newton_schulz(delta) * self.radius * max(delta.shape) ** 0.5
         raise AssertionError(self.clip)
 
     # -- one optimizer step
@@ -279,6 +284,7 @@ CASES = {
     "clip_element": ({"clip": "element", "clip_radius": 0.03}, [(3, 5), (4, 2)]),
     "clip_spectral": ({"clip": "spectral", "clip_radius": 0.08}, [(3, 5), (4, 2)]),
     "clip_whiten": ({"clip": "whiten", "lr": 0.05}, [(3, 5), (4, 2)]),
+    "clip_whiten_rms": ({"clip": "whiten_rms", "clip_radius": 0.03, "lr": 0.5}, [(3, 5), (4, 2), (6,)]),
     "phased": ({"phased_gradients": True}, [(3, 3), (4, 4), (4, 1, 2, 2)]),
     "ess_inf": ({"ess": float("inf")}, [(3, 5), (4, 2)]),
     "shampoo_beta": ({"shampoo_beta": 0.7, "betas": (0.5, 0.99)}, [(3, 5)]),

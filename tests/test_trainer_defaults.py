@@ -161,6 +161,10 @@ def _rates(trainer: EVONTrainer) -> dict[str, set[float]]:
     return rates
 
 
+def _clips(trainer: EVONTrainer) -> set[str]:
+    return {g["clip"] for g in trainer.create_optimizer().param_groups if g["algorithm"] == "evon"}
+
+
 def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path) -> None:
     from peft import LoraConfig, TaskType
     from test_trainer import classification_data, tiny_bert
@@ -169,7 +173,8 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     args = dict(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
     scratch = EVONTrainer(model=tiny_bert(), args=EVONConfig(**args), train_dataset=data)
     assert scratch.args.learning_rate == 1e-3  # built from a config: from scratch
-    assert _rates(scratch) == {"evon": {0.02}, "adamw": {1e-3}}
+    # from scratch: whitened steps of entry RMS 0.8 · rate (STEP_RATIOS), α = 0.8 · 1e-3 / 0.01
+    assert _rates(scratch) == {"evon": {0.08}, "adamw": {1e-3}} and _clips(scratch) == {"whiten_rms"}
 
     tiny_bert().save_pretrained(tmp_path / "pretrained")
     from transformers import BertForSequenceClassification
@@ -180,7 +185,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
     assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
     # full fine-tuning: α = FINETUNING_STEP_RATIO (0.5) · rate / radius, the new task head at 5x
-    assert _rates(full) == {"evon": {0.0025, 0.0125}, "adamw": {5e-5}}
+    assert _rates(full) == {"evon": {0.0025, 0.0125}, "adamw": {5e-5}} and _clips(full) == {"element"}
     fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.0125]
     assert fast == [["classifier.weight"]]
 
@@ -192,7 +197,8 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     )
     assert built.config._name_or_path == str(tmp_path / "pretrained")
     fresh = EVONTrainer(model=built.eval(), args=EVONConfig(**args), train_dataset=data)  # eval mode too
-    assert fresh.args.learning_rate == 1e-3 and _rates(fresh) == {"evon": {0.02}, "adamw": {1e-3}}
+    assert fresh.args.learning_rate == 1e-3 and _rates(fresh) == {"evon": {0.08}, "adamw": {1e-3}}
+    assert _clips(fresh) == {"whiten_rms"}
 
     # a linear probe (backbone frozen) trains a new head from scratch, not a pretrained model
     probe = pretrained()
@@ -215,7 +221,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
         for g in opt.param_groups
         if g["algorithm"] == "evon"
         for n in g["param_names"]
-        if g["lr"] == 5 * 0.02
+        if round(g["lr"], 12) == 0.1  # α 0.08, adapters at 1.25x with "whiten_rms"
     ]
     evon = [n for g in opt.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]
     assert (

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-CLIP_MODES = ("none", "element", "spectral", "whiten")
+CLIP_MODES = ("none", "element", "spectral", "whiten", "whiten_rms")
 AUTO_ESS = "auto"
 # The defaults below, and why (measured in benchmarks/payoff.py; the paper's tables for the rest):
 # * ess="auto", init_std_ratio=0.05: ζ is chosen once, when the optimizer first sees the weights,
@@ -58,36 +58,59 @@ AUTO_ESS = "auto"
 #   (Table "Best hyperparameters for CLIP finetuning": h0 1e-3-1e-2, β1 0.95, γ 2) with a slower
 #   Hessian average than its 1-β2 = 0.05, because at small noise the Price estimator is noisy;
 #   0.995 still lets H leave h0 within ~200 steps.
-# * clip="element", clip_radius=0.01 (the IVON recipe's element-wise clipping), lr = α = 0.02: early
-#   on H << |momentum|, the clip binds and every weight moves by α·radius per step, like sign descent.
-#   Adam's steps on noisy gradients are ~0.2·lr in RMS (the ratio Moonlight matches Muon to AdamW
-#   with: Liu et al. 2025, "Muon is scalable for LLM training"), so an AdamW rate maps to
-#   α = ADAMW_STEP_RATIO · rate / radius (``lr_from_adamw_lr``); α = 0.02 is AdamW's default 1e-3,
-#   the best α on digits and the tiny GPT-2 in benchmarks/payoff.py, where AdamW is run at 1e-3.
-#   Full fine-tuning of a pretrained model takes FINETUNING_STEP_RATIO instead: there the gradients
-#   are small and consistent, so AdamW's steps are nearer its full rate (benchmarks/payoff.py,
-#   MiniLM full fine-tuning for 4 epochs at AdamW's 1e-4, head at 5x, seed 0: ratio 0.2 NLL 1.15
-#   (ECE 0.44, underfit), 0.5 NLL 0.61 (AdamW 0.64), 1.0 NLL 1.02; over 3 seeds at 0.5: 0.620 vs
-#   AdamW's 0.660, accuracy 79.0% vs 77.7%; the benchmark's 3-epoch default: 0.730 vs 0.701, 76.7%
-#   vs 76.0%); from scratch every other ratio tried was worse than 0.2: digits NLL (mean of 3 seeds)
-#   0.208 at 0.1 and 0.169 at 0.3 vs 0.136, tiny GPT-2 (seed 0) 4.69 and 5.09 vs 4.67; earlier
-#   code: digits per seed 0.14-0.29 at 0.5 and 0.24-0.44 at 1.0 vs 0.10-0.19, GPT-2 4.83 and 5.51
-#   vs 4.65.
-ADAMW_STEP_RATIO = 0.2
-FINETUNING_STEP_RATIO = 0.5
+# * clip="whiten_rms" (full fine-tuning: "element"), clip_radius=0.01: while the clip binds (early on
+#   H << |momentum|, and H stays near h0·β2ᵗ in runs of a few hundred steps: posterior_health's
+#   hess_init_share), every step has entry RMS α·radius: "element" moves each weight by ±α·radius
+#   (sign descent, as the IVON recipe's element-wise clipping), "whiten_rms" orthogonalises the
+#   step (Newton–Schulz, the paper's best NanoGPT ablation; Muon) and scales it to that RMS
+#   (Moonlight's shape scaling: Liu et al. 2025, "Muon is scalable for LLM training"). An AdamW
+#   rate maps to α = ratio · rate / radius (``lr_from_adamw_lr``), the ratio per clip mode
+#   (``STEP_RATIOS``), measured in benchmarks/payoff.py where AdamW runs at 1e-3 (from scratch,
+#   LoRA) and 1e-4 (MiniLM full fine-tuning):
+#   - "whiten_rms" from scratch, ratio 0.8 (α = 0.08 at 1e-3): test NLL, mean of 3 seeds, digits
+#     0.089 / 0.098 / 0.096 / 0.111 at ratio 0.4 / 0.6 / 0.8 / 1.0 (AdamW 0.117, "element" 0.136),
+#     breast cancer 0.136 / 0.091 / 0.078 / 0.082 (AdamW 0.090, "element" 0.070); tiny GPT-2 (seed 0)
+#     4.437 / 4.424 / 4.421 at 0.4 / 0.6 / 0.8 (AdamW 4.579, "element" 4.666; 3 seeds at 0.6: 4.405
+#     vs AdamW's 4.573); at 0.2 it underfits (digits 0.189). MiniLM LoRA (seed 0, adapters at 5x):
+#     NLL 0.682 at ratio 0.2 vs "element" 0.814 and AdamW 1.001.
+#   - "element" from scratch, ratio 0.2: Adam's steps on noisy gradients are ~0.2·rate in RMS (the
+#     ratio Moonlight matches Muon to AdamW with); every other ratio tried was worse (digits 0.208 at
+#     0.1, 0.169 at 0.3 vs 0.136; GPT-2 4.69 and 5.09 vs 4.67).
+#   - full fine-tuning of a pretrained model keeps "element", ratio 0.5: there the gradients are
+#     small and consistent, so AdamW's steps are nearer its full rate (MiniLM, 4 epochs, seed 0:
+#     ratio 0.2 NLL 1.15, 0.5 0.61 (AdamW 0.64), 1.0 1.02; 3 seeds at 0.5: 0.620 vs AdamW's 0.660;
+#     the benchmark's 3 epochs: 0.730 vs 0.701). Orthogonalised steps move every singular direction
+#     of a pretrained matrix by the same amount: "whiten_rms" ended at NLL 1.38 (accuracy 76%) at
+#     ratio 0.5 and 1.55 (67%) at 0.2 (seed 0), as Muon fine-tuning of AdamW-pretrained weights
+#     underperforms (Moonlight, ibid.), so it has no fine-tuning ratio here.
+STEP_RATIOS = {("element", False): 0.2, ("element", True): 0.5, ("whiten_rms", False): 0.8}
+ADAMW_STEP_RATIO = STEP_RATIOS[("element", False)]
+FINETUNING_STEP_RATIO = STEP_RATIOS[("element", True)]
 DEFAULT_CLIP_RADIUS = 0.01
 DEFAULT_ADAMW_LR = 1e-3  # torch.optim.AdamW's default, for the parameters EVON does not own
+DEFAULT_FINETUNING_LR = 5e-5  # TrainingArguments' default: full fine-tuning of a pretrained model
+
+
+def default_clip(finetuning: bool = False) -> str:
+    """The default ``clip``: "whiten_rms", and "element" for full fine-tuning of a pretrained model."""
+    return "element" if finetuning else "whiten_rms"
 
 
 def lr_from_adamw_lr(
-    adamw_lr: float, clip_radius: float = DEFAULT_CLIP_RADIUS, step_ratio: float = ADAMW_STEP_RATIO
+    adamw_lr: float,
+    clip_radius: float = DEFAULT_CLIP_RADIUS,
+    step_ratio: float | None = None,
+    *,
+    clip: str | None = None,
+    finetuning: bool = False,
 ) -> float:
-    """EVON's α whose clipped steps match AdamW's at ``adamw_lr`` (step RMS ``step_ratio``·rate).
+    """EVON's α whose clipped steps match AdamW's at ``adamw_lr`` (entry RMS ``step_ratio``·rate).
 
-    So a learning rate tuned for AdamW carries over: 1e-3 (from scratch, LoRA) -> 0.02; for full
-    fine-tuning (``step_ratio=FINETUNING_STEP_RATIO``) 5e-5 -> 0.0025. The match assumes
-    ``clip="element"`` (the default), where the radius bounds each weight's step; with another
-    ``clip`` the radius means something else (``"whiten"`` ignores it): set α (``lr``) yourself.
+    So a learning rate tuned for AdamW carries over. ``step_ratio=None`` takes the measured ratio
+    of ``clip`` (None: ``default_clip(finetuning)``) from ``STEP_RATIOS``: 1e-3 from scratch or
+    through LoRA -> 0.08 ("whiten_rms"), 0.02 ("element"); full fine-tuning at 5e-5 -> 0.0025
+    ("element"). Only those have a measured ratio ("spectral" bounds singular values, "whiten"
+    ignores the radius, "whiten_rms" fine-tunes poorly): for the others set α (``lr``) yourself.
     """
     _require(
         "adamw_lr",
@@ -96,17 +119,30 @@ def lr_from_adamw_lr(
         "a finite number >= 0",
     )
     _require("clip_radius", clip_radius, _is_real(clip_radius) and clip_radius > 0, "a number > 0")
+    clip = default_clip(finetuning) if clip is None else clip
+    if step_ratio is None:
+        known = sorted(c for c, ft in STEP_RATIOS if ft == bool(finetuning))
+        setting = "full fine-tuning" if finetuning else "training from scratch"
+        _require(
+            "clip",
+            clip,
+            clip in known,
+            f"one of {known}, the modes with a measured ratio for {setting}; else set lr",
+        )
+        step_ratio = STEP_RATIOS[(clip, bool(finetuning))]
     _require("step_ratio", step_ratio, _is_real(step_ratio) and 0 < step_ratio <= 1, "a number in (0, 1]")
     return step_ratio * adamw_lr / clip_radius
 
 
-DEFAULT_LR = ADAMW_STEP_RATIO * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS  # 0.02
+DEFAULT_CLIP = default_clip()
+DEFAULT_LR = (
+    STEP_RATIOS[(DEFAULT_CLIP, False)] * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS
+)  # 0.08 (lr_from_adamw_lr)
 DEFAULT_HESS_INIT = 0.01
 DEFAULT_BETAS = (0.95, 0.995)
 DEFAULT_INIT_STD_RATIO = 0.05
 DEFAULT_WEIGHT_DECAY = DEFAULT_INIT_STD_RATIO**2 * DEFAULT_HESS_INIT
 DEFAULT_HESS_CLIP_RATIO = 2.0
-DEFAULT_CLIP = "element"
 ALGORITHMS = ("evon", "adamw")
 
 
@@ -366,8 +402,9 @@ class EVON(Optimizer):
         clip: update clipping: "none" (the pure algorithm; it also keeps the prior term's rotated
             mean between steps: one more m×n float per matrix, two fewer matmuls per step),
             "element" (|Δ_ij| ≤ radius),
-            "spectral" (singular values ≤ radius) or "whiten" (Newton–Schulz, as Muon).
-        clip_radius: the radius for "element" and "spectral".
+            "spectral" (singular values ≤ radius), "whiten" (Newton–Schulz, as Muon) or
+            "whiten_rms" (the default: Newton–Schulz, scaled to entry RMS ``clip_radius``).
+        clip_radius: the radius for "element" and "spectral"; the entry RMS for "whiten_rms".
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
             noisy steps (sampled weights; Hessian updated).
         identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).

@@ -11,12 +11,16 @@ import torch
 from torch import nn
 
 from .evon import (
-    ADAMW_STEP_RATIO,
+    DEFAULT_ADAMW_LR,
+    DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
+    DEFAULT_FINETUNING_LR,
     DEFAULT_LR,
     EVON,
-    FINETUNING_STEP_RATIO,
+    STEP_RATIOS,
+    _is_real,
     _require,
+    default_clip,
     lr_from_adamw_lr,
 )
 from .recipes import recipe_kwargs
@@ -28,8 +32,12 @@ from .recipes import recipe_kwargs
 # are sized for the 0.2·rate RMS of noisy gradients). Measured in benchmarks/payoff.py (MiniLM,
 # seed 0): LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full
 # fine-tuning (step ratio 0.2) with the head at 1x: NLL 1.23, at 5x 1.15; with the fine-tuning
-# step ratio 0.5 and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660.
-ADAPTER_LR_SCALE = 5.0
+# step ratio 0.5 and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660. With "whiten_rms"
+# (ratio 0.8) the scale is 1.25: adapter steps of entry RMS 1.0·rate, as "whiten_rms" at ratio 0.2
+# with 5x, where LoRA ended at NLL 0.682 (seed 0; "element" 0.814, AdamW 1.001); 0.8 with 5x
+# destroyed the classifier (NLL 1.62, accuracy 15%).
+ADAPTER_LR_SCALES = {"element": 5.0, "whiten_rms": 1.25}
+ADAPTER_LR_SCALE = ADAPTER_LR_SCALES["element"]  # other clip modes
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 # transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
 # ``score``, question answering ``qa_outputs``), by name: usually new in a model loaded with
@@ -133,7 +141,7 @@ def build_optimizer(
     adamw_lr: float | None = None,
     adamw_weight_decay: float = 0.0,
     recipe: str | None = None,
-    adapter_lr_scale: float = ADAPTER_LR_SCALE,
+    adapter_lr_scale: float | None = None,
     learning_rate: float | None = None,
     **evon_kwargs: Any,
 ) -> EVON:
@@ -143,17 +151,20 @@ def build_optimizer(
     "nanogpt", "llama", "clip-finetuning"); ``evon_kwargs`` given next to it win. What starts
     from scratch in a pretrained model (PEFT's ``lora_A``/``lora_B`` and ``modules_to_save``, the
     task head of a model loaded with ``from_pretrained``) forms its own EVON group at
-    ``adapter_lr_scale`` times EVON's rate (1: the same rate).
-    ``learning_rate`` is the rate you would give AdamW: EVON's α becomes
-    :func:`~hf_evon.optim.evon.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe`` sets α; at
-    ``FINETUNING_STEP_RATIO`` when :func:`is_full_finetuning`) and the AdamW part uses it (unless
-    ``adamw_lr`` is given).
+    ``adapter_lr_scale`` times EVON's rate (1: the same rate; None: ``ADAPTER_LR_SCALES`` of the
+    clip mode).
+    ``learning_rate`` is the rate you would give AdamW (None: for α only, 1e-3, or 5e-5 for full
+    fine-tuning, as ``EVONTrainer``): EVON's α
+    becomes :func:`~hf_evon.optim.evon.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe`` sets
+    α) and the AdamW part uses it (unless ``adamw_lr`` is given). Without a recipe, ``clip``
+    defaults to :func:`~hf_evon.optim.evon.default_clip`: "whiten_rms", or "element" when
+    :func:`is_full_finetuning` (the reasons and measurements: ``hf_evon.optim.evon``).
     """
     _require(
         "adapter_lr_scale",
         adapter_lr_scale,
-        isinstance(adapter_lr_scale, int | float) and adapter_lr_scale > 0,
-        "a number > 0",
+        adapter_lr_scale is None or (_is_real(adapter_lr_scale) and adapter_lr_scale > 0),
+        "None or a number > 0",
     )
     if learning_rate is not None:
         _require(
@@ -165,12 +176,24 @@ def build_optimizer(
             and learning_rate >= 0,
             "a finite number >= 0",
         )
-        if "lr" not in evon_kwargs and recipe is None:
-            radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
-            ratio = FINETUNING_STEP_RATIO if is_full_finetuning(model) else ADAMW_STEP_RATIO
-            evon_kwargs["lr"] = lr_from_adamw_lr(learning_rate, radius, ratio)
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
+    if evon_kwargs.get("clip", "") is None:
+        del evon_kwargs["clip"]  # None: the default (below, or the recipe's)
+    if recipe is None:
+        finetuning = is_full_finetuning(model)
+        evon_kwargs.setdefault("clip", default_clip(finetuning))
+        if "lr" not in evon_kwargs:
+            radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
+            # "spectral", "whiten", "none" have no measured ratio: the element-wise one, a first guess
+            clip = evon_kwargs["clip"] if (evon_kwargs["clip"], finetuning) in STEP_RATIOS else "element"
+            if learning_rate is not None:
+                rate = learning_rate
+            else:
+                rate = DEFAULT_FINETUNING_LR if finetuning else DEFAULT_ADAMW_LR
+            evon_kwargs["lr"] = lr_from_adamw_lr(rate, radius, clip=clip, finetuning=finetuning)
     kwargs = recipe_kwargs(recipe, evon_kwargs)
+    if adapter_lr_scale is None:
+        adapter_lr_scale = ADAPTER_LR_SCALES.get(kwargs.get("clip", DEFAULT_CLIP), ADAPTER_LR_SCALE)
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
     split = []
     new_heads = bool(pretrained_name(model))

@@ -8,6 +8,7 @@ IVON mode), so callers never materialise identity matrices.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -190,7 +191,12 @@ def clip_update(x: Tensor, mode: str, radius: float) -> Tensor:
         return spectral_clip(x, radius)
     if mode == "whiten":
         return newton_schulz(x)
-    raise ValueError(f"clip must be one of 'none', 'element', 'spectral', 'whiten'; got {mode!r}")
+    if mode == "whiten_rms":
+        # min(m, n) singular values near 1 have entry RMS 1/sqrt(max(m, n)): scaled to ``radius``
+        return newton_schulz(x).mul_(radius * math.sqrt(max(x.shape[-2:])))
+    raise ValueError(
+        f"clip must be one of 'none', 'element', 'spectral', 'whiten', 'whiten_rms'; got {mode!r}"
+    )
 
 
 def marginal_variance(

@@ -19,8 +19,8 @@ from ..optim.evon import (
     CLIP_MODES,
     DEFAULT_ADAMW_LR,
     DEFAULT_BETAS,
-    DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
+    DEFAULT_FINETUNING_LR,
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
@@ -32,7 +32,9 @@ __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 
 # learning_rate=None: EVONTrainer picks one of these from the model (the rate AdamW would get)
 SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
-FINETUNING_LEARNING_RATE = 5e-5  # TrainingArguments' default; full fine-tuning of a pretrained model
+FINETUNING_LEARNING_RATE = (
+    DEFAULT_FINETUNING_LR  # TrainingArguments' default; full fine-tuning of a pretrained model
+)
 
 
 @dataclass
@@ -53,9 +55,10 @@ class EVONConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "The learning rate you would give AdamW (the Trainer's meaning). The AdamW part uses it; EVON's "
-            "α = 0.2 · learning_rate / evon_clip_radius, so EVON's clipped, sign-like steps have the RMS of "
-            "AdamW's (0.2 · rate; 0.5 · rate when all weights of a pretrained model are fine-tuned, where "
-            "gradients are consistent: hf_evon.optim.evon.FINETUNING_STEP_RATIO) — unless evon_learning_rate sets α. Default (None): 1e-3 for a model trained "
+            "α = ratio · learning_rate / evon_clip_radius, so EVON's clipped steps have entry RMS ratio · rate "
+            "(hf_evon.optim.evon.STEP_RATIOS, measured per clip mode: 0.8 for 'whiten_rms', 0.2 for 'element', "
+            "0.5 for 'element' when all weights of a pretrained model are fine-tuned, where gradients are "
+            "consistent) — unless evon_learning_rate sets α. Default (None): 1e-3 for a model trained "
             "from scratch or through PEFT adapters (torch's AdamW default; the rate benchmarks/payoff.py "
             "gives AdamW there), 5e-5 for full fine-tuning of a pretrained model (one loaded with "
             "from_pretrained; the Trainer's default)."
@@ -65,7 +68,7 @@ class EVONConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "EVON's learning rate α itself (the paper's scale: its tables use 0.004-0.095). Default "
-            "(None): derived from learning_rate (0.02 at 1e-3). Set by evon_recipe."
+            "(None): derived from learning_rate (0.08 at 1e-3 with 'whiten_rms'). Set by evon_recipe."
         },
     )
     evon_recipe: str | None = field(
@@ -140,18 +143,21 @@ class EVONConfig(TrainingArguments):
             "None (or 0 on the command line) disables it. The paper's CLIP runs use 2.0."
         },
     )
-    evon_clip: str = field(
-        default=DEFAULT_CLIP,
+    evon_clip: str | None = field(
+        default=None,
         metadata={
             "help": "Clipping of EVON's update: 'none' (the pure algorithm), 'element' (|Δ_ij| <= radius, as "
-            "IVON), 'spectral' (singular values <= radius) or 'whiten' (Newton-Schulz orthogonalisation, as "
-            "Muon; the paper's CLIP and NanoGPT runs, with a learning rate ~1e-2: it costs ~15 matmuls per "
-            "matrix and step, noticeable on CPU).",
-            "choices": list(CLIP_MODES),
+            "IVON), 'spectral' (singular values <= radius), 'whiten' (Newton-Schulz orthogonalisation, as "
+            "Muon; the paper's CLIP and NanoGPT runs, with a learning rate ~1e-2) or 'whiten_rms' (the same, "
+            "scaled to entry RMS evon_clip_radius). Whitening costs ~15 matmuls per matrix and step, noticeable "
+            "on CPU. Default (None): 'whiten_rms', and 'element' for full fine-tuning of a pretrained model "
+            "(hf_evon.optim.evon.default_clip; measured in benchmarks/payoff.py).",
+            "choices": [*CLIP_MODES, None],
         },
     )
     evon_clip_radius: float = field(
-        default=DEFAULT_CLIP_RADIUS, metadata={"help": "Radius of 'element' and 'spectral' clipping, > 0."}
+        default=DEFAULT_CLIP_RADIUS,
+        metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of 'whiten_rms', > 0."},
     )
     evon_phased_gradients: bool = field(
         default=False,
@@ -333,7 +339,11 @@ class EVONConfig(TrainingArguments):
             "evon_hess_clip_ratio",
             "None (off) or > 0",
         )
-        need(self.evon_clip in CLIP_MODES, "evon_clip", f"one of {CLIP_MODES}")
+        need(
+            self.evon_clip is None or self.evon_clip in CLIP_MODES,
+            "evon_clip",
+            f"None or one of {CLIP_MODES}",
+        )
         need(self.evon_clip_radius > 0, "evon_clip_radius", "> 0")
         need(self.evon_nonfinite in ("skip", "raise"), "evon_nonfinite", "'skip' or 'raise'")
         need(

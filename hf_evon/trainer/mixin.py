@@ -88,7 +88,7 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from ..distributed import prepare_distributed, unwrap_optimizer
 from ..optim import EVON, build_optimizer
-from ..optim.evon import FINETUNING_STEP_RATIO, lr_from_adamw_lr
+from ..optim.evon import lr_from_adamw_lr
 from ..optim.grouping import is_full_finetuning, pretrained_name
 from ..optim.linalg import marginal_variance
 from ..posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
@@ -232,7 +232,7 @@ class EVONTrainerMixin:
             f"{type(self).__name__} got a plain {type(args).__name__}: converted to {target.__name__} with the "
             f"EVON fields at their defaults. Its learning_rate = {args.learning_rate!r} is used as for AdamW: by the "
             "AdamW part (embeddings, heads, 1-D tensors) and, through lr_from_adamw_lr, for EVON's α = "
-            f"{lr_from_adamw_lr(args.learning_rate):g} ({lr_from_adamw_lr(args.learning_rate, step_ratio=FINETUNING_STEP_RATIO):g} "
+            f"{lr_from_adamw_lr(args.learning_rate):g} ({lr_from_adamw_lr(args.learning_rate, finetuning=True):g} "
             f"when all weights of a pretrained model are fine-tuned). Pass an {target.__name__} to set the EVON fields (and to "
             "let EVONTrainer choose the learning rate from the model).",
             UserWarning,
