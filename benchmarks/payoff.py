@@ -23,7 +23,7 @@ and BMA@8; EVON (``build_optimizer`` defaults; the AdamW part at the task's Adam
 (``calibrate_posterior``'s defaults on the calibration split) at BMA@8 and @32.
 Same linear-decay schedule and data order for every method.
 
-    python benchmarks/payoff.py                      # all tasks, 3 seeds (28 min on 2 cores)
+    python benchmarks/payoff.py                      # all tasks, 3 seeds (24 min on 2 cores)
     python benchmarks/payoff.py --tasks digits --seeds 1 --fast
     python benchmarks/payoff.py --out benchmarks/results/payoff   # writes .json, .md, .png
 

@@ -309,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-size", type=int, default=2000, help="--dataset: training examples")
     p.add_argument("--eval-size", type=int, default=500, help="--dataset: test examples")
     p.add_argument("--max-length", type=int, default=32, help="tokens per text")
+    from hf_evon.optim.evon import CLIP_MODES
+
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
     p.add_argument("--batch-size", type=int, default=32)
@@ -334,7 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--evon-hess-init", type=float, default=0.01)
     p.add_argument(
-        "--evon-clip", default="element", choices=["none", "element", "spectral", "whiten"],
+        "--evon-clip", default="element", choices=list(CLIP_MODES),
         help="update clipping; 'whiten' (the paper's CLIP runs; tune --evon-lr for it) costs ~2x per step on CPU",
     )  # fmt: skip
     p.add_argument("--evon-clip-radius", type=float, default=0.01, help="radius of element/spectral clipping")

@@ -51,6 +51,7 @@ from hf_evon.data import (
     split_documents,
     stdlib_corpus,
 )
+from hf_evon.optim.evon import CLIP_MODES
 
 # EVON's defaults: the paper's NanoGPT table (lr, h0, ζ, β1, 1-β2, δ, β3), adaptive Hessian
 # clipping γ = 1.5 and whitened updates (the best variant of the paper's ablation).
@@ -117,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e.add_argument("--shampoo-beta", type=float, default=EVON_DEFAULTS["shampoo_beta"])
     e.add_argument("--weight-decay", type=float, default=EVON_DEFAULTS["weight_decay"], help="δ (prior)")
     e.add_argument("--hess-clip", type=float, default=EVON_DEFAULTS["hess_clip"], help="γ (0: off)")
-    e.add_argument("--clip", default=EVON_DEFAULTS["clip"], choices=["none", "element", "spectral", "whiten"])
+    e.add_argument("--clip", default=EVON_DEFAULTS["clip"], choices=list(CLIP_MODES))
     e.add_argument("--clip-radius", type=float, default=1.0)
     e.add_argument("--precondition-frequency", type=int, default=10)
     e.add_argument("--mc-samples", type=int, default=1)
