@@ -304,6 +304,10 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     assert STEP_RATIOS[("element", False)] == 0.2 and STEP_RATIOS[("whiten_rms", False)] == 0.8
     with pytest.raises(ValueError, match="clip"):
         lr_from_adamw_lr(1e-3, clip="whiten")  # no measured ratio: α is the user's to set
+    # clip=None (EVONConfig's unset evon_clip) is the default, or the recipe's own clip
+    assert {g["clip"] for g in build_optimizer(model, clip=None).param_groups} == {"whiten_rms"}
+    recipe_clip = build_optimizer(model, recipe="clip-finetuning", clip=None).param_groups
+    assert {g["clip"] for g in recipe_clip} == {"whiten"}
     opt = build_optimizer(model, learning_rate=5e-5, clip="element")
     assert {g["algorithm"]: g["lr"] for g in opt.param_groups} == {
         "evon": pytest.approx(0.001, rel=1e-12),
