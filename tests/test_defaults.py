@@ -333,3 +333,15 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     for bad in (float("nan"), -1e-3, "1e-3", True):  # named as learning_rate even when α is given
         with pytest.raises(ValueError, match="learning_rate"):
             build_optimizer(model, learning_rate=bad, lr=0.02)
+
+
+def test_evons_default_rate_follows_its_clip_mode() -> None:
+    """lr=None: AdamW's default 1e-3 through the clip mode's measured step ratio (α·radius = ratio·1e-3)."""
+    params = list(mlp().parameters())
+    assert EVON(params).defaults["lr"] == pytest.approx(0.8 * 1e-3 / 0.01, rel=1e-12)  # "whiten_rms"
+    assert EVON(params, clip="element").defaults["lr"] == pytest.approx(0.2 * 1e-3 / 0.01, rel=1e-12)
+    assert EVON(params, clip="element", clip_radius=0.1).defaults["lr"] == pytest.approx(0.2 * 1e-3 / 0.1)
+    assert EVON(params, clip="spectral").defaults["lr"] == pytest.approx(0.02)  # no ratio: the element one
+    assert EVON(params, lr=0.3, clip="element").defaults["lr"] == 0.3
+    with pytest.raises(ValueError, match="clip"):
+        EVON(params, clip="sign")

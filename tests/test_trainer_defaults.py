@@ -184,7 +184,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
 
     full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
     assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
-    # full fine-tuning: α = FINETUNING_STEP_RATIO (0.5) · rate / radius, the new task head at 5x
+    # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] (0.5) · rate / radius, the new task head at 5x
     assert _rates(full) == {"evon": {0.0025, 0.0125}, "adamw": {5e-5}} and _clips(full) == {"element"}
     fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.0125]
     assert fast == [["classifier.weight"]]

@@ -84,8 +84,6 @@ AUTO_ESS = "auto"
 #     ratio 0.5 and 1.55 (67%) at 0.2 (seed 0), as Muon fine-tuning of AdamW-pretrained weights
 #     underperforms (Moonlight, ibid.), so it has no fine-tuning ratio here.
 STEP_RATIOS = {("element", False): 0.2, ("element", True): 0.5, ("whiten_rms", False): 0.8}
-ADAMW_STEP_RATIO = STEP_RATIOS[("element", False)]
-FINETUNING_STEP_RATIO = STEP_RATIOS[("element", True)]
 DEFAULT_CLIP_RADIUS = 0.01
 DEFAULT_ADAMW_LR = 1e-3  # torch.optim.AdamW's default, for the parameters EVON does not own
 DEFAULT_FINETUNING_LR = 5e-5  # TrainingArguments' default: full fine-tuning of a pretrained model
@@ -383,7 +381,9 @@ class EVON(Optimizer):
     Args:
         params: parameters or parameter groups. A group may set ``algorithm="adamw"``
             (embeddings, heads, 1-D tensors in the paper's LM runs); every other group is EVON.
-        lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``).
+        lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's
+            default rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.08 for
+            "whiten_rms", 0.02 for "element" and, as a first guess, for the modes without a ratio.
         ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default)
             picks, per group, the ζ whose initial posterior std is ``init_std_ratio`` times the
             RMS of the group's weights, when the optimizer first sees them (first
@@ -426,7 +426,7 @@ class EVON(Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
-        lr: float = DEFAULT_LR,
+        lr: float | None = None,
         ess: float | str = AUTO_ESS,
         hess_init: float = DEFAULT_HESS_INIT,
         betas: tuple[float, float] = DEFAULT_BETAS,
@@ -468,6 +468,9 @@ class EVON(Optimizer):
             _finite(adamw_weight_decay) and adamw_weight_decay >= 0.0,
             "a finite number >= 0",
         )
+        if lr is None:
+            measured = isinstance(clip, str) and (clip, False) in STEP_RATIOS
+            lr = lr_from_adamw_lr(DEFAULT_ADAMW_LR, clip_radius, clip=clip if measured else "element")
         defaults = dict(
             algorithm="evon",
             lr=lr,

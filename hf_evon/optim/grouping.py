@@ -177,8 +177,9 @@ def build_optimizer(
             "a finite number >= 0",
         )
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
-    if evon_kwargs.get("clip", "") is None:
-        del evon_kwargs["clip"]  # None: the default (below, or the recipe's)
+    for key in ("clip", "lr"):
+        if key in evon_kwargs and evon_kwargs[key] is None:
+            del evon_kwargs[key]  # None: the default (below, or the recipe's)
     if recipe is None:
         finetuning = is_full_finetuning(model)
         evon_kwargs.setdefault("clip", default_clip(finetuning))

@@ -32,9 +32,8 @@ __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 
 # learning_rate=None: EVONTrainer picks one of these from the model (the rate AdamW would get)
 SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
-FINETUNING_LEARNING_RATE = (
-    DEFAULT_FINETUNING_LR  # TrainingArguments' default; full fine-tuning of a pretrained model
-)
+# TrainingArguments' default; full fine-tuning of a pretrained model
+FINETUNING_LEARNING_RATE = DEFAULT_FINETUNING_LR
 
 
 @dataclass
