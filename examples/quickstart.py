@@ -132,8 +132,7 @@ def main() -> None:
         print(f"{name:18s} {m['accuracy']:9.4f} {m['nll']:7.4f} {m['ece']:7.4f} {m['brier']:7.4f}")
     mean, averaged = rows["EVON (mean)"], rows[f"EVON (BMA@{args.bma_samples})"]
     scale = (
-        f"ess = inf: BMA is the mean (no scale beat it by more than {calibration.standard_errors:g} "
-        "standard error)"
+        f"ess = inf: BMA is the mean (no scale beat it by {100 * calibration.min_gain:g}% or more)"
         if calibration.ess == float("inf")
         else f"ess = {calibration.ess:.4g} = {calibration.multiplier:.3g} x the trained {calibration.trained_ess:.4g}"
     )

@@ -543,8 +543,8 @@ def _add_calibrate(subparsers: Any) -> None:
         help="choose the posterior's sampling scale by BMA NLL on a held-out text file",
         description="Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is "
         "cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at the mean), "
-        "and the least noisy scale within one standard error of the best is saved as the posterior's ess, with the "
-        "search in its config. Use text the model was not trained on, and other text than you report on.",
+        "and the scale with the lowest NLL, if it beats the mean's by --min-gain, is saved as the posterior's ess, "
+        "with the search in its config. Use text the model was not trained on, and other text than you report on.",
     )
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
@@ -558,9 +558,14 @@ def _add_calibrate(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weight draws (default 0)")
     p.add_argument(
         "--standard-errors", type=_non_negative_float, default=None, metavar="K",
-        help="a scale must beat every less noisy one (the mean first) by more than K standard errors of the "
-        "NLL difference, over tokens and draws (default: hf_evon.calibration.DEFAULT_STANDARD_ERRORS, 1; 0 keeps "
-        "the lowest NLL)",
+        help="a scale must also beat every less noisy one (the mean first) by more than K standard errors of "
+        "the NLL difference, over tokens and draws (default: hf_evon.calibration.DEFAULT_STANDARD_ERRORS, 0: the "
+        "lowest NLL)",
+    )  # fmt: skip
+    p.add_argument(
+        "--min-gain", type=_non_negative_float, default=None, metavar="G",
+        help="the chosen scale's NLL must be at least the fraction G below the mean's, else BMA is the mean "
+        "(default: hf_evon.calibration.DEFAULT_MIN_GAIN, 0.01)",
     )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
@@ -587,7 +592,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         {"input_ids": rows[i : i + args.batch_size], "labels": rows[i : i + args.batch_size]}
         for i in range(0, n, args.batch_size)
     ]
-    rule = {} if args.standard_errors is None else {"standard_errors": args.standard_errors}
+    rule = {k: v for k, v in (("standard_errors", args.standard_errors), ("min_gain", args.min_gain)) if v is not None}
     calibrated, result = calibrate_posterior(
         model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True, **rule
     )

@@ -252,8 +252,13 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         f"Calibrated on {_fmt(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
         f"({_fmt(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean): "
         f"`ess` = {_fmt(cal.get('ess'))} ({mult} × the trained {_fmt(cal.get('trained_ess'))}; ∞ means no "
-        f"scale predicted better than the mean by more than {_fmt(cal.get('standard_errors', 0.0))} standard "
-        f"error(s)). Held-out NLL {_fmt(chosen)} vs "
+        f"scale predicted at least {_fmt(100 * cal.get('min_gain', 0.0))}% better than the mean"
+        + (
+            f" and by more than {_fmt(cal['standard_errors'])} standard error(s)"
+            if cal.get("standard_errors")
+            else ""
+        )
+        + f"). Held-out NLL {_fmt(chosen)} vs "
         f"{_fmt(cal.get('mean_nll'))} at the mean. Sampling from this posterior (`posterior.sampled`, "
         "`generate_bma`, `hf-evon generate`) uses this scale."
     )

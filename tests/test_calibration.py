@@ -52,7 +52,7 @@ def bma_nll(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: ra
 def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum() -> None:
     model, post, cal, _ = trained()
     calibrated, result = calibrate_posterior(
-        model, post, cal, grid=[0.1, 1.0, 10.0], num_samples=4, seed=7, standard_errors=0
+        model, post, cal, grid=[0.1, 1.0, 10.0], num_samples=4, seed=7, standard_errors=0, min_gain=0
     )
     assert result.trained_ess == post.ess
     assert [g / post.ess for g in result.grid] == pytest.approx([10.0, 1.0, 0.1])
@@ -114,8 +114,9 @@ def test_the_choice_is_the_least_noisy_scale_within_k_standard_errors_of_the_bes
     chosen = []
     for k in (0.0, 1.0, 3.0):
         _, result = calibrate_posterior(
-            model, post, cal, grid=[10.0, 1.0, 0.1, 0.01, 1e-3], num_samples=4, seed=3, standard_errors=k
-        )
+            model, post, cal, grid=[10.0, 1.0, 0.1, 0.01, 1e-3], num_samples=4, seed=3, standard_errors=k,
+            min_gain=0,
+        )  # fmt: skip
         candidates = [[mean.tolist()]] + [
             draw_probs(model, post.with_ess(e), cal, range(3, 7)) for e in result.grid
         ]
@@ -125,6 +126,28 @@ def test_the_choice_is_the_least_noisy_scale_within_k_standard_errors_of_the_bes
         assert result.standard_errors == k
         chosen.append(result.multiplier)
     assert chosen[0] < math.inf and chosen[2] == math.inf  # the rule decides here: k=0 and k=3 differ
+
+
+def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean() -> None:
+    """Default rule: the lowest NLL if it is at least min_gain (relative) below the mean's, else ∞;
+    checked on both sides of the measured relative gain."""
+    from hf_evon.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
+
+    assert (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN) == (0.0, 0.01)
+    model, post, cal, _ = trained(seed=1, steps=100)  # a case where noise helps, a little
+    grid = [10.0, 1.0, 0.1, 0.01, 1e-3]
+    _, argmin = calibrate_posterior(model, post, cal, grid=grid, num_samples=4, seed=3, min_gain=0)
+    best = min(range(len(argmin.nll)), key=argmin.nll.__getitem__)
+    assert argmin.nll[best] < argmin.mean_nll and argmin.ess == argmin.grid[best]
+    gain = 1.0 - argmin.nll[best] / argmin.mean_nll
+    for g, want in ((0.99 * gain, argmin.grid[best]), (1.01 * gain, math.inf)):
+        calibrated, result = calibrate_posterior(model, post, cal, grid=grid, num_samples=4, seed=3, min_gain=g)
+        assert result.ess == want and calibrated.ess == want and result.min_gain == g
+        assert result.nll == argmin.nll  # the same scan; only the choice differs
+        assert calibrated.config["calibration"]["min_gain"] == g
+    for bad in (-0.1, 1.0, math.nan, True):
+        with pytest.raises(ValueError, match="min_gain"):
+            calibrate_posterior(model, post, cal, grid=grid, num_samples=1, min_gain=bad)
 
 
 def test_a_small_gain_keeps_the_mean_and_a_clear_one_does_not() -> None:

@@ -408,15 +408,19 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     assert printed["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-9)
     loaded = EVONPosterior.from_pretrained(out)
     assert loaded.ess == expected.ess and loaded.config["calibration"]["nll"] == pytest.approx(expected.nll)
-    assert printed["standard_errors"] == 1.0 and printed["chosen_nll"] == pytest.approx(expected.chosen_nll)
-    # --standard-errors reaches the rule (0: the lowest NLL)
-    assert main([*argv, "--block-size", "16", "--samples", "2", "--json", "--standard-errors", "0"]) == 0
+    assert printed["standard_errors"] == 0.0 and printed["min_gain"] == 0.01
+    assert printed["chosen_nll"] == pytest.approx(expected.chosen_nll)
+    # --min-gain and --standard-errors reach the rule (0 and 0: the lowest NLL)
+    extra = ["--standard-errors", "0", "--min-gain", "0"]
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json", *extra]) == 0
     printed = json.loads(capsys.readouterr().out)
     _, argmin = calibrate_posterior(
-        model, posterior, batches, num_samples=2, seed=0, shift_labels=True, standard_errors=0
+        model, posterior, batches, num_samples=2, seed=0, shift_labels=True, standard_errors=0, min_gain=0
     )
-    assert printed["standard_errors"] == 0.0 and printed["chosen_nll"] == pytest.approx(argmin.chosen_nll)
+    assert printed["min_gain"] == 0.0 and printed["chosen_nll"] == pytest.approx(argmin.chosen_nll)
     assert printed["chosen_nll"] == pytest.approx(min([argmin.mean_nll, *argmin.nll]))
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json", "--standard-errors", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["standard_errors"] == 3.0
     with pytest.raises(SystemExit) as refused:
         main([*argv, "--standard-errors", "-1"])
     assert refused.value.code == 2 and "--standard-errors" in capsys.readouterr().err

@@ -305,18 +305,20 @@ class EVONTrainerMixin:
         grid: Any = None,
         num_samples: int | None = None,
         standard_errors: float | None = None,
+        min_gain: float | None = None,
     ) -> Any:
         """Choose the posterior's sampling scale by BMA NLL on held-out ``dataset``.
 
         :func:`hf_evon.calibrate_posterior` on ``dataset`` (default: the trainer's
         ``calibration_dataset``), with ``bma_num_samples`` samples (8 if 0) and seeds from
-        ``bma_seed``; ``standard_errors`` as there. Until the next optimizer step,
+        ``bma_seed``; ``standard_errors`` and ``min_gain`` as there. Until the next optimizer step,
         ``current_posterior()`` — so evaluation, saving and the model card — uses the calibrated
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
         """
         from ..calibration import (
             DEFAULT_GRID,
+            DEFAULT_MIN_GAIN,
             DEFAULT_NUM_SAMPLES,
             DEFAULT_STANDARD_ERRORS,
             calibrate_posterior,
@@ -346,6 +348,7 @@ class EVONTrainerMixin:
             seed=self.args.bma_seed,
             shift_labels=self._causal_lm,
             standard_errors=DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors,
+            min_gain=DEFAULT_MIN_GAIN if min_gain is None else min_gain,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
         self.log(
