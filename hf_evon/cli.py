@@ -70,6 +70,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = _non_negative_float(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"wants a fraction in [0, 1); got {value}")
+    return value
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(tok) for tok in text.replace(",", " ").split()]
@@ -563,7 +570,7 @@ def _add_calibrate(subparsers: Any) -> None:
         "lowest NLL)",
     )  # fmt: skip
     p.add_argument(
-        "--min-gain", type=_non_negative_float, default=None, metavar="G",
+        "--min-gain", type=_fraction, default=None, metavar="G",
         help="the chosen scale's NLL must be at least the fraction G below the mean's, else BMA is the mean "
         "(default: hf_evon.calibration.DEFAULT_MIN_GAIN, 0.01)",
     )  # fmt: skip

@@ -424,6 +424,10 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     with pytest.raises(SystemExit) as refused:
         main([*argv, "--standard-errors", "-1"])
     assert refused.value.code == 2 and "--standard-errors" in capsys.readouterr().err
+    for bad in ("1", "-0.1", "nan"):
+        with pytest.raises(SystemExit) as refused:
+            main([*argv, "--min-gain", bad])
+        assert refused.value.code == 2 and "--min-gain" in capsys.readouterr().err
     # a missing text file is a usage error, not a traceback
     assert main([*argv[:-4], "--text", str(tmp_path / "nope.txt"), "--output", str(out)]) == 2
     assert "is not a file" in capsys.readouterr().err
