@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .optim.evon import _is_real
+
 Tensor = torch.Tensor
 
 # Multiples of the trained ζ. Smaller ζ = more noise: "auto" trains with a small, tempered
@@ -172,11 +174,11 @@ def calibrate_posterior(
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
-    if not (_is_number(standard_errors) and standard_errors >= 0.0 and math.isfinite(standard_errors)):
+    if not (_is_real(standard_errors) and standard_errors >= 0.0 and math.isfinite(standard_errors)):
         raise ValueError(
             f"calibrate_posterior: standard_errors must be a finite number >= 0; got {standard_errors!r}"
         )
-    if not (_is_number(min_gain) and 0.0 <= min_gain < 1.0):
+    if not (_is_real(min_gain) and 0.0 <= min_gain < 1.0):
         raise ValueError(f"calibrate_posterior: min_gain must be a number in [0, 1); got {min_gain!r}")
     if not isinstance(batches, Sequence) and iter(batches) is batches:
         raise TypeError(
@@ -232,10 +234,6 @@ def calibrate_posterior(
     calibrated.config["trained_ess"] = trained
     calibrated.config["calibration"] = result.to_json()
     return calibrated, result
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def _bma_nll(logps: Tensor) -> Tensor:

@@ -94,6 +94,12 @@ def default_clip(finetuning: bool = False) -> str:
     return "element" if finetuning else "whiten_rms"
 
 
+def ratio_clip(clip: Any, finetuning: bool = False) -> str:
+    """The clip mode whose step ratio sizes α for ``clip``: itself if ``STEP_RATIOS`` has it, else
+    "element" (a first guess for "none", "spectral", "whiten": their α is the user's to tune)."""
+    return clip if isinstance(clip, str) and (clip, bool(finetuning)) in STEP_RATIOS else "element"
+
+
 def lr_from_adamw_lr(
     adamw_lr: float,
     clip_radius: float = DEFAULT_CLIP_RADIUS,
@@ -469,8 +475,7 @@ class EVON(Optimizer):
             "a finite number >= 0",
         )
         if lr is None:
-            measured = isinstance(clip, str) and (clip, False) in STEP_RATIOS
-            lr = lr_from_adamw_lr(DEFAULT_ADAMW_LR, clip_radius, clip=clip if measured else "element")
+            lr = lr_from_adamw_lr(DEFAULT_ADAMW_LR, clip_radius, clip=ratio_clip(clip))
         defaults = dict(
             algorithm="evon",
             lr=lr,

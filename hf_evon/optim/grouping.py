@@ -17,11 +17,11 @@ from .evon import (
     DEFAULT_FINETUNING_LR,
     DEFAULT_LR,
     EVON,
-    STEP_RATIOS,
     _is_real,
     _require,
     default_clip,
     lr_from_adamw_lr,
+    ratio_clip,
 )
 from .recipes import recipe_kwargs
 
@@ -185,8 +185,7 @@ def build_optimizer(
         evon_kwargs.setdefault("clip", default_clip(finetuning))
         if "lr" not in evon_kwargs:
             radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
-            # "spectral", "whiten", "none" have no measured ratio: the element-wise one, a first guess
-            clip = evon_kwargs["clip"] if (evon_kwargs["clip"], finetuning) in STEP_RATIOS else "element"
+            clip = ratio_clip(evon_kwargs["clip"], finetuning)
             if learning_rate is not None:
                 rate = learning_rate
             else:
