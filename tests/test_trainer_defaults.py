@@ -185,9 +185,9 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
 
     full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
     assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
-    # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] (0.5) · rate / radius, the new task head at 5x
-    assert _rates(full) == {"evon": {0.0025, 0.0125}, "adamw": {5e-5}} and _clips(full) == {"element"}
-    fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.0125]
+    # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] (0.6) · rate / radius, the new task head at 5x
+    assert _rates(full) == {"evon": {0.003, 0.015}, "adamw": {5e-5}} and _clips(full) == {"element"}
+    fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.015]
     assert fast == [["classifier.weight"]]
 
     # from_config of the checkpoint's config: its name is in the config, but the weights are new
@@ -230,7 +230,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     )  # the new head too
 
     given = EVONTrainer(model=pretrained(), args=EVONConfig(**args, learning_rate=2e-4), train_dataset=data)
-    assert given.args.learning_rate == 2e-4 and _rates(given) == {"evon": {0.01, 0.05}, "adamw": {2e-4}}
+    assert given.args.learning_rate == 2e-4 and _rates(given) == {"evon": {0.012, 0.06}, "adamw": {2e-4}}
     alpha = EVONConfig(**args, learning_rate=2e-4, evon_learning_rate=0.05, evon_adamw_learning_rate=1e-5)
     assert _rates(EVONTrainer(model=pretrained(), args=alpha, train_dataset=data)) == {
         "evon": {0.05, 0.25},

@@ -56,7 +56,7 @@ class EVONConfig(TrainingArguments):
             "help": "The learning rate you would give AdamW (the Trainer's meaning). The AdamW part uses it; EVON's "
             "α = ratio · learning_rate / evon_clip_radius, so EVON's clipped steps have entry RMS ratio · rate "
             "(hf_evon.optim.evon.STEP_RATIOS, measured per clip mode: 0.8 for 'whiten_rms', 0.2 for 'element', "
-            "0.5 for 'element' when all weights of a pretrained model are fine-tuned, where gradients are "
+            "0.6 for 'element' when all weights of a pretrained model are fine-tuned, where gradients are "
             "consistent) — unless evon_learning_rate sets α. Default (None): 1e-3 for a model trained "
             "from scratch or through PEFT adapters (torch's AdamW default; the rate benchmarks/payoff.py "
             "gives AdamW there), 5e-5 for full fine-tuning of a pretrained model (one loaded with "
