@@ -20,7 +20,7 @@ the optimizer learned with). Report metrics on other examples than the calibrati
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -89,8 +89,9 @@ class CalibrationResult:
 
 
 def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
-    """(call, labels) for a dict batch with ``labels`` or an ``(inputs, labels)`` pair."""
-    if isinstance(batch, dict):
+    """(call, labels) for a mapping batch with ``labels`` (a dict, or the ``BatchEncoding`` that
+    transformers' collators return) or an ``(inputs, labels)`` pair."""
+    if isinstance(batch, Mapping):
         if "labels" not in batch:
             raise ValueError("calibrate_posterior: a dict batch needs a 'labels' entry")
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -106,7 +107,7 @@ def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
 def _logits(output: Any) -> Tensor:
     if isinstance(output, Tensor):
         return output
-    logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
+    logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", None)
     if logits is None:
         raise TypeError("calibrate_posterior: the model output has no logits")
     return logits

@@ -76,6 +76,7 @@ import math
 import os
 import shutil
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -493,7 +494,7 @@ class EVONTrainerMixin:
     ) -> tuple[list, Any]:
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = [
-            _count_items(b.get("labels") if isinstance(b, dict) else None, self._causal_lm)
+            _count_items(b.get("labels") if isinstance(b, Mapping) else None, self._causal_lm)
             for b in batch_samples
         ]
         self._evon_step_items = None
