@@ -25,13 +25,14 @@ text; classes balanced.
     python examples/finetune_classification.py --dataset imdb   # any `datasets` dataset (text/label columns)
     python examples/finetune_classification.py --methods evon --report-to tensorboard  # + evon/* curves
 
-EVON/IVON settings: ``EVONConfig``'s defaults (element-wise update clipping at radius 0.01 with
-α = 0.05, adaptive Hessian clipping γ = 2, β = (0.95, 0.95), h0 = 0.01) and a tempered
-effective sample size ζ = 1e6 (the paper's CLIP runs use ζ ∈ [1e7, 1e10]; ζ = the training-set
-size, EVONConfig's Bayesian default, gives a posterior far too wide for a 22M-parameter model
-fine-tuned on 500 texts). The paper's whitened updates (``--evon-clip whiten``; its CLIP runs
-used α between 4e-3 and 1e-1 with them) cost about twice as much per step on CPU. On CPU, sides wider than 1024 (the 1536-wide MLP
-side) keep the identity basis (``--max-precond-dim``).
+EVON/IVON settings: ``EVONConfig``'s defaults, given the same ``--learning-rate`` as AdamW (the
+Trainer's meaning: EVON maps it to its α, ``hf_evon.optim.evon.STEP_RATIOS``; 1e-4 for full
+fine-tuning and 10x through LoRA, the rates ``benchmarks/payoff.py`` gives AdamW on this task).
+Each ``--evon-*`` flag overrides one default; ``--evon-recipe clip-finetuning`` takes the paper's
+table instead. After training, the posterior's sampling scale is calibrated on held-out texts
+(``EVONTrainer(calibration_dataset=...)``; ``--calibration-fraction`` of the held-out texts, never
+the test texts), and BMA uses it. On CPU, sides wider than 1024 (the 1536-wide MLP side) keep the
+identity basis (``--max-precond-dim``).
 """
 
 from __future__ import annotations
@@ -237,7 +238,7 @@ def run_adamw(args: argparse.Namespace, data: dict, num_labels: int) -> dict[str
         model = get_peft_model(model, lora_config())
     training = TrainingArguments(
         **common_arguments(args, os.path.join(args.output_dir, "adamw")),
-        learning_rate=args.adamw_lr * (args.lora_lr_factor if args.lora else 1.0),
+        learning_rate=args.learning_rate * (args.lora_lr_factor if args.lora else 1.0),
         weight_decay=0.01,
     )
     trainer = Trainer(
@@ -256,19 +257,16 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
 
     name = "ivon" if identity_basis else "evon"
     lr_factor = args.lora_lr_factor if args.lora else 1.0
-    # with --evon-recipe the paper's table sets α, ζ, h0, δ and the clipping (EVONConfig.evon_recipe)
-    evon = (
-        {"evon_recipe": args.evon_recipe}
-        if args.evon_recipe
-        else dict(
-            evon_learning_rate=args.evon_lr * lr_factor, evon_ess=args.evon_ess or "auto", evon_hess_init=args.evon_hess_init,
-            evon_clip=args.evon_clip, evon_clip_radius=args.evon_clip_radius, evon_weight_decay=args.evon_weight_decay,
-        )
-    )  # fmt: skip
+    # the flags the user set override EVONConfig's defaults; a recipe fills the fields left unset
+    evon = {
+        "evon_recipe": args.evon_recipe, "evon_learning_rate": args.evon_lr, "evon_ess": args.evon_ess,
+        "evon_hess_init": args.evon_hess_init, "evon_clip": args.evon_clip,
+        "evon_clip_radius": args.evon_clip_radius, "evon_weight_decay": args.evon_weight_decay,
+    }  # fmt: skip
     config = EVONConfig(
         **common_arguments(args, os.path.join(args.output_dir, name)),
-        **evon,
-        learning_rate=args.adamw_lr * lr_factor,  # the AdamW part's rate; α is set above or by the recipe
+        **{k: v for k, v in evon.items() if v is not None},
+        learning_rate=args.learning_rate * lr_factor,  # AdamW's rate: EVON's α follows from it
         weight_decay=0.01,
         evon_max_precond_dim=args.max_precond_dim,
         evon_identity_basis=identity_basis,
@@ -277,9 +275,9 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
     trainer = EVONTrainer(
         model=load_model(num_labels, args.seed), args=config, train_dataset=data["train"],
         eval_dataset=data["test"], data_collator=DataCollatorWithPadding(data["tokenizer"]),
-        peft_config=lora_config() if args.lora else None,
+        peft_config=lora_config() if args.lora else None, calibration_dataset=data["calibration"],
     )  # fmt: skip
-    trainer.train()
+    trainer.train()  # ends by calibrating the sampling scale on data["calibration"]
     metrics = trainer.evaluate()
     trainer.save_model()  # model (or adapter) + evon_posterior.* + model card
     keys = ("accuracy", "nll", "ece", "brier")
@@ -287,6 +285,7 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
         "mean": {k: metrics[f"eval_mean_{k}"] for k in keys},
         "bma": {k: metrics[f"eval_bma_{k}"] for k in keys},
         "std": trainer.posterior_statistics()["evon/posterior_std_mean"],
+        "calibration": trainer.calibration,
     }
 
 
@@ -314,19 +313,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--adamw-lr", type=float, default=2e-4, help="AdamW (and the AdamW part of IVON/EVON)")
     p.add_argument(
-        "--evon-lr",
-        type=float,
-        default=0.05,
-        help="EVON/IVON learning rate α (steps are at most α·clip radius per weight)",
+        "--learning-rate", "--adamw-lr", type=float, default=1e-4,
+        help="AdamW's rate, given to all three methods (EVON maps it to its α, as EVONTrainer does)",
+    )  # fmt: skip
+    p.add_argument(
+        "--evon-lr", type=float, default=None,
+        help="EVON/IVON's α itself (default: from --learning-rate); steps have entry RMS at most α·clip radius",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora-lr-factor", type=float, default=10.0, help="--lora multiplies the learning rates by this"
     )
     p.add_argument(
-        "--lora-lr-factor", type=float, default=10.0, help="--lora multiplies both learning rates by this"
-    )
-    p.add_argument(
-        "--evon-ess", type=float, default=1e6,
-        help="effective sample size ζ (0: 'auto', the package default: initial noise 5%% of the weights' RMS); the paper's CLIP runs use 1e7..1e10",
+        "--evon-ess", type=float, default=None,
+        help="effective sample size ζ (default 'auto': initial noise 5%% of the weights' RMS); the paper's CLIP runs use 1e7..1e10",
     )  # fmt: skip
     p.add_argument(
         "--evon-recipe",
@@ -334,13 +334,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the paper's CLIP fine-tuning settings (its best-hyperparameters table) instead of the --evon-* values",
     )
-    p.add_argument("--evon-hess-init", type=float, default=0.01)
+    p.add_argument("--evon-hess-init", type=float, default=None, help="h0 (default 0.01)")
     p.add_argument(
-        "--evon-clip", default="element", choices=list(CLIP_MODES),
-        help="update clipping; 'whiten' (the paper's CLIP runs; tune --evon-lr for it) costs ~2x per step on CPU",
+        "--evon-clip", default=None, choices=list(CLIP_MODES),
+        help="update clipping (default: 'element' for full fine-tuning, 'whiten_rms' through LoRA)",
     )  # fmt: skip
-    p.add_argument("--evon-clip-radius", type=float, default=0.01, help="radius of element/spectral clipping")
-    p.add_argument("--evon-weight-decay", type=float, default=1e-6, help="EVON prior precision δ")
+    p.add_argument("--evon-clip-radius", type=float, default=None, help="clip radius (default 0.01)")
+    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default: from ζ)")
+    p.add_argument(
+        "--calibration-fraction", type=float, default=1 / 3,
+        help="share of the held-out texts used to calibrate the posterior's sampling scale (the rest: test)",
+    )
     p.add_argument(
         "--max-precond-dim", type=int, default=1024,
         help="sides larger than this keep the identity basis (1024 skips the 1536-wide MLP side: faster)",
@@ -368,8 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-dir", default=os.path.join(tempfile.gettempdir(), "hf_evon_finetune_classification")
     )
     args = p.parse_args(argv)
-    if not args.evon_ess:
-        args.evon_ess = None
+    if not 0 < args.calibration_fraction < 1:
+        p.error(f"--calibration-fraction must be in (0, 1); got {args.calibration_fraction}")
     args.methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - {"adamw", "ivon", "evon"}
     if unknown:
@@ -391,9 +395,10 @@ def prepare_data(args: argparse.Namespace) -> tuple[dict, int, list[str]]:
     def tokenize(batch: dict) -> dict:
         return tokenizer(batch["text"], truncation=True, max_length=args.max_length)
 
+    held = test.train_test_split(test_size=1 - args.calibration_fraction, seed=args.seed)  # never trained on
     data = {
         split: ds.map(tokenize, batched=True, remove_columns=["text"]).rename_column("label", "labels")
-        for split, ds in (("train", train), ("test", test))
+        for split, ds in (("train", train), ("calibration", held["train"]), ("test", held["test"]))
     }
     data["tokenizer"] = tokenizer
     return data, len(names), names
@@ -417,7 +422,8 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
     data, num_labels, names = prepare_data(args)
     what = args.dataset or "stdlib docstrings → module topic"
     print(
-        f"task: {what} | {num_labels} classes | train {len(data['train'])} | test {len(data['test'])} | "
+        f"task: {what} | {num_labels} classes | train {len(data['train'])} | "
+        f"calibration {len(data['calibration'])} | test {len(data['test'])} | "
         f"{'LoRA' if args.lora else 'full fine-tuning'} of MiniLM-L6 | torch threads {torch.get_num_threads()}"
     )
     rows: list[tuple[str, dict[str, float]]] = []
@@ -431,7 +437,11 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
             label = method.upper()
             rows.append((label, result["mean"]))
             rows.append((f"{label}@{args.bma_samples} (BMA)", result["bma"]))
-            print(f"{label}: mean posterior std {result['std']:.3g}")
+            cal = result["calibration"]
+            print(
+                f"{label}: mean posterior std {result['std']:.3g}; calibrated sampling scale ×{cal.multiplier:.3g} "
+                f"the trained ζ (held-out BMA NLL {cal.chosen_nll:.4f} vs {cal.mean_nll:.4f} at the mean)"
+            )
         times[method] = time.time() - t0
         print(f"{method}: {times[method]:.0f} s")
     print()

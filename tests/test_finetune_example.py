@@ -64,6 +64,10 @@ def test_example_runs_all_methods_and_prints_the_table(example, tmp_path, capsys
     ivon = EVONPosterior.from_pretrained(tmp_path / "ivon")
     evon = EVONPosterior.from_pretrained(tmp_path / "evon")
     assert ivon.config["identity_basis"] is True and evon.config["identity_basis"] is False
+    # calibrated on held-out texts that are not the test texts (10 held out: 3 calibrate, 7 test)
+    assert "calibration 3 | test 7" in out and "calibrated sampling scale" in out
+    for saved in (ivon, evon):
+        assert saved.config["calibration"]["num_targets"] == 3
     name = "bert.encoder.layer.0.attention.self.query.weight"
     assert ivon[name].Q_L is None and evon[name].Q_L is not None  # diagonal vs rotated posterior
 
