@@ -20,7 +20,7 @@ internet, concurrency & processes), parsed with ``ast`` from the interpreter's o
 directory: deterministic, offline, ~3000 labelled texts. Train/test split by a hash of the
 text; classes balanced.
 
-    python examples/finetune_classification.py                  # the three methods, a few minutes on CPU
+    python examples/finetune_classification.py                  # the three methods, ~12 minutes on CPU
     python examples/finetune_classification.py --lora           # LoRA on the attention matrices
     python examples/finetune_classification.py --dataset imdb   # any `datasets` dataset (text/label columns)
     python examples/finetune_classification.py --methods evon --report-to tensorboard  # + evon/* curves
@@ -310,9 +310,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-length", type=int, default=32, help="tokens per text")
     from hf_evon.optim.evon import CLIP_MODES
 
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument(
         "--learning-rate", "--adamw-lr", type=float, default=1e-4,
         help="AdamW's rate, given to all three methods (EVON maps it to its α, as EVONTrainer does)",
