@@ -166,6 +166,10 @@ def _clips(trainer: EVONTrainer) -> set[str]:
     return {g["clip"] for g in trainer.create_optimizer().param_groups if g["algorithm"] == "evon"}
 
 
+def _hess_inits(trainer: EVONTrainer) -> set[float]:
+    return {g["hess_init"] for g in trainer.create_optimizer().param_groups if g["algorithm"] == "evon"}
+
+
 def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path) -> None:
     from peft import LoraConfig, TaskType
     from test_trainer import classification_data, tiny_bert
@@ -176,6 +180,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     assert scratch.args.learning_rate == 1e-3  # built from a config: from scratch
     # from scratch: whitened steps of entry RMS 0.8 · rate (STEP_RATIOS), α = 0.8 · 1e-3 / 0.01
     assert _rates(scratch) == {"evon": {0.08}, "adamw": {1e-3}} and _clips(scratch) == {"whiten_rms"}
+    assert _hess_inits(scratch) == {0.01}
 
     tiny_bert().save_pretrained(tmp_path / "pretrained")
     from transformers import BertForSequenceClassification
@@ -189,6 +194,9 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     assert _rates(full) == {"evon": {0.003, 0.015}, "adamw": {5e-5}} and _clips(full) == {"element"}
     fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.015]
     assert fast == [["classifier.weight"]]
+    assert _hess_inits(full) == {3e-3}  # full fine-tuning starts from a smaller h0 (default_hess_init)
+    given_h0 = EVONTrainer(model=pretrained(), args=EVONConfig(**args, evon_hess_init=0.02), train_dataset=data)
+    assert _hess_inits(given_h0) == {0.02}  # set by the user: wins
 
     # from_config of the checkpoint's config: its name is in the config, but the weights are new
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -199,7 +207,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     assert built.config._name_or_path == str(tmp_path / "pretrained")
     fresh = EVONTrainer(model=built.eval(), args=EVONConfig(**args), train_dataset=data)  # eval mode too
     assert fresh.args.learning_rate == 1e-3 and _rates(fresh) == {"evon": {0.08}, "adamw": {1e-3}}
-    assert _clips(fresh) == {"whiten_rms"}
+    assert _clips(fresh) == {"whiten_rms"} and _hess_inits(fresh) == {0.01}
 
     # a linear probe (backbone frozen) trains a new head from scratch, not a pretrained model
     probe = pretrained()
@@ -216,6 +224,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=4, lora_alpha=8, target_modules=["query", "value"])
     adapter = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data, peft_config=lora)
     assert adapter.args.learning_rate == 1e-3  # PEFT trains adapters (and the new head) from scratch
+    assert _hess_inits(adapter) == {0.01}
     opt = adapter.create_optimizer()
     fast = [
         n

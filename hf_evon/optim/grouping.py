@@ -20,6 +20,7 @@ from .evon import (
     _is_real,
     _require,
     default_clip,
+    default_hess_init,
     lr_from_adamw_lr,
     ratio_clip,
 )
@@ -159,7 +160,8 @@ def build_optimizer(
     becomes :func:`~hf_evon.optim.evon.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe`` sets
     α) and the AdamW part uses it (unless ``adamw_lr`` is given). Without a recipe, ``clip``
     defaults to :func:`~hf_evon.optim.evon.default_clip`: "whiten_rms", or "element" when
-    :func:`is_full_finetuning` (the reasons and measurements: ``hf_evon.optim.evon``).
+    :func:`is_full_finetuning`, and ``hess_init`` to :func:`~hf_evon.optim.evon.default_hess_init`
+    (0.01; 3e-3 for full fine-tuning). The reasons and measurements: ``hf_evon.optim.evon``.
     """
     _require(
         "adapter_lr_scale",
@@ -178,12 +180,13 @@ def build_optimizer(
             "a finite number >= 0",
         )
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
-    for key in ("clip", "lr"):
+    for key in ("clip", "lr", "hess_init"):
         if key in evon_kwargs and evon_kwargs[key] is None:
             del evon_kwargs[key]  # None: the default (below, or the recipe's)
     if recipe is None:
         finetuning = is_full_finetuning(model)
         evon_kwargs.setdefault("clip", default_clip(finetuning))
+        evon_kwargs.setdefault("hess_init", default_hess_init(finetuning))
         if "lr" not in evon_kwargs:
             radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
             clip = ratio_clip(evon_kwargs["clip"], finetuning)

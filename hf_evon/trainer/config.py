@@ -22,7 +22,6 @@ from ..optim.evon import (
     DEFAULT_CLIP_RADIUS,
     DEFAULT_FINETUNING_LR,
     DEFAULT_HESS_CLIP_RATIO,
-    DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_WEIGHT_DECAY,
 )
@@ -93,9 +92,13 @@ class EVONConfig(TrainingArguments):
         default=DEFAULT_INIT_STD_RATIO,
         metadata={"help": "For evon_ess='auto': the initial posterior std relative to the weights' RMS."},
     )
-    evon_hess_init: float = field(
-        default=DEFAULT_HESS_INIT,
-        metadata={"help": "Initial Hessian estimate h0 > 0 (everywhere). Sets the initial noise."},
+    evon_hess_init: float | None = field(
+        default=None,
+        metadata={
+            "help": "Initial Hessian estimate h0 > 0 (everywhere). Default (None): 0.01, or 3e-3 for full "
+            "fine-tuning of a pretrained model, whose small gradients would leave EVON's first steps under "
+            "the update clip (hf_evon.optim.evon.default_hess_init)."
+        },
     )
     evon_beta1: float = field(
         default=DEFAULT_BETAS[0], metadata={"help": "β1: momentum of the rotated gradient, in [0, 1)."}
@@ -118,7 +121,7 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
-            "Default 2.5e-5 = evon_init_std_ratio² · evon_hess_init: with evon_ess='auto' the prior's std (the "
+            "Default 2.5e-5 = evon_init_std_ratio² · 0.01 (the default h0): with evon_ess='auto' the prior's std (the "
             "noise where H has collapsed) is then at most the weights' RMS."
         },
     )
@@ -314,9 +317,9 @@ class EVONConfig(TrainingArguments):
             f"None or one of {sorted(RECIPES)}",
         )
         need(
-            math.isfinite(self.evon_hess_init) and self.evon_hess_init > 0,
+            self.evon_hess_init is None or (math.isfinite(self.evon_hess_init) and self.evon_hess_init > 0),
             "evon_hess_init",
-            "a finite number > 0",
+            "None (the default) or a finite number > 0",
         )
         need(unit(self.evon_beta1), "evon_beta1", "in [0, 1)")
         need(unit(self.evon_beta2), "evon_beta2", "in [0, 1)")
