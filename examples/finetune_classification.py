@@ -339,15 +339,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--evon-recipe",
         choices=["clip-finetuning"],
         default=None,
-        help="the paper's CLIP fine-tuning settings (its best-hyperparameters table) instead of the --evon-* values",
+        help="the paper's CLIP fine-tuning settings (its best-hyperparameters table) for every --evon-* value not given",
     )
-    p.add_argument("--evon-hess-init", type=float, default=None, help="h0 (default 0.01)")
+    p.add_argument(
+        "--evon-hess-init", type=float, default=None, help="h0 (default: 3e-3 for full fine-tuning, 0.01 through LoRA)"
+    )
     p.add_argument(
         "--evon-clip", default=None, choices=list(CLIP_MODES),
         help="update clipping (default: 'element' for full fine-tuning, 'whiten_rms' through LoRA)",
     )  # fmt: skip
     p.add_argument("--evon-clip-radius", type=float, default=None, help="clip radius (default 0.01)")
-    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default: from ζ)")
+    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default 2.5e-5)")
     p.add_argument(
         "--calibration-fraction", type=float, default=1 / 3,
         help="share of the held-out texts used to calibrate the posterior's sampling scale (the rest: test)",
