@@ -142,12 +142,12 @@ def calibrate_posterior(
     posterior: Any,
     batches: Iterable[Any],
     *,
-    grid: Sequence[float] = DEFAULT_GRID,
+    grid: Sequence[float] | None = None,
     num_samples: int = DEFAULT_NUM_SAMPLES,
     seed: int = 0,
     shift_labels: bool | None = None,
-    standard_errors: float = DEFAULT_STANDARD_ERRORS,
-    min_gain: float = DEFAULT_MIN_GAIN,
+    standard_errors: float | None = None,
+    min_gain: float | None = None,
 ) -> tuple[Any, CalibrationResult]:
     """Choose the posterior's sampling ζ by BMA NLL on ``batches`` (held-out data).
 
@@ -167,9 +167,15 @@ def calibrate_posterior(
     lucky draws improve every target at once), again only if it gains ``min_gain`` over the mean.
     Memory: the draws' log-probabilities of every target are kept (8 bytes × S × targets per scale).
 
+    ``grid``, ``standard_errors``, ``min_gain`` left None take ``DEFAULT_GRID``,
+    ``DEFAULT_STANDARD_ERRORS`` (0), ``DEFAULT_MIN_GAIN`` (0.01).
+
     Returns the calibrated posterior (``ess`` = the choice; config ``calibration`` and
     ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
     """
+    grid = DEFAULT_GRID if grid is None else grid
+    standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
+    min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
     factors = sorted({float(f) for f in grid}, reverse=True)
     if not factors or any(not (f > 0.0 and math.isfinite(f)) for f in factors):
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")

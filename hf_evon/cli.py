@@ -599,14 +599,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         {"input_ids": rows[i : i + args.batch_size], "labels": rows[i : i + args.batch_size]}
         for i in range(0, n, args.batch_size)
     ]
-    rule = {
-        k: v
-        for k, v in (("standard_errors", args.standard_errors), ("min_gain", args.min_gain))
-        if v is not None
-    }
     calibrated, result = calibrate_posterior(
-        model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True, **rule
-    )
+        model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True,
+        standard_errors=args.standard_errors, min_gain=args.min_gain,
+    )  # fmt: skip
     calibrated.save_pretrained(args.output)
     if args.json:
         print(json.dumps(result.to_json()))

@@ -5,10 +5,10 @@ path must treat them as the plain dict they wrap."""
 from __future__ import annotations
 
 import torch
+from test_trainer import classification_data, config, lm_data, params, tiny_bert, tiny_gpt2
 from transformers import BatchEncoding
 
 from hf_evon import EVONPosterior, EVONTrainer, build_optimizer, calibrate_posterior
-from tests.test_trainer import classification_data, config, lm_data, params, tiny_bert, tiny_gpt2
 
 
 def as_dict(features: list[dict]) -> dict[str, torch.Tensor]:

@@ -190,11 +190,16 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
 
     full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
     assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
-    # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] (0.6) · rate / radius, the new task head at 5x
-    assert _rates(full) == {"evon": {0.003, 0.015}, "adamw": {5e-5}} and _clips(full) == {"element"}
-    fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == 0.015]
+    # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] · rate / radius, the new task head at 5x
+    from hf_evon.optim.evon import DEFAULT_FINETUNING_HESS_INIT, STEP_RATIOS
+
+    ft_ratio = STEP_RATIOS[("element", True)]
+    alpha_ft, head_ft = round(ft_ratio * 5e-5 / 0.01, 12), round(5 * ft_ratio * 5e-5 / 0.01, 12)
+    assert _rates(full) == {"evon": {alpha_ft, head_ft}, "adamw": {5e-5}} and _clips(full) == {"element"}
+    fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == head_ft]
     assert fast == [["classifier.weight"]]
-    assert _hess_inits(full) == {3e-3}  # full fine-tuning starts from a smaller h0 (default_hess_init)
+    # full fine-tuning starts from a smaller h0 (default_hess_init)
+    assert _hess_inits(full) == {DEFAULT_FINETUNING_HESS_INIT} and DEFAULT_FINETUNING_HESS_INIT < 0.01
     given_h0 = EVONTrainer(model=pretrained(), args=EVONConfig(**args, evon_hess_init=0.02), train_dataset=data)
     assert _hess_inits(given_h0) == {0.02}  # set by the user: wins
 
@@ -239,7 +244,8 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     )  # the new head too
 
     given = EVONTrainer(model=pretrained(), args=EVONConfig(**args, learning_rate=2e-4), train_dataset=data)
-    assert given.args.learning_rate == 2e-4 and _rates(given) == {"evon": {0.012, 0.06}, "adamw": {2e-4}}
+    assert given.args.learning_rate == 2e-4
+    assert _rates(given) == {"evon": {round(r * ft_ratio * 2e-4 / 0.01, 12) for r in (1, 5)}, "adamw": {2e-4}}
     alpha = EVONConfig(**args, learning_rate=2e-4, evon_learning_rate=0.05, evon_adamw_learning_rate=1e-5)
     assert _rates(EVONTrainer(model=pretrained(), args=alpha, train_dataset=data)) == {
         "evon": {0.05, 0.25},

@@ -317,13 +317,7 @@ class EVONTrainerMixin:
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
         """
-        from ..calibration import (
-            DEFAULT_GRID,
-            DEFAULT_MIN_GAIN,
-            DEFAULT_NUM_SAMPLES,
-            DEFAULT_STANDARD_ERRORS,
-            calibrate_posterior,
-        )
+        from ..calibration import DEFAULT_NUM_SAMPLES, calibrate_posterior
 
         dataset = self.calibration_dataset if dataset is None else dataset
         if dataset is None:
@@ -344,12 +338,12 @@ class EVONTrainerMixin:
             model,
             posterior,
             batches,
-            grid=DEFAULT_GRID if grid is None else grid,
+            grid=grid,
             num_samples=num_samples or self.args.bma_num_samples or DEFAULT_NUM_SAMPLES,
             seed=self.args.bma_seed,
             shift_labels=self._causal_lm,
-            standard_errors=DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors,
-            min_gain=DEFAULT_MIN_GAIN if min_gain is None else min_gain,
+            standard_errors=standard_errors,
+            min_gain=min_gain,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
         self.log(
