@@ -63,6 +63,7 @@ _HYPERPARAMETER_ROWS = (
     ("final_lr", "learning rate at save time (scheduled)"),
     ("clip", "update clipping `clip`"),
     ("clip_radius", "`clip_radius`"),
+    ("snr_scaling", "`snr_scaling` (step scaled by the gradient's signal-to-noise ratio)"),
     ("hess_clip_ratio", "`hess_clip_ratio` (adaptive Hessian clipping γ)"),
     ("shampoo_beta", "`shampoo_beta` (β3 of the L/R statistics)"),
     ("max_precond_dim", "`max_precond_dim`"),

@@ -29,7 +29,7 @@ replaced or appended), never replaced wholesale.
     and ``weight_decay`` (``"inf"`` encodes an infinite ess), the other EVON
     hyperparameters (``hess_init``, ``betas``, ``precondition_frequency``, ``mc_samples``,
     ``max_precond_dim``, ``shampoo_beta``, ``hess_clip_ratio``, ``clip``, ``clip_radius``,
-    ``phased_gradients``, ``identity_basis``, ``lr`` — the scheduler's ``initial_lr`` when
+    ``snr_scaling``, ``phased_gradients``, ``identity_basis``, ``lr`` — the scheduler's ``initial_lr`` when
     there is one, with the rate at save time as ``final_lr`` — ... as present), ``optimizer_step``,
     ``eigenbasis_dtype``, ``hess_dtype``, ``max_basis_ratio`` (lean posteriors; null or
     absent: every basis kept), ``base_model``, ``model_class``,
@@ -115,6 +115,7 @@ HYPERPARAMETER_KEYS = (
     "hess_clip_ratio",
     "clip",
     "clip_radius",
+    "snr_scaling",
     "phased_gradients",
     "identity_basis",
     "stagger_refresh",
@@ -242,6 +243,7 @@ _FIELD_PARSERS: dict[str, tuple[Callable[[Any, str, str], Any], bool]] = {  # (p
     "optimizer_step": (_integer, False),
     "num_point_estimates": (_integer, True),
     "num_point_estimate_tensors": (_integer, True),
+    "snr_scaling": (_boolean, False),
     "phased_gradients": (_boolean, False),
     "identity_basis": (_boolean, False),
     "stagger_refresh": (_boolean, False),

@@ -345,3 +345,43 @@ def test_evons_default_rate_follows_its_clip_mode() -> None:
     assert EVON(params, lr=0.3, clip="element").defaults["lr"] == 0.3
     with pytest.raises(ValueError, match="clip"):
         EVON(params, clip="sign")
+
+
+def test_clipped_steps_shrink_when_the_gradients_fade() -> None:
+    """The quickstart's failure, reduced: a clipped step kept its size (α·radius) after the data
+    were fitted, so a rate held high made the mean wander. With ``snr_scaling`` the step is
+    scaled by min(1, ρ/ρ₀) (ρ = ‖m̂‖ / sqrt(EMA‖G‖²), ρ₀ = sqrt((1−β1)/(1+β1))), computed here
+    from the gradient sequence alone: 1 while a steady gradient carries signal, ≪ 1 once the
+    gradients fade to small noise. Same gradients, same bases, no prior term (δ = 0: U does not
+    depend on the weights): the two runs differ only by the scale."""
+    from hf_evon.optim.evon import SNR_AVERAGE_BETA, snr_floor
+
+    gen = torch.Generator().manual_seed(0)
+    steady = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    grads = [steady] * 40 + [1e-2 * torch.randn(6, 4, generator=gen, dtype=torch.float64) for _ in range(160)]
+    betas = (0.95, 0.995)
+    runs = {}
+    for scaled in (True, False):
+        w = nn.Parameter(torch.zeros(6, 4, dtype=torch.float64))
+        opt = EVON([w], lr=0.1, ess=float("inf"), betas=betas, weight_decay=0.0, clip="whiten_rms", snr_scaling=scaled)
+        steps = []
+        for g in grads:
+            before = w.detach().clone()
+            w.grad = g.clone()
+            opt.step()
+            steps.append(float((w.detach() - before).norm()))
+        runs[scaled] = steps[1:]  # the first step only builds the eigenbases
+    # the expected scale, from the gradients (the first one only initialised the bases)
+    m = v = 0.0
+    expected = []
+    for t, g in enumerate(grads[1:], start=1):
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = SNR_AVERAGE_BETA * v + (1 - SNR_AVERAGE_BETA) * float(g.square().sum())
+        rho = float((m / (1 - betas[0] ** t)).norm()) / math.sqrt(v / (1 - SNR_AVERAGE_BETA**t))
+        expected.append(min(1.0, rho / snr_floor(betas[0])))
+    measured = [a / b for a, b in zip(runs[True], runs[False])]
+    torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1e-6, atol=1e-9)
+    assert measured[:39] == pytest.approx([1.0] * 39)  # signal: the full step
+    assert max(measured[-50:]) < 0.1  # faded: a tenth of the step or less
+    unscaled_rms = torch.tensor(runs[False][-50:]) / math.sqrt(24)
+    assert float((unscaled_rms - 0.1 * 0.01).abs().max()) < 3e-4  # the old step: α·radius in RMS

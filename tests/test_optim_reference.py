@@ -63,6 +63,10 @@ class ReferenceEVON:
         self.radius = hp.get("clip_radius", 1.0)
         self.phased = hp.get("phased_gradients", False)
         self.eps = hp.get("eps", 1e-12)
+        # snr_scaling: a clipped step times min(1, ρ/ρ₀), ρ = ‖m̂‖_F / sqrt(EMA_0.999 ‖G‖²_F)
+        self.snr = hp.get("snr_scaling", True) and self.clip != "none"
+        self.grad_sq = 0.0
+        self.snr_events = 0  # steps the scale shrank
         self.store_dtype = store_dtype  # the dtype the mean M is stored in (the model's)
         m, n = mean.shape
         self.M = mean.to(F64).clone()
@@ -188,6 +192,12 @@ class ReferenceEVON:
         self.Gbar = self.beta1 * self.Gbar + (1 - self.beta1) * G_rot
         U = (self.Gbar / (1 - self.beta1**t) + self.delta * Q_L.T @ self.M @ Q_R) / (self.H + self.delta)
         update = self.clip_update(Q_L @ U @ Q_R.T)
+        if self.snr:  # the unrotated G: its norm is the rotated one's
+            self.grad_sq = 0.999 * self.grad_sq + 0.001 * float((G**2).sum())
+            rho = float(torch.linalg.norm(self.Gbar / (1 - self.beta1**t))) / math.sqrt(self.grad_sq / (1 - 0.999**t))
+            scale = min(1.0, rho / math.sqrt((1 - self.beta1) / (1 + self.beta1)))
+            self.snr_events += scale < 1.0
+            update = scale * update
         self.M = self.store(self.M - self.lr * update)
         if not (self.phased and noisy):  # phased gradients: L, R only from clean gradients
             if self.left:
@@ -298,6 +308,10 @@ CASES = {
         [(3, 5), (4, 2)],
     ),
     "microbatches": ({"mc_samples": 2}, [(3, 5), (4, 2)]),
+    # a large rate fits the problem within a few steps: the gradients fade and the step shrinks
+    "snr_element": ({"clip": "element", "clip_radius": 0.3, "lr": 1.0}, [(3, 5), (4, 2)]),
+    "snr_whiten_rms": ({"clip": "whiten_rms", "clip_radius": 0.1, "lr": 1.0}, [(3, 5), (4, 2), (6,)]),
+    "snr_off": ({"clip": "element", "clip_radius": 0.3, "lr": 1.0, "snr_scaling": False}, [(3, 5), (4, 2)]),
     "no_stagger": ({"stagger_refresh": False}, [(3, 5), (3, 5), (4, 2)]),
 }
 
@@ -424,7 +438,7 @@ def run_against_reference(
                         )
                     )
             # every piece of state, after every step
-            expected_keys = {"hess", "exp_avg", "step"}
+            expected_keys = {"hess", "exp_avg", "exp_avg_sq_norm", "step"}
             expected_keys |= {"L", "Q_L"} if ref.left else set()
             expected_keys |= {"R", "Q_R"} if ref.right else set()
             assert set(st) == expected_keys, f"{where}: state keys {sorted(st)}"
@@ -432,6 +446,8 @@ def run_against_reference(
             close(p, ref.M, f"{where}: mean M", weight_tol)
             close(st["hess"], ref.H, f"{where}: Hessian H")
             close(st["exp_avg"], ref.Gbar, f"{where}: momentum")
+            if ref.snr:
+                close(st["exp_avg_sq_norm"], torch.tensor(ref.grad_sq, dtype=F64), f"{where}: EMA of |G|^2")
             if ref.left:
                 close(st["L"], ref.L, f"{where}: L")
                 close(st["Q_L"], ref.Q_L, f"{where}: Q_L")
@@ -499,6 +515,8 @@ def test_matches_reference(case: str) -> None:
     assert all(len(r.refresh_times) >= 4 for r in refs if r.left or r.right)
     if case == "hess_clip" or case == "pg_hessclip_whiten":
         assert sum(r.hess_clip_events for r in refs) > 0, "Hessian clipping never triggered"
+    if case.startswith("snr_") and case != "snr_off":
+        assert all(r.snr_events > 0 for r in refs), "the SNR scale never shrank a step"
     if case.startswith("clip_") or case == "pg_hessclip_whiten":
         assert all(r.update_clip_events > 0 for r in refs), "update clipping never triggered"
     if case == "one_sided":

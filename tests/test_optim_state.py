@@ -109,27 +109,32 @@ def test_state_dict_loads_with_weights_only() -> None:
                 assert torch.equal(saved[key], value), key
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_resume_is_bit_for_bit(dtype: torch.dtype) -> None:
-    """Save mid-run, reload into fresh copies, continue: identical to never stopping."""
+@pytest.mark.parametrize(
+    ("dtype", "clip"), [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "element")]
+)
+def test_resume_is_bit_for_bit(dtype: torch.dtype, clip: str) -> None:
+    """Save mid-run, reload into fresh copies, continue: identical to never stopping ("element":
+    the SNR step scale's EMA of ‖G‖² is part of the state)."""
     data = make_data(dtype=dtype)
     total, stop = 11, 5  # the stop is between refreshes (f = 3), mid phase
+    # "element" at this rate fits the data within a few steps: the SNR scale shrinks steps after the stop
+    options = {} if clip == "none" else {"clip": clip, "clip_radius": 0.1, "lr": 10.0}
 
     model = make_model(dtype=dtype)
-    opt = make_opt(model)
+    opt = make_opt(model, **options)
     for _ in range(total):
         train_step(model, opt, data)
     uninterrupted = snapshot(model, opt)
 
     model = make_model(dtype=dtype)
-    opt = make_opt(model)
+    opt = make_opt(model, **options)
     for _ in range(stop):
         train_step(model, opt, data)
     checkpoint = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
     del model, opt
 
     resumed_model = make_model(seed=42, dtype=dtype)  # other weights, other seed: all must load
-    resumed_opt = make_opt(resumed_model, seed=7)
+    resumed_opt = make_opt(resumed_model, seed=7, **options)
     resumed_model.load_state_dict(checkpoint["model"])
     resumed_opt.load_state_dict(checkpoint["optimizer"])
     for _ in range(total - stop):
@@ -138,6 +143,50 @@ def test_resume_is_bit_for_bit(dtype: torch.dtype) -> None:
     # EVON state keeps its own precision in a bfloat16 model
     w = resumed_opt.param_groups[0]["params"][0]
     assert resumed_opt.state[w]["hess"].dtype == torch.float32
+
+
+def test_checkpoint_from_before_snr_scaling_resumes_without_it() -> None:
+    """A state saved before ``snr_scaling`` existed (no ``exp_avg_sq_norm``, groups without the
+    key) loads into today's optimizer and continues as it was trained: unscaled steps."""
+    data = make_data()
+    options = {"clip": "element", "clip_radius": 0.1, "lr": 10.0}  # the scale shrinks steps 6-11
+
+    def strip(state: dict) -> dict:
+        return {k: v for k, v in state.items() if not k.endswith("exp_avg_sq_norm")}
+
+    model = make_model()
+    opt = make_opt(model, snr_scaling=False, **options)
+    for _ in range(11):
+        train_step(model, opt, data)
+    uninterrupted = strip(snapshot(model, opt))
+
+    model = make_model()
+    opt = make_opt(model, snr_scaling=False, **options)
+    for _ in range(5):
+        train_step(model, opt, data)
+    old = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    for st in old["optimizer"]["state"].values():
+        if "hess" in st:  # EVON's (AdamW's state has no such entry)
+            del st["exp_avg_sq_norm"]
+    for group in old["optimizer"]["param_groups"]:
+        del group["snr_scaling"]
+
+    def resume(scaled: bool | None) -> dict:
+        sd = copy.deepcopy(old)
+        if scaled is not None:
+            for group in sd["optimizer"]["param_groups"]:
+                group["snr_scaling"] = scaled
+        resumed_model = make_model(seed=42)
+        resumed_opt = make_opt(resumed_model, **options)  # today's default: snr_scaling=True
+        resumed_model.load_state_dict(sd["model"])
+        resumed_opt.load_state_dict(sd["optimizer"])
+        for _ in range(6):
+            train_step(resumed_model, resumed_opt, data)
+        return strip(snapshot(resumed_model, resumed_opt))
+
+    assert_identical(resume(None), uninterrupted)
+    scaled = resume(True)  # the same checkpoint told to scale: other weights (the test can fail)
+    assert not all(torch.equal(scaled[k], uninterrupted[k]) for k in uninterrupted if k.startswith("param."))
 
 
 def standard_normal_draws(opt: EVON, model: nn.Module, data, steps: int) -> list[torch.Tensor]:
@@ -201,6 +250,7 @@ def test_state_holds_no_copy_of_the_weights() -> None:
         shapes = {
             "hess": (m, n),
             "exp_avg": (m, n),
+            "exp_avg_sq_norm": (),
             "step": (),
             "L": (m, m),
             "R": (n, n),
@@ -241,6 +291,7 @@ INVALID = [
     ({"hess_clip_ratio": 0.0}, "hess_clip_ratio", "> 0"),
     ({"clip": "norm"}, "clip", "spectral"),
     ({"clip_radius": 0.0}, "clip_radius", "> 0"),
+    ({"snr_scaling": "yes"}, "snr_scaling", "a bool"),
     ({"eps": 0.0}, "eps", "> 0"),
     ({"nonfinite": "ignore"}, "nonfinite", "'skip'"),
     ({"adamw_lr": -0.01}, "adamw_lr", ">= 0"),

@@ -86,7 +86,8 @@ def test_gathered_state_dict_is_the_unsharded_one(runs, world: int) -> None:
 
 def _expected_state_bytes(owned: list[bool]) -> int:
     """Bytes of state for the owned parameters of the worker's model, from shapes alone:
-    an EVON 8x8 float64 weight (layers 0-12) holds hess, exp_avg, L, R, Q_L, Q_R; an AdamW
+    an EVON 8x8 float64 weight (layers 0-12) holds hess, exp_avg, L, R, Q_L, Q_R and one number
+    (exp_avg_sq_norm, the SNR step scale's EMA of ‖G‖²); an AdamW
     tensor (layer 14's weight, every bias) exp_avg, exp_avg_sq and a float32 step; EVON
     adds one float32 step per bucket (one shape here) held."""
     model = worker.tiny_model()
@@ -99,7 +100,7 @@ def _expected_state_bytes(owned: list[bool]) -> int:
             continue
         numel = 64 if name.endswith("weight") else 8
         if name.endswith("weight") and not name.startswith("14."):
-            total += 6 * numel * 8
+            total += 6 * numel * 8 + 8
             evon = True
         else:
             total += 2 * numel * 8 + 4

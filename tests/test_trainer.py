@@ -122,6 +122,7 @@ EVON_FIELDS_CLI = {
     "evon_hess_clip_ratio": ("1.5", 1.5),
     "evon_clip": ("spectral", "spectral"),
     "evon_clip_radius": ("0.5", 0.5),
+    "evon_snr_scaling": ("false", False),
     "evon_phased_gradients": ("true", True),
     "evon_identity_basis": ("true", True),
     "evon_stagger_refresh": ("false", False),

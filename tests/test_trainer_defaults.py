@@ -151,6 +151,9 @@ def test_a_recipe_fills_the_fields_left_at_their_defaults(tmp_path) -> None:
     assert kwargs["hess_init"] == 0.5  # set by the user: wins
     assert kwargs["lr"] == recipe["lr"] and kwargs["ess"] == recipe["ess"] and kwargs["clip"] == "whiten"
     assert kwargs["betas"] == recipe["betas"] and kwargs["weight_decay"] == recipe["weight_decay"]
+    assert kwargs["snr_scaling"] is False and EVONConfig(output_dir=str(tmp_path)).evon_snr_scaling is True
+    off = EVONConfig(output_dir=str(tmp_path), report_to="none", evon_snr_scaling=False)  # no recipe: as set
+    assert off.evon_optimizer_kwargs()["snr_scaling"] is False
     with pytest.raises(ValueError, match="evon_recipe"):
         EVONConfig(output_dir=str(tmp_path), report_to="none", evon_recipe="gpt5")
 

@@ -165,6 +165,34 @@ def default_hess_init(finetuning: bool = False) -> float:
 
 
 DEFAULT_BETAS = (0.95, 0.995)
+# snr_scaling=True (the default; the paper's recipes turn it off): a clipped step has a fixed size
+# (α·radius) however small the gradient gets, where Adam's steps shrink as the gradient fades
+# relative to its history (its update RMS per unit rate on the digits MLP: 0.32 in the first
+# quarter of training, 0.05 in the last). So at a rate that stays high after the data are fitted,
+# EVON's mean random-walks. The step is therefore scaled per matrix by min(1, ρ/ρ₀):
+# ρ = ‖m̂‖_F / sqrt(EMA‖G‖²_F), the momentum against the gradients' RMS (Adam's own step size,
+# pooled over the matrix), and ρ₀ = sqrt((1-β1)/(1+β1)) (0.16 at β1 = 0.95), the ρ of gradients
+# that are pure noise of constant size. The step keeps its size (and the measured STEP_RATIOS)
+# while the gradient carries signal or is merely noisy (payoff.py, seed 0, ρ by quarter of
+# training: tiny GPT-2 0.20 / 0.14 / 0.16 / 0.18, MiniLM fine-tuning 0.45 -> 0.22, LoRA 0.47 ->
+# 0.26) and shrinks once the gradients fade (digits MLP: 0.50, then 0.015). Test NLL without ->
+# with it (AdamW), benchmarks/default_transfer.py, 4 seeds:
+# - constant rate: wine 0.165 -> 0.065 (0.042), iris 0.134 -> 0.110 (0.103), deeper GELU MLP
+#   0.226 -> 0.138 (0.152), tiny Llama 4.258 -> 4.267 (4.234);
+# - rate held for half the run, then linear: 0.077 -> 0.058, 0.107 -> 0.108, 0.146 -> 0.146,
+#   4.267 -> 4.272; the quickstart's MLP and loop on this schedule (6 seeds) 0.148 -> 0.108 (AdamW 0.096);
+# - linear decay (transformers' default): 0.053 -> 0.054, 0.162 -> 0.162, 0.112 -> 0.099, 4.456 ->
+#   4.457; payoff.py's digits (9 seeds) 0.113 -> 0.135 (calibrated BMA 0.103 -> 0.126), its
+#   other tasks within 0.004.
+# A net gain where the schedule does not anneal the rate, about neutral where it does.
+SNR_AVERAGE_BETA = 0.999  # Adam's default β2: the gradient history a step's size is measured against
+
+
+def snr_floor(beta1: float) -> float:
+    """ρ₀ = sqrt((1−β1)/(1+β1)): ‖m‖/RMS‖G‖ of a β1-momentum of pure noise (the step scale's knee)."""
+    return math.sqrt((1.0 - beta1) / (1.0 + beta1))
+
+
 DEFAULT_INIT_STD_RATIO = 0.05
 DEFAULT_WEIGHT_DECAY = DEFAULT_INIT_STD_RATIO**2 * DEFAULT_HESS_INIT
 DEFAULT_HESS_CLIP_RATIO = 2.0
@@ -432,6 +460,11 @@ class EVON(Optimizer):
             "spectral" (singular values ≤ radius), "whiten" (Newton–Schulz, as Muon) or
             "whiten_rms" (the default: Newton–Schulz, scaled to entry RMS ``clip_radius``).
         clip_radius: the radius for "element" and "spectral"; the entry RMS for "whiten_rms".
+        snr_scaling: scale each matrix's clipped step by min(1, ρ/ρ₀), ρ = ‖m̂‖_F / sqrt(EMA‖G‖²_F)
+            (Adam's step size; EMA decay ``SNR_AVERAGE_BETA``) and ρ₀ = ``snr_floor(β1)``, so the
+            step shrinks once the gradients fade, as Adam's does (see ``SNR_AVERAGE_BETA``). No
+            effect with ``clip="none"`` (the Newton step has its own size). Keeps one number per
+            matrix. The paper's algorithm (and its recipes): False.
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
             noisy steps (sampled weights; Hessian updated).
         identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).
@@ -465,6 +498,7 @@ class EVON(Optimizer):
         hess_clip_ratio: float | None = DEFAULT_HESS_CLIP_RATIO,
         clip: str = DEFAULT_CLIP,
         clip_radius: float = DEFAULT_CLIP_RADIUS,
+        snr_scaling: bool = True,
         phased_gradients: bool = False,
         identity_basis: bool = False,
         stagger_refresh: bool = True,
@@ -511,6 +545,7 @@ class EVON(Optimizer):
             hess_clip_ratio=hess_clip_ratio,
             clip=clip,
             clip_radius=clip_radius,
+            snr_scaling=snr_scaling,
             phased_gradients=phased_gradients,
             identity_basis=identity_basis,
             stagger_refresh=stagger_refresh,
@@ -617,6 +652,8 @@ class EVON(Optimizer):
         need("eps", _finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
         for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
             flag(name)
+        if "snr_scaling" in group:  # groups saved before the option existed lack it (off)
+            flag("snr_scaling")
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.is_complex():
@@ -738,6 +775,8 @@ class EVON(Optimizer):
         fresh = {
             "hess": lambda: torch.full((b.m, b.n), b.group["hess_init"], device=device, dtype=dt),
             "exp_avg": lambda: torch.zeros(b.m, b.n, device=device, dtype=dt),
+            # EMA of ‖G‖²_F, one number per matrix (snr_scaling); zero in a state saved without it
+            "exp_avg_sq_norm": lambda: torch.zeros((), device=device, dtype=dt),
         }
         keys = list(fresh) + [k for k in ("L", "R", "Q_L", "Q_R") if k in first]
         for k in keys:
@@ -1160,12 +1199,15 @@ class EVON(Optimizer):
         exp_avg = st["exp_avg"]
         exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
         numer = exp_avg / (1 - beta1**t)
+        scale = self._snr_scale(b, numer, g_rot, t) if g.get("snr_scaling", False) and g["clip"] != "none" else None
         track = self._tracks_rotated_mean(plan)
         mean_rot = self._rotated_mean(b, track) if delta != 0.0 else None
         if mean_rot is not None:
             numer.add_(mean_rot, alpha=delta)
         step_rot = numer.div_(hess + delta)  # U, in the eigenbasis
         update = clip_update(unrotate(step_rot, q_left, q_right), g["clip"], g["clip_radius"])
+        if scale is not None:
+            update.mul_(scale.view(-1, 1, 1))
         if update.dtype != b.params[0].dtype:
             update = update.to(b.params[0].dtype)
         # added in each parameter's own shape: works for any memory layout (channels_last)
@@ -1187,6 +1229,18 @@ class EVON(Optimizer):
                 self._refresh_bases(b, None if len(due) == len(b.params) else due)
         if plan.members is not None:
             plan.bucket.scatter(b, plan.members)
+
+    @staticmethod
+    def _snr_scale(b: _Bucket, momentum: Tensor, g_rot: Tensor, t: int) -> Tensor:
+        """min(1, ρ/ρ₀) per matrix (``snr_scaling``); updates the EMA of ‖G‖²_F (norms are the
+        same in the eigenbasis: Q is orthonormal)."""
+        avg = b.state["exp_avg_sq_norm"]
+        avg.mul_(SNR_AVERAGE_BETA).add_(
+            torch.linalg.vector_norm(g_rot, dim=(1, 2)).square_(), alpha=1 - SNR_AVERAGE_BETA
+        )
+        rms = avg.div(1 - SNR_AVERAGE_BETA**t).sqrt_().clamp_min_(torch.finfo(avg.dtype).tiny)
+        rho = torch.linalg.vector_norm(momentum, dim=(1, 2)).div_(rms)
+        return rho.div_(snr_floor(b.group["betas"][0])).clamp_(max=1.0)
 
     @staticmethod
     def _tracks_rotated_mean(plan: _Plan) -> bool:

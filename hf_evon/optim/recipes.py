@@ -4,7 +4,8 @@ Each recipe is the hyperparameter table of ``soap-bubbles.tex`` it cites, for th
 was tuned in; anything passed explicitly next to ``recipe=`` wins. Our defaults (no recipe)
 are the scale-free ones documented in :mod:`hf_evon.optim.evon`: the paper's numbers were
 tuned for GPU-scale runs (batch 512, thousands of steps; CLIP ViT fine-tuning) and are a
-starting point there, not a rule for small models.
+starting point there, not a rule for small models. Every recipe runs the paper's algorithm,
+so ``snr_scaling`` (our step-size rule, which the paper does not have) is off in each.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         hess_clip_ratio=1.5,
         clip="spectral",
         clip_radius=1.0,
+        snr_scaling=False,
     ),
     # The same table, row "EVON (Llama)".
     "llama": dict(
@@ -36,6 +38,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         hess_clip_ratio=1.5,
         clip="spectral",
         clip_radius=1.0,
+        snr_scaling=False,
     ),
     # Table "Best hyperparameters for CLIP finetuning" (8 datasets), EVON rows: the medians of
     # α (0.055) and δ (2.2e-6), ζ 5e7 (the table's values are 1e7-1e10, median 5e7-1e8),
@@ -48,6 +51,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         weight_decay=2.2e-6,
         hess_clip_ratio=2.0,
         clip="whiten",
+        snr_scaling=False,
     ),
 }
 

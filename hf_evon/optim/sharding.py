@@ -363,7 +363,7 @@ class EVONSharding:
                     continue
                 m, n = matrix_shape(p.shape)
                 left, right = preconditioned_sides(tuple(p.shape), g["max_precond_dim"], g["identity_basis"])
-                total += size * (2 * m * n + 2 * (m * m * left + n * n * right))
+                total += size * (2 * m * n + 2 * (m * m * left + n * n * right) + 1)  # +1: exp_avg_sq_norm
         return total
 
 

@@ -161,6 +161,15 @@ class EVONConfig(TrainingArguments):
         default=DEFAULT_CLIP_RADIUS,
         metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of 'whiten_rms', > 0."},
     )
+    evon_snr_scaling: bool = field(
+        default=True,
+        metadata={
+            "help": "Scale each matrix's clipped step by min(1, ρ/ρ₀): ρ = |momentum| / RMS of its gradients "
+            "(Adam's step size), ρ₀ = sqrt((1-β1)/(1+β1)); the step shrinks once the gradients fade, as Adam's "
+            "does, so a rate held high after the data are fitted does not make the mean wander "
+            "(hf_evon.optim.evon.SNR_AVERAGE_BETA). No effect with evon_clip='none'; off in the paper's recipes."
+        },
+    )
     evon_phased_gradients: bool = field(
         default=False,
         metadata={"help": "Alternate clean steps (gradient at the mean) and noisy steps (Hessian update)."},
@@ -428,6 +437,7 @@ class EVONConfig(TrainingArguments):
         "hess_clip_ratio": "evon_hess_clip_ratio",
         "clip": "evon_clip",
         "clip_radius": "evon_clip_radius",
+        "snr_scaling": "evon_snr_scaling",
     }
 
     def evon_optimizer_kwargs(self) -> dict[str, Any]:
@@ -472,6 +482,7 @@ class EVONConfig(TrainingArguments):
             "hess_clip_ratio": self.evon_hess_clip_ratio,
             "clip": self.evon_clip,
             "clip_radius": self.evon_clip_radius,
+            "snr_scaling": self.evon_snr_scaling,
             "phased_gradients": self.evon_phased_gradients,
             "identity_basis": self.evon_identity_basis,
             "stagger_refresh": self.evon_stagger_refresh,
