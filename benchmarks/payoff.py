@@ -201,11 +201,21 @@ def make_task(name: str, seed: int, fast: bool) -> Task:
 
 
 # ---------------------------------------------------------------------------------- training
-def train(task: Task, model: nn.Module, opt: torch.optim.Optimizer, seed: int, sampled: Any = None) -> None:
-    """The same loop, order and linear-decay schedule for every method; ``sampled`` wraps
+SCHEDULES: dict[str, Callable[[float], float]] = {  # the rate's factor at the fraction done
+    "linear": lambda x: 1.0 - x,  # transformers' default
+    "hold": lambda x: min(1.0, 2.0 * (1.0 - x)),  # held for half the run, then linear (as WSD)
+    "constant": lambda x: 1.0,
+}
+
+
+def train(
+    task: Task, model: nn.Module, opt: torch.optim.Optimizer, seed: int, sampled: Any = None, schedule: str = "linear"
+) -> None:
+    """The same loop, order and schedule (``SCHEDULES``) for every method; ``sampled`` wraps
     the forward/backward of the variational optimizers (EVON's and ivon-opt's context)."""
     total = task.epochs * len(task.train)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 - t / total)
+    factor = SCHEDULES[schedule]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: factor(t / total))
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(task.epochs):

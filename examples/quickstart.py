@@ -5,14 +5,17 @@ posterior reloads and reproduces the BMA numbers.
 
 Data: scikit-learn's bundled handwritten digits (8×8 images, 10 classes), no network; 20% of
 the training images are held out for the calibration (never the test images). Compares
-against AdamW (its default rate 1e-3) with the same model and budget, so the table says what
-the posterior buys here and what it does not (on this task, as measured: EVON's mean is at
-AdamW's level, NLL 0.0958 vs 0.0927; the calibration picks 0.01x the trained ζ (held-out NLL
-0.0849 vs 0.1125 at the mean), and BMA@32 reaches NLL 0.0827 at AdamW's accuracy, 97.6%, but its
-ECE is not lower: 0.0196 vs 0.0192).
+against AdamW (its default rate 1e-3) with the same model, budget and schedule (linear decay,
+transformers' default), over 3 splits and initialisations, so the table says what the posterior
+buys here and what it does not. As measured (the mean of seeds 0-2; test NLL / ECE / Brier):
+AdamW 0.1021 / 0.0131 / 0.0462; EVON's mean 0.1111 / 0.0171 / 0.0398 at higher accuracy (97.3%
+vs 96.9%); the calibration picks 0.1x, 0.03x and 0.01x the trained ζ, and BMA@32 lowers the
+mean's NLL to 0.1032 (97.5%) but not its ECE (0.0224): the mean is only slightly overconfident
+here (98.4% confidence at 97.8% accuracy, seed 0), and the NLL-optimal noise makes BMA slightly
+underconfident. Over seeds 0-5 the test NLL is 0.0957 (EVON mean), 0.0897 (BMA@32), 0.0947 (AdamW).
 
-    python examples/quickstart.py                # ~1 minute on 2 CPU cores
-    python examples/quickstart.py --epochs 60 --bma-samples 64
+    python examples/quickstart.py                # ~25 s on 2 CPU cores
+    python examples/quickstart.py --epochs 60 --bma-samples 64 --seeds 5
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -61,11 +66,12 @@ def bma_log_probs(
     return torch.logsumexp(torch.stack(logps), 0) - torch.log(torch.tensor(float(samples)))
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple, args: argparse.Namespace) -> None:
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple, args: argparse.Namespace, seed: int) -> None:
+    """Linear decay of the rate to 0 (transformers' default schedule, and benchmarks/payoff.py's)."""
     x_tr, y_tr = data[0], data[1]
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(seed)
     steps = args.epochs * (len(x_tr) // args.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, 2.0 * (1 - i / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 - i / steps)
     evon = getattr(optimizer, "sampled_params", None)
     for _ in range(args.epochs):
         perm = torch.randperm(len(x_tr), generator=gen)
@@ -78,6 +84,38 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple, args:
             sched.step()
 
 
+def run_seed(seed: int, args: argparse.Namespace) -> tuple[dict, nn.Module, EVONPosterior, Any, torch.Tensor]:
+    """AdamW and EVON on one split and initialisation; EVON's sampling scale calibrated on images
+    held out of its training (with as many samples as BMA uses), then mean and BMA on the test split."""
+    torch.manual_seed(seed)
+    x_tr, y_tr, x_te, y_te = load_data(seed)
+    n_cal = len(x_tr) // 5  # held out from training, for the calibration only
+    data = (x_tr[n_cal:], y_tr[n_cal:], x_te, y_te)
+    calibration_batches = [(x_tr[:n_cal], y_tr[:n_cal])]
+    rows = {}
+    baseline = make_model(args.width)
+    train(baseline, torch.optim.AdamW(baseline.parameters(), weight_decay=1e-2), data, args, seed)
+    with torch.no_grad():
+        rows["AdamW"] = calibration_metrics(baseline(x_te).log_softmax(-1), y_te, input_type="log_probs")
+
+    torch.manual_seed(seed)
+    model = make_model(args.width)
+    optimizer = build_optimizer(model, seed=seed)  # the defaults: ess="auto", see hf_evon.optim.evon
+    train(model, optimizer, data, args, seed)
+    posterior, calibration = calibrate_posterior(
+        model,
+        EVONPosterior.from_optimizer(optimizer, model),
+        calibration_batches,
+        num_samples=args.bma_samples,
+        seed=seed,
+    )
+    with torch.no_grad():
+        rows["EVON (mean)"] = calibration_metrics(model(x_te).log_softmax(-1), y_te, input_type="log_probs")
+    bma = bma_log_probs(model, posterior, x_te, args.bma_samples, seed=1234)
+    rows[f"EVON (BMA@{args.bma_samples})"] = calibration_metrics(bma, y_te, input_type="log_probs")
+    return rows, model, posterior, calibration, bma
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-dir", default="outputs/quickstart")
@@ -85,68 +123,58 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--bma-samples", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=3, help="splits and initialisations; the table is their mean")
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    x_tr, y_tr, x_te, y_te = load_data(args.seed)
-    n_cal = len(x_tr) // 5  # held out from training, for the calibration only
-    data = (x_tr[n_cal:], y_tr[n_cal:], x_te, y_te)
-    calibration_batches = [(x_tr[:n_cal], y_tr[:n_cal])]
-    n_train = len(data[0])
+    if args.seeds < 1:
+        ap.error(f"--seeds must be >= 1; got {args.seeds}")
     t0 = time.time()
-
-    rows = {}
-    baseline = make_model(args.width)
-    train(baseline, torch.optim.AdamW(baseline.parameters(), weight_decay=1e-2), data, args)
-    with torch.no_grad():
-        rows["AdamW"] = calibration_metrics(baseline(x_te).log_softmax(-1), y_te, input_type="log_probs")
-
-    torch.manual_seed(args.seed)
-    model = make_model(args.width)
-    optimizer = build_optimizer(model, seed=args.seed)  # the defaults: ess="auto", see hf_evon.optim.evon
-    train(model, optimizer, data, args)
-    posterior, calibration = calibrate_posterior(
-        model, EVONPosterior.from_optimizer(optimizer, model), calibration_batches, seed=args.seed
-    )
-    with torch.no_grad():
-        rows["EVON (mean)"] = calibration_metrics(model(x_te).log_softmax(-1), y_te, input_type="log_probs")
-    bma = bma_log_probs(model, posterior, x_te, args.bma_samples, seed=1234)
-    rows[f"EVON (BMA@{args.bma_samples})"] = calibration_metrics(bma, y_te, input_type="log_probs")
-
+    per_seed, calibrations = [], []
+    for seed in range(args.seeds):
+        rows, model, posterior, calibration, bma = run_seed(seed, args)
+        per_seed.append(rows)
+        calibrations.append(calibration)
+        if seed == 0:  # the first seed's model and posterior are the ones saved
+            saved, saved_bma = (model, posterior), bma
+    model, posterior = saved
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(model, os.path.join(args.output_dir, "model.safetensors"))
     posterior.save_pretrained(args.output_dir)
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"per_seed": per_seed}, f, indent=1)
 
     # reload from disk, as a user elsewhere would, and check the BMA numbers are reproduced
     reloaded = make_model(args.width)
     load_model(reloaded, os.path.join(args.output_dir, "model.safetensors"))
+    x_te = load_data(0)[2]
     again = bma_log_probs(
         reloaded, EVONPosterior.from_pretrained(args.output_dir), x_te, args.bma_samples, seed=1234
     )
-    reproduced = torch.equal(again, bma)
+    reproduced = torch.equal(again, saved_bma)
 
-    print(f"digits: {n_train} train / {len(x_te)} test images; {time.time() - t0:.0f} s")
-    print(f"{'':18s} {'accuracy':>9s} {'NLL':>7s} {'ECE':>7s} {'Brier':>7s}")
-    for name, m in rows.items():
+    n_test = len(x_te)
+    print(f"digits: {n_test} test images per seed, {args.seeds} seed(s); {time.time() - t0:.0f} s")
+    print(f"{'mean over seeds':18s} {'accuracy':>9s} {'NLL':>7s} {'ECE':>7s} {'Brier':>7s}")
+    names = list(per_seed[0])
+    avg = {n: {k: statistics.fmean(r[n][k] for r in per_seed) for k in per_seed[0][n]} for n in names}
+    for name, m in avg.items():
         print(f"{name:18s} {m['accuracy']:9.4f} {m['nll']:7.4f} {m['ece']:7.4f} {m['brier']:7.4f}")
-    mean, averaged = rows["EVON (mean)"], rows[f"EVON (BMA@{args.bma_samples})"]
-    scale = (
-        f"ess = inf: BMA is the mean (no scale beat it by {100 * calibration.min_gain:g}% or more)"
-        if calibration.ess == float("inf")
-        else f"ess = {calibration.ess:.4g} = {calibration.multiplier:.3g} x the trained {calibration.trained_ess:.4g}"
-    )
-    print(
-        f"calibrated sampling scale: {scale}; held-out NLL {calibration.chosen_nll:.4f} vs "
-        f"{calibration.mean_nll:.4f} at the mean, {calibration.num_targets} images"
-    )
+    for seed, c in enumerate(calibrations):
+        scale = (
+            f"ess = inf: BMA is the mean (no scale beat it by {100 * c.min_gain:g}% or more)"
+            if c.ess == float("inf")
+            else f"ess = {c.ess:.4g} = {c.multiplier:.3g} x the trained {c.trained_ess:.4g}"
+        )
+        print(
+            f"seed {seed}: calibrated sampling scale {scale}; held-out NLL {c.chosen_nll:.4f} vs "
+            f"{c.mean_nll:.4f} at the mean ({c.num_targets} images)"
+        )
+    mean, averaged = avg["EVON (mean)"], avg[names[-1]]
     print(
         f"BMA vs the mean on test: NLL {averaged['nll']:.4f} vs {mean['nll']:.4f}, "
         f"ECE {averaged['ece']:.4f} vs {mean['ece']:.4f}"
     )
     print(repr(posterior))
-    print(f"saved model + posterior to {args.output_dir}/; reloaded BMA identical: {reproduced}")
+    print(f"saved seed 0's model + posterior to {args.output_dir}/; reloaded BMA identical: {reproduced}")
     if not reproduced:
         raise SystemExit("the reloaded posterior did not reproduce the BMA predictions")
 
