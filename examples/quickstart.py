@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import time
-from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -35,6 +34,7 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, calibrate_posterior
+from hf_evon.calibration import CalibrationResult
 from hf_evon.metrics import calibration_metrics
 
 
@@ -84,7 +84,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple, args:
             sched.step()
 
 
-def run_seed(seed: int, args: argparse.Namespace) -> tuple[dict, nn.Module, EVONPosterior, Any, torch.Tensor]:
+def run_seed(seed: int, args: argparse.Namespace) -> tuple[dict, nn.Module, EVONPosterior, CalibrationResult, torch.Tensor]:
     """AdamW and EVON on one split and initialisation; EVON's sampling scale calibrated on images
     held out of its training (with as many samples as BMA uses), then mean and BMA on the test split."""
     torch.manual_seed(seed)
