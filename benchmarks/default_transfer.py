@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument(
-        "--schedule", default="linear", choices=list(payoff.SCHEDULES), help="linear decay, or held for half the run"
+        "--schedule", default="linear", choices=list(payoff.SCHEDULES), help="payoff.SCHEDULES: linear decay, held for half the run then linear, or constant"
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

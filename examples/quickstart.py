@@ -84,7 +84,9 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple, args:
             sched.step()
 
 
-def run_seed(seed: int, args: argparse.Namespace) -> tuple[dict, nn.Module, EVONPosterior, CalibrationResult, torch.Tensor]:
+def run_seed(
+    seed: int, args: argparse.Namespace
+) -> tuple[dict, nn.Module, EVONPosterior, CalibrationResult, torch.Tensor, torch.Tensor]:
     """AdamW and EVON on one split and initialisation; EVON's sampling scale calibrated on images
     held out of its training (with as many samples as BMA uses), then mean and BMA on the test split."""
     torch.manual_seed(seed)
@@ -113,7 +115,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> tuple[dict, nn.Module, EVON
         rows["EVON (mean)"] = calibration_metrics(model(x_te).log_softmax(-1), y_te, input_type="log_probs")
     bma = bma_log_probs(model, posterior, x_te, args.bma_samples, seed=1234)
     rows[f"EVON (BMA@{args.bma_samples})"] = calibration_metrics(bma, y_te, input_type="log_probs")
-    return rows, model, posterior, calibration, bma
+    return rows, model, posterior, calibration, x_te, bma
 
 
 def main() -> None:
@@ -130,12 +132,12 @@ def main() -> None:
     t0 = time.time()
     per_seed, calibrations = [], []
     for seed in range(args.seeds):
-        rows, model, posterior, calibration, bma = run_seed(seed, args)
+        rows, model, posterior, calibration, x_te, bma = run_seed(seed, args)
         per_seed.append(rows)
         calibrations.append(calibration)
         if seed == 0:  # the first seed's model and posterior are the ones saved
-            saved, saved_bma = (model, posterior), bma
-    model, posterior = saved
+            saved = model, posterior, x_te, bma
+    model, posterior, x_te, saved_bma = saved
     os.makedirs(args.output_dir, exist_ok=True)
     save_model(model, os.path.join(args.output_dir, "model.safetensors"))
     posterior.save_pretrained(args.output_dir)
@@ -145,7 +147,6 @@ def main() -> None:
     # reload from disk, as a user elsewhere would, and check the BMA numbers are reproduced
     reloaded = make_model(args.width)
     load_model(reloaded, os.path.join(args.output_dir, "model.safetensors"))
-    x_te = load_data(0)[2]
     again = bma_log_probs(
         reloaded, EVONPosterior.from_pretrained(args.output_dir), x_te, args.bma_samples, seed=1234
     )

@@ -383,5 +383,7 @@ def test_clipped_steps_shrink_when_the_gradients_fade() -> None:
     torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1e-6, atol=1e-9)
     assert measured[:39] == pytest.approx([1.0] * 39)  # signal: the full step
     assert max(measured[-50:]) < 0.1  # faded: a tenth of the step or less
-    unscaled_rms = torch.tensor(runs[False][-50:]) / math.sqrt(24)
-    assert float((unscaled_rms - 0.1 * 0.01).abs().max()) < 3e-4  # the old step: α·radius in RMS
+    # the old step keeps α·radius in RMS: Newton–Schulz with Muon's coefficients leaves the singular
+    # values in about [0.7, 1.2], never near 0
+    unscaled_rms = torch.tensor(runs[False][-50:]) / math.sqrt(24) / (0.1 * 0.01)
+    assert 0.7 <= float(unscaled_rms.min()) and float(unscaled_rms.max()) <= 1.2
