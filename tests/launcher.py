@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,8 +28,29 @@ def torchrun(world: int, script: str, *args: str, timeout: float = 300) -> None:
     """Run ``script args`` in ``world`` processes (``torch.distributed.run``); fail with its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
     cmd += ["--master_port", str(free_port()), script, *args]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # a session of its own, so a timeout (a hung collective) kills the workers too, not only the launcher
+    with subprocess.Popen(
+        cmd,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun passes SIGTERM on to its workers (their own process groups)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate(timeout=30)
+            raise AssertionError(
+                f"world {world}: {os.path.basename(script)} still running after {timeout:g} s (killed):\n"
+                f"{stdout[-3000:]}\n{stderr[-6000:]}"
+            ) from None
+    assert proc.returncode == 0, f"world {world} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
 
 
 def rank_results(world: int, script: str, out: str, timeout: float = 300) -> list[dict]:

@@ -256,3 +256,12 @@ def test_a_step_without_samples_raises_on_every_rank_not_only_the_owners(tmp_pat
     results = rank_results(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), timeout=90)
     assert [bool(r["message"]) for r in results] == [True, True]
     assert all("sampled_params" in r["message"] for r in results)
+
+
+def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(tmp_path) -> None:
+    """transformers' scripts call ``create_model_card()`` on every process; its rank-0-only body
+    must not gather the sharded posterior alone (a hang, before the fix: the timeout fails it)."""
+    torchrun(2, os.path.join(HERE, "sharded_card_worker.py"), str(tmp_path), timeout=120)
+    card = (tmp_path / "README.md").read_text()
+    assert card.startswith("---") and "# sharded-card" in card
+    assert "## EVON posterior (SOAP-Bubble)" in card

@@ -775,7 +775,13 @@ class EVONTrainerMixin:
         save_trainer_model_card(self, directory, posterior)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """The Trainer's card, then the EVON section (the Trainer's card replaces README.md)."""
+        """The Trainer's card, then the EVON section (the Trainer's card replaces README.md).
+
+        Called on every process (as transformers' example scripts do), a sharded EVON gathers its
+        posterior here first: the card is written by rank 0 alone, which must not wait on a
+        collective the others never join. (``push_to_hub`` calls it on rank 0 only, right after
+        ``save_model`` gathered on every rank, so nothing is left to gather then.)"""
+        self._gather_sharded_state()
         super().create_model_card(*args, **kwargs)
         if not self.is_world_process_zero():
             return
