@@ -1,0 +1,36 @@
+"""benchmarks/default_transfer.py: its extra tasks build and train, so the transfer check cannot rot."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+transfer = pytest.importorskip("default_transfer")
+
+
+def test_evon_defaults_train_a_cnn_on_digits() -> None:
+    """Conv weights are EVON matrices (out × in·k·k): the defaults must train them as AdamW does."""
+    results = transfer.main(["--tasks", "digits_cnn", "--seeds", "1", "--methods", "AdamW", "EVON default"])
+    rows = results["digits_cnn"]
+    adamw, evon = rows["AdamW"][0], rows["EVON default"][0]
+    assert math.isfinite(evon["nll"]) and math.isfinite(adamw["nll"])
+    assert evon["accuracy"] >= 0.9 and adamw["accuracy"] >= 0.9  # 10 classes: chance is 0.1
+    assert evon["accuracy"] >= adamw["accuracy"] - 0.02
+
+
+@pytest.mark.skipif(not os.path.isdir("/usr/share/common-licenses"), reason="no Debian license texts")
+def test_license_sentences_are_distinct_labelled_and_deterministic() -> None:
+    texts, labels = transfer.license_sentences()
+    assert len(texts) == len(labels) == len(set(texts))
+    assert set(labels) == set(range(len(transfer.LICENSES)))
+    assert min(len(t) for t in texts) >= 40 and all(t == t.strip() and "\n" not in t for t in texts)
+    assert transfer.license_sentences() == (texts, labels)
+
+
+def test_missing_license_text_names_the_file(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="Apache-2.0"):
+        transfer.license_sentences(str(tmp_path))
