@@ -47,13 +47,13 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
               longer ones smaller. Tried, on a first version of this split (491 sentences, 10 of them
               in two licenses; there AdamW 1.272 (56.3), the default 1.318 (50.9)), and on
               payoff.py's minilm_full at 1e-4, seed 0, 3 and 4 epochs (AdamW 0.701 (77%) / 0.637
-              (78%), the default 0.666 (76%) / 0.668 (78%)): step ratio 0.8, seeds 0-2: 1.187 (57.4) here, 0.760 (75%) and
-              0.890 (74%) there; h0 1e-3, seeds 0-1: 1.255 (57.1) vs AdamW's 1.239 (58.4) on those
+              (78%), the default 0.666 (76%) / 0.668 (78%)): step ratio 0.8, seeds 0-2: 1.187 (57.4)
+              here, 0.760 (75%) and 0.890 (74%) there; h0 1e-3, seeds 0-1: 1.255 (57.1) vs AdamW's 1.239 (58.4) on those
               seeds; ratio 0.8 with β2 0.999 (H decays less): 0.977 (70%) at 4 epochs there; ratio
               0.5 from h0 1e-3: 1.372 (43.2) on seed 0 here, 0.602 (79%) at 4 epochs there. On this
               split, step ratio 0.7, seeds 0-2: 1.262 (56.3), AdamW's level, but 0.717 (75%) and
-              0.838 (75%) at 3 and 4 epochs there. No setting tried serves both budgets: full fine-tuning's defaults stay
-              (ratio 0.6, h0 3e-3).
+              0.838 (75%) at 3 and 4 epochs there. No setting tried serves both budgets: full
+              fine-tuning's defaults stay (ratio 0.6, h0 3e-3).
 
 With 2 seeds (an earlier version, before ``snr_scaling``, linear decay), AdamW / EVON default /
 element: wine 0.031 / 0.031 / 0.087, iris 0.104 / 0.143 / 0.251, digits deep GELU 0.146 / 0.115 /
