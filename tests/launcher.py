@@ -28,7 +28,8 @@ def torchrun(world: int, script: str, *args: str, timeout: float = 300) -> None:
     """Run ``script args`` in ``world`` processes (``torch.distributed.run``); fail with its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
     cmd += ["--master_port", str(free_port()), script, *args]
-    # a session of its own, so a timeout (a hung collective) kills the workers too, not only the launcher
+    # on a timeout (a hung collective) the workers must go too: SIGTERM to torchrun, which stops them,
+    # then SIGKILL to its process group (a session of its own) for whatever is left
     with subprocess.Popen(
         cmd,
         env=worker_env(),
