@@ -30,11 +30,15 @@ def main(out: str) -> None:
     model = worker.Regressor()
     model.config = PretrainedConfig()  # the Trainer's card reads the model's config
     trainer = EVONTrainer(model=model, args=args, train_dataset=worker.data())
+    rank = int(os.environ.get("RANK", "0"))
     trainer.train()
+    print(f"rank {rank}: trained", file=sys.stderr, flush=True)  # where a hang stopped, if one does
     trainer.create_model_card(model_name="sharded-card")  # every rank, as run_glue.py does
+    print(f"rank {rank}: card done", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    print(f"rank {rank}: finished", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
