@@ -19,7 +19,7 @@ def test_evon_defaults_train_a_cnn_on_digits() -> None:
     adamw, evon = rows["AdamW"][0], rows["EVON default"][0]
     assert math.isfinite(evon["nll"]) and math.isfinite(adamw["nll"])
     assert evon["accuracy"] >= 0.9 and adamw["accuracy"] >= 0.9  # 10 classes: chance is 0.1
-    assert evon["accuracy"] >= adamw["accuracy"] - 0.02
+    assert evon["accuracy"] >= adamw["accuracy"] - 0.01  # issue 10's target: within 1 point of AdamW
 
 
 @pytest.mark.skipif(not os.path.isdir("/usr/share/common-licenses"), reason="no Debian license texts")
