@@ -226,3 +226,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from launcher import finish
+
+    finish()

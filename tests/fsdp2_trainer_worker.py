@@ -150,3 +150,6 @@ def main(out: str, mode: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    from launcher import finish
+
+    finish()

@@ -280,3 +280,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    from launcher import finish
+
+    finish()
