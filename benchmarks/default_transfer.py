@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -77,9 +78,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import payoff  # noqa: E402  (the benchmark's loop, metrics and LM data)
 from payoff import Task, build_optimizer, log_probs, scores, train  # noqa: E402
 
+from hf_evon.optim.evon import DEFAULT_FINETUNING_LR  # noqa: E402
+
 # full fine-tuning's AdamW rate: TrainingArguments' default, which EVONTrainer also takes when unset
 # (``--finetuning-lr`` changes it; payoff.py's minilm_full uses 1e-4)
-FINETUNING_LR = 5e-5
+FINETUNING_LR = DEFAULT_FINETUNING_LR
 METHODS = ("AdamW", "EVON default", "EVON element", "EVON unscaled")
 EXTRA = {"EVON element": {"clip": "element"}, "EVON unscaled": {"snr_scaling": False}}
 
@@ -153,13 +156,13 @@ LICENSES = ("Apache-2.0", "Artistic", "GFDL-1.3", "GPL-3", "MPL-2.0")  # Debian'
 def license_sentences(directory: str = "/usr/share/common-licenses") -> tuple[list[str], list[int]]:
     """Every sentence (40+ characters) of five license texts, labelled by its license; a sentence
     found in two of them (the FSF's shared boilerplate) has no single label and is left out."""
-    import re
-
     per_license = []
     for name in LICENSES:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"license text {path} not found: the minilm_license tasks need Debian's licenses")
+            raise FileNotFoundError(
+                f"license text {path} not found: the minilm_license tasks need Debian's licenses"
+            )
         with open(path, encoding="utf-8") as f:
             flat = re.sub(r"\s+", " ", f.read())
         per_license.append({s.strip() for s in re.split(r"(?<=[.;:])\s+", flat) if len(s.strip()) >= 40})
@@ -183,33 +186,19 @@ def minilm_license(lora: bool) -> Callable[[int], Task]:
         texts, labels = license_sentences()
         order = np.random.RandomState(seed).permutation(len(labels))
         tok = AutoTokenizer.from_pretrained(fc.minilm_path())
-
-        def batches(ix: np.ndarray, size: int) -> list:
-            out = []
-            for k in range(0, len(ix), size):
-                chunk = ix[k : k + size]
-                enc = tok(
-                    [texts[i] for i in chunk],
-                    truncation=True,
-                    max_length=64,
-                    padding=True,
-                    return_tensors="pt",
-                )
-                out.append((dict(enc), torch.tensor([labels[i] for i in chunk])))
-            return out
-
-        def model(s: int) -> nn.Module:
-            net = fc.load_model(len(LICENSES), s)
-            if lora:
-                import peft
-
-                net = peft.get_peft_model(net, fc.lora_config())
-            return net
-
+        pick = lambda ix: ([texts[i] for i in ix], [labels[i] for i in ix])  # noqa: E731
         cut = int(0.7 * len(order))
-        rate = 1e-3 if lora else FINETUNING_LR
-        name = "minilm_license_lora" if lora else "minilm_license_full"
-        return Task(name, model, batches(order[:cut], 16), [], batches(order[cut:], 64), 3, rate, False, True)
+        return Task(
+            "minilm_license_lora" if lora else "minilm_license_full",
+            lambda s: payoff.minilm_model(len(LICENSES), s, lora),
+            payoff.text_batches(tok, *pick(order[:cut]), 16),
+            [],
+            payoff.text_batches(tok, *pick(order[cut:]), 64),
+            3,
+            1e-3 if lora else FINETUNING_LR,
+            False,
+            True,
+        )
 
     return make
 

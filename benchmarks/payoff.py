@@ -151,6 +151,27 @@ def lm_task(seed: int, fast: bool) -> Task:
     )  # fmt: skip
 
 
+def text_batches(tok: Any, texts: list[str], labels: list[int], size: int) -> list[Batch]:
+    """Consecutive batches of ``size`` texts, tokenized (64 tokens at most) and padded per batch."""
+    out = []
+    for k in range(0, len(labels), size):
+        enc = tok(texts[k : k + size], truncation=True, max_length=64, padding=True, return_tensors="pt")
+        out.append((dict(enc), torch.tensor(labels[k : k + size])))
+    return out
+
+
+def minilm_model(num_labels: int, seed: int, lora: bool) -> nn.Module:
+    """The pretrained MiniLM classifier, all weights trainable or wrapped with LoRA (r 8)."""
+    import finetune_classification as fc
+
+    model = fc.load_model(num_labels, seed)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, fc.lora_config())
+    return model
+
+
 def minilm_task(lora: bool, seed: int, fast: bool) -> Task:
     import finetune_classification as fc
     from transformers import AutoTokenizer
@@ -158,29 +179,15 @@ def minilm_task(lora: bool, seed: int, fast: bool) -> Task:
     per_class = 40 if fast else 100
     train_ds, held_ds, names = fc.stdlib_docstring_dataset(per_class, 40)
     tok = AutoTokenizer.from_pretrained(fc.minilm_path())
-
-    def batches(texts: list[str], labels: list[int], size: int) -> list[Batch]:
-        out = []
-        for k in range(0, len(labels), size):
-            enc = tok(texts[k : k + size], truncation=True, max_length=64, padding=True, return_tensors="pt")
-            out.append((dict(enc), torch.tensor(labels[k : k + size])))
-        return out
+    batches = lambda texts, labels, size: text_batches(tok, texts, labels, size)  # noqa: E731
 
     held_texts, held_labels = list(held_ds["text"]), list(held_ds["label"])
     order = torch.randperm(len(held_labels), generator=torch.Generator().manual_seed(seed)).tolist()
     cal_i, test_i = order[: len(order) // 2], order[len(order) // 2 :]
     pick = lambda ix: ([held_texts[i] for i in ix], [held_labels[i] for i in ix])  # noqa: E731
 
-    def make_model(s: int) -> nn.Module:
-        model = fc.load_model(len(names), s)
-        if lora:
-            import peft
-
-            model = peft.get_peft_model(model, fc.lora_config())
-        return model
-
     return Task(
-        "minilm_lora" if lora else "minilm_full", make_model,
+        "minilm_lora" if lora else "minilm_full", lambda s: minilm_model(len(names), s, lora),
         batches(list(train_ds["text"]), list(train_ds["label"]), 16), batches(*pick(cal_i), 64),
         batches(*pick(test_i), 64), epochs=2 if fast else 3, adamw_lr=1e-3 if lora else 1e-4,
         shift=False, classification=True,
