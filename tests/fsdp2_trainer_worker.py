@@ -145,11 +145,11 @@ def main(out: str, mode: str) -> None:
         train(out, world, rank, mode)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
+
+from launcher import finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    from launcher import finish
-
     finish()

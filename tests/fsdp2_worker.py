@@ -275,11 +275,11 @@ def main(out: str) -> None:
             result["refusals_crash"] = traceback.format_exc()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
+
+from launcher import finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    from launcher import finish
-
     finish()

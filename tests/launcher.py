@@ -72,11 +72,12 @@ def runs_per_world(
 
 
 def finish() -> None:
-    """End a worker whose results are saved: flush and leave with ``os._exit(0)``, skipping the
-    interpreter's teardown. There, gloo and DDP objects outliving ``destroy_process_group`` now and
-    then abort the process ("terminate called without an active exception", SIGABRT) after the
-    test's work is done, failing a passing run (seen in clean-clone CI runs; not reproducible on
-    demand)."""
+    """End a worker whose results are saved, before any DDP or process-group destructor runs:
+    flush, then ``os._exit(0)`` (workers call it right after their final barrier). Destroying a
+    gloo process group from Python can deadlock: gdb on a hung worker showed the main thread, holding
+    the GIL, in ~Reducer -> ~ProcessGroupGloo joining gloo's runloop thread, which waited for the GIL
+    to destroy an AsyncAllgatherWork; other runs aborted there ("terminate called without an active
+    exception"). Both failed clean-clone CI runs of finished, passing tests."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

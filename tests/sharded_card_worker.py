@@ -37,12 +37,12 @@ def main(out: str) -> None:
     print(f"rank {rank}: card done", file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
-    print(f"rank {rank}: finished", file=sys.stderr, flush=True)
+        print(f"rank {rank}: finished", file=sys.stderr, flush=True)
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
+
+from launcher import finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    from launcher import finish
-
     finish()

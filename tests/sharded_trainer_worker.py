@@ -90,11 +90,11 @@ def main(out: str) -> None:
     torch.save({"weights": weights, "resumed": again, "stats": stats}, os.path.join(out, f"rank{rank}.pt"))
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
+
+from launcher import finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    from launcher import finish
-
     finish()

@@ -122,11 +122,11 @@ def main(out: str) -> None:
     result["frozen"] = frozen
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     if dist.is_initialized():
-        dist.destroy_process_group()
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
+
+from launcher import finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    from launcher import finish
-
     finish()
