@@ -37,23 +37,25 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
               0.114 (98.1); hold 0.098 (97.8) / 0.111 (98.1) / 0.108 (97.6) / 0.166 (98.2);
               constant 0.101 (98.0) / 0.114 (98.0) / 0.109 (97.7) / 0.255 (97.4)
     MiniLM license sentences (3 seeds, linear; AdamW / EVON default): LoRA 1.369 (46.0) / 1.116
-              (60.7); all weights at 5e-5 1.273 (56.6) / 1.321 (49.2): EVON trails by 7 points here
-              (per seed 53.8 / 60.7 / 55.2 vs 44.8 / 54.5 / 48.3). Not the gradients' size: on this
-              task and on payoff.py's stdlib docstrings alike the first batches' median |g| is 2.2e-5
-              and 40% of the entries exceed clip_radius·h0 (MiniLM, seed 0). The budget differs: 66
-              steps here, 96 there, where at the same rate EVON leads (seed 0: 1.012 (78%) vs 1.026
-              (75%)). EVON's element steps start small (Newton steps m̂/H under the clip while
-              H ≈ h0) and grow as H ≈ h0·β2ᵗ decays, so the shortest runs favour larger steps and
-              longer ones smaller. Tried, on a first version of this split (491 sentences, 10 of them
-              in two licenses; there AdamW 1.272 (56.3), the default 1.318 (50.9)), and on
-              payoff.py's minilm_full at 1e-4, seed 0, 3 and 4 epochs (AdamW 0.701 (77%) / 0.637
-              (78%), the default 0.666 (76%) / 0.668 (78%)): step ratio 0.8, seeds 0-2: 1.187 (57.4)
-              here, 0.760 (75%) and 0.890 (74%) there; h0 1e-3, seeds 0-1: 1.255 (57.1) vs AdamW's 1.239 (58.4) on those
-              seeds; ratio 0.8 with β2 0.999 (H decays less): 0.977 (70%) at 4 epochs there; ratio
-              0.5 from h0 1e-3: 1.372 (43.2) on seed 0 here, 0.602 (79%) at 4 epochs there. On this
-              split, step ratio 0.7, seeds 0-2: 1.262 (56.3), AdamW's level, but 0.717 (75%) and
-              0.838 (75%) at 3 and 4 epochs there. No setting tried serves both budgets: full
-              fine-tuning's defaults stay (ratio 0.6, h0 3e-3).
+              (60.7); all weights at 5e-5 1.273 (56.6) / 1.182 (59.5) (per seed 53.8 / 60.7 / 55.2 vs
+              58.6 / 63.4 / 56.6), with full fine-tuning's steps at Adam's size (snr_scaling="adam",
+              ratio 1.5, h0 1e-3; hf_evon.optim.evon.default_snr_scaling). Before, with fixed-size
+              element steps (ratio 0.6, h0 3e-3), EVON trailed by 7 points: 1.321 (49.2) (per seed
+              44.8 / 54.5 / 48.3). Not the gradients' size: on this task and on payoff.py's stdlib
+              docstrings alike the first batches' median |g| is 2.2e-5 (MiniLM, seed 0). EVON's
+              element steps started small (Newton steps m̂/H under the clip while H ≈ h0; nothing on
+              the first step, which builds the eigenbases) and grew as H ≈ h0·β2ᵗ decayed, where
+              Adam's start at the full rate and shrink (the encoder's update RMS per unit rate, seed
+              0, by quarter: AdamW 0.55 / 0.39 / 0.42 / 0.43, the fixed-size steps 0.35 / 0.35 / 0.38
+              / 0.43), so the shortest runs favoured larger fixed ratios and longer ones smaller.
+              Tried with fixed-size steps, here and on payoff.py's minilm_full at 1e-4, seed 0, 3 and 4
+              epochs (AdamW 0.701 (77%) / 0.637 (78%), ratio 0.6 0.666 (76%) / 0.668 (78%)): ratio 0.8,
+              seeds 0-2: 1.187 (57.4) here, 0.760 (75%) and 0.890 (74%) there; ratio 0.7: 1.262
+              (56.3) here, 0.717 (75%) and 0.838 (75%) there; h0 1e-3, seeds 0-1: 1.255 (57.1) vs
+              AdamW's 1.239 (58.4); noise off (ess=inf), seed 0: 1.309 (50.3). With Adam-sized steps,
+              seed 0: ratio 1.0 1.346 (41.4) here, 0.721 (76%) / 0.591 (79%) there; ratio 1.5 (the
+              default) 1.226 (58.6) here, 0.652 (78%) / 0.634 (80%) there, and seed 1 at 3 epochs
+              0.584 (77%) vs AdamW's 0.686 (75%).
 
 With 2 seeds (an earlier version, before ``snr_scaling``, linear decay), AdamW / EVON default /
 element: wine 0.031 / 0.031 / 0.087, iris 0.104 / 0.143 / 0.251, digits deep GELU 0.146 / 0.115 /

@@ -342,7 +342,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the paper's CLIP fine-tuning settings (its best-hyperparameters table) for every --evon-* value not given",
     )
     p.add_argument(
-        "--evon-hess-init", type=float, default=None, help="h0 (default: 3e-3 for full fine-tuning, 0.01 through LoRA)"
+        "--evon-hess-init", type=float, default=None, help="h0 (default: 1e-3 for full fine-tuning, 0.01 through LoRA)"
     )
     p.add_argument(
         "--evon-clip", default=None, choices=list(CLIP_MODES),

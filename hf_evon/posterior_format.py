@@ -205,6 +205,13 @@ def _boolean(value: Any, field: str, where: str) -> bool:
     return value
 
 
+def _snr_scaling(value: Any, field: str, where: str) -> bool | str:
+    """``true``/``false`` or ``"adam"`` (``EVON``'s ``snr_scaling``)."""
+    if not (isinstance(value, bool) or value == "adam"):
+        raise _rule_error(where, field, 'true, false or "adam"', value)
+    return value
+
+
 def _string(value: Any, field: str, where: str) -> str:
     if not isinstance(value, str):
         raise _rule_error(where, field, "a string", value)
@@ -243,7 +250,7 @@ _FIELD_PARSERS: dict[str, tuple[Callable[[Any, str, str], Any], bool]] = {  # (p
     "optimizer_step": (_integer, False),
     "num_point_estimates": (_integer, True),
     "num_point_estimate_tensors": (_integer, True),
-    "snr_scaling": (_boolean, False),
+    "snr_scaling": (_snr_scaling, False),
     "phased_gradients": (_boolean, False),
     "identity_basis": (_boolean, False),
     "stagger_refresh": (_boolean, False),

@@ -328,8 +328,9 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     }
     with pytest.raises(ValueError, match="adamw_lr"):
         lr_from_adamw_lr(float("nan"))
-    with pytest.raises(ValueError, match="step_ratio"):
-        lr_from_adamw_lr(1e-3, step_ratio=2.0)
+    for bad_ratio in (0.0, float("inf"), -0.5):
+        with pytest.raises(ValueError, match="step_ratio"):
+            lr_from_adamw_lr(1e-3, step_ratio=bad_ratio)
     for bad in (float("nan"), -1e-3, "1e-3", True):  # named as learning_rate even when α is given
         with pytest.raises(ValueError, match="learning_rate"):
             build_optimizer(model, learning_rate=bad, lr=0.02)
@@ -361,7 +362,7 @@ def test_clipped_steps_shrink_when_the_gradients_fade() -> None:
     grads = [steady] * 40 + [1e-2 * torch.randn(6, 4, generator=gen, dtype=torch.float64) for _ in range(160)]
     betas = (0.95, 0.995)
     runs = {}
-    for scaled in (True, False):
+    for scaled in (True, False, "adam"):
         w = nn.Parameter(torch.zeros(6, 4, dtype=torch.float64))
         opt = EVON([w], lr=0.1, ess=float("inf"), betas=betas, weight_decay=0.0, clip="whiten_rms", snr_scaling=scaled)
         steps = []
@@ -373,14 +374,19 @@ def test_clipped_steps_shrink_when_the_gradients_fade() -> None:
         runs[scaled] = steps[1:]  # the first step only builds the eigenbases
     # the expected scale, from the gradients (the first one only initialised the bases)
     m = v = 0.0
-    expected = []
+    expected, expected_adam = [], []
     for t, g in enumerate(grads[1:], start=1):
         m = betas[0] * m + (1 - betas[0]) * g
         v = SNR_AVERAGE_BETA * v + (1 - SNR_AVERAGE_BETA) * float(g.square().sum())
         rho = float((m / (1 - betas[0] ** t)).norm()) / math.sqrt(v / (1 - SNR_AVERAGE_BETA**t))
         expected.append(min(1.0, rho / snr_floor(betas[0])))
+        expected_adam.append(min(1.0, rho))
     measured = [a / b for a, b in zip(runs[True], runs[False])]
     torch.testing.assert_close(torch.tensor(measured), torch.tensor(expected), rtol=1e-6, atol=1e-9)
+    # snr_scaling="adam" (full fine-tuning's default): min(1, ρ), Adam's own step size, no knee
+    measured_adam = [a / b for a, b in zip(runs["adam"], runs[False])]
+    torch.testing.assert_close(torch.tensor(measured_adam), torch.tensor(expected_adam), rtol=1e-6, atol=1e-9)
+    assert measured_adam[0] == pytest.approx(1.0) and max(measured_adam[-50:]) < 0.1 * snr_floor(betas[0]) + 1e-3
     assert measured[:39] == pytest.approx([1.0] * 39)  # signal: the full step
     assert max(measured[-50:]) < 0.1  # faded: a tenth of the step or less
     # the old step keeps α·radius in RMS: Newton–Schulz with Muon's coefficients leaves the singular

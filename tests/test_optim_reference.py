@@ -64,7 +64,9 @@ class ReferenceEVON:
         self.phased = hp.get("phased_gradients", False)
         self.eps = hp.get("eps", 1e-12)
         # snr_scaling: a clipped step times min(1, ρ/ρ₀), ρ = ‖m̂‖_F / sqrt(EMA_0.999 ‖G‖²_F)
-        self.snr = hp.get("snr_scaling", True) and self.clip != "none"
+        # ("adam": min(1, ρ), Adam's own step size, no floor)
+        self.snr = hp.get("snr_scaling", True) is not False and self.clip != "none"
+        self.snr_knee = 1.0 if hp.get("snr_scaling", True) == "adam" else math.sqrt((1 - self.beta1) / (1 + self.beta1))
         self.grad_sq = 0.0
         self.snr_events = 0  # steps the scale shrank
         self.store_dtype = store_dtype  # the dtype the mean M is stored in (the model's)
@@ -195,7 +197,7 @@ class ReferenceEVON:
         if self.snr:  # the unrotated G: its norm is the rotated one's
             self.grad_sq = 0.999 * self.grad_sq + 0.001 * float((G**2).sum())
             rho = float(torch.linalg.norm(self.Gbar / (1 - self.beta1**t))) / math.sqrt(self.grad_sq / (1 - 0.999**t))
-            scale = min(1.0, rho / math.sqrt((1 - self.beta1) / (1 + self.beta1)))
+            scale = min(1.0, rho / self.snr_knee)
             self.snr_events += scale < 1.0
             update = scale * update
         self.M = self.store(self.M - self.lr * update)
@@ -312,6 +314,7 @@ CASES = {
     "snr_element": ({"clip": "element", "clip_radius": 0.3, "lr": 1.0}, [(3, 5), (4, 2)]),
     "snr_whiten_rms": ({"clip": "whiten_rms", "clip_radius": 0.1, "lr": 1.0}, [(3, 5), (4, 2), (6,)]),
     "snr_off": ({"clip": "element", "clip_radius": 0.3, "lr": 1.0, "snr_scaling": False}, [(3, 5), (4, 2)]),
+    "snr_adam": ({"clip": "element", "clip_radius": 0.3, "lr": 1.0, "snr_scaling": "adam"}, [(3, 5), (4, 2)]),
     "no_stagger": ({"stagger_refresh": False}, [(3, 5), (3, 5), (4, 2)]),
 }
 

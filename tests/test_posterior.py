@@ -876,6 +876,11 @@ LOAD_ERRORS = {
         lambda c: _set(c, "identity_basis", "false"),
         r"evon_posterior_config\.json: field 'identity_basis' must be true or false; got 'false'",
     ),
+    "bad snr_scaling": (
+        None,
+        lambda c: _set(c, "snr_scaling", "yes"),
+        r"evon_posterior_config\.json: field 'snr_scaling' must be true, false or \"adam\"; got 'yes'",
+    ),
     "float step": (
         None,
         lambda c: _set(c, "optimizer_step", 11.5),
@@ -903,6 +908,18 @@ def test_load_errors_name_the_tensor(mlp, tmp_path, case):
     bad = _corrupt(tmp_path / "good", tmp_path / "bad", tensors, config)
     with pytest.raises(PosteriorMismatchError, match=message):
         EVONPosterior.from_pretrained(bad)
+
+
+def test_a_fine_tuning_posterior_keeps_its_step_rule(tmp_path):
+    """Full fine-tuning's default snr_scaling is the string "adam": its files must load."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=0.05, ess=256, snr_scaling="adam", seed=1))
+    x, y = torch.randn(64, 5), torch.randn(64, 3)
+    _train(model, opt, [(x, y)] * 4, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    EVONPosterior.from_optimizer(opt, model).save_pretrained(tmp_path / "ft", model_card=False)
+    assert json.loads((tmp_path / "ft" / POSTERIOR_CONFIG_NAME).read_text())["snr_scaling"] == "adam"
+    assert EVONPosterior.from_pretrained(tmp_path / "ft").config["snr_scaling"] == "adam"
 
 
 def test_version_1_files_without_weights_file_still_load(mlp, tmp_path):

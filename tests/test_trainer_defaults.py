@@ -151,7 +151,7 @@ def test_a_recipe_fills_the_fields_left_at_their_defaults(tmp_path) -> None:
     assert kwargs["hess_init"] == 0.5  # set by the user: wins
     assert kwargs["lr"] == recipe["lr"] and kwargs["ess"] == recipe["ess"] and kwargs["clip"] == "whiten"
     assert kwargs["betas"] == recipe["betas"] and kwargs["weight_decay"] == recipe["weight_decay"]
-    assert kwargs["snr_scaling"] is False and EVONConfig(output_dir=str(tmp_path)).evon_snr_scaling is True
+    assert kwargs["snr_scaling"] is False and EVONConfig(output_dir=str(tmp_path)).evon_snr_scaling is None
     off = EVONConfig(output_dir=str(tmp_path), report_to="none", evon_snr_scaling=False)  # no recipe: as set
     assert off.evon_optimizer_kwargs()["snr_scaling"] is False
     with pytest.raises(ValueError, match="evon_recipe"):
@@ -173,6 +173,10 @@ def _hess_inits(trainer: EVONTrainer) -> set[float]:
     return {g["hess_init"] for g in trainer.create_optimizer().param_groups if g["algorithm"] == "evon"}
 
 
+def _snr_scalings(trainer: EVONTrainer) -> set[bool | str]:
+    return {g["snr_scaling"] for g in trainer.create_optimizer().param_groups if g["algorithm"] == "evon"}
+
+
 def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path) -> None:
     from peft import LoraConfig, TaskType
     from test_trainer import classification_data, tiny_bert
@@ -183,7 +187,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     assert scratch.args.learning_rate == 1e-3  # built from a config: from scratch
     # from scratch: whitened steps of entry RMS 0.8 · rate (STEP_RATIOS), α = 0.8 · 1e-3 / 0.01
     assert _rates(scratch) == {"evon": {0.08}, "adamw": {1e-3}} and _clips(scratch) == {"whiten_rms"}
-    assert _hess_inits(scratch) == {0.01}
+    assert _hess_inits(scratch) == {0.01} and _snr_scalings(scratch) == {True}
 
     tiny_bert().save_pretrained(tmp_path / "pretrained")
     from transformers import BertForSequenceClassification
@@ -203,6 +207,14 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     assert fast == [["classifier.weight"]]
     # full fine-tuning starts from a smaller h0 (default_hess_init)
     assert _hess_inits(full) == {DEFAULT_FINETUNING_HESS_INIT} and DEFAULT_FINETUNING_HESS_INIT < 0.01
+    # and its clipped steps follow Adam's step size, min(1, ρ) (default_snr_scaling)
+    assert _snr_scalings(full) == {"adam"}
+    for given, expected in (("false", False), ("true", True), (True, True), ("adam", "adam")):
+        chosen = EVONTrainer(model=pretrained(), args=EVONConfig(**args, evon_snr_scaling=given), train_dataset=data)
+        assert _snr_scalings(chosen) == {expected}  # set by the user: wins
+    for bad in ("yes", 1, ["adam"]):
+        with pytest.raises(ValueError, match="evon_snr_scaling"):
+            EVONConfig(**args, evon_snr_scaling=bad)
     given_h0 = EVONTrainer(model=pretrained(), args=EVONConfig(**args, evon_hess_init=0.02), train_dataset=data)
     assert _hess_inits(given_h0) == {0.02}  # set by the user: wins
 

@@ -21,6 +21,7 @@ from .evon import (
     _require,
     default_clip,
     default_hess_init,
+    default_snr_scaling,
     lr_from_adamw_lr,
     ratio_clip,
 )
@@ -34,7 +35,7 @@ from .recipes import recipe_kwargs
 # seed 0): LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full
 # fine-tuning (step ratio 0.2) with the head at 1x: NLL 1.23, at 5x 1.15; with the fine-tuning
 # step ratio 0.5 and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660 (4 epochs; the
-# benchmark's 3 epochs and ratio 0.6: see STEP_RATIOS). With "whiten_rms"
+# benchmark's 3 epochs and ratio 0.6; since then ratio 1.5 with Adam-sized steps: see STEP_RATIOS). With "whiten_rms"
 # (ratio 0.8) the scale is 1.25: adapter steps of entry RMS 1.0·rate, as "whiten_rms" at ratio 0.2
 # with 5x, where LoRA ended at NLL 0.682 (seed 0; "element" 0.814, AdamW 1.001); 0.8 with 5x
 # destroyed the classifier (NLL 1.62, accuracy 15%).
@@ -160,8 +161,9 @@ def build_optimizer(
     becomes :func:`~hf_evon.optim.evon.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe`` sets
     α) and the AdamW part uses it (unless ``adamw_lr`` is given). Without a recipe, ``clip``
     defaults to :func:`~hf_evon.optim.evon.default_clip`: "whiten_rms", or "element" when
-    :func:`is_full_finetuning`, and ``hess_init`` to :func:`~hf_evon.optim.evon.default_hess_init`
-    (0.01; 3e-3 for full fine-tuning). The reasons and measurements: ``hf_evon.optim.evon``.
+    :func:`is_full_finetuning`, ``hess_init`` to :func:`~hf_evon.optim.evon.default_hess_init`
+    (0.01; 1e-3 for full fine-tuning) and ``snr_scaling`` to
+    :func:`~hf_evon.optim.evon.default_snr_scaling` (True; "adam" for full fine-tuning). The reasons and measurements: ``hf_evon.optim.evon``.
     """
     _require(
         "adapter_lr_scale",
@@ -180,13 +182,14 @@ def build_optimizer(
             "a finite number >= 0",
         )
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
-    for key in ("clip", "lr", "hess_init"):
+    for key in ("clip", "lr", "hess_init", "snr_scaling"):
         if key in evon_kwargs and evon_kwargs[key] is None:
             del evon_kwargs[key]  # None: the default (below, or the recipe's)
     if recipe is None:
         finetuning = is_full_finetuning(model)
         evon_kwargs.setdefault("clip", default_clip(finetuning))
         evon_kwargs.setdefault("hess_init", default_hess_init(finetuning))
+        evon_kwargs.setdefault("snr_scaling", default_snr_scaling(finetuning))
         if "lr" not in evon_kwargs:
             radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
             clip = ratio_clip(evon_kwargs["clip"], finetuning)

@@ -95,7 +95,7 @@ class EVONConfig(TrainingArguments):
     evon_hess_init: float | None = field(
         default=None,
         metadata={
-            "help": "Initial Hessian estimate h0 > 0 (everywhere). Default (None): 0.01, or 3e-3 for full "
+            "help": "Initial Hessian estimate h0 > 0 (everywhere). Default (None): 0.01, or 1e-3 for full "
             "fine-tuning of a pretrained model, whose small gradients would leave EVON's first steps under "
             "the update clip (hf_evon.optim.evon.default_hess_init)."
         },
@@ -161,13 +161,16 @@ class EVONConfig(TrainingArguments):
         default=DEFAULT_CLIP_RADIUS,
         metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of 'whiten_rms', > 0."},
     )
-    evon_snr_scaling: bool = field(
-        default=True,
+    evon_snr_scaling: str | None = field(
+        default=None,
         metadata={
-            "help": "Scale each matrix's clipped step by min(1, ρ/ρ₀): ρ = |momentum| / RMS of its gradients "
-            "(Adam's step size), ρ₀ = sqrt((1-β1)/(1+β1)); the step shrinks once the gradients fade, as Adam's "
-            "does, so a rate held high after the data are fitted does not make the mean wander "
-            "(hf_evon.optim.evon.SNR_AVERAGE_BETA). No effect with evon_clip='none'; off in the paper's recipes."
+            "help": "'true': scale each matrix's clipped step by min(1, ρ/ρ₀): ρ = |momentum| / RMS of its "
+            "gradients (Adam's step size), ρ₀ = sqrt((1-β1)/(1+β1)); the step shrinks once the gradients fade, as "
+            "Adam's does, so a rate held high after the data are fitted does not make the mean wander "
+            "(hf_evon.optim.evon.SNR_AVERAGE_BETA). 'adam': by min(1, ρ), the step follows Adam's size all along. "
+            "'false': off. Default (None): 'true', and 'adam' for full fine-tuning of a pretrained model "
+            "(hf_evon.optim.evon.default_snr_scaling). No effect with evon_clip='none'; off in the paper's recipes.",
+            "choices": ["true", "false", "adam", None],
         },
     )
     evon_phased_gradients: bool = field(
@@ -287,6 +290,16 @@ class EVONConfig(TrainingArguments):
             "evon_learning_rate",
             "None (from learning_rate) or finite and >= 0",
         )
+        # the command line gives strings; Python code may give the optimizer's own values
+        scaling = self.evon_snr_scaling
+        if isinstance(scaling, str):
+            scaling = {"true": True, "false": False}.get(scaling, scaling)
+        need(
+            scaling is None or isinstance(scaling, bool) or scaling == "adam",
+            "evon_snr_scaling",
+            "None, True, False or 'adam' ('true'/'false' on the command line)",
+        )
+        self.evon_snr_scaling = scaling
         if self.evon_ess is None:  # the former default (None: the training-set size) now means "auto"
             self.evon_ess = AUTO_ESS
         if isinstance(self.evon_ess, str) and self.evon_ess != AUTO_ESS:
