@@ -120,8 +120,9 @@ def lr_from_adamw_lr(
     So a learning rate tuned for AdamW carries over. ``step_ratio=None`` takes the measured ratio
     of ``clip`` (None: ``default_clip(finetuning)``) from ``STEP_RATIOS``: 1e-3 from scratch or
     through LoRA -> 0.08 ("whiten_rms"), 0.02 ("element"); full fine-tuning at 5e-5 -> 0.0075
-    ("element", whose step is then also scaled by min(1, ρ): ``default_snr_scaling``). Only those have a measured ratio ("spectral" bounds singular values, "whiten"
-    ignores the radius, "whiten_rms" fine-tunes poorly): for the others set α (``lr``) yourself.
+    ("element", whose step is then also scaled by min(1, ρ): ``default_snr_scaling``). Only those
+    have a measured ratio ("spectral" bounds singular values, "whiten" ignores the radius,
+    "whiten_rms" fine-tunes poorly): for the others set α (``lr``) yourself.
     """
     _require(
         "adamw_lr",
@@ -150,14 +151,15 @@ DEFAULT_LR = (
     STEP_RATIOS[(DEFAULT_CLIP, False)] * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS
 )  # 0.08 (lr_from_adamw_lr)
 DEFAULT_HESS_INIT = 0.01
-# (Before snr_scaling="adam") full fine-tuning started from h0 = 3e-3: a pretrained model's gradients are small, so at h0 = 0.01
-# the Newton step m̂/(H+δ) stays under the element clip for most entries early on and EVON starts
-# slowly (MiniLM, the benchmark's training, first quarter: 7% of the entries at the clip, update RMS
-# 0.185·rate where AdamW's is 0.46·rate; last quarter 0.43 vs 0.30). Test NLL (accuracy), seed 0, at
-# 1 / 3 / 4 epochs: h0 0.01 1.495 (68%) / 0.643 (79%) / 0.631; 3e-3 1.435 (71%) / 0.666 (76%) / 0.669
-# (78%; calibrated BMA 0.620); 1e-3 1.421 (72%) / 0.634 (77%) / 0.694 (76%: overshoots); AdamW 1.412
-# (71%) / 0.701 (77%) / 0.637 (78%). 3e-3 is the one within AdamW's accuracy at every budget there;
-# seed 1 after one epoch: 1.394 (70%) vs AdamW 1.368 (74%), h0 0.01 1.462 (62%): narrowed, not closed.
+# (Before snr_scaling="adam") full fine-tuning started from h0 = 3e-3: a pretrained model's
+# gradients are small, so at h0 = 0.01 the Newton step m̂/(H+δ) stays under the element clip for
+# most entries early on and EVON starts slowly (MiniLM, the benchmark's training, first quarter: 7%
+# of the entries at the clip, update RMS 0.185·rate where AdamW's is 0.46·rate; last quarter 0.43 vs
+# 0.30). Test NLL (accuracy), seed 0, at 1 / 3 / 4 epochs: h0 0.01 1.495 (68%) / 0.643 (79%) /
+# 0.631; 3e-3 1.435 (71%) / 0.666 (76%) / 0.669 (78%; calibrated BMA 0.620); 1e-3 1.421 (72%) /
+# 0.634 (77%) / 0.694 (76%: overshoots); AdamW 1.412 (71%) / 0.701 (77%) / 0.637 (78%). 3e-3 is the
+# one within AdamW's accuracy at every budget there; seed 1 after one epoch: 1.394 (70%) vs AdamW
+# 1.368 (74%), h0 0.01 1.462 (62%): narrowed, not closed.
 # With snr_scaling="adam" (``default_snr_scaling``) the step's size comes from ρ, not from how many
 # entries reach the clip, and h0 = 1e-3 puts the typical pretrained entry there from the first step
 # (median |g| 2.2e-5 on MiniLM: |m̂|/h0 ≈ 0.02 > clip_radius).
@@ -165,7 +167,7 @@ DEFAULT_FINETUNING_HESS_INIT = 1e-3
 
 
 def default_hess_init(finetuning: bool = False) -> float:
-    """The default h0: 0.01, and 3e-3 for full fine-tuning of a pretrained model."""
+    """The default h0: 0.01, and 1e-3 for full fine-tuning of a pretrained model."""
     return DEFAULT_FINETUNING_HESS_INIT if finetuning else DEFAULT_HESS_INIT
 
 

@@ -30,12 +30,12 @@ from .recipes import recipe_kwargs
 # Parameters that start from scratch inside a pretrained model get this multiple of EVON's rate:
 # what PEFT trains (LoRA ``lora_A``/``lora_B``, the ``modules_to_save`` copies) and a fine-tuned
 # model's new task head. ``B`` and the head start at zero or at random, and their gradients point
-# the same way step after step, where AdamW moves the full rate per step (EVON's sign-like steps
-# are sized for the 0.2·rate RMS of noisy gradients). Measured in benchmarks/payoff.py (MiniLM,
-# seed 0): LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full
-# fine-tuning (step ratio 0.2) with the head at 1x: NLL 1.23, at 5x 1.15; with the fine-tuning
-# step ratio 0.5 and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660 (4 epochs; the
-# benchmark's 3 epochs and ratio 0.6; since then ratio 1.5 with Adam-sized steps: see STEP_RATIOS). With "whiten_rms"
+# the same way step after step, where AdamW moves the full rate per step (EVON's sign-like steps are
+# sized for the 0.2·rate RMS of noisy gradients). Measured in benchmarks/payoff.py (MiniLM, seed 0):
+# LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full fine-tuning
+# (step ratio 0.2) with the head at 1x: NLL 1.23, at 5x 1.15; with the fine-tuning step ratio 0.5
+# and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660 (4 epochs; the benchmark's 3 epochs
+# and ratio 0.6; since then ratio 1.5 with Adam-sized steps: see STEP_RATIOS). With "whiten_rms"
 # (ratio 0.8) the scale is 1.25: adapter steps of entry RMS 1.0·rate, as "whiten_rms" at ratio 0.2
 # with 5x, where LoRA ended at NLL 0.682 (seed 0; "element" 0.814, AdamW 1.001); 0.8 with 5x
 # destroyed the classifier (NLL 1.62, accuracy 15%).
@@ -163,7 +163,8 @@ def build_optimizer(
     defaults to :func:`~hf_evon.optim.evon.default_clip`: "whiten_rms", or "element" when
     :func:`is_full_finetuning`, ``hess_init`` to :func:`~hf_evon.optim.evon.default_hess_init`
     (0.01; 1e-3 for full fine-tuning) and ``snr_scaling`` to
-    :func:`~hf_evon.optim.evon.default_snr_scaling` (True; "adam" for full fine-tuning). The reasons and measurements: ``hf_evon.optim.evon``.
+    :func:`~hf_evon.optim.evon.default_snr_scaling` (True; "adam" for full fine-tuning). The
+    reasons and measurements: ``hf_evon.optim.evon``.
     """
     _require(
         "adapter_lr_scale",
