@@ -83,7 +83,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .optim.evon import matrix_shape
+from .optim.evon import is_snr_scaling, matrix_shape
 from .posterior_math import FactorGroup, compute_dtype, orthonormality_error, polar_step, std_scale
 
 if TYPE_CHECKING:
@@ -207,7 +207,7 @@ def _boolean(value: Any, field: str, where: str) -> bool:
 
 def _snr_scaling(value: Any, field: str, where: str) -> bool | str:
     """``true``/``false`` or ``"adam"`` (``EVON``'s ``snr_scaling``)."""
-    if not (isinstance(value, bool) or value == "adam"):
+    if not is_snr_scaling(value):
         raise _rule_error(where, field, 'true, false or "adam"', value)
     return value
 

@@ -220,6 +220,11 @@ def snr_floor(beta1: float) -> float:
 # From scratch the fixed-size steps stay (snr_scaling=True): their ratios were measured with it.
 
 
+def is_snr_scaling(value: Any) -> bool:
+    """Whether ``value`` is an ``snr_scaling``: True, False or "adam" (not 1, not "true")."""
+    return isinstance(value, bool) or (isinstance(value, str) and value == "adam")
+
+
 def default_snr_scaling(finetuning: bool = False) -> bool | str:
     """The default ``snr_scaling``: True (min(1, ρ/ρ₀)), and "adam" (min(1, ρ)) for full fine-tuning."""
     return "adam" if finetuning else True
@@ -687,12 +692,7 @@ class EVON(Optimizer):
         for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
             flag(name)
         if "snr_scaling" in group:  # groups saved before the option existed lack it (off)
-            scaling = group["snr_scaling"]
-            need(
-                "snr_scaling",
-                isinstance(scaling, bool) or scaling == "adam",
-                "True, False or 'adam' (a bool or that string)",
-            )
+            need("snr_scaling", is_snr_scaling(group["snr_scaling"]), "True, False or 'adam' (a bool or that string)")
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.is_complex():

@@ -24,6 +24,7 @@ from ..optim.evon import (
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_WEIGHT_DECAY,
+    is_snr_scaling,
 )
 from ..optim.recipes import RECIPES
 
@@ -295,7 +296,7 @@ class EVONConfig(TrainingArguments):
         if isinstance(scaling, str):
             scaling = {"true": True, "false": False}.get(scaling, scaling)
         need(
-            scaling is None or isinstance(scaling, bool) or scaling == "adam",
+            scaling is None or is_snr_scaling(scaling),
             "evon_snr_scaling",
             "None, True, False or 'adam' ('true'/'false' on the command line)",
         )
