@@ -570,7 +570,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     parser.add_argument(
         "--combine", nargs="+", default=None, metavar="JSON",
-        help="no training: one report from the .json files of earlier runs (e.g. tasks run in parallel)",
+        help="no training: one report from the .json files of earlier runs (tasks run apart, or a rerun of "
+        "some methods: a later file's rows replace the earlier ones of the same seed and name)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.combine:
@@ -578,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for path in args.combine:
             with open(path) as fh:
                 saved = json.load(fh)
-            runs.update(saved["runs"])
+            merge_runs(runs, saved["runs"])
             minutes = max(minutes, saved["meta"]["minutes"])
             args.seeds = saved["meta"]["seeds"]
             args.samples = saved["meta"].get("samples", args.samples)
@@ -662,6 +663,19 @@ def collect(
             rows["_seconds"].update(part.get("_seconds", {}))
         runs.setdefault(name, []).append(rows)
     return runs
+
+
+def merge_runs(runs: dict[str, list[dict[str, Any]]], later: dict[str, list[dict[str, Any]]]) -> None:
+    """Seed by seed, ``later``'s rows replace ``runs``' rows of the same name and keep the others,
+    so a rerun of some methods (``--methods evon``) combines with an earlier run of all of them."""
+    for name, seeds in later.items():
+        mine = runs.setdefault(name, [])
+        for seed, rows in enumerate(seeds):
+            if seed == len(mine):
+                mine.append({"_seconds": {}})
+            seconds = {**mine[seed].get("_seconds", {}), **rows.get("_seconds", {})}
+            mine[seed].update(rows)
+            mine[seed]["_seconds"] = seconds
 
 
 def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, minutes: float) -> dict[str, Any]:

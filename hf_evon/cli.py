@@ -550,7 +550,7 @@ def _add_calibrate(subparsers: Any) -> None:
         help="choose the posterior's sampling scale by BMA NLL on a held-out text file",
         description="Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is "
         "cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at the mean), "
-        "and the scale with the lowest NLL, if it beats the mean's by --min-gain, is saved as the posterior's ess, "
+        "and the chosen scale (--standard-errors, --min-gain) is saved as the posterior's ess, "
         "with the search in its config. Use text the model was not trained on, and other text than you report on.",
     )
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
@@ -565,9 +565,9 @@ def _add_calibrate(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weight draws (default 0)")
     p.add_argument(
         "--standard-errors", type=_non_negative_float, default=None, metavar="K",
-        help="a scale must also beat every less noisy one (the mean first) by more than K standard errors of "
-        "the NLL difference, over tokens and draws (default: hf_evon.calibration.DEFAULT_STANDARD_ERRORS, 0: the "
-        "lowest NLL)",
+        help="walking from the mean towards more noise, a scale replaces the choice so far only if its NLL is "
+        "lower by more than K standard errors of the difference, over tokens and draws (default: "
+        "hf_evon.calibration.DEFAULT_STANDARD_ERRORS, 1; 0: the lowest NLL)",
     )  # fmt: skip
     p.add_argument(
         "--min-gain", type=_fraction, default=None, metavar="G",

@@ -255,7 +255,8 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         f"`ess` = {_fmt(cal.get('ess'))} ({mult} × the trained {_fmt(cal.get('trained_ess'))}; ∞ means no "
         f"scale predicted at least {_fmt(100 * cal.get('min_gain', 0.0))}% better than the mean"
         + (
-            f" and by more than {_fmt(cal['standard_errors'])} standard error(s)"
+            f" and, stepping from the mean towards more noise, by more than {_fmt(cal['standard_errors'])}"
+            " standard error(s) at each step"
             if cal.get("standard_errors")
             else ""
         )

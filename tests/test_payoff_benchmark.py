@@ -121,3 +121,27 @@ def test_ivon_leaves_frozen_parameters_alone() -> None:
         opt.step()
         opt.zero_grad()
     assert torch.equal(model[0].weight, frozen)
+
+
+def test_a_rerun_of_one_method_combines_with_an_earlier_run_of_all() -> None:
+    earlier = {
+        "digits": [
+            {"_seconds": {"adamw": 1.0, "evon": 2.0}, "AdamW": {"nll": 0.3}, "EVON mean": {"nll": 0.2}},
+            {"_seconds": {"adamw": 1.5, "evon": 2.5}, "AdamW": {"nll": 0.4}, "EVON mean": {"nll": 0.25}},
+        ],
+        "iris": [{"_seconds": {"adamw": 0.1}, "AdamW": {"nll": 0.5}}],
+    }
+    rerun = {
+        "digits": [
+            {"_seconds": {"evon": 3.0}, "EVON mean": {"nll": 0.1}},
+            {"_seconds": {"evon": 3.5}, "EVON mean": {"nll": 0.15}},
+        ]
+    }
+    runs: dict = {}
+    payoff.merge_runs(runs, earlier)
+    payoff.merge_runs(runs, rerun)
+    assert runs["digits"] == [
+        {"_seconds": {"adamw": 1.0, "evon": 3.0}, "AdamW": {"nll": 0.3}, "EVON mean": {"nll": 0.1}},
+        {"_seconds": {"adamw": 1.5, "evon": 3.5}, "AdamW": {"nll": 0.4}, "EVON mean": {"nll": 0.15}},
+    ]
+    assert runs["iris"] == earlier["iris"]
