@@ -264,3 +264,7 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     assert "Not calibrated" not in text
     assert f"Calibrated on {result.num_targets} held-out targets" in text
     assert f"Held-out NLL {result.chosen_nll:.6g} vs {result.mean_nll:.6g} at the mean" in text
+    # the rule that chose it, as recorded: the default steps by one standard error; k = 0 says nothing of it
+    assert "by more than 1 standard error(s) at each step" in text and result.standard_errors == 1.0
+    plain, _ = calibrate_posterior(model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0)
+    assert "standard error" not in str(render_model_card(plain))
