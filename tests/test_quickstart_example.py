@@ -28,7 +28,9 @@ def test_quickstart_runs_saves_and_reproduces_its_bma(tmp_path) -> None:
     assert "reloaded BMA identical: True" in run.stdout
     per_seed = json.loads((out / "metrics.json").read_text())["per_seed"]
     assert len(per_seed) == 2
-    table = {line.split("  ")[0].strip(): line.split()[-4:] for line in run.stdout.splitlines() if "  0." in line}
+    table = {
+        line.split("  ")[0].strip(): line.split()[-4:] for line in run.stdout.splitlines() if "  0." in line
+    }
     for name in ("AdamW", "EVON (mean)", "EVON (BMA@32)"):
         nll = statistics.fmean(r[name]["nll"] for r in per_seed)
         assert float(table[name][1]) == round(nll, 4)
