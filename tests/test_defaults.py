@@ -10,7 +10,15 @@ import torch
 from torch import nn
 
 from hf_evon import EVON, build_optimizer
-from hf_evon.optim.evon import DEFAULT_HESS_INIT, DEFAULT_INIT_STD_RATIO, DEFAULT_WEIGHT_DECAY
+from hf_evon.optim.evon import (
+    COLLAPSE_PRIOR_TO_SIGNAL,
+    DEFAULT_HESS_INIT,
+    DEFAULT_INIT_STD_RATIO,
+    DEFAULT_PRIOR_STD_RATIO,
+    DEFAULT_WEIGHT_DECAY,
+    default_hess_init,
+    default_weight_decay,
+)
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -45,20 +53,63 @@ def test_default_ess_is_a_posterior_scaled_to_the_weights() -> None:
     assert opt.posterior_health()["noise_to_signal"] == pytest.approx(DEFAULT_INIT_STD_RATIO, rel=1e-5)
 
 
-def test_default_prior_floor_is_the_weights_scale() -> None:
-    """A collapsed Hessian (H = 0) leaves the prior's std 1/sqrt(ζδ): at most ~1x the weights' RMS
-    (before: δ = 1e-4 with ζ = N, or 1e-6 in EVONConfig, gave 3-1000x)."""
+def test_default_prior_std_is_a_quarter_of_the_weights_rms() -> None:
+    """A collapsed Hessian (H = 0) leaves the prior's std 1/sqrt(ζδ): by default 5x the initial std,
+    25% of the weights' RMS (before: δ = 2.5e-5 gave 1x the RMS, and long default runs grew the noise
+    to it; earlier still δ = 1e-4 with ζ = N, or 1e-6 in EVONConfig, gave 3-1000x)."""
     model = mlp()
     weights = [p for p in model.parameters() if p.ndim == 2]
     opt = EVON(weights)
     one_sample(opt, model)
     g = opt.param_groups[0]
-    floor = 1.0 / math.sqrt(g["ess"] * g["weight_decay"])
-    assert floor / math.sqrt(pooled_rms_sq(weights)) == pytest.approx(
-        DEFAULT_INIT_STD_RATIO * math.sqrt((DEFAULT_HESS_INIT + DEFAULT_WEIGHT_DECAY) / DEFAULT_WEIGHT_DECAY),
-        rel=1e-6,
+    rms = math.sqrt(pooled_rms_sq(weights))
+    assert g["weight_decay"] == DEFAULT_WEIGHT_DECAY
+    assert 1.0 / math.sqrt(g["ess"] * g["weight_decay"]) / rms == pytest.approx(DEFAULT_PRIOR_STD_RATIO, rel=1e-6)
+    initial = 1.0 / math.sqrt(g["ess"] * (g["hess_init"] + g["weight_decay"]))
+    assert 1.0 / math.sqrt(g["ess"] * g["weight_decay"]) / initial == pytest.approx(5.0, rel=1e-9)
+    assert opt.posterior_health(warn=False)["prior_to_signal"] == pytest.approx(DEFAULT_PRIOR_STD_RATIO, rel=1e-6)
+
+
+def test_the_default_prior_follows_each_groups_hess_init_and_explicit_values_win() -> None:
+    torch.manual_seed(0)
+    a, b, c = (nn.Parameter(torch.randn(6, 5)) for _ in range(3))
+    opt = EVON([{"params": [a], "hess_init": 1e-3}, {"params": [b]}, {"params": [c], "weight_decay": 0.0}])
+    ratio = DEFAULT_INIT_STD_RATIO**2 / (DEFAULT_PRIOR_STD_RATIO**2 - DEFAULT_INIT_STD_RATIO**2)
+    assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx(
+        [1e-3 * ratio, DEFAULT_HESS_INIT * ratio, 0.0], rel=1e-12
     )
-    assert floor / math.sqrt(pooled_rms_sq(weights)) < 1.01
+    assert default_weight_decay(0.5, 0.1, 0.2) == pytest.approx(0.5 * 0.01 / 0.03, rel=1e-12)
+    with pytest.raises(ValueError, match="init_std_ratio"):
+        EVON([a], init_std_ratio=DEFAULT_PRIOR_STD_RATIO)  # no prior broader than the start: name it
+    with pytest.raises(ValueError, match="hess_init"):
+        EVON([a], hess_init=float("nan"))  # the invalid argument is named, not the derived one
+
+
+def test_build_optimizer_derives_the_prior_from_the_kinds_hess_init_and_keeps_a_recipes() -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_evon import EVONConfig
+
+    model = mlp()
+    evon_groups = lambda o: [g for g in o.param_groups if g["algorithm"] == "evon"]  # noqa: E731
+    assert {g["weight_decay"] for g in evon_groups(build_optimizer(model))} == {DEFAULT_WEIGHT_DECAY}
+    assert {g["weight_decay"] for g in evon_groups(build_optimizer(model, weight_decay=None, hess_init=0.1))} == {
+        default_weight_decay(0.1)
+    }
+    assert {g["weight_decay"] for g in evon_groups(build_optimizer(model, recipe="nanogpt", weight_decay=None))} == {
+        1e-6
+    }
+    # a pretrained model (name_or_path set) fully fine-tuned: h0 1e-3 and its prior
+    bert = BertForSequenceClassification(
+        BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
+    bert.config._name_or_path = "some/pretrained-model"
+    bert._weight_conversions = []  # what transformers' from_pretrained leaves
+    kwargs = EVONConfig(output_dir="unused", report_to=[]).evon_optimizer_kwargs()
+    assert kwargs["weight_decay"] is None
+    groups = evon_groups(build_optimizer(bert, **kwargs))
+    assert {g["hess_init"] for g in groups} == {default_hess_init(True)}
+    assert {g["weight_decay"] for g in groups} == {default_weight_decay(default_hess_init(True))}
 
 
 def test_auto_ess_of_an_all_zero_group_uses_the_fan_in() -> None:
@@ -177,18 +228,69 @@ def test_runaway_noise_warns_once_naming_the_cause() -> None:
         opt.posterior_health()  # once only
 
 
-def test_collapse_to_the_prior_warns_once() -> None:
+def test_collapse_to_a_broad_prior_warns_once() -> None:
     model = mlp()
     weights = [p for p in model.parameters() if p.ndim == 2]
-    opt = EVON(weights)
+    opt = EVON(weights, weight_decay=2.5e-5)  # the prior's std is the weights' RMS (the old default)
     one_sample(opt, model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.posterior_health()  # healthy at the start: no warning
     for p in weights:
         opt.state[p]["hess"].fill_(1e-9)  # what a noise-dominated estimate decays to
-    with pytest.warns(RuntimeWarning, match="collapsed to the prior"):
-        assert opt.posterior_health()["hess_below_prior"] == 1.0
+    with pytest.warns(RuntimeWarning, match="collapsed to the prior.*weight_decay=None"):
+        stats = opt.posterior_health()
+    assert stats["hess_below_prior"] == 1.0 and stats["prior_to_signal"] >= COLLAPSE_PRIOR_TO_SIGNAL
+
+
+def test_a_decayed_hessian_leaves_the_default_noise_at_the_priors_quarter_of_the_rms() -> None:
+    """Before, the default prior let the noise of a decayed H grow to the weights' RMS, and warned."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights)
+    one_sample(opt, model)
+    for p in weights:
+        opt.state[p]["hess"].fill_(1e-9)
+    g = opt.param_groups[0]
+    expected = math.sqrt(1.0 / (g["ess"] * (1e-9 + g["weight_decay"])) / pooled_rms_sq(weights))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = opt.posterior_health()
+    assert stats["hess_below_prior"] == 1.0
+    assert stats["noise_to_signal"] == pytest.approx(expected, rel=1e-5)
+    assert stats["noise_to_signal"] < 1.001 * DEFAULT_PRIOR_STD_RATIO
+
+
+def test_a_long_default_run_neither_runs_away_nor_warns() -> None:
+    """The long run in miniature: H follows h0·β2ᵗ down (the clipped estimate is mostly noise), so
+    after ~800 steps the noise is the prior's. Before, with the old default prior (δ = 2.5e-5), this
+    run warned of a collapse to the prior at step 1400 (H < δ in 80% of the entries), and its noise
+    kept growing: 0.29 of the weights' RMS at 2000 steps against 0.087 now."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 8)
+    y = (x[:, :3].sum(-1) > 0).long() + (x[:, 3] > 1).long()
+    results = {}
+    for wd in (None, 2.5e-5):
+        model = mlp()
+        opt = build_optimizer(model, weight_decay=wd, seed=0)
+        opt.health_check_every = 200
+        gen = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(1400):
+                i = torch.randint(0, 256, (32,), generator=gen)
+                with opt.sampled_params(train=True):
+                    nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+                opt.step()
+                opt.zero_grad()
+        stats = opt.posterior_health(warn=False)
+        results[wd] = ([str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], stats)
+    caught, stats = results[None]
+    assert caught == [] and stats["hess_below_prior"] > 0.5  # decayed, and bounded by the prior
+    assert stats["noise_to_signal_max"] < 2 * DEFAULT_PRIOR_STD_RATIO
+    # the old prior: the noise grows on past the default prior's bound (its prior has std 0.35x
+    # the weights' RMS by now, as they grew: under COLLAPSE_PRIOR_TO_SIGNAL, so no warning either)
+    assert results[2.5e-5][1]["noise_to_signal"] > 2 * stats["noise_to_signal"]
 
 
 def test_step_checks_health_periodically() -> None:

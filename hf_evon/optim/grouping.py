@@ -183,7 +183,7 @@ def build_optimizer(
             "a finite number >= 0",
         )
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
-    for key in ("clip", "lr", "hess_init", "snr_scaling"):
+    for key in ("clip", "lr", "hess_init", "snr_scaling", "weight_decay"):
         if key in evon_kwargs and evon_kwargs[key] is None:
             del evon_kwargs[key]  # None: the default (below, or the recipe's)
     if recipe is None:

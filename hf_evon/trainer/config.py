@@ -23,7 +23,6 @@ from ..optim.evon import (
     DEFAULT_FINETUNING_LR,
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_INIT_STD_RATIO,
-    DEFAULT_WEIGHT_DECAY,
     is_snr_scaling,
 )
 from ..optim.recipes import RECIPES
@@ -117,13 +116,14 @@ class EVONConfig(TrainingArguments):
             "help": "β3: averaging of the Shampoo statistics L and R, in [0, 1). Default (None): evon_beta2."
         },
     )
-    evon_weight_decay: float = field(
-        default=DEFAULT_WEIGHT_DECAY,
+    evon_weight_decay: float | None = field(
+        default=None,
         metadata={
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
-            "Default 2.5e-5 = evon_init_std_ratio² · 0.01 (the default h0): with evon_ess='auto' the prior's std (the "
-            "noise where H has collapsed) is then at most the weights' RMS."
+            "Default (None): h0 · ρ0² / (0.25² − ρ0²), ρ0 = evon_init_std_ratio (4.2e-4 at h0 0.01, 4.2e-5 for "
+            "full fine-tuning): the prior's std, where the noise goes once the Hessian estimate has decayed (runs "
+            "past ~600 steps), is 25% of the weights' RMS (hf_evon.optim.evon.default_weight_decay)."
         },
     )
     evon_mc_samples: int = field(
@@ -352,9 +352,14 @@ class EVONConfig(TrainingArguments):
             "None or in [0, 1)",
         )
         need(
-            math.isfinite(self.evon_weight_decay) and self.evon_weight_decay >= 0,
+            self.evon_weight_decay is None
+            or (
+                isinstance(self.evon_weight_decay, int | float)
+                and math.isfinite(self.evon_weight_decay)
+                and self.evon_weight_decay >= 0
+            ),
             "evon_weight_decay",
-            "finite and >= 0",
+            "None or finite and >= 0",
         )
         need(positive_int(self.evon_mc_samples), "evon_mc_samples", "an integer >= 1")
         need(positive_int(self.evon_precondition_frequency), "evon_precondition_frequency", "an integer >= 1")
