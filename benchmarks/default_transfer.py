@@ -57,6 +57,11 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
               default) 1.226 (58.6) here, 0.652 (78%) / 0.634 (80%) there, and seed 1 at 3 epochs
               0.584 (77%) vs AdamW's 0.686 (75%).
 
+The rows above were measured with the former prior, weight_decay 2.5e-5. With δ = 4e-4 (about
+the current default, hf_evon.optim.evon.default_weight_decay: 4.2e-4), linear, the EVON default
+column reads wine 0.057 (99.1), iris 0.163 (93.9), digits deep GELU 0.081 (98.1), digits CNN 0.106
+(97.8) (4 seeds) and tiny Llama 4.438 (16.7) (2 seeds; AdamW 4.506 (16.3) there).
+
 With 2 seeds (an earlier version, before ``snr_scaling``, linear decay), AdamW / EVON default /
 element: wine 0.031 / 0.031 / 0.087, iris 0.104 / 0.143 / 0.251, digits deep GELU 0.146 / 0.115 /
 0.143, tiny Llama 4.506 / 4.432 / 4.656: per-seed spread is large on these small test splits
