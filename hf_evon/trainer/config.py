@@ -122,8 +122,8 @@ class EVONConfig(TrainingArguments):
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
             "Default (None): h0 · ρ0² / (0.25² − ρ0²), ρ0 = evon_init_std_ratio (4.2e-4 at h0 0.01, 4.2e-5 for "
-            "full fine-tuning): the prior's std, where the noise goes once the Hessian estimate has decayed (runs "
-            "past ~600 steps), is 25% of the weights' RMS (hf_evon.optim.evon.default_weight_decay)."
+            "full fine-tuning): the prior's std, where the noise goes once the Hessian estimate has decayed (after "
+            "~640 steps: h0·β2ᵗ = δ), is 25% of the weights' RMS (hf_evon.optim.evon.default_weight_decay)."
         },
     )
     evon_mc_samples: int = field(
