@@ -145,3 +145,29 @@ def test_a_rerun_of_one_method_combines_with_an_earlier_run_of_all() -> None:
         {"_seconds": {"adamw": 1.5, "evon": 3.5}, "AdamW": {"nll": 0.4}, "EVON mean": {"nll": 0.15}},
     ]
     assert runs["iris"] == earlier["iris"]
+
+
+def test_the_peers_installed_without_dependencies_have_all_of_theirs_but_torchvision() -> None:
+    """scripts/setup_benchmarks.sh installs laplace-torch, backpack and curvlinops with --no-deps
+    (they declare torchvision, which does not load against the pinned CPU torch), so it must name
+    every other dependency they declare. Backpack 1.7 added einops and unfoldNd and curvlinops 3
+    einconv and linear_operator: a script without them left ``import laplace`` failing."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    for dist in ("laplace-torch", "backpack-for-pytorch", "curvlinops-for-pytorch"):
+        try:
+            requires = metadata.requires(dist) or []
+        except metadata.PackageNotFoundError:
+            pytest.skip(f"{dist} is not installed (scripts/setup_benchmarks.sh installs it)")
+        for line in requires:
+            req = Requirement(line)
+            if req.name == "torchvision" or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+                continue
+            try:
+                version = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                pytest.fail(f"{dist} needs {req}, which scripts/setup_benchmarks.sh does not install")
+            assert req.specifier.contains(version, prereleases=True), f"{dist} needs {req}; installed {version}"
+    import laplace  # noqa: F401  (what payoff.py's Laplace row imports)
