@@ -55,6 +55,13 @@ DEFAULT_MIN_GAIN = 0.01
 # epochs); k = 1: 0.1040 / 0.0134, 0.0923 / 0.0142, 0.2328 / 0.0871 (ECE above the mean's in 2
 # of 24); k = 0.5 and 0.75: in 10 and 5 of 24; k = 1.5 kept the mean in 22 of 24.
 DEFAULT_STANDARD_ERRORS = 1.0
+# The mean's own temperature on the held-out data, the T of this grid (0.125-8 in steps of 9%)
+# whose softmax(logits / T) has the lowest NLL, is recorded with every calibration: BMA averages
+# probabilities, which can only soften predictions, so it has room only where T > 1 (the mean is
+# overconfident there). On benchmarks/payoff.py's tasks EVON's mean is at T ≈ 1 (digits, breast
+# cancer) or below (MiniLM LoRA after three epochs: 0.63), and there no posterior, not even one
+# shaped by the Fisher, gains on test (benchmarks/bma_headroom.py).
+TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 8) for k in range(-24, 25))
 
 
 @dataclass
@@ -71,6 +78,9 @@ class CalibrationResult:
     seed: int
     standard_errors: float = DEFAULT_STANDARD_ERRORS
     min_gain: float = DEFAULT_MIN_GAIN
+    # the mean's best temperature on the same data (TEMPERATURE_GRID; > 1: overconfident, the
+    # only case averaging samples can help); None where not measured
+    mean_temperature: float | None = None
 
     @property
     def multiplier(self) -> float:
@@ -138,10 +148,29 @@ def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
     return logp[keep].gather(1, target[keep, None].long()).squeeze(1)
 
 
+def _temperature_nll(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
+    """Summed NLL of softmax(logits / T) over the labelled targets, per temperature (float64)."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    target = labels.reshape(-1)
+    keep = target.ne(-100)
+    z = logits.reshape(-1, logits.shape[-1])[keep].double()
+    z_target = z.gather(1, target[keep, None].long()).squeeze(1)
+    return torch.stack([(torch.logsumexp(z / t, dim=-1) - z_target / t).sum() for t in temperatures])
+
+
 @torch.no_grad()
-def _pass(model: nn.Module, batches: Iterable[Any], shift: bool) -> Tensor:
-    out = [target_log_probs(_logits(call(model)), labels, shift) for call, labels in map(_split, batches)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+def _pass(
+    model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float] = ()
+) -> tuple[Tensor, Tensor]:
+    """log p(label) of every target, and the summed NLL of softmax(logits / T) per temperature."""
+    out, nll = [], torch.zeros(len(temperatures), dtype=torch.float64)
+    for call, labels in map(_split, batches):
+        logits = _logits(call(model))
+        out.append(target_log_probs(logits, labels, shift))
+        if temperatures:
+            nll += _temperature_nll(logits, labels, shift, temperatures).cpu()
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)), nll
 
 
 def calibrate_posterior(
@@ -178,6 +207,10 @@ def calibrate_posterior(
     ``grid``, ``standard_errors``, ``min_gain`` left None take ``DEFAULT_GRID``,
     ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01).
 
+    The result also records the mean's own temperature on ``batches`` (``mean_temperature``,
+    ``TEMPERATURE_GRID``): averaging samples can only soften predictions, so where it is <= 1 (the
+    mean is not overconfident) expect the mean to be kept.
+
     Returns the calibrated posterior (``ess`` = the choice; config ``calibration`` and
     ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
     """
@@ -208,7 +241,7 @@ def calibrate_posterior(
     was_training = model.training
     model.eval()
     try:
-        mean_logp = _pass(model, batches, shift)
+        mean_logp, temperature_nll = _pass(model, batches, shift, TEMPERATURE_GRID)
         if mean_logp.numel() == 0:
             raise ValueError("calibrate_posterior: the batches hold no labelled targets")
         mean_nll = float(-mean_logp.mean())
@@ -219,7 +252,7 @@ def calibrate_posterior(
             logps = []
             for s in range(num_samples):
                 with candidate.sampled(model, seed=seed + s):
-                    logps.append(_pass(model, batches, shift))
+                    logps.append(_pass(model, batches, shift)[0])
             draws.append(torch.stack(logps))
             nll = float(_bma_nll(draws[-1]).mean())
             tried.append(trained * f)
@@ -244,6 +277,7 @@ def calibrate_posterior(
         seed=seed,
         standard_errors=float(standard_errors),
         min_gain=float(min_gain),
+        mean_temperature=TEMPERATURE_GRID[int(temperature_nll.argmin())],
     )
     calibrated = posterior.with_ess(chosen)
     calibrated.config["trained_ess"] = trained

@@ -609,8 +609,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     else:
         print(
             f"calibrated ess {result.ess:.4g} = {result.multiplier:.3g} x the trained {result.trained_ess:.4g}: "
-            f"BMA NLL {result.chosen_nll:.4f} vs {result.mean_nll:.4f} at the mean on {result.num_targets} tokens; "
-            f"saved to {args.output}"
+            f"BMA NLL {result.chosen_nll:.4f} vs {result.mean_nll:.4f} at the mean on {result.num_targets} tokens "
+            f"(the mean's own temperature there: {result.mean_temperature:.3g}); saved to {args.output}"
         )
     return 0
 

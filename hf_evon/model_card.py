@@ -261,9 +261,22 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             else ""
         )
         + f"). Held-out NLL {_fmt(chosen)} vs "
-        f"{_fmt(cal.get('mean_nll'))} at the mean. Sampling from this posterior (`posterior.sampled`, "
-        "`generate_bma`, `hf-evon generate`) uses this scale."
+        f"{_fmt(cal.get('mean_nll'))} at the mean."
+        + _temperature_text(cal.get("mean_temperature"))
+        + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
     )
+
+
+def _temperature_text(temperature: Any) -> str:
+    """The mean's held-out temperature, and what it allows BMA (files before it was recorded: nothing)."""
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool):
+        return ""
+    verdict = (
+        "overconfident there, which averaging samples can soften"
+        if temperature > 1
+        else "not overconfident there, so averaging samples, which only softens predictions, has little to fix"
+    )
+    return f" The mean's own temperature on those targets is {temperature:.3g}: {verdict}."
 
 
 def render_model_card(

@@ -277,3 +277,58 @@ def test_an_iterator_and_an_infinite_ess_are_refused() -> None:
         calibrate_posterior(model, post, iter(cal))
     with pytest.raises(ValueError, match="ess = inf"):
         calibrate_posterior(model, post.with_ess(math.inf), cal)
+
+
+class FixedLogits(nn.Module):
+    """Returns the logits it is given, times ``scale`` (a model whose temperature is known)."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1, 1), scale))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z * self.weight[0, 0]
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 3.0])
+def test_the_means_temperature_is_the_grid_point_of_least_nll(scale: float) -> None:
+    """Labels drawn from softmax(z), a model that outputs scale·z: its best temperature is about
+    scale (> 1: overconfident, which BMA can soften; < 1: underconfident, which it cannot), and the
+    recorded one is exactly the grid point of least NLL by a plain float64 reference."""
+    from hf_evon.calibration import TEMPERATURE_GRID
+    from hf_evon.posterior_math import MatrixFactors
+
+    gen = torch.Generator().manual_seed(0)
+    z = 2 * torch.randn(4000, 5, generator=gen)
+    y = torch.distributions.Categorical(logits=z).sample()
+    batches = [(z[:2000], y[:2000]), (z[2000:], y[2000:])]
+    model = FixedLogits(scale)
+    posterior = EVONPosterior.from_factors(
+        {"weight": MatrixFactors(None, None, torch.ones(1, 1), (1, 1), (1, 1), 1e4, 1e-3)}
+    )
+    _, result = calibrate_posterior(model, posterior, batches, grid=[1.0], num_samples=2)
+    reference = [float(nn.functional.cross_entropy(scale * z.double() / t, y)) for t in TEMPERATURE_GRID]
+    assert result.mean_temperature == TEMPERATURE_GRID[reference.index(min(reference))]
+    assert abs(math.log2(result.mean_temperature / scale)) <= 0.25  # within two grid steps of the truth
+    assert result.to_json()["mean_temperature"] == result.mean_temperature
+
+
+def test_the_temperature_counts_only_labelled_shifted_targets() -> None:
+    """A causal LM's temperature NLL uses the same targets as its loss (shifted, −100 ignored)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon.calibration import _temperature_nll
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
+    ids = torch.randint(0, 50, (3, 12))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    nll = _temperature_nll(logits, labels, True, [1.0, 2.0])
+    count = int(labels[:, 1:].ne(-100).sum())
+    assert float(nll[0]) / count == pytest.approx(float(-target_log_probs(logits, labels, True).mean()), rel=1e-12)
+    assert float(nll[1]) / count == pytest.approx(
+        float(-target_log_probs(logits / 2.0, labels, True).mean()), rel=1e-6
+    )

@@ -410,6 +410,7 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     assert loaded.ess == expected.ess and loaded.config["calibration"]["nll"] == pytest.approx(expected.nll)
     assert printed["standard_errors"] == 1.0 and printed["min_gain"] == 0.01
     assert printed["chosen_nll"] == pytest.approx(expected.chosen_nll)
+    assert printed["mean_temperature"] == expected.mean_temperature  # the mean's held-out temperature
     # --min-gain and --standard-errors reach the rule (0 and 0: the lowest NLL)
     extra = ["--standard-errors", "0", "--min-gain", "0"]
     assert main([*argv, "--block-size", "16", "--samples", "2", "--json", *extra]) == 0

@@ -264,6 +264,18 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     assert "Not calibrated" not in text
     assert f"Calibrated on {result.num_targets} held-out targets" in text
     assert f"Held-out NLL {result.chosen_nll:.6g} vs {result.mean_nll:.6g} at the mean" in text
+    # the mean's held-out temperature, and what it leaves BMA (files without it say nothing of it)
+    assert f"The mean's own temperature on those targets is {result.mean_temperature:.3g}:" in text
+    verdict = "which averaging samples can soften" if result.mean_temperature > 1 else "has little to fix"
+    assert verdict in text
+    from hf_evon.model_card import _calibration_text
+
+    record = dict(calibrated.config["calibration"])
+    for temperature, words in ((1.5, "overconfident there, which averaging"), (0.63, "not overconfident")):
+        record["mean_temperature"] = temperature
+        assert f"is {temperature:.3g}: {words}" in _calibration_text({"calibration": record})
+    del record["mean_temperature"]
+    assert "temperature" not in _calibration_text({"calibration": record})
     # the rule that chose it, as recorded: the default steps by one standard error; k = 0 says nothing of it
     assert "by more than 1 standard error(s) at each step" in text and result.standard_errors == 1.0
     plain, _ = calibrate_posterior(model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0)

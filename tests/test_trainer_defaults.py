@@ -109,7 +109,8 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     posterior = tr.current_posterior()
     assert posterior.ess == result.ess
     assert posterior.config["calibration"]["nll"] == pytest.approx(result.nll)
-    assert any("calibration/ess_multiplier" in h for h in tr.state.log_history)
+    logged = [h for h in tr.state.log_history if "calibration/ess_multiplier" in h]
+    assert logged and logged[-1]["calibration/mean_temperature"] == result.mean_temperature
     tr.save_model(str(tmp_path / "saved"))
     loaded = EVONPosterior.from_pretrained(str(tmp_path / "saved"))
     assert loaded.ess == result.ess and loaded.config["trained_ess"] == pytest.approx(result.trained_ess)

@@ -352,6 +352,7 @@ class EVONTrainerMixin:
                 "calibration/ess_multiplier": result.multiplier,
                 "calibration/bma_nll": result.chosen_nll,
                 "calibration/mean_nll": result.mean_nll,
+                "calibration/mean_temperature": result.mean_temperature,
             }
         )
         return result
