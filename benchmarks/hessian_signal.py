@@ -15,8 +15,10 @@ at 1.6e-4, 4.3e-5-4.6e-5 and 2.4e-4-2.5e-4 and H at 1.2e-3, 1.1e-3 and 1.1e-3 (�
 hess_init_share 0.962 -> 0.951, test NLL 0.0575 -> 0.0572. So the estimator's noise is not what
 holds H at h0·β2ᵗ: the data's curvature is below h0 (0.01) from the first quarter on (E[ĥ] 1.8e-3 to
 5e-3) and below δ on average after it; H decays towards it, and by the end the prior sets most of
-the posterior's variance. Sampling it is then close to isotropic noise per weight group, which is
-why calibrated BMA pays little (README, "The payoff").
+the posterior's variance. Sampling it is then close to isotropic noise per weight group. That is
+not why calibrated BMA pays little on payoff.py's tasks: a posterior with the Fisher's diagonal in
+the same eigenbases gains no more (benchmarks/bma_headroom.py); the means there are calibrated or
+underconfident, and averaging samples can only soften predictions.
 """
 
 from __future__ import annotations
