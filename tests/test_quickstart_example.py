@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def test_quickstart_runs_saves_and_reproduces_its_bma(tmp_path) -> None:
     out = tmp_path / "quickstart"
-    argv = ["--seeds", "2", "--output-dir", str(out)]  # the default budget (seed 1 calibrates to 0.1x here)
+    argv = ["--output-dir", str(out)]  # the defaults: 3 seeds, of which seed 2 calibrates to 0.1x here
     run = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py"), *argv],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -27,7 +27,7 @@ def test_quickstart_runs_saves_and_reproduces_its_bma(tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     assert "reloaded BMA identical: True" in run.stdout
     per_seed = json.loads((out / "metrics.json").read_text())["per_seed"]
-    assert len(per_seed) == 2
+    assert len(per_seed) == 3
     table = {
         line.split("  ")[0].strip(): line.split()[-4:] for line in run.stdout.splitlines() if "  0." in line
     }
