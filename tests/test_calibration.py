@@ -241,7 +241,10 @@ def test_calibration_is_recorded_in_the_posterior_file(tmp_path) -> None:
 
 
 def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
+    """The targets, and the mean's temperature NLL, are the loss's: shifted, −100 ignored."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon.calibration import _temperature_nll
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
@@ -253,6 +256,9 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     logp = target_log_probs(out.logits, labels, shift=True)
     assert float(-logp.mean()) == pytest.approx(float(out.loss), rel=1e-5)
     assert logp.numel() == int(labels[:, 1:].ne(-100).sum())
+    nll = _temperature_nll(out.logits, labels, True, [1.0, 2.0]) / logp.numel()
+    assert float(nll[0]) == pytest.approx(float(-logp.mean()), rel=1e-12)
+    assert float(nll[1]) == pytest.approx(float(-target_log_probs(out.logits / 2.0, labels, True).mean()), rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -312,23 +318,3 @@ def test_the_means_temperature_is_the_grid_point_of_least_nll(scale: float) -> N
     assert abs(math.log2(result.mean_temperature / scale)) <= 0.25  # within two grid steps of the truth
     assert result.to_json()["mean_temperature"] == result.mean_temperature
 
-
-def test_the_temperature_counts_only_labelled_shifted_targets() -> None:
-    """A causal LM's temperature NLL uses the same targets as its loss (shifted, −100 ignored)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from hf_evon.calibration import _temperature_nll
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
-    ids = torch.randint(0, 50, (3, 12))
-    labels = ids.clone()
-    labels[0, :4] = -100
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    nll = _temperature_nll(logits, labels, True, [1.0, 2.0])
-    count = int(labels[:, 1:].ne(-100).sum())
-    assert float(nll[0]) / count == pytest.approx(float(-target_log_probs(logits, labels, True).mean()), rel=1e-12)
-    assert float(nll[1]) / count == pytest.approx(
-        float(-target_log_probs(logits / 2.0, labels, True).mean()), rel=1e-6
-    )
