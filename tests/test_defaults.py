@@ -228,6 +228,40 @@ def test_runaway_noise_warns_once_naming_the_cause() -> None:
         opt.posterior_health()  # once only
 
 
+def test_a_zero_initialised_matrix_is_watched_for_runaway_noise_once_it_outgrows_its_noise() -> None:
+    """LoRA's B starts at zero, so its noise is infinitely larger than its weights until training
+    has grown it: with EVONTrainer's health logged at the first steps (logging_steps=1, as TRL's
+    examples do) every LoRA run warned "runaway posterior noise ... 7.5e+17x", naming a cause
+    (ess too small) that was not there. B is left out of the per-matrix maximum until its noise
+    is below its RMS; from then on it is watched like any other matrix."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(4, 16) / 4), nn.Parameter(torch.zeros(16, 4))
+    opt = EVON([a, b])  # the defaults: ess="auto" sizes the noise from A (B says nothing of scale)
+    x = torch.randn(32, 16)
+
+    def step() -> None:
+        with opt.sampled_params(train=True):
+            (x @ a.T @ b.T).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()  # sets up the eigenbases: B is still exactly zero
+    assert torch.count_nonzero(b) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = opt.posterior_health()
+    var_a = 1.0 / (opt.param_groups[0]["ess"] * (opt.state[a]["hess"].double() + opt.param_groups[0]["weight_decay"]))
+    assert stats["noise_to_signal_max"] == pytest.approx(math.sqrt(float(var_a.sum() / a.double().square().sum())))
+    assert stats["noise_to_signal_max"] == pytest.approx(DEFAULT_INIT_STD_RATIO, rel=1e-3)  # A's 5%
+    with torch.no_grad():
+        b.copy_(torch.randn(16, 4))  # trained into a scale of its own: watched from now on
+    assert opt.posterior_health(warn=False)["noise_to_signal_max"] < 1.0
+    with torch.no_grad():
+        b.mul_(1e-6)  # and its noise now swamps it
+    with pytest.warns(RuntimeWarning, match="runaway posterior noise"):
+        assert opt.posterior_health()["noise_to_signal_max"] > 1.0
+
+
 def test_collapse_to_a_broad_prior_warns_once() -> None:
     model = mlp()
     weights = [p for p in model.parameters() if p.ndim == 2]

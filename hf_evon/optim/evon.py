@@ -371,6 +371,9 @@ class _Bucket:
     # ``EVON._rotated_mean``), with each weight's (version, data_ptr) when it was last valid
     rotated_mean: Tensor | None = None
     mean_stamps: list[tuple[int, int]] | None = None
+    # posterior_health's per-matrix runaway watch: members that were non-zero when first checked or
+    # whose noise has since been below their RMS (a zero-initialised LoRA B joins once it outgrows it)
+    watched: Tensor | None = None
 
     @property
     def preconditioned(self) -> bool:
@@ -1447,7 +1450,9 @@ class EVON(Optimizer):
 
         ``noise_to_signal``: RMS posterior std / RMS weight, pooled over EVON matrices (the RMS
         std of a matrix is sqrt(mean V): the rotation preserves the trace), and its maximum
-        over matrices; ``hess_*``: H over every entry; ``hess_below_prior``: the fraction of
+        over matrices (a matrix that was zero when first checked, as LoRA's B starts, counts
+        from the first check at which its noise is below its RMS: until training has grown it,
+        its ratio says nothing about ``ess``); ``hess_*``: H over every entry; ``hess_below_prior``: the fraction of
         entries with H < δ, whose variance is dominated by the prior 1/(ζδ) rather than by
         data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H that is still its initial value
         after t updates — near 1, the posterior's shape is h0's rather than learned from the
@@ -1471,6 +1476,7 @@ class EVON(Optimizer):
             w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
             var_sum = var.sum(dim=(1, 2))
             ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
+            b.watched = (w_sq > 0) if b.watched is None else b.watched | (ratio < 1)
             row = [
                 var_sum.sum(),
                 w_sq.sum(),
@@ -1485,7 +1491,7 @@ class EVON(Optimizer):
                 dtype=torch.float64,
                 device=hess.device,
             )
-            row += [ratio.max(), init_part, prior_var]
+            row += [torch.where(b.watched, ratio, 0.0).max(), init_part, prior_var]
             rows.append(torch.stack([x.double().to(hess.device) for x in row]))
             numel += hess.numel()
         t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 9)  # one sync
