@@ -371,8 +371,9 @@ class _Bucket:
     # ``EVON._rotated_mean``), with each weight's (version, data_ptr) when it was last valid
     rotated_mean: Tensor | None = None
     mean_stamps: list[tuple[int, int]] | None = None
-    # posterior_health's per-matrix runaway watch: members that were non-zero when first checked or
-    # whose noise has since been below their RMS (a zero-initialised LoRA B joins once it outgrows it)
+    # posterior_health's per-matrix runaway watch: members that were non-zero when the optimizer first
+    # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
+    # has outgrown its noise)
     watched: Tensor | None = None
 
     @property
@@ -823,6 +824,7 @@ class EVON(Optimizer):
             built = [b for b in built if b.params]
         for b in built:
             self._stack_state(b)
+            b.watched = torch.stack(torch._foreach_norm([p.detach() for p in b.params])) > 0
         self._resolve_auto_ess()
         return built
 
@@ -1450,9 +1452,9 @@ class EVON(Optimizer):
 
         ``noise_to_signal``: RMS posterior std / RMS weight, pooled over EVON matrices (the RMS
         std of a matrix is sqrt(mean V): the rotation preserves the trace), and its maximum
-        over matrices (a matrix that was zero when first checked, as LoRA's B starts, counts
-        from the first check at which its noise is below its RMS: until training has grown it,
-        its ratio says nothing about ``ess``); ``hess_*``: H over every entry; ``hess_below_prior``: the fraction of
+        over matrices (a matrix that was zero when the optimizer first saw it, as LoRA's B
+        starts, counts from the first check at which its noise is below its RMS: until training
+        has grown it, its ratio says nothing about ``ess``); ``hess_*``: H over every entry; ``hess_below_prior``: the fraction of
         entries with H < δ, whose variance is dominated by the prior 1/(ζδ) rather than by
         data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H that is still its initial value
         after t updates — near 1, the posterior's shape is h0's rather than learned from the
