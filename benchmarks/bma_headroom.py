@@ -68,6 +68,7 @@ import payoff  # noqa: E402
 
 from hf_evon import build_optimizer  # noqa: E402
 from hf_evon.calibration import calibrate_posterior  # noqa: E402
+from hf_evon.optim.linalg import rotate  # noqa: E402
 from hf_evon.posterior import EVONPosterior  # noqa: E402
 from hf_evon.posterior_math import MatrixFactors  # noqa: E402
 
@@ -99,21 +100,21 @@ def fisher_diagonal(model: torch.nn.Module, posterior: EVONPosterior, batches: l
                 )
                 for n, g in zip(covered, grads, strict=True):
                     f = posterior.factors[n]
-                    rot = g.reshape(f.matrix_shape)
-                    rot = rot if f.Q_L is None else f.Q_L.T @ rot
-                    rot = rot if f.Q_R is None else rot @ f.Q_R
-                    fisher[n] += probs[y] * rot.double().square()
+                    fisher[n] += probs[y] * rotate(g.reshape(f.matrix_shape), f.Q_L, f.Q_R).double().square()
             count += 1
     return {n: (f / count).float() for n, f in fisher.items()}
 
 
 def bma_scores(model: torch.nn.Module, posterior: EVONPosterior, batches: list, shift: bool) -> dict[str, float]:
-    acc, labels = None, None
-    for s in range(SAMPLES):
+    labels: list[torch.Tensor] = []
+
+    def sample(s: int) -> torch.Tensor:
         with posterior.sampled(model, seed=s):
-            lp, labels = payoff.log_probs(model, batches, shift)
-        acc = lp if acc is None else torch.logaddexp(acc, lp)
-    return payoff.scores(acc - math.log(SAMPLES), labels)
+            logp, y = payoff.log_probs(model, batches, shift)
+        labels[:] = [y]
+        return logp
+
+    return payoff.scores(payoff.bma(sample, [SAMPLES])[SAMPLES], labels[0])
 
 
 def best_scale(model: torch.nn.Module, posterior: EVONPosterior, task: payoff.Task, mean_nll: float) -> tuple[float, float]:

@@ -138,24 +138,26 @@ def is_causal_lm(model: nn.Module) -> bool:
     )
 
 
-def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
-    """log p(label) for every labelled target (−100 ignored), flattened, in float64."""
+def _labelled(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """(logit rows, labels) of the labelled targets: shifted for a causal LM, −100 dropped."""
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    logp = torch.log_softmax(logits.double(), dim=-1).reshape(-1, logits.shape[-1])
     target = labels.reshape(-1)
     keep = target.ne(-100)
-    return logp[keep].gather(1, target[keep, None].long()).squeeze(1)
+    return logits.reshape(-1, logits.shape[-1])[keep], target[keep].long()
+
+
+def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
+    """log p(label) for every labelled target (−100 ignored), flattened, in float64."""
+    rows, target = _labelled(logits, labels, shift)
+    return torch.log_softmax(rows.double(), dim=-1).gather(1, target[:, None]).squeeze(1)
 
 
 def _temperature_nll(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """Summed NLL of softmax(logits / T) over the labelled targets, per temperature (float64)."""
-    if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    target = labels.reshape(-1)
-    keep = target.ne(-100)
-    z = logits.reshape(-1, logits.shape[-1])[keep].double()
-    z_target = z.gather(1, target[keep, None].long()).squeeze(1)
+    rows, target = _labelled(logits, labels, shift)
+    z = rows.double()
+    z_target = z.gather(1, target[:, None]).squeeze(1)
     return torch.stack([(torch.logsumexp(z / t, dim=-1) - z_target / t).sum() for t in temperatures])
 
 

@@ -317,4 +317,3 @@ def test_the_means_temperature_is_the_grid_point_of_least_nll(scale: float) -> N
     assert result.mean_temperature == TEMPERATURE_GRID[reference.index(min(reference))]
     assert abs(math.log2(result.mean_temperature / scale)) <= 0.25  # within two grid steps of the truth
     assert result.to_json()["mean_temperature"] == result.mean_temperature
-

@@ -247,6 +247,7 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     from torch import nn
 
     from hf_evon.calibration import calibrate_posterior
+    from hf_evon.model_card import _calibration_text
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -268,8 +269,6 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     assert f"The mean's own temperature on those targets is {result.mean_temperature:.3g}:" in text
     verdict = "which averaging samples can soften" if result.mean_temperature > 1 else "has little to fix"
     assert verdict in text
-    from hf_evon.model_card import _calibration_text
-
     record = dict(calibrated.config["calibration"])
     for temperature, words in ((1.5, "overconfident there, which averaging"), (0.63, "not overconfident")):
         record["mean_temperature"] = temperature

@@ -374,7 +374,7 @@ class _Bucket:
     # posterior_health's per-matrix runaway watch: members that were non-zero when the optimizer first
     # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
     # has outgrown its noise)
-    watched: Tensor | None = None
+    watched: Tensor | None = None  # (B,) bool, on the bucket's device
 
     @property
     def preconditioned(self) -> bool:
@@ -1454,9 +1454,9 @@ class EVON(Optimizer):
         std of a matrix is sqrt(mean V): the rotation preserves the trace), and its maximum
         over matrices (a matrix that was zero when the optimizer first saw it, as LoRA's B
         starts, counts from the first check at which its noise is below its RMS: until training
-        has grown it, its ratio says nothing about ``ess``); ``hess_*``: H over every entry; ``hess_below_prior``: the fraction of
-        entries with H < δ, whose variance is dominated by the prior 1/(ζδ) rather than by
-        data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H that is still its initial value
+        has grown it, its ratio says nothing about ``ess``); ``hess_*``: H over every entry;
+        ``hess_below_prior``: the fraction of entries with H < δ, whose variance is dominated by
+        the prior 1/(ζδ) rather than by data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H that is still its initial value
         after t updates — near 1, the posterior's shape is h0's rather than learned from the
         data, and sampling it is close to isotropic noise (about 0.97 at the end of
         ``benchmarks/payoff.py``'s digits and tiny GPT-2 runs); ``prior_to_signal``: the prior's
@@ -1478,7 +1478,7 @@ class EVON(Optimizer):
             w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
             var_sum = var.sum(dim=(1, 2))
             ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
-            b.watched = (w_sq > 0) if b.watched is None else b.watched | (ratio < 1)
+            b.watched |= ratio < 1  # set where the bucket is built
             row = [
                 var_sum.sum(),
                 w_sq.sum(),
