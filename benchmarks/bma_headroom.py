@@ -67,10 +67,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import payoff  # noqa: E402
 
 from hf_evon import build_optimizer  # noqa: E402
-from hf_evon.calibration import calibrate_posterior  # noqa: E402
 from hf_evon.optim.linalg import rotate  # noqa: E402
-from hf_evon.posterior import EVONPosterior  # noqa: E402
-from hf_evon.posterior_math import MatrixFactors  # noqa: E402
+from hf_evon.posterior.gaussian import MatrixFactors  # noqa: E402
+from hf_evon.posterior.posterior import EVONPosterior  # noqa: E402
+from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
 
 GRID = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003)
 SAMPLES = 16

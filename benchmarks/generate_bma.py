@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-import hf_evon._batched_samples as batched
+import hf_evon.predictive.batched_samples as batched
 from hf_evon import EVON, EVONPosterior, build_param_groups, generate_bma
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -51,9 +51,9 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 from hf_evon import build_optimizer  # noqa: E402
-from hf_evon.calibration import calibrate_posterior, target_log_probs  # noqa: E402
-from hf_evon.metrics import calibration_metrics  # noqa: E402
-from hf_evon.posterior import EVONPosterior  # noqa: E402
+from hf_evon.posterior.posterior import EVONPosterior  # noqa: E402
+from hf_evon.predictive.calibration import calibrate_posterior, target_log_probs  # noqa: E402
+from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 
 Batch = tuple[Any, torch.Tensor]  # (model inputs: a tensor or a dict of tensors, labels)
 

@@ -60,8 +60,8 @@ import hf_evon
 from hf_evon import EVONPosterior
 from hf_evon.optim import build_param_groups
 from hf_evon.optim.evon import matrix_shape, preconditioned_sides
-from hf_evon.posterior import POSTERIOR_WEIGHTS_NAME, MatrixFactors
-from hf_evon.posterior_math import orthonormality_error
+from hf_evon.posterior.gaussian import orthonormality_error
+from hf_evon.posterior.posterior import POSTERIOR_WEIGHTS_NAME, MatrixFactors
 
 
 def _orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -11,7 +11,7 @@ gradient averaging), the forward/backward excluded. "ratio" is max per-rank byte
 
 Usage: ``python benchmarks/sharded_state.py [--dim 128 --layers 4 --steps 6] [--fsdp2]``.
 ``--fsdp2``: the same model with every Linear and the root ``fully_shard``-ed (FSDP2, a 1-D
-CPU mesh), EVON sharded over it (:mod:`hf_evon.optim.fsdp2`); it also reports the owners'
+CPU mesh), EVON sharded over it (:mod:`hf_evon.distributed.fsdp2`); it also reports the owners'
 full copies of their matrices (outside ``optimizer.state``) and the forward/backward time.
 
 Measured on the 2-core CPU dev machine (shared: load average 4-6 from other jobs, so the
@@ -75,7 +75,7 @@ def build_model(dim: int, layers: int) -> nn.Module:
 
 def worker(args: argparse.Namespace) -> None:
     from hf_evon import build_optimizer, prepare_distributed
-    from hf_evon.optim.sharding import optimizer_state_bytes
+    from hf_evon.distributed.sharding import optimizer_state_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

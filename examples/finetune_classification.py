@@ -202,7 +202,7 @@ def lora_config() -> Any:
 # ---------------------------------------------------------------------------- methods
 def calibration_compute_metrics() -> Any:
     """``compute_metrics`` for a plain Trainer, built from the packaged ``evaluate`` modules."""
-    from hf_evon.metrics import accuracy, load_metric
+    from hf_evon.predictive.metrics import accuracy, load_metric
 
     ece, brier, nll = load_metric("ece"), load_metric("brier"), load_metric("nll")
 

@@ -46,8 +46,8 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, calibrate_posterior
-from hf_evon.calibration import CalibrationResult
-from hf_evon.metrics import calibration_metrics
+from hf_evon.predictive.calibration import CalibrationResult
+from hf_evon.predictive.metrics import calibration_metrics
 
 
 def make_model(width: int) -> nn.Module:

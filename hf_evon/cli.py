@@ -149,7 +149,7 @@ def _add_model_posterior_options(p: argparse.ArgumentParser, model_help: str) ->
 
 
 def _version_text() -> str:
-    from . import __version__
+    from hf_evon import __version__
 
     deps = []
     for dist in ("torch", "transformers", "peft"):
@@ -282,7 +282,7 @@ def _load_model_posterior_tokenizer(
 ) -> tuple[Any, Any, Any]:
     """``--model`` (on ``device``, in eval mode), its posterior (``--posterior``, default ``--model``,
     and ``--posterior-subfolder``) and its tokenizer (or None)."""
-    from .posterior import EVONPosterior
+    from hf_evon.posterior.posterior import EVONPosterior
 
     model = _from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype))
     model = model.to(device).eval()
@@ -332,7 +332,7 @@ def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argpar
 def _run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .generation import generate_bma
+    from hf_evon.predictive.generation import generate_bma
 
     device = resolve_device(args.device)
     model, posterior, tokenizer = _load_model_posterior_tokenizer(args, device, _torch_dtype(args.dtype))
@@ -415,7 +415,7 @@ def _add_inspect(subparsers: Any) -> None:
 
 def _file_sizes(args: argparse.Namespace) -> dict[str, int]:
     """Bytes of the posterior files and, for a local directory, of the model weights beside them."""
-    from .posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+    from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 
     names = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
     if os.path.isdir(args.location):
@@ -487,7 +487,7 @@ def _num(x: Any) -> str:
 
 def _calibration_text(calibration: Any) -> str:
     """The config's ``calibration`` entry, with its source."""
-    from .posterior import POSTERIOR_CONFIG_NAME
+    from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME
 
     if calibration is None:
         return "none recorded"
@@ -498,7 +498,7 @@ def _calibration_text(calibration: Any) -> str:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from .posterior import EVONPosterior
+    from hf_evon.posterior.posterior import EVONPosterior
 
     posterior = _from_location(
         args.location,
@@ -567,12 +567,12 @@ def _add_calibrate(subparsers: Any) -> None:
         "--standard-errors", type=_non_negative_float, default=None, metavar="K",
         help="walking from the mean towards more noise, a scale replaces the choice so far only if its NLL is "
         "lower by more than K standard errors of the difference, over tokens and draws (default: "
-        "hf_evon.calibration.DEFAULT_STANDARD_ERRORS, 1; 0: the lowest NLL)",
+        "hf_evon.predictive.calibration.DEFAULT_STANDARD_ERRORS, 1; 0: the lowest NLL)",
     )  # fmt: skip
     p.add_argument(
         "--min-gain", type=_fraction, default=None, metavar="G",
         help="the chosen scale's NLL must be at least the fraction G below the mean's, else BMA is the mean "
-        "(default: hf_evon.calibration.DEFAULT_MIN_GAIN, 0.01)",
+        "(default: hf_evon.predictive.calibration.DEFAULT_MIN_GAIN, 0.01)",
     )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
@@ -580,7 +580,7 @@ def _add_calibrate(subparsers: Any) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from .calibration import calibrate_posterior
+    from hf_evon.predictive.calibration import calibrate_posterior
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")

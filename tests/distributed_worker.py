@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_evon import build_optimizer, check_ranks_in_sync, prepare_distributed
-from hf_evon.distributed import UnsupportedParallelismError
+from hf_evon.distributed.ddp import UnsupportedParallelismError
 
 MICRO = 2  # micro-batches per optimizer step (accelerator.accumulate)
 VOCAB, SEQ = 48, 8

@@ -96,7 +96,7 @@ def refused(out: str, rank: int) -> None:
 def train(out: str, world: int, rank: int, mode: str) -> None:
     from torch.distributed.fsdp import FSDPModule
 
-    from hf_evon.optim.fsdp2 import FSDP2Sharding
+    from hf_evon.distributed.fsdp2 import FSDP2Sharding
 
     trainer = EVONTrainer(
         model=base.Regressor(), args=config(out, world, mode), train_dataset=base.data(STEPS)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, check_ranks_in_sync, prepare_distributed
-from hf_evon.optim.sharding import optimizer_state_bytes
+from hf_evon.distributed.sharding import optimizer_state_bytes
 
 STEPS, RESUME_AT, GLOBAL_BATCH = 6, 3, 12
 HP = dict(seed=7, mc_samples=2, precondition_frequency=2, adamw_lr=1e-2)

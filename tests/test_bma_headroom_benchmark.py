@@ -11,8 +11,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 headroom = pytest.importorskip("bma_headroom")
 
-from hf_evon.posterior import EVONPosterior  # noqa: E402
-from hf_evon.posterior_math import MatrixFactors  # noqa: E402
+from hf_evon.posterior.gaussian import MatrixFactors  # noqa: E402
+from hf_evon.posterior.posterior import EVONPosterior  # noqa: E402
 
 
 def test_the_fisher_diagonal_in_the_eigenbasis_is_the_closed_form_of_a_softmax_regression() -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer
-from hf_evon.calibration import calibrate_posterior, target_log_probs
+from hf_evon.predictive.calibration import calibrate_posterior, target_log_probs
 
 
 def trained(seed: int = 0, steps: int = 30) -> tuple[nn.Module, EVONPosterior, list, list]:
@@ -129,7 +129,7 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
 def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean() -> None:
     """The lowest NLL (k = 0) is kept if it is at least min_gain (relative) below the mean's, else
     ∞; checked on both sides of the measured relative gain."""
-    from hf_evon.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
+    from hf_evon.predictive.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
 
     assert (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN) == (1.0, 0.01)
     model, post, cal, _ = trained(seed=1, steps=100)  # a case where noise helps, a little
@@ -155,7 +155,12 @@ def test_by_default_a_gain_carried_by_a_few_examples_does_not_buy_more_noise() -
     (the test digits then pay: NLL 0.106 vs 0.088 at the less noisy scale, ECE 0.037 vs 0.017,
     seed 2). The mean NLL is lower, but by less than one standard error: the default keeps the
     less noisy scale; the lowest NLL alone (k = 0) takes the noisier one."""
-    from hf_evon.calibration import DEFAULT_STANDARD_ERRORS, _bma_nll, _gain_and_error, _stepwise_choice
+    from hf_evon.predictive.calibration import (
+        DEFAULT_STANDARD_ERRORS,
+        _bma_nll,
+        _gain_and_error,
+        _stepwise_choice,
+    )
 
     gen = torch.Generator().manual_seed(2)
     n, s = 251, 8
@@ -172,7 +177,7 @@ def test_by_default_a_gain_carried_by_a_few_examples_does_not_buy_more_noise() -
 
 
 def test_a_small_gain_keeps_the_mean_and_a_clear_one_does_not() -> None:
-    from hf_evon.calibration import _stepwise_choice
+    from hf_evon.predictive.calibration import _stepwise_choice
 
     gen = torch.Generator().manual_seed(0)
     mean = -torch.rand(1, 400, generator=gen, dtype=torch.float64)  # log p of the mean
@@ -191,7 +196,7 @@ def test_a_small_gain_keeps_the_mean_and_a_clear_one_does_not() -> None:
 def test_a_gain_that_depends_on_the_draws_is_not_taken_for_a_better_scale() -> None:
     """Every example moves together with the draw (+0.3, -0.1, +0.05, -0.15 in log p): the BMA is
     better on average, every example agrees, yet another set of draws could well be worse."""
-    from hf_evon.calibration import _gain_and_error, _stepwise_choice
+    from hf_evon.predictive.calibration import _gain_and_error, _stepwise_choice
 
     gen = torch.Generator().manual_seed(1)
     mean = -torch.rand(1, 400, generator=gen, dtype=torch.float64)
@@ -244,7 +249,7 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     """The targets, and the mean's temperature NLL, are the loss's: shifted, −100 ignored."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon.calibration import _temperature_nll
+    from hf_evon.predictive.calibration import _temperature_nll
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
@@ -301,8 +306,8 @@ def test_the_means_temperature_is_the_grid_point_of_least_nll(scale: float) -> N
     """Labels drawn from softmax(z), a model that outputs scale·z: its best temperature is about
     scale (> 1: overconfident, which BMA can soften; < 1: underconfident, which it cannot), and the
     recorded one is exactly the grid point of least NLL by a plain float64 reference."""
-    from hf_evon.calibration import TEMPERATURE_GRID
-    from hf_evon.posterior_math import MatrixFactors
+    from hf_evon.posterior.gaussian import MatrixFactors
+    from hf_evon.predictive.calibration import TEMPERATURE_GRID
 
     gen = torch.Generator().manual_seed(0)
     z = 2 * torch.randn(4000, 5, generator=gen)

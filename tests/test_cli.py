@@ -390,7 +390,7 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
 
 def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_path, capsys):
     """``hf-evon calibrate`` = calibrate_posterior on the text's blocks; generate then uses it."""
-    from hf_evon.calibration import calibrate_posterior
+    from hf_evon.predictive.calibration import calibrate_posterior
 
     path, model, tokenizer, posterior = saved
     text = tmp_path / "held_out.txt"

@@ -24,7 +24,7 @@ from conftest import plain_evon
 from launcher import free_port, worker_env
 
 from hf_evon import build_optimizer, prepare_distributed
-from hf_evon.distributed import RankAverager, UnsupportedParallelismError, unwrap_optimizer
+from hf_evon.distributed.ddp import RankAverager, UnsupportedParallelismError, unwrap_optimizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed_worker.py")
@@ -367,7 +367,7 @@ def test_prepared_accelerate_optimizer_is_one_handle(micro: int) -> None:
     does and steps as accelerate does: the weights equal the bare EVON loop's bit for bit."""
     from accelerate.optimizer import AcceleratedOptimizer
 
-    from hf_evon.distributed import EVONAcceleratedOptimizer
+    from hf_evon.distributed.ddp import EVONAcceleratedOptimizer
 
     assert issubclass(EVONAcceleratedOptimizer, AcceleratedOptimizer)
     expected = _accelerate_run(False, micro)
@@ -397,7 +397,7 @@ def test_handle_forwards_only_what_the_wrapper_lacks_and_pickles() -> None:
     assert prepare_distributed(model, wrapper) is wrapper and type(wrapper).__mro__[2] is Wrapper
     with pytest.raises(TypeError, match="EVON"):
         prepare_distributed(model, Wrapper(torch.optim.AdamW(model.parameters())))
-    from hf_evon.distributed import EVONAcceleratedOptimizer
+    from hf_evon.distributed.ddp import EVONAcceleratedOptimizer
 
     handle = object.__new__(EVONAcceleratedOptimizer)
     handle.__setstate__({"optimizer": opt, "scaler": None})

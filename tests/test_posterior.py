@@ -29,9 +29,9 @@ from torch import nn
 
 import hf_evon
 from hf_evon import EVONPosterior, PosteriorMismatchError
-from hf_evon.model_card import SECTION_START, render_model_card, save_model_card, template_path
 from hf_evon.optim.evon import derived_seed
-from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from hf_evon.posterior.model_card import SECTION_START, render_model_card, save_model_card, template_path
+from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,7 +224,7 @@ def test_from_optimizer_unwraps_accelerate(mlp):
 
 
 def test_from_factors_checks_shapes(mlp):
-    from hf_evon.posterior import MatrixFactors
+    from hf_evon.posterior.posterior import MatrixFactors
 
     f = mlp[2]["2.weight"]
     ok = EVONPosterior.from_factors({"w": f})
@@ -569,7 +569,7 @@ def test_saving_beside_a_transformers_model_keeps_its_files(gpt2, tmp_path):
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monkeypatch):
-    import hf_evon.posterior_format as format_module
+    import hf_evon.posterior.format as format_module
 
     _, _, post = mlp
     post.save_pretrained(tmp_path)
@@ -613,7 +613,7 @@ def _kill_after(monkeypatch, k: int | None) -> list[str]:
     """
     import builtins
 
-    import hf_evon.posterior_format as format_module
+    import hf_evon.posterior.format as format_module
 
     calls: list[str] = []
 
@@ -756,7 +756,7 @@ def test_half_precision_eigenbases_halve_the_bases(gpt2, tmp_path):
 
 
 def test_reorthonormalize_option(gpt2, tmp_path):
-    from hf_evon.posterior_math import orthonormality_error as _orthonormality_error
+    from hf_evon.posterior.gaussian import orthonormality_error as _orthonormality_error
 
     _, _, post = gpt2
     post.save_pretrained(tmp_path, eigenbasis_dtype=torch.bfloat16, model_card=False)

@@ -25,8 +25,8 @@ from torch import nn
 
 import hf_evon
 from hf_evon import EVONPosterior
-from hf_evon.model_card import SECTION_START
-from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from hf_evon.posterior.model_card import SECTION_START
+from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 
 try:
     from hub_stub import HubStub

@@ -18,7 +18,7 @@ from launcher import rank_results, runs_per_world, torchrun
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
-from hf_evon.optim.sharding import assign_owners, optimizer_state_bytes
+from hf_evon.distributed.sharding import assign_owners, optimizer_state_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharded_worker.py")

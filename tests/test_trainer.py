@@ -24,8 +24,8 @@ from transformers import (
 )
 
 from hf_evon import EVON, EVONConfig, EVONTrainer, build_optimizer
-from hf_evon.metrics import calibration_metrics
-from hf_evon.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
+from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
+from hf_evon.predictive.metrics import calibration_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from test_trainer import classification_data, config, lm_data, tiny_bert, tiny_g
 from transformers import TrainingArguments
 
 from hf_evon import EVONConfig, EVONTrainer, bma_log_likelihood, build_optimizer
-from hf_evon.posterior import EVONPosterior
+from hf_evon.posterior.posterior import EVONPosterior
 
 
 # ---------------------------------------------------------------------------- issue 9.12

@@ -21,7 +21,7 @@ from datasets import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from hf_evon import EVON
-from hf_evon.posterior import POSTERIOR_WEIGHTS_NAME
+from hf_evon.posterior.posterior import POSTERIOR_WEIGHTS_NAME
 
 trl = pytest.importorskip("trl")
 

@@ -25,7 +25,7 @@ import torch
 
 from hf_evon import EVON, EVONPosterior, build_param_groups
 from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
-from hf_evon.generation import bma_log_likelihood, bma_loss_curve
+from hf_evon.predictive.generation import bma_log_likelihood, bma_loss_curve
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 EVON_TABLE = dict(
@@ -211,7 +211,7 @@ def train(method: str, data: Data, setup: Setup, seed: int, variant: dict[str, A
 
 def bma_curve(run: Run, val: torch.Tensor, sizes: list[int], seed: int) -> dict[int, float]:
     """Expected BMA validation loss with k samples, for each k in ``sizes`` (disjoint groups of
-    the max(sizes) samples drawn, ``hf_evon.generation.bma_loss_curve``)."""
+    the max(sizes) samples drawn, ``hf_evon.predictive.generation.bma_loss_curve``)."""
     posterior = EVONPosterior.from_optimizer(run.optimizer, run.model)
     result = bma_log_likelihood(run.model, posterior, val, num_samples=max(sizes), seed=seed)
     return bma_loss_curve(result, sizes)

@@ -1,8 +1,8 @@
 """The EVON optimizer, its batched linear algebra and the parameter split."""
 
-from .evon import EVON, NonFiniteGradientError
-from .grouping import build_optimizer, build_param_groups, describe_param_groups
-from .recipes import RECIPES
+from hf_evon.optim.evon import EVON, NonFiniteGradientError
+from hf_evon.optim.grouping import build_optimizer, build_param_groups, describe_param_groups
+from hf_evon.optim.recipes import RECIPES
 
 __all__ = [
     "EVON",

@@ -36,10 +36,18 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _functional_adam
 
-from .linalg import clip_update, eigenbasis, gram, power_qr, rotate, sample_perturbation, unrotate
+from hf_evon.optim.linalg import (
+    clip_update,
+    eigenbasis,
+    gram,
+    power_qr,
+    rotate,
+    sample_perturbation,
+    unrotate,
+)
 
 if TYPE_CHECKING:
-    from .sharding import EVONSharding
+    from hf_evon.distributed.sharding import EVONSharding
 
 Tensor = torch.Tensor
 
@@ -668,11 +676,11 @@ class EVON(Optimizer):
         # the gradients the last step consumed, as (weak reference, version) by id(param): a
         # sampled_params block drops them instead of adding them to the new step's samples
         self._consumed: dict[int, tuple[weakref.ref, int]] = {}
-        # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
+        # set by hf_evon.distributed.ddp: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
         # set by hf_evon.prepare_distributed(shard=True): this rank owns (keeps state for, updates) a
-        # share of the parameters; see hf_evon.optim.sharding
+        # share of the parameters; see hf_evon.distributed.sharding
         self.sharding: EVONSharding | None = None
         super().__init__(params, defaults)
 
@@ -1560,14 +1568,14 @@ class EVON(Optimizer):
 
     def posterior_covariance(self, p: Tensor) -> Tensor:
         """Dense covariance of ``p.flatten()`` (row-major), for small parameters."""
-        from .linalg import dense_covariance
+        from hf_evon.optim.linalg import dense_covariance
 
         f = self.posterior_factors(p)
         return dense_covariance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
 
     def posterior_std(self, p: Tensor) -> Tensor:
         """Marginal posterior standard deviations, shaped like ``p``."""
-        from .linalg import marginal_variance
+        from hf_evon.optim.linalg import marginal_variance
 
         f = self.posterior_factors(p)
         return (

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .evon import (
+from hf_evon.optim.evon import (
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
@@ -25,7 +25,7 @@ from .evon import (
     lr_from_adamw_lr,
     ratio_clip,
 )
-from .recipes import recipe_kwargs
+from hf_evon.optim.recipes import recipe_kwargs
 
 # Parameters that start from scratch inside a pretrained model get this multiple of EVON's rate:
 # what PEFT trains (LoRA ``lora_A``/``lora_B``, the ``modules_to_save`` copies) and a fine-tuned

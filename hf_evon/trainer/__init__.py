@@ -24,9 +24,9 @@ Any other ``Trainer`` subclass: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)
 
 from typing import Any
 
-from .config import EVONConfig, evon_config_class, register_evon_config
-from .mixin import EVONTrainerMixin
-from .trainers import EVONSeq2SeqConfig, EVONSeq2SeqTrainer, EVONTrainer
+from hf_evon.trainer.config import EVONConfig, evon_config_class, register_evon_config
+from hf_evon.trainer.mixin import EVONTrainerMixin
+from hf_evon.trainer.trainers import EVONSeq2SeqConfig, EVONSeq2SeqTrainer, EVONTrainer
 
 __all__ = [
     "EVONConfig",
@@ -44,7 +44,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in ("EVONSFTTrainer", "EVONSFTConfig"):
         try:
-            from . import sft
+            from hf_evon.trainer import sft
         except ImportError as err:
             raise ImportError(
                 f"hf_evon.trainer.{name} needs TRL: pip install 'hf-evon[trl]' ({err})"

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ..optim.evon import (
+from hf_evon.optim.evon import (
     AUTO_ESS,
     CLIP_MODES,
     DEFAULT_ADAMW_LR,
@@ -25,7 +25,7 @@ from ..optim.evon import (
     DEFAULT_INIT_STD_RATIO,
     is_snr_scaling,
 )
-from ..optim.recipes import RECIPES
+from hf_evon.optim.recipes import RECIPES
 
 __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 

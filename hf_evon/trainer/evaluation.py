@@ -10,7 +10,7 @@ warns):
   ``log p̄ = logsumexp_s log_softmax(logits_s) − log S``;
 
 with ``<m>`` = ``nll``, ``accuracy``, ``ece``, ``brier`` for (token) classification (definitions in
-:mod:`hf_evon.metrics`) and ``nll``, ``perplexity`` (mean NLL per label token over the whole set,
+:mod:`hf_evon.predictive.metrics`) and ``nll``, ``perplexity`` (mean NLL per label token over the whole set,
 and its exp) for causal LMs. The ``Trainer``'s ``eval_loss`` stays the ``Trainer``'s: the average
 of per-batch mean losses of the model (label smoothing and custom losses included); compare
 ``eval_mean_nll`` with ``eval_bma_nll`` (exact per-item means over the whole set) instead.
@@ -34,7 +34,7 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PredictionOutput
 from transformers.utils import logging
 
-from ..metrics import calibration_metrics
+from hf_evon.predictive.metrics import calibration_metrics
 
 logger = logging.get_logger(__name__)
 

@@ -54,11 +54,11 @@ What the trainer does differently from ``transformers.Trainer``:
 * **Data parallelism.** After the Trainer wraps the model, ``hf_evon.prepare_distributed`` makes
   EVON correct under DDP (per-rank noise, gradients and Hessian numerators averaged once per
   step by ``EVON.synchronize``); FSDP1 and DeepSpeed are not supported. ``evon_shard=True``
-  shards EVON's state and work over the ranks (:mod:`hf_evon.optim.sharding`); checkpoints
+  shards EVON's state and work over the ranks (:mod:`hf_evon.distributed.sharding`); checkpoints
   and posteriors are gathered to the unsharded format first. Under FSDP2 (``fsdp`` with
   ``fsdp_config={"fsdp_version": 2}``, which accelerate 1.15 enables on GPUs/accelerators only)
   accelerate ``fully_shard``-s the model and switches the optimizer's parameters to the
-  DTensors, then EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.optim.fsdp2`). Tested on
+  DTensors, then EVON is sharded over the FSDP2 mesh (:mod:`hf_evon.distributed.fsdp2`). Tested on
   CPU only, 2 gloo processes with accelerate's GPU-only FSDP switch turned on in the test
   worker (``tests/fsdp2_trainer_worker.py``): weights, checkpoint and ``save_model`` posteriors
   equal the one-process ``evon_shard=True`` run. FSDP2 checkpoints also hold EVON's full state
@@ -87,14 +87,19 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.utils import logging
 from transformers.utils.import_utils import check_torch_load_is_safe
 
-from ..distributed import prepare_distributed, unwrap_optimizer
-from ..optim import EVON, build_optimizer
-from ..optim.evon import lr_from_adamw_lr
-from ..optim.grouping import is_full_finetuning, pretrained_name
-from ..optim.linalg import marginal_variance
-from ..posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
-from .config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig, evon_config_class
-from .evaluation import PosteriorEvaluation, bma_predict, merge_metrics
+from hf_evon.distributed.ddp import prepare_distributed, unwrap_optimizer
+from hf_evon.optim import EVON, build_optimizer
+from hf_evon.optim.evon import lr_from_adamw_lr
+from hf_evon.optim.grouping import is_full_finetuning, pretrained_name
+from hf_evon.optim.linalg import marginal_variance
+from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from hf_evon.trainer.config import (
+    FINETUNING_LEARNING_RATE,
+    SCRATCH_LEARNING_RATE,
+    EVONConfig,
+    evon_config_class,
+)
+from hf_evon.trainer.evaluation import PosteriorEvaluation, bma_predict, merge_metrics
 
 logger = logging.get_logger(__name__)
 
@@ -288,7 +293,7 @@ class EVONTrainerMixin:
             return self.posterior
         opt = self.evon_optimizer
         if opt is not None and any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
-            from ..posterior import EVONPosterior
+            from hf_evon.posterior.posterior import EVONPosterior
 
             posterior = EVONPosterior.from_optimizer(
                 opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio
@@ -317,7 +322,7 @@ class EVONTrainerMixin:
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
         """
-        from ..calibration import DEFAULT_NUM_SAMPLES, calibrate_posterior
+        from hf_evon.predictive.calibration import DEFAULT_NUM_SAMPLES, calibrate_posterior
 
         dataset = self.calibration_dataset if dataset is None else dataset
         if dataset is None:
@@ -382,7 +387,7 @@ class EVONTrainerMixin:
         (FSDP1/DeepSpeed are refused with a clear error).
         """
         if self._fsdp_requested_without_plugin():
-            from ..distributed import UnsupportedParallelismError
+            from hf_evon.distributed.ddp import UnsupportedParallelismError
 
             raise UnsupportedParallelismError(
                 "the Trainer's fsdp arguments are set, but accelerate did not enable FSDP (distributed "
@@ -459,7 +464,7 @@ class EVONTrainerMixin:
             return super()._load_optimizer_and_scheduler(checkpoint)
         path = os.path.join(checkpoint, EVON_OPTIMIZER_NAME)
         if not os.path.isfile(path):
-            from ..distributed import UnsupportedParallelismError
+            from hf_evon.distributed.ddp import UnsupportedParallelismError
 
             raise UnsupportedParallelismError(
                 f"EVONTrainer cannot resume this FSDP2 run: the checkpoint {checkpoint} has no "
@@ -751,7 +756,7 @@ class EVONTrainerMixin:
         super()._load_best_model()
         best = self.state.best_model_checkpoint
         if best and all(os.path.isfile(os.path.join(best, f)) for f in POSTERIOR_FILES):
-            from ..posterior import EVONPosterior
+            from hf_evon.posterior.posterior import EVONPosterior
 
             device = next(self.model.parameters()).device
             self.posterior = EVONPosterior.from_pretrained(best, device=device)
@@ -771,7 +776,7 @@ class EVONTrainerMixin:
         self._write_model_card(output_dir, posterior)
 
     def _write_model_card(self, directory: str, posterior: Any) -> None:
-        from ..model_card import save_trainer_model_card
+        from hf_evon.posterior.model_card import save_trainer_model_card
 
         save_trainer_model_card(self, directory, posterior)
 
@@ -790,7 +795,7 @@ class EVONTrainerMixin:
         if posterior is None and all(
             os.path.isfile(os.path.join(self.args.output_dir, f)) for f in POSTERIOR_FILES
         ):
-            from ..posterior import EVONPosterior
+            from hf_evon.posterior.posterior import EVONPosterior
 
             posterior = EVONPosterior.from_pretrained(self.args.output_dir)
         if posterior is not None:
@@ -807,7 +812,7 @@ class EVONTrainerMixin:
                     shutil.copy(src, os.path.join(output_dir, name))
                     copied = True
             if copied:
-                from ..posterior import EVONPosterior
+                from hf_evon.posterior.posterior import EVONPosterior
 
                 self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
         super()._push_from_checkpoint(checkpoint_folder)

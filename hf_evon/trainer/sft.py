@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from trl import SFTConfig, SFTTrainer
 
-from .config import EVONConfig, register_evon_config
-from .mixin import EVONTrainerMixin
+from hf_evon.trainer.config import EVONConfig, register_evon_config
+from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
 

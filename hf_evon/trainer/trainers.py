@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
-from .config import EVONConfig, register_evon_config
-from .mixin import EVONTrainerMixin
+from hf_evon.trainer.config import EVONConfig, register_evon_config
+from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSeq2SeqConfig", "EVONSeq2SeqTrainer", "EVONTrainer"]
 

@@ -3,7 +3,7 @@
 A posterior checkpoint is two files in one directory (or Hub repo folder); nothing else in
 the directory is read, written or deleted (save for the staged weights and temporaries of
 a save, see the end), except ``README.md`` (the model card, written by
-``hf_evon.model_card``), which is created or *updated* (metadata merged, an EVON section
+``hf_evon.posterior.model_card``), which is created or *updated* (metadata merged, an EVON section
 replaced or appended), never replaced wholesale.
 
 ``evon_posterior.safetensors`` (safetensors only: loading never unpickles anything)
@@ -83,11 +83,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .optim.evon import is_snr_scaling, matrix_shape
-from .posterior_math import FactorGroup, compute_dtype, orthonormality_error, polar_step, std_scale
+from hf_evon.optim.evon import is_snr_scaling, matrix_shape
+from hf_evon.posterior.gaussian import FactorGroup, compute_dtype, orthonormality_error, polar_step, std_scale
 
 if TYPE_CHECKING:
-    from .posterior import EVONPosterior
+    from hf_evon.posterior.posterior import EVONPosterior
 
 Tensor = torch.Tensor
 
@@ -355,7 +355,7 @@ def file_config(
     weights_file: str = POSTERIOR_WEIGHTS_NAME,
 ) -> dict[str, Any]:
     """The JSON config of ``posterior`` as it will be written (JSON-safe values)."""
-    from . import __version__
+    from hf_evon import __version__
 
     config = {k: v for k, v in posterior.config.items() if k not in ("format_version", "parameters")}
     factors = [posterior[name] for name in posterior.names]

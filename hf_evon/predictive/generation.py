@@ -8,7 +8,7 @@ the same predictive (evaluation loss / perplexity).
 
 Speed: the S samples are not S models. They run as one forward of batch ``S·B``
 (sample-major) in which only the posterior's matrices have S versions, applied by batched
-matmuls (see ``hf_evon._batched_samples``); each sample has its own rows of one shared KV
+matmuls (see ``hf_evon.predictive.batched_samples``); each sample has its own rows of one shared KV
 cache, reused across steps. The weights are drawn once per call from ``seed`` and kept for
 the whole sequence. The model's parameters are never written.
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._batched_samples import BatchedSamples, expected_rows, log_mean_prob
+from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows, log_mean_prob
 
 Tensor = torch.Tensor
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .optim.evon import state_dtype as compute_dtype  # float32 math; float64 stays float64
-from .optim.linalg import exact_float32_matmul, rotated_variance, unrotate
+from hf_evon.optim.evon import state_dtype as compute_dtype  # float32 math; float64 stays float64
+from hf_evon.optim.linalg import exact_float32_matmul, rotated_variance, unrotate
 
 Tensor = torch.Tensor
 

@@ -11,12 +11,17 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from .posterior_format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, read_config, weights_file_name
+from hf_evon.posterior.format import (
+    POSTERIOR_CONFIG_NAME,
+    POSTERIOR_WEIGHTS_NAME,
+    read_config,
+    weights_file_name,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from .posterior import EVONPosterior
+    from hf_evon.posterior.posterior import EVONPosterior
 
 # keyword arguments of save_pretrained(push_to_hub=True) that go to push_to_hub
 PUSH_KWARGS = (
@@ -108,7 +113,7 @@ def push_posterior(
     from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
 
-    from .model_card import save_model_card
+    from hf_evon.posterior.model_card import save_model_card
 
     api = HfApi(endpoint=endpoint, token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id

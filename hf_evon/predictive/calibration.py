@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .optim.evon import _is_real
+from hf_evon.optim.evon import _is_real
 
 Tensor = torch.Tensor
 

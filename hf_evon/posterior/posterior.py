@@ -10,11 +10,11 @@ when grouped with ``build_param_groups``) are point estimates.
 
 One concern per module, so each is found in one place:
 
-* ``hf_evon.posterior_math``: the Gaussian (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗
+* ``hf_evon.posterior.gaussian``: the Gaussian (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗
   Q_R)ᵀ)``, ``V = 1/(ζ(H + δ))``), its factors and batched sampling;
-* ``hf_evon.posterior_format``: the file format, as one readable contract (tensor names,
+* ``hf_evon.posterior.format``: the file format, as one readable contract (tensor names,
   config schema, validation, atomic read/write);
-* ``hf_evon.posterior_hub``: finding/downloading the files and pushing them to the Hub;
+* ``hf_evon.posterior.hub``: finding/downloading the files and pushing them to the Hub;
 * this module: the :class:`EVONPosterior` object tying them to models and optimizers.
 """
 
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .optim.evon import derived_seed, matrix_shape
-from .optim.linalg import dense_covariance, marginal_variance
-from .posterior_format import (
+from hf_evon.optim.evon import derived_seed, matrix_shape
+from hf_evon.optim.linalg import dense_covariance, marginal_variance
+from hf_evon.posterior.format import (
     FORMAT_VERSION,
     HYPERPARAMETER_KEYS,
     POSTERIOR_CONFIG_NAME,
@@ -47,8 +47,7 @@ from .posterior_format import (
     read_posterior,
     write_posterior,
 )
-from .posterior_hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_posterior, resolve_files
-from .posterior_math import (
+from hf_evon.posterior.gaussian import (
     DEFAULT_MAX_BASIS_RATIO,
     FactorGroup,
     MatrixFactors,
@@ -57,6 +56,7 @@ from .posterior_math import (
     perturbations,
     resolve_seed,
 )
+from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_posterior, resolve_files
 
 Tensor = torch.Tensor
 
@@ -476,7 +476,7 @@ class EVONPosterior:
 
         A basis whose side is more than ``max_basis_ratio`` times the other side becomes the
         identity, with ``H`` re-expressed so that ``std()`` is unchanged (only correlations
-        along that side are lost; ``hf_evon.posterior_math.drop_wide_bases``). For an r×d
+        along that side are lost; ``hf_evon.posterior.gaussian.drop_wide_bases``). For an r×d
         LoRA matrix this removes the d×d basis, which is most of a full posterior's bytes.
         ``None`` keeps every basis. ``eigenbasis_dtype`` casts the kept bases (``H`` keeps
         its dtype). The ratio used is recorded as ``config["max_basis_ratio"]``.
@@ -558,7 +558,7 @@ class EVONPosterior:
 
         Safe beside a model: only these two files and ``README.md`` (updated, not replaced)
         are touched. Atomic: a failed save leaves the previous checkpoint intact. The format
-        is specified in :mod:`hf_evon.posterior_format`.
+        is specified in :mod:`hf_evon.posterior.format`.
 
         Args:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
@@ -567,7 +567,7 @@ class EVONPosterior:
             push_to_hub: afterwards also :meth:`push_to_hub` (``repo_id`` defaults to the
                 directory's name; other keyword arguments are passed on).
             model_card (kwarg, default True): create/update ``README.md``.
-            model_card_kwargs (kwarg): passed to ``hf_evon.model_card.save_model_card``
+            model_card_kwargs (kwarg): passed to ``hf_evon.posterior.model_card.save_model_card``
                 (``base_model``, ``metrics``, ...).
         """
         write_card = kwargs.pop("model_card", True)
@@ -584,7 +584,7 @@ class EVONPosterior:
         eig = as_dtype(eigenbasis_dtype)
         write_posterior(self, directory, eig)
         if write_card:
-            from .model_card import save_model_card
+            from hf_evon.posterior.model_card import save_model_card
 
             save_model_card(directory, self, **card_kwargs)
         if push_to_hub:
@@ -605,7 +605,7 @@ class EVONPosterior:
     ) -> EVONPosterior:
         """Load a posterior from a local directory or a Hub repo (``revision``, ``subfolder``).
 
-        Every file is validated (see :mod:`hf_evon.posterior_format`); a problem raises
+        Every file is validated (see :mod:`hf_evon.posterior.format`); a problem raises
         :class:`PosteriorMismatchError` naming the tensor. Only safetensors and JSON are read.
 
         Keyword arguments:

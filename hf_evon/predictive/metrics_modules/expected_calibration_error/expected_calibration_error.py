@@ -1,12 +1,12 @@
 """Expected Calibration Error as an `evaluate` module, packaged with hf-evon (loads without network).
 
-Load it with ``hf_evon.metrics.load_metric("expected_calibration_error")`` or ``evaluate.load(<path of this folder>)``.
-The computation is ``hf_evon.metrics.expected_calibration_error`` (one implementation for the trainer and this module).
+Load it with ``hf_evon.predictive.metrics.load_metric("expected_calibration_error")`` or ``evaluate.load(<path of this folder>)``.
+The computation is ``hf_evon.predictive.metrics.expected_calibration_error`` (one implementation for the trainer and this module).
 """
 
 import evaluate
 
-from hf_evon import metrics as _metrics
+from hf_evon.predictive import metrics as _metrics
 
 _CITATION = """\
 @inproceedings{guo2017calibration,
@@ -33,7 +33,7 @@ Args:
 Returns:
     expected_calibration_error (`float`)
 Examples:
-    >>> metric = hf_evon.metrics.load_metric("expected_calibration_error")
+    >>> metric = hf_evon.predictive.metrics.load_metric("expected_calibration_error")
     >>> metric.compute(predictions=[[0.9, 0.1], [0.2, 0.8]], references=[0, 0])
 """
 

@@ -1,6 +1,6 @@
 """Model cards (README.md) for EVON posterior checkpoints, rendered with ``huggingface_hub.ModelCard``.
 
-The template is ``hf_evon/templates/evon_posterior.md`` (a copy of the repository's
+The template is ``hf_evon/posterior/templates/evon_posterior.md`` (a copy of the repository's
 ``model_cards/evon_posterior.md``). A card states the base model, that the repo holds an
 EVON posterior, its hyperparameters, which parameters are covered, metrics at the mean and
 under BMA when given, and a snippet that loads model + posterior and decodes with BMA.
@@ -80,8 +80,8 @@ _OPTIMIZER_LINE = re.compile(r"^- optimizer: .*$", re.MULTILINE)  # the Trainer 
 
 
 def template_path() -> str:
-    """Path of the packaged card template (``hf_evon/templates/evon_posterior.md``)."""
-    return str(resources.files("hf_evon") / "templates" / "evon_posterior.md")
+    """Path of the packaged card template (``hf_evon/posterior/templates/evon_posterior.md``)."""
+    return str(resources.files("hf_evon.posterior") / "templates" / "evon_posterior.md")
 
 
 def _fmt(value: Any) -> str:
@@ -238,7 +238,7 @@ def _usage_snippet(
 
 
 def _calibration_text(config: Mapping[str, Any]) -> str:
-    """What the card says about the posterior's sampling scale (hf_evon.calibration)."""
+    """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration)."""
     cal = config.get("calibration")
     if not isinstance(cal, Mapping):
         return (

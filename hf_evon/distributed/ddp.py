@@ -39,14 +39,14 @@ while DDP still averages is detected at the first noisy steps; ranks that disagr
 gradients exist raise instead of hanging.
 
 To shard EVON's own state and work over the ranks (per-rank state and optimizer FLOPs
-~1/world), pass ``shard=True`` (:mod:`hf_evon.optim.sharding`; the Trainer's
+~1/world), pass ``shard=True`` (:mod:`hf_evon.distributed.sharding`; the Trainer's
 ``EVONConfig(evon_shard=True)``).
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) is supported in sharded mode: after
 ``fully_shard`` (each layer and the root, one 1-D mesh) and building EVON on the sharded model,
 ``prepare_distributed(model, optimizer)`` shards EVON over the mesh (``shard=None``, the default,
 means sharded under FSDP2): matrix owners gather their rows and gradients and send back the rows
-of each sample and new mean (:mod:`hf_evon.optim.fsdp2`). Supported layout: every parameter a
+of each sample and new mean (:mod:`hf_evon.distributed.fsdp2`). Supported layout: every parameter a
 DTensor ``Shard(0)`` (uneven rows allowed) on one 1-D mesh. Refused with
 :class:`UnsupportedParallelismError` naming the parameter: FSDP1 ``FullyShardedDataParallel``
 and DeepSpeed (flat parameters mixing matrices: EVON's eigenbasis is per whole matrix),
@@ -63,9 +63,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .optim.evon import EVON
-from .optim.fsdp2 import FSDP2Sharding
-from .optim.sharding import EVONSharding
+from hf_evon.distributed.fsdp2 import FSDP2Sharding
+from hf_evon.distributed.sharding import EVONSharding
+from hf_evon.optim.evon import EVON
 
 Tensor = torch.Tensor
 
@@ -185,7 +185,7 @@ def check_supported_parallelism(model: nn.Module, optimizer: Any = None) -> Any:
     those are refused. FSDP2 is supported when every parameter (of the model, and of
     ``optimizer`` if given) is a DTensor sharded on dim 0 (``Shard(0)``, uneven allowed) over
     one 1-D device mesh: the owners of the matrices gather their rows
-    (:mod:`hf_evon.optim.fsdp2`). Other DTensor layouts (``Shard(1)``, HSDP's 2-D mesh,
+    (:mod:`hf_evon.distributed.fsdp2`). Other DTensor layouts (``Shard(1)``, HSDP's 2-D mesh,
     ``Replicate``/``Partial``, several meshes, tensor parallelism without FSDP2) are refused,
     naming the parameter.
     """
@@ -270,7 +270,7 @@ def check_supported_parallelism(model: nn.Module, optimizer: Any = None) -> Any:
                 f"and earlier ones on {mesh}: {hint}"
             )
     if mesh is not None:  # the rows each rank holds must be torch.chunk's (FSDP2's layout)
-        from .optim.fsdp2 import shard_rows
+        from hf_evon.distributed.fsdp2 import shard_rows
 
         rank, world = mesh.get_local_rank(), mesh.size()
         for n, p in named:
@@ -446,7 +446,7 @@ def prepare_distributed(
         check_consistency: check every step that all ranks reduce the same tensors.
         shard: each rank owns a cost-balanced share of the parameters, keeps only their state
             and does only their maths; weights and posterior samples are exchanged (see
-            :mod:`hf_evon.optim.sharding`, also for its noise semantics: one posterior sample
+            :mod:`hf_evon.distributed.sharding`, also for its noise semantics: one posterior sample
             shared by all ranks, one noise stream per matrix). Also valid in one process,
             where it is the reference a sharded multi-process run equals. Call it before the
             first ``step()``; ``state_dict()`` then becomes a collective (call it on every rank).
@@ -454,12 +454,12 @@ def prepare_distributed(
             DDP. Under FSDP2 (``fully_shard``; parameters ``Shard(0)`` on one 1-D mesh, whose
             group is then the data-parallel group) each matrix's owner gathers its rows and
             gradient and sends the rows of each new mean and sample back
-            (:mod:`hf_evon.optim.fsdp2`); the AdamW part is updated row-wise on every rank.
+            (:mod:`hf_evon.distributed.fsdp2`); the AdamW part is updated row-wise on every rank.
 
     Returns:
         ``optimizer`` itself (the same object), which now also answers EVON's API
         (``sampled_params``, ``mc_samples``, ...) when it is a wrapper: one handle for the
-        whole loop. ``hf_evon.distributed.unwrap_optimizer`` gives the bare EVON if needed.
+        whole loop. ``hf_evon.distributed.ddp.unwrap_optimizer`` gives the bare EVON if needed.
 
     Raises:
         UnsupportedParallelismError: FSDP1 or DeepSpeed models; FSDP2 with ``shard=False`` or

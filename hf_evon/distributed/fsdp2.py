@@ -4,7 +4,7 @@ FSDP2 stores each parameter as a DTensor sharded on dim 0 over a 1-D device mesh
 ``torch.chunk`` rows: the last ranks may hold fewer rows, or none) and averages gradients by a
 reduce-scatter, so after ``backward`` each rank holds its rows of the *averaged* gradient. EVON's
 posterior and eigenbasis are defined per whole matrix, so :class:`FSDP2Sharding` extends the
-DDP work sharding (:class:`~hf_evon.optim.sharding.EVONSharding`, same ownership, noise streams
+DDP work sharding (:class:`~hf_evon.distributed.sharding.EVONSharding`, same ownership, noise streams
 and checkpoint format) with row exchanges:
 
 * the owner of a matrix keeps a full copy of it (its *proxy*; one ``m×n`` tensor in the
@@ -29,7 +29,7 @@ and checkpoint format) with row exchanges:
 Supported: every optimizer parameter a DTensor with placements ``(Shard(0),)`` on one 1-D mesh
 (``fully_shard`` of the layers and of the root). Anything else (``Shard(1)``, HSDP's 2-D mesh,
 ``Replicate``/``Partial`` placements, several meshes, plain tensors next to DTensors) is refused
-by :func:`hf_evon.distributed.prepare_distributed` with the parameter's name.
+by :func:`hf_evon.distributed.ddp.prepare_distributed` with the parameter's name.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .sharding import EVONSharding, _cpu_copy, _fresh
+from hf_evon.distributed.sharding import EVONSharding, _cpu_copy, _fresh
 
 if TYPE_CHECKING:
-    from .evon import EVON, _Bucket
+    from hf_evon.optim.evon import EVON, _Bucket
 
 Tensor = torch.Tensor
 

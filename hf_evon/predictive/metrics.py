@@ -1,7 +1,7 @@
 """Calibration metrics for (BMA) evaluation: accuracy, NLL, ECE and the Brier score.
 
 One implementation, used by ``EVONTrainer.evaluate`` and by the ``evaluate`` modules shipped
-in ``hf_evon/metrics_modules`` (load them offline with :func:`load_metric`, e.g.
+in ``hf_evon/predictive/metrics_modules`` (load them offline with :func:`load_metric`, e.g.
 ``load_metric("ece")``, and combine them with other metrics in your ``compute_metrics``).
 
 Every function takes ``predictions`` of shape ``(N, C)`` and integer ``references`` of shape

@@ -25,7 +25,7 @@ concatenated batch, so a run on W ranks with batch b per rank equals (to roundin
 sharded run (``shard=True`` in a single process: world 1, the reference) with batch W·b and the
 same seed. Non-sharded DDP instead gives each rank its own noise (W samples per step).
 
-Under FSDP2 (``fully_shard``), :class:`hf_evon.optim.fsdp2.FSDP2Sharding` extends this class:
+Under FSDP2 (``fully_shard``), :class:`hf_evon.distributed.fsdp2.FSDP2Sharding` extends this class:
 the same ownership, noise streams and checkpoint format, with the matrices' rows exchanged.
 
 Checkpoints: ``state_dict()`` is a collective that returns the *full* state on every rank
@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .evon import derived_seed, matrix_shape, preconditioned_sides, state_dtype
+from hf_evon.optim.evon import derived_seed, matrix_shape, preconditioned_sides, state_dtype
 
 if TYPE_CHECKING:
-    from .evon import EVON, _Bucket
+    from hf_evon.optim.evon import EVON, _Bucket
 
 Tensor = torch.Tensor
 
@@ -242,7 +242,7 @@ class EVONSharding:
     @property
     def averager(self) -> Any:
         if self._averager is None:
-            from ..distributed import RankAverager
+            from hf_evon.distributed.ddp import RankAverager
 
             self._averager = RankAverager(group=self.group)
         return self._averager

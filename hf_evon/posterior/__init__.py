@@ -1,0 +1,19 @@
+"""The posterior beside a model: the object, its Gaussian maths, the file format, the Hub, the card."""
+
+from hf_evon.posterior.posterior import (
+    FORMAT_VERSION,
+    POSTERIOR_CONFIG_NAME,
+    POSTERIOR_WEIGHTS_NAME,
+    EVONPosterior,
+    MatrixFactors,
+    PosteriorMismatchError,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "POSTERIOR_CONFIG_NAME",
+    "POSTERIOR_WEIGHTS_NAME",
+    "EVONPosterior",
+    "MatrixFactors",
+    "PosteriorMismatchError",
+]

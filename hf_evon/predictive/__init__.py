@@ -1,0 +1,24 @@
+"""Predictions under the posterior: BMA decoding and likelihoods, calibration, metrics."""
+
+from hf_evon.predictive.calibration import CalibrationResult, calibrate_posterior
+from hf_evon.predictive.generation import BMALogLikelihood, bma_log_likelihood, generate_bma
+from hf_evon.predictive.metrics import (
+    accuracy,
+    brier_score,
+    calibration_metrics,
+    expected_calibration_error,
+    negative_log_likelihood,
+)
+
+__all__ = [
+    "BMALogLikelihood",
+    "CalibrationResult",
+    "accuracy",
+    "bma_log_likelihood",
+    "brier_score",
+    "calibrate_posterior",
+    "calibration_metrics",
+    "expected_calibration_error",
+    "generate_bma",
+    "negative_log_likelihood",
+]
