@@ -65,7 +65,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hf_evon.distributed.fsdp2 import FSDP2Sharding
 from hf_evon.distributed.sharding import EVONSharding
-from hf_evon.optim.evon import EVON
+from hf_evon.optim.evon import EVON, unwrap_optimizer
 
 Tensor = torch.Tensor
 
@@ -95,21 +95,6 @@ def _is_initialized() -> bool:
 
 def _world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if _is_initialized() else 1
-
-
-def unwrap_optimizer(optimizer: Any) -> EVON:
-    """The ``EVON`` inside ``optimizer`` (e.g. accelerate's ``AcceleratedOptimizer``)."""
-    seen = optimizer
-    for _ in range(8):
-        if isinstance(seen, EVON):
-            return seen
-        seen = getattr(seen, "optimizer", None)
-        if seen is None:
-            break
-    raise TypeError(
-        f"expected an hf_evon.EVON optimizer (possibly wrapped by accelerate), got {type(optimizer).__name__}; "
-        "other optimizers need no preparation for DDP"
-    )
 
 
 class EVONHandle:

@@ -1616,3 +1616,18 @@ class EVON(Optimizer):
             self.seed = int(extra["seed"])
             self.skipped_steps = int(extra.get("skipped_steps", 0))
             self._sample_blocks = int(extra.get("sample_blocks", 0))
+
+
+def unwrap_optimizer(optimizer: Any) -> EVON:
+    """The ``EVON`` inside ``optimizer`` (e.g. accelerate's ``AcceleratedOptimizer``)."""
+    seen = optimizer
+    for _ in range(8):
+        if isinstance(seen, EVON):
+            return seen
+        seen = getattr(seen, "optimizer", None)
+        if seen is None:
+            break
+    raise TypeError(
+        f"expected an hf_evon EVON optimizer; got {type(optimizer).__name__} (EVON is looked for inside "
+        "wrappers such as accelerate's AcceleratedOptimizer, through their .optimizer)"
+    )

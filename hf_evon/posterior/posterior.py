@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.optim.evon import derived_seed, matrix_shape
+from hf_evon.modeling import base_model_name, model_class, unwrap_model
+from hf_evon.optim.evon import derived_seed, matrix_shape, unwrap_optimizer
 from hf_evon.optim.linalg import dense_covariance, marginal_variance
 from hf_evon.posterior.format import (
     FORMAT_VERSION,
@@ -130,8 +131,8 @@ class EVONPosterior:
         copy of the optimizer's factors). ``eigenbasis_dtype`` (e.g. ``torch.float16``) holds
         the bases in half precision (half their bytes; see ``benchmarks/posterior_size.py``).
         """
-        optimizer = _unwrap_optimizer(optimizer)
-        model = _unwrap_model(model)
+        optimizer = unwrap_optimizer(optimizer)
+        model = unwrap_model(model)
         sharding = getattr(optimizer, "sharding", None)
         if sharding is not None:  # sharded EVON: a collective, so every rank calls from_optimizer
             sharding.gather_factors()
@@ -177,8 +178,8 @@ class EVONPosterior:
         config["optimizer_step"] = (
             int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
         )
-        config["base_model"] = _base_model_name(model)
-        config["model_class"] = _model_class(model).__name__
+        config["base_model"] = base_model_name(model)
+        config["model_class"] = model_class(model).__name__
         covered = {id(p) for _, p, _ in entries}
         points = [p for _, p in named if id(p) not in covered]
         posterior = cls.from_factors(
@@ -418,7 +419,7 @@ class EVONPosterior:
         parameter's dtype.
         """
         self.check_model(model)
-        params = dict(_unwrap_model(model).named_parameters(remove_duplicate=False))
+        params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
         seed = resolve_seed(seed)
         by_device: dict[torch.device, list[str]] = {}
         for name in self.names:
@@ -443,7 +444,7 @@ class EVONPosterior:
     # ------------------------------------------------------------------ checks
     def check_model(self, model: nn.Module) -> None:
         """Raise :class:`PosteriorMismatchError` naming each covered tensor the model lacks or mis-shapes."""
-        params = dict(_unwrap_model(model).named_parameters(remove_duplicate=False))
+        params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
         problems = []
         for name in self.names:
             f = self[name]
@@ -669,50 +670,6 @@ class EVONPosterior:
             path_in_repo,
             endpoint,
         )
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    """The EVON inside wrappers such as accelerate's ``AcceleratedOptimizer``."""
-    while not hasattr(optimizer, "posterior_factors") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    if not hasattr(optimizer, "posterior_factors"):
-        raise TypeError(f"expected an hf_evon EVON optimizer; got {type(optimizer).__name__}")
-    return optimizer
-
-
-def _unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip (Distributed)DataParallel, so names are the model's own (no ``module.`` prefix)."""
-    while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-        model = model.module
-    return model
-
-
-def _model_class(model: nn.Module) -> type:
-    """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass (``FSDP<Name>``)."""
-    cls = type(model)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without distributed
-        return cls
-    if issubclass(cls, FSDPModule):
-        return next((b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), cls)
-    return cls
-
-
-def _base_model_name(model: nn.Module) -> str | None:
-    """The Hub id / path the model came from, if it knows (PEFT: the base model's)."""
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, Mapping) and peft_config:
-        active = getattr(model, "active_adapter", None)
-        cfg = peft_config.get(active) if isinstance(active, str) else None
-        cfg = cfg or next(iter(peft_config.values()))
-        name = getattr(cfg, "base_model_name_or_path", None)
-        if name:
-            return str(name)
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(
-        model, "name_or_path", None
-    )
-    return str(name) if name else None
 
 
 def _name_hint(name: str, params: Mapping[str, Tensor]) -> str:

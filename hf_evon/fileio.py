@@ -1,0 +1,68 @@
+"""Crash-safe file writes: the one place a file is written next to its final name and switched in.
+
+A reader sees the old file or the new one, never a mix: the data goes to a temporary file in the
+same directory (same file system), is flushed and fsynced, then ``os.replace`` switches it in, and
+the directory is fsynced so the switch itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+
+__all__ = ["atomic_write", "fsync_dir", "fsync_file", "replaced_atomically", "temporary_name"]
+
+
+def temporary_name(path: str) -> str:
+    """A hidden, unique sibling of ``path``: ``.<name>.<32 hex>.tmp``."""
+    folder, name = os.path.split(os.fspath(path))
+    return os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+
+
+def fsync_file(path: str) -> None:
+    """Flush ``path``'s data to disk."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(directory: str) -> None:
+    """Flush a directory's entries (a rename in it); a no-op where the platform cannot."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def replaced_atomically(path: str) -> Iterator[str]:
+    """Yield a temporary path to write; on a clean exit it is fsynced and switched onto ``path``.
+
+    On an exception the temporary file is removed and ``path`` is left as it was::
+
+        with replaced_atomically(target) as tmp:
+            torch.save(state, tmp)
+    """
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # gone already after the replace
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write(path: str, data: bytes | str) -> None:
+    """Write ``data`` (text is UTF-8, newlines kept as given) to ``path`` atomically."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with replaced_atomically(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(payload)
