@@ -1086,7 +1086,7 @@ def test_existing_readme_is_updated_not_overwritten(gpt2, tmp_path):
 
 def test_card_template_is_packaged_and_identical_to_model_cards():
     packaged = Path(template_path())
-    assert packaged.parent.name == "templates" and packaged.parent.parent.name == "hf_evon"
+    assert packaged.parent.name == "templates" and packaged.parent.parent.name == "posterior"
     assert packaged.read_bytes() == (REPO_ROOT / "model_cards" / "evon_posterior.md").read_bytes()
 
 

@@ -42,6 +42,7 @@ from hf_evon.optim.linalg import (
     gram,
     power_qr,
     rotate,
+    rotated_std,
     sample_perturbation,
     unrotate,
 )
@@ -1053,7 +1054,7 @@ class EVON(Optimizer):
         if b.z is None:
             raise RuntimeError("no training sample is in progress for this parameter")
         g = b.group
-        return b.z[i] * torch.rsqrt(g["ess"] * (b.state["hess"][i] + g["weight_decay"]))
+        return b.z[i] * rotated_std(b.state["hess"][i], g["ess"], g["weight_decay"])
 
     # --------------------------------------------------------------- step
     @torch.no_grad()

@@ -80,11 +80,17 @@ def rotated_variance(hess: Tensor, ess: float, weight_decay: float) -> Tensor:
     return 1.0 / (ess * (hess + weight_decay))
 
 
+def rotated_std(hess: Tensor, ess: float, weight_decay: float) -> Tensor:
+    """``√V = 1/√(ζ(H + δ))``, the posterior std in the eigenbasis: the one formula every sample,
+    noise readout and file check uses, so they all see the same numbers."""
+    return torch.rsqrt(ess * (hess + weight_decay))
+
+
 def sample_perturbation(
     z: Tensor, hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
 ) -> Tensor:
     """``Q_L (z ⊙ √V) Q_Rᵀ`` for standard-normal ``z``: a zero-mean posterior draw."""
-    return unrotate(z * torch.rsqrt(ess * (hess + weight_decay)), q_left, q_right)
+    return unrotate(z * rotated_std(hess, ess, weight_decay), q_left, q_right)
 
 
 def eigenbasis(stat: Tensor) -> Tensor:

@@ -84,7 +84,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hf_evon.optim.evon import is_snr_scaling, matrix_shape
-from hf_evon.posterior.gaussian import FactorGroup, compute_dtype, orthonormality_error, polar_step, std_scale
+from hf_evon.optim.linalg import rotated_std
+from hf_evon.posterior.gaussian import FactorGroup, compute_dtype, orthonormality_error, polar_step
 
 if TYPE_CHECKING:
     from hf_evon.posterior.posterior import EVONPosterior
@@ -281,7 +282,7 @@ def check_finite_std(groups: list[FactorGroup], where: str, field: str = "ess") 
     to 0 in float32 and every draw would write inf/NaN into the weights.
     """
     for g in groups:
-        scale = std_scale(g.hess.to(compute_dtype(g.hess)), g.ess, g.weight_decay)
+        scale = rotated_std(g.hess.to(compute_dtype(g.hess)), g.ess, g.weight_decay)
         if _all_finite(scale):
             continue
         i = next(i for i in range(len(g.names)) if not bool(torch.isfinite(scale[i]).all()))

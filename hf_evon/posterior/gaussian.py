@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hf_evon.optim.evon import state_dtype as compute_dtype  # float32 math; float64 stays float64
-from hf_evon.optim.linalg import exact_float32_matmul, rotated_variance, unrotate
+from hf_evon.optim.linalg import exact_float32_matmul, rotated_std, rotated_variance, unrotate
 
 Tensor = torch.Tensor
 
@@ -87,11 +87,6 @@ class FactorGroup:
         )
 
 
-def std_scale(hess: Tensor, ess: float, weight_decay: float) -> Tensor:
-    """``√V = 1/√(ζ(H + δ))`` exactly as sampling computes it (so validation checks the same numbers)."""
-    return torch.rsqrt(ess * (hess + weight_decay))
-
-
 def perturbations(
     z: Tensor, hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
 ) -> Tensor:
@@ -103,7 +98,7 @@ def perturbations(
     times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases).
     """
     b, s, m, n = z.shape
-    x = z * std_scale(hess, ess, weight_decay).unsqueeze(1)
+    x = z * rotated_std(hess, ess, weight_decay).unsqueeze(1)
     with exact_float32_matmul():
         if q_left is not None:  # Q_L @ [X_1 … X_S] as one (m, S·n) block per matrix
             x = unrotate(x.transpose(1, 2).reshape(b, m, s * n), q_left, None)
