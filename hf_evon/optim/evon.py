@@ -667,7 +667,7 @@ class EVON(Optimizer):
         scale = None
         if g.get("snr_scaling", False) is not False and g["clip"] != "none":
             scale = F.snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
-        track = b.tracks_rotated_mean(plan.members is None)
+        track = self._tracks_rotated_mean(plan)
         mean_rot = b.rotated_mean_now(track) if delta != 0.0 else None
         step_rot = F.newton_step(numer, hess, delta, mean_rot)  # U, in the eigenbasis
         update = F.clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
@@ -692,6 +692,11 @@ class EVON(Optimizer):
                 self._refresh_bases(b, None if len(due) == len(b.params) else due)
         if plan.members is not None:
             plan.bucket.scatter(b, plan.members)
+
+    @staticmethod
+    def _tracks_rotated_mean(plan: Plan) -> bool:
+        """Whether this step carries ``Q_Lᵀ M Q_R`` over to the next one (``Bucket.tracks_rotated_mean``)."""
+        return plan.work.tracks_rotated_mean(whole=plan.members is None)
 
     @staticmethod
     def _update_statistics(b: Bucket, grad: Tensor, beta3: float) -> None:
