@@ -92,8 +92,6 @@ class UnsupportedParallelismError(RuntimeError):
     on one 1-D mesh, DTensors without FSDP2); the message names the parameter and what is supported."""
 
 
-
-
 class EVONHandle:
     """Mixin for optimizer wrappers: attributes the wrapper lacks are the wrapped EVON's.
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.linalg import rotate
+from hf_evon.optim import functional as F
+from hf_evon.optim.linalg import rotate, sample_perturbation
 
 __all__ = [
     "Bucket",
@@ -163,6 +164,61 @@ class Bucket:
             and all(s == (p._version, p.data_ptr()) for s, p in zip(stamps, self.params))
         )
 
+    # ------------------------------------------------------------- sampling
+    def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> None:
+        """Write a posterior sample into the unfrozen members (``draw(self)``: the standard
+        normal ``z``); with ``train``, keep ``z`` for the Hessian numerator of the sample."""
+        live = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.live = None if len(live) == len(self.params) else live
+        g = self.group
+        self.mean = self.stacked(self.params)  # exact copy, in the parameters' dtype
+        z = draw(self)
+        q_left, q_right = self.bases() if self.initialized else (None, None)
+        noise = sample_perturbation(z, self.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
+        self.write_params(self.mean.to(self.dtype) + noise, self.live)
+        if train and self.initialized:
+            self.z = z
+            if self.acc is None:
+                self.acc = torch.zeros_like(z)
+
+    def record_sample(self, alone: bool) -> None:
+        """Add this sample's ``G°_s ⊙ z_s`` to the Hessian numerator. ``alone``: no earlier
+        gradient is added to it, so its rotation is the step's too if nothing changes it."""
+        grads = self.grads()
+        rotated = rotate(grads, *self.bases())
+        self.acc.addcmul_(rotated, self.z)
+        self.exit_grads, self.rotated_grads = (grads, rotated) if alone else (None, None)
+
+    # ------------------------------------------------------------- eigenbasis
+    def update_statistics(self, grad: Tensor, beta3: float) -> None:
+        """The Shampoo statistics L (and R) of the sides with a basis, from the mean gradient."""
+        st = self.state
+        if self.left:
+            st["L"] = F.shampoo_statistics(st.get("L"), grad, beta3)
+        if self.right:
+            st["R"] = F.shampoo_statistics(st.get("R"), grad.mT, beta3)
+
+    def refresh_bases(self, members: list[int] | None) -> None:
+        """One power iteration + QR for the given members (None: all of them)."""
+        st = self.state
+        idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
+        moved, new_left, new_right = F.refresh_bases(
+            st["L"][idx] if self.left else None,
+            st["R"][idx] if self.right else None,
+            st["Q_L"][idx] if self.left else None,
+            st["Q_R"][idx] if self.right else None,
+            st["exp_avg"][idx],
+        )
+        for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
+            if value is not None:
+                st[key][idx] = value
+        if self.rotated_mean is not None:  # the refreshed members' weights, in their new bases
+            listed = range(len(self.params)) if members is None else members
+            self.rotated_mean[idx] = rotate(
+                self.matrices([self.params[i] for i in listed]), new_left, new_right
+            )
+
+    # ------------------------------------------------------------- the rotated mean
     def tracks_rotated_mean(self, whole: bool) -> bool:
         """Whether this step can carry ``Q_Lᵀ M Q_R`` over to the next one without a rotation.
 
@@ -259,7 +315,9 @@ def group_buckets(param_groups: list[dict[str, Any]]) -> list[Bucket]:
             continue
         for p in group["params"]:
             m, n = matrix_shape(p.shape)
-            left, right = preconditioned_sides(tuple(p.shape), group["max_precond_dim"], group["identity_basis"])
+            left, right = preconditioned_sides(
+                tuple(p.shape), group["max_precond_dim"], group["identity_basis"]
+            )
             key = (gi, p.device, m, n, left, right, state_dtype(p))
             if key not in buckets:
                 buckets[key] = Bucket(group, [], m, n, left, right, state_dtype(p))
@@ -314,7 +372,9 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
         member_state(p)["step"] = step
 
 
-def point_state_views(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]], keys: Iterable[str]) -> None:
+def point_state_views(
+    b: Bucket, member_state: Callable[[Tensor], dict[str, Any]], keys: Iterable[str]
+) -> None:
     """Make each member's ``optimizer.state`` entries views of the bucket's stacked ``keys``."""
     keys = tuple(keys)
     for i, p in enumerate(b.params):

@@ -133,7 +133,9 @@ def lr_from_adamw_lr(
 
 
 DEFAULT_CLIP = default_clip()
-DEFAULT_LR = STEP_RATIOS[(DEFAULT_CLIP, False)] * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS  # 0.08 (lr_from_adamw_lr)
+DEFAULT_LR = (
+    STEP_RATIOS[(DEFAULT_CLIP, False)] * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS
+)  # 0.08 (lr_from_adamw_lr)
 
 
 def default_hess_init(finetuning: bool = False) -> float:

@@ -25,14 +25,12 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from hf_evon.optim import functional as F
 from hf_evon.optim.buckets import (
     Bucket,
     Plan,
@@ -40,7 +38,6 @@ from hf_evon.optim.buckets import (
     auto_ess,
     group_buckets,
     is_dtensor,
-    point_state_views,
     stack_state,
     state_dtype,
 )
@@ -55,10 +52,19 @@ from hf_evon.optim.defaults import (
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
 )
+from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
 from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, warn_health
 from hf_evon.optim.hooks import LOCAL, ShardingHooks
-from hf_evon.optim.linalg import eigenbasis, rotate, rotated_std, sample_perturbation
+from hf_evon.optim.linalg import rotated_std
 from hf_evon.optim.noise import derived_seed
+from hf_evon.optim.update import (
+    AdamWInputs,
+    adamw_update,
+    evon_update,
+    finite_flags,
+    hessian_candidate,
+    plan_update,
+)
 from hf_evon.optim.validation import resolve_prior, validate_group, validate_hyperparameters
 
 Tensor = torch.Tensor
@@ -157,32 +163,9 @@ class EVON(Optimizer):
     ) -> None:
         clip, nonfinite = mode_value(clip), mode_value(nonfinite)
         # raises the first invalid keyword, by name; lr=None becomes clip's default α
-        defaults = validate_hyperparameters(
-            lr=lr,
-            ess=ess,
-            hess_init=hess_init,
-            betas=betas,
-            weight_decay=weight_decay,
-            mc_samples=mc_samples,
-            precondition_frequency=precondition_frequency,
-            max_precond_dim=max_precond_dim,
-            shampoo_beta=shampoo_beta,
-            hess_clip_ratio=hess_clip_ratio,
-            clip=clip,
-            clip_radius=clip_radius,
-            snr_scaling=snr_scaling,
-            phased_gradients=phased_gradients,
-            identity_basis=identity_basis,
-            stagger_refresh=stagger_refresh,
-            init_std_ratio=init_std_ratio,
-            eps=eps,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            adamw_betas=adamw_betas,
-            adamw_weight_decay=adamw_weight_decay,
-            nonfinite=nonfinite,
-            seed=seed,
-        )
+        # every keyword as given: the first invalid one raises, by name; lr=None becomes clip's α
+        given = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
+        defaults = validate_hyperparameters(**given)
         lr = defaults["lr"]
         defaults = {"algorithm": "evon", **defaults, "betas": tuple(betas)}
         self._adamw_defaults = dict(
@@ -207,7 +190,7 @@ class EVON(Optimizer):
         self._in_sample = False
         # the gradients the last step consumed, as (weak reference, version) by id(param): a
         # sampled_params block drops them instead of adding them to the new step's samples
-        self._consumed: dict[int, tuple[weakref.ref, int]] = {}
+        self._consumed: Consumed = {}
         # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
@@ -357,7 +340,7 @@ class EVON(Optimizer):
         self._in_sample = True
         self._sample_blocks += 1
         perturbed: list[Bucket] = []
-        stash = self._set_aside_grads() if train else None
+        stash = set_aside_grads(self.param_groups, self._consumed) if train else None
         ok = False
         try:
             with torch.no_grad():
@@ -378,77 +361,19 @@ class EVON(Optimizer):
                     if b.mean is not None:
                         b.write_params(b.mean, b.live)
                     if ok and b.z is not None:
-                        self._record_sample(b, alone=not any(id(p) in kept for p in b.params))
+                        b.record_sample(alone=not any(id(p) in kept for p in b.params))
                     b.mean = b.z = b.live = None
                 if stash is not None:
-                    self._restore_grads(stash, ok)
+                    restore_grads(stash, ok)
             if ok and train:
                 self._samples += 1
             self._in_sample = False
 
-    def _set_aside_grads(self) -> list[tuple[Tensor, Tensor | None]]:
-        """``(param, its gradient kept for this step)`` for every parameter; every ``.grad`` is
-        then None, so the block's backward leaves exactly this sample's gradient there."""
-        out = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                grad = keep = p.grad
-                if grad is not None:
-                    ref, version = self._consumed.get(id(p), (None, None))
-                    if ref is not None and ref() is grad and grad._version == version:
-                        keep = None  # the last step used it already
-                    elif grad._base is not None:
-                        # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
-                        # block's backward overwrites: keep a copy
-                        keep = grad.clone()
-                    p.grad = None
-                out.append((p, keep))
-        return out
-
-    @staticmethod
-    def _restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> None:
-        """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
-        failed block: as at entry, less what the last step consumed)."""
-        if not recorded:
-            for p, keep in stash:
-                p.grad = keep
-            return
-        own, kept = [], []
-        for p, keep in stash:
-            if keep is None:
-                continue
-            if p.grad is None:
-                p.grad = keep
-            else:  # added into the block's own tensor, which may be a buffer view DDP relies on
-                own.append(p.grad)
-                kept.append(keep)
-        if own:
-            torch._foreach_add_(own, kept)
-
-    def _record_sample(self, b: Bucket, alone: bool) -> None:
-        """Add this sample's ``G°_s ⊙ z_s`` to the Hessian numerator. ``alone``: no earlier
-        gradient is added to it, so its rotation is the step's too if nothing changes it."""
-        grads = b.grads()
-        rotated = rotate(grads, *b.bases())
-        b.acc.addcmul_(rotated, b.z)
-        b.exit_grads, b.rotated_grads = (grads, rotated) if alone else (None, None)
-
     def _perturb(self, b: Bucket, train: bool) -> bool:
         """Write a posterior draw into the bucket's unfrozen members; False if all are frozen."""
-        live = [i for i, p in enumerate(b.params) if p.requires_grad]
-        if not live:
+        if not any(p.requires_grad for p in b.params):
             return False
-        b.live = None if len(live) == len(b.params) else live
-        g = b.group
-        b.mean = b.stacked(b.params)  # exact copy, in the parameters' dtype
-        z = self._standard_normal(b)
-        q_left, q_right = b.bases() if b.initialized else (None, None)
-        noise = sample_perturbation(z, b.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
-        b.write_params(b.mean.to(b.dtype) + noise, b.live)
-        if train and b.initialized:
-            b.z = z
-            if b.acc is None:
-                b.acc = torch.zeros_like(z)
+        b.perturb(self._standard_normal, train)
         return True
 
     def _standard_normal(self, b: Bucket) -> Tensor:
@@ -457,7 +382,9 @@ class EVON(Optimizer):
         if z is not None:
             return z
         device = b.params[0].device
-        return torch.randn(len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype)
+        return torch.randn(
+            len(b.params), b.m, b.n, generator=self._generator(device), device=device, dtype=b.dtype
+        )
 
     def current_noise(self, p: Tensor) -> Tensor:
         """The rotated-space draw ``E`` (shaped m×n) of the sample now in ``p`` (for tests)."""
@@ -508,7 +435,7 @@ class EVON(Optimizer):
         for plan in plans:
             self._evon_update(plan, num_samples)
         for gi, (params, g_list, states) in adamw.items():
-            self._adamw_update(self.param_groups[gi], params, g_list, states)
+            adamw_update(self.param_groups[gi], params, g_list, states)
         self._hooks.after_step()
         self._discard_samples()
         self._updates += 1
@@ -545,14 +472,9 @@ class EVON(Optimizer):
         self._synchronized = False
         for b in self.buckets:
             b.acc = b.exit_grads = b.rotated_grads = None
-        self._consumed = {
-            id(p): (weakref.ref(p.grad), p.grad._version)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        }
+        self._consumed = consumed_grads(self.param_groups)
 
-    def _adamw_inputs(self, num_samples: int) -> dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]:
+    def _adamw_inputs(self, num_samples: int) -> AdamWInputs:
         out = {}
         for gi, group in enumerate(self.param_groups):
             if group["algorithm"] != "adamw":
@@ -568,60 +490,19 @@ class EVON(Optimizer):
         return out
 
     def _plan(self, b: Bucket, num_samples: int) -> Plan | None:
-        """Everything the bucket's update needs that can fail, computed without changing any state.
-
-        Members without a gradient (frozen, unused) are left out, as ``torch.optim`` does: their
-        weights and state stay bit-identical. The candidate Hessian is formed here so that one
-        device sync (``_all_finite``) can check it together with the gradients.
-        """
-        active = [i for i, p in enumerate(b.params) if p.grad is not None]
-        if not active:
-            return None
-        # the initialising step only records statistics: done for the whole bucket
-        members = None if len(active) == len(b.params) or not b.initialized else active
-        work = b if members is None else b.subset(members)
-        grad = work.grads()
-        # clipped, reduced or accumulated since the last sample's exit?
-        unchanged = None if work.rotated_grads is None else torch.eq(grad, work.exit_grads).all()
-        plan = Plan(b, work, members, grad.div_(num_samples), unchanged=unchanged)
-        if work.initialized:
+        """Everything the bucket's update needs that can fail, computed without changing any
+        state; the candidate Hessian too, so one device sync checks it with the gradients."""
+        plan = plan_update(b, num_samples)
+        if plan is not None and plan.work.initialized:
             self._hessian_candidate(plan, num_samples)
         return plan
 
-    @staticmethod
-    def _hessian_candidate(plan: Plan, num_samples: int) -> None:
-        """``plan.hess``: H after this step (None: not updated), and at ess = inf the rotated gradient."""
-        b, g = plan.work, plan.work.group
-        delta, ess, hess = g["weight_decay"], g["ess"], b.state["hess"]
-        if math.isinf(ess):  # the deterministic method: squared rotated gradients
-            plan.g_rot = rotate(plan.grad, *b.bases())
-            h_hat = plan.g_rot.square()
-        elif plan.clean or b.acc is None:
-            return
-        else:
-            h_hat = F.price_estimate(b.acc, hess, ess, delta, num_samples)
-        plan.hess = F.hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
+    _hessian_candidate = staticmethod(hessian_candidate)
 
-    def _all_finite(self, plans: list[Plan], adamw: dict) -> bool:
-        """Whether every gradient and every candidate Hessian is finite; also settles, in the same
-        single device sync, which buckets may reuse their exit rotation."""
-        checks = []
-        for plan in plans:
-            # ‖G‖²_F bounds every entry of G Gᵀ and Gᵀ G: finite means L and R stay finite
-            ok = torch.isfinite(torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()).all()
-            checks.append(ok if plan.hess is None else ok & torch.isfinite(plan.hess).all())
-        for _, g_list, _ in adamw.values():
-            # the norm also overflows where AdamW's squared gradient would
-            checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
-        reusable = [plan for plan in plans if plan.unchanged is not None]
-        flags = checks + [plan.unchanged for plan in reusable]
-        values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
-        for plan, same in zip(reusable, values[len(checks) :]):
-            plan.work.exit_grads = None  # compared; only the rotation may still be needed
-            if not same:
-                plan.work.rotated_grads = None
-        finite = self._hooks.all_ranks(all(values[: len(checks)]))  # sharded: skip on every rank or none
-        if finite:
+    def _all_finite(self, plans: list[Plan], adamw: AdamWInputs) -> bool:
+        """Whether the step may go ahead (every value finite on every rank); else warns (or
+        raises, ``nonfinite="raise"``) naming what was not finite."""
+        if self._hooks.all_ranks(finite_flags(plans, adamw)):  # sharded: skip on every rank or none
             return True
         msg = first_nonfinite(self.param_groups, plans, adamw, self._param_label)
         msg = f"{msg}; the step was skipped and the optimizer state is unchanged"
@@ -643,108 +524,12 @@ class EVON(Optimizer):
         return f"a parameter of shape {tuple(p.shape)}"
 
     def _evon_update(self, plan: Plan, num_samples: int) -> None:
-        b, grad = plan.work, plan.grad
-        g, st = b.group, b.state
-        beta1, beta2 = g["betas"]
-        beta3 = beta2 if g["shampoo_beta"] is None else g["shampoo_beta"]
-        delta, ess = g["weight_decay"], g["ess"]
-
-        if not b.initialized:  # the first step: statistics and their eigenbases only
-            self._update_statistics(b, grad, beta3)
-            if b.left:
-                st["Q_L"] = eigenbasis(st["L"])
-            if b.right:
-                st["Q_R"] = eigenbasis(st["R"])
-            point_state_views(b, self._member_state, ("L", "R", "Q_L", "Q_R"))
-            return
-
-        t = b.t + 1
-        g_rot = plan.g_rot if plan.g_rot is not None else b.rotated_mean_grad(grad, num_samples)
-        hess = st["hess"]
-        if plan.hess is not None:
-            hess.copy_(plan.hess)
-        numer = F.momentum_update(st["exp_avg"], g_rot, beta1, t)
-        scale = None
-        if g.get("snr_scaling", False) is not False and g["clip"] != "none":
-            scale = F.snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
-        track = self._tracks_rotated_mean(plan)
-        mean_rot = b.rotated_mean_now(track) if delta != 0.0 else None
-        step_rot = F.newton_step(numer, hess, delta, mean_rot)  # U, in the eigenbasis
-        update = F.clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
-        if update.dtype != b.params[0].dtype:
-            update = update.to(b.params[0].dtype)
-        # added in each parameter's own shape: works for any memory layout (channels_last)
-        torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
-        if track and mean_rot is not None:
-            # unclipped: M - αΔ rotates to Q_Lᵀ M Q_R - αU exactly (Q orthonormal), no matmul
-            b.rotated_mean = mean_rot.sub_(step_rot, alpha=g["lr"])
-            b.stamp_mean()
-        else:
-            plan.bucket.rotated_mean = b.rotated_mean = None
-
-        if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
-            self._update_statistics(b, grad, beta3)
-        st["step"].add_(1)
-        if b.preconditioned:
-            f = g["precondition_frequency"]
-            due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
-            if due:
-                self._refresh_bases(b, None if len(due) == len(b.params) else due)
-        if plan.members is not None:
-            plan.bucket.scatter(b, plan.members)
+        evon_update(plan, num_samples, self._tracks_rotated_mean(plan), self._member_state)
 
     @staticmethod
     def _tracks_rotated_mean(plan: Plan) -> bool:
         """Whether this step carries ``Q_Lᵀ M Q_R`` over to the next one (``Bucket.tracks_rotated_mean``)."""
         return plan.work.tracks_rotated_mean(whole=plan.members is None)
-
-    @staticmethod
-    def _update_statistics(b: Bucket, grad: Tensor, beta3: float) -> None:
-        st = b.state
-        if b.left:
-            st["L"] = F.shampoo_statistics(st.get("L"), grad, beta3)
-        if b.right:
-            st["R"] = F.shampoo_statistics(st.get("R"), grad.mT, beta3)
-
-    @staticmethod
-    def _refresh_bases(b: Bucket, members: list[int] | None) -> None:
-        """One power iteration + QR for the given bucket members (None: all of them)."""
-        st = b.state
-        idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
-        moved, new_left, new_right = F.refresh_bases(
-            st["L"][idx] if b.left else None,
-            st["R"][idx] if b.right else None,
-            st["Q_L"][idx] if b.left else None,
-            st["Q_R"][idx] if b.right else None,
-            st["exp_avg"][idx],
-        )
-        for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
-            if value is not None:
-                st[key][idx] = value
-        if b.rotated_mean is not None:  # the refreshed members' weights, in their new bases
-            listed = range(len(b.params)) if members is None else members
-            b.rotated_mean[idx] = rotate(b.matrices([b.params[i] for i in listed]), new_left, new_right)
-
-    @staticmethod
-    def _adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
-        for p, st in zip(params, states):
-            if "step" not in st:
-                st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        beta1, beta2 = group["betas"]
-        F.adamw(
-            params,
-            grads,
-            [st["exp_avg"] for st in states],
-            [st["exp_avg_sq"] for st in states],
-            [st["step"] for st in states],
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["adamw_eps"],
-        )
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[Bucket, int]:

@@ -77,12 +77,16 @@ def momentum_update(exp_avg: Tensor, g_rot: Tensor, beta1: float, t: int) -> Ten
     return exp_avg / (1 - beta1**t)
 
 
-def snr_scale(exp_avg_sq_norm: Tensor, momentum: Tensor, g_rot: Tensor, t: int, beta1: float, adam: bool) -> Tensor:
+def snr_scale(
+    exp_avg_sq_norm: Tensor, momentum: Tensor, g_rot: Tensor, t: int, beta1: float, adam: bool
+) -> Tensor:
     """The step's scale per matrix, ``(B,)``: min(1, ρ/ρ₀) (``adam``: min(1, ρ)), ρ = ‖m̂‖_F /
     sqrt(EMA‖G‖²_F). Updates the EMA (in place on ``exp_avg_sq_norm``, decay ``SNR_AVERAGE_BETA``);
     norms are the same in the eigenbasis: Q is orthonormal."""
     avg = exp_avg_sq_norm
-    avg.mul_(SNR_AVERAGE_BETA).add_(torch.linalg.vector_norm(g_rot, dim=(1, 2)).square_(), alpha=1 - SNR_AVERAGE_BETA)
+    avg.mul_(SNR_AVERAGE_BETA).add_(
+        torch.linalg.vector_norm(g_rot, dim=(1, 2)).square_(), alpha=1 - SNR_AVERAGE_BETA
+    )
     rms = avg.div(1 - SNR_AVERAGE_BETA**t).sqrt_().clamp_min_(torch.finfo(avg.dtype).tiny)
     rho = torch.linalg.vector_norm(momentum, dim=(1, 2)).div_(rms)
     if not adam:

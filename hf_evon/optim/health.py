@@ -54,7 +54,9 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
         row += [torch.where(b.watched, ratio, 0.0).max(), init_part, prior_var]
         rows.append(torch.stack([x.double().to(hess.device) for x in row]))
         numel += hess.numel()
-    t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, _COLUMNS)  # one sync
+    t = (
+        torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, _COLUMNS)
+    )  # one sync
     return t, numel
 
 

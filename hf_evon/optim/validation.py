@@ -66,7 +66,9 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
             "None or a finite number >= 0",
         )
     if "adamw_betas" in kwargs:
-        require("adamw_betas", kwargs["adamw_betas"], betas_ok(kwargs["adamw_betas"]), "two numbers in [0, 1)")
+        require(
+            "adamw_betas", kwargs["adamw_betas"], betas_ok(kwargs["adamw_betas"]), "two numbers in [0, 1)"
+        )
     if "adamw_eps" in kwargs:
         eps = kwargs["adamw_eps"]
         require("adamw_eps", eps, finite(eps) and eps > 0.0, "a finite number > 0")
@@ -76,7 +78,9 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     group = {k: v for k, v in kwargs.items() if k in _GROUP_KEYS}
     if group.get("lr", 0.0) is None:
         clip = group.get("clip", DEFAULT_CLIP)
-        group["lr"] = lr_from_adamw_lr(DEFAULT_ADAMW_LR, group.get("clip_radius", DEFAULT_CLIP_RADIUS), clip=ratio_clip(clip))
+        group["lr"] = lr_from_adamw_lr(
+            DEFAULT_ADAMW_LR, group.get("clip_radius", DEFAULT_CLIP_RADIUS), clip=ratio_clip(clip)
+        )
     # the keywords themselves, before any group: the message names the keyword given
     validate_group(resolve_prior({**group, "algorithm": "evon", "params": []}))
     return group
@@ -152,7 +156,11 @@ def validate_group(group: dict[str, Any]) -> None:
         if has(name):
             need(name, isinstance(group[name], bool), "True or False (a bool, not a string or number)")
     if has("snr_scaling"):  # groups saved before the option existed lack it (off)
-        need("snr_scaling", is_snr_scaling(group["snr_scaling"]), "True, False or 'adam' (a bool or that string)")
+        need(
+            "snr_scaling",
+            is_snr_scaling(group["snr_scaling"]),
+            "True, False or 'adam' (a bool or that string)",
+        )
     names = group.get("param_names")
     for i, p in enumerate(group.get("params", ())):
         if p.is_complex():
