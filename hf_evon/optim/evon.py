@@ -191,7 +191,7 @@ class EVON(Optimizer):
         # the gradients the last step consumed, as (weak reference, version) by id(param): a
         # sampled_params block drops them instead of adding them to the new step's samples
         self._consumed: Consumed = {}
-        # set by hf_evon.distributed: all-reduces (averages) a list of tensors in place
+        # set by prepare_distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
         # set by hf_evon.prepare_distributed(shard=True) or under FSDP2: this rank owns (keeps state
@@ -645,7 +645,7 @@ def unwrap_optimizer(optimizer: Any) -> EVON:
     )
 
 
-# re-exported for hf_evon.posterior/predictive/trainer until their imports move
+# re-exported for the posterior, predictive and trainer packages until their imports move
 from hf_evon.optim.buckets import Bucket as _Bucket  # noqa: E402, F401
 from hf_evon.optim.buckets import matrix_shape, preconditioned_sides  # noqa: E402, F401
 from hf_evon.optim.checks import CLIP_MODES  # noqa: E402, F401

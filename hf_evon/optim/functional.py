@@ -57,7 +57,7 @@ def hessian_update(
 
     ``clip_ratio`` γ bounds Ĥ to ±γ(H+ε) (None: no clip). For sampled weights (finite ``ess``)
     IVON's correction ½(1−β2)²(H−Ĥ)²/(H+δ) keeps H + δ > 0 for the sampled estimator, which can
-    be negative (squared gradients, at ess = inf, cannot: neither the spec nor SOAP has it there).
+    be negative (squared gradients, at ess = inf, cannot: neither the paper's algorithm nor SOAP has it there).
     """
     if clip_ratio is not None:
         bound = clip_ratio * (hess + eps)

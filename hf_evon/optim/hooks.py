@@ -3,7 +3,7 @@
 ``EVON`` calls these methods at fixed points of its loop (bucket building, each
 ``sampled_params`` block, each ``step``, inspection, checkpoints). :class:`ShardingHooks` gives
 every one the single-process behaviour: this process owns every parameter, nothing is
-exchanged. ``hf_evon.distributed`` subclasses it (work sharding under DDP, FSDP2) and installs
+exchanged. The distributed package subclasses it (work sharding under DDP, FSDP2) and installs
 its object as ``optimizer.sharding``; ``hf_evon.optim`` imports nothing from there.
 """
 

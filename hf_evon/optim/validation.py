@@ -24,6 +24,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
+    DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_PRIOR_STD_RATIO,
     default_weight_decay,
@@ -82,7 +83,9 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
             DEFAULT_ADAMW_LR, group.get("clip_radius", DEFAULT_CLIP_RADIUS), clip=ratio_clip(clip)
         )
     # the keywords themselves, before any group: the message names the keyword given
-    validate_group(resolve_prior({**group, "algorithm": "evon", "params": []}))
+    # EVON's defaults for the fields the prior is derived from, where not given
+    prior = {"hess_init": DEFAULT_HESS_INIT, "weight_decay": None}
+    validate_group(resolve_prior({**prior, **group, "algorithm": "evon", "params": []}))
     return group
 
 
@@ -155,7 +158,7 @@ def validate_group(group: dict[str, Any]) -> None:
     for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
         if has(name):
             need(name, isinstance(group[name], bool), "True or False (a bool, not a string or number)")
-    if has("snr_scaling"):  # groups saved before the option existed lack it (off)
+    if has("snr_scaling"):  # a group from a state dict without the option lacks it (off)
         need(
             "snr_scaling",
             is_snr_scaling(group["snr_scaling"]),
