@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim import functional as F
+from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
 from hf_evon.optim.linalg import rotate, sample_perturbation
 
 __all__ = [
@@ -384,7 +385,7 @@ def point_state_views(
                 st[k] = b.state[k][i]
 
 
-def auto_ess(group: dict[str, Any], square_sums: Tensor, default_ratio: float) -> float:
+def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
     """ζ = 1 / (ρ² · rms² · (h0 + δ)) for ``ess="auto"``: the initial std is ρ · rms.
 
     rms pools the group's non-zero weights (``square_sums``: Σ p² per parameter; a
@@ -398,5 +399,5 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor, default_ratio: float) -
     else:
         fan_in = max((matrix_shape(p.shape)[1] for p in group["params"]), default=1)
         rms_sq = 1.0 / fan_in
-    ratio = group.get("init_std_ratio", default_ratio)
+    ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))

@@ -162,12 +162,12 @@ class EVON(Optimizer):
         eps: float = 1e-12,
     ) -> None:
         clip, nonfinite = mode_value(clip), mode_value(nonfinite)
-        # raises the first invalid keyword, by name; lr=None becomes clip's default α
         # every keyword as given: the first invalid one raises, by name; lr=None becomes clip's α
         given = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
         defaults = validate_hyperparameters(**given)
         lr = defaults["lr"]
         defaults = {"algorithm": "evon", **defaults, "betas": tuple(betas)}
+        defaults["adamw_eps"] = defaults.pop("adamw_eps")  # the group keys' order as saved
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay
         )
@@ -310,7 +310,7 @@ class EVON(Optimizer):
         for group in self.param_groups:
             if group["algorithm"] == "evon" and group["ess"] == AUTO_ESS:
                 total = self._hooks.square_sums(group["params"])  # FSDP2: a collective
-                group["ess"] = auto_ess(group, total, DEFAULT_INIT_STD_RATIO)
+                group["ess"] = auto_ess(group, total)
 
     def _member_state(self, p: Tensor) -> dict[str, Any]:
         """``self.state`` of a bucket member (under FSDP2 the member is the owner's full copy
