@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim import functional as F
 from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
+from hf_evon.optim.functional import refresh_bases as refreshed_bases
+from hf_evon.optim.functional import shampoo_statistics
 from hf_evon.optim.linalg import rotate, sample_perturbation
 
 __all__ = [
@@ -195,15 +196,15 @@ class Bucket:
         """The Shampoo statistics L (and R) of the sides with a basis, from the mean gradient."""
         st = self.state
         if self.left:
-            st["L"] = F.shampoo_statistics(st.get("L"), grad, beta3)
+            st["L"] = shampoo_statistics(st.get("L"), grad, beta3)
         if self.right:
-            st["R"] = F.shampoo_statistics(st.get("R"), grad.mT, beta3)
+            st["R"] = shampoo_statistics(st.get("R"), grad.mT, beta3)
 
     def refresh_bases(self, members: list[int] | None) -> None:
         """One power iteration + QR for the given members (None: all of them)."""
         st = self.state
         idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
-        moved, new_left, new_right = F.refresh_bases(
+        moved, new_left, new_right = refreshed_bases(
             st["L"][idx] if self.left else None,
             st["R"][idx] if self.right else None,
             st["Q_L"][idx] if self.left else None,

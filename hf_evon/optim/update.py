@@ -9,8 +9,16 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim import functional as F
 from hf_evon.optim.buckets import Bucket, Plan, point_state_views
+from hf_evon.optim.functional import (
+    adamw,
+    clipped_update,
+    hessian_update,
+    momentum_update,
+    newton_step,
+    price_estimate,
+    snr_scale,
+)
 from hf_evon.optim.linalg import eigenbasis, rotate
 
 __all__ = ["adamw_update", "evon_update", "finite_flags", "hessian_candidate", "plan_update"]
@@ -48,8 +56,8 @@ def hessian_candidate(plan: Plan, num_samples: int) -> None:
     elif plan.clean or b.acc is None:
         return
     else:
-        h_hat = F.price_estimate(b.acc, hess, ess, delta, num_samples)
-    plan.hess = F.hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
+        h_hat = price_estimate(b.acc, hess, ess, delta, num_samples)
+    plan.hess = hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
 
 
 def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
@@ -99,13 +107,13 @@ def evon_update(
     hess = st["hess"]
     if plan.hess is not None:
         hess.copy_(plan.hess)
-    numer = F.momentum_update(st["exp_avg"], g_rot, beta1, t)
+    numer = momentum_update(st["exp_avg"], g_rot, beta1, t)
     scale = None
     if g.get("snr_scaling", False) is not False and g["clip"] != "none":
-        scale = F.snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
+        scale = snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
     mean_rot = b.rotated_mean_now(track) if delta != 0.0 else None
-    step_rot = F.newton_step(numer, hess, delta, mean_rot)  # U, in the eigenbasis
-    update = F.clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
+    step_rot = newton_step(numer, hess, delta, mean_rot)  # U, in the eigenbasis
+    update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
     if update.dtype != b.params[0].dtype:
         update = update.to(b.params[0].dtype)
     # added in each parameter's own shape: works for any memory layout (channels_last)
@@ -137,7 +145,7 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     beta1, beta2 = group["betas"]
-    F.adamw(
+    adamw(
         params,
         grads,
         [st["exp_avg"] for st in states],
