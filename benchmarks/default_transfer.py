@@ -99,7 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import payoff  # noqa: E402  (the benchmark's loop, metrics and LM data)
 from payoff import Task, build_optimizer, log_probs, scores, train  # noqa: E402
 
-from hf_evon.optim.evon import DEFAULT_FINETUNING_LR  # noqa: E402
+from hf_evon.optim.defaults import DEFAULT_FINETUNING_LR  # noqa: E402
 
 # full fine-tuning's AdamW rate: TrainingArguments' default, which EVONTrainer also takes when unset
 # (``--finetuning-lr`` changes it; payoff.py's minilm_full uses 1e-4)

@@ -59,7 +59,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import hf_evon
 from hf_evon import EVONPosterior
 from hf_evon.optim import build_param_groups
-from hf_evon.optim.evon import matrix_shape, preconditioned_sides
+from hf_evon.optim.buckets import matrix_shape, preconditioned_sides
 from hf_evon.posterior.gaussian import orthonormality_error
 from hf_evon.posterior.posterior import POSTERIOR_WEIGHTS_NAME, MatrixFactors
 

@@ -319,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-size", type=int, default=2000, help="--dataset: training examples")
     p.add_argument("--eval-size", type=int, default=500, help="--dataset: test examples")
     p.add_argument("--max-length", type=int, default=32, help="tokens per text")
-    from hf_evon.optim.evon import CLIP_MODES
+    from hf_evon.optim.checks import CLIP_MODES
 
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--max-steps", type=int, default=-1, help="overrides --epochs when > 0")

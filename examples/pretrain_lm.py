@@ -51,7 +51,7 @@ from hf_evon.data import (
     split_documents,
     stdlib_corpus,
 )
-from hf_evon.optim.evon import CLIP_MODES
+from hf_evon.optim.checks import CLIP_MODES
 
 # EVON's defaults: the paper's NanoGPT table (lr, h0, ζ, β1, 1-β2, δ, β3), adaptive Hessian
 # clipping γ = 1.5 and whitened updates (the best variant of the paper's ablation).

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hf_evon import EVON, build_optimizer
-from hf_evon.optim.evon import (
+from hf_evon.optim.defaults import (
     COLLAPSE_PRIOR_TO_SIGNAL,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
@@ -424,7 +424,7 @@ def _moves_under_binding_clip(opt: EVON, model: nn.Module) -> list[torch.Tensor]
 
 
 def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> None:
-    from hf_evon.optim.evon import STEP_RATIOS, lr_from_adamw_lr
+    from hf_evon.optim.defaults import STEP_RATIOS, lr_from_adamw_lr
 
     model = mlp()
     # from scratch the default clip is "whiten_rms": entry RMS α·radius = 0.8·rate
@@ -495,7 +495,7 @@ def test_clipped_steps_shrink_when_the_gradients_fade() -> None:
     from the gradient sequence alone: 1 while a steady gradient carries signal, ≪ 1 once the
     gradients fade to small noise. Same gradients, same bases, no prior term (δ = 0: U does not
     depend on the weights): the two runs differ only by the scale."""
-    from hf_evon.optim.evon import SNR_AVERAGE_BETA, snr_floor
+    from hf_evon.optim.defaults import SNR_AVERAGE_BETA, snr_floor
 
     gen = torch.Generator().manual_seed(0)
     steady = torch.randn(6, 4, generator=gen, dtype=torch.float64)

@@ -29,7 +29,10 @@ What it does:
   (``sampled_params``, ``mc_samples``, ``posterior_std``, ...; see :class:`EVONHandle`),
   so one object does accelerate's ``step``/``zero_grad`` and EVON's sampling;
 * gives every rank rank 0's noise seed, so a job is reproducible from one seed while each
-  rank still draws its own stream (EVON seeds rank ``r`` with ``seed + 1_000_003·r``).
+  rank still draws its own stream: the generator of ``sampled_params`` block ``k`` on rank ``r``
+  is seeded with ``derived_seed(seed, r, k, device)`` (a hash of those labels,
+  :func:`hf_evon.optim.noise.derived_seed`), so the streams are independent and any rank
+  resumes its own from a checkpoint another rank saved (the block count is in the state dict).
 
 All ranks then apply the same update to the same weights and hold identical optimizer state.
 
@@ -61,9 +64,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hf_evon.distributed.fsdp2 import FSDP2Sharding
+from hf_evon.distributed.averaging import RankAverager, world_size
+from hf_evon.distributed.fsdp2 import FSDP2Sharding, shard_rows
 from hf_evon.distributed.sharding import EVONSharding
 from hf_evon.optim.evon import EVON, unwrap_optimizer
 
@@ -87,14 +90,6 @@ _PREPARED_ATTR = "_hf_evon_local_gradients"
 class UnsupportedParallelismError(RuntimeError):
     """A parallel set-up EVON cannot train correctly (FSDP1, DeepSpeed, FSDP2 other than ``Shard(0)``
     on one 1-D mesh, DTensors without FSDP2); the message names the parameter and what is supported."""
-
-
-def _is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _world_size(group: Any = None) -> int:
-    return dist.get_world_size(group) if _is_initialized() else 1
 
 
 class EVONHandle:
@@ -138,6 +133,12 @@ def as_evon_handle(optimizer: Any) -> Any:
 
     A bare EVON is returned as is; a wrapper (accelerate's ``AcceleratedOptimizer`` or any
     object holding the EVON as ``.optimizer``) gets :class:`EVONHandle` mixed into its class.
+
+    Why the class of a live object is replaced (the one place this is done): the caller keeps
+    using the object it passed (``prepare_distributed(model, opt) is opt``), and other code
+    (accelerate's ``Accelerator``, the Trainer) holds references to that same object, so a new
+    wrapper object would leave them with one that lacks EVON's API. The new class derives from
+    the old one, so ``isinstance`` checks and the wrapper's own methods are unchanged.
     """
     unwrap_optimizer(optimizer)  # raises TypeError for non-EVON optimizers
     cls = type(optimizer)
@@ -255,8 +256,6 @@ def check_supported_parallelism(model: nn.Module, optimizer: Any = None) -> Any:
                 f"and earlier ones on {mesh}: {hint}"
             )
     if mesh is not None:  # the rows each rank holds must be torch.chunk's (FSDP2's layout)
-        from hf_evon.distributed.fsdp2 import shard_rows
-
         rank, world = mesh.get_local_rank(), mesh.size()
         for n, p in named:
             want = shard_rows(p.shape[0], world, rank)[1]
@@ -290,118 +289,6 @@ def _ddp_modules(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
             if isinstance(mod, nn.parallel.DistributedDataParallel) and all(mod is not f for f in found):
                 found.append(mod)
     return found
-
-
-class RankAverager:
-    """``EVON.gradient_reducer``: averages a list of tensors across ranks, in place.
-
-    Tensors are packed per (device, dtype) into flat buffers of at most ``bucket_cap_mb``,
-    each all-reduced once (asynchronously, all in flight together), divided by the world size
-    and unpacked. All ranks end with bitwise identical values.
-
-    Args:
-        group: the data-parallel process group (default: the whole world).
-        bucket_cap_mb: upper bound of one flat buffer (bounds the extra memory).
-        check_consistency: before reducing, check (one tiny all-reduce) that every rank passes
-            the same number of tensors and elements, and raise instead of hanging if not.
-        verify_local_gradients: at the first noisy steps, check that the ranks' gradients
-            differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
-        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``).
-    """
-
-    def __init__(
-        self,
-        group: Any = None,
-        bucket_cap_mb: float = 64.0,
-        check_consistency: bool = True,
-        verify_local_gradients: bool = False,
-        optimizer: EVON | None = None,
-    ) -> None:
-        self.group = group
-        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        self.check_consistency = check_consistency
-        self.verify_local_gradients = verify_local_gradients
-        self.optimizer = optimizer
-        self.calls = 0  # how many times it averaged (once per optimizer step)
-        self._verifications_left = 3
-
-    def __call__(self, tensors: list[Tensor]) -> None:
-        self.calls += 1
-        world = _world_size(self.group)
-        if world == 1 or not tensors:
-            return
-        if self.check_consistency:
-            self._check_same_structure(tensors)
-        if self.verify_local_gradients and self._verifications_left > 0:
-            self._verify_local(tensors)
-        works = []
-        buckets = self._buckets(tensors)
-        flats = []
-        for bucket in buckets:
-            flat = _flatten_dense_tensors(bucket)
-            flats.append(flat)
-            works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
-        for bucket, flat, work in zip(buckets, flats, works):
-            work.wait()
-            flat.div_(world)
-            torch._foreach_copy_(bucket, list(_unflatten_dense_tensors(flat, bucket)))
-
-    def _buckets(self, tensors: list[Tensor]) -> list[list[Tensor]]:
-        by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
-        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-        for t in tensors:
-            if t.is_sparse:
-                raise TypeError("EVON's gradient reducer does not support sparse gradients")
-            key = (t.device, t.dtype)
-            nbytes = t.numel() * t.element_size()
-            chunks = by_kind.setdefault(key, [[]])
-            if chunks[-1] and sizes.get(key, 0) + nbytes > self.bucket_cap_bytes:
-                chunks.append([])
-                sizes[key] = 0
-            chunks[-1].append(t)
-            sizes[key] = sizes.get(key, 0) + nbytes
-        return [chunk for chunks in by_kind.values() for chunk in chunks]
-
-    def _check_same_structure(self, tensors: list[Tensor]) -> None:
-        count, numel = len(tensors), sum(t.numel() for t in tensors)
-        sig = torch.tensor([count, numel, -count, -numel], dtype=torch.int64, device=tensors[0].device)
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
-        hi_count, hi_numel, lo_count, lo_numel = sig.tolist()
-        if (hi_count, hi_numel) != (-lo_count, -lo_numel):
-            raise RuntimeError(
-                "EVON: the ranks disagree on which gradients to average (tensors per rank between "
-                f"{-lo_count} and {hi_count}, elements between {-lo_numel} and {hi_numel}; this rank: "
-                f"{count}, {numel}). Every rank must run the same sampled_params() blocks and produce "
-                "gradients for the same parameters (with DDP, find_unused_parameters=True gives "
-                "unused parameters zero gradients)"
-            )
-
-    def _verify_local(self, tensors: list[Tensor]) -> None:
-        opt = self.optimizer
-        if opt is None:
-            return
-        num_acc = sum(b.acc is not None for b in opt.buckets)
-        if num_acc == 0:  # no noise in this step (ess=inf, a clean phase): ranks may agree
-            return
-        self._verifications_left -= 1
-        grads = tensors[: len(tensors) - num_acc]
-        if not grads:
-            return
-        fingerprint = torch.stack(
-            [g.detach().double().square().sum() + g.detach().double().sum() for g in grads]
-        ).sum()
-        if fingerprint.item() == 0.0:
-            return
-        both = torch.stack([fingerprint, -fingerprint])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if both[0].item() == -both[1].item():
-            raise RuntimeError(
-                "EVON: every rank has bitwise the same gradients at its own posterior sample, so something "
-                "averaged them before EVON could form each rank's Hessian estimate. The model that runs "
-                "forward/backward is probably DDP-wrapped but was not the one passed to "
-                "hf_evon.prepare_distributed(model, optimizer): pass the model returned by "
-                "accelerator.prepare() (the DDP wrapper), not an unwrapped module"
-            )
 
 
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
@@ -472,7 +359,7 @@ def prepare_distributed(
                 "Remove the hook and call hf_evon.prepare_distributed right after accelerator.prepare()"
             ) from err
         setattr(ddp, _PREPARED_ATTR, True)
-    world = _world_size(process_group)
+    world = world_size(process_group)
     params = [p for g in evon.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
     if world > 1:
@@ -481,8 +368,7 @@ def prepare_distributed(
         if isinstance(evon.sharding, FSDP2Sharding):
             raise ValueError("this EVON was prepared for FSDP2, but the model given is not fully_shard-ed")
         if evon.sharding is None:
-            evon.sharding = EVONSharding(evon, process_group)
-            evon.sharding.drop_foreign_state()
+            evon.install_sharding(EVONSharding(evon, process_group))
         if world > 1:
             evon.gradient_reducer = evon.sharding.reduce_gradients
         return handle
@@ -518,10 +404,9 @@ def _prepare_fsdp2(model: nn.Module, evon: EVON, handle: Any, mesh: Any, shard: 
         return handle
     group = mesh.get_group()
     params = [p for g in evon.param_groups for p in g["params"]]
-    if _world_size(group) > 1:
+    if world_size(group) > 1:
         _sync_seed(evon, group, params[0]._local_tensor.device if params else torch.device("cpu"))
-    evon.sharding = FSDP2Sharding(evon, mesh)
-    evon.sharding.drop_foreign_state()
+    evon.install_sharding(FSDP2Sharding(evon, mesh))
     evon.gradient_reducer = evon.sharding.reduce_gradients  # also in one process: it gathers rows
     return handle
 
@@ -532,7 +417,7 @@ def check_ranks_in_sync(model: nn.Module, optimizer: Any, group: Any = None) -> 
     A debugging aid (it all-reduces a checksum per tensor); after every step of a prepared
     job all ranks must agree exactly.
     """
-    if _world_size(group) == 1:
+    if world_size(group) == 1:
         return
     evon = unwrap_optimizer(optimizer)
     # FSDP2 DTensors: each rank holds its own rows by design; the check covers plain tensors

@@ -40,9 +40,10 @@ import torch
 import torch.distributed as dist
 
 from hf_evon.distributed.sharding import EVONSharding, _cpu_copy, _fresh
+from hf_evon.optim.buckets import Bucket
 
 if TYPE_CHECKING:
-    from hf_evon.optim.evon import EVON, _Bucket
+    from hf_evon.optim.evon import EVON
 
 Tensor = torch.Tensor
 
@@ -93,7 +94,7 @@ class FSDP2Sharding(EVONSharding):
         return group["algorithm"] != "evon"
 
     # ------------------------------------------------------------- buckets
-    def owned_bucket(self, b: _Bucket) -> _Bucket:
+    def owned_bucket(self, b: Bucket) -> Bucket:
         sub = super().owned_bucket(b)
         sub.params = [self.proxy[id(p)] for p in sub.params]  # their state stays under the DTensor
         return sub

@@ -43,10 +43,13 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hf_evon.optim.evon import derived_seed, matrix_shape, preconditioned_sides, state_dtype
+from hf_evon.distributed.averaging import RankAverager
+from hf_evon.optim.buckets import Bucket, matrix_shape, preconditioned_sides, state_dtype
+from hf_evon.optim.hooks import ShardingHooks
+from hf_evon.optim.noise import derived_seed
 
 if TYPE_CHECKING:
-    from hf_evon.optim.evon import EVON, _Bucket
+    from hf_evon.optim.evon import EVON
 
 Tensor = torch.Tensor
 
@@ -91,8 +94,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
-class EVONSharding:
-    """Ownership and the exchanges of a sharded EVON (see the module docstring).
+class EVONSharding(ShardingHooks):
+    """Ownership and the exchanges of a sharded EVON (see the module docstring): EVON's
+    :class:`~hf_evon.optim.hooks.ShardingHooks` under DDP.
 
     Args:
         optimizer: the EVON to shard (its parameter groups are final: ownership is fixed here).
@@ -126,7 +130,7 @@ class EVONSharding:
         self.owner: dict[int, int] = {id(p): r for p, r in zip(ranked, owners)}
         self._means: list[tuple[Tensor, Tensor]] = []  # non-owned sampled params' means
         self._generators: dict[torch.device, torch.Generator] = {}  # reseeded per matrix
-        self._averager: Any = None
+        self._averager: RankAverager | None = None
         self._factors: dict[int, dict[str, Any]] | None = None  # gathered posterior factors
         self._state: dict[int, Any] | None = None  # gathered state_dict()["state"]
         # both caches hold until the state changes (step, load): see prefetch()
@@ -139,11 +143,11 @@ class EVONSharding:
     def owns(self, p: Tensor) -> bool:
         return self.owner.get(id(p), self.rank) == self.rank
 
-    def owned_members(self, b: _Bucket) -> list[int]:
+    def owned_members(self, b: Bucket) -> list[int]:
         return [i for i, p in enumerate(b.params) if self.owns(p)]
 
-    def owned_bucket(self, b: _Bucket) -> _Bucket:
-        """The bucket of this rank's members (``EVON._build_buckets``' filter)."""
+    def owned_bucket(self, b: Bucket) -> Bucket:
+        """The bucket of this rank's members (before any state is stacked)."""
         return b.subset_params(self.owned_members(b))
 
     def bucket_param(self, p: Tensor) -> Tensor:
@@ -154,26 +158,11 @@ class EVONSharding:
         """The optimizer's parameter a bucket member stands for (inverse of ``bucket_param``)."""
         return q
 
-    def square_sums(self, params: list[Tensor]) -> Tensor:
-        """``Σ p²`` (float32, on the CPU) of each parameter, for ``ess="auto"``."""
-        sq = [p.detach().float().square().sum() for p in params]
-        return torch.stack(sq).cpu() if sq else torch.zeros(0)
-
-    def before_sample(self) -> None:
-        """At a ``sampled_params`` block's entry, before any draw (nothing to do under DDP)."""
-
-    def before_step(self) -> None:
-        """In ``step()``, after ``synchronize()`` (nothing to do under DDP)."""
-
-    def adamw_tensors(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """The tensors AdamW updates for ``params`` and their gradients."""
-        return params, [p.grad for p in params]
-
     def _src(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not None else r
 
     # ------------------------------------------------------------- noise
-    def standard_normal(self, b: _Bucket) -> Tensor:
+    def standard_normal(self, b: Bucket) -> Tensor:
         """``z`` for the bucket's members, each from its own matrix's stream (world-independent)."""
         device = b.params[0].device
         opt = self.optimizer
@@ -182,7 +171,7 @@ class EVONSharding:
             gen = self._generators[device] = torch.Generator(device=device)
         out = torch.empty(len(b.params), b.m, b.n, device=device, dtype=b.dtype)
         for i, p in enumerate(b.params):
-            gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], opt._sample_blocks))
+            gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], opt.sample_blocks))
             torch.randn(b.m, b.n, generator=gen, device=device, dtype=b.dtype, out=out[i])
         return out
 
@@ -240,17 +229,15 @@ class EVONSharding:
                 self.averager(grads)
 
     @property
-    def averager(self) -> Any:
+    def averager(self) -> RankAverager:
         if self._averager is None:
-            from hf_evon.distributed.ddp import RankAverager
-
             self._averager = RankAverager(group=self.group)
         return self._averager
 
     def reduce_gradients(self, tensors: list[Tensor]) -> None:
         """``EVON.gradient_reducer`` in sharded mode: a step without ``sampled_params(train=True)``
         blocks (ess = inf) averages its gradients here; sampled gradients were averaged at exit."""
-        if self.optimizer._samples == 0:
+        if self.optimizer.recorded_samples == 0:
             self.averager([t for t in tensors if t is not None])
 
     def after_step(self) -> None:
@@ -310,14 +297,6 @@ class EVONSharding:
         keep = {i for i, p in zip(ids, params) if self.owns(p)}
         self._factors = self._state = None
         return {**sd, "state": {k: v for k, v in sd["state"].items() if k in keep}}
-
-    def drop_foreign_state(self) -> None:
-        """Forget state of parameters another rank owns (state made before sharding)."""
-        opt = self.optimizer
-        for p in [p for p in opt.state if not self.owns(p)]:
-            del opt.state[p]
-        opt._buckets = None
-        self._factors = self._state = None
 
     def gather_factors(self) -> None:
         """Fetch every matrix's posterior factors to every rank (a collective): after this,

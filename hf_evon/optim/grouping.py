@@ -10,37 +10,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.optim.evon import (
+from hf_evon.optim.checks import is_real, require
+from hf_evon.optim.defaults import (
+    ADAPTER_LR_SCALE,
+    ADAPTER_LR_SCALES,
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
     DEFAULT_FINETUNING_LR,
     DEFAULT_LR,
-    EVON,
-    _is_real,
-    _require,
     default_clip,
     default_hess_init,
     default_snr_scaling,
     lr_from_adamw_lr,
     ratio_clip,
 )
+from hf_evon.optim.evon import EVON
 from hf_evon.optim.recipes import recipe_kwargs
 
-# Parameters that start from scratch inside a pretrained model get this multiple of EVON's rate:
-# what PEFT trains (LoRA ``lora_A``/``lora_B``, the ``modules_to_save`` copies) and a fine-tuned
-# model's new task head. ``B`` and the head start at zero or at random, and their gradients point
-# the same way step after step, where AdamW moves the full rate per step (EVON's sign-like steps are
-# sized for the 0.2·rate RMS of noisy gradients). Measured in benchmarks/payoff.py (MiniLM, seed 0):
-# LoRA at 1x ended at NLL 1.09 vs AdamW's 0.84, at 5x (adapters and head) 0.75; full fine-tuning
-# (step ratio 0.2) with the head at 1x: NLL 1.23, at 5x 1.15; with the fine-tuning step ratio 0.5
-# and the head at 5x, NLL 0.620 over 3 seeds vs AdamW's 0.660 (4 epochs; the benchmark's 3 epochs
-# and ratio 0.6; since then ratio 1.5 with Adam-sized steps: see STEP_RATIOS). With "whiten_rms"
-# (ratio 0.8) the scale is 1.25: adapter steps of entry RMS 1.0·rate, as "whiten_rms" at ratio 0.2
-# with 5x, where LoRA ended at NLL 0.682 (seed 0; "element" 0.814, AdamW 1.001); 0.8 with 5x
-# destroyed the classifier (NLL 1.62, accuracy 15%).
-ADAPTER_LR_SCALES = {"element": 5.0, "whiten_rms": 1.25}
-ADAPTER_LR_SCALE = ADAPTER_LR_SCALES["element"]  # other clip modes
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 # transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
 # ``score``, question answering ``qa_outputs``), by name: usually new in a model loaded with
@@ -158,22 +145,22 @@ def build_optimizer(
     clip mode).
     ``learning_rate`` is the rate you would give AdamW (None: for α only, 1e-3, or 5e-5 for full
     fine-tuning, as ``EVONTrainer``): EVON's α
-    becomes :func:`~hf_evon.optim.evon.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe`` sets
-    α) and the AdamW part uses it (unless ``adamw_lr`` is given). Without a recipe, ``clip``
-    defaults to :func:`~hf_evon.optim.evon.default_clip`: "whiten_rms", or "element" when
-    :func:`is_full_finetuning`, ``hess_init`` to :func:`~hf_evon.optim.evon.default_hess_init`
+    becomes :func:`~hf_evon.optim.defaults.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe``
+    sets α) and the AdamW part uses it (unless ``adamw_lr`` is given). Without a recipe, ``clip``
+    defaults to :func:`~hf_evon.optim.defaults.default_clip`: "whiten_rms", or "element" when
+    :func:`is_full_finetuning`, ``hess_init`` to :func:`~hf_evon.optim.defaults.default_hess_init`
     (0.01; 1e-3 for full fine-tuning) and ``snr_scaling`` to
-    :func:`~hf_evon.optim.evon.default_snr_scaling` (True; "adam" for full fine-tuning). The
-    reasons and measurements: ``hf_evon.optim.evon``.
+    :func:`~hf_evon.optim.defaults.default_snr_scaling` (True; "adam" for full fine-tuning). The
+    reasons: :mod:`hf_evon.optim.defaults`; the measurements: ``docs/defaults.md``.
     """
-    _require(
+    require(
         "adapter_lr_scale",
         adapter_lr_scale,
-        adapter_lr_scale is None or (_is_real(adapter_lr_scale) and adapter_lr_scale > 0),
+        adapter_lr_scale is None or (is_real(adapter_lr_scale) and adapter_lr_scale > 0),
         "None or a number > 0",
     )
     if learning_rate is not None:
-        _require(
+        require(
             "learning_rate",
             learning_rate,
             isinstance(learning_rate, int | float)

@@ -130,9 +130,8 @@ def _cholesky_qr_pass(a: Tensor, shift: Tensor | None = None) -> tuple[Tensor, T
 def cholesky_qr(a: Tensor) -> Tensor:
     """``Q`` of ``A = Q R`` by shifted CholeskyQR3 (Fukaya et al., 2020) in float64.
 
-    cuSOLVER's Householder QR of the GPT-2-small refresh batch takes ~840 ms on an H100;
-    this, built from Gram matrices, Cholesky and triangular solves, about half of that
-    (``benchmarks/eigenbasis_refresh.py``). Columns are first scaled to unit norm (``Q`` is
+    Built from Gram matrices, Cholesky and triangular solves, it takes about half the time of
+    cuSOLVER's Householder QR on a GPU refresh batch (docs/defaults.md#cholesky-qr). Columns are first scaled to unit norm (``Q`` is
     unchanged by that); float64 and the shift keep it stable up to condition numbers ~1e15.
     Members whose Cholesky still fails (e.g. an all-zero ``A``) use Householder QR.
     """

@@ -2,7 +2,7 @@
 
 Each recipe is the hyperparameter table of ``soap-bubbles.tex`` it cites, for the setting it
 was tuned in; anything passed explicitly next to ``recipe=`` wins. Our defaults (no recipe)
-are the scale-free ones documented in :mod:`hf_evon.optim.evon`: the paper's numbers were
+are the scale-free ones of :mod:`hf_evon.optim.defaults` (``docs/defaults.md``): the paper's numbers were
 tuned for GPU-scale runs (batch 512, thousands of steps; CLIP ViT fine-tuning) and are a
 starting point there, not a rule for small models. Every recipe runs the paper's algorithm,
 so ``snr_scaling`` (our step-size rule, which the paper does not have) is off in each.

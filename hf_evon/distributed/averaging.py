@@ -1,0 +1,133 @@
+"""Averaging tensors across data-parallel ranks in a few flat all-reduces (``EVON.gradient_reducer``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+if TYPE_CHECKING:
+    from hf_evon.optim.evon import EVON
+
+Tensor = torch.Tensor
+
+__all__ = ["RankAverager", "world_size"]
+
+
+def world_size(group: Any = None) -> int:
+    """Processes in ``group`` (1 without an initialised process group)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+class RankAverager:
+    """``EVON.gradient_reducer``: averages a list of tensors across ranks, in place.
+
+    Tensors are packed per (device, dtype) into flat buffers of at most ``bucket_cap_mb``,
+    each all-reduced once (asynchronously, all in flight together), divided by the world size
+    and unpacked. All ranks end with bitwise identical values.
+
+    Args:
+        group: the data-parallel process group (default: the whole world).
+        bucket_cap_mb: upper bound of one flat buffer (bounds the extra memory).
+        check_consistency: before reducing, check (one tiny all-reduce) that every rank passes
+            the same number of tensors and elements, and raise instead of hanging if not.
+        verify_local_gradients: at the first noisy steps, check that the ranks' gradients
+            differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
+        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        bucket_cap_mb: float = 64.0,
+        check_consistency: bool = True,
+        verify_local_gradients: bool = False,
+        optimizer: EVON | None = None,
+    ) -> None:
+        self.group = group
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.check_consistency = check_consistency
+        self.verify_local_gradients = verify_local_gradients
+        self.optimizer = optimizer
+        self.calls = 0  # how many times it averaged (once per optimizer step)
+        self._verifications_left = 3
+
+    def __call__(self, tensors: list[Tensor]) -> None:
+        self.calls += 1
+        world = world_size(self.group)
+        if world == 1 or not tensors:
+            return
+        if self.check_consistency:
+            self._check_same_structure(tensors)
+        if self.verify_local_gradients and self._verifications_left > 0:
+            self._verify_local(tensors)
+        works = []
+        buckets = self._buckets(tensors)
+        flats = []
+        for bucket in buckets:
+            flat = _flatten_dense_tensors(bucket)
+            flats.append(flat)
+            works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        for bucket, flat, work in zip(buckets, flats, works):
+            work.wait()
+            flat.div_(world)
+            torch._foreach_copy_(bucket, list(_unflatten_dense_tensors(flat, bucket)))
+
+    def _buckets(self, tensors: list[Tensor]) -> list[list[Tensor]]:
+        by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
+        sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+        for t in tensors:
+            if t.is_sparse:
+                raise TypeError("EVON's gradient reducer does not support sparse gradients")
+            key = (t.device, t.dtype)
+            nbytes = t.numel() * t.element_size()
+            chunks = by_kind.setdefault(key, [[]])
+            if chunks[-1] and sizes.get(key, 0) + nbytes > self.bucket_cap_bytes:
+                chunks.append([])
+                sizes[key] = 0
+            chunks[-1].append(t)
+            sizes[key] = sizes.get(key, 0) + nbytes
+        return [chunk for chunks in by_kind.values() for chunk in chunks]
+
+    def _check_same_structure(self, tensors: list[Tensor]) -> None:
+        count, numel = len(tensors), sum(t.numel() for t in tensors)
+        sig = torch.tensor([count, numel, -count, -numel], dtype=torch.int64, device=tensors[0].device)
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
+        hi_count, hi_numel, lo_count, lo_numel = sig.tolist()
+        if (hi_count, hi_numel) != (-lo_count, -lo_numel):
+            raise RuntimeError(
+                "EVON: the ranks disagree on which gradients to average (tensors per rank between "
+                f"{-lo_count} and {hi_count}, elements between {-lo_numel} and {hi_numel}; this rank: "
+                f"{count}, {numel}). Every rank must run the same sampled_params() blocks and produce "
+                "gradients for the same parameters (with DDP, find_unused_parameters=True gives "
+                "unused parameters zero gradients)"
+            )
+
+    def _verify_local(self, tensors: list[Tensor]) -> None:
+        opt = self.optimizer
+        if opt is None:
+            return
+        num_acc = sum(b.acc is not None for b in opt.buckets)
+        if num_acc == 0:  # no noise in this step (ess=inf, a clean phase): ranks may agree
+            return
+        self._verifications_left -= 1
+        grads = tensors[: len(tensors) - num_acc]
+        if not grads:
+            return
+        fingerprint = torch.stack(
+            [g.detach().double().square().sum() + g.detach().double().sum() for g in grads]
+        ).sum()
+        if fingerprint.item() == 0.0:
+            return
+        both = torch.stack([fingerprint, -fingerprint])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if both[0].item() == -both[1].item():
+            raise RuntimeError(
+                "EVON: every rank has bitwise the same gradients at its own posterior sample, so something "
+                "averaged them before EVON could form each rank's Hessian estimate. The model that runs "
+                "forward/backward is probably DDP-wrapped but was not the one passed to "
+                "hf_evon.prepare_distributed(model, optimizer): pass the model returned by "
+                "accelerator.prepare() (the DDP wrapper), not an unwrapped module"
+            )

@@ -1,0 +1,404 @@
+"""EVON's stacked state: parameters of one shape in one ``(B, m, n)`` bucket, and how buckets are built.
+
+A bucket holds the EVON parameters of one group with the same matrix shape, device, bases and
+state dtype. Its persistent state (``hess``, ``exp_avg``, ``L``, ``R``, ``Q_L``, ``Q_R``, ...) is
+stacked, and the per-parameter entries of ``optimizer.state`` are views into it, so a step is a
+handful of batched matmuls whatever the number of parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
+from hf_evon.optim.functional import refresh_bases as refreshed_bases
+from hf_evon.optim.functional import shampoo_statistics
+from hf_evon.optim.linalg import rotate, sample_perturbation
+
+__all__ = [
+    "Bucket",
+    "Plan",
+    "assign_refresh_phases",
+    "auto_ess",
+    "group_buckets",
+    "is_dtensor",
+    "matrix_shape",
+    "preconditioned_sides",
+    "stack_state",
+    "state_dtype",
+]
+
+Tensor = torch.Tensor
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
+    """How EVON views a parameter as a matrix: 1-D/0-D as ``1×d``, N-D as ``(d0, rest)``."""
+    if len(shape) <= 1:
+        return 1, int(math.prod(shape))
+    return int(shape[0]), int(math.prod(shape[1:]))
+
+
+def preconditioned_sides(
+    shape: tuple[int, ...], max_precond_dim: int, identity_basis: bool
+) -> tuple[bool, bool]:
+    """Which sides get an eigenbasis. 1-D tensors and IVON mode get none (``Q = I``)."""
+    if identity_basis or len(shape) <= 1:
+        return False, False
+    m, n = matrix_shape(shape)
+    return 1 < m <= max_precond_dim, 1 < n <= max_precond_dim
+
+
+def is_dtensor(p: Tensor) -> bool:
+    """Whether ``p`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallelism)."""
+    return type(p).__name__ == "DTensor" and hasattr(p, "placements")
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """Float32 for every parameter dtype, except float64 parameters keep float64."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class Bucket:
+    """EVON parameters of one group with the same matrix shape, device and bases."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    m: int
+    n: int
+    left: bool
+    right: bool
+    dtype: torch.dtype
+    state: dict[str, Tensor] = field(default_factory=dict)  # stacked persistent state
+    refresh_phase: list[int] = field(default_factory=list)  # refresh when (t + phase) % f == 0
+    # transient, only between the first sample of a step and ``step()``
+    acc: Tensor | None = None  # Σ_s G°_s ⊙ z_s
+    z: Tensor | None = None  # standard-normal draw of the sample in progress
+    mean: Tensor | None = None  # the posterior mean while a sample is in the weights
+    live: list[int] | None = None  # members a sample perturbs (None: all; frozen ones are left alone)
+    exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
+    rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
+    # Q_Lᵀ M Q_R of the current weights, kept up to date by step() where that is exact (see
+    # ``tracks_rotated_mean``), with each weight's (version, data_ptr) when it was last valid
+    rotated_mean: Tensor | None = None
+    mean_stamps: list[tuple[int, int]] | None = None
+    # posterior_health's per-matrix runaway watch: members that were non-zero when the optimizer first
+    # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
+    # has outgrown its noise)
+    watched: Tensor | None = None  # (B,) bool, on the bucket's device
+
+    @property
+    def preconditioned(self) -> bool:
+        return self.left or self.right
+
+    @property
+    def initialized(self) -> bool:
+        return not self.preconditioned or "L" in self.state or "R" in self.state
+
+    @property
+    def t(self) -> int:
+        return int(self.state["step"].item())
+
+    def bases(self) -> tuple[Tensor | None, Tensor | None]:
+        return self.state.get("Q_L"), self.state.get("Q_R")
+
+    def stacked(self, tensors: list[Tensor]) -> Tensor:
+        """Stack per-parameter tensors as ``(B, m, n)``, their dtype kept (one copy).
+
+        Called under ``no_grad``: no ``detach``, and no ``reshape`` of a tensor that is already
+        ``m×n``, so the aten ops of a step do not grow with the number of parameters."""
+        mn = (self.m, self.n)
+        return torch.stack([x if x.shape == mn else x.reshape(mn) for x in tensors])
+
+    def matrices(self, tensors: list[Tensor | None]) -> Tensor:
+        """Stack per-parameter tensors as ``(B, m, n)`` in the state dtype (None -> zeros)."""
+        shaped = [
+            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype) if x is None else x
+            for x in tensors
+        ]
+        out = self.stacked(shaped)
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
+    def unstacked(self, values: Tensor, idx: Iterable[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """``(params, values in each parameter's own shape)`` for the listed members (one unbind)."""
+        rows = values.unbind(0)
+        pairs = [(self.params[i], rows[i]) for i in idx]
+        return [p for p, _ in pairs], [v if v.shape == p.shape else v.reshape(p.shape) for p, v in pairs]
+
+    def grads(self) -> Tensor:
+        return self.matrices([p.grad for p in self.params])
+
+    def rotated_mean_grad(self, grad: Tensor, num_samples: int) -> Tensor:
+        """``Q_Lᵀ grad Q_R`` for ``grad`` = gradient sum / num_samples; the rotation made at the
+        last sample's exit is reused when ``step()`` found the gradients unchanged since."""
+        if self.rotated_grads is not None:
+            return self.rotated_grads.div_(num_samples)
+        return rotate(grad, *self.bases())
+
+    def write_params(self, values: Tensor, members: list[int] | None = None) -> None:
+        """Copy ``values[i]`` into member ``i`` (all members, or those listed)."""
+        idx = range(len(self.params)) if members is None else members
+        # in place into the parameters themselves (callers hold no_grad): the version counter
+        # moves, so autograd notices a graph used across a swap; copy_ into the parameter's
+        # own shape works for any memory layout (channels_last)
+        fresh = self.rotated_mean_valid()
+        torch._foreach_copy_(*self.unstacked(values, idx))
+        if fresh:  # our own write (a sample in, the mean back out): the rotated mean stays valid
+            self.stamp_mean()
+
+    def stamp_mean(self) -> None:
+        """Record the weights' versions: ``rotated_mean`` is the rotation of the weights as now."""
+        self.mean_stamps = [(p._version, p.data_ptr()) for p in self.params]
+
+    def rotated_mean_valid(self) -> bool:
+        """Whether ``rotated_mean`` is the rotation of the weights as they are now: nothing but
+        this optimizer wrote them since (in-place writes bump a tensor's version; assigning
+        ``.data`` moves its storage; only in-place writes through ``.data`` go unseen)."""
+        stamps = self.mean_stamps
+        return (
+            self.rotated_mean is not None
+            and stamps is not None
+            and all(s == (p._version, p.data_ptr()) for s, p in zip(stamps, self.params))
+        )
+
+    # ------------------------------------------------------------- sampling
+    def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> None:
+        """Write a posterior sample into the unfrozen members (``draw(self)``: the standard
+        normal ``z``); with ``train``, keep ``z`` for the Hessian numerator of the sample."""
+        live = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.live = None if len(live) == len(self.params) else live
+        g = self.group
+        self.mean = self.stacked(self.params)  # exact copy, in the parameters' dtype
+        z = draw(self)
+        q_left, q_right = self.bases() if self.initialized else (None, None)
+        noise = sample_perturbation(z, self.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
+        self.write_params(self.mean.to(self.dtype) + noise, self.live)
+        if train and self.initialized:
+            self.z = z
+            if self.acc is None:
+                self.acc = torch.zeros_like(z)
+
+    def record_sample(self, alone: bool) -> None:
+        """Add this sample's ``G°_s ⊙ z_s`` to the Hessian numerator. ``alone``: no earlier
+        gradient is added to it, so its rotation is the step's too if nothing changes it."""
+        grads = self.grads()
+        rotated = rotate(grads, *self.bases())
+        self.acc.addcmul_(rotated, self.z)
+        self.exit_grads, self.rotated_grads = (grads, rotated) if alone else (None, None)
+
+    # ------------------------------------------------------------- eigenbasis
+    def update_statistics(self, grad: Tensor, beta3: float) -> None:
+        """The Shampoo statistics L (and R) of the sides with a basis, from the mean gradient."""
+        st = self.state
+        if self.left:
+            st["L"] = shampoo_statistics(st.get("L"), grad, beta3)
+        if self.right:
+            st["R"] = shampoo_statistics(st.get("R"), grad.mT, beta3)
+
+    def refresh_bases(self, members: list[int] | None) -> None:
+        """One power iteration + QR for the given members (None: all of them)."""
+        st = self.state
+        idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
+        moved, new_left, new_right = refreshed_bases(
+            st["L"][idx] if self.left else None,
+            st["R"][idx] if self.right else None,
+            st["Q_L"][idx] if self.left else None,
+            st["Q_R"][idx] if self.right else None,
+            st["exp_avg"][idx],
+        )
+        for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
+            if value is not None:
+                st[key][idx] = value
+        if self.rotated_mean is not None:  # the refreshed members' weights, in their new bases
+            listed = range(len(self.params)) if members is None else members
+            self.rotated_mean[idx] = rotate(
+                self.matrices([self.params[i] for i in listed]), new_left, new_right
+            )
+
+    # ------------------------------------------------------------- the rotated mean
+    def tracks_rotated_mean(self, whole: bool) -> bool:
+        """Whether this step can carry ``Q_Lᵀ M Q_R`` over to the next one without a rotation.
+
+        Exact when the update is not clipped (``clip="none"``: ``M - αΔ`` rotates to
+        ``Q_Lᵀ M Q_R - αU``) and the weights hold exactly what the optimizer computes (their
+        dtype is the state's: a bfloat16 model rounds M each step). Costs one ``m×n`` float
+        tensor per matrix; saves the prior term's two matmuls per step. The whole bucket must
+        step (``whole``: members without a gradient would need their own bookkeeping).
+        """
+        return (
+            whole
+            and self.preconditioned
+            and self.group["clip"] == "none"
+            and self.group["weight_decay"] != 0.0
+            and self.params[0].dtype == self.dtype
+        )
+
+    def rotated_mean_now(self, track: bool) -> Tensor:
+        """``Q_Lᵀ M Q_R``: the tracked one when it is still the weights' rotation, else rotated now."""
+        if track and self.rotated_mean_valid():
+            return self.rotated_mean
+        return rotate(self.matrices(self.params), *self.bases())
+
+    def subset_params(self, members: list[int]) -> Bucket:
+        """A bucket of the listed members, before any state is stacked (sharding's filter)."""
+        return Bucket(
+            self.group,
+            [self.params[i] for i in members],
+            self.m,
+            self.n,
+            self.left,
+            self.right,
+            self.dtype,
+            refresh_phase=[self.refresh_phase[i] for i in members],
+        )
+
+    def subset(self, members: list[int]) -> Bucket:
+        """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
+        idx = torch.tensor(members, device=self.state["hess"].device)
+
+        def pick(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.index_select(0, idx)
+
+        sub = self.subset_params(members)
+        sub.state = {k: v if k == "step" else pick(v) for k, v in self.state.items()}  # one shared counter
+        sub.acc, sub.exit_grads, sub.rotated_grads = (
+            pick(self.acc),
+            pick(self.exit_grads),
+            pick(self.rotated_grads),
+        )
+        return sub
+
+    def scatter(self, sub: Bucket, members: list[int]) -> None:
+        idx = torch.tensor(members, device=self.state["hess"].device)
+        for k, v in sub.state.items():
+            if k != "step":
+                self.state[k].index_copy_(0, idx, v)
+
+    def noisy_phase(self) -> bool:
+        """Whether the coming step estimates the Hessian from sampled weights."""
+        g = self.group
+        if math.isinf(g["ess"]):
+            return False
+        if not g["phased_gradients"]:
+            return True
+        # phased gradients: the initialising step and even updates are clean
+        return self.initialized and (self.t + 1) % 2 == 1
+
+
+@dataclass
+class Plan:
+    """One bucket's step, prepared by ``EVON`` before anything is changed."""
+
+    bucket: Bucket
+    work: Bucket  # the bucket itself, or the subset of members that have a gradient
+    members: list[int] | None  # that subset's indices (None: all members)
+    grad: Tensor  # the mean gradient over the step's samples, (B, m, n)
+    unchanged: Tensor | None = None  # device flag: gradients as at the last sample's exit
+    g_rot: Tensor | None = None  # rotated gradient, when formed already (ess = inf)
+    hess: Tensor | None = None  # candidate H (None: H is not updated this step)
+
+    @property
+    def clean(self) -> bool:
+        """A clean (gradient-at-the-mean) step of phased gradients: no Hessian update."""
+        g = self.work.group
+        return g["phased_gradients"] and not self.work.noisy_phase() and not math.isinf(g["ess"])
+
+
+def group_buckets(param_groups: list[dict[str, Any]]) -> list[Bucket]:
+    """The EVON groups' parameters, bucketed by (group, device, matrix shape, bases, state dtype)."""
+    buckets: dict[tuple, Bucket] = {}
+    for gi, group in enumerate(param_groups):
+        if group["algorithm"] != "evon":
+            continue
+        for p in group["params"]:
+            m, n = matrix_shape(p.shape)
+            left, right = preconditioned_sides(
+                tuple(p.shape), group["max_precond_dim"], group["identity_basis"]
+            )
+            key = (gi, p.device, m, n, left, right, state_dtype(p))
+            if key not in buckets:
+                buckets[key] = Bucket(group, [], m, n, left, right, state_dtype(p))
+            buckets[key].params.append(p)
+    return list(buckets.values())
+
+
+def assign_refresh_phases(param_groups: list[dict[str, Any]], buckets: list[Bucket]) -> None:
+    """Spread each group's QR work evenly over the f steps of a refresh cycle."""
+    for group in param_groups:
+        members = [(b, i) for b in buckets if b.group is group for i in range(len(b.params))]
+        for b in buckets:
+            if b.group is group:
+                b.refresh_phase = [0] * len(b.params)
+        if not group.get("stagger_refresh", False):
+            continue
+        f = group["precondition_frequency"]
+        load = [0.0] * f
+
+        def cost(member: tuple[Bucket, int]) -> float:
+            b = member[0]
+            return float(b.m**3 * b.left + b.n**3 * b.right)
+
+        for b, i in sorted(members, key=cost, reverse=True):  # stable: ties keep order
+            phase = load.index(min(load))
+            b.refresh_phase[i] = phase
+            load[phase] += cost((b, i))
+
+
+def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> None:
+    """Move per-parameter state into stacked storage; per-parameter entries become views.
+
+    ``member_state(p)`` is the ``optimizer.state`` entry of bucket member ``p``."""
+    device, dt = b.params[0].device, b.dtype
+    first = member_state(b.params[0])
+    step = first.get("step", torch.zeros((), dtype=torch.float32)).detach().clone().cpu()
+    fresh = {
+        "hess": lambda: torch.full((b.m, b.n), b.group["hess_init"], device=device, dtype=dt),
+        "exp_avg": lambda: torch.zeros(b.m, b.n, device=device, dtype=dt),
+        # EMA of ‖G‖²_F, one number per matrix (snr_scaling); zero in a state saved without it
+        "exp_avg_sq_norm": lambda: torch.zeros((), device=device, dtype=dt),
+    }
+    keys = list(fresh) + [k for k in ("L", "R", "Q_L", "Q_R") if k in first]
+    for k in keys:
+        per_param = [member_state(p).get(k) for p in b.params]
+        if any(x is None for x in per_param) and k not in fresh:
+            raise ValueError(f"EVON state {k!r} is missing for some parameters of shape {(b.m, b.n)}")
+        b.state[k] = torch.stack([fresh[k]() if x is None else x.to(device, dt) for x in per_param])
+    b.state["step"] = step
+    point_state_views(b, member_state, tuple(keys))
+    for p in b.params:
+        member_state(p)["step"] = step
+
+
+def point_state_views(
+    b: Bucket, member_state: Callable[[Tensor], dict[str, Any]], keys: Iterable[str]
+) -> None:
+    """Make each member's ``optimizer.state`` entries views of the bucket's stacked ``keys``."""
+    keys = tuple(keys)
+    for i, p in enumerate(b.params):
+        st = member_state(p)
+        for k in keys:
+            if k in b.state:
+                st[k] = b.state[k][i]
+
+
+def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
+    """ζ = 1 / (ρ² · rms² · (h0 + δ)) for ``ess="auto"``: the initial std is ρ · rms.
+
+    rms pools the group's non-zero weights (``square_sums``: Σ p² per parameter; a
+    zero-initialised LoRA ``B`` says nothing about scale); an all-zero group uses
+    1/sqrt(fan-in), nn.Linear's initial scale. ρ is the group's ``init_std_ratio``.
+    """
+    sizes = [p.numel() for p in group["params"]]
+    nonzero = [(float(t), n) for t, n in zip(square_sums.tolist(), sizes) if t > 0.0]
+    if nonzero:
+        rms_sq = sum(t for t, _ in nonzero) / sum(n for _, n in nonzero)
+    else:
+        fan_in = max((matrix_shape(p.shape)[1] for p in group["params"]), default=1)
+        rms_sq = 1.0 / fan_in
+    ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+    return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))

@@ -1,0 +1,173 @@
+"""EVON's update maths as functions on stacked ``(B, m, n)`` tensors (one row per matrix).
+
+``EVON.step`` calls these in order, per bucket:
+
+1. ``price_estimate`` and ``hessian_update``: the candidate H after this step (the Price
+   estimate of the sampled gradients, adaptively clipped, EMA with IVON's correction);
+2. ``momentum_update``, ``snr_scale``, ``newton_step``, ``clipped_update``: the step itself;
+3. ``shampoo_statistics`` and ``refresh_bases``: the eigenbasis (L, R and a power step + QR);
+4. ``adamw``: the groups trained by AdamW (``torch.optim``'s functional Adam).
+
+They take tensors and numbers only, so each can be called and tested alone. Where a function
+updates state, it does so in place (named in its docstring), as ``torch.optim``'s functional
+kernels do; op order and in-place ops are part of the contract (resumes are bit-for-bit).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.adam import adam as _functional_adam
+
+from hf_evon.optim.defaults import SNR_AVERAGE_BETA, snr_floor
+from hf_evon.optim.linalg import clip_update, gram, power_qr, rotate, unrotate
+
+__all__ = [
+    "adamw",
+    "clipped_update",
+    "hessian_update",
+    "momentum_update",
+    "newton_step",
+    "price_estimate",
+    "refresh_bases",
+    "shampoo_statistics",
+    "snr_scale",
+]
+
+Tensor = torch.Tensor
+
+
+def price_estimate(acc: Tensor, hess: Tensor, ess: float, delta: float, num_samples: int) -> Tensor:
+    """Ĥ = (Σ_s G°_s ⊙ z_s) · sqrt(ζ(H+δ)) / S: the Price (Stein) estimate of the rotated Hessian
+    from S samples whose noise was ``z_s / sqrt(ζ(H+δ))``. In place on ``acc`` (returned)."""
+    return acc.mul_(torch.sqrt(ess * (hess + delta))).div_(num_samples)
+
+
+def hessian_update(
+    hess: Tensor,
+    h_hat: Tensor,
+    beta2: float,
+    delta: float,
+    ess: float,
+    clip_ratio: float | None,
+    eps: float,
+) -> Tensor:
+    """H after one step (a new tensor): β2·H + (1−β2)·clip(Ĥ) (+ IVON's correction).
+
+    ``clip_ratio`` γ bounds Ĥ to ±γ(H+ε) (None: no clip). For sampled weights (finite ``ess``)
+    IVON's correction ½(1−β2)²(H−Ĥ)²/(H+δ) keeps H + δ > 0 for the sampled estimator, which can
+    be negative (squared gradients, at ess = inf, cannot: neither the paper's algorithm nor SOAP has it there).
+    """
+    if clip_ratio is not None:
+        bound = clip_ratio * (hess + eps)
+        h_hat = torch.minimum(torch.maximum(h_hat, -bound), bound)
+    new = hess.mul(beta2).add_(h_hat, alpha=1 - beta2)
+    if not math.isinf(ess):
+        # scaled before squaring: a finite spike in Ĥ must not overflow (H−Ĥ)² on its way
+        scaled = (hess - h_hat).mul_((1 - beta2) / math.sqrt(2.0)).div_(torch.sqrt(hess + delta))
+        new.add_(scaled.square_())
+    return new
+
+
+def momentum_update(exp_avg: Tensor, g_rot: Tensor, beta1: float, t: int) -> Tensor:
+    """The rotated momentum m ← β1·m + (1−β1)·G_rot (in place on ``exp_avg``); returns m̂ =
+    m / (1 − β1ᵗ), a new tensor."""
+    exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
+    return exp_avg / (1 - beta1**t)
+
+
+def snr_scale(
+    exp_avg_sq_norm: Tensor, momentum: Tensor, g_rot: Tensor, t: int, beta1: float, adam: bool
+) -> Tensor:
+    """The step's scale per matrix, ``(B,)``: min(1, ρ/ρ₀) (``adam``: min(1, ρ)), ρ = ‖m̂‖_F /
+    sqrt(EMA‖G‖²_F). Updates the EMA (in place on ``exp_avg_sq_norm``, decay ``SNR_AVERAGE_BETA``);
+    norms are the same in the eigenbasis: Q is orthonormal."""
+    avg = exp_avg_sq_norm
+    avg.mul_(SNR_AVERAGE_BETA).add_(
+        torch.linalg.vector_norm(g_rot, dim=(1, 2)).square_(), alpha=1 - SNR_AVERAGE_BETA
+    )
+    rms = avg.div(1 - SNR_AVERAGE_BETA**t).sqrt_().clamp_min_(torch.finfo(avg.dtype).tiny)
+    rho = torch.linalg.vector_norm(momentum, dim=(1, 2)).div_(rms)
+    if not adam:
+        rho.div_(snr_floor(beta1))
+    return rho.clamp_(max=1.0)
+
+
+def newton_step(momentum: Tensor, hess: Tensor, delta: float, mean_rot: Tensor | None) -> Tensor:
+    """U = (m̂ + δ·Q_Lᵀ M Q_R) / (H + δ), the step in the eigenbasis (in place on ``momentum``;
+    ``mean_rot=None`` leaves out the prior's pull, as for δ = 0)."""
+    if mean_rot is not None:
+        momentum.add_(mean_rot, alpha=delta)
+    return momentum.div_(hess + delta)
+
+
+def clipped_update(
+    step_rot: Tensor,
+    q_left: Tensor | None,
+    q_right: Tensor | None,
+    clip: str,
+    radius: float,
+    scale: Tensor | None,
+) -> Tensor:
+    """Δ = clip(Q_L U Q_Rᵀ) · scale: the update in the weights' space (a new tensor)."""
+    update = clip_update(unrotate(step_rot, q_left, q_right), clip, radius)
+    if scale is not None:
+        update.mul_(scale.view(-1, 1, 1))
+    return update
+
+
+def shampoo_statistics(stat: Tensor | None, grad: Tensor, beta3: float) -> Tensor:
+    """The EMA of ``grad @ grad.mT`` (L; pass ``grad.mT`` for R): in place on ``stat`` when it
+    exists, else the first term (1 − β3)·G Gᵀ."""
+    gg = gram(grad)
+    return stat.mul_(beta3).add_(gg, alpha=1 - beta3) if stat is not None else gg.mul_(1 - beta3)
+
+
+def refresh_bases(
+    left_stat: Tensor | None,
+    right_stat: Tensor | None,
+    q_left: Tensor | None,
+    q_right: Tensor | None,
+    exp_avg: Tensor,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One power iteration + QR per side with a basis (``*_stat`` None: no basis on that side).
+
+    Returns ``(momentum moved to the new bases, new Q_L, new Q_R)``: m ← Q_L,newᵀ Q_L,old m
+    Q_R,oldᵀ Q_R,new. H is deliberately not rotated."""
+    new_left = power_qr(left_stat, q_left) if left_stat is not None else None
+    new_right = power_qr(right_stat, q_right) if right_stat is not None else None
+    moved = rotate(unrotate(exp_avg, q_left, q_right), new_left, new_right)
+    return moved, new_left, new_right
+
+
+def adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """One AdamW step (decoupled weight decay) of ``params``, in place: torch's functional Adam."""
+    _functional_adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+        decoupled_weight_decay=True,
+    )

@@ -1,0 +1,71 @@
+"""Each ``sampled_params(train=True)`` block's own gradient: set aside at entry, added back at exit.
+
+Inside a block ``.grad`` holds only that block's gradient, so ``zero_grad()`` inside the block
+(the IVON/EVON reference packages' loop) and accumulating without it give the same update.
+Gradients the previous step consumed and nobody cleared are dropped, not counted again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["consumed_grads", "restore_grads", "set_aside_grads"]
+
+Tensor = torch.Tensor
+# id(param) -> (weak reference to the gradient a step consumed, its version then)
+Consumed = dict[int, tuple[weakref.ref, int]]
+
+
+def consumed_grads(param_groups: list[dict[str, Any]]) -> Consumed:
+    """The gradients a step has just used, recognisable later by identity and version."""
+    return {
+        id(p): (weakref.ref(p.grad), p.grad._version)
+        for group in param_groups
+        for p in group["params"]
+        if p.grad is not None
+    }
+
+
+def set_aside_grads(
+    param_groups: list[dict[str, Any]], consumed: Consumed
+) -> list[tuple[Tensor, Tensor | None]]:
+    """``(param, its gradient kept for this step)`` for every parameter; every ``.grad`` is
+    then None, so the block's backward leaves exactly this sample's gradient there."""
+    out = []
+    for group in param_groups:
+        for p in group["params"]:
+            grad = keep = p.grad
+            if grad is not None:
+                ref, version = consumed.get(id(p), (None, None))
+                if ref is not None and ref() is grad and grad._version == version:
+                    keep = None  # the last step used it already
+                elif grad._base is not None:
+                    # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
+                    # block's backward overwrites: keep a copy
+                    keep = grad.clone()
+                p.grad = None
+            out.append((p, keep))
+    return out
+
+
+def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> None:
+    """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
+    failed block: as at entry, less what the last step consumed)."""
+    if not recorded:
+        for p, keep in stash:
+            p.grad = keep
+        return
+    own, kept = [], []
+    for p, keep in stash:
+        if keep is None:
+            continue
+        if p.grad is None:
+            p.grad = keep
+        else:  # added into the block's own tensor, which may be a buffer view DDP relies on
+            own.append(p.grad)
+            kept.append(keep)
+    if own:
+        torch._foreach_add_(own, kept)

@@ -1,0 +1,147 @@
+"""Diagnostics of an EVON posterior: the health statistics, their warnings, and what made a step
+non-finite. ``EVON.posterior_health`` and ``EVON.step`` call these."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
+from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
+
+__all__ = ["first_nonfinite", "health_rows", "health_stats", "warn_health"]
+
+Tensor = torch.Tensor
+
+# columns of a health row, one row per bucket
+_COLUMNS = 9
+
+
+def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
+    """Per bucket, float64 on the CPU (one host sync), and the number of H entries:
+    [Σ V, Σ W², min H, max H, Σ H, #H<δ, max per-matrix noise-to-signal, Σ h0·β2ᵗ, Σ 1/(ζδ)].
+
+    Also adds to each bucket's runaway watch the members whose noise is now below their RMS."""
+    rows, numel = [], 0
+    for b in buckets:
+        g = b.group
+        if math.isinf(g["ess"]):
+            continue
+        hess = b.state["hess"]
+        var = torch.reciprocal(g["ess"] * (hess + g["weight_decay"]))
+        w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
+        var_sum = var.sum(dim=(1, 2))
+        ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
+        b.watched |= ratio < 1  # set where the bucket is built
+        row = [
+            var_sum.sum(),
+            w_sq.sum(),
+            hess.min(),
+            hess.max(),
+            hess.sum(),
+            (hess < g["weight_decay"]).sum(),
+        ]
+        init_part = g["hess_init"] * torch.pow(g["betas"][1], b.state["step"].double()) * hess.numel()
+        prior_var = torch.tensor(  # built where the row is stacked: no copy
+            hess.numel() / (g["ess"] * g["weight_decay"]) if g["weight_decay"] else math.inf,
+            dtype=torch.float64,
+            device=hess.device,
+        )
+        row += [torch.where(b.watched, ratio, 0.0).max(), init_part, prior_var]
+        rows.append(torch.stack([x.double().to(hess.device) for x in row]))
+        numel += hess.numel()
+    t = (
+        torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, _COLUMNS)
+    )  # one sync
+    return t, numel
+
+
+def health_stats(t: Tensor, numel: int) -> dict[str, float]:
+    """The statistics of ``EVON.posterior_health`` from the (pooled) rows of ``health_rows``."""
+    if not len(t):
+        return {}
+    return {
+        "noise_to_signal": float((t[:, 0].sum() / t[:, 1].sum().clamp_min(1e-300)).sqrt()),
+        "noise_to_signal_max": float(t[:, 6].max()),
+        "hess_min": float(t[:, 2].min()),
+        "hess_max": float(t[:, 3].max()),
+        "hess_mean": float(t[:, 4].sum() / numel),
+        "hess_below_prior": float(t[:, 5].sum() / numel),
+        "hess_init_share": float(t[:, 7].sum() / t[:, 4].sum().clamp_min(1e-300)),
+        "prior_to_signal": float((t[:, 8].sum() / t[:, 1].sum().clamp_min(1e-300)).sqrt()),
+    }
+
+
+def warn_health(stats: dict[str, float], warned: set[str], stacklevel: int = 3) -> None:
+    """A ``RuntimeWarning`` naming cause and fix, the first time (per ``warned``) that the noise
+    runs away or the posterior collapses to a broad prior."""
+    if stats["noise_to_signal_max"] >= 1.0 and "runaway" not in warned:
+        warned.add("runaway")
+        warnings.warn(
+            f"EVON: runaway posterior noise: its std is {stats['noise_to_signal_max']:.3g}x the RMS of "
+            "a weight matrix, so samples no longer resemble the mean and training suffers. Cause: ess too "
+            "small for the weights' scale, or a Hessian estimate that fell to its floor (the std is then "
+            "1/sqrt(ess*weight_decay)). Fix: ess='auto' (the default: initial std 5% of the weights' RMS) "
+            "or a larger ess; a larger weight_decay bounds the floor.",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+    broad = stats["prior_to_signal"] >= COLLAPSE_PRIOR_TO_SIGNAL
+    if stats["hess_below_prior"] > 0.5 and broad and "collapse" not in warned:
+        warned.add("collapse")
+        warnings.warn(
+            f"EVON: the posterior collapsed to the prior: H < weight_decay in {stats['hess_below_prior']:.0%} "
+            "of the entries, so their std is ~1/sqrt(ess*weight_decay), the prior's, which is "
+            f"{stats['prior_to_signal']:.3g}x the weights' RMS. Cause: a noise-dominated Hessian estimate "
+            "(the adaptive clip keeps ±hess_clip_ratio·H of it) decays as hess_init·betas[1]^t, and a "
+            "prior this broad lets the noise grow with it. Fix: weight_decay=None (the default: the "
+            "prior's std is 5x the initial std, 25% of the weights' RMS with ess='auto'), or a larger "
+            "weight_decay or ess; a larger betas[1] (0.999) slows the decay.",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def first_nonfinite(
+    param_groups: list[dict[str, Any]],
+    plans: list[Plan],
+    adamw: dict[int, tuple[list[Tensor], list[Tensor], list[dict]]],
+    label: Callable[[Tensor], str],
+) -> str:
+    """What made a step non-finite, naming the parameter by ``label`` (slow; only after a failed check)."""
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and is_dtensor(g):  # FSDP2: this rank's rows (no collective)
+                g = g._local_tensor
+            if g is not None and not bool(torch.isfinite(g).all()):
+                return f"non-finite gradient in {label(p)}"
+    for plan in plans:
+        if plan.hess is not None:
+            bad = (~torch.isfinite(plan.hess)).flatten(1).any(1).nonzero().flatten().tolist()
+            if bad:
+                p = plan.work.params[bad[0]]
+                return (
+                    f"overflow in the Hessian estimate of {label(p)}: its gradient is finite "
+                    "but so large (a spike) that H would not be"
+                )
+    for plan in plans:
+        sq = torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()
+        bad = (~torch.isfinite(sq)).nonzero().flatten().tolist()
+        if bad:
+            return (
+                f"overflow in the Shampoo statistics (G Gᵀ) of {label(plan.work.params[bad[0]])}: "
+                "its gradient is finite but so large (a spike) that its square is not"
+            )
+    for params, g_list, _ in adamw.values():
+        for p, norm in zip(params, torch._foreach_norm(g_list)):
+            if not bool(torch.isfinite(norm)):
+                return (
+                    f"overflow in AdamW's squared gradient of {label(p)}: its gradient is "
+                    "finite but so large (a spike) that its square is not"
+                )
+    return "a non-finite value"

@@ -1,0 +1,159 @@
+"""One step of one bucket: the kernels of :mod:`hf_evon.optim.functional` applied to its stacked
+state, in the order ``EVON.step`` runs them (plan, check, update), and the AdamW groups' step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hf_evon.optim.buckets import Bucket, Plan, point_state_views
+from hf_evon.optim.functional import (
+    adamw,
+    clipped_update,
+    hessian_update,
+    momentum_update,
+    newton_step,
+    price_estimate,
+    snr_scale,
+)
+from hf_evon.optim.linalg import eigenbasis, rotate
+
+__all__ = ["adamw_update", "evon_update", "finite_flags", "hessian_candidate", "plan_update"]
+
+Tensor = torch.Tensor
+# group index -> (params, their gradients / num_samples, their state dicts)
+AdamWInputs = dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]
+
+
+def plan_update(b: Bucket, num_samples: int) -> Plan | None:
+    """The bucket's mean gradient and the members it updates, without changing any state.
+
+    Members without a gradient (frozen, unused) are left out, as ``torch.optim`` does: their
+    weights and state stay bit-identical (None: no member has a gradient).
+    """
+    active = [i for i, p in enumerate(b.params) if p.grad is not None]
+    if not active:
+        return None
+    # the initialising step only records statistics: done for the whole bucket
+    members = None if len(active) == len(b.params) or not b.initialized else active
+    work = b if members is None else b.subset(members)
+    grad = work.grads()
+    # clipped, reduced or accumulated since the last sample's exit?
+    unchanged = None if work.rotated_grads is None else torch.eq(grad, work.exit_grads).all()
+    return Plan(b, work, members, grad.div_(num_samples), unchanged=unchanged)
+
+
+def hessian_candidate(plan: Plan, num_samples: int) -> None:
+    """``plan.hess``: H after this step (None: not updated), and at ess = inf the rotated gradient."""
+    b, g = plan.work, plan.work.group
+    delta, ess, hess = g["weight_decay"], g["ess"], b.state["hess"]
+    if math.isinf(ess):  # the deterministic method: squared rotated gradients
+        plan.g_rot = rotate(plan.grad, *b.bases())
+        h_hat = plan.g_rot.square()
+    elif plan.clean or b.acc is None:
+        return
+    else:
+        h_hat = price_estimate(b.acc, hess, ess, delta, num_samples)
+    plan.hess = hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
+
+
+def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
+    """Whether every gradient and every candidate Hessian is finite; also settles, in the same
+    single device sync, which buckets may reuse their exit rotation."""
+    checks = []
+    for plan in plans:
+        # ‖G‖²_F bounds every entry of G Gᵀ and Gᵀ G: finite means L and R stay finite
+        ok = torch.isfinite(torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()).all()
+        checks.append(ok if plan.hess is None else ok & torch.isfinite(plan.hess).all())
+    for _, g_list, _ in adamw.values():
+        # the norm also overflows where AdamW's squared gradient would
+        checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
+    reusable = [plan for plan in plans if plan.unchanged is not None]
+    flags = checks + [plan.unchanged for plan in reusable]
+    values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
+    for plan, same in zip(reusable, values[len(checks) :]):
+        plan.work.exit_grads = None  # compared; only the rotation may still be needed
+        if not same:
+            plan.work.rotated_grads = None
+    return all(values[: len(checks)])
+
+
+def evon_update(
+    plan: Plan, num_samples: int, track: bool, member_state: Callable[[Tensor], dict[str, Any]]
+) -> None:
+    """Apply the planned step: H, momentum, the (clipped, scaled) Newton step to the weights,
+    the statistics and, where due, the eigenbasis refresh. ``track``: carry the rotated mean
+    over (``Bucket.tracks_rotated_mean``); ``member_state``: ``optimizer.state`` of a member."""
+    b, grad = plan.work, plan.grad
+    g, st = b.group, b.state
+    beta1, beta2 = g["betas"]
+    beta3 = beta2 if g["shampoo_beta"] is None else g["shampoo_beta"]
+    delta, ess = g["weight_decay"], g["ess"]
+
+    if not b.initialized:  # the first step: statistics and their eigenbases only
+        b.update_statistics(grad, beta3)
+        if b.left:
+            st["Q_L"] = eigenbasis(st["L"])
+        if b.right:
+            st["Q_R"] = eigenbasis(st["R"])
+        point_state_views(b, member_state, ("L", "R", "Q_L", "Q_R"))
+        return
+
+    t = b.t + 1
+    g_rot = plan.g_rot if plan.g_rot is not None else b.rotated_mean_grad(grad, num_samples)
+    hess = st["hess"]
+    if plan.hess is not None:
+        hess.copy_(plan.hess)
+    numer = momentum_update(st["exp_avg"], g_rot, beta1, t)
+    scale = None
+    if g.get("snr_scaling", False) is not False and g["clip"] != "none":
+        scale = snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
+    mean_rot = b.rotated_mean_now(track) if delta != 0.0 else None
+    step_rot = newton_step(numer, hess, delta, mean_rot)  # U, in the eigenbasis
+    update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
+    if update.dtype != b.params[0].dtype:
+        update = update.to(b.params[0].dtype)
+    # added in each parameter's own shape: works for any memory layout (channels_last)
+    torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
+    if track and mean_rot is not None:
+        # unclipped: M - αΔ rotates to Q_Lᵀ M Q_R - αU exactly (Q orthonormal), no matmul
+        b.rotated_mean = mean_rot.sub_(step_rot, alpha=g["lr"])
+        b.stamp_mean()
+    else:
+        plan.bucket.rotated_mean = b.rotated_mean = None
+
+    if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
+        b.update_statistics(grad, beta3)
+    st["step"].add_(1)
+    if b.preconditioned:
+        f = g["precondition_frequency"]
+        due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
+        if due:
+            b.refresh_bases(None if len(due) == len(b.params) else due)
+    if plan.members is not None:
+        plan.bucket.scatter(b, plan.members)
+
+
+def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
+    """One AdamW step of an AdamW group's ``params`` (their state created on the first)."""
+    for p, st in zip(params, states):
+        if "step" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    beta1, beta2 = group["betas"]
+    adamw(
+        params,
+        grads,
+        [st["exp_avg"] for st in states],
+        [st["exp_avg_sq"] for st in states],
+        [st["step"] for st in states],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["adamw_eps"],
+    )

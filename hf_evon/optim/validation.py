@@ -1,0 +1,199 @@
+"""Validation of EVON's hyperparameters and parameter groups: the messages name the field and its rule.
+
+``validate_hyperparameters`` checks ``EVON``'s keyword arguments (any subset of them) exactly as
+``EVON(...)`` does; ``validate_group`` checks one parameter group as ``add_param_group`` does.
+Both raise ``ValueError("Invalid <name>: <value> (must be <rule>)")`` at the first bad field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_evon.optim.checks import (
+    ALGORITHMS,
+    CLIP_MODES,
+    NONFINITE_MODES,
+    betas_ok,
+    finite,
+    is_int,
+    is_real,
+    require,
+)
+from hf_evon.optim.defaults import (
+    AUTO_ESS,
+    DEFAULT_ADAMW_LR,
+    DEFAULT_CLIP,
+    DEFAULT_CLIP_RADIUS,
+    DEFAULT_HESS_INIT,
+    DEFAULT_INIT_STD_RATIO,
+    DEFAULT_PRIOR_STD_RATIO,
+    default_weight_decay,
+    is_snr_scaling,
+    lr_from_adamw_lr,
+    ratio_clip,
+)
+
+__all__ = ["resolve_prior", "validate_group", "validate_hyperparameters"]
+
+# EVON's keyword arguments that are the optimizer's own, not a group's
+_OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_weight_decay", "nonfinite", "seed")
+
+
+def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
+    """Check ``EVON``'s keyword arguments as ``EVON(**kwargs)`` does (those given; the rest are
+    EVON's defaults, which are valid) and return the EVON group's values among them, with
+    ``lr=None`` replaced by the default α of their ``clip``/``clip_radius``.
+
+    Raises:
+        ValueError: the first invalid argument, named, with its rule (EVON's own message).
+    """
+    unknown = set(kwargs) - set(_OPTIMIZER_KEYS) - _GROUP_KEYS
+    if unknown:
+        raise TypeError(f"unknown EVON hyperparameter(s): {sorted(unknown)}")
+    if "nonfinite" in kwargs:
+        nonfinite = kwargs["nonfinite"]
+        require("nonfinite", nonfinite, nonfinite in NONFINITE_MODES, "'skip' or 'raise'")
+    if "seed" in kwargs:
+        seed = kwargs["seed"]
+        require("seed", seed, seed is None or is_int(seed), "None or an integer")
+    # the AdamW defaults are checked here too: with no AdamW group they would go unchecked,
+    # and a group's message would name "lr"/"betas" rather than the argument given
+    if "adamw_lr" in kwargs:
+        adamw_lr = kwargs["adamw_lr"]
+        require(
+            "adamw_lr",
+            adamw_lr,
+            adamw_lr is None or (finite(adamw_lr) and adamw_lr >= 0.0),
+            "None or a finite number >= 0",
+        )
+    if "adamw_betas" in kwargs:
+        require(
+            "adamw_betas", kwargs["adamw_betas"], betas_ok(kwargs["adamw_betas"]), "two numbers in [0, 1)"
+        )
+    if "adamw_eps" in kwargs:
+        eps = kwargs["adamw_eps"]
+        require("adamw_eps", eps, finite(eps) and eps > 0.0, "a finite number > 0")
+    if "adamw_weight_decay" in kwargs:
+        wd = kwargs["adamw_weight_decay"]
+        require("adamw_weight_decay", wd, finite(wd) and wd >= 0.0, "a finite number >= 0")
+    group = {k: v for k, v in kwargs.items() if k in _GROUP_KEYS}
+    if group.get("lr", 0.0) is None:
+        clip = group.get("clip", DEFAULT_CLIP)
+        group["lr"] = lr_from_adamw_lr(
+            DEFAULT_ADAMW_LR, group.get("clip_radius", DEFAULT_CLIP_RADIUS), clip=ratio_clip(clip)
+        )
+    # the keywords themselves, before any group: the message names the keyword given
+    # EVON's defaults for the fields the prior is derived from, where not given
+    prior = {"hess_init": DEFAULT_HESS_INIT, "weight_decay": None}
+    validate_group(resolve_prior({**prior, **group, "algorithm": "evon", "params": []}))
+    return group
+
+
+def resolve_prior(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with ``weight_decay=None`` replaced (in place) by ``default_weight_decay`` of its
+    h0 and init_std_ratio (left None, for ``validate_group`` to name, where those are invalid)."""
+    if group.get("weight_decay", 0.0) is None and group.get("algorithm", "evon") == "evon":
+        h0, ratio = group.get("hess_init"), group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+        if finite(h0) and h0 > 0 and finite(ratio) and ratio > 0:
+            if ratio >= DEFAULT_PRIOR_STD_RATIO:
+                raise ValueError(
+                    f"EVON: weight_decay=None makes the prior's std {DEFAULT_PRIOR_STD_RATIO} of the weights' "
+                    f"RMS, which needs init_std_ratio below it; got init_std_ratio={ratio!r}: pass weight_decay"
+                )
+            group["weight_decay"] = default_weight_decay(h0, ratio)
+    return group
+
+
+def validate_group(group: dict[str, Any]) -> None:
+    """Check a group's hyperparameters (types and values) after ``resolve_prior``; the message
+    names the field. Fields the group lacks are not checked (a group built by ``EVON`` has them all)."""
+
+    def need(name: str, ok: Any, rule: str) -> None:
+        require(name, group.get(name), bool(ok), rule)
+
+    def has(name: str) -> bool:
+        return name in group
+
+    algorithm = group.get("algorithm", "evon")
+    need("algorithm", algorithm in ALGORITHMS, "'evon' or 'adamw'")
+    if has("lr"):
+        need("lr", finite(group["lr"]) and group["lr"] >= 0.0, "a finite number >= 0")
+    if has("betas"):
+        need("betas", betas_ok(group["betas"]), "two numbers in [0, 1)")
+    if has("weight_decay"):
+        wd = group["weight_decay"]
+        # None survives resolve_prior only where h0 or init_std_ratio is invalid: those are named below
+        unresolved = wd is None and algorithm == "evon"
+        need("weight_decay", unresolved or (finite(wd) and wd >= 0.0), "a finite number >= 0")
+    if algorithm == "adamw":
+        if has("adamw_eps"):
+            need("adamw_eps", finite(group["adamw_eps"]) and group["adamw_eps"] > 0.0, "a finite number > 0")
+        return
+    if has("ess"):
+        ess = group["ess"]
+        need(
+            "ess",
+            ess == AUTO_ESS if isinstance(ess, str) else (is_real(ess) and ess > 0.0),
+            "'auto' or a number > 0 (float('inf') for no noise)",
+        )
+    ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+    need("init_std_ratio", finite(ratio) and ratio > 0.0, "a finite number > 0")
+    if has("hess_init"):
+        need("hess_init", finite(group["hess_init"]) and group["hess_init"] > 0.0, "a finite number > 0")
+    for name in ("mc_samples", "precondition_frequency", "max_precond_dim"):
+        if has(name):
+            need(name, is_int(group[name]) and group[name] >= 1, "an integer >= 1")
+    if has("shampoo_beta"):
+        sb = group["shampoo_beta"]
+        need("shampoo_beta", sb is None or (is_real(sb) and 0.0 <= sb < 1.0), "None or a number in [0, 1)")
+    if has("hess_clip_ratio"):
+        gamma = group["hess_clip_ratio"]
+        need("hess_clip_ratio", gamma is None or (is_real(gamma) and gamma > 0.0), "None or a number > 0")
+    if has("clip"):
+        need("clip", isinstance(group["clip"], str) and group["clip"] in CLIP_MODES, f"one of {CLIP_MODES}")
+    if has("clip_radius"):
+        need("clip_radius", is_real(group["clip_radius"]) and group["clip_radius"] > 0.0, "a number > 0")
+    if has("eps"):
+        need("eps", finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
+    for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
+        if has(name):
+            need(name, isinstance(group[name], bool), "True or False (a bool, not a string or number)")
+    if has("snr_scaling"):  # a group from a state dict without the option lacks it (off)
+        need(
+            "snr_scaling",
+            is_snr_scaling(group["snr_scaling"]),
+            "True, False or 'adam' (a bool or that string)",
+        )
+    names = group.get("param_names")
+    for i, p in enumerate(group.get("params", ())):
+        if p.is_complex():
+            label = repr(names[i]) if names else f"#{i} of its group"
+            raise ValueError(
+                f"EVON cannot train the complex parameter {label} (shape {tuple(p.shape)}, {p.dtype}): "
+                "its posterior and eigenbasis are real. Train it as a real tensor (torch.view_as_real) "
+                "or in a group with algorithm='adamw'"
+            )
+
+
+# an EVON group's hyperparameters (EVON's keyword arguments that become group defaults)
+_GROUP_KEYS = {
+    "lr",
+    "ess",
+    "hess_init",
+    "betas",
+    "weight_decay",
+    "mc_samples",
+    "precondition_frequency",
+    "max_precond_dim",
+    "shampoo_beta",
+    "hess_clip_ratio",
+    "clip",
+    "clip_radius",
+    "snr_scaling",
+    "phased_gradients",
+    "identity_basis",
+    "stagger_refresh",
+    "init_std_ratio",
+    "eps",
+    "adamw_eps",
+}

@@ -1,0 +1,107 @@
+"""The pieces EVON is built from, used alone: validation, modes, the functional kernels, the hooks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_evon import EVON
+from hf_evon.optim import functional as F
+from hf_evon.optim.checks import CLIP_MODES, Clip, NonFinite
+from hf_evon.optim.hooks import LOCAL, ShardingHooks
+from hf_evon.optim.validation import validate_group, validate_hyperparameters
+
+INVALID = [
+    {"lr": -0.1},
+    {"ess": 0.0},
+    {"betas": (0.9, 1.0)},
+    {"clip": "norm"},
+    {"snr_scaling": "yes"},
+    {"nonfinite": "ignore"},
+    {"adamw_eps": 0.0},
+    {"hess_init": 0.0, "weight_decay": None},
+    {"init_std_ratio": 0.3},
+]
+
+
+@pytest.mark.parametrize("kwargs", INVALID, ids=[next(iter(k)) for k in INVALID])
+def test_validate_hyperparameters_raises_evons_own_message(kwargs: dict) -> None:
+    with pytest.raises(ValueError) as from_evon:
+        EVON([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs)
+    with pytest.raises(ValueError) as alone:
+        validate_hyperparameters(**kwargs)
+    assert str(alone.value) == str(from_evon.value)
+
+
+def test_validate_hyperparameters_resolves_the_default_rate() -> None:
+    opt = EVON([torch.nn.Parameter(torch.zeros(2, 2))], clip="element")
+    assert validate_hyperparameters(lr=None, clip="element")["lr"] == opt.defaults["lr"]
+    with pytest.raises(TypeError, match="lrr"):
+        validate_hyperparameters(lrr=0.1)
+
+
+def test_validate_group_names_the_field() -> None:
+    with pytest.raises(ValueError, match="algorithm"):
+        validate_group({"algorithm": "sgd", "params": []})
+    validate_group({"algorithm": "evon", "params": [], "clip": Clip.ELEMENT})
+
+
+def test_modes_are_str_enums_stored_as_plain_strings() -> None:
+    assert CLIP_MODES == ("none", "element", "spectral", "whiten", "whiten_rms")
+    assert Clip.WHITEN_RMS == "whiten_rms" and NonFinite.RAISE == "raise"
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = EVON([p], clip=Clip.ELEMENT, nonfinite=NonFinite.RAISE, ess=10.0)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 3))], "clip": Clip.NONE})
+    assert [type(g["clip"]) for g in opt.param_groups] == [str, str] and opt.nonfinite == "raise"
+    assert [g["clip"] for g in opt.param_groups] == ["element", "none"]
+
+
+def test_hessian_update_is_the_clipped_ema_with_ivons_correction() -> None:
+    gen = torch.Generator().manual_seed(0)
+    hess = torch.rand(2, 3, 4, generator=gen, dtype=torch.float64) + 0.1
+    h_hat = torch.randn(2, 3, 4, generator=gen, dtype=torch.float64)
+    beta2, delta, gamma, eps = 0.9, 1e-3, 2.0, 1e-12
+    clipped = h_hat.clamp(-gamma * (hess + eps), gamma * (hess + eps))
+    expected = (
+        beta2 * hess
+        + (1 - beta2) * clipped
+        + ((1 - beta2) * (hess - clipped)).square() / (2 * (hess + delta))
+    )
+    got = F.hessian_update(hess, h_hat, beta2, delta, 1e4, gamma, eps)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    # ess = inf: squared gradients, no correction
+    no_noise = F.hessian_update(hess, h_hat.square(), beta2, delta, math.inf, None, eps)
+    torch.testing.assert_close(no_noise, beta2 * hess + (1 - beta2) * h_hat.square())
+
+
+def test_momentum_newton_step_and_snr_scale() -> None:
+    gen = torch.Generator().manual_seed(1)
+    exp_avg = torch.randn(2, 3, 3, generator=gen, dtype=torch.float64)
+    g_rot = torch.randn(2, 3, 3, generator=gen, dtype=torch.float64)
+    hess = torch.rand(2, 3, 3, generator=gen, dtype=torch.float64) + 0.5
+    before = exp_avg.clone()
+    numer = F.momentum_update(exp_avg, g_rot, 0.9, 3)
+    torch.testing.assert_close(exp_avg, 0.9 * before + 0.1 * g_rot)
+    torch.testing.assert_close(numer, exp_avg / (1 - 0.9**3))
+    step = F.newton_step(numer.clone(), hess, 0.01, None)
+    torch.testing.assert_close(step, numer / (hess + 0.01))
+    scale = F.snr_scale(torch.zeros(2, dtype=torch.float64), numer, g_rot, 1, 0.9, adam=True)
+    rho = numer.flatten(1).norm(dim=1) / g_rot.flatten(1).norm(dim=1)
+    torch.testing.assert_close(scale, rho.clamp(max=1.0))
+
+
+def test_the_local_hooks_are_one_process() -> None:
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    p.grad = torch.full((2, 3), 2.0)
+    assert isinstance(LOCAL, ShardingHooks) and LOCAL.owns(p) and LOCAL.all_ranks(False) is False
+    assert LOCAL.bucket_param(p) is p and LOCAL.model_param(p) is p
+    assert LOCAL.square_sums([p]).tolist() == [6.0]
+    params, grads = LOCAL.adamw_tensors([p])
+    assert params == [p] and grads[0] is p.grad
+    opt = EVON([p], ess=10.0)
+    assert opt.sharding is None and opt.sample_blocks == 0
+    with opt.sampled_params(train=False):
+        pass
+    assert opt.sample_blocks == 1
