@@ -62,8 +62,13 @@ def gram(x: Tensor, blocked: bool | None = None) -> Tensor:
         blocked = GRAM_BLOCKED_ON_CPU or x.device.type != "cpu"
     b, m, k = x.shape
     h = m // 2
-    if not blocked or m % 2 or h < GRAM_MIN_BLOCK:
+    if not blocked:
         return x @ x.mT
+    if m % 2 or h < GRAM_MIN_BLOCK:
+        # BLAS need not round x_i·x_j and x_j·x_i alike: one triangle, mirrored, is symmetric by
+        # construction (the adds are of exact zeros)
+        full = x @ x.mT
+        return full.triu() + full.triu(1).mT
     halves = x.reshape(2 * b, h, k)  # members 2i, 2i+1: the top and bottom rows of member i
     diag = gram(halves, blocked=True).view(b, 2, h, h)
     off = halves[0::2] @ halves[1::2].mT
