@@ -431,9 +431,7 @@ class PosteriorConfig:
 
     def keys(self) -> list[str]:
         """The JSON keys, in the order :meth:`to_dict` writes them."""
-        present = [
-            f.name for f in _SCHEMA_FIELDS if f.name in _REQUIRED or getattr(self, f.name) is not None
-        ]
+        present = [f.name for f in _SCHEMA_FIELDS if f.name in _REQUIRED or getattr(self, f.name) is not None]
         if not self.key_order:
             return [k for k in present if k != "parameters"] + list(self.extra) + ["parameters"]
         return list(self.key_order) + [k for k in present if k not in self.key_order]

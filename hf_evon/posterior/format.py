@@ -260,7 +260,9 @@ def write_posterior(directory: str, tensors: Mapping[str, Tensor], config: Poste
     """
     checkpoint_id = config.checkpoint_id
     if checkpoint_id is None or not _STAGED_NAME_RE.fullmatch(checkpoint_id):
-        raise ValueError(f"write_posterior needs a config from PosteriorConfig.for_save; got {checkpoint_id!r}")
+        raise ValueError(
+            f"write_posterior needs a config from PosteriorConfig.for_save; got {checkpoint_id!r}"
+        )
     metadata = {"format": "pt", "format_version": str(FORMAT_VERSION), "checkpoint_id": checkpoint_id}
     staged_name = f"evon_posterior.{checkpoint_id}.safetensors"
     staged = os.path.join(directory, staged_name)

@@ -528,7 +528,9 @@ class EVONPosterior:
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
         )
         groups = read_factor_groups(config, weights_path, device, reorthonormalize)
-        posterior = cls(groups, config.settings(), config.num_point_estimates, config.num_point_estimate_tensors)
+        posterior = cls(
+            groups, config.settings(), config.num_point_estimates, config.num_point_estimate_tensors
+        )
         if model is not None:
             posterior.check_model(model)
         return posterior

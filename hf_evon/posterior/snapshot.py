@@ -81,7 +81,9 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
         settings["betas"] = tuple(settings["betas"])
     steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
     step = next((s for s in steps if s is not None), None)
-    settings["optimizer_step"] = int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
+    settings["optimizer_step"] = (
+        int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
+    )
     settings["base_model"] = base_model_name(model)
     settings["model_class"] = model_class(model).__name__
     covered = {id(p) for _, p, _ in entries}
