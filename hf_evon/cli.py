@@ -260,13 +260,11 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     would otherwise build an empty tokenizer from the model config alone."""
     from transformers import AutoTokenizer
 
-    candidates = [path]
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict) and peft_config:
-        base = getattr(next(iter(peft_config.values())), "base_model_name_or_path", None)
-        if base:
-            candidates.append(base)
-    for candidate in candidates:
+    from hf_evon.modeling import base_model_name
+
+    for candidate in dict.fromkeys([path, base_model_name(model)]):  # an adapter's: its base model's
+        if candidate is None:
+            continue
         if os.path.isdir(candidate) and not any(
             os.path.isfile(os.path.join(candidate, f)) for f in _TOKENIZER_FILES
         ):
