@@ -2,8 +2,9 @@
 ``calibrate`` (the posterior's sampling scale on held-out text); ``hf-evon COMMAND -h`` tells more.
 
 Subcommands are registered in ``SUBCOMMANDS``: each entry is *one* function that adds its
-subparser (:func:`_subcommand`: name, help, the function run with the parsed args, which
-returns an exit code) and declares its options, each with help.
+subparser (:func:`_subcommand`: the name and the function run with the parsed args, which
+returns an exit code; that function's docstring is the command's help) and declares its
+options, each with help.
 
 Errors never show a traceback. A command line that asks for something impossible (an empty
 prompt, an unknown device, a missing local directory, ...) raises :class:`UsageError` and
@@ -29,6 +30,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from inspect import cleandoc
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -130,9 +132,11 @@ def _from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
 
 
 def _subcommand(
-    subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], help: str, description: str
+    subparsers: Any, name: str, run: Callable[[argparse.Namespace], int]
 ) -> argparse.ArgumentParser:
-    """The subparser of ``name``; ``run(args)`` carries it out (``main`` reports errors with its usage)."""
+    """The subparser of ``name``: ``run``'s docstring is its help (the first paragraph) and description
+    (the rest); ``run(args)`` carries it out (``main`` reports its errors with this parser's usage)."""
+    help, _, description = cleandoc(run.__doc__ or "").partition("\n\n")
     p = subparsers.add_parser(name, help=help, description=description)
     p.set_defaults(func=run, parser=p)
     return p
@@ -164,14 +168,7 @@ def _version_text() -> str:
 
 # --------------------------------------------------------------------- generate
 def _add_generate(subparsers: Any) -> None:
-    p = _subcommand(
-        subparsers,
-        "generate",
-        _run_generate,
-        help="decode with Bayesian model averaging over posterior samples",
-        description="Generate text with the BMA predictive of a saved model + EVON posterior: at every step "
-        "the next-token probabilities of S weight samples are averaged.",
-    )
+    p = _subcommand(subparsers, "generate", _run_generate)
     _add_model_posterior_options(
         p, "local model directory or Hub repo id (a transformers causal LM, or a PEFT adapter directory)"
     )
@@ -331,6 +328,11 @@ def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argpar
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    """decode with Bayesian model averaging over posterior samples
+
+    Generate text with the BMA predictive of a saved model + EVON posterior: at every step the
+    next-token probabilities of S weight samples are averaged.
+    """
     import torch
 
     from hf_evon.predictive.generation import generate_bma
@@ -400,15 +402,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------- inspect
 def _add_inspect(subparsers: Any) -> None:
-    p = _subcommand(
-        subparsers,
-        "inspect",
-        _run_inspect,
-        help="summarise a saved EVON posterior (covered tensors, std statistics, file sizes)",
-        description="Print what a posterior checkpoint holds, without loading a model: the covered tensors, "
-        "statistics of the marginal posterior standard deviations per tensor, the file sizes (and those of "
-        "the model weights saved beside it), and the calibrated scale if the config records one.",
-    )
+    p = _subcommand(subparsers, "inspect", _run_inspect)
     p.add_argument("location", help="posterior directory or Hub repo id")
     p.add_argument("--subfolder", default=None, help="subfolder of the location holding the posterior files")
     _add_location_options(p)
@@ -500,6 +494,12 @@ def _calibration_text(calibration: Any) -> str:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    """summarise a saved EVON posterior (covered tensors, std statistics, file sizes)
+
+    Print what a posterior checkpoint holds, without loading a model: the covered tensors,
+    statistics of the marginal posterior standard deviations per tensor, the file sizes (and
+    those of the model weights saved beside it), and the calibrated scale if the config records one.
+    """
     from hf_evon.posterior.posterior import EVONPosterior
 
     posterior = _from_location(
@@ -546,16 +546,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------- calibrate
 def _add_calibrate(subparsers: Any) -> None:
-    p = _subcommand(
-        subparsers,
-        "calibrate",
-        _run_calibrate,
-        help="choose the posterior's sampling scale by BMA NLL on a held-out text file",
-        description="Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is "
-        "cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at the mean), "
-        "and the chosen scale (--standard-errors, --min-gain) is saved as the posterior's ess, "
-        "with the search in its config. Use text the model was not trained on, and other text than you report on.",
-    )
+    p = _subcommand(subparsers, "calibrate", _run_calibrate)
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
     p.add_argument("--output", required=True, help="directory to save the calibrated posterior to")
@@ -582,6 +573,14 @@ def _add_calibrate(subparsers: Any) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
+    """choose the posterior's sampling scale by BMA NLL on a held-out text file
+
+    Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is
+    cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at
+    the mean), and the chosen scale (--standard-errors, --min-gain) is saved as the posterior's
+    ess, with the search in its config. Use text the model was not trained on, and other text
+    than you report on.
+    """
     from hf_evon.predictive.calibration import calibrate_posterior
 
     if not os.path.isfile(args.text):
