@@ -1,9 +1,10 @@
-"""The ``hf-evon`` command line.
+"""The ``hf-evon`` command line: ``generate`` (BMA decoding), ``inspect`` (a saved posterior),
+``calibrate`` (the posterior's sampling scale on held-out text); ``hf-evon COMMAND -h`` tells more.
 
 Subcommands are registered in ``SUBCOMMANDS``: each entry is *one* function that adds its
-own subparser (``add_parser(subparsers)``), declares its options (every option has help)
-and sets ``func`` (called with the parsed args, returns an exit code). Add a subcommand by
-writing such a function and appending it.
+subparser (:func:`_subcommand`: the name and the function run with the parsed args, which
+returns an exit code; that function's docstring is the command's help) and declares its
+options, each with help.
 
 Errors never show a traceback. A command line that asks for something impossible (an empty
 prompt, an unknown device, a missing local directory, ...) raises :class:`UsageError` and
@@ -11,19 +12,12 @@ is reported as argparse reports a bad option: usage line, ``hf-evon COMMAND: err
 exit code 2. Other failures a user can meet (a file that does not load, the Hub unreachable)
 print ``hf-evon COMMAND: error: ...`` with exit code 1.
 
-``hf-evon generate --model DIR --prompt "def f(" --samples 8 --max-new-tokens 32``
-    decodes with Bayesian model averaging (``hf_evon.generate_bma``) from a saved model
-    (a transformers causal LM or a PEFT adapter directory) and its EVON posterior
-    (``evon_posterior.safetensors`` + config, by default in the same directory).
-
-``hf-evon inspect DIR_OR_REPO_ID``
-    summarises a saved posterior without a model: covered tensors, posterior std
-    statistics per tensor, file sizes (and the model's weight files beside it), and the
-    calibrated scale where the config records one.
-
 A location (``--model``, ``--posterior``, ``inspect``'s argument) is a local directory when
 it exists or looks like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``); otherwise it must be a
 Hub repo id (``name`` or ``namespace/name``) and is looked up on the Hub.
+
+torch, transformers and the rest of hf_evon are imported inside the commands, so that
+``hf-evon -h`` and argument errors answer at once.
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from inspect import cleandoc
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -136,6 +131,17 @@ def _from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
         ) from err
 
 
+def _subcommand(
+    subparsers: Any, name: str, run: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
+    """The subparser of ``name``: ``run``'s docstring is its help (the first paragraph) and description
+    (the rest); ``run(args)`` carries it out (``main`` reports its errors with this parser's usage)."""
+    help, _, description = cleandoc(run.__doc__ or "").partition("\n\n")
+    p = subparsers.add_parser(name, help=help, description=description)
+    p.set_defaults(func=run, parser=p)
+    return p
+
+
 def _add_location_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of Hub locations")
 
@@ -162,12 +168,7 @@ def _version_text() -> str:
 
 # --------------------------------------------------------------------- generate
 def _add_generate(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "generate",
-        help="decode with Bayesian model averaging over posterior samples",
-        description="Generate text with the BMA predictive of a saved model + EVON posterior: at every step "
-        "the next-token probabilities of S weight samples are averaged.",
-    )
+    p = _subcommand(subparsers, "generate", _run_generate)
     _add_model_posterior_options(
         p, "local model directory or Hub repo id (a transformers causal LM, or a PEFT adapter directory)"
     )
@@ -197,7 +198,6 @@ def _add_generate(subparsers: Any) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="model weight dtype (default: as saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.set_defaults(func=_run_generate, parser=p)
 
 
 def _torch_dtype(name: str) -> Any:
@@ -257,13 +257,11 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     would otherwise build an empty tokenizer from the model config alone."""
     from transformers import AutoTokenizer
 
-    candidates = [path]
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict) and peft_config:
-        base = getattr(next(iter(peft_config.values())), "base_model_name_or_path", None)
-        if base:
-            candidates.append(base)
-    for candidate in candidates:
+    from hf_evon.modeling import base_model_name
+
+    for candidate in dict.fromkeys([path, base_model_name(model)]):  # an adapter's: its base model's
+        if candidate is None:
+            continue
         if os.path.isdir(candidate) and not any(
             os.path.isfile(os.path.join(candidate, f)) for f in _TOKENIZER_FILES
         ):
@@ -330,6 +328,11 @@ def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argpar
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    """decode with Bayesian model averaging over posterior samples
+
+    Generate text with the BMA predictive of a saved model + EVON posterior: at every step the
+    next-token probabilities of S weight samples are averaged.
+    """
     import torch
 
     from hf_evon.predictive.generation import generate_bma
@@ -399,23 +402,16 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------- inspect
 def _add_inspect(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "inspect",
-        help="summarise a saved EVON posterior (covered tensors, std statistics, file sizes)",
-        description="Print what a posterior checkpoint holds, without loading a model: the covered tensors, "
-        "statistics of the marginal posterior standard deviations per tensor, the file sizes (and those of "
-        "the model weights saved beside it), and the calibrated scale if the config records one.",
-    )
+    p = _subcommand(subparsers, "inspect", _run_inspect)
     p.add_argument("location", help="posterior directory or Hub repo id")
     p.add_argument("--subfolder", default=None, help="subfolder of the location holding the posterior files")
     _add_location_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.set_defaults(func=_run_inspect, parser=p)
 
 
 def _file_sizes(args: argparse.Namespace) -> dict[str, int]:
     """Bytes of the posterior files and, for a local directory, of the model weights beside them."""
-    from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 
     names = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
     if os.path.isdir(args.location):
@@ -487,7 +483,7 @@ def _num(x: Any) -> str:
 
 def _calibration_text(calibration: Any) -> str:
     """The config's ``calibration`` entry, with its source."""
-    from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
 
     if calibration is None:
         return "none recorded"
@@ -498,6 +494,12 @@ def _calibration_text(calibration: Any) -> str:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    """summarise a saved EVON posterior (covered tensors, std statistics, file sizes)
+
+    Print what a posterior checkpoint holds, without loading a model: the covered tensors,
+    statistics of the marginal posterior standard deviations per tensor, the file sizes (and
+    those of the model weights saved beside it), and the calibrated scale if the config records one.
+    """
     from hf_evon.posterior.posterior import EVONPosterior
 
     posterior = _from_location(
@@ -542,17 +544,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------- entry point
 # --------------------------------------------------------------------- calibrate
 def _add_calibrate(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "calibrate",
-        help="choose the posterior's sampling scale by BMA NLL on a held-out text file",
-        description="Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is "
-        "cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at the mean), "
-        "and the chosen scale (--standard-errors, --min-gain) is saved as the posterior's ess, "
-        "with the search in its config. Use text the model was not trained on, and other text than you report on.",
-    )
+    p = _subcommand(subparsers, "calibrate", _run_calibrate)
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
     p.add_argument("--output", required=True, help="directory to save the calibrated posterior to")
@@ -576,10 +570,17 @@ def _add_calibrate(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
-    p.set_defaults(func=_run_calibrate, parser=p)
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
+    """choose the posterior's sampling scale by BMA NLL on a held-out text file
+
+    Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is
+    cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at
+    the mean), and the chosen scale (--standard-errors, --min-gain) is saved as the posterior's
+    ess, with the search in its config. Use text the model was not trained on, and other text
+    than you report on.
+    """
     from hf_evon.predictive.calibration import calibrate_posterior
 
     if not os.path.isfile(args.text):
@@ -615,6 +616,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------- entry point
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_inspect, _add_calibrate]
 
 

@@ -1,13 +1,14 @@
 """The posterior beside a model: the object, its Gaussian maths, the file format, the Hub, the card."""
 
-from hf_evon.posterior.posterior import (
+from hf_evon.posterior.config import (
     FORMAT_VERSION,
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
-    EVONPosterior,
-    MatrixFactors,
+    PosteriorConfig,
     PosteriorMismatchError,
 )
+from hf_evon.posterior.gaussian import MatrixFactors
+from hf_evon.posterior.posterior import EVONPosterior
 
 __all__ = [
     "FORMAT_VERSION",
@@ -15,5 +16,6 @@ __all__ = [
     "POSTERIOR_WEIGHTS_NAME",
     "EVONPosterior",
     "MatrixFactors",
+    "PosteriorConfig",
     "PosteriorMismatchError",
 ]

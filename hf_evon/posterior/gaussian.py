@@ -7,16 +7,18 @@ For each covered matrix ``W`` (shape ``m×n`` after EVON's reshape) the posterio
 (row-major ``vec``), ``M`` being the model's current weight (the mean), ``Q_L``/``Q_R`` the
 eigenbases (identity where absent), ``H`` the rotated-space Hessian, ``ζ`` the effective
 sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files or the Hub
-(``posterior_format`` and ``posterior_hub``) or about models (``posterior``).
+(``format``, ``hub``) or about models (``posterior``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
+from hf_evon.optim.evon import derived_seed
 from hf_evon.optim.evon import state_dtype as compute_dtype  # float32 math; float64 stays float64
 from hf_evon.optim.linalg import exact_float32_matmul, rotated_std, rotated_variance, unrotate
 
@@ -85,6 +87,74 @@ class FactorGroup:
             q_right=None if self.q_right is None else fn(self.q_right),
             hess=fn(self.hess),
         )
+
+
+def stack_factors(factors: Mapping[str, MatrixFactors]) -> list[FactorGroup]:
+    """Stack factors into groups of equal matrix shape, stored bases, noise scale, dtypes and
+    device (names sorted within a group), so that sampling runs one batched matmul per group."""
+    buckets: dict[tuple, list[str]] = {}
+    for name in sorted(factors):
+        f = factors[name]
+        key = (
+            f.matrix_shape,
+            f.Q_L is not None,
+            f.Q_R is not None,
+            f.ess,
+            f.weight_decay,
+            f.hess.dtype,
+            None if f.Q_L is None else f.Q_L.dtype,
+            None if f.Q_R is None else f.Q_R.dtype,
+            f.hess.device,
+        )
+        buckets.setdefault(key, []).append(name)
+    groups = []
+    for key, names in buckets.items():
+        (m, n), left, right, ess, wd = key[:5]
+        fs = [factors[nm] for nm in names]
+        groups.append(
+            FactorGroup(
+                names=names,
+                shapes=[f.shape for f in fs],
+                m=m,
+                n=n,
+                q_left=torch.stack([f.Q_L for f in fs]) if left else None,
+                q_right=torch.stack([f.Q_R for f in fs]) if right else None,
+                hess=torch.stack([f.hess for f in fs]),
+                ess=ess,
+                weight_decay=wd,
+            )
+        )
+    return groups
+
+
+def sample_group(
+    group: FactorGroup, members: list[int], num_samples: int, seed: int, device: Any, rotated: bool = False
+) -> Tensor:
+    """``num_samples`` perturbations of the group's matrices ``members``: ``(len(members), S, m, n)``.
+
+    Each matrix draws from its own generator seeded by ``(seed, name)``, so its values do not
+    depend on which other matrices are drawn with it. ``rotated``: the draws before the bases
+    are applied (``z ⊙ √V``). Math in ``compute_dtype`` on ``device`` (None: where the group is).
+    """
+    dev = torch.device(device) if device is not None else group.hess.device
+    dt = compute_dtype(group.hess)
+
+    def take(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        if len(members) != t.shape[0]:
+            t = t[torch.tensor(members, device=t.device)]
+        return t.to(device=dev, dtype=dt)
+
+    hess, q_left, q_right = take(group.hess), take(group.q_left), take(group.q_right)
+    z = torch.empty(len(members), num_samples, group.m, group.n, device=dev, dtype=dt)
+    for j, i in enumerate(members):
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(derived_seed(seed, group.names[i]))
+        z[j].normal_(generator=gen)
+    if rotated:
+        q_left = q_right = None
+    return perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
 
 
 def perturbations(

@@ -1,7 +1,7 @@
-"""EVON posteriors on the Hugging Face Hub: find the two files locally or download them, push them.
+"""EVON posteriors on the Hugging Face Hub: find the two files locally or download them; push a folder.
 
-Only ``huggingface_hub`` calls live here; what the files hold is ``posterior_format``'s
-business, and the model card's is ``model_card``'s.
+Only ``huggingface_hub`` calls live here. This module knows directories, repo ids and the
+files' names; what the files hold is ``format``'s business, and the card's ``model_card``'s.
 """
 
 from __future__ import annotations
@@ -9,19 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from hf_evon.posterior.format import (
-    POSTERIOR_CONFIG_NAME,
-    POSTERIOR_WEIGHTS_NAME,
-    read_config,
-    weights_file_name,
-)
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
 
-if TYPE_CHECKING:
-    import torch
-
-    from hf_evon.posterior.posterior import EVONPosterior
+from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorConfig
+from hf_evon.posterior.format import read_config
 
 # keyword arguments of save_pretrained(push_to_hub=True) that go to push_to_hub
 PUSH_KWARGS = (
@@ -46,11 +41,11 @@ def resolve_files(
     cache_dir: str | os.PathLike | None,
     local_files_only: bool,
     hub_kwargs: dict[str, Any],
-) -> tuple[dict[str, Any], str]:
+) -> tuple[PosteriorConfig, str]:
     """The validated config and the local path of the weights file it names.
 
     From a directory, or downloaded from the Hub. The config comes first: it names the
-    weights file (see ``posterior_format.write_posterior`` for why).
+    weights file, which is how a reader sees one consistent pair while a save runs.
     """
     if os.path.isdir(path):
         directory = os.path.join(path, subfolder) if subfolder else path
@@ -58,17 +53,15 @@ def resolve_files(
         if not os.path.isfile(config_path):
             raise FileNotFoundError(f"no EVON posterior in {directory!r}: {POSTERIOR_CONFIG_NAME} is missing")
         config = read_config(config_path)
-        weights_path = os.path.join(directory, weights_file_name(config))
+        weights_path = os.path.join(directory, config.weights_name)
         if not os.path.isfile(weights_path):
             raise FileNotFoundError(
-                f"no EVON posterior in {directory!r}: {weights_file_name(config)} (named by "
+                f"no EVON posterior in {directory!r}: {config.weights_name} (named by "
                 f"{POSTERIOR_CONFIG_NAME}) is missing"
             )
         return config, weights_path
     if os.path.exists(path):
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def download(fname: str) -> str:
         try:
@@ -93,28 +86,30 @@ def resolve_files(
             raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
 
     config = read_config(download(POSTERIOR_CONFIG_NAME))
-    return config, download(weights_file_name(config))
+    return config, download(config.weights_name)
 
 
-def push_posterior(
-    posterior: EVONPosterior,
+def push_folder(
     repo_id: str,
-    commit_message: str | None,
+    write: Callable[[str, str, str, str | None], None],
+    file_names: Sequence[str],
+    *,
+    commit_message: str,
     private: bool | None,
     token: str | bool | None,
     revision: str | None,
     create_pr: bool,
-    eigenbasis_dtype: torch.dtype | None,
-    model_card_kwargs: dict[str, Any] | None,
     path_in_repo: str | None,
     endpoint: str | None,
-) -> Any:
-    """``EVONPosterior.push_to_hub``: the two files + the updated card in one commit."""
-    from huggingface_hub import CommitOperationAdd, HfApi, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
+) -> CommitInfo:
+    """Upload ``file_names`` (to ``path_in_repo``) and the repo's ``README.md`` in one commit.
 
-    from hf_evon.posterior.model_card import save_model_card
-
+    The repo (and the branch ``revision``) is created if needed; its other files are kept.
+    ``write(files_dir, card_dir, repo_id, subfolder)`` writes ``file_names`` into
+    ``files_dir`` and ``README.md`` into ``card_dir``, where the repo's current card, if it
+    has one, has been put to be updated (``repo_id`` as the Hub resolved it, namespace
+    included). Returns the ``huggingface_hub.CommitInfo``.
+    """
     api = HfApi(endpoint=endpoint, token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
     if revision is not None and revision != "main" and not create_pr:
@@ -137,17 +132,13 @@ def push_posterior(
         except (EntryNotFoundError, RevisionNotFoundError) as err:
             if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
                 raise
-        posterior.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
-        card_kwargs = dict(model_card_kwargs or {})
-        card_kwargs.setdefault("repo_id", repo_id)
-        card_kwargs.setdefault("subfolder", folder or None)
-        save_model_card(card_dir, posterior, **card_kwargs)
+        write(files_dir, card_dir, repo_id, folder or None)
         operations = [
             CommitOperationAdd(
                 path_in_repo=f"{folder}/{fname}" if folder else fname,
                 path_or_fileobj=os.path.join(files_dir, fname),
             )
-            for fname in (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+            for fname in file_names
         ]
         operations.append(
             CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
@@ -155,7 +146,7 @@ def push_posterior(
         return api.create_commit(
             repo_id,
             operations,
-            commit_message=commit_message or "Upload EVON posterior",
+            commit_message=commit_message,
             revision=revision,
             create_pr=create_pr,
         )

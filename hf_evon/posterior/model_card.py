@@ -18,6 +18,9 @@ its snippet, counts the Trainer's optimizer steps, and corrects the ``- optimize
 the Trainer's own card (which reports ``TrainingArguments.optim``, not EVON). Every snippet
 is meant to run as written: it names the saved directory (or the repo id) and, for a PEFT
 classifier, the label count the base model must be built with.
+
+Cards are rendered from plain data (:class:`CardSource`: the config, the covered names and
+counts), so this module needs nothing of ``EVONPosterior`` but those attributes.
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ import math
 import os
 import re
 import time
-import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from hf_evon.fileio import atomic_write
 
 __all__ = [
+    "CardSource",
     "EVON_TAGS",
     "LIBRARY_NAME",
     "SECTION_END",
@@ -79,6 +85,16 @@ _SKIPPED_METRIC_NAMES = ("step",)  # the log entry's step, not a metric
 _OPTIMIZER_LINE = re.compile(r"^- optimizer: .*$", re.MULTILINE)  # the Trainer card's hyperparameter list
 
 
+class CardSource(Protocol):
+    """What a card is rendered from (an ``EVONPosterior`` has these attributes)."""
+
+    config: Mapping[str, Any]
+    names: Sequence[str]
+    num_covered: int
+    num_point_estimates: int | None
+    num_point_estimate_tensors: int | None
+
+
 def template_path() -> str:
     """Path of the packaged card template (``hf_evon/posterior/templates/evon_posterior.md``)."""
     return str(resources.files("hf_evon.posterior") / "templates" / "evon_posterior.md")
@@ -98,8 +114,6 @@ def _is_hub_id(name: str | None) -> bool:
     """Whether ``name`` can go into the card's ``base_model`` metadata (a Hub id, not a path)."""
     if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
         return False
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
         validate_repo_id(name)
     except HFValidationError:
@@ -171,7 +185,7 @@ def _num_labels(model: Any) -> int | None:
 
 
 def _usage_snippet(
-    posterior: Any,
+    posterior: CardSource,
     base_model: str | None,
     location: str,
     subfolder: str | None,
@@ -247,7 +261,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             "calibrated BMA is never worse than the mean."
         )
     mult = "∞" if cal.get("ess") == "inf" else _fmt(float(cal["ess"]) / float(cal["trained_ess"]))
-    # files written before the one-standard-error rule record no chosen_nll: theirs was the minimum
+    # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min([cal["mean_nll"], *cal.get("nll", [])]))
     return (
         f"Calibrated on {_fmt(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
@@ -268,7 +282,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
 
 
 def _temperature_text(temperature: Any) -> str:
-    """The mean's held-out temperature, and what it allows BMA (files before it was recorded: nothing)."""
+    """The mean's held-out temperature, and what it allows BMA (nothing where none is recorded)."""
     if not isinstance(temperature, int | float) or isinstance(temperature, bool):
         return ""
     verdict = (
@@ -280,7 +294,7 @@ def _temperature_text(temperature: Any) -> str:
 
 
 def render_model_card(
-    posterior: Any,
+    posterior: CardSource,
     base_model: str | None = None,
     metrics: Mapping[str, Any] | None = None,
     *,
@@ -369,13 +383,13 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
 
 
-_CARD_TMP = re.compile(r"\.README\.md\.[0-9a-f]{32}\.tmp")
+_CARD_TMP = re.compile(r"\.README\.md\.[0-9a-f]{32}\.tmp")  # hf_evon.fileio.temporary_name("README.md")
 _CARD_TMP_STALE_SECONDS = 600  # a card is written in well under a second
 
 
 def save_model_card(
     directory: str | os.PathLike,
-    posterior: Any,
+    posterior: CardSource,
     base_model: str | None = None,
     metrics: Mapping[str, Any] | None = None,
     **kwargs: Any,
@@ -384,7 +398,7 @@ def save_model_card(
 
     Args:
         directory: where the posterior (and usually the model or adapter) is saved.
-        posterior: an ``EVONPosterior``.
+        posterior: an ``EVONPosterior`` (or any :class:`CardSource`).
         base_model: Hub id of the base model (default: what the posterior recorded). Only a
             valid Hub id goes into the metadata; a local path is mentioned in the text only.
         metrics: ``{"mean": {...}, "bma": {...}}`` or a flat ``trainer.evaluate()`` dict
@@ -397,7 +411,7 @@ def save_model_card(
             ``datasets``, ``language``; ``optimizer``: text for the ``- optimizer:`` line of
             an existing Trainer card.
 
-    Returns the card that was written. The write is atomic (temporary file + ``os.replace``).
+    Returns the card that was written. The write is atomic (``hf_evon.fileio.atomic_write``).
     """
     optimizer = kwargs.pop("optimizer", None)
     kwargs.setdefault("repo_id", os.path.abspath(os.fspath(directory)))
@@ -414,14 +428,7 @@ def save_model_card(
         with contextlib.suppress(OSError):  # not one another process is writing now
             if _CARD_TMP.fullmatch(name) and time.time() - os.path.getmtime(stale) > _CARD_TMP_STALE_SECONDS:
                 os.remove(stale)
-    tmp = os.path.join(folder, f".README.md.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as fh:
-            fh.write(str(card))
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+    atomic_write(path, str(card))
     return card
 
 
@@ -434,7 +441,7 @@ def _latest_posterior_metrics(trainer: Any) -> dict[str, float] | None:
     return None
 
 
-def _optimizer_text(trainer: Any, posterior: Any) -> str:
+def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
     """What trained the model, from the trainer's optimizer (the posterior config otherwise)."""
     groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None) or []
     evon = [g for g in groups if g.get("algorithm", "evon") == "evon"]
@@ -452,7 +459,7 @@ def _optimizer_text(trainer: Any, posterior: Any) -> str:
     return text
 
 
-def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: Any) -> ModelCard:
+def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: CardSource) -> ModelCard:
     """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
     it pushes to (``hub_model_id``) in the snippet, its ``global_step``, its model (for a PEFT
     classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""

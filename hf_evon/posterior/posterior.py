@@ -8,14 +8,15 @@ saved next to the model (``save_pretrained``), loaded (``from_pretrained``) and 
 the Hub (``push_to_hub``). Parameters EVON does not own (embeddings, heads, 1-D tensors
 when grouped with ``build_param_groups``) are point estimates.
 
-One concern per module, so each is found in one place:
+This module ties the layers below it to models and optimizers; none of them knows the object:
 
-* ``hf_evon.posterior.gaussian``: the Gaussian (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗
-  Q_R)ᵀ)``, ``V = 1/(ζ(H + δ))``), its factors and batched sampling;
-* ``hf_evon.posterior.format``: the file format, as one readable contract (tensor names,
-  config schema, validation, atomic read/write);
-* ``hf_evon.posterior.hub``: finding/downloading the files and pushing them to the Hub;
-* this module: the :class:`EVONPosterior` object tying them to models and optimizers.
+* ``gaussian``: the Gaussian (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗ Q_R)ᵀ)``,
+  ``V = 1/(ζ(H + δ))``), its factors and batched sampling;
+* ``config`` and ``format``: the file format (a typed config, the tensors, the crash-safe save;
+  the contract is ``docs/posterior-format.md``);
+* ``snapshot``: reading the factors out of a live ``EVON`` optimizer, named by the model;
+* ``hub``: finding or downloading the files, pushing a folder to a Hub repo;
+* ``model_card``: the README.md beside the files, rendered from the posterior's plain data.
 """
 
 from __future__ import annotations
@@ -31,38 +32,40 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import base_model_name, model_class, unwrap_model
-from hf_evon.optim.evon import derived_seed, matrix_shape, unwrap_optimizer
+from hf_evon.modeling import unwrap_model
+from hf_evon.optim.evon import matrix_shape
 from hf_evon.optim.linalg import dense_covariance, marginal_variance
-from hf_evon.posterior.format import (
+from hf_evon.posterior.config import (
     FORMAT_VERSION,
-    HYPERPARAMETER_KEYS,
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
+    PosteriorConfig,
     PosteriorMismatchError,
     as_dtype,
-    check_finite_std,
     check_noise_scale,
     dtype_name,
-    posterior_tensors,
-    read_posterior,
-    write_posterior,
 )
+from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
 from hf_evon.posterior.gaussian import (
     DEFAULT_MAX_BASIS_RATIO,
     FactorGroup,
     MatrixFactors,
     compute_dtype,
     drop_wide_bases,
-    perturbations,
     resolve_seed,
+    sample_group,
+    stack_factors,
 )
-from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_posterior, resolve_files
+from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, resolve_files
+from hf_evon.posterior.model_card import save_model_card
+from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
 
+# EVONPosterior, and the names that come with it (their homes are config and gaussian)
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_DENSE_COVARIANCE_ELEMENTS",
     "POSTERIOR_CONFIG_NAME",
     "POSTERIOR_WEIGHTS_NAME",
     "EVONPosterior",
@@ -124,69 +127,17 @@ class EVONPosterior:
         model's own (for a ``PeftModel`` e.g. ``base_model.model....lora_A.default.weight``).
         Factors are copied: the posterior does not change when training continues. Wrappers
         (accelerate's ``AcceleratedOptimizer``, ``(Distributed)DataParallel``) are unwrapped.
+        With sharded EVON this is a collective: every rank calls it.
 
         By default the posterior is *lean* (:meth:`lean`): a basis whose side is more than
         ``max_basis_ratio`` times the other side (the d×d side of a LoRA matrix) is dropped,
         every marginal variance kept; ``max_basis_ratio=None`` keeps every basis (an exact
         copy of the optimizer's factors). ``eigenbasis_dtype`` (e.g. ``torch.float16``) holds
-        the bases in half precision (half their bytes; see ``benchmarks/posterior_size.py``).
+        the bases in half precision (half their bytes).
         """
-        optimizer = unwrap_optimizer(optimizer)
-        model = unwrap_model(model)
-        sharding = getattr(optimizer, "sharding", None)
-        if sharding is not None:  # sharded EVON: a collective, so every rank calls from_optimizer
-            sharding.gather_factors()
-        named = list(model.named_parameters())
-        names_by_id = {id(p): name for name, p in named}
-        evon_groups = [g for g in optimizer.param_groups if g.get("algorithm", "evon") == "evon"]
-        entries: list[tuple[str, Tensor, dict[str, Any]]] = []
-        seen: set[int] = set()
-        for gi, group in enumerate(evon_groups):
-            labels = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if id(p) not in names_by_id:
-                    label = labels[i] if labels else f"EVON group {gi}, parameter {i}"
-                    raise PosteriorMismatchError(
-                        f"{label} (shape {tuple(p.shape)}) is trained by EVON but is not a parameter of "
-                        f"the given {type(model).__name__}: pass the model the optimizer was built for"
-                    )
-                entries.append((names_by_id[id(p)], p, optimizer.posterior_factors(p)))
-        if not entries:
-            raise ValueError("the optimizer has no EVON-owned parameters: there is no posterior to take")
-        factors: dict[str, MatrixFactors] = {}
-        for name, p, f in entries:  # views of the live state: from_factors stacks them into copies
-            factors[name] = MatrixFactors(
-                Q_L=None if f["Q_L"] is None else f["Q_L"].detach(),
-                Q_R=None if f["Q_R"] is None else f["Q_R"].detach(),
-                hess=f["hess"].detach(),
-                shape=tuple(int(s) for s in p.shape),
-                matrix_shape=tuple(int(s) for s in f.get("matrix_shape", matrix_shape(p.shape))),
-                ess=float(f["ess"]),
-                weight_decay=float(f["weight_decay"]),
-            )
-        first = evon_groups[0]
-        config = {k: first[k] for k in HYPERPARAMETER_KEYS if k in first}
-        if "initial_lr" in first:  # under an LR scheduler: the configured (peak) rate, not today's
-            config["lr"], config["final_lr"] = first["initial_lr"], first["lr"]
-        if "betas" in config:
-            config["betas"] = tuple(config["betas"])
-        steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
-        step = next((s for s in steps if s is not None), None)
-        config["optimizer_step"] = (
-            int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
-        )
-        config["base_model"] = base_model_name(model)
-        config["model_class"] = model_class(model).__name__
-        covered = {id(p) for _, p, _ in entries}
-        points = [p for _, p in named if id(p) not in covered]
-        posterior = cls.from_factors(
-            factors,
-            config,
-            num_point_estimates=sum(p.numel() for p in points),
-            num_point_estimate_tensors=len(points),
+        taken = snapshot(optimizer, model)
+        posterior = cls.from_factors(  # stacks the live views into copies
+            taken.factors, taken.settings, taken.num_point_estimates, taken.num_point_estimate_tensors
         )
         if max_basis_ratio is None and eigenbasis_dtype is None:
             return posterior
@@ -218,38 +169,7 @@ class EVONPosterior:
                     raise PosteriorMismatchError(
                         f"'{name}.{label}' has shape {tuple(t.shape)}; expected {want}"
                     )
-        buckets: dict[tuple, list[str]] = {}
-        for name in sorted(factors):
-            f = factors[name]
-            key = (
-                f.matrix_shape,
-                f.Q_L is not None,
-                f.Q_R is not None,
-                f.ess,
-                f.weight_decay,
-                f.hess.dtype,
-                None if f.Q_L is None else f.Q_L.dtype,
-                None if f.Q_R is None else f.Q_R.dtype,
-                f.hess.device,
-            )
-            buckets.setdefault(key, []).append(name)
-        groups = []
-        for key, names in buckets.items():
-            (m, n), left, right, ess, wd = key[:5]
-            fs = [factors[nm] for nm in names]
-            groups.append(
-                FactorGroup(
-                    names=names,
-                    shapes=[f.shape for f in fs],
-                    m=m,
-                    n=n,
-                    q_left=torch.stack([f.Q_L for f in fs]) if left else None,
-                    q_right=torch.stack([f.Q_R for f in fs]) if right else None,
-                    hess=torch.stack([f.hess for f in fs]),
-                    ess=ess,
-                    weight_decay=wd,
-                )
-            )
+        groups = stack_factors(factors)
         config = dict(config or {})
         config["format_version"] = FORMAT_VERSION
         some = factors[next(iter(factors))]
@@ -374,27 +294,7 @@ class EVONPosterior:
             idx = [i for i, name in enumerate(group.names) if name in wanted]
             if not idx:
                 continue
-            dev = torch.device(device) if device is not None else group.hess.device
-            dt = compute_dtype(group.hess)
-
-            def take(
-                t: Tensor | None, idx: list[int] = idx, dev: torch.device = dev, dt: torch.dtype = dt
-            ) -> Tensor | None:
-                if t is None:
-                    return None
-                if len(idx) != t.shape[0]:
-                    t = t[torch.tensor(idx, device=t.device)]
-                return t.to(device=dev, dtype=dt)
-
-            hess, q_left, q_right = take(group.hess), take(group.q_left), take(group.q_right)
-            z = torch.empty(len(idx), num_samples, group.m, group.n, device=dev, dtype=dt)
-            for j, i in enumerate(idx):
-                gen = torch.Generator(device=dev)
-                gen.manual_seed(derived_seed(seed, group.names[i]))  # independent of the names drawn with it
-                z[j].normal_(generator=gen)
-            if rotated:  # E_s: the same draws, bases left for the caller to apply
-                q_left = q_right = None
-            noise = perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
+            noise = sample_group(group, idx, num_samples, seed, device, rotated)
             for j, i in enumerate(idx):
                 value = noise[j] if rotated else noise[j].reshape(num_samples, *group.shapes[i])
                 out[group.names[i]] = value if dtype is None else value.to(dtype)
@@ -546,7 +446,7 @@ class EVONPosterior:
     # ------------------------------------------------------------------ files
     def to_tensors(self, eigenbasis_dtype: torch.dtype | str | None = None) -> dict[str, Tensor]:
         """The file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous)."""
-        return posterior_tensors(self, eigenbasis_dtype)
+        return file_tensors(self.factors, eigenbasis_dtype)
 
     def save_pretrained(
         self,
@@ -559,7 +459,7 @@ class EVONPosterior:
 
         Safe beside a model: only these two files and ``README.md`` (updated, not replaced)
         are touched. Atomic: a failed save leaves the previous checkpoint intact. The format
-        is specified in :mod:`hf_evon.posterior.format`.
+        is specified in ``docs/posterior-format.md``.
 
         Args:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
@@ -583,10 +483,11 @@ class EVONPosterior:
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
         os.makedirs(directory, exist_ok=True)
         eig = as_dtype(eigenbasis_dtype)
-        write_posterior(self, directory, eig)
+        config = PosteriorConfig.for_save(
+            self.config, self.factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
+        )
+        write_posterior(directory, self.to_tensors(eig), config)
         if write_card:
-            from hf_evon.posterior.model_card import save_model_card
-
             save_model_card(directory, self, **card_kwargs)
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or os.path.basename(os.path.abspath(directory))
@@ -606,7 +507,7 @@ class EVONPosterior:
     ) -> EVONPosterior:
         """Load a posterior from a local directory or a Hub repo (``revision``, ``subfolder``).
 
-        Every file is validated (see :mod:`hf_evon.posterior.format`); a problem raises
+        Every file is validated (``docs/posterior-format.md``); a problem raises
         :class:`PosteriorMismatchError` naming the tensor. Only safetensors and JSON are read.
 
         Keyword arguments:
@@ -626,9 +527,9 @@ class EVONPosterior:
         config, weights_path = resolve_files(
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
         )
-        loaded = read_posterior(config, weights_path, device, reorthonormalize)
+        groups = read_factor_groups(config, weights_path, device, reorthonormalize)
         posterior = cls(
-            loaded.groups, loaded.config, loaded.num_point_estimates, loaded.num_point_estimate_tensors
+            groups, config.settings(), config.num_point_estimates, config.num_point_estimate_tensors
         )
         if model is not None:
             posterior.check_model(model)
@@ -657,18 +558,25 @@ class EVONPosterior:
         the repo root. ``revision`` commits to that branch (created if missing).
         Returns the ``huggingface_hub.CommitInfo``.
         """
-        return push_posterior(
-            self,
+        card_kwargs = dict(model_card_kwargs or {})
+
+        def write(files_dir: str, card_dir: str, resolved_repo_id: str, subfolder: str | None) -> None:
+            self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
+            card_kwargs.setdefault("repo_id", resolved_repo_id)
+            card_kwargs.setdefault("subfolder", subfolder)
+            save_model_card(card_dir, self, **card_kwargs)
+
+        return push_folder(
             repo_id,
-            commit_message,
-            private,
-            token,
-            revision,
-            create_pr,
-            eigenbasis_dtype,
-            model_card_kwargs,
-            path_in_repo,
-            endpoint,
+            write,
+            (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME),
+            commit_message=commit_message or "Upload EVON posterior",
+            private=private,
+            token=token,
+            revision=revision,
+            create_pr=create_pr,
+            path_in_repo=path_in_repo,
+            endpoint=endpoint,
         )
 
 

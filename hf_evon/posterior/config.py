@@ -1,0 +1,481 @@
+"""The JSON config of a saved posterior (``evon_posterior_config.json``), as a typed dataclass.
+
+:class:`PosteriorConfig` is the config's schema: each field declares its JSON rule, and
+:meth:`PosteriorConfig.from_dict` validates a parsed file against it (errors name the file and
+the field; nothing is coerced), :meth:`PosteriorConfig.to_dict` writes it back key for key.
+The contract (keys, tensors, versioning): ``docs/posterior-format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from typing import Any
+
+import torch
+
+from hf_evon import __version__
+from hf_evon.optim.evon import is_snr_scaling, matrix_shape
+from hf_evon.posterior.gaussian import MatrixFactors
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HYPERPARAMETER_KEYS",
+    "POSTERIOR_CONFIG_NAME",
+    "POSTERIOR_WEIGHTS_NAME",
+    "ParameterEntry",
+    "PosteriorConfig",
+    "PosteriorMismatchError",
+    "TensorDtype",
+]
+
+FORMAT_VERSION = 1
+POSTERIOR_WEIGHTS_NAME = "evon_posterior.safetensors"
+POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
+# the weights file a config may name: the canonical one, or one staged by an interrupted save
+WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
+
+# EVON group entries recorded as hyperparameters (those present in the optimizer's group)
+HYPERPARAMETER_KEYS = (
+    "lr",
+    "ess",
+    "weight_decay",
+    "hess_init",
+    "betas",
+    "mc_samples",
+    "precondition_frequency",
+    "max_precond_dim",
+    "shampoo_beta",
+    "hess_clip_ratio",
+    "clip",
+    "clip_radius",
+    "snr_scaling",
+    "phased_gradients",
+    "identity_basis",
+    "stagger_refresh",
+    "eps",
+)
+
+
+class PosteriorMismatchError(ValueError):
+    """A posterior does not fit a model, or a posterior file is invalid.
+
+    The message always names the offending tensor (or config field), so a mismatch is
+    never silently skipped.
+    """
+
+
+class TensorDtype(str, Enum):
+    """The dtypes a posterior's tensors are held and stored in, by their names in the config."""
+
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.float16``, ``"float16"`` or ``"torch.float16"`` as a torch dtype (None stays None)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    try:
+        return TensorDtype(name).dtype
+    except ValueError:
+        raise ValueError(
+            f"unsupported dtype {value!r}; use one of {sorted(d.value for d in TensorDtype)}"
+        ) from None
+
+
+def json_value(value: Any) -> Any:
+    """JSON-safe copy: tuples become lists, infinities the strings "inf"/"-inf"."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, tuple | list):
+        return [json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): json_value(v) for k, v in value.items()}
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    return str(value)
+
+
+def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
+    """``ess > 0`` (``inf``: no noise) and a finite ``weight_decay >= 0``, or an error naming ``where``."""
+    if not ess > 0.0:
+        raise PosteriorMismatchError(f"{where}: ess must be > 0 (inf for no noise); got {ess!r}")
+    if not (weight_decay >= 0.0 and math.isfinite(weight_decay)):
+        raise PosteriorMismatchError(f"{where}: weight_decay must be finite and >= 0; got {weight_decay!r}")
+
+
+# ----------------------------------------------------------------------------- JSON rules
+# Each rule takes (JSON value, field name, where) and returns the Python value or raises an
+# error naming the field: wrong JSON types are refused, never coerced or truncated.
+Rule = Callable[[Any, str, str], Any]
+
+
+def _rule_error(where: str, field: str, rule: str, value: Any) -> PosteriorMismatchError:
+    return PosteriorMismatchError(f"{where}: field {field!r} must be {rule}; got {value!r}")
+
+
+def _number(value: Any, field: str, where: str) -> float:
+    """A JSON number, or ``"inf"`` (as an infinite ess is written)."""
+    if value == "inf":
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _rule_error(where, field, 'a number (or "inf")', value)
+    return float(value)
+
+
+def _integer(minimum: int) -> Rule:
+    """A JSON integer ``>= minimum``: ``64.7`` or ``"64"`` is refused, never truncated."""
+
+    def rule(value: Any, field: str, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise _rule_error(where, field, f"an integer >= {minimum}", value)
+        return value
+
+    return rule
+
+
+def _boolean(value: Any, field: str, where: str) -> bool:
+    """A JSON ``true``/``false``: the string ``"false"`` would be truthy, so it is refused."""
+    if not isinstance(value, bool):
+        raise _rule_error(where, field, "true or false", value)
+    return value
+
+
+def _string(value: Any, field: str, where: str) -> str:
+    if not isinstance(value, str):
+        raise _rule_error(where, field, "a string", value)
+    return value
+
+
+def _snr_scaling(value: Any, field: str, where: str) -> bool | str:
+    """``true``/``false`` or ``"adam"`` (``EVON``'s ``snr_scaling``)."""
+    if not is_snr_scaling(value):
+        raise _rule_error(where, field, 'true, false or "adam"', value)
+    return value
+
+
+def _betas(value: Any, field: str, where: str) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise _rule_error(where, field, "a list of two numbers", value)
+    return (_number(value[0], f"{field}[0]", where), _number(value[1], f"{field}[1]", where))
+
+
+def _shape(value: Any, field: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise _rule_error(where, field, "a non-empty list of integers >= 1", value)
+    for d in value:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise _rule_error(where, field, "a non-empty list of integers >= 1", value)
+    return tuple(value)
+
+
+def _weights_file(value: Any, field: str, where: str) -> str:
+    """A plain file name written by a save: never a path out of the directory."""
+    if not isinstance(value, str) or not WEIGHTS_FILE_RE.fullmatch(value):
+        raise _rule_error(
+            where, field, f"{POSTERIOR_WEIGHTS_NAME!r} or 'evon_posterior.<32 hex digits>.safetensors'", value
+        )
+    return value
+
+
+def _object(value: Any, field: str, where: str) -> dict[str, Any]:
+    """A JSON object, kept as written (its schema belongs to the code that writes it)."""
+    if not isinstance(value, dict):
+        raise _rule_error(where, field, "an object", value)
+    return value
+
+
+def _optional(rule: Rule, *, nullable: bool = False) -> Any:
+    """A config field that may be absent (None), checked by ``rule`` where present.
+
+    ``nullable``: a JSON ``null`` is allowed (and written back as ``null``).
+    """
+    return field(default=None, metadata={"rule": rule, "nullable": nullable})
+
+
+# ----------------------------------------------------------------------------- the schema
+@dataclass(frozen=True)
+class ParameterEntry:
+    """One covered parameter: its shape, EVON's ``(m, n)`` view of it, and which bases are stored.
+
+    ``ess``/``weight_decay`` are set only where the parameter's group differs from the
+    config's top level (None: the top-level value).
+    """
+
+    shape: tuple[int, ...]
+    matrix_shape: tuple[int, int]
+    left_basis: bool
+    right_basis: bool
+    ess: float | None = None
+    weight_decay: float | None = None
+
+    @classmethod
+    def from_dict(
+        cls, name: str, value: Any, config_ess: float, config_weight_decay: float, where: str
+    ) -> ParameterEntry:
+        """The entry ``parameters[name]``, validated; a noise scale it lacks is the top-level one."""
+        key = f"parameters.{name}"
+        if not isinstance(value, dict):
+            raise _rule_error(where, key, "an object", value)
+        missing = [k for k in ("shape", "matrix_shape", "left_basis", "right_basis") if k not in value]
+        if missing:
+            raise PosteriorMismatchError(f"{where}: field {key!r} lacks {missing}")
+        shape = _shape(value["shape"], f"{key}.shape", where)
+        declared = _shape(value["matrix_shape"], f"{key}.matrix_shape", where)
+        left = _boolean(value["left_basis"], f"{key}.left_basis", where)
+        right = _boolean(value["right_basis"], f"{key}.right_basis", where)
+        if len(declared) != 2 or declared != matrix_shape(shape):
+            raise PosteriorMismatchError(
+                f"{name!r}: matrix_shape {list(declared)} does not match shape {list(shape)} "
+                f"(EVON views it as {list(matrix_shape(shape))})"
+            )
+        ess = _number(value["ess"], f"{key}.ess", where) if "ess" in value else None
+        wd = _number(value["weight_decay"], f"{key}.weight_decay", where) if "weight_decay" in value else None
+        check_noise_scale(
+            config_ess if ess is None else ess, config_weight_decay if wd is None else wd, repr(name)
+        )
+        return cls(shape, (declared[0], declared[1]), left, right, ess, wd)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "shape": list(self.shape),
+            "matrix_shape": list(self.matrix_shape),
+            "left_basis": self.left_basis,
+            "right_basis": self.right_basis,
+        }
+        if self.ess is not None:
+            out["ess"] = json_value(self.ess)
+        if self.weight_decay is not None:
+            out["weight_decay"] = json_value(self.weight_decay)
+        return out
+
+    def tensors(self, name: str) -> list[tuple[str, str, tuple[int, int]]]:
+        """(key, kind, shape) of the tensors the weights file holds for this parameter."""
+        m, n = self.matrix_shape
+        out = [(f"{name}.hess", "hess", (m, n))]
+        if self.left_basis:
+            out.append((f"{name}.Q_L", "Q_L", (m, m)))
+        if self.right_basis:
+            out.append((f"{name}.Q_R", "Q_R", (n, n)))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PosteriorConfig:
+    """``evon_posterior_config.json``: the posterior's hyperparameters, bookkeeping and covered parameters.
+
+    Fields are declared in the order a fresh save writes them. Optional fields are None where
+    absent; keys this version does not know are kept in ``extra``, as written. ``key_order``
+    holds the keys as they were given to :meth:`from_dict` (their presence and order), so
+    :meth:`to_dict` writes back exactly what was read; fields set later go after them.
+    """
+
+    # EVON's hyperparameters (the first EVON group's, where it has them)
+    lr: float | None = _optional(_number)
+    ess: float
+    weight_decay: float
+    hess_init: float | None = _optional(_number)
+    betas: tuple[float, float] | None = _optional(_betas)
+    mc_samples: int | None = _optional(_integer(1))
+    precondition_frequency: int | None = _optional(_integer(1))
+    max_precond_dim: int | None = _optional(_integer(0))
+    shampoo_beta: float | None = _optional(_number, nullable=True)
+    hess_clip_ratio: float | None = _optional(_number, nullable=True)
+    clip: str | None = _optional(_string)
+    clip_radius: float | None = _optional(_number)
+    snr_scaling: bool | str | None = _optional(_snr_scaling)
+    phased_gradients: bool | None = _optional(_boolean)
+    identity_basis: bool | None = _optional(_boolean)
+    stagger_refresh: bool | None = _optional(_boolean)
+    eps: float | None = _optional(_number)
+    final_lr: float | None = _optional(_number)  # the rate at save time, under an LR scheduler
+    optimizer_step: int | None = _optional(_integer(0))
+    # the model it belongs to
+    base_model: str | None = _optional(_string, nullable=True)
+    model_class: str | None = _optional(_string, nullable=True)
+    # how the tensors are stored
+    eigenbasis_dtype: str | None = _optional(_string)
+    max_basis_ratio: float | None = _optional(_number, nullable=True)  # lean posteriors
+    # post-hoc calibration: the ess EVON trained with, and the search's record
+    # (hf_evon.predictive.calibration.CalibrationResult.to_json)
+    trained_ess: float | None = _optional(_number)
+    calibration: dict[str, Any] | None = _optional(_object)
+    # bookkeeping of the save
+    format_version: int = FORMAT_VERSION
+    library: str | None = _optional(_string)
+    library_version: str | None = _optional(_string)
+    checkpoint_id: str | None = _optional(_string)
+    weights_file: str | None = _optional(_weights_file)
+    hess_dtype: str | None = _optional(_string)
+    num_point_estimates: int | None = _optional(_integer(0), nullable=True)
+    num_point_estimate_tensors: int | None = _optional(_integer(0), nullable=True)
+    parameters: dict[str, ParameterEntry]
+    extra: dict[str, Any] = field(default_factory=dict)
+    key_order: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    source: str = field(default=POSTERIOR_CONFIG_NAME, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = POSTERIOR_CONFIG_NAME) -> PosteriorConfig:
+        """Validate a parsed config; errors are :class:`PosteriorMismatchError` naming ``where`` and the field."""
+        if not isinstance(raw, dict):
+            raise PosteriorMismatchError(f"{where}: the config must be a JSON object")
+        version = raw.get("format_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PosteriorMismatchError(
+                f"{where}: format_version {version!r} is not a known EVON posterior format "
+                f"(this hf-evon reads version {FORMAT_VERSION})"
+            )
+        if version > FORMAT_VERSION:
+            raise PosteriorMismatchError(
+                f"{where}: format_version {version} was written by a newer hf-evon; this one "
+                f"reads version {FORMAT_VERSION}: upgrade hf-evon"
+            )
+        ess = _number(raw.get("ess"), "ess", where)
+        weight_decay = _number(raw.get("weight_decay"), "weight_decay", where)
+        check_noise_scale(ess, weight_decay, where)
+        values: dict[str, Any] = {}
+        for f in _OPTIONAL_FIELDS:
+            if f.name in raw and not (f.metadata["nullable"] and raw[f.name] is None):
+                values[f.name] = f.metadata["rule"](raw[f.name], f.name, where)
+        parameters = raw.get("parameters")
+        if not isinstance(parameters, dict) or not parameters:
+            raise PosteriorMismatchError(f"{where}: 'parameters' must list the covered parameters")
+        entries = {
+            name: ParameterEntry.from_dict(name, parameters[name], ess, weight_decay, where)
+            for name in sorted(parameters)
+        }
+        return cls(
+            ess=ess,
+            weight_decay=weight_decay,
+            format_version=version,
+            parameters=entries,
+            extra={k: v for k, v in raw.items() if k not in _FIELD_NAMES},
+            key_order=tuple(raw),
+            source=where,
+            **values,
+        )
+
+    @classmethod
+    def for_save(
+        cls,
+        settings: Mapping[str, Any],
+        factors: Mapping[str, MatrixFactors],
+        eigenbasis_dtype: torch.dtype | None,
+        num_point_estimates: int | None,
+        num_point_estimate_tensors: int | None,
+    ) -> PosteriorConfig:
+        """The config a new save writes: ``settings`` (``EVONPosterior.config``) and, per covered
+        name, its factors' entry; a fresh ``checkpoint_id`` (one per save), the canonical
+        ``weights_file``.
+
+        ``settings`` keeps its keys' order; the save's own fields follow it (as ``dict.update``).
+        """
+        names = list(factors)
+        ess, weight_decay = float(settings["ess"]), float(settings["weight_decay"])
+        bases = [q for f in factors.values() for q in (f.Q_L, f.Q_R) if q is not None]
+        first = factors[names[0]]
+        config = {k: v for k, v in settings.items() if k not in ("format_version", "parameters")}
+        config.update(
+            format_version=FORMAT_VERSION,
+            library="hf-evon",
+            library_version=__version__,
+            checkpoint_id=uuid.uuid4().hex,
+            weights_file=POSTERIOR_WEIGHTS_NAME,
+            ess=ess,
+            weight_decay=weight_decay,
+            eigenbasis_dtype=dtype_name(eigenbasis_dtype or (bases[0] if bases else first.hess).dtype),
+            hess_dtype=dtype_name(first.hess.dtype),
+            num_point_estimates=num_point_estimates,
+            num_point_estimate_tensors=num_point_estimate_tensors,
+        )
+        config["parameters"] = {
+            name: ParameterEntry(
+                shape=tuple(f.shape),
+                matrix_shape=tuple(f.matrix_shape),
+                left_basis=f.Q_L is not None,
+                right_basis=f.Q_R is not None,
+                ess=f.ess if f.ess != ess else None,
+                weight_decay=f.weight_decay if f.weight_decay != weight_decay else None,
+            ).to_dict()
+            for name, f in factors.items()
+        }
+        return cls.from_dict(json_value(config), "EVONPosterior.config")
+
+    # ------------------------------------------------------------------ writing
+    def updated(self, **values: Any) -> PosteriorConfig:
+        """A copy with ``values`` set; a field not yet present is added after the others."""
+        order = self.key_order + tuple(k for k in values if k not in self.key_order) if self.key_order else ()
+        return replace(self, key_order=order, **values)
+
+    def keys(self) -> list[str]:
+        """The JSON keys, in the order :meth:`to_dict` writes them."""
+        present = [f.name for f in _SCHEMA_FIELDS if f.name in _REQUIRED or getattr(self, f.name) is not None]
+        if not self.key_order:
+            return [k for k in present if k != "parameters"] + list(self.extra) + ["parameters"]
+        return list(self.key_order) + [k for k in present if k not in self.key_order]
+
+    def value(self, key: str) -> Any:
+        """The Python value of ``key`` (``inf`` as a float, ``betas`` as a tuple); extra keys as written."""
+        return getattr(self, key) if key in _FIELD_NAMES else self.extra[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object to write (``"inf"`` for an infinite number), keys in :meth:`keys` order."""
+        out: dict[str, Any] = {}
+        for key in self.keys():
+            if key == "parameters":
+                out[key] = {name: entry.to_dict() for name, entry in self.parameters.items()}
+            else:
+                out[key] = json_value(self.value(key))
+        return out
+
+    def to_json(self) -> str:
+        """The file's text: strict JSON (no NaN), indented, one final newline."""
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+
+    def settings(self) -> dict[str, Any]:
+        """``EVONPosterior.config`` of a loaded posterior: every key but ``parameters``, as Python values."""
+        out = {key: self.value(key) for key in self.keys() if key != "parameters"}
+        out["format_version"] = FORMAT_VERSION
+        return out
+
+    # ------------------------------------------------------------------ what the reader needs
+    @property
+    def weights_name(self) -> str:
+        """The weights file this config belongs to: ``weights_file``, or the canonical name."""
+        return self.weights_file or POSTERIOR_WEIGHTS_NAME
+
+    def noise_scale(self, name: str) -> tuple[float, float]:
+        """``(ess, weight_decay)`` of covered parameter ``name`` (its own, or the top-level one)."""
+        entry = self.parameters[name]
+        return (
+            self.ess if entry.ess is None else entry.ess,
+            self.weight_decay if entry.weight_decay is None else entry.weight_decay,
+        )
+
+
+_SCHEMA_FIELDS = tuple(f for f in fields(PosteriorConfig) if f.name not in ("extra", "key_order", "source"))
+_FIELD_NAMES = frozenset(f.name for f in _SCHEMA_FIELDS)
+_OPTIONAL_FIELDS = tuple(f for f in _SCHEMA_FIELDS if "rule" in f.metadata)
+_REQUIRED = frozenset(("ess", "weight_decay", "format_version", "parameters"))

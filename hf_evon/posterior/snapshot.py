@@ -1,0 +1,91 @@
+"""Taking a posterior out of a live ``EVON`` optimizer: its factors, keyed by the model's names.
+
+EVON knows parameters, not names; the model knows names. Parameters are matched by identity,
+so a posterior's names are exactly ``model.named_parameters()``'s (for a ``PeftModel`` e.g.
+``base_model.model....lora_A.default.weight``), and checkable against a model later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_evon.modeling import base_model_name, model_class, unwrap_model
+from hf_evon.optim.evon import matrix_shape, unwrap_optimizer
+from hf_evon.posterior.config import HYPERPARAMETER_KEYS, PosteriorMismatchError
+from hf_evon.posterior.gaussian import MatrixFactors
+
+__all__ = ["Snapshot", "snapshot"]
+
+
+@dataclass
+class Snapshot:
+    """The factors of every EVON-owned parameter (views of the optimizer's live state), the
+    hyperparameters and model facts a posterior records, and what stays a point estimate."""
+
+    factors: dict[str, MatrixFactors]
+    settings: dict[str, Any]
+    num_point_estimates: int
+    num_point_estimate_tensors: int
+
+
+def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
+    """Read the posterior factors of ``optimizer`` (unwrapped from accelerate) for ``model``
+    (unwrapped from DDP). With sharded EVON this gathers the factors: a collective, so every
+    rank calls it."""
+    optimizer = unwrap_optimizer(optimizer)
+    model = unwrap_model(model)
+    sharding = getattr(optimizer, "sharding", None)
+    if sharding is not None:
+        sharding.gather_factors()
+    named = list(model.named_parameters())
+    names_by_id = {id(p): name for name, p in named}
+    evon_groups = [g for g in optimizer.param_groups if g.get("algorithm", "evon") == "evon"]
+    entries: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
+    seen: set[int] = set()
+    for gi, group in enumerate(evon_groups):
+        labels = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) not in names_by_id:
+                label = labels[i] if labels else f"EVON group {gi}, parameter {i}"
+                raise PosteriorMismatchError(
+                    f"{label} (shape {tuple(p.shape)}) is trained by EVON but is not a parameter of "
+                    f"the given {type(model).__name__}: pass the model the optimizer was built for"
+                )
+            entries.append((names_by_id[id(p)], p, optimizer.posterior_factors(p)))
+    if not entries:
+        raise ValueError("the optimizer has no EVON-owned parameters: there is no posterior to take")
+    factors = {
+        name: MatrixFactors(
+            Q_L=None if f["Q_L"] is None else f["Q_L"].detach(),
+            Q_R=None if f["Q_R"] is None else f["Q_R"].detach(),
+            hess=f["hess"].detach(),
+            shape=tuple(int(s) for s in p.shape),
+            matrix_shape=tuple(int(s) for s in f.get("matrix_shape", matrix_shape(p.shape))),
+            ess=float(f["ess"]),
+            weight_decay=float(f["weight_decay"]),
+        )
+        for name, p, f in entries
+    }
+    first = evon_groups[0]
+    settings = {k: first[k] for k in HYPERPARAMETER_KEYS if k in first}
+    if "initial_lr" in first:  # under an LR scheduler: the configured (peak) rate, not today's
+        settings["lr"], settings["final_lr"] = first["initial_lr"], first["lr"]
+    if "betas" in settings:
+        settings["betas"] = tuple(settings["betas"])
+    steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
+    step = next((s for s in steps if s is not None), None)
+    settings["optimizer_step"] = (
+        int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
+    )
+    settings["base_model"] = base_model_name(model)
+    settings["model_class"] = model_class(model).__name__
+    covered = {id(p) for _, p, _ in entries}
+    points = [p for _, p in named if id(p) not in covered]
+    return Snapshot(factors, settings, sum(p.numel() for p in points), len(points))

@@ -1,0 +1,185 @@
+"""PosteriorConfig: the typed schema of ``evon_posterior_config.json`` (file format v1).
+
+The configs below were written by ``save_pretrained`` before the config was a dataclass
+(hf-evon 0.1.0): they must read and write back unchanged, key for key and byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hf_evon.posterior import PosteriorConfig, PosteriorMismatchError
+from hf_evon.posterior.config import ParameterEntry
+
+# a fresh save from an optimizer (an LR scheduler, two EVON groups of different ess, a
+# calibration record), the same after a load, with_ess and a save, and a from_factors save
+WRITTEN_BY_V1 = {
+    "fresh": (
+        '{"lr": 0.05, "ess": 100.0, "weight_decay": 0.0001, "hess_init": 0.05, "betas": [0.9, 0.95], '
+        '"mc_samples": 1, "precondition_frequency": 2, "max_precond_dim": 4096, "shampoo_beta": null, '
+        '"hess_clip_ratio": null, "clip": "none", "clip_radius": 1.0, "snr_scaling": true, '
+        '"phased_gradients": false, "identity_basis": false, "stagger_refresh": true, "eps": 1e-12, '
+        '"final_lr": 0.010000000000000002, "optimizer_step": 3, "base_model": null, '
+        '"model_class": "Sequential", "eigenbasis_dtype": "float32", "max_basis_ratio": 3.0, '
+        '"trained_ess": 256.0, "calibration": {"ess": "inf", "trained_ess": 256.0, "grid": [64.0, '
+        '"inf"], "nll": [1.5], "mean_nll": 1.25, "num_samples": 4, "num_targets": 10, "seed": 0, '
+        '"standard_errors": 1.0, "min_gain": 0.01, "mean_temperature": null, "chosen_nll": 1.25, '
+        '"method": "gridsearch (BMA NLL on held-out data)"}, "format_version": 1, "library": "hf-evon", '
+        '"library_version": "0.1.0", "checkpoint_id": "047b85b53cb442e885486cffbe8abdd8", '
+        '"weights_file": "evon_posterior.safetensors", "hess_dtype": "float32", '
+        '"num_point_estimates": 7, "num_point_estimate_tensors": 2, '
+        '"parameters": {"0.weight": {"shape": [4, 5], "matrix_shape": [4, 5], "left_basis": true, '
+        '"right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, 4], "left_basis": true, '
+        '"right_basis": true, "ess": 256.0}}}'
+    ),
+    "resaved": (
+        '{"lr": 0.05, "ess": 512.0, "weight_decay": 0.0001, "hess_init": 0.05, "betas": [0.9, 0.95], '
+        '"mc_samples": 1, "precondition_frequency": 2, "max_precond_dim": 4096, "shampoo_beta": null, '
+        '"hess_clip_ratio": null, "clip": "none", "clip_radius": 1.0, "snr_scaling": true, '
+        '"phased_gradients": false, "identity_basis": false, "stagger_refresh": true, "eps": 1e-12, '
+        '"final_lr": 0.010000000000000002, "optimizer_step": 3, "base_model": null, '
+        '"model_class": "Sequential", "eigenbasis_dtype": "float32", "max_basis_ratio": 3.0, '
+        '"trained_ess": 256.0, "calibration": {"ess": "inf", "trained_ess": 256.0, "grid": [64.0, '
+        '"inf"], "nll": [1.5], "mean_nll": 1.25, "num_samples": 4, "num_targets": 10, "seed": 0, '
+        '"standard_errors": 1.0, "min_gain": 0.01, "mean_temperature": null, "chosen_nll": 1.25, '
+        '"method": "gridsearch (BMA NLL on held-out data)"}, "library": "hf-evon", '
+        '"library_version": "0.1.0", "checkpoint_id": "faa43bf94faf491fb680b2241ea8a51c", '
+        '"weights_file": "evon_posterior.safetensors", "hess_dtype": "float32", '
+        '"num_point_estimates": 7, "num_point_estimate_tensors": 2, "format_version": 1, '
+        '"parameters": {"0.weight": {"shape": [4, 5], "matrix_shape": [4, 5], "left_basis": true, '
+        '"right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, 4], "left_basis": true, '
+        '"right_basis": true}}}'
+    ),
+    "factors": (
+        '{"eigenbasis_dtype": "float32", "ess": 100.0, "weight_decay": 0.0001, "format_version": 1, '
+        '"library": "hf-evon", "library_version": "0.1.0", '
+        '"checkpoint_id": "c6777f050ee94a67a265b6fcd8b7201c", '
+        '"weights_file": "evon_posterior.safetensors", "hess_dtype": "float32", '
+        '"num_point_estimates": null, "num_point_estimate_tensors": null, '
+        '"parameters": {"0.weight": {"shape": [4, 5], "matrix_shape": [4, 5], "left_basis": true, '
+        '"right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, 4], "left_basis": true, '
+        '"right_basis": true, "ess": 256.0}}}'
+    ),
+}
+
+
+def _raw(case: str) -> dict:
+    return json.loads(WRITTEN_BY_V1[case])
+
+
+@pytest.mark.parametrize("case", sorted(WRITTEN_BY_V1))
+def test_a_v1_config_reads_and_writes_back_unchanged(case):
+    raw = _raw(case)
+    config = PosteriorConfig.from_dict(raw, "v1.json")
+    assert config.to_dict() == raw and list(config.to_dict()) == list(raw)
+    assert (
+        config.to_json() == json.dumps(raw, indent=2) + "\n"
+    )  # the file's bytes, as save_pretrained wrote them
+    assert PosteriorConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_v1_config_without_weights_file_belongs_to_the_canonical_file():
+    raw = _raw("fresh")
+    raw.pop("weights_file")
+    config = PosteriorConfig.from_dict(raw)
+    assert config.weights_file is None and config.weights_name == "evon_posterior.safetensors"
+    assert config.to_dict() == raw and list(config.to_dict()) == list(raw)
+
+
+def test_fields_are_typed():
+    config = PosteriorConfig.from_dict(_raw("fresh"))
+    assert config.betas == (0.9, 0.95) and config.optimizer_step == 3 and config.snr_scaling is True
+    assert config.shampoo_beta is None and "shampoo_beta" in config.keys()  # a null stays a null
+    assert config.trained_ess == 256.0 and config.calibration["ess"] == "inf"  # the record as written
+    entry = config.parameters["2.weight"]
+    assert entry.shape == (3, 4) and entry.matrix_shape == (3, 4) and entry.left_basis and entry.right_basis
+    assert config.noise_scale("2.weight") == (256.0, 1e-4) and config.noise_scale("0.weight") == (100.0, 1e-4)
+    settings = config.settings()  # what EVONPosterior.config holds after a load
+    assert "parameters" not in settings and settings["betas"] == (0.9, 0.95)
+    assert settings["format_version"] == 1 and settings["calibration"] == config.calibration
+
+
+def test_unknown_keys_are_kept_where_they_were():
+    raw = {"note": {"by": "hand"}, **_raw("factors"), "ess": "inf"}
+    config = PosteriorConfig.from_dict(raw)
+    assert config.extra == {"note": {"by": "hand"}} and config.ess == math.inf
+    assert config.to_dict() == raw and list(config.to_dict()) == list(raw)
+
+
+def test_updated_sets_values_in_place_and_appends_new_keys():
+    raw = _raw("factors")
+    staged = "evon_posterior." + "a" * 32 + ".safetensors"
+    out = PosteriorConfig.from_dict(raw).updated(weights_file=staged, lr=0.5).to_dict()
+    assert list(out) == [*raw, "lr"] and out["weights_file"] == staged and out["lr"] == 0.5
+
+
+def test_a_config_built_directly_writes_the_declared_order():
+    config = PosteriorConfig(
+        ess=math.inf,
+        weight_decay=0.0,
+        lr=0.1,
+        parameters={
+            "w": ParameterEntry(shape=(2, 3), matrix_shape=(2, 3), left_basis=True, right_basis=False)
+        },
+        extra={"note": 1},
+    )
+    assert config.to_dict() == {
+        "lr": 0.1,
+        "ess": "inf",
+        "weight_decay": 0.0,
+        "format_version": 1,
+        "note": 1,
+        "parameters": {
+            "w": {"shape": [2, 3], "matrix_shape": [2, 3], "left_basis": True, "right_basis": False}
+        },
+    }
+    assert list(config.to_dict())[-1] == "parameters"
+    assert PosteriorConfig.from_dict(config.to_dict()) == config
+
+
+def _set(key, value):
+    def edit(raw):
+        raw[key] = value
+
+    return edit
+
+
+def _set_entry(key, value):
+    def edit(raw):
+        raw["parameters"]["0.weight"][key] = value
+
+    return edit
+
+
+CONFIG_ERRORS = {
+    "string number": (_set("lr", "0.1"), r"v1\.json: field 'lr' must be a number \(or \"inf\"\); got '0\.1'"),
+    "zero mc_samples": (
+        _set("mc_samples", 0),
+        r"v1\.json: field 'mc_samples' must be an integer >= 1; got 0",
+    ),
+    "null clip": (_set("clip", None), r"v1\.json: field 'clip' must be a string; got None"),
+    "betas of three": (_set("betas", [0.9, 0.9, 0.9]), r"field 'betas' must be a list of two numbers"),
+    "calibration not an object": (
+        _set("calibration", [1]),
+        r"field 'calibration' must be an object; got \[1\]",
+    ),
+    "entry without shape": (
+        lambda raw: raw["parameters"]["0.weight"].pop("shape"),
+        r"v1\.json: field 'parameters\.0\.weight' lacks \['shape'\]",
+    ),
+    "entry ess": (_set_entry("ess", 0), r"'0\.weight': ess must be > 0"),
+    "no parameters": (_set("parameters", {}), r"v1\.json: 'parameters' must list the covered parameters"),
+    "not an object": (lambda raw: raw.clear(), r"format_version None is not a known"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_errors_name_the_file_and_the_field(case):
+    edit, message = CONFIG_ERRORS[case]
+    raw = _raw("fresh")
+    edit(raw)
+    with pytest.raises(PosteriorMismatchError, match=message):
+        PosteriorConfig.from_dict(raw, "v1.json")
