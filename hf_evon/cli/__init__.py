@@ -1,0 +1,6 @@
+"""The ``hf-evon`` command line: ``generate``, ``inspect``, ``calibrate`` (:mod:`hf_evon.cli.commands`);
+what they load and from where: :mod:`hf_evon.cli.loading`."""
+
+from hf_evon.cli.commands import SUBCOMMANDS, build_parser, main
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main"]

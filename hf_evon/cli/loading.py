@@ -1,0 +1,160 @@
+"""Where the ``hf-evon`` commands get what they run on: locations (a local directory or a Hub
+repo id), the device, the model, its posterior and its tokenizer.
+
+torch, transformers and the rest of hf_evon are imported inside the functions, so that
+``hf-evon -h`` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+# --------------------------------------------------------------------- shared helpers
+class UsageError(ValueError):
+    """The command line asks for something impossible; reported like argparse's errors (exit 2)."""
+
+
+def _looks_local(value: str) -> bool:
+    """Whether ``value`` is meant as a local path (a Hub repo id has at most one ``/``)."""
+    return (
+        value.startswith((".", "/", "~", os.sep))
+        or value.count("/") > 1
+        or (os.altsep is not None and os.altsep in value)
+        or (os.sep != "/" and os.sep in value)
+    )
+
+
+def check_location(value: str, option: str) -> str:
+    """``"local"`` for an existing directory, ``"hub"`` for a valid repo id; else a clear error.
+
+    Why: huggingface_hub reports a mistyped local path as "Repo id must be in the form ...",
+    which hides that the directory does not exist.
+    """
+    if os.path.isdir(value):
+        return "local"
+    if os.path.exists(value):
+        raise UsageError(f"{option} {value!r} is a file; pass the directory that holds it")
+    if _looks_local(value):
+        raise UsageError(f"{option} {value!r}: no such local directory")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        raise UsageError(
+            f"{option} {value!r} is neither a local directory nor a Hub repo id ('name' or 'namespace/name')"
+        ) from None
+    return "hub"
+
+
+def _from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
+    """``load()``, with a Hub failure reported as such (the value was not a local directory)."""
+    where = check_location(value, option)
+    try:
+        return load()
+    except OSError as err:
+        if where == "local":
+            raise
+        raise OSError(
+            f"{option} {value!r} is not a local directory, so it was looked up on the Hugging Face Hub, "
+            f"which failed: {err}"
+        ) from err
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
+
+
+def resolve_device(name: str | None) -> Any:
+    """The ``torch.device`` for ``--device``, checked to exist here (before any model is loaded)."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise UsageError(f"--device {name!r}: CUDA is not available ({why}); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device {name!r}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise UsageError(f"--device {name!r}: MPS is not available on this machine; use --device cpu")
+    return device
+
+
+def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
+    kwargs: dict[str, Any] = {"revision": revision}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(path, **kwargs)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+)
+
+
+def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
+    """The model's tokenizer, or None. A local directory needs tokenizer files: transformers
+    would otherwise build an empty tokenizer from the model config alone."""
+    from transformers import AutoTokenizer
+
+    from hf_evon.modeling import base_model_name
+
+    for candidate in dict.fromkeys([path, base_model_name(model)]):  # an adapter's: its base model's
+        if candidate is None:
+            continue
+        if os.path.isdir(candidate) and not any(
+            os.path.isfile(os.path.join(candidate, f)) for f in _TOKENIZER_FILES
+        ):
+            continue
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(candidate, revision=revision)
+        except (OSError, ValueError):
+            continue
+        if len(tokenizer) > 1:
+            return tokenizer
+    return None
+
+
+def _load_model_posterior_tokenizer(
+    args: argparse.Namespace, device: Any, dtype: Any
+) -> tuple[Any, Any, Any]:
+    """``--model`` (on ``device``, in eval mode), its posterior (``--posterior``, default ``--model``,
+    and ``--posterior-subfolder``) and its tokenizer (or None)."""
+    from hf_evon.posterior.posterior import EVONPosterior
+
+    model = _from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype))
+    model = model.to(device).eval()
+    location = args.posterior or args.model
+    posterior = _from_location(
+        location,
+        "--posterior" if args.posterior else "--model",
+        lambda: EVONPosterior.from_pretrained(
+            location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
+        ),
+    )
+    return model, posterior, _load_tokenizer(args.model, args.revision, model)
