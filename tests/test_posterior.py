@@ -29,7 +29,7 @@ from torch import nn
 
 import hf_evon
 from hf_evon import EVONPosterior, PosteriorMismatchError
-from hf_evon.optim.evon import derived_seed
+from hf_evon.optim.noise import derived_seed
 from hf_evon.posterior.model_card import SECTION_START, render_model_card, save_model_card, template_path
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 

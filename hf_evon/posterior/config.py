@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from hf_evon import __version__
-from hf_evon.optim.evon import is_snr_scaling, matrix_shape
+from hf_evon.optim.buckets import matrix_shape
+from hf_evon.optim.defaults import is_snr_scaling
 from hf_evon.posterior.gaussian import MatrixFactors
 
 __all__ = [

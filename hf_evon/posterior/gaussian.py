@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.evon import derived_seed
-from hf_evon.optim.evon import state_dtype as compute_dtype  # float32 math; float64 stays float64
+from hf_evon.optim.buckets import state_dtype as compute_dtype  # float32 math; float64 stays float64
 from hf_evon.optim.linalg import exact_float32_matmul, rotated_std, rotated_variance, unrotate
+from hf_evon.optim.noise import derived_seed
 
 Tensor = torch.Tensor
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import unwrap_model
-from hf_evon.optim.evon import matrix_shape
+from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.linalg import dense_covariance, marginal_variance
 from hf_evon.posterior.config import (
     FORMAT_VERSION,

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import base_model_name, model_class, unwrap_model
-from hf_evon.optim.evon import matrix_shape, unwrap_optimizer
+from hf_evon.optim.buckets import matrix_shape
+from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.posterior.config import HYPERPARAMETER_KEYS, PosteriorMismatchError
 from hf_evon.posterior.gaussian import MatrixFactors
 
