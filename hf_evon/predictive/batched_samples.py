@@ -36,7 +36,6 @@ naming it, rather than silently decoding at the mean.
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -342,8 +341,3 @@ class BatchedSamples:
             return F.embedding(shifted, flat)
 
         return forward
-
-
-def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
-    """``log (1/S Σ_s p_s)`` from per-sample log-probabilities: the BMA average, stably."""
-    return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])

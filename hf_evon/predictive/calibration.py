@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.evon import _is_real
+from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, target_log_probs
 
 Tensor = torch.Tensor
 
@@ -130,32 +132,9 @@ def _logits(output: Any) -> Tensor:
     return logits
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A causal LM predicts token t+1 at position t: its labels are shifted (as HF's loss does)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return type(base).__name__.endswith("ForCausalLM") or bool(
-        getattr(getattr(base, "config", None), "is_decoder", False)
-    )
-
-
-def _labelled(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
-    """(logit rows, labels) of the labelled targets: shifted for a causal LM, −100 dropped."""
-    if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    target = labels.reshape(-1)
-    keep = target.ne(-100)
-    return logits.reshape(-1, logits.shape[-1])[keep], target[keep].long()
-
-
-def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
-    """log p(label) for every labelled target (−100 ignored), flattened, in float64."""
-    rows, target = _labelled(logits, labels, shift)
-    return torch.log_softmax(rows.double(), dim=-1).gather(1, target[:, None]).squeeze(1)
-
-
 def _temperature_nll(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """Summed NLL of softmax(logits / T) over the labelled targets, per temperature (float64)."""
-    rows, target = _labelled(logits, labels, shift)
+    rows, target = labelled_rows(logits, labels, shift)
     z = rows.double()
     z_target = z.gather(1, target[:, None]).squeeze(1)
     return torch.stack([(torch.logsumexp(z / t, dim=-1) - z_target / t).sum() for t in temperatures])
@@ -289,7 +268,7 @@ def calibrate_posterior(
 
 def _bma_nll(logps: Tensor) -> Tensor:
     """Per-target NLL of the average of the draws' probabilities (``logps``: [S, targets])."""
-    return math.log(logps.shape[0]) - torch.logsumexp(logps, dim=0)
+    return -log_mean_prob(logps, dim=0)
 
 
 def _gain_and_error(draws: Tensor, best: Tensor) -> tuple[float, float]:

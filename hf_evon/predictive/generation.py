@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows, log_mean_prob
+from hf_evon.modeling import is_peft_model
+from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
+from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -38,7 +40,7 @@ _UNSUPPORTED_KWARGS = ("assistant_model", "synced_gpus", "prefix_allowed_tokens_
 
 def _generation_model(model: nn.Module) -> nn.Module:
     """The transformers model whose ``generate``/``forward`` to run (PEFT: the LoRA-injected base)."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+    if is_peft_model(model):
         config = model.active_peft_config if hasattr(model, "active_peft_config") else None
         if config is not None and getattr(config, "is_prompt_learning", False):
             raise NotImplementedError("BMA decoding supports LoRA-style PEFT models, not prompt learning")
@@ -333,7 +335,7 @@ def bma_log_likelihood(
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
     if labels is None:
-        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
     batch = input_ids.shape[0]
     inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
     if attention_mask is not None:
@@ -342,15 +344,13 @@ def bma_log_likelihood(
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         inputs["position_ids"] = positions.repeat(num_samples, 1)
     targets = labels[:, 1:]
-    mask = targets != -100
-    safe_targets = targets.masked_fill(~mask, 0)
+    mask = targets != IGNORE_INDEX
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=expected_rows(*input_ids.shape)):
         logits = gen_model(**inputs, return_dict=True).logits
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
         chunk = logits[s * batch : (s + 1) * batch, :-1].float()
-        lp = torch.log_softmax(chunk, dim=-1).gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
-        per_sample.append(lp.masked_fill(~mask, 0.0))
+        per_sample.append(label_log_probs(torch.log_softmax(chunk, dim=-1), targets))
     del logits
     sample_lp = torch.stack(per_sample)
     return BMALogLikelihood(log_mean_prob(sample_lp) * mask, mask, sample_lp)

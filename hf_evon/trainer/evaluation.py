@@ -7,7 +7,7 @@ warns):
 * ``{prefix}_mean_<m>``: at the posterior mean (the trained weights);
 * ``{prefix}_bma_<m>``: under Bayesian model averaging over ``bma_num_samples`` posterior samples
   (sample ``s`` uses seed ``bma_seed + s``), averaging *probabilities*:
-  ``log p̄ = logsumexp_s log_softmax(logits_s) − log S``;
+  ``log p̄ = logsumexp_s log_softmax(logits_s) − log S`` (:mod:`hf_evon.predictive.logprobs`);
 
 with ``<m>`` = ``nll``, ``accuracy``, ``ece``, ``brier`` for (token) classification (definitions in
 :mod:`hf_evon.predictive.metrics`) and ``nll``, ``perplexity`` (mean NLL per label token over the whole set,
@@ -34,6 +34,7 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PredictionOutput
 from transformers.utils import logging
 
+from hf_evon.predictive.logprobs import IGNORE_INDEX, LogMeanExp, label_log_probs, shifted
 from hf_evon.predictive.metrics import calibration_metrics
 
 logger = logging.get_logger(__name__)
@@ -59,10 +60,10 @@ def task_of(logits: Tensor, labels: Tensor, causal_lm: bool) -> str | None:
 
 def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     """What the metrics need of full log-probabilities ``logp``: causal LMs keep ``log p(label token)``
-    ``(B, T-1)``; classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with the BMA's logsumexp."""
+    ``(B, T-1)`` (0 where not scored); classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with
+    the BMA's log-mean-exp."""
     if task == "causal_lm":
-        target = labels[:, 1:].clamp_min(0).unsqueeze(-1)
-        return logp[:, :-1].gather(-1, target.to(logp.device)).squeeze(-1)
+        return label_log_probs(*shifted(logp, labels.to(logp.device), shift=True))
     return logp
 
 
@@ -91,7 +92,7 @@ class _Accumulator:
     def add(self, logp: Tensor, labels: Tensor) -> None:
         labels = labels.to(logp.device)
         if self.task == "causal_lm":
-            mask = labels[:, 1:].ne(-100)
+            mask = labels[:, 1:].ne(IGNORE_INDEX)
             nll = -(logp * mask).sum(-1)  # per sequence
             stats = torch.stack([nll, mask.sum(-1).double()], dim=-1)  # (B, 2)
             self.outputs.append((self.gather(stats).cpu(), torch.empty(0)))
@@ -172,7 +173,7 @@ def _sample_passes(
         batches = len(dataloader)
     except TypeError:
         batches = None
-    accumulated: list[Tensor] = []
+    accumulated: list[LogMeanExp | None] = []
     with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
         for p_index, seed in enumerate(seeds):
             context = (
@@ -184,13 +185,12 @@ def _sample_passes(
                     inputs = trainer._prepare_inputs(inputs)
                     logp = transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
                     if p_index == 0:
-                        accumulated.append(logp)
-                    else:
-                        accumulated[b_index] = torch.logaddexp(accumulated[b_index], logp)
+                        accumulated.append(LogMeanExp())
+                    accumulated[b_index].add(logp)  # type: ignore[union-attr]
                     bar.update(1)
                     if last:
-                        yield accumulated[b_index] - math.log(len(seeds)), inputs
-                        accumulated[b_index] = None  # type: ignore[call-overload]
+                        yield accumulated[b_index].value(), inputs  # type: ignore[union-attr]
+                        accumulated[b_index] = None
 
 
 class PosteriorEvaluation:
