@@ -7,7 +7,14 @@ from collections.abc import Mapping
 
 from torch import nn
 
-__all__ = ["base_model_name", "is_causal_lm", "is_peft_model", "model_class", "peft_base_model", "unwrap_model"]
+__all__ = [
+    "base_model_name",
+    "is_causal_lm",
+    "is_peft_model",
+    "model_class",
+    "peft_base_model",
+    "unwrap_model",
+]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

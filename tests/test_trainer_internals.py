@@ -57,8 +57,13 @@ class _SeesSetUp(TrainerCallback):
 
 
 def test_the_overridden_private_methods_exist_on_trainer():
-    for name in ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "_push_from_checkpoint",
-                 "_clip_grad_norm", "_get_grad_norm"):
+    for name in (
+        "_save_optimizer_and_scheduler",
+        "_load_optimizer_and_scheduler",
+        "_push_from_checkpoint",
+        "_clip_grad_norm",
+        "_get_grad_norm",
+    ):
         assert name in vars(internals.TrainerInternals)
         assert callable(getattr(Trainer, name, None)), name
     assert list(inspect.signature(Trainer._save_optimizer_and_scheduler).parameters) == ["self", "output_dir"]
@@ -77,7 +82,10 @@ def test_checkpoint_saves_the_model_then_the_optimizer_into_the_checkpoint_dir(t
     ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-2")
     saves = [c for c in trainer.calls if c[0] in ("save_model", "save_optimizer")]
     assert saves == [("save_model", ckpt, True), ("save_optimizer", ckpt)]
-    assert [c for c in trainer.calls if c[0] in ("clip", "grad_norm")] == [("clip", True), ("grad_norm", True)] * 2
+    assert [c for c in trainer.calls if c[0] in ("clip", "grad_norm")] == [
+        ("clip", True),
+        ("grad_norm", True),
+    ] * 2
     assert os.path.isfile(os.path.join(ckpt, "evon_posterior.safetensors"))
 
 

@@ -335,7 +335,9 @@ def bma_log_likelihood(
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
     if labels is None:
-        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        labels = (
+            input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        )
     batch = input_ids.shape[0]
     inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
     if attention_mask is not None:

@@ -440,7 +440,9 @@ class EVONTrainerMixin(CheckpointingMixin, TrainerInternals):
         from transformers.utils import is_sagemaker_mp_enabled
 
         if is_sagemaker_mp_enabled() or self.is_deepspeed_enabled:
-            raise NotImplementedError("EVONTrainer supports neither SageMaker model parallelism nor DeepSpeed")
+            raise NotImplementedError(
+                "EVONTrainer supports neither SageMaker model parallelism nor DeepSpeed"
+            )
         scaled_for_ga = self._loss_is_scaled_for_ga()
         given = self.loss_is_scaled_for_ga
         self._evon_sampled_loss = {"scaled_for_ga": scaled_for_ga, "reported": None}
