@@ -55,6 +55,38 @@ def _expand_samples(value: Any, num_samples: int, batch: int) -> Any:
     return value
 
 
+# ---- transformers' private decoding helpers, used here only ----------------------------------
+# ``GenerationMixin`` has no public step API: its own sampling loop (``_sample``) runs the prompt
+# through ``_prefill`` (cache set-up, chunked prefill, ``cache_position``) and advances the model
+# kwargs with ``_update_model_kwargs_for_generation`` (attention mask, position ids, cache). The
+# BMA loop must do exactly what that loop does, so it calls the same two helpers rather than a
+# copy of them; tests/test_generation.py pins that ``_sample`` still uses them with these arguments.
+_DECODING_HELPERS = ("_prefill", "_update_model_kwargs_for_generation")
+
+
+def _check_decoding_helpers(model: nn.Module) -> None:
+    missing = [name for name in _DECODING_HELPERS if not hasattr(model, name)]
+    if missing:
+        import transformers
+
+        raise RuntimeError(
+            f"generate_bma drives transformers' decoding helpers {_DECODING_HELPERS} of transformers 5.x; "
+            f"transformers {transformers.__version__} lacks {missing}"
+        )
+
+
+def _prefill(
+    model: nn.Module, input_ids: Tensor, generation_config: Any, model_kwargs: dict[str, Any]
+) -> Any:
+    """The prompt's forward pass, as ``model.generate``'s own loop runs it."""
+    return model._prefill(input_ids, generation_config, model_kwargs)
+
+
+def _advance(model: nn.Module, outputs: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model kwargs for the next token (mask, positions, cache), as ``model.generate`` updates them."""
+    return model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+
+
 def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Generator | None):
     """The decoding loop handed to ``model.generate(custom_generate=...)``."""
     from transformers import DynamicCache
@@ -76,13 +108,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
                 f"generate_bma supports greedy decoding and sampling, not {mode.value} "
                 "(num_beams, penalty_alpha, dola_layers must keep their defaults)"
             )
-        if not hasattr(model, "_prefill"):
-            import transformers
-
-            raise RuntimeError(
-                f"generate_bma drives transformers' decoding helpers (_prefill, _update_model_kwargs_for_generation) "
-                f"of transformers 5.x (tested with 5.17 and 5.23); this is transformers {transformers.__version__}"
-            )
+        _check_decoding_helpers(model)
         if model.config.is_encoder_decoder:
             raise ValueError("generate_bma supports decoder-only (causal) language models")
         pad_token_id = generation_config._pad_token_tensor
@@ -106,9 +132,9 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
         if kwargs.get("use_cache", True) and "past_key_values" in kwargs:
             kwargs["past_key_values"] = DynamicCache(config=model.config.get_text_config(decoder=True))
         expanded_ids = input_ids.repeat(num_samples, 1)
-        outputs = model._prefill(expanded_ids, generation_config, kwargs)
+        outputs = _prefill(model, expanded_ids, generation_config, kwargs)
         while True:
-            kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
+            kwargs = _advance(model, outputs, kwargs)
             logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
             log_probs = log_mean_prob(torch.log_softmax(logits, dim=-1).view(num_samples, batch, -1))
             next_scores = logits_processor(input_ids, log_probs)
