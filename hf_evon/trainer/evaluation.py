@@ -41,7 +41,7 @@ logger = logging.get_logger(__name__)
 
 Tensor = torch.Tensor
 
-__all__ = ["PosteriorEvaluation", "bma_predict", "merge_metrics"]
+__all__ = ["EvaluationMixin", "PosteriorEvaluation", "bma_predict", "merge_metrics"]
 
 
 # ------------------------------------------------------------------------------------------ per batch
@@ -369,3 +369,110 @@ def bma_predict(
         label_ids=None if label_ids is None else np.asarray(label_ids.numpy()),
         metrics=metrics,
     )
+
+
+# ------------------------------------------------------------------------------------------ the hooks
+class EvaluationMixin:
+    """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
+    posterior metrics to the subclass's, ``predict(bma=True)`` returns BMA predictions."""
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The subclass's ``evaluate()``, with the ``eval_mean_*`` and (when due) ``eval_bma_*`` metrics."""
+        outer = self._evon_in_evaluate
+        self._evon_in_evaluate = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evon_in_evaluate = outer
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The subclass's loop (``eval_loss``, ``compute_metrics``), read for ``eval_mean_*``, then BMA.
+
+        Only inside ``evaluate()``: ``predict()`` runs the same loop and stays the subclass's.
+        """
+        if not self._evon_in_evaluate or self._evon_evaluation is not None:
+            return super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=self._bma_due())
+        self._evon_evaluation = evaluation
+        try:
+            with evaluation.watch(self.model):
+                output = super().evaluation_loop(
+                    dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+                )
+        finally:
+            self._evon_evaluation = None
+        merge_metrics(output.metrics, evaluation.finish(dataloader))
+        return output
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        evaluation = self._evon_evaluation
+        if evaluation is None:
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+        with evaluation.batch(inputs.get("labels")):  # labels first: a loss may pop them
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+
+    def _bma_due(self) -> bool:
+        """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
+        if not self._evon_in_training:
+            return True
+        every = self.args.bma_eval_every
+        if self.state.global_step != self._evon_evaluated_step:  # several eval datasets: one evaluation
+            self._evon_evaluated_step = self.state.global_step
+            self._evon_evaluations += 1
+        at_end = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+        return at_end or (every > 0 and self._evon_evaluations % every == 0)
+
+    def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
+        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead."""
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
+        evaluation.reused = False
+        return evaluation.finish(dataloader)
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        bma: bool = False,
+    ) -> Any:
+        """The subclass's ``predict`` (at the posterior mean), or with ``bma=True`` BMA predictions.
+
+        ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
+        over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
+        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them.
+        """
+        if not bma:
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        posterior = self.current_posterior()
+        if posterior is None:
+            raise ValueError(
+                "predict(bma=True) needs a posterior: train with EVON first, or pass "
+                "posterior=EVONPosterior.from_pretrained(...) to the trainer"
+            )
+        if self.args.bma_num_samples < 1:
+            raise ValueError(
+                f"predict(bma=True) needs posterior samples, but EVONConfig.bma_num_samples = "
+                f"{self.args.bma_num_samples}: set it to >= 1"
+            )
+        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
