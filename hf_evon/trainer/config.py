@@ -98,7 +98,8 @@ class EVONConfig(TrainingArguments):
     evon_ess: str = field(
         default=AUTO_ESS,
         metadata={
-            "help": "Effective sample size ζ, 'auto' or a number of the variational objective: the posterior variance is "
+            "help": "Effective sample size ζ of the variational objective, 'auto' or a number (held as 'auto' or a "
+            "float): the posterior variance is "
             "1/(ζ(H+δ)). 'auto' (default): the ζ whose initial posterior std is evon_init_std_ratio times the "
             "RMS of the weights (ζ = N, the textbook choice, makes the noise larger than the weights of "
             "every model we tried). A number tempers the posterior by hand; 'inf' disables the noise "
