@@ -7,7 +7,14 @@ from collections.abc import Mapping
 
 from torch import nn
 
-__all__ = ["base_model_name", "model_class", "peft_base_model", "unwrap_model"]
+__all__ = [
+    "base_model_name",
+    "is_causal_lm",
+    "is_peft_model",
+    "model_class",
+    "peft_base_model",
+    "unwrap_model",
+]
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -17,9 +24,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``PeftModel`` wrapper (it holds the base model behind ``get_base_model``)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
 def peft_base_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a ``PeftModel`` (LoRA layers injected), else ``model``."""
-    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    return model.get_base_model() if is_peft_model(model) else model
 
 
 def model_class(model: nn.Module) -> type:
@@ -32,6 +44,31 @@ def model_class(model: nn.Module) -> type:
     if issubclass(cls, FSDPModule):
         return next((b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), cls)
     return cls
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` predicts token t+1 at position t, so its labels are shifted (as its loss does).
+
+    The model behind DDP, ``torch.compile`` and PEFT wrappers decides: an encoder-decoder never
+    (its decoder is fed the labels shifted right, the loss compares them unshifted); else a class
+    transformers lists as a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: ``*ForCausalLM``,
+    ``GPT2LMHeadModel``, ...) or whose name ends in ``ForCausalLM`` (custom models), or a model
+    configured as a decoder (``config.is_decoder``).
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model = unwrap_model(model)
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    base = peft_base_model(model)
+    config = getattr(base, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    name = model_class(base).__name__
+    return (
+        name.endswith("ForCausalLM")
+        or name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        or bool(getattr(config, "is_decoder", False))
+    )
 
 
 def base_model_name(model: nn.Module) -> str | None:

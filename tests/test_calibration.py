@@ -322,3 +322,50 @@ def test_the_means_temperature_is_the_grid_point_of_least_nll(scale: float) -> N
     assert result.mean_temperature == TEMPERATURE_GRID[reference.index(min(reference))]
     assert abs(math.log2(result.mean_temperature / scale)) <= 0.25  # within two grid steps of the truth
     assert result.to_json()["mean_temperature"] == result.mean_temperature
+
+
+def test_one_causal_lm_rule_for_plain_peft_and_encoder_decoder_models() -> None:
+    """hf_evon.modeling.is_causal_lm: shifted labels for causal LMs (PEFT-wrapped too), never for an
+    encoder-decoder or a classifier; calibration and the trainer use this one rule."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    from hf_evon.modeling import is_causal_lm
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+        )
+    )
+    bart = BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=50,
+            d_model=16,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            max_position_embeddings=32,
+        )
+    )
+    bert = BertForSequenceClassification(
+        BertConfig(
+            vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    )
+    lora = get_peft_model(gpt2, LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    assert is_causal_lm(llama) and is_causal_lm(gpt2) and is_causal_lm(lora)
+    assert not is_causal_lm(bart) and not is_causal_lm(bert) and not is_causal_lm(torch.nn.Linear(2, 2))
+    assert is_causal_lm(torch.nn.parallel.DataParallel(llama))

@@ -586,3 +586,21 @@ def test_tied_embedding_and_head_share_one_representation(strategy):
     out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=2, **kwargs)
     ref_ids, _ = reference_greedy(sampled_copies(model, noisy, 3, 2), PROMPTS, None, 6)
     assert torch.equal(out, ref_ids)
+
+
+def test_transformers_own_sampling_loop_uses_the_helpers_generate_bma_calls():
+    """generate_bma's loop mirrors GenerationMixin._sample: the prompt through ``_prefill(input_ids,
+    generation_config, model_kwargs)``, each step's kwargs through ``_update_model_kwargs_for_generation(
+    outputs, model_kwargs, is_encoder_decoder=...)``, the next forward from ``prepare_inputs_for_generation(
+    input_ids, next_sequence_length=...)``. Fails when a transformers release changes that loop."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    source = inspect.getsource(GenerationMixin._sample)
+    assert "self._prefill(" in source and "self._update_model_kwargs_for_generation(" in source
+    assert "self.prepare_inputs_for_generation(" in source and "next_sequence_length=" in source
+    prefill = list(inspect.signature(GenerationMixin._prefill).parameters)
+    assert prefill[:4] == ["self", "input_ids", "generation_config", "model_kwargs"]
+    update = inspect.signature(GenerationMixin._update_model_kwargs_for_generation).parameters
+    assert list(update)[:3] == ["self", "outputs", "model_kwargs"] and "is_encoder_decoder" in update

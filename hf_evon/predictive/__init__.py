@@ -1,4 +1,5 @@
-"""Predictions under the posterior: BMA decoding and likelihoods, calibration, metrics."""
+"""Predictions under the posterior: BMA decoding and likelihoods, calibration, metrics, and the
+log-probability helpers they share (:mod:`hf_evon.predictive.logprobs`)."""
 
 from hf_evon.predictive.calibration import CalibrationResult, calibrate_posterior
 from hf_evon.predictive.generation import BMALogLikelihood, bma_log_likelihood, generate_bma

@@ -36,7 +36,6 @@ naming it, rather than silently decoding at the mean.
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -48,13 +47,12 @@ from torch import nn
 Tensor = torch.Tensor
 
 STRATEGIES = ("auto", "materialize", "factored")
-DEFAULT_STRATEGY = "auto"  # benchmarks/generate_bma.py --strategy switches it
+DEFAULT_STRATEGY = "auto"
 DRAW_CHUNK_ELEMENTS = 2**27  # float32 values drawn at once (512 MiB)
-# "auto" on CPU, calibrated on GPT-2 4×256, 32-token prompt: a decoding step runs the factored
-# matmuls on one row per sample, several times less efficiently per FLOP than the draw's large
-# GEMMs, so it counts as DECODE_ROW_COST rows (S = 8, B = 1: factored wins up to ~40 new
-# tokens, 420 vs 657 ms for 16); below MIN_FACTORED_ROWS rows per step (S·B) the three extra
-# small matmuls per layer cost more than the draw they save (S = 1: 7.7 vs 3.5 ms per token).
+# "auto": a decoding step runs the factored matmuls on one row per sample, less efficiently per
+# FLOP than the draw's large GEMMs, so it counts as DECODE_ROW_COST rows; below MIN_FACTORED_ROWS
+# rows per step (S·B) the extra small matmuls cost more than the draw they save.
+# measured: docs/trainer.md#batched-samples-auto
 DECODE_ROW_COST = 4
 MIN_FACTORED_ROWS = 8
 
@@ -342,8 +340,3 @@ class BatchedSamples:
             return F.embedding(shifted, flat)
 
         return forward
-
-
-def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
-    """``log (1/S Σ_s p_s)`` from per-sample log-probabilities: the BMA average, stably."""
-    return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])

@@ -27,40 +27,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.evon import _is_real
+from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, target_log_probs
 
 Tensor = torch.Tensor
 
-# Multiples of the trained ζ. Smaller ζ = more noise: "auto" trains with a small, tempered
-# noise (5% of the weights' RMS), and BMA usually wants more of it (digits MLP: 0.01-0.1x;
-# benchmarks/payoff.py). 1e-3x is already ~30x the trained std; ∞ is the posterior mean.
+# Multiples of the trained ζ. Smaller ζ = more noise: "auto" trains with a small, tempered noise
+# and BMA usually wants more of it; ∞ (the posterior mean) is always a candidate besides these.
+# measured: docs/trainer.md#calibration-grid
 DEFAULT_GRID: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 DEFAULT_NUM_SAMPLES = 8  # as EVONConfig.bma_num_samples
-# A noisy scale is kept only if its held-out BMA NLL is at least this fraction below the mean's;
-# else BMA is the mean. Measured with EVON's defaults (benchmarks/payoff.py's tasks, 3 seeds,
-# test BMA@32 NLL of each rule's choice): the lowest NLL alone (min_gain 0) chose finite scales
-# that gained 2.2% and 9.9% on digits' calibration split and carried over to test (0.0692 ->
-# 0.0594, 0.1636 -> 0.1239), and scales that gained < 0.6% on breast cancer, the tiny GPT-2 and
-# MiniLM, which did not (test +0.0007 MiniLM full, +0.0003 LoRA, ±0.0001 GPT-2 and breast
-# cancer).
+# A noisy scale is kept only if its held-out BMA NLL is at least this fraction below the mean's,
+# else BMA is the mean: smaller gains on the calibration split do not carry over to test.
+# measured: docs/trainer.md#calibration-min-gain
 DEFAULT_MIN_GAIN = 0.01
 # Each step towards more noise must lower the held-out NLL by more than this many standard
 # errors of the difference (targets and draws: a jackknife over the draw index). NLL's optimum
 # sits next to a cliff (more noise soon ruins every prediction), and on a few hundred examples a
-# gain carried by the handful the mean gets confidently wrong often oversteps it. Measured on
-# examples/quickstart.py's digits MLP (251 calibration, 540 test images; test BMA@32 NLL / ECE,
-# mean of seeds 0-11 at 30 epochs, 0-5 at 100 and at 10): the lowest NLL (k = 0) 0.0982 / 0.0182,
-# 0.0844 / 0.0175, 0.2351 / 0.0907 against the mean's 0.1092 / 0.0143, 0.1005 / 0.0172,
-# 0.2328 / 0.0871 (ECE above the mean's in 12 of 24 runs; NLL above it on average at 10
-# epochs); k = 1: 0.1040 / 0.0134, 0.0923 / 0.0142, 0.2328 / 0.0871 (ECE above the mean's in 2
-# of 24); k = 0.5 and 0.75: in 10 and 5 of 24; k = 1.5 kept the mean in 22 of 24.
+# gain carried by the handful the mean gets confidently wrong often oversteps it.
+# measured: docs/trainer.md#calibration-standard-errors
 DEFAULT_STANDARD_ERRORS = 1.0
 # The mean's own temperature on the held-out data, the T of this grid (0.125-8 in steps of 9%)
 # whose softmax(logits / T) has the lowest NLL, is recorded with every calibration: BMA averages
 # probabilities, which can only soften predictions, so it has room only where T > 1 (the mean is
-# overconfident there). On benchmarks/payoff.py's tasks EVON's mean is at T ≈ 1 (digits, breast
-# cancer) or below (MiniLM LoRA after three epochs: 0.63), and there no posterior, not even one
-# shaped by the Fisher, gains on test (benchmarks/bma_headroom.py).
+# overconfident there). measured: docs/trainer.md#calibration-temperature
 TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 8) for k in range(-24, 25))
 
 
@@ -130,32 +121,9 @@ def _logits(output: Any) -> Tensor:
     return logits
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A causal LM predicts token t+1 at position t: its labels are shifted (as HF's loss does)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return type(base).__name__.endswith("ForCausalLM") or bool(
-        getattr(getattr(base, "config", None), "is_decoder", False)
-    )
-
-
-def _labelled(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
-    """(logit rows, labels) of the labelled targets: shifted for a causal LM, −100 dropped."""
-    if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    target = labels.reshape(-1)
-    keep = target.ne(-100)
-    return logits.reshape(-1, logits.shape[-1])[keep], target[keep].long()
-
-
-def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
-    """log p(label) for every labelled target (−100 ignored), flattened, in float64."""
-    rows, target = _labelled(logits, labels, shift)
-    return torch.log_softmax(rows.double(), dim=-1).gather(1, target[:, None]).squeeze(1)
-
-
 def _temperature_nll(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """Summed NLL of softmax(logits / T) over the labelled targets, per temperature (float64)."""
-    rows, target = _labelled(logits, labels, shift)
+    rows, target = labelled_rows(logits, labels, shift)
     z = rows.double()
     z_target = z.gather(1, target[:, None]).squeeze(1)
     return torch.stack([(torch.logsumexp(z / t, dim=-1) - z_target / t).sum() for t in temperatures])
@@ -195,8 +163,8 @@ def calibrate_posterior(
     the trained ζ (> 0); ζ = ∞ (the mean) is always a candidate. The same seeds are used at
     every ζ (common random numbers), so the scan compares scales, not noise draws. The scan
     runs from little noise to much and stops once the NLL exceeds twice the best so far
-    (more noise only makes it worse from there; a mere rise is no reason to stop: on the
-    digits MLP the NLL rises from ×10 to ×1 and then falls 10% below the mean's at ×0.1).
+    (more noise only makes it worse from there; a mere rise is no reason to stop, the NLL can
+    fall again further on: docs/trainer.md#calibration-scan).
 
     The choice starts at the mean (ζ = ∞) and walks the candidates from large ζ to small: one
     replaces the choice so far if its NLL is lower by more than ``standard_errors`` (k) standard
@@ -289,7 +257,7 @@ def calibrate_posterior(
 
 def _bma_nll(logps: Tensor) -> Tensor:
     """Per-target NLL of the average of the draws' probabilities (``logps``: [S, targets])."""
-    return math.log(logps.shape[0]) - torch.logsumexp(logps, dim=0)
+    return -log_mean_prob(logps, dim=0)
 
 
 def _gain_and_error(draws: Tensor, best: Tensor) -> tuple[float, float]:

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows, log_mean_prob
+from hf_evon.modeling import is_peft_model
+from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
+from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -38,7 +40,7 @@ _UNSUPPORTED_KWARGS = ("assistant_model", "synced_gpus", "prefix_allowed_tokens_
 
 def _generation_model(model: nn.Module) -> nn.Module:
     """The transformers model whose ``generate``/``forward`` to run (PEFT: the LoRA-injected base)."""
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+    if is_peft_model(model):
         config = model.active_peft_config if hasattr(model, "active_peft_config") else None
         if config is not None and getattr(config, "is_prompt_learning", False):
             raise NotImplementedError("BMA decoding supports LoRA-style PEFT models, not prompt learning")
@@ -51,6 +53,38 @@ def _expand_samples(value: Any, num_samples: int, batch: int) -> Any:
     if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch:
         return value.repeat(num_samples, *([1] * (value.ndim - 1)))
     return value
+
+
+# ---- transformers' private decoding helpers, used here only ----------------------------------
+# ``GenerationMixin`` has no public step API: its own sampling loop (``_sample``) runs the prompt
+# through ``_prefill`` (cache set-up, chunked prefill, ``cache_position``) and advances the model
+# kwargs with ``_update_model_kwargs_for_generation`` (attention mask, position ids, cache). The
+# BMA loop must do exactly what that loop does, so it calls the same two helpers rather than a
+# copy of them; tests/test_generation.py pins that ``_sample`` still uses them with these arguments.
+_DECODING_HELPERS = ("_prefill", "_update_model_kwargs_for_generation")
+
+
+def _check_decoding_helpers(model: nn.Module) -> None:
+    missing = [name for name in _DECODING_HELPERS if not hasattr(model, name)]
+    if missing:
+        import transformers
+
+        raise RuntimeError(
+            f"generate_bma drives transformers' decoding helpers {_DECODING_HELPERS} of transformers 5.x; "
+            f"transformers {transformers.__version__} lacks {missing}"
+        )
+
+
+def _prefill(
+    model: nn.Module, input_ids: Tensor, generation_config: Any, model_kwargs: dict[str, Any]
+) -> Any:
+    """The prompt's forward pass, as ``model.generate``'s own loop runs it."""
+    return model._prefill(input_ids, generation_config, model_kwargs)
+
+
+def _advance(model: nn.Module, outputs: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model kwargs for the next token (mask, positions, cache), as ``model.generate`` updates them."""
+    return model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
 
 
 def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Generator | None):
@@ -74,13 +108,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
                 f"generate_bma supports greedy decoding and sampling, not {mode.value} "
                 "(num_beams, penalty_alpha, dola_layers must keep their defaults)"
             )
-        if not hasattr(model, "_prefill"):
-            import transformers
-
-            raise RuntimeError(
-                f"generate_bma drives transformers' decoding helpers (_prefill, _update_model_kwargs_for_generation) "
-                f"of transformers 5.x (tested with 5.17 and 5.23); this is transformers {transformers.__version__}"
-            )
+        _check_decoding_helpers(model)
         if model.config.is_encoder_decoder:
             raise ValueError("generate_bma supports decoder-only (causal) language models")
         pad_token_id = generation_config._pad_token_tensor
@@ -104,9 +132,9 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
         if kwargs.get("use_cache", True) and "past_key_values" in kwargs:
             kwargs["past_key_values"] = DynamicCache(config=model.config.get_text_config(decoder=True))
         expanded_ids = input_ids.repeat(num_samples, 1)
-        outputs = model._prefill(expanded_ids, generation_config, kwargs)
+        outputs = _prefill(model, expanded_ids, generation_config, kwargs)
         while True:
-            kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
+            kwargs = _advance(model, outputs, kwargs)
             logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
             log_probs = log_mean_prob(torch.log_softmax(logits, dim=-1).view(num_samples, batch, -1))
             next_scores = logits_processor(input_ids, log_probs)
@@ -333,7 +361,9 @@ def bma_log_likelihood(
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
     if labels is None:
-        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+        labels = (
+            input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        )
     batch = input_ids.shape[0]
     inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
     if attention_mask is not None:
@@ -342,15 +372,13 @@ def bma_log_likelihood(
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         inputs["position_ids"] = positions.repeat(num_samples, 1)
     targets = labels[:, 1:]
-    mask = targets != -100
-    safe_targets = targets.masked_fill(~mask, 0)
+    mask = targets != IGNORE_INDEX
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=expected_rows(*input_ids.shape)):
         logits = gen_model(**inputs, return_dict=True).logits
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
         chunk = logits[s * batch : (s + 1) * batch, :-1].float()
-        lp = torch.log_softmax(chunk, dim=-1).gather(-1, safe_targets.unsqueeze(-1)).squeeze(-1)
-        per_sample.append(lp.masked_fill(~mask, 0.0))
+        per_sample.append(label_log_probs(torch.log_softmax(chunk, dim=-1), targets))
     del logits
     sample_lp = torch.stack(per_sample)
     return BMALogLikelihood(log_mean_prob(sample_lp) * mask, mask, sample_lp)

@@ -3,7 +3,11 @@
 * :mod:`~hf_evon.trainer.config`: :class:`EVONConfig` (``TrainingArguments`` + EVON fields) and
   :func:`evon_config_class` (the EVON fields on any other arguments class);
 * :mod:`~hf_evon.trainer.mixin`: :class:`EVONTrainerMixin`, the training plumbing (optimizer,
-  sampled training step, loss scaling, clipping, logs, saving) for any ``Trainer`` subclass;
+  sampled training step, loss scaling, clipping, logs) for any ``Trainer`` subclass;
+* :mod:`~hf_evon.trainer.checkpointing`: the posterior saved with the model, the best model's
+  posterior, FSDP2 optimizer save/resume, pushed checkpoints;
+* :mod:`~hf_evon.trainer.internals`: the only overrides of private ``Trainer`` methods, and why;
+* :mod:`~hf_evon.trainer.statistics`: the ``evon/*`` statistics logged while training;
 * :mod:`~hf_evon.trainer.evaluation`: metrics at the posterior mean and under BMA, BMA predictions;
 * :mod:`~hf_evon.trainer.trainers`: :class:`EVONTrainer`, :class:`EVONSeq2SeqTrainer`;
 * :mod:`~hf_evon.trainer.sft`: ``EVONSFTTrainer``/``EVONSFTConfig`` for TRL (imported on first use,

@@ -10,8 +10,9 @@ import math
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+import torch
 from transformers import TrainingArguments
 
 from hf_evon.optim.evon import (
@@ -23,7 +24,12 @@ from hf_evon.optim.evon import (
     DEFAULT_FINETUNING_LR,
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_INIT_STD_RATIO,
-    is_snr_scaling,
+    DEFAULT_PRIOR_STD_RATIO,
+    EVON,
+    STEP_RATIOS,
+    default_hess_init,
+    default_weight_decay,
+    lr_from_adamw_lr,
 )
 from hf_evon.optim.recipes import RECIPES
 
@@ -33,6 +39,15 @@ __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
 # TrainingArguments' default; full fine-tuning of a pretrained model
 FINETUNING_LEARNING_RATE = DEFAULT_FINETUNING_LR
+
+# numbers the help texts quote, from the constants that define them
+_RATIO_WHITEN = STEP_RATIOS[("whiten_rms", False)]
+_RATIO_ELEMENT = STEP_RATIOS[("element", False)]
+_RATIO_FINETUNING = STEP_RATIOS[("element", True)]
+_H0, _H0_FINETUNING = default_hess_init(False), default_hess_init(True)
+_PRIOR, _PRIOR_FINETUNING = (default_weight_decay(h, DEFAULT_INIT_STD_RATIO) for h in (_H0, _H0_FINETUNING))
+_PRIOR_REACHED_AFTER = math.log(_PRIOR / _H0) / math.log(DEFAULT_BETAS[1])  # steps until h0·β2ᵗ = δ
+_SNR_CHOICES = {"true": True, "false": False, "adam": "adam"}  # command line text -> EVON's snr_scaling
 
 
 @dataclass
@@ -54,11 +69,11 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "The learning rate you would give AdamW (the Trainer's meaning). The AdamW part uses it; EVON's "
             "α = ratio · learning_rate / evon_clip_radius, so EVON's clipped steps have entry RMS ratio · rate "
-            "(hf_evon.optim.evon.STEP_RATIOS, measured per clip mode: 0.8 for 'whiten_rms', 0.2 for 'element', "
-            "0.6 for 'element' when all weights of a pretrained model are fine-tuned, where gradients are "
-            "consistent) — unless evon_learning_rate sets α. Default (None): 1e-3 for a model trained "
-            "from scratch or through PEFT adapters (torch's AdamW default; the rate benchmarks/payoff.py "
-            "gives AdamW there), 5e-5 for full fine-tuning of a pretrained model (one loaded with "
+            f"(hf_evon.optim.evon.STEP_RATIOS, per clip mode: {_RATIO_WHITEN:g} for 'whiten_rms', {_RATIO_ELEMENT:g} "
+            f"for 'element', {_RATIO_FINETUNING:g} for 'element' when all weights of a pretrained model are "
+            "fine-tuned, where gradients are consistent) — unless evon_learning_rate sets α. Default (None): "
+            f"{SCRATCH_LEARNING_RATE:g} for a model trained from scratch or through PEFT adapters (torch's AdamW "
+            f"default), {FINETUNING_LEARNING_RATE:g} for full fine-tuning of a pretrained model (one loaded with "
             "from_pretrained; the Trainer's default)."
         },
     )
@@ -66,7 +81,8 @@ class EVONConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "EVON's learning rate α itself (the paper's scale: its tables use 0.004-0.095). Default "
-            "(None): derived from learning_rate (0.08 at 1e-3 with 'whiten_rms'). Set by evon_recipe."
+            f"(None): derived from learning_rate ({lr_from_adamw_lr(SCRATCH_LEARNING_RATE):g} at {SCRATCH_LEARNING_RATE:g} "
+            "with 'whiten_rms'). Set by evon_recipe."
         },
     )
     evon_recipe: str | None = field(
@@ -77,10 +93,13 @@ class EVONConfig(TrainingArguments):
             "defaults; fields you set yourself win. Default: our scale-free defaults.",
         },
     )
+    # typed str for the command line (HfArgumentParser allows one type per field); __post_init__
+    # parses it: it holds 'auto' or a float (evon_ess_value)
     evon_ess: str = field(
         default=AUTO_ESS,
         metadata={
-            "help": "Effective sample size ζ of the variational objective: the posterior variance is "
+            "help": "Effective sample size ζ of the variational objective, 'auto' or a number (held as 'auto' or a "
+            "float): the posterior variance is "
             "1/(ζ(H+δ)). 'auto' (default): the ζ whose initial posterior std is evon_init_std_ratio times the "
             "RMS of the weights (ζ = N, the textbook choice, makes the noise larger than the weights of "
             "every model we tried). A number tempers the posterior by hand; 'inf' disables the noise "
@@ -95,7 +114,7 @@ class EVONConfig(TrainingArguments):
     evon_hess_init: float | None = field(
         default=None,
         metadata={
-            "help": "Initial Hessian estimate h0 > 0 (everywhere). Default (None): 0.01, or 1e-3 for full "
+            "help": f"Initial Hessian estimate h0 > 0 (everywhere). Default (None): {_H0:g}, or {_H0_FINETUNING:g} for full "
             "fine-tuning of a pretrained model, whose small gradients would leave EVON's first steps under "
             "the update clip (hf_evon.optim.evon.default_hess_init)."
         },
@@ -106,8 +125,8 @@ class EVONConfig(TrainingArguments):
     evon_beta2: float = field(
         default=DEFAULT_BETAS[1],
         metadata={
-            "help": "β2: averaging of the Hessian estimate, in [0, 1). 0.995 averages ~200 steps: at the small "
-            "noise of evon_ess='auto' each estimate is noisy (the paper's CLIP runs: 0.95)."
+            "help": f"β2: averaging of the Hessian estimate, in [0, 1). {DEFAULT_BETAS[1]:g} averages "
+            f"~{1 / (1 - DEFAULT_BETAS[1]):.0f} steps: at the small noise of evon_ess='auto' each estimate is noisy (the paper's CLIP runs: 0.95)."
         },
     )
     evon_shampoo_beta: float | None = field(
@@ -121,9 +140,11 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
-            "Default (None): h0 · ρ0² / (0.25² − ρ0²), ρ0 = evon_init_std_ratio (4.2e-4 at h0 0.01, 4.2e-5 for "
-            "full fine-tuning): the prior's std, where the noise goes once the Hessian estimate has decayed (after "
-            "~640 steps: h0·β2ᵗ = δ), is 25% of the weights' RMS (hf_evon.optim.evon.default_weight_decay)."
+            "Default (None): h0 · ρ0² / (ρ² − ρ0²), ρ0 = evon_init_std_ratio, ρ = "
+            f"{DEFAULT_PRIOR_STD_RATIO:g} ({_PRIOR:.2g} at h0 {_H0:g}, {_PRIOR_FINETUNING:.2g} for full fine-tuning): "
+            "the prior's std, where the noise goes once the Hessian estimate has decayed (after "
+            f"~{_PRIOR_REACHED_AFTER:.0f} steps: h0·β2ᵗ = δ), is {DEFAULT_PRIOR_STD_RATIO:.0%} of the weights' RMS "
+            "(hf_evon.optim.evon.default_weight_decay)."
         },
     )
     evon_mc_samples: int = field(
@@ -154,7 +175,7 @@ class EVONConfig(TrainingArguments):
             "Muon; the paper's CLIP and NanoGPT runs, with a learning rate ~1e-2) or 'whiten_rms' (the same, "
             "scaled to entry RMS evon_clip_radius). Whitening costs ~15 matmuls per matrix and step, noticeable "
             "on CPU. Default (None): 'whiten_rms', and 'element' for full fine-tuning of a pretrained model "
-            "(hf_evon.optim.evon.default_clip; measured in benchmarks/payoff.py).",
+            "(hf_evon.optim.evon.default_clip; measurements: docs/trainer.md).",
             "choices": [*CLIP_MODES, None],
         },
     )
@@ -162,6 +183,8 @@ class EVONConfig(TrainingArguments):
         default=DEFAULT_CLIP_RADIUS,
         metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of 'whiten_rms', > 0."},
     )
+    # typed str for the command line ('true'/'false'/'adam'); __post_init__ parses it into EVON's
+    # snr_scaling: True, False or 'adam' (evon_snr_scaling_value)
     evon_snr_scaling: str | None = field(
         default=None,
         metadata={
@@ -171,7 +194,7 @@ class EVONConfig(TrainingArguments):
             "(hf_evon.optim.evon.SNR_AVERAGE_BETA). 'adam': by min(1, ρ), the step follows Adam's size all along. "
             "'false': off. Default (None): 'true', and 'adam' for full fine-tuning of a pretrained model "
             "(hf_evon.optim.evon.default_snr_scaling). No effect with evon_clip='none'; off in the paper's recipes.",
-            "choices": ["true", "false", "adam", None],
+            "choices": [*_SNR_CHOICES, None],
         },
     )
     evon_phased_gradients: bool = field(
@@ -203,7 +226,8 @@ class EVONConfig(TrainingArguments):
             "help": "Under DDP, each rank owns a cost-balanced share of the matrices: it keeps only their "
             "state and does only their maths (per-rank state and optimizer FLOPs ~1/world). All ranks then "
             "share one posterior sample per step (one noise stream per matrix), so the result equals one "
-            "process with the whole batch and evon_shard=True (whose noise streams are the same); off (the default, as before): each rank draws its own sample. "
+            "process with the whole batch and evon_shard=True (whose noise streams are the same). Off (the default): "
+            "each rank draws its own sample. "
             "Under FSDP2 EVON is always sharded (over the FSDP2 mesh)."
         },
     )
@@ -227,7 +251,7 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "Saved posteriors drop an eigenbasis whose side is more than this many times the other "
             "side (a LoRA matrix's d x d side): every marginal std is kept, the posterior stays within ~2x the "
-            "model or adapter bytes (MiniLM LoRA: 1.03x instead of 48.9x; benchmarks/posterior_size.py). "
+            "model or adapter bytes (measurements: docs/trainer.md). "
             "None (or 0 on the command line) keeps every basis: the full posterior."
         },
     )
@@ -257,6 +281,34 @@ class EVONConfig(TrainingArguments):
         },
     )
 
+    # config field -> the EVON keyword that checks its value (betas: the pair's position)
+    _EVON_CHECKED: ClassVar[dict[str, str | tuple[str, int]]] = {
+        "learning_rate": "adamw_lr",  # the rate AdamW would get: EVON's rule for adamw_lr
+        "evon_learning_rate": "lr",
+        "evon_ess": "ess",
+        "evon_init_std_ratio": "init_std_ratio",
+        "evon_hess_init": "hess_init",
+        "evon_beta1": ("betas", 0),
+        "evon_beta2": ("betas", 1),
+        "evon_shampoo_beta": "shampoo_beta",
+        "evon_weight_decay": "weight_decay",
+        "evon_mc_samples": "mc_samples",
+        "evon_precondition_frequency": "precondition_frequency",
+        "evon_max_precond_dim": "max_precond_dim",
+        "evon_hess_clip_ratio": "hess_clip_ratio",
+        "evon_clip": "clip",
+        "evon_clip_radius": "clip_radius",
+        "evon_snr_scaling": "snr_scaling",
+        "evon_nonfinite": "nonfinite",
+        "evon_seed": "seed",
+        "evon_adamw_learning_rate": "adamw_lr",
+        # the AdamW part: TrainingArguments accepts anything here, torch.optim.AdamW fails much later
+        "adam_beta1": ("adamw_betas", 0),
+        "adam_beta2": ("adamw_betas", 1),
+        "adam_epsilon": "adamw_eps",
+        "weight_decay": "adamw_weight_decay",
+    }
+
     def __post_init__(self) -> None:
         if self.fp16:  # before TrainingArguments' own checks, so this is the error users see
             raise ValueError(
@@ -265,66 +317,78 @@ class EVONConfig(TrainingArguments):
                 "or float32"
             )
         super().__post_init__()
+        self._parse_command_line_values()
+        self._check_with_evon()
+        self._check_trainer_fields()
+        self._warn_unused_optimizer_settings()
+
+    def _parse_command_line_values(self) -> None:
+        """The typed values of fields the command line gives as text ("0" = off, "inf", "true")."""
         if self.posterior_max_basis_ratio is not None and self.posterior_max_basis_ratio == 0:
             self.posterior_max_basis_ratio = None  # "0" on the command line means keep every basis
         if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:
             self.evon_hess_clip_ratio = None  # "0" on the command line means off
+        if isinstance(self.evon_snr_scaling, str):
+            self.evon_snr_scaling = _SNR_CHOICES.get(self.evon_snr_scaling, self.evon_snr_scaling)
+        if self.evon_ess is None:  # None means the default, "auto"
+            self.evon_ess = AUTO_ESS
+        if isinstance(self.evon_ess, str) and self.evon_ess != AUTO_ESS:
+            try:  # "1e6", "inf"
+                self.evon_ess = float(self.evon_ess)
+            except ValueError:
+                pass  # left as given, for EVON's check to name
+        for name in ("evon_patterns", "adamw_patterns"):
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
+
+    @property
+    def evon_ess_value(self) -> float | str:
+        """``evon_ess`` as EVON takes it: ``"auto"`` or a float (``inf``: no noise)."""
+        return self.evon_ess
+
+    @property
+    def evon_snr_scaling_value(self) -> bool | str | None:
+        """``evon_snr_scaling`` as EVON takes it: True, False, ``"adam"``, or None (chosen from the model)."""
+        return self.evon_snr_scaling
+
+    def _check_with_evon(self) -> None:
+        """Each EVON hyperparameter checked by EVON itself, the error naming the config's field.
+
+        A throwaway ``EVON`` on a dummy matrix gets the field's value and EVON's defaults for the rest
+        (plus the fields ``weight_decay=None`` is resolved from); None, where a field's None means
+        "chosen from the model", is not passed.
+        """
+        dummy = torch.zeros(2, 2)
+        for name, keyword in self._EVON_CHECKED.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            kwargs: dict[str, Any] = {"seed": 0}  # a seed, so no random number is drawn
+            if isinstance(keyword, tuple):
+                keyword, index = keyword
+                pair = list(DEFAULT_BETAS if keyword == "betas" else (0.9, 0.999))
+                pair[index] = value
+                value = tuple(pair)
+            if (
+                keyword == "init_std_ratio"
+            ):  # weight_decay=None derives the prior from it (a set one is checked below)
+                kwargs["weight_decay"] = None if self.evon_weight_decay is None else 0.0
+            kwargs[keyword] = value
+            try:
+                EVON([dummy], **kwargs)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"EVONConfig.{name} = {getattr(self, name)!r} is invalid: {err}") from None
+
+    def _check_trainer_fields(self) -> None:
+        """The fields only the trainer uses (posterior saving, BMA evaluation, recipes, patterns)."""
 
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
                 raise ValueError(f"EVONConfig.{name} = {getattr(self, name)!r} is invalid: it must be {rule}")
 
-        def unit(x: Any) -> bool:
-            return isinstance(x, int | float) and 0.0 <= x < 1.0
+        def count(x: Any, low: int) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
-        def positive_int(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-        def rate(x: Any) -> bool:
-            return x is None or (
-                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
-            )
-
-        need(rate(self.learning_rate), "learning_rate", "None (chosen from the model) or finite and >= 0")
-        need(
-            rate(self.evon_learning_rate),
-            "evon_learning_rate",
-            "None (from learning_rate) or finite and >= 0",
-        )
-        # the command line gives strings; Python code may give the optimizer's own values
-        scaling = self.evon_snr_scaling
-        if isinstance(scaling, str):
-            scaling = {"true": True, "false": False}.get(scaling, scaling)
-        need(
-            scaling is None or is_snr_scaling(scaling),
-            "evon_snr_scaling",
-            "None, True, False or 'adam' ('true'/'false' on the command line)",
-        )
-        self.evon_snr_scaling = scaling
-        if self.evon_ess is None:  # the former default (None: the training-set size) now means "auto"
-            self.evon_ess = AUTO_ESS
-        if isinstance(self.evon_ess, str) and self.evon_ess != AUTO_ESS:
-            try:  # from the command line: "1e6", "inf"
-                self.evon_ess = float(self.evon_ess)
-            except ValueError:
-                pass
-        need(
-            self.evon_ess == AUTO_ESS
-            or (
-                isinstance(self.evon_ess, int | float)
-                and not isinstance(self.evon_ess, bool)
-                and self.evon_ess > 0
-            ),
-            "evon_ess",
-            "'auto' or a number > 0 ('inf' allowed)",
-        )
-        need(
-            isinstance(self.evon_init_std_ratio, int | float)
-            and math.isfinite(self.evon_init_std_ratio)
-            and self.evon_init_std_ratio > 0,
-            "evon_init_std_ratio",
-            "a finite number > 0",
-        )
         need(
             self.posterior_max_basis_ratio is None
             or (
@@ -339,60 +403,10 @@ class EVONConfig(TrainingArguments):
             "evon_recipe",
             f"None or one of {sorted(RECIPES)}",
         )
+        need(count(self.bma_num_samples, 0), "bma_num_samples", "an integer >= 0")
+        need(count(self.bma_ece_bins, 1), "bma_ece_bins", "an integer >= 1")
         need(
-            self.evon_hess_init is None or (math.isfinite(self.evon_hess_init) and self.evon_hess_init > 0),
-            "evon_hess_init",
-            "None (the default) or a finite number > 0",
-        )
-        need(unit(self.evon_beta1), "evon_beta1", "in [0, 1)")
-        need(unit(self.evon_beta2), "evon_beta2", "in [0, 1)")
-        need(
-            self.evon_shampoo_beta is None or unit(self.evon_shampoo_beta),
-            "evon_shampoo_beta",
-            "None or in [0, 1)",
-        )
-        need(
-            self.evon_weight_decay is None
-            or (
-                isinstance(self.evon_weight_decay, int | float)
-                and math.isfinite(self.evon_weight_decay)
-                and self.evon_weight_decay >= 0
-            ),
-            "evon_weight_decay",
-            "None or finite and >= 0",
-        )
-        need(positive_int(self.evon_mc_samples), "evon_mc_samples", "an integer >= 1")
-        need(positive_int(self.evon_precondition_frequency), "evon_precondition_frequency", "an integer >= 1")
-        need(positive_int(self.evon_max_precond_dim), "evon_max_precond_dim", "an integer >= 1")
-        need(
-            self.evon_hess_clip_ratio is None or self.evon_hess_clip_ratio > 0,
-            "evon_hess_clip_ratio",
-            "None (off) or > 0",
-        )
-        need(
-            self.evon_clip is None or self.evon_clip in CLIP_MODES,
-            "evon_clip",
-            f"None or one of {CLIP_MODES}",
-        )
-        need(self.evon_clip_radius > 0, "evon_clip_radius", "> 0")
-        need(self.evon_nonfinite in ("skip", "raise"), "evon_nonfinite", "'skip' or 'raise'")
-        need(
-            self.evon_adamw_learning_rate is None or self.evon_adamw_learning_rate >= 0,
-            "evon_adamw_learning_rate",
-            "None (learning_rate) or >= 0",
-        )
-        need(
-            isinstance(self.bma_num_samples, int)
-            and not isinstance(self.bma_num_samples, bool)
-            and self.bma_num_samples >= 0,
-            "bma_num_samples",
-            "an integer >= 0",
-        )
-        need(positive_int(self.bma_ece_bins), "bma_ece_bins", "an integer >= 1")
-        need(
-            isinstance(self.bma_eval_every, int)
-            and not isinstance(self.bma_eval_every, bool)
-            and self.bma_eval_every >= 0,
+            count(self.bma_eval_every, 0),
             "bma_eval_every",
             "an integer >= 0 (0: only at the end of training)",
         )
@@ -403,30 +417,8 @@ class EVONConfig(TrainingArguments):
                 f"report, but EVONConfig.bma_eval_every = {self.bma_eval_every}: set bma_eval_every=1 or choose "
                 "an eval_mean_* metric"
             )
-        # the AdamW part: TrainingArguments accepts anything here, torch.optim.AdamW fails much later
-        need(unit(self.adam_beta1), "adam_beta1", "in [0, 1) (β1 of the AdamW part)")
-        need(unit(self.adam_beta2), "adam_beta2", "in [0, 1) (β2 of the AdamW part)")
-        need(
-            isinstance(self.adam_epsilon, int | float)
-            and math.isfinite(self.adam_epsilon)
-            and self.adam_epsilon >= 0,
-            "adam_epsilon",
-            "finite and >= 0 (ε of the AdamW part)",
-        )
-        need(
-            isinstance(self.weight_decay, int | float)
-            and math.isfinite(self.weight_decay)
-            and self.weight_decay >= 0,
-            "weight_decay",
-            "finite and >= 0 (decoupled weight decay of the AdamW part)",
-        )
-        self._warn_unused_optimizer_settings()
         for name in ("evon_patterns", "adamw_patterns"):
-            patterns = getattr(self, name)
-            if isinstance(patterns, str):
-                patterns = [patterns]
-                setattr(self, name, patterns)
-            for pat in patterns or ():
+            for pat in getattr(self, name) or ():
                 try:
                     re.compile(pat)
                 except re.error as err:
@@ -489,7 +481,7 @@ class EVONConfig(TrainingArguments):
             "learning_rate": self.learning_rate,
             "adamw_lr": self.evon_adamw_learning_rate,
             "adamw_weight_decay": self.weight_decay,
-            "ess": self.evon_ess,
+            "ess": self.evon_ess_value,
             "init_std_ratio": self.evon_init_std_ratio,
             "hess_init": self.evon_hess_init,
             "betas": (self.evon_beta1, self.evon_beta2),
@@ -501,7 +493,7 @@ class EVONConfig(TrainingArguments):
             "hess_clip_ratio": self.evon_hess_clip_ratio,
             "clip": self.evon_clip,
             "clip_radius": self.evon_clip_radius,
-            "snr_scaling": self.evon_snr_scaling,
+            "snr_scaling": self.evon_snr_scaling_value,
             "phased_gradients": self.evon_phased_gradients,
             "identity_basis": self.evon_identity_basis,
             "stagger_refresh": self.evon_stagger_refresh,

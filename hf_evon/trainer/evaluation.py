@@ -7,7 +7,7 @@ warns):
 * ``{prefix}_mean_<m>``: at the posterior mean (the trained weights);
 * ``{prefix}_bma_<m>``: under Bayesian model averaging over ``bma_num_samples`` posterior samples
   (sample ``s`` uses seed ``bma_seed + s``), averaging *probabilities*:
-  ``log p̄ = logsumexp_s log_softmax(logits_s) − log S``;
+  ``log p̄ = logsumexp_s log_softmax(logits_s) − log S`` (:mod:`hf_evon.predictive.logprobs`);
 
 with ``<m>`` = ``nll``, ``accuracy``, ``ece``, ``brier`` for (token) classification (definitions in
 :mod:`hf_evon.predictive.metrics`) and ``nll``, ``perplexity`` (mean NLL per label token over the whole set,
@@ -34,13 +34,14 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PredictionOutput
 from transformers.utils import logging
 
+from hf_evon.predictive.logprobs import IGNORE_INDEX, LogMeanExp, label_log_probs, shifted
 from hf_evon.predictive.metrics import calibration_metrics
 
 logger = logging.get_logger(__name__)
 
 Tensor = torch.Tensor
 
-__all__ = ["PosteriorEvaluation", "bma_predict", "merge_metrics"]
+__all__ = ["EvaluationMixin", "PosteriorEvaluation", "bma_predict", "merge_metrics"]
 
 
 # ------------------------------------------------------------------------------------------ per batch
@@ -59,10 +60,10 @@ def task_of(logits: Tensor, labels: Tensor, causal_lm: bool) -> str | None:
 
 def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     """What the metrics need of full log-probabilities ``logp``: causal LMs keep ``log p(label token)``
-    ``(B, T-1)``; classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with the BMA's logsumexp."""
+    ``(B, T-1)`` (0 where not scored); classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with
+    the BMA's log-mean-exp."""
     if task == "causal_lm":
-        target = labels[:, 1:].clamp_min(0).unsqueeze(-1)
-        return logp[:, :-1].gather(-1, target.to(logp.device)).squeeze(-1)
+        return label_log_probs(*shifted(logp, labels.to(logp.device), shift=True))
     return logp
 
 
@@ -91,7 +92,7 @@ class _Accumulator:
     def add(self, logp: Tensor, labels: Tensor) -> None:
         labels = labels.to(logp.device)
         if self.task == "causal_lm":
-            mask = labels[:, 1:].ne(-100)
+            mask = labels[:, 1:].ne(IGNORE_INDEX)
             nll = -(logp * mask).sum(-1)  # per sequence
             stats = torch.stack([nll, mask.sum(-1).double()], dim=-1)  # (B, 2)
             self.outputs.append((self.gather(stats).cpu(), torch.empty(0)))
@@ -172,7 +173,7 @@ def _sample_passes(
         batches = len(dataloader)
     except TypeError:
         batches = None
-    accumulated: list[Tensor] = []
+    accumulated: list[LogMeanExp | None] = []
     with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
         for p_index, seed in enumerate(seeds):
             context = (
@@ -184,13 +185,12 @@ def _sample_passes(
                     inputs = trainer._prepare_inputs(inputs)
                     logp = transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
                     if p_index == 0:
-                        accumulated.append(logp)
-                    else:
-                        accumulated[b_index] = torch.logaddexp(accumulated[b_index], logp)
+                        accumulated.append(LogMeanExp())
+                    accumulated[b_index].add(logp)  # type: ignore[union-attr]
                     bar.update(1)
                     if last:
-                        yield accumulated[b_index] - math.log(len(seeds)), inputs
-                        accumulated[b_index] = None  # type: ignore[call-overload]
+                        yield accumulated[b_index].value(), inputs  # type: ignore[union-attr]
+                        accumulated[b_index] = None
 
 
 class PosteriorEvaluation:
@@ -369,3 +369,110 @@ def bma_predict(
         label_ids=None if label_ids is None else np.asarray(label_ids.numpy()),
         metrics=metrics,
     )
+
+
+# ------------------------------------------------------------------------------------------ the hooks
+class EvaluationMixin:
+    """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
+    posterior metrics to the subclass's, ``predict(bma=True)`` returns BMA predictions."""
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The subclass's ``evaluate()``, with the ``eval_mean_*`` and (when due) ``eval_bma_*`` metrics."""
+        outer = self._evon_in_evaluate
+        self._evon_in_evaluate = True
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._evon_in_evaluate = outer
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The subclass's loop (``eval_loss``, ``compute_metrics``), read for ``eval_mean_*``, then BMA.
+
+        Only inside ``evaluate()``: ``predict()`` runs the same loop and stays the subclass's.
+        """
+        if not self._evon_in_evaluate or self._evon_evaluation is not None:
+            return super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=self._bma_due())
+        self._evon_evaluation = evaluation
+        try:
+            with evaluation.watch(self.model):
+                output = super().evaluation_loop(
+                    dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+                )
+        finally:
+            self._evon_evaluation = None
+        merge_metrics(output.metrics, evaluation.finish(dataloader))
+        return output
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        evaluation = self._evon_evaluation
+        if evaluation is None:
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+        with evaluation.batch(inputs.get("labels")):  # labels first: a loss may pop them
+            return super().prediction_step(
+                model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
+            )
+
+    def _bma_due(self) -> bool:
+        """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
+        if not self._evon_in_training:
+            return True
+        every = self.args.bma_eval_every
+        if self.state.global_step != self._evon_evaluated_step:  # several eval datasets: one evaluation
+            self._evon_evaluated_step = self.state.global_step
+            self._evon_evaluations += 1
+        at_end = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+        return at_end or (every > 0 and self._evon_evaluations % every == 0)
+
+    def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
+        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead."""
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
+        evaluation.reused = False
+        return evaluation.finish(dataloader)
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        bma: bool = False,
+    ) -> Any:
+        """The subclass's ``predict`` (at the posterior mean), or with ``bma=True`` BMA predictions.
+
+        ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
+        over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
+        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them.
+        """
+        if not bma:
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        posterior = self.current_posterior()
+        if posterior is None:
+            raise ValueError(
+                "predict(bma=True) needs a posterior: train with EVON first, or pass "
+                "posterior=EVONPosterior.from_pretrained(...) to the trainer"
+            )
+        if self.args.bma_num_samples < 1:
+            raise ValueError(
+                f"predict(bma=True) needs posterior samples, but EVONConfig.bma_num_samples = "
+                f"{self.args.bma_num_samples}: set it to >= 1"
+            )
+        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)

@@ -1,0 +1,88 @@
+"""Log-probabilities of labels and their Bayesian model average: the one implementation of each.
+
+Labels follow transformers' convention: ``-100`` marks a position that is not scored, and a
+causal LM's labels are the input ids, so the logits at position ``t`` predict the label at
+``t + 1`` (``shift=True``; :func:`hf_evon.modeling.is_causal_lm` says which models need it).
+BMA averages *probabilities* over S posterior samples: ``log p̄ = logsumexp_s log p_s − log S``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LogMeanExp",
+    "count_label_items",
+    "label_log_probs",
+    "labelled_rows",
+    "log_mean_prob",
+    "shifted",
+    "target_log_probs",
+]
+
+IGNORE_INDEX = -100  # transformers' label of a position that is not scored
+
+
+def shifted(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """``(logits, labels)`` aligned so that ``logits[..., t, :]`` scores ``labels[..., t]``."""
+    if shift:
+        return logits[:, :-1], labels[:, 1:]
+    return logits, labels
+
+
+def count_label_items(labels: Tensor | None, shift: bool) -> Tensor | None:
+    """The items a mean loss averages over: labels other than -100 (causal LMs: from position 1)."""
+    if not isinstance(labels, Tensor):
+        return None
+    if shift:
+        labels = labels[..., 1:]
+    return labels.ne(IGNORE_INDEX).sum()
+
+
+def label_log_probs(log_probs: Tensor, labels: Tensor) -> Tensor:
+    """``log p(label)`` at every position of full log-probabilities ``log_probs`` (``labels.shape +
+    (C,)``), shaped like ``labels``; 0 where the label is -100."""
+    keep = labels.ne(IGNORE_INDEX)
+    picked = log_probs.gather(-1, labels.masked_fill(~keep, 0).unsqueeze(-1)).squeeze(-1)
+    return picked.masked_fill(~keep, 0.0)
+
+
+def labelled_rows(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """(logit rows, labels) of the scored targets only, flattened: shifted if ``shift``, -100 dropped."""
+    logits, labels = shifted(logits, labels, shift)
+    target = labels.reshape(-1)
+    keep = target.ne(IGNORE_INDEX)
+    return logits.reshape(-1, logits.shape[-1])[keep], target[keep].long()
+
+
+def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
+    """log p(label) for every scored target (−100 ignored), flattened, in float64."""
+    rows, target = labelled_rows(logits, labels, shift)
+    return torch.log_softmax(rows.double(), dim=-1).gather(1, target[:, None]).squeeze(1)
+
+
+def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
+    """BMA: ``log(mean_s exp(log_probs_s))`` over ``dim`` (averages probabilities, stably)."""
+    return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])
+
+
+class LogMeanExp:
+    """:func:`log_mean_prob` over draws that arrive one at a time (one pass per posterior sample)."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.count = 0
+
+    def add(self, log_probs: Tensor) -> None:
+        self.total = log_probs if self.total is None else torch.logaddexp(self.total, log_probs)
+        self.count += 1
+
+    def value(self) -> Tensor:
+        if self.total is None:
+            raise ValueError("LogMeanExp: no draws added")
+        return self.total - math.log(self.count)

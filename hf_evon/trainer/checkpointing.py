@@ -1,0 +1,193 @@
+"""What the EVON trainers write and read back: posteriors with the model, EVON's state under FSDP2.
+
+* ``save_model()`` (which the Trainer's checkpoints call too) writes ``evon_posterior.safetensors``
+  and ``evon_posterior_config.json`` next to the model (or the PEFT adapter) and the model card;
+  with ``evon_shard`` the sharded state is gathered first, on every process, so the rank-0-only
+  writing needs no collective.
+* ``load_best_model_at_end``: once the Trainer restored the best checkpoint's weights, that
+  checkpoint's posterior comes back with them (:meth:`CheckpointingMixin._load_best_posterior`).
+* FSDP2: the Trainer's ``optimizer.bin`` (torch's distributed checkpoint, per-parameter state
+  gathered by name) has no room for EVON's per-matrix state and noise streams, so EVON's full
+  state goes to ``evon_optimizer.pt`` and a resume loads it after EVON is sharded over the mesh.
+* A checkpoint pushed to the Hub carries its posterior (copied into the output directory first).
+
+The private ``Trainer`` methods that call into this module are overridden in
+:mod:`hf_evon.trainer.internals`.
+"""
+
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.utils.import_utils import check_torch_load_is_safe
+
+from hf_evon.distributed.ddp import UnsupportedParallelismError
+from hf_evon.fileio import replaced_atomically
+from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+
+__all__ = ["EVON_OPTIMIZER_NAME", "POSTERIOR_FILES", "CheckpointingMixin"]
+
+POSTERIOR_FILES = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
+
+
+def _has_posterior(directory: str) -> bool:
+    return all(os.path.isfile(os.path.join(directory, f)) for f in POSTERIOR_FILES)
+
+
+class CheckpointingMixin:
+    """Saving and resuming for :class:`~hf_evon.trainer.EVONTrainerMixin` (see the module docstring)."""
+
+    # ------------------------------------------------------------------ the posterior with the model
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The model (or adapter) as usual, plus the posterior and the model card."""
+        self._gather_sharded_state()
+        super().save_model(output_dir, _internal_call)
+        if not self.args.should_save:
+            return
+        posterior = self.current_posterior()
+        if posterior is None:
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        posterior.save_pretrained(output_dir, model_card=False)
+        self._write_model_card(output_dir, posterior)
+
+    def _write_model_card(self, directory: str, posterior: Any) -> None:
+        from hf_evon.posterior.model_card import save_trainer_model_card
+
+        save_trainer_model_card(self, directory, posterior)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's card, then the EVON section (the Trainer's card replaces README.md).
+
+        Called on every process (as transformers' example scripts do), a sharded EVON gathers its
+        posterior here first: the card is written by rank 0 alone, which must not wait on a
+        collective the others never join. (``push_to_hub`` calls it on rank 0 only, right after
+        ``save_model`` gathered on every rank, so nothing is left to gather then.)"""
+        self._gather_sharded_state()
+        super().create_model_card(*args, **kwargs)
+        if not self.is_world_process_zero():
+            return
+        posterior = self.current_posterior()
+        if posterior is None and _has_posterior(self.args.output_dir):
+            from hf_evon.posterior.posterior import EVONPosterior
+
+            posterior = EVONPosterior.from_pretrained(self.args.output_dir)
+        if posterior is not None:
+            self._write_model_card(self.args.output_dir, posterior)
+
+    def _load_best_posterior(self) -> None:
+        """After the Trainer loaded the best checkpoint's weights: its posterior too (the
+        optimizer's is the last step's)."""
+        best = self.state.best_model_checkpoint
+        if best and _has_posterior(best):
+            from hf_evon.posterior.posterior import EVONPosterior
+
+            device = next(self.model.parameters()).device
+            self.posterior = EVONPosterior.from_pretrained(best, device=device)
+            self._posterior_from_checkpoint = True
+
+    def _copy_posterior_for_push(self, checkpoint_folder: str) -> None:
+        """Copy the checkpoint's posterior (and card) into the output directory the Trainer uploads."""
+        if not self.is_world_process_zero():
+            return
+        output_dir = self.args.output_dir
+        copied = False
+        for name in POSTERIOR_FILES:
+            src = os.path.join(checkpoint_folder, name)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(output_dir, name))
+                copied = True
+        if copied:
+            from hf_evon.posterior.posterior import EVONPosterior
+
+            self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
+
+    # ------------------------------------------------------------------ sharded and FSDP2 state
+    def _gather_sharded_state(self) -> None:
+        """With ``evon_shard``: gather the optimizer state and posterior on every rank, so the
+        Trainer's rank-0-only saving (``optimizer.pt``, the posterior) needs no collective."""
+        opt = self.evon_optimizer
+        if opt is not None and opt.sharding is not None:
+            opt.sharding.prefetch()
+
+    def _accelerate_fsdp2(self) -> bool:
+        """Whether accelerate runs its FSDP2 plugin (the Trainer's ``fsdp`` arguments, version 2)."""
+        return bool(getattr(self.accelerator, "is_fsdp2", False))
+
+    def _fsdp_requested_without_plugin(self) -> bool:
+        """Whether ``fsdp`` was asked for but accelerate runs without its FSDP plugin (CPUs)."""
+        return bool(self.args.fsdp) and getattr(self.accelerator.state, "fsdp_plugin", None) is None
+
+    def _check_fsdp_plugin(self) -> None:
+        """Refuse ``fsdp`` arguments that accelerate would silently turn into plain DDP."""
+        if self._fsdp_requested_without_plugin():
+            raise UnsupportedParallelismError(
+                "the Trainer's fsdp arguments are set, but accelerate did not enable FSDP (distributed "
+                f"type {self.accelerator.state.distributed_type}): accelerate enables its FSDP plugin on "
+                "GPUs and other accelerators only, not on CPU processes, so this run would silently be "
+                "plain DDP. On CPUs drop fsdp/fsdp_config (DDP; evon_shard=True shards EVON's state and "
+                "work), or shard the model yourself with torch.distributed.fsdp.fully_shard and a plain "
+                "training loop (hf_evon.prepare_distributed supports FSDP2 on CPU/gloo)"
+            )
+
+    def _evon_fsdp2(self) -> bool:
+        """Whether EVON runs under FSDP2 (accelerate's plugin, or sharded over an FSDP2 mesh)."""
+        opt = self.evon_optimizer
+        return opt is not None and (getattr(opt.sharding, "fsdp2", False) or self._accelerate_fsdp2())
+
+    def _save_evon_fsdp2_state(self, output_dir: str) -> None:
+        """Under FSDP2: EVON's full, unsharded state in ``evon_optimizer.pt`` (written atomically).
+
+        ``optimizer.state_dict()`` is a collective (every rank calls it); the process that saves
+        writes it.
+        """
+        if not self._evon_fsdp2():
+            return
+        state = self.evon_optimizer.state_dict()
+        if self.args.should_save:
+            with replaced_atomically(os.path.join(output_dir, EVON_OPTIMIZER_NAME)) as tmp:
+                torch.save(state, tmp)
+
+    def _load_fsdp2_scheduler(self, checkpoint: str | None) -> bool:
+        """Under FSDP2, resume the scheduler here and EVON later; return whether it did.
+
+        The Trainer resumes FSDP2 optimizers through torch's distributed checkpoint
+        (``set_optimizer_state_dict``), which expects per-parameter state shaped (or sharded) like
+        the parameters; EVON's per-matrix state (``L``, ``R``, bases) held by one owner fits
+        neither. The Trainer loads optimizer states before ``prepare_distributed`` shards EVON,
+        so the state file is only remembered here and loaded by :meth:`_load_fsdp2_optimizer`
+        once EVON is sharded (every rank loads it and keeps its own part).
+        """
+        if checkpoint is None or not self._evon_fsdp2():
+            return False
+        path = os.path.join(checkpoint, EVON_OPTIMIZER_NAME)
+        if not os.path.isfile(path):
+            raise UnsupportedParallelismError(
+                f"EVONTrainer cannot resume this FSDP2 run: the checkpoint {checkpoint} has no "
+                f"{EVON_OPTIMIZER_NAME} (EVON's full optimizer state, written by EVONTrainer's FSDP2 "
+                "checkpoints); the Trainer's optimizer.bin (torch.distributed.checkpoint) does not fit "
+                "EVON's per-matrix state and lacks its noise streams"
+            )
+        self._evon_fsdp2_resume = path
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught:
+                check_torch_load_is_safe()
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught)
+        return True
+
+    def _load_fsdp2_optimizer(self) -> None:
+        """EVON's state remembered by :meth:`_load_fsdp2_scheduler`, now that EVON is sharded."""
+        path = getattr(self, "_evon_fsdp2_resume", None)
+        if path is None:
+            return
+        check_torch_load_is_safe()
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.evon_optimizer.load_state_dict(state)
+        self._evon_fsdp2_resume = None

@@ -1,0 +1,50 @@
+"""Every override of a private ``transformers.Trainer`` method, in one place, and why each is needed.
+
+``transformers.Trainer`` offers no public hook for these; each override is thin and calls into
+:mod:`hf_evon.trainer.checkpointing` or the mixin. ``tests/test_trainer_internals.py`` pins the
+``Trainer`` behaviour each one relies on (who calls it, with what), so a transformers release that
+changes it fails there rather than silently here.
+
+* ``_save_optimizer_and_scheduler(output_dir)``: called by ``_save_checkpoint`` with the
+  checkpoint directory; under FSDP2 EVON's full state is added as ``evon_optimizer.pt`` (the
+  Trainer's distributed checkpoint cannot hold it).
+* ``_load_optimizer_and_scheduler(checkpoint)``: called by ``train(resume_from_checkpoint=...)``
+  before the optimizer is sharded; under FSDP2 only the scheduler is loaded here.
+* ``_push_from_checkpoint(checkpoint_folder)``: copies a checkpoint's model files into the output
+  directory and uploads it; the posterior files must be copied first.
+* ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
+  clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
+  their number, so the norm and the clip refer to the mean gradient instead.
+"""
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["TrainerInternals"]
+
+
+class TrainerInternals:
+    """The private ``Trainer`` methods :class:`~hf_evon.trainer.EVONTrainerMixin` overrides."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        self._save_evon_fsdp2_state(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._load_fsdp2_scheduler(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        self._copy_posterior_for_push(checkpoint_folder)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        if self.evon_optimizer is None:
+            return super()._clip_grad_norm(model)
+        return self._mean_grad_norm(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        if self.evon_optimizer is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return self._mean_grad_norm(model, None)

@@ -1,0 +1,51 @@
+"""The ``evon/*`` statistics the EVON trainers log at every logging step."""
+
+import math
+
+import torch
+
+from hf_evon.optim import EVON
+from hf_evon.optim.linalg import marginal_variance
+
+__all__ = ["posterior_statistics"]
+
+
+@torch.no_grad()
+def posterior_statistics(optimizer: EVON) -> dict[str, float]:
+    """``evon/posterior_std_mean`` (mean marginal posterior std over all EVON-owned weights),
+    ``evon/hess_min``/``max``/``mean`` (range of the rotated-space Hessian H), ``evon/skipped_steps``
+    and every ``posterior_health()`` statistic as ``evon/<name>``; {} before the first step.
+
+    Under ``evon_shard`` every rank's matrices are pooled (a collective: call it on every rank).
+    """
+    buckets = optimizer.buckets
+    if not buckets and optimizer.sharding is None:
+        return {}
+    rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
+    count = 0
+    for b in buckets:
+        hess, group = b.state["hess"], b.group
+        q_left, q_right = b.bases() if b.initialized else (None, None)
+        if math.isinf(group["ess"]):
+            std_sum = hess.new_zeros((), dtype=torch.float64)
+        else:
+            std = marginal_variance(hess, q_left, q_right, group["ess"], group["weight_decay"])
+            std_sum = std.clamp_min(0).sqrt().double().sum()
+        rows.append(torch.stack([hess.min().double(), hess.max().double(), hess.double().sum(), std_sum]))
+        count += hess.numel()
+    t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 4)
+    if optimizer.sharding is not None:  # sharded: pool every rank's matrices (a collective)
+        t, count = optimizer.sharding.pool_rows(t, count)
+    if not len(t):
+        return {}
+    h_min, h_max = float(t[:, 0].min()), float(t[:, 1].max())
+    h_sum, std_sum = t[:, 2].tolist(), t[:, 3].tolist()
+    health = {f"evon/{k}": v for k, v in optimizer.posterior_health(warn=True).items()}
+    return {
+        **health,
+        "evon/posterior_std_mean": sum(std_sum) / count,
+        "evon/hess_min": h_min,
+        "evon/hess_max": h_max,
+        "evon/hess_mean": sum(h_sum) / count,
+        "evon/skipped_steps": float(optimizer.skipped_steps),
+    }

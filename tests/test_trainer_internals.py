@@ -1,0 +1,138 @@
+"""Pins the ``transformers.Trainer`` behaviour the EVON trainers rely on (hf_evon.trainer.internals).
+
+Each test fails if transformers stops calling a private method the way the EVON trainer overrides
+it, or stops honouring a documented switch it sets; see the mixin's docstring for the list.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from test_trainer import classification_data, config, tiny_bert, tiny_gpt2
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from hf_evon import EVONTrainer
+from hf_evon.trainer import internals
+
+
+class _Recording(EVONTrainer):
+    """Records the calls of the overridden private methods, in order."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        self.calls.append(("save_optimizer", output_dir))
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        self.calls.append(("load_optimizer", checkpoint))
+        super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _clip_grad_norm(self, model):
+        self.calls.append(("clip", model is self.model_wrapped))
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        self.calls.append(("grad_norm", grad_norm is not None))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        self.calls.append(("save_model", output_dir, _internal_call))
+        super().save_model(output_dir, _internal_call)
+
+
+class _SeesSetUp(TrainerCallback):
+    def __init__(self, trainer: _Recording) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # after the Trainer's own set-up: the optimizer is accelerate's, resumed if asked
+        self.trainer.calls.append(("train_begin", isinstance(self.trainer.optimizer, AcceleratedOptimizer)))
+
+
+def test_the_overridden_private_methods_exist_on_trainer():
+    for name in (
+        "_save_optimizer_and_scheduler",
+        "_load_optimizer_and_scheduler",
+        "_push_from_checkpoint",
+        "_clip_grad_norm",
+        "_get_grad_norm",
+    ):
+        assert name in vars(internals.TrainerInternals)
+        assert callable(getattr(Trainer, name, None)), name
+    assert list(inspect.signature(Trainer._save_optimizer_and_scheduler).parameters) == ["self", "output_dir"]
+    assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
+    assert list(inspect.signature(Trainer._push_from_checkpoint).parameters) == ["self", "checkpoint_folder"]
+    assert list(inspect.signature(Trainer._get_grad_norm).parameters) == ["self", "model", "grad_norm"]
+
+
+def test_checkpoint_saves_the_model_then_the_optimizer_into_the_checkpoint_dir(tmp_path):
+    """``_save_checkpoint`` calls ``save_model(dir, _internal_call=True)`` (posterior, gathering) and
+    then ``_save_optimizer_and_scheduler(dir)`` with the same checkpoint directory; clipping and the
+    grad norm go through ``_clip_grad_norm(model)`` and ``_get_grad_norm(model, grad_norm=...)``."""
+    args = config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, max_grad_norm=1.0)
+    trainer = _Recording(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    trainer.train()
+    ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-2")
+    saves = [c for c in trainer.calls if c[0] in ("save_model", "save_optimizer")]
+    assert saves == [("save_model", ckpt, True), ("save_optimizer", ckpt)]
+    assert [c for c in trainer.calls if c[0] in ("clip", "grad_norm")] == [
+        ("clip", True),
+        ("grad_norm", True),
+    ] * 2
+    assert os.path.isfile(os.path.join(ckpt, "evon_posterior.safetensors"))
+
+
+def test_resume_loads_the_optimizer_before_on_train_begin(tmp_path):
+    """``_load_optimizer_and_scheduler(checkpoint)`` runs inside the Trainer's set-up, before the
+    callbacks' ``on_train_begin``, where the EVON trainer calls ``prepare_distributed``."""
+    args = config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer = _Recording(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    trainer.train()
+    again = _Recording(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    again.add_callback(_SeesSetUp(again))
+    ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-1")
+    again.train(resume_from_checkpoint=ckpt)
+    order = [c for c in again.calls if c[0] in ("load_optimizer", "train_begin")]
+    assert order == [("load_optimizer", ckpt), ("train_begin", True)]
+
+
+def test_checkpoint_push_goes_through_push_from_checkpoint():
+    """``_save_checkpoint`` hands the checkpoint directory to ``_push_from_checkpoint`` when pushing."""
+    source = inspect.getsource(Trainer._save_checkpoint)
+    assert "self._push_from_checkpoint(output_dir)" in source
+    assert source.index("self.save_model(output_dir, _internal_call=True)") < source.index(
+        "self._save_optimizer_and_scheduler(output_dir)"
+    )
+
+
+def test_training_step_takes_a_loss_scaled_for_ga_as_is(tmp_path):
+    """``loss_is_scaled_for_ga = True`` (the Trainer's documented switch): ``training_step``
+    back-propagates ``compute_loss``'s value without dividing it by the accumulation steps."""
+    args = config(tmp_path, max_steps=1)
+    trainer = Trainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
+    batch = next(iter(trainer.get_train_dataloader()))
+    grads = []
+    for scaled in (True, False):
+        trainer.model.zero_grad()
+        trainer.loss_is_scaled_for_ga = scaled
+        trainer.current_gradient_accumulation_steps = 4
+        trainer.training_step(trainer.model, dict(batch), None)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1] * 4, grads[0], rtol=1e-5, atol=1e-8)
+
+
+def test_trainer_decides_whether_the_loss_shifts_labels(tmp_path):
+    """The Trainer keeps ``_loss_shifts_labels`` for counting ``num_items_in_batch``; the EVON
+    trainer sets it for causal LMs whose ``loss_type`` does not say so (GPT-2)."""
+    plain = Trainer(model=tiny_gpt2(), args=config(tmp_path / "a"))
+    assert hasattr(plain, "_loss_shifts_labels")
+    assert "_loss_shifts_labels" in inspect.getsource(Trainer._get_num_items_in_batch)
+    evon = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "b"))
+    assert evon._loss_shifts_labels is True and evon._causal_lm
