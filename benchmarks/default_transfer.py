@@ -39,8 +39,8 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
     MiniLM license sentences (3 seeds, linear; AdamW / EVON default): LoRA 1.369 (46.0) / 1.116
               (60.7); all weights at 5e-5 1.273 (56.6) / 1.182 (59.5) (per seed 53.8 / 60.7 / 55.2 vs
               58.6 / 63.4 / 56.6), with full fine-tuning's steps at Adam's size (snr_scaling="adam",
-              ratio 1.5, h0 1e-3; hf_evon.optim.evon.default_snr_scaling). Before, with fixed-size
-              element steps (ratio 0.6, h0 3e-3), EVON trailed by 7 points: 1.321 (49.2) (per seed
+              ratio 1.5, h0 1e-3; hf_evon.optim.defaults.default_snr_scaling). With fixed-size
+              element steps (ratio 0.6, h0 3e-3), EVON trails by 7 points: 1.321 (49.2) (per seed
               44.8 / 54.5 / 48.3). Not the gradients' size: on this task and on payoff.py's stdlib
               docstrings alike the first batches' median |g| is 2.2e-5 (MiniLM, seed 0). EVON's
               element steps started small (Newton steps m̂/H under the clip while H ≈ h0; nothing on
@@ -57,12 +57,12 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
               default) 1.226 (58.6) here, 0.652 (78%) / 0.634 (80%) there, and seed 1 at 3 epochs
               0.584 (77%) vs AdamW's 0.686 (75%).
 
-The rows above were measured with the former prior, weight_decay 2.5e-5. With δ = 4e-4 (about
-the current default, hf_evon.optim.evon.default_weight_decay: 4.2e-4), linear, the EVON default
+The rows above use weight_decay 2.5e-5. With δ = 4e-4 (about
+the default, hf_evon.optim.defaults.default_weight_decay: 4.2e-4), linear, the EVON default
 column reads wine 0.057 (99.1), iris 0.163 (93.9), digits deep GELU 0.081 (98.1), digits CNN 0.106
 (97.8) (4 seeds) and tiny Llama 4.438 (16.7) (2 seeds; AdamW 4.506 (16.3) there).
 
-Where EVON trails on NLL it is not for one reason (the current defaults, linear, mean of seeds;
+Where EVON trails on NLL it is not for one reason (the defaults, linear, mean of seeds;
 train NLL and the test-optimal temperature T from the same runs):
 - wine and iris (6 seeds) underfit: test NLL 0.058 / 0.143 vs AdamW's 0.044 / 0.094, train NLL
   0.0069 / 0.123 vs 0.0033 / 0.064, T 0.56 / 0.48 (< 1: underconfident). Not the noise (ess=inf:
@@ -76,7 +76,7 @@ train NLL and the test-optimal temperature T from the same runs):
 - the digits CNN (4 seeds) overfits: 0.099 vs AdamW's 0.096, train NLL 0.0010 vs 0.0064, T 1.60
   vs 1.31 (overconfident: room for calibrated BMA, which this file does not run).
 
-With 2 seeds (an earlier version, before ``snr_scaling``, linear decay), AdamW / EVON default /
+With 2 seeds, without ``snr_scaling`` (linear decay), AdamW / EVON default /
 element: wine 0.031 / 0.031 / 0.087, iris 0.104 / 0.143 / 0.251, digits deep GELU 0.146 / 0.115 /
 0.143, tiny Llama 4.506 / 4.432 / 4.656: per-seed spread is large on these small test splits
 (the deep GELU MLP's EVON NLL ranges 0.056-0.239 over 4 seeds at "hold").

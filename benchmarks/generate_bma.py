@@ -19,7 +19,7 @@ Methods, all greedy, exactly ``--new-tokens`` tokens per prompt:
   draw of the S samples (``draw ms`` alone).
 
 ``--strategy`` picks how ``generate_bma`` applies the samples (``auto``: per matrix, by FLOPs
-on CPU; ``materialize`` on GPU; see ``hf_evon/_batched_samples.py``). ``factored`` in the
+on CPU; ``materialize`` on GPU; see ``hf_evon/predictive/batched_samples.py``). ``factored`` in the
 table counts the matrices applied through their bases. Timings: one warm-up call per
 configuration, ``torch.cuda.synchronize()`` around every timed call, the median of
 ``--repeats`` runs; tokens/s counts new tokens of the whole batch. ``bma/naive`` is the

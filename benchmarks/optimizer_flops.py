@@ -1,7 +1,7 @@
 """Per-step work of EVON's optimizer step: dispatched aten ops, matmul FLOPs and CPU time.
 
 Compared with a naive per-matrix float32 EVON (``NaiveEVON`` below, written from
-``EVON_SPEC.md``; the paper's own code is not used) and, if ``pytorch_optimizer`` is
+``docs/algorithm.md``; the paper's own code is not used) and, if ``pytorch_optimizer`` is
 importable, its SOAP. Every figure is per *steady* step averaged over one whole refresh cycle
 (``precondition_frequency`` updates after the initialising step), with the loop users run::
 
@@ -103,7 +103,7 @@ class OpCounter(TorchDispatchMode):
 
 
 class NaiveEVON:
-    """EVON as ``EVON_SPEC.md`` states it, one matrix at a time (a Python loop), float32.
+    """EVON as ``docs/algorithm.md`` states it, one matrix at a time (a Python loop), float32.
 
     Per matrix and step (S samples; ``m×n`` matrix, both sides preconditioned), the matmuls are:
     the sample ``M + Q_L E_s Q_Rᵀ`` (2 per sample), ``G°_s = Q_Lᵀ G_s Q_R`` (2 per sample; the

@@ -26,7 +26,7 @@ text; classes balanced.
     python examples/finetune_classification.py --methods evon --report-to tensorboard  # + evon/* curves
 
 EVON/IVON settings: ``EVONConfig``'s defaults, given the same ``--learning-rate`` as AdamW (the
-Trainer's meaning: EVON maps it to its α, ``hf_evon.optim.evon.STEP_RATIOS``; 1e-4 for full
+Trainer's meaning: EVON maps it to its α, ``hf_evon.optim.defaults.STEP_RATIOS``; 1e-4 for full
 fine-tuning and 10x through LoRA, the rates ``benchmarks/payoff.py`` gives AdamW on this task).
 Each ``--evon-*`` flag overrides one default; ``--evon-recipe clip-finetuning`` takes the paper's
 table instead. After training, the posterior's sampling scale is calibrated on held-out texts
@@ -38,12 +38,13 @@ Measured (the defaults, with ``--report-to tensorboard --logging-steps 1 --eval-
 batch 16, 96 steps; 500 training, 99 calibration, 201 test texts; one thread, 594 s): test NLL /
 accuracy / ECE AdamW 0.7181 / 78.1% / 0.153, IVON mode 0.6180 / 76.6% / 0.080 (BMA@8 at its
 calibrated 0.3x ζ: 0.6184 / 78.1% / 0.086), EVON 0.6177 / 77.6% / 0.083 (the calibration keeps the
-mean: BMA@8 at the trained ζ was 0.6186, above the mean at every evaluation). With the former
-prior (weight_decay 2.5e-5, now 4.2e-5 here: hf_evon.optim.evon.default_weight_decay): EVON 0.6144 /
+mean: BMA@8 at the trained ζ was 0.6186, above the mean at every evaluation). With weight_decay
+2.5e-5 (the default here is 4.2e-5: hf_evon.optim.defaults.default_weight_decay): EVON 0.6144 /
 77.1% / 0.092, its BMA@8 at a calibrated 0.3x ζ 0.6167 (the held-out gain, 0.6327 -> 0.6135 on
-99 texts, did not carry over to the test texts' NLL). Before full fine-tuning's Adam-sized steps (hf_evon.optim.evon.
-default_snr_scaling): EVON 0.6322 / 78.6%. With 2 epochs at batch 32 (32 steps, and EVON's earlier
-h0 of 0.01 for fine-tuning) every method was still near ln 5 and EVON trailed (AdamW 1.253, EVON 1.430).
+99 texts, does not carry over to the test texts' NLL). With fixed-size steps instead of full
+fine-tuning's Adam-sized ones (hf_evon.optim.defaults.default_snr_scaling): EVON 0.6322 / 78.6%. With
+2 epochs at batch 32 (32 steps, h0 = 0.01) every method is still near ln 5 and EVON trails (AdamW
+1.253, EVON 1.430).
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="update clipping (default: 'element' for full fine-tuning, 'whiten_rms' through LoRA)",
     )  # fmt: skip
     p.add_argument("--evon-clip-radius", type=float, default=None, help="clip radius (default 0.01)")
-    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default: 4.2e-5 here, hf_evon.optim.evon.default_weight_decay)")
+    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default: 4.2e-5 here, hf_evon.optim.defaults.default_weight_decay)")
     p.add_argument(
         "--calibration-fraction", type=float, default=1 / 3,
         help="share of the held-out texts used to calibrate the posterior's sampling scale (the rest: test)",

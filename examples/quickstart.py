@@ -23,7 +23,7 @@ and BMA ties the mean (0.0815 / 0.0150): the mean is calibrated there (97.97% co
 to fix (``benchmarks/bma_headroom.py``). BMA's gains here are small at every budget because the
 default prior (weight_decay, a quarter of the weights' RMS) already regularises the mean. The
 lowest held-out NLL alone once chose more noise (0.01x) and made BMA underconfident on test:
-hence calibrate_posterior's one-standard-error steps (hf_evon/calibration.py).
+hence calibrate_posterior's one-standard-error steps (hf_evon/predictive/calibration.py).
 
     python examples/quickstart.py                # ~40 s on 2 CPU cores
     python examples/quickstart.py --epochs 30 --bma-samples 64 --seeds 6

@@ -13,6 +13,7 @@ __all__ = [
     "is_peft_model",
     "model_class",
     "peft_base_model",
+    "pretrained_name",
     "unwrap_model",
 ]
 
@@ -85,3 +86,15 @@ def base_model_name(model: nn.Module) -> str | None:
         model, "name_or_path", None
     )
     return str(name) if name else None
+
+
+def pretrained_name(model: nn.Module) -> str:
+    """The checkpoint a (PEFT-wrapped) transformers model's weights were loaded from; "" if built
+    from a config. ``from_config`` of a downloaded config keeps the checkpoint's name in
+    ``config._name_or_path`` but starts from scratch: loaded weights are told apart by the
+    ``_weight_conversions`` list that transformers' (>= 5) ``from_pretrained`` always leaves."""
+    config = getattr(model, "config", None)  # PEFT models answer with their base model's config
+    name = getattr(config, "_name_or_path", "") if config is not None else ""
+    if not isinstance(name, str) or not name:
+        return ""
+    return name if getattr(peft_base_model(model), "_weight_conversions", None) is not None else ""

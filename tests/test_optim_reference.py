@@ -1,6 +1,6 @@
-"""EVON against a plain, slow reference of EVON_SPEC.md, step for step, with fixed noise.
+"""EVON against a plain, slow reference of docs/algorithm.md, step for step, with fixed noise.
 
-The reference below is written straight from the formulas of ``EVON_SPEC.md`` (and the
+The reference below is written straight from the formulas of ``docs/algorithm.md`` (and the
 paper's appendix "Derivation of the EVON Algorithm"): one matrix at a time, float64, no
 batching, no in-place tricks, and nothing imported from ``hf_evon`` except the optimizer
 under test. The optimizer is driven through its public API; inside every
@@ -49,7 +49,7 @@ def muon_newton_schulz(x: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
 
 
 class ReferenceEVON:
-    """EVON for ONE matrix parameter, exactly as written in EVON_SPEC.md (float64)."""
+    """EVON for ONE matrix parameter, exactly as written in docs/algorithm.md (float64)."""
 
     def __init__(self, mean: torch.Tensor, *, left: bool, right: bool, store_dtype=F64, **hp) -> None:
         self.lr = hp["lr"]

@@ -199,7 +199,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
     full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
     assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
     # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] · rate / radius, the new task head at 5x
-    from hf_evon.optim.evon import DEFAULT_FINETUNING_HESS_INIT, STEP_RATIOS
+    from hf_evon.optim.defaults import DEFAULT_FINETUNING_HESS_INIT, STEP_RATIOS
 
     ft_ratio = STEP_RATIOS[("element", True)]
     alpha_ft, head_ft = round(ft_ratio * 5e-5 / 0.01, 12), round(5 * ft_ratio * 5e-5 / 0.01, 12)

@@ -402,3 +402,18 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
         rms_sq = 1.0 / fan_in
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))
+
+
+def restore_state_dtypes(
+    state: dict[Tensor, dict[str, Any]], param_groups: list[dict[str, Any]], loaded: dict[str, Any]
+) -> None:
+    """Undo ``Optimizer.load_state_dict``'s cast of floating state to each parameter's dtype:
+    EVON's state is float32 (float64 for float64 parameters), whatever the weights' dtype."""
+    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+    params = [p for g in param_groups for p in g["params"]]
+    evon_params = {id(p) for g in param_groups if g["algorithm"] == "evon" for p in g["params"]}
+    for idx, p in zip(saved_ids, params):
+        if id(p) in evon_params and idx in loaded["state"]:
+            for k, v in loaded["state"][idx].items():
+                if k != "step" and torch.is_tensor(v):
+                    state[p][k] = v.to(device=p.device, dtype=state_dtype(p))

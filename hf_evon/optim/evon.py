@@ -38,8 +38,8 @@ from hf_evon.optim.buckets import (
     auto_ess,
     group_buckets,
     is_dtensor,
+    restore_state_dtypes,
     stack_state,
-    state_dtype,
 )
 from hf_evon.optim.checks import Clip, NonFinite, mode_value
 from hf_evon.optim.defaults import (
@@ -53,12 +53,13 @@ from hf_evon.optim.defaults import (
     DEFAULT_INIT_STD_RATIO,
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
-from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, warn_health
+from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, param_label, warn_health
 from hf_evon.optim.hooks import LOCAL, ShardingHooks
-from hf_evon.optim.linalg import rotated_std
-from hf_evon.optim.noise import derived_seed
+from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std
+from hf_evon.optim.noise import StreamGenerators
 from hf_evon.optim.update import (
     AdamWInputs,
+    adamw_inputs,
     adamw_update,
     evon_update,
     finite_flags,
@@ -180,7 +181,7 @@ class EVON(Optimizer):
         self.health_check_every = 100
         self._updates = 0  # steps taken by this object (for the health check's period)
         self._health_warned: set[str] = set()  # each health warning is given once
-        self._generators: dict[torch.device, tuple[tuple, torch.Generator]] = {}  # (stream, generator)
+        self._streams = StreamGenerators()
         # sampled_params blocks entered so far; a block's noise is fixed by (seed, rank, block, device),
         # so any rank resumes its own stream from a checkpoint saved by another rank
         self._sample_blocks = 0
@@ -254,14 +255,7 @@ class EVON(Optimizer):
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The noise generator of the current ``sampled_params`` block on ``device``."""
-        stream = (self.seed, self._rank(), self._sample_blocks, str(device))
-        seeded, gen = self._generators.get(device, (None, None))
-        if gen is None:
-            gen = torch.Generator(device=device)
-        if seeded != stream:
-            gen.manual_seed(derived_seed(*stream))
-            self._generators[device] = (stream, gen)
-        return gen
+        return self._streams.get(device, self.seed, self._rank(), self._sample_blocks, str(device))
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -475,19 +469,7 @@ class EVON(Optimizer):
         self._consumed = consumed_grads(self.param_groups)
 
     def _adamw_inputs(self, num_samples: int) -> AdamWInputs:
-        out = {}
-        for gi, group in enumerate(self.param_groups):
-            if group["algorithm"] != "adamw":
-                continue
-            params = [p for p in group["params"] if p.grad is not None and self._hooks.owns(p)]
-            if not params:
-                continue
-            states = [self.state[p] for p in params]
-            params, g_list = self._hooks.adamw_tensors(params)  # FSDP2: each rank's own rows
-            if num_samples > 1:
-                g_list = torch._foreach_div(g_list, num_samples)
-            out[gi] = (params, g_list, states)
-        return out
+        return adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
 
     def _plan(self, b: Bucket, num_samples: int) -> Plan | None:
         """Everything the bucket's update needs that can fail, computed without changing any
@@ -514,14 +496,7 @@ class EVON(Optimizer):
         return False
 
     def _param_label(self, p: Tensor) -> str:
-        p = self._hooks.model_param(p)  # FSDP2: a bucket member stands for its DTensor
-        for gi, group in enumerate(self.param_groups):
-            for i, q in enumerate(group["params"]):
-                if q is p:
-                    names = group.get("param_names")
-                    name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
-                    return f"{name} (shape {tuple(p.shape)})"
-        return f"a parameter of shape {tuple(p.shape)}"
+        return param_label(self.param_groups, self._hooks.model_param(p))  # FSDP2: p's DTensor
 
     def _evon_update(self, plan: Plan, num_samples: int) -> None:
         evon_update(plan, num_samples, self._tracks_rotated_mean(plan), self._member_state)
@@ -542,23 +517,10 @@ class EVON(Optimizer):
 
     @torch.no_grad()
     def posterior_health(self, warn: bool = True) -> dict[str, float]:
-        """Noise-to-signal and Hessian statistics of the current posterior (one host sync).
-
-        ``noise_to_signal``: RMS posterior std / RMS weight, pooled over EVON matrices (the RMS
-        std of a matrix is sqrt(mean V): the rotation preserves the trace), and its maximum
-        over matrices (a matrix that was zero when the optimizer first saw it, as LoRA's B
-        starts, counts from the first check at which its noise is below its RMS: until training
-        has grown it, its ratio says nothing about ``ess``); ``hess_*``: H over every entry;
-        ``hess_below_prior``: the fraction of entries with H < δ, whose variance is dominated by
-        the prior 1/(ζδ) rather than by data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H
-        that is still its initial value after t updates — near 1, the posterior's shape is h0's
-        rather than learned from the data, and sampling it is close to isotropic noise
-        (docs/defaults.md#hess-init); ``prior_to_signal``: the prior's std 1/sqrt(ζδ) / RMS
-        weight, pooled: where the noise goes once H has decayed. With ``warn``, the first time
-        either failure shows, a ``RuntimeWarning`` names the cause and the fix: runaway noise
-        (max noise-to-signal ≥ 1: samples no longer resemble the mean) or collapse to a broad
-        prior (most of H below δ, and ``prior_to_signal`` ≥ ``COLLAPSE_PRIOR_TO_SIGNAL``).
-        """
+        """Noise-to-signal and Hessian statistics of the current posterior (one host sync); the
+        statistics are defined at :func:`hf_evon.optim.health.health_stats`. With ``warn``, the
+        first time runaway noise or a collapse to a broad prior shows, a ``RuntimeWarning``
+        names the cause and the fix."""
         rows, numel = health_rows(self.buckets)
         rows, numel = self._hooks.pool_rows(rows, numel)  # sharded: every rank's matrices
         stats = health_stats(rows, numel)
@@ -583,15 +545,11 @@ class EVON(Optimizer):
 
     def posterior_covariance(self, p: Tensor) -> Tensor:
         """Dense covariance of ``p.flatten()`` (row-major), for small parameters."""
-        from hf_evon.optim.linalg import dense_covariance
-
         f = self.posterior_factors(p)
         return dense_covariance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
 
     def posterior_std(self, p: Tensor) -> Tensor:
         """Marginal posterior standard deviations, shaped like ``p``."""
-        from hf_evon.optim.linalg import marginal_variance
-
         f = self.posterior_factors(p)
         return (
             marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
@@ -614,15 +572,7 @@ class EVON(Optimizer):
         extra = state_dict.pop("evon", None)
         state_dict = self._hooks.local_state_dict(state_dict)  # sharded: this rank's part of a full one
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter dtype; EVON state stays float32/64
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        evon_params = {id(p) for g in self.param_groups if g["algorithm"] == "evon" for p in g["params"]}
-        for idx, p in zip(saved_ids, params):
-            if id(p) in evon_params and idx in state_dict["state"]:
-                for k, v in state_dict["state"][idx].items():
-                    if k != "step" and torch.is_tensor(v):
-                        self.state[p][k] = v.to(device=p.device, dtype=state_dtype(p))
+        restore_state_dtypes(self.state, self.param_groups, state_dict)
         self._buckets = None
         if extra is not None:
             self.seed = int(extra["seed"])
@@ -643,22 +593,3 @@ def unwrap_optimizer(optimizer: Any) -> EVON:
         f"expected an hf_evon EVON optimizer; got {type(optimizer).__name__} (EVON is looked for inside "
         "wrappers such as accelerate's AcceleratedOptimizer, through their .optimizer)"
     )
-
-
-# re-exported for the posterior, predictive and trainer packages until their imports move
-from hf_evon.optim.buckets import Bucket as _Bucket  # noqa: E402, F401
-from hf_evon.optim.buckets import matrix_shape, preconditioned_sides  # noqa: E402, F401
-from hf_evon.optim.checks import CLIP_MODES  # noqa: E402, F401
-from hf_evon.optim.checks import is_real as _is_real  # noqa: E402, F401
-from hf_evon.optim.defaults import (  # noqa: E402, F401
-    COLLAPSE_PRIOR_TO_SIGNAL,
-    DEFAULT_FINETUNING_HESS_INIT,
-    DEFAULT_FINETUNING_LR,
-    DEFAULT_PRIOR_STD_RATIO,
-    DEFAULT_WEIGHT_DECAY,
-    STEP_RATIOS,
-    default_hess_init,
-    default_weight_decay,
-    is_snr_scaling,
-    lr_from_adamw_lr,
-)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_evon.modeling import is_peft_model, pretrained_name
 from hf_evon.optim.checks import is_real, require
 from hf_evon.optim.defaults import (
     ADAPTER_LR_SCALE,
@@ -35,23 +36,10 @@ _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 _TASK_HEAD = re.compile(r"(^|\.)(classifier|pre_classifier|score|qa_outputs)(\.|$)")
 
 
-def pretrained_name(model: nn.Module) -> str:
-    """The checkpoint a (PEFT-wrapped) transformers model's weights were loaded from; "" if built
-    from a config. ``from_config`` of a downloaded config keeps the checkpoint's name in
-    ``config._name_or_path`` but starts from scratch: loaded weights are told apart by the
-    ``_weight_conversions`` list that transformers' (>= 5) ``from_pretrained`` always leaves."""
-    config = getattr(model, "config", None)  # PEFT models answer with their base model's config
-    name = getattr(config, "_name_or_path", "") if config is not None else ""
-    if not isinstance(name, str) or not name:
-        return ""
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return name if getattr(base, "_weight_conversions", None) is not None else ""
-
-
 def is_full_finetuning(model: nn.Module) -> bool:
     """Most of a pretrained model's weights are trained: loaded with ``from_pretrained``, no PEFT
     adapters, more than half of its entries trainable (a linear probe trains a new head from scratch)."""
-    if not pretrained_name(model) or hasattr(model, "peft_config"):
+    if not pretrained_name(model) or is_peft_model(model):
         return False
     params = list(model.named_parameters())
     if any(_ADAPTER.search(n) for n, p in params if p.requires_grad):

@@ -61,7 +61,22 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
 
 
 def health_stats(t: Tensor, numel: int) -> dict[str, float]:
-    """The statistics of ``EVON.posterior_health`` from the (pooled) rows of ``health_rows``."""
+    """The statistics of ``EVON.posterior_health`` from the (pooled) rows of ``health_rows``.
+
+    ``noise_to_signal``: RMS posterior std / RMS weight, pooled over EVON matrices (the RMS std
+    of a matrix is sqrt(mean V): the rotation preserves the trace), and its maximum over
+    matrices (a matrix that was zero when the optimizer first saw it, as LoRA's B starts,
+    counts from the first check at which its noise is below its RMS: until training has grown
+    it, its ratio says nothing about ``ess``); ``hess_*``: H over every entry;
+    ``hess_below_prior``: the fraction of entries with H < δ, whose variance is dominated by
+    the prior 1/(ζδ) rather than by data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H
+    that is still its initial value after t updates — near 1, the posterior's shape is h0's
+    rather than learned from the data, and sampling it is close to isotropic noise
+    (docs/defaults.md#hess-init); ``prior_to_signal``: the prior's std 1/sqrt(ζδ) / RMS
+    weight, pooled: where the noise goes once H has decayed. ``warn_health`` warns of runaway
+    noise (max noise-to-signal ≥ 1: samples no longer resemble the mean) and of a collapse to
+    a broad prior (most of H below δ, and ``prior_to_signal`` ≥ ``COLLAPSE_PRIOR_TO_SIGNAL``).
+    """
     if not len(t):
         return {}
     return {
@@ -145,3 +160,14 @@ def first_nonfinite(
                     "finite but so large (a spike) that its square is not"
                 )
     return "a non-finite value"
+
+
+def param_label(param_groups: list[dict[str, Any]], p: Tensor) -> str:
+    """``p``'s name (its group's ``param_names``, else its place in the groups) and shape."""
+    for gi, group in enumerate(param_groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                names = group.get("param_names")
+                name = names[i] if names else f"param_groups[{gi}]['params'][{i}]"
+                return f"{name} (shape {tuple(p.shape)})"
+    return f"a parameter of shape {tuple(p.shape)}"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["derived_seed"]
+import torch
+
+__all__ = ["StreamGenerators", "derived_seed"]
 
 
 def derived_seed(seed: int, *labels: object) -> int:
@@ -12,3 +14,20 @@ def derived_seed(seed: int, *labels: object) -> int:
     streams are independent of each other and of how many other streams were drawn."""
     text = "\x00".join(str(x) for x in (int(seed), *labels))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+class StreamGenerators:
+    """One ``torch.Generator`` per device, reseeded only when the stream it serves changes."""
+
+    def __init__(self) -> None:
+        self._seeded: dict[torch.device, tuple[tuple, torch.Generator]] = {}
+
+    def get(self, device: torch.device, *stream: object) -> torch.Generator:
+        """The generator of ``stream`` (e.g. seed, rank, block, device) on ``device``."""
+        seeded, gen = self._seeded.get(device, (None, None))
+        if gen is None:
+            gen = torch.Generator(device=device)
+        if seeded != stream:
+            gen.manual_seed(derived_seed(*stream))
+            self._seeded[device] = (stream, gen)
+        return gen

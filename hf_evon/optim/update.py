@@ -19,6 +19,7 @@ from hf_evon.optim.functional import (
     price_estimate,
     snr_scale,
 )
+from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.linalg import eigenbasis, rotate
 
 __all__ = ["adamw_update", "evon_update", "finite_flags", "hessian_candidate", "plan_update"]
@@ -157,3 +158,26 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
         weight_decay=group["weight_decay"],
         eps=group["adamw_eps"],
     )
+
+
+def adamw_inputs(
+    param_groups: list[dict[str, Any]],
+    state: dict[Tensor, dict[str, Any]],
+    hooks: ShardingHooks,
+    num_samples: int,
+) -> AdamWInputs:
+    """Per AdamW group (by index): this rank's parameters with a gradient, their mean gradients
+    over the step's samples and their states (FSDP2: each rank's own rows)."""
+    out = {}
+    for gi, group in enumerate(param_groups):
+        if group["algorithm"] != "adamw":
+            continue
+        params = [p for p in group["params"] if p.grad is not None and hooks.owns(p)]
+        if not params:
+            continue
+        states = [state[p] for p in params]
+        params, g_list = hooks.adamw_tensors(params)
+        if num_samples > 1:
+            g_list = torch._foreach_div(g_list, num_samples)
+        out[gi] = (params, g_list, states)
+    return out

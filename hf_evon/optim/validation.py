@@ -47,7 +47,7 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     Raises:
         ValueError: the first invalid argument, named, with its rule (EVON's own message).
     """
-    unknown = set(kwargs) - set(_OPTIMIZER_KEYS) - _GROUP_KEYS
+    unknown = set(kwargs) - set(_OPTIMIZER_KEYS) - set(GROUP_KEYS)
     if unknown:
         raise TypeError(f"unknown EVON hyperparameter(s): {sorted(unknown)}")
     if "nonfinite" in kwargs:
@@ -76,7 +76,7 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     if "adamw_weight_decay" in kwargs:
         wd = kwargs["adamw_weight_decay"]
         require("adamw_weight_decay", wd, finite(wd) and wd >= 0.0, "a finite number >= 0")
-    group = {k: v for k, v in kwargs.items() if k in _GROUP_KEYS}
+    group = {k: v for k, v in kwargs.items() if k in GROUP_KEYS}
     if group.get("lr", 0.0) is None:
         clip = group.get("clip", DEFAULT_CLIP)
         group["lr"] = lr_from_adamw_lr(
@@ -175,8 +175,9 @@ def validate_group(group: dict[str, Any]) -> None:
             )
 
 
-# an EVON group's hyperparameters (EVON's keyword arguments that become group defaults)
-_GROUP_KEYS = {
+# an EVON group's hyperparameters (EVON's keyword arguments that become group defaults), in the
+# order EVON takes them
+GROUP_KEYS = (
     "lr",
     "ess",
     "hess_init",
@@ -196,4 +197,4 @@ _GROUP_KEYS = {
     "init_std_ratio",
     "eps",
     "adamw_eps",
-}
+)

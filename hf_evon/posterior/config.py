@@ -22,6 +22,7 @@ import torch
 from hf_evon import __version__
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.defaults import is_snr_scaling
+from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.gaussian import MatrixFactors
 
 __all__ = [
@@ -41,25 +42,12 @@ POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
 # the weights file a config may name: the canonical one, or one staged by an interrupted save
 WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
 
-# EVON group entries recorded as hyperparameters (those present in the optimizer's group)
-HYPERPARAMETER_KEYS = (
-    "lr",
-    "ess",
-    "weight_decay",
-    "hess_init",
-    "betas",
-    "mc_samples",
-    "precondition_frequency",
-    "max_precond_dim",
-    "shampoo_beta",
-    "hess_clip_ratio",
-    "clip",
-    "clip_radius",
-    "snr_scaling",
-    "phased_gradients",
-    "identity_basis",
-    "stagger_refresh",
-    "eps",
+# EVON group entries recorded as hyperparameters (those present in the optimizer's group), in the
+# file's order: what the posterior is defined by first; init_std_ratio and adamw_eps shape only the
+# start of training and the AdamW part
+_DEFINING_KEYS = ("lr", "ess", "weight_decay")
+HYPERPARAMETER_KEYS = _DEFINING_KEYS + tuple(
+    k for k in GROUP_KEYS if k not in _DEFINING_KEYS and k not in ("init_std_ratio", "adamw_eps")
 )
 
 

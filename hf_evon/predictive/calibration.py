@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import is_causal_lm
-from hf_evon.optim.evon import _is_real
+from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, target_log_probs
 
 Tensor = torch.Tensor

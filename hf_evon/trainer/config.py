@@ -12,12 +12,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from transformers import TrainingArguments
 
-from hf_evon.optim.evon import (
+from hf_evon.optim.checks import CLIP_MODES
+from hf_evon.optim.defaults import (
     AUTO_ESS,
-    CLIP_MODES,
     DEFAULT_ADAMW_LR,
     DEFAULT_BETAS,
     DEFAULT_CLIP_RADIUS,
@@ -25,13 +24,13 @@ from hf_evon.optim.evon import (
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_PRIOR_STD_RATIO,
-    EVON,
     STEP_RATIOS,
     default_hess_init,
     default_weight_decay,
     lr_from_adamw_lr,
 )
 from hf_evon.optim.recipes import RECIPES
+from hf_evon.optim.validation import validate_hyperparameters
 
 __all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
 
@@ -56,7 +55,7 @@ class EVONConfig(TrainingArguments):
 
     ``learning_rate`` means what it means for ``Trainer``: the rate you would give AdamW. The
     AdamW part (embeddings, heads, 1-D tensors) uses it as is, and EVON's α is derived from it so
-    that EVON's clipped steps match AdamW's (:func:`hf_evon.optim.evon.lr_from_adamw_lr`): a rate
+    that EVON's clipped steps match AdamW's (:func:`hf_evon.optim.defaults.lr_from_adamw_lr`): a rate
     tuned for AdamW carries over. Left unset, it is chosen from the model (see the field).
     ``weight_decay``, ``adam_beta1``, ``adam_beta2`` and ``adam_epsilon`` configure the AdamW
     part. EVON's own prior precision is ``evon_weight_decay``. ``optim`` and ``optim_args``
@@ -69,7 +68,7 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "The learning rate you would give AdamW (the Trainer's meaning). The AdamW part uses it; EVON's "
             "α = ratio · learning_rate / evon_clip_radius, so EVON's clipped steps have entry RMS ratio · rate "
-            f"(hf_evon.optim.evon.STEP_RATIOS, per clip mode: {_RATIO_WHITEN:g} for 'whiten_rms', {_RATIO_ELEMENT:g} "
+            f"(hf_evon.optim.defaults.STEP_RATIOS, per clip mode: {_RATIO_WHITEN:g} for 'whiten_rms', {_RATIO_ELEMENT:g} "
             f"for 'element', {_RATIO_FINETUNING:g} for 'element' when all weights of a pretrained model are "
             "fine-tuned, where gradients are consistent) — unless evon_learning_rate sets α. Default (None): "
             f"{SCRATCH_LEARNING_RATE:g} for a model trained from scratch or through PEFT adapters (torch's AdamW "
@@ -116,7 +115,7 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": f"Initial Hessian estimate h0 > 0 (everywhere). Default (None): {_H0:g}, or {_H0_FINETUNING:g} for full "
             "fine-tuning of a pretrained model, whose small gradients would leave EVON's first steps under "
-            "the update clip (hf_evon.optim.evon.default_hess_init)."
+            "the update clip (hf_evon.optim.defaults.default_hess_init)."
         },
     )
     evon_beta1: float = field(
@@ -144,7 +143,7 @@ class EVONConfig(TrainingArguments):
             f"{DEFAULT_PRIOR_STD_RATIO:g} ({_PRIOR:.2g} at h0 {_H0:g}, {_PRIOR_FINETUNING:.2g} for full fine-tuning): "
             "the prior's std, where the noise goes once the Hessian estimate has decayed (after "
             f"~{_PRIOR_REACHED_AFTER:.0f} steps: h0·β2ᵗ = δ), is {DEFAULT_PRIOR_STD_RATIO:.0%} of the weights' RMS "
-            "(hf_evon.optim.evon.default_weight_decay)."
+            "(hf_evon.optim.defaults.default_weight_decay)."
         },
     )
     evon_mc_samples: int = field(
@@ -175,7 +174,7 @@ class EVONConfig(TrainingArguments):
             "Muon; the paper's CLIP and NanoGPT runs, with a learning rate ~1e-2) or 'whiten_rms' (the same, "
             "scaled to entry RMS evon_clip_radius). Whitening costs ~15 matmuls per matrix and step, noticeable "
             "on CPU. Default (None): 'whiten_rms', and 'element' for full fine-tuning of a pretrained model "
-            "(hf_evon.optim.evon.default_clip; measurements: docs/trainer.md).",
+            "(hf_evon.optim.defaults.default_clip; measurements: docs/trainer.md).",
             "choices": [*CLIP_MODES, None],
         },
     )
@@ -191,9 +190,9 @@ class EVONConfig(TrainingArguments):
             "help": "'true': scale each matrix's clipped step by min(1, ρ/ρ₀): ρ = |momentum| / RMS of its "
             "gradients (Adam's step size), ρ₀ = sqrt((1-β1)/(1+β1)); the step shrinks once the gradients fade, as "
             "Adam's does, so a rate held high after the data are fitted does not make the mean wander "
-            "(hf_evon.optim.evon.SNR_AVERAGE_BETA). 'adam': by min(1, ρ), the step follows Adam's size all along. "
+            "(hf_evon.optim.defaults.SNR_AVERAGE_BETA). 'adam': by min(1, ρ), the step follows Adam's size all along. "
             "'false': off. Default (None): 'true', and 'adam' for full fine-tuning of a pretrained model "
-            "(hf_evon.optim.evon.default_snr_scaling). No effect with evon_clip='none'; off in the paper's recipes.",
+            "(hf_evon.optim.defaults.default_snr_scaling). No effect with evon_clip='none'; off in the paper's recipes.",
             "choices": [*_SNR_CHOICES, None],
         },
     )
@@ -354,16 +353,15 @@ class EVONConfig(TrainingArguments):
     def _check_with_evon(self) -> None:
         """Each EVON hyperparameter checked by EVON itself, the error naming the config's field.
 
-        A throwaway ``EVON`` on a dummy matrix gets the field's value and EVON's defaults for the rest
-        (plus the fields ``weight_decay=None`` is resolved from); None, where a field's None means
-        "chosen from the model", is not passed.
+        ``validate_hyperparameters`` (the checks ``EVON(...)`` runs) gets the field's value, EVON's
+        defaults standing for the rest (plus the fields ``weight_decay=None`` is resolved from); None,
+        where a field's None means "chosen from the model", is not passed.
         """
-        dummy = torch.zeros(2, 2)
         for name, keyword in self._EVON_CHECKED.items():
             value = getattr(self, name)
             if value is None:
                 continue
-            kwargs: dict[str, Any] = {"seed": 0}  # a seed, so no random number is drawn
+            kwargs: dict[str, Any] = {}
             if isinstance(keyword, tuple):
                 keyword, index = keyword
                 pair = list(DEFAULT_BETAS if keyword == "betas" else (0.9, 0.999))
@@ -375,7 +373,7 @@ class EVONConfig(TrainingArguments):
                 kwargs["weight_decay"] = None if self.evon_weight_decay is None else 0.0
             kwargs[keyword] = value
             try:
-                EVON([dummy], **kwargs)
+                validate_hyperparameters(**kwargs)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"EVONConfig.{name} = {getattr(self, name)!r} is invalid: {err}") from None
 

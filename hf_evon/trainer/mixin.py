@@ -96,10 +96,11 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from hf_evon.distributed.ddp import prepare_distributed
-from hf_evon.modeling import is_causal_lm, is_peft_model
+from hf_evon.modeling import is_causal_lm, is_peft_model, pretrained_name
 from hf_evon.optim import EVON, build_optimizer
-from hf_evon.optim.evon import lr_from_adamw_lr, unwrap_optimizer
-from hf_evon.optim.grouping import is_full_finetuning, pretrained_name
+from hf_evon.optim.defaults import lr_from_adamw_lr
+from hf_evon.optim.evon import unwrap_optimizer
+from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.config import (
