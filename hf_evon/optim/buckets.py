@@ -167,10 +167,13 @@ class Bucket:
         )
 
     # ------------------------------------------------------------- sampling
-    def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> None:
+    def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> bool:
         """Write a posterior sample into the unfrozen members (``draw(self)``: the standard
-        normal ``z``); with ``train``, keep ``z`` for the Hessian numerator of the sample."""
+        normal ``z``); with ``train``, keep ``z`` for the Hessian numerator of the sample.
+        False (nothing drawn or written) when every member is frozen."""
         live = [i for i, p in enumerate(self.params) if p.requires_grad]
+        if not live:
+            return False
         self.live = None if len(live) == len(self.params) else live
         g = self.group
         self.mean = self.stacked(self.params)  # exact copy, in the parameters' dtype
@@ -182,6 +185,7 @@ class Bucket:
             self.z = z
             if self.acc is None:
                 self.acc = torch.zeros_like(z)
+        return True
 
     def record_sample(self, alone: bool) -> None:
         """Add this sample's ``G°_s ⊙ z_s`` to the Hessian numerator. ``alone``: no earlier

@@ -342,7 +342,7 @@ class EVON(Optimizer):
                 for b in self.buckets:
                     if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
                         perturbed.append(b)  # before the draw: an error inside still restores it
-                        if not self._perturb(b, train):
+                        if not b.perturb(self._standard_normal, train):  # all its members frozen
                             perturbed.pop()
                 self._hooks.share_sample()
             yield
@@ -362,13 +362,6 @@ class EVON(Optimizer):
             if ok and train:
                 self._samples += 1
             self._in_sample = False
-
-    def _perturb(self, b: Bucket, train: bool) -> bool:
-        """Write a posterior draw into the bucket's unfrozen members; False if all are frozen."""
-        if not any(p.requires_grad for p in b.params):
-            return False
-        b.perturb(self._standard_normal, train)
-        return True
 
     def _standard_normal(self, b: Bucket) -> Tensor:
         """The bucket's draw ``z``: this rank's stream, or (sharded) one stream per matrix."""

@@ -22,7 +22,15 @@ from hf_evon.optim.functional import (
 from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.linalg import eigenbasis, rotate
 
-__all__ = ["adamw_update", "evon_update", "finite_flags", "hessian_candidate", "plan_update"]
+__all__ = [
+    "AdamWInputs",
+    "adamw_inputs",
+    "adamw_update",
+    "evon_update",
+    "finite_flags",
+    "hessian_candidate",
+    "plan_update",
+]
 
 Tensor = torch.Tensor
 # group index -> (params, their gradients / num_samples, their state dicts)
