@@ -288,6 +288,31 @@ def test_gradient_accumulation_equals_larger_batch_deterministic(tmp_path, kind)
     assert la == pytest.approx(lb, rel=1e-5)  # the logged loss is the batch mean either way
 
 
+def test_a_compute_loss_override_is_scaled_like_the_trainers_own(tmp_path):
+    """A subclass that overrides ``compute_loss`` without calling ``super()`` (the usual
+    Trainer pattern) trains exactly as the default loss does: EVON's scaling wraps whatever
+    ``compute_loss`` the instance has, with gradient accumulation and several samples."""
+
+    class OwnLoss(EVONTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+    common = dict(
+        evon_ess=float("inf"), max_steps=2, evon_mc_samples=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
+    runs = {}
+    for name, cls in (("default", EVONTrainer), ("own", OwnLoss)):
+        trainer = cls(model=tiny_bert(), args=config(tmp_path / name, **common), train_dataset=classification_data(32))
+        trainer.train()
+        runs[name] = (params(trainer.model), [h["loss"] for h in trainer.state.log_history if "loss" in h])
+        assert "compute_loss" not in vars(trainer)  # the wrapper is gone after the step
+    for key, value in runs["default"][0].items():
+        assert torch.equal(runs["own"][0][key], value), key
+    assert runs["own"][1] == runs["default"][1] and len(runs["own"][1]) == 1
+
+
 def _run_micro_batches(trainer: EVONTrainer, batches: list[dict]) -> None:
     """What the Trainer's loop does for one optimizer step, up to (not including) the step."""
     samples, n_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)

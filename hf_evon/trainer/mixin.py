@@ -66,7 +66,8 @@ What the trainer does differently from ``transformers.Trainer``:
   then owns the LoRA matrices and the posterior covers the adapter.
 
 Hooks used: the public ``Trainer`` methods ``create_optimizer``, ``training_step`` (wrapping
-``super()``), ``compute_loss``, ``get_batch_samples``, ``log``, ``evaluate``,
+``super()``; while it runs, ``self.compute_loss``, whichever class defines it, is wrapped to scale
+the loss), ``get_batch_samples``, ``log``, ``evaluate``,
 ``evaluation_loop``, ``prediction_step``, ``predict``, ``train``, ``save_model``,
 ``create_model_card``, the documented ``loss_is_scaled_for_ga`` switch and a ``TrainerCallback``
 (``on_train_begin``: :func:`hf_evon.prepare_distributed` once the model is wrapped).
@@ -427,13 +428,14 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
     ) -> Tensor:
         """The subclass's ``training_step`` once per posterior sample, inside ``sampled_params``.
 
-        ``evon_mc_samples`` times: ``super().training_step`` (forward, the subclass's
-        ``compute_loss``, backward) at a fresh sample of the weights, as TRL's trainers wrap it in
-        their own contexts. :meth:`compute_loss` scales each loss for EVON's step (see the module
-        docstring), so the Trainer is told the loss is already scaled for gradient accumulation
-        (``loss_is_scaled_for_ga``, the Trainer's documented switch) while these steps run.
-        Returns the loss to log: the mean over the samples of this micro-batch's share of the
-        accumulated batch's mean loss.
+        ``evon_mc_samples`` times: ``super().training_step`` (forward, ``compute_loss``, backward)
+        at a fresh sample of the weights, as TRL's trainers wrap it in their own contexts. EVON's
+        step divides the gradients by the number of recorded samples, A·K, so the loss
+        back-propagated for micro-batch ``i`` is ``A · w_i · loss_i`` (``A · loss`` for a loss
+        already scaled for gradient accumulation): whatever ``self.compute_loss`` is (a
+        subclass's override too) is wrapped for these steps, and the Trainer is told the loss
+        is already scaled (``loss_is_scaled_for_ga``, its documented switch). Returns the loss to
+        log: the mean over the samples of the unscaled ``w_i · loss_i``.
         """
         optimizer = self.evon_optimizer
         if optimizer is None:
@@ -445,48 +447,42 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
                 "EVONTrainer supports neither SageMaker model parallelism nor DeepSpeed"
             )
         scaled_for_ga = self._loss_is_scaled_for_ga()
+        # once per micro-batch, before any loss (which may pop the labels)
+        share = torch.ones((), device=self.args.device) if scaled_for_ga else self._loss_share(inputs.get("labels"))
+        logged: list[Tensor] = []
+        unscaled = self.compute_loss
+
+        def compute_loss(
+            model: nn.Module,
+            inputs: dict[str, Tensor | Any],
+            return_outputs: bool = False,
+            num_items_in_batch: Tensor | int | None = None,
+        ) -> Tensor | tuple[Tensor, Any]:
+            result = unscaled(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            loss, outputs = result if return_outputs else (result, None)
+            if self.args.n_gpu > 1:
+                loss = loss.mean()
+            loss = loss * share.to(loss.dtype)
+            logged.append(loss.detach().float())
+            loss = loss * self.current_gradient_accumulation_steps
+            return (loss, outputs) if return_outputs else loss
+
         given = self.loss_is_scaled_for_ga
-        self._evon_sampled_loss = {"scaled_for_ga": scaled_for_ga, "reported": None}
-        self.loss_is_scaled_for_ga = True
+        own = self.__dict__.get("compute_loss")  # an instance's own compute_loss, if one was set
+        self.loss_is_scaled_for_ga, self.compute_loss = True, compute_loss
         try:
             for _ in range(optimizer.mc_samples):
                 with optimizer.sampled_params(train=True):
                     super().training_step(model, inputs, num_items_in_batch if scaled_for_ga else None)
-            reported = self._evon_sampled_loss["reported"]
         finally:
             self.loss_is_scaled_for_ga = given
-            self._evon_sampled_loss = None
-        return reported / optimizer.mc_samples
-
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Tensor | Any],
-        return_outputs: bool = False,
-        num_items_in_batch: Tensor | int | None = None,
-    ) -> Tensor | tuple[Tensor, Any]:
-        """The subclass's loss; inside :meth:`training_step`, scaled for EVON's step.
-
-        EVON's step divides the gradients by the number of recorded samples, A·K, so the loss
-        back-propagated for micro-batch ``i`` is ``A · w_i · loss_i`` (``A · loss`` for a loss
-        already scaled for gradient accumulation); the unscaled ``w_i · loss_i`` is what is logged.
-        """
-        sampled = getattr(self, "_evon_sampled_loss", None)
-        if sampled is None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if sampled["scaled_for_ga"]:
-            share = torch.ones((), device=self.args.device)
-        else:
-            share = self._loss_share(inputs.get("labels"))  # before the loss, which may pop the labels
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss, outputs = result if return_outputs else (result, None)
-        if self.args.n_gpu > 1:
-            loss = loss.mean()
-        loss = loss * share.to(loss.dtype)
-        logged = loss.detach().float()
-        sampled["reported"] = logged if sampled["reported"] is None else sampled["reported"] + logged
-        loss = loss * self.current_gradient_accumulation_steps
-        return (loss, outputs) if return_outputs else loss
+            if own is None:
+                del self.compute_loss
+            else:
+                self.compute_loss = own
+        if not logged:
+            raise RuntimeError("the Trainer's training_step did not call compute_loss: EVON has no loss to scale")
+        return torch.stack(logged).sum() / optimizer.mc_samples
 
     # ------------------------------------------------------------------ clipping / grad norm
     def _mean_grad_norm(self, model: nn.Module, max_norm: float | None) -> Tensor:
