@@ -369,3 +369,29 @@ def test_one_causal_lm_rule_for_plain_peft_and_encoder_decoder_models() -> None:
     assert is_causal_lm(llama) and is_causal_lm(gpt2) and is_causal_lm(lora)
     assert not is_causal_lm(bart) and not is_causal_lm(bert) and not is_causal_lm(torch.nn.Linear(2, 2))
     assert is_causal_lm(torch.nn.parallel.DataParallel(llama))
+
+
+def test_calibration_shifts_a_gpt2s_labels_unless_told_otherwise() -> None:
+    """``shift_labels=None`` asks the one causal-LM rule: for GPT-2 (``GPT2LMHeadModel``) the
+    search is the one with ``shift_labels=True``, and differs from the unshifted one."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    ids = torch.randint(0, 50, (4, 12))
+    opt = build_optimizer(model, ess=1e4, seed=0)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    batches = [{"input_ids": ids, "labels": ids}]
+    results = {
+        shift: calibrate_posterior(model, posterior, batches, grid=[1.0], num_samples=2, shift_labels=shift)[1]
+        for shift in (None, True, False)
+    }
+    assert results[None].nll == results[True].nll and results[None].mean_nll == results[True].mean_nll
+    assert results[None].num_targets == 4 * 11 and results[False].num_targets == 4 * 12

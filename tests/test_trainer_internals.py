@@ -16,7 +16,6 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from hf_evon import EVONTrainer
-from hf_evon.trainer import internals
 
 
 class _Recording(EVONTrainer):
@@ -64,7 +63,6 @@ def test_the_overridden_private_methods_exist_on_trainer():
         "_clip_grad_norm",
         "_get_grad_norm",
     ):
-        assert name in vars(internals.TrainerInternals)
         assert callable(getattr(Trainer, name, None)), name
     assert list(inspect.signature(Trainer._save_optimizer_and_scheduler).parameters) == ["self", "output_dir"]
     assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
@@ -129,10 +127,15 @@ def test_training_step_takes_a_loss_scaled_for_ga_as_is(tmp_path):
 
 
 def test_trainer_decides_whether_the_loss_shifts_labels(tmp_path):
-    """The Trainer keeps ``_loss_shifts_labels`` for counting ``num_items_in_batch``; the EVON
-    trainer sets it for causal LMs whose ``loss_type`` does not say so (GPT-2)."""
+    """The Trainer counts ``num_items_in_batch`` from ``labels[..., 1:]`` when its
+    ``_loss_shifts_labels`` is set; the EVON trainer sets it for causal LMs whose ``loss_type``
+    does not say so (GPT-2), so the count matches the shifted loss."""
     plain = Trainer(model=tiny_gpt2(), args=config(tmp_path / "a"))
-    assert hasattr(plain, "_loss_shifts_labels")
-    assert "_loss_shifts_labels" in inspect.getsource(Trainer._get_num_items_in_batch)
+    labels = torch.tensor([[5, 6, -100, 7], [-100, 8, 9, -100]])
+    batch = {"input_ids": labels.clamp_min(0), "labels": labels}
+    plain._loss_shifts_labels = True
+    assert int(plain._get_num_items_in_batch([batch], torch.device("cpu"))) == 4  # labels[:, 1:] != -100
+    plain._loss_shifts_labels = False
+    assert int(plain._get_num_items_in_batch([batch], torch.device("cpu"))) == 5
     evon = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "b"))
     assert evon._loss_shifts_labels is True and evon._causal_lm

@@ -82,6 +82,14 @@ class CalibrationResult:
         """The held-out BMA NLL at the chosen ``ess`` (the mean's when ess = inf)."""
         return self.mean_nll if math.isinf(self.ess) else self.nll[self.grid.index(self.ess)]
 
+    def apply(self, posterior: Any) -> Any:
+        """``posterior`` sampled at the chosen ``ess``, its config recording the trained ζ and
+        this search (what a saved posterior and its model card report)."""
+        calibrated = posterior.with_ess(self.ess)
+        calibrated.config["trained_ess"] = self.trained_ess
+        calibrated.config["calibration"] = self.to_json()
+        return calibrated
+
     def to_json(self) -> dict[str, Any]:
         """JSON-safe (``inf`` as the string ``"inf"``, as in the posterior config)."""
 
@@ -249,10 +257,7 @@ def calibrate_posterior(
         min_gain=float(min_gain),
         mean_temperature=TEMPERATURE_GRID[int(temperature_nll.argmin())],
     )
-    calibrated = posterior.with_ess(chosen)
-    calibrated.config["trained_ess"] = trained
-    calibrated.config["calibration"] = result.to_json()
-    return calibrated, result
+    return result.apply(posterior), result
 
 
 def _bma_nll(logps: Tensor) -> Tensor:

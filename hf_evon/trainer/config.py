@@ -92,8 +92,8 @@ class EVONConfig(TrainingArguments):
             "defaults; fields you set yourself win. Default: our scale-free defaults.",
         },
     )
-    # typed str for the command line (HfArgumentParser allows one type per field); __post_init__
-    # parses it: it holds 'auto' or a float (evon_ess_value)
+    # typed str for the command line (HfArgumentParser turns float | str into float, which refuses
+    # 'auto'); __post_init__ parses it: after that it holds 'auto' or a float
     evon_ess: str = field(
         default=AUTO_ESS,
         metadata={
@@ -183,7 +183,7 @@ class EVONConfig(TrainingArguments):
         metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of 'whiten_rms', > 0."},
     )
     # typed str for the command line ('true'/'false'/'adam'); __post_init__ parses it into EVON's
-    # snr_scaling: True, False or 'adam' (evon_snr_scaling_value)
+    # snr_scaling: True, False or 'adam' (None: chosen from the model)
     evon_snr_scaling: str | None = field(
         default=None,
         metadata={
@@ -340,16 +340,6 @@ class EVONConfig(TrainingArguments):
             if isinstance(getattr(self, name), str):
                 setattr(self, name, [getattr(self, name)])
 
-    @property
-    def evon_ess_value(self) -> float | str:
-        """``evon_ess`` as EVON takes it: ``"auto"`` or a float (``inf``: no noise)."""
-        return self.evon_ess
-
-    @property
-    def evon_snr_scaling_value(self) -> bool | str | None:
-        """``evon_snr_scaling`` as EVON takes it: True, False, ``"adam"``, or None (chosen from the model)."""
-        return self.evon_snr_scaling
-
     def _check_with_evon(self) -> None:
         """Each EVON hyperparameter checked by EVON itself, the error naming the config's field.
 
@@ -436,17 +426,9 @@ class EVONConfig(TrainingArguments):
                 stacklevel=3,
             )
 
-    # recipe key -> the config field that holds it (betas: two fields)
-    _RECIPE_FIELDS = {
-        "lr": "evon_learning_rate",
-        "ess": "evon_ess",
-        "hess_init": "evon_hess_init",
-        "weight_decay": "evon_weight_decay",
-        "shampoo_beta": "evon_shampoo_beta",
-        "hess_clip_ratio": "evon_hess_clip_ratio",
-        "clip": "evon_clip",
-        "clip_radius": "evon_clip_radius",
-        "snr_scaling": "evon_snr_scaling",
+    # recipe key -> the config field that holds it (betas: two fields, handled apart)
+    _RECIPE_FIELDS: ClassVar[dict[str, str]] = {
+        keyword: name for name, keyword in _EVON_CHECKED.items() if name.startswith("evon_") and isinstance(keyword, str)
     }
 
     def evon_optimizer_kwargs(self) -> dict[str, Any]:
@@ -479,7 +461,7 @@ class EVONConfig(TrainingArguments):
             "learning_rate": self.learning_rate,
             "adamw_lr": self.evon_adamw_learning_rate,
             "adamw_weight_decay": self.weight_decay,
-            "ess": self.evon_ess_value,
+            "ess": self.evon_ess,
             "init_std_ratio": self.evon_init_std_ratio,
             "hess_init": self.evon_hess_init,
             "betas": (self.evon_beta1, self.evon_beta2),
@@ -491,7 +473,7 @@ class EVONConfig(TrainingArguments):
             "hess_clip_ratio": self.evon_hess_clip_ratio,
             "clip": self.evon_clip,
             "clip_radius": self.evon_clip_radius,
-            "snr_scaling": self.evon_snr_scaling_value,
+            "snr_scaling": self.evon_snr_scaling,
             "phased_gradients": self.evon_phased_gradients,
             "identity_basis": self.evon_identity_basis,
             "stagger_refresh": self.evon_stagger_refresh,

@@ -275,7 +275,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         """Whether the labels are shifted: the Trainer's own verdict, else :func:`hf_evon.modeling.is_causal_lm`."""
         if getattr(self, "_loss_shifts_labels", False):
             return True
-        return self.model is not None and is_causal_lm(self.accelerator.unwrap_model(self.model))
+        return self.model is not None and is_causal_lm(self.model)  # it unwraps DDP, compile, PEFT
 
     def current_posterior(self) -> Any:
         """The posterior that belongs to the model's current weights, or None.
@@ -294,9 +294,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
                 opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio
             )
             if self.calibration is not None and self._calibrated_step == self.state.global_step:
-                posterior = posterior.with_ess(self.calibration.ess)
-                posterior.config["trained_ess"] = self.calibration.trained_ess
-                posterior.config["calibration"] = self.calibration.to_json()
+                posterior = self.calibration.apply(posterior)
             return posterior
         return self.posterior
 
