@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Iterator
 
-__all__ = ["atomic_write", "fsync_dir", "fsync_file", "replaced_atomically", "temporary_name"]
+__all__ = [
+    "atomic_write",
+    "fsync_dir",
+    "fsync_file",
+    "replaced_atomically",
+    "temporary_name",
+    "temporary_name_pattern",
+]
 
 
 def temporary_name(path: str) -> str:
     """A hidden, unique sibling of ``path``: ``.<name>.<32 hex>.tmp``."""
     folder, name = os.path.split(os.fspath(path))
     return os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+
+
+def temporary_name_pattern(name: str) -> str:
+    """The regular expression of every ``temporary_name`` of a file called ``name``."""
+    return re.escape(f".{name}.") + r"[0-9a-f]{32}\.tmp"
 
 
 def fsync_file(path: str) -> None:

@@ -10,48 +10,47 @@ import json
 import math
 
 import pytest
+import torch
 
 from hf_evon.posterior import PosteriorConfig, PosteriorMismatchError
 from hf_evon.posterior.config import ParameterEntry
+from hf_evon.posterior.gaussian import MatrixFactors
+
+# the hyperparameters and calibration record both v1 saves from an optimizer wrote
+_TRAINED = (
+    '"mc_samples": 1, "precondition_frequency": 2, "max_precond_dim": 4096, "shampoo_beta": null, '
+    '"hess_clip_ratio": null, "clip": "none", "clip_radius": 1.0, "snr_scaling": true, '
+    '"phased_gradients": false, "identity_basis": false, "stagger_refresh": true, "eps": 1e-12, '
+    '"final_lr": 0.010000000000000002, "optimizer_step": 3, "base_model": null, "model_class": '
+    '"Sequential", "eigenbasis_dtype": "float32", "max_basis_ratio": 3.0, "trained_ess": 256.0, '
+    '"calibration": {"ess": "inf", "trained_ess": 256.0, "grid": [64.0, "inf"], "nll": [1.5], '
+    '"mean_nll": 1.25, "num_samples": 4, "num_targets": 10, "seed": 0, "standard_errors": 1.0, '
+    '"min_gain": 0.01, "mean_temperature": null, "chosen_nll": 1.25, "method": "gridsearch (BMA '
+    'NLL on held-out data)"}, '
+)
 
 # a fresh save from an optimizer (an LR scheduler, two EVON groups of different ess, a
 # calibration record), the same after a load, with_ess and a save, and a from_factors save
 WRITTEN_BY_V1 = {
     "fresh": (
         '{"lr": 0.05, "ess": 100.0, "weight_decay": 0.0001, "hess_init": 0.05, "betas": [0.9, 0.95], '
-        '"mc_samples": 1, "precondition_frequency": 2, "max_precond_dim": 4096, "shampoo_beta": null, '
-        '"hess_clip_ratio": null, "clip": "none", "clip_radius": 1.0, "snr_scaling": true, '
-        '"phased_gradients": false, "identity_basis": false, "stagger_refresh": true, "eps": 1e-12, '
-        '"final_lr": 0.010000000000000002, "optimizer_step": 3, "base_model": null, '
-        '"model_class": "Sequential", "eigenbasis_dtype": "float32", "max_basis_ratio": 3.0, '
-        '"trained_ess": 256.0, "calibration": {"ess": "inf", "trained_ess": 256.0, "grid": [64.0, '
-        '"inf"], "nll": [1.5], "mean_nll": 1.25, "num_samples": 4, "num_targets": 10, "seed": 0, '
-        '"standard_errors": 1.0, "min_gain": 0.01, "mean_temperature": null, "chosen_nll": 1.25, '
-        '"method": "gridsearch (BMA NLL on held-out data)"}, "format_version": 1, "library": "hf-evon", '
-        '"library_version": "0.1.0", "checkpoint_id": "047b85b53cb442e885486cffbe8abdd8", '
-        '"weights_file": "evon_posterior.safetensors", "hess_dtype": "float32", '
-        '"num_point_estimates": 7, "num_point_estimate_tensors": 2, '
+        + _TRAINED
+        + '"format_version": 1, "library": "hf-evon", "library_version": "0.1.0", "checkpoint_id": '
+        '"047b85b53cb442e885486cffbe8abdd8", "weights_file": "evon_posterior.safetensors", '
+        '"hess_dtype": "float32", "num_point_estimates": 7, "num_point_estimate_tensors": 2, '
         '"parameters": {"0.weight": {"shape": [4, 5], "matrix_shape": [4, 5], "left_basis": true, '
-        '"right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, 4], "left_basis": true, '
-        '"right_basis": true, "ess": 256.0}}}'
+        '"right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, 4], "left_basis": '
+        'true, "right_basis": true, "ess": 256.0}}}'
     ),
     "resaved": (
         '{"lr": 0.05, "ess": 512.0, "weight_decay": 0.0001, "hess_init": 0.05, "betas": [0.9, 0.95], '
-        '"mc_samples": 1, "precondition_frequency": 2, "max_precond_dim": 4096, "shampoo_beta": null, '
-        '"hess_clip_ratio": null, "clip": "none", "clip_radius": 1.0, "snr_scaling": true, '
-        '"phased_gradients": false, "identity_basis": false, "stagger_refresh": true, "eps": 1e-12, '
-        '"final_lr": 0.010000000000000002, "optimizer_step": 3, "base_model": null, '
-        '"model_class": "Sequential", "eigenbasis_dtype": "float32", "max_basis_ratio": 3.0, '
-        '"trained_ess": 256.0, "calibration": {"ess": "inf", "trained_ess": 256.0, "grid": [64.0, '
-        '"inf"], "nll": [1.5], "mean_nll": 1.25, "num_samples": 4, "num_targets": 10, "seed": 0, '
-        '"standard_errors": 1.0, "min_gain": 0.01, "mean_temperature": null, "chosen_nll": 1.25, '
-        '"method": "gridsearch (BMA NLL on held-out data)"}, "library": "hf-evon", '
-        '"library_version": "0.1.0", "checkpoint_id": "faa43bf94faf491fb680b2241ea8a51c", '
-        '"weights_file": "evon_posterior.safetensors", "hess_dtype": "float32", '
-        '"num_point_estimates": 7, "num_point_estimate_tensors": 2, "format_version": 1, '
-        '"parameters": {"0.weight": {"shape": [4, 5], "matrix_shape": [4, 5], "left_basis": true, '
-        '"right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, 4], "left_basis": true, '
-        '"right_basis": true}}}'
+        + _TRAINED
+        + '"library": "hf-evon", "library_version": "0.1.0", "checkpoint_id": '
+        '"faa43bf94faf491fb680b2241ea8a51c", "weights_file": "evon_posterior.safetensors", '
+        '"hess_dtype": "float32", "num_point_estimates": 7, "num_point_estimate_tensors": 2, '
+        '"format_version": 1, "parameters": {"0.weight": {"shape": [4, 5], "matrix_shape": [4, 5], '
+        '"left_basis": true, "right_basis": true}, "2.weight": {"shape": [3, 4], "matrix_shape": [3, '
+        '4], "left_basis": true, "right_basis": true}}}'
     ),
     "factors": (
         '{"eigenbasis_dtype": "float32", "ess": 100.0, "weight_decay": 0.0001, "format_version": 1, '
@@ -99,7 +98,7 @@ def test_fields_are_typed():
     assert config.noise_scale("2.weight") == (256.0, 1e-4) and config.noise_scale("0.weight") == (100.0, 1e-4)
     settings = config.settings()  # what EVONPosterior.config holds after a load
     assert "parameters" not in settings and settings["betas"] == (0.9, 0.95)
-    assert settings["format_version"] == 1 and settings["calibration"] == config.calibration
+    assert settings["format_version"] == 1 and settings["calibration"] == _raw("fresh")["calibration"]
 
 
 def test_unknown_keys_are_kept_where_they_were():
@@ -183,3 +182,47 @@ def test_errors_name_the_file_and_the_field(case):
     edit(raw)
     with pytest.raises(PosteriorMismatchError, match=message):
         PosteriorConfig.from_dict(raw, "v1.json")
+
+
+def _factors(dtype=torch.float32) -> dict[str, MatrixFactors]:
+    """Two covered matrices, (4, 5) at the config's ess 100 and (3, 4) at its own ess 256."""
+
+    def matrix(m: int, n: int, ess: float) -> MatrixFactors:
+        return MatrixFactors(
+            torch.eye(m, dtype=dtype), torch.eye(n, dtype=dtype), torch.ones(m, n), (m, n), (m, n), ess, 1e-4
+        )
+
+    return {"0.weight": matrix(4, 5, 100.0), "2.weight": matrix(3, 4, 256.0)}
+
+
+def test_a_save_writes_the_v1_bytes():
+    """``for_save`` of what a fresh optimizer posterior holds writes the v1 file, byte for byte
+    (but its new checkpoint id)."""
+    raw = _raw("fresh")
+    settings = {k: raw[k] for k in list(raw)[: list(raw).index("format_version")]}
+    config = PosteriorConfig.for_save(settings, _factors(), None, 7, 2)
+    assert config.checkpoint_id != raw["checkpoint_id"] and len(config.checkpoint_id) == 32
+    raw["checkpoint_id"] = config.checkpoint_id
+    assert config.to_json() == json.dumps(raw, indent=2) + "\n"
+
+
+def test_integers_are_written_back_as_integers():
+    """A hyperparameter given as an integer (``lr=1``) is written as ``1``, as v1 saves wrote it;
+    the config's own ess and weight decay are written as floats."""
+    settings = {"lr": 1, "ess": 100, "weight_decay": 0, "hess_init": 1, "clip_radius": 1}
+    text = PosteriorConfig.for_save(settings, _factors(), None, None, None).to_json()
+    for key in ("lr", "hess_init", "clip_radius"):
+        assert f'"{key}": 1,' in text
+    assert '"ess": 100.0,' in text and '"weight_decay": 0.0,' in text
+    assert PosteriorConfig.from_dict(json.loads(text)).to_json() == text
+
+
+def test_a_null_calibration_reads_and_writes_back():
+    raw = {**_raw("factors"), "calibration": None}
+    config = PosteriorConfig.from_dict(raw)
+    assert config.calibration is None and config.to_dict() == raw and list(config.to_dict()) == list(raw)
+
+
+def test_a_config_that_is_not_an_object_is_named():
+    with pytest.raises(PosteriorMismatchError, match=r"v1\.json: the config must be a JSON object"):
+        PosteriorConfig.from_dict([], "v1.json")

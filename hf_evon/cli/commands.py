@@ -35,10 +35,10 @@ from typing import Any
 
 from hf_evon.cli.loading import (
     UsageError,
-    _from_location,
-    _load_model_posterior_tokenizer,
-    _torch_dtype,
+    from_location,
+    load_model_posterior_tokenizer,
     resolve_device,
+    torch_dtype,
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -199,7 +199,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from hf_evon.predictive.generation import generate_bma
 
     device = resolve_device(args.device)
-    model, posterior, tokenizer = _load_model_posterior_tokenizer(args, device, _torch_dtype(args.dtype))
+    model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, torch_dtype(args.dtype))
 
     pad_id = None
     if args.prompt is not None:
@@ -363,7 +363,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     """
     from hf_evon.posterior.posterior import EVONPosterior
 
-    posterior = _from_location(
+    posterior = from_location(
         args.location,
         "location",
         lambda: EVONPosterior.from_pretrained(
@@ -447,7 +447,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
     device = resolve_device(args.device)
-    model, posterior, tokenizer = _load_model_posterior_tokenizer(args, device, None)
+    model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
     if tokenizer is None:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
     with open(args.text, encoding="utf-8") as fh:

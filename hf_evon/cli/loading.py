@@ -51,7 +51,7 @@ def check_location(value: str, option: str) -> str:
     return "hub"
 
 
-def _from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
+def from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
     """``load()``, with a Hub failure reported as such (the value was not a local directory)."""
     where = check_location(value, option)
     try:
@@ -65,7 +65,7 @@ def _from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
         ) from err
 
 
-def _torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> Any:
     import torch
 
     return None if name == "auto" else getattr(torch, name)
@@ -140,17 +140,17 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     return None
 
 
-def _load_model_posterior_tokenizer(
+def load_model_posterior_tokenizer(
     args: argparse.Namespace, device: Any, dtype: Any
 ) -> tuple[Any, Any, Any]:
     """``--model`` (on ``device``, in eval mode), its posterior (``--posterior``, default ``--model``,
     and ``--posterior-subfolder``) and its tokenizer (or None)."""
     from hf_evon.posterior.posterior import EVONPosterior
 
-    model = _from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype))
+    model = from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype))
     model = model.to(device).eval()
     location = args.posterior or args.model
-    posterior = _from_location(
+    posterior = from_location(
         location,
         "--posterior" if args.posterior else "--model",
         lambda: EVONPosterior.from_pretrained(

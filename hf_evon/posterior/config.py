@@ -22,12 +22,10 @@ import torch
 from hf_evon import __version__
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.defaults import is_snr_scaling
-from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.gaussian import MatrixFactors
 
 __all__ = [
     "FORMAT_VERSION",
-    "HYPERPARAMETER_KEYS",
     "POSTERIOR_CONFIG_NAME",
     "POSTERIOR_WEIGHTS_NAME",
     "ParameterEntry",
@@ -41,14 +39,6 @@ POSTERIOR_WEIGHTS_NAME = "evon_posterior.safetensors"
 POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
 # the weights file a config may name: the canonical one, or one staged by an interrupted save
 WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
-
-# EVON group entries recorded as hyperparameters (those present in the optimizer's group), in the
-# file's order: what the posterior is defined by first; init_std_ratio and adamw_eps shape only the
-# start of training and the AdamW part
-_DEFINING_KEYS = ("lr", "ess", "weight_decay")
-HYPERPARAMETER_KEYS = _DEFINING_KEYS + tuple(
-    k for k in GROUP_KEYS if k not in _DEFINING_KEYS and k not in ("init_std_ratio", "adamw_eps")
-)
 
 
 class PosteriorMismatchError(ValueError):
@@ -125,12 +115,13 @@ def _rule_error(where: str, field: str, rule: str, value: Any) -> PosteriorMisma
 
 
 def _number(value: Any, field: str, where: str) -> float:
-    """A JSON number, or ``"inf"`` (as an infinite ess is written)."""
+    """A JSON number, or ``"inf"`` (as an infinite ess is written); an integer stays one, so a
+    config is written back as it was given."""
     if value == "inf":
         return math.inf
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _rule_error(where, field, 'a number (or "inf")', value)
-    return float(value)
+    return value
 
 
 def _integer(minimum: int) -> Rule:
@@ -309,7 +300,7 @@ class PosteriorConfig:
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
     trained_ess: float | None = _optional(_number)
-    calibration: dict[str, Any] | None = _optional(_object)
+    calibration: dict[str, Any] | None = _optional(_object, nullable=True)
     # bookkeeping of the save
     format_version: int = FORMAT_VERSION
     library: str | None = _optional(_string)

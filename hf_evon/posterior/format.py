@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_evon.fileio import atomic_write, fsync_file, replaced_atomically
+from hf_evon.fileio import atomic_write, fsync_file, replaced_atomically, temporary_name_pattern
 from hf_evon.optim.linalg import rotated_std
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
@@ -57,7 +57,14 @@ Tensor = torch.Tensor
 
 # files a save leaves only when it is killed; the next save removes them
 _STALE_FILE_RE = re.compile(
-    r"evon_posterior\.[0-9a-f]{32}\.safetensors|\.evon_posterior(_config\.json|\.safetensors)(\.bak)?\.[0-9a-f]{32}\.tmp"
+    "|".join(
+        [r"evon_posterior\.[0-9a-f]{32}\.safetensors"]  # staged weights
+        + [
+            temporary_name_pattern(name + bak)
+            for name in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME)
+            for bak in ("", ".bak")
+        ]
+    )
 )
 _STAGED_NAME_RE = re.compile(r"[0-9a-f]{32}")
 _STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

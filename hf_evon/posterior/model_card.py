@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hf_evon.fileio import atomic_write
+from hf_evon.fileio import atomic_write, temporary_name_pattern
 
 __all__ = [
     "CardSource",
@@ -383,7 +383,7 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
 
 
-_CARD_TMP = re.compile(r"\.README\.md\.[0-9a-f]{32}\.tmp")  # hf_evon.fileio.temporary_name("README.md")
+_CARD_TMP = re.compile(temporary_name_pattern("README.md"))
 _CARD_TMP_STALE_SECONDS = 600  # a card is written in well under a second
 
 

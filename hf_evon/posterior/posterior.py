@@ -483,10 +483,11 @@ class EVONPosterior:
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
         os.makedirs(directory, exist_ok=True)
         eig = as_dtype(eigenbasis_dtype)
+        factors = self.factors
         config = PosteriorConfig.for_save(
-            self.config, self.factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
+            self.config, factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
         )
-        write_posterior(directory, self.to_tensors(eig), config)
+        write_posterior(directory, file_tensors(factors, eig), config)
         if write_card:
             save_model_card(directory, self, **card_kwargs)
         if push_to_hub:

@@ -16,10 +16,19 @@ from torch import nn
 from hf_evon.modeling import base_model_name, model_class, unwrap_model
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
-from hf_evon.posterior.config import HYPERPARAMETER_KEYS, PosteriorMismatchError
+from hf_evon.optim.validation import GROUP_KEYS
+from hf_evon.posterior.config import PosteriorMismatchError
 from hf_evon.posterior.gaussian import MatrixFactors
 
-__all__ = ["Snapshot", "snapshot"]
+__all__ = ["HYPERPARAMETER_KEYS", "Snapshot", "snapshot"]
+
+# EVON group entries recorded as hyperparameters (those present in the optimizer's group), in the
+# file's order: what the posterior is defined by first; init_std_ratio and adamw_eps shape only the
+# start of training and the AdamW part
+_DEFINING_KEYS = ("lr", "ess", "weight_decay")
+HYPERPARAMETER_KEYS = _DEFINING_KEYS + tuple(
+    k for k in GROUP_KEYS if k not in _DEFINING_KEYS and k not in ("init_std_ratio", "adamw_eps")
+)
 
 
 @dataclass
