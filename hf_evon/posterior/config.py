@@ -22,7 +22,7 @@ import torch
 from hf_evon import __version__
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.defaults import is_snr_scaling
-from hf_evon.posterior.gaussian import MatrixFactors
+from hf_evon.posterior.gaussian import MatrixFactors, basis_dtype
 
 __all__ = [
     "FORMAT_VERSION",
@@ -372,10 +372,8 @@ class PosteriorConfig:
 
         ``settings`` keeps its keys' order; the save's own fields follow it (as ``dict.update``).
         """
-        names = list(factors)
         ess, weight_decay = float(settings["ess"]), float(settings["weight_decay"])
-        bases = [q for f in factors.values() for q in (f.Q_L, f.Q_R) if q is not None]
-        first = factors[names[0]]
+        first = next(iter(factors.values()))
         config = {k: v for k, v in settings.items() if k not in ("format_version", "parameters")}
         config.update(
             format_version=FORMAT_VERSION,
@@ -385,7 +383,7 @@ class PosteriorConfig:
             weights_file=POSTERIOR_WEIGHTS_NAME,
             ess=ess,
             weight_decay=weight_decay,
-            eigenbasis_dtype=dtype_name(eigenbasis_dtype or (bases[0] if bases else first.hess).dtype),
+            eigenbasis_dtype=dtype_name(eigenbasis_dtype or basis_dtype(factors)),
             hess_dtype=dtype_name(first.hess.dtype),
             num_point_estimates=num_point_estimates,
             num_point_estimate_tensors=num_point_estimate_tensors,

@@ -89,6 +89,15 @@ class FactorGroup:
         )
 
 
+def basis_dtype(factors: Mapping[str, MatrixFactors]) -> torch.dtype:
+    """The dtype the eigenbases are held in: the first basis's (H's where no matrix has one)."""
+    for f in factors.values():
+        for q in (f.Q_L, f.Q_R):
+            if q is not None:
+                return q.dtype
+    return next(iter(factors.values())).hess.dtype
+
+
 def stack_factors(factors: Mapping[str, MatrixFactors]) -> list[FactorGroup]:
     """Stack factors into groups of equal matrix shape, stored bases, noise scale, dtypes and
     device (names sorted within a group), so that sampling runs one batched matmul per group."""

@@ -50,6 +50,7 @@ from hf_evon.posterior.gaussian import (
     DEFAULT_MAX_BASIS_RATIO,
     FactorGroup,
     MatrixFactors,
+    basis_dtype,
     compute_dtype,
     drop_wide_bases,
     resolve_seed,
@@ -173,15 +174,7 @@ class EVONPosterior:
         config = dict(config or {})
         config["format_version"] = FORMAT_VERSION
         some = factors[next(iter(factors))]
-        basis = next(
-            (
-                f.Q_L if f.Q_L is not None else f.Q_R
-                for f in factors.values()
-                if f.Q_L is not None or f.Q_R is not None
-            ),
-            None,
-        )
-        config["eigenbasis_dtype"] = dtype_name(basis.dtype if basis is not None else some.hess.dtype)
+        config["eigenbasis_dtype"] = dtype_name(basis_dtype(factors))
         config.setdefault("ess", some.ess)
         config.setdefault("weight_decay", some.weight_decay)
         return cls(groups, config, num_point_estimates, num_point_estimate_tensors)
