@@ -70,7 +70,9 @@ def run(antithetic: bool, seed: int) -> None:
     grouping.EVON = AntitheticEVON if antithetic else EVON
     EVON._hessian_candidate = staticmethod(recorded)
     try:
-        opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, mc_samples=2)
+        opt = build_optimizer(
+            model, learning_rate=task.adamw_lr, seed=seed, mc_samples=2, hess_estimator="price", step_curvature="entry"
+        )  # the Price estimate is what this studies
         total = task.epochs * len(task.train)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / total)
         gen = torch.Generator().manual_seed(seed)

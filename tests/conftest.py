@@ -27,9 +27,24 @@ PLAIN_EVON = dict(
     clip="none",
     clip_radius=1.0,
     adamw_lr=None,
+    hess_estimator="price",  # the paper's algorithm (PAPER_ALGORITHM)
+    step_curvature="entry",
 )
 
 
 def plain_evon(**overrides):
     """``PLAIN_EVON`` updated by ``overrides`` (keyword arguments of ``EVON``/``build_optimizer``)."""
     return {**PLAIN_EVON, **overrides}
+
+
+def approx_tree(value, rel: float = 1e-6):
+    """``value`` with every float replaced by ``pytest.approx(rel=rel)``, in nested dicts, lists
+    and tuples: ``actual == approx_tree(expected)`` compares numbers fitted from state that a
+    sharded run reproduces to rounding (EVON's curvature-fitted ess and weight_decay)."""
+    if isinstance(value, float):
+        return pytest.approx(value, rel=rel)
+    if isinstance(value, dict):
+        return {k: approx_tree(v, rel) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(approx_tree(v, rel) for v in value)
+    return value

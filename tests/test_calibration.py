@@ -225,7 +225,7 @@ def test_noise_that_only_hurts_calibrates_to_the_mean() -> None:
 
 def test_the_scan_stops_when_noise_has_clearly_taken_over() -> None:
     model, post, cal, _ = trained()
-    _, result = calibrate_posterior(model, post, cal, grid=[1.0, 1e-4, 1e-5, 1e-6], num_samples=2)
+    _, result = calibrate_posterior(model, post, cal, grid=[1.0, 1e-5, 1e-6, 1e-8], num_samples=2)
     assert len(result.nll) < 4
     assert result.nll[-1] > 2 * min([result.mean_nll, *result.nll])
 

@@ -18,6 +18,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_WEIGHT_DECAY,
     default_hess_init,
     default_weight_decay,
+    noise_std_ratio,
 )
 
 
@@ -173,7 +174,7 @@ def test_hess_init_share_follows_the_recursion_when_the_data_has_no_curvature() 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
     weights = [p for p in model.parameters() if p.ndim == 2]
-    opt = EVON(weights, ess=1e4, weight_decay=1e-4)
+    opt = EVON(weights, ess=1e4, weight_decay=1e-4, hess_estimator="price")
     h0, beta2, delta = DEFAULT_HESS_INIT, opt.param_groups[0]["betas"][1], 1e-4
     x = torch.randn(16, 8, dtype=torch.float64)
     h = h0
@@ -199,7 +200,7 @@ def test_hess_init_share_falls_when_the_data_has_curvature(gamma: float | None) 
     and 200 steps leave h0's share ≥ (β2 / that factor)ᵗ ≈ 0.14: H cannot follow the data fast."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8, bias=False))
-    opt = EVON(list(model.parameters()), ess=1e6, hess_clip_ratio=gamma)
+    opt = EVON(list(model.parameters()), ess=1e6, hess_clip_ratio=gamma, hess_estimator="price")
     for _ in range(200):
         with opt.sampled_params(train=True):
             (50.0 * model[0].weight.square().sum()).backward()  # Hessian 100·I
@@ -301,17 +302,20 @@ def test_a_decayed_hessian_leaves_the_default_noise_at_the_priors_quarter_of_the
 
 
 def test_a_long_default_run_neither_runs_away_nor_warns() -> None:
-    """The long run in miniature: H follows h0·β2ᵗ down (the clipped estimate is mostly noise), so
-    after ~800 steps the noise is the prior's. Before, with the old default prior (δ = 2.5e-5), this
-    run warned of a collapse to the prior at step 1400 (H < δ in 80% of the entries), and its noise
-    kept growing: 0.276 of the weights' RMS at step 1400 against 0.093 now."""
+    """The long run in miniature. Under the Price estimate H follows h0·β2ᵗ down (the clipped
+    estimate is mostly noise), so after ~800 steps the noise is the prior's; with the old default
+    prior (δ = 2.5e-5) this run warned of a collapse to the prior at step 1400 (H < δ in 80% of
+    the entries), and its noise kept growing: 0.276 of the weights' RMS at step 1400 against 0.093
+    with the default δ. Under the defaults (the Fisher estimate, ζ and δ fitted to it) most of H is
+    above the prior at the end, and the noise stays at its fitted level."""
     torch.manual_seed(0)
     x = torch.randn(256, 8)
     y = (x[:, :3].sum(-1) > 0).long() + (x[:, 3] > 1).long()
     caught, stats = [], {}
-    for wd in (None, 2.5e-5):
+    price = dict(hess_estimator="price", step_curvature="entry")
+    for name, kwargs in (("price", price), ("old prior", dict(price, weight_decay=2.5e-5)), ("defaults", {})):
         model = mlp()
-        opt = build_optimizer(model, weight_decay=wd, seed=0)
+        opt = build_optimizer(model, seed=0, **kwargs)
         opt.health_check_every = 200
         gen = torch.Generator().manual_seed(0)
         with warnings.catch_warnings(record=True) as record:
@@ -322,13 +326,18 @@ def test_a_long_default_run_neither_runs_away_nor_warns() -> None:
                     nn.functional.cross_entropy(model(x[i]), y[i]).backward()
                 opt.step()
                 opt.zero_grad()
-        stats[wd] = opt.posterior_health(warn=False)
-        caught += [str(w.message) for w in record if wd is None and issubclass(w.category, RuntimeWarning)]
-    assert caught == [] and stats[None]["hess_below_prior"] > 0.5  # decayed, and bounded by the prior
-    assert stats[None]["noise_to_signal_max"] < 2 * DEFAULT_PRIOR_STD_RATIO
+        stats[name] = opt.posterior_health(warn=False)
+        caught += [str(w.message) for w in record if name != "old prior" and issubclass(w.category, RuntimeWarning)]
+    assert caught == []
+    assert stats["price"]["hess_below_prior"] > 0.5  # decayed, and bounded by the prior
+    assert stats["price"]["noise_to_signal_max"] < 2 * DEFAULT_PRIOR_STD_RATIO
     # the old prior: the noise grows on past the default prior's bound (its prior has std 0.35x
     # the weights' RMS by now, as they grew: under COLLAPSE_PRIOR_TO_SIGNAL, so no warning either)
-    assert stats[2.5e-5]["noise_to_signal"] > 2 * stats[None]["noise_to_signal"]
+    assert stats["old prior"]["noise_to_signal"] > 2 * stats["price"]["noise_to_signal"]
+    # the defaults: the data's curvature, at the fitted noise level
+    assert stats["defaults"]["hess_below_prior"] <= 0.5 and stats["defaults"]["hess_init_share"] == 0.0
+    assert stats["defaults"]["noise_to_signal"] == pytest.approx(noise_std_ratio(1400), rel=0.25)
+    assert stats["defaults"]["noise_to_signal_max"] < 2 * DEFAULT_PRIOR_STD_RATIO
 
 
 def test_step_checks_health_periodically() -> None:
@@ -448,7 +457,8 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     assert {g["clip"] for g in build_optimizer(model, clip=None).param_groups} == {"whiten_rms"}
     recipe_clip = build_optimizer(model, recipe="clip-finetuning", clip=None).param_groups
     assert {g["clip"] for g in recipe_clip} == {"whiten"}
-    opt = build_optimizer(model, learning_rate=5e-5, clip="element")
+    # the paper's per-entry step: every entry's Newton step exceeds the radius here
+    opt = build_optimizer(model, learning_rate=5e-5, clip="element", hess_estimator="price", step_curvature="entry")
     assert {g["algorithm"]: g["lr"] for g in opt.param_groups} == {
         "evon": pytest.approx(0.001, rel=1e-12),
         "adamw": 5e-5,

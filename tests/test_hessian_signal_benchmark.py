@@ -22,7 +22,7 @@ def test_an_antithetic_pair_estimates_a_quadratics_curvature_exactly() -> None:
     beta2, ess, delta = 0.9, 1e4, 1e-3
     opt = signal.AntitheticEVON(
         [w], lr=0.0, ess=ess, hess_init=0.1, betas=(0.9, beta2), weight_decay=delta, mc_samples=2,
-        hess_clip_ratio=None, identity_basis=True, clip="none", seed=1,
+        hess_clip_ratio=None, identity_basis=True, clip="none", seed=1, hess_estimator="price",
     )  # fmt: skip
 
     def sample() -> torch.Tensor:

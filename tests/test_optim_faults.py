@@ -179,7 +179,8 @@ def assert_all_finite(model: nn.Module, opt: EVON) -> None:
         assert torch.isfinite(value).all(), name
 
 
-PURE = {"hess_clip_ratio": None, "clip": "none"}  # the unclipped algorithm: a spike reaches H
+# the unclipped Price algorithm: a spike reaches H through the sampled estimate
+PURE = {"hess_clip_ratio": None, "clip": "none", "hess_estimator": "price", "step_curvature": "entry"}
 
 
 # ×1e8 at ess = inf overflowed the IVON correction term until it was dropped there (item 2)

@@ -63,6 +63,9 @@ class ReferenceEVON:
         self.radius = hp.get("clip_radius", 1.0)
         self.phased = hp.get("phased_gradients", False)
         self.eps = hp.get("eps", 1e-12)
+        self.fisher = hp.get("hess_estimator", "fisher") == "fisher"
+        self.per_matrix = hp.get("step_curvature", "matrix") == "matrix"
+        self.pull = self.delta + (hp.get("mean_weight_decay") or 0.0)  # explicit δ: default 0
         # snr_scaling: a clipped step times min(1, ρ/ρ₀), ρ = ‖m̂‖_F / sqrt(EMA_0.999 ‖G‖²_F)
         # ("adam": min(1, ρ), Adam's own step size, no floor)
         self.snr = hp.get("snr_scaling", True) is not False and self.clip != "none"
@@ -176,6 +179,10 @@ class ReferenceEVON:
         G_rot = Q_L.T @ G @ Q_R
         if math.isinf(self.ess):
             H_hat = G_rot**2  # deterministic mode: squared rotated gradient
+        elif self.fisher:  # the Fisher estimate: an average of G_rot², then its EMA
+            H_hat = None
+            beta = min(self.beta2, 1 - 1 / t)
+            self.H = beta * self.H + (1 - beta) * G_rot**2
         elif noisy:
             V = self.V()
             H_hat = sum((Q_L.T @ g @ Q_R) * E.to(F64) / V for g, E in zip(grads, noises)) / S
@@ -191,8 +198,10 @@ class ReferenceEVON:
             self.H = self.beta2 * H + (1 - self.beta2) * H_hat
             if not math.isinf(self.ess):  # IVON's correction, for the sampled estimator only
                 self.H = self.H + 0.5 * (1 - self.beta2) ** 2 * (H - H_hat) ** 2 / (H + self.delta)
+                self.H = self.H.clamp_min(0.0)  # H is a curvature: never negative
         self.Gbar = self.beta1 * self.Gbar + (1 - self.beta1) * G_rot
-        U = (self.Gbar / (1 - self.beta1**t) + self.delta * Q_L.T @ self.M @ Q_R) / (self.H + self.delta)
+        curvature = (self.H + self.delta).mean() if self.per_matrix else self.H + self.delta
+        U = (self.Gbar / (1 - self.beta1**t) + self.pull * Q_L.T @ self.M @ Q_R) / curvature
         update = self.clip_update(Q_L @ U @ Q_R.T)
         if self.snr:  # the unrotated G: its norm is the rotated one's
             self.grad_sq = 0.999 * self.grad_sq + 0.001 * float((G**2).sum())
@@ -286,11 +295,19 @@ BASE = dict(
     max_precond_dim=64,
     hess_clip_ratio=None,
     clip="none",
+    hess_estimator="price",  # the paper's algorithm; the defaults' options are cases below
+    step_curvature="entry",
 )
 
 # name -> (optimizer options, parameter shapes)
 CASES = {
     "plain": ({}, [(3, 5), (3, 5), (4, 2)]),
+    "fisher": ({"hess_estimator": "fisher"}, [(3, 5), (3, 5), (4, 2)]),
+    "matrix_step": ({"step_curvature": "matrix", "mean_weight_decay": 0.03}, [(3, 5), (4, 2)]),
+    "fisher_whiten_rms": (
+        {"hess_estimator": "fisher", "step_curvature": "matrix", "clip": "whiten_rms", "clip_radius": 0.03, "lr": 0.5},
+        [(3, 5), (4, 2), (6,)],
+    ),
     "mc_samples": ({"mc_samples": 3}, [(3, 5), (4, 2)]),
     "hess_clip": ({"hess_clip_ratio": 1.5}, [(3, 5), (4, 2)]),
     "clip_element": ({"clip": "element", "clip_radius": 0.03}, [(3, 5), (4, 2)]),

@@ -110,15 +110,24 @@ def test_state_dict_loads_with_weights_only() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "clip"), [(torch.float32, "none"), (torch.bfloat16, "none"), (torch.float32, "element")]
+    ("dtype", "clip", "weight_decay"),
+    [
+        (torch.float32, "none", 1e-3),
+        (torch.bfloat16, "none", 1e-3),
+        (torch.float32, "element", 1e-3),
+        # a strong prior pull: a rotated mean carried between steps instead of rotated from the
+        # weights (which a resumed run must do) showed in the weights here
+        (torch.float32, "none", 0.3),
+    ],
 )
-def test_resume_is_bit_for_bit(dtype: torch.dtype, clip: str) -> None:
+def test_resume_is_bit_for_bit(dtype: torch.dtype, clip: str, weight_decay: float) -> None:
     """Save mid-run, reload into fresh copies, continue: identical to never stopping ("element":
     the SNR step scale's EMA of ‖G‖² is part of the state)."""
     data = make_data(dtype=dtype)
     total, stop = 11, 5  # the stop is between refreshes (f = 3), mid phase
     # "element" at this rate fits the data within a few steps: the SNR scale shrinks steps after the stop
     options = {} if clip == "none" else {"clip": clip, "clip_radius": 0.1, "lr": 10.0}
+    options["weight_decay"] = weight_decay
 
     model = make_model(dtype=dtype)
     opt = make_opt(model, **options)
@@ -298,6 +307,12 @@ INVALID = [
     ({"adamw_betas": (0.9, 1.5)}, "adamw_betas", "[0, 1)"),
     ({"adamw_eps": 0.0}, "adamw_eps", "> 0"),
     ({"adamw_weight_decay": -0.1}, "adamw_weight_decay", ">= 0"),
+    ({"hess_estimator": "ggn"}, "hess_estimator", "'fisher'"),
+    ({"curvature_refit": -1}, "curvature_refit", ">= 0"),
+    ({"curvature_refit": 2.5}, "curvature_refit", "integer"),
+    ({"step_curvature": "row"}, "step_curvature", "'matrix'"),
+    ({"mean_weight_decay": -1e-3}, "mean_weight_decay", ">= 0"),
+    ({"mean_weight_decay": float("nan")}, "mean_weight_decay", "finite"),
 ]
 
 

@@ -278,6 +278,13 @@ def linear_decay(
         group["lr"] = lr if k < start else lr * (1 - (k - start) / max(1, steps - start))
 
 
+def ivon_lr(paper_lr: float, hess_init: float, weight_decay: float) -> float:
+    """EVON's α (``identity_basis=True``) for an IVON rate from the paper's tables, which are in
+    ivon-opt's convention (``rescale_lr=True``: the step is α·(h0 + δ)·(m̂ + δM)/(H + δ)); ours
+    has no such factor, so the table's rate is multiplied by h0 + δ."""
+    return paper_lr * (hess_init + weight_decay)
+
+
 def train_variational(
     optimizer: torch.optim.Optimizer,
     loss_fn: Callable[[], torch.Tensor],

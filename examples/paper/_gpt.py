@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from _common import ivon_lr
 
 from hf_evon import EVON, EVONPosterior, build_param_groups
 from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
+from hf_evon.optim.recipes import PAPER_ALGORITHM
 from hf_evon.predictive.generation import bma_log_likelihood, bma_loss_curve
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -127,8 +129,9 @@ def build_model(setup: Setup, vocab_size: int, seed: int) -> torch.nn.Module:
 def evon_kwargs(method: str, train_tokens: int, variant: dict[str, Any] | None = None) -> dict[str, Any]:
     """EVON's arguments for a method: "EVON" (+ a Table-3 variant), "IVON" or "SOAP"."""
     if method == "IVON":
-        return dict(IVON_TABLE, ess=float(train_tokens), identity_basis=True)
-    kw = dict(EVON_TABLE, ess=float("inf") if method == "SOAP" else float(train_tokens))
+        lr = ivon_lr(IVON_TABLE["lr"], IVON_TABLE["hess_init"], IVON_TABLE["weight_decay"])
+        return dict(IVON_TABLE, lr=lr, ess=float(train_tokens), identity_basis=True, **PAPER_ALGORITHM)
+    kw = dict(EVON_TABLE, ess=float("inf") if method == "SOAP" else float(train_tokens), **PAPER_ALGORITHM)
     kw.update(PLAIN if variant is None else variant)
     return kw
 

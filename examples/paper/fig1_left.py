@@ -34,6 +34,7 @@ from _common import (  # noqa: E402
 )
 
 from hf_evon import EVON  # noqa: E402
+from hf_evon.optim.recipes import PAPER_ALGORITHM  # noqa: E402
 
 NAME = "fig1_left"
 PRIOR_VARIANCE = 100.0  # Murphy's choice for this example
@@ -69,6 +70,7 @@ def fit(
         identity_basis=identity_basis,
         precondition_frequency=10,
         seed=seed,
+        **PAPER_ALGORITHM,
     )
     train_variational(opt, lambda: F.softplus(-y * (X @ w[0])).mean(), steps=steps, lr=LR, decay_frac=1 / 2)
     return w.detach()[0].clone(), opt.posterior_covariance(w)

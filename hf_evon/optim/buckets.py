@@ -25,6 +25,7 @@ __all__ = [
     "Plan",
     "assign_refresh_phases",
     "auto_ess",
+    "refuse_dtensors",
     "group_buckets",
     "is_dtensor",
     "matrix_shape",
@@ -58,6 +59,18 @@ def is_dtensor(p: Tensor) -> bool:
     return type(p).__name__ == "DTensor" and hasattr(p, "placements")
 
 
+def refuse_dtensors(param_groups: list[dict[str, Any]], label: Callable[[Tensor], str]) -> None:
+    """Raise for an EVON parameter that is a DTensor while the optimizer is not sharded."""
+    for g in param_groups:
+        for p in g["params"] if g["algorithm"] == "evon" else ():
+            if is_dtensor(p):
+                raise RuntimeError(
+                    f"EVON cannot train the DTensor {label(p)} as a plain tensor: under FSDP2 "
+                    "(fully_shard) call hf_evon.prepare_distributed(model, optimizer) before the "
+                    "first sampled_params()/step() (it shards EVON over the mesh)"
+                )
+
+
 def state_dtype(param: Tensor) -> torch.dtype:
     """Float32 for every parameter dtype, except float64 parameters keep float64."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
@@ -83,10 +96,6 @@ class Bucket:
     live: list[int] | None = None  # members a sample perturbs (None: all; frozen ones are left alone)
     exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
     rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
-    # Q_Lᵀ M Q_R of the current weights, kept up to date by step() where that is exact (see
-    # ``tracks_rotated_mean``), with each weight's (version, data_ptr) when it was last valid
-    rotated_mean: Tensor | None = None
-    mean_stamps: list[tuple[int, int]] | None = None
     # posterior_health's per-matrix runaway watch: members that were non-zero when the optimizer first
     # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
     # has outgrown its noise)
@@ -146,25 +155,7 @@ class Bucket:
         # in place into the parameters themselves (callers hold no_grad): the version counter
         # moves, so autograd notices a graph used across a swap; copy_ into the parameter's
         # own shape works for any memory layout (channels_last)
-        fresh = self.rotated_mean_valid()
         torch._foreach_copy_(*self.unstacked(values, idx))
-        if fresh:  # our own write (a sample in, the mean back out): the rotated mean stays valid
-            self.stamp_mean()
-
-    def stamp_mean(self) -> None:
-        """Record the weights' versions: ``rotated_mean`` is the rotation of the weights as now."""
-        self.mean_stamps = [(p._version, p.data_ptr()) for p in self.params]
-
-    def rotated_mean_valid(self) -> bool:
-        """Whether ``rotated_mean`` is the rotation of the weights as they are now: nothing but
-        this optimizer wrote them since (in-place writes bump a tensor's version; assigning
-        ``.data`` moves its storage; only in-place writes through ``.data`` go unseen)."""
-        stamps = self.mean_stamps
-        return (
-            self.rotated_mean is not None
-            and stamps is not None
-            and all(s == (p._version, p.data_ptr()) for s, p in zip(stamps, self.params))
-        )
 
     # ------------------------------------------------------------- sampling
     def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> bool:
@@ -218,34 +209,9 @@ class Bucket:
         for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
             if value is not None:
                 st[key][idx] = value
-        if self.rotated_mean is not None:  # the refreshed members' weights, in their new bases
-            listed = range(len(self.params)) if members is None else members
-            self.rotated_mean[idx] = rotate(
-                self.matrices([self.params[i] for i in listed]), new_left, new_right
-            )
 
-    # ------------------------------------------------------------- the rotated mean
-    def tracks_rotated_mean(self, whole: bool) -> bool:
-        """Whether this step can carry ``Q_Lᵀ M Q_R`` over to the next one without a rotation.
-
-        Exact when the update is not clipped (``clip="none"``: ``M - αΔ`` rotates to
-        ``Q_Lᵀ M Q_R - αU``) and the weights hold exactly what the optimizer computes (their
-        dtype is the state's: a bfloat16 model rounds M each step). Costs one ``m×n`` float
-        tensor per matrix; saves the prior term's two matmuls per step. The whole bucket must
-        step (``whole``: members without a gradient would need their own bookkeeping).
-        """
-        return (
-            whole
-            and self.preconditioned
-            and self.group["clip"] == "none"
-            and self.group["weight_decay"] != 0.0
-            and self.params[0].dtype == self.dtype
-        )
-
-    def rotated_mean_now(self, track: bool) -> Tensor:
-        """``Q_Lᵀ M Q_R``: the tracked one when it is still the weights' rotation, else rotated now."""
-        if track and self.rotated_mean_valid():
-            return self.rotated_mean
+    def rotated_mean(self) -> Tensor:
+        """``Q_Lᵀ M Q_R``: the weights in the eigenbasis (the prior's pull on the step)."""
         return rotate(self.matrices(self.params), *self.bases())
 
     def subset_params(self, members: list[int]) -> Bucket:

@@ -10,10 +10,15 @@ from typing import Any
 __all__ = [
     "ALGORITHMS",
     "CLIP_MODES",
+    "HESS_ESTIMATORS",
+    "MODE_KEYS",
     "NONFINITE_MODES",
+    "STEP_CURVATURES",
     "Algorithm",
     "Clip",
+    "HessEstimator",
     "NonFinite",
+    "StepCurvature",
     "betas_ok",
     "finite",
     "is_int",
@@ -40,6 +45,32 @@ class Clip(str, Enum):
     WHITEN_RMS = "whiten_rms"  # Newton–Schulz, scaled to entry RMS radius
 
 
+class HessEstimator(str, Enum):
+    """How H, the posterior precision's data part, is estimated in the eigenbasis.
+
+    ``FISHER``: the EMA of the squared rotated gradient (the empirical Fisher, a Gauss-Newton
+    approximation), non-negative by construction and low-variance at any noise level. ``PRICE``:
+    the paper's Stein/Price estimate from the sampled weights' noise, unbiased for the Hessian but
+    with a variance that grows as the noise shrinks.
+    """
+
+    FISHER = "fisher"
+    PRICE = "price"
+
+
+class StepCurvature(str, Enum):
+    """The curvature the step divides by in the eigenbasis.
+
+    ``ENTRY``: each entry's H + δ, the paper's Newton step. ``MATRIX``: the mean of H + δ over the
+    matrix, one number per matrix: the step keeps the momentum's direction, and the entries where
+    H is near zero (directions the data barely constrains, whose gradient is mostly noise) are not
+    amplified; the posterior keeps every entry's H.
+    """
+
+    ENTRY = "entry"
+    MATRIX = "matrix"
+
+
 class NonFinite(str, Enum):
     """What ``EVON.step`` does on a NaN/inf gradient."""
 
@@ -51,6 +82,10 @@ class NonFinite(str, Enum):
 ALGORITHMS = tuple(m.value for m in Algorithm)
 CLIP_MODES = tuple(m.value for m in Clip)
 NONFINITE_MODES = tuple(m.value for m in NonFinite)
+HESS_ESTIMATORS = tuple(m.value for m in HessEstimator)
+STEP_CURVATURES = tuple(m.value for m in StepCurvature)
+# the group keys whose value is a mode (an Enum's string)
+MODE_KEYS = ("algorithm", "clip", "hess_estimator", "step_curvature")
 
 
 def mode_value(value: Any) -> Any:

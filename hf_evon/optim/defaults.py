@@ -16,6 +16,9 @@ __all__ = [
     "ADAPTER_LR_SCALES",
     "AUTO_ESS",
     "COLLAPSE_PRIOR_TO_SIGNAL",
+    "DEFAULT_CURVATURE_REFIT",
+    "DEFAULT_HESS_ESTIMATOR",
+    "PRIOR_QUANTILE",
     "DEFAULT_ADAMW_LR",
     "DEFAULT_BETAS",
     "DEFAULT_CLIP",
@@ -27,6 +30,7 @@ __all__ = [
     "DEFAULT_INIT_STD_RATIO",
     "DEFAULT_LR",
     "DEFAULT_PRIOR_STD_RATIO",
+    "DEFAULT_STEP_CURVATURE",
     "DEFAULT_WEIGHT_DECAY",
     "SNR_AVERAGE_BETA",
     "STEP_RATIOS",
@@ -34,6 +38,7 @@ __all__ = [
     "default_hess_init",
     "default_snr_scaling",
     "default_weight_decay",
+    "noise_std_ratio",
     "is_snr_scaling",
     "lr_from_adamw_lr",
     "ratio_clip",
@@ -48,6 +53,19 @@ DEFAULT_INIT_STD_RATIO = 0.05
 # the prior's std, 25% of the weights' RMS: where the noise ends once H has decayed
 # (docs/defaults.md#prior)
 DEFAULT_PRIOR_STD_RATIO = 0.25
+# H from squared rotated gradients: the Price estimate's noise is ~100x its signal at the noise
+# a small model trains under, so it measures nothing there (docs/defaults.md#hess-estimator)
+DEFAULT_HESS_ESTIMATOR = "fisher"
+# under the Fisher estimate, ess="auto" and weight_decay=None are refit from the measured H every
+# this many steps: the curvature falls as the model fits, and the prior must stay below it
+# (docs/defaults.md#curvature-fit)
+DEFAULT_CURVATURE_REFIT = 50
+# δ = this quantile of H: the data, not the prior, sets the variance of the other entries, and the
+# prior's variance stays within a few times the pooled one (docs/defaults.md#curvature-fit)
+PRIOR_QUANTILE = 0.3
+# the step divides by each matrix's mean curvature: per-entry division by a learned H steps hard
+# along the directions the data barely constrains (docs/defaults.md#step-curvature)
+DEFAULT_STEP_CURVATURE = "matrix"
 # h0: the paper's CLIP fine-tuning range (docs/defaults.md#hess-init)
 DEFAULT_HESS_INIT = 0.01
 # h0 of full fine-tuning: puts a pretrained model's small gradients at the clip from the first
@@ -179,3 +197,18 @@ def default_weight_decay(
 
 
 DEFAULT_WEIGHT_DECAY = default_weight_decay()
+
+
+def noise_std_ratio(
+    t: int,
+    hess_init: float = DEFAULT_HESS_INIT,
+    beta2: float = DEFAULT_BETAS[1],
+    init_std_ratio: float = DEFAULT_INIT_STD_RATIO,
+) -> float:
+    """The pooled posterior std, as a fraction of the weights' RMS, that ζ is fitted to after ``t``
+    steps: sqrt(1/(h0·β2ᵗ + δ₀)) / sqrt(1/(h0 + δ₀)) × ``init_std_ratio``, δ₀ =
+    ``default_weight_decay``. It rises from ``init_std_ratio`` (5%) to ``DEFAULT_PRIOR_STD_RATIO``
+    (25%) as the isotropic posterior of h0 decaying to δ₀ would: the noise level the mean trains
+    well under (docs/defaults.md#curvature-fit); where that noise goes is H's."""
+    delta0 = default_weight_decay(hess_init, init_std_ratio)
+    return init_std_ratio * math.sqrt((hess_init + delta0) / (hess_init * beta2**t + delta0))

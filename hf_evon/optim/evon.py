@@ -15,9 +15,7 @@ every step is a handful of batched matmuls, and the per-parameter entries of
         opt.step()
         opt.zero_grad()
 
-The loop of the IVON/EVON reference packages, ``with opt.sampled_params(train=True):
-opt.zero_grad(); loss.backward()`` per sample, gives the same update: each block records its
-own gradient, whatever the code inside does with ``zero_grad`` (see ``sampled_params``).
+The reference packages' loop (``zero_grad()`` inside each block) gives the same update.
 """
 
 from __future__ import annotations
@@ -37,20 +35,24 @@ from hf_evon.optim.buckets import (
     assign_refresh_phases,
     auto_ess,
     group_buckets,
-    is_dtensor,
+    refuse_dtensors,
     restore_state_dtypes,
     stack_state,
 )
-from hf_evon.optim.checks import Clip, NonFinite, mode_value
+from hf_evon.optim.checks import MODE_KEYS, Clip, HessEstimator, NonFinite, StepCurvature, mode_value
+from hf_evon.optim.curvature import curvature_fitted, fit_from_curvature, refit_due, resolve_mean_weight_decay
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
     DEFAULT_BETAS,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
+    DEFAULT_CURVATURE_REFIT,
     DEFAULT_HESS_CLIP_RATIO,
+    DEFAULT_HESS_ESTIMATOR,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
+    DEFAULT_STEP_CURVATURE,
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
 from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, param_label, warn_health
@@ -86,26 +88,28 @@ class EVON(Optimizer):
         lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's
             default rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.08 for
             "whiten_rms", 0.02 for "element" and, as a first guess, for the modes without a ratio.
-        ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default)
-            picks, per group, the ζ whose initial posterior std is ``init_std_ratio`` times the
-            RMS of the group's weights, when the optimizer first sees them (first
-            ``sampled_params`` or ``step``); the chosen number is then stored in the group.
-            ``inf`` disables the noise: a deterministic SOAP-like method with squared rotated
-            gradients as Hessian. The training-set size (ζ = N) is the textbook choice, but its
-            noise is far larger than the weights of any network we tried.
+        ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default):
+            per group, first the ζ whose initial std is ``init_std_ratio`` of the weights' RMS;
+            under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps
+            (:mod:`hf_evon.optim.curvature`). ``inf``: no noise, a SOAP-like method.
         hess_init: initial Hessian h0 > 0 everywhere.
         betas: (β1, β2) for the rotated momentum and the Hessian.
         weight_decay: prior precision per datum δ: the prior is ``N(0, (ζ δ)^-1 I)``. None (the
-            default): ``default_weight_decay(hess_init, init_std_ratio)``, per group: the prior's
-            std is 5x the initial posterior std (25% of the weights' RMS under ``ess="auto"``).
+            default): ``default_weight_decay(hess_init, init_std_ratio)`` (the prior's std 5x the
+            initial one), refit to a fraction of H's scale under the Fisher estimate.
+        hess_estimator: "fisher" (default: EMA of the squared rotated gradient) or "price" (the
+            paper's Stein estimate; clipped by ``hess_clip_ratio``): :class:`HessEstimator`.
+        curvature_refit: refit the "auto" ζ and the None δ every this many steps (0: never).
+        step_curvature: "matrix" (default: the step divides by each matrix's mean H + δ) or
+            "entry" (the paper's per-entry Newton step): :class:`StepCurvature`.
+        mean_weight_decay: an L2 pull on the mean besides δ's. None: δ's default from h0 where
+            δ is fitted to the curvature, else 0.
         mc_samples: posterior samples per step (the number of ``sampled_params`` blocks).
         precondition_frequency: refresh the eigenbases every f updates (one power step + QR).
         max_precond_dim: a side larger than this keeps the identity basis.
         shampoo_beta: β3 for the statistics L and R (default: β2).
         hess_clip_ratio: γ of the adaptive Hessian clipping (None: off).
-        clip: update clipping: "none" (the pure algorithm; it also keeps the prior term's rotated
-            mean between steps: one more m×n float per matrix, two fewer matmuls per step),
-            "element" (|Δ_ij| ≤ radius),
+        clip: update clipping: "none" (the pure algorithm), "element" (|Δ_ij| ≤ radius),
             "spectral" (singular values ≤ radius), "whiten" (Newton–Schulz, as Muon) or
             "whiten_rms" (the default: Newton–Schulz, scaled to entry RMS ``clip_radius``).
         clip_radius: the radius for "element" and "spectral"; the entry RMS for "whiten_rms".
@@ -161,8 +165,13 @@ class EVON(Optimizer):
         nonfinite: str | NonFinite = "skip",
         seed: int | None = None,
         eps: float = 1e-12,
+        hess_estimator: str | HessEstimator = DEFAULT_HESS_ESTIMATOR,
+        curvature_refit: int = DEFAULT_CURVATURE_REFIT,
+        step_curvature: str | StepCurvature = DEFAULT_STEP_CURVATURE,
+        mean_weight_decay: float | None = None,
     ) -> None:
         clip, nonfinite = mode_value(clip), mode_value(nonfinite)
+        hess_estimator, step_curvature = mode_value(hess_estimator), mode_value(step_curvature)
         # every keyword as given: the first invalid one raises, by name; lr=None becomes clip's α
         given = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
         defaults = validate_hyperparameters(**given)
@@ -217,7 +226,7 @@ class EVON(Optimizer):
                 f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() "
                 "first, then add the group before the next sample"
             )
-        for key in ("algorithm", "clip"):  # a mode given as an Enum is stored as its string
+        for key in MODE_KEYS:  # a mode given as an Enum is stored as its string
             if key in param_group:
                 param_group[key] = mode_value(param_group[key])
         if param_group.get("algorithm", "evon") == "adamw":
@@ -225,7 +234,10 @@ class EVON(Optimizer):
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
         try:
-            validate_group(resolve_prior(self.param_groups[-1]))
+            group = self.param_groups[-1]
+            group.setdefault("fit_to_curvature", curvature_fitted(group))
+            validate_group(resolve_prior(group))
+            resolve_mean_weight_decay(group)
         except ValueError:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             raise
@@ -281,14 +293,7 @@ class EVON(Optimizer):
 
     def _build_buckets(self) -> list[Bucket]:
         if self.sharding is None:
-            for g in self.param_groups:
-                for p in g["params"] if g["algorithm"] == "evon" else ():
-                    if is_dtensor(p):
-                        raise RuntimeError(
-                            f"EVON cannot train the DTensor {self._param_label(p)} as a plain tensor: under "
-                            "FSDP2 (fully_shard) call hf_evon.prepare_distributed(model, optimizer) before the "
-                            "first sampled_params()/step() (it shards EVON over the mesh)"
-                        )
+            refuse_dtensors(self.param_groups, self._param_label)
         built = group_buckets(self.param_groups)
         assign_refresh_phases(self.param_groups, built)  # over every member: the same sharded or not
         built = [b for b in (self._hooks.owned_bucket(b) for b in built) if b.params]
@@ -426,6 +431,9 @@ class EVON(Optimizer):
         self._hooks.after_step()
         self._discard_samples()
         self._updates += 1
+        due = [g for g in self.param_groups if refit_due(g, self._updates)]
+        if due:
+            fit_from_curvature(due, self.buckets, self._hooks, self._updates)
         if self.health_check_every and self._updates % self.health_check_every == 0:
             self.posterior_health(warn=True)
         return loss
@@ -492,12 +500,7 @@ class EVON(Optimizer):
         return param_label(self.param_groups, self._hooks.model_param(p))  # FSDP2: p's DTensor
 
     def _evon_update(self, plan: Plan, num_samples: int) -> None:
-        evon_update(plan, num_samples, self._tracks_rotated_mean(plan), self._member_state)
-
-    @staticmethod
-    def _tracks_rotated_mean(plan: Plan) -> bool:
-        """Whether this step carries ``Q_Lᵀ M Q_R`` over to the next one (``Bucket.tracks_rotated_mean``)."""
-        return plan.work.tracks_rotated_mean(whole=plan.members is None)
+        evon_update(plan, num_samples, self._member_state)
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[Bucket, int]:
@@ -557,6 +560,7 @@ class EVON(Optimizer):
             "seed": self.seed,
             "sample_blocks": self._sample_blocks,
             "skipped_steps": self.skipped_steps,
+            "updates": self._updates,
         }
         return self._hooks.full_state_dict(sd)  # sharded: a collective, the full state on every rank
 
@@ -571,6 +575,7 @@ class EVON(Optimizer):
             self.seed = int(extra["seed"])
             self.skipped_steps = int(extra.get("skipped_steps", 0))
             self._sample_blocks = int(extra.get("sample_blocks", 0))
+            self._updates = int(extra.get("updates", 0))
 
 
 def unwrap_optimizer(optimizer: Any) -> EVON:

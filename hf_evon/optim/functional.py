@@ -26,6 +26,7 @@ from hf_evon.optim.linalg import clip_update, gram, power_qr, rotate, unrotate
 __all__ = [
     "adamw",
     "clipped_update",
+    "fisher_update",
     "hessian_update",
     "momentum_update",
     "newton_step",
@@ -58,6 +59,8 @@ def hessian_update(
     ``clip_ratio`` γ bounds Ĥ to ±γ(H+ε) (None: no clip). For sampled weights (finite ``ess``)
     IVON's correction ½(1−β2)²(H−Ĥ)²/(H+δ) keeps H + δ > 0 for the sampled estimator, which can
     be negative (squared gradients, at ess = inf, cannot: neither the paper's algorithm nor SOAP has it there).
+    H is then floored at 0: it is a curvature, the running average of a positive quantity (the
+    paper's reading), and a negative H would make the prior, not the data, loosen the posterior.
     """
     if clip_ratio is not None:
         bound = clip_ratio * (hess + eps)
@@ -66,8 +69,16 @@ def hessian_update(
     if not math.isinf(ess):
         # scaled before squaring: a finite spike in Ĥ must not overflow (H−Ĥ)² on its way
         scaled = (hess - h_hat).mul_((1 - beta2) / math.sqrt(2.0)).div_(torch.sqrt(hess + delta))
-        new.add_(scaled.square_())
+        new.add_(scaled.square_()).clamp_min_(0.0)
     return new
+
+
+def fisher_update(hess: Tensor, g_rot: Tensor, beta2: float, t: int) -> Tensor:
+    """H after one step under the Fisher estimate, in place: β·H + (1−β)·G_rot², with
+    β = min(β2, 1 − 1/t) (t: this update's number, from 1), so the first update replaces h0 and
+    H is the plain average of the squares until the EMA's window is filled. Never negative."""
+    beta = min(beta2, 1.0 - 1.0 / t)
+    return hess.mul_(beta).addcmul_(g_rot, g_rot, value=1.0 - beta)
 
 
 def momentum_update(exp_avg: Tensor, g_rot: Tensor, beta1: float, t: int) -> Tensor:
@@ -94,11 +105,22 @@ def snr_scale(
     return rho.clamp_(max=1.0)
 
 
-def newton_step(momentum: Tensor, hess: Tensor, delta: float, mean_rot: Tensor | None) -> Tensor:
-    """U = (m̂ + δ·Q_Lᵀ M Q_R) / (H + δ), the step in the eigenbasis (in place on ``momentum``;
-    ``mean_rot=None`` leaves out the prior's pull, as for δ = 0)."""
+def newton_step(
+    momentum: Tensor,
+    hess: Tensor,
+    delta: float,
+    mean_rot: Tensor | None,
+    pull: float | None = None,
+    per_matrix: bool = False,
+) -> Tensor:
+    """U = (m̂ + λ·Q_Lᵀ M Q_R) / (H + δ), the step in the eigenbasis (in place on ``momentum``).
+
+    λ (``pull``, default δ) is the L2 pull on the mean; ``mean_rot=None`` leaves it out, as for
+    λ = 0. ``per_matrix``: divide by each matrix's mean of H + δ instead of entry by entry."""
     if mean_rot is not None:
-        momentum.add_(mean_rot, alpha=delta)
+        momentum.add_(mean_rot, alpha=delta if pull is None else pull)
+    if per_matrix:
+        return momentum.div_((hess + delta).mean(dim=(-2, -1), keepdim=True))
     return momentum.div_(hess + delta)
 
 

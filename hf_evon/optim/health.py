@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
+from hf_evon.optim.curvature import uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
 
 __all__ = ["first_nonfinite", "health_rows", "health_stats", "warn_health"]
@@ -45,7 +46,10 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             hess.sum(),
             (hess < g["weight_decay"]).sum(),
         ]
-        init_part = g["hess_init"] * torch.pow(g["betas"][1], b.state["step"].double()) * hess.numel()
+        steps = b.state["step"].double()
+        # the Fisher estimate's first update replaces h0; the Price one decays it by β2 per step
+        kept = steps.eq(0).double() if uses_fisher(g) else torch.pow(g["betas"][1], steps)
+        init_part = g["hess_init"] * kept * hess.numel()
         prior_var = torch.tensor(  # built where the row is stacked: no copy
             hess.numel() / (g["ess"] * g["weight_decay"]) if g["weight_decay"] else math.inf,
             dtype=torch.float64,

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# the paper's algorithm: the Price (Stein) Hessian estimate and the per-entry Newton step
+PAPER_ALGORITHM: dict[str, Any] = dict(hess_estimator="price", step_curvature="entry")
+
 RECIPES: dict[str, dict[str, Any]] = {
     # Table "Hyperparameters for NanoGPT and Llama", row "EVON (NanoGPT)": spectral clipping
     # (the table does not give a radius: we use 1, singular values ≤ 1), γ = 1.5, β3 = 0.995.
@@ -26,6 +29,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         clip="spectral",
         clip_radius=1.0,
         snr_scaling=False,
+        **PAPER_ALGORITHM,
     ),
     # The same table, row "EVON (Llama)".
     "llama": dict(
@@ -39,6 +43,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         clip="spectral",
         clip_radius=1.0,
         snr_scaling=False,
+        **PAPER_ALGORITHM,
     ),
     # Table "Best hyperparameters for CLIP finetuning" (8 datasets), EVON rows: the medians of
     # α (0.055) and δ (2.2e-6), ζ 5e7 (the table's values are 1e7-1e10, median 5e7-1e8),
@@ -52,6 +57,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         hess_clip_ratio=2.0,
         clip="whiten",
         snr_scaling=False,
+        **PAPER_ALGORITHM,
     ),
 }
 

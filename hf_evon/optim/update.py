@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import Bucket, Plan, point_state_views
+from hf_evon.optim.curvature import mean_pull, uses_fisher
 from hf_evon.optim.functional import (
     adamw,
     clipped_update,
+    fisher_update,
     hessian_update,
     momentum_update,
     newton_step,
@@ -62,6 +64,8 @@ def hessian_candidate(plan: Plan, num_samples: int) -> None:
     if math.isinf(ess):  # the deterministic method: squared rotated gradients
         plan.g_rot = rotate(plan.grad, *b.bases())
         h_hat = plan.g_rot.square()
+    elif uses_fisher(g):  # updated by evon_update from the step's rotated gradient
+        return
     elif plan.clean or b.acc is None:
         return
     else:
@@ -91,11 +95,11 @@ def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
 
 
 def evon_update(
-    plan: Plan, num_samples: int, track: bool, member_state: Callable[[Tensor], dict[str, Any]]
+    plan: Plan, num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]
 ) -> None:
     """Apply the planned step: H, momentum, the (clipped, scaled) Newton step to the weights,
-    the statistics and, where due, the eigenbasis refresh. ``track``: carry the rotated mean
-    over (``Bucket.tracks_rotated_mean``); ``member_state``: ``optimizer.state`` of a member."""
+    the statistics and, where due, the eigenbasis refresh. ``member_state``: ``optimizer.state``
+    of a member."""
     b, grad = plan.work, plan.grad
     g, st = b.group, b.state
     beta1, beta2 = g["betas"]
@@ -116,23 +120,22 @@ def evon_update(
     hess = st["hess"]
     if plan.hess is not None:
         hess.copy_(plan.hess)
+    elif uses_fisher(g):
+        # finite: every entry of G_rot² is at most ‖G‖²_F, which finite_flags checked
+        fisher_update(hess, g_rot, beta2, t)
     numer = momentum_update(st["exp_avg"], g_rot, beta1, t)
     scale = None
     if g.get("snr_scaling", False) is not False and g["clip"] != "none":
         scale = snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
-    mean_rot = b.rotated_mean_now(track) if delta != 0.0 else None
-    step_rot = newton_step(numer, hess, delta, mean_rot)  # U, in the eigenbasis
+    pull = mean_pull(g)
+    mean_rot = b.rotated_mean() if pull != 0.0 else None
+    per_matrix = g.get("step_curvature", "entry") == "matrix"
+    step_rot = newton_step(numer, hess, delta, mean_rot, pull, per_matrix)  # U, in the eigenbasis
     update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
     if update.dtype != b.params[0].dtype:
         update = update.to(b.params[0].dtype)
     # added in each parameter's own shape: works for any memory layout (channels_last)
     torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
-    if track and mean_rot is not None:
-        # unclipped: M - αΔ rotates to Q_Lᵀ M Q_R - αU exactly (Q orthonormal), no matmul
-        b.rotated_mean = mean_rot.sub_(step_rot, alpha=g["lr"])
-        b.stamp_mean()
-    else:
-        plan.bucket.rotated_mean = b.rotated_mean = None
 
     if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
         b.update_statistics(grad, beta3)

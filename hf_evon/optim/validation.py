@@ -12,7 +12,9 @@ from typing import Any
 from hf_evon.optim.checks import (
     ALGORITHMS,
     CLIP_MODES,
+    HESS_ESTIMATORS,
     NONFINITE_MODES,
+    STEP_CURVATURES,
     betas_ok,
     finite,
     is_int,
@@ -151,6 +153,15 @@ def validate_group(group: dict[str, Any]) -> None:
         need("hess_clip_ratio", gamma is None or (is_real(gamma) and gamma > 0.0), "None or a number > 0")
     if has("clip"):
         need("clip", isinstance(group["clip"], str) and group["clip"] in CLIP_MODES, f"one of {CLIP_MODES}")
+    if has("hess_estimator"):
+        need("hess_estimator", group["hess_estimator"] in HESS_ESTIMATORS, f"one of {HESS_ESTIMATORS}")
+    if has("step_curvature"):
+        need("step_curvature", group["step_curvature"] in STEP_CURVATURES, f"one of {STEP_CURVATURES}")
+    if has("mean_weight_decay"):
+        mwd = group["mean_weight_decay"]
+        need("mean_weight_decay", mwd is None or (finite(mwd) and mwd >= 0.0), "None or a finite number >= 0")
+    if has("curvature_refit"):
+        need("curvature_refit", is_int(group["curvature_refit"]) and group["curvature_refit"] >= 0, "an integer >= 0")
     if has("clip_radius"):
         need("clip_radius", is_real(group["clip_radius"]) and group["clip_radius"] > 0.0, "a number > 0")
     if has("eps"):
@@ -197,4 +208,8 @@ GROUP_KEYS = (
     "init_std_ratio",
     "eps",
     "adamw_eps",
+    "hess_estimator",
+    "curvature_refit",
+    "step_curvature",
+    "mean_weight_decay",
 )

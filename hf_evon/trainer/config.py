@@ -14,16 +14,19 @@ from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
-from hf_evon.optim.checks import CLIP_MODES
+from hf_evon.optim.checks import CLIP_MODES, HESS_ESTIMATORS, STEP_CURVATURES
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
     DEFAULT_BETAS,
     DEFAULT_CLIP_RADIUS,
+    DEFAULT_CURVATURE_REFIT,
     DEFAULT_FINETUNING_LR,
     DEFAULT_HESS_CLIP_RATIO,
+    DEFAULT_HESS_ESTIMATOR,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_PRIOR_STD_RATIO,
+    DEFAULT_STEP_CURVATURE,
     STEP_RATIOS,
     default_hess_init,
     default_weight_decay,
@@ -166,6 +169,33 @@ class EVONConfig(TrainingArguments):
             "None (or 0 on the command line) disables it. The paper's CLIP runs use 2.0."
         },
     )
+    evon_hess_estimator: str = field(
+        default=DEFAULT_HESS_ESTIMATOR,
+        metadata={
+            "help": "How H is estimated: 'fisher' (EMA of the squared rotated gradient; ess='auto' and "
+            "evon_weight_decay=None are then refit from it) or 'price' (the paper's Stein estimate).",
+            "choices": list(HESS_ESTIMATORS),
+        },
+    )
+    evon_curvature_refit: int = field(
+        default=DEFAULT_CURVATURE_REFIT,
+        metadata={"help": "Refit the 'auto' ess and the None weight decay from H every this many steps (0: never)."},
+    )
+    evon_step_curvature: str = field(
+        default=DEFAULT_STEP_CURVATURE,
+        metadata={
+            "help": "What the step divides by: 'matrix' (each matrix's mean H + δ) or 'entry' (the paper's "
+            "per-entry Newton step).",
+            "choices": list(STEP_CURVATURES),
+        },
+    )
+    evon_mean_weight_decay: float | None = field(
+        default=None,
+        metadata={
+            "help": "An L2 pull on the mean besides the prior's. None: the prior's default from h0 where "
+            "evon_weight_decay is fitted to the curvature, else 0."
+        },
+    )
     evon_clip: str | None = field(
         default=None,
         metadata={
@@ -295,6 +325,10 @@ class EVONConfig(TrainingArguments):
         "evon_precondition_frequency": "precondition_frequency",
         "evon_max_precond_dim": "max_precond_dim",
         "evon_hess_clip_ratio": "hess_clip_ratio",
+        "evon_hess_estimator": "hess_estimator",
+        "evon_curvature_refit": "curvature_refit",
+        "evon_step_curvature": "step_curvature",
+        "evon_mean_weight_decay": "mean_weight_decay",
         "evon_clip": "clip",
         "evon_clip_radius": "clip_radius",
         "evon_snr_scaling": "snr_scaling",
@@ -471,6 +505,10 @@ class EVONConfig(TrainingArguments):
             "max_precond_dim": self.evon_max_precond_dim,
             "shampoo_beta": self.evon_shampoo_beta,
             "hess_clip_ratio": self.evon_hess_clip_ratio,
+            "hess_estimator": self.evon_hess_estimator,
+            "curvature_refit": self.evon_curvature_refit,
+            "step_curvature": self.evon_step_curvature,
+            "mean_weight_decay": self.evon_mean_weight_decay,
             "clip": self.evon_clip,
             "clip_radius": self.evon_clip_radius,
             "snr_scaling": self.evon_snr_scaling,

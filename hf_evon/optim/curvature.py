@@ -1,0 +1,191 @@
+"""ζ and δ fitted to the curvature EVON has measured (``ess="auto"``, ``weight_decay=None``
+under the Fisher estimate).
+
+H is the data's curvature in the eigenbasis, on a scale no default can know in advance (it
+follows the loss, the batch and the layer) and falling as the model fits. So the prior and the
+noise level are refit from it every ``curvature_refit`` steps:
+
+- δ = the ``PRIOR_QUANTILE`` (30%) quantile of the group's H: the data, not the prior, sets the
+  variance of the other 70% of the entries; the directions the data constrains least (H near 0)
+  keep the prior's variance 1/(ζδ), which stays within a few times the pooled variance (at
+  least 15% of the entries have H ≤ δ, so the prior's share of the mean below is ≥ 0.15);
+- ζ such that the pooled posterior variance, mean 1/(ζ(H+δ)), is r² × the weights' mean square,
+  r = ``noise_std_ratio(t)``: the noise level is set, its shape across entries and matrices is H's.
+
+Both come from sums over every entry (the quantile from a histogram of log10 H in bins of
+``HIST_STEP`` decades), so they pool over ranks like the health statistics (one gather each,
+every ``curvature_refit`` steps) and a sharded run fits the numbers a single process does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hf_evon.optim.buckets import Bucket
+from hf_evon.optim.defaults import (
+    AUTO_ESS,
+    DEFAULT_INIT_STD_RATIO,
+    PRIOR_QUANTILE,
+    default_weight_decay,
+    noise_std_ratio,
+)
+from hf_evon.optim.hooks import ShardingHooks
+
+__all__ = [
+    "curvature_fitted",
+    "fit_from_curvature",
+    "fitted_ess",
+    "fitted_prior",
+    "log_histogram",
+    "mean_pull",
+    "refit_due",
+    "resolve_mean_weight_decay",
+    "uses_fisher",
+]
+
+Tensor = torch.Tensor
+
+# the histogram of log10 H: bins of HIST_STEP decades from HIST_LOW to HIST_LOW + HIST_BINS·HIST_STEP
+# = 1e5; H = 0 (and anything below float32's normal range) counts in the first
+HIST_LOW, HIST_STEP, HIST_BINS = -45.0, 0.1, 500
+
+
+def curvature_fitted(group: dict[str, Any]) -> tuple[str, ...]:
+    """The hyperparameters of a new group that are fitted to its curvature, under the Fisher
+    estimate with a refit period: ``ess`` if "auto", and then ``weight_decay`` too if None. A
+    given ζ keeps the default δ: a δ on H's scale, which the given ζ knows nothing of, would make
+    the prior's variance 1/(ζδ) arbitrary."""
+    if group.get("algorithm", "evon") != "evon" or group.get("hess_estimator") != "fisher":
+        return ()
+    if not group.get("curvature_refit") or group.get("ess") != AUTO_ESS:
+        return ()
+    return ("ess", "weight_decay") if group.get("weight_decay", 0.0) is None else ("ess",)
+
+
+def mean_pull(group: dict[str, Any]) -> float:
+    """λ: the L2 pull on the mean, the prior's δ plus the group's ``mean_weight_decay``."""
+    return group["weight_decay"] + (group.get("mean_weight_decay") or 0.0)
+
+
+def uses_fisher(group: dict[str, Any]) -> bool:
+    """Whether a group's H is the Fisher estimate (groups saved before the option: the Price one)."""
+    ess = group.get("ess")
+    return group.get("hess_estimator", "price") == "fisher" and not (
+        isinstance(ess, float) and math.isinf(ess)
+    )
+
+
+def resolve_mean_weight_decay(group: dict[str, Any]) -> None:
+    """Replace a group's ``mean_weight_decay=None`` (in place): where δ is fitted to the curvature
+    (and so far below what regularises the mean), the δ the defaults would give from h0
+    (``default_weight_decay``: the pull the mean trains well with, docs/defaults.md#step-curvature);
+    elsewhere 0, as δ already pulls the mean."""
+    if group.get("algorithm", "evon") != "evon" or group.get("mean_weight_decay", 0.0) is not None:
+        return
+    fitted = "weight_decay" in group.get("fit_to_curvature", ())
+    ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+    group["mean_weight_decay"] = default_weight_decay(group["hess_init"], ratio) if fitted else 0.0
+
+
+def log_histogram(hess: Tensor) -> Tensor:
+    """Per matrix of ``hess`` (B, m, n), the counts of log10 H in the ``HIST_BINS`` bins, (B, bins)."""
+    hess = hess.float()
+    log_h = hess.clamp_min(torch.finfo(torch.float32).tiny).log10()
+    idx = ((log_h - HIST_LOW) / HIST_STEP).floor().clamp_(0, HIST_BINS - 1).long()
+    idx = torch.where(hess > 0, idx, 0).flatten(1)  # no curvature: the first bin
+    counts = torch.zeros(hess.shape[0], HIST_BINS, dtype=torch.float64, device=hess.device)
+    return counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
+
+
+def fitted_prior(counts: Tensor) -> float | None:
+    """δ: the upper edge of the bin where the ``PRIOR_QUANTILE`` of the histogram ``counts`` is
+    reached (None: that is the first bin: no curvature measured there)."""
+    total = float(counts.sum())
+    if total == 0:
+        return None
+    k = int(torch.searchsorted(counts.cumsum(0), torch.tensor(PRIOR_QUANTILE * total, dtype=counts.dtype)))
+    return 10.0 ** (HIST_LOW + (k + 1) * HIST_STEP) if k > 0 else None
+
+
+def fitted_ess(inv_sum: float, numel: int, w_sq_sum: float, ratio: float) -> float | None:
+    """ζ with mean 1/(ζ(H+δ)) = ``ratio``²·mean W² from Σ 1/(H+δ) and Σ W² over ``numel``
+    entries (None: the weights are all zero, their scale says nothing)."""
+    if numel == 0 or w_sq_sum <= 0.0 or not math.isfinite(inv_sum):
+        return None
+    return (inv_sum / numel) / (ratio**2 * w_sq_sum / numel)
+
+
+def refit_due(group: dict[str, Any], t: int) -> bool:
+    """Whether the group's fitted ζ/δ are refit after the optimizer's ``t``-th update: after the
+    second, the first to estimate H (the first only sets up the eigenbases; left alone, the
+    noise would then be the prior's until the next fit), and every ``curvature_refit`` updates."""
+    every = group.get("curvature_refit", 0)
+    return bool(group.get("fit_to_curvature")) and every > 0 and (t == 2 or (t > 0 and t % every == 0))
+
+
+@torch.no_grad()
+def fit_from_curvature(
+    groups: list[dict[str, Any]], buckets: list[Bucket], hooks: ShardingHooks, t: int
+) -> None:
+    """Refit δ and then ζ of each of ``groups`` (those named in its ``fit_to_curvature``) from the
+    H of its ``buckets`` on every rank (two pooled reductions), after the ``t``-th update.
+
+    Sums are taken per matrix and added in the matrices' order in their group, so a sharded run
+    (each rank holding some matrices) fits the very numbers a single process does."""
+    index = {id(g): i for i, g in enumerate(groups)}
+    mine = [b for b in buckets if id(b.group) in index]
+    # each member's place: (group, position in the group's params), the order sums are added in
+    places = []
+    for b in mine:
+        where = {id(p): k for k, p in enumerate(b.group["params"])}
+        places.append(
+            torch.tensor(
+                [(index[id(b.group)], where[id(hooks.model_param(p))]) for p in b.params], dtype=torch.float64
+            )
+        )
+
+    def pooled(columns: list[Tensor], width: int) -> Tensor:
+        """Per group, the ``width`` columns of every rank's matrices (a bucket's (B, width)
+        rows) summed in a fixed order: the matrices' places."""
+        rows = [torch.cat([place, c.double().cpu()], dim=1) for place, c in zip(places, columns)]
+        local = torch.cat(rows) if rows else torch.zeros(0, 2 + width, dtype=torch.float64)
+        everything, _ = hooks.pool_rows(local, 0)  # one sync; sharded: every rank's rows
+        order = sorted(range(len(everything)), key=lambda r: tuple(everything[r, :2].tolist()))
+        everything = everything[order]
+        out = torch.zeros(len(groups), width, dtype=torch.float64)
+        for gi in range(len(groups)):
+            part = everything[everything[:, 0] == gi, 2:]
+            if len(part):
+                out[gi] = part.cumsum(0)[-1]  # a sequential sum: the same order, the same bits
+        return out
+
+    first = []
+    for b in mine:
+        hess = b.state["hess"]
+        numel = torch.full(
+            (len(b.params), 1), float(hess[0].numel()), dtype=torch.float64, device=hess.device
+        )
+        w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).double().square()
+        first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
+    sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
+    for gi, group in enumerate(groups):
+        if "weight_decay" in group["fit_to_curvature"]:
+            delta = fitted_prior(sums[gi, 2:])
+            if delta is not None:
+                group["weight_decay"] = delta
+    second = [
+        torch.reciprocal(b.state["hess"].double() + b.group["weight_decay"]).sum(dim=(1, 2))[:, None]
+        for b in mine
+    ]
+    inv = pooled(second, 1)
+    for gi, group in enumerate(groups):
+        if "ess" in group["fit_to_curvature"]:
+            ratio = noise_std_ratio(
+                t, group["hess_init"], group["betas"][1], group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+            )
+            ess = fitted_ess(float(inv[gi, 0]), int(sums[gi, 1]), float(sums[gi, 0]), ratio)
+            if ess is not None:
+                group["ess"] = ess
