@@ -395,3 +395,15 @@ def test_calibration_shifts_a_gpt2s_labels_unless_told_otherwise() -> None:
     }
     assert results[None].nll == results[True].nll and results[None].mean_nll == results[True].mean_nll
     assert results[None].num_targets == 4 * 11 and results[False].num_targets == 4 * 12
+
+
+def test_a_nan_in_the_held_out_inputs_is_refused_naming_the_batch() -> None:
+    """Issue 33 item 9: one NaN input made every NLL NaN, and the search returned normally with
+    "the mean", the temperature grid's end and a config reading "NLL nan vs nan"."""
+    model, post, cal, _ = trained()
+    x, y = cal[1]
+    x = x.clone()
+    x[3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"batch 1 .*non-finite"):
+        calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)
+    assert post.ess == post.config.get("trained_ess", post.ess)  # the posterior is untouched

@@ -141,13 +141,25 @@ def _temperature_nll(logits: Tensor, labels: Tensor, shift: bool, temperatures: 
 def _pass(
     model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float] = ()
 ) -> tuple[Tensor, Tensor]:
-    """log p(label) of every target, and the summed NLL of softmax(logits / T) per temperature."""
+    """log p(label) of every target, and the summed NLL of softmax(logits / T) per temperature.
+
+    With ``temperatures`` (the pass at the posterior mean) a non-finite log-likelihood raises,
+    naming the first such batch: a NaN in the held-out data would otherwise make every NLL NaN
+    and the search "choose" the mean and the temperature grid's end."""
     out, nll = [], torch.zeros(len(temperatures), dtype=torch.float64)
     for call, labels in map(_split, batches):
         logits = _logits(call(model))
         out.append(target_log_probs(logits, labels, shift))
         if temperatures:
             nll += _temperature_nll(logits, labels, shift, temperatures).cpu()
+    if temperatures and out:
+        bad = [bool(b) for b in torch.stack([~torch.isfinite(x).all() for x in out]).tolist()]  # one sync
+        if any(bad):
+            raise ValueError(
+                f"calibrate_posterior: batch {bad.index(True)} (counting from 0) has a non-finite "
+                "log-likelihood at the posterior mean: NaN or inf in its inputs, or a model output that "
+                "overflows. Calibration needs finite held-out NLLs; clean or drop that batch"
+            )
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)), nll
 
 
