@@ -433,6 +433,37 @@ def test_sampled_params_restores_weights_bit_for_bit(train: bool) -> None:
     train_step(model, opt, data)  # still usable: the failed sample left no trace
 
 
+def test_an_interrupt_during_a_samples_exit_restores_every_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33 item 2.1: a KeyboardInterrupt while the block records its sample aborted the
+    clean-up: the later buckets kept the sampled weights, the optimizer stayed "in a sample",
+    a save stored noise as the mean and every later block said "cannot be nested"."""
+    from hf_evon.optim.buckets import Bucket
+
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    assert len(opt.buckets) > 1  # the interrupt lands in the first bucket: the others must be restored
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads_before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    record = Bucket.record_sample
+
+    def interrupted(self: Bucket, alone: bool) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Bucket, "record_sample", interrupted)
+    with pytest.raises(KeyboardInterrupt), opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+    monkeypatch.setattr(Bucket, "record_sample", record)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    for n, p in model.named_parameters():  # .grad as at the block's entry
+        assert (p.grad is None) == (grads_before[n] is None) and (p.grad is None or torch.equal(p.grad, grads_before[n]))
+    assert opt.recorded_samples == 0
+    opt.zero_grad()
+    train_step(model, opt, data)  # not "in a sample": the optimizer is usable
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_step_without_sampled_params_raises() -> None:
     model, data = make_model(), make_data()
     opt = make_opt(model)

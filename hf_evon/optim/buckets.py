@@ -26,6 +26,7 @@ __all__ = [
     "assign_refresh_phases",
     "auto_ess",
     "refuse_dtensors",
+    "restore_means",
     "group_buckets",
     "is_dtensor",
     "matrix_shape",
@@ -69,6 +70,14 @@ def refuse_dtensors(param_groups: list[dict[str, Any]], label: Callable[[Tensor]
                     "(fully_shard) call hf_evon.prepare_distributed(model, optimizer) before the "
                     "first sampled_params()/step() (it shards EVON over the mesh)"
                 )
+
+
+def restore_means(buckets: list[Bucket]) -> None:
+    """Write back the mean of every bucket that holds a sample, and forget the sample."""
+    for b in buckets:
+        if b.mean is not None:
+            b.write_params(b.mean, b.live)
+        b.mean = b.z = b.live = None
 
 
 def state_dtype(param: Tensor) -> torch.dtype:

@@ -36,6 +36,7 @@ from hf_evon.optim.buckets import (
     auto_ess,
     group_buckets,
     refuse_dtensors,
+    restore_means,
     restore_state_dtypes,
     stack_state,
 )
@@ -329,9 +330,9 @@ class EVON(Optimizer):
         accumulating without it give the same update. Gradients the previous ``step()``
         consumed and nobody cleared are dropped, not counted again.
         On exit, also on an exception, the mean is restored bit-for-bit; a sample whose block
-        raised is not recorded and its gradient is discarded (``.grad`` is as before the
-        block, less gradients the last step consumed). Frozen parameters
-        (``requires_grad=False``) are not perturbed.
+        raised is not recorded and its gradient is discarded (``.grad`` as before the block, less
+        what the last step consumed); an interrupted exit also drops the step's earlier samples.
+        Frozen parameters (``requires_grad=False``) are not perturbed.
         ``train=False`` only samples (evaluation, BMA).
         """
         if self._in_sample:
@@ -340,7 +341,7 @@ class EVON(Optimizer):
         self._sample_blocks += 1
         perturbed: list[Bucket] = []
         stash = set_aside_grads(self.param_groups, self._consumed) if train else None
-        ok = False
+        ok = exited = False
         try:
             with torch.no_grad():
                 self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
@@ -353,20 +354,26 @@ class EVON(Optimizer):
             yield
             ok = True
         finally:
-            with torch.no_grad():
-                self._hooks.end_sample(recorded=ok and train)
-                kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
-                for b in perturbed:
-                    if b.mean is not None:
-                        b.write_params(b.mean, b.live)
-                    if ok and b.z is not None:
-                        b.record_sample(alone=not any(id(p) in kept for p in b.params))
-                    b.mean = b.z = b.live = None
-                if stash is not None:
-                    restore_grads(stash, ok)
-            if ok and train:
-                self._samples += 1
-            self._in_sample = False
+            try:
+                with torch.no_grad():
+                    self._hooks.end_sample(recorded=ok and train)
+                    kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
+                    for b in perturbed if ok else ():
+                        if b.z is not None:
+                            b.record_sample(alone=not any(id(p) in kept for p in b.params))
+                    restore_means(perturbed)
+                    if stash is not None:
+                        restore_grads(stash, ok)
+                self._samples += int(ok and train)
+                exited = True
+            finally:
+                if not exited:  # interrupted (Ctrl-C) mid-exit: the means back, the step's samples dropped
+                    with torch.no_grad():
+                        restore_means(perturbed)
+                        if stash is not None:
+                            restore_grads(stash, False)
+                    self._discard_samples()
+                self._in_sample = False
 
     def _standard_normal(self, b: Bucket) -> Tensor:
         """The bucket's draw ``z``: this rank's stream, or (sharded) one stream per matrix."""
