@@ -160,3 +160,24 @@ def test_evaluation_with_no_label_token_reports_nan_not_a_perfect_score(tmp_path
     metrics = trainer.evaluate()
     for key in ("eval_mean_nll", "eval_mean_perplexity", "eval_bma_nll", "eval_bma_perplexity"):
         assert math.isnan(metrics[key]), (key, metrics[key])
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: classification_data(8).map(lambda r: {"labels": -100}), "no labelled target"),
+        (lambda: classification_data(8).remove_columns("labels"), "no 'labels'"),
+        (lambda: classification_data(8).map(lambda r: {"input_ids": [5000] * 8}), "beyond the model's vocabulary"),
+    ],
+    ids=["every-label-ignored", "no-labels", "another-tokenizer"],
+)
+def test_unusable_calibration_data_is_refused_before_the_first_step(tmp_path, make, match) -> None:
+    """Issue 33 item 8: an unusable calibration set raised only once training had finished, so
+    `trainer.train(); trainer.save_model()` lost the run."""
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=3), train_dataset=classification_data(),
+        calibration_dataset=make(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert trainer.state.global_step == 0  # refused before any step

@@ -298,6 +298,28 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
             return posterior
         return self.posterior
 
+    def _check_calibration_data(self) -> None:
+        """Raise, naming ``calibration_dataset``, where :meth:`calibrate` would fail at the end of
+        training: no batches, no ``labels``, no labelled target, or token ids the model's
+        embedding does not have (another tokenizer's)."""
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        targets = 0
+        for i, batch in enumerate(self.get_eval_dataloader(self.calibration_dataset)):
+            if not isinstance(batch, Mapping) or "labels" not in batch:
+                raise ValueError(f"EVONTrainer: calibration_dataset batch {i} has no 'labels'")
+            ids = batch.get("input_ids")
+            if vocab is not None and isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab:
+                raise ValueError(
+                    f"EVONTrainer: calibration_dataset batch {i} has token id {int(ids.max())}, beyond the model's "
+                    f"vocabulary ({vocab}): tokenized by another tokenizer?"
+                )
+            targets += int(count_label_items(batch["labels"], self._causal_lm) or 0)
+        if targets == 0:
+            raise ValueError(
+                "EVONTrainer: calibration_dataset has no labelled target (empty, or every label -100): "
+                "calibrate() would fail after training; pass held-out examples with labels"
+            )
+
     def calibrate(
         self,
         dataset: Any = None,
@@ -517,6 +539,8 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         """The subclass's ``train()``; then the best checkpoint's posterior (``load_best_model_at_end``)
         and, with a ``calibration_dataset``, :meth:`calibrate`."""
         self._check_fsdp_plugin()
+        if self.calibration_dataset is not None:
+            self._check_calibration_data()  # before the first step: not after the whole run
         self._posterior_from_checkpoint = False
         self._evon_fsdp2_resume = None
         self._evon_in_training, self._evon_evaluations, self._evon_evaluated_step = True, 0, -1
