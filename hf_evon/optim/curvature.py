@@ -153,8 +153,9 @@ def fit_from_curvature(
         rows = [torch.cat([place, c.double().cpu()], dim=1) for place, c in zip(places, columns)]
         local = torch.cat(rows) if rows else torch.zeros(0, 2 + width, dtype=torch.float64)
         everything, _ = hooks.pool_rows(local, 0)  # one sync; sharded: every rank's rows
-        order = sorted(range(len(everything)), key=lambda r: tuple(everything[r, :2].tolist()))
-        everything = everything[order]
+        # by (group, position): a stable sort on the position, then one on the group
+        everything = everything[torch.argsort(everything[:, 1], stable=True)]
+        everything = everything[torch.argsort(everything[:, 0], stable=True)]
         out = torch.zeros(len(groups), width, dtype=torch.float64)
         for gi in range(len(groups)):
             part = everything[everything[:, 0] == gi, 2:]
