@@ -13,8 +13,15 @@ import re
 import uuid
 from collections.abc import Iterator
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
     "atomic_write",
+    "directory_lock",
+    "looks_like_local_path",
     "fsync_dir",
     "fsync_file",
     "replaced_atomically",
@@ -79,3 +86,41 @@ def atomic_write(path: str, data: bytes | str) -> None:
     payload = data.encode("utf-8") if isinstance(data, str) else data
     with replaced_atomically(path) as tmp, open(tmp, "wb") as fh:
         fh.write(payload)
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` itself (no lock file is left behind).
+
+    Writers that take it run one after the other, so one writer's clean-up never removes what
+    another is still writing. The kernel drops the lock when its holder dies, so a killed
+    writer never blocks the next one. Where the platform has no ``flock`` (Windows) this
+    does not lock, nor where the file system refuses locks.
+    """
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (ENOLCK, EOPNOTSUPP): as where there is no flock
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def looks_like_local_path(value: str) -> bool:
+    """Whether ``value`` is meant as a local path rather than a Hub repo id: it starts like a path,
+    has more than one ``/`` (a repo id has at most one), uses the platform's other separator, or
+    its first component is a directory here (``out/run`` beside an ``out/`` folder). Hub clients
+    answer a mistyped local path with "Repo id must be in the form ..." or, offline, with retries."""
+    first = value.split("/", 1)[0]
+    return (
+        value.startswith((".", "/", "~", os.sep))
+        or value.count("/") > 1
+        or (os.altsep is not None and os.altsep in value)
+        or (os.sep != "/" and os.sep in value)
+        or ("/" in value and os.path.isdir(first))
+    )

@@ -260,6 +260,18 @@ def test_missing_local_directory_is_not_reported_as_a_repo_id(tmp_path, capsys, 
     )
 
 
+def test_a_missing_run_beside_an_existing_output_folder_is_local(tmp_path, capsys, monkeypatch):
+    """Issue 33 §3: ``--model out/nonexistent`` (one ``/``, a valid repo-id form) was taken for a
+    Hub id and retried for ~46 s offline. Where ``out/`` is a folder here it is a local path."""
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code = main(["generate", "--model", "out/nonexistent", "--prompt", "x", "--device", "cpu"])
+    assert code == 2
+    assert "--model 'out/nonexistent': no such local directory" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        EVONPosterior.from_pretrained("out/nonexistent")
+
+
 def test_a_file_or_an_invalid_name_is_neither_directory_nor_repo_id(saved, capsys):
     path, *_ = saved
     weights = str(path / "model.safetensors")
@@ -313,14 +325,16 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
 
     config_path = directory / "evon_posterior_config.json"
     config = json.loads(config_path.read_text())
-    config["calibration"] = {"ess": "inf", "nll_before": 2.5, "nll_after": 2.25}
+    # a record needs ess, trained_ess and mean_nll (validated on load); other keys are kept as written
+    config["calibration"] = {"ess": "inf", "trained_ess": 30.0, "mean_nll": 2.25, "nll_before": 2.5}
     config_path.write_text(json.dumps(config))
     assert main(["inspect", str(directory), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["calibration"] == config["calibration"]
     assert main(["inspect", str(directory)]) == 0
     text = capsys.readouterr().out
     assert (
-        "calibration: ess inf, nll_before 2.5, nll_after 2.25 (from evon_posterior_config.json, 'calibration')"
+        "calibration: ess inf, trained_ess 30, mean_nll 2.25, nll_before 2.5 "
+        "(from evon_posterior_config.json, 'calibration')"
         in text
     )
 
@@ -432,3 +446,104 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     # a missing text file is a usage error, not a traceback
     assert main([*argv[:-4], "--text", str(tmp_path / "nope.txt"), "--output", str(out)]) == 2
     assert "is not a file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- files that do not load
+def _copy_of(saved, tmp_path):
+    path = saved[0]
+    target = tmp_path / "copy"
+    shutil.copytree(path, target)
+    return target
+
+
+def _nested_json(path, depth: int = 100_000) -> None:
+    text = path.read_text().rstrip()
+    path.write_text(text[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}")
+
+
+def _evil_pickle(directory) -> None:
+    class Evil:
+        def __reduce__(self):
+            return (print, ("UNPICKLED-CODE-RAN",))
+
+    os.remove(directory / "model.safetensors")
+    torch.save({"x": Evil()}, directory / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("truncated", "a safetensors file could not be read"),
+        ("deep_model_config", "nests too deeply"),
+        ("pickle", "refusing to load a pickled file"),
+        ("deep_posterior_config", "evon_posterior_config.json: the config nests"),
+    ],
+)
+def test_a_file_that_does_not_load_is_one_error_line(saved, tmp_path, capsys, fault, message):
+    """Issue 33 item 13: no traceback, one line naming what failed, exit code 1."""
+    directory = _copy_of(saved, tmp_path)
+    if fault == "truncated":
+        weights = directory / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif fault == "deep_model_config":
+        _nested_json(directory / "config.json")
+    elif fault == "pickle":
+        _evil_pickle(directory)
+    else:
+        _nested_json(directory / "evon_posterior_config.json")
+    code = main(["generate", "--model", str(directory), "--prompt-ids", "5 6", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    lines = [
+        line for line in err.splitlines() if line.strip() and "Loading weights" not in line
+    ]  # progress bars
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("hf-evon generate: error:") and message in lines[0], err
+    assert str(directory) in lines[0] and "UNPICKLED-CODE-RAN" not in out + err
+
+
+def test_a_full_disk_while_calibrating_is_one_error_line(saved, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from safetensors import SafetensorError
+
+    import hf_evon.posterior.format as format_module
+
+    path = saved[0]
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out")]
+    argv += ["--block-size", "16", "--samples", "2", "--max-blocks", "2"]
+    for failure in (
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        OSError(errno.ENOSPC, "No space left on device"),
+    ):
+
+        def full(*args, _failure=failure, **kwargs):
+            raise _failure
+
+        monkeypatch.setattr(format_module, "save_file", full)
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        lines = [
+            line for line in err.splitlines() if line.strip() and "Loading weights" not in line
+        ]  # progress bars
+        assert "Traceback" not in err and len(lines) == 1, err
+        assert "--output" in lines[0] and "No space left on device" in lines[0], lines
+
+
+def test_inspect_a_directory_whose_first_save_was_killed_after_the_switch(saved, tmp_path, capsys):
+    """Item 4: the config names the staged weights (the canonical file was never written); it
+    loads, so inspect reports it, with the file the config names."""
+    posterior = saved[3]
+    directory = tmp_path / "first"
+    posterior.save_pretrained(directory)
+    config = json.loads((directory / "evon_posterior_config.json").read_text())
+    staged = f"evon_posterior.{config['checkpoint_id']}.safetensors"
+    os.rename(directory / "evon_posterior.safetensors", directory / staged)
+    config["weights_file"] = staged
+    (directory / "evon_posterior_config.json").write_text(json.dumps(config))
+    assert EVONPosterior.from_pretrained(directory).names == posterior.names
+    assert main(["inspect", str(directory), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert files[staged] == (directory / staged).stat().st_size and "evon_posterior.safetensors" not in files

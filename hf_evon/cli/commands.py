@@ -23,6 +23,7 @@ torch, transformers and the rest of hf_evon are imported inside the commands, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,6 +36,8 @@ from typing import Any
 
 from hf_evon.cli.loading import (
     UsageError,
+    file_error_text,
+    file_errors,
     from_location,
     load_model_posterior_tokenizer,
     resolve_device,
@@ -270,14 +273,21 @@ def _add_inspect(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def _file_sizes(args: argparse.Namespace) -> dict[str, int]:
-    """Bytes of the posterior files and, for a local directory, of the model weights beside them."""
+def _file_sizes(args: argparse.Namespace, posterior: Any) -> dict[str, int]:
+    """Bytes of the posterior files and, for a local directory, of the model weights beside them.
+
+    The weights file is the one the config names (after a killed save, a staged one); a file
+    that a save running meanwhile has removed is left out.
+    """
     from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 
-    names = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+    names = (posterior.config.get("weights_file") or POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
     if os.path.isdir(args.location):
         directory = os.path.join(args.location, args.subfolder) if args.subfolder else args.location
-        sizes = {f: os.path.getsize(os.path.join(directory, f)) for f in names}
+        sizes = {}
+        for f in names:
+            with contextlib.suppress(FileNotFoundError):
+                sizes[f] = os.path.getsize(os.path.join(directory, f))
         for f in sorted(os.listdir(args.location)):
             if MODEL_WEIGHT_FILE.fullmatch(f):
                 sizes[f] = os.path.getsize(os.path.join(args.location, f))
@@ -371,7 +381,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         ),
     )
     summary = inspect_posterior(posterior)
-    summary["files"] = _file_sizes(args)
+    summary["files"] = _file_sizes(args, posterior)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -465,7 +475,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True,
         standard_errors=args.standard_errors, min_gain=args.min_gain,
     )  # fmt: skip
-    calibrated.save_pretrained(args.output)
+    try:
+        calibrated.save_pretrained(args.output)
+    except (OSError, *file_errors()) as err:  # e.g. a full disk
+        text = str(err) if isinstance(err, OSError) else file_error_text(err)
+        raise ValueError(f"--output {args.output!r}: cannot save the calibrated posterior ({text})") from err
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -509,5 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (ValueError, NotImplementedError, OSError) as err:
         print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
+        return 1
+    except file_errors() as err:
+        print(f"{args.parser.prog}: error: {file_error_text(err)}", file=sys.stderr)
         return 1
 

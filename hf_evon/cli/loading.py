@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from typing import Any
+
+from hf_evon.fileio import looks_like_local_path
 
 
 # --------------------------------------------------------------------- shared helpers
 class UsageError(ValueError):
     """The command line asks for something impossible; reported like argparse's errors (exit 2)."""
-
-
-def _looks_local(value: str) -> bool:
-    """Whether ``value`` is meant as a local path (a Hub repo id has at most one ``/``)."""
-    return (
-        value.startswith((".", "/", "~", os.sep))
-        or value.count("/") > 1
-        or (os.altsep is not None and os.altsep in value)
-        or (os.sep != "/" and os.sep in value)
-    )
 
 
 def check_location(value: str, option: str) -> str:
@@ -38,7 +31,7 @@ def check_location(value: str, option: str) -> str:
         return "local"
     if os.path.exists(value):
         raise UsageError(f"{option} {value!r} is a file; pass the directory that holds it")
-    if _looks_local(value):
+    if looks_like_local_path(value):
         raise UsageError(f"{option} {value!r}: no such local directory")
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -51,11 +44,42 @@ def check_location(value: str, option: str) -> str:
     return "hub"
 
 
+def file_errors() -> tuple[type[BaseException], ...]:
+    """What reading or writing a model's or a posterior's files raises besides OSError/ValueError:
+    safetensors' own error (a truncated file; a full disk while writing), a refused pickle, and
+    JSON nested deeper than Python's recursion limit. (An ``except`` evaluates it only once an
+    exception is raised, so safetensors is imported only then.)"""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return (SafetensorError, pickle.UnpicklingError, RecursionError)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def file_error_text(err: BaseException) -> str:
+    """One line: what failed, and the first line of the library's message."""
+    import pickle
+
+    lines = (_ANSI.sub("", line).strip() for line in str(err).splitlines())
+    first = next((line for line in lines if line), type(err).__name__)
+    if isinstance(err, pickle.UnpicklingError):
+        return f"refusing to load a pickled file: loading it could run code ({first})"
+    if isinstance(err, RecursionError):
+        return f"a file nests too deeply to read ({first})"
+    return f"a safetensors file could not be read or written ({first})"
+
+
 def from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
-    """``load()``, with a Hub failure reported as such (the value was not a local directory)."""
+    """``load()``, with a Hub failure reported as such (the value was not a local directory), and
+    a file that does not load reported with the option it came from."""
     where = check_location(value, option)
     try:
         return load()
+    except file_errors() as err:
+        raise ValueError(f"{option} {value!r}: {file_error_text(err)}") from err
     except OSError as err:
         if where == "local":
             raise

@@ -7,6 +7,7 @@ from hf_evon.posterior.config import (
     PosteriorConfig,
     PosteriorMismatchError,
 )
+from hf_evon.posterior.fingerprint import PosteriorMeanWarning
 from hf_evon.posterior.gaussian import MatrixFactors
 from hf_evon.posterior.posterior import EVONPosterior
 
@@ -17,5 +18,6 @@ __all__ = [
     "EVONPosterior",
     "MatrixFactors",
     "PosteriorConfig",
+    "PosteriorMeanWarning",
     "PosteriorMismatchError",
 ]

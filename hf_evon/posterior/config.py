@@ -104,6 +104,26 @@ def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
         raise PosteriorMismatchError(f"{where}: weight_decay must be finite and >= 0; got {weight_decay!r}")
 
 
+# a saved config nests 4 levels (parameters.<name>.shape); writing it back recurses per level
+MAX_CONFIG_DEPTH = 64
+
+
+def check_depth(raw: Any, where: str) -> None:
+    """Refuse JSON nested deeper than ``MAX_CONFIG_DEPTH`` (walked without recursion), so that
+    no later step (validation, ``to_json``) can hit Python's recursion limit on it."""
+    stack = [(raw, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_CONFIG_DEPTH:
+            raise PosteriorMismatchError(
+                f"{where}: the config nests lists/objects deeper than {MAX_CONFIG_DEPTH} levels"
+            )
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
 # ----------------------------------------------------------------------------- JSON rules
 # Each rule takes (JSON value, field name, where) and returns the Python value or raises an
 # error naming the field: wrong JSON types are refused, never coerced or truncated.
@@ -179,10 +199,114 @@ def _weights_file(value: Any, field: str, where: str) -> str:
     return value
 
 
-def _object(value: Any, field: str, where: str) -> dict[str, Any]:
-    """A JSON object, kept as written (its schema belongs to the code that writes it)."""
+# characters a path may hold here besides letters, digits and spaces are refused where they would
+# end a string, a code span or a table cell of the model card, or start markup
+_BASE_MODEL_REFUSED = re.compile(r"[\"'`<>|\\\x00-\x1f\x7f-\x9f\u2028\u2029]")
+MAX_BASE_MODEL_CHARS = 1024
+
+
+def _base_model(value: Any, field: str, where: str) -> str:
+    """A Hub id or a path: it is shown in model cards and pasted into their code, so a config
+    from elsewhere must not carry quotes, backquotes, markup or control characters."""
+    if (
+        not isinstance(value, str)
+        or not value.strip()
+        or len(value) > MAX_BASE_MODEL_CHARS
+        or _BASE_MODEL_REFUSED.search(value)
+    ):
+        raise _rule_error(
+            where,
+            field,
+            f"a Hub id or a path of at most {MAX_BASE_MODEL_CHARS} characters, without quotes, "
+            "backquotes, backslashes, '<', '>', '|' or control characters",
+            value,
+        )
+    return value
+
+
+def recordable_base_model(value: str | None) -> str | None:
+    """``value`` where a config may record it as ``base_model`` (see ``_base_model``), else None:
+    a model loaded from an unusual path is saved without naming it rather than not saved."""
+    if value is None:
+        return None
+    try:
+        return _base_model(value, "base_model", "")
+    except PosteriorMismatchError:
+        return None
+
+
+def _json_float(value: Any, field: str, where: str, *, positive: bool = False) -> float:
+    """A number, or ``"inf"``/``"-inf"``/``"nan"`` as ``json_value`` writes them; ``positive``: > 0."""
+    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
+        number = float(value)
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise _rule_error(where, field, 'a number (or "inf")', value)
+    else:
+        number = float(value)
+    if positive and not number > 0:
+        raise _rule_error(where, field, 'a number > 0 (or "inf")', value)
+    return number
+
+
+def _mean_fingerprint(value: Any, field: str, where: str) -> dict[str, Any]:
+    """``{"dtype": str, "values": {name: [numbers]}}`` (``hf_evon.posterior.fingerprint``)."""
+    rule = 'an object {"dtype": a string, "values": {parameter name: a list of at most 64 numbers}}'
+    if not isinstance(value, dict) or not isinstance(value.get("dtype"), str):
+        raise _rule_error(where, field, rule, value)
+    values = value.get("values")
+    if not isinstance(values, dict):
+        raise _rule_error(where, f"{field}.values", rule, values)
+    for name, entry in values.items():
+        key = f"{field}.values.{name}"
+        if not isinstance(entry, list) or len(entry) > 64:
+            raise _rule_error(where, key, "a list of at most 64 numbers", entry)
+        for i, number in enumerate(entry):
+            _json_float(number, f"{key}[{i}]", where)
+    return value
+
+
+# the calibration record's keys a card or a reader uses: (key, required, kind)
+_CALIBRATION_KEYS = (
+    ("ess", True, "positive"),
+    ("trained_ess", True, "positive"),
+    ("mean_nll", True, "number"),
+    ("chosen_nll", False, "number"),
+    ("min_gain", False, "number"),
+    ("standard_errors", False, "nullable"),
+    ("mean_temperature", False, "nullable"),
+    ("num_samples", False, "integer"),
+    ("num_targets", False, "integer"),
+    ("seed", False, "integer"),
+    ("grid", False, "list"),
+    ("nll", False, "list"),
+)
+
+
+def _calibration(value: Any, field: str, where: str) -> dict[str, Any]:
+    """The record of ``hf_evon.predictive.calibration`` (``CalibrationResult.to_json``): the keys
+    a card renders are checked, others kept as written."""
     if not isinstance(value, dict):
         raise _rule_error(where, field, "an object", value)
+    for key, required, kind in _CALIBRATION_KEYS:
+        name = f"{field}.{key}"
+        if key not in value:
+            if required:
+                raise PosteriorMismatchError(
+                    f"{where}: field {name!r} is missing from the calibration record"
+                )
+            continue
+        item = value[key]
+        if kind == "nullable" and item is None:
+            continue
+        if kind == "integer":
+            _integer(0)(item, name, where)
+        elif kind == "list":
+            if not isinstance(item, list):
+                raise _rule_error(where, name, "a list of numbers", item)
+            for i, entry in enumerate(item):
+                _json_float(entry, f"{name}[{i}]", where)
+        else:
+            _json_float(item, name, where, positive=kind == "positive")
     return value
 
 
@@ -292,15 +416,16 @@ class PosteriorConfig:
     final_lr: float | None = _optional(_number)  # the rate at save time, under an LR scheduler
     optimizer_step: int | None = _optional(_integer(0))
     # the model it belongs to
-    base_model: str | None = _optional(_string, nullable=True)
+    base_model: str | None = _optional(_base_model, nullable=True)
     model_class: str | None = _optional(_string, nullable=True)
+    mean_fingerprint: dict[str, Any] | None = _optional(_mean_fingerprint, nullable=True)
     # how the tensors are stored
     eigenbasis_dtype: str | None = _optional(_string)
     max_basis_ratio: float | None = _optional(_number, nullable=True)  # lean posteriors
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
     trained_ess: float | None = _optional(_number)
-    calibration: dict[str, Any] | None = _optional(_object, nullable=True)
+    calibration: dict[str, Any] | None = _optional(_calibration, nullable=True)
     # bookkeeping of the save
     format_version: int = FORMAT_VERSION
     library: str | None = _optional(_string)
@@ -321,6 +446,7 @@ class PosteriorConfig:
         """Validate a parsed config; errors are :class:`PosteriorMismatchError` naming ``where`` and the field."""
         if not isinstance(raw, dict):
             raise PosteriorMismatchError(f"{where}: the config must be a JSON object")
+        check_depth(raw, where)
         version = raw.get("format_version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise PosteriorMismatchError(

@@ -14,17 +14,26 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+import time
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hf_evon.fileio import atomic_write, fsync_file, replaced_atomically, temporary_name_pattern
-from hf_evon.optim.linalg import rotated_std
+from hf_evon.fileio import (
+    atomic_write,
+    directory_lock,
+    fsync_file,
+    replaced_atomically,
+    temporary_name_pattern,
+)
+from hf_evon.optim.linalg import rotated_std, rotated_variance
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
+    MAX_CONFIG_DEPTH,
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
     PosteriorConfig,
@@ -47,6 +56,7 @@ __all__ = [
     "POSTERIOR_WEIGHTS_NAME",
     "PosteriorMismatchError",
     "check_finite_std",
+    "copy_posterior",
     "file_tensors",
     "read_config",
     "read_factor_groups",
@@ -66,7 +76,13 @@ _STALE_FILE_RE = re.compile(
         ]
     )
 )
+# a config of a million covered parameters is about 200 MiB; far beyond any model's
+MAX_CONFIG_BYTES = 256 * 2**20
 _STAGED_NAME_RE = re.compile(r"[0-9a-f]{32}")
+_STAGING_DIR_RE = re.compile(r"\.evon_posterior\.[0-9a-f]{32}\.staging")
+# what safetensors' save_file writes before renaming it onto the file (Rust's tempfile names)
+_SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+STALE_TEMPORARY_SECONDS = 600  # a live save writes to its temporary all along
 _STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # ‖QᵀQx − x‖ / ‖x‖ allowed on load, by the dtype the basis was stored in: ~10x what rounding a
 # basis to that dtype gives, far below what a wrong basis gives (docs/posterior-format.md#orthonormality)
@@ -85,20 +101,26 @@ def _all_finite(t: Tensor) -> bool:
 
 
 def check_finite_std(groups: list[FactorGroup], where: str, field: str = "ess") -> None:
-    """Refuse a noise scale whose ``1/√(ess·(hess + weight_decay))`` is not finite where sampling computes it.
+    """Refuse a noise scale whose std ``1/√(ess·(hess + weight_decay))`` or variance (its square)
+    is not finite where sampling and ``std()`` compute them.
 
     ``ess > 0`` is not enough: ``ess = 1e-46`` (or a tiny ``hess + weight_decay``) underflows
-    to 0 in float32 and every draw would write inf/NaN into the weights.
+    to 0 in float32 and every draw would write inf/NaN into the weights; ``ess = 1e-40`` keeps
+    the std finite (1e20) but its variance overflows float32, so ``std()`` is inf. A marginal
+    variance is a weighted mean of these variances (the squared bases' rows sum to 1), so it
+    is finite where they are.
     """
     for g in groups:
-        scale = rotated_std(g.hess.to(compute_dtype(g.hess)), g.ess, g.weight_decay)
+        hess = g.hess.to(compute_dtype(g.hess))
+        scale = rotated_std(hess, g.ess, g.weight_decay)
+        scale = torch.maximum(scale, rotated_variance(hess, g.ess, g.weight_decay))
         if _all_finite(scale):
             continue
         i = next(i for i in range(len(g.names)) if not bool(torch.isfinite(scale[i]).all()))
         low = float((g.ess * (g.hess[i].to(scale.dtype) + g.weight_decay)).min())
         raise PosteriorMismatchError(
             f"{where}: {field} = {g.ess:g} (weight_decay {g.weight_decay:g}) makes the posterior std "
-            f"1/sqrt(ess·(hess + weight_decay)) of {g.names[i]!r} non-finite: ess·(hess + weight_decay) "
+            f"1/sqrt(ess·(hess + weight_decay)) or its variance of {g.names[i]!r} non-finite: ess·(hess + weight_decay) "
             f"reaches {low:g} in {dtype_name(scale.dtype)}"
         )
 
@@ -215,12 +237,28 @@ def _read_groups(
 
 # ----------------------------------------------------------------------------- read
 def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
-    """The validated config file (errors name the field and the file)."""
+    """The validated config file (errors name the field and the file).
+
+    At most ``MAX_CONFIG_BYTES`` are read: a config from elsewhere cannot exhaust memory.
+    """
     where = os.fspath(config_path)
     try:
-        with open(where, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as err:
+        with open(where, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise PosteriorMismatchError(f"{where}: cannot read the config ({err})") from err
+    if len(data) > MAX_CONFIG_BYTES:
+        raise PosteriorMismatchError(
+            f"{where}: the config is larger than {MAX_CONFIG_BYTES} bytes (a posterior config takes "
+            "about 200 bytes per covered parameter); refusing to read it"
+        )
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise PosteriorMismatchError(
+            f"{where}: the config nests lists/objects too deeply to parse (at most {MAX_CONFIG_DEPTH} levels)"
+        ) from None
+    except ValueError as err:  # also UnicodeDecodeError
         raise PosteriorMismatchError(f"{where}: cannot read the config ({err})") from err
     return PosteriorConfig.from_dict(raw, where)
 
@@ -247,12 +285,73 @@ def read_factor_groups(
 
 
 # ----------------------------------------------------------------------------- write
+def _is_stale_safetensors_temporary(path: str) -> bool:
+    """A safetensors temporary (``.tmpXXXXXX``, what ``save_file`` writes before its rename) left
+    by a killed save: one that starts like a safetensors file and was not written to for
+    ``STALE_TEMPORARY_SECONDS`` (a live save writes to it all along)."""
+    try:
+        if time.time() - os.path.getmtime(path) <= STALE_TEMPORARY_SECONDS:
+            return False
+        with open(path, "rb") as fh:
+            head = fh.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 2**40
+
+
 def _remove_stale_files(directory: str) -> None:
-    """Remove what killed saves left behind (staged weights, temporaries, old ``.bak`` files)."""
+    """Remove what killed saves left behind (staged weights, staging folders, temporaries).
+
+    Called with the directory lock held, after this save's switch: no other posterior save is
+    running, and the config names the canonical weights file, so no staged file is in use.
+    """
     for name in os.listdir(directory):
-        if _STALE_FILE_RE.fullmatch(name):
+        path = os.path.join(directory, name)
+        if _STAGING_DIR_RE.fullmatch(name):
+            shutil.rmtree(path, ignore_errors=True)
+        elif _STALE_FILE_RE.fullmatch(name) or (
+            _SAFETENSORS_TMP_RE.fullmatch(name) and _is_stale_safetensors_temporary(path)
+        ):
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
+                os.remove(path)
+
+
+def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[[str], None]) -> None:
+    """The save protocol (``docs/posterior-format.md#the-save-protocol``) for weights that
+    ``write_weights(path)`` writes, under the directory lock."""
+    checkpoint_id = config.checkpoint_id or ""
+    if not _STAGED_NAME_RE.fullmatch(checkpoint_id):
+        raise ValueError(
+            f"a posterior save needs a config with a 32-hex-digit checkpoint_id; got {checkpoint_id!r}"
+        )
+    staged_name = f"evon_posterior.{checkpoint_id}.safetensors"
+    staged = os.path.join(directory, staged_name)
+    staging = os.path.join(directory, f".evon_posterior.{checkpoint_id}.staging")
+    config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
+    with directory_lock(directory):
+        switched = False
+        try:
+            # safetensors writes a temporary of its own next to the file: inside this folder,
+            # a kill leaves it where the next save finds and removes it
+            os.mkdir(staging)
+            inner = os.path.join(staging, POSTERIOR_WEIGHTS_NAME)
+            write_weights(inner)
+            fsync_file(inner)
+            os.rename(inner, staged)
+            atomic_write(config_path, config.updated(weights_file=staged_name).to_json())
+            switched = True  # from here on the directory holds the new posterior
+            with replaced_atomically(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)) as tmp:
+                try:
+                    os.link(staged, tmp)
+                except OSError:  # no hard links on this file system
+                    shutil.copyfile(staged, tmp)
+            atomic_write(config_path, config.updated(weights_file=POSTERIOR_WEIGHTS_NAME).to_json())
+            _remove_stale_files(directory)
+        finally:
+            if not switched:
+                with contextlib.suppress(OSError):
+                    os.remove(staged)
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_posterior(directory: str, tensors: Mapping[str, Tensor], config: PosteriorConfig) -> None:
@@ -263,7 +362,8 @@ def write_posterior(directory: str, tensors: Mapping[str, Tensor], config: Poste
     the config naming them replaces the old config in one ``os.replace``; only then is the
     canonical weights file replaced (a hard link of the staged one, or a copy) and the config
     rewritten to name it. A kill after any step leaves a config whose weights file exists and
-    matches it: the old posterior before the switch, the new one after.
+    matches it: the old posterior before the switch, the new one after. Saves into one
+    directory from several processes run one after the other (``directory_lock``).
     """
     checkpoint_id = config.checkpoint_id
     if checkpoint_id is None or not _STAGED_NAME_RE.fullmatch(checkpoint_id):
@@ -271,23 +371,21 @@ def write_posterior(directory: str, tensors: Mapping[str, Tensor], config: Poste
             f"write_posterior needs a config from PosteriorConfig.for_save; got {checkpoint_id!r}"
         )
     metadata = {"format": "pt", "format_version": str(FORMAT_VERSION), "checkpoint_id": checkpoint_id}
-    staged_name = f"evon_posterior.{checkpoint_id}.safetensors"
-    staged = os.path.join(directory, staged_name)
-    config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-    switched = False
-    try:
-        save_file(dict(tensors), staged, metadata=metadata)
-        fsync_file(staged)
-        atomic_write(config_path, config.updated(weights_file=staged_name).to_json())
-        switched = True  # from here on the directory holds the new posterior
-        with replaced_atomically(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)) as tmp:
-            try:
-                os.link(staged, tmp)
-            except OSError:  # no hard links on this file system
-                shutil.copyfile(staged, tmp)
-        atomic_write(config_path, config.updated(weights_file=POSTERIOR_WEIGHTS_NAME).to_json())
-        _remove_stale_files(directory)
-    finally:
-        if not switched:
-            with contextlib.suppress(OSError):
-                os.remove(staged)
+    _switch_in(directory, config, lambda path: save_file(dict(tensors), path, metadata=metadata))
+
+
+def copy_posterior(source: str, directory: str) -> None:
+    """Copy the posterior saved in ``source`` into ``directory`` with the save protocol.
+
+    The files are copied as they are (their ``checkpoint_id`` kept); the config is read and
+    validated first, and the weights file it names is the one copied.
+    """
+    config = read_config(os.path.join(source, POSTERIOR_CONFIG_NAME))
+    weights = os.path.join(source, config.weights_name)
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(
+            f"{source}: {config.weights_name} (named by {POSTERIOR_CONFIG_NAME}) is missing"
+        )
+    if config.checkpoint_id is None:  # written before checkpoint ids: name this copy
+        config = config.updated(checkpoint_id=uuid.uuid4().hex)
+    _switch_in(directory, config, lambda path: shutil.copyfile(weights, path))

@@ -10,13 +10,17 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorConfig
+from hf_evon.fileio import looks_like_local_path
+from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorConfig, PosteriorMismatchError
 from hf_evon.posterior.format import read_config
+
+T = TypeVar("T")
 
 # keyword arguments of save_pretrained(push_to_hub=True) that go to push_to_hub
 PUSH_KWARGS = (
@@ -62,6 +66,7 @@ def resolve_files(
         return config, weights_path
     if os.path.exists(path):
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
+    _check_repo_id(path)
 
     def download(fname: str) -> str:
         try:
@@ -87,6 +92,63 @@ def resolve_files(
 
     config = read_config(download(POSTERIOR_CONFIG_NAME))
     return config, download(config.weights_name)
+
+
+def _check_repo_id(path: str) -> None:
+    """Refuse a location that is no directory here and cannot be a Hub repo id: huggingface_hub
+    would answer "Repo id must be in the form ...", hiding that the directory does not exist."""
+    if looks_like_local_path(path):
+        raise FileNotFoundError(f"no EVON posterior at {path!r}: no such directory")
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"no EVON posterior at {path!r}: no such directory, and not a Hub repo id ('name' or 'namespace/name')"
+        ) from None
+
+
+def _local_switch_state(path: str, subfolder: str | None) -> tuple[str | None, str] | None:
+    """(checkpoint_id, weights file) of the config in a local directory, None where none is readable."""
+    directory = os.path.join(path, subfolder) if subfolder else path
+    try:
+        config = read_config(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+    except (PosteriorMismatchError, OSError):
+        return None
+    return config.checkpoint_id, config.weights_name
+
+
+_READ_ATTEMPTS = 3
+
+
+def read_posterior(
+    path: str,
+    revision: str | None,
+    subfolder: str | None,
+    token: str | bool | None,
+    cache_dir: str | os.PathLike | None,
+    local_files_only: bool,
+    hub_kwargs: dict[str, Any],
+    read: Callable[[PosteriorConfig, str], T],
+) -> tuple[PosteriorConfig, T]:
+    """:func:`resolve_files`, then ``read(config, weights_path)``.
+
+    In a local directory a save may switch the config between this reader's reading the
+    config and its reading the weights (the weights it named are gone or replaced): where the
+    config has changed since, the pair is read again, so a reader sees the old posterior or a
+    new one, never an error caused by a concurrent save.
+    """
+    local = os.path.isdir(path)
+    for attempt in range(_READ_ATTEMPTS):
+        before = _local_switch_state(path, subfolder) if local else None
+        try:
+            config, weights_path = resolve_files(
+                path, revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
+            )
+            return config, read(config, weights_path)
+        except (PosteriorMismatchError, FileNotFoundError):
+            if not local or attempt + 1 == _READ_ATTEMPTS or _local_switch_state(path, subfolder) == before:
+                raise
+    raise AssertionError("unreachable")
 
 
 def push_folder(

@@ -26,6 +26,7 @@ counts), so this module needs nothing of ``EVONPosterior`` but those attributes.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -110,6 +111,31 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+# Everything a card shows may come from a config downloaded from elsewhere: each value is escaped
+# for where it lands, so it stays text (no markup, no new line, no end of a cell, a code span,
+# the EVON section or a string literal of the snippet).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_MARKDOWN_SPECIAL = re.compile(r"([\\`|\[\]])")
+_CODE_SPAN_UNSAFE = re.compile(r"[`|<>]")
+
+
+def _md(value: Any) -> str:
+    """``value`` as one line of literal Markdown text (also inside a table cell)."""
+    text = _CONTROL.sub("\ufffd", str(value))
+    text = text.replace("<", "&lt;").replace(">", "&gt;")
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
+
+
+def _code(value: Any) -> str:
+    """``value`` in a Markdown code span; characters a span cannot escape show as U+FFFD."""
+    return "`" + _CODE_SPAN_UNSAFE.sub("\ufffd", _CONTROL.sub("\ufffd", str(value))) + "`"
+
+
+def _py(value: Any) -> str:
+    """``value`` as a Python string literal that cannot end the snippet's code fence or the section."""
+    return json.dumps(str(value)).replace("`", "\\x60").replace("<", "\\x3c").replace(">", "\\x3e")
+
+
 def _is_hub_id(name: str | None) -> bool:
     """Whether ``name`` can go into the card's ``base_model`` metadata (a Hub id, not a path)."""
     if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
@@ -125,7 +151,7 @@ def _name_patterns(names: list[str]) -> list[tuple[str, int]]:
     """Collapse layer indices (``.h.3.`` -> ``.h.*.``) to summarise many covered names."""
     counts: dict[str, int] = {}
     for name in names:
-        pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+        pattern = _code(re.sub(r"(?<=\.)\d+(?=\.)", "*", name))[1:-1]  # the template adds the backquotes
         counts[pattern] = counts.get(pattern, 0) + 1
     return list(counts.items())
 
@@ -161,7 +187,7 @@ def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]
         values = [mean.get(name), bma.get(name)]
         if not any(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             continue
-        rows.append((name, *("–" if v is None else _fmt(v) for v in values)))
+        rows.append((_md(name), *("–" if v is None else _md(_fmt(v)) for v in values)))
     return rows
 
 
@@ -195,7 +221,7 @@ def _usage_snippet(
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
     with ``generate_bma`` for causal LMs, averaged class probabilities otherwise. A PEFT
     classifier's base model is built with ``num_labels`` (its head is in the adapter)."""
-    sub = f', subfolder="{subfolder}"' if subfolder else ""
+    sub = f", subfolder={_py(subfolder)}" if subfolder else ""
     model_class = str(posterior.config.get("model_class", ""))
     is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in model_class
     auto = _auto_class(model_class)
@@ -204,27 +230,27 @@ def _usage_snippet(
     lines = [] if causal else ["import torch"]
     labels = f", num_labels={num_labels}" if num_labels is not None and auto in _LABELLED_AUTO_CLASSES else ""
     if is_peft:
-        base = model_id or base_model or "<base model id>"
+        base = _py(model_id or base_model or "<base model id>")
         lines += [
             "from peft import PeftModel",
             f"from transformers import {auto}, AutoTokenizer",
             f"from hf_evon import {hf_evon_names}",
             "",
-            f'base = {auto}.from_pretrained("{base}"{labels})',
-            f'model = PeftModel.from_pretrained(base, "{location}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
+            f"base = {auto}.from_pretrained({base}{labels})",
+            f"model = PeftModel.from_pretrained(base, {_py(location)})",
+            f"tokenizer = AutoTokenizer.from_pretrained({base})",
         ]
     else:
-        model_location = model_id or location
+        model_location = _py(model_id or location)
         lines += [
             f"from transformers import {auto}, AutoTokenizer",
             f"from hf_evon import {hf_evon_names}",
             "",
-            f'model = {auto}.from_pretrained("{model_location}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{model_location}")',
+            f"model = {auto}.from_pretrained({model_location})",
+            f"tokenizer = AutoTokenizer.from_pretrained({model_location})",
         ]
     lines += [
-        f'posterior = EVONPosterior.from_pretrained("{location}"{sub})',
+        f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
         "posterior.check_model(model)  # raises if the posterior belongs to another model",
         "",
     ]
@@ -260,22 +286,25 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`) before relying on BMA: on that data the "
             "calibrated BMA is never worse than the mean."
         )
-    mult = "∞" if cal.get("ess") == "inf" else _fmt(float(cal["ess"]) / float(cal["trained_ess"]))
+    # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
+    ess, trained = float(cal["ess"]), float(cal["trained_ess"])
+    mult = "∞" if ess == float("inf") else _fmt(ess / trained)
     # a calibration that records no chosen_nll chose the lowest NLL
-    chosen = cal.get("chosen_nll", min([cal["mean_nll"], *cal.get("nll", [])]))
+    chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
+    show = lambda v: _md(_fmt(v))  # noqa: E731
     return (
-        f"Calibrated on {_fmt(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
-        f"({_fmt(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean): "
-        f"`ess` = {_fmt(cal.get('ess'))} ({mult} × the trained {_fmt(cal.get('trained_ess'))}; ∞ means no "
-        f"scale predicted at least {_fmt(100 * cal.get('min_gain', 0.0))}% better than the mean"
+        f"Calibrated on {show(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
+        f"({show(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean): "
+        f"`ess` = {show(cal.get('ess'))} ({mult} × the trained {show(cal.get('trained_ess'))}; ∞ means no "
+        f"scale predicted at least {show(100 * float(cal.get('min_gain', 0.0)))}% better than the mean"
         + (
-            f" and, stepping from the mean towards more noise, by more than {_fmt(cal['standard_errors'])}"
+            f" and, stepping from the mean towards more noise, by more than {show(cal['standard_errors'])}"
             " standard error(s) at each step"
             if cal.get("standard_errors")
             else ""
         )
-        + f"). Held-out NLL {_fmt(chosen)} vs "
-        f"{_fmt(cal.get('mean_nll'))} at the mean."
+        + f"). Held-out NLL {show(chosen)} vs "
+        f"{show(cal.get('mean_nll'))} at the mean."
         + _temperature_text(cal.get("mean_temperature"))
         + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
     )
@@ -322,7 +351,9 @@ def render_model_card(
         language=language,
     )
     config = posterior.config
-    hyperparameters = [(label, _fmt(config[key])) for key, label in _HYPERPARAMETER_ROWS if key in config]
+    hyperparameters = [
+        (label, _md(_fmt(config[key]))) for key, label in _HYPERPARAMETER_ROWS if key in config
+    ]
     if training_steps is not None:
         hyperparameters.append(("optimizer steps taken (Trainer `global_step`)", _fmt(training_steps)))
     if posterior.num_point_estimates is None:
@@ -335,8 +366,10 @@ def render_model_card(
     return ModelCard.from_template(
         card_data,
         template_path=template_path(),
-        model_name=model_name or (f"EVON posterior for {base_model}" if base_model else "EVON posterior"),
-        base_model_text=f"`{base_model}`" if base_model else "this model",
+        model_name=_md(
+            model_name or (f"EVON posterior for {base_model}" if base_model else "EVON posterior")
+        ),
+        base_model_text=_code(base_model) if base_model else "this model",
         hyperparameters=hyperparameters,
         num_covered_tensors=len(posterior.names),
         num_covered_params=f"{posterior.num_covered:,}",
@@ -348,8 +381,8 @@ def render_model_card(
             posterior, base_model, location, subfolder, model_id, _num_labels(model)
         ),
         calibration_text=_calibration_text(config),
-        eigenbasis_dtype=config.get("eigenbasis_dtype", "float32"),
-        format_version=config.get("format_version", 1),
+        eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),
+        format_version=_md(config.get("format_version", 1)),
     )
 
 

@@ -45,6 +45,7 @@ from hf_evon.posterior.config import (
     check_noise_scale,
     dtype_name,
 )
+from hf_evon.posterior.fingerprint import warn_if_other_mean
 from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
 from hf_evon.posterior.gaussian import (
     DEFAULT_MAX_BASIS_RATIO,
@@ -57,7 +58,7 @@ from hf_evon.posterior.gaussian import (
     sample_group,
     stack_factors,
 )
-from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, resolve_files
+from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.model_card import save_model_card
 from hf_evon.posterior.snapshot import snapshot
 
@@ -336,7 +337,8 @@ class EVONPosterior:
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: nn.Module) -> None:
-        """Raise :class:`PosteriorMismatchError` naming each covered tensor the model lacks or mis-shapes."""
+        """Raise :class:`PosteriorMismatchError` naming each covered tensor the model lacks or mis-shapes;
+        warn (``PosteriorMeanWarning``) where its weights are not the ones the posterior was taken at."""
         params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
         problems = []
         for name in self.names:
@@ -359,6 +361,7 @@ class EVONPosterior:
                 + "; ".join(problems[:5])
                 + more
             )
+        warn_if_other_mean(self.config.get("mean_fingerprint"), params, self.names)
 
     # ------------------------------------------------------------------ variants
     def lean(
@@ -397,6 +400,12 @@ class EVONPosterior:
             groups = [replace(g, q_left=cast(g.q_left), q_right=cast(g.q_right)) for g in groups]
             config["eigenbasis_dtype"] = dtype_name(eig)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
+
+    @property
+    def is_point_mass(self) -> bool:
+        """Whether every sample is the mean (ζ = inf everywhere: zero variance, e.g. after a
+        calibration that kept the mean), so BMA over any number of samples predicts as the mean."""
+        return all(math.isinf(g.ess) for g in self._groups)
 
     def with_ess(self, ess: float) -> EVONPosterior:
         """A copy with effective sample size ``ess`` everywhere (``inf``: zero variance).
@@ -518,10 +527,10 @@ class EVONPosterior:
         hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HUB_DOWNLOAD_KWARGS}
         if kwargs:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
-        config, weights_path = resolve_files(
-            os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
-        )
-        groups = read_factor_groups(config, weights_path, device, reorthonormalize)
+        config, groups = read_posterior(
+            os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs,
+            lambda config, weights: read_factor_groups(config, weights, device, reorthonormalize),
+        )  # fmt: skip
         posterior = cls(
             groups, config.settings(), config.num_point_estimates, config.num_point_estimate_tensors
         )

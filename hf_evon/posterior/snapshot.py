@@ -17,7 +17,8 @@ from hf_evon.modeling import base_model_name, model_class, unwrap_model
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.validation import GROUP_KEYS
-from hf_evon.posterior.config import PosteriorMismatchError
+from hf_evon.posterior.config import PosteriorMismatchError, recordable_base_model
+from hf_evon.posterior.fingerprint import mean_fingerprint
 from hf_evon.posterior.gaussian import MatrixFactors
 
 __all__ = ["HYPERPARAMETER_KEYS", "Snapshot", "snapshot"]
@@ -94,8 +95,9 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     settings["optimizer_step"] = (
         int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
     )
-    settings["base_model"] = base_model_name(model)
+    settings["base_model"] = recordable_base_model(base_model_name(model))
     settings["model_class"] = model_class(model).__name__
+    settings["mean_fingerprint"] = mean_fingerprint({name: p for name, p, _ in entries}, factors)
     covered = {id(p) for _, p, _ in entries}
     points = [p for _, p in named if id(p) not in covered]
     return Snapshot(factors, settings, sum(p.numel() for p in points), len(points))

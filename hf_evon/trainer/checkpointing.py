@@ -9,14 +9,14 @@
 * FSDP2: the Trainer's ``optimizer.bin`` (torch's distributed checkpoint, per-parameter state
   gathered by name) has no room for EVON's per-matrix state and noise streams, so EVON's full
   state goes to ``evon_optimizer.pt`` and a resume loads it after EVON is sharded over the mesh.
-* A checkpoint pushed to the Hub carries its posterior (copied into the output directory first).
+* A checkpoint pushed to the Hub carries its posterior (switched into the output directory first,
+  with the save protocol of ``docs/posterior-format.md``).
 
 The private ``Trainer`` methods that call into this module are overridden in
 :mod:`hf_evon.trainer.internals`.
 """
 
 import os
-import shutil
 import warnings
 from typing import Any
 
@@ -27,7 +27,7 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import replaced_atomically
-from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, copy_posterior
 
 __all__ = ["EVON_OPTIMIZER_NAME", "POSTERIOR_FILES", "CheckpointingMixin"]
 
@@ -95,17 +95,16 @@ class CheckpointingMixin:
         """Copy the checkpoint's posterior (and card) into the output directory the Trainer uploads."""
         if not self.is_world_process_zero():
             return
-        output_dir = self.args.output_dir
-        copied = False
-        for name in POSTERIOR_FILES:
-            src = os.path.join(checkpoint_folder, name)
-            if os.path.isfile(src):
-                shutil.copy(src, os.path.join(output_dir, name))
-                copied = True
-        if copied:
-            from hf_evon.posterior.posterior import EVONPosterior
+        if not os.path.isfile(os.path.join(checkpoint_folder, POSTERIOR_CONFIG_NAME)):
+            return
+        from hf_evon.posterior.posterior import EVONPosterior
 
-            self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
+        output_dir = self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        # the save protocol, not two copies in place: a kill between them would pair the
+        # checkpoint's weights with the previous config
+        copy_posterior(checkpoint_folder, output_dir)
+        self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
 
     # ------------------------------------------------------------------ sharded and FSDP2 state
     def _gather_sharded_state(self) -> None:

@@ -1,0 +1,494 @@
+"""Posterior files from elsewhere and posterior directories under faults (issue 33 §2).
+
+A posterior config may come from anyone (a downloaded repo): nothing in it may run code, inject
+text into a model card, exhaust memory or escape as a traceback. A directory saved into by two
+processes, or by a save that was killed, must load as one consistent posterior.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_evon import EVONPosterior, PosteriorMismatchError
+from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from hf_evon.posterior.gaussian import MatrixFactors
+from hf_evon.posterior.model_card import SECTION_END, SECTION_START, render_model_card, save_model_card
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LORA = "base_model.model.h.0.attn.lora_A.default.weight"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _orthonormal(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(n, n, generator=g))[0]
+
+
+def _posterior(
+    scale: float = 1.0, names: tuple[str, ...] = (LORA, "h.1.mlp.weight"), **config
+) -> EVONPosterior:
+    """A small posterior with rotated bases (``scale`` multiplies its Hessian)."""
+    factors = {
+        name: MatrixFactors(
+            _orthonormal(4, i),
+            _orthonormal(6, i + 10),
+            scale * (1.0 + torch.rand(4, 6, generator=torch.Generator().manual_seed(i))),
+            (4, 6),
+            (4, 6),
+            100.0,
+            1e-3,
+        )
+        for i, name in enumerate(names)
+    }
+    return EVONPosterior.from_factors(factors, {"ess": 100.0, "weight_decay": 1e-3, **config})
+
+
+def _edit_config(directory: Path, **values) -> None:
+    path = directory / POSTERIOR_CONFIG_NAME
+    raw = json.loads(path.read_text())
+    raw.update(values)
+    path.write_text(json.dumps(raw))
+
+
+def _snippet(card: str) -> str:
+    return card.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+# ----------------------------------------------------------------------------- item 5: card injection
+INJECTIONS = [
+    'gpt2"); import os; os.system("echo pwned"); ("',
+    "gpt2\n# injected heading\n<script>alert(1)</script>",
+    f"gpt2 {SECTION_END} trailing",
+    "gpt2`) | cell | `x",
+]
+
+
+@pytest.mark.parametrize("base_model", INJECTIONS)
+def test_a_foreign_base_model_cannot_inject_into_a_resaved_card(tmp_path, base_model):
+    """A downloaded config's base_model is refused on load, and is inert if it reaches a card."""
+    _posterior().save_pretrained(tmp_path)
+    _edit_config(tmp_path, base_model=base_model)
+    with pytest.raises(PosteriorMismatchError, match="base_model"):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("base_model", INJECTIONS)
+def test_everything_a_card_interpolates_is_escaped(tmp_path, base_model):
+    """Even a value that never went through a config (passed by code) stays data in the card."""
+    post = _posterior(model_class="PeftModelForCausalLM")
+    post.config["base_model"] = base_model  # as a hand-built or older posterior may hold
+    card = str(render_model_card(post, repo_id=str(tmp_path / 'a"b')))
+    snippet = _snippet(card)
+    tree = ast.parse(snippet)  # still valid Python, and only the calls the snippet makes
+    called = {
+        node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+    }
+    assert "system" not in called and not any(
+        isinstance(n, ast.Import) and n.names[0].name == "os" for n in tree.body
+    )
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    assert base_model in strings  # passed as one string literal
+    assert card.count(SECTION_START) == 1 and card.count(SECTION_END) == 1
+    assert "<script>" not in card and "\n# injected heading" not in card
+    body = card.split(SECTION_START, 1)[1]
+    assert all(row.count("|") in (0, 3, 4) for row in body.splitlines() if row.startswith("|"))
+    save_model_card(tmp_path, post)  # and a card is written: the section is replaced exactly once
+    save_model_card(tmp_path, post)
+    text = (tmp_path / "README.md").read_text()
+    assert text.count(SECTION_START) == 1 and text.count(SECTION_END) == 1
+
+
+def test_a_hub_id_or_a_local_path_is_a_valid_base_model(tmp_path):
+    for base_model in ("gpt2", "openai-community/gpt2", str(tmp_path / "my model (v2)"), "./runs/model-1"):
+        post = _posterior(base_model=base_model)
+        post.save_pretrained(tmp_path / "p")
+        assert EVONPosterior.from_pretrained(tmp_path / "p").config["base_model"] == base_model
+
+
+# ----------------------------------------------------------------------------- item 6: config bounds
+def test_an_oversized_config_is_refused_without_reading_it_whole(tmp_path, monkeypatch):
+    import hf_evon.posterior.format as format_module
+
+    _posterior().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())
+    raw["padding"] = "x" * 4096
+    (tmp_path / POSTERIOR_CONFIG_NAME).write_text(json.dumps(raw))
+    monkeypatch.setattr(format_module, "MAX_CONFIG_BYTES", 1024, raising=False)
+    with pytest.raises(PosteriorMismatchError, match=rf"{POSTERIOR_CONFIG_NAME}.*larger than 1024 bytes"):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_a_deeply_nested_config_is_a_clear_error(tmp_path, depth):
+    _posterior().save_pretrained(tmp_path)
+    text = (tmp_path / POSTERIOR_CONFIG_NAME).read_text().rstrip()
+    nested = "[" * depth + "]" * depth
+    (tmp_path / POSTERIOR_CONFIG_NAME).write_text(text[:-1] + f', "deep": {nested}}}')
+    with pytest.raises(PosteriorMismatchError, match=rf"{POSTERIOR_CONFIG_NAME}.*nest"):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "calibration, field",
+    [
+        ("best", "calibration"),
+        ({"ess": 10.0}, "calibration.trained_ess"),
+        ({"ess": "ten", "trained_ess": 100.0, "mean_nll": 1.0}, "calibration.ess"),
+        ({"ess": 10.0, "trained_ess": 100.0, "mean_nll": [1.0]}, "calibration.mean_nll"),
+        ({"ess": 10.0, "trained_ess": 100.0, "mean_nll": 1.0, "nll": ["a"]}, "calibration.nll"),
+        ({"ess": 10.0, "trained_ess": 100.0, "mean_nll": 1.0, "grid": 3}, "calibration.grid"),
+    ],
+)
+def test_a_bad_calibration_entry_is_refused_on_load(tmp_path, calibration, field):
+    _posterior().save_pretrained(tmp_path)
+    _edit_config(tmp_path, calibration=calibration)
+    with pytest.raises(PosteriorMismatchError, match=rf"{POSTERIOR_CONFIG_NAME}.*{field}"):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
+def test_a_valid_calibration_entry_loads_and_resaves(tmp_path):
+    record = {"ess": 10.0, "trained_ess": 100.0, "mean_nll": 2.0, "nll": [1.9, 1.8], "grid": [0.1, 1.0],
+              "chosen_nll": 1.8, "num_targets": 50, "num_samples": 4, "min_gain": 0.01, "method": "gridsearch"}  # fmt: skip
+    _posterior().save_pretrained(tmp_path)
+    _edit_config(tmp_path, calibration=record)
+    post = EVONPosterior.from_pretrained(tmp_path)
+    post.save_pretrained(tmp_path / "again")
+    assert "Calibrated on 50 held-out targets" in (tmp_path / "again" / "README.md").read_text()
+
+
+def test_an_ess_whose_variance_overflows_float32_is_refused(tmp_path):
+    _posterior().save_pretrained(tmp_path)
+    _edit_config(tmp_path, ess=1e-40)
+    with pytest.raises(PosteriorMismatchError, match=rf"{POSTERIOR_CONFIG_NAME}.*ess"):
+        EVONPosterior.from_pretrained(tmp_path)
+    with pytest.raises(PosteriorMismatchError, match="ess"):
+        _posterior().with_ess(1e-40)
+
+
+def test_a_model_from_a_path_a_config_cannot_record_still_saves(tmp_path):
+    """The posterior of a model loaded from an unusual path is saved, without naming the path."""
+    from torch import nn
+
+    import hf_evon
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    model.name_or_path = str(tmp_path / 'run "7"')
+    opt = hf_evon.build_optimizer(model, seed=0)
+    with opt.sampled_params(train=True):
+        model(torch.randn(8, 4)).square().mean().backward()
+    opt.step()
+    post = EVONPosterior.from_optimizer(opt, model)
+    assert post.config["base_model"] is None
+    post.save_pretrained(tmp_path / "p")
+    assert EVONPosterior.from_pretrained(tmp_path / "p").config["base_model"] is None
+
+
+# ----------------------------------------------------------------------------- faults of saves
+class _Killed(BaseException):
+    """The process died: no handler may catch it, and nothing after it touches the disk."""
+
+
+def _kill_after(monkeypatch, k: int | None) -> list[str]:
+    """Every file-system call counts; after call ``k`` each later one raises :class:`_Killed`
+    without running (as after a SIGKILL). ``k=None`` only counts. Returns the calls made."""
+    import builtins
+
+    import hf_evon.posterior.format as format_module
+
+    calls: list[str] = []
+
+    def wrap(fn, label):
+        def call(*args, **kwargs):
+            if k is not None and len(calls) >= k:
+                raise _Killed(f"{label} after the kill")
+            out = fn(*args, **kwargs)
+            calls.append(label)
+            if len(calls) == k:
+                raise _Killed(f"killed right after call {k} ({label})")
+            return out
+
+        return call
+
+    for name in ("open", "fsync", "replace", "rename", "link", "remove", "unlink", "mkdir", "rmdir"):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name), f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", wrap(builtins.open, "open"))
+    for name in ("copy", "copyfile", "copy2"):
+        monkeypatch.setattr(shutil, name, wrap(getattr(shutil, name), f"shutil.{name}"))
+    monkeypatch.setattr(format_module, "save_file", wrap(format_module.save_file, "save_file"))
+    return calls
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return EVONPosterior.from_pretrained(directory).to_tensors()
+
+
+def _which(directory: Path, old: dict, new: dict) -> str:
+    loaded = _tensors(directory)
+    which = [
+        label
+        for label, t in (("old", old), ("new", new))
+        if t.keys() == loaded.keys() and all(torch.equal(loaded[key], t[key]) for key in loaded)
+    ]
+    assert len(which) == 1
+    return which[0]
+
+
+class _FakeTrainer:
+    """What ``CheckpointingMixin._copy_posterior_for_push`` uses of a trainer."""
+
+    def __init__(self, output_dir: Path) -> None:
+        from types import SimpleNamespace
+
+        self.args = SimpleNamespace(output_dir=str(output_dir))
+        self.cards = 0
+
+    def is_world_process_zero(self) -> bool:
+        return True
+
+    def _write_model_card(self, directory: str, posterior) -> None:
+        save_model_card(directory, posterior)
+        self.cards += 1
+
+
+def test_a_push_from_a_checkpoint_killed_midway_leaves_a_posterior_that_loads(tmp_path, monkeypatch):
+    """Item 3: the checkpoint's posterior is switched into output_dir as a save switches its own."""
+    from hf_evon.trainer.checkpointing import CheckpointingMixin
+
+    old_post, new_post = _posterior(), _posterior(scale=3.0)
+    old, new = old_post.to_tensors(), new_post.to_tensors()
+    checkpoint = tmp_path / "checkpoint-2"
+    new_post.save_pretrained(checkpoint)
+    pristine = tmp_path / "pristine"
+    old_post.save_pretrained(pristine)
+
+    def push(directory: Path) -> None:
+        CheckpointingMixin._copy_posterior_for_push(_FakeTrainer(directory), str(checkpoint))
+
+    with monkeypatch.context() as patch:
+        calls = _kill_after(patch, None)
+        shutil.copytree(pristine, tmp_path / "count")
+        calls.clear()
+        push(tmp_path / "count")
+    assert _which(tmp_path / "count", old, new) == "new"
+    seen = []
+    for k in range(1, len(calls) + 1):
+        target = tmp_path / f"kill{k}"
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _kill_after(patch, k)
+            with pytest.raises(_Killed):
+                push(target)
+        seen.append(_which(target, old, new))
+    assert seen[0] == "old" and seen[-1] == "new", seen
+    assert seen == sorted(seen, key=lambda w: w == "new"), seen
+
+
+def test_a_killed_safetensors_write_leaves_nothing_the_next_save_keeps(tmp_path, monkeypatch):
+    """Item 13: ``save_file`` writes a full-size ``.tmpXXXXXX`` before its rename; a kill leaves it."""
+    from safetensors.torch import save
+
+    import hf_evon.posterior.format as format_module
+
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+
+    def killed_save_file(tensors, path, metadata=None):
+        (Path(path).parent / ".tmpAb3dE9").write_bytes(save(tensors, metadata=metadata))
+        raise _Killed("killed inside save_file")
+
+    def dead(*args, **kwargs):  # nothing runs after the kill
+        raise _Killed("after the kill")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(format_module, "save_file", killed_save_file)
+        patch.setattr(shutil, "rmtree", dead)
+        patch.setattr(os, "remove", dead)
+        with pytest.raises(_Killed):
+            _posterior(scale=2.0).save_pretrained(tmp_path)
+    left = [p for p in tmp_path.rglob(".tmp*")]
+    assert left  # what the kill left somewhere under the directory
+    # and a temporary of a killed safetensors write made before (e.g. the model's own save)
+    stale = tmp_path / ".tmpQq8Zr1"
+    stale.write_bytes(save({"w": torch.ones(3)}))
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    fresh = tmp_path / ".tmpFr35h1"  # a save that is running now: kept
+    fresh.write_bytes(save({"w": torch.ones(3)}))
+    other = tmp_path / ".tmpNotSt"  # not a safetensors temporary: kept
+    other.write_bytes(b"notes")
+    os.utime(other, (old, old))
+    post.save_pretrained(tmp_path)
+    assert not list(tmp_path.rglob(".tmpAb3dE9")) and not stale.exists()
+    assert fresh.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if "evon_posterior" in p.name) == sorted(
+        [POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME]
+    )
+
+
+def test_loading_a_missing_local_path_says_the_path_does_not_exist(tmp_path):
+    for missing in (str(tmp_path / "nope"), "./runs/nope", "runs/a/b"):
+        with pytest.raises(FileNotFoundError, match="no such directory") as info:
+            EVONPosterior.from_pretrained(missing)
+        assert "Repo id" not in str(info.value) and missing in str(info.value)
+
+
+# ----------------------------------------------------------------------------- item 2: two writers
+def test_two_writers_in_one_directory_leave_a_posterior_that_loads(tmp_path, monkeypatch):
+    """A's staged weights are not B's "left by a killed save": whoever switches last wins, whole."""
+    import threading
+
+    import hf_evon.posterior.format as format_module
+
+    a, b = _posterior(scale=2.0), _posterior(scale=5.0)
+    _posterior().save_pretrained(tmp_path)
+    go = threading.Event()
+    real = format_module.atomic_write
+
+    def paused(path, data):  # A stops right before its config switch, its weights staged
+        if threading.current_thread().name == "A":
+            go.wait(timeout=20)
+        return real(path, data)
+
+    monkeypatch.setattr(format_module, "atomic_write", paused)
+    errors: list[BaseException] = []
+
+    def run(post):
+        try:
+            post.save_pretrained(tmp_path, model_card=False)
+        except BaseException as err:  # noqa: BLE001 - reported by the assert below
+            errors.append(err)
+
+    writer_a = threading.Thread(target=run, args=(a,), name="A")
+    writer_a.start()
+    while not list(tmp_path.glob(".evon_posterior.*")) and not list(
+        tmp_path.glob("evon_posterior.*.safetensors")
+    ):
+        writer_a.join(0.01)  # A is writing its weights
+    writer_b = threading.Thread(target=run, args=(b,), name="B")
+    writer_b.start()
+    writer_b.join(2.0)  # without a lock B finishes here, cleaning up what A staged
+    go.set()
+    writer_a.join()
+    writer_b.join()
+    assert not errors, errors
+    assert _which(tmp_path, a.to_tensors(), b.to_tensors()) in ("old", "new")
+
+
+def test_a_reader_during_a_save_sees_the_old_or_the_new_posterior(tmp_path, monkeypatch):
+    """The config is read, then a save switches both files, then the reader opens the weights."""
+    import hf_evon.posterior.format as format_module
+
+    old, new = _posterior(), _posterior(scale=4.0)
+    old.save_pretrained(tmp_path)
+    real = format_module.safe_open
+    saves = []
+
+    def open_after_a_save(*args, **kwargs):
+        if not saves:
+            saves.append(1)
+            new.save_pretrained(tmp_path, model_card=False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(format_module, "safe_open", open_after_a_save)
+    assert _which(tmp_path, old.to_tensors(), new.to_tensors()) == "new"
+
+
+# ----------------------------------------------------------------------------- item 11: model + posterior
+def test_a_save_model_killed_between_model_and_posterior_is_not_a_silent_pair(tmp_path, monkeypatch):
+    """New weights beside the previous posterior both load: the posterior's recorded mean tells."""
+    import warnings
+
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import EVONConfig, EVONTrainer
+    from hf_evon.posterior.fingerprint import PosteriorMeanWarning
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (8, 12))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    args = EVONConfig(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_train_batch_size=4,
+        max_steps=1, evon_ess=1e4, save_strategy="no", disable_tqdm=True, bma_num_samples=0, seed=0,
+    )  # fmt: skip
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100, n_positions=16)
+    trainer = EVONTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+    trainer.train()
+    saved = tmp_path / "model"
+    trainer.save_model(str(saved))
+    for dtype in (torch.float32, torch.bfloat16):  # a whole save: no warning, also cast to bfloat16
+        model = GPT2LMHeadModel.from_pretrained(saved, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PosteriorMeanWarning)
+            EVONPosterior.from_pretrained(saved, model=model)
+
+    trainer.args.max_steps = 2
+    trainer.train()
+
+    def killed(*args, **kwargs):
+        raise _Killed("killed after the model's files, before the posterior's")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(EVONPosterior, "save_pretrained", killed)
+        with pytest.raises(_Killed):
+            trainer.save_model(str(saved))
+    model = GPT2LMHeadModel.from_pretrained(saved)  # the new weights
+    new_weight = trainer.model.transformer.h[0].attn.c_attn.weight.detach().cpu()
+    assert torch.equal(model.transformer.h[0].attn.c_attn.weight, new_weight)
+    with pytest.warns(PosteriorMeanWarning, match=r"transformer\.h\.0\..*different saves"):
+        EVONPosterior.from_pretrained(saved, model=model)
+    with pytest.warns(PosteriorMeanWarning):
+        with EVONPosterior.from_pretrained(saved).sampled(model, seed=0):
+            pass
+
+
+_WRITER = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_posterior_files import _posterior
+post = _posterior(scale=float(sys.argv[1]))
+for _ in range({saves}):
+    post.save_pretrained(sys.argv[2], model_card=False)
+"""
+
+
+def test_two_writer_processes_and_a_reader_always_see_a_whole_posterior(tmp_path):
+    """Two processes save into one directory again and again while this one loads it."""
+    import subprocess
+    import sys
+
+    scales = (2.0, 5.0)
+    expected = {s: _posterior(scale=s).to_tensors() for s in scales}
+    _posterior(scale=2.0).save_pretrained(tmp_path, model_card=False)
+    code = _WRITER.format(tests=str(Path(__file__).parent), saves=15)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    writers = [
+        subprocess.Popen([sys.executable, "-c", code, str(s), str(tmp_path)], env=env, stderr=subprocess.PIPE)
+        for s in scales
+    ]
+    loads = 0
+    while any(w.poll() is None for w in writers) or loads == 0:
+        _which(tmp_path, *expected.values())  # raises on anything but one whole posterior
+        loads += 1
+    for w in writers:
+        assert w.wait() == 0, w.stderr.read().decode()
+    _which(tmp_path, *expected.values())
+    left = sorted(p.name for p in tmp_path.iterdir() if "evon_posterior" in p.name)
+    assert left == sorted([POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
