@@ -28,17 +28,16 @@ Measured on the project's 2-core CPU shared with other jobs (torch 2.13, one thr
 ``python benchmarks/optimizer_flops.py --time-names hf-evon naive hf-evon-noclip naive-noclip``,
 pytorch_optimizer not installed there, so no SOAP row):
 
-* aten ops per step (width 64): hf-evon 569.8 with one block, 751.4 with twelve; with the
-  spec's schedule (``stagger_refresh=False``) 569.8 and 569.8; naive 292 and 3504. Staggering
-  adds one refresh call per bucket and phase (at most buckets × f per cycle: 798 ops at 24 blocks).
+* aten ops per step (width 64): hf-evon 265.8 with one block, 363.4 with twelve; with the
+  spec's schedule (``stagger_refresh=False``) 265.8 and 265.8; naive 292 and 3504. Staggering
+  adds one refresh call per bucket and phase (at most buckets × f per cycle).
 * matmul GFLOP per step, one GPT-2-small block (width 768): naive 268.9 (the issue measured
-  268.9 for the paper's code too); hf-evon on CPU 268.9 (1.000), with ``clip="none"`` 224.9 (0.836);
-  on accelerators (blocked symmetric ``G Gᵀ``, ``Gᵀ G``) 247.1 (0.919), with ``clip="none"``
-  203.0 (0.755). With element-wise clipping the prior term must rotate the weights each step
-  (clipping acts in parameter space, so ``Q_Lᵀ clip(Δ) Q_R`` is not ``U``): the sample, the
-  gradient's rotation, the prior term and the update each map a new m×n matrix across the bases
-  (2 matmuls each), so exactness bounds that case at about 0.87 even with an ideal symmetric
-  product for the statistics.
+  268.9 for the paper's code too); hf-evon on CPU 220.0 (0.818), the same with ``clip="none"``;
+  on accelerators (blocked symmetric ``G Gᵀ``, ``Gᵀ G``) 198.1 (0.737). The settings use the
+  default per-matrix step (``step_curvature="matrix"``), whose pull on the mean is added in the
+  weights' space (the bases are orthogonal), so no clip mode rotates the weights each step; the
+  naive reference rotates them (the paper's per-entry step needs it). Before that change (commit
+  6e106e4): 268.9 on CPU and 247.1 on accelerators, with either clip; 529.8 ops per step.
 * ms per step, 24 matrices (6 blocks, width 256), 6 interleaved cycles, median (min-max):
   hf-evon 993 (760-1497) vs naive 848 (651-1182), per-cycle ratio 1.17 (1.09-1.29);
   ``clip="none"``: 697 (655-1198) vs 687 (657-1075), ratio 1.02 (0.97-1.11). A quieter rerun

@@ -189,6 +189,39 @@ def scenario_misuse(accelerator, out: dict) -> None:
             raw.transformer.ln_f.bias.grad = None  # this rank "did not use" a parameter
         optimizer.step()
 
+    def sample_failed_on_one_rank() -> None:
+        raw = tiny_gpt2()
+        model, optimizer = accelerator.prepare(raw, build_optimizer(raw, ess=100.0))
+        evon = prepare_distributed(model, optimizer)
+        sampled_step(accelerator, model, optimizer, evon, micro_batches(0, 4, rank))  # initialising step
+        for i in range(2):  # rank 1's second block raises and is caught: one sample fewer there
+            try:
+                with evon.sampled_params(train=True):
+                    for ids in micro_batches(1, 4, rank):
+                        with accelerator.accumulate(model):
+                            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+                    if rank == 1 and i == 1:
+                        raise ValueError("a failed logging callback")
+            except ValueError:
+                pass
+        try:
+            optimizer.step()
+        finally:
+            optimizer.zero_grad()
+            out["samples_after_refusal"] = evon.recorded_samples
+            for step in (2, 3):  # still usable, and the ranks stay in step
+                sampled_step(accelerator, model, optimizer, evon, micro_batches(step, 4, rank))
+            check_ranks_in_sync(model, optimizer)
+
+    def different_hyperparameters() -> None:
+        raw = tiny_gpt2()
+        opt = build_optimizer(raw, ess=100.0, learning_rate=1e-3 if rank == 0 else 2e-3)
+        model, optimizer = accelerator.prepare(raw, opt)
+        evon = prepare_distributed(model, optimizer)
+        sampled_step(accelerator, model, optimizer, evon, micro_batches(0, 4, rank))
+
+    expect_error(out, "error_samples", sample_failed_on_one_rank)
+    expect_error(out, "error_hyperparameters", different_hyperparameters)
     expect_error(out, "error_forgot", forgot_prepare)
     expect_error(out, "error_unwrapped", unwrapped_module)
     expect_error(out, "error_mismatch", mismatched)

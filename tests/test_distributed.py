@@ -251,6 +251,26 @@ def test_forgetting_prepare_distributed_raises(ranks: list[dict]) -> None:
         assert r["error_forgot"].startswith("RuntimeError")
 
 
+def test_a_sample_that_failed_on_one_rank_refuses_the_step_on_every_rank(ranks: list[dict]) -> None:
+    """Issue 33 item 10: a block that raised (and was caught) on one rank only left it with one
+    recorded sample fewer, and each rank divided the averaged sum by its own count: the ranks
+    drifted apart silently. Now every rank refuses the step naming the counts, drops its samples,
+    and later steps keep the ranks in sync (``check_ranks_in_sync`` inside the worker)."""
+    for r in ranks:
+        assert r["error_samples"] is not None and "between 1 and 2" in r["error_samples"], r["error_samples"]
+        assert r["error_samples"].startswith("RuntimeError")
+        assert r["samples_after_refusal"] == 0
+
+
+def test_ranks_with_different_hyperparameters_refuse_the_first_step(ranks: list[dict]) -> None:
+    """Issue 33 item 13: ranks built with different rates (or ess, mc_samples...) drifted apart
+    silently. Every rank refuses the step, naming what differs."""
+    for r in ranks:
+        err = r["error_hyperparameters"]
+        assert err is not None and err.startswith("RuntimeError") and "hyperparameters differ" in err, err
+        assert "group 0 lr" in err
+
+
 def test_preparing_the_unwrapped_module_is_detected(ranks: list[dict]) -> None:
     for r in ranks:
         assert r["error_unwrapped"] is not None and "averaged them" in r["error_unwrapped"]

@@ -35,3 +35,41 @@ def test_op_count_does_not_grow_with_equal_blocks() -> None:
     naive_three = optimizer_flops.count("naive", optimizer_flops.block_shapes(8, 3))
     assert naive_three["ops"] == 3 * naive_one["ops"]
     assert naive_three["gflop"] == pytest.approx(3 * naive_one["gflop"])
+
+
+def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
+    """Issue 32: a step's only host sync is the finite check (one ``tolist``): between the curvature
+    fits and health checks, no ``.item()`` (``aten._local_scalar_dense``) in ``step()`` or in the
+    sampled block, for matrices of three shapes (three buckets) under the default estimator."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_evon import EVON
+
+    class ScalarReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket == torch.ops.aten._local_scalar_dense:
+                ScalarReads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(m, n) / n**0.5) for m, n in ((6, 4), (5, 6), (3, 5))]
+    opt = EVON(weights, seed=0)
+    x = torch.randn(8, 4)
+
+    def train_step() -> None:
+        with opt.sampled_params(train=True):
+            h = x
+            for w in weights:
+                h = torch.tanh(h @ w.mT)
+            h.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # the initialising step and the first curvature fit
+        train_step()
+    with ScalarReads():
+        for _ in range(12):  # across a refresh (every 10 updates), before the next fit (50)
+            train_step()
+    assert ScalarReads.count == 0

@@ -180,7 +180,7 @@ def test_checkpoint_from_before_snr_scaling_resumes_without_it() -> None:
     for group in old["optimizer"]["param_groups"]:
         del group["snr_scaling"]
 
-    def resume(scaled: bool | None) -> dict:
+    def resume(scaled: bool | str | None) -> dict:
         sd = copy.deepcopy(old)
         if scaled is not None:
             for group in sd["optimizer"]["param_groups"]:
@@ -194,7 +194,9 @@ def test_checkpoint_from_before_snr_scaling_resumes_without_it() -> None:
         return strip(snapshot(resumed_model, resumed_opt))
 
     assert_identical(resume(None), uninterrupted)
-    scaled = resume(True)  # the same checkpoint told to scale: other weights (the test can fail)
+    # the same checkpoint told to scale (by min(1, ρ): Adam's step size, below 1 from the first
+    # resumed step on): other weights, so the test can fail
+    scaled = resume("adam")
     assert not all(torch.equal(scaled[k], uninterrupted[k]) for k in uninterrupted if k.startswith("param."))
 
 
@@ -433,28 +435,38 @@ def test_sampled_params_restores_weights_bit_for_bit(train: bool) -> None:
     train_step(model, opt, data)  # still usable: the failed sample left no trace
 
 
-def test_an_interrupt_during_a_samples_exit_restores_every_mean(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 33 item 2.1: a KeyboardInterrupt while the block records its sample aborted the
-    clean-up: the later buckets kept the sampled weights, the optimizer stayed "in a sample",
-    a save stored noise as the mean and every later block said "cannot be nested"."""
+@pytest.mark.parametrize("estimator", ["price", "fisher"])
+def test_an_interrupt_during_a_samples_exit_restores_every_mean(
+    monkeypatch: pytest.MonkeyPatch, estimator: str
+) -> None:
+    """Issue 33 item 2.1: a KeyboardInterrupt while the block exits (the Price estimate: while it
+    records its sample; the Fisher one records nothing: while it writes the first mean back)
+    aborted the clean-up: the later buckets kept the sampled weights, the optimizer stayed "in a
+    sample", a save stored noise as the mean and every later block said "cannot be nested"."""
     from hf_evon.optim.buckets import Bucket
 
     model, data = make_model(), make_data()
-    opt = make_opt(model)
+    opt = make_opt(model, hess_estimator=estimator)
     for _ in range(3):
         train_step(model, opt, data)
     assert len(opt.buckets) > 1  # the interrupt lands in the first bucket: the others must be restored
     before = {k: v.clone() for k, v in model.state_dict().items()}
     grads_before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-    record = Bucket.record_sample
+    name = "record_sample" if estimator == "price" else "write_params"
+    original = getattr(Bucket, name)
+    calls = []
 
-    def interrupted(self: Bucket, alone: bool) -> None:
-        raise KeyboardInterrupt
+    def interrupted(self: Bucket, *args, **kwargs) -> None:
+        calls.append(name)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Bucket, "record_sample", interrupted)
     with pytest.raises(KeyboardInterrupt), opt.sampled_params(train=True):
         loss_fn(model, data).backward()
-    monkeypatch.setattr(Bucket, "record_sample", record)
+        monkeypatch.setattr(Bucket, name, interrupted)  # from the block's exit on
+    monkeypatch.setattr(Bucket, name, original)
+    assert calls  # the interrupt was raised
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     for n, p in model.named_parameters():  # .grad as at the block's entry
         assert (p.grad is None) == (grads_before[n] is None) and (p.grad is None or torch.equal(p.grad, grads_before[n]))
@@ -670,3 +682,35 @@ def test_fp16_grad_scaler_is_refused_and_leaves_the_optimizer_usable() -> None:
     opt.zero_grad()
     train_step(model, opt, data)  # still usable without the scaler
     assert not torch.equal(snapshot(model, opt)["param.0.weight"], before["param.0.weight"])
+
+
+@pytest.mark.parametrize(
+    "corrupt,named",
+    [
+        (lambda sd: sd["param_groups"][0].update(ess=-5.0), "ess"),
+        (lambda sd: sd["param_groups"][0].update(weight_decay=float("inf")), "weight_decay"),
+        (lambda sd: sd["param_groups"][0].update(identity_basis="false"), "identity_basis"),
+        (lambda sd: sd["param_groups"][0].update(mc_samples=0), "mc_samples"),
+        (lambda sd: next(st for st in sd["state"].values() if "hess" in st)["hess"].view(-1)[0].fill_(float("nan")), "'hess'"),
+        (lambda sd: next(st for st in sd["state"].values() if "hess" in st)["hess"].fill_(-1.0), "H + weight_decay <= 0"),
+        (lambda sd: next(st for st in sd["state"].values() if "exp_avg" in st and "hess" in st)["exp_avg"].fill_(float("inf")), "'exp_avg'"),
+    ],
+)
+def test_load_state_dict_validates_as_the_constructor_does(corrupt, named: str) -> None:
+    """Issue 33 item 13: load_state_dict accepted ess=-5, weight_decay=inf, identity_basis='false'
+    and NaN H, which then failed (or sampled nonsense) steps later. Each is refused at load,
+    naming the field, and the optimizer keeps its own state and trains on."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="load_state_dict") as err:
+        opt.load_state_dict(bad)
+    assert named in str(err.value)
+    assert_identical(snapshot(model, opt), before)
+    train_step(model, opt, data)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads

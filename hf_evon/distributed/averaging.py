@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from hf_evon.optim.validation import GROUP_KEYS
 
 if TYPE_CHECKING:
     from hf_evon.optim.evon import EVON
@@ -14,6 +17,26 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 __all__ = ["RankAverager", "world_size"]
+
+
+def _settings(optimizer: EVON | None) -> list[dict[str, Any]]:
+    """Each parameter group's hyperparameters (what every rank must agree on; empty without an
+    optimizer): their repr's checksum is compared across ranks at every step."""
+    if optimizer is None:
+        return []
+    keys = ("algorithm", *GROUP_KEYS)
+    return [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+
+
+def _differences(every: list[Any], mine: list[dict[str, Any]]) -> list[str]:
+    """What differs between this rank's group settings and any rank's, as "group i key"."""
+    out = set()
+    for theirs in every:
+        if len(theirs) != len(mine):
+            out.add("the number of parameter groups")
+        for gi, (a, b) in enumerate(zip(theirs, mine)):
+            out.update(f"group {gi} {k}" for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return sorted(out)
 
 
 def world_size(group: Any = None) -> int:
@@ -32,7 +55,9 @@ class RankAverager:
         group: the data-parallel process group (default: the whole world).
         bucket_cap_mb: upper bound of one flat buffer (bounds the extra memory).
         check_consistency: before reducing, check (one tiny all-reduce) that every rank passes
-            the same number of tensors and elements, and raise instead of hanging if not.
+            the same number of tensors and elements, recorded the same number of samples and has
+            the same hyperparameters (``optimizer``'s), and raise on every rank instead of hanging
+            or drifting apart if not.
         verify_local_gradients: at the first noisy steps, check that the ranks' gradients
             differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
         optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``).
@@ -93,9 +118,29 @@ class RankAverager:
 
     def _check_same_structure(self, tensors: list[Tensor]) -> None:
         count, numel = len(tensors), sum(t.numel() for t in tensors)
-        sig = torch.tensor([count, numel, -count, -numel], dtype=torch.int64, device=tensors[0].device)
+        # each rank divides the averaged sum of its samples' gradients by its own count of them
+        samples = 0 if self.optimizer is None else self.optimizer.recorded_samples
+        settings = _settings(self.optimizer)
+        values = [count, numel, samples, zlib.crc32(repr(settings).encode())]
+        sig = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=tensors[0].device)
         dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
-        hi_count, hi_numel, lo_count, lo_numel = sig.tolist()
+        hi_count, hi_numel, hi_samples, hi_key, lo_count, lo_numel, lo_samples, lo_key = sig.tolist()
+        if hi_key != -lo_key:  # the ranks' hyperparameters differ: name them (rare: one more collective)
+            every: list[Any] = [None] * world_size(self.group)
+            dist.all_gather_object(every, settings, group=self.group)
+            differ = _differences(every, settings)
+            raise RuntimeError(
+                f"EVON: the ranks' hyperparameters differ ({', '.join(differ) or 'the parameter groups'}; per "
+                f"rank: {every}): each would apply a different update. Build the optimizer alike on every rank"
+            )
+        if hi_samples != -lo_samples:  # every rank sees the same maxima: all raise, none hangs
+            raise RuntimeError(
+                "EVON: the ranks recorded different numbers of sampled_params(train=True) blocks for "
+                f"this step (between {-lo_samples} and {hi_samples}; this rank: {samples}), so their "
+                "updates would differ. A block that raised on one rank (and was caught) is not "
+                "recorded: run the same blocks on every rank. The step was refused on every rank and "
+                "its samples dropped; the optimizer is usable"
+            )
         if (hi_count, hi_numel) != (-lo_count, -lo_numel):
             raise RuntimeError(
                 "EVON: the ranks disagree on which gradients to average (tensors per rank between "
@@ -109,9 +154,9 @@ class RankAverager:
         opt = self.optimizer
         if opt is None:
             return
-        num_acc = sum(b.acc is not None for b in opt.buckets)
-        if num_acc == 0:  # no noise in this step (ess=inf, a clean phase): ranks may agree
-            return
+        num_acc = sum(b.acc is not None for b in opt.buckets)  # the Price numerators, after the gradients
+        if not any(b.initialized and b.noisy_phase() for b in opt.buckets):
+            return  # no noise in this step (ess=inf, a clean phase, the first step): ranks may agree
         self._verifications_left -= 1
         grads = tensors[: len(tensors) - num_acc]
         if not grads:

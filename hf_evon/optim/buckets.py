@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
 from hf_evon.optim.functional import refresh_bases as refreshed_bases
 from hf_evon.optim.functional import shampoo_statistics
@@ -109,6 +110,8 @@ class Bucket:
     # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
     # has outgrown its noise)
     watched: Tensor | None = None  # (B,) bool, on the bucket's device
+    # ((id, version) of state["step"], its value): the counter as last read or set
+    _t: tuple[tuple[int, int], int] | None = field(default=None, repr=False)
 
     @property
     def preconditioned(self) -> bool:
@@ -120,7 +123,21 @@ class Bucket:
 
     @property
     def t(self) -> int:
-        return int(self.state["step"].item())
+        """Updates taken (the shared ``state["step"]`` counter). Read from the tensor only when its
+        version moved since this bucket last read or set it: the step loop sets it (``count_update``),
+        so a step reads no scalar back from a tensor."""
+        step = self.state["step"]
+        key = (id(step), step._version)
+        if self._t is None or self._t[0] != key:
+            self._t = (key, int(step.item()))
+        return self._t[1]
+
+    def count_update(self) -> None:
+        """Add one to the update counter (in place: members' ``optimizer.state`` share it)."""
+        t = self.t + 1
+        step = self.state["step"]
+        step.add_(1)
+        self._t = ((id(step), step._version), t)
 
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
@@ -169,8 +186,9 @@ class Bucket:
     # ------------------------------------------------------------- sampling
     def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> bool:
         """Write a posterior sample into the unfrozen members (``draw(self)``: the standard
-        normal ``z``); with ``train``, keep ``z`` for the Hessian numerator of the sample.
-        False (nothing drawn or written) when every member is frozen."""
+        normal ``z``); with ``train``, keep ``z`` and, under the Price estimate, start the
+        Hessian numerator ``record_sample`` adds to (the Fisher estimate takes H from the step's
+        gradient: no per-sample work). False (nothing drawn or written) when every member is frozen."""
         live = [i for i, p in enumerate(self.params) if p.requires_grad]
         if not live:
             return False
@@ -183,7 +201,7 @@ class Bucket:
         self.write_params(self.mean.to(self.dtype) + noise, self.live)
         if train and self.initialized:
             self.z = z
-            if self.acc is None:
+            if self.acc is None and not uses_fisher(g):
                 self.acc = torch.zeros_like(z)
         return True
 

@@ -25,6 +25,7 @@ __all__ = [
     "is_real",
     "mode_value",
     "require",
+    "uses_fisher",
 ]
 
 
@@ -122,3 +123,11 @@ def require(name: str, value: Any, ok: bool, rule: str) -> None:
     """The one place argument errors are raised: the message names the argument and its rule."""
     if not ok:
         raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
+
+
+def uses_fisher(group: dict[str, Any]) -> bool:
+    """Whether a group's H is the Fisher estimate (groups saved before the option: the Price one)."""
+    ess = group.get("ess")
+    return group.get("hess_estimator", "price") == "fisher" and not (
+        isinstance(ess, float) and math.isinf(ess)
+    )

@@ -43,7 +43,6 @@ __all__ = [
     "mean_pull",
     "refit_due",
     "resolve_mean_weight_decay",
-    "uses_fisher",
 ]
 
 Tensor = torch.Tensor
@@ -68,14 +67,6 @@ def curvature_fitted(group: dict[str, Any]) -> tuple[str, ...]:
 def mean_pull(group: dict[str, Any]) -> float:
     """λ: the L2 pull on the mean, the prior's δ plus the group's ``mean_weight_decay``."""
     return group["weight_decay"] + (group.get("mean_weight_decay") or 0.0)
-
-
-def uses_fisher(group: dict[str, Any]) -> bool:
-    """Whether a group's H is the Fisher estimate (groups saved before the option: the Price one)."""
-    ess = group.get("ess")
-    return group.get("hess_estimator", "price") == "fisher" and not (
-        isinstance(ess, float) and math.isinf(ess)
-    )
 
 
 def resolve_mean_weight_decay(group: dict[str, Any]) -> None:

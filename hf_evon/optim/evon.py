@@ -69,7 +69,12 @@ from hf_evon.optim.update import (
     hessian_candidate,
     plan_update,
 )
-from hf_evon.optim.validation import resolve_prior, validate_group, validate_hyperparameters
+from hf_evon.optim.validation import (
+    resolve_prior,
+    validate_group,
+    validate_hyperparameters,
+    validate_state_dict,
+)
 
 Tensor = torch.Tensor
 
@@ -359,7 +364,7 @@ class EVON(Optimizer):
                     self._hooks.end_sample(recorded=ok and train)
                     kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                     for b in perturbed if ok else ():
-                        if b.z is not None:
+                        if b.acc is not None and b.z is not None:
                             b.record_sample(alone=not any(id(p) in kept for p in b.params))
                     restore_means(perturbed)
                     if stash is not None:
@@ -426,13 +431,13 @@ class EVON(Optimizer):
                 )
         num_samples = max(self._samples, 1)
         plans = [plan for b in self.buckets if (plan := self._plan(b, num_samples)) is not None]
-        adamw = self._adamw_inputs(num_samples)
+        adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         if not self._all_finite(plans, adamw):
             self._discard_samples()
             return loss
 
         for plan in plans:
-            self._evon_update(plan, num_samples)
+            evon_update(plan, num_samples, self._member_state)
         for gi, (params, g_list, states) in adamw.items():
             adamw_update(self.param_groups[gi], params, g_list, states)
         self._hooks.after_step()
@@ -466,7 +471,11 @@ class EVON(Optimizer):
             return
         tensors = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         tensors += [b.acc for b in self.buckets if b.acc is not None]
-        self.gradient_reducer(tensors)
+        try:
+            self.gradient_reducer(tensors)
+        except BaseException:  # the step is refused (ranks disagree): its samples must not leak
+            self._discard_samples()
+            raise
         self._synchronized = True
 
     def _discard_samples(self) -> None:
@@ -476,12 +485,8 @@ class EVON(Optimizer):
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed = consumed_grads(self.param_groups)
 
-    def _adamw_inputs(self, num_samples: int) -> AdamWInputs:
-        return adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
-
     def _plan(self, b: Bucket, num_samples: int) -> Plan | None:
-        """Everything the bucket's update needs that can fail, computed without changing any
-        state; the candidate Hessian too, so one device sync checks it with the gradients."""
+        """What the bucket's update needs that can fail (the candidate H too), no state changed."""
         plan = plan_update(b, num_samples)
         if plan is not None and plan.work.initialized:
             self._hessian_candidate(plan, num_samples)
@@ -505,9 +510,6 @@ class EVON(Optimizer):
 
     def _param_label(self, p: Tensor) -> str:
         return param_label(self.param_groups, self._hooks.model_param(p))  # FSDP2: p's DTensor
-
-    def _evon_update(self, plan: Plan, num_samples: int) -> None:
-        evon_update(plan, num_samples, self._member_state)
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[Bucket, int]:
@@ -554,11 +556,8 @@ class EVON(Optimizer):
     def posterior_std(self, p: Tensor) -> Tensor:
         """Marginal posterior standard deviations, shaped like ``p``."""
         f = self.posterior_factors(p)
-        return (
-            marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
-            .sqrt()
-            .reshape(p.shape)
-        )
+        var = marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
+        return var.sqrt().reshape(p.shape)
 
     # ---------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
@@ -572,6 +571,7 @@ class EVON(Optimizer):
         return self._hooks.full_state_dict(sd)  # sharded: a collective, the full state on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
         state_dict = dict(state_dict)
         extra = state_dict.pop("evon", None)
         state_dict = self._hooks.local_state_dict(state_dict)  # sharded: this rank's part of a full one

@@ -28,6 +28,7 @@ __all__ = [
     "clipped_update",
     "fisher_update",
     "hessian_update",
+    "matrix_curvature",
     "momentum_update",
     "newton_step",
     "price_estimate",
@@ -120,8 +121,14 @@ def newton_step(
     if mean_rot is not None:
         momentum.add_(mean_rot, alpha=delta if pull is None else pull)
     if per_matrix:
-        return momentum.div_((hess + delta).mean(dim=(-2, -1), keepdim=True))
+        return momentum.div_(matrix_curvature(hess, delta))
     return momentum.div_(hess + delta)
+
+
+def matrix_curvature(hess: Tensor, delta: float) -> Tensor:
+    """Each matrix's mean of H + δ, ``(B, 1, 1)``: the step's curvature under ``step_curvature=
+    "matrix"`` (mean(H) + δ: the same number, without an m×n temporary)."""
+    return hess.mean(dim=(-2, -1), keepdim=True).add_(delta)
 
 
 def clipped_update(
@@ -131,9 +138,14 @@ def clipped_update(
     clip: str,
     radius: float,
     scale: Tensor | None,
+    pull: Tensor | None = None,
 ) -> Tensor:
-    """Δ = clip(Q_L U Q_Rᵀ) · scale: the update in the weights' space (a new tensor)."""
-    update = clip_update(unrotate(step_rot, q_left, q_right), clip, radius)
+    """Δ = clip(Q_L U Q_Rᵀ + P) · scale: the update in the weights' space (a new tensor; ``U`` may
+    be overwritten). ``pull`` P: a part of the step given in the weights' space (None: none)."""
+    update = unrotate(step_rot, q_left, q_right)
+    if pull is not None:
+        update.add_(pull)
+    update = clip_update(update, clip, radius)
     if scale is not None:
         update.mul_(scale.view(-1, 1, 1))
     return update
@@ -192,4 +204,7 @@ def adamw(
         eps=eps,
         maximize=False,
         decoupled_weight_decay=True,
+        # one multi-tensor op per stage, on any device: the per-tensor loop costs a small model
+        # more dispatches than all of EVON's matrices; its results are bitwise the same
+        foreach=True,
     )

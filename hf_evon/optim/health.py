@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
-from hf_evon.optim.curvature import uses_fisher
+from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
 
 __all__ = ["first_nonfinite", "health_rows", "health_stats", "warn_health"]

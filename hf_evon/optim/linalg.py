@@ -19,21 +19,30 @@ Tensor = torch.Tensor
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b``; for two stacks of one batch size, ``torch.bmm`` itself: the same kernel on the
+    same operands (bitwise the same result), without the expand and view ops that ``@`` adds
+    around it, which are most of a small model's step."""
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
+        return torch.bmm(a, b)
+    return a @ b
+
+
 def rotate(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor:
     """Parameter space -> eigenbasis: ``Q_Lᵀ X Q_R``."""
     if q_left is not None:
-        x = q_left.mT @ x
+        x = matmul(q_left.mT, x)
     if q_right is not None:
-        x = x @ q_right
+        x = matmul(x, q_right)
     return x
 
 
 def unrotate(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor:
     """Eigenbasis -> parameter space: ``Q_L X Q_Rᵀ``."""
     if q_left is not None:
-        x = q_left @ x
+        x = matmul(q_left, x)
     if q_right is not None:
-        x = x @ q_right.mT
+        x = matmul(x, q_right.mT)
     return x
 
 
@@ -63,15 +72,15 @@ def gram(x: Tensor, blocked: bool | None = None) -> Tensor:
     b, m, k = x.shape
     h = m // 2
     if not blocked:
-        return x @ x.mT
+        return matmul(x, x.mT)
     if m % 2 or h < GRAM_MIN_BLOCK:
         # BLAS need not round x_i·x_j and x_j·x_i alike: one triangle, mirrored, is symmetric by
         # construction (the adds are of exact zeros)
-        full = x @ x.mT
+        full = matmul(x, x.mT)
         return full.triu() + full.triu(1).mT
     halves = x.reshape(2 * b, h, k)  # members 2i, 2i+1: the top and bottom rows of member i
     diag = gram(halves, blocked=True).view(b, 2, h, h)
-    off = halves[0::2] @ halves[1::2].mT
+    off = matmul(halves[0::2], halves[1::2].mT)
     out = x.new_empty(b, m, m)
     out[:, :h, :h] = diag[:, 0]
     out[:, h:, h:] = diag[:, 1]
@@ -166,7 +175,7 @@ def power_qr(stat: Tensor, q: Tensor) -> Tensor:
     On accelerators the product is formed in float64, which TF32 settings never touch.
     """
     if stat.device.type == "cpu":
-        new = torch.linalg.qr(stat @ q).Q
+        new = torch.linalg.qr(matmul(stat, q)).Q
     else:
         new = cholesky_qr(stat.double() @ q.double()).to(q.dtype)
     signs = torch.where((q * new).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(new.dtype)
@@ -174,15 +183,20 @@ def power_qr(stat: Tensor, q: Tensor) -> Tensor:
 
 
 def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise each matrix (singular values -> ~1), as Muon does."""
+    """Approximately orthogonalise each matrix of a stack (singular values -> ~1), as Muon does."""
     a, b, c = _NS_COEFFS
-    transposed = x.shape[-2] > x.shape[-1]
-    y = x.mT if transposed else x
+    single = x.dim() == 2
+    y = x.unsqueeze(0) if single else x
+    transposed = y.shape[-2] > y.shape[-1]
+    y = y.mT if transposed else y
     y = y / (torch.linalg.matrix_norm(y, keepdim=True) + eps)
     for _ in range(steps):
-        gram = y @ y.mT
-        y = a * y + (b * gram + c * gram @ gram) @ y
-    return y.mT if transposed else y
+        # a·Y + (b·YYᵀ + c·(YYᵀ)²)·Y, its scalings folded into the products (beta·C + alpha·A·B)
+        gram = torch.bmm(y, y.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, poly, y, beta=a)
+    y = y.mT if transposed else y
+    return y[0] if single else y
 
 
 def spectral_clip(x: Tensor, radius: float) -> Tensor:

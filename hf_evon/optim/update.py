@@ -10,12 +10,14 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import Bucket, Plan, point_state_views
-from hf_evon.optim.curvature import mean_pull, uses_fisher
+from hf_evon.optim.checks import uses_fisher
+from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
     adamw,
     clipped_update,
     fisher_update,
     hessian_update,
+    matrix_curvature,
     momentum_update,
     newton_step,
     price_estimate,
@@ -76,14 +78,14 @@ def hessian_candidate(plan: Plan, num_samples: int) -> None:
 def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
     """Whether every gradient and every candidate Hessian is finite; also settles, in the same
     single device sync, which buckets may reuse their exit rotation."""
+    grads = [plan.grad for plan in plans] + [g for _, g_list, _ in adamw.values() for g in g_list]
     checks = []
-    for plan in plans:
-        # ‖G‖²_F bounds every entry of G Gᵀ and Gᵀ G: finite means L and R stay finite
-        ok = torch.isfinite(torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()).all()
-        checks.append(ok if plan.hess is None else ok & torch.isfinite(plan.hess).all())
-    for _, g_list, _ in adamw.values():
-        # the norm also overflows where AdamW's squared gradient would
-        checks += [torch.isfinite(torch.stack(torch._foreach_norm(g_list)).sum())]
+    if grads:
+        # every ‖G‖²_F finite, in one norm call: it bounds every entry of G Gᵀ and Gᵀ G (L and R
+        # stay finite) and of AdamW's squared gradient
+        norms = torch._foreach_norm(grads)
+        checks.append(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).square()).all())
+    checks += [torch.isfinite(plan.hess).all() for plan in plans if plan.hess is not None]
     reusable = [plan for plan in plans if plan.unchanged is not None]
     flags = checks + [plan.unchanged for plan in reusable]
     values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
@@ -128,10 +130,16 @@ def evon_update(
     if g.get("snr_scaling", False) is not False and g["clip"] != "none":
         scale = snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
     pull = mean_pull(g)
-    mean_rot = b.rotated_mean() if pull != 0.0 else None
-    per_matrix = g.get("step_curvature", "entry") == "matrix"
-    step_rot = newton_step(numer, hess, delta, mean_rot, pull, per_matrix)  # U, in the eigenbasis
-    update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale)
+    if g.get("step_curvature", "entry") == "matrix":
+        # one curvature c per matrix: the pull's part of Q_L (λ Q_Lᵀ M Q_R / c) Q_Rᵀ is λ M / c, as
+        # the bases are orthogonal, so the weights need no rotation
+        curvature = matrix_curvature(hess, delta)
+        step_rot = numer.div_(curvature)  # U, in the eigenbasis
+        pull_step = b.matrices(b.params).mul_(pull).div_(curvature) if pull != 0.0 else None
+    else:
+        mean_rot = b.rotated_mean() if pull != 0.0 else None
+        step_rot, pull_step = newton_step(numer, hess, delta, mean_rot, pull), None
+    update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale, pull_step)
     if update.dtype != b.params[0].dtype:
         update = update.to(b.params[0].dtype)
     # added in each parameter's own shape: works for any memory layout (channels_last)
@@ -139,7 +147,7 @@ def evon_update(
 
     if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
         b.update_statistics(grad, beta3)
-    st["step"].add_(1)
+    b.count_update()
     if b.preconditioned:
         f = g["precondition_frequency"]
         due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]

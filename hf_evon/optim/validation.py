@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hf_evon.optim.checks import (
     ALGORITHMS,
     CLIP_MODES,
@@ -35,7 +37,7 @@ from hf_evon.optim.defaults import (
     ratio_clip,
 )
 
-__all__ = ["resolve_prior", "validate_group", "validate_hyperparameters"]
+__all__ = ["resolve_prior", "validate_group", "validate_hyperparameters", "validate_state_dict"]
 
 # EVON's keyword arguments that are the optimizer's own, not a group's
 _OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_weight_decay", "nonfinite", "seed")
@@ -184,6 +186,36 @@ def validate_group(group: dict[str, Any]) -> None:
                 "its posterior and eigenbasis are real. Train it as a real tensor (torch.view_as_real) "
                 "or in a group with algorithm='adamw'"
             )
+
+
+def validate_state_dict(state_dict: dict[str, Any]) -> None:
+    """Check a state dict before ``EVON.load_state_dict`` changes anything: every group's
+    hyperparameters as the constructor checks them, and each EVON parameter's state finite with
+    H + δ > 0 (a positive, finite posterior variance). The message names the group or the
+    parameter's index and entry."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
+    prior: dict[Any, float] = {}  # parameter index -> its group's δ, for EVON groups
+    for gi, group in enumerate(groups):
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        try:
+            validate_group(resolve_prior(hyper))
+        except ValueError as err:
+            raise ValueError(f"EVON.load_state_dict: param_groups[{gi}]: {err}") from None
+        if hyper.get("algorithm", "evon") == "evon":
+            prior.update(dict.fromkeys(group.get("params", ()), float(hyper.get("weight_decay") or 0.0)))
+    for idx, entries in state_dict.get("state", {}).items():
+        for key, value in entries.items() if idx in prior else ():
+            if key == "step" or not torch.is_tensor(value):
+                continue
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] has NaN or inf entries")
+            if key == "hess" and not bool((value + prior[idx] > 0).all()):
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}]['hess'] has entries with H + weight_decay <= 0 "
+                    "(the posterior variance 1/(ess·(H + weight_decay)) must be positive)"
+                )
 
 
 # an EVON group's hyperparameters (EVON's keyword arguments that become group defaults), in the
