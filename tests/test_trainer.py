@@ -20,6 +20,7 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     HfArgumentParser,
+    TrainerCallback,
     TrainingArguments,
 )
 
@@ -329,7 +330,7 @@ def _step_inputs(trainer: EVONTrainer, batches: list[dict]) -> tuple[torch.Tenso
     """Run the trainer's micro-batches and return (mean gradient, Hessian estimate) EVON would use.
 
     Reads EVON internals (the recorded sample count and the Price-estimator accumulator),
-    exactly as ``EVON._evon_update`` combines them, then discards the step.
+    exactly as ``update.evon_update`` combines them, then discards the step.
     """
     opt = trainer.evon_optimizer
     _run_micro_batches(trainer, batches)
@@ -349,7 +350,10 @@ def _estimates(tmp_path: Path, ess: float, draws: int) -> dict[str, tuple[torch.
     of 8 and for 2 accumulated micro-batches of 4, from the same optimizer state."""
     data = classification_data(8)
     trainer = EVONTrainer(
-        model=tiny_bert(), args=config(tmp_path, evon_ess=ess, evon_hess_init=1.0), train_dataset=data
+        model=tiny_bert(),
+        # the Price estimate: its per-sample numerator is what the test compares
+        args=config(tmp_path, evon_ess=ess, evon_hess_init=1.0, evon_hess_estimator="price"),
+        train_dataset=data,
     )
     opt = trainer.create_optimizer()
     rows = [{k: torch.tensor(v) for k, v in data[i : i + 4].items()} for i in (0, 4)]
@@ -825,3 +829,33 @@ def test_ddp_two_processes(tmp_path, kind):
     r0, r1 = torch.load(tmp_path / "noisy" / "rank0.pt"), torch.load(tmp_path / "noisy" / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0)
     assert not all(torch.equal(r0[k], det[k]) for k in reference)
+
+
+@pytest.mark.parametrize("scheduler", ["constant", "linear"])
+def test_the_logged_learning_rate_is_the_users_and_alpha_is_logged_beside_it(tmp_path, scheduler):
+    """Issue 33 §3: the logged ``learning_rate`` was EVON's α (0.075 where the user set 1e-3): the
+    Trainer reads the first parameter group's. It is the user's rate, as scheduled, and α is
+    ``evon/learning_rate`` (the first EVON group's, as the optimizer held it at that step)."""
+    rates: list[tuple[float, float]] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):  # noqa: ANN001, ANN201
+            first = trainer.evon_optimizer.param_groups[0]
+            rates.append((first["lr"], first["initial_lr"]))
+
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=4, learning_rate=1e-3, lr_scheduler_type=scheduler, logging_steps=1),
+        train_dataset=classification_data(),
+        callbacks=[Record()],
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert trainer.evon_optimizer.param_groups[0]["algorithm"] == "evon"
+    assert len(logs) == 4
+    for entry, (alpha, initial) in zip(logs, rates):
+        assert entry["evon/learning_rate"] == pytest.approx(alpha, rel=1e-9)
+        assert entry["learning_rate"] == pytest.approx(1e-3 * alpha / initial, rel=1e-9)
+    assert initial != pytest.approx(1e-3)  # α is not the user's rate: the test can tell them apart
+    if scheduler == "constant":
+        assert all(entry["learning_rate"] == pytest.approx(1e-3) for entry in logs)

@@ -134,3 +134,26 @@ def test_bma_every_k_counts_an_evaluation_of_several_datasets_once(tmp_path):
     for name in ("a", "b"):
         evals = [h for h in trainer.state.log_history if f"eval_{name}_loss" in h]
         assert [h["step"] for h in evals if f"eval_{name}_bma_nll" in h] == [2, 4], name
+
+
+def test_bma_of_a_posterior_without_noise_is_the_mean_without_sampled_passes(tmp_path):
+    """Issue 33 §3: a posterior calibrated to the mean (ζ = inf) still ran S identical sampled
+    passes per evaluation. Now evaluate() runs the mean's pass only and reports it as BMA, and
+    predict(bma=True) runs one pass; the numbers are what the S passes gave."""
+    trainer = _trained(tmp_path, bma_num_samples=3)  # 48 eval examples, batches of 16: 3 batches
+    trainer.posterior = trainer.current_posterior().with_ess(math.inf)
+    trainer._posterior_from_checkpoint = True  # current_posterior() is this one (as after a calibration)
+    assert trainer.current_posterior().is_point_mass and not trainer.posterior.with_ess(60.0).is_point_mass
+    calls = _count_forwards(trainer.model)
+    metrics = trainer.evaluate()
+    assert calls[0] == 3  # the mean's pass alone (S = 3 sampled passes more before)
+    for key in ("nll", "accuracy", "ece"):
+        assert metrics[f"eval_bma_{key}"] == metrics[f"eval_mean_{key}"]
+    # what the sampled passes give: BMA over 3 draws of the noiseless posterior, computed directly
+    data = classification_data(48, seed=1)
+    _, direct, _ = _direct_bma(trainer.model, trainer.current_posterior(), data, seeds=[3, 4, 5])
+    assert metrics["eval_bma_nll"] == pytest.approx(direct["nll"], rel=1e-5)
+    calls[0] = 0
+    out = trainer.predict(data, bma=True)
+    assert calls[0] == 3  # one pass (3 batches), not 3 × 3
+    assert out.metrics["test_bma_nll"] == pytest.approx(direct["nll"], rel=1e-5)

@@ -157,3 +157,26 @@ def test_sft_peft_config_is_wrapped_by_trl_and_the_posterior_covers_the_adapter(
     assert posterior.names and all("lora_" in n for n in posterior.names)
     metrics = trainer.evaluate()
     assert math.isfinite(metrics["eval_bma_nll"]) and "eval_mean_token_accuracy" in metrics
+
+
+def test_evon_sft_config_keeps_every_default_trl_changes(tmp_path):
+    """Issue 33 §3: EVONSFTConfig silently took TrainingArguments' defaults where SFTConfig has its
+    own (gradient_checkpointing True -> False, bf16 auto -> False, logging_steps 10 -> 500, the
+    learning rate): EVONConfig comes first in its MRO. Every default SFTConfig changes is kept."""
+    from dataclasses import MISSING, fields
+
+    from transformers import TrainingArguments
+
+    def default(f):  # noqa: ANN001, ANN202
+        return f.default if f.default_factory is MISSING else f.default_factory()
+
+    base = {f.name: default(f) for f in fields(TrainingArguments)}
+    changed = {f.name: default(f) for f in fields(trl.SFTConfig) if f.name in base and default(f) != base[f.name]}
+    assert {"gradient_checkpointing", "logging_steps", "bf16"} <= set(changed)  # the test sees TRL's changes
+    ours = {f.name: default(f) for f in fields(EVONSFTConfig)}
+    assert {name: ours[name] for name in changed} == changed
+    # and built: the same resolved values as SFTConfig's (bf16 'auto' resolves alike)
+    kw = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    evon, sft = EVONSFTConfig(**kw), trl.SFTConfig(**kw)
+    for name in changed:
+        assert getattr(evon, name) == getattr(sft, name), name

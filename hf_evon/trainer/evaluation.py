@@ -291,8 +291,15 @@ class PosteriorEvaluation:
         if not self.reused or self.mean is None:
             if not self._own_mean_pass(dataloader):
                 return {}
-        metrics = {f"{self.prefix}_mean_{k}": v for k, v in self.mean.summary().items()}  # type: ignore[union-attr]
-        if posterior is not None:
+        summary = self.mean.summary()  # type: ignore[union-attr]
+        metrics = {f"{self.prefix}_mean_{k}": v for k, v in summary.items()}
+        if posterior is not None and posterior.is_point_mass:
+            logger.info(
+                "EVONTrainer: the posterior has no noise (ess = inf, e.g. calibrated to the mean): "
+                "BMA equals the mean, its sampled passes are skipped"
+            )
+            metrics.update({f"{self.prefix}_bma_{k}": v for k, v in summary.items()})
+        elif posterior is not None:
             seeds: list[int | None] = [args.bma_seed + s for s in range(args.bma_num_samples)]
             bma = _Accumulator(trainer, self.task)  # type: ignore[arg-type]
             task = self.task
@@ -334,7 +341,9 @@ def bma_predict(
     ``{prefix}_bma_*`` metrics where the task has them.
     """
     args = trainer.args
-    seeds: list[int | None] = [args.bma_seed + s for s in range(args.bma_num_samples)]
+    # a posterior without noise: every sample is the mean, and one pass is their average
+    num_samples = 1 if posterior.is_point_mass else args.bma_num_samples
+    seeds: list[int | None] = [args.bma_seed + s for s in range(num_samples)]
     gather, pad = trainer.accelerator.gather_for_metrics, trainer.accelerator.pad_across_processes
     predictions: Any = None
     label_ids: Any = None

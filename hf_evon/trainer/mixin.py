@@ -8,7 +8,8 @@ What the trainer does differently from ``transformers.Trainer``:
 * **Optimizer.** ``create_optimizer`` builds ``EVON`` through :func:`hf_evon.build_optimizer`
   (EVON for weight matrices, AdamW for embeddings, the LM head and 1-D tensors; see the
   ``evon_*`` fields of :class:`EVONConfig`). ``args.optim`` is not used (setting it warns; so
-  does passing plain ``TrainingArguments``, whose ``learning_rate`` becomes EVON's α).
+  does passing plain ``TrainingArguments``, whose ``learning_rate`` is taken as AdamW's, EVON's
+  α derived from it).
 * **Sampled training step.** Every micro-batch runs the subclass's ``training_step``
   ``evon_mc_samples`` times, each inside ``optimizer.sampled_params(train=True)`` (the backward
   pass too, so gradient checkpointing recomputes at the sampled weights). Each micro-batch draws
@@ -152,7 +153,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         args: an :class:`EVONConfig`, or the subclass's own arguments combined with the EVON fields
             (:func:`~hf_evon.trainer.evon_config_class`, e.g. ``EVONSFTConfig``). Plain arguments
             are converted, EVON fields at their defaults, with a warning: their ``learning_rate``
-            becomes EVON's α.
+            is taken as AdamW's, and EVON's α is derived from it.
         peft_config: a ``peft.PeftConfig``; the model is wrapped with ``peft.get_peft_model``
             (as TRL's trainers do; a subclass whose ``__init__`` takes ``peft_config`` wraps it
             itself) and EVON learns a posterior over the adapter.
@@ -531,8 +532,17 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         return {} if optimizer is None else posterior_statistics(optimizer)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log`` plus the posterior's statistics at training logs; ``learning_rate`` is the
+        rate as the user set it (``args.learning_rate``, AdamW's, as scheduled), not EVON's α,
+        which ``Trainer`` reads from the first parameter group: that goes to ``evon/learning_rate``."""
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
             logs = {**logs, **self.posterior_statistics()}
+        optimizer = self.evon_optimizer
+        if "learning_rate" in logs and optimizer is not None and optimizer.param_groups:
+            first = optimizer.param_groups[0]
+            if first["algorithm"] == "evon" and self.args.learning_rate is not None:
+                schedule = first["lr"] / first["initial_lr"] if first.get("initial_lr") else 1.0
+                logs = {**logs, "learning_rate": self.args.learning_rate * schedule, "evon/learning_rate": first["lr"]}
         super().log(logs, start_time)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -2,11 +2,12 @@
 
 ``EVONSFTTrainer`` trains with EVON and keeps everything of ``SFTTrainer``: dataset preparation
 and packing, its loss (the fused LM head), its logged metrics (``mean_token_accuracy``,
-``entropy``, ``num_tokens``), ``peft_config``. ``EVONSFTConfig`` is ``SFTConfig`` plus the EVON
-fields (``learning_rate`` is EVON's α).
+``entropy``, ``num_tokens``), ``peft_config``. ``EVONSFTConfig`` is ``SFTConfig``, its defaults
+included, plus the EVON fields; ``learning_rate`` is, as everywhere in hf-evon, the rate you
+would give AdamW (TRL's default), from which EVON derives its own step size.
 """
 
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 from trl import SFTConfig, SFTTrainer
 
@@ -16,9 +17,25 @@ from hf_evon.trainer.mixin import EVONTrainerMixin
 __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
 
 
+def _sft_default(name: str) -> Field:
+    """``SFTConfig``'s default for ``name`` with EVONConfig's help text: EVONConfig, first in the
+    MRO, would otherwise give TrainingArguments' default (TRL changes a few: ``tests/test_trl.py``
+    checks that every one it changes is kept)."""
+    sft = {f.name: f for f in fields(SFTConfig)}[name]
+    evon = {f.name: f for f in fields(EVONConfig)}[name]
+    if sft.default_factory is not MISSING:
+        return field(default_factory=sft.default_factory, metadata=evon.metadata)
+    return field(default=sft.default, metadata=evon.metadata)
+
+
 @dataclass
 class EVONSFTConfig(EVONConfig, SFTConfig):
-    """``SFTConfig`` plus every EVON field of :class:`~hf_evon.EVONConfig` (``learning_rate`` is EVON's α)."""
+    """``SFTConfig`` (its defaults) plus every EVON field of :class:`~hf_evon.EVONConfig`."""
+
+    learning_rate: float | None = _sft_default("learning_rate")
+    logging_steps: float = _sft_default("logging_steps")
+    gradient_checkpointing: bool = _sft_default("gradient_checkpointing")
+    bf16: bool | None = _sft_default("bf16")
 
 
 register_evon_config(SFTConfig, EVONSFTConfig)
