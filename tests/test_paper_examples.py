@@ -3,6 +3,8 @@
 Each script must write its PNG, markdown table and JSON, and its numbers must have the
 properties the experiment is about (a Gaussian's KL to itself is 0, nothing beats the optimal
 full Gaussian's objective, EVON's fit beats IVON's where the posterior is correlated, ...).
+The committed results (examples/paper/results) must carry the hash of the settings each script
+runs with now, the library's defaults included, so a changed default cannot leave them stale.
 """
 
 from __future__ import annotations
@@ -133,14 +135,27 @@ def test_fig4_gpt_fast(tmp_path) -> None:
     pytest.importorskip("tokenizers")
     saved = run_fast("fig4_gpt", str(tmp_path))
     res, vocab = saved["results"], saved["settings"]["vocab_size"]
-    assert set(res["final_loss"]) == {"AdamW", "SOAP", "IVON", "EVON"}
+    learned = {"EVON defaults", "IVON defaults", "EVON defaults, lr 3e-3", "IVON defaults, lr 3e-3"}
+    assert set(res["final_loss"]) == {"AdamW", "SOAP", "IVON", "EVON"} | learned
     for loss in res["final_loss"].values():
         assert loss < math.log(vocab)  # every run learned something: below the uniform predictor
-    assert set(res["bma_gain_pct"]) == {"EVON", "IVON"} and set(res["claims"]) and len(res["claims"]) == 4
+    assert set(res["bma_gain_pct"]) == {"EVON", "IVON"} | learned and len(res["claims"]) == 4
     for m, curve in res["bma_loss"].items():
         mean = res["final_loss"][m]
         for k, v in curve.items():
             assert res["bma_gain_pct"][m][k] == pytest.approx(100 * (mean - v) / mean)
+    # the learned runs are the library's defaults; the paper's runs its algorithm
+    groups = {m: saved["settings"]["optimizers"][m]["groups"][0] for m in ("EVON", "EVON defaults")}
+    assert groups["EVON defaults"]["hess_estimator"] == "fisher" and groups["EVON defaults"]["ess"] == "auto"
+    assert groups["EVON"]["hess_estimator"] == "price" and groups["EVON"]["snr_scaling"] is False
+    assert saved["settings"]["optimizers"]["IVON defaults"]["groups"][0]["identity_basis"] is True
+    rates = {m: saved["settings"]["optimizers"][m]["groups"][0]["lr"] for m in learned}
+    assert rates["EVON defaults, lr 3e-3"] == pytest.approx(3 * rates["EVON defaults"])  # α follows the rate
+    assert set(res["learned"]) == learned
+    for r in res["learned"].values():
+        assert set(r["health"]) >= {"hess_below_prior", "hess_init_share"}
+        for cal in r["calibrations"].values():
+            assert float(cal["ess_factor"]) > 0 and len(cal["bma_gain_pct"]) == 3
 
 
 def test_table3_ablation_fast(tmp_path) -> None:
@@ -166,3 +181,72 @@ def test_variant_names_map_to_evon_arguments() -> None:
     assert _gpt.variant_kwargs("Clip") == {"clip": "spectral", "clip_radius": 1.0, "hess_clip_ratio": 1.5}
     assert _gpt.evon_kwargs("SOAP", 100)["ess"] == math.inf
     assert _gpt.evon_kwargs("IVON", 100)["identity_basis"] is True
+
+
+# ----------------------------------------------------------------------------- settings hashes
+SCRIPTS = ("fig1_left", "fig2_logreg", "fig3a_mlp", "fig3b_iris", "fig4_gpt", "table3_ablation")
+
+
+def committed(name: str) -> dict:
+    with open(os.path.join(PAPER_DIR, "results", f"{name}.json")) as fh:
+        return json.load(fh)
+
+
+def recomputed_hash(name: str) -> str:
+    """The hash of the settings the script would run with now, for its committed run (no training)."""
+    module = __import__(name)
+    saved = committed(name)
+    data = {k: saved["settings"][k] for k in module.DATA_KEYS}
+    return _common.settings_hash(module.settings(saved["fast"], saved["seed"], **data))
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_committed_results_match_the_scripts_settings(name: str) -> None:
+    """The committed PNG/MD/JSON were made with the settings the script has now, the library's
+    defaults for everything it does not pass included: regenerate them when this fails."""
+    pytest.importorskip("tokenizers")
+    saved = committed(name)
+    assert saved["fast"] is False
+    assert saved["settings_hash"] == _common.settings_hash(saved["settings"])  # the JSON's own settings
+    assert recomputed_hash(name) == saved["settings_hash"], f"regenerate examples/paper/results/{name}.*"
+
+
+def test_every_paper_run_spells_out_the_papers_algorithm() -> None:
+    """Each option whose library default differs from the paper's is passed by every paper run."""
+    for name in SCRIPTS:
+        for run, opt in committed(name)["settings"]["optimizers"].items():
+            if name == "fig4_gpt" and (run == "AdamW" or "defaults" in run):
+                continue  # torch's AdamW; the library's defaults, on purpose
+            kwargs = opt["kwargs"]
+            assert set(kwargs) >= set(_common.PAPER_EVON), (name, run)
+            for key, value in _common.PAPER_EVON.items():  # Table 3's PG variants switch PG on
+                assert kwargs[key] == value or key == "phased_gradients", (name, run, key)
+            for key in ("ess", "weight_decay", "hess_init", "lr", "betas", "clip", "hess_clip_ratio"):
+                assert key in opt["kwargs"] or key in _common.PAPER_EVON, (name, run, key)
+
+
+def set_evon_default(monkeypatch: pytest.MonkeyPatch, **changes: object) -> None:
+    """Change EVON's constructor defaults, as a later version of the library might."""
+    import inspect
+
+    from hf_evon import EVON
+
+    init = EVON.__init__
+    params = [
+        p for p in inspect.signature(init).parameters.values() if p.default is not inspect.Parameter.empty
+    ]
+    assert set(changes) <= {p.name for p in params}
+    monkeypatch.setattr(init, "__defaults__", tuple(changes.get(p.name, p.default) for p in params))
+
+
+def test_a_changed_library_default_fails_the_settings_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tokenizers")
+    before = {name: recomputed_hash(name) for name in SCRIPTS}
+    # ε of the adaptive Hessian clip: no script passes it, every one runs with the default
+    set_evon_default(monkeypatch, eps=1e-9)
+    assert all(recomputed_hash(name) != before[name] for name in SCRIPTS)
+    monkeypatch.undo()
+    assert {name: recomputed_hash(name) for name in SCRIPTS} == before
+    # the default Hessian estimate: the paper's runs pass theirs; Fig. 4's learned runs use the default
+    set_evon_default(monkeypatch, hess_estimator="price")
+    assert {name for name in SCRIPTS if recomputed_hash(name) != before[name]} == {"fig4_gpt"}

@@ -13,6 +13,10 @@ FineWeb; ζ = n is the textbook choice for a mean per-token loss). SOAP mode is 
 paper, embeddings, the output head and 1-D tensors are trained by AdamW in every run.
 Schedule (NanoGPT's): linear warm-up over 10% of the steps, constant, linear cool-down to 0
 over the last third.
+
+Besides the paper's algorithm, ``LEARNED`` runs train the same model on the same batches with
+the library's defaults (``build_optimizer(model)``: the Fisher estimate, ζ and δ fitted to the
+measured curvature, the per-matrix step), EVON and IVON mode, for the posterior learned from data.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _common import ivon_lr
+from _common import PAPER_EVON, ivon_lr, param_group_settings
 
-from hf_evon import EVON, EVONPosterior, build_param_groups
+from hf_evon import EVON, EVONPosterior, build_optimizer, build_param_groups
 from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
-from hf_evon.optim.recipes import PAPER_ALGORITHM
+from hf_evon.predictive.calibration import CalibrationResult, calibrate_posterior
 from hf_evon.predictive.generation import bma_log_likelihood, bma_loss_curve
 
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -54,6 +58,15 @@ COMPONENTS = {
     "clip": dict(hess_clip_ratio=1.5),
 }
 PLAIN = dict(clip="spectral", clip_radius=1.0)
+# the library's defaults (build_optimizer(model, **these)): EVON, and IVON mode (Q = I, same update);
+# then both at the AdamW baseline's rate, the one number the library asks a user for (learning_rate:
+# the rate one would give AdamW; None is AdamW's default 1e-3)
+LEARNED = {
+    "EVON defaults": {},
+    "IVON defaults": dict(identity_basis=True),
+    "EVON defaults, lr 3e-3": dict(learning_rate=ADAMW["lr"]),
+    "IVON defaults, lr 3e-3": dict(learning_rate=ADAMW["lr"], identity_basis=True),
+}
 
 
 @dataclass
@@ -92,6 +105,8 @@ class Data:
     train: torch.Tensor  # 1-D token stream
     val: torch.Tensor  # (val_sequences, seq_len)
     vocab_size: int
+    # (≤ val_sequences, seq_len): the held-out sequences after ``val``, for calibration only
+    calib: torch.Tensor | None = None
 
 
 def load_data(setup: Setup) -> Data:
@@ -101,10 +116,11 @@ def load_data(setup: Setup) -> Data:
     train = encode_documents(tok, [t for _, t in train_docs]).long()
     val = encode_documents(tok, [t for _, t in val_docs]).long()
     usable = (len(val) // setup.seq_len) * setup.seq_len
-    val = val[:usable].reshape(-1, setup.seq_len)[: setup.val_sequences]
+    held_out = val[:usable].reshape(-1, setup.seq_len)
+    val, calib = held_out[: setup.val_sequences], held_out[setup.val_sequences : 2 * setup.val_sequences]
     if len(val) < setup.val_sequences:
         raise ValueError(f"validation split has {len(val)} sequences, fewer than {setup.val_sequences}")
-    return Data(train, val, len(tok))
+    return Data(train, val, len(tok), calib if len(calib) else None)
 
 
 def build_model(setup: Setup, vocab_size: int, seed: int) -> torch.nn.Module:
@@ -130,8 +146,8 @@ def evon_kwargs(method: str, train_tokens: int, variant: dict[str, Any] | None =
     """EVON's arguments for a method: "EVON" (+ a Table-3 variant), "IVON" or "SOAP"."""
     if method == "IVON":
         lr = ivon_lr(IVON_TABLE["lr"], IVON_TABLE["hess_init"], IVON_TABLE["weight_decay"])
-        return dict(IVON_TABLE, lr=lr, ess=float(train_tokens), identity_basis=True, **PAPER_ALGORITHM)
-    kw = dict(EVON_TABLE, ess=float("inf") if method == "SOAP" else float(train_tokens), **PAPER_ALGORITHM)
+        return dict(IVON_TABLE, lr=lr, ess=float(train_tokens), identity_basis=True, **PAPER_EVON)
+    kw = dict(EVON_TABLE, ess=float("inf") if method == "SOAP" else float(train_tokens), **PAPER_EVON)
     kw.update(PLAIN if variant is None else variant)
     return kw
 
@@ -172,22 +188,55 @@ def mean_loss(model: torch.nn.Module, val: torch.Tensor) -> float:
     return float(model(input_ids=val, labels=val).loss)
 
 
-def train(method: str, data: Data, setup: Setup, seed: int, variant: dict[str, Any] | None = None) -> Run:
-    """Train one model; "AdamW" is torch's AdamW on everything, others EVON modes."""
-    model = build_model(setup, data.vocab_size, seed)
+def make_optimizer(
+    method: str,
+    model: torch.nn.Module,
+    setup: Setup,
+    train_tokens: int,
+    seed: int,
+    variant: dict[str, Any] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer of ``method``: "AdamW" is torch's AdamW on everything, a ``LEARNED`` name
+    ``build_optimizer`` at the library's defaults, the others EVON modes with the paper's algorithm."""
+    if method in LEARNED:
+        return build_optimizer(model, seed=seed, **LEARNED[method])
     groups = build_param_groups(model, adamw_lr=ADAMW["lr"], adamw_weight_decay=ADAMW["weight_decay"])
     if method == "AdamW":
         for g in groups:
             g.pop("algorithm"), g.pop("param_names")
-        opt: torch.optim.Optimizer = torch.optim.AdamW(groups, **ADAMW)
-    else:
-        opt = EVON(
-            groups,
-            adamw_betas=ADAMW["betas"],
-            precondition_frequency=setup.precondition_frequency,
-            seed=seed,
-            **evon_kwargs(method, len(data.train), variant),
-        )
+        return torch.optim.AdamW(groups, **ADAMW)
+    return EVON(
+        groups,
+        adamw_betas=ADAMW["betas"],
+        precondition_frequency=setup.precondition_frequency,
+        seed=seed,
+        **evon_kwargs(method, train_tokens, variant),
+    )
+
+
+def optimizer_settings(
+    method: str,
+    setup: Setup,
+    vocab_size: int,
+    train_tokens: int,
+    seed: int,
+    variant: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a run's optimizer resolves to, every default included, built on the untrained model
+    (cheap: the settings hash is recomputed from it without training). AdamW: its arguments
+    (torch's own group keys vary with the torch version)."""
+    if method == "AdamW":
+        return dict(kwargs=ADAMW)
+    opt = make_optimizer(method, build_model(setup, vocab_size, seed), setup, train_tokens, seed, variant)
+    assert isinstance(opt, EVON)
+    given = dict(LEARNED[method]) if method in LEARNED else evon_kwargs(method, train_tokens, variant)
+    return dict(kwargs=given, groups=param_group_settings(opt), nonfinite=opt.nonfinite, seed=opt.seed)
+
+
+def train(method: str, data: Data, setup: Setup, seed: int, variant: dict[str, Any] | None = None) -> Run:
+    """Train one model (``make_optimizer``'s methods)."""
+    model = build_model(setup, data.vocab_size, seed)
+    opt = make_optimizer(method, model, setup, len(data.train), seed, variant)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(setup.steps))
     gen = torch.Generator().manual_seed(seed)
     run = Run(model, opt)
@@ -212,9 +261,21 @@ def train(method: str, data: Data, setup: Setup, seed: int, variant: dict[str, A
     return run
 
 
-def bma_curve(run: Run, val: torch.Tensor, sizes: list[int], seed: int) -> dict[int, float]:
+def bma_curve(
+    run: Run, val: torch.Tensor, sizes: list[int], seed: int, posterior: Any = None
+) -> dict[int, float]:
     """Expected BMA validation loss with k samples, for each k in ``sizes`` (disjoint groups of
-    the max(sizes) samples drawn, ``hf_evon.predictive.generation.bma_loss_curve``)."""
-    posterior = EVONPosterior.from_optimizer(run.optimizer, run.model)
+    the max(sizes) samples drawn, ``hf_evon.predictive.generation.bma_loss_curve``); ``posterior``
+    None: the trained one."""
+    if posterior is None:
+        posterior = EVONPosterior.from_optimizer(run.optimizer, run.model)
     result = bma_log_likelihood(run.model, posterior, val, num_samples=max(sizes), seed=seed)
     return bma_loss_curve(result, sizes)
+
+
+def calibrate(run: Run, calib: torch.Tensor, seed: int, **kwargs: Any) -> tuple[Any, CalibrationResult]:
+    """The trained posterior with its sampling ζ chosen by ``calibrate_posterior`` (its defaults,
+    but for ``kwargs``) on ``calib``, held-out sequences disjoint from the reported validation ones."""
+    posterior = EVONPosterior.from_optimizer(run.optimizer, run.model)
+    batches = [{"input_ids": calib, "labels": calib}]
+    return calibrate_posterior(run.model, posterior, batches, seed=seed, **kwargs)

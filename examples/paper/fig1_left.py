@@ -15,6 +15,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, next 
 from _common import (  # noqa: E402
     COLORS,
     F64,
+    PAPER_EVON,
     LogisticObjective,
     Outputs,
     ellipse_xy,
+    evon_settings,
     gaussian_kl,
     markdown_table,
     parse_args,
@@ -34,11 +37,13 @@ from _common import (  # noqa: E402
 )
 
 from hf_evon import EVON  # noqa: E402
-from hf_evon.optim.recipes import PAPER_ALGORITHM  # noqa: E402
 
 NAME = "fig1_left"
 PRIOR_VARIANCE = 100.0  # Murphy's choice for this example
 LR = 0.2  # small steps (element-wise clip 0.1), many of them: the paper's recipe for convergence
+N = 20  # data points
+MC_SAMPLES = 4
+DATA_KEYS: tuple[str, ...] = ()  # settings that come from the data (none: the data are generated)
 
 
 def separable_data(n: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,39 +55,55 @@ def separable_data(n: int = 20, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return X, y
 
 
-def fit(
-    X: torch.Tensor, y: torch.Tensor, *, identity_basis: bool, steps: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """EVON (or IVON mode) with ζ = n and the prior N(0, 100 I); returns mean and covariance."""
-    n = len(y)
-    w = torch.nn.Parameter(torch.zeros(1, 2, dtype=F64))  # a 1×2 matrix: Q_R is 2×2
-    opt = EVON(
-        [w],
+def evon_kwargs(n: int, identity_basis: bool, seed: int) -> dict[str, Any]:
+    """EVON (or IVON mode) with ζ = n and the prior N(0, 100 I): the paper's algorithm."""
+    return dict(
         lr=LR,
         ess=float(n),
         hess_init=0.1,
         weight_decay=1.0 / (PRIOR_VARIANCE * n),
         betas=(0.9, 0.999),
-        mc_samples=4,
+        mc_samples=MC_SAMPLES,
         clip="element",
         hess_clip_ratio=None,  # the paper's small-scale runs use no Hessian clipping
         clip_radius=0.1,
         identity_basis=identity_basis,
         precondition_frequency=10,
         seed=seed,
-        **PAPER_ALGORITHM,
+        **PAPER_EVON,
     )
+
+
+def settings(fast: bool, seed: int) -> dict[str, Any]:
+    """Everything the results depend on, optimizers resolved (cheap: no training)."""
+    return dict(
+        n=N,
+        prior_variance=PRIOR_VARIANCE,
+        steps=1500 if fast else 20000,
+        lr=LR,
+        mc_samples=MC_SAMPLES,
+        optimizers={m: evon_settings(evon_kwargs(N, m == "IVON", seed)) for m in ("EVON", "IVON")},
+    )
+
+
+def fit(
+    X: torch.Tensor, y: torch.Tensor, *, identity_basis: bool, steps: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EVON (or IVON mode); returns mean and covariance."""
+    w = torch.nn.Parameter(torch.zeros(1, 2, dtype=F64))  # a 1×2 matrix: Q_R is 2×2
+    opt = EVON([w], **evon_kwargs(len(y), identity_basis, seed))
     train_variational(opt, lambda: F.softplus(-y * (X @ w[0])).mean(), steps=steps, lr=LR, decay_frac=1 / 2)
     return w.detach()[0].clone(), opt.posterior_covariance(w)
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(__doc__, argv)
-    steps = 1500 if args.fast else 20000
-    X, y = separable_data(seed=args.seed)
+    config = settings(args.fast, args.seed)
+    steps = config["steps"]
+    X, y = separable_data(n=N, seed=args.seed)
     n = len(y)
     objective = LogisticObjective(X, y, ess=float(n), delta=1.0 / (PRIOR_VARIANCE * n))
-    out = Outputs(NAME, args, dict(n=n, prior_variance=PRIOR_VARIANCE, steps=steps, lr=LR, mc_samples=4))
+    out = Outputs(NAME, args, config)
 
     gaussians: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     mu, cov, _ = objective.optimum(full=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _common, _gpt next to this file
 import _gpt  # noqa: E402
@@ -35,19 +36,34 @@ PAPER = {
 }
 
 
+DATA_KEYS = ("train_tokens", "vocab_size")  # settings that come from the data (the tokenizer)
+
+
+def settings(fast: bool, seed: int, train_tokens: int, vocab_size: int) -> dict[str, Any]:
+    """Everything the results depend on, every variant's optimizer resolved on the untrained
+    model (cheap: no data, no training; ``train_tokens``, ``vocab_size`` are the data's)."""
+    setup = _gpt.Setup.fast() if fast else _gpt.Setup()
+    variants = VARIANTS[:2] + VARIANTS[4:5] if fast else VARIANTS
+    return dict(
+        setup=vars(setup),
+        train_tokens=train_tokens,
+        vocab_size=vocab_size,
+        bma_samples=4 if fast else 20,
+        variants={v: _gpt.evon_kwargs("EVON", train_tokens, _gpt.variant_kwargs(v)) for v in variants},
+        optimizers={
+            v: _gpt.optimizer_settings("EVON", setup, vocab_size, train_tokens, seed, _gpt.variant_kwargs(v))
+            for v in variants
+        },
+    )
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(__doc__, argv)
     setup = _gpt.Setup.fast() if args.fast else _gpt.Setup()
-    variants = VARIANTS[:2] + VARIANTS[4:5] if args.fast else VARIANTS
-    samples = 4 if args.fast else 20
     data = _gpt.load_data(setup)
-    settings = dict(
-        setup=vars(setup),
-        train_tokens=len(data.train),
-        bma_samples=samples,
-        variants={v: _gpt.evon_kwargs("EVON", len(data.train), _gpt.variant_kwargs(v)) for v in variants},
-    )
-    out = Outputs(NAME, args, settings)
+    config = settings(args.fast, args.seed, len(data.train), data.vocab_size)
+    variants, samples = list(config["variants"]), config["bma_samples"]
+    out = Outputs(NAME, args, config)
     results: dict[str, dict] = {}
     curves = {}
     for v in variants:
