@@ -173,17 +173,7 @@ def main() -> None:
     for name, m in avg.items():
         print(f"{name:18s} {m['accuracy']:9.4f} {m['nll']:7.4f} {m['ece']:7.4f} {m['brier']:7.4f}")
     for seed, c in enumerate(calibrations):
-        scale = (
-            f"ess = inf: BMA is the mean (no scale beat it by {c.standard_errors:g} standard error(s) "
-            f"and {100 * c.min_gain:g}%)"
-            if c.ess == float("inf")
-            else f"ess = {c.ess:.4g} = {c.multiplier:.3g} x the trained {c.trained_ess:.4g}"
-        )
-        print(
-            f"seed {seed}: calibrated sampling scale {scale}; held-out NLL {c.chosen_nll:.4f} vs "
-            f"{c.mean_nll:.4f} at the mean ({c.num_targets} images; the mean's temperature there "
-            f"{c.mean_temperature:.2f}: {'over' if c.mean_temperature > 1 else 'not over'}confident)"
-        )
+        print(f"seed {seed}: {c.summary()}")
     mean, averaged = avg["EVON (mean)"], avg[names[-1]]
     print(
         f"BMA vs the mean on test: NLL {averaged['nll']:.4f} vs {mean['nll']:.4f}, "

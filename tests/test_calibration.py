@@ -407,3 +407,16 @@ def test_a_nan_in_the_held_out_inputs_is_refused_naming_the_batch() -> None:
     with pytest.raises(ValueError, match=r"batch 1 .*non-finite"):
         calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)
     assert post.ess == post.config.get("trained_ess", post.ess)  # the posterior is untouched
+
+
+def test_a_calibration_summary_says_what_was_chosen() -> None:
+    """The one line the trainer and the quickstart print: the mean kept, or the scale chosen."""
+    from hf_evon.predictive.calibration import CalibrationResult
+
+    common = dict(trained_ess=2e4, grid=[2e4, 2e3], nll=[0.5, 0.4], mean_nll=0.6, num_samples=8,
+                  num_targets=50, seed=0, mean_temperature=1.5)  # fmt: skip
+    chosen = CalibrationResult(ess=2e3, **common).summary()
+    assert "ess = 2000 = 0.1 x the trained 2e+04" in chosen and "NLL 0.4000 vs 0.6000" in chosen
+    assert "50 targets" in chosen and "temperature there 1.50: overconfident" in chosen
+    kept = CalibrationResult(ess=math.inf, **{**common, "mean_temperature": 0.9}).summary()
+    assert "BMA is the mean" in kept and "NLL 0.6000 vs 0.6000" in kept and "not overconfident" in kept

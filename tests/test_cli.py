@@ -547,3 +547,30 @@ def test_inspect_a_directory_whose_first_save_was_killed_after_the_switch(saved,
     assert main(["inspect", str(directory), "--json"]) == 0
     files = json.loads(capsys.readouterr().out)["files"]
     assert files[staged] == (directory / staged).stat().st_size and "evon_posterior.safetensors" not in files
+
+
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_ctrl_c_is_one_line_and_exit_130(saved, tmp_path, capsys, monkeypatch, command):
+    """Issue 33 item 12: Ctrl-C in ``hf-evon generate``/``calibrate`` printed a traceback."""
+    import hf_evon.predictive.calibration as calibration
+    import hf_evon.predictive.generation as generation
+
+    path = saved[0]
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if command == "generate":  # the commands import these when they run
+        monkeypatch.setattr(generation, "generate_bma", interrupted)
+    else:
+        monkeypatch.setattr(calibration, "calibrate_posterior", interrupted)
+    argv = ["generate", "--model", str(path), "--prompt", "def ", "--samples", "2", "--max-new-tokens", "2"]
+    if command == "calibrate":
+        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out")]
+        argv += ["--block-size", "16", "--samples", "2", "--max-blocks", "2"]
+    assert main(argv + ["--device", "cpu"] if command == "generate" else argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().endswith("hf-evon " + command + ": interrupted"), err
+    assert not (tmp_path / "out").exists()

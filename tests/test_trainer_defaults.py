@@ -114,8 +114,15 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     tr.save_model(str(tmp_path / "saved"))
     loaded = EVONPosterior.from_pretrained(str(tmp_path / "saved"))
     assert loaded.ess == result.ess and loaded.config["trained_ess"] == pytest.approx(result.trained_ess)
-    # calibrate() again with no minimum gain or error margin: the lowest NLL, recorded as such
-    again = tr.calibrate(min_gain=0.0, standard_errors=0.0)
+    # calibrate() again with no minimum gain or error margin: the lowest NLL, recorded as such;
+    # its outcome is shown at the default verbosity (issue 33 §3: it was only in log_history)
+    from transformers.testing_utils import CaptureLogger
+
+    import hf_evon.trainer.mixin as mixin
+
+    with CaptureLogger(mixin.logger) as shown:
+        again = tr.calibrate(min_gain=0.0, standard_errors=0.0)
+    assert again.summary() in shown.out and f"{again.chosen_nll:.4f} vs {again.mean_nll:.4f}" in shown.out
     assert again.min_gain == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll])
     assert (result.min_gain, result.standard_errors) == (0.01, 1.0) and again.nll == pytest.approx(result.nll)
     assert tr.calibrate(standard_errors=2.0).standard_errors == 2.0

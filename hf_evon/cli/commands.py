@@ -527,4 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except file_errors() as err:
         print(f"{args.parser.prog}: error: {file_error_text(err)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, no traceback; nothing was half-written
+        print(f"{args.parser.prog}: interrupted", file=sys.stderr)
+        return 130
 

@@ -82,6 +82,24 @@ class CalibrationResult:
         """The held-out BMA NLL at the chosen ``ess`` (the mean's when ess = inf)."""
         return self.mean_nll if math.isinf(self.ess) else self.nll[self.grid.index(self.ess)]
 
+    def summary(self) -> str:
+        """One line: the chosen scale, the held-out NLLs and the mean's temperature there."""
+        if math.isinf(self.ess):
+            scale = (
+                f"ess = inf: BMA is the mean (no scale beat it by {self.standard_errors:g} standard "
+                f"error(s) and {100 * self.min_gain:g}%)"
+            )
+        else:
+            scale = f"ess = {self.ess:.4g} = {self.multiplier:.3g} x the trained {self.trained_ess:.4g}"
+        temperature = ""
+        if self.mean_temperature is not None:
+            confident = "overconfident" if self.mean_temperature > 1 else "not overconfident"
+            temperature = f"; the mean's temperature there {self.mean_temperature:.2f}: {confident}"
+        return (
+            f"calibrated sampling scale {scale}; held-out NLL {self.chosen_nll:.4f} vs {self.mean_nll:.4f} "
+            f"at the mean ({self.num_targets} targets{temperature})"
+        )
+
     def apply(self, posterior: Any) -> Any:
         """``posterior`` sampled at the chosen ``ess``, its config recording the trained ζ and
         this search (what a saved posterior and its model card report)."""

@@ -367,6 +367,8 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
             min_gain=min_gain,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
+        if self.is_world_process_zero():  # the run's outcome: shown at the default verbosity
+            logger.warning(f"EVONTrainer: {result.summary()}")
         self.log(
             {
                 "calibration/ess": result.ess,
