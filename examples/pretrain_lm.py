@@ -25,8 +25,10 @@ short run is tiny (std ~6e-4), so BMA changes the loss only in the 4th decimal.
 
 Distributed: EVON needs ``hf_evon.prepare_distributed(model, optimizer)`` after
 ``accelerator.prepare`` (each rank keeps its own gradient for its own Hessian estimate;
-everything is averaged once per step). FSDP and DeepSpeed are refused with a clear error:
-EVON needs whole weight matrices on every rank.
+everything is averaged once per step); ``--shard`` also splits EVON's state across the ranks
+(``prepare_distributed(shard=True)``: each keeps the eigenbases and H of its share of the
+matrices). The library trains under FSDP2 too (``prepare_distributed`` on a ``fully_shard``-ed
+model, ``docs/usage.md``); this script launches plain DDP and refuses FSDP and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -103,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--schedule", choices=["cosine", "linear"], default="cosine")
     o.add_argument("--min-lr-ratio", type=float, default=0.1)
     o.add_argument("--grad-clip", type=float, default=0.0, help="clip the mean gradient's norm (0: off)")
+    o.add_argument(
+        "--shard", action="store_true", help="split EVON's state across processes (prepare_distributed(shard=True))"
+    )
     e = ap.add_argument_group("EVON (soap: ess=inf; ivon: identity basis)")
     e.add_argument(
         "--recipe",
@@ -372,7 +377,11 @@ def main(argv: list[str] | None = None) -> dict:
     optimizer = build_optimizer_for(args, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))  # stepped once per step
     model, optimizer = accelerator.prepare(model, optimizer)
-    evon = prepare_distributed(model, optimizer) if args.optimizer != "adamw" else None
+    evon = prepare_distributed(model, optimizer, shard=args.shard) if args.optimizer != "adamw" else None
+    if evon is not None and args.shard:
+        owned = sum(len(b.params) for b in evon.buckets)
+        total = sum(len(g["params"]) for g in evon.param_groups if g["algorithm"] == "evon")
+        accelerator.print(f"EVON state sharded: this rank keeps {owned} of {total} matrices")
     raw = accelerator.unwrap_model(model)
     n_params = sum(p.numel() for p in raw.parameters())
     accelerator.print(f"model: {args.model}, {n_params:,} parameters; optimizer: {args.optimizer}")
@@ -441,6 +450,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
     """Model + tokenizer + metrics; with a posterior also evon_posterior.* and the model card."""
+    # taken on every rank: with sharded state each rank contributes its matrices' factors
+    posterior = None if evon is None else EVONPosterior.from_optimizer(evon, raw)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return
@@ -455,7 +466,6 @@ def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
     else:
-        posterior = EVONPosterior.from_optimizer(evon, raw)
         metrics = {"mean": {"loss": final["val_loss"]}, "bma": {"loss": final["val_loss_bma"]}}
         card = {"metrics": metrics, "num_bma_samples": args.bma_samples}
         posterior.save_pretrained(out, model_card_kwargs=card)

@@ -103,11 +103,15 @@ def test_baselines_run(optimizer: str, cache: str, tmp_path) -> None:
     assert os.path.isfile(posterior) == (optimizer == "ivon")
 
 
-def test_two_processes(cache: str, tmp_path) -> None:
+@pytest.mark.parametrize("shard", [False, True])
+def test_two_processes(cache: str, tmp_path, shard: bool) -> None:
     out_dir = str(tmp_path)
-    log = run(
-        [*TINY, "--max-steps", "2", "--eval-every", "0", "--output-dir", out_dir, "--cache-dir", cache], 2
-    )
+    args = [*TINY, "--max-steps", "2", "--eval-every", "0", "--output-dir", out_dir, "--cache-dir", cache]
+    log = run(args + ["--shard"] * shard, 2)
+    kept = re.search(r"EVON state sharded: this rank keeps (\d+) of (\d+) matrices", log)
+    assert (kept is not None) == shard
+    if shard:
+        assert 0 < int(kept.group(1)) < int(kept.group(2))
     assert "2 process(es), MULTI_CPU" in log
     assert re.search(r"final \(evon, 2 steps.*val_loss_mean=[\d.]+ val_loss_bma=[\d.]+", log)
     final = json.load(open(os.path.join(out_dir, "metrics.json")))["final"]
