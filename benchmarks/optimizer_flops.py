@@ -38,14 +38,13 @@ pytorch_optimizer not installed there, so no SOAP row):
   weights' space (the bases are orthogonal), so no clip mode rotates the weights each step; the
   naive reference rotates them (the paper's per-entry step needs it). Before that change (commit
   6e106e4): 268.9 on CPU and 247.1 on accelerators, with either clip; 529.8 ops per step.
-* ms per step, 24 matrices (6 blocks, width 256), 6 interleaved cycles, median (min-max):
-  hf-evon 993 (760-1497) vs naive 848 (651-1182), per-cycle ratio 1.17 (1.09-1.29);
-  ``clip="none"``: 697 (655-1198) vs 687 (657-1075), ratio 1.02 (0.97-1.11). A quieter rerun
-  (``--repeats 4``): 736 (721-744) vs 667 (664-672), ratio 1.105 (1.074-1.114); the code before
-  this benchmark existed (commit 23373aa) gave 1.096 (1.083-1.132) the same way. On CPU both do the
-  same matmuls (the blocked Gram product is slower there); torch.profiler puts the rest in
-  element-wise passes over the stacked ``(B, m, n)`` tensors and the check that the gradients
-  are unchanged since the sample's exit.
+* ms per step, 24 matrices (6 blocks, width 256), ``--repeats 4`` interleaved cycles, median
+  (min-max), with the test suite running on the other core: hf-evon 789 (748-1572) vs naive
+  1074 (863-1856), per-cycle ratio 0.857 (0.642-0.869); ``clip="none"``: 743 vs 1025, ratio
+  0.854 (0.628-0.905). Before the batched products and the unrotated pull an
+  earlier session measured a ratio of 1.105 (1.074-1.114) the same way on a quieter machine. The naive reference stands in for the
+  paper's code (GPL, not run here); on CPU the remaining time is the matmuls both must do and
+  element-wise passes over the stacked ``(B, m, n)`` tensors.
 """
 
 from __future__ import annotations
