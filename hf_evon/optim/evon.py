@@ -327,39 +327,39 @@ class EVON(Optimizer):
     def sampled_params(self, train: bool = True) -> Iterator[None]:
         """Put one posterior sample into every EVON-owned weight for the enclosed code.
 
-        With ``train=True`` the block records its own gradient for the next ``step()``, which
-        uses the sum over the step's blocks divided by their number. Inside the block ``.grad``
-        holds only this block's gradient (micro-batches accumulate there as usual): the
-        gradients of earlier samples are set aside at entry and added back at exit, so
-        ``opt.zero_grad()`` inside the block (the IVON/EVON reference packages' loop) and
-        accumulating without it give the same update. Gradients the previous ``step()``
-        consumed and nobody cleared are dropped, not counted again.
-        On exit, also on an exception, the mean is restored bit-for-bit; a sample whose block
-        raised is not recorded and its gradient is discarded (``.grad`` as before the block, less
-        what the last step consumed); an interrupted exit also drops the step's earlier samples.
-        Frozen parameters (``requires_grad=False``) are not perturbed.
-        ``train=False`` only samples (evaluation, BMA).
+        With ``train=True`` the block records its own gradient for the next ``step()`` (the sum
+        over the step's blocks divided by their number). Inside it ``.grad`` holds only this
+        block's gradient (micro-batches accumulate there): earlier samples' gradients are set aside
+        at entry and added back at exit, so ``zero_grad()`` inside the block (the reference
+        packages' loop) and accumulating without it give the same update; gradients the previous
+        ``step()`` consumed are dropped, not counted again. On exit, also on an exception, the
+        mean is restored bit-for-bit; a block that raised is not recorded (``.grad`` as before it,
+        less what the last step consumed); an interrupt (Ctrl-C) also drops the step's earlier
+        samples. Frozen parameters are not perturbed. ``train=False`` only samples (BMA).
         """
         if self._in_sample:
             raise RuntimeError("sampled_params() blocks cannot be nested")
-        self._in_sample = True
-        self._sample_blocks += 1
         perturbed: list[Bucket] = []
-        stash = set_aside_grads(self.param_groups, self._consumed) if train else None
+        stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
         ok = exited = False
+        grad_mode = torch.is_grad_enabled()
         try:
-            with torch.no_grad():
-                self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
-                for b in self.buckets:
-                    if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
-                        perturbed.append(b)  # before the draw: an error inside still restores it
-                        if not b.perturb(self._standard_normal, train):  # all its members frozen
-                            perturbed.pop()
-                self._hooks.share_sample()
-            yield
-            ok = True
-        finally:
-            try:
+            try:  # from here on an interrupt anywhere is cleaned up below
+                self._in_sample = True
+                self._sample_blocks += 1
+                if stash is not None:  # filled as it goes: every gradient set aside is given back
+                    set_aside_grads(self.param_groups, self._consumed, stash)
+                with torch.no_grad():
+                    self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
+                    for b in self.buckets:
+                        if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
+                            perturbed.append(b)  # before the draw: an error inside still restores it
+                            if not b.perturb(self._standard_normal, train):  # all its members frozen
+                                perturbed.pop()
+                    self._hooks.share_sample()
+                yield
+                ok = True
+            finally:
                 with torch.no_grad():
                     self._hooks.end_sample(recorded=ok and train)
                     kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
@@ -371,14 +371,15 @@ class EVON(Optimizer):
                         restore_grads(stash, ok)
                 self._samples += int(ok and train)
                 exited = True
-            finally:
-                if not exited:  # interrupted (Ctrl-C) mid-exit: the means back, the step's samples dropped
-                    with torch.no_grad():
-                        restore_means(perturbed)
-                        if stash is not None:
-                            restore_grads(stash, False)
-                    self._discard_samples()
-                self._in_sample = False
+        finally:
+            if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped
+                with torch.no_grad():
+                    restore_means(perturbed)
+                    if stash is not None:
+                        restore_grads(stash, False)
+                self._discard_samples()
+            self._in_sample = False
+            torch.set_grad_enabled(grad_mode)  # a no_grad block interrupted at its exit leaves it off
 
     def _standard_normal(self, b: Bucket) -> Tensor:
         """The bucket's draw ``z``: this rank's stream, or (sharded) one stream per matrix."""

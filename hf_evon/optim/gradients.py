@@ -30,11 +30,11 @@ def consumed_grads(param_groups: list[dict[str, Any]]) -> Consumed:
 
 
 def set_aside_grads(
-    param_groups: list[dict[str, Any]], consumed: Consumed
-) -> list[tuple[Tensor, Tensor | None]]:
-    """``(param, its gradient kept for this step)`` for every parameter; every ``.grad`` is
-    then None, so the block's backward leaves exactly this sample's gradient there."""
-    out = []
+    param_groups: list[dict[str, Any]], consumed: Consumed, out: list[tuple[Tensor, Tensor | None]]
+) -> None:
+    """Append ``(param, its gradient kept for this step)`` to ``out`` for every parameter, each
+    before its ``.grad`` becomes None (so the block's backward leaves exactly this sample's
+    gradient there): interrupted, ``out`` still holds every gradient taken away."""
     for group in param_groups:
         for p in group["params"]:
             grad = keep = p.grad
@@ -46,9 +46,8 @@ def set_aside_grads(
                     # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
                     # block's backward overwrites: keep a copy
                     keep = grad.clone()
-                p.grad = None
             out.append((p, keep))
-    return out
+            p.grad = None
 
 
 def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> None:
