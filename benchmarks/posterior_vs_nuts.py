@@ -85,6 +85,7 @@ from _common import (  # noqa: E402
     COLORS,
     F64,
     ivon_lr,
+    jsonable,
     linear_decay,
     markdown_table,
     setup_matplotlib,
@@ -574,21 +575,6 @@ def figure(
 
 
 # ----------------------------------------------------------------------------- main
-def _jsonable(x: Any) -> Any:
-    """Tensors and arrays as lists, non-finite floats as strings (JSON has no inf/nan)."""
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if torch.is_tensor(x) or isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
-
-
 def write_outputs(
     args: argparse.Namespace,
     fig: Any,
@@ -630,7 +616,7 @@ def write_outputs(
         threads=torch.get_num_threads(),
     )
     with open(f"{path}.json", "w") as fh:
-        json.dump(_jsonable(record), fh, indent=1)
+        json.dump(jsonable(record), fh, indent=1)
     print(f"{NAME}: wrote {path}.png, .md, .json ({wall:.1f} s)")
     return record
 

@@ -103,13 +103,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """Tensors and arrays as lists, non-finite floats as strings (JSON has no inf/nan)."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if torch.is_tensor(x) or isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
+        return jsonable(x.tolist())
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, float) and not math.isfinite(x):
@@ -135,7 +136,7 @@ def evon_settings(kwargs: dict[str, Any], params: Any = None) -> dict[str, Any]:
 def settings_hash(settings: dict[str, Any]) -> str:
     """SHA-256 of the settings as canonical JSON: the committed results carry it, and the test
     recomputes it from the script's ``settings`` without training."""
-    text = json.dumps(_jsonable(settings), sort_keys=True, separators=(",", ":"), default=str)
+    text = json.dumps(jsonable(settings), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -179,7 +180,7 @@ class Outputs:
             "argv": sys.argv[1:] if self.args is not None else [],
         }
         with open(self.path("json"), "w") as fh:
-            json.dump(_jsonable(record), fh, indent=2)
+            json.dump(jsonable(record), fh, indent=2)
         print(f"{self.name}: wrote {self.path('png')}, .md, .json ({wall:.1f} s)")
         return record
 
