@@ -341,8 +341,7 @@ class EVON(Optimizer):
             raise RuntimeError("sampled_params() blocks cannot be nested")
         perturbed: list[Bucket] = []
         stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
-        ok = exited = False
-        grad_mode = torch.is_grad_enabled()
+        ok, exited, grad_mode = False, False, torch.is_grad_enabled()
         try:
             try:  # from here on an interrupt anywhere is cleaned up below
                 self._in_sample = True
