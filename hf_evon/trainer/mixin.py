@@ -35,7 +35,8 @@ What the trainer does differently from ``transformers.Trainer``:
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
   deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
   of the rotated-space Hessian H), ``evon/skipped_steps`` and every ``posterior_health()``
-  statistic (``evon/noise_to_signal``, ``evon/hess_below_prior``, ``evon/hess_init_share``, ...).
+  statistic (``evon/noise_to_signal``, ``evon/hess_below_prior``, ``evon/hess_init_share``, ...);
+  ``learning_rate`` is the user's (AdamW's) rate as scheduled, EVON's α ``evon/learning_rate``.
 * **Evaluation.** ``evaluate()`` runs the subclass's evaluation (``eval_loss`` and your
   ``compute_metrics``, at the posterior mean), reads the model's outputs of that pass for the
   ``eval_mean_*`` metrics, then runs ``bma_num_samples`` passes at posterior samples
