@@ -740,7 +740,24 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
         assert ta.keys() == final.keys() and all(torch.equal(ta[k], final[k]) for k in ta)
 
 
-def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path):
+class _FirstSaveKilledAfterTheSwitch(TrainerCallback):
+    """Leaves every checkpoint's posterior as a first save killed after its config switch does:
+    the config names the staged weights file, the canonical one was never written."""
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        config = json.loads((directory / "evon_posterior_config.json").read_text())
+        staged = f"evon_posterior.{config['checkpoint_id']}.safetensors"
+        os.rename(directory / "evon_posterior.safetensors", directory / staged)
+        config["weights_file"] = staged
+        (directory / "evon_posterior_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("killed_first_save", [False, True])
+def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path, killed_first_save):
+    """With ``killed_first_save`` every checkpoint's posterior loads from the staged file its
+    config names: the best one's must still be restored (it was skipped for want of the
+    canonical file, leaving the last step's posterior beside the best weights)."""
     args = config(
         tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
         load_best_model_at_end=True, metric_for_best_model="eval_bma_nll", greater_is_better=False,
@@ -751,10 +768,13 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path
         args=args,
         train_dataset=classification_data(),
         eval_dataset=classification_data(16, 1),
+        callbacks=[_FirstSaveKilledAfterTheSwitch()] if killed_first_save else None,
     )
     trainer.train()
     best = trainer.state.best_model_checkpoint
     assert best is not None
+    best_config = EVONPosterior.from_pretrained(best).config
+    assert trainer.posterior is not None and trainer.posterior.config["checkpoint_id"] == best_config["checkpoint_id"]
     restored = trainer.current_posterior().to_tensors()
     on_disk = EVONPosterior.from_pretrained(best).to_tensors()
     assert restored.keys() == on_disk.keys() and all(torch.equal(restored[k], on_disk[k]) for k in restored)

@@ -27,16 +27,18 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import replaced_atomically
-from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, copy_posterior
+from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
 
-__all__ = ["EVON_OPTIMIZER_NAME", "POSTERIOR_FILES", "CheckpointingMixin"]
+__all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin"]
 
-POSTERIOR_FILES = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
 
 
 def _has_posterior(directory: str) -> bool:
-    return all(os.path.isfile(os.path.join(directory, f)) for f in POSTERIOR_FILES)
+    """Whether ``directory`` holds a posterior: its config. The weights file is the one the config
+    names (a first save killed after its switch names the staged file: that loads); a config
+    that does not load is an error ``from_pretrained`` names, not a posterior to skip."""
+    return os.path.isfile(os.path.join(directory, POSTERIOR_CONFIG_NAME))
 
 
 class CheckpointingMixin:
