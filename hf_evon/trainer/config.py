@@ -332,6 +332,7 @@ class EVONConfig(TrainingArguments):
         "evon_clip": "clip",
         "evon_clip_radius": "clip_radius",
         "evon_snr_scaling": "snr_scaling",
+        "evon_stagger_refresh": "stagger_refresh",
         "evon_nonfinite": "nonfinite",
         "evon_seed": "seed",
         "evon_adamw_learning_rate": "adamw_lr",
