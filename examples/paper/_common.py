@@ -47,16 +47,17 @@ COLORS = {
     "SOAP": "#009988",
     "AdamW": "#EE7733",
 }
-# the ablation's EVON variants (Table 3): their own colours, fixed by name
+# the ablation's EVON variants (Table 3), none in a method's colour: the colour says which of
+# PG and clip a variant has (Paul Tol's "muted" palette), a dashed line that it whitens
 VARIANT_COLORS = {
-    "Plain": "#000000",
-    "Clip": "#EE7733",
-    "PG": "#33BBEE",
-    "PG+clip": "#0077BB",
-    "Whiten": "#CC3311",
-    "Whiten+clip": "#EE3377",
-    "Whiten+PG": "#009988",
-    "Whiten+PG+clip": "#AA3377",
+    "Plain": "#332288",
+    "Clip": "#DDCC77",
+    "PG": "#88CCEE",
+    "PG+clip": "#117733",
+    "Whiten": "#332288",
+    "Whiten+clip": "#DDCC77",
+    "Whiten+PG": "#88CCEE",
+    "Whiten+PG+clip": "#117733",
 }
 
 

@@ -92,7 +92,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
     plt = setup_matplotlib()
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
     for v, (xs, ys) in curves.items():
-        ax0.plot(xs, ys, color=VARIANT_COLORS[v], label=v)
+        whitened = v.startswith("Whiten")
+        # markers on every point: variants that train alike stay visible on top of each other
+        ax0.plot(xs, ys, "--" if whitened else "-", marker="os^vDPXh"[list(curves).index(v) % 8], ms=4,
+                 color=VARIANT_COLORS[v], label=v)  # fmt: skip
     lo = min(min(ys) for _, ys in curves.values())
     ax0.set_ylim(lo - 0.05, lo + 1.0)
     ax0.set(xlabel="step", ylabel="validation loss at the mean", title="EVON variants, small GPT")
@@ -101,6 +104,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
         range(len(order)),
         [results[v]["bma_change_pct"] for v in order],
         color=[VARIANT_COLORS[v] for v in order],
+        hatch=["//" if v.startswith("Whiten") else "" for v in order],
+        edgecolor="black",
     )
     ax1.set_xticks(range(len(order)), order, rotation=35, ha="right")
     ax1.axhline(0, color="black", lw=0.8)
