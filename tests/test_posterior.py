@@ -705,8 +705,9 @@ def test_a_save_killed_after_any_file_system_call_loads_as_old_or_new(mlp, tmp_p
         assert EVONPosterior.from_pretrained(target).ess == 256
 
 
-def test_trainer_save_model_killed_over_an_earlier_save_loads_as_old_or_new(tmp_path, monkeypatch):
-    """Issue 9 item 4 through ``trainer.save_model()`` (model files, posterior, model card)."""
+def one_step_lm_trainer(tmp_path, config=None):  # noqa: ANN001, ANN201
+    """An EVONTrainer for a tiny GPT-2 (``config``, default ``_tiny_gpt2_config()``) on 8 random
+    sequences, ``max_steps=1``, no checkpoints: raise ``args.max_steps`` and train on for a new state."""
     from datasets import Dataset
     from transformers import GPT2LMHeadModel
 
@@ -719,7 +720,13 @@ def test_trainer_save_model_killed_over_an_earlier_save_loads_as_old_or_new(tmp_
         output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_train_batch_size=4,
         max_steps=1, evon_ess=1e4, save_strategy="no", disable_tqdm=True, bma_num_samples=0, seed=0,
     )  # fmt: skip
-    trainer = EVONTrainer(model=GPT2LMHeadModel(_tiny_gpt2_config()), args=args, train_dataset=data)
+    model = GPT2LMHeadModel(_tiny_gpt2_config() if config is None else config)
+    return EVONTrainer(model=model, args=args, train_dataset=data)
+
+
+def test_trainer_save_model_killed_over_an_earlier_save_loads_as_old_or_new(tmp_path, monkeypatch):
+    """Issue 9 item 4 through ``trainer.save_model()`` (model files, posterior, model card)."""
+    trainer = one_step_lm_trainer(tmp_path)
     trainer.train()
     pristine = tmp_path / "pristine"
     trainer.save_model(str(pristine))

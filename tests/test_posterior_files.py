@@ -415,21 +415,13 @@ def test_a_save_model_killed_between_model_and_posterior_is_not_a_silent_pair(tm
     """New weights beside the previous posterior both load: the posterior's recorded mean tells."""
     import warnings
 
-    from datasets import Dataset
+    from test_posterior import one_step_lm_trainer
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon import EVONConfig, EVONTrainer
     from hf_evon.posterior.fingerprint import PosteriorMeanWarning
 
-    torch.manual_seed(0)
-    ids = torch.randint(0, 100, (8, 12))
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    args = EVONConfig(
-        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, per_device_train_batch_size=4,
-        max_steps=1, evon_ess=1e4, save_strategy="no", disable_tqdm=True, bma_num_samples=0, seed=0,
-    )  # fmt: skip
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100, n_positions=16)
-    trainer = EVONTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+    trainer = one_step_lm_trainer(tmp_path, config)
     trainer.train()
     saved = tmp_path / "model"
     trainer.save_model(str(saved))
