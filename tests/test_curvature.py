@@ -17,7 +17,7 @@ from hf_evon.optim.defaults import (
     default_weight_decay,
     noise_std_ratio,
 )
-from hf_evon.optim.functional import fisher_update, newton_step
+from hf_evon.optim.functional import fisher_update, matrix_curvature, newton_step
 
 
 def mlp(seed: int = 0, sizes: tuple[int, ...] = (6, 8, 8, 3)) -> nn.Module:
@@ -65,16 +65,18 @@ def test_fisher_update_replaces_h0_then_averages_then_decays() -> None:
     assert bool((hess >= 0).all())
 
 
-def test_newton_step_per_matrix_divides_by_each_matrix_mean_curvature() -> None:
+def test_matrix_curvature_is_each_matrix_mean_of_h_plus_delta() -> None:
+    """``step_curvature="matrix"`` divides each matrix's step by mean(H + δ), one number per
+    matrix; the per-entry step stays the paper's (m̂ + δ·Q_Lᵀ M Q_R) / (H + δ)."""
     g = torch.Generator().manual_seed(1)
     m = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
     hess = torch.rand(3, 4, 5, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 100.0]).view(3, 1, 1)
     mean_rot = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
-    delta, pull = 0.01, 0.05
-    out = newton_step(m.clone(), hess, delta, mean_rot, pull, per_matrix=True)
+    delta = 0.01
+    curvature = matrix_curvature(hess, delta)
+    assert curvature.shape == (3, 1, 1)
     for b in range(3):
-        expected = (m[b] + pull * mean_rot[b]) / float((hess[b] + delta).mean())
-        torch.testing.assert_close(out[b], expected, rtol=1e-12, atol=0)
+        torch.testing.assert_close(float(curvature[b]), float((hess[b] + delta).mean()), rtol=1e-12, atol=0)
     entry = newton_step(m.clone(), hess, delta, mean_rot)  # the paper's: δ pulls, per entry
     torch.testing.assert_close(entry, (m + delta * mean_rot) / (hess + delta), rtol=1e-12, atol=0)
 

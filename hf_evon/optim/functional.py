@@ -112,16 +112,13 @@ def newton_step(
     delta: float,
     mean_rot: Tensor | None,
     pull: float | None = None,
-    per_matrix: bool = False,
 ) -> Tensor:
     """U = (m̂ + λ·Q_Lᵀ M Q_R) / (H + δ), the step in the eigenbasis (in place on ``momentum``).
 
     λ (``pull``, default δ) is the L2 pull on the mean; ``mean_rot=None`` leaves it out, as for
-    λ = 0. ``per_matrix``: divide by each matrix's mean of H + δ instead of entry by entry."""
+    λ = 0. (``step_curvature="matrix"`` divides by :func:`matrix_curvature` instead.)"""
     if mean_rot is not None:
         momentum.add_(mean_rot, alpha=delta if pull is None else pull)
-    if per_matrix:
-        return momentum.div_(matrix_curvature(hess, delta))
     return momentum.div_(hess + delta)
 
 

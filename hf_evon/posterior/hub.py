@@ -138,7 +138,8 @@ def read_posterior(
     new one, never an error caused by a concurrent save.
     """
     local = os.path.isdir(path)
-    for attempt in range(_READ_ATTEMPTS):
+    attempts = 0
+    while True:
         before = _local_switch_state(path, subfolder) if local else None
         try:
             config, weights_path = resolve_files(
@@ -146,9 +147,9 @@ def read_posterior(
             )
             return config, read(config, weights_path)
         except (PosteriorMismatchError, FileNotFoundError):
-            if not local or attempt + 1 == _READ_ATTEMPTS or _local_switch_state(path, subfolder) == before:
+            attempts += 1
+            if not local or attempts == _READ_ATTEMPTS or _local_switch_state(path, subfolder) == before:
                 raise
-    raise AssertionError("unreachable")
 
 
 def push_folder(
