@@ -60,7 +60,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hf_evon import build_optimizer  # noqa: E402
 from hf_evon.posterior.posterior import EVONPosterior  # noqa: E402
-from hf_evon.predictive.calibration import calibrate_posterior, target_log_probs  # noqa: E402
+from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
+from hf_evon.predictive.logprobs import target_log_probs  # noqa: E402
 from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 
 Batch = tuple[Any, torch.Tensor]  # (model inputs: a tensor or a dict of tensors, labels)
@@ -395,6 +396,25 @@ def run_adamw(task: Task, seed: int) -> dict[str, Any]:
     }
 
 
+def run_soap(task: Task, seed: int) -> dict[str, Any]:
+    """SOAP (pytorch-optimizer): the deterministic optimizer EVON's mean step builds on, at its
+    own defaults (betas 0.95, weight decay 0.01, refresh every 10 steps) but the task's AdamW rate
+    (its rates are Adam's); a point estimate, with temperature scaling on the calibration split."""
+    try:
+        from pytorch_optimizer import SOAP
+    except ImportError:
+        return {"SOAP (pytorch-optimizer)": "pytorch-optimizer not installed"}
+    model = task.make_model(seed)
+    opt = SOAP([p for p in model.parameters() if p.requires_grad], lr=task.adamw_lr)
+    train(task, model, opt, seed)
+    test_lp, test_y = log_probs(model, task.test, task.shift)
+    temp = fit_temperature(*log_probs(model, task.cal, task.shift))
+    return {
+        "SOAP (pytorch-optimizer)": scores(test_lp, test_y),
+        "SOAP + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y),
+    }
+
+
 def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int) -> torch.optim.Optimizer:
     """ivon-opt with its own conventions: its recommended lr 0.1 in its convention (the step is
     scaled by h0 + δ, ``rescale_lr=True``), ess = N (the IVON paper's choice for ζ; the SOAP-Bubbles
@@ -413,6 +433,9 @@ class IVONPosterior:
 
     def with_ess(self, ess: float) -> IVONPosterior:
         return IVONPosterior(self.opt, ess, self.config)
+
+    def with_temperature(self, temperature: float) -> IVONPosterior:
+        return IVONPosterior(self.opt, self.ess, {**self.config, "temperature": temperature})
 
     @contextlib.contextmanager
     def sampled(self, model: nn.Module, seed: int) -> Any:
@@ -457,22 +480,26 @@ def calibrated_bma_rows(
     seed: int,
     sizes: list[int],
 ) -> dict[str, Any]:
-    """``calibrate_posterior``'s defaults on the calibration split, then BMA on the test split."""
+    """``calibrate_posterior``'s defaults on the calibration split, then BMA on the test split at
+    the chosen ζ and softmax temperature T (``log_softmax(log p / T)`` = ``log_softmax(logits / T)``)."""
     calibrated, result = calibrate_posterior(
         model, posterior, as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed
     )
+    t = result.temperature
 
     def sample(s: int) -> torch.Tensor:
         with calibrated.sampled(model, seed=s):
-            return log_probs(model, task.test, task.shift)[0]
+            return torch.log_softmax(log_probs(model, task.test, task.shift)[0] / t, -1)
 
     # at ζ = ∞ every sample is the mean, bit for bit (tests/test_calibration.py): no need to draw them
-    bmas = {k: mean[0] for k in sizes} if math.isinf(result.ess) else bma(sample, sizes)
+    tempered_mean = torch.log_softmax(mean[0] / t, -1)
+    bmas = {k: tempered_mean for k in sizes} if math.isinf(result.ess) else bma(sample, sizes)
     rows: dict[str, Any] = {f"{name} calibrated BMA@{k}": scores(logp, mean[1]) for k, logp in bmas.items()}
     rows[f"_{name} calibration"] = {
         "trained_ess": result.trained_ess,
         "calibrated_multiplier": result.multiplier,
-        "calibration_mean_nll": result.mean_nll,
+        "calibrated_temperature": result.temperature,
+        "calibration_mean_nll": result.mean_nll,  # on the calibration split: chosen <= mean by construction
         "calibration_chosen_nll": result.chosen_nll,
     }
     return rows
@@ -481,48 +508,24 @@ def calibrated_bma_rows(
 def run_evon(task: Task, seed: int, sizes: list[int], diagonal: bool = False) -> dict[str, Any]:
     """EVON at ``build_optimizer``'s defaults; ``diagonal``: the same with ``identity_basis=True``
     (IVON's diagonal posterior inside EVON: the rotation is the only difference)."""
-    if diagonal:
-        model = task.make_model(seed)
-        opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, identity_basis=True)
-        train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
-        mean = log_probs(model, task.test, task.shift)
-        posterior = EVONPosterior.from_optimizer(opt, model)
-        name = "EVON diagonal (identity_basis)"
-        return {
-            f"{name} mean": scores(*mean),
-            **calibrated_bma_rows(name, task, model, posterior, mean, seed, sizes),
-        }
     model = task.make_model(seed)
-    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed)
+    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, identity_basis=diagonal)
     start = time.perf_counter()
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
     train_seconds = time.perf_counter() - start
-    posterior = EVONPosterior.from_optimizer(opt, model)
-    health = opt.posterior_health(warn=False)
     mean = log_probs(model, task.test, task.shift)
-    calibrated, result = calibrate_posterior(
-        model, posterior, as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed
-    )
-
-    def sample(s: int) -> torch.Tensor:
-        with calibrated.sampled(model, seed=s):
-            return log_probs(model, task.test, task.shift)[0]
-
-    rows: dict[str, Any] = {"EVON mean": scores(*mean)}
-    # at ζ = ∞ every sample is the mean, bit for bit (tests/test_calibration.py): no need to draw them
-    bmas = {k: mean[0] for k in sizes} if math.isinf(result.ess) else bma(sample, sizes)
-    for k, logp in bmas.items():
-        rows[f"EVON calibrated BMA@{k}"] = scores(logp, mean[1])
-    rows["_evon"] = {
-        "trained_ess": result.trained_ess,
-        "calibrated_multiplier": result.multiplier,
-        "calibration_mean_nll": result.mean_nll,  # on the calibration split: chosen <= mean by construction
-        "calibration_chosen_nll": result.chosen_nll,
-        "noise_to_signal": health.get("noise_to_signal"),
-        "hess_below_prior": health.get("hess_below_prior"),
-        "hess_init_share": health.get("hess_init_share"),
-        "train_seconds": train_seconds,
-    }
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    name = "EVON diagonal (identity_basis)" if diagonal else "EVON"
+    rows = {f"{name} mean": scores(*mean), **calibrated_bma_rows(name, task, model, posterior, mean, seed, sizes)}
+    if not diagonal:
+        health = opt.posterior_health(warn=False)
+        rows["_evon"] = {
+            **rows.pop("_EVON calibration"),
+            "noise_to_signal": health.get("noise_to_signal"),
+            "hess_below_prior": health.get("hess_below_prior"),
+            "hess_init_share": health.get("hess_init_share"),
+            "train_seconds": train_seconds,
+        }
     return rows
 
 
@@ -685,7 +688,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--fast", action="store_true", help="few epochs/steps: a smoke test, not a measurement"
     )
     parser.add_argument("--samples", type=int, nargs="+", default=[8, 32], help="BMA sizes for EVON")
-    parser.add_argument("--methods", nargs="+", default=["adamw", "ivon", "evon", "evon_diag"])
+    parser.add_argument("--methods", nargs="+", default=["adamw", "soap", "ivon", "evon", "evon_diag"])
     parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1,
@@ -760,6 +763,7 @@ JOB_SECONDS = {
 }  # fmt: skip
 METHODS: dict[str, Callable[[Task, int, list[int]], dict[str, Any]]] = {
     "adamw": lambda task, seed, samples: run_adamw(task, seed),
+    "soap": lambda task, seed, samples: run_soap(task, seed),
     "ivon": lambda task, seed, samples: run_ivon(task, seed, samples),
     "evon": lambda task, seed, samples: run_evon(task, seed, samples),
     "evon_diag": lambda task, seed, samples: run_evon(task, seed, samples, diagonal=True),

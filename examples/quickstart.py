@@ -70,11 +70,12 @@ def load_data(seed: int) -> tuple[torch.Tensor, ...]:
 def bma_log_probs(
     model: nn.Module, posterior: EVONPosterior, x: torch.Tensor, samples: int, seed: int
 ) -> torch.Tensor:
-    """log of the sample-averaged class probabilities (log-mean-exp of log-softmax)."""
+    """log of the sample-averaged class probabilities (log-mean-exp of log-softmax), each at the
+    posterior's calibrated temperature (``softmax(logits / T)``)."""
     logps = []
     for s in range(samples):
         with posterior.sampled(model, seed=seed + s):
-            logps.append(model(x).log_softmax(-1))
+            logps.append((model(x) / posterior.temperature).log_softmax(-1))
     return torch.logsumexp(torch.stack(logps), 0) - torch.log(torch.tensor(float(samples)))
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer
-from hf_evon.predictive.calibration import calibrate_posterior, target_log_probs
+from hf_evon.predictive.calibration import calibrate_posterior
+from hf_evon.predictive.logprobs import target_log_probs
 
 
 def trained(seed: int = 0, steps: int = 30) -> tuple[nn.Module, EVONPosterior, list, list]:
@@ -33,6 +34,28 @@ def trained(seed: int = 0, steps: int = 30) -> tuple[nn.Module, EVONPosterior, l
     return model, EVONPosterior.from_optimizer(opt, model), [batch(50) for _ in range(2)], [batch(50)]
 
 
+def overfitted(seed: int = 0, steps: int = 300) -> tuple[nn.Module, EVONPosterior, list]:
+    """An MLP trained on one fixed batch of 64 noisy labels: overconfident on held-out data (the
+    mean's temperature there 4.8 at 300 steps, seed 0)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    w = torch.randn(6, 3)
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, 6, generator=gen)
+        return x, torch.distributions.Categorical(logits=0.7 * x @ w).sample()
+
+    x, y = batch(64)
+    opt = build_optimizer(model, seed=seed, learning_rate=1e-2)
+    for _ in range(steps):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, EVONPosterior.from_optimizer(opt, model), [batch(50) for _ in range(2)]
+
+
 def bma_nlls(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> list[float]:
     """Reference: a plain loop over samples, averaging probabilities; NLL per example."""
     out = []
@@ -49,23 +72,87 @@ def bma_nll(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: ra
     return statistics.fmean(bma_nlls(model, posterior, batches, seeds))
 
 
-def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum() -> None:
-    model, post, cal, _ = trained()
+def draw_logits(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> torch.Tensor:
+    """Reference: every draw's logits of every example, by a plain loop ([S, examples, classes])."""
+    out = []
+    for s in seeds:
+        with posterior.sampled(model, seed=s), torch.no_grad():
+            out.append(torch.cat([model(x).double() for x, _ in batches]))
+    return torch.stack(out)
+
+
+def tempered_bma_nll(logits: torch.Tensor, y: torch.Tensor, t: float) -> float:
+    """Reference: NLL of the average over draws of softmax(logits / t)."""
+    probs = torch.softmax(logits / t, -1).mean(0)
+    return float(-probs[torch.arange(len(y)), y].log().mean())
+
+
+@pytest.mark.parametrize("temperature", [False, True])
+def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature: bool) -> None:
+    """Each scale's NLL is the BMA NLL at its own best softening temperature (T >= 1 of the grid;
+    at T = 1 with temperature=False or where softening does not help the mean), the mean's
+    likewise, and with k = 0 and no min_gain the choice is the lowest of them: its ess and its
+    temperature are the calibrated posterior's. The mean is overconfident here, so the
+    temperatures are used."""
+    from hf_evon.predictive.calibration import SOFTENING_TEMPERATURES, TEMPERATURE_GRID
+
+    model, post, cal = overfitted()
     calibrated, result = calibrate_posterior(
-        model, post, cal, grid=[0.1, 1.0, 10.0], num_samples=4, seed=7, standard_errors=0, min_gain=0
-    )
+        model, post, cal, grid=[0.1, 1.0, 10.0], num_samples=4, seed=7, standard_errors=0, min_gain=0,
+        temperature=temperature,
+    )  # fmt: skip
     assert result.trained_ess == post.ess
     assert [g / post.ess for g in result.grid] == pytest.approx([10.0, 1.0, 0.1])
-    for ess, nll in zip(result.grid, result.nll):
-        assert nll == pytest.approx(bma_nll(model, post.with_ess(ess), cal, range(7, 11)), rel=1e-9)
-    x, y = zip(*cal)
+    y = torch.cat([b[1] for b in cal])
     with torch.no_grad():
-        mean_nll = float(nn.functional.cross_entropy(model(torch.cat(x)).double(), torch.cat(y)))
-    assert result.mean_nll == pytest.approx(mean_nll, rel=1e-9)
-    best = min([(result.mean_nll, math.inf)] + list(zip(result.nll, result.grid)))
-    assert result.ess == best[1]
-    assert calibrated.ess == best[1]
-    assert result.chosen_nll == best[0]  # the NLL of the chosen ζ (∞ included: never above the mean's)
+        mean_logits = model(torch.cat([b[0] for b in cal])).double()[None]
+    mean_best = min((tempered_bma_nll(mean_logits, y, t), t) for t in TEMPERATURE_GRID)
+    assert result.mean_temperature == mean_best[1] and mean_best[1] > 1  # recorded either way
+    assert result.mean_nll == pytest.approx(tempered_bma_nll(mean_logits, y, 1.0), rel=1e-9)
+    temperatures = SOFTENING_TEMPERATURES if temperature else (1.0,)
+    assert SOFTENING_TEMPERATURES[0] == 1.0 and min(SOFTENING_TEMPERATURES) == 1.0
+
+    def best(logits: torch.Tensor) -> tuple[float, float]:
+        return min((tempered_bma_nll(logits, y, t), t) for t in temperatures)
+
+    for i, ess in enumerate(result.grid):
+        nll, t = best(draw_logits(model, post.with_ess(ess), cal, range(7, 11)))
+        assert result.nll[i] == pytest.approx(nll, rel=1e-9)
+        assert result.temperatures[i:i + 1] == ([t] if temperature else [])
+    mean_choice = best(mean_logits)
+    assert result.tempered_mean_nll == (pytest.approx(mean_choice[0], rel=1e-9) if temperature else None)
+    choices = [(*mean_choice, math.inf)] + [
+        (nll, t, ess) for nll, t, ess in zip(result.nll, result.temperatures or [1.0] * 3, result.grid)
+    ]
+    nll, t, ess = min(choices)
+    assert (result.ess, result.temperature) == (ess, t)
+    assert (calibrated.ess, calibrated.temperature) == (ess, t)
+    assert result.chosen_nll == pytest.approx(nll, rel=1e-9)  # never above the mean's
+    assert (t > 1) == temperature  # the softening is used here
+
+
+def test_a_mean_that_is_not_overconfident_is_not_sharpened_nor_softened() -> None:
+    """Softening only: an underconfident mean (best T < 1) keeps T = 1 for every scale, and a
+    softening whose gain is within k standard errors of T = 1 is not taken."""
+    from hf_evon.posterior.gaussian import MatrixFactors
+
+    gen = torch.Generator().manual_seed(0)
+    z = 2 * torch.randn(2000, 5, generator=gen)
+    y = torch.distributions.Categorical(logits=z).sample()
+    batches = [(z[:1000], y[:1000]), (z[1000:], y[1000:])]
+    posterior = EVONPosterior.from_factors(
+        {"weight": MatrixFactors(None, None, torch.ones(1, 1), (1, 1), (1, 1), 1e4, 1e-3)}
+    )
+    _, under = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2)
+    assert under.mean_temperature < 1 and under.temperature == 1.0 and under.temperatures == []
+    assert under.tempered_mean_nll is None and under.chosen_nll <= under.mean_nll
+    _, over = calibrate_posterior(FixedLogits(1.5), posterior, batches, grid=[1.0], num_samples=2)
+    assert over.temperature > 1 and over.tempered_mean_nll < over.mean_nll
+    # the same gain, asked to clear 1000 standard errors, is not taken
+    _, strict = calibrate_posterior(
+        FixedLogits(1.5), posterior, batches, grid=[1.0], num_samples=2, standard_errors=1000.0
+    )
+    assert strict.temperature == 1.0 and strict.temperatures == [] and strict.ess == math.inf
 
 
 def draw_probs(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> list[list[float]]:
@@ -113,7 +200,7 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
     for k in (0.0, 1.0, 3.0):
         _, result = calibrate_posterior(
             model, post, cal, grid=[10.0, 1.0, 0.1, 0.01, 1e-3], num_samples=4, seed=3, standard_errors=k,
-            min_gain=0,
+            min_gain=0, temperature=False,
         )  # fmt: skip
         candidates = [[mean.tolist()]] + [
             draw_probs(model, post.with_ess(e), cal, range(3, 7)) for e in result.grid
@@ -126,19 +213,26 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
     assert chosen[0] < math.inf and chosen[2] == math.inf  # the rule decides here: k=0 and k=3 differ
 
 
-def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean() -> None:
-    """The lowest NLL (k = 0) is kept if it is at least min_gain (relative) below the mean's, else
-    ∞; checked on both sides of the measured relative gain."""
+@pytest.mark.parametrize("temperature", [False, True])
+def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean(temperature: bool) -> None:
+    """The lowest NLL (k = 0) is kept if it is at least min_gain (relative) below the mean's (at
+    the mean's own temperature with temperature=True), else ∞; checked on both sides of the
+    measured relative gain."""
     from hf_evon.predictive.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
 
     assert (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN) == (1.0, 0.01)
-    model, post, cal, _ = trained(seed=1, steps=100)  # a case where noise helps, a little
+    # cases where noise helps, a little (the overfitted one also with a temperature)
+    model, post, cal = overfitted() if temperature else trained(seed=1, steps=100)[:3]
     grid = [10.0, 1.0, 0.1, 0.01, 1e-3]
-    argmin_rule = {"grid": grid, "num_samples": 4, "seed": 3, "standard_errors": 0}
+    argmin_rule = {
+        "grid": grid, "num_samples": 4, "seed": 7 if temperature else 3, "standard_errors": 0,
+        "temperature": temperature,
+    }  # fmt: skip
     _, argmin = calibrate_posterior(model, post, cal, **argmin_rule, min_gain=0)
     best = min(range(len(argmin.nll)), key=argmin.nll.__getitem__)
-    assert argmin.nll[best] < argmin.mean_nll and argmin.ess == argmin.grid[best]
-    gain = 1.0 - argmin.nll[best] / argmin.mean_nll
+    mean = argmin.tempered_mean_nll if temperature else argmin.mean_nll
+    assert argmin.nll[best] < mean and argmin.ess == argmin.grid[best]
+    gain = 1.0 - argmin.nll[best] / mean
     for g, want in ((0.99 * gain, argmin.grid[best]), (1.01 * gain, math.inf)):
         calibrated, result = calibrate_posterior(model, post, cal, **argmin_rule, min_gain=g)
         assert result.ess == want and calibrated.ess == want and result.min_gain == g
@@ -225,9 +319,17 @@ def test_noise_that_only_hurts_calibrates_to_the_mean() -> None:
 
 def test_the_scan_stops_when_noise_has_clearly_taken_over() -> None:
     model, post, cal, _ = trained()
-    _, result = calibrate_posterior(model, post, cal, grid=[1.0, 1e-5, 1e-6, 1e-8], num_samples=2)
+    grid = [1.0, 1e-5, 1e-6, 1e-8]
+    _, result = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, temperature=False)
     assert len(result.nll) < 4
     assert result.nll[-1] > 2 * min([result.mean_nll, *result.nll])
+    # with temperatures the rule reads the same T = 1 NLLs: a softmax at T = 8 rescues any noise
+    # to about log C, which alone would keep a noisy task's scan going to the grid's end
+    model, post, cal = overfitted()
+    _, cold = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, temperature=False)
+    _, hot = calibrate_posterior(model, post, cal, grid=grid, num_samples=2)
+    assert hot.tempered_mean_nll is not None and len(hot.grid) == len(cold.grid) < 4
+    assert cold.nll[-1] > 2 * min([cold.mean_nll, *cold.nll]) and hot.nll[-1] < cold.nll[-1]
 
 
 def test_calibration_is_recorded_in_the_posterior_file(tmp_path) -> None:
@@ -249,7 +351,7 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     """The targets, and the mean's temperature NLL, are the loss's: shifted, −100 ignored."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon.predictive.calibration import _temperature_nll
+    from hf_evon.predictive.calibration import _tempered_log_probs
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
@@ -261,7 +363,7 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     logp = target_log_probs(out.logits, labels, shift=True)
     assert float(-logp.mean()) == pytest.approx(float(out.loss), rel=1e-5)
     assert logp.numel() == int(labels[:, 1:].ne(-100).sum())
-    nll = _temperature_nll(out.logits, labels, True, [1.0, 2.0]) / logp.numel()
+    nll = -_tempered_log_probs(out.logits, labels, True, [1.0, 2.0]).sum(1) / logp.numel()
     assert float(nll[0]) == pytest.approx(float(-logp.mean()), rel=1e-12)
     assert float(nll[1]) == pytest.approx(float(-target_log_probs(out.logits / 2.0, labels, True).mean()), rel=1e-6)
 

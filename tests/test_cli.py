@@ -317,7 +317,7 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
         assert row["bases"] == (
             ("L" if f.Q_L is not None else "") + ("R" if f.Q_R is not None else "") or "none"
         )
-    assert summary["ess"] == 30.0 and summary["calibration"] is None
+    assert summary["ess"] == 30.0 and summary["calibration"] is None and summary["temperature"] == 1.0
     assert summary["files"] == {
         f: (directory / f).stat().st_size
         for f in ("evon_posterior.safetensors", "evon_posterior_config.json", "model.safetensors")
@@ -327,11 +327,14 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
     config = json.loads(config_path.read_text())
     # a record needs ess, trained_ess and mean_nll (validated on load); other keys are kept as written
     config["calibration"] = {"ess": "inf", "trained_ess": 30.0, "mean_nll": 2.25, "nll_before": 2.5}
+    config["temperature"] = 1.75
     config_path.write_text(json.dumps(config))
     assert main(["inspect", str(directory), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["calibration"] == config["calibration"]
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["calibration"] == config["calibration"] and summary["temperature"] == 1.75
     assert main(["inspect", str(directory)]) == 0
     text = capsys.readouterr().out
+    assert "BMA temperature 1.75" in text
     assert (
         "calibration: ess inf, trained_ess 30, mean_nll 2.25, nll_before 2.5 "
         "(from evon_posterior_config.json, 'calibration')"
@@ -433,7 +436,15 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
         model, posterior, batches, num_samples=2, seed=0, shift_labels=True, standard_errors=0, min_gain=0
     )
     assert printed["min_gain"] == 0.0 and printed["chosen_nll"] == pytest.approx(argmin.chosen_nll)
-    assert printed["chosen_nll"] == pytest.approx(min([argmin.mean_nll, *argmin.nll]))
+    mean = argmin.mean_nll if argmin.tempered_mean_nll is None else argmin.tempered_mean_nll
+    assert printed["chosen_nll"] == pytest.approx(min([mean, *argmin.nll]))
+    assert printed["temperature"] == argmin.temperature  # each scale at its own temperature
+    # --no-temperature scores every scale at T = 1
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json", *extra, "--no-temperature"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["temperature"] == 1.0 and printed["temperatures"] == []
+    assert printed["chosen_nll"] == pytest.approx(min([argmin.mean_nll, *printed["nll"]]))
+    assert EVONPosterior.from_pretrained(out).temperature == 1.0
     assert main([*argv, "--block-size", "16", "--samples", "2", "--json", "--standard-errors", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["standard_errors"] == 3.0
     with pytest.raises(SystemExit) as refused:

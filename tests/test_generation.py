@@ -4,6 +4,7 @@ eos, streamer, Llama and PEFT-LoRA models, weights untouched, and that BMA helps
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -604,3 +605,28 @@ def test_transformers_own_sampling_loop_uses_the_helpers_generate_bma_calls():
     assert prefill[:4] == ["self", "input_ids", "generation_config", "model_kwargs"]
     update = inspect.signature(GenerationMixin._update_model_kwargs_for_generation).parameters
     assert list(update)[:3] == ["self", "outputs", "model_kwargs"] and "is_encoder_decoder" in update
+
+
+def test_the_posteriors_temperature_tempers_every_samples_softmax(gpt2):
+    """A calibrated temperature T: generate_bma's log p̄ and bma_log_likelihood average
+    softmax(logits / T) over the samples (at zero variance: the mean's tempered softmax)."""
+    model, posterior = gpt2
+    zero = posterior.with_ess(float("inf")).with_temperature(2.0)
+    out = generate_bma(
+        model, zero, PROMPTS, num_samples=2, seed=0, max_new_tokens=1, do_sample=False, pad_token_id=0,
+        eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        mean_logits = model(input_ids=PROMPTS).logits
+    torch.testing.assert_close(out.logits[0], torch.log_softmax(mean_logits[:, -1] / 2.0, -1), atol=1e-5, rtol=0)
+    noisy = posterior.with_ess(NOISY_ESS)
+    hot = bma_log_likelihood(model, noisy.with_temperature(2.0), PROMPTS, num_samples=3, seed=9)
+    per_sample = []
+    for m in sampled_copies(model, noisy, 3, 9):
+        with torch.no_grad():
+            lp = torch.log_softmax(m(input_ids=PROMPTS).logits[:, :-1].float() / 2.0, -1)
+        per_sample.append(lp.gather(-1, PROMPTS[:, 1:, None]).squeeze(-1))
+    expected = torch.logsumexp(torch.stack(per_sample), 0) - math.log(3)
+    torch.testing.assert_close(hot.token_log_probs, expected, atol=1e-5, rtol=0)
+    plain = bma_log_likelihood(model, noisy, PROMPTS, num_samples=3, seed=9)
+    assert (plain.token_log_probs - hot.token_log_probs).abs().max() > 1e-2

@@ -275,6 +275,11 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
         assert f"is {temperature:.3g}: {words}" in _calibration_text({"calibration": record})
     del record["mean_temperature"]
     assert "temperature" not in _calibration_text({"calibration": record})
+    # the BMA temperature the calibration chose, where it is not 1
+    tempered = "BMA predicts softmax(logits / T) averaged over samples, T = 2.5"
+    assert tempered in _calibration_text({"calibration": record, "temperature": 2.5})
+    assert "softmax(logits / T)" not in _calibration_text({"calibration": record, "temperature": 1.0})
+    assert (f"T = {result.temperature:.6g}" in text) == (result.temperature != 1.0)
     # the rule that chose it, as recorded: the default steps by one standard error; k = 0 says nothing of it
     assert "by more than 1 standard error(s) at each step" in text and result.standard_errors == 1.0
     plain, _ = calibrate_posterior(model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0)

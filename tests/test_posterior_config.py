@@ -170,6 +170,9 @@ CONFIG_ERRORS = {
         r"v1\.json: field 'parameters\.0\.weight' lacks \['shape'\]",
     ),
     "entry ess": (_set_entry("ess", 0), r"'0\.weight': ess must be > 0"),
+    "zero temperature": (_set("temperature", 0), r"field 'temperature' must be a finite number > 0; got 0"),
+    "infinite temperature": (_set("temperature", "inf"), r"field 'temperature' must be a finite number > 0"),
+    "boolean temperature": (_set("temperature", True), r"field 'temperature' must be a finite number > 0"),
     "no parameters": (_set("parameters", {}), r"v1\.json: 'parameters' must list the covered parameters"),
     "not an object": (lambda raw: raw.clear(), r"format_version None is not a known"),
 }
@@ -226,3 +229,23 @@ def test_a_null_calibration_reads_and_writes_back():
 def test_a_config_that_is_not_an_object_is_named():
     with pytest.raises(PosteriorMismatchError, match=r"v1\.json: the config must be a JSON object"):
         PosteriorConfig.from_dict([], "v1.json")
+
+
+def test_a_temperature_reads_writes_back_and_is_the_posteriors(tmp_path):
+    """The BMA temperature a calibration chose: a typed field, kept through save and load;
+    ``with_temperature`` refuses what the file would refuse."""
+    from hf_evon import EVONPosterior
+
+    raw = _raw("fresh")
+    raw["temperature"] = 2.5
+    config = PosteriorConfig.from_dict(raw, "v1.json")
+    assert config.temperature == 2.5 and config.to_dict()["temperature"] == 2.5
+    posterior = EVONPosterior.from_factors(_factors())
+    assert posterior.temperature == 1.0 and "temperature" not in posterior.config
+    warm = posterior.with_temperature(2.5).with_ess(50.0)  # a later with_ess keeps it
+    assert warm.temperature == 2.5 and posterior.temperature == 1.0
+    warm.save_pretrained(tmp_path)
+    assert EVONPosterior.from_pretrained(tmp_path).temperature == 2.5
+    for bad in (0.0, -1.0, math.inf, math.nan, True, "2"):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            posterior.with_temperature(bad)

@@ -157,3 +157,36 @@ def test_bma_of_a_posterior_without_noise_is_the_mean_without_sampled_passes(tmp
     out = trainer.predict(data, bma=True)
     assert calls[0] == 3  # one pass (3 batches), not 3 × 3
     assert out.metrics["test_bma_nll"] == pytest.approx(direct["nll"], rel=1e-5)
+
+
+def test_bma_evaluation_and_prediction_use_the_posteriors_temperature(tmp_path):
+    """A calibrated temperature T is part of the predictive: evaluate() and predict(bma=True)
+    average softmax(logits / T) over the samples. A noiseless posterior with T != 1 is not the
+    mean's pass: one pass at the mean, tempered. (T = 0.01: the barely trained model's logits are
+    nearly equal, and only a sharpening makes the temperature show in the NLL.)"""
+    from hf_evon.predictive.metrics import calibration_metrics
+
+    trainer = _trained(tmp_path, bma_num_samples=3)
+    data = classification_data(48, seed=1)
+    batch = {k: torch.tensor(v) for k, v in data[:].items()}
+    noisy = trainer.current_posterior()
+    trainer._posterior_from_checkpoint = True  # current_posterior() is trainer.posterior
+    cases = ((noisy.with_temperature(0.01), [3, 4, 5]), (noisy.with_ess(math.inf).with_temperature(0.01), [None]))
+    for posterior, seeds in cases:
+        trainer.posterior = posterior
+        trainer.model.eval()
+        with torch.no_grad():
+            logps = []
+            for seed in seeds:
+                with posterior.sampled(trainer.model, seed=seed) if seed is not None else torch.no_grad():
+                    logps.append(torch.log_softmax(trainer.model(**batch).logits.double() / 0.01, -1))
+        expected = torch.logsumexp(torch.stack(logps), 0) - math.log(len(seeds))
+        direct = calibration_metrics(expected, batch["labels"], "log_probs")
+        calls = _count_forwards(trainer.model)
+        metrics = trainer.evaluate()
+        assert calls[0] == 3 + 3 * len(seeds)  # the Trainer's pass, then one per sample (or the mean's)
+        for key in ("nll", "accuracy", "ece"):
+            assert metrics[f"eval_bma_{key}"] == pytest.approx(direct[key], rel=1e-5, abs=1e-7), key
+        assert metrics["eval_bma_nll"] != pytest.approx(metrics["eval_mean_nll"], rel=1e-3)
+        out = trainer.predict(data, bma=True)
+        np.testing.assert_allclose(out.predictions, expected.exp().numpy(), rtol=1e-5, atol=1e-7)

@@ -275,7 +275,8 @@ def bma_curve(
 
 def calibrate(run: Run, calib: torch.Tensor, seed: int, **kwargs: Any) -> tuple[Any, CalibrationResult]:
     """The trained posterior with its sampling ζ chosen by ``calibrate_posterior`` (its defaults,
-    but for ``kwargs``) on ``calib``, held-out sequences disjoint from the reported validation ones."""
+    but for ``kwargs``) on ``calib``, held-out sequences disjoint from the reported validation ones.
+    The noise scale alone (``temperature=False``): the paper's BMA has no softmax temperature."""
     posterior = EVONPosterior.from_optimizer(run.optimizer, run.model)
     batches = [{"input_ids": calib, "labels": calib}]
-    return calibrate_posterior(run.model, posterior, batches, seed=seed, **kwargs)
+    return calibrate_posterior(run.model, posterior, batches, seed=seed, **{"temperature": False, **kwargs})

@@ -324,6 +324,7 @@ def inspect_posterior(posterior: Any) -> dict[str, Any]:
         "format_version": config.get("format_version"),
         "library_version": config.get("library_version"),
         "ess": posterior.ess,
+        "temperature": posterior.temperature,
         "weight_decay": posterior.weight_decay,
         "optimizer_step": config.get("optimizer_step"),
         "base_model": config.get("base_model"),
@@ -394,7 +395,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
         f"EVON posterior at {args.location}" + (f"/{args.subfolder}" if args.subfolder else ""),
         f"  format {summary['format_version']}, written by hf-evon {summary['library_version']}; "
         f"model {summary['model_class']} (base {summary['base_model']})",
-        f"  ess {_num(summary['ess'])}, weight_decay {_num(summary['weight_decay'])}, "
+        f"  ess {_num(summary['ess'])}, BMA temperature {_num(summary['temperature'])}, "
+        f"weight_decay {_num(summary['weight_decay'])}, "
         f"EVON updates {summary['optimizer_step']}, eigenbases stored in {summary['eigenbasis_dtype']}",
         f"  calibration: {_calibration_text(summary['calibration'])}",
         f"  covered: {summary['num_covered_tensors']} tensors, {summary['num_covered_params']:,} parameters; "
@@ -439,6 +441,11 @@ def _add_calibrate(subparsers: Any) -> None:
         help="the chosen scale's NLL must be at least the fraction G below the mean's, else BMA is the mean "
         "(default: hf_evon.predictive.calibration.DEFAULT_MIN_GAIN, 0.01)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-temperature", action="store_true",
+        help="score every scale at softmax temperature 1 instead of at its own best temperature "
+        "(each temperature costs a log-sum-exp over the vocabulary per token and pass)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
 
@@ -449,7 +456,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     Post-hoc calibration of a causal LM's posterior (hf_evon.calibrate_posterior): the text is
     cut into blocks, the BMA NLL is measured on a grid of multiples of the trained ess (and at
     the mean), and the chosen scale (--standard-errors, --min-gain) is saved as the posterior's
-    ess, with the search in its config. Use text the model was not trained on, and other text
+    ess and temperature, with the search in its config. Use text the model was not trained on, and other text
     than you report on.
     """
     from hf_evon.predictive.calibration import calibrate_posterior
@@ -473,7 +480,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     ]
     calibrated, result = calibrate_posterior(
         model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True,
-        standard_errors=args.standard_errors, min_gain=args.min_gain,
+        standard_errors=args.standard_errors, min_gain=args.min_gain, temperature=not args.no_temperature,
     )  # fmt: skip
     try:
         calibrated.save_pretrained(args.output)
@@ -484,7 +491,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json()))
     else:
         print(
-            f"calibrated ess {result.ess:.4g} = {result.multiplier:.3g} x the trained {result.trained_ess:.4g}: "
+            f"calibrated ess {result.ess:.4g} = {result.multiplier:.3g} x the trained {result.trained_ess:.4g}, "
+            f"temperature {result.temperature:.3g}: "
             f"BMA NLL {result.chosen_nll:.4f} vs {result.mean_nll:.4f} at the mean on {result.num_targets} tokens "
             f"(the mean's own temperature there: {result.mean_temperature:.3g}); saved to {args.output}"
         )

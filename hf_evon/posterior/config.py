@@ -248,6 +248,13 @@ def _json_float(value: Any, field: str, where: str, *, positive: bool = False) -
     return number
 
 
+def _temperature(value: Any, field: str, where: str) -> float:
+    """The BMA predictive's softmax temperature: a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise _rule_error(where, field, "a finite number > 0", value)
+    return value
+
+
 def _mean_fingerprint(value: Any, field: str, where: str) -> dict[str, Any]:
     """``{"dtype": str, "values": {name: [numbers]}}`` (``hf_evon.posterior.fingerprint``)."""
     rule = 'an object {"dtype": a string, "values": {parameter name: a list of at most 64 numbers}}'
@@ -274,6 +281,9 @@ _CALIBRATION_KEYS = (
     ("min_gain", False, "number"),
     ("standard_errors", False, "nullable"),
     ("mean_temperature", False, "nullable"),
+    ("temperature", False, "positive"),
+    ("tempered_mean_nll", False, "nullable"),
+    ("temperatures", False, "list"),
     ("num_samples", False, "integer"),
     ("num_targets", False, "integer"),
     ("seed", False, "integer"),
@@ -425,6 +435,7 @@ class PosteriorConfig:
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
     trained_ess: float | None = _optional(_number)
+    temperature: float | None = _optional(_temperature)  # BMA predicts softmax(logits / T); absent: 1
     calibration: dict[str, Any] | None = _optional(_calibration, nullable=True)
     # bookkeeping of the save
     format_version: int = FORMAT_VERSION

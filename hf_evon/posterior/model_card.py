@@ -306,13 +306,23 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         + f"). Held-out NLL {show(chosen)} vs "
         f"{show(cal.get('mean_nll'))} at the mean."
         + _temperature_text(cal.get("mean_temperature"))
+        + (
+            f" BMA predicts softmax(logits / T) averaged over samples, T = {show(config['temperature'])}"
+            " (chosen with the scale; `posterior.temperature`)."
+            if _is_number(config.get("temperature")) and float(config["temperature"]) != 1.0
+            else ""
+        )
         + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
     )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _temperature_text(temperature: Any) -> str:
     """The mean's held-out temperature, and what it allows BMA (nothing where none is recorded)."""
-    if not isinstance(temperature, int | float) or isinstance(temperature, bool):
+    if not _is_number(temperature):
         return ""
     verdict = (
         "overconfident there, which averaging samples can soften"

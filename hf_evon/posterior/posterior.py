@@ -9,14 +9,9 @@ the Hub (``push_to_hub``). Parameters EVON does not own (embeddings, heads, 1-D 
 when grouped with ``build_param_groups``) are point estimates.
 
 This module ties the layers below it to models and optimizers; none of them knows the object:
-
-* ``gaussian``: the Gaussian (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗ Q_R)ᵀ)``,
-  ``V = 1/(ζ(H + δ))``), its factors and batched sampling;
-* ``config`` and ``format``: the file format (a typed config, the tensors, the crash-safe save;
-  the contract is ``docs/posterior-format.md``);
-* ``snapshot``: reading the factors out of a live ``EVON`` optimizer, named by the model;
-* ``hub``: finding or downloading the files, pushing a folder to a Hub repo;
-* ``model_card``: the README.md beside the files, rendered from the posterior's plain data.
+``gaussian`` (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗ Q_R)ᵀ)``, ``V = 1/(ζ(H + δ))``, and
+batched sampling), ``config`` and ``format`` (the file format, ``docs/posterior-format.md``),
+``snapshot`` (factors read from a live ``EVON``), ``hub`` and ``model_card``.
 """
 
 from __future__ import annotations
@@ -420,6 +415,18 @@ class EVONPosterior:
         check_finite_std(groups, "with_ess")
         config = dict(self.config, ess=ess)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
+
+    @property
+    def temperature(self) -> float:
+        """T of the BMA predictive ``1/S Σ_s softmax(logits_s / T)`` (1 unless calibrated)."""
+        return float(self.config.get("temperature", 1.0))
+
+    def with_temperature(self, temperature: float) -> EVONPosterior:
+        """A copy whose BMA predictions (evaluation, ``generate_bma``) use ``temperature`` (> 0)."""
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 < temperature < math.inf:
+            raise ValueError(f"with_temperature: temperature must be a finite number > 0; got {temperature!r}")
+        config = dict(self.config, temperature=float(temperature))
+        return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EVONPosterior:
         """A copy with factors on ``device`` and/or stored in ``dtype`` (math stays float32)."""

@@ -11,9 +11,17 @@ error of the difference (``standard_errors=1``), and the final choice must beat 
 by at least ``min_gain`` (1%), else BMA is the mean. The grid includes ζ = ∞ (every sample is
 the mean), so on the calibration data BMA is never worse than the mean.
 
-The chosen ζ becomes the returned posterior's ``ess`` (so BMA evaluation, ``generate_bma``,
-``bma_log_likelihood``, the CLI and the model card use it without being told), and the
-search is recorded in its config under ``"calibration"`` (``trained_ess`` keeps the value
+Where the mean is overconfident on the held-out data (``temperature=True``, the default), each
+scale, the mean included, is scored with its own softmax temperature T >= 1: the predictive is
+``p̄ = 1/S Σ_s softmax(logits_s / T)``. Averaging samples can only soften predictions, and a mean
+that is many times overconfident needs so much noise to be softened that the noise costs accuracy;
+T does that part, and a scale is kept only where the weight noise adds to what T alone achieves
+(the same standard-error and ``min_gain`` rules, against the mean at its own T).
+measured: docs/trainer.md#calibration-temperature
+
+The chosen ζ and T become the returned posterior's ``ess`` and ``temperature`` (so BMA evaluation,
+``generate_bma``, ``bma_log_likelihood``, the CLI and the model card use them without being told),
+and the search is recorded in its config under ``"calibration"`` (``trained_ess`` keeps the value
 the optimizer learned with). Report metrics on other examples than the calibration ones.
 """
 
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +37,7 @@ from torch import nn
 
 from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
-from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, target_log_probs
+from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -48,11 +56,15 @@ DEFAULT_MIN_GAIN = 0.01
 # gain carried by the handful the mean gets confidently wrong often oversteps it.
 # measured: docs/trainer.md#calibration-standard-errors
 DEFAULT_STANDARD_ERRORS = 1.0
-# The mean's own temperature on the held-out data, the T of this grid (0.125-8 in steps of 9%)
-# whose softmax(logits / T) has the lowest NLL, is recorded with every calibration: BMA averages
-# probabilities, which can only soften predictions, so it has room only where T > 1 (the mean is
-# overconfident there). measured: docs/trainer.md#calibration-temperature
-TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 8) for k in range(-24, 25))
+# Softmax temperatures, 0.125-8 in steps of 19% (a step off the optimum costs well under 1% of
+# NLL): the mean's best T among them is recorded with every calibration (> 1: overconfident there).
+TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 13))
+# The temperatures a calibration may choose: it softens, never sharpens. A held-out split of a few
+# hundred examples with few errors rewards sharpening for the examples it gets right and cannot
+# show the confident error it has not seen (AdamW + temperature scaling on payoff's wine: T 0.15,
+# test NLL 0.037 -> 0.086). Each costs one log-sum-exp over the classes per target and pass (a
+# vocabulary's width for LMs). measured: docs/trainer.md#calibration-temperature
+SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if t >= 1.0)
 
 
 @dataclass
@@ -72,6 +84,11 @@ class CalibrationResult:
     # the mean's best temperature on the same data (TEMPERATURE_GRID; > 1: overconfident, the
     # only case averaging samples can help); None where not measured
     mean_temperature: float | None = None
+    # the chosen temperature (1: none), each scale's own (aligned with grid), and the mean's NLL
+    # at mean_temperature; temperatures is empty when calibrated with temperature=False
+    temperature: float = 1.0
+    temperatures: list[float] = field(default_factory=list)
+    tempered_mean_nll: float | None = None
 
     @property
     def multiplier(self) -> float:
@@ -79,8 +96,10 @@ class CalibrationResult:
 
     @property
     def chosen_nll(self) -> float:
-        """The held-out BMA NLL at the chosen ``ess`` (the mean's when ess = inf)."""
-        return self.mean_nll if math.isinf(self.ess) else self.nll[self.grid.index(self.ess)]
+        """The held-out BMA NLL at the chosen ``ess`` and ``temperature`` (the mean's when ess = inf)."""
+        if not math.isinf(self.ess):
+            return self.nll[self.grid.index(self.ess)]
+        return self.mean_nll if self.tempered_mean_nll is None else self.tempered_mean_nll
 
     def summary(self) -> str:
         """One line: the chosen scale, the held-out NLLs and the mean's temperature there."""
@@ -96,14 +115,15 @@ class CalibrationResult:
             confident = "overconfident" if self.mean_temperature > 1 else "not overconfident"
             temperature = f"; the mean's temperature there {self.mean_temperature:.2f}: {confident}"
         return (
-            f"calibrated sampling scale {scale}; held-out NLL {self.chosen_nll:.4f} vs {self.mean_nll:.4f} "
-            f"at the mean ({self.num_targets} targets{temperature})"
+            f"calibrated sampling scale {scale}, temperature {self.temperature:.3g}; held-out NLL "
+            f"{self.chosen_nll:.4f} vs {self.mean_nll:.4f} at the mean ({self.num_targets} targets{temperature})"
         )
 
     def apply(self, posterior: Any) -> Any:
-        """``posterior`` sampled at the chosen ``ess``, its config recording the trained ζ and
-        this search (what a saved posterior and its model card report)."""
-        calibrated = posterior.with_ess(self.ess)
+        """``posterior`` sampled at the chosen ``ess`` and predicting at the chosen ``temperature``,
+        its config recording the trained ζ and this search (what a saved posterior and its model
+        card report)."""
+        calibrated = posterior.with_ess(self.ess).with_temperature(self.temperature)
         calibrated.config["trained_ess"] = self.trained_ess
         calibrated.config["calibration"] = self.to_json()
         return calibrated
@@ -147,30 +167,32 @@ def _logits(output: Any) -> Tensor:
     return logits
 
 
-def _temperature_nll(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
-    """Summed NLL of softmax(logits / T) over the labelled targets, per temperature (float64)."""
+def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
+    """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
+    (float64; one row of classes at a time per T keeps an LM's copy to one of its logits)."""
     rows, target = labelled_rows(logits, labels, shift)
     z = rows.double()
     z_target = z.gather(1, target[:, None]).squeeze(1)
-    return torch.stack([(torch.logsumexp(z / t, dim=-1) - z_target / t).sum() for t in temperatures])
+    out = torch.empty(len(temperatures), z.shape[0], dtype=torch.float64, device=z.device)
+    for i, t in enumerate(temperatures):
+        out[i] = z_target / t - torch.logsumexp(z if t == 1.0 else z / t, dim=-1)
+    return out
 
 
 @torch.no_grad()
 def _pass(
-    model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float] = ()
-) -> tuple[Tensor, Tensor]:
-    """log p(label) of every target, and the summed NLL of softmax(logits / T) per temperature.
+    model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float], check: bool = False
+) -> Tensor:
+    """log p(label) of every target at each temperature, ``[T, targets]``.
 
-    With ``temperatures`` (the pass at the posterior mean) a non-finite log-likelihood raises,
-    naming the first such batch: a NaN in the held-out data would otherwise make every NLL NaN
-    and the search "choose" the mean and the temperature grid's end."""
-    out, nll = [], torch.zeros(len(temperatures), dtype=torch.float64)
-    for call, labels in map(_split, batches):
-        logits = _logits(call(model))
-        out.append(target_log_probs(logits, labels, shift))
-        if temperatures:
-            nll += _temperature_nll(logits, labels, shift, temperatures).cpu()
-    if temperatures and out:
+    ``check`` (the pass at the posterior mean): a non-finite log-likelihood raises, naming the
+    first such batch: a NaN in the held-out data would otherwise make every NLL NaN and the
+    search "choose" the mean and the temperature grid's end."""
+    out = [
+        _tempered_log_probs(_logits(call(model)), labels, shift, temperatures)
+        for call, labels in map(_split, batches)
+    ]
+    if check and out:
         bad = [bool(b) for b in torch.stack([~torch.isfinite(x).all() for x in out]).tolist()]  # one sync
         if any(bad):
             raise ValueError(
@@ -178,7 +200,7 @@ def _pass(
                 "log-likelihood at the posterior mean: NaN or inf in its inputs, or a model output that "
                 "overflows. Calibration needs finite held-out NLLs; clean or drop that batch"
             )
-    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)), nll
+    return torch.cat(out, dim=1) if out else torch.zeros(len(temperatures), 0, dtype=torch.float64)
 
 
 def calibrate_posterior(
@@ -192,8 +214,9 @@ def calibrate_posterior(
     shift_labels: bool | None = None,
     standard_errors: float | None = None,
     min_gain: float | None = None,
+    temperature: bool = True,
 ) -> tuple[Any, CalibrationResult]:
-    """Choose the posterior's sampling ζ by BMA NLL on ``batches`` (held-out data).
+    """Choose the posterior's sampling ζ and softmax temperature T by BMA NLL on ``batches`` (held-out data).
 
     ``batches`` is re-iterable (a list or a DataLoader) of dicts with ``labels`` (HF models;
     −100 ignored; causal LMs' labels are shifted, ``shift_labels=None`` detects them) or of
@@ -210,17 +233,22 @@ def calibrate_posterior(
     the S draws, a jackknife, S ≥ 2, since a few lucky draws improve every target at once); k = 0
     gives the lowest NLL. The final choice is kept only if its NLL is at least ``min_gain``
     (relative) below the mean's; else the mean.
-    Memory: the draws' log-probabilities of every target are kept (8 bytes × S × targets per scale).
+
+    ``temperature=True``: where softening the mean (its least-NLL T of ``SOFTENING_TEMPERATURES``,
+    T >= 1) beats T = 1 by more than k standard errors, every candidate, the mean included, is
+    scored at its own best T (``p̄ = 1/S Σ_s softmax(logits_s / T)``) and the rules above compare
+    those NLLs; otherwise, and with ``temperature=False``, all are scored at T = 1. Either way the
+    result records the mean's own best T of ``TEMPERATURE_GRID`` (``mean_temperature``; > 1:
+    overconfident, the only case averaging samples or softening helps). Memory: the
+    log-probabilities of every target are kept, 8 bytes × S × targets per scale (× 13 temperatures
+    while a scale is scored).
 
     ``grid``, ``standard_errors``, ``min_gain`` left None take ``DEFAULT_GRID``,
     ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01).
 
-    The result also records the mean's own temperature on ``batches`` (``mean_temperature``,
-    ``TEMPERATURE_GRID``): averaging samples can only soften predictions, so where it is <= 1 (the
-    mean is not overconfident) expect the mean to be kept.
-
-    Returns the calibrated posterior (``ess`` = the choice; config ``calibration`` and
-    ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
+    Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config
+    ``calibration`` and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at
+    its mean.
     """
     grid = DEFAULT_GRID if grid is None else grid
     standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
@@ -248,44 +276,63 @@ def calibrate_posterior(
     shift = is_causal_lm(model) if shift_labels is None else bool(shift_labels)
     was_training = model.training
     model.eval()
+    one = TEMPERATURE_GRID.index(1.0)
     try:
-        mean_logp, temperature_nll = _pass(model, batches, shift, TEMPERATURE_GRID)
-        if mean_logp.numel() == 0:
+        mean_logp = _pass(model, batches, shift, TEMPERATURE_GRID, check=True)  # [T, targets]
+        if mean_logp.shape[1] == 0:
             raise ValueError("calibrate_posterior: the batches hold no labelled targets")
-        mean_nll = float(-mean_logp.mean())
-        tried, nlls, draws = [], [], [mean_logp[None]]  # per candidate: log p of each draw, [S, targets]
-        best = mean_nll
+        mean_t_nll = -mean_logp.mean(1)
+        best_t = int(mean_t_nll.argmin())
+        mean_nll = float(mean_t_nll[one])
+        # the mean's softening: the least-NLL T >= 1, kept if it beats T = 1 by k standard errors
+        start = one + int(mean_t_nll[one:].argmin())
+        if start != one:
+            excess, error = _gain_and_error(mean_logp[start][None], mean_logp[one][None])
+            if not (temperature and -excess > standard_errors * error):
+                start = one
+        temperatures = SOFTENING_TEMPERATURES if start != one else (1.0,)
+        # per candidate: log p of each draw at its own temperature, [S, targets]
+        draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
+        tried, nlls = [], []
+        best = mean_nll  # the stop rule reads NLLs at T = 1: a temperature rescues any noise to ~log C
         for f in factors:
             candidate = posterior.with_ess(trained * f)
             logps = []
             for s in range(num_samples):
                 with candidate.sampled(model, seed=seed + s):
-                    logps.append(_pass(model, batches, shift)[0])
-            draws.append(torch.stack(logps))
-            nll = float(_bma_nll(draws[-1]).mean())
+                    logps.append(_pass(model, batches, shift, temperatures))
+            stacked = torch.stack(logps)  # [S, T, targets]
+            t_nll = _bma_nll(stacked).mean(-1)
+            t = int(t_nll.argmin())
+            draws.append(stacked[:, t].clone())
+            chosen_t.append(temperatures[t])
             tried.append(trained * f)
-            nlls.append(nll)
-            best = min(best, nll)
-            if nll > 2.0 * best:
+            nlls.append(float(t_nll[t]))
+            untempered = float(t_nll[0])  # temperatures[0] is 1
+            best = min(best, untempered)
+            if untempered > 2.0 * best:
                 break
     finally:
         model.train(was_training)
+    reference = float(mean_t_nll[start])  # the mean's NLL at its own temperature (T = 1 without)
     index = _stepwise_choice(draws, standard_errors)
-    if index > 0 and nlls[index - 1] > (1.0 - min_gain) * mean_nll:
+    if index > 0 and nlls[index - 1] > (1.0 - min_gain) * reference:
         index = 0  # not a gain worth the noise: the mean
-    chosen = ([math.inf] + tried)[index]
     result = CalibrationResult(
-        ess=chosen,
+        ess=([math.inf] + tried)[index],
         trained_ess=trained,
         grid=tried,
         nll=nlls,
         mean_nll=mean_nll,
         num_samples=num_samples,
-        num_targets=int(mean_logp.numel()),
+        num_targets=int(mean_logp.shape[1]),
         seed=seed,
         standard_errors=float(standard_errors),
         min_gain=float(min_gain),
-        mean_temperature=TEMPERATURE_GRID[int(temperature_nll.argmin())],
+        mean_temperature=TEMPERATURE_GRID[best_t],
+        temperature=chosen_t[index],
+        temperatures=chosen_t[1:] if start != one else [],
+        tempered_mean_nll=reference if start != one else None,
     )
     return result.apply(posterior), result
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from hf_evon.modeling import is_peft_model
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
-from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob
+from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
 
 Tensor = torch.Tensor
 
@@ -92,7 +92,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
     from transformers import DynamicCache
     from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode
 
-    num_samples = sampler.num_samples
+    num_samples, posterior = sampler.num_samples, sampler.posterior
 
     def bma_decode(
         model: nn.Module,
@@ -136,7 +136,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
         while True:
             kwargs = _advance(model, outputs, kwargs)
             logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
-            log_probs = log_mean_prob(torch.log_softmax(logits, dim=-1).view(num_samples, batch, -1))
+            log_probs = log_mean_prob(torch.log_softmax(tempered(logits, posterior), dim=-1).view(num_samples, batch, -1))
             next_scores = logits_processor(input_ids, log_probs)
             if want["output_scores"]:
                 scores += (next_scores,)
@@ -378,7 +378,7 @@ def bma_log_likelihood(
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
         chunk = logits[s * batch : (s + 1) * batch, :-1].float()
-        per_sample.append(label_log_probs(torch.log_softmax(chunk, dim=-1), targets))
+        per_sample.append(label_log_probs(torch.log_softmax(tempered(chunk, posterior), dim=-1), targets))
     del logits
     sample_lp = torch.stack(per_sample)
     return BMALogLikelihood(log_mean_prob(sample_lp) * mask, mask, sample_lp)

@@ -23,6 +23,7 @@ __all__ = [
     "log_mean_prob",
     "shifted",
     "target_log_probs",
+    "tempered",
 ]
 
 IGNORE_INDEX = -100  # transformers' label of a position that is not scored
@@ -69,6 +70,13 @@ def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
 def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
     """BMA: ``log(mean_s exp(log_probs_s))`` over ``dim`` (averages probabilities, stably)."""
     return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])
+
+
+def tempered(logits: Tensor, posterior: object) -> Tensor:
+    """``logits / T`` for the posterior's BMA temperature ``T`` (``posterior.temperature``, 1 when it
+    has none; then ``logits`` itself): the calibrated predictive is ``1/S Σ_s softmax(logits_s / T)``."""
+    temperature = float(getattr(posterior, "temperature", 1.0))
+    return logits if temperature == 1.0 else logits / temperature
 
 
 class LogMeanExp:

@@ -34,7 +34,7 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PredictionOutput
 from transformers.utils import logging
 
-from hf_evon.predictive.logprobs import IGNORE_INDEX, LogMeanExp, label_log_probs, shifted
+from hf_evon.predictive.logprobs import IGNORE_INDEX, LogMeanExp, label_log_probs, shifted, tempered
 from hf_evon.predictive.metrics import calibration_metrics
 
 logger = logging.get_logger(__name__)
@@ -293,19 +293,22 @@ class PosteriorEvaluation:
                 return {}
         summary = self.mean.summary()  # type: ignore[union-attr]
         metrics = {f"{self.prefix}_mean_{k}": v for k, v in summary.items()}
-        if posterior is not None and posterior.is_point_mass:
+        if posterior is not None and posterior.is_point_mass and posterior.temperature == 1.0:
             logger.info(
                 "EVONTrainer: the posterior has no noise (ess = inf, e.g. calibrated to the mean): "
                 "BMA equals the mean, its sampled passes are skipped"
             )
             metrics.update({f"{self.prefix}_bma_{k}": v for k, v in summary.items()})
         elif posterior is not None:
-            seeds: list[int | None] = [args.bma_seed + s for s in range(args.bma_num_samples)]
+            # a posterior without noise: one pass at the mean, at the posterior's temperature
+            seeds: list[int | None] = (
+                [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
+            )
             bma = _Accumulator(trainer, self.task)  # type: ignore[arg-type]
             task = self.task
 
             def transform(logits: Tensor, labels: Tensor | None) -> Tensor:
-                return _metric_log_probs(logits, labels, task)  # type: ignore[arg-type]
+                return _metric_log_probs(tempered(logits, posterior), labels, task)  # type: ignore[arg-type]
 
             description = f"BMA evaluation ({len(seeds)} posterior samples)"
             for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description):
@@ -342,8 +345,9 @@ def bma_predict(
     """
     args = trainer.args
     # a posterior without noise: every sample is the mean, and one pass is their average
-    num_samples = 1 if posterior.is_point_mass else args.bma_num_samples
-    seeds: list[int | None] = [args.bma_seed + s for s in range(num_samples)]
+    seeds: list[int | None] = (
+        [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
+    )
     gather, pad = trainer.accelerator.gather_for_metrics, trainer.accelerator.pad_across_processes
     predictions: Any = None
     label_ids: Any = None
@@ -351,7 +355,7 @@ def bma_predict(
     checked = False
     description = f"BMA prediction ({len(seeds)} posterior samples)"
     for logp, inputs in _sample_passes(
-        trainer, dataloader, posterior, seeds, lambda logits, _: _log_softmax(logits), description
+        trainer, dataloader, posterior, seeds, lambda logits, _: _log_softmax(tempered(logits, posterior)), description
     ):
         labels = inputs.get("labels")
         if isinstance(labels, Tensor) and not checked:

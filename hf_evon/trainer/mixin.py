@@ -329,12 +329,13 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         num_samples: int | None = None,
         standard_errors: float | None = None,
         min_gain: float | None = None,
+        temperature: bool = True,
     ) -> Any:
-        """Choose the posterior's sampling scale by BMA NLL on held-out ``dataset``.
+        """Choose the posterior's sampling scale and temperature by BMA NLL on held-out ``dataset``.
 
         :func:`hf_evon.calibrate_posterior` on ``dataset`` (default: the trainer's
         ``calibration_dataset``), with ``bma_num_samples`` samples (8 if 0) and seeds from
-        ``bma_seed``; ``standard_errors`` and ``min_gain`` as there. Until the next optimizer step,
+        ``bma_seed``; ``standard_errors``, ``min_gain`` and ``temperature`` as there. Until the next optimizer step,
         ``current_posterior()`` — so evaluation, saving and the model card — uses the calibrated
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
@@ -366,6 +367,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
             shift_labels=self._causal_lm,
             standard_errors=standard_errors,
             min_gain=min_gain,
+            temperature=temperature,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
         if self.is_world_process_zero():  # the run's outcome: shown at the default verbosity
@@ -377,6 +379,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
                 "calibration/bma_nll": result.chosen_nll,
                 "calibration/mean_nll": result.mean_nll,
                 "calibration/mean_temperature": result.mean_temperature,
+                "calibration/temperature": result.temperature,
             }
         )
         return result
