@@ -660,8 +660,11 @@ def plot(summary: dict[str, dict[str, Any]], path: str) -> None:
 
     tasks = list(summary)
     rows = [r for r in summary[tasks[0]] if not r.startswith("_")]
+    # BMA at its largest sample count only: the smaller ones sit beside it and crowd the bars
+    largest = max((int(r.rsplit("@", 1)[1]) for r in rows if "@" in r), default=0)
+    rows = [r for r in rows if "@" not in r or r.endswith(f"@{largest}")]
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 4.2), squeeze=False)
-    colors = plt.cm.tab10.colors
+    colors = plt.cm.tab20.colors
     for ax, task in zip(axes[0], tasks):
         vals = [
             summary[task][r]["nll"] if isinstance(summary[task].get(r), dict) else (math.nan, 0) for r in rows

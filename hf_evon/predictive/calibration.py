@@ -61,9 +61,8 @@ DEFAULT_STANDARD_ERRORS = 1.0
 TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 13))
 # The temperatures a calibration may choose: it softens, never sharpens. A held-out split of a few
 # hundred examples with few errors rewards sharpening for the examples it gets right and cannot
-# show the confident error it has not seen (AdamW + temperature scaling on payoff's wine: T 0.15,
-# test NLL 0.037 -> 0.086). Each costs one log-sum-exp over the classes per target and pass (a
-# vocabulary's width for LMs). measured: docs/trainer.md#calibration-temperature
+# show the confident error it has not seen. Each costs one log-sum-exp over the classes per target
+# and pass (a vocabulary's width for LMs). measured: docs/trainer.md#calibration-temperature
 SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if t >= 1.0)
 
 
