@@ -284,10 +284,10 @@ def calibrate_posterior(
         best_t = int(mean_t_nll.argmin())
         mean_nll = float(mean_t_nll[one])
         # the mean's softening: the least-NLL T >= 1, kept if it beats T = 1 by k standard errors
-        start = one + int(mean_t_nll[one:].argmin())
+        start = one + int(mean_t_nll[one:].argmin()) if temperature else one
         if start != one:
             excess, error = _gain_and_error(mean_logp[start][None], mean_logp[one][None])
-            if not (temperature and -excess > standard_errors * error):
+            if -excess <= standard_errors * error:
                 start = one
         temperatures = SOFTENING_TEMPERATURES if start != one else (1.0,)
         # per candidate: log p of each draw at its own temperature, [S, targets]

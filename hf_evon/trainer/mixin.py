@@ -89,6 +89,7 @@ Private transformers internals used, and why (each pinned by ``tests/test_traine
 
 import copy
 import inspect
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -356,6 +357,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         if posterior is None:
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
         model = self._wrap_model(self.model, training=False)
+        start = time.perf_counter()
         batches = [self._prepare_inputs(b) for b in self.get_eval_dataloader(dataset)]
         _, result = calibrate_posterior(
             model,
@@ -380,6 +382,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
                 "calibration/mean_nll": result.mean_nll,
                 "calibration/mean_temperature": result.mean_temperature,
                 "calibration/temperature": result.temperature,
+                "calibration/seconds": time.perf_counter() - start,  # its cost beside the training's
             }
         )
         return result
