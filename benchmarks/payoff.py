@@ -385,15 +385,17 @@ def run_adamw(task: Task, seed: int) -> dict[str, Any]:
     model = task.make_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr, weight_decay=0.01)
     train(task, model, opt, seed)
+    rows, temp = point_estimate_rows("AdamW", task, model)
+    return {"_adamw": {"temperature": temp}, **rows, "Laplace (last layer, laplace-torch)": laplace_rows(task, model)}
+
+
+def point_estimate_rows(name: str, task: Task, model: nn.Module) -> tuple[dict[str, Any], float]:
+    """``name``'s test scores, and with temperature scaling fitted on the calibration split (the
+    rows and the temperature)."""
     test_lp, test_y = log_probs(model, task.test, task.shift)
-    cal_lp, cal_y = log_probs(model, task.cal, task.shift)
-    temp = fit_temperature(cal_lp, cal_y)
-    return {
-        "_adamw": {"temperature": temp},
-        "AdamW": scores(test_lp, test_y),
-        "AdamW + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y),
-        "Laplace (last layer, laplace-torch)": laplace_rows(task, model),
-    }
+    temp = fit_temperature(*log_probs(model, task.cal, task.shift))
+    rows = {name: scores(test_lp, test_y), f"{name} + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y)}
+    return rows, temp
 
 
 def run_soap(task: Task, seed: int) -> dict[str, Any]:
@@ -407,12 +409,8 @@ def run_soap(task: Task, seed: int) -> dict[str, Any]:
     model = task.make_model(seed)
     opt = SOAP([p for p in model.parameters() if p.requires_grad], lr=task.adamw_lr)
     train(task, model, opt, seed)
-    test_lp, test_y = log_probs(model, task.test, task.shift)
-    temp = fit_temperature(*log_probs(model, task.cal, task.shift))
-    return {
-        "SOAP (pytorch-optimizer)": scores(test_lp, test_y),
-        "SOAP + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y),
-    }
+    rows, _ = point_estimate_rows("SOAP", task, model)
+    return {"SOAP (pytorch-optimizer)": rows.pop("SOAP"), **rows}
 
 
 def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int) -> torch.optim.Optimizer:

@@ -248,9 +248,13 @@ def _json_float(value: Any, field: str, where: str, *, positive: bool = False) -
     return number
 
 
+def is_temperature(value: Any) -> bool:
+    """Whether ``value`` is a BMA softmax temperature: a finite number > 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+
+
 def _temperature(value: Any, field: str, where: str) -> float:
-    """The BMA predictive's softmax temperature: a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+    if not is_temperature(value):
         raise _rule_error(where, field, "a finite number > 0", value)
     return value
 

@@ -1,12 +1,11 @@
 """EVON posteriors ("SOAP-Bubbles") as standalone objects: sample, inspect, save, load, share.
 
-An :class:`EVONPosterior` is a snapshot of the Gaussian weight posterior an ``EVON``
-optimizer has learned, keyed by the model's own parameter names, so it can be used without
-the optimizer: sampled into a model (``with posterior.sampled(model): ...``), drawn as a
-batch of perturbations (``posterior.draw(S)``), inspected (``std``, ``covariance``),
-saved next to the model (``save_pretrained``), loaded (``from_pretrained``) and shared on
-the Hub (``push_to_hub``). Parameters EVON does not own (embeddings, heads, 1-D tensors
-when grouped with ``build_param_groups``) are point estimates.
+An :class:`EVONPosterior` is a snapshot of the Gaussian weight posterior an ``EVON`` optimizer
+has learned, keyed by the model's own parameter names, so it can be used without the optimizer:
+sampled into a model (``with posterior.sampled(model): ...``), drawn as a batch of perturbations
+(``posterior.draw(S)``), inspected (``std``, ``covariance``), saved next to the model
+(``save_pretrained``), loaded (``from_pretrained``) and shared on the Hub (``push_to_hub``).
+Parameters EVON does not own (embeddings, heads, 1-D tensors) are point estimates.
 
 This module ties the layers below it to models and optimizers; none of them knows the object:
 ``gaussian`` (``vec W ~ N(vec M, (Q_L ⊗ Q_R) diag(V) (Q_L ⊗ Q_R)ᵀ)``, ``V = 1/(ζ(H + δ))``, and
@@ -39,6 +38,7 @@ from hf_evon.posterior.config import (
     as_dtype,
     check_noise_scale,
     dtype_name,
+    is_temperature,
 )
 from hf_evon.posterior.fingerprint import warn_if_other_mean
 from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
@@ -423,7 +423,7 @@ class EVONPosterior:
 
     def with_temperature(self, temperature: float) -> EVONPosterior:
         """A copy whose BMA predictions (evaluation, ``generate_bma``) use ``temperature`` (> 0)."""
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 < temperature < math.inf:
+        if not is_temperature(temperature):
             raise ValueError(f"with_temperature: temperature must be a finite number > 0; got {temperature!r}")
         config = dict(self.config, temperature=float(temperature))
         return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)

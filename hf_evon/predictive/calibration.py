@@ -83,8 +83,9 @@ class CalibrationResult:
     # the mean's best temperature on the same data (TEMPERATURE_GRID; > 1: overconfident, the
     # only case averaging samples can help); None where not measured
     mean_temperature: float | None = None
-    # the chosen temperature (1: none), each scale's own (aligned with grid), and the mean's NLL
-    # at mean_temperature; temperatures is empty when calibrated with temperature=False
+    # the chosen temperature (1: none), each scale's own (aligned with grid), and the mean's NLL at
+    # its softening temperature; the last two are empty/None where every scale was scored at T = 1
+    # (temperature=False, or softening the mean did not beat T = 1 by k standard errors)
     temperature: float = 1.0
     temperatures: list[float] = field(default_factory=list)
     tempered_mean_nll: float | None = None
@@ -168,7 +169,7 @@ def _logits(output: Any) -> Tensor:
 
 def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
-    (float64; one row of classes at a time per T keeps an LM's copy to one of its logits)."""
+    (float64; one temperature at a time, so an LM's rows are copied once per T, not T times at once)."""
     rows, target = labelled_rows(logits, labels, shift)
     z = rows.double()
     z_target = z.gather(1, target[:, None]).squeeze(1)
