@@ -1,7 +1,9 @@
 """How fast can the eigenbasis refresh (one power iteration + QR) be on this device?
 
 Times, for the GPT-2-small EVON matrices (60 of 768², 12 of 2304², 24 of 3072² statistics),
-the QR variants we considered. Used to choose the refresh implementation in linalg.py.
+the QR variants we considered. Used to choose the refresh implementation in linalg.py:
+``cholesky_qr`` with its members factored together (cuSOLVER's batched Cholesky) or one call per
+member, and on one or two members of each shape (the cost of a call: buckets.assign_refresh_phases).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     variants = {
         "householder qr fp32": lambda n: torch.linalg.qr(stats[n] @ qs[n]).Q,
-        "hf_evon cholesky_qr": lambda n: cholesky_qr(stats[n] @ qs[n]),
+        "cholesky_qr": lambda n: cholesky_qr(stats[n] @ qs[n]),
+        "cholesky_qr 1-by-1": lambda n: [cholesky_qr(stats[n][i : i + 1] @ qs[n][i : i + 1]) for i in range(len(qs[n]))],
+        "cholesky_qr 1 member": lambda n: cholesky_qr(stats[n][:1] @ qs[n][:1]),
+        "cholesky_qr 2 members": lambda n: cholesky_qr(stats[n][:2] @ qs[n][:2]),
         "cholqr3 fp32 no shift": lambda n: cholqr(n, torch.float32),
         "cholqr3 fp64 no shift": lambda n: cholqr(n, torch.float64),
         "gram fp64": lambda n: piece(n, torch.float64, "gram"),

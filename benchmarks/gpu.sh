@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks in one go (about 8 minutes on an H100, not yet timed with optimizer_flops.py), logs and JSON under $OUT
+# The GPU benchmarks in one go (about 6 minutes on an H100), logs and JSON under $OUT
 # (default ./gpu-results). Works from a source checkout without installing: the repository root
 # goes on PYTHONPATH. On a machine without network, carry the SOAP baseline's wheel in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl pytorch-optimizer
@@ -18,6 +18,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 benchmarks/optimizer_step.py --device cuda --json "$OUT/optimizer_step.json" 2>&1 | tee "$OUT/optimizer_step.log"
 python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/generate_bma.log"
+python3 benchmarks/step_profile.py --device cuda 2>&1 | tee "$OUT/step_profile.log"
 # EVON's step alone vs the naive per-matrix EVON, 48 GPT-2-small block matrices on the GPU (the op and
 # FLOP counts are device-independent: measured on CPU, see the module docstring)
 python3 benchmarks/optimizer_flops.py --device cuda --skip ops flops --time-width 768 --time-blocks 12 \

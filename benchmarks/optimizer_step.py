@@ -14,16 +14,16 @@ as in the paper. Timed steps cover several eigenbasis refreshes (every 10th step
 ``evon`` refreshes every matrix at ``t % 10 == 0`` (the spec's schedule); ``evon-staggered``
 is EVON's default (``stagger_refresh=True``: each matrix has its own phase).
 
-Measured on CPU (2 cores, OMP_NUM_THREADS=2, torch 2.13; ±15 % run to run), ms per step:
-AdamW 150.6; SOAP (pytorch-optimizer) 442.7, max/median 2.93; EVON 484.8, max/median 3.16;
-EVON staggered 473.8 (3.15× AdamW), max/median 1.14, optimizer 225.6 ms; 38.7 bytes of state
-per EVON parameter. On an H100 (an earlier build that forced full-float32 rotations): AdamW
-126.8, SOAP 236.3, EVON 261.3 ms (max/median 1.10). Those EVON rows used element-wise clipping,
-the default then. With the default ``clip="whiten_rms"`` (its Newton–Schulz iterations: ~15
-matmuls per matrix and step), ``--optimizers adamw evon-staggered evon-element`` on CPU with
-OMP_NUM_THREADS=1: AdamW 217.3 ms; EVON staggered 772.5 (3.56×, optimizer 462.9 ms); with
-``clip="element"`` 644.4 (2.97×, optimizer 327.4 ms): whitening adds 136 ms (+41% optimizer
-time, +20% step time) on this CPU model; same state bytes.
+Measured on an H100 (2026-11-26, torch 2.11, default clip): AdamW 125.2, SOAP 227.3 (max/median
+7.13), EVON 207.1 (max/median 4.62), EVON staggered 259.6 ms (2.07× AdamW, max/median 1.02,
+optimizer 132.9 ms), 38.7 bytes of state per EVON parameter (docs/results.md#on-a-gpu-h100-2026-11-26).
+On CPU (2 cores, OMP_NUM_THREADS=2, torch 2.13; ±15 % run to run; ``clip="element"``), ms per
+step: AdamW 150.6; SOAP (pytorch-optimizer) 442.7, max/median 2.93; EVON 484.8, max/median 3.16;
+EVON staggered 473.8 (3.15× AdamW), max/median 1.14, optimizer 225.6 ms. With the default
+``clip="whiten_rms"`` (its Newton–Schulz iterations: ~15 matmuls per matrix and step),
+``--optimizers adamw evon-staggered evon-element`` on CPU with OMP_NUM_THREADS=1: AdamW 217.3 ms;
+EVON staggered 772.5 (3.56×, optimizer 462.9 ms); with ``clip="element"`` 644.4 (2.97×, optimizer
+327.4 ms): whitening adds 136 ms (+41% optimizer time, +20% step time) on this CPU model.
 """
 
 from __future__ import annotations

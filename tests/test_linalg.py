@@ -1,8 +1,8 @@
 """The eigenbasis maths: the initial basis's column order, and the QR used on accelerators.
 
-CI has no GPU, so the accelerator branch of ``power_qr`` never runs there; its QR,
-``cholesky_qr``, is device-agnostic and is tested here against the defining properties of a
-QR factorisation and against LAPACK's Householder QR.
+CI has no GPU; the accelerator branch of ``power_qr`` (``householder=False``) and its QR,
+``cholesky_qr``, are device-agnostic and are tested here on CPU against the defining properties
+of a QR factorisation and against LAPACK's Householder QR.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def align_signs(q: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kappa", [10.0, 1e6, 1e12])
 def test_cholesky_qr_is_a_qr_of_ill_conditioned_matrices(kappa: float) -> None:
     a = with_condition_number(3, 24, kappa, seed=int(kappa) % 97)
-    q = cholesky_qr(a)
-    assert q.dtype == F64 and torch.isfinite(q).all()
+    q, failed = cholesky_qr(a)
+    assert q.dtype == F64 and torch.isfinite(q).all() and not bool(failed.any())
     assert_is_q_of(q, a, tol=1e-11)  # CholeskyQR3: O(n·eps) whatever κ (n = 24, eps = 1.1e-16)
     if kappa <= 1e6:  # Q of a QR is unique up to column signs; perturbations grow by κ: eps·κ ≈ 1e-10
         householder = torch.linalg.qr(a).Q
@@ -53,20 +53,31 @@ def test_cholesky_qr_is_a_qr_of_ill_conditioned_matrices(kappa: float) -> None:
 
 def test_cholesky_qr_of_float32_keeps_float32_and_orthonormality() -> None:
     a = with_condition_number(2, 32, 1e5, seed=3).float()
-    q = cholesky_qr(a)
-    assert q.dtype == torch.float32
+    q, failed = cholesky_qr(a)
+    assert q.dtype == torch.float32 and not bool(failed.any())
     assert_is_q_of(q.double(), a.double(), tol=1e-5)
 
 
-def test_cholesky_qr_falls_back_for_a_zero_member() -> None:
+def test_cholesky_qr_flags_a_zero_member_and_factors_the_others() -> None:
     a = with_condition_number(3, 8, 100.0, seed=5)
-    a[1] = 0.0  # Cholesky of a zero Gram matrix fails: that member uses Householder QR
-    q = cholesky_qr(a)
-    assert torch.isfinite(q).all()
-    eye = torch.eye(8, dtype=F64)
-    assert float((q.mT @ q - eye).abs().max()) < 1e-12
+    a[1] = 0.0  # Cholesky of a zero Gram matrix fails
+    q, failed = cholesky_qr(a)
+    assert failed.tolist() == [False, True, False]
     for i in (0, 2):
         assert_is_q_of(q[i], a[i], tol=1e-11)
+
+
+def test_the_accelerator_refresh_keeps_the_basis_of_a_zero_statistic() -> None:
+    """A failed CholeskyQR3 is settled on the device: that member keeps its basis, the others refresh."""
+    stat = with_condition_number(3, 8, 100.0, seed=6)
+    stat = stat @ stat.mT
+    stat[1] = 0.0
+    q_old = torch.linalg.qr(with_condition_number(3, 8, 10.0, seed=7)).Q
+    new = power_qr(stat, q_old, householder=False)
+    assert torch.equal(new[1], q_old[1])
+    householder = power_qr(stat, q_old, householder=True)
+    for i in (0, 2):
+        assert float((new[i] - householder[i]).abs().max()) < 1e-10
 
 
 @pytest.mark.parametrize(
@@ -83,8 +94,8 @@ def test_refresh_on_accelerators_equals_the_cpu_refresh(dtype: torch.dtype, deca
     stat = ((eigvecs * torch.logspace(0, -decades, n, dtype=F64)) @ eigvecs.mT).to(dtype).unsqueeze(0)
     q_old = torch.linalg.qr(eigvecs + 0.05 * torch.randn(n, n, generator=gen, dtype=F64)).Q.to(dtype)[None]
     cpu = power_qr(stat, q_old)
-    accel = align_signs(cholesky_qr(stat.double() @ q_old.double()).to(dtype), q_old)
-    assert cpu.dtype == dtype
+    accel = power_qr(stat, q_old, householder=False)
+    assert cpu.dtype == dtype == accel.dtype
     assert float((cpu - accel).abs().max()) < tol
     assert bool(((q_old * cpu).sum(-2) >= 0).all())  # columns point like the old basis
 

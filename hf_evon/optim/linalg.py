@@ -141,13 +141,15 @@ def _cholesky_qr_pass(a: Tensor, shift: Tensor | None = None) -> tuple[Tensor, T
     return torch.linalg.solve_triangular(r, a, upper=True, left=False), info
 
 
-def cholesky_qr(a: Tensor) -> Tensor:
-    """``Q`` of ``A = Q R`` by shifted CholeskyQR3 (Fukaya et al., 2020) in float64.
+def cholesky_qr(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``(Q, failed)``: ``Q`` of ``A = Q R`` by shifted CholeskyQR3 (Fukaya et al., 2020) in float64,
+    and a boolean per member whose Cholesky failed (e.g. an all-zero ``A``; its ``Q`` is not usable).
 
     Built from Gram matrices, Cholesky and triangular solves, it takes about half the time of
-    cuSOLVER's Householder QR on a GPU refresh batch (docs/defaults.md#cholesky-qr). Columns are first scaled to unit norm (``Q`` is
-    unchanged by that); float64 and the shift keep it stable up to condition numbers ~1e15.
-    Members whose Cholesky still fails (e.g. an all-zero ``A``) use Householder QR.
+    cuSOLVER's Householder QR on a GPU refresh batch, and members are factored together: cuSOLVER's
+    batched Cholesky beats one call per member (docs/defaults.md#cholesky-qr). Columns are
+    first scaled to unit norm (``Q`` is unchanged by that); float64 and the shift keep it stable up
+    to condition numbers ~1e15. ``failed`` stays on the device: reading it is the caller's choice.
     """
     m, n = a.shape[-2:]
     col_norm = torch.linalg.vector_norm(a, dim=-2, keepdim=True)
@@ -159,25 +161,29 @@ def cholesky_qr(a: Tensor) -> Tensor:
     q, info3 = _cholesky_qr_pass(q)
     q = q.to(a.dtype)
     failed = (info1 != 0) | (info2 != 0) | (info3 != 0) | ~torch.isfinite(q).all(-1).all(-1)
-    if bool(failed.any()):
-        idx = failed.nonzero().squeeze(-1)
-        q[idx] = torch.linalg.qr(a[idx]).Q
-    return q
+    return q, failed
 
 
-def power_qr(stat: Tensor, q: Tensor) -> Tensor:
+def power_qr(stat: Tensor, q: Tensor, householder: bool | None = None) -> Tensor:
     """One power iteration followed by QR: the cheap eigenbasis refresh of SOAP.
 
     Column order is kept (no sorting), so the Hessian and momentum stay aligned with it.
     Column signs are chosen so each new basis vector points like the old one
     (``diag(Q_oldᵀ Q_new) ≥ 0``): QR is unique only up to these signs, and fixing them makes
     the result independent of the QR algorithm and keeps noise draws continuous.
-    On accelerators the product is formed in float64, which TF32 settings never touch.
+    ``householder`` (None: on CPU) uses LAPACK's QR; otherwise, as on accelerators, the product
+    is formed in float64, which TF32 settings never touch, and orthonormalised by
+    ``cholesky_qr``; a member whose CholeskyQR3 fails (a statistic of zeros) keeps its basis:
+    deciding that on the device spares the step a host sync, and any orthonormal basis serves a
+    statistic of zeros.
     """
-    if stat.device.type == "cpu":
+    if householder is None:
+        householder = stat.device.type == "cpu"
+    if householder:
         new = torch.linalg.qr(matmul(stat, q)).Q
     else:
-        new = cholesky_qr(stat.double() @ q.double()).to(q.dtype)
+        new, failed = cholesky_qr(stat.double() @ q.double())
+        new = torch.where(failed.view(-1, 1, 1), q, new.to(q.dtype))
     signs = torch.where((q * new).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(new.dtype)
     return new * signs
 
