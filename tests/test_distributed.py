@@ -341,9 +341,10 @@ def test_rank_averager_packs_by_dtype_and_cap() -> None:
     assert math.isclose(avg.bucket_cap_bytes, 1e-4 * 2**20, abs_tol=1)
 
 
-def _accelerate_run(use_accelerate: bool, micro: int) -> dict[str, torch.Tensor]:
+def _accelerate_run(use_accelerate: bool, micro: int, distributed: bool = True) -> dict[str, torch.Tensor]:
     """Three EVON steps of 2 samples over ``micro`` accumulated micro-batches: through one
-    accelerate-prepared handle, or with the bare EVON (loss / micro, as accelerate scales it)."""
+    accelerate-prepared handle (then through prepare_distributed unless ``distributed`` is
+    False), or with the bare EVON (loss / micro, as accelerate scales it)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -365,7 +366,8 @@ def _accelerate_run(use_accelerate: bool, micro: int) -> dict[str, torch.Tensor]
     try:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro)
         model, optimizer = accelerator.prepare(model, optimizer)
-        optimizer = prepare_distributed(model, optimizer)  # the README's accelerate loop, one handle
+        if distributed:
+            optimizer = prepare_distributed(model, optimizer)  # the README's accelerate loop, one handle
         for step_batches in batches:
             for _ in range(optimizer.mc_samples):
                 with optimizer.sampled_params(train=True):
@@ -374,7 +376,8 @@ def _accelerate_run(use_accelerate: bool, micro: int) -> dict[str, torch.Tensor]
                             accelerator.backward(model(input_ids=ids, labels=ids).loss)
             optimizer.step()
             optimizer.zero_grad()
-        assert type(optimizer).__name__ == "EVONAcceleratedOptimizer"
+        expected_type = "EVONAcceleratedOptimizer" if distributed else "AcceleratedOptimizer"
+        assert type(optimizer).__name__ == expected_type
         return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -395,6 +398,35 @@ def test_prepared_accelerate_optimizer_is_one_handle(micro: int) -> None:
     assert set(got) == set(expected)
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
+
+
+def test_accelerate_prepare_alone_answers_evons_api() -> None:
+    """``accelerator.prepare(build_optimizer(model))`` without prepare_distributed (one process):
+    the AcceleratedOptimizer answers ``mc_samples`` and ``sampled_params`` from its EVON, and the
+    loop's weights equal the bare EVON loop's bit for bit; around another optimizer a missing
+    attribute is still Python's AttributeError. accelerate defines no __getattr__ of its own (the
+    one hf_evon installs is EVONHandle's: if accelerate ever adds one, this fails)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from hf_evon.distributed.ddp import EVONHandle
+
+    assert AcceleratedOptimizer.__getattr__ is EVONHandle.__getattr__
+    fresh = (  # a user's script imports only the public API
+        "from hf_evon import build_optimizer\n"
+        "from accelerate.optimizer import AcceleratedOptimizer\n"
+        "print(AcceleratedOptimizer.__getattr__.__qualname__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "EVONHandle.__getattr__"
+    expected = _accelerate_run(False, 2)
+    got = _accelerate_run(True, 2, distributed=False)
+    assert set(got) == set(expected)
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+    adamw = object.__new__(AcceleratedOptimizer)  # as unpickling builds it: no Accelerator needed
+    adamw.__setstate__({"optimizer": torch.optim.AdamW(worker.tiny_gpt2().parameters()), "scaler": None})
+    with pytest.raises(AttributeError, match="^'AcceleratedOptimizer' object has no attribute 'mc_samples'$"):
+        adamw.mc_samples  # noqa: B018
 
 
 def test_handle_forwards_only_what_the_wrapper_lacks_and_pickles() -> None:

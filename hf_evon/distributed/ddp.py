@@ -103,12 +103,13 @@ class EVONHandle:
     """
 
     def __getattr__(self, name: str) -> Any:  # only called when normal lookup fails
+        missing = AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         if name.startswith("__") or name == "optimizer":  # unset during unpickling: no recursion
-            raise AttributeError(name)
+            raise missing
         try:
             evon = unwrap_optimizer(self)
         except TypeError:
-            raise AttributeError(name) from None
+            raise missing from None
         return getattr(evon, name)
 
 
@@ -126,6 +127,15 @@ else:
 _HANDLE_CLASSES: dict[type, type] = {}
 if EVONAcceleratedOptimizer is not None:
     _HANDLE_CLASSES[AcceleratedOptimizer] = EVONAcceleratedOptimizer
+    # The one change hf_evon makes to another library's class: accelerate's AcceleratedOptimizer
+    # defines no __getattr__ and offers no hook when ``accelerator.prepare`` wraps an optimizer,
+    # so a loop written the usual way (``accelerator.prepare(build_optimizer(model))``, then
+    # ``optimizer.sampled_params``) would meet an AttributeError. With EVONHandle's lookup, what
+    # the wrapper lacks is the wrapped EVON's; around any other optimizer a missing attribute
+    # stays an AttributeError. Under DDP, EVON's step still refuses to run without
+    # prepare_distributed. tests/test_distributed.py pins that accelerate defines none of its own.
+    if "__getattr__" not in vars(AcceleratedOptimizer):
+        AcceleratedOptimizer.__getattr__ = EVONHandle.__getattr__  # type: ignore[attr-defined]
 
 
 def as_evon_handle(optimizer: Any) -> Any:
