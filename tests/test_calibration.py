@@ -194,7 +194,7 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
     for k in (0.0, 1.0, 3.0):
         _, result = calibrate_posterior(
             model, post, cal, grid=[10.0, 1.0, 0.1, 0.01, 1e-3], num_samples=4, seed=3, standard_errors=k,
-            min_gain=0, temperature=False,
+            min_gain=0, temperature=False, always_scan=True,
         )  # fmt: skip
         candidates = [[mean.tolist()]] + [
             draw_probs(model, post.with_ess(e), cal, range(3, 7)) for e in result.grid
@@ -220,7 +220,7 @@ def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean(temperature: 
     grid = [10.0, 1.0, 0.1, 0.01, 1e-3]
     argmin_rule = {
         "grid": grid, "num_samples": 4, "seed": 7 if temperature else 3, "standard_errors": 0,
-        "temperature": temperature,
+        "temperature": temperature, "always_scan": True,
     }  # fmt: skip
     _, argmin = calibrate_posterior(model, post, cal, **argmin_rule, min_gain=0)
     best = min(range(len(argmin.nll)), key=argmin.nll.__getitem__)
@@ -311,10 +311,36 @@ def test_noise_that_only_hurts_calibrates_to_the_mean() -> None:
     assert torch.equal(sampled, model(x))
 
 
+def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
+    """Averaging samples softens predictions: where the mean's best temperature on the data is not
+    above 1, BMA is the mean and the pass at the mean is the only pass; always_scan=True scores
+    the scales (here, too, to no gain); an overconfident mean is scanned by default."""
+    model, post, cal, _ = trained(seed=1, steps=100)
+    passes: list[int] = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    grid = [10.0, 1.0, 0.1]
+    calibrated, gated = calibrate_posterior(model, post, cal, grid=grid, num_samples=2)
+    assert gated.mean_temperature < 1 and not gated.scanned and (gated.grid, gated.nll) == ([], [])
+    assert len(passes) == len(cal)  # the mean's pass alone
+    assert calibrated.ess == math.inf and calibrated.config["calibration"]["scanned"] is False
+    assert "no scale was scored" in gated.summary()
+    passes.clear()
+    _, full = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, always_scan=True)
+    assert full.scanned and full.grid == [post.ess * f for f in grid]
+    assert len(passes) == len(cal) * (1 + 2 * len(grid)) and full.mean_nll == gated.mean_nll
+    assert full.ess == math.inf and "no scale beat it" in full.summary()
+    model, post, cal = overfitted()
+    _, hot = calibrate_posterior(model, post, cal, grid=grid, num_samples=2)
+    assert hot.mean_temperature > 1 and hot.scanned and len(hot.grid) > 0
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="always_scan must be True or False"):
+            calibrate_posterior(model, post, cal, always_scan=bad)
+
+
 def test_the_scan_stops_when_noise_has_clearly_taken_over() -> None:
     model, post, cal, _ = trained()
     grid = [1.0, 1e-5, 1e-6, 1e-8]
-    _, result = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, temperature=False)
+    _, result = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, temperature=False, always_scan=True)
     assert len(result.nll) < 4
     assert result.nll[-1] > 2 * min([result.mean_nll, *result.nll])
     # with temperatures the rule reads the same T = 1 NLLs: a softmax at T = 8 rescues any noise

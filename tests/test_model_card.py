@@ -260,7 +260,9 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
         opt.zero_grad()
     posterior = EVONPosterior.from_optimizer(opt, model)
     assert "Not calibrated" in str(render_model_card(posterior))
-    calibrated, result = calibrate_posterior(model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2)
+    calibrated, result = calibrate_posterior(
+        model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, always_scan=True
+    )
     text = str(render_model_card(calibrated))
     assert "Not calibrated" not in text
     assert f"Calibrated on {result.num_targets} held-out targets" in text
@@ -282,5 +284,12 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     assert (f"T = {result.temperature:.6g}" in text) == (result.temperature != 1.0)
     # the rule that chose it, as recorded: the default steps by one standard error; k = 0 says nothing of it
     assert "by more than 1 standard error(s) at each step" in text and result.standard_errors == 1.0
-    plain, _ = calibrate_posterior(model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0)
+    plain, _ = calibrate_posterior(
+        model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0, always_scan=True
+    )
     assert "standard error" not in str(render_model_card(plain))
+    # a calibration that scored no scale (the mean not overconfident) says so, not "∞ scales tried"
+    record = dict(calibrated.config["calibration"], scanned=False, grid=[], nll=[], ess="inf")
+    text = _calibration_text({"calibration": record})
+    assert "no sampling scale was scored: BMA is the mean" in text and "scales and the mean" not in text
+    assert f"held-out NLL {result.mean_nll:.6g})" in text

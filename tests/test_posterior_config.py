@@ -165,6 +165,10 @@ CONFIG_ERRORS = {
         _set("calibration", [1]),
         r"field 'calibration' must be an object; got \[1\]",
     ),
+    "calibration scanned not a bool": (
+        lambda raw: raw["calibration"].update(scanned="no"),
+        r"field 'calibration\.scanned' must be true or false; got 'no'",
+    ),
     "entry without shape": (
         lambda raw: raw["parameters"]["0.weight"].pop("shape"),
         r"v1\.json: field 'parameters\.0\.weight' lacks \['shape'\]",

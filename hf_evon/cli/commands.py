@@ -446,6 +446,11 @@ def _add_calibrate(subparsers: Any) -> None:
         help="score every scale at softmax temperature 1 instead of at its own best temperature "
         "(each temperature costs a log-sum-exp over the vocabulary per token and pass)",
     )  # fmt: skip
+    p.add_argument(
+        "--always-scan", action="store_true",
+        help="score the sampling scales even where the mean is not overconfident on the data "
+        "(by default BMA is then the mean, without sampled passes)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
 
@@ -481,6 +486,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     calibrated, result = calibrate_posterior(
         model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True,
         standard_errors=args.standard_errors, min_gain=args.min_gain, temperature=not args.no_temperature,
+        always_scan=args.always_scan,
     )  # fmt: skip
     try:
         calibrated.save_pretrained(args.output)

@@ -293,6 +293,7 @@ _CALIBRATION_KEYS = (
     ("seed", False, "integer"),
     ("grid", False, "list"),
     ("nll", False, "list"),
+    ("scanned", False, "bool"),
 )
 
 
@@ -303,23 +304,21 @@ def _calibration(value: Any, field: str, where: str) -> dict[str, Any]:
         raise _rule_error(where, field, "an object", value)
     for key, required, kind in _CALIBRATION_KEYS:
         name = f"{field}.{key}"
-        if key not in value:
-            if required:
-                raise PosteriorMismatchError(
-                    f"{where}: field {name!r} is missing from the calibration record"
-                )
-            continue
-        item = value[key]
-        if kind == "nullable" and item is None:
+        if key not in value and required:
+            raise PosteriorMismatchError(f"{where}: field {name!r} is missing from the calibration record")
+        item = value.get(key)
+        if key not in value or (kind == "nullable" and item is None):
             continue
         if kind == "integer":
             _integer(0)(item, name, where)
+        elif kind == "bool" and not isinstance(item, bool):
+            raise _rule_error(where, name, "true or false", item)
         elif kind == "list":
             if not isinstance(item, list):
                 raise _rule_error(where, name, "a list of numbers", item)
             for i, entry in enumerate(item):
                 _json_float(entry, f"{name}[{i}]", where)
-        else:
+        elif kind != "bool":
             _json_float(item, name, where, positive=kind == "positive")
     return value
 

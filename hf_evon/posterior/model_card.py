@@ -289,6 +289,14 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     mult = "∞" if ess == float("inf") else _fmt(ess / trained)
+    if cal.get("scanned") is False:
+        return (
+            f"Calibrated on {_md(_fmt(cal.get('num_targets')))} held-out targets: the posterior mean is not "
+            "overconfident there (no softmax temperature above 1 lowers its held-out NLL), and averaging "
+            "weight samples only softens them, so no sampling scale was scored: BMA is the mean "
+            f"(`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
+            + _temperature_text(cal.get("mean_temperature"))
+        )
     # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
     show = lambda v: _md(_fmt(v))  # noqa: E731

@@ -18,6 +18,8 @@ that is many times overconfident needs so much noise to be softened that the noi
 T does that part, and a scale is kept only where the weight noise adds to what T alone achieves
 (the same standard-error and ``min_gain`` rules, against the mean at its own T).
 measured: docs/trainer.md#calibration-temperature
+Where the mean is not overconfident (its best T is not above 1), no scale is scored and BMA is
+the mean: averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate).
 
 The chosen ζ and T become the returned posterior's ``ess`` and ``temperature`` (so BMA evaluation,
 ``generate_bma``, ``bma_log_likelihood``, the CLI and the model card use them without being told),
@@ -89,6 +91,8 @@ class CalibrationResult:
     temperature: float = 1.0
     temperatures: list[float] = field(default_factory=list)
     tempered_mean_nll: float | None = None
+    # False: the mean was not overconfident, so no scale was scored (BMA is the mean)
+    scanned: bool = True
 
     @property
     def multiplier(self) -> float:
@@ -103,7 +107,12 @@ class CalibrationResult:
 
     def summary(self) -> str:
         """One line: the chosen scale, the held-out NLLs and the mean's temperature there."""
-        if math.isinf(self.ess):
+        if not self.scanned:
+            scale = (
+                "ess = inf: BMA is the mean (the mean is not overconfident there, and weight noise "
+                "only softens: no scale was scored; always_scan=True scores them)"
+            )
+        elif math.isinf(self.ess):
             scale = (
                 f"ess = inf: BMA is the mean (no scale beat it by {self.standard_errors:g} standard "
                 f"error(s) and {100 * self.min_gain:g}%)"
@@ -215,6 +224,7 @@ def calibrate_posterior(
     standard_errors: float | None = None,
     min_gain: float | None = None,
     temperature: bool = True,
+    always_scan: bool = False,
 ) -> tuple[Any, CalibrationResult]:
     """Choose the posterior's sampling ζ and softmax temperature T by BMA NLL on ``batches`` (held-out data).
 
@@ -239,7 +249,12 @@ def calibrate_posterior(
     scored at its own best T (``p̄ = 1/S Σ_s softmax(logits_s / T)``) and the rules above compare
     those NLLs; otherwise, and with ``temperature=False``, all are scored at T = 1. Either way the
     result records the mean's own best T of ``TEMPERATURE_GRID`` (``mean_temperature``; > 1:
-    overconfident, the only case averaging samples or softening helps). Memory: the
+    overconfident, the only case averaging samples or softening helps).
+
+    The noise scales are scored only where the mean is overconfident there (its best T > 1;
+    ``always_scan=True``: always): averaging samples softens predictions, so where the mean is
+    not overconfident BMA is the mean, without the S × len(grid) sampled passes
+    (docs/trainer.md#calibration-scan-gate). Memory: the
     log-probabilities of every target are kept, 8 bytes × S × targets per scale (× 13 temperatures
     while a scale is scored).
 
@@ -258,6 +273,9 @@ def calibrate_posterior(
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
+    for name, flag in (("temperature", temperature), ("always_scan", always_scan)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"calibrate_posterior: {name} must be True or False; got {flag!r}")
     if not (_is_real(standard_errors) and standard_errors >= 0.0 and math.isfinite(standard_errors)):
         raise ValueError(
             f"calibrate_posterior: standard_errors must be a finite number >= 0; got {standard_errors!r}"
@@ -290,12 +308,13 @@ def calibrate_posterior(
             excess, error = _gain_and_error(mean_logp[start][None], mean_logp[one][None])
             if -excess <= standard_errors * error:
                 start = one
+        scanned = always_scan or best_t > one  # the mean overconfident there: noise may help
         temperatures = SOFTENING_TEMPERATURES if start != one else (1.0,)
         # per candidate: log p of each draw at its own temperature, [S, targets]
         draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
         tried, nlls = [], []
         best = mean_nll  # the stop rule reads NLLs at T = 1: a temperature rescues any noise to ~log C
-        for f in factors:
+        for f in factors if scanned else ():
             candidate = posterior.with_ess(trained * f)
             logps = []
             for s in range(num_samples):
@@ -333,6 +352,7 @@ def calibrate_posterior(
         temperature=chosen_t[index],
         temperatures=chosen_t[1:] if start != one else [],
         tempered_mean_nll=reference if start != one else None,
+        scanned=scanned,
     )
     return result.apply(posterior), result
 

@@ -331,12 +331,13 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         standard_errors: float | None = None,
         min_gain: float | None = None,
         temperature: bool = True,
+        always_scan: bool = False,
     ) -> Any:
         """Choose the posterior's sampling scale and temperature by BMA NLL on held-out ``dataset``.
 
         :func:`hf_evon.calibrate_posterior` on ``dataset`` (default: the trainer's
         ``calibration_dataset``), with ``bma_num_samples`` samples (8 if 0) and seeds from
-        ``bma_seed``; ``standard_errors``, ``min_gain`` and ``temperature`` as there. Until the next optimizer step,
+        ``bma_seed``; ``standard_errors``, ``min_gain``, ``temperature`` and ``always_scan`` as there. Until the next optimizer step,
         ``current_posterior()`` — so evaluation, saving and the model card — uses the calibrated
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
@@ -370,6 +371,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
             standard_errors=standard_errors,
             min_gain=min_gain,
             temperature=temperature,
+            always_scan=always_scan,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
         if self.is_world_process_zero():  # the run's outcome: shown at the default verbosity
