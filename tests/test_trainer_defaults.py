@@ -113,6 +113,8 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     assert logged and logged[-1]["calibration/mean_temperature"] == result.mean_temperature
     assert logged[-1]["calibration/temperature"] == result.temperature == posterior.temperature
     assert logged[-1]["calibration/seconds"] > 0  # the calibration's own cost, beside the training's
+    assert logged[-1]["calibration/scanned"] == float(result.scanned)
+    assert posterior.config["calibration"]["scanned"] is result.scanned
     tr.save_model(str(tmp_path / "saved"))
     loaded = EVONPosterior.from_pretrained(str(tmp_path / "saved"))
     assert loaded.ess == result.ess and loaded.config["trained_ess"] == pytest.approx(result.trained_ess)

@@ -384,6 +384,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
                 "calibration/mean_nll": result.mean_nll,
                 "calibration/mean_temperature": result.mean_temperature,
                 "calibration/temperature": result.temperature,
+                "calibration/scanned": float(result.scanned),  # 0: the mean was not overconfident
                 "calibration/seconds": time.perf_counter() - start,  # its cost beside the training's
             }
         )
