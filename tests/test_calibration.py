@@ -125,21 +125,61 @@ def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature:
     assert (t > 1) == temperature  # the softening is used here
 
 
-def test_a_mean_that_is_not_overconfident_is_not_sharpened_nor_softened() -> None:
-    """Softening only: an underconfident mean (best T < 1) keeps T = 1 for every scale, and a
-    softening whose gain is within k standard errors of T = 1 is not taken."""
+def _fixed_logit_data(n: int, seed: int = 0) -> list:
+    """Labels drawn from softmax(z): a model returning scale·z has its best temperature near scale."""
+    gen = torch.Generator().manual_seed(seed)
+    z = 2 * torch.randn(n, 5, generator=gen)
+    y = torch.distributions.Categorical(logits=z).sample()
+    return [(z[: n // 2], y[: n // 2]), (z[n // 2 :], y[n // 2 :])]
+
+
+def _point_posterior() -> EVONPosterior:
     from hf_evon.posterior.gaussian import MatrixFactors
 
-    gen = torch.Generator().manual_seed(0)
-    z = 2 * torch.randn(2000, 5, generator=gen)
-    y = torch.distributions.Categorical(logits=z).sample()
-    batches = [(z[:1000], y[:1000]), (z[1000:], y[1000:])]
-    posterior = EVONPosterior.from_factors(
+    return EVONPosterior.from_factors(
         {"weight": MatrixFactors(None, None, torch.ones(1, 1), (1, 1), (1, 1), 1e4, 1e-3)}
     )
+
+
+def test_an_underconfident_mean_is_sharpened_where_a_cross_validation_in_the_split_agrees() -> None:
+    """An underconfident mean (best T < 1) on a split with many errors predicts at its best T when
+    a 2-fold cross-validation over the targets (T chosen on every other target, scored on the rest)
+    gains more than k standard errors and min_gain over T = 1: checked against a plain float64
+    computation of that gain, on both sides of it; never with temperature=False; never where the
+    split holds fewer than MIN_ERRORS_TO_SHARPEN targets the mean gives less than even odds."""
+    from hf_evon.predictive.calibration import MIN_ERRORS_TO_SHARPEN, TEMPERATURE_GRID
+
+    batches, posterior = _fixed_logit_data(2000), _point_posterior()
     _, under = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2)
-    assert under.mean_temperature < 1 and under.temperature == 1.0 and under.temperatures == []
-    assert under.tempered_mean_nll is None and under.chosen_nll <= under.mean_nll
+    assert under.mean_temperature < 1 and under.temperature == under.mean_temperature
+    assert under.ess == math.inf and not under.scanned and under.tempered_mean_nll < under.mean_nll
+    # the reference: log p(y) at every T, targets in batch order, folds by parity
+    z, y = torch.cat([b[0] for b in batches]).double() * 0.5, torch.cat([b[1] for b in batches])
+    ll = torch.stack([torch.log_softmax(z / t, -1)[torch.arange(len(y)), y] for t in TEMPERATURE_GRID])
+    one, cv = TEMPERATURE_GRID.index(1.0), torch.empty(len(y), dtype=torch.float64)
+    for fit in (0, 1):
+        t = int(ll[:, fit::2].mean(1).argmax())
+        cv[1 - fit :: 2] = ll[t, 1 - fit :: 2]
+    relative = float((cv - ll[one]).mean()) / float(-ll[one].mean())
+    for g, want in ((0.99 * relative, under.temperature), (1.01 * relative, 1.0)):
+        _, result = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, min_gain=g)
+        assert result.temperature == want
+    _, plain = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, temperature=False)
+    assert plain.temperature == 1.0 and plain.tempered_mean_nll is None
+    _, strict = calibrate_posterior(
+        FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, standard_errors=1000.0
+    )
+    assert strict.temperature == 1.0
+    # few errors: confident, right labels (p(y) ≈ 0.93 at T = 1), so sharpening only looks good
+    labels = torch.arange(400) % 5
+    clean = [(8.0 * torch.nn.functional.one_hot(labels, 5).float(), labels)]
+    _, few = calibrate_posterior(FixedLogits(0.5), posterior, clean, grid=[1.0], num_samples=2)
+    assert few.mean_temperature < 1 and few.temperature == 1.0 and MIN_ERRORS_TO_SHARPEN > 0
+
+
+def test_an_overconfident_mean_is_softened_only_beyond_k_standard_errors() -> None:
+    """A softening whose gain is within k standard errors of T = 1 is not taken."""
+    batches, posterior = _fixed_logit_data(2000), _point_posterior()
     _, over = calibrate_posterior(FixedLogits(1.5), posterior, batches, grid=[1.0], num_samples=2)
     assert over.temperature > 1 and over.tempered_mean_nll < over.mean_nll
     # the same gain, asked to clear 1000 standard errors, is not taken

@@ -293,3 +293,5 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     text = _calibration_text({"calibration": record})
     assert "no sampling scale was scored: BMA is the mean" in text and "scales and the mean" not in text
     assert f"held-out NLL {result.mean_nll:.6g})" in text
+    sharpened = _calibration_text({"calibration": record, "temperature": 0.7071})  # an underconfident mean
+    assert "no sampling scale was scored" in sharpened and "T = 0.7071" in sharpened

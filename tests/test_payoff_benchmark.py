@@ -171,3 +171,23 @@ def test_the_peers_installed_without_dependencies_have_all_of_theirs_but_torchvi
                 pytest.fail(f"{dist} needs {req}, which scripts/setup_benchmarks.sh does not install")
             assert req.specifier.contains(version, prereleases=True), f"{dist} needs {req}; installed {version}"
     import laplace  # noqa: F401  (what payoff.py's Laplace row imports)
+
+
+def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> None:
+    """minilm_noisy_*: the docstring task's texts (fewer per class), with labels redrawn at random
+    for 30% of the examples (so ~24% change) in the training and held-out splits, the same for a
+    seed and different across seeds; the clean task keeps its labels."""
+    import payoff
+
+    def labels(task):
+        return [int(v) for batches in (task.train, task.cal, task.test) for _, y in batches for v in y]
+
+    def texts(task):
+        return [t for batches in (task.train, task.cal, task.test) for x, _ in batches for t in x["input_ids"].tolist()]
+
+    clean, noisy = payoff.make_task("minilm_lora", 0, True), payoff.make_task("minilm_noisy_lora", 0, True)
+    assert noisy.name == "minilm_noisy_lora" and texts(noisy) == texts(clean)  # fast: the same texts
+    changed = statistics.mean(a != b for a, b in zip(labels(clean), labels(noisy)))
+    assert 0.15 < changed < 0.35
+    assert labels(payoff.make_task("minilm_noisy_lora", 0, True)) == labels(noisy)
+    assert labels(payoff.make_task("minilm_noisy_lora", 1, True)) != labels(noisy)

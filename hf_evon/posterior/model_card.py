@@ -289,6 +289,12 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     mult = "∞" if ess == float("inf") else _fmt(ess / trained)
+    tempered = (
+        f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(_fmt(config['temperature']))}"
+        " (chosen with the scale; `posterior.temperature`)."
+        if _is_number(config.get("temperature")) and float(config["temperature"]) != 1.0
+        else ""
+    )
     if cal.get("scanned") is False:
         return (
             f"Calibrated on {_md(_fmt(cal.get('num_targets')))} held-out targets: the posterior mean is not "
@@ -296,6 +302,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             "weight samples only softens them, so no sampling scale was scored: BMA is the mean "
             f"(`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
             + _temperature_text(cal.get("mean_temperature"))
+            + tempered
         )
     # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
@@ -314,12 +321,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         + f"). Held-out NLL {show(chosen)} vs "
         f"{show(cal.get('mean_nll'))} at the mean."
         + _temperature_text(cal.get("mean_temperature"))
-        + (
-            f" BMA predicts softmax(logits / T) averaged over samples, T = {show(config['temperature'])}"
-            " (chosen with the scale; `posterior.temperature`)."
-            if _is_number(config.get("temperature")) and float(config["temperature"]) != 1.0
-            else ""
-        )
+        + tempered
         + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
     )
 

@@ -61,11 +61,16 @@ DEFAULT_STANDARD_ERRORS = 1.0
 # Softmax temperatures, 0.125-8 in steps of 19% (a step off the optimum costs well under 1% of
 # NLL): the mean's best T among them is recorded with every calibration (> 1: overconfident there).
 TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 13))
-# The temperatures a calibration may choose: it softens, never sharpens. A held-out split of a few
-# hundred examples with few errors rewards sharpening for the examples it gets right and cannot
-# show the confident error it has not seen. Each costs one log-sum-exp over the classes per target
-# and pass (a vocabulary's width for LMs). measured: docs/trainer.md#calibration-temperature
+# The temperatures a noise scale is scored at: softening, since samples only soften. Each costs one
+# log-sum-exp over the classes per target and pass (a vocabulary's width for LMs).
+# measured: docs/trainer.md#calibration-temperature
 SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if t >= 1.0)
+# An underconfident mean is sharpened (T < 1) only where the held-out split holds at least this
+# many targets the mean gives less than even odds, and a cross-validation within the split says it
+# carries over: sharpening is rewarded on the targets the mean gets right, and a split with few
+# errors cannot show what it costs on the confident errors it has not met.
+# measured: docs/trainer.md#calibration-sharpening
+MIN_ERRORS_TO_SHARPEN = 10
 
 
 @dataclass
@@ -247,9 +252,13 @@ def calibrate_posterior(
     ``temperature=True``: where softening the mean (its least-NLL T of ``SOFTENING_TEMPERATURES``,
     T >= 1) beats T = 1 by more than k standard errors, every candidate, the mean included, is
     scored at its own best T (``p̄ = 1/S Σ_s softmax(logits_s / T)``) and the rules above compare
-    those NLLs; otherwise, and with ``temperature=False``, all are scored at T = 1. Either way the
-    result records the mean's own best T of ``TEMPERATURE_GRID`` (``mean_temperature``; > 1:
-    overconfident, the only case averaging samples or softening helps).
+    those NLLs; otherwise, and with ``temperature=False``, all are scored at T = 1. An
+    underconfident mean (best T < 1) predicts at its best T where the split holds at least
+    ``MIN_ERRORS_TO_SHARPEN`` targets it gives less than even odds and a 2-fold cross-validation
+    within the split gains k standard errors and ``min_gain`` over T = 1
+    (:func:`mean_temperature_choice`). Either way the result records the mean's own best T of
+    ``TEMPERATURE_GRID`` (``mean_temperature``; > 1: overconfident, the only case averaging
+    samples helps).
 
     The noise scales are scored only where the mean is overconfident there (its best T > 1;
     ``always_scan=True``: always): averaging samples softens predictions, so where the mean is
@@ -302,14 +311,9 @@ def calibrate_posterior(
         mean_t_nll = -mean_logp.mean(1)
         best_t = int(mean_t_nll.argmin())
         mean_nll = float(mean_t_nll[one])
-        # the mean's softening: the least-NLL T >= 1, kept if it beats T = 1 by k standard errors
-        start = one + int(mean_t_nll[one:].argmin()) if temperature else one
-        if start != one:
-            excess, error = _gain_and_error(mean_logp[start][None], mean_logp[one][None])
-            if -excess <= standard_errors * error:
-                start = one
+        start = mean_temperature_choice(mean_logp, standard_errors, min_gain) if temperature else one
         scanned = always_scan or best_t > one  # the mean overconfident there: noise may help
-        temperatures = SOFTENING_TEMPERATURES if start != one else (1.0,)
+        temperatures = SOFTENING_TEMPERATURES if start > one else (1.0,)
         # per candidate: log p of each draw at its own temperature, [S, targets]
         draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
         tried, nlls = [], []
@@ -355,6 +359,41 @@ def calibrate_posterior(
         scanned=scanned,
     )
     return result.apply(posterior), result
+
+
+def mean_temperature_choice(mean_logp: Tensor, standard_errors: float, min_gain: float) -> int:
+    """``TEMPERATURE_GRID`` index of the temperature the mean predicts with, from its log p(label)
+    at every temperature (``[T, targets]``): the least-NLL T >= 1 where it beats T = 1 by more
+    than ``standard_errors`` standard errors (an overconfident mean), else :func:`_sharpening`'s."""
+    one = TEMPERATURE_GRID.index(1.0)
+    soft = one + int(mean_logp[one:].mean(1).argmax())
+    if soft != one:
+        excess, error = _gain_and_error(mean_logp[soft][None], mean_logp[one][None])
+        if -excess > standard_errors * error:
+            return soft
+    return _sharpening(mean_logp, one, standard_errors, min_gain)
+
+
+def _sharpening(mean_logp: Tensor, one: int, standard_errors: float, min_gain: float) -> int:
+    """``TEMPERATURE_GRID`` index of the temperature below 1 an underconfident mean predicts with,
+    or ``one`` (T = 1). The whole split's best T is kept only if the split holds at least
+    ``MIN_ERRORS_TO_SHARPEN`` targets the mean gives less than even odds, and a 2-fold cross-
+    validation within it (T chosen on every other target, scored on the rest, both ways) beats
+    T = 1 by more than ``standard_errors`` standard errors (paired per target) and ``min_gain``."""
+    nll = -mean_logp.mean(1)
+    best = int(nll.argmin())
+    if best >= one or int((mean_logp[one] < math.log(0.5)).sum()) < MIN_ERRORS_TO_SHARPEN:
+        return one
+    n = mean_logp.shape[1]
+    halves = (torch.arange(n) % 2 == 0, torch.arange(n) % 2 == 1)
+    held_out = torch.empty(n, dtype=mean_logp.dtype)
+    for fit, score in (halves, halves[::-1]):
+        held_out[score] = mean_logp[int(mean_logp[:, fit].mean(1).argmax()), score]
+    gain = held_out - mean_logp[one]  # log-likelihood gained per target
+    error = float(gain.std()) / math.sqrt(n)
+    if float(gain.mean()) > standard_errors * error and float(gain.mean()) >= min_gain * float(nll[one]):
+        return best
+    return one
 
 
 def _bma_nll(logps: Tensor) -> Tensor:
