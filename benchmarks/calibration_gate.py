@@ -29,23 +29,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import quickstart  # noqa: E402
 
-from hf_evon import EVONPosterior, build_optimizer, calibrate_posterior  # noqa: E402
+from hf_evon import calibrate_posterior  # noqa: E402
 from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 
 RULES = {"gate": False, "always": True}  # rule name -> always_scan
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict:
-    torch.manual_seed(seed)
-    x_tr, y_tr, x_te, y_te = quickstart.load_data(seed)
-    n_cal = len(x_tr) // 5
-    data = (x_tr[n_cal:], y_tr[n_cal:], x_te, y_te)
-    cal = [(x_tr[:n_cal], y_tr[:n_cal])]
-    torch.manual_seed(seed)
-    model = quickstart.make_model(args.width)
-    optimizer = build_optimizer(model, seed=seed)
-    quickstart.train(model, optimizer, data, args, seed)
-    posterior = EVONPosterior.from_optimizer(optimizer, model)
+    data, cal = quickstart.split_data(seed)
+    x_te, y_te = data[2], data[3]
+    model, posterior = quickstart.train_evon(seed, args, data)
     row: dict = {"seed": seed}
     for name, always in RULES.items():
         calibrated, result = calibrate_posterior(

@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_evon import EVON, build_param_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from optimizer_step import EVON_SETTINGS  # noqa: E402
 
 
 def main() -> None:
@@ -44,15 +49,7 @@ def main() -> None:
     config = GPT2Config(n_positions=1024) if cuda else GPT2Config(n_layer=1, n_embd=128, n_head=2, vocab_size=256)
     model = GPT2LMHeadModel(config).to(args.device)
     groups = [g for g in build_param_groups(model) if g["algorithm"] == "evon"]
-    opt = EVON(
-        [{"params": g["params"]} for g in groups],
-        lr=1e-2,
-        ess=1e7,
-        hess_init=0.5,
-        weight_decay=1e-6,
-        precondition_frequency=10,
-        seed=0,
-    )  # optimizer_step.py's settings
+    opt = EVON([{"params": g["params"]} for g in groups], **EVON_SETTINGS)
     params = [p for g in groups for p in g["params"]]
 
     def sample_and_grad() -> None:

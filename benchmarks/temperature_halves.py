@@ -30,6 +30,7 @@ from hf_evon.predictive.calibration import (  # noqa: E402
     DEFAULT_STANDARD_ERRORS,
     SOFTENING_TEMPERATURES,
     TEMPERATURE_GRID,
+    _tempered_log_probs,
     mean_temperature_choice,
 )
 
@@ -38,13 +39,6 @@ TASKS = ["digits", "breast_cancer", "wine", "noisy_digits", "tiny_gpt2", "minilm
 
 def nll(lp: torch.Tensor, y: torch.Tensor, t: float) -> float:
     return float(F.cross_entropy(lp / t, y))
-
-
-def tempered_targets(lp: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """log softmax(lp / T)(y) per temperature of the grid: ``[T, targets]`` (float64)."""
-    return torch.stack(
-        [F.log_softmax(lp.double() / t, -1).gather(1, y[:, None]).squeeze(1) for t in TEMPERATURE_GRID]
-    )
 
 
 def main() -> None:
@@ -73,7 +67,9 @@ def run(name: str) -> None:
             for key, grid in (("full", TEMPERATURE_GRID), ("soft", SOFTENING_TEMPERATURES), ("none", (1.0,))):
                 t = min(grid, key=lambda t: nll(lp[a], y[a], t))
                 res[key].append(nll(lp[b], y[b], t))
-            choice = mean_temperature_choice(tempered_targets(lp[a], y[a]), DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN)
+            # log p(y) per temperature, [T, targets], as calibrate_posterior scores the mean
+            per_t = _tempered_log_probs(lp[a], y[a], False, TEMPERATURE_GRID)
+            choice = mean_temperature_choice(per_t, DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN)
             res["rule"].append(nll(lp[b], y[b], TEMPERATURE_GRID[choice]))
             res["rule_soft"].append(nll(lp[b], y[b], TEMPERATURE_GRID[max(choice, one)]))
     mean = {k: round(sum(v) / len(v), 4) for k, v in res.items()}

@@ -97,32 +97,40 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: tuple, args:
             sched.step()
 
 
+def split_data(seed: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """((train x, train y, test x, test y), calibration batches): 20% of the training images are
+    held out of training, for the calibration only."""
+    x_tr, y_tr, x_te, y_te = load_data(seed)
+    n_cal = len(x_tr) // 5
+    return (x_tr[n_cal:], y_tr[n_cal:], x_te, y_te), [(x_tr[:n_cal], y_tr[:n_cal])]
+
+
+def train_evon(seed: int, args: argparse.Namespace, data: tuple) -> tuple[nn.Module, EVONPosterior]:
+    """A fresh model trained with EVON's defaults, and its (uncalibrated) posterior."""
+    torch.manual_seed(seed)
+    model = make_model(args.width)
+    optimizer = build_optimizer(model, seed=seed)  # the defaults: ess="auto", see hf_evon.optim.evon
+    train(model, optimizer, data, args, seed)
+    return model, EVONPosterior.from_optimizer(optimizer, model)
+
+
 def run_seed(
     seed: int, args: argparse.Namespace
 ) -> tuple[dict, nn.Module, EVONPosterior, CalibrationResult, torch.Tensor, torch.Tensor]:
     """AdamW and EVON on one split and initialisation; EVON's sampling scale calibrated on images
     held out of its training (with as many samples as BMA uses), then mean and BMA on the test split."""
     torch.manual_seed(seed)
-    x_tr, y_tr, x_te, y_te = load_data(seed)
-    n_cal = len(x_tr) // 5  # held out from training, for the calibration only
-    data = (x_tr[n_cal:], y_tr[n_cal:], x_te, y_te)
-    calibration_batches = [(x_tr[:n_cal], y_tr[:n_cal])]
+    data, calibration_batches = split_data(seed)
+    x_te, y_te = data[2], data[3]
     rows = {}
     baseline = make_model(args.width)
     train(baseline, torch.optim.AdamW(baseline.parameters(), weight_decay=1e-2), data, args, seed)
     with torch.no_grad():
         rows["AdamW"] = calibration_metrics(baseline(x_te).log_softmax(-1), y_te, input_type="log_probs")
 
-    torch.manual_seed(seed)
-    model = make_model(args.width)
-    optimizer = build_optimizer(model, seed=seed)  # the defaults: ess="auto", see hf_evon.optim.evon
-    train(model, optimizer, data, args, seed)
+    model, trained = train_evon(seed, args, data)
     posterior, calibration = calibrate_posterior(
-        model,
-        EVONPosterior.from_optimizer(optimizer, model),
-        calibration_batches,
-        num_samples=args.bma_samples,
-        seed=seed,
+        model, trained, calibration_batches, num_samples=args.bma_samples, seed=seed
     )
     with torch.no_grad():
         rows["EVON (mean)"] = calibration_metrics(model(x_te).log_softmax(-1), y_te, input_type="log_probs")

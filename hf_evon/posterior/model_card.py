@@ -286,9 +286,6 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`) before relying on BMA: on that data the "
             "calibrated BMA is never worse than the mean."
         )
-    # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
-    ess, trained = float(cal["ess"]), float(cal["trained_ess"])
-    mult = "∞" if ess == float("inf") else _fmt(ess / trained)
     tempered = (
         f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(_fmt(config['temperature']))}"
         " (chosen with the scale; `posterior.temperature`)."
@@ -304,6 +301,9 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             + _temperature_text(cal.get("mean_temperature"))
             + tempered
         )
+    # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
+    ess, trained = float(cal["ess"]), float(cal["trained_ess"])
+    mult = "∞" if ess == float("inf") else _fmt(ess / trained)
     # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
     show = lambda v: _md(_fmt(v))  # noqa: E731
