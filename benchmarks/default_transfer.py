@@ -39,7 +39,7 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
     MiniLM license sentences (3 seeds, linear; AdamW / EVON default): LoRA 1.369 (46.0) / 1.116
               (60.7); all weights at 5e-5 1.273 (56.6) / 1.182 (59.5) (per seed 53.8 / 60.7 / 55.2 vs
               58.6 / 63.4 / 56.6), with full fine-tuning's steps at Adam's size (snr_scaling="adam",
-              ratio 1.5, h0 1e-3; hf_evon.optim.defaults.default_snr_scaling). With fixed-size
+              ratio 1.5, h0 1e-3; hf_evon.optim.defaults.DEFAULT_SNR_SCALING). With fixed-size
               element steps (ratio 0.6, h0 3e-3), EVON trails by 7 points: 1.321 (49.2) (per seed
               44.8 / 54.5 / 48.3). Not the gradients' size: on this task and on payoff.py's stdlib
               docstrings alike the first batches' median |g| is 2.2e-5 (MiniLM, seed 0). EVON's

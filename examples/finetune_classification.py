@@ -42,7 +42,7 @@ mean: BMA@8 at the trained ζ was 0.6186, above the mean at every evaluation). W
 2.5e-5 (the default here is 4.2e-5: hf_evon.optim.defaults.default_weight_decay): EVON 0.6144 /
 77.1% / 0.092, its BMA@8 at a calibrated 0.3x ζ 0.6167 (the held-out gain, 0.6327 -> 0.6135 on
 99 texts, does not carry over to the test texts' NLL). With fixed-size steps instead of full
-fine-tuning's Adam-sized ones (hf_evon.optim.defaults.default_snr_scaling): EVON 0.6322 / 78.6%. With
+fine-tuning's Adam-sized ones (hf_evon.optim.defaults.DEFAULT_SNR_SCALING): EVON 0.6322 / 78.6%. With
 2 epochs at batch 32 (32 steps, h0 = 0.01) every method is still near ln 5 and EVON trails (AdamW
 1.253, EVON 1.430).
 """

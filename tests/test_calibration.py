@@ -14,7 +14,7 @@ from hf_evon.predictive.calibration import calibrate_posterior
 from hf_evon.predictive.logprobs import target_log_probs
 
 
-def _mlp(seed: int, steps: int, logit_scale: float, fixed_batch: bool, **optimizer: float) -> tuple:
+def _mlp(seed: int, steps: int, logit_scale: float, fixed_batch: bool, **optimizer: object) -> tuple:
     """A 6-32-3 tanh MLP trained by EVON on labels drawn from softmax(logit_scale · x W): on fresh
     batches of 64, or ``fixed_batch``, on one batch of 64 throughout. Returns (model, posterior,
     the batch maker)."""
@@ -45,8 +45,9 @@ def trained(seed: int = 0, steps: int = 30) -> tuple[nn.Module, EVONPosterior, l
 
 def overfitted(seed: int = 0, steps: int = 300) -> tuple[nn.Module, EVONPosterior, list]:
     """An MLP trained on one fixed batch of 64 noisy labels: overconfident on held-out data (the
-    mean's temperature there 4.8 at 300 steps, seed 0)."""
-    model, posterior, batch = _mlp(seed, steps, 0.7, True, learning_rate=1e-2)
+    mean's temperature there 4.8 at 300 steps, seed 0). Full-size steps (α 0.8, ``snr_scaling=True``):
+    the defaults' min(1, ρ) keeps EVON from memorising the labels, which this case needs."""
+    model, posterior, batch = _mlp(seed, steps, 0.7, True, lr=0.8, adamw_lr=1e-2, snr_scaling=True)
     return model, posterior, [batch(50) for _ in range(2)]
 
 

@@ -405,13 +405,28 @@ def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
     evon = [g for g in opt.param_groups if g["algorithm"] == "evon"]
     adapters = [g for g in evon if all("lora_" in n for n in g["param_names"])]
     assert len(adapters) == 1 and adapters[0]["lr"] == pytest.approx(0.03 * 5.0)
-    # the default clip ("whiten_rms"): adapters at 1.25x, so their steps have entry RMS 0.8·1.25 = 1.0·rate
+    # the default clip ("whiten_rms"): adapters at 1.25x, so their steps have entry RMS 1.6·1.25 = 2.0·rate
     whitened = build_optimizer(model, learning_rate=1e-3)
     rates = sorted(g["lr"] for g in whitened.param_groups if g["algorithm"] == "evon")
-    assert rates == pytest.approx([0.1], rel=1e-12)  # 0.8 · 1e-3 / 0.01 · 1.25
+    assert rates == pytest.approx([0.2], rel=1e-12)  # 1.6 · 1e-3 / 0.01 · 1.25
     assert sorted(adapters[0]["param_names"]) == sorted(
         n for n, p in model.named_parameters() if "lora_" in n and p.requires_grad
     )
+    # every clip mode's adapters step at ADAPTER_STEP_RATIOS·rate per entry: the scale undoes the
+    # mode's step ratio (2.0·rate for adapters, 1.0·rate for full fine-tuning's new head)
+    from hf_evon.optim.defaults import (
+        ADAPTER_STEP_RATIOS,
+        STEP_RATIOS,
+        default_adapter_lr_scale,
+        lr_from_adamw_lr,
+    )
+
+    assert ADAPTER_STEP_RATIOS == {False: 2.0, True: 1.0}
+    for clip, finetuning in STEP_RATIOS:
+        alpha = lr_from_adamw_lr(2e-4, clip=clip, finetuning=finetuning)
+        scale = default_adapter_lr_scale(clip, finetuning)
+        assert alpha * scale * 0.01 == pytest.approx(ADAPTER_STEP_RATIOS[finetuning] * 2e-4, rel=1e-12)
+    assert default_adapter_lr_scale("whiten", True) == pytest.approx(1 / STEP_RATIOS[("element", True)])
     same = build_optimizer(model, lr=0.03, adapter_lr_scale=1)
     assert [g["lr"] for g in same.param_groups if g["algorithm"] == "evon"] == [0.03]
     with pytest.raises(ValueError, match="adapter_lr_scale"):
@@ -436,21 +451,22 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     from hf_evon.optim.defaults import STEP_RATIOS, lr_from_adamw_lr
 
     model = mlp()
-    # from scratch the default clip is "whiten_rms": entry RMS α·radius = 0.8·rate
+    # from scratch the default clip is "whiten_rms": entry RMS α·radius = 1.6·rate (before min(1, ρ),
+    # which is 1 on the first update: m̂ is one gradient)
     opt = build_optimizer(model, learning_rate=5e-5)
     rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
-    assert rates == {"evon": pytest.approx(0.004, rel=1e-12), "adamw": 5e-5}
+    assert rates == {"evon": pytest.approx(0.008, rel=1e-12), "adamw": 5e-5}
     assert {g["clip"] for g in opt.param_groups if g["algorithm"] == "evon"} == {"whiten_rms"}
     for move in _moves_under_binding_clip(opt, model):
         # Newton–Schulz leaves singular values in ~[0.7, 1.2], not exactly 1
         rms = move.square().mean().sqrt().item()
-        assert 0.6 * 0.8 * 5e-5 < rms < 1.25 * 0.8 * 5e-5, rms
+        assert 0.6 * 1.6 * 5e-5 < rms < 1.25 * 1.6 * 5e-5, rms
     # the step-size rule: α·radius = ratio·rate for every radius, the ratio of the clip mode
     for radius in (0.01, 0.5):
         for clip, finetuning in STEP_RATIOS:
             alpha = lr_from_adamw_lr(3e-4, radius, clip=clip, finetuning=finetuning)
             assert alpha * radius == pytest.approx(STEP_RATIOS[(clip, finetuning)] * 3e-4, rel=1e-12)
-    assert STEP_RATIOS[("element", False)] == 0.2 and STEP_RATIOS[("whiten_rms", False)] == 0.8
+    assert STEP_RATIOS[("element", False)] == 0.4 and STEP_RATIOS[("whiten_rms", False)] == 1.6
     with pytest.raises(ValueError, match="clip"):
         lr_from_adamw_lr(1e-3, clip="whiten")  # no measured ratio: α is the user's to set
     # clip=None (EVONConfig's unset evon_clip) is the default, or the recipe's own clip
@@ -460,12 +476,12 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     # the paper's per-entry step: every entry's Newton step exceeds the radius here
     opt = build_optimizer(model, learning_rate=5e-5, clip="element", hess_estimator="price", step_curvature="entry")
     assert {g["algorithm"]: g["lr"] for g in opt.param_groups} == {
-        "evon": pytest.approx(0.001, rel=1e-12),
+        "evon": pytest.approx(0.002, rel=1e-12),
         "adamw": 5e-5,
     }
-    # the element clip acts in the weights' own basis: every entry moves by exactly α·radius = 0.2·rate
+    # the element clip acts in the weights' own basis: every entry moves by exactly α·radius = 0.4·rate
     moves = torch.cat([m.abs().flatten() for m in _moves_under_binding_clip(opt, model)])
-    assert torch.allclose(moves, torch.full_like(moves, 0.2 * 5e-5), rtol=1e-3)
+    assert torch.allclose(moves, torch.full_like(moves, 0.4 * 5e-5), rtol=1e-3)
     # explicit α, explicit AdamW rate and a recipe's α win over the derived ones
     both = build_optimizer(model, learning_rate=5e-5, lr=0.07, adamw_lr=1e-2)
     assert {g["algorithm"]: g["lr"] for g in both.param_groups} == {"evon": 0.07, "adamw": 1e-2}
@@ -489,10 +505,11 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
 def test_evons_default_rate_follows_its_clip_mode() -> None:
     """lr=None: AdamW's default 1e-3 through the clip mode's measured step ratio (α·radius = ratio·1e-3)."""
     params = list(mlp().parameters())
-    assert EVON(params).defaults["lr"] == pytest.approx(0.8 * 1e-3 / 0.01, rel=1e-12)  # "whiten_rms"
-    assert EVON(params, clip="element").defaults["lr"] == pytest.approx(0.2 * 1e-3 / 0.01, rel=1e-12)
-    assert EVON(params, clip="element", clip_radius=0.1).defaults["lr"] == pytest.approx(0.2 * 1e-3 / 0.1)
-    assert EVON(params, clip="spectral").defaults["lr"] == pytest.approx(0.02)  # no ratio: the element one
+    assert EVON(params).defaults["lr"] == pytest.approx(1.6 * 1e-3 / 0.01, rel=1e-12)  # "whiten_rms"
+    assert EVON(params, clip="element").defaults["lr"] == pytest.approx(0.4 * 1e-3 / 0.01, rel=1e-12)
+    assert EVON(params, clip="element", clip_radius=0.1).defaults["lr"] == pytest.approx(0.4 * 1e-3 / 0.1)
+    assert EVON(params, clip="spectral").defaults["lr"] == pytest.approx(0.04)  # no ratio: the element one
+    assert EVON(params).defaults["snr_scaling"] == "adam"  # DEFAULT_SNR_SCALING
     assert EVON(params, lr=0.3, clip="element").defaults["lr"] == 0.3
     with pytest.raises(ValueError, match="clip"):
         EVON(params, clip="sign")

@@ -68,8 +68,8 @@ class ReferenceEVON:
         self.pull = self.delta + (hp.get("mean_weight_decay") or 0.0)  # explicit δ: default 0
         # snr_scaling: a clipped step times min(1, ρ/ρ₀), ρ = ‖m̂‖_F / sqrt(EMA_0.999 ‖G‖²_F)
         # ("adam": min(1, ρ), Adam's own step size, no floor)
-        self.snr = hp.get("snr_scaling", True) is not False and self.clip != "none"
-        self.snr_knee = 1.0 if hp.get("snr_scaling", True) == "adam" else math.sqrt((1 - self.beta1) / (1 + self.beta1))
+        self.snr = hp.get("snr_scaling", "adam") is not False and self.clip != "none"
+        self.snr_knee = 1.0 if hp.get("snr_scaling", "adam") == "adam" else math.sqrt((1 - self.beta1) / (1 + self.beta1))
         self.grad_sq = 0.0
         self.snr_events = 0  # steps the scale shrank
         self.store_dtype = store_dtype  # the dtype the mean M is stored in (the model's)

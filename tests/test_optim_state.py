@@ -186,7 +186,7 @@ def test_checkpoint_from_before_snr_scaling_resumes_without_it() -> None:
             for group in sd["optimizer"]["param_groups"]:
                 group["snr_scaling"] = scaled
         resumed_model = make_model(seed=42)
-        resumed_opt = make_opt(resumed_model, **options)  # today's default: snr_scaling=True
+        resumed_opt = make_opt(resumed_model, **options)  # the default: snr_scaling="adam"
         resumed_model.load_state_dict(sd["model"])
         resumed_opt.load_state_dict(sd["optimizer"])
         for _ in range(6):

@@ -195,3 +195,26 @@ def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> No
     pairs = lambda task: set(zip(map(unpadded, texts(task)), labels(task)))  # noqa: E731
     assert pairs(payoff.make_task("minilm_lora", 1, True)) == pairs(clean)
     assert pairs(payoff.make_task("minilm_noisy_lora", 1, True)) != pairs(noisy)
+
+
+def test_noisy_tasks_are_held_to_the_nll_target_whatever_their_prefix() -> None:
+    """A noisy task's mean is judged on NLL (≤ AdamW's + 2%), the noisy text tasks included: their
+    accuracy can tie AdamW's while the mean memorises the labels."""
+
+    def row(nll: float, accuracy: float = 0.5, ece: float = 0.1) -> dict:
+        return {"nll": (nll, 0.0), "accuracy": (accuracy, 0.0), "ece": (ece, 0.0)}
+
+    for task in ("noisy_digits", "minilm_noisy_lora"):
+        summary = {
+            task: {
+                "AdamW": row(1.7),
+                "AdamW + temperature": row(1.44),
+                "EVON mean": row(2.25),  # 32% above AdamW, at AdamW's accuracy
+                "EVON calibrated BMA@32": row(1.42),
+                "_adamw": {"temperature": (2.0, 0.0)},
+            }
+        }
+        lines, _ = payoff.targets(summary, 32)
+        assert f"| {task} | 2.00 | NO (NLL <= AdamW + 2%) |" in lines[0], lines[0]
+        summary[task]["EVON mean"] = row(1.7 * 1.019)
+        assert "| yes (NLL <= AdamW + 2%) |" in payoff.targets(summary, 32)[0][0]

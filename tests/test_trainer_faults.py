@@ -52,15 +52,15 @@ def test_plain_training_arguments_keep_their_learning_rates_meaning(tmp_path):
         trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
     text = " ".join(str(w.message) for w in record)
     assert (
-        "EVON's α = 0.004 (0.0075 when all weights of a pretrained model" in text  # 0.8, 1.5 x 5e-5 / 0.01
+        "EVON's α = 0.008 (0.0075 when all weights of a pretrained model" in text  # 1.6, 1.5 x 5e-5 / 0.01
         and "Pass an EVONConfig" in text
     )
     assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 5e-5
     opt = trainer.create_optimizer()
     rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
-    # AdamW's rate as given; EVON's α from the step-RMS rule of the default clip ("whiten_rms", 0.8)
+    # AdamW's rate as given; EVON's α from the step-RMS rule of the default clip ("whiten_rms", 1.6)
     # at the default radius 0.01
-    assert rates == {"evon": pytest.approx(0.8 * 5e-5 / 0.01, rel=1e-12), "adamw": 5e-5}
+    assert rates == {"evon": pytest.approx(1.6 * 5e-5 / 0.01, rel=1e-12), "adamw": 5e-5}
 
 
 def test_optim_is_ignored_with_a_warning(tmp_path):

@@ -12,8 +12,7 @@ from typing import Any
 from hf_evon.optim.checks import finite, is_real, require
 
 __all__ = [
-    "ADAPTER_LR_SCALE",
-    "ADAPTER_LR_SCALES",
+    "ADAPTER_STEP_RATIOS",
     "AUTO_ESS",
     "COLLAPSE_PRIOR_TO_SIGNAL",
     "DEFAULT_CURVATURE_REFIT",
@@ -30,13 +29,14 @@ __all__ = [
     "DEFAULT_INIT_STD_RATIO",
     "DEFAULT_LR",
     "DEFAULT_PRIOR_STD_RATIO",
+    "DEFAULT_SNR_SCALING",
     "DEFAULT_STEP_CURVATURE",
     "DEFAULT_WEIGHT_DECAY",
     "SNR_AVERAGE_BETA",
     "STEP_RATIOS",
+    "default_adapter_lr_scale",
     "default_clip",
     "default_hess_init",
-    "default_snr_scaling",
     "default_weight_decay",
     "noise_std_ratio",
     "is_snr_scaling",
@@ -82,21 +82,24 @@ DEFAULT_CLIP_RADIUS = 0.01
 DEFAULT_ADAMW_LR = 1e-3
 # TrainingArguments' default: full fine-tuning of a pretrained model
 DEFAULT_FINETUNING_LR = 5e-5
-# EVON's step RMS per unit AdamW rate, by (clip mode, full fine-tuning): the ratio that matches
-# AdamW's steps (docs/defaults.md#step-ratios; fine-tuning with snr_scaling="adam":
-# docs/defaults.md#snr-adam)
-STEP_RATIOS = {("element", False): 0.2, ("element", True): 1.5, ("whiten_rms", False): 0.8}
+# each matrix's clipped step times min(1, ρ), Adam's own pooled step size: large while the
+# gradients carry signal, small once they are noise, so noisy labels are not memorised
+# (docs/defaults.md#snr-adam)
+DEFAULT_SNR_SCALING = "adam"
+# EVON's step bound (entry RMS under "whiten_rms") per unit AdamW rate before min(1, ρ), by (clip
+# mode, full fine-tuning) (docs/defaults.md#step-ratios)
+STEP_RATIOS = {("element", False): 0.4, ("element", True): 1.5, ("whiten_rms", False): 1.6}
 # Adam's default β2: the gradient history a step's size is measured against (docs/defaults.md#snr-scaling)
 SNR_AVERAGE_BETA = 0.999
 # posterior_health warns of a collapse to the prior only where that prior's std is at least this
 # fraction of the weights' RMS: below it a collapsed H is the intended ceiling on the noise
 # (docs/defaults.md#prior)
 COLLAPSE_PRIOR_TO_SIGNAL = 0.5
-# what starts from scratch in a pretrained model (LoRA A/B, modules_to_save, a new task head) gets
-# this multiple of EVON's rate, per clip mode: its gradients keep their direction step after step
-# (docs/defaults.md#adapter-lr-scale)
-ADAPTER_LR_SCALES = {"element": 5.0, "whiten_rms": 1.25}
-ADAPTER_LR_SCALE = ADAPTER_LR_SCALES["element"]  # the other clip modes
+# what starts from scratch in a pretrained model (LoRA A/B, modules_to_save, a new task head) steps
+# at this multiple of the AdamW rate per entry before min(1, ρ), by full fine-tuning, whatever the
+# clip mode: 2.0 for adapters (PEFT), 1.0 for a fully fine-tuned model's new head, where more
+# memorises noisy labels (docs/defaults.md#adapter-lr-scale)
+ADAPTER_STEP_RATIOS = {False: 2.0, True: 1.0}
 
 
 def default_clip(finetuning: bool = False) -> str:
@@ -123,8 +126,8 @@ def lr_from_adamw_lr(
 
     So a learning rate tuned for AdamW carries over. ``step_ratio=None`` takes the measured ratio
     of ``clip`` (None: ``default_clip(finetuning)``) from ``STEP_RATIOS``: 1e-3 from scratch or
-    through LoRA -> 0.08 ("whiten_rms"), 0.02 ("element"); full fine-tuning at 5e-5 -> 0.0075
-    ("element", whose step is then also scaled by min(1, ρ): ``default_snr_scaling``). Only those
+    through LoRA -> 0.16 ("whiten_rms"), 0.04 ("element"); full fine-tuning at 5e-5 -> 0.0075
+    ("element"); each then scaled by min(1, ρ) (``DEFAULT_SNR_SCALING``). Only those
     have a measured ratio ("spectral" bounds singular values, "whiten" ignores the radius,
     "whiten_rms" fine-tunes poorly): for the others set α (``lr``) yourself.
     """
@@ -153,7 +156,16 @@ def lr_from_adamw_lr(
 DEFAULT_CLIP = default_clip()
 DEFAULT_LR = (
     STEP_RATIOS[(DEFAULT_CLIP, False)] * DEFAULT_ADAMW_LR / DEFAULT_CLIP_RADIUS
-)  # 0.08 (lr_from_adamw_lr)
+)  # 0.16 (lr_from_adamw_lr)
+
+
+def default_adapter_lr_scale(clip: Any = DEFAULT_CLIP, finetuning: bool = False) -> float:
+    """The multiple of EVON's α that what starts from scratch in a pretrained model gets:
+    ``ADAPTER_STEP_RATIOS`` over the step ratio α is sized with (``ratio_clip``), so its steps are
+    bounded by 2.0·rate per entry (1.0·rate for full fine-tuning's new head) in every mode: 1.25
+    ("whiten_rms", LoRA), 5 ("element"), 2/3 (full fine-tuning, whose α has ratio 1.5)."""
+    finetuning = bool(finetuning)
+    return ADAPTER_STEP_RATIOS[finetuning] / STEP_RATIOS[(ratio_clip(clip, finetuning), finetuning)]
 
 
 def default_hess_init(finetuning: bool = False) -> float:
@@ -169,13 +181,6 @@ def snr_floor(beta1: float) -> float:
 def is_snr_scaling(value: Any) -> bool:
     """Whether ``value`` is an ``snr_scaling``: True, False or "adam" (not 1, not "true")."""
     return isinstance(value, bool) or (isinstance(value, str) and value == "adam")
-
-
-def default_snr_scaling(finetuning: bool = False) -> bool | str:
-    """The default ``snr_scaling``: True (min(1, ρ/ρ₀): the step shrinks once the gradients fade,
-    docs/defaults.md#snr-scaling), and "adam" (min(1, ρ): Adam's front-loaded step size) for full
-    fine-tuning (docs/defaults.md#snr-adam)."""
-    return "adam" if finetuning else True
 
 
 def default_weight_decay(

@@ -53,6 +53,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_HESS_ESTIMATOR,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
+    DEFAULT_SNR_SCALING,
     DEFAULT_STEP_CURVATURE,
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
@@ -92,8 +93,8 @@ class EVON(Optimizer):
         params: parameters or parameter groups. A group may set ``algorithm="adamw"``
             (embeddings, heads, 1-D tensors in the paper's LM runs); every other group is EVON.
         lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's
-            default rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.08 for
-            "whiten_rms", 0.02 for "element" and, as a first guess, for the modes without a ratio.
+            default rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.16 for
+            "whiten_rms", 0.04 for "element" and, as a first guess, for the modes without a ratio.
         ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default):
             per group, first the ζ whose initial std is ``init_std_ratio`` of the weights' RMS;
             under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps
@@ -119,13 +120,11 @@ class EVON(Optimizer):
             "spectral" (singular values ≤ radius), "whiten" (Newton–Schulz, as Muon) or
             "whiten_rms" (the default: Newton–Schulz, scaled to entry RMS ``clip_radius``).
         clip_radius: the radius for "element" and "spectral"; the entry RMS for "whiten_rms".
-        snr_scaling: True: scale each matrix's clipped step by min(1, ρ/ρ₀), ρ = ‖m̂‖_F /
-            sqrt(EMA‖G‖²_F) (Adam's step size; EMA decay ``SNR_AVERAGE_BETA``) and ρ₀ =
-            ``snr_floor(β1)``, so the step shrinks once the gradients fade, as Adam's does (see
-            ``SNR_AVERAGE_BETA``). "adam": by min(1, ρ), so the step follows Adam's size all along
-            (``default_snr_scaling``: full fine-tuning). No effect with ``clip="none"`` (the Newton
-            step has its own size). Keeps one number per matrix. The paper's algorithm (and its
-            recipes): False.
+        snr_scaling: "adam" (default, ``DEFAULT_SNR_SCALING``): scale each matrix's clipped step by
+            min(1, ρ), ρ = ‖m̂‖_F / sqrt(EMA‖G‖²_F) (Adam's own step size; EMA decay
+            ``SNR_AVERAGE_BETA``). True: by min(1, ρ/ρ₀), ρ₀ = ``snr_floor(β1)``: full steps until
+            the gradients fade. No effect with ``clip="none"`` (the Newton step has its own size).
+            One number per matrix. The paper's algorithm (and its recipes): False.
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
             noisy steps (sampled weights; Hessian updated).
         identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).
@@ -159,7 +158,7 @@ class EVON(Optimizer):
         hess_clip_ratio: float | None = DEFAULT_HESS_CLIP_RATIO,
         clip: str | Clip = DEFAULT_CLIP,
         clip_radius: float = DEFAULT_CLIP_RADIUS,
-        snr_scaling: bool | str = True,
+        snr_scaling: bool | str = DEFAULT_SNR_SCALING,
         phased_gradients: bool = False,
         identity_basis: bool = False,
         stagger_refresh: bool = True,

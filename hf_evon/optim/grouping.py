@@ -13,16 +13,15 @@ from torch import nn
 from hf_evon.modeling import is_peft_model, pretrained_name
 from hf_evon.optim.checks import is_real, require
 from hf_evon.optim.defaults import (
-    ADAPTER_LR_SCALE,
-    ADAPTER_LR_SCALES,
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
     DEFAULT_FINETUNING_LR,
     DEFAULT_LR,
+    DEFAULT_SNR_SCALING,
+    default_adapter_lr_scale,
     default_clip,
     default_hess_init,
-    default_snr_scaling,
     lr_from_adamw_lr,
     ratio_clip,
 )
@@ -129,8 +128,8 @@ def build_optimizer(
     "nanogpt", "llama", "clip-finetuning"); ``evon_kwargs`` given next to it win. What starts
     from scratch in a pretrained model (PEFT's ``lora_A``/``lora_B`` and ``modules_to_save``, the
     task head of a model loaded with ``from_pretrained``) forms its own EVON group at
-    ``adapter_lr_scale`` times EVON's rate (1: the same rate; None: ``ADAPTER_LR_SCALES`` of the
-    clip mode).
+    ``adapter_lr_scale`` times EVON's rate (1: the same rate; None:
+    :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`, steps of 1.0·rate per entry).
     ``learning_rate`` is the rate you would give AdamW (None: for α only, 1e-3, or 5e-5 for full
     fine-tuning, as ``EVONTrainer``): EVON's α
     becomes :func:`~hf_evon.optim.defaults.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe``
@@ -138,7 +137,7 @@ def build_optimizer(
     defaults to :func:`~hf_evon.optim.defaults.default_clip`: "whiten_rms", or "element" when
     :func:`is_full_finetuning`, ``hess_init`` to :func:`~hf_evon.optim.defaults.default_hess_init`
     (0.01; 1e-3 for full fine-tuning) and ``snr_scaling`` to
-    :func:`~hf_evon.optim.defaults.default_snr_scaling` (True; "adam" for full fine-tuning). The
+    :data:`~hf_evon.optim.defaults.DEFAULT_SNR_SCALING` ("adam"). The
     reasons: :mod:`hf_evon.optim.defaults`; the measurements: ``docs/defaults.md``.
     """
     require(
@@ -161,11 +160,11 @@ def build_optimizer(
     for key in ("clip", "lr", "hess_init", "snr_scaling", "weight_decay"):
         if key in evon_kwargs and evon_kwargs[key] is None:
             del evon_kwargs[key]  # None: the default (below, or the recipe's)
+    finetuning = is_full_finetuning(model)
     if recipe is None:
-        finetuning = is_full_finetuning(model)
         evon_kwargs.setdefault("clip", default_clip(finetuning))
         evon_kwargs.setdefault("hess_init", default_hess_init(finetuning))
-        evon_kwargs.setdefault("snr_scaling", default_snr_scaling(finetuning))
+        evon_kwargs.setdefault("snr_scaling", DEFAULT_SNR_SCALING)
         if "lr" not in evon_kwargs:
             radius = evon_kwargs.get("clip_radius") or DEFAULT_CLIP_RADIUS
             clip = ratio_clip(evon_kwargs["clip"], finetuning)
@@ -176,7 +175,7 @@ def build_optimizer(
             evon_kwargs["lr"] = lr_from_adamw_lr(rate, radius, clip=clip, finetuning=finetuning)
     kwargs = recipe_kwargs(recipe, evon_kwargs)
     if adapter_lr_scale is None:
-        adapter_lr_scale = ADAPTER_LR_SCALES.get(kwargs.get("clip", DEFAULT_CLIP), ADAPTER_LR_SCALE)
+        adapter_lr_scale = default_adapter_lr_scale(kwargs.get("clip", DEFAULT_CLIP), finetuning)
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
     split = []
     new_heads = bool(pretrained_name(model))

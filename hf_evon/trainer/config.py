@@ -217,12 +217,11 @@ class EVONConfig(TrainingArguments):
     evon_snr_scaling: str | None = field(
         default=None,
         metadata={
-            "help": "'true': scale each matrix's clipped step by min(1, ρ/ρ₀): ρ = |momentum| / RMS of its "
-            "gradients (Adam's step size), ρ₀ = sqrt((1-β1)/(1+β1)); the step shrinks once the gradients fade, as "
-            "Adam's does, so a rate held high after the data are fitted does not make the mean wander "
-            "(hf_evon.optim.defaults.SNR_AVERAGE_BETA). 'adam': by min(1, ρ), the step follows Adam's size all along. "
-            "'false': off. Default (None): 'true', and 'adam' for full fine-tuning of a pretrained model "
-            "(hf_evon.optim.defaults.default_snr_scaling). No effect with evon_clip='none'; off in the paper's recipes.",
+            "help": "'adam': scale each matrix's clipped step by min(1, ρ): ρ = |momentum| / RMS of its "
+            "gradients (Adam's own step size, hf_evon.optim.defaults.SNR_AVERAGE_BETA), so the step is large while "
+            "the gradients carry signal and small once they are noise. 'true': by min(1, ρ/ρ₀), ρ₀ = "
+            "sqrt((1-β1)/(1+β1)): full steps until the gradients fade. 'false': off. Default (None): 'adam' "
+            "(hf_evon.optim.defaults.DEFAULT_SNR_SCALING). No effect with evon_clip='none'; off in the paper's recipes.",
             "choices": [*_SNR_CHOICES, None],
         },
     )
