@@ -1,0 +1,33 @@
+"""benchmarks/step_scaling.py: its "adam x2" column is the library's default step, so the table
+behind DEFAULT_SNR_SCALING and STEP_RATIOS measures what users get."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+step_scaling = pytest.importorskip("step_scaling")
+payoff = step_scaling.payoff
+
+
+def test_the_default_column_is_build_optimizers_defaults() -> None:
+    from hf_evon import build_optimizer
+    from hf_evon.optim.defaults import DEFAULT_SNR_SCALING, STEP_RATIOS
+
+    snr, multiple = step_scaling.VARIANTS["adam x2"]
+    assert snr == DEFAULT_SNR_SCALING
+    assert step_scaling.FULL_SIZE_RATIO * multiple == STEP_RATIOS[("whiten_rms", False)]
+    task = payoff.make_task("noisy_iris", 0, True)  # fast: 5 epochs
+    torch.set_num_threads(1)
+    measured = step_scaling.calibration_nll(task, 0, (snr, multiple))
+    model = task.make_model(0)
+    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=0)
+    payoff.train(task, model, opt, 0, sampled=lambda: opt.sampled_params(train=True))
+    assert measured == float(F.nll_loss(*payoff.log_probs(model, task.cal, task.shift)))
+    # another column trains another model
+    assert step_scaling.calibration_nll(task, 0, step_scaling.VARIANTS["full-size steps"]) != measured
