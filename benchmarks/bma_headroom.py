@@ -66,7 +66,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import payoff  # noqa: E402
 
-from hf_evon import build_optimizer  # noqa: E402
 from hf_evon.optim.linalg import rotate  # noqa: E402
 from hf_evon.posterior.gaussian import MatrixFactors  # noqa: E402
 from hf_evon.posterior.posterior import EVONPosterior  # noqa: E402
@@ -133,8 +132,7 @@ def run(name: str, seed: int) -> dict[str, Any]:
     start = time.perf_counter()
     task = payoff.make_task(name, seed, False)
     model = task.make_model(seed)
-    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed)
-    payoff.train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    opt = payoff.train_evon(task, model, seed)
     posterior = EVONPosterior.from_optimizer(opt, model)
     test_lp, test_y = payoff.log_probs(model, task.test, task.shift)
     cal_lp, cal_y = payoff.log_probs(model, task.cal, task.shift)

@@ -97,7 +97,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import payoff  # noqa: E402  (the benchmark's loop, metrics and LM data)
-from payoff import Task, build_optimizer, log_probs, scores, train  # noqa: E402
+from payoff import Task, log_probs, scores, train_adamw, train_evon  # noqa: E402
 
 from hf_evon.optim.defaults import DEFAULT_FINETUNING_LR  # noqa: E402
 
@@ -238,11 +238,9 @@ TASKS: dict[str, Callable[[int], Task]] = {
 def run(task: Task, seed: int, method: str, schedule: str = "linear") -> dict[str, float]:
     model = task.make_model(seed)
     if method == "AdamW":
-        opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr, weight_decay=0.01)
-        train(task, model, opt, seed, schedule=schedule)
+        train_adamw(task, model, seed, schedule=schedule)
     else:
-        opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, **EXTRA.get(method, {}))
-        train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True), schedule=schedule)
+        train_evon(task, model, seed, schedule=schedule, **EXTRA.get(method, {}))
     return scores(*log_probs(model, task.test, task.shift))
 
 

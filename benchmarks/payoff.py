@@ -62,7 +62,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from hf_evon import build_optimizer  # noqa: E402
+from hf_evon import EVON, build_optimizer  # noqa: E402
 from hf_evon.posterior.posterior import EVONPosterior  # noqa: E402
 from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
 from hf_evon.predictive.logprobs import target_log_probs  # noqa: E402
@@ -106,7 +106,7 @@ TABULAR = {
     "breast_cancer": ("load_breast_cancer", 0.0, None, 30, 64),
     "wine": ("load_wine", 0.0, None, 100, 16),
     "noisy_digits": ("load_digits", 0.3, 300, 80, 32),
-    # run by name only (EXTRA_TASKS): benchmarks/step_scaling.py chooses the step's scaling on them
+    # run by name only: benchmarks/step_scaling.py chooses the step's scaling on them
     "iris": ("load_iris", 0.0, None, 100, 16),
     "noisy_iris": ("load_iris", 0.3, None, 100, 16),
     "noisy_wine": ("load_wine", 0.3, None, 80, 16),
@@ -240,8 +240,7 @@ def minilm_task(lora: bool, seed: int, fast: bool, noisy: bool = False) -> Task:
 
 
 TASKS = ("digits", "breast_cancer", "wine", "noisy_digits", "tiny_gpt2", "minilm_full", "minilm_lora")
-# run by name only (``--tasks``): not part of the stored table
-EXTRA_TASKS = ("minilm_noisy_full", "minilm_noisy_lora", "iris", "noisy_iris", "noisy_wine", "noisy_breast_cancer")
+MINILM_TASKS = ("minilm_full", "minilm_lora", "minilm_noisy_full", "minilm_noisy_lora")
 
 
 def make_task(name: str, seed: int, fast: bool) -> Task:
@@ -249,7 +248,7 @@ def make_task(name: str, seed: int, fast: bool) -> Task:
         return tabular_task(name, seed, fast)
     if name == "tiny_gpt2":
         return lm_task(seed, fast)
-    if name in ("minilm_full", "minilm_lora", "minilm_noisy_full", "minilm_noisy_lora"):
+    if name in MINILM_TASKS:
         return minilm_task(name.endswith("lora"), seed, fast, noisy="noisy" in name)
     raise ValueError(f"unknown task {name!r}")
 
@@ -405,10 +404,24 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
 
 
 # ---------------------------------------------------------------------------------- methods
+def train_adamw(task: Task, model: nn.Module, seed: int, schedule: str = "linear") -> torch.optim.Optimizer:
+    """AdamW with its conventions (the task's rate, weight decay 0.01), trained by ``train``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr, weight_decay=0.01)
+    train(task, model, opt, seed, schedule=schedule)
+    return opt
+
+
+def train_evon(task: Task, model: nn.Module, seed: int, *, schedule: str = "linear", **evon_kwargs: Any) -> EVON:
+    """EVON at ``build_optimizer``'s defaults (``learning_rate``: the task's AdamW rate) but for
+    ``evon_kwargs``, trained by ``train`` on sampled weights."""
+    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, **evon_kwargs)
+    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True), schedule=schedule)
+    return opt
+
+
 def run_adamw(task: Task, seed: int) -> dict[str, Any]:
     model = task.make_model(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr, weight_decay=0.01)
-    train(task, model, opt, seed)
+    train_adamw(task, model, seed)
     rows, temp = point_estimate_rows("AdamW", task, model)
     return {"_adamw": {"temperature": temp}, **rows, "Laplace (last layer, laplace-torch)": laplace_rows(task, model)}
 
@@ -531,9 +544,8 @@ def run_evon(task: Task, seed: int, sizes: list[int], diagonal: bool = False) ->
     """EVON at ``build_optimizer``'s defaults; ``diagonal``: the same with ``identity_basis=True``
     (IVON's diagonal posterior inside EVON: the rotation is the only difference)."""
     model = task.make_model(seed)
-    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed, identity_basis=diagonal)
     start = time.perf_counter()
-    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    opt = train_evon(task, model, seed, identity_basis=diagonal)
     train_seconds = time.perf_counter() - start
     mean = log_probs(model, task.test, task.shift)
     posterior = EVONPosterior.from_optimizer(opt, model)

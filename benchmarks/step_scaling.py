@@ -25,7 +25,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import payoff  # noqa: E402
 
-from hf_evon import build_optimizer  # noqa: E402
 from hf_evon.optim.defaults import STEP_RATIOS, lr_from_adamw_lr  # noqa: E402
 
 TASKS = ("noisy_iris", "noisy_wine", "noisy_breast_cancer", "noisy_digits", "iris", "wine", "breast_cancer", "digits")
@@ -43,13 +42,11 @@ VARIANTS = {
 def calibration_nll(task: payoff.Task, seed: int, variant: tuple[bool | str, float] | None) -> float:
     model = task.make_model(seed)
     if variant is None:
-        opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr, weight_decay=0.01)
-        payoff.train(task, model, opt, seed)
+        payoff.train_adamw(task, model, seed)
     else:
         snr, multiple = variant
         alpha = lr_from_adamw_lr(task.adamw_lr, step_ratio=FULL_SIZE_RATIO * multiple)
-        opt = build_optimizer(model, learning_rate=task.adamw_lr, lr=alpha, snr_scaling=snr, seed=seed)
-        payoff.train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+        payoff.train_evon(task, model, seed, lr=alpha, snr_scaling=snr)
     return float(F.nll_loss(*payoff.log_probs(model, task.cal, task.shift)))
 
 

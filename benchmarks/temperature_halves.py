@@ -14,7 +14,6 @@ Figures: docs/trainer.md#calibration-temperature.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import payoff  # noqa: E402
 
-from hf_evon import build_optimizer  # noqa: E402
 from hf_evon.predictive.calibration import (  # noqa: E402
     DEFAULT_MIN_GAIN,
     DEFAULT_STANDARD_ERRORS,
@@ -57,8 +55,7 @@ def run(name: str) -> None:
     for seed in (0, 1):
         task = payoff.make_task(name, seed, False)
         model = task.make_model(seed)
-        opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=seed)
-        payoff.train(task, model, opt, seed, sampled=functools.partial(opt.sampled_params, train=True))
+        payoff.train_evon(task, model, seed)
         lp, y = payoff.log_probs(model, task.cal, task.shift)
         n = len(y)
         idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))

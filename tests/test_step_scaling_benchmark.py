@@ -16,7 +16,6 @@ payoff = step_scaling.payoff
 
 
 def test_the_default_column_is_build_optimizers_defaults() -> None:
-    from hf_evon import build_optimizer
     from hf_evon.optim.defaults import DEFAULT_SNR_SCALING, STEP_RATIOS
 
     snr, multiple = step_scaling.VARIANTS["adam x2"]
@@ -26,8 +25,7 @@ def test_the_default_column_is_build_optimizers_defaults() -> None:
     torch.set_num_threads(1)
     measured = step_scaling.calibration_nll(task, 0, (snr, multiple))
     model = task.make_model(0)
-    opt = build_optimizer(model, learning_rate=task.adamw_lr, seed=0)
-    payoff.train(task, model, opt, 0, sampled=lambda: opt.sampled_params(train=True))
+    payoff.train_evon(task, model, 0)  # build_optimizer's defaults
     assert measured == float(F.nll_loss(*payoff.log_probs(model, task.cal, task.shift)))
     # another column trains another model
     assert step_scaling.calibration_nll(task, 0, step_scaling.VARIANTS["full-size steps"]) != measured

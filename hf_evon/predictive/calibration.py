@@ -389,9 +389,8 @@ def _sharpening(mean_logp: Tensor, one: int, standard_errors: float, min_gain: f
     held_out = torch.empty(n, dtype=mean_logp.dtype)
     for fit, score in (halves, halves[::-1]):
         held_out[score] = mean_logp[int(mean_logp[:, fit].mean(1).argmax()), score]
-    gain = held_out - mean_logp[one]  # log-likelihood gained per target
-    error = float(gain.std()) / math.sqrt(n)
-    if float(gain.mean()) > standard_errors * error and float(gain.mean()) >= min_gain * float(nll[one]):
+    excess, error = _gain_and_error(held_out[None], mean_logp[one][None])  # NLL above T = 1's
+    if -excess > standard_errors * error and -excess >= min_gain * float(nll[one]):
         return best
     return one
 
