@@ -183,7 +183,10 @@ def load_model(num_labels: int, seed: int) -> Any:
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # "newly initialized classifier" is expected here
     try:
-        return AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=num_labels)
+        # float32 whatever the checkpoint stores (transformers' default dtype follows the file)
+        return AutoModelForSequenceClassification.from_pretrained(
+            minilm_path(), num_labels=num_labels, dtype=torch.float32
+        )
     finally:
         logging.set_verbosity(verbosity)
 

@@ -113,7 +113,7 @@ def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature:
     for i, ess in enumerate(result.grid):
         nll, t = best(draw_logits(model, post.with_ess(ess), cal, range(7, 11)))
         assert result.nll[i] == pytest.approx(nll, rel=1e-9)
-        assert result.temperatures[i:i + 1] == ([t] if temperature else [])
+        assert result.temperatures[i : i + 1] == ([t] if temperature else [])
     mean_choice = best(mean_logits)
     assert result.tempered_mean_nll == (pytest.approx(mean_choice[0], rel=1e-9) if temperature else None)
     choices = [(*mean_choice, math.inf)] + [
@@ -163,9 +163,13 @@ def test_an_underconfident_mean_is_sharpened_where_a_cross_validation_in_the_spl
         cv[1 - fit :: 2] = ll[t, 1 - fit :: 2]
     relative = float((cv - ll[one]).mean()) / float(-ll[one].mean())
     for g, want in ((0.99 * relative, under.temperature), (1.01 * relative, 1.0)):
-        _, result = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, min_gain=g)
+        _, result = calibrate_posterior(
+            FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, min_gain=g
+        )
         assert result.temperature == want
-    _, plain = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, temperature=False)
+    _, plain = calibrate_posterior(
+        FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, temperature=False
+    )
     assert plain.temperature == 1.0 and plain.tempered_mean_nll is None
     _, strict = calibrate_posterior(
         FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, standard_errors=1000.0
@@ -178,6 +182,21 @@ def test_an_underconfident_mean_is_sharpened_where_a_cross_validation_in_the_spl
     below_even = int((torch.softmax(clean[0][0] * 0.5, -1)[torch.arange(400), labels] < 0.5).sum())
     assert below_even < MIN_ERRORS_TO_SHARPEN  # the case's premise
     assert few.mean_temperature < 1 and few.temperature == 1.0
+
+
+def test_the_temperature_choice_builds_its_tensors_on_the_inputs_device() -> None:
+    """On CUDA, calibrate_posterior failed in the sharpening's cross-validation: its fold masks were
+    built on the default device (the CPU) and indexed CUDA log-probs. Reproduced on the CPU under
+    another default device: the choice must be the same whatever the default device is."""
+    from hf_evon.predictive.calibration import TEMPERATURE_GRID, mean_temperature_choice
+
+    batches = _fixed_logit_data(2000)
+    z, y = torch.cat([b[0] for b in batches]).double() * 0.5, torch.cat([b[1] for b in batches])
+    ll = torch.stack([torch.log_softmax(z / t, -1)[torch.arange(len(y)), y] for t in TEMPERATURE_GRID])
+    chosen = mean_temperature_choice(ll, 2.0, 0.0)
+    assert chosen < TEMPERATURE_GRID.index(1.0)  # the case's premise: the cross-validation ran and sharpened
+    with torch.device("meta"):
+        assert mean_temperature_choice(ll, 2.0, 0.0) == chosen
 
 
 def test_an_overconfident_mean_is_softened_only_beyond_k_standard_errors() -> None:
@@ -383,7 +402,9 @@ def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
 def test_the_scan_stops_when_noise_has_clearly_taken_over() -> None:
     model, post, cal, _ = trained()
     grid = [1.0, 1e-5, 1e-6, 1e-8]
-    _, result = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, temperature=False, always_scan=True)
+    _, result = calibrate_posterior(
+        model, post, cal, grid=grid, num_samples=2, temperature=False, always_scan=True
+    )
     assert len(result.nll) < 4
     assert result.nll[-1] > 2 * min([result.mean_nll, *result.nll])
     # with temperatures the rule reads the same T = 1 NLLs: a softmax at T = 8 rescues any noise
@@ -428,7 +449,9 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     assert logp.numel() == int(labels[:, 1:].ne(-100).sum())
     nll = -_tempered_log_probs(out.logits, labels, True, [1.0, 2.0]).sum(1) / logp.numel()
     assert float(nll[0]) == pytest.approx(float(-logp.mean()), rel=1e-12)
-    assert float(nll[1]) == pytest.approx(float(-target_log_probs(out.logits / 2.0, labels, True).mean()), rel=1e-6)
+    assert float(nll[1]) == pytest.approx(
+        float(-target_log_probs(out.logits / 2.0, labels, True).mean()), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize(
@@ -555,7 +578,9 @@ def test_calibration_shifts_a_gpt2s_labels_unless_told_otherwise() -> None:
     posterior = EVONPosterior.from_optimizer(opt, model)
     batches = [{"input_ids": ids, "labels": ids}]
     results = {
-        shift: calibrate_posterior(model, posterior, batches, grid=[1.0], num_samples=2, shift_labels=shift)[1]
+        shift: calibrate_posterior(model, posterior, batches, grid=[1.0], num_samples=2, shift_labels=shift)[
+            1
+        ]
         for shift in (None, True, False)
     }
     assert results[None].nll == results[True].nll and results[None].mean_nll == results[True].mean_nll

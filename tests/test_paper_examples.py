@@ -29,10 +29,10 @@ import _common  # noqa: E402
 F64 = torch.float64
 
 
-def run_fast(module_name: str, out_dir: str) -> dict:
+def run_fast(module_name: str, out_dir: str, *extra: str) -> dict:
     """Run a script's fast mode; check the three files exist and agree; return the JSON."""
     module = __import__(module_name)
-    record = module.run(["--fast", "--out-dir", out_dir, "--seed", "0"])
+    record = module.run(["--fast", "--out-dir", out_dir, "--seed", "0", *extra])
     for ext in ("png", "md", "json"):
         path = os.path.join(out_dir, f"{module.NAME}.{ext}")
         assert os.path.getsize(path) > 0, path
@@ -168,6 +168,63 @@ def test_table3_ablation_fast(tmp_path) -> None:
         )
 
 
+def test_table2_finetune_fast(tmp_path) -> None:
+    """The search keeps the candidate of least calibration NLL, and its rows are that run's rows."""
+    import table2_finetune as t2
+
+    saved = run_fast("table2_finetune", str(tmp_path), "--methods", "adamw", "evon")
+    settings, res = saved["settings"], saved["results"]
+    assert settings["lr_multipliers"] == t2.lr_draws(1) and 0.1 <= settings["lr_multipliers"][0] <= 10
+    with open(tmp_path / "table2_finetune.partial.json") as fh:
+        done = {tuple(j): rows for j, rows in t2.restore_floats(json.load(fh))["done"]}
+    task, draw = "docstring_topic/lora", settings["lr_multipliers"][0]
+    assert set(done) == {(task, 0, m, x) for m in ("adamw", "evon") for x in (1.0, draw)}
+    for method, row in (("adamw", "AdamW"), ("evon", "EVON mean")):
+        nll = {x: done[(task, 0, method, x)][t2.SELECTION_ROW[method]]["cal_nll"] for x in (1.0, draw)}
+        best = min(nll, key=nll.get)
+        assert res["chosen"][f"{task} {method}"] == best
+        chosen_run = done[(task, 0, method, best)]
+        for key in ("nll", "ece", "accuracy"):  # one seed: the mean is the run's value, the sd 0
+            assert res["summary"][task][f"{row} [tuned]"][key] == [chosen_run[row][key], 0.0]
+            assert res["summary"][task][row][key] == [done[(task, 0, method, 1.0)][row][key], 0.0]
+    assert "EVON calibrated BMA@4" in res["summary"][task]
+
+
+def test_table2_text_data_is_balanced_disjoint_and_deterministic() -> None:
+    import table2_finetune as t2
+
+    data = t2.text_data(t2.TEXT_TASKS, (5, 4))
+    assert data["reference_topic"] == t2.text_data(["reference_topic"], (5, 4))["reference_topic"]
+    for task, d in data.items():
+        k = len(d["classes"])
+        assert [y for _, y in d["train"]].count(0) == 5 and len(d["train"]) == 5 * k, task
+        assert sorted(y for _, y in d["held"]) == sorted(list(range(k)) * 4), task
+        texts = [t for t, _ in d["train"] + d["held"]]
+        assert len(set(texts)) == len(texts), task  # no text twice: not in two classes, not in both splits
+
+
+def test_table2_search_choice_and_json_round_trip() -> None:
+    import table2_finetune as t2
+
+    def rows(nll: float) -> dict:
+        return {t2.SELECTION_ROW["adamw"]: {"cal_nll": nll}}
+
+    done = {
+        ("a", 0, "adamw", 1.0): rows(0.9),
+        ("a", 0, "adamw", 0.5): rows(0.7),
+        ("a", 0, "adamw", 2.0): rows(math.nan),
+    }
+    assert t2.chosen_multiplier(done, "a", "adamw", 0, [0.5, 2.0]) == 0.5
+    assert t2.chosen_multiplier(done, "a", "adamw", 0, [0.5, 2.0, 3.0]) is None  # a candidate did not run
+    done[("a", 0, "adamw", 0.5)] = rows(0.9)  # a tie: the default stays
+    assert t2.chosen_multiplier(done, "a", "adamw", 0, [0.5, 2.0]) == 1.0
+    x = {"a": [math.inf, -math.inf, 1.5, "text"], "b": {"c": math.nan}}
+    back = t2.restore_floats(json.loads(json.dumps(_common.jsonable(x))))
+    assert (
+        back["a"][:3] == [math.inf, -math.inf, 1.5] and back["a"][3] == "text" and math.isnan(back["b"]["c"])
+    )
+
+
 def test_variant_names_map_to_evon_arguments() -> None:
     import _gpt
 
@@ -184,7 +241,8 @@ def test_variant_names_map_to_evon_arguments() -> None:
 
 
 # ----------------------------------------------------------------------------- settings hashes
-SCRIPTS = ("fig1_left", "fig2_logreg", "fig3a_mlp", "fig3b_iris", "fig4_gpt", "table3_ablation")
+PAPER_ALGORITHM = ("fig1_left", "fig2_logreg", "fig3a_mlp", "fig3b_iris", "fig4_gpt", "table3_ablation")
+SCRIPTS = (*PAPER_ALGORITHM, "table2_finetune")  # Table 2 runs every method at its defaults
 
 
 def committed(name: str) -> dict:
@@ -213,7 +271,7 @@ def test_committed_results_match_the_scripts_settings(name: str) -> None:
 
 def test_every_paper_run_spells_out_the_papers_algorithm() -> None:
     """Each option whose library default differs from the paper's is passed by every paper run."""
-    for name in SCRIPTS:
+    for name in PAPER_ALGORITHM:
         for run, opt in committed(name)["settings"]["optimizers"].items():
             if name == "fig4_gpt" and (run == "AdamW" or "defaults" in run):
                 continue  # torch's AdamW; the library's defaults, on purpose
@@ -249,4 +307,7 @@ def test_a_changed_library_default_fails_the_settings_check(monkeypatch: pytest.
     assert {name: recomputed_hash(name) for name in SCRIPTS} == before
     # the default Hessian estimate: the paper's runs pass theirs; Fig. 4's learned runs use the default
     set_evon_default(monkeypatch, hess_estimator="price")
-    assert {name for name in SCRIPTS if recomputed_hash(name) != before[name]} == {"fig4_gpt"}
+    assert {name for name in SCRIPTS if recomputed_hash(name) != before[name]} == {
+        "fig4_gpt",
+        "table2_finetune",
+    }

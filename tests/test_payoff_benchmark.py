@@ -163,13 +163,17 @@ def test_the_peers_installed_without_dependencies_have_all_of_theirs_but_torchvi
             pytest.skip(f"{dist} is not installed (scripts/setup_benchmarks.sh installs it)")
         for line in requires:
             req = Requirement(line)
-            if req.name == "torchvision" or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            if req.name == "torchvision" or (
+                req.marker is not None and not req.marker.evaluate({"extra": ""})
+            ):
                 continue
             try:
                 version = metadata.version(req.name)
             except metadata.PackageNotFoundError:
                 pytest.fail(f"{dist} needs {req}, which scripts/setup_benchmarks.sh does not install")
-            assert req.specifier.contains(version, prereleases=True), f"{dist} needs {req}; installed {version}"
+            assert req.specifier.contains(version, prereleases=True), (
+                f"{dist} needs {req}; installed {version}"
+            )
     import laplace  # noqa: F401  (what payoff.py's Laplace row imports)
 
 
@@ -183,7 +187,12 @@ def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> No
         return [int(v) for batches in (task.train, task.cal, task.test) for _, y in batches for v in y]
 
     def texts(task):
-        return [t for batches in (task.train, task.cal, task.test) for x, _ in batches for t in x["input_ids"].tolist()]
+        return [
+            t
+            for batches in (task.train, task.cal, task.test)
+            for x, _ in batches
+            for t in x["input_ids"].tolist()
+        ]
 
     clean, noisy = payoff.make_task("minilm_lora", 0, True), payoff.make_task("minilm_noisy_lora", 0, True)
     assert noisy.name == "minilm_noisy_lora" and texts(noisy) == texts(clean)  # fast: the same texts
@@ -218,3 +227,28 @@ def test_noisy_tasks_are_held_to_the_nll_target_whatever_their_prefix() -> None:
         assert f"| {task} | 2.00 | NO (NLL <= AdamW + 2%) |" in lines[0], lines[0]
         summary[task]["EVON mean"] = row(1.7 * 1.019)
         assert "| yes (NLL <= AdamW + 2%) |" in payoff.targets(summary, 32)[0][0]
+
+
+def test_a_task_moves_to_a_device_and_its_rates_scale_with_lr_scale() -> None:
+    """``Task.to`` puts every batch and every model it builds on the device (the CPU returns the
+    task itself); ``lr_scale`` multiplies AdamW's rate and the rate EVON takes as AdamW's."""
+    import dataclasses
+
+    from hf_evon import build_optimizer
+
+    task = payoff.make_task("iris", 0, True)
+    assert task.to("cpu") is task
+    meta = task.to("meta")
+    tensors = [t for part in (meta.train, meta.cal, meta.test) for batch in part for t in batch]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+    assert all(p.device.type == "meta" for p in meta.make_model(0).parameters())
+    scaled = dataclasses.replace(task, epochs=1, lr_scale=0.25)
+    adamw = payoff.train_adamw(scaled, scaled.make_model(0), 0)
+    assert adamw.param_groups[0]["initial_lr"] == 0.25 * task.adamw_lr
+    evon = payoff.train_evon(scaled, scaled.make_model(0), 0)
+    expected = build_optimizer(task.make_model(0), learning_rate=0.25 * task.adamw_lr)
+    assert [g["initial_lr"] for g in evon.param_groups] == [g["lr"] for g in expected.param_groups]
+    assert (
+        expected.param_groups[0]["lr"]
+        != build_optimizer(task.make_model(0), learning_rate=task.adamw_lr).param_groups[0]["lr"]
+    )

@@ -385,8 +385,9 @@ def _sharpening(mean_logp: Tensor, one: int, standard_errors: float, min_gain: f
     if best >= one or int((mean_logp[one] < math.log(0.5)).sum()) < MIN_ERRORS_TO_SHARPEN:
         return one
     n = mean_logp.shape[1]
-    halves = (torch.arange(n) % 2 == 0, torch.arange(n) % 2 == 1)
-    held_out = torch.empty(n, dtype=mean_logp.dtype)
+    parity = torch.arange(n, device=mean_logp.device) % 2
+    halves = (parity == 0, parity == 1)
+    held_out = torch.empty(n, dtype=mean_logp.dtype, device=mean_logp.device)
     for fit, score in (halves, halves[::-1]):
         held_out[score] = mean_logp[int(mean_logp[:, fit].mean(1).argmax()), score]
     excess, error = _gain_and_error(held_out[None], mean_logp[one][None])  # NLL above T = 1's
