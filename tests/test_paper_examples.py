@@ -215,6 +215,8 @@ def test_table2_search_choice_and_json_round_trip() -> None:
         ("a", 0, "adamw", 2.0): rows(math.nan),
     }
     assert t2.chosen_multiplier(done, "a", "adamw", 0, [0.5, 2.0]) == 0.5
+    # the draws: one in each quarter of [1/10, 10]'s log range
+    assert sorted(math.floor(2 * (math.log10(x) + 1)) for x in t2.lr_draws(4)) == [0, 1, 2, 3]
     assert t2.chosen_multiplier(done, "a", "adamw", 0, [0.5, 2.0, 3.0]) is None  # a candidate did not run
     done[("a", 0, "adamw", 0.5)] = rows(0.9)  # a tie: the default stays
     assert t2.chosen_multiplier(done, "a", "adamw", 0, [0.5, 2.0]) == 1.0

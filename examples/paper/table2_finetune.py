@@ -191,9 +191,12 @@ def task_names(fast: bool) -> list[str]:
 
 
 def lr_draws(count: int) -> list[float]:
-    """The search's learning-rate multipliers: log-uniform in [1/10, 10], the same for every method."""
-
-    u = torch.rand(count, generator=torch.Generator().manual_seed(1234), dtype=torch.float64)
+    """The search's learning-rate multipliers, the same for every method: log-uniform in [1/10, 10],
+    stratified (one draw in each of ``count`` equal slices of the log range, in random order), so a
+    few draws cannot all fall on one side of the default."""
+    gen = torch.Generator().manual_seed(1234)
+    slices = torch.randperm(count, generator=gen).double()
+    u = (slices + torch.rand(count, generator=gen, dtype=torch.float64)) / count
     return [round(10.0 ** (2.0 * float(x) - 1.0), 4) for x in u]
 
 
@@ -266,8 +269,10 @@ def run_all(
         def record(job: Job, rows: dict[str, Any]) -> None:
             done[job] = rows
             os.makedirs(args.out_dir, exist_ok=True)
-            with open(partial, "w") as fh:  # after every run: a time limit loses nothing measured
+            # after every run, and atomically: a time limit or a kill loses nothing measured
+            with open(partial + ".tmp", "w") as fh:
                 json.dump(jsonable({"done": [[list(j), r] for j, r in done.items()]}), fh)
+            os.replace(partial + ".tmp", partial)
             print(f"{job} {rows['_seconds'][job[2]]:.0f} s", flush=True)
 
         late = lambda: args.deadline and time.perf_counter() - start > args.deadline  # noqa: E731
@@ -291,7 +296,8 @@ def run_all(
                         pending.pop(future)
 
     execute(jobs_phase1)
-    execute([j for j in best_reruns(done, cfg) if j not in done])
+    runs_here = lambda j: j not in done and (args.run_tasks is None or j[0] in args.run_tasks)  # noqa: E731
+    execute([j for j in best_reruns(done, cfg) if runs_here(j)])
     return done
 
 
@@ -440,6 +446,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         ap.add_argument("--from-partial", default=None, help="no training: the report of a .partial.json")
         ap.add_argument("--resume", default=None, help="a .partial.json whose runs are kept (the rest run)")
         ap.add_argument("--search", type=int, default=None, help="learning-rate draws per method (0: none)")
+        ap.add_argument(
+            "--run-tasks", nargs="+", default=None, help="run only these tasks' jobs (default: all)"
+        )
 
     args = parse_args(__doc__, argv, add)
     tasks = sorted({n.split("/")[0] for n in task_names(args.fast) if "/" in n})
@@ -467,6 +476,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         jobs += [
             (n, cfg["seeds"][0], m, x) for n in cfg["tasks"] for m in methods for x in cfg["lr_multipliers"]
         ]
+        jobs = [j for j in jobs if args.run_tasks is None or j[0] in args.run_tasks]
         jobs.sort(key=lambda j: (j[3] != 1.0, j[1], j[2] != "evon"))  # the defaults first, EVON first
         done = run_all([j for j in jobs if j not in earlier], cfg, args, data, earlier)
     collected = tables(done, cfg)
@@ -498,16 +508,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
         ]
     )
     detail = payoff.markdown(summary, f"EVON calibrated BMA@{size}", meta).split("\n## Targets")[0]
-    devices = sorted({rows["_device"] for rows in done.values() if "_device" in rows})
+    devices = collections.Counter(rows.get("_device", "not recorded") for rows in done.values())
+    chosen = {k: v for k, v in collected["chosen"].items() if v is not None}
     source = args.from_partial or args.resume
     notes = (
-        (
-            "Chosen learning-rate multipliers (1.0: the default): "
-            if collected["chosen"]
-            else "No search was run."
-        )
-        + ", ".join(f"{k} ×{v}" for k, v in collected["chosen"].items())
-        + f"\n\nRuns on: {'; '.join(devices) or 'not recorded'}"
+        ("Chosen learning-rate multipliers (1.0: the default): " if chosen else "No search was run.")
+        + ", ".join(f"{k} ×{v}" for k, v in chosen.items())
+        + "\n\nRuns on: "
+        + "; ".join(f"{where} ({n} runs)" for where, n in sorted(devices.items()))
         + (f" (runs read from {os.path.basename(source)})" if source else "")
         + "\n\n<details><summary>Every row, every metric</summary>\n\n"
         + detail.split("\n", 2)[2]
