@@ -102,11 +102,18 @@ def _source_files(stdlib: str, entry: str) -> Iterator[str]:
                 yield os.path.join(root, name)
 
 
-def _docstrings(path: str) -> Iterator[str]:
+def parse_source(path: str) -> ast.Module | None:
+    """The syntax tree of a Python source file, or None where it cannot be read or parsed."""
     try:
         with open(path, encoding="utf-8") as fh:
-            tree = ast.parse(fh.read())
+            return ast.parse(fh.read())
     except (SyntaxError, UnicodeDecodeError, OSError):
+        return None
+
+
+def _docstrings(path: str) -> Iterator[str]:
+    tree = parse_source(path)
+    if tree is None:
         return
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):

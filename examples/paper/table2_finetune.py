@@ -93,10 +93,10 @@ def _comments(path: str) -> Iterator[str]:
 
 def _raise_messages(path: str) -> Iterator[tuple[str, str]]:
     """(exception name, message) of every ``raise Name("…")``; an f-string's fields as ``{}``."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            tree = ast.parse(fh.read())
-    except (SyntaxError, UnicodeDecodeError, OSError):
+    import finetune_classification as fc
+
+    tree = fc.parse_source(path)
+    if tree is None:
         return
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
