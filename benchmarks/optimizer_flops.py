@@ -28,9 +28,10 @@ Measured on the project's 2-core CPU shared with other jobs (torch 2.13, one thr
 ``python benchmarks/optimizer_flops.py --time-names hf-evon naive hf-evon-noclip naive-noclip``,
 pytorch_optimizer not installed there, so no SOAP row):
 
-* aten ops per step (width 64): hf-evon 265.8 with one block, 363.4 with twelve; with the
-  spec's schedule (``stagger_refresh=False``) 265.8 and 265.8; naive 292 and 3504. Staggering
-  adds one refresh call per bucket and phase (at most buckets × f per cycle).
+* aten ops per step (width 64): hf-evon 200.8 with one block, 298.4 with twelve; with the
+  spec's schedule (``stagger_refresh=False``) 200.8 and 200.8; naive 292 and 3504; SOAP
+  (pytorch-optimizer) 241.6 and 2855.2. Staggering adds one refresh call per bucket and phase (at
+  most buckets × f per cycle).
 * matmul GFLOP per step, one GPT-2-small block (width 768): naive 268.9 (the issue measured
   268.9 for the paper's code too); hf-evon on CPU 220.0 (0.818), the same with ``clip="none"``;
   on accelerators (blocked symmetric ``G Gᵀ``, ``Gᵀ G``) 198.1 (0.737). The settings use the

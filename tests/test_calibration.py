@@ -282,7 +282,7 @@ def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean(temperature: 
     grid = [10.0, 1.0, 0.1, 0.01, 1e-3]
     argmin_rule = {
         "grid": grid, "num_samples": 4, "seed": 7 if temperature else 3, "standard_errors": 0,
-        "temperature": temperature, "always_scan": True,
+        "temperature": temperature, "always_scan": True, "screen_factor": 0,
     }  # fmt: skip
     _, argmin = calibrate_posterior(model, post, cal, **argmin_rule, min_gain=0)
     best = min(range(len(argmin.nll)), key=argmin.nll.__getitem__)
@@ -387,7 +387,7 @@ def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
     assert calibrated.ess == math.inf and calibrated.config["calibration"]["scanned"] is False
     assert "no scale was scored" in gated.summary()
     passes.clear()
-    _, full = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, always_scan=True)
+    _, full = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, always_scan=True, screen_factor=0)
     assert full.scanned and full.grid == [post.ess * f for f in grid]
     assert len(passes) == len(cal) * (1 + 2 * len(grid)) and full.mean_nll == gated.mean_nll
     assert full.ess == math.inf and "no scale beat it" in full.summary()
@@ -397,6 +397,52 @@ def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="always_scan must be True or False"):
             calibrate_posterior(model, post, cal, always_scan=bad)
+
+
+def test_scales_too_quiet_to_move_the_predictions_are_screened_out_with_one_draw() -> None:
+    """Walking from little noise to much, a scale costs one pass and is not a candidate while its
+    first draw moves log p(label) by less than screen_factor × min_gain of the mean's NLL (per
+    target, on average, at the mean's temperature; a reference computation here); from the first
+    scale that moves them more, every scale is scored with all its draws. With screen_factor=0
+    every scale is scored, and the scored scales' NLLs are the same either way."""
+    model, post, cal = overfitted()
+    grid = [100.0, 10.0, 1.0, 0.1, 0.01]
+    common = {"grid": grid, "num_samples": 3, "seed": 5, "standard_errors": 0.0}
+    passes: list[int] = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    _, full = calibrate_posterior(model, post, cal, **common, screen_factor=0)
+    assert full.screened == [] and len(full.grid) == len(grid) and full.temperature > 1
+    assert len(passes) == len(cal) * (1 + 3 * len(grid))
+    # the reference: each scale's first draw against the mean, both at the mean's temperature
+    x = torch.cat([xb for xb, _ in cal])
+    y = torch.cat([yb for _, yb in cal])
+    assert full.tempered_mean_nll is not None  # overconfident: the mean is scored at its best T
+    t = full.mean_temperature
+
+    def logp(m: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(m(x).double() / t, -1).gather(1, y[:, None]).squeeze(1)
+
+    mean_logp = logp(model)
+    assert float(-mean_logp.mean()) == pytest.approx(full.tempered_mean_nll, rel=1e-12)
+    moved = []
+    for f in grid:
+        with post.with_ess(post.ess * f).sampled(model, seed=5):
+            moved.append(float((logp(model) - mean_logp).abs().mean()))
+    assert moved == sorted(moved)  # the same draw at every scale: more noise moves it further
+    factor = 4.0  # screens some scales, not all (the moves: about 0.5%, 1.7%, 5.4%, 18%, 73% of the NLL)
+    tolerance = factor * 0.01 * float(-mean_logp.mean())
+    quiet = [post.ess * f for f, m in zip(grid, moved) if m < tolerance]
+    assert 0 < len(quiet) < len(grid)
+    passes.clear()
+    _, screened = calibrate_posterior(model, post, cal, **common, screen_factor=factor)
+    assert screened.screened == pytest.approx(quiet) and screened.screen_factor == factor
+    assert screened.grid == full.grid[len(quiet) :] and screened.nll == full.nll[len(quiet) :]
+    assert len(passes) == len(cal) * (1 + len(quiet) + 3 * (len(grid) - len(quiet)))
+    assert screened.to_json()["screened"] == pytest.approx(quiet)
+    for bad in (-1.0, math.inf, "2"):
+        with pytest.raises(ValueError, match="screen_factor"):
+            calibrate_posterior(model, post, cal, grid=grid, num_samples=1, screen_factor=bad)
 
 
 def test_the_scan_stops_when_noise_has_clearly_taken_over() -> None:

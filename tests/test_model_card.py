@@ -288,6 +288,12 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
         model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0, always_scan=True
     )
     assert "standard error" not in str(render_model_card(plain))
+    # scales screened out with one sample are counted apart from the scored ones
+    record = dict(calibrated.config["calibration"], screened=[])
+    assert "screened out" not in _calibration_text({"calibration": record})
+    record["screened"] = [1e9, 3e8]
+    screened = _calibration_text({"calibration": record})
+    assert f"{len(record['grid'])} scales and the mean; 2 scale(s) with less noise screened out" in screened
     # a calibration that scored no scale (the mean not overconfident) says so, not "∞ scales tried"
     record = dict(calibrated.config["calibration"], scanned=False, grid=[], nll=[], ess="inf")
     text = _calibration_text({"calibration": record})

@@ -82,13 +82,15 @@ def test_momentum_newton_step_and_snr_scale() -> None:
     g_rot = torch.randn(2, 3, 3, generator=gen, dtype=torch.float64)
     hess = torch.rand(2, 3, 3, generator=gen, dtype=torch.float64) + 0.5
     before = exp_avg.clone()
-    numer = F.momentum_update(exp_avg, g_rot, 0.9, 3)
+    momentum = F.momentum_update(exp_avg, g_rot, 0.9)
+    assert momentum is exp_avg
     torch.testing.assert_close(exp_avg, 0.9 * before + 0.1 * g_rot)
-    torch.testing.assert_close(numer, exp_avg / (1 - 0.9**3))
+    numer = exp_avg / (1 - 0.9**3)
     step = F.newton_step(numer.clone(), hess, 0.01, None)
     torch.testing.assert_close(step, numer / (hess + 0.01))
-    scale = F.snr_scale(torch.zeros(2, dtype=torch.float64), numer, g_rot, 1, 0.9, adam=True)
-    rho = numer.flatten(1).norm(dim=1) / g_rot.flatten(1).norm(dim=1)
+    # first step: the EMA of ‖G‖² is ‖G‖² after its bias correction, and m̂ = m / (1 - 0.9)
+    scale = F.snr_scale(torch.zeros(2, dtype=torch.float64), exp_avg, g_rot, 1, 0.9, adam=True)
+    rho = exp_avg.flatten(1).norm(dim=1) / (1 - 0.9) / g_rot.flatten(1).norm(dim=1)
     torch.testing.assert_close(scale, rho.clamp(max=1.0))
 
 

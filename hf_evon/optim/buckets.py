@@ -124,20 +124,13 @@ class Bucket:
     @property
     def t(self) -> int:
         """Updates taken (the shared ``state["step"]`` counter). Read from the tensor only when its
-        version moved since this bucket last read or set it: the step loop sets it (``count_update``),
+        version moved since this bucket last read or set it: the step loop sets it (``count_updates``),
         so a step reads no scalar back from a tensor."""
         step = self.state["step"]
         key = (id(step), step._version)
         if self._t is None or self._t[0] != key:
             self._t = (key, int(step.item()))
         return self._t[1]
-
-    def count_update(self) -> None:
-        """Add one to the update counter (in place: members' ``optimizer.state`` share it)."""
-        t = self.t + 1
-        step = self.state["step"]
-        step.add_(1)
-        self._t = ((id(step), step._version), t)
 
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
@@ -172,7 +165,7 @@ class Bucket:
         """``Q_Lᵀ grad Q_R`` for ``grad`` = gradient sum / num_samples; the rotation made at the
         last sample's exit is reused when ``step()`` found the gradients unchanged since."""
         if self.rotated_grads is not None:
-            return self.rotated_grads.div_(num_samples)
+            return self.rotated_grads.div_(num_samples) if num_samples > 1 else self.rotated_grads
         return rotate(grad, *self.bases())
 
     def write_params(self, values: Tensor, members: list[int] | None = None) -> None:
@@ -220,7 +213,7 @@ class Bucket:
         if self.left:
             st["L"] = shampoo_statistics(st.get("L"), grad, beta3)
         if self.right:
-            st["R"] = shampoo_statistics(st.get("R"), grad.mT, beta3)
+            st["R"] = shampoo_statistics(st.get("R"), grad, beta3, right=True)
 
     def refresh_bases(self, members: list[int] | None) -> None:
         """One power iteration + QR for the given members (None: all of them)."""
@@ -285,6 +278,17 @@ class Bucket:
             return True
         # phased gradients: the initialising step and even updates are clean
         return self.initialized and (self.t + 1) % 2 == 1
+
+
+def count_updates(buckets: list[Bucket]) -> None:
+    """Add one to each bucket's update counter, in one multi-tensor op (in place: members'
+    ``optimizer.state`` share it), so that ``Bucket.t`` reads no scalar back from it."""
+    ts = [b.t + 1 for b in buckets]
+    steps = [b.state["step"] for b in buckets]
+    if steps:
+        torch._foreach_add_(steps, 1)
+    for b, step, t in zip(buckets, steps, ts):
+        b._t = ((id(step), step._version), t)
 
 
 @dataclass

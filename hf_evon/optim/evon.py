@@ -65,7 +65,7 @@ from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
     adamw_update,
-    evon_update,
+    evon_updates,
     finite_flags,
     hessian_candidate,
     plan_update,
@@ -435,8 +435,7 @@ class EVON(Optimizer):
             self._discard_samples()
             return loss
 
-        for plan in plans:
-            evon_update(plan, num_samples, self._member_state)
+        evon_updates(plans, num_samples, self._member_state)
         for gi, (params, g_list, states) in adamw.items():
             adamw_update(self.param_groups[gi], params, g_list, states)
         self._hooks.after_step()

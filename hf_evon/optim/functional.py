@@ -4,7 +4,8 @@
 
 1. ``price_estimate`` and ``hessian_update``: the candidate H after this step (the Price
    estimate of the sampled gradients, adaptively clipped, EMA with IVON's correction);
-2. ``momentum_update``, ``snr_scale``, ``newton_step``, ``clipped_update``: the step itself;
+2. ``momentum_update``, ``snr_scale``, ``newton_step``, ``clipped_update``: the step itself
+   (its per-matrix ``snr_scale`` is applied by the weights' multi-tensor add);
 3. ``shampoo_statistics`` and ``refresh_bases``: the eigenbasis (L, R and a power step + QR);
 4. ``adamw``: the groups trained by AdamW (``torch.optim``'s functional Adam).
 
@@ -21,7 +22,15 @@ import torch
 from torch.optim.adam import adam as _functional_adam
 
 from hf_evon.optim.defaults import SNR_AVERAGE_BETA, snr_floor
-from hf_evon.optim.linalg import clip_update, gram, power_qr, rotate, unrotate
+from hf_evon.optim.linalg import (
+    clip_update,
+    gram,
+    gram_is_blocked,
+    power_qr,
+    rotate,
+    unrotate,
+    unrotate_scaled,
+)
 
 __all__ = [
     "adamw",
@@ -82,24 +91,24 @@ def fisher_update(hess: Tensor, g_rot: Tensor, beta2: float, t: int) -> Tensor:
     return hess.mul_(beta).addcmul_(g_rot, g_rot, value=1.0 - beta)
 
 
-def momentum_update(exp_avg: Tensor, g_rot: Tensor, beta1: float, t: int) -> Tensor:
-    """The rotated momentum m ← β1·m + (1−β1)·G_rot (in place on ``exp_avg``); returns m̂ =
-    m / (1 − β1ᵗ), a new tensor."""
-    exp_avg.mul_(beta1).add_(g_rot, alpha=1 - beta1)
-    return exp_avg / (1 - beta1**t)
+def momentum_update(exp_avg: Tensor, g_rot: Tensor, beta1: float) -> Tensor:
+    """The rotated momentum m ← β1·m + (1−β1)·G_rot, in place on ``exp_avg`` (returned). The step
+    uses m̂ = m / (1 − β1ᵗ); each consumer folds that scalar into an operation it does anyway."""
+    return exp_avg.lerp_(g_rot, 1 - beta1)
 
 
 def snr_scale(
     exp_avg_sq_norm: Tensor, momentum: Tensor, g_rot: Tensor, t: int, beta1: float, adam: bool
 ) -> Tensor:
     """The step's scale per matrix, ``(B,)``: min(1, ρ/ρ₀) (``adam``: min(1, ρ)), ρ = ‖m̂‖_F /
-    sqrt(EMA‖G‖²_F). Updates the EMA (in place on ``exp_avg_sq_norm``, decay ``SNR_AVERAGE_BETA``);
-    norms are the same in the eigenbasis: Q is orthonormal."""
-    avg = exp_avg_sq_norm
-    avg.mul_(SNR_AVERAGE_BETA).add_(
-        torch.linalg.vector_norm(g_rot, dim=(1, 2)).square_(), alpha=1 - SNR_AVERAGE_BETA
-    )
-    rms = avg.div(1 - SNR_AVERAGE_BETA**t).sqrt_().clamp_min_(torch.finfo(avg.dtype).tiny)
+    sqrt(EMA‖G‖²_F) for the ``momentum`` m (m̂ = m / (1 − β1ᵗ)). Updates the EMA (in place on
+    ``exp_avg_sq_norm``, decay ``SNR_AVERAGE_BETA``); norms are the same in the eigenbasis: Q is
+    orthonormal."""
+    avg, g_norm = exp_avg_sq_norm, torch.linalg.vector_norm(g_rot, dim=(1, 2))
+    avg.mul_(SNR_AVERAGE_BETA).addcmul_(g_norm, g_norm, value=1 - SNR_AVERAGE_BETA)
+    # ‖m̂‖ / sqrt(EMA / (1 − βᵗ)) = ‖m‖ / sqrt(EMA · (1 − β1ᵗ)² / (1 − βᵗ)): both bias corrections in one scalar
+    corrections = (1 - beta1**t) ** 2 / (1 - SNR_AVERAGE_BETA**t)
+    rms = avg.mul(corrections).sqrt_().clamp_min_(torch.finfo(avg.dtype).tiny)
     rho = torch.linalg.vector_norm(momentum, dim=(1, 2)).div_(rms)
     if not adam:
         rho.div_(snr_floor(beta1))
@@ -134,25 +143,29 @@ def clipped_update(
     q_right: Tensor | None,
     clip: str,
     radius: float,
-    scale: Tensor | None,
+    step_alpha: float = 1.0,
     pull: Tensor | None = None,
+    pull_alpha: float = 1.0,
+    curvature: Tensor | None = None,
 ) -> Tensor:
-    """Δ = clip(Q_L U Q_Rᵀ + P) · scale: the update in the weights' space (a new tensor; ``U`` may
-    be overwritten). ``pull`` P: a part of the step given in the weights' space (None: none)."""
-    update = unrotate(step_rot, q_left, q_right)
-    if pull is not None:
-        update.add_(pull)
-    update = clip_update(update, clip, radius)
-    if scale is not None:
-        update.mul_(scale.view(-1, 1, 1))
-    return update
+    """Δ = clip((a·Q_L U Q_Rᵀ + b·P) / c): the update in the weights' space, a new tensor (``U`` is
+    not changed). ``step_alpha`` a, ``pull`` P (a part of the step given in the weights' space;
+    None: none) times ``pull_alpha`` b, ``curvature`` c: a divisor of both, ``(B, 1, 1)`` (None: 1)."""
+    update = unrotate_scaled(step_rot, q_left, q_right, step_alpha, pull, pull_alpha)
+    if curvature is not None:
+        update.div_(curvature)
+    return clip_update(update, clip, radius)
 
 
-def shampoo_statistics(stat: Tensor | None, grad: Tensor, beta3: float) -> Tensor:
-    """The EMA of ``grad @ grad.mT`` (L; pass ``grad.mT`` for R): in place on ``stat`` when it
-    exists, else the first term (1 − β3)·G Gᵀ."""
-    gg = gram(grad)
-    return stat.mul_(beta3).add_(gg, alpha=1 - beta3) if stat is not None else gg.mul_(1 - beta3)
+def shampoo_statistics(stat: Tensor | None, grad: Tensor, beta3: float, right: bool = False) -> Tensor:
+    """The EMA of ``grad @ grad.mT`` (L; ``right``: of ``grad.mT @ grad``, R): in place on ``stat``
+    when it exists, else the first term (1 − β3)·G Gᵀ."""
+    if stat is not None and not gram_is_blocked(grad):
+        # a plain product: one multiply-add in place, β3·L + (1 − β3)·G Gᵀ
+        a, b = (grad.mT, grad) if right else (grad, grad.mT)
+        return stat.baddbmm_(a, b, beta=beta3, alpha=1 - beta3)
+    gg = gram(grad.mT if right else grad)
+    return gg.mul_(1 - beta3) if stat is None else stat.mul_(beta3).add_(gg, alpha=1 - beta3)
 
 
 def refresh_bases(

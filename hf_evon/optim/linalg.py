@@ -46,6 +46,21 @@ def unrotate(x: Tensor, q_left: Tensor | None, q_right: Tensor | None) -> Tensor
     return x
 
 
+def unrotate_scaled(
+    x: Tensor, q_left: Tensor | None, q_right: Tensor | None, alpha: float, add: Tensor | None, beta: float
+) -> Tensor:
+    """``α·Q_L X Q_Rᵀ + β·C`` (``add`` C; None: 0) for stacks of one batch size: a new tensor, X
+    unchanged, the scalars and C folded into the last product (``baddbmm``)."""
+    if q_left is None and q_right is None:
+        out = x.mul(alpha)
+        return out if add is None else out.add_(add, alpha=beta)
+    a, b = (q_left, x) if q_right is None else (x if q_left is None else torch.bmm(q_left, x), q_right.mT)
+    if add is None:
+        out = torch.bmm(a, b)
+        return out if alpha == 1.0 else out.mul_(alpha)
+    return torch.baddbmm(add, a, b, beta=beta, alpha=alpha)
+
+
 # gram() halves the rows while both halves keep at least this many: smaller blocks save little
 # arithmetic and cost launches
 GRAM_MIN_BLOCK = 128
@@ -53,6 +68,11 @@ GRAM_MIN_BLOCK = 128
 # transposed block copies cost more there than the multiply-adds saved (one thread, 6×1024×256:
 # 26.7 vs 22.4 ms; Gᵀ G of 6×256×1024: 45.7 vs 20.8 ms). Accelerators use it; set True to count it.
 GRAM_BLOCKED_ON_CPU = False
+
+
+def gram_is_blocked(x: Tensor) -> bool:
+    """Whether :func:`gram` takes the blocked product for ``x`` by default (see ``GRAM_BLOCKED_ON_CPU``)."""
+    return GRAM_BLOCKED_ON_CPU or x.device.type != "cpu"
 
 
 def gram(x: Tensor, blocked: bool | None = None) -> Tensor:
@@ -68,7 +88,7 @@ def gram(x: Tensor, blocked: bool | None = None) -> Tensor:
     ``X @ X.mT`` (only the rounding of the sum may differ), and the result is exactly symmetric.
     """
     if blocked is None:
-        blocked = GRAM_BLOCKED_ON_CPU or x.device.type != "cpu"
+        blocked = gram_is_blocked(x)
     b, m, k = x.shape
     h = m // 2
     if not blocked:
@@ -188,19 +208,21 @@ def power_qr(stat: Tensor, q: Tensor, householder: bool | None = None) -> Tensor
     return new * signs
 
 
-def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise each matrix of a stack (singular values -> ~1), as Muon does."""
+def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7, scale: float = 1.0) -> Tensor:
+    """Approximately orthogonalise each matrix of a stack (singular values -> ~1), as Muon does;
+    the result times ``scale`` (folded into the last product)."""
     a, b, c = _NS_COEFFS
     single = x.dim() == 2
     y = x.unsqueeze(0) if single else x
     transposed = y.shape[-2] > y.shape[-1]
     y = y.mT if transposed else y
     y = y / (torch.linalg.matrix_norm(y, keepdim=True) + eps)
-    for _ in range(steps):
+    for i in range(steps):
         # a·Y + (b·YYᵀ + c·(YYᵀ)²)·Y, its scalings folded into the products (beta·C + alpha·A·B)
         gram = torch.bmm(y, y.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, poly, y, beta=a)
+        s = scale if i == steps - 1 else 1.0
+        y = torch.baddbmm(y, poly, y, beta=a * s, alpha=s)
     y = y.mT if transposed else y
     return y[0] if single else y
 
@@ -223,7 +245,7 @@ def clip_update(x: Tensor, mode: str, radius: float) -> Tensor:
         return newton_schulz(x)
     if mode == "whiten_rms":
         # min(m, n) singular values near 1 have entry RMS 1/sqrt(max(m, n)): scaled to ``radius``
-        return newton_schulz(x).mul_(radius * math.sqrt(max(x.shape[-2:])))
+        return newton_schulz(x, scale=radius * math.sqrt(max(x.shape[-2:])))
     raise ValueError(
         f"clip must be one of 'none', 'element', 'spectral', 'whiten', 'whiten_rms'; got {mode!r}"
     )

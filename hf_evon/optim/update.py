@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import Bucket, Plan, point_state_views
+from hf_evon.optim.buckets import Bucket, Plan, count_updates, point_state_views
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
@@ -31,6 +31,7 @@ __all__ = [
     "adamw_inputs",
     "adamw_update",
     "evon_update",
+    "evon_updates",
     "finite_flags",
     "hessian_candidate",
     "plan_update",
@@ -39,6 +40,8 @@ __all__ = [
 Tensor = torch.Tensor
 # group index -> (params, their gradients / num_samples, their state dicts)
 AdamWInputs = dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]
+# a bucket's step for its weights: (params, Δ in each one's shape, each one's scale or None)
+WeightStep = tuple[list[Tensor], list[Tensor], list[Tensor] | None]
 
 
 def plan_update(b: Bucket, num_samples: int) -> Plan | None:
@@ -56,7 +59,7 @@ def plan_update(b: Bucket, num_samples: int) -> Plan | None:
     grad = work.grads()
     # clipped, reduced or accumulated since the last sample's exit?
     unchanged = None if work.rotated_grads is None else torch.eq(grad, work.exit_grads).all()
-    return Plan(b, work, members, grad.div_(num_samples), unchanged=unchanged)
+    return Plan(b, work, members, grad.div_(num_samples) if num_samples > 1 else grad, unchanged=unchanged)
 
 
 def hessian_candidate(plan: Plan, num_samples: int) -> None:
@@ -75,6 +78,13 @@ def hessian_candidate(plan: Plan, num_samples: int) -> None:
     plan.hess = hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
 
 
+def all_finite(x: Tensor, signed: bool = True) -> Tensor:
+    """Whether every entry of the non-empty ``x`` is finite, as a device flag: its largest
+    magnitude is below inf (a NaN makes the maximum NaN, which is not); ``signed=False``: ``x`` is
+    known to be >= 0 where it is not NaN."""
+    return (x.abs() if signed else x).amax() < math.inf
+
+
 def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
     """Whether every gradient and every candidate Hessian is finite; also settles, in the same
     single device sync, which buckets may reuse their exit rotation."""
@@ -84,8 +94,8 @@ def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
         # every ‖G‖²_F finite, in one norm call: it bounds every entry of G Gᵀ and Gᵀ G (L and R
         # stay finite) and of AdamW's squared gradient
         norms = torch._foreach_norm(grads)
-        checks.append(torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]).square()).all())
-    checks += [torch.isfinite(plan.hess).all() for plan in plans if plan.hess is not None]
+        checks.append(all_finite(torch.stack([n.to(norms[0].device) for n in norms]).square(), signed=False))
+    checks += [all_finite(plan.hess) for plan in plans if plan.hess is not None]
     reusable = [plan for plan in plans if plan.unchanged is not None]
     flags = checks + [plan.unchanged for plan in reusable]
     values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
@@ -98,10 +108,12 @@ def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
 
 def evon_update(
     plan: Plan, num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]
-) -> None:
-    """Apply the planned step: H, momentum, the (clipped, scaled) Newton step to the weights,
-    the statistics and, where due, the eigenbasis refresh. ``member_state``: ``optimizer.state``
-    of a member."""
+) -> WeightStep | None:
+    """Apply the planned step to the state: H, momentum, the statistics and, where due, the
+    eigenbasis refresh. Returns the step for the weights, ``(params, Δ in each one's shape, each
+    one's scale s or None)``, applied as ``p -= lr·s·Δ`` by :func:`evon_updates` (one multi-tensor
+    op for all buckets of a group); None on the initialising step. ``member_state``:
+    ``optimizer.state`` of a member."""
     b, grad = plan.work, plan.grad
     g, st = b.group, b.state
     beta1, beta2 = g["betas"]
@@ -115,7 +127,7 @@ def evon_update(
         if b.right:
             st["Q_R"] = eigenbasis(st["R"])
         point_state_views(b, member_state, ("L", "R", "Q_L", "Q_R"))
-        return
+        return None
 
     t = b.t + 1
     g_rot = plan.g_rot if plan.g_rot is not None else b.rotated_mean_grad(grad, num_samples)
@@ -125,29 +137,32 @@ def evon_update(
     elif uses_fisher(g):
         # finite: every entry of G_rot² is at most ‖G‖²_F, which finite_flags checked
         fisher_update(hess, g_rot, beta2, t)
-    numer = momentum_update(st["exp_avg"], g_rot, beta1, t)
+    momentum = momentum_update(st["exp_avg"], g_rot, beta1)
+    correction = 1 - beta1**t  # m̂ = m / correction
     scale = None
     if g.get("snr_scaling", False) is not False and g["clip"] != "none":
-        scale = snr_scale(st["exp_avg_sq_norm"], numer, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
+        scale = snr_scale(st["exp_avg_sq_norm"], momentum, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
     pull = mean_pull(g)
     if g.get("step_curvature", "entry") == "matrix":
-        # one curvature c per matrix: the pull's part of Q_L (λ Q_Lᵀ M Q_R / c) Q_Rᵀ is λ M / c, as
-        # the bases are orthogonal, so the weights need no rotation
+        # one curvature c per matrix: the step is Q_L ((m̂ + λ Q_Lᵀ M Q_R) / c) Q_Rᵀ = (Q_L m̂ Q_Rᵀ +
+        # λ M) / c, as the bases are orthogonal, so the weights need no rotation
         curvature = matrix_curvature(hess, delta)
-        step_rot = numer.div_(curvature)  # U, in the eigenbasis
-        pull_step = b.matrices(b.params).mul_(pull).div_(curvature) if pull != 0.0 else None
+        weights = b.matrices(b.params) if pull != 0.0 else None
+        update = clipped_update(
+            momentum, *b.bases(), g["clip"], g["clip_radius"], 1 / correction, weights, pull, curvature
+        )
     else:
         mean_rot = b.rotated_mean() if pull != 0.0 else None
-        step_rot, pull_step = newton_step(numer, hess, delta, mean_rot, pull), None
-    update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"], scale, pull_step)
+        step_rot = newton_step(momentum / correction, hess, delta, mean_rot, pull)
+        update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"])
     if update.dtype != b.params[0].dtype:
         update = update.to(b.params[0].dtype)
-    # added in each parameter's own shape: works for any memory layout (channels_last)
-    torch._foreach_add_(*b.unstacked(update, range(len(b.params))), alpha=-g["lr"])
+    # in each parameter's own shape: works for any memory layout (channels_last)
+    params, deltas = b.unstacked(update, range(len(b.params)))
+    step = (params, deltas, None if scale is None else list(scale.unbind(0)))
 
     if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
         b.update_statistics(grad, beta3)
-    b.count_update()
     if b.preconditioned:
         f = g["precondition_frequency"]
         due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
@@ -155,6 +170,31 @@ def evon_update(
             b.refresh_bases(None if len(due) == len(b.params) else due)
     if plan.members is not None:
         plan.bucket.scatter(b, plan.members)
+    return step
+
+
+def evon_updates(
+    plans: list[Plan], num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]
+) -> None:
+    """:func:`evon_update` of every plan, then the weights' steps and the update counters, each
+    in one multi-tensor op for all buckets (the steps per group: rates and scaling are per group)."""
+    steps: dict[int, tuple[float, WeightStep]] = {}
+    stepped = []
+    for plan in plans:
+        if (step := evon_update(plan, num_samples, member_state)) is not None:
+            group = plan.work.group
+            _, (params, deltas, scales) = steps.setdefault(id(group), (group["lr"], ([], [], None if step[2] is None else [])))
+            params += step[0]
+            deltas += step[1]
+            if scales is not None:
+                scales += step[2]
+            stepped.append(plan.work)
+    for lr, (params, deltas, scales) in steps.values():
+        if scales is None:
+            torch._foreach_add_(params, deltas, alpha=-lr)
+        else:
+            torch._foreach_addcmul_(params, deltas, scales, value=-lr)
+    count_updates(stepped)
 
 
 def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:

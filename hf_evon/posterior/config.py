@@ -294,6 +294,7 @@ _CALIBRATION_KEYS = (
     ("grid", False, "list"),
     ("nll", False, "list"),
     ("scanned", False, "bool"),
+    ("screened", False, "list"),
 )
 
 

@@ -309,7 +309,14 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
     show = lambda v: _md(_fmt(v))  # noqa: E731
     return (
         f"Calibrated on {show(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
-        f"({show(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean): "
+        f"({show(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean"
+        + (
+            f"; {len(cal['screened'])} scale(s) with less noise screened out by one sample that barely moved "
+            "the predictions"
+            if cal.get("screened")
+            else ""
+        )
+        + "): "
         f"`ess` = {show(cal.get('ess'))} ({mult} × the trained {show(cal.get('trained_ess'))}; ∞ means no "
         f"scale predicted at least {show(100 * float(cal.get('min_gain', 0.0)))}% better than the mean"
         + (

@@ -65,6 +65,13 @@ TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 1
 # log-sum-exp over the classes per target and pass (a vocabulary's width for LMs).
 # measured: docs/trainer.md#calibration-temperature
 SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if t >= 1.0)
+# Walking from little noise to much, a scale is scored with all its S draws only from the first
+# whose first draw moves the held-out log p(label) by at least this many times ``min_gain`` of the
+# mean's NLL (per target, on average); the scales before it are screened out after that one draw.
+# BMA's gain over the mean is second order in the draws' moves, and along the walk (the same seeds
+# at every scale) the draws only move further. 0 (or min_gain = 0): every scale is scored.
+# measured: docs/trainer.md#calibration-screen
+SCREEN_FACTOR = 2.5
 # An underconfident mean is sharpened (T < 1) only where the held-out split holds at least this
 # many targets the mean gives less than even odds, and a cross-validation within the split says it
 # carries over: sharpening is rewarded on the targets the mean gets right, and a split with few
@@ -98,6 +105,9 @@ class CalibrationResult:
     tempered_mean_nll: float | None = None
     # False: the mean was not overconfident, so no scale was scored (BMA is the mean)
     scanned: bool = True
+    # the ess values screened out with one draw (SCREEN_FACTOR): too little noise to move predictions
+    screened: list[float] = field(default_factory=list)
+    screen_factor: float = SCREEN_FACTOR
 
     @property
     def multiplier(self) -> float:
@@ -124,6 +134,8 @@ class CalibrationResult:
             )
         else:
             scale = f"ess = {self.ess:.4g} = {self.multiplier:.3g} x the trained {self.trained_ess:.4g}"
+        if self.screened:
+            scale += f"; {len(self.screened)} quieter scale(s) screened out with one sample"
         temperature = ""
         if self.mean_temperature is not None:
             confident = "overconfident" if self.mean_temperature > 1 else "not overconfident"
@@ -151,6 +163,7 @@ class CalibrationResult:
         d = asdict(self)
         d["ess"], d["trained_ess"] = enc(self.ess), enc(self.trained_ess)
         d["grid"] = [enc(x) for x in self.grid]
+        d["screened"] = [enc(x) for x in self.screened]
         d["chosen_nll"] = self.chosen_nll
         d["method"] = "gridsearch (BMA NLL on held-out data)"
         return d
@@ -230,6 +243,7 @@ def calibrate_posterior(
     min_gain: float | None = None,
     temperature: bool = True,
     always_scan: bool = False,
+    screen_factor: float | None = None,
 ) -> tuple[Any, CalibrationResult]:
     """Choose the posterior's sampling ζ and softmax temperature T by BMA NLL on ``batches`` (held-out data).
 
@@ -263,12 +277,16 @@ def calibrate_posterior(
     The noise scales are scored only where the mean is overconfident there (its best T > 1;
     ``always_scan=True``: always): averaging samples softens predictions, so where the mean is
     not overconfident BMA is the mean, without the S × len(grid) sampled passes
-    (docs/trainer.md#calibration-scan-gate). Memory: the
+    (docs/trainer.md#calibration-scan-gate). Where they are scored, the scales whose first draw
+    moves the log-likelihoods by less than ``screen_factor`` × ``min_gain`` of the mean's NLL
+    (per target, on average, at the mean's temperature), up to the first one that moves them
+    more, cost that one pass and are not candidates (``screened``; docs/trainer.md#calibration-screen).
+    Memory: the
     log-probabilities of every target are kept, 8 bytes × S × targets per scale (× 13 temperatures
     while a scale is scored).
 
-    ``grid``, ``standard_errors``, ``min_gain`` left None take ``DEFAULT_GRID``,
-    ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01).
+    ``grid``, ``standard_errors``, ``min_gain``, ``screen_factor`` left None take ``DEFAULT_GRID``,
+    ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01), ``SCREEN_FACTOR`` (2.5; 0: no screen).
 
     Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config
     ``calibration`` and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at
@@ -277,6 +295,7 @@ def calibrate_posterior(
     grid = DEFAULT_GRID if grid is None else grid
     standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
     min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
+    screen_factor = SCREEN_FACTOR if screen_factor is None else screen_factor
     factors = sorted({float(f) for f in grid}, reverse=True)
     if not factors or any(not (f > 0.0 and math.isfinite(f)) for f in factors):
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
@@ -288,6 +307,10 @@ def calibrate_posterior(
     if not (_is_real(standard_errors) and standard_errors >= 0.0 and math.isfinite(standard_errors)):
         raise ValueError(
             f"calibrate_posterior: standard_errors must be a finite number >= 0; got {standard_errors!r}"
+        )
+    if not (_is_real(screen_factor) and screen_factor >= 0.0 and math.isfinite(screen_factor)):
+        raise ValueError(
+            f"calibrate_posterior: screen_factor must be a finite number >= 0; got {screen_factor!r}"
         )
     if not (_is_real(min_gain) and 0.0 <= min_gain < 1.0):
         raise ValueError(f"calibrate_posterior: min_gain must be a number in [0, 1); got {min_gain!r}")
@@ -316,14 +339,25 @@ def calibrate_posterior(
         temperatures = SOFTENING_TEMPERATURES if start > one else (1.0,)
         # per candidate: log p of each draw at its own temperature, [S, targets]
         draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
-        tried, nlls = [], []
+        tried, nlls, screened = [], [], []
         best = mean_nll  # the stop rule reads NLLs at T = 1: a temperature rescues any noise to ~log C
+        # the screen compares a scale's first draw with the mean at the mean's own temperature
+        screen_t, screen_ref = (start - one, mean_logp[start]) if start > one else (0, mean_logp[one])
+        tolerance = screen_factor * min_gain * float(-screen_ref.mean())
+        onset = not tolerance > 0.0
         for f in factors if scanned else ():
             candidate = posterior.with_ess(trained * f)
             logps = []
             for s in range(num_samples):
                 with candidate.sampled(model, seed=seed + s):
                     logps.append(_pass(model, batches, shift, temperatures))
+                if not onset:  # the first draw: does it move the predictions at all?
+                    onset = float((logps[0][screen_t] - screen_ref).abs().mean()) >= tolerance
+                    if not onset:
+                        break
+            if not onset:
+                screened.append(trained * f)
+                continue
             stacked = torch.stack(logps)  # [S, T, targets]
             t_nll = _bma_nll(stacked).mean(-1)
             t = int(t_nll.argmin())
@@ -357,6 +391,8 @@ def calibrate_posterior(
         temperatures=chosen_t[1:] if start != one else [],
         tempered_mean_nll=reference if start != one else None,
         scanned=scanned,
+        screened=screened,
+        screen_factor=float(screen_factor),
     )
     return result.apply(posterior), result
 
