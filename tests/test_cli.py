@@ -447,6 +447,17 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     assert EVONPosterior.from_pretrained(out).temperature == 1.0
     assert main([*argv, "--block-size", "16", "--samples", "2", "--json", "--standard-errors", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["standard_errors"] == 3.0
+    # --screen-factor reaches the rule: 1e6 screens out every scale, 0 none
+    scan = ["--block-size", "16", "--samples", "2", "--json", "--always-scan", "--screen-factor"]
+    assert main([*argv, *scan, "1e6"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["screen_factor"] == 1e6 and printed["grid"] == [] and len(printed["screened"]) == 9
+    assert main([*argv, *scan, "0"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["screen_factor"] == 0.0 and printed["screened"] == [] and len(printed["grid"]) > 0
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--screen-factor", "-1"])
+    assert refused.value.code == 2 and "--screen-factor" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:
         main([*argv, "--standard-errors", "-1"])
     assert refused.value.code == 2 and "--standard-errors" in capsys.readouterr().err

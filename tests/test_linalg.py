@@ -187,3 +187,38 @@ def test_eigenbasis_signs_do_not_depend_on_the_solver() -> None:
     torch.testing.assert_close(q.mT @ stat @ q, torch.diag_embed(evals), atol=1e-10, rtol=0)
     raw = torch.linalg.eigh(stat).eigenvectors.flip(-1)
     assert bool((torch.gather(raw, -2, raw.abs().argmax(dim=-2, keepdim=True)) < 0).any())
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 8), (2, 8, 5), (6, 6)])
+@pytest.mark.parametrize("steps", [5, 0])
+def test_newton_schulz_scale_multiplies_the_result(shape: tuple[int, ...], steps: int) -> None:
+    """``scale`` rides on the last product (or multiplies the normalised input when no step runs):
+    the result is ``scale`` times the unscaled one, for wide, tall and single matrices."""
+    from hf_evon.optim.linalg import newton_schulz
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = newton_schulz(x, steps=steps)
+    torch.testing.assert_close(newton_schulz(x, steps=steps, scale=2.75), 2.75 * plain, rtol=1e-12, atol=1e-14)
+    assert plain.shape == x.shape
+
+
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("right", [True, False])
+@pytest.mark.parametrize("add", [True, False])
+def test_unrotate_scaled_is_alpha_q_x_qt_plus_beta_c_in_a_new_tensor(left: bool, right: bool, add: bool) -> None:
+    from hf_evon.optim.linalg import unrotate_scaled
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64)
+    q_l = torch.linalg.qr(torch.randn(2, 4, 4, generator=gen, dtype=torch.float64)).Q if left else None
+    q_r = torch.linalg.qr(torch.randn(2, 3, 3, generator=gen, dtype=torch.float64)).Q if right else None
+    c = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64) if add else None
+    before = x.clone()
+    out = unrotate_scaled(x, q_l, q_r, 0.5, c, -3.0)
+    expected = 0.5 * (q_l if left else torch.eye(4, dtype=torch.float64)) @ x @ (
+        q_r.mT if right else torch.eye(3, dtype=torch.float64)
+    )
+    if add:
+        expected = expected - 3.0 * c
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(x, before) and out.data_ptr() != x.data_ptr()

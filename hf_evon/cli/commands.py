@@ -451,6 +451,12 @@ def _add_calibrate(subparsers: Any) -> None:
         help="score the sampling scales even where the mean is not overconfident on the data "
         "(by default BMA is then the mean, without sampled passes)",
     )  # fmt: skip
+    p.add_argument(
+        "--screen-factor", type=_non_negative_float, default=None, metavar="F",
+        help="score a scale with all its samples only from the first whose first sample moves the "
+        "log-likelihoods by F x the minimum gain of the mean's NLL; quieter scales before it cost one "
+        "pass (default: hf_evon.predictive.calibration.SCREEN_FACTOR, 2.5; 0: score every scale)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")
 
@@ -486,7 +492,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     calibrated, result = calibrate_posterior(
         model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True,
         standard_errors=args.standard_errors, min_gain=args.min_gain, temperature=not args.no_temperature,
-        always_scan=args.always_scan,
+        always_scan=args.always_scan, screen_factor=args.screen_factor,
     )  # fmt: skip
     try:
         calibrated.save_pretrained(args.output)

@@ -223,6 +223,8 @@ def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7, scale: float = 1
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         s = scale if i == steps - 1 else 1.0
         y = torch.baddbmm(y, poly, y, beta=a * s, alpha=s)
+    if steps < 1 and scale != 1.0:
+        y = y * scale
     y = y.mT if transposed else y
     return y[0] if single else y
 
