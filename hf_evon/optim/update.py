@@ -183,7 +183,8 @@ def evon_updates(
     for plan in plans:
         if (step := evon_update(plan, num_samples, member_state)) is not None:
             group = plan.work.group
-            _, (params, deltas, scales) = steps.setdefault(id(group), (group["lr"], ([], [], None if step[2] is None else [])))
+            empty: WeightStep = ([], [], None if step[2] is None else [])
+            _, (params, deltas, scales) = steps.setdefault(id(group), (group["lr"], empty))
             params += step[0]
             deltas += step[1]
             if scales is not None:
