@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -32,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "paper"))
 import payoff  # noqa: E402
-import torch  # noqa: E402
+import table2_finetune as t2  # noqa: E402
 
 from hf_evon import EVONPosterior  # noqa: E402
 from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
@@ -41,11 +40,9 @@ RULES = {"screened": None, "every scale": 0.0}  # rule -> screen_factor (None: t
 
 
 def make_task(name: str, seed: int) -> payoff.Task:
-    if name == "noisy_digits":
-        return payoff.make_task(name, seed, False)
-    import table2_finetune as t2
-
-    return t2.make_task(name, seed, False, t2.text_data([name.split("/")[0]]), "cpu")
+    """Table 2's task on the CPU (its texts built only for a text task)."""
+    data = {} if name == "noisy_digits" else t2.text_data([name.split("/")[0]])
+    return t2.make_task(name, seed, False, data, "cpu")
 
 
 def run(name: str, seed: int) -> dict[str, Any]:
@@ -80,16 +77,7 @@ def run(name: str, seed: int) -> dict[str, Any]:
     if (a["multiplier"], a["temperature"]) != (b["multiplier"], b["temperature"]):
         mean = payoff.log_probs(model, task.test, task.shift)
         for rule, calibrated in chosen.items():
-            t = calibrated.temperature
-            if math.isinf(calibrated.ess):
-                logp = torch.log_softmax(mean[0] / t, -1)
-            else:
-
-                def sample(s: int, calibrated: Any = calibrated, t: float = t) -> torch.Tensor:
-                    with calibrated.sampled(model, seed=s):
-                        return torch.log_softmax(payoff.log_probs(model, task.test, task.shift)[0] / t, -1)
-
-                logp = payoff.bma(sample, [8])[8]
+            logp = payoff.calibrated_bma(task, model, calibrated, mean, [8])[8]
             row[rule]["test_nll"] = payoff.scores(logp, mean[1])["nll"]
     return row
 

@@ -570,6 +570,23 @@ def run_ivon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     }
 
 
+def calibrated_bma(
+    task: Task, model: nn.Module, calibrated: Any, mean: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
+) -> dict[int, torch.Tensor]:
+    """BMA log-probabilities on the test split at the calibrated posterior's ζ and softmax
+    temperature T (``log_softmax(log p / T)`` = ``log_softmax(logits / T)``), per number of samples;
+    ``mean``: the test split's log-probabilities at the mean."""
+    t = calibrated.temperature
+
+    def sample(s: int) -> torch.Tensor:
+        with calibrated.sampled(model, seed=s):
+            return torch.log_softmax(log_probs(model, task.test, task.shift)[0] / t, -1)
+
+    # at ζ = ∞ every sample is the mean, bit for bit (tests/test_calibration.py): no need to draw them
+    tempered_mean = torch.log_softmax(mean[0] / t, -1)
+    return {k: tempered_mean for k in sizes} if math.isinf(calibrated.ess) else bma(sample, sizes)
+
+
 def calibrated_bma_rows(
     name: str,
     task: Task,
@@ -584,15 +601,7 @@ def calibrated_bma_rows(
     calibrated, result = calibrate_posterior(
         model, posterior, as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed
     )
-    t = result.temperature
-
-    def sample(s: int) -> torch.Tensor:
-        with calibrated.sampled(model, seed=s):
-            return torch.log_softmax(log_probs(model, task.test, task.shift)[0] / t, -1)
-
-    # at ζ = ∞ every sample is the mean, bit for bit (tests/test_calibration.py): no need to draw them
-    tempered_mean = torch.log_softmax(mean[0] / t, -1)
-    bmas = {k: tempered_mean for k in sizes} if math.isinf(result.ess) else bma(sample, sizes)
+    bmas = calibrated_bma(task, model, calibrated, mean, sizes)
     rows: dict[str, Any] = {f"{name} calibrated BMA@{k}": scores(logp, mean[1]) for k, logp in bmas.items()}
     rows[f"_{name} calibration"] = {
         "trained_ess": result.trained_ess,

@@ -130,7 +130,12 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     assert again.min_gain == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll])
     assert (result.min_gain, result.standard_errors) == (0.01, 1.0) and again.nll == pytest.approx(result.nll)
     assert tr.calibrate(standard_errors=2.0).standard_errors == 2.0
-    assert result.screen_factor == 2.5 and tr.calibrate(screen_factor=0.0).screened == []
+    # screen_factor reaches the rule: 1e6 screens out every scale, 0 none
+    assert result.screen_factor == 2.5
+    everything = tr.calibrate(always_scan=True, screen_factor=1e6)
+    assert everything.screen_factor == 1e6 and everything.grid == [] and len(everything.screened) == 9
+    nothing = tr.calibrate(always_scan=True, screen_factor=0.0)
+    assert nothing.screened == [] and len(nothing.grid) > 0
     # a further optimizer step makes the calibration stale: the trained scale is back
     tr.state.global_step += 1
     assert tr.current_posterior().ess == result.trained_ess
