@@ -72,6 +72,14 @@ from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 Batch = tuple[Any, torch.Tensor]  # (model inputs: a tensor or a dict of tensors, labels)
 
 
+# laplace-torch's grid for the prior precision over LoRA adapters: its own default, 100 points
+# 10^-4 … 10^4 (a fast run takes 5: each point is a variance for every calibration example)
+ADAPTER_LAPLACE_GRID = 100
+# examples per laplace-torch batch over the adapters: the GLM predictive's Jacobians take
+# (examples × classes × trainable weights) floats, about 5 MB per example and class on MiniLM's LoRA
+ADAPTER_LAPLACE_CHUNK = 8
+
+
 @dataclass
 class Task:
     name: str
@@ -84,6 +92,7 @@ class Task:
     shift: bool  # causal LM: labels are the inputs, shifted
     classification: bool
     lr_scale: float = 1.0  # every method's rate times this (a random search's draw; 1: its default)
+    laplace_grid: int = ADAPTER_LAPLACE_GRID  # prior precisions the adapters' Laplace tries
 
     def to(self, device: str | torch.device) -> Task:
         """The task with its batches on ``device`` and its models built there."""
@@ -249,6 +258,7 @@ def text_task(
     seed: int,
     epochs: int,
     noise: float = 0.0,
+    laplace_grid: int = ADAPTER_LAPLACE_GRID,
 ) -> Task:
     """The pretrained MiniLM fine-tuned (``lora`` or fully) on (texts, labels): batches of 16 in the
     given order; the held-out texts split in half per seed (calibration, test); ``noise``: that share
@@ -275,7 +285,7 @@ def text_task(
         name, lambda s: minilm_model(num_labels, s, lora),
         batches(train_texts, train_labels, 16), batches(*pick(cal_i), 64),
         batches(*pick(test_i), 64), epochs=epochs, adamw_lr=1e-3 if lora else 1e-4,
-        shift=False, classification=True,
+        shift=False, classification=True, laplace_grid=laplace_grid,
     )  # fmt: skip
 
 
@@ -289,7 +299,8 @@ def make_task(name: str, seed: int, fast: bool) -> Task:
     if name == "tiny_gpt2":
         return lm_task(seed, fast)
     if name in MINILM_TASKS:
-        return minilm_task(name.endswith("lora"), seed, fast, noisy="noisy" in name)
+        task = minilm_task(name.endswith("lora"), seed, fast, noisy="noisy" in name)
+        return dataclasses.replace(task, laplace_grid=5) if fast else task
     raise ValueError(f"unknown task {name!r}")
 
 
@@ -420,19 +431,11 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
     head = copy.deepcopy(head)
     cal_feats, test_feats = last_layer_features(model, task.cal)[1], last_layer_features(model, task.test)[1]
 
-    class Loader(list):
-        """A list of batches with the ``dataset`` length laplace-torch reads for its scaling."""
-
-    def loader(batches: list[Batch]) -> Any:
-        out = Loader(batches)
-        out.dataset = range(sum(len(y) for _, y in batches))
-        return out
-
     la = Laplace(head, "classification", subset_of_weights="all", hessian_structure="kron")
-    la.fit(loader(train_feats))
+    la.fit(_laplace_loader(train_feats))
     la.optimize_prior_precision(
         method="gridsearch",
-        val_loader=loader(cal_feats),
+        val_loader=_laplace_loader(cal_feats),
         pred_type="glm",
         link_approx="probit",
         progress_bar=False,
@@ -443,6 +446,93 @@ def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
         ).cpu()
     labels = torch.cat([y for _, y in test_feats]).cpu()
     return scores(probs.clamp_min(1e-300).log(), labels)
+
+
+class _Logits(nn.Module):
+    """``model``'s logits for laplace-torch, which calls a model on the whole batch mapping (its
+    ``labels`` included) and reads the targets from ``batch["labels"]``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return forward(self.model, {k: v for k, v in batch.items() if k != "labels"})
+
+
+def _laplace_loader(batches: list[Batch], chunk: int | None = None) -> Any:
+    """``batches`` as laplace-torch reads them: a sized list (its ``dataset`` length scales the
+    likelihood) of (inputs, labels), or of mappings holding ``labels`` where inputs are mappings;
+    ``chunk``: at most that many examples per batch."""
+
+    class Loader(list):
+        pass
+
+    if chunk is not None:
+        cut = lambda x, i: {k: v[i : i + chunk] for k, v in x.items()} if isinstance(x, Mapping) else x[i : i + chunk]  # noqa: E731
+        batches = [(cut(x, i), y[i : i + chunk]) for x, y in batches for i in range(0, len(y), chunk)]
+    out = Loader([{**x, "labels": y} if isinstance(x, Mapping) else (x, y) for x, y in batches])
+    out.dataset = range(sum(len(y) for _, y in batches))
+    return out
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (False where PEFT is not installed)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def glm_probit(la: Any, f_mu: torch.Tensor, Js: torch.Tensor) -> torch.Tensor:
+    """laplace-torch's GLM predictive with its probit link (``la(x, pred_type="glm",
+    link_approx="probit")``), from the outputs ``f_mu`` and Jacobians ``Js`` of a batch."""
+    f_var = la.functional_variance(Js)
+    kappa = 1 / torch.sqrt(1.0 + math.pi / 8 * f_var.diagonal(dim1=1, dim2=2))
+    return torch.softmax(kappa * f_mu, dim=-1)
+
+
+def adapter_laplace(task: Task, model: nn.Module, grid_size: int = ADAPTER_LAPLACE_GRID) -> Any:
+    """laplace-torch's KFAC Laplace over the weights a PEFT model trains (its LoRA adapters and
+    its ``modules_to_save`` head; the frozen pretrained weights are not in it), as Laplace-LoRA
+    (Yang et al., 2024) does, fitted on the training split. Its prior precision is laplace-torch's
+    grid search on the calibration split (the same grid, GLM probit predictive and NLL: a test
+    holds the two equal), with each example's Jacobians computed once instead of once per grid
+    point: they do not depend on the prior. Returns the fitted Laplace."""
+    from laplace import Laplace
+
+    model.eval()
+    la = Laplace(_Logits(model), "classification", subset_of_weights="all", hessian_structure="kron")
+    la.fit(_laplace_loader(task.train, ADAPTER_LAPLACE_CHUNK), progress_bar=False)
+    grid = torch.logspace(-4, 4, grid_size)
+    nll = torch.zeros(grid_size, dtype=torch.float64)
+    for batch in _laplace_loader(task.cal, ADAPTER_LAPLACE_CHUNK):
+        Js, f_mu = la.backend.jacobians(batch)
+        for i, precision in enumerate(grid):
+            la.prior_precision = precision
+            probs = glm_probit(la, f_mu.detach(), Js.detach())
+            nll[i] += F.nll_loss(probs.log(), batch["labels"], reduction="sum").double().cpu()
+    la.prior_precision = grid[int(torch.argmin(nll))]
+    return la
+
+
+def adapter_laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
+    """``adapter_laplace``'s test scores (its GLM probit predictive)."""
+    try:
+        import laplace  # noqa: F401
+    except ImportError:
+        return "laplace-torch not installed"
+    if not task.classification:
+        return "n/a: laplace-torch's classification likelihood needs one label per input"
+    la = adapter_laplace(task, model, task.laplace_grid)
+    test = _laplace_loader(task.test, ADAPTER_LAPLACE_CHUNK)
+    probs = []
+    for batch in test:
+        Js, f_mu = la.backend.jacobians(batch)
+        probs.append(glm_probit(la, f_mu.detach(), Js.detach()).double().cpu())
+    labels = torch.cat([batch["labels"] for batch in test]).cpu()
+    return scores(torch.cat(probs).clamp_min(1e-300).log(), labels)
 
 
 # ---------------------------------------------------------------------------------- methods
@@ -471,6 +561,7 @@ def run_adamw(task: Task, seed: int) -> dict[str, Any]:
         "_adamw": {"temperature": temp},
         **rows,
         "Laplace (last layer, laplace-torch)": laplace_rows(task, model),
+        **({"Laplace (LoRA adapters, laplace-torch)": adapter_laplace_rows(task, model)} if is_peft(model) else {}),
     }
 
 
@@ -650,14 +741,16 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """task -> row -> metric -> (mean, sd) over seeds; strings (n/a reasons) kept."""
+    """task -> row -> metric -> (mean, sd) over seeds; strings (n/a reasons) kept: a row that is
+    one on any seed (not run there) has no mean."""
     out: dict[str, dict[str, Any]] = {}
     for task, seeds in runs.items():
         out[task] = {}
         for row in seeds[0]:
             vals = [s[row] for s in seeds]
-            if isinstance(vals[0], str):
-                out[task][row] = vals[0]
+            reasons = [v for v in vals if isinstance(v, str)]
+            if reasons:
+                out[task][row] = reasons[0]
                 continue
             out[task][row] = {
                 k: mean_sd([v[k] for v in vals]) for k in vals[0] if isinstance(vals[0][k], int | float)

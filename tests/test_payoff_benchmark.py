@@ -103,6 +103,70 @@ def test_last_layer_features_are_the_inputs_of_the_active_logits_layer() -> None
     assert torch.allclose(feats[0][0], pooled, atol=0, rtol=0)
 
 
+def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite_prior() -> None:
+    """Laplace-LoRA's row: laplace-torch's Laplace over the LoRA adapters and the head only (the
+    frozen weights neither in it nor moved); its grid search over the prior precision picks what
+    laplace-torch's own picks; its GLM probit predictive is laplace-torch's, the model's softmax
+    when the prior precision is huge, and softer (higher entropy) when the prior is weak."""
+    pytest.importorskip("laplace")
+    import peft
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=3,
+    )  # fmt: skip
+    model = peft.get_peft_model(
+        BertForSequenceClassification(cfg),
+        peft.LoraConfig(r=2, target_modules=["query", "value"], modules_to_save=["classifier"]),
+    )
+    with torch.no_grad():  # B starts at zero: give the adapters a value, and the head confidence
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.normal_(0.0, 3.0)
+
+    def batches(n: int, size: int) -> list:
+        return [
+            ({"input_ids": torch.randint(0, 30, (size, 7)), "attention_mask": torch.ones(size, 7, dtype=torch.long)},
+             torch.randint(0, 3, (size,)))
+            for _ in range(n)
+        ]  # fmt: skip
+
+    task = payoff.Task("tiny", lambda s: model, batches(3, 12), batches(1, 12), batches(2, 10), 1, 1e-3, False, True)
+    assert payoff.is_peft(model) and not payoff.is_peft(model.base_model.model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    from laplace import Laplace
+
+    la = payoff.adapter_laplace(task, model, grid_size=9)
+    ref = Laplace(payoff._Logits(model), "classification", subset_of_weights="all", hessian_structure="kron")
+    ref.fit(payoff._laplace_loader(task.train, payoff.ADAPTER_LAPLACE_CHUNK))
+    ref.optimize_prior_precision(
+        method="gridsearch", val_loader=payoff._laplace_loader(task.cal, payoff.ADAPTER_LAPLACE_CHUNK),
+        pred_type="glm", link_approx="probit", grid_size=9,
+    )  # fmt: skip
+    assert float(la.prior_precision) == float(ref.prior_precision) not in (1e-4, 1e4)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert la.n_params == trainable < sum(p.numel() for p in model.parameters())
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+    x = {k: torch.cat([b[0][k] for b in task.test]) for k in task.test[0][0]}
+    with torch.no_grad():
+        mean = torch.softmax(model(**x).logits, -1)
+        la.prior_precision = 1e12
+        tight = la(x, pred_type="glm", link_approx="probit")
+        la.prior_precision = 1e-4
+        loose = la(x, pred_type="glm", link_approx="probit")
+        Js, f_mu = la.backend.jacobians(x)
+        assert torch.allclose(payoff.glm_probit(la, f_mu, Js), loose, atol=1e-6, rtol=0)
+    entropy = lambda p: -(p * p.log()).sum(-1)  # noqa: E731
+    assert torch.allclose(tight, mean, atol=1e-5)
+    assert entropy(mean).mean() < 0.9 and (entropy(loose) > entropy(mean) + 1e-2).all()
+    rows = payoff.adapter_laplace_rows(task, model)
+    assert set(rows) == {"accuracy", "nll", "ece", "brier"} and rows["nll"] > 0
+
+
 def test_ivon_leaves_frozen_parameters_alone() -> None:
     """A LoRA model's frozen base weights must not be sampled or decayed by the IVON baseline."""
     ivon = pytest.importorskip("ivon")
@@ -252,3 +316,12 @@ def test_a_task_moves_to_a_device_and_its_rates_scale_with_lr_scale() -> None:
         expected.param_groups[0]["lr"]
         != build_optimizer(task.make_model(0), learning_rate=task.adamw_lr).param_groups[0]["lr"]
     )
+
+
+def test_a_row_missing_on_one_seed_has_no_mean_but_its_reason() -> None:
+    """A tuned row run on seed 0 but not on the others (the search stopped at its time limit)
+    is reported by why, not averaged over the seeds it has, nor does it break the summary."""
+    runs = {"t": [{"r": {"nll": 1.0}, "s": {"nll": 2.0}}, {"r": "not run (time limit)", "s": {"nll": 4.0}}]}
+    summary = payoff.summarize(runs)
+    assert summary["t"]["r"] == "not run (time limit)"
+    assert summary["t"]["s"]["nll"][0] == 3.0

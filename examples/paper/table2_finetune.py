@@ -15,7 +15,8 @@ scratch on noisy digits (``benchmarks/payoff.py``'s ``noisy_digits``) is the fif
     reference_topic  6 classes: a paragraph of the language reference (``pydoc_data``) -> its topic
 
 Rows, each with its own conventions (``benchmarks/payoff.py`` holds them): AdamW, AdamW +
-temperature scaling, laplace-torch's last-layer KFAC Laplace on the AdamW model, IVON (ivon-opt)
+temperature scaling, laplace-torch's KFAC Laplace on the AdamW model (its last layer; and for LoRA
+also over the adapters and the head, as Laplace-LoRA), IVON (ivon-opt)
 at BMA@32, ``EVON(identity_basis=True)`` (EVON without the rotation) at BMA@32, SOAP
 (pytorch-optimizer), EVON's mean and EVON@8/@32. The variational rows get the same post-hoc
 calibration of ζ (``calibrate_posterior``) on the calibration split.
@@ -180,7 +181,7 @@ def make_task(name: str, seed: int, fast: bool, data: dict[str, Any], device: st
     split = lambda rows: ([t for t, _ in rows], [y for _, y in rows])  # noqa: E731
     return payoff.text_task(
         name, split(d["train"]), split(d["held"]), len(d["classes"]), variant == "lora", seed,
-        epochs=2 if fast else 20, noise=0.3,
+        epochs=2 if fast else 20, noise=0.3, laplace_grid=5 if fast else payoff.ADAPTER_LAPLACE_GRID,
     ).to(device)  # fmt: skip
 
 
@@ -371,6 +372,7 @@ MAIN_ROWS = (
     ("AdamW", "AdamW"),
     ("AdamW + T", "AdamW + temperature"),
     ("Laplace (LL)", "Laplace (last layer, laplace-torch)"),
+    ("Laplace (LoRA)", "Laplace (LoRA adapters, laplace-torch)"),
     ("SOAP", "SOAP (pytorch-optimizer)"),
     ("IVON@32", "IVON (ivon-opt) calibrated BMA@32"),
     ("EVON diag.@32", "EVON diagonal (identity_basis) calibrated BMA@32"),
@@ -409,7 +411,7 @@ def plot(plt: Any, summary: dict[str, Any], size: int) -> Any:
     tuned = any(r.endswith("[tuned]") and isinstance(v, dict) for t in tasks for r, v in summary[t].items())
     width = 0.4 if tuned else 0.8
     colors = {
-        "AdamW": COLORS["AdamW"], "AdamW + T": "#f5b971", "Laplace (LL)": "#999999", "SOAP": COLORS["SOAP"],
+        "AdamW": COLORS["AdamW"], "AdamW + T": "#f5b971", "Laplace (LL)": "#999999", "Laplace (LoRA)": "#cccccc", "SOAP": COLORS["SOAP"],
         "IVON@32": COLORS["IVON"], "EVON diag.@32": "#9ecae1", "EVON mean": "#f4a582", "EVON@8": "#d6604d",
         "EVON@32": COLORS["EVON"],
     }  # fmt: skip
