@@ -106,7 +106,8 @@ def test_last_layer_features_are_the_inputs_of_the_active_logits_layer() -> None
 def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite_prior() -> None:
     """Laplace-LoRA's row: laplace-torch's Laplace over the LoRA adapters and the head only (the
     frozen weights neither in it nor moved); its grid search over the prior precision picks what
-    laplace-torch's own picks; its GLM probit predictive is laplace-torch's, the model's softmax
+    laplace-torch's own picks, its variances at every precision at once are laplace-torch's at
+    each; its GLM probit predictive is laplace-torch's, the model's softmax
     when the prior precision is huge, and softer (higher entropy) when the prior is weak."""
     pytest.importorskip("laplace")
     import peft
@@ -160,6 +161,12 @@ def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite
         loose = la(x, pred_type="glm", link_approx="probit")
         Js, f_mu = la.backend.jacobians(x)
         assert torch.allclose(payoff.glm_probit(la, f_mu, Js), loose, atol=1e-6, rtol=0)
+        precisions = torch.tensor([1e-3, 0.7, 50.0])
+        at_once = payoff.kron_variances(la, Js, precisions)
+        for i, precision in enumerate(precisions):
+            la.prior_precision = precision
+            one = la.functional_variance(Js).diagonal(dim1=1, dim2=2)
+            assert torch.allclose(at_once[..., i], one, rtol=1e-4, atol=0)
     entropy = lambda p: -(p * p.log()).sum(-1)  # noqa: E731
     assert torch.allclose(tight, mean, atol=1e-5)
     assert entropy(mean).mean() < 0.9 and (entropy(loose) > entropy(mean) + 1e-2).all()

@@ -181,7 +181,7 @@ def make_task(name: str, seed: int, fast: bool, data: dict[str, Any], device: st
     split = lambda rows: ([t for t, _ in rows], [y for _, y in rows])  # noqa: E731
     return payoff.text_task(
         name, split(d["train"]), split(d["held"]), len(d["classes"]), variant == "lora", seed,
-        epochs=2 if fast else 20, noise=0.3, laplace_grid=5 if fast else payoff.ADAPTER_LAPLACE_GRID,
+        epochs=2 if fast else 20, noise=0.3,
     ).to(device)  # fmt: skip
 
 
