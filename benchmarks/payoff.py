@@ -640,8 +640,9 @@ def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int, lr: float = 0.1) -
 
 
 class IVONPosterior:
-    """ivon-opt's posterior as ``calibrate_posterior`` uses one (``ess``, ``config``,
-    ``with_ess``, ``sampled``), so IVON gets the same calibration of its ζ as EVON."""
+    """ivon-opt's posterior as ``calibrate_posterior`` and ``calibrated_bma`` use one (``ess``,
+    ``config``, ``with_ess``, ``with_temperature``, ``temperature``, ``sampled``), so IVON gets the
+    same calibration of its ζ and BMA as EVON."""
 
     def __init__(self, opt: torch.optim.Optimizer, ess: float, config: dict[str, Any] | None = None) -> None:
         self.opt, self.ess, self.config = opt, ess, dict(config or {})
@@ -651,6 +652,11 @@ class IVONPosterior:
 
     def with_temperature(self, temperature: float) -> IVONPosterior:
         return IVONPosterior(self.opt, self.ess, {**self.config, "temperature": temperature})
+
+    @property
+    def temperature(self) -> float:
+        """The softmax temperature BMA divides the log-probabilities by (1 until calibrated)."""
+        return float(self.config.get("temperature", 1.0))
 
     @contextlib.contextmanager
     def sampled(self, model: nn.Module, seed: int) -> Any:

@@ -332,3 +332,19 @@ def test_a_row_missing_on_one_seed_has_no_mean_but_its_reason() -> None:
     summary = payoff.summarize(runs)
     assert summary["t"]["r"] == "not run (time limit)"
     assert summary["t"]["s"]["nll"][0] == 3.0
+
+
+def test_ivon_rows_run_end_to_end_and_its_bma_uses_the_calibrated_temperature() -> None:
+    """IVON's rows on a fast task: its calibrated BMA is drawn at the ζ and temperature the
+    calibration chose (its posterior stand-in carries the temperature as EVON's does)."""
+    pytest.importorskip("ivon")
+    import math
+
+    task = payoff.make_task("noisy_digits", 0, True)
+    rows = payoff.run_ivon(task, 0, [2])
+    cal = rows["_IVON (ivon-opt) calibration"]
+    bma = rows["IVON (ivon-opt) calibrated BMA@2"]
+    assert cal["calibrated_temperature"] > 0 and math.isfinite(bma["nll"])
+    posterior = payoff.IVONPosterior(None, 1.0).with_temperature(cal["calibrated_temperature"])
+    assert posterior.temperature == cal["calibrated_temperature"]
+    assert payoff.IVONPosterior(None, 1.0).temperature == 1.0
