@@ -26,7 +26,8 @@ fine-tuning):
 Rows: AdamW (a per-kind standard rate: 1e-3 from scratch and for LoRA, 1e-4 for full
 fine-tuning); AdamW + temperature scaling; laplace-torch's last-layer KFAC Laplace on the
 AdamW model (prior precision by its own grid search on the calibration split; probit
-predictive; classification only); IVON (ivon-opt with its own conventions: lr 0.1 in its
+predictive; classification only), and on LoRA its KFAC Laplace over the adapters and the head
+as well (Laplace-LoRA; the same grid search and predictive); IVON (ivon-opt with its own conventions: lr 0.1 in its
 rescaled convention, ess = N, its other defaults) at the mean and at BMA@8/@32 after the same
 calibration of ζ as EVON's (``calibrate_posterior``); EVON (``build_optimizer`` defaults; the
 AdamW part at the task's AdamW rate, as ``EVONTrainer`` takes ``learning_rate`` for it) at the
