@@ -105,8 +105,8 @@ def test_last_layer_features_are_the_inputs_of_the_active_logits_layer() -> None
 
 def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite_prior() -> None:
     """Laplace-LoRA's row: laplace-torch's Laplace over the LoRA adapters and the head only (the
-    frozen weights neither in it nor moved); its grid search over the prior precision picks what
-    laplace-torch's own picks, its variances at every precision at once are laplace-torch's at
+    frozen weights neither in it nor moved); its grid search over the prior precision picks the
+    precision of lowest laplace-torch validation NLL, its variances at every precision at once are laplace-torch's at
     each; its GLM probit predictive is laplace-torch's, the model's softmax
     when the prior precision is huge, and softer (higher entropy) when the prior is weak."""
     pytest.importorskip("laplace")
@@ -140,14 +140,23 @@ def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     from laplace import Laplace
 
-    la = payoff.adapter_laplace(task, model, grid_size=9)
+    la = payoff.kron_laplace(payoff._Logits(model.eval()), task.train, task.cal, grid_size=9)
+    from laplace.utils.metrics import RunningNLLMetric
+    from laplace.utils.utils import validate
+
+    # the reference: laplace-torch's own validation NLL at each grid point, a fresh metric for each
+    # (its optimize_prior_precision(gridsearch) 0.3 reuses one metric across the grid, so each
+    # point's loss there is a running mean over the points before it)
     ref = Laplace(payoff._Logits(model), "classification", subset_of_weights="all", hessian_structure="kron")
-    ref.fit(payoff._laplace_loader(task.train, payoff.ADAPTER_LAPLACE_CHUNK))
-    ref.optimize_prior_precision(
-        method="gridsearch", val_loader=payoff._laplace_loader(task.cal, payoff.ADAPTER_LAPLACE_CHUNK),
-        pred_type="glm", link_approx="probit", grid_size=9,
-    )  # fmt: skip
-    assert float(la.prior_precision) == float(ref.prior_precision) not in (1e-4, 1e4)
+    ref.fit(payoff._laplace_loader(task.train, payoff.LAPLACE_CHUNK))
+    grid = torch.logspace(-4, 4, 9)
+    losses = []
+    for precision in grid:
+        ref.prior_precision = precision
+        loader = payoff._laplace_loader(task.cal, payoff.LAPLACE_CHUNK)
+        losses.append(validate(ref, loader, RunningNLLMetric(), pred_type="glm", link_approx="probit", dict_key_y="labels"))
+    best = grid[min(range(len(grid)), key=losses.__getitem__)]
+    assert float(la.prior_precision) == float(best) not in (1e-4, 1e4)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert la.n_params == trainable < sum(p.numel() for p in model.parameters())
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
@@ -348,3 +357,29 @@ def test_ivon_rows_run_end_to_end_and_its_bma_uses_the_calibrated_temperature() 
     posterior = payoff.IVONPosterior(None, 1.0).with_temperature(cal["calibrated_temperature"])
     assert posterior.temperature == cal["calibrated_temperature"]
     assert payoff.IVONPosterior(None, 1.0).temperature == 1.0
+
+
+@pytest.mark.parametrize("method", ["adamw", "soap", "ivon", "evon", "evon_diag"])
+def test_every_method_runs_end_to_end_and_gives_the_row_a_search_selects_on(method) -> None:
+    """Each of payoff's methods on a fast task: its scores are finite metrics in [0, 1] where they
+    are rates, and it gives the ``_selection`` row (the point estimate's calibration NLL) that
+    examples/paper/table2_finetune.py's search reads, under the name that script looks for."""
+    import math
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "paper"))
+    import table2_finetune
+
+    peer = {"soap": "pytorch_optimizer", "ivon": "ivon"}.get(method)
+    if peer:
+        pytest.importorskip(peer)
+    rows = payoff.METHODS[method](payoff.make_task("noisy_digits", 0, True), 0, [2])
+    selection = rows[table2_finetune.SELECTION_ROW[method]]
+    assert math.isfinite(selection["cal_nll"]) and selection["cal_nll"] > 0
+    scored = {k: v for k, v in rows.items() if not k.startswith("_")}
+    assert scored
+    for name, v in scored.items():
+        if isinstance(v, str):
+            assert "not installed" in v, (name, v)
+            continue
+        assert set(v) == {"accuracy", "nll", "ece", "brier"}, name
+        assert 0 <= v["accuracy"] <= 1 and 0 <= v["ece"] <= 1 and math.isfinite(v["nll"]) and v["nll"] > 0
