@@ -414,14 +414,21 @@ def last_layer_features(model: nn.Module, batches: list[Batch]) -> tuple[nn.Line
     return head, feats
 
 
-def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
-    """laplace-torch's last-layer KFAC Laplace (``kron_laplace`` on the logits layer and its inputs)."""
+def laplace_unavailable(task: Task) -> str | None:
+    """Why no Laplace row can be fitted on ``task`` (None: it can)."""
     try:
         import laplace  # noqa: F401
     except ImportError:
         return "laplace-torch not installed"
     if not task.classification:
         return "n/a: laplace-torch's classification likelihood needs one label per input"
+    return None
+
+
+def laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
+    """laplace-torch's last-layer KFAC Laplace (``kron_laplace`` on the logits layer and its inputs)."""
+    if (reason := laplace_unavailable(task)) is not None:
+        return reason
     import copy
 
     model.eval()
@@ -554,12 +561,8 @@ def adapter_laplace(task: Task, model: nn.Module) -> Any:
 
 def adapter_laplace_rows(task: Task, model: nn.Module) -> dict[str, float] | str:
     """``adapter_laplace``'s test scores (its GLM probit predictive)."""
-    try:
-        import laplace  # noqa: F401
-    except ImportError:
-        return "laplace-torch not installed"
-    if not task.classification:
-        return "n/a: laplace-torch's classification likelihood needs one label per input"
+    if (reason := laplace_unavailable(task)) is not None:
+        return reason
     return kron_laplace_scores(adapter_laplace(task, model), task.test)
 
 
