@@ -191,15 +191,95 @@ def test_eigenbasis_signs_do_not_depend_on_the_solver() -> None:
 
 @pytest.mark.parametrize("shape", [(3, 5, 8), (2, 8, 5), (6, 6)])
 @pytest.mark.parametrize("steps", [5, 0])
-def test_newton_schulz_scale_multiplies_the_result(shape: tuple[int, ...], steps: int) -> None:
+@pytest.mark.parametrize("route", ["eigh", "iterations"])
+def test_newton_schulz_scale_multiplies_the_result(
+    shape: tuple[int, ...], steps: int, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``scale`` rides on the last product (or multiplies the normalised input when no step runs):
     the result is ``scale`` times the unscaled one, for wide, tall and single matrices."""
-    from hf_evon.optim.linalg import newton_schulz
-
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    plain = newton_schulz(x, steps=steps)
-    torch.testing.assert_close(newton_schulz(x, steps=steps, scale=2.75), 2.75 * plain, rtol=1e-12, atol=1e-14)
+    plain = newton_schulz_by(route, monkeypatch, x, steps=steps)
+    scaled = newton_schulz_by(route, monkeypatch, x, steps=steps, scale=2.75)
+    torch.testing.assert_close(scaled, 2.75 * plain, rtol=1e-12, atol=1e-14)
     assert plain.shape == x.shape
+
+
+def newton_schulz_by(route: str, monkeypatch: pytest.MonkeyPatch, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``newton_schulz`` with its CPU route forced: "eigh" (the Gram's spectrum) or "iterations"."""
+    from hf_evon.optim import linalg
+
+    monkeypatch.setattr(linalg, "eigh_beats_iterations", lambda m, n: route == "eigh")
+    return linalg.newton_schulz(x, **kwargs)
+
+
+def low_rank(*shape: int, rank: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    left = torch.randn(*shape[:-1], rank, generator=gen, dtype=torch.float64)
+    return left @ torch.randn(*shape[:-2], rank, shape[-1], generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64),
+        torch.randn(2, 40, 12, generator=torch.Generator().manual_seed(2), dtype=torch.float64),
+        torch.randn(6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64),
+        low_rank(2, 12, 40, rank=3, seed=4),  # zero singular values
+        torch.zeros(2, 4, 7, dtype=torch.float64),
+    ],
+    ids=["wide", "tall", "square", "rank-3", "zero"],
+)
+@pytest.mark.parametrize("steps", [5, 2])
+@pytest.mark.parametrize("scale", [1.0, 2.75])
+def test_newton_schulz_on_the_gram_spectrum_equals_the_iterations(
+    x: torch.Tensor, steps: int, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eigh route applies the iterations' polynomial map to the Gram's eigenvalues: the same
+    result as the iterations' products, in float64 to rounding, rank-deficient and zero included."""
+    by_eigh = newton_schulz_by("eigh", monkeypatch, x, steps=steps, scale=scale)
+    by_products = newton_schulz_by("iterations", monkeypatch, x, steps=steps, scale=scale)
+    assert by_eigh.shape == x.shape
+    torch.testing.assert_close(by_eigh, by_products, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("route", ["eigh", "iterations"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_newton_schulz_of_a_non_finite_matrix_is_nan_and_spares_the_others(
+    route: str, bad: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NaN or inf entry makes its own matrix NaN everywhere on both routes (the optimizer's
+    finiteness check sees it), and the eigh route neither raises nor touches the stack's others."""
+    x = torch.randn(3, 6, 9, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    clean = newton_schulz_by("iterations", monkeypatch, x)
+    x[1, 2, 3] = bad
+    out = newton_schulz_by(route, monkeypatch, x)
+    assert bool(out[1].isnan().all())
+    torch.testing.assert_close(out[[0, 2]], clean[[0, 2]], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "eighs"),
+    [
+        ((2, 256, 1024), torch.float32, 1),  # wide: the Gram's eigh costs a fraction of the products
+        ((1024, 256), torch.float32, 1),  # tall: the same after the transpose
+        ((2, 64, 128), torch.float32, 0),  # small: the eigh's overhead outweighs the products
+        ((256, 1024), torch.bfloat16, 0),  # no eigh in bfloat16
+    ],
+)
+def test_newton_schulz_takes_the_eigh_route_where_its_cost_model_says(
+    shape: tuple[int, ...], dtype: torch.dtype, eighs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hf_evon.optim import linalg
+
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda g: calls.append(g.shape) or eigh(g))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(8)).to(dtype)
+    out = linalg.newton_schulz(x)
+    m, n = sorted(shape[-2:])
+    assert linalg.eigh_beats_iterations(m, n) == (m >= 256)
+    assert len(calls) == eighs and all(c[-1] == m for c in calls)
+    assert out.shape == x.shape and out.dtype == dtype
 
 
 @pytest.mark.parametrize("left", [True, False])

@@ -550,6 +550,19 @@ def test_matches_reference(case: str) -> None:
         assert not refs[0].left and not refs[0].right
 
 
+@pytest.mark.parametrize("case", ["clip_whiten", "clip_whiten_rms", "fisher_whiten_rms"])
+def test_whitening_on_the_gram_spectrum_matches_reference(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's eigh route for the Newton–Schulz map (taken for large matrices) follows the
+    reference's iterations through whole runs, as the iterations themselves do."""
+    from hf_evon.optim import linalg
+
+    shapes_seen = []
+    monkeypatch.setattr(linalg, "eigh_beats_iterations", lambda m, n: shapes_seen.append((m, n)) or True)
+    options, shapes = CASES[case]
+    refs = run_against_reference(options, shapes)
+    assert shapes_seen and all(r.update_clip_events > 0 for r in refs)
+
+
 @pytest.mark.parametrize(("mc_samples", "microbatches"), [(1, 1), (2, 1), (2, 3)])
 def test_reference_package_loop_matches_reference(mc_samples: int, microbatches: int) -> None:
     """``with opt.sampled_params(): opt.zero_grad(); loss.backward()`` per sample (the IVON/EVON

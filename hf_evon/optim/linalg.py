@@ -210,23 +210,60 @@ def power_qr(stat: Tensor, q: Tensor, householder: bool | None = None) -> Tensor
 
 def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7, scale: float = 1.0) -> Tensor:
     """Approximately orthogonalise each matrix of a stack (singular values -> ~1), as Muon does;
-    the result times ``scale`` (folded into the last product)."""
+    the result times ``scale`` (folded into the last product). On a CPU, where one eigh of the
+    smaller Gram costs less than the iterations' products (:func:`eigh_beats_iterations`), the same
+    map is computed on that Gram's eigenvalues (:func:`_quintic_on_gram_spectrum`)."""
     a, b, c = _NS_COEFFS
     single = x.dim() == 2
     y = x.unsqueeze(0) if single else x
     transposed = y.shape[-2] > y.shape[-1]
     y = y.mT if transposed else y
-    y = y / (torch.linalg.matrix_norm(y, keepdim=True) + eps)
-    for i in range(steps):
-        # a·Y + (b·YYᵀ + c·(YYᵀ)²)·Y, its scalings folded into the products (beta·C + alpha·A·B)
-        gram = torch.bmm(y, y.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        s = scale if i == steps - 1 else 1.0
-        y = torch.baddbmm(y, poly, y, beta=a * s, alpha=s)
-    if steps < 1 and scale != 1.0:
-        y = y * scale
+    norm = torch.linalg.matrix_norm(y, keepdim=True)
+    y = y / (norm + eps)
+    if steps > 0 and y.device.type == "cpu" and y.dtype in _EIGH_DTYPES and eigh_beats_iterations(*y.shape[-2:]):
+        y = _quintic_on_gram_spectrum(y, norm, steps, scale)
+    else:
+        for i in range(steps):
+            # a·Y + (b·YYᵀ + c·(YYᵀ)²)·Y, its scalings folded into the products (beta·C + alpha·A·B)
+            gram = torch.bmm(y, y.mT)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            s = scale if i == steps - 1 else 1.0
+            y = torch.baddbmm(y, poly, y, beta=a * s, alpha=s)
+        if steps < 1 and scale != 1.0:
+            y = y * scale
     y = y.mT if transposed else y
     return y[0] if single else y
+
+
+_EIGH_DTYPES = (torch.float32, torch.float64)
+
+
+def eigh_beats_iterations(m: int, n: int) -> bool:
+    """Whether, for an m×n matrix (m ≤ n) on a CPU, one Gram product, an eigh of the m×m Gram and
+    two products cost at most 3/4 of the iterations' 5·(2m²n + m³) multiply-adds. The eigh counts
+    as (6 + 1200/m)·m³, fitted to LAPACK's on one thread; the margin keeps the iterations where
+    more threads speed the products more than the eigh (docs/results.md#speed, "Whitening on a CPU")."""
+    return 3 * m * m * n + (6 + 1200 / m) * m**3 < 0.75 * 5 * (2 * m * m * n + m**3)
+
+
+def _quintic_on_gram_spectrum(y: Tensor, norm: Tensor, steps: int, scale: float) -> Tensor:
+    """The quintic iteration's result for normalised wide ``y`` (B, m, n), m ≤ n, from the
+    eigendecomposition Y Yᵀ = V diag(λ) Vᵀ: each iteration maps Y = V diag(σ) Wᵀ to
+    V diag(σ·p(σ²)) Wᵀ with p(s) = a + b·s + c·s², so ``steps`` of them give V diag(r) Vᵀ Y with
+    r = Π_k p(s_k), s_0 = λ, s_{k+1} = s_k·p(s_k)²: the same map, without square roots. A
+    non-finite ``norm`` (an inf or NaN entry) gives NaN everywhere, as the iterations do."""
+    a, b, c = _NS_COEFFS
+    gram = torch.bmm(y, y.mT).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    evals, evecs = torch.linalg.eigh(gram)
+    s = evals.clamp_(min=0.0)
+    ratio = None
+    for _ in range(steps):
+        p = s.mul(c).add_(b).mul_(s).add_(a)
+        ratio = p if ratio is None else ratio.mul_(p)
+        s = s * p * p
+    # times scale, and NaN where the input was not finite (norm·0 is 0 or NaN)
+    ratio = ratio.unsqueeze(-2) * norm.mul(0.0).add_(scale)
+    return torch.bmm(evecs * ratio, torch.bmm(evecs.mT, y))
 
 
 def spectral_clip(x: Tensor, radius: float) -> Tensor:
