@@ -64,7 +64,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import payoff  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
 
 from hf_evon.optim.linalg import rotate  # noqa: E402
 from hf_evon.posterior.gaussian import MatrixFactors  # noqa: E402
@@ -89,7 +90,7 @@ def fisher_diagonal(model: torch.nn.Module, posterior: EVONPosterior, batches: l
     model.eval()
     for inputs, labels in batches:
         for k in range(len(labels)):
-            logits = payoff.forward(model, one_example(inputs, k))[0]
+            logits = payoff_tasks.forward(model, one_example(inputs, k))[0]
             probs = logits.detach().double().softmax(-1)
             for y in range(len(probs)):
                 grads = torch.autograd.grad(
@@ -109,14 +110,14 @@ def bma_scores(model: torch.nn.Module, posterior: EVONPosterior, batches: list, 
 
     def sample(s: int) -> torch.Tensor:
         with posterior.sampled(model, seed=s):
-            logp, y = payoff.log_probs(model, batches, shift)
+            logp, y = payoff_training.log_probs(model, batches, shift)
         labels[:] = [y]
         return logp
 
-    return payoff.scores(payoff.bma(sample, [SAMPLES])[SAMPLES], labels[0])
+    return payoff_training.scores(payoff_training.bma(sample, [SAMPLES])[SAMPLES], labels[0])
 
 
-def best_scale(model: torch.nn.Module, posterior: EVONPosterior, task: payoff.Task, mean_nll: float) -> tuple[float, float]:
+def best_scale(model: torch.nn.Module, posterior: EVONPosterior, task: payoff_tasks.Task, mean_nll: float) -> tuple[float, float]:
     """(test NLL, multiple of ζ) of the best BMA over ``GRID`` chosen on test; (mean, inf) if none beats it."""
     best = (mean_nll, math.inf)
     for m in GRID:
@@ -130,19 +131,19 @@ def best_scale(model: torch.nn.Module, posterior: EVONPosterior, task: payoff.Ta
 
 def run(name: str, seed: int) -> dict[str, Any]:
     start = time.perf_counter()
-    task = payoff.make_task(name, seed, False)
+    task = payoff_tasks.make_task(name, seed, False)
     model = task.make_model(seed)
-    opt = payoff.train_evon(task, model, seed)
+    opt = payoff_training.train_evon(task, model, seed)
     posterior = EVONPosterior.from_optimizer(opt, model)
-    test_lp, test_y = payoff.log_probs(model, task.test, task.shift)
-    cal_lp, cal_y = payoff.log_probs(model, task.cal, task.shift)
-    t_cal, t_test = payoff.fit_temperature(cal_lp, cal_y), payoff.fit_temperature(test_lp, test_y)
-    mean_nll = payoff.scores(test_lp, test_y)["nll"]
+    test_lp, test_y = payoff_training.log_probs(model, task.test, task.shift)
+    cal_lp, cal_y = payoff_training.log_probs(model, task.cal, task.shift)
+    t_cal, t_test = payoff_training.fit_temperature(cal_lp, cal_y), payoff_training.fit_temperature(test_lp, test_y)
+    mean_nll = payoff_training.scores(test_lp, test_y)["nll"]
     row = {
         "mean": mean_nll,
         "T_cal": t_cal,
         "T_test": t_test,
-        "TS_cal": payoff.scores(torch.log_softmax(test_lp / t_cal, -1), test_y)["nll"],
+        "TS_cal": payoff_training.scores(torch.log_softmax(test_lp / t_cal, -1), test_y)["nll"],
         "trained_best": best_scale(model, posterior, task, mean_nll),
     }
     fisher = fisher_diagonal(model, posterior, task.train)
@@ -154,7 +155,7 @@ def run(name: str, seed: int) -> dict[str, Any]:
     )
     row["fisher_best"] = best_scale(model, shaped, task, mean_nll)
     calibrated, result = calibrate_posterior(  # the noise scale alone: what this benchmark measures
-        model, posterior, payoff.as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed,
+        model, posterior, payoff_tasks.as_calibration_batches(task.cal), shift_labels=task.shift, seed=1000 + seed,
         temperature=False,
     )  # fmt: skip
     row["calibrated"] = (

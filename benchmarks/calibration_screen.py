@@ -5,7 +5,7 @@ and seed.
 The tasks are those where the scan runs (EVON's mean overconfident on the calibration split):
 payoff's ``noisy_digits`` and examples/paper/table2_finetune.py's noisy MiniLM tasks (30 training
 texts per class, 30% of every split's labels random, 20 epochs; ``<task>/lora`` or ``/full``),
-EVON at ``build_optimizer``'s defaults (``payoff.train_evon``), calibrated on the task's
+EVON at ``build_optimizer``'s defaults (``payoff_training.train_evon``), calibrated on the task's
 calibration split with payoff's seed. Per run it prints one JSON line: the training's seconds and,
 per rule, the passes over the calibration split (a forward hook counts them), the seconds, the
 choice (multiplier of the trained ζ, temperature), its calibration-split NLL and the scales
@@ -31,6 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples", "paper"))
 import payoff  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
 import table2_finetune as t2  # noqa: E402
 
 from hf_evon import EVONPosterior  # noqa: E402
@@ -39,7 +41,7 @@ from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
 RULES = {"screened": None, "every scale": 0.0}  # rule -> screen_factor (None: the default)
 
 
-def make_task(name: str, seed: int) -> payoff.Task:
+def make_task(name: str, seed: int) -> payoff_tasks.Task:
     """Table 2's task on the CPU (its texts built only for a text task)."""
     data = {} if name == "noisy_digits" else t2.text_data([name.split("/")[0]])
     return t2.make_task(name, seed, False, data, "cpu")
@@ -49,10 +51,10 @@ def run(name: str, seed: int) -> dict[str, Any]:
     task = make_task(name, seed)
     model = task.make_model(seed)
     start = time.perf_counter()
-    opt = payoff.train_evon(task, model, seed)
+    opt = payoff_training.train_evon(task, model, seed)
     row: dict[str, Any] = {"task": name, "seed": seed, "train_seconds": time.perf_counter() - start}
     posterior = EVONPosterior.from_optimizer(opt, model)
-    batches = payoff.as_calibration_batches(task.cal)
+    batches = payoff_tasks.as_calibration_batches(task.cal)
     calls: list[int] = []
     hook = model.register_forward_hook(lambda *_: calls.append(1))
     chosen = {}
@@ -75,10 +77,10 @@ def run(name: str, seed: int) -> dict[str, Any]:
     hook.remove()
     a, b = (row[r] for r in RULES)
     if (a["multiplier"], a["temperature"]) != (b["multiplier"], b["temperature"]):
-        mean = payoff.log_probs(model, task.test, task.shift)
+        mean = payoff_training.log_probs(model, task.test, task.shift)
         for rule, calibrated in chosen.items():
             logp = payoff.calibrated_bma(task, model, calibrated, mean, [8])[8]
-            row[rule]["test_nll"] = payoff.scores(logp, mean[1])["nll"]
+            row[rule]["test_nll"] = payoff_training.scores(logp, mean[1])["nll"]
     return row
 
 

@@ -96,8 +96,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import payoff  # noqa: E402  (the benchmark's loop, metrics and LM data)
-from payoff import Task, log_probs, scores, train_adamw, train_evon  # noqa: E402
+import payoff_tasks  # noqa: E402  (payoff's LM data and MiniLM model)
+import payoff_training  # noqa: E402  (payoff's loop and metrics)
+from payoff_tasks import Task  # noqa: E402
+from payoff_training import log_probs, scores, train_adamw, train_evon  # noqa: E402
 
 from hf_evon.optim.defaults import DEFAULT_FINETUNING_LR  # noqa: E402
 
@@ -141,7 +143,7 @@ def tabular(
 def tiny_llama(seed: int) -> Task:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    task = payoff.lm_task(seed, fast=False)
+    task = payoff_tasks.lm_task(seed, fast=False)
 
     def model(s: int) -> nn.Module:
         torch.manual_seed(s)
@@ -211,10 +213,10 @@ def minilm_license(lora: bool) -> Callable[[int], Task]:
         cut = int(0.7 * len(order))
         return Task(
             "minilm_license_lora" if lora else "minilm_license_full",
-            lambda s: payoff.minilm_model(len(LICENSES), s, lora),
-            payoff.text_batches(tok, *pick(order[:cut]), 16),
+            lambda s: payoff_tasks.minilm_model(len(LICENSES), s, lora),
+            payoff_tasks.text_batches(tok, *pick(order[:cut]), 16),
             [],
-            payoff.text_batches(tok, *pick(order[cut:]), 64),
+            payoff_tasks.text_batches(tok, *pick(order[cut:]), 64),
             3,
             1e-3 if lora else FINETUNING_LR,
             False,
@@ -251,8 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
     ap.add_argument(
         "--schedule",
         default="linear",
-        choices=list(payoff.SCHEDULES),
-        help="payoff.SCHEDULES: linear decay, held for half the run then linear, or constant",
+        choices=list(payoff_training.SCHEDULES),
+        help="payoff_training.SCHEDULES: linear decay, held for half the run then linear, or constant",
     )
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument(

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import payoff  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
 
 import hf_evon.optim.grouping as grouping  # noqa: E402
 from hf_evon import build_optimizer  # noqa: E402
@@ -64,7 +65,7 @@ def run(antithetic: bool, seed: int) -> None:
             records.append((shape, h.mean().item(), h.abs().mean().item(), b.state["hess"].mean().item(), g["weight_decay"]))
         return candidate(plan, num_samples)
 
-    task = payoff.make_task("digits", seed, False)
+    task = payoff_tasks.make_task("digits", seed, False)
     model = task.make_model(seed)
     real = grouping.EVON
     grouping.EVON = AntitheticEVON if antithetic else EVON
@@ -81,7 +82,7 @@ def run(antithetic: bool, seed: int) -> None:
             for i in torch.randperm(len(task.train), generator=gen).tolist():
                 for _ in range(opt.mc_samples):
                     with opt.sampled_params(train=True):
-                        payoff.loss_of(model, task.train[i], task.shift).backward()
+                        payoff_tasks.loss_of(model, task.train[i], task.shift).backward()
                 opt.step()
                 opt.zero_grad()
                 sched.step()
@@ -95,7 +96,7 @@ def run(antithetic: bool, seed: int) -> None:
         quarters = np.array_split(rows, 4)
         cells = " | ".join(f"E[ĥ] {q[:, 0].mean():.1e} |ĥ| {q[:, 1].mean():.1e} H {q[:, 2].mean():.1e}" for q in quarters)
         print(f"  {shape} δ {rows[0, 3]:.1e}: {cells}")
-    nll = payoff.scores(*payoff.log_probs(model, task.test, task.shift))["nll"]
+    nll = payoff_training.scores(*payoff_training.log_probs(model, task.test, task.shift))["nll"]
     health = opt.posterior_health(warn=False)
     print(f"  test NLL {nll:.4f}; " + ", ".join(f"{k} {v:.3g}" for k, v in health.items()))
 

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import payoff  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
 
 from hf_evon.optim.defaults import STEP_RATIOS, lr_from_adamw_lr  # noqa: E402
 
@@ -39,15 +40,15 @@ VARIANTS = {
 }
 
 
-def calibration_nll(task: payoff.Task, seed: int, variant: tuple[bool | str, float] | None) -> float:
+def calibration_nll(task: payoff_tasks.Task, seed: int, variant: tuple[bool | str, float] | None) -> float:
     model = task.make_model(seed)
     if variant is None:
-        payoff.train_adamw(task, model, seed)
+        payoff_training.train_adamw(task, model, seed)
     else:
         snr, multiple = variant
         alpha = lr_from_adamw_lr(task.adamw_lr, step_ratio=FULL_SIZE_RATIO * multiple)
-        payoff.train_evon(task, model, seed, lr=alpha, snr_scaling=snr)
-    return float(F.nll_loss(*payoff.log_probs(model, task.cal, task.shift)))
+        payoff_training.train_evon(task, model, seed, lr=alpha, snr_scaling=snr)
+    return float(F.nll_loss(*payoff_training.log_probs(model, task.cal, task.shift)))
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print("|---" * (len(variants) + 1) + "|")
     table = {}
     for name in args.tasks:
-        tasks = [payoff.make_task(name, seed, False) for seed in range(args.seeds)]
+        tasks = [payoff_tasks.make_task(name, seed, False) for seed in range(args.seeds)]
         table[name] = {
             label: statistics.fmean(calibration_nll(t, s, v) for s, t in enumerate(tasks))
             for label, v in variants.items()

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import payoff  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
 
 from hf_evon.predictive.calibration import (  # noqa: E402
     DEFAULT_MIN_GAIN,
@@ -53,10 +54,10 @@ def run(name: str) -> None:
     res: dict[str, list[float]] = {"full": [], "soft": [], "none": [], "rule": [], "rule_soft": []}
     one = TEMPERATURE_GRID.index(1.0)
     for seed in (0, 1):
-        task = payoff.make_task(name, seed, False)
+        task = payoff_tasks.make_task(name, seed, False)
         model = task.make_model(seed)
-        payoff.train_evon(task, model, seed)
-        lp, y = payoff.log_probs(model, task.cal, task.shift)
+        payoff_training.train_evon(task, model, seed)
+        lp, y = payoff_training.log_probs(model, task.cal, task.shift)
         n = len(y)
         idx = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         halves = [idx[: n // 2], idx[n // 2 :]]

@@ -61,8 +61,8 @@ from transformers import (
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import payoff  # noqa: E402  (the tasks: data, models, epochs and AdamW rates)
-from payoff import Batch, Task  # noqa: E402
+import payoff_tasks  # noqa: E402  (the tasks: data, models, epochs and AdamW rates)
+from payoff_tasks import Batch, Task  # noqa: E402
 
 from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
 
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1; got {args.repeats}")
     torch.set_num_threads(1)  # the setting: one thread for both trainers
-    tasks = {name: payoff.make_task(name, args.seed, args.fast) for name in args.tasks}
+    tasks = {name: payoff_tasks.make_task(name, args.seed, args.fast) for name in args.tasks}
     data = {
         name: {
             "train": examples(task.train, task.shift),

