@@ -111,7 +111,9 @@ class NaiveEVON:
     (all matrices at ``t % f == 0``) ``qr(L Q_L)``, ``qr(R Q_R)`` (1 each + QR) and ``Ḡ``
     unrotated with the old bases and rotated with the new ones (4). The first step only forms
     ``L``, ``R`` and their ``eigh`` bases (descending order). Element-wise ops as written;
-    the update is clipped element-wise (``clip="element"``) or not (``"none"``)."""
+    the update is clipped element-wise (``clip="element"``), not at all (``"none"``) or
+    whitened (``"whiten_rms"``: Muon's five quintic Newton–Schulz iterations, 3 products each,
+    scaled to entry RMS ``clip_radius``; the paper's code whitens by default)."""
 
     def __init__(self, params: list[Tensor], *, seed: int = 0, **hp: float) -> None:
         self.params = params
@@ -189,6 +191,8 @@ class NaiveEVON:
                 update = Q_L @ U @ Q_R.T
                 if hp["clip"] == "element":
                     update = update.clamp(-hp["clip_radius"], hp["clip_radius"])
+                elif hp["clip"] == "whiten_rms":
+                    update = naive_whiten(update) * (hp["clip_radius"] * max(update.shape) ** 0.5)
                 p.sub_(hp["lr"] * update)
             st["L"] = beta2 * st["L"] + (1 - beta2) * G @ G.T
             st["R"] = beta2 * st["R"] + (1 - beta2) * G.T @ G
@@ -204,6 +208,31 @@ class NaiveEVON:
         self.samples = [[] for _ in self.params]
 
 
+def naive_whiten(x: Tensor, steps: int = 5) -> Tensor:
+    """Muon's quintic Newton–Schulz iterations on one matrix, as ``docs/algorithm.md`` names them."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    tall = x.shape[0] > x.shape[1]
+    y = x.T if tall else x
+    y = y / (torch.linalg.norm(y) + 1e-7)
+    for _ in range(steps):
+        gram = y @ y.T
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    return y.T if tall else y
+
+
+def clip_of(name: str) -> str:
+    """The update clip a variant's name asks for, the same for both EVONs: "-noclip" none,
+    "-whiten" "whiten_rms" (EVON's default from scratch), otherwise ``SETTINGS``' "element"."""
+    if "-noclip" in name:
+        return "none"
+    return "whiten_rms" if "-whiten" in name else SETTINGS["clip"]
+
+
+def naive_peer(name: str) -> str:
+    """The naive EVON with the same clip as ``name``."""
+    return {"none": "naive-noclip", "whiten_rms": "naive-whiten"}.get(clip_of(name), "naive")
+
+
 class Run:
     """One optimizer on its own copy of the matrices, driven by the users' loop."""
 
@@ -213,8 +242,7 @@ class Run:
         self.targets = [0.02 * torch.randn(s, generator=gen).to(device) for s in shapes]
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         self.name = name
-        # "-noclip": clip="none" (no update clipping), for both EVONs
-        settings = {**SETTINGS, "clip": "none"} if "-noclip" in name else SETTINGS
+        settings = {**SETTINGS, "clip": clip_of(name)}
         if name.startswith("hf-evon"):
             # "hf-evon-spec": every matrix refreshes at t % f == 0 (the spec's schedule), no staggering
             self.opt = EVON(self.params, seed=seed, stagger_refresh=name != "hf-evon-spec", **settings)
@@ -350,9 +378,8 @@ def main() -> None:
         print(f"\n### matmul GFLOP per steady step, one block at width {args.width}\n")
         print("| optimizer | clip | GFLOP | × naive EVON (same clip) |\n|---|---|---:|---:|")
         for n, r in rows.items():
-            ref = rows["naive-noclip" if "-noclip" in n else "naive"]["gflop"]
-            clip = "none" if "-noclip" in n else SETTINGS["clip"]
-            print(f"| {n} | {clip} | {r['gflop']:.1f} | {r['gflop'] / ref:.3f} |")
+            ref = rows[naive_peer(n)]["gflop"]
+            print(f"| {n} | {clip_of(n)} | {r['gflop']:.1f} | {r['gflop'] / ref:.3f} |")
 
     if "time" not in args.skip:
         shapes = block_shapes(args.time_width, args.time_blocks)
@@ -364,13 +391,13 @@ def main() -> None:
             f"\n### ms per steady step ({where}), {len(shapes)} matrices (width {args.time_width}), "
             f"{args.repeats} interleaved cycles of {_cycle()} steps\n"
         )
-        print("| optimizer | median ms | min–max ms | × naive EVON |\n|---|---:|---:|---:|")
+        print("| optimizer | median ms | min–max ms | × naive EVON (same clip) |\n|---|---:|---:|---:|")
         for n, v in times.items():
-            ratio = f"{med[n] / med['naive']:.3f}" if "naive" in med else "-"
+            ratio = f"{med[n] / med[naive_peer(n)]:.3f}" if naive_peer(n) in med else "-"
             print(f"| {n} | {1e3 * med[n]:.1f} | {1e3 * min(v):.1f}–{1e3 * max(v):.1f} | {ratio} |")
         result["time"]["ratio_per_cycle"] = {}
         for n in times:
-            base = "naive-noclip" if "-noclip" in n and "naive-noclip" in times else "naive"
+            base = naive_peer(n)
             if n.startswith("hf-evon") and base in times:
                 ratios = [a / b for a, b in zip(times[n], times[base])]
                 result["time"]["ratio_per_cycle"][n] = ratios

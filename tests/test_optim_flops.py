@@ -73,3 +73,16 @@ def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
         for _ in range(12):  # across a refresh (every 10 updates), before the next fit (50)
             train_step()
     assert ScalarReads.count == 0
+
+
+@pytest.mark.parametrize("shape", [(5, 9), (9, 5), (300, 800)])
+def test_the_naive_whitening_is_evons_whiten_rms_clip(shape: tuple[int, int]) -> None:
+    """The timed peer's whitening computes EVON's ``clip="whiten_rms"`` (float64; the large shape
+    takes EVON's eigh route on a CPU), so the two are timed doing the same maths."""
+    from hf_evon.optim import linalg
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    naive = optimizer_flops.naive_whiten(x) * (0.01 * max(shape) ** 0.5)
+    torch.testing.assert_close(naive, linalg.clip_update(x, "whiten_rms", 0.01), rtol=0, atol=1e-12)
+    assert optimizer_flops.naive_peer("hf-evon-whiten") == "naive-whiten"
+    assert optimizer_flops.clip_of("naive-whiten") == "whiten_rms"
