@@ -106,6 +106,7 @@ from hf_evon.optim.defaults import lr_from_adamw_lr
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.predictive.logprobs import count_label_items
+from hf_evon.trainer.calibration_data import check_calibration_batches, length_sorted
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.config import (
     FINETUNING_LEARNING_RATE,
@@ -302,26 +303,10 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         return self.posterior
 
     def _check_calibration_data(self) -> None:
-        """Raise, naming ``calibration_dataset``, where :meth:`calibrate` would fail at the end of
-        training: no batches, no ``labels``, no labelled target, or token ids the model's
-        embedding does not have (another tokenizer's)."""
+        """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
+        ``calibration_dataset``'s batches, before the first step."""
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        targets = 0
-        for i, batch in enumerate(self.get_eval_dataloader(self.calibration_dataset)):
-            if not isinstance(batch, Mapping) or "labels" not in batch:
-                raise ValueError(f"EVONTrainer: calibration_dataset batch {i} has no 'labels'")
-            ids = batch.get("input_ids")
-            if vocab is not None and isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab:
-                raise ValueError(
-                    f"EVONTrainer: calibration_dataset batch {i} has token id {int(ids.max())}, beyond the model's "
-                    f"vocabulary ({vocab}): tokenized by another tokenizer?"
-                )
-            targets += int(count_label_items(batch["labels"], self._causal_lm) or 0)
-        if targets == 0:
-            raise ValueError(
-                "EVONTrainer: calibration_dataset has no labelled target (empty, or every label -100): "
-                "calibrate() would fail after training; pass held-out examples with labels"
-            )
+        check_calibration_batches(self.get_eval_dataloader(self.calibration_dataset), vocab, self._causal_lm)
 
     def calibrate(
         self,
@@ -343,6 +328,8 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         ``current_posterior()`` — so evaluation, saving and the model card — uses the calibrated
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
+        The split is read in order of token count (:func:`~hf_evon.trainer.calibration_data.
+        length_sorted`): every pass over it pads little, and the result is the dataset order's.
         """
         from hf_evon.predictive.calibration import DEFAULT_NUM_SAMPLES, calibrate_posterior
 
@@ -361,7 +348,8 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
         model = self._wrap_model(self.model, training=False)
         start = time.perf_counter()
-        batches = [self._prepare_inputs(b) for b in self.get_eval_dataloader(dataset)]
+        # in order of length: each pass pads little (the order does not change the result)
+        batches = [self._prepare_inputs(b) for b in self.get_eval_dataloader(length_sorted(dataset))]
         _, result = calibrate_posterior(
             model,
             posterior,

@@ -1,0 +1,92 @@
+"""The calibration split in order of length (``hf_evon.trainer.calibration_data.length_sorted``):
+the same examples, short per-batch padding, and the same calibration as the dataset's order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from test_trainer import config, tiny_bert
+
+from hf_evon import EVONTrainer, calibrate_posterior
+from hf_evon.trainer.calibration_data import length_sorted
+
+
+def ragged_classification(n: int, seed: int) -> Dataset:
+    """Texts of 2 to 20 tokens in random order; the label is learnable from the first token."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 21, (n,), generator=g).tolist()
+    ids = [torch.randint(3, 100, (k,), generator=g).tolist() for k in lengths]
+    return Dataset.from_dict({"input_ids": ids, "labels": [row[0] % 3 for row in ids]})
+
+
+def pad(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Pads each batch to its longest example, as ``DataCollatorWithPadding`` does."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros(len(features), width, dtype=torch.long)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+        mask[i, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([f["labels"] for f in features])}
+
+
+def test_length_sorted_keeps_the_examples_and_orders_them_by_token_count() -> None:
+    data = ragged_classification(40, seed=1)
+    ordered = length_sorted(data)
+    lengths = [len(x) for x in ordered["input_ids"]]
+    assert lengths == sorted(lengths) and lengths != [len(x) for x in data["input_ids"]]
+    key = lambda row: (tuple(row[0]), row[1])  # noqa: E731
+    assert sorted(map(key, zip(ordered["input_ids"], ordered["labels"]))) == sorted(
+        map(key, zip(data["input_ids"], data["labels"]))
+    )
+    rows = [{"input_ids": torch.arange(k), "labels": k} for k in (5, 2, 9, 2)]  # a map-style dataset
+    subset = length_sorted(rows)
+    assert [subset[i]["labels"] for i in range(len(subset))] == [2, 2, 5, 9]  # stable
+    assert length_sorted(ordered) is ordered  # already in order
+    images = Dataset.from_dict({"pixel_values": [[0.0, 1.0]] * 3, "labels": [0, 1, 2]})
+    assert length_sorted(images) is images  # no token ids
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(rows)
+
+    stream = Stream()
+    assert length_sorted(stream) is stream  # no length: read as it comes
+
+
+def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``EVONTrainer.calibrate`` reads the split by length: its batches pad at most as much as the
+    dataset's order does (here far less), and the result is the one ``calibrate_posterior`` gives
+    on the batches in the dataset's order (the same examples, seeds and targets)."""
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=6, per_device_eval_batch_size=8),
+        train_dataset=ragged_classification(48, seed=0),
+        data_collator=pad,
+    )
+    trainer.train()
+    held_out = ragged_classification(40, seed=2)
+    posterior = trainer.current_posterior()
+    in_order = [trainer._prepare_inputs(b) for b in trainer.get_eval_dataloader(held_out)]
+    kwargs = dict(grid=(1.0, 0.3, 0.1), num_samples=3, always_scan=True, screen_factor=0.0)
+    _, expected = calibrate_posterior(
+        trainer.model, posterior, in_order, seed=trainer.args.bma_seed, shift_labels=False, **kwargs
+    )
+    seen = []
+    import hf_evon.predictive.calibration as calibration
+
+    def spy(model, posterior, batches, **kw):  # noqa: ANN001, ANN003
+        seen.extend(batches)
+        return calibrate_posterior(model, posterior, batches, **kw)
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", spy)
+    result = trainer.calibrate(held_out, **kwargs)
+    padded = lambda batches: sum(b["input_ids"].numel() for b in batches)  # noqa: E731
+    assert padded(seen) < 0.7 * padded(in_order)
+    assert sum(int(b["attention_mask"].sum()) for b in seen) == sum(int(b["attention_mask"].sum()) for b in in_order)
+    assert result.grid == expected.grid and len(result.nll) == 3 and result.ess == expected.ess
+    torch.testing.assert_close(torch.tensor(result.nll), torch.tensor(expected.nll), rtol=1e-5, atol=0)
+    assert result.mean_nll == pytest.approx(expected.mean_nll, rel=1e-6)
+    assert result.temperature == expected.temperature
