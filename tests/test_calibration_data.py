@@ -46,6 +46,8 @@ def test_length_sorted_keeps_the_examples_and_orders_them_by_token_count() -> No
     assert length_sorted(ordered) is ordered  # already in order
     images = Dataset.from_dict({"pixel_values": [[0.0, 1.0]] * 3, "labels": [0, 1, 2]})
     assert length_sorted(images) is images  # no token ids
+    scalars = [{"input_ids": torch.tensor(3), "labels": 0}, {"input_ids": torch.tensor(1), "labels": 1}]
+    assert length_sorted(scalars) is scalars  # no token count to sort by
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):  # noqa: ANN204
             return iter(rows)

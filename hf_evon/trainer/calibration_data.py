@@ -42,7 +42,10 @@ def check_calibration_batches(batches: Iterable[Any], vocab_size: int | None, ca
 
 def _token_count(example: Any) -> int | None:
     ids = example.get("input_ids") if isinstance(example, Mapping) else None
-    return len(ids) if isinstance(ids, Sized) else None
+    try:
+        return len(ids)
+    except TypeError:  # none, or a scalar (a 0-d tensor)
+        return None
 
 
 def length_sorted(dataset: Any) -> Any:
