@@ -92,3 +92,27 @@ def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     torch.testing.assert_close(torch.tensor(result.nll), torch.tensor(expected.nll), rtol=1e-5, atol=0)
     assert result.mean_nll == pytest.approx(expected.mean_nll, rel=1e-6)
     assert result.temperature == expected.temperature
+
+
+def test_the_calibration_split_and_the_eval_set_keep_their_own_loaders_with_persistent_workers(tmp_path) -> None:
+    """With ``dataloader_persistent_workers`` the Trainer caches one eval loader under one key for
+    whatever dataset ``get_eval_dataloader`` is given: the calibration split's loader (built by the
+    check before the first step) replaced the eval set's, so ``evaluate()`` reported on the
+    calibration split, and a calibration after ``evaluate()`` ran on the eval set."""
+    from test_trainer import classification_data
+
+    eval_set, calibration_set = classification_data(40, seed=1), classification_data(24, seed=2)
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=2, dataloader_num_workers=1, dataloader_persistent_workers=True),
+        train_dataset=classification_data(32),
+        eval_dataset=eval_set,
+        calibration_dataset=calibration_set,
+    )
+    trainer.train()  # the calibration split is checked before the first step and calibrated after the last
+    assert trainer.calibration.num_targets == len(calibration_set)
+    assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
+    trainer.evaluate()
+    assert trainer.calibrate().num_targets == len(calibration_set)
+    assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
+    assert trainer.args.dataloader_persistent_workers
