@@ -116,3 +116,37 @@ def test_the_calibration_split_and_the_eval_set_keep_their_own_loaders_with_pers
     assert trainer.calibrate().num_targets == len(calibration_set)
     assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
     assert trainer.args.dataloader_persistent_workers
+
+
+def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evaluate()``'s S sampled passes read the eval set by length (far less padding); its
+    ``eval_bma_*`` and ``eval_mean_*`` metrics are those of the passes in the dataset's order."""
+    import hf_evon.trainer.evaluation as evaluation
+
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=6, per_device_eval_batch_size=8, bma_num_samples=3),
+        train_dataset=ragged_classification(48, seed=0),
+        eval_dataset=ragged_classification(40, seed=3),
+        data_collator=pad,
+    )
+    trainer.train()
+    padded = []
+    sample_passes = evaluation._sample_passes
+
+    def spy(trainer, dataloader, *args):  # noqa: ANN001, ANN002
+        padded.append(sum(b["input_ids"].numel() for b in dataloader))
+        return sample_passes(trainer, dataloader, *args)
+
+    monkeypatch.setattr(evaluation, "_sample_passes", spy)
+    by_length = trainer.evaluate()
+    monkeypatch.setattr(evaluation, "length_sorted", lambda dataset: dataset)
+    in_order = trainer.evaluate()
+    assert padded[0] < 0.7 * padded[1]
+    bma = [k for k in in_order if k.startswith("eval_bma_")]
+    assert {"eval_bma_nll", "eval_bma_accuracy", "eval_bma_ece", "eval_bma_brier"} <= set(bma)
+    for key in bma + [k for k in in_order if k.startswith("eval_mean_")]:
+        assert by_length[key] == pytest.approx(in_order[key], rel=1e-5, abs=1e-7), key
+    assert len(trainer.get_eval_dataloader().dataset["input_ids"]) == 40

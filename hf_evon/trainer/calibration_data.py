@@ -1,11 +1,13 @@
-"""The calibration split as the EVON trainers read it: checked before training, batched by length.
+"""Held-out data as the EVON trainers read it repeatedly: checked before training, batched by length.
 
 The calibration scores every example at the mean and under several noise scales, each scale
-with several samples, so one pass over the split runs up to dozens of times: its batches should
-pad little. Its NLLs are means over the targets and every pass visits the same batches in the
-same order, so the order of the examples is free: sorting them by token count leaves each
-example's log-probabilities (and the choice) as they are and makes the collator's per-batch
-padding short. Evaluation and prediction keep the dataset's order (their outputs follow it).
+with several samples, and ``evaluate()``'s BMA metrics take S sampled passes, so a pass over the
+split runs up to dozens of times: its batches should pad little. Those NLLs and metrics are sums
+over the examples and every pass visits the same batches in the same order, so the order of the
+examples is free: sorting them by token count leaves each example's log-probabilities (and the
+results) as they are and makes the collator's per-batch padding short. ``evaluate()``'s pass at
+the mean (the Trainer's own, whose predictions ``compute_metrics`` reads) and ``predict()`` keep
+the dataset's order.
 """
 
 from __future__ import annotations

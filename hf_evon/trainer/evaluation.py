@@ -36,6 +36,7 @@ from transformers.utils import logging
 
 from hf_evon.predictive.logprobs import IGNORE_INDEX, LogMeanExp, label_log_probs, shifted, tempered
 from hf_evon.predictive.metrics import calibration_metrics
+from hf_evon.trainer.calibration_data import length_sorted
 
 logger = logging.get_logger(__name__)
 
@@ -278,8 +279,10 @@ class PosteriorEvaluation:
         return True
 
     # ---- after the Trainer's pass
-    def finish(self, dataloader: Any) -> dict[str, float]:
-        """Mean metrics (from the Trainer's pass, or one own pass), then the BMA passes if due."""
+    def finish(self, dataloader: Any, bma_dataloader: Any = None) -> dict[str, float]:
+        """Mean metrics (from the Trainer's pass, or one own pass), then the BMA passes if due,
+        over ``bma_dataloader`` (default ``dataloader``: the same examples in any order, as the
+        metrics are sums over examples)."""
         if self.unsupported:
             return {}
         trainer, args = self.trainer, self.trainer.args
@@ -311,7 +314,8 @@ class PosteriorEvaluation:
                 return _metric_log_probs(tempered(logits, posterior), labels, task)  # type: ignore[arg-type]
 
             description = f"BMA evaluation ({len(seeds)} posterior samples)"
-            for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description):
+            passes = dataloader if bma_dataloader is None else bma_dataloader
+            for logp, inputs in _sample_passes(trainer, passes, posterior, seeds, transform, description):
                 bma.add(logp, inputs["labels"])
             metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
         return metrics
@@ -423,7 +427,7 @@ class EvaluationMixin:
                 )
         finally:
             self._evon_evaluation = None
-        merge_metrics(output.metrics, evaluation.finish(dataloader))
+        merge_metrics(output.metrics, evaluation.finish(dataloader, self._length_sorted_loader(dataloader)))
         return output
 
     def prediction_step(
@@ -443,6 +447,16 @@ class EvaluationMixin:
             return super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
             )
+
+    def _length_sorted_loader(self, dataloader: Any) -> Any:
+        """The evaluation loader's dataset in order of token count
+        (:func:`~hf_evon.trainer.calibration_data.length_sorted`), for the BMA passes: each of the
+        S passes then pads little. ``dataloader`` itself where the order would not change."""
+        dataset = getattr(dataloader, "dataset", None)
+        ordered = None if dataset is None else length_sorted(dataset)
+        if ordered is None or ordered is dataset:
+            return dataloader
+        return self._uncached_eval_dataloader(ordered)
 
     def _bma_due(self) -> bool:
         """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""

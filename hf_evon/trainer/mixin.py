@@ -306,14 +306,14 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
         ``calibration_dataset``'s batches, before the first step."""
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        check_calibration_batches(self._calibration_dataloader(self.calibration_dataset), vocab, self._causal_lm)
+        check_calibration_batches(self._uncached_eval_dataloader(self.calibration_dataset), vocab, self._causal_lm)
 
-    def _calibration_dataloader(self, dataset: Any) -> Any:
+    def _uncached_eval_dataloader(self, dataset: Any) -> Any:
         """``get_eval_dataloader(dataset)`` (the eval batch size, collator and column removal), kept
         out of its cache: with ``dataloader_persistent_workers`` the Trainer keeps one loader under
-        the key "eval" for every dataset passed in, so the calibration split's loader would replace
-        the eval set's (``evaluate()`` would then report on the calibration split) or be replaced by
-        it. The calibration reads its loader once, so its workers need not persist."""
+        the key "eval" for every dataset passed in, so the calibration split's loader (or the BMA
+        passes' length-sorted one) would replace the eval set's (``evaluate()`` would then report on
+        the calibration split) or be replaced by it. The workers of this loader do not persist."""
         persistent = self.args.dataloader_persistent_workers
         self.args.dataloader_persistent_workers = False
         try:
@@ -362,7 +362,7 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         model = self._wrap_model(self.model, training=False)
         start = time.perf_counter()
         # in order of length: each pass pads little (the order does not change the result)
-        batches = [self._prepare_inputs(b) for b in self._calibration_dataloader(length_sorted(dataset))]
+        batches = [self._prepare_inputs(b) for b in self._uncached_eval_dataloader(length_sorted(dataset))]
         _, result = calibrate_posterior(
             model,
             posterior,
