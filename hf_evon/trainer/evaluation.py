@@ -279,10 +279,10 @@ class PosteriorEvaluation:
         return True
 
     # ---- after the Trainer's pass
-    def finish(self, dataloader: Any, bma_dataloader: Any = None) -> dict[str, float]:
+    def finish(self, dataloader: Any, bma_dataloader: Callable[[], Any] | None = None) -> dict[str, float]:
         """Mean metrics (from the Trainer's pass, or one own pass), then the BMA passes if due,
-        over ``bma_dataloader`` (default ``dataloader``: the same examples in any order, as the
-        metrics are sums over examples)."""
+        over the loader ``bma_dataloader()`` builds (default ``dataloader``: the same examples in
+        any order, as the metrics are sums over examples)."""
         if self.unsupported:
             return {}
         trainer, args = self.trainer, self.trainer.args
@@ -314,7 +314,7 @@ class PosteriorEvaluation:
                 return _metric_log_probs(tempered(logits, posterior), labels, task)  # type: ignore[arg-type]
 
             description = f"BMA evaluation ({len(seeds)} posterior samples)"
-            passes = dataloader if bma_dataloader is None else bma_dataloader
+            passes = dataloader if bma_dataloader is None else bma_dataloader()
             for logp, inputs in _sample_passes(trainer, passes, posterior, seeds, transform, description):
                 bma.add(logp, inputs["labels"])
             metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
@@ -427,7 +427,7 @@ class EvaluationMixin:
                 )
         finally:
             self._evon_evaluation = None
-        merge_metrics(output.metrics, evaluation.finish(dataloader, self._length_sorted_loader(dataloader)))
+        merge_metrics(output.metrics, evaluation.finish(dataloader, lambda: self._length_sorted_loader(dataloader)))
         return output
 
     def prediction_step(
