@@ -23,7 +23,10 @@ EVON staggered 473.8 (3.15× AdamW), max/median 1.14, optimizer 225.6 ms. With t
 ``clip="whiten_rms"`` (its Newton–Schulz iterations: ~15 matmuls per matrix and step),
 ``--optimizers adamw evon-staggered evon-element`` on CPU with OMP_NUM_THREADS=1: AdamW 217.3 ms;
 EVON staggered 772.5 (3.56×, optimizer 462.9 ms); with ``clip="element"`` 644.4 (2.97×, optimizer
-327.4 ms): whitening adds 136 ms (+41% optimizer time, +20% step time) on this CPU model.
+327.4 ms): whitening adds 136 ms (+41% optimizer time, +20% step time) on this CPU model, with
+the Newton–Schulz iterations. On a CPU the whitening now takes the Gram-spectrum route where it is
+cheaper (``linalg.eigh_beats_iterations``): 140 instead of 230 ms of this model's step, timed inside
+the step (docs/results.md#speed, "Whitening on a CPU").
 """
 
 from __future__ import annotations
