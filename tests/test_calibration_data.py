@@ -150,3 +150,55 @@ def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(
     for key in bma + [k for k in in_order if k.startswith("eval_mean_")]:
         assert by_length[key] == pytest.approx(in_order[key], rel=1e-5, abs=1e-7), key
     assert len(trainer.get_eval_dataloader().dataset["input_ids"]) == 40
+
+
+DDP_WORKER = """
+import os, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_calibration_data import pad, ragged_classification
+from test_trainer import config, tiny_bert
+import hf_evon.trainer.evaluation as evaluation
+from hf_evon import EVONTrainer
+
+out = Path(sys.argv[2])
+args = config(out, max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=4, ddp_backend="gloo",
+              bma_num_samples=2)
+trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=ragged_classification(48, 0),
+                      eval_dataset=ragged_classification(37, 3), data_collator=pad)
+trainer.train()
+lengths = [len(ids) for ids in trainer._length_sorted_loader(trainer.get_eval_dataloader()).dataset["input_ids"]]
+assert lengths == sorted(lengths) != [len(ids) for ids in trainer.eval_dataset["input_ids"]]
+by_length = trainer.evaluate()
+evaluation.length_sorted = lambda dataset: dataset
+in_order = trainer.evaluate()
+keys = [k for k in in_order if k.startswith(("eval_bma_", "eval_mean_"))]
+torch.save({k: (by_length[k], in_order[k]) for k in keys}, out / f"rank{os.environ['RANK']}.pt")
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_evaluate_in_order_of_length_under_ddp_gives_the_metrics_of_the_datasets_order(tmp_path) -> None:
+    """Two gloo ranks, 37 ragged examples (an uneven split, which the gather must not count twice):
+    the length-sorted BMA passes give every rank the metrics of the passes in the dataset's order."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(DDP_WORKER)
+    tests = Path(__file__).parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
+         str(tests), str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=str(tests.parent), env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0] == ranks[1] and {"eval_bma_nll", "eval_bma_accuracy"} <= set(ranks[0])
+    for key, (by_length, in_order) in ranks[0].items():
+        assert by_length == pytest.approx(in_order, rel=1e-5, abs=1e-7), key
+    assert ranks[0]["eval_bma_accuracy"][1] * 37 == pytest.approx(round(ranks[0]["eval_bma_accuracy"][1] * 37))
