@@ -20,6 +20,12 @@ def ragged_classification(n: int, seed: int) -> Dataset:
     return Dataset.from_dict({"input_ids": ids, "labels": [row[0] % 3 for row in ids]})
 
 
+def padded_tokens(lengths: list[int], batch_size: int) -> int:
+    """Tokens of consecutive batches of ``batch_size`` examples, each padded to its longest."""
+    batches = [lengths[k : k + batch_size] for k in range(0, len(lengths), batch_size)]
+    return sum(max(batch) * len(batch) for batch in batches)
+
+
 def pad(features: list[dict]) -> dict[str, torch.Tensor]:
     """Pads each batch to its longest example, as ``DataCollatorWithPadding`` does."""
     width = max(len(f["input_ids"]) for f in features)
@@ -59,8 +65,8 @@ def test_length_sorted_keeps_the_examples_and_orders_them_by_token_count() -> No
 def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``EVONTrainer.calibrate`` reads the split by length: its batches pad at most as much as the
-    dataset's order does (here far less), and the result is the one ``calibrate_posterior`` gives
+    """``EVONTrainer.calibrate`` reads the split by length: its batches pad exactly as the sorted
+    lengths do (fewer tokens than the dataset's order), and the result is the one ``calibrate_posterior`` gives
     on the batches in the dataset's order (the same examples, seeds and targets)."""
     trainer = EVONTrainer(
         model=tiny_bert(),
@@ -86,7 +92,8 @@ def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     monkeypatch.setattr(calibration, "calibrate_posterior", spy)
     result = trainer.calibrate(held_out, **kwargs)
     padded = lambda batches: sum(b["input_ids"].numel() for b in batches)  # noqa: E731
-    assert padded(seen) < 0.7 * padded(in_order)
+    lengths = [len(ids) for ids in held_out["input_ids"]]
+    assert padded(seen) == padded_tokens(sorted(lengths), 8) < padded(in_order) == padded_tokens(lengths, 8)
     assert sum(int(b["attention_mask"].sum()) for b in seen) == sum(int(b["attention_mask"].sum()) for b in in_order)
     assert result.grid == expected.grid and len(result.nll) == 3 and result.ess == expected.ess
     torch.testing.assert_close(torch.tensor(result.nll), torch.tensor(expected.nll), rtol=1e-5, atol=0)
@@ -121,7 +128,7 @@ def test_the_calibration_split_and_the_eval_set_keep_their_own_loaders_with_pers
 def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``evaluate()``'s S sampled passes read the eval set by length (far less padding); its
+    """``evaluate()``'s S sampled passes read the eval set by length (the sorted lengths' padding); its
     ``eval_bma_*`` and ``eval_mean_*`` metrics are those of the passes in the dataset's order."""
     import hf_evon.trainer.evaluation as evaluation
 
@@ -144,7 +151,8 @@ def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(
     by_length = trainer.evaluate()
     monkeypatch.setattr(evaluation, "length_sorted", lambda dataset: dataset)
     in_order = trainer.evaluate()
-    assert padded[0] < 0.7 * padded[1]
+    lengths = [len(ids) for ids in trainer.eval_dataset["input_ids"]]
+    assert padded[0] == padded_tokens(sorted(lengths), 8) < padded[1] == padded_tokens(lengths, 8)
     bma = [k for k in in_order if k.startswith("eval_bma_")]
     assert {"eval_bma_nll", "eval_bma_accuracy", "eval_bma_ece", "eval_bma_brier"} <= set(bma)
     for key in bma + [k for k in in_order if k.startswith("eval_mean_")]:
