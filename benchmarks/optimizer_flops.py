@@ -24,34 +24,7 @@ Sections:
   the naive reference alternate cycle by cycle in one process; median and spread (min-max)
   of the per-cycle mean step time.
 
-Measured on the project's 2-core CPU shared with other jobs (torch 2.13, one thread;
-``python benchmarks/optimizer_flops.py --time-names hf-evon naive hf-evon-noclip naive-noclip``,
-pytorch_optimizer not installed there, so no SOAP row):
-
-* aten ops per step (width 64): hf-evon 200.8 with one block, 298.4 with twelve; with the
-  spec's schedule (``stagger_refresh=False``) 200.8 and 200.8; naive 292 and 3504; SOAP
-  (pytorch-optimizer) 241.6 and 2855.2. Staggering adds one refresh call per bucket and phase (at
-  most buckets × f per cycle).
-* matmul GFLOP per step, one GPT-2-small block (width 768): naive 268.9 (the issue measured
-  268.9 for the paper's code too); hf-evon on CPU 220.0 (0.818), the same with ``clip="none"``;
-  on accelerators (blocked symmetric ``G Gᵀ``, ``Gᵀ G``) 198.1 (0.737). The settings use the
-  default per-matrix step (``step_curvature="matrix"``), whose pull on the mean is added in the
-  weights' space (the bases are orthogonal), so no clip mode rotates the weights each step; the
-  naive reference rotates them (the paper's per-entry step needs it). Before that change (commit
-  6e106e4): 268.9 on CPU and 247.1 on accelerators, with either clip; 529.8 ops per step.
-* ms per step, 24 matrices (6 blocks, width 256), ``--repeats 4`` interleaved cycles, median
-  (min-max), with the test suite running on the other core: hf-evon 789 (748-1572) vs naive
-  1074 (863-1856), per-cycle ratio 0.857 (0.642-0.869); ``clip="none"``: 743 vs 1025, ratio
-  0.854 (0.628-0.905). Before the batched products and the unrotated pull an
-  earlier session measured a ratio of 1.105 (1.074-1.114) the same way on a quieter machine. The naive reference stands in for the
-  paper's code (GPL, not run here); on CPU the remaining time is the matmuls both must do and
-  element-wise passes over the stacked ``(B, m, n)`` tensors.
-* the same under EVON's default clip from scratch, ``clip="whiten_rms"`` (``--time-names
-  hf-evon-whiten naive-whiten hf-evon naive --repeats 4``, one thread, the other core busy with
-  another single-threaded benchmark): hf-evon 1094 ms vs naive 1414, per-cycle ratio 0.761
-  (0.668-0.777); with ``clip="element"`` 835 vs 956, 0.882. With the Newton–Schulz iterations
-  instead of the Gram-spectrum route (``linalg.eigh_beats_iterations`` forced False) hf-evon-whiten
-  took 1199 ms, ratio 0.844: whitening costs hf-evon 259 ms a step, the naive loop 458.
+Figures: docs/results.md#speed ("Matmul FLOPs" and "Whitening on a CPU").
 """
 
 from __future__ import annotations
@@ -295,13 +268,16 @@ def count(name: str, shapes: list[tuple[int, int]]) -> dict[str, float]:
     """Aten ops and matmul FLOPs per steady step, averaged over one refresh cycle.
 
     A name ending in ``-accel`` counts the path EVON takes on accelerators (the blocked
-    symmetric product for ``G Gᵀ``, ``Gᵀ G``; CPU uses one matmul, faster there)."""
+    symmetric product for ``G Gᵀ``, ``Gᵀ G``; CPU uses one matmul, faster there; and the
+    Newton-Schulz iterations, where a CPU may take an eigh, which no FLOP counter counts)."""
     if name.endswith("-accel"):
-        saved, linalg.GRAM_BLOCKED_ON_CPU = linalg.GRAM_BLOCKED_ON_CPU, True
+        saved = linalg.GRAM_BLOCKED_ON_CPU, linalg.eigh_beats_iterations
+        # accelerators: the blocked Gram and the Newton-Schulz iterations (no eigh route)
+        linalg.GRAM_BLOCKED_ON_CPU, linalg.eigh_beats_iterations = True, lambda m, n: False
         try:
             return count(name.removesuffix("-accel"), shapes)
         finally:
-            linalg.GRAM_BLOCKED_ON_CPU = saved
+            linalg.GRAM_BLOCKED_ON_CPU, linalg.eigh_beats_iterations = saved
     run = Run(name, shapes)
     run.step(contextlib.nullcontext)  # initialises L, R and the bases
     run.step(contextlib.nullcontext)  # the first update (EVON forms the carried rotated mean there)
@@ -364,8 +340,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     names = ["hf-evon", "hf-evon-spec", "naive"] + (["soap"] if soap_available() else [])
-    noclip = ["hf-evon-noclip", "naive-noclip"]
-    accel = ["hf-evon-accel", "hf-evon-noclip-accel"]
+    noclip = ["hf-evon-noclip", "naive-noclip", "hf-evon-whiten", "naive-whiten"]
+    accel = ["hf-evon-accel", "hf-evon-noclip-accel", "hf-evon-whiten-accel"]
     result: dict[str, dict] = {"torch": torch.__version__, "settings": {**SETTINGS}}
     if not soap_available():
         print("pytorch_optimizer is not installed: no SOAP row")

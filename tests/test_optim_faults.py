@@ -260,11 +260,11 @@ def test_frozen_and_unused_parameters_stay_bit_identical() -> None:
         opt.zero_grad()
     assert torch.equal(frozen, kept["frozen"]) and torch.equal(unused.weight, kept["unused"])
     for p in (frozen, unused.weight):
-        assert torch.equal(opt.state[p]["exp_avg"], torch.zeros(5, 5))  # no momentum
+        assert torch.equal(opt.state[p]["exp_avg_unrotated"], torch.zeros(5, 5))  # no momentum
         assert torch.equal(opt.state[p]["hess"], torch.full((5, 5), opt.defaults["hess_init"]))  # no update
     # the bucket's trained member did train
     assert int(opt.state[model[4].weight]["step"]) == 4
-    assert float(opt.state[model[4].weight]["exp_avg"].abs().max()) > 0
+    assert float(opt.state[model[4].weight]["exp_avg_unrotated"].abs().max()) > 0
 
 
 # ------------------------------------------------- item 8: add_param_group with pending samples

@@ -458,14 +458,22 @@ def run_against_reference(
                         )
                     )
             # every piece of state, after every step
-            expected_keys = {"hess", "exp_avg", "exp_avg_sq_norm", "step"}
+            # the per-matrix step keeps the momentum in the weights' space: Q_L Ḡ Q_Rᵀ
+            weight_space = hp["step_curvature"] == "matrix"
+            momentum_key = "exp_avg_unrotated" if weight_space else "exp_avg"
+            expected_keys = {"hess", momentum_key, "exp_avg_sq_norm", "step"}
             expected_keys |= {"L", "Q_L"} if ref.left else set()
             expected_keys |= {"R", "Q_R"} if ref.right else set()
             assert set(st) == expected_keys, f"{where}: state keys {sorted(st)}"
             assert int(st["step"]) == ref.t, f"{where}: step counter"
             close(p, ref.M, f"{where}: mean M", weight_tol)
             close(st["hess"], ref.H, f"{where}: Hessian H")
-            close(st["exp_avg"], ref.Gbar, f"{where}: momentum")
+            momentum = ref.Gbar
+            if weight_space and ref.left:
+                momentum = ref.Q_L @ momentum
+            if weight_space and ref.right:
+                momentum = momentum @ ref.Q_R.T
+            close(st[momentum_key], momentum, f"{where}: momentum")
             if ref.snr:
                 close(st["exp_avg_sq_norm"], torch.tensor(ref.grad_sq, dtype=F64), f"{where}: EMA of |G|^2")
             if ref.left:

@@ -200,6 +200,90 @@ def test_checkpoint_from_before_snr_scaling_resumes_without_it() -> None:
     assert not all(torch.equal(scaled[k], uninterrupted[k]) for k in uninterrupted if k.startswith("param."))
 
 
+def _rotated(m: torch.Tensor, st: dict, back: bool = False) -> torch.Tensor:
+    """Q_Lᵀ m Q_R (``back``: Q_L m Q_Rᵀ) with a member's saved bases."""
+    q_left, q_right = st.get("Q_L"), st.get("Q_R")
+    if q_left is not None:
+        m = (q_left if back else q_left.mT) @ m
+    if q_right is not None:
+        m = m @ (q_right.mT if back else q_right)
+    return m
+
+
+def test_a_checkpoint_with_the_momentum_in_the_eigenbasis_resumes_the_per_matrix_step() -> None:
+    """The per-matrix step keeps its momentum in the weights' space (``exp_avg_unrotated``); a
+    state holding it in the eigenbasis (``exp_avg``: the per-entry step's, and what every
+    ``step_curvature`` saved before) is moved with its bases on load and continues the run."""
+    data = make_data(dtype=F64)
+    options = {"step_curvature": "matrix", "clip": "element", "clip_radius": 0.1, "lr": 3.0}
+
+    model = make_model(dtype=F64)
+    opt = make_opt(model, **options)
+    for _ in range(11):
+        train_step(model, opt, data)
+    uninterrupted = snapshot(model, opt)
+
+    model = make_model(dtype=F64)
+    opt = make_opt(model, **options)
+    for _ in range(5):
+        train_step(model, opt, data)
+    saved = roundtrip({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    for st in saved["optimizer"]["state"].values():
+        if "hess" in st:  # EVON's: its momentum as the eigenbasis holds it
+            st["exp_avg"] = _rotated(st.pop("exp_avg_unrotated"), st)
+
+    def resume(state_dict: dict) -> dict[str, torch.Tensor]:
+        resumed_model, resumed_opt = make_model(seed=42, dtype=F64), None
+        resumed_opt = make_opt(resumed_model, **options)
+        resumed_model.load_state_dict(saved["model"])
+        resumed_opt.load_state_dict(state_dict)
+        for _ in range(6):
+            train_step(resumed_model, resumed_opt, data)
+        return snapshot(resumed_model, resumed_opt)
+
+    resumed = resume(saved["optimizer"])
+    assert resumed.keys() == uninterrupted.keys()  # no "exp_avg" left beside the moved momentum
+    for key, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[key], value, rtol=1e-9, atol=1e-12, msg=key)
+    # the same momentum taken as if it were in the weights' space continues another run
+    unmoved = copy.deepcopy(saved["optimizer"])
+    for st in unmoved["state"].values():
+        if "hess" in st:
+            st["exp_avg_unrotated"] = st.pop("exp_avg")
+    wrong = resume(unmoved)
+    assert max(float((wrong[k] - v).abs().max()) for k, v in uninterrupted.items() if k.startswith("param.")) > 1e-6
+
+
+def test_a_changed_step_curvature_moves_the_momentum_into_its_space() -> None:
+    """A group switched from the per-matrix to the per-entry step between two steps takes its
+    momentum into the eigenbasis: the next step's momentum is β1·Q_Lᵀ M̂ Q_R + (1−β1)·Q_Lᵀ G Q_R
+    with the bases it was taken with (no refresh in between: f = 1000)."""
+    data = make_data(dtype=F64)
+    model = make_model(dtype=F64)
+    opt = make_opt(model, step_curvature="matrix", mc_samples=1, precondition_frequency=1000, stagger_refresh=False)
+    for _ in range(4):
+        train_step(model, opt, data)
+    weights = opt.param_groups[0]["params"]
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in weights}
+    opt.param_groups[0]["step_curvature"] = "entry"
+    with opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+    grads = {p: p.grad.clone() for p in weights}
+    opt.step()
+    beta1 = opt.param_groups[0]["betas"][0]
+    for p in weights:
+        st = opt.state[p]
+        assert "exp_avg" in st and "exp_avg_unrotated" not in st
+        old = before[p]
+        expected = beta1 * _rotated(old["exp_avg_unrotated"], old) + (1 - beta1) * _rotated(grads[p], old)
+        torch.testing.assert_close(st["exp_avg"], expected, rtol=1e-10, atol=1e-14)
+        assert torch.equal(st["Q_L"], old["Q_L"]) and torch.equal(st["Q_R"], old["Q_R"])
+    # and back: the momentum returns to the weights' space
+    opt.param_groups[0]["step_curvature"] = "matrix"
+    train_step(model, opt, data)
+    assert all("exp_avg_unrotated" in opt.state[p] and "exp_avg" not in opt.state[p] for p in weights)
+
+
 def standard_normal_draws(opt: EVON, model: nn.Module, data, steps: int) -> list[torch.Tensor]:
     """The standard-normal z of every training sample: E = z / √(ζ (H + δ)), so z = E √(ζ (H + δ))."""
     out = []
@@ -260,7 +344,7 @@ def test_state_holds_no_copy_of_the_weights() -> None:
         m, n = p.shape
         shapes = {
             "hess": (m, n),
-            "exp_avg": (m, n),
+            "exp_avg_unrotated": (m, n),  # the per-matrix step's momentum, in the weights' space
             "exp_avg_sq_norm": (),
             "step": (),
             "L": (m, m),
@@ -693,7 +777,7 @@ def test_fp16_grad_scaler_is_refused_and_leaves_the_optimizer_usable() -> None:
         (lambda sd: sd["param_groups"][0].update(mc_samples=0), "mc_samples"),
         (lambda sd: next(st for st in sd["state"].values() if "hess" in st)["hess"].view(-1)[0].fill_(float("nan")), "'hess'"),
         (lambda sd: next(st for st in sd["state"].values() if "hess" in st)["hess"].fill_(-1.0), "H + weight_decay <= 0"),
-        (lambda sd: next(st for st in sd["state"].values() if "exp_avg" in st and "hess" in st)["exp_avg"].fill_(float("inf")), "'exp_avg'"),
+        (lambda sd: next(st for st in sd["state"].values() if "hess" in st)["exp_avg_unrotated"].fill_(float("inf")), "'exp_avg_unrotated'"),
     ],
 )
 def test_load_state_dict_validates_as_the_constructor_does(corrupt, named: str) -> None:

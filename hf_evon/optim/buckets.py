@@ -4,6 +4,11 @@ A bucket holds the EVON parameters of one group with the same matrix shape, devi
 state dtype. Its persistent state (``hess``, ``exp_avg``, ``L``, ``R``, ``Q_L``, ``Q_R``, ...) is
 stacked, and the per-parameter entries of ``optimizer.state`` are views into it, so a step is a
 handful of batched matmuls whatever the number of parameters.
+
+The momentum is kept where the step reads it (:func:`momentum_key`): in the eigenbasis
+(``exp_avg``) for the per-entry Newton step, in the weights' space (``exp_avg_unrotated``) for
+``step_curvature="matrix"``, whose step is the momentum itself up to one number per matrix. The
+weights' space spares that step two products a step and the refresh two more per side.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
 from hf_evon.optim.functional import refresh_bases as refreshed_bases
 from hf_evon.optim.functional import shampoo_statistics
-from hf_evon.optim.linalg import rotate, sample_perturbation
+from hf_evon.optim.linalg import rotate, sample_perturbation, unrotate
 
 __all__ = [
     "Bucket",
@@ -31,12 +36,28 @@ __all__ = [
     "group_buckets",
     "is_dtensor",
     "matrix_shape",
+    "momentum_key",
     "preconditioned_sides",
     "stack_state",
     "state_dtype",
 ]
 
 Tensor = torch.Tensor
+
+
+# the momentum's state key in the eigenbasis and in the weights' space (see the module docstring)
+ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM = "exp_avg", "exp_avg_unrotated"
+
+
+def momentum_key(group: dict[str, Any]) -> str:
+    """The state key of the momentum a group's step reads: ``exp_avg_unrotated`` (the weights'
+    space) under ``step_curvature="matrix"``, else ``exp_avg`` (the eigenbasis)."""
+    matrix = group.get("step_curvature", "entry") == "matrix"
+    return WEIGHT_SPACE_MOMENTUM if matrix else ROTATED_MOMENTUM
+
+
+def _other_momentum(key: str) -> str:
+    return ROTATED_MOMENTUM if key == WEIGHT_SPACE_MOMENTUM else WEIGHT_SPACE_MOMENTUM
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -219,16 +240,29 @@ class Bucket:
         """One power iteration + QR for the given members (None: all of them)."""
         st = self.state
         idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
+        rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
         moved, new_left, new_right = refreshed_bases(
             st["L"][idx] if self.left else None,
             st["R"][idx] if self.right else None,
             st["Q_L"][idx] if self.left else None,
             st["Q_R"][idx] if self.right else None,
-            st["exp_avg"][idx],
+            st[ROTATED_MOMENTUM][idx] if rotated else None,
         )
-        for key, value in (("exp_avg", moved), ("Q_L", new_left), ("Q_R", new_right)):
+        for key, value in ((ROTATED_MOMENTUM, moved), ("Q_L", new_left), ("Q_R", new_right)):
             if value is not None:
                 st[key][idx] = value
+
+    def settle_momentum(self, member_state: Callable[[Tensor], dict[str, Any]]) -> None:
+        """Keep the momentum under the key the group's step reads (:func:`momentum_key`), moving
+        it from the other space where the group's ``step_curvature`` changed since it was stacked."""
+        want = momentum_key(self.group)
+        if want in self.state:
+            return
+        for p in self.params:
+            settle_member_momentum(member_state(p), want)
+        del self.state[_other_momentum(want)]
+        self.state[want] = self.matrices([member_state(p)[want] for p in self.params])
+        point_state_views(self, member_state, (want,))
 
     def rotated_mean(self) -> Tensor:
         """``Q_Lᵀ M Q_R``: the weights in the eigenbasis (the prior's pull on the step)."""
@@ -357,12 +391,15 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
     device, dt = b.params[0].device, b.dtype
     first = member_state(b.params[0])
     step = first.get("step", torch.zeros((), dtype=torch.float32)).detach().clone().cpu()
+    momentum = momentum_key(b.group)
     fresh = {
         "hess": lambda: torch.full((b.m, b.n), b.group["hess_init"], device=device, dtype=dt),
-        "exp_avg": lambda: torch.zeros(b.m, b.n, device=device, dtype=dt),
+        momentum: lambda: torch.zeros(b.m, b.n, device=device, dtype=dt),
         # EMA of ‖G‖²_F, one number per matrix (snr_scaling); zero in a state saved without it
         "exp_avg_sq_norm": lambda: torch.zeros((), device=device, dtype=dt),
     }
+    for p in b.params:
+        settle_member_momentum(member_state(p), momentum)
     keys = list(fresh) + [k for k in ("L", "R", "Q_L", "Q_R") if k in first]
     for k in keys:
         per_param = [member_state(p).get(k) for p in b.params]
@@ -373,6 +410,20 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
     point_state_views(b, member_state, tuple(keys))
     for p in b.params:
         member_state(p)["step"] = step
+
+
+def settle_member_momentum(st: dict[str, Any], want: str) -> None:
+    """One member's state with its momentum under ``want`` (:func:`momentum_key`): a momentum kept
+    in the other space (saved or stacked under the other ``step_curvature``) is moved there with
+    the member's bases, Q_L m Q_Rᵀ into the weights' space, Q_Lᵀ m Q_R into the eigenbasis."""
+    other = _other_momentum(want)
+    if want in st or other not in st:
+        st.pop(other, None)  # never two momenta: the one the step reads is kept
+        return
+    x = st.pop(other)[None]
+    q_left, q_right = (None if st.get(k) is None else st[k].to(x.dtype)[None] for k in ("Q_L", "Q_R"))
+    moved = unrotate(x, q_left, q_right) if want == WEIGHT_SPACE_MOMENTUM else rotate(x, q_left, q_right)
+    st[want] = moved[0]
 
 
 def point_state_views(

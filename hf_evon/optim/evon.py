@@ -100,7 +100,7 @@ class EVON(Optimizer):
             under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps
             (:mod:`hf_evon.optim.curvature`). ``inf``: no noise, a SOAP-like method.
         hess_init: initial Hessian h0 > 0 everywhere.
-        betas: (β1, β2) for the rotated momentum and the Hessian.
+        betas: (β1, β2) for the momentum and the Hessian.
         weight_decay: prior precision per datum δ: the prior is ``N(0, (ζ δ)^-1 I)``. None (the
             default): ``default_weight_decay(hess_init, init_std_ratio)`` (the prior's std 5x the
             initial one), refit to a fraction of H's scale under the Fisher estimate.

@@ -91,20 +91,21 @@ def fisher_update(hess: Tensor, g_rot: Tensor, beta2: float, t: int) -> Tensor:
     return hess.mul_(beta).addcmul_(g_rot, g_rot, value=1.0 - beta)
 
 
-def momentum_update(exp_avg: Tensor, g_rot: Tensor, beta1: float) -> Tensor:
-    """The rotated momentum m ← β1·m + (1−β1)·G_rot, in place on ``exp_avg`` (returned). The step
-    uses m̂ = m / (1 − β1ᵗ); each consumer folds that scalar into an operation it does anyway."""
-    return exp_avg.lerp_(g_rot, 1 - beta1)
+def momentum_update(exp_avg: Tensor, grad: Tensor, beta1: float) -> Tensor:
+    """The momentum m ← β1·m + (1−β1)·G, in place on ``exp_avg`` (returned), in the space ``grad``
+    is given in (the eigenbasis: G_rot; the weights' space: G). The step uses m̂ = m / (1 − β1ᵗ);
+    each consumer folds that scalar into an operation it does anyway."""
+    return exp_avg.lerp_(grad, 1 - beta1)
 
 
 def snr_scale(
-    exp_avg_sq_norm: Tensor, momentum: Tensor, g_rot: Tensor, t: int, beta1: float, adam: bool
+    exp_avg_sq_norm: Tensor, momentum: Tensor, grad: Tensor, t: int, beta1: float, adam: bool
 ) -> Tensor:
     """The step's scale per matrix, ``(B,)``: min(1, ρ/ρ₀) (``adam``: min(1, ρ)), ρ = ‖m̂‖_F /
     sqrt(EMA‖G‖²_F) for the ``momentum`` m (m̂ = m / (1 − β1ᵗ)). Updates the EMA (in place on
-    ``exp_avg_sq_norm``, decay ``SNR_AVERAGE_BETA``); norms are the same in the eigenbasis: Q is
-    orthonormal."""
-    avg, g_norm = exp_avg_sq_norm, torch.linalg.vector_norm(g_rot, dim=(1, 2))
+    ``exp_avg_sq_norm``, decay ``SNR_AVERAGE_BETA``); the norms are the same in the eigenbasis
+    and in the weights' space (Q is orthonormal), so ``momentum`` and ``grad`` may be in either."""
+    avg, g_norm = exp_avg_sq_norm, torch.linalg.vector_norm(grad, dim=(1, 2))
     avg.mul_(SNR_AVERAGE_BETA).addcmul_(g_norm, g_norm, value=1 - SNR_AVERAGE_BETA)
     # ‖m̂‖ / sqrt(EMA / (1 − βᵗ)) = ‖m‖ / sqrt(EMA · (1 − β1ᵗ)² / (1 − βᵗ)): both bias corrections in one scalar
     corrections = (1 - beta1**t) ** 2 / (1 - SNR_AVERAGE_BETA**t)
@@ -173,15 +174,16 @@ def refresh_bases(
     right_stat: Tensor | None,
     q_left: Tensor | None,
     q_right: Tensor | None,
-    exp_avg: Tensor,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    exp_avg: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """One power iteration + QR per side with a basis (``*_stat`` None: no basis on that side).
 
     Returns ``(momentum moved to the new bases, new Q_L, new Q_R)``: m ← Q_L,newᵀ Q_L,old m
-    Q_R,oldᵀ Q_R,new. H is deliberately not rotated."""
+    Q_R,oldᵀ Q_R,new (None for ``exp_avg`` None: a momentum kept in the weights' space stays).
+    H is deliberately not rotated."""
     new_left = power_qr(left_stat, q_left) if left_stat is not None else None
     new_right = power_qr(right_stat, q_right) if right_stat is not None else None
-    moved = rotate(unrotate(exp_avg, q_left, q_right), new_left, new_right)
+    moved = None if exp_avg is None else rotate(unrotate(exp_avg, q_left, q_right), new_left, new_right)
     return moved, new_left, new_right
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import Bucket, Plan, count_updates, point_state_views
+from hf_evon.optim.buckets import Bucket, Plan, count_updates, momentum_key, point_state_views
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
@@ -130,26 +130,32 @@ def evon_update(
         return None
 
     t = b.t + 1
-    g_rot = plan.g_rot if plan.g_rot is not None else b.rotated_mean_grad(grad, num_samples)
+    matrix_step = g.get("step_curvature", "entry") == "matrix"
+    fisher = plan.hess is None and uses_fisher(g)
+    g_rot = plan.g_rot
+    if g_rot is None and (fisher or not matrix_step):  # the matrix step itself needs no rotation
+        g_rot = b.rotated_mean_grad(grad, num_samples)
     hess = st["hess"]
     if plan.hess is not None:
         hess.copy_(plan.hess)
-    elif uses_fisher(g):
+    elif fisher:
         # finite: every entry of G_rot² is at most ‖G‖²_F, which finite_flags checked
         fisher_update(hess, g_rot, beta2, t)
-    momentum = momentum_update(st["exp_avg"], g_rot, beta1)
+    b.settle_momentum(member_state)  # the step_curvature may have changed since the last step
+    momentum = momentum_update(st[momentum_key(g)], grad if matrix_step else g_rot, beta1)
     correction = 1 - beta1**t  # m̂ = m / correction
     scale = None
     if g.get("snr_scaling", False) is not False and g["clip"] != "none":
-        scale = snr_scale(st["exp_avg_sq_norm"], momentum, g_rot, t, beta1, adam=g["snr_scaling"] == "adam")
+        scale = snr_scale(st["exp_avg_sq_norm"], momentum, grad, t, beta1, adam=g["snr_scaling"] == "adam")
     pull = mean_pull(g)
-    if g.get("step_curvature", "entry") == "matrix":
-        # one curvature c per matrix: the step is Q_L ((m̂ + λ Q_Lᵀ M Q_R) / c) Q_Rᵀ = (Q_L m̂ Q_Rᵀ +
-        # λ M) / c, as the bases are orthogonal, so the weights need no rotation
+    if matrix_step:
+        # one curvature c per matrix: the step is Q_L ((m̂ + λ Q_Lᵀ M Q_R) / c) Q_Rᵀ = (M̂ + λ M) / c
+        # for the momentum M̂ = Q_L m̂ Q_Rᵀ kept in the weights' space (the bases are orthogonal):
+        # neither it nor the weights need a rotation
         curvature = matrix_curvature(hess, delta)
         weights = b.matrices(b.params) if pull != 0.0 else None
         update = clipped_update(
-            momentum, *b.bases(), g["clip"], g["clip_radius"], 1 / correction, weights, pull, curvature
+            momentum, None, None, g["clip"], g["clip_radius"], 1 / correction, weights, pull, curvature
         )
     else:
         mean_rot = b.rotated_mean() if pull != 0.0 else None
