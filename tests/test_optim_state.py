@@ -284,6 +284,25 @@ def test_a_changed_step_curvature_moves_the_momentum_into_its_space() -> None:
     assert all("exp_avg_unrotated" in opt.state[p] and "exp_avg" not in opt.state[p] for p in weights)
 
 
+def test_a_changed_step_curvature_moves_the_momentum_of_a_member_without_gradient() -> None:
+    """The switch reaches every member of a bucket, also one the step leaves out (no gradient):
+    its momentum is moved, not updated; its bucket mate's is updated in the eigenbasis."""
+    data = make_data(dtype=F64)
+    model = make_model(dtype=F64)
+    opt = make_opt(model, step_curvature="matrix", mc_samples=1, precondition_frequency=1000, stagger_refresh=False)
+    for _ in range(3):
+        train_step(model, opt, data)
+    idle, busy = model[4].weight, model[2].weight  # one 5×5 bucket
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in (idle, busy)}
+    opt.param_groups[0]["step_curvature"] = "entry"
+    idle.requires_grad_(False)
+    train_step(model, opt, data)
+    moved = _rotated(before[idle]["exp_avg_unrotated"], before[idle])
+    torch.testing.assert_close(opt.state[idle]["exp_avg"], moved, rtol=1e-10, atol=1e-14)
+    assert "exp_avg_unrotated" not in opt.state[idle] and "exp_avg_unrotated" not in opt.state[busy]
+    assert not torch.allclose(opt.state[busy]["exp_avg"], _rotated(before[busy]["exp_avg_unrotated"], before[busy]))
+
+
 def standard_normal_draws(opt: EVON, model: nn.Module, data, steps: int) -> list[torch.Tensor]:
     """The standard-normal z of every training sample: E = z / √(ζ (H + δ)), so z = E √(ζ (H + δ))."""
     out = []

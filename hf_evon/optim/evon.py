@@ -484,7 +484,9 @@ class EVON(Optimizer):
         self._consumed = consumed_grads(self.param_groups)
 
     def _plan(self, b: Bucket, num_samples: int) -> Plan | None:
-        """What the bucket's update needs that can fail (the candidate H too), no state changed."""
+        """What the bucket's update needs that can fail (the candidate H too), no state changed
+        but the momentum's space, which follows a ``step_curvature`` changed since the last step."""
+        b.settle_momentum(self._member_state)
         plan = plan_update(b, num_samples)
         if plan is not None and plan.work.initialized:
             self._hessian_candidate(plan, num_samples)

@@ -141,7 +141,6 @@ def evon_update(
     elif fisher:
         # finite: every entry of G_rot² is at most ‖G‖²_F, which finite_flags checked
         fisher_update(hess, g_rot, beta2, t)
-    b.settle_momentum(member_state)  # the step_curvature may have changed since the last step
     momentum = momentum_update(st[momentum_key(g)], grad if matrix_step else g_rot, beta1)
     correction = 1 - beta1**t  # m̂ = m / correction
     scale = None
