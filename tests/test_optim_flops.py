@@ -86,3 +86,40 @@ def test_the_naive_whitening_is_evons_whiten_rms_clip(shape: tuple[int, int]) ->
     torch.testing.assert_close(naive, linalg.clip_update(x, "whiten_rms", 0.01), rtol=0, atol=1e-12)
     assert optimizer_flops.naive_peer("hf-evon-whiten") == "naive-whiten"
     assert optimizer_flops.clip_of("naive-whiten") == "whiten_rms"
+
+
+def test_a_steady_per_matrix_step_multiplies_only_what_the_maths_needs() -> None:
+    """Between refreshes, a default step (Fisher H, the per-matrix step) of an m×n matrix with both
+    bases makes three pairs of products and no more: the sample Q_L E Q_Rᵀ, the gradient's rotation
+    Q_Lᵀ G Q_R (for H) and the statistics G Gᵀ, Gᵀ G, 3 · 2mn(m + n) FLOPs. The momentum lives in
+    the weights' space, so nothing rotates it back (a fourth pair)."""
+    from hf_evon import EVON
+
+    m, n = 12, 20
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(m, n) / n**0.5)
+    opt = EVON([w], seed=0, clip="element", precondition_frequency=1000, stagger_refresh=False)
+    x = torch.randn(16, n)
+
+    def train_step() -> None:
+        with opt.sampled_params(train=True):
+            torch.tanh(x @ w.mT).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # the initialising step and the first curvature fit
+        train_step()
+    # count the sampled block's entry and exit and the step, not the model's forward and backward
+    steps, total = 4, 0
+    for _ in range(steps):
+        with optimizer_flops.flop_counter() as fc:
+            block = opt.sampled_params(train=True)
+            block.__enter__()
+        total += fc.get_total_flops()
+        torch.tanh(x @ w.mT).square().sum().backward()
+        with optimizer_flops.flop_counter() as fc:
+            block.__exit__(None, None, None)
+            opt.step()
+            opt.zero_grad()
+        total += fc.get_total_flops()
+    assert total == steps * 3 * 2 * m * n * (m + n)
