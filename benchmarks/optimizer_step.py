@@ -14,19 +14,7 @@ as in the paper. Timed steps cover several eigenbasis refreshes (every 10th step
 ``evon`` refreshes every matrix at ``t % 10 == 0`` (the spec's schedule); ``evon-staggered``
 is EVON's default (``stagger_refresh=True``: each matrix has its own phase).
 
-Measured on an H100 (2026-11-26, torch 2.11, default clip): AdamW 125.2, SOAP 227.3 (max/median
-7.13), EVON 207.1 (max/median 4.62), EVON staggered 259.6 ms (2.07× AdamW, max/median 1.02,
-optimizer 132.9 ms), 38.7 bytes of state per EVON parameter (docs/results.md#on-a-gpu-h100-2026-11-26).
-On CPU (2 cores, OMP_NUM_THREADS=2, torch 2.13; ±15 % run to run; ``clip="element"``), ms per
-step: AdamW 150.6; SOAP (pytorch-optimizer) 442.7, max/median 2.93; EVON 484.8, max/median 3.16;
-EVON staggered 473.8 (3.15× AdamW), max/median 1.14, optimizer 225.6 ms. With the default
-``clip="whiten_rms"`` (its Newton–Schulz iterations: ~15 matmuls per matrix and step),
-``--optimizers adamw evon-staggered evon-element`` on CPU with OMP_NUM_THREADS=1: AdamW 217.3 ms;
-EVON staggered 772.5 (3.56×, optimizer 462.9 ms); with ``clip="element"`` 644.4 (2.97×, optimizer
-327.4 ms): whitening adds 136 ms (+41% optimizer time, +20% step time) on this CPU model, with
-the Newton–Schulz iterations. On a CPU the whitening now takes the Gram-spectrum route where it is
-cheaper (``linalg.eigh_beats_iterations``): 140 instead of 230 ms of this model's step, timed inside
-the step (docs/results.md#speed, "Whitening on a CPU").
+Figures: docs/results.md#speed (CPU) and #on-a-gpu-h100-2026-11-26 (GPU).
 """
 
 from __future__ import annotations
