@@ -399,11 +399,12 @@ def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
             calibrate_posterior(model, post, cal, always_scan=bad)
 
 
-def test_scales_too_quiet_to_move_the_predictions_are_screened_out_with_one_draw() -> None:
-    """Walking from little noise to much, a scale costs one pass and is not a candidate while its
-    first draw moves log p(label) by less than screen_factor × min_gain of the mean's NLL (per
-    target, on average, at the mean's temperature; a reference computation here); from the first
-    scale that moves them more, every scale is scored with all its draws. With screen_factor=0
+def test_scales_too_quiet_to_move_the_predictions_are_screened_out_by_bisection() -> None:
+    """Walking from little noise to much, a scale is not a candidate while its first draw moves
+    log p(label) by less than screen_factor × min_gain of the mean's NLL (per target, on average, at
+    the mean's temperature; a reference computation here); from the first scale that moves them
+    more, every scale is scored with all its draws. That first scale is found by bisecting the grid
+    with one draw per probe, the probes at or past it reused as first draws. With screen_factor=0
     every scale is scored, and the scored scales' NLLs are the same either way."""
     model, post, cal = overfitted()
     grid = [100.0, 10.0, 1.0, 0.1, 0.01]
@@ -430,18 +431,21 @@ def test_scales_too_quiet_to_move_the_predictions_are_screened_out_with_one_draw
         with post.with_ess(post.ess * f).sampled(model, seed=5):
             moved.append(float((logp(model) - mean_logp).abs().mean()))
     assert moved == sorted(moved)  # the same draw at every scale: more noise moves it further
-    # a factor between the second and the third scale's moves: the first two are screened out
     nll = float(-mean_logp.mean())
-    factor = math.sqrt(moved[1] * moved[2]) / (0.01 * nll)
-    tolerance = factor * 0.01 * nll
-    quiet = [post.ess * f for f, m in zip(grid, moved) if m < tolerance]
-    assert 0 < len(quiet) < len(grid)
-    passes.clear()
-    _, screened = calibrate_posterior(model, post, cal, **common, screen_factor=factor)
-    assert screened.screened == pytest.approx(quiet) and screened.screen_factor == factor
-    assert screened.grid == full.grid[len(quiet) :] and screened.nll == full.nll[len(quiet) :]
-    assert len(passes) == len(cal) * (1 + len(quiet) + 3 * (len(grid) - len(quiet)))
-    assert screened.to_json()["screened"] == pytest.approx(quiet)
+    # probes spent below the onset k (the bisection of [0, 5): k = 0 probes 2, 1, 0; k = 1 probes
+    # 2, 1, 0; k = 2: 2, 1; k = 3: 2, 4, 3; k = 4: 2, 4, 3; k = 5: 2, 4), where walking the grid
+    # spends k
+    wasted = [0, 1, 1, 1, 2, 2]
+    bounds = [moved[0] / 2, *(math.sqrt(a * b) for a, b in zip(moved, moved[1:])), 2 * moved[-1]]
+    for k, move in enumerate(bounds):  # a tolerance between the k-th and the (k + 1)-th scale's moves
+        factor = move / (0.01 * nll)
+        passes.clear()
+        _, screened = calibrate_posterior(model, post, cal, **common, screen_factor=factor)
+        quiet = [post.ess * f for f in grid[:k]]
+        assert screened.screened == pytest.approx(quiet) and screened.screen_factor == factor
+        assert screened.grid == full.grid[k:] and screened.nll == full.nll[k:]
+        assert len(passes) == len(cal) * (1 + wasted[k] + 3 * (len(grid) - k))
+        assert screened.to_json()["screened"] == pytest.approx(quiet)
     for bad in (-1.0, math.inf, "2"):
         with pytest.raises(ValueError, match="screen_factor"):
             calibrate_posterior(model, post, cal, grid=grid, num_samples=1, screen_factor=bad)

@@ -1,5 +1,6 @@
-"""The calibration split in order of length (``hf_evon.trainer.calibration_data.length_sorted``):
-the same examples, short per-batch padding, and the same calibration as the dataset's order."""
+"""The calibration split in order of length (``hf_evon.trainer.calibration_data.length_sorted``)
+and its long tail cut (``cut_by_length``): the same examples, short per-batch padding, and the
+same calibration as the dataset's order."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from datasets import Dataset
 from test_trainer import config, tiny_bert
 
 from hf_evon import EVONTrainer, calibrate_posterior
-from hf_evon.trainer.calibration_data import length_sorted
+from hf_evon.trainer.calibration_data import cut_by_length, length_sorted
 
 
 def ragged_classification(n: int, seed: int) -> Dataset:
@@ -65,8 +66,9 @@ def test_length_sorted_keeps_the_examples_and_orders_them_by_token_count() -> No
 def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``EVONTrainer.calibrate`` reads the split by length: its batches pad exactly as the sorted
-    lengths do (fewer tokens than the dataset's order), and the result is the one ``calibrate_posterior`` gives
+    """``EVONTrainer.calibrate`` reads the split by length, the long tail cut: its batches pad as
+    ``cut_by_length`` cuts the sorted batches (fewer tokens than the sorted batches, which pad fewer
+    than the dataset's order), and the result is the one ``calibrate_posterior`` gives
     on the batches in the dataset's order (the same examples, seeds and targets)."""
     trainer = EVONTrainer(
         model=tiny_bert(),
@@ -93,7 +95,9 @@ def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     result = trainer.calibrate(held_out, **kwargs)
     padded = lambda batches: sum(b["input_ids"].numel() for b in batches)  # noqa: E731
     lengths = [len(ids) for ids in held_out["input_ids"]]
-    assert padded(seen) == padded_tokens(sorted(lengths), 8) < padded(in_order) == padded_tokens(lengths, 8)
+    sorted_batches = padded_tokens(sorted(lengths), 8)
+    assert padded(seen) < sorted_batches < padded(in_order) == padded_tokens(lengths, 8)
+    assert padded(seen) == padded(cut_by_length([pad(list(length_sorted(held_out))[k : k + 8]) for k in range(0, 40, 8)]))
     assert sum(int(b["attention_mask"].sum()) for b in seen) == sum(int(b["attention_mask"].sum()) for b in in_order)
     assert result.grid == expected.grid and len(result.nll) == 3 and result.ess == expected.ess
     torch.testing.assert_close(torch.tensor(result.nll), torch.tensor(expected.nll), rtol=1e-5, atol=0)
@@ -210,3 +214,61 @@ def test_evaluate_in_order_of_length_under_ddp_gives_the_metrics_of_the_datasets
     for key, (by_length, in_order) in ranks[0].items():
         assert by_length == pytest.approx(in_order, rel=1e-5, abs=1e-7), key
     assert ranks[0]["eval_bma_accuracy"][1] * 37 == pytest.approx(round(ranks[0]["eval_bma_accuracy"][1] * 37))
+
+
+def test_cut_by_length_splits_the_long_tail_and_keeps_every_token_mask_and_label() -> None:
+    """Runs of consecutive rows padded to at most R × L̄ tokens (R the most rows in a batch, L̄ the
+    mean token count): lengths [1, 2, 2, 9] and [3, 3, 3, 3] give L̄ = 26 / 8 and a budget of 13, so
+    the first batch (4 × 9 = 36 tokens) becomes rows 0-2 trimmed to 2 columns (6) and row 3 (9);
+    the second (12) is kept as it is. Every row keeps its tokens, mask, token types and labels."""
+    g = torch.Generator().manual_seed(0)
+
+    def batch(lengths: list[int]) -> dict[str, torch.Tensor]:
+        width = max(lengths)
+        mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+        ids = torch.randint(3, 100, (len(lengths), width), generator=g) * mask
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "token_type_ids": mask.clone(),
+            "labels": torch.randint(0, 3, (len(lengths),), generator=g),
+            "weights": torch.rand(len(lengths), 2, generator=g),  # a per-row value: cut by rows only
+        }
+
+    first, second = batch([1, 2, 2, 9]), batch([3, 3, 3, 3])
+    cut = cut_by_length([first, second])
+    assert [b["input_ids"].shape for b in cut] == [(3, 2), (1, 9), (4, 3)]
+    assert cut[2] is second
+    for key in ("input_ids", "attention_mask", "token_type_ids"):
+        assert torch.equal(cut[0][key], first[key][:3, :2]) and torch.equal(cut[1][key], first[key][3:])
+    for key in ("labels", "weights"):
+        assert torch.equal(torch.cat([cut[0][key], cut[1][key]]), first[key])
+    # a padded width beyond the longest example (padding="max_length") is trimmed, the rows kept
+    wide = batch([3, 3])
+    wide = {k: torch.cat([v, torch.zeros_like(v)], 1) if v.shape[1:] == (3,) else v for k, v in wide.items()}
+    (trimmed,) = cut_by_length([wide])
+    assert trimmed["input_ids"].shape == (2, 3) and torch.equal(trimmed["input_ids"], wide["input_ids"][:, :3])
+    # token labels are cut with the tokens where they ignore every padded position
+    tokens = batch([1, 2, 2, 9])
+    tokens["labels"] = tokens["input_ids"].masked_fill(tokens["attention_mask"] == 0, -100)
+    assert [b["labels"].shape for b in cut_by_length([tokens])] == [(3, 2), (1, 9)]
+
+
+def test_cut_by_length_keeps_batches_it_cannot_cut_safely() -> None:
+    """Left padding (trimming would move the tokens' positions), a value as long as the sequence
+    that is not known to be aligned with it (float targets, token labels that do not ignore the
+    padding: a decoder's), a non-tensor value, no attention mask, pairs: each batch as it is."""
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    ids = torch.arange(8).view(2, 4) * mask
+    right = {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 1])}
+    assert [b["input_ids"].shape for b in cut_by_length([right])] == [(1, 1), (1, 4)]  # it can be cut
+    kept = [
+        dict(right, attention_mask=mask.flip(1), input_ids=ids.flip(1)),
+        dict(right, labels=torch.rand(2, 4)),
+        dict(right, labels=torch.ones(2, 4, dtype=torch.long)),
+        dict(right, note="text"),
+        {"input_ids": ids, "labels": torch.tensor([0, 1])},
+        (ids, torch.tensor([0, 1])),
+    ]
+    for batch in kept:
+        assert cut_by_length([batch])[0] is batch

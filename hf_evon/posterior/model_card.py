@@ -311,7 +311,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         f"Calibrated on {show(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
         f"({show(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean"
         + (
-            f"; {len(cal['screened'])} scale(s) with less noise screened out by one sample that barely moved "
+            f"; {len(cal['screened'])} scale(s) with less noise screened out: their samples barely moved "
             "the predictions"
             if cal.get("screened")
             else ""

@@ -67,9 +67,10 @@ TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 1
 SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if t >= 1.0)
 # Walking from little noise to much, a scale is scored with all its S draws only from the first
 # whose first draw moves the held-out log p(label) by at least this many times ``min_gain`` of the
-# mean's NLL (per target, on average); the scales before it are screened out after that one draw.
-# BMA's gain over the mean is second order in the draws' moves, and along the walk (the same seeds
-# at every scale) the draws only move further. 0 (or min_gain = 0): every scale is scored.
+# mean's NLL (per target, on average); the scales before it are screened out. BMA's gain over the
+# mean is second order in the draws' moves, and along the walk (the same seeds at every scale) the
+# draws only move further, so that first scale is found by bisecting the grid, one draw per probe.
+# 0 (or min_gain = 0): every scale is scored.
 # measured: docs/trainer.md#calibration-screen
 SCREEN_FACTOR = 2.5
 # An underconfident mean is sharpened (T < 1) only where the held-out split holds at least this
@@ -105,7 +106,7 @@ class CalibrationResult:
     tempered_mean_nll: float | None = None
     # False: the mean was not overconfident, so no scale was scored (BMA is the mean)
     scanned: bool = True
-    # the ess values screened out with one draw (SCREEN_FACTOR): too little noise to move predictions
+    # the ess values screened out (SCREEN_FACTOR): too little noise to move the predictions
     screened: list[float] = field(default_factory=list)
     screen_factor: float = SCREEN_FACTOR
 
@@ -135,7 +136,7 @@ class CalibrationResult:
         else:
             scale = f"ess = {self.ess:.4g} = {self.multiplier:.3g} x the trained {self.trained_ess:.4g}"
         if self.screened:
-            scale += f"; {len(self.screened)} quieter scale(s) screened out with one sample"
+            scale += f"; {len(self.screened)} quieter scale(s) screened out (too little noise to move the predictions)"
         temperature = ""
         if self.mean_temperature is not None:
             confident = "overconfident" if self.mean_temperature > 1 else "not overconfident"
@@ -280,7 +281,9 @@ def calibrate_posterior(
     (docs/trainer.md#calibration-scan-gate). Where they are scored, the scales whose first draw
     moves the log-likelihoods by less than ``screen_factor`` × ``min_gain`` of the mean's NLL
     (per target, on average, at the mean's temperature), up to the first one that moves them
-    more, cost that one pass and are not candidates (``screened``; docs/trainer.md#calibration-screen).
+    more, are not candidates (``screened``; docs/trainer.md#calibration-screen). The moves grow
+    along the walk, so that first scale is found by bisecting the grid: about log2(len(grid) + 1)
+    passes of one draw each, the probes at or past it reused as those scales' first draws.
     Memory: the
     log-probabilities of every target are kept, 8 bytes × S × targets per scale (× 13 temperatures
     while a scale is scored).
@@ -339,31 +342,33 @@ def calibrate_posterior(
         temperatures = SOFTENING_TEMPERATURES if start > one else (1.0,)
         # per candidate: log p of each draw at its own temperature, [S, targets]
         draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
-        tried, nlls, screened = [], [], []
+        tried, nlls = [], []
         best = mean_nll  # the stop rule reads NLLs at T = 1: a temperature rescues any noise to ~log C
         # the screen compares a scale's first draw with the mean at the mean's own temperature
         screen_t, screen_ref = (start - one, mean_logp[start]) if start > one else (0, mean_logp[one])
         tolerance = screen_factor * min_gain * float(-screen_ref.mean())
-        onset = not tolerance > 0.0
-        for f in factors if scanned else ():
-            candidate = posterior.with_ess(trained * f)
-            logps = []
-            for s in range(num_samples):
+        first: dict[int, Tensor] = {}  # a scale's first draw, [T, targets], drawn by the screen
+
+        def moves(i: int) -> bool:
+            """Does scale i's first draw move the predictions by the screen's tolerance?"""
+            with posterior.with_ess(trained * factors[i]).sampled(model, seed=seed):
+                first[i] = _pass(model, batches, shift, temperatures)
+            return float((first[i][screen_t] - screen_ref).abs().mean()) >= tolerance
+
+        onset = _first_true(moves, len(factors)) if scanned and tolerance > 0.0 else 0
+        screened = [trained * f for f in factors[:onset]] if scanned else []
+        for i in range(onset, len(factors)) if scanned else ():
+            candidate = posterior.with_ess(trained * factors[i])
+            logps = [first[i]] if i in first else []
+            for s in range(len(logps), num_samples):
                 with candidate.sampled(model, seed=seed + s):
                     logps.append(_pass(model, batches, shift, temperatures))
-                if not onset:  # the first draw: does it move the predictions at all?
-                    onset = float((logps[0][screen_t] - screen_ref).abs().mean()) >= tolerance
-                    if not onset:
-                        break
-            if not onset:
-                screened.append(trained * f)
-                continue
             stacked = torch.stack(logps)  # [S, T, targets]
             t_nll = _bma_nll(stacked).mean(-1)
             t = int(t_nll.argmin())
             draws.append(stacked[:, t].clone())
             chosen_t.append(temperatures[t])
-            tried.append(trained * f)
+            tried.append(trained * factors[i])
             nlls.append(float(t_nll[t]))
             untempered = float(t_nll[0])  # temperatures[0] is 1
             best = min(best, untempered)
@@ -430,6 +435,19 @@ def _sharpening(mean_logp: Tensor, one: int, standard_errors: float, min_gain: f
     if -excess > standard_errors * error and -excess >= min_gain * float(nll[one]):
         return best
     return one
+
+
+def _first_true(predicate: Callable[[int], bool], n: int) -> int:
+    """The least i in [0, n) with ``predicate(i)`` (n if none), for a predicate that is false up to
+    some index and true from it on: a bisection, about log2(n + 1) calls instead of up to n."""
+    low, high = 0, n
+    while low < high:
+        middle = (low + high) // 2
+        if predicate(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def _bma_nll(logps: Tensor) -> Tensor:

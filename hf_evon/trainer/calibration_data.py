@@ -5,9 +5,11 @@ with several samples, and ``evaluate()``'s BMA metrics take S sampled passes, so
 split runs up to dozens of times: its batches should pad little. Those NLLs and metrics are sums
 over the examples and every pass visits the same batches in the same order, so the order of the
 examples is free: sorting them by token count leaves each example's log-probabilities (and the
-results) as they are and makes the collator's per-batch padding short. ``evaluate()``'s pass at
-the mean (the Trainer's own, whose predictions ``compute_metrics`` reads) and ``predict()`` keep
-the dataset's order.
+results) as they are and makes the collator's per-batch padding short. The calibration also cuts
+the sorted batches where their lengths spread (:func:`cut_by_length`): the batches of the longest
+examples, a split's long tail, otherwise pad most of their rows. ``evaluate()``'s pass at the mean
+(the Trainer's own, whose predictions ``compute_metrics`` reads) and ``predict()`` keep the
+dataset's order.
 """
 
 from __future__ import annotations
@@ -48,6 +50,78 @@ def _token_count(example: Any) -> int | None:
         return len(ids)
     except TypeError:  # none, or a scalar (a 0-d tensor)
         return None
+
+
+# Batch values cut along the padded sequence with the attention mask: the token ids and what is
+# aligned with them; integer ``labels`` of the same shape too, where they ignore (-100) every padded
+# position. Any other value is a per-row tensor, cut by rows only.
+SEQUENCE_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "special_tokens_mask"})
+
+
+def _row_lengths(batch: Any) -> list[int] | None:
+    """Each row's token count where ``batch`` can be cut into runs of rows trimmed of their padding:
+    a mapping of tensors with a right-padded 2-D ``attention_mask`` (each row's ones before its
+    zeros) whose every value has the mask's rows first, a value as long as the mask being one of
+    ``SEQUENCE_KEYS`` or token ``labels`` that ignore the padding. None otherwise."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2 or mask.shape[0] == 0:
+        return None
+    rows, length = mask.shape
+    pad = mask == 0
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != rows:
+            return None
+        if value.ndim >= 2 and value.shape[1] == length and key not in SEQUENCE_KEYS:
+            token_labels = key == "labels" and value.ndim == 2 and not value.is_floating_point()
+            if not (token_labels and bool((value[pad] == -100).all())):
+                return None
+    lengths = (~pad).sum(1)
+    if not bool((~pad == (torch.arange(length, device=mask.device) < lengths[:, None])).all()):
+        return None  # left padding (or holes): trimming would move the tokens' positions
+    return lengths.tolist()
+
+
+def _rows(batch: Mapping[str, Any], start: int, end: int, length: int) -> dict[str, Any]:
+    """Rows ``start:end`` of ``batch``, its sequence values trimmed to ``length`` columns (views)."""
+    full = batch["attention_mask"].shape[1]
+    return {
+        k: v[start:end, :length] if v.ndim >= 2 and v.shape[1] == full else v[start:end] for k, v in batch.items()
+    }
+
+
+def cut_by_length(batches: list[Any]) -> list[Any]:
+    """``batches`` (collated) cut into runs of consecutive rows, each trimmed of the padding none of
+    its rows needs, so that a run pads to at most R × L̄ tokens (R the most rows in a batch, L̄ the
+    split's mean token count; a run of one row may exceed it). Every example is kept, in order,
+    with its tokens, mask and labels; on length-sorted batches (:func:`length_sorted`) only the
+    long tail's batches are cut, and no run holds more tokens than the largest batch R rows of the
+    mean length. A batch that cannot be cut safely (:func:`_row_lengths`: not a mapping of
+    per-row tensors with a right-padded ``attention_mask``) is kept as it is, as is one that would
+    neither be cut nor trimmed."""
+    lengths = [_row_lengths(b) for b in batches]
+    known = [n for rows in lengths if rows for n in rows]
+    if not known:
+        return list(batches)
+    budget = max(len(rows) for rows in lengths if rows) * sum(known) / len(known)
+    out: list[Any] = []
+    for batch, rows in zip(batches, lengths):
+        if not rows:
+            out.append(batch)
+            continue
+        runs, start = [], 0
+        while start < len(rows):
+            end, longest = start + 1, rows[start]
+            while end < len(rows) and (end + 1 - start) * max(longest, rows[end]) <= budget:
+                longest, end = max(longest, rows[end]), end + 1
+            runs.append((start, end, max(longest, 1)))
+            start = end
+        if len(runs) == 1 and runs[0][2] == batch["attention_mask"].shape[1]:
+            out.append(batch)  # nothing to cut or trim: the batch itself
+        else:
+            out.extend(_rows(batch, *run) for run in runs)
+    return out
 
 
 def length_sorted(dataset: Any) -> Any:

@@ -106,7 +106,7 @@ from hf_evon.optim.defaults import lr_from_adamw_lr
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.predictive.logprobs import count_label_items
-from hf_evon.trainer.calibration_data import check_calibration_batches, length_sorted
+from hf_evon.trainer.calibration_data import check_calibration_batches, cut_by_length, length_sorted
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.config import (
     FINETUNING_LEARNING_RATE,
@@ -342,7 +342,9 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
         The split is read in order of token count (:func:`~hf_evon.trainer.calibration_data.
-        length_sorted`): every pass over it pads little, and the result is the dataset order's.
+        length_sorted`), its longest batches cut into shorter runs (:func:`~hf_evon.trainer.
+        calibration_data.cut_by_length`): every pass over it pads little, and the result is the
+        dataset order's.
         """
         from hf_evon.predictive.calibration import DEFAULT_NUM_SAMPLES, calibrate_posterior
 
@@ -361,8 +363,9 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
         model = self._wrap_model(self.model, training=False)
         start = time.perf_counter()
-        # in order of length: each pass pads little (the order does not change the result)
-        batches = [self._prepare_inputs(b) for b in self._uncached_eval_dataloader(length_sorted(dataset))]
+        # in order of length, the long tail cut: each pass pads little (the result is the dataset order's)
+        loader = self._uncached_eval_dataloader(length_sorted(dataset))
+        batches = cut_by_length([self._prepare_inputs(b) for b in loader])
         _, result = calibrate_posterior(
             model,
             posterior,
