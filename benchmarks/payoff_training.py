@@ -53,16 +53,22 @@ def train(
 
 @torch.no_grad()
 def log_probs(model: nn.Module, batches: list[Batch], shift: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-softmax rows, labels) of every labelled target, float64."""
+    """(log-softmax rows, labels) of every labelled target, float64, in eval mode (no dropout: a
+    model fresh from ``Task.make_model`` is in training mode); the model's mode is restored."""
     rows, labels = [], []
-    for x, y in batches:
-        logits = forward(model, x)
-        if shift:
-            logits, y = logits[:, :-1], y[:, 1:]
-        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-        keep = y.ne(-100)
-        rows.append(torch.log_softmax(logits[keep].double(), -1))
-        labels.append(y[keep])
+    was_training = model.training
+    model.eval()
+    try:
+        for x, y in batches:
+            logits = forward(model, x)
+            if shift:
+                logits, y = logits[:, :-1], y[:, 1:]
+            logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+            keep = y.ne(-100)
+            rows.append(torch.log_softmax(logits[keep].double(), -1))
+            labels.append(y[keep])
+    finally:
+        model.train(was_training)
     return torch.cat(rows).cpu(), torch.cat(labels).cpu()  # scored on the host, whatever the device
 
 

@@ -386,3 +386,23 @@ def test_every_method_runs_end_to_end_and_gives_the_row_a_search_selects_on(meth
             continue
         assert set(v) == {"accuracy", "nll", "ece", "brier"}, name
         assert 0 <= v["accuracy"] <= 1 and 0 <= v["ece"] <= 1 and math.isfinite(v["nll"]) and v["nll"] > 0
+
+
+def test_log_probs_score_in_eval_mode_and_restore_the_models_mode() -> None:
+    """A model in training mode (as ``Task.make_model`` builds MiniLM with LoRA) is scored without
+    dropout: the same log-probabilities as in eval mode, whatever the global RNG, and it is left
+    in the mode it came in."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(2)]
+    model.eval()
+    reference, labels = payoff_training.log_probs(model, batches, False)
+    model.train()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        logp, y = payoff_training.log_probs(model, batches, False)
+        assert torch.equal(logp, reference) and torch.equal(y, labels)
+    assert model.training
