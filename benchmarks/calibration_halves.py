@@ -1,0 +1,167 @@
+"""Does the calibration's standard-error rule carry over? ``calibrate_posterior`` run on one half
+of the calibration split with each ``standard_errors`` k, its choice (noise scale and temperature)
+scored by BMA NLL on the other half, both ways. Validation data only: the test split is not read.
+
+EVON at ``build_optimizer``'s defaults on ``benchmarks/payoff.py``'s tasks
+(``payoff_training.train_evon``). The draws are taken once, on the whole split, as the calibration
+draws them (the seeds ``1000 + seed + s`` at every scale of ``DEFAULT_GRID``, S = 8); each half's
+calibration then runs the library's own ``calibrate_posterior`` on a replay of those logits (a
+stand-in model that returns the stored logits of the half's examples for the scale and seed being
+sampled), so the rule measured is exactly the library's, screen and stop rule included. The score
+of a choice is the mean over the other half's targets of -log (1/S Σ_s softmax(logits_s / T))(label)
+(the tempered mean's where the choice is the mean).
+
+    python benchmarks/calibration_halves.py --tasks noisy_digits --seeds 0 1 2 3 4 5 6 7 8 9
+    python benchmarks/calibration_halves.py --tasks minilm_noisy_lora --seeds 0 1 2 3 --jobs 2
+
+It prints one JSON line per run and, per k, the held-out-half NLL averaged over runs and how often
+it is below and above the default k's. Figures: docs/trainer.md#calibration-standard-errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import payoff  # noqa: E402
+import payoff_tasks  # noqa: E402
+import payoff_training  # noqa: E402
+
+from hf_evon import EVONPosterior  # noqa: E402
+from hf_evon.predictive.calibration import (  # noqa: E402
+    DEFAULT_GRID,
+    DEFAULT_NUM_SAMPLES,
+    DEFAULT_STANDARD_ERRORS,
+    calibrate_posterior,
+)
+from hf_evon.predictive.logprobs import log_mean_prob  # noqa: E402
+
+KS = (0.0, 0.5, 1.0, 1.5)
+
+
+class Replay(nn.Module):
+    """Returns the stored logits of the examples it is given (their indices), for the draw being
+    sampled: ``logits[(factor, seed)]`` ([examples, classes]), the mean's under ``None``."""
+
+    def __init__(self, logits: dict[Any, torch.Tensor]) -> None:
+        super().__init__()
+        self.logits, self.key = logits, None
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return self.logits[self.key][index]
+
+
+class ReplayPosterior:
+    """What ``calibrate_posterior`` reads of a posterior: ``config``, ``ess``, ``with_ess``,
+    ``with_temperature`` and ``sampled``, which points the ``Replay`` model at the stored draw."""
+
+    def __init__(self, trained: float, ess: float | None = None, temperature: float = 1.0) -> None:
+        self.trained, self.ess, self.temperature = trained, trained if ess is None else ess, temperature
+        self.config: dict[str, Any] = {"trained_ess": trained}
+
+    def with_ess(self, ess: float) -> ReplayPosterior:
+        return ReplayPosterior(self.trained, ess, self.temperature)
+
+    def with_temperature(self, temperature: float) -> ReplayPosterior:
+        return ReplayPosterior(self.trained, self.ess, temperature)
+
+    @contextlib.contextmanager
+    def sampled(self, model: Replay, seed: int) -> Iterator[None]:
+        model.key = (round(self.ess / self.trained, 12), seed)
+        try:
+            yield
+        finally:
+            model.key = None
+
+
+def draws(
+    task: payoff_tasks.Task, model: nn.Module, posterior: Any, seed: int
+) -> tuple[dict[Any, torch.Tensor], torch.Tensor]:
+    """The log-softmax rows of every labelled calibration target (as good as logits: the tempered
+    predictive is the same) at the mean (key None) and at every (factor, seed) the calibration
+    draws, float64, on the host; and the targets' labels."""
+    mean, y = payoff_training.log_probs(model, task.cal, task.shift)
+    out = {None: mean}
+    trained = float(posterior.config.get("trained_ess", posterior.ess))
+    for f in DEFAULT_GRID:
+        candidate = posterior.with_ess(trained * f)
+        for s in range(DEFAULT_NUM_SAMPLES):
+            with candidate.sampled(model, seed=seed + s):
+                out[(round(f, 12), seed + s)] = payoff_training.log_probs(model, task.cal, task.shift)[0]
+    return out, y
+
+
+def held_out_nll(logits: dict[Any, torch.Tensor], index: torch.Tensor, y: torch.Tensor, ess_factor: float,
+                 temperature: float, seed: int) -> float:  # fmt: skip
+    """BMA NLL of the choice on the examples ``index``."""
+    keys = [None] if math.isinf(ess_factor) else [(round(ess_factor, 12), seed + s) for s in range(DEFAULT_NUM_SAMPLES)]
+    logp = torch.stack([torch.log_softmax(logits[k][index] / temperature, -1) for k in keys])
+    return float(-log_mean_prob(logp, dim=0).gather(1, y[index, None]).mean())
+
+
+def run(name: str, seed: int) -> dict[str, Any]:
+    task = payoff_tasks.make_task(name, seed, False)
+    model = task.make_model(seed)
+    opt = payoff_training.train_evon(task, model, seed)
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    base = 1000 + seed  # payoff.py's calibration seed
+    logits, y = draws(task, model, posterior, base)
+    n = y.numel()
+    halves = (torch.arange(0, n, 2), torch.arange(1, n, 2))
+    replay, stand_in = Replay(logits), ReplayPosterior(float(posterior.config.get("trained_ess", posterior.ess)))
+    row: dict[str, Any] = {"task": name, "seed": seed, "targets": n}
+    for k in KS:
+        total, picks = 0.0, []
+        for fit, score in (halves, halves[::-1]):
+            _, result = calibrate_posterior(replay, stand_in, [(fit, y[fit])], seed=base, standard_errors=k,
+                                            shift_labels=False)  # fmt: skip
+            total += held_out_nll(logits, score, y, result.multiplier, result.temperature, base) * len(score)
+            picks.append([result.multiplier, round(result.temperature, 4)])
+        row[str(k)] = {"nll": total / n, "choices": picks}
+    return row
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    default = str(DEFAULT_STANDARD_ERRORS)
+    lines = ["| k | held-out-half NLL, mean over runs | runs below / above the default k's |", "|---|---|---|"]
+    for k in map(str, KS):
+        diffs = [r[k]["nll"] - r[default]["nll"] for r in rows]
+        lines.append(
+            f"| {k} | {statistics.mean(r[k]['nll'] for r in rows):.5f} "
+            f"| {sum(d < -1e-12 for d in diffs)} / {sum(d > 1e-12 for d in diffs)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=["noisy_digits"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--jobs", type=int, default=1)
+    args = ap.parse_args(argv)
+    jobs = [(t, s) for t in args.tasks for s in args.seeds]
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=payoff.init_worker) as pool:
+        for row in pool.map(run, *zip(*jobs)):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(summary(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
