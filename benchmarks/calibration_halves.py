@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import multiprocessing
 import os
 import statistics
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -152,13 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args(argv)
-    jobs = [(t, s) for t in args.tasks for s in args.seeds]
-    rows = []
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=payoff.init_worker) as pool:
-        for row in pool.map(run, *zip(*jobs)):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = payoff.print_rows(run, args.tasks, args.seeds, args.jobs)
     print(summary(rows))
     return rows
 

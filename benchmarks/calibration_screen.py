@@ -19,12 +19,9 @@ Figures: docs/trainer.md#calibration-screen.
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -90,13 +87,7 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
-    jobs = [(t, s) for t in args.tasks for s in args.seeds]
-    rows = []
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.jobs, mp_context=ctx, initializer=payoff.init_worker) as pool:
-        for row in pool.map(run, *zip(*jobs)):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = payoff.print_rows(run, args.tasks, args.seeds, args.jobs)
     same = sum((r["screened"]["multiplier"], r["screened"]["temperature"]) == (
         r["every scale"]["multiplier"], r["every scale"]["temperature"]) for r in rows)  # fmt: skip
     passes = {rule: sum(r[rule]["passes"] for r in rows) for rule in RULES}

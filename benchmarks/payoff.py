@@ -308,6 +308,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report(collect(done, args.methods), args, (time.perf_counter() - start) / 60)
 
 
+def print_rows(run: Callable[[str, int], dict[str, Any]], tasks: list[str], seeds: list[int], jobs: int) -> list[dict[str, Any]]:
+    """``run(task, seed)`` for every task and seed on ``jobs`` one-threaded worker processes (spawned),
+    each row printed as one JSON line as it comes, in the jobs' order; the rows."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pairs = [(t, s) for t in tasks for s in seeds]
+    rows = []
+    ctx = multiprocessing.get_context("spawn")  # fork after torch's thread pools start can hang
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=init_worker) as pool:
+        for row in pool.map(run, *zip(*pairs)):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def init_worker() -> None:
     """One thread per worker; on Linux the worker is also ended when the parent dies (killed or
     interrupted), instead of finishing its job in hand orphaned, for up to ~12 minutes."""
