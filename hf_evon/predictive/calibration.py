@@ -339,6 +339,7 @@ def calibrate_posterior(
         mean_nll = float(mean_t_nll[one])
         start = mean_temperature_choice(mean_logp, standard_errors, min_gain) if temperature else one
         scanned = always_scan or best_t > one  # the mean overconfident there: noise may help
+        scales = factors if scanned else []
         temperatures = SOFTENING_TEMPERATURES if start > one else (1.0,)
         # per candidate: log p of each draw at its own temperature, [S, targets]
         draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
@@ -351,14 +352,14 @@ def calibrate_posterior(
 
         def moves(i: int) -> bool:
             """Does scale i's first draw move the predictions by the screen's tolerance?"""
-            with posterior.with_ess(trained * factors[i]).sampled(model, seed=seed):
+            with posterior.with_ess(trained * scales[i]).sampled(model, seed=seed):
                 first[i] = _pass(model, batches, shift, temperatures)
             return float((first[i][screen_t] - screen_ref).abs().mean()) >= tolerance
 
-        onset = _first_true(moves, len(factors)) if scanned and tolerance > 0.0 else 0
-        screened = [trained * f for f in factors[:onset]] if scanned else []
-        for i in range(onset, len(factors)) if scanned else ():
-            candidate = posterior.with_ess(trained * factors[i])
+        onset = _first_true(moves, len(scales)) if tolerance > 0.0 else 0
+        screened = [trained * f for f in scales[:onset]]
+        for i in range(onset, len(scales)):
+            candidate = posterior.with_ess(trained * scales[i])
             logps = [first[i]] if i in first else []
             for s in range(len(logps), num_samples):
                 with candidate.sampled(model, seed=seed + s):
@@ -368,7 +369,7 @@ def calibrate_posterior(
             t = int(t_nll.argmin())
             draws.append(stacked[:, t].clone())
             chosen_t.append(temperatures[t])
-            tried.append(trained * factors[i])
+            tried.append(trained * scales[i])
             nlls.append(float(t_nll[t]))
             untempered = float(t_nll[0])  # temperatures[0] is 1
             best = min(best, untempered)
