@@ -49,6 +49,12 @@ from hf_evon.predictive.logprobs import log_mean_prob  # noqa: E402
 KS = (0.0, 0.5, 1.0, 1.5)
 
 
+def key(factor: float, seed: int) -> tuple[float, int]:
+    """The stored draw of ``factor`` × the trained ζ and ``seed`` (the factor rounded: ζ / trained ζ
+    is the factor up to the last bit)."""
+    return round(factor, 12), seed
+
+
 class Replay(nn.Module):
     """Returns the stored logits of the examples it is given (their indices), for the draw being
     sampled: ``logits[(factor, seed)]`` ([examples, classes]), the mean's under ``None``."""
@@ -77,7 +83,7 @@ class ReplayPosterior:
 
     @contextlib.contextmanager
     def sampled(self, model: Replay, seed: int) -> Iterator[None]:
-        model.key = (round(self.ess / self.trained, 12), seed)
+        model.key = key(self.ess / self.trained, seed)
         try:
             yield
         finally:
@@ -97,14 +103,14 @@ def draws(
         candidate = posterior.with_ess(trained * f)
         for s in range(DEFAULT_NUM_SAMPLES):
             with candidate.sampled(model, seed=seed + s):
-                out[(round(f, 12), seed + s)] = payoff_training.log_probs(model, task.cal, task.shift)[0]
+                out[key(f, seed + s)] = payoff_training.log_probs(model, task.cal, task.shift)[0]
     return out, y
 
 
 def held_out_nll(logits: dict[Any, torch.Tensor], index: torch.Tensor, y: torch.Tensor, ess_factor: float,
                  temperature: float, seed: int) -> float:  # fmt: skip
     """BMA NLL of the choice on the examples ``index``."""
-    keys = [None] if math.isinf(ess_factor) else [(round(ess_factor, 12), seed + s) for s in range(DEFAULT_NUM_SAMPLES)]
+    keys = [None] if math.isinf(ess_factor) else [key(ess_factor, seed + s) for s in range(DEFAULT_NUM_SAMPLES)]
     logp = torch.stack([torch.log_softmax(logits[k][index] / temperature, -1) for k in keys])
     return float(-log_mean_prob(logp, dim=0).gather(1, y[index, None]).mean())
 
