@@ -29,6 +29,10 @@ machine hits both.
     python benchmarks/trainer_wall_time.py                   # all four tasks, one repeat
     python benchmarks/trainer_wall_time.py --tasks digits --repeats 3 --json wall_time.json
     python benchmarks/trainer_wall_time.py --fast --tasks digits    # a smoke test, not a measurement
+    python benchmarks/trainer_wall_time.py --tasks minilm_full --evon evon_max_precond_dim=1024
+
+``--evon FIELD=VALUE`` (repeatable) sets an ``EVONConfig`` field for EVON's runs (the value read
+as JSON, else as a string): the cost of a non-default setting, measured the same way.
 
 It prints one table (the medians over repeats; the ratios are quotients of those medians) and
 whether each target is met; the figures go to docs/results.md.
@@ -37,6 +41,7 @@ whether each target is met; the figures go to docs/results.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -70,6 +75,20 @@ TASKS = ("digits", "tiny_gpt2", "minilm_full", "minilm_lora")
 SCANNING_TASKS = ("minilm_noisy_lora",)  # run on request: the calibration scans there
 TOTAL_TARGET = 1.5  # EVON's whole run (training + calibration) / AdamW's run
 CALIBRATION_TARGET = 0.25  # the calibration / EVON's training
+
+
+# the fields --evon may set: EVONConfig's own (TrainingArguments' are shared by both trainers)
+EVON_FIELDS = frozenset(f.name for f in dataclasses.fields(EVONConfig)) - {
+    f.name for f in dataclasses.fields(TrainingArguments)
+}
+
+
+def parse_value(text: str) -> Any:
+    """``text`` as JSON (numbers, true/false, null, lists), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class Classifier(nn.Module):
@@ -154,9 +173,11 @@ def run(
     seed: int,
     eval_batch_size: int,
     max_steps: int = -1,
+    evon_fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``trainer.train()`` from a fresh model; ``max_steps > 0`` (the warm-up) also skips the
-    calibration. Returns its seconds and what shows that EVON calibrated."""
+    calibration; ``evon_fields``: ``EVONConfig`` fields for EVON's run beside the shared ones.
+    Returns its seconds and what shows that EVON calibrated."""
     model = trainer_model(task, seed)
     with tempfile.TemporaryDirectory() as out:
         fields: dict[str, Any] = dict(
@@ -179,7 +200,8 @@ def run(
             trainer = Trainer(args=TrainingArguments(**fields), **common)
         else:
             calibration = data["cal"] if max_steps < 0 else None
-            trainer = EVONTrainer(args=EVONConfig(**fields), calibration_dataset=calibration, **common)
+            config = EVONConfig(**fields, **(evon_fields or {}))
+            trainer = EVONTrainer(args=config, calibration_dataset=calibration, **common)
         trainer.remove_callback(PrinterCallback)  # the logs stay in state.log_history, not on stdout
         calibrations: list[float] = []
         if method == "evon":
@@ -258,10 +280,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="per_device_eval_batch_size, the calibration's batches (default: payoff's calibration batches)",
     )  # fmt: skip
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed two-step run of each trainer")
+    ap.add_argument(
+        "--evon", action="append", default=[], metavar="FIELD=VALUE",
+        help="an EVONConfig field for EVON's runs (VALUE as JSON, else a string); repeatable",
+    )  # fmt: skip
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1; got {args.repeats}")
+    evon_fields = {}
+    for item in args.evon:
+        field, sep, value = item.partition("=")
+        if not sep or field not in EVON_FIELDS:
+            ap.error(f"--evon takes FIELD=VALUE, FIELD one of EVONConfig's own fields; got {item!r}")
+        evon_fields[field] = parse_value(value)
     torch.set_num_threads(1)  # the issue's setting: one thread for both trainers
     tasks = {name: payoff_tasks.make_task(name, args.seed, args.fast) for name in args.tasks}
     data = {
@@ -276,12 +308,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_warmup:  # first-call costs (lazy kernels, allocator growth) stay out of the timings
         for name, task in tasks.items():
             for method in ("adamw", "evon"):
-                run(task, data[name], method, args.seed, eval_sizes[name], max_steps=2)
+                run(task, data[name], method, args.seed, eval_sizes[name], max_steps=2, evon_fields=evon_fields)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in tasks}
     for repeat in range(args.repeats):
         order = ("adamw", "evon") if repeat % 2 == 0 else ("evon", "adamw")
         for name, task in tasks.items():
-            pair = {m: run(task, data[name], m, args.seed, eval_sizes[name]) for m in order}
+            pair = {m: run(task, data[name], m, args.seed, eval_sizes[name], evon_fields=evon_fields) for m in order}
             runs[name].append(pair)
             print(
                 f"  {name} repeat {repeat}: AdamW {pair['adamw']['seconds']:.2f} s, EVON train "
@@ -298,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seed": args.seed,
             "warmup": not args.no_warmup,
             "eval_batch_size": eval_sizes,
+            "evon_fields": evon_fields,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "targets": {"ratio": TOTAL_TARGET, "calibration_share": CALIBRATION_TARGET},

@@ -37,6 +37,28 @@ def test_fast_digits_reports_both_runs_and_evon_calibrated(tmp_path) -> None:
     assert run["evon"]["calibration_ess"] is not None and run["evon"]["calibration_ess"] > 0
 
 
+def test_evon_fields_reach_every_evon_config_and_shared_fields_are_refused(monkeypatch) -> None:
+    built, config = [], wall.EVONConfig
+
+    def recording_config(**kwargs):  # noqa: ANN003, ANN202
+        built.append(kwargs)
+        return config(**kwargs)
+
+    monkeypatch.setattr(wall, "EVONConfig", recording_config)
+    out = wall.main(
+        ["--fast", "--tasks", "digits", "--evon", "evon_max_precond_dim=100", "--evon", "evon_clip=element"]
+    )
+    assert out["meta"]["evon_fields"] == {"evon_max_precond_dim": 100, "evon_clip": "element"}
+    # the warm-up's EVON run and the timed one, each with both fields (the JSON value, the string)
+    assert len(built) == 2
+    assert all(kw["evon_max_precond_dim"] == 100 and kw["evon_clip"] == "element" for kw in built)
+    # a TrainingArguments field, which both trainers share, and a malformed item are refused
+    for bad in ("learning_rate=0.1", "evon_clip"):
+        with pytest.raises(SystemExit):
+            wall.main(["--fast", "--tasks", "digits", "--evon", bad])
+    assert len(built) == 2
+
+
 def test_timed_counts_the_call_only_and_passes_results_and_errors_through() -> None:
     class Fake:
         def calibrate(self, pause: float) -> str:
