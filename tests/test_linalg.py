@@ -263,6 +263,10 @@ def test_newton_schulz_of_a_non_finite_matrix_is_nan_and_spares_the_others(
         ((2, 256, 1024), torch.float32, 1),  # wide: the Gram's eigh costs a fraction of the products
         ((1024, 256), torch.float32, 1),  # tall: the same after the transpose
         ((2, 64, 128), torch.float32, 0),  # small: the eigh's overhead outweighs the products
+        ((64, 256), torch.float32, 0),  # narrow but small: the same
+        ((256, 256), torch.float32, 0),  # square: the products win on two threads
+        ((2, 384, 384), torch.float32, 1),  # square from ~370: the eigh wins on one and two threads
+        ((256, 384), torch.float32, 1),  # a little wider than square
         ((256, 1024), torch.bfloat16, 0),  # no eigh in bfloat16
     ],
 )
@@ -277,7 +281,7 @@ def test_newton_schulz_takes_the_eigh_route_where_its_cost_model_says(
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(8)).to(dtype)
     out = linalg.newton_schulz(x)
     m, n = sorted(shape[-2:])
-    assert linalg.eigh_beats_iterations(m, n) == (m >= 256)
+    assert linalg.eigh_beats_iterations(m, n) == (eighs > 0 or dtype == torch.bfloat16)
     assert len(calls) == eighs and all(c[-1] == m for c in calls)
     assert out.shape == x.shape and out.dtype == dtype
 

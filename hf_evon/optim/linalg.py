@@ -241,9 +241,9 @@ _EIGH_DTYPES = (torch.float32, torch.float64)
 def eigh_beats_iterations(m: int, n: int) -> bool:
     """Whether, for an m×n matrix (m ≤ n) on a CPU, one Gram product, an eigh of the m×m Gram and
     two products cost at most 3/4 of the iterations' 5·(2m²n + m³) multiply-adds. The eigh counts
-    as (6 + 1200/m)·m³, fitted to LAPACK's on one thread; the margin keeps the iterations where
+    as (5 + 1200/m)·m³, fitted to LAPACK's on one thread; the margin keeps the iterations where
     more threads speed the products more than the eigh (docs/results.md#speed, "Whitening on a CPU")."""
-    return 3 * m * m * n + (6 + 1200 / m) * m**3 < 0.75 * 5 * (2 * m * m * n + m**3)
+    return 3 * m * m * n + (5 + 1200 / m) * m**3 < 0.75 * 5 * (2 * m * m * n + m**3)
 
 
 def _quintic_on_gram_spectrum(y: Tensor, norm: Tensor, steps: int, scale: float) -> Tensor:
