@@ -395,7 +395,7 @@ def test_an_unknown_recipe_names_the_choices() -> None:
         build_optimizer(mlp(), recipe="gpt5")
 
 
-def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
+def test_lora_adapters_get_their_own_group_at_adamws_step() -> None:
     import peft
 
     torch.manual_seed(0)
@@ -404,28 +404,28 @@ def test_lora_adapters_get_their_own_group_at_a_larger_rate() -> None:
     opt = build_optimizer(model, lr=0.03, clip="element")
     evon = [g for g in opt.param_groups if g["algorithm"] == "evon"]
     adapters = [g for g in evon if all("lora_" in n for n in g["param_names"])]
-    assert len(adapters) == 1 and adapters[0]["lr"] == pytest.approx(0.03 * 5.0)
-    # the default clip ("whiten_rms"): adapters at 1.25x, so their steps have entry RMS 1.6·1.25 = 2.0·rate
+    assert len(adapters) == 1 and adapters[0]["lr"] == pytest.approx(0.03 * 2.5)  # 1.0 / 0.4
+    # the default clip ("whiten_rms"): adapters at 0.625x, so their steps have entry RMS 1.6·0.625 = 1.0·rate
     whitened = build_optimizer(model, learning_rate=1e-3)
     rates = sorted(g["lr"] for g in whitened.param_groups if g["algorithm"] == "evon")
-    assert rates == pytest.approx([0.2], rel=1e-12)  # 1.6 · 1e-3 / 0.01 · 1.25
+    assert rates == pytest.approx([0.1], rel=1e-12)  # 1.6 · 1e-3 / 0.01 · 0.625
     assert sorted(adapters[0]["param_names"]) == sorted(
         n for n, p in model.named_parameters() if "lora_" in n and p.requires_grad
     )
-    # every clip mode's adapters step at ADAPTER_STEP_RATIOS·rate per entry: the scale undoes the
-    # mode's step ratio (2.0·rate for adapters, 1.0·rate for full fine-tuning's new head)
+    # every clip mode's adapters step at ADAPTER_STEP_RATIO·rate per entry, AdamW's step: the scale
+    # undoes the mode's step ratio (LoRA through PEFT and full fine-tuning's new head alike)
     from hf_evon.optim.defaults import (
-        ADAPTER_STEP_RATIOS,
+        ADAPTER_STEP_RATIO,
         STEP_RATIOS,
         default_adapter_lr_scale,
         lr_from_adamw_lr,
     )
 
-    assert ADAPTER_STEP_RATIOS == {False: 2.0, True: 1.0}
+    assert ADAPTER_STEP_RATIO == 1.0
     for clip, finetuning in STEP_RATIOS:
         alpha = lr_from_adamw_lr(2e-4, clip=clip, finetuning=finetuning)
         scale = default_adapter_lr_scale(clip, finetuning)
-        assert alpha * scale * 0.01 == pytest.approx(ADAPTER_STEP_RATIOS[finetuning] * 2e-4, rel=1e-12)
+        assert alpha * scale * 0.01 == pytest.approx(ADAPTER_STEP_RATIO * 2e-4, rel=1e-12)
     assert default_adapter_lr_scale("whiten", True) == pytest.approx(1 / STEP_RATIOS[("element", True)])
     same = build_optimizer(model, lr=0.03, adapter_lr_scale=1)
     assert [g["lr"] for g in same.param_groups if g["algorithm"] == "evon"] == [0.03]

@@ -271,7 +271,7 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
         for g in opt.param_groups
         if g["algorithm"] == "evon"
         for n in g["param_names"]
-        if round(g["lr"], 12) == 0.2  # α 0.16, adapters at 1.25x with "whiten_rms"
+        if round(g["lr"], 12) == 0.1  # α 0.16, adapters at 0.625x with "whiten_rms"
     ]
     evon = [n for g in opt.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]
     assert (

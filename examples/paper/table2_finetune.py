@@ -227,7 +227,7 @@ def settings(
         evon_defaults=dict(
             constructor=evon_settings({}),
             step_ratios={f"{k[0]}/{k[1]}": v for k, v in defaults.STEP_RATIOS.items()},
-            adapter_step_ratios=defaults.ADAPTER_STEP_RATIOS,
+            adapter_step_ratio=defaults.ADAPTER_STEP_RATIO,
             snr_scaling=defaults.DEFAULT_SNR_SCALING,
             lr=defaults.DEFAULT_LR,
         ),

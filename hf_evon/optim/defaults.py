@@ -12,7 +12,7 @@ from typing import Any
 from hf_evon.optim.checks import finite, is_real, require
 
 __all__ = [
-    "ADAPTER_STEP_RATIOS",
+    "ADAPTER_STEP_RATIO",
     "AUTO_ESS",
     "COLLAPSE_PRIOR_TO_SIGNAL",
     "DEFAULT_CURVATURE_REFIT",
@@ -95,11 +95,11 @@ SNR_AVERAGE_BETA = 0.999
 # fraction of the weights' RMS: below it a collapsed H is the intended ceiling on the noise
 # (docs/defaults.md#prior)
 COLLAPSE_PRIOR_TO_SIGNAL = 0.5
-# what starts from scratch in a pretrained model (LoRA A/B, modules_to_save, a new task head) steps
-# at this multiple of the AdamW rate per entry before min(1, ρ), by full fine-tuning, whatever the
-# clip mode: 2.0 for adapters (PEFT), 1.0 for a fully fine-tuned model's new head, where more
-# memorises noisy labels (docs/defaults.md#adapter-lr-scale)
-ADAPTER_STEP_RATIOS = {False: 2.0, True: 1.0}
+# what starts from scratch in a pretrained model (LoRA A/B, modules_to_save, a new task head)
+# steps at most this multiple of the AdamW rate per entry before min(1, ρ), whatever the clip mode:
+# AdamW's own step, so a rate tuned for AdamW means the same; larger steps memorise the noisy
+# labels of small data (docs/defaults.md#adapter-lr-scale)
+ADAPTER_STEP_RATIO = 1.0
 
 
 def default_clip(finetuning: bool = False) -> str:
@@ -161,11 +161,11 @@ DEFAULT_LR = (
 
 def default_adapter_lr_scale(clip: Any = DEFAULT_CLIP, finetuning: bool = False) -> float:
     """The multiple of EVON's α that what starts from scratch in a pretrained model gets:
-    ``ADAPTER_STEP_RATIOS`` over the step ratio α is sized with (``ratio_clip``), so its steps are
-    bounded by 2.0·rate per entry (1.0·rate for full fine-tuning's new head) in every mode: 1.25
-    ("whiten_rms", LoRA), 5 ("element"), 2/3 (full fine-tuning, whose α has ratio 1.5)."""
+    ``ADAPTER_STEP_RATIO`` over the step ratio α is sized with (``ratio_clip``), so its steps are
+    bounded by 1.0·rate per entry in every mode: 0.625 ("whiten_rms", LoRA), 2.5 ("element"), 2/3
+    (full fine-tuning, whose α has ratio 1.5)."""
     finetuning = bool(finetuning)
-    return ADAPTER_STEP_RATIOS[finetuning] / STEP_RATIOS[(ratio_clip(clip, finetuning), finetuning)]
+    return ADAPTER_STEP_RATIO / STEP_RATIOS[(ratio_clip(clip, finetuning), finetuning)]
 
 
 def default_hess_init(finetuning: bool = False) -> float:

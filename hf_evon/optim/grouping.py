@@ -129,8 +129,8 @@ def build_optimizer(
     from scratch in a pretrained model (PEFT's ``lora_A``/``lora_B`` and ``modules_to_save``, the
     task head of a model loaded with ``from_pretrained``) forms its own EVON group at
     ``adapter_lr_scale`` times EVON's rate (1: the same rate; None:
-    :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`: steps of 2.0·rate per entry, 1.0·rate
-    for a fully fine-tuned model's new head).
+    :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`: steps of at most 1.0·rate per entry,
+    AdamW's).
     ``learning_rate`` is the rate you would give AdamW (None: for α only, 1e-3, or 5e-5 for full
     fine-tuning, as ``EVONTrainer``): EVON's α
     becomes :func:`~hf_evon.optim.defaults.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe``
