@@ -215,16 +215,14 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
 
     full = EVONTrainer(model=pretrained(), args=EVONConfig(**args), train_dataset=data)
     assert full.args.learning_rate == 5e-5  # full fine-tuning: the Trainer's default
-    # full fine-tuning: "element", α = STEP_RATIOS[("element", True)] · rate / radius; the new task
-    # head's bound is 1.0 · rate per entry (ADAPTER_STEP_RATIO), α · radius / ratio
-    from hf_evon.optim.defaults import DEFAULT_FINETUNING_HESS_INIT, STEP_RATIOS
+    # full fine-tuning: "element", every matrix (the new task head too) bounded by AdamW's own step,
+    # 1.0 · rate per entry: α = rate / radius, one EVON group
+    from hf_evon.optim.defaults import ADAPTER_STEP_RATIO, DEFAULT_FINETUNING_HESS_INIT, STEP_RATIOS
 
-    ft_ratio = STEP_RATIOS[("element", True)]
-    alpha_ft, head_ft = round(ft_ratio * 5e-5 / 0.01, 12), round(5e-5 / 0.01, 12)
-    assert ft_ratio != 1.0  # else the head would share the body's group
-    assert _rates(full) == {"evon": {alpha_ft, head_ft}, "adamw": {5e-5}} and _clips(full) == {"element"}
-    fast = [g["param_names"] for g in full.create_optimizer().param_groups if round(g["lr"], 12) == head_ft]
-    assert fast == [["classifier.weight"]]
+    assert STEP_RATIOS[("element", True)] == ADAPTER_STEP_RATIO == 1.0
+    assert _rates(full) == {"evon": {round(5e-5 / 0.01, 12)}, "adamw": {5e-5}} and _clips(full) == {"element"}
+    evon_groups = [g["param_names"] for g in full.create_optimizer().param_groups if g["algorithm"] == "evon"]
+    assert len(evon_groups) == 1 and "classifier.weight" in evon_groups[0]
     # full fine-tuning starts from a smaller h0 (default_hess_init)
     assert _hess_inits(full) == {DEFAULT_FINETUNING_HESS_INIT} and DEFAULT_FINETUNING_HESS_INIT < 0.01
     # and its clipped steps follow Adam's step size, min(1, ρ) (DEFAULT_SNR_SCALING)
@@ -280,10 +278,10 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
 
     given = EVONTrainer(model=pretrained(), args=EVONConfig(**args, learning_rate=2e-4), train_dataset=data)
     assert given.args.learning_rate == 2e-4
-    assert _rates(given) == {"evon": {round(ft_ratio * 2e-4 / 0.01, 12), round(2e-4 / 0.01, 12)}, "adamw": {2e-4}}
+    assert _rates(given) == {"evon": {round(2e-4 / 0.01, 12)}, "adamw": {2e-4}}
     alpha = EVONConfig(**args, learning_rate=2e-4, evon_learning_rate=0.05, evon_adamw_learning_rate=1e-5)
     assert _rates(EVONTrainer(model=pretrained(), args=alpha, train_dataset=data)) == {
-        "evon": {0.05, round(0.05 / ft_ratio, 12)},  # the head's scale undoes the step ratio
+        "evon": {0.05},  # the head's scale is 1: its bound is the body's
         "adamw": {1e-5},
     }
 

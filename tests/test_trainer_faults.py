@@ -52,7 +52,7 @@ def test_plain_training_arguments_keep_their_learning_rates_meaning(tmp_path):
         trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
     text = " ".join(str(w.message) for w in record)
     assert (
-        "EVON's α = 0.008 (0.0075 when all weights of a pretrained model" in text  # 1.6, 1.5 x 5e-5 / 0.01
+        "EVON's α = 0.008 (0.005 when all weights of a pretrained model" in text  # 1.6, 1.0 x 5e-5 / 0.01
         and "Pass an EVONConfig" in text
     )
     assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 5e-5

@@ -87,8 +87,9 @@ DEFAULT_FINETUNING_LR = 5e-5
 # (docs/defaults.md#snr-adam)
 DEFAULT_SNR_SCALING = "adam"
 # EVON's step bound (entry RMS under "whiten_rms") per unit AdamW rate before min(1, ρ), by (clip
-# mode, full fine-tuning) (docs/defaults.md#step-ratios)
-STEP_RATIOS = {("element", False): 0.4, ("element", True): 1.5, ("whiten_rms", False): 1.6}
+# mode, full fine-tuning); a fine-tuned pretrained model steps at AdamW's own bound, which
+# memorises the noisy labels of small data least (docs/defaults.md#step-ratios)
+STEP_RATIOS = {("element", False): 0.4, ("element", True): 1.0, ("whiten_rms", False): 1.6}
 # Adam's default β2: the gradient history a step's size is measured against (docs/defaults.md#snr-scaling)
 SNR_AVERAGE_BETA = 0.999
 # posterior_health warns of a collapse to the prior only where that prior's std is at least this
@@ -126,7 +127,7 @@ def lr_from_adamw_lr(
 
     So a learning rate tuned for AdamW carries over. ``step_ratio=None`` takes the measured ratio
     of ``clip`` (None: ``default_clip(finetuning)``) from ``STEP_RATIOS``: 1e-3 from scratch or
-    through LoRA -> 0.16 ("whiten_rms"), 0.04 ("element"); full fine-tuning at 5e-5 -> 0.0075
+    through LoRA -> 0.16 ("whiten_rms"), 0.04 ("element"); full fine-tuning at 5e-5 -> 0.005
     ("element"); each then scaled by min(1, ρ) (``DEFAULT_SNR_SCALING``). Only those
     have a measured ratio ("spectral" bounds singular values, "whiten" ignores the radius,
     "whiten_rms" fine-tunes poorly): for the others set α (``lr``) yourself.
@@ -162,8 +163,8 @@ DEFAULT_LR = (
 def default_adapter_lr_scale(clip: Any = DEFAULT_CLIP, finetuning: bool = False) -> float:
     """The multiple of EVON's α that what starts from scratch in a pretrained model gets:
     ``ADAPTER_STEP_RATIO`` over the step ratio α is sized with (``ratio_clip``), so its steps are
-    bounded by 1.0·rate per entry in every mode: 0.625 ("whiten_rms", LoRA), 2.5 ("element"), 2/3
-    (full fine-tuning, whose α has ratio 1.5)."""
+    bounded by 1.0·rate per entry in every mode: 0.625 ("whiten_rms", LoRA), 2.5 ("element"), 1
+    (full fine-tuning, whose α has that ratio already)."""
     finetuning = bool(finetuning)
     return ADAPTER_STEP_RATIO / STEP_RATIOS[(ratio_clip(clip, finetuning), finetuning)]
 

@@ -73,7 +73,7 @@ class EVONConfig(TrainingArguments):
             "α = ratio · learning_rate / evon_clip_radius, so EVON's clipped steps have entry RMS ratio · rate "
             f"(hf_evon.optim.defaults.STEP_RATIOS, per clip mode: {_RATIO_WHITEN:g} for 'whiten_rms', {_RATIO_ELEMENT:g} "
             f"for 'element', {_RATIO_FINETUNING:g} for 'element' when all weights of a pretrained model are "
-            "fine-tuned, where gradients are consistent) — unless evon_learning_rate sets α. Default (None): "
+            "fine-tuned: AdamW's own step bound) — unless evon_learning_rate sets α. Default (None): "
             f"{SCRATCH_LEARNING_RATE:g} for a model trained from scratch or through PEFT adapters (torch's AdamW "
             f"default), {FINETUNING_LEARNING_RATE:g} for full fine-tuning of a pretrained model (one loaded with "
             "from_pretrained; the Trainer's default)."
