@@ -39,7 +39,7 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
     MiniLM license sentences (3 seeds, linear; AdamW / EVON default): LoRA 1.369 (46.0) / 1.116
               (60.7); all weights at 5e-5 1.273 (56.6) / 1.182 (59.5) (per seed 53.8 / 60.7 / 55.2 vs
               58.6 / 63.4 / 56.6), with full fine-tuning's steps at Adam's size (snr_scaling="adam",
-              ratio 1.5, h0 1e-3; hf_evon.optim.defaults.DEFAULT_SNR_SCALING). With fixed-size
+              ratio 1.5, h0 1e-3; the default ratio is 1.0, docs/defaults.md#full-finetuning-ratio). With fixed-size
               element steps (ratio 0.6, h0 3e-3), EVON trails by 7 points: 1.321 (49.2) (per seed
               44.8 / 54.5 / 48.3). Not the gradients' size: on this task and on payoff.py's stdlib
               docstrings alike the first batches' median |g| is 2.2e-5 (MiniLM, seed 0). EVON's
@@ -53,8 +53,8 @@ default / EVON ``clip="element"`` / EVON ``snr_scaling=False``:
               seeds 0-2: 1.187 (57.4) here, 0.760 (75%) and 0.890 (74%) there; ratio 0.7: 1.262
               (56.3) here, 0.717 (75%) and 0.838 (75%) there; h0 1e-3, seeds 0-1: 1.255 (57.1) vs
               AdamW's 1.239 (58.4); noise off (ess=inf), seed 0: 1.309 (50.3). With Adam-sized steps,
-              seed 0: ratio 1.0 1.346 (41.4) here, 0.721 (76%) / 0.591 (79%) there; ratio 1.5 (the
-              default) 1.226 (58.6) here, 0.652 (78%) / 0.634 (80%) there, and seed 1 at 3 epochs
+              seed 0: ratio 1.0 (the default) 1.346 (41.4) here, 0.721 (76%) / 0.591 (79%) there; ratio 1.5
+              1.226 (58.6) here, 0.652 (78%) / 0.634 (80%) there, and seed 1 at 3 epochs
               0.584 (77%) vs AdamW's 0.686 (75%).
 
 The rows above use weight_decay 2.5e-5. With δ = 4e-4 (about
