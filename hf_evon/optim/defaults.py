@@ -86,21 +86,21 @@ DEFAULT_FINETUNING_LR = 5e-5
 # gradients carry signal, small once they are noise, so noisy labels are not memorised
 # (docs/defaults.md#snr-adam)
 DEFAULT_SNR_SCALING = "adam"
+# what starts from scratch in a pretrained model (LoRA A/B, modules_to_save, a new task head)
+# steps at most this multiple of the AdamW rate per entry before min(1, ρ), whatever the clip mode:
+# AdamW's own step, so a rate tuned for AdamW means the same; larger steps memorise the noisy
+# labels of small data (docs/defaults.md#adapter-lr-scale)
+ADAPTER_STEP_RATIO = 1.0
 # EVON's step bound (entry RMS under "whiten_rms") per unit AdamW rate before min(1, ρ), by (clip
-# mode, full fine-tuning); a fine-tuned pretrained model steps at AdamW's own bound, which
-# memorises the noisy labels of small data least (docs/defaults.md#step-ratios)
-STEP_RATIOS = {("element", False): 0.4, ("element", True): 1.0, ("whiten_rms", False): 1.6}
+# mode, full fine-tuning); a fully fine-tuned model steps at the adapters' bound, AdamW's own
+# (docs/defaults.md#step-ratios)
+STEP_RATIOS = {("element", False): 0.4, ("element", True): ADAPTER_STEP_RATIO, ("whiten_rms", False): 1.6}
 # Adam's default β2: the gradient history a step's size is measured against (docs/defaults.md#snr-scaling)
 SNR_AVERAGE_BETA = 0.999
 # posterior_health warns of a collapse to the prior only where that prior's std is at least this
 # fraction of the weights' RMS: below it a collapsed H is the intended ceiling on the noise
 # (docs/defaults.md#prior)
 COLLAPSE_PRIOR_TO_SIGNAL = 0.5
-# what starts from scratch in a pretrained model (LoRA A/B, modules_to_save, a new task head)
-# steps at most this multiple of the AdamW rate per entry before min(1, ρ), whatever the clip mode:
-# AdamW's own step, so a rate tuned for AdamW means the same; larger steps memorise the noisy
-# labels of small data (docs/defaults.md#adapter-lr-scale)
-ADAPTER_STEP_RATIO = 1.0
 
 
 def default_clip(finetuning: bool = False) -> str:
