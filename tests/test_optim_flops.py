@@ -40,7 +40,8 @@ def test_op_count_does_not_grow_with_equal_blocks() -> None:
 def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
     """Issue 32: a step's only host sync is the finite check (one ``tolist``): between the curvature
     fits and health checks, no ``.item()`` (``aten._local_scalar_dense``) in ``step()`` or in the
-    sampled block, for matrices of three shapes (three buckets) under the default estimator."""
+    sampled block, for matrices of three shapes (three buckets) under the default estimator, with
+    their biases in an AdamW group (torch's multi-tensor Adam reads each step count twice)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hf_evon import EVON
@@ -55,14 +56,15 @@ def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
 
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(m, n) / n**0.5) for m, n in ((6, 4), (5, 6), (3, 5))]
-    opt = EVON(weights, seed=0)
+    biases = [torch.nn.Parameter(torch.zeros(m)) for m in (6, 5, 3)]
+    opt = EVON([{"params": weights}, {"params": biases, "algorithm": "adamw"}], seed=0)
     x = torch.randn(8, 4)
 
     def train_step() -> None:
         with opt.sampled_params(train=True):
             h = x
-            for w in weights:
-                h = torch.tanh(h @ w.mT)
+            for w, b in zip(weights, biases):
+                h = torch.tanh(h @ w.mT + b)
             h.square().sum().backward()
         opt.step()
         opt.zero_grad()
@@ -73,6 +75,7 @@ def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
         for _ in range(12):  # across a refresh (every 10 updates), before the next fit (50)
             train_step()
     assert ScalarReads.count == 0
+    assert all(opt.state[b]["step"].item() == 15 for b in biases)  # AdamW trained them
 
 
 @pytest.mark.parametrize("shape", [(5, 9), (9, 5), (300, 800)])

@@ -638,7 +638,8 @@ def test_micro_batch_accumulation_equals_one_big_batch() -> None:
 
 @pytest.mark.parametrize("mc_samples", [1, 2])
 def test_adamw_group_matches_torch_adamw(mc_samples: int) -> None:
-    """AdamW groups are bit-for-bit torch.optim.AdamW (also with several EVON samples)."""
+    """AdamW groups are bit-for-bit torch.optim.AdamW(fused=True), transformers' default
+    (also with several EVON samples)."""
     gen = torch.Generator().manual_seed(11)
     evon_problem = Problem((3, 5), gen)
     emb_target = torch.randn(6, 4, generator=gen)
@@ -686,6 +687,7 @@ def test_adamw_group_matches_torch_adamw(mc_samples: int) -> None:
         betas=(0.85, 0.99),
         eps=1e-6,
         weight_decay=0.1,
+        fused=True,
     )
     for _ in range(12):
         for _ in range(opt.mc_samples):

@@ -200,7 +200,13 @@ def adamw(
     weight_decay: float,
     eps: float,
 ) -> None:
-    """One AdamW step (decoupled weight decay) of ``params``, in place: torch's functional Adam."""
+    """One AdamW step (decoupled weight decay) of ``params``, in place: torch's functional Adam.
+
+    Fused (one kernel per device and dtype, the step counts read on the device) where every
+    tensor is a real float on a CPU or CUDA device, as ``transformers.Trainer``'s default
+    ``adamw_torch_fused`` is; else multi-tensor, whose bias corrections read each step count
+    back to the host. ``steps`` are on their parameters' devices."""
+    fused = all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
     _functional_adam(
         params,
         grads,
@@ -216,7 +222,9 @@ def adamw(
         eps=eps,
         maximize=False,
         decoupled_weight_decay=True,
-        # one multi-tensor op per stage, on any device: the per-tensor loop costs a small model
-        # more dispatches than all of EVON's matrices; its results are bitwise the same
-        foreach=True,
+        fused=fused,
+        foreach=not fused,
     )
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
