@@ -11,8 +11,9 @@ biases). Per step of the loop users run::
 
 it counts, over whole refresh cycles, the aten ops dispatched by ``step()`` and by the sampled
 block (a ``TorchDispatchMode``: every call, views included), the scalar reads back to the host
-(``aten._local_scalar_dense``: one per ``.item()``; torch's own Adam makes one per step tensor
-for the AdamW groups, so EVON's matrices alone are counted too), and the CPU time of the step
+(``aten._local_scalar_dense``: one per ``.item()``; ``AdamW(foreach=True)`` makes two per
+parameter, EVON's AdamW groups none: they run torch's fused kernel; EVON's matrices alone are
+counted too), and the CPU time of the step
 and of the sampled forward/backward; ``torch.optim.AdamW(foreach=True)`` on every parameter is
 the baseline. One thread; ``--base DIR`` also measures another checkout (e.g. a ``git worktree``
 of an older commit), each variant in its own subprocess, alternating, ``--repeats`` times.

@@ -91,7 +91,7 @@ class EVON(Optimizer):
 
     Args:
         params: parameters or parameter groups. A group may set ``algorithm="adamw"``
-            (embeddings, heads, 1-D tensors in the paper's LM runs); every other group is EVON.
+            (embeddings, heads, 1-D tensors: torch's fused AdamW, Trainer's default); the rest EVON.
         lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's
             default rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.16 for
             "whiten_rms", 0.04 for "element" and, as a first guess, for the modes without a ratio.

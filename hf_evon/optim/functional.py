@@ -34,6 +34,7 @@ from hf_evon.optim.linalg import (
 
 __all__ = [
     "adamw",
+    "fused_adamw",
     "clipped_update",
     "fisher_update",
     "hessian_update",
@@ -205,8 +206,8 @@ def adamw(
     Fused (one kernel per device and dtype, the step counts read on the device) where every
     tensor is a real float on a CPU or CUDA device, as ``transformers.Trainer``'s default
     ``adamw_torch_fused`` is; else multi-tensor, whose bias corrections read each step count
-    back to the host. ``steps`` are on their parameters' devices."""
-    fused = all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
+    back to the host."""
+    fused = all(map(fused_adamw, params))
     _functional_adam(
         params,
         grads,
@@ -227,4 +228,7 @@ def adamw(
     )
 
 
-_FUSED_DEVICES = ("cpu", "cuda")
+def fused_adamw(p: Tensor) -> bool:
+    """Whether :func:`adamw` steps ``p`` with torch's fused kernel (its step count then lives on
+    ``p``'s device; elsewhere on the CPU, where the multi-tensor kernel reads it cheaply)."""
+    return p.device.type in ("cpu", "cuda") and p.is_floating_point()
