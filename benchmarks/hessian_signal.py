@@ -1,24 +1,24 @@
-"""Why H follows h0·β2ᵗ under the defaults: estimator noise, or too little curvature?
+"""Why the Price estimate's H follows h0·β2ᵗ on a small MLP: estimator noise, or too little curvature?
 
-Trains benchmarks/payoff.py's digits MLP with EVON's defaults and two samples per step, drawn
-either independently or as antithetic pairs (z, −z). A pair's Price estimates average to
-(G(M+E) − G(M−E))·z/(2σ): the gradient-at-the-mean term G(M)·z/σ, the bulk of the estimator's
-noise, cancels. Printed per matrix shape and quarter of training: the estimate's mean E[ĥ] (the
-data's curvature, averaged over entries), its mean |ĥ| (mostly noise), H and δ; then the test
-NLL and ``posterior_health``.
+The paper's estimator (``hess_estimator="price"``: the recipes'; the defaults use the Fisher
+estimate, docs/defaults.md#hess-estimator, for the reason measured here). Trains
+benchmarks/payoff.py's digits MLP with EVON's defaults but that estimator (and the per-entry step
+it was designed with) and two samples per step, drawn either independently or as antithetic
+pairs (z, −z). A pair's Price estimates average to (G(M+E) − G(M−E))·z/(2σ): the
+gradient-at-the-mean term G(M)·z/σ, the bulk of the estimator's noise, cancels. Printed per
+matrix shape and quarter of training: the estimate's mean E[ĥ] (the data's curvature, averaged
+over entries), its mean |ĥ| (mostly noise), H and δ; then the test NLL and ``posterior_health``.
 
     python benchmarks/hessian_signal.py          # ~1 min on 2 cores
 
-Measured (seed 0, OMP_NUM_THREADS=1, 20 s; last quarter, independent -> antithetic): mean |ĥ|
-3.4e-3 -> 1.3e-3 (256x64), 1.0e-3 -> 4.5e-4 (256x256), 6.2e-3 -> 1.9e-3 (10x256), while E[ĥ] stays
-at 1.6e-4, 4.3e-5-4.6e-5 and 2.4e-4-2.5e-4 and H at 1.2e-3, 1.1e-3 and 1.1e-3 (δ 4.2e-4);
-hess_init_share 0.962 -> 0.951, test NLL 0.0575 -> 0.0572. So the estimator's noise is not what
-holds H at h0·β2ᵗ: the data's curvature is below h0 (0.01) from the first quarter on (E[ĥ] 1.8e-3 to
-5e-3) and below δ on average after it; H decays towards it, and by the end the prior sets most of
-the posterior's variance. Sampling it is then close to isotropic noise per weight group. That is
-not why calibrated BMA pays little on payoff.py's tasks: a posterior with the Fisher's diagonal in
-the same eigenbases gains no more (benchmarks/bma_headroom.py); the means there are calibrated or
-underconfident, and averaging samples can only soften predictions.
+Measured (seed 0, OMP_NUM_THREADS=1; last quarter, independent -> antithetic): mean |ĥ|
+6.1e-3 -> 2.6e-3 (256x64), 1.9e-3 -> 9.1e-4 (256x256), 1.2e-2 -> 3.8e-3 (10x256), while E[ĥ]
+stays at 3.5e-4, 1.1e-4 -> 9.7e-5 and 3.2e-4 -> 4.9e-4 and H at 1.2e-3, 1.1e-3 and 1.1e-3 -> 1.2e-3
+(δ 4.2e-4); hess_init_share 0.952 -> 0.939, test NLL 0.0628 -> 0.0634. So the estimator's noise
+is not what holds H at h0·β2ᵗ: the data's curvature is below h0 (0.01) from the first quarter on
+(E[ĥ] 1.4e-3 to 2.9e-3) and near or below δ after it; H decays towards it, and the posterior's
+shape stays h0's. The Fisher estimate has no h0 in it after the first update
+(``hess_init_share`` 0) and takes its shape from the squared rotated gradients.
 """
 
 from __future__ import annotations

@@ -51,11 +51,19 @@ def targets(
     """The issue's targets, checked per task (lines of a table), and each method's BMA gain in
     NLL averaged over tasks. A task is overconfident where AdamW's temperature on the
     calibration split is above 1.2. Tasks named "noisy…" or listed in ``noisy`` have noisy labels:
-    EVON's mean is judged on NLL there."""
+    EVON's mean is judged on NLL there. A task without AdamW's or EVON's rows (a run of other
+    methods) has no line, its BMA gains still count."""
     lines, gains = [], {"EVON": [], "IVON (ivon-opt)": [], "EVON diagonal (identity_basis)": []}
     mark = lambda ok: "yes" if ok else "NO"  # noqa: E731
     for task, rows in summary.items():
-        adam, mean, bma_ = rows["AdamW"], rows["EVON mean"], rows[f"EVON calibrated BMA@{size}"]
+        for name in gains:
+            g = bma_gain(rows, name, size)
+            if g is not None:
+                gains[name].append(g)
+        needed = ("AdamW", "EVON mean", f"EVON calibrated BMA@{size}")
+        if not all(isinstance(rows.get(name), dict) for name in needed):  # a run of other methods
+            continue
+        adam, mean, bma_ = (rows[name] for name in needed)
         lm = task == "tiny_gpt2"
         judged_on_nll = (
             lm or "noisy" in task or task in noisy
@@ -77,10 +85,6 @@ def targets(
             ]
         else:
             checks += ["n/a"] * 3
-        for name in gains:
-            g = bma_gain(rows, name, size)
-            if g is not None:
-                gains[name].append(g)
         what = "NLL <= AdamW + 2%" if judged_on_nll else "accuracy >= AdamW - 1 point"
         lines.append(
             f"| {task} | {temperature:.2f} | {mark(ok_mean)} ({what}) | "

@@ -310,6 +310,10 @@ def test_noisy_tasks_are_held_to_the_nll_target_whatever_their_prefix() -> None:
         assert f"| {task} | 2.00 | NO (NLL <= AdamW + 2%) |" in lines[0], lines[0]
         summary[task]["EVON mean"] = row(1.7 * 1.019)
         assert "| yes (NLL <= AdamW + 2%) |" in payoff_report.targets(summary, 32)[0][0]
+        # a run of some methods only (table2_finetune.py --methods evon evon_diag): not judged
+        del summary[task]["AdamW"]
+        lines, gains = payoff_report.targets(summary, 32)
+        assert lines == [] and gains["EVON"] == pytest.approx(1.7 * 1.019 - 1.42)
 
 
 def test_a_task_moves_to_a_device_and_its_rates_scale_with_lr_scale() -> None:

@@ -362,10 +362,11 @@ def tables(done: dict[Job, Any], cfg: dict[str, Any]) -> dict[str, Any]:
                     if not k.startswith("_"):
                         rows[f"{k} [tuned]"] = v
             runs.setdefault(name, []).append(rows)
-    tuned_rows = {r for seeds in runs.values() for rows in seeds for r in rows if r.endswith("[tuned]")}
+    # in first-seen order (a set's order changes with the string hash's seed from run to run)
+    tuned_rows = dict.fromkeys(r for seeds in runs.values() for rows in seeds for r in rows if r.endswith("[tuned]"))
     for seeds in runs.values():  # a row missing on a seed (its search did not finish): not reported
         for rows in seeds:
-            for r in tuned_rows - set(rows):
+            for r in [r for r in tuned_rows if r not in rows]:
                 rows[r] = "not run (time limit)"
     return {"runs": runs, "chosen": {f"{n} {m}": v for (n, m), v in chosen.items()}}
 

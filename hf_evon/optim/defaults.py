@@ -191,9 +191,10 @@ def default_weight_decay(
 ) -> float:
     """The default prior precision δ: the prior's std 1/sqrt(ζδ) is ``prior_std_ratio /
     init_std_ratio`` (5) times the initial posterior std 1/sqrt(ζ(h0+δ)), whatever ζ; under
-    ``ess="auto"`` it is ``prior_std_ratio`` of the weights' RMS. It bounds the noise once the
-    Hessian estimate has decayed: h0·β2ᵗ < δ after t = ln 25 / (1 − β2) ≈ 640 steps at the defaults
-    (docs/defaults.md#prior)."""
+    ``ess="auto"`` it is ``prior_std_ratio`` of the weights' RMS. Under the Price estimate it
+    bounds the noise once H has decayed: h0·β2ᵗ < δ after t = ln 25 / (1 − β2) ≈ 640 steps
+    (docs/defaults.md#prior); under the default Fisher estimate it is δ until the first curvature
+    fit and the mean's pull after it (docs/defaults.md#curvature-fit)."""
     if not 0 < init_std_ratio < prior_std_ratio:
         raise ValueError(
             f"default_weight_decay: need 0 < init_std_ratio < prior_std_ratio; got {init_std_ratio!r}, "

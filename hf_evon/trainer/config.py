@@ -142,9 +142,11 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
-            "Default (None): h0 · ρ0² / (ρ² − ρ0²), ρ0 = evon_init_std_ratio, ρ = "
-            f"{DEFAULT_PRIOR_STD_RATIO:g} ({_PRIOR:.2g} at h0 {_H0:g}, {_PRIOR_FINETUNING:.2g} for full fine-tuning): "
-            "the prior's std, where the noise goes once the Hessian estimate has decayed (after "
+            "Default (None): under the Fisher estimate with evon_ess 'auto' (the defaults), H's 30% quantile, "
+            "fitted after the second update and every evon_curvature_refit steps (docs/defaults.md#curvature-fit); "
+            "until then, and under the Price estimate for good, h0 · ρ0² / (ρ² − ρ0²), ρ0 = evon_init_std_ratio, "
+            f"ρ = {DEFAULT_PRIOR_STD_RATIO:g} ({_PRIOR:.2g} at h0 {_H0:g}, {_PRIOR_FINETUNING:.2g} for full "
+            "fine-tuning): the prior's std, where the Price estimate's noise goes once H has decayed (after "
             f"~{_PRIOR_REACHED_AFTER:.0f} steps: h0·β2ᵗ = δ), is {DEFAULT_PRIOR_STD_RATIO:.0%} of the weights' RMS "
             "(hf_evon.optim.defaults.default_weight_decay)."
         },
