@@ -227,6 +227,37 @@ def test_table2_search_choice_and_json_round_trip() -> None:
     )
 
 
+def test_table2_rows_missing_on_a_seed_come_in_the_same_order_in_every_process() -> None:
+    """The tuned rows a seed lacks ("not run") follow the order they were first seen in, whatever
+    the string hash's seed: the report of the same runs is the same file (it was a set's order)."""
+    import subprocess
+
+    code = f"""
+import json, sys
+sys.path.insert(0, {PAPER_DIR!r})
+import table2_finetune as t2
+sel = t2.SELECTION_ROW["adamw"]
+rows = lambda nll: {{sel: {{"cal_nll": nll}}, **{{f"row {{k}}": {{"nll": k}} for k in range(8)}}}}
+done = {{("a", 0, "adamw", 1.0): rows(0.9), ("a", 0, "adamw", 0.5): rows(0.7), ("a", 1, "adamw", 1.0): rows(0.8)}}
+cfg = {{"seeds": [0, 1], "tasks": ["a"], "methods": ["adamw"], "lr_multipliers": [0.5]}}
+print(json.dumps(t2.tables(done, cfg)["runs"]["a"][1]))
+"""
+    seed_one = []
+    for seed in (1, 2, 3):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        seed_one.append(list(json.loads(out).items()))
+    assert seed_one[0] == seed_one[1] == seed_one[2]
+    # seed 1 has no tuned run (its rerun did not happen): every tuned row "not run", in seed 0's order
+    assert [k for k, _ in seed_one[0] if k.endswith("[tuned]")] == [f"row {k} [tuned]" for k in range(8)]
+    assert {v for k, v in seed_one[0] if k.endswith("[tuned]")} == {"not run (time limit)"}
+
+
 def test_variant_names_map_to_evon_arguments() -> None:
     import _gpt
 
