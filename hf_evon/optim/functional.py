@@ -34,9 +34,9 @@ from hf_evon.optim.linalg import (
 
 __all__ = [
     "adamw",
-    "fused_adamw",
     "clipped_update",
     "fisher_update",
+    "fused_adamw",
     "hessian_update",
     "matrix_curvature",
     "momentum_update",
