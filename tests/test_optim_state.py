@@ -109,6 +109,26 @@ def test_state_dict_loads_with_weights_only() -> None:
                 assert torch.equal(saved[key], value), key
 
 
+def test_a_loaded_adamw_step_count_goes_where_its_kernel_reads_it(monkeypatch) -> None:
+    """``load_state_dict`` keeps step counts on the device they were saved on; the AdamW groups'
+    are moved to ``adamw_step_device`` (a checkpoint saved on a GPU, loaded with
+    ``map_location="cpu"``, would otherwise leave CPU counts beside CUDA parameters for the fused
+    kernel). Without a second device here, that device is stood in for by "meta"."""
+    import hf_evon.optim.buckets as buckets
+
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(2):
+        train_step(model, opt, data)
+    saved = roundtrip(opt.state_dict())
+    monkeypatch.setattr(buckets, "adamw_step_device", lambda p: torch.device("meta"))
+    fresh = make_opt(model)
+    fresh.load_state_dict(saved)
+    biases, weights = fresh.param_groups[1]["params"], fresh.param_groups[0]["params"]
+    assert all(fresh.state[b]["step"].device.type == "meta" for b in biases)
+    assert all(t.device.type == "cpu" for w in weights for t in fresh.state[w].values() if torch.is_tensor(t))
+
+
 @pytest.mark.parametrize(
     ("dtype", "clip", "weight_decay"),
     [

@@ -22,8 +22,8 @@ import torch
 
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
+from hf_evon.optim.functional import adamw_step_device, shampoo_statistics
 from hf_evon.optim.functional import refresh_bases as refreshed_bases
-from hf_evon.optim.functional import shampoo_statistics
 from hf_evon.optim.linalg import rotate, sample_perturbation, unrotate
 
 __all__ = [
@@ -460,12 +460,17 @@ def restore_state_dtypes(
     state: dict[Tensor, dict[str, Any]], param_groups: list[dict[str, Any]], loaded: dict[str, Any]
 ) -> None:
     """Undo ``Optimizer.load_state_dict``'s cast of floating state to each parameter's dtype:
-    EVON's state is float32 (float64 for float64 parameters), whatever the weights' dtype."""
+    EVON's state is float32 (float64 for float64 parameters), whatever the weights' dtype; and
+    put each AdamW parameter's step count where its kernel reads it (``adamw_step_device``: a
+    checkpoint saved on another device keeps its counts where they were saved)."""
     saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
     params = [p for g in param_groups for p in g["params"]]
     evon_params = {id(p) for g in param_groups if g["algorithm"] == "evon" for p in g["params"]}
     for idx, p in zip(saved_ids, params):
-        if id(p) in evon_params and idx in loaded["state"]:
+        if id(p) not in evon_params:
+            if torch.is_tensor(state.get(p, {}).get("step")):
+                state[p]["step"] = state[p]["step"].to(adamw_step_device(p))
+        elif idx in loaded["state"]:
             for k, v in loaded["state"][idx].items():
                 if k != "step" and torch.is_tensor(v):
                     state[p][k] = v.to(device=p.device, dtype=state_dtype(p))

@@ -34,6 +34,7 @@ from hf_evon.optim.linalg import (
 
 __all__ = [
     "adamw",
+    "adamw_step_device",
     "clipped_update",
     "fisher_update",
     "fused_adamw",
@@ -229,6 +230,11 @@ def adamw(
 
 
 def fused_adamw(p: Tensor) -> bool:
-    """Whether :func:`adamw` steps ``p`` with torch's fused kernel (its step count then lives on
-    ``p``'s device; elsewhere on the CPU, where the multi-tensor kernel reads it cheaply)."""
+    """Whether :func:`adamw` steps ``p`` with torch's fused kernel."""
     return p.device.type in ("cpu", "cuda") and p.is_floating_point()
+
+
+def adamw_step_device(p: Tensor) -> torch.device:
+    """Where ``p``'s AdamW step count lives: on ``p``'s device for the fused kernel, else on the
+    CPU, where the multi-tensor kernel reads it cheaply."""
+    return p.device if fused_adamw(p) else torch.device("cpu")

@@ -14,9 +14,9 @@ from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
     adamw,
+    adamw_step_device,
     clipped_update,
     fisher_update,
-    fused_adamw,
     hessian_update,
     matrix_curvature,
     momentum_update,
@@ -207,13 +207,10 @@ def evon_updates(
 def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
     """One AdamW step of an AdamW group's ``params`` (their state created on the first)."""
     for p, st in zip(params, states):
-        device = p.device if fused_adamw(p) else torch.device("cpu")
         if "step" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=device)
+            st["step"] = torch.zeros((), dtype=torch.float32, device=adamw_step_device(p))
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif st["step"].device != device:  # a state loaded from another device
-            st["step"] = st["step"].to(device)
     beta1, beta2 = group["betas"]
     adamw(
         params,
