@@ -67,6 +67,29 @@ def test_cholesky_qr_flags_a_zero_member_and_factors_the_others() -> None:
         assert_is_q_of(q[i], a[i], tol=1e-11)
 
 
+def test_cholesky_qr_asks_for_the_lower_factor() -> None:
+    """Each CholeskyQR pass factors its Gram matrix as L Lᵀ: cuSOLVER's batched Cholesky, asked
+    for the upper factor, transposes the stack in and out and took twice the device time on a
+    GPU (docs/defaults.md#cholesky-qr). ``Q`` is still that of ``A = Q R``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    uppers = []
+
+    class CholeskyCalls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket == torch.ops.aten.linalg_cholesky_ex:
+                uppers.append(bool((kwargs or {}).get("upper", args[1] if len(args) > 1 else False)))
+            return func(*args, **(kwargs or {}))
+
+    a = with_condition_number(2, 8, 1e6, seed=3)
+    with CholeskyCalls():
+        q, failed = cholesky_qr(a)
+    assert uppers == [False, False, False]
+    assert not failed.any()
+    for i in range(2):
+        assert_is_q_of(q[i], a[i], tol=1e-9)
+
+
 def test_the_accelerator_refresh_keeps_the_basis_of_a_zero_statistic() -> None:
     """A failed CholeskyQR3 is settled on the device: that member keeps its basis, the others refresh."""
     stat = with_condition_number(3, 8, 100.0, seed=6)

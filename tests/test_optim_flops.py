@@ -126,3 +126,47 @@ def test_a_steady_per_matrix_step_multiplies_only_what_the_maths_needs() -> None
             opt.zero_grad()
         total += fc.get_total_flops()
     assert total == steps * 3 * 2 * m * n * (m + n)
+
+
+def test_a_staggered_refresh_builds_each_phases_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: the members a staggered refresh takes are indexed by a tensor on the state's device,
+    built once per member list: building it from a Python list is a host-to-device copy, which
+    on a GPU waits for every queued kernel (a sync per bucket and step). Over the refresh cycles
+    after the first, no index tensor is built, and each refresh still gives the members their
+    own phases (the bases of members due at different steps change at different steps)."""
+    from hf_evon import EVON
+    from hf_evon.optim import buckets
+
+    built = []
+    real_tensor = torch.tensor
+
+    def counting_tensor(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if sys._getframe(1).f_globals.get("__name__") == buckets.__name__:
+            built.append(args[0])
+        return real_tensor(*args, **kwargs)
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(6, 5) / 5**0.5) for _ in range(4)]  # one bucket of 4
+    opt = EVON(weights, seed=0, precondition_frequency=3, stagger_refresh=True)
+    x = torch.randn(8, 5)
+
+    def train_step() -> None:
+        with opt.sampled_params(train=True):
+            sum(torch.tanh(x @ w.mT).square().sum() for w in weights).backward()
+        opt.step()
+        opt.zero_grad()
+
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    for _ in range(4):  # the initialising step and a first cycle of 3 updates
+        train_step()
+    first_cycle = list(built)
+    (bucket,) = opt._buckets
+    assert len(set(bucket.refresh_phase)) == 3  # four members over three phases
+    assert first_cycle  # partial refreshes did index their members
+    changed = []
+    for _ in range(6):  # two more cycles
+        before = bucket.state["Q_L"].clone()
+        train_step()
+        changed.append(tuple((bucket.state["Q_L"] != before).flatten(1).any(1).tolist()))
+    assert built == first_cycle
+    assert len(set(changed[:3])) == 3 and changed[3:] == changed[:3]

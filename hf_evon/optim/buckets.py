@@ -107,6 +107,9 @@ def state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+_INDEX_CACHE_SIZE = 64  # member lists one bucket keeps as device indices
+
+
 @dataclass
 class Bucket:
     """EVON parameters of one group with the same matrix shape, device and bases."""
@@ -133,6 +136,9 @@ class Bucket:
     watched: Tensor | None = None  # (B,) bool, on the bucket's device
     # ((id, version) of state["step"], its value): the counter as last read or set
     _t: tuple[tuple[int, int], int] | None = field(default=None, repr=False)
+    # member lists as index tensors on the state's device, built once: building one from a list is
+    # a host-to-device copy, which on a GPU waits for all queued work (a sync per refresh)
+    _indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def preconditioned(self) -> bool:
@@ -155,6 +161,17 @@ class Bucket:
 
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
+
+    def member_index(self, members: list[int]) -> Tensor:
+        """``members`` as an index tensor on the state's device, cached: a bucket sees a few fixed
+        lists (its refresh phases' members, a sharded or partly frozen bucket's active ones)."""
+        key = (tuple(members), self.state["hess"].device)
+        idx = self._indices.get(key)
+        if idx is None:
+            if len(self._indices) >= _INDEX_CACHE_SIZE:
+                self._indices.clear()
+            idx = self._indices[key] = torch.tensor(members, device=key[1])
+        return idx
 
     def stacked(self, tensors: list[Tensor]) -> Tensor:
         """Stack per-parameter tensors as ``(B, m, n)``, their dtype kept (one copy).
@@ -239,7 +256,7 @@ class Bucket:
     def refresh_bases(self, members: list[int] | None) -> None:
         """One power iteration + QR for the given members (None: all of them)."""
         st = self.state
-        idx = slice(None) if members is None else torch.tensor(members, device=st["hess"].device)
+        idx = slice(None) if members is None else self.member_index(members)
         rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
         moved, new_left, new_right = refreshed_bases(
             st["L"][idx] if self.left else None,
@@ -283,7 +300,7 @@ class Bucket:
 
     def subset(self, members: list[int]) -> Bucket:
         """A bucket of the listed members with copies of their state (``scatter`` writes it back)."""
-        idx = torch.tensor(members, device=self.state["hess"].device)
+        idx = self.member_index(members)
 
         def pick(x: Tensor | None) -> Tensor | None:
             return None if x is None else x.index_select(0, idx)
@@ -298,7 +315,7 @@ class Bucket:
         return sub
 
     def scatter(self, sub: Bucket, members: list[int]) -> None:
-        idx = torch.tensor(members, device=self.state["hess"].device)
+        idx = self.member_index(members)
         for k, v in sub.state.items():
             if k != "step":
                 self.state[k].index_copy_(0, idx, v)

@@ -157,8 +157,10 @@ def _cholesky_qr_pass(a: Tensor, shift: Tensor | None = None) -> tuple[Tensor, T
     gram = a.mT @ a
     if shift is not None:
         gram.diagonal(dim1=-2, dim2=-1).add_(shift)
-    r, info = torch.linalg.cholesky_ex(gram, upper=True)
-    return torch.linalg.solve_triangular(r, a, upper=True, left=False), info
+    # the lower factor L = Rᵀ: asked for the upper one, cuSOLVER's batched Cholesky transposes the
+    # stack in and out and takes twice the device time (docs/defaults.md#cholesky-qr)
+    low, info = torch.linalg.cholesky_ex(gram)
+    return torch.linalg.solve_triangular(low.mT, a, upper=True, left=False), info
 
 
 def cholesky_qr(a: Tensor) -> tuple[Tensor, Tensor]:
