@@ -4,6 +4,9 @@
 # goes on PYTHONPATH. On a machine without network, carry the SOAP baseline's wheel in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl pytorch-optimizer
 # (transformers >= 5.17 with huggingface_hub 1.x, torch >= 2.4, accelerate, safetensors must be there).
+# BASE=DIR also measures another version's package, DIR/hf_evon, on the same machine (EVON's step and
+# its profile; timings from different GPUs do not compare). From a checkout, in an ignored folder
+# that the device call carries:  mkdir -p .base && git archive REV hf_evon | tar -x -C .base
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-results}"
@@ -24,3 +27,9 @@ python3 benchmarks/step_profile.py --device cuda 2>&1 | tee "$OUT/step_profile.l
 python3 benchmarks/optimizer_flops.py --device cuda --skip ops flops --time-width 768 --time-blocks 12 \
     --repeats 4 --time-names hf-evon naive hf-evon-noclip naive-noclip --json "$OUT/optimizer_flops.json" \
     2>&1 | tee "$OUT/optimizer_flops.log"
+if [ -n "${BASE:-}" ]; then
+    PYTHONPATH="$(cd "$BASE" && pwd):$PYTHONPATH" python3 benchmarks/optimizer_step.py --device cuda \
+        --optimizers adamw evon-staggered --json "$OUT/optimizer_step_base.json" 2>&1 | tee "$OUT/optimizer_step_base.log"
+    PYTHONPATH="$(cd "$BASE" && pwd):$PYTHONPATH" python3 benchmarks/step_profile.py --device cuda \
+        2>&1 | tee "$OUT/step_profile_base.log"
+fi
