@@ -437,6 +437,40 @@ def test_clipping_and_grad_norm_refer_to_the_mean_gradient(tmp_path):
     assert not torch.equal(params(manual_model)["classifier.weight"], start["classifier.weight"])
 
 
+def test_the_trainers_step_reads_no_scalar_back_from_a_tensor(tmp_path):
+    """Issue 32: on a GPU every scalar read back (``aten._local_scalar_dense``) waits for all
+    queued kernels. The trainer's own per-step code reads none: each micro-batch's share of the
+    step's label items and the grad-norm clip's guard against a non-finite norm are decided on
+    the device (gradient accumulation, a causal LM with padded labels, clipping on)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    trainer_dir = os.path.join("hf_evon", "trainer")
+    reads = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket == torch.ops.aten._local_scalar_dense:
+                frame = sys._getframe(1)  # the first caller outside torch made the read
+                while frame is not None and os.path.join("site-packages", "torch") in frame.f_code.co_filename:
+                    frame = frame.f_back
+                if frame is not None and trainer_dir in frame.f_code.co_filename:
+                    reads.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+            return func(*args, **(kwargs or {}))
+
+    trainer = EVONTrainer(
+        model=tiny_gpt2(),
+        args=config(
+            tmp_path, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            max_grad_norm=1.0, logging_steps=100,
+        ),
+        train_dataset=lm_data(),
+    )  # fmt: skip
+    with ScalarReads():
+        trainer.train()
+    assert trainer.state.global_step == 6
+    assert reads == []
+
+
 def test_gradient_checkpointing_backward_runs_at_the_sample(tmp_path):
     """Checkpointing recomputes the forward during backward: inside the sampled block that is
     the same sampled weight, so results equal the run without checkpointing."""

@@ -437,7 +437,8 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         self._evon_step_items = None
         self._evon_items_global = False
         if counts and all(c is not None for c in counts):
-            total = torch.stack([c.to(device) for c in counts]).sum()
+            # summed where the labels are, then one copy that does not wait for the device's queue
+            total = torch.stack([c.to(counts[0].device) for c in counts]).sum().to(device, non_blocking=True)
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 total = self.accelerator.gather(total.reshape(1)).sum()
                 self._evon_items_global = True
@@ -453,9 +454,13 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         """This micro-batch's share ``w_i = n_i / N`` of the accumulated batch's label items."""
         items = count_label_items(labels, self._causal_lm)
         total = self._evon_step_items
-        if items is None or total is None or float(total) == 0.0:
-            return torch.tensor(1.0 / self.current_gradient_accumulation_steps, device=self.args.device)
-        share = items.to(self.args.device, torch.float32) / total.to(self.args.device, torch.float32)
+        even = 1.0 / self.current_gradient_accumulation_steps
+        if items is None or total is None:
+            return torch.full((), even, device=self.args.device)
+        # decided on the device: reading the count back would wait for every queued kernel
+        items = items.to(self.args.device, torch.float32, non_blocking=True)
+        total = total.to(self.args.device, torch.float32)
+        share = torch.where(total > 0, items / total.clamp(min=1.0), even)
         if self._evon_items_global:
             share = share * self.accelerator.num_processes
         return share
@@ -539,8 +544,11 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         n = max(optimizer.recorded_samples, 1)
         params = [p for p in model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if max_norm is not None and bool(torch.isfinite(total)):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm * n, total, foreach=True)
+        if max_norm is not None:
+            # a non-finite norm counts as 0 here, whose clip factor is 1: the gradients keep their
+            # values, decided on the device (a host check would wait for every queued kernel)
+            finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * n, finite, foreach=True)
         return total / n
 
     # ------------------------------------------------------------------ logging
