@@ -471,6 +471,27 @@ def test_the_trainers_step_reads_no_scalar_back_from_a_tensor(tmp_path):
     assert reads == []
 
 
+def test_a_micro_batchs_loss_share_is_its_part_of_the_steps_label_items(tmp_path):
+    """``w_i = n_i / N`` of the step's label items (times the processes where N counts all of
+    them); an even share 1/A where the step has no label item at all or counts none."""
+    trainer = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path), train_dataset=lm_data())
+    trainer.current_gradient_accumulation_steps = 4
+    labels = torch.tensor([[5, 6, -100, 7], [8, 9, -100, -100]])  # 3 items after the causal shift
+    trainer._evon_items_global = False
+    for total, want in ((12, 3 / 12), (3, 1.0), (0, 1 / 4)):
+        trainer._evon_step_items = torch.tensor(total)
+        share = trainer._loss_share(labels)
+        assert share.dtype == torch.float32 and float(share) == pytest.approx(want, rel=1e-7)
+    trainer._evon_step_items = None
+    assert float(trainer._loss_share(labels)) == 0.25
+    assert float(trainer._loss_share(None)) == 0.25
+    trainer._evon_items_global = True  # N over 2 processes: each rank's mean is later averaged
+    trainer._evon_step_items = torch.tensor(12)
+    assert float(trainer._loss_share(labels)) == pytest.approx(3 / 12 * trainer.accelerator.num_processes)
+    trainer._evon_step_items = torch.tensor(0)
+    assert float(trainer._loss_share(labels)) == 0.25
+
+
 def test_gradient_checkpointing_backward_runs_at_the_sample(tmp_path):
     """Checkpointing recomputes the forward during backward: inside the sampled block that is
     the same sampled weight, so results equal the run without checkpointing."""

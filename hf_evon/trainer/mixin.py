@@ -460,10 +460,10 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
         # decided on the device: reading the count back would wait for every queued kernel
         items = items.to(self.args.device, torch.float32, non_blocking=True)
         total = total.to(self.args.device, torch.float32)
-        share = torch.where(total > 0, items / total.clamp(min=1.0), even)
+        share = items / total.clamp(min=1.0)
         if self._evon_items_global:
             share = share * self.accelerator.num_processes
-        return share
+        return torch.where(total > 0, share, even)
 
     def training_step(
         self,
