@@ -1,0 +1,104 @@
+"""Settings scored on validation data only: EVON's mean (and AdamW's) on each task's calibration split.
+
+Defaults are chosen on validation splits, never on the test split a table reports. This trains
+EVON (``payoff_training.train_evon``, i.e. ``build_optimizer``'s defaults plus the keyword
+arguments given) or AdamW (``train_adamw``, its own conventions) on each task and scores the
+posterior mean on the task's calibration split: NLL, accuracy, ECE, the temperature fitted on
+that split and the NLL after it, and EVON's ``posterior_health`` shares. Tasks: ``payoff.py``'s
+(``minilm_lora``, ``noisy_digits``, ...) and Table 2's (``docstring_topic/lora``,
+``comment_topic/full``, ...; ``examples/paper/table2_finetune.py``). One JSON line per run, in
+the order they finish; one thread per process.
+
+    python benchmarks/validation_sweep.py --tasks minilm_lora docstring_topic/lora \\
+        --settings '{}' '{"clip": "element"}' adamw --seeds 0 --processes 2
+
+Figures: docs/defaults.md (each default's section says which settings it compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from multiprocessing import get_context
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAPER = os.path.join(HERE, "..", "examples", "paper")
+_TEXT_DATA: dict[str, Any] | None = None
+
+
+def make_task(name: str, seed: int) -> Any:
+    """A payoff task (``minilm_lora``, ...) or a Table 2 task (``<text task>/<full|lora>``)."""
+    global _TEXT_DATA
+    import payoff_tasks
+    import table2_finetune
+
+    if "/" not in name:
+        return payoff_tasks.make_task(name, seed, False)
+    if _TEXT_DATA is None:
+        _TEXT_DATA = table2_finetune.text_data(table2_finetune.TEXT_TASKS)
+    return table2_finetune.make_task(name, seed, False, _TEXT_DATA, "cpu")
+
+
+def run(job: tuple[str, int, Any]) -> dict[str, Any]:
+    """Train one setting on one task and seed; score the mean on the calibration split."""
+    import torch
+
+    torch.set_num_threads(1)
+    from payoff_training import fit_temperature, log_probs, scores, train_adamw, train_evon
+
+    name, seed, setting = job
+    task = make_task(name, seed)
+    torch.manual_seed(seed)
+    model = task.make_model(seed)
+    start = time.time()
+    health: dict[str, float] = {}
+    if setting == "adamw":
+        train_adamw(task, model, seed)
+    else:
+        optimizer = train_evon(task, model, seed, **setting)
+        report = optimizer.posterior_health(warn=False)
+        health = {k: report[k] for k in ("hess_below_prior", "hess_init_share") if k in report}
+    seconds = time.time() - start
+    lp, y = log_probs(model, task.cal, task.shift)
+    mean = scores(lp, y)
+    temperature = fit_temperature(lp, y)
+    tempered = scores(torch.log_softmax(lp / temperature, -1), y)
+    return dict(
+        task=name, seed=seed, setting=setting, nll=mean["nll"], accuracy=mean["accuracy"], ece=mean["ece"],
+        temperature=temperature, nll_tempered=tempered["nll"], seconds=seconds, **health,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", required=True)
+    ap.add_argument(
+        "--settings", nargs="+", default=["{}"],
+        help="each a JSON object of train_evon keyword arguments ('{}': the defaults), or 'adamw'",
+    )  # fmt: skip
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0])
+    ap.add_argument("--processes", type=int, default=2)
+    args = ap.parse_args(argv)
+    settings = []
+    for text in args.settings:
+        try:
+            setting = text if text == "adamw" else json.loads(text)
+        except json.JSONDecodeError:
+            setting = None
+        if setting != "adamw" and not isinstance(setting, dict):
+            ap.error(f"--settings: {text!r} is neither a JSON object nor 'adamw'")
+        settings.append(setting)
+    jobs = [(t, s, k) for s in args.seeds for k in settings for t in args.tasks]
+    with get_context("spawn").Pool(args.processes) as pool:
+        for result in pool.imap_unordered(run, jobs):
+            print(json.dumps(result), flush=True)
+
+
+sys.path.extend([HERE, PAPER])  # payoff's and Table 2's modules, here and in spawned workers
+
+if __name__ == "__main__":
+    main()
