@@ -1,0 +1,90 @@
+"""What only a CUDA device exercises: the accelerator refresh on cuSOLVER, torch's fused Adam
+with its step counts on the GPU, a step that reads nothing back to the host. Skipped without
+CUDA (the CPU suite stands "meta" in for a second device, and calls the accelerator refresh
+with ``householder=False``); ``benchmarks/gpu.sh`` runs this file first on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_linalg import with_condition_number
+from test_optim_state import make_data, make_model, make_opt, roundtrip, train_step
+
+from hf_evon.optim.linalg import power_qr
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_the_cuda_refresh_equals_the_cpu_refresh() -> None:
+    """cuSOLVER's CholeskyQR3 (the lower factor) gives LAPACK's Householder basis, signs fixed."""
+    stat = with_condition_number(3, 48, 30.0, seed=2)  # 3 decades in stat: float32 resolves them
+    stat = (stat @ stat.mT).float()
+    q_old = torch.linalg.qr(with_condition_number(3, 48, 10.0, seed=3)).Q.float()
+    cpu = power_qr(stat, q_old)
+    cuda = power_qr(stat.cuda(), q_old.cuda()).cpu()
+    torch.testing.assert_close(cuda, cpu, rtol=0, atol=1e-3)
+    torch.testing.assert_close(cuda.mT @ cuda, torch.eye(48).expand(3, 48, 48), rtol=0, atol=1e-5)
+
+
+def test_a_cpu_checkpoint_resumes_on_cuda_with_the_step_counts_on_the_gpu() -> None:
+    """A state saved on the CPU and loaded for CUDA parameters puts the AdamW groups' step counts
+    on the GPU, where torch's fused Adam reads them, and the run goes on as on the CPU."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(2):
+        train_step(model, opt, data)
+    saved = roundtrip(opt.state_dict())
+    gpu_model = make_model().cuda()
+    gpu_model.load_state_dict(model.state_dict())
+    gpu_opt = make_opt(gpu_model, ess=float("inf"))  # no noise: the CPU and GPU runs are comparable
+    opt_inf = make_opt(model, ess=float("inf"))
+    saved["param_groups"] = [dict(g, ess=float("inf")) for g in saved["param_groups"]]
+    gpu_opt.load_state_dict(saved)
+    opt_inf.load_state_dict(roundtrip(saved))
+    biases = gpu_opt.param_groups[1]["params"]
+    assert all(gpu_opt.state[b]["step"].device.type == "cuda" for b in biases)
+    gpu_data = tuple(t.cuda() for t in data)
+    for _ in range(3):
+        train_step(gpu_model, gpu_opt, gpu_data)
+        train_step(model, opt_inf, data)
+    assert all(gpu_opt.state[b]["step"].item() == 5 for b in biases)
+    for (name, p), q in zip(model.named_parameters(), gpu_model.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_a_cuda_step_reads_no_scalar_back() -> None:
+    """Between the curvature fits, a step and its samples read no scalar back to the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_evon import EVON
+
+    reads = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket == torch.ops.aten._local_scalar_dense:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    shapes = ((6, 4), (5, 6), (3, 5))
+    weights = [torch.nn.Parameter(torch.randn(m, n, device="cuda") / n**0.5) for m, n in shapes]
+    biases = [torch.nn.Parameter(torch.zeros(m, device="cuda")) for m, _ in shapes]
+    opt = EVON([{"params": weights}, {"params": biases, "algorithm": "adamw"}], seed=0)
+    x = torch.randn(8, 4, device="cuda")
+
+    def step() -> None:
+        with opt.sampled_params(train=True):
+            h = x
+            for w, b in zip(weights, biases):
+                h = torch.tanh(h @ w.mT + b)
+            h.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    with ScalarReads():
+        for _ in range(12):
+            step()
+    assert reads == []
