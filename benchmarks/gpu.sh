@@ -20,7 +20,7 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 # the tests only a CUDA device runs (skipped in the CPU suite): a few seconds
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_optim_flops.py -k "cuda" 2>&1 | tee "$OUT/test_cuda.log"
 python3 benchmarks/optimizer_step.py --device cuda --json "$OUT/optimizer_step.json" 2>&1 | tee "$OUT/optimizer_step.log"
 python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/generate_bma.log"
 python3 benchmarks/step_profile.py --device cuda 2>&1 | tee "$OUT/step_profile.log"

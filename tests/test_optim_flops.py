@@ -37,11 +37,19 @@ def test_op_count_does_not_grow_with_equal_blocks() -> None:
     assert naive_three["gflop"] == pytest.approx(3 * naive_one["gflop"])
 
 
-def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_a_step_reads_no_scalar_back_from_a_tensor(device: str) -> None:
     """Issue 32: a step's only host sync is the finite check (one ``tolist``): between the curvature
     fits and health checks, no ``.item()`` (``aten._local_scalar_dense``) in ``step()`` or in the
     sampled block, for matrices of three shapes (three buckets) under the default estimator, with
-    their biases in an AdamW group (torch's multi-tensor Adam reads each step count twice)."""
+    their biases in an AdamW group (torch's multi-tensor Adam reads each step count twice). On
+    CUDA too (skipped without it; ``benchmarks/gpu.sh`` runs it there)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hf_evon import EVON
@@ -55,10 +63,10 @@ def test_a_step_reads_no_scalar_back_from_a_tensor() -> None:
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    weights = [torch.nn.Parameter(torch.randn(m, n) / n**0.5) for m, n in ((6, 4), (5, 6), (3, 5))]
-    biases = [torch.nn.Parameter(torch.zeros(m)) for m in (6, 5, 3)]
+    weights = [torch.nn.Parameter(torch.randn(m, n).to(device) / n**0.5) for m, n in ((6, 4), (5, 6), (3, 5))]
+    biases = [torch.nn.Parameter(torch.zeros(m, device=device)) for m in (6, 5, 3)]
     opt = EVON([{"params": weights}, {"params": biases, "algorithm": "adamw"}], seed=0)
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4).to(device)
 
     def train_step() -> None:
         with opt.sampled_params(train=True):
