@@ -188,27 +188,22 @@ in_order = trainer.evaluate()
 keys = [k for k in in_order if k.startswith(("eval_bma_", "eval_mean_"))]
 torch.save({k: (by_length[k], in_order[k]) for k in keys}, out / f"rank{os.environ['RANK']}.pt")
 torch.distributed.barrier()
-torch.distributed.destroy_process_group()
+from launcher import finish  # ends the worker before gloo's destructors can abort or hang it
+finish()
 """
 
 
 def test_evaluate_in_order_of_length_under_ddp_gives_the_metrics_of_the_datasets_order(tmp_path) -> None:
     """Two gloo ranks, 37 ragged examples (an uneven split, which the gather must not count twice):
     the length-sorted BMA passes give every rank the metrics of the passes in the dataset's order."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from launcher import torchrun
 
     worker = tmp_path / "worker.py"
     worker.write_text(DDP_WORKER)
     tests = Path(__file__).parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-         str(tests), str(tmp_path)],
-        capture_output=True, text=True, timeout=300, cwd=str(tests.parent), env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(2, str(worker), str(tests), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[0] == ranks[1] and {"eval_bma_nll", "eval_bma_accuracy"} <= set(ranks[0])
     for key, (by_length, in_order) in ranks[0].items():

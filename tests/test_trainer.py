@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from launcher import torchrun
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -864,10 +865,9 @@ DDP_WORKER = textwrap.dedent(
     state = {n: p.detach() for n, p in trainer.model.named_parameters()}
     state["eval_bma_nll"] = torch.tensor(metrics["eval_bma_nll"])
     torch.save(state, out / f"rank{rank}.pt")
-    # tear down together: a rank leaving with its gloo group alive while the other still works
-    # can abort at exit ("terminate called without an active exception")
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from launcher import finish  # ends the worker before gloo's destructors can abort or hang it
+    finish()
     """
 )
 
@@ -881,12 +881,7 @@ def test_ddp_two_processes(tmp_path, kind):
     runs = {"det": "inf", "noisy": "300"}
     for name, ess in runs.items():
         (tmp_path / name).mkdir()
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-             str(Path(__file__).parent), str(tmp_path / name), kind, ess],
-            capture_output=True, text=True, timeout=300, cwd=str(REPO_ROOT), env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        torchrun(2, str(worker), str(Path(__file__).parent), str(tmp_path / name), kind, ess)
     make, data = (tiny_bert, classification_data(48)) if kind == "bert" else (tiny_gpt2, lm_data(24))
     args = config(
         tmp_path / "single",
