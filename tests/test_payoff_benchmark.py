@@ -8,6 +8,7 @@ import statistics
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 payoff = pytest.importorskip("payoff")
@@ -287,6 +288,32 @@ def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> No
     pairs = lambda task: set(zip(map(unpadded, texts(task)), labels(task)))  # noqa: E731
     assert pairs(payoff_tasks.make_task("minilm_lora", 1, True)) == pairs(clean)
     assert pairs(payoff_tasks.make_task("minilm_noisy_lora", 1, True)) != pairs(noisy)
+
+
+@pytest.mark.parametrize(("name", "table", "noise", "rows", "classes"), [
+    ("noisy_synthetic7", "synthetic7", 0.3, 900, 7), ("noisy_synthetic3", "synthetic3", 0.2, 180, 3),
+])  # fmt: skip
+def test_a_synthetic_table_is_fixed_data_whose_labels_the_seed_makes_noisy(
+    monkeypatch, name, table, noise, rows, classes
+) -> None:
+    """The held-out synthetic tasks: one fixed table (make_classification), split 60/20/20 per
+    seed, ``noise`` of every split's labels redrawn among the classes (so noise·(C−1)/C change),
+    the same features as the clean table's on the same seed."""
+    x, y = payoff_tasks.load_table(table)
+    assert x.shape[0] == rows and sorted(set(y.tolist())) == list(range(classes))
+    assert (payoff_tasks.load_table(table)[0] == x).all()
+    monkeypatch.setitem(payoff_tasks.TABULAR, "clean", (table,) + (0.0,) + payoff_tasks.TABULAR[name][2:])
+
+    def flat(task, part):
+        return torch.cat([b[part] for split in (task.train, task.cal, task.test) for b in split])
+
+    noisy, clean = payoff_tasks.make_task(name, 0, False), payoff_tasks.make_task("clean", 0, False)
+    assert flat(noisy, 0).shape == (rows, x.shape[1]) and torch.equal(flat(noisy, 0), flat(clean, 0))
+    assert noisy.make_model(0)(flat(noisy, 0)[:2]).shape == (2, classes)
+    changed = (flat(noisy, 1) != flat(clean, 1)).double().mean().item()
+    expected = noise * (classes - 1) / classes
+    assert abs(changed - expected) < 4 * (expected * (1 - expected) / rows) ** 0.5
+    assert not torch.equal(flat(payoff_tasks.make_task(name, 1, False), 1), flat(noisy, 1))
 
 
 def test_noisy_tasks_are_held_to_the_nll_target_whatever_their_prefix() -> None:
