@@ -272,6 +272,44 @@ def test_a_missing_run_beside_an_existing_output_folder_is_local(tmp_path, capsy
         EVONPosterior.from_pretrained("out/nonexistent")
 
 
+def test_an_unreachable_hub_is_reported_before_any_retry_unless_the_repo_is_cached(tmp_path, monkeypatch, capsys):
+    """A repo-id-shaped location with no such folder here, offline: the Hub libraries retry every
+    file five times with backoff (~50 s for ``hf-evon generate``). One request to the endpoint
+    tells first, so the loader never starts; a repo in the local cache, or HF_HUB_OFFLINE, still
+    goes to the loader (which may load it from the cache)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from hf_evon.cli.loading import from_location
+
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def load():
+        calls.append(1)
+        raise OSError("the loader ran")
+
+    with pytest.raises(OSError, match=f"http://127.0.0.1:{port} cannot be reached") as err:
+        from_location("alice/absent", "--model", load)
+    assert calls == [] and "nothing of it is in the local cache" in str(err.value)
+    assert main(["generate", "--model", "alice/absent", "--prompt", "x", "--device", "cpu"]) == 1
+    assert f"--model 'alice/absent' is not a local directory, so it was looked up on the Hugging Face Hub, which failed: http://127.0.0.1:{port} cannot be reached" in capsys.readouterr().err
+    (tmp_path / "hub" / "models--alice--absent").mkdir(parents=True)
+    with pytest.raises(OSError, match="the loader ran"):
+        from_location("alice/absent", "--model", load)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match="the loader ran"):
+        from_location("alice/other", "--model", load)
+    assert calls == [1, 1]
+
+
 def test_a_file_or_an_invalid_name_is_neither_directory_nor_repo_id(saved, capsys):
     path, *_ = saved
     weights = str(path / "model.safetensors")

@@ -72,10 +72,38 @@ def file_error_text(err: BaseException) -> str:
     return f"a safetensors file could not be read or written ({first})"
 
 
+def unreachable_hub(repo_id: str) -> str | None:
+    """Why the Hub cannot serve ``repo_id`` here, or None (it answers, or some of the repo is in the
+    local cache, or ``HF_HUB_OFFLINE`` is set: the libraries then load from the cache).
+
+    Why: offline, huggingface_hub retries every file request five times with backoff, so a
+    mistyped location (``out/run`` with no ``out/`` here) takes ~50 s to fail; one request to the
+    endpoint, without retries, tells at once."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    cached = os.path.join(constants.HF_HUB_CACHE, "models--" + repo_id.replace("/", "--"))
+    if constants.HF_HUB_OFFLINE or os.path.isdir(cached):
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as err:  # any failure to get an answer: DNS, refused, proxy, timeout
+        first = (str(err).strip().splitlines() or [""])[0]
+        return f"{constants.ENDPOINT} cannot be reached ({type(err).__name__}: {first})"
+    return None
+
+
 def from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
     """``load()``, with a Hub failure reported as such (the value was not a local directory), and
-    a file that does not load reported with the option it came from."""
+    a file that does not load reported with the option it came from; an unreachable Hub is
+    reported before ``load`` starts its retries (:func:`unreachable_hub`)."""
     where = check_location(value, option)
+    if where == "hub" and (why := unreachable_hub(value)) is not None:
+        raise OSError(
+            f"{option} {value!r} is not a local directory, so it was looked up on the Hugging Face Hub, "
+            f"which failed: {why}, and nothing of it is in the local cache; pass an existing local "
+            "directory, or a Hub repo id once the Hub can be reached"
+        )
     try:
         return load()
     except file_errors() as err:
