@@ -651,6 +651,18 @@ def test_a_nan_in_the_held_out_inputs_is_refused_naming_the_batch() -> None:
     assert post.ess == post.config.get("trained_ess", post.ess)  # the posterior is untouched
 
 
+def test_regression_targets_are_refused_naming_the_batch() -> None:
+    """Floating-point labels (a regression's) were cast to class indices: targets in [0, 1) all
+    became class 0 and the calibration returned normally, larger ones failed with "index out of
+    bounds"."""
+    model, post, cal, _ = trained()
+    x, y = cal[1]
+    targets = torch.rand(y.shape, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"batch 1 \(counting from 0\) has floating-point labels \(torch.float32\)"):
+        calibrate_posterior(model, post, [cal[0], (x, targets)], grid=[1.0], num_samples=2)
+    assert calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)[1].num_targets == 2 * len(y)
+
+
 def test_a_calibration_summary_says_what_was_chosen() -> None:
     """The one line the trainer and the quickstart print: the mean kept, or the scale chosen."""
     from hf_evon.predictive.calibration import CalibrationResult

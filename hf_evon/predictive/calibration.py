@@ -39,7 +39,7 @@ from torch import nn
 
 from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
-from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob
+from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, require_class_labels
 
 Tensor = torch.Tensor
 
@@ -216,10 +216,10 @@ def _pass(
     ``check`` (the pass at the posterior mean): a non-finite log-likelihood raises, naming the
     first such batch: a NaN in the held-out data would otherwise make every NLL NaN and the
     search "choose" the mean and the temperature grid's end."""
-    out = [
-        _tempered_log_probs(_logits(call(model)), labels, shift, temperatures)
-        for call, labels in map(_split, batches)
-    ]
+    out = []
+    for i, (call, labels) in enumerate(map(_split, batches)):
+        require_class_labels(labels, f"calibrate_posterior: batch {i} (counting from 0)")
+        out.append(_tempered_log_probs(_logits(call(model)), labels, shift, temperatures))
     if check and out:
         bad = [bool(b) for b in torch.stack([~torch.isfinite(x).all() for x in out]).tolist()]  # one sync
         if any(bad):

@@ -9,6 +9,7 @@ BMA averages *probabilities* over S posterior samples: ``log p̄ = logsumexp_s l
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -21,12 +22,25 @@ __all__ = [
     "label_log_probs",
     "labelled_rows",
     "log_mean_prob",
+    "require_class_labels",
     "shifted",
     "target_log_probs",
     "tempered",
 ]
 
 IGNORE_INDEX = -100  # transformers' label of a position that is not scored
+
+
+def require_class_labels(labels: Any, where: str) -> None:
+    """Raise, naming ``where``, unless ``labels`` are class indices (an integer tensor): the log-
+    probabilities here are of a softmax over classes or tokens, which a regression's or a multi-
+    label model's floating-point targets do not index."""
+    if isinstance(labels, Tensor) and (labels.is_floating_point() or labels.is_complex()):
+        raise ValueError(
+            f"{where} has floating-point labels ({labels.dtype}): a regression or multi-label target. "
+            "Calibration and BMA log-likelihoods score class labels (integer indices, -100 not scored) "
+            "under the model's softmax; a model without a class distribution has none to average"
+        )
 
 
 def shifted(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:

@@ -19,17 +19,18 @@ from typing import Any
 
 import torch
 
-from hf_evon.predictive.logprobs import count_label_items
+from hf_evon.predictive.logprobs import count_label_items, require_class_labels
 
 
 def check_calibration_batches(batches: Iterable[Any], vocab_size: int | None, causal_lm: bool) -> None:
     """Raise, naming ``calibration_dataset``, where the calibration would fail after training:
-    no batches, no ``labels``, no labelled target, or token ids beyond ``vocab_size`` (another
-    tokenizer's)."""
+    no batches, no ``labels``, floating-point labels (a regression's), no labelled target, or
+    token ids beyond ``vocab_size`` (another tokenizer's)."""
     targets = 0
     for i, batch in enumerate(batches):
         if not isinstance(batch, Mapping) or "labels" not in batch:
             raise ValueError(f"EVONTrainer: calibration_dataset batch {i} has no 'labels'")
+        require_class_labels(batch["labels"], f"EVONTrainer: calibration_dataset batch {i}")
         ids = batch.get("input_ids")
         if vocab_size is not None and isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab_size:
             raise ValueError(
