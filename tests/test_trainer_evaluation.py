@@ -105,6 +105,43 @@ def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
         )
 
 
+@pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
+def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sigmoids(tmp_path, problem):
+    """predict(bma=True) took a softmax over every model's last axis: a regression's one output
+    came back as probability 1.0 everywhere, a multi-label model's as a distribution over labels."""
+    from datasets import Dataset
+
+    def data(n: int, seed: int) -> Dataset:
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        if problem == "regression":
+            labels = (ids[:, 1].double() / 100).tolist()
+        else:
+            labels = torch.stack([ids[:, 1] % 2, ids[:, 2] % 2, ids[:, 3] % 2], 1).float().tolist()
+        return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels})
+
+    def make() -> torch.nn.Module:
+        model = tiny_bert(num_labels=1 if problem == "regression" else 3)
+        model.config.problem_type = problem
+        return model
+
+    trainer = _trained(tmp_path, make, data(48, 0), data(16, 1), bma_num_samples=3, eval_strategy="no")
+    test = data(40, 2)
+    out = trainer.predict(test, bma=True)
+    batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
+    trainer.model.eval()
+    samples = []
+    with torch.no_grad():
+        for seed in (3, 4, 5):
+            with trainer.current_posterior().sampled(trainer.model, seed=seed):
+                logits = trainer.model(**batch).logits.double()
+                samples.append(logits if problem == "regression" else torch.sigmoid(logits))
+    expected = torch.stack(samples).mean(0)
+    assert out.predictions.shape == expected.shape == (40, 1 if problem == "regression" else 3)
+    assert expected.std(0).min() > 1e-3  # the predictions differ across inputs: not a constant
+    np.testing.assert_allclose(out.predictions, expected.numpy(), rtol=1e-5, atol=1e-6)
+    assert not any(key.startswith("test_bma_") for key in out.metrics)  # no class metrics to report
+
+
 def test_predict_bma_causal_lm(tmp_path):
     trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(8, seed=1), bma_num_samples=2, bma_seed=0)
     test = lm_data(6, seed=2)

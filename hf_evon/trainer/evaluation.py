@@ -162,9 +162,12 @@ def _sample_passes(
     seeds: list[int | None],
     transform: Callable[[Tensor, Tensor | None], Tensor],
     description: str,
+    average: Callable[[], Any] = LogMeanExp,
 ) -> Iterator[tuple[Tensor, dict[str, Any]]]:
     """One pass over ``dataloader`` per seed (None: the posterior mean); yields, per batch of the
     last pass, ``log p̄`` (``transform`` of each pass's logits, averaged in probability) and the inputs.
+    ``average`` makes each batch's accumulator (``add``/``value``; :class:`ValueMean` averages the
+    values themselves), once ``transform`` has seen the batch's first pass.
 
     The passes are sample-major: each sample is drawn once (``posterior.sampled``) for all batches.
     """
@@ -174,7 +177,7 @@ def _sample_passes(
         batches = len(dataloader)
     except TypeError:
         batches = None
-    accumulated: list[LogMeanExp | None] = []
+    accumulated: list[Any] = []
     with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
         for p_index, seed in enumerate(seeds):
             context = (
@@ -186,11 +189,11 @@ def _sample_passes(
                     inputs = trainer._prepare_inputs(inputs)
                     logp = transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
                     if p_index == 0:
-                        accumulated.append(LogMeanExp())
-                    accumulated[b_index].add(logp)  # type: ignore[union-attr]
+                        accumulated.append(average())
+                    accumulated[b_index].add(logp)
                     bar.update(1)
                     if last:
-                        yield accumulated[b_index].value(), inputs  # type: ignore[union-attr]
+                        yield accumulated[b_index].value(), inputs
                         accumulated[b_index] = None
 
 
@@ -338,10 +341,39 @@ class PosteriorEvaluation:
 
 
 # ------------------------------------------------------------------------------------------ predict
+class ValueMean:
+    """The arithmetic mean of draws that arrive one at a time (what BMA averages where the model's
+    outputs are values or independent probabilities, not a softmax's logits)."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.count = 0
+
+    def add(self, values: Tensor) -> None:
+        self.total = values.clone() if self.total is None else self.total.add_(values)
+        self.count += 1
+
+    def value(self) -> Tensor:
+        if self.total is None:
+            raise ValueError("ValueMean: no draws added")
+        return self.total / self.count
+
+
+def _output_kind(model: nn.Module) -> str | None:
+    """What the model's logits are, from transformers' ``config.problem_type``: "value"
+    (regression), "sigmoid" (multi-label), "softmax" (single-label); None where it is not set."""
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    return {"regression": "value", "multi_label_classification": "sigmoid"}.get(
+        problem, "softmax" if problem else None
+    )
+
+
 def bma_predict(
     trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test"
 ) -> PredictionOutput:
-    """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input.
+    """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
+    for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
+    multi-label classifier the averaged sigmoid probabilities (:func:`_output_kind`).
 
     ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
     like ``Trainer.predict``), ``label_ids`` the labels (if any), ``metrics`` the
@@ -358,9 +390,22 @@ def bma_predict(
     metrics_acc: _Accumulator | None = None
     checked = False
     description = f"BMA prediction ({len(seeds)} posterior samples)"
-    for logp, inputs in _sample_passes(
-        trainer, dataloader, posterior, seeds, lambda logits, _: _log_softmax(tempered(logits, posterior)), description
-    ):
+    kind = _output_kind(trainer.model)
+
+    def transform(logits: Tensor, _: Any) -> Tensor:
+        nonlocal kind
+        if kind is None:  # no problem_type: one output is a value, several a class distribution
+            kind = "value" if logits.shape[-1] == 1 else "softmax"
+        if kind == "value":
+            return logits.double()
+        if kind == "sigmoid":
+            return torch.sigmoid(tempered(logits, posterior).double())
+        return _log_softmax(tempered(logits, posterior))
+
+    def average() -> Any:
+        return LogMeanExp() if kind == "softmax" else ValueMean()
+
+    for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         labels = inputs.get("labels")
         if isinstance(labels, Tensor) and not checked:
             task = task_of(logp, labels, trainer._causal_lm)
@@ -368,7 +413,7 @@ def bma_predict(
         checked = True
         if metrics_acc is not None and isinstance(labels, Tensor):
             metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels)
-        probs = logp.exp().float()
+        probs = (logp.exp() if kind == "softmax" else logp).float()
         if probs.ndim >= 3:
             probs = pad(probs, dim=1, pad_index=-100)
         probs = gather(probs.contiguous()).cpu()
