@@ -72,3 +72,22 @@ def test_seq2seq_trainer_trains_with_evon_and_reports_posterior_metrics(tmp_path
     assert abs(metrics["eval_bma_nll"] - metrics["eval_mean_nll"]) > 1e-5
     if generate:
         assert metrics["eval_rows"] == 12.0  # the user's compute_metrics on generated tokens
+
+
+def test_the_calibration_runs_an_encoder_decoder_whose_batches_have_no_decoder_inputs(tmp_path):
+    """The default collator leaves ``decoder_input_ids`` out (the model derives them from the
+    labels in its forward); the calibration's forward drops the labels, so a tiny T5 trained to
+    the end failed there with "You must specify exactly one of input_ids or inputs_embeds". Its
+    mean NLL is the model's own token NLL on the calibration split."""
+    held_out = reversal_data(12, seed=2)
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=8,
+        per_device_eval_batch_size=16, save_strategy="no", disable_tqdm=True, bma_num_samples=2, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(
+        model=tiny_t5(), args=args, train_dataset=reversal_data(32, seed=0), calibration_dataset=held_out
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3 and trainer.calibration is not None
+    assert trainer.calibration.mean_nll == pytest.approx(_direct_token_nll(trainer.model, held_out), rel=1e-6)
+    assert trainer.calibration.num_targets == sum(v != -100 for row in held_out["labels"] for v in row)

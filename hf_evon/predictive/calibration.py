@@ -172,12 +172,27 @@ class CalibrationResult:
 
 def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
     """(call, labels) for a mapping batch with ``labels`` (a dict, or the ``BatchEncoding`` that
-    transformers' collators return) or an ``(inputs, labels)`` pair."""
+    transformers' collators return) or an ``(inputs, labels)`` pair. The labels stay out of the
+    forward (no loss to compute), but an encoder-decoder model whose batch has no decoder inputs
+    gets them from the labels, as its forward would (``DataCollatorForSeq2Seq`` without ``model=``
+    leaves them out)."""
     if isinstance(batch, Mapping):
         if "labels" not in batch:
             raise ValueError("calibrate_posterior: a dict batch needs a 'labels' entry")
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        return (lambda m: m(**inputs)), batch["labels"]
+        labels = batch["labels"]
+
+        def call(m: nn.Module) -> Any:
+            if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+                return m(**inputs)
+            if not getattr(getattr(m, "config", None), "is_encoder_decoder", False):
+                return m(**inputs)
+            prepare = getattr(m, "prepare_decoder_input_ids_from_labels", None)
+            if callable(prepare):
+                return m(**inputs, decoder_input_ids=prepare(labels=labels))
+            return m(**inputs, labels=labels)
+
+        return call, labels
     if isinstance(batch, list | tuple) and len(batch) == 2:
         x, y = batch
         return (lambda m: m(x)), y
