@@ -169,8 +169,16 @@ def test_evaluation_with_no_label_token_reports_nan_not_a_perfect_score(tmp_path
         (lambda: classification_data(8).remove_columns("labels"), "no 'labels'"),
         (lambda: classification_data(8).map(lambda r: {"input_ids": [5000] * 8}), "beyond the model's vocabulary"),
         (lambda: classification_data(8).map(lambda r: {"labels": 0.5}), "floating-point labels"),
+        (lambda: classification_data(8).map(lambda r: {"labels": -1}), r"label -1, outside the model's 3 classes"),
+        (
+            lambda: classification_data(8).map(lambda r: {"labels": [r["labels"]] * 8}),
+            r"labels shaped \(8, 8\) do not align with the model's logits \(8, 3\)",
+        ),
     ],
-    ids=["every-label-ignored", "no-labels", "another-tokenizer", "regression-targets"],
+    ids=[
+        "every-label-ignored", "no-labels", "another-tokenizer", "regression-targets", "no-label-as-minus-one",
+        "labels-per-token-for-a-sequence-classifier",
+    ],  # fmt: skip
 )
 def test_unusable_calibration_data_is_refused_before_the_first_step(tmp_path, make, match) -> None:
     """Issue 33 item 8: an unusable calibration set raised only once training had finished, so

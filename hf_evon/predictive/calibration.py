@@ -39,7 +39,7 @@ from torch import nn
 
 from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
-from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, require_class_labels
+from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, require_class_labels, shifted
 
 Tensor = torch.Tensor
 
@@ -199,6 +199,30 @@ def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
     raise TypeError(
         f"calibrate_posterior: batches must be dicts with 'labels' or (inputs, labels) pairs; got {type(batch).__name__}"
     )
+
+
+def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> int:
+    """Score ``batch`` at the model's current weights as the calibration will (its forward, the
+    alignment of its labels with the logits) and return the logits' number of classes (tokens for
+    an LM); raise ValueError naming ``where`` where the calibration would fail: before training,
+    not after it (CTC's labels, for one, do not align with its frames)."""
+    call, labels = _split(batch)
+    require_class_labels(labels, where)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = _logits(call(model))
+    finally:
+        model.train(training)
+    rows, targets = shifted(logits, labels, shift) if isinstance(labels, Tensor) else (logits, None)
+    if targets is None or rows.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"{where}: labels shaped {tuple(getattr(labels, 'shape', ()))} do not align with the model's logits "
+            f"{tuple(logits.shape)}{' (a causal LM: shifted by one)' if shift else ''}: the calibration scores one "
+            "class label per row of logits (classification: (batch,); token classification, LMs: (batch, length))"
+        )
+    return int(logits.shape[-1])
 
 
 def _logits(output: Any) -> Tensor:

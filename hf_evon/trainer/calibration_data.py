@@ -14,29 +14,47 @@ dataset's order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any
 
 import torch
 
-from hf_evon.predictive.logprobs import count_label_items, require_class_labels
+from hf_evon.predictive.logprobs import IGNORE_INDEX, count_label_items, require_class_labels
 
 
-def check_calibration_batches(batches: Iterable[Any], vocab_size: int | None, causal_lm: bool) -> None:
+def check_calibration_batches(
+    batches: Iterable[Any],
+    vocab_size: int | None,
+    causal_lm: bool,
+    classes_of: Callable[[Any, str], int] | None = None,
+) -> None:
     """Raise, naming ``calibration_dataset``, where the calibration would fail after training:
-    no batches, no ``labels``, floating-point labels (a regression's), no labelled target, or
-    token ids beyond ``vocab_size`` (another tokenizer's)."""
-    targets = 0
+    no batches, no ``labels``, floating-point labels (a regression's), no labelled target, token
+    ids beyond ``vocab_size`` (another tokenizer's), or, with ``classes_of`` (the first batch
+    scored as the calibration will: :func:`~hf_evon.predictive.calibration.held_out_classes`),
+    labels that do not align with the logits or lie outside their classes (-1 for "no label")."""
+    targets, classes = 0, None
     for i, batch in enumerate(batches):
+        where = f"EVONTrainer: calibration_dataset batch {i}"
         if not isinstance(batch, Mapping) or "labels" not in batch:
-            raise ValueError(f"EVONTrainer: calibration_dataset batch {i} has no 'labels'")
-        require_class_labels(batch["labels"], f"EVONTrainer: calibration_dataset batch {i}")
+            raise ValueError(f"{where} has no 'labels'")
+        labels = batch["labels"]
+        require_class_labels(labels, where)
         ids = batch.get("input_ids")
         if vocab_size is not None and isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab_size:
             raise ValueError(
                 f"EVONTrainer: calibration_dataset batch {i} has token id {int(ids.max())}, beyond the model's "
                 f"vocabulary ({vocab_size}): tokenized by another tokenizer?"
             )
+        if classes_of is not None and classes is None:
+            classes = classes_of(batch, where)
+        if classes is not None and isinstance(labels, torch.Tensor):
+            bad = labels[labels.ne(IGNORE_INDEX) & (labels.lt(0) | labels.ge(classes))]
+            if bad.numel():
+                raise ValueError(
+                    f"{where} has label {int(bad[0])}, outside the model's {classes} classes (0 to "
+                    f"{classes - 1}; {IGNORE_INDEX} marks a target that is not scored)"
+                )
         targets += int(count_label_items(batch["labels"], causal_lm) or 0)
     if targets == 0:
         raise ValueError(

@@ -304,9 +304,14 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
 
     def _check_calibration_data(self) -> None:
         """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
-        ``calibration_dataset``'s batches, before the first step."""
+        ``calibration_dataset``'s batches, its first scored by the model, before the first step."""
+        from hf_evon.predictive.calibration import held_out_classes
+
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        check_calibration_batches(self._uncached_eval_dataloader(self.calibration_dataset), vocab, self._causal_lm)
+        check_calibration_batches(
+            self._uncached_eval_dataloader(self.calibration_dataset), vocab, self._causal_lm,
+            lambda batch, where: held_out_classes(self.model, self._prepare_inputs(batch), self._causal_lm, where),
+        )  # fmt: skip
 
     def _uncached_eval_dataloader(self, dataset: Any) -> Any:
         """``get_eval_dataloader(dataset)`` (the eval batch size, collator and column removal), kept
