@@ -407,8 +407,8 @@ def bma_predict(
 
     for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         labels = inputs.get("labels")
-        if isinstance(labels, Tensor) and not checked:
-            task = task_of(logp, labels, trainer._causal_lm)
+        if isinstance(labels, Tensor) and not checked:  # the class metrics: of a softmax's log p̄ only
+            task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
             metrics_acc = None if task is None else _Accumulator(trainer, task)
         checked = True
         if metrics_acc is not None and isinstance(labels, Tensor):
