@@ -190,3 +190,21 @@ def test_unusable_calibration_data_is_refused_before_the_first_step(tmp_path, ma
     with pytest.raises(ValueError, match=match):
         trainer.train()
     assert trainer.state.global_step == 0  # refused before any step
+
+
+
+def test_the_calibration_check_scores_no_batch_while_the_weights_are_not_loaded(tmp_path) -> None:
+    """FSDP's memory-efficient loading keeps the weights of ranks > 0 on the meta device until
+    ``accelerator.prepare``: the pre-training check must not run the model then (the structural
+    checks still apply)."""
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=3), train_dataset=classification_data(),
+        calibration_dataset=classification_data(8).map(lambda r: {"labels": -1}),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="label -1"):
+        trainer._check_calibration_data()
+    trainer.model.to("meta")
+    trainer._check_calibration_data()  # -1 needs the logits' classes to be refused: not scored here
+    trainer.calibration_dataset = classification_data(8).remove_columns("labels")
+    with pytest.raises(ValueError, match="no 'labels'"):
+        trainer._check_calibration_data()

@@ -304,13 +304,16 @@ class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
 
     def _check_calibration_data(self) -> None:
         """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
-        ``calibration_dataset``'s batches, its first scored by the model, before the first step."""
+        ``calibration_dataset``'s batches, its first scored by the model (where its weights are
+        loaded: FSDP's memory-efficient loading leaves them on the meta device until ``prepare``),
+        before the first step."""
         from hf_evon.predictive.calibration import held_out_classes
 
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        loaded = not any(p.is_meta for p in self.model.parameters())
         check_calibration_batches(
             self._uncached_eval_dataloader(self.calibration_dataset), vocab, self._causal_lm,
-            lambda batch, where: held_out_classes(self.model, self._prepare_inputs(batch), self._causal_lm, where),
+            (lambda b, where: held_out_classes(self.model, self._prepare_inputs(b), self._causal_lm, where)) if loaded else None,
         )  # fmt: skip
 
     def _uncached_eval_dataloader(self, dataset: Any) -> Any:
