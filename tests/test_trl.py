@@ -180,3 +180,25 @@ def test_evon_sft_config_keeps_every_default_trl_changes(tmp_path):
     evon, sft = EVONSFTConfig(**kw), trl.SFTConfig(**kw)
     for name in changed:
         assert getattr(evon, name) == getattr(sft, name), name
+
+
+def test_a_raw_text_calibration_dataset_is_prepared_as_trl_prepares_an_eval_set(tmp_path, corpus):
+    """A ``calibration_dataset`` of raw text, as TRL users pass their eval sets, was handed to the
+    collator unprepared ("No columns in the dataset match the model's forward method signature").
+    It is prepared at construction and in ``calibrate(dataset)`` by TRL's ``_prepare_dataset``,
+    which leaves a prepared dataset as it is (the private behaviour relied on, pinned here)."""
+    tokenizer, train, evaluation = corpus
+    held_out = Dataset.from_dict({"text": _paragraphs()[60:72]})
+    trainer = EVONSFTTrainer(
+        model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, packing=False), train_dataset=train,
+        eval_dataset=evaluation, processing_class=tokenizer, calibration_dataset=held_out,
+    )  # fmt: skip
+    prepared = trainer.calibration_dataset
+    expected = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in held_out["text"]]
+    assert prepared["input_ids"] == [ids[:64] for ids in expected]  # TRL's EOS and max_length
+    assert trainer._prepared_for_calibration(prepared)["input_ids"] == prepared["input_ids"]
+    trainer.train()
+    first = trainer.calibration
+    assert first.num_targets == sum(len(ids) - 1 for ids in prepared["input_ids"])  # every next token
+    again = trainer.calibrate(held_out)  # raw text passed to calibrate: prepared the same way
+    assert again.mean_nll == pytest.approx(first.mean_nll, rel=1e-9) and again.num_targets == first.num_targets

@@ -8,6 +8,7 @@ would give AdamW (TRL's default), from which EVON derives its own step size.
 """
 
 from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
@@ -46,6 +47,25 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
 
     The mean metrics of ``evaluate()`` are read from ``SFTTrainer``'s own evaluation pass (its
     per-token log-probabilities), so an evaluation costs ``1 + bma_num_samples`` passes.
+    ``calibration_dataset`` (and a dataset passed to ``calibrate``) is prepared as TRL prepares
+    an eval set, raw text included: through TRL's private ``SFTTrainer._prepare_dataset``, as its
+    own ``evaluate`` does for a dataset passed to it (idempotent on tokenized data; pinned by
+    ``tests/test_trl.py``).
     """
 
     config_class = EVONSFTConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calibration_dataset = self._prepared_for_calibration(self.calibration_dataset)
+
+    def calibrate(self, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return super().calibrate(self._prepared_for_calibration(dataset), *args, **kwargs)
+
+    def _prepared_for_calibration(self, dataset: Any) -> Any:
+        if dataset is None or self._skip_prepare_dataset:
+            return dataset
+        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+        return self._prepare_dataset(
+            dataset, self.processing_class, self.args, packing, self._formatting_func, "calibration"
+        )
