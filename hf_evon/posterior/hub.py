@@ -117,7 +117,10 @@ def _local_switch_state(path: str, subfolder: str | None) -> tuple[str | None, s
     return config.checkpoint_id, config.weights_name
 
 
-_READ_ATTEMPTS = 3
+# A reader retries only after a save has switched the directory (a whole new posterior was
+# written), so this bounds how many saves in a row a reader may lose to; two writers saving
+# back to back on a busy machine won three races in a row
+_READ_ATTEMPTS = 16
 
 
 def read_posterior(
