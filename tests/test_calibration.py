@@ -651,6 +651,20 @@ def test_a_nan_in_the_held_out_inputs_is_refused_naming_the_batch() -> None:
     assert post.ess == post.config.get("trained_ess", post.ess)  # the posterior is untouched
 
 
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_a_label_outside_the_classes_is_refused_naming_the_batch(bad) -> None:
+    """-1 for "no label" (GLUE's test splits) or a class the model lacks failed inside the gather
+    ("index out of bounds"; on a GPU a device-side assert that ends the process)."""
+    model, post, cal, _ = trained()
+    x, y = cal[1]
+    y = y.clone()
+    y[7] = bad
+    with pytest.raises(ValueError, match=r"batch 1 \(counting from 0\) has a label outside the model's 3 classes"):
+        calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)
+    y[7] = -100  # not scored: accepted
+    assert calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)[1].num_targets == 2 * len(y) - 1
+
+
 def test_regression_targets_are_refused_naming_the_batch() -> None:
     """Floating-point labels (a regression's) were cast to class indices: targets in [0, 1) all
     became class 0 and the calibration returned normally, larger ones failed with "index out of

@@ -39,7 +39,13 @@ from torch import nn
 
 from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
-from hf_evon.predictive.logprobs import labelled_rows, log_mean_prob, require_class_labels, shifted
+from hf_evon.predictive.logprobs import (
+    labelled_rows,
+    log_mean_prob,
+    require_class_labels,
+    shifted,
+    unscorable_labels,
+)
 
 Tensor = torch.Tensor
 
@@ -236,14 +242,21 @@ def _logits(output: Any) -> Tensor:
 
 def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
-    (float64; one temperature at a time, so an LM's rows are copied once per T, not T times at once)."""
+    (float64; one temperature at a time, so an LM's rows are copied once per T, not T times at once).
+    A label outside the logits' classes is gathered as class 0 (:func:`_pass` refuses it): an
+    index out of range would fail here, on a GPU with a device-side assert."""
     rows, target = labelled_rows(logits, labels, shift)
     z = rows.double()
-    z_target = z.gather(1, target[:, None]).squeeze(1)
+    z_target = z.gather(1, target.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(1)
     out = torch.empty(len(temperatures), z.shape[0], dtype=torch.float64, device=z.device)
     for i, t in enumerate(temperatures):
         out[i] = z_target / t - torch.logsumexp(z if t == 1.0 else z / t, dim=-1)
     return out
+
+
+def _labels_in_range(labels: Tensor, classes: int, shift: bool) -> Tensor:
+    """Whether every scored label is one of ``classes`` (a device flag, read with the others)."""
+    return ~unscorable_labels(labels[..., 1:] if shift else labels, classes).any()
 
 
 @torch.no_grad()
@@ -252,18 +265,29 @@ def _pass(
 ) -> Tensor:
     """log p(label) of every target at each temperature, ``[T, targets]``.
 
-    ``check`` (the pass at the posterior mean): a non-finite log-likelihood raises, naming the
-    first such batch: a NaN in the held-out data would otherwise make every NLL NaN and the
-    search "choose" the mean and the temperature grid's end."""
-    out = []
+    ``check`` (the pass at the posterior mean) raises, naming the first such batch, on a label
+    outside the logits' classes (-1 for "no label") and on a non-finite log-likelihood: a NaN
+    in the held-out data would otherwise make every NLL NaN and the search "choose" the mean and
+    the temperature grid's end. The later passes read the same batches."""
+    out, labels_ok, classes = [], [], 0
     for i, (call, labels) in enumerate(map(_split, batches)):
         require_class_labels(labels, f"calibrate_posterior: batch {i} (counting from 0)")
-        out.append(_tempered_log_probs(_logits(call(model)), labels, shift, temperatures))
+        logits = _logits(call(model))
+        classes = logits.shape[-1]
+        out.append(_tempered_log_probs(logits, labels, shift, temperatures))
+        if check:
+            labels_ok.append(_labels_in_range(labels.to(logits.device), classes, shift))
     if check and out:
-        bad = [bool(b) for b in torch.stack([~torch.isfinite(x).all() for x in out]).tolist()]  # one sync
-        if any(bad):
+        flags = torch.stack([torch.stack(labels_ok), torch.stack([torch.isfinite(x).all() for x in out])])
+        labelled, finite = flags.tolist()  # one sync
+        if not all(labelled):
             raise ValueError(
-                f"calibrate_posterior: batch {bad.index(True)} (counting from 0) has a non-finite "
+                f"calibrate_posterior: batch {labelled.index(False)} (counting from 0) has a label outside "
+                f"the model's {classes} classes (0 to {classes - 1}; -100 marks a target that is not scored)"
+            )
+        if not all(finite):
+            raise ValueError(
+                f"calibrate_posterior: batch {finite.index(False)} (counting from 0) has a non-finite "
                 "log-likelihood at the posterior mean: NaN or inf in its inputs, or a model output that "
                 "overflows. Calibration needs finite held-out NLLs; clean or drop that batch"
             )

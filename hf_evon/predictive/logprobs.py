@@ -26,6 +26,7 @@ __all__ = [
     "shifted",
     "target_log_probs",
     "tempered",
+    "unscorable_labels",
 ]
 
 IGNORE_INDEX = -100  # transformers' label of a position that is not scored
@@ -41,6 +42,11 @@ def require_class_labels(labels: Any, where: str) -> None:
             "Calibration and BMA log-likelihoods score class labels (integer indices, -100 not scored) "
             "under the model's softmax; a model without a class distribution has none to average"
         )
+
+
+def unscorable_labels(labels: Tensor, classes: int) -> Tensor:
+    """Where ``labels`` hold neither -100 nor one of ``classes`` (-1 for "no label", say)."""
+    return labels.ne(IGNORE_INDEX) & (labels.lt(0) | labels.ge(classes))
 
 
 def shifted(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:

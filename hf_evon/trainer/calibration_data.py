@@ -19,7 +19,12 @@ from typing import Any
 
 import torch
 
-from hf_evon.predictive.logprobs import IGNORE_INDEX, count_label_items, require_class_labels
+from hf_evon.predictive.logprobs import (
+    IGNORE_INDEX,
+    count_label_items,
+    require_class_labels,
+    unscorable_labels,
+)
 
 
 def check_calibration_batches(
@@ -49,7 +54,7 @@ def check_calibration_batches(
         if classes_of is not None and classes is None:
             classes = classes_of(batch, where)
         if classes is not None and isinstance(labels, torch.Tensor):
-            bad = labels[labels.ne(IGNORE_INDEX) & (labels.lt(0) | labels.ge(classes))]
+            bad = labels[unscorable_labels(labels, classes)]
             if bad.numel():
                 raise ValueError(
                     f"{where} has label {int(bad[0])}, outside the model's {classes} classes (0 to "
