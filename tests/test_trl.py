@@ -195,7 +195,7 @@ def test_a_raw_text_calibration_dataset_is_prepared_as_trl_prepares_an_eval_set(
     )  # fmt: skip
     prepared = trainer.calibration_dataset
     expected = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in held_out["text"]]
-    assert prepared["input_ids"] == [ids[:64] for ids in expected]  # TRL's EOS and max_length
+    assert prepared["input_ids"] == [ids[: trainer.args.max_length] for ids in expected]  # TRL's EOS, max_length
     assert trainer._prepared_for_calibration(prepared)["input_ids"] == prepared["input_ids"]
     trainer.train()
     first = trainer.calibration

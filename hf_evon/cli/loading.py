@@ -80,9 +80,10 @@ def unreachable_hub(repo_id: str) -> str | None:
     mistyped location (``out/run`` with no ``out/`` here) takes ~50 s to fail; one request to the
     endpoint, without retries, tells at once."""
     from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
     from huggingface_hub.utils import get_session
 
-    cached = os.path.join(constants.HF_HUB_CACHE, "models--" + repo_id.replace("/", "--"))
+    cached = os.path.join(constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id, repo_type="model"))
     if constants.HF_HUB_OFFLINE or os.path.isdir(cached):
         return None
     try:
