@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
 
 __all__ = [
     "base_model_name",
+    "decoder_inputs_from_labels",
     "is_causal_lm",
     "is_peft_model",
     "model_class",
@@ -98,3 +100,14 @@ def pretrained_name(model: nn.Module) -> str:
     if not isinstance(name, str) or not name:
         return ""
     return name if getattr(peft_base_model(model), "_weight_conversions", None) is not None else ""
+
+
+def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:
+    """What an encoder-decoder model's forward needs to score ``labels`` without a loss: the
+    decoder's inputs, the labels shifted right (``prepare_decoder_input_ids_from_labels``, as
+    ``DataCollatorForSeq2Seq(model=...)`` builds them); a model without that method gets the
+    labels themselves, from which its forward builds them (and a loss besides)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return {"decoder_input_ids": prepare(labels=labels)}
+    return {"labels": labels}

@@ -631,3 +631,116 @@ def test_the_posteriors_temperature_tempers_every_samples_softmax(gpt2):
     torch.testing.assert_close(hot.token_log_probs, expected, atol=1e-5, rtol=0)
     plain = bma_log_likelihood(model, noisy, PROMPTS, num_samples=3, seed=9)
     assert (plain.token_log_probs - hot.token_log_probs).abs().max() > 1e-2
+
+
+# ----------------------------------------------------------------------------- encoder-decoder models
+def tiny_t5(seed: int = 0):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, attn_implementation="eager",
+        initializer_factor=2.0,  # outputs that depend on the input
+    )  # fmt: skip
+    return T5ForConditionalGeneration(cfg).eval()
+
+
+def tiny_bart(seed: int = 0):
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        attn_implementation="eager", init_std=0.5,  # outputs that depend on the input
+    )  # fmt: skip
+    return BartForConditionalGeneration(cfg).eval()
+
+
+@pytest.fixture(scope="module", params=["t5", "bart"])
+def seq2seq(request):
+    model = tiny_t5() if request.param == "t5" else tiny_bart()
+    return model, train_posterior(model)
+
+
+@torch.no_grad()
+def reference_seq2seq_greedy(copies: list, input_ids, attention_mask, start: int, new_tokens: int):
+    """Slow BMA of an encoder-decoder model: every sample its own model (encoder included), the
+    decoder rerun on the whole prefix each step, mean of softmax, greedy; log p̄ per step."""
+    ids = torch.full((input_ids.shape[0], 1), start)
+    scores = []
+    for _ in range(new_tokens):
+        log_probs = [
+            torch.log_softmax(m(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=ids).logits[:, -1], -1)
+            for m in copies
+        ]
+        log_mean = torch.logsumexp(torch.stack(log_probs), 0) - math.log(len(copies))  # no underflow to log 0
+        scores.append(log_mean)
+        ids = torch.cat([ids, log_mean.argmax(-1, keepdim=True)], dim=-1)
+    return ids, scores
+
+
+def test_encoder_decoder_zero_variance_equals_generate(strategy, seq2seq):
+    model, posterior = seq2seq
+    zero = posterior.with_ess(float("inf"))
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
+    expected = model.generate(PROMPTS, **kwargs)
+    assert len(set(expected.flatten().tolist())) > 2  # a sequence worth comparing
+    assert torch.equal(generate_bma(model, zero, PROMPTS, num_samples=3, seed=0, **kwargs), expected)
+
+
+def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
+    """Each sample runs its own encoder (and cross-attention) over a padded batch: sequences and
+    log p̄ equal S separate models'; the generated text scores the same under bma_log_likelihood."""
+    model, posterior = seq2seq
+    noisy = posterior.with_ess(NOISY_ESS)
+    before = snapshot(model)
+    pad = model.config.pad_token_id
+    ids = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, pad, pad, pad]])  # right-padded, as T5/BART take it
+    mask = (torch.arange(6) < torch.tensor([[6], [3]])).long()
+    num_samples, new = 3, 8
+    out = generate_bma(
+        model, noisy, ids, attention_mask=mask, num_samples=num_samples, seed=7, max_new_tokens=new,
+        do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_scores=True,
+        output_logits=True, output_attentions=True,
+    )  # fmt: skip
+    start = model.config.decoder_start_token_id
+    copies = sampled_copies(model, noisy, num_samples, 7)
+    ref_ids, ref_scores = reference_seq2seq_greedy([m.double() for m in copies], ids, mask, start, new)
+    _, float32_scores = reference_seq2seq_greedy([m.float() for m in copies], ids, mask, start, new)
+    assert torch.equal(out.sequences, ref_ids)
+
+    def error(scores):  # the largest deviation of unprocessed log p̄ from the float64 reference
+        return max(float((a.double() - b).abs().max()) for a, b in zip(scores, ref_scores, strict=True))
+
+    # these tiny random models are ill-conditioned (log p̄ to about -16): float32 itself is ~1e-3
+    # off, so the bound is the float32 reference's own error; a wrong sample or mask is off by O(1)
+    assert error(out.logits) <= 4 * error(float32_scores) + 1e-6
+    # what generate's own outputs carry: per-sample encoder and decoder attentions (S·B rows)
+    assert type(out).__name__ == "GenerateEncoderDecoderOutput"
+    assert out.encoder_attentions[0].shape[0] == num_samples * 2
+    assert len(out.decoder_attentions) == len(out.cross_attentions) == new
+    # the samples differ: not the mean model's prediction
+    with torch.no_grad():
+        mean_first = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ref_ids[:, :1]).logits[:, -1]
+    assert (out.logits[0] - torch.log_softmax(mean_first, -1)).abs().max() > 1e-2
+    # the generated continuation scored as labels gives the same log p̄ of each chosen token
+    labels = out.sequences[:, 1:]
+    scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=7)
+    assert scored.token_log_probs.shape == labels.shape and bool(scored.mask.all())
+    for t in range(new):
+        want = out.logits[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
+        torch.testing.assert_close(scored.token_log_probs[:, t], want, atol=1e-5, rtol=0)
+    assert_unchanged(model, before)
+
+
+def test_encoder_decoder_scoring_needs_labels_and_refuses_encoder_outputs(seq2seq):
+    model, posterior = seq2seq
+    with pytest.raises(ValueError, match="labels"):
+        bma_log_likelihood(model, posterior, PROMPTS, num_samples=2)
+    encoded = model.get_encoder()(input_ids=PROMPTS)
+    with pytest.raises(ValueError, match="encoder_outputs"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, encoder_outputs=encoded)
+    assert not any("forward" in m.__dict__ for m in model.modules())

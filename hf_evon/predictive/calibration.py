@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import is_causal_lm
+from hf_evon.modeling import decoder_inputs_from_labels, is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.predictive.logprobs import (
     labelled_rows,
@@ -193,10 +193,7 @@ def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
                 return m(**inputs)
             if not getattr(getattr(m, "config", None), "is_encoder_decoder", False):
                 return m(**inputs)
-            prepare = getattr(m, "prepare_decoder_input_ids_from_labels", None)
-            if callable(prepare):
-                return m(**inputs, decoder_input_ids=prepare(labels=labels))
-            return m(**inputs, labels=labels)
+            return m(**inputs, **decoder_inputs_from_labels(m, labels))
 
         return call, labels
     if isinstance(batch, list | tuple) and len(batch) == 2:

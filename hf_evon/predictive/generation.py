@@ -1,4 +1,5 @@
-"""Bayesian model averaging (BMA) for causal language models with an EVON posterior.
+"""Bayesian model averaging (BMA) for language models with an EVON posterior: causal LMs and
+encoder-decoder models (T5, BART: each sample runs its own encoder too).
 
 ``generate_bma`` decodes with the BMA predictive: at every step the next-token
 *probabilities* of S weight samples are averaged (log-mean-exp of log-softmax, never a mean
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import is_peft_model
+from hf_evon.modeling import decoder_inputs_from_labels, is_peft_model
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
 from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
 
@@ -35,7 +36,9 @@ Tensor = torch.Tensor
 
 __all__ = ["BMALogLikelihood", "bma_log_likelihood", "generate_bma"]
 
-_UNSUPPORTED_KWARGS = ("assistant_model", "synced_gpus", "prefix_allowed_tokens_fn", "past_key_values")
+_UNSUPPORTED_KWARGS = (
+    "assistant_model", "synced_gpus", "prefix_allowed_tokens_fn", "past_key_values", "encoder_outputs",
+)  # fmt: skip
 
 
 def _generation_model(model: nn.Module) -> nn.Module:
@@ -84,13 +87,43 @@ def _prefill(
 
 def _advance(model: nn.Module, outputs: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The model kwargs for the next token (mask, positions, cache), as ``model.generate`` updates them."""
-    return model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+    return model._update_model_kwargs_for_generation(
+        outputs, model_kwargs, is_encoder_decoder=_is_encoder_decoder(model)
+    )
+
+
+def _is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(model.config, "is_encoder_decoder", False))
+
+
+def _sampled_encoder_outputs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    num_samples: int,
+    generation_kwargs: dict[str, Any],
+) -> Any:
+    """An encoder-decoder model's encoder run on the S samples' weights (``S·B`` rows, sample-major,
+    inside ``BatchedSamples``). ``model.generate`` would run the encoder once, at the mean; handed
+    these ``encoder_outputs`` it skips its own pass, and each sample's decoder attends to its own
+    encoder's states. No mask given: none used, as ``generate`` runs an encoder-decoder's encoder."""
+    inputs = {"input_ids": input_ids.repeat(num_samples, 1), "return_dict": True}
+    config = generation_kwargs.get("generation_config")
+    for key in ("output_attentions", "output_hidden_states"):  # what generate asks of its encoder
+        inputs[key] = bool(generation_kwargs.get(key, getattr(config, key, False)))
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
+    return model.get_encoder()(**inputs)
 
 
 def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Generator | None):
     """The decoding loop handed to ``model.generate(custom_generate=...)``."""
     from transformers import DynamicCache
-    from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode
+    from transformers.generation import (
+        GenerateDecoderOnlyOutput,
+        GenerateEncoderDecoderOutput,
+        GenerationMode,
+    )
 
     num_samples, posterior = sampler.num_samples, sampler.posterior
 
@@ -109,8 +142,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
                 "(num_beams, penalty_alpha, dola_layers must keep their defaults)"
             )
         _check_decoding_helpers(model)
-        if model.config.is_encoder_decoder:
-            raise ValueError("generate_bma supports decoder-only (causal) language models")
+        encoder_decoder = _is_encoder_decoder(model)
         pad_token_id = generation_config._pad_token_tensor
         return_dict = generation_config.return_dict_in_generate
         want = {
@@ -143,9 +175,11 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
             if want["output_logits"]:
                 raw_logits += (log_probs,)
             if want["output_attentions"]:
-                attentions += (outputs.attentions,)
+                attentions += (
+                    (outputs.decoder_attentions, outputs.cross_attentions) if encoder_decoder else outputs.attentions,
+                )
             if want["output_hidden_states"]:
-                hidden_states += (outputs.hidden_states,)
+                hidden_states += (outputs.decoder_hidden_states if encoder_decoder else outputs.hidden_states,)
             del outputs
 
             if generation_config.do_sample:
@@ -172,13 +206,26 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
             streamer.end()
         if not return_dict:
             return input_ids
-        return GenerateDecoderOnlyOutput(
+        # no cache returned: its S·B rows are not reusable by a plain generate call
+        common = dict(
             sequences=input_ids,
             scores=scores if want["output_scores"] else None,
             logits=raw_logits if want["output_logits"] else None,
-            attentions=attentions if want["output_attentions"] else None,
-            hidden_states=hidden_states if want["output_hidden_states"] else None,
-            past_key_values=None,  # S·B rows, not reusable by a plain generate call
+        )
+        if not encoder_decoder:
+            return GenerateDecoderOnlyOutput(
+                **common,
+                attentions=attentions if want["output_attentions"] else None,
+                hidden_states=hidden_states if want["output_hidden_states"] else None,
+            )
+        encoder = kwargs["encoder_outputs"]
+        return GenerateEncoderDecoderOutput(
+            **common,
+            encoder_attentions=encoder.attentions if want["output_attentions"] else None,
+            encoder_hidden_states=encoder.hidden_states if want["output_hidden_states"] else None,
+            decoder_attentions=tuple(a for a, _ in attentions) if want["output_attentions"] else None,
+            cross_attentions=tuple(c for _, c in attentions) if want["output_attentions"] else None,
+            decoder_hidden_states=hidden_states if want["output_hidden_states"] else None,
         )
 
     return bma_decode
@@ -207,9 +254,11 @@ def generate_bma(
     """Generate with the BMA predictive: next-token probabilities averaged over S samples.
 
     Args:
-        model: a transformers causal LM (or a PEFT LoRA model) holding the posterior mean.
+        model: a transformers causal LM or encoder-decoder model (T5, BART; each sample runs
+            its own encoder), or a PEFT LoRA model of one, holding the posterior mean.
         posterior: an ``EVONPosterior`` over (some of) ``model.named_parameters()``.
-        input_ids: ``(B, T)`` prompts, left-padded for batches (as for ``model.generate``).
+        input_ids: ``(B, T)`` prompts, left-padded for batches (as for ``model.generate``); an
+            encoder-decoder model's encoder inputs (padded on either side, with ``attention_mask``).
         attention_mask: ``(B, T)``; derived from ``pad_token_id`` when omitted, as transformers does.
         num_samples: S, the number of weight samples (drawn once, kept for the whole call).
         seed: makes the call reproducible: seeds the weight draw and the token sampling of
@@ -222,11 +271,13 @@ def generate_bma(
             (with ``tokenizer``). Beam search and assisted decoding are not supported.
 
     Returns:
-        As ``model.generate``: the ``(B, T + new)`` token ids, or with
-        ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` whose ``scores`` are
-        the processed ``log p̄`` (the log of the averaged probabilities after the logits
-        processors) and whose ``logits`` are the unprocessed ``log p̄``. Attentions and hidden
-        states, if requested, are per sample (batch ``S·B``, sample-major).
+        As ``model.generate``: the ``(B, T + new)`` token ids (an encoder-decoder model's
+        ``(B, 1 + new)`` decoder ids, from its decoder start token), or with
+        ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` (encoder-decoder:
+        ``GenerateEncoderDecoderOutput``) whose ``scores`` are the processed ``log p̄`` (the log
+        of the averaged probabilities after the logits processors) and whose ``logits`` are the
+        unprocessed ``log p̄``. Attentions and hidden states, if requested, are per sample
+        (batch ``S·B``, sample-major).
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
@@ -259,6 +310,10 @@ def generate_bma(
     with BatchedSamples(
         model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0]
     ) as sampler:
+        if _is_encoder_decoder(gen_model):
+            generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
+                gen_model, input_ids, attention_mask, num_samples, generation_kwargs
+            )
         decoder = _make_decoder(sampler, streamer, generator)
         return gen_model.generate(
             input_ids=input_ids,
@@ -274,7 +329,8 @@ class BMALogLikelihood:
     """Per-token log-likelihoods of sequences under the BMA predictive (and per sample).
 
     Positions follow the causal-LM convention of transformers: entry ``t`` scores token
-    ``t+1`` given tokens ``≤ t``, so tensors have length ``T - 1``.
+    ``t+1`` given tokens ``≤ t``, so tensors have length ``T - 1``; for an encoder-decoder
+    model entry ``t`` scores ``labels[:, t]`` (length ``L``, the labels' own).
 
     Attributes:
         token_log_probs: ``(B, T-1)`` ``log p̄(x_{t+1} | x_{≤t})``, 0 where not scored.
@@ -356,10 +412,20 @@ def bma_log_likelihood(
     mask, position ids are counted from the first real token, so left- and right-padded
     sequences score as they would alone. Loss and perplexity: ``result.loss``,
     ``result.perplexity``; see ``BMALogLikelihood``.
+
+    An encoder-decoder model scores ``labels`` (required: the decoder's targets, ``(B, L)``) given
+    ``input_ids`` (the encoder's input), each sample with its own encoder; its decoder is fed the
+    labels shifted right, as in training, and entry ``t`` scores ``labels[:, t]`` (length ``L``).
     """
     gen_model = _generation_model(model)
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
+    encoder_decoder = _is_encoder_decoder(gen_model)
+    if encoder_decoder and labels is None:
+        raise ValueError(
+            "bma_log_likelihood: an encoder-decoder model scores labels= (the decoder's target ids) "
+            "given input_ids (its encoder's input); labels is None"
+        )
     if labels is None:
         labels = (
             input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
@@ -368,16 +434,23 @@ def bma_log_likelihood(
     inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
-    if attention_mask is not None and "position_ids" in inspect.signature(gen_model.forward).parameters:
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        inputs["position_ids"] = positions.repeat(num_samples, 1)
-    targets = labels[:, 1:]
+    if encoder_decoder:
+        inputs.update(
+            {k: v.repeat(num_samples, 1) for k, v in decoder_inputs_from_labels(gen_model, labels).items()}
+        )
+        targets, scored = labels, slice(None)  # position t predicts labels[t]
+    else:
+        if attention_mask is not None and "position_ids" in inspect.signature(gen_model.forward).parameters:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            inputs["position_ids"] = positions.repeat(num_samples, 1)
+        targets, scored = labels[:, 1:], slice(None, -1)  # position t predicts token t+1
     mask = targets != IGNORE_INDEX
-    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=expected_rows(*input_ids.shape)):
+    rows = expected_rows(batch, input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
+    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows):
         logits = gen_model(**inputs, return_dict=True).logits
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
-        chunk = logits[s * batch : (s + 1) * batch, :-1].float()
+        chunk = logits[s * batch : (s + 1) * batch, scored].float()
         per_sample.append(label_log_probs(torch.log_softmax(tempered(chunk, posterior), dim=-1), targets))
     del logits
     sample_lp = torch.stack(per_sample)
