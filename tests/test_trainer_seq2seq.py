@@ -91,3 +91,74 @@ def test_the_calibration_runs_an_encoder_decoder_whose_batches_have_no_decoder_i
     assert trainer.state.global_step == 3 and trainer.calibration is not None
     assert trainer.calibration.mean_nll == pytest.approx(_direct_token_nll(trainer.model, held_out), rel=1e-6)
     assert trainer.calibration.num_targets == sum(v != -100 for row in held_out["labels"] for v in row)
+
+
+def _generating_trainer(tmp_path, **fields) -> EVONSeq2SeqTrainer:
+    """A tiny T5 trained 3 steps with a wide posterior (samples decode differently from the mean)."""
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=8,
+        per_device_eval_batch_size=4, evon_learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=30.0,
+        evon_hess_init=1.0, lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True,
+        bma_num_samples=3, bma_seed=5, predict_with_generate=True, generation_max_length=7, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=reversal_data(32, seed=0), **fields)
+    trainer.train()
+    return trainer
+
+
+def _decoded(predictions, width: int, pad: int) -> torch.Tensor:
+    """The first ``width`` columns of generated ids, the rest checked to be the trainer's padding."""
+    tokens = torch.as_tensor(predictions)
+    assert bool((tokens[:, width:] == pad).all())
+    return tokens[:, :width]
+
+
+def test_predict_passes_generation_settings_to_seq2seq_trainer(tmp_path):
+    """``Seq2SeqTrainer.predict(test, **gen_kwargs)``: the mixin's predict took no generation
+    settings ("unexpected keyword argument 'max_new_tokens'")."""
+    trainer = _generating_trainer(tmp_path)
+    test = reversal_data(6, seed=3)
+    out = trainer.predict(test, max_new_tokens=3)
+    model = trainer.model.eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(test["input_ids"]), max_new_tokens=3)
+    assert expected.shape[1] == 4
+    assert torch.equal(_decoded(out.predictions, 4, model.config.pad_token_id), expected)
+
+
+def test_predict_bma_with_generate_decodes_with_generate_bma(tmp_path):
+    """``predict(test, bma=True)`` under ``predict_with_generate``: the ids are generate_bma's
+    (bma_num_samples samples, seed bma_seed, one draw for every batch of 4), the user's
+    compute_metrics scores them, the model is left as it was (weights, no patched generate)."""
+    from hf_evon import generate_bma
+
+    seen = []
+    trainer = _generating_trainer(tmp_path, compute_metrics=lambda p: seen.append(p.predictions) or {"rows": 6.0})
+    test = reversal_data(6, seed=3)
+    model = trainer.model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = trainer.predict(test, bma=True)
+    posterior = trainer.current_posterior()
+    ids = torch.tensor(test["input_ids"])
+    expected = generate_bma(model, posterior, ids, num_samples=3, seed=5, max_length=7)
+    pad = model.config.pad_token_id
+    assert torch.equal(_decoded(out.predictions, expected.shape[1], pad), expected)
+    assert out.metrics["test_rows"] == 6.0 and len(seen) == 1 and seen[0] is out.predictions
+    # the samples change the decoding: not the mean's generations
+    mean_ids = model.generate(ids, max_length=7)
+    assert not torch.equal(expected, mean_ids)
+    assert "generate" not in model.__dict__
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_predict_bma_with_generate_restores_generate_after_an_error(tmp_path):
+    def failing_metrics(_):
+        raise RuntimeError("metric failed")
+
+    trainer = _generating_trainer(tmp_path, compute_metrics=failing_metrics)
+    with pytest.raises(RuntimeError, match="metric failed"):
+        trainer.predict(reversal_data(6, seed=3), bma=True)
+    assert "generate" not in trainer.model.__dict__
+    trainer.args.bma_num_samples = 0
+    with pytest.raises(ValueError, match="bma_num_samples"):
+        trainer.predict(reversal_data(6, seed=3), bma=True)

@@ -315,7 +315,10 @@ def generate_bma(
                 gen_model, input_ids, attention_mask, num_samples, generation_kwargs
             )
         decoder = _make_decoder(sampler, streamer, generator)
-        return gen_model.generate(
+        # the class's generate: the instance's may be a wrapper that routes here
+        # (EVONSeq2SeqTrainer.predict(bma=True))
+        return type(gen_model).generate(
+            gen_model,
             input_ids=input_ids,
             attention_mask=attention_mask,
             streamer=streamer,

@@ -527,24 +527,32 @@ class EvaluationMixin:
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "test",
         bma: bool = False,
+        **kwargs: Any,
     ) -> Any:
         """The subclass's ``predict`` (at the posterior mean), or with ``bma=True`` BMA predictions.
 
         ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
         over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
-        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them.
+        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them. ``kwargs``:
+        the subclass's own (``Seq2SeqTrainer``'s generation settings).
         """
         if not bma:
-            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
+        posterior = self.bma_posterior("predict(bma=True)")
+        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
+
+    def bma_posterior(self, caller: str) -> Any:
+        """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where
+        there is none or ``bma_num_samples`` asks for no samples."""
         posterior = self.current_posterior()
         if posterior is None:
             raise ValueError(
-                "predict(bma=True) needs a posterior: train with EVON first, or pass "
+                f"{caller} needs a posterior: train with EVON first, or pass "
                 "posterior=EVONPosterior.from_pretrained(...) to the trainer"
             )
         if self.args.bma_num_samples < 1:
             raise ValueError(
-                f"predict(bma=True) needs posterior samples, but EVONConfig.bma_num_samples = "
+                f"{caller} needs posterior samples, but EVONConfig.bma_num_samples = "
                 f"{self.args.bma_num_samples}: set it to >= 1"
             )
-        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
+        return posterior

@@ -44,8 +44,8 @@ What the trainer does differently from ``transformers.Trainer``:
   :class:`~hf_evon.EVONPosterior` snapshot, so training's noise stream is untouched), on every
   ``bma_eval_every``-th evaluation during training. Keys and definitions:
   :mod:`hf_evon.trainer.evaluation`. ``predict()`` is the subclass's (at the posterior mean);
-  ``predict(..., bma=True)`` returns BMA-averaged probabilities. For a model without EVON
-  training (e.g. reloaded) pass ``posterior=EVONPosterior.from_pretrained(dir)``.
+  ``predict(..., bma=True)`` BMA-averaged probabilities (Seq2Seq, ``predict_with_generate``:
+  ``generate_bma``'s ids). Without EVON training (e.g. reloaded) pass ``posterior=EVONPosterior.from_pretrained(dir)``.
 * **Saving** (:mod:`hf_evon.trainer.checkpointing`). Every checkpoint and ``save_model()``
   write ``evon_posterior.safetensors`` and ``evon_posterior_config.json`` next to the model (or
   the PEFT adapter) and create/update the model card (``README.md``). ``push_to_hub()`` uploads

@@ -1,9 +1,14 @@
 """The EVON trainers: :class:`EVONTrainerMixin` on ``transformers.Trainer`` and ``Seq2SeqTrainer``."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
+from hf_evon.predictive.generation import generate_bma
 from hf_evon.trainer.config import EVONConfig, register_evon_config
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
@@ -33,3 +38,43 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
     token-level (``eval_mean_*``/``eval_bma_*`` over the decoder's label tokens)."""
 
     config_class = EVONSeq2SeqConfig
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        bma: bool = False,
+        **gen_kwargs: Any,
+    ) -> Any:
+        """``Seq2SeqTrainer.predict`` (``gen_kwargs``: its generation settings). With ``bma=True``
+        and ``predict_with_generate``, the ``predictions`` are decoded by :func:`generate_bma`
+        (``bma_num_samples`` samples, seed ``bma_seed``, the same draw for every batch) and your
+        ``compute_metrics`` scores them; the loss is the mean's, as in ``Seq2SeqTrainer``. With
+        ``bma=True`` and no generation: the averaged token probabilities (``EVONTrainerMixin``)."""
+        if not (bma and self.args.predict_with_generate):
+            return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
+        posterior = self.bma_posterior("predict(bma=True)")
+        with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
+            return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+
+
+@contextmanager
+def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed: int) -> Iterator[None]:
+    """``model.generate`` routed to :func:`generate_bma` for the block: ``Seq2SeqTrainer``'s
+    ``prediction_step`` (its generation settings, padding and loss) then runs unchanged. The
+    batch's ``labels`` stay out of decoding, as ``generate`` ignores them."""
+
+    def generate(input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("labels", None)
+        if not kwargs.get("synced_gpus"):  # the trainer's False: nothing to synchronise
+            kwargs.pop("synced_gpus", None)
+        return generate_bma(
+            model, posterior, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed, **kwargs
+        )
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        del model.generate
