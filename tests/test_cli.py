@@ -195,6 +195,113 @@ def test_stop_strings_with_tokenizer(saved):
     assert first + 1 < len(new)  # it did stop early
 
 
+@pytest.fixture(scope="module")
+def saved_seq2seq(tmp_path_factory):
+    """A tiny BART (an encoder-decoder, as EVONSeq2SeqTrainer trains) with tokenizer and posterior."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    vocab = len(tokenizer)
+    model = BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+            pad_token_id=1, bos_token_id=0, eos_token_id=1, decoder_start_token_id=1, forced_eos_token_id=None,
+            init_std=0.5,  # outputs that depend on the input
+        )
+    )  # fmt: skip
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(2, vocab, (4, 12), generator=gen)
+        with opt.sampled_params(train=True):
+            model(input_ids=x, labels=x.flip(-1)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    posterior = EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+    path = tmp_path_factory.mktemp("cli_seq2seq")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    posterior.save_pretrained(path)
+    return path, model, tokenizer, posterior
+
+
+def test_generate_with_an_encoder_decoder_model(saved_seq2seq, capsys):
+    """An encoder-decoder directory loads as one (AutoModelForSeq2SeqLM); its prompts are the
+    encoder's input, padded on the right, and the output is the decoder's text alone."""
+    path, model, tokenizer, posterior = saved_seq2seq
+    prompts = ["def f(x):", "a = b"]
+    argv = ["generate", "--model", str(path), "--samples", "3", "--max-new-tokens", "6", "--seed", "4"]
+    assert main([*argv, "--json", "--device", "cpu", *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokenizer.padding_side = "right"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    expected = generate_bma(
+        model, posterior, enc["input_ids"], attention_mask=enc["attention_mask"], num_samples=3, seed=4,
+        max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    assert expected.shape == (2, 7) and len(set(expected[:, 1:].flatten().tolist())) > 2
+    assert [r["completion_ids"] for r in records] == expected[:, 1:].tolist()
+    assert [r["completion"] for r in records] == tokenizer.batch_decode(expected[:, 1:], skip_special_tokens=True)
+    # token ids: right-padded for the encoder; text output is the completion alone
+    assert main([*argv, "--prompt-ids", "5 9 17", "--prompt-ids", "4 4", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    ids = torch.tensor([[5, 9, 17], [4, 4, 1]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    expected = generate_bma(
+        model, posterior, ids, attention_mask=mask, num_samples=3, seed=4, max_new_tokens=6, do_sample=False,
+        pad_token_id=1,
+    )  # fmt: skip
+    assert printed == tokenizer.batch_decode(expected[:, 1:], skip_special_tokens=True)
+
+
+def test_an_encoder_decoder_context_counts_the_decoder_from_its_start_token(saved_seq2seq, capsys):
+    path, *_ = saved_seq2seq
+    argv = ["generate", "--model", str(path), "--samples", "1", "--prompt-ids", " ".join(["5"] * 30)]
+    assert main([*argv, "--max-new-tokens", "31", "--device", "cpu"]) == 0  # 1 + 31 = the context of 32
+    capsys.readouterr()
+    assert main([*argv, "--max-new-tokens", "32", "--device", "cpu"]) == 2
+    assert (
+        "--max-new-tokens 32 after the decoder's start token exceeds the model's context of 32 tokens "
+        "(config.max_position_embeddings): use --max-new-tokens 31 or less"
+    ) in capsys.readouterr().err
+
+
+def test_generate_with_a_lora_adapter_of_an_encoder_decoder_model(saved_seq2seq, tmp_path, capsys):
+    """An adapter directory whose base model is an encoder-decoder loads as
+    ``AutoPeftModelForSeq2SeqLM`` (the base read from the adapter's config)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import BartForConditionalGeneration
+
+    path, *_ = saved_seq2seq
+    model = get_peft_model(
+        BartForConditionalGeneration.from_pretrained(path),
+        LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=2, target_modules=["q_proj", "v_proj"]),
+    )
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
+    x = torch.randint(2, 30, (4, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            model(input_ids=x, labels=x.flip(-1)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    posterior = EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+    assert posterior.names and all("lora_" in n for n in posterior.names)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--samples", "3", "--max-new-tokens", "5", "--seed", "2"]
+    assert main([*argv, "--prompt-ids", "5 9 17", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9, 17]]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+        num_samples=3, seed=2, max_new_tokens=5, do_sample=False, pad_token_id=1,
+    )  # fmt: skip
+    assert record["completion_ids"] == expected[0, 1:].tolist()
+
+
 # ----------------------------------------------------------------------------- errors (issue 9.15, 11.7)
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -634,3 +741,15 @@ def test_ctrl_c_is_one_line_and_exit_130(saved, tmp_path, capsys, monkeypatch, c
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().endswith("hf-evon " + command + ": interrupted"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_refuses_an_encoder_decoder_model(saved_seq2seq, tmp_path, capsys):
+    """``calibrate --text`` scores a causal LM's continuations: an encoder-decoder would score the
+    text as a copy of itself. A usage error, and nothing written."""
+    path, *_ = saved_seq2seq
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    out = tmp_path / "calibrated"
+    assert main(["calibrate", "--model", str(path), "--text", str(text), "--output", str(out)]) == 2
+    assert "is an encoder-decoder model: calibrate scores --text as a causal LM's" in capsys.readouterr().err
+    assert not out.exists()

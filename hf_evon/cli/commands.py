@@ -129,7 +129,9 @@ def _version_text() -> str:
 def _add_generate(subparsers: Any) -> None:
     p = _subcommand(subparsers, "generate", _run_generate)
     _add_model_posterior_options(
-        p, "local model directory or Hub repo id (a transformers causal LM, or a PEFT adapter directory)"
+        p,
+        "local model directory or Hub repo id (a transformers causal LM or encoder-decoder model, or a PEFT "
+        "adapter directory of one)",
     )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
@@ -183,11 +185,15 @@ def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argpar
                 f"{option}: a prompt of {longest} tokens is longer than the model's context of {context} "
                 "tokens (config.max_position_embeddings)"
             )
-        if longest + args.max_new_tokens > context:
+        # an encoder-decoder's decoder starts afresh from its start token; a causal LM continues
+        encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+        before = 1 if encoder_decoder else longest
+        after = "the decoder's start token" if encoder_decoder else f"a prompt of {longest} tokens"
+        if before + args.max_new_tokens > context:
             raise UsageError(
-                f"--max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens exceeds the "
+                f"--max-new-tokens {args.max_new_tokens} after {after} exceeds the "
                 f"model's context of {context} tokens (config.max_position_embeddings): use "
-                f"--max-new-tokens {context - longest} or less"
+                f"--max-new-tokens {context - before} or less"
             )
 
 
@@ -203,6 +209,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, torch_dtype(args.dtype))
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
 
     pad_id = None
     if args.prompt is not None:
@@ -210,7 +217,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--model {args.model!r} has no tokenizer files: pass token ids with --prompt-ids"
             )
-        tokenizer.padding_side = "left"  # decoder-only batches are left-padded
+        # decoder-only batches are left-padded; an encoder-decoder's encoder takes either side
+        tokenizer.padding_side = "right" if encoder_decoder else "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
         enc = tokenizer(args.prompt, return_tensors="pt", padding=True)
@@ -224,8 +232,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         if isinstance(pad_id, list):
             pad_id = pad_id[0]
         pad_id = 0 if pad_id is None else int(pad_id)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in args.prompt_ids])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in args.prompt_ids])
+        def padded(row: list[int], fill: int) -> list[int]:  # on the side the model pads
+            pad = [fill] * (width - len(row))
+            return row + pad if encoder_decoder else pad + row
+
+        input_ids = torch.tensor([padded(p, pad_id) for p in args.prompt_ids])
+        attention_mask = torch.tensor([padded([1] * len(p), 0) for p in args.prompt_ids])
     _check_prompts(input_ids, attention_mask, model, args)
 
     gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
@@ -243,7 +255,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         **gen_kwargs,
     )
-    start = input_ids.shape[1]
+    # a causal LM continues its prompt; an encoder-decoder's output starts at its decoder start token
+    start = 1 if encoder_decoder else input_ids.shape[1]
     for row in range(sequences.shape[0]):
         new_ids = sequences[row, start:].tolist()
         prompt_ids = input_ids[row][attention_mask[row].bool()].tolist()
@@ -258,7 +271,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             }
             print(json.dumps(record))
         elif completion is not None:
-            print(args.prompt[row] + completion if args.prompt is not None else completion)
+            continued = args.prompt is not None and not encoder_decoder
+            print(args.prompt[row] + completion if continued else completion)
         else:
             print(" ".join(map(str, prompt_ids + new_ids)))
     return 0
@@ -476,6 +490,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--text {args.text!r} is not a file")
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UsageError(
+            f"--model {args.model!r} is an encoder-decoder model: calibrate scores --text as a causal LM's "
+            "continuations; calibrate it on (input, target) pairs with hf_evon.calibrate_posterior"
+        )
     if tokenizer is None:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
     with open(args.text, encoding="utf-8") as fh:

@@ -149,16 +149,27 @@ def resolve_device(name: str | None) -> Any:
 
 
 def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
+    """The causal LM, or encoder-decoder model (its config's ``is_encoder_decoder``), at ``path``;
+    a PEFT adapter directory: the adapter on its base model."""
     kwargs: dict[str, Any] = {"revision": revision}
     if dtype is not None:
         kwargs["dtype"] = dtype
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from peft import AutoPeftModelForCausalLM
+        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, PeftConfig
 
-        return AutoPeftModelForCausalLM.from_pretrained(path, **kwargs)
-    from transformers import AutoModelForCausalLM
+        base = PeftConfig.from_pretrained(path, revision=revision).base_model_name_or_path
+        seq2seq = base is not None and _is_encoder_decoder(base, None)
+        return (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(path, **kwargs)
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    seq2seq = _is_encoder_decoder(path, revision)
+    return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path, **kwargs)
+
+
+def _is_encoder_decoder(path: str, revision: str | None) -> bool:
+    from transformers import AutoConfig
+
+    return bool(getattr(AutoConfig.from_pretrained(path, revision=revision), "is_encoder_decoder", False))
 
 
 _TOKENIZER_FILES = (
