@@ -193,6 +193,25 @@ def test_unusable_calibration_data_is_refused_before_the_first_step(tmp_path, ma
 
 
 
+def test_a_causal_lm_label_the_shift_never_scores_is_not_refused(tmp_path) -> None:
+    """A causal LM scores labels from position 1 (token t+1 at position t), in training and in the
+    calibration alike: the pre-training check refused a first label outside the vocabulary that
+    neither ever reads. A later one is still refused."""
+    held_out = lm_data(8, seed=2).to_dict()
+    vocab = tiny_gpt2().config.vocab_size
+    held_out["labels"] = [[vocab] + row[1:] for row in held_out["labels"]]
+    trainer = EVONTrainer(
+        model=tiny_gpt2(), args=config(tmp_path, max_steps=2, bma_num_samples=2), train_dataset=lm_data(8),
+        calibration_dataset=Dataset.from_dict(held_out),
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.calibration is not None
+    held_out["labels"] = [row[:1] + [vocab] + row[2:] for row in held_out["labels"]]
+    trainer.calibration_dataset = Dataset.from_dict(held_out)
+    with pytest.raises(ValueError, match=f"label {vocab}, outside the model's {vocab} classes"):
+        trainer._check_calibration_data()
+
+
 def test_the_calibration_check_scores_no_batch_while_the_weights_are_not_loaded(tmp_path) -> None:
     """FSDP's memory-efficient loading keeps the weights of ranks > 0 on the meta device until
     ``accelerator.prepare``: the pre-training check must not run the model then (the structural

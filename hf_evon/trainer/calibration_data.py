@@ -54,7 +54,8 @@ def check_calibration_batches(
         if classes_of is not None and classes is None:
             classes = classes_of(batch, where)
         if classes is not None and isinstance(labels, torch.Tensor):
-            bad = labels[unscorable_labels(labels, classes)]
+            scored = labels[..., 1:] if causal_lm else labels  # a causal LM never scores position 0
+            bad = scored[unscorable_labels(scored, classes)]
             if bad.numel():
                 raise ValueError(
                     f"{where} has label {int(bad[0])}, outside the model's {classes} classes (0 to "
