@@ -144,6 +144,10 @@ def test_predict_bma_with_generate_decodes_with_generate_bma(tmp_path):
     pad = model.config.pad_token_id
     assert torch.equal(_decoded(out.predictions, expected.shape[1], pad), expected)
     assert out.metrics["test_rows"] == 6.0 and len(seen) == 1 and seen[0] is out.predictions
+    # the labels' token metrics, as evaluate() reports them: the mean's and BMA's
+    expected_metrics = trainer.posterior_metrics(trainer.get_test_dataloader(test), "test")
+    assert expected_metrics["test_bma_nll"] != expected_metrics["test_mean_nll"]
+    assert {k: out.metrics[k] for k in expected_metrics} == expected_metrics
     # the samples change the decoding: not the mean's generations
     mean_ids = model.generate(ids, max_length=7)
     assert not torch.equal(expected, mean_ids)

@@ -10,6 +10,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from hf_evon.predictive.generation import generate_bma
 from hf_evon.trainer.config import EVONConfig, register_evon_config
+from hf_evon.trainer.evaluation import merge_metrics
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSeq2SeqConfig", "EVONSeq2SeqTrainer", "EVONTrainer"]
@@ -50,13 +51,18 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         """``Seq2SeqTrainer.predict`` (``gen_kwargs``: its generation settings). With ``bma=True``
         and ``predict_with_generate``, the ``predictions`` are decoded by :func:`generate_bma`
         (``bma_num_samples`` samples, seed ``bma_seed``, the same draw for every batch) and your
-        ``compute_metrics`` scores them; the loss is the mean's, as in ``Seq2SeqTrainer``. With
+        ``compute_metrics`` scores them; the loss is the mean's, as in ``Seq2SeqTrainer``, and the
+        metrics add the labels' ``{prefix}_mean_*`` and ``{prefix}_bma_*`` token metrics. With
         ``bma=True`` and no generation: the averaged token probabilities (``EVONTrainerMixin``)."""
         if not (bma and self.args.predict_with_generate):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
         posterior = self.bma_posterior("predict(bma=True)")
         with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
-            return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+            output = super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        # the labels' token metrics (none without labels): S more passes, as evaluate() runs them
+        metrics = self.posterior_metrics(self.get_test_dataloader(test_dataset), metric_key_prefix)
+        merge_metrics(output.metrics, metrics)
+        return output
 
 
 @contextmanager
