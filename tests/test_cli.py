@@ -34,6 +34,20 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def trained_posterior(model, vocab: int, targets) -> EVONPosterior:
+    """Three EVON steps on random token ids (labels ``targets(ids)``), then a wide posterior (ζ 30)."""
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randint(2, vocab, (4, 12), generator=gen)
+        with opt.sampled_params(train=True):
+            model(input_ids=x, labels=targets(x)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Directory with model, tokenizer and posterior, plus the in-memory originals."""
@@ -45,16 +59,7 @@ def saved(tmp_path_factory):
             vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=1
         )
     )
-    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randint(2, vocab, (4, 12), generator=gen)
-        with opt.sampled_params(train=True):
-            model(input_ids=x, labels=x).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    posterior = EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+    posterior = trained_posterior(model, vocab, lambda x: x)
     path = tmp_path_factory.mktemp("cli_model")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -211,16 +216,7 @@ def saved_seq2seq(tmp_path_factory):
             init_std=0.5,  # outputs that depend on the input
         )
     )  # fmt: skip
-    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        x = torch.randint(2, vocab, (4, 12), generator=gen)
-        with opt.sampled_params(train=True):
-            model(input_ids=x, labels=x.flip(-1)).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    posterior = EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+    posterior = trained_posterior(model, vocab, lambda x: x.flip(-1))  # learn to reverse
     path = tmp_path_factory.mktemp("cli_seq2seq")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -280,15 +276,7 @@ def test_generate_with_a_lora_adapter_of_an_encoder_decoder_model(saved_seq2seq,
         BartForConditionalGeneration.from_pretrained(path),
         LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, r=2, target_modules=["q_proj", "v_proj"]),
     )
-    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=1e4, precondition_frequency=2, seed=0))
-    x = torch.randint(2, 30, (4, 12), generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
-        with opt.sampled_params(train=True):
-            model(input_ids=x, labels=x.flip(-1)).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval()
-    posterior = EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+    posterior = trained_posterior(model, 30, lambda x: x.flip(-1))
     assert posterior.names and all("lora_" in n for n in posterior.names)
     model.save_pretrained(tmp_path)
     posterior.save_pretrained(tmp_path)
