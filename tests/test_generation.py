@@ -168,6 +168,29 @@ def test_zero_variance_equals_generate(strategy, gpt2, arch, num_samples):
     assert torch.equal(got, expected)
 
 
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "bart"])
+@pytest.mark.parametrize(
+    "processing",
+    [dict(repetition_penalty=1.3), dict(exponential_decay_length_penalty=(1, 2.0), eos_token_id=2)],
+    ids=["repetition_penalty", "length_penalty"],
+)
+def test_zero_variance_equals_generate_under_processors_that_read_the_logits_scale(gpt2, arch, processing):
+    """Processors that are not shift-invariant (a repetition penalty divides a positive logit and
+    multiplies a negative one; the length penalty adds a multiple of |logit|) act on logits as
+    generate's do: at zero variance generate_bma decodes as model.generate. On log p̄ itself (all
+    entries negative) they decoded differently."""
+    makers = {"llama": tiny_llama, "t5": tiny_t5, "bart": tiny_bart}
+    model, posterior = gpt2 if arch == "gpt2" else (makers[arch](), None)
+    if posterior is None:
+        posterior = train_posterior(model)
+    kwargs = {**dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None), **processing}
+    expected = model.generate(PROMPTS, **kwargs)
+    plain = model.generate(PROMPTS, **{k: v for k, v in kwargs.items() if k not in processing})
+    assert not torch.equal(expected, plain)  # the processor changes the decoding here
+    got = generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=2, seed=0, **kwargs)
+    assert torch.equal(got, expected)
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_matches_slow_reference(strategy, gpt2, arch):
     model, posterior = gpt2 if arch == "gpt2" else (tiny_llama(1), None)
@@ -192,10 +215,12 @@ def test_matches_slow_reference(strategy, gpt2, arch):
     )
     ref_ids, ref_scores = reference_greedy(sampled_copies(model, noisy, num_samples, 7), PROMPTS, None, new)
     assert torch.equal(out.sequences, ref_ids)
-    assert len(out.scores) == new
-    for got, want in zip(out.scores, ref_scores):
-        # float32 scores of size ~4 from differently ordered sums: a relative tolerance of ~100 ulps
+    assert len(out.scores) == len(out.logits) == new
+    for got, scores, want in zip(out.logits, out.scores, ref_scores):
+        # float32 log p̄ of size ~4 from differently ordered sums: a relative tolerance of ~100 ulps
         torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-5)
+        shift = scores - got  # no processor here: the scores are log p̄ shifted per row
+        torch.testing.assert_close(shift, shift[:, :1].expand_as(shift), atol=1e-5, rtol=0)
     # the samples really differ: BMA is not the mean model here
     mean_scores = model.generate(
         PROMPTS,
@@ -205,7 +230,7 @@ def test_matches_slow_reference(strategy, gpt2, arch):
         output_scores=True,
         return_dict_in_generate=True,
     ).scores[0]
-    assert (out.scores[0] - torch.log_softmax(mean_scores, -1)).abs().max() > 1e-2
+    assert (out.logits[0] - torch.log_softmax(mean_scores, -1)).abs().max() > 1e-2
     # scoring the generated sequence gives the same log p̄ of the chosen tokens
     scored = bma_log_likelihood(model, noisy, out.sequences, num_samples=num_samples, seed=7)
     start = PROMPTS.shape[1]
@@ -273,11 +298,15 @@ def test_processors_apply_to_log_mean_probs(gpt2):
     )
     processor = RepetitionPenaltyLogitsProcessor(1.5)
     start = PROMPTS.shape[1]
+    # the processors see log p̄ + c, c the samples' mean log-normaliser (logsumexp of their logits)
+    with torch.no_grad():
+        sample_logits = torch.stack([m(out.sequences).logits for m in sampled_copies(model, noisy, 2, 0)])
     for t, (score, log_mean) in enumerate(zip(out.scores, out.logits)):
         torch.testing.assert_close(torch.logsumexp(log_mean, -1), torch.zeros(2), atol=1e-5, rtol=0)
-        expected = processor(out.sequences[:, : start + t], log_mean.clone())
-        torch.testing.assert_close(score, expected, atol=0, rtol=0)
-        assert not torch.equal(score, log_mean)  # the penalty did something
+        shift = torch.logsumexp(sample_logits[:, :, start + t - 1], -1).mean(0)[:, None]
+        expected = processor(out.sequences[:, : start + t], log_mean + shift)
+        torch.testing.assert_close(score, expected, atol=1e-5, rtol=1e-6)
+        assert not torch.equal(score, log_mean + shift)  # the penalty did something
         assert torch.equal(out.sequences[:, start + t], score.argmax(-1))
 
 
@@ -373,15 +402,15 @@ def test_peft_lora_posterior(strategy, gpt2):
         num_samples=3,
         seed=4,
         return_dict_in_generate=True,
-        output_scores=True,
+        output_logits=True,
         **kwargs,
     )
     ref_ids, ref_scores = reference_greedy(sampled_copies(model, noisy, 3, 4), PROMPTS, None, 8)
     assert torch.equal(out.sequences, ref_ids)
-    for got, want in zip(out.scores, ref_scores):
-        # generate() returns float32 scores; |score| < 8 so 4 float32 ulp = 2e-6
+    for got, want in zip(out.logits, ref_scores):
+        # float32 log p̄; |log p̄| < 8 so 4 float32 ulp = 2e-6
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
-    assert (out.scores[0] - zero_scores(model, zero)).abs().max() > 1e-3  # adapters' noise matters
+    assert (out.logits[0] - zero_scores(model, zero)).abs().max() > 1e-3  # adapters' noise matters
     assert_unchanged(model, before)
 
 
@@ -397,8 +426,8 @@ def zero_scores(model, zero):
         pad_token_id=0,
         eos_token_id=None,
         return_dict_in_generate=True,
-        output_scores=True,
-    ).scores[0]
+        output_logits=True,
+    ).logits[0]
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -4,7 +4,8 @@ encoder-decoder models (T5, BART: each sample runs its own encoder too).
 ``generate_bma`` decodes with the BMA predictive: at every step the next-token
 *probabilities* of S weight samples are averaged (log-mean-exp of log-softmax, never a mean
 of logits), then the usual logits processors, stopping criteria and token choice of
-``model.generate`` apply to ``log p̄``. ``bma_log_likelihood`` scores given sequences under
+``model.generate`` apply to ``log p̄`` (shifted by the samples' mean log-normaliser, so
+processors that read the logits' scale see the mean's logits at zero variance). ``bma_log_likelihood`` scores given sequences under
 the same predictive (evaluation loss / perplexity).
 
 Speed: the S samples are not S models. They run as one forward of batch ``S·B``
@@ -167,9 +168,13 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
         outputs = _prefill(model, expanded_ids, generation_config, kwargs)
         while True:
             kwargs = _advance(model, outputs, kwargs)
-            logits = outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device)
-            log_probs = log_mean_prob(torch.log_softmax(tempered(logits, posterior), dim=-1).view(num_samples, batch, -1))
-            next_scores = logits_processor(input_ids, log_probs)
+            logits = tempered(outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device), posterior)
+            normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
+            log_probs = log_mean_prob((logits - normalizers).view(num_samples, batch, -1))
+            # the processors see log p̄ plus the samples' mean log-normaliser: logits on the scale
+            # of the model's own, and at zero variance exactly the mean's, which processors that
+            # are not shift-invariant (repetition_penalty, length penalties) read as generate does
+            next_scores = logits_processor(input_ids, log_probs + normalizers.view(num_samples, batch, 1).mean(0))
             if want["output_scores"]:
                 scores += (next_scores,)
             if want["output_logits"]:
@@ -274,9 +279,11 @@ def generate_bma(
         As ``model.generate``: the ``(B, T + new)`` token ids (an encoder-decoder model's
         ``(B, 1 + new)`` decoder ids, from its decoder start token), or with
         ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` (encoder-decoder:
-        ``GenerateEncoderDecoderOutput``) whose ``scores`` are the processed ``log p̄`` (the log
-        of the averaged probabilities after the logits processors) and whose ``logits`` are the
-        unprocessed ``log p̄``. Attentions and hidden states, if requested, are per sample
+        ``GenerateEncoderDecoderOutput``) whose ``logits`` are ``log p̄`` (the log of the averaged
+        probabilities) and whose ``scores`` are what the logits processors made of ``log p̄ + c``,
+        ``c`` the samples' mean log-normaliser (``logsumexp`` of their logits): logits on the model's
+        scale, the mean's own at zero variance, so processors that are not shift-invariant
+        (``repetition_penalty``, length penalties) act as in ``model.generate``. Attentions and hidden states, if requested, are per sample
         (batch ``S·B``, sample-major).
     """
     for key in _UNSUPPORTED_KWARGS:
