@@ -142,6 +142,45 @@ def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sig
     assert not any(key.startswith("test_bma_") for key in out.metrics)  # no class metrics to report
 
 
+def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributions(tmp_path):
+    """An extractive QA model returns ``start_logits`` and ``end_logits`` and no ``logits``:
+    predict(bma=True) failed with KeyError 'logits'. It now returns, as ``Trainer.predict`` does
+    its logits, a pair: the averaged start and end probabilities over the positions."""
+    from datasets import Dataset
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    def data(n: int, seed: int) -> Dataset:
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        return Dataset.from_dict(
+            {"input_ids": ids.tolist(), "start_positions": (ids[:, 0] % 4).tolist(), "end_positions": (4 + ids[:, 1] % 4).tolist()}
+        )
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        return BertForQuestionAnswering(config)
+
+    trainer = _trained(tmp_path, make, data(48, 0), data(16, 1), bma_num_samples=3, eval_strategy="no")
+    test = data(20, 2)
+    out = trainer.predict(test, bma=True)
+    batch = {"input_ids": torch.tensor(test["input_ids"])}
+    trainer.model.eval()
+    starts, ends = [], []
+    with torch.no_grad():
+        for seed in (3, 4, 5):
+            with trainer.current_posterior().sampled(trainer.model, seed=seed):
+                output = trainer.model(**batch)
+            starts.append(torch.softmax(output.start_logits.double(), -1))
+            ends.append(torch.softmax(output.end_logits.double(), -1))
+    assert isinstance(out.predictions, tuple) and len(out.predictions) == 2
+    for got, samples in zip(out.predictions, (starts, ends), strict=True):
+        expected = torch.stack(samples).mean(0)
+        assert got.shape == expected.shape == (20, 8)
+        assert (torch.stack(samples)[0] - expected).abs().max() > 1e-3  # the samples differ
+        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
+    assert out.metrics == {}
+
+
 def test_predict_bma_causal_lm(tmp_path):
     trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(8, seed=1), bma_num_samples=2, bma_seed=0)
     test = lm_data(6, seed=2)

@@ -18,6 +18,8 @@ Tensor = torch.Tensor
 __all__ = [
     "IGNORE_INDEX",
     "LogMeanExp",
+    "PerOutput",
+    "ValueMean",
     "count_label_items",
     "label_log_probs",
     "labelled_rows",
@@ -114,3 +116,35 @@ class LogMeanExp:
         if self.total is None:
             raise ValueError("LogMeanExp: no draws added")
         return self.total - math.log(self.count)
+
+
+class PerOutput:
+    """One accumulator per distribution of a model that has several (extractive QA's start and end)."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+
+    def add(self, values: tuple[Tensor, ...]) -> None:
+        for part, value in zip(self.parts, values, strict=True):
+            part.add(value)
+
+    def value(self) -> tuple[Tensor, ...]:
+        return tuple(part.value() for part in self.parts)
+
+
+class ValueMean:
+    """The arithmetic mean of draws that arrive one at a time (what BMA averages where the model's
+    outputs are values or independent probabilities, not a softmax's logits)."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.count = 0
+
+    def add(self, values: Tensor) -> None:
+        self.total = values.clone() if self.total is None else self.total.add_(values)
+        self.count += 1
+
+    def value(self) -> Tensor:
+        if self.total is None:
+            raise ValueError("ValueMean: no draws added")
+        return self.total / self.count

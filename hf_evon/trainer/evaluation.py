@@ -34,7 +34,15 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import PredictionOutput
 from transformers.utils import logging
 
-from hf_evon.predictive.logprobs import IGNORE_INDEX, LogMeanExp, label_log_probs, shifted, tempered
+from hf_evon.predictive.logprobs import (
+    IGNORE_INDEX,
+    LogMeanExp,
+    PerOutput,
+    ValueMean,
+    label_log_probs,
+    shifted,
+    tempered,
+)
 from hf_evon.predictive.metrics import calibration_metrics
 from hf_evon.trainer.calibration_data import length_sorted
 
@@ -139,12 +147,21 @@ def _output_field(output: Any, name: str) -> Any:
     return getattr(output, name, None)
 
 
-def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...]:
+    """The model's ``logits``; for an output without (extractive QA) its ``*_logits`` fields in
+    order (``start_logits``, ``end_logits``), each a distribution of its own."""
     with torch.no_grad(), trainer.compute_loss_context_manager():
         outputs = model(**inputs)
-    if isinstance(outputs, dict):
+    if not isinstance(outputs, dict):
+        return outputs[1 if "labels" in inputs else 0]
+    if "logits" in outputs:
         return outputs["logits"]
-    return outputs[1 if "labels" in inputs else 0]
+    fields = tuple(v for k, v in outputs.items() if k.endswith("_logits") and isinstance(v, Tensor))
+    if not fields:
+        raise ValueError(
+            f"EVONTrainer: BMA averages the model's logits, and its output has none (fields: {list(outputs)})"
+        )
+    return fields
 
 
 # ------------------------------------------------------------------------------------------ passes
@@ -341,24 +358,6 @@ class PosteriorEvaluation:
 
 
 # ------------------------------------------------------------------------------------------ predict
-class ValueMean:
-    """The arithmetic mean of draws that arrive one at a time (what BMA averages where the model's
-    outputs are values or independent probabilities, not a softmax's logits)."""
-
-    def __init__(self) -> None:
-        self.total: Tensor | None = None
-        self.count = 0
-
-    def add(self, values: Tensor) -> None:
-        self.total = values.clone() if self.total is None else self.total.add_(values)
-        self.count += 1
-
-    def value(self) -> Tensor:
-        if self.total is None:
-            raise ValueError("ValueMean: no draws added")
-        return self.total / self.count
-
-
 def _output_kind(model: nn.Module) -> str | None:
     """What the model's logits are, from transformers' ``config.problem_type``: "value"
     (regression), "sigmoid" (multi-label), "softmax" (single-label); None where it is not set."""
@@ -377,7 +376,9 @@ def bma_predict(
 
     ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
     like ``Trainer.predict``), ``label_ids`` the labels (if any), ``metrics`` the
-    ``{prefix}_bma_*`` metrics where the task has them.
+    ``{prefix}_bma_*`` metrics where the task has them. A model whose output has several
+    distributions and no ``logits`` (extractive QA: ``start_logits``, ``end_logits``) gets a
+    tuple of averaged probabilities in that order, as ``Trainer.predict`` returns its logits.
     """
     args = trainer.args
     # a posterior without noise: every sample is the mean, and one pass is their average
@@ -392,7 +393,9 @@ def bma_predict(
     description = f"BMA prediction ({len(seeds)} posterior samples)"
     kind = _output_kind(trainer.model)
 
-    def transform(logits: Tensor, _: Any) -> Tensor:
+    outputs = 1  # the model's distributions per input (2 for extractive QA's start and end)
+
+    def transform_one(logits: Tensor) -> Tensor:
         nonlocal kind
         if kind is None:  # no problem_type: one output is a value, several a class distribution
             kind = "value" if logits.shape[-1] == 1 else "softmax"
@@ -402,10 +405,28 @@ def bma_predict(
             return torch.sigmoid(tempered(logits, posterior).double())
         return _log_softmax(tempered(logits, posterior))
 
+    def transform(logits: Tensor | tuple[Tensor, ...], _: Any) -> Tensor | tuple[Tensor, ...]:
+        nonlocal outputs
+        if isinstance(logits, Tensor):
+            return transform_one(logits)
+        outputs = len(logits)
+        return tuple(map(transform_one, logits))
+
     def average() -> Any:
-        return LogMeanExp() if kind == "softmax" else ValueMean()
+        make = LogMeanExp if kind == "softmax" else ValueMean
+        return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
+
+    def collected(logp: Tensor) -> Tensor:  # probabilities (or values), gathered over processes
+        probs = (logp.exp() if kind == "softmax" else logp).float()
+        if probs.ndim >= 3:
+            probs = pad(probs, dim=1, pad_index=-100)
+        return gather(probs.contiguous()).cpu()
 
     for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
+        if isinstance(logp, tuple):  # several distributions: one array of predictions each, no metrics
+            parts = tuple(map(collected, logp))
+            predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
+            continue
         labels = inputs.get("labels")
         if isinstance(labels, Tensor) and not checked:  # the class metrics: of a softmax's log p̄ only
             task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
@@ -413,10 +434,7 @@ def bma_predict(
         checked = True
         if metrics_acc is not None and isinstance(labels, Tensor):
             metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels)
-        probs = (logp.exp() if kind == "softmax" else logp).float()
-        if probs.ndim >= 3:
-            probs = pad(probs, dim=1, pad_index=-100)
-        probs = gather(probs.contiguous()).cpu()
+        probs = collected(logp)
         predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
         if isinstance(labels, Tensor):
             if labels.ndim >= 2:
@@ -426,8 +444,12 @@ def bma_predict(
     metrics = {}
     if metrics_acc is not None:
         metrics = {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()}
+    if isinstance(predictions, tuple):
+        predictions = tuple(p.numpy() for p in predictions)
+    elif predictions is not None:
+        predictions = predictions.numpy()
     return PredictionOutput(
-        predictions=None if predictions is None else predictions.numpy(),
+        predictions=predictions,
         label_ids=None if label_ids is None else np.asarray(label_ids.numpy()),
         metrics=metrics,
     )
