@@ -163,6 +163,11 @@ def test_predict_bma_with_generate_restores_generate_after_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="metric failed"):
         trainer.predict(reversal_data(6, seed=3), bma=True)
     assert "generate" not in trainer.model.__dict__
+    # an instance's own generate (what a Hub repo's custom_generate installs) comes back as it was
+    own = trainer.model.generate = lambda **kwargs: None
+    with pytest.raises(RuntimeError, match="metric failed"):
+        trainer.predict(reversal_data(6, seed=3), bma=True)
+    assert trainer.model.__dict__["generate"] is own
     trainer.args.bma_num_samples = 0
     with pytest.raises(ValueError, match="bma_num_samples"):
         trainer.predict(reversal_data(6, seed=3), bma=True)

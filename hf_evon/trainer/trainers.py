@@ -79,8 +79,12 @@ def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed:
             model, posterior, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed, **kwargs
         )
 
+    previous = model.__dict__.get("generate")  # an instance's own (a Hub repo's custom_generate)
     model.generate = generate
     try:
         yield
     finally:
-        del model.generate
+        if previous is None:
+            del model.generate
+        else:
+            model.generate = previous
