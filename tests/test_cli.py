@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -741,3 +742,17 @@ def test_calibrate_refuses_an_encoder_decoder_model(saved_seq2seq, tmp_path, cap
     assert main(["calibrate", "--model", str(path), "--text", str(text), "--output", str(out)]) == 2
     assert "is an encoder-decoder model: calibrate scores --text as a causal LM's" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_an_adapter_that_names_no_base_model_is_a_usage_error(saved, tmp_path, capsys):
+    """PEFT writes ``base_model_name_or_path: null`` for a model built from a config: loading then
+    looked up a Hub repo named 'None', retrying for half a minute before an OSError."""
+    from peft import LoraConfig, get_peft_model
+
+    path, model, *_ = saved
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    lora.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"] is None
+    argv = ["generate", "--model", str(tmp_path), "--posterior", str(path), "--prompt-ids", "5 9", "--device", "cpu"]
+    assert main(argv) == 2
+    assert "names no base model (base_model_name_or_path is empty)" in capsys.readouterr().err

@@ -158,7 +158,12 @@ def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
         from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, PeftConfig
 
         base = PeftConfig.from_pretrained(path, revision=revision).base_model_name_or_path
-        seq2seq = base is not None and _is_encoder_decoder(base, None)
+        if not base:  # PEFT records none for a model built from a config, not loaded from a path
+            raise UsageError(
+                f"--model {path!r} is a PEFT adapter whose adapter_config.json names no base model "
+                "(base_model_name_or_path is empty): set it to the base model's directory or Hub repo id"
+            )
+        seq2seq = _is_encoder_decoder(base, None)
         return (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(path, **kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
