@@ -156,6 +156,65 @@ def test_trainer_card_snippet_runs_as_written(task, tmp_path, tokenizer, capsys)
         torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_seq2seq_and_question_answering_cards_run_as_written(tmp_path, tokenizer, capsys):
+    """The snippet of an encoder-decoder's card loaded it with ``AutoModel`` (no LM head: the
+    posterior did not match) and read ``.logits``; an extractive QA model's has no ``logits``.
+    Now: ``AutoModelForSeq2SeqLM`` and ``generate_bma``; the start and end probabilities."""
+    from transformers import BertConfig, BertForQuestionAnswering, T5Config, T5ForConditionalGeneration
+
+    from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
+
+    vocab = tokenizer.vocab_size
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=vocab, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    )
+    ids = torch.randint(1000, vocab, (8, 8), generator=torch.Generator().manual_seed(0))
+    qa_data = Dataset.from_dict(
+        {"input_ids": ids.tolist(), "start_positions": [1] * 8, "end_positions": [3] * 8}
+    )
+    torch.manual_seed(0)
+    qa = BertForQuestionAnswering(
+        BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
+    runs = [
+        (EVONSeq2SeqTrainer, EVONSeq2SeqConfig, t5, _data(vocab, None)),
+        (EVONTrainer, EVONConfig, qa, qa_data),
+    ]
+    for trainer_class, config_class, model, data in runs:
+        out = tmp_path / type(model).__name__
+        fields = {f: getattr(_args(out), f) for f in ("report_to", "use_cpu", "max_steps", "evon_ess", "save_strategy")}
+        args = config_class(output_dir=str(out), per_device_train_batch_size=4, disable_tqdm=True, seed=0, **fields)
+        trainer = trainer_class(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        trainer.save_model()
+        snippet = _snippet((out / "README.md").read_text())
+        namespace: dict = {}
+        exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+        assert capsys.readouterr().out.strip()
+        posterior = trainer.current_posterior()
+        if model is t5:
+            assert "AutoModelForSeq2SeqLM.from_pretrained" in snippet
+            inputs = tokenizer("The meaning of life is", return_tensors="pt")
+            expected = hf_evon.generate_bma(
+                model.eval(), posterior, inputs.input_ids, attention_mask=inputs.attention_mask, num_samples=8,
+                seed=0, max_new_tokens=32,
+            )  # fmt: skip
+            assert torch.equal(namespace["output_ids"], expected)
+        else:
+            assert "AutoModelForQuestionAnswering.from_pretrained" in snippet
+            inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")
+            model.eval()
+            with torch.no_grad():
+                outputs = []
+                for seed in range(8):
+                    with posterior.sampled(model, seed=seed):
+                        outputs.append(model(**inputs))
+            for name in ("start", "end"):
+                expected = torch.stack([getattr(o, f"{name}_logits").softmax(-1) for o in outputs]).mean(0)
+                torch.testing.assert_close(namespace[name], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_lora_classifier_card_given_the_model_names_num_labels(tokenizer):
     """Outside the Trainer, passing the model gives the snippet the label count too."""
     from peft import LoraConfig, TaskType, get_peft_model

@@ -195,7 +195,12 @@ _LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTok
 
 
 def _auto_class(model_class: str) -> str:
-    """The transformers Auto class that reloads a model saved as ``model_class``."""
+    """The transformers Auto class that reloads a model saved as ``model_class`` (a PEFT wrapper's
+    name says its task: ``PeftModelForSeq2SeqLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    if model_class in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values() or "Seq2SeqLM" in model_class:
+        return "AutoModelForSeq2SeqLM"
     if "CausalLM" in model_class or "LMHead" in model_class:
         return "AutoModelForCausalLM"
     for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MaskedLM"):
@@ -219,13 +224,14 @@ def _usage_snippet(
     num_labels: int | None,
 ) -> str:
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
-    with ``generate_bma`` for causal LMs, averaged class probabilities otherwise. A PEFT
+    with ``generate_bma`` for causal LMs and encoder-decoders, averaged start and end
+    probabilities for extractive QA, averaged class probabilities otherwise. A PEFT
     classifier's base model is built with ``num_labels`` (its head is in the adapter)."""
     sub = f", subfolder={_py(subfolder)}" if subfolder else ""
     model_class = str(posterior.config.get("model_class", ""))
     is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in model_class
     auto = _auto_class(model_class)
-    causal = auto == "AutoModelForCausalLM"
+    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
     lines = [] if causal else ["import torch"]
     labels = f", num_labels={num_labels}" if num_labels is not None and auto in _LABELLED_AUTO_CLASSES else ""
@@ -262,6 +268,19 @@ def _usage_snippet(
             "    num_samples=8, seed=0, max_new_tokens=32,",
             ")",
             "print(tokenizer.decode(output_ids[0], skip_special_tokens=True))",
+        ]
+    elif auto == "AutoModelForQuestionAnswering":
+        lines += [
+            'inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")',
+            "model.eval()",
+            "start = end = 0.0",
+            "with torch.no_grad():",
+            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+            "        with posterior.sampled(model, seed=seed):",
+            "            outputs = model(**inputs)",
+            "        start = start + outputs.start_logits.softmax(-1) / 8",
+            "        end = end + outputs.end_logits.softmax(-1) / 8",
+            "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
         ]
     else:
         lines += [
