@@ -156,11 +156,18 @@ def test_trainer_card_snippet_runs_as_written(task, tmp_path, tokenizer, capsys)
         torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_seq2seq_and_question_answering_cards_run_as_written(tmp_path, tokenizer, capsys):
+def test_seq2seq_question_answering_and_multiple_choice_cards_run_as_written(tmp_path, tokenizer, capsys):
     """The snippet of an encoder-decoder's card loaded it with ``AutoModel`` (no LM head: the
-    posterior did not match) and read ``.logits``; an extractive QA model's has no ``logits``.
-    Now: ``AutoModelForSeq2SeqLM`` and ``generate_bma``; the start and end probabilities."""
-    from transformers import BertConfig, BertForQuestionAnswering, T5Config, T5ForConditionalGeneration
+    posterior did not match) and read ``.logits``; an extractive QA model's has no ``logits``; a
+    multiple-choice model's was loaded with ``AutoModel`` too. Now: ``AutoModelForSeq2SeqLM`` and
+    ``generate_bma``; the start and end probabilities; a question with two choices."""
+    from transformers import (
+        BertConfig,
+        BertForMultipleChoice,
+        BertForQuestionAnswering,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
 
@@ -177,9 +184,15 @@ def test_seq2seq_and_question_answering_cards_run_as_written(tmp_path, tokenizer
     qa = BertForQuestionAnswering(
         BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     )
+    torch.manual_seed(0)
+    choice = BertForMultipleChoice(
+        BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
+    choice_data = Dataset.from_dict({"input_ids": ids.view(4, 2, 8).tolist(), "labels": [0, 1, 1, 0]})
     runs = [
         (EVONSeq2SeqTrainer, EVONSeq2SeqConfig, t5, _data(vocab, None)),
         (EVONTrainer, EVONConfig, qa, qa_data),
+        (EVONTrainer, EVONConfig, choice, choice_data),
     ]
     for trainer_class, config_class, model, data in runs:
         out = tmp_path / type(model).__name__
@@ -201,6 +214,14 @@ def test_seq2seq_and_question_answering_cards_run_as_written(tmp_path, tokenizer
                 seed=0, max_new_tokens=32,
             )  # fmt: skip
             assert torch.equal(namespace["output_ids"], expected)
+        elif model is choice:
+            assert "AutoModelForMultipleChoice.from_pretrained" in snippet
+            pairs = tokenizer(
+                ["An example input."] * 2, ["A first choice.", "A second choice."], return_tensors="pt", padding=True
+            )
+            expected = _bma_probs(model, posterior, {k: v.unsqueeze(0) for k, v in pairs.items()})
+            assert namespace["probs"].shape == (1, 2)
+            torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
         else:
             assert "AutoModelForQuestionAnswering.from_pretrained" in snippet
             inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")

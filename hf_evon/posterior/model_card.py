@@ -203,7 +203,7 @@ def _auto_class(model_class: str) -> str:
         return "AutoModelForSeq2SeqLM"
     if "CausalLM" in model_class or "LMHead" in model_class:
         return "AutoModelForCausalLM"
-    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MaskedLM"):
+    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice", "MaskedLM"):
         if task in model_class:
             return f"AutoModelFor{task}"
     return "AutoModel"
@@ -283,8 +283,15 @@ def _usage_snippet(
             "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
         ]
     else:
+        if auto == "AutoModelForMultipleChoice":  # one question, two choices: a batch of (1, 2, tokens)
+            lines += [
+                'pairs = tokenizer(["An example input."] * 2, ["A first choice.", "A second choice."],',
+                '                  return_tensors="pt", padding=True)',
+                "inputs = {key: value.unsqueeze(0) for key, value in pairs.items()}",
+            ]
+        else:
+            lines.append('inputs = tokenizer("An example input.", return_tensors="pt")')
         lines += [
-            'inputs = tokenizer("An example input.", return_tensors="pt")',
             "model.eval()",
             "probs = 0.0",
             "with torch.no_grad():",
