@@ -71,6 +71,15 @@ def _bma_probs(model, posterior, inputs) -> torch.Tensor:
         ).mean(0)
 
 
+def _snippet_decoding(model, posterior, tokenizer) -> torch.Tensor:
+    """What a decoding card's snippet computes, here with the in-memory model and posterior."""
+    inputs = tokenizer("The meaning of life is", return_tensors="pt")
+    return hf_evon.generate_bma(
+        model.eval(), posterior, inputs.input_ids, attention_mask=inputs.attention_mask, num_samples=8,
+        seed=0, max_new_tokens=32,
+    )  # fmt: skip
+
+
 def _sampled_logits(model, posterior, inputs, seed: int) -> torch.Tensor:
     with posterior.sampled(model, seed=seed):
         return model(**inputs).logits
@@ -143,12 +152,7 @@ def test_trainer_card_snippet_runs_as_written(task, tmp_path, tokenizer, capsys)
 
     model, posterior = trainer.model, trainer.current_posterior()
     if task == "causal-lm":
-        inputs = tokenizer("The meaning of life is", return_tensors="pt")
-        expected = hf_evon.generate_bma(
-            model.eval(), posterior, inputs.input_ids, attention_mask=inputs.attention_mask, num_samples=8,
-            seed=0, max_new_tokens=32,
-        )  # fmt: skip
-        assert torch.equal(namespace["output_ids"], expected)
+        assert torch.equal(namespace["output_ids"], _snippet_decoding(model, posterior, tokenizer))
     else:
         inputs = tokenizer("An example input.", return_tensors="pt")
         expected = _bma_probs(model, posterior, inputs)
@@ -208,12 +212,7 @@ def test_seq2seq_question_answering_and_multiple_choice_cards_run_as_written(tmp
         posterior = trainer.current_posterior()
         if model is t5:
             assert "AutoModelForSeq2SeqLM.from_pretrained" in snippet
-            inputs = tokenizer("The meaning of life is", return_tensors="pt")
-            expected = hf_evon.generate_bma(
-                model.eval(), posterior, inputs.input_ids, attention_mask=inputs.attention_mask, num_samples=8,
-                seed=0, max_new_tokens=32,
-            )  # fmt: skip
-            assert torch.equal(namespace["output_ids"], expected)
+            assert torch.equal(namespace["output_ids"], _snippet_decoding(model, posterior, tokenizer))
         elif model is choice:
             assert "AutoModelForMultipleChoice.from_pretrained" in snippet
             pairs = tokenizer(
