@@ -8,6 +8,10 @@ CPU (a smaller model and fewer tokens so it finishes in minutes)::
 
     python benchmarks/generate_bma.py --device cpu --small --new-tokens 16
 
+``--arch t5``: an encoder-decoder instead (T5-small's config, or with ``--small`` 4+4 layers,
+256 wide, 8192 tokens), whose prompt is the encoder's input: every sample runs its own encoder once,
+then the decoding steps are batched as for GPT-2.
+
 Methods, all greedy, exactly ``--new-tokens`` tokens per prompt:
 
 - ``plain``: ``model.generate`` at the posterior mean (one model, no BMA).
@@ -31,7 +35,8 @@ generate_bma 41.4 (2.36×, factored); S = 16, B = 1: 3.68×; B = 8: 1.4–1.5× 
 CPU every sample costs its own arithmetic and weight reads, so batching saves the draw and the
 per-call overhead only. On an H100 (2026-11-26, bf16, GPT-2 small config, 64 new tokens): S = 8,
 B = 1: plain 170.7 tok/s, naive 23.4, generate_bma 132.5 (5.67× the loop, per-token latency 1.29×
-plain); B = 8: 6.52×, 1.25× (benchmarks/results/gpu_h100/generate_bma.log).
+plain); B = 8: 6.52×, 1.25× (benchmarks/results/gpu_h100/generate_bma.log). ``--arch t5 --small``
+on CPU (2 threads, 16 new tokens): S = 8, B = 1: naive 10.0 tok/s, generate_bma 23.6 (2.35×).
 """
 
 from __future__ import annotations
@@ -43,7 +48,14 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    DynamicCache,
+    EncoderDecoderCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 import hf_evon.predictive.batched_samples as batched
 from hf_evon import EVON, EVONPosterior, build_param_groups, generate_bma
@@ -51,13 +63,20 @@ from hf_evon import EVON, EVONPosterior, build_param_groups, generate_bma
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def model_config(args: argparse.Namespace) -> GPT2Config:
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.arch == "t5":
+        tokens = dict(decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # T5's, as its checkpoints set
+        if args.small:
+            config = T5Config(vocab_size=8192, d_model=256, d_kv=32, d_ff=1024, num_layers=4, num_heads=8, **tokens)
+        else:
+            config = T5Config(**tokens)  # T5-small: 6+6 layers, 512 wide, 32128 tokens
+        return T5ForConditionalGeneration(config)
     if args.small:
-        return GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=512, vocab_size=8192)
-    return GPT2Config()  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
+        return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=512, vocab_size=8192))
+    return GPT2LMHeadModel(GPT2Config())  # GPT-2 small: 12 layers, 768 wide, 50257 tokens
 
 
-def build_posterior(model: GPT2LMHeadModel, device: torch.device, steps: int = 3) -> EVONPosterior:
+def build_posterior(model: torch.nn.Module, device: torch.device, steps: int = 3) -> EVONPosterior:
     """An EVON posterior over the block matrices: the init step plus ``steps`` updates."""
     groups = [g for g in build_param_groups(model) if g["algorithm"] == "evon"]
     opt = EVON(groups, lr=1e-4, ess=1e5, precondition_frequency=2, seed=0)
@@ -88,14 +107,25 @@ def sampled_copies(model: torch.nn.Module, posterior: EVONPosterior, num_samples
 
 @torch.no_grad()
 def naive_generate(models: list, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """S models one after another per token, each with its own cache; probabilities averaged."""
-    caches = [DynamicCache(config=m.config) for m in models]
-    step_ids = input_ids
-    out = input_ids
+    """S models one after another per token, each with its own cache; probabilities averaged.
+    An encoder-decoder runs each model's encoder once and decodes from its start token."""
+    config = models[0].config
+    if config.is_encoder_decoder:
+        encoded = [m.get_encoder()(input_ids=input_ids) for m in models]
+        caches = [EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config)) for _ in models]
+        step_ids = torch.full((len(input_ids), 1), config.decoder_start_token_id, device=input_ids.device)
+    else:
+        encoded = [None] * len(models)
+        caches = [DynamicCache(config=config) for _ in models]
+        step_ids = input_ids
+    out = step_ids
     for _ in range(new_tokens):
         log_probs = []
-        for m, cache in zip(models, caches):
-            logits = m(input_ids=step_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        for m, cache, enc in zip(models, caches, encoded):
+            if enc is None:
+                logits = m(input_ids=step_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            else:
+                logits = m(encoder_outputs=enc, decoder_input_ids=step_ids, past_key_values=cache, use_cache=True).logits
             log_probs.append(torch.log_softmax(logits[:, -1].float(), dim=-1))
         mean = torch.logsumexp(torch.stack(log_probs), dim=0)
         step_ids = mean.argmax(-1, keepdim=True)
@@ -139,7 +169,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--small", action="store_true", help="4 layers, 256 wide, 8192 tokens")
+    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "t5"], help="a causal LM or an encoder-decoder")
+    parser.add_argument("--small", action="store_true", help="4 layers (t5: 4+4), 256 wide, 8192 tokens")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive loop (it is slow)")
     parser.add_argument(
@@ -156,7 +187,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    model = GPT2LMHeadModel(model_config(args)).to(device)
+    model = build_model(args).to(device)
     posterior = build_posterior(model, device)
     model = model.to(dtype).eval()
     vocab = model.config.vocab_size
@@ -166,7 +197,7 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     covered = sum(dict(model.named_parameters())[n].numel() for n in posterior.names)
     print(
-        f"device={device} dtype={args.dtype} params={n_params / 1e6:.1f}M covered={covered / 1e6:.1f}M "
+        f"arch={args.arch} device={device} dtype={args.dtype} params={n_params / 1e6:.1f}M covered={covered / 1e6:.1f}M "
         f"prompt={args.prompt_len} new_tokens={args.new_tokens} strategy={args.strategy} "
         f"threads={torch.get_num_threads()}"
     )
