@@ -145,13 +145,13 @@ def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(
     )
     trainer.train()
     padded = []
-    sample_passes = evaluation._sample_passes
+    sample_passes = evaluation.sample_passes
 
     def spy(trainer, dataloader, *args):  # noqa: ANN001, ANN002
         padded.append(sum(b["input_ids"].numel() for b in dataloader))
         return sample_passes(trainer, dataloader, *args)
 
-    monkeypatch.setattr(evaluation, "_sample_passes", spy)
+    monkeypatch.setattr(evaluation, "sample_passes", spy)
     by_length = trainer.evaluate()
     monkeypatch.setattr(evaluation, "length_sorted", lambda dataset: dataset)
     in_order = trainer.evaluate()

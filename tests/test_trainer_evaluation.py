@@ -105,6 +105,40 @@ def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
         )
 
 
+
+@pytest.mark.parametrize("batch_eval_metrics", [False, True])
+def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_metrics(tmp_path, batch_eval_metrics):
+    """``Trainer.predict`` passes each batch's logits through ``preprocess_logits_for_metrics`` and
+    scores the set with ``compute_metrics``; predict(bma=True) skipped both: predictions of an LM's
+    full vocabulary could not be reduced, and the user's metrics were missing."""
+    calls = []
+
+    def accuracy(prediction, compute_result=None):
+        calls.append(compute_result)
+        return {"agreement": float((prediction.predictions == prediction.label_ids).mean())}
+
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=2, evon_ess=60.0, bma_num_samples=3, bma_seed=3,
+                                       batch_eval_metrics=batch_eval_metrics),
+        train_dataset=classification_data(), compute_metrics=accuracy,
+        preprocess_logits_for_metrics=lambda probs, labels: probs.argmax(-1),
+    )  # fmt: skip
+    trainer.train()
+    test = classification_data(40, seed=2)  # batches of 16, 16, 8
+    out = trainer.predict(test, bma=True)
+    batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
+    trainer.model.eval()
+    with torch.no_grad():
+        samples = []
+        for seed in (3, 4, 5):
+            with trainer.current_posterior().sampled(trainer.model, seed=seed):
+                samples.append(torch.softmax(trainer.model(**batch).logits.double(), -1))
+    expected = torch.stack(samples).mean(0).argmax(-1)
+    np.testing.assert_array_equal(out.predictions, expected.numpy())
+    assert out.metrics["test_agreement"] == float((expected.numpy() == np.asarray(test["labels"])).mean())
+    assert out.metrics["test_agreement"] == pytest.approx(out.metrics["test_bma_accuracy"], abs=1e-12)
+    assert calls == [True if batch_eval_metrics else None]
+
 @pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
 def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sigmoids(tmp_path, problem):
     """predict(bma=True) took a softmax over every model's last axis: a regression's one output

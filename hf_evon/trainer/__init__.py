@@ -8,7 +8,8 @@
   posterior, FSDP2 optimizer save/resume, pushed checkpoints;
 * :mod:`~hf_evon.trainer.internals`: the only overrides of private ``Trainer`` methods, and why;
 * :mod:`~hf_evon.trainer.statistics`: the ``evon/*`` statistics logged while training;
-* :mod:`~hf_evon.trainer.evaluation`: metrics at the posterior mean and under BMA, BMA predictions;
+* :mod:`~hf_evon.trainer.evaluation`: metrics at the posterior mean and under BMA;
+* :mod:`~hf_evon.trainer.prediction`: ``predict(test, bma=True)``, BMA predictions;
 * :mod:`~hf_evon.trainer.trainers`: :class:`EVONTrainer`, :class:`EVONSeq2SeqTrainer`;
 * :mod:`~hf_evon.trainer.sft`: ``EVONSFTTrainer``/``EVONSFTConfig`` for TRL (imported on first use,
   needs ``trl``).

@@ -27,18 +27,13 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
-from transformers.trainer_pt_utils import nested_concat
-from transformers.trainer_utils import PredictionOutput
 from transformers.utils import logging
 
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     LogMeanExp,
-    PerOutput,
-    ValueMean,
     label_log_probs,
     shifted,
     tempered,
@@ -50,7 +45,16 @@ logger = logging.get_logger(__name__)
 
 Tensor = torch.Tensor
 
-__all__ = ["EvaluationMixin", "PosteriorEvaluation", "bma_predict", "merge_metrics"]
+__all__ = [
+    "EvaluationMixin",
+    "MetricAccumulator",
+    "PosteriorEvaluation",
+    "float64_log_softmax",
+    "merge_metrics",
+    "reduce_log_probs",
+    "sample_passes",
+    "task_of",
+]
 
 
 # ------------------------------------------------------------------------------------------ per batch
@@ -76,7 +80,8 @@ def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     return logp
 
 
-def _log_softmax(logits: Tensor) -> Tensor:
+def float64_log_softmax(logits: Tensor) -> Tensor:
+    """Log-probabilities in float64: the metrics sum them over whole evaluation sets."""
     return torch.log_softmax(logits.double(), dim=-1)
 
 
@@ -85,10 +90,10 @@ def _metric_log_probs(logits: Tensor, labels: Tensor, task: str) -> Tensor:
     if task == "causal_lm":
         picked = reduce_log_probs(torch.log_softmax(logits.float(), dim=-1), labels, task)
         return picked.double()
-    return _log_softmax(logits)
+    return float64_log_softmax(logits)
 
 
-class _Accumulator:
+class MetricAccumulator:
     """Per-batch log-probabilities, gathered across processes, summarised at the end."""
 
     def __init__(self, trainer: Any, task: str) -> None:
@@ -172,7 +177,7 @@ def _progress(trainer: Any, total: int | None, description: str) -> Any:
     return tqdm(total=total, desc=description, disable=disable, leave=False, dynamic_ncols=True)
 
 
-def _sample_passes(
+def sample_passes(
     trainer: Any,
     dataloader: Any,
     posterior: Any,
@@ -223,7 +228,7 @@ class PosteriorEvaluation:
         self.prefix = metric_key_prefix
         self.with_bma = with_bma
         self.task: str | None = None
-        self.mean: _Accumulator | None = None
+        self.mean: MetricAccumulator | None = None
         self.reused = True  # False once a batch gave no usable model output
         self.unsupported = False  # no labels, or no class distribution: no posterior metrics
         self._outputs: list[Any] | None = None
@@ -295,7 +300,7 @@ class PosteriorEvaluation:
                 self.unsupported = True
                 return False
             self.task = task
-            self.mean = _Accumulator(self.trainer, task)
+            self.mean = MetricAccumulator(self.trainer, task)
         return True
 
     # ---- after the Trainer's pass
@@ -327,7 +332,7 @@ class PosteriorEvaluation:
             seeds: list[int | None] = (
                 [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
             )
-            bma = _Accumulator(trainer, self.task)  # type: ignore[arg-type]
+            bma = MetricAccumulator(trainer, self.task)  # type: ignore[arg-type]
             task = self.task
 
             def transform(logits: Tensor, labels: Tensor | None) -> Tensor:
@@ -335,7 +340,7 @@ class PosteriorEvaluation:
 
             description = f"BMA evaluation ({len(seeds)} posterior samples)"
             passes = dataloader if bma_dataloader is None else bma_dataloader()
-            for logp, inputs in _sample_passes(trainer, passes, posterior, seeds, transform, description):
+            for logp, inputs in sample_passes(trainer, passes, posterior, seeds, transform, description):
                 bma.add(logp, inputs["labels"])
             metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
         return metrics
@@ -357,108 +362,10 @@ class PosteriorEvaluation:
         return self.mean is not None
 
 
-# ------------------------------------------------------------------------------------------ predict
-def _output_kind(model: nn.Module) -> str | None:
-    """What the model's logits are, from transformers' ``config.problem_type``: "value"
-    (regression), "sigmoid" (multi-label), "softmax" (single-label); None where it is not set."""
-    problem = getattr(getattr(model, "config", None), "problem_type", None)
-    return {"regression": "value", "multi_label_classification": "sigmoid"}.get(
-        problem, "softmax" if problem else None
-    )
-
-
-def bma_predict(
-    trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test"
-) -> PredictionOutput:
-    """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
-    for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
-    multi-label classifier the averaged sigmoid probabilities (:func:`_output_kind`).
-
-    ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
-    like ``Trainer.predict``), ``label_ids`` the labels (if any), ``metrics`` the
-    ``{prefix}_bma_*`` metrics where the task has them. A model whose output has several
-    distributions and no ``logits`` (extractive QA: ``start_logits``, ``end_logits``) gets a
-    tuple of averaged probabilities in that order, as ``Trainer.predict`` returns its logits.
-    """
-    args = trainer.args
-    # a posterior without noise: every sample is the mean, and one pass is their average
-    seeds: list[int | None] = (
-        [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
-    )
-    gather, pad = trainer.accelerator.gather_for_metrics, trainer.accelerator.pad_across_processes
-    predictions: Any = None
-    label_ids: Any = None
-    metrics_acc: _Accumulator | None = None
-    checked = False
-    description = f"BMA prediction ({len(seeds)} posterior samples)"
-    kind = _output_kind(trainer.model)
-
-    outputs = 1  # the model's distributions per input (2 for extractive QA's start and end)
-
-    def transform_one(logits: Tensor) -> Tensor:
-        nonlocal kind
-        if kind is None:  # no problem_type: one output is a value, several a class distribution
-            kind = "value" if logits.shape[-1] == 1 else "softmax"
-        if kind == "value":
-            return logits.double()
-        if kind == "sigmoid":
-            return torch.sigmoid(tempered(logits, posterior).double())
-        return _log_softmax(tempered(logits, posterior))
-
-    def transform(logits: Tensor | tuple[Tensor, ...], _: Any) -> Tensor | tuple[Tensor, ...]:
-        nonlocal outputs
-        if isinstance(logits, Tensor):
-            return transform_one(logits)
-        outputs = len(logits)
-        return tuple(map(transform_one, logits))
-
-    def average() -> Any:
-        make = LogMeanExp if kind == "softmax" else ValueMean
-        return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
-
-    def collected(logp: Tensor) -> Tensor:  # probabilities (or values), gathered over processes
-        probs = (logp.exp() if kind == "softmax" else logp).float()
-        if probs.ndim >= 3:
-            probs = pad(probs, dim=1, pad_index=-100)
-        return gather(probs.contiguous()).cpu()
-
-    for logp, inputs in _sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
-        if isinstance(logp, tuple):  # several distributions: one array of predictions each, no metrics
-            parts = tuple(map(collected, logp))
-            predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
-            continue
-        labels = inputs.get("labels")
-        if isinstance(labels, Tensor) and not checked:  # the class metrics: of a softmax's log p̄ only
-            task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
-            metrics_acc = None if task is None else _Accumulator(trainer, task)
-        checked = True
-        if metrics_acc is not None and isinstance(labels, Tensor):
-            metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels)
-        probs = collected(logp)
-        predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
-        if isinstance(labels, Tensor):
-            if labels.ndim >= 2:
-                labels = pad(labels, dim=1, pad_index=-100)
-            labels = gather(labels.contiguous()).cpu()
-            label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
-    metrics = {}
-    if metrics_acc is not None:
-        metrics = {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()}
-    if isinstance(predictions, tuple):
-        predictions = tuple(p.numpy() for p in predictions)
-    elif predictions is not None:
-        predictions = predictions.numpy()
-    return PredictionOutput(
-        predictions=predictions,
-        label_ids=None if label_ids is None else np.asarray(label_ids.numpy()),
-        metrics=metrics,
-    )
-
-
 # ------------------------------------------------------------------------------------------ the hooks
 class EvaluationMixin:
     """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
-    posterior metrics to the subclass's, ``predict(bma=True)`` returns BMA predictions."""
+    posterior metrics to the subclass's (``predict(bma=True)``: :mod:`hf_evon.trainer.prediction`)."""
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with the ``eval_mean_*`` and (when due) ``eval_bma_*`` metrics."""
@@ -542,39 +449,3 @@ class EvaluationMixin:
         evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
         evaluation.reused = False
         return evaluation.finish(dataloader)
-
-    def predict(
-        self,
-        test_dataset: Any,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "test",
-        bma: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        """The subclass's ``predict`` (at the posterior mean), or with ``bma=True`` BMA predictions.
-
-        ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
-        over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
-        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them. ``kwargs``:
-        the subclass's own (``Seq2SeqTrainer``'s generation settings).
-        """
-        if not bma:
-            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
-        posterior = self.bma_posterior("predict(bma=True)")
-        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
-
-    def bma_posterior(self, caller: str) -> Any:
-        """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where
-        there is none or ``bma_num_samples`` asks for no samples."""
-        posterior = self.current_posterior()
-        if posterior is None:
-            raise ValueError(
-                f"{caller} needs a posterior: train with EVON first, or pass "
-                "posterior=EVONPosterior.from_pretrained(...) to the trainer"
-            )
-        if self.args.bma_num_samples < 1:
-            raise ValueError(
-                f"{caller} needs posterior samples, but EVONConfig.bma_num_samples = "
-                f"{self.args.bma_num_samples}: set it to >= 1"
-            )
-        return posterior

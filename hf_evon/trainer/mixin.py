@@ -69,9 +69,8 @@ What the trainer does differently from ``transformers.Trainer``:
 
 Hooks used: the public ``Trainer`` methods ``create_optimizer``, ``training_step`` (wrapping
 ``super()``; while it runs, ``self.compute_loss``, whichever class defines it, is wrapped to scale
-the loss), ``get_batch_samples``, ``log``, ``evaluate``,
-``evaluation_loop``, ``prediction_step``, ``predict``, ``train``, ``save_model``,
-``create_model_card``, the documented ``loss_is_scaled_for_ga`` switch and a ``TrainerCallback``
+the loss), ``get_batch_samples``, ``log``, ``evaluate``, ``evaluation_loop``, ``prediction_step``,
+``predict``, ``train``, ``save_model``, ``create_model_card``, the documented ``loss_is_scaled_for_ga`` switch and a ``TrainerCallback``
 (``on_train_begin``: :func:`hf_evon.prepare_distributed` once the model is wrapped).
 
 Private transformers internals used, and why (each pinned by ``tests/test_trainer_internals.py``):
@@ -116,6 +115,7 @@ from hf_evon.trainer.config import (
 )
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
 from hf_evon.trainer.internals import TrainerInternals
+from hf_evon.trainer.prediction import PredictionMixin
 from hf_evon.trainer.statistics import posterior_statistics
 
 logger = logging.get_logger(__name__)
@@ -143,7 +143,7 @@ class _EVONSetUp(TrainerCallback):
         self.trainer._prepare_evon_for_training()
 
 
-class EVONTrainerMixin(EvaluationMixin, CheckpointingMixin, TrainerInternals):
+class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, TrainerInternals):
     """EVON training, posterior evaluation and saving for any ``transformers.Trainer`` subclass.
 
     Put it first among the bases: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)`` (see

@@ -1,0 +1,186 @@
+"""BMA predictions for the EVON trainers: ``predict(test, bma=True)``, the averaged probabilities
+of ``bma_num_samples`` posterior samples (the passes of :mod:`hf_evon.trainer.evaluation`), scored
+by the user's ``compute_metrics`` and by the ``{prefix}_bma_*`` metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers.trainer_pt_utils import nested_concat
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
+
+from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
+from hf_evon.trainer.evaluation import (
+    MetricAccumulator,
+    float64_log_softmax,
+    merge_metrics,
+    reduce_log_probs,
+    sample_passes,
+    task_of,
+)
+
+Tensor = torch.Tensor
+
+__all__ = ["PredictionMixin", "bma_predict"]
+
+
+def _output_kind(model: nn.Module) -> str | None:
+    """What the model's logits are, from transformers' ``config.problem_type``: "value"
+    (regression), "sigmoid" (multi-label), "softmax" (single-label); None where it is not set."""
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    return {"regression": "value", "multi_label_classification": "sigmoid"}.get(
+        problem, "softmax" if problem else None
+    )
+
+
+def bma_predict(
+    trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test"
+) -> PredictionOutput:
+    """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
+    for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
+    multi-label classifier the averaged sigmoid probabilities (:func:`_output_kind`).
+
+    ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
+    like ``Trainer.predict``; through ``preprocess_logits_for_metrics`` if the trainer has one),
+    ``label_ids`` the labels (if any), ``metrics`` your ``compute_metrics`` of them (prefixed as
+    ``Trainer.predict`` prefixes them) and the ``{prefix}_bma_*`` metrics where the task has them.
+    A model whose output has several distributions and no ``logits`` (extractive QA:
+    ``start_logits``, ``end_logits``) gets a tuple of averaged probabilities in that order, as
+    ``Trainer.predict`` returns its logits.
+    """
+    args = trainer.args
+    # a posterior without noise: every sample is the mean, and one pass is their average
+    seeds: list[int | None] = (
+        [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
+    )
+    gather, pad = trainer.accelerator.gather_for_metrics, trainer.accelerator.pad_across_processes
+    predictions: Any = None
+    label_ids: Any = None
+    metrics_acc: MetricAccumulator | None = None
+    checked = False
+    description = f"BMA prediction ({len(seeds)} posterior samples)"
+    kind = _output_kind(trainer.model)
+
+    outputs = 1  # the model's distributions per input (2 for extractive QA's start and end)
+
+    def transform_one(logits: Tensor) -> Tensor:
+        nonlocal kind
+        if kind is None:  # no problem_type: one output is a value, several a class distribution
+            kind = "value" if logits.shape[-1] == 1 else "softmax"
+        if kind == "value":
+            return logits.double()
+        if kind == "sigmoid":
+            return torch.sigmoid(tempered(logits, posterior).double())
+        return float64_log_softmax(tempered(logits, posterior))
+
+    def transform(logits: Tensor | tuple[Tensor, ...], _: Any) -> Tensor | tuple[Tensor, ...]:
+        nonlocal outputs
+        if isinstance(logits, Tensor):
+            return transform_one(logits)
+        outputs = len(logits)
+        return tuple(map(transform_one, logits))
+
+    def average() -> Any:
+        make = LogMeanExp if kind == "softmax" else ValueMean
+        return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
+
+    def gathered(values: Tensor) -> Tensor:
+        if values.ndim >= 3:
+            values = pad(values, dim=1, pad_index=-100)
+        return gather(values.contiguous()).cpu()
+
+    def collected(logp: Tensor | tuple[Tensor, ...], labels: Any) -> Any:
+        """Probabilities (or values), through the user's ``preprocess_logits_for_metrics`` as
+        ``Trainer.predict`` passes its logits, gathered over processes."""
+        def convert(x: Tensor) -> Tensor:
+            return (x.exp() if kind == "softmax" else x).float()
+
+        probs = tuple(map(convert, logp)) if isinstance(logp, tuple) else convert(logp)
+        if trainer.preprocess_logits_for_metrics is not None:
+            probs = trainer.preprocess_logits_for_metrics(probs, labels)
+        return tuple(map(gathered, probs)) if isinstance(probs, tuple) else gathered(probs)
+
+    for logp, inputs in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
+        labels = inputs.get("labels")
+        if isinstance(logp, tuple):  # several distributions: one array of predictions each, no metrics
+            parts = collected(logp, labels)
+            predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
+            continue
+        if isinstance(labels, Tensor) and not checked:  # the class metrics: of a softmax's log p̄ only
+            task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
+            metrics_acc = None if task is None else MetricAccumulator(trainer, task)
+        checked = True
+        if metrics_acc is not None and isinstance(labels, Tensor):
+            metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels)
+        probs = collected(logp, labels)
+        predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
+        if isinstance(labels, Tensor):
+            if labels.ndim >= 2:
+                labels = pad(labels, dim=1, pad_index=-100)
+            labels = gather(labels.contiguous()).cpu()
+            label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
+    if isinstance(predictions, tuple):
+        predictions = tuple(p.numpy() for p in predictions)
+    elif predictions is not None:
+        predictions = predictions.numpy()
+    label_ids = None if label_ids is None else np.asarray(label_ids.numpy())
+    metrics = _user_metrics(trainer, predictions, label_ids, metric_key_prefix)
+    if metrics_acc is not None:
+        merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
+    return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+
+def _user_metrics(trainer: Any, predictions: Any, label_ids: Any, prefix: str) -> dict[str, float]:
+    """The user's ``compute_metrics`` of the BMA predictions, keys prefixed as ``Trainer.predict``
+    prefixes them; with ``batch_eval_metrics`` one call over the whole set (``compute_result``)."""
+    if trainer.compute_metrics is None or predictions is None or label_ids is None:
+        return {}
+    prediction = EvalPrediction(predictions=predictions, label_ids=label_ids)
+    if trainer.args.batch_eval_metrics:
+        metrics = trainer.compute_metrics(prediction, compute_result=True)
+    else:
+        metrics = trainer.compute_metrics(prediction)
+    return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in dict(metrics).items()}
+
+
+class PredictionMixin:
+    """``predict(bma=True)`` of :class:`~hf_evon.trainer.EVONTrainerMixin`: BMA predictions."""
+
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+        bma: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """The subclass's ``predict`` (at the posterior mean), or with ``bma=True`` BMA predictions.
+
+        ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
+        over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
+        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them. ``kwargs``:
+        the subclass's own (``Seq2SeqTrainer``'s generation settings).
+        """
+        if not bma:
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
+        posterior = self.bma_posterior("predict(bma=True)")
+        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
+
+    def bma_posterior(self, caller: str) -> Any:
+        """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where
+        there is none or ``bma_num_samples`` asks for no samples."""
+        posterior = self.current_posterior()
+        if posterior is None:
+            raise ValueError(
+                f"{caller} needs a posterior: train with EVON first, or pass "
+                "posterior=EVONPosterior.from_pretrained(...) to the trainer"
+            )
+        if self.args.bma_num_samples < 1:
+            raise ValueError(
+                f"{caller} needs posterior samples, but EVONConfig.bma_num_samples = "
+                f"{self.args.bma_num_samples}: set it to >= 1"
+            )
+        return posterior
