@@ -25,6 +25,17 @@ def _trained(tmp_path, make=tiny_bert, train=None, evaluation=None, **overrides)
     return trainer
 
 
+def _averaged_softmax(trainer: EVONTrainer, batch: dict, seeds: tuple[int, ...]) -> torch.Tensor:
+    """The BMA probabilities of ``batch``, computed directly: one sampled forward per seed."""
+    trainer.model.eval()
+    samples = []
+    with torch.no_grad():
+        for seed in seeds:
+            with trainer.current_posterior().sampled(trainer.model, seed=seed):
+                samples.append(torch.softmax(trainer.model(**batch).logits.double(), -1))
+    return torch.stack(samples).mean(0)
+
+
 def _count_forwards(model: torch.nn.Module) -> list[int]:
     calls = [0]
 
@@ -85,13 +96,7 @@ def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
     out = trainer.predict(test, bma=True)
     _, bma, _ = _direct_bma(trainer.model, trainer.current_posterior(), test, seeds=[3, 4, 5])
     batch = {k: torch.tensor(v) for k, v in test[:].items()}
-    trainer.model.eval()
-    with torch.no_grad():
-        samples = []
-        for seed in (3, 4, 5):
-            with trainer.current_posterior().sampled(trainer.model, seed=seed):
-                samples.append(torch.softmax(trainer.model(**batch).logits.double(), -1))
-    expected = torch.stack(samples).mean(0)
+    expected = _averaged_softmax(trainer, batch, (3, 4, 5))
     assert out.predictions.shape == (40, 3)
     np.testing.assert_allclose(out.predictions, expected.numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(out.label_ids, np.asarray(test["labels"]))
@@ -127,13 +132,7 @@ def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_me
     test = classification_data(40, seed=2)  # batches of 16, 16, 8
     out = trainer.predict(test, bma=True)
     batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
-    trainer.model.eval()
-    with torch.no_grad():
-        samples = []
-        for seed in (3, 4, 5):
-            with trainer.current_posterior().sampled(trainer.model, seed=seed):
-                samples.append(torch.softmax(trainer.model(**batch).logits.double(), -1))
-    expected = torch.stack(samples).mean(0).argmax(-1)
+    expected = _averaged_softmax(trainer, batch, (3, 4, 5)).argmax(-1)
     np.testing.assert_array_equal(out.predictions, expected.numpy())
     assert out.metrics["test_agreement"] == float((expected.numpy() == np.asarray(test["labels"])).mean())
     assert out.metrics["test_agreement"] == pytest.approx(out.metrics["test_bma_accuracy"], abs=1e-12)
