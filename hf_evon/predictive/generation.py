@@ -5,8 +5,9 @@ encoder-decoder models (T5, BART: each sample runs its own encoder too).
 *probabilities* of S weight samples are averaged (log-mean-exp of log-softmax, never a mean
 of logits), then the usual logits processors, stopping criteria and token choice of
 ``model.generate`` apply to ``log p̄`` (shifted by the samples' mean log-normaliser, so
-processors that read the logits' scale see the mean's logits at zero variance). ``bma_log_likelihood`` scores given sequences under
-the same predictive (evaluation loss / perplexity).
+processors that read the logits' scale see the mean's logits at zero variance).
+``bma_log_likelihood`` scores given sequences under the same predictive (evaluation loss /
+perplexity).
 
 Speed: the S samples are not S models. They run as one forward of batch ``S·B``
 (sample-major) in which only the posterior's matrices have S versions, applied by batched
