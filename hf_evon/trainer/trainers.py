@@ -53,13 +53,13 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         (``bma_num_samples`` samples, seed ``bma_seed``, the same draw for every batch) and your
         ``compute_metrics`` scores them; the loss is the mean's, as in ``Seq2SeqTrainer``, and the
         metrics add the labels' ``{prefix}_mean_*`` and ``{prefix}_bma_*`` token metrics. With
-        ``bma=True`` and no generation: the averaged token probabilities (``EVONTrainerMixin``)."""
+        ``bma=True`` and no generation: the averaged token probabilities (:mod:`hf_evon.trainer.prediction`)."""
         if not (bma and self.args.predict_with_generate):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
         posterior = self.bma_posterior("predict(bma=True)")
         with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
             output = super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
-        # the labels' token metrics (none without labels): S more passes, as evaluate() runs them
+        # the labels' token metrics (none without labels): 1 + S passes, as evaluate() runs them
         metrics = self.posterior_metrics(self.get_test_dataloader(test_dataset), metric_key_prefix)
         merge_metrics(output.metrics, metrics)
         return output
