@@ -12,6 +12,7 @@ __all__ = [
     "base_model_name",
     "decoder_inputs_from_labels",
     "is_causal_lm",
+    "is_encoder_decoder",
     "is_peft_model",
     "model_class",
     "peft_base_model",
@@ -49,6 +50,18 @@ def model_class(model: nn.Module) -> type:
     return cls
 
 
+def _innermost(model: nn.Module) -> nn.Module:
+    """The transformers model behind DDP, ``torch.compile`` and PEFT wrappers."""
+    model = unwrap_model(model)
+    return peft_base_model(getattr(model, "_orig_mod", model))  # _orig_mod: torch.compile's
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    """Whether ``model`` (behind DDP, ``torch.compile`` and PEFT wrappers) is an encoder-decoder
+    (T5, BART: its config's ``is_encoder_decoder``)."""
+    return bool(getattr(getattr(_innermost(model), "config", None), "is_encoder_decoder", False))
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` predicts token t+1 at position t, so its labels are shifted (as its loss does).
 
@@ -60,12 +73,10 @@ def is_causal_lm(model: nn.Module) -> bool:
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = unwrap_model(model)
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    base = peft_base_model(model)
-    config = getattr(base, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
+    if is_encoder_decoder(model):
         return False
+    base = _innermost(model)
+    config = getattr(base, "config", None)
     name = model_class(base).__name__
     return (
         name.endswith("ForCausalLM")

@@ -161,7 +161,9 @@ def _add_generate(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
-def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argparse.Namespace) -> None:
+def _check_prompts(
+    input_ids: Any, attention_mask: Any, model: Any, args: argparse.Namespace, encoder_decoder: bool
+) -> None:
     """Refuse prompts the model cannot run: empty, token ids outside the embedding table,
     or longer (with the new tokens) than the model's context."""
     option = "--prompt" if args.prompt is not None else "--prompt-ids"
@@ -186,7 +188,6 @@ def _check_prompts(input_ids: Any, attention_mask: Any, model: Any, args: argpar
                 "tokens (config.max_position_embeddings)"
             )
         # an encoder-decoder's decoder starts afresh from its start token; a causal LM continues
-        encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
         before = 1 if encoder_decoder else longest
         after = "the decoder's start token" if encoder_decoder else f"a prompt of {longest} tokens"
         if before + args.max_new_tokens > context:
@@ -205,11 +206,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     """
     import torch
 
+    from hf_evon.modeling import is_encoder_decoder
     from hf_evon.predictive.generation import generate_bma
 
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, torch_dtype(args.dtype))
-    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    encoder_decoder = is_encoder_decoder(model)
 
     pad_id = None
     if args.prompt is not None:
@@ -238,7 +240,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
         input_ids = torch.tensor([padded(p, pad_id) for p in args.prompt_ids])
         attention_mask = torch.tensor([padded([1] * len(p), 0) for p in args.prompt_ids])
-    _check_prompts(input_ids, attention_mask, model, args)
+    _check_prompts(input_ids, attention_mask, model, args, encoder_decoder)
 
     gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
@@ -484,13 +486,14 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     ess and temperature, with the search in its config. Use text the model was not trained on, and other text
     than you report on.
     """
+    from hf_evon.modeling import is_encoder_decoder
     from hf_evon.predictive.calibration import calibrate_posterior
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
-    if getattr(model.config, "is_encoder_decoder", False):
+    if is_encoder_decoder(model):
         raise UsageError(
             f"--model {args.model!r} is an encoder-decoder model: calibrate scores --text as a causal LM's "
             "continuations; calibrate it on (input, target) pairs with hf_evon.calibrate_posterior"

@@ -163,15 +163,15 @@ def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
                 f"--model {path!r} is a PEFT adapter whose adapter_config.json names no base model "
                 "(base_model_name_or_path is empty): set it to the base model's directory or Hub repo id"
             )
-        seq2seq = _is_encoder_decoder(base, None)
+        seq2seq = _config_is_encoder_decoder(base, None)
         return (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(path, **kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    seq2seq = _is_encoder_decoder(path, revision)
+    seq2seq = _config_is_encoder_decoder(path, revision)
     return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path, **kwargs)
 
 
-def _is_encoder_decoder(path: str, revision: str | None) -> bool:
+def _config_is_encoder_decoder(path: str, revision: str | None) -> bool:
     from transformers import AutoConfig
 
     return bool(getattr(AutoConfig.from_pretrained(path, revision=revision), "is_encoder_decoder", False))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import decoder_inputs_from_labels, is_causal_lm
+from hf_evon.modeling import decoder_inputs_from_labels, is_causal_lm, is_encoder_decoder
 from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.predictive.logprobs import (
     labelled_rows,
@@ -191,7 +191,7 @@ def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
         def call(m: nn.Module) -> Any:
             if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
                 return m(**inputs)
-            if not getattr(getattr(m, "config", None), "is_encoder_decoder", False):
+            if not is_encoder_decoder(m):
                 return m(**inputs)
             return m(**inputs, **decoder_inputs_from_labels(m, labels))
 

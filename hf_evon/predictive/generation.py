@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import decoder_inputs_from_labels, is_peft_model
+from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
 from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
 
@@ -90,12 +90,8 @@ def _prefill(
 def _advance(model: nn.Module, outputs: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The model kwargs for the next token (mask, positions, cache), as ``model.generate`` updates them."""
     return model._update_model_kwargs_for_generation(
-        outputs, model_kwargs, is_encoder_decoder=_is_encoder_decoder(model)
+        outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder(model)
     )
-
-
-def _is_encoder_decoder(model: nn.Module) -> bool:
-    return bool(getattr(model.config, "is_encoder_decoder", False))
 
 
 def _sampled_encoder_outputs(
@@ -144,7 +140,7 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
                 "(num_beams, penalty_alpha, dola_layers must keep their defaults)"
             )
         _check_decoding_helpers(model)
-        encoder_decoder = _is_encoder_decoder(model)
+        encoder_decoder = is_encoder_decoder(model)
         pad_token_id = generation_config._pad_token_tensor
         return_dict = generation_config.return_dict_in_generate
         want = {
@@ -318,7 +314,7 @@ def generate_bma(
     with BatchedSamples(
         model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0]
     ) as sampler:
-        if _is_encoder_decoder(gen_model):
+        if is_encoder_decoder(gen_model):
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
                 gen_model, input_ids, attention_mask, num_samples, generation_kwargs
             )
@@ -431,7 +427,7 @@ def bma_log_likelihood(
     gen_model = _generation_model(model)
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
-    encoder_decoder = _is_encoder_decoder(gen_model)
+    encoder_decoder = is_encoder_decoder(gen_model)
     if encoder_decoder and labels is None:
         raise ValueError(
             "bma_log_likelihood: an encoder-decoder model scores labels= (the decoder's target ids) "

@@ -161,15 +161,16 @@ class PredictionMixin:
 
         ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
         over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
-        model's logits; ``metrics`` holds ``{prefix}_bma_*`` where the task has them. ``kwargs``:
-        the subclass's own (``Seq2SeqTrainer``'s generation settings).
+        model's logits; ``metrics`` holds your ``compute_metrics`` of them and ``{prefix}_bma_*``
+        where the task has them (:func:`bma_predict`). ``kwargs``: the subclass's own
+        (``Seq2SeqTrainer``'s generation settings).
         """
         if not bma:
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
-        posterior = self.bma_posterior("predict(bma=True)")
+        posterior = self._bma_posterior("predict(bma=True)")
         return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
 
-    def bma_posterior(self, caller: str) -> Any:
+    def _bma_posterior(self, caller: str) -> Any:
         """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where
         there is none or ``bma_num_samples`` asks for no samples."""
         posterior = self.current_posterior()

@@ -56,7 +56,7 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         ``bma=True`` and no generation: the averaged token probabilities (:mod:`hf_evon.trainer.prediction`)."""
         if not (bma and self.args.predict_with_generate):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
-        posterior = self.bma_posterior("predict(bma=True)")
+        posterior = self._bma_posterior("predict(bma=True)")
         with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
             output = super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
         # the labels' token metrics (none without labels): 1 + S passes, as evaluate() runs them
