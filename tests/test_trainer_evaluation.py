@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -299,3 +300,76 @@ def test_bma_evaluation_and_prediction_use_the_posteriors_temperature(tmp_path):
         assert metrics["eval_bma_nll"] != pytest.approx(metrics["eval_mean_nll"], rel=1e-3)
         out = trainer.predict(data, bma=True)
         np.testing.assert_allclose(out.predictions, expected.exp().numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_predict_bma_runs_its_passes_in_chunks_with_the_same_numbers(tmp_path, monkeypatch):
+    """predict(bma=True) held every batch's averaged log-probabilities (a causal LM's whole vocabulary,
+    in float64) until the last sample's pass over the whole set. The passes now run chunk by chunk
+    (``SAMPLE_PASS_CHUNK_BYTES``): at most one chunk's averages are alive, each sample is drawn once
+    per chunk, and predictions and metrics are exactly those of one chunk."""
+    from hf_evon.posterior import EVONPosterior
+    from hf_evon.trainer import evaluation, prediction
+
+    live, peak, draws = [0], [0], [0]
+
+    class CountedLogMeanExp(prediction.LogMeanExp):
+        def __init__(self) -> None:
+            super().__init__()
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+
+        def __del__(self) -> None:
+            live[0] -= 1
+
+    sampled = EVONPosterior.sampled
+
+    def counted_sampled(self, *args, **kwargs):
+        draws[0] += 1
+        return sampled(self, *args, **kwargs)
+
+    monkeypatch.setattr(prediction, "LogMeanExp", CountedLogMeanExp)
+    monkeypatch.setattr(EVONPosterior, "sampled", counted_sampled)
+    trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(20, seed=1), bma_num_samples=3)
+    test = lm_data(40, seed=2)  # batches of 16, 16, 8
+
+    def run() -> tuple:
+        peak[0] = draws[0] = 0
+        out = trainer.predict(test, bma=True)
+        return out, peak[0], draws[0]
+
+    whole, whole_peak, whole_draws = run()
+    assert (whole_peak, whole_draws) == (3, 3)  # one chunk: all 3 batches' averages, 3 samples drawn
+    monkeypatch.setattr(evaluation, "SAMPLE_PASS_CHUNK_BYTES", 1)  # a chunk of one batch
+    chunked, chunked_peak, chunked_draws = run()
+    assert (chunked_peak, chunked_draws) == (1, 9)
+    assert chunked.predictions.shape == (40, 12, 100)
+    np.testing.assert_array_equal(chunked.predictions, whole.predictions)
+    np.testing.assert_array_equal(chunked.label_ids, whole.label_ids)
+    assert chunked.metrics.keys() == whole.metrics.keys()
+    for key in ("test_bma_nll", "test_bma_perplexity"):
+        assert chunked.metrics[key] == whole.metrics[key], key
+    # one batch's inputs and averages in bytes: a budget of two batches makes chunks of 2 and 1
+    batch_bytes = 16 * 12 * 8 * 3 + 16 * 12 * 100 * 8  # ids, mask, labels (int64); float64 log p̄
+    monkeypatch.setattr(evaluation, "SAMPLE_PASS_CHUNK_BYTES", 2 * batch_bytes)
+    pairs, pairs_peak, pairs_draws = run()
+    assert (pairs_peak, pairs_draws) == (2, 6)
+    np.testing.assert_array_equal(pairs.predictions, whole.predictions)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, world):
+    """With two processes the last global batch is padded with duplicates, which gather_for_metrics
+    drops by where the loader stands. The chunked passes read later batches before they gather
+    earlier ones, so each batch's kept rows are fixed when it is read: both chunkings return the 20
+    rows once, in order, as the posterior's samples give them directly."""
+    from launcher import torchrun
+
+    torchrun(world, os.path.join(os.path.dirname(__file__), "bma_predict_worker.py"), str(tmp_path))
+    saved = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    for key in ("whole", "chunked"):
+        out = saved[key]
+        assert out.predictions.shape == (20, 3), key
+        np.testing.assert_array_equal(out.label_ids, np.asarray(saved["labels"]))
+        np.testing.assert_allclose(out.predictions, saved["direct"].numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(saved["chunked"].predictions, saved["whole"].predictions)
+    assert saved["chunked"].metrics["test_bma_nll"] == saved["whole"].metrics["test_bma_nll"]

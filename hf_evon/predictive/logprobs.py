@@ -109,7 +109,12 @@ class LogMeanExp:
         self.count = 0
 
     def add(self, log_probs: Tensor) -> None:
-        self.total = log_probs if self.total is None else torch.logaddexp(self.total, log_probs)
+        if self.total is None:
+            self.total = log_probs
+        elif self.count == 1:  # a new tensor: the first draw is the caller's
+            self.total = torch.logaddexp(self.total, log_probs)
+        else:  # in place: an LM's averages are the size of its full-vocabulary logits
+            torch.logaddexp(self.total, log_probs, out=self.total)
         self.count += 1
 
     def value(self) -> Tensor:

@@ -50,6 +50,7 @@ __all__ = [
     "MetricAccumulator",
     "PosteriorEvaluation",
     "float64_log_softmax",
+    "kept_rows",
     "merge_metrics",
     "reduce_log_probs",
     "sample_passes",
@@ -98,22 +99,30 @@ class MetricAccumulator:
 
     def __init__(self, trainer: Any, task: str) -> None:
         self.task = task
-        self.gather = trainer.accelerator.gather_for_metrics
+        self.accelerator = trainer.accelerator
         self.pad = trainer.accelerator.pad_across_processes
         self.ece_bins = trainer.args.bma_ece_bins
         self.outputs: list[tuple[Tensor, Tensor]] = []
 
-    def add(self, logp: Tensor, labels: Tensor) -> None:
+    def add(self, logp: Tensor, labels: Tensor, rows: int | None = None) -> None:
+        """Add one batch. ``rows``: the gathered rows to keep (:func:`kept_rows`, for a batch read
+        earlier); None: ``gather_for_metrics``'s, for the batch the loader stands at."""
         labels = labels.to(logp.device)
+
+        def gather(x: Tensor) -> Tensor:
+            if rows is None:
+                return self.accelerator.gather_for_metrics(x.contiguous()).cpu()
+            return self.accelerator.gather(x.contiguous())[:rows].cpu()
+
         if self.task == "causal_lm":
             mask = labels[:, 1:].ne(IGNORE_INDEX)
             nll = -(logp * mask).sum(-1)  # per sequence
             stats = torch.stack([nll, mask.sum(-1).double()], dim=-1)  # (B, 2)
-            self.outputs.append((self.gather(stats).cpu(), torch.empty(0)))
+            self.outputs.append((gather(stats), torch.empty(0)))
             return
         if self.task == "token_classification":
             logp, labels = self.pad(logp, dim=1, pad_index=0.0), self.pad(labels, dim=1, pad_index=-100)
-        self.outputs.append((self.gather(logp.contiguous()).cpu(), self.gather(labels.contiguous()).cpu()))
+        self.outputs.append((gather(logp), gather(labels)))
 
     def summary(self) -> dict[str, float]:
         if self.task == "causal_lm":
@@ -177,6 +186,43 @@ def _progress(trainer: Any, total: int | None, description: str) -> Any:
     return tqdm(total=total, desc=description, disable=disable, leave=False, dynamic_ncols=True)
 
 
+# A chunk of batches whose inputs and accumulated averages take at most this many bytes (about:
+# sized on its first batch) gets all S passes before the next chunk is read, so a causal LM's
+# full-vocabulary averages are never held for a whole set (docs/trainer.md#bma-pass-chunks).
+SAMPLE_PASS_CHUNK_BYTES = 1 << 30
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or a dict, tuple or list of them)."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def kept_rows(trainer: Any, values: Tensor | tuple[Tensor, ...]) -> int:
+    """How many rows of this batch, gathered over processes, ``gather_for_metrics`` keeps (it drops
+    the last batch's duplicates). Asked while the loader stands at the batch: the answer depends on
+    the loader's position, and the batch's values are gathered after later batches are read."""
+    first = values[0] if isinstance(values, tuple) else values
+    return int(trainer.accelerator.gather_for_metrics(torch.arange(first.shape[0], device=first.device)).shape[0])
+
+
+def _chunk_size(trainer: Any, batch_bytes: int) -> int:
+    """Batches per chunk: as many as fit ``SAMPLE_PASS_CHUNK_BYTES`` at ``batch_bytes`` each, at least
+    one; the smallest over processes, so that every process runs the same sample at each forward
+    (FSDP gathers each forward's weights from all of them)."""
+    size = max(1, SAMPLE_PASS_CHUNK_BYTES // max(batch_bytes, 1))
+    accelerator = trainer.accelerator
+    if accelerator.num_processes > 1:
+        sizes = accelerator.gather(torch.tensor([size], device=accelerator.device))
+        size = int(sizes.min())
+    return size
+
+
 def sample_passes(
     trainer: Any,
     dataloader: Any,
@@ -185,13 +231,16 @@ def sample_passes(
     transform: Callable[[Tensor, Tensor | None], Tensor],
     description: str,
     average: Callable[[], Any] = LogMeanExp,
-) -> Iterator[tuple[Tensor, dict[str, Any]]]:
-    """One pass over ``dataloader`` per seed (None: the posterior mean); yields, per batch of the
-    last pass, ``log p̄`` (``transform`` of each pass's logits, averaged in probability) and the inputs.
+) -> Iterator[tuple[Tensor, dict[str, Any], int]]:
+    """One pass per seed (None: the posterior mean) over ``dataloader``'s batches; yields, per batch,
+    ``log p̄`` (``transform`` of each pass's logits, averaged in probability), the inputs and the
+    batch's gathered rows to keep (:func:`kept_rows`; gather with ``accelerator.gather`` and cut).
     ``average`` makes each batch's accumulator (``add``/``value``; :class:`ValueMean` averages the
-    values themselves), once ``transform`` has seen the batch's first pass.
+    values themselves).
 
-    The passes are sample-major: each sample is drawn once (``posterior.sampled``) for all batches.
+    The loader is read once, in chunks of batches (``SAMPLE_PASS_CHUNK_BYTES``); each chunk gets
+    the passes of every seed before the next is read, each sample drawn (``posterior.sampled``)
+    once per chunk. A seed draws the same weights every time, so the chunks change no number.
     """
     model = trainer._wrap_model(trainer.model, training=False)
     model.eval()
@@ -199,24 +248,42 @@ def sample_passes(
         batches = len(dataloader)
     except TypeError:
         batches = None
-    accumulated: list[Any] = []
+    loader = iter(dataloader)
+    chunk_size: int | None = None
+
+    def forward(inputs: dict[str, Any]) -> Tensor:
+        return transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
+
     with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
-        for p_index, seed in enumerate(seeds):
-            context = (
-                contextlib.nullcontext() if seed is None else posterior.sampled(trainer.model, seed=seed)
-            )
-            last = p_index == len(seeds) - 1
-            with context:
-                for b_index, inputs in enumerate(dataloader):
-                    inputs = trainer._prepare_inputs(inputs)
-                    logp = transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
-                    if p_index == 0:
-                        accumulated.append(average())
-                    accumulated[b_index].add(logp)
-                    bar.update(1)
-                    if last:
-                        yield accumulated[b_index].value(), inputs
-                        accumulated[b_index] = None
+        raw = next(loader, None)
+        while raw is not None:
+            chunk: list[dict[str, Any]] = []
+            accumulated: list[Any] = []
+            rows: list[int] = []
+            for p_index, seed in enumerate(seeds):
+                sample = contextlib.nullcontext() if seed is None else posterior.sampled(trainer.model, seed=seed)
+                with sample:
+                    if p_index == 0:  # the first pass reads the chunk
+                        while raw is not None and (chunk_size is None or len(chunk) < chunk_size):
+                            inputs = trainer._prepare_inputs(raw)
+                            logp = forward(inputs)
+                            accumulated.append(average())
+                            accumulated[-1].add(logp)
+                            chunk.append(inputs)
+                            rows.append(kept_rows(trainer, logp))
+                            bar.update(1)
+                            if chunk_size is None:
+                                chunk_size = _chunk_size(trainer, _nbytes(inputs) + _nbytes(logp))
+                            del logp  # the accumulator's own from here on
+                            raw = next(loader, None)
+                    else:
+                        for index, inputs in enumerate(chunk):
+                            accumulated[index].add(forward(inputs))
+                            bar.update(1)
+            for index, inputs in enumerate(chunk):
+                value = accumulated[index].value()
+                accumulated[index] = chunk[index] = None  # type: ignore[call-overload]
+                yield value, inputs, rows[index]
 
 
 class PosteriorEvaluation:
@@ -340,8 +407,8 @@ class PosteriorEvaluation:
 
             description = f"BMA evaluation ({len(seeds)} posterior samples)"
             passes = dataloader if bma_dataloader is None else bma_dataloader()
-            for logp, inputs in sample_passes(trainer, passes, posterior, seeds, transform, description):
-                bma.add(logp, inputs["labels"])
+            for logp, inputs, rows in sample_passes(trainer, passes, posterior, seeds, transform, description):
+                bma.add(logp, inputs["labels"], rows)
             metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
         return metrics
 

@@ -56,7 +56,7 @@ def bma_predict(
     seeds: list[int | None] = (
         [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
     )
-    gather, pad = trainer.accelerator.gather_for_metrics, trainer.accelerator.pad_across_processes
+    gather, pad = trainer.accelerator.gather, trainer.accelerator.pad_across_processes
     predictions: Any = None
     label_ids: Any = None
     metrics_acc: MetricAccumulator | None = None
@@ -87,12 +87,12 @@ def bma_predict(
         make = LogMeanExp if kind == "softmax" else ValueMean
         return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
 
-    def gathered(values: Tensor) -> Tensor:
+    def gathered(values: Tensor, rows: int) -> Tensor:
         if values.ndim >= 3:
             values = pad(values, dim=1, pad_index=-100)
-        return gather(values.contiguous()).cpu()
+        return gather(values.contiguous())[:rows].cpu()
 
-    def collected(logp: Tensor | tuple[Tensor, ...], labels: Any) -> Any:
+    def collected(logp: Tensor | tuple[Tensor, ...], labels: Any, rows: int) -> Any:
         """Probabilities (or values), through the user's ``preprocess_logits_for_metrics`` as
         ``Trainer.predict`` passes its logits, gathered over processes."""
         def convert(x: Tensor) -> Tensor:
@@ -101,12 +101,12 @@ def bma_predict(
         probs = tuple(map(convert, logp)) if isinstance(logp, tuple) else convert(logp)
         if trainer.preprocess_logits_for_metrics is not None:
             probs = trainer.preprocess_logits_for_metrics(probs, labels)
-        return tuple(map(gathered, probs)) if isinstance(probs, tuple) else gathered(probs)
+        return tuple(gathered(p, rows) for p in probs) if isinstance(probs, tuple) else gathered(probs, rows)
 
-    for logp, inputs in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
+    for logp, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         labels = inputs.get("labels")
         if isinstance(logp, tuple):  # several distributions: one array of predictions each, no metrics
-            parts = collected(logp, labels)
+            parts = collected(logp, labels, rows)
             predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
             continue
         if isinstance(labels, Tensor) and not checked:  # the class metrics: of a softmax's log p̄ only
@@ -114,13 +114,13 @@ def bma_predict(
             metrics_acc = None if task is None else MetricAccumulator(trainer, task)
         checked = True
         if metrics_acc is not None and isinstance(labels, Tensor):
-            metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels)
-        probs = collected(logp, labels)
+            metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels, rows)
+        probs = collected(logp, labels, rows)
         predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
         if isinstance(labels, Tensor):
             if labels.ndim >= 2:
                 labels = pad(labels, dim=1, pad_index=-100)
-            labels = gather(labels.contiguous()).cpu()
+            labels = gather(labels.contiguous())[:rows].cpu()
             label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
     if isinstance(predictions, tuple):
         predictions = tuple(p.numpy() for p in predictions)
