@@ -1,9 +1,10 @@
-"""Worker for tests/test_trainer_evaluation.py: ``EVONTrainer.predict(bma=True)`` on W CPU processes.
+"""Worker for tests/test_trainer_evaluation.py: ``predict(bma=True)`` and ``evaluate()`` on W CPU processes.
 
 Trains a small classifier for 2 steps, then predicts 20 rows in batches of 4 per process (with two
 processes the last global batch holds 4 rows and 4 duplicates that must be dropped), once in one
-chunk of batches and once in chunks of one batch (``SAMPLE_PASS_CHUNK_BYTES = 1``). Rank 0 saves
-both outputs and the BMA probabilities computed directly from the posterior's samples.
+chunk of batches and once in chunks of one batch (``SAMPLE_PASS_CHUNK_BYTES = 1``), and evaluates
+the same rows both ways. Rank 0 saves the outputs, the metrics and the BMA probabilities computed
+directly from the posterior's samples.
 Usage: ``torch.distributed.run --nproc_per_node W bma_predict_worker.py OUT_DIR``.
 """
 
@@ -55,9 +56,9 @@ def main(out: str) -> None:
     trainer = EVONTrainer(model=Classifier(), args=args, train_dataset=data(32, seed=1))
     trainer.train()
     test = data(ROWS, seed=2)
-    whole = trainer.predict(test, bma=True)
+    whole, metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
     evaluation.SAMPLE_PASS_CHUNK_BYTES = 1
-    chunked = trainer.predict(test, bma=True)
+    chunked, chunked_metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
     model, posterior = trainer.model, trainer.current_posterior()
     x, probs = torch.tensor(test["x"]), []
     with torch.no_grad():
@@ -67,7 +68,8 @@ def main(out: str) -> None:
     direct = torch.stack(probs).mean(0)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(
-            {"whole": whole, "chunked": chunked, "direct": direct, "labels": test["labels"]},
+            {"whole": whole, "chunked": chunked, "direct": direct, "labels": test["labels"],
+             "evaluate": metrics, "evaluate_chunked": chunked_metrics},
             os.path.join(out, "rank0.pt"),
         )
     if dist.is_initialized():

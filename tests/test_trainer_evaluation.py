@@ -361,7 +361,8 @@ def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, wor
     """With two processes the last global batch is padded with duplicates, which gather_for_metrics
     drops by where the loader stands. The chunked passes read later batches before they gather
     earlier ones, so each batch's kept rows are fixed when it is read: both chunkings return the 20
-    rows once, in order, as the posterior's samples give them directly."""
+    rows once, in order, as the posterior's samples give them directly, and evaluate()'s BMA NLL is
+    theirs."""
     from launcher import torchrun
 
     torchrun(world, os.path.join(os.path.dirname(__file__), "bma_predict_worker.py"), str(tmp_path))
@@ -373,3 +374,7 @@ def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, wor
         np.testing.assert_allclose(out.predictions, saved["direct"].numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(saved["chunked"].predictions, saved["whole"].predictions)
     assert saved["chunked"].metrics["test_bma_nll"] == saved["whole"].metrics["test_bma_nll"]
+    labels = torch.tensor(saved["labels"])
+    nll = -saved["direct"].log().gather(1, labels[:, None]).mean().item()  # the 20 rows, each once
+    for key in ("evaluate", "evaluate_chunked"):
+        assert saved[key]["eval_bma_nll"] == pytest.approx(nll, rel=1e-6), key
