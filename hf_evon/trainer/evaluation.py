@@ -50,7 +50,6 @@ __all__ = [
     "MetricAccumulator",
     "PosteriorEvaluation",
     "float64_log_softmax",
-    "kept_rows",
     "merge_metrics",
     "reduce_log_probs",
     "sample_passes",
@@ -105,7 +104,7 @@ class MetricAccumulator:
         self.outputs: list[tuple[Tensor, Tensor]] = []
 
     def add(self, logp: Tensor, labels: Tensor, rows: int | None = None) -> None:
-        """Add one batch. ``rows``: the gathered rows to keep (:func:`kept_rows`, for a batch read
+        """Add one batch. ``rows``: the gathered rows to keep (:func:`_kept_rows`, for a batch read
         earlier); None: ``gather_for_metrics``'s, for the batch the loader stands at."""
         labels = labels.to(logp.device)
 
@@ -203,7 +202,7 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def kept_rows(trainer: Any, values: Tensor | tuple[Tensor, ...]) -> int:
+def _kept_rows(trainer: Any, values: Tensor | tuple[Tensor, ...]) -> int:
     """How many rows of this batch, gathered over processes, ``gather_for_metrics`` keeps (it drops
     the last batch's duplicates). Asked while the loader stands at the batch: the answer depends on
     the loader's position, and the batch's values are gathered after later batches are read."""
@@ -234,7 +233,7 @@ def sample_passes(
 ) -> Iterator[tuple[Tensor, dict[str, Any], int]]:
     """One pass per seed (None: the posterior mean) over ``dataloader``'s batches; yields, per batch,
     ``log p̄`` (``transform`` of each pass's logits, averaged in probability), the inputs and the
-    batch's gathered rows to keep (:func:`kept_rows`; gather with ``accelerator.gather`` and cut).
+    batch's gathered rows to keep (:func:`_kept_rows`; gather with ``accelerator.gather`` and cut).
     ``average`` makes each batch's accumulator (``add``/``value``; :class:`ValueMean` averages the
     values themselves).
 
@@ -270,7 +269,7 @@ def sample_passes(
                             accumulated.append(average())
                             accumulated[-1].add(logp)
                             chunk.append(inputs)
-                            rows.append(kept_rows(trainer, logp))
+                            rows.append(_kept_rows(trainer, logp))
                             bar.update(1)
                             if chunk_size is None:
                                 chunk_size = _chunk_size(trainer, _nbytes(inputs) + _nbytes(logp))
