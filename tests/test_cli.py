@@ -68,7 +68,8 @@ def saved(tmp_path_factory):
     return path, model, tokenizer, posterior
 
 
-def test_generate_matches_generate_bma(saved, capsys):
+@pytest.mark.parametrize("beams", [None, 3])
+def test_generate_matches_generate_bma(saved, capsys, beams):
     path, model, tokenizer, posterior = saved
     prompts = ["def f(x):", "a = b"]
     code = main(
@@ -87,6 +88,7 @@ def test_generate_matches_generate_bma(saved, capsys):
             "cpu",
         ]
         + [arg for p in prompts for arg in ("--prompt", p)]
+        + ([] if beams is None else ["--num-beams", str(beams)])
     )
     assert code == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -103,7 +105,14 @@ def test_generate_matches_generate_bma(saved, capsys):
         max_new_tokens=6,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
+        **({} if beams is None else {"num_beams": beams}),
     )
+    if beams is not None:  # the beams change the decoding here, so the option is seen
+        greedy = generate_bma(
+            model, posterior, enc["input_ids"], attention_mask=enc["attention_mask"], num_samples=3, seed=4,
+            max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        assert not torch.equal(greedy, expected)
     for row, record in enumerate(records):
         new = expected[row, enc["input_ids"].shape[1] :].tolist()
         assert record["completion_ids"] == new

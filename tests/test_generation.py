@@ -4,6 +4,7 @@ eos, streamer, Llama and PEFT-LoRA models, weights untouched, and that BMA helps
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 
@@ -501,8 +502,8 @@ def test_model_restored_after_an_exception(gpt2):
 
 def test_unsupported_requests_raise(gpt2):
     model, posterior = gpt2
-    with pytest.raises(ValueError, match="beam"):
-        generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, num_beams=2, pad_token_id=0)
+    with pytest.raises(ValueError, match="contrastive"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, penalty_alpha=0.5, top_k=4, pad_token_id=0)
     # a posterior on a LayerNorm weight cannot be batched: a clear error, nothing left patched
     other = tiny_gpt2(seed=3)
     covered_norm = train_posterior(other, steps=1, evon_patterns=[r"ln_f\.weight"])
@@ -773,3 +774,118 @@ def test_encoder_decoder_scoring_needs_labels_and_refuses_encoder_outputs(seq2se
     with pytest.raises(ValueError, match="encoder_outputs"):
         generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, encoder_outputs=encoded)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- beam search
+MAKERS = {"llama": tiny_llama, "t5": tiny_t5, "bart": tiny_bart}
+BEAMS = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _model_and_posterior(arch: str, gpt2):
+    if arch == "gpt2":
+        return gpt2
+    model = MAKERS[arch]()
+    return model, train_posterior(model)
+
+
+def slow_bma_model(model, copies: list, encoder_ids=None, num_beams: int = 1):
+    """A copy of ``model`` whose forward is the BMA predictive computed slowly: every sample its own
+    model (and own encoder, run on ``encoder_ids`` repeated per beam), the whole prefix each step (no
+    cache), float64, logits ``log p̄``. ``generate(num_beams=...)`` on it is the reference."""
+    ref = copy.deepcopy(model)
+
+    @functools.wraps(ref.forward)
+    def forward(**kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache", "encoder_outputs")}
+        if encoder_ids is not None:
+            kwargs["input_ids"] = encoder_ids.repeat_interleave(num_beams, 0)
+        outs = [_forward_model(m)(**kwargs, use_cache=False) for m in copies]
+        log_probs = torch.stack([torch.log_softmax(o.logits.double(), -1) for o in outs])
+        outs[0].logits = torch.logsumexp(log_probs, 0) - math.log(len(copies))
+        return outs[0]
+
+    ref.forward = forward
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "bart"])
+def test_beam_search_zero_variance_equals_generate(gpt2, arch):
+    """Beam search was refused. It now runs generate's own beam search on the BMA predictive: at
+    zero variance the beams, their scores and the returned sequences are generate's."""
+    model, posterior = _model_and_posterior(arch, gpt2)
+    kwargs = dict(BEAMS, num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(PROMPTS, **kwargs)
+    got = generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=2, seed=0, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences) and got.sequences.shape[0] == 4
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "bart"])
+def test_beam_search_matches_slow_reference(strategy, gpt2, arch):
+    """With a wide posterior the beams are those of generate's beam search on S separate models'
+    averaged probabilities (each its own encoder), and the sequence scores theirs; the cache of
+    S·B·beams rows follows every sample's beams (a reorder by the B·beams indices alone fails)."""
+    model, posterior = _model_and_posterior(arch, gpt2)
+    noisy = posterior.with_ess(NOISY_ESS)
+    before = snapshot(model)
+    kwargs = dict(BEAMS, num_return_sequences=2, return_dict_in_generate=True, output_scores=True, length_penalty=0.5)
+    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=7, output_logits=True, **kwargs)
+    copies = sampled_copies(model, noisy, 3, 7)
+    encoder_ids = PROMPTS if arch in ("t5", "bart") else None
+
+    def reference(dtype: torch.dtype):
+        ref = slow_bma_model(model, [copy.deepcopy(m).to(dtype) for m in copies], encoder_ids, BEAMS["num_beams"])
+        return ref.generate(PROMPTS, use_cache=False, output_logits=True, **kwargs)
+
+    want, float32 = reference(torch.float64), reference(torch.float32)
+    assert torch.equal(out.sequences, want.sequences) and torch.equal(float32.sequences, want.sequences)
+
+    def error(logits):  # the largest deviation of log p̄ from the float64 reference's, over all steps
+        pairs = zip(logits, want.logits, strict=True)
+        return max(float((torch.log_softmax(a.double(), -1) - b).abs().max()) for a, b in pairs)
+
+    # the tiny T5 and BART are ill-conditioned (log p̄ to about -16): float32 itself is up to ~1e-2
+    # off there, so the bound is the float32 reference's own error, plus ~100 float32 ulps of log p̄
+    # ≈ -4 for other summation orders (the cache, the factored samples); a wrong sample's rows are off by O(1)
+    ulps = 100 * torch.finfo(torch.float32).eps * 4
+    assert len(out.logits) == len(want.logits) == BEAMS["max_new_tokens"]
+    assert error(out.logits) <= 4 * error(float32.logits) + ulps
+    scores_error = float((out.sequences_scores.double() - want.sequences_scores).abs().max())
+    assert scores_error <= 4 * float((float32.sequences_scores.double() - want.sequences_scores).abs().max()) + ulps
+    # the samples change the beams' scores: not the mean model's
+    mean = model.generate(PROMPTS, **kwargs)
+    assert (out.sequences_scores - mean.sequences_scores).abs().max() > 1e-2
+    assert_unchanged(model, before)
+    assert "forward" not in model.__dict__
+
+
+def test_beam_sampling_is_reproducible_with_a_seed_and_leaves_the_global_generator(gpt2):
+    model, posterior = gpt2
+    kwargs = dict(BEAMS, do_sample=True, top_k=10)
+    state = torch.random.get_rng_state()
+    first = generate_bma(model, posterior.with_ess(NOISY_ESS), PROMPTS, num_samples=2, seed=3, **kwargs)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    again = generate_bma(model, posterior.with_ess(NOISY_ESS), PROMPTS, num_samples=2, seed=3, **kwargs)
+    assert torch.equal(first, again)
+    others = [generate_bma(model, posterior.with_ess(NOISY_ESS), PROMPTS, num_samples=2, seed=s, **kwargs) for s in (4, 5)]
+    assert any(not torch.equal(first, o) for o in others)
+
+
+def test_beam_search_of_a_peft_lora_posterior():
+    """Beam search on a LoRA model: the forward that averages is the LoRA-injected base model's."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True)
+    model = peft.get_peft_model(tiny_gpt2(seed=2), config)
+    posterior = train_posterior(model)
+    model.double()  # as test_peft_lora_posterior: the noise is ~10x the adapters' weights
+    posterior = posterior.to(dtype=torch.float64)
+    kwargs = dict(BEAMS, return_dict_in_generate=True, output_scores=True)
+    zero = generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=2, seed=0, **kwargs)
+    assert torch.equal(zero.sequences, model.generate(input_ids=PROMPTS, **kwargs).sequences)
+    noisy = posterior.with_ess(NOISY_ESS / 10)
+    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=4, **kwargs)
+    ref = slow_bma_model(model.get_base_model(), sampled_copies(model, noisy, 3, 4))
+    want = ref.generate(PROMPTS, use_cache=False, **kwargs)
+    assert torch.equal(out.sequences, want.sequences)
+    torch.testing.assert_close(out.sequences_scores, want.sequences_scores.to(out.sequences_scores.dtype), atol=1e-6, rtol=0)
+    assert (out.sequences_scores - zero.sequences_scores).abs().max() > 1e-3  # the adapters' noise matters

@@ -155,6 +155,22 @@ def test_predict_bma_with_generate_decodes_with_generate_bma(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_predict_bma_with_generate_decodes_with_beam_search(tmp_path):
+    """``predict(test, bma=True, num_beams=3)`` (or ``generation_num_beams``): generate_bma refused
+    beam search; the ids are now its beam search on the BMA predictive."""
+    from hf_evon import generate_bma
+
+    trainer = _generating_trainer(tmp_path)
+    test = reversal_data(6, seed=3)
+    out = trainer.predict(test, bma=True, num_beams=3)
+    model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
+    expected = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7, num_beams=3)
+    greedy = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7)
+    assert not torch.equal(expected, greedy)  # the beams change the decoding here
+    assert torch.equal(_decoded(out.predictions, expected.shape[1], model.config.pad_token_id), expected)
+    assert "generate" not in model.__dict__ and "forward" not in model.__dict__
+
+
 def test_predict_bma_with_generate_restores_generate_after_an_error(tmp_path):
     def failing_metrics(_):
         raise RuntimeError("metric failed")

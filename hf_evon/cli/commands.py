@@ -156,6 +156,10 @@ def _add_generate(subparsers: Any) -> None:
     p.add_argument(
         "--repetition-penalty", type=float, default=None, help="penalise repeated tokens (1.0: no penalty)"
     )
+    p.add_argument(
+        "--num-beams", type=_positive_int, default=None,
+        help="beam search over the averaged probabilities (default: the model's generation config)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="model weight dtype (default: as saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -243,7 +247,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     _check_prompts(input_ids, attention_mask, model, args, encoder_decoder)
 
     gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
-    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty", "num_beams"):
         if getattr(args, key) is not None:
             gen_kwargs[key] = getattr(args, key)
     if pad_id is not None:

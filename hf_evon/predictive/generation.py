@@ -5,7 +5,8 @@ encoder-decoder models (T5, BART: each sample runs its own encoder too).
 *probabilities* of S weight samples are averaged (log-mean-exp of log-softmax, never a mean
 of logits), then the usual logits processors, stopping criteria and token choice of
 ``model.generate`` apply to ``log p̄`` (shifted by the samples' mean log-normaliser, so
-processors that read the logits' scale see the mean's logits at zero variance).
+processors that read the logits' scale see the mean's logits at zero variance). Beam search is
+``model.generate``'s own, run on a forward that returns the BMA predictive for every beam row.
 ``bma_log_likelihood`` scores given sequences under the same predictive (evaluation loss /
 perplexity).
 
@@ -22,8 +23,11 @@ stopping criteria exactly as for ``model.generate``; only the decoding loop is o
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +116,65 @@ def _sampled_encoder_outputs(
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
     return model.get_encoder()(**inputs)
+
+
+def _num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
+    """The call's beam width, as ``model.generate`` reads it (the kwarg, else the generation config)."""
+    config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
+    beams = generation_kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    return int(beams or 1)
+
+
+def _sample_major_cache(num_samples: int, config: Any) -> Any:
+    """A dynamic KV cache of ``S·N`` rows, sample-major, that beam search reorders with its ``N``
+    beam indices: row ``s·N + i`` follows row ``i``'s choice in every sample."""
+    from transformers import DynamicCache
+
+    class SampleMajorCache(DynamicCache):
+        def reorder_cache(self, beam_idx: Tensor) -> None:
+            offsets = torch.arange(num_samples, device=beam_idx.device)[:, None] * beam_idx.shape[0]
+            super().reorder_cache((beam_idx[None, :] + offsets).reshape(-1))
+
+    return SampleMajorCache(config=config)
+
+
+@contextmanager
+def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> Iterator[None]:
+    """``model``'s forward, for the block, as the BMA predictive's: each call's ``N`` rows run as
+    ``S·N`` (sample-major, the samples of the enclosing ``BatchedSamples``) and the logits it returns
+    are ``log p̄ + c`` (``c`` the samples' mean log-normaliser, as in :func:`generate_bma`'s loop).
+    ``model.generate``'s own decoding (beam search) then runs on the BMA predictive: ``log_softmax``
+    of these logits is ``log p̄``. Inputs of ``S·N`` rows (the samples' encoder outputs) pass as they are."""
+    forward = model.forward
+
+    @functools.wraps(forward)  # generate reads the forward's signature
+    def bma_forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("generate_bma's beam search passes the model's inputs by keyword")
+        ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
+        rows = ids.shape[0]
+
+        def expand(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.ndim >= 2 and value.shape[0] == rows:
+                return value.repeat(num_samples, *([1] * (value.ndim - 1)))
+            return value
+
+        outputs = forward(**{k: expand(v) for k, v in kwargs.items()})
+        logits = tempered(outputs.logits.float(), posterior)
+        normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
+        log_mean = log_mean_prob((logits - normalizers).view(num_samples, rows, *logits.shape[1:]))
+        outputs.logits = log_mean + normalizers.view(num_samples, rows, *normalizers.shape[1:]).mean(0)
+        return outputs
+
+    previous = model.__dict__.get("forward")
+    model.forward = bma_forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.forward
+        else:
+            model.forward = previous
 
 
 def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Generator | None):
@@ -270,7 +333,9 @@ def generate_bma(
             ``repetition_penalty`` and the other processors, ``eos_token_id``, ``pad_token_id``,
             ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
             ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ``stop_strings``
-            (with ``tokenizer``). Beam search and assisted decoding are not supported.
+            (with ``tokenizer``); and beam search (``num_beams``, ``num_return_sequences``,
+            ``length_penalty``, ``early_stopping``, beam sampling), which runs ``model.generate``'s
+            own on the BMA predictive. Assisted and contrastive decoding are not supported.
 
     Returns:
         As ``model.generate``: the ``(B, T + new)`` token ids (an encoder-decoder model's
@@ -281,7 +346,8 @@ def generate_bma(
         ``c`` the samples' mean log-normaliser (``logsumexp`` of their logits): logits on the model's
         scale, the mean's own at zero variance, so processors that are not shift-invariant
         (``repetition_penalty``, length penalties) act as in ``model.generate``. Attentions and hidden states, if requested, are per sample
-        (batch ``S·B``, sample-major).
+        (batch ``S·B``, sample-major). Beam search returns ``model.generate``'s beam output
+        (``sequences_scores``: sums of ``log p̄``), whose ``logits`` are ``log p̄ + c``.
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
@@ -306,17 +372,25 @@ def generate_bma(
     gen_model = _generation_model(model)
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
-    generator = None
+    generator, token_seed = None, None
     if seed is not None:  # do_sample may also come from the model's generation_config
+        token_seed = (int(seed) * 2654435761 + 1) % 2**63  # distinct from the weight draw
         generator = torch.Generator(device=input_ids.device)
-        generator.manual_seed((int(seed) * 2654435761 + 1) % 2**63)  # distinct from the weight draw
-    rows = expected_rows(*input_ids.shape, _max_new_tokens(gen_model, input_ids, generation_kwargs))
+        generator.manual_seed(token_seed)
+    beams = _num_beams(gen_model, generation_kwargs)
+    rows = expected_rows(
+        input_ids.shape[0] * beams, input_ids.shape[1], _max_new_tokens(gen_model, input_ids, generation_kwargs)
+    )
     with BatchedSamples(
-        model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0]
+        model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams
     ) as sampler:
         if is_encoder_decoder(gen_model):
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
                 gen_model, input_ids, attention_mask, num_samples, generation_kwargs
+            )
+        if beams > 1:
+            return _beam_search(
+                gen_model, posterior, num_samples, input_ids, attention_mask, streamer, token_seed, generation_kwargs
             )
         decoder = _make_decoder(sampler, streamer, generator)
         # the class's generate: the instance's may be a wrapper that routes here
@@ -327,6 +401,40 @@ def generate_bma(
             attention_mask=attention_mask,
             streamer=streamer,
             custom_generate=decoder,
+            **generation_kwargs,
+        )
+
+
+def _beam_search(
+    gen_model: nn.Module,
+    posterior: Any,
+    num_samples: int,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    streamer: Any,
+    token_seed: int | None,
+    generation_kwargs: dict[str, Any],
+) -> Any:
+    """``model.generate``'s own beam search on the BMA predictive (:func:`_averaging_forward`), the
+    KV cache of ``S·B·num_beams`` rows reordered per sample (:func:`_sample_major_cache`).
+    ``token_seed``: beam sampling (``do_sample=True``) draws from torch's global generator, so it
+    is seeded with this for the call and restored after (``torch.random.fork_rng``)."""
+    from transformers import EncoderDecoderCache
+
+    config = gen_model.config.get_text_config(decoder=True)
+    cache = _sample_major_cache(num_samples, config)
+    if is_encoder_decoder(gen_model):
+        cache = EncoderDecoderCache(cache, _sample_major_cache(num_samples, config))
+    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+    with _averaging_forward(gen_model, num_samples, posterior), torch.random.fork_rng(devices=devices):
+        if token_seed is not None:
+            torch.manual_seed(token_seed)
+        return type(gen_model).generate(
+            gen_model,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            streamer=streamer,
+            cache=cache,
             **generation_kwargs,
         )
 
