@@ -889,3 +889,15 @@ def test_beam_search_of_a_peft_lora_posterior():
     assert torch.equal(out.sequences, want.sequences)
     torch.testing.assert_close(out.sequences_scores, want.sequences_scores.to(out.sequences_scores.dtype), atol=1e-6, rtol=0)
     assert (out.sequences_scores - zero.sequences_scores).abs().max() > 1e-3  # the adapters' noise matters
+
+
+def test_beams_from_the_models_generation_config():
+    """A checkpoint whose generation config asks for beams (BART's summarisation models ship
+    num_beams=4) decoded nothing: generate_bma refused it. It now beam-searches as generate does."""
+    model = tiny_bart()
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    model.generation_config.num_beams = 3
+    kwargs = dict(max_new_tokens=8, eos_token_id=None, num_samples=3, seed=1)
+    from_config = generate_bma(model, posterior, PROMPTS, **kwargs)
+    assert torch.equal(from_config, generate_bma(model, posterior, PROMPTS, num_beams=3, **kwargs))
+    assert not torch.equal(from_config, generate_bma(model, posterior, PROMPTS, num_beams=1, **kwargs))

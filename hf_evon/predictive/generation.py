@@ -120,8 +120,10 @@ def _sampled_encoder_outputs(
 
 def _num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
     """The call's beam width, as ``model.generate`` reads it (the kwarg, else the generation config)."""
-    config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
-    beams = generation_kwargs.get("num_beams", getattr(config, "num_beams", 1))
+    beams = generation_kwargs.get("num_beams")
+    if beams is None:
+        config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
+        beams = getattr(config, "num_beams", None)
     return int(beams or 1)
 
 
