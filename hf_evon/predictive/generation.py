@@ -23,11 +23,11 @@ stopping criteria exactly as for ``model.generate``; only the decoding loop is o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +118,17 @@ def _sampled_encoder_outputs(
     return model.get_encoder()(**inputs)
 
 
+def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor, Tensor]:
+    """``(log p̄, c)`` of sample-major logits ``(S·N, …, V)``: the log of the S samples' averaged
+    softmax (of the tempered logits) and their mean log-normaliser ``c``; ``log p̄ + c`` are logits
+    on the model's own scale, the mean's at zero variance."""
+    logits = tempered(logits.float(), posterior)
+    normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
+    rows = logits.shape[0] // num_samples
+    log_mean = log_mean_prob((logits - normalizers).view(num_samples, rows, *logits.shape[1:]))
+    return log_mean, normalizers.view(num_samples, rows, *normalizers.shape[1:]).mean(0)
+
+
 def _num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
     """The call's beam width, as ``model.generate`` reads it (the kwarg, else the generation config)."""
     beams = generation_kwargs.get("num_beams")
@@ -140,7 +151,7 @@ def _sample_major_cache(num_samples: int, config: Any) -> Any:
     return SampleMajorCache(config=config)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> Iterator[None]:
     """``model``'s forward, for the block, as the BMA predictive's: each call's ``N`` rows run as
     ``S·N`` (sample-major, the samples of the enclosing ``BatchedSamples``) and the logits it returns
@@ -162,10 +173,8 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
             return value
 
         outputs = forward(**{k: expand(v) for k, v in kwargs.items()})
-        logits = tempered(outputs.logits.float(), posterior)
-        normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
-        log_mean = log_mean_prob((logits - normalizers).view(num_samples, rows, *logits.shape[1:]))
-        outputs.logits = log_mean + normalizers.view(num_samples, rows, *normalizers.shape[1:]).mean(0)
+        log_mean, normalizer = _averaged(outputs.logits, num_samples, posterior)
+        outputs.logits = log_mean + normalizer
         return outputs
 
     previous = model.__dict__.get("forward")
@@ -230,13 +239,11 @@ def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Gener
         outputs = _prefill(model, expanded_ids, generation_config, kwargs)
         while True:
             kwargs = _advance(model, outputs, kwargs)
-            logits = tempered(outputs.logits[:, -1].to(dtype=torch.float32, device=input_ids.device), posterior)
-            normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
-            log_probs = log_mean_prob((logits - normalizers).view(num_samples, batch, -1))
+            log_probs, normalizer = _averaged(outputs.logits[:, -1].to(input_ids.device), num_samples, posterior)
             # the processors see log p̄ plus the samples' mean log-normaliser: logits on the scale
             # of the model's own, and at zero variance exactly the mean's, which processors that
             # are not shift-invariant (repetition_penalty, length penalties) read as generate does
-            next_scores = logits_processor(input_ids, log_probs + normalizers.view(num_samples, batch, 1).mean(0))
+            next_scores = logits_processor(input_ids, log_probs + normalizer)
             if want["output_scores"]:
                 scores += (next_scores,)
             if want["output_logits"]:
@@ -427,9 +434,11 @@ def _beam_search(
     cache = _sample_major_cache(num_samples, config)
     if is_encoder_decoder(gen_model):
         cache = EncoderDecoderCache(cache, _sample_major_cache(num_samples, config))
-    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-    with _averaging_forward(gen_model, num_samples, posterior), torch.random.fork_rng(devices=devices):
-        if token_seed is not None:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_averaging_forward(gen_model, num_samples, posterior))
+        if token_seed is not None:  # unseeded calls draw from (and advance) the global generator
+            devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+            stack.enter_context(torch.random.fork_rng(devices=devices))
             torch.manual_seed(token_seed)
         return type(gen_model).generate(
             gen_model,
