@@ -397,37 +397,32 @@ def generate_bma(
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
                 gen_model, input_ids, attention_mask, num_samples, generation_kwargs
             )
-        if beams > 1:
-            return _beam_search(
-                gen_model, posterior, num_samples, input_ids, attention_mask, streamer, token_seed, generation_kwargs
+        if beams > 1:  # generate's own beam search, on the BMA predictive
+            decoding = _beam_search(gen_model, posterior, num_samples, input_ids.device, token_seed)
+        else:  # our loop
+            decoding = contextlib.nullcontext({"custom_generate": _make_decoder(sampler, streamer, generator)})
+        with decoding as how:
+            # the class's generate: the instance's may be a wrapper that routes here
+            # (EVONSeq2SeqTrainer.predict(bma=True))
+            return type(gen_model).generate(
+                gen_model,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                streamer=streamer,
+                **how,
+                **generation_kwargs,
             )
-        decoder = _make_decoder(sampler, streamer, generator)
-        # the class's generate: the instance's may be a wrapper that routes here
-        # (EVONSeq2SeqTrainer.predict(bma=True))
-        return type(gen_model).generate(
-            gen_model,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            streamer=streamer,
-            custom_generate=decoder,
-            **generation_kwargs,
-        )
 
 
+@contextlib.contextmanager
 def _beam_search(
-    gen_model: nn.Module,
-    posterior: Any,
-    num_samples: int,
-    input_ids: Tensor,
-    attention_mask: Tensor | None,
-    streamer: Any,
-    token_seed: int | None,
-    generation_kwargs: dict[str, Any],
-) -> Any:
-    """``model.generate``'s own beam search on the BMA predictive (:func:`_averaging_forward`), the
-    KV cache of ``S·B·num_beams`` rows reordered per sample (:func:`_sample_major_cache`).
-    ``token_seed``: beam sampling (``do_sample=True``) draws from torch's global generator, so it
-    is seeded with this for the call and restored after (``torch.random.fork_rng``)."""
+    gen_model: nn.Module, posterior: Any, num_samples: int, device: torch.device, token_seed: int | None
+) -> Iterator[dict[str, Any]]:
+    """For the block, ``model.generate``'s beam search runs on the BMA predictive
+    (:func:`_averaging_forward`); yields its extra argument, a KV cache of ``S·B·num_beams`` rows
+    reordered per sample (:func:`_sample_major_cache`). ``token_seed``: beam sampling
+    (``do_sample=True``) draws from torch's global generator, seeded with it for the block and
+    restored after (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator."""
     from transformers import EncoderDecoderCache
 
     config = gen_model.config.get_text_config(decoder=True)
@@ -436,18 +431,10 @@ def _beam_search(
         cache = EncoderDecoderCache(cache, _sample_major_cache(num_samples, config))
     with contextlib.ExitStack() as stack:
         stack.enter_context(_averaging_forward(gen_model, num_samples, posterior))
-        if token_seed is not None:  # unseeded calls draw from (and advance) the global generator
-            devices = [input_ids.device] if input_ids.device.type == "cuda" else []
-            stack.enter_context(torch.random.fork_rng(devices=devices))
+        if token_seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
             torch.manual_seed(token_seed)
-        return type(gen_model).generate(
-            gen_model,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            streamer=streamer,
-            cache=cache,
-            **generation_kwargs,
-        )
+        yield {"cache": cache}
 
 
 @dataclass
