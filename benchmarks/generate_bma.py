@@ -22,6 +22,9 @@ Methods, all greedy, exactly ``--new-tokens`` tokens per prompt:
 - ``bma``: ``hf_evon.generate_bma`` (one forward of batch S·B per step), including its
   draw of the S samples (``draw ms`` alone).
 
+``--num-beams K``: beam search for ``plain`` and ``bma`` (``model.generate``'s own, S·B·K rows a
+step for ``bma``); the naive loop decodes greedily and is skipped.
+
 ``--strategy`` picks how ``generate_bma`` applies the samples (``auto``: per matrix, by FLOPs
 on CPU; ``materialize`` on GPU; see ``hf_evon/predictive/batched_samples.py``). ``factored`` in the
 table counts the matrices applied through their bases. Timings: one warm-up call per
@@ -37,6 +40,7 @@ per-call overhead only. On an H100 (2026-11-26, bf16, GPT-2 small config, 64 new
 B = 1: plain 170.7 tok/s, naive 23.4, generate_bma 132.5 (5.67× the loop, per-token latency 1.29×
 plain); B = 8: 6.52×, 1.25× (benchmarks/results/gpu_h100/generate_bma.log). ``--arch t5 --small``
 on CPU (2 threads, 16 new tokens): S = 8, B = 1: naive 10.0 tok/s, generate_bma 23.6 (2.35×).
+Beam search (``--arch t5 --small --num-beams 4``, CPU): see docs/results.md.
 """
 
 from __future__ import annotations
@@ -174,6 +178,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive loop (it is slow)")
     parser.add_argument(
+        "--num-beams", type=int, default=1, help="beam search with K beams for plain and bma (no naive loop)"
+    )
+    parser.add_argument(
         "--strategy",
         default="auto",
         choices=batched.STRATEGIES,
@@ -192,14 +199,15 @@ def main() -> None:
     model = model.to(dtype).eval()
     vocab = model.config.vocab_size
     gen_kwargs = dict(
-        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0
-    )
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
+        num_beams=args.num_beams,
+    )  # fmt: skip
     n_params = sum(p.numel() for p in model.parameters())
     covered = sum(dict(model.named_parameters())[n].numel() for n in posterior.names)
     print(
         f"arch={args.arch} device={device} dtype={args.dtype} params={n_params / 1e6:.1f}M covered={covered / 1e6:.1f}M "
         f"prompt={args.prompt_len} new_tokens={args.new_tokens} strategy={args.strategy} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} beams={args.num_beams}"
     )
     header = (
         f"{'S':>3} {'B':>3} | {'plain tok/s':>11} {'naive tok/s':>11} {'bma tok/s':>10} | "
@@ -224,7 +232,7 @@ def main() -> None:
             )
             factored = draw_only(model, posterior, s, ids, args.new_tokens)
             t_naive = t_copies = float("nan")
-            if not args.no_naive:
+            if not args.no_naive and args.num_beams == 1:  # the loop decodes greedily
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()  # built once: the copies the loop then runs on

@@ -171,6 +171,30 @@ def test_predict_bma_with_generate_decodes_with_beam_search(tmp_path):
     assert "generate" not in model.__dict__ and "forward" not in model.__dict__
 
 
+def test_evaluate_bma_with_generate_scores_generate_bma_ids(tmp_path):
+    """``evaluate(bma=True)`` under ``predict_with_generate``: evaluate() always decoded at the mean,
+    so a generation metric (BLEU, ROUGE) never saw BMA. With ``bma=True`` compute_metrics scores
+    generate_bma's ids; without it, the mean's, as before; the posterior token metrics come with both."""
+    from hf_evon import generate_bma
+
+    seen = []
+    trainer = _generating_trainer(tmp_path, compute_metrics=lambda p: seen.append(p.predictions) or {"rows": 6.0})
+    test = reversal_data(6, seed=3)
+    model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
+    pad = model.config.pad_token_id
+    bma_metrics = trainer.evaluate(test, bma=True)
+    expected = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7)
+    assert torch.equal(_decoded(seen[-1], expected.shape[1], pad), expected)
+    mean_metrics = trainer.evaluate(test)
+    mean_ids = model.generate(ids, max_length=7)
+    assert not torch.equal(expected, mean_ids)
+    assert torch.equal(_decoded(seen[-1], mean_ids.shape[1], pad), mean_ids)
+    for metrics in (bma_metrics, mean_metrics):
+        assert metrics["eval_rows"] == 6.0 and "eval_bma_nll" in metrics and "eval_mean_nll" in metrics
+    assert bma_metrics["eval_bma_nll"] == mean_metrics["eval_bma_nll"]  # the labels' token metrics
+    assert "generate" not in model.__dict__
+
+
 def test_predict_bma_with_generate_restores_generate_after_an_error(tmp_path):
     def failing_metrics(_):
         raise RuntimeError("metric failed")

@@ -65,6 +65,25 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         return output
 
 
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+        bma: bool = False,
+        **gen_kwargs: Any,
+    ) -> dict[str, float]:
+        """``Seq2SeqTrainer.evaluate`` with the posterior metrics. ``bma=True`` under
+        ``predict_with_generate``: your ``compute_metrics`` scores ids decoded by
+        :func:`generate_bma`, as in ``predict(test, bma=True)``; the evaluations ``train()`` runs
+        decode at the mean (BMA decoding costs S forwards a token)."""
+        if not (bma and self.args.predict_with_generate):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        posterior = self._bma_posterior("evaluate(bma=True)")
+        with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+
+
 @contextmanager
 def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed: int) -> Iterator[None]:
     """``model.generate`` routed to :func:`generate_bma` for the block: ``Seq2SeqTrainer``'s
