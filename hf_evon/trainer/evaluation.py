@@ -50,6 +50,7 @@ __all__ = [
     "MetricAccumulator",
     "PosteriorEvaluation",
     "float64_log_softmax",
+    "gathered_rows",
     "merge_metrics",
     "reduce_log_probs",
     "sample_passes",
@@ -109,9 +110,7 @@ class MetricAccumulator:
         labels = labels.to(logp.device)
 
         def gather(x: Tensor) -> Tensor:
-            if rows is None:
-                return self.accelerator.gather_for_metrics(x.contiguous()).cpu()
-            return self.accelerator.gather(x.contiguous())[:rows].cpu()
+            return gathered_rows(self.accelerator, x, rows)
 
         if self.task == "causal_lm":
             mask = labels[:, 1:].ne(IGNORE_INDEX)
@@ -200,6 +199,15 @@ def _nbytes(value: Any) -> int:
     if isinstance(value, (tuple, list)):
         return sum(_nbytes(v) for v in value)
     return 0
+
+
+def gathered_rows(accelerator: Any, values: Tensor, rows: int | None) -> Tensor:
+    """A batch's ``values`` gathered over processes, on the CPU: the first ``rows`` (:func:`_kept_rows`,
+    for a batch read earlier), or None: what ``gather_for_metrics`` keeps of the batch the loader
+    stands at."""
+    if rows is None:
+        return accelerator.gather_for_metrics(values.contiguous()).cpu()
+    return accelerator.gather(values.contiguous())[:rows].cpu()
 
 
 def _kept_rows(trainer: Any, values: Tensor | tuple[Tensor, ...]) -> int:

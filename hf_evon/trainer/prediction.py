@@ -16,6 +16,7 @@ from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, temper
 from hf_evon.trainer.evaluation import (
     MetricAccumulator,
     float64_log_softmax,
+    gathered_rows,
     merge_metrics,
     reduce_log_probs,
     sample_passes,
@@ -56,7 +57,7 @@ def bma_predict(
     seeds: list[int | None] = (
         [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
     )
-    gather, pad = trainer.accelerator.gather, trainer.accelerator.pad_across_processes
+    pad = trainer.accelerator.pad_across_processes
     predictions: Any = None
     label_ids: Any = None
     metrics_acc: MetricAccumulator | None = None
@@ -90,7 +91,7 @@ def bma_predict(
     def gathered(values: Tensor, rows: int) -> Tensor:
         if values.ndim >= 3:
             values = pad(values, dim=1, pad_index=-100)
-        return gather(values.contiguous())[:rows].cpu()
+        return gathered_rows(trainer.accelerator, values, rows)
 
     def collected(logp: Tensor | tuple[Tensor, ...], labels: Any, rows: int) -> Any:
         """Probabilities (or values), through the user's ``preprocess_logits_for_metrics`` as
@@ -120,7 +121,7 @@ def bma_predict(
         if isinstance(labels, Tensor):
             if labels.ndim >= 2:
                 labels = pad(labels, dim=1, pad_index=-100)
-            labels = gather(labels.contiguous())[:rows].cpu()
+            labels = gathered_rows(trainer.accelerator, labels, rows)
             label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
     if isinstance(predictions, tuple):
         predictions = tuple(p.numpy() for p in predictions)
