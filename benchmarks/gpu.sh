@@ -25,6 +25,8 @@ python3 benchmarks/optimizer_step.py --device cuda --json "$OUT/optimizer_step.j
 python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/generate_bma.log"
 python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 --arch t5 --samples 8 --batch-sizes 1 \
     2>&1 | tee "$OUT/generate_bma_t5.log"
+python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 --arch t5 --samples 8 --batch-sizes 1 \
+    --num-beams 4 2>&1 | tee "$OUT/generate_bma_t5_beams.log"
 python3 benchmarks/step_profile.py --device cuda 2>&1 | tee "$OUT/step_profile.log"
 # EVON's step alone vs the naive per-matrix EVON, 48 GPT-2-small block matrices on the GPU (the op and
 # FLOP counts are device-independent: measured on CPU, see the module docstring)
