@@ -164,8 +164,8 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
     def bma_forward(*args: Any, **kwargs: Any) -> Any:
         if args:
             raise TypeError("generate_bma's beam search passes the model's inputs by keyword")
-        ids = kwargs.get("decoder_input_ids", kwargs.get("input_ids"))
-        rows = ids.shape[0]
+        keys = ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds")
+        rows = next(kwargs[k].shape[0] for k in keys if kwargs.get(k) is not None)
 
         def expand(value: Any) -> Any:
             if isinstance(value, Tensor) and value.ndim >= 2 and value.shape[0] == rows:
