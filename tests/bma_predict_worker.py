@@ -3,8 +3,9 @@
 Trains a small classifier for 2 steps, then predicts 20 rows in batches of 4 per process (with two
 processes the last global batch holds 4 rows and 4 duplicates that must be dropped), once in one
 chunk of batches and once in chunks of one batch (``SAMPLE_PASS_CHUNK_BYTES = 1``), and evaluates
-the same rows both ways. Rank 0 saves the outputs, the metrics and the BMA probabilities computed
-directly from the posterior's samples.
+the same rows both ways; then predicts with chunks each process would size differently. Rank 0
+saves the outputs, the metrics and the BMA probabilities computed directly from the posterior's
+samples.
 Usage: ``torch.distributed.run --nproc_per_node W bma_predict_worker.py OUT_DIR``.
 """
 
@@ -59,6 +60,12 @@ def main(out: str) -> None:
     whole, metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
     evaluation.SAMPLE_PASS_CHUNK_BYTES = 1
     chunked, chunked_metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
+    # processes that size their chunks differently (rank 0 one batch, the others three) must agree
+    # on one size: their gathers are collectives that pair up in order
+    rank = int(os.environ.get("RANK", "0"))
+    evaluation.SAMPLE_PASS_CHUNK_BYTES = 3000
+    evaluation._nbytes = lambda value: 1500 if rank == 0 else 500  # per call: inputs, then averages
+    uneven = trainer.predict(test, bma=True)
     model, posterior = trainer.model, trainer.current_posterior()
     x, probs = torch.tensor(test["x"]), []
     with torch.no_grad():
@@ -66,9 +73,9 @@ def main(out: str) -> None:
             with posterior.sampled(model, seed=seed):
                 probs.append(torch.softmax(model(x)["logits"].double(), -1))
     direct = torch.stack(probs).mean(0)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
         torch.save(
-            {"whole": whole, "chunked": chunked, "direct": direct, "labels": test["labels"],
+            {"whole": whole, "chunked": chunked, "uneven": uneven, "direct": direct, "labels": test["labels"],
              "evaluate": metrics, "evaluate_chunked": chunked_metrics},
             os.path.join(out, "rank0.pt"),
         )

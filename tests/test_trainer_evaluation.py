@@ -362,17 +362,19 @@ def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, wor
     drops by where the loader stands. The chunked passes read later batches before they gather
     earlier ones, so each batch's kept rows are fixed when it is read: both chunkings return the 20
     rows once, in order, as the posterior's samples give them directly, and evaluate()'s BMA NLL is
-    theirs."""
+    theirs. Processes whose first batches would size their chunks differently agree on one size
+    (their gathers pair up in order), with the same predictions."""
     from launcher import torchrun
 
     torchrun(world, os.path.join(os.path.dirname(__file__), "bma_predict_worker.py"), str(tmp_path))
     saved = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    for key in ("whole", "chunked"):
+    for key in ("whole", "chunked", "uneven"):
         out = saved[key]
         assert out.predictions.shape == (20, 3), key
         np.testing.assert_array_equal(out.label_ids, np.asarray(saved["labels"]))
         np.testing.assert_allclose(out.predictions, saved["direct"].numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(saved["chunked"].predictions, saved["whole"].predictions)
+    np.testing.assert_array_equal(saved["uneven"].predictions, saved["whole"].predictions)
     assert saved["chunked"].metrics["test_bma_nll"] == saved["whole"].metrics["test_bma_nll"]
     labels = torch.tensor(saved["labels"])
     nll = -saved["direct"].log().gather(1, labels[:, None]).mean().item()  # the 20 rows, each once
