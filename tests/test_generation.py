@@ -131,6 +131,11 @@ def reference_greedy(copies: list, input_ids, attention_mask, new_tokens: int):
     return ids, scores
 
 
+def log_mean_probs(out) -> list[torch.Tensor]:
+    """``log p̄`` per step from generate_bma's output ``logits`` (the predictive's ``log p̄ + c``)."""
+    return [torch.log_softmax(step, -1) for step in out.logits]
+
+
 def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -216,8 +221,8 @@ def test_matches_slow_reference(strategy, gpt2, arch):
     )
     ref_ids, ref_scores = reference_greedy(sampled_copies(model, noisy, num_samples, 7), PROMPTS, None, new)
     assert torch.equal(out.sequences, ref_ids)
-    assert len(out.scores) == len(out.logits) == new
-    for got, scores, want in zip(out.logits, out.scores, ref_scores):
+    assert len(out.scores) == len(log_mean_probs(out)) == new
+    for got, scores, want in zip(log_mean_probs(out), out.scores, ref_scores):
         # float32 log p̄ of size ~4 from differently ordered sums: a relative tolerance of ~100 ulps
         torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-5)
         shift = scores - got  # no processor here: the scores are log p̄ shifted per row
@@ -231,13 +236,13 @@ def test_matches_slow_reference(strategy, gpt2, arch):
         output_scores=True,
         return_dict_in_generate=True,
     ).scores[0]
-    assert (out.logits[0] - torch.log_softmax(mean_scores, -1)).abs().max() > 1e-2
+    assert (log_mean_probs(out)[0] - torch.log_softmax(mean_scores, -1)).abs().max() > 1e-2
     # scoring the generated sequence gives the same log p̄ of the chosen tokens
     scored = bma_log_likelihood(model, noisy, out.sequences, num_samples=num_samples, seed=7)
     start = PROMPTS.shape[1]
     for t in range(new):
         chosen = out.sequences[:, start + t]
-        want = out.logits[t].gather(-1, chosen[:, None]).squeeze(-1)
+        want = log_mean_probs(out)[t].gather(-1, chosen[:, None]).squeeze(-1)
         torch.testing.assert_close(scored.token_log_probs[:, start + t - 1], want, atol=1e-5, rtol=0)
     assert_unchanged(model, before)
 
@@ -302,7 +307,7 @@ def test_processors_apply_to_log_mean_probs(gpt2):
     # the processors see log p̄ + c, c the samples' mean log-normaliser (logsumexp of their logits)
     with torch.no_grad():
         sample_logits = torch.stack([m(out.sequences).logits for m in sampled_copies(model, noisy, 2, 0)])
-    for t, (score, log_mean) in enumerate(zip(out.scores, out.logits)):
+    for t, (score, log_mean) in enumerate(zip(out.scores, log_mean_probs(out))):
         torch.testing.assert_close(torch.logsumexp(log_mean, -1), torch.zeros(2), atol=1e-5, rtol=0)
         shift = torch.logsumexp(sample_logits[:, :, start + t - 1], -1).mean(0)[:, None]
         expected = processor(out.sequences[:, : start + t], log_mean + shift)
@@ -408,10 +413,10 @@ def test_peft_lora_posterior(strategy, gpt2):
     )
     ref_ids, ref_scores = reference_greedy(sampled_copies(model, noisy, 3, 4), PROMPTS, None, 8)
     assert torch.equal(out.sequences, ref_ids)
-    for got, want in zip(out.logits, ref_scores):
+    for got, want in zip(log_mean_probs(out), ref_scores):
         # float32 log p̄; |log p̄| < 8 so 4 float32 ulp = 2e-6
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
-    assert (out.logits[0] - zero_scores(model, zero)).abs().max() > 1e-3  # adapters' noise matters
+    assert (log_mean_probs(out)[0] - zero_scores(model, zero)).abs().max() > 1e-3  # adapters' noise matters
     assert_unchanged(model, before)
 
 
@@ -620,22 +625,20 @@ def test_tied_embedding_and_head_share_one_representation(strategy):
     assert torch.equal(out, ref_ids)
 
 
-def test_transformers_own_sampling_loop_uses_the_helpers_generate_bma_calls():
-    """generate_bma's loop mirrors GenerationMixin._sample: the prompt through ``_prefill(input_ids,
-    generation_config, model_kwargs)``, each step's kwargs through ``_update_model_kwargs_for_generation(
-    outputs, model_kwargs, is_encoder_decoder=...)``, the next forward from ``prepare_inputs_for_generation(
-    input_ids, next_sequence_length=...)``. Fails when a transformers release changes that loop."""
-    import inspect
-
-    from transformers.generation.utils import GenerationMixin
-
-    source = inspect.getsource(GenerationMixin._sample)
-    assert "self._prefill(" in source and "self._update_model_kwargs_for_generation(" in source
-    assert "self.prepare_inputs_for_generation(" in source and "next_sequence_length=" in source
-    prefill = list(inspect.signature(GenerationMixin._prefill).parameters)
-    assert prefill[:4] == ["self", "input_ids", "generation_config", "model_kwargs"]
-    update = inspect.signature(GenerationMixin._update_model_kwargs_for_generation).parameters
-    assert list(update)[:3] == ["self", "outputs", "model_kwargs"] and "is_encoder_decoder" in update
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_output_logits_are_the_predictives_logits(gpt2, arch):
+    """``model.generate`` itself decodes on a forward that returns ``log p̄ + c``: at zero variance
+    its ``output_logits`` are the mean model's own (``c`` puts log p̄ on the model's scale)."""
+    model, posterior = gpt2 if arch == "gpt2" else (tiny_t5(), None)
+    if posterior is None:
+        posterior = train_posterior(model)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    expected = model.generate(PROMPTS, **kwargs)
+    got = generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=3, seed=0, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences) and len(got.logits) == 5
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=2e-5, rtol=1e-5)
 
 
 def test_the_posteriors_temperature_tempers_every_samples_softmax(gpt2):
@@ -649,7 +652,7 @@ def test_the_posteriors_temperature_tempers_every_samples_softmax(gpt2):
     )  # fmt: skip
     with torch.no_grad():
         mean_logits = model(input_ids=PROMPTS).logits
-    torch.testing.assert_close(out.logits[0], torch.log_softmax(mean_logits[:, -1] / 2.0, -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(log_mean_probs(out)[0], torch.log_softmax(mean_logits[:, -1] / 2.0, -1), atol=1e-5, rtol=0)
     noisy = posterior.with_ess(NOISY_ESS)
     hot = bma_log_likelihood(model, noisy.with_temperature(2.0), PROMPTS, num_samples=3, seed=9)
     per_sample = []
@@ -747,7 +750,7 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
 
     # these tiny random models are ill-conditioned (log p̄ to about -16): float32 itself is ~1e-3
     # off, so the bound is the float32 reference's own error; a wrong sample or mask is off by O(1)
-    assert error(out.logits) <= 4 * error(float32_scores) + 1e-6
+    assert error(log_mean_probs(out)) <= 4 * error(float32_scores) + 1e-6
     # what generate's own outputs carry: per-sample encoder and decoder attentions (S·B rows)
     assert type(out).__name__ == "GenerateEncoderDecoderOutput"
     assert out.encoder_attentions[0].shape[0] == num_samples * 2
@@ -755,13 +758,13 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     # the samples differ: not the mean model's prediction
     with torch.no_grad():
         mean_first = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ref_ids[:, :1]).logits[:, -1]
-    assert (out.logits[0] - torch.log_softmax(mean_first, -1)).abs().max() > 1e-2
+    assert (log_mean_probs(out)[0] - torch.log_softmax(mean_first, -1)).abs().max() > 1e-2
     # the generated continuation scored as labels gives the same log p̄ of each chosen token
     labels = out.sequences[:, 1:]
     scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=7)
     assert scored.token_log_probs.shape == labels.shape and bool(scored.mask.all())
     for t in range(new):
-        want = out.logits[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
+        want = log_mean_probs(out)[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
         torch.testing.assert_close(scored.token_log_probs[:, t], want, atol=1e-5, rtol=0)
     assert_unchanged(model, before)
 

@@ -3,27 +3,24 @@ encoder-decoder models (T5, BART: each sample runs its own encoder too).
 
 ``generate_bma`` decodes with the BMA predictive: at every step the next-token
 *probabilities* of S weight samples are averaged (log-mean-exp of log-softmax, never a mean
-of logits), then the usual logits processors, stopping criteria and token choice of
-``model.generate`` apply to ``log p̄`` (shifted by the samples' mean log-normaliser, so
-processors that read the logits' scale see the mean's logits at zero variance). Beam search is
-``model.generate``'s own, run on a forward that returns the BMA predictive for every beam row.
-``bma_log_likelihood`` scores given sequences under the same predictive (evaluation loss /
-perplexity).
+of logits). ``model.generate`` itself decodes (greedy, sampling, beam search; its config,
+processors, stopping criteria and outputs), on a forward that returns the predictive's logits
+``log p̄ + c`` for every row: ``c``, the samples' mean log-normaliser, puts them on the model's
+scale (the mean's own at zero variance), which processors that are not shift-invariant read as
+they read the model's. ``bma_log_likelihood`` scores given sequences under the same predictive
+(evaluation loss / perplexity).
 
 Speed: the S samples are not S models. They run as one forward of batch ``S·B``
 (sample-major) in which only the posterior's matrices have S versions, applied by batched
 matmuls (see ``hf_evon.predictive.batched_samples``); each sample has its own rows of one shared KV
-cache, reused across steps. The weights are drawn once per call from ``seed`` and kept for
-the whole sequence. The model's parameters are never written.
-
-``generate_bma`` plugs into ``model.generate(custom_generate=<callable>)``: transformers
-prepares the generation config, attention mask, position ids, logits processors and
-stopping criteria exactly as for ``model.generate``; only the decoding loop is ours.
+cache, reused across steps and reordered with beam search's beams. The weights are drawn once per
+call from ``seed`` and kept for the whole sequence. The model's parameters are never written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import math
@@ -55,47 +52,6 @@ def _generation_model(model: nn.Module) -> nn.Module:
             raise NotImplementedError("BMA decoding supports LoRA-style PEFT models, not prompt learning")
         return model.get_base_model()
     return model
-
-
-def _expand_samples(value: Any, num_samples: int, batch: int) -> Any:
-    """Repeat a per-row tensor for every sample (sample-major); leave broadcast rows alone."""
-    if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch:
-        return value.repeat(num_samples, *([1] * (value.ndim - 1)))
-    return value
-
-
-# ---- transformers' private decoding helpers, used here only ----------------------------------
-# ``GenerationMixin`` has no public step API: its own sampling loop (``_sample``) runs the prompt
-# through ``_prefill`` (cache set-up, chunked prefill, ``cache_position``) and advances the model
-# kwargs with ``_update_model_kwargs_for_generation`` (attention mask, position ids, cache). The
-# BMA loop must do exactly what that loop does, so it calls the same two helpers rather than a
-# copy of them; tests/test_generation.py pins that ``_sample`` still uses them with these arguments.
-_DECODING_HELPERS = ("_prefill", "_update_model_kwargs_for_generation")
-
-
-def _check_decoding_helpers(model: nn.Module) -> None:
-    missing = [name for name in _DECODING_HELPERS if not hasattr(model, name)]
-    if missing:
-        import transformers
-
-        raise RuntimeError(
-            f"generate_bma drives transformers' decoding helpers {_DECODING_HELPERS} of transformers 5.x; "
-            f"transformers {transformers.__version__} lacks {missing}"
-        )
-
-
-def _prefill(
-    model: nn.Module, input_ids: Tensor, generation_config: Any, model_kwargs: dict[str, Any]
-) -> Any:
-    """The prompt's forward pass, as ``model.generate``'s own loop runs it."""
-    return model._prefill(input_ids, generation_config, model_kwargs)
-
-
-def _advance(model: nn.Module, outputs: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The model kwargs for the next token (mask, positions, cache), as ``model.generate`` updates them."""
-    return model._update_model_kwargs_for_generation(
-        outputs, model_kwargs, is_encoder_decoder=is_encoder_decoder(model)
-    )
 
 
 def _sampled_encoder_outputs(
@@ -130,12 +86,20 @@ def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor,
 
 
 def _num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
-    """The call's beam width, as ``model.generate`` reads it (the kwarg, else the generation config)."""
-    beams = generation_kwargs.get("num_beams")
-    if beams is None:
-        config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
-        beams = getattr(config, "num_beams", None)
-    return int(beams or 1)
+    """The call's beam width; ValueError for a decoding mode other than greedy, sampling and beam
+    search (with or without sampling), read as ``model.generate`` reads the call's settings."""
+    from transformers.generation import GenerationMode
+
+    config = copy.deepcopy(generation_kwargs.get("generation_config") or gen_model.generation_config)
+    config.update(**{k: v for k, v in generation_kwargs.items() if k != "generation_config"})
+    mode = config.get_generation_mode()
+    modes = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
+    if mode not in modes:
+        raise ValueError(
+            f"generate_bma supports greedy decoding, sampling and beam search, not {mode.value} "
+            "(penalty_alpha, dola_layers, assistant settings must keep their defaults)"
+        )
+    return int(config.num_beams or 1)
 
 
 def _sample_major_cache(num_samples: int, config: Any) -> Any:
@@ -188,123 +152,6 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
             model.forward = previous
 
 
-def _make_decoder(sampler: BatchedSamples, streamer: Any, generator: torch.Generator | None):
-    """The decoding loop handed to ``model.generate(custom_generate=...)``."""
-    from transformers import DynamicCache
-    from transformers.generation import (
-        GenerateDecoderOnlyOutput,
-        GenerateEncoderDecoderOutput,
-        GenerationMode,
-    )
-
-    num_samples, posterior = sampler.num_samples, sampler.posterior
-
-    def bma_decode(
-        model: nn.Module,
-        input_ids: Tensor,
-        logits_processor: Any,
-        stopping_criteria: Any,
-        generation_config: Any,
-        **model_kwargs: Any,
-    ) -> Any:
-        mode = generation_config.get_generation_mode()
-        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-            raise ValueError(
-                f"generate_bma supports greedy decoding and sampling, not {mode.value} "
-                "(num_beams, penalty_alpha, dola_layers must keep their defaults)"
-            )
-        _check_decoding_helpers(model)
-        encoder_decoder = is_encoder_decoder(model)
-        pad_token_id = generation_config._pad_token_tensor
-        return_dict = generation_config.return_dict_in_generate
-        want = {
-            k: return_dict and getattr(generation_config, k)
-            for k in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-        }
-        scores: tuple[Tensor, ...] = ()
-        raw_logits: tuple[Tensor, ...] = ()
-        attentions: tuple[Any, ...] = ()
-        hidden_states: tuple[Any, ...] = ()
-        has_eos_stopping_criteria = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-        batch = input_ids.shape[0]
-        unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
-        if pad_token_id is not None:
-            pad_token_id = pad_token_id.to(input_ids.device)
-
-        # every sample gets its own rows (sample-major) and thereby its own KV cache entries
-        kwargs = {k: _expand_samples(v, num_samples, batch) for k, v in model_kwargs.items()}
-        if kwargs.get("use_cache", True) and "past_key_values" in kwargs:
-            kwargs["past_key_values"] = DynamicCache(config=model.config.get_text_config(decoder=True))
-        expanded_ids = input_ids.repeat(num_samples, 1)
-        outputs = _prefill(model, expanded_ids, generation_config, kwargs)
-        while True:
-            kwargs = _advance(model, outputs, kwargs)
-            log_probs, normalizer = _averaged(outputs.logits[:, -1].to(input_ids.device), num_samples, posterior)
-            # the processors see log p̄ plus the samples' mean log-normaliser: logits on the scale
-            # of the model's own, and at zero variance exactly the mean's, which processors that
-            # are not shift-invariant (repetition_penalty, length penalties) read as generate does
-            next_scores = logits_processor(input_ids, log_probs + normalizer)
-            if want["output_scores"]:
-                scores += (next_scores,)
-            if want["output_logits"]:
-                raw_logits += (log_probs,)
-            if want["output_attentions"]:
-                attentions += (
-                    (outputs.decoder_attentions, outputs.cross_attentions) if encoder_decoder else outputs.attentions,
-                )
-            if want["output_hidden_states"]:
-                hidden_states += (outputs.decoder_hidden_states if encoder_decoder else outputs.hidden_states,)
-            del outputs
-
-            if generation_config.do_sample:
-                probs = torch.softmax(next_scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-            else:
-                next_tokens = torch.argmax(next_scores, dim=-1)
-            if has_eos_stopping_criteria:  # finished sequences continue with padding
-                next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            expanded_ids = torch.cat([expanded_ids, next_tokens.repeat(num_samples)[:, None]], dim=-1)
-            unfinished = unfinished & ~stopping_criteria(input_ids, scores if want["output_scores"] else None)
-            if streamer is not None:
-                streamer.put(next_tokens.cpu())
-            if unfinished.max() == 0:
-                break
-            step = 1 if kwargs.get("use_cache", True) else None
-            model_inputs = model.prepare_inputs_for_generation(
-                expanded_ids, next_sequence_length=step, **kwargs
-            )
-            outputs = model(**model_inputs, return_dict=True)
-
-        if streamer is not None:
-            streamer.end()
-        if not return_dict:
-            return input_ids
-        # no cache returned: its S·B rows are not reusable by a plain generate call
-        common = dict(
-            sequences=input_ids,
-            scores=scores if want["output_scores"] else None,
-            logits=raw_logits if want["output_logits"] else None,
-        )
-        if not encoder_decoder:
-            return GenerateDecoderOnlyOutput(
-                **common,
-                attentions=attentions if want["output_attentions"] else None,
-                hidden_states=hidden_states if want["output_hidden_states"] else None,
-            )
-        encoder = kwargs["encoder_outputs"]
-        return GenerateEncoderDecoderOutput(
-            **common,
-            encoder_attentions=encoder.attentions if want["output_attentions"] else None,
-            encoder_hidden_states=encoder.hidden_states if want["output_hidden_states"] else None,
-            decoder_attentions=tuple(a for a, _ in attentions) if want["output_attentions"] else None,
-            cross_attentions=tuple(c for _, c in attentions) if want["output_attentions"] else None,
-            decoder_hidden_states=hidden_states if want["output_hidden_states"] else None,
-        )
-
-    return bma_decode
-
-
 def _max_new_tokens(gen_model: nn.Module, input_ids: Tensor, generation_kwargs: dict[str, Any]) -> int:
     """The most tokens the call can add (for the cost model of the batched samples)."""
     config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
@@ -337,26 +184,25 @@ def generate_bma(
         num_samples: S, the number of weight samples (drawn once, kept for the whole call).
         seed: makes the call reproducible: seeds the weight draw and the token sampling of
             ``do_sample=True`` (``seed=None``: fresh weights, torch's global RNG for tokens).
-        **generation_kwargs: anything ``model.generate`` takes for greedy/sampling:
-            ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        **generation_kwargs: anything ``model.generate`` takes for greedy decoding, sampling and
+            beam search: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``repetition_penalty`` and the other processors, ``eos_token_id``, ``pad_token_id``,
             ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
             ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ``stop_strings``
-            (with ``tokenizer``); and beam search (``num_beams``, ``num_return_sequences``,
-            ``length_penalty``, ``early_stopping``, beam sampling), which runs ``model.generate``'s
-            own on the BMA predictive. Assisted and contrastive decoding are not supported.
+            (with ``tokenizer``), ``num_beams``, ``num_return_sequences``, ``length_penalty``,
+            ``early_stopping``. Assisted and contrastive decoding are not supported.
 
     Returns:
-        As ``model.generate``: the ``(B, T + new)`` token ids (an encoder-decoder model's
-        ``(B, 1 + new)`` decoder ids, from its decoder start token), or with
-        ``return_dict_in_generate=True`` a ``GenerateDecoderOnlyOutput`` (encoder-decoder:
-        ``GenerateEncoderDecoderOutput``) whose ``logits`` are ``log p̄`` (the log of the averaged
-        probabilities) and whose ``scores`` are what the logits processors made of ``log p̄ + c``,
-        ``c`` the samples' mean log-normaliser (``logsumexp`` of their logits): logits on the model's
-        scale, the mean's own at zero variance, so processors that are not shift-invariant
-        (``repetition_penalty``, length penalties) act as in ``model.generate``. Attentions and hidden states, if requested, are per sample
-        (batch ``S·B``, sample-major). Beam search returns ``model.generate``'s beam output
-        (``sequences_scores``: sums of ``log p̄``), whose ``logits`` are ``log p̄ + c``.
+        What ``model.generate`` returns, decoded by ``model.generate`` itself on the BMA predictive:
+        the ``(B, T + new)`` token ids (an encoder-decoder model's ``(B, 1 + new)`` decoder ids,
+        from its decoder start token), or with ``return_dict_in_generate=True`` its output object.
+        Its ``logits`` are the predictive's logits ``log p̄ + c`` (``log_softmax`` of them is
+        ``log p̄``, the log of the averaged probabilities; ``c`` is the samples' mean log-normaliser,
+        ``logsumexp`` of their logits): on the model's scale and the mean's own at zero variance,
+        so processors that are not shift-invariant (``repetition_penalty``, length penalties) act
+        as in ``model.generate``. ``scores`` are what the processors made of them; beam search's
+        ``sequences_scores`` are sums of ``log p̄``. Attentions and hidden states, if requested,
+        are per sample (batch ``S·B``, sample-major).
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
@@ -365,64 +211,39 @@ def generate_bma(
         raise ValueError(
             "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
         )
-    streamer = generation_kwargs.pop("streamer", None)
-    tokenizer = generation_kwargs.pop("tokenizer", None)
-    stop_strings = generation_kwargs.pop("stop_strings", None)
-    if stop_strings is not None:
-        # transformers drops ``tokenizer`` for callable ``custom_generate``: build the criterion here
-        from transformers import StoppingCriteriaList, StopStringCriteria
-
-        if tokenizer is None:
-            raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=...")
-        criteria = StoppingCriteriaList(generation_kwargs.pop("stopping_criteria", None) or [])
-        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-        generation_kwargs["stopping_criteria"] = criteria
-
     gen_model = _generation_model(model)
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
-    generator, token_seed = None, None
-    if seed is not None:  # do_sample may also come from the model's generation_config
-        token_seed = (int(seed) * 2654435761 + 1) % 2**63  # distinct from the weight draw
-        generator = torch.Generator(device=input_ids.device)
-        generator.manual_seed(token_seed)
+    # do_sample may also come from the model's generation_config; distinct from the weight draw
+    token_seed = None if seed is None else (int(seed) * 2654435761 + 1) % 2**63
     beams = _num_beams(gen_model, generation_kwargs)
     rows = expected_rows(
         input_ids.shape[0] * beams, input_ids.shape[1], _max_new_tokens(gen_model, input_ids, generation_kwargs)
     )
     with BatchedSamples(
         model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams
-    ) as sampler:
+    ):
         if is_encoder_decoder(gen_model):
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
                 gen_model, input_ids, attention_mask, num_samples, generation_kwargs
             )
-        if beams > 1:  # generate's own beam search, on the BMA predictive
-            decoding = _beam_search(gen_model, posterior, num_samples, input_ids.device, token_seed)
-        else:  # our loop
-            decoding = contextlib.nullcontext({"custom_generate": _make_decoder(sampler, streamer, generator)})
-        with decoding as how:
+        with _on_the_predictive(gen_model, posterior, num_samples, input_ids.device, token_seed) as cache:
             # the class's generate: the instance's may be a wrapper that routes here
             # (EVONSeq2SeqTrainer.predict(bma=True))
             return type(gen_model).generate(
-                gen_model,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                streamer=streamer,
-                **how,
-                **generation_kwargs,
+                gen_model, input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generation_kwargs
             )
 
 
 @contextlib.contextmanager
-def _beam_search(
+def _on_the_predictive(
     gen_model: nn.Module, posterior: Any, num_samples: int, device: torch.device, token_seed: int | None
-) -> Iterator[dict[str, Any]]:
-    """For the block, ``model.generate``'s beam search runs on the BMA predictive
-    (:func:`_averaging_forward`); yields its extra argument, a KV cache of ``S·B·num_beams`` rows
-    reordered per sample (:func:`_sample_major_cache`). ``token_seed``: beam sampling
-    (``do_sample=True``) draws from torch's global generator, seeded with it for the block and
-    restored after (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator."""
+) -> Iterator[Any]:
+    """For the block, ``model.generate``'s own decoding (greedy, sampling, beam search) runs on the
+    BMA predictive (:func:`_averaging_forward`); yields the KV cache to hand it, ``S·B·num_beams``
+    rows reordered per sample (:func:`_sample_major_cache`). ``token_seed``: sampling draws from
+    torch's global generator, seeded with it for the block and restored after
+    (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator."""
     from transformers import EncoderDecoderCache
 
     config = gen_model.config.get_text_config(decoder=True)
@@ -434,7 +255,7 @@ def _beam_search(
         if token_seed is not None:
             stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
             torch.manual_seed(token_seed)
-        yield {"cache": cache}
+        yield cache
 
 
 @dataclass
