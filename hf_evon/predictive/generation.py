@@ -85,7 +85,7 @@ def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor,
     return log_mean, normalizers.view(num_samples, rows, *normalizers.shape[1:]).mean(0)
 
 
-def _num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
+def _checked_num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
     """The call's beam width; ValueError for a decoding mode other than greedy, sampling and beam
     search (with or without sampling), read as ``model.generate`` reads the call's settings."""
     from transformers.generation import GenerationMode
@@ -119,15 +119,15 @@ def _sample_major_cache(num_samples: int, config: Any) -> Any:
 def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> Iterator[None]:
     """``model``'s forward, for the block, as the BMA predictive's: each call's ``N`` rows run as
     ``S·N`` (sample-major, the samples of the enclosing ``BatchedSamples``) and the logits it returns
-    are ``log p̄ + c`` (``c`` the samples' mean log-normaliser, as in :func:`generate_bma`'s loop).
-    ``model.generate``'s own decoding (beam search) then runs on the BMA predictive: ``log_softmax``
-    of these logits is ``log p̄``. Inputs of ``S·N`` rows (the samples' encoder outputs) pass as they are."""
+    are ``log p̄ + c`` (:func:`_averaged`). ``model.generate``'s own decoding (greedy, sampling, beam
+    search) then runs on the BMA predictive: ``log_softmax`` of these logits is ``log p̄``. Inputs of
+    ``S·N`` rows (the samples' encoder outputs) pass as they are."""
     forward = model.forward
 
     @functools.wraps(forward)  # generate reads the forward's signature
     def bma_forward(*args: Any, **kwargs: Any) -> Any:
         if args:
-            raise TypeError("generate_bma's beam search passes the model's inputs by keyword")
+            raise TypeError("generate_bma's forward takes the model's inputs by keyword, as generate passes them")
         keys = ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds")
         rows = next(kwargs[k].shape[0] for k in keys if kwargs.get(k) is not None)
 
@@ -216,7 +216,7 @@ def generate_bma(
         posterior.check_model(model)
     # do_sample may also come from the model's generation_config; distinct from the weight draw
     token_seed = None if seed is None else (int(seed) * 2654435761 + 1) % 2**63
-    beams = _num_beams(gen_model, generation_kwargs)
+    beams = _checked_num_beams(gen_model, generation_kwargs)
     rows = expected_rows(
         input_ids.shape[0] * beams, input_ids.shape[1], _max_new_tokens(gen_model, input_ids, generation_kwargs)
     )
