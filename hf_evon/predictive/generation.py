@@ -85,9 +85,10 @@ def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor,
     return log_mean, normalizers.view(num_samples, rows, *normalizers.shape[1:]).mean(0)
 
 
-def _checked_num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> int:
-    """The call's beam width; ValueError for a decoding mode other than greedy, sampling and beam
-    search (with or without sampling), read as ``model.generate`` reads the call's settings."""
+def _checked_call_config(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> Any:
+    """The call's effective ``GenerationConfig`` (the given or the model's, updated with the call's
+    settings, as ``model.generate`` reads them); ValueError for a decoding mode other than greedy,
+    sampling and beam search (with or without sampling)."""
     from transformers.generation import GenerationMode
 
     config = copy.deepcopy(generation_kwargs.get("generation_config") or gen_model.generation_config)
@@ -99,7 +100,7 @@ def _checked_num_beams(gen_model: nn.Module, generation_kwargs: dict[str, Any]) 
             f"generate_bma supports greedy decoding, sampling and beam search, not {mode.value} "
             "(penalty_alpha, dola_layers, assistant settings must keep their defaults)"
         )
-    return int(config.num_beams or 1)
+    return config
 
 
 def _sample_major_cache(num_samples: int, config: Any) -> Any:
@@ -150,16 +151,6 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
             del model.forward
         else:
             model.forward = previous
-
-
-def _max_new_tokens(gen_model: nn.Module, input_ids: Tensor, generation_kwargs: dict[str, Any]) -> int:
-    """The most tokens the call can add (for the cost model of the batched samples)."""
-    config = generation_kwargs.get("generation_config") or getattr(gen_model, "generation_config", None)
-    new = generation_kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    if new is None:
-        max_length = generation_kwargs.get("max_length", getattr(config, "max_length", None)) or 20
-        new = max_length - input_ids.shape[1]
-    return max(int(new), 1)
 
 
 @torch.no_grad()
@@ -216,10 +207,11 @@ def generate_bma(
         posterior.check_model(model)
     # do_sample may also come from the model's generation_config; distinct from the weight draw
     token_seed = None if seed is None else (int(seed) * 2654435761 + 1) % 2**63
-    beams = _checked_num_beams(gen_model, generation_kwargs)
-    rows = expected_rows(
-        input_ids.shape[0] * beams, input_ids.shape[1], _max_new_tokens(gen_model, input_ids, generation_kwargs)
-    )
+    config = _checked_call_config(gen_model, generation_kwargs)
+    beams = int(config.num_beams or 1)
+    # the most tokens the call can add, for the cost model of the batched samples
+    new_tokens = config.max_new_tokens or (config.max_length or 20) - input_ids.shape[1]
+    rows = expected_rows(input_ids.shape[0] * beams, input_ids.shape[1], max(int(new_tokens), 1))
     with BatchedSamples(
         model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams
     ):
