@@ -52,3 +52,17 @@ def test_a_cpu_checkpoint_resumes_on_cuda_with_the_step_counts_on_the_gpu() -> N
     for (name, p), q in zip(model.named_parameters(), gpu_model.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=1e-4, msg=name)
 
+
+
+def test_seeded_sampling_on_the_cpu_leaves_the_gpus_generator_alone() -> None:
+    """A seeded ``generate_bma`` call seeds only the generator it draws tokens from: a call on the
+    CPU with a GPU present left the GPU's generator reseeded (``torch.manual_seed`` seeds all)."""
+    from test_generation import PROMPTS, tiny_gpt2, train_posterior
+
+    from hf_evon import generate_bma
+
+    model = tiny_gpt2()
+    posterior = train_posterior(model)
+    state = torch.cuda.get_rng_state()
+    generate_bma(model, posterior, PROMPTS, num_samples=2, seed=3, max_new_tokens=3, do_sample=True, pad_token_id=0)
+    assert torch.equal(torch.cuda.get_rng_state(), state)

@@ -507,6 +507,8 @@ def test_model_restored_after_an_exception(gpt2):
 
 def test_unsupported_requests_raise(gpt2):
     model, posterior = gpt2
+    with pytest.raises(ValueError, match="'cache'"):  # the samples keep a cache of S·B rows of their own
+        generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0, cache=DynamicCache())
     with pytest.raises(ValueError, match="contrastive"):
         generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2, penalty_alpha=0.5, top_k=4, pad_token_id=0)
     # a posterior on a LayerNorm weight cannot be batched: a clear error, nothing left patched

@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 __all__ = ["BMALogLikelihood", "bma_log_likelihood", "generate_bma"]
 
 _UNSUPPORTED_KWARGS = (
-    "assistant_model", "synced_gpus", "prefix_allowed_tokens_fn", "past_key_values", "encoder_outputs",
+    "assistant_model", "synced_gpus", "prefix_allowed_tokens_fn", "past_key_values", "cache", "encoder_outputs",
 )  # fmt: skip
 
 
@@ -245,8 +245,14 @@ def _on_the_predictive(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_averaging_forward(gen_model, num_samples, posterior))
         if token_seed is not None:
-            stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
-            torch.manual_seed(token_seed)
+            cuda = device.type == "cuda"
+            stack.enter_context(torch.random.fork_rng(devices=[device] if cuda else []))
+            # only the generator the decoding draws from: torch.manual_seed would also reseed every
+            # GPU's generator for a call on the CPU, and fork_rng restores only the devices named
+            if cuda:
+                torch.cuda.default_generators[device.index or torch.cuda.current_device()].manual_seed(token_seed)
+            else:
+                torch.default_generator.manual_seed(token_seed)
         yield cache
 
 
