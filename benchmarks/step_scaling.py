@@ -10,6 +10,7 @@ reference. Figures: ``docs/defaults.md#snr-adam``.
 
     python benchmarks/step_scaling.py                       # 8 tasks × 6 variants × 3 seeds, ~15 min
     python benchmarks/step_scaling.py --tasks noisy_iris iris --seeds 1
+    python benchmarks/step_scaling.py --variants "adam x2" --snr-average-beta 0.95   # ρ against a short window
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import payoff_tasks  # noqa: E402
 import payoff_training  # noqa: E402
 
+from hf_evon.optim import functional  # noqa: E402
 from hf_evon.optim.defaults import STEP_RATIOS, lr_from_adamw_lr  # noqa: E402
 
 TASKS = ("noisy_iris", "noisy_wine", "noisy_breast_cancer", "noisy_digits", "iris", "wine", "breast_cancer", "digits")
@@ -55,9 +57,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", nargs="+", default=list(TASKS))
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--variants", nargs="+", default=["AdamW", *VARIANTS], choices=["AdamW", *VARIANTS], help="the columns to run"
+    )
+    parser.add_argument(
+        "--snr-average-beta",
+        type=float,
+        default=None,
+        help="the EMA decay of the gradients' squared norm that ρ is measured against "
+        "(hf_evon.optim.defaults.SNR_AVERAGE_BETA; set for this run in the step's module, which reads it each step)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    variants = {"AdamW": None, **VARIANTS}
+    if args.snr_average_beta is not None:
+        functional.SNR_AVERAGE_BETA = args.snr_average_beta
+    variants = {label: v for label, v in {"AdamW": None, **VARIANTS}.items() if label in args.variants}
     print(f"default: the step ratio {STEP_RATIOS[('whiten_rms', False)]} with min(1, ρ)", flush=True)
     print("| task | " + " | ".join(variants) + " |")
     print("|---" * (len(variants) + 1) + "|")
