@@ -69,22 +69,25 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.snr_average_beta is not None:
-        functional.SNR_AVERAGE_BETA = args.snr_average_beta
     variants = {label: v for label, v in {"AdamW": None, **VARIANTS}.items() if label in args.variants}
     print(f"default: the step ratio {STEP_RATIOS[('whiten_rms', False)]} with min(1, ρ)", flush=True)
     print("| task | " + " | ".join(variants) + " |")
     print("|---" * (len(variants) + 1) + "|")
     table = {}
-    for name in args.tasks:
-        tasks = [payoff_tasks.make_task(name, seed, False) for seed in range(args.seeds)]
-        table[name] = {
-            label: statistics.fmean(calibration_nll(t, s, v) for s, t in enumerate(tasks))
-            for label, v in variants.items()
-        }
-        print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in table[name].values()) + " |", flush=True)
+    library_beta = functional.SNR_AVERAGE_BETA
+    if args.snr_average_beta is not None:
+        functional.SNR_AVERAGE_BETA = args.snr_average_beta
+    try:
+        for name in args.tasks:
+            tasks = [payoff_tasks.make_task(name, seed, False) for seed in range(args.seeds)]
+            table[name] = {
+                label: statistics.fmean(calibration_nll(t, s, v) for s, t in enumerate(tasks))
+                for label, v in variants.items()
+            }
+            print(f"| {name} | " + " | ".join(f"{x:.3f}" for x in table[name].values()) + " |", flush=True)
+    finally:  # the library's value again for whatever runs next in this process
+        functional.SNR_AVERAGE_BETA = library_beta
     return table
-
 
 if __name__ == "__main__":
     main()

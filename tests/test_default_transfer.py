@@ -34,3 +34,25 @@ def test_license_sentences_are_distinct_labelled_and_deterministic() -> None:
 def test_missing_license_text_names_the_file(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="Apache-2.0"):
         transfer.license_sentences(str(tmp_path))
+
+
+def test_calibration_split_rows_come_from_the_last_fifth_of_training() -> None:
+    """``--calibration-split``: every method trains on the first 80% of the training batches, and
+    AdamW + temperature is AdamW's test split at the temperature fitted on the last 20%."""
+    import torch
+
+    results = transfer.main(["--tasks", "iris", "--seeds", "1", "--methods", "AdamW", "EVON default", "--calibration-split"])
+    rows = results["iris"]
+    assert set(rows) == {"AdamW", "AdamW + temperature", "EVON default", "EVON default calibrated BMA@32"}
+    task = transfer.TASKS["iris"](0)
+    cut = round(0.8 * len(task.train))
+    task.cal, task.train = task.train[cut:], task.train[:cut]
+    model = task.make_model(0)
+    transfer.train_adamw(task, model, 0)
+    test_lp, test_y = transfer.log_probs(model, task.test, False)
+    temp = transfer.payoff.fit_temperature(*transfer.log_probs(model, task.cal, False))
+    assert rows["AdamW"][0] == transfer.scores(test_lp, test_y)
+    assert rows["AdamW + temperature"][0] == transfer.scores(torch.log_softmax(test_lp / temp, -1), test_y)
+    assert temp != 1.0
+    evon = rows["EVON default calibrated BMA@32"][0]
+    assert math.isfinite(evon["nll"]) and evon["accuracy"] >= 0.8  # 3 classes: chance is 1/3

@@ -30,3 +30,19 @@ def test_the_default_column_is_build_optimizers_defaults() -> None:
     assert measured == float(F.nll_loss(*payoff_training.log_probs(model, task.cal, task.shift)))
     # another column trains another model
     assert step_scaling.calibration_nll(task, 0, step_scaling.VARIANTS["full-size steps"]) != measured
+
+
+def test_snr_average_beta_flag_changes_the_step_for_the_run_only(monkeypatch) -> None:
+    """``--snr-average-beta`` measures ρ against another window (docs/defaults.md#snr-adam): the
+    default column moves, and the library's constant is back when the run ends."""
+    from hf_evon.optim import functional
+
+    make_task = payoff_tasks.make_task
+    monkeypatch.setattr(payoff_tasks, "make_task", lambda name, seed, fast: make_task(name, seed, True))
+    library = functional.SNR_AVERAGE_BETA
+    argv = ["--tasks", "noisy_iris", "--seeds", "1", "--variants", "adam x2"]
+    default = step_scaling.main(argv)["noisy_iris"]["adam x2"]
+    short = step_scaling.main([*argv, "--snr-average-beta", "0.5"])["noisy_iris"]["adam x2"]
+    assert functional.SNR_AVERAGE_BETA == library
+    assert short != default
+    assert step_scaling.main(argv)["noisy_iris"]["adam x2"] == default  # nothing left patched
