@@ -159,13 +159,25 @@ def tabular_task(name: str, seed: int, fast: bool) -> Task:
     )  # fmt: skip
 
 
-def lm_task(seed: int, fast: bool) -> Task:
+def lm_task(
+    seed: int,
+    fast: bool,
+    docs: list[tuple[str, str]] | None = None,
+    name: str = "tiny_gpt2",
+    steps: int = 400,
+    val_fraction: float = 0.1,
+) -> Task:
+    """A 2-layer GPT-2 (width 128, context 64, a 1024-token BPE trained on the training documents),
+    ``steps`` steps of 16 random blocks (``fast``: 40), on ``docs`` (None: 1.5 MB of the standard
+    library's source); whole documents held out by ``split_documents(docs, val_fraction)``, their
+    blocks halved into calibration and test (48 each at most)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
 
-    docs = stdlib_corpus(max_bytes=1_500_000, include_docs=False)
-    train_docs, held_docs = split_documents(docs, val_fraction=0.1)
+    if docs is None:
+        docs = stdlib_corpus(max_bytes=1_500_000, include_docs=False)
+    train_docs, held_docs = split_documents(docs, val_fraction=val_fraction)
     tok = train_bpe_tokenizer((t for _, t in train_docs), vocab_size=1024)
     train_ids = encode_documents(tok, [t for _, t in train_docs]).long()
     held_ids = encode_documents(tok, [t for _, t in held_docs]).long()
@@ -173,7 +185,7 @@ def lm_task(seed: int, fast: bool) -> Task:
     held = held_ids[: (len(held_ids) // ctx) * ctx].view(-1, ctx)
     half = min(len(held) // 2, 48)
     cal_rows, test_rows = held[:half], held[half : 2 * half]
-    steps = 40 if fast else 400
+    steps = 40 if fast else steps
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(train_ids) - ctx, (steps, 16), generator=gen)
     train = [(train_ids[s[:, None] + torch.arange(ctx)],) * 2 for s in starts]
@@ -190,7 +202,7 @@ def lm_task(seed: int, fast: bool) -> Task:
         return GPT2LMHeadModel(cfg)
 
     return Task(
-        "tiny_gpt2", make_model, [(x, y) for x, y in train], rows(cal_rows), rows(test_rows),
+        name, make_model, [(x, y) for x, y in train], rows(cal_rows), rows(test_rows),
         epochs=1, adamw_lr=1e-3, shift=True, classification=False,
     )  # fmt: skip
 

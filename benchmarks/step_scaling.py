@@ -89,5 +89,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         functional.SNR_AVERAGE_BETA = library_beta
     return table
 
+
 if __name__ == "__main__":
     main()

@@ -56,3 +56,20 @@ def test_calibration_split_rows_come_from_the_last_fifth_of_training() -> None:
     assert temp != 1.0
     evon = rows["EVON default calibrated BMA@32"][0]
     assert math.isfinite(evon["nll"]) and evon["accuracy"] >= 0.8  # 3 classes: chance is 1/3
+
+
+def test_a_tasks_own_calibration_split_adds_no_rows_without_the_flag(monkeypatch) -> None:
+    """payoff.py's LM task carries a calibration split of its own (the tiny Llama's and the prose
+    GPT-2's base): the calibrated columns appear with ``--calibration-split`` only."""
+    import copy
+
+    task = transfer.payoff_tasks.lm_task(0, fast=True)  # its tokenizer trained once
+    assert task.cal
+    task.train = task.train[:10]
+    monkeypatch.setitem(transfer.TASKS, "fast_lm", lambda seed: copy.copy(task))
+    argv = ["--tasks", "fast_lm", "--seeds", "1", "--methods", "EVON default"]
+    assert set(transfer.main(argv)["fast_lm"]) == {"EVON default"}
+    assert set(transfer.main([*argv, "--calibration-split"])["fast_lm"]) == {
+        "EVON default",
+        "EVON default calibrated BMA@32",
+    }
