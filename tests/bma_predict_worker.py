@@ -15,6 +15,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from datasets import Dataset
 from torch import nn
 
@@ -78,6 +79,9 @@ def main(out: str) -> None:
              "evaluate": metrics, "evaluate_chunked": chunked_metrics},
             os.path.join(out, "rank0.pt"),
         )
+    if dist.is_initialized():
+        dist.barrier()
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 if __name__ == "__main__":

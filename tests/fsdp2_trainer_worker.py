@@ -28,6 +28,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharded_trainer_worker as base  # noqa: E402
@@ -142,6 +143,9 @@ def main(out: str, mode: str) -> None:
         if mode == "fsdp2":
             enable_fsdp_on_cpu()
         train(out, world, rank, mode)
+    if dist.is_initialized():
+        dist.barrier()
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 from launcher import finish  # noqa: E402

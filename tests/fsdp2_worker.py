@@ -274,6 +274,8 @@ def main(out: str) -> None:
         except Exception:  # noqa: BLE001 - reported to the test
             result["refusals_crash"] = traceback.format_exc()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 from launcher import finish  # noqa: E402

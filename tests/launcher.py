@@ -72,17 +72,14 @@ def runs_per_world(
 
 
 def finish() -> None:
-    """End a worker whose results are saved (the last call of its ``__main__``): wait for every
-    rank where a process group is up, flush, then ``os._exit(0)``, before any DDP or process-group
-    destructor runs. Destroying a gloo process group from Python can deadlock: gdb on a hung worker
-    showed the main thread, holding the GIL, in ~Reducer -> ~ProcessGroupGloo joining gloo's runloop
-    thread, which waited for the GIL to destroy an AsyncAllgatherWork; other runs aborted there
-    ("terminate called without an active exception"). Both failed clean-clone CI runs of finished,
-    passing tests."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    """End a worker whose results are saved, before any DDP or process-group destructor runs:
+    flush, then ``os._exit(0)`` (workers call it right after their final barrier). Destroying a
+    gloo process group from Python can deadlock: gdb on a hung worker showed the main thread, holding
+    the GIL, in ~Reducer -> ~ProcessGroupGloo joining gloo's runloop thread, which waited for the GIL
+    to destroy an AsyncAllgatherWork; other runs aborted there ("terminate called without an active
+    exception"). Both failed clean-clone CI runs of finished, passing tests. So a worker calls it
+    inside ``main`` after its barrier, while ``main``'s frame still holds the DDP models: returning
+    from ``main`` first would release them, and their destructors are the ones that hang."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

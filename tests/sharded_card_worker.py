@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from transformers import PretrainedConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +35,10 @@ def main(out: str) -> None:
     print(f"rank {rank}: trained", file=sys.stderr, flush=True)  # where a hang stopped, if one does
     trainer.create_model_card(model_name="sharded-card")  # every rank, as run_glue.py does
     print(f"rank {rank}: card done", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        print(f"rank {rank}: finished", file=sys.stderr, flush=True)
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 from launcher import finish  # noqa: E402

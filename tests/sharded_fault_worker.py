@@ -34,6 +34,8 @@ def main(out: str) -> None:
     except RuntimeError as err:
         message = str(err)
     torch.save({"message": message}, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 from launcher import finish  # noqa: E402

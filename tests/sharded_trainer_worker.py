@@ -11,6 +11,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from datasets import Dataset
 from torch import nn
 
@@ -87,6 +88,9 @@ def main(out: str) -> None:
     resumed = run(os.path.join(out, "resumed"), world, resume=os.path.join(out, "first", "checkpoint-2"))
     again = {n: p.detach().clone() for n, p in resumed.model.named_parameters()}
     torch.save({"weights": weights, "resumed": again, "stats": stats}, os.path.join(out, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 from launcher import finish  # noqa: E402

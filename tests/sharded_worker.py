@@ -121,6 +121,8 @@ def main(out: str) -> None:
     train(model3, ddp3, opt3, 0, 3, rank, world, frozen)
     result["frozen"] = frozen
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
 from launcher import finish  # noqa: E402
