@@ -6,7 +6,9 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 transfer = pytest.importorskip("default_transfer")
@@ -39,8 +41,6 @@ def test_missing_license_text_names_the_file(tmp_path) -> None:
 def test_calibration_split_rows_come_from_the_last_fifth_of_training() -> None:
     """``--calibration-split``: every method trains on the first 80% of the training batches, and
     AdamW + temperature is AdamW's test split at the temperature fitted on the last 20%."""
-    import torch
-
     results = transfer.main(["--tasks", "iris", "--seeds", "1", "--methods", "AdamW", "EVON default", "--calibration-split"])
     rows = results["iris"]
     assert set(rows) == {"AdamW", "AdamW + temperature", "EVON default", "EVON default calibrated BMA@32"}
@@ -73,3 +73,31 @@ def test_a_tasks_own_calibration_split_adds_no_rows_without_the_flag(monkeypatch
         "EVON default",
         "EVON default calibrated BMA@32",
     }
+
+
+@pytest.mark.skipif(not os.path.isdir("/usr/share/common-licenses"), reason="no Debian license texts")
+def test_noisy_license_task_splits_and_relabels_every_split() -> None:
+    """70% of the sentences train, the rest is halved into calibration and test, and 30% of every
+    split's labels are redrawn uniformly: 24% of them end changed (a redraw keeps 1 in 5)."""
+    texts, clean = transfer.license_sentences()
+    task = transfer.minilm_license_noisy_lora(0)
+    splits = {"train": task.train, "cal": task.cal, "test": task.test}
+    sizes = {k: sum(len(y) for _, y in v) for k, v in splits.items()}
+    assert sizes["train"] == int(0.7 * len(texts)) and abs(sizes["cal"] - sizes["test"]) <= 1
+    assert sum(sizes.values()) == len(texts)
+    labels = torch.cat([y for v in splits.values() for _, y in v])
+    assert labels.min() >= 0 and labels.max() < len(transfer.LICENSES)
+    order = np.random.RandomState(0).permutation(len(texts))
+    cut = int(0.7 * len(texts))
+    held = [clean[i] for i in order[cut:]]
+    halves = torch.randperm(len(held), generator=torch.Generator().manual_seed(0)).tolist()  # text_task's
+    want = {
+        "train": [clean[i] for i in order[:cut]],
+        "cal": [held[i] for i in halves[: len(held) // 2]],
+        "test": [held[i] for i in halves[len(held) // 2 :]],
+    }
+    for name, batches in splits.items():
+        changed = (torch.cat([y for _, y in batches]) != torch.tensor(want[name])).double().mean().item()
+        sd = (0.24 * 0.76 / sizes[name]) ** 0.5  # binomial: 0.24 ± 4.5 standard deviations
+        assert abs(changed - 0.24) < 4.5 * sd, (name, changed)
+    assert task.epochs == 20 and task.adamw_lr == 1e-3
