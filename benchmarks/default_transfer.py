@@ -240,6 +240,16 @@ def license_sentences(directory: str = "/usr/share/common-licenses") -> tuple[li
     return texts, labels
 
 
+def license_split(seed: int) -> tuple[tuple[list[str], list[int]], tuple[list[str], list[int]]]:
+    """((texts, labels) to train on, (texts, labels) held out): the license sentences, 70/30 in a
+    per-seed random order."""
+    texts, labels = license_sentences()
+    order = np.random.RandomState(seed).permutation(len(labels))
+    cut = int(0.7 * len(order))
+    pick = lambda ix: ([texts[i] for i in ix], [labels[i] for i in ix])  # noqa: E731
+    return pick(order[:cut]), pick(order[cut:])
+
+
 def minilm_license(lora: bool) -> Callable[[int], Task]:
     """MiniLM fine-tuned to tell which license a sentence comes from (5 classes, 481 sentences,
     70/30 split per seed; batch 16, 3 epochs), all weights or LoRA (payoff.py's model and config)."""
@@ -248,17 +258,14 @@ def minilm_license(lora: bool) -> Callable[[int], Task]:
         import finetune_classification as fc
         from transformers import AutoTokenizer
 
-        texts, labels = license_sentences()
-        order = np.random.RandomState(seed).permutation(len(labels))
         tok = AutoTokenizer.from_pretrained(fc.minilm_path())
-        pick = lambda ix: ([texts[i] for i in ix], [labels[i] for i in ix])  # noqa: E731
-        cut = int(0.7 * len(order))
+        train, held = license_split(seed)
         return Task(
             "minilm_license_lora" if lora else "minilm_license_full",
             lambda s: payoff_tasks.minilm_model(len(LICENSES), s, lora),
-            payoff_tasks.text_batches(tok, *pick(order[:cut]), 16),
+            payoff_tasks.text_batches(tok, *train, 16),
             [],
-            payoff_tasks.text_batches(tok, *pick(order[cut:]), 64),
+            payoff_tasks.text_batches(tok, *held, 64),
             3,
             1e-3 if lora else FINETUNING_LR,
             False,
@@ -272,13 +279,8 @@ def minilm_license_noisy_lora(seed: int) -> Task:
     """The license task as Table 2's noisy fine-tunings are made (payoff_tasks.text_task): LoRA at
     1e-3, 30% of every split's labels random (drawn per seed), 20 epochs; the 30% held out per seed
     halved into calibration and test (72 sentences each)."""
-    texts, labels = license_sentences()
-    order = np.random.RandomState(seed).permutation(len(labels)).tolist()
-    cut = int(0.7 * len(order))
-    pick = lambda ix: ([texts[i] for i in ix], [labels[i] for i in ix])  # noqa: E731
-    return payoff_tasks.text_task(
-        "minilm_license_noisy_lora", pick(order[:cut]), pick(order[cut:]), len(LICENSES), True, seed, 20, 0.3
-    )
+    train, held = license_split(seed)
+    return payoff_tasks.text_task("minilm_license_noisy_lora", train, held, len(LICENSES), True, seed, 20, 0.3)
 
 
 TASKS: dict[str, Callable[[int], Task]] = {
@@ -350,11 +352,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
     for name in args.tasks:
         rows = results.setdefault(name, {})
         for seed in range(args.seeds):
-            task = TASKS[name](seed)
+            task = prose_gpt2(seed, args.lm_steps) if name == "prose_gpt2" else TASKS[name](seed)
             if name == "minilm_license_full":
                 task.adamw_lr = args.finetuning_lr
-            if name == "prose_gpt2" and args.lm_steps != 400:
-                task = prose_gpt2(seed, args.lm_steps)
             if args.calibration_split:
                 cut = round(0.8 * len(task.train))
                 task.cal, task.train = task.train[cut:], task.train[:cut]
