@@ -766,9 +766,9 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     labels = out.sequences[:, 1:]
     scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=7)
     assert scored.token_log_probs.shape == labels.shape and bool(scored.mask.all())
-    for t in range(new):
+    for t in range(new):  # two float32 computations of one log p̄, each within the float32 reference's error
         want = log_mean_probs(out)[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
-        torch.testing.assert_close(scored.token_log_probs[:, t], want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(scored.token_log_probs[:, t], want, atol=2 * error(float32_scores) + 1e-6, rtol=0)
     assert_unchanged(model, before)
 
 

@@ -222,9 +222,17 @@ def generate_bma(
         with _on_the_predictive(gen_model, posterior, num_samples, input_ids.device, token_seed) as cache:
             # the class's generate: the instance's may be a wrapper that routes here
             # (EVONSeq2SeqTrainer.predict(bma=True))
+            generation_kwargs[_cache_keyword(gen_model)] = cache
             return type(gen_model).generate(
-                gen_model, input_ids=input_ids, attention_mask=attention_mask, cache=cache, **generation_kwargs
+                gen_model, input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs
             )
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes its KV cache: ``cache`` where the forward
+    has one (transformers 5.24's models), else ``past_key_values`` (5.17's). 5.17's ``generate``
+    rejects ``cache`` as an unused model argument; 5.24's takes ``past_key_values`` with a warning."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @contextlib.contextmanager
