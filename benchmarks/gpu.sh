@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks in one go (about 6 minutes on an H100), logs and JSON under $OUT
+# The GPU benchmarks in one go (about 7 minutes on an H100), logs and JSON under $OUT
 # (default ./gpu-results). Works from a source checkout without installing: the repository root
 # goes on PYTHONPATH. On a machine without network, carry the SOAP baseline's wheel in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl pytorch-optimizer
@@ -28,6 +28,8 @@ python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 --arch t5 --sa
 python3 benchmarks/generate_bma.py --device cuda --dtype bfloat16 --arch t5 --samples 8 --batch-sizes 1 \
     --num-beams 4 2>&1 | tee "$OUT/generate_bma_t5_beams.log"
 python3 benchmarks/step_profile.py --device cuda 2>&1 | tee "$OUT/step_profile.log"
+# the refresh's QR variants on the refresh batch and patched into the step, and the step without a refresh
+python3 benchmarks/eigenbasis_refresh.py 2>&1 | tee "$OUT/eigenbasis_refresh.log"
 # EVON's step alone vs the naive per-matrix EVON, 48 GPT-2-small block matrices on the GPU (the op and
 # FLOP counts are device-independent: measured on CPU, see the module docstring)
 python3 benchmarks/optimizer_flops.py --device cuda --skip ops flops --time-width 768 --time-blocks 12 \

@@ -28,6 +28,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,19 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from optimizer_step import EVON_SETTINGS  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=10, help="profiled steps (after 12 warm-up and 30 timed)")
-    args = ap.parse_args()
-    cuda = args.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+def gpt2_block_step(device: str, **settings: object) -> tuple[EVON, Callable[[], None]]:
+    """EVON over GPT-2's block matrices (GPT-2 small on CUDA, a 1-layer 128-wide one elsewhere) at
+    ``EVON_SETTINGS`` updated by ``settings``, and a function that samples and sets random gradients."""
     torch.manual_seed(0)
     torch.set_float32_matmul_precision("high")
+    cuda = device == "cuda"
     config = GPT2Config(n_positions=1024) if cuda else GPT2Config(n_layer=1, n_embd=128, n_head=2, vocab_size=256)
-    model = GPT2LMHeadModel(config).to(args.device)
+    model = GPT2LMHeadModel(config).to(device)
     groups = [g for g in build_param_groups(model) if g["algorithm"] == "evon"]
-    opt = EVON([{"params": g["params"]} for g in groups], **EVON_SETTINGS)
+    opt = EVON([{"params": g["params"]} for g in groups], **{**EVON_SETTINGS, **settings})
     params = [p for g in groups for p in g["params"]]
 
     def sample_and_grad() -> None:
@@ -60,6 +58,18 @@ def main() -> None:
             for p in params:
                 p.grad = torch.randn_like(p) * 1e-3
 
+    return opt, sample_and_grad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=10, help="profiled steps (after 12 warm-up and 30 timed)")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    opt, sample_and_grad = gpt2_block_step(args.device)
+    params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(12):
         sample_and_grad()
         opt.step()

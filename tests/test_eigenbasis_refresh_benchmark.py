@@ -1,0 +1,46 @@
+"""benchmarks/eigenbasis_refresh.py: each QR pass it times against the library's is a CholeskyQR
+pass (the same Q), and its patch of the library's pass is undone, also after an error."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from test_linalg import assert_is_q_of, with_condition_number
+
+from hf_evon.optim import linalg
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+refresh = pytest.importorskip("eigenbasis_refresh")
+
+
+@pytest.mark.parametrize("name", list(refresh.PASSES))
+def test_every_pass_gives_the_librarys_q(name: str) -> None:
+    # 256 columns: linalg.gram's blocked product splits them once (halves of GRAM_MIN_BLOCK); at
+    # κ = 1e6 the last columns of Q move by ~κ·ε ≈ 2e-10 under another order of rounding
+    a = with_condition_number(2, 2 * linalg.GRAM_MIN_BLOCK, 1e6, seed=11)
+    want, failed = linalg.cholesky_qr(a)
+    with refresh.patched_pass(refresh.PASSES[name]):
+        got, failed_too = linalg.cholesky_qr(a)
+    assert not failed.any() and not failed_too.any()
+    for i in range(2):
+        assert_is_q_of(got[i], a[i], tol=1e-9)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+def test_the_recursive_inverse_of_a_lower_factor_is_its_inverse() -> None:
+    a = with_condition_number(3, 300, 1e3, seed=12)
+    low = torch.linalg.cholesky(a.mT @ a)
+    inverse = refresh.lower_inverse(low)  # 300 -> 150 -> 75: two levels of blocks, then solves
+    torch.testing.assert_close(inverse @ low, torch.eye(300, dtype=low.dtype).expand(3, 300, 300), rtol=0, atol=1e-9)
+    assert torch.equal(inverse, inverse.tril())
+
+
+def test_the_patch_is_undone_after_an_error() -> None:
+    library_pass = linalg._cholesky_qr_pass
+    with pytest.raises(RuntimeError, match="inside"), refresh.patched_pass(refresh.qr_pass_blocked_gram):
+        assert linalg._cholesky_qr_pass is refresh.qr_pass_blocked_gram
+        raise RuntimeError("inside")
+    assert linalg._cholesky_qr_pass is library_pass
