@@ -53,7 +53,6 @@ def test_a_cpu_checkpoint_resumes_on_cuda_with_the_step_counts_on_the_gpu() -> N
         torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-3, atol=1e-4, msg=name)
 
 
-
 def test_seeded_sampling_on_the_cpu_leaves_the_gpus_generator_alone() -> None:
     """A seeded ``generate_bma`` call seeds only the generator it draws tokens from: a call on the
     CPU with a GPU present left the GPU's generator reseeded (``torch.manual_seed`` seeds all)."""
