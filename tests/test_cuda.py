@@ -65,3 +65,28 @@ def test_seeded_sampling_on_the_cpu_leaves_the_gpus_generator_alone() -> None:
     state = torch.cuda.get_rng_state()
     generate_bma(model, posterior, PROMPTS, num_samples=2, seed=3, max_new_tokens=3, do_sample=True, pad_token_id=0)
     assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
+def test_the_trainer_on_cuda_trains_as_on_the_cpu(tmp_path) -> None:
+    """``EVONTrainer`` on the GPU (its optimizer state, the AdamW groups' fused kernel, the saved
+    posterior) follows the CPU run step for step; no noise (ess = inf), so the runs compare."""
+    from test_trainer import classification_rows, config, tiny_bert
+
+    from hf_evon import EVONPosterior, EVONTrainer
+
+    weights, posteriors = {}, {}
+    for device in ("cpu", "cuda"):
+        args = config(tmp_path / device, use_cpu=device == "cpu", evon_ess=float("inf"), max_steps=4)
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_rows(32))
+        trainer.train()
+        assert {p.device.type for p in trainer.model.parameters()} == {device}
+        trainer.save_model()
+        weights[device] = {n: p.detach().cpu() for n, p in trainer.model.named_parameters()}
+        posteriors[device] = EVONPosterior.from_pretrained(args.output_dir)
+    for name, p in weights["cpu"].items():
+        torch.testing.assert_close(weights["cuda"][name], p, rtol=1e-3, atol=1e-4, msg=name)
+    assert posteriors["cuda"].names == posteriors["cpu"].names
+    for name in posteriors["cpu"].names:
+        want = posteriors["cpu"][name].hess
+        got = posteriors["cuda"][name].hess.cpu()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3 * float(want.abs().max()), msg=name)

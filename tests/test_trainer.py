@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 from launcher import torchrun
 from transformers import (
     BertConfig,
@@ -28,6 +27,11 @@ from transformers import (
 from hf_evon import EVON, EVONConfig, EVONTrainer, build_optimizer
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
 from hf_evon.predictive.metrics import calibration_metrics
+
+try:  # tests/test_cuda.py borrows the fixtures below on machines without datasets
+    from datasets import Dataset
+except ImportError:  # pragma: no cover
+    Dataset = None
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,11 +62,15 @@ def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def classification_data(n: int = 48, seed: int = 0) -> Dataset:
+def classification_rows(n: int = 48, seed: int = 0) -> list[dict[str, list[int] | int]]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 100, (n, 8), generator=g)
     labels = ids[:, 1] % 3  # learnable from the second token
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return [{"input_ids": i, "labels": y} for i, y in zip(ids.tolist(), labels.tolist(), strict=True)]
+
+
+def classification_data(n: int = 48, seed: int = 0) -> Dataset:
+    return Dataset.from_list(classification_rows(n, seed))
 
 
 def lm_data(n: int = 24, seed: int = 0, length: int = 12) -> Dataset:
