@@ -230,8 +230,8 @@ def generate_bma(
 
 def _cache_keyword(model: nn.Module) -> str:
     """The keyword under which ``model``'s forward takes its KV cache: ``cache`` where the forward
-    has one (transformers 5.24's models), else ``past_key_values`` (5.17's). 5.17's ``generate``
-    rejects ``cache`` as an unused model argument; 5.24's takes ``past_key_values`` with a warning."""
+    has one (transformers from 5.24), else ``past_key_values`` (before 5.24, whose ``generate``
+    rejects ``cache`` as an unused model argument; 5.24's takes ``past_key_values`` with a warning)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
