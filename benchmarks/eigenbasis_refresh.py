@@ -28,10 +28,11 @@ the others, and 20.6 ms without a refresh.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,13 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_profile import gpt2_block_step  # noqa: E402
 
 Tensor = torch.Tensor
+QrPass = Callable[..., tuple[Tensor, Tensor]]  # (A, shift=None) -> (Q, Cholesky info), as linalg's pass
 # below this side a block's triangular inverse is one solve against the identity
 INVERSE_BLOCK = 128
-
-
-def solve_right(a: Tensor, low: Tensor) -> Tensor:
-    """``A L⁻ᵀ`` as the library forms it: a right-sided triangular solve."""
-    return torch.linalg.solve_triangular(low.mT, a, upper=True, left=False)
 
 
 def solve_left(a: Tensor, low: Tensor) -> Tensor:
@@ -98,9 +95,7 @@ def qr_pass_blocked_gram(a: Tensor, shift: Tensor | None = None) -> tuple[Tensor
     return torch.linalg.solve_triangular(low, y, upper=False).mT, info
 
 
-
-
-def qr_pass_with(solve: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., tuple[Tensor, Tensor]]:
+def qr_pass_with(solve: Callable[[Tensor, Tensor], Tensor]) -> QrPass:
     """A stand-in for ``linalg._cholesky_qr_pass`` whose solve is ``solve``."""
 
     def qr_pass(a: Tensor, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -113,9 +108,8 @@ def qr_pass_with(solve: Callable[[Tensor, Tensor], Tensor]) -> Callable[..., tup
     return qr_pass
 
 
-QrPass = Callable[..., tuple[Tensor, Tensor]]
 PASSES: dict[str, QrPass] = {
-    "right solve (library)": qr_pass_with(solve_right),
+    "right solve (library)": linalg._cholesky_qr_pass,
     "left solve": qr_pass_with(solve_left),
     "inverse, product": qr_pass_with(inverse_then_product),
     "recursive inverse, product": qr_pass_with(recursive_inverse_then_product),
@@ -123,18 +117,15 @@ PASSES: dict[str, QrPass] = {
 }
 
 
-class patched_pass:
+@contextlib.contextmanager
+def patched_pass(qr_pass: QrPass) -> Iterator[None]:
     """``linalg._cholesky_qr_pass`` replaced inside the block (``cholesky_qr`` looks it up per call)."""
-
-    def __init__(self, qr_pass: QrPass) -> None:
-        self.qr_pass = qr_pass
-
-    def __enter__(self) -> None:
-        self.saved = linalg._cholesky_qr_pass
-        linalg._cholesky_qr_pass = self.qr_pass
-
-    def __exit__(self, *exc: object) -> None:
-        linalg._cholesky_qr_pass = self.saved
+    saved = linalg._cholesky_qr_pass
+    linalg._cholesky_qr_pass = qr_pass
+    try:
+        yield
+    finally:
+        linalg._cholesky_qr_pass = saved
 
 
 def synchronize(device: str) -> None:
