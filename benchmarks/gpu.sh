@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one go (about 7 minutes on an H100), logs and JSON under $OUT
 # (default ./gpu-results). Works from a source checkout without installing: the repository root
-# goes on PYTHONPATH. On a machine without network, carry the SOAP baseline's wheel in .whl/:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl pytorch-optimizer
-# (transformers >= 5.17 with huggingface_hub 1.x, torch >= 2.4, accelerate, safetensors must be there).
+# goes on PYTHONPATH. On a machine without network, carry in .whl/ the SOAP baseline's wheel and, where
+# the machine's transformers is older than pyproject.toml's floor (5.19; the lent GPU image had 5.17),
+# a newer transformers (its other requirements, huggingface_hub, tokenizers, safetensors, were met there):
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl pytorch-optimizer transformers==5.24.0
+# (torch >= 2.5 and accelerate must be there; datasets need not be).
 # BASE=DIR also measures another version's package, DIR/hf_evon, on the same machine (EVON's step and
 # its profile; timings from different GPUs do not compare). From a checkout, in an ignored folder
 # that the device call carries:  mkdir -p .base && git archive REV hf_evon | tar -x -C .base
