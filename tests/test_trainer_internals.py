@@ -9,7 +9,9 @@ from __future__ import annotations
 import inspect
 import os
 
+import pytest
 import torch
+import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 from test_trainer import classification_data, config, tiny_bert, tiny_gpt2
 from transformers import Trainer, TrainerCallback
@@ -124,6 +126,14 @@ def test_training_step_takes_a_loss_scaled_for_ga_as_is(tmp_path):
         trainer.training_step(trainer.model, dict(batch), None)
         grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[1] * 4, grads[0], rtol=1e-5, atol=1e-8)
+
+
+def test_a_trainer_without_the_switch_is_refused_by_version(tmp_path, monkeypatch):
+    """A Trainer from before transformers 5.19 lacks ``loss_is_scaled_for_ga``: the EVON trainer
+    refuses it when built, naming the version it needs, instead of failing in its first step."""
+    monkeypatch.delattr(Trainer, "loss_is_scaled_for_ga")
+    with pytest.raises(ImportError, match=rf"EVONTrainer needs transformers >= 5\.19; found {transformers.__version__}"):
+        EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(8))
 
 
 def test_trainer_decides_whether_the_loss_shifts_labels(tmp_path):

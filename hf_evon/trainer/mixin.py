@@ -94,6 +94,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.utils import logging
@@ -181,6 +182,8 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         calibration_dataset: Any = None,
         **kwargs: Any,
     ) -> None:
+        if not hasattr(self, "loss_is_scaled_for_ga"):  # the Trainer's switch, from transformers 5.19 on
+            raise ImportError(f"{type(self).__name__} needs transformers >= 5.19; found {transformers.__version__}")
         args = self._evon_arguments(args)
         if calibration_dataset is not None and calibration_dataset is kwargs.get("eval_dataset"):
             raise ValueError(
@@ -220,14 +223,8 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         name = pretrained_name(self.model) if full_finetuning else ""
         self.args = copy.copy(self.args)  # the caller's config stays unset, for its next trainer
         self.args.learning_rate = FINETUNING_LEARNING_RATE if full_finetuning else SCRATCH_LEARNING_RATE
-        logger.info(
-            f"EVONConfig.learning_rate = {self.args.learning_rate} (unset: "
-            + (
-                f"full fine-tuning of the pretrained {name!r})"
-                if full_finetuning
-                else "training from scratch or through PEFT)"
-            )
-        )
+        how = f"full fine-tuning of the pretrained {name!r}" if full_finetuning else "training from scratch or through PEFT"
+        logger.info(f"EVONConfig.learning_rate = {self.args.learning_rate} (unset: {how})")
 
     def _evon_arguments(self, args: TrainingArguments | None) -> EVONConfig:
         """``args`` as an EVON config; plain arguments are converted, with a warning."""
