@@ -60,6 +60,7 @@ import hf_evon
 from hf_evon import EVONPosterior
 from hf_evon.optim import build_param_groups
 from hf_evon.optim.buckets import matrix_shape, preconditioned_sides
+from hf_evon.optim.defaults import DEFAULT_MAX_PRECOND_RATIO
 from hf_evon.posterior.gaussian import orthonormality_error
 from hf_evon.posterior.posterior import POSTERIOR_WEIGHTS_NAME, MatrixFactors
 
@@ -72,6 +73,10 @@ def _orthogonal(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.kron(qa, qb).float()
 
 
+# EVON's defaults for which sides get a basis
+EVON_SIDES = {"max_precond_dim": 4096, "max_precond_ratio": DEFAULT_MAX_PRECOND_RATIO, "identity_basis": False}
+
+
 def direct_posterior(model: torch.nn.Module) -> EVONPosterior:
     groups = build_param_groups(model)
     evon = next(g for g in groups if g["algorithm"] == "evon")
@@ -79,7 +84,7 @@ def direct_posterior(model: torch.nn.Module) -> EVONPosterior:
     factors = {}
     for name, p in zip(evon["param_names"], evon["params"]):
         m, n = matrix_shape(p.shape)
-        left, right = preconditioned_sides(tuple(p.shape), 4096, False)
+        left, right = preconditioned_sides(tuple(p.shape), EVON_SIDES)
         factors[name] = MatrixFactors(
             Q_L=_orthogonal(m, gen) if left else None,
             Q_R=_orthogonal(n, gen) if right else None,

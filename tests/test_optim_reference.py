@@ -319,6 +319,8 @@ CASES = {
     "shampoo_beta": ({"shampoo_beta": 0.7, "betas": (0.5, 0.99)}, [(3, 5)]),
     "no_weight_decay": ({"weight_decay": 0.0}, [(3, 5)]),
     "one_sided": ({"max_precond_dim": 4}, [(3, 6), (6, 3), (1, 4), (7, 5)]),
+    # 3×6 and 6×3: the 6-wide side is more than 1.5× the other (identity); 3×4 keeps both bases
+    "wide_sides": ({"max_precond_ratio": 1.5}, [(3, 6), (6, 3), (3, 4), (4, 1, 2, 2)]),
     "vector": ({}, [(6,), (3, 5)]),
     "conv": ({}, [(4, 2, 2, 2), (3, 5)]),
     "identity_basis": ({"identity_basis": True}, [(3, 5), (4, 2)]),
@@ -375,8 +377,9 @@ def run_against_reference(
     for p, pr in zip(params, problems):
         m, n = matrix_view(pr.shape)
         identity = hp.get("identity_basis", False) or len(pr.shape) == 1
-        left = not identity and 1 < m <= hp["max_precond_dim"]
-        right = not identity and 1 < n <= hp["max_precond_dim"]
+        ratio = hp.get("max_precond_ratio", 128.0)
+        left = not identity and 1 < m <= hp["max_precond_dim"] and m <= ratio * n
+        right = not identity and 1 < n <= hp["max_precond_dim"] and n <= ratio * m
         mean = p.detach().to(F64).reshape(m, n)
         refs.append(ReferenceEVON(mean, left=left, right=right, store_dtype=dtype, **hp))
     parts = [
@@ -554,6 +557,8 @@ def test_matches_reference(case: str) -> None:
             (False, True),
             (False, False),
         ]
+    if case == "wide_sides":
+        assert [(r.left, r.right) for r in refs] == [(True, False), (False, True), (True, True), (True, True)]
     if case in ("vector", "identity_basis"):
         assert not refs[0].left and not refs[0].right
 

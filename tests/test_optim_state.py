@@ -14,6 +14,7 @@ from conftest import plain_evon
 from torch import nn
 
 from hf_evon import EVON, NonFiniteGradientError
+from hf_evon.optim import evon as evon_module
 
 F64 = torch.float64
 
@@ -342,28 +343,30 @@ def standard_normal_draws(opt: EVON, model: nn.Module, data, steps: int) -> list
     return out
 
 
-def test_every_rank_resumes_its_own_noise_from_a_checkpoint_saved_by_rank_0() -> None:
+def test_every_rank_resumes_its_own_noise_from_a_checkpoint_saved_by_rank_0(monkeypatch) -> None:
     """Under DDP only rank 0 writes the checkpoint; rank 1 must still continue its own stream."""
 
-    def on_rank(opt: EVON, rank: int) -> EVON:
-        opt._rank = lambda: rank  # what torch.distributed.get_rank() would say
-        return opt
+    def on_rank(rank: int) -> None:  # what torch.distributed.get_rank() would say
+        monkeypatch.setattr(evon_module, "process_rank", lambda: rank)
 
     data = make_data()
     total, stop = 7, 3
     model = make_model()
-    rank1 = on_rank(make_opt(model), 1)
+    on_rank(1)
+    rank1 = make_opt(model)
     train_step(model, rank1, data)  # the initialising step
     uninterrupted = standard_normal_draws(rank1, model, data, total)
 
     model = make_model()
-    rank0 = on_rank(make_opt(model), 0)
+    on_rank(0)
+    rank0 = make_opt(model)
     train_step(model, rank0, data)
     rank0_draws = standard_normal_draws(rank0, model, data, stop)
     checkpoint = roundtrip({"model": model.state_dict(), "optimizer": rank0.state_dict()})
 
     resumed_model = make_model(seed=42)
-    resumed = on_rank(make_opt(resumed_model, seed=7), 1)
+    on_rank(1)
+    resumed = make_opt(resumed_model, seed=7)
     resumed_model.load_state_dict(checkpoint["model"])
     resumed.load_state_dict(checkpoint["optimizer"])
     continued = standard_normal_draws(resumed, resumed_model, data, total - stop)
@@ -643,6 +646,55 @@ def test_noise_is_reproducible_from_the_seed() -> None:
     assert all(torch.equal(x, y) for x, y in zip(runs["a"][1], runs["b"][1]))
     assert not torch.equal(runs["a"][0]["param.2.weight"], runs["c"][0]["param.2.weight"])
     assert not any(torch.equal(x, y) for x, y in zip(runs["a"][1], runs["c"][1]))
+
+
+def wide_head(ratio: float | None = None) -> tuple[nn.Module, EVON, tuple]:
+    """A 3-wide MLP over 300 features with a 2-class head (a 2×3 matrix, not wide) and a 2×300
+    skip matrix, trained 4 steps; ``ratio``: its ``max_precond_ratio`` (None: the default)."""
+    torch.manual_seed(0)
+    body, skip = nn.Linear(300, 3, bias=False), nn.Linear(300, 2, bias=False)
+    extra = {} if ratio is None else {"max_precond_ratio": ratio}
+    opt = EVON([body.weight, skip.weight], lr=0.05, ess=64.0, precondition_frequency=2, seed=0, **extra)
+    X, y = torch.randn(16, 300), torch.randint(0, 2, (16,))
+    for _ in range(4):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(skip(X) + body(X)[:, :2], y).backward()
+        opt.step()
+        opt.zero_grad()
+    return body, opt, (X, y)
+
+
+def test_a_side_over_128_times_the_other_keeps_the_identity_basis() -> None:
+    """2×300: the 300 side is 150× the 2 side (over the default 128: no basis there); 3×300
+    (100×) keeps both; an infinite ratio keeps every basis."""
+    body, opt, _ = wide_head()
+    skip = opt.param_groups[0]["params"][1]
+    sides = lambda o, p: ("Q_L" in o.state[p], "Q_R" in o.state[p])  # noqa: E731
+    assert opt.param_groups[0]["max_precond_ratio"] == 128.0
+    assert sides(opt, body.weight) == (True, True) and sides(opt, skip) == (True, False)
+    _, unlimited, _ = wide_head(math.inf)
+    assert sides(unlimited, unlimited.param_groups[0]["params"][1]) == (True, True)
+
+
+def test_a_state_saved_without_max_precond_ratio_keeps_its_bases() -> None:
+    """A checkpoint from before the option has a 300×300 basis on the 2×300 matrix: loaded into
+    an optimizer with the default ratio, that matrix keeps it (no limit for such a group) and
+    goes on refreshing it."""
+    _, saved_opt, _ = wide_head(math.inf)
+    state = roundtrip(saved_opt.state_dict())
+    for group in state["param_groups"]:
+        del group["max_precond_ratio"]
+    body, opt, (X, y) = wide_head()
+    opt.load_state_dict(state)
+    skip = opt.param_groups[0]["params"][1]
+    before = opt.state[skip]["Q_R"].clone()
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(X @ skip.T + body(X)[:, :2], y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.state[skip]["Q_R"].shape == (300, 300)
+    assert not torch.equal(opt.state[skip]["Q_R"], before)  # refreshed (every 2 steps)
 
 
 # -------------------------------------------------------------------------- posterior

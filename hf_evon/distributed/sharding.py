@@ -65,7 +65,7 @@ def parameter_cost(p: Tensor, group: dict[str, Any]) -> float:
     if group.get("algorithm", "evon") != "evon":
         return float(p.numel())
     m, n = matrix_shape(p.shape)
-    left, right = preconditioned_sides(tuple(p.shape), group["max_precond_dim"], group["identity_basis"])
+    left, right = preconditioned_sides(tuple(p.shape), group)
     return float(m**3 * left + n**3 * right + m * n * ((m if left else 0) + (n if right else 0)) + m * n)
 
 
@@ -341,7 +341,7 @@ class EVONSharding(ShardingHooks):
                     total += 2 * p.numel() * p.element_size() + 4
                     continue
                 m, n = matrix_shape(p.shape)
-                left, right = preconditioned_sides(tuple(p.shape), g["max_precond_dim"], g["identity_basis"])
+                left, right = preconditioned_sides(tuple(p.shape), g)
                 total += size * (2 * m * n + 2 * (m * m * left + n * n * right) + 1)  # +1: exp_avg_sq_norm
         return total
 

@@ -38,6 +38,7 @@ __all__ = [
     "matrix_shape",
     "momentum_key",
     "preconditioned_sides",
+    "wide_sides",
     "stack_state",
     "state_dtype",
 ]
@@ -67,14 +68,23 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
     return int(shape[0]), int(math.prod(shape[1:]))
 
 
-def preconditioned_sides(
-    shape: tuple[int, ...], max_precond_dim: int, identity_basis: bool
-) -> tuple[bool, bool]:
-    """Which sides get an eigenbasis. 1-D tensors and IVON mode get none (``Q = I``)."""
-    if identity_basis or len(shape) <= 1:
+def wide_sides(m: int, n: int, ratio: float) -> tuple[bool, bool]:
+    """Whether the left and the right side of an m×n matrix are more than ``ratio`` times the
+    other side: a basis there would hold more than ``ratio`` entries per weight."""
+    return m > ratio * n, n > ratio * m
+
+
+def preconditioned_sides(shape: tuple[int, ...], group: dict[str, Any]) -> tuple[bool, bool]:
+    """Which sides of a parameter of ``shape`` get an eigenbasis under ``group``: none for 1-D
+    tensors and in IVON mode (``Q = I``), else each side that is neither above ``max_precond_dim``
+    nor wide by ``max_precond_ratio``. A group from a state dict saved without
+    ``max_precond_ratio`` has no ratio limit, so its saved bases still fit."""
+    if group["identity_basis"] or len(shape) <= 1:
         return False, False
     m, n = matrix_shape(shape)
-    return 1 < m <= max_precond_dim, 1 < n <= max_precond_dim
+    wide_left, wide_right = wide_sides(m, n, group.get("max_precond_ratio", math.inf))
+    cap = group["max_precond_dim"]
+    return 1 < m <= cap and not wide_left, 1 < n <= cap and not wide_right
 
 
 def is_dtensor(p: Tensor) -> bool:
@@ -369,9 +379,7 @@ def group_buckets(param_groups: list[dict[str, Any]]) -> list[Bucket]:
             continue
         for p in group["params"]:
             m, n = matrix_shape(p.shape)
-            left, right = preconditioned_sides(
-                tuple(p.shape), group["max_precond_dim"], group["identity_basis"]
-            )
+            left, right = preconditioned_sides(tuple(p.shape), group)
             key = (gi, p.device, m, n, left, right, state_dtype(p))
             if key not in buckets:
                 buckets[key] = Bucket(group, [], m, n, left, right, state_dtype(p))

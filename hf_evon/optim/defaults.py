@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_CLIP_RADIUS",
     "DEFAULT_FINETUNING_HESS_INIT",
     "DEFAULT_FINETUNING_LR",
+    "DEFAULT_MAX_PRECOND_RATIO",
     "DEFAULT_HESS_CLIP_RATIO",
     "DEFAULT_HESS_INIT",
     "DEFAULT_INIT_STD_RATIO",
@@ -78,6 +79,10 @@ DEFAULT_BETAS = (0.95, 0.995)
 DEFAULT_HESS_CLIP_RATIO = 2.0
 # the update's entry bound ("element") or entry RMS ("whiten_rms") per unit α (docs/defaults.md#clip)
 DEFAULT_CLIP_RADIUS = 0.01
+# a matrix side more than this many times its other side keeps the identity basis: its basis holds
+# that many entries per weight, and its rotations and refresh cost that many times the matrix's own
+# step (a CNN's 10×2048 head: 20× AdamW's training time with the basis; docs/defaults.md#max-precond-ratio)
+DEFAULT_MAX_PRECOND_RATIO = 128.0
 # torch.optim.AdamW's default, for the parameters EVON does not own
 DEFAULT_ADAMW_LR = 1e-3
 # TrainingArguments' default: full fine-tuning of a pretrained model

@@ -53,6 +53,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_HESS_ESTIMATOR,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
+    DEFAULT_MAX_PRECOND_RATIO,
     DEFAULT_SNR_SCALING,
     DEFAULT_STEP_CURVATURE,
 )
@@ -60,7 +61,7 @@ from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set
 from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, param_label, warn_health
 from hf_evon.optim.hooks import LOCAL, ShardingHooks
 from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std
-from hf_evon.optim.noise import StreamGenerators
+from hf_evon.optim.noise import StreamGenerators, process_rank
 from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
@@ -114,6 +115,7 @@ class EVON(Optimizer):
         mc_samples: posterior samples per step (the number of ``sampled_params`` blocks).
         precondition_frequency: refresh the eigenbases every f updates (one power step + QR).
         max_precond_dim: a side larger than this keeps the identity basis.
+        max_precond_ratio: so does a side more than this many times the matrix's other side.
         shampoo_beta: β3 for the statistics L and R (default: β2).
         hess_clip_ratio: γ of the adaptive Hessian clipping (None: off).
         clip: update clipping: "none" (the pure algorithm), "element" (|Δ_ij| ≤ radius),
@@ -154,6 +156,7 @@ class EVON(Optimizer):
         mc_samples: int = 1,
         precondition_frequency: int = 10,
         max_precond_dim: int = 4096,
+        max_precond_ratio: float = DEFAULT_MAX_PRECOND_RATIO,
         shampoo_beta: float | None = None,
         hess_clip_ratio: float | None = DEFAULT_HESS_CLIP_RATIO,
         clip: str | Clip = DEFAULT_CLIP,
@@ -266,13 +269,9 @@ class EVON(Optimizer):
         current block's noise streams."""
         return self._sample_blocks
 
-    def _rank(self) -> int:
-        dist = torch.distributed
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
     def _generator(self, device: torch.device) -> torch.Generator:
         """The noise generator of the current ``sampled_params`` block on ``device``."""
-        return self._streams.get(device, self.seed, self._rank(), self._sample_blocks, str(device))
+        return self._streams.get(device, self.seed, process_rank(), self._sample_blocks, str(device))
 
     @property
     def buckets(self) -> list[Bucket]:

@@ -6,7 +6,7 @@ import hashlib
 
 import torch
 
-__all__ = ["StreamGenerators", "derived_seed"]
+__all__ = ["StreamGenerators", "derived_seed", "process_rank"]
 
 
 def derived_seed(seed: int, *labels: object) -> int:
@@ -14,6 +14,12 @@ def derived_seed(seed: int, *labels: object) -> int:
     streams are independent of each other and of how many other streams were drawn."""
     text = "\x00".join(str(x) for x in (int(seed), *labels))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def process_rank() -> int:
+    """This process's rank in the default process group (0 outside one): each rank draws its own noise."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class StreamGenerators:

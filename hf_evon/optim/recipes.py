@@ -11,12 +11,18 @@ and every eigenbasis refreshed on the same steps, t % f == 0, as the paper's cod
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # the paper's algorithm: the Price (Stein) Hessian estimate, the per-entry Newton step, no SNR
-# step-size rule and no staggered refresh (hf-evon's additions)
+# step-size rule, no staggered refresh and an eigenbasis on every side up to max_precond_dim
+# (hf-evon's additions)
 PAPER_ALGORITHM: dict[str, Any] = dict(
-    hess_estimator="price", step_curvature="entry", snr_scaling=False, stagger_refresh=False
+    hess_estimator="price",
+    step_curvature="entry",
+    snr_scaling=False,
+    stagger_refresh=False,
+    max_precond_ratio=math.inf,
 )
 
 RECIPES: dict[str, dict[str, Any]] = {

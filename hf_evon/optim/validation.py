@@ -147,6 +147,9 @@ def validate_group(group: dict[str, Any]) -> None:
     for name in ("mc_samples", "precondition_frequency", "max_precond_dim"):
         if has(name):
             need(name, is_int(group[name]) and group[name] >= 1, "an integer >= 1")
+    if has("max_precond_ratio"):
+        ratio = group["max_precond_ratio"]
+        need("max_precond_ratio", is_real(ratio) and ratio >= 1.0, "a number >= 1 (float('inf'): no limit)")
     if has("shampoo_beta"):
         sb = group["shampoo_beta"]
         need("shampoo_beta", sb is None or (is_real(sb) and 0.0 <= sb < 1.0), "None or a number in [0, 1)")
@@ -229,6 +232,7 @@ GROUP_KEYS = (
     "mc_samples",
     "precondition_frequency",
     "max_precond_dim",
+    "max_precond_ratio",
     "shampoo_beta",
     "hess_clip_ratio",
     "clip",

@@ -42,11 +42,8 @@ WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
 
 
 class PosteriorMismatchError(ValueError):
-    """A posterior does not fit a model, or a posterior file is invalid.
-
-    The message always names the offending tensor (or config field), so a mismatch is
-    never silently skipped.
-    """
+    """A posterior does not fit a model, or a posterior file is invalid. The message always names
+    the offending tensor (or config field), so a mismatch is never silently skipped."""
 
 
 class TensorDtype(str, Enum):
@@ -418,6 +415,7 @@ class PosteriorConfig:
     mc_samples: int | None = _optional(_integer(1))
     precondition_frequency: int | None = _optional(_integer(1))
     max_precond_dim: int | None = _optional(_integer(0))
+    max_precond_ratio: float | None = _optional(_number)
     shampoo_beta: float | None = _optional(_number, nullable=True)
     hess_clip_ratio: float | None = _optional(_number, nullable=True)
     clip: str | None = _optional(_string)

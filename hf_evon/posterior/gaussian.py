@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import state_dtype as compute_dtype  # float32 math; float64 stays float64
+from hf_evon.optim.buckets import wide_sides
 from hf_evon.optim.linalg import exact_float32_matmul, rotated_std, rotated_variance, unrotate
 from hf_evon.optim.noise import derived_seed
 
@@ -209,6 +210,7 @@ def polar_step(q: Tensor) -> Tensor:
 # then cost at most this many times the weight's own m×n. Wider sides (the d×d input side of
 # an r×d LoRA matrix, 48× for MiniLM; GPT-2's 4d×4d MLP side, 4×) hold most of a full
 # posterior's bytes; dropping them keeps every marginal variance (see ``drop_wide_bases``).
+# EVON's steps keep bases up to its ``max_precond_ratio`` (128), with the same rule.
 DEFAULT_MAX_BASIS_RATIO = 3.0
 
 
@@ -222,9 +224,8 @@ def drop_wide_bases(group: FactorGroup, max_basis_ratio: float) -> FactorGroup:
     of ``Q_R ⊙ Q_R`` sum to 1), independent of ζ, so ``with_ess`` stays exact. The left side
     is the transpose. Marginals ``Var(W) = Q_L² V Q_R²ᵀ`` are then unchanged.
     """
-    m, n = group.m, group.n
-    right = group.q_right is not None and n > max_basis_ratio * m
-    left = group.q_left is not None and m > max_basis_ratio * n
+    wide_left, wide_right = wide_sides(group.m, group.n, max_basis_ratio)
+    left, right = group.q_left is not None and wide_left, group.q_right is not None and wide_right
     if not (left or right):
         return group
     wide = torch.float64  # the harmonic mean in float64: H spans many decades

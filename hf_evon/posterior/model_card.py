@@ -74,6 +74,7 @@ _HYPERPARAMETER_ROWS = (
     ("hess_clip_ratio", "`hess_clip_ratio` (adaptive Hessian clipping γ)"),
     ("shampoo_beta", "`shampoo_beta` (β3 of the L/R statistics)"),
     ("max_precond_dim", "`max_precond_dim`"),
+    ("max_precond_ratio", "`max_precond_ratio`"),
     ("phased_gradients", "`phased_gradients`"),
     ("identity_basis", "`identity_basis` (IVON mode)"),
     (

@@ -25,6 +25,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_HESS_CLIP_RATIO,
     DEFAULT_HESS_ESTIMATOR,
     DEFAULT_INIT_STD_RATIO,
+    DEFAULT_MAX_PRECOND_RATIO,
     DEFAULT_PRIOR_STD_RATIO,
     DEFAULT_STEP_CURVATURE,
     STEP_RATIOS,
@@ -162,6 +163,13 @@ class EVONConfig(TrainingArguments):
         default=4096,
         metadata={
             "help": "A matrix side larger than this keeps the identity basis (no eigenbasis on that side)."
+        },
+    )
+    evon_max_precond_ratio: float = field(
+        default=DEFAULT_MAX_PRECOND_RATIO,
+        metadata={
+            "help": "So does a side more than this many times the matrix's other side (its basis would "
+            "hold that many entries per weight); inf: no limit."
         },
     )
     evon_hess_clip_ratio: float | None = field(
@@ -325,6 +333,7 @@ class EVONConfig(TrainingArguments):
         "evon_mc_samples": "mc_samples",
         "evon_precondition_frequency": "precondition_frequency",
         "evon_max_precond_dim": "max_precond_dim",
+        "evon_max_precond_ratio": "max_precond_ratio",
         "evon_hess_clip_ratio": "hess_clip_ratio",
         "evon_hess_estimator": "hess_estimator",
         "evon_curvature_refit": "curvature_refit",
@@ -505,6 +514,7 @@ class EVONConfig(TrainingArguments):
             "mc_samples": self.evon_mc_samples,
             "precondition_frequency": self.evon_precondition_frequency,
             "max_precond_dim": self.evon_max_precond_dim,
+            "max_precond_ratio": self.evon_max_precond_ratio,
             "shampoo_beta": self.evon_shampoo_beta,
             "hess_clip_ratio": self.evon_hess_clip_ratio,
             "hess_estimator": self.evon_hess_estimator,
