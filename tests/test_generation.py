@@ -200,7 +200,7 @@ def test_zero_variance_equals_generate(strategy, gpt2, arch, num_samples):
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "bart"])
 @pytest.mark.parametrize(
     "processing",
-    [dict(repetition_penalty=1.3), dict(exponential_decay_length_penalty=(1, 2.0), eos_token_id=2)],
+    [dict(repetition_penalty=2.0), dict(exponential_decay_length_penalty=(1, 2.0), eos_token_id=2)],
     ids=["repetition_penalty", "length_penalty"],
 )
 def test_zero_variance_equals_generate_under_processors_that_read_the_logits_scale(gpt2, arch, processing):
