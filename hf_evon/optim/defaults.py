@@ -81,7 +81,7 @@ DEFAULT_HESS_CLIP_RATIO = 2.0
 DEFAULT_CLIP_RADIUS = 0.01
 # a matrix side more than this many times its other side keeps the identity basis: its basis holds
 # that many entries per weight, and its rotations and refresh cost that many times the matrix's own
-# step (a CNN's 10×2048 head: 20× AdamW's training time with the basis; docs/defaults.md#max-precond-ratio)
+# step (a CNN's 10×2048 head: its run 17–20× longer with that basis; docs/defaults.md#max-precond-ratio)
 DEFAULT_MAX_PRECOND_RATIO = 128.0
 # torch.optim.AdamW's default, for the parameters EVON does not own
 DEFAULT_ADAMW_LR = 1e-3
