@@ -775,7 +775,6 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     picked = out.sequences[:, 1:]
     _, ref_scores = reference_seq2seq_greedy([m.double() for m in copies], ids, mask, start, new, picked)
     _, float32_scores = reference_seq2seq_greedy([m.float() for m in copies], ids, mask, start, new, picked)
-    assert_reference_argmax(picked, ref_scores)
 
     def error(scores):  # the largest deviation of unprocessed log p̄ from the float64 reference
         return max(float((a.double() - b).abs().max()) for a, b in zip(scores, ref_scores, strict=True))
@@ -783,7 +782,10 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     # these tiny random models are ill-conditioned (log p̄ to about -16): float32 itself is ~1e-3
     # off, so the bound is the float32 reference's own error times FLOAT32_SPREAD; a wrong sample
     # or mask is off by O(1)
-    assert error(log_mean_probs(out)) <= FLOAT32_SPREAD * error(float32_scores) + 1e-6
+    off = error(log_mean_probs(out))
+    assert off <= FLOAT32_SPREAD * error(float32_scores) + 1e-6
+    # each pick is generate_bma's own argmax, so it trails the reference's by at most twice that error
+    assert_reference_argmax(picked, ref_scores, tol=2 * off + 1e-6)
     # what generate's own outputs carry: per-sample encoder and decoder attentions (S·B rows)
     assert type(out).__name__ == "GenerateEncoderDecoderOutput"
     assert out.encoder_attentions[0].shape[0] == num_samples * 2
@@ -939,4 +941,9 @@ def test_beams_from_the_models_generation_config():
     kwargs = dict(max_new_tokens=8, eos_token_id=None, num_samples=3, seed=1)
     from_config = generate_bma(model, posterior, PROMPTS, **kwargs)
     assert torch.equal(from_config, generate_bma(model, posterior, PROMPTS, num_beams=3, **kwargs))
-    assert not torch.equal(from_config, generate_bma(model, posterior, PROMPTS, num_beams=1, **kwargs))
+    # beams were searched: generate's beam output (whether the beams' best equals the greedy
+    # sequence depends on float32 near-ties, so the output type is what tells)
+    searched = generate_bma(model, posterior, PROMPTS, return_dict_in_generate=True, **kwargs)
+    assert type(searched).__name__ == "GenerateBeamEncoderDecoderOutput" and torch.equal(searched.sequences, from_config)
+    greedy = generate_bma(model, posterior, PROMPTS, num_beams=1, return_dict_in_generate=True, **kwargs)
+    assert type(greedy).__name__ == "GenerateEncoderDecoderOutput"
