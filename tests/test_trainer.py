@@ -296,7 +296,17 @@ def test_gradient_accumulation_equals_larger_batch_deterministic(tmp_path, kind)
     pa, pb = params(big.model), params(acc.model)
     moved = 0
     for name in pa:
-        torch.testing.assert_close(pb[name], pa[name], rtol=2e-5, atol=2e-6, msg=name)
+        a, b = pa[name], pb[name]
+        if name.endswith("attn.c_attn.bias"):
+            # GPT-2's key bias: attention is invariant to a shift of every key, so its gradient is
+            # zero in exact arithmetic and what moves it is rounding, which Adam's normalisation
+            # scales up: kept small either way, compared no further
+            width = big.model.config.n_embd
+            assert float(a[width : 2 * width].abs().max()) < 1e-4 and float(b[width : 2 * width].abs().max()) < 1e-4
+            keep = torch.ones_like(a, dtype=torch.bool)
+            keep[width : 2 * width] = False
+            a, b = a[keep], b[keep]
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6, msg=name)
         moved += not torch.equal(pa[name], params(make())[name])
     assert moved > 10
     la = [h["loss"] for h in big.state.log_history if "loss" in h]
