@@ -5,6 +5,7 @@ identity basis (docs/defaults.md#max-precond-ratio). Two models where that happe
 a few steps at the default and with every basis (``max_precond_ratio=inf``):
 
     cnn    default_transfer.py's digits CNN: two 3×3 convolutions, a 10×2048 head, batch 32
+           (``--cnn-channels 16``: the second convolution 16 wide, a 10×1024 head)
     lora   LoRA (rank 8, on q_proj and v_proj) of a 2-layer Llama of width ``--width`` (2048 by
            default: the 8×2048 and 2048×8 adapters' wide side), 4 sequences of 64 tokens
 
@@ -15,6 +16,7 @@ trainable parameters is the baseline.
 
     python benchmarks/wide_sides.py
     python benchmarks/wide_sides.py --models lora --width 4096
+    python benchmarks/wide_sides.py --models cnn --cnn-channels 16 --ratio 64
 
 Figures: docs/defaults.md#max-precond-ratio.
 """
@@ -34,11 +36,11 @@ from hf_evon import build_optimizer
 WARMUP, TIMED = 10, 20  # the initialising step and one refresh cycle, then two cycles timed
 
 
-def cnn(seed: int) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+def cnn(seed: int, channels: int = 32) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(seed)
     model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(32 * 64, 10),
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, channels, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(channels * 64, 10),
     )  # fmt: skip
     return model, (torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,)))
 
@@ -82,11 +84,10 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 OPTIMIZERS = {"AdamW": None, "EVON default": {}, "EVON every basis": {"max_precond_ratio": math.inf}}
 
 
-def measure(build, optimizer: str) -> dict[str, float]:  # noqa: ANN001
-    """One of ``OPTIMIZERS`` on the model ``build()`` returns."""
+def measure(build, extra: dict | None) -> dict[str, float]:  # noqa: ANN001
+    """EVON with keyword arguments ``extra`` (None: torch's AdamW) on the model ``build()`` returns."""
     model, batch = build()
     params = [p for p in model.parameters() if p.requires_grad]
-    extra = OPTIMIZERS[optimizer]
     if extra is None:
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3)
         sampled = None
@@ -114,16 +115,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["cnn", "lora"], choices=["cnn", "lora"])
     ap.add_argument("--width", type=int, default=2048, help="the Llama's hidden size (a multiple of 128)")
+    ap.add_argument("--cnn-channels", type=int, default=32, help="the CNN's second convolution's width")
+    ap.add_argument("--ratio", type=float, help="also EVON at this max_precond_ratio")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    builds = {"cnn": lambda: cnn(0), "lora": lambda: lora(0, args.width)}
+    optimizers = dict(OPTIMIZERS)
+    if args.ratio is not None:
+        optimizers[f"EVON ratio {args.ratio:g}"] = {"max_precond_ratio": args.ratio}
+    builds = {"cnn": lambda: cnn(0, args.cnn_channels), "lora": lambda: lora(0, args.width)}
     out: dict[str, dict[str, dict[str, float]]] = {}
     print("| model | optimizer | state MB | bytes per trained parameter | step ms |")
     print("|---|---|---|---|---|")
     for name in args.models:
         rows = out.setdefault(name, {})
-        for label in OPTIMIZERS:
-            r = rows[label] = measure(builds[name], label)
+        for label, extra in optimizers.items():
+            r = rows[label] = measure(builds[name], extra)
             print(
                 f"| {name} | {label} | {r['state_bytes'] / 2**20:.2f} | {r['bytes_per_param']:.1f} | "
                 f"{1e3 * r['step_s']:.1f} |",

@@ -23,3 +23,14 @@ def test_the_cnn_heads_wide_basis_and_statistic_are_the_whole_difference(monkeyp
     trainable = sum(p.numel() for p in wide_sides.cnn(0)[0].parameters())
     assert default["bytes_per_param"] == pytest.approx(default["state_bytes"] / trainable, rel=1e-12)
     assert math.isfinite(rows["AdamW"]["step_s"]) and rows["AdamW"]["state_bytes"] > 0
+
+
+def test_a_lower_ratio_drops_a_narrower_heads_basis(monkeypatch) -> None:
+    """``--cnn-channels 16``: a 10×1024 head (ratio 102.4) keeps its basis at the default 128 and
+    loses exactly its 1024×1024 basis and statistic at ``--ratio 64``."""
+    monkeypatch.setattr(wide_sides, "WARMUP", 2)
+    monkeypatch.setattr(wide_sides, "TIMED", 1)
+    rows = wide_sides.main(["--models", "cnn", "--cnn-channels", "16", "--ratio", "64"])["cnn"]
+    assert rows["EVON default"]["state_bytes"] == rows["EVON every basis"]["state_bytes"]
+    assert rows["EVON default"]["state_bytes"] - rows["EVON ratio 64"]["state_bytes"] == 2 * 1024 * 1024 * 4
+    assert "EVON ratio 64" not in wide_sides.OPTIMIZERS  # a run's extra row stays in that run
