@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hf_evon import build_optimizer
+from hf_evon.distributed.sharding import optimizer_state_bytes
 
 WARMUP, TIMED = 10, 20  # the initialising step and one refresh cycle, then two cycles timed
 
@@ -68,18 +69,6 @@ def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return nn.functional.cross_entropy(model(x), y)
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``opt.state``, each storage once (EVON's entries are views of
-    stacked bucket tensors)."""
-    seen: dict[int, int] = {}
-    for entries in opt.state.values():
-        for value in entries.values():
-            if torch.is_tensor(value):
-                storage = value.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 # optimizer -> EVON's keyword arguments besides the defaults (None: torch's AdamW)
 OPTIMIZERS = {"AdamW": None, "EVON default": {}, "EVON every basis": {"max_precond_ratio": math.inf}}
 
@@ -107,7 +96,7 @@ def measure(build, extra: dict | None) -> dict[str, float]:  # noqa: ANN001
         if step >= WARMUP:
             times.append(time.perf_counter() - start)
     trainable = sum(p.numel() for p in params)
-    nbytes = state_bytes(opt)
+    nbytes = optimizer_state_bytes(opt)
     return {"state_bytes": nbytes, "bytes_per_param": nbytes / trainable, "step_s": statistics.fmean(times)}
 
 

@@ -648,53 +648,54 @@ def test_noise_is_reproducible_from_the_seed() -> None:
     assert not any(torch.equal(x, y) for x, y in zip(runs["a"][1], runs["c"][1]))
 
 
-def wide_head(ratio: float | None = None) -> tuple[nn.Module, EVON, tuple]:
-    """A 3-wide MLP over 300 features with a 2-class head (a 2×3 matrix, not wide) and a 2×300
-    skip matrix, trained 4 steps; ``ratio``: its ``max_precond_ratio`` (None: the default)."""
+def wide_step(opt: EVON, body: nn.Linear, skip: nn.Linear, data: tuple) -> None:
+    """One step of ``wide_head``'s model: two maps of the 300 features summed into 2 logits."""
+    X, y = data
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(skip(X) + body(X)[:, :2], y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def wide_head(ratio: float | None = None) -> tuple[EVON, nn.Linear, nn.Linear, tuple]:
+    """Two linear maps of 300 features, 3×300 (``body``, 100×) and 2×300 (``skip``, 150×), summed
+    into 2 logits and trained 4 steps; ``ratio``: EVON's ``max_precond_ratio`` (None: the default)."""
     torch.manual_seed(0)
     body, skip = nn.Linear(300, 3, bias=False), nn.Linear(300, 2, bias=False)
     extra = {} if ratio is None else {"max_precond_ratio": ratio}
     opt = EVON([body.weight, skip.weight], lr=0.05, ess=64.0, precondition_frequency=2, seed=0, **extra)
-    X, y = torch.randn(16, 300), torch.randint(0, 2, (16,))
+    data = (torch.randn(16, 300), torch.randint(0, 2, (16,)))
     for _ in range(4):
-        with opt.sampled_params(train=True):
-            nn.functional.cross_entropy(skip(X) + body(X)[:, :2], y).backward()
-        opt.step()
-        opt.zero_grad()
-    return body, opt, (X, y)
+        wide_step(opt, body, skip, data)
+    return opt, body, skip, data
 
 
 def test_a_side_over_128_times_the_other_keeps_the_identity_basis() -> None:
     """2×300: the 300 side is 150× the 2 side (over the default 128: no basis there); 3×300
     (100×) keeps both; an infinite ratio keeps every basis."""
-    body, opt, _ = wide_head()
-    skip = opt.param_groups[0]["params"][1]
+    opt, body, skip, _ = wide_head()
     sides = lambda o, p: ("Q_L" in o.state[p], "Q_R" in o.state[p])  # noqa: E731
     assert opt.param_groups[0]["max_precond_ratio"] == 128.0
-    assert sides(opt, body.weight) == (True, True) and sides(opt, skip) == (True, False)
-    _, unlimited, _ = wide_head(math.inf)
-    assert sides(unlimited, unlimited.param_groups[0]["params"][1]) == (True, True)
+    assert sides(opt, body.weight) == (True, True) and sides(opt, skip.weight) == (True, False)
+    unlimited, _, skip, _ = wide_head(math.inf)
+    assert sides(unlimited, skip.weight) == (True, True)
 
 
 def test_a_state_saved_without_max_precond_ratio_keeps_its_bases() -> None:
     """A checkpoint from before the option has a 300×300 basis on the 2×300 matrix: loaded into
     an optimizer with the default ratio, that matrix keeps it (no limit for such a group) and
     goes on refreshing it."""
-    _, saved_opt, _ = wide_head(math.inf)
+    saved_opt = wide_head(math.inf)[0]
     state = roundtrip(saved_opt.state_dict())
     for group in state["param_groups"]:
         del group["max_precond_ratio"]
-    body, opt, (X, y) = wide_head()
+    opt, body, skip, data = wide_head()
     opt.load_state_dict(state)
-    skip = opt.param_groups[0]["params"][1]
-    before = opt.state[skip]["Q_R"].clone()
+    before = opt.state[skip.weight]["Q_R"].clone()
     for _ in range(2):
-        with opt.sampled_params(train=True):
-            nn.functional.cross_entropy(X @ skip.T + body(X)[:, :2], y).backward()
-        opt.step()
-        opt.zero_grad()
-    assert opt.state[skip]["Q_R"].shape == (300, 300)
-    assert not torch.equal(opt.state[skip]["Q_R"], before)  # refreshed (every 2 steps)
+        wide_step(opt, body, skip, data)
+    assert opt.state[skip.weight]["Q_R"].shape == (300, 300)
+    assert not torch.equal(opt.state[skip.weight]["Q_R"], before)  # refreshed (every 2 steps)
 
 
 # -------------------------------------------------------------------------- posterior

@@ -168,8 +168,8 @@ class EVONConfig(TrainingArguments):
     evon_max_precond_ratio: float = field(
         default=DEFAULT_MAX_PRECOND_RATIO,
         metadata={
-            "help": "So does a side more than this many times the matrix's other side (its basis would "
-            "hold that many entries per weight); inf: no limit."
+            "help": "A matrix side more than this many times the other side keeps the identity basis too "
+            "(its basis would hold that many entries per weight); inf: no limit."
         },
     )
     evon_hess_clip_ratio: float | None = field(
