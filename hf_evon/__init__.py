@@ -31,6 +31,8 @@ _PUBLIC = {
     "brier_score": "predictive",
     "expected_calibration_error": "predictive",
     "negative_log_likelihood": "predictive",
+    "predictive_uncertainty": "predictive",
+    "PredictiveUncertainty": "predictive",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -4,8 +4,8 @@ Trains a small classifier for 2 steps, then predicts 20 rows in batches of 4 per
 processes the last global batch holds 4 rows and 4 duplicates that must be dropped), once in one
 chunk of batches and once in chunks of one batch (``SAMPLE_PASS_CHUNK_BYTES = 1``), and evaluates
 the same rows both ways; then predicts with chunks each process would size differently. Rank 0
-saves the outputs, the metrics and the BMA probabilities computed directly from the posterior's
-samples.
+saves the outputs, the metrics, ``predict_uncertainty``'s entropies and the BMA probabilities and
+entropies computed directly from the posterior's samples.
 Usage: ``torch.distributed.run --nproc_per_node W bma_predict_worker.py OUT_DIR``.
 """
 
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launcher import finish  # noqa: E402
 
 from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
+from hf_evon.predictive.uncertainty import predictive_uncertainty  # noqa: E402
 from hf_evon.trainer import evaluation  # noqa: E402
 
 ROWS, SEEDS = 20, (3, 4)
@@ -58,6 +59,7 @@ def main(out: str) -> None:
     trainer.train()
     test = data(ROWS, seed=2)
     whole, metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
+    uncertainty = trainer.predict_uncertainty(test)
     evaluation.SAMPLE_PASS_CHUNK_BYTES = 1
     chunked, chunked_metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
     # processes that size their chunks differently (rank 0 one batch, the others three) must agree
@@ -73,10 +75,12 @@ def main(out: str) -> None:
             with posterior.sampled(model, seed=seed):
                 probs.append(torch.softmax(model(x)["logits"].double(), -1))
     direct = torch.stack(probs).mean(0)
+    direct_uncertainty = predictive_uncertainty(torch.stack(probs).log())
     if rank == 0:
         torch.save(
             {"whole": whole, "chunked": chunked, "uneven": uneven, "direct": direct, "labels": test["labels"],
-             "evaluate": metrics, "evaluate_chunked": chunked_metrics},
+             "evaluate": metrics, "evaluate_chunked": chunked_metrics, "uncertainty": uncertainty,
+             "direct_uncertainty": direct_uncertainty},
             os.path.join(out, "rank0.pt"),
         )
     if dist.is_initialized():

@@ -11,6 +11,8 @@ import torch
 from test_trainer import _direct_bma, classification_data, config, lm_data, tiny_bert, tiny_gpt2
 
 from hf_evon import EVONTrainer
+from hf_evon.predictive.calibration import CalibrationResult
+from hf_evon.predictive.uncertainty import PredictiveUncertainty, predictive_uncertainty
 
 
 def _trained(tmp_path, make=tiny_bert, train=None, evaluation=None, **overrides) -> EVONTrainer:
@@ -226,6 +228,94 @@ def test_predict_bma_causal_lm(tmp_path):
     assert out.metrics["test_bma_perplexity"] == pytest.approx(math.exp(bma_nll), rel=1e-5)
 
 
+# the trainer's float32 logits in batches against the direct ones of all rows at once differ by
+# about 1e-7, which an entropy carries as an absolute error of the same order (measured up to 3e-7)
+ENTROPY_ATOL = 1e-6
+
+
+def _direct_uncertainty(trainer, posterior, batch, seeds, temperature=1.0):
+    """The decomposition computed directly: one sampled forward per seed, stacked."""
+    trainer.model.eval()
+    logps = []
+    with torch.no_grad():
+        for seed in seeds:
+            with posterior.sampled(trainer.model, seed=seed):
+                logps.append(torch.log_softmax(trainer.model(**batch).logits.double() / temperature, -1))
+    return predictive_uncertainty(torch.stack(logps))
+
+
+def test_predict_uncertainty_classification_equals_a_direct_computation(tmp_path):
+    trainer = _trained(tmp_path, bma_num_samples=3)
+    test = classification_data(40, seed=2)  # batches of 16, 16, 8
+    out = trainer.predict_uncertainty(test)
+    batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
+    expected = _direct_uncertainty(trainer, trainer.current_posterior(), batch, (3, 4, 5))
+    assert isinstance(out.predictions, PredictiveUncertainty)
+    for got, want in zip(out.predictions, expected, strict=True):
+        assert got.shape == (40,)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=ENTROPY_ATOL)
+    assert float(expected.epistemic.min()) > 0  # the samples disagree: a part that can be wrong
+    np.testing.assert_array_equal(out.label_ids, np.asarray(test["labels"]))
+    bma = trainer.predict(test, bma=True).metrics
+    assert out.metrics == pytest.approx(bma, rel=1e-9)  # the same passes' {prefix}_bma_* metrics
+
+
+def test_predict_uncertainty_draws_at_the_trained_scale_unless_asked(tmp_path):
+    """A calibration that keeps the mean (ess = inf) leaves samples that never disagree;
+    predict_uncertainty draws at the trained scale, at the calibrated temperature."""
+    trained = _trained(tmp_path, bma_num_samples=3)
+    posterior = trained.current_posterior()
+    kept_mean = CalibrationResult(
+        ess=math.inf, trained_ess=posterior.ess, grid=[posterior.ess], nll=[1.0], mean_nll=0.9,
+        num_samples=3, num_targets=40, seed=0, temperature=1.5,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=trained.model, args=config(tmp_path / "c", bma_num_samples=3, bma_seed=3),
+        posterior=kept_mean.apply(posterior),
+    )  # fmt: skip
+    test = classification_data(24, seed=2)
+    batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
+    out = trainer.predict_uncertainty(test)
+    expected = _direct_uncertainty(trainer, posterior, batch, (3, 4, 5), temperature=1.5)
+    for got, want in zip(out.predictions, expected, strict=True):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=ENTROPY_ATOL)
+    calibrated = trainer.predict_uncertainty(test, calibrated_scale=True).predictions
+    np.testing.assert_array_equal(calibrated.epistemic, np.zeros(24, dtype=np.float32))
+    mean = _direct_uncertainty(trainer, posterior.with_ess(math.inf), batch, (0,), temperature=1.5)
+    np.testing.assert_allclose(calibrated.total, mean.total.numpy(), rtol=1e-5, atol=ENTROPY_ATOL)
+    np.testing.assert_allclose(calibrated.aleatoric, calibrated.total, rtol=1e-6)
+
+
+def test_predict_uncertainty_of_a_causal_lm_is_per_position(tmp_path):
+    trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(8, seed=1), bma_num_samples=2, bma_seed=0)
+    test = lm_data(6, seed=2)
+    out = trainer.predict_uncertainty(test)
+    batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
+    expected = _direct_uncertainty(trainer, trainer.current_posterior(), batch, (0, 1))
+    for got, want in zip(out.predictions, expected, strict=True):
+        assert got.shape == (6, 12)
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=ENTROPY_ATOL)
+
+
+def test_predict_uncertainty_needs_a_softmax(tmp_path):
+    from datasets import Dataset
+
+    def data(n: int, seed: int) -> Dataset:
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        return Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 1].double() / 100).tolist()})
+
+    def make() -> torch.nn.Module:
+        model = tiny_bert(num_labels=1)
+        model.config.problem_type = "regression"
+        return model
+
+    trainer = _trained(tmp_path, make, data(32, 0), data(16, 1), eval_strategy="no")
+    with pytest.raises(ValueError, match="one softmax output .* of kind 'value'"):
+        trainer.predict_uncertainty(data(8, 2))
+    with pytest.raises(ValueError, match=r"predict_uncertainty\(\) needs a posterior"):
+        EVONTrainer(model=tiny_bert(), args=config(tmp_path / "u")).predict_uncertainty(classification_data(8))
+
+
 def test_predict_bma_needs_a_posterior_and_samples(tmp_path):
     untrained = EVONTrainer(model=tiny_bert(), args=config(tmp_path), eval_dataset=classification_data(8))
     with pytest.raises(ValueError, match="needs a posterior"):
@@ -368,7 +458,8 @@ def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, wor
     earlier ones, so each batch's kept rows are fixed when it is read: both chunkings return the 20
     rows once, in order, as the posterior's samples give them directly, and evaluate()'s BMA NLL is
     theirs. Processes whose first batches would size their chunks differently agree on one size
-    (their gathers pair up in order), with the same predictions."""
+    (their gathers pair up in order), with the same predictions. predict_uncertainty's entropies
+    come through the same gathers, each row once."""
     from launcher import torchrun
 
     torchrun(world, os.path.join(os.path.dirname(__file__), "bma_predict_worker.py"), str(tmp_path))
@@ -385,3 +476,6 @@ def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, wor
     nll = -saved["direct"].log().gather(1, labels[:, None]).mean().item()  # the 20 rows, each once
     for key in ("evaluate", "evaluate_chunked"):
         assert saved[key]["eval_bma_nll"] == pytest.approx(nll, rel=1e-6), key
+    for got, want in zip(saved["uncertainty"].predictions, saved["direct_uncertainty"], strict=True):
+        assert got.shape == (20,)  # every row once: the duplicates padding the last batch dropped
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=ENTROPY_ATOL)

@@ -1,5 +1,6 @@
-"""Predictions under the posterior: BMA decoding and likelihoods, calibration, metrics, and the
-log-probability helpers they share (:mod:`hf_evon.predictive.logprobs`)."""
+"""Predictions under the posterior: BMA decoding and likelihoods, calibration, metrics, the
+epistemic/aleatoric split of the predictive's entropy, and the log-probability helpers they share
+(:mod:`hf_evon.predictive.logprobs`)."""
 
 from hf_evon.predictive.calibration import CalibrationResult, calibrate_posterior
 from hf_evon.predictive.generation import BMALogLikelihood, bma_log_likelihood, generate_bma
@@ -10,10 +11,12 @@ from hf_evon.predictive.metrics import (
     expected_calibration_error,
     negative_log_likelihood,
 )
+from hf_evon.predictive.uncertainty import PredictiveUncertainty, predictive_uncertainty
 
 __all__ = [
     "BMALogLikelihood",
     "CalibrationResult",
+    "PredictiveUncertainty",
     "accuracy",
     "bma_log_likelihood",
     "brier_score",
@@ -22,4 +25,5 @@ __all__ = [
     "expected_calibration_error",
     "generate_bma",
     "negative_log_likelihood",
+    "predictive_uncertainty",
 ]

@@ -238,12 +238,12 @@ def sample_passes(
     transform: Callable[[Tensor, Tensor | None], Tensor],
     description: str,
     average: Callable[[], Any] = LogMeanExp,
-) -> Iterator[tuple[Tensor, dict[str, Any], int]]:
+) -> Iterator[tuple[Any, dict[str, Any], int]]:
     """One pass per seed (None: the posterior mean) over ``dataloader``'s batches; yields, per batch,
-    ``log p̄`` (``transform`` of each pass's logits, averaged in probability), the inputs and the
-    batch's gathered rows to keep (:func:`_kept_rows`; gather with ``accelerator.gather`` and cut).
-    ``average`` makes each batch's accumulator (``add``/``value``; :class:`ValueMean` averages the
-    values themselves).
+    its accumulator of ``transform`` of each pass's logits (made by ``average``: ``add``/``value``;
+    :class:`LogMeanExp`'s ``value()`` is ``log p̄``, :class:`ValueMean` averages the values
+    themselves), the inputs and the batch's gathered rows to keep (:func:`_kept_rows`; gather with
+    ``accelerator.gather`` and cut).
 
     The loader is read once, in chunks of batches (``SAMPLE_PASS_CHUNK_BYTES``); each chunk gets
     the passes of every seed before the next is read, each sample drawn (``posterior.sampled``)
@@ -288,9 +288,10 @@ def sample_passes(
                             accumulated[index].add(forward(inputs))
                             bar.update(1)
             for index, inputs in enumerate(chunk):
-                value = accumulated[index].value()
+                done = accumulated[index]
                 accumulated[index] = chunk[index] = None  # type: ignore[call-overload]
-                yield value, inputs, rows[index]
+                yield done, inputs, rows[index]
+                del done  # the caller's alone: one chunk's accumulators alive at a time
 
 
 class PosteriorEvaluation:
@@ -414,8 +415,8 @@ class PosteriorEvaluation:
 
             description = f"BMA evaluation ({len(seeds)} posterior samples)"
             passes = dataloader if bma_dataloader is None else bma_dataloader()
-            for logp, inputs, rows in sample_passes(trainer, passes, posterior, seeds, transform, description):
-                bma.add(logp, inputs["labels"], rows)
+            for done, inputs, rows in sample_passes(trainer, passes, posterior, seeds, transform, description):
+                bma.add(done.value(), inputs["labels"], rows)
             metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
         return metrics
 

@@ -13,6 +13,7 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
+from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
 from hf_evon.trainer.evaluation import (
     MetricAccumulator,
     float64_log_softmax,
@@ -38,7 +39,7 @@ def _output_kind(model: nn.Module) -> str | None:
 
 
 def bma_predict(
-    trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test"
+    trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test", uncertainty: bool = False
 ) -> PredictionOutput:
     """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
     for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
@@ -51,6 +52,12 @@ def bma_predict(
     A model whose output has several distributions and no ``logits`` (extractive QA:
     ``start_logits``, ``end_logits``) gets a tuple of averaged probabilities in that order, as
     ``Trainer.predict`` returns its logits.
+
+    ``uncertainty=True`` (a softmax's classes only): ``predictions`` is a
+    :class:`~hf_evon.predictive.uncertainty.PredictiveUncertainty` of arrays instead, every input's
+    (an LM's: every position's) total, aleatoric and epistemic entropy, shaped like the logits
+    without their classes (padded with -100 as the probabilities are); your ``compute_metrics``,
+    which reads probabilities, is not called.
     """
     args = trainer.args
     # a posterior without noise: every sample is the mean, and one pass is their average
@@ -85,11 +92,18 @@ def bma_predict(
         return tuple(map(transform_one, logits))
 
     def average() -> Any:
+        if uncertainty:
+            if kind != "softmax" or outputs != 1:
+                raise ValueError(
+                    "predict_uncertainty needs a model with one softmax output (a classifier or an LM); "
+                    f"this model's output is {outputs} distribution(s) of kind {kind!r}"
+                )
+            return UncertaintyAccumulator()
         make = LogMeanExp if kind == "softmax" else ValueMean
         return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
 
-    def gathered(values: Tensor, rows: int) -> Tensor:
-        if values.ndim >= 3:
+    def gathered(values: Tensor, rows: int, classes: bool = True) -> Tensor:
+        if values.ndim >= (3 if classes else 2):  # sequences: as long as the longest process's
             values = pad(values, dim=1, pad_index=-100)
         return gathered_rows(trainer.accelerator, values, rows)
 
@@ -104,7 +118,10 @@ def bma_predict(
             probs = trainer.preprocess_logits_for_metrics(probs, labels)
         return tuple(gathered(p, rows) for p in probs) if isinstance(probs, tuple) else gathered(probs, rows)
 
-    for logp, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
+    for done, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
+        logp = done.value()
+        entropies = done.uncertainty() if uncertainty else None
+        del done  # one chunk's accumulators alive at a time
         labels = inputs.get("labels")
         if isinstance(logp, tuple):  # several distributions: one array of predictions each, no metrics
             parts = collected(logp, labels, rows)
@@ -116,19 +133,24 @@ def bma_predict(
         checked = True
         if metrics_acc is not None and isinstance(labels, Tensor):
             metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels, rows)
-        probs = collected(logp, labels, rows)
-        predictions = probs if predictions is None else nested_concat(predictions, probs, padding_index=-100)
+        if entropies is not None:
+            parts = tuple(gathered(x.float(), rows, classes=False) for x in entropies)
+        else:
+            parts = collected(logp, labels, rows)
+        predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
         if isinstance(labels, Tensor):
             if labels.ndim >= 2:
                 labels = pad(labels, dim=1, pad_index=-100)
             labels = gathered_rows(trainer.accelerator, labels, rows)
             label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
-    if isinstance(predictions, tuple):
+    if uncertainty and predictions is not None:
+        predictions = PredictiveUncertainty(*(p.numpy() for p in predictions))
+    elif isinstance(predictions, tuple):
         predictions = tuple(p.numpy() for p in predictions)
     elif predictions is not None:
         predictions = predictions.numpy()
     label_ids = None if label_ids is None else np.asarray(label_ids.numpy())
-    metrics = _user_metrics(trainer, predictions, label_ids, metric_key_prefix)
+    metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix)
     if metrics_acc is not None:
         merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
@@ -148,7 +170,7 @@ def _user_metrics(trainer: Any, predictions: Any, label_ids: Any, prefix: str) -
 
 
 class PredictionMixin:
-    """``predict(bma=True)`` of :class:`~hf_evon.trainer.EVONTrainerMixin`: BMA predictions."""
+    """``predict(bma=True)`` and ``predict_uncertainty`` of :class:`~hf_evon.trainer.EVONTrainerMixin`."""
 
     def predict(
         self,
@@ -170,6 +192,27 @@ class PredictionMixin:
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         posterior = self._bma_posterior("predict(bma=True)")
         return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
+
+    def predict_uncertainty(
+        self, test_dataset: Any, metric_key_prefix: str = "test", calibrated_scale: bool = False
+    ) -> PredictionOutput:
+        """Each input's uncertainty under ``bma_num_samples`` posterior samples: ``predictions`` is a
+        :class:`~hf_evon.predictive.uncertainty.PredictiveUncertainty` of arrays (``total``,
+        ``aleatoric``, ``epistemic``: entropies in nats, one per input, an LM's one per position),
+        ``label_ids`` the labels, ``metrics`` the ``{prefix}_bma_*`` metrics (:func:`bma_predict`).
+
+        ``epistemic`` (the samples' disagreement) is what flags inputs unlike the training data.
+        The samples are drawn at the noise scale EVON trained, at the calibrated temperature: a
+        calibration chooses its scale by the NLL on data like the training data and often keeps
+        the mean, whose samples never disagree (docs/usage.md#epistemic-uncertainty).
+        ``calibrated_scale=True`` draws at the calibrated scale, as ``predict(bma=True)`` does.
+        """
+        posterior = self._bma_posterior("predict_uncertainty()")
+        trained = posterior.config.get("trained_ess")  # set by a calibration (CalibrationResult.apply)
+        if not calibrated_scale and trained is not None and float(trained) != posterior.ess:
+            posterior = posterior.with_ess(float(trained))
+        dataloader = self.get_test_dataloader(test_dataset)
+        return bma_predict(self, dataloader, posterior, metric_key_prefix, uncertainty=True)
 
     def _bma_posterior(self, caller: str) -> Any:
         """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where

@@ -1,0 +1,103 @@
+"""What the posterior's samples say about each prediction: the entropy of the BMA predictive,
+split into the entropy each sample's prediction already has and the samples' disagreement.
+
+For S posterior samples with predictive distributions ``p_s`` and their average ``p̄``:
+
+* ``total = H[p̄]``, the entropy of the BMA predictive;
+* ``aleatoric = (1/S) Σ_s H[p_s]``, the uncertainty every sample shares (noisy or ambiguous labels);
+* ``epistemic = total − aleatoric``, the mutual information between the label and the weights
+  (BALD; Houlsby et al. 2011): zero where every sample predicts alike, large where the data left
+  the weights free to disagree, as on inputs unlike the training data.
+
+A temperature on one model rescales the first two alike and never creates the third, which only
+weights that vary can give (docs/results.md#epistemic-uncertainty). The arithmetic runs in
+float64; ``epistemic`` is clamped at 0, its exact lower bound (Jensen's inequality), against
+rounding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob
+
+Tensor = torch.Tensor
+
+__all__ = ["PredictiveUncertainty", "UncertaintyAccumulator", "entropy", "predictive_uncertainty"]
+
+
+class PredictiveUncertainty(NamedTuple):
+    """Per-input entropies in nats, each shaped like the inputs' batch dimensions."""
+
+    total: Tensor
+    aleatoric: Tensor
+    epistemic: Tensor
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    """``H[p] = −Σ_c p_c log p_c`` over the last dimension of log-probabilities, in float64
+    (a class of probability 0, ``log p = −inf``, adds 0)."""
+    log_probs = log_probs.double()
+    p = log_probs.exp()
+    return -torch.where(p > 0, p * log_probs, torch.zeros((), dtype=p.dtype, device=p.device)).sum(-1)
+
+
+def _check(log_probs: Tensor, name: str) -> None:
+    if not isinstance(log_probs, Tensor) or not log_probs.is_floating_point():
+        got = getattr(log_probs, "dtype", type(log_probs).__name__)
+        raise TypeError(f"{name} must be a floating-point tensor of log-probabilities; got {got}")
+    if log_probs.ndim < 1 or log_probs.shape[-1] < 1:
+        raise ValueError(f"{name} needs a last dimension of classes; got shape {tuple(log_probs.shape)}")
+
+
+def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> PredictiveUncertainty:
+    """The decomposition for log-probabilities of S samples stacked along ``dim`` (classes last),
+    e.g. ``torch.stack([model(x).log_softmax(-1) for each posterior sample])`` shaped (S, N, C)."""
+    _check(sample_log_probs, "sample_log_probs")
+    if sample_log_probs.ndim < 2:
+        raise ValueError(
+            f"sample_log_probs needs a samples and a classes dimension; got shape {tuple(sample_log_probs.shape)}"
+        )
+    if dim % sample_log_probs.ndim == sample_log_probs.ndim - 1:
+        raise ValueError("dim must not be the last dimension: the classes are there")
+    logp = sample_log_probs.double()
+    total = entropy(log_mean_prob(logp, dim=dim))
+    aleatoric = entropy(logp).mean(dim=dim)
+    return PredictiveUncertainty(total, aleatoric, (total - aleatoric).clamp_(min=0.0))
+
+
+class UncertaintyAccumulator:
+    """:func:`predictive_uncertainty` over samples that arrive one pass at a time, without keeping
+    them: ``add`` each sample's log-probabilities (same shape every time), then ``value()`` is
+    ``log p̄`` (as :class:`~hf_evon.predictive.logprobs.LogMeanExp`) and ``uncertainty()`` the
+    decomposition."""
+
+    def __init__(self) -> None:
+        self._average = LogMeanExp()
+        self._entropy_sum: Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return self._average.count
+
+    def add(self, log_probs: Tensor) -> None:
+        _check(log_probs, "log_probs")
+        if self._average.total is not None and log_probs.shape != self._average.total.shape:
+            raise ValueError(
+                f"log_probs has shape {tuple(log_probs.shape)}, the earlier samples {tuple(self._average.total.shape)}"
+            )
+        h = entropy(log_probs)
+        self._entropy_sum = h if self._entropy_sum is None else self._entropy_sum.add_(h)
+        self._average.add(log_probs.double())
+
+    def value(self) -> Tensor:
+        return self._average.value()
+
+    def uncertainty(self) -> PredictiveUncertainty:
+        if self._entropy_sum is None:
+            raise ValueError("UncertaintyAccumulator: no samples added")
+        total = entropy(self.value())
+        aleatoric = self._entropy_sum / self.count
+        return PredictiveUncertainty(total, aleatoric, (total - aleatoric).clamp_(min=0.0))

@@ -1,0 +1,101 @@
+"""The entropy decomposition of the BMA predictive (hf_evon.predictive.uncertainty)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_evon.predictive.logprobs import log_mean_prob
+from hf_evon.predictive.uncertainty import (
+    PredictiveUncertainty,
+    UncertaintyAccumulator,
+    entropy,
+    predictive_uncertainty,
+)
+
+
+def reference(probs: list[list[float]]) -> tuple[float, float, float]:
+    """The three entropies of one input from its samples' probability rows, in plain Python."""
+    s = len(probs)
+    mean = [sum(row[c] for row in probs) / s for c in range(len(probs[0]))]
+    h = lambda p: -sum(x * math.log(x) for x in p if x > 0)  # noqa: E731
+    total, aleatoric = h(mean), sum(h(row) for row in probs) / s
+    return total, aleatoric, total - aleatoric
+
+
+def test_samples_that_agree_have_no_epistemic_part() -> None:
+    logp = torch.full((6, 3, 4), -math.log(4.0))  # 6 samples, 3 inputs, uniform over 4 classes
+    u = predictive_uncertainty(logp)
+    assert torch.allclose(u.total, torch.full((3,), math.log(4.0), dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(u.aleatoric, u.total, atol=1e-12)
+    assert torch.equal(u.epistemic, torch.zeros(3, dtype=torch.float64))
+
+
+def test_confident_samples_that_disagree_are_all_epistemic() -> None:
+    # two samples, each certain, of different classes: p̄ = (1/2, 1/2, 0)
+    logp = torch.tensor([[[0.0, -math.inf, -math.inf]], [[-math.inf, 0.0, -math.inf]]])
+    u = predictive_uncertainty(logp)
+    assert u.aleatoric.tolist() == [0.0]  # 0·log 0 adds nothing, not NaN
+    assert u.total.item() == pytest.approx(math.log(2.0), abs=1e-12)
+    assert u.epistemic.item() == pytest.approx(math.log(2.0), abs=1e-12)
+
+
+def test_random_samples_match_the_plain_formulas() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(5, 7, 4, generator=gen)  # 5 samples, 7 inputs, 4 classes
+    logp = logits.log_softmax(-1)
+    u = predictive_uncertainty(logp)
+    for i in range(7):
+        total, aleatoric, epistemic = reference(logp[:, i].double().exp().tolist())
+        assert u.total[i].item() == pytest.approx(total, abs=1e-12)
+        assert u.aleatoric[i].item() == pytest.approx(aleatoric, abs=1e-12)
+        assert u.epistemic[i].item() == pytest.approx(epistemic, abs=1e-12)
+    assert bool((u.epistemic > 0).all())
+    # samples along another dimension give the same numbers
+    moved = predictive_uncertainty(logp.transpose(0, 1), dim=1)
+    for a, b in zip(u, moved, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_sample_has_no_epistemic_part_at_any_temperature() -> None:
+    logits = torch.tensor([[[2.0, -1.0, 0.5]]])
+    for temperature in (0.5, 1.0, 3.0):
+        u = predictive_uncertainty((logits / temperature).log_softmax(-1))
+        assert u.epistemic.tolist() == [0.0]
+        assert u.total.item() == pytest.approx(entropy((logits / temperature).log_softmax(-1))[0, 0].item(), abs=1e-12)
+
+
+def test_accumulator_equals_the_stacked_decomposition() -> None:
+    gen = torch.Generator().manual_seed(1)
+    draws = [torch.randn(3, 5, 6, generator=gen).log_softmax(-1) for _ in range(4)]  # e.g. (batch, tokens, vocab)
+    acc = UncertaintyAccumulator()
+    for d in draws:
+        acc.add(d)
+    stacked = predictive_uncertainty(torch.stack(draws))
+    assert acc.count == 4
+    assert torch.allclose(acc.value(), log_mean_prob(torch.stack(draws).double()), atol=1e-12)
+    got = acc.uncertainty()
+    assert isinstance(got, PredictiveUncertainty)
+    for a, b in zip(got, stacked, strict=True):
+        assert a.shape == (3, 5)
+        assert torch.allclose(a, b, atol=1e-12)
+    assert draws[0].dtype == torch.float32  # the caller's draws are not changed in place
+    assert torch.equal(draws[0], torch.stack(draws)[0])
+
+
+def test_bad_input_is_named() -> None:
+    with pytest.raises(TypeError, match="sample_log_probs must be a floating-point tensor"):
+        predictive_uncertainty(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="must not be the last dimension"):
+        predictive_uncertainty(torch.zeros(2, 3), dim=-1)
+    with pytest.raises(ValueError, match="a samples and a classes dimension"):
+        predictive_uncertainty(torch.zeros(3))
+    acc = UncertaintyAccumulator()
+    with pytest.raises(ValueError, match="no samples added"):
+        acc.uncertainty()
+    acc.add(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"log_probs has shape \(2, 4\), the earlier samples \(2, 3\)"):
+        acc.add(torch.zeros(2, 4))
+    assert acc.count == 1  # the refused sample left the accumulator as it was
