@@ -1,0 +1,69 @@
+"""benchmarks/epistemic_ood.py: its AUROC, its tasks' in- and out-of-distribution sets, its scores."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import epistemic_ood  # noqa: E402
+
+
+def test_auroc_is_the_share_of_ood_scores_above_id_scores_ties_half() -> None:
+    # pairs (in, out): (0,1) (0,3) (1,3) (2,3) higher, (1,1) tied, (2,1) lower: (4 + 0.5) / 6
+    assert epistemic_ood.auroc(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([1.0, 3.0])) == 0.75
+    assert epistemic_ood.auroc(torch.zeros(4), torch.zeros(3)) == 0.5
+    assert epistemic_ood.auroc(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 5.0])) == 1.0
+
+
+def test_digits_class_split_keeps_new_classes_out_of_training() -> None:
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    label_of = {row.tobytes(): label for row, label in zip((X / 16.0).astype(np.float32), y)}
+    task, ood = epistemic_ood.digits_task("digits_classes", seed=0, fast=True)
+    seen = [int(t) for split in (task.train, task.cal, task.test) for _, ys in split for t in ys]
+    assert set(seen) == {0, 1, 2, 3, 4}
+    ood_rows = torch.cat([x for x, _ in ood]).numpy()
+    assert len(ood_rows) == sum(len(ys) for _, ys in task.test)
+    # every OOD row is an image of a digit 5-9 (some images repeat across classes: at least one)
+    labels = [label_of.get(row.tobytes()) for row in ood_rows]
+    assert None not in labels and min(labels) >= 5
+    assert task.make_model(0)[-1].out_features == 5
+
+
+def test_digits_rotated_ood_is_the_test_split_turned() -> None:
+    task, ood = epistemic_ood.digits_task("digits_rotated", seed=1, fast=True)
+    test = torch.cat([x for x, _ in task.test]).reshape(-1, 8, 8)
+    turned = torch.cat([x for x, _ in ood]).reshape(-1, 8, 8)
+    assert torch.equal(turned, torch.rot90(test, 1, (1, 2)))
+    assert float(test.max()) <= 1.0  # intensities / 16
+    standard, _ = epistemic_ood.digits_task("digits_rotated", seed=1, fast=True, scaling="standard")
+    x = torch.cat([x for x, _ in standard.train])
+    assert torch.allclose(x.mean(0), torch.zeros(64), atol=1e-5)  # payoff.py's standardisation
+
+
+def test_scores_tell_disagreeing_samples_from_agreeing_ones() -> None:
+    """Two ID inputs whose samples agree (one confident, one uniform) and two OOD inputs whose
+    confident samples disagree: the epistemic part ranks every OOD input above every ID input,
+    the entropy ranks the uniform ID input above the OOD ones."""
+    c = math.log(0.98), math.log(0.01)
+    confident = [c[0], c[1], c[1]]
+    uniform = [math.log(1 / 3)] * 3
+    other = [c[1], c[0], c[1]]
+    id_samples = torch.tensor([[confident, uniform], [confident, uniform]])  # (S=2, N=2, C=3)
+    ood_samples = torch.tensor([[confident, other], [other, confident]])
+    got = epistemic_ood.rows(id_samples, ood_samples, torch.tensor([0, 1]), sampled=True)
+    assert got["epistemic AUROC"] == 1.0
+    # H(p̄) of the OOD inputs (≈ log 2 + a little) is below the uniform input's log 3, above the confident one's
+    assert got["entropy AUROC"] == 0.5
+    assert got["ID accuracy"] == 0.5  # the uniform row's argmax is class 0, its label 1
+    mean_only = epistemic_ood.rows(id_samples[:1], ood_samples[:1], torch.tensor([0, 1]), sampled=False)
+    # one sample: both OOD rows are confident, tied with the confident ID row, below the uniform one
+    assert "epistemic AUROC" not in mean_only
+    assert mean_only["max-prob AUROC"] == mean_only["entropy AUROC"] == pytest.approx(0.25)
