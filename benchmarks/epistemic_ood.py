@@ -114,7 +114,9 @@ def digits_task(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tu
 
     def make_model(s: int) -> nn.Module:
         torch.manual_seed(s)
-        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes))
+        return nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
+        )
 
     task = Task(
         name, make_model, batches(X[train], y[train], 64), batches(X[cal], y[cal], 512),
@@ -199,12 +201,16 @@ def laplace_samples(model: nn.Module, task: Task, ood: list[Batch], samples: int
 
     model.eval()
     head, train_feats = payoff_laplace.last_layer_features(model, task.train)
-    la = payoff_laplace.kron_laplace(copy.deepcopy(head), train_feats, payoff_laplace.last_layer_features(model, task.cal)[1])
+    la = payoff_laplace.kron_laplace(
+        copy.deepcopy(head), train_feats, payoff_laplace.last_layer_features(model, task.cal)[1]
+    )
 
     def draw(batches: list[Batch]) -> torch.Tensor:
         feats = payoff_laplace.last_layer_features(model, batches)[1]
         gen = torch.Generator().manual_seed(SAMPLE_SEED + seed)
-        probs = [la.predictive_samples(x, pred_type="glm", n_samples=samples, generator=gen) for x, _ in feats]
+        probs = [
+            la.predictive_samples(x, pred_type="glm", n_samples=samples, generator=gen) for x, _ in feats
+        ]
         return torch.cat(probs, dim=1).double().clamp_min(1e-300).log()
 
     return draw(task.test), draw(ood)
@@ -255,7 +261,11 @@ def run(
         (sampled_log_probs(model, sampled, b, draws) / temperature).log_softmax(-1) for b in (task.test, ood)
     )
     mean = (log_probs(model, task.test) / temperature).log_softmax(-1)
-    return {**rows(id_samples, ood_samples, labels, sampled=True), "mean ID NLL": float(F.nll_loss(mean, labels)), **chosen}
+    return {
+        **rows(id_samples, ood_samples, labels, sampled=True),
+        "mean ID NLL": float(F.nll_loss(mean, labels)),
+        **chosen,
+    }
 
 
 COLUMNS = ("entropy AUROC", "epistemic AUROC", "max-prob AUROC", "ID NLL", "mean ID NLL", "ID accuracy")
@@ -276,7 +286,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=SAMPLES)
-    parser.add_argument("--scaling", choices=("pixels", "standard"), default="pixels", help="the digits' inputs")
+    parser.add_argument(
+        "--scaling", choices=("pixels", "standard"), default="pixels", help="the digits' inputs"
+    )
     parser.add_argument("--fast", action="store_true", help="a few epochs: a smoke test, not a measurement")
     parser.add_argument("--json", help="write every run's numbers here")
     args = parser.parse_args(argv)
@@ -298,7 +310,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cells = " | ".join(cell(runs, key) for key in COLUMNS)
             print(f"| {LABELS[method]} | {cells} | {statistics.mean(seconds):.0f} |", flush=True)
             if "multiplier" in runs[0]:
-                print("  calibrated ζ × / T per seed: " + ", ".join(f"{r['multiplier']:.3g} / {r['temperature']:.3g}" for r in runs))
+                print(
+                    "  calibrated ζ × / T per seed: "
+                    + ", ".join(f"{r['multiplier']:.3g} / {r['temperature']:.3g}" for r in runs)
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -60,7 +60,8 @@ def test_scores_tell_disagreeing_samples_from_agreeing_ones() -> None:
     ood_samples = torch.tensor([[confident, other], [other, confident]])
     got = epistemic_ood.rows(id_samples, ood_samples, torch.tensor([0, 1]), sampled=True)
     assert got["epistemic AUROC"] == 1.0
-    # H(p̄) of the OOD inputs (≈ log 2 + a little) is below the uniform input's log 3, above the confident one's
+    # H(p̄) of the OOD inputs (log 2 and a little) is below the uniform input's log 3, above the
+    # confident one's
     assert got["entropy AUROC"] == 0.5
     assert got["ID accuracy"] == 0.5  # the uniform row's argmax is class 0, its label 1
     mean_only = epistemic_ood.rows(id_samples[:1], ood_samples[:1], torch.tensor([0, 1]), sampled=False)

@@ -64,12 +64,16 @@ def test_one_sample_has_no_epistemic_part_at_any_temperature() -> None:
     for temperature in (0.5, 1.0, 3.0):
         u = predictive_uncertainty((logits / temperature).log_softmax(-1))
         assert u.epistemic.tolist() == [0.0]
-        assert u.total.item() == pytest.approx(entropy((logits / temperature).log_softmax(-1))[0, 0].item(), abs=1e-12)
+        assert u.total.item() == pytest.approx(
+            entropy((logits / temperature).log_softmax(-1))[0, 0].item(), abs=1e-12
+        )
 
 
 def test_accumulator_equals_the_stacked_decomposition() -> None:
     gen = torch.Generator().manual_seed(1)
-    draws = [torch.randn(3, 5, 6, generator=gen).log_softmax(-1) for _ in range(4)]  # e.g. (batch, tokens, vocab)
+    draws = [
+        torch.randn(3, 5, 6, generator=gen).log_softmax(-1) for _ in range(4)
+    ]  # e.g. (batch, tokens, vocab)
     acc = UncertaintyAccumulator()
     for d in draws:
         acc.add(d)

@@ -57,9 +57,8 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
     e.g. ``torch.stack([model(x).log_softmax(-1) for each posterior sample])`` shaped (S, N, C)."""
     _check(sample_log_probs, "sample_log_probs")
     if sample_log_probs.ndim < 2:
-        raise ValueError(
-            f"sample_log_probs needs a samples and a classes dimension; got shape {tuple(sample_log_probs.shape)}"
-        )
+        shape = tuple(sample_log_probs.shape)
+        raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
     if dim % sample_log_probs.ndim == sample_log_probs.ndim - 1:
         raise ValueError("dim must not be the last dimension: the classes are there")
     logp = sample_log_probs.double()
@@ -84,13 +83,15 @@ class UncertaintyAccumulator:
 
     def add(self, log_probs: Tensor) -> None:
         _check(log_probs, "log_probs")
-        if self._average.total is not None and log_probs.shape != self._average.total.shape:
+        earlier = self._average.total
+        if earlier is not None and log_probs.shape != earlier.shape:
             raise ValueError(
-                f"log_probs has shape {tuple(log_probs.shape)}, the earlier samples {tuple(self._average.total.shape)}"
+                f"log_probs has shape {tuple(log_probs.shape)}, the earlier samples {tuple(earlier.shape)}"
             )
-        h = entropy(log_probs)
+        logp = log_probs.double()
+        h = entropy(logp)
         self._entropy_sum = h if self._entropy_sum is None else self._entropy_sum.add_(h)
-        self._average.add(log_probs.double())
+        self._average.add(logp)
 
     def value(self) -> Tensor:
         return self._average.value()
