@@ -13,6 +13,9 @@ Tasks:
                     the digits 0-4; OOD: test images of the digits 5-9 (new classes)
     digits_rotated  the same MLP trained on all ten digits; OOD: the test images turned by 90
                     degrees (the same pixels' statistics, a shifted input)
+    noisy_table     payoff.py's held-out 7-class table (900 rows, 20 features) trained on its classes
+                    0-4 with 30% of their labels random, 80 epochs (as ``noisy_synthetic7``); OOD:
+                    rows of the classes 5 and 6. Noisy labels leave every ID prediction uncertain
     docstrings      payoff.py's ``minilm_lora`` (the pretrained MiniLM, LoRA r 8, stdlib docstrings
                     by topic, 3 epochs); OOD: sentences of Debian's license texts (another genre)
 
@@ -37,7 +40,7 @@ each predictive (the mean's for AdamW, BMA@S otherwise) and, for the others, the
 mean (Laplace: the AdamW model's): what the samples cost or gain on ID data. Nothing here chooses
 a default.
 
-    python benchmarks/epistemic_ood.py                                  # all tasks, 3 seeds
+    python benchmarks/epistemic_ood.py                  # all tasks, 3 seeds (~50 min on one thread)
     python benchmarks/epistemic_ood.py --tasks digits_rotated --seeds 1 --methods adamw evon
     python benchmarks/epistemic_ood.py --fast --tasks digits_classes    # a smoke test
     python benchmarks/epistemic_ood.py --tasks digits_classes digits_rotated --scaling standard
@@ -72,7 +75,7 @@ from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
 from hf_evon.predictive.logprobs import log_mean_prob  # noqa: E402
 from hf_evon.predictive.uncertainty import entropy, predictive_uncertainty  # noqa: E402
 
-TASKS = ("digits_classes", "digits_rotated", "docstrings")
+TASKS = ("digits_classes", "digits_rotated", "noisy_table", "docstrings")
 METHODS = ("adamw", "laplace", "ivon", "evon_diag", "evon", "evon_calibrated")
 LABELS = {
     "adamw": "AdamW", "laplace": "Laplace LL", "ivon": "IVON", "evon_diag": "EVON diag.", "evon": "EVON",
@@ -80,6 +83,41 @@ LABELS = {
 }  # fmt: skip
 SAMPLES = 32
 SAMPLE_SEED = 1000  # posterior sample s is drawn with seed SAMPLE_SEED + s
+
+
+def class_split(y: Any, seed: int, held_out: int | None) -> tuple[Any, Any, Any, Any, Any]:
+    """payoff.py's split of a seeded permutation of the rows (60% train, 20% calibration, 20% test)
+    after the rows of the classes ``>= held_out`` are set aside; (train, cal, test, ood, rng):
+    ``ood`` as many held-out rows as the test split (None: no class held out, ``ood`` the test
+    rows themselves), ``rng`` the stream, for any further draws."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    idx = rng.permutation(len(y))
+    ood_pool = idx
+    if held_out is not None:
+        ood_pool, idx = idx[y[idx] >= held_out], idx[y[idx] < held_out]
+    n_tr, n_cal = int(0.6 * len(idx)), int(0.2 * len(idx))
+    train, cal, test = idx[:n_tr], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
+    return train, cal, test, (test if held_out is None else ood_pool[: len(test)]), rng
+
+
+def payoff_mlp(inputs: int, classes: int) -> Callable[[int], nn.Module]:
+    """payoff.py's tabular MLP (two ReLU layers of 256), seeded."""
+
+    def make_model(s: int) -> nn.Module:
+        torch.manual_seed(s)
+        return nn.Sequential(
+            nn.Linear(inputs, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
+        )
+
+    return make_model
+
+
+def table_batches(x: Any, labels: Any, size: int) -> list[Batch]:
+    """Consecutive batches of ``size`` rows of float32 features and integer labels."""
+    xs, ys = torch.tensor(x, dtype=torch.float32), torch.tensor(labels)
+    return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
 
 
 def digits_task(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tuple[Task, list[Batch]]:
@@ -94,36 +132,41 @@ def digits_task(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tu
     from sklearn.preprocessing import StandardScaler
 
     X, y = load_digits(return_X_y=True)
-    rng = np.random.RandomState(seed)
-    idx = rng.permutation(len(y))
-    if name == "digits_classes":
-        ood_pool, idx = idx[y[idx] >= 5], idx[y[idx] < 5]
-    n_tr, n_cal = int(0.6 * len(idx)), int(0.2 * len(idx))
-    train, cal, test = idx[:n_tr], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
-    if name == "digits_classes":
-        X_ood = X[ood_pool[: len(test)]]
-    else:
-        X_ood = np.rot90(X[test].reshape(-1, 8, 8), 1, axes=(1, 2)).reshape(-1, 64)
-    scaler = StandardScaler().fit(X[train]) if scaling == "standard" else None
-    classes = int(y[idx].max() + 1)
-
-    def batches(x: Any, labels: Any, size: int) -> list[Batch]:
-        xs = torch.tensor(x / 16.0 if scaler is None else scaler.transform(x), dtype=torch.float32)
-        ys = torch.tensor(labels)
-        return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
-
-    def make_model(s: int) -> nn.Module:
-        torch.manual_seed(s)
-        return nn.Sequential(
-            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
-        )
-
+    train, cal, test, ood, _ = class_split(y, seed, 5 if name == "digits_classes" else None)
+    X_ood = (
+        X[ood]
+        if name == "digits_classes"
+        else np.rot90(X[ood].reshape(-1, 8, 8), 1, axes=(1, 2)).reshape(-1, 64)
+    )
+    scale = (lambda x: x / 16.0) if scaling == "pixels" else StandardScaler().fit(X[train]).transform
+    classes = int(y[train].max() + 1)
     task = Task(
-        name, make_model, batches(X[train], y[train], 64), batches(X[cal], y[cal], 512),
-        batches(X[test], y[test], 512), epochs=5 if fast else 30, adamw_lr=1e-3, shift=False,
-        classification=True,
+        name, payoff_mlp(64, classes), table_batches(scale(X[train]), y[train], 64),
+        table_batches(scale(X[cal]), y[cal], 512), table_batches(scale(X[test]), y[test], 512),
+        epochs=5 if fast else 30, adamw_lr=1e-3, shift=False, classification=True,
     )  # fmt: skip
-    return task, batches(X_ood, np.zeros(len(X_ood), dtype=np.int64), 512)
+    return task, table_batches(scale(X_ood), np.zeros(len(X_ood), dtype=np.int64), 512)
+
+
+def noisy_table_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
+    """payoff.py's held-out 7-class table (``payoff_tasks.SYNTHETIC["synthetic7"]``: 900 rows, 20
+    features) restricted to its classes 0-4, 30% of their labels random (among 0-4), trained as
+    payoff.py's ``noisy_synthetic7`` (the payoff MLP, batch 32, 80 epochs, standardised features);
+    OOD: rows of the classes 5 and 6, as many as the ID test split. Noisy labels make every ID
+    input's prediction uncertain (aleatoric), so the entropy alone confuses hard rows with new ones."""
+    import numpy as np
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = payoff_tasks.load_table("synthetic7")
+    train, cal, test, ood, rng = class_split(y, seed, 5)
+    labels = np.where(rng.rand(len(y)) < 0.3, rng.randint(0, 5, len(y)), y)
+    scale = StandardScaler().fit(X[train]).transform
+    task = Task(
+        "noisy_table", payoff_mlp(20, 5), table_batches(scale(X[train]), labels[train], 32),
+        table_batches(scale(X[cal]), labels[cal], 512), table_batches(scale(X[test]), labels[test], 512),
+        epochs=5 if fast else 80, adamw_lr=1e-3, shift=False, classification=True,
+    )  # fmt: skip
+    return task, table_batches(scale(X[ood]), np.zeros(len(ood), dtype=np.int64), 512)
 
 
 def docstrings_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
@@ -145,6 +188,8 @@ def docstrings_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
 def make(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tuple[Task, list[Batch]]:
     if name == "docstrings":
         return docstrings_task(seed, fast)
+    if name == "noisy_table":
+        return noisy_table_task(seed, fast)
     if name in ("digits_classes", "digits_rotated"):
         return digits_task(name, seed, fast, scaling)
     raise ValueError(f"unknown task {name!r}; choose from {TASKS}")

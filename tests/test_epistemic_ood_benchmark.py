@@ -68,3 +68,34 @@ def test_scores_tell_disagreeing_samples_from_agreeing_ones() -> None:
     # one sample: both OOD rows are confident, tied with the confident ID row, below the uniform one
     assert "epistemic AUROC" not in mean_only
     assert mean_only["max-prob AUROC"] == mean_only["entropy AUROC"] == pytest.approx(0.25)
+
+
+def test_class_split_sets_the_held_out_classes_aside() -> None:
+    y = np.repeat(np.arange(7), 20)  # 140 rows, 7 classes
+    train, cal, test, ood, _ = epistemic_ood.class_split(y, seed=3, held_out=5)
+    ids = np.concatenate([train, cal, test])
+    assert (len(train), len(cal), len(test)) == (60, 20, 20)  # 60/20/20 of the 100 rows of classes 0-4
+    assert len(set(ids.tolist())) == 100 and set(y[ids].tolist()) == {0, 1, 2, 3, 4}
+    assert len(ood) == len(test) and set(y[ood].tolist()) <= {5, 6}
+    whole = epistemic_ood.class_split(y, seed=3, held_out=None)
+    assert whole[3] is whole[2] and len(whole[0]) == 84  # nothing held out: the OOD rows are the test rows
+
+
+def test_noisy_table_trains_on_five_classes_with_a_third_of_the_labels_redrawn() -> None:
+    import payoff_tasks
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = payoff_tasks.load_table("synthetic7")
+    task, ood = epistemic_ood.noisy_table_task(seed=0, fast=True)
+    train, _, test, held, _ = epistemic_ood.class_split(y, 0, 5)
+    scaler = StandardScaler().fit(X[train])
+    features = torch.cat([x for x, _ in task.train]).double()
+    assert torch.allclose(features, torch.tensor(scaler.transform(X[train])), atol=1e-6)
+    ood_features = torch.cat([x for x, _ in ood]).double()
+    assert torch.allclose(ood_features, torch.tensor(scaler.transform(X[held])), atol=1e-6)
+    assert set(y[held].tolist()) == {5, 6} and len(held) == len(test)
+    labels = torch.cat([t for _, t in task.train]).numpy()
+    assert set(labels.tolist()) == {0, 1, 2, 3, 4} and task.make_model(0)[-1].out_features == 5
+    # 30% redrawn uniformly among 5 classes: a label differs from the true one with probability 0.24
+    changed, n = float(np.mean(labels != y[train])), len(labels)
+    assert abs(changed - 0.24) < 4.5 * math.sqrt(0.24 * 0.76 / n)
