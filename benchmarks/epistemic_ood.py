@@ -18,6 +18,8 @@ Tasks:
                     rows of the classes 5 and 6. Noisy labels leave every ID prediction uncertain
     docstrings      payoff.py's ``minilm_lora`` (the pretrained MiniLM, LoRA r 8, stdlib docstrings
                     by topic, 3 epochs); OOD: sentences of Debian's license texts (another genre)
+    noisy_docstrings  the same as payoff.py's ``minilm_noisy_lora`` (30 texts per class, 30% of the
+                    labels random, 20 epochs: AdamW and EVON's mean end overconfident); the same OOD
 
 Methods, each at its own defaults, trained by ``payoff_training``'s loop (linear decay):
     AdamW       the entropy of its softmax (and the maximum probability: the usual baseline)
@@ -75,7 +77,7 @@ from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
 from hf_evon.predictive.logprobs import log_mean_prob  # noqa: E402
 from hf_evon.predictive.uncertainty import entropy, predictive_uncertainty  # noqa: E402
 
-TASKS = ("digits_classes", "digits_rotated", "noisy_table", "docstrings")
+TASKS = ("digits_classes", "digits_rotated", "noisy_table", "docstrings", "noisy_docstrings")
 METHODS = ("adamw", "laplace", "ivon", "evon_diag", "evon", "evon_calibrated")
 LABELS = {
     "adamw": "AdamW", "laplace": "Laplace LL", "ivon": "IVON", "evon_diag": "EVON diag.", "evon": "EVON",
@@ -169,13 +171,14 @@ def noisy_table_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
     return task, table_batches(scale(X[ood]), np.zeros(len(ood), dtype=np.int64), 512)
 
 
-def docstrings_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
-    """payoff.py's ``minilm_lora`` task; OOD: as many license sentences as its test split has
-    texts, evenly spaced through ``default_transfer.license_sentences()``."""
+def docstrings_task(seed: int, fast: bool, noisy: bool = False) -> tuple[Task, list[Batch]]:
+    """payoff.py's ``minilm_lora`` task (``noisy``: ``minilm_noisy_lora``); OOD: as many license
+    sentences as its test split has texts, evenly spaced through
+    ``default_transfer.license_sentences()``."""
     import default_transfer
     from transformers import AutoTokenizer
 
-    task = payoff_tasks.make_task("minilm_lora", seed, fast)
+    task = payoff_tasks.make_task("minilm_noisy_lora" if noisy else "minilm_lora", seed, fast)
     count = sum(len(y) for _, y in task.test)
     texts, _ = default_transfer.license_sentences()
     picked = texts[:: max(1, len(texts) // count)][:count]
@@ -186,8 +189,8 @@ def docstrings_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
 
 
 def make(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tuple[Task, list[Batch]]:
-    if name == "docstrings":
-        return docstrings_task(seed, fast)
+    if name in ("docstrings", "noisy_docstrings"):
+        return docstrings_task(seed, fast, noisy=name == "noisy_docstrings")
     if name == "noisy_table":
         return noisy_table_task(seed, fast)
     if name in ("digits_classes", "digits_rotated"):
@@ -279,7 +282,7 @@ def run(
         mean = {"mean ID NLL": float(F.nll_loss(log_probs(model, task.test), labels))}
         return {**rows(*laplace_samples(model, task, ood, samples, seed), labels, sampled=True), **mean}
     if method == "ivon":
-        if name == "docstrings":
+        if name in ("docstrings", "noisy_docstrings"):
             return "n/a: ivon-opt does not fine-tune MiniLM at its conventions (payoff.py)"
         try:
             import ivon

@@ -325,7 +325,7 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     """The card promised that BMA beats the mean; now it says what the sampling scale rests on."""
     from torch import nn
 
-    from hf_evon.posterior.model_card import _calibration_text
+    from hf_evon.posterior.model_card import TRAINED_SCALE_NOTE, _calibration_text
     from hf_evon.predictive.calibration import calibrate_posterior
 
     torch.manual_seed(0)
@@ -377,6 +377,8 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     record = dict(calibrated.config["calibration"], scanned=False, grid=[], nll=[], ess="inf")
     text = _calibration_text({"calibration": record})
     assert "no sampling scale was scored: BMA is the mean" in text and "scales and the mean" not in text
+    assert text.endswith(TRAINED_SCALE_NOTE) and screened.endswith(TRAINED_SCALE_NOTE)
+    assert TRAINED_SCALE_NOTE not in _calibration_text({})  # uncalibrated: samples are at the trained scale
     assert f"held-out NLL {result.mean_nll:.6g})" in text
     sharpened = _calibration_text({"calibration": record, "temperature": 0.7071})  # an underconfident mean
     assert "no sampling scale was scored" in sharpened and "T = 0.7071" in sharpened

@@ -304,6 +304,13 @@ def _usage_snippet(
     return "\n".join(lines)
 
 
+# a calibration scores scales by held-out NLL and often keeps the mean, whose samples never disagree
+TRAINED_SCALE_NOTE = (
+    " The scale EVON trained stays in the config (`trained_ess`): `EVONTrainer.predict_uncertainty` samples"
+    " at it, where the samples' disagreement (the epistemic uncertainty) flags inputs unlike the training data."
+)
+
+
 def _calibration_text(config: Mapping[str, Any]) -> str:
     """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration)."""
     cal = config.get("calibration")
@@ -327,6 +334,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             f"(`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
             + _temperature_text(cal.get("mean_temperature"))
             + tempered
+            + TRAINED_SCALE_NOTE
         )
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
@@ -357,6 +365,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         + _temperature_text(cal.get("mean_temperature"))
         + tempered
         + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
+        + TRAINED_SCALE_NOTE
     )
 
 
