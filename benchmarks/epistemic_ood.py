@@ -42,7 +42,7 @@ each predictive (the mean's for AdamW, BMA@S otherwise) and, for the others, the
 mean (Laplace: the AdamW model's): what the samples cost or gain on ID data. Nothing here chooses
 a default.
 
-    python benchmarks/epistemic_ood.py                  # all tasks, 3 seeds (~50 min on one thread)
+    python benchmarks/epistemic_ood.py                  # all tasks, 3 seeds (~80 min on one thread)
     python benchmarks/epistemic_ood.py --tasks digits_rotated --seeds 1 --methods adamw evon
     python benchmarks/epistemic_ood.py --fast --tasks digits_classes    # a smoke test
     python benchmarks/epistemic_ood.py --tasks digits_classes digits_rotated --scaling standard
