@@ -104,24 +104,6 @@ def class_split(y: Any, seed: int, held_out: int | None) -> tuple[Any, Any, Any,
     return train, cal, test, (test if held_out is None else ood_pool[: len(test)]), rng
 
 
-def payoff_mlp(inputs: int, classes: int) -> Callable[[int], nn.Module]:
-    """payoff.py's tabular MLP (two ReLU layers of 256), seeded."""
-
-    def make_model(s: int) -> nn.Module:
-        torch.manual_seed(s)
-        return nn.Sequential(
-            nn.Linear(inputs, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
-        )
-
-    return make_model
-
-
-def table_batches(x: Any, labels: Any, size: int) -> list[Batch]:
-    """Consecutive batches of ``size`` rows of float32 features and integer labels."""
-    xs, ys = torch.tensor(x, dtype=torch.float32), torch.tensor(labels)
-    return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
-
-
 def digits_task(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tuple[Task, list[Batch]]:
     """payoff.py's digits task (its split, MLP and schedule), restricted to the digits 0-4
     (``digits_classes``: OOD the held-out images of 5-9) or whole (``digits_rotated``: OOD its
@@ -143,11 +125,11 @@ def digits_task(name: str, seed: int, fast: bool, scaling: str = "pixels") -> tu
     scale = (lambda x: x / 16.0) if scaling == "pixels" else StandardScaler().fit(X[train]).transform
     classes = int(y[train].max() + 1)
     task = Task(
-        name, payoff_mlp(64, classes), table_batches(scale(X[train]), y[train], 64),
-        table_batches(scale(X[cal]), y[cal], 512), table_batches(scale(X[test]), y[test], 512),
+        name, payoff_tasks.tabular_mlp(64, classes), payoff_tasks.row_batches(scale(X[train]), y[train], 64),
+        payoff_tasks.row_batches(scale(X[cal]), y[cal], 512), payoff_tasks.row_batches(scale(X[test]), y[test], 512),
         epochs=5 if fast else 30, adamw_lr=1e-3, shift=False, classification=True,
     )  # fmt: skip
-    return task, table_batches(scale(X_ood), np.zeros(len(X_ood), dtype=np.int64), 512)
+    return task, payoff_tasks.row_batches(scale(X_ood), np.zeros(len(X_ood), dtype=np.int64), 512)
 
 
 def noisy_table_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
@@ -164,11 +146,11 @@ def noisy_table_task(seed: int, fast: bool) -> tuple[Task, list[Batch]]:
     labels = np.where(rng.rand(len(y)) < 0.3, rng.randint(0, 5, len(y)), y)
     scale = StandardScaler().fit(X[train]).transform
     task = Task(
-        "noisy_table", payoff_mlp(20, 5), table_batches(scale(X[train]), labels[train], 32),
-        table_batches(scale(X[cal]), labels[cal], 512), table_batches(scale(X[test]), labels[test], 512),
+        "noisy_table", payoff_tasks.tabular_mlp(20, 5), payoff_tasks.row_batches(scale(X[train]), labels[train], 32),
+        payoff_tasks.row_batches(scale(X[cal]), labels[cal], 512), payoff_tasks.row_batches(scale(X[test]), labels[test], 512),
         epochs=5 if fast else 80, adamw_lr=1e-3, shift=False, classification=True,
     )  # fmt: skip
-    return task, table_batches(scale(X[ood]), np.zeros(len(ood), dtype=np.int64), 512)
+    return task, payoff_tasks.row_batches(scale(X[ood]), np.zeros(len(ood), dtype=np.int64), 512)
 
 
 def docstrings_task(seed: int, fast: bool, noisy: bool = False) -> tuple[Task, list[Batch]]:

@@ -127,6 +127,24 @@ def load_table(loader: str) -> tuple[Any, Any]:
     return getattr(sklearn.datasets, loader)(return_X_y=True)
 
 
+def tabular_mlp(inputs: int, classes: int) -> Callable[[int], nn.Module]:
+    """The tabular tasks' MLP (two ReLU layers of 256), built after ``torch.manual_seed(s)``."""
+
+    def make_model(s: int) -> nn.Module:
+        torch.manual_seed(s)
+        return nn.Sequential(
+            nn.Linear(inputs, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
+        )
+
+    return make_model
+
+
+def row_batches(x: Any, labels: Any, size: int) -> list[Batch]:
+    """Consecutive batches of ``size`` rows: float32 features, integer labels."""
+    xs, ys = torch.tensor(x, dtype=torch.float32), torch.tensor(labels)
+    return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
+
+
 def tabular_task(name: str, seed: int, fast: bool) -> Task:
     import numpy as np
     from sklearn.preprocessing import StandardScaler
@@ -143,18 +161,11 @@ def tabular_task(name: str, seed: int, fast: bool) -> Task:
     scaler = StandardScaler().fit(X[parts[0]])
 
     def batches(i: Any, size: int) -> list[Batch]:
-        xs = torch.tensor(scaler.transform(X[i]), dtype=torch.float32)
-        ys = torch.tensor(y[i])
-        return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
-
-    def make_model(s: int) -> nn.Module:
-        torch.manual_seed(s)
-        return nn.Sequential(
-            nn.Linear(X.shape[1], 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes)
-        )
+        return row_batches(scaler.transform(X[i]), y[i], size)
 
     return Task(
-        name, make_model, batches(parts[0], size), batches(parts[1], 512), batches(parts[2], 512),
+        name, tabular_mlp(X.shape[1], classes), batches(parts[0], size), batches(parts[1], 512),
+        batches(parts[2], 512),
         epochs=5 if fast else epochs, adamw_lr=1e-3, shift=False, classification=True,
     )  # fmt: skip
 

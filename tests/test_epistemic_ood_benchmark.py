@@ -31,7 +31,7 @@ def test_digits_class_split_keeps_new_classes_out_of_training() -> None:
     assert set(seen) == {0, 1, 2, 3, 4}
     ood_rows = torch.cat([x for x, _ in ood]).numpy()
     assert len(ood_rows) == sum(len(ys) for _, ys in task.test)
-    # every OOD row is an image of a digit 5-9 (some images repeat across classes: at least one)
+    # every OOD row is an image of a digit 5-9 (no two images of the data set are equal)
     labels = [label_of.get(row.tobytes()) for row in ood_rows]
     assert None not in labels and min(labels) >= 5
     assert task.make_model(0)[-1].out_features == 5

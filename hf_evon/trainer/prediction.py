@@ -209,7 +209,7 @@ class PredictionMixin:
         """
         posterior = self._bma_posterior("predict_uncertainty()")
         trained = posterior.config.get("trained_ess")  # set by a calibration (CalibrationResult.apply)
-        if not calibrated_scale and trained is not None and float(trained) != posterior.ess:
+        if not calibrated_scale and trained is not None:
             posterior = posterior.with_ess(float(trained))
         dataloader = self.get_test_dataloader(test_dataset)
         return bma_predict(self, dataloader, posterior, metric_key_prefix, uncertainty=True)
