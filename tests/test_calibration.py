@@ -153,7 +153,9 @@ def test_an_underconfident_mean_is_sharpened_where_a_cross_validation_in_the_spl
     from hf_evon.predictive.calibration import MIN_ERRORS_TO_SHARPEN, TEMPERATURE_GRID
 
     batches, posterior = _fixed_logit_data(2000), _point_posterior()
-    _, under = calibrate_posterior(FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2)
+    _, under = calibrate_posterior(
+        FixedLogits(0.5), posterior, batches, grid=[1.0], num_samples=2, keep_trained=False
+    )
     assert under.mean_temperature < 1 and under.temperature == under.mean_temperature
     assert under.ess == math.inf and not under.scanned and under.tempered_mean_nll < under.mean_nll
     # the reference: log p(y) at every T, targets in batch order, folds by parity
@@ -208,8 +210,9 @@ def test_an_overconfident_mean_is_softened_only_beyond_k_standard_errors() -> No
     assert over.temperature > 1 and over.tempered_mean_nll < over.mean_nll
     # the same gain, asked to clear 1000 standard errors, is not taken
     _, strict = calibrate_posterior(
-        FixedLogits(1.5), posterior, batches, grid=[1.0], num_samples=2, standard_errors=1000.0
-    )
+        FixedLogits(1.5), posterior, batches, grid=[1.0], num_samples=2, standard_errors=1000.0,
+        keep_trained=False,
+    )  # fmt: skip
     assert strict.temperature == 1.0 and strict.temperatures == [] and strict.ess == math.inf
 
 
@@ -229,24 +232,30 @@ def stepwise_choice(candidates: list[list[list[float]]], k: float) -> int:
     """Reference rule, written from its definition with Python floats: ``candidates`` are draws ×
     examples of p(label), least noise first (the mean: one draw). Walking from the mean, a noisier
     candidate replaces the choice if its NLL is lower by more than k errors of the difference: the
-    per-example one plus the jackknife over the common draw index."""
+    per-example one plus the jackknife over the common draw index (:func:`nll_excess`)."""
+    choice = 0
+    for i in range(1, len(candidates)):
+        excess, error = nll_excess(candidates[i], candidates[choice])
+        if -excess > k * error:
+            choice = i
+    return choice
+
+
+def nll_excess(c: list[list[float]], ref: list[list[float]]) -> tuple[float, float]:
+    """Reference, from the definition with Python floats: the BMA NLL of ``c`` above ``ref``'s (draws ×
+    examples of p(label)) and its standard error, per example plus a jackknife over the common draw index."""
 
     def nlls(draws: list[list[float]], leave_out: int | None = None) -> list[float]:
         kept = [d for j, d in enumerate(draws) if j != leave_out or len(draws) == 1]
         return [-math.log(statistics.fmean(col)) for col in zip(*kept)]
 
-    choice = 0
-    for i in range(1, len(candidates)):
-        c, ref = candidates[i], candidates[choice]
-        diff = [a - b for a, b in zip(nlls(c), nlls(ref))]
-        var = statistics.variance(diff) / len(diff)
-        s = max(len(c), len(ref))
-        if s > 1:
-            loo = [statistics.fmean(a - b for a, b in zip(nlls(c, j), nlls(ref, j))) for j in range(s)]
-            var += (s - 1) / s * sum((v - statistics.fmean(loo)) ** 2 for v in loo)
-        if -statistics.fmean(diff) > k * math.sqrt(var):
-            choice = i
-    return choice
+    diff = [a - b for a, b in zip(nlls(c), nlls(ref))]
+    var = statistics.variance(diff) / len(diff)
+    s = max(len(c), len(ref))
+    if s > 1:
+        loo = [statistics.fmean(a - b for a, b in zip(nlls(c, j), nlls(ref, j))) for j in range(s)]
+        var += (s - 1) / s * sum((v - statistics.fmean(loo)) ** 2 for v in loo)
+    return statistics.fmean(diff), math.sqrt(var)
 
 
 def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_standard_errors() -> None:
@@ -258,7 +267,7 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
     for k in (0.0, 1.0, 3.0):
         _, result = calibrate_posterior(
             model, post, cal, grid=[10.0, 1.0, 0.1, 0.01, 1e-3], num_samples=4, seed=3, standard_errors=k,
-            min_gain=0, temperature=False, always_scan=True,
+            min_gain=0, temperature=False, always_scan=True, keep_trained=False,
         )  # fmt: skip
         candidates = [[mean.tolist()]] + [
             draw_probs(model, post.with_ess(e), cal, range(3, 7)) for e in result.grid
@@ -269,6 +278,64 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
         assert result.standard_errors == k
         chosen.append(result.multiplier)
     assert chosen[0] < math.inf and chosen[2] == math.inf  # the rule decides here: k=0 and k=3 differ
+
+
+def test_the_trained_posterior_is_kept_unless_the_mean_beats_it_by_k_standard_errors() -> None:
+    """Where the mean is not overconfident (no scan), the trained posterior's S draws are scored
+    against the mean and kept unless the mean's NLL is lower by more than k standard errors: the
+    rule checked against a plain-float reference on both sides of the measured ratio, its NLL
+    against a plain BMA loop, the passes counted; keep_trained=False keeps the mean, in one pass."""
+    model, post, cal, _ = trained(seed=1, steps=100)
+    noisy = post.with_ess(post.ess * 1e-2)  # trained with more noise: the mean predicts better
+    passes: list[int] = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    x, y = (torch.cat(v) for v in zip(*cal))
+    with torch.no_grad():
+        mean = torch.softmax(model(x).double(), -1)[torch.arange(len(y)), y].tolist()
+    passes.clear()
+    draws = draw_probs(model, noisy, cal, range(3, 7))
+    excess, error = nll_excess(draws, [mean])
+    assert excess > 0 and error > 0  # the premise: the mean is the better predictor here
+    common = dict(grid=[1.0, 0.1], num_samples=4, seed=3, temperature=False)
+    for k, kept in ((0.99 * excess / error, False), (1.01 * excess / error, True)):
+        passes.clear()
+        calibrated, result = calibrate_posterior(model, noisy, cal, **common, standard_errors=k)
+        assert not result.scanned and result.grid == [] and len(passes) == len(cal) * (1 + 4)
+        reference = -statistics.fmean(math.log(statistics.fmean(c)) for c in zip(*draws))
+        assert result.trained_nll == pytest.approx(reference, rel=1e-9)
+        assert result.kept_trained is kept and stepwise_choice([draws, [mean]], k) == (0 if kept else 1)
+        assert result.ess == calibrated.ess == (noisy.ess if kept else math.inf)
+        assert calibrated.config["trained_ess"] == noisy.ess
+        assert result.chosen_nll == (result.trained_nll if kept else result.mean_nll)
+        summary = result.summary()
+        assert ("the posterior as trained" in summary) is kept
+        assert ("predicted better than the trained posterior" in summary) is not kept
+    passes.clear()
+    _, dropped = calibrate_posterior(model, noisy, cal, **common, standard_errors=1e6, keep_trained=False)
+    assert dropped.ess == math.inf and dropped.trained_nll is None and len(passes) == len(cal)
+    assert dropped.to_json()["keep_trained"] is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="keep_trained must be True or False"):
+            calibrate_posterior(model, noisy, cal, keep_trained=bad)
+
+
+def test_a_scanned_trained_scale_is_judged_against_the_mean_without_more_passes() -> None:
+    """Where the scan scored the trained scale (ζ × 1 in the grid) and no scale gained min_gain,
+    its scan NLL and temperature decide and become the choice's: no extra pass; k = 0 keeps it
+    exactly when its NLL is not above the mean's at the mean's temperature."""
+    model, post, cal = overfitted()
+    passes: list[int] = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    rule = dict(grid=[1.0, 0.1], num_samples=3, seed=7, standard_errors=0.0, screen_factor=0, min_gain=0.99)
+    calibrated, result = calibrate_posterior(model, post, cal, **rule)
+    assert result.scanned and len(passes) == len(cal) * (1 + 3 * len(result.grid))
+    i = result.grid.index(post.ess)
+    assert result.trained_nll == result.nll[i]
+    assert result.kept_trained == (result.nll[i] <= result.tempered_mean_nll)
+    assert result.kept_trained  # the premise of the next lines: the trained posterior predicts better
+    assert (result.ess, result.temperature) == (post.ess, result.temperatures[i])
+    assert (calibrated.ess, calibrated.temperature) == (post.ess, result.temperatures[i])
+    assert result.chosen_nll == result.nll[i]
 
 
 @pytest.mark.parametrize("temperature", [False, True])
@@ -284,7 +351,7 @@ def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean(temperature: 
     grid = [10.0, 1.0, 0.1, 0.01, 1e-3]
     argmin_rule = {
         "grid": grid, "num_samples": 4, "seed": 7 if temperature else 3, "standard_errors": 0,
-        "temperature": temperature, "always_scan": True, "screen_factor": 0,
+        "temperature": temperature, "always_scan": True, "screen_factor": 0, "keep_trained": False,
     }  # fmt: skip
     _, argmin = calibrate_posterior(model, post, cal, **argmin_rule, min_gain=0)
     best = min(range(len(argmin.nll)), key=argmin.nll.__getitem__)
@@ -383,13 +450,15 @@ def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
     passes: list[int] = []
     model.register_forward_hook(lambda *_: passes.append(1))
     grid = [10.0, 1.0, 0.1]
-    calibrated, gated = calibrate_posterior(model, post, cal, grid=grid, num_samples=2)
+    calibrated, gated = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, keep_trained=False)
     assert gated.mean_temperature < 1 and not gated.scanned and (gated.grid, gated.nll) == ([], [])
     assert len(passes) == len(cal)  # the mean's pass alone
     assert calibrated.ess == math.inf and calibrated.config["calibration"]["scanned"] is False
     assert "no scale was scored" in gated.summary()
     passes.clear()
-    _, full = calibrate_posterior(model, post, cal, grid=grid, num_samples=2, always_scan=True, screen_factor=0)
+    _, full = calibrate_posterior(
+        model, post, cal, grid=grid, num_samples=2, always_scan=True, screen_factor=0, keep_trained=False
+    )
     assert full.scanned and full.grid == [post.ess * f for f in grid]
     assert len(passes) == len(cal) * (1 + 2 * len(grid)) and full.mean_nll == gated.mean_nll
     assert full.ess == math.inf and "no scale beat it" in full.summary()
@@ -410,7 +479,7 @@ def test_scales_too_quiet_to_move_the_predictions_are_screened_out_by_bisection(
     every scale is scored, and the scored scales' NLLs are the same either way."""
     model, post, cal = overfitted()
     grid = [100.0, 10.0, 1.0, 0.1, 0.01]
-    common = {"grid": grid, "num_samples": 3, "seed": 5, "standard_errors": 0.0}
+    common = {"grid": grid, "num_samples": 3, "seed": 5, "standard_errors": 0.0, "keep_trained": False}
     passes: list[int] = []
     model.register_forward_hook(lambda *_: passes.append(1))
     _, full = calibrate_posterior(model, post, cal, **common, screen_factor=0)

@@ -340,7 +340,7 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     posterior = EVONPosterior.from_optimizer(opt, model)
     assert "Not calibrated" in str(render_model_card(posterior))
     calibrated, result = calibrate_posterior(
-        model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, always_scan=True
+        model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, always_scan=True, keep_trained=False
     )
     text = str(render_model_card(calibrated))
     assert "Not calibrated" not in text
@@ -382,3 +382,17 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     assert f"held-out NLL {result.mean_nll:.6g})" in text
     sharpened = _calibration_text({"calibration": record, "temperature": 0.7071})  # an underconfident mean
     assert "no sampling scale was scored" in sharpened and "T = 0.7071" in sharpened
+    # the posterior as trained kept (no scale beat the mean, the mean did not beat it): said, with
+    # its NLL, and without the note that points to the trained scale (it is the one sampled)
+    kept = "so the posterior as trained is kept: its samples disagree where inputs are unlike"
+    trained = calibrated.config["calibration"]["trained_ess"]
+    for scanned in (False, True):
+        record = dict(calibrated.config["calibration"], scanned=scanned, ess=trained, trained_nll=0.4321)
+        text = _calibration_text({"calibration": record})
+        assert kept in text and "(held-out NLL 0.4321) by more than 1 standard error(s)" in text
+        assert TRAINED_SCALE_NOTE not in text and "BMA is the mean" not in text
+        assert ("no other sampling scale was scored (`ess` = " in text) is not scanned
+    # the mean kept although the trained posterior was scored: BMA is the mean, and the note stays
+    record = dict(calibrated.config["calibration"], scanned=False, grid=[], nll=[], ess="inf", trained_nll=0.9)
+    text = _calibration_text({"calibration": record})
+    assert kept not in text and "BMA is the mean" in text and text.endswith(TRAINED_SCALE_NOTE)

@@ -105,7 +105,8 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     tr, cal = trainer(tmp_path, calibration_dataset=breast_cancer()[1])
     tr.train()
     result = tr.calibration
-    assert result is not None and result.chosen_nll <= result.mean_nll
+    # not above the mean's NLL, but where the trained posterior is kept within k standard errors of it
+    assert result is not None and (result.chosen_nll <= result.mean_nll or result.kept_trained)
     posterior = tr.current_posterior()
     assert posterior.ess == result.ess
     assert posterior.config["calibration"]["nll"] == pytest.approx(result.nll)
@@ -127,7 +128,8 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     with CaptureLogger(mixin.logger) as shown:
         again = tr.calibrate(min_gain=0.0, standard_errors=0.0)
     assert again.summary() in shown.out and f"{again.chosen_nll:.4f} vs {again.mean_nll:.4f}" in shown.out
-    assert again.min_gain == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll])
+    trained_nll = [] if again.trained_nll is None else [again.trained_nll]
+    assert again.min_gain == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll, *trained_nll])
     assert (result.min_gain, result.standard_errors) == (0.01, 1.0) and again.nll == pytest.approx(result.nll)
     assert tr.calibrate(standard_errors=2.0).standard_errors == 2.0
     # screen_factor reaches the rule: 1e6 screens out every scale, 0 none

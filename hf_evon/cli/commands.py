@@ -469,7 +469,12 @@ def _add_calibrate(subparsers: Any) -> None:
     p.add_argument(
         "--always-scan", action="store_true",
         help="score the sampling scales even where the mean is not overconfident on the data "
-        "(by default BMA is then the mean, without sampled passes)",
+        "(by default only the trained scale is then scored against the mean)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-keep-trained", dest="keep_trained", action="store_false",
+        help="where no scale beats the mean, keep the mean (by default the trained posterior is kept unless "
+        "the mean predicts better by more than K standard errors)",
     )  # fmt: skip
     p.add_argument(
         "--screen-factor", type=_non_negative_float, default=None, metavar="F",
@@ -518,7 +523,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     calibrated, result = calibrate_posterior(
         model, posterior, batches, num_samples=args.samples, seed=args.seed, shift_labels=True,
         standard_errors=args.standard_errors, min_gain=args.min_gain, temperature=not args.no_temperature,
-        always_scan=args.always_scan, screen_factor=args.screen_factor,
+        always_scan=args.always_scan, screen_factor=args.screen_factor, keep_trained=args.keep_trained,
     )  # fmt: skip
     try:
         calibrated.save_pretrained(args.output)

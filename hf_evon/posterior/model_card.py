@@ -326,18 +326,32 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         if _is_number(config.get("temperature")) and float(config["temperature"]) != 1.0
         else ""
     )
+    # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
+    ess, trained = float(cal["ess"]), float(cal["trained_ess"])
+    kept = _is_number(cal.get("trained_nll")) and ess == trained
+    margin = f" by more than {_md(_fmt(cal['standard_errors']))} standard error(s)" if cal.get("standard_errors") else ""
+    trained_text = (
+        f" The mean did not predict better than the posterior as trained (held-out NLL "
+        f"{_md(_fmt(cal.get('trained_nll')))}){margin}, so the posterior as trained is kept: its samples "
+        "disagree where inputs are unlike the training data."
+        if kept
+        else ""
+    )
     if cal.get("scanned") is False:
         return (
             f"Calibrated on {_md(_fmt(cal.get('num_targets')))} held-out targets: the posterior mean is not "
             "overconfident there (no softmax temperature above 1 lowers its held-out NLL), and averaging "
-            "weight samples only softens them, so no sampling scale was scored: BMA is the mean "
-            f"(`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
+            + (
+                f"weight samples only softens them, so no other sampling scale was scored (`ess` = "
+                f"{_md(_fmt(ess))}; held-out NLL {_md(_fmt(cal.get('mean_nll')))} at the mean)." + trained_text
+                if kept
+                else "weight samples only softens them, so no sampling scale was scored: BMA is the mean "
+                f"(`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
+            )
             + _temperature_text(cal.get("mean_temperature"))
             + tempered
-            + TRAINED_SCALE_NOTE
+            + ("" if kept else TRAINED_SCALE_NOTE)
         )
-    # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
-    ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     mult = "∞" if ess == float("inf") else _fmt(ess / trained)
     # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
@@ -362,10 +376,11 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         )
         + f"). Held-out NLL {show(chosen)} vs "
         f"{show(cal.get('mean_nll'))} at the mean."
+        + trained_text
         + _temperature_text(cal.get("mean_temperature"))
         + tempered
         + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
-        + TRAINED_SCALE_NOTE
+        + ("" if ess == trained else TRAINED_SCALE_NOTE)
     )
 
 

@@ -18,8 +18,14 @@ that is many times overconfident needs so much noise to be softened that the noi
 T does that part, and a scale is kept only where the weight noise adds to what T alone achieves
 (the same standard-error and ``min_gain`` rules, against the mean at its own T).
 measured: docs/trainer.md#calibration-temperature
-Where the mean is not overconfident (its best T is not above 1), no scale is scored and BMA is
-the mean: averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate).
+Where the mean is not overconfident (its best T is not above 1), no other scale is scored:
+averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate).
+
+Where no scale beats the mean, the posterior EVON trained (ζ × 1) is kept unless the mean
+predicts better than it by more than the same k standard errors (``keep_trained=True``): near the
+mean its samples cost no held-out NLL, and their disagreement is the epistemic uncertainty that
+flags inputs unlike the training data, which the mean's single prediction cannot
+(measured: docs/trainer.md#calibration-keep-trained).
 
 The chosen ζ and T become the returned posterior's ``ess`` and ``temperature`` (so BMA evaluation,
 ``generate_bma``, ``bma_log_likelihood``, the CLI and the model card use them without being told),
@@ -115,6 +121,10 @@ class CalibrationResult:
     # the ess values screened out (SCREEN_FACTOR): too little noise to move the predictions
     screened: list[float] = field(default_factory=list)
     screen_factor: float = SCREEN_FACTOR
+    # whether the trained posterior was checked against the mean where no scale beat it, and its
+    # held-out BMA NLL at its temperature there (None: not checked)
+    keep_trained: bool = True
+    trained_nll: float | None = None
 
     @property
     def multiplier(self) -> float:
@@ -123,17 +133,37 @@ class CalibrationResult:
     @property
     def chosen_nll(self) -> float:
         """The held-out BMA NLL at the chosen ``ess`` and ``temperature`` (the mean's when ess = inf)."""
-        if not math.isinf(self.ess):
+        if self.ess in self.grid:
             return self.nll[self.grid.index(self.ess)]
+        if self.kept_trained:
+            return self.trained_nll
         return self.mean_nll if self.tempered_mean_nll is None else self.tempered_mean_nll
+
+    @property
+    def kept_trained(self) -> bool:
+        """The trained posterior kept: no scale beat the mean, and the mean did not beat it."""
+        return self.trained_nll is not None and self.ess == self.trained_ess
 
     def summary(self) -> str:
         """One line: the chosen scale, the held-out NLLs and the mean's temperature there."""
-        if not self.scanned:
+        unscanned = (
+            f"the mean is not overconfident there: no {'other ' if self.keep_trained else ''}scale was "
+            "scored; always_scan=True scores them"
+        )
+        if self.kept_trained:
             scale = (
-                "ess = inf: BMA is the mean (the mean is not overconfident there, and weight noise "
-                "only softens: no scale was scored; always_scan=True scores them)"
+                f"ess = {self.ess:.4g}: the posterior as trained (the mean did not predict better by "
+                f"{self.standard_errors:g} standard error(s)"
+                + ("" if self.scanned else f"; {unscanned}")
+                + ")"
             )
+        elif self.trained_nll is not None:
+            scale = (
+                f"ess = inf: BMA is the mean (it predicted better than the trained posterior, NLL "
+                f"{self.trained_nll:.4f}, by more than {self.standard_errors:g} standard error(s))"
+            )
+        elif not self.scanned:
+            scale = f"ess = inf: BMA is the mean ({unscanned}; weight noise only softens)"
         elif math.isinf(self.ess):
             scale = (
                 f"ess = inf: BMA is the mean (no scale beat it by {self.standard_errors:g} standard "
@@ -305,6 +335,7 @@ def calibrate_posterior(
     temperature: bool = True,
     always_scan: bool = False,
     screen_factor: float | None = None,
+    keep_trained: bool = True,
 ) -> tuple[Any, CalibrationResult]:
     """Choose the posterior's sampling ζ and softmax temperature T by BMA NLL on ``batches`` (held-out data).
 
@@ -322,7 +353,9 @@ def calibrate_posterior(
     errors of their difference (the error counts the targets, paired per-target differences, and
     the S draws, a jackknife, S ≥ 2, since a few lucky draws improve every target at once); k = 0
     gives the lowest NLL. The final choice is kept only if its NLL is at least ``min_gain``
-    (relative) below the mean's; else the mean.
+    (relative) below the mean's; else the mean, or, with ``keep_trained``, the trained posterior
+    (ζ × 1, scored at its own temperature if the scan scored it, else at the mean's) unless the
+    mean's NLL is lower than its by more than k standard errors.
 
     ``temperature=True``: where softening the mean (its least-NLL T of ``SOFTENING_TEMPERATURES``,
     T >= 1) beats T = 1 by more than k standard errors, every candidate, the mean included, is
@@ -337,8 +370,8 @@ def calibrate_posterior(
 
     The noise scales are scored only where the mean is overconfident there (its best T > 1;
     ``always_scan=True``: always): averaging samples softens predictions, so where the mean is
-    not overconfident BMA is the mean, without the S × len(grid) sampled passes
-    (docs/trainer.md#calibration-scan-gate). Where they are scored, the scales whose first draw
+    not overconfident the choice is the trained posterior's S passes against the mean, without
+    the S × len(grid) others (docs/trainer.md#calibration-scan-gate). Where they are scored, the scales whose first draw
     moves the log-likelihoods by less than ``screen_factor`` × ``min_gain`` of the mean's NLL
     (per target, on average, at the mean's temperature), up to the first one that moves them
     more, are not candidates (``screened``; docs/trainer.md#calibration-screen). The moves grow
@@ -364,7 +397,7 @@ def calibrate_posterior(
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
-    for name, flag in (("temperature", temperature), ("always_scan", always_scan)):
+    for name, flag in (("temperature", temperature), ("always_scan", always_scan), ("keep_trained", keep_trained)):
         if not isinstance(flag, bool):
             raise ValueError(f"calibrate_posterior: {name} must be True or False; got {flag!r}")
     if not (_is_real(standard_errors) and standard_errors >= 0.0 and math.isfinite(standard_errors)):
@@ -435,14 +468,31 @@ def calibrate_posterior(
             best = min(best, untempered)
             if untempered > 2.0 * best:
                 break
+        reference = float(mean_t_nll[start])  # the mean's NLL at its own temperature (T = 1 without)
+        index = _stepwise_choice(draws, standard_errors)
+        if index > 0 and nlls[index - 1] > (1.0 - min_gain) * reference:
+            index = 0  # not a gain worth the noise: the mean
+        trained_nll, keep = None, False
+        if index == 0 and keep_trained:
+            if trained in tried:  # scored by the scan, at its own temperature
+                j = tried.index(trained) + 1
+                trained_logp, trained_t, trained_nll = draws[j], chosen_t[j], nlls[j - 1]
+            else:
+                trained_ts = temperatures if start > one else (TEMPERATURE_GRID[start],)
+                logps = []
+                for s in range(num_samples):
+                    with posterior.with_ess(trained).sampled(model, seed=seed + s):
+                        logps.append(_pass(model, batches, shift, trained_ts))
+                t_nll = _bma_nll(torch.stack(logps)).mean(-1)
+                t = int(t_nll.argmin())
+                trained_logp = torch.stack([x[t] for x in logps])
+                trained_t, trained_nll = trained_ts[t], float(t_nll[t])
+            excess, error = _gain_and_error(trained_logp, draws[0])
+            keep = excess <= standard_errors * error
     finally:
         model.train(was_training)
-    reference = float(mean_t_nll[start])  # the mean's NLL at its own temperature (T = 1 without)
-    index = _stepwise_choice(draws, standard_errors)
-    if index > 0 and nlls[index - 1] > (1.0 - min_gain) * reference:
-        index = 0  # not a gain worth the noise: the mean
     result = CalibrationResult(
-        ess=([math.inf] + tried)[index],
+        ess=trained if keep else ([math.inf] + tried)[index],
         trained_ess=trained,
         grid=tried,
         nll=nlls,
@@ -453,12 +503,14 @@ def calibrate_posterior(
         standard_errors=float(standard_errors),
         min_gain=float(min_gain),
         mean_temperature=TEMPERATURE_GRID[best_t],
-        temperature=chosen_t[index],
+        temperature=trained_t if keep else chosen_t[index],
         temperatures=chosen_t[1:] if start != one else [],
         tempered_mean_nll=reference if start != one else None,
         scanned=scanned,
         screened=screened,
         screen_factor=float(screen_factor),
+        keep_trained=keep_trained,
+        trained_nll=trained_nll,
     )
     return result.apply(posterior), result
 

@@ -336,13 +336,14 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         temperature: bool = True,
         always_scan: bool = False,
         screen_factor: float | None = None,
+        keep_trained: bool = True,
     ) -> Any:
         """Choose the posterior's sampling scale and temperature by BMA NLL on held-out ``dataset``.
 
         :func:`hf_evon.calibrate_posterior` on ``dataset`` (default: the trainer's
         ``calibration_dataset``), with ``bma_num_samples`` samples (8 if 0) and seeds from
-        ``bma_seed``; ``standard_errors``, ``min_gain``, ``temperature``, ``always_scan`` and ``screen_factor``
-        as there. Until the next optimizer step,
+        ``bma_seed``; ``standard_errors``, ``min_gain``, ``temperature``, ``always_scan``, ``screen_factor``
+        and ``keep_trained`` as there. Until the next optimizer step,
         ``current_posterior()`` — so evaluation, saving and the model card — uses the calibrated
         scale. Runs by itself at the end of
         ``train()`` when a ``calibration_dataset`` was given. Returns the ``CalibrationResult``.
@@ -384,6 +385,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             temperature=temperature,
             always_scan=always_scan,
             screen_factor=screen_factor,
+            keep_trained=keep_trained,
         )
         self.calibration, self._calibrated_step = result, self.state.global_step
         if self.is_world_process_zero():  # the run's outcome: shown at the default verbosity
