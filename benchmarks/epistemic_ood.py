@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.tasks:
         print(f"\n## {name}\n\n| method | " + " | ".join(COLUMNS) + " | s/run |")
         print("|---" * (len(COLUMNS) + 2) + "|")
+        notes = []  # printed below the table: a line between its rows would end it
         for method in args.methods:
             runs, seconds = [], []
             for seed in range(args.seeds):
@@ -340,10 +341,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cells = " | ".join(cell(runs, key) for key in COLUMNS)
             print(f"| {LABELS[method]} | {cells} | {statistics.mean(seconds):.0f} |", flush=True)
             if "multiplier" in runs[0]:
-                print(
-                    "  calibrated ζ × / T per seed: "
-                    + ", ".join(f"{r['multiplier']:.3g} / {r['temperature']:.3g}" for r in runs)
-                )
+                choices = ", ".join(f"{r['multiplier']:.3g} / {r['temperature']:.3g}" for r in runs)
+                notes.append(f"{LABELS[method]}: calibrated ζ × / T per seed: {choices}")
+        if notes:
+            print("\n" + "\n".join(notes), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -280,11 +280,12 @@ def test_a_noisier_scale_is_chosen_only_if_it_beats_the_choice_so_far_by_k_stand
     assert chosen[0] < math.inf and chosen[2] == math.inf  # the rule decides here: k=0 and k=3 differ
 
 
-def test_the_trained_posterior_is_kept_unless_the_mean_beats_it_by_k_standard_errors() -> None:
+def test_the_trained_posterior_is_kept_unless_the_mean_beats_it_by_k_standard_errors_or_min_gain() -> None:
     """Where the mean is not overconfident (no scan), the trained posterior's S draws are scored
-    against the mean and kept unless the mean's NLL is lower by more than k standard errors: the
-    rule checked against a plain-float reference on both sides of the measured ratio, its NLL
-    against a plain BMA loop, the passes counted; keep_trained=False keeps the mean, in one pass."""
+    against the mean and kept unless the mean's NLL is lower by more than k standard errors or by
+    more than min_gain (relative): each bound checked against a plain-float reference on both
+    sides of the measured excess, its NLL against a plain BMA loop, the passes counted;
+    keep_trained=False keeps the mean, in one pass."""
     model, post, cal, _ = trained(seed=1, steps=100)
     noisy = post.with_ess(post.ess * 1e-2)  # trained with more noise: the mean predicts better
     passes: list[int] = []
@@ -296,14 +297,19 @@ def test_the_trained_posterior_is_kept_unless_the_mean_beats_it_by_k_standard_er
     draws = draw_probs(model, noisy, cal, range(3, 7))
     excess, error = nll_excess(draws, [mean])
     assert excess > 0 and error > 0  # the premise: the mean is the better predictor here
+    relative = excess / -statistics.fmean(math.log(p) for p in mean)  # of the mean's NLL
     common = dict(grid=[1.0, 0.1], num_samples=4, seed=3, temperature=False)
-    for k, kept in ((0.99 * excess / error, False), (1.01 * excess / error, True)):
+    bounds = [(0.99 * excess / error, 0.99, False), (1.01 * excess / error, 0.99, True)]  # k decides
+    bounds += [(1e6, 0.99 * relative, False), (1e6, 1.01 * relative, True)]  # min_gain decides
+    # the reference rule, walking from the trained posterior to the mean, agrees on the k bounds
+    assert [stepwise_choice([draws, [mean]], k) for k, _, _ in bounds[:2]] == [1, 0]
+    for k, gain, kept in bounds:
         passes.clear()
-        calibrated, result = calibrate_posterior(model, noisy, cal, **common, standard_errors=k)
+        calibrated, result = calibrate_posterior(model, noisy, cal, **common, standard_errors=k, min_gain=gain)
         assert not result.scanned and result.grid == [] and len(passes) == len(cal) * (1 + 4)
         reference = -statistics.fmean(math.log(statistics.fmean(c)) for c in zip(*draws))
         assert result.trained_nll == pytest.approx(reference, rel=1e-9)
-        assert result.kept_trained is kept and stepwise_choice([draws, [mean]], k) == (0 if kept else 1)
+        assert result.kept_trained is kept
         assert result.ess == calibrated.ess == (noisy.ess if kept else math.inf)
         assert calibrated.config["trained_ess"] == noisy.ess
         assert result.chosen_nll == (result.trained_nll if kept else result.mean_nll)

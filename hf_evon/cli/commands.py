@@ -458,8 +458,8 @@ def _add_calibrate(subparsers: Any) -> None:
     )  # fmt: skip
     p.add_argument(
         "--min-gain", type=_fraction, default=None, metavar="G",
-        help="the chosen scale's NLL must be at least the fraction G below the mean's, else BMA is the mean "
-        "(default: hf_evon.predictive.calibration.DEFAULT_MIN_GAIN, 0.01)",
+        help="the chosen scale's NLL must be at least the fraction G below the mean's, else the posterior as "
+        "trained or the mean (default: hf_evon.predictive.calibration.DEFAULT_MIN_GAIN, 0.01)",
     )  # fmt: skip
     p.add_argument(
         "--no-temperature", action="store_true",
@@ -474,7 +474,7 @@ def _add_calibrate(subparsers: Any) -> None:
     p.add_argument(
         "--no-keep-trained", dest="keep_trained", action="store_false",
         help="where no scale beats the mean, keep the mean (by default the trained posterior is kept unless "
-        "the mean predicts better by more than K standard errors)",
+        "the mean predicts better by more than K standard errors or G)",
     )  # fmt: skip
     p.add_argument(
         "--screen-factor", type=_non_negative_float, default=None, metavar="F",

@@ -304,7 +304,7 @@ def _usage_snippet(
     return "\n".join(lines)
 
 
-# a calibration scores scales by held-out NLL and often keeps the mean, whose samples never disagree
+# a calibration scores scales by held-out NLL and may keep the mean, whose samples never disagree
 TRAINED_SCALE_NOTE = (
     " The scale EVON trained stays in the config (`trained_ess`): `EVONTrainer.predict_uncertainty` samples"
     " at it, where the samples' disagreement (the epistemic uncertainty) flags inputs unlike the training data."
@@ -318,7 +318,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         return (
             "Not calibrated: samples use the scale EVON trained with. Choose it on held-out data with "
             "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`) before relying on BMA: on that data the "
-            "calibrated BMA is never worse than the mean."
+            "calibrated BMA is never worse than the mean by more than a standard error or 1%."
         )
     tempered = (
         f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(_fmt(config['temperature']))}"
@@ -329,7 +329,8 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     kept = _is_number(cal.get("trained_nll")) and ess == trained
-    margin = f" by more than {_md(_fmt(cal['standard_errors']))} standard error(s)" if cal.get("standard_errors") else ""
+    errors = f"{_md(_fmt(cal['standard_errors']))} standard error(s) or " if cal.get("standard_errors") else ""
+    margin = f" by more than {errors}{_md(_fmt(100 * float(cal.get('min_gain', 0.0))))}%"
     trained_text = (
         f" The mean did not predict better than the posterior as trained (held-out NLL "
         f"{_md(_fmt(cal.get('trained_nll')))}){margin}, so the posterior as trained is kept: its samples "
@@ -341,12 +342,12 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         return (
             f"Calibrated on {_md(_fmt(cal.get('num_targets')))} held-out targets: the posterior mean is not "
             "overconfident there (no softmax temperature above 1 lowers its held-out NLL), and averaging "
+            f"weight samples only softens them, so no {'other ' if kept else ''}sampling scale was scored"
             + (
-                f"weight samples only softens them, so no other sampling scale was scored (`ess` = "
-                f"{_md(_fmt(ess))}; held-out NLL {_md(_fmt(cal.get('mean_nll')))} at the mean)." + trained_text
+                f" (`ess` = {_md(_fmt(ess))}; held-out NLL {_md(_fmt(cal.get('mean_nll')))} at the mean)."
+                + trained_text
                 if kept
-                else "weight samples only softens them, so no sampling scale was scored: BMA is the mean "
-                f"(`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
+                else f": BMA is the mean (`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
             )
             + _temperature_text(cal.get("mean_temperature"))
             + tempered

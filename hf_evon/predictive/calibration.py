@@ -8,8 +8,9 @@ question, answered on data the model did not train on. Like laplace-torch's
 one by Bayesian-model-averaging NLL: walking from the mean (ζ = ∞) towards more noise, a
 noisier scale replaces the choice so far only if its NLL is lower by more than one standard
 error of the difference (``standard_errors=1``), and the final choice must beat the mean's NLL
-by at least ``min_gain`` (1%), else BMA is the mean. The grid includes ζ = ∞ (every sample is
-the mean), so on the calibration data BMA is never worse than the mean.
+by at least ``min_gain`` (1%). Else the choice is the posterior as trained, unless the mean (ζ =
+∞, every sample the mean) predicts better than it by more than one standard error or 1% (below),
+so on the calibration data BMA is never worse than the mean by more than the smaller of the two.
 
 Where the mean is overconfident on the held-out data (``temperature=True``, the default), each
 scale, the mean included, is scored with its own softmax temperature T >= 1: the predictive is
@@ -22,8 +23,8 @@ Where the mean is not overconfident (its best T is not above 1), no other scale 
 averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate).
 
 Where no scale beats the mean, the posterior EVON trained (ζ × 1) is kept unless the mean
-predicts better than it by more than the same k standard errors (``keep_trained=True``): near the
-mean its samples cost no held-out NLL, and their disagreement is the epistemic uncertainty that
+predicts better than it by more than the same k standard errors or by more than ``min_gain``
+(``keep_trained=True``): near the mean its samples cost no held-out NLL, and their disagreement is the epistemic uncertainty that
 flags inputs unlike the training data, which the mean's single prediction cannot
 (measured: docs/trainer.md#calibration-keep-trained).
 
@@ -116,7 +117,7 @@ class CalibrationResult:
     temperature: float = 1.0
     temperatures: list[float] = field(default_factory=list)
     tempered_mean_nll: float | None = None
-    # False: the mean was not overconfident, so no scale was scored (BMA is the mean)
+    # False: the mean was not overconfident, so no scale was scored but the trained one (keep_trained)
     scanned: bool = True
     # the ess values screened out (SCREEN_FACTOR): too little noise to move the predictions
     screened: list[float] = field(default_factory=list)
@@ -153,14 +154,15 @@ class CalibrationResult:
         if self.kept_trained:
             scale = (
                 f"ess = {self.ess:.4g}: the posterior as trained (the mean did not predict better by "
-                f"{self.standard_errors:g} standard error(s)"
+                f"{self.standard_errors:g} standard error(s) or {100 * self.min_gain:g}%"
                 + ("" if self.scanned else f"; {unscanned}")
                 + ")"
             )
         elif self.trained_nll is not None:
             scale = (
                 f"ess = inf: BMA is the mean (it predicted better than the trained posterior, NLL "
-                f"{self.trained_nll:.4f}, by more than {self.standard_errors:g} standard error(s))"
+                f"{self.trained_nll:.4f}, by more than {self.standard_errors:g} standard error(s) or "
+                f"{100 * self.min_gain:g}%)"
             )
         elif not self.scanned:
             scale = f"ess = inf: BMA is the mean ({unscanned}; weight noise only softens)"
@@ -354,8 +356,9 @@ def calibrate_posterior(
     the S draws, a jackknife, S ≥ 2, since a few lucky draws improve every target at once); k = 0
     gives the lowest NLL. The final choice is kept only if its NLL is at least ``min_gain``
     (relative) below the mean's; else the mean, or, with ``keep_trained``, the trained posterior
-    (ζ × 1, scored at its own temperature if the scan scored it, else at the mean's) unless the
-    mean's NLL is lower than its by more than k standard errors.
+    (ζ × 1, at its own temperature as the scan scored it, else at the mean's, or at its own
+    softening one where the mean is softened) unless the mean's NLL is lower than its by more
+    than k standard errors or by more than ``min_gain`` (relative to the mean's).
 
     ``temperature=True``: where softening the mean (its least-NLL T of ``SOFTENING_TEMPERATURES``,
     T >= 1) beats T = 1 by more than k standard errors, every candidate, the mean included, is
@@ -370,16 +373,15 @@ def calibrate_posterior(
 
     The noise scales are scored only where the mean is overconfident there (its best T > 1;
     ``always_scan=True``: always): averaging samples softens predictions, so where the mean is
-    not overconfident the choice is the trained posterior's S passes against the mean, without
-    the S × len(grid) others (docs/trainer.md#calibration-scan-gate). Where they are scored, the scales whose first draw
-    moves the log-likelihoods by less than ``screen_factor`` × ``min_gain`` of the mean's NLL
-    (per target, on average, at the mean's temperature), up to the first one that moves them
-    more, are not candidates (``screened``; docs/trainer.md#calibration-screen). The moves grow
-    along the walk, so that first scale is found by bisecting the grid: about log2(len(grid) + 1)
-    passes of one draw each, the probes at or past it reused as those scales' first draws.
-    Memory: the
-    log-probabilities of every target are kept, 8 bytes × S × targets per scale (× 13 temperatures
-    while a scale is scored).
+    not overconfident only the trained scale is scored against it (S passes), not the S ×
+    len(grid) of the scan (docs/trainer.md#calibration-scan-gate). Where they are scored, the
+    scales whose first draw moves the log-likelihoods by less than ``screen_factor`` ×
+    ``min_gain`` of the mean's NLL (per target, on average, at the mean's temperature), up to the
+    first one that moves them more, are not candidates (``screened``;
+    docs/trainer.md#calibration-screen). The moves grow along the walk, so that first scale is
+    found by bisecting the grid: about log2(len(grid) + 1) passes of one draw each, the probes at
+    or past it reused as those scales' first draws. Memory: the log-probabilities of every
+    target are kept, 8 bytes × S × targets per scale (× 13 temperatures while a scale is scored).
 
     ``grid``, ``standard_errors``, ``min_gain``, ``screen_factor`` left None take ``DEFAULT_GRID``,
     ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01), ``SCREEN_FACTOR`` (2.5; 0: no screen).
@@ -397,7 +399,8 @@ def calibrate_posterior(
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
-    for name, flag in (("temperature", temperature), ("always_scan", always_scan), ("keep_trained", keep_trained)):
+    flags = (("temperature", temperature), ("always_scan", always_scan), ("keep_trained", keep_trained))
+    for name, flag in flags:
         if not isinstance(flag, bool):
             raise ValueError(f"calibrate_posterior: {name} must be True or False; got {flag!r}")
     if not (_is_real(standard_errors) and standard_errors >= 0.0 and math.isfinite(standard_errors)):
@@ -488,7 +491,7 @@ def calibrate_posterior(
                 trained_logp = torch.stack([x[t] for x in logps])
                 trained_t, trained_nll = trained_ts[t], float(t_nll[t])
             excess, error = _gain_and_error(trained_logp, draws[0])
-            keep = excess <= standard_errors * error
+            keep = excess <= standard_errors * error and excess <= min_gain * reference
     finally:
         model.train(was_training)
     result = CalibrationResult(
