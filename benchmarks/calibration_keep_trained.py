@@ -13,7 +13,12 @@ standard errors, and the test NLL of each rule's choice.
     python benchmarks/calibration_keep_trained.py --seeds 2            # payoff's tabular tasks, ~2 min
     python benchmarks/calibration_keep_trained.py --tasks tiny_gpt2 --seeds 2
 
-Figures: docs/trainer.md#calibration-keep-trained.
+Measured (``--tasks digits breast_cancer wine iris noisy_digits noisy_iris noisy_wine tiny_gpt2
+--seeds 2``, one thread, ~4 minutes): the trained posterior kept on 13 of 16 runs, its
+calibration-split NLL −0.38% to +0.13% of the mean's; the tiny GPT-2's seed 1 keeps the mean
+(+0.012%, beyond a standard error); two noisy runs choose a noise scale under both rules. Test NLL
+of the kept posterior's BMA@32 against the mean's: −0.97% to +0.06%, mean −0.08%
+(docs/trainer.md#calibration-keep-trained).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ class CalibrationResult:
         )
         if self.kept_trained:
             scale = (
-                f"ess = {self.ess:.4g}: the posterior as trained (the mean did not predict better by "
+                f"ess = {self.ess:.4g}: the posterior as trained (the mean did not predict better by more than "
                 f"{self.standard_errors:g} standard error(s) or {100 * self.min_gain:g}%"
                 + ("" if self.scanned else f"; {unscanned}")
                 + ")"
