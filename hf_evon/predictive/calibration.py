@@ -24,9 +24,9 @@ averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate)
 
 Where no scale beats the mean, the posterior EVON trained (ζ × 1) is kept unless the mean
 predicts better than it by more than the same k standard errors or by more than ``min_gain``
-(``keep_trained=True``): near the mean its samples cost no held-out NLL, and their disagreement is the epistemic uncertainty that
-flags inputs unlike the training data, which the mean's single prediction cannot
-(measured: docs/trainer.md#calibration-keep-trained).
+(``keep_trained=True``): near the mean its samples cost no held-out NLL, and their disagreement
+is the epistemic uncertainty that flags inputs unlike the training data, which the mean's single
+prediction cannot show (measured: docs/trainer.md#calibration-keep-trained).
 
 The chosen ζ and T become the returned posterior's ``ess`` and ``temperature`` (so BMA evaluation,
 ``generate_bma``, ``bma_log_likelihood``, the CLI and the model card use them without being told),
@@ -482,9 +482,9 @@ def calibrate_posterior(
                 trained_logp, trained_t, trained_nll = draws[j], chosen_t[j], nlls[j - 1]
             else:
                 trained_ts = temperatures if start > one else (TEMPERATURE_GRID[start],)
-                logps = []
+                as_trained, logps = posterior.with_ess(trained), []
                 for s in range(num_samples):
-                    with posterior.with_ess(trained).sampled(model, seed=seed + s):
+                    with as_trained.sampled(model, seed=seed + s):
                         logps.append(_pass(model, batches, shift, trained_ts))
                 t_nll = _bma_nll(torch.stack(logps)).mean(-1)
                 t = int(t_nll.argmin())
