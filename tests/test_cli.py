@@ -593,6 +593,12 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     assert EVONPosterior.from_pretrained(out).temperature == 1.0
     assert main([*argv, "--block-size", "16", "--samples", "2", "--json", "--standard-errors", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["standard_errors"] == 3.0
+    # --no-keep-trained reaches the rule: the trained posterior is not scored against the mean
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json", "--no-keep-trained"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["keep_trained"] is False and printed["trained_nll"] is None
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["keep_trained"] is True
     # --screen-factor reaches the rule: 1e6 screens out every scale, 0 none
     scan = ["--block-size", "16", "--samples", "2", "--json", "--always-scan", "--screen-factor"]
     assert main([*argv, *scan, "1e6"]) == 0

@@ -132,6 +132,10 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     assert again.min_gain == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll, *trained_nll])
     assert (result.min_gain, result.standard_errors) == (0.01, 1.0) and again.nll == pytest.approx(result.nll)
     assert tr.calibrate(standard_errors=2.0).standard_errors == 2.0
+    # keep_trained reaches the rule: False never scores the trained posterior against the mean
+    dropped = tr.calibrate(keep_trained=False)
+    assert dropped.keep_trained is False and dropped.trained_nll is None and not dropped.kept_trained
+    assert result.keep_trained is True and result.trained_nll is not None  # the default scored it
     # screen_factor reaches the rule: 1e6 screens out every scale, 0 none
     assert result.screen_factor == 2.5
     everything = tr.calibrate(always_scan=True, screen_factor=1e6)
