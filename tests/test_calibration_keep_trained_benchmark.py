@@ -37,6 +37,6 @@ def test_test_nll_is_the_bma_nll_of_tempered_samples_and_one_pass_for_the_mean()
 
 def test_a_row_reports_the_rules_choice_and_the_nlls_it_read() -> None:
     row = bench.run("digits", 0, 2, True)
-    assert row["kept_trained"] == (row["multiplier"] == 1.0) and row["cal_trained_nll"] is not None
+    assert row["cal_trained_nll"] is not None  # no scale beat the mean here: the trained posterior was scored
     # the two rules differ only where the trained posterior is kept: elsewhere the same choice, the same NLL
     assert (row["test_keep"] == row["test_mean_rule"]) is not row["kept_trained"]
