@@ -344,6 +344,36 @@ def test_a_scanned_trained_scale_is_judged_against_the_mean_without_more_passes(
     assert result.chosen_nll == result.nll[i]
 
 
+def test_a_screened_trained_scale_reuses_the_screens_draw() -> None:
+    """Where the screen probed the trained scale (ζ × 1) and screened it out, the check against the
+    mean reuses that probe as its first draw: one pass fewer per batch, and the same NLL and
+    temperature as when the scan scores ×1 itself (screen_factor=0)."""
+    model, post, cal = overfitted()
+    rule = dict(grid=[1.0, 0.1], num_samples=3, seed=7, standard_errors=0.0, min_gain=0.99)
+    _, scored = calibrate_posterior(model, post, cal, **rule, screen_factor=0)
+    y = torch.cat([yb for _, yb in cal])
+    t = scored.mean_temperature
+    with torch.no_grad():
+        mean = torch.log_softmax(torch.cat([model(xb) for xb, _ in cal]).double() / t, -1)
+    moved = []
+    for f in (1.0, 0.1):  # the screen's measure: the first draw's move at the mean's temperature
+        with post.with_ess(post.ess * f).sampled(model, seed=7), torch.no_grad():
+            logits = torch.cat([model(xb) for xb, _ in cal]).double()
+        moved.append(float((torch.log_softmax(logits / t, -1) - mean)[torch.arange(len(y)), y].abs().mean()))
+    assert moved[0] < moved[1]  # the premise: a factor between them screens ×1 out, not ×0.1
+    nll = scored.tempered_mean_nll
+    passes: list[int] = []
+    model.register_forward_hook(lambda *_: passes.append(1))
+    _, screened = calibrate_posterior(
+        model, post, cal, **rule, screen_factor=math.sqrt(moved[0] * moved[1]) / (0.99 * nll)
+    )
+    assert screened.screened == [post.ess] and screened.grid == [post.ess * 0.1]
+    # the mean; the probes of ×0.1 and ×1; the rest of ×0.1's draws and of ×1's
+    assert len(passes) == len(cal) * (1 + 2 + 2 * (3 - 1))
+    assert screened.trained_nll == scored.nll[scored.grid.index(post.ess)]
+    assert (screened.ess, screened.temperature) == (scored.ess, scored.temperature)
+
+
 @pytest.mark.parametrize("temperature", [False, True])
 def test_a_scale_is_chosen_only_if_it_gains_min_gain_over_the_mean(temperature: bool) -> None:
     """The lowest NLL (k = 0) is kept if it is at least min_gain (relative) below the mean's (at

@@ -452,18 +452,24 @@ def calibrate_posterior(
                 first[i] = _pass(model, batches, shift, temperatures)
             return float((first[i][screen_t] - screen_ref).abs().mean()) >= tolerance
 
-        onset = _first_true(moves, len(scales)) if tolerance > 0.0 else 0
-        screened = [trained * f for f in scales[:onset]]
-        for i in range(onset, len(scales)):
-            candidate = posterior.with_ess(trained * scales[i])
-            logps = [first[i]] if i in first else []
+        def score(factor: float, ts: Sequence[float], first_draw: Tensor | None) -> tuple[Tensor, int, Tensor]:
+            """S draws at ζ = trained × factor at every T of ``ts`` (``first_draw``: the screen's pass at
+            ``seed``): (their log p at the least-NLL T, [S, targets]; that T's index; BMA NLL per T)."""
+            candidate = posterior.with_ess(trained * factor)
+            logps = [] if first_draw is None else [first_draw]
             for s in range(len(logps), num_samples):
                 with candidate.sampled(model, seed=seed + s):
-                    logps.append(_pass(model, batches, shift, temperatures))
+                    logps.append(_pass(model, batches, shift, ts))
             stacked = torch.stack(logps)  # [S, T, targets]
             t_nll = _bma_nll(stacked).mean(-1)
             t = int(t_nll.argmin())
-            draws.append(stacked[:, t].clone())
+            return stacked[:, t].clone(), t, t_nll
+
+        onset = _first_true(moves, len(scales)) if tolerance > 0.0 else 0
+        screened = [trained * f for f in scales[:onset]]
+        for i in range(onset, len(scales)):
+            logp, t, t_nll = score(scales[i], temperatures, first.get(i))
+            draws.append(logp)
             chosen_t.append(temperatures[t])
             tried.append(trained * scales[i])
             nlls.append(float(t_nll[t]))
@@ -480,15 +486,10 @@ def calibrate_posterior(
             if trained in tried:  # scored by the scan, at its own temperature
                 j = tried.index(trained) + 1
                 trained_logp, trained_t, trained_nll = draws[j], chosen_t[j], nlls[j - 1]
-            else:
+            else:  # screened out or not scanned: at the mean's temperature, or its own softening one
                 trained_ts = temperatures if start > one else (TEMPERATURE_GRID[start],)
-                as_trained, logps = posterior.with_ess(trained), []
-                for s in range(num_samples):
-                    with as_trained.sampled(model, seed=seed + s):
-                        logps.append(_pass(model, batches, shift, trained_ts))
-                t_nll = _bma_nll(torch.stack(logps)).mean(-1)
-                t = int(t_nll.argmin())
-                trained_logp = torch.stack([x[t] for x in logps])
+                probed = first.get(scales.index(1.0)) if 1.0 in scales and trained_ts == temperatures else None
+                trained_logp, t, t_nll = score(1.0, trained_ts, probed)
                 trained_t, trained_nll = trained_ts[t], float(t_nll[t])
             excess, error = _gain_and_error(trained_logp, draws[0])
             keep = excess <= standard_errors * error and excess <= min_gain * reference
