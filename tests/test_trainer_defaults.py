@@ -149,6 +149,24 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     assert math.isfinite(result.trained_ess)
 
 
+def test_a_second_train_drops_the_first_calibration(tmp_path) -> None:
+    """A calibration holds for the weights it scored: after another train() (which restarts the
+    step count, here ending at the same global step) the posterior is the optimizer's as trained."""
+    tr, cal = trainer(tmp_path)
+    tr.args.num_train_epochs = 3
+    tr.train()
+    first = tr.calibrate(cal)
+    assert tr.current_posterior().config["calibration"]["ess"] == first.to_json()["ess"]
+    steps = tr.state.global_step
+    tr.train()
+    assert tr.state.global_step == steps  # what the calibration's validity check compared
+    posterior = tr.current_posterior()
+    trained = next(g["ess"] for g in tr.optimizer.param_groups if g["algorithm"] == "evon")
+    assert "calibration" not in posterior.config and "trained_ess" not in posterior.config
+    assert posterior.ess == trained != first.ess and posterior.temperature == 1.0
+    assert tr.calibration is None
+
+
 def test_calibrating_on_the_evaluation_data_is_refused(tmp_path) -> None:
     train, _, test = breast_cancer()
     args = EVONConfig(output_dir=str(tmp_path), report_to="none")

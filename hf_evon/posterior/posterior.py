@@ -473,7 +473,7 @@ class EVONPosterior:
         Args:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
             eigenbasis_dtype: ``torch.bfloat16``/``torch.float16`` stores ``Q_L``/``Q_R`` in
-                half precision (about half the file); ``H`` always stays float32.
+                half precision (about half the file); ``H`` keeps its dtype (float32, float64 for float64 weights).
             push_to_hub: afterwards also :meth:`push_to_hub` (``repo_id`` defaults to the
                 directory's name; other keyword arguments are passed on).
             model_card (kwarg, default True): create/update ``README.md``.

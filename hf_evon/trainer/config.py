@@ -211,7 +211,7 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "Clipping of EVON's update: 'none' (the pure algorithm), 'element' (|Δ_ij| <= radius, as "
             "IVON), 'spectral' (singular values <= radius), 'whiten' (Newton-Schulz orthogonalisation, as "
-            "Muon; the paper's CLIP and NanoGPT runs, with a learning rate ~1e-2) or 'whiten_rms' (the same, "
+            "Muon; the paper's CLIP runs, with a learning rate ~1e-2) or 'whiten_rms' (the same, "
             "scaled to entry RMS evon_clip_radius). Whitening costs ~15 matmuls per matrix and step, noticeable "
             "on CPU. Default (None): 'whiten_rms', and 'element' for full fine-tuning of a pretrained model "
             "(hf_evon.optim.defaults.default_clip; measurements: docs/trainer.md).",

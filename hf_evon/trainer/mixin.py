@@ -197,7 +197,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         super().__init__(model, args, *trainer_args, **kwargs)
         self.posterior = posterior
         self.calibration_dataset = calibration_dataset
-        self.calibration: Any = None  # the last CalibrationResult, valid at global step _calibrated_step
+        self.calibration: Any = None  # the last CalibrationResult: this train()'s, at step _calibrated_step
         self._calibrated_step = -1
         self._posterior_from_checkpoint = False
         self._evon_step_items: Tensor | None = None
@@ -585,7 +585,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         self._check_fsdp_plugin()
         if self.calibration_dataset is not None:
             self._check_calibration_data()  # before the first step: not after the whole run
-        self._posterior_from_checkpoint = False
+        self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
         self._evon_fsdp2_resume = None
         self._evon_in_training, self._evon_evaluations, self._evon_evaluated_step = True, 0, -1
         try:
