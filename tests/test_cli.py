@@ -353,6 +353,18 @@ def test_bad_input_in_a_subprocess_prints_no_traceback(saved):
     assert "hf-evon generate: error: --prompt number 1 ('') has no tokens" in done.stderr
 
 
+def test_a_reader_that_leaves_early_gets_no_error_line(saved):
+    """`hf-evon inspect DIR | head`: the reader closes the pipe before the command writes."""
+    path, *_ = saved
+    exe = shutil.which("hf-evon")
+    cmd = [exe] if exe else [sys.executable, "-m", "hf_evon.cli"]
+    proc = subprocess.Popen([*cmd, "inspect", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command has loaded anything, so its first write meets a closed pipe
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 141 and err == ""
+
+
 @pytest.mark.parametrize("location", ["./no-such-dir", "{tmp}/missing", "a/b/c"])
 def test_missing_local_directory_is_not_reported_as_a_repo_id(tmp_path, capsys, location):
     location = location.format(tmp=tmp_path)

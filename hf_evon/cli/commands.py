@@ -572,6 +572,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.print_usage(sys.stderr)
         print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`| head`) with what it wanted: no error line
+        with contextlib.suppress(OSError, ValueError):  # Python's flush at exit would fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
     except (ValueError, NotImplementedError, OSError) as err:
         print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
         return 1
