@@ -146,26 +146,34 @@ def _texts_by_class(task: str) -> tuple[list[str], list[list[str]]]:
     raise ValueError(f"unknown text task {task!r}; one of {TEXT_TASKS}")
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def unique_texts(task: str) -> tuple[list[str], list[list[str]]]:
+    """(class names, each class's texts): a text found in two classes is dropped, the rest in the
+    order of their SHA-256, the same on every machine with the same standard library."""
+    classes, texts = _texts_by_class(task)
+    owners = collections.Counter(t for ts in texts for t in set(ts))
+    return classes, [sorted({t for t in ts if owners[t] == 1}, key=_digest) for ts in texts]
+
+
 def text_data(tasks: Sequence[str], per_class: tuple[int, int] = PER_CLASS) -> dict[str, dict[str, Any]]:
-    """task -> {"classes", "train", "held"} ([text, label] lists). A text found in two classes is
-    dropped; each class keeps its first texts in the order of their SHA-256 (train, then held-out),
-    and the training texts are mixed in that order too: the same texts on every machine with the
-    same standard library."""
-    digest = lambda t: hashlib.sha256(t.encode()).hexdigest()  # noqa: E731
+    """task -> {"classes", "train", "held"} ([text, label] lists): each class's first texts of
+    :func:`unique_texts` (train, then held-out), the training texts mixed in the order of their
+    SHA-256 too."""
     out = {}
     for task in tasks:
-        classes, texts = _texts_by_class(task)
-        owners = collections.Counter(t for ts in texts for t in set(ts))
+        classes, texts = unique_texts(task)
         train, held = [], []
-        for label, ts in enumerate(texts):
-            kept = sorted({t for t in ts if owners[t] == 1}, key=digest)
+        for label, kept in enumerate(texts):
             if len(kept) < sum(per_class):
                 raise RuntimeError(
                     f"{task}: class {classes[label]!r} has {len(kept)} texts, needs {sum(per_class)}"
                 )
             train += [[t, label] for t in kept[: per_class[0]]]
             held += [[t, label] for t in kept[per_class[0] : sum(per_class)]]
-        out[task] = {"classes": classes, "train": sorted(train, key=lambda r: digest(r[0])), "held": held}
+        out[task] = {"classes": classes, "train": sorted(train, key=lambda r: _digest(r[0])), "held": held}
     return out
 
 
