@@ -23,7 +23,6 @@ docs/results.md#two-class-text.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -54,7 +53,7 @@ def binary_rows(name: str, fast: bool = False) -> tuple[list[list[Any]], list[li
     texts = table2_finetune.unique_texts(source)[1]
     train = [[t, label] for label, k in enumerate(pair) for t in texts[k][:n_train]]
     held = [[t, label] for label, k in enumerate(pair) for t in texts[k][n_train : n_train + n_held]]
-    return sorted(train, key=lambda r: hashlib.sha256(r[0].encode()).hexdigest()), held
+    return sorted(train, key=lambda r: table2_finetune.text_digest(r[0])), held
 
 
 def make_task(name: str, variant: str, seed: int, fast: bool = False) -> payoff_tasks.Task:

@@ -146,7 +146,7 @@ def _texts_by_class(task: str) -> tuple[list[str], list[list[str]]]:
     raise ValueError(f"unknown text task {task!r}; one of {TEXT_TASKS}")
 
 
-def _digest(text: str) -> str:
+def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -155,7 +155,7 @@ def unique_texts(task: str) -> tuple[list[str], list[list[str]]]:
     order of their SHA-256, the same on every machine with the same standard library."""
     classes, texts = _texts_by_class(task)
     owners = collections.Counter(t for ts in texts for t in set(ts))
-    return classes, [sorted({t for t in ts if owners[t] == 1}, key=_digest) for ts in texts]
+    return classes, [sorted({t for t in ts if owners[t] == 1}, key=text_digest) for ts in texts]
 
 
 def text_data(tasks: Sequence[str], per_class: tuple[int, int] = PER_CLASS) -> dict[str, dict[str, Any]]:
@@ -173,7 +173,7 @@ def text_data(tasks: Sequence[str], per_class: tuple[int, int] = PER_CLASS) -> d
                 )
             train += [[t, label] for t in kept[: per_class[0]]]
             held += [[t, label] for t in kept[per_class[0] : sum(per_class)]]
-        out[task] = {"classes": classes, "train": sorted(train, key=lambda r: _digest(r[0])), "held": held}
+        out[task] = {"classes": classes, "train": sorted(train, key=lambda r: text_digest(r[0])), "held": held}
     return out
 
 
