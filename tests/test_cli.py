@@ -365,6 +365,19 @@ def test_a_reader_that_leaves_early_gets_no_error_line(saved):
     assert proc.wait(timeout=300) == 141 and err == ""
 
 
+def test_a_broken_pipe_that_is_not_stdouts_is_an_error(saved, capsys, monkeypatch):
+    """A pipe or socket other than the output breaking (here: inside generate_bma) is reported."""
+    import hf_evon.predictive.generation as generation
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(generation, "generate_bma", broken)
+    argv = ["generate", "--model", str(saved[0]), "--prompt", "def ", "--samples", "2", "--device", "cpu"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.endswith("\nhf-evon generate: error: [Errno 32] Broken pipe\n")
+
+
 @pytest.mark.parametrize("location", ["./no-such-dir", "{tmp}/missing", "a/b/c"])
 def test_missing_local_directory_is_not_reported_as_a_repo_id(tmp_path, capsys, location):
     location = location.format(tmp=tmp_path)

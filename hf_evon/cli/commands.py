@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import select
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -559,6 +560,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no poll(), no file descriptor
+        (poller := select.poll()).register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-evon``; returns the exit code (also when called from Python)."""
     parser = build_parser()
@@ -572,10 +581,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.print_usage(sys.stderr)
         print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader left (`| head`) with what it wanted: no error line
+    except BrokenPipeError as err:
+        if not _stdout_reader_left():  # another pipe or socket broke: an error like any other
+            print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
+            return 1
         with contextlib.suppress(OSError, ValueError):  # Python's flush at exit would fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+        return 141  # 128 + SIGPIPE, silently: the reader (`| head`) left with what it wanted
     except (ValueError, NotImplementedError, OSError) as err:
         print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
         return 1
