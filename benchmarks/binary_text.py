@@ -39,8 +39,6 @@ import payoff_tasks  # noqa: E402
 import payoff_training  # noqa: E402
 import table2_finetune  # noqa: E402  (the texts)
 
-from hf_evon import EVONPosterior  # noqa: E402
-
 TASKS = {"exception2": ("exception_type", (0, 1)), "docstring2": ("docstring_topic", (1, 2))}
 PER_CLASS = (30, 100)  # training texts, held-out texts per class
 METHODS = ("adamw", "evon")
@@ -69,23 +67,19 @@ def make_task(name: str, variant: str, seed: int, fast: bool = False) -> payoff_
 
 def run(name: str, variant: str, method: str, seed: int, samples: int, fast: bool) -> dict[str, Any]:
     task = make_task(name, variant, seed, fast)
-    model = task.make_model(seed)
     start = time.perf_counter()
     row: dict[str, Any] = {"task": name, "variant": variant, "method": method, "seed": seed}
     if method == "adamw":
+        model = task.make_model(seed)
         payoff_training.train_adamw(task, model, seed)
         rows, temperature = payoff.point_estimate_rows("AdamW", task, model)
         row.update(temperature=temperature, rows={k: v for k, v in rows.items() if not k.startswith("_")})
-    else:
-        opt = payoff_training.train_evon(task, model, seed)
-        mean = payoff_training.log_probs(model, task.test, task.shift)
-        posterior = EVONPosterior.from_optimizer(opt, model)
-        rows = payoff.calibrated_bma_rows("EVON", task, model, posterior, mean, seed, [samples])
-        row.update(
-            calibration=rows.pop("_EVON calibration"),
-            rows={"EVON mean": payoff_training.scores(*mean), **rows},
-            health={k: v for k, v in opt.posterior_health(warn=False).items() if k.startswith("hess_")},
-        )
+    else:  # payoff.py's own EVON rows: its mean and calibrated BMA, the calibration and health beside
+        rows = payoff.run_evon(task, seed, [samples])
+        calibration = rows.pop("_evon")
+        health = {k: calibration.pop(k) for k in ("hess_below_prior", "hess_init_share", "noise_to_signal")}
+        calibration.pop("train_seconds")
+        row.update(calibration=calibration, rows={k: v for k, v in rows.items() if not k.startswith("_")}, health=health)
     row["seconds"] = time.perf_counter() - start
     return row
 
