@@ -59,6 +59,19 @@ def test_random_samples_match_the_plain_formulas() -> None:
         assert torch.equal(a, b)
 
 
+def test_a_negative_samples_dim_means_what_it_means_for_torch() -> None:
+    # (N, S, C): samples on axis 1 = -2; the entropies drop the classes axis, so -2 must be
+    # resolved against the input's dimensions, not the entropies'
+    gen = torch.Generator().manual_seed(1)
+    logp = (3 * torch.randn(4, 5, 3, generator=gen)).log_softmax(-1)
+    for a, b in zip(predictive_uncertainty(logp, dim=-2), predictive_uncertainty(logp, dim=1), strict=True):
+        assert torch.equal(a, b)
+    for i in range(4):
+        total, aleatoric, _ = reference(logp[i].double().exp().tolist())
+        assert predictive_uncertainty(logp, dim=-2).aleatoric[i].item() == pytest.approx(aleatoric, abs=1e-12)
+        assert predictive_uncertainty(logp, dim=-2).total[i].item() == pytest.approx(total, abs=1e-12)
+
+
 def test_one_sample_has_no_epistemic_part_at_any_temperature() -> None:
     logits = torch.tensor([[[2.0, -1.0, 0.5]]])
     for temperature in (0.5, 1.0, 3.0):

@@ -59,7 +59,8 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
     if sample_log_probs.ndim < 2:
         shape = tuple(sample_log_probs.shape)
         raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
-    if dim % sample_log_probs.ndim == sample_log_probs.ndim - 1:
+    dim %= sample_log_probs.ndim  # entropy() drops the classes axis: a negative dim would move
+    if dim == sample_log_probs.ndim - 1:
         raise ValueError("dim must not be the last dimension: the classes are there")
     logp = sample_log_probs.double()
     total = entropy(log_mean_prob(logp, dim=dim))
