@@ -14,7 +14,7 @@ import torch
 from test_optim_state import assert_identical, loss_fn, make_data, make_model, make_opt, snapshot, train_step
 from torch import nn
 
-from hf_evon import EVON
+from hf_evon import EVON, EVONPosterior
 
 
 # ------------------------------------------------- item 3: the reference packages' loop
@@ -265,6 +265,31 @@ def test_frozen_and_unused_parameters_stay_bit_identical() -> None:
     # the bucket's trained member did train
     assert int(opt.state[model[4].weight]["step"]) == 4
     assert float(opt.state[model[4].weight]["exp_avg_unrotated"].abs().max()) > 0
+
+
+@pytest.mark.parametrize("options", [{}, {"ess": math.inf}, {"hess_estimator": "price"}])
+def test_a_zero_size_parameter_is_left_out_and_the_rest_trains_as_without_it(options: dict) -> None:
+    # a zero-width layer (pruned, or a config with 0 heads): torch's optimizers accept it
+    runs = []
+    for with_empty in (False, True):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 3))
+        empty = nn.Parameter(torch.randn(0, 3))
+        opt = EVON([w, empty] if with_empty else [w], seed=0, **options)
+        for _ in range(4):
+            with opt.sampled_params(train=True):
+                ((w**2).sum() + (empty**2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(w.detach().clone())
+        if with_empty:
+            assert opt.state[empty] == {}  # no state, as torch.optim keeps none for it
+            assert int(opt.state[w]["step"]) == 3  # every step of w ran
+            holder = nn.Module()
+            holder.w, holder.empty = w, empty
+            posterior = EVONPosterior.from_optimizer(opt, holder)
+            assert list(posterior.factors) == ["w"]  # a posterior of w; nothing to sample in empty
+    assert torch.equal(runs[0], runs[1])
 
 
 # ------------------------------------------------- item 8: add_param_group with pending samples

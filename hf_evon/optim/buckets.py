@@ -372,12 +372,17 @@ class Plan:
 
 
 def group_buckets(param_groups: list[dict[str, Any]]) -> list[Bucket]:
-    """The EVON groups' parameters, bucketed by (group, device, matrix shape, bases, state dtype)."""
+    """The EVON groups' parameters, bucketed by (group, device, matrix shape, bases, state dtype).
+
+    A parameter with no entries (a zero-width layer) is in no bucket: it has nothing to step or
+    sample, and it keeps no state, as in ``torch.optim``'s optimizers."""
     buckets: dict[tuple, Bucket] = {}
     for gi, group in enumerate(param_groups):
         if group["algorithm"] != "evon":
             continue
         for p in group["params"]:
+            if p.numel() == 0:
+                continue
             m, n = matrix_shape(p.shape)
             left, right = preconditioned_sides(tuple(p.shape), group)
             key = (gi, p.device, m, n, left, right, state_dtype(p))

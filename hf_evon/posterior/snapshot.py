@@ -60,7 +60,7 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     for gi, group in enumerate(evon_groups):
         labels = group.get("param_names")
         for i, p in enumerate(group["params"]):
-            if id(p) in seen:
+            if id(p) in seen or p.numel() == 0:  # nothing to be uncertain about: no entry
                 continue
             seen.add(id(p))
             if id(p) not in names_by_id:
