@@ -890,3 +890,42 @@ def test_load_state_dict_validates_as_the_constructor_does(corrupt, named: str) 
     train_step(model, opt, data)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+
+
+def _refused_and_unchanged(opt: EVON, model: nn.Module, data, bad: dict, named: str) -> None:
+    before = snapshot(model, opt)
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="load_state_dict") as err:
+        opt.load_state_dict(bad)
+    assert named in str(err.value)
+    assert_identical(snapshot(model, opt), before)
+    assert [dict(g) for g in opt.param_groups] == groups  # the groups' hyperparameters too
+    train_step(model, opt, data)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_another_optimizers_state_dict_is_refused_before_anything_changes() -> None:
+    # torch's AdamW over the same parameters: as many groups and parameters, none of EVON's keys
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    adamw = torch.optim.AdamW(model.parameters())
+    loss_fn(model, data).backward()
+    adamw.step()
+    opt.zero_grad()
+    _refused_and_unchanged(opt, model, data, adamw.state_dict(), "param_groups[0] has no 'algorithm'")
+
+
+def test_another_models_state_dict_is_refused_naming_the_parameter_and_both_shapes() -> None:
+    # as many parameters per group, in other shapes: 6-5-5-5-3 against 6-4-4-4-3
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    torch.manual_seed(1)
+    other = nn.Sequential(
+        nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)
+    )
+    other_opt = make_opt(other)
+    train_step(other, other_opt, data)
+    named = "has shape (4, 6), but parameter #0 of its group (shape (5, 6)) needs (5, 6)"
+    _refused_and_unchanged(opt, model, data, other_opt.state_dict(), named)

@@ -31,6 +31,7 @@ __all__ = [
     "Plan",
     "assign_refresh_phases",
     "auto_ess",
+    "check_state_shapes",
     "refuse_dtensors",
     "restore_means",
     "group_buckets",
@@ -484,6 +485,40 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
         rms_sq = 1.0 / fan_in
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))
+
+
+# the shape of each EVON state entry for an m×n matrix ("step" and the EMA of ‖G‖²: one number)
+_STATE_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
+    "hess": lambda m, n: (m, n),
+    ROTATED_MOMENTUM: lambda m, n: (m, n),
+    WEIGHT_SPACE_MOMENTUM: lambda m, n: (m, n),
+    "L": lambda m, n: (m, m),
+    "Q_L": lambda m, n: (m, m),
+    "R": lambda m, n: (n, n),
+    "Q_R": lambda m, n: (n, n),
+    "exp_avg_sq_norm": lambda m, n: (),
+}
+
+
+def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
+    """Raise, naming the parameter, where a loaded EVON state entry does not fit its parameter (a
+    state dict of another model with as many parameters per group), before anything is loaded."""
+    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+    owners = [(g, j, p) for g in param_groups for j, p in enumerate(g["params"])]
+    for idx, (group, j, p) in zip(saved_ids, owners):
+        if group["algorithm"] != "evon" or idx not in loaded["state"]:
+            continue
+        m, n = matrix_shape(p.shape)
+        for key, value in loaded["state"][idx].items():
+            want = _STATE_SHAPES.get(key)
+            if want is not None and torch.is_tensor(value) and tuple(value.shape) != want(m, n):
+                names = group.get("param_names")
+                label = repr(names[j]) if names else f"#{j} of its group"
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}][{key!r}] has shape {tuple(value.shape)}, but "
+                    f"parameter {label} (shape {tuple(p.shape)}) needs {want(m, n)}: a state dict of "
+                    "another model?"
+                )
 
 
 def restore_state_dtypes(

@@ -34,6 +34,7 @@ from hf_evon.optim.buckets import (
     Plan,
     assign_refresh_phases,
     auto_ess,
+    check_state_shapes,
     group_buckets,
     refuse_dtensors,
     restore_means,
@@ -258,9 +259,8 @@ class EVON(Optimizer):
 
     @property
     def recorded_samples(self) -> int:
-        """``sampled_params(train=True)`` blocks recorded since the last step: ``step()`` divides
-        the accumulated gradients by this (at least 1), so code that clips or logs the summed
-        gradient before the step divides by it too."""
+        """``sampled_params(train=True)`` blocks since the last step; ``step()`` divides the summed
+        gradients by it (at least 1), as code that clips or logs them before the step must."""
         return self._samples
 
     @property
@@ -574,6 +574,7 @@ class EVON(Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("evon", None)
         state_dict = self._hooks.local_state_dict(state_dict)  # sharded: this rank's part of a full one
+        check_state_shapes(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         restore_state_dtypes(self.state, self.param_groups, state_dict)
         self._buckets = None

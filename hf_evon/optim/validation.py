@@ -201,6 +201,11 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
         raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
     prior: dict[Any, float] = {}  # parameter index -> its group's δ, for EVON groups
     for gi, group in enumerate(groups):
+        if group.get("algorithm") not in ALGORITHMS:  # every group an EVON saves names its algorithm
+            raise ValueError(
+                f"EVON.load_state_dict: param_groups[{gi}] has no 'algorithm' ({' or '.join(map(repr, ALGORITHMS))}): "
+                "not the state dict of an EVON optimizer (another optimizer's state cannot be loaded)"
+            )
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         try:
             validate_group(resolve_prior(hyper))
