@@ -178,6 +178,18 @@ CONFIG_ERRORS = {
     "infinite temperature": (_set("temperature", "inf"), r"field 'temperature' must be a finite number > 0"),
     "boolean temperature": (_set("temperature", True), r"field 'temperature' must be a finite number > 0"),
     "no parameters": (_set("parameters", {}), r"v1\.json: 'parameters' must list the covered parameters"),
+    # JSON integers past a float's range (a file from elsewhere): named, shown shortened
+    "huge ess": (_set("ess", 10**400), r"field 'ess' must be a number \(or \"inf\"\); got 1000+\.\.\. \(401 characters\)$"),
+    "huge temperature": (_set("temperature", 10**400), r"field 'temperature' must be a finite number > 0"),
+    "huge entry weight_decay": (_set_entry("weight_decay", -(10**400)), r"field 'parameters\.0\.weight\.weight_decay'"),
+    "huge calibration number": (
+        lambda raw: raw["calibration"].update(mean_nll=10**400),
+        r"field 'calibration\.mean_nll' must be a number",
+    ),
+    "huge fingerprint value": (
+        lambda raw: raw.update(mean_fingerprint={"dtype": "float32", "values": {"0.weight": [10**400]}}),
+        r"field 'mean_fingerprint\.values\.0\.weight\[0\]' must be a number",
+    ),
     "not an object": (lambda raw: raw.clear(), r"format_version None is not a known"),
 }
 

@@ -12,17 +12,18 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
 import torch
 
+import hf_evon.posterior.json_rules as rules
 from hf_evon import __version__
 from hf_evon.optim.buckets import matrix_shape
-from hf_evon.optim.defaults import is_snr_scaling
 from hf_evon.posterior.gaussian import MatrixFactors, basis_dtype
+from hf_evon.posterior.json_rules import PosteriorMismatchError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,11 +40,6 @@ POSTERIOR_WEIGHTS_NAME = "evon_posterior.safetensors"
 POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
 # the weights file a config may name: the canonical one, or one staged by an interrupted save
 WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
-
-
-class PosteriorMismatchError(ValueError):
-    """A posterior does not fit a model, or a posterior file is invalid. The message always names
-    the offending tensor (or config field), so a mismatch is never silently skipped."""
 
 
 class TensorDtype(str, Enum):
@@ -121,207 +117,16 @@ def check_depth(raw: Any, where: str) -> None:
             stack.extend((v, depth + 1) for v in value)
 
 
-# ----------------------------------------------------------------------------- JSON rules
-# Each rule takes (JSON value, field name, where) and returns the Python value or raises an
-# error naming the field: wrong JSON types are refused, never coerced or truncated.
-Rule = Callable[[Any, str, str], Any]
-
-
-def _rule_error(where: str, field: str, rule: str, value: Any) -> PosteriorMismatchError:
-    return PosteriorMismatchError(f"{where}: field {field!r} must be {rule}; got {value!r}")
-
-
-def _number(value: Any, field: str, where: str) -> float:
-    """A JSON number, or ``"inf"`` (as an infinite ess is written); an integer stays one, so a
-    config is written back as it was given."""
-    if value == "inf":
-        return math.inf
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _rule_error(where, field, 'a number (or "inf")', value)
-    return value
-
-
-def _integer(minimum: int) -> Rule:
-    """A JSON integer ``>= minimum``: ``64.7`` or ``"64"`` is refused, never truncated."""
-
-    def rule(value: Any, field: str, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise _rule_error(where, field, f"an integer >= {minimum}", value)
-        return value
-
-    return rule
-
-
-def _boolean(value: Any, field: str, where: str) -> bool:
-    """A JSON ``true``/``false``: the string ``"false"`` would be truthy, so it is refused."""
-    if not isinstance(value, bool):
-        raise _rule_error(where, field, "true or false", value)
-    return value
-
-
-def _string(value: Any, field: str, where: str) -> str:
-    if not isinstance(value, str):
-        raise _rule_error(where, field, "a string", value)
-    return value
-
-
-def _snr_scaling(value: Any, field: str, where: str) -> bool | str:
-    """``true``/``false`` or ``"adam"`` (``EVON``'s ``snr_scaling``)."""
-    if not is_snr_scaling(value):
-        raise _rule_error(where, field, 'true, false or "adam"', value)
-    return value
-
-
-def _betas(value: Any, field: str, where: str) -> tuple[float, float]:
-    if not isinstance(value, list) or len(value) != 2:
-        raise _rule_error(where, field, "a list of two numbers", value)
-    return (_number(value[0], f"{field}[0]", where), _number(value[1], f"{field}[1]", where))
-
-
-def _shape(value: Any, field: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise _rule_error(where, field, "a non-empty list of integers >= 1", value)
-    for d in value:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise _rule_error(where, field, "a non-empty list of integers >= 1", value)
-    return tuple(value)
-
-
 def _weights_file(value: Any, field: str, where: str) -> str:
     """A plain file name written by a save: never a path out of the directory."""
     if not isinstance(value, str) or not WEIGHTS_FILE_RE.fullmatch(value):
-        raise _rule_error(
+        raise rules.rule_error(
             where, field, f"{POSTERIOR_WEIGHTS_NAME!r} or 'evon_posterior.<32 hex digits>.safetensors'", value
         )
     return value
 
 
-# characters a path may hold here besides letters, digits and spaces are refused where they would
-# end a string, a code span or a table cell of the model card, or start markup
-_BASE_MODEL_REFUSED = re.compile(r"[\"'`<>|\\\x00-\x1f\x7f-\x9f\u2028\u2029]")
-MAX_BASE_MODEL_CHARS = 1024
-
-
-def _base_model(value: Any, field: str, where: str) -> str:
-    """A Hub id or a path: it is shown in model cards and pasted into their code, so a config
-    from elsewhere must not carry quotes, backquotes, markup or control characters."""
-    if (
-        not isinstance(value, str)
-        or not value.strip()
-        or len(value) > MAX_BASE_MODEL_CHARS
-        or _BASE_MODEL_REFUSED.search(value)
-    ):
-        raise _rule_error(
-            where,
-            field,
-            f"a Hub id or a path of at most {MAX_BASE_MODEL_CHARS} characters, without quotes, "
-            "backquotes, backslashes, '<', '>', '|' or control characters",
-            value,
-        )
-    return value
-
-
-def recordable_base_model(value: str | None) -> str | None:
-    """``value`` where a config may record it as ``base_model`` (see ``_base_model``), else None:
-    a model loaded from an unusual path is saved without naming it rather than not saved."""
-    if value is None:
-        return None
-    try:
-        return _base_model(value, "base_model", "")
-    except PosteriorMismatchError:
-        return None
-
-
-def _json_float(value: Any, field: str, where: str, *, positive: bool = False) -> float:
-    """A number, or ``"inf"``/``"-inf"``/``"nan"`` as ``json_value`` writes them; ``positive``: > 0."""
-    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-        number = float(value)
-    elif isinstance(value, bool) or not isinstance(value, int | float):
-        raise _rule_error(where, field, 'a number (or "inf")', value)
-    else:
-        number = float(value)
-    if positive and not number > 0:
-        raise _rule_error(where, field, 'a number > 0 (or "inf")', value)
-    return number
-
-
-def is_temperature(value: Any) -> bool:
-    """Whether ``value`` is a BMA softmax temperature: a finite number > 0 (not a bool)."""
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
-
-
-def _temperature(value: Any, field: str, where: str) -> float:
-    if not is_temperature(value):
-        raise _rule_error(where, field, "a finite number > 0", value)
-    return value
-
-
-def _mean_fingerprint(value: Any, field: str, where: str) -> dict[str, Any]:
-    """``{"dtype": str, "values": {name: [numbers]}}`` (``hf_evon.posterior.fingerprint``)."""
-    rule = 'an object {"dtype": a string, "values": {parameter name: a list of at most 64 numbers}}'
-    if not isinstance(value, dict) or not isinstance(value.get("dtype"), str):
-        raise _rule_error(where, field, rule, value)
-    values = value.get("values")
-    if not isinstance(values, dict):
-        raise _rule_error(where, f"{field}.values", rule, values)
-    for name, entry in values.items():
-        key = f"{field}.values.{name}"
-        if not isinstance(entry, list) or len(entry) > 64:
-            raise _rule_error(where, key, "a list of at most 64 numbers", entry)
-        for i, number in enumerate(entry):
-            _json_float(number, f"{key}[{i}]", where)
-    return value
-
-
-# the calibration record's keys a card or a reader uses: (key, required, kind)
-_CALIBRATION_KEYS = (
-    ("ess", True, "positive"),
-    ("trained_ess", True, "positive"),
-    ("mean_nll", True, "number"),
-    ("chosen_nll", False, "number"),
-    ("min_gain", False, "number"),
-    ("standard_errors", False, "nullable"),
-    ("mean_temperature", False, "nullable"),
-    ("temperature", False, "positive"),
-    ("tempered_mean_nll", False, "nullable"),
-    ("temperatures", False, "list"),
-    ("num_samples", False, "integer"),
-    ("num_targets", False, "integer"),
-    ("seed", False, "integer"),
-    ("grid", False, "list"),
-    ("nll", False, "list"),
-    ("scanned", False, "bool"),
-    ("screened", False, "list"),
-)
-
-
-def _calibration(value: Any, field: str, where: str) -> dict[str, Any]:
-    """The record of ``hf_evon.predictive.calibration`` (``CalibrationResult.to_json``): the keys
-    a card renders are checked, others kept as written."""
-    if not isinstance(value, dict):
-        raise _rule_error(where, field, "an object", value)
-    for key, required, kind in _CALIBRATION_KEYS:
-        name = f"{field}.{key}"
-        if key not in value and required:
-            raise PosteriorMismatchError(f"{where}: field {name!r} is missing from the calibration record")
-        item = value.get(key)
-        if key not in value or (kind == "nullable" and item is None):
-            continue
-        if kind == "integer":
-            _integer(0)(item, name, where)
-        elif kind == "bool" and not isinstance(item, bool):
-            raise _rule_error(where, name, "true or false", item)
-        elif kind == "list":
-            if not isinstance(item, list):
-                raise _rule_error(where, name, "a list of numbers", item)
-            for i, entry in enumerate(item):
-                _json_float(entry, f"{name}[{i}]", where)
-        elif kind != "bool":
-            _json_float(item, name, where, positive=kind == "positive")
-    return value
-
-
-def _optional(rule: Rule, *, nullable: bool = False) -> Any:
+def _optional(rule: rules.Rule, *, nullable: bool = False) -> Any:
     """A config field that may be absent (None), checked by ``rule`` where present.
 
     ``nullable``: a JSON ``null`` is allowed (and written back as ``null``).
@@ -352,21 +157,21 @@ class ParameterEntry:
         """The entry ``parameters[name]``, validated; a noise scale it lacks is the top-level one."""
         key = f"parameters.{name}"
         if not isinstance(value, dict):
-            raise _rule_error(where, key, "an object", value)
+            raise rules.rule_error(where, key, "an object", value)
         missing = [k for k in ("shape", "matrix_shape", "left_basis", "right_basis") if k not in value]
         if missing:
             raise PosteriorMismatchError(f"{where}: field {key!r} lacks {missing}")
-        shape = _shape(value["shape"], f"{key}.shape", where)
-        declared = _shape(value["matrix_shape"], f"{key}.matrix_shape", where)
-        left = _boolean(value["left_basis"], f"{key}.left_basis", where)
-        right = _boolean(value["right_basis"], f"{key}.right_basis", where)
+        shape = rules.shape(value["shape"], f"{key}.shape", where)
+        declared = rules.shape(value["matrix_shape"], f"{key}.matrix_shape", where)
+        left = rules.boolean(value["left_basis"], f"{key}.left_basis", where)
+        right = rules.boolean(value["right_basis"], f"{key}.right_basis", where)
         if len(declared) != 2 or declared != matrix_shape(shape):
             raise PosteriorMismatchError(
                 f"{name!r}: matrix_shape {list(declared)} does not match shape {list(shape)} "
                 f"(EVON views it as {list(matrix_shape(shape))})"
             )
-        ess = _number(value["ess"], f"{key}.ess", where) if "ess" in value else None
-        wd = _number(value["weight_decay"], f"{key}.weight_decay", where) if "weight_decay" in value else None
+        ess = rules.number(value["ess"], f"{key}.ess", where) if "ess" in value else None
+        wd = rules.number(value["weight_decay"], f"{key}.weight_decay", where) if "weight_decay" in value else None
         check_noise_scale(
             config_ess if ess is None else ess, config_weight_decay if wd is None else wd, repr(name)
         )
@@ -407,47 +212,47 @@ class PosteriorConfig:
     """
 
     # EVON's hyperparameters (the first EVON group's, where it has them)
-    lr: float | None = _optional(_number)
+    lr: float | None = _optional(rules.number)
     ess: float
     weight_decay: float
-    hess_init: float | None = _optional(_number)
-    betas: tuple[float, float] | None = _optional(_betas)
-    mc_samples: int | None = _optional(_integer(1))
-    precondition_frequency: int | None = _optional(_integer(1))
-    max_precond_dim: int | None = _optional(_integer(0))
-    max_precond_ratio: float | None = _optional(_number)
-    shampoo_beta: float | None = _optional(_number, nullable=True)
-    hess_clip_ratio: float | None = _optional(_number, nullable=True)
-    clip: str | None = _optional(_string)
-    clip_radius: float | None = _optional(_number)
-    snr_scaling: bool | str | None = _optional(_snr_scaling)
-    phased_gradients: bool | None = _optional(_boolean)
-    identity_basis: bool | None = _optional(_boolean)
-    stagger_refresh: bool | None = _optional(_boolean)
-    eps: float | None = _optional(_number)
-    final_lr: float | None = _optional(_number)  # the rate at save time, under an LR scheduler
-    optimizer_step: int | None = _optional(_integer(0))
+    hess_init: float | None = _optional(rules.number)
+    betas: tuple[float, float] | None = _optional(rules.betas)
+    mc_samples: int | None = _optional(rules.integer(1))
+    precondition_frequency: int | None = _optional(rules.integer(1))
+    max_precond_dim: int | None = _optional(rules.integer(0))
+    max_precond_ratio: float | None = _optional(rules.number)
+    shampoo_beta: float | None = _optional(rules.number, nullable=True)
+    hess_clip_ratio: float | None = _optional(rules.number, nullable=True)
+    clip: str | None = _optional(rules.string)
+    clip_radius: float | None = _optional(rules.number)
+    snr_scaling: bool | str | None = _optional(rules.snr_scaling)
+    phased_gradients: bool | None = _optional(rules.boolean)
+    identity_basis: bool | None = _optional(rules.boolean)
+    stagger_refresh: bool | None = _optional(rules.boolean)
+    eps: float | None = _optional(rules.number)
+    final_lr: float | None = _optional(rules.number)  # the rate at save time, under an LR scheduler
+    optimizer_step: int | None = _optional(rules.integer(0))
     # the model it belongs to
-    base_model: str | None = _optional(_base_model, nullable=True)
-    model_class: str | None = _optional(_string, nullable=True)
-    mean_fingerprint: dict[str, Any] | None = _optional(_mean_fingerprint, nullable=True)
+    base_model: str | None = _optional(rules.base_model, nullable=True)
+    model_class: str | None = _optional(rules.string, nullable=True)
+    mean_fingerprint: dict[str, Any] | None = _optional(rules.mean_fingerprint, nullable=True)
     # how the tensors are stored
-    eigenbasis_dtype: str | None = _optional(_string)
-    max_basis_ratio: float | None = _optional(_number, nullable=True)  # lean posteriors
+    eigenbasis_dtype: str | None = _optional(rules.string)
+    max_basis_ratio: float | None = _optional(rules.number, nullable=True)  # lean posteriors
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
-    trained_ess: float | None = _optional(_number)
-    temperature: float | None = _optional(_temperature)  # BMA predicts softmax(logits / T); absent: 1
-    calibration: dict[str, Any] | None = _optional(_calibration, nullable=True)
+    trained_ess: float | None = _optional(rules.number)
+    temperature: float | None = _optional(rules.temperature)  # BMA predicts softmax(logits / T); absent: 1
+    calibration: dict[str, Any] | None = _optional(rules.calibration, nullable=True)
     # bookkeeping of the save
     format_version: int = FORMAT_VERSION
-    library: str | None = _optional(_string)
-    library_version: str | None = _optional(_string)
-    checkpoint_id: str | None = _optional(_string)
+    library: str | None = _optional(rules.string)
+    library_version: str | None = _optional(rules.string)
+    checkpoint_id: str | None = _optional(rules.string)
     weights_file: str | None = _optional(_weights_file)
-    hess_dtype: str | None = _optional(_string)
-    num_point_estimates: int | None = _optional(_integer(0), nullable=True)
-    num_point_estimate_tensors: int | None = _optional(_integer(0), nullable=True)
+    hess_dtype: str | None = _optional(rules.string)
+    num_point_estimates: int | None = _optional(rules.integer(0), nullable=True)
+    num_point_estimate_tensors: int | None = _optional(rules.integer(0), nullable=True)
     parameters: dict[str, ParameterEntry]
     extra: dict[str, Any] = field(default_factory=dict)
     key_order: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -471,8 +276,8 @@ class PosteriorConfig:
                 f"{where}: format_version {version} was written by a newer hf-evon; this one "
                 f"reads version {FORMAT_VERSION}: upgrade hf-evon"
             )
-        ess = _number(raw.get("ess"), "ess", where)
-        weight_decay = _number(raw.get("weight_decay"), "weight_decay", where)
+        ess = rules.number(raw.get("ess"), "ess", where)
+        weight_decay = rules.number(raw.get("weight_decay"), "weight_decay", where)
         check_noise_scale(ess, weight_decay, where)
         values: dict[str, Any] = {}
         for f in _OPTIONAL_FIELDS:

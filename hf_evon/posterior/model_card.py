@@ -39,6 +39,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import atomic_write, temporary_name_pattern
+from hf_evon.posterior.json_rules import as_float
 
 __all__ = [
     "CardSource",
@@ -386,7 +387,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return as_float(value) is not None
 
 
 def _temperature_text(temperature: Any) -> str:

@@ -38,7 +38,6 @@ from hf_evon.posterior.config import (
     as_dtype,
     check_noise_scale,
     dtype_name,
-    is_temperature,
 )
 from hf_evon.posterior.fingerprint import warn_if_other_mean
 from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
@@ -54,6 +53,7 @@ from hf_evon.posterior.gaussian import (
     stack_factors,
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
+from hf_evon.posterior.json_rules import is_temperature
 from hf_evon.posterior.model_card import save_model_card
 from hf_evon.posterior.snapshot import snapshot
 

@@ -17,9 +17,9 @@ from hf_evon.modeling import base_model_name, model_class, unwrap_model
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.validation import GROUP_KEYS
-from hf_evon.posterior.config import PosteriorMismatchError, recordable_base_model
 from hf_evon.posterior.fingerprint import mean_fingerprint
 from hf_evon.posterior.gaussian import MatrixFactors
+from hf_evon.posterior.json_rules import PosteriorMismatchError, recordable_base_model
 
 __all__ = ["HYPERPARAMETER_KEYS", "Snapshot", "snapshot"]
 
