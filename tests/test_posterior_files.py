@@ -182,6 +182,26 @@ def test_an_ess_whose_variance_overflows_float32_is_refused(tmp_path):
         _posterior().with_ess(1e-40)
 
 
+def test_a_float32_basis_saved_as_float64_loads(tmp_path):
+    # EVON's float32 basis, off by 1e-5 (well within float32's tolerance), saved with
+    # eigenbasis_dtype=float64: it is read into the float32 buffers of its float32 hess, so the
+    # float32 tolerance applies, not float64's 1e-6
+    q = _orthonormal(16, 0)
+    q = torch.linalg.qr(q + 1e-5 * torch.randn(16, 16, generator=torch.Generator().manual_seed(1)))[0]
+    q = (q + 3e-6 * torch.randn(16, 16, generator=torch.Generator().manual_seed(2))).float()
+    factors = MatrixFactors(q, None, torch.ones(16, 3), (16, 3), (16, 3), 100.0, 1e-3)
+    posterior = EVONPosterior.from_factors({"w": factors})
+    posterior.save_pretrained(tmp_path, eigenbasis_dtype=torch.float64)
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    assert loaded.std("w").dtype == torch.float32
+    assert torch.equal(loaded.std("w"), posterior.std("w"))  # the float32 basis, bit for bit
+    # a basis stored as float64 with float64 hess is held to float64's tolerance still
+    far = MatrixFactors(q.double(), None, torch.ones(16, 3, dtype=torch.float64), (16, 3), (16, 3), 100.0, 1e-3)
+    EVONPosterior.from_factors({"w": far}).save_pretrained(tmp_path / "f64")
+    with pytest.raises(PosteriorMismatchError, match=r"'w\.Q_L' is not orthonormal .* for float64"):
+        EVONPosterior.from_pretrained(tmp_path / "f64")
+
+
 def test_a_model_from_a_path_a_config_cannot_record_still_saves(tmp_path):
     """The posterior of a model loaded from an unusual path is saved, without naming the path."""
     from torch import nn
