@@ -202,6 +202,17 @@ def test_a_float32_basis_saved_as_float64_loads(tmp_path):
         EVONPosterior.from_pretrained(tmp_path / "f64")
 
 
+def test_a_readme_that_is_not_utf8_is_left_as_it_is_and_the_posterior_saves(tmp_path):
+    readme = "# Modèle\n\nNotes in Latin-1.\n".encode("latin-1")
+    (tmp_path / "README.md").write_bytes(readme)
+    factors = MatrixFactors(_orthonormal(4, 0), None, torch.ones(4, 3), (4, 3), (4, 3), 100.0, 1e-3)
+    posterior = EVONPosterior.from_factors({"w": factors})
+    with pytest.warns(UserWarning, match=r"README\.md is not UTF-8 text .*byte 5\): left as it is"):
+        posterior.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_bytes() == readme  # not a byte changed
+    assert torch.equal(EVONPosterior.from_pretrained(tmp_path).std("w"), posterior.std("w"))
+
+
 def test_a_model_from_a_path_a_config_cannot_record_still_saves(tmp_path):
     """The posterior of a model loaded from an unusual path is saved, without naming the path."""
     from torch import nn

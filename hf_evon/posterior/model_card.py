@@ -31,6 +31,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any, Protocol
@@ -524,7 +525,9 @@ def save_model_card(
             ``datasets``, ``language``; ``optimizer``: text for the ``- optimizer:`` line of
             an existing Trainer card.
 
-    Returns the card that was written. The write is atomic (``hf_evon.fileio.atomic_write``).
+    Returns the card that was written. The write is atomic (``hf_evon.fileio.atomic_write``). An
+    existing README.md that is not UTF-8 text is left as it is, with a warning (the card it would
+    have become is returned): rewriting it would lose what it holds.
     """
     optimizer = kwargs.pop("optimizer", None)
     kwargs.setdefault("repo_id", os.path.abspath(os.fspath(directory)))
@@ -532,8 +535,13 @@ def save_model_card(
     path = os.path.join(os.fspath(directory), "README.md")
     card = fresh
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as fh:
-            existing = ModelCard(fh.read(), ignore_metadata_errors=True)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                existing = ModelCard(fh.read(), ignore_metadata_errors=True)
+        except UnicodeDecodeError as err:
+            msg = f"{path} is not UTF-8 text ({err.reason}, byte {err.start}): left as it is, without EVON's card"
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            return fresh
         card = update_model_card(existing, fresh, optimizer)
     folder = os.path.dirname(path)
     for name in os.listdir(folder):  # left by a write that was killed before its os.replace
