@@ -503,6 +503,16 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
     assert main(["inspect", str(directory), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["calibration"] == config["calibration"] and summary["temperature"] == 1.75
+    config["ess"] = "inf"  # the mean alone, as a calibration that keeps the mean writes it
+    config_path.write_text(json.dumps(config))
+    assert main(["inspect", str(directory), "--json"]) == 0
+
+    def refuse(constant: str) -> None:  # JSON has no Infinity or NaN (JavaScript's JSON.parse refuses them)
+        raise AssertionError(f"inspect --json printed {constant}")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse)["ess"] == "inf"
+    config["ess"] = 30.0
+    config_path.write_text(json.dumps(config))
     assert main(["inspect", str(directory)]) == 0
     text = capsys.readouterr().out
     assert "BMA temperature 1.75" in text

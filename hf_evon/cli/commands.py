@@ -369,9 +369,7 @@ def _size(n: int) -> str:
 
 
 def _num(x: Any) -> str:
-    return (
-        "inf" if isinstance(x, float) and math.isinf(x) else (f"{x:.4g}" if isinstance(x, float) else str(x))
-    )
+    return "inf" if isinstance(x, float) and math.isinf(x) else (f"{x:.4g}" if isinstance(x, float) else str(x))
 
 
 def _calibration_text(calibration: Any) -> str:
@@ -393,6 +391,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     statistics of the marginal posterior standard deviations per tensor, the file sizes (and
     those of the model weights saved beside it), and the calibrated scale if the config records one.
     """
+    from hf_evon.posterior.config import json_value
     from hf_evon.posterior.posterior import EVONPosterior
 
     posterior = from_location(
@@ -405,7 +404,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     summary = inspect_posterior(posterior)
     summary["files"] = _file_sizes(args, posterior)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(json_value(summary), indent=2, allow_nan=False))  # inf as "inf", as in the config
         return 0
     points = (
         "not recorded"
@@ -497,6 +496,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     than you report on.
     """
     from hf_evon.modeling import is_encoder_decoder
+    from hf_evon.posterior.config import json_value
     from hf_evon.predictive.calibration import calibrate_posterior
 
     if not os.path.isfile(args.text):
@@ -532,7 +532,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         text = str(err) if isinstance(err, OSError) else file_error_text(err)
         raise ValueError(f"--output {args.output!r}: cannot save the calibrated posterior ({text})") from err
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps(json_value(result.to_json()), allow_nan=False))
     else:
         print(
             f"calibrated ess {result.ess:.4g} = {result.multiplier:.3g} x the trained {result.trained_ess:.4g}, "
