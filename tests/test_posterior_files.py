@@ -213,6 +213,20 @@ def test_a_readme_that_is_not_utf8_is_left_as_it_is_and_the_posterior_saves(tmp_
     assert torch.equal(EVONPosterior.from_pretrained(tmp_path).std("w"), posterior.std("w"))
 
 
+def test_a_config_read_and_saved_again_keeps_its_keys_order(tmp_path):
+    factors = MatrixFactors(_orthonormal(4, 0), None, torch.ones(4, 3), (4, 3), (4, 3), 100.0, 1e-3)
+    EVONPosterior.from_factors({"w": factors}, {"lr": 0.1}).save_pretrained(tmp_path / "a", model_card=False)
+    path = tmp_path / "a" / "evon_posterior_config.json"
+    items = list(json.loads(path.read_text()).items())
+    items = items[-2::-1] + items[-1:]  # any order a writer chose (parameters last), a key of its own
+    items.insert(3, ("note", {"by": "hand"}))
+    path.write_text(json.dumps(dict(items)))
+    EVONPosterior.from_pretrained(tmp_path / "a").save_pretrained(tmp_path / "b", model_card=False)
+    again = json.loads((tmp_path / "b" / "evon_posterior_config.json").read_text())
+    assert list(again) == [k for k, _ in items]  # format_version too stays where it was
+    assert again["note"] == {"by": "hand"}
+
+
 def test_a_model_from_a_path_a_config_cannot_record_still_saves(tmp_path):
     """The posterior of a model loaded from an unusual path is saved, without naming the path."""
     from torch import nn

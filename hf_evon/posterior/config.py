@@ -318,7 +318,7 @@ class PosteriorConfig:
         """
         ess, weight_decay = float(settings["ess"]), float(settings["weight_decay"])
         first = next(iter(factors.values()))
-        config = {k: v for k, v in settings.items() if k not in ("format_version", "parameters")}
+        config = {k: v for k, v in settings.items() if k != "parameters"}  # format_version: set in place
         config.update(
             format_version=FORMAT_VERSION,
             library="hf-evon",
