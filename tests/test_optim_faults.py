@@ -4,6 +4,7 @@ that the optimizer once had, and checks the behaviour ``torch.optim`` users expe
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import operator
@@ -265,6 +266,72 @@ def test_frozen_and_unused_parameters_stay_bit_identical() -> None:
     # the bucket's trained member did train
     assert int(opt.state[model[4].weight]["step"]) == 4
     assert float(opt.state[model[4].weight]["exp_avg_unrotated"].abs().max()) > 0
+
+
+def _late_member_run(shared: bool, steps: int = 25, save_at: int | None = None, **options) -> tuple:
+    """A and B of one shape; A's first gradient comes at step 9 (a branch, an expert, a layer
+    unfrozen later). ``shared``: one group (one bucket), else a group each."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False)
+    x, y_a, y_b = torch.randn(32, 6), torch.randn(32, 6), torch.randn(32, 6)
+    groups = [{"params": [a.weight, b.weight]}] if shared else [{"params": [a.weight]}, {"params": [b.weight]}]
+    opt = EVON(groups, seed=0, stagger_refresh=False, **options)
+    for t in range(steps):
+        if t == save_at:  # a resume: a new optimizer loads the state saved here
+            saved = copy.deepcopy(opt.state_dict())
+            opt = EVON(groups, seed=0, stagger_refresh=False, **options)
+            opt.load_state_dict(saved)
+        with opt.sampled_params(train=True):
+            loss = ((b(x) - y_b) ** 2).mean()
+            if t >= 8:
+                loss = loss + ((a(x) - y_a) ** 2).mean()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return a.weight.detach().clone(), {k: v.clone() for k, v in opt.state[a.weight].items()}
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"hess_estimator": "price"}, {"step_curvature": "entry"}], ids=["fisher", "price", "entry"]
+)
+def test_a_member_whose_first_gradient_comes_late_steps_as_in_a_group_of_its_own(options: dict) -> None:
+    # it counts its own updates (the bias corrections, H's first average replacing h0) and has
+    # its own initialising step, whatever shares its bucket; ess = inf: no noise, so bit for bit
+    shared, alone = _late_member_run(True, ess=math.inf, **options), _late_member_run(False, ess=math.inf, **options)
+    assert torch.equal(shared[0], alone[0])
+    assert shared[1].keys() == alone[1].keys()
+    for key in alone[1]:
+        assert torch.equal(shared[1][key], alone[1][key]), key
+    assert int(shared[1]["step"]) == 25 - 8 - 1  # its 17 steps with a gradient, less its initialising one
+
+
+def test_a_late_member_resumes_bit_for_bit_before_and_after_its_first_gradient() -> None:
+    straight = _late_member_run(True, ess=64.0)
+    for save_at in (4, 9, 12):  # uninitialised, initialising, stepping
+        resumed = _late_member_run(True, ess=64.0, save_at=save_at)
+        assert torch.equal(resumed[0], straight[0]), save_at
+        for key in straight[1]:
+            assert torch.equal(resumed[1][key], straight[1][key]), (save_at, key)
+
+
+def test_a_matrix_never_updated_takes_no_part_in_the_curvature_fit() -> None:
+    # a frozen matrix (zero, so that the initial ess="auto" is B's alone) keeps h0: the group's
+    # fitted ess and weight decay, and so B's training, are those of B alone
+    runs = []
+    for with_frozen in (True, False):
+        torch.manual_seed(0)
+        a, b = nn.Linear(6, 5, bias=False), nn.Linear(6, 6, bias=False)
+        a.weight.requires_grad_(False)
+        a.weight.data.zero_()
+        x, y = torch.randn(32, 6), torch.randn(32, 6)
+        opt = EVON([a.weight, b.weight] if with_frozen else [b.weight], seed=0, curvature_refit=5)
+        for _ in range(12):
+            with opt.sampled_params(train=True):
+                ((b(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((b.weight.detach().clone(), opt.param_groups[0]["ess"], opt.param_groups[0]["weight_decay"]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
 
 
 @pytest.mark.parametrize("options", [{}, {"ess": math.inf}, {"hess_estimator": "price"}])

@@ -89,23 +89,22 @@ def _expected_state_bytes(owned: list[bool]) -> int:
     """Bytes of state for the owned parameters of the worker's model, from shapes alone:
     an EVON 8x8 float64 weight (layers 0-12) holds hess, exp_avg, L, R, Q_L, Q_R and one number
     (exp_avg_sq_norm, the SNR step scale's EMA of ‖G‖²); an AdamW
-    tensor (layer 14's weight, every bias) exp_avg, exp_avg_sq and a float32 step; EVON
-    adds one float32 step per bucket (one shape here) held."""
+    tensor (layer 14's weight, every bias) exp_avg, exp_avg_sq and a float32 step; each EVON
+    weight its float32 update count."""
     model = worker.tiny_model()
     name_of = {id(p): n for n, p in model.named_parameters()}
     opt = build_optimizer(model, adamw_patterns=[r"^14\."], **worker.HP)
     order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
-    total, evon = 0, False
+    total = 0
     for name, mine in zip(order, owned):
         if not mine:
             continue
         numel = 64 if name.endswith("weight") else 8
         if name.endswith("weight") and not name.startswith("14."):
-            total += 6 * numel * 8 + 8
-            evon = True
+            total += 6 * numel * 8 + 8 + 4
         else:
             total += 2 * numel * 8 + 4
-    return total + 4 * evon
+    return total
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -163,7 +162,7 @@ def test_single_process_shard_keeps_everything_and_cannot_be_undone() -> None:
             model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    assert optimizer_state_bytes(opt) == opt.sharding.state_bytes_expected() + 4 * len(opt.buckets)
+    assert optimizer_state_bytes(opt) == opt.sharding.state_bytes_expected()
     with pytest.raises(ValueError, match="shard=True"):
         prepare_distributed(model, opt)
 

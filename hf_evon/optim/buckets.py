@@ -29,6 +29,7 @@ from hf_evon.optim.linalg import rotate, sample_perturbation, unrotate
 __all__ = [
     "Bucket",
     "Plan",
+    "UNINITIALIZED",
     "assign_refresh_phases",
     "auto_ess",
     "check_state_shapes",
@@ -119,6 +120,9 @@ def state_dtype(param: Tensor) -> torch.dtype:
 
 
 _INDEX_CACHE_SIZE = 64  # member lists one bucket keeps as device indices
+# the update counter of a member that had no gradient at its bucket's initialising step: its
+# statistics hold nothing yet, so its own first gradient initialises them (then it counts from 0)
+UNINITIALIZED = -1
 
 
 @dataclass
@@ -145,8 +149,8 @@ class Bucket:
     # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
     # has outgrown its noise)
     watched: Tensor | None = None  # (B,) bool, on the bucket's device
-    # ((id, version) of state["step"], its value): the counter as last read or set
-    _t: tuple[tuple[int, int], int] | None = field(default=None, repr=False)
+    # ((id, version) of state["step"], its values): the members' counters as last read or set
+    _counts: tuple[tuple[int, int], list[int]] | None = field(default=None, repr=False)
     # member lists as index tensors on the state's device, built once: building one from a list is
     # a host-to-device copy, which on a GPU waits for all queued work (a sync per refresh)
     _indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = field(default_factory=dict, repr=False)
@@ -160,15 +164,30 @@ class Bucket:
         return not self.preconditioned or "L" in self.state or "R" in self.state
 
     @property
-    def t(self) -> int:
-        """Updates taken (the shared ``state["step"]`` counter). Read from the tensor only when its
-        version moved since this bucket last read or set it: the step loop sets it (``count_updates``),
-        so a step reads no scalar back from a tensor."""
+    def counts(self) -> list[int]:
+        """Each member's updates taken (``state["step"]``, one entry per member, on the CPU): a
+        member that gets its first gradient late counts its own, as ``torch.optim`` does. Read
+        from the tensor only when its version moved since this bucket last read or set it: the
+        step loop sets it (``count_updates``), so a step reads no scalar back from a tensor."""
         step = self.state["step"]
         key = (id(step), step._version)
-        if self._t is None or self._t[0] != key:
-            self._t = (key, int(step.item()))
-        return self._t[1]
+        if self._counts is None or self._counts[0] != key:
+            self._counts = (key, [int(c) for c in step.tolist()])
+        return self._counts[1]
+
+    @property
+    def t(self) -> int:
+        """The bucket's updates: its members' largest count (a step's work bucket has one count)."""
+        return max(self.counts)
+
+    def set_counts(self, members: list[int], value: int) -> None:
+        """Set the listed members' update counters to ``value`` (and what ``counts`` reads)."""
+        step = self.state["step"]
+        counts = list(self.counts)
+        step[members] = float(value)
+        for i in members:
+            counts[i] = value
+        self._counts = ((id(step), step._version), counts)
 
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
@@ -317,7 +336,11 @@ class Bucket:
             return None if x is None else x.index_select(0, idx)
 
         sub = self.subset_params(members)
-        sub.state = {k: v if k == "step" else pick(v) for k, v in self.state.items()}  # one shared counter
+        sub.state = {k: pick(v) for k, v in self.state.items() if k != "step"}
+        counts = self.counts
+        # the counters are counted on this bucket (``count_updates``), not on the copy
+        sub.state["step"] = self.state["step"][members]
+        sub._counts = ((id(sub.state["step"]), sub.state["step"]._version), [counts[i] for i in members])
         sub.acc, sub.exit_grads, sub.rotated_grads = (
             pick(self.acc),
             pick(self.exit_grads),
@@ -342,15 +365,27 @@ class Bucket:
         return self.initialized and (self.t + 1) % 2 == 1
 
 
-def count_updates(buckets: list[Bucket]) -> None:
-    """Add one to each bucket's update counter, in one multi-tensor op (in place: members'
-    ``optimizer.state`` share it), so that ``Bucket.t`` reads no scalar back from it."""
-    ts = [b.t + 1 for b in buckets]
-    steps = [b.state["step"] for b in buckets]
-    if steps:
-        torch._foreach_add_(steps, 1)
-    for b, step, t in zip(buckets, steps, ts):
-        b._t = ((id(step), step._version), t)
+def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:
+    """Add one to the update counters of the listed members of each bucket (None: all of them;
+    whole buckets in one multi-tensor op; in place: members' ``optimizer.state`` are views of
+    them), so that ``Bucket.counts`` reads no scalar back from them. A bucket may be listed once
+    per set of its members (members of different counts step as separate plans)."""
+    merged: dict[int, tuple[Bucket, list[int] | None]] = {}
+    for b, members in stepped:
+        _, earlier = merged.get(id(b), (b, []))
+        merged[id(b)] = (b, None if members is None or earlier is None else sorted({*earlier, *members}))
+    stepped = [(b, None if members == list(range(len(b.params))) else members) for b, members in merged.values()]
+    counts = [list(b.counts) for b, _ in stepped]
+    whole = [b.state["step"] for b, members in stepped if members is None]
+    if whole:
+        torch._foreach_add_(whole, 1)
+    for (b, members), new in zip(stepped, counts):
+        step = b.state["step"]
+        if members is not None:
+            step.index_add_(0, torch.tensor(members), torch.ones(len(members), dtype=step.dtype))
+        for i in range(len(new)) if members is None else members:
+            new[i] += 1
+        b._counts = ((id(step), step._version), new)
 
 
 @dataclass
@@ -364,6 +399,13 @@ class Plan:
     unchanged: Tensor | None = None  # device flag: gradients as at the last sample's exit
     g_rot: Tensor | None = None  # rotated gradient, when formed already (ess = inf)
     hess: Tensor | None = None  # candidate H (None: H is not updated this step)
+
+    @property
+    def initializing(self) -> bool:
+        """An initialising step: statistics and eigenbases only, no update. The bucket's first
+        step, or a member's first gradient where it had none at the bucket's (its counter is
+        ``UNINITIALIZED`` until then)."""
+        return not self.work.initialized or self.work.t == UNINITIALIZED
 
     @property
     def clean(self) -> bool:
@@ -421,7 +463,9 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
     ``member_state(p)`` is the ``optimizer.state`` entry of bucket member ``p``."""
     device, dt = b.params[0].device, b.dtype
     first = member_state(b.params[0])
-    step = first.get("step", torch.zeros((), dtype=torch.float32)).detach().clone().cpu()
+    # each member's counter (a state saved before they were per member holds one shared by all)
+    zero = torch.zeros((), dtype=torch.float32)
+    step = torch.stack([member_state(p).get("step", zero).detach().cpu().float().reshape(()) for p in b.params])
     momentum = momentum_key(b.group)
     fresh = {
         "hess": lambda: torch.full((b.m, b.n), b.group["hess_init"], device=device, dtype=dt),
@@ -438,9 +482,7 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
             raise ValueError(f"EVON state {k!r} is missing for some parameters of shape {(b.m, b.n)}")
         b.state[k] = torch.stack([fresh[k]() if x is None else x.to(device, dt) for x in per_param])
     b.state["step"] = step
-    point_state_views(b, member_state, tuple(keys))
-    for p in b.params:
-        member_state(p)["step"] = step
+    point_state_views(b, member_state, (*keys, "step"))
 
 
 def settle_member_momentum(st: dict[str, Any], want: str) -> None:

@@ -154,14 +154,16 @@ def fit_from_curvature(
                 out[gi] = part.cumsum(0)[-1]  # a sequential sum: the same order, the same bits
         return out
 
+    # a matrix not yet updated holds h0, not a measured curvature: it takes no part in the fit
+    measured = [b.state["step"].gt(0).double()[:, None].to(b.state["hess"].device) for b in mine]
     first = []
-    for b in mine:
+    for b, weight in zip(mine, measured):
         hess = b.state["hess"]
         numel = torch.full(
             (len(b.params), 1), float(hess[0].numel()), dtype=torch.float64, device=hess.device
         )
         w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).double().square()
-        first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
+        first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1) * weight)
     sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
     for gi, group in enumerate(groups):
         if "weight_decay" in group["fit_to_curvature"]:
@@ -169,8 +171,8 @@ def fit_from_curvature(
             if delta is not None:
                 group["weight_decay"] = delta
     second = [
-        torch.reciprocal(b.state["hess"].double() + b.group["weight_decay"]).sum(dim=(1, 2))[:, None]
-        for b in mine
+        torch.reciprocal(b.state["hess"].double() + b.group["weight_decay"]).sum(dim=(1, 2))[:, None] * weight
+        for b, weight in zip(mine, measured)
     ]
     inv = pooled(second, 1)
     for gi, group in enumerate(groups):

@@ -428,7 +428,7 @@ class EVON(Optimizer):
                     "`with optimizer.sampled_params(train=True):` before step()"
                 )
         num_samples = max(self._samples, 1)
-        plans = [plan for b in self.buckets if (plan := self._plan(b, num_samples)) is not None]
+        plans = [plan for b in self.buckets for plan in self._plan(b, num_samples)]
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         if not self._all_finite(plans, adamw):
             self._discard_samples()
@@ -482,14 +482,14 @@ class EVON(Optimizer):
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed = consumed_grads(self.param_groups)
 
-    def _plan(self, b: Bucket, num_samples: int) -> Plan | None:
+    def _plan(self, b: Bucket, num_samples: int) -> list[Plan]:
         """What the bucket's update needs that can fail (the candidate H too), no state changed
         but the momentum's space, which follows a ``step_curvature`` changed since the last step."""
         b.settle_momentum(self._member_state)
-        plan = plan_update(b, num_samples)
-        if plan is not None and plan.work.initialized:
+        plans = plan_update(b, num_samples)
+        for plan in (plan for plan in plans if not plan.initializing):
             self._hessian_candidate(plan, num_samples)
-        return plan
+        return plans
 
     _hessian_candidate = staticmethod(hessian_candidate)
 

@@ -46,10 +46,10 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             hess.sum(),
             (hess < g["weight_decay"]).sum(),
         ]
-        steps = b.state["step"].double()
+        steps = b.state["step"].double().clamp_min(0)  # a member not yet initialised: still h0
         # the Fisher estimate's first update replaces h0; the Price one decays it by β2 per step
         kept = steps.eq(0).double() if uses_fisher(g) else torch.pow(g["betas"][1], steps)
-        init_part = g["hess_init"] * kept * hess.numel()
+        init_part = g["hess_init"] * (kept * hess[0].numel()).sum()  # per member: its own count
         prior_var = torch.tensor(  # built where the row is stacked: no copy
             hess.numel() / (g["ess"] * g["weight_decay"]) if g["weight_decay"] else math.inf,
             dtype=torch.float64,

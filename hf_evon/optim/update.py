@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import Bucket, Plan, count_updates, momentum_key, point_state_views
+from hf_evon.optim.buckets import UNINITIALIZED, Bucket, Plan, count_updates, momentum_key, point_state_views
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
@@ -45,17 +45,29 @@ AdamWInputs = dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]
 WeightStep = tuple[list[Tensor], list[Tensor], list[Tensor] | None]
 
 
-def plan_update(b: Bucket, num_samples: int) -> Plan | None:
-    """The bucket's mean gradient and the members it updates, without changing any state.
+def plan_update(b: Bucket, num_samples: int) -> list[Plan]:
+    """The bucket's mean gradient and the members it updates, without changing any state: one
+    plan per update count among them (the step's bias corrections and H's average are per count).
 
     Members without a gradient (frozen, unused) are left out, as ``torch.optim`` does: their
-    weights and state stay bit-identical (None: no member has a gradient).
+    weights and state stay bit-identical (no plan: no member has a gradient). A member whose
+    first gradient comes after the others' counts its own updates from there.
     """
     active = [i for i, p in enumerate(b.params) if p.grad is not None]
     if not active:
-        return None
-    # the initialising step only records statistics: done for the whole bucket
-    members = None if len(active) == len(b.params) or not b.initialized else active
+        return []
+    if not b.initialized:  # the initialising step only records statistics: for the whole bucket
+        return [_plan(b, None, num_samples)]
+    counts = b.counts
+    by_count: dict[int, list[int]] = {}
+    for i in active:
+        by_count.setdefault(counts[i], []).append(i)
+    if len(by_count) == 1 and len(active) == len(b.params):
+        return [_plan(b, None, num_samples)]
+    return [_plan(b, members, num_samples) for members in by_count.values()]
+
+
+def _plan(b: Bucket, members: list[int] | None, num_samples: int) -> Plan:
     work = b if members is None else b.subset(members)
     grad = work.grads()
     # clipped, reduced or accumulated since the last sample's exit?
@@ -121,13 +133,19 @@ def evon_update(
     beta3 = beta2 if g["shampoo_beta"] is None else g["shampoo_beta"]
     delta, ess = g["weight_decay"], g["ess"]
 
-    if not b.initialized:  # the first step: statistics and their eigenbases only
+    if plan.initializing:  # the first step: statistics and their eigenbases only
+        fresh = not b.initialized
         b.update_statistics(grad, beta3)
         if b.left:
             st["Q_L"] = eigenbasis(st["L"])
         if b.right:
             st["Q_R"] = eigenbasis(st["R"])
-        point_state_views(b, member_state, ("L", "R", "Q_L", "Q_R"))
+        if plan.members is not None:
+            plan.bucket.scatter(b, plan.members)
+        else:
+            point_state_views(b, member_state, ("L", "R", "Q_L", "Q_R"))
+        if fresh and (absent := [i for i, p in enumerate(b.params) if p.grad is None]):
+            b.set_counts(absent, UNINITIALIZED)  # initialised at their own first gradient
         return None
 
     t = b.t + 1
@@ -187,6 +205,7 @@ def evon_updates(
     steps: dict[int, tuple[float, WeightStep]] = {}
     stepped = []
     for plan in plans:
+        counted = plan.work.initialized  # a bucket's first step does not count, a late member's does
         if (step := evon_update(plan, num_samples, member_state)) is not None:
             group = plan.work.group
             empty: WeightStep = ([], [], None if step[2] is None else [])
@@ -195,7 +214,8 @@ def evon_updates(
             deltas += step[1]
             if scales is not None:
                 scales += step[2]
-            stepped.append(plan.work)
+        if counted:
+            stepped.append((plan.bucket, plan.members))
     for lr, (params, deltas, scales) in steps.values():
         if scales is None:
             torch._foreach_add_(params, deltas, alpha=-lr)

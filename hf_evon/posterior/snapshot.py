@@ -91,10 +91,8 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     if "betas" in settings:
         settings["betas"] = tuple(settings["betas"])
     steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
-    step = next((s for s in steps if s is not None), None)
-    settings["optimizer_step"] = (
-        int(step.item() if torch.is_tensor(step) else step) if step is not None else 0
-    )
+    # each matrix counts its own updates (one that joined late, fewer): the optimizer's are the most
+    settings["optimizer_step"] = max((int(s.item() if torch.is_tensor(s) else s) for s in steps if s is not None), default=0)
     settings["base_model"] = recordable_base_model(base_model_name(model))
     settings["model_class"] = model_class(model).__name__
     settings["mean_fingerprint"] = mean_fingerprint({name: p for name, p, _ in entries}, factors)
