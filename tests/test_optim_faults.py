@@ -334,6 +334,25 @@ def test_a_matrix_never_updated_takes_no_part_in_the_curvature_fit() -> None:
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1:] == runs[1][1:]
 
 
+def test_an_unclipped_step_past_float16s_range_leaves_float16_weights_finite() -> None:
+    # the pure algorithm's Newton step (no clip) in float32 exceeds 65504 at step 6; cast to
+    # the weights' float16 it was inf, and every later step was skipped
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 4).half(), nn.Linear(4, 3).half()
+    opt = EVON(
+        [{"params": [first.weight, second.weight]}, {"params": [first.bias, second.bias], "algorithm": "adamw"}],
+        seed=0, clip="none", step_curvature="entry",
+    )  # fmt: skip
+    x, y = torch.randn(16, 8, dtype=torch.half), torch.randint(0, 3, (16,))
+    for _ in range(12):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(second(torch.tanh(first(x))).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert all(bool(p.isfinite().all()) for p in (first.weight, second.weight))
+    assert opt.skipped_steps == 0
+
+
 @pytest.mark.parametrize("options", [{}, {"ess": math.inf}, {"hess_estimator": "price"}])
 def test_a_zero_size_parameter_is_left_out_and_the_rest_trains_as_without_it(options: dict) -> None:
     # a zero-width layer (pruned, or a config with 0 heads): torch's optimizers accept it
