@@ -74,10 +74,10 @@ def test_default_prior_std_is_a_quarter_of_the_weights_rms() -> None:
 def test_the_default_prior_follows_each_groups_hess_init_and_explicit_values_win() -> None:
     torch.manual_seed(0)
     a, b, c = (nn.Parameter(torch.randn(6, 5)) for _ in range(3))
-    opt = EVON([{"params": [a], "hess_init": 1e-3}, {"params": [b]}, {"params": [c], "weight_decay": 0.0}])
+    opt = EVON([{"params": [a], "hess_init": 1e-3}, {"params": [b]}, {"params": [c], "weight_decay": 1e-7}])
     ratio = DEFAULT_INIT_STD_RATIO**2 / (DEFAULT_PRIOR_STD_RATIO**2 - DEFAULT_INIT_STD_RATIO**2)
     assert [g["weight_decay"] for g in opt.param_groups] == pytest.approx(
-        [1e-3 * ratio, DEFAULT_HESS_INIT * ratio, 0.0], rel=1e-12
+        [1e-3 * ratio, DEFAULT_HESS_INIT * ratio, 1e-7], rel=1e-12
     )
     assert default_weight_decay(0.5, 0.1, 0.2) == pytest.approx(0.5 * 0.01 / 0.03, rel=1e-12)
     with pytest.raises(ValueError, match="init_std_ratio"):
@@ -115,10 +115,10 @@ def test_build_optimizer_derives_the_prior_from_the_kinds_hess_init_and_keeps_a_
 
 def test_auto_ess_of_an_all_zero_group_uses_the_fan_in() -> None:
     w = nn.Parameter(torch.zeros(4, 25))
-    opt = EVON([w], hess_init=0.1, weight_decay=0.0, init_std_ratio=0.1)
+    opt = EVON([w], hess_init=0.1, weight_decay=1e-3, init_std_ratio=0.1)
     with opt.sampled_params(train=True):
         (w.sum() ** 2).backward()
-    assert opt.param_groups[0]["ess"] == pytest.approx(1.0 / (0.1**2 * (1.0 / 25) * 0.1), rel=1e-9)
+    assert opt.param_groups[0]["ess"] == pytest.approx(1.0 / (0.1**2 * (1.0 / 25) * (0.1 + 1e-3)), rel=1e-9)
 
 
 def test_auto_ess_is_resolved_once_and_survives_a_state_dict_round_trip() -> None:

@@ -404,6 +404,26 @@ def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     assert_identical(runs[1], runs[0])
 
 
+def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:
+    # a dead input unit: H = 0 on its column after the Fisher estimate's first average; with
+    # weight_decay = 0 its variance 1/(ess·(H + 0)) was inf, every sample inf, the loss NaN
+    torch.manual_seed(0)
+    x = torch.randn(32, 5)
+    x[:, 0] = 0.0
+    y = torch.randn(32, 3)
+    w = nn.Parameter(torch.randn(3, 5) * 0.3)
+    with pytest.raises(ValueError, match=r"Invalid weight_decay: 0\.0 \(must be > 0 where ess is finite"):
+        EVON([w], weight_decay=0.0, seed=0)
+    for options in ({"weight_decay": 1e-6}, {"weight_decay": 0.0, "ess": math.inf}):
+        opt = EVON([w], seed=0, **options)
+        for _ in range(6):
+            with opt.sampled_params(train=True):
+                ((x @ w.T - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.skipped_steps == 0 and bool(w.isfinite().all())
+
+
 # ------------------------------------------------- item 9: complex parameters
 def test_complex_parameters_are_refused_by_name() -> None:
     z = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))
@@ -419,6 +439,8 @@ def test_complex_parameters_are_refused_by_name() -> None:
 # ------------------------------------------------- items 10, 11: arguments
 BAD_ARGUMENTS = [
     ({"weight_decay": float("inf")}, "weight_decay", "finite"),
+    ({"weight_decay": 0.0}, "weight_decay", "where ess is finite"),
+    ({"weight_decay": 0.0, "ess": 10.0}, "weight_decay", "where ess is finite"),
     ({"identity_basis": "false"}, "identity_basis", "bool"),
     ({"phased_gradients": "false"}, "phased_gradients", "bool"),
     ({"stagger_refresh": "false"}, "stagger_refresh", "bool"),

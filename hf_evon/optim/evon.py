@@ -103,7 +103,7 @@ class EVON(Optimizer):
             (:mod:`hf_evon.optim.curvature`). ``inf``: no noise, a SOAP-like method.
         hess_init: initial Hessian h0 > 0 everywhere.
         betas: (β1, β2) for the momentum and the Hessian.
-        weight_decay: prior precision per datum δ: the prior is ``N(0, (ζ δ)^-1 I)``. None (the
+        weight_decay: prior precision δ > 0 per datum (0 only at ess=inf): prior ``N(0, (ζ δ)^-1 I)``. None (the
             default): ``default_weight_decay(hess_init, init_std_ratio)`` (the prior's std 5x the
             initial one), refit to a fraction of H's scale under the Fisher estimate.
         hess_estimator: "fisher" (default: EMA of the squared rotated gradient) or "price" (the

@@ -140,6 +140,10 @@ def validate_group(group: dict[str, Any]) -> None:
             ess == AUTO_ESS if isinstance(ess, str) else (is_real(ess) and ess > 0.0),
             "'auto' or a number > 0 (float('inf') for no noise)",
         )
+        if group.get("weight_decay") == 0.0 and ess != float("inf"):
+            # H is 0 where the data does not curve (a dead unit): only the prior bounds the variance there
+            rule = "> 0 where ess is finite: the prior N(0, 1/(ess·weight_decay)) bounds the variance (0 only with ess=inf)"
+            need("weight_decay", False, rule)
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     need("init_std_ratio", finite(ratio) and ratio > 0.0, "a finite number > 0")
     if has("hess_init"):

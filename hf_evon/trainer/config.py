@@ -141,7 +141,8 @@ class EVONConfig(TrainingArguments):
     evon_weight_decay: float | None = field(
         default=None,
         metadata={
-            "help": "Prior precision per datum δ >= 0 of EVON-owned weights: the prior is N(0, 1/(ζδ) I). "
+            "help": "Prior precision per datum δ > 0 of EVON-owned weights (0 only with evon_ess inf): the "
+            "prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
             "Default (None): under the Fisher estimate with evon_ess 'auto' (the defaults), H's 30% quantile, "
             "fitted after the second update and every evon_curvature_refit steps (docs/defaults.md#curvature-fit); "
