@@ -103,6 +103,8 @@ def test_fitted_prior_and_ess_are_their_closed_forms() -> None:
     assert delta == pytest.approx(expected_prior(hess), rel=1e-9)
     assert 3e-9 < delta <= 3e-9 * 10**HIST_STEP  # the edge above 3e-9: within one bin
     assert fitted_prior(torch.zeros(5, dtype=torch.float64)) is None  # nothing measured
+    below_normals = log_histogram(torch.tensor([[[1e-40, 0.0, 3e-9]]]))[0]  # 1e-40: a float32 subnormal
+    assert float(below_normals[0]) == 2 and float(below_normals.sum()) == 3  # with the zeros
     hess = hess.double()[0]
     w_sq_sum, n = 0.5, hess.numel()
     ess = fitted_ess(float((1 / (hess + delta)).sum()), n, w_sq_sum, 0.2)

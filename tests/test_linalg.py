@@ -67,6 +67,20 @@ def test_cholesky_qr_flags_a_zero_member_and_factors_the_others() -> None:
         assert_is_q_of(q[i], a[i], tol=1e-11)
 
 
+def test_the_accelerator_refresh_moves_a_basis_that_holds_a_dead_units_direction() -> None:
+    # a dead input unit: R has a zero row and column, its eigenbasis holds e_0, so R·Q has a zero
+    # column; CholeskyQR could not factor it and the whole basis stayed as it was, every refresh
+    gen = torch.Generator().manual_seed(0)
+    g1, g2 = torch.randn(1, 16, 8, generator=gen), torch.randn(1, 16, 8, generator=gen)
+    g1[..., 0] = g2[..., 0] = 0.0
+    r1 = (g1.mT @ g1).double()
+    r2 = 0.5 * r1 + 0.5 * (g2.mT @ g2).double()
+    q0 = eigenbasis(r1)
+    householder, cholesky = power_qr(r2, q0, householder=True), power_qr(r2, q0, householder=False)
+    assert float((householder - q0).abs().max()) > 0.1  # the refresh moves it
+    assert torch.allclose(cholesky, householder, atol=1e-9)  # and so does the accelerators' route
+
+
 def test_cholesky_qr_asks_for_the_lower_factor() -> None:
     """Each CholeskyQR pass factors its Gram matrix as L Lᵀ: cuSOLVER's batched Cholesky, asked
     for the upper factor, transposes the stack in and out and took twice the device time on a
@@ -263,6 +277,25 @@ def test_newton_schulz_on_the_gram_spectrum_equals_the_iterations(
     by_products = newton_schulz_by("iterations", monkeypatch, x, steps=steps, scale=scale)
     assert by_eigh.shape == x.shape
     torch.testing.assert_close(by_eigh, by_products, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("route", ["eigh", "iterations"])
+def test_newton_schulz_of_a_huge_finite_float32_matrix_is_that_of_the_matrix_scaled_down(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whitening ignores scale: entries of 1e20, all finite, whose float32 Frobenius norm overflows
+    (it gave zeros by the iterations and NaN by the eigh route) whiten as the same matrix at 1."""
+    x = torch.randn(2, 8, 24, generator=torch.Generator().manual_seed(3))
+    plain = newton_schulz_by(route, monkeypatch, x)
+    huge = newton_schulz_by(route, monkeypatch, x * 1e20)
+    torch.testing.assert_close(huge, plain, rtol=1e-4, atol=1e-6)
+
+
+def test_cholesky_qr_of_a_float32_matrix_past_float32s_squares_factors_it() -> None:
+    a = with_condition_number(1, 6, 10.0, seed=2)
+    q, failed = cholesky_qr((a * 1e20).float())  # column norms past 1.8e19 overflowed float32
+    assert not bool(failed.any()) and q.dtype == torch.float32
+    assert_is_q_of(q.double(), a, tol=1e-5)
 
 
 @pytest.mark.parametrize("route", ["eigh", "iterations"])

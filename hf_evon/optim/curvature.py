@@ -86,7 +86,8 @@ def log_histogram(hess: Tensor) -> Tensor:
     hess = hess.float()
     log_h = hess.clamp_min(torch.finfo(torch.float32).tiny).log10()
     idx = ((log_h - HIST_LOW) / HIST_STEP).floor().clamp_(0, HIST_BINS - 1).long()
-    idx = torch.where(hess > 0, idx, 0).flatten(1)  # no curvature: the first bin
+    tiny = torch.finfo(torch.float32).tiny
+    idx = torch.where(hess >= tiny, idx, 0).flatten(1)  # no curvature (or below float32's normals): the first bin
     counts = torch.zeros(hess.shape[0], HIST_BINS, dtype=torch.float64, device=hess.device)
     return counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
 

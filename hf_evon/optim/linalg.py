@@ -174,8 +174,9 @@ def cholesky_qr(a: Tensor) -> tuple[Tensor, Tensor]:
     to condition numbers ~1e15. ``failed`` stays on the device: reading it is the caller's choice.
     """
     m, n = a.shape[-2:]
-    col_norm = torch.linalg.vector_norm(a, dim=-2, keepdim=True)
-    x = (a / torch.where(col_norm > 0, col_norm, torch.ones_like(col_norm))).double()
+    a64 = a.double()  # the column norms too: in float32 they overflow past ~1.8e19
+    col_norm = torch.linalg.vector_norm(a64, dim=-2, keepdim=True)
+    x = a64 / torch.where(col_norm > 0, col_norm, torch.ones_like(col_norm))
     # (scaling columns by positive numbers leaves Q unchanged and improves the conditioning)
     shift = 11.0 * (m * n + n * (n + 1)) * torch.finfo(torch.float64).eps * x.square().sum((-2, -1))
     q, info1 = _cholesky_qr_pass(x, shift.unsqueeze(-1))
@@ -195,7 +196,8 @@ def power_qr(stat: Tensor, q: Tensor, householder: bool | None = None) -> Tensor
     the result independent of the QR algorithm and keeps noise draws continuous.
     ``householder`` (None: on CPU) uses LAPACK's QR; otherwise, as on accelerators, the product
     is formed in float64, which TF32 settings never touch, and orthonormalised by
-    ``cholesky_qr``; a member whose CholeskyQR3 fails (a statistic of zeros) keeps its basis:
+    ``cholesky_qr`` (with S + μI, μ at float64's rounding, so that a null direction of S in Q
+    leaves no zero column); a member whose CholeskyQR3 fails (a statistic of zeros) keeps its basis:
     deciding that on the device spares the step a host sync, and any orthonormal basis serves a
     statistic of zeros.
     """
@@ -204,7 +206,11 @@ def power_qr(stat: Tensor, q: Tensor, householder: bool | None = None) -> Tensor
     if householder:
         new = torch.linalg.qr(matmul(stat, q)).Q
     else:
-        new, failed = cholesky_qr(stat.double() @ q.double())
+        stat64, q64 = stat.double(), q.double()
+        # (S + μI)Q with μ at float64's rounding of S's mean eigenvalue: the same eigenvectors, and
+        # no zero column where Q holds a null direction of S (a dead unit), which CholeskyQR cannot factor
+        mu = torch.finfo(torch.float64).eps * stat64.diagonal(dim1=-2, dim2=-1).mean(-1)
+        new, failed = cholesky_qr(torch.matmul(stat64, q64).add_(q64 * mu[..., None, None]))
         new = torch.where(failed.view(-1, 1, 1), q, new.to(q.dtype))
     signs = torch.where((q * new).sum(-2, keepdim=True) < 0, -1.0, 1.0).to(new.dtype)
     return new * signs
@@ -220,7 +226,8 @@ def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7, scale: float = 1
     y = x.unsqueeze(0) if single else x
     transposed = y.shape[-2] > y.shape[-1]
     y = y.mT if transposed else y
-    norm = torch.linalg.matrix_norm(y, keepdim=True)
+    # squares summed in float64: in float32 they overflow once an entry passes ~1.8e19
+    norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True, dtype=torch.float64).to(y.dtype)
     y = y / (norm + eps)
     if steps > 0 and y.device.type == "cpu" and y.dtype in _EIGH_DTYPES and eigh_beats_iterations(*y.shape[-2:]):
         y = _quintic_on_gram_spectrum(y, norm, steps, scale)
