@@ -948,3 +948,47 @@ def test_the_logged_learning_rate_is_the_users_and_alpha_is_logged_beside_it(tmp
     assert initial != pytest.approx(1e-3)  # α is not the user's rate: the test can tell them apart
     if scheduler == "constant":
         assert all(entry["learning_rate"] == pytest.approx(1e-3) for entry in logs)
+
+
+def _recalibrated(trainer: EVONTrainer, seed: int = 2):
+    """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
+    result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)
+    assert result.ess != result.trained_ess
+    return result
+
+
+def test_a_calibration_applies_to_a_posterior_given_to_the_trainer(tmp_path) -> None:
+    trained = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "a"), train_dataset=classification_data(32))
+    trained.train()
+    trained.save_model(tmp_path / "saved")
+    model = BertForSequenceClassification.from_pretrained(tmp_path / "saved")
+    given = EVONPosterior.from_pretrained(tmp_path / "saved")
+    trainer = EVONTrainer(model=model, args=config(tmp_path / "b"), posterior=given)
+    result = _recalibrated(trainer)
+    assert trainer.current_posterior().ess == result.ess != given.ess  # it kept the given one's
+    trainer.save_model(tmp_path / "calibrated")
+    assert EVONPosterior.from_pretrained(tmp_path / "calibrated").ess == result.ess
+
+
+def test_a_calibration_applies_to_the_best_checkpoints_posterior(tmp_path) -> None:
+    args = config(
+        tmp_path, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss",
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(32), eval_dataset=classification_data(16, 1)
+    )
+    trainer.train()
+    assert trainer._posterior_from_checkpoint  # the restored checkpoint's posterior is the one in use
+    result = _recalibrated(trainer)
+    assert trainer.current_posterior().ess == result.ess != trainer.posterior.ess
+
+
+def test_a_failed_calibration_keeps_the_one_before(tmp_path) -> None:
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(32))
+    trainer.train()
+    first = _recalibrated(trainer)
+    bad = Dataset.from_list([{"input_ids": r["input_ids"], "labels": 7} for r in classification_data(8, 3)])
+    with pytest.raises(ValueError, match="label outside the model's 3 classes"):
+        trainer.calibrate(bad)
+    assert trainer.calibration is first and trainer.current_posterior().ess == first.ess

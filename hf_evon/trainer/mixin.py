@@ -279,25 +279,25 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         return self.model is not None and is_causal_lm(self.model)  # it unwraps DDP, compile, PEFT
 
     def current_posterior(self) -> Any:
-        """The posterior that belongs to the model's current weights, or None.
+        """The posterior that belongs to the model's current weights, or None: a snapshot of the
+        EVON optimizer's posterior; the ``posterior`` given to the trainer before it has an
+        optimizer; the best checkpoint's after ``load_best_model_at_end`` restored its weights.
+        Whichever it is, a ``calibrate()`` made at the current step applies to it."""
+        posterior = self._trained_posterior()
+        if posterior is not None and self.calibration is not None and self._calibrated_step == self.state.global_step:
+            posterior = self.calibration.apply(posterior)
+        return posterior
 
-        A snapshot of the EVON optimizer's posterior; the ``posterior`` given to the trainer
-        before it has an optimizer; the best checkpoint's posterior after
-        ``load_best_model_at_end`` restored that checkpoint's weights.
-        """
-        if self._posterior_from_checkpoint:
-            return self.posterior
+    def _trained_posterior(self) -> Any:
+        """:meth:`current_posterior` before its calibration."""
         opt = self.evon_optimizer
-        if opt is not None and any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
-            from hf_evon.posterior.posterior import EVONPosterior
+        if self._posterior_from_checkpoint or opt is None or not any(
+            g["algorithm"] == "evon" and g["params"] for g in opt.param_groups
+        ):
+            return self.posterior
+        from hf_evon.posterior.posterior import EVONPosterior
 
-            posterior = EVONPosterior.from_optimizer(
-                opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio
-            )
-            if self.calibration is not None and self._calibrated_step == self.state.global_step:
-                posterior = self.calibration.apply(posterior)
-            return posterior
-        return self.posterior
+        return EVONPosterior.from_optimizer(opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio)
 
     def _check_calibration_data(self) -> None:
         """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
@@ -363,8 +363,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             raise ValueError(
                 "calibrate(): dataset is the eval_dataset; calibrate on other examples than you report on"
             )
-        self.calibration = None
-        posterior = self.current_posterior()
+        posterior = self._trained_posterior()  # the calibration in place stays until this one succeeds
         if posterior is None:
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
         model = self._wrap_model(self.model, training=False)
