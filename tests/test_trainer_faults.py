@@ -45,6 +45,25 @@ def test_metric_for_best_model_needs_bma_on_every_evaluation(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("metric", "greater"),
+    [("eval_bma_nll", False), ("bma_ece", False), ("eval_mean_brier", False), ("eval_bma_perplexity", False),
+     ("eval_bma_accuracy", True), ("eval_loss", False)],
+)  # fmt: skip
+def test_the_best_model_by_an_nll_ece_brier_or_perplexity_is_the_lowest(tmp_path, metric, greater):
+    # transformers turns greater_is_better off only for a name ending in "loss": by eval_bma_nll,
+    # load_best_model_at_end restored the worst checkpoint
+    args = EVONConfig(output_dir=str(tmp_path), report_to="none", metric_for_best_model=metric)
+    assert args.greater_is_better is greater
+    given = EVONConfig(output_dir=str(tmp_path), report_to="none", metric_for_best_model=metric, greater_is_better=True)
+    assert given.greater_is_better is True  # the user's choice stands
+
+
+def test_a_bma_metric_for_the_best_model_needs_bma_samples(tmp_path):
+    with pytest.raises(ValueError, match=r"EVONConfig\.bma_num_samples = 0 is invalid: it must be > 0 for"):
+        EVONConfig(output_dir=str(tmp_path), report_to="none", metric_for_best_model="eval_bma_nll", bma_num_samples=0)
+
+
 # ---------------------------------------------------------------------------- issue 11.1
 def test_plain_training_arguments_keep_their_learning_rates_meaning(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, learning_rate=5e-5)

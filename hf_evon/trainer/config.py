@@ -50,6 +50,8 @@ _RATIO_FINETUNING = STEP_RATIOS[("element", True)]
 _H0, _H0_FINETUNING = default_hess_init(False), default_hess_init(True)
 _PRIOR, _PRIOR_FINETUNING = (default_weight_decay(h, DEFAULT_INIT_STD_RATIO) for h in (_H0, _H0_FINETUNING))
 _PRIOR_REACHED_AFTER = math.log(_PRIOR / _H0) / math.log(DEFAULT_BETAS[1])  # steps until h0·β2ᵗ = δ
+# the metrics EVONTrainer reports that fall as predictions improve (mean_* and bma_*)
+_LOWER_IS_BETTER = ("_nll", "_ece", "_brier", "_perplexity")
 _SNR_CHOICES = {"true": True, "false": False, "adam": "adam"}  # command line text -> EVON's snr_scaling
 
 
@@ -361,6 +363,8 @@ class EVONConfig(TrainingArguments):
                 "records its Hessian estimate G°⊙E from the scaled gradients; use bf16=True (no scaling) "
                 "or float32"
             )
+        if self.greater_is_better is None and (self.metric_for_best_model or "").endswith(_LOWER_IS_BETTER):
+            self.greater_is_better = False  # transformers' default knows only that a "...loss" falls
         super().__post_init__()
         self._parse_command_line_values()
         self._check_with_evon()
@@ -445,7 +449,9 @@ class EVONConfig(TrainingArguments):
             "an integer >= 0 (0: only at the end of training)",
         )
         best = self.metric_for_best_model or ""
-        if self.bma_eval_every != 1 and "bma_" in best:
+        bma_best = "bma_" in best
+        need(not (bma_best and self.bma_num_samples == 0), "bma_num_samples", f"> 0 for metric_for_best_model {best!r}")
+        if self.bma_eval_every != 1 and bma_best:
             raise ValueError(
                 f"EVONConfig.metric_for_best_model = {best!r} is a BMA metric, which only evaluations with BMA "
                 f"report, but EVONConfig.bma_eval_every = {self.bma_eval_every}: set bma_eval_every=1 or choose "
