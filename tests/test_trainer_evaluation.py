@@ -479,3 +479,62 @@ def test_predict_bma_over_processes_in_chunks_keeps_every_row_once(tmp_path, wor
     for got, want in zip(saved["uncertainty"].predictions, saved["direct_uncertainty"], strict=True):
         assert got.shape == (20,)  # every row once: the duplicates padding the last batch dropped
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=ENTROPY_ATOL)
+
+
+def _word_tokenizer(padding_side: str = "right"):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"t{i}": i for i in range(3, 100)}}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        pad_token="<pad>", unk_token="<unk>", eos_token="<eos>", padding_side=padding_side,
+    )  # fmt: skip
+
+
+def _rows_of_many_lengths(n: int, labels: bool) -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, 100, (3 + int(torch.randint(0, 20, (1,), generator=gen)),), generator=gen).tolist()
+        rows.append({"input_ids": ids, "labels": ids[1] % 3} if labels else {"input_ids": ids})
+    return rows
+
+
+def test_bma_passes_score_the_examples_the_mean_pass_scores_when_the_last_batch_is_dropped(tmp_path) -> None:
+    # read by length, the BMA passes dropped the longest examples, the mean pass the last batch
+    from datasets import Dataset
+    from transformers import DataCollatorWithPadding
+
+    trained = _trained(tmp_path)
+    quiet = trained.current_posterior().with_ess(1e15)  # no noise to speak of: BMA is the mean
+    args = config(tmp_path / "e", per_device_eval_batch_size=8, dataloader_drop_last=True)
+    collator = DataCollatorWithPadding(_word_tokenizer())
+    trainer = EVONTrainer(model=trained.model, args=args, posterior=quiet, data_collator=collator)
+    metrics = trainer.evaluate(Dataset.from_list(_rows_of_many_lengths(20, labels=True)))
+    assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
+    assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
+
+
+def test_left_padded_batches_keep_the_dataset_order_in_bma_passes_and_calibration(tmp_path) -> None:
+    # re-batched by length, a left-padded row's padding (and so its positions) changed
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_evon import calibrate_posterior
+
+    rows = _rows_of_many_lengths(24, labels=False)
+    collator = DataCollatorForLanguageModeling(_word_tokenizer("left"), mlm=False)
+    trained = EVONTrainer(
+        model=tiny_gpt2(), args=config(tmp_path, max_steps=2), train_dataset=Dataset.from_list(rows), data_collator=collator
+    )
+    trained.train()
+    quiet = trained.current_posterior().with_ess(1e15)
+    args = config(tmp_path / "e", per_device_eval_batch_size=5)
+    trainer = EVONTrainer(model=trained.model, args=args, posterior=quiet, data_collator=collator)
+    metrics = trainer.evaluate(Dataset.from_list(rows))
+    assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
+    result = trainer.calibrate(Dataset.from_list(rows[:12]), temperature=False, num_samples=2)
+    in_order = [collator(rows[i : min(i + 5, 12)]) for i in range(0, 12, 5)]
+    _, reference = calibrate_posterior(trained.model, quiet, in_order, num_samples=2, temperature=False, shift_labels=True)
+    assert result.mean_nll == pytest.approx(reference.mean_nll, rel=1e-6)

@@ -5,7 +5,8 @@ with several samples, and ``evaluate()``'s BMA metrics take S sampled passes, so
 split runs up to dozens of times: its batches should pad little. Those NLLs and metrics are sums
 over the examples and every pass visits the same batches in the same order, so the order of the
 examples is free: sorting them by token count leaves each example's log-probabilities (and the
-results) as they are and makes the collator's per-batch padding short. The calibration also cuts
+results) as they are and makes the collator's per-batch padding short (where the collator pads on
+the right and no batch is dropped: :func:`length_sorted`). The calibration also cuts
 the sorted batches where their lengths spread (:func:`cut_by_length`): the batches of the longest
 examples, a split's long tail, otherwise pad most of their rows. ``evaluate()``'s pass at the mean
 (the Trainer's own, whose predictions ``compute_metrics`` reads) and ``predict()`` keep the
@@ -149,12 +150,16 @@ def cut_by_length(batches: list[Any]) -> list[Any]:
     return out
 
 
-def length_sorted(dataset: Any) -> Any:
+def length_sorted(dataset: Any, collator: Any = None, drop_last: bool = False) -> Any:
     """``dataset``'s examples ordered by their ``input_ids``' length (a stable sort): a
     ``datasets.Dataset`` through ``select``, another map-style dataset through
     ``torch.utils.data.Subset``. Returned as it is where the examples carry no ``input_ids``,
-    where the dataset has no length (iterable) or where the order would not change."""
-    if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
+    where the dataset has no length (iterable) or where the order would not change; and where
+    the order changes what is scored: ``drop_last`` (the loader drops the last batch: in the
+    dataset's order, other examples) or a ``collator`` that pads on the left (a row's padding
+    moves its tokens' positions, and with them its log-probabilities)."""
+    sides = {getattr(collator, "padding_side", None), getattr(getattr(collator, "tokenizer", None), "padding_side", None)}
+    if drop_last or "left" in sides or not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
         return dataset
     column_names = getattr(dataset, "column_names", None)
     if column_names is not None:  # a datasets.Dataset: read the one column, not every example

@@ -502,7 +502,7 @@ class EvaluationMixin:
         (:func:`~hf_evon.trainer.calibration_data.length_sorted`), for the BMA passes: each of the
         S passes then pads little. ``dataloader`` itself where the order would not change."""
         dataset = getattr(dataloader, "dataset", None)
-        ordered = None if dataset is None else length_sorted(dataset)
+        ordered = None if dataset is None else length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
         if ordered is None or ordered is dataset:
             return dataloader
         return self._uncached_eval_dataloader(ordered)

@@ -369,7 +369,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         model = self._wrap_model(self.model, training=False)
         start = time.perf_counter()
         # in order of length, the long tail cut: each pass pads little (the result is the dataset order's)
-        loader = self._uncached_eval_dataloader(length_sorted(dataset))
+        loader = self._uncached_eval_dataloader(length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last))
         batches = cut_by_length([self._prepare_inputs(b) for b in loader])
         _, result = calibrate_posterior(
             model,
