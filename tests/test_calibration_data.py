@@ -61,6 +61,10 @@ def test_length_sorted_keeps_the_examples_and_orders_them_by_token_count() -> No
 
     stream = Stream()
     assert length_sorted(stream) is stream  # no length: read as it comes
+    # where the order changes what is scored: a dropped last batch, padding on the left
+    assert length_sorted(data, drop_last=True) is data
+    left, right = (type("Collator", (), {"tokenizer": type("T", (), {"padding_side": s})()})() for s in ("left", "right"))
+    assert length_sorted(data, left) is data and length_sorted(data, right)["input_ids"] == ordered["input_ids"]
 
 
 def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
@@ -153,7 +157,7 @@ def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(
 
     monkeypatch.setattr(evaluation, "sample_passes", spy)
     by_length = trainer.evaluate()
-    monkeypatch.setattr(evaluation, "length_sorted", lambda dataset: dataset)
+    monkeypatch.setattr(evaluation, "length_sorted", lambda dataset, *_: dataset)
     in_order = trainer.evaluate()
     lengths = [len(ids) for ids in trainer.eval_dataset["input_ids"]]
     assert padded[0] == padded_tokens(sorted(lengths), 8) < padded[1] == padded_tokens(lengths, 8)
@@ -183,7 +187,7 @@ trainer.train()
 lengths = [len(ids) for ids in trainer._length_sorted_loader(trainer.get_eval_dataloader()).dataset["input_ids"]]
 assert lengths == sorted(lengths) != [len(ids) for ids in trainer.eval_dataset["input_ids"]]
 by_length = trainer.evaluate()
-evaluation.length_sorted = lambda dataset: dataset
+evaluation.length_sorted = lambda dataset, *_: dataset
 in_order = trainer.evaluate()
 keys = [k for k in in_order if k.startswith(("eval_bma_", "eval_mean_"))]
 torch.save({k: (by_length[k], in_order[k]) for k in keys}, out / f"rank{os.environ['RANK']}.pt")
