@@ -227,6 +227,39 @@ def test_a_config_read_and_saved_again_keeps_its_keys_order(tmp_path):
     assert again["note"] == {"by": "hand"}
 
 
+def test_a_copy_retried_after_it_failed_past_its_switch_keeps_a_posterior_that_loads(tmp_path, monkeypatch):
+    # the first copy switched the config to its staged file and failed placing the canonical one
+    # (a full disk); a retry of the same checkpoint (the same checkpoint_id) failed to create its
+    # staging folder, and its clean-up removed the staged file the config named: nothing loaded
+    from hf_evon.posterior import format as fmt
+
+    factors = MatrixFactors(_orthonormal(4, 0), None, torch.ones(4, 3), (4, 3), (4, 3), 100.0, 1e-3)
+    posterior = EVONPosterior.from_factors({"w": factors})
+    posterior.save_pretrained(tmp_path / "checkpoint", model_card=False)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    copy = fmt.shutil.copyfile
+
+    def copy_but_the_canonical_file(source, destination, *args, **kwargs):  # the staged copy goes through
+        if os.path.basename(destination).startswith(".evon_posterior.safetensors"):
+            full_disk()
+        return copy(source, destination, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "link", full_disk)
+        patch.setattr(fmt.shutil, "copyfile", copy_but_the_canonical_file)
+        with pytest.raises(OSError, match="No space left"):
+            fmt.copy_posterior(str(tmp_path / "checkpoint"), str(out))
+    assert torch.equal(EVONPosterior.from_pretrained(out).std("w"), posterior.std("w"))  # the staged one
+    fmt.copy_posterior(str(tmp_path / "checkpoint"), str(out))  # the retry
+    assert sorted(p.name for p in out.iterdir()) == ["evon_posterior.safetensors", "evon_posterior_config.json"]
+    assert torch.equal(EVONPosterior.from_pretrained(out).std("w"), posterior.std("w"))
+
+
 def test_a_model_from_a_path_a_config_cannot_record_still_saves(tmp_path):
     """The posterior of a model loaded from an unusual path is saved, without naming the path."""
     from torch import nn

@@ -331,9 +331,12 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
     with directory_lock(directory):
         switched = False
+        # a retry of a save that failed after its switch: the config may name the staged file
+        staged_before = os.path.exists(staged)
         try:
             # safetensors writes a temporary of its own next to the file: inside this folder,
-            # a kill leaves it where the next save finds and removes it
+            # a kill leaves it where the next save finds and removes it (or a retry, here)
+            shutil.rmtree(staging, ignore_errors=True)
             os.mkdir(staging)
             inner = os.path.join(staging, POSTERIOR_WEIGHTS_NAME)
             write_weights(inner)
@@ -350,8 +353,9 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
             _remove_stale_files(directory)
         finally:
             if not switched:
-                with contextlib.suppress(OSError):
-                    os.remove(staged)
+                if not staged_before:
+                    with contextlib.suppress(OSError):
+                        os.remove(staged)
                 shutil.rmtree(staging, ignore_errors=True)
 
 
