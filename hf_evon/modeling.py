@@ -22,10 +22,15 @@ __all__ = [
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip (Distributed)DataParallel, so names are the model's own (no ``module.`` prefix)."""
-    while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-        model = model.module
-    return model
+    """Strip (Distributed)DataParallel and ``torch.compile``, in any order (accelerate compiles the
+    DDP module), so names are the model's own (no ``module.`` or ``_orig_mod.`` prefix)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+            model = model._orig_mod
+        else:
+            return model
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -51,9 +56,10 @@ def model_class(model: nn.Module) -> type:
 
 
 def _innermost(model: nn.Module) -> nn.Module:
-    """The transformers model behind DDP, ``torch.compile`` and PEFT wrappers."""
-    model = unwrap_model(model)
-    return peft_base_model(getattr(model, "_orig_mod", model))  # _orig_mod: torch.compile's
+    """The transformers model behind DDP, ``torch.compile`` and PEFT wrappers, in any order."""
+    while (inner := peft_base_model(unwrap_model(model))) is not model:
+        model = inner
+    return model
 
 
 def is_encoder_decoder(model: nn.Module) -> bool:

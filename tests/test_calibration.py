@@ -716,6 +716,37 @@ def test_one_causal_lm_rule_for_plain_peft_and_encoder_decoder_models() -> None:
     assert is_causal_lm(llama) and is_causal_lm(gpt2) and is_causal_lm(lora)
     assert not is_causal_lm(bart) and not is_causal_lm(bert) and not is_causal_lm(torch.nn.Linear(2, 2))
     assert is_causal_lm(torch.nn.parallel.DataParallel(llama))
+    # wrappers in any order: accelerate compiles the DDP module (compile(DDP(model)))
+    assert is_causal_lm(torch.compile(torch.nn.parallel.DataParallel(llama)))
+    assert is_causal_lm(torch.nn.parallel.DataParallel(torch.compile(lora)))
+    assert not is_causal_lm(torch.compile(torch.nn.parallel.DataParallel(bart)))
+
+
+def test_a_compiled_models_posterior_has_the_models_own_names(tmp_path) -> None:
+    # torch.compile's wrapper put "_orig_mod." before every name and "OptimizedModule" as the class:
+    # the posterior did not fit its own model, and sampled(compiled) refused the plain one's
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import EVONPosterior, build_optimizer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    compiled = torch.compile(torch.nn.parallel.DataParallel(model))
+    opt = build_optimizer(model)
+    ids = torch.randint(0, 50, (2, 8))
+    with opt.sampled_params(train=True):
+        model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    taken = EVONPosterior.from_optimizer(opt, compiled)
+    assert list(taken.names) == list(EVONPosterior.from_optimizer(opt, model).names)
+    assert all(name.startswith("transformer.") for name in taken.names)
+    assert taken.config["model_class"] == "GPT2LMHeadModel"
+    taken.save_pretrained(tmp_path, model_card=False)
+    EVONPosterior.from_pretrained(tmp_path, model=model)  # fits the model it was taken from
+    before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    with taken.sampled(compiled, seed=0):
+        assert not torch.equal(model.transformer.h[0].attn.c_attn.weight, before)
+    assert torch.equal(model.transformer.h[0].attn.c_attn.weight, before)
 
 
 def test_calibration_shifts_a_gpt2s_labels_unless_told_otherwise() -> None:
