@@ -861,6 +861,31 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path
     assert all(torch.equal(saved[k], on_disk[k]) for k in saved)
 
 
+class _PosteriorDropped(TrainerCallback):
+    """Removes each checkpoint's posterior files once it is saved (a checkpoint from elsewhere)."""
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        for f in (Path(args.output_dir) / f"checkpoint-{state.global_step}").glob("evon_posterior*"):
+            f.unlink()
+
+
+def test_a_best_checkpoint_without_a_posterior_leaves_none_beside_its_weights(tmp_path):
+    # the last step's posterior was kept beside the best step's weights, and saved with them
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", bma_num_samples=2, evon_ess=100.0,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1),
+        callbacks=[_PosteriorDropped()],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"the best checkpoint .*checkpoint-\d holds no posterior"):
+        trainer.train()
+    assert trainer.current_posterior() is None
+    trainer.save_model()
+    assert not (Path(trainer.args.output_dir) / "evon_posterior_config.json").exists()
+
+
 # ---------------------------------------------------------------------------- data parallel
 DDP_WORKER = textwrap.dedent(
     """

@@ -86,12 +86,20 @@ class CheckpointingMixin:
         """After the Trainer loaded the best checkpoint's weights: its posterior too (the
         optimizer's is the last step's)."""
         best = self.state.best_model_checkpoint
-        if best and _has_posterior(best):
-            from hf_evon.posterior.posterior import EVONPosterior
+        if not best:
+            return
+        self._posterior_from_checkpoint, self.posterior = True, None
+        if not _has_posterior(best):  # never the last step's posterior beside the best step's weights
+            warnings.warn(
+                f"load_best_model_at_end: the best checkpoint {best} holds no posterior, so the trainer has "
+                "none for its weights (BMA evaluation and saving skip it)",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        from hf_evon.posterior.posterior import EVONPosterior
 
-            device = next(self.model.parameters()).device
-            self.posterior = EVONPosterior.from_pretrained(best, device=device)
-            self._posterior_from_checkpoint = True
+        self.posterior = EVONPosterior.from_pretrained(best, device=next(self.model.parameters()).device)
 
     def _copy_posterior_for_push(self, checkpoint_folder: str) -> None:
         """Copy the checkpoint's posterior (and card) into the output directory the Trainer uploads."""
