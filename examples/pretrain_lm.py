@@ -193,6 +193,11 @@ def train_batch(
 
 def val_blocks(tokens: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
     n = min(args.val_batches * args.batch_size, len(tokens) // args.seq_len)
+    if n == 0:  # the losses would be NaN, and written to metrics.json and the card as numbers
+        raise SystemExit(
+            f"pretrain_lm: the validation split holds {len(tokens)} tokens, less than one --seq-len block "
+            f"({args.seq_len}): use a shorter --seq-len or a larger corpus"
+        )
     return tokens[: n * args.seq_len].view(n, args.seq_len).long()
 
 

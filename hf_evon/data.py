@@ -121,11 +121,13 @@ def split_documents(
     """``(train, validation)``: a document goes to validation when a hash of its name falls in
     the first ``val_fraction`` of the hash range, so whole files stay on one side (no leakage
     inside a file) and the split does not depend on the corpus order or size. A corpus too
-    small to get a validation document gives its last one."""
+    small to get a validation document gives its last one (for a ``val_fraction`` above 0)."""
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"split_documents: val_fraction must be in [0, 1]; got {val_fraction!r}")
     bound = int(val_fraction * 10_000)
     train = [d for d in docs if (_stable_hash(d[0]) >> 7) % 10_000 >= bound]
     val = [d for d in docs if (_stable_hash(d[0]) >> 7) % 10_000 < bound]
-    if not val and len(train) > 1:  # tiny corpora: keep at least one validation document
+    if not val and len(train) > 1 and val_fraction > 0:  # tiny corpora: keep one validation document
         val, train = train[-1:], train[:-1]
     return train, val
 
@@ -155,17 +157,22 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096) -> PreTrai
 def load_or_train_tokenizer(
     directory: str, texts: Iterable[str], vocab_size: int = 4096
 ) -> PreTrainedTokenizerFast:
-    """Load the tokenizer saved in ``directory`` if its vocabulary size matches, else train and save it
-    (training on the standard library takes tens of seconds; later runs reuse the file)."""
+    """Load the tokenizer saved in ``directory`` if it was trained for this ``vocab_size``, else train
+    and save it (training on the standard library takes tens of seconds; later runs reuse the file).
+    The size asked for is saved with it: a corpus too small to fill it gives fewer tokens."""
     from transformers import PreTrainedTokenizerFast
 
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         tok = PreTrainedTokenizerFast.from_pretrained(directory)
-        if len(tok) == vocab_size:
+        if tok.init_kwargs.get(_REQUESTED_VOCAB_SIZE, len(tok)) == vocab_size:
             return tok
     tok = train_bpe_tokenizer(texts, vocab_size)
+    tok.init_kwargs[_REQUESTED_VOCAB_SIZE] = vocab_size  # saved in tokenizer_config.json
     tok.save_pretrained(directory)
     return tok
+
+
+_REQUESTED_VOCAB_SIZE = "requested_vocab_size"
 
 
 def _batched(items: list[str], size: int) -> Iterator[list[str]]:

@@ -61,6 +61,11 @@ def test_split_documents_by_name_hash(corpus):
     # a corpus too small for a hash-drawn validation document still gets one
     few = [d for d in train[:3]]
     assert data.split_documents(few, val_fraction=0.05) == (few[:2], few[2:])
+    # no validation asked for: none (the fallback gave one); a fraction outside [0, 1]: refused
+    assert data.split_documents(corpus, val_fraction=0.0) == (corpus, [])
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\]"):
+            data.split_documents(corpus, val_fraction=bad)
 
 
 def test_bpe_tokenizer_round_trips_any_text(tokenizer):
@@ -81,6 +86,15 @@ def test_load_or_train_tokenizer_reuses_the_saved_one(tmp_path, corpus):
     # another size: trained again on the texts given, and saved over the old one
     other = data.load_or_train_tokenizer(str(tmp_path), texts, vocab_size=450)
     assert len(other) == 450 and len(data.load_or_train_tokenizer(str(tmp_path), [], vocab_size=450)) == 450
+
+
+def test_a_tokenizer_its_corpus_could_not_fill_is_reused_too(tmp_path):
+    # 2 short texts fill ~270 of the 1000 tokens asked for: the size check failed and every call retrained
+    small = data.load_or_train_tokenizer(str(tmp_path), ["hello world " * 10, "abc def"], vocab_size=1000)
+    assert len(small) < 1000
+    written = (tmp_path / "tokenizer.json").stat().st_mtime_ns
+    again = data.load_or_train_tokenizer(str(tmp_path), [], vocab_size=1000)  # nothing to train on: loaded
+    assert again.get_vocab() == small.get_vocab() and (tmp_path / "tokenizer.json").stat().st_mtime_ns == written
 
 
 def test_encode_documents_is_each_document_then_eos(tokenizer):

@@ -133,3 +133,17 @@ def test_recipe_option_builds_the_papers_table(recipe: str) -> None:
     group = next(g for g in opt.param_groups if g["algorithm"] == "evon")
     for key, value in RECIPES[recipe].items():
         assert group[key] == (tuple(value) if isinstance(value, tuple) else value), key
+
+
+def test_a_validation_split_shorter_than_one_block_is_refused(cache: str, tmp_path) -> None:
+    # 0.05 MB of corpus, 0.1% of it held out: ~2.6k validation tokens, less than one 4096-token
+    # block; the run reported NaN losses as numbers in metrics.json and the card
+    args = [
+        "--max-steps", "1", "--corpus-mb", "0.05", "--val-fraction", "0.001", "--vocab-size", "300", "--n-layer", "1",
+        "--n-embd", "32", "--n-head", "2", "--seq-len", "4096", "--batch-size", "1", "--no-progress",
+        "--output-dir", str(tmp_path), "--cache-dir", cache,
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, SCRIPT, *args], env=worker_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0
+    assert re.search(r"the validation split holds \d+ tokens, less than one --seq-len block \(4096\)", proc.stderr)
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))
