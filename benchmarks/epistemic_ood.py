@@ -272,7 +272,7 @@ def run(
             return "ivon-opt not installed"
         import payoff
 
-        n_train = sum(len(y) for _, y in task.train)
+        n_train = payoff.training_targets(task)
         opt = payoff.ivon_optimizer(ivon, model, n_train)
         payoff_training.train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
         posterior: Any = payoff.IVONPosterior(opt, float(n_train))

@@ -50,6 +50,7 @@ from torch import nn
 
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.calibration import calibrate_posterior
+from hf_evon.predictive.logprobs import count_label_items
 
 
 # ---------------------------------------------------------------------------------- methods
@@ -149,13 +150,19 @@ class IVONPosterior:
                 g["ess"] = ess
 
 
+def training_targets(task: Task) -> int:
+    """N for ivon-opt's ess = N: the targets the mean training loss averages over in one pass
+    (a causal LM's tokens from position 1, not its sequences: the loss is per token)."""
+    return sum(int(count_label_items(y, task.shift)) for _, y in task.train)
+
+
 def run_ivon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     try:
         import ivon
     except ImportError:
         return {"IVON (ivon-opt) mean": "ivon-opt not installed"}
     model = task.make_model(seed)
-    n_train = sum(int(y.ne(-100).sum()) if not task.shift else len(y) for _, y in task.train)
+    n_train = training_targets(task)
     opt = ivon_optimizer(ivon, model, n_train, lr=0.1 * task.lr_scale)
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
     mean = log_probs(model, task.test, task.shift)

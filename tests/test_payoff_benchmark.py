@@ -377,6 +377,17 @@ def test_a_row_missing_on_one_seed_has_no_mean_but_its_reason() -> None:
     assert summary["t"]["s"]["nll"][0] == 3.0
 
 
+def test_ivons_ess_is_the_number_of_targets_its_loss_averages_over() -> None:
+    # a causal LM's loss is per token: ess counted its sequences (63x fewer at context 64), so
+    # ivon-opt's noise was ~8x its own convention's and it did not train the LM
+    batch = torch.arange(12).view(2, 6)
+    lm = payoff_tasks.Task("lm", None, [(batch, batch)] * 3, [], [], 1, 1e-3, shift=True, classification=False)
+    assert payoff.training_targets(lm) == 3 * 2 * 5  # every token after the first of each row
+    labels = torch.tensor([0, 2, -100, 1])
+    rows = payoff_tasks.Task("rows", None, [(None, labels)] * 2, [], [], 1, 1e-3, shift=False, classification=True)
+    assert payoff.training_targets(rows) == 2 * 3  # labelled rows
+
+
 def test_ivon_rows_run_end_to_end_and_its_bma_uses_the_calibrated_temperature() -> None:
     """IVON's rows on a fast task: its calibrated BMA is drawn at the ζ and temperature the
     calibration chose (its posterior stand-in carries the temperature as EVON's does)."""
