@@ -9,12 +9,15 @@ from collections.abc import Collection
 from typing import Any
 
 
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and population sd; with a non-finite value (a calibrated multiplier of ∞) the median
-    and NaN, which the report prints as such."""
+def mean_sd(values: list[float], scale: bool = False) -> tuple[float, float]:
+    """Mean and population sd. With a non-finite value: for a ``scale`` (a calibrated multiplier,
+    ∞ where the calibration kept the mean) the median and NaN; for a metric, a failed run, the
+    mean is inf or NaN as that value makes it (never a number that hides it), the sd NaN."""
     if all(math.isfinite(v) for v in values):
         return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
-    return statistics.median(values), math.nan
+    if scale:
+        return statistics.median(values), math.nan
+    return (math.nan if any(math.isnan(v) for v in values) else statistics.fmean(values)), math.nan
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -30,7 +33,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
                 out[task][row] = reasons[0]
                 continue
             out[task][row] = {
-                k: mean_sd([v[k] for v in vals]) for k in vals[0] if isinstance(vals[0][k], int | float)
+                k: mean_sd([v[k] for v in vals], scale=k == "calibrated_multiplier")
+                for k in vals[0]
+                if isinstance(vals[0][k], int | float)
             }
             if row == "_evon":
                 out[task][row]["calibrated_multipliers"] = [v["calibrated_multiplier"] for v in vals]

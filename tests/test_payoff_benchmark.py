@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -375,6 +376,20 @@ def test_a_row_missing_on_one_seed_has_no_mean_but_its_reason() -> None:
     summary = payoff_report.summarize(runs)
     assert summary["t"]["r"] == "not run (time limit)"
     assert summary["t"]["s"]["nll"][0] == 3.0
+
+
+def test_a_failed_seed_is_not_averaged_in_as_a_number() -> None:
+    # a non-finite metric took the calibrated multiplier's median branch: [1.25, 1.26, inf] read
+    # 1.26 (and was bolded as a task's best), and NaN's place in the list decided the cell
+    def runs(nlls: list[float], multipliers: list[float]) -> dict:
+        return {"t": [{"r": {"nll": n}, "_evon": {"calibrated_multiplier": m}} for n, m in zip(nlls, multipliers)]}
+
+    inf, nan = float("inf"), float("nan")
+    assert payoff_report.summarize(runs([1.25, 1.26, inf], [1.0, 1.0, 1.0]))["t"]["r"]["nll"][0] == inf
+    for order in ([1.25, nan, 1.26], [nan, 1.25, 1.26]):
+        assert math.isnan(payoff_report.summarize(runs(order, [1.0] * 3))["t"]["r"]["nll"][0])
+    kept = payoff_report.summarize(runs([1.0, 1.0, 1.0], [inf, 0.1, inf]))["t"]["_evon"]["calibrated_multiplier"]
+    assert kept[0] == inf and math.isnan(kept[1])  # the scale's median (∞: the mean kept)
 
 
 def test_ivons_ess_is_the_number_of_targets_its_loss_averages_over() -> None:
