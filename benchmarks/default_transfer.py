@@ -17,7 +17,9 @@ AdamW: weight decay 0.01), payoff.py's loop and schedule (``--schedule``: linear
 "hold": the rate held for half the run, then linear; "constant"); test NLL and accuracy at the
 posterior mean. Methods: AdamW, EVON's defaults, EVON with ``clip="element"``, EVON with
 ``snr_scaling=False`` (``--methods`` picks some). ``--calibration-split`` holds the last 20% of
-each task's training batches out as a calibration split (every method trains on the rest) and
+each task's training batches out as a calibration split (every method trains on the rest) where
+the task has none of its own (the LMs and the noisy license task calibrate on their held-out
+documents and sentences: an LM's training batches are windows of one token stream) and
 adds AdamW with temperature scaling and each EVON method's BMA@32 after ``calibrate_posterior``
 there (payoff.py's rows).
 
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
             task = prose_gpt2(seed, args.lm_steps) if name == "prose_gpt2" else TASKS[name](seed)
             if name == "minilm_license_full":
                 task.adamw_lr = args.finetuning_lr
-            if args.calibration_split:
+            if args.calibration_split and not task.cal:  # a task with held-out data of its own keeps it
                 cut = round(0.8 * len(task.train))
                 task.cal, task.train = task.train[cut:], task.train[:cut]
             for method in args.methods:
