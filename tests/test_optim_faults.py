@@ -424,6 +424,20 @@ def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:
         assert opt.skipped_steps == 0 and bool(w.isfinite().all())
 
 
+def test_a_parameter_listed_twice_or_of_integers_is_refused_by_name() -> None:
+    # torch only warns about a duplicate: each step updated it twice and ess="auto" counted it twice
+    w = nn.Parameter(torch.randn(8, 6))
+    with pytest.raises(ValueError, match=r"parameter 'again' \(shape \(8, 6\)\) is listed twice"):
+        EVON([("w", w), ("again", w)])
+    opt = EVON([w])
+    with pytest.raises(ValueError, match=r"parameter #2 of its group .* is listed twice"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(2, 2)), *[nn.Parameter(torch.randn(3, 3))] * 2]})
+    assert len(opt.param_groups) == 1
+    counts = nn.Parameter(torch.zeros(3, 4, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(ValueError, match=r"cannot train the torch\.int64 parameter #0 of its group"):
+        EVON([counts])
+
+
 # ------------------------------------------------- item 9: complex parameters
 def test_complex_parameters_are_refused_by_name() -> None:
     z = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))
@@ -439,6 +453,7 @@ def test_complex_parameters_are_refused_by_name() -> None:
 # ------------------------------------------------- items 10, 11: arguments
 BAD_ARGUMENTS = [
     ({"weight_decay": float("inf")}, "weight_decay", "finite"),
+    ({"clip_radius": float("inf")}, "clip_radius", "finite"),  # whiten_rms scaled every entry to inf
     ({"weight_decay": 0.0}, "weight_decay", "where ess is finite"),
     ({"weight_decay": 0.0, "ess": 10.0}, "weight_decay", "where ess is finite"),
     ({"identity_basis": "false"}, "identity_basis", "bool"),

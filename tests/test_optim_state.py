@@ -482,7 +482,7 @@ def test_valid_edge_values_are_accepted() -> None:
     EVON(
         weights,
         **plain_evon(
-            ess=1e-3, hess_init=1e-8, clip_radius=float("inf"), hess_clip_ratio=1e9, max_precond_dim=1
+            ess=1e-3, hess_init=1e-8, clip_radius=1e30, hess_clip_ratio=1e9, max_precond_dim=1
         ),
     )
 

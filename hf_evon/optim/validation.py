@@ -172,7 +172,7 @@ def validate_group(group: dict[str, Any]) -> None:
     if has("curvature_refit"):
         need("curvature_refit", is_int(group["curvature_refit"]) and group["curvature_refit"] >= 0, "an integer >= 0")
     if has("clip_radius"):
-        need("clip_radius", is_real(group["clip_radius"]) and group["clip_radius"] > 0.0, "a number > 0")
+        need("clip_radius", finite(group["clip_radius"]) and group["clip_radius"] > 0.0, "a finite number > 0")
     if has("eps"):
         need("eps", finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
     for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
@@ -185,14 +185,20 @@ def validate_group(group: dict[str, Any]) -> None:
             "True, False or 'adam' (a bool or that string)",
         )
     names = group.get("param_names")
+    seen: set[int] = set()
     for i, p in enumerate(group.get("params", ())):
+        label = repr(names[i]) if names else f"#{i} of its group"
+        if id(p) in seen:  # torch only warns: every step would then update it twice
+            raise ValueError(f"EVON: parameter {label} (shape {tuple(p.shape)}) is listed twice in its group")
+        seen.add(id(p))
         if p.is_complex():
-            label = repr(names[i]) if names else f"#{i} of its group"
             raise ValueError(
                 f"EVON cannot train the complex parameter {label} (shape {tuple(p.shape)}, {p.dtype}): "
                 "its posterior and eigenbasis are real. Train it as a real tensor (torch.view_as_real) "
                 "or in a group with algorithm='adamw'"
             )
+        if not p.is_floating_point():
+            raise ValueError(f"EVON cannot train the {p.dtype} parameter {label}: it needs floating-point weights")
 
 
 def validate_state_dict(state_dict: dict[str, Any]) -> None:
