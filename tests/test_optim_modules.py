@@ -107,3 +107,21 @@ def test_the_local_hooks_are_one_process() -> None:
     with opt.sampled_params(train=False):
         pass
     assert opt.sample_blocks == 1
+
+
+def test_name_patterns_are_whole_regexes_and_a_bad_one_is_named() -> None:
+    # a string was read letter by letter: "mlp" meant "m", "l" and "p", and every matrix went to AdamW
+    from hf_evon import build_optimizer
+
+    nn = torch.nn
+    model = nn.Sequential()
+    model.add_module("attn", nn.Linear(4, 4))
+    model.add_module("mlp", nn.Linear(4, 4))
+    model.add_module("out", nn.Linear(4, 2))
+    evon = lambda opt: [n for g in opt.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]  # noqa: E731
+    assert evon(build_optimizer(model, adamw_patterns="mlp")) == evon(build_optimizer(model, adamw_patterns=["mlp"]))
+    assert evon(build_optimizer(model, adamw_patterns="mlp")) == ["attn.weight", "out.weight"]
+    with pytest.raises(ValueError, match=r"evon_patterns: '\[' is not a valid regex"):
+        build_optimizer(model, evon_patterns="[")
+    with pytest.raises(TypeError, match=r"adamw_patterns: each pattern must be a regex string; got 5"):
+        build_optimizer(model, adamw_patterns=[5])

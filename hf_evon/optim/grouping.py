@@ -61,14 +61,28 @@ def _embedding_ids(model: nn.Module) -> set[int]:
     }
 
 
-def _matches(name: str, patterns: Iterable[str] | None) -> bool:
-    return any(re.search(pat, name) for pat in patterns or ())
+def _matches(name: str, patterns: list[re.Pattern[str]]) -> bool:
+    return any(pat.search(name) for pat in patterns)
+
+
+def _compiled(patterns: Iterable[str] | str | None, argument: str) -> list[re.Pattern[str]]:
+    """The regexes of ``argument``; one string is one regex (not its letters)."""
+    items = [patterns] if isinstance(patterns, str) else list(patterns or ())
+    out = []
+    for pat in items:
+        if not isinstance(pat, str):
+            raise TypeError(f"{argument}: each pattern must be a regex string; got {pat!r}")
+        try:
+            out.append(re.compile(pat))
+        except re.error as err:
+            raise ValueError(f"{argument}: {pat!r} is not a valid regex ({err})") from None
+    return out
 
 
 def build_param_groups(
     model: nn.Module,
-    evon_patterns: Iterable[str] | None = None,
-    adamw_patterns: Iterable[str] | None = None,
+    evon_patterns: Iterable[str] | str | None = None,
+    adamw_patterns: Iterable[str] | str | None = None,
     adamw_lr: float | None = None,
     adamw_weight_decay: float = 0.0,
 ) -> list[dict[str, Any]]:
@@ -80,6 +94,8 @@ def build_param_groups(
     override the split: ``adamw_patterns`` first, then ``evon_patterns``. Each group carries
     ``param_names`` so the split can be inspected (``describe_param_groups``).
     """
+    adamw_patterns = _compiled(adamw_patterns, "adamw_patterns")
+    evon_patterns = _compiled(evon_patterns, "evon_patterns")
     head, embeddings = _output_head_ids(model), _embedding_ids(model)
     evon, decay, no_decay = [], [], []
     for name, p in model.named_parameters():  # deduplicates tied weights
@@ -113,8 +129,8 @@ def build_param_groups(
 def build_optimizer(
     model: nn.Module,
     *,
-    evon_patterns: Iterable[str] | None = None,
-    adamw_patterns: Iterable[str] | None = None,
+    evon_patterns: Iterable[str] | str | None = None,
+    adamw_patterns: Iterable[str] | str | None = None,
     adamw_lr: float | None = None,
     adamw_weight_decay: float = 0.0,
     recipe: str | None = None,
