@@ -105,6 +105,7 @@ from hf_evon.optim import EVON, build_optimizer
 from hf_evon.optim.defaults import lr_from_adamw_lr
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
+from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.calibration_data import check_calibration_batches, cut_by_length, length_sorted
 from hf_evon.trainer.checkpointing import CheckpointingMixin
@@ -161,9 +162,8 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         peft_config: a ``peft.PeftConfig``; the model is wrapped with ``peft.get_peft_model``
             (as TRL's trainers do; a subclass whose ``__init__`` takes ``peft_config`` wraps it
             itself) and EVON learns a posterior over the adapter.
-        posterior: an :class:`~hf_evon.EVONPosterior` for evaluation and saving before (or
-            without) training, e.g. loaded with ``EVONPosterior.from_pretrained``. Once the
-            trainer has an EVON optimizer, the optimizer's current posterior is used.
+        posterior: an :class:`~hf_evon.EVONPosterior` of ``model`` (``EVONPosterior.from_pretrained``) for
+            evaluation and saving before or without training; then the optimizer's is used.
 
     See :mod:`hf_evon.trainer.mixin` for the training step, loss scaling, clipping, logged
     statistics and saved files, :mod:`hf_evon.trainer.evaluation` for the metric keys.
@@ -195,6 +195,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         elif peft_config is not None:
             model = self._wrap_peft(model, args, peft_config)
         super().__init__(model, args, *trainer_args, **kwargs)
+        if posterior is not None and not isinstance(posterior, EVONPosterior):
+            raise TypeError(f"posterior= takes an EVONPosterior (EVONPosterior.from_pretrained); got {type(posterior)}")
+        if posterior is not None and self.model is not None:  # another model's: refused here, not when saving
+            posterior.check_model(self.model)
         self.posterior = posterior
         self.calibration_dataset = calibration_dataset
         self.calibration: Any = None  # the last CalibrationResult: this train()'s, at step _calibrated_step
@@ -295,8 +299,6 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             g["algorithm"] == "evon" and g["params"] for g in opt.param_groups
         ):
             return self.posterior
-        from hf_evon.posterior.posterior import EVONPosterior
-
         return EVONPosterior.from_optimizer(opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio)
 
     def _check_calibration_data(self) -> None:
