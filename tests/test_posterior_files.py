@@ -565,3 +565,14 @@ def test_two_writer_processes_and_a_reader_always_see_a_whole_posterior(tmp_path
     _which(tmp_path, *expected.values())
     left = sorted(p.name for p in tmp_path.iterdir() if "evon_posterior" in p.name)
     assert left == sorted([POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
+
+
+def test_a_card_keyword_the_card_does_not_take_is_refused_before_anything_is_written(tmp_path):
+    # the posterior's files were replaced first, then the card raised: a half-done save
+    factors = MatrixFactors(_orthonormal(4, 0), None, torch.ones(4, 3), (4, 3), (4, 3), 100.0, 1e-3)
+    first = EVONPosterior.from_factors({"w": factors})
+    first.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(TypeError, match=r"model_card_kwargs: unknown keyword\(s\) \['bogus'\]"):
+        first.with_temperature(3.0).save_pretrained(tmp_path, model_card_kwargs={"bogus": 1})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

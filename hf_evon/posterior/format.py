@@ -336,7 +336,8 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
         try:
             # safetensors writes a temporary of its own next to the file: inside this folder,
             # a kill leaves it where the next save finds and removes it (or a retry, here)
-            shutil.rmtree(staging, ignore_errors=True)
+            if os.path.isdir(staging):
+                shutil.rmtree(staging)
             os.mkdir(staging)
             inner = os.path.join(staging, POSTERIOR_WEIGHTS_NAME)
             write_weights(inner)

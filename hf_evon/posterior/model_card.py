@@ -13,7 +13,7 @@ loads it correctly), and the EVON section, delimited by ``<!-- hf-evon:start -->
 ``<!-- hf-evon:end -->``, replaces the previous one or is appended. The rest of the text is
 kept as it was.
 
-A card pushed by ``EVONTrainer`` (:func:`save_trainer_model_card`) also names the repo id in
+A card pushed by ``EVONTrainer`` (:func:`hf_evon.trainer.card.save_trainer_model_card`) also names the repo id in
 its snippet, counts the Trainer's optimizer steps, and corrects the ``- optimizer:`` line of
 the Trainer's own card (which reports ``TrainingArguments.optim``, not EVON). Every snippet
 is meant to run as written: it names the saved directory (or the repo id) and, for a PEFT
@@ -26,6 +26,7 @@ counts), so this module needs nothing of ``EVONPosterior`` but those attributes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -48,9 +49,10 @@ __all__ = [
     "LIBRARY_NAME",
     "SECTION_END",
     "SECTION_START",
+    "card_arguments",
+    "format_value",
     "render_model_card",
     "save_model_card",
-    "save_trainer_model_card",
     "template_path",
     "update_model_card",
 ]
@@ -104,13 +106,14 @@ def template_path() -> str:
     return str(resources.files("hf_evon.posterior") / "templates" / "evon_posterior.md")
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A config value as a card shows it (``inf``, 6 significant digits, tuples in brackets)."""
     if isinstance(value, bool) or value is None:
         return str(value)
     if isinstance(value, float):
         return "inf" if math.isinf(value) else f"{value:.6g}"
     if isinstance(value, tuple | list):
-        return "(" + ", ".join(_fmt(v) for v in value) + ")"
+        return "(" + ", ".join(format_value(v) for v in value) + ")"
     return str(value)
 
 
@@ -190,7 +193,7 @@ def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]
         values = [mean.get(name), bma.get(name)]
         if not any(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             continue
-        rows.append((_md(name), *("–" if v is None else _md(_fmt(v)) for v in values)))
+        rows.append((_md(name), *("–" if v is None else _md(format_value(v)) for v in values)))
     return rows
 
 
@@ -323,7 +326,7 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
             "calibrated BMA is never worse than the mean by more than a standard error or 1%."
         )
     tempered = (
-        f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(_fmt(config['temperature']))}"
+        f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(format_value(config['temperature']))}"
         " (chosen with the scale; `posterior.temperature`)."
         if _is_number(config.get("temperature")) and float(config["temperature"]) != 1.0
         else ""
@@ -331,34 +334,34 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     kept = _is_number(cal.get("trained_nll")) and ess == trained
-    errors = f"{_md(_fmt(cal['standard_errors']))} standard error(s) or " if cal.get("standard_errors") else ""
-    margin = f" by more than {errors}{_md(_fmt(100 * float(cal.get('min_gain', 0.0))))}%"
+    errors = f"{_md(format_value(cal['standard_errors']))} standard error(s) or " if cal.get("standard_errors") else ""
+    margin = f" by more than {errors}{_md(format_value(100 * float(cal.get('min_gain', 0.0))))}%"
     trained_text = (
         f" The mean did not predict better than the posterior as trained (held-out NLL "
-        f"{_md(_fmt(cal.get('trained_nll')))}){margin}, so the posterior as trained is kept: its samples "
+        f"{_md(format_value(cal.get('trained_nll')))}){margin}, so the posterior as trained is kept: its samples "
         "disagree where inputs are unlike the training data."
         if kept
         else ""
     )
     if cal.get("scanned") is False:
         return (
-            f"Calibrated on {_md(_fmt(cal.get('num_targets')))} held-out targets: the posterior mean is not "
+            f"Calibrated on {_md(format_value(cal.get('num_targets')))} held-out targets: the posterior mean is not "
             "overconfident there (no softmax temperature above 1 lowers its held-out NLL), and averaging "
             f"weight samples only softens them, so no {'other ' if kept else ''}sampling scale was scored"
             + (
-                f" (`ess` = {_md(_fmt(ess))}; held-out NLL {_md(_fmt(cal.get('mean_nll')))} at the mean)."
+                f" (`ess` = {_md(format_value(ess))}; held-out NLL {_md(format_value(cal.get('mean_nll')))} at the mean)."
                 + trained_text
                 if kept
-                else f": BMA is the mean (`ess` = ∞; held-out NLL {_md(_fmt(cal.get('mean_nll')))})."
+                else f": BMA is the mean (`ess` = ∞; held-out NLL {_md(format_value(cal.get('mean_nll')))})."
             )
             + _temperature_text(cal.get("mean_temperature"))
             + tempered
             + ("" if kept else TRAINED_SCALE_NOTE)
         )
-    mult = "∞" if ess == float("inf") else _fmt(ess / trained)
+    mult = "∞" if ess == float("inf") else format_value(ess / trained)
     # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
-    show = lambda v: _md(_fmt(v))  # noqa: E731
+    show = lambda v: _md(format_value(v))  # noqa: E731
     return (
         f"Calibrated on {show(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
         f"({show(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean"
@@ -433,10 +436,10 @@ def render_model_card(
     )
     config = posterior.config
     hyperparameters = [
-        (label, _md(_fmt(config[key]))) for key, label in _HYPERPARAMETER_ROWS if key in config
+        (label, _md(format_value(config[key]))) for key, label in _HYPERPARAMETER_ROWS if key in config
     ]
     if training_steps is not None:
-        hyperparameters.append(("optimizer steps taken (Trainer `global_step`)", _fmt(training_steps)))
+        hyperparameters.append(("optimizer steps taken (Trainer `global_step`)", format_value(training_steps)))
     if posterior.num_point_estimates is None:
         points = "the number of point-estimate parameters was not recorded."
     else:
@@ -501,6 +504,16 @@ _CARD_TMP = re.compile(temporary_name_pattern("README.md"))
 _CARD_TMP_STALE_SECONDS = 600  # a card is written in well under a second
 
 
+def card_arguments(given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``model_card_kwargs`` for :func:`save_model_card`, refused before anything is
+    written where it holds a keyword the card does not take (it failed after the files were)."""
+    known = {*inspect.signature(render_model_card).parameters, "optimizer"} - {"posterior"}
+    unknown = sorted(set(given or {}) - known)
+    if unknown:
+        raise TypeError(f"model_card_kwargs: unknown keyword(s) {unknown}; the card takes {sorted(known)}")
+    return dict(given or {})
+
+
 def save_model_card(
     directory: str | os.PathLike,
     posterior: CardSource,
@@ -551,50 +564,3 @@ def save_model_card(
                 os.remove(stale)
     atomic_write(path, str(card))
     return card
-
-
-def _latest_posterior_metrics(trainer: Any) -> dict[str, float] | None:
-    """The last logged evaluation that has BMA metrics (``eval_*_bma_*`` / ``eval_bma_*``)."""
-    state = getattr(trainer, "state", None)
-    for entry in reversed(state.log_history if state is not None else []):
-        if any(k.startswith("eval_") and "bma_" in k for k in entry):
-            return {k: v for k, v in entry.items() if isinstance(v, int | float)}
-    return None
-
-
-def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
-    """What trained the model, from the trainer's optimizer (the posterior config otherwise)."""
-    groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None) or []
-    evon = [g for g in groups if g.get("algorithm", "evon") == "evon"]
-    adamw = [g for g in groups if g.get("algorithm") == "adamw"]
-    source = evon[0] if evon else posterior.config
-    keys = ("lr", "ess", "betas", "weight_decay")
-    text = "EVON (hf-evon; " + ", ".join(f"{k} {_fmt(source[k])}" for k in keys if k in source) + ")"
-    text += " for the weight matrices of the EVON posterior below"
-    if adamw:
-        a = adamw[0]
-        text += "; AdamW (" + ", ".join(
-            f"{k} {_fmt(a[k])}" for k in ("lr", "betas", "weight_decay") if k in a
-        )
-        text += ") for the other trainable tensors"
-    return text
-
-
-def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: CardSource) -> ModelCard:
-    """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
-    it pushes to (``hub_model_id``) in the snippet, its ``global_step``, its model (for a PEFT
-    classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""
-    args = trainer.args
-    state = getattr(trainer, "state", None)
-    kwargs: dict[str, Any] = {
-        "base_model": posterior.config.get("base_model"),
-        "metrics": _latest_posterior_metrics(trainer),
-        "model": trainer.model,
-        "training_steps": getattr(state, "global_step", None) or None,
-        "num_bma_samples": getattr(args, "bma_num_samples", None),
-        "optimizer": _optimizer_text(trainer, posterior),
-    }
-    hub_id = getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)
-    if getattr(args, "push_to_hub", False) and hub_id:
-        kwargs["repo_id"] = hub_id
-    return save_model_card(directory, posterior, **kwargs)

@@ -54,7 +54,7 @@ from hf_evon.posterior.gaussian import (
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.json_rules import is_temperature
-from hf_evon.posterior.model_card import save_model_card
+from hf_evon.posterior.model_card import card_arguments, save_model_card
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -481,7 +481,7 @@ class EVONPosterior:
                 (``base_model``, ``metrics``, ...).
         """
         write_card = kwargs.pop("model_card", True)
-        card_kwargs = dict(kwargs.pop("model_card_kwargs", None) or {})
+        card_kwargs = card_arguments(kwargs.pop("model_card_kwargs", None))
         push_kwargs = {}
         if push_to_hub:
             push_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in PUSH_KWARGS}
@@ -568,7 +568,7 @@ class EVONPosterior:
         the repo root. ``revision`` commits to that branch (created if missing).
         Returns the ``huggingface_hub.CommitInfo``.
         """
-        card_kwargs = dict(model_card_kwargs or {})
+        card_kwargs = card_arguments(model_card_kwargs)
 
         def write(files_dir: str, card_dir: str, resolved_repo_id: str, subfolder: str | None) -> None:
             self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)

@@ -28,6 +28,7 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import replaced_atomically
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
+from hf_evon.trainer.card import save_trainer_model_card
 
 __all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin"]
 
@@ -59,8 +60,6 @@ class CheckpointingMixin:
         self._write_model_card(output_dir, posterior)
 
     def _write_model_card(self, directory: str, posterior: Any) -> None:
-        from hf_evon.posterior.model_card import save_trainer_model_card
-
         save_trainer_model_card(self, directory, posterior)
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:

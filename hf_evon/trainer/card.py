@@ -1,0 +1,60 @@
+"""The model card ``EVONTrainer`` writes beside its model: :func:`hf_evon.posterior.model_card.save_model_card`
+with what the trainer knows (its latest BMA evaluation, the repo it pushes to, its steps, its optimizer)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from huggingface_hub import ModelCard
+
+from hf_evon.posterior.model_card import CardSource, format_value, save_model_card
+
+__all__ = ["save_trainer_model_card"]
+
+
+def _latest_posterior_metrics(trainer: Any) -> dict[str, float] | None:
+    """The last logged evaluation that has BMA metrics (``eval_*_bma_*`` / ``eval_bma_*``)."""
+    state = getattr(trainer, "state", None)
+    for entry in reversed(state.log_history if state is not None else []):
+        if any(k.startswith("eval_") and "bma_" in k for k in entry):
+            return {k: v for k, v in entry.items() if isinstance(v, int | float)}
+    return None
+
+
+def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
+    """What trained the model, from the trainer's optimizer (the posterior config otherwise)."""
+    groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None) or []
+    evon = [g for g in groups if g.get("algorithm", "evon") == "evon"]
+    adamw = [g for g in groups if g.get("algorithm") == "adamw"]
+    source = evon[0] if evon else posterior.config
+    keys = ("lr", "ess", "betas", "weight_decay")
+    text = "EVON (hf-evon; " + ", ".join(f"{k} {format_value(source[k])}" for k in keys if k in source) + ")"
+    text += " for the weight matrices of the EVON posterior below"
+    if adamw:
+        a = adamw[0]
+        text += "; AdamW (" + ", ".join(
+            f"{k} {format_value(a[k])}" for k in ("lr", "betas", "weight_decay") if k in a
+        )
+        text += ") for the other trainable tensors"
+    return text
+
+
+def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: CardSource) -> ModelCard:
+    """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
+    it pushes to (``hub_model_id``) in the snippet, its ``global_step``, its model (for a PEFT
+    classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""
+    args = trainer.args
+    state = getattr(trainer, "state", None)
+    kwargs: dict[str, Any] = {
+        "base_model": posterior.config.get("base_model"),
+        "metrics": _latest_posterior_metrics(trainer),
+        "model": trainer.model,
+        "training_steps": getattr(state, "global_step", None) or None,
+        "num_bma_samples": getattr(args, "bma_num_samples", None),
+        "optimizer": _optimizer_text(trainer, posterior),
+    }
+    hub_id = getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)
+    if getattr(args, "push_to_hub", False) and hub_id:
+        kwargs["repo_id"] = hub_id
+    return save_model_card(directory, posterior, **kwargs)
