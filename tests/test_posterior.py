@@ -20,6 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import plain_evon
@@ -463,6 +464,21 @@ def test_sampled_restores_on_exception_and_in_half_precision(mlp):
                 assert not torch.equal(m[0].weight.detach(), before["0.weight"])
                 raise RuntimeError("boom")
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_seed_that_is_not_an_integer_is_refused(mlp):
+    # int() made seed=1.2 and seed=1.7 the same sample as seed=1, silently
+    model, _, post = mlp
+    before = model[2].weight.detach().clone()
+    for bad in (1.2, "3", True, torch.tensor(3)):
+        with pytest.raises(TypeError, match=r"seed must be an integer \(or None\)"):
+            with post.sampled(model, seed=bad):
+                pass
+        with pytest.raises(TypeError, match=r"seed must be an integer"):
+            post.draw(1, seed=bad)
+    assert torch.equal(model[2].weight, before)
+    with post.sampled(model, seed=np.int64(4)):  # an integer of another kind is one
+        assert not torch.equal(model[2].weight, before)
 
 
 def test_sampled_same_seed_same_sample_and_checks_the_model_first(mlp):

@@ -12,6 +12,7 @@ sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,9 +28,12 @@ Tensor = torch.Tensor
 
 
 def resolve_seed(seed: int | None) -> int:
-    """``None`` takes a seed from torch's global RNG, so ``torch.manual_seed`` reproduces it."""
+    """``seed`` as an int; ``None`` takes one from torch's global RNG, so ``torch.manual_seed``
+    reproduces it. Anything but an integer is refused: ``int(1.7)`` would be seed 1, silently."""
     if seed is None:
         return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer (or None); got {seed!r}")
     return int(seed)
 
 

@@ -46,6 +46,7 @@ from torch import nn
 
 from hf_evon.modeling import decoder_inputs_from_labels, is_causal_lm, is_encoder_decoder
 from hf_evon.optim.checks import is_real as _is_real
+from hf_evon.posterior.gaussian import resolve_seed
 from hf_evon.predictive.logprobs import (
     labelled_rows,
     log_mean_prob,
@@ -387,10 +388,9 @@ def calibrate_posterior(
     ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01), ``SCREEN_FACTOR`` (2.5; 0: no screen).
 
     Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config
-    ``calibration`` and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at
-    its mean.
+    ``calibration`` and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
     """
-    grid = DEFAULT_GRID if grid is None else grid
+    grid, seed = DEFAULT_GRID if grid is None else grid, resolve_seed(seed)
     standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
     min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
     screen_factor = SCREEN_FACTOR if screen_factor is None else screen_factor

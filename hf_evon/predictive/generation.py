@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model
+from hf_evon.posterior.gaussian import resolve_seed
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
 from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
 
@@ -206,7 +207,7 @@ def generate_bma(
     if hasattr(posterior, "check_model"):
         posterior.check_model(model)
     # do_sample may also come from the model's generation_config; distinct from the weight draw
-    token_seed = None if seed is None else (int(seed) * 2654435761 + 1) % 2**63
+    token_seed = None if seed is None else (resolve_seed(seed) * 2654435761 + 1) % 2**63
     config = _checked_call_config(gen_model, generation_kwargs)
     beams = int(config.num_beams or 1)
     # the most tokens the call can add, for the cost model of the batched samples
