@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -464,6 +465,20 @@ def test_sampled_restores_on_exception_and_in_half_precision(mlp):
                 assert not torch.equal(m[0].weight.detach(), before["0.weight"])
                 raise RuntimeError("boom")
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_posterior_is_not_taken_inside_a_sampled_block(mlp):
+    # its fingerprint recorded the sample as the mean: every later check at the mean warned
+    model, opt, _ = mlp
+    before = model[2].weight.detach().clone()
+    with opt.sampled_params(train=False):
+        assert opt.in_sample
+        with pytest.raises(RuntimeError, match=r"take the posterior outside sampled_params\(\)"):
+            EVONPosterior.from_optimizer(opt, model)
+    assert not opt.in_sample and torch.equal(model[2].weight, before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # outside: the mean's fingerprint, no PosteriorMeanWarning
+        EVONPosterior.from_optimizer(opt, model).check_model(model)
 
 
 def test_a_seed_that_is_not_an_integer_is_refused(mlp):

@@ -265,9 +265,13 @@ class EVON(Optimizer):
 
     @property
     def sample_blocks(self) -> int:
-        """``sampled_params`` blocks entered so far (saved in the state dict): the label of the
-        current block's noise streams."""
+        """``sampled_params`` blocks entered so far (in the state dict): the current block's noise label."""
         return self._sample_blocks
+
+    @property
+    def in_sample(self) -> bool:
+        """Whether a ``sampled_params()`` block is running: the weights hold a sample, not the mean."""
+        return self._in_sample
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The noise generator of the current ``sampled_params`` block on ``device``."""
@@ -287,9 +291,8 @@ class EVON(Optimizer):
         self._buckets = None
 
     def install_sharding(self, hooks: ShardingHooks) -> None:
-        """Let ``hooks`` distribute this optimizer (``hf_evon.prepare_distributed`` calls this):
-        state of parameters this rank does not own is dropped, and the buckets are rebuilt
-        with this rank's members at their next use."""
+        """Let ``hooks`` distribute this optimizer (``hf_evon.prepare_distributed`` calls this): state of
+        parameters this rank does not own is dropped; the buckets are rebuilt with this rank's members."""
         self.sharding = hooks
         for p in [p for p in self.state if not hooks.owns(p)]:
             del self.state[p]
@@ -316,8 +319,7 @@ class EVON(Optimizer):
                 group["ess"] = auto_ess(group, total)
 
     def _member_state(self, p: Tensor) -> dict[str, Any]:
-        """``self.state`` of a bucket member (under FSDP2 the member is the owner's full copy
-        of a DTensor parameter, whose state is kept under the DTensor)."""
+        """``self.state`` of a bucket member (FSDP2: the owner's full copy of a DTensor, state under the DTensor)."""
         return self.state[self._hooks.model_param(p)]
 
     # ----------------------------------------------------------- sampling
@@ -488,10 +490,8 @@ class EVON(Optimizer):
         b.settle_momentum(self._member_state)
         plans = plan_update(b, num_samples)
         for plan in (plan for plan in plans if not plan.initializing):
-            self._hessian_candidate(plan, num_samples)
+            hessian_candidate(plan, num_samples)
         return plans
-
-    _hessian_candidate = staticmethod(hessian_candidate)
 
     def _all_finite(self, plans: list[Plan], adamw: AdamWInputs) -> bool:
         """Whether the step may go ahead (every value finite on every rank); else warns (or

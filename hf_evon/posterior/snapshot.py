@@ -48,6 +48,8 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     (unwrapped from DDP). With sharded EVON this gathers the factors: a collective, so every
     rank calls it."""
     optimizer = unwrap_optimizer(optimizer)
+    if optimizer.in_sample:  # its fingerprint would record the sample as the mean
+        raise RuntimeError("take the posterior outside sampled_params(): the weights hold a sample there, not the mean")
     model = unwrap_model(model)
     sharding = getattr(optimizer, "sharding", None)
     if sharding is not None:
