@@ -947,3 +947,24 @@ def test_beams_from_the_models_generation_config():
     assert type(searched).__name__ == "GenerateBeamEncoderDecoderOutput" and torch.equal(searched.sequences, from_config)
     greedy = generate_bma(model, posterior, PROMPTS, num_beams=1, return_dict_in_generate=True, **kwargs)
     assert type(greedy).__name__ == "GenerateEncoderDecoderOutput"
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m, p: generate_bma(m, p, torch.tensor([5, 6, 7]), num_samples=2), r"input_ids must be a \(batch, length\) tensor of token ids; got \(3,\)"),
+        (lambda m, p: generate_bma(m, p, torch.ones(1, 3), num_samples=2), r"input_ids must be a \(batch, length\) tensor"),
+        (lambda m, p: generate_bma(m, p, [[5, 6]], num_samples=2), r"got list"),
+        (lambda m, p: generate_bma(m, p, torch.zeros(1, 0, dtype=torch.long), num_samples=2), r"input_ids is empty"),
+        (lambda m, p: generate_bma(m, p, torch.tensor([[5, VOCAB]]), num_samples=2), r"outside the model's vocabulary"),
+        (lambda m, p: generate_bma(m, p, torch.tensor([[5, 6]]), attention_mask=torch.ones(1, 3), num_samples=2), r"attention_mask must have input_ids' shape \(1, 2\); got \(1, 3\)"),
+        (lambda m, p: generate_bma(m, None, torch.tensor([[5, 6]]), num_samples=2), r"posterior must be an EVONPosterior; got NoneType"),
+        (lambda m, p: bma_log_likelihood(m, p, torch.tensor([[5, 6, 7], [8, 9, 10]]), labels=torch.tensor([[5, 6, 7]])), r"labels must have input_ids' shape \(2, 3\); got \(1, 3\)"),
+    ],
+)  # fmt: skip
+def test_bad_token_inputs_are_refused_by_name(gpt2, call, match) -> None:
+    # they failed deep inside torch (IndexError, a reshape error) or, for labels and a T5's mask of
+    # another length, silently scored or decoded something else
+    model, posterior = gpt2
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(model, posterior)

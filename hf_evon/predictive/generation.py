@@ -154,6 +154,27 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
             model.forward = previous
 
 
+def _check_inputs(where: str, model: nn.Module, posterior: Any, input_ids: Any, attention_mask: Any) -> None:
+    """The checks every token-input function runs first, each naming its argument: ``posterior`` an
+    EVON posterior of ``model``, ``input_ids`` a non-empty ``(B, T)`` integer tensor of ids in the
+    model's vocabulary, ``attention_mask`` None or of its shape."""
+    if not hasattr(posterior, "check_model"):
+        raise TypeError(f"{where}: posterior must be an EVONPosterior; got {type(posterior).__name__}")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        what = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"{where}: input_ids must be a (batch, length) tensor of token ids; got {what}")
+    if 0 in input_ids.shape:
+        raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)})")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    low, high = input_ids.aminmax()
+    if int(low) < 0 or (isinstance(vocab, int) and int(high) >= vocab):
+        raise ValueError(f"{where}: input_ids holds ids from {int(low)} to {int(high)}, outside the model's vocabulary 0..{vocab}")
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape):
+        what = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(input_ids.shape)}; got {what}")
+    posterior.check_model(model)
+
+
 @torch.no_grad()
 def generate_bma(
     model: nn.Module,
@@ -203,9 +224,8 @@ def generate_bma(
         raise ValueError(
             "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
         )
+    _check_inputs("generate_bma", model, posterior, input_ids, attention_mask)
     gen_model = _generation_model(model)
-    if hasattr(posterior, "check_model"):
-        posterior.check_model(model)
     # do_sample may also come from the model's generation_config; distinct from the weight draw
     token_seed = None if seed is None else (resolve_seed(seed) * 2654435761 + 1) % 2**63
     config = _checked_call_config(gen_model, generation_kwargs)
@@ -358,15 +378,21 @@ def bma_log_likelihood(
     ``input_ids`` (the encoder's input), each sample with its own encoder; its decoder is fed the
     labels shifted right, as in training, and entry ``t`` scores ``labels[:, t]`` (length ``L``).
     """
+    _check_inputs("bma_log_likelihood", model, posterior, input_ids, attention_mask)
     gen_model = _generation_model(model)
-    if hasattr(posterior, "check_model"):
-        posterior.check_model(model)
     encoder_decoder = is_encoder_decoder(gen_model)
     if encoder_decoder and labels is None:
         raise ValueError(
             "bma_log_likelihood: an encoder-decoder model scores labels= (the decoder's target ids) "
             "given input_ids (its encoder's input); labels is None"
         )
+    want = "(batch, length)" if encoder_decoder else f"input_ids' shape {tuple(input_ids.shape)}"
+    if labels is not None and (
+        not isinstance(labels, Tensor)
+        or (labels.shape != input_ids.shape if not encoder_decoder else labels.dim() != 2 or len(labels) != len(input_ids))
+    ):
+        what = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"bma_log_likelihood: labels must have {want}; got {what}")
     if labels is None:
         labels = (
             input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
