@@ -105,14 +105,31 @@ def test_accumulator_equals_the_stacked_decomposition() -> None:
 def test_bad_input_is_named() -> None:
     with pytest.raises(TypeError, match="sample_log_probs must be a floating-point tensor"):
         predictive_uncertainty(torch.zeros(2, 3, dtype=torch.long))
+    uniform = lambda *shape: torch.full(shape, -math.log(shape[-1]))  # noqa: E731
     with pytest.raises(ValueError, match="must not be the last dimension"):
-        predictive_uncertainty(torch.zeros(2, 3), dim=-1)
+        predictive_uncertainty(uniform(2, 3), dim=-1)
     with pytest.raises(ValueError, match="a samples and a classes dimension"):
-        predictive_uncertainty(torch.zeros(3))
+        predictive_uncertainty(uniform(3))
     acc = UncertaintyAccumulator()
     with pytest.raises(ValueError, match="no samples added"):
         acc.uncertainty()
-    acc.add(torch.zeros(2, 3))
+    acc.add(uniform(2, 3))
     with pytest.raises(ValueError, match=r"log_probs has shape \(2, 4\), the earlier samples \(2, 3\)"):
-        acc.add(torch.zeros(2, 4))
+        acc.add(uniform(2, 4))
     assert acc.count == 1  # the refused sample left the accumulator as it was
+
+
+def test_what_is_not_log_probabilities_or_an_axis_is_refused() -> None:
+    # logits gave a total "entropy" of -5e5, probabilities -2, a NaN row was dropped, dim=3 of a
+    # 3-D tensor wrapped to 0
+    logits = 3 * torch.randn(4, 5, 3, generator=torch.Generator().manual_seed(2))
+    for bad in (logits, logits.softmax(-1)):
+        with pytest.raises(ValueError, match=r"must hold log-probabilities, each row's logsumexp 0"):
+            predictive_uncertainty(bad)
+    with_nan = logits.log_softmax(-1)
+    with_nan[1, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"off by up to nan"):
+        predictive_uncertainty(with_nan)
+    for dim in (3, -4, "0"):
+        with pytest.raises(ValueError, match=r"dim must be an axis of sample_log_probs \(shape \(4, 5, 3\)\)"):
+            predictive_uncertainty(logits.log_softmax(-1), dim=dim)

@@ -50,6 +50,13 @@ def _check(log_probs: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor of log-probabilities; got {got}")
     if log_probs.ndim < 1 or log_probs.shape[-1] < 1:
         raise ValueError(f"{name} needs a last dimension of classes; got shape {tuple(log_probs.shape)}")
+    # logits or probabilities in place of log-probabilities gave negative "entropies"; NaN was dropped
+    off = (log_probs.logsumexp(-1).abs().max() if log_probs.numel() else torch.zeros(())).item()
+    if not off <= (1e-3 if torch.finfo(log_probs.dtype).bits >= 32 else 5e-2):  # NaN fails too
+        raise ValueError(
+            f"{name} must hold log-probabilities, each row's logsumexp 0 (log_softmax of the logits); "
+            f"its rows are off by up to {off:.3g}"
+        )
 
 
 def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> PredictiveUncertainty:
@@ -59,6 +66,8 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
     if sample_log_probs.ndim < 2:
         shape = tuple(sample_log_probs.shape)
         raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -sample_log_probs.ndim <= dim < sample_log_probs.ndim:
+        raise ValueError(f"dim must be an axis of sample_log_probs (shape {tuple(sample_log_probs.shape)}); got {dim!r}")
     dim %= sample_log_probs.ndim  # entropy() drops the classes axis: a negative dim would move
     if dim == sample_log_probs.ndim - 1:
         raise ValueError("dim must not be the last dimension: the classes are there")
