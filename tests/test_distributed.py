@@ -317,6 +317,24 @@ def test_single_process_prepare_is_a_noop_and_unwraps() -> None:
         prepare_distributed(model, torch.optim.AdamW(model.parameters()))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shard": "no"}, r"shard must be True, False or None; got 'no'"),  # truthy: sharded for good
+        ({"check_consistency": "no"}, r"check_consistency must be True or False"),
+        ({"bucket_cap_mb": -1}, r"bucket_cap_mb must be a finite number > 0; got -1"),
+    ],
+)
+def test_prepare_distributed_refuses_bad_arguments_and_another_models_optimizer(kwargs, match) -> None:
+    model = worker.tiny_gpt2()
+    opt = build_optimizer(model, **plain_evon(ess=100.0))
+    with pytest.raises((TypeError, ValueError), match=match):
+        prepare_distributed(model, opt, **kwargs)
+    assert opt.sharding is None  # nothing installed
+    with pytest.raises(ValueError, match=r"trains \d+ tensor\(s\) that are not parameters of the given Linear"):
+        prepare_distributed(torch.nn.Linear(3, 3), opt)
+
+
 def test_deepspeed_engine_is_refused() -> None:
     class DeepSpeedEngine(torch.nn.Module):  # stands in for deepspeed's engine (matched by name)
         def __init__(self, module: torch.nn.Module) -> None:

@@ -59,6 +59,7 @@ FSDP2 (tensor parallelism), and FSDP2 with ``shard=False``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -351,7 +352,22 @@ def prepare_distributed(
 
     Safe to call in a single process (it then only checks the model) and more than once.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare_distributed: model must be an nn.Module (the prepared model); got {type(model).__name__}")
+    if shard is not None and not isinstance(shard, bool):  # 'no' would be truthy, and sharding is for good
+        raise TypeError(f"prepare_distributed: shard must be True, False or None; got {shard!r}")
+    if not isinstance(check_consistency, bool):
+        raise TypeError(f"prepare_distributed: check_consistency must be True or False; got {check_consistency!r}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or not 0 < bucket_cap_mb < math.inf:
+        raise ValueError(f"prepare_distributed: bucket_cap_mb must be a finite number > 0; got {bucket_cap_mb!r}")
     evon = unwrap_optimizer(optimizer)
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for g in evon.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"prepare_distributed: the optimizer trains {len(foreign)} tensor(s) that are not parameters of the "
+            f"given {type(model).__name__} (the first of shape {tuple(foreign[0].shape)}): pass the model it was built for"
+        )
     handle = as_evon_handle(optimizer)
     mesh = check_supported_parallelism(model, evon)
     if mesh is not None:
