@@ -82,6 +82,22 @@ def tempered_bma_nll(logits: torch.Tensor, y: torch.Tensor, t: float) -> float:
     return float(-probs[torch.arange(len(y)), y].log().mean())
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"grid": "13"}, ValueError, r"grid must hold finite multiples > 0; got \['1', '3'\]"),  # was [1, 3]
+        ({"grid": [True]}, ValueError, r"grid must hold finite multiples > 0; got \[True\]"),  # was [1]
+        ({"grid": []}, ValueError, r"grid must hold finite multiples > 0"),
+        ({"shift_labels": "no"}, TypeError, r"shift_labels must be True, False or None; got 'no'"),  # was True
+        ({"seed": 1.5}, TypeError, r"seed must be an integer"),
+    ],
+)
+def test_calibration_arguments_are_not_coerced(kwargs, error, match) -> None:
+    model, post, cal = overfitted()
+    with pytest.raises(error, match=match):
+        calibrate_posterior(model, post, cal, num_samples=2, **kwargs)
+
+
 @pytest.mark.parametrize("temperature", [False, True])
 def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature: bool) -> None:
     """Each scale's NLL is the BMA NLL at its own best softening temperature (T >= 1 of the grid;

@@ -386,16 +386,15 @@ def calibrate_posterior(
 
     ``grid``, ``standard_errors``, ``min_gain``, ``screen_factor`` left None take ``DEFAULT_GRID``,
     ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01), ``SCREEN_FACTOR`` (2.5; 0: no screen).
-
-    Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config
-    ``calibration`` and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
+    Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config ``calibration``
+    and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
     """
     grid, seed = DEFAULT_GRID if grid is None else grid, resolve_seed(seed)
     standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
     min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
     screen_factor = SCREEN_FACTOR if screen_factor is None else screen_factor
-    factors = sorted({float(f) for f in grid}, reverse=True)
-    if not factors or any(not (f > 0.0 and math.isfinite(f)) for f in factors):
+    factors = [] if isinstance(grid, str) else sorted({float(f) for f in grid if not isinstance(f, bool)}, reverse=True)
+    if not factors or len(factors) != len(set(grid)) or any(not (f > 0.0 and math.isfinite(f)) for f in factors):
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
@@ -419,10 +418,10 @@ def calibrate_posterior(
         )
     trained = float(posterior.config.get("trained_ess", posterior.ess))
     if math.isinf(trained):
-        raise ValueError(
-            "calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate"
-        )
-    shift = is_causal_lm(model) if shift_labels is None else bool(shift_labels)
+        raise ValueError("calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate")
+    if shift_labels is not None and not isinstance(shift_labels, bool):  # 'no' would be True
+        raise TypeError(f"calibrate_posterior: shift_labels must be True, False or None; got {shift_labels!r}")
+    shift = is_causal_lm(model) if shift_labels is None else shift_labels
     was_training = model.training
     model.eval()
     one = TEMPERATURE_GRID.index(1.0)
