@@ -438,6 +438,16 @@ def test_a_parameter_listed_twice_or_of_integers_is_refused_by_name() -> None:
         EVON([counts])
 
 
+def test_asking_for_the_posterior_of_a_tensor_evon_does_not_train_names_it() -> None:
+    # a bare KeyError('parameter is not trained by EVON in this optimizer') before
+    w, b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))
+    opt = EVON([{"params": [w]}, {"params": [b], "algorithm": "adamw"}])
+    for ask in (opt.posterior_std, opt.posterior_covariance, opt.posterior_factors):
+        with pytest.raises(ValueError, match=r"a tensor of shape \(4,\) is not trained by EVON"):
+            ask(b)
+    assert opt.posterior_std(w).shape == w.shape
+
+
 # ------------------------------------------------- item 9: complex parameters
 def test_complex_parameters_are_refused_by_name() -> None:
     z = nn.Parameter(torch.randn(3, 4, dtype=torch.complex64))

@@ -516,7 +516,7 @@ class EVON(Optimizer):
         if self._buckets is None or self._bucket_index is None:
             self._bucket_index = {id(q): (b, i) for b in self.buckets for i, q in enumerate(b.params)}
         if id(p) not in self._bucket_index:
-            raise KeyError("parameter is not trained by EVON in this optimizer")
+            raise ValueError(f"a tensor of shape {tuple(p.shape)} is not trained by EVON in this optimizer")
         return self._bucket_index[id(p)]
 
     @torch.no_grad()
