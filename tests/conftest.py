@@ -48,3 +48,15 @@ def approx_tree(value, rel: float = 1e-6):
     if isinstance(value, list | tuple):
         return type(value)(approx_tree(v, rel) for v in value)
     return value
+
+
+def one_step_optimizer(lm: torch.nn.Module, vocab_size: int):
+    """``build_optimizer(lm)`` after one step on a random batch of 2×8 token ids (a causal LM)."""
+    from hf_evon import build_optimizer
+
+    opt = build_optimizer(lm)
+    ids = torch.randint(0, vocab_size, (2, 8))
+    with opt.sampled_params(train=True):
+        lm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return opt

@@ -741,18 +741,15 @@ def test_one_causal_lm_rule_for_plain_peft_and_encoder_decoder_models() -> None:
 def test_a_compiled_models_posterior_has_the_models_own_names(tmp_path) -> None:
     # torch.compile's wrapper put "_orig_mod." before every name and "OptimizedModule" as the class:
     # the posterior did not fit its own model, and sampled(compiled) refused the plain one's
+    from conftest import one_step_optimizer
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon import EVONPosterior, build_optimizer
+    from hf_evon import EVONPosterior
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
     compiled = torch.compile(torch.nn.parallel.DataParallel(model))
-    opt = build_optimizer(model)
-    ids = torch.randint(0, 50, (2, 8))
-    with opt.sampled_params(train=True):
-        model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
+    opt = one_step_optimizer(model, 50)
     taken = EVONPosterior.from_optimizer(opt, compiled)
     assert list(taken.names) == list(EVONPosterior.from_optimizer(opt, model).names)
     assert all(name.startswith("transformer.") for name in taken.names)

@@ -1021,15 +1021,12 @@ def test_a_failed_calibration_keeps_the_one_before(tmp_path) -> None:
 
 def test_a_posterior_of_another_model_is_refused_when_the_trainer_is_built(tmp_path) -> None:
     # it was taken, and save_model() wrote it beside the other model's weights: a pair that never loads
+    from conftest import one_step_optimizer
+
     from hf_evon import PosteriorMismatchError
 
     gpt2 = tiny_gpt2()
-    opt = build_optimizer(gpt2)
-    ids = torch.randint(0, 100, (2, 8))
-    with opt.sampled_params(train=True):
-        gpt2(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    other = EVONPosterior.from_optimizer(opt, gpt2)
+    other = EVONPosterior.from_optimizer(one_step_optimizer(gpt2, 100), gpt2)
     with pytest.raises(PosteriorMismatchError, match="does not fit the given BertForSequenceClassification"):
         EVONTrainer(model=tiny_bert(), args=config(tmp_path), posterior=other)
     with pytest.raises(TypeError, match=r"posterior= takes an EVONPosterior .*got <class 'str'>"):
