@@ -112,6 +112,21 @@ def test_invalid_inputs(predictions, references, kwargs, match):
         negative_log_likelihood(predictions, references, **kwargs)
 
 
+@pytest.mark.parametrize("input_type", ["log_probs", "logits"])
+def test_a_nan_prediction_makes_every_metric_nan(input_type):
+    # accuracy scored a NaN row as class 0 (argmax of NaN) while the others were NaN: a diverged
+    # model's evaluation read as a number; NaN (not an error) keeps a training run's evaluation going
+    predictions, references = [[-0.1, -2.4], [float("nan")] * 2], [0, 0]
+    for metric in (accuracy, negative_log_likelihood, brier_score, expected_calibration_error):
+        assert math.isnan(metric(predictions, references, input_type=input_type)), metric.__name__
+
+
+def test_an_ignore_index_that_is_not_an_integer_is_named():
+    with pytest.raises(TypeError, match=r"ignore_index must be an integer or None; got 'x'"):
+        brier_score([[0.5, 0.5]], [0], ignore_index="x")
+    assert negative_log_likelihood([[0.0, float("-inf")]], [0], input_type="logits") == 0.0  # -inf: p = 0
+
+
 def test_ece_bins_validated():
     with pytest.raises(ValueError, match="n_bins"):
         expected_calibration_error(PROBS, LABELS, n_bins=0)

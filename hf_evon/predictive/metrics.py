@@ -29,6 +29,7 @@ Definitions (N items, C classes, ``p_i`` the predicted distribution of item ``i`
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -80,6 +81,8 @@ def _log_probs(
         )
     if not bool(torch.all(labels == labels.round())):
         raise ValueError("references must be integer class indices")
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise TypeError(f"ignore_index must be an integer or None; got {ignore_index!r}")
     labels = labels.long()
     if ignore_index is not None:
         keep = labels != ignore_index
@@ -105,8 +108,11 @@ def _log_probs(
 def accuracy(
     predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
 ) -> float:
-    """Fraction of items whose most probable class is the reference."""
+    """Fraction of items whose most probable class is the reference; NaN where a prediction is NaN
+    (as the other metrics are: a diverged model's row has no most probable class, not class 0)."""
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
+    if bool(torch.isnan(logp).any()):
+        return math.nan
     return float((logp.argmax(-1) == labels).double().mean())
 
 
