@@ -98,6 +98,14 @@ def test_calibration_arguments_are_not_coerced(kwargs, error, match) -> None:
         calibrate_posterior(model, post, cal, num_samples=2, **kwargs)
 
 
+def test_labels_that_do_not_align_with_the_logits_are_named_for_a_direct_caller() -> None:
+    # a torch IndexError from deep inside before (the trainer's path checked this, the function not)
+    model, post, cal = overfitted()
+    x, y = cal[0]
+    with pytest.raises(ValueError, match=r"batch 0 \(counting from 0\): labels shaped \(1,\) do not align"):
+        calibrate_posterior(model, post, [(x, y[:1])], num_samples=2)
+
+
 @pytest.mark.parametrize("temperature", [False, True])
 def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature: bool) -> None:
     """Each scale's NLL is the BMA NLL at its own best softening temperature (T >= 1 of the grid;
@@ -610,7 +618,7 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     """The targets, and the mean's temperature NLL, are the loss's: shifted, −100 ignored."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon.predictive.calibration import _tempered_log_probs
+    from hf_evon.predictive.held_out import _tempered_log_probs
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()

@@ -37,23 +37,18 @@ the optimizer learned with). Report metrics on other examples than the calibrati
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_evon.modeling import decoder_inputs_from_labels, is_causal_lm, is_encoder_decoder
+from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.posterior.gaussian import resolve_seed
-from hf_evon.predictive.logprobs import (
-    labelled_rows,
-    log_mean_prob,
-    require_class_labels,
-    shifted,
-    unscorable_labels,
-)
+from hf_evon.predictive.held_out import scored_pass
+from hf_evon.predictive.logprobs import log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -209,121 +204,6 @@ class CalibrationResult:
         return d
 
 
-def _split(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
-    """(call, labels) for a mapping batch with ``labels`` (a dict, or the ``BatchEncoding`` that
-    transformers' collators return) or an ``(inputs, labels)`` pair. The labels stay out of the
-    forward (no loss to compute), but an encoder-decoder model whose batch has no decoder inputs
-    gets them from the labels, as its forward would (``DataCollatorForSeq2Seq`` without ``model=``
-    leaves them out)."""
-    if isinstance(batch, Mapping):
-        if "labels" not in batch:
-            raise ValueError("calibrate_posterior: a dict batch needs a 'labels' entry")
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        labels = batch["labels"]
-
-        def call(m: nn.Module) -> Any:
-            if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
-                return m(**inputs)
-            if not is_encoder_decoder(m):
-                return m(**inputs)
-            return m(**inputs, **decoder_inputs_from_labels(m, labels))
-
-        return call, labels
-    if isinstance(batch, list | tuple) and len(batch) == 2:
-        x, y = batch
-        return (lambda m: m(x)), y
-    raise TypeError(
-        f"calibrate_posterior: batches must be dicts with 'labels' or (inputs, labels) pairs; got {type(batch).__name__}"
-    )
-
-
-def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> int:
-    """Score ``batch`` at the model's current weights as the calibration will (its forward, the
-    alignment of its labels with the logits) and return the logits' number of classes (tokens for
-    an LM); raise ValueError naming ``where`` where the calibration would fail: before training,
-    not after it (CTC's labels, for one, do not align with its frames)."""
-    call, labels = _split(batch)
-    require_class_labels(labels, where)
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = _logits(call(model))
-    finally:
-        model.train(training)
-    rows, targets = shifted(logits, labels, shift) if isinstance(labels, Tensor) else (logits, None)
-    if targets is None or rows.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"{where}: labels shaped {tuple(getattr(labels, 'shape', ()))} do not align with the model's logits "
-            f"{tuple(logits.shape)}{' (a causal LM: shifted by one)' if shift else ''}: the calibration scores one "
-            "class label per row of logits (classification: (batch,); token classification, LMs: (batch, length))"
-        )
-    return int(logits.shape[-1])
-
-
-def _logits(output: Any) -> Tensor:
-    if isinstance(output, Tensor):
-        return output
-    logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", None)
-    if logits is None:
-        raise TypeError("calibrate_posterior: the model output has no logits")
-    return logits
-
-
-def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
-    """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
-    (float64; one temperature at a time, so an LM's rows are copied once per T, not T times at once).
-    A label outside the logits' classes is gathered as class 0 (:func:`_pass` refuses it): an
-    index out of range would fail here, on a GPU with a device-side assert."""
-    rows, target = labelled_rows(logits, labels, shift)
-    z = rows.double()
-    z_target = z.gather(1, target.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(1)
-    out = torch.empty(len(temperatures), z.shape[0], dtype=torch.float64, device=z.device)
-    for i, t in enumerate(temperatures):
-        out[i] = z_target / t - torch.logsumexp(z if t == 1.0 else z / t, dim=-1)
-    return out
-
-
-def _labels_in_range(labels: Tensor, classes: int, shift: bool) -> Tensor:
-    """Whether every scored label is one of ``classes`` (a device flag, read with the others)."""
-    return ~unscorable_labels(labels[..., 1:] if shift else labels, classes).any()
-
-
-@torch.no_grad()
-def _pass(
-    model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float], check: bool = False
-) -> Tensor:
-    """log p(label) of every target at each temperature, ``[T, targets]``.
-
-    ``check`` (the pass at the posterior mean) raises, naming the first such batch, on a label
-    outside the logits' classes (-1 for "no label") and on a non-finite log-likelihood: a NaN
-    in the held-out data would otherwise make every NLL NaN and the search "choose" the mean and
-    the temperature grid's end. The later passes read the same batches."""
-    out, labels_ok, classes = [], [], 0
-    for i, (call, labels) in enumerate(map(_split, batches)):
-        require_class_labels(labels, f"calibrate_posterior: batch {i} (counting from 0)")
-        logits = _logits(call(model))
-        classes = logits.shape[-1]
-        out.append(_tempered_log_probs(logits, labels, shift, temperatures))
-        if check:
-            labels_ok.append(_labels_in_range(labels.to(logits.device), classes, shift))
-    if check and out:
-        flags = torch.stack([torch.stack(labels_ok), torch.stack([torch.isfinite(x).all() for x in out])])
-        labelled, finite = flags.tolist()  # one sync
-        if not all(labelled):
-            raise ValueError(
-                f"calibrate_posterior: batch {labelled.index(False)} (counting from 0) has a label outside "
-                f"the model's {classes} classes (0 to {classes - 1}; -100 marks a target that is not scored)"
-            )
-        if not all(finite):
-            raise ValueError(
-                f"calibrate_posterior: batch {finite.index(False)} (counting from 0) has a non-finite "
-                "log-likelihood at the posterior mean: NaN or inf in its inputs, or a model output that "
-                "overflows. Calibration needs finite held-out NLLs; clean or drop that batch"
-            )
-    return torch.cat(out, dim=1) if out else torch.zeros(len(temperatures), 0, dtype=torch.float64)
-
-
 def calibrate_posterior(
     model: nn.Module,
     posterior: Any,
@@ -426,7 +306,7 @@ def calibrate_posterior(
     model.eval()
     one = TEMPERATURE_GRID.index(1.0)
     try:
-        mean_logp = _pass(model, batches, shift, TEMPERATURE_GRID, check=True)  # [T, targets]
+        mean_logp = scored_pass(model, batches, shift, TEMPERATURE_GRID, check=True)  # [T, targets]
         if mean_logp.shape[1] == 0:
             raise ValueError("calibrate_posterior: the batches hold no labelled targets")
         mean_t_nll = -mean_logp.mean(1)
@@ -448,7 +328,7 @@ def calibrate_posterior(
         def moves(i: int) -> bool:
             """Does scale i's first draw move the predictions by the screen's tolerance?"""
             with posterior.with_ess(trained * scales[i]).sampled(model, seed=seed):
-                first[i] = _pass(model, batches, shift, temperatures)
+                first[i] = scored_pass(model, batches, shift, temperatures)
             return float((first[i][screen_t] - screen_ref).abs().mean()) >= tolerance
 
         def score(factor: float, ts: Sequence[float], first_draw: Tensor | None) -> tuple[Tensor, int, Tensor]:
@@ -458,7 +338,7 @@ def calibrate_posterior(
             logps = [] if first_draw is None else [first_draw]
             for s in range(len(logps), num_samples):
                 with candidate.sampled(model, seed=seed + s):
-                    logps.append(_pass(model, batches, shift, ts))
+                    logps.append(scored_pass(model, batches, shift, ts))
             stacked = torch.stack(logps)  # [S, T, targets]
             t_nll = _bma_nll(stacked).mean(-1)
             t = int(t_nll.argmin())

@@ -37,7 +37,7 @@ def check_calibration_batches(
     """Raise, naming ``calibration_dataset``, where the calibration would fail after training:
     no batches, no ``labels``, floating-point labels (a regression's), no labelled target, token
     ids beyond ``vocab_size`` (another tokenizer's), or, with ``classes_of`` (the first batch
-    scored as the calibration will: :func:`~hf_evon.predictive.calibration.held_out_classes`),
+    scored as the calibration will: :func:`~hf_evon.predictive.held_out.held_out_classes`),
     labels that do not align with the logits or lie outside their classes (-1 for "no label")."""
     targets, classes = 0, None
     for i, batch in enumerate(batches):

@@ -306,7 +306,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         ``calibration_dataset``'s batches, its first scored by the model (where its weights are
         loaded: FSDP's memory-efficient loading leaves them on the meta device until ``prepare``),
         before the first step."""
-        from hf_evon.predictive.calibration import held_out_classes
+        from hf_evon.predictive.held_out import held_out_classes
 
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loaded = not any(p.is_meta for p in self.model.parameters())

@@ -1,0 +1,141 @@
+"""Held-out batches as :func:`~hf_evon.predictive.calibration.calibrate_posterior` reads them: each
+split into a forward and its labels, the labels checked against the logits, and every labelled
+target's log-probability scored at each softmax temperature in one pass over the batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder
+from hf_evon.predictive.logprobs import labelled_rows, require_class_labels, shifted, unscorable_labels
+
+__all__ = ["held_out_classes", "require_aligned", "scored_pass", "split_batch"]
+
+Tensor = torch.Tensor
+
+
+def split_batch(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
+    """(call, labels) for a mapping batch with ``labels`` (a dict, or the ``BatchEncoding`` that
+    transformers' collators return) or an ``(inputs, labels)`` pair. The labels stay out of the
+    forward (no loss to compute), but an encoder-decoder model whose batch has no decoder inputs
+    gets them from the labels, as its forward would (``DataCollatorForSeq2Seq`` without ``model=``
+    leaves them out)."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise ValueError("calibrate_posterior: a dict batch needs a 'labels' entry")
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        labels = batch["labels"]
+
+        def call(m: nn.Module) -> Any:
+            if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+                return m(**inputs)
+            if not is_encoder_decoder(m):
+                return m(**inputs)
+            return m(**inputs, **decoder_inputs_from_labels(m, labels))
+
+        return call, labels
+    if isinstance(batch, list | tuple) and len(batch) == 2:
+        x, y = batch
+        return (lambda m: m(x)), y
+    raise TypeError(
+        f"calibrate_posterior: batches must be dicts with 'labels' or (inputs, labels) pairs; got {type(batch).__name__}"
+    )
+
+
+def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> int:
+    """Score ``batch`` at the model's current weights as the calibration will (its forward, the
+    alignment of its labels with the logits) and return the logits' number of classes (tokens for
+    an LM); raise ValueError naming ``where`` where the calibration would fail: before training,
+    not after it (CTC's labels, for one, do not align with its frames)."""
+    call, labels = split_batch(batch)
+    require_class_labels(labels, where)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = _logits(call(model))
+    finally:
+        model.train(training)
+    require_aligned(logits, labels, shift, where)
+    return int(logits.shape[-1])
+
+
+def require_aligned(logits: Tensor, labels: Any, shift: bool, where: str) -> None:
+    """Raise, naming ``where``, where ``labels`` do not give one class label per row of ``logits``."""
+    rows, targets = shifted(logits, labels, shift) if isinstance(labels, Tensor) else (logits, None)
+    if targets is None or rows.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"{where}: labels shaped {tuple(getattr(labels, 'shape', ()))} do not align with the model's logits "
+            f"{tuple(logits.shape)}{' (a causal LM: shifted by one)' if shift else ''}: the calibration scores one "
+            "class label per row of logits (classification: (batch,); token classification, LMs: (batch, length))"
+        )
+
+
+def _logits(output: Any) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if logits is None:
+        raise TypeError("calibrate_posterior: the model output has no logits")
+    return logits
+
+
+def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
+    """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
+    (float64; one temperature at a time, so an LM's rows are copied once per T, not T times at once).
+    A label outside the logits' classes is gathered as class 0 (:func:`_pass` refuses it): an
+    index out of range would fail here, on a GPU with a device-side assert."""
+    rows, target = labelled_rows(logits, labels, shift)
+    z = rows.double()
+    z_target = z.gather(1, target.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(1)
+    out = torch.empty(len(temperatures), z.shape[0], dtype=torch.float64, device=z.device)
+    for i, t in enumerate(temperatures):
+        out[i] = z_target / t - torch.logsumexp(z if t == 1.0 else z / t, dim=-1)
+    return out
+
+
+def _labels_in_range(labels: Tensor, classes: int, shift: bool) -> Tensor:
+    """Whether every scored label is one of ``classes`` (a device flag, read with the others)."""
+    return ~unscorable_labels(labels[..., 1:] if shift else labels, classes).any()
+
+
+@torch.no_grad()
+def scored_pass(
+    model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float], check: bool = False
+) -> Tensor:
+    """log p(label) of every target at each temperature, ``[T, targets]``.
+
+    ``check`` (the pass at the posterior mean) raises, naming the first such batch, on a label
+    outside the logits' classes (-1 for "no label") and on a non-finite log-likelihood: a NaN
+    in the held-out data would otherwise make every NLL NaN and the search "choose" the mean and
+    the temperature grid's end. The later passes read the same batches."""
+    out, labels_ok, classes = [], [], 0
+    for i, (call, labels) in enumerate(map(split_batch, batches)):
+        where = f"calibrate_posterior: batch {i} (counting from 0)"
+        require_class_labels(labels, where)
+        logits = _logits(call(model))
+        if check:  # the trainer checks before training (held_out_classes); a direct caller here
+            require_aligned(logits, labels, shift, where)
+        classes = logits.shape[-1]
+        out.append(_tempered_log_probs(logits, labels, shift, temperatures))
+        if check:
+            labels_ok.append(_labels_in_range(labels.to(logits.device), classes, shift))
+    if check and out:
+        flags = torch.stack([torch.stack(labels_ok), torch.stack([torch.isfinite(x).all() for x in out])])
+        labelled, finite = flags.tolist()  # one sync
+        if not all(labelled):
+            raise ValueError(
+                f"calibrate_posterior: batch {labelled.index(False)} (counting from 0) has a label outside "
+                f"the model's {classes} classes (0 to {classes - 1}; -100 marks a target that is not scored)"
+            )
+        if not all(finite):
+            raise ValueError(
+                f"calibrate_posterior: batch {finite.index(False)} (counting from 0) has a non-finite "
+                "log-likelihood at the posterior mean: NaN or inf in its inputs, or a model output that "
+                "overflows. Calibration needs finite held-out NLLs; clean or drop that batch"
+            )
+    return torch.cat(out, dim=1) if out else torch.zeros(len(temperatures), 0, dtype=torch.float64)
