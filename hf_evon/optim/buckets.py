@@ -368,23 +368,22 @@ class Bucket:
 def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:
     """Add one to the update counters of the listed members of each bucket (None: all of them;
     whole buckets in one multi-tensor op; in place: members' ``optimizer.state`` are views of
-    them), so that ``Bucket.counts`` reads no scalar back from them. A bucket may be listed once
-    per set of its members (members of different counts step as separate plans)."""
-    merged: dict[int, tuple[Bucket, list[int] | None]] = {}
-    for b, members in stepped:
-        _, earlier = merged.get(id(b), (b, []))
-        merged[id(b)] = (b, None if members is None or earlier is None else sorted({*earlier, *members}))
-    stepped = [(b, None if members == list(range(len(b.params))) else members) for b, members in merged.values()]
-    counts = [list(b.counts) for b, _ in stepped]
+    them), and to what ``Bucket.counts`` reads, so that it reads no scalar back from them. A
+    bucket may be listed once per set of its members (members of different counts step as
+    separate plans; the sets are disjoint)."""
+    counts: dict[int, tuple[Bucket, list[int]]] = {}
+    for b, members in stepped:  # before the counters move: the cached counts are still current
+        new = counts.setdefault(id(b), (b, list(b.counts)))[1]
+        for i in range(len(new)) if members is None else members:
+            new[i] += 1
     whole = [b.state["step"] for b, members in stepped if members is None]
     if whole:
         torch._foreach_add_(whole, 1)
-    for (b, members), new in zip(stepped, counts):
-        step = b.state["step"]
+    for b, members in stepped:
         if members is not None:
-            step.index_add_(0, torch.tensor(members), torch.ones(len(members), dtype=step.dtype))
-        for i in range(len(new)) if members is None else members:
-            new[i] += 1
+            b.state["step"].index_add_(0, torch.tensor(members), torch.ones(len(members)))
+    for b, new in counts.values():
+        step = b.state["step"]
         b._counts = ((id(step), step._version), new)
 
 

@@ -139,10 +139,14 @@ def fit_from_curvature(
             )
         )
 
+    # a matrix not yet updated holds h0, not a measured curvature: its rows count for nothing
+    # (counters on the CPU, where the rows are pooled: no copy to the device)
+    measured = [b.state["step"].gt(0).double()[:, None] for b in mine]
+
     def pooled(columns: list[Tensor], width: int) -> Tensor:
         """Per group, the ``width`` columns of every rank's matrices (a bucket's (B, width)
         rows) summed in a fixed order: the matrices' places."""
-        rows = [torch.cat([place, c.double().cpu()], dim=1) for place, c in zip(places, columns)]
+        rows = [torch.cat([place, c.double().cpu() * w], dim=1) for place, c, w in zip(places, columns, measured)]
         local = torch.cat(rows) if rows else torch.zeros(0, 2 + width, dtype=torch.float64)
         everything, _ = hooks.pool_rows(local, 0)  # one sync; sharded: every rank's rows
         # by (group, position): a stable sort on the position, then one on the group
@@ -155,16 +159,14 @@ def fit_from_curvature(
                 out[gi] = part.cumsum(0)[-1]  # a sequential sum: the same order, the same bits
         return out
 
-    # a matrix not yet updated holds h0, not a measured curvature: it takes no part in the fit
-    measured = [b.state["step"].gt(0).double()[:, None].to(b.state["hess"].device) for b in mine]
     first = []
-    for b, weight in zip(mine, measured):
+    for b in mine:
         hess = b.state["hess"]
         numel = torch.full(
             (len(b.params), 1), float(hess[0].numel()), dtype=torch.float64, device=hess.device
         )
         w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).double().square()
-        first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1) * weight)
+        first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
     sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
     for gi, group in enumerate(groups):
         if "weight_decay" in group["fit_to_curvature"]:
@@ -172,8 +174,8 @@ def fit_from_curvature(
             if delta is not None:
                 group["weight_decay"] = delta
     second = [
-        torch.reciprocal(b.state["hess"].double() + b.group["weight_decay"]).sum(dim=(1, 2))[:, None] * weight
-        for b, weight in zip(mine, measured)
+        torch.reciprocal(b.state["hess"].double() + b.group["weight_decay"]).sum(dim=(1, 2))[:, None]
+        for b in mine
     ]
     inv = pooled(second, 1)
     for gi, group in enumerate(groups):

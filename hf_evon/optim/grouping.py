@@ -65,7 +65,7 @@ def _matches(name: str, patterns: list[re.Pattern[str]]) -> bool:
     return any(pat.search(name) for pat in patterns)
 
 
-def _compiled(patterns: Iterable[str] | str | None, argument: str) -> list[re.Pattern[str]]:
+def compiled_patterns(patterns: Iterable[str] | str | None, argument: str) -> list[re.Pattern[str]]:
     """The regexes of ``argument``; one string is one regex (not its letters)."""
     items = [patterns] if isinstance(patterns, str) else list(patterns or ())
     out = []
@@ -94,8 +94,8 @@ def build_param_groups(
     override the split: ``adamw_patterns`` first, then ``evon_patterns``. Each group carries
     ``param_names`` so the split can be inspected (``describe_param_groups``).
     """
-    adamw_patterns = _compiled(adamw_patterns, "adamw_patterns")
-    evon_patterns = _compiled(evon_patterns, "evon_patterns")
+    adamw_patterns = compiled_patterns(adamw_patterns, "adamw_patterns")
+    evon_patterns = compiled_patterns(evon_patterns, "evon_patterns")
     head, embeddings = _output_head_ids(model), _embedding_ids(model)
     evon, decay, no_decay = [], [], []
     for name, p in model.named_parameters():  # deduplicates tied weights

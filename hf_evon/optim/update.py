@@ -179,9 +179,10 @@ def evon_update(
         mean_rot = b.rotated_mean() if pull != 0.0 else None
         step_rot = newton_step(momentum / correction, hess, delta, mean_rot, pull)
         update = clipped_update(step_rot, *b.bases(), g["clip"], g["clip_radius"])
-    if update.dtype != b.params[0].dtype:  # the nearest step the weights' dtype holds: never inf
-        limit = torch.finfo(b.params[0].dtype).max
-        update = update.clamp_(-limit, limit).to(b.params[0].dtype)
+    if update.dtype != b.params[0].dtype:
+        if b.params[0].dtype == torch.float16:  # the nearest step float16 holds (max 65504): never inf
+            update = update.clamp_(-65504.0, 65504.0)
+        update = update.to(b.params[0].dtype)
     # in each parameter's own shape: works for any memory layout (channels_last)
     params, deltas = b.unstacked(update, range(len(b.params)))
     step = (params, deltas, None if scale is None else list(scale.unbind(0)))

@@ -50,12 +50,27 @@ def _check(log_probs: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor of log-probabilities; got {got}")
     if log_probs.ndim < 1 or log_probs.shape[-1] < 1:
         raise ValueError(f"{name} needs a last dimension of classes; got shape {tuple(log_probs.shape)}")
-    # logits or probabilities in place of log-probabilities gave negative "entropies"; NaN was dropped
-    off = (log_probs.logsumexp(-1).abs().max() if log_probs.numel() else torch.zeros(())).item()
-    if not off <= (1e-3 if torch.finfo(log_probs.dtype).bits >= 32 else 5e-2):  # NaN fails too
+
+
+def _mass_off(log_probs: Tensor) -> Tensor:
+    """The rows' largest ``|logsumexp|`` (a device number; NaN where a row is): above the dtype's
+    rounding (:func:`_tolerance`) these are not log-probabilities. Logits or probabilities in
+    their place gave negative "entropies", and a NaN row was dropped."""
+    if not log_probs.numel():
+        return torch.zeros((), device=log_probs.device)
+    return log_probs.logsumexp(-1).abs().max().float()
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-3 if torch.finfo(dtype).bits >= 32 else 5e-2
+
+
+def _require_log_probs(off: Tensor, tolerance: float, name: str) -> None:
+    value = off.item()
+    if not value <= tolerance:  # NaN fails too
         raise ValueError(
             f"{name} must hold log-probabilities, each row's logsumexp 0 (log_softmax of the logits); "
-            f"its rows are off by up to {off:.3g}"
+            f"its rows are off by up to {value:.3g}"
         )
 
 
@@ -63,6 +78,7 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
     """The decomposition for log-probabilities of S samples stacked along ``dim`` (classes last),
     e.g. ``torch.stack([model(x).log_softmax(-1) for each posterior sample])`` shaped (S, N, C)."""
     _check(sample_log_probs, "sample_log_probs")
+    _require_log_probs(_mass_off(sample_log_probs), _tolerance(sample_log_probs.dtype), "sample_log_probs")
     if sample_log_probs.ndim < 2:
         shape = tuple(sample_log_probs.shape)
         raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
@@ -81,11 +97,14 @@ class UncertaintyAccumulator:
     """:func:`predictive_uncertainty` over samples that arrive one pass at a time, without keeping
     them: ``add`` each sample's log-probabilities (same shape every time), then ``value()`` is
     ``log p̄`` (as :class:`~hf_evon.predictive.logprobs.LogMeanExp`) and ``uncertainty()`` the
-    decomposition."""
+    decomposition. That the samples are log-probabilities is checked when a result is read (one
+    read for all of them, not one per sample)."""
 
     def __init__(self) -> None:
         self._average = LogMeanExp()
         self._entropy_sum: Tensor | None = None
+        self._off: Tensor | None = None  # the samples' largest _mass_off, on their device
+        self._tolerance = 0.0
 
     @property
     def count(self) -> int:
@@ -98,12 +117,17 @@ class UncertaintyAccumulator:
             raise ValueError(
                 f"log_probs has shape {tuple(log_probs.shape)}, the earlier samples {tuple(earlier.shape)}"
             )
+        off = _mass_off(log_probs)
+        self._off = off if self._off is None else torch.maximum(self._off, off)  # NaN stays NaN
+        self._tolerance = max(self._tolerance, _tolerance(log_probs.dtype))
         logp = log_probs.double()
         h = entropy(logp)
         self._entropy_sum = h if self._entropy_sum is None else self._entropy_sum.add_(h)
         self._average.add(logp)
 
     def value(self) -> Tensor:
+        if self._off is not None:
+            _require_log_probs(self._off, self._tolerance, "log_probs")
         return self._average.value()
 
     def uncertainty(self) -> PredictiveUncertainty:

@@ -7,7 +7,6 @@ One place for what a run is configured with; the Trainer plumbing that reads it 
 """
 
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -33,6 +32,7 @@ from hf_evon.optim.defaults import (
     default_weight_decay,
     lr_from_adamw_lr,
 )
+from hf_evon.optim.grouping import compiled_patterns
 from hf_evon.optim.recipes import RECIPES
 from hf_evon.optim.validation import validate_hyperparameters
 
@@ -458,11 +458,7 @@ class EVONConfig(TrainingArguments):
                 "an eval_mean_* metric"
             )
         for name in ("evon_patterns", "adamw_patterns"):
-            for pat in getattr(self, name) or ():
-                try:
-                    re.compile(pat)
-                except re.error as err:
-                    raise ValueError(f"EVONConfig.{name}: {pat!r} is not a valid regex ({err})") from None
+            compiled_patterns(getattr(self, name), f"EVONConfig.{name}")
 
     def _warn_unused_optimizer_settings(self) -> None:
         """``optim``/``optim_args`` select the Trainer's optimizer, which EVON replaces: say so."""
