@@ -437,6 +437,21 @@ def test_to_changes_storage_not_results(mlp):
     torch.testing.assert_close(wide.std("0.weight").float(), post.std("0.weight"))
 
 
+def test_a_dtype_that_is_not_floating_is_refused_by_name(mlp, tmp_path):
+    """An integer cast rounds the noise (std ~1e-2) and the bases to zeros: refused, not returned."""
+    _, _, post = mlp
+    with pytest.raises(ValueError, match=r"draw: dtype must be one of .*torch\.int64"):
+        post.draw(2, seed=1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"to: dtype must be one of .*torch\.int32"):
+        post.to(dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"eigenbasis_dtype must be one of .*'int8'"):
+        post.save_pretrained(tmp_path / "p", eigenbasis_dtype="int8")
+    with pytest.raises(ValueError, match="eigenbasis_dtype must be one of"):
+        post.lean(eigenbasis_dtype=torch.uint8)
+    assert not (tmp_path / "p").exists()
+    assert post.draw(1, seed=1, dtype="float64")["0.weight"].dtype == torch.float64
+
+
 # ----------------------------------------------------------------------------- sampled()
 def test_sampled_puts_a_sample_in_and_restores_bit_for_bit(gpt2):
     model, _, post = gpt2

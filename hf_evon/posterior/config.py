@@ -59,16 +59,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def as_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``torch.float16``, ``"float16"`` or ``"torch.float16"`` as a torch dtype (None stays None)."""
-    if value is None or isinstance(value, torch.dtype):
+def as_dtype(value: torch.dtype | str | None, argument: str = "dtype") -> torch.dtype | None:
+    """``torch.float16``, ``"float16"`` or ``"torch.float16"`` as a torch dtype (None stays None);
+    anything but a ``TensorDtype`` is refused by ``argument``: an integer cast of Gaussian noise
+    or of a basis would silently round it to zeros."""
+    if value is None:
         return value
-    name = str(value).removeprefix("torch.")
+    name = dtype_name(value) if isinstance(value, torch.dtype) else str(value).removeprefix("torch.")
     try:
         return TensorDtype(name).dtype
     except ValueError:
         raise ValueError(
-            f"unsupported dtype {value!r}; use one of {sorted(d.value for d in TensorDtype)}"
+            f"{argument} must be one of {sorted(d.value for d in TensorDtype)}; got {value!r}"
         ) from None
 
 

@@ -38,7 +38,6 @@ from hf_evon.posterior.config import (
     POSTERIOR_WEIGHTS_NAME,
     PosteriorConfig,
     PosteriorMismatchError,
-    TensorDtype,
     as_dtype,
     dtype_name,
 )
@@ -130,9 +129,7 @@ def file_tensors(
     factors: Mapping[str, MatrixFactors], eigenbasis_dtype: torch.dtype | str | None = None
 ) -> dict[str, Tensor]:
     """The weights file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous)."""
-    eig = as_dtype(eigenbasis_dtype)
-    if eig is not None and eig not in tuple(d.dtype for d in TensorDtype):
-        raise ValueError(f"eigenbasis_dtype must be one of {[d.value for d in TensorDtype]}; got {eig}")
+    eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
     tensors: dict[str, Tensor] = {}
     for name, f in factors.items():
         for key, q in (("Q_L", f.Q_L), ("Q_R", f.Q_R)):

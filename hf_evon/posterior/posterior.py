@@ -276,7 +276,7 @@ class EVONPosterior:
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
-        seed = resolve_seed(seed)
+        seed, dtype = resolve_seed(seed), as_dtype(dtype, "draw: dtype")
         wanted = self._select(names)
         out: dict[str, Tensor] = {}
         for group in self._groups:
@@ -387,10 +387,8 @@ class EVONPosterior:
             config["max_basis_ratio"] = float(
                 max_basis_ratio if previous is None else min(previous, max_basis_ratio)
             )
-        eig = as_dtype(eigenbasis_dtype)
+        eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
         if eig is not None:
-            if not eig.is_floating_point:
-                raise ValueError(f"eigenbasis_dtype must be a floating dtype; got {eig}")
             cast = lambda q: None if q is None else q.to(eig)  # noqa: E731
             groups = [replace(g, q_left=cast(g.q_left), q_right=cast(g.q_right)) for g in groups]
             config["eigenbasis_dtype"] = dtype_name(eig)
@@ -430,8 +428,7 @@ class EVONPosterior:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EVONPosterior:
         """A copy with factors on ``device`` and/or stored in ``dtype`` (math stays float32)."""
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating dtype; got {dtype}")
+        dtype = as_dtype(dtype, "to: dtype")
         groups = [g.map_tensors(lambda t: t.to(device=device, dtype=dtype)) for g in self._groups]
         config = dict(self.config)
         if dtype is not None:
@@ -490,8 +487,8 @@ class EVONPosterior:
         directory = os.fspath(save_directory)
         if os.path.isfile(directory):
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
+        eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
         os.makedirs(directory, exist_ok=True)
-        eig = as_dtype(eigenbasis_dtype)
         factors = self.factors
         config = PosteriorConfig.for_save(
             self.config, factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
