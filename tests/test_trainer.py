@@ -195,6 +195,9 @@ def test_hfargumentparser_parses_every_evon_field(tmp_path):
         ("evon_max_precond_ratio", 0.5),
         ("evon_hess_clip_ratio", -2.0),
         ("evon_clip", "bogus"),
+        ("evon_identity_basis", "false"),  # a truthy string: IVON mode, had it not been refused
+        ("evon_phased_gradients", 1),
+        ("evon_stagger_refresh", "true"),
         ("evon_clip_radius", 0.0),
         ("evon_nonfinite", "ignore"),
         ("evon_adamw_learning_rate", -1e-3),

@@ -345,6 +345,8 @@ class EVONConfig(TrainingArguments):
         "evon_clip": "clip",
         "evon_clip_radius": "clip_radius",
         "evon_snr_scaling": "snr_scaling",
+        "evon_phased_gradients": "phased_gradients",
+        "evon_identity_basis": "identity_basis",
         "evon_stagger_refresh": "stagger_refresh",
         "evon_nonfinite": "nonfinite",
         "evon_seed": "seed",
