@@ -404,6 +404,41 @@ def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     assert_identical(runs[1], runs[0])
 
 
+def test_load_state_dict_inside_a_sampled_block_is_refused_and_the_step_goes_on() -> None:
+    """Loaded inside a block, the state rebuilt the buckets, and the block's exit recorded its
+    Hessian numerator into the dropped ones: the next step lost the sample silently."""
+    data = make_data()
+    runs = []
+    for attempt in (False, True):
+        model = make_model()
+        opt = make_opt(model)
+        train_step(model, opt, data)
+        saved = copy.deepcopy(opt.state_dict())
+        for _ in range(opt.mc_samples):
+            with opt.sampled_params(train=True):
+                loss_fn(model, data).backward()
+                if attempt:
+                    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) called inside a sampled_params"):
+                        opt.load_state_dict(saved)
+        opt.step()
+        opt.zero_grad()
+        runs.append(snapshot(model, opt))
+    assert_identical(runs[1], runs[0])
+
+
+def test_a_train_flag_that_is_not_a_bool_is_refused_at_entry() -> None:
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    before = snapshot(model, opt)
+    with pytest.raises(TypeError, match="train must be True or False; got 'yes'"):
+        with opt.sampled_params(train="yes"):
+            raise AssertionError("the block must not run")
+    assert_identical(snapshot(model, opt), before)
+    assert not opt.in_sample
+    train_step(model, opt, data)  # still usable
+
+
 def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:
     # a dead input unit: H = 0 on its column after the Fisher estimate's first average; with
     # weight_decay = 0 its variance 1/(ess·(H + 0)) was inf, every sample inf, the loss NaN

@@ -62,7 +62,7 @@ from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set
 from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, param_label, warn_health
 from hf_evon.optim.hooks import LOCAL, ShardingHooks
 from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std
-from hf_evon.optim.noise import StreamGenerators, process_rank
+from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
 from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
@@ -191,9 +191,7 @@ class EVON(Optimizer):
             lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay
         )
         self.nonfinite = nonfinite
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-        self.seed = int(seed)
+        self.seed = resolve_seed(seed)
         self.skipped_steps = 0
         # posterior_health(warn=True) every this many steps (one host sync each; 0: never)
         self.health_check_every = 100
@@ -318,6 +316,10 @@ class EVON(Optimizer):
                 total = self._hooks.square_sums(group["params"])  # FSDP2: a collective
                 group["ess"] = auto_ess(group, total)
 
+    def _refuse_in_sample(self, call: str) -> None:
+        if self._in_sample:
+            raise RuntimeError(f"{call} called inside a sampled_params() block: call it after the block")
+
     def _member_state(self, p: Tensor) -> dict[str, Any]:
         """``self.state`` of a bucket member (FSDP2: the owner's full copy of a DTensor, state under the DTensor)."""
         return self.state[self._hooks.model_param(p)]
@@ -337,8 +339,9 @@ class EVON(Optimizer):
         less what the last step consumed); an interrupt (Ctrl-C) also drops the step's earlier
         samples. Frozen parameters are not perturbed. ``train=False`` only samples (BMA).
         """
-        if self._in_sample:
-            raise RuntimeError("sampled_params() blocks cannot be nested")
+        self._refuse_in_sample("sampled_params() (blocks cannot be nested)")
+        if not isinstance(train, bool):  # a string would decide the recording only at the exit
+            raise TypeError(f"sampled_params: train must be True or False; got {train!r}")
         perturbed: list[Bucket] = []
         stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
         ok, exited, grad_mode = False, False, torch.is_grad_enabled()
@@ -417,8 +420,7 @@ class EVON(Optimizer):
         if closure is not None:
             with torch.enable_grad(), self.sampled_params(train=True):
                 loss = closure()
-        if self._in_sample:
-            raise RuntimeError("step() called inside a sampled_params() block")
+        self._refuse_in_sample("step()")
         self.synchronize()
         self._hooks.before_step()  # FSDP2: the owners gather the step's (clipped) gradients
         if self._samples == 0:
@@ -450,13 +452,10 @@ class EVON(Optimizer):
         return loss
 
     def synchronize(self) -> None:
-        """Average, across data-parallel ranks, what the next step uses.
-
-        Each rank keeps its *own* gradients while sampling (its Hessian estimate needs them);
-        this averages the gradients and the Hessian numerators once per step. ``step()``
-        calls it; call it earlier to clip or log gradients that are already averaged.
-        Without a ``gradient_reducer`` (single process) it does nothing.
-        """
+        """Average, across data-parallel ranks, what the next step uses: the gradients and the
+        Hessian numerators, once per step (each rank samples with its *own* gradients, which its
+        Hessian estimate needs). ``step()`` calls it; call it earlier to clip or log averaged
+        gradients. Without a ``gradient_reducer`` (single process) it does nothing."""
         if self._synchronized:
             return
         if self.gradient_reducer is None:
@@ -570,6 +569,7 @@ class EVON(Optimizer):
         return self._hooks.full_state_dict(sd)  # sharded: a collective, the full state on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._refuse_in_sample("load_state_dict()")  # the block's exit would record into dropped buckets
         validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
         state_dict = dict(state_dict)
         extra = state_dict.pop("evon", None)

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import numbers
 
 import torch
 
-__all__ = ["StreamGenerators", "derived_seed", "process_rank"]
+__all__ = ["StreamGenerators", "derived_seed", "process_rank", "resolve_seed"]
+
+
+def resolve_seed(seed: int | None) -> int:
+    """``seed`` as an int; ``None`` takes one from torch's global RNG, so ``torch.manual_seed``
+    reproduces it. Anything but an integer is refused: ``int(1.7)`` would be seed 1, silently."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer (or None); got {seed!r}")
+    return int(seed)
 
 
 def derived_seed(seed: int, *labels: object) -> int:

@@ -12,7 +12,6 @@ sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files 
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,16 +24,6 @@ from hf_evon.optim.linalg import exact_float32_matmul, rotated_std, rotated_vari
 from hf_evon.optim.noise import derived_seed
 
 Tensor = torch.Tensor
-
-
-def resolve_seed(seed: int | None) -> int:
-    """``seed`` as an int; ``None`` takes one from torch's global RNG, so ``torch.manual_seed``
-    reproduces it. Anything but an integer is refused: ``int(1.7)`` would be seed 1, silently."""
-    if seed is None:
-        return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an integer (or None); got {seed!r}")
-    return int(seed)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from torch import nn
 from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.linalg import dense_covariance, marginal_variance
+from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
     POSTERIOR_CONFIG_NAME,
@@ -48,7 +49,6 @@ from hf_evon.posterior.gaussian import (
     basis_dtype,
     compute_dtype,
     drop_wide_bases,
-    resolve_seed,
     sample_group,
     stack_factors,
 )

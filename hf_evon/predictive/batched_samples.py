@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_evon.optim.noise import resolve_seed
+
 Tensor = torch.Tensor
 
 STRATEGIES = ("auto", "materialize", "factored")
@@ -215,8 +217,8 @@ class BatchedSamples:
                 )
             if isinstance(module, nn.Embedding) and module.max_norm is not None:
                 raise NotImplementedError(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
-        if self.seed is None:  # one seed for all names, as a single draw(seed=None) would do
-            self.seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        # one seed for all names, as a single draw(seed=None) would do
+        self.seed = resolve_seed(self.seed)
         factored = self._factored(params, owners)
         per_sample: dict[str, Tensor] = {}
         with torch.no_grad():

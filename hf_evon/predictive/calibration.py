@@ -46,7 +46,7 @@ from torch import nn
 
 from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
-from hf_evon.posterior.gaussian import resolve_seed
+from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.held_out import scored_pass
 from hf_evon.predictive.logprobs import log_mean_prob
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model
-from hf_evon.posterior.gaussian import resolve_seed
+from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
 from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
 
