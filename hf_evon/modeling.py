@@ -23,7 +23,10 @@ __all__ = [
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip (Distributed)DataParallel and ``torch.compile``, in any order (accelerate compiles the
-    DDP module), so names are the model's own (no ``module.`` or ``_orig_mod.`` prefix)."""
+    DDP module), so names are the model's own (no ``module.`` or ``_orig_mod.`` prefix). Anything
+    but a module is refused by name (e.g. the optimizer passed where the model goes)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
             model = model.module

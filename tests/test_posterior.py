@@ -214,6 +214,17 @@ def test_from_optimizer_rejects_a_model_it_was_not_built_for(mlp):
         EVONPosterior.from_optimizer(opt, other)
 
 
+def test_arguments_in_the_wrong_places_are_named(mlp):
+    model, opt, post = mlp
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module; got NoneType"):
+        EVONPosterior.from_optimizer(opt, None)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module; got EVON"):
+        post.check_model(opt)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module; got EVON"):
+        with post.sampled(opt, seed=0):
+            raise AssertionError("the block must not run")
+
+
 def test_from_optimizer_unwraps_accelerate(mlp):
     from accelerate import Accelerator
 
