@@ -305,6 +305,33 @@ def test_a_member_whose_first_gradient_comes_late_steps_as_in_a_group_of_its_own
     assert int(shared[1]["step"]) == 25 - 8 - 1  # its 17 steps with a gradient, less its initialising one
 
 
+@pytest.mark.parametrize("missed", [0, 4], ids=["initialising", "mid-run"])
+def test_under_phased_gradients_a_member_that_misses_a_step_keeps_its_own_phase(missed: int) -> None:
+    """A member a count behind its bucket was sampled on the bucket's noisy steps but stepped as
+    clean, and stepped as noisy on the clean ones without a sample: its Price H never moved again."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    opt = EVON([a, b], seed=0, phased_gradients=True, hess_estimator="price", step_curvature="entry",
+               clip="none", hess_init=0.01, ess=1000.0)  # fmt: skip
+    x = torch.randn(16, 4)
+    moved, perturbed = [], []
+    for t in range(12):
+        count, mean = int(opt.state[b]["step"]) if "step" in opt.state[b] else None, b.detach().clone()
+        with opt.sampled_params(train=True):
+            perturbed.append(not torch.equal(b, mean))
+            loss = (x @ a).square().mean() + (0 if t == missed else (x @ b).square().mean())
+            loss.backward()
+        before = opt.state[b]["hess"].clone()
+        opt.step()
+        opt.zero_grad()
+        # B's own step count before this step: even -> a noisy step, sampled, H updated from it
+        noisy = count is not None and count % 2 == 0 and t != missed and t > 0
+        moved.append(not torch.equal(before, opt.state[b]["hess"]))
+        assert moved[-1] == noisy, (t, count)
+        assert perturbed[-1] == (count is not None and count % 2 == 0), (t, count)
+    assert sum(moved) >= 4
+
+
 def test_a_late_member_resumes_bit_for_bit_before_and_after_its_first_gradient() -> None:
     straight = _late_member_run(True, ess=64.0)
     for save_at in (4, 9, 12):  # uninitialised, initialising, stepping

@@ -250,7 +250,11 @@ class Bucket:
         normal ``z``); with ``train``, keep ``z`` and, under the Price estimate, start the
         Hessian numerator ``record_sample`` adds to (the Fisher estimate takes H from the step's
         gradient: no per-sample work). False (nothing drawn or written) when every member is frozen."""
-        live = [i for i, p in enumerate(self.params) if p.requires_grad]
+        # phased gradients: a member that missed a step is a count behind the others, in its own
+        # phase; a training sample perturbs only the members whose step is a noisy one
+        phased = train and self.group["phased_gradients"]
+        counts = self.counts if phased else []
+        live = [i for i, p in enumerate(self.params) if p.requires_grad and (not phased or counts[i] % 2 == 0)]
         if not live:
             return False
         self.live = None if len(live) == len(self.params) else live
@@ -361,8 +365,9 @@ class Bucket:
             return False
         if not g["phased_gradients"]:
             return True
-        # phased gradients: the initialising step and even updates are clean
-        return self.initialized and (self.t + 1) % 2 == 1
+        # phased gradients: the initialising step and even updates are clean, each member by its
+        # own count (the bucket's step is noisy if any member's is)
+        return self.initialized and any(c % 2 == 0 for c in self.counts)
 
 
 def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:
