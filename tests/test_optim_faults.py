@@ -332,6 +332,29 @@ def test_under_phased_gradients_a_member_that_misses_a_step_keeps_its_own_phase(
     assert sum(moved) >= 4
 
 
+def test_weights_of_one_shape_and_different_dtypes_step_in_their_own_dtype() -> None:
+    """A bfloat16 matrix listed before a float32 one of its shape shared its bucket, and the
+    float32 weight got bfloat16-rounded steps. Each now steps as it would alone, bit for bit."""
+
+    def run(with_bf16: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w16 = nn.Parameter(torch.randn(6, 6).bfloat16())
+        w32 = nn.Parameter(torch.randn(6, 6))
+        opt = EVON([w16, w32] if with_bf16 else [w32], seed=0, ess=math.inf, weight_decay=0.0, clip="none", lr=1.0)
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+        for _ in range(4):
+            with opt.sampled_params(train=True):
+                loss = (x @ w32).sin().sum() + ((x.bfloat16() @ w16).float().sin().sum() if with_bf16 else 0)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return [w32.detach().clone(), *(v.clone() for v in opt.state[w32].values())]
+
+    alone, mixed = run(False), run(True)
+    assert not torch.equal(alone[0], alone[0].bfloat16().float())  # steps finer than bfloat16's
+    assert len(alone) == len(mixed) and all(torch.equal(x, y) for x, y in zip(alone, mixed))
+
+
 def test_a_late_member_resumes_bit_for_bit_before_and_after_its_first_gradient() -> None:
     straight = _late_member_run(True, ess=64.0)
     for save_at in (4, 9, 12):  # uninitialised, initialising, stepping

@@ -419,7 +419,7 @@ class Plan:
 
 
 def group_buckets(param_groups: list[dict[str, Any]]) -> list[Bucket]:
-    """The EVON groups' parameters, bucketed by (group, device, matrix shape, bases, state dtype).
+    """The EVON groups' parameters, bucketed by (group, device, matrix shape, bases, state and weight dtypes).
 
     A parameter with no entries (a zero-width layer) is in no bucket: it has nothing to step or
     sample, and it keeps no state, as in ``torch.optim``'s optimizers."""
@@ -432,7 +432,8 @@ def group_buckets(param_groups: list[dict[str, Any]]) -> list[Bucket]:
                 continue
             m, n = matrix_shape(p.shape)
             left, right = preconditioned_sides(tuple(p.shape), group)
-            key = (gi, p.device, m, n, left, right, state_dtype(p))
+            # the weights' own dtype too: a bucket's update is cast to one dtype, its mean stacked in it
+            key = (gi, p.device, m, n, left, right, state_dtype(p), p.dtype)
             if key not in buckets:
                 buckets[key] = Bucket(group, [], m, n, left, right, state_dtype(p))
             buckets[key].params.append(p)
