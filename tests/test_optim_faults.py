@@ -454,9 +454,9 @@ def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     assert_identical(runs[1], runs[0])
 
 
-def test_load_state_dict_inside_a_sampled_block_is_refused_and_the_step_goes_on() -> None:
-    """Loaded inside a block, the state rebuilt the buckets, and the block's exit recorded its
-    Hessian numerator into the dropped ones: the next step lost the sample silently."""
+def test_load_state_dict_with_samples_pending_is_refused_and_the_step_goes_on() -> None:
+    """Loaded inside a block or between a block and step(), the state rebuilt the buckets, which
+    held (or were to hold) the block's Hessian numerator: the next step lost the sample silently."""
     data = make_data()
     runs = []
     for attempt in (False, True):
@@ -470,6 +470,11 @@ def test_load_state_dict_inside_a_sampled_block_is_refused_and_the_step_goes_on(
                 if attempt:
                     with pytest.raises(RuntimeError, match=r"load_state_dict\(\) called inside a sampled_params"):
                         opt.load_state_dict(saved)
+            if attempt:  # between the block and step(): the same samples would be lost
+                with pytest.raises(RuntimeError, match=r"load_state_dict\(\) was called between .* step\(\)"):
+                    opt.load_state_dict(saved)
+                with pytest.raises(RuntimeError, match=r"invalidate_buckets\(\) was called between"):
+                    opt.invalidate_buckets()
         opt.step()
         opt.zero_grad()
         runs.append(snapshot(model, opt))

@@ -222,17 +222,9 @@ class EVON(Optimizer):
 
     # ------------------------------------------------------------------ set-up
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """``torch.optim``'s ``add_param_group``, validated; refused while samples are pending.
-
-        A new group rebuilds the buckets, which would drop the Hessian numerators recorded by
-        ``sampled_params`` blocks since the last ``step()``: add groups right after a step.
-        """
-        if self._in_sample or self._samples:
-            raise RuntimeError(
-                "add_param_group() was called between a sampled_params(train=True) block and step(): "
-                f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() "
-                "first, then add the group before the next sample"
-            )
+        """``torch.optim``'s ``add_param_group``, validated; refused while samples are pending: a new
+        group rebuilds the buckets, which hold the Hessian numerators recorded since the last step."""
+        self._refuse_rebuild("add_param_group()")
         for key in MODE_KEYS:  # a mode given as an Enum is stored as its string
             if key in param_group:
                 param_group[key] = mode_value(param_group[key])
@@ -286,6 +278,7 @@ class EVON(Optimizer):
     def invalidate_buckets(self) -> None:
         """Rebuild the buckets (and re-stack the state) at their next use: after the parameters'
         ownership or ``optimizer.state`` changed outside the optimizer."""
+        self._refuse_rebuild("invalidate_buckets()")
         self._buckets = None
 
     def install_sharding(self, hooks: ShardingHooks) -> None:
@@ -319,6 +312,13 @@ class EVON(Optimizer):
     def _refuse_in_sample(self, call: str) -> None:
         if self._in_sample:
             raise RuntimeError(f"{call} called inside a sampled_params() block: call it after the block")
+
+    def _refuse_rebuild(self, call: str) -> None:
+        """Refuse a call that rebuilds the buckets while they hold recorded samples' Hessian numerators."""
+        self._refuse_in_sample(call)
+        if self._samples:
+            msg = f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() first"
+            raise RuntimeError(f"{call} was called between a sampled_params(train=True) block and step(): {msg}")
 
     def _member_state(self, p: Tensor) -> dict[str, Any]:
         """``self.state`` of a bucket member (FSDP2: the owner's full copy of a DTensor, state under the DTensor)."""
@@ -569,7 +569,7 @@ class EVON(Optimizer):
         return self._hooks.full_state_dict(sd)  # sharded: a collective, the full state on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._refuse_in_sample("load_state_dict()")  # the block's exit would record into dropped buckets
+        self._refuse_rebuild("load_state_dict()")
         validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
         state_dict = dict(state_dict)
         extra = state_dict.pop("evon", None)
