@@ -494,6 +494,55 @@ def test_a_train_flag_that_is_not_a_bool_is_refused_at_entry() -> None:
     train_step(model, opt, data)  # still usable
 
 
+def test_a_group_changed_to_an_invalid_value_is_refused_before_the_step_changes_anything() -> None:
+    """A mode set to a typo mid-run raised in the second group's update, after the first group's
+    momentum, statistics and H had moved; the samples stayed, so a retry moved them twice."""
+    runs = []
+    for typo in (False, True):
+        torch.manual_seed(0)
+        a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(3, 5))
+        opt = EVON([{"params": [a]}, {"params": [b]}], seed=0)
+        x, z = torch.randn(8, 4), torch.randn(8, 3)
+        for t in range(4):
+            with opt.sampled_params(train=True):
+                ((x @ a).tanh().sum() + (z @ b).tanh().sum()).backward()
+            if typo and t == 3:
+                before = snapshot(nn.ParameterList([a, b]), opt)
+                opt.param_groups[1]["clip"] = "Whiten"
+                with pytest.raises(ValueError, match=r"param_groups\[1\]: Invalid clip: 'Whiten'"):
+                    opt.step()
+                assert_identical(snapshot(nn.ParameterList([a, b]), opt), before)
+                opt.param_groups[1]["clip"] = "whiten_rms"
+            opt.step()  # the retry steps as if nothing had happened
+            opt.zero_grad()
+        runs.append(snapshot(nn.ParameterList([a, b]), opt))
+    assert_identical(runs[1], runs[0])
+
+
+def test_a_refused_step_leaves_the_next_steps_gradients_to_be_averaged() -> None:
+    """A step refused for want of a sample had already marked the gradients as averaged across
+    ranks: the next, proper step skipped its all-reduce (each rank stepping on its own gradients)."""
+    w = nn.Parameter(torch.randn(4, 4))
+    opt = EVON([w], seed=0)
+    calls: list[int] = []
+    opt.gradient_reducer = lambda tensors: calls.append(len(tensors))
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            (x @ w).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    (x @ w).sum().backward()  # outside a block
+    with pytest.raises(RuntimeError, match="needs the gradient at a posterior sample"):
+        opt.step()
+    opt.zero_grad()
+    with opt.sampled_params(train=True):
+        (x @ w).sum().backward()
+    done = len(calls)
+    opt.step()
+    assert len(calls) == done + 1
+
+
 def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:
     # a dead input unit: H = 0 on its column after the Fisher estimate's first average; with
     # weight_decay = 0 its variance 1/(ess·(H + 0)) was inf, every sample inf, the loss NaN

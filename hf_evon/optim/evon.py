@@ -75,6 +75,7 @@ from hf_evon.optim.update import (
 from hf_evon.optim.validation import (
     resolve_prior,
     validate_group,
+    validate_groups,
     validate_hyperparameters,
     validate_state_dict,
 )
@@ -94,9 +95,9 @@ class EVON(Optimizer):
     Args:
         params: parameters or parameter groups. A group may set ``algorithm="adamw"``
             (embeddings, heads, 1-D tensors: torch's fused AdamW, Trainer's default); the rest EVON.
-        lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's
-            default rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.16 for
-            "whiten_rms", 0.04 for "element" and, as a first guess, for the modes without a ratio.
+        lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's default
+            rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.16 for "whiten_rms", 0.04
+            for "element" and, as a first guess, for the modes without a ratio.
         ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default):
             per group, first the ζ whose initial std is ``init_std_ratio`` of the weights' RMS;
             under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps
@@ -123,18 +124,16 @@ class EVON(Optimizer):
             "spectral" (singular values ≤ radius), "whiten" (Newton–Schulz, as Muon) or
             "whiten_rms" (the default: Newton–Schulz, scaled to entry RMS ``clip_radius``).
         clip_radius: the radius for "element" and "spectral"; the entry RMS for "whiten_rms".
-        snr_scaling: "adam" (default, ``DEFAULT_SNR_SCALING``): scale each matrix's clipped step by
-            min(1, ρ), ρ = ‖m̂‖_F / sqrt(EMA‖G‖²_F) (Adam's own step size; EMA decay
-            ``SNR_AVERAGE_BETA``). True: by min(1, ρ/ρ₀), ρ₀ = ``snr_floor(β1)``: full steps until
-            the gradients fade. No effect with ``clip="none"`` (the Newton step has its own size).
-            One number per matrix. The paper's algorithm (and its recipes): False.
+        snr_scaling: "adam" (default, ``DEFAULT_SNR_SCALING``): scale each matrix's clipped step by min(1, ρ),
+            ρ = ‖m̂‖_F / sqrt(EMA‖G‖²_F) (Adam's own step size; EMA decay ``SNR_AVERAGE_BETA``). True: by
+            min(1, ρ/ρ₀), ρ₀ = ``snr_floor(β1)``: full steps until the gradients fade. No effect with
+            ``clip="none"`` (the Newton step has its own size). The paper's algorithm (and recipes): False.
         phased_gradients: alternate clean steps (gradient at the mean; L, R updated) and
             noisy steps (sampled weights; Hessian updated).
         identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).
-        stagger_refresh: give each matrix its own phase in the refresh cycle (still every f
-            updates), balanced by cost, so no step pays for all QRs at once. False refreshes
-            every matrix after the updates with t % f == 0. A group's first (or only) matrix
-            always has phase 0.
+        stagger_refresh: give each matrix its own phase in the refresh cycle (still every f updates),
+            balanced by cost, so no step pays for all QRs at once. False refreshes every matrix after
+            the updates with t % f == 0. A group's first (or only) matrix always has phase 0.
         init_std_ratio: the initial posterior std relative to the weights' RMS for ``ess="auto"``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups
             (``adamw_lr=None``: use ``lr``, EVON's rate, which is rarely right for AdamW).
@@ -193,8 +192,7 @@ class EVON(Optimizer):
         self.nonfinite = nonfinite
         self.seed = resolve_seed(seed)
         self.skipped_steps = 0
-        # posterior_health(warn=True) every this many steps (one host sync each; 0: never)
-        self.health_check_every = 100
+        self.health_check_every = 100  # posterior_health(warn=True) every this many steps (a host sync; 0: never)
         self._updates = 0  # steps taken by this object (for the health check's period)
         self._health_warned: set[str] = set()  # each health warning is given once
         self._streams = StreamGenerators()
@@ -421,12 +419,14 @@ class EVON(Optimizer):
             with torch.enable_grad(), self.sampled_params(train=True):
                 loss = closure()
         self._refuse_in_sample("step()")
+        validate_groups(self.param_groups)
         self.synchronize()
         self._hooks.before_step()  # FSDP2: the owners gather the step's (clipped) gradients
         if self._samples == 0:
             needs_samples = any(b.noisy_phase() for b in self.buckets)
             # sharded: a rank that owns no noisy matrix must raise too
             if not self._hooks.all_ranks(not needs_samples):
+                self._synchronized = False  # the next step's gradients are not averaged yet
                 raise RuntimeError(
                     "EVON needs the gradient at a posterior sample: run forward/backward inside "
                     "`with optimizer.sampled_params(train=True):` before step()"

@@ -37,7 +37,7 @@ from hf_evon.optim.defaults import (
     ratio_clip,
 )
 
-__all__ = ["resolve_prior", "validate_group", "validate_hyperparameters", "validate_state_dict"]
+__all__ = ["resolve_prior", "validate_group", "validate_groups", "validate_hyperparameters", "validate_state_dict"]
 
 # EVON's keyword arguments that are the optimizer's own, not a group's
 _OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_weight_decay", "nonfinite", "seed")
@@ -199,6 +199,17 @@ def validate_group(group: dict[str, Any]) -> None:
             )
         if not p.is_floating_point():
             raise ValueError(f"EVON cannot train the {p.dtype} parameter {label}: it needs floating-point weights")
+
+
+def validate_groups(groups: list[dict[str, Any]]) -> None:
+    """Every group checked as by ``validate_group``, the error naming the group: ``step()`` runs it
+    before it changes anything, since a field changed mid-run (a mode set to a typo) would otherwise
+    raise halfway through the buckets, some of their state already updated."""
+    for i, group in enumerate(groups):
+        try:
+            validate_group(group)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"param_groups[{i}]: {err}") from None
 
 
 def validate_state_dict(state_dict: dict[str, Any]) -> None:
