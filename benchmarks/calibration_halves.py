@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,7 @@ from hf_evon.predictive.calibration import (  # noqa: E402
     DEFAULT_NUM_SAMPLES,
     DEFAULT_STANDARD_ERRORS,
     calibrate_posterior,
+    trained_posterior,
 )
 from hf_evon.predictive.logprobs import log_mean_prob  # noqa: E402
 
@@ -68,15 +70,24 @@ class Replay(nn.Module):
 
 
 class ReplayPosterior:
-    """What ``calibrate_posterior`` reads of a posterior: ``config``, ``ess``, ``with_ess``,
-    ``with_temperature`` and ``sampled``, which points the ``Replay`` model at the stored draw."""
+    """What ``calibrate_posterior`` reads of a posterior: ``config``, ``ess``, ``names``, ``factors``,
+    ``with_ess``, ``scale_ess``, ``with_temperature`` and ``sampled``, which points the ``Replay`` model at the stored draw."""
 
     def __init__(self, trained: float, ess: float | None = None, temperature: float = 1.0) -> None:
         self.trained, self.ess, self.temperature = trained, trained if ess is None else ess, temperature
         self.config: dict[str, Any] = {"trained_ess": trained}
 
-    def with_ess(self, ess: float) -> ReplayPosterior:
-        return ReplayPosterior(self.trained, ess, self.temperature)
+    names = ["replay"]  # one stand-in parameter, its factors' ess all ``apply`` reads
+
+    @property
+    def factors(self) -> dict[str, Any]:
+        return {"replay": types.SimpleNamespace(ess=self.ess)}
+
+    def with_ess(self, ess: float | dict[str, float]) -> ReplayPosterior:
+        return ReplayPosterior(self.trained, ess["replay"] if isinstance(ess, dict) else ess, self.temperature)
+
+    def scale_ess(self, factor: float) -> ReplayPosterior:
+        return ReplayPosterior(self.trained, self.ess * factor, self.temperature)
 
     def with_temperature(self, temperature: float) -> ReplayPosterior:
         return ReplayPosterior(self.trained, self.ess, temperature)
@@ -98,9 +109,9 @@ def draws(
     draws, float64, on the host; and the targets' labels."""
     mean, y = payoff_training.log_probs(model, task.cal, task.shift)
     out = {None: mean}
-    trained = float(posterior.config.get("trained_ess", posterior.ess))
+    trained = trained_posterior(posterior)
     for f in DEFAULT_GRID:
-        candidate = posterior.with_ess(trained * f)
+        candidate = trained.scale_ess(f)
         for s in range(DEFAULT_NUM_SAMPLES):
             with candidate.sampled(model, seed=seed + s):
                 out[key(f, seed + s)] = payoff_training.log_probs(model, task.cal, task.shift)[0]

@@ -847,3 +847,58 @@ def test_a_calibration_summary_says_what_was_chosen() -> None:
     assert "50 targets" in chosen and "temperature there 1.50: overconfident" in chosen
     kept = CalibrationResult(ess=math.inf, **{**common, "mean_temperature": 0.9}).summary()
     assert "BMA is the mean" in kept and "NLL 0.6000 vs 0.6000" in kept and "not overconfident" in kept
+
+
+def _two_group_posterior() -> tuple[nn.Module, EVONPosterior]:
+    """An MLP whose two EVON groups train at ζ 1000 and 10: a posterior with two noise scales."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    from hf_evon import EVON
+
+    opt = EVON([{"params": [model[0].weight], "ess": 1e3}, {"params": [model[2].weight], "ess": 10.0}], seed=0)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    for _ in range(5):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 0.01, math.inf])
+def test_a_calibration_scales_every_groups_own_ess_and_remembers_each(multiplier: float, tmp_path) -> None:
+    """A posterior of two EVON groups: the calibration set every group to the first group's ζ times
+    the multiple, so "the posterior as trained" shrank the second group's std 10x, and restoring
+    the trained scale (predict_uncertainty) did the same."""
+    from hf_evon.predictive.calibration import CalibrationResult, trained_posterior
+
+    _, post = _two_group_posterior()
+    assert {n: f.ess for n, f in post.factors.items()} == {"0.weight": 1e3, "2.weight": 10.0}
+    result = CalibrationResult(ess=post.ess * multiplier, trained_ess=post.ess, grid=[post.ess], nll=[1.0],
+                               mean_nll=1.0, num_samples=2, num_targets=4, seed=0)  # fmt: skip
+    calibrated = result.apply(post)
+    for name in post.names:
+        expected = post.std(name) / math.sqrt(multiplier)
+        assert torch.allclose(calibrated.std(name), expected, rtol=1e-6, atol=0), name
+        assert calibrated[name].ess == post[name].ess * multiplier
+    assert calibrated.ess == result.ess and calibrated.config["trained_ess_by_parameter"] == {"2.weight": 10.0}
+    calibrated.save_pretrained(tmp_path)
+    for restored in (trained_posterior(calibrated), trained_posterior(EVONPosterior.from_pretrained(tmp_path))):
+        assert {n: f.ess for n, f in restored.factors.items()} == {"0.weight": 1e3, "2.weight": 10.0}
+        assert all(torch.equal(restored.std(n), post.std(n)) for n in post.names)
+    again = result.apply(calibrated)  # applied to a calibrated posterior: from the trained one, not on top
+    assert all(again[n].ess == calibrated[n].ess for n in post.names)
+
+
+def test_scale_ess_keeps_the_groups_ratios_and_with_ess_takes_one_per_name() -> None:
+    _, post = _two_group_posterior()
+    half = post.scale_ess(4.0)
+    assert {n: f.ess for n, f in half.factors.items()} == {"0.weight": 4e3, "2.weight": 40.0}
+    assert all(torch.allclose(half.std(n), post.std(n) / 2, rtol=1e-6, atol=0) for n in post.names)
+    assert post.with_ess(5.0)["2.weight"].ess == 5.0  # one ζ everywhere
+    split = post.with_ess({"0.weight": 7.0, "2.weight": 9.0})
+    assert split["0.weight"].ess == 7.0 and split["2.weight"].ess == 9.0
+    with pytest.raises(KeyError, match="exactly the covered names"):
+        post.with_ess({"0.weight": 7.0})
+    with pytest.raises(TypeError, match="scale_ess: factor must be a number"):
+        post.scale_ess("2")

@@ -91,6 +91,13 @@ def json_value(value: Any) -> Any:
     return str(value)
 
 
+def ess_number(value: Any, argument: str) -> float:
+    """An ess (or a factor on one) given as a number, as a float; anything else refused by ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{argument} must be a number (math.inf for no noise); got {value!r}")
+    return float(value)
+
+
 def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
     """``ess > 0`` (``inf``: no noise) and a finite ``weight_decay >= 0``, or an error naming ``where``."""
     if not ess > 0.0:
@@ -244,6 +251,8 @@ class PosteriorConfig:
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
     trained_ess: float | None = _optional(rules.number)
+    # the trained ζ of parameters whose group's differs from trained_ess (several EVON groups)
+    trained_ess_by_parameter: dict[str, float] | None = _optional(rules.ess_by_name)
     temperature: float | None = _optional(rules.temperature)  # BMA predicts softmax(logits / T); absent: 1
     calibration: dict[str, Any] | None = _optional(rules.calibration, nullable=True)
     # bookkeeping of the save
@@ -292,6 +301,8 @@ class PosteriorConfig:
             name: ParameterEntry.from_dict(name, parameters[name], ess, weight_decay, where)
             for name in sorted(parameters)
         }
+        if unknown := sorted(set(values.get("trained_ess_by_parameter") or {}) - set(entries)):
+            raise PosteriorMismatchError(f"{where}: trained_ess_by_parameter names uncovered {unknown[:5]}")
         return cls(
             ess=ess,
             weight_decay=weight_decay,

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from hf_evon.optim.buckets import matrix_shape, wide_sides
 from hf_evon.optim.buckets import state_dtype as compute_dtype  # float32 math; float64 stays float64
-from hf_evon.optim.buckets import wide_sides
 from hf_evon.optim.linalg import exact_float32_matmul, rotated_std, rotated_variance, unrotate
 from hf_evon.optim.noise import derived_seed
+from hf_evon.posterior.json_rules import PosteriorMismatchError
 
 Tensor = torch.Tensor
 
@@ -92,12 +93,23 @@ def basis_dtype(factors: Mapping[str, MatrixFactors]) -> torch.dtype:
     return next(iter(factors.values())).hess.dtype
 
 
+def check_factor_shapes(name: str, f: MatrixFactors) -> None:
+    """``f``'s matrix view and tensors agree with its parameter's shape, or an error naming them."""
+    m, n = f.matrix_shape
+    if tuple(f.matrix_shape) != matrix_shape(f.shape):
+        raise PosteriorMismatchError(f"{name!r}: matrix_shape {f.matrix_shape} does not match shape {f.shape}")
+    for label, t, want in (("hess", f.hess, (m, n)), ("Q_L", f.Q_L, (m, m)), ("Q_R", f.Q_R, (n, n))):
+        if t is not None and tuple(t.shape) != want:
+            raise PosteriorMismatchError(f"'{name}.{label}' has shape {tuple(t.shape)}; expected {want}")
+
+
 def stack_factors(factors: Mapping[str, MatrixFactors]) -> list[FactorGroup]:
     """Stack factors into groups of equal matrix shape, stored bases, noise scale, dtypes and
     device (names sorted within a group), so that sampling runs one batched matmul per group."""
     buckets: dict[tuple, list[str]] = {}
     for name in sorted(factors):
         f = factors[name]
+        check_factor_shapes(name, f)
         key = (
             f.matrix_shape,
             f.Q_L is not None,

@@ -173,6 +173,13 @@ def mean_fingerprint(value: Any, field: str, where: str) -> dict[str, Any]:
     return value
 
 
+def ess_by_name(value: Any, field: str, where: str) -> dict[str, float]:
+    """``{parameter name: ess > 0 or "inf"}`` (the trained ζ of parameters whose group's differs)."""
+    if not isinstance(value, dict):
+        raise rule_error(where, field, 'an object {parameter name: a number > 0 or "inf"}', value)
+    return {name: json_float(v, f"{field}.{name}", where, positive=True) for name, v in value.items()}
+
+
 # the calibration record's keys a card or a reader uses: (key, required, kind)
 _CALIBRATION_KEYS = (
     ("ess", True, "positive"),

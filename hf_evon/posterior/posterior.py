@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import unwrap_model
-from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.linalg import dense_covariance, marginal_variance
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
@@ -39,6 +38,7 @@ from hf_evon.posterior.config import (
     as_dtype,
     check_noise_scale,
     dtype_name,
+    ess_number,
 )
 from hf_evon.posterior.fingerprint import warn_if_other_mean
 from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
@@ -155,18 +155,7 @@ class EVONPosterior:
         """
         if not factors:
             raise ValueError("an EVONPosterior needs at least one covered parameter")
-        for name, f in factors.items():
-            m, n = f.matrix_shape
-            if tuple(f.matrix_shape) != matrix_shape(f.shape):
-                raise PosteriorMismatchError(
-                    f"{name!r}: matrix_shape {f.matrix_shape} does not match shape {f.shape}"
-                )
-            for label, t, want in (("hess", f.hess, (m, n)), ("Q_L", f.Q_L, (m, m)), ("Q_R", f.Q_R, (n, n))):
-                if t is not None and tuple(t.shape) != want:
-                    raise PosteriorMismatchError(
-                        f"'{name}.{label}' has shape {tuple(t.shape)}; expected {want}"
-                    )
-        groups = stack_factors(factors)
+        groups = stack_factors(factors)  # shapes checked there
         config = dict(config or {})
         config["format_version"] = FORMAT_VERSION
         some = factors[next(iter(factors))]
@@ -400,17 +389,31 @@ class EVONPosterior:
         calibration that kept the mean), so BMA over any number of samples predicts as the mean."""
         return all(math.isinf(g.ess) for g in self._groups)
 
-    def with_ess(self, ess: float) -> EVONPosterior:
-        """A copy with effective sample size ``ess`` everywhere (``inf``: zero variance).
+    def with_ess(self, ess: float | Mapping[str, float]) -> EVONPosterior:
+        """A copy with effective sample size ``ess`` everywhere, or ``{name: ess}`` for every covered
+        name (``inf``: zero variance). Variances scale as ``1/ess``: a larger ζ narrows the posterior."""
+        if isinstance(ess, Mapping):
+            if sorted(ess) != self.names:
+                raise KeyError(f"with_ess: a mapping needs exactly the covered names; got {sorted(ess)[:5]}")
+            named = self.factors.items()
+            factors = {n: replace(f, ess=ess_number(ess[n], f"with_ess: ess[{n!r}]")) for n, f in named}
+            return self._with_groups(stack_factors(factors), factors[self.names[0]].ess, "with_ess")
+        ess = ess_number(ess, "with_ess: ess")
+        return self._with_groups([replace(g, ess=ess) for g in self._groups], ess, "with_ess")
 
-        Variances scale as ``1/ess``: a larger ζ narrows the posterior (tempering).
-        """
-        if isinstance(ess, bool) or not isinstance(ess, int | float):
-            raise TypeError(f"with_ess: ess must be a number (math.inf for no noise); got {ess!r}")
-        ess = float(ess)
-        check_noise_scale(ess, self.weight_decay, "with_ess")
-        groups = [replace(g, ess=ess) for g in self._groups]
-        check_finite_std(groups, "with_ess")
+    def scale_ess(self, factor: float) -> EVONPosterior:
+        """A copy with every covered parameter's ζ times ``factor`` > 0 (``inf``: zero variance): the
+        same shape of uncertainty, each variance ``1/factor`` as large; groups trained at different ζ
+        keep their ratios (``with_ess`` sets one ζ everywhere)."""
+        factor = ess_number(factor, "scale_ess: factor")
+        groups = [replace(g, ess=g.ess * factor) for g in self._groups]
+        return self._with_groups(groups, self.ess * factor, "scale_ess")
+
+    def _with_groups(self, groups: list[FactorGroup], ess: float, where: str) -> EVONPosterior:
+        """A copy with ``groups`` (new noise scales, each checked to give a finite, non-zero std)."""
+        for g in groups:
+            check_noise_scale(g.ess, g.weight_decay, where)
+        check_finite_std(groups, where)
         config = dict(self.config, ess=ess)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 

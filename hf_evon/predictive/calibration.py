@@ -184,8 +184,16 @@ class CalibrationResult:
         """``posterior`` sampled at the chosen ``ess`` and predicting at the chosen ``temperature``,
         its config recording the trained ζ and this search (what a saved posterior and its model
         card report)."""
-        calibrated = posterior.with_ess(self.ess).with_temperature(self.temperature)
+        trained = trained_posterior(posterior)
+        factors = trained.factors
+        # each parameter's trained ζ times the chosen multiple (exactly ``ess`` for the top level's)
+        calibrated = trained.with_ess({n: f.ess / trained.ess * self.ess for n, f in factors.items()})
+        calibrated = calibrated.with_temperature(self.temperature)
         calibrated.config["trained_ess"] = self.trained_ess
+        others = {n: f.ess for n, f in factors.items() if f.ess != trained.ess}  # groups trained at another ζ
+        calibrated.config.pop("trained_ess_by_parameter", None)
+        if others:
+            calibrated.config["trained_ess_by_parameter"] = others
         calibrated.config["calibration"] = self.to_json()
         return calibrated
 
@@ -296,7 +304,8 @@ def calibrate_posterior(
         raise TypeError(
             "calibrate_posterior: batches must be re-iterable (a list or a DataLoader), not an iterator"
         )
-    trained = float(posterior.config.get("trained_ess", posterior.ess))
+    base = trained_posterior(posterior)  # the grid multiplies each parameter's trained ζ
+    trained = float(base.ess)
     if math.isinf(trained):
         raise ValueError("calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate")
     if shift_labels is not None and not isinstance(shift_labels, bool):  # 'no' would be True
@@ -327,14 +336,14 @@ def calibrate_posterior(
 
         def moves(i: int) -> bool:
             """Does scale i's first draw move the predictions by the screen's tolerance?"""
-            with posterior.with_ess(trained * scales[i]).sampled(model, seed=seed):
+            with base.scale_ess(scales[i]).sampled(model, seed=seed):
                 first[i] = scored_pass(model, batches, shift, temperatures)
             return float((first[i][screen_t] - screen_ref).abs().mean()) >= tolerance
 
         def score(factor: float, ts: Sequence[float], first_draw: Tensor | None) -> tuple[Tensor, int, Tensor]:
             """S draws at ζ = trained × factor at every T of ``ts`` (``first_draw``: the screen's pass at
             ``seed``): (their log p at the least-NLL T, [S, targets]; that T's index; BMA NLL per T)."""
-            candidate = posterior.with_ess(trained * factor)
+            candidate = base.scale_ess(factor)
             logps = [] if first_draw is None else [first_draw]
             for s in range(len(logps), num_samples):
                 with candidate.sampled(model, seed=seed + s):
@@ -396,6 +405,19 @@ def calibrate_posterior(
         trained_nll=trained_nll,
     )
     return result.apply(posterior), result
+
+
+def trained_posterior(posterior: Any) -> Any:
+    """``posterior`` at the noise scale EVON trained: a calibrated posterior's ζ put back from what
+    :meth:`CalibrationResult.apply` records (``trained_ess``; ``trained_ess_by_parameter`` for the
+    parameters of groups trained at another ζ); an uncalibrated posterior as it is."""
+    trained = posterior.config.get("trained_ess")
+    if trained is None:
+        return posterior
+    by_name = posterior.config.get("trained_ess_by_parameter")
+    if not by_name:
+        return posterior.with_ess(float(trained))
+    return posterior.with_ess({n: float(by_name.get(n, trained)) for n in posterior.names})
 
 
 def mean_temperature_choice(mean_logp: Tensor, standard_errors: float, min_gain: float) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
+from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
 from hf_evon.trainer.evaluation import (
@@ -208,9 +209,8 @@ class PredictionMixin:
         ``calibrated_scale=True`` draws at the calibrated scale, as ``predict(bma=True)`` does.
         """
         posterior = self._bma_posterior("predict_uncertainty()")
-        trained = posterior.config.get("trained_ess")  # set by a calibration (CalibrationResult.apply)
-        if not calibrated_scale and trained is not None:
-            posterior = posterior.with_ess(float(trained))
+        if not calibrated_scale:
+            posterior = trained_posterior(posterior)
         dataloader = self.get_test_dataloader(test_dataset)
         return bma_predict(self, dataloader, posterior, metric_key_prefix, uncertainty=True)
 
