@@ -462,6 +462,25 @@ def zero_scores(model, zero):
 
 
 # ----------------------------------------------------------------------------- scoring
+def test_default_labels_score_a_left_padded_row_as_it_scores_alone(gpt2):
+    """Labels taken from the ids masked only the pads' own targets: a left-padded row also scored
+    its first token, predicted from the pad before it (one more target than the row alone)."""
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    rows = [[5, 9, 17, 3], [40, 41, 7, 7, 30, 12, 3]]
+    ids, mask = left_pad(rows)
+    right = torch.tensor([r + [0] * (len(rows[1]) - len(r)) for r in rows])
+    batch = bma_log_likelihood(model, noisy, ids, attention_mask=mask, num_samples=3, seed=9)
+    right_padded = bma_log_likelihood(model, noisy, right, attention_mask=(right != 0).long(), num_samples=3, seed=9)
+    for i, row in enumerate(rows):
+        alone = bma_log_likelihood(model, noisy, torch.tensor([row]), num_samples=3, seed=9)
+        assert int(batch.mask[i].sum()) == int(alone.mask.sum()) == len(row) - 1
+        for scored in (batch, right_padded):
+            torch.testing.assert_close(
+                scored.sequence_log_likelihood[i], alone.sequence_log_likelihood[0], atol=1e-4, rtol=0
+            )
+
+
 def test_bma_log_likelihood_equals_direct_computation(strategy, gpt2):
     model, posterior = gpt2
     noisy = posterior.with_ess(NOISY_ESS)

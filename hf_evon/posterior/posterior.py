@@ -60,15 +60,8 @@ from hf_evon.posterior.snapshot import snapshot
 Tensor = torch.Tensor
 
 # EVONPosterior, and the names that come with it (their homes are config and gaussian)
-__all__ = [
-    "FORMAT_VERSION",
-    "MAX_DENSE_COVARIANCE_ELEMENTS",
-    "POSTERIOR_CONFIG_NAME",
-    "POSTERIOR_WEIGHTS_NAME",
-    "EVONPosterior",
-    "MatrixFactors",
-    "PosteriorMismatchError",
-]
+__all__ = ["FORMAT_VERSION", "MAX_DENSE_COVARIANCE_ELEMENTS", "POSTERIOR_CONFIG_NAME", "POSTERIOR_WEIGHTS_NAME"]
+__all__ += ["EVONPosterior", "MatrixFactors", "PosteriorMismatchError"]
 
 MAX_DENSE_COVARIANCE_ELEMENTS = 4096
 
@@ -430,7 +423,8 @@ class EVONPosterior:
         return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EVONPosterior:
-        """A copy with factors on ``device`` and/or stored in ``dtype`` (math stays float32)."""
+        """A copy with factors on ``device`` and/or stored in ``dtype`` (the math runs in float32, in
+        float64 for float64 factors: a float64 copy draws other noise than the float32 one)."""
         dtype = as_dtype(dtype, "to: dtype")
         groups = [g.map_tensors(lambda t: t.to(device=device, dtype=dtype)) for g in self._groups]
         config = dict(self.config)

@@ -393,10 +393,9 @@ def bma_log_likelihood(
     ):
         what = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
         raise ValueError(f"bma_log_likelihood: labels must have {want}; got {what}")
+    padded = labels is None and attention_mask is not None  # labels taken from the unpadded ids
     if labels is None:
-        labels = (
-            input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-        )
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
     batch = input_ids.shape[0]
     inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
     if attention_mask is not None:
@@ -411,6 +410,8 @@ def bma_log_likelihood(
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             inputs["position_ids"] = positions.repeat(num_samples, 1)
         targets, scored = labels[:, 1:], slice(None, -1)  # position t predicts token t+1
+        if padded:  # nor a token predicted from a pad (left padding's first token): as if alone
+            targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
     mask = targets != IGNORE_INDEX
     rows = expected_rows(batch, input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows):
