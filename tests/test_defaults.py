@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
@@ -227,6 +228,37 @@ def test_runaway_noise_warns_once_naming_the_cause() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.posterior_health()  # once only
+
+
+def test_the_runaway_watch_resumes_with_the_state() -> None:
+    """A resumed run rebuilt the watch from the weights at the resume: LoRA's B, grown from zero
+    but still below its noise, was watched at once, and the health check reported (and warned of)
+    runaway noise the uninterrupted run did not see."""
+
+    def make() -> tuple[nn.Parameter, nn.Parameter, EVON]:
+        torch.manual_seed(0)
+        a, b = nn.Parameter(torch.randn(4, 16) / 4), nn.Parameter(torch.zeros(16, 4))
+        return a, b, EVON([a, b], seed=0)
+
+    x = torch.randn(32, 16)
+    a, b, opt = make()
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            (x @ a.T @ b.T).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    a2, b2, resumed = make()
+    with torch.no_grad():
+        a2.copy_(a)
+        b2.copy_(b)
+    resumed.load_state_dict(saved)
+    straight = opt.posterior_health(warn=False)
+    assert float(opt.posterior_std(b).square().mean().sqrt()) > float(b.detach().square().mean().sqrt()) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resumed.posterior_health() == straight
+    assert straight["noise_to_signal_max"] < 1.0  # A's alone: B is not watched yet
 
 
 def test_a_zero_initialised_matrix_is_watched_for_runaway_noise_once_it_outgrows_its_noise() -> None:

@@ -116,14 +116,14 @@ def _is_evon(name: str) -> bool:
 
 
 def _expected_state_bytes(world: int, rank: int, owned: list[bool]) -> int:
-    """From shapes alone: a 7x7 float64 EVON matrix holds hess, exp_avg, L, R, Q_L, Q_R and one
-    number (exp_avg_sq_norm) and its float32 update count; AdamW tensors (the embedding, every bias) hold
+    """From shapes alone: a 7x7 float64 EVON matrix holds hess, exp_avg, L, R, Q_L, Q_R, two
+    numbers (exp_avg_sq_norm, noise_watched) and its float32 update count; AdamW tensors (the embedding, every bias) hold
     exp_avg and exp_avg_sq of this rank's rows only, and a float32 step."""
     total = 0
     for (name, p), mine in zip(_optimizer_order(), owned, strict=True):
         if _is_evon(name):
             if mine:
-                total += 6 * p.numel() * 8 + 8 + 4
+                total += 6 * p.numel() * 8 + 2 * 8 + 4
         else:
             assert mine  # every rank owns its rows of every AdamW tensor
             rows = shard_rows(p.shape[0], world, rank)[1]

@@ -388,6 +388,7 @@ def test_state_holds_no_copy_of_the_weights() -> None:
             "hess": (m, n),
             "exp_avg_unrotated": (m, n),  # the per-matrix step's momentum, in the weights' space
             "exp_avg_sq_norm": (),
+            "noise_watched": (),  # the health check's runaway watch, resumed with the state
             "step": (),
             "L": (m, m),
             "R": (n, n),

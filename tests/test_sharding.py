@@ -87,8 +87,8 @@ def test_gathered_state_dict_is_the_unsharded_one(runs, world: int) -> None:
 
 def _expected_state_bytes(owned: list[bool]) -> int:
     """Bytes of state for the owned parameters of the worker's model, from shapes alone:
-    an EVON 8x8 float64 weight (layers 0-12) holds hess, exp_avg, L, R, Q_L, Q_R and one number
-    (exp_avg_sq_norm, the SNR step scale's EMA of ‖G‖²); an AdamW
+    an EVON 8x8 float64 weight (layers 0-12) holds hess, exp_avg, L, R, Q_L, Q_R and two numbers
+    (exp_avg_sq_norm, the SNR step scale's EMA of ‖G‖²; noise_watched, the health check's watch); an AdamW
     tensor (layer 14's weight, every bias) exp_avg, exp_avg_sq and a float32 step; each EVON
     weight its float32 update count."""
     model = worker.tiny_model()
@@ -101,7 +101,7 @@ def _expected_state_bytes(owned: list[bool]) -> int:
             continue
         numel = 64 if name.endswith("weight") else 8
         if name.endswith("weight") and not name.startswith("14."):
-            total += 6 * numel * 8 + 8 + 4
+            total += 6 * numel * 8 + 2 * 8 + 4
         else:
             total += 2 * numel * 8 + 4
     return total

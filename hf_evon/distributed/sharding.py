@@ -342,8 +342,8 @@ class EVONSharding(ShardingHooks):
                     continue
                 m, n = matrix_shape(p.shape)
                 left, right = preconditioned_sides(tuple(p.shape), g)
-                # +1: exp_avg_sq_norm; + 4: its float32 update count
-                total += size * (2 * m * n + 2 * (m * m * left + n * n * right) + 1) + 4
+                # +2: exp_avg_sq_norm and noise_watched; + 4: its float32 update count
+                total += size * (2 * m * n + 2 * (m * m * left + n * n * right) + 2) + 4
         return total
 
 

@@ -148,7 +148,6 @@ class Bucket:
     # posterior_health's per-matrix runaway watch: members that were non-zero when the optimizer first
     # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
     # has outgrown its noise)
-    watched: Tensor | None = None  # (B,) bool, on the bucket's device
     # ((id, version) of state["step"], its values): the members' counters as last read or set
     _counts: tuple[tuple[int, int], list[int]] | None = field(default=None, repr=False)
     # member lists as index tensors on the state's device, built once: building one from a list is
@@ -486,8 +485,16 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
         if any(x is None for x in per_param) and k not in fresh:
             raise ValueError(f"EVON state {k!r} is missing for some parameters of shape {(b.m, b.n)}")
         b.state[k] = torch.stack([fresh[k]() if x is None else x.to(device, dt) for x in per_param])
+    # the health check's runaway watch (1: watched), saved with the state so that a resumed run
+    # watches what the uninterrupted one does; a member without it is watched where its weights are
+    # not all zero (a LoRA B starting at zero is watched once its noise falls below its RMS)
+    saved = [member_state(p).get("noise_watched") for p in b.params]
+    nonzero = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(device, dt) > 0
+    b.state["noise_watched"] = torch.stack(
+        [nonzero[i].to(dt) if x is None else x.to(device, dt).reshape(()) for i, x in enumerate(saved)]
+    )
     b.state["step"] = step
-    point_state_views(b, member_state, (*keys, "step"))
+    point_state_views(b, member_state, (*keys, "noise_watched", "step"))
 
 
 def settle_member_momentum(st: dict[str, Any], want: str) -> None:
@@ -544,6 +551,7 @@ _STATE_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "R": lambda m, n: (n, n),
     "Q_R": lambda m, n: (n, n),
     "exp_avg_sq_norm": lambda m, n: (),
+    "noise_watched": lambda m, n: (),
 }
 
 

@@ -295,7 +295,6 @@ class EVON(Optimizer):
         built = [b for b in (self._hooks.owned_bucket(b) for b in built) if b.params]
         for b in built:
             stack_state(b, self._member_state)
-            b.watched = torch.stack(torch._foreach_norm([p.detach() for p in b.params])) > 0
         self._resolve_auto_ess()
         return built
 

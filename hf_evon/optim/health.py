@@ -37,7 +37,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
         w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
         var_sum = var.sum(dim=(1, 2))
         ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
-        b.watched |= ratio < 1  # set where the bucket is built
+        watched = b.state["noise_watched"].masked_fill_(ratio < 1, 1.0)  # from then on: for good
         row = [
             var_sum.sum(),
             w_sq.sum(),
@@ -55,7 +55,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             dtype=torch.float64,
             device=hess.device,
         )
-        row += [torch.where(b.watched, ratio, 0.0).max(), init_part, prior_var]
+        row += [torch.where(watched > 0, ratio, 0.0).max(), init_part, prior_var]
         rows.append(torch.stack([x.double().to(hess.device) for x in row]))
         numel += hess.numel()
     t = (
