@@ -465,7 +465,7 @@ def run_against_reference(
             # the per-matrix step keeps the momentum in the weights' space: Q_L Ḡ Q_Rᵀ
             weight_space = hp["step_curvature"] == "matrix"
             momentum_key = "exp_avg_unrotated" if weight_space else "exp_avg"
-            expected_keys = {"hess", momentum_key, "exp_avg_sq_norm", "step"}
+            expected_keys = {"hess", momentum_key, "exp_avg_sq_norm", "noise_watched", "step"}
             expected_keys |= {"L", "Q_L"} if ref.left else set()
             expected_keys |= {"R", "Q_R"} if ref.right else set()
             assert set(st) == expected_keys, f"{where}: state keys {sorted(st)}"
