@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -563,10 +564,21 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     resumed = EVONTrainer(
         model=tiny_bert(seed=7, dropout=0.1), args=config(tmp_path / "res", **common), train_dataset=data
     )
-    resumed.train(resume_from_checkpoint=str(checkpoint))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="resumed from")  # nothing was changed
+        resumed.train(resume_from_checkpoint=str(checkpoint))
     pa, pb = params(full.model), params(resumed.model)
     for name in pa:
         assert torch.equal(pa[name], pb[name]), name
+    # settings changed for the resume: the checkpoint's are used, exactly as before, and named
+    changed = EVONTrainer(
+        model=tiny_bert(seed=7, dropout=0.1),
+        args=config(tmp_path / "changed", **{**common, "evon_clip": "element", "evon_mc_samples": 2}),
+        train_dataset=data,
+    )
+    with pytest.warns(UserWarning, match=r"resumed from .*mc_samples: 2 -> 1; group 0 clip: 'element' -> 'whiten_rms'"):
+        changed.train(resume_from_checkpoint=str(checkpoint))
+    assert all(torch.equal(pa[name], b) for name, b in params(changed.model).items())
     fa, fb = full.current_posterior().to_tensors(), resumed.current_posterior().to_tensors()
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
     # a resumed run from a *different* checkpoint step would not match: the test can fail
@@ -976,6 +988,30 @@ def test_the_logged_learning_rate_is_the_users_and_alpha_is_logged_beside_it(tmp
     assert initial != pytest.approx(1e-3)  # α is not the user's rate: the test can tell them apart
     if scheduler == "constant":
         assert all(entry["learning_rate"] == pytest.approx(1e-3) for entry in logs)
+
+
+def test_the_logged_learning_rate_is_adamws_in_use_under_a_scheduler_without_initial_lr(tmp_path):
+    """reduce_lr_on_plateau sets no initial_lr: the logged rate stayed at args.learning_rate while
+    AdamW's fell. It is the AdamW group's rate, as the optimizer held it at that step."""
+    held: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            held.append(next(g["lr"] for g in trainer.evon_optimizer.param_groups if g["algorithm"] == "adamw"))
+
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=4, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
+                    lr_scheduler_type="reduce_lr_on_plateau", metric_for_best_model="eval_loss", bma_num_samples=0,
+                    lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "mode": "max"}),  # fmt: skip
+        train_dataset=classification_data(),
+        eval_dataset=classification_data(8, seed=1),
+        callbacks=[Record()],
+    )
+    trainer.train()
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h and "learning_rate" in h]
+    assert logged == held[: len(logged)] and len(logged) == 4
+    assert logged[-1] < 1e-3  # the plateau schedule did lower it
 
 
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):

@@ -30,7 +30,7 @@ from hf_evon.fileio import replaced_atomically
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
 from hf_evon.trainer.card import save_trainer_model_card
 
-__all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin"]
+__all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin", "settings_replaced"]
 
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
 
@@ -40,6 +40,28 @@ def _has_posterior(directory: str) -> bool:
     names (a first save killed after its switch names the staged file: that loads); a config
     that does not load is an error ``from_pretrained`` names, not a posterior to skip."""
     return os.path.isfile(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+
+
+# group entries that differ from a fresh optimizer's by design: the parameters and the scheduled rate
+_NOT_SETTINGS = frozenset({"params", "param_names", "lr", "fit_to_curvature"})
+_ADAMW_SETTINGS = ("initial_lr", "betas", "weight_decay", "adamw_eps")
+
+
+def settings_replaced(fresh: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> list[str]:
+    """``"group i key: this run's -> the checkpoint's"`` for each optimizer group setting that loading
+    a checkpoint's state replaced (``torch.optim``'s ``load_state_dict`` restores the groups'
+    settings): the configured rate (``initial_lr``), EVON's modes and numbers. Not what EVON resolves
+    or fits while it trains where the config leaves it open: an "auto" ess, a fitted or None prior."""
+    changed = []
+    for gi, (new, old) in enumerate(zip(fresh, loaded)):
+        fitted = set(new.get("fit_to_curvature") or ())
+        own = new.keys() if new.get("algorithm") == "evon" else _ADAMW_SETTINGS  # EVON's keys are inert there
+        for key, value in ((k, new[k]) for k in own if k in new):
+            if key in _NOT_SETTINGS or key in fitted or value is None or value == "auto":
+                continue
+            if key in old and old[key] != value:
+                changed.append(f"group {gi} {key}: {value!r} -> {old[key]!r}")
+    return changed
 
 
 class CheckpointingMixin:

@@ -9,7 +9,8 @@ changes it fails there rather than silently here.
   checkpoint directory; under FSDP2 EVON's full state is added as ``evon_optimizer.pt`` (the
   Trainer's distributed checkpoint cannot hold it).
 * ``_load_optimizer_and_scheduler(checkpoint)``: called by ``train(resume_from_checkpoint=...)``
-  before the optimizer is sharded; under FSDP2 only the scheduler is loaded here.
+  before the optimizer is sharded; under FSDP2 only the scheduler is loaded here. Elsewhere a
+  warning names each setting of this run's config that the checkpoint's optimizer state replaced.
 * ``_push_from_checkpoint(checkpoint_folder)``: copies a checkpoint's model files into the output
   directory and uploads it; the posterior files must be copied first.
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
@@ -17,9 +18,12 @@ changes it fails there rather than silently here.
   their number, so the norm and the clip refer to the mean gradient instead.
 """
 
+import warnings
 from typing import Any
 
 from torch import nn
+
+from hf_evon.trainer.checkpointing import settings_replaced
 
 __all__ = ["TrainerInternals"]
 
@@ -32,8 +36,18 @@ class TrainerInternals:
         self._save_evon_fsdp2_state(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if not self._load_fsdp2_scheduler(checkpoint):
-            super()._load_optimizer_and_scheduler(checkpoint)
+        if self._load_fsdp2_scheduler(checkpoint):
+            return
+        optimizer = self.evon_optimizer
+        fresh = [] if optimizer is None else [dict(g) for g in optimizer.param_groups]
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if changed := settings_replaced(fresh, [] if optimizer is None else optimizer.param_groups):
+            warnings.warn(
+                f"resumed from {checkpoint}: its optimizer settings replace this run's where they differ "
+                f"({'; '.join(changed)}); EVON trains on with the checkpoint's",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         self._copy_posterior_for_push(checkpoint_folder)

@@ -568,16 +568,16 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` plus the posterior's statistics at training logs; ``learning_rate`` is the
-        rate as the user set it (``args.learning_rate``, AdamW's, as scheduled), not EVON's α,
-        which ``Trainer`` reads from the first parameter group: that goes to ``evon/learning_rate``."""
+        user's rate in use (AdamW's group's; without one ``args.learning_rate`` as scheduled), not
+        EVON's α, which ``Trainer`` reads from the first parameter group: ``evon/learning_rate``."""
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
             logs = {**logs, **self.posterior_statistics()}
-        optimizer = self.evon_optimizer
-        if "learning_rate" in logs and optimizer is not None and optimizer.param_groups:
-            first = optimizer.param_groups[0]
-            if first["algorithm"] == "evon" and self.args.learning_rate is not None:
-                schedule = first["lr"] / first["initial_lr"] if first.get("initial_lr") else 1.0
-                logs = {**logs, "learning_rate": self.args.learning_rate * schedule, "evon/learning_rate": first["lr"]}
+        groups = [] if self.evon_optimizer is None else self.evon_optimizer.param_groups
+        if "learning_rate" in logs and groups and groups[0]["algorithm"] == "evon" and self.args.learning_rate:
+            first, adamw = groups[0], next((g["lr"] for g in groups if g["algorithm"] == "adamw"), None)
+            schedule = first["lr"] / first["initial_lr"] if first.get("initial_lr") else 1.0
+            rate = self.args.learning_rate * schedule if adamw is None else adamw
+            logs = {**logs, "learning_rate": rate, "evon/learning_rate": first["lr"]}
         super().log(logs, start_time)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
