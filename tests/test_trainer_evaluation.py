@@ -93,6 +93,25 @@ def test_bma_every_k_evaluations_or_only_at_the_end(tmp_path, every, with_bma):
     assert "eval_bma_nll" in trainer.evaluate()  # outside train(): always
 
 
+def test_a_resumed_run_runs_bma_at_the_evaluations_the_uninterrupted_one_does(tmp_path):
+    """The count of evaluations restarted at each train(): resumed at step 3 with bma_eval_every=2,
+    the BMA passes ran at steps 5 and 6 (the end) instead of 4 and 6 (the run's 4th and 6th)."""
+    common = dict(max_steps=6, eval_strategy="steps", eval_steps=1, bma_eval_every=2, logging_steps=10,
+                  save_strategy="steps", save_steps=3)  # fmt: skip
+    straight = _trained(tmp_path / "straight", **common)
+    resumed = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path / "resumed", evon_ess=60.0, bma_num_samples=2, bma_seed=3, **common),
+        train_dataset=classification_data(),
+        eval_dataset=classification_data(48, seed=1),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "out" / "checkpoint-3"))
+    for trainer in (straight, resumed):
+        evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+        assert [h["step"] for h in evals] == [1, 2, 3, 4, 5, 6]
+        assert [h["step"] for h in evals if "eval_bma_nll" in h] == [2, 4, 6]
+
+
 def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
     trainer = _trained(tmp_path, bma_num_samples=3)
     test = classification_data(40, seed=2)  # batches of 16, 16, 8

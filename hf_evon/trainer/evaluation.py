@@ -511,12 +511,13 @@ class EvaluationMixin:
         """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
         if not self._evon_in_training:
             return True
-        every = self.args.bma_eval_every
-        if self.state.global_step != self._evon_evaluated_step:  # several eval datasets: one evaluation
-            self._evon_evaluated_step = self.state.global_step
-            self._evon_evaluations += 1
-        at_end = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
-        return at_end or (every > 0 and self._evon_evaluations % every == 0)
+        every, step = self.args.bma_eval_every, self.state.global_step
+        # this evaluation's number in the run's logs (a resumed run's included; several eval datasets
+        # at one step are one evaluation)
+        logs = self.state.log_history
+        earlier = {h["step"] for h in logs if h.get("step", step) < step and any(k.startswith("eval_") for k in h)}
+        at_end = self.state.max_steps > 0 and step >= self.state.max_steps
+        return at_end or (every > 0 and (len(earlier) + 1) % every == 0)
 
     def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the

@@ -208,8 +208,6 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         self._evon_items_global = False
         self._evon_evaluation: PosteriorEvaluation | None = None
         self._evon_in_training = False
-        self._evon_evaluations = 0  # evaluation steps during the current train(), for bma_eval_every
-        self._evon_evaluated_step = -1
         self._evon_sampled_loss: dict[str, Any] | None = None  # set while training_step samples
         self._evon_in_evaluate = False
         self._evon_fsdp2_resume: str | None = None
@@ -588,7 +586,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             self._check_calibration_data()  # before the first step: not after the whole run
         self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
         self._evon_fsdp2_resume = None
-        self._evon_in_training, self._evon_evaluations, self._evon_evaluated_step = True, 0, -1
+        self._evon_in_training = True
         try:
             output = super().train(*args, **kwargs)
         finally:
