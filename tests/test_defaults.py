@@ -13,12 +13,14 @@ from torch import nn
 from hf_evon import EVON, build_optimizer
 from hf_evon.optim.defaults import (
     COLLAPSE_PRIOR_TO_SIGNAL,
+    DEFAULT_FINETUNING_LR,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_PRIOR_STD_RATIO,
     DEFAULT_WEIGHT_DECAY,
     default_hess_init,
     default_weight_decay,
+    lr_from_adamw_lr,
     noise_std_ratio,
 )
 
@@ -109,9 +111,14 @@ def test_build_optimizer_derives_the_prior_from_the_kinds_hess_init_and_keeps_a_
     bert._weight_conversions = []  # what transformers' from_pretrained leaves
     kwargs = EVONConfig(output_dir="unused", report_to=[]).evon_optimizer_kwargs()
     assert kwargs["weight_decay"] is None
-    groups = evon_groups(build_optimizer(bert, **kwargs))
+    opt = build_optimizer(bert, **kwargs)
+    groups = evon_groups(opt)
     assert {g["hess_init"] for g in groups} == {default_hess_init(True)}
     assert {g["weight_decay"] for g in groups} == {default_weight_decay(default_hess_init(True))}
+    # without learning_rate, the AdamW part runs at the fine-tuning rate α comes from, as EVONTrainer's
+    # (it ran at 1e-3, 20x the 5e-5 of the body's steps)
+    assert {g["lr"] for g in opt.param_groups if g["algorithm"] == "adamw"} == {DEFAULT_FINETUNING_LR}
+    assert {g["lr"] for g in evon_groups(opt)} == {lr_from_adamw_lr(DEFAULT_FINETUNING_LR, finetuning=True)}
 
 
 def test_auto_ess_of_an_all_zero_group_uses_the_fan_in() -> None:

@@ -147,8 +147,8 @@ def build_optimizer(
     ``adapter_lr_scale`` times EVON's rate (1: the same rate; None:
     :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`: steps of at most 1.0·rate per entry,
     AdamW's).
-    ``learning_rate`` is the rate you would give AdamW (None: for α only, 1e-3, or 5e-5 for full
-    fine-tuning, as ``EVONTrainer``): EVON's α
+    ``learning_rate`` is the rate you would give AdamW (None: 1e-3, or 5e-5 for full fine-tuning,
+    as ``EVONTrainer``): EVON's α
     becomes :func:`~hf_evon.optim.defaults.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe``
     sets α) and the AdamW part uses it (unless ``adamw_lr`` is given). Without a recipe, ``clip``
     defaults to :func:`~hf_evon.optim.defaults.default_clip`: "whiten_rms", or "element" when
@@ -178,6 +178,8 @@ def build_optimizer(
         if key in evon_kwargs and evon_kwargs[key] is None:
             del evon_kwargs[key]  # None: the default (below, or the recipe's)
     finetuning = is_full_finetuning(model)
+    if learning_rate is None and adamw_lr is None and finetuning:
+        adamw_lr = DEFAULT_FINETUNING_LR  # the rate α comes from, as for a learning_rate given
     if recipe is None:
         evon_kwargs.setdefault("clip", default_clip(finetuning))
         evon_kwargs.setdefault("hess_init", default_hess_init(finetuning))
