@@ -21,7 +21,7 @@ of an older commit), each variant in its own subprocess, alternating, ``--repeat
     python benchmarks/small_model_step.py --repeats 3
     git worktree add /tmp/base COMMIT && python benchmarks/small_model_step.py --base /tmp/base
 
-Figures: ``docs/results.md#small-model-step``.
+Figures: ``docs/results.md#speed``.
 """
 
 from __future__ import annotations

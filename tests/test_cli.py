@@ -586,6 +586,19 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
     )
 
 
+def test_a_block_too_short_to_score_is_a_usage_error(saved, tmp_path, capsys):
+    """--block-size 1 leaves a causal LM no target: it failed after the model loaded, exit code 1."""
+    path, *_ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--block-size", "1"])
+    assert exit_.value.code == 2
+    assert "argument --block-size: wants an integer >= 2; got '1'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_path, capsys):
     """``hf-evon calibrate`` = calibrate_posterior on the text's blocks; generate then uses it."""
     from hf_evon.predictive.calibration import calibrate_posterior

@@ -1,23 +1,19 @@
 """The ``hf-evon`` command line: ``generate`` (BMA decoding), ``inspect`` (a saved posterior),
 ``calibrate`` (the posterior's sampling scale on held-out text); ``hf-evon COMMAND -h`` tells more.
 
-Subcommands are registered in ``SUBCOMMANDS``: each entry is *one* function that adds its
-subparser (:func:`_subcommand`: the name and the function run with the parsed args, which
-returns an exit code; that function's docstring is the command's help) and declares its
-options, each with help.
+Subcommands are registered in ``SUBCOMMANDS``: each entry is *one* function that adds its subparser
+(:func:`_subcommand`: the name and the function run with the parsed args, which returns an exit
+code and whose docstring is the command's help) and declares its options, each with help.
 
-Errors never show a traceback. A command line that asks for something impossible (an empty
-prompt, an unknown device, a missing local directory, ...) raises :class:`UsageError` and
-is reported as argparse reports a bad option: usage line, ``hf-evon COMMAND: error: ...``,
-exit code 2. Other failures a user can meet (a file that does not load, the Hub unreachable)
-print ``hf-evon COMMAND: error: ...`` with exit code 1.
+Errors never show a traceback. A command line that asks for something impossible (an empty prompt,
+an unknown device, a missing local directory, ...) raises :class:`UsageError`, reported as argparse
+reports a bad option (usage line, ``hf-evon COMMAND: error: ...``, exit code 2); other failures (a
+file that does not load, the Hub unreachable) print ``hf-evon COMMAND: error: ...``, exit code 1.
 
-A location (``--model``, ``--posterior``, ``inspect``'s argument) is a local directory when
-it exists or looks like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``); otherwise it must be a
-Hub repo id (``name`` or ``namespace/name``) and is looked up on the Hub.
-
-torch, transformers and the rest of hf_evon are imported inside the commands, so that
-``hf-evon -h`` and argument errors answer at once.
+A location (``--model``, ``--posterior``, ``inspect``'s argument) is a local directory when it
+exists or looks like a path (``./x``, ``/x``, ``~/x``, ``a/b/c``); otherwise a Hub repo id
+(``name`` or ``namespace/name``), looked up on the Hub. torch, transformers and the rest of hf_evon
+are imported inside the commands, so that ``hf-evon -h`` and argument errors answer at once.
 """
 
 from __future__ import annotations
@@ -52,24 +48,24 @@ CALIBRATION_KEY = "calibration"
 MODEL_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"wants a positive integer; got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text) if text.strip().lstrip("+-").isdigit() else None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"wants an integer >= {low}; got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a number >= 0; got {text!r}") from None
-    if not (value >= 0.0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"wants a finite number >= 0; got {value}")
-    return value
+    with contextlib.suppress(ValueError):
+        if (value := float(text)) >= 0.0 and math.isfinite(value):
+            return value
+    raise argparse.ArgumentTypeError(f"wants a finite number >= 0; got {text!r}")
 
 
 def _fraction(text: str) -> float:
@@ -443,7 +439,9 @@ def _add_calibrate(subparsers: Any) -> None:
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
     p.add_argument("--output", required=True, help="directory to save the calibrated posterior to")
-    p.add_argument("--block-size", type=_positive_int, default=128, help="tokens per block (default 128)")
+    p.add_argument(  # a block of one token has no target to score
+        "--block-size", type=_int_at_least(2), default=128, help="tokens per block (default 128; at most the model's context)"
+    )
     p.add_argument("--max-blocks", type=_positive_int, default=64, help="blocks used at most (default 64)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="blocks per forward pass (default 8)")
     p.add_argument(
@@ -479,8 +477,9 @@ def _add_calibrate(subparsers: Any) -> None:
     p.add_argument(
         "--screen-factor", type=_non_negative_float, default=None, metavar="F",
         help="score a scale with all its samples only from the first whose first sample moves the "
-        "log-likelihoods by F x the minimum gain of the mean's NLL; quieter scales before it cost one "
-        "pass (default: hf_evon.predictive.calibration.SCREEN_FACTOR, 2.5; 0: score every scale)",
+        "log-likelihoods by F x the minimum gain of the mean's NLL, found by bisection (a few one-sample "
+        "passes); quieter scales are screened out (default: hf_evon.predictive.calibration.SCREEN_FACTOR, 2.5; "
+        "0: score every scale)",
     )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print the calibration as JSON")

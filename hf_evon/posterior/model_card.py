@@ -263,7 +263,7 @@ def _usage_snippet(
         ]
     lines += [
         f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
-        "posterior.check_model(model)  # raises if the posterior belongs to another model",
+        "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
         "",
     ]
     if causal:
