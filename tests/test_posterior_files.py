@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -160,6 +161,23 @@ def test_a_bad_calibration_entry_is_refused_on_load(tmp_path, calibration, field
     _posterior().save_pretrained(tmp_path)
     _edit_config(tmp_path, calibration=calibration)
     with pytest.raises(PosteriorMismatchError, match=rf"{POSTERIOR_CONFIG_NAME}.*{field}"):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"not.covered": 3.0}, r"trained_ess_by_parameter names uncovered \['not.covered'\]"),
+        ({"NAME": -1.0}, r"trained_ess_by_parameter.NAME.*> 0"),
+        ([3.0], r"trained_ess_by_parameter.*an object"),
+    ],
+)
+def test_a_bad_trained_ess_by_parameter_is_refused_on_load(tmp_path, value, message):
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+    name = post.names[0]
+    _edit_config(tmp_path, trained_ess=10.0, trained_ess_by_parameter=json.loads(json.dumps(value).replace("NAME", name)))
+    with pytest.raises(PosteriorMismatchError, match=message.replace("NAME", re.escape(name))):
         EVONPosterior.from_pretrained(tmp_path)
 
 

@@ -2,7 +2,7 @@
 epistemic/aleatoric split of the predictive's entropy, and the log-probability helpers they share
 (:mod:`hf_evon.predictive.logprobs`)."""
 
-from hf_evon.predictive.calibration import CalibrationResult, calibrate_posterior
+from hf_evon.predictive.calibration import CalibrationResult, calibrate_posterior, trained_posterior
 from hf_evon.predictive.generation import BMALogLikelihood, bma_log_likelihood, generate_bma
 from hf_evon.predictive.metrics import (
     accuracy,
@@ -26,4 +26,5 @@ __all__ = [
     "generate_bma",
     "negative_log_likelihood",
     "predictive_uncertainty",
+    "trained_posterior",
 ]
