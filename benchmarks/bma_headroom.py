@@ -119,7 +119,7 @@ def best_scale(model: torch.nn.Module, posterior: EVONPosterior, task: payoff_ta
     """(test NLL, multiple of ζ) of the best BMA over ``GRID`` chosen on test; (mean, inf) if none beats it."""
     best = (mean_nll, math.inf)
     for m in GRID:
-        nll = bma_scores(model, posterior.with_ess(posterior.ess * m), task.test, task.shift)["nll"]
+        nll = bma_scores(model, posterior.scale_ess(m), task.test, task.shift)["nll"]
         if nll < best[0]:
             best = (nll, m)
         if nll > 2 * best[0]:

@@ -26,7 +26,6 @@ import math
 import os
 import statistics
 import sys
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,21 +69,15 @@ class Replay(nn.Module):
 
 
 class ReplayPosterior:
-    """What ``calibrate_posterior`` reads of a posterior: ``config``, ``ess``, ``names``, ``factors``,
-    ``with_ess``, ``scale_ess``, ``with_temperature`` and ``sampled``, which points the ``Replay`` model at the stored draw."""
+    """What ``calibrate_posterior`` reads of a posterior: ``config``, ``ess``, ``with_ess``,
+    ``scale_ess``, ``with_temperature`` and ``sampled``, which points the ``Replay`` model at the stored draw."""
 
     def __init__(self, trained: float, ess: float | None = None, temperature: float = 1.0) -> None:
         self.trained, self.ess, self.temperature = trained, trained if ess is None else ess, temperature
         self.config: dict[str, Any] = {"trained_ess": trained}
 
-    names = ["replay"]  # one stand-in parameter, its factors' ess all ``apply`` reads
-
-    @property
-    def factors(self) -> dict[str, Any]:
-        return {"replay": types.SimpleNamespace(ess=self.ess)}
-
-    def with_ess(self, ess: float | dict[str, float]) -> ReplayPosterior:
-        return ReplayPosterior(self.trained, ess["replay"] if isinstance(ess, dict) else ess, self.temperature)
+    def with_ess(self, ess: float) -> ReplayPosterior:
+        return ReplayPosterior(self.trained, ess, self.temperature)
 
     def scale_ess(self, factor: float) -> ReplayPosterior:
         return ReplayPosterior(self.trained, self.ess * factor, self.temperature)

@@ -116,7 +116,7 @@ def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int, lr: float = 0.1) -
 
 class IVONPosterior:
     """ivon-opt's posterior as ``calibrate_posterior`` and ``calibrated_bma`` use one (``ess``,
-    ``config``, ``with_ess``, ``with_temperature``, ``temperature``, ``sampled``), so IVON gets the
+    ``config``, ``with_ess``, ``scale_ess``, ``with_temperature``, ``temperature``, ``sampled``), so IVON gets the
     same calibration of its ζ and BMA as EVON."""
 
     def __init__(self, opt: torch.optim.Optimizer, ess: float, config: dict[str, Any] | None = None) -> None:
@@ -124,6 +124,9 @@ class IVONPosterior:
 
     def with_ess(self, ess: float) -> IVONPosterior:
         return IVONPosterior(self.opt, ess, self.config)
+
+    def scale_ess(self, factor: float) -> IVONPosterior:
+        return IVONPosterior(self.opt, self.ess * factor, self.config)
 
     def with_temperature(self, temperature: float) -> IVONPosterior:
         return IVONPosterior(self.opt, self.ess, {**self.config, "temperature": temperature})

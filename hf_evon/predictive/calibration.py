@@ -185,12 +185,12 @@ class CalibrationResult:
         its config recording the trained ζ and this search (what a saved posterior and its model
         card report)."""
         trained = trained_posterior(posterior)
-        factors = trained.factors
-        # each parameter's trained ζ times the chosen multiple (exactly ``ess`` for the top level's)
-        calibrated = trained.with_ess({n: f.ess / trained.ess * self.ess for n, f in factors.items()})
-        calibrated = calibrated.with_temperature(self.temperature)
-        calibrated.config["trained_ess"] = self.trained_ess
+        factors = getattr(trained, "factors", {})  # (stand-ins for other posteriors hold one ζ)
         others = {n: f.ess for n, f in factors.items() if f.ess != trained.ess}  # groups trained at another ζ
+        # each parameter's trained ζ times the chosen multiple (exactly ``ess`` for the top level's)
+        ess = {n: f.ess / trained.ess * self.ess for n, f in factors.items()} if others else self.ess
+        calibrated = trained.with_ess(ess).with_temperature(self.temperature)
+        calibrated.config["trained_ess"] = self.trained_ess
         calibrated.config.pop("trained_ess_by_parameter", None)
         if others:
             calibrated.config["trained_ess_by_parameter"] = others

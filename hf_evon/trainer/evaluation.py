@@ -60,9 +60,10 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------ per batch
 def task_of(logits: Tensor, labels: Tensor, causal_lm: bool) -> str | None:
-    """``causal_lm``, ``classification``, ``token_classification`` or None (nothing to average)."""
+    """``causal_lm``, ``classification``, ``token_classification`` or None (nothing to average). A
+    causal LM's logits may be longer than its labels (PEFT's prompt tuning prepends virtual tokens)."""
     if causal_lm and logits.ndim == 3 and labels.ndim == 2:
-        return "causal_lm"
+        return "causal_lm" if logits.shape[1] >= labels.shape[1] else None
     if labels.is_floating_point() or logits.shape[-1] < 2:
         return None  # regression / multi-label: no class distribution to average
     if logits.ndim == 2 and labels.ndim == 1:
@@ -76,7 +77,8 @@ def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     """What the metrics need of full log-probabilities ``logp``: causal LMs keep ``log p(label token)``
     ``(B, T-1)`` (0 where not scored); classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with
     the BMA's log-mean-exp."""
-    if task == "causal_lm":
+    if task == "causal_lm":  # the labels are the last positions: virtual tokens come first
+        logp = logp[:, logp.shape[1] - labels.shape[1] :]
         return label_log_probs(*shifted(logp, labels.to(logp.device), shift=True))
     return logp
 
