@@ -41,6 +41,15 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def prepends_virtual_tokens(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model whose adapter prepends virtual tokens to the input (prompt
+    tuning, p-tuning): its logits are longer than its labels, and its loss scores every label (the
+    first from the last virtual token). Prefix tuning adds none: it extends the attention's keys."""
+    config = getattr(model, "active_peft_config", None)
+    kind = getattr(getattr(config, "peft_type", None), "value", None)
+    return bool(getattr(config, "is_prompt_learning", False)) and kind != "PREFIX_TUNING"
+
+
 def peft_base_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a ``PeftModel`` (LoRA layers injected), else ``model``."""
     return model.get_base_model() if is_peft_model(model) else model

@@ -557,3 +557,32 @@ def test_left_padded_batches_keep_the_dataset_order_in_bma_passes_and_calibratio
     in_order = [collator(rows[i : min(i + 5, 12)]) for i in range(0, 12, 5)]
     _, reference = calibrate_posterior(trained.model, quiet, in_order, num_samples=2, temperature=False, shift_labels=True)
     assert result.mean_nll == pytest.approx(reference.mean_nll, rel=1e-6)
+
+
+def test_a_prompt_tuned_lm_is_scored_as_its_own_loss_scores_it(tmp_path):
+    """PEFT's prompt tuning prepends virtual tokens: the logits are longer than the labels, and its
+    loss scores every label, the first from the last virtual token. eval_mean_nll scored the labels
+    against the virtual positions' logits, and eval_loss divided the loss by one item per row too few
+    (as for a shifted count): both now equal the model's own loss and plain Trainer's eval_loss."""
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    evaluation = lm_data(8, seed=1)
+    losses = {}
+    for kind in ("plain", "evon"):
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_gpt2(), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+        if kind == "plain":
+            args = TrainingArguments(str(tmp_path / kind), report_to=[], use_cpu=True, per_device_eval_batch_size=8)
+            losses[kind] = Trainer(model=model, args=args, eval_dataset=evaluation).evaluate()
+        else:
+            args = config(tmp_path / kind, bma_num_samples=0, per_device_eval_batch_size=8)
+            losses[kind] = EVONTrainer(model=model, args=args, eval_dataset=evaluation).evaluate()
+    model.eval()
+    batch = {k: torch.tensor(v) for k, v in evaluation[:].items()}
+    with torch.no_grad():
+        own = model(**batch)
+    assert own.logits.shape[1] == batch["labels"].shape[1] + 4
+    assert losses["evon"]["eval_loss"] == pytest.approx(losses["plain"]["eval_loss"], rel=1e-6)
+    assert losses["evon"]["eval_loss"] == pytest.approx(float(own.loss), rel=1e-6)
+    assert losses["evon"]["eval_mean_nll"] == pytest.approx(float(own.loss), rel=1e-6)

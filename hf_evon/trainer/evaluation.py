@@ -75,10 +75,12 @@ def task_of(logits: Tensor, labels: Tensor, causal_lm: bool) -> str | None:
 
 def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     """What the metrics need of full log-probabilities ``logp``: causal LMs keep ``log p(label token)``
-    ``(B, T-1)`` (0 where not scored); classification keeps ``(B, C)`` / ``(B, T, C)``. Commutes with
-    the BMA's log-mean-exp."""
-    if task == "causal_lm":  # the labels are the last positions: virtual tokens come first
-        logp = logp[:, logp.shape[1] - labels.shape[1] :]
+    ``(B, T-1)`` (``(B, T)`` after virtual tokens; 0 where not scored); classification keeps ``(B, C)``
+    / ``(B, T, C)``. Commutes with the BMA's log-mean-exp."""
+    if task == "causal_lm":
+        virtual = logp.shape[1] - labels.shape[1]  # PEFT's prompt tuning: virtual tokens come first
+        if virtual > 0:  # and the last of them predicts the first label, as in its loss: (B, T)
+            return label_log_probs(logp[:, virtual - 1 : virtual - 1 + labels.shape[1]], labels.to(logp.device))
         return label_log_probs(*shifted(logp, labels.to(logp.device), shift=True))
     return logp
 
@@ -114,8 +116,8 @@ class MetricAccumulator:
         def gather(x: Tensor) -> Tensor:
             return gathered_rows(self.accelerator, x, rows)
 
-        if self.task == "causal_lm":
-            mask = labels[:, 1:].ne(IGNORE_INDEX)
+        if self.task == "causal_lm":  # the labels each position of ``logp`` scores (from 0 or 1)
+            mask = labels[:, labels.shape[1] - logp.shape[1] :].ne(IGNORE_INDEX)
             nll = -(logp * mask).sum(-1)  # per sequence
             stats = torch.stack([nll, mask.sum(-1).double()], dim=-1)  # (B, 2)
             self.outputs.append((gather(stats), torch.empty(0)))

@@ -100,7 +100,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 from hf_evon.distributed.ddp import prepare_distributed
-from hf_evon.modeling import is_causal_lm, is_peft_model, pretrained_name
+from hf_evon.modeling import is_causal_lm, is_peft_model, prepends_virtual_tokens, pretrained_name
 from hf_evon.optim import EVON, build_optimizer
 from hf_evon.optim.defaults import lr_from_adamw_lr
 from hf_evon.optim.evon import unwrap_optimizer
@@ -213,8 +213,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         self._evon_fsdp2_resume: str | None = None
         self._resolve_learning_rate()
         self._causal_lm = self._detect_causal_lm()
-        if self._causal_lm:
-            self._loss_shifts_labels = True  # see the module docstring (private internals)
+        # see the module docstring (private internals); PEFT's prompt tuning prepends virtual tokens,
+        # and its loss scores every label, the first from the prompt
+        self._loss_shifts_labels = self._causal_lm and not prepends_virtual_tokens(self.model)
         self.add_callback(_EVONSetUp(self))
 
     def _resolve_learning_rate(self) -> None:
@@ -437,7 +438,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
     ) -> tuple[list, Any]:
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = [
-            count_label_items(b.get("labels") if isinstance(b, Mapping) else None, self._causal_lm)
+            count_label_items(b.get("labels") if isinstance(b, Mapping) else None, self._loss_shifts_labels)
             for b in batch_samples
         ]
         self._evon_step_items = None
@@ -458,7 +459,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
 
     def _loss_share(self, labels: Any) -> Tensor:
         """This micro-batch's share ``w_i = n_i / N`` of the accumulated batch's label items."""
-        items = count_label_items(labels, self._causal_lm)
+        items = count_label_items(labels, self._loss_shifts_labels)
         total = self._evon_step_items
         even = 1.0 / self.current_gradient_accumulation_steps
         if items is None or total is None:
