@@ -56,6 +56,18 @@ def test_ece_by_hand():
     assert expected_calibration_error(PROBS[[1, 5]], LABELS[[1, 5]], n_bins=5) == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("conf, n_bins", [(0.55, 20), (9 / 11, 11), (2 / 3, 3)])
+def test_a_confidence_on_any_boundary_falls_in_the_lower_bin(conf, n_bins):
+    """The bin edges were linspace(0, 1, n+1), whose 11/20 is 0.5499999999999999: 0.55 went to the
+    bin above. One item at conf (right) with one at the same edge's lower neighbour in the same
+    bin (wrong) gives |1 - conf - lower| / 2; in two bins it would be (1 - conf + lower) / 2."""
+    lower = conf - 0.5 / n_bins  # the middle of the bin below the edge: ((b-1)/n, b/n]
+    probs = np.array([[conf, 1 - conf], [lower, 1 - lower]])
+    labels = np.array([0, 1])
+    expected = abs(1 - conf - lower) / 2  # one bin: accuracy 1/2, mean confidence (conf + lower)/2
+    assert expected_calibration_error(probs, labels, n_bins=n_bins) == pytest.approx(expected, abs=1e-12)
+
+
 def test_perfect_calibration_and_extremes():
     # confidence 0.75 on 4 items, 3 of them right: perfectly calibrated in its bin
     probs = np.array([[0.75, 0.25]] * 4)

@@ -586,3 +586,14 @@ def test_a_prompt_tuned_lm_is_scored_as_its_own_loss_scores_it(tmp_path):
     assert losses["evon"]["eval_loss"] == pytest.approx(losses["plain"]["eval_loss"], rel=1e-6)
     assert losses["evon"]["eval_loss"] == pytest.approx(float(own.loss), rel=1e-6)
     assert losses["evon"]["eval_mean_nll"] == pytest.approx(float(own.loss), rel=1e-6)
+
+
+@pytest.mark.parametrize("nll, perplexity", [(3.0, math.exp(3.0)), (709.7, math.exp(709.7)), (801.0, math.inf),
+                                              (math.inf, math.inf)])  # fmt: skip
+def test_an_lms_perplexity_is_inf_where_exp_of_its_nll_overflows(nll, perplexity):
+    """exp(min(nll, 700)) reported 1.01e304 for an NLL of 801 or inf (a label at a -inf logit)."""
+    from hf_evon.trainer.evaluation import MetricAccumulator
+
+    acc = MetricAccumulator.__new__(MetricAccumulator)
+    acc.task, acc.outputs = "causal_lm", [(torch.tensor([[nll * 4, 4.0]], dtype=torch.float64), torch.empty(0))]
+    assert acc.summary() == {"nll": nll, "perplexity": perplexity}

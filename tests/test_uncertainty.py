@@ -133,3 +133,19 @@ def test_what_is_not_log_probabilities_or_an_axis_is_refused() -> None:
     for dim in (3, -4, "0"):
         with pytest.raises(ValueError, match=r"dim must be an axis of sample_log_probs \(shape \(4, 5, 3\)\)"):
             predictive_uncertainty(logits.log_softmax(-1), dim=dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_a_temperature_divides_low_precision_logits_in_float32(dtype):
+    """bfloat16 logits / T rounded each quotient to 3 digits (0.08 nats of log p seen at T = 2^0.25)."""
+    from types import SimpleNamespace
+
+    from hf_evon.predictive.logprobs import tempered
+
+    logits = (torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 8).to(dtype)
+    t = 2**0.25
+    out = tempered(logits, SimpleNamespace(temperature=t))
+    assert out.dtype == torch.promote_types(dtype, torch.float32)
+    exact = logits.double() / t
+    torch.testing.assert_close(out.double(), exact, rtol=1e-6 if dtype != torch.float64 else 1e-15, atol=0)
+    assert tempered(logits, SimpleNamespace(temperature=1.0)) is logits

@@ -96,9 +96,12 @@ def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
 
 def tempered(logits: Tensor, posterior: object) -> Tensor:
     """``logits / T`` for the posterior's BMA temperature ``T`` (``posterior.temperature``, 1 when it
-    has none; then ``logits`` itself): the calibrated predictive is ``1/S Σ_s softmax(logits_s / T)``."""
+    has none; then ``logits`` itself): the calibrated predictive is ``1/S Σ_s softmax(logits_s / T)``.
+    Divided in float32 at least: bfloat16 logits / T would round each to 3 digits (0.08 nats seen)."""
     temperature = float(getattr(posterior, "temperature", 1.0))
-    return logits if temperature == 1.0 else logits / temperature
+    if temperature == 1.0:
+        return logits
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
 
 
 class LogMeanExp:

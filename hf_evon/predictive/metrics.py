@@ -147,9 +147,9 @@ def expected_calibration_error(
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
     conf, pred = logp.exp().max(-1)
     correct = (pred == labels).double()
-    # bin b (0-based) holds (u_b, u_{b+1}] with u = linspace(0, 1, n_bins + 1): its index is the
-    # number of inner boundaries strictly below the confidence (exact at the boundaries)
-    inner = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64)[1:-1]
+    # bin b (0-based) holds (b/n, (b+1)/n]: its index is the number of inner boundaries strictly below
+    # the confidence; b/n as a correctly rounded division (linspace's 11/20 is 0.5499999999999999)
+    inner = torch.arange(1, n_bins, dtype=torch.float64) / n_bins
     bins = torch.searchsorted(inner, conf, side="left")
     acc_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, correct)
     conf_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins, conf)

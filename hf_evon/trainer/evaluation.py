@@ -132,7 +132,9 @@ class MetricAccumulator:
             tokens = float(stats[:, 1].sum())
             # no label token at all: NaN, as the model's own mean loss (not 0 / perplexity 1)
             nll = float(stats[:, 0].sum()) / tokens if tokens > 0 else math.nan
-            return {"nll": nll, "perplexity": math.exp(min(nll, 700.0)) if nll == nll else math.nan}
+            # exp overflows a float past log(max) ~ 709.78: the perplexity is inf there (as the NLL may be)
+            perplexity = math.nan if nll != nll else math.exp(nll) if nll < 709.78 else math.inf
+            return {"nll": nll, "perplexity": perplexity}
         if self.task == "token_classification":
             logp = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs])
             labels = torch.cat([lab.reshape(-1) for _, lab in self.outputs])
