@@ -987,3 +987,20 @@ def test_bad_token_inputs_are_refused_by_name(gpt2, call, match) -> None:
     model, posterior = gpt2
     with pytest.raises((ValueError, TypeError), match=match):
         call(model, posterior)
+
+
+def test_use_cache_false_generates_as_the_cached_call(gpt2):
+    """generate_bma hands generate its own cache; with use_cache=False (given, or in the model's
+    config, as after gradient-checkpointed training) generate re-fed the whole sequence each step
+    and the cache appended it again: other tokens than the cached call's, silently."""
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    kwargs = dict(num_samples=3, seed=5, max_new_tokens=6, do_sample=False)
+    cached = generate_bma(model, noisy, PROMPTS, **kwargs)
+    assert torch.equal(generate_bma(model, noisy, PROMPTS, use_cache=False, **kwargs), cached)
+    saved = model.config.use_cache, model.generation_config.use_cache
+    model.config.use_cache = model.generation_config.use_cache = False
+    try:
+        assert torch.equal(generate_bma(model, noisy, PROMPTS, **kwargs), cached)
+    finally:
+        model.config.use_cache, model.generation_config.use_cache = saved

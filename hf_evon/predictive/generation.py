@@ -244,6 +244,9 @@ def generate_bma(
             # the class's generate: the instance's may be a wrapper that routes here
             # (EVONSeq2SeqTrainer.predict(bma=True))
             generation_kwargs[_cache_keyword(gen_model)] = cache
+            # always cached: with use_cache=False (given, or the model's config after gradient
+            # checkpointing) generate re-feeds the whole sequence, which this cache would append again
+            generation_kwargs["use_cache"] = True
             return type(gen_model).generate(
                 gen_model, input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs
             )
