@@ -1004,3 +1004,32 @@ def test_use_cache_false_generates_as_the_cached_call(gpt2):
         assert torch.equal(generate_bma(model, noisy, PROMPTS, **kwargs), cached)
     finally:
         model.config.use_cache, model.generation_config.use_cache = saved
+
+
+def test_a_covered_position_embedding_scores_without_a_mask():
+    """GPT-2 builds (1, T) position ids itself when none are given: a covered wpe then saw one row
+    for S·B and bma_log_likelihood raised without an attention mask (with one it worked)."""
+    model = tiny_gpt2()
+    posterior = train_posterior(model, evon_patterns=["wpe"]).with_ess(NOISY_ESS)
+    assert "transformer.wpe.weight" in posterior.names
+    bare = bma_log_likelihood(model, posterior, PROMPTS, num_samples=3, seed=1)
+    masked = bma_log_likelihood(model, posterior, PROMPTS, torch.ones_like(PROMPTS), num_samples=3, seed=1)
+    torch.testing.assert_close(bare.token_log_probs, masked.token_log_probs, rtol=0, atol=0)
+
+
+def test_an_embedding_subclass_with_a_forward_of_its_own_is_refused():
+    """A scaled word embedding (Gemma's, BART's scale_embedding) multiplies nn.Embedding's output:
+    batched BMA replaced its forward by the plain lookup, dropping the scale silently."""
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * 8.0
+
+    model = tiny_gpt2()
+    scaled = Scaled(VOCAB, model.config.n_embd)
+    scaled.weight = model.transformer.wte.weight  # still tied to the head
+    model.transformer.wte = scaled
+    posterior = train_posterior(model, evon_patterns=["wte"])
+    assert "transformer.wte.weight" in posterior.names
+    with pytest.raises(NotImplementedError, match=r"'transformer.wte.weight' belongs to a Scaled"):
+        bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=1)

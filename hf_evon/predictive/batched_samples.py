@@ -207,13 +207,14 @@ class BatchedSamples:
         owners = self._owners({id(p): n for n, p in params.items()})
         conv1d = _conv1d_type()
         for module, attrs in owners.items():
-            if not (
-                isinstance(module, nn.Linear | nn.Embedding)
-                or (conv1d is not None and isinstance(module, conv1d))
-            ):
+            # the supported kinds' own forward: a subclass's (a scaled word embedding, a learned
+            # position embedding taking position_ids) would be replaced by the plain product, silently
+            base = next((k for k in (nn.Linear, nn.Embedding, conv1d) if k and isinstance(module, k)), None)
+            if base is None or type(module).forward is not base.forward:
                 raise NotImplementedError(
                     f"posterior parameter {next(iter(attrs.values()))!r} belongs to a "
-                    f"{type(module).__name__}; batched BMA supports nn.Linear, Conv1D and nn.Embedding"
+                    f"{type(module).__name__}; batched BMA supports nn.Linear, Conv1D and nn.Embedding "
+                    "(and subclasses that keep their forward)"
                 )
             if isinstance(module, nn.Embedding) and module.max_norm is not None:
                 raise NotImplementedError(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")

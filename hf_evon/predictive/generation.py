@@ -409,9 +409,11 @@ def bma_log_likelihood(
         )
         targets, scored = labels, slice(None)  # position t predicts labels[t]
     else:
-        if attention_mask is not None and "position_ids" in inspect.signature(gen_model.forward).parameters:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-            inputs["position_ids"] = positions.repeat(num_samples, 1)
+        if "position_ids" in inspect.signature(gen_model.forward).parameters:
+            # also without a mask: a model's own (1, T) ids would reach a covered position embedding
+            # as one row, not S·B
+            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0).repeat(num_samples, 1)
         targets, scored = labels[:, 1:], slice(None, -1)  # position t predicts token t+1
         if padded:  # nor a token predicted from a pad (left padding's first token): as if alone
             targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
