@@ -366,7 +366,7 @@ def _step_inputs(trainer: EVONTrainer, batches: list[dict]) -> tuple[torch.Tenso
     h_hat = bucket.acc * torch.sqrt(g["ess"] * (bucket.state["hess"] + g["weight_decay"])) / k
     out = grad.clone(), h_hat.clone()
     opt.zero_grad()
-    opt._discard_samples()
+    opt.discard_samples()
     return out
 
 

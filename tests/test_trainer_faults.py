@@ -246,3 +246,30 @@ def test_the_calibration_check_scores_no_batch_while_the_weights_are_not_loaded(
     trainer.calibration_dataset = classification_data(8).remove_columns("labels")
     with pytest.raises(ValueError, match="no 'labels'"):
         trainer._check_calibration_data()
+
+
+def test_a_train_after_an_aborted_one_drops_its_pending_samples(tmp_path):
+    """An error in the second micro-batch of a step (auto_find_batch_size's out-of-memory retry, or a
+    train() called again) left EVON one recorded sample: the next run's first step divided its
+    gradient by 3 samples instead of 2. The retried run now equals one started afresh."""
+    common = dict(evon_ess=math.inf, max_steps=3, gradient_accumulation_steps=2, max_grad_norm=1e9,
+                  per_device_train_batch_size=4, logging_steps=1)  # fmt: skip
+    retried = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "retried", **common), train_dataset=classification_data())
+    own, calls = retried.compute_loss, [0]
+
+    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("transient failure")
+        return own(*args, **kwargs)
+
+    retried.compute_loss = flaky
+    with pytest.raises(RuntimeError, match="transient failure"):
+        retried.train()
+    assert retried.evon_optimizer.recorded_samples == 1
+    retried.train()
+    fresh = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "fresh", **common), train_dataset=classification_data())
+    fresh.train()
+    norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (retried, fresh)]
+    assert norms[0] == norms[1] and len(norms[0]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(retried.model.parameters(), fresh.model.parameters()))

@@ -376,7 +376,7 @@ class EVON(Optimizer):
                     restore_means(perturbed)
                     if stash is not None:
                         restore_grads(stash, False)
-                self._discard_samples()
+                self.discard_samples()
             self._in_sample = False
             torch.set_grad_enabled(grad_mode)  # a no_grad block interrupted at its exit leaves it off
 
@@ -407,7 +407,7 @@ class EVON(Optimizer):
         """
         if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step
             self.found_inf = self.grad_scale = None
-            self._discard_samples()  # the scaled samples must not leak into a later step
+            self.discard_samples()  # the scaled samples must not leak into a later step
             raise NotImplementedError(
                 "EVON cannot be stepped by a torch.amp.GradScaler (fp16 loss scaling): its Hessian "
                 "estimate G°⊙E is recorded from the scaled gradients at each sample's exit. Train in "
@@ -434,14 +434,14 @@ class EVON(Optimizer):
         plans = [plan for b in self.buckets for plan in self._plan(b, num_samples)]
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         if not self._all_finite(plans, adamw):
-            self._discard_samples()
+            self.discard_samples()
             return loss
 
         evon_updates(plans, num_samples, self._member_state)
         for gi, (params, g_list, states) in adamw.items():
             adamw_update(self.param_groups[gi], params, g_list, states)
         self._hooks.after_step()
-        self._discard_samples()
+        self.discard_samples()
         self._updates += 1
         due = [g for g in self.param_groups if refit_due(g, self._updates)]
         if due:
@@ -471,14 +471,15 @@ class EVON(Optimizer):
         try:
             self.gradient_reducer(tensors)
         except BaseException:  # the step is refused (ranks disagree): its samples must not leak
-            self._discard_samples()
+            self.discard_samples()
             raise
         self._synchronized = True
 
-    def _discard_samples(self) -> None:
+    def discard_samples(self) -> None:
+        """Drop the samples recorded since the last step (a trainer starting over after an abort)."""
         self._samples = 0
         self._synchronized = False
-        for b in self.buckets:
+        for b in self._buckets or ():  # (buckets not built yet hold none)
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed = consumed_grads(self.param_groups)
 
@@ -499,7 +500,7 @@ class EVON(Optimizer):
         msg = first_nonfinite(self.param_groups, plans, adamw, self._param_label)
         msg = f"{msg}; the step was skipped and the optimizer state is unchanged"
         if self.nonfinite == "raise":
-            self._discard_samples()
+            self.discard_samples()
             raise NonFiniteGradientError(msg)
         self.skipped_steps += 1
         warnings.warn(msg, RuntimeWarning, stacklevel=3)

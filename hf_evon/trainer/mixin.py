@@ -429,6 +429,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         """
         if self.evon_optimizer is None:
             return
+        self.evon_optimizer.discard_samples()  # an aborted run's (auto_find_batch_size, a retry after an error)
         prepare_distributed(self.model_wrapped, self.optimizer, shard=True if self.args.evon_shard else None)
         self._load_fsdp2_optimizer()
 
