@@ -597,3 +597,24 @@ def test_an_lms_perplexity_is_inf_where_exp_of_its_nll_overflows(nll, perplexity
     acc = MetricAccumulator.__new__(MetricAccumulator)
     acc.task, acc.outputs = "causal_lm", [(torch.tensor([[nll * 4, 4.0]], dtype=torch.float64), torch.empty(0))]
     assert acc.summary() == {"nll": nll, "perplexity": perplexity}
+
+
+def test_predict_bma_gives_compute_metrics_the_inputs_include_for_metrics_asks_for(tmp_path):
+    """include_for_metrics=["inputs"]: predict() handed compute_metrics the inputs and
+    predict(bma=True) handed it None; "loss", which BMA has no per-batch value of, is refused by name."""
+    seen = []
+
+    def compute_metrics(p):  # noqa: ANN001, ANN202
+        seen.append(p.inputs)
+        return {"rows": float(len(p.label_ids))}
+
+    test = classification_data(40, seed=2)  # batches of 16, 16, 8: the inputs padded across them
+    trainer = _trained(tmp_path, bma_num_samples=2, include_for_metrics=["inputs"])
+    trainer.compute_metrics = compute_metrics
+    trainer.predict(test)
+    out = trainer.predict(test, bma=True)
+    assert out.metrics["test_rows"] == 40.0
+    assert seen[1] is not None and np.array_equal(seen[1], seen[0])
+    trainer.args.include_for_metrics = ["inputs", "loss"]
+    with pytest.raises(ValueError, match=r"include_for_metrics=\['loss'\]"):
+        trainer.predict(test, bma=True)

@@ -61,6 +61,15 @@ def bma_predict(
     which reads probabilities, is not called.
     """
     args = trainer.args
+    wanted = set(getattr(args, "include_for_metrics", None) or ())
+    if "loss" in wanted and trainer.compute_metrics is not None and not uncertainty:
+        raise ValueError(
+            "predict(bma=True) has no per-batch loss for include_for_metrics=['loss'] (the BMA predictions "
+            "average probabilities, not losses): leave 'loss' out, or call predict() for the mean's"
+        )
+    # the model's main inputs for compute_metrics (include_for_metrics=["inputs"]), as Trainer.predict
+    main_input = getattr(trainer.model, "main_input_name", "input_ids") if "inputs" in wanted else None
+    input_ids: Any = None
     # a posterior without noise: every sample is the mean, and one pass is their average
     seeds: list[int | None] = (
         [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
@@ -144,6 +153,9 @@ def bma_predict(
                 labels = pad(labels, dim=1, pad_index=-100)
             labels = gathered_rows(trainer.accelerator, labels, rows)
             label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
+        if main_input is not None and isinstance(inputs.get(main_input), Tensor):
+            part = gathered(inputs[main_input], rows, classes=False)
+            input_ids = part if input_ids is None else nested_concat(input_ids, part, padding_index=-100)
     if uncertainty and predictions is not None:
         predictions = PredictiveUncertainty(*(p.numpy() for p in predictions))
     elif isinstance(predictions, tuple):
@@ -151,18 +163,22 @@ def bma_predict(
     elif predictions is not None:
         predictions = predictions.numpy()
     label_ids = None if label_ids is None else np.asarray(label_ids.numpy())
-    metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix)
+    inputs_array = None if input_ids is None else np.asarray(input_ids.cpu().numpy())
+    metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix, inputs_array)
     if metrics_acc is not None:
         merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
 
-def _user_metrics(trainer: Any, predictions: Any, label_ids: Any, prefix: str) -> dict[str, float]:
-    """The user's ``compute_metrics`` of the BMA predictions, keys prefixed as ``Trainer.predict``
-    prefixes them; with ``batch_eval_metrics`` one call over the whole set (``compute_result``)."""
+def _user_metrics(
+    trainer: Any, predictions: Any, label_ids: Any, prefix: str, inputs: Any = None
+) -> dict[str, float]:
+    """The user's ``compute_metrics`` of the BMA predictions (and ``inputs``, the model's main inputs
+    where ``include_for_metrics`` asks for them), keys prefixed as ``Trainer.predict`` prefixes them;
+    with ``batch_eval_metrics`` one call over the whole set (``compute_result``)."""
     if trainer.compute_metrics is None or predictions is None or label_ids is None:
         return {}
-    prediction = EvalPrediction(predictions=predictions, label_ids=label_ids)
+    prediction = EvalPrediction(predictions=predictions, label_ids=label_ids, inputs=inputs)
     if trainer.args.batch_eval_metrics:
         metrics = trainer.compute_metrics(prediction, compute_result=True)
     else:
