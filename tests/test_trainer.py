@@ -213,6 +213,16 @@ def test_config_rejects_invalid_values(tmp_path, field, value):
         EVONConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
 
 
+def test_a_field_set_as_text_after_the_config_is_made_is_parsed_for_the_optimizer(tmp_path):
+    """A hyperparameter search sets each trial's value cast to the field's current type (transformers'
+    _hp_search_setup): evon_ess 1000.0 became "1000.0", which EVON refused at train()."""
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path, max_steps=1), train_dataset=classification_data())
+    trainer.args.evon_ess, trainer.args.evon_snr_scaling = "1000.0", "false"  # as the search sets them
+    trainer.train()
+    evon = [g for g in trainer.evon_optimizer.param_groups if g["algorithm"] == "evon"]
+    assert {g["ess"] for g in evon} == {1000.0} and {g["snr_scaling"] for g in evon} == {False}
+
+
 def test_optimizer_from_config_and_ess_default(tmp_path):
     data = classification_data(40)
     args = config(tmp_path, evon_ess=None, weight_decay=0.05, adam_beta1=0.8, evon_weight_decay=1e-3)

@@ -486,6 +486,9 @@ class EVONConfig(TrainingArguments):
         ``evon_recipe``, the recipe's values for every field still at its default).
         ``learning_rate=None`` (which ``EVONTrainer`` resolves from the model first) gives the
         optimizer's own defaults, those for training from scratch."""
+        # again: a field set after __post_init__ may be text (a hyperparameter search casts a trial's
+        # value to the type of the field's current one: 1000.0 to "1000.0" for evon_ess's "auto")
+        self._parse_command_line_values()
         kwargs = self._evon_field_kwargs()
         if self.evon_learning_rate is not None:
             kwargs["lr"] = self.evon_learning_rate
