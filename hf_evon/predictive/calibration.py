@@ -78,7 +78,9 @@ SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if
 # whose first draw moves the held-out log p(label) by at least this many times ``min_gain`` of the
 # mean's NLL (per target, on average); the scales before it are screened out. BMA's gain over the
 # mean is second order in the draws' moves, and along the walk (the same seeds at every scale) the
-# draws only move further, so that first scale is found by bisecting the grid, one draw per probe.
+# draws move further, so that first scale is found by bisecting the grid, one draw per probe. (The
+# mean move over many targets grows with the noise; a handful of targets whose log p peaks between
+# two scales can break that, and the bisection may then skip a scale a walk would score.)
 # 0 (or min_gain = 0): every scale is scored.
 # measured: docs/trainer.md#calibration-screen
 SCREEN_FACTOR = 2.5
