@@ -380,6 +380,8 @@ def bma_log_likelihood(
     An encoder-decoder model scores ``labels`` (required: the decoder's targets, ``(B, L)``) given
     ``input_ids`` (the encoder's input), each sample with its own encoder; its decoder is fed the
     labels shifted right, as in training, and entry ``t`` scores ``labels[:, t]`` (length ``L``).
+    The model's mode is left as it is, as ``generate`` leaves it: call ``model.eval()`` first, or
+    dropout makes the scores differ from call to call whatever the ``seed``.
     """
     _check_inputs("bma_log_likelihood", model, posterior, input_ids, attention_mask)
     gen_model = _generation_model(model)
