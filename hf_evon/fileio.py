@@ -58,7 +58,8 @@ def fsync_dir(directory: str) -> None:
     except OSError:
         pass
     finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 @contextlib.contextmanager

@@ -396,6 +396,54 @@ def test_a_push_from_a_checkpoint_killed_midway_leaves_a_posterior_that_loads(tm
     assert seen == sorted(seen, key=lambda w: w == "new"), seen
 
 
+def _interrupt_after(monkeypatch, k: int) -> list[str]:
+    """Every file-system call counts; right after call ``k`` a ``KeyboardInterrupt`` (Ctrl-C) is
+    raised once: unlike a kill, the ``finally`` blocks then run, and their calls go through."""
+    import builtins
+
+    calls: list[str] = []
+
+    def wrap(fn, label):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls.append(label)
+            if len(calls) == k:
+                raise KeyboardInterrupt(f"Ctrl-C right after call {k} ({label})")
+            return out
+
+        return call
+
+    for name in ("open", "fsync", "replace", "rename", "link", "remove", "unlink", "mkdir", "rmdir"):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name), f"os.{name}"))
+    monkeypatch.setattr(builtins, "open", wrap(builtins.open, "open"))
+    return calls
+
+
+def test_a_save_interrupted_anywhere_leaves_the_old_posterior_or_the_new(tmp_path, monkeypatch):
+    """A Ctrl-C in the directory's fsync right after the config's switch (before the save marked it
+    switched) let the cleanup remove the staged weights the new config named: neither loaded."""
+    old_post, new_post = _posterior(), _posterior(scale=3.0)
+    old, new = old_post.to_tensors(), new_post.to_tensors()
+    pristine = tmp_path / "pristine"
+    old_post.save_pretrained(pristine, model_card=False)
+    with monkeypatch.context() as patch:
+        calls = _interrupt_after(patch, 10**9)
+        shutil.copytree(pristine, tmp_path / "count")
+        calls.clear()
+        new_post.save_pretrained(tmp_path / "count", model_card=False)
+    seen = []
+    for k in range(1, len(calls) + 1):
+        target = tmp_path / f"interrupt{k}"
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _interrupt_after(patch, k)
+            with pytest.raises(KeyboardInterrupt):
+                new_post.save_pretrained(target, model_card=False)
+        seen.append(_which(target, old, new))
+    assert seen[0] == "old" and seen[-1] == "new", seen
+    assert seen == sorted(seen, key=lambda w: w == "new"), seen
+
+
 def test_a_killed_safetensors_write_leaves_nothing_the_next_save_keeps(tmp_path, monkeypatch):
     """Item 13: ``save_file`` writes a full-size ``.tmpXXXXXX`` before its rename; a kill leaves it."""
     from safetensors.torch import save

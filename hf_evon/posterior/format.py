@@ -314,6 +314,15 @@ def _remove_stale_files(directory: str) -> None:
                 os.remove(path)
 
 
+def _config_names(config_path: str, weights_name: str) -> bool:
+    """Whether the config on disk names ``weights_name`` (True where it cannot be read: keep the file)."""
+    try:
+        with open(config_path, encoding="utf-8") as fh:
+            return json.load(fh).get("weights_file") == weights_name
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[[str], None]) -> None:
     """The save protocol (``docs/posterior-format.md#the-save-protocol``) for weights that
     ``write_weights(path)`` writes, under the directory lock."""
@@ -350,10 +359,12 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
             atomic_write(config_path, config.updated(weights_file=POSTERIOR_WEIGHTS_NAME).to_json())
             _remove_stale_files(directory)
         finally:
+            # an interrupt right after the config's switch (in its fsync, before ``switched`` is set)
+            # leaves a config naming the staged file: that is the posterior now, and it stays
+            if not switched and not staged_before and not _config_names(config_path, staged_name):
+                with contextlib.suppress(OSError):
+                    os.remove(staged)
             if not switched:
-                if not staged_before:
-                    with contextlib.suppress(OSError):
-                        os.remove(staged)
                 shutil.rmtree(staging, ignore_errors=True)
 
 
