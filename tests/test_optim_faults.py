@@ -332,6 +332,46 @@ def test_under_phased_gradients_a_member_that_misses_a_step_keeps_its_own_phase(
     assert sum(moved) >= 4
 
 
+@pytest.mark.parametrize("estimator", ["fisher", "price"])
+def test_a_clean_phased_step_leaves_h_as_it_was(estimator: str) -> None:
+    """Phased gradients: a clean step (the gradient at the mean) updates L and R, not H. Under the
+    Fisher estimate (the default) the clean steps updated H from the gradient at the mean."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    a, b = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    opt = EVON([w], lr=0.1, ess=40.0, hess_init=0.5, weight_decay=0.01, hess_estimator=estimator,
+               phased_gradients=True, seed=0)  # fmt: skip
+    moved = []
+    for _ in range(7):
+        count = int(opt.state[w]["step"]) if "step" in opt.state[w] else None
+        with opt.sampled_params(train=True):
+            (0.5 * (a @ w.T - b).square().sum() / 10).backward()
+        before = opt.state[w]["hess"].clone() if count is not None else None
+        opt.step()
+        opt.zero_grad()
+        if count is not None:
+            moved.append((count % 2 == 0, not torch.equal(before, opt.state[w]["hess"])))
+    assert [m for _, m in moved] == [noisy for noisy, _ in moved] and any(n for n, _ in moved)
+
+
+def test_members_that_step_apart_under_a_float64_default_dtype() -> None:
+    """The per-member counters were raised with torch.ones of the default dtype: under
+    set_default_dtype(float64) a step without one member's gradient raised in index_add_."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+        opt = EVON([a, b], lr=0.1, seed=0)
+        for t in range(3):
+            with opt.sampled_params(train=True):
+                (a.square().sum() + (b.square().sum() if t != 1 else 0)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_default_dtype(saved)
+    assert [int(opt.state[p]["step"]) for p in (a, b)] == [2, 1]
+
+
 def test_weights_of_one_shape_and_different_dtypes_step_in_their_own_dtype() -> None:
     """A bfloat16 matrix listed before a float32 one of its shape shared its bucket, and the
     float32 weight got bfloat16-rounded steps. Each now steps as it would alone, bit for bit."""

@@ -385,7 +385,8 @@ def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:
         torch._foreach_add_(whole, 1)
     for b, members in stepped:
         if members is not None:
-            b.state["step"].index_add_(0, torch.tensor(members), torch.ones(len(members)))
+            step = b.state["step"]  # (its dtype: a float64 default dtype would make ones float64)
+            step.index_add_(0, torch.tensor(members), torch.ones(len(members), dtype=step.dtype))
     for b, new in counts.values():
         step = b.state["step"]
         b._counts = ((id(step), step._version), new)

@@ -150,7 +150,7 @@ def evon_update(
 
     t = b.t + 1
     matrix_step = g.get("step_curvature", "entry") == "matrix"
-    fisher = plan.hess is None and uses_fisher(g)
+    fisher = plan.hess is None and uses_fisher(g) and not plan.clean  # a clean step estimates no H
     g_rot = plan.g_rot
     if g_rot is None and (fisher or not matrix_step):  # the matrix step itself needs no rotation
         g_rot = b.rotated_mean_grad(grad, num_samples)
