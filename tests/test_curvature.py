@@ -290,3 +290,34 @@ def test_clip_finetuning_recipe_trains_a_small_mlp_from_scratch() -> None:
     # trained, if not well: the recipe's constant whitened steps are tuned for CLIP fine-tuning
     # (this split: 0.90 and 1.64; AdamW 0.93 and 0.32; the defaults 0.93 and 0.29)
     assert accuracy > 0.85 and nll < math.log(10), (accuracy, nll)
+
+
+def test_a_group_added_mid_run_is_fitted_on_its_own_clock() -> None:
+    """A group added after 20 steps was first fitted at the optimizer's next multiple of
+    curvature_refit (here step 30, its 10th), not after its own first update, and at the noise
+    ratio r of the optimizer's count: its std stayed at the initial auto value meanwhile."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(6, 5) / 3), nn.Parameter(torch.randn(5, 4) / 3)
+    x = torch.randn(16, 6)
+    opt = EVON([a], seed=0, curvature_refit=15)
+
+    def step() -> None:
+        with opt.sampled_params(train=True):
+            (x @ a @ (b if len(opt.param_groups) > 1 else torch.eye(5, 4))).tanh().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(20):
+        step()
+    opt.add_param_group({"params": [b]})
+    group = opt.param_groups[1]
+    assert group["fit_from"] == 20 and "fit_from" in opt.state_dict()["param_groups"][1]
+    step()  # its initialising step
+    initial = group["ess"]
+    step()  # its first update: fitted now, at r of its own count 2
+    assert group["ess"] != initial
+    var = 1.0 / (group["ess"] * (opt.state[b]["hess"].double() + group["weight_decay"]))
+    ratio = float((var.mean() / b.detach().double().square().mean()).sqrt())
+    expected = noise_std_ratio(2, group["hess_init"], group["betas"][1], group["init_std_ratio"])
+    assert ratio == pytest.approx(expected, rel=1e-5)
+    assert ratio != pytest.approx(noise_std_ratio(22, group["hess_init"], group["betas"][1], group["init_std_ratio"]), rel=1e-3)

@@ -111,10 +111,11 @@ def fitted_ess(inv_sum: float, numel: int, w_sq_sum: float, ratio: float) -> flo
 
 
 def refit_due(group: dict[str, Any], t: int) -> bool:
-    """Whether the group's fitted ζ/δ are refit after the optimizer's ``t``-th update: after the
-    second, the first to estimate H (the first only sets up the eigenbases; left alone, the
-    noise would then be the prior's until the next fit), and every ``curvature_refit`` updates."""
-    every = group.get("curvature_refit", 0)
+    """Whether the group's fitted ζ/δ are refit after the optimizer's ``t``-th update, counted from
+    the group's first (``fit_from``: a group added mid-run): after its second, the first to estimate
+    H (the first only sets up the eigenbases; left alone, the noise would then be the prior's until
+    the next fit), and every ``curvature_refit`` updates."""
+    every, t = group.get("curvature_refit", 0), t - group.get("fit_from", 0)
     return bool(group.get("fit_to_curvature")) and every > 0 and (t == 2 or (t > 0 and t % every == 0))
 
 
@@ -180,8 +181,11 @@ def fit_from_curvature(
     inv = pooled(second, 1)
     for gi, group in enumerate(groups):
         if "ess" in group["fit_to_curvature"]:
-            ratio = noise_std_ratio(
-                t, group["hess_init"], group["betas"][1], group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+            ratio = noise_std_ratio(  # on the group's own clock (refit_due)
+                t - group.get("fit_from", 0),
+                group["hess_init"],
+                group["betas"][1],
+                group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO),
             )
             ess = fitted_ess(float(inv[gi, 0]), int(sums[gi, 1]), float(sums[gi, 0]), ratio)
             if ess is not None:

@@ -186,9 +186,8 @@ class EVON(Optimizer):
         lr = defaults["lr"]
         defaults = {"algorithm": "evon", **defaults, "betas": tuple(betas)}
         defaults["adamw_eps"] = defaults.pop("adamw_eps")  # the group keys' order as saved
-        self._adamw_defaults = dict(
-            lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay
-        )
+        adamw_rate = lr if adamw_lr is None else adamw_lr
+        self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay)
         self.nonfinite = nonfinite
         self.seed = resolve_seed(seed)
         self.skipped_steps = 0
@@ -233,6 +232,8 @@ class EVON(Optimizer):
         try:
             group = self.param_groups[-1]
             group.setdefault("fit_to_curvature", curvature_fitted(group))
+            if group["fit_to_curvature"]:  # its fits' clock starts here (a group added mid-run)
+                group.setdefault("fit_from", self._updates)
             validate_group(resolve_prior(group))
             resolve_mean_weight_decay(group)
         except ValueError:
@@ -310,8 +311,7 @@ class EVON(Optimizer):
         if self._in_sample:
             raise RuntimeError(f"{call} called inside a sampled_params() block: call it after the block")
 
-    def _refuse_rebuild(self, call: str) -> None:
-        """Refuse a call that rebuilds the buckets while they hold recorded samples' Hessian numerators."""
+    def _refuse_rebuild(self, call: str) -> None:  # the buckets hold the recorded samples' numerators
         self._refuse_in_sample(call)
         if self._samples:
             msg = f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() first"

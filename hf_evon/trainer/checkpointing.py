@@ -43,7 +43,7 @@ def _has_posterior(directory: str) -> bool:
 
 
 # group entries that differ from a fresh optimizer's by design: the parameters and the scheduled rate
-_NOT_SETTINGS = frozenset({"params", "param_names", "lr", "fit_to_curvature"})
+_NOT_SETTINGS = frozenset({"params", "param_names", "lr", "fit_to_curvature", "fit_from"})
 _ADAMW_SETTINGS = ("initial_lr", "betas", "weight_decay", "adamw_eps")
 
 
