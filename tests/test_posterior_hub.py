@@ -103,6 +103,32 @@ def test_push_then_load_by_repo_id(hub, posterior, tmp_path):
         _load(hub, "alice/evon-mlp", tmp_path / "empty-cache", local_files_only=True)
 
 
+def test_a_push_between_the_config_and_the_weights_downloads_loads_the_configs_commit(
+    hub, posterior, tmp_path, monkeypatch
+):
+    """The weights were downloaded at the unpinned revision after the config: a push landing
+    between the two paired one commit's config with the next one's weights, refused as a mix."""
+    import hf_evon.posterior.hub as hub_module
+
+    other = posterior.with_ess(posterior.ess * 7)
+    other.config["note"] = "pushed in between"
+    posterior.push_to_hub("alice/race", token=TOKEN, endpoint=hub.endpoint)
+    real, calls = hub_module.hf_hub_download, []
+
+    def download(repo_id, filename, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        out = real(repo_id, filename, **kwargs)
+        if filename in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME) and len(calls) < 2:
+            calls.append((filename, kwargs.get("revision")))
+            if len(calls) == 1:  # a colleague's push, right after the config's download
+                other.push_to_hub("alice/race", token=TOKEN, endpoint=hub.endpoint)
+        return out
+
+    monkeypatch.setattr(hub_module, "hf_hub_download", download)
+    _same(posterior, _load(hub, "alice/race", tmp_path / "cache"))
+    assert calls[0] == (POSTERIOR_CONFIG_NAME, None)
+    assert calls[1][0] == POSTERIOR_WEIGHTS_NAME and len(calls[1][1]) == 40  # at the config's commit
+
+
 def test_revision_subfolder_and_pull_request(hub, posterior, tmp_path):
     repo = "alice/evon-revisions"
     posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)

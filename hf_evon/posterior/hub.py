@@ -7,9 +7,11 @@ files' names; what the files hold is ``format``'s business, and the card's ``mod
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, hf_hub_download
@@ -68,13 +70,13 @@ def resolve_files(
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
     _check_repo_id(path)
 
-    def download(fname: str) -> str:
+    def download(fname: str, at: str | None) -> str:
         try:
             return hf_hub_download(
                 path,
                 fname,
                 subfolder=subfolder,
-                revision=revision,
+                revision=at,
                 token=token,
                 cache_dir=cache_dir,
                 local_files_only=local_files_only,
@@ -90,8 +92,21 @@ def resolve_files(
             )
             raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
 
-    config = read_config(download(POSTERIOR_CONFIG_NAME))
-    return config, download(config.weights_name)
+    config_file = download(POSTERIOR_CONFIG_NAME, revision)
+    config = read_config(config_file)
+    # the weights of the config's own commit: a push between the two downloads would pair the
+    # config with the next commit's weights (its checkpoint_id refuses such a pair)
+    return config, download(config.weights_name, _snapshot_commit(config_file) or revision)
+
+
+def _snapshot_commit(cached: str) -> str | None:
+    """The commit a file of the Hub cache was downloaded at (``.../snapshots/<sha>/...``), or None."""
+    parts = Path(cached).parts
+    if "snapshots" in parts[:-1]:
+        sha = parts[parts.index("snapshots") + 1]
+        if re.fullmatch(r"[0-9a-f]{40}", sha):
+            return sha
+    return None
 
 
 def _check_repo_id(path: str) -> None:
