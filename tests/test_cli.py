@@ -523,6 +523,21 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
     )
 
 
+def test_inspect_leaves_out_a_model_file_that_is_a_dangling_link(saved, tmp_path, capsys):
+    """A model weights file beside the posterior that is a dangling link (or removed by a save
+    meanwhile) made inspect fail with a bare errno message and nothing on stdout."""
+    path, *_ = saved
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(path, directory)
+    for f in directory.iterdir():
+        if f.name.startswith("model") and f.name.endswith(".safetensors"):
+            f.unlink()
+    (directory / "model.safetensors").symlink_to(tmp_path / "no-such-blob")
+    assert main(["inspect", str(directory), "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert "model.safetensors" not in files and "evon_posterior_config.json" in files
+
+
 def test_inspect_text(saved, capsys):
     path, _, _, posterior = saved
     assert main(["inspect", str(path)]) == 0

@@ -96,7 +96,9 @@ def test_push_then_load_by_repo_id(hub, posterior, tmp_path):
 
     loaded = _load(hub, "alice/evon-mlp", tmp_path / "cache")
     _same(posterior, loaded)
-    assert ("HEAD", f"/alice/evon-mlp/resolve/main/{POSTERIOR_WEIGHTS_NAME}") in hub.requests
+    assert ("HEAD", f"/alice/evon-mlp/resolve/main/{POSTERIOR_CONFIG_NAME}") in hub.requests
+    # the weights at the commit the config came from
+    assert ("HEAD", f"/alice/evon-mlp/resolve/{info.oid}/{POSTERIOR_WEIGHTS_NAME}") in hub.requests
     # the download is cached: it loads again without the server
     _same(posterior, _load(hub, "alice/evon-mlp", tmp_path / "cache", local_files_only=True))
     with pytest.raises(LocalEntryNotFoundError):

@@ -302,12 +302,11 @@ def _file_sizes(args: argparse.Namespace, posterior: Any) -> dict[str, int]:
     if os.path.isdir(args.location):
         directory = os.path.join(args.location, args.subfolder) if args.subfolder else args.location
         sizes = {}
-        for f in names:
+        files = [os.path.join(directory, f) for f in names]
+        files += [os.path.join(args.location, f) for f in sorted(os.listdir(args.location)) if MODEL_WEIGHT_FILE.fullmatch(f)]
+        for path in files:  # (a dangling link, or a file a save removed meanwhile: left out)
             with contextlib.suppress(FileNotFoundError):
-                sizes[f] = os.path.getsize(os.path.join(directory, f))
-        for f in sorted(os.listdir(args.location)):
-            if MODEL_WEIGHT_FILE.fullmatch(f):
-                sizes[f] = os.path.getsize(os.path.join(args.location, f))
+                sizes[os.path.basename(path)] = os.path.getsize(path)
         return sizes
     from huggingface_hub import hf_hub_download  # already in the cache: from_pretrained fetched them
 
