@@ -146,6 +146,19 @@ def test_a_deeply_nested_config_is_a_clear_error(tmp_path, depth):
         EVONPosterior.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("literal", ["NaN", "-Infinity"])
+def test_a_number_that_could_not_be_written_back_is_refused_on_load(tmp_path, literal):
+    """Python's json reads NaN and -Infinity: such a config loaded, and the posterior could then never
+    be saved again (its writer refuses them)."""
+    _posterior().save_pretrained(tmp_path)
+    path = tmp_path / POSTERIOR_CONFIG_NAME
+    raw = json.loads(path.read_text())
+    raw["lr"] = 0.125
+    path.write_text(json.dumps(raw).replace('"lr": 0.125', f'"lr": {literal}'))
+    with pytest.raises(PosteriorMismatchError, match=r"field 'lr' must be a number"):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize(
     "calibration, field",
     [

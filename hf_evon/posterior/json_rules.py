@@ -47,7 +47,9 @@ def number(value: Any, field: str, where: str) -> float:
     config is written back as it was given."""
     if value == "inf":
         return math.inf
-    if as_float(value) is None:
+    number = as_float(value)
+    # NaN and -inf (Python's json reads the literals NaN, -Infinity) cannot be written back
+    if number is None or math.isnan(number) or number == -math.inf:
         raise rule_error(where, field, 'a number (or "inf")', value)
     return value
 
