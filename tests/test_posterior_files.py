@@ -314,9 +314,11 @@ class _Killed(BaseException):
     """The process died: no handler may catch it, and nothing after it touches the disk."""
 
 
-def _kill_after(monkeypatch, k: int | None) -> list[str]:
+def _kill_after(monkeypatch, k: int | None, interrupt: bool = False) -> list[str]:
     """Every file-system call counts; after call ``k`` each later one raises :class:`_Killed`
-    without running (as after a SIGKILL). ``k=None`` only counts. Returns the calls made."""
+    without running (as after a SIGKILL). ``k=None`` only counts. ``interrupt``: right after call
+    ``k`` a ``KeyboardInterrupt`` (Ctrl-C) is raised once instead, and later calls run (the
+    ``finally`` blocks with them). Returns the calls made."""
     import builtins
 
     import hf_evon.posterior.format as format_module
@@ -325,12 +327,12 @@ def _kill_after(monkeypatch, k: int | None) -> list[str]:
 
     def wrap(fn, label):
         def call(*args, **kwargs):
-            if k is not None and len(calls) >= k:
+            if k is not None and len(calls) >= k and not interrupt:
                 raise _Killed(f"{label} after the kill")
             out = fn(*args, **kwargs)
             calls.append(label)
             if len(calls) == k:
-                raise _Killed(f"killed right after call {k} ({label})")
+                raise (KeyboardInterrupt if interrupt else _Killed)(f"right after call {k} ({label})")
             return out
 
         return call
@@ -409,29 +411,6 @@ def test_a_push_from_a_checkpoint_killed_midway_leaves_a_posterior_that_loads(tm
     assert seen == sorted(seen, key=lambda w: w == "new"), seen
 
 
-def _interrupt_after(monkeypatch, k: int) -> list[str]:
-    """Every file-system call counts; right after call ``k`` a ``KeyboardInterrupt`` (Ctrl-C) is
-    raised once: unlike a kill, the ``finally`` blocks then run, and their calls go through."""
-    import builtins
-
-    calls: list[str] = []
-
-    def wrap(fn, label):
-        def call(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            calls.append(label)
-            if len(calls) == k:
-                raise KeyboardInterrupt(f"Ctrl-C right after call {k} ({label})")
-            return out
-
-        return call
-
-    for name in ("open", "fsync", "replace", "rename", "link", "remove", "unlink", "mkdir", "rmdir"):
-        monkeypatch.setattr(os, name, wrap(getattr(os, name), f"os.{name}"))
-    monkeypatch.setattr(builtins, "open", wrap(builtins.open, "open"))
-    return calls
-
-
 def test_a_save_interrupted_anywhere_leaves_the_old_posterior_or_the_new(tmp_path, monkeypatch):
     """A Ctrl-C in the directory's fsync right after the config's switch (before the save marked it
     switched) let the cleanup remove the staged weights the new config named: neither loaded."""
@@ -440,7 +419,7 @@ def test_a_save_interrupted_anywhere_leaves_the_old_posterior_or_the_new(tmp_pat
     pristine = tmp_path / "pristine"
     old_post.save_pretrained(pristine, model_card=False)
     with monkeypatch.context() as patch:
-        calls = _interrupt_after(patch, 10**9)
+        calls = _kill_after(patch, None)
         shutil.copytree(pristine, tmp_path / "count")
         calls.clear()
         new_post.save_pretrained(tmp_path / "count", model_card=False)
@@ -449,7 +428,7 @@ def test_a_save_interrupted_anywhere_leaves_the_old_posterior_or_the_new(tmp_pat
         target = tmp_path / f"interrupt{k}"
         shutil.copytree(pristine, target)
         with monkeypatch.context() as patch:
-            _interrupt_after(patch, k)
+            _kill_after(patch, k, interrupt=True)
             with pytest.raises(KeyboardInterrupt):
                 new_post.save_pretrained(target, model_card=False)
         seen.append(_which(target, old, new))
