@@ -11,6 +11,7 @@ GPUs this starts 2 CPU processes (torchrun) and accelerate uses DDP over gloo; w
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -473,3 +474,37 @@ def test_handle_forwards_only_what_the_wrapper_lacks_and_pickles() -> None:
     handle.__setstate__({"optimizer": opt, "scaler": None})
     copy = pickle.loads(pickle.dumps(handle))
     assert type(copy) is EVONAcceleratedOptimizer and copy.mc_samples == opt.mc_samples
+
+
+def test_a_skipped_evon_step_is_reported_to_accelerate_and_its_scheduler() -> None:
+    """EVON skips a step with a non-finite gradient (weights unchanged): accelerate's
+    step_was_skipped said False (it knows only a GradScaler's skips), so the prepared scheduler and
+    the Trainer's advanced the learning rate for a step that did not happen."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        torch.manual_seed(0)
+        model = worker.tiny_gpt2()
+        optimizer = build_optimizer(model, seed=0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+        accelerator = Accelerator(cpu=True)
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        optimizer = prepare_distributed(model, optimizer)
+        ids = torch.randint(0, 32, (2, 6))
+        for scale in (1.0, 1.0, math.nan, 1.0):
+            with optimizer.sampled_params(train=True):
+                accelerator.backward(model(input_ids=ids, labels=ids).loss * scale)
+            before = [g["lr"] for g in optimizer.param_groups]
+            with pytest.warns(RuntimeWarning, match="skipped") if scale != scale else contextlib.nullcontext():
+                optimizer.step()
+            assert optimizer.step_was_skipped == (scale != scale)
+            scheduler.step()
+            optimizer.zero_grad()
+            assert ([g["lr"] for g in optimizer.param_groups] == before) == (scale != scale)
+        assert unwrap_optimizer(optimizer).skipped_steps == 1
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

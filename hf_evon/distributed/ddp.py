@@ -122,7 +122,20 @@ except ImportError:  # pragma: no cover - accelerate is a dependency
 else:
 
     class EVONAcceleratedOptimizer(EVONHandle, AcceleratedOptimizer):
-        """accelerate's ``AcceleratedOptimizer`` around an EVON, with EVON's API (importable, so it pickles)."""
+        """accelerate's ``AcceleratedOptimizer`` around an EVON, with EVON's API (importable, so it
+        pickles), whose ``step_was_skipped`` also says when EVON skipped a non-finite step: the
+        Trainer and accelerate's prepared scheduler read it (only a GradScaler's skip set it)."""
+
+        def step(self, closure: Any = None) -> Any:
+            evon = unwrap_optimizer(self)
+            before = evon.skipped_steps
+            out = super().step(closure)
+            self._evon_skipped = evon.skipped_steps != before
+            return out
+
+        @property
+        def step_was_skipped(self) -> bool:
+            return bool(super().step_was_skipped or self.__dict__.get("_evon_skipped", False))
 
 
 _HANDLE_CLASSES: dict[type, type] = {}
