@@ -232,7 +232,7 @@ class EVON(Optimizer):
         try:
             group = self.param_groups[-1]
             group.setdefault("fit_to_curvature", curvature_fitted(group))
-            if group["fit_to_curvature"]:  # its fits' clock starts here (a group added mid-run)
+            if group["fit_to_curvature"] and self._updates:  # added mid-run: its fits' clock starts here
                 group.setdefault("fit_from", self._updates)
             validate_group(resolve_prior(group))
             resolve_mean_weight_decay(group)
