@@ -126,6 +126,26 @@ def test_sft_trainer_with_evon_packing_trl_metrics_evon_logs_and_bma(tmp_path, c
     assert (tmp_path / "out" / POSTERIOR_WEIGHTS_NAME).is_file()
 
 
+def test_trls_num_tokens_counts_each_token_once_whatever_evon_mc_samples(tmp_path, corpus):
+    """TRL adds a micro-batch's tokens at each compute_loss (its private _total_train_tokens), and
+    EVON runs each micro-batch once per posterior sample: num_tokens was K times plain SFT's."""
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer, train, _ = corpus
+    common = dict(report_to="none", use_cpu=True, bf16=False, seed=0, max_steps=2, per_device_train_batch_size=4,
+                  logging_steps=1, packing=True, max_length=64, gradient_checkpointing=False, disable_tqdm=True,
+                  save_strategy="no")  # fmt: skip
+    plain = SFTTrainer(model=tiny_gpt2(tokenizer), args=SFTConfig(output_dir=str(tmp_path / "plain"), **common),
+                       train_dataset=train, processing_class=tokenizer)  # fmt: skip
+    plain.train()
+    expected = [h["num_tokens"] for h in plain.state.log_history if "loss" in h]
+    assert len(expected) == 2 and expected[0] > 0
+    trainer = EVONSFTTrainer(model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, max_steps=2, evon_mc_samples=3),
+                             train_dataset=train, processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    assert [h["num_tokens"] for h in trainer.state.log_history if "loss" in h] == expected
+
+
 def test_plain_sft_config_is_converted_keeping_its_fields(tmp_path, corpus):
     tokenizer, train, _ = corpus
     args = trl.SFTConfig(
