@@ -1033,3 +1033,27 @@ def test_an_embedding_subclass_with_a_forward_of_its_own_is_refused():
     assert "transformer.wte.weight" in posterior.names
     with pytest.raises(NotImplementedError, match=r"'transformer.wte.weight' belongs to a Scaled"):
         bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=1)
+
+
+def test_a_second_batched_block_on_one_model_is_refused():
+    """Two blocks on one model (nested, re-entered, or two threads' generate_bma) stacked their
+    forwards: an outer exit first left the inner's samples in the plain model for good, and a
+    re-entered object's exit ran the rest of the outer block at the mean."""
+    model = tiny_gpt2()
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    with torch.no_grad():
+        mean_logits = model(PROMPTS).logits
+    outer = batched.BatchedSamples(model, posterior, 2, seed=1)
+    with outer:
+        with pytest.raises(RuntimeError, match="already active on this model"):
+            with batched.BatchedSamples(model, posterior, 2, seed=2):
+                pass
+        with pytest.raises(RuntimeError, match="already active on this model"):
+            with outer:
+                pass
+        with torch.no_grad():  # still the outer block's samples
+            assert not torch.equal(model(PROMPTS.repeat(2, 1)).logits[:2], mean_logits)
+    assert outer.extra_bytes > 0
+    with torch.no_grad():
+        assert torch.equal(model(PROMPTS).logits, mean_logits)  # every forward restored
+    assert not any("forward" in m.__dict__ for m in model.modules())

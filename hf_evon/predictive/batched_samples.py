@@ -72,6 +72,9 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
+_BATCHED = "_evon_batched_samples"  # marks a forward a BatchedSamples block installed
+
+
 def _sample_major(x: Tensor, num_samples: int, name: str) -> Tensor:
     if x.shape[0] % num_samples:
         raise RuntimeError(
@@ -198,6 +201,13 @@ class BatchedSamples:
         return chosen
 
     def __enter__(self) -> BatchedSamples:
+        # a second block would batch on top of the first's forwards, and the first's exit (in any
+        # order) would leave the other's in place or take them away from under it
+        if self._patched or any(getattr(m.__dict__.get("forward"), _BATCHED, False) for m in self.model.modules()):
+            raise RuntimeError(
+                "a BatchedSamples block is already active on this model (nested, or another thread's)"
+            )
+        self.extra_bytes = 0
         named = dict(self.model.named_parameters())
         names = list(self.posterior.names)
         unknown = [n for n in names if n not in named]
@@ -262,6 +272,7 @@ class BatchedSamples:
     def _patch(self, module: nn.Module, forward: Callable[..., Tensor]) -> None:
         previous = module.__dict__.get("forward")  # e.g. an accelerate hook's forward
         self._patched.append((module, previous))
+        setattr(forward, _BATCHED, True)
         module.forward = types.MethodType(forward, module)
 
     def _restore(self) -> None:
