@@ -390,10 +390,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.calibration_fraction < 1:
         p.error(f"--calibration-fraction must be in (0, 1); got {args.calibration_fraction}")
+    for name in ("bma_samples", "batch_size", "train_per_class", "logging_steps"):  # counts read after training
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
     args.methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - {"adamw", "ivon", "evon"}
-    if unknown:
-        p.error(f"unknown methods {sorted(unknown)}")
+    if unknown or not args.methods:
+        p.error(f"unknown methods {sorted(unknown)}" if unknown else "--methods names none")
     return args
 
 
@@ -454,10 +457,13 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
             rows.append((label, result["mean"]))
             rows.append((f"{label}@{args.bma_samples} (BMA)", result["bma"]))
             cal = result["calibration"]
-            print(
-                f"{label}: mean posterior std {result['std']:.3g}; calibrated sampling scale ×{cal.multiplier:.3g} "
-                f"the trained ζ (held-out BMA NLL {cal.chosen_nll:.4f} vs {cal.mean_nll:.4f} at the mean)"
-            )
+            if cal is None:  # --evon-ess inf: no noise, nothing calibrated
+                print(f"{label}: mean posterior std {result['std']:.3g}; no noise (ess = inf), not calibrated")
+            else:
+                print(
+                    f"{label}: mean posterior std {result['std']:.3g}; calibrated sampling scale ×{cal.multiplier:.3g} "
+                    f"the trained ζ (held-out BMA NLL {cal.chosen_nll:.4f} vs {cal.mean_nll:.4f} at the mean)"
+                )
         times[method] = time.time() - t0
         print(f"{method}: {times[method]:.0f} s")
     print()

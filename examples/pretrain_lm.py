@@ -136,7 +136,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     v.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="push model + posterior + card")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # counts a run divides by or reads the last of: refused here, not after the training
+    for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "mc_samples", "val_batches", "bma_samples"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
+    return args
 
 
 # ----------------------------------------------------------------------------- data

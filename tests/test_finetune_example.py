@@ -86,3 +86,16 @@ def test_example_lora(example, tmp_path, capsys):
     posterior = EVONPosterior.from_pretrained(saved)
     assert posterior.names and all("lora_" in n or "classifier" in n for n in posterior.names)
     assert any("attention.output.dense.lora_A" in n for n in posterior.names)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bma-samples", "0"], "--bma-samples must be an integer >= 1"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--methods", ","], "--methods names none"),
+])  # fmt: skip
+def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv, message, capsys):
+    """--bma-samples 0 trained, then raised a KeyError on the missing eval_bma_* metrics;
+    --batch-size 0 raised from inside; --methods , printed an empty table with exit code 0."""
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

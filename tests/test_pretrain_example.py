@@ -147,3 +147,15 @@ def test_a_validation_split_shorter_than_one_block_is_refused(cache: str, tmp_pa
     assert proc.returncode != 0
     assert re.search(r"the validation split holds \d+ tokens, less than one --seq-len block \(4096\)", proc.stderr)
     assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))
+
+
+@pytest.mark.parametrize("flag", ["--bma-samples", "--max-steps", "--grad-accum", "--seq-len", "--mc-samples"])
+def test_a_count_below_one_is_an_argument_error(flag: str, capsys) -> None:
+    """--bma-samples 0 trained, then crashed halfway through saving (the new model beside the old
+    posterior); --max-steps 0, --grad-accum 0, --seq-len 0 and --mc-samples 0 raised from inside."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import pretrain_lm
+
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_lm.parse_args([flag, "0", "--output-dir", "unused"])
+    assert exit_.value.code == 2 and f"{flag} must be an integer >= 1; got 0" in capsys.readouterr().err

@@ -372,3 +372,16 @@ def test_defaults_train_a_tiny_gpt2_from_scratch_as_well_as_adamw(tmp_path) -> N
     evon = _lm_eval_loss(tmp_path, "evon", evon=True)
     assert adamw < math.log(512) - 1.0  # the baseline learned
     assert evon <= adamw * 1.02, (evon, adamw)
+
+
+def test_a_run_without_noise_skips_the_end_of_training_calibration(tmp_path) -> None:
+    """evon_ess=inf (SOAP mode) with a calibration_dataset trained, then raised in the automatic
+    calibration ("nothing to calibrate") and saved nothing; it now keeps the point-mass posterior."""
+    train, cal, test = breast_cancer()
+    args = EVONConfig(output_dir=str(tmp_path), report_to="none", max_steps=3, per_device_train_batch_size=32,
+                      save_strategy="no", seed=0, bma_num_samples=2, disable_tqdm=True, evon_ess=math.inf)  # fmt: skip
+    tr = EVONTrainer(model=TabularClassifier(30, 2), args=args, train_dataset=train, calibration_dataset=cal)
+    tr.train()
+    assert tr.calibration is None and tr.current_posterior().is_point_mass
+    with pytest.raises(ValueError, match="nothing to calibrate"):  # asked for by hand: still said
+        tr.calibrate()

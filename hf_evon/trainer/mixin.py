@@ -587,14 +587,14 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         if self.calibration_dataset is not None:
             self._check_calibration_data()  # before the first step: not after the whole run
         self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
-        self._evon_fsdp2_resume = None
-        self._evon_in_training = True
+        self._evon_fsdp2_resume, self._evon_in_training = None, True
         try:
             output = super().train(*args, **kwargs)
         finally:
             self._evon_in_training = False
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_posterior()  # the Trainer has just loaded that checkpoint's weights
-        if self.calibration_dataset is not None and self.current_posterior() is not None:
-            self.calibrate()
+        if self.calibration_dataset is not None and (posterior := self.current_posterior()) is not None:
+            if not posterior.is_point_mass:  # ess = inf (SOAP mode): no noise to calibrate
+                self.calibrate()
         return output
