@@ -148,8 +148,9 @@ def main() -> None:
     ap.add_argument("--bma-samples", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=3, help="splits and initialisations; the table is their mean")
     args = ap.parse_args()
-    if args.seeds < 1:
-        ap.error(f"--seeds must be >= 1; got {args.seeds}")
+    for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     t0 = time.time()
     per_seed, calibrations, saved = [], [], None
     for seed in range(args.seeds):

@@ -601,6 +601,21 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
     )
 
 
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--temperature", "0", "a finite number > 0"), ("--temperature", "nan", "a finite number > 0"),
+    ("--top-k", "-3", "an integer >= 0"), ("--top-p", "2", "a number in (0, 1]"), ("--top-p", "0", "a number in (0, 1]"),
+    ("--repetition-penalty", "0", "a finite number > 0"),
+])  # fmt: skip
+def test_a_sampling_option_out_of_range_is_a_usage_error(saved, flag, value, rule, capsys):
+    """generate's sampling options were plain float/int: --temperature 0 failed in transformers
+    (exit 1) and --top-p 2 was accepted, where a wrong argument is a usage error (exit 2)."""
+    path, *_ = saved
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(path), "--prompt", "def", "--do-sample", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: wants {rule}; got '{value}'" in capsys.readouterr().err
+
+
 def test_a_block_too_short_to_score_is_a_usage_error(saved, tmp_path, capsys):
     """--block-size 1 leaves a causal LM no target: it failed after the model loaded, exit code 1."""
     path, *_ = saved

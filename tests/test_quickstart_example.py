@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hf_evon import EVONPosterior
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +42,15 @@ def test_quickstart_runs_saves_and_reproduces_its_bma(tmp_path) -> None:
     want = finite[0] if finite else 0
     assert f"saved seed {want}'s model" in run.stdout
     assert math.isinf(saved.ess) == (not finite)
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "-1"], ["--epochs", "0"], ["--batch-size", "0"], ["--bma-samples", "0"]])
+def test_a_count_below_one_is_an_argument_error(tmp_path, argv) -> None:
+    """--epochs -1 exited 0 with an untrained model saved; --epochs 0 and --batch-size 0 raised
+    ZeroDivisionError and --bma-samples 0 a ValueError, with tracebacks."""
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py"), "--output-dir", str(tmp_path / "q"), *argv],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 2 and f"{argv[0]} must be >= 1; got {argv[1]}" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "q").exists()

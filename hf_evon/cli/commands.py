@@ -61,18 +61,19 @@ def _int_at_least(low: int) -> Callable[[str], int]:
 _positive_int = _int_at_least(1)
 
 
-def _non_negative_float(text: str) -> float:
-    with contextlib.suppress(ValueError):
-        if (value := float(text)) >= 0.0 and math.isfinite(value):
-            return value
-    raise argparse.ArgumentTypeError(f"wants a finite number >= 0; got {text!r}")
+def _number(rule: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        with contextlib.suppress(ValueError):
+            if math.isfinite(value := float(text)) and ok(value):
+                return value
+        raise argparse.ArgumentTypeError(f"wants {rule}; got {text!r}")
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    value = _non_negative_float(text)
-    if value >= 1.0:
-        raise argparse.ArgumentTypeError(f"wants a fraction in [0, 1); got {value}")
-    return value
+_non_negative_float = _number("a finite number >= 0", lambda x: x >= 0.0)
+_fraction = _number("a fraction in [0, 1)", lambda x: 0.0 <= x < 1.0)
+_positive_float = _number("a finite number > 0", lambda x: x > 0.0)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -143,15 +144,16 @@ def _add_generate(subparsers: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the weight draw and token sampling (default 0)")
     p.add_argument("--do-sample", action="store_true", help="sample tokens instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=None, help="softmax temperature (with --do-sample)")
+    p.add_argument("--temperature", type=_positive_float, default=None, help="softmax temperature (with --do-sample)")
     p.add_argument(
-        "--top-k", type=int, default=None, help="keep the k most probable tokens (with --do-sample)"
+        "--top-k", type=_int_at_least(0), default=None, help="keep the k most probable tokens (with --do-sample)"
     )
     p.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling: keep tokens of cumulative probability p"
-    )
+        "--top-p", type=_number("a number in (0, 1]", lambda x: 0.0 < x <= 1.0), default=None,
+        help="nucleus sampling: keep tokens of cumulative probability p",
+    )  # fmt: skip
     p.add_argument(
-        "--repetition-penalty", type=float, default=None, help="penalise repeated tokens (1.0: no penalty)"
+        "--repetition-penalty", type=_positive_float, default=None, help="penalise repeated tokens (1.0: no penalty)"
     )
     p.add_argument(
         "--num-beams", type=_positive_int, default=None,
