@@ -113,7 +113,6 @@ def test_a_push_between_the_config_and_the_weights_downloads_loads_the_configs_c
     import hf_evon.posterior.hub as hub_module
 
     other = posterior.with_ess(posterior.ess * 7)
-    other.config["note"] = "pushed in between"
     posterior.push_to_hub("alice/race", token=TOKEN, endpoint=hub.endpoint)
     real, calls = hub_module.hf_hub_download, []
 

@@ -50,10 +50,10 @@ MODEL_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+
 
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = int(text) if text.strip().lstrip("+-").isdigit() else None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"wants an integer >= {low}; got {text!r}")
-        return value
+        with contextlib.suppress(ValueError):
+            if (value := int(text)) >= low:
+                return value
+        raise argparse.ArgumentTypeError(f"wants an integer >= {low}; got {text!r}")
 
     return parse
 

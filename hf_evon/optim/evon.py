@@ -188,8 +188,8 @@ class EVON(Optimizer):
         defaults["adamw_eps"] = defaults.pop("adamw_eps")  # the group keys' order as saved
         adamw_rate = lr if adamw_lr is None else adamw_lr
         self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay)
-        self.nonfinite = nonfinite
-        self.seed = resolve_seed(seed)
+        self.nonfinite, self.seed = nonfinite, resolve_seed(seed)
+        self._checked_groups: dict[int, tuple[Any, ...]] = {}  # validate_groups' settings found valid
         self.skipped_steps = 0
         self.health_check_every = 100  # posterior_health(warn=True) every this many steps (a host sync; 0: never)
         self._updates = 0  # steps taken by this object (for the health check's period)
@@ -418,7 +418,7 @@ class EVON(Optimizer):
             with torch.enable_grad(), self.sampled_params(train=True):
                 loss = closure()
         self._refuse_in_sample("step()")
-        validate_groups(self.param_groups)
+        validate_groups(self.param_groups, self._checked_groups)
         self.synchronize()
         self._hooks.before_step()  # FSDP2: the owners gather the step's (clipped) gradients
         if self._samples == 0:

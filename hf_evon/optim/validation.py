@@ -202,29 +202,27 @@ def validate_group(group: dict[str, Any]) -> None:
             raise ValueError(f"EVON cannot train the {p.dtype} parameter {label}: it needs floating-point weights")
 
 
-# the settings of each group last found valid (by id), without the rate a scheduler sets each step
-_VALIDATED: dict[int, tuple[Any, ...]] = {}
+# what a scheduler sets each step: not part of a group's settings checked once
 _SCHEDULED = ("params", "param_names", "lr", "initial_lr")
 
 
-def validate_groups(groups: list[dict[str, Any]]) -> None:
+def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]]) -> None:
     """Every group checked as by ``validate_group``, the error naming the group: ``step()`` runs it
     before it changes anything, since a field changed mid-run (a mode set to a typo) would otherwise
-    raise halfway through the buckets, some of their state already updated. A group whose settings
-    are those last checked is not checked again (its rate alone: schedulers set it every step)."""
+    raise halfway through the buckets, some of their state already updated. ``checked`` (the
+    optimizer's, by id of group) holds the settings last found valid: such a group is not checked
+    again but for its rate, which schedulers set every step."""
     for i, group in enumerate(groups):
         settings = tuple(v for k, v in group.items() if k not in _SCHEDULED)
         lr = group.get("lr")
         with contextlib.suppress(Exception):  # a tensor setting compares elementwise: check it
-            if _VALIDATED.get(id(group)) == settings and is_real(lr) and lr >= 0:
+            if checked.get(id(group)) == settings and is_real(lr) and lr >= 0:
                 continue
         try:
             validate_group(group)
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
-        if len(_VALIDATED) > 4096:
-            _VALIDATED.clear()
-        _VALIDATED[id(group)] = settings
+        checked[id(group)] = settings
 
 
 def validate_state_dict(state_dict: dict[str, Any]) -> None:

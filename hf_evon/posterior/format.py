@@ -317,9 +317,8 @@ def _remove_stale_files(directory: str) -> None:
 def _config_names(config_path: str, weights_name: str) -> bool:
     """Whether the config on disk names ``weights_name`` (True where it cannot be read: keep the file)."""
     try:
-        with open(config_path, encoding="utf-8") as fh:
-            return json.load(fh).get("weights_file") == weights_name
-    except (OSError, ValueError, AttributeError):
+        return read_config(config_path).weights_name == weights_name
+    except (OSError, PosteriorMismatchError):
         return True
 
 

@@ -27,6 +27,7 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import replaced_atomically
+from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
 from hf_evon.trainer.card import save_trainer_model_card
 
@@ -42,24 +43,26 @@ def _has_posterior(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, POSTERIOR_CONFIG_NAME))
 
 
-# group entries that differ from a fresh optimizer's by design: the parameters and the scheduled rate
-_NOT_SETTINGS = frozenset({"params", "param_names", "lr", "fit_to_curvature", "fit_from"})
+# the settings a group's config gives: EVON's group keys (its rate as configured, ``initial_lr``: ``lr``
+# is the scheduled one) and AdamW's (the EVON keys an AdamW group carries are inert there)
+_EVON_SETTINGS = ("initial_lr", *(k for k in GROUP_KEYS if k != "lr"))
 _ADAMW_SETTINGS = ("initial_lr", "betas", "weight_decay", "adamw_eps")
 
 
 def settings_replaced(fresh: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> list[str]:
     """``"group i key: this run's -> the checkpoint's"`` for each optimizer group setting that loading
     a checkpoint's state replaced (``torch.optim``'s ``load_state_dict`` restores the groups'
-    settings): the configured rate (``initial_lr``), EVON's modes and numbers. Not what EVON resolves
-    or fits while it trains where the config leaves it open: an "auto" ess, a fitted or None prior."""
+    settings). Not what EVON resolves or fits while it trains where the config leaves it open: an
+    "auto" ess, a fitted or None prior."""
     changed = []
     for gi, (new, old) in enumerate(zip(fresh, loaded)):
         fitted = set(new.get("fit_to_curvature") or ())
-        own = new.keys() if new.get("algorithm") == "evon" else _ADAMW_SETTINGS  # EVON's keys are inert there
-        for key, value in ((k, new[k]) for k in own if k in new):
-            if key in _NOT_SETTINGS or key in fitted or value is None or value == "auto":
+        keys = _EVON_SETTINGS if new.get("algorithm") == "evon" else _ADAMW_SETTINGS
+        for key in keys:
+            value = new.get(key)
+            if key in fitted or value is None or value == "auto" or key not in old:
                 continue
-            if key in old and old[key] != value:
+            if old[key] != value:
                 changed.append(f"group {gi} {key}: {value!r} -> {old[key]!r}")
     return changed
 
