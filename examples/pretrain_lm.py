@@ -150,11 +150,11 @@ def load_tokens(
 ) -> tuple[object, torch.Tensor, torch.Tensor]:
     """Tokenizer + train/validation token streams; built once by the main process, then cached."""
     cache_root = args.cache_dir or args.output_dir
-    tok_dir = os.path.join(cache_root, f"tokenizer-{args.vocab_size}")
     source = args.dataset or "stdlib"
     key = f"{source}-{args.dataset_config}-{args.corpus_mb}-{args.val_fraction}-{args.vocab_size}".replace(
         "/", "_"
     )
+    tok_dir = os.path.join(cache_root, f"tokenizer-{key}")  # trained on this corpus's training split
     cache = os.path.join(cache_root, "data_cache", f"{key}.pt")
     with accelerator.main_process_first():
         if not os.path.isfile(cache) or not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):

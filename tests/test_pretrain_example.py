@@ -159,3 +159,24 @@ def test_a_count_below_one_is_an_argument_error(flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         pretrain_lm.parse_args([flag, "0", "--output-dir", "unused"])
     assert exit_.value.code == 2 and f"{flag} must be an integer >= 1; got 0" in capsys.readouterr().err
+
+
+def test_the_tokenizer_cache_follows_the_corpus(tmp_path) -> None:
+    """A second corpus in the same cache directory gets a tokenizer trained on it, not the first
+    corpus's tokenizer of the same vocabulary size."""
+    import contextlib
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("pretrain_lm", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext, is_main_process=True)
+
+    def vocab(corpus_mb: str, cache_dir: str) -> dict[str, int]:
+        args = example.parse_args(["--vocab-size", "384", "--corpus-mb", corpus_mb, "--cache-dir", cache_dir])
+        return example.load_tokens(args, accelerator)[0].get_vocab()
+
+    shared = str(tmp_path / "shared")
+    vocab("0.05", shared)
+    assert vocab("0.1", shared) == vocab("0.1", str(tmp_path / "fresh"))
