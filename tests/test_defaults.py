@@ -472,6 +472,34 @@ def test_lora_adapters_get_their_own_group_at_adamws_step() -> None:
         build_optimizer(model, adapter_lr_scale=0)
 
 
+@pytest.mark.parametrize("kind", ["lora_embedding", "lokr", "loha", "ia3"])
+def test_every_peft_adapter_kind_gets_the_adapter_rate(kind: str) -> None:
+    """Whatever PEFT adds and trains is new inside the pretrained model, not only lora_A/lora_B:
+    LoRA on an embedding (lora_embedding_A/B), LoKr's, LoHa's and IA3's factors step at the
+    adapters' rate too (they stepped at the whole rate, 1.6× AdamW's step under "whiten_rms")."""
+    import peft
+
+    torch.manual_seed(0)
+
+    class Base(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 16)
+            self.proj = nn.Linear(16, 16)
+            self.out = nn.Linear(16, 3)
+
+    config = {
+        "lora_embedding": peft.LoraConfig(r=2, target_modules=["emb", "proj"]),
+        "lokr": peft.LoKrConfig(r=2, target_modules=["proj"]),
+        "loha": peft.LoHaConfig(r=2, target_modules=["proj"]),
+        "ia3": peft.IA3Config(target_modules=["proj"], feedforward_modules=[]),
+    }[kind]
+    model = peft.get_peft_model(Base(), config)
+    opt = build_optimizer(model, learning_rate=1e-3)
+    evon = [(n, g["lr"]) for g in opt.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]
+    assert evon and all(lr == pytest.approx(0.1, rel=1e-12) for _, lr in evon), evon  # 1.6·1e-3/0.01·0.625
+
+
 def _moves_under_binding_clip(opt: EVON, model: nn.Module) -> list[torch.Tensor]:
     """Each EVON matrix's change in the second step, under full-rank gradients far above H."""
     evon_params = [p for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]]

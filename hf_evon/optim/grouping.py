@@ -198,9 +198,18 @@ def build_optimizer(
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
     split = []
     new_heads = bool(pretrained_name(model))
+    # through PEFT, what trains is what PEFT added: every name with an adapter's name as a segment
+    # (LoRA on linears and embeddings, LoKr, LoHa, IA3, modules_to_save, ...)
+    peft_config = getattr(model, "peft_config", None) if is_peft_model(model) else None
+    adapter_names = set(peft_config) if isinstance(peft_config, dict) else set()
     for g in groups:
         is_adapter = [
-            bool(_ADAPTER.search(n) or (new_heads and _TASK_HEAD.search(n))) for n in g["param_names"]
+            bool(
+                _ADAPTER.search(n)
+                or adapter_names.intersection(n.split("."))
+                or (new_heads and _TASK_HEAD.search(n))
+            )
+            for n in g["param_names"]
         ]
         if g["algorithm"] != "evon" or not any(is_adapter) or adapter_lr_scale == 1:
             split.append(g)
