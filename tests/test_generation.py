@@ -931,6 +931,24 @@ def test_beam_sampling_is_reproducible_with_a_seed_and_leaves_the_global_generat
     assert any(not torch.equal(first, o) for o in others)
 
 
+def test_dora_adapters_are_refused_by_batched_bma():
+    """DoRA builds each adapter's weight as lora_B(lora_A(I)) for its norm: the identity's rows
+    went through the sample-major forward as if they were S·B batch rows, so every sample's norm
+    mixed the other samples' rows (a 3e-3 error per sample's loss, silent wherever S divides the
+    layer's width)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, use_dora=True)
+    model = peft.get_peft_model(tiny_gpt2(seed=2), config)
+    posterior = train_posterior(model)
+    for call in (
+        lambda: bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0),
+        lambda: generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0),
+    ):
+        with pytest.raises(NotImplementedError, match="DoRA"):
+            call()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_beam_search_of_a_peft_lora_posterior():
     """Beam search on a LoRA model: the forward that averages is the LoRA-injected base model's."""
     peft = pytest.importorskip("peft")

@@ -30,8 +30,9 @@ names (``DRAW_CHUNK_ELEMENTS``). Embeddings, head, norms and biases stay single.
 
 Supported owners of covered parameters: ``nn.Linear`` (including PEFT's LoRA ``lora_A`` /
 ``lora_B`` layers, which are plain ``nn.Linear``), transformers' ``Conv1D`` (GPT-2) and
-``nn.Embedding``. A covered parameter owned by anything else raises ``NotImplementedError``
-naming it, rather than silently decoding at the mean.
+``nn.Embedding``. A covered parameter owned by anything else, or by a DoRA adapter (which runs
+its layers on an identity matrix for the weight norm), raises ``NotImplementedError`` naming it,
+rather than silently decoding at the mean or mixing the samples.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ def _sample_major(x: Tensor, num_samples: int, name: str) -> Tensor:
             f"got input of shape {tuple(x.shape)}"
         )
     return x.reshape(num_samples, -1, x.shape[-1])
+
+
+def _dora_owners(model: nn.Module) -> set[nn.Module]:
+    """The ``lora_A`` / ``lora_B`` modules of PEFT's DoRA adapters (``use_dora[adapter]``)."""
+    owners = set()
+    for module in model.modules():
+        use_dora = getattr(module, "use_dora", None)
+        if not isinstance(use_dora, dict):
+            continue
+        for adapter in (a for a, on in use_dora.items() if on):
+            for attr in ("lora_A", "lora_B"):
+                layers = getattr(module, attr, None)
+                if isinstance(layers, nn.ModuleDict) and adapter in layers:
+                    owners.add(layers[adapter])
+    return owners
 
 
 class BatchedSamples:
@@ -216,7 +232,15 @@ class BatchedSamples:
         params = {n: named[n] for n in names}
         owners = self._owners({id(p): n for n, p in params.items()})
         conv1d = _conv1d_type()
+        dora = _dora_owners(self.model)
         for module, attrs in owners.items():
+            if module in dora:
+                raise NotImplementedError(
+                    f"posterior parameter {next(iter(attrs.values()))!r} belongs to a DoRA adapter "
+                    "(use_dora=True), whose weight norm runs the adapter on an identity matrix that "
+                    "batched BMA cannot tell from batch rows; sample it one draw at a time "
+                    "(`with posterior.sampled(model, seed=...)`)"
+                )
             # the supported kinds' own forward: a subclass's (a scaled word embedding, a learned
             # position embedding taking position_ids) would be replaced by the plain product, silently
             base = next((k for k in (nn.Linear, nn.Embedding, conv1d) if k and isinstance(module, k)), None)
