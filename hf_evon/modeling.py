@@ -14,6 +14,7 @@ __all__ = [
     "is_causal_lm",
     "is_encoder_decoder",
     "is_peft_model",
+    "unused_adapter_parameters",
     "model_class",
     "peft_base_model",
     "pretrained_name",
@@ -140,3 +141,35 @@ def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:
     if callable(prepare):
         return {"decoder_input_ids": prepare(labels=labels)}
     return {"labels": labels}
+
+
+def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:
+    """Why each of ``names`` (parameters of ``model``) that belongs to a PEFT adapter the forward
+    does not use now (another adapter active, merged into its base layer, adapters disabled) does
+    not take part: a sample of it changes nothing the model computes. Empty without PEFT."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is optional
+        return []
+    modules = dict(model.named_modules())
+    if not any(isinstance(m, BaseTunerLayer) for m in modules.values()):
+        return []
+    reasons = []
+    for name in names:
+        parts = name.split(".")
+        for k in range(len(parts) - 2, 0, -1):  # the innermost tuner layer on the name's path
+            layer = modules.get(".".join(parts[:k]))
+            if not isinstance(layer, BaseTunerLayer):
+                continue
+            if parts[k] in layer.adapter_layer_names:  # e.g. "lora_A", then the adapter's name
+                adapter = parts[k + 1]
+                if layer.disable_adapters:
+                    reasons.append(f"{name!r}: the model's adapters are disabled")
+                elif adapter in layer.merged_adapters:
+                    reasons.append(f"{name!r}: adapter {adapter!r} is merged into its base layer")
+                elif adapter not in layer.active_adapters:
+                    reasons.append(
+                        f"{name!r}: adapter {adapter!r} is not active (active: {list(layer.active_adapters)})"
+                    )
+            break
+    return reasons

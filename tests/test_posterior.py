@@ -1043,6 +1043,38 @@ def test_loading_never_unpickles(mlp, tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- PEFT
+def test_a_posterior_of_an_adapter_the_forward_does_not_use_is_refused():
+    """Samples of an adapter that is not active, merged into its base layer or disabled change
+    nothing the forward computes: sampled(), generate_bma and BMA ran the mean S times, silently."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), lora)
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=500, precondition_frequency=2, seed=0))
+    _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(4)], _lm_loss)
+    post = EVONPosterior.from_optimizer(opt, model)
+    post.check_model(model)
+    model.add_adapter("other", lora)
+    model.set_adapter("other")
+    with pytest.raises(PosteriorMismatchError, match="adapter 'default' is not active"):
+        post.check_model(model)
+    with pytest.raises(PosteriorMismatchError, match="adapter 'default' is not active"):
+        with post.sampled(model, seed=0):
+            pass
+    model.set_adapter("default")
+    post.check_model(model)
+    with model.disable_adapter():
+        with pytest.raises(PosteriorMismatchError, match="adapters are disabled"):
+            post.check_model(model)
+    model.merge_adapter()
+    with pytest.raises(PosteriorMismatchError, match="adapter 'default' is merged"):
+        post.check_model(model)
+    model.unmerge_adapter()
+    post.check_model(model)
+
+
 def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import GPT2LMHeadModel

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import unwrap_model
+from hf_evon.modeling import unused_adapter_parameters, unwrap_model
 from hf_evon.optim.linalg import dense_covariance, marginal_variance
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
@@ -331,6 +331,7 @@ class EVONPosterior:
                 problems.append(
                     f"{name!r} has dtype {p.dtype} in the model; a posterior needs a float parameter"
                 )
+        problems += unused_adapter_parameters(unwrap_model(model), [n for n in self.names if n in params])
         if problems:
             more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
             raise PosteriorMismatchError(
