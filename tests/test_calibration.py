@@ -902,3 +902,35 @@ def test_scale_ess_keeps_the_groups_ratios_and_with_ess_takes_one_per_name() -> 
         post.with_ess({"0.weight": 7.0})
     with pytest.raises(TypeError, match="scale_ess: factor must be a number"):
         post.scale_ess("2")
+
+
+def test_a_prompt_tuned_lm_is_calibrated_on_the_tokens_its_loss_scores() -> None:
+    """PEFT's prompt tuning prepends virtual tokens: the logits are longer than the labels and the
+    last virtual token predicts the first label. The calibration refused it ("labels do not align")
+    where the evaluation and the model's own loss score every label."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = peft.get_peft_model(
+        LlamaForCausalLM(config), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    )
+    opt = build_optimizer(model, evon_patterns=["prompt_encoder"], seed=0)
+    ids = torch.randint(0, 64, (6, 10))
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    assert posterior.names and all("prompt_encoder" in n for n in posterior.names)
+    model.eval()
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss  # the mean of -log p over all 6·10 labels
+    _, result = calibrate_posterior(model, posterior, [{"input_ids": ids, "labels": ids}], grid=[1.0], num_samples=2)
+    assert result.num_targets == ids.numel()
+    assert result.mean_nll == pytest.approx(float(loss), rel=1e-5)

@@ -98,9 +98,9 @@ def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperature
     return out
 
 
-def _labels_in_range(labels: Tensor, classes: int, shift: bool) -> Tensor:
-    """Whether every scored label is one of ``classes`` (a device flag, read with the others)."""
-    return ~unscorable_labels(labels[..., 1:] if shift else labels, classes).any()
+def _labels_in_range(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
+    """Whether every scored label is one of the logits' classes (a device flag, read with the others)."""
+    return ~unscorable_labels(shifted(logits, labels, shift)[1], logits.shape[-1]).any()
 
 
 @torch.no_grad()
@@ -123,7 +123,7 @@ def scored_pass(
         classes = logits.shape[-1]
         out.append(_tempered_log_probs(logits, labels, shift, temperatures))
         if check:
-            labels_ok.append(_labels_in_range(labels.to(logits.device), classes, shift))
+            labels_ok.append(_labels_in_range(logits, labels.to(logits.device), shift))
     if check and out:
         flags = torch.stack([torch.stack(labels_ok), torch.stack([torch.isfinite(x).all() for x in out])])
         labelled, finite = flags.tolist()  # one sync

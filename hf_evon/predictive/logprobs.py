@@ -52,8 +52,15 @@ def unscorable_labels(labels: Tensor, classes: int) -> Tensor:
 
 
 def shifted(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
-    """``(logits, labels)`` aligned so that ``logits[..., t, :]`` scores ``labels[..., t]``."""
+    """``(logits, labels)`` aligned so that ``logits[..., t, :]`` scores ``labels[..., t]``.
+
+    ``shift`` (a causal LM): position t predicts label t+1; where the logits are longer than the
+    labels (PEFT's prompt tuning prepends V virtual tokens), the last virtual token predicts the
+    first label, as in its loss, and every label is scored."""
     if shift:
+        virtual = logits.shape[1] - labels.shape[1]
+        if virtual > 0:
+            return logits[:, virtual - 1 : virtual - 1 + labels.shape[1]], labels
         return logits[:, :-1], labels[:, 1:]
     return logits, labels
 

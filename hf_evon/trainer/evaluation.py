@@ -77,10 +77,7 @@ def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     """What the metrics need of full log-probabilities ``logp``: causal LMs keep ``log p(label token)``
     ``(B, T-1)`` (``(B, T)`` after virtual tokens; 0 where not scored); classification keeps ``(B, C)``
     / ``(B, T, C)``. Commutes with the BMA's log-mean-exp."""
-    if task == "causal_lm":
-        virtual = logp.shape[1] - labels.shape[1]  # PEFT's prompt tuning: virtual tokens come first
-        if virtual > 0:  # and the last of them predicts the first label, as in its loss: (B, T)
-            return label_log_probs(logp[:, virtual - 1 : virtual - 1 + labels.shape[1]], labels.to(logp.device))
+    if task == "causal_lm":  # PEFT's prompt tuning: (B, T) after its virtual tokens (``shifted``)
         return label_log_probs(*shifted(logp, labels.to(logp.device), shift=True))
     return logp
 
