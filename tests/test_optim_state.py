@@ -115,14 +115,14 @@ def test_a_loaded_adamw_step_count_goes_where_its_kernel_reads_it(monkeypatch) -
     are moved to ``adamw_step_device`` (a checkpoint saved on a GPU, loaded with
     ``map_location="cpu"``, would otherwise leave CPU counts beside CUDA parameters for the fused
     kernel). Without a second device here, that device is stood in for by "meta"."""
-    import hf_evon.optim.buckets as buckets
+    import hf_evon.optim.persistence as persistence
 
     model, data = make_model(), make_data()
     opt = make_opt(model)
     for _ in range(2):
         train_step(model, opt, data)
     saved = roundtrip(opt.state_dict())
-    monkeypatch.setattr(buckets, "adamw_step_device", lambda p: torch.device("meta"))
+    monkeypatch.setattr(persistence, "adamw_step_device", lambda p: torch.device("meta"))
     fresh = make_opt(model)
     fresh.load_state_dict(saved)
     biases, weights = fresh.param_groups[1]["params"], fresh.param_groups[0]["params"]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from hf_evon.optim.checks import uses_fisher
-from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO
-from hf_evon.optim.functional import adamw_step_device, shampoo_statistics
+from hf_evon.optim.defaults import AUTO_ESS, DEFAULT_INIT_STD_RATIO
 from hf_evon.optim.functional import refresh_bases as refreshed_bases
+from hf_evon.optim.functional import shampoo_statistics
 from hf_evon.optim.linalg import rotate, sample_perturbation, unrotate
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "UNINITIALIZED",
     "assign_refresh_phases",
     "auto_ess",
-    "check_state_shapes",
+    "resolve_auto_ess",
     "refuse_dtensors",
     "restore_means",
     "group_buckets",
@@ -542,56 +542,10 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
     return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))
 
 
-# the shape of each EVON state entry for an m×n matrix ("step" and the EMA of ‖G‖²: one number)
-_STATE_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
-    "hess": lambda m, n: (m, n),
-    ROTATED_MOMENTUM: lambda m, n: (m, n),
-    WEIGHT_SPACE_MOMENTUM: lambda m, n: (m, n),
-    "L": lambda m, n: (m, m),
-    "Q_L": lambda m, n: (m, m),
-    "R": lambda m, n: (n, n),
-    "Q_R": lambda m, n: (n, n),
-    "exp_avg_sq_norm": lambda m, n: (),
-    "noise_watched": lambda m, n: (),
-}
-
-
-def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
-    """Raise, naming the parameter, where a loaded EVON state entry does not fit its parameter (a
-    state dict of another model with as many parameters per group), before anything is loaded."""
-    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
-    owners = [(g, j, p) for g in param_groups for j, p in enumerate(g["params"])]
-    for idx, (group, j, p) in zip(saved_ids, owners):
-        if group["algorithm"] != "evon" or idx not in loaded["state"]:
-            continue
-        m, n = matrix_shape(p.shape)
-        for key, value in loaded["state"][idx].items():
-            want = _STATE_SHAPES.get(key)
-            if want is not None and torch.is_tensor(value) and tuple(value.shape) != want(m, n):
-                names = group.get("param_names")
-                label = repr(names[j]) if names else f"#{j} of its group"
-                raise ValueError(
-                    f"EVON.load_state_dict: state[{idx!r}][{key!r}] has shape {tuple(value.shape)}, but "
-                    f"parameter {label} (shape {tuple(p.shape)}) needs {want(m, n)}: a state dict of "
-                    "another model?"
-                )
-
-
-def restore_state_dtypes(
-    state: dict[Tensor, dict[str, Any]], param_groups: list[dict[str, Any]], loaded: dict[str, Any]
-) -> None:
-    """Undo ``Optimizer.load_state_dict``'s cast of floating state to each parameter's dtype:
-    EVON's state is float32 (float64 for float64 parameters), whatever the weights' dtype; and
-    put each AdamW parameter's step count where its kernel reads it (``adamw_step_device``: a
-    checkpoint saved on another device keeps its counts where they were saved)."""
-    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
-    params = [p for g in param_groups for p in g["params"]]
-    evon_params = {id(p) for g in param_groups if g["algorithm"] == "evon" for p in g["params"]}
-    for idx, p in zip(saved_ids, params):
-        if id(p) not in evon_params:
-            if torch.is_tensor(state.get(p, {}).get("step")):
-                state[p]["step"] = state[p]["step"].to(adamw_step_device(p))
-        elif idx in loaded["state"]:
-            for k, v in loaded["state"][idx].items():
-                if k != "step" and torch.is_tensor(v):
-                    state[p][k] = v.to(device=p.device, dtype=state_dtype(p))
+@torch.no_grad()
+def resolve_auto_ess(groups: list[dict[str, Any]], square_sums: Callable[[list[Tensor]], Tensor]) -> None:
+    """Replace each EVON group's ``ess="auto"`` by :func:`auto_ess` of its weights as they are
+    (``square_sums``: Σ p² per parameter; FSDP2: a collective)."""
+    for group in groups:
+        if group["algorithm"] == "evon" and group["ess"] == AUTO_ESS:
+            group["ess"] = auto_ess(group, square_sums(group["params"]))

@@ -24,6 +24,7 @@ __all__ = [
     "is_int",
     "is_real",
     "mode_value",
+    "refuse_grad_scaler",
     "require",
     "uses_fisher",
 ]
@@ -130,4 +131,20 @@ def uses_fisher(group: dict[str, Any]) -> bool:
     ess = group.get("ess")
     return group.get("hess_estimator", "price") == "fisher" and not (
         isinstance(ess, float) and math.isinf(ess)
+    )
+
+
+def refuse_grad_scaler(optimizer: Any) -> None:
+    """Raise where ``torch.amp.GradScaler.step`` hands ``optimizer`` its scale (``found_inf``,
+    ``grad_scale``: EVON declares ``_step_supports_amp_scaling``), after dropping the step's samples.
+    The attributes are removed, not set to None: GradScaler multiplies by a ``grad_scale`` it finds."""
+    if getattr(optimizer, "found_inf", None) is None:
+        return
+    for key in ("found_inf", "grad_scale"):
+        vars(optimizer).pop(key, None)
+    optimizer.discard_samples()  # the scaled samples must not leak into a later step
+    raise NotImplementedError(
+        "EVON cannot be stepped by a torch.amp.GradScaler (fp16 loss scaling): its Hessian "
+        "estimate G°⊙E is recorded from the scaled gradients at each sample's exit. Train in "
+        "bfloat16 autocast (no loss scaling needed) or float32. The state is unchanged; the samples are dropped"
     )

@@ -33,15 +33,13 @@ from hf_evon.optim.buckets import (
     Bucket,
     Plan,
     assign_refresh_phases,
-    auto_ess,
-    check_state_shapes,
     group_buckets,
     refuse_dtensors,
+    resolve_auto_ess,
     restore_means,
-    restore_state_dtypes,
     stack_state,
 )
-from hf_evon.optim.checks import MODE_KEYS, Clip, HessEstimator, NonFinite, StepCurvature, mode_value
+from hf_evon.optim.checks import Clip, HessEstimator, NonFinite, StepCurvature, mode_value, refuse_grad_scaler
 from hf_evon.optim.curvature import curvature_fitted, fit_from_curvature, refit_due, resolve_mean_weight_decay
 from hf_evon.optim.defaults import (
     AUTO_ESS,
@@ -58,11 +56,12 @@ from hf_evon.optim.defaults import (
     DEFAULT_SNR_SCALING,
     DEFAULT_STEP_CURVATURE,
 )
-from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
+from hf_evon.optim.gradients import Consumed, consumed_grads, consumed_places, restore_grads, set_aside_grads
 from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, param_label, warn_health
-from hf_evon.optim.hooks import LOCAL, ShardingHooks
-from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std
+from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
+from hf_evon.optim.linalg import autocast_disabled, dense_covariance, marginal_variance, rotated_std
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
+from hf_evon.optim.persistence import COPIED_ATTRIBUTES, EXTRA_KEY, loading, saved_extras
 from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
@@ -73,11 +72,13 @@ from hf_evon.optim.update import (
     plan_update,
 )
 from hf_evon.optim.validation import (
+    check_layout,
+    group_layout,
+    prepare_group,
     resolve_prior,
     validate_group,
     validate_groups,
     validate_hyperparameters,
-    validate_state_dict,
 )
 
 Tensor = torch.Tensor
@@ -189,15 +190,20 @@ class EVON(Optimizer):
         adamw_rate = lr if adamw_lr is None else adamw_lr
         self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay)
         self.nonfinite, self.seed = nonfinite, resolve_seed(seed)
-        self._checked_groups: dict[int, tuple[Any, ...]] = {}  # validate_groups' settings found valid
         self.skipped_steps = 0
         self.health_check_every = 100  # posterior_health(warn=True) every this many steps (a host sync; 0: never)
         self._updates = 0  # steps taken by this object (for the health check's period)
         self._health_warned: set[str] = set()  # each health warning is given once
-        self._streams = StreamGenerators()
         # sampled_params blocks entered so far; a block's noise is fixed by (seed, rank, block, device),
         # so any rank resumes its own stream from a checkpoint saved by another rank
         self._sample_blocks = 0
+        self._reset_transient()
+        super().__init__(params, defaults)
+
+    def _reset_transient(self) -> None:
+        """What is rebuilt rather than saved or copied (:mod:`hf_evon.optim.persistence`)."""
+        self._checked_groups: dict[int, tuple[Any, ...]] = {}  # validate_groups' settings found valid
+        self._streams = StreamGenerators()
         self._buckets: list[Bucket] | None = None
         self._bucket_index: dict[int, tuple[Bucket, int]] | None = None
         self._samples = 0  # samples recorded since the last step
@@ -211,7 +217,6 @@ class EVON(Optimizer):
         # set by hf_evon.prepare_distributed(shard=True) or under FSDP2: this rank owns (keeps state
         # for, updates) a share of the parameters. None: one process owns everything (hooks.LOCAL)
         self.sharding: ShardingHooks | None = None
-        super().__init__(params, defaults)
 
     @property
     def _hooks(self) -> ShardingHooks:
@@ -222,13 +227,7 @@ class EVON(Optimizer):
         """``torch.optim``'s ``add_param_group``, validated; refused while samples are pending: a new
         group rebuilds the buckets, which hold the Hessian numerators recorded since the last step."""
         self._refuse_rebuild("add_param_group()")
-        for key in MODE_KEYS:  # a mode given as an Enum is stored as its string
-            if key in param_group:
-                param_group[key] = mode_value(param_group[key])
-        if param_group.get("algorithm", "evon") == "adamw":
-            for key, value in self._adamw_defaults.items():
-                param_group.setdefault(key, value)
-        super().add_param_group(param_group)
+        super().add_param_group(prepare_group(param_group, self._adamw_defaults))
         try:
             group = self.param_groups[-1]
             group.setdefault("fit_to_curvature", curvature_fitted(group))
@@ -296,16 +295,17 @@ class EVON(Optimizer):
         built = [b for b in (self._hooks.owned_bucket(b) for b in built) if b.params]
         for b in built:
             stack_state(b, self._member_state)
-        self._resolve_auto_ess()
+        resolve_auto_ess(self.param_groups, self._hooks.square_sums)
+        self._layout = {id(g): group_layout(g) for g in self.param_groups}
         return built
 
-    @torch.no_grad()
-    def _resolve_auto_ess(self) -> None:
-        """Replace ``ess="auto"`` by the ζ whose initial std is ``init_std_ratio`` of the weights' RMS."""
-        for group in self.param_groups:
-            if group["algorithm"] == "evon" and group["ess"] == AUTO_ESS:
-                total = self._hooks.square_sums(group["params"])  # FSDP2: a collective
-                group["ess"] = auto_ess(group, total)
+    def _settle_groups(self) -> None:
+        """Every group valid (``validate_groups``), ``ess="auto"`` set mid-run resolved as the
+        constructor's, and none changed in what its buckets were built from (``check_layout``)."""
+        validate_groups(self.param_groups, self._checked_groups)
+        if self._buckets is not None:
+            check_layout(self.param_groups, self._layout)
+            resolve_auto_ess(self.param_groups, self._hooks.square_sums)
 
     def _refuse_in_sample(self, call: str) -> None:
         if self._in_sample:
@@ -339,6 +339,7 @@ class EVON(Optimizer):
         self._refuse_in_sample("sampled_params() (blocks cannot be nested)")
         if not isinstance(train, bool):  # a string would decide the recording only at the exit
             raise TypeError(f"sampled_params: train must be True or False; got {train!r}")
+        self._settle_groups()
         perturbed: list[Bucket] = []
         stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
         ok, exited, grad_mode = False, False, torch.is_grad_enabled()
@@ -348,7 +349,7 @@ class EVON(Optimizer):
                 self._sample_blocks += 1
                 if stash is not None:  # filled as it goes: every gradient set aside is given back
                     set_aside_grads(self.param_groups, self._consumed, stash)
-                with torch.no_grad():
+                with torch.no_grad(), autocast_disabled():
                     self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
                     for b in self.buckets:
                         if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
@@ -359,7 +360,7 @@ class EVON(Optimizer):
                 yield
                 ok = True
             finally:
-                with torch.no_grad():
+                with torch.no_grad(), autocast_disabled():
                     self._hooks.end_sample(recorded=ok and train)
                     kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                     for b in perturbed if ok else ():
@@ -372,7 +373,7 @@ class EVON(Optimizer):
                 exited = True
         finally:
             if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped
-                with torch.no_grad():
+                with torch.no_grad(), autocast_disabled():
                     restore_means(perturbed)
                     if stash is not None:
                         restore_grads(stash, False)
@@ -405,20 +406,18 @@ class EVON(Optimizer):
 
         ``closure`` (optional) is called once inside ``sampled_params(train=True)``.
         """
-        if getattr(self, "found_inf", None) is not None:  # set by torch.amp.GradScaler.step
-            self.found_inf = self.grad_scale = None
-            self.discard_samples()  # the scaled samples must not leak into a later step
-            raise NotImplementedError(
-                "EVON cannot be stepped by a torch.amp.GradScaler (fp16 loss scaling): its Hessian "
-                "estimate G°⊙E is recorded from the scaled gradients at each sample's exit. Train in "
-                "bfloat16 autocast (no loss scaling needed) or float32. The state is unchanged; the samples are dropped"
-            )
+        refuse_grad_scaler(self)
         loss = None
         if closure is not None:
             with torch.enable_grad(), self.sampled_params(train=True):
                 loss = closure()
+        with autocast_disabled():  # the caller's (a model's bfloat16 autocast): EVON's state keeps its dtypes
+            self._update()
+        return loss
+
+    def _update(self) -> None:
         self._refuse_in_sample("step()")
-        validate_groups(self.param_groups, self._checked_groups)
+        self._settle_groups()
         self.synchronize()
         self._hooks.before_step()  # FSDP2: the owners gather the step's (clipped) gradients
         if self._samples == 0:
@@ -435,7 +434,7 @@ class EVON(Optimizer):
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         if not self._all_finite(plans, adamw):
             self.discard_samples()
-            return loss
+            return
 
         evon_updates(plans, num_samples, self._member_state)
         for gi, (params, g_list, states) in adamw.items():
@@ -448,7 +447,6 @@ class EVON(Optimizer):
             fit_from_curvature(due, self.buckets, self._hooks, self._updates)
         if self.health_check_every and self._updates % self.health_check_every == 0:
             self.posterior_health(warn=True)
-        return loss
 
     def synchronize(self) -> None:
         """Average, across data-parallel ranks, what the next step uses: the gradients and the
@@ -458,13 +456,7 @@ class EVON(Optimizer):
         if self._synchronized:
             return
         if self.gradient_reducer is None:
-            dist = torch.distributed
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                raise RuntimeError(
-                    "EVON is running in a multi-process job but was not prepared for it: call "
-                    "`hf_evon.prepare_distributed(model, optimizer)` after accelerator.prepare(); "
-                    "otherwise DDP averages gradients before EVON can form each rank's Hessian estimate"
-                )
+            refuse_unprepared_processes()
             return
         tensors = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         tensors += [b.acc for b in self.buckets if b.acc is not None]
@@ -560,29 +552,31 @@ class EVON(Optimizer):
     # ---------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["evon"] = {
-            "seed": self.seed,
-            "sample_blocks": self._sample_blocks,
-            "skipped_steps": self.skipped_steps,
-            "updates": self._updates,
-        }
+        sd[EXTRA_KEY] = saved_extras(self)
         return self._hooks.full_state_dict(sd)  # sharded: a collective, the full state on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refuse_rebuild("load_state_dict()")
-        validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("evon", None)
-        state_dict = self._hooks.local_state_dict(state_dict)  # sharded: this rank's part of a full one
-        check_state_shapes(self.param_groups, state_dict)
-        super().load_state_dict(state_dict)
-        restore_state_dtypes(self.state, self.param_groups, state_dict)
-        self._buckets = None
-        if extra is not None:
-            self.seed = int(extra["seed"])
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            self._sample_blocks = int(extra.get("sample_blocks", 0))
-            self._updates = int(extra.get("updates", 0))
+        with loading(self, self._hooks.local_state_dict):  # sharded: this rank's part of a full one
+            super().load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, ``pickle``) trains on as the original would."""
+        self._refuse_rebuild("copying or pickling the optimizer")
+        if self.sharding is not None or self.gradient_reducer is not None:
+            raise RuntimeError("a distributed EVON cannot be copied or pickled: save its state_dict()")
+        own = {k: getattr(self, k) for k in COPIED_ATTRIBUTES}
+        own["consumed"] = consumed_places(self.param_groups, self._consumed)
+        return {**super().__getstate__(), "_evon": own}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        own = state.pop("_evon", None)  # None: torch's load_state_dict setting state and groups
+        super().__setstate__(state)
+        if own is not None:
+            self._reset_transient()
+            self._consumed = consumed_grads(self.param_groups, own.pop("consumed"))
+            self.__dict__.update(own)
 
 
 def unwrap_optimizer(optimizer: Any) -> EVON:

@@ -209,6 +209,8 @@ def adamw(
     ``adamw_torch_fused`` is; else multi-tensor, whose bias corrections read each step count
     back to the host."""
     fused = all(map(fused_adamw, params))
+    # complex entries as (real, imaginary) pairs, as torch.optim.AdamW steps them
+    has_complex = not fused and any(map(torch.is_complex, params))
     _functional_adam(
         params,
         grads,
@@ -226,6 +228,7 @@ def adamw(
         decoupled_weight_decay=True,
         fused=fused,
         foreach=not fused,
+        has_complex=has_complex,
     )
 
 

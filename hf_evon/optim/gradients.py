@@ -12,21 +12,39 @@ from typing import Any
 
 import torch
 
-__all__ = ["consumed_grads", "restore_grads", "set_aside_grads"]
+__all__ = ["consumed_grads", "consumed_places", "restore_grads", "set_aside_grads"]
 
 Tensor = torch.Tensor
 # id(param) -> (weak reference to the gradient a step consumed, its version then)
 Consumed = dict[int, tuple[weakref.ref, int]]
 
 
-def consumed_grads(param_groups: list[dict[str, Any]]) -> Consumed:
-    """The gradients a step has just used, recognisable later by identity and version."""
+def consumed_grads(param_groups: list[dict[str, Any]], places: list[tuple[int, int]] | None = None) -> Consumed:
+    """The gradients a step has just used (``places``: only those at these (group, position)),
+    recognisable later by identity and version."""
+    chosen = None if places is None else set(places)
     return {
         id(p): (weakref.ref(p.grad), p.grad._version)
-        for group in param_groups
-        for p in group["params"]
-        if p.grad is not None
+        for gi, group in enumerate(param_groups)
+        for j, p in enumerate(group["params"])
+        if p.grad is not None and (chosen is None or (gi, j) in chosen)
     }
+
+
+def _is_consumed(p: Tensor, consumed: Consumed) -> bool:
+    ref, version = consumed.get(id(p), (None, None))
+    return ref is not None and ref() is p.grad and p.grad._version == version
+
+
+def consumed_places(param_groups: list[dict[str, Any]], consumed: Consumed) -> list[tuple[int, int]]:
+    """(group, position) of every parameter whose gradient is one the last step consumed: what a
+    copy of the optimizer marks consumed among its own parameters (``consumed_grads(..., places)``)."""
+    return [
+        (gi, j)
+        for gi, group in enumerate(param_groups)
+        for j, p in enumerate(group["params"])
+        if p.grad is not None and _is_consumed(p, consumed)
+    ]
 
 
 def set_aside_grads(
@@ -39,8 +57,7 @@ def set_aside_grads(
         for p in group["params"]:
             grad = keep = p.grad
             if grad is not None:
-                ref, version = consumed.get(id(p), (None, None))
-                if ref is not None and ref() is grad and grad._version == version:
+                if _is_consumed(p, consumed):
                     keep = None  # the last step used it already
                 elif grad._base is not None:
                     # a view into a shared buffer (DDP's gradient_as_bucket_view), which the

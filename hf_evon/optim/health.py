@@ -13,6 +13,7 @@ import torch
 from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
+from hf_evon.optim.linalg import norms_of
 
 __all__ = ["first_nonfinite", "health_rows", "health_stats", "warn_health"]
 
@@ -157,7 +158,7 @@ def first_nonfinite(
                 "its gradient is finite but so large (a spike) that its square is not"
             )
     for params, g_list, _ in adamw.values():
-        for p, norm in zip(params, torch._foreach_norm(g_list)):
+        for p, norm in zip(params, norms_of(g_list)):
             if not bool(torch.isfinite(norm)):
                 return (
                     f"overflow in AdamW's squared gradient of {label(p)}: its gradient is "

@@ -15,7 +15,7 @@ import torch
 
 from hf_evon.optim.buckets import Bucket
 
-__all__ = ["LOCAL", "ShardingHooks"]
+__all__ = ["LOCAL", "ShardingHooks", "refuse_unprepared_processes"]
 
 Tensor = torch.Tensor
 
@@ -103,3 +103,15 @@ class ShardingHooks:
 
 
 LOCAL = ShardingHooks()  # one process: EVON's hooks while ``optimizer.sharding`` is None
+
+
+def refuse_unprepared_processes() -> None:
+    """Raise in a multi-process job whose EVON has no ``gradient_reducer``: DDP would average the
+    gradients before EVON forms each rank's Hessian estimate from its own."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "EVON is running in a multi-process job but was not prepared for it: call "
+            "`hf_evon.prepare_distributed(model, optimizer)` after accelerator.prepare(); "
+            "otherwise DDP averages gradients before EVON can form each rank's Hessian estimate"
+        )

@@ -142,13 +142,28 @@ def eigenbasis(stat: Tensor) -> Tensor:
     return (q * signs).contiguous()  # row-major, like reloaded state
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+@contextlib.contextmanager
+def autocast_disabled() -> Iterator[None]:
+    """No autocast inside, whatever the caller's (a model's bfloat16 autocast around the optimizer
+    or the posterior): their maths and state keep their own dtypes."""
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
 @contextlib.contextmanager
 def exact_float32_matmul() -> Iterator[None]:
-    """Full float32 (no TF32) matmuls inside; the caller's precision setting is restored."""
+    """Full float32 matmuls inside (no TF32, no autocast); the caller's settings are restored."""
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        yield
+        with autocast_disabled():
+            yield
     finally:
         torch.set_float32_matmul_precision(saved)
 
@@ -319,3 +334,12 @@ def dense_covariance(
     right = eye(n, dtype=hess.dtype, device=hess.device) if q_right is None else q_right
     basis = torch.kron(left.contiguous(), right.contiguous())
     return (basis * rotated_variance(hess, ess, weight_decay).reshape(-1)) @ basis.mT
+
+
+def norms_of(tensors: list[Tensor]) -> list[Tensor]:
+    """Each tensor's 2-norm in float32 at least (float64 if any is): a float16 gradient's norm
+    overflows above 65504 and its square above 256 while every entry is finite."""
+    if any(t.is_complex() for t in tensors):  # an AdamW group's complex parameters: their own norms
+        return list(torch._foreach_norm(tensors))
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return list(torch._foreach_norm(tensors, dtype=wide))

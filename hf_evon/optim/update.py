@@ -4,7 +4,7 @@ state, in the order ``EVON.step`` runs them (plan, check, update), and the AdamW
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from hf_evon.optim.functional import (
     snr_scale,
 )
 from hf_evon.optim.hooks import ShardingHooks
-from hf_evon.optim.linalg import eigenbasis, rotate
+from hf_evon.optim.linalg import eigenbasis, norms_of, rotate
 
 __all__ = [
     "AdamWInputs",
@@ -56,6 +56,7 @@ def plan_update(b: Bucket, num_samples: int) -> list[Plan]:
     active = [i for i, p in enumerate(b.params) if p.grad is not None]
     if not active:
         return []
+    refuse_sparse((b.params[i] for i in active), b.group)
     if not b.initialized:  # the initialising step only records statistics: for the whole bucket
         return [_plan(b, None, num_samples)]
     counts = b.counts
@@ -91,6 +92,19 @@ def hessian_candidate(plan: Plan, num_samples: int) -> None:
     plan.hess = hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
 
 
+def refuse_sparse(params: Iterable[Tensor], group: dict[str, Any]) -> None:
+    """Raise, naming the parameter, for a sparse gradient (an ``nn.Embedding(sparse=True)``): as
+    torch's Adam, EVON's steps need dense ones. Called while planning, before anything changes."""
+    for p in params:
+        if p.grad.is_sparse:
+            names, where = group.get("param_names"), [i for i, q in enumerate(group["params"]) if q is p]
+            label = repr(names[where[0]]) if names and where else f"of shape {tuple(p.shape)}"
+            raise ValueError(
+                f"EVON: parameter {label} has a sparse gradient; its steps need dense gradients "
+                "(use nn.Embedding(sparse=False), or torch.optim.SparseAdam for that parameter)"
+            )
+
+
 def all_finite(x: Tensor, signed: bool = True) -> Tensor:
     """Whether every entry of the non-empty ``x`` is finite, as a device flag: its largest
     magnitude is below inf (a NaN makes the maximum NaN, which is not); ``signed=False``: ``x`` is
@@ -106,7 +120,7 @@ def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
     if grads:
         # every ‖G‖²_F finite, in one norm call: it bounds every entry of G Gᵀ and Gᵀ G (L and R
         # stay finite) and of AdamW's squared gradient
-        norms = torch._foreach_norm(grads)
+        norms = norms_of(grads)
         checks.append(all_finite(torch.stack([n.to(norms[0].device) for n in norms]).square(), signed=False))
     checks += [all_finite(plan.hess) for plan in plans if plan.hess is not None]
     reusable = [plan for plan in plans if plan.unchanged is not None]
@@ -263,6 +277,7 @@ def adamw_inputs(
         params = [p for p in group["params"] if p.grad is not None and hooks.owns(p)]
         if not params:
             continue
+        refuse_sparse(params, group)
         states = [state[p] for p in params]
         params, g_list = hooks.adamw_tensors(params)
         if num_samples > 1:

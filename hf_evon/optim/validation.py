@@ -16,12 +16,14 @@ from hf_evon.optim.checks import (
     ALGORITHMS,
     CLIP_MODES,
     HESS_ESTIMATORS,
+    MODE_KEYS,
     NONFINITE_MODES,
     STEP_CURVATURES,
     betas_ok,
     finite,
     is_int,
     is_real,
+    mode_value,
     require,
 )
 from hf_evon.optim.defaults import (
@@ -38,7 +40,17 @@ from hf_evon.optim.defaults import (
     ratio_clip,
 )
 
-__all__ = ["resolve_prior", "validate_group", "validate_groups", "validate_hyperparameters", "validate_state_dict"]
+__all__ = [
+    "LAYOUT_KEYS",
+    "check_layout",
+    "group_layout",
+    "prepare_group",
+    "resolve_prior",
+    "validate_group",
+    "validate_groups",
+    "validate_hyperparameters",
+    "validate_state_dict",
+]
 
 # EVON's keyword arguments that are the optimizer's own, not a group's
 _OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_weight_decay", "nonfinite", "seed")
@@ -92,6 +104,25 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     prior = {"hess_init": DEFAULT_HESS_INIT, "weight_decay": None}
     validate_group(resolve_prior({**prior, **group, "algorithm": "evon", "params": []}))
     return group
+
+
+def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -> dict[str, Any]:
+    """A group as given to ``add_param_group``, before torch fills in EVON's defaults: modes given
+    as Enums stored as their strings; an AdamW group's missing keys from ``adamw_defaults``, its
+    ``eps`` AdamW's ε (``adamw_eps``: torch AdamW's name for it), and torch AdamW's ``amsgrad`` and
+    ``maximize``, which EVON's AdamW does not implement, refused rather than ignored."""
+    for key in MODE_KEYS:
+        if key in param_group:
+            param_group[key] = mode_value(param_group[key])
+    if param_group.get("algorithm", "evon") == "adamw":
+        for option in ("amsgrad", "maximize"):
+            if param_group.get(option):
+                raise ValueError(f"EVON's AdamW groups do not implement {option}=True (torch.optim.AdamW does)")
+        if "eps" in param_group and "adamw_eps" not in param_group:
+            param_group["adamw_eps"] = param_group.pop("eps")
+        for key, value in adamw_defaults.items():
+            param_group.setdefault(key, value)
+    return param_group
 
 
 def resolve_prior(group: dict[str, Any]) -> dict[str, Any]:
@@ -219,10 +250,33 @@ def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, 
             if checked.get(id(group)) == settings and is_real(lr) and lr >= 0:
                 continue
         try:
-            validate_group(group)
+            validate_group(resolve_prior(group))  # weight_decay=None set mid-run: as the constructor does
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
         checked[id(group)] = settings
+
+
+# what the buckets and their state are built from: fixed once they are (a change would silently
+# apply only after the next rebuild, e.g. a state-dict round trip)
+LAYOUT_KEYS = ("algorithm", "identity_basis", "max_precond_dim", "max_precond_ratio", "stagger_refresh")
+
+
+def group_layout(group: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(group.get(k) for k in LAYOUT_KEYS)
+
+
+def check_layout(groups: list[dict[str, Any]], built: dict[int, tuple[Any, ...]]) -> None:
+    """Raise, naming the group and the key, where a group's layout (``LAYOUT_KEYS``) is no longer
+    the one its buckets were ``built`` with (by id of group)."""
+    for i, group in enumerate(groups):
+        layout = built.get(id(group))
+        if layout is not None and layout != group_layout(group):
+            key, was = next((k, v) for k, v in zip(LAYOUT_KEYS, layout) if v != group.get(k))
+            raise ValueError(
+                f"param_groups[{i}]: {key!r} changed from {was!r} to {group.get(key)!r} after the optimizer "
+                "built its state: it fixes the group's algorithm and eigenbases. Set it when building the "
+                "optimizer (or add the parameters as a new group)"
+            )
 
 
 def validate_state_dict(state_dict: dict[str, Any]) -> None:

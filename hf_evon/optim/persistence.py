@@ -1,0 +1,153 @@
+"""EVON's state beyond torch's: what ``state_dict`` adds, how ``load_state_dict`` checks and
+restores it around torch's own load, and what a copy or a pickle keeps.
+
+The load's checks and restores run as torch's load-state-dict hooks, registered for the one load:
+the checks after the user's pre-hooks (which may repair or upgrade a state dict), the restores
+before the user's post-hooks (which then see the state as loaded)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hf_evon.optim.buckets import ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM, matrix_shape, state_dtype
+from hf_evon.optim.functional import adamw_step_device
+from hf_evon.optim.validation import validate_state_dict
+
+__all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "saved_extras"]
+
+Tensor = torch.Tensor
+
+EXTRA_KEY = "evon"  # the state dict's entry of EVON's counters
+# what a copy or a pickle keeps besides torch's defaults, state and groups; the rest (buckets,
+# noise generators, recorded samples, a distributed set-up) is rebuilt or refused
+COPIED_ATTRIBUTES = (
+    "seed",
+    "nonfinite",
+    "skipped_steps",
+    "health_check_every",
+    "_updates",
+    "_health_warned",
+    "_sample_blocks",
+    "_adamw_defaults",
+)
+
+
+def saved_extras(optimizer: Any) -> dict[str, int]:
+    """The counters ``state_dict`` saves under ``EXTRA_KEY``: the noise's seed and block count,
+    the skipped steps and the updates (the curvature fits' and health checks' clock)."""
+    return {
+        "seed": optimizer.seed,
+        "sample_blocks": optimizer._sample_blocks,
+        "skipped_steps": optimizer.skipped_steps,
+        "updates": optimizer._updates,
+    }
+
+
+@contextlib.contextmanager
+def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
+    """EVON's checks and restores around ``Optimizer.load_state_dict`` inside the block, as that
+    load's hooks. ``local_state_dict``: this rank's part of a full state dict (sharded runs)."""
+    loaded: dict[str, Any] = {}
+
+    def check(_: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
+        state_dict = dict(state_dict)
+        loaded["extra"] = state_dict.pop(EXTRA_KEY, None)
+        state_dict = local_state_dict(state_dict)
+        check_group_structure(optimizer.param_groups, state_dict)
+        check_state_shapes(optimizer.param_groups, state_dict)
+        loaded["state_dict"] = state_dict
+        return state_dict
+
+    def restore(_: Any) -> None:
+        restore_state_dtypes(optimizer.state, optimizer.param_groups, loaded["state_dict"])
+        optimizer._buckets = None
+        extra = loaded["extra"]
+        if extra is not None:
+            optimizer.seed = int(extra["seed"])
+            optimizer.skipped_steps = int(extra.get("skipped_steps", 0))
+            optimizer._sample_blocks = int(extra.get("sample_blocks", 0))
+            optimizer._updates = int(extra.get("updates", 0))
+
+    pre = optimizer.register_load_state_dict_pre_hook(check)  # after the user's
+    post = optimizer.register_load_state_dict_post_hook(restore, prepend=True)  # before the user's
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def check_group_structure(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
+    """torch's own checks of the groups' number and sizes (run before EVON's, which pair the
+    parameters in order), and each group's algorithm: the state of one is not the other's."""
+    saved = loaded["param_groups"]
+    if len(saved) != len(param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    for i, (group, saved_group) in enumerate(zip(param_groups, saved)):
+        if len(group["params"]) != len(saved_group["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+        if group["algorithm"] != saved_group["algorithm"]:
+            raise ValueError(
+                f"EVON.load_state_dict: param_groups[{i}] is an {group['algorithm']!r} group here but an "
+                f"{saved_group['algorithm']!r} group in the state dict"
+            )
+
+
+# the shape of each EVON state entry for an m×n matrix ("step" and the EMA of ‖G‖²: one number)
+_STATE_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
+    "hess": lambda m, n: (m, n),
+    ROTATED_MOMENTUM: lambda m, n: (m, n),
+    WEIGHT_SPACE_MOMENTUM: lambda m, n: (m, n),
+    "L": lambda m, n: (m, m),
+    "Q_L": lambda m, n: (m, m),
+    "R": lambda m, n: (n, n),
+    "Q_R": lambda m, n: (n, n),
+    "exp_avg_sq_norm": lambda m, n: (),
+    "noise_watched": lambda m, n: (),
+}
+
+
+def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
+    """Raise, naming the parameter, where a loaded EVON state entry does not fit its parameter (a
+    state dict of another model with as many parameters per group), before anything is loaded."""
+    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+    owners = [(g, j, p) for g in param_groups for j, p in enumerate(g["params"])]
+    for idx, (group, j, p) in zip(saved_ids, owners):
+        if group["algorithm"] != "evon" or idx not in loaded["state"]:
+            continue
+        m, n = matrix_shape(p.shape)
+        for key, value in loaded["state"][idx].items():
+            want = _STATE_SHAPES.get(key)
+            if want is not None and torch.is_tensor(value) and tuple(value.shape) != want(m, n):
+                names = group.get("param_names")
+                label = repr(names[j]) if names else f"#{j} of its group"
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}][{key!r}] has shape {tuple(value.shape)}, but "
+                    f"parameter {label} (shape {tuple(p.shape)}) needs {want(m, n)}: a state dict of "
+                    "another model?"
+                )
+
+
+def restore_state_dtypes(
+    state: dict[Tensor, dict[str, Any]], param_groups: list[dict[str, Any]], loaded: dict[str, Any]
+) -> None:
+    """Undo ``Optimizer.load_state_dict``'s cast of floating state to each parameter's dtype:
+    EVON's state is float32 (float64 for float64 parameters), whatever the weights' dtype; and
+    put each AdamW parameter's step count where its kernel reads it (``adamw_step_device``: a
+    checkpoint saved on another device keeps its counts where they were saved)."""
+    saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+    params = [p for g in param_groups for p in g["params"]]
+    evon_params = {id(p) for g in param_groups if g["algorithm"] == "evon" for p in g["params"]}
+    for idx, p in zip(saved_ids, params):
+        if id(p) not in evon_params:
+            if torch.is_tensor(state.get(p, {}).get("step")):
+                state[p]["step"] = state[p]["step"].to(adamw_step_device(p))
+        elif idx in loaded["state"]:
+            for k, v in loaded["state"][idx].items():
+                if k != "step" and torch.is_tensor(v):
+                    state[p][k] = v.to(device=p.device, dtype=state_dtype(p))

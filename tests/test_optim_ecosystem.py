@@ -1,0 +1,286 @@
+"""EVON as a ``torch.optim.Optimizer`` among torch's tools: copies and pickles, torch's state-dict
+hooks, autocast, GradScaler, half-precision gradients, sparse and complex parameters, and group
+settings edited between steps. Each behaviour is compared with ``torch.optim.AdamW`` in the same
+situation or with what EVON's own documentation promises."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from hf_evon import EVON
+
+X, Y = torch.randn(32, 6, generator=torch.Generator().manual_seed(1)), torch.arange(32) % 3
+
+
+def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def _optimizer(model: nn.Sequential, **kwargs: object) -> EVON:
+    weights, biases = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
+    return EVON([{"params": weights}, {"params": biases, "algorithm": "adamw"}], seed=0, **kwargs)
+
+
+def _step(opt: EVON, model: nn.Module) -> None:
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X.to(model[0].weight.dtype)).float(), Y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# ----------------------------------------------------------------------------- copies
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_continues_as_the_original_does(how: str) -> None:
+    """torch's Optimizer.__getstate__ keeps only defaults, state and groups: a copied EVON lacked
+    its seed, block counter and flags and raised AttributeError at its first sampled_params()."""
+    model = _model()
+    opt = _optimizer(model, precondition_frequency=2)
+    for _ in range(3):
+        _step(opt, model)
+    clone = {"deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how]
+    pair = clone({"model": model, "opt": opt})
+    model2, opt2 = pair["model"], pair["opt"]
+    for _ in range(4):
+        _step(opt, model)
+        _step(opt2, model2)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert opt2.sample_blocks == opt.sample_blocks and opt2.seed == opt.seed
+
+
+def test_an_optimizer_with_pending_samples_is_not_copied() -> None:
+    model = _model()
+    opt = _optimizer(model)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    with pytest.raises(RuntimeError, match="recorded sample"):
+        copy.deepcopy(opt)
+    opt.step()  # still usable
+    assert copy.deepcopy(opt).recorded_samples == 0
+
+
+# ----------------------------------------------------------------------------- AdamW groups
+def test_an_adamw_group_steps_complex_parameters_as_torch_adamw_does() -> None:
+    """EVON's refusal of a complex parameter sends it to an AdamW group, whose update treated it
+    as one complex number (exp_avg_sq = g·g, negative real parts) instead of torch's real pairs."""
+    c0 = torch.randn(3, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+
+    def run(make) -> tuple[torch.Tensor, dict]:  # noqa: ANN001
+        c = nn.Parameter(c0.clone())
+        opt = make([c])
+        for _ in range(5):
+            ((c - 1j).abs() ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return c.detach(), opt.state[c]
+
+    ref, ref_state = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0))
+    got, got_state = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.0}]))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_state["exp_avg_sq"], ref_state["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+
+
+def test_an_adamw_groups_eps_is_adamws_and_unsupported_adamw_options_are_refused() -> None:
+    """torch AdamW's own group keys were ignored without a word: ``eps`` (EVON's AdamW reads
+    ``adamw_eps``), ``amsgrad`` and ``maximize``."""
+
+    def run(make) -> list[torch.Tensor]:  # noqa: ANN001
+        model = _model()
+        opt = make(list(model.parameters()))
+        for _ in range(5):
+            nn.functional.cross_entropy(model(X), Y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    group = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "eps": 1e-3}
+    ref = run(lambda ps: torch.optim.AdamW([{"params": ps, **group}], fused=True))
+    got = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for option in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError, match=option):
+            EVON([{"params": list(_model().parameters()), "algorithm": "adamw", option: True}])
+
+
+# ----------------------------------------------------------------------------- edits between steps
+@pytest.mark.parametrize(
+    ("group", "edit"),
+    [
+        (1, {"algorithm": "evon", "weight_decay": 1e-3}),
+        (0, {"algorithm": "adamw"}),
+        (0, {"identity_basis": True}),
+        (0, {"max_precond_dim": 1}),
+        (0, {"max_precond_ratio": 1.0}),
+        (0, {"stagger_refresh": False}),
+    ],
+)
+def test_a_setting_that_shapes_the_state_is_refused_once_stepped(group: int, edit: dict) -> None:
+    """The algorithm and the eigenbases' layout are fixed when the state is built: an AdamW group
+    switched to EVON was never trained again, EVON to AdamW raised a bare KeyError halfway through
+    the step, and the basis settings took effect only after a state-dict round trip (a resumed run
+    diverged). The step refuses them, naming the key, and leaves everything as it was."""
+    model = _model()
+    opt = _optimizer(model, precondition_frequency=2)
+    for _ in range(2):
+        _step(opt, model)
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[group].update(edit)
+    with pytest.raises(ValueError, match=rf"param_groups\[{group}\].*{next(iter(edit))}"):
+        _step(opt, model)
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert opt.recorded_samples == 0
+
+
+@pytest.mark.parametrize("key", ["ess", "weight_decay"])
+def test_auto_values_set_between_steps_are_resolved_as_the_constructor_resolves_them(key: str) -> None:
+    """``ess="auto"`` and ``weight_decay=None`` are valid constructor values; set between steps
+    they raised a bare TypeError inside the next block."""
+    from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO, default_weight_decay
+
+    model = _model()
+    opt = EVON([model[0].weight, model[2].weight], seed=0, ess=1e4, weight_decay=1e-3)  # nothing fitted
+    _step(opt, model)
+    opt.param_groups[0][key] = {"ess": "auto", "weight_decay": None}[key]
+    group, (h0, ratio) = opt.param_groups[0], (opt.param_groups[0]["hess_init"], DEFAULT_INIT_STD_RATIO)
+    weights = [model[0].weight.detach().double(), model[2].weight.detach().double()]
+    mean_square = float(sum(w.square().sum() for w in weights) / sum(w.numel() for w in weights))
+    _step(opt, model)
+    if key == "weight_decay":
+        assert group["weight_decay"] == default_weight_decay(h0, ratio)
+    else:  # the ζ whose std is init_std_ratio of the weights' RMS: 1 / (ρ² rms² (h0 + δ))
+        assert group["ess"] == pytest.approx(1 / (ratio**2 * mean_square * (h0 + 1e-3)), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- state dicts
+def test_torchs_load_state_dict_hooks_see_the_state_as_loaded() -> None:
+    """A post-hook ran before EVON had restored its counters and the state's dtypes (what it set
+    was then overwritten); a pre-hook ran after EVON had already refused the state dict."""
+    model = _model(dtype=torch.bfloat16)
+    src = EVON(model.parameters(), seed=123)
+    for _ in range(3):
+        _step(src, model)
+    w = model[0].weight
+    dst = EVON(model.parameters(), seed=7)
+    seen = {}
+
+    def post_hook(opt: EVON) -> None:
+        seen["seed"], seen["hess"] = opt.seed, opt.state[w]["hess"].dtype
+        opt.state[w]["exp_avg_unrotated"].zero_()
+
+    dst.register_load_state_dict_post_hook(post_hook)
+    dst.load_state_dict(src.state_dict())
+    assert seen == {"seed": 123, "hess": torch.float32}
+    assert not dst.state[w]["exp_avg_unrotated"].any()
+
+    legacy = src.state_dict()
+    legacy["param_groups"] = [{k: v for k, v in g.items() if k != "algorithm"} for g in legacy["param_groups"]]
+    repaired = EVON(model.parameters(), seed=7)
+
+    def pre_hook(opt: EVON, state_dict: dict) -> dict:
+        for g in state_dict["param_groups"]:
+            g.setdefault("algorithm", "evon")
+        return state_dict
+
+    repaired.register_load_state_dict_pre_hook(pre_hook)
+    repaired.load_state_dict(legacy)
+    assert repaired.seed == 123
+
+
+def test_a_state_dict_of_other_groups_is_refused_with_torchs_reason() -> None:
+    model = _model()
+    src = _optimizer(model)
+    _step(src, model)
+    state = src.state_dict()
+    one_group = EVON(list(model.parameters()), seed=0)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        one_group.load_state_dict(state)
+    other_sizes = EVON(
+        [{"params": [model[0].weight, model[2].weight, model[0].bias]}, {"params": [model[2].bias], "algorithm": "adamw"}]
+    )
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        other_sizes.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- precision and kinds
+def test_a_step_inside_autocast_keeps_evons_float32_state() -> None:
+    """step() under torch.autocast stored the Shampoo statistics in bfloat16; every later step
+    then raised a dtype error, inside autocast or not, each after changing H."""
+    model, ref_model = _model(), _model()
+    opt, ref = _optimizer(model), _optimizer(ref_model)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with opt.sampled_params(train=True):
+                nn.functional.cross_entropy(model(X).float(), Y).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with ref.sampled_params(train=True):
+                nn.functional.cross_entropy(ref_model(X).float(), Y).backward()
+        ref.step()  # the same gradients, the step outside autocast
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    w = model[0].weight
+    assert {k: v.dtype for k, v in opt.state[w].items() if k != "step"} == {
+        k: v.dtype for k, v in ref.state[ref_model[0].weight].items() if k != "step"
+    }
+    assert opt.state[w]["L"].dtype == torch.float32
+
+
+def test_gradscaler_is_refused_the_same_way_every_time() -> None:
+    """The first refusal left ``found_inf = grad_scale = None`` on the optimizer, so the next
+    GradScaler.step failed inside torch with a TypeError instead of EVON's message."""
+    model = _model()
+    opt = _optimizer(model)
+    for _ in range(2):
+        scaler = torch.amp.GradScaler("cpu")
+        with opt.sampled_params(train=True):
+            scaler.scale(nn.functional.cross_entropy(model(X), Y)).backward()
+        with pytest.raises(NotImplementedError, match="GradScaler"):
+            scaler.step(opt)
+        assert opt.recorded_samples == 0
+        opt.zero_grad()
+
+
+def test_finite_half_precision_gradients_are_not_taken_for_overflow() -> None:
+    """float16 gradient norms overflowed (above 65504, their squares above 256): finite gradients
+    of an AdamW group were reported non-finite and every step was skipped."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float16))
+    b = nn.Parameter(torch.zeros(10, dtype=torch.float16))
+    opt = EVON([{"params": [w]}, {"params": [b], "algorithm": "adamw", "lr": 1e-3}], seed=0)
+    ref_b = nn.Parameter(torch.zeros(10, dtype=torch.float16))
+    ref = torch.optim.AdamW([ref_b], lr=1e-3, weight_decay=0.0, fused=True)
+    opt.param_groups[1]["weight_decay"] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with opt.sampled_params(train=True):  # a step where only the AdamW group has a gradient
+                b.grad = torch.full((10,), 100.0, dtype=torch.float16)
+            opt.step()
+            opt.zero_grad()
+            ref_b.grad = torch.full((10,), 100.0, dtype=torch.float16)
+            ref.step()
+    assert opt.skipped_steps == 0
+    assert torch.equal(b, ref_b)
+
+
+@pytest.mark.parametrize("algorithm", ["evon", "adamw"])
+def test_a_sparse_gradient_is_refused_by_name_before_anything_changes(algorithm: str) -> None:
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = EVON([{"params": [emb.weight], "algorithm": algorithm, "param_names": ["emb.weight"]}], seed=0)
+    before = emb.weight.detach().clone()
+    with opt.sampled_params(train=True):
+        emb(torch.tensor([1, 2, 3])).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"'emb.weight' has a sparse gradient"):
+        opt.step()
+    assert torch.equal(emb.weight, before)
