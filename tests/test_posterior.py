@@ -9,6 +9,7 @@ Two trained models are shared by the tests (module scope, a few CPU seconds):
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -340,6 +341,53 @@ def test_draw_is_the_documented_transform_of_seeded_normals(mlp):
         gen = torch.Generator().manual_seed(derived_seed(99, name))
         z = torch.randn(3, *f.matrix_shape, generator=gen)
         assert torch.equal(rotated[name], z * torch.rsqrt(f.ess * (f.hess + f.weight_decay)))
+
+
+def test_float32_maths_inside_an_autocast_region(mlp):
+    """Under torch.autocast(bfloat16) draw, std, covariance and sampled() give what an independent float64
+    computation gives (to float32's rounding), and a sample keeps the model's own float32/float64 mean."""
+    model, _, post = mlp
+    for name in post.names:
+        f = post[name]
+        gen = torch.Generator().manual_seed(derived_seed(7, name))
+        z = torch.randn(1, *f.matrix_shape, generator=gen)[0].double()
+        v = 1.0 / (f.ess * (f.hess.double() + f.weight_decay))
+        q_l = torch.eye(f.matrix_shape[0], dtype=torch.float64) if f.Q_L is None else f.Q_L.double()
+        q_r = torch.eye(f.matrix_shape[1], dtype=torch.float64) if f.Q_R is None else f.Q_R.double()
+        ref = (q_l @ (z * v.sqrt()) @ q_r.T).reshape(f.shape)
+        basis = torch.kron(q_l, q_r)
+        ref_cov = (basis * v.reshape(-1)) @ basis.T
+        tol = dict(rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        wide = copy.deepcopy(model).double()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            drawn = post.draw(1, seed=7, names=name)[name][0]
+            std, cov = post.std(name), post.covariance(name)
+            means = {m: dict(m.named_parameters())[name].detach().clone() for m in (model, wide)}
+            for m, mean in means.items():
+                with post.sampled(m, seed=7):
+                    sample = dict(m.named_parameters())[name].detach()
+                    assert sample.dtype == mean.dtype
+                    torch.testing.assert_close((sample.double() - mean.double()), ref, **tol)
+                    # (M + ΔW) in the wider of the two dtypes, cast once: a float64 mean is not rounded
+                    assert torch.equal(sample, mean + drawn.to(mean.dtype))
+        assert drawn.dtype == std.dtype == cov.dtype == torch.float32
+        torch.testing.assert_close(drawn.double(), ref, **tol)
+        torch.testing.assert_close(cov.double(), ref_cov, rtol=1e-5, atol=1e-6 * ref_cov.abs().max().item())
+        ref_std = ref_cov.diagonal().sqrt().reshape(f.shape)
+        torch.testing.assert_close(std.double(), ref_std, rtol=1e-5, atol=0)
+    # batched BMA's materialized samples: the float64 model's forward with W_s = M + ΔW_s in float64
+    from hf_evon.predictive.batched_samples import BatchedSamples
+
+    wide, x = copy.deepcopy(model).double(), torch.randn(3, 5, dtype=torch.float64)
+    draws = post.draw(2, seed=7)
+    named = dict(wide.named_parameters())
+    weights = [{n: p.detach() + (draws[n][s].double() if n in draws else 0) for n, p in named.items()}
+               for s in range(2)]  # fmt: skip
+    ref = torch.cat([torch.func.functional_call(wide, w, (x,)) for w in weights])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        with BatchedSamples(wide, post, 2, seed=7, strategy="materialize"):
+            out = wide(torch.cat([x, x]))
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_draw_determinism_subsets_and_dtypes(gpt2):

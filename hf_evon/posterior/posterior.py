@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import unused_adapter_parameters, unwrap_model
-from hf_evon.optim.linalg import dense_covariance, marginal_variance
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
@@ -46,8 +45,8 @@ from hf_evon.posterior.gaussian import (
     DEFAULT_MAX_BASIS_RATIO,
     FactorGroup,
     MatrixFactors,
+    add_perturbation,
     basis_dtype,
-    compute_dtype,
     drop_wide_bases,
     sample_group,
     stack_factors,
@@ -210,7 +209,7 @@ class EVONPosterior:
     def std(self, name: str) -> Tensor:
         """Marginal posterior standard deviations of ``name``, shaped like the parameter."""
         f = self[name]
-        return self._marginal_variance(f).sqrt().reshape(f.shape)
+        return f.marginal_variance().sqrt().reshape(f.shape)
 
     def covariance(self, name: str, max_elements: int = MAX_DENSE_COVARIANCE_ELEMENTS) -> Tensor:
         """Dense covariance of the row-major flatten of ``name`` (small parameters only)."""
@@ -222,19 +221,7 @@ class EVONPosterior:
                 f"covariance() is for parameters with at most {max_elements} elements "
                 "(pass max_elements to override, or use std() / draw())"
             )
-        dt = compute_dtype(f.hess)
-        return dense_covariance(f.hess.to(dt), *self._bases(f, dt, f.hess.device), f.ess, f.weight_decay)
-
-    def _marginal_variance(self, f: MatrixFactors) -> Tensor:
-        dt = compute_dtype(f.hess)
-        return marginal_variance(f.hess.to(dt), *self._bases(f, dt, f.hess.device), f.ess, f.weight_decay)
-
-    @staticmethod
-    def _bases(f: MatrixFactors, dtype: torch.dtype, device: Any) -> tuple[Tensor | None, Tensor | None]:
-        # contiguous: torch.kron (in dense_covariance) fails on strided views
-        return tuple(
-            None if q is None else q.to(device=device, dtype=dtype).contiguous() for q in (f.Q_L, f.Q_R)
-        )  # type: ignore[return-value]
+        return f.covariance()
 
     # ------------------------------------------------------------------ sampling
     def draw(
@@ -286,8 +273,8 @@ class EVONPosterior:
 
         The model is checked first (:meth:`check_model`). On exit, also on an exception,
         every covered weight gets its exact previous value back (bit for bit). Point
-        estimates are untouched. ``(M + ΔW)`` is formed in float32 and cast to the
-        parameter's dtype.
+        estimates are untouched. ``(M + ΔW)`` is formed in float32 (float64 for float64 weights or
+        factors), also inside ``torch.autocast``, and cast once to the parameter's dtype.
         """
         self.check_model(model)
         params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
@@ -305,7 +292,7 @@ class EVONPosterior:
                         mean = p.detach().clone()
                         saved.append((p, mean))
                         delta = draws.pop(name)[0]
-                        p.copy_((mean.to(delta.dtype) + delta).to(p.dtype))
+                        p.copy_(add_perturbation(mean, delta))
             yield model
         finally:
             with torch.no_grad():

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_evon.optim.noise import resolve_seed
+from hf_evon.posterior.gaussian import add_perturbation
 
 Tensor = torch.Tensor
 
@@ -271,8 +272,8 @@ class BatchedSamples:
                         )
                     if rotated:
                         value = draw.to(mean.dtype)  # E_s, applied between the bases
-                    else:  # same rounding as writing a sample into the weights: (M + ΔW) in float, then cast
-                        value = (mean.to(draw.dtype) + draw).to(mean.dtype)
+                    else:  # the rounding of writing a sample into the weights (posterior.sampled)
+                        value = add_perturbation(mean, draw)
                     per_sample[name] = value.contiguous()
                     self.extra_bytes += value.numel() * value.element_size()
         self.factored = set(factored)
