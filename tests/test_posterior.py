@@ -496,6 +496,30 @@ def test_to_changes_storage_not_results(mlp):
     torch.testing.assert_close(wide.std("0.weight").float(), post.std("0.weight"))
 
 
+def test_to_a_half_dtype_casts_the_bases_and_keeps_the_hessian_float32(tmp_path):
+    """H beyond float16's 65504 (a summed loss's curvature) keeps its float32 value: std stays the float64
+    formula's with the half-rounded bases, and the saved copy loads back with the same std."""
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    gen = torch.Generator().manual_seed(0)
+    q_l = torch.linalg.qr(torch.randn(3, 3, generator=gen, dtype=torch.float64))[0].float()
+    q_r = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=torch.float64))[0].float()
+    hess = torch.logspace(0, 7, 12).reshape(3, 4)  # up to 1e7, 4 entries above 65504
+    post = EVONPosterior.from_factors({"w": MatrixFactors(q_l, q_r, hess, (3, 4), (3, 4), 2.0, 0.5)})
+    for dtype in (torch.float16, torch.bfloat16):
+        half = post.to(dtype=dtype)
+        f = half["w"]
+        assert f.Q_L.dtype == f.Q_R.dtype == dtype and f.hess.dtype == torch.float32
+        assert torch.equal(f.hess, hess)
+        v = 1.0 / (2.0 * (hess.double() + 0.5))
+        expected = (q_l.to(dtype).double().square() @ v @ q_r.to(dtype).double().square().T).sqrt()
+        torch.testing.assert_close(half.std("w").double(), expected, rtol=1e-6, atol=0)
+        half.save_pretrained(tmp_path / str(dtype))
+        loaded = EVONPosterior.from_pretrained(tmp_path / str(dtype))
+        assert torch.equal(loaded["w"].hess, hess) and torch.equal(loaded.std("w"), half.std("w"))
+    assert post.to(dtype=torch.float64)["w"].hess.dtype == torch.float64
+
+
 def test_a_dtype_that_is_not_floating_is_refused_by_name(mlp, tmp_path):
     """An integer cast rounds the noise (std ~1e-2) and the bases to zeros: refused, not returned."""
     _, _, post = mlp

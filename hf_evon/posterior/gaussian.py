@@ -117,6 +117,14 @@ class FactorGroup:
             weight_decay=self.weight_decay,
         )
 
+    def cast(self, device: torch.device | str | None, dtype: torch.dtype | None) -> FactorGroup:
+        """Tensors on ``device``; bases in ``dtype``, ``H`` in ``dtype`` but never narrower than float32
+        (the file format's ``hess``): float16 ends at 65504, where a larger H would give a zero std."""
+        hess_dtype = None if dtype is None else torch.promote_types(dtype, torch.float32)
+        cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+        hess = self.hess.to(device=device, dtype=hess_dtype)
+        return replace(self, q_left=cast(self.q_left), q_right=cast(self.q_right), hess=hess)
+
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> FactorGroup:
         return replace(
             self,

@@ -412,9 +412,10 @@ class EVONPosterior:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EVONPosterior:
         """A copy with factors on ``device`` and/or stored in ``dtype`` (the math runs in float32, in
-        float64 for float64 factors: a float64 copy draws other noise than the float32 one)."""
+        float64 for float64 factors: a float64 copy draws other noise than the float32 one). A half
+        ``dtype`` casts the bases only: ``H`` stays float32, as the file format holds it."""
         dtype = as_dtype(dtype, "to: dtype")
-        groups = [g.map_tensors(lambda t: t.to(device=device, dtype=dtype)) for g in self._groups]
+        groups = [g.cast(device, dtype) for g in self._groups]
         config = dict(self.config)
         if dtype is not None:
             config["eigenbasis_dtype"] = dtype_name(dtype)
