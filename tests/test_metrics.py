@@ -106,6 +106,45 @@ def test_input_types_agree_and_ignore_index():
     )
 
 
+def _ece_float64(probs: np.ndarray, labels: np.ndarray, n_bins: int = 15) -> float:
+    conf, pred = probs.max(-1), probs.argmax(-1)
+    bins = np.clip(np.ceil(conf * n_bins).astype(int) - 1, 0, n_bins - 1)  # (b-1)/n < conf <= b/n
+    return sum(
+        (bins == b).mean() * abs((pred == labels)[bins == b].mean() - conf[bins == b].mean())
+        for b in range(n_bins)
+        if (bins == b).any()
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, np.float16])
+def test_half_precision_probabilities_are_scored_as_given(dtype):
+    """A half-precision softmax's rows sum to 1 only within its rounding (bfloat16: 2.4e-3 here): the
+    metrics take them, and score them as float64 maths on the very values given."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(512, 10, generator=gen) * 4
+    labels = logits.topk(2).indices[torch.arange(512), torch.arange(512) % 2]  # first or second choice
+    if dtype is np.float16:
+        probs = torch.softmax(logits.half(), -1).numpy()
+    else:
+        probs = torch.softmax(logits.to(dtype), -1)
+    p = np.asarray(torch.as_tensor(probs).double())
+    y = labels.numpy()
+    assert np.abs(p.sum(-1) - 1).max() > (1e-3 if dtype is torch.bfloat16 else 1e-4)
+    nll = -np.log(p[np.arange(512), y]).mean()
+    assert np.isfinite(nll) and negative_log_likelihood(probs, labels) == pytest.approx(nll, rel=1e-12)
+    assert accuracy(probs, labels) == (p.argmax(-1) == y).mean()
+    onehot = np.eye(10)[y]
+    assert brier_score(probs, labels) == pytest.approx(((p - onehot) ** 2).sum(-1).mean(), rel=1e-12)
+    assert expected_calibration_error(probs, labels) == pytest.approx(_ece_float64(p, y), rel=1e-12)
+    # the tolerance is the given dtype's: rows off by 0.2 are refused in half precision, and float32 rows
+    # off by the bfloat16 rows' 2.4e-3 are refused
+    with pytest.raises(ValueError, match="rows summing to 1"):
+        negative_log_likelihood(torch.tensor([[0.6, 0.6]], dtype=torch.bfloat16), [0])
+    if dtype is torch.bfloat16:
+        with pytest.raises(ValueError, match="rows summing to 1"):
+            negative_log_likelihood(probs.float(), labels)
+
+
 @pytest.mark.parametrize(
     "predictions,references,kwargs,match",
     [

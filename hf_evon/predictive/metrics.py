@@ -7,7 +7,8 @@ in ``hf_evon/predictive/metrics_modules`` (load them offline with :func:`load_me
 Every function takes ``predictions`` of shape ``(N, C)`` and integer ``references`` of shape
 ``(N,)``. ``input_type`` says what the predictions are:
 
-* ``"probs"`` (default): class probabilities, rows summing to one;
+* ``"probs"`` (default): class probabilities, rows summing to one (within 1e-3; 5e-2 for float16
+  and bfloat16 inputs, whose softmax rows are off by up to ~4e-3);
 * ``"logits"``: unnormalised scores, turned into probabilities with a softmax;
 * ``"log_probs"``: log-probabilities (e.g. a BMA predictive, ``logsumexp_s log p_s − log S``).
 
@@ -34,6 +35,8 @@ import os
 from typing import Any
 
 import torch
+
+from hf_evon.predictive.logprobs import normalization_tolerance
 
 Tensor = torch.Tensor
 
@@ -63,6 +66,12 @@ def _as_tensor(x: Any, dtype: torch.dtype) -> Tensor:
     if isinstance(x, Tensor):
         return x.detach().to("cpu", dtype)
     return torch.as_tensor(x, dtype=dtype)
+
+
+def _given_dtype(x: Any) -> torch.dtype:
+    """The dtype ``x`` comes in (a numpy array's or a list's as torch reads it); integers are exact."""
+    dtype = x.dtype if isinstance(x, Tensor) else torch.as_tensor(x).dtype
+    return dtype if dtype.is_floating_point else torch.float64
 
 
 def _log_probs(
@@ -98,7 +107,9 @@ def _log_probs(
         if bool((preds > 1e-6).any()):
             raise ValueError("log_probs must be <= 0")
         return preds, labels
-    if bool((preds < 0).any()) or not torch.allclose(preds.sum(-1), torch.ones(()).double(), atol=1e-3):
+    # the rows' rounding is the given dtype's, not float64's: a bfloat16 softmax sums to 1 within ~4e-3
+    atol = normalization_tolerance(_given_dtype(predictions))
+    if bool((preds < 0).any()) or not torch.allclose(preds.sum(-1), torch.ones(()).double(), atol=atol):
         raise ValueError(
             "probs must be non-negative with rows summing to 1 (pass input_type='logits' or 'log_probs' otherwise)"
         )

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob
+from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob, normalization_tolerance
 
 Tensor = torch.Tensor
 
@@ -54,15 +54,12 @@ def _check(log_probs: Tensor, name: str) -> None:
 
 def _mass_off(log_probs: Tensor) -> Tensor:
     """The rows' largest ``|logsumexp|`` (a device number; NaN where a row is): above the dtype's
-    rounding (:func:`_tolerance`) these are not log-probabilities. Logits or probabilities in
-    their place gave negative "entropies", and a NaN row was dropped."""
+    rounding (:func:`~hf_evon.predictive.logprobs.normalization_tolerance`) these are not
+    log-probabilities. Logits or probabilities in their place gave negative "entropies", and a NaN
+    row was dropped."""
     if not log_probs.numel():
         return torch.zeros((), device=log_probs.device)
     return log_probs.logsumexp(-1).abs().max().float()
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-3 if torch.finfo(dtype).bits >= 32 else 5e-2
 
 
 def _require_log_probs(off: Tensor, tolerance: float, name: str) -> None:
@@ -78,7 +75,8 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
     """The decomposition for log-probabilities of S samples stacked along ``dim`` (classes last),
     e.g. ``torch.stack([model(x).log_softmax(-1) for each posterior sample])`` shaped (S, N, C)."""
     _check(sample_log_probs, "sample_log_probs")
-    _require_log_probs(_mass_off(sample_log_probs), _tolerance(sample_log_probs.dtype), "sample_log_probs")
+    tolerance = normalization_tolerance(sample_log_probs.dtype)
+    _require_log_probs(_mass_off(sample_log_probs), tolerance, "sample_log_probs")
     if sample_log_probs.ndim < 2:
         shape = tuple(sample_log_probs.shape)
         raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
@@ -119,7 +117,7 @@ class UncertaintyAccumulator:
             )
         off = _mass_off(log_probs)
         self._off = off if self._off is None else torch.maximum(self._off, off)  # NaN stays NaN
-        self._tolerance = max(self._tolerance, _tolerance(log_probs.dtype))
+        self._tolerance = max(self._tolerance, normalization_tolerance(log_probs.dtype))
         logp = log_probs.double()
         h = entropy(logp)
         self._entropy_sum = h if self._entropy_sum is None else self._entropy_sum.add_(h)
