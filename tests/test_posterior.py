@@ -609,6 +609,38 @@ def test_sampled_same_seed_same_sample_and_checks_the_model_first(mlp):
 
 
 # ----------------------------------------------------------------------------- check_model
+@pytest.mark.parametrize(
+    "recorded, loaded",
+    [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+def test_the_mean_fingerprint_across_a_cast_below_float16s_normal_range(recorded, loaded):
+    """Weights below float16's normal range (6.1e-5) round by float16's subnormal spacing (6e-8), more
+    than bfloat16's eps relative: the same weights cast match, a 6% change of a 3e-6 entry does not."""
+    from hf_evon.posterior.fingerprint import PosteriorMeanWarning, mean_fingerprint, mean_mismatches
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    model = nn.Linear(4, 2, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.389e-05, 3.248e-06, 7e-8, -2.2e-05], [1e-3, 0.5, -3e-7, 6e-5]]))
+    model.to(recorded)
+    fingerprint = mean_fingerprint(dict(model.named_parameters()), ["weight"])
+    factors = MatrixFactors(None, None, torch.ones(2, 4), (2, 4), (2, 4), 100.0, 0.0)
+    post = EVONPosterior.from_factors({"weight": factors}, config={"mean_fingerprint": fingerprint})
+    w = model.weight.detach().reshape(-1).double()
+    model.to(loaded)
+    moved = (model.weight.detach().reshape(-1).double() - w).abs() / w.abs()
+    if loaded == torch.float16:  # the cast itself moves an entry by more than bfloat16's eps
+        assert moved.max() > torch.finfo(torch.bfloat16).eps
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        post.check_model(model)
+    with torch.no_grad():
+        model.weight[0, 1] += 2e-7  # 3.2e-6 -> 3.4e-6: a real change, 3× float16's spacing
+    assert mean_mismatches(fingerprint, dict(model.named_parameters()), ["weight"]) == ["weight"]
+    with pytest.warns(PosteriorMeanWarning, match=r"in 1 of 1 covered tensors, e\.g\. \['weight'\]"):
+        post.check_model(model)
+
+
 def test_check_model_names_the_offending_tensor(gpt2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
