@@ -12,8 +12,7 @@ sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,17 +32,6 @@ from hf_evon.optim.noise import derived_seed
 from hf_evon.posterior.json_rules import PosteriorMismatchError
 
 Tensor = torch.Tensor
-
-
-@contextlib.contextmanager
-def float32_maths(device: torch.device | str) -> Iterator[None]:
-    """Full float32 (no TF32) matmuls with autocast off for ``device``'s type: inside a caller's
-    ``torch.autocast`` region the posterior's products would otherwise run in bfloat16/float16
-    (3.7e-3 relative error on a draw), whatever dtype its factors are held in."""
-    kind = torch.device(device).type
-    off = torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else None
-    with exact_float32_matmul(), off or contextlib.nullcontext():
-        yield
 
 
 def add_perturbation(mean: Tensor, delta: Tensor) -> Tensor:
@@ -83,12 +71,12 @@ class MatrixFactors:
 
     def marginal_variance(self) -> Tensor:
         """Diagonal of the covariance, shaped ``matrix_shape``."""
-        with float32_maths(self.hess.device):
+        with exact_float32_matmul():
             return marginal_variance(*self._wide(), self.ess, self.weight_decay)
 
     def covariance(self) -> Tensor:
         """Dense covariance of the row-major flatten of the matrix."""
-        with float32_maths(self.hess.device):
+        with exact_float32_matmul():
             return dense_covariance(*self._wide(), self.ess, self.weight_decay)
 
 
@@ -233,7 +221,7 @@ def perturbations(
     times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases).
     """
     b, s, m, n = z.shape
-    with float32_maths(z.device):
+    with exact_float32_matmul():
         x = z * rotated_std(hess, ess, weight_decay).unsqueeze(1)
         if q_left is not None:  # Q_L @ [X_1 … X_S] as one (m, S·n) block per matrix
             x = unrotate(x.transpose(1, 2).reshape(b, m, s * n), q_left, None)
@@ -248,14 +236,14 @@ def orthonormality_error(q: Tensor, probes: int = 2) -> float:
     q32 = q.to(compute_dtype(q))
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
-    with float32_maths(q32.device):
+    with exact_float32_matmul():
         residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q
     return float((residual.norm(dim=0) / x.norm(dim=0)).max())
 
 
 def polar_step(q: Tensor) -> Tensor:
     """One Newton–Schulz step towards the nearest orthonormal matrix: ``Q (3I − QᵀQ) / 2``."""
-    with float32_maths(q.device):
+    with exact_float32_matmul():
         gram = q.mT @ q
         eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
         return q @ (1.5 * eye - 0.5 * gram)
@@ -285,7 +273,7 @@ def drop_wide_bases(group: FactorGroup, max_basis_ratio: float) -> FactorGroup:
         return group
     wide = torch.float64  # the harmonic mean in float64: H spans many decades
     inv = 1.0 / (group.hess.to(wide) + group.weight_decay)  # (B, m, n)
-    with float32_maths(group.hess.device):
+    with exact_float32_matmul():
         if right:
             inv = inv @ group.q_right.to(wide).square().mT
         if left:
