@@ -284,3 +284,19 @@ def test_a_sparse_gradient_is_refused_by_name_before_anything_changes(algorithm:
     with pytest.raises(ValueError, match=r"'emb.weight' has a sparse gradient"):
         opt.step()
     assert torch.equal(emb.weight, before)
+
+
+def test_a_block_entered_inside_autocast_draws_the_float32_sample() -> None:
+    """The block's perturbation ran its rotations in bfloat16 under the caller's autocast (a 3.7e-3
+    relative error in the sample); the model's forward inside the block keeps the autocast."""
+    samples = []
+    for autocast in (True, False):
+        model = _model()
+        opt = _optimizer(model, precondition_frequency=2)
+        for _ in range(3):
+            _step(opt, model)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with opt.sampled_params(train=False):
+                samples.append(model[0].weight.detach().clone())
+                assert model(X).dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(samples[0], samples[1])
