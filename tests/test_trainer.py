@@ -840,6 +840,67 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
         assert ta.keys() == final.keys() and all(torch.equal(ta[k], final[k]) for k in ta)
 
 
+def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "end"])
+def test_a_checkpoint_push_the_trainer_skips_leaves_the_posterior_beside_the_pushed_model(tmp_path, monkeypatch, strategy):
+    """The Trainer skips checkpoint-2's push while checkpoint-1's still uploads (and every checkpoint
+    push with ``hub_strategy="end"``): the output directory and the Hub keep checkpoint-1's model and
+    its posterior (none at all with "end"), never checkpoint-2's posterior beside checkpoint-1's model."""
+    import threading
+
+    from huggingface_hub import HfApi
+    from safetensors.torch import load, load_file
+
+    try:
+        from hub_stub import HubStub
+    except ImportError:
+        from tests.hub_stub import HubStub
+    import transformers.trainer as trainer_module
+
+    gate = threading.Event()  # checkpoint-1's upload runs once checkpoint-2 is saved (and its push decided)
+
+    class GatedApi(HfApi):
+        def upload_folder(self, *args, run_as_future=False, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if run_as_future:
+                return self.run_as_future(lambda: gate.wait(60) and HfApi.upload_folder(self, *args, **kwargs))
+            return super().upload_folder(*args, **kwargs)
+
+    class OpenAtStep2(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 2:
+                gate.set()
+
+    with HubStub() as hub:
+        api = GatedApi(endpoint=hub.endpoint, token="hf_dummy")
+        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
+        args = config(
+            tmp_path, max_steps=2, hub_model_id="user/evon-tiny", hub_token="hf_dummy", save_strategy="steps",
+            save_steps=1, push_to_hub=True, hub_strategy=strategy,
+        )  # fmt: skip
+        trainer = EVONTrainer(
+            model=tiny_bert(), args=args, train_dataset=classification_data(16), callbacks=[OpenAtStep2()]
+        )
+        trainer.train()  # waits for the push in flight
+        out = Path(trainer.args.output_dir)
+        if strategy == "end":
+            gate.set()
+            assert sorted(p.name for p in out.iterdir() if not p.name.startswith("checkpoint-")) == []
+            assert set(hub.files("user/evon-tiny")) == {".gitattributes"}
+            return
+        ckpt = [out / f"checkpoint-{step}" for step in (1, 2)]
+        posteriors = [load_file(d / POSTERIOR_WEIGHTS_NAME) for d in ckpt]
+        models = [load_file(d / "model.safetensors") for d in ckpt]
+        assert not _tensors_equal(*posteriors) and not _tensors_equal(*models)
+        assert _tensors_equal(load_file(out / "model.safetensors"), models[0])
+        assert _tensors_equal(load_file(out / POSTERIOR_WEIGHTS_NAME), posteriors[0])
+        files = hub.files("user/evon-tiny")
+        assert _tensors_equal(load(files["model.safetensors"]), models[0])
+        assert _tensors_equal(load(files[POSTERIOR_WEIGHTS_NAME]), posteriors[0])
+
+
 class _FirstSaveKilledAfterTheSwitch(TrainerCallback):
     """Leaves every checkpoint's posterior as a first save killed after its config switch does:
     the config names the staged weights file, the canonical one was never written."""

@@ -112,6 +112,18 @@ def test_checkpoint_push_goes_through_push_from_checkpoint():
     )
 
 
+def test_a_checkpoint_push_runs_on_the_conditions_the_evon_trainer_mirrors():
+    """``_push_from_checkpoint`` returns without copying or uploading on the conditions
+    ``TrainerInternals._checkpoint_push_runs`` mirrors (it copies the posterior on the others)."""
+    source = inspect.getsource(Trainer._push_from_checkpoint)
+    assert "if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:" in source
+    assert (
+        "if not self.args.hub_always_push and self.push_in_progress is not None and not "
+        "self.push_in_progress.is_done():"
+    ) in source
+    assert source.index("is_done():") < source.index("shutil.copy(")
+
+
 def test_training_step_takes_a_loss_scaled_for_ga_as_is(tmp_path):
     """``loss_is_scaled_for_ga = True`` (the Trainer's documented switch): ``training_step``
     back-propagates ``compute_loss``'s value without dividing it by the accumulation steps."""

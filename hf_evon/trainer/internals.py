@@ -12,7 +12,10 @@ changes it fails there rather than silently here.
   before the optimizer is sharded; under FSDP2 only the scheduler is loaded here. Elsewhere a
   warning names each setting of this run's config that the checkpoint's optimizer state replaced.
 * ``_push_from_checkpoint(checkpoint_folder)``: copies a checkpoint's model files into the output
-  directory and uploads it; the posterior files must be copied first.
+  directory and uploads it; the posterior files must be copied first, and only when it pushes
+  (not with ``hub_strategy="end"``, nor while the previous push still uploads unless
+  ``hub_always_push``): a skipped push leaves the output directory's model as it was, so its
+  posterior stays too.
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
@@ -22,6 +25,7 @@ import warnings
 from typing import Any
 
 from torch import nn
+from transformers.trainer_utils import HubStrategy
 
 from hf_evon.trainer.checkpointing import settings_replaced
 
@@ -50,8 +54,17 @@ class TrainerInternals:
             )
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        self._copy_posterior_for_push(checkpoint_folder)
+        if self._checkpoint_push_runs():
+            self._copy_posterior_for_push(checkpoint_folder)
         super()._push_from_checkpoint(checkpoint_folder)
+
+    def _checkpoint_push_runs(self) -> bool:
+        """Whether ``Trainer._push_from_checkpoint`` copies and uploads this checkpoint, by its own
+        conditions: the posterior must move into the output directory exactly when the model does."""
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return False
+        running = self.push_in_progress
+        return self.args.hub_always_push or running is None or running.is_done()
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         if self.evon_optimizer is None:
