@@ -82,6 +82,32 @@ def test_plain_training_arguments_keep_their_learning_rates_meaning(tmp_path):
     assert rates == {"evon": pytest.approx(1.6 * 5e-5 / 0.01, rel=1e-12), "adamw": 5e-5}
 
 
+@pytest.mark.parametrize(
+    ("metric", "given", "greater"),
+    [("eval_mean_nll", None, False), ("bma_ece", None, False), ("eval_mean_nll", False, False),
+     ("eval_bma_accuracy", None, True), ("eval_loss", None, False), ("eval_loss", True, True)],
+)  # fmt: skip
+def test_plain_training_arguments_keep_a_lower_is_better_metric_lower_is_better(tmp_path, metric, given, greater):
+    """TrainingArguments sets greater_is_better=True for any metric not ending in "loss"; the
+    converted config's best model by an NLL (ECE, ...) is the lowest, as EVONConfig's is."""
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, eval_strategy="steps",
+        eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+        metric_for_best_model=metric, greater_is_better=given, per_device_train_batch_size=8, disable_tqdm=True,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="converted to EVONConfig"):
+        trainer = EVONTrainer(
+            model=tiny_bert(), args=args, train_dataset=classification_data(24), eval_dataset=classification_data(8, 1)
+        )
+    assert trainer.args.greater_is_better is greater
+    if metric != "eval_mean_nll" or given is not None:
+        return
+    trainer.train()
+    nll = [h["eval_mean_nll"] for h in trainer.state.log_history if "eval_mean_nll" in h]
+    assert len(nll) == 3 and len(set(nll)) == 3
+    assert trainer.state.best_metric == min(nll)
+
+
 def test_optim_is_ignored_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match=r"EVONConfig\.optim = 'adafactor' .* is ignored"):
         EVONConfig(output_dir=str(tmp_path), report_to="none", optim="adafactor")

@@ -36,7 +36,7 @@ from hf_evon.optim.grouping import compiled_patterns
 from hf_evon.optim.recipes import RECIPES
 from hf_evon.optim.validation import validate_hyperparameters
 
-__all__ = ["EVONConfig", "evon_config_class", "register_evon_config"]
+__all__ = ["EVONConfig", "converted_config", "evon_config_class", "register_evon_config"]
 
 # learning_rate=None: EVONTrainer picks one of these from the model (the rate AdamW would get)
 SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
@@ -576,3 +576,20 @@ def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
         combined.__doc__ = f"``{base.__name__}`` plus the EVON fields of :class:`EVONConfig`."
         globals()[name] = _COMBINED[base] = dataclass(combined)
     return _COMBINED[base]
+
+
+def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONConfig:
+    """Plain ``args`` as ``target`` (:func:`evon_config_class`), the EVON fields at their defaults.
+
+    A lower-is-better metric (``*_nll``, ``*_ece``, ...) whose ``greater_is_better`` is the one
+    ``TrainingArguments`` set by itself (True for any name not ending in "loss") is left to
+    ``EVONConfig`` (False): kept, it would load the worst checkpoint as the best. A user who set
+    True by hand cannot be told apart from the default, and gets ``EVONConfig``'s choice.
+    """
+    values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
+    # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
+    values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
+    metric = args.metric_for_best_model or ""
+    if metric.endswith(_LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
+        values["greater_is_better"] = None
+    return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})

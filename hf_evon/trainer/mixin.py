@@ -113,6 +113,7 @@ from hf_evon.trainer.config import (
     FINETUNING_LEARNING_RATE,
     SCRATCH_LEARNING_RATE,
     EVONConfig,
+    converted_config,
     evon_config_class,
 )
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
@@ -248,10 +249,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             UserWarning,
             stacklevel=3,
         )
-        values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
-        # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
-        values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
-        return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})
+        return converted_config(args, target)
 
     @staticmethod
     def _wrap_peft(model: Any, args: TrainingArguments, peft_config: Any) -> nn.Module:
