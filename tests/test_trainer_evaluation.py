@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 from test_trainer import _direct_bma, classification_data, config, lm_data, tiny_bert, tiny_gpt2
+from transformers import TrainerCallback
 
 from hf_evon import EVONTrainer
+from hf_evon.posterior.model_card import format_value
 from hf_evon.predictive.calibration import CalibrationResult
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, predictive_uncertainty
 
@@ -91,6 +93,52 @@ def test_bma_every_k_evaluations_or_only_at_the_end(tmp_path, every, with_bma):
     assert [h["step"] for h in evals if "eval_bma_nll" in h] == with_bma
     assert all("eval_mean_nll" in h for h in evals)  # the mean metrics come with every evaluation
     assert "eval_bma_nll" in trainer.evaluate()  # outside train(): always
+
+
+class _StopsTraining(TrainerCallback):
+    """Stops training at ``step``: on that step's evaluation metrics (as ``EarlyStoppingCallback``
+    does, after the evaluation's passes) or at the step's end (before its evaluation)."""
+
+    def __init__(self, step: int, event: str) -> None:
+        self.step, self.event = step, event
+
+    def on_evaluate(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if self.event == "on_evaluate" and state.global_step == self.step:
+            control.should_training_stop = True
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if self.event == "on_step_end" and state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.parametrize(
+    "every,stop,event,with_bma",
+    [(0, 2, "on_evaluate", [2]), (2, 3, "on_evaluate", [2, 3]), (0, 2, "on_step_end", [2])],
+)
+def test_the_evaluation_at_which_training_stops_early_carries_bma(tmp_path, every, stop, event, with_bma):
+    """bma_eval_every=0 runs BMA at the evaluation at which training ends: also where a callback
+    ends it before max_steps (EarlyStoppingCallback decides after the evaluation's passes), on the
+    weights that evaluation scored; the model card reports it beside the mean."""
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=1, bma_eval_every=every,
+                    logging_steps=10, evon_ess=60.0, bma_num_samples=2, bma_seed=3),
+        train_dataset=classification_data(),
+        eval_dataset=classification_data(48, seed=1),
+        callbacks=[_StopsTraining(stop, event)],
+    )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    assert [h["step"] for h in history if "eval_loss" in h] == list(range(1, stop + 1))
+    assert [h["step"] for h in history if "eval_bma_nll" in h] == with_bma
+    reference = trainer.posterior_metrics(trainer.get_eval_dataloader())  # the last step's weights
+    logged = {k: v for h in history if h["step"] == stop for k, v in h.items() if k.startswith("eval_")}
+    for key in ("eval_mean_nll", "eval_bma_nll", "eval_bma_accuracy", "eval_bma_ece", "eval_bma_brier"):
+        assert logged[key] == pytest.approx(reference[key], rel=1e-6, abs=1e-9), key
+    trainer.save_model()
+    card = (tmp_path / "out" / "README.md").read_text()
+    row = f"| nll | {format_value(logged['eval_mean_nll'])} | {format_value(logged['eval_bma_nll'])} |"
+    assert row in card.splitlines()
 
 
 def test_a_resumed_run_runs_bma_at_the_evaluations_the_uninterrupted_one_does(tmp_path):

@@ -13,12 +13,24 @@ from hf_evon.posterior.model_card import CardSource, format_value, save_model_ca
 __all__ = ["save_trainer_model_card"]
 
 
+def _is_bma_evaluation(entry: dict[str, Any]) -> bool:
+    return any(k.startswith("eval_") and "bma_" in k for k in entry)
+
+
+def _evaluation_at(history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The evaluation logged at ``step``: its entries merged (several eval datasets, and BMA passes
+    run once training stopped on the evaluation's metrics, each log an entry of their own)."""
+    entries = [h for h in history if h.get("step") == step and any(k.startswith("eval_") for k in h)]
+    return {k: v for h in entries for k, v in h.items() if isinstance(v, int | float)}
+
+
 def _latest_posterior_metrics(trainer: Any) -> dict[str, float] | None:
     """The last logged evaluation that has BMA metrics (``eval_*_bma_*`` / ``eval_bma_*``)."""
     state = getattr(trainer, "state", None)
-    for entry in reversed(state.log_history if state is not None else []):
-        if any(k.startswith("eval_") and "bma_" in k for k in entry):
-            return {k: v for k, v in entry.items() if isinstance(v, int | float)}
+    history = state.log_history if state is not None else []
+    for entry in reversed(history):
+        if _is_bma_evaluation(entry):
+            return _evaluation_at(history, entry["step"]) if "step" in entry else dict(entry)
     return None
 
 

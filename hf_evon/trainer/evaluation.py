@@ -388,40 +388,47 @@ class PosteriorEvaluation:
         any order, as the metrics are sums over examples)."""
         if self.unsupported:
             return {}
-        trainer, args = self.trainer, self.trainer.args
-        posterior = trainer.current_posterior() if self.with_bma and args.bma_num_samples > 0 else None
-        if self.with_bma and args.bma_num_samples > 0 and posterior is None:
-            logger.warning(
-                "EVONTrainer: no posterior yet (no EVON optimizer, no posterior=): BMA metrics skipped"
-            )
         if not self.reused or self.mean is None:
             if not self._own_mean_pass(dataloader):
                 return {}
-        summary = self.mean.summary()  # type: ignore[union-attr]
-        metrics = {f"{self.prefix}_mean_{k}": v for k, v in summary.items()}
-        if posterior is not None and posterior.is_point_mass and posterior.temperature == 1.0:
+        metrics = {f"{self.prefix}_mean_{k}": v for k, v in self.mean.summary().items()}  # type: ignore[union-attr]
+        if self.with_bma:
+            metrics.update(self.bma_metrics(dataloader, bma_dataloader))
+        return metrics
+
+    def bma_metrics(self, dataloader: Any, bma_dataloader: Callable[[], Any] | None = None) -> dict[str, float]:
+        """The ``{prefix}_bma_*`` metrics of the examples :meth:`finish` read (none where it had none)."""
+        if self.unsupported or self.mean is None:
+            return {}
+        trainer, args = self.trainer, self.trainer.args
+        posterior = trainer.current_posterior() if args.bma_num_samples > 0 else None
+        if args.bma_num_samples > 0 and posterior is None:
+            logger.warning(
+                "EVONTrainer: no posterior yet (no EVON optimizer, no posterior=): BMA metrics skipped"
+            )
+        if posterior is None:
+            return {}
+        if posterior.is_point_mass and posterior.temperature == 1.0:
             logger.info(
                 "EVONTrainer: the posterior has no noise (ess = inf, e.g. calibrated to the mean): "
                 "BMA equals the mean, its sampled passes are skipped"
             )
-            metrics.update({f"{self.prefix}_bma_{k}": v for k, v in summary.items()})
-        elif posterior is not None:
-            # a posterior without noise: one pass at the mean, at the posterior's temperature
-            seeds: list[int | None] = (
-                [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
-            )
-            bma = MetricAccumulator(trainer, self.task)  # type: ignore[arg-type]
-            task = self.task
+            return {f"{self.prefix}_bma_{k}": v for k, v in self.mean.summary().items()}
+        # a posterior without noise: one pass at the mean, at the posterior's temperature
+        seeds: list[int | None] = (
+            [None] if posterior.is_point_mass else [args.bma_seed + s for s in range(args.bma_num_samples)]
+        )
+        bma = MetricAccumulator(trainer, self.task)  # type: ignore[arg-type]
+        task = self.task
 
-            def transform(logits: Tensor, labels: Tensor | None) -> Tensor:
-                return _metric_log_probs(tempered(logits, posterior), labels, task)  # type: ignore[arg-type]
+        def transform(logits: Tensor, labels: Tensor | None) -> Tensor:
+            return _metric_log_probs(tempered(logits, posterior), labels, task)  # type: ignore[arg-type]
 
-            description = f"BMA evaluation ({len(seeds)} posterior samples)"
-            passes = dataloader if bma_dataloader is None else bma_dataloader()
-            for done, inputs, rows in sample_passes(trainer, passes, posterior, seeds, transform, description):
-                bma.add(done.value(), inputs["labels"], rows)
-            metrics.update({f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()})
-        return metrics
+        description = f"BMA evaluation ({len(seeds)} posterior samples)"
+        passes = dataloader if bma_dataloader is None else bma_dataloader()
+        for done, inputs, rows in sample_passes(trainer, passes, posterior, seeds, transform, description):
+            bma.add(done.value(), inputs["labels"], rows)
+        return {f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()}
 
     def _own_mean_pass(self, dataloader: Any) -> bool:
         """One pass at the mean, when the Trainer's pass gave nothing to reuse."""
@@ -445,14 +452,35 @@ class EvaluationMixin:
     """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
     posterior metrics to the subclass's (``predict(bma=True)``: :mod:`hf_evon.trainer.prediction`)."""
 
+    # the evaluation (and its loader) of this ``evaluate()`` that skipped BMA during training
+    _evon_bma_skipped: tuple[PosteriorEvaluation, Any] | None = None
+
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with the ``eval_mean_*`` and (when due) ``eval_bma_*`` metrics."""
         outer = self._evon_in_evaluate
-        self._evon_in_evaluate = True
+        self._evon_in_evaluate, self._evon_bma_skipped = True, None
         try:
-            return super().evaluate(*args, **kwargs)
+            return self._bma_where_training_stops(super().evaluate(*args, **kwargs))
         finally:
-            self._evon_in_evaluate = outer
+            self._evon_in_evaluate, self._evon_bma_skipped = outer, None
+
+    def _bma_where_training_stops(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The evaluation at which training stops carries BMA, as the one at ``max_steps`` does.
+
+        A callback may stop training on this evaluation's metrics (``EarlyStoppingCallback``, in
+        ``on_evaluate``, after the passes that :meth:`_bma_due` could not foresee): the skipped BMA
+        passes then run here, on the same weights, and are logged beside the evaluation (an entry
+        at the same step) and returned with its metrics.
+        """
+        skipped = self._evon_bma_skipped
+        if skipped is None or not self.control.should_training_stop:
+            return metrics
+        evaluation, dataloader = skipped
+        bma = evaluation.bma_metrics(dataloader, lambda: self._length_sorted_loader(dataloader))
+        if not bma:
+            return metrics
+        self.log(bma)
+        return merge_metrics(dict(metrics), bma)
 
     def evaluation_loop(
         self,
@@ -480,6 +508,8 @@ class EvaluationMixin:
         finally:
             self._evon_evaluation = None
         merge_metrics(output.metrics, evaluation.finish(dataloader, lambda: self._length_sorted_loader(dataloader)))
+        if not evaluation.with_bma:
+            self._evon_bma_skipped = (evaluation, dataloader)
         return output
 
     def prediction_step(
@@ -519,7 +549,8 @@ class EvaluationMixin:
         # at one step are one evaluation)
         logs = self.state.log_history
         earlier = {h["step"] for h in logs if h.get("step", step) < step and any(k.startswith("eval_") for k in h)}
-        at_end = self.state.max_steps > 0 and step >= self.state.max_steps
+        # the last step, or a stop decided before this evaluation (a callback's at the step's end)
+        at_end = (self.state.max_steps > 0 and step >= self.state.max_steps) or self.control.should_training_stop
         return at_end or (every > 0 and (len(earlier) + 1) % every == 0)
 
     def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
