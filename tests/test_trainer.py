@@ -947,6 +947,30 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path
     assert all(torch.equal(saved[k], on_disk[k]) for k in saved)
 
 
+def test_the_card_after_load_best_model_at_end_reports_the_best_checkpoints_evaluation_and_step(tmp_path):
+    """save_model() after load_best_model_at_end writes the best checkpoint's weights and posterior:
+    its card reports that checkpoint's evaluation and step, not the last evaluation's."""
+    from hf_evon.posterior.model_card import format_value
+
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_bma_nll", bma_num_samples=2, evon_ess=100.0,
+        evon_learning_rate=0.2,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1)
+    )
+    trainer.train()
+    evals = {h["step"]: h for h in trainer.state.log_history if "eval_bma_nll" in h}
+    best = min(evals, key=lambda step: evals[step]["eval_bma_nll"])
+    assert best != 4 and trainer.state.best_global_step == best  # the best is not the last evaluation
+    trainer.save_model()
+    lines = (Path(trainer.args.output_dir) / "README.md").read_text().splitlines()
+    nll = f"| nll | {format_value(evals[best]['eval_mean_nll'])} | {format_value(evals[best]['eval_bma_nll'])} |"
+    assert nll in lines
+    assert f"| optimizer steps taken (Trainer `global_step`) | {best} |" in lines
+
+
 class _PosteriorDropped(TrainerCallback):
     """Removes each checkpoint's posterior files once it is saved (a checkpoint from elsewhere)."""
 

@@ -1,9 +1,11 @@
 """The model card ``EVONTrainer`` writes beside its model: :func:`hf_evon.posterior.model_card.save_model_card`
-with what the trainer knows (its latest BMA evaluation, the repo it pushes to, its steps, its optimizer)."""
+with what the trainer knows (its latest BMA evaluation, or the best checkpoint's, the repo it pushes to,
+its steps, its optimizer)."""
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from huggingface_hub import ModelCard
@@ -24,10 +26,26 @@ def _evaluation_at(history: list[dict[str, Any]], step: int) -> dict[str, float]
     return {k: v for h in entries for k, v in h.items() if isinstance(v, int | float)}
 
 
-def _latest_posterior_metrics(trainer: Any) -> dict[str, float] | None:
-    """The last logged evaluation that has BMA metrics (``eval_*_bma_*`` / ``eval_bma_*``)."""
+def _best_checkpoint_step(trainer: Any) -> int | None:
+    """The step of the best checkpoint whose weights and posterior ``load_best_model_at_end``
+    restored (the card then describes that checkpoint, not the last step), or None."""
+    state = getattr(trainer, "state", None)
+    if state is None or not getattr(trainer, "_posterior_from_checkpoint", False):
+        return None
+    if state.best_global_step:
+        return int(state.best_global_step)
+    found = re.search(r"checkpoint-(\d+)$", str(state.best_model_checkpoint or "").rstrip("/\\"))
+    return int(found.group(1)) if found else None
+
+
+def _posterior_metrics(trainer: Any, best_step: int | None) -> dict[str, float] | None:
+    """The evaluation of the card's posterior that has BMA metrics (``eval_*_bma_*`` /
+    ``eval_bma_*``): the one at ``best_step`` (None where it ran no BMA), else the last logged."""
     state = getattr(trainer, "state", None)
     history = state.log_history if state is not None else []
+    if best_step is not None:
+        metrics = _evaluation_at(history, best_step)
+        return metrics if _is_bma_evaluation(metrics) else None
     for entry in reversed(history):
         if _is_bma_evaluation(entry):
             return _evaluation_at(history, entry["step"]) if "step" in entry else dict(entry)
@@ -54,15 +72,17 @@ def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
 
 def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: CardSource) -> ModelCard:
     """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
-    it pushes to (``hub_model_id``) in the snippet, its ``global_step``, its model (for a PEFT
+    it pushes to (``hub_model_id``) in the snippet, its ``global_step`` (the best checkpoint's
+    evaluation and step after ``load_best_model_at_end``), its model (for a PEFT
     classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""
     args = trainer.args
     state = getattr(trainer, "state", None)
+    best_step = _best_checkpoint_step(trainer)
     kwargs: dict[str, Any] = {
         "base_model": posterior.config.get("base_model"),
-        "metrics": _latest_posterior_metrics(trainer),
+        "metrics": _posterior_metrics(trainer, best_step),
         "model": trainer.model,
-        "training_steps": getattr(state, "global_step", None) or None,
+        "training_steps": best_step or getattr(state, "global_step", None) or None,
         "num_bma_samples": getattr(args, "bma_num_samples", None),
         "optimizer": _optimizer_text(trainer, posterior),
     }
