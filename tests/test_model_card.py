@@ -253,6 +253,31 @@ def test_lora_classifier_card_given_the_model_names_num_labels(tokenizer):
     assert 'base = AutoModelForSequenceClassification.from_pretrained("me/base", num_labels=5)' in snippet
 
 
+@pytest.mark.parametrize("adapter", ["lora", "ia3"])
+def test_a_peft_lm_built_without_task_type_records_its_base_models_class(adapter):
+    """A PeftModel built without task_type (README's LoRA example) is plain ``PeftModel``, a name
+    that says no task: the posterior records the base model's class and the card's snippet
+    reloads the base as a causal LM, the adapter on it, and decodes with BMA."""
+    from peft import IA3Config, LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+    config = (
+        LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+        if adapter == "lora"
+        else IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])
+    )
+    model = get_peft_model(base, config)
+    assert type(model).__name__ == "PeftModel"
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    assert posterior.config["model_class"] == "GPT2LMHeadModel"
+    snippet = _snippet(render_model_card(posterior, base_model="me/base", model=model).text)
+    assert 'base = AutoModelForCausalLM.from_pretrained("me/base")' in snippet
+    assert "model = PeftModel.from_pretrained(base, " in snippet
+    assert "output_ids = generate_bma(" in snippet
+
+
 def test_trainer_pushed_card_names_repo_evon_and_steps_and_its_snippet_runs(tmp_path, tokenizer, monkeypatch):
     from huggingface_hub import HfApi, ModelCard
     from transformers import BertConfig, BertForSequenceClassification

@@ -235,7 +235,8 @@ def _usage_snippet(
     classifier's base model is built with ``num_labels`` (its head is in the adapter)."""
     sub = f", subfolder={_py(subfolder)}" if subfolder else ""
     model_class = str(posterior.config.get("model_class", ""))
-    is_peft = any(".lora_" in n for n in posterior.names) or "Peft" in model_class
+    # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
+    is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
     auto = _auto_class(model_class)
     causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import base_model_name, model_class, unwrap_model
+from hf_evon.modeling import base_model_name, model_class, peft_base_model, unwrap_model
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.validation import GROUP_KEYS
@@ -41,6 +41,14 @@ class Snapshot:
     settings: dict[str, Any]
     num_point_estimates: int
     num_point_estimate_tensors: int
+
+
+def _recorded_class(model: nn.Module) -> str:
+    """The class name a posterior records for ``model``: its own, or for a plain ``PeftModel``
+    (built without ``task_type``, a name that says no task) its base model's, which the model
+    card reloads the base with (``GPT2LMHeadModel``: ``AutoModelForCausalLM``)."""
+    name = model_class(model).__name__
+    return model_class(peft_base_model(model)).__name__ if name == "PeftModel" else name
 
 
 def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
@@ -96,7 +104,7 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     # each matrix counts its own updates (one that joined late, fewer): the optimizer's are the most
     settings["optimizer_step"] = max((int(s.item() if torch.is_tensor(s) else s) for s in steps if s is not None), default=0)
     settings["base_model"] = recordable_base_model(base_model_name(model))
-    settings["model_class"] = model_class(model).__name__
+    settings["model_class"] = _recorded_class(model)
     settings["mean_fingerprint"] = mean_fingerprint({name: p for name, p, _ in entries}, factors)
     covered = {id(p) for _, p, _ in entries}
     points = [p for _, p in named if id(p) not in covered]
