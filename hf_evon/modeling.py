@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "adapter_name_of",
     "base_model_name",
     "decoder_inputs_from_labels",
     "is_causal_lm",
@@ -143,33 +144,49 @@ def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:
     return {"labels": labels}
 
 
+def _tuner_layers(model: nn.Module) -> dict[str, Any]:
+    """PEFT's tuner layers of ``model`` by module name (none without PEFT)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is optional
+        return {}
+    return {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+
+
+def _adapter_of(layers: Mapping[str, Any], name: str) -> tuple[Any, str] | None:
+    """The innermost tuner layer on parameter ``name``'s path and the adapter ``name`` belongs to
+    (the segment after the layer's adapter attribute: ``lora_A.<adapter>.weight``), or None."""
+    parts = name.split(".")
+    for k in range(len(parts) - 2, 0, -1):
+        layer = layers.get(".".join(parts[:k]))
+        if layer is not None:
+            return (layer, parts[k + 1]) if parts[k] in layer.adapter_layer_names else None
+    return None
+
+
+def adapter_name_of(model: nn.Module, name: str) -> str | None:
+    """The name of the PEFT adapter parameter ``name`` of ``model`` belongs to, or None."""
+    found = _adapter_of(_tuner_layers(model), name)
+    return None if found is None else found[1]
+
+
 def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:
     """Why each of ``names`` (parameters of ``model``) that belongs to a PEFT adapter the forward
     does not use now (another adapter active, merged into its base layer, adapters disabled) does
     not take part: a sample of it changes nothing the model computes. Empty without PEFT."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is optional
-        return []
-    modules = dict(model.named_modules())
-    if not any(isinstance(m, BaseTunerLayer) for m in modules.values()):
+    layers = _tuner_layers(model)
+    if not layers:
         return []
     reasons = []
     for name in names:
-        parts = name.split(".")
-        for k in range(len(parts) - 2, 0, -1):  # the innermost tuner layer on the name's path
-            layer = modules.get(".".join(parts[:k]))
-            if not isinstance(layer, BaseTunerLayer):
-                continue
-            if parts[k] in layer.adapter_layer_names:  # e.g. "lora_A", then the adapter's name
-                adapter = parts[k + 1]
-                if layer.disable_adapters:
-                    reasons.append(f"{name!r}: the model's adapters are disabled")
-                elif adapter in layer.merged_adapters:
-                    reasons.append(f"{name!r}: adapter {adapter!r} is merged into its base layer")
-                elif adapter not in layer.active_adapters:
-                    reasons.append(
-                        f"{name!r}: adapter {adapter!r} is not active (active: {list(layer.active_adapters)})"
-                    )
-            break
+        found = _adapter_of(layers, name)
+        if found is None:
+            continue
+        layer, adapter = found
+        if layer.disable_adapters:
+            reasons.append(f"{name!r}: the model's adapters are disabled")
+        elif adapter in layer.merged_adapters:
+            reasons.append(f"{name!r}: adapter {adapter!r} is merged into its base layer")
+        elif adapter not in layer.active_adapters:
+            reasons.append(f"{name!r}: adapter {adapter!r} is not active (active: {list(layer.active_adapters)})")
     return reasons

@@ -1227,6 +1227,30 @@ def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
         loaded.check_model(reloaded.get_base_model())
 
 
+def test_a_posterior_of_another_adapter_name_names_both(tmp_path):
+    """A posterior saved for adapter "default", loaded onto the adapter reloaded as "sst2": the
+    mismatch error says the adapter's names differ, and which they are."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    lora = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), lora)
+    post = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, **plain_evon(ess=500)), model)
+    model.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    renamed = PeftModel.from_pretrained(GPT2LMHeadModel(_tiny_gpt2_config()), tmp_path, adapter_name="sst2")
+    with pytest.raises(PosteriorMismatchError) as caught:
+        post.check_model(renamed)
+    first = post.names[0]
+    assert first == "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"
+    assert (
+        f"{first!r} is not a parameter of the model (the model's adapter is named 'sst2', the posterior's "
+        "'default': load the adapter under the posterior's name, e.g. PeftModel.from_pretrained(..., "
+        "adapter_name='default'))"
+    ) in str(caught.value)
+
+
 # ----------------------------------------------------------------------------- model card
 def test_model_card_content(gpt2, tmp_path):
     _, _, post = gpt2

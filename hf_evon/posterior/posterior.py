@@ -54,6 +54,7 @@ from hf_evon.posterior.gaussian import (
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.json_rules import is_temperature
 from hf_evon.posterior.model_card import card_arguments, save_model_card
+from hf_evon.posterior.names import name_hint
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -309,7 +310,7 @@ class EVONPosterior:
             f = self[name]
             p = params.get(name)
             if p is None:
-                problems.append(f"{name!r} is not a parameter of the model{_name_hint(name, params)}")
+                problems.append(f"{name!r} is not a parameter of the model{name_hint(name, model, params)}")
             elif tuple(p.shape) != f.shape:
                 problems.append(
                     f"{name!r} has shape {tuple(p.shape)} in the model but {f.shape} in the posterior"
@@ -571,13 +572,3 @@ class EVONPosterior:
             path_in_repo=path_in_repo,
             endpoint=endpoint,
         )
-
-
-def _name_hint(name: str, params: Mapping[str, Tensor]) -> str:
-    """Suggest the likely cause when names differ only by a wrapper prefix (e.g. PEFT)."""
-    for other in params:
-        if other.endswith("." + name):
-            return f" (the model has {other!r}: was the posterior built from an unwrapped model?)"
-        if name.endswith("." + other):
-            return f" (the model has {other!r}: pass the wrapped model, e.g. the PeftModel, the posterior was built from)"
-    return ""
