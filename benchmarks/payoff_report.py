@@ -10,11 +10,11 @@ from typing import Any
 
 
 def mean_sd(values: list[float], scale: bool = False) -> tuple[float, float]:
-    """Mean and population sd. With a non-finite value: for a ``scale`` (a calibrated multiplier,
+    """Mean and sample sd (n - 1). With a non-finite value: for a ``scale`` (a calibrated multiplier,
     ∞ where the calibration kept the mean) the median and NaN; for a metric, a failed run, the
     mean is inf or NaN as that value makes it (never a number that hides it), the sd NaN."""
     if all(math.isfinite(v) for v in values):
-        return statistics.fmean(values), statistics.pstdev(values) if len(values) > 1 else 0.0
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
     if scale:
         return statistics.median(values), math.nan
     return (math.nan if any(math.isnan(v) for v in values) else statistics.fmean(values)), math.nan
@@ -81,11 +81,11 @@ def targets(
         temperature = rows.get("_adamw", {}).get("temperature", (math.nan, 0))[0]
         over = temperature > 1.2
         checks = [mark(bma_["nll"][0] <= mean["nll"][0])]
-        if over:
-            temp = rows["AdamW + temperature"]
+        if over:  # against the better of temperature scaling's two fits
+            tempered = [r["nll"][0] for k, r in rows.items() if k.startswith("AdamW + temperature") and isinstance(r, dict)]
             checks += [
                 mark(bma_["nll"][0] <= 0.95 * mean["nll"][0]),
-                mark(bma_["nll"][0] <= min(adam["nll"][0], temp["nll"][0])),
+                mark(bma_["nll"][0] <= min([adam["nll"][0], *tempered])),
                 mark(bma_["ece"][0] <= adam["ece"][0]),
             ]
         else:

@@ -29,9 +29,9 @@ from hf_evon.predictive.calibration import (  # noqa: E402
     DEFAULT_STANDARD_ERRORS,
     SOFTENING_TEMPERATURES,
     TEMPERATURE_GRID,
-    _tempered_log_probs,
     mean_temperature_choice,
 )
+from hf_evon.predictive.held_out import tempered_log_probs  # noqa: E402
 
 TASKS = ["digits", "breast_cancer", "wine", "noisy_digits", "tiny_gpt2", "minilm_lora", "minilm_noisy_lora"]
 
@@ -66,7 +66,7 @@ def run(name: str) -> None:
                 t = min(grid, key=lambda t: nll(lp[a], y[a], t))
                 res[key].append(nll(lp[b], y[b], t))
             # log p(y) per temperature, [T, targets], as calibrate_posterior scores the mean
-            per_t = _tempered_log_probs(lp[a], y[a], False, TEMPERATURE_GRID)
+            per_t = tempered_log_probs(lp[a], y[a], False, TEMPERATURE_GRID)
             choice = mean_temperature_choice(per_t, DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN)
             res["rule"].append(nll(lp[b], y[b], TEMPERATURE_GRID[choice]))
             res["rule_soft"].append(nll(lp[b], y[b], TEMPERATURE_GRID[max(choice, one)]))

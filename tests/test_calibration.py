@@ -618,7 +618,7 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     """The targets, and the mean's temperature NLL, are the loss's: shifted, −100 ignored."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon.predictive.held_out import _tempered_log_probs
+    from hf_evon.predictive.held_out import tempered_log_probs
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
@@ -630,7 +630,7 @@ def test_causal_lm_targets_are_shifted_like_the_model_loss() -> None:
     logp = target_log_probs(out.logits, labels, shift=True)
     assert float(-logp.mean()) == pytest.approx(float(out.loss), rel=1e-5)
     assert logp.numel() == int(labels[:, 1:].ne(-100).sum())
-    nll = -_tempered_log_probs(out.logits, labels, True, [1.0, 2.0]).sum(1) / logp.numel()
+    nll = -tempered_log_probs(out.logits, labels, True, [1.0, 2.0]).sum(1) / logp.numel()
     assert float(nll[0]) == pytest.approx(float(-logp.mean()), rel=1e-12)
     assert float(nll[1]) == pytest.approx(
         float(-target_log_probs(out.logits / 2.0, labels, True).mean()), rel=1e-6
@@ -934,3 +934,20 @@ def test_a_prompt_tuned_lm_is_calibrated_on_the_tokens_its_loss_scores() -> None
     _, result = calibrate_posterior(model, posterior, [{"input_ids": ids, "labels": ids}], grid=[1.0], num_samples=2)
     assert result.num_targets == ids.numel()
     assert result.mean_nll == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_mean_temperature_is_the_calibrations_rule_for_a_point_estimate() -> None:
+    """``mean_temperature``: on logits 3x too confident for labels drawn from softmax(z), the grid's
+    least-NLL temperature (found here by brute force); on a split the mean gets right, T = 1."""
+    from hf_evon.predictive.calibration import TEMPERATURE_GRID, mean_temperature
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(20000, 5, generator=g, dtype=torch.float64)
+    y = torch.multinomial(torch.softmax(z, -1), 1, generator=g).squeeze(1)
+    nll = [float(nn.functional.cross_entropy(3 * z / t, y)) for t in TEMPERATURE_GRID]
+    best = TEMPERATURE_GRID[min(range(len(nll)), key=nll.__getitem__)]
+    assert 2.5 < best < 3.5
+    assert mean_temperature(3 * z, y) == best
+    confident = torch.zeros(40, 3, dtype=torch.float64)
+    confident[torch.arange(40), torch.arange(40) % 3] = 4.0  # every row right: nothing to sharpen on
+    assert mean_temperature(confident, torch.arange(40) % 3) == 1.0

@@ -42,10 +42,10 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
     saved = json.load(open(out + ".json"))
     runs = saved["runs"]["digits"]
     assert len(runs) == 2
-    for row in ("AdamW", "AdamW + temperature", "EVON mean", "EVON calibrated BMA@2"):
+    for row in ("AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)", "EVON mean", "EVON calibrated BMA@2"):
         values = [r[row]["nll"] for r in runs]
         assert summary["digits"][row]["nll"][0] == pytest.approx(statistics.fmean(values), rel=1e-12)
-        assert summary["digits"][row]["nll"][1] == pytest.approx(statistics.pstdev(values), rel=1e-12)
+        assert summary["digits"][row]["nll"][1] == pytest.approx(statistics.stdev(values), rel=1e-12)
         assert 0.0 <= summary["digits"][row]["accuracy"][0] <= 1.0
     report = open(out + ".md").read()
     assert "| digits |" in report and "EVON calibrated BMA@2" in report

@@ -47,7 +47,7 @@ from torch import nn
 from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.optim.noise import resolve_seed
-from hf_evon.predictive.held_out import scored_pass
+from hf_evon.predictive.held_out import scored_pass, tempered_log_probs
 from hf_evon.predictive.logprobs import log_mean_prob
 
 Tensor = torch.Tensor
@@ -420,6 +420,20 @@ def trained_posterior(posterior: Any) -> Any:
     if not by_name:
         return posterior.with_ess(float(trained))
     return posterior.with_ess({n: float(by_name.get(n, trained)) for n in posterior.names})
+
+
+def mean_temperature(
+    logits: Tensor,
+    labels: Tensor,
+    shift: bool = False,
+    standard_errors: float = DEFAULT_STANDARD_ERRORS,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> float:
+    """The temperature the calibration gives a point estimate's ``logits`` on held-out ``labels``
+    (:func:`mean_temperature_choice` on ``TEMPERATURE_GRID``): temperature scaling under the rules
+    ``calibrate_posterior`` applies to EVON's mean (-100 labels ignored; ``shift``: a causal LM's)."""
+    per_temperature = tempered_log_probs(logits, labels, shift, TEMPERATURE_GRID)
+    return TEMPERATURE_GRID[mean_temperature_choice(per_temperature, standard_errors, min_gain)]
 
 
 def mean_temperature_choice(mean_logp: Tensor, standard_errors: float, min_gain: float) -> int:

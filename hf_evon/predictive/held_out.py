@@ -84,7 +84,7 @@ def _logits(output: Any) -> Tensor:
     return logits
 
 
-def _tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
+def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
     (float64; one temperature at a time, so an LM's rows are copied once per T, not T times at once).
     A label outside the logits' classes is gathered as class 0 (:func:`_pass` refuses it): an
@@ -121,7 +121,7 @@ def scored_pass(
         if check:  # the trainer checks before training (held_out_classes); a direct caller here
             require_aligned(logits, labels, shift, where)
         classes = logits.shape[-1]
-        out.append(_tempered_log_probs(logits, labels, shift, temperatures))
+        out.append(tempered_log_probs(logits, labels, shift, temperatures))
         if check:
             labels_ok.append(_labels_in_range(logits, labels.to(logits.device), shift))
     if check and out:
