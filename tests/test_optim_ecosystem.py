@@ -300,3 +300,47 @@ def test_a_block_entered_inside_autocast_draws_the_float32_sample() -> None:
                 samples.append(model[0].weight.detach().clone())
                 assert model(X).dtype == (torch.bfloat16 if autocast else torch.float32)
     assert torch.equal(samples[0], samples[1])
+
+
+# ----------------------------------------------------------------------------- evaluation and ranks
+def test_an_evaluation_block_leaves_the_training_noise_as_it_was() -> None:
+    """A ``sampled_params(train=False)`` block (a BMA evaluation) advanced the training blocks'
+    noise label: training then took other samples than without the evaluation (with AdamW an
+    evaluation never changes training), and under DDP with a main-process-only evaluation the
+    ranks' counters parted, so a resume was not bit-exact."""
+    models = []
+    for evaluate in (False, True):
+        model = _model()
+        opt = _optimizer(model)
+        for i in range(4):
+            _step(opt, model)
+            if evaluate and i == 1:
+                with opt.sampled_params(train=False):
+                    model(X)
+        models.append(model)
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_block_recorded_after_synchronize_is_averaged_too() -> None:
+    """``synchronize()`` (to clip or log the averaged gradients, as its docstring invites) marked
+    the step's gradients averaged, so a later block's own gradients reached the step un-averaged
+    and DDP ranks parted silently. The reducer stands in for the ranks here: averaging with a
+    second rank whose gradients are zero halves them."""
+    model = _model()
+    opt = _optimizer(model)
+    _step(opt, model)
+    reduced = []
+
+    def reducer(tensors: list[torch.Tensor]) -> None:
+        reduced.append(len(tensors))
+        torch._foreach_mul_(tensors, 0.5)
+
+    opt.gradient_reducer = reducer
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    opt.synchronize()
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    opt.step()
+    assert len(reduced) == 2

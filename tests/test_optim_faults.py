@@ -31,9 +31,10 @@ def failed_block(model: nn.Module, opt: EVON, data) -> None:
 
 
 def idle_block(model: nn.Module, opt: EVON, data) -> None:
-    """Uses up the same block of the noise stream as ``failed_block``, and nothing else."""
-    with opt.sampled_params(train=False):
-        pass
+    """Uses up the same training block of the noise stream as ``failed_block``, and nothing else:
+    it raises before any backward."""
+    with contextlib.suppress(Boom), opt.sampled_params(train=True):
+        raise Boom
 
 
 def accumulating_step(model: nn.Module, opt: EVON, batches: list, samples: int, between=None) -> None:
@@ -145,9 +146,9 @@ def test_a_failed_sample_leaves_no_trace() -> None:
                         raise Boom
                     assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters())
                     assert opt.recorded_samples == 1
-                elif step == 3 and s == 1:
-                    with opt.sampled_params(train=False):  # uses up the same block of the noise stream
-                        pass
+                elif step == 3 and s == 1:  # uses up the same training block of the noise stream
+                    with contextlib.suppress(Boom), opt.sampled_params(train=True):
+                        raise Boom
                 with opt.sampled_params(train=True):
                     loss_fn(model, data).backward()
             opt.step()

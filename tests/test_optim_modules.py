@@ -105,7 +105,9 @@ def test_the_local_hooks_are_one_process() -> None:
     opt = EVON([p], ess=10.0)
     assert opt.sharding is None and opt.sample_blocks == 0
     with opt.sampled_params(train=False):
-        pass
+        assert opt.noise_label == "eval 1"
+    with opt.sampled_params(train=True):
+        assert opt.noise_label == 1
     assert opt.sample_blocks == 1
 
 

@@ -171,7 +171,7 @@ class EVONSharding(ShardingHooks):
             gen = self._generators[device] = torch.Generator(device=device)
         out = torch.empty(len(b.params), b.m, b.n, device=device, dtype=b.dtype)
         for i, p in enumerate(b.params):
-            gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], opt.sample_blocks))
+            gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], opt.noise_label))
             torch.randn(b.m, b.n, generator=gen, device=device, dtype=b.dtype, out=out[i])
         return out
 

@@ -194,9 +194,8 @@ class EVON(Optimizer):
         self.health_check_every = 100  # posterior_health(warn=True) every this many steps (a host sync; 0: never)
         self._updates = 0  # steps taken by this object (for the health check's period)
         self._health_warned: set[str] = set()  # each health warning is given once
-        # sampled_params blocks entered so far; a block's noise is fixed by (seed, rank, block, device),
-        # so any rank resumes its own stream from a checkpoint saved by another rank
-        self._sample_blocks = 0
+        # train=True / train=False blocks entered so far: the blocks' noise labels (noise_label)
+        self._sample_blocks = self._eval_blocks = 0
         self._reset_transient()
         super().__init__(params, defaults)
 
@@ -207,15 +206,13 @@ class EVON(Optimizer):
         self._buckets: list[Bucket] | None = None
         self._bucket_index: dict[int, tuple[Bucket, int]] | None = None
         self._samples = 0  # samples recorded since the last step
-        self._in_sample = False
-        # the gradients the last step consumed, as (weak reference, version) by id(param): a
-        # sampled_params block drops them instead of adding them to the new step's samples
+        self._in_sample = self._training_block = False
+        # the gradients the last step consumed (gradients.consumed_grads): a block drops, not adds, them
         self._consumed: Consumed = {}
         # set by prepare_distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
-        # set by hf_evon.prepare_distributed(shard=True) or under FSDP2: this rank owns (keeps state
-        # for, updates) a share of the parameters. None: one process owns everything (hooks.LOCAL)
+        # this rank's share of the parameters (prepare_distributed(shard=True), FSDP2); None: all (LOCAL)
         self.sharding: ShardingHooks | None = None
 
     @property
@@ -253,8 +250,15 @@ class EVON(Optimizer):
 
     @property
     def sample_blocks(self) -> int:
-        """``sampled_params`` blocks entered so far (in the state dict): the current block's noise label."""
+        """``sampled_params(train=True)`` blocks entered so far (in the state dict)."""
         return self._sample_blocks
+
+    @property
+    def noise_label(self) -> int | str:
+        """The current block's noise label: the training blocks' count, or ``"eval N"`` in the N-th
+        ``train=False`` block. A block's noise is fixed by (seed, rank, label, device): any rank resumes
+        its stream from a checkpoint another rank saved, and an evaluation never changes training's."""
+        return f"eval {self._eval_blocks}" if self._in_sample and not self._training_block else self._sample_blocks
 
     @property
     def in_sample(self) -> bool:
@@ -263,7 +267,7 @@ class EVON(Optimizer):
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The noise generator of the current ``sampled_params`` block on ``device``."""
-        return self._streams.get(device, self.seed, process_rank(), self._sample_blocks, str(device))
+        return self._streams.get(device, self.seed, process_rank(), self.noise_label, str(device))
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -345,8 +349,9 @@ class EVON(Optimizer):
         ok, exited, grad_mode = False, False, torch.is_grad_enabled()
         try:
             try:  # from here on an interrupt anywhere is cleaned up below
-                self._in_sample = True
-                self._sample_blocks += 1
+                self._in_sample, self._training_block = True, train
+                self._sample_blocks += train
+                self._eval_blocks += not train
                 if stash is not None:  # filled as it goes: every gradient set aside is given back
                     set_aside_grads(self.param_groups, self._consumed, stash)
                 with torch.no_grad(), autocast_disabled():
@@ -370,6 +375,7 @@ class EVON(Optimizer):
                     if stash is not None:
                         restore_grads(stash, ok)
                 self._samples += int(ok and train)
+                self._synchronized &= not (ok and train)  # its own gradients are not averaged yet
                 exited = True
         finally:
             if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped

@@ -32,16 +32,18 @@ COPIED_ATTRIBUTES = (
     "_updates",
     "_health_warned",
     "_sample_blocks",
+    "_eval_blocks",
     "_adamw_defaults",
 )
 
 
 def saved_extras(optimizer: Any) -> dict[str, int]:
-    """The counters ``state_dict`` saves under ``EXTRA_KEY``: the noise's seed and block count,
+    """The counters ``state_dict`` saves under ``EXTRA_KEY``: the noise's seed and block counts,
     the skipped steps and the updates (the curvature fits' and health checks' clock)."""
     return {
         "seed": optimizer.seed,
         "sample_blocks": optimizer._sample_blocks,
+        "eval_blocks": optimizer._eval_blocks,
         "skipped_steps": optimizer.skipped_steps,
         "updates": optimizer._updates,
     }
@@ -71,6 +73,7 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
             optimizer.seed = int(extra["seed"])
             optimizer.skipped_steps = int(extra.get("skipped_steps", 0))
             optimizer._sample_blocks = int(extra.get("sample_blocks", 0))
+            optimizer._eval_blocks = int(extra.get("eval_blocks", 0))
             optimizer._updates = int(extra.get("updates", 0))
 
     pre = optimizer.register_load_state_dict_pre_hook(check)  # after the user's
