@@ -518,10 +518,9 @@ class EVON(Optimizer):
 
     @torch.no_grad()
     def posterior_health(self, warn: bool = True) -> dict[str, float]:
-        """Noise-to-signal and Hessian statistics of the current posterior (one host sync); the
-        statistics are defined at :func:`hf_evon.optim.health.health_stats`. With ``warn``, the
-        first time runaway noise or a collapse to a broad prior shows, a ``RuntimeWarning``
-        names the cause and the fix."""
+        """Noise-to-signal and Hessian statistics of the current posterior (:func:`~hf_evon.optim.
+        health.health_stats`; one host sync; sharded: a collective, on every rank). With ``warn``,
+        the first runaway noise or collapse to a broad prior warns, naming the cause and the fix."""
         rows, numel = health_rows(self.buckets)
         rows, numel = self._hooks.pool_rows(rows, numel)  # sharded: every rank's matrices
         stats = health_stats(rows, numel)
