@@ -43,7 +43,8 @@ def test_the_table_is_the_mean_over_seeds() -> None:
 def test_a_fast_run_reports_every_row() -> None:
     runs = bench.main(["--tasks", "exception2", "--variants", "lora", "--seeds", "1", "--samples", "2", "--fast"])
     adamw, evon = runs
-    assert set(adamw["rows"]) == {"AdamW", "AdamW + temperature"} and adamw["temperature"] > 0
+    rows = {"AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)"}
+    assert set(adamw["rows"]) == rows and adamw["temperature"] > 0
     assert set(evon["rows"]) == {"EVON mean", "EVON calibrated BMA@2"}
     assert all(math.isfinite(s["nll"]) for r in runs for s in r["rows"].values())
     assert evon["calibration"]["trained_ess"] > 0 and 0 <= evon["health"]["hess_below_prior"] <= 1
