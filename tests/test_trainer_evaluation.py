@@ -208,10 +208,15 @@ def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_me
     assert out.metrics["test_agreement"] == pytest.approx(out.metrics["test_bma_accuracy"], abs=1e-12)
     assert calls == [True if batch_eval_metrics else None]
 
-@pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
-def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sigmoids(tmp_path, problem):
+@pytest.mark.parametrize(
+    "problem, inferred",
+    [("regression", False), ("multi_label_classification", False), ("multi_label_classification", True)],
+)
+def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sigmoids(tmp_path, problem, inferred):
     """predict(bma=True) took a softmax over every model's last axis: a regression's one output
-    came back as probability 1.0 everywhere, a multi-label model's as a distribution over labels."""
+    came back as probability 1.0 everywhere, a multi-label model's as a distribution over labels.
+    ``inferred``: the config has no problem_type, which transformers sets from the float labels in
+    the first labelled forward; the first predict(bma=True) averaged softmaxes, the second sigmoids."""
     from datasets import Dataset
 
     def data(n: int, seed: int) -> Dataset:
@@ -228,8 +233,11 @@ def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sig
         return model
 
     trainer = _trained(tmp_path, make, data(48, 0), data(16, 1), bma_num_samples=3, eval_strategy="no")
+    if inferred:
+        trainer.model.config.problem_type = None
     test = data(40, 2)
     out = trainer.predict(test, bma=True)
+    assert trainer.model.config.problem_type == problem
     batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
     trainer.model.eval()
     samples = []

@@ -80,14 +80,17 @@ def bma_predict(
     metrics_acc: MetricAccumulator | None = None
     checked = False
     description = f"BMA prediction ({len(seeds)} posterior samples)"
-    kind = _output_kind(trainer.model)
+    kind: str | None = None  # decided after the first forward (transform_one)
 
     outputs = 1  # the model's distributions per input (2 for extractive QA's start and end)
 
     def transform_one(logits: Tensor) -> Tensor:
         nonlocal kind
-        if kind is None:  # no problem_type: one output is a value, several a class distribution
-            kind = "value" if logits.shape[-1] == 1 else "softmax"
+        if kind is None:
+            # read after the forward: a transformers model whose problem_type is unset sets it from
+            # its first labelled batch (float labels: multi-label); still unset (no labels), one output
+            # is a value, several a class distribution
+            kind = _output_kind(trainer.model) or ("value" if logits.shape[-1] == 1 else "softmax")
         if kind == "value":
             return logits.double()
         if kind == "sigmoid":
