@@ -253,10 +253,13 @@ def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sig
     assert not any(key.startswith("test_bma_") for key in out.metrics)  # no class metrics to report
 
 
-def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributions(tmp_path):
+@pytest.mark.parametrize("return_dict, positions", [(True, True), (False, True), (False, False)])
+def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributions(tmp_path, return_dict, positions):
     """An extractive QA model returns ``start_logits`` and ``end_logits`` and no ``logits``:
     predict(bma=True) failed with KeyError 'logits'. It now returns, as ``Trainer.predict`` does
-    its logits, a pair: the averaged start and end probabilities over the positions."""
+    its logits, a pair: the averaged start and end probabilities over the positions. A tuple
+    output (``return_dict=False``) raised IndexError where the batch had the start and end
+    positions (label names other than ``labels``) and dropped the end distribution without them."""
     from datasets import Dataset
     from transformers import BertConfig, BertForQuestionAnswering
 
@@ -273,6 +276,9 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
 
     trainer = _trained(tmp_path, make, data(48, 0), data(16, 1), bma_num_samples=3, eval_strategy="no")
     test = data(20, 2)
+    if not positions:
+        test = test.remove_columns(["start_positions", "end_positions"])
+    trainer.model.config.return_dict = return_dict
     out = trainer.predict(test, bma=True)
     batch = {"input_ids": torch.tensor(test["input_ids"])}
     trainer.model.eval()
@@ -280,9 +286,9 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
     with torch.no_grad():
         for seed in (3, 4, 5):
             with trainer.current_posterior().sampled(trainer.model, seed=seed):
-                output = trainer.model(**batch)
-            starts.append(torch.softmax(output.start_logits.double(), -1))
-            ends.append(torch.softmax(output.end_logits.double(), -1))
+                start_logits, end_logits = trainer.model(**batch, return_dict=False)
+            starts.append(torch.softmax(start_logits.double(), -1))
+            ends.append(torch.softmax(end_logits.double(), -1))
     assert isinstance(out.predictions, tuple) and len(out.predictions) == 2
     for got, samples in zip(out.predictions, (starts, ends), strict=True):
         expected = torch.stack(samples).mean(0)

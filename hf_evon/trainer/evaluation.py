@@ -25,6 +25,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator
+from itertools import takewhile
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "EvaluationMixin",
     "MetricAccumulator",
     "PosteriorEvaluation",
+    "batch_labels",
     "float64_log_softmax",
     "gathered_rows",
     "merge_metrics",
@@ -162,20 +164,39 @@ def _output_field(output: Any, name: str) -> Any:
     return getattr(output, name, None)
 
 
+def batch_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...] | None:
+    """The batch's labels as ``Trainer.prediction_step`` finds them: its ``trainer.label_names``
+    entries (a tuple where there are several: extractive QA's start and end positions); None where
+    one is missing."""
+    names = trainer.label_names
+    if not names or any(inputs.get(name) is None for name in names):
+        return None
+    return inputs[names[0]] if len(names) == 1 else tuple(inputs[name] for name in names)
+
+
 def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...]:
     """The model's ``logits``; for an output without (extractive QA) its ``*_logits`` fields in
-    order (``start_logits``, ``end_logits``), each a distribution of its own."""
+    order (``start_logits``, ``end_logits``), each a distribution of its own. A tuple output
+    (``return_dict=False``): its logits after the loss, as ``Trainer.prediction_step`` reads them."""
     with torch.no_grad(), trainer.compute_loss_context_manager():
         outputs = model(**inputs)
-    if not isinstance(outputs, dict):
-        return outputs[1 if "labels" in inputs else 0]
-    if "logits" in outputs:
+    if isinstance(outputs, Tensor):
+        return outputs
+    if not isinstance(outputs, dict):  # return_dict=False: a tuple, the loss first where one is computed
+        if batch_labels(trainer, inputs) is not None or (isinstance(outputs[0], Tensor) and outputs[0].ndim == 0):
+            outputs = outputs[1:]
+        # a tuple names no field: its distributions are the leading tensors shaped as the first
+        # (extractive QA's start and end), not what follows (hidden states, a cache, encoder states)
+        fields = tuple(takewhile(lambda v: isinstance(v, Tensor) and v.shape == outputs[0].shape, outputs))
+        if len(fields) == 1:
+            return fields[0]
+    elif "logits" in outputs:
         return outputs["logits"]
-    fields = tuple(v for k, v in outputs.items() if k.endswith("_logits") and isinstance(v, Tensor))
+    else:
+        fields = tuple(v for k, v in outputs.items() if k.endswith("_logits") and isinstance(v, Tensor))
     if not fields:
-        raise ValueError(
-            f"EVONTrainer: BMA averages the model's logits, and its output has none (fields: {list(outputs)})"
-        )
+        found = f"fields: {list(outputs)}" if isinstance(outputs, dict) else f"a tuple of {len(outputs)}"
+        raise ValueError(f"EVONTrainer: BMA averages the model's logits, and its output has none ({found})")
     return fields
 
 
