@@ -259,7 +259,9 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
     predict(bma=True) failed with KeyError 'logits'. It now returns, as ``Trainer.predict`` does
     its logits, a pair: the averaged start and end probabilities over the positions. A tuple
     output (``return_dict=False``) raised IndexError where the batch had the start and end
-    positions (label names other than ``labels``) and dropped the end distribution without them."""
+    positions (label names other than ``labels``) and dropped the end distribution without them.
+    ``label_ids`` are the start and end positions and ``compute_metrics`` scores them, as in
+    ``Trainer.predict``: predict(bma=True) read a ``labels`` key only, returned None and skipped it."""
     from datasets import Dataset
     from transformers import BertConfig, BertForQuestionAnswering
 
@@ -279,6 +281,13 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
     if not positions:
         test = test.remove_columns(["start_positions", "end_positions"])
     trainer.model.config.return_dict = return_dict
+
+    def hits(prediction) -> dict[str, float]:
+        (start, end), (start_label, end_label) = prediction.predictions, prediction.label_ids
+        return {"start_hits": float((start.argmax(-1) == start_label).mean()),
+                "end_hits": float((end.argmax(-1) == end_label).mean())}  # fmt: skip
+
+    trainer.compute_metrics = hits
     out = trainer.predict(test, bma=True)
     batch = {"input_ids": torch.tensor(test["input_ids"])}
     trainer.model.eval()
@@ -295,7 +304,17 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
         assert got.shape == expected.shape == (20, 8)
         assert (torch.stack(samples)[0] - expected).abs().max() > 1e-3  # the samples differ
         np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
-    assert out.metrics == {}
+    if not positions:
+        assert out.label_ids is None and out.metrics == {}
+        return
+    labels = (np.asarray(test["start_positions"]), np.asarray(test["end_positions"]))
+    assert isinstance(out.label_ids, tuple) and len(out.label_ids) == 2
+    for got, expected in zip(out.label_ids, labels, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert out.metrics == {
+        f"test_{name}_hits": float((torch.stack(samples).mean(0).argmax(-1).numpy() == label).mean())
+        for name, samples, label in (("start", starts, labels[0]), ("end", ends, labels[1]))
+    }
 
 
 def test_predict_bma_causal_lm(tmp_path):

@@ -17,6 +17,7 @@ from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, temper
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
 from hf_evon.trainer.evaluation import (
     MetricAccumulator,
+    batch_labels,
     float64_log_softmax,
     gathered_rows,
     merge_metrics,
@@ -48,7 +49,8 @@ def bma_predict(
 
     ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
     like ``Trainer.predict``; through ``preprocess_logits_for_metrics`` if the trainer has one),
-    ``label_ids`` the labels (if any), ``metrics`` your ``compute_metrics`` of them (prefixed as
+    ``label_ids`` the labels (if any: those of the trainer's ``label_names``, a tuple where there are
+    several, as ``Trainer.predict``'s), ``metrics`` your ``compute_metrics`` of them (prefixed as
     ``Trainer.predict`` prefixes them) and the ``{prefix}_bma_*`` metrics where the task has them.
     A model whose output has several distributions and no ``logits`` (extractive QA:
     ``start_logits``, ``end_logits``) gets a tuple of averaged probabilities in that order, as
@@ -135,42 +137,45 @@ def bma_predict(
         logp = done.value()
         entropies = done.uncertainty() if uncertainty else None
         del done  # one chunk's accumulators alive at a time
-        labels = inputs.get("labels")
-        if isinstance(logp, tuple):  # several distributions: one array of predictions each, no metrics
-            parts = collected(logp, labels, rows)
-            predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
-            continue
-        if isinstance(labels, Tensor) and not checked:  # the class metrics: of a softmax's log p̄ only
-            task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
-            metrics_acc = None if task is None else MetricAccumulator(trainer, task)
-        checked = True
-        if metrics_acc is not None and isinstance(labels, Tensor):
-            metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels, rows)
+        labels = batch_labels(trainer, inputs)  # a tuple where there are several (QA's start and end)
+        if not isinstance(logp, tuple):  # the class metrics: of one softmax's log p̄ only
+            if isinstance(labels, Tensor) and not checked:
+                task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
+                metrics_acc = None if task is None else MetricAccumulator(trainer, task)
+            checked = True
+            if metrics_acc is not None and isinstance(labels, Tensor):
+                metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels, rows)
         if entropies is not None:
             parts = tuple(gathered(x.float(), rows, classes=False) for x in entropies)
         else:
             parts = collected(logp, labels, rows)
         predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
-        if isinstance(labels, Tensor):
-            if labels.ndim >= 2:
-                labels = pad(labels, dim=1, pad_index=-100)
-            labels = gathered_rows(trainer.accelerator, labels, rows)
+        if labels is not None:
+            if isinstance(labels, tuple):
+                labels = tuple(gathered(y, rows, classes=False) for y in labels)
+            else:
+                labels = gathered(labels, rows, classes=False)
             label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
         if main_input is not None and isinstance(inputs.get(main_input), Tensor):
             part = gathered(inputs[main_input], rows, classes=False)
             input_ids = part if input_ids is None else nested_concat(input_ids, part, padding_index=-100)
     if uncertainty and predictions is not None:
         predictions = PredictiveUncertainty(*(p.numpy() for p in predictions))
-    elif isinstance(predictions, tuple):
-        predictions = tuple(p.numpy() for p in predictions)
-    elif predictions is not None:
-        predictions = predictions.numpy()
-    label_ids = None if label_ids is None else np.asarray(label_ids.numpy())
-    inputs_array = None if input_ids is None else np.asarray(input_ids.cpu().numpy())
+    else:
+        predictions = _arrays(predictions)
+    label_ids = _arrays(label_ids)
+    inputs_array = _arrays(input_ids)
     metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix, inputs_array)
     if metrics_acc is not None:
         merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+
+def _arrays(values: Tensor | tuple[Tensor, ...] | None) -> Any:
+    """``values`` as numpy arrays (a tuple of them for a tuple), as ``Trainer.predict`` returns them."""
+    if isinstance(values, tuple):
+        return tuple(np.asarray(v.cpu().numpy()) for v in values)
+    return None if values is None else np.asarray(values.cpu().numpy())
 
 
 def _user_metrics(
