@@ -271,3 +271,29 @@ def test_cut_by_length_keeps_batches_it_cannot_cut_safely() -> None:
     ]
     for batch in kept:
         assert cut_by_length([batch])[0] is batch
+
+
+def test_a_model_with_tuple_outputs_is_calibrated_as_with_dict_outputs(tmp_path) -> None:
+    """A ``return_dict=False`` model returns its logits first in a tuple: the check of a
+    ``calibration_dataset`` before training and ``calibrate()`` raised 'the model output has no
+    logits'. Both now score the tuple's logits: the same calibration as the model's dict outputs."""
+    model = tiny_bert()
+    model.config.return_dict = False
+    held_out = ragged_classification(40, seed=2)
+    trainer = EVONTrainer(
+        model=model,
+        args=config(tmp_path, max_steps=6, per_device_eval_batch_size=8),
+        train_dataset=ragged_classification(48, seed=0),
+        calibration_dataset=held_out,
+        data_collator=pad,
+    )
+    trainer.train()
+    kwargs = dict(grid=(1.0, 0.3, 0.1), num_samples=3, always_scan=True, screen_factor=0.0)
+    results = [trainer.calibration, trainer.calibrate(**kwargs)]
+    model.config.return_dict = True
+    expected = [trainer.calibrate(), trainer.calibrate(**kwargs)]
+    assert len(results[1].nll) == 3
+    for result, reference in zip(results, expected, strict=True):
+        assert result.grid == reference.grid and result.nll == reference.nll
+        assert result.mean_nll == reference.mean_nll and result.temperature == reference.temperature
+        assert result.ess == reference.ess

@@ -78,6 +78,8 @@ def require_aligned(logits: Tensor, labels: Any, shift: bool, where: str) -> Non
 def _logits(output: Any) -> Tensor:
     if isinstance(output, Tensor):
         return output
+    if isinstance(output, tuple | list) and output and isinstance(output[0], Tensor):
+        return output[0]  # return_dict=False: the logits lead, the forward gets no labels (no loss)
     logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", None)
     if logits is None:
         raise TypeError("calibrate_posterior: the model output has no logits")
