@@ -185,12 +185,15 @@ def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
 def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_metrics(tmp_path, batch_eval_metrics):
     """``Trainer.predict`` passes each batch's logits through ``preprocess_logits_for_metrics`` and
     scores the set with ``compute_metrics``; predict(bma=True) skipped both: predictions of an LM's
-    full vocabulary could not be reduced, and the user's metrics were missing."""
+    full vocabulary could not be reduced, and the user's metrics were missing. With
+    ``batch_eval_metrics`` the Trainer hands ``compute_metrics`` torch tensors, and so does
+    predict(bma=True) (it handed numpy arrays, which a compute_metrics using torch operations fails on)."""
     calls = []
 
     def accuracy(prediction, compute_result=None):
-        calls.append(compute_result)
-        return {"agreement": float((prediction.predictions == prediction.label_ids).mean())}
+        calls.append((compute_result, type(prediction.predictions), type(prediction.label_ids)))
+        hits = prediction.predictions == prediction.label_ids
+        return {"agreement": float(hits.sum()) / len(hits)}
 
     trainer = EVONTrainer(
         model=tiny_bert(), args=config(tmp_path, max_steps=2, evon_ess=60.0, bma_num_samples=3, bma_seed=3,
@@ -206,7 +209,7 @@ def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_me
     np.testing.assert_array_equal(out.predictions, expected.numpy())
     assert out.metrics["test_agreement"] == float((expected.numpy() == np.asarray(test["labels"])).mean())
     assert out.metrics["test_agreement"] == pytest.approx(out.metrics["test_bma_accuracy"], abs=1e-12)
-    assert calls == [True if batch_eval_metrics else None]
+    assert calls == [(True, torch.Tensor, torch.Tensor) if batch_eval_metrics else (None, np.ndarray, np.ndarray)]
 
 @pytest.mark.parametrize(
     "problem, inferred",

@@ -159,13 +159,12 @@ def bma_predict(
         if main_input is not None and isinstance(inputs.get(main_input), Tensor):
             part = gathered(inputs[main_input], rows, classes=False)
             input_ids = part if input_ids is None else nested_concat(input_ids, part, padding_index=-100)
+    metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix, input_ids)
     if uncertainty and predictions is not None:
         predictions = PredictiveUncertainty(*(p.numpy() for p in predictions))
     else:
         predictions = _arrays(predictions)
     label_ids = _arrays(label_ids)
-    inputs_array = _arrays(input_ids)
-    metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix, inputs_array)
     if metrics_acc is not None:
         merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
@@ -186,6 +185,10 @@ def _user_metrics(
     with ``batch_eval_metrics`` one call over the whole set (``compute_result``)."""
     if trainer.compute_metrics is None or predictions is None or label_ids is None:
         return {}
+    # the Trainer hands compute_metrics numpy arrays of the whole set, and with batch_eval_metrics
+    # torch tensors of each batch: a compute_metrics written for that mode uses torch operations
+    if not trainer.args.batch_eval_metrics:
+        predictions, label_ids, inputs = _arrays(predictions), _arrays(label_ids), _arrays(inputs)
     prediction = EvalPrediction(predictions=predictions, label_ids=label_ids, inputs=inputs)
     if trainer.args.batch_eval_metrics:
         metrics = trainer.compute_metrics(prediction, compute_result=True)
