@@ -683,6 +683,34 @@ def test_an_lms_perplexity_is_inf_where_exp_of_its_nll_overflows(nll, perplexity
     assert acc.summary() == {"nll": nll, "perplexity": perplexity}
 
 
+@pytest.mark.parametrize("task", ["classification", "token_classification"])
+def test_an_evaluation_whose_labels_are_all_ignored_reports_nan(tmp_path, task):
+    """Labels all -100 (nothing scored): evaluate() of a classifier raised 'no items to evaluate'
+    and lost its eval_loss too, where a causal LM's reports NaN. Every class metric is NaN now, as
+    the model's own mean loss is."""
+    from datasets import Dataset
+    from transformers import BertConfig, BertForTokenClassification
+
+    from hf_evon import EVONPosterior, build_optimizer
+
+    if task == "classification":
+        model = tiny_bert()
+    else:
+        torch.manual_seed(0)
+        model = BertForTokenClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                      num_attention_heads=2, intermediate_size=64, num_labels=4))  # fmt: skip
+    ids = torch.randint(3, 100, (10, 6), generator=torch.Generator().manual_seed(0))
+    labels = torch.full((10,) if task == "classification" else (10, 6), -100)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)
+    trainer = EVONTrainer(model=model, args=config(tmp_path, bma_num_samples=2), posterior=posterior, eval_dataset=data)
+    metrics = trainer.evaluate()
+    keys = [f"eval_{kind}_{m}" for kind in ("mean", "bma") for m in ("nll", "accuracy", "ece", "brier")]
+    assert all(math.isnan(metrics[key]) for key in ["eval_loss", *keys])
+    predicted = trainer.predict(data, bma=True).metrics
+    assert all(math.isnan(predicted[f"test_bma_{m}"]) for m in ("nll", "accuracy", "ece", "brier"))
+
+
 def test_predict_bma_gives_compute_metrics_the_inputs_include_for_metrics_asks_for(tmp_path):
     """include_for_metrics=["inputs"]: predict() handed compute_metrics the inputs and
     predict(bma=True) handed it None; "loss", which BMA has no per-batch value of, is refused by name."""

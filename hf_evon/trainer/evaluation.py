@@ -140,6 +140,8 @@ class MetricAccumulator:
         else:
             logp = torch.cat([o for o, _ in self.outputs])
             labels = torch.cat([lab for _, lab in self.outputs])
+        if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
+            return dict.fromkeys(("nll", "accuracy", "ece", "brier"), math.nan)
         return calibration_metrics(logp, labels, "log_probs", n_bins=self.ece_bins)
 
 
