@@ -43,7 +43,7 @@ def test_calibration_split_rows_come_from_the_last_fifth_of_training() -> None:
     AdamW + temperature is AdamW's test split at the temperature fitted on the last 20%."""
     results = transfer.main(["--tasks", "iris", "--seeds", "1", "--methods", "AdamW", "EVON default", "--calibration-split"])
     rows = results["iris"]
-    assert set(rows) == {"AdamW", "AdamW + temperature", "EVON default", "EVON default calibrated BMA@32"}
+    assert set(rows) == {"AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)", "EVON default", "EVON default calibrated BMA@32"}
     task = transfer.TASKS["iris"](0)
     cut = round(0.8 * len(task.train))
     task.cal, task.train = task.train[cut:], task.train[:cut]
