@@ -18,6 +18,7 @@ SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_the_benchmark_script_imports(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(os.fspath(BENCHMARKS))
+    loaded = set(sys.modules)
     try:
         importlib.import_module(name)
     except ImportError as err:
@@ -25,6 +26,6 @@ def test_the_benchmark_script_imports(name: str, monkeypatch: pytest.MonkeyPatch
         if missing.split(".")[0] in ("hf_evon", *SCRIPTS) or "hf_evon" in str(err):
             raise
         pytest.skip(f"{name}: optional dependency {missing!r} is not installed")
-    finally:
-        for module in [m for m in sys.modules if m in SCRIPTS]:
+    finally:  # what this test loaded goes (scripts other tests imported stay the objects they hold)
+        for module in [m for m in sys.modules if m in SCRIPTS and m not in loaded]:
             del sys.modules[module]
