@@ -1075,3 +1075,23 @@ def test_a_second_batched_block_on_one_model_is_refused():
     with torch.no_grad():
         assert torch.equal(model(PROMPTS).logits, mean_logits)  # every forward restored
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("wrap", ["compile", "data_parallel"])
+def test_a_compiled_or_data_parallel_model_decodes_and_scores_as_the_model_it_wraps(gpt2, wrap):
+    """torch.compile and (Distributed)DataParallel prefix the parameter names (``_orig_mod.``,
+    ``module.``): the batched samples read the wrapper's names and refused every covered weight
+    with 'posterior covers parameters the model does not have'."""
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    wrapped = torch.compile(model, backend="eager") if wrap == "compile" else torch.nn.DataParallel(model)
+    scored = bma_log_likelihood(wrapped, noisy, PROMPTS, num_samples=3, seed=9)
+    per_sample = []
+    for m in sampled_copies(model, noisy, 3, 9):
+        with torch.no_grad():
+            lp = torch.log_softmax(m(input_ids=PROMPTS).logits[:, :-1].float(), -1)
+        per_sample.append(lp.gather(-1, PROMPTS[:, 1:, None]).squeeze(-1))
+    torch.testing.assert_close(scored.sample_token_log_probs, torch.stack(per_sample), atol=1e-5, rtol=1e-5)
+    kwargs = dict(num_samples=3, seed=2, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = generate_bma(model, noisy, PROMPTS, **kwargs)
+    assert torch.equal(generate_bma(wrapped, noisy, PROMPTS, **kwargs), expected)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_evon.modeling import unwrap_model
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
 
@@ -105,7 +106,8 @@ class BatchedSamples:
     """Context manager giving ``model`` S per-sample versions of the posterior's matrices.
 
     Args:
-        model: the model whose ``named_parameters()`` names the posterior uses.
+        model: the model whose ``named_parameters()`` names the posterior uses (behind DDP and
+            ``torch.compile``, whose names carry a prefix: the module they wrap).
         posterior: an ``EVONPosterior`` (anything with ``names`` and ``draw``).
         num_samples: S.
         seed: seed of the weight draws (``posterior.draw(S, seed=seed, ...)``).
@@ -131,7 +133,7 @@ class BatchedSamples:
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
-        self.model = model
+        self.model = unwrap_model(model)
         self.posterior = posterior
         self.num_samples = num_samples
         self.seed = seed

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model
+from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model, unwrap_model
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
 from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
@@ -46,7 +46,10 @@ _UNSUPPORTED_KWARGS = (
 
 
 def _generation_model(model: nn.Module) -> nn.Module:
-    """The transformers model whose ``generate``/``forward`` to run (PEFT: the LoRA-injected base)."""
+    """The transformers model whose ``generate``/``forward`` to run: the module behind DDP and
+    ``torch.compile`` (which have no ``generate``, and whose names carry a prefix), for PEFT the
+    LoRA-injected base."""
+    model = unwrap_model(model)
     if is_peft_model(model):
         config = model.active_peft_config if hasattr(model, "active_peft_config") else None
         if config is not None and getattr(config, "is_prompt_learning", False):
@@ -165,7 +168,7 @@ def _check_inputs(where: str, model: nn.Module, posterior: Any, input_ids: Any, 
         raise ValueError(f"{where}: input_ids must be a (batch, length) tensor of token ids; got {what}")
     if 0 in input_ids.shape:
         raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)})")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab = getattr(getattr(unwrap_model(model), "config", None), "vocab_size", None)
     low, high = input_ids.aminmax()
     if int(low) < 0 or (isinstance(vocab, int) and int(high) >= vocab):
         raise ValueError(f"{where}: input_ids holds ids from {int(low)} to {int(high)}, outside the model's vocabulary 0..{vocab}")
