@@ -127,3 +127,32 @@ def test_name_patterns_are_whole_regexes_and_a_bad_one_is_named() -> None:
         build_optimizer(model, evon_patterns="[")
     with pytest.raises(TypeError, match=r"adamw_patterns: each pattern must be a regex string; got 5"):
         build_optimizer(model, adamw_patterns=[5])
+
+
+def test_a_pattern_matches_a_tied_weight_by_any_of_its_names_and_one_matching_nothing_warns() -> None:
+    # GPT-2's lm_head.weight is transformer.wte.weight: patterns saw only the first name, so
+    # evon_patterns=["lm_head"] matched nothing, silently
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import build_optimizer
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    def names(opt: EVON, algorithm: str) -> list[str]:
+        return [n for g in opt.param_groups if g["algorithm"] == algorithm for n in g["param_names"]]
+
+    matrices = [f"transformer.h.0.{m}.weight" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc")]
+    matrices.append("transformer.h.0.mlp.c_proj.weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every pattern matches: no warning
+        for pattern in ("lm_head", r"^lm_head\.weight$", "wte"):
+            opt = build_optimizer(model, evon_patterns=[pattern])
+            assert names(opt, "evon") == ["transformer.wte.weight", *matrices], pattern
+            assert "transformer.wte.weight" not in names(opt, "adamw")
+            assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+        assert names(build_optimizer(model, adamw_patterns="lm_head"), "evon") == matrices
+    with pytest.warns(UserWarning, match=r"evon_patterns: 'lm_haed' matches no parameter name of the model"):
+        opt = build_optimizer(model, evon_patterns=["lm_haed"])
+    assert names(opt, "evon") == matrices

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,8 +62,31 @@ def _embedding_ids(model: nn.Module) -> set[int]:
     }
 
 
-def _matches(name: str, patterns: list[re.Pattern[str]]) -> bool:
-    return any(pat.search(name) for pat in patterns)
+def _matches(names: list[str], patterns: list[re.Pattern[str]]) -> bool:
+    return any(pat.search(name) for pat in patterns for name in names)
+
+
+def _aliased_parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each parameter once, with every name it has (a tied weight: all of them, its first name
+    first, the one ``named_parameters()`` gives it)."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(names[key], params[key]) for key in params]
+
+
+def _warn_unmatched(
+    aliased: list[tuple[list[str], nn.Parameter]], patterns: list[re.Pattern[str]], argument: str
+) -> None:
+    for pat in patterns:
+        if not _matches([n for names, _ in aliased for n in names], [pat]):
+            warnings.warn(
+                f"{argument}: {pat.pattern!r} matches no parameter name of the model; it moves nothing",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def compiled_patterns(patterns: Iterable[str] | str | None, argument: str) -> list[re.Pattern[str]]:
@@ -90,20 +114,26 @@ def build_param_groups(
 
     EVON gets the matrices (2-D and conv kernels, LoRA ``A``/``B`` included); AdamW gets
     embeddings, the output head (``model.get_output_embeddings()``) and 1-D tensors, as in
-    the paper. Frozen parameters are left out; tied weights appear once. Name regexes
-    override the split: ``adamw_patterns`` first, then ``evon_patterns``. Each group carries
-    ``param_names`` so the split can be inspected (``describe_param_groups``).
+    the paper. Frozen parameters are left out; tied weights appear once, under their first name
+    (``named_parameters()``'s). Name regexes override the split: ``adamw_patterns`` first, then
+    ``evon_patterns``; a tied weight matches where any of its names does (GPT-2's ``lm_head`` is
+    ``transformer.wte``'s weight). A pattern that matches no name at all is warned about. Each group
+    carries ``param_names`` so the split can be inspected (``describe_param_groups``).
     """
     adamw_patterns = compiled_patterns(adamw_patterns, "adamw_patterns")
     evon_patterns = compiled_patterns(evon_patterns, "evon_patterns")
     head, embeddings = _output_head_ids(model), _embedding_ids(model)
+    aliased = _aliased_parameters(model)
+    _warn_unmatched(aliased, adamw_patterns, "adamw_patterns")
+    _warn_unmatched(aliased, evon_patterns, "evon_patterns")
     evon, decay, no_decay = [], [], []
-    for name, p in model.named_parameters():  # deduplicates tied weights
+    for names, p in aliased:
         if not p.requires_grad:
             continue
-        if _matches(name, adamw_patterns):
+        name = names[0]
+        if _matches(names, adamw_patterns):
             (decay if p.ndim >= 2 else no_decay).append((name, p))
-        elif _matches(name, evon_patterns):
+        elif _matches(names, evon_patterns):
             evon.append((name, p))
         elif p.ndim < 2:
             no_decay.append((name, p))
