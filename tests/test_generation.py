@@ -7,6 +7,7 @@ import copy
 import functools
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -1095,3 +1096,25 @@ def test_a_compiled_or_data_parallel_model_decodes_and_scores_as_the_model_it_wr
     kwargs = dict(num_samples=3, seed=2, max_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)
     expected = generate_bma(model, noisy, PROMPTS, **kwargs)
     assert torch.equal(generate_bma(wrapped, noisy, PROMPTS, **kwargs), expected)
+
+
+def test_a_weight_norm_or_spectral_norm_tensor_is_refused_by_batched_bma():
+    """weight_norm (weight_g, weight_v) and spectral_norm (weight_orig) leave a Conv1D owning
+    tensors its hook makes the weight from: the batched forward applied samples of ``weight`` and
+    ``bias`` only, so every sample ran those layers at the mean, silently."""
+    model = tiny_gpt2(seed=5)
+    with warnings.catch_warnings():  # torch deprecates the legacy hook; models still use it
+        warnings.simplefilter("ignore")
+        torch.nn.utils.weight_norm(model.transformer.h[0].mlp.c_fc, dim=0)
+    torch.nn.utils.spectral_norm(model.transformer.h[0].mlp.c_proj)
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    for attr, layer in (("weight_g", "c_fc"), ("weight_v", "c_fc"), ("weight_orig", "c_proj")):
+        name = f"transformer.h.0.mlp.{layer}.{attr}"
+        assert name in posterior.names
+        # the tensor alone: a posterior over it only, as one over the whole model reaches it too
+        alone = EVONPosterior.from_factors({name: posterior[name]}, dict(posterior.config))
+        with pytest.raises(NotImplementedError, match=rf"'{name}' is the '{attr}' of a Conv1D"):
+            bma_log_likelihood(model, alone, PROMPTS, num_samples=2, seed=0)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+    with pytest.raises(NotImplementedError, match=r"'transformer.h.0.mlp.c_fc.weight_g' is the 'weight_g'"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)

@@ -30,9 +30,11 @@ names (``DRAW_CHUNK_ELEMENTS``). Embeddings, head, norms and biases stay single.
 
 Supported owners of covered parameters: ``nn.Linear`` (including PEFT's LoRA ``lora_A`` /
 ``lora_B`` layers, which are plain ``nn.Linear``), transformers' ``Conv1D`` (GPT-2) and
-``nn.Embedding``. A covered parameter owned by anything else, or by a DoRA adapter (which runs
-its layers on an identity matrix for the weight norm), raises ``NotImplementedError`` naming it,
-rather than silently decoding at the mean or mixing the samples.
+``nn.Embedding``, covering their ``weight`` and ``bias``. A covered parameter owned by anything
+else, by a DoRA adapter (which runs its layers on an identity matrix for the weight norm), or
+that is another tensor of a supported module (``weight_norm``'s ``weight_g`` / ``weight_v``,
+``spectral_norm``'s ``weight_orig``) raises ``NotImplementedError`` naming it, rather than
+silently decoding at the mean or mixing the samples.
 """
 
 from __future__ import annotations
@@ -252,6 +254,18 @@ class BatchedSamples:
                     f"posterior parameter {next(iter(attrs.values()))!r} belongs to a "
                     f"{type(module).__name__}; batched BMA supports nn.Linear, Conv1D and nn.Embedding "
                     "(and subclasses that keep their forward)"
+                )
+            # the batched forwards apply samples of the weight and bias; any other covered tensor
+            # (weight_norm's weight_g / weight_v, spectral_norm's weight_orig, from which a hook
+            # makes the weight) would stay at the mean in every sample
+            others = sorted(set(attrs) - {"weight", "bias"})
+            if others:
+                raise NotImplementedError(
+                    f"posterior parameter {attrs[others[0]]!r} is the {others[0]!r} of a "
+                    f"{type(module).__name__}; "
+                    "batched BMA applies samples of a module's weight and bias only (a weight_norm or "
+                    "spectral_norm hook makes the weight from other tensors); sample it one draw at a time "
+                    "(`with posterior.sampled(model, seed=...)`)"
                 )
             if isinstance(module, nn.Embedding) and module.max_norm is not None:
                 raise NotImplementedError(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
