@@ -1118,3 +1118,70 @@ def test_a_weight_norm_or_spectral_norm_tensor_is_refused_by_batched_bma():
         assert not any("forward" in m.__dict__ for m in model.modules())
     with pytest.raises(NotImplementedError, match=r"'transformer.h.0.mlp.c_fc.weight_g' is the 'weight_g'"):
         generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+
+
+def _trained_posterior(model: torch.nn.Module, x: torch.Tensor, loss, **kwargs) -> EVONPosterior:
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1e4, seed=0, **kwargs)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            loss(model(x)).backward()
+        opt.step()
+        opt.zero_grad()
+    return EVONPosterior.from_optimizer(opt, model.eval()).with_ess(NOISY_ESS)
+
+
+def test_a_covered_weight_read_outside_its_modules_forward_is_refused():
+    """nn.MultiheadAttention reads out_proj.weight in F.multi_head_attention_forward, a decoder tied
+    as F.linear(h, enc.weight.t()) reads the encoder's weight: the batched samples live in the
+    owners' forwards only, so those reads ran every sample at the mean, silently."""
+    nn = torch.nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.attn.in_proj_weight.requires_grad_(False)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+    class TiedAutoencoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(12, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(torch.tanh(self.enc(x)), self.enc.weight.t())
+
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 4, 16), torch.randint(0, 5, (3, 4))
+    attention = Attention()
+    loss = lambda out: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    posterior = _trained_posterior(attention, x, loss)
+    assert posterior.names == ["attn.out_proj.weight", "head.weight"]
+    xa = torch.randn(16, 12)
+    autoencoder = TiedAutoencoder()
+    tied = _trained_posterior(autoencoder, xa, lambda out: torch.nn.functional.mse_loss(out, xa))
+    assert tied.names == ["enc.weight"]
+    outside = r"is read outside its module's forward \(by "
+    for model, post, inputs, match in (
+        (attention, posterior, x, r"'attn.out_proj.weight' " + outside + r"multi_head_attention_forward\)"),
+        (autoencoder, tied, xa, r"'enc.weight' " + outside + r"t\)"),
+    ):
+        params = dict(model.named_parameters())
+        with torch.no_grad(), pytest.raises(NotImplementedError, match=match):
+            with batched.BatchedSamples(model, post, 3, seed=0):
+                model(inputs.repeat(3, *[1] * (inputs.ndim - 1)))
+        assert dict(model.named_parameters()) == params  # the parameters themselves, back in place
+        assert all(type(p) is nn.Parameter for p in params.values())
+        assert not any("forward" in m.__dict__ for m in model.modules())
+    # a weight used through its module's forward only is sampled: the head alone, as written into the weights
+    head = EVONPosterior.from_factors({"head.weight": posterior["head.weight"]}, dict(posterior.config))
+    with torch.no_grad():
+        reference = torch.stack([m(x) for m in sampled_copies(attention, head, 3, 4)])
+        for strategy in ("materialize", "factored"):
+            with batched.BatchedSamples(attention, head, 3, seed=4, strategy=strategy):
+                got = attention(x.repeat(3, 1, 1)).view(3, *x.shape[:2], 5)
+            torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
+    assert (reference[0] - reference[1]).abs().max() > 1e-2  # the samples differ

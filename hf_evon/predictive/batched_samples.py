@@ -9,6 +9,13 @@ batched matmul. Everything else (embeddings, norms, attention, the KV cache) is 
 run on the larger batch. The model's parameters are never written, so the mean is untouched
 bit-for-bit, also when the block raises.
 
+So each covered weight must be used only through its owner's forward: the samples live there.
+For the block, the owners hold a guard in place of each covered parameter that answers its
+metadata (dtype, device, shape) and raises ``NotImplementedError`` naming it on any computation
+elsewhere: ``nn.MultiheadAttention`` reading ``out_proj.weight`` in its functional forward, a
+decoder tied as ``F.linear(h, enc.weight.t())`` would otherwise run every sample at the mean.
+Such a model is sampled one draw at a time (``with posterior.sampled(model, seed=...)``).
+
 Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``):
 
 - ``"materialize"``: store ``W_s = M + Q_L E_s Q_Rᵀ`` and run one batched matmul ``x_s @ W_s``.
@@ -78,6 +85,51 @@ def _conv1d_type() -> type | None:
 
 
 _BATCHED = "_evon_batched_samples"  # marks a forward a BatchedSamples block installed
+# what a covered tensor answers while its owners hold a guard: metadata, never its values
+_METADATA_PROPERTIES = frozenset(
+    getattr(torch.Tensor, a)
+    for a in ("dtype", "device", "shape", "ndim", "requires_grad", "is_cuda", "is_meta", "layout", "is_leaf")
+)
+_METADATA_METHODS = frozenset(
+    getattr(torch.Tensor, a)
+    for a in (
+        "dim", "size", "numel", "nelement", "ndimension", "element_size", "is_floating_point", "is_complex",
+        "stride", "is_contiguous", "get_device", "__hash__", "__repr__",
+    )
+)  # fmt: skip
+
+
+class _CoveredOutsideItsForward(torch.Tensor):
+    """What the owners of a covered parameter hold while a block is active (the mean's storage):
+    its metadata (dtype, device, shape) as the parameter's, any computation refused. The samples
+    live in the owners' patched forwards only, so a read elsewhere (``nn.MultiheadAttention``'s
+    functional use of ``out_proj.weight``, a decoder tied as ``F.linear(h, enc.weight.t())``)
+    would run every sample at the mean; it raises instead, naming the parameter."""
+
+    evon_name: str
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _METADATA_METHODS or getattr(func, "__self__", None) in _METADATA_PROPERTIES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        name = next(t.evon_name for t in leaves if isinstance(t, _CoveredOutsideItsForward))
+        what = getattr(func, "__name__", str(func))
+        if what == "__get__":  # a property: name it
+            what = "." + getattr(func.__self__, "__name__", "?")
+        raise NotImplementedError(
+            f"posterior parameter {name!r} is read outside its module's forward "
+            f"(by {what}): batched BMA applies a covered weight's samples "
+            "in its owner's forward only, so this use would run every sample at the mean; sample the "
+            "model one draw at a time (`with posterior.sampled(model, seed=...)`)"
+        )
+
+
+def _guard(name: str, param: Tensor) -> Tensor:
+    guard = torch.Tensor._make_subclass(_CoveredOutsideItsForward, param.detach(), param.requires_grad)
+    guard.evon_name = name
+    return guard
 
 
 def _sample_major(x: Tensor, num_samples: int, name: str) -> Tensor:
@@ -143,7 +195,8 @@ class BatchedSamples:
         self.rows = rows
         self.batch_size = batch_size
         self.factored: set[str] = set()  # names applied factored (set on entry)
-        self._patched: list[tuple[nn.Module, Any]] = []
+        # (module, its forward before the block, its covered parameters by attribute)
+        self._patched: list[tuple[nn.Module, Any, dict[str, Tensor]]] = []
         self.extra_bytes = 0  # memory held by the per-sample weights while active
 
     # ----------------------------------------------------------------- set-up
@@ -293,15 +346,18 @@ class BatchedSamples:
                     per_sample[name] = value.contiguous()
                     self.extra_bytes += value.numel() * value.element_size()
         self.factored = set(factored)
+        guards = {name: _guard(name, p) for name, p in params.items()}  # one per tensor: ties stay ties
         try:
             for module, attrs in owners.items():
                 weights = {attr: per_sample[name] for attr, name in attrs.items()}
                 label = next(iter(attrs.values()))
                 if label in factored:
-                    forward = self._factored_forward(module, weights["weight"], factored[label], label)
+                    forward = self._factored_forward(
+                        module, params[label], weights["weight"], factored[label], label
+                    )
                 else:
                     forward = self._make_forward(module, weights, label)
-                self._patch(module, forward)
+                self._patch(module, forward, {attr: guards[name] for attr, name in attrs.items()})
         except BaseException:
             self._restore()
             raise
@@ -310,15 +366,19 @@ class BatchedSamples:
     def __exit__(self, *exc: Any) -> None:
         self._restore()
 
-    def _patch(self, module: nn.Module, forward: Callable[..., Tensor]) -> None:
+    def _patch(self, module: nn.Module, forward: Callable[..., Tensor], guards: dict[str, Tensor]) -> None:
+        """``module`` runs ``forward`` and holds ``guards`` in place of its covered parameters, which
+        ``forward`` reads from its closure only."""
         previous = module.__dict__.get("forward")  # e.g. an accelerate hook's forward
-        self._patched.append((module, previous))
+        self._patched.append((module, previous, {attr: module._parameters[attr] for attr in guards}))
         setattr(forward, _BATCHED, True)
         module.forward = types.MethodType(forward, module)
+        module._parameters.update(guards)
 
     def _restore(self) -> None:
         while self._patched:
-            module, previous = self._patched.pop()
+            module, previous, params = self._patched.pop()
+            module._parameters.update(params)
             if previous is None:
                 module.__dict__.pop("forward", None)
             else:
@@ -342,8 +402,11 @@ class BatchedSamples:
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
             xs = _sample_major(x, s_count, label)
-            weight = self_.weight.mT if transpose else self_.weight
-            w = w_bmm if w_bmm is not None else weight.expand(s_count, *weight.shape)
+            if w_bmm is not None:
+                w = w_bmm
+            else:  # the weight is not covered: the module's own
+                weight = self_.weight.mT if transpose else self_.weight
+                w = weight.expand(s_count, *weight.shape)
             b = bias_s if bias_s is not None else self_.bias
             y = torch.bmm(xs, w) if b is None else torch.baddbmm(b.expand(s_count, 1, -1), xs, w)
             return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -351,10 +414,11 @@ class BatchedSamples:
         return forward
 
     def _factored_forward(
-        self, module: nn.Module, e_s: Tensor, factors: Any, label: str
+        self, module: nn.Module, mean: Tensor, e_s: Tensor, factors: Any, label: str
     ) -> Callable[..., Tensor]:
-        """``x_s @ M + ((x_s @ Q_in) @ E_s) @ Q_outᵀ``: the mean's own forward plus the sample's
-        deviation applied through the bases (shared by all samples) and ``E_s`` (S, m, n)."""
+        """``x_s @ M + ((x_s @ Q_in) @ E_s) @ Q_outᵀ``: the mean ``M`` (the parameter, as the module
+        holds a guard in its place) applied as the module does, plus the sample's deviation applied
+        through the bases (shared by all samples) and ``E_s`` (S, m, n)."""
         conv1d = _conv1d_type()
         dtype, device = e_s.dtype, e_s.device
 
@@ -363,13 +427,13 @@ class BatchedSamples:
 
         if conv1d is not None and isinstance(module, conv1d):  # weight (in, out) = (m, n)
             q_in, q_out, e_io = basis(factors.Q_L), basis(factors.Q_R), e_s
+            mean = mean.mT  # Conv1D's x @ W + b is F.linear's with the (out, in) view
         else:  # nn.Linear: weight (out, in) = (m, n), x @ ΔWᵀ = x Q_R E_sᵀ Q_Lᵀ
             q_in, q_out, e_io = basis(factors.Q_R), basis(factors.Q_L), e_s.mT
-        mean_forward = type(module).forward
         s_count = self.num_samples
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
-            y = mean_forward(self_, x)
+            y = F.linear(x, mean, self_.bias)
             xs = _sample_major(x, s_count, label)
             t = xs if q_in is None else xs @ q_in
             t = torch.bmm(t, e_io)
