@@ -1185,3 +1185,48 @@ def test_a_covered_weight_read_outside_its_modules_forward_is_refused():
                 got = attention(x.repeat(3, 1, 1)).view(3, *x.shape[:2], 5)
             torch.testing.assert_close(got, reference, atol=1e-6, rtol=1e-5)
     assert (reference[0] - reference[1]).abs().max() > 1e-2  # the samples differ
+
+
+def test_a_covered_module_whose_input_does_not_lead_with_the_samples_is_refused():
+    """FSMT runs its layers time-first, (T, S·B, d), and T5's relative_attention_bias embedding
+    takes a (q_len, k_len) bucket matrix: batched BMA split those axes among the samples, silently
+    wherever S divided them (here T = S·B, so every shape check passed)."""
+    from transformers import FSMTConfig, FSMTForConditionalGeneration
+
+    torch.manual_seed(0)
+    fsmt = FSMTForConditionalGeneration(
+        FSMTConfig(
+            langs=["en", "de"], src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, d_model=32, encoder_layers=1,
+            decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+            decoder_start_token_id=2,
+        )
+    ).eval()  # fmt: skip
+    t5 = tiny_t5()
+    relative = train_posterior(t5, evon_patterns=["relative_attention_bias"]).with_ess(NOISY_ESS)
+    buckets = [n for n in relative.names if "relative_attention_bias" in n]
+    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert buckets == [f"decoder.{bias}", f"encoder.{bias}"]
+    ids = PROMPTS[:, :4]  # S·B = 4 = T
+    gets = r"\) gets an input that does not lead with the samples' rows: .* as shape "
+    fsmt_match = r"'model\.encoder\.layers\.0\.self_attn\.[qkv]_proj\.weight' \(Linear" + gets
+    fsmt_match += r"\(1, 2, 32\)"  # (T, S·B, d)
+    t5_match = "'encoder." + bias.replace(".", r"\.") + r"' \(Embedding" + gets + r"\(1, 1\)"
+    buckets_only = EVONPosterior.from_factors({n: relative[n] for n in buckets}, dict(relative.config))
+    for model, posterior, match in ((fsmt, train_posterior(fsmt), fsmt_match), (t5, buckets_only, t5_match)):
+        with pytest.raises(NotImplementedError, match=match):
+            bma_log_likelihood(model, posterior, ids, labels=ids, num_samples=2, seed=0)
+        with pytest.raises(NotImplementedError, match=match):
+            generate_bma(model, posterior, ids, num_samples=2, seed=0, max_new_tokens=2)
+        assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in model.modules())
+    # T5's batch-first layers pass the check: their samples score as written into the weights
+    rest = {n: relative[n] for n in relative.names if n not in buckets}
+    rest = EVONPosterior.from_factors(rest, dict(relative.config))
+    scored = bma_log_likelihood(t5, rest, ids, labels=ids, num_samples=2, seed=0)
+    decoder_ids = t5.prepare_decoder_input_ids_from_labels(labels=ids)
+    with torch.no_grad():
+        copies = sampled_copies(t5, rest, 2, 0)
+        logits = [m(input_ids=ids, decoder_input_ids=decoder_ids).logits for m in copies]
+    reference = torch.stack([torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0] for x in logits])
+    torch.testing.assert_close(scored.sample_token_log_probs, reference, atol=1e-5, rtol=1e-5)
+    assert (reference[0] - reference[1]).abs().max() > 1e-3  # the samples differ

@@ -15,6 +15,9 @@ metadata (dtype, device, shape) and raises ``NotImplementedError`` naming it on 
 elsewhere: ``nn.MultiheadAttention`` reading ``out_proj.weight`` in its functional forward, a
 decoder tied as ``F.linear(h, enc.weight.t())`` would otherwise run every sample at the mean.
 Such a model is sampled one draw at a time (``with posterior.sampled(model, seed=...)``).
+Likewise each covered module's input must lead with the S·B rows: ``check_sample_axis`` (which
+``generate_bma`` and ``bma_log_likelihood`` run first) refuses a time-first layer (FSMT's, LED's
+encoder self-attention) or an input that is no batch (T5's relative position buckets).
 
 Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``):
 
@@ -197,6 +200,7 @@ class BatchedSamples:
         self.factored: set[str] = set()  # names applied factored (set on entry)
         # (module, its forward before the block, its covered parameters by attribute)
         self._patched: list[tuple[nn.Module, Any, dict[str, Tensor]]] = []
+        self._labels: dict[nn.Module, str] = {}  # each patched module: a covered name it owns
         self.extra_bytes = 0  # memory held by the per-sample weights while active
 
     # ----------------------------------------------------------------- set-up
@@ -358,6 +362,7 @@ class BatchedSamples:
                 else:
                     forward = self._make_forward(module, weights, label)
                 self._patch(module, forward, {attr: guards[name] for attr, name in attrs.items()})
+                self._labels[module] = label
         except BaseException:
             self._restore()
             raise
@@ -365,6 +370,41 @@ class BatchedSamples:
 
     def __exit__(self, *exc: Any) -> None:
         self._restore()
+        self._labels = {}
+
+    def check_sample_axis(self, run: Callable[[], Any]) -> None:
+        """Run ``run``, a forward of the model on one token of one sequence per sample (S rows), and
+        raise ``NotImplementedError`` naming the first covered module whose input does not lead
+        with those S rows.
+
+        The batched forwards take the first axis of every covered module's input as the S·B rows,
+        sample-major. A time-first layer (FSMT's, LED's encoder self-attention: ``(T, S·B, d)``) or
+        an input that is no batch (T5's relative position buckets, ``(q_len, k_len)``) would have
+        its rows split among the samples, silently wherever S divides that axis. One token of one
+        sequence per sample tells them apart: each such axis is 1 there, the samples' axis S.
+        """
+        if self.num_samples == 1:  # one sample: nothing to mix
+            return
+        s_count = self.num_samples
+
+        def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(x, Tensor) and (x.dim() == 0 or x.shape[0] != s_count):
+                raise NotImplementedError(
+                    f"posterior parameter {self._labels[module]!r} ({type(module).__name__}) gets an "
+                    f"input that does not lead with the samples' rows: one token of one sequence per "
+                    f"sample (S={s_count} rows) reaches it as shape {tuple(x.shape)} (a time-first layer, "
+                    "or an input that is no batch, like relative position buckets), so batched BMA would "
+                    "mix the samples; sample the model one draw at a time "
+                    "(`with posterior.sampled(model, seed=...)`)"
+                )
+
+        handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in self._labels]
+        try:
+            run()
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def _patch(self, module: nn.Module, forward: Callable[..., Tensor], guards: dict[str, Tensor]) -> None:
         """``module`` runs ``forward`` and holds ``guards`` in place of its covered parameters, which

@@ -78,6 +78,21 @@ def _sampled_encoder_outputs(
     return model.get_encoder()(**inputs)
 
 
+def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, input_ids: Tensor) -> None:
+    """``sampler.check_sample_axis`` on a forward of ``gen_model`` (an encoder-decoder's encoder and
+    decoder) on one token of the first sequence per sample; position ids given where the forward
+    takes them, as a model's own ``(1, T)`` ids would reach a covered position embedding as one row."""
+    num_samples = sampler.num_samples
+    token = input_ids[:1, :1]
+    inputs: dict[str, Any] = {"input_ids": token.repeat(num_samples, 1), "use_cache": False}
+    if is_encoder_decoder(gen_model):
+        decoder = decoder_inputs_from_labels(gen_model, token)
+        inputs.update({k: v.repeat(num_samples, 1) for k, v in decoder.items()})
+    elif "position_ids" in inspect.signature(gen_model.forward).parameters:
+        inputs["position_ids"] = torch.zeros_like(inputs["input_ids"])
+    sampler.check_sample_axis(lambda: gen_model(**inputs, return_dict=True))
+
+
 def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor, Tensor]:
     """``(log p̄, c)`` of sample-major logits ``(S·N, …, V)``: the log of the S samples' averaged
     softmax (of the tempered logits) and their mean log-normaliser ``c``; ``log p̄ + c`` are logits
@@ -238,7 +253,8 @@ def generate_bma(
     rows = expected_rows(input_ids.shape[0] * beams, input_ids.shape[1], max(int(new_tokens), 1))
     with BatchedSamples(
         model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams
-    ):
+    ) as sampler:
+        _check_sample_axis(sampler, gen_model, input_ids)
         if is_encoder_decoder(gen_model):
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
                 gen_model, input_ids, attention_mask, num_samples, generation_kwargs
@@ -424,7 +440,8 @@ def bma_log_likelihood(
             targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
     mask = targets != IGNORE_INDEX
     rows = expected_rows(batch, input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
-    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows):
+    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows) as sampler:
+        _check_sample_axis(sampler, gen_model, input_ids)
         logits = gen_model(**inputs, return_dict=True).logits
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
