@@ -951,3 +951,39 @@ def test_mean_temperature_is_the_calibrations_rule_for_a_point_estimate() -> Non
     confident = torch.zeros(40, 3, dtype=torch.float64)
     confident[torch.arange(40), torch.arange(40) % 3] = 4.0  # every row right: nothing to sharpen on
     assert mean_temperature(confident, torch.arange(40) % 3) == 1.0
+
+
+def test_a_tuple_output_led_by_its_loss_is_calibrated_on_its_logits() -> None:
+    """An encoder-decoder without ``prepare_decoder_input_ids_from_labels`` is called with its
+    labels, so a ``return_dict=False`` output leads with the loss: the calibration read that 0-d
+    loss as the logits ('labels do not align')."""
+    from types import SimpleNamespace
+
+    class ToyEncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(is_encoder_decoder=True)
+            self.emb = nn.Embedding(7, 4)
+            self.head = nn.Linear(4, 7)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> tuple:
+            logits = self.head(self.emb(input_ids))
+            if labels is None:
+                return (logits,)
+            return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+    torch.manual_seed(0)
+    model = ToyEncoderDecoder()
+    ids = torch.randint(0, 7, (6, 5))
+    opt = build_optimizer(model, evon_patterns=["head"], seed=0)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            model(ids, labels=ids)[0].backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    with torch.no_grad():
+        loss = model(ids, labels=ids)[0]
+    _, result = calibrate_posterior(model, posterior, [{"input_ids": ids, "labels": ids}], grid=[1.0], num_samples=2)
+    assert result.num_targets == ids.numel()
+    assert result.mean_nll == pytest.approx(float(loss), rel=1e-6)

@@ -5,6 +5,7 @@ target's log-probability scored at each softmax temperature in one pass over the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import takewhile
 from typing import Any
 
 import torch
@@ -75,14 +76,32 @@ def require_aligned(logits: Tensor, labels: Any, shift: bool, where: str) -> Non
         )
 
 
-def _logits(output: Any) -> Tensor:
+def output_logits(output: Any, labels_given: bool = False) -> Tensor | tuple[Tensor, ...] | None:
+    """A model output's logits, as ``Trainer.prediction_step`` reads them: ``logits``, else every
+    ``*_logits`` field in order (extractive QA's start and end: one distribution each); a tuple
+    (``return_dict=False``) after its loss (there where ``labels_given``, or a leading 0-d tensor),
+    its leading tensors shaped as the first (not the hidden states or cache that follow). None:
+    the output has none."""
     if isinstance(output, Tensor):
         return output
-    if isinstance(output, tuple | list) and output and isinstance(output[0], Tensor):
-        return output[0]  # return_dict=False: the logits lead, the forward gets no labels (no loss)
-    logits = output["logits"] if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(output, tuple | list):
+        if output and (labels_given or (isinstance(output[0], Tensor) and output[0].ndim == 0)):
+            output = output[1:]
+        fields = tuple(takewhile(lambda v: isinstance(v, Tensor) and v.shape == output[0].shape, output or ()))
+    elif (logits := output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)) is not None:
+        return logits
+    else:
+        items = output.items() if isinstance(output, Mapping) else vars(output).items()
+        fields = tuple(v for k, v in items if k.endswith("_logits") and isinstance(v, Tensor))
+    return None if not fields else fields[0] if len(fields) == 1 else fields
+
+
+def _logits(output: Any) -> Tensor:
+    logits = output_logits(output)
     if logits is None:
         raise TypeError("calibrate_posterior: the model output has no logits")
+    if isinstance(logits, tuple):
+        raise TypeError("calibrate_posterior: the model output has several distributions (*_logits); it scores one")
     return logits
 
 

@@ -25,13 +25,13 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator
-from itertools import takewhile
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
+from hf_evon.predictive.held_out import output_logits
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     LogMeanExp,
@@ -182,21 +182,8 @@ def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> T
     (``return_dict=False``): its logits after the loss, as ``Trainer.prediction_step`` reads them."""
     with torch.no_grad(), trainer.compute_loss_context_manager():
         outputs = model(**inputs)
-    if isinstance(outputs, Tensor):
-        return outputs
-    if not isinstance(outputs, dict):  # return_dict=False: a tuple, the loss first where one is computed
-        if batch_labels(trainer, inputs) is not None or (isinstance(outputs[0], Tensor) and outputs[0].ndim == 0):
-            outputs = outputs[1:]
-        # a tuple names no field: its distributions are the leading tensors shaped as the first
-        # (extractive QA's start and end), not what follows (hidden states, a cache, encoder states)
-        fields = tuple(takewhile(lambda v: isinstance(v, Tensor) and v.shape == outputs[0].shape, outputs))
-        if len(fields) == 1:
-            return fields[0]
-    elif "logits" in outputs:
-        return outputs["logits"]
-    else:
-        fields = tuple(v for k, v in outputs.items() if k.endswith("_logits") and isinstance(v, Tensor))
-    if not fields:
+    fields = output_logits(outputs, labels_given=batch_labels(trainer, inputs) is not None)
+    if fields is None:
         found = f"fields: {list(outputs)}" if isinstance(outputs, dict) else f"a tuple of {len(outputs)}"
         raise ValueError(f"EVONTrainer: BMA averages the model's logits, and its output has none ({found})")
     return fields
