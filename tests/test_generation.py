@@ -1230,3 +1230,16 @@ def test_a_covered_module_whose_input_does_not_lead_with_the_samples_is_refused(
     reference = torch.stack([torch.log_softmax(x, -1).gather(-1, ids[..., None])[..., 0] for x in logits])
     torch.testing.assert_close(scored.sample_token_log_probs, reference, atol=1e-5, rtol=1e-5)
     assert (reference[0] - reference[1]).abs().max() > 1e-3  # the samples differ
+
+
+def test_an_encoder_decoder_whose_start_token_is_in_its_generation_config_decodes() -> None:
+    """The sample-axis check built its decoder input from the config's decoder_start_token_id;
+    a model whose start token lives in its generation_config only (which generate reads) raised
+    there, where model.generate decodes."""
+    model = tiny_t5()
+    posterior = train_posterior(model)
+    model.config.decoder_start_token_id = None
+    model.generation_config.decoder_start_token_id = 0
+    kwargs = dict(max_new_tokens=3, do_sample=False)
+    zero = posterior.with_ess(float("inf"))
+    assert torch.equal(generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **kwargs), model.generate(PROMPTS, **kwargs))

@@ -85,9 +85,8 @@ def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, input_ids:
     num_samples = sampler.num_samples
     token = input_ids[:1, :1]
     inputs: dict[str, Any] = {"input_ids": token.repeat(num_samples, 1), "use_cache": False}
-    if is_encoder_decoder(gen_model):
-        decoder = decoder_inputs_from_labels(gen_model, token)
-        inputs.update({k: v.repeat(num_samples, 1) for k, v in decoder.items()})
+    if is_encoder_decoder(gen_model):  # only the shapes matter: the token itself starts the decoder
+        inputs["decoder_input_ids"] = token.repeat(num_samples, 1)
     elif "position_ids" in inspect.signature(gen_model.forward).parameters:
         inputs["position_ids"] = torch.zeros_like(inputs["input_ids"])
     sampler.check_sample_axis(lambda: gen_model(**inputs, return_dict=True))
