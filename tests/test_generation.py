@@ -1187,6 +1187,30 @@ def test_a_covered_weight_read_outside_its_modules_forward_is_refused():
     assert (reference[0] - reference[1]).abs().max() > 1e-2  # the samples differ
 
 
+def test_a_covered_weights_metadata_stays_readable_inside_a_batched_block():
+    """What reads no value of a covered weight (its dtype, device and shape, a tensor made like it,
+    its storage's address, isinstance checks) works inside the block as outside; only a computation
+    with it is refused. The guard first refused zeros_like, data_ptr, torch.numel and new_zeros."""
+    model = tiny_gpt2()
+    posterior = train_posterior(model)
+    name = next(n for n in posterior.names if n.endswith("c_fc.weight"))
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    mean = module.weight
+    sampler = batched.BatchedSamples(model, posterior, 2, seed=0)
+    with torch.no_grad(), sampler:
+        w = module.weight
+        assert w is not mean and isinstance(w, torch.nn.Parameter)
+        assert (w.shape, w.dtype, w.device, w.requires_grad) == (mean.shape, mean.dtype, mean.device, True)
+        assert torch.equal(torch.zeros_like(w), torch.zeros(mean.shape)) and type(torch.zeros_like(w)) is torch.Tensor
+        assert w.new_zeros(3).shape == (3,) and torch.numel(w) == mean.numel() and len(w) == len(mean)
+        assert w.data_ptr() == mean.data_ptr() and w.grad is None and not w.is_sparse
+        with pytest.raises(NotImplementedError, match=rf"'{name}' is read outside its module's forward"):
+            w.sum()
+    assert module.weight is mean
+    with pytest.raises(RuntimeError, match="inside an active BatchedSamples block"):
+        sampler.check_sample_axis(lambda: model(PROMPTS))  # outside: no module would be checked
+
+
 def test_a_covered_module_whose_input_does_not_lead_with_the_samples_is_refused():
     """FSMT runs its layers time-first, (T, S·B, d), and T5's relative_attention_bias embedding
     takes a (q_len, k_len) bucket matrix: batched BMA split those axes among the samples, silently

@@ -6,8 +6,9 @@ parameter is replaced (an instance attribute, removed again on exit) by one that
 input as ``(S, B·…, in)`` — the batch is *sample-major*: rows ``s·B … s·B+B-1`` belong to
 sample ``s`` — and multiplies it with the stacked per-sample weights ``(S, in, out)`` in one
 batched matmul. Everything else (embeddings, norms, attention, the KV cache) is shared code
-run on the larger batch. The model's parameters are never written, so the mean is untouched
-bit-for-bit, also when the block raises.
+run on the larger batch. The model's parameters are never written (while the block is active
+their modules hold guards in their place, below), so the mean is untouched bit-for-bit, also
+when the block raises.
 
 So each covered weight must be used only through its owner's forward: the samples live there.
 For the block, the owners hold a guard in place of each covered parameter that answers its
@@ -17,7 +18,10 @@ decoder tied as ``F.linear(h, enc.weight.t())`` would otherwise run every sample
 Such a model is sampled one draw at a time (``with posterior.sampled(model, seed=...)``).
 Likewise each covered module's input must lead with the S·B rows: ``check_sample_axis`` (which
 ``generate_bma`` and ``bma_log_likelihood`` run first) refuses a time-first layer (FSMT's, LED's
-encoder self-attention) or an input that is no batch (T5's relative position buckets).
+encoder self-attention) or an input that is no batch (T5's relative position buckets) among the
+modules its one-token forward reaches. It cannot see a layer fed a selection of rows (the experts
+of a mixture-of-experts model built of ``nn.Linear``) or one a one-token input never reaches:
+such a model is sampled one draw at a time too.
 
 Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``):
 
@@ -91,18 +95,26 @@ _BATCHED = "_evon_batched_samples"  # marks a forward a BatchedSamples block ins
 # what a covered tensor answers while its owners hold a guard: metadata, never its values
 _METADATA_PROPERTIES = frozenset(
     getattr(torch.Tensor, a)
-    for a in ("dtype", "device", "shape", "ndim", "requires_grad", "is_cuda", "is_meta", "layout", "is_leaf")
-)
-_METADATA_METHODS = frozenset(
-    getattr(torch.Tensor, a)
     for a in (
-        "dim", "size", "numel", "nelement", "ndimension", "element_size", "is_floating_point", "is_complex",
-        "stride", "is_contiguous", "get_device", "__hash__", "__repr__",
+        "dtype", "device", "shape", "ndim", "requires_grad", "is_cuda", "is_meta", "layout", "is_leaf",
+        "is_sparse", "is_cpu", "is_mps", "is_xpu", "is_quantized", "itemsize", "nbytes", "grad",
     )
+)  # fmt: skip
+_METADATA_METHODS = frozenset(
+    [
+        *(getattr(torch.Tensor, a) for a in (
+            "dim", "size", "numel", "nelement", "ndimension", "element_size", "is_floating_point", "is_complex",
+            "stride", "is_contiguous", "get_device", "__hash__", "__repr__", "__len__", "data_ptr",
+            "storage_offset", "is_pinned", "new_zeros", "new_ones", "new_empty", "new_full",
+        )),
+        # a new tensor of its dtype, device and shape: no value read
+        torch.numel, torch.is_floating_point, torch.is_complex, torch.zeros_like, torch.ones_like,
+        torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    ]
 )  # fmt: skip
 
 
-class _CoveredOutsideItsForward(torch.Tensor):
+class _CoveredOutsideItsForward(nn.Parameter):
     """What the owners of a covered parameter hold while a block is active (the mean's storage):
     its metadata (dtype, device, shape) as the parameter's, any computation refused. The samples
     live in the owners' patched forwards only, so a read elsewhere (``nn.MultiheadAttention``'s
@@ -116,8 +128,14 @@ class _CoveredOutsideItsForward(torch.Tensor):
         if func in _METADATA_METHODS or getattr(func, "__self__", None) in _METADATA_PROPERTIES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        name = next(t.evon_name for t in leaves if isinstance(t, _CoveredOutsideItsForward))
+        name, stack = "?", [*args, *(kwargs or {}).values()]
+        while stack:  # the guard among the arguments, nested lists included
+            x = stack.pop()
+            if isinstance(x, _CoveredOutsideItsForward):
+                name = x.evon_name
+                break
+            if isinstance(x, list | tuple):
+                stack.extend(x)
         what = getattr(func, "__name__", str(func))
         if what == "__get__":  # a property: name it
             what = "." + getattr(func.__self__, "__name__", "?")
@@ -383,6 +401,8 @@ class BatchedSamples:
         its rows split among the samples, silently wherever S divides that axis. One token of one
         sequence per sample tells them apart: each such axis is 1 there, the samples' axis S.
         """
+        if not self._patched:
+            raise RuntimeError("check_sample_axis runs inside an active BatchedSamples block")
         if self.num_samples == 1:  # one sample: nothing to mix
             return
         s_count = self.num_samples
