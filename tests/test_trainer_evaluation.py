@@ -141,6 +141,33 @@ def test_the_evaluation_at_which_training_stops_early_carries_bma(tmp_path, ever
     assert row in card.splitlines()
 
 
+def test_the_stopping_evaluation_carries_bma_on_every_eval_dataset(tmp_path):
+    """With several eval datasets the Trainer evaluates them one after the other, and a callback may
+    stop on the last one's metrics: the earlier datasets' evaluations at that step went without BMA."""
+
+    class StopsOnTheSecond(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            if state.global_step == 2 and any(k.startswith("eval_second_") for k in metrics):
+                control.should_training_stop = True
+
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=6, eval_strategy="steps", eval_steps=1, bma_eval_every=0,
+                    logging_steps=10, evon_ess=60.0, bma_num_samples=2, bma_seed=3),
+        train_dataset=classification_data(),
+        eval_dataset={"first": classification_data(32, seed=1), "second": classification_data(32, seed=2)},
+        callbacks=[StopsOnTheSecond()],
+    )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    for name in ("first", "second"):
+        assert [h["step"] for h in history if f"eval_{name}_loss" in h] == [1, 2]
+        assert [h["step"] for h in history if f"eval_{name}_bma_nll" in h] == [2], name
+    reference = trainer.posterior_metrics(trainer.get_eval_dataloader(classification_data(32, seed=1)))
+    logged = next(h for h in history if "eval_first_bma_nll" in h)
+    assert logged["eval_first_bma_nll"] == pytest.approx(reference["eval_bma_nll"], rel=1e-6)
+
+
 def test_a_resumed_run_runs_bma_at_the_evaluations_the_uninterrupted_one_does(tmp_path):
     """The count of evaluations restarted at each train(): resumed at step 3 with bma_eval_every=2,
     the BMA passes ran at steps 5 and 6 (the end) instead of 4 and 6 (the run's 4th and 6th)."""

@@ -462,35 +462,41 @@ class EvaluationMixin:
     """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
     posterior metrics to the subclass's (``predict(bma=True)``: :mod:`hf_evon.trainer.prediction`)."""
 
-    # the evaluation (and its loader) of this ``evaluate()`` that skipped BMA during training
-    _evon_bma_skipped: tuple[PosteriorEvaluation, Any] | None = None
+    # the evaluations (step, evaluation, its loader) at the current step that skipped BMA: one per
+    # eval dataset, which the Trainer evaluates one after the other
+    _evon_bma_skipped: list[tuple[int, PosteriorEvaluation, Any]] | None = None
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with the ``eval_mean_*`` and (when due) ``eval_bma_*`` metrics."""
-        outer = self._evon_in_evaluate
-        self._evon_in_evaluate, self._evon_bma_skipped = True, None
+        outer, step = self._evon_in_evaluate, self.state.global_step
+        self._evon_in_evaluate = True
+        self._evon_bma_skipped = [e for e in self._evon_bma_skipped or () if e[0] == step]
+        ours = len(self._evon_bma_skipped)  # what this call's evaluation adds comes after
         try:
-            return self._bma_where_training_stops(super().evaluate(*args, **kwargs))
+            return self._bma_where_training_stops(super().evaluate(*args, **kwargs), ours)
         finally:
-            self._evon_in_evaluate, self._evon_bma_skipped = outer, None
+            self._evon_in_evaluate = outer
 
-    def _bma_where_training_stops(self, metrics: dict[str, float]) -> dict[str, float]:
+    def _bma_where_training_stops(self, metrics: dict[str, float], ours: int) -> dict[str, float]:
         """The evaluation at which training stops carries BMA, as the one at ``max_steps`` does.
 
         A callback may stop training on this evaluation's metrics (``EarlyStoppingCallback``, in
         ``on_evaluate``, after the passes that :meth:`_bma_due` could not foresee): the skipped BMA
-        passes then run here, on the same weights, and are logged beside the evaluation (an entry
-        at the same step) and returned with its metrics.
+        passes of this step's evaluations (every eval dataset's so far) then run here, on the same
+        weights, each logged beside its evaluation (an entry at the same step); this call's (from
+        index ``ours`` of the skipped) are returned with its metrics.
         """
-        skipped = self._evon_bma_skipped
-        if skipped is None or not self.control.should_training_stop:
+        skipped = self._evon_bma_skipped or []
+        if not skipped or not self.control.should_training_stop:
             return metrics
-        evaluation, dataloader = skipped
-        bma = evaluation.bma_metrics(dataloader, lambda: self._length_sorted_loader(dataloader))
-        if not bma:
-            return metrics
-        self.log(bma)
-        return merge_metrics(dict(metrics), bma)
+        self._evon_bma_skipped = []
+        for i, (_, evaluation, dataloader) in enumerate(skipped):
+            bma = evaluation.bma_metrics(dataloader, lambda d=dataloader: self._length_sorted_loader(d))
+            if bma:
+                self.log(bma)
+                if i >= ours:
+                    metrics = merge_metrics(dict(metrics), bma)
+        return metrics
 
     def evaluation_loop(
         self,
@@ -519,7 +525,7 @@ class EvaluationMixin:
             self._evon_evaluation = None
         merge_metrics(output.metrics, evaluation.finish(dataloader, lambda: self._length_sorted_loader(dataloader)))
         if not evaluation.with_bma:
-            self._evon_bma_skipped = (evaluation, dataloader)
+            self._evon_bma_skipped = [*(self._evon_bma_skipped or ()), (self.state.global_step, evaluation, dataloader)]
         return output
 
     def prediction_step(
