@@ -344,3 +344,27 @@ def test_a_block_recorded_after_synchronize_is_averaged_too() -> None:
         nn.functional.cross_entropy(model(X), Y).backward()
     opt.step()
     assert len(reduced) == 2
+
+
+def test_the_optimizers_posterior_std_and_covariance_are_float32_inside_autocast() -> None:
+    model = _model()
+    opt = _optimizer(model, precondition_frequency=2)
+    for _ in range(3):
+        _step(opt, model)
+    w = model[0].weight
+    std, cov = opt.posterior_std(w), opt.posterior_covariance(w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(opt.posterior_std(w), std) and torch.equal(opt.posterior_covariance(w), cov)
+
+
+def test_a_complex_parameter_leaves_the_other_gradients_norms_widened() -> None:
+    """With one complex parameter among them, every gradient norm was taken in its own dtype: a
+    finite float16 gradient overflowed again and the step was skipped."""
+    from hf_evon.optim.linalg import norms_of
+
+    half = torch.full((10,), 100.0, dtype=torch.float16)  # ‖g‖ = 316: its square overflows float16
+    z = torch.tensor([3.0 + 4.0j])
+    norms = norms_of([half, z, half])
+    assert [n.dtype for n in norms] == [torch.float32, torch.float32, torch.float32]
+    assert [float(n) for n in norms] == pytest.approx([1000**0.5 * 10, 5.0, 1000**0.5 * 10], rel=1e-6)
+    assert all(torch.isfinite(n.square()) for n in norms)

@@ -317,29 +317,37 @@ def clip_update(x: Tensor, mode: str, radius: float) -> Tensor:
 def marginal_variance(
     hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
 ) -> Tensor:
-    """Diagonal of the covariance: ``Var W_ij = Σ_kl Q_L[i,k]² V_kl Q_R[j,l]²``."""
-    var = rotated_variance(hess, ess, weight_decay)
-    return unrotate(
-        var, None if q_left is None else q_left.square(), None if q_right is None else q_right.square()
-    )
+    """Diagonal of the covariance: ``Var W_ij = Σ_kl Q_L[i,k]² V_kl Q_R[j,l]²`` (full float32 at least,
+    whatever the caller's autocast)."""
+    with exact_float32_matmul():
+        var = rotated_variance(hess, ess, weight_decay)
+        return unrotate(
+            var, None if q_left is None else q_left.square(), None if q_right is None else q_right.square()
+        )
 
 
 def dense_covariance(
     hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
 ) -> Tensor:
-    """Covariance of the row-major ``W.flatten()``: ``(Q_L ⊗ Q_R) diag(vec V) (Q_L ⊗ Q_R)ᵀ``."""
+    """Covariance of the row-major ``W.flatten()``: ``(Q_L ⊗ Q_R) diag(vec V) (Q_L ⊗ Q_R)ᵀ`` (full
+    float32 at least, whatever the caller's autocast)."""
     m, n = hess.shape[-2:]
     eye = torch.eye
     left = eye(m, dtype=hess.dtype, device=hess.device) if q_left is None else q_left
     right = eye(n, dtype=hess.dtype, device=hess.device) if q_right is None else q_right
-    basis = torch.kron(left.contiguous(), right.contiguous())
-    return (basis * rotated_variance(hess, ess, weight_decay).reshape(-1)) @ basis.mT
+    with exact_float32_matmul():
+        basis = torch.kron(left.contiguous(), right.contiguous())
+        return (basis * rotated_variance(hess, ess, weight_decay).reshape(-1)) @ basis.mT
 
 
 def norms_of(tensors: list[Tensor]) -> list[Tensor]:
     """Each tensor's 2-norm in float32 at least (float64 if any is): a float16 gradient's norm
     overflows above 65504 and its square above 256 while every entry is finite."""
-    if any(t.is_complex() for t in tensors):  # an AdamW group's complex parameters: their own norms
-        return list(torch._foreach_norm(tensors))
+    complex_ = [i for i, t in enumerate(tensors) if t.is_complex()]  # an AdamW group's: their own norms
+    if complex_:
+        norms = norms_of([t for t in tensors if not t.is_complex()]) if len(complex_) < len(tensors) else []
+        for i, norm in zip(complex_, torch._foreach_norm([tensors[i] for i in complex_])):
+            norms.insert(i, norm)
+        return norms
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     return list(torch._foreach_norm(tensors, dtype=wide))

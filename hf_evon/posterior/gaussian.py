@@ -71,13 +71,11 @@ class MatrixFactors:
 
     def marginal_variance(self) -> Tensor:
         """Diagonal of the covariance, shaped ``matrix_shape``."""
-        with exact_float32_matmul():
-            return marginal_variance(*self._wide(), self.ess, self.weight_decay)
+        return marginal_variance(*self._wide(), self.ess, self.weight_decay)
 
     def covariance(self) -> Tensor:
         """Dense covariance of the row-major flatten of the matrix."""
-        with exact_float32_matmul():
-            return dense_covariance(*self._wide(), self.ess, self.weight_decay)
+        return dense_covariance(*self._wide(), self.ess, self.weight_decay)
 
 
 @dataclass
