@@ -29,10 +29,11 @@ What it does:
   (``sampled_params``, ``mc_samples``, ``posterior_std``, ...; see :class:`EVONHandle`),
   so one object does accelerate's ``step``/``zero_grad`` and EVON's sampling;
 * gives every rank rank 0's noise seed, so a job is reproducible from one seed while each
-  rank still draws its own stream: the generator of ``sampled_params`` block ``k`` on rank ``r``
-  is seeded with ``derived_seed(seed, r, k, device)`` (a hash of those labels,
+  rank still draws its own stream: the generator of a ``sampled_params`` block labelled ``k``
+  (``EVON.noise_label``: the training blocks' count, or ``"eval N"``) on rank ``r`` is seeded with
+  ``derived_seed(seed, r, k, device)`` (a hash of those labels,
   :func:`hf_evon.optim.noise.derived_seed`), so the streams are independent and any rank
-  resumes its own from a checkpoint another rank saved (the block count is in the state dict).
+  resumes its own from a checkpoint another rank saved (the block counts are in the state dict).
 
 All ranks then apply the same update to the same weights and hold identical optimizer state.
 
