@@ -493,7 +493,8 @@ class EVON(Optimizer):
     def _all_finite(self, plans: list[Plan], adamw: AdamWInputs) -> bool:
         """Whether the step may go ahead (every value finite on every rank); else warns (or
         raises, ``nonfinite="raise"``) naming what was not finite."""
-        if self._hooks.all_ranks(finite_flags(plans, adamw)):  # sharded: skip on every rank or none
+        # sharded: skip on every rank or none
+        if self._hooks.all_ranks(finite_flags(plans, adamw, self.param_groups, self._param_label)):
             return True
         msg = first_nonfinite(self.param_groups, plans, adamw, self._param_label)
         msg = f"{msg}; the step was skipped and the optimizer state is unchanged"

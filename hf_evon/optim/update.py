@@ -4,7 +4,7 @@ state, in the order ``EVON.step`` runs them (plan, check, update), and the AdamW
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,7 +56,6 @@ def plan_update(b: Bucket, num_samples: int) -> list[Plan]:
     active = [i for i, p in enumerate(b.params) if p.grad is not None]
     if not active:
         return []
-    refuse_sparse((b.params[i] for i in active), b.group)
     if not b.initialized:  # the initialising step only records statistics: for the whole bucket
         return [_plan(b, None, num_samples)]
     counts = b.counts
@@ -92,17 +91,17 @@ def hessian_candidate(plan: Plan, num_samples: int) -> None:
     plan.hess = hessian_update(hess, h_hat, g["betas"][1], delta, ess, g["hess_clip_ratio"], g["eps"])
 
 
-def refuse_sparse(params: Iterable[Tensor], group: dict[str, Any]) -> None:
-    """Raise, naming the parameter, for a sparse gradient (an ``nn.Embedding(sparse=True)``): as
-    torch's Adam, EVON's steps need dense ones. Called while planning, before anything changes."""
-    for p in params:
-        if p.grad.is_sparse:
-            names, where = group.get("param_names"), [i for i, q in enumerate(group["params"]) if q is p]
-            label = repr(names[where[0]]) if names and where else f"of shape {tuple(p.shape)}"
-            raise ValueError(
-                f"EVON: parameter {label} has a sparse gradient; its steps need dense gradients "
-                "(use nn.Embedding(sparse=False), or torch.optim.SparseAdam for that parameter)"
-            )
+def refuse_sparse(param_groups: list[dict[str, Any]], label: Callable[[Tensor], str]) -> None:
+    """Raise, naming the parameter (``label``), for a sparse gradient (an ``nn.Embedding(sparse=True)``):
+    as torch's Adam, EVON's steps need dense ones. Called where a step's first gradient op failed,
+    before anything changed: the hot path checks nothing per parameter."""
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(
+                    f"EVON: parameter {label(p)} has a sparse gradient; its steps need dense gradients "
+                    "(use nn.Embedding(sparse=False), or torch.optim.SparseAdam for that parameter)"
+                ) from None
 
 
 def all_finite(x: Tensor, signed: bool = True) -> Tensor:
@@ -112,15 +111,22 @@ def all_finite(x: Tensor, signed: bool = True) -> Tensor:
     return (x.abs() if signed else x).amax() < math.inf
 
 
-def finite_flags(plans: list[Plan], adamw: AdamWInputs) -> bool:
+def finite_flags(
+    plans: list[Plan], adamw: AdamWInputs, param_groups: list[dict[str, Any]], label: Callable[[Tensor], str]
+) -> bool:
     """Whether every gradient and every candidate Hessian is finite; also settles, in the same
-    single device sync, which buckets may reuse their exit rotation."""
+    single device sync, which buckets may reuse their exit rotation. A sparse gradient (which no
+    norm takes) is refused by name (``refuse_sparse``; ``label`` names a parameter)."""
     grads = [plan.grad for plan in plans] + [g for _, g_list, _ in adamw.values() for g in g_list]
     checks = []
     if grads:
         # every ‖G‖²_F finite, in one norm call: it bounds every entry of G Gᵀ and Gᵀ G (L and R
         # stay finite) and of AdamW's squared gradient
-        norms = norms_of(grads)
+        try:
+            norms = norms_of(grads)
+        except (RuntimeError, NotImplementedError):
+            refuse_sparse(param_groups, label)
+            raise
         checks.append(all_finite(torch.stack([n.to(norms[0].device) for n in norms]).square(), signed=False))
     checks += [all_finite(plan.hess) for plan in plans if plan.hess is not None]
     reusable = [plan for plan in plans if plan.unchanged is not None]
@@ -277,7 +283,6 @@ def adamw_inputs(
         params = [p for p in group["params"] if p.grad is not None and hooks.owns(p)]
         if not params:
             continue
-        refuse_sparse(params, group)
         states = [state[p] for p in params]
         params, g_list = hooks.adamw_tensors(params)
         if num_samples > 1:
