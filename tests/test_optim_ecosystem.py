@@ -202,6 +202,14 @@ def test_a_state_dict_of_other_groups_is_refused_with_torchs_reason() -> None:
     one_group = EVON(list(model.parameters()), seed=0)
     with pytest.raises(ValueError, match="different number of parameter groups"):
         one_group.load_state_dict(state)
+    # torch's own reasons, word for word (EVON raises them before its shape checks)
+    adamw_state = {"state": {}, "param_groups": [{**g, "params": g["params"]} for g in state["param_groups"]]}
+    with pytest.raises(ValueError, match="^loaded state dict has a different number of parameter groups$"):
+        torch.optim.AdamW(list(model.parameters())).load_state_dict(adamw_state)
+    with pytest.raises(ValueError, match="^loaded state dict contains a parameter group that doesn't match the size"):
+        torch.optim.AdamW(
+            [{"params": [model[0].weight, model[2].weight, model[0].bias]}, {"params": [model[2].bias]}]
+        ).load_state_dict(adamw_state)
     other_sizes = EVON(
         [{"params": [model[0].weight, model[2].weight, model[0].bias]}, {"params": [model[2].bias], "algorithm": "adamw"}]
     )
@@ -336,14 +344,24 @@ def test_a_block_recorded_after_synchronize_is_averaged_too() -> None:
         reduced.append(len(tensors))
         torch._foreach_mul_(tensors, 0.5)
 
-    opt.gradient_reducer = reducer
+    w, seen = model[0].weight, []
+
+    def reducer_seeing(tensors: list[torch.Tensor]) -> None:
+        seen.append(w.grad.clone())  # what each average starts from
+        reducer(tensors)
+
+    opt.gradient_reducer = reducer_seeing
     with opt.sampled_params(train=True):
         nn.functional.cross_entropy(model(X), Y).backward()
+        own = [w.grad.clone()]  # inside a block .grad holds that block's own gradient
     opt.synchronize()
     with opt.sampled_params(train=True):
         nn.functional.cross_entropy(model(X), Y).backward()
+        own.append(w.grad.clone())
     opt.step()
     assert len(reduced) == 2
+    assert torch.equal(seen[0], own[0])
+    assert torch.equal(seen[1], own[1] + own[0] * 0.5)  # the second block's own, un-averaged, added
 
 
 def test_the_optimizers_posterior_std_and_covariance_are_float32_inside_autocast() -> None:

@@ -55,8 +55,8 @@ def _check(log_probs: Tensor, name: str) -> None:
 def _mass_off(log_probs: Tensor) -> Tensor:
     """The rows' largest ``|logsumexp|`` (a device number; NaN where a row is): above the dtype's
     rounding (:func:`~hf_evon.predictive.logprobs.normalization_tolerance`) these are not
-    log-probabilities. Logits or probabilities in their place gave negative "entropies", and a NaN
-    row was dropped."""
+    log-probabilities: logits or probabilities in their place would give negative "entropies", and
+    a NaN row counts (NaN is not below any tolerance)."""
     if not log_probs.numel():
         return torch.zeros((), device=log_probs.device)
     return log_probs.logsumexp(-1).abs().max().float()
