@@ -41,6 +41,7 @@ from hf_evon.predictive.logprobs import normalization_tolerance
 Tensor = torch.Tensor
 
 __all__ = [
+    "CALIBRATION_METRIC_KEYS",
     "INPUT_TYPES",
     "METRIC_MODULES",
     "accuracy",
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 INPUT_TYPES = ("probs", "logits", "log_probs")
+CALIBRATION_METRIC_KEYS = ("nll", "accuracy", "ece", "brier")  # what calibration_metrics returns
 
 # module folder name -> accepted aliases for load_metric
 METRIC_MODULES: dict[str, tuple[str, ...]] = {
@@ -175,14 +177,15 @@ def calibration_metrics(
     n_bins: int = 15,
     ignore_index: int | None = -100,
 ) -> dict[str, float]:
-    """``{"nll", "accuracy", "ece", "brier"}`` in one call (the keys ``EVONTrainer`` reports)."""
+    """``CALIBRATION_METRIC_KEYS`` (nll, accuracy, ece, brier) in one call (the keys ``EVONTrainer`` reports)."""
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return {
-        "nll": negative_log_likelihood(logp, labels, "log_probs", None),
-        "accuracy": accuracy(logp, labels, "log_probs", None),
-        "ece": expected_calibration_error(logp, labels, n_bins, "log_probs", None),
-        "brier": brier_score(logp, labels, "log_probs", None),
-    }
+    values = (
+        negative_log_likelihood(logp, labels, "log_probs", None),
+        accuracy(logp, labels, "log_probs", None),
+        expected_calibration_error(logp, labels, n_bins, "log_probs", None),
+        brier_score(logp, labels, "log_probs", None),
+    )
+    return dict(zip(CALIBRATION_METRIC_KEYS, values, strict=True))
 
 
 def metric_module_path(name: str) -> str:

@@ -39,7 +39,7 @@ from hf_evon.predictive.logprobs import (
     shifted,
     tempered,
 )
-from hf_evon.predictive.metrics import calibration_metrics
+from hf_evon.predictive.metrics import CALIBRATION_METRIC_KEYS, calibration_metrics
 from hf_evon.trainer.calibration_data import length_sorted
 
 logger = logging.get_logger(__name__)
@@ -141,7 +141,7 @@ class MetricAccumulator:
             logp = torch.cat([o for o, _ in self.outputs])
             labels = torch.cat([lab for _, lab in self.outputs])
         if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
-            return dict.fromkeys(("nll", "accuracy", "ece", "brier"), math.nan)
+            return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)
         return calibration_metrics(logp, labels, "log_probs", n_bins=self.ece_bins)
 
 
