@@ -1267,3 +1267,42 @@ def test_an_encoder_decoder_whose_start_token_is_in_its_generation_config_decode
     kwargs = dict(max_new_tokens=3, do_sample=False)
     zero = posterior.with_ess(float("inf"))
     assert torch.equal(generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **kwargs), model.generate(PROMPTS, **kwargs))
+
+
+def test_a_padded_time_first_layer_is_refused_when_its_padding_equals_the_samples() -> None:
+    """LED pads its encoder's input to its attention window and runs the self-attention
+    time-first: with S equal to the window, one probe token per sample reached those layers as
+    (window, S, d), which passed the check, and batched BMA mixed the samples silently."""
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    torch.manual_seed(0)
+    led = LEDForConditionalGeneration(
+        LEDConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, attention_window=[4],
+            max_encoder_position_embeddings=64, max_decoder_position_embeddings=64, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        )
+    ).eval()  # fmt: skip
+    posterior = train_posterior(led)
+    match = r"self_attn\.longformer_self_attn\.(query|key|value)\.weight.*does not lead with the samples' rows"
+    with pytest.raises(NotImplementedError, match=match):
+        bma_log_likelihood(led, posterior, PROMPTS, labels=PROMPTS, num_samples=4, seed=0)
+
+
+def test_falcons_linear_layers_are_batched_as_linear_layers() -> None:
+    """transformers' FalconLinear computes x @ Wᵀ + b as a matmul; its own forward made batched BMA
+    refuse every Falcon model, whose samples it scores as written into the weights."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
+    falcon.eval()
+    posterior = train_posterior(falcon).scale_ess(1e-3)
+    assert any("query_key_value" in n for n in posterior.names)
+    scored = bma_log_likelihood(falcon, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+    with torch.no_grad():
+        logits = [m(input_ids=PROMPTS).logits[:, :-1] for m in sampled_copies(falcon, posterior, 2, 0)]
+    reference = torch.stack([torch.log_softmax(x, -1).gather(-1, PROMPTS[:, 1:, None])[..., 0] for x in logits])
+    torch.testing.assert_close(scored.sample_token_log_probs, reference, atol=1e-5, rtol=1e-5)
+    assert (reference[0] - reference[1]).abs().max() > 1e-3  # the samples differ

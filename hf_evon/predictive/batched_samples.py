@@ -153,6 +153,14 @@ def _guard(name: str, param: Tensor) -> Tensor:
     return guard
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` subclass whose own forward is ``x @ Wᵀ + b`` all the same (transformers'
+    ``FalconLinear``, written as a matmul for speed), which the batched forward may replace."""
+    return isinstance(module, nn.Linear) and type(module).__name__ == "FalconLinear" and (
+        type(module).__module__.startswith("transformers.")
+    )
+
+
 def _sample_major(x: Tensor, num_samples: int, name: str) -> Tensor:
     if x.shape[0] % num_samples:
         raise RuntimeError(
@@ -324,7 +332,7 @@ class BatchedSamples:
             # the supported kinds' own forward: a subclass's (a scaled word embedding, a learned
             # position embedding taking position_ids) would be replaced by the plain product, silently
             base = next((k for k in (nn.Linear, nn.Embedding, conv1d) if k and isinstance(module, k)), None)
-            if base is None or type(module).forward is not base.forward:
+            if base is None or (type(module).forward is not base.forward and not _plain_linear(module)):
                 raise NotImplementedError(
                     f"posterior parameter {next(iter(attrs.values()))!r} belongs to a "
                     f"{type(module).__name__}; batched BMA supports nn.Linear, Conv1D and nn.Embedding "
@@ -390,30 +398,32 @@ class BatchedSamples:
         self._restore()
         self._labels = {}
 
-    def check_sample_axis(self, run: Callable[[], Any]) -> None:
-        """Run ``run``, a forward of the model on one token of one sequence per sample (S rows), and
-        raise ``NotImplementedError`` naming the first covered module whose input does not lead
-        with those S rows.
+    def check_sample_axis(self, run: Callable[[], Any], rows: int = 1) -> None:
+        """Run ``run``, a forward of the model on one token of ``rows`` sequences per sample (S·rows
+        rows), and raise ``NotImplementedError`` naming the first covered module whose input does
+        not lead with those S·rows rows.
 
         The batched forwards take the first axis of every covered module's input as the S·B rows,
         sample-major. A time-first layer (FSMT's, LED's encoder self-attention: ``(T, S·B, d)``) or
         an input that is no batch (T5's relative position buckets, ``(q_len, k_len)``) would have
-        its rows split among the samples, silently wherever S divides that axis. One token of one
-        sequence per sample tells them apart: each such axis is 1 there, the samples' axis S.
+        its rows split among the samples, silently wherever S divides that axis. One token per
+        sequence tells them apart: such an axis does not grow with the sequences, the samples' does;
+        run it for two values of ``rows`` (an axis a model pads, as LED pads its encoder's input to
+        its attention window, may equal S·rows for one of them).
         """
         if not self._patched:
             raise RuntimeError("check_sample_axis runs inside an active BatchedSamples block")
         if self.num_samples == 1:  # one sample: nothing to mix
             return
-        s_count = self.num_samples
+        s_count = self.num_samples * rows
 
         def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x = args[0] if args else next(iter(kwargs.values()), None)
             if isinstance(x, Tensor) and (x.dim() == 0 or x.shape[0] != s_count):
                 raise NotImplementedError(
                     f"posterior parameter {self._labels[module]!r} ({type(module).__name__}) gets an "
-                    f"input that does not lead with the samples' rows: one token of one sequence per "
-                    f"sample (S={s_count} rows) reaches it as shape {tuple(x.shape)} (a time-first layer, "
+                    f"input that does not lead with the samples' rows: one token of {rows} sequence(s) per "
+                    f"sample ({s_count} rows) reaches it as shape {tuple(x.shape)} (a time-first layer, "
                     "or an input that is no batch, like relative position buckets), so batched BMA would "
                     "mix the samples; sample the model one draw at a time "
                     "(`with posterior.sampled(model, seed=...)`)"

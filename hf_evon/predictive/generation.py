@@ -79,17 +79,19 @@ def _sampled_encoder_outputs(
 
 
 def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, input_ids: Tensor) -> None:
-    """``sampler.check_sample_axis`` on a forward of ``gen_model`` (an encoder-decoder's encoder and
-    decoder) on one token of the first sequence per sample; position ids given where the forward
-    takes them, as a model's own ``(1, T)`` ids would reach a covered position embedding as one row."""
-    num_samples = sampler.num_samples
-    token = input_ids[:1, :1]
-    inputs: dict[str, Any] = {"input_ids": token.repeat(num_samples, 1), "use_cache": False}
-    if is_encoder_decoder(gen_model):  # only the shapes matter: the token itself starts the decoder
-        inputs["decoder_input_ids"] = token.repeat(num_samples, 1)
-    elif "position_ids" in inspect.signature(gen_model.forward).parameters:
-        inputs["position_ids"] = torch.zeros_like(inputs["input_ids"])
-    sampler.check_sample_axis(lambda: gen_model(**inputs, return_dict=True))
+    """``sampler.check_sample_axis`` on forwards of ``gen_model`` (an encoder-decoder's encoder and
+    decoder) on one token of the first sequence, once and twice per sample; position ids given where
+    the forward takes them, as a model's own ``(1, T)`` ids would reach a covered position embedding
+    as one row."""
+    takes_positions = "position_ids" in inspect.signature(gen_model.forward).parameters
+    for rows in (1, 2):
+        tokens = input_ids[:1, :1].repeat(sampler.num_samples * rows, 1)
+        inputs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
+        if is_encoder_decoder(gen_model):  # only the shapes matter: the token itself starts the decoder
+            inputs["decoder_input_ids"] = tokens
+        elif takes_positions:
+            inputs["position_ids"] = torch.zeros_like(tokens)
+        sampler.check_sample_axis(lambda inputs=inputs: gen_model(**inputs, return_dict=True), rows)
 
 
 def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor, Tensor]:
