@@ -121,8 +121,9 @@ def _log_probs(
 def accuracy(
     predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
 ) -> float:
-    """Fraction of items whose most probable class is the reference; NaN where a prediction is NaN
-    (as the other metrics are: a diverged model's row has no most probable class, not class 0)."""
+    """Fraction of items whose most probable class is the reference; NaN where a logit or
+    log-probability is NaN (as the other metrics are: a diverged model's row has no most probable
+    class, not class 0). Probabilities with a NaN are refused: their rows do not sum to 1."""
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
     if bool(torch.isnan(logp).any()):
         return math.nan
