@@ -17,8 +17,9 @@ accuracy (97.5% vs 97.0%). The calibration finds the mean not overconfident on s
 temperature on the held-out images 1.00 and 0.84), so it scores no noise scale there and keeps
 the posterior as trained (held-out NLL 0.0534 vs the mean's 0.0533, 0.0549 vs 0.0549): BMA
 predicts as the mean does, and its samples' disagreement is there to flag inputs unlike the
-digits. On seed 2 (temperature 1.41) it picks 0.01x the trained ζ (held-out NLL 0.0999 ->
-0.0872), and BMA@32 ends at 0.0782 / 0.0125 / 0.0389. Averaging samples can only soften
+digits. On seed 2 (temperature 1.41) it picks 0.03x the trained ζ (held-out NLL 0.0999 ->
+0.0943; two threads, 2026-11-29: the choice moves with the thread count's rounding, 0.03x at one
+thread too), and BMA@32 ends at 0.0783 / 0.0133 / 0.0389. Averaging samples can only soften
 predictions, so where the mean is not overconfident it has nothing to fix
 (``benchmarks/bma_headroom.py``). BMA's gains here are small at every budget because the default
 prior (weight_decay, a quarter of the weights' RMS) already regularises the mean. The lowest

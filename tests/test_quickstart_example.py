@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def test_quickstart_runs_saves_and_reproduces_its_bma(tmp_path) -> None:
     out = tmp_path / "quickstart"
-    argv = ["--output-dir", str(out)]  # the defaults: 3 seeds, of which seed 2 calibrates to 0.1x here
+    argv = ["--output-dir", str(out)]  # the defaults: 3 seeds, of which seed 2 chooses a noise scale
     run = subprocess.run(
         [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py"), *argv],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
