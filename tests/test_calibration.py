@@ -152,6 +152,17 @@ def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature:
     assert (t > 1) == temperature  # the softening is used here
 
 
+def _trained_posterior(model: nn.Module, loss: object, steps: int, **optimizer: object) -> EVONPosterior:
+    """``steps`` sampled steps of ``build_optimizer(model, seed=0, **optimizer)`` on ``loss()``."""
+    opt = build_optimizer(model, seed=0, **optimizer)
+    for _ in range(steps):
+        with opt.sampled_params(train=True):
+            loss().backward()
+        opt.step()
+        opt.zero_grad()
+    return EVONPosterior.from_optimizer(opt, model)
+
+
 def _fixed_logit_data(n: int, seed: int = 0) -> list:
     """Labels drawn from softmax(z): a model returning scale·z has its best temperature near scale."""
     gen = torch.Generator().manual_seed(seed)
@@ -775,18 +786,11 @@ def test_calibration_shifts_a_gpt2s_labels_unless_told_otherwise() -> None:
     search is the one with ``shift_labels=True``, and differs from the unshifted one."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_evon import build_optimizer
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
     ids = torch.randint(0, 50, (4, 12))
-    opt = build_optimizer(model, ess=1e4, seed=0)
-    for _ in range(2):
-        with opt.sampled_params(train=True):
-            model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    posterior = EVONPosterior.from_optimizer(opt, model)
+    posterior = _trained_posterior(model, lambda: model(input_ids=ids, labels=ids).loss, 2, ess=1e4)
     batches = [{"input_ids": ids, "labels": ids}]
     results = {
         shift: calibrate_posterior(model, posterior, batches, grid=[1.0], num_samples=2, shift_labels=shift)[
@@ -919,14 +923,9 @@ def test_a_prompt_tuned_lm_is_calibrated_on_the_tokens_its_loss_scores() -> None
     model = peft.get_peft_model(
         LlamaForCausalLM(config), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     )
-    opt = build_optimizer(model, evon_patterns=["prompt_encoder"], seed=0)
     ids = torch.randint(0, 64, (6, 10))
-    for _ in range(3):
-        with opt.sampled_params(train=True):
-            model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    posterior = EVONPosterior.from_optimizer(opt, model)
+    loss = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    posterior = _trained_posterior(model, loss, 3, evon_patterns=["prompt_encoder"])
     assert posterior.names and all("prompt_encoder" in n for n in posterior.names)
     model.eval()
     with torch.no_grad():
@@ -975,13 +974,7 @@ def test_a_tuple_output_led_by_its_loss_is_calibrated_on_its_logits() -> None:
     torch.manual_seed(0)
     model = ToyEncoderDecoder()
     ids = torch.randint(0, 7, (6, 5))
-    opt = build_optimizer(model, evon_patterns=["head"], seed=0)
-    for _ in range(2):
-        with opt.sampled_params(train=True):
-            model(ids, labels=ids)[0].backward()
-        opt.step()
-        opt.zero_grad()
-    posterior = EVONPosterior.from_optimizer(opt, model)
+    posterior = _trained_posterior(model, lambda: model(ids, labels=ids)[0], 2, evon_patterns=["head"])
     with torch.no_grad():
         loss = model(ids, labels=ids)[0]
     _, result = calibrate_posterior(model, posterior, [{"input_ids": ids, "labels": ids}], grid=[1.0], num_samples=2)
