@@ -757,3 +757,37 @@ def test_predict_bma_gives_compute_metrics_the_inputs_include_for_metrics_asks_f
     trainer.args.include_for_metrics = ["inputs", "loss"]
     with pytest.raises(ValueError, match=r"include_for_metrics=\['loss'\]"):
         trainer.predict(test, bma=True)
+
+
+def test_predict_bma_reads_labels_of_a_forward_that_names_none(tmp_path):
+    """A forward taking ``**batch`` names no label, so transformers' ``label_names`` is empty:
+    ``predict(bma=True)`` returned no label_ids and no test_bma_* metrics where ``evaluate()``
+    reports eval_bma_* from the batch's ``labels``."""
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(100, 16), nn.Linear(16 * 8, 3)
+
+        def forward(self, **batch):  # noqa: ANN003, ANN201
+            logits = self.head(self.emb(batch["input_ids"]).flatten(1))
+            out = {"logits": logits}
+            if batch.get("labels") is not None:
+                out["loss"] = nn.functional.cross_entropy(logits, batch["labels"])
+            return out
+
+    held_out = classification_data(16, seed=3)
+    trainer = EVONTrainer(
+        model=Net(),
+        args=config(tmp_path, max_steps=3, remove_unused_columns=False, bma_num_samples=2),
+        train_dataset=classification_data(48),
+        eval_dataset=held_out,
+    )
+    assert trainer.label_names == []
+    trainer.train()
+    out = trainer.predict(held_out, bma=True)
+    assert np.array_equal(out.label_ids, np.asarray(held_out["labels"]))
+    evaluated = trainer.evaluate()
+    assert out.metrics["test_bma_nll"] == pytest.approx(evaluated["eval_bma_nll"], rel=1e-6)

@@ -168,10 +168,11 @@ def _output_field(output: Any, name: str) -> Any:
 
 def batch_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...] | None:
     """The batch's labels as ``Trainer.prediction_step`` finds them: its ``trainer.label_names``
-    entries (a tuple where there are several: extractive QA's start and end positions); None where
-    one is missing."""
-    names = trainer.label_names
-    if not names or any(inputs.get(name) is None for name in names):
+    entries (a tuple where there are several: extractive QA's start and end positions), or its
+    ``labels`` where those are none (a forward taking ``**batch``, whose signature names no label:
+    the BMA metrics read ``labels`` as ``evaluate()`` does); None where one is missing."""
+    names = trainer.label_names or ["labels"]
+    if any(inputs.get(name) is None for name in names):
         return None
     return inputs[names[0]] if len(names) == 1 else tuple(inputs[name] for name in names)
 
