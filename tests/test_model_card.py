@@ -421,3 +421,19 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     record = dict(calibrated.config["calibration"], scanned=False, grid=[], nll=[], ess="inf", trained_nll=0.9)
     text = _calibration_text({"calibration": record})
     assert kept not in text and "BMA is the mean" in text and text.endswith(TRAINED_SCALE_NOTE)
+
+
+def test_each_eval_datasets_metrics_share_a_row_of_mean_and_bma() -> None:
+    """With several eval datasets the Trainer logs ``eval_<name>_mean_nll`` and
+    ``eval_<name>_bma_nll``: both went to the mean's column as two rows (``a_bma_nll`` with "–"
+    under BMA) where one row holds the mean and the BMA value."""
+    from hf_evon.posterior.model_card import _metric_rows
+
+    metrics = {
+        "eval_a_mean_nll": 1.5, "eval_a_bma_nll": 1.25, "eval_b_mean_nll": 2.5, "eval_b_bma_nll": 2.25,
+        "eval_mean_nll": 0.5, "eval_bma_nll": 0.25, "eval_loss": 0.75, "eval_xbma_y": 3.0,
+    }  # fmt: skip
+    assert _metric_rows(metrics) == [
+        ("a_nll", "1.5", "1.25"), ("b_nll", "2.5", "2.25"), ("nll", "0.5", "0.25"),
+        ("loss", "0.75", "–"), ("xbma_y", "3", "–"),
+    ]  # fmt: skip

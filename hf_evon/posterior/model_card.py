@@ -179,12 +179,15 @@ def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]
     else:
         for key, value in metrics.items():
             name = re.sub(r"^(eval|test|validation)_", "", str(key))
-            if name.startswith("bma_"):
-                bma[name[4:]] = value
+            # "<dataset>_bma_<metric>" with several eval datasets: the dataset's row of <metric>
+            kind = re.match(r"^(?:(?P<dataset>.+?)_)?(?P<kind>bma|mean)_(?P<metric>.+)$", name)
+            if kind:
+                row = f"{kind['dataset']}_{kind['metric']}" if kind["dataset"] else kind["metric"]
+                (bma if kind["kind"] == "bma" else mean)[row] = value
             elif name.endswith("_bma"):
                 bma[name[:-4]] = value
             else:
-                mean[name.removeprefix("mean_")] = value
+                mean[name] = value
     order = list(dict.fromkeys([*mean, *bma]))
     rows = []
     for name in order:
