@@ -170,8 +170,9 @@ class EVONSharding(ShardingHooks):
         if gen is None:
             gen = self._generators[device] = torch.Generator(device=device)
         out = torch.empty(len(b.params), b.m, b.n, device=device, dtype=b.dtype)
+        label = opt.noise_label
         for i, p in enumerate(b.params):
-            gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], opt.noise_label))
+            gen.manual_seed(derived_seed(opt.seed, "matrix", self.index[id(p)], label))
             torch.randn(b.m, b.n, generator=gen, device=device, dtype=b.dtype, out=out[i])
         return out
 

@@ -343,11 +343,12 @@ def dense_covariance(
 def norms_of(tensors: list[Tensor]) -> list[Tensor]:
     """Each tensor's 2-norm in float32 at least (float64 if any is): a float16 gradient's norm
     overflows above 65504 and its square above 256 while every entry is finite."""
-    complex_ = [i for i, t in enumerate(tensors) if t.is_complex()]  # an AdamW group's: their own norms
-    if complex_:
+    dtypes = {t.dtype for t in tensors}
+    if any(d.is_complex for d in dtypes):  # an AdamW group's complex parameters: their own norms
+        complex_ = [i for i, t in enumerate(tensors) if t.is_complex()]
         norms = norms_of([t for t in tensors if not t.is_complex()]) if len(complex_) < len(tensors) else []
         for i, norm in zip(complex_, torch._foreach_norm([tensors[i] for i in complex_])):
             norms.insert(i, norm)
         return norms
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    wide = torch.float64 if torch.float64 in dtypes else torch.float32
     return list(torch._foreach_norm(tensors, dtype=wide))

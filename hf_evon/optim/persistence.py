@@ -37,16 +37,20 @@ COPIED_ATTRIBUTES = (
 )
 
 
+# the counters saved beside the noise's seed (state-dict key -> the optimizer's attribute): the
+# blocks' counts, the skipped steps and the updates (the curvature fits' and health checks' clock);
+# a state dict without one restores 0
+_SAVED_COUNTERS = {
+    "sample_blocks": "_sample_blocks",
+    "eval_blocks": "_eval_blocks",
+    "skipped_steps": "skipped_steps",
+    "updates": "_updates",
+}
+
+
 def saved_extras(optimizer: Any) -> dict[str, int]:
-    """The counters ``state_dict`` saves under ``EXTRA_KEY``: the noise's seed and block counts,
-    the skipped steps and the updates (the curvature fits' and health checks' clock)."""
-    return {
-        "seed": optimizer.seed,
-        "sample_blocks": optimizer._sample_blocks,
-        "eval_blocks": optimizer._eval_blocks,
-        "skipped_steps": optimizer.skipped_steps,
-        "updates": optimizer._updates,
-    }
+    """What ``state_dict`` saves under ``EXTRA_KEY``: the noise's seed and ``_SAVED_COUNTERS``."""
+    return {"seed": optimizer.seed, **{key: getattr(optimizer, attr) for key, attr in _SAVED_COUNTERS.items()}}
 
 
 @contextlib.contextmanager
@@ -71,10 +75,8 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
         extra = loaded["extra"]
         if extra is not None:
             optimizer.seed = int(extra["seed"])
-            optimizer.skipped_steps = int(extra.get("skipped_steps", 0))
-            optimizer._sample_blocks = int(extra.get("sample_blocks", 0))
-            optimizer._eval_blocks = int(extra.get("eval_blocks", 0))
-            optimizer._updates = int(extra.get("updates", 0))
+            for key, attr in _SAVED_COUNTERS.items():
+                setattr(optimizer, attr, int(extra.get(key, 0)))
 
     pre = optimizer.register_load_state_dict_pre_hook(check)  # after the user's
     post = optimizer.register_load_state_dict_post_hook(restore, prepend=True)  # before the user's

@@ -396,7 +396,6 @@ class BatchedSamples:
 
     def __exit__(self, *exc: Any) -> None:
         self._restore()
-        self._labels = {}
 
     def check_sample_axis(self, run: Callable[[], Any], rows: int = 1) -> None:
         """Run ``run``, a forward of the model on one token of ``rows`` sequences per sample (S·rows
@@ -446,6 +445,7 @@ class BatchedSamples:
         module._parameters.update(guards)
 
     def _restore(self) -> None:
+        self._labels = {}
         while self._patched:
             module, previous, params = self._patched.pop()
             module._parameters.update(params)
