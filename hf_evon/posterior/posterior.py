@@ -304,13 +304,14 @@ class EVONPosterior:
     def check_model(self, model: nn.Module) -> None:
         """Raise :class:`PosteriorMismatchError` naming each covered tensor the model lacks or mis-shapes;
         warn (``PosteriorMeanWarning``) where its weights are not the ones the posterior was taken at."""
-        params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+        inner = unwrap_model(model)  # the names the posterior uses: no DDP / torch.compile prefix
+        params = dict(inner.named_parameters(remove_duplicate=False))
         problems = []
         for name in self.names:
             f = self[name]
             p = params.get(name)
             if p is None:
-                problems.append(f"{name!r} is not a parameter of the model{name_hint(name, model, params)}")
+                problems.append(f"{name!r} is not a parameter of the model{name_hint(name, inner, params)}")
             elif tuple(p.shape) != f.shape:
                 problems.append(
                     f"{name!r} has shape {tuple(p.shape)} in the model but {f.shape} in the posterior"
@@ -319,7 +320,7 @@ class EVONPosterior:
                 problems.append(
                     f"{name!r} has dtype {p.dtype} in the model; a posterior needs a float parameter"
                 )
-        problems += unused_adapter_parameters(unwrap_model(model), [n for n in self.names if n in params])
+        problems += unused_adapter_parameters(inner, [n for n in self.names if n in params])
         if problems:
             more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
             raise PosteriorMismatchError(
