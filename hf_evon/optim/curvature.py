@@ -110,12 +110,18 @@ def fitted_ess(inv_sum: float, numel: int, w_sq_sum: float, ratio: float) -> flo
     return (inv_sum / numel) / (ratio**2 * w_sq_sum / numel)
 
 
+def group_clock(group: dict[str, Any], t: int) -> int:
+    """The optimizer's ``t``-th update counted on the group's own clock: from its first update
+    (``fit_from``, stored for a group added mid-run; 0 otherwise)."""
+    return t - group.get("fit_from", 0)
+
+
 def refit_due(group: dict[str, Any], t: int) -> bool:
     """Whether the group's fitted ζ/δ are refit after the optimizer's ``t``-th update, counted from
     the group's first (``fit_from``: a group added mid-run): after its second, the first to estimate
     H (the first only sets up the eigenbases; left alone, the noise would then be the prior's until
     the next fit), and every ``curvature_refit`` updates."""
-    every, t = group.get("curvature_refit", 0), t - group.get("fit_from", 0)
+    every, t = group.get("curvature_refit", 0), group_clock(group, t)
     return bool(group.get("fit_to_curvature")) and every > 0 and (t == 2 or (t > 0 and t % every == 0))
 
 
@@ -181,8 +187,8 @@ def fit_from_curvature(
     inv = pooled(second, 1)
     for gi, group in enumerate(groups):
         if "ess" in group["fit_to_curvature"]:
-            ratio = noise_std_ratio(  # on the group's own clock (refit_due)
-                t - group.get("fit_from", 0),
+            ratio = noise_std_ratio(
+                group_clock(group, t),
                 group["hess_init"],
                 group["betas"][1],
                 group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO),
