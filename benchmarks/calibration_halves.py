@@ -1,6 +1,8 @@
-"""Does the calibration's standard-error rule carry over? ``calibrate_posterior`` run on one half
-of the calibration split with each ``standard_errors`` k, its choice (noise scale and temperature)
-scored by BMA NLL on the other half, both ways. Validation data only: the test split is not read.
+"""Do the calibration's standard-error and minimum-gain rules carry over? ``calibrate_posterior`` run
+on one half of the calibration split with each ``standard_errors`` k (at the default ``min_gain``)
+and each ``min_gain`` g (at the default k), its choice (noise scale and temperature) scored by BMA
+NLL on the other half, both ways. Validation data only: the tasks are built without their test
+partition (``payoff_tasks.make_task(..., development=True)``).
 
 EVON at ``build_optimizer``'s defaults on ``benchmarks/payoff.py``'s tasks
 (``payoff_training.train_evon``). The draws are taken once, on the whole split, as the calibration
@@ -14,8 +16,9 @@ of a choice is the mean over the other half's targets of -log (1/S Σ_s softmax(
     python benchmarks/calibration_halves.py --tasks noisy_digits --seeds 0 1 2 3 4 5 6 7 8 9
     python benchmarks/calibration_halves.py --tasks minilm_noisy_lora --seeds 0 1 2 3 --jobs 2
 
-It prints one JSON line per run and, per k, the held-out-half NLL averaged over runs and how often
-it is below and above the default k's. Figures: docs/trainer.md#calibration-standard-errors.
+It prints one JSON line per run and, per rule, the held-out-half NLL averaged over runs and how
+often it is below and above the defaults'. Figures: docs/trainer.md#calibration-standard-errors,
+docs/trainer.md#calibration-min-gain.
 """
 
 from __future__ import annotations
@@ -40,14 +43,27 @@ import payoff_training  # noqa: E402
 from hf_evon import EVONPosterior  # noqa: E402
 from hf_evon.predictive.calibration import (  # noqa: E402
     DEFAULT_GRID,
+    DEFAULT_MIN_GAIN,
     DEFAULT_NUM_SAMPLES,
     DEFAULT_STANDARD_ERRORS,
     calibrate_posterior,
     trained_posterior,
 )
 from hf_evon.predictive.logprobs import log_mean_prob  # noqa: E402
+from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 
 KS = (0.0, 0.5, 1.0, 1.5)
+MIN_GAINS = (0.0, 0.003, 0.01, 0.03)
+# label -> calibrate_posterior's (standard_errors, min_gain): each k at the default g, each g at the
+# default k (the defaults' row is DEFAULT_RULE)
+# default k), and the pairs of JOINT
+JOINT = ((0.5, 0.003), (0.0, 0.003), (1.0, 0.01))
+RULES = (
+    {f"k={k:g}": (k, DEFAULT_MIN_GAIN) for k in KS}
+    | {f"g={g:g}": (DEFAULT_STANDARD_ERRORS, g) for g in MIN_GAINS if g != DEFAULT_MIN_GAIN}
+    | {f"k={k:g} g={g:g}": (k, g) for k, g in JOINT if (k, g) != (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN)}
+)
+DEFAULT_RULE = f"k={DEFAULT_STANDARD_ERRORS:g}"
 
 
 def key(factor: float, seed: int) -> tuple[float, int]:
@@ -111,44 +127,62 @@ def draws(
     return out, y
 
 
+def held_out_log_probs(logits: dict[Any, torch.Tensor], index: torch.Tensor, ess_factor: float,
+                       temperature: float, seed: int) -> torch.Tensor:  # fmt: skip
+    """The choice's BMA log-predictive ([examples, classes]) on the examples ``index``."""
+    keys = [None] if math.isinf(ess_factor) else [key(ess_factor, seed + s) for s in range(DEFAULT_NUM_SAMPLES)]
+    return log_mean_prob(torch.stack([torch.log_softmax(logits[k][index] / temperature, -1) for k in keys]), dim=0)
+
+
 def held_out_nll(logits: dict[Any, torch.Tensor], index: torch.Tensor, y: torch.Tensor, ess_factor: float,
                  temperature: float, seed: int) -> float:  # fmt: skip
     """BMA NLL of the choice on the examples ``index``."""
-    keys = [None] if math.isinf(ess_factor) else [key(ess_factor, seed + s) for s in range(DEFAULT_NUM_SAMPLES)]
-    logp = torch.stack([torch.log_softmax(logits[k][index] / temperature, -1) for k in keys])
-    return float(-log_mean_prob(logp, dim=0).gather(1, y[index, None]).mean())
+    return float(-held_out_log_probs(logits, index, ess_factor, temperature, seed).gather(1, y[index, None]).mean())
 
 
 def run(name: str, seed: int) -> dict[str, Any]:
-    task = payoff_tasks.make_task(name, seed, False)
+    task = payoff_tasks.make_task(name, seed, False, development=True)
     model = task.make_model(seed)
     opt = payoff_training.train_evon(task, model, seed)
     posterior = EVONPosterior.from_optimizer(opt, model)
     base = 1000 + seed  # payoff.py's calibration seed
     logits, y = draws(task, model, posterior, base)
-    n = y.numel()
-    halves = (torch.arange(0, n, 2), torch.arange(1, n, 2))
-    replay, stand_in = Replay(logits), ReplayPosterior(float(posterior.config.get("trained_ess", posterior.ess)))
-    row: dict[str, Any] = {"task": name, "seed": seed, "targets": n}
-    for k in KS:
-        total, picks = 0.0, []
-        for fit, score in (halves, halves[::-1]):
-            _, result = calibrate_posterior(replay, stand_in, [(fit, y[fit])], seed=base, standard_errors=k,
-                                            shift_labels=False)  # fmt: skip
-            total += held_out_nll(logits, score, y, result.multiplier, result.temperature, base) * len(score)
-            picks.append([result.multiplier, round(result.temperature, 4)])
-        row[str(k)] = {"nll": total / n, "choices": picks}
+    stand_in = ReplayPosterior(float(posterior.config.get("trained_ess", posterior.ess)))
+    row: dict[str, Any] = {"task": name, "seed": seed, "targets": y.numel()}
+    for label, (k, g) in RULES.items():
+        row[label] = rule_scores(logits, y, stand_in, base, k, g)
     return row
 
 
+def rule_scores(logits: dict[Any, torch.Tensor], y: torch.Tensor, stand_in: ReplayPosterior, seed: int,
+                standard_errors: float, min_gain: float) -> dict[str, Any]:  # fmt: skip
+    """The rule's choice on each half of the targets (even and odd positions), scored on the other:
+    the BMA NLL and ECE over all targets, and the two choices ([multiplier, temperature])."""
+    n = y.numel()
+    halves = (torch.arange(0, n, 2), torch.arange(1, n, 2))
+    scored, order, picks = [], [], []
+    for fit, score in (halves, halves[::-1]):
+        _, result = calibrate_posterior(Replay(logits), stand_in, [(fit, y[fit])], seed=seed,
+                                        standard_errors=standard_errors, min_gain=min_gain, shift_labels=False)  # fmt: skip
+        scored.append(held_out_log_probs(logits, score, result.multiplier, result.temperature, seed))
+        order.append(score)
+        picks.append([result.multiplier, result.temperature])
+    logp, labels = torch.cat(scored), y[torch.cat(order)]
+    ece = calibration_metrics(logp, labels, input_type="log_probs", ignore_index=None)["ece"]
+    return {"nll": float(-logp.gather(1, labels[:, None]).mean()), "ece": ece, "choices": picks}
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
-    default = str(DEFAULT_STANDARD_ERRORS)
-    lines = ["| k | held-out-half NLL, mean over runs | runs below / above the default k's |", "|---|---|---|"]
-    for k in map(str, KS):
-        diffs = [r[k]["nll"] - r[default]["nll"] for r in rows]
+    lines = [
+        "| rule | held-out-half NLL, mean over runs | runs below / above the defaults' | ECE, mean over runs |",
+        "|---|---|---|---|",
+    ]
+    for rule in RULES:
+        diffs = [r[rule]["nll"] - r[DEFAULT_RULE]["nll"] for r in rows]
+        ece = statistics.mean(r[rule]["ece"] for r in rows) if all("ece" in r[rule] for r in rows) else math.nan
         lines.append(
-            f"| {k} | {statistics.mean(r[k]['nll'] for r in rows):.5f} "
-            f"| {sum(d < -1e-12 for d in diffs)} / {sum(d > 1e-12 for d in diffs)} |"
+            f"| {rule} | {statistics.mean(r[rule]['nll'] for r in rows):.5f} "
+            f"| {sum(d < -1e-12 for d in diffs)} / {sum(d > 1e-12 for d in diffs)} | {ece:.4f} |"
         )
     return "\n".join(lines)
 

@@ -1,11 +1,11 @@
 """Does switching to EVON pay off with its defaults? Calibration and accuracy on seven tasks.
 
 Offline on CPU: each task is trained by each method with that method's defaults (no per-task
-tuning), over several seeds, and scored on a test split the methods never saw; the calibration
-split is used only for the post-hoc steps (temperature, Laplace prior precision, the sampling ζ
-of EVON and IVON). Most of EVON's defaults were chosen on validation data (the calibration split
-of seed 0, halved: docs/defaults.md); docs/defaults.md#what-saw-the-test-splits lists those that
-saw this table's test splits, and how the per-seed splits leak across seeds.
+tuning), over several seeds, and scored on each task's test partition: the same rows for every
+seed, which no script that chooses a setting builds (``payoff_tasks.make_task(...,
+development=True)``); the calibration split is used only for the post-hoc steps (temperature,
+Laplace prior precision, the sampling ζ of EVON and IVON). How EVON's defaults were chosen, and
+re-checked on validation data: docs/defaults.md#what-saw-the-test-splits.
 
 Tasks: ``payoff_tasks`` (the seven of the table: digits, breast_cancer, wine, noisy_digits,
 tiny_gpt2, minilm_full, minilm_lora; more by name). The loop and scores every method shares:

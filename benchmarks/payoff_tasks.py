@@ -20,8 +20,13 @@ fine-tuning):
                     classes / 900 rows and 3 classes / 180 rows, 30% / 20% of the labels random,
                     80 / 100 epochs: held-out checks, never used to choose a default
 
-A task's batches are (inputs, labels): inputs a tensor or a mapping of tensors; every split is
-fixed per seed; ``make_task(name, seed, fast)`` builds one.
+A task's batches are (inputs, labels): inputs a tensor or a mapping of tensors;
+``make_task(name, seed, fast)`` builds one. Splits: every task's test partition is one fixed set
+of rows (tabular: 20% of the table drawn with ``TEST_PARTITION_SEED``; text: half of the held-out
+texts; LM: the blocks of every other held-out document), the same for every seed, and no tuning
+script reads it: they build tasks with ``development=True``, whose ``test`` is None. A seed draws
+the training/calibration split of the rest, the label noise outside the test partition, the model
+and the batches' order.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class Task:
     make_model: Callable[[int], nn.Module]
     train: list[Batch]  # one epoch, fixed order per seed is applied by the loop
     cal: list[Batch]
-    test: list[Batch]
+    test: list[Batch] | None  # the fixed test partition; None in a development task (tuning scripts)
     epochs: int
     adamw_lr: float
     shift: bool  # causal LM: labels are the inputs, shifted
@@ -73,7 +78,7 @@ class Task:
         make = self.make_model
         return dataclasses.replace(
             self, make_model=lambda s: make(s).to(device), train=move(self.train), cal=move(self.cal),
-            test=move(self.test),
+            test=None if self.test is None else move(self.test),
         )  # fmt: skip
 
 
@@ -145,27 +150,57 @@ def row_batches(x: Any, labels: Any, size: int) -> list[Batch]:
     return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
 
 
-def tabular_task(name: str, seed: int, fast: bool) -> Task:
+# the test partitions' draws (rows and their label noise): fixed, whatever the seed
+TEST_PARTITION_SEED = 20261129
+
+
+def split_rows(rows: int, seed: int) -> tuple[Any, Any, Any]:
+    """(train, calibration, test) row indices, 60/20/20: the test rows are the same for every seed
+    (``TEST_PARTITION_SEED``); the seed splits the other rows, in its own order."""
     import numpy as np
+
+    n_train, n_cal = int(0.6 * rows), int(0.2 * rows)
+    order = np.random.RandomState(TEST_PARTITION_SEED).permutation(rows)
+    test, rest = order[: rows - n_train - n_cal], order[rows - n_train - n_cal :]
+    rest = rest[np.random.RandomState(seed).permutation(len(rest))]
+    return rest[:n_train], rest[n_train:], test
+
+
+def noisy_labels(y: Any, noise: float, test: Any, seed: int) -> Any:
+    """``y`` with ``noise`` of the labels replaced by random classes: the ``test`` rows' draw fixed
+    (``TEST_PARTITION_SEED``), the other rows' drawn by ``seed``."""
+    import numpy as np
+
+    classes, out = int(y.max() + 1), y.copy()
+    in_test = np.zeros(len(y), dtype=bool)
+    in_test[test] = True
+    for rows, gen_seed in ((np.flatnonzero(in_test), TEST_PARTITION_SEED), (np.flatnonzero(~in_test), seed)):
+        gen = np.random.RandomState(gen_seed)
+        flip, random = gen.rand(len(rows)) < noise, gen.randint(0, classes, len(rows))
+        out[rows] = np.where(flip, random, y[rows])
+    return out
+
+
+def tabular_task(name: str, seed: int, fast: bool, development: bool = False) -> Task:
+    """``split_rows``'s splits (``keep`` of the training rows), ``noisy_labels`` at the task's noise;
+    ``development``: no test batches."""
     from sklearn.preprocessing import StandardScaler
 
     loader, noise, keep, epochs, size = TABULAR[name]
     X, y = load_table(loader)
-    rng = np.random.RandomState(seed)
-    idx = rng.permutation(len(y))
     classes = int(y.max() + 1)
-    if noise:
-        y = np.where(rng.rand(len(y)) < noise, rng.randint(0, classes, len(y)), y)
-    n_tr, n_cal = int(0.6 * len(y)), int(0.2 * len(y))
-    parts = idx[:n_tr][:keep], idx[n_tr : n_tr + n_cal], idx[n_tr + n_cal :]
-    scaler = StandardScaler().fit(X[parts[0]])
+    train, cal, test = split_rows(len(y), seed)
+    train = train[:keep]
+    if noise:  # every split's labels noisy: the held-out data are as the training data
+        y = noisy_labels(y, noise, test, seed)
+    scaler = StandardScaler().fit(X[train])
 
     def batches(i: Any, size: int) -> list[Batch]:
         return row_batches(scaler.transform(X[i]), y[i], size)
 
     return Task(
-        name, tabular_mlp(X.shape[1], classes), batches(parts[0], size), batches(parts[1], 512),
-        batches(parts[2], 512),
+        name, tabular_mlp(X.shape[1], classes), batches(train, size), batches(cal, 512),
+        None if development else batches(test, 512),
         epochs=5 if fast else epochs, adamw_lr=1e-3, shift=False, classification=True,
     )  # fmt: skip
 
@@ -177,11 +212,13 @@ def lm_task(
     name: str = "tiny_gpt2",
     steps: int = 400,
     val_fraction: float = 0.1,
+    development: bool = False,
 ) -> Task:
     """A 2-layer GPT-2 (width 128, context 64, a 1024-token BPE trained on the training documents),
     ``steps`` steps of 16 random blocks (``fast``: 40), on ``docs`` (None: 1.5 MB of the standard
-    library's source); whole documents held out by ``split_documents(docs, val_fraction)``, their
-    blocks halved into calibration and test (48 each at most)."""
+    library's source); whole documents held out by ``split_documents(docs, val_fraction)``, every
+    other one for calibration, the rest for test (48 blocks each at most; the seed draws only the
+    training blocks); ``development``: no test batches."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
@@ -191,11 +228,18 @@ def lm_task(
     train_docs, held_docs = split_documents(docs, val_fraction=val_fraction)
     tok = train_bpe_tokenizer((t for _, t in train_docs), vocab_size=1024)
     train_ids = encode_documents(tok, [t for _, t in train_docs]).long()
-    held_ids = encode_documents(tok, [t for _, t in held_docs]).long()
     ctx = 64
-    held = held_ids[: (len(held_ids) // ctx) * ctx].view(-1, ctx)
-    half = min(len(held) // 2, 48)
-    cal_rows, test_rows = held[:half], held[half : 2 * half]
+
+    def blocks(part: list[tuple[str, str]]) -> torch.Tensor:
+        ids = encode_documents(tok, [t for _, t in part]).long() if part else torch.zeros(0, dtype=torch.long)
+        if len(ids) < ctx:
+            raise ValueError(
+                f"{name}: {len(held_docs)} held-out document(s) give no {ctx}-token block for calibration "
+                "and for test; hold out more (val_fraction) or pass a larger corpus"
+            )
+        return ids[: min(len(ids) // ctx, 48) * ctx].view(-1, ctx)
+
+    cal_rows, test_rows = blocks(held_docs[0::2]), blocks(held_docs[1::2])
     steps = 40 if fast else steps
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(train_ids) - ctx, (steps, 16), generator=gen)
@@ -213,7 +257,7 @@ def lm_task(
         return GPT2LMHeadModel(cfg)
 
     return Task(
-        name, make_model, [(x, y) for x, y in train], rows(cal_rows), rows(test_rows),
+        name, make_model, [(x, y) for x, y in train], rows(cal_rows), None if development else rows(test_rows),
         epochs=1, adamw_lr=1e-3, shift=True, classification=False,
     )  # fmt: skip
 
@@ -239,7 +283,7 @@ def minilm_model(num_labels: int, seed: int, lora: bool) -> nn.Module:
     return model
 
 
-def minilm_task(lora: bool, seed: int, fast: bool, noisy: bool = False) -> Task:
+def minilm_task(lora: bool, seed: int, fast: bool, noisy: bool = False, development: bool = False) -> Task:
     """The docstring task; ``noisy``: 30 training texts per class, 30% of every split's labels
     random (as noisy_digits), 20 epochs: few examples, noisy labels, trained long enough to fit them."""
     import finetune_classification as fc
@@ -250,6 +294,7 @@ def minilm_task(lora: bool, seed: int, fast: bool, noisy: bool = False) -> Task:
     return text_task(
         name, (list(train_ds["text"]), list(train_ds["label"])), (list(held_ds["text"]), list(held_ds["label"])),
         len(names), lora, seed, epochs=2 if fast else (20 if noisy else 3), noise=0.3 if noisy else 0.0,
+        development=development,
     )  # fmt: skip
 
 
@@ -262,32 +307,37 @@ def text_task(
     seed: int,
     epochs: int,
     noise: float = 0.0,
+    development: bool = False,
 ) -> Task:
     """The pretrained MiniLM fine-tuned (``lora`` or fully) on (texts, labels): batches of 16 in the
-    given order; the held-out texts split in half per seed (calibration, test); ``noise``: that share
-    of every split's labels replaced by random ones, drawn per seed."""
+    given order; the held-out texts split in half, the same for every seed (calibration, test);
+    ``noise``: that share of every split's labels replaced by random ones, the test half's drawn
+    once (``TEST_PARTITION_SEED``), the others' per seed; ``development``: no test batches."""
     import finetune_classification as fc
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(fc.minilm_path())
     batches = lambda texts, labels, size: text_batches(tok, texts, labels, size)  # noqa: E731
     (train_texts, train_labels), (held_texts, held_labels) = train, held
+    order = torch.randperm(len(held_labels), generator=torch.Generator().manual_seed(TEST_PARTITION_SEED))
+    cal_i, test_i = order[: len(order) // 2].tolist(), order[len(order) // 2 :].tolist()
     if noise:
-        gen = torch.Generator().manual_seed(seed)
+        labels = torch.tensor(held_labels)
 
-        def relabel(labels: list[int]) -> list[int]:
+        def relabel(labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
             flip = torch.rand(len(labels), generator=gen) < noise
-            random = torch.randint(0, num_labels, (len(labels),), generator=gen)
-            return torch.where(flip, random, torch.tensor(labels)).tolist()
+            return torch.where(flip, torch.randint(0, num_labels, (len(labels),), generator=gen), labels)
 
-        train_labels, held_labels = relabel(train_labels), relabel(held_labels)
-    order = torch.randperm(len(held_labels), generator=torch.Generator().manual_seed(seed)).tolist()
-    cal_i, test_i = order[: len(order) // 2], order[len(order) // 2 :]
+        gen = torch.Generator().manual_seed(seed)
+        train_labels = relabel(torch.tensor(train_labels), gen).tolist()
+        labels[cal_i] = relabel(labels[cal_i], gen)
+        labels[test_i] = relabel(labels[test_i], torch.Generator().manual_seed(TEST_PARTITION_SEED))
+        held_labels = labels.tolist()
     pick = lambda ix: ([held_texts[i] for i in ix], [held_labels[i] for i in ix])  # noqa: E731
     return Task(
         name, lambda s: minilm_model(num_labels, s, lora),
         batches(train_texts, train_labels, 16), batches(*pick(cal_i), 64),
-        batches(*pick(test_i), 64), epochs=epochs, adamw_lr=1e-3 if lora else 1e-4,
+        None if development else batches(*pick(test_i), 64), epochs=epochs, adamw_lr=1e-3 if lora else 1e-4,
         shift=False, classification=True,
     )  # fmt: skip
 
@@ -296,11 +346,13 @@ TASKS = ("digits", "breast_cancer", "wine", "noisy_digits", "tiny_gpt2", "minilm
 MINILM_TASKS = ("minilm_full", "minilm_lora", "minilm_noisy_full", "minilm_noisy_lora")
 
 
-def make_task(name: str, seed: int, fast: bool) -> Task:
+def make_task(name: str, seed: int, fast: bool, development: bool = False) -> Task:
+    """Task ``name`` at ``seed``; ``development``: without its test partition (``test`` None), as
+    every script that chooses a setting builds it."""
     if name in TABULAR:
-        return tabular_task(name, seed, fast)
+        return tabular_task(name, seed, fast, development)
     if name == "tiny_gpt2":
-        return lm_task(seed, fast)
+        return lm_task(seed, fast, development=development)
     if name in MINILM_TASKS:
-        return minilm_task(name.endswith("lora"), seed, fast, noisy="noisy" in name)
+        return minilm_task(name.endswith("lora"), seed, fast, noisy="noisy" in name, development=development)
     raise ValueError(f"unknown task {name!r}")

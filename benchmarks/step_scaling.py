@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         functional.SNR_AVERAGE_BETA = args.snr_average_beta
     try:
         for name in args.tasks:
-            tasks = [payoff_tasks.make_task(name, seed, False) for seed in range(args.seeds)]
+            tasks = [payoff_tasks.make_task(name, seed, False, development=True) for seed in range(args.seeds)]
             table[name] = {
                 label: statistics.fmean(calibration_nll(t, s, v) for s, t in enumerate(tasks))
                 for label, v in variants.items()

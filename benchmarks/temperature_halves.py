@@ -54,7 +54,7 @@ def run(name: str) -> None:
     res: dict[str, list[float]] = {"full": [], "soft": [], "none": [], "rule": [], "rule_soft": []}
     one = TEMPERATURE_GRID.index(1.0)
     for seed in (0, 1):
-        task = payoff_tasks.make_task(name, seed, False)
+        task = payoff_tasks.make_task(name, seed, False, development=True)
         model = task.make_model(seed)
         payoff_training.train_evon(task, model, seed)
         lp, y = payoff_training.log_probs(model, task.cal, task.shift)

@@ -7,10 +7,13 @@ posterior mean on the task's calibration split: NLL, accuracy, ECE, the temperat
 that split and the NLL after it, and EVON's ``posterior_health`` shares. Tasks: ``payoff.py``'s
 (``minilm_lora``, ``noisy_digits``, ...) and Table 2's (``docstring_topic/lora``,
 ``comment_topic/full``, ...; ``examples/paper/table2_finetune.py``). One JSON line per run, in
-the order they finish; one thread per process.
+the order they finish; one thread per process. A setting's ``"prior_std_ratio"`` is not an
+optimizer argument: it sets ``hf_evon.optim.defaults``' prior std ratio (``DEFAULT_PRIOR_STD_RATIO``,
+the noise level's ceiling and the mean's pull ``mean_weight_decay=None`` resolves to) for that run.
 
     python benchmarks/validation_sweep.py --tasks minilm_lora docstring_topic/lora \\
         --settings '{}' '{"clip": "element"}' adamw --seeds 0 --processes 2
+    python benchmarks/validation_sweep.py --tasks digits wine --settings '{}' '{"prior_std_ratio": 0.5}'
 
 Figures: docs/defaults.md (each default's section says which settings it compared).
 """
@@ -18,6 +21,7 @@ Figures: docs/defaults.md (each default's section says which settings it compare
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,16 +35,32 @@ _TEXT_DATA: dict[str, Any] | None = None
 
 
 def make_task(name: str, seed: int) -> Any:
-    """A payoff task (``minilm_lora``, ...) or a Table 2 task (``<text task>/<full|lora>``)."""
+    """A payoff task (``minilm_lora``, ...) or a Table 2 task (``<text task>/<full|lora>``), without
+    its test partition."""
     global _TEXT_DATA
     import payoff_tasks
     import table2_finetune
 
     if "/" not in name:
-        return payoff_tasks.make_task(name, seed, False)
+        return payoff_tasks.make_task(name, seed, False, development=True)
     if _TEXT_DATA is None:
         _TEXT_DATA = table2_finetune.text_data(table2_finetune.TEXT_TASKS)
-    return table2_finetune.make_task(name, seed, False, _TEXT_DATA, "cpu")
+    return table2_finetune.make_task(name, seed, False, _TEXT_DATA, "cpu", development=True)
+
+
+@contextlib.contextmanager
+def prior_std_ratio(ratio: float | None) -> Any:
+    """``default_weight_decay``'s prior std ratio set to ``ratio`` (None: left) while the block runs:
+    its default argument, which ``noise_std_ratio`` and ``mean_weight_decay=None`` resolve through."""
+    from hf_evon.optim import defaults
+
+    kept = defaults.default_weight_decay.__defaults__
+    if ratio is not None:
+        defaults.default_weight_decay.__defaults__ = (*kept[:2], float(ratio))
+    try:
+        yield
+    finally:
+        defaults.default_weight_decay.__defaults__ = kept
 
 
 def run(job: tuple[str, int, Any]) -> dict[str, Any]:
@@ -59,7 +79,9 @@ def run(job: tuple[str, int, Any]) -> dict[str, Any]:
     if setting == "adamw":
         train_adamw(task, model, seed)
     else:
-        optimizer = train_evon(task, model, seed, **setting)
+        kwargs = {k: v for k, v in setting.items() if k != "prior_std_ratio"}
+        with prior_std_ratio(setting.get("prior_std_ratio")):
+            optimizer = train_evon(task, model, seed, **kwargs)
         report = optimizer.posterior_health(warn=False)
         health = {k: report[k] for k in ("hess_below_prior", "hess_init_share") if k in report}
     seconds = time.time() - start

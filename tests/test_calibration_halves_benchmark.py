@@ -47,3 +47,25 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
     draws = torch.stack([torch.log_softmax(logits[(0.1, 1000 + s)] / t, -1) for s in range(8)])
     bma = -(torch.logsumexp(draws, 0) - math.log(8)).gather(1, y[:, None]).mean()
     assert halves.held_out_nll(logits, everything, y, 0.1, t, 1000) == pytest.approx(float(bma), rel=1e-12)
+    # a rule's score: each half's choice scored on the other half's targets, weighted by their count
+    even, odd = torch.arange(0, y.numel(), 2), torch.arange(1, y.numel(), 2)
+    for k, g in ((0.0, 0.0), (1.0, 0.01)):
+        row = halves.rule_scores(logits, y, stand_in, 1000, k, g)
+        (m0, t0), (m1, t1) = row["choices"]
+        want = halves.held_out_nll(logits, odd, y, m0, t0, 1000) * len(odd)
+        want += halves.held_out_nll(logits, even, y, m1, t1, 1000) * len(even)
+        assert row["nll"] == pytest.approx(want / y.numel(), rel=1e-9) and 0 <= row["ece"] <= 1
+
+
+def test_the_summary_counts_each_rules_runs_below_and_above_the_defaults() -> None:
+    """Every k is run at the default min_gain and every other min_gain at the default k; the table
+    averages each rule's held-out-half NLL and counts the runs it beats / loses to the defaults on."""
+    from hf_evon.predictive.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
+
+    assert halves.RULES[halves.DEFAULT_RULE] == (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN)
+    assert {g for _, g in halves.RULES.values()} == set(halves.MIN_GAINS)
+    assert {k for k, _ in halves.RULES.values()} == set(halves.KS)
+    base = {rule: {"nll": 1.0} for rule in halves.RULES}
+    rows = [{**base, "g=0": {"nll": 0.5}}, {**base, "g=0": {"nll": 2.0}}, base]
+    table = halves.summary(rows).splitlines()
+    assert "| g=0 | 1.16667 | 1 / 1 | nan |" in table and f"| {halves.DEFAULT_RULE} | 1.00000 | 0 / 0 | nan |" in table

@@ -463,3 +463,62 @@ def test_log_probs_score_in_eval_mode_and_restore_the_models_mode() -> None:
         logp, y = payoff_training.log_probs(model, batches, False)
         assert torch.equal(logp, reference) and torch.equal(y, labels)
     assert model.training
+
+
+@pytest.mark.parametrize("rows", [1797, 178, 150])
+def test_the_test_rows_are_the_same_for_every_seed_and_no_seed_trains_or_calibrates_on_them(rows) -> None:
+    """A table's 20% test partition is fixed across seeds, so a setting chosen on any seed's
+    calibration split never saw a row that another seed's table reports; the seed splits the rest."""
+    splits = [payoff_tasks.split_rows(rows, seed) for seed in range(3)]
+    test = set(splits[0][2].tolist())
+    assert len(test) == rows - int(0.6 * rows) - int(0.2 * rows)
+    for train, cal, seed_test in splits:
+        assert set(seed_test.tolist()) == test
+        assert len(train) == int(0.6 * rows) and len(cal) == int(0.2 * rows)
+        assert not (set(train.tolist()) | set(cal.tolist())) & test
+        assert sorted(train.tolist() + cal.tolist() + seed_test.tolist()) == list(range(rows))
+    assert splits[0][0].tolist() != splits[1][0].tolist()  # the seed still draws its own split
+
+
+def test_the_test_rows_label_noise_is_drawn_once_and_the_other_rows_per_seed() -> None:
+    import numpy as np
+
+    y = np.arange(1000) % 7
+    test = payoff_tasks.split_rows(len(y), 0)[2]
+    a, b = payoff_tasks.noisy_labels(y, 0.3, test, 0), payoff_tasks.noisy_labels(y, 0.3, test, 1)
+    rest = np.setdiff1d(np.arange(len(y)), test)
+    assert (a[test] == b[test]).all() and (a[rest] != b[rest]).any()
+    changed = (a != y).mean()
+    assert abs(changed - 0.3 * 6 / 7) < 4 * (0.257 * 0.743 / len(y)) ** 0.5
+
+
+@pytest.mark.parametrize("name", ["noisy_digits", "minilm_noisy_lora"])
+def test_a_development_task_has_no_test_batches_and_the_report_task_the_same_for_every_seed(name) -> None:
+    def flat(batches):
+        return [(x["input_ids"] if isinstance(x, dict) else x).tolist() + [y.tolist()] for x, y in batches]
+
+    tasks = [payoff_tasks.make_task(name, seed, True) for seed in (0, 1)]
+    assert payoff_tasks.make_task(name, 0, True, development=True).test is None
+    labels = [[int(v) for _, y in t.test for v in y] for t in tasks]
+    assert labels[0] == labels[1]  # the noisy test labels too
+    if name.startswith("minilm"):  # text: the same token ids (tabular features are scaled per seed)
+        assert flat(tasks[0].test) == flat(tasks[1].test)
+        ids = lambda batches: [x["input_ids"].tolist() for x, _ in batches]  # noqa: E731
+        assert ids(tasks[0].cal) == ids(tasks[1].cal)  # the same texts; their noisy labels per seed
+        # the calibration texts are not the test texts
+        texts = lambda t: {tuple(i for i in ids if i) for x, _ in t for ids in x["input_ids"].tolist()}  # noqa: E731
+        assert not texts(tasks[0].cal) & texts(tasks[0].test)
+    train_labels = [[int(v) for _, y in t.train for v in y] for t in tasks]
+    assert train_labels[0] != train_labels[1]
+
+
+def test_an_lm_task_with_one_held_out_document_says_it_cannot_split_it() -> None:
+    """Calibration and test blocks come from different held-out documents: one document cannot
+    give both, and the task says so instead of scoring an empty test split."""
+    text = "def f(x):\n    return x + 1\n" * 200
+    docs = [("a.py", text), ("b.py", text.replace("x", "y"))]
+    from hf_evon.data import split_documents
+
+    assert len(split_documents(docs, val_fraction=0.0001)[1]) == 1
+    with pytest.raises(ValueError, match=r"1 held-out document\(s\) give no 64-token block"):
+        payoff_tasks.lm_task(0, True, docs=docs, val_fraction=0.0001)

@@ -38,7 +38,7 @@ def test_snr_average_beta_flag_changes_the_step_for_the_run_only(monkeypatch) ->
     from hf_evon.optim import functional
 
     make_task = payoff_tasks.make_task
-    monkeypatch.setattr(payoff_tasks, "make_task", lambda name, seed, fast: make_task(name, seed, True))
+    monkeypatch.setattr(payoff_tasks, "make_task", lambda name, seed, fast, **kw: make_task(name, seed, True, **kw))
     library = functional.SNR_AVERAGE_BETA
     argv = ["--tasks", "noisy_iris", "--seeds", "1", "--variants", "adam x2"]
     default = step_scaling.main(argv)["noisy_iris"]["adam x2"]

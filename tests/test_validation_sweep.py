@@ -18,3 +18,19 @@ def test_a_setting_that_is_not_a_json_object_is_refused(setting: str, capsys: py
     assert exit_info.value.code == 2
     assert f"--settings: {setting!r} is neither a JSON object nor 'adamw'" in capsys.readouterr().err
 
+
+
+def test_a_settings_prior_std_ratio_sets_the_default_prior_for_the_run_only() -> None:
+    """``{"prior_std_ratio": r}``: δ₀ = h0·ρ0²/(r² − ρ0²) inside the run (so the noise level's
+    ceiling r(∞) = r), the library's default again after it, also when the run fails."""
+    from hf_evon.optim import defaults
+
+    before = defaults.default_weight_decay()
+    with validation_sweep.prior_std_ratio(0.5):
+        assert defaults.default_weight_decay(0.01, 0.05) == 0.01 * 0.05**2 / (0.5**2 - 0.05**2)
+        assert abs(defaults.noise_std_ratio(10**6) - 0.5) < 1e-12
+    with pytest.raises(RuntimeError), validation_sweep.prior_std_ratio(0.125):
+        raise RuntimeError
+    with validation_sweep.prior_std_ratio(None):
+        assert defaults.default_weight_decay() == before
+    assert defaults.default_weight_decay() == before == 0.01 * 0.05**2 / (0.25**2 - 0.05**2)

@@ -182,16 +182,19 @@ def data_sha256(data: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------ tasks
-def make_task(name: str, seed: int, fast: bool, data: dict[str, Any], device: str) -> payoff_tasks.Task:
-    """``noisy_digits``, or ``<text task>/<full|lora>``, on ``device``."""
+def make_task(
+    name: str, seed: int, fast: bool, data: dict[str, Any], device: str, development: bool = False
+) -> payoff_tasks.Task:
+    """``noisy_digits``, or ``<text task>/<full|lora>``, on ``device``; ``development``: without its
+    test partition (``payoff_tasks.make_task``)."""
     if name == "noisy_digits":
-        return payoff_tasks.make_task(name, seed, fast).to(device)
+        return payoff_tasks.make_task(name, seed, fast, development).to(device)
     task, variant = name.split("/")
     d = data[task]
     split = lambda rows: ([t for t, _ in rows], [y for _, y in rows])  # noqa: E731
     return payoff_tasks.text_task(
         name, split(d["train"]), split(d["held"]), len(d["classes"]), variant == "lora", seed,
-        epochs=2 if fast else 20, noise=0.3,
+        epochs=2 if fast else 20, noise=0.3, development=development,
     ).to(device)  # fmt: skip
 
 
