@@ -15,18 +15,18 @@ epochs and 0.0990 / 0.0173 at 60. As measured at 60 epochs (the mean of seeds 0-
 ECE / Brier): AdamW 0.1078 / 0.0205 / 0.0461; EVON's mean 0.0785 / 0.0125 / 0.0390 at higher
 accuracy (97.5% vs 97.0%). The calibration finds the mean not overconfident on seeds 0 and 1 (its
 temperature on the held-out images 1.00 and 0.84), so it scores no noise scale there and keeps
-the posterior as trained (held-out NLL 0.0534 vs the mean's 0.0533, 0.0549 vs 0.0549): BMA
+the posterior as trained (held-out NLL 0.0533 vs the mean's 0.0533, 0.0549 vs 0.0549): BMA
 predicts as the mean does, and its samples' disagreement is there to flag inputs unlike the
-digits. On seed 2 (temperature 1.41) it picks 0.03x the trained ζ (held-out NLL 0.0999 ->
-0.0943; two threads, 2026-11-29: the choice moves with the thread count's rounding, 0.03x at one
-thread too), and BMA@32 ends at 0.0783 / 0.0133 / 0.0389. Averaging samples can only soften
-predictions, so where the mean is not overconfident it has nothing to fix
-(``benchmarks/bma_headroom.py``). BMA's gains here are small at every budget because the default
-prior (weight_decay, a quarter of the weights' RMS) already regularises the mean. The lowest
-held-out NLL alone once chose more noise (0.01x) and made BMA underconfident on test: hence
-calibrate_posterior's one-standard-error steps (hf_evon/predictive/calibration.py).
+digits. On seed 2 (temperature 1.41) it picks 0.01x the trained ζ at T 1.19 (held-out NLL
+0.0999 -> 0.0831; two threads, 2026-11-29), and BMA@32 ends at 0.0790 / 0.0162 / 0.0391: on these
+test images that choice costs a little (the mean's 0.0785 / 0.0125 / 0.0390), as steps of half
+a standard error (``DEFAULT_STANDARD_ERRORS``, chosen on validation halves of other tasks,
+docs/trainer.md#calibration-standard-errors) admit more noise than steps of one did. Averaging
+samples can only soften predictions, so where the mean is not overconfident it has nothing to
+fix (``benchmarks/bma_headroom.py``). BMA's gains here are small at every budget because the
+default prior (weight_decay, a quarter of the weights' RMS) already regularises the mean.
 
-    python examples/quickstart.py                # ~25 s on 2 idle CPU cores
+    python examples/quickstart.py                # 25-40 s on 2 idle CPU cores
     python examples/quickstart.py --epochs 30 --bma-samples 64 --seeds 6
 """
 

@@ -649,7 +649,7 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     assert printed["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-9)
     loaded = EVONPosterior.from_pretrained(out)
     assert loaded.ess == expected.ess and loaded.config["calibration"]["nll"] == pytest.approx(expected.nll)
-    assert printed["standard_errors"] == 1.0 and printed["min_gain"] == 0.01
+    assert printed["standard_errors"] == 0.5 and printed["min_gain"] == 0.01
     assert printed["chosen_nll"] == pytest.approx(expected.chosen_nll)
     assert printed["mean_temperature"] == expected.mean_temperature  # the mean's held-out temperature
     # --min-gain and --standard-errors reach the rule (0 and 0: the lowest NLL)

@@ -386,8 +386,8 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     assert tempered in _calibration_text({"calibration": record, "temperature": 2.5})
     assert "softmax(logits / T)" not in _calibration_text({"calibration": record, "temperature": 1.0})
     assert (f"T = {result.temperature:.6g}" in text) == (result.temperature != 1.0)
-    # the rule that chose it, as recorded: the default steps by one standard error; k = 0 says nothing of it
-    assert "by more than 1 standard error(s) at each step" in text and result.standard_errors == 1.0
+    # the rule that chose it, as recorded: the default steps by half a standard error; k = 0 says nothing of it
+    assert "by more than 0.5 standard error(s) at each step" in text and result.standard_errors == 0.5
     plain, _ = calibrate_posterior(
         model, posterior, [(x, y)], grid=[0.1, 1.0], num_samples=2, standard_errors=0, always_scan=True
     )
@@ -414,7 +414,7 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     for scanned in (False, True):
         record = dict(calibrated.config["calibration"], scanned=scanned, ess=trained, trained_nll=0.4321)
         text = _calibration_text({"calibration": record})
-        assert kept in text and "(held-out NLL 0.4321) by more than 1 standard error(s) or 1%" in text
+        assert kept in text and "(held-out NLL 0.4321) by more than 0.5 standard error(s) or 1%" in text
         assert TRAINED_SCALE_NOTE not in text and "BMA is the mean" not in text
         assert ("no other sampling scale was scored (`ess` = " in text) is not scanned
     # the mean kept although the trained posterior was scored: BMA is the mean, and the note stays

@@ -131,7 +131,7 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     assert again.summary() in shown.out and f"{again.chosen_nll:.4f} vs {again.mean_nll:.4f}" in shown.out
     trained_nll = [] if again.trained_nll is None else [again.trained_nll]
     assert again.min_gain == 0.0 and again.chosen_nll == min([again.mean_nll, *again.nll, *trained_nll])
-    assert (result.min_gain, result.standard_errors) == (0.01, 1.0) and again.nll == pytest.approx(result.nll)
+    assert (result.min_gain, result.standard_errors) == (0.01, 0.5) and again.nll == pytest.approx(result.nll)
     assert tr.calibrate(standard_errors=2.0).standard_errors == 2.0
     # keep_trained reaches the rule: False never scores the trained posterior against the mean
     dropped = tr.calibrate(keep_trained=False)

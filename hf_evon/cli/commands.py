@@ -453,7 +453,7 @@ def _add_calibrate(subparsers: Any) -> None:
         "--standard-errors", type=_non_negative_float, default=None, metavar="K",
         help="walking from the mean towards more noise, a scale replaces the choice so far only if its NLL is "
         "lower by more than K standard errors of the difference, over tokens and draws (default: "
-        "hf_evon.predictive.calibration.DEFAULT_STANDARD_ERRORS, 1; 0: the lowest NLL)",
+        "hf_evon.predictive.calibration.DEFAULT_STANDARD_ERRORS, 0.5; 0: the lowest NLL)",
     )  # fmt: skip
     p.add_argument(
         "--min-gain", type=_fraction, default=None, metavar="G",

@@ -327,7 +327,8 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         return (
             "Not calibrated: samples use the scale EVON trained with. Choose it on held-out data with "
             "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`) before relying on BMA: on that data the "
-            "calibrated BMA is never worse than the mean by more than a standard error or 1%."
+            "calibrated BMA is never worse than the mean by more than half a standard error or 1% (its "
+            "defaults)."
         )
     tempered = (
         f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(format_value(config['temperature']))}"

@@ -6,11 +6,12 @@ question, answered on data the model did not train on. Like laplace-torch's
 ``optimize_prior_precision(method="gridsearch", val_loader=...)`` for its prior precision,
 :func:`calibrate_posterior` scans ζ over a grid of multiples of the trained value and keeps
 one by Bayesian-model-averaging NLL: walking from the mean (ζ = ∞) towards more noise, a
-noisier scale replaces the choice so far only if its NLL is lower by more than one standard
-error of the difference (``standard_errors=1``), and the final choice must beat the mean's NLL
+noisier scale replaces the choice so far only if its NLL is lower by more than half a standard
+error of the difference (``standard_errors=0.5``), and the final choice must beat the mean's NLL
 by at least ``min_gain`` (1%). Else the choice is the posterior as trained, unless the mean (ζ =
-∞, every sample the mean) predicts better than it by more than one standard error or 1% (below),
-so on the calibration data BMA is never worse than the mean by more than the smaller of the two.
+∞, every sample the mean) predicts better than it by more than half a standard error or 1%
+(below), so on the calibration data BMA is never worse than the mean by more than the smaller of
+the two.
 
 Where the mean is overconfident on the held-out data (``temperature=True``, the default), each
 scale, the mean included, is scored with its own softmax temperature T >= 1: the predictive is
@@ -61,12 +62,12 @@ DEFAULT_NUM_SAMPLES = 8  # as EVONConfig.bma_num_samples
 # else BMA is the mean: smaller gains on the calibration split do not carry over to test.
 # measured: docs/trainer.md#calibration-min-gain
 DEFAULT_MIN_GAIN = 0.01
-# Each step towards more noise must lower the held-out NLL by more than this many standard
-# errors of the difference (targets and draws: a jackknife over the draw index). NLL's optimum
-# sits next to a cliff (more noise soon ruins every prediction), and on a few hundred examples a
-# gain carried by the handful the mean gets confidently wrong often oversteps it.
-# measured: docs/trainer.md#calibration-standard-errors
-DEFAULT_STANDARD_ERRORS = 1.0
+# Each step towards more noise (and softening the mean) must lower the held-out NLL by more than
+# this many standard errors of the difference (targets and draws: a jackknife over the draw
+# index). NLL's optimum sits next to a cliff (more noise soon ruins every prediction), and on a few
+# hundred examples a gain carried by the handful the mean gets confidently wrong often oversteps it.
+# measured on validation halves: docs/trainer.md#calibration-standard-errors
+DEFAULT_STANDARD_ERRORS = 0.5
 # Softmax temperatures, 0.125-8 in steps of 19% (a step off the optimum costs well under 1% of
 # NLL): the mean's best T among them is recorded with every calibration (> 1: overconfident there).
 TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 13))
