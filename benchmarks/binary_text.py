@@ -2,7 +2,7 @@
 
 Table 2's tasks (``examples/paper/table2_finetune.py``) have 4-6 classes; users' first fine-tuning
 is often binary. Two of its text sources cut to two classes, the same recipe otherwise: 30
-training texts per class, 100 held out (halved into calibration and test per seed), 30% of
+training texts per class, 100 held out (halved into calibration and test, the same halves for every seed), 30% of
 every split's labels random, 20 epochs of batch 16 (80 steps), the pretrained MiniLM fine-tuned
 fully (AdamW's rate 1e-4) or with LoRA (1e-3):
 

@@ -9,7 +9,9 @@ S − 1, as payoff.py's rows; the mean at its temperature), so a reader
 sees whether what the rule accepted on validation data carries over. One JSON line per run: the
 mean's temperature, whether the trained posterior was kept, the calibration-split NLL of the mean
 and of the trained posterior (at the temperature the rule scored it at), their difference in
-standard errors, and the test NLL of each rule's choice.
+standard errors, and the test NLL of each rule's choice. It reads the test split (an after-the-fact
+check of ``keep_trained``, which was chosen with it: docs/defaults.md#what-saw-the-test-splits); a new
+choice is made on validation halves (``calibration_halves.py``), not here.
 
     python benchmarks/calibration_keep_trained.py --seeds 2            # payoff's tabular tasks, ~2 min
     python benchmarks/calibration_keep_trained.py --tasks tiny_gpt2 --seeds 2

@@ -9,7 +9,10 @@ EVON at ``build_optimizer``'s defaults (``payoff_training.train_evon``), calibra
 calibration split with payoff's seed. Per run it prints one JSON line: the training's seconds and,
 per rule, the passes over the calibration split (a forward hook counts them), the seconds, the
 choice (multiplier of the trained ζ, temperature), its calibration-split NLL and the scales
-screened out; where the two rules choose differently, each choice's test BMA@8 NLL.
+screened out; where the two rules choose differently, each choice's test BMA@8 NLL. It reads the
+test split (an after-the-fact check of ``SCREEN_FACTOR``, which was chosen with it:
+docs/defaults.md#what-saw-the-test-splits); a new choice is made on validation halves
+(``calibration_halves.py``), not here.
 
     python benchmarks/calibration_screen.py --tasks noisy_digits docstring_topic/lora --seeds 0 1 --jobs 2
 

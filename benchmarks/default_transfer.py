@@ -290,8 +290,8 @@ def minilm_license(lora: bool) -> Callable[[int], Task]:
 
 def minilm_license_noisy_lora(seed: int) -> Task:
     """The license task as Table 2's noisy fine-tunings are made (payoff_tasks.text_task): LoRA at
-    1e-3, 30% of every split's labels random (drawn per seed), 20 epochs; the 30% held out per seed
-    halved into calibration and test (72 sentences each)."""
+    1e-3, 30% of every split's labels random (the test half's drawn once, the others per seed), 20
+    epochs; the 30% held out per seed halved into calibration and test (72 sentences each)."""
     train, held = license_split(seed)
     return payoff_tasks.text_task("minilm_license_noisy_lora", train, held, len(LICENSES), True, seed, 20, 0.3)
 

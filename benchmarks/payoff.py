@@ -71,7 +71,7 @@ def point_estimate_rows(name: str, task: Task, model: nn.Module) -> tuple[dict[s
     """``name``'s test scores, and with temperature scaling fitted on the calibration split (the
     rows and the temperature): by L-BFGS on log T, temperature scaling's own convention (Guo et al.
     2017), and by the rule EVON's calibration applies to its mean (``mean_temperature``: a grid,
-    softening only past a standard error, sharpening only where the split's errors and a
+    softening only past ``DEFAULT_STANDARD_ERRORS`` standard errors, sharpening only where the split's errors and a
     cross-validation support it), which a tiny or error-free calibration split does not mislead."""
     test_lp, test_y = log_probs(model, task.test, task.shift)
     cal = log_probs(model, task.cal, task.shift)

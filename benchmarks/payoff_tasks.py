@@ -113,8 +113,9 @@ TABULAR = {
     "noisy_synthetic7": ("synthetic7", 0.3, None, 80, 32),
     "noisy_synthetic3": ("synthetic3", 0.2, None, 100, 16),
 }
-# scikit-learn's make_classification, fixed data (the seed draws the splits, the noise and the
-# model): a 7-class table of 900 rows, 20 features, as a survey's; a 3-class one of 180 rows
+# scikit-learn's make_classification, fixed data (the seed draws the training/calibration split, the
+# noise outside the test rows and the model): a 7-class table of 900 rows, 20 features, as a
+# survey's; a 3-class one of 180 rows
 SYNTHETIC = {
     "synthetic7": dict(n_samples=900, n_features=20, n_informative=8, n_classes=7, random_state=123),
     "synthetic3": dict(n_samples=180, n_features=13, n_informative=5, n_classes=3, random_state=7),
@@ -150,7 +151,8 @@ def row_batches(x: Any, labels: Any, size: int) -> list[Batch]:
     return [(xs[k : k + size], ys[k : k + size]) for k in range(0, len(ys), size)]
 
 
-# the test partitions' draws (rows and their label noise): fixed, whatever the seed
+# the test partitions' draws (rows and their label noise), fixed whatever the seed, so no setting
+# chosen on any seed's calibration split has seen a row a table reports
 TEST_PARTITION_SEED = 20261129
 
 

@@ -2,7 +2,8 @@
 benchmarks/payoff.py's tasks; a temperature chosen on one half of the calibration split is scored on
 the other half, both ways, seeds 0 and 1. Chosen by: the least NLL on the whole grid 0.125-8
 ("full"), on the softening half T >= 1 ("soft"), none ("none"), calibrate_posterior's rule
-(``mean_temperature_choice``: softening where it beats T = 1 by a standard error, sharpening where
+(``mean_temperature_choice``: softening where it beats T = 1 by ``DEFAULT_STANDARD_ERRORS`` standard
+errors, sharpening where
 the split has enough errors and a cross-validation within it agrees; "rule"), and that rule without
 sharpening ("rule_soft"). Validation data only: the test split is not read.
 

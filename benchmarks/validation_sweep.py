@@ -52,11 +52,17 @@ def make_task(name: str, seed: int) -> Any:
 def prior_std_ratio(ratio: float | None) -> Any:
     """``default_weight_decay``'s prior std ratio set to ``ratio`` (None: left) while the block runs:
     its default argument, which ``noise_std_ratio`` and ``mean_weight_decay=None`` resolve through."""
+    import inspect
+
     from hf_evon.optim import defaults
 
-    kept = defaults.default_weight_decay.__defaults__
-    if ratio is not None:
-        defaults.default_weight_decay.__defaults__ = (*kept[:2], float(ratio))
+    function = defaults.default_weight_decay
+    kept = function.__defaults__
+    if ratio is not None:  # the defaults tuple covers the trailing parameters: find prior_std_ratio by name
+        names = list(inspect.signature(function).parameters)[-len(kept) :]
+        if "prior_std_ratio" not in names:
+            raise RuntimeError("default_weight_decay has no defaulted prior_std_ratio to set")
+        function.__defaults__ = tuple(float(ratio) if n == "prior_std_ratio" else v for n, v in zip(names, kept))
     try:
         yield
     finally:
@@ -100,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tasks", nargs="+", required=True)
     ap.add_argument(
         "--settings", nargs="+", default=["{}"],
-        help="each a JSON object of train_evon keyword arguments ('{}': the defaults), or 'adamw'",
+        help="each a JSON object of train_evon keyword arguments and/or \"prior_std_ratio\" ('{}': the "
+        "defaults), or 'adamw'",
     )  # fmt: skip
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--processes", type=int, default=2)

@@ -21,7 +21,8 @@ digits. On seed 2 (temperature 1.41) it picks 0.01x the trained ζ at T 1.19 (he
 0.0999 -> 0.0831; two threads, 2026-11-29), and BMA@32 ends at 0.0790 / 0.0162 / 0.0391: on these
 test images that choice costs a little (the mean's 0.0785 / 0.0125 / 0.0390), as steps of half
 a standard error (``DEFAULT_STANDARD_ERRORS``, chosen on validation halves of other tasks,
-docs/trainer.md#calibration-standard-errors) admit more noise than steps of one did. Averaging
+docs/trainer.md#calibration-standard-errors) admit more noise than steps of one standard error
+(which keep 0.03x here: BMA@32 0.0783 / 0.0133). Averaging
 samples can only soften predictions, so where the mean is not overconfident it has nothing to
 fix (``benchmarks/bma_headroom.py``). BMA's gains here are small at every budget because the
 default prior (weight_decay, a quarter of the weights' RMS) already regularises the mean.

@@ -16,6 +16,7 @@ import payoff_tasks  # noqa: E402
 import payoff_training  # noqa: E402
 
 from hf_evon import EVONPosterior, calibrate_posterior  # noqa: E402
+from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 
 
 def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
@@ -54,15 +55,22 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
         (m0, t0), (m1, t1) = row["choices"]
         want = halves.held_out_nll(logits, odd, y, m0, t0, 1000) * len(odd)
         want += halves.held_out_nll(logits, even, y, m1, t1, 1000) * len(even)
-        assert row["nll"] == pytest.approx(want / y.numel(), rel=1e-9) and 0 <= row["ece"] <= 1
+        assert row["nll"] == pytest.approx(want / y.numel(), rel=1e-9)
+        by_hand = torch.cat([
+            halves.held_out_log_probs(logits, odd, m0, t0, 1000), halves.held_out_log_probs(logits, even, m1, t1, 1000)
+        ])  # fmt: skip
+        ece = calibration_metrics(by_hand, y[torch.cat([odd, even])], input_type="log_probs", ignore_index=None)["ece"]
+        assert row["ece"] == ece
 
 
 def test_the_summary_counts_each_rules_runs_below_and_above_the_defaults() -> None:
-    """Every k is run at the default min_gain and every other min_gain at the default k; the table
-    averages each rule's held-out-half NLL and counts the runs it beats / loses to the defaults on."""
+    """Every k is run at min_gain 0.01 and every other min_gain at k = 1, no rule twice, the
+    library's defaults among them; the table averages each rule's held-out-half NLL and counts the
+    runs it beats / loses to the defaults' rule on."""
     from hf_evon.predictive.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
 
     assert halves.RULES[halves.DEFAULT_RULE] == (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN)
+    assert len(set(halves.RULES.values())) == len(halves.RULES)
     assert {g for _, g in halves.RULES.values()} == set(halves.MIN_GAINS)
     assert {k for k, _ in halves.RULES.values()} == set(halves.KS)
     base = {rule: {"nll": 1.0} for rule in halves.RULES}

@@ -263,10 +263,11 @@ def test_the_peers_installed_without_dependencies_have_all_of_theirs_but_torchvi
     import laplace  # noqa: F401  (what payoff.py's Laplace row imports)
 
 
-def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> None:
+def test_the_noisy_text_task_relabels_30_percent_of_every_split() -> None:
     """minilm_noisy_*: the docstring task's texts (fewer per class), with labels redrawn at random
     for 30% of the examples (so ~24% change) in the training and held-out splits, the same for a
-    seed and different across seeds; the clean task keeps its labels."""
+    seed; the training and calibration labels' draw differs across seeds (the test half's is
+    fixed: test_a_development_task_...); the clean task keeps its labels."""
 
     def labels(task):
         return [int(v) for batches in (task.train, task.cal, task.test) for _, y in batches for v in y]
@@ -297,9 +298,9 @@ def test_the_noisy_text_task_relabels_30_percent_of_every_split_per_seed() -> No
 def test_a_synthetic_table_is_fixed_data_whose_labels_the_seed_makes_noisy(
     monkeypatch, name, table, noise, rows, classes
 ) -> None:
-    """The held-out synthetic tasks: one fixed table (make_classification), split 60/20/20 per
-    seed, ``noise`` of every split's labels redrawn among the classes (so noise·(C−1)/C change),
-    the same features as the clean table's on the same seed."""
+    """The held-out synthetic tasks: one fixed table (make_classification), split 60/20/20
+    (``split_rows``), ``noise`` of every split's labels redrawn among the classes (so noise·(C−1)/C
+    change), the same features as the clean table's on the same seed."""
     x, y = payoff_tasks.load_table(table)
     assert x.shape[0] == rows and sorted(set(y.tolist())) == list(range(classes))
     assert (payoff_tasks.load_table(table)[0] == x).all()
@@ -498,7 +499,10 @@ def test_a_development_task_has_no_test_batches_and_the_report_task_the_same_for
         return [(x["input_ids"] if isinstance(x, dict) else x).tolist() + [y.tolist()] for x, y in batches]
 
     tasks = [payoff_tasks.make_task(name, seed, True) for seed in (0, 1)]
-    assert payoff_tasks.make_task(name, 0, True, development=True).test is None
+    development = payoff_tasks.make_task(name, 0, True, development=True)
+    assert development.test is None  # and the rest as the reported task's: validation is its calibration split
+    for part in ("train", "cal"):
+        assert flat(getattr(development, part)) == flat(getattr(tasks[0], part))
     labels = [[int(v) for _, y in t.test for v in y] for t in tasks]
     assert labels[0] == labels[1]  # the noisy test labels too
     if name.startswith("minilm"):  # text: the same token ids (tabular features are scaled per seed)

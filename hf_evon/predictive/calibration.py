@@ -276,7 +276,7 @@ def calibrate_posterior(
     target are kept, 8 bytes × S × targets per scale (× 13 temperatures while a scale is scored).
 
     ``grid``, ``standard_errors``, ``min_gain``, ``screen_factor`` left None take ``DEFAULT_GRID``,
-    ``DEFAULT_STANDARD_ERRORS`` (1), ``DEFAULT_MIN_GAIN`` (0.01), ``SCREEN_FACTOR`` (2.5; 0: no screen).
+    ``DEFAULT_STANDARD_ERRORS`` (0.5), ``DEFAULT_MIN_GAIN`` (0.01), ``SCREEN_FACTOR`` (2.5; 0: no screen).
     Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config ``calibration``
     and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
     """
