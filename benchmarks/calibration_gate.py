@@ -5,7 +5,9 @@ The quickstart's task and model (examples/quickstart.py: digits, MLP 64-256-256-
 defaults, linear decay, 20% of the training images held out for the calibration), trained once
 per seed and calibrated both ways with 32 samples; each calibrated BMA@32 is scored on the test
 split. Prints one JSON line per seed (the mean's temperature on the calibration split, each
-rule's choice, its calibration-split NLL, and its test NLL and ECE) and the means.
+rule's choice, its calibration-split NLL, and its test NLL and ECE) and the means. It reads the
+test split: an after-the-fact check; the gate is re-checked on validation halves by
+``calibration_halves.py`` (its ``always_scan`` row).
 
     python benchmarks/calibration_gate.py --epochs 60 --seeds 6     # ~10 minutes on one thread
 

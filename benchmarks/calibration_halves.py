@@ -1,7 +1,8 @@
 """Do the calibration's standard-error and minimum-gain rules carry over? ``calibrate_posterior`` run
 on one half of the calibration split with each rule of ``RULES`` (each ``standard_errors`` k at
 ``min_gain`` 0.01, each other ``min_gain`` at k = 1, and two pairs), its choice (noise scale and
-temperature) scored by BMA NLL and ECE on the other half, both ways. Validation data only: the tasks are built without their test
+temperature) scored by BMA NLL and ECE on the other half, both ways; and the defaults with the
+gate off (``always_scan=True``) and without temperatures (``temperature=False``), ``OPTIONS``. Validation data only: the tasks are built without their test
 partition (``payoff_tasks.make_task(..., development=True)``).
 
 EVON at ``build_optimizer``'s defaults on ``benchmarks/payoff.py``'s tasks
@@ -64,6 +65,9 @@ RULES = (
 )
 # the row the others are counted against: the library's defaults
 DEFAULT_RULE = next(label for label, rule in RULES.items() if rule == (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN))
+# label -> other calibrate_posterior arguments, at the default k and min_gain: the scan where the
+# mean is not overconfident too (the gate off), and every scale scored at T = 1 (no temperature)
+OPTIONS = {"always_scan": {"always_scan": True}, "no temperature": {"temperature": False}}
 
 
 def key(factor: float, seed: int) -> tuple[float, int]:
@@ -151,19 +155,23 @@ def run(name: str, seed: int) -> dict[str, Any]:
     row: dict[str, Any] = {"task": name, "seed": seed, "targets": y.numel()}
     for label, (k, g) in RULES.items():
         row[label] = rule_scores(logits, y, stand_in, base, k, g)
+    for label, options in OPTIONS.items():
+        row[label] = rule_scores(logits, y, stand_in, base, DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN, **options)
     return row
 
 
 def rule_scores(logits: dict[Any, torch.Tensor], y: torch.Tensor, stand_in: ReplayPosterior, seed: int,
-                standard_errors: float, min_gain: float) -> dict[str, Any]:  # fmt: skip
-    """The rule's choice on each half of the targets (even and odd positions), scored on the other:
-    the BMA NLL and ECE over all targets, and the two choices ([multiplier, temperature])."""
+                standard_errors: float, min_gain: float, **options: Any) -> dict[str, Any]:  # fmt: skip
+    """The rule's choice (``options``: more ``calibrate_posterior`` arguments) on each half of the
+    targets (even and odd positions), scored on the other: the BMA NLL and ECE over all targets,
+    and the two choices ([multiplier, temperature])."""
     n = y.numel()
     halves = (torch.arange(0, n, 2), torch.arange(1, n, 2))
     scored, order, picks = [], [], []
     for fit, score in (halves, halves[::-1]):
         _, result = calibrate_posterior(Replay(logits), stand_in, [(fit, y[fit])], seed=seed,
-                                        standard_errors=standard_errors, min_gain=min_gain, shift_labels=False)  # fmt: skip
+                                        standard_errors=standard_errors, min_gain=min_gain, shift_labels=False,
+                                        **options)  # fmt: skip
         scored.append(held_out_log_probs(logits, score, result.multiplier, result.temperature, seed))
         order.append(score)
         picks.append([result.multiplier, result.temperature])
@@ -177,7 +185,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
         "| rule | held-out-half NLL, mean over runs | runs below / above the defaults' | ECE, mean over runs |",
         "|---|---|---|---|",
     ]
-    for rule in RULES:
+    for rule in [*RULES, *OPTIONS]:
         diffs = [r[rule]["nll"] - r[DEFAULT_RULE]["nll"] for r in rows]
         ece = statistics.mean(r[rule]["ece"] for r in rows) if all("ece" in r[rule] for r in rows) else math.nan
         lines.append(

@@ -50,8 +50,10 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
     assert halves.held_out_nll(logits, everything, y, 0.1, t, 1000) == pytest.approx(float(bma), rel=1e-12)
     # a rule's score: each half's choice scored on the other half's targets, weighted by their count
     even, odd = torch.arange(0, y.numel(), 2), torch.arange(1, y.numel(), 2)
-    for k, g in ((0.0, 0.0), (1.0, 0.01)):
-        row = halves.rule_scores(logits, y, stand_in, 1000, k, g)
+    for k, g, options in ((0.0, 0.0, {}), (1.0, 0.01, {}), (0.5, 0.01, {"temperature": False})):
+        row = halves.rule_scores(logits, y, stand_in, 1000, k, g, **options)
+        if options:  # the options reach the rule: every choice at T = 1
+            assert [t for _, t in row["choices"]] == [1.0, 1.0]
         (m0, t0), (m1, t1) = row["choices"]
         want = halves.held_out_nll(logits, odd, y, m0, t0, 1000) * len(odd)
         want += halves.held_out_nll(logits, even, y, m1, t1, 1000) * len(even)
@@ -73,7 +75,7 @@ def test_the_summary_counts_each_rules_runs_below_and_above_the_defaults() -> No
     assert len(set(halves.RULES.values())) == len(halves.RULES)
     assert {g for _, g in halves.RULES.values()} == set(halves.MIN_GAINS)
     assert {k for k, _ in halves.RULES.values()} == set(halves.KS)
-    base = {rule: {"nll": 1.0} for rule in halves.RULES}
+    base = {rule: {"nll": 1.0} for rule in [*halves.RULES, *halves.OPTIONS]}
     rows = [{**base, "g=0": {"nll": 0.5}}, {**base, "g=0": {"nll": 2.0}}, base]
     table = halves.summary(rows).splitlines()
     assert "| g=0 | 1.16667 | 1 / 1 | nan |" in table and f"| {halves.DEFAULT_RULE} | 1.00000 | 0 / 0 | nan |" in table
