@@ -2,8 +2,9 @@
 on one half of the calibration split with each rule of ``RULES`` (each ``standard_errors`` k at
 ``min_gain`` 0.01, each other ``min_gain`` at k = 1, and two pairs), its choice (noise scale and
 temperature) scored by BMA NLL and ECE on the other half, both ways; and the defaults with the
-gate off (``always_scan=True``) and without temperatures (``temperature=False``), ``OPTIONS``. Validation data only: the tasks are built without their test
-partition (``payoff_tasks.make_task(..., development=True)``).
+gate off (``always_scan=True``) and without temperatures (``temperature=False``), ``OPTIONS``.
+Validation data only: the tasks are built without their test partition
+(``payoff_tasks.make_task(..., development=True)``).
 
 EVON at ``build_optimizer``'s defaults on ``benchmarks/payoff.py``'s tasks
 (``payoff_training.train_evon``). The draws are taken once, on the whole split, as the calibration
@@ -18,8 +19,8 @@ of a choice is the mean over the other half's targets of -log (1/S Σ_s softmax(
     python benchmarks/calibration_halves.py --tasks minilm_noisy_lora --seeds 0 1 2 3 --jobs 2
 
 It prints one JSON line per run and, per rule, the held-out-half NLL averaged over runs, how
-often it is below and above the defaults' rule, and the ECE averaged over runs. Figures: docs/trainer.md#calibration-standard-errors,
-docs/trainer.md#calibration-min-gain.
+often it is below and above the defaults' rule, and the ECE averaged over runs. Figures:
+docs/trainer.md#calibration-standard-errors, docs/trainer.md#calibration-min-gain.
 """
 
 from __future__ import annotations
@@ -138,12 +139,6 @@ def held_out_log_probs(logits: dict[Any, torch.Tensor], index: torch.Tensor, ess
     return log_mean_prob(torch.stack([torch.log_softmax(logits[k][index] / temperature, -1) for k in keys]), dim=0)
 
 
-def held_out_nll(logits: dict[Any, torch.Tensor], index: torch.Tensor, y: torch.Tensor, ess_factor: float,
-                 temperature: float, seed: int) -> float:  # fmt: skip
-    """BMA NLL of the choice on the examples ``index``."""
-    return float(-held_out_log_probs(logits, index, ess_factor, temperature, seed).gather(1, y[index, None]).mean())
-
-
 def run(name: str, seed: int) -> dict[str, Any]:
     task = payoff_tasks.make_task(name, seed, False, development=True)
     model = task.make_model(seed)
@@ -187,10 +182,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
     ]
     for rule in [*RULES, *OPTIONS]:
         diffs = [r[rule]["nll"] - r[DEFAULT_RULE]["nll"] for r in rows]
-        ece = statistics.mean(r[rule]["ece"] for r in rows) if all("ece" in r[rule] for r in rows) else math.nan
         lines.append(
             f"| {rule} | {statistics.mean(r[rule]['nll'] for r in rows):.5f} "
-            f"| {sum(d < -1e-12 for d in diffs)} / {sum(d > 1e-12 for d in diffs)} | {ece:.4f} |"
+            f"| {sum(d < -1e-12 for d in diffs)} / {sum(d > 1e-12 for d in diffs)} "
+            f"| {statistics.mean(r[rule]['ece'] for r in rows):.4f} |"
         )
     return "\n".join(lines)
 

@@ -168,12 +168,13 @@ def split_rows(rows: int, seed: int) -> tuple[Any, Any, Any]:
     return rest[:n_train], rest[n_train:], test
 
 
-def noisy_labels(y: Any, noise: float, test: Any, seed: int) -> Any:
-    """``y`` with ``noise`` of the labels replaced by random classes: the ``test`` rows' draw fixed
-    (``TEST_PARTITION_SEED``), the other rows' drawn by ``seed``."""
+def noisy_labels(y: Any, noise: float, test: Any, seed: int, classes: int | None = None) -> Any:
+    """``y`` with ``noise`` of the labels replaced by random classes (``classes``; None: those up to
+    ``y``'s largest): the ``test`` rows' draw fixed (``TEST_PARTITION_SEED``), the other rows' drawn
+    by ``seed``."""
     import numpy as np
 
-    classes, out = int(y.max() + 1), y.copy()
+    classes, out = int(y.max() + 1) if classes is None else classes, y.copy()
     in_test = np.zeros(len(y), dtype=bool)
     in_test[test] = True
     for rows, gen_seed in ((np.flatnonzero(in_test), TEST_PARTITION_SEED), (np.flatnonzero(~in_test), seed)):
@@ -323,18 +324,12 @@ def text_task(
     (train_texts, train_labels), (held_texts, held_labels) = train, held
     order = torch.randperm(len(held_labels), generator=torch.Generator().manual_seed(TEST_PARTITION_SEED))
     cal_i, test_i = order[: len(order) // 2].tolist(), order[len(order) // 2 :].tolist()
-    if noise:
-        labels = torch.tensor(held_labels)
+    if noise:  # the training texts, then the held-out ones, as one table's rows
+        import numpy as np
 
-        def relabel(labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-            flip = torch.rand(len(labels), generator=gen) < noise
-            return torch.where(flip, torch.randint(0, num_labels, (len(labels),), generator=gen), labels)
-
-        gen = torch.Generator().manual_seed(seed)
-        train_labels = relabel(torch.tensor(train_labels), gen).tolist()
-        labels[cal_i] = relabel(labels[cal_i], gen)
-        labels[test_i] = relabel(labels[test_i], torch.Generator().manual_seed(TEST_PARTITION_SEED))
-        held_labels = labels.tolist()
+        n = len(train_labels)
+        labels = noisy_labels(np.array(train_labels + held_labels), noise, n + np.array(test_i), seed, num_labels)
+        train_labels, held_labels = labels[:n].tolist(), labels[n:].tolist()
     pick = lambda ix: ([held_texts[i] for i in ix], [held_labels[i] for i in ix])  # noqa: E731
     return Task(
         name, lambda s: minilm_model(num_labels, s, lora),

@@ -19,6 +19,11 @@ from hf_evon import EVONPosterior, calibrate_posterior  # noqa: E402
 from hf_evon.predictive.metrics import calibration_metrics  # noqa: E402
 
 
+def held_out_nll(logits, index, y, ess_factor, temperature, seed) -> float:
+    """BMA NLL of a choice on the examples ``index``, from the script's log-predictive."""
+    return float(-halves.held_out_log_probs(logits, index, ess_factor, temperature, seed).gather(1, y[index, None]).mean())
+
+
 def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
     torch.manual_seed(0)
     task = payoff_tasks.make_task("noisy_digits", 0, True)
@@ -44,10 +49,10 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
     # the held-out score is the tempered BMA NLL of the stored draws, the mean's at ess = inf
     t = 2.0
     mean_nll = float(torch.nn.functional.cross_entropy(logits[None] / t, y))
-    assert halves.held_out_nll(logits, everything, y, math.inf, t, 1000) == pytest.approx(mean_nll, rel=1e-12)
+    assert held_out_nll(logits, everything, y, math.inf, t, 1000) == pytest.approx(mean_nll, rel=1e-12)
     draws = torch.stack([torch.log_softmax(logits[(0.1, 1000 + s)] / t, -1) for s in range(8)])
     bma = -(torch.logsumexp(draws, 0) - math.log(8)).gather(1, y[:, None]).mean()
-    assert halves.held_out_nll(logits, everything, y, 0.1, t, 1000) == pytest.approx(float(bma), rel=1e-12)
+    assert held_out_nll(logits, everything, y, 0.1, t, 1000) == pytest.approx(float(bma), rel=1e-12)
     # a rule's score: each half's choice scored on the other half's targets, weighted by their count
     even, odd = torch.arange(0, y.numel(), 2), torch.arange(1, y.numel(), 2)
     for k, g, options in ((0.0, 0.0, {}), (1.0, 0.01, {}), (0.5, 0.01, {"temperature": False})):
@@ -55,8 +60,8 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
         if options:  # the options reach the rule: every choice at T = 1
             assert [t for _, t in row["choices"]] == [1.0, 1.0]
         (m0, t0), (m1, t1) = row["choices"]
-        want = halves.held_out_nll(logits, odd, y, m0, t0, 1000) * len(odd)
-        want += halves.held_out_nll(logits, even, y, m1, t1, 1000) * len(even)
+        want = held_out_nll(logits, odd, y, m0, t0, 1000) * len(odd)
+        want += held_out_nll(logits, even, y, m1, t1, 1000) * len(even)
         assert row["nll"] == pytest.approx(want / y.numel(), rel=1e-9)
         by_hand = torch.cat([
             halves.held_out_log_probs(logits, odd, m0, t0, 1000), halves.held_out_log_probs(logits, even, m1, t1, 1000)
@@ -75,7 +80,8 @@ def test_the_summary_counts_each_rules_runs_below_and_above_the_defaults() -> No
     assert len(set(halves.RULES.values())) == len(halves.RULES)
     assert {g for _, g in halves.RULES.values()} == set(halves.MIN_GAINS)
     assert {k for k, _ in halves.RULES.values()} == set(halves.KS)
-    base = {rule: {"nll": 1.0} for rule in [*halves.RULES, *halves.OPTIONS]}
-    rows = [{**base, "g=0": {"nll": 0.5}}, {**base, "g=0": {"nll": 2.0}}, base]
+    base = {rule: {"nll": 1.0, "ece": 0.1} for rule in [*halves.RULES, *halves.OPTIONS]}
+    rows = [{**base, "g=0": {"nll": 0.5, "ece": 0.2}}, {**base, "g=0": {"nll": 2.0, "ece": 0.3}}, base]
     table = halves.summary(rows).splitlines()
-    assert "| g=0 | 1.16667 | 1 / 1 | nan |" in table and f"| {halves.DEFAULT_RULE} | 1.00000 | 0 / 0 | nan |" in table
+    assert "| g=0 | 1.16667 | 1 / 1 | 0.2000 |" in table
+    assert f"| {halves.DEFAULT_RULE} | 1.00000 | 0 / 0 | 0.1000 |" in table

@@ -852,3 +852,18 @@ def test_an_adapter_that_names_no_base_model_is_a_usage_error(saved, tmp_path, c
     argv = ["generate", "--model", str(tmp_path), "--posterior", str(path), "--prompt-ids", "5 9", "--device", "cpu"]
     assert main(argv) == 2
     assert "names no base model (base_model_name_or_path is empty)" in capsys.readouterr().err
+
+
+def test_the_calibrate_help_and_the_uncalibrated_card_state_the_calibrations_defaults(capsys) -> None:
+    """Both say the calibration's margin in words (they cannot import it: the help is built without
+    the calibration module, the card sits below it), so they are held to the constants here."""
+    from hf_evon.posterior.model_card import _calibration_text
+    from hf_evon.predictive.calibration import DEFAULT_MIN_GAIN, DEFAULT_STANDARD_ERRORS
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"DEFAULT_STANDARD_ERRORS, {DEFAULT_STANDARD_ERRORS:g};" in shown
+    assert f"DEFAULT_MIN_GAIN, {DEFAULT_MIN_GAIN:g})" in shown
+    words = {0.5: "half a standard error", 1.0: "a standard error"}[DEFAULT_STANDARD_ERRORS]
+    assert f"by more than {words} or {100 * DEFAULT_MIN_GAIN:g}%" in _calibration_text({})
