@@ -265,3 +265,23 @@ def test_a_temperature_reads_writes_back_and_is_the_posteriors(tmp_path):
     for bad in (0.0, -1.0, math.inf, math.nan, True, "2"):
         with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
             posterior.with_temperature(bad)
+
+
+def test_the_posteriors_number_arguments_take_numpy_numbers_as_the_optimizer_does():
+    """``EVON(lr=np.float32(...))`` is accepted (``optim.checks.is_real``), so the posterior's
+    ``with_temperature``/``with_ess``/``scale_ess`` take NumPy numbers too (a calibration computed
+    with NumPy hands them over), and still refuse a bool, a string and a tensor."""
+    import numpy as np
+
+    from hf_evon import EVONPosterior
+
+    posterior = EVONPosterior.from_factors(_factors())
+    assert posterior.with_temperature(np.float32(1.5)).temperature == 1.5
+    assert posterior.with_ess(np.float32(50.0)).ess == 50.0
+    assert posterior.with_ess(np.int64(50)).ess == 50.0
+    assert posterior.with_ess(50.0).scale_ess(np.float16(2.0)).ess == 100.0
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        posterior.with_temperature(np.float32("nan"))
+    for bad in (np.bool_(True), True, "50", torch.tensor(50.0)):
+        with pytest.raises(TypeError, match="with_ess: ess must be a number"):
+            posterior.with_ess(bad)

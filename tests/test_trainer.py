@@ -597,6 +597,28 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     )
 
 
+def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_starts_afresh(tmp_path):
+    """``save_only_model=True`` checkpoints hold the weights and the posterior but no optimizer
+    state; transformers resumes from them silently with a fresh optimizer. EVON's posterior then
+    restarts (H at hess_init), which the resume must say; a full checkpoint's resume does not."""
+    data = classification_data(32)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    lean = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "lean", save_only_model=True, **common), train_dataset=data)
+    lean.train()
+    checkpoint = tmp_path / "lean" / "out" / "checkpoint-2"
+    assert (checkpoint / POSTERIOR_CONFIG_NAME).is_file() and not (checkpoint / "optimizer.pt").exists()
+    resumed = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "res", **common), train_dataset=data)
+    with pytest.warns(UserWarning, match=r"resumed from .*checkpoint-2, which holds no optimizer state .*starts afresh"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4 and resumed.evon_optimizer.state_dict()["state"]  # it trained on
+    full = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", **common), train_dataset=data)
+    full.train()
+    again = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "again", **common), train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="resumed from")
+        again.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-2"))
+
+
 # ---------------------------------------------------------------------------- evaluation
 def _direct_bma(model, posterior, data, seeds, causal=False):
     model.eval()

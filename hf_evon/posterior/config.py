@@ -22,6 +22,7 @@ import torch
 import hf_evon.posterior.json_rules as rules
 from hf_evon import __version__
 from hf_evon.optim.buckets import matrix_shape
+from hf_evon.optim.checks import is_real
 from hf_evon.posterior.gaussian import MatrixFactors, basis_dtype
 from hf_evon.posterior.json_rules import PosteriorMismatchError
 
@@ -92,8 +93,9 @@ def json_value(value: Any) -> Any:
 
 
 def ess_number(value: Any, argument: str) -> float:
-    """An ess (or a factor on one) given as a number, as a float; anything else refused by ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """An ess (or a factor on one) given as a number (Python or NumPy, as the optimizer takes its
+    arguments), as a float; anything else refused by ``argument``."""
+    if not is_real(value):
         raise TypeError(f"{argument} must be a number (math.inf for no noise); got {value!r}")
     return float(value)
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import unused_adapter_parameters, unwrap_model
+from hf_evon.optim.checks import is_real
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
@@ -52,7 +53,6 @@ from hf_evon.posterior.gaussian import (
     stack_factors,
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
-from hf_evon.posterior.json_rules import is_temperature
 from hf_evon.posterior.model_card import card_arguments, save_model_card
 from hf_evon.posterior.names import name_hint
 from hf_evon.posterior.snapshot import snapshot
@@ -407,7 +407,7 @@ class EVONPosterior:
 
     def with_temperature(self, temperature: float) -> EVONPosterior:
         """A copy whose BMA predictions (evaluation, ``generate_bma``) use ``temperature`` (> 0)."""
-        if not is_temperature(temperature):
+        if not (is_real(temperature) and 0 < temperature < math.inf):  # NumPy numbers too, not a bool
             raise ValueError(f"with_temperature: temperature must be a finite number > 0; got {temperature!r}")
         config = dict(self.config, temperature=float(temperature))
         return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)

@@ -10,7 +10,9 @@ changes it fails there rather than silently here.
   Trainer's distributed checkpoint cannot hold it).
 * ``_load_optimizer_and_scheduler(checkpoint)``: called by ``train(resume_from_checkpoint=...)``
   before the optimizer is sharded; under FSDP2 only the scheduler is loaded here. Elsewhere a
-  warning names each setting of this run's config that the checkpoint's optimizer state replaced.
+  warning names each setting of this run's config that the checkpoint's optimizer state replaced,
+  and another says when the checkpoint holds no optimizer state (``save_only_model=True``): the
+  Trainer then resumes the weights alone, and EVON's posterior starts afresh.
 * ``_push_from_checkpoint(checkpoint_folder)``: copies a checkpoint's model files into the output
   directory and uploads it; the posterior files must be copied first, and only when it pushes
   (not with ``hub_strategy="end"``, nor while the previous push still uploads unless
@@ -21,15 +23,24 @@ changes it fails there rather than silently here.
   their number, so the norm and the clip refer to the mean gradient instead.
 """
 
+import os
 import warnings
 from typing import Any
 
 from torch import nn
+from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN
 from transformers.trainer_utils import HubStrategy
 
 from hf_evon.trainer.checkpointing import settings_replaced
 
 __all__ = ["TrainerInternals"]
+
+
+def _holds_optimizer_state(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` holds the Trainer's optimizer state (a file, or torch's distributed
+    checkpoint folder), as ``Trainer._load_optimizer_and_scheduler`` looks for it."""
+    names = os.listdir(checkpoint)
+    return OPTIMIZER_NAME in names or any(name.startswith(OPTIMIZER_NAME_BIN.split(".")[0]) for name in names)
 
 
 class TrainerInternals:
@@ -45,6 +56,15 @@ class TrainerInternals:
         optimizer = self.evon_optimizer
         fresh = [] if optimizer is None else [dict(g) for g in optimizer.param_groups]
         super()._load_optimizer_and_scheduler(checkpoint)
+        if optimizer is not None and checkpoint is not None and not _holds_optimizer_state(checkpoint):
+            warnings.warn(
+                f"resumed from {checkpoint}, which holds no optimizer state (save_only_model=True saves "
+                "none): the weights resume, but EVON starts afresh (its Hessian at hess_init, identity "
+                "eigenbases, no momentum), so the posterior it ends with is learned from the steps after "
+                "the resume only",
+                UserWarning,
+                stacklevel=2,
+            )
         if changed := settings_replaced(fresh, [] if optimizer is None else optimizer.param_groups):
             warnings.warn(
                 f"resumed from {checkpoint}: its optimizer settings replace this run's where they differ "
