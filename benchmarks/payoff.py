@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="prefix of the .json/.md/.png outputs")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1,
-        help="runs (task, seed) in this many processes of one thread each (default: one per core)",
+        help="runs (task, seed) in this many processes of one thread each (default: one per core; 1: in this process, one thread)",
     )  # fmt: skip
     parser.add_argument(
         "--combine", nargs="+", default=None, metavar="JSON",
@@ -283,10 +283,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.seeds = saved["meta"]["seeds"]
             args.samples = saved["meta"].get("samples", args.samples)
         return report(runs, args, minutes)
-    if args.jobs > 1:
-        pass  # each worker process runs one thread
-    elif os.environ.get("OMP_NUM_THREADS"):  # otherwise torch's default: every core
-        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
     start = time.perf_counter()
     # one job per (task, seed, method), the slowest first, so parallel workers finish together
     jobs = sorted(
@@ -318,9 +314,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             futures = {pool.submit(run_job, *job, args.fast, args.samples): job for job in jobs}
             for future in as_completed(futures):
                 record(futures[future], future.result())
-    else:
-        for job in jobs:
-            record(job, run_job(*job, args.fast, args.samples))
+    else:  # in this process, with one thread as each worker has (the report's seconds say "one thread")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for job in jobs:
+                record(job, run_job(*job, args.fast, args.samples))
+        finally:
+            torch.set_num_threads(threads)
     return report(collect(done, args.methods), args, (time.perf_counter() - start) / 60)
 
 

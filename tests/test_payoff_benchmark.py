@@ -55,6 +55,27 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
     assert open(out + "_again.md").read() == report
 
 
+def test_one_job_runs_in_this_process_on_one_thread_as_the_report_says(monkeypatch) -> None:
+    """``--jobs 1`` trains in-process; its report's seconds say "one thread", as each worker of
+    ``--jobs N`` has, whatever torch's thread count (or OMP_NUM_THREADS) says, which comes back after."""
+    seen = []
+
+    def run_job(*job):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop here")
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(payoff, "run_job", run_job)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="stop here"):
+            payoff.main(["--tasks", "digits", "--seeds", "1", "--fast", "--methods", "adamw", "--jobs", "1"])
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bma_of_several_sizes_averages_the_first_k_draws_of_one_sequence() -> None:
     import math
 
