@@ -46,6 +46,7 @@ import ast
 import hashlib
 import math
 import os
+import re
 import sysconfig
 import tempfile
 import time
@@ -264,6 +265,23 @@ def run_adamw(args: argparse.Namespace, data: dict, num_labels: int) -> dict[str
     return {"mean": {k: metrics[f"eval_{k}"] for k in ("accuracy", "nll", "ece", "brier")}}
 
 
+# what a full fine-tuning saves and what an adapter saves: a run of the other kind into the same
+# directory would leave them there, and from_pretrained would load the adapter onto the old model
+FULL_MODEL_FILES = re.compile(r"config\.json|(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+ADAPTER_FILES = re.compile(r"adapter_(config\.json|model\.(safetensors|bin))")
+
+
+def remove_other_kind(directory: str, adapter: bool) -> None:
+    """Remove from ``directory`` the weights of the kind this run does not save (``adapter``: the
+    full model's, else an adapter's)."""
+    if not os.path.isdir(directory):
+        return
+    other = FULL_MODEL_FILES if adapter else ADAPTER_FILES
+    for name in os.listdir(directory):
+        if other.fullmatch(name):
+            os.remove(os.path.join(directory, name))
+
+
 def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_basis: bool) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding
 
@@ -293,6 +311,7 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
     )  # fmt: skip
     trainer.train()  # ends by calibrating the sampling scale on data["calibration"]
     metrics = trainer.evaluate()
+    remove_other_kind(config.output_dir, adapter=args.lora)
     trainer.save_model()  # model (or adapter) + evon_posterior.* + model card
     keys = ("accuracy", "nll", "ece", "brier")
     return {

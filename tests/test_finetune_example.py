@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -47,7 +48,11 @@ TINY = [
 
 
 def test_example_runs_all_methods_and_prints_the_table(example, tmp_path, capsys):
+    (tmp_path / "evon").mkdir()  # an earlier LoRA run's adapter, which the full model replaces
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / "evon" / name).write_text("{}")
     rows = example.main([*TINY, "--output-dir", str(tmp_path)])
+    assert not any((tmp_path / "evon" / name).exists() for name in ("adapter_config.json", "adapter_model.safetensors"))
     out = capsys.readouterr().out
     names = [name for name, _ in rows]
     assert names == ["AdamW", "IVON", "IVON@2 (BMA)", "EVON", "EVON@2 (BMA)"]
@@ -73,6 +78,11 @@ def test_example_runs_all_methods_and_prints_the_table(example, tmp_path, capsys
 
 
 def test_example_lora(example, tmp_path, capsys):
+    """LoRA into an earlier full fine-tuning's directory: the old model's files go (else
+    ``from_pretrained`` would load the adapter onto that model), the rest stays."""
+    (tmp_path / "evon").mkdir()
+    for name in ("config.json", "model.safetensors", "model-00001-of-00002.safetensors", "notes.txt"):
+        (tmp_path / "evon" / name).write_text("{}")
     rows = example.main(
         [*TINY, "--lora", "--methods", "evon", "--max-steps", "1", "--output-dir", str(tmp_path)]
     )
@@ -86,6 +96,9 @@ def test_example_lora(example, tmp_path, capsys):
     posterior = EVONPosterior.from_pretrained(saved)
     assert posterior.names and all("lora_" in n or "classifier" in n for n in posterior.names)
     assert any("attention.output.dense.lora_A" in n for n in posterior.names)
+    left = {p.name for p in saved.iterdir()}
+    assert "notes.txt" in left and not left & {"model.safetensors", "model-00001-of-00002.safetensors"}
+    assert "config.json" not in left or json.loads((saved / "config.json").read_text()) != {}
 
 
 @pytest.mark.parametrize("argv, message", [
