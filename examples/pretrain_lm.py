@@ -54,6 +54,7 @@ from hf_evon.data import (
     stdlib_corpus,
 )
 from hf_evon.optim.checks import CLIP_MODES
+from hf_evon.posterior.model_card import SECTION_START
 
 # EVON's defaults: the paper's NanoGPT table (lr, h0, ζ, β1, 1-β2, δ, β3), adaptive Hessian
 # clipping γ = 1.5 and whitened updates (the best variant of the paper's ablation).
@@ -471,10 +472,13 @@ def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:
         json.dump({"final": final, "history": history, "args": vars(args)}, fh, indent=2)
     card = None
-    if evon is None:  # no posterior: do not leave a stale one from an earlier run beside this model
+    if evon is None:  # no posterior: do not leave a stale one (or its card) from an earlier run beside this model
         for name in ("evon_posterior.safetensors", "evon_posterior_config.json"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
+        card_path = os.path.join(out, "README.md")  # this script's README is the posterior's card
+        if os.path.isfile(card_path) and SECTION_START in open(card_path, encoding="utf-8", errors="replace").read():
+            os.remove(card_path)
     else:
         metrics = {"mean": {"loss": final["val_loss"]}, "bma": {"loss": final["val_loss_bma"]}}
         card = {"metrics": metrics, "num_bma_samples": args.bma_samples}

@@ -94,13 +94,23 @@ def test_single_process_saves_model_posterior_and_card(single: tuple[str, str]) 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "soap", "ivon"])
 def test_baselines_run(optimizer: str, cache: str, tmp_path) -> None:
+    from hf_evon.posterior.model_card import SECTION_START
+
     args = [*TINY, "--max-steps", "2", "--eval-every", "0", "--optimizer", optimizer]
+    # an earlier EVON run's card in the same directory: kept only where this run has a posterior
+    os.makedirs(os.path.join(tmp_path, "model"))
+    with open(os.path.join(tmp_path, "model", "README.md"), "w") as fh:
+        fh.write(f"---\ntags: [evon]\n---\n{SECTION_START}\nan EVON posterior\n<!-- hf-evon:end -->\n")
     log = run([*args, "--output-dir", str(tmp_path), "--cache-dir", cache])
     final = re.search(rf"final \({optimizer}, 2 steps.*", log)
     assert final, log[-3000:]
     assert ("val_loss_bma=" in final.group(0)) == (optimizer == "ivon")  # AdamW, SOAP-mode: no posterior
     posterior = os.path.join(tmp_path, "model", "evon_posterior.safetensors")
     assert os.path.isfile(posterior) == (optimizer == "ivon")
+    card = os.path.join(tmp_path, "model", "README.md")
+    assert os.path.isfile(card) == (optimizer == "ivon")
+    if optimizer == "ivon":
+        assert "an EVON posterior" not in open(card).read()  # the section is this run's
 
 
 @pytest.mark.parametrize("shard", [False, True])
