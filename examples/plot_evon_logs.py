@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 
 # (panel title, tags drawn in it, log-scale y axis); tags missing from a run are left out
@@ -37,24 +38,39 @@ PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
 Series = tuple[list[int], list[float]]
 
 
+def run_directories(logdir: str) -> list[str]:
+    """The directories under ``logdir`` (itself included) that hold TensorBoard event files, oldest
+    first by their newest event file: the Trainer writes each run into a sub-directory of its own."""
+    runs = []
+    for dirpath, _, filenames in os.walk(logdir):
+        events = [os.path.join(dirpath, f) for f in filenames if f.startswith("events.out.tfevents")]
+        if events:
+            runs.append((max(os.path.getmtime(e) for e in events), dirpath))
+    return [path for _, path in sorted(runs)]
+
+
 def read_scalars(logdir: str) -> dict[str, Series]:
-    """Every scalar in the TensorBoard event files under ``logdir``: tag -> (steps, values),
-    in step order (runs in sub-directories are merged; a later event at a step wins)."""
+    """Every scalar of the newest run under ``logdir``: tag -> (steps, values), in step order (a
+    later event at a step wins). Runs are not merged: two runs into one output directory would
+    otherwise draw one curve of both; another run is plotted by passing its directory."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not os.path.isdir(logdir):
         raise SystemExit(f"plot_evon_logs: {logdir!r} is not a directory of TensorBoard event files")
+    runs = run_directories(logdir)
+    if not runs:
+        raise SystemExit(f"plot_evon_logs: no TensorBoard scalars under {logdir!r} (no event files)")
+    if len(runs) > 1:
+        print(f"plot_evon_logs: {len(runs)} runs under {logdir}; plotting the newest, {runs[-1]} (the others: "
+              f"{', '.join(runs[:-1])})", file=sys.stderr)  # fmt: skip
+    acc = EventAccumulator(runs[-1], size_guidance={"scalars": 0})
+    acc.Reload()
     merged: dict[str, dict[int, float]] = {}
-    for dirpath, _, filenames in sorted(os.walk(logdir)):
-        if not any(f.startswith("events.out.tfevents") for f in filenames):
-            continue
-        acc = EventAccumulator(dirpath, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            for event in acc.Scalars(tag):
-                merged.setdefault(tag, {})[event.step] = event.value
+    for tag in acc.Tags()["scalars"]:
+        for event in acc.Scalars(tag):
+            merged.setdefault(tag, {})[event.step] = event.value
     if not merged:
-        raise SystemExit(f"plot_evon_logs: no TensorBoard scalars under {logdir!r}")
+        raise SystemExit(f"plot_evon_logs: no TensorBoard scalars in {runs[-1]!r}")
     return {tag: (sorted(points), [points[s] for s in sorted(points)]) for tag, points in merged.items()}
 
 
@@ -97,7 +113,7 @@ def plot(scalars: dict[str, Series], path: str, title: str | None = None) -> lis
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("logdir", help="TensorBoard log directory (the Trainer's <output_dir>/runs)")
+    p.add_argument("logdir", help="TensorBoard log directory (the Trainer's <output_dir>/runs: its newest run) or one run's")
     p.add_argument("--output", default="evon_tensorboard.png", help="PNG to write")
     p.add_argument("--title", default=None, help="figure title")
     args = p.parse_args(argv)

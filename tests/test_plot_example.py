@@ -84,3 +84,24 @@ def test_missing_or_empty_logdir_is_a_clear_error(tmp_path):
         plot_evon_logs.read_scalars(str(tmp_path / "nope"))
     with pytest.raises(SystemExit, match="no TensorBoard scalars"):
         plot_evon_logs.read_scalars(str(tmp_path))
+
+
+def test_two_runs_in_one_log_directory_are_not_merged(tmp_path, capsys):
+    """A second run into the same output directory writes a second run directory: the curve is the
+    newest run's alone (merged, the two runs' steps interleave into one curve), and a run's own
+    directory plots that run."""
+    import os
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    logdir = tmp_path / "runs"
+    for run, values, mtime in (("first", (5.0, 4.0, 3.0), 1_000_000), ("second", (9.0, 8.0), 2_000_000)):
+        writer = SummaryWriter(str(logdir / run))
+        for step, value in enumerate(values, start=1):
+            writer.add_scalar("train/loss", value, step)
+        writer.close()
+        for name in os.listdir(logdir / run):
+            os.utime(logdir / run / name, (mtime, mtime))
+    assert plot_evon_logs.read_scalars(str(logdir))["train/loss"] == ([1, 2], [9.0, 8.0])
+    assert "2 runs under" in capsys.readouterr().err
+    assert plot_evon_logs.read_scalars(str(logdir / "first"))["train/loss"] == ([1, 2, 3], [5.0, 4.0, 3.0])
