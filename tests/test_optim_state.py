@@ -930,3 +930,8 @@ def test_another_models_state_dict_is_refused_naming_the_parameter_and_both_shap
     train_step(other, other_opt, data)
     named = "has shape (4, 6), but parameter #0 of its group (shape (5, 6)) needs (5, 6)"
     _refused_and_unchanged(opt, model, data, other_opt.state_dict(), named)
+    # the same model grouped otherwise (the first two matrices swapped between groups): named as such
+    swapped = [model[2].weight, model[0].weight, model[4].weight, model[6].weight]
+    regrouped = EVON([{"params": swapped}, groups(model)[1]], lr=0.05, ess=64.0)
+    with pytest.raises(ValueError, match=r"needs \(5, 5\): the state dict of another model, or of this one grouped otherwise"):
+        regrouped.load_state_dict(opt.state_dict())

@@ -133,8 +133,8 @@ def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any
                 label = repr(names[j]) if names else f"#{j} of its group"
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] has shape {tuple(value.shape)}, but "
-                    f"parameter {label} (shape {tuple(p.shape)}) needs {want(m, n)}: a state dict of "
-                    "another model?"
+                    f"parameter {label} (shape {tuple(p.shape)}) needs {want(m, n)}: the state dict of "
+                    "another model, or of this one grouped otherwise (other evon_patterns or param groups)"
                 )
 
 
