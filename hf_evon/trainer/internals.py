@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from torch import nn
-from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN
+from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import HubStrategy
 
 from hf_evon.trainer.checkpointing import settings_replaced
@@ -39,8 +39,8 @@ __all__ = ["TrainerInternals"]
 def _holds_optimizer_state(checkpoint: str) -> bool:
     """Whether ``checkpoint`` holds the Trainer's optimizer state (a file, or torch's distributed
     checkpoint folder), as ``Trainer._load_optimizer_and_scheduler`` looks for it."""
-    names = os.listdir(checkpoint)
-    return OPTIMIZER_NAME in names or any(name.startswith(OPTIMIZER_NAME_BIN.split(".")[0]) for name in names)
+    stem = OPTIMIZER_NAME.split(".")[0]  # optimizer.pt, optimizer.bin, FSDP's optimizer_0 folder
+    return any(name.startswith(stem) for name in os.listdir(checkpoint))
 
 
 class TrainerInternals:
