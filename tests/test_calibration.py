@@ -675,6 +675,9 @@ def test_an_iterator_and_an_infinite_ess_are_refused() -> None:
         calibrate_posterior(model, post, iter(cal))
     with pytest.raises(ValueError, match="ess = inf"):
         calibrate_posterior(model, post.with_ess(math.inf), cal)
+    # the model and the posterior swapped: named as such, before any pass (an AttributeError before)
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module .*got EVONPosterior and Sequential"):
+        calibrate_posterior(post, model, cal)
 
 
 class FixedLogits(nn.Module):

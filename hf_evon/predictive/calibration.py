@@ -280,6 +280,11 @@ def calibrate_posterior(
     Returns the calibrated posterior (``ess`` and ``temperature`` = the choice; config ``calibration``
     and ``trained_ess``) and the :class:`CalibrationResult`. The model is left at its mean.
     """
+    if not isinstance(model, nn.Module) or isinstance(posterior, nn.Module):
+        raise TypeError(
+            "calibrate_posterior(model, posterior, batches): model must be a torch.nn.Module and posterior "
+            f"the model's posterior; got {type(model).__name__} and {type(posterior).__name__}"
+        )
     grid, seed = DEFAULT_GRID if grid is None else grid, resolve_seed(seed)
     standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
     min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain
