@@ -13,13 +13,13 @@ Rows (``benchmarks/payoff.py``'s conventions): AdamW, AdamW + temperature scalin
 calibration split, EVON's mean and its calibrated BMA@``--samples``. One JSON line per run, then a
 table of test NLL / ECE / accuracy, mean over seeds.
 
-    python benchmarks/binary_text.py --seeds 3              # ~25 min per task on one thread
+    python benchmarks/binary_text.py --seeds 3              # 15-18 min per task on one thread
     python benchmarks/binary_text.py --tasks exception2 --variants lora --seeds 1
 
-Measured (3 seeds, one thread; test NLL, AdamW / AdamW + T / EVON mean / EVON@32; more in
-docs/results.md#two-class-text): exception full 1.395 / 0.626 / 1.235 / 0.639, exception LoRA
-0.873 / 0.629 / 0.679 / 0.675, docstring full 1.041 / 0.548 / 0.891 / 0.541, docstring LoRA 0.654 /
-0.556 / 0.610 / 0.610.
+Measured (3 seeds, one thread, 2026-11-29; test NLL, AdamW / AdamW + T / EVON mean / EVON@32; more
+in docs/results.md#two-class-text): exception full 1.769 / 0.678 / 1.699 / 0.692, exception LoRA
+1.052 / 0.689 / 0.687 / 0.688, docstring full 1.163 / 0.564 / 1.025 / 0.569, docstring LoRA 0.750 /
+0.572 / 0.589 / 0.589.
 """
 
 from __future__ import annotations
