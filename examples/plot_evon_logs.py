@@ -65,13 +65,13 @@ def read_scalars(logdir: str) -> dict[str, Series]:
               f"{', '.join(runs[:-1])})", file=sys.stderr)  # fmt: skip
     acc = EventAccumulator(runs[-1], size_guidance={"scalars": 0})
     acc.Reload()
-    merged: dict[str, dict[int, float]] = {}
+    by_tag: dict[str, dict[int, float]] = {}
     for tag in acc.Tags()["scalars"]:
         for event in acc.Scalars(tag):
-            merged.setdefault(tag, {})[event.step] = event.value
-    if not merged:
+            by_tag.setdefault(tag, {})[event.step] = event.value
+    if not by_tag:
         raise SystemExit(f"plot_evon_logs: no TensorBoard scalars in {runs[-1]!r}")
-    return {tag: (sorted(points), [points[s] for s in sorted(points)]) for tag, points in merged.items()}
+    return {tag: (sorted(points), [points[s] for s in sorted(points)]) for tag, points in by_tag.items()}
 
 
 def plot(scalars: dict[str, Series], path: str, title: str | None = None) -> list[str]:
