@@ -477,8 +477,11 @@ def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
         card_path = os.path.join(out, "README.md")  # this script's README is the posterior's card
-        if os.path.isfile(card_path) and SECTION_START in open(card_path, encoding="utf-8", errors="replace").read():
-            os.remove(card_path)
+        if os.path.isfile(card_path):
+            with open(card_path, encoding="utf-8", errors="replace") as fh:
+                stale = SECTION_START in fh.read()
+            if stale:
+                os.remove(card_path)
     else:
         metrics = {"mean": {"loss": final["val_loss"]}, "bma": {"loss": final["val_loss_bma"]}}
         card = {"metrics": metrics, "num_bma_samples": args.bma_samples}

@@ -610,13 +610,15 @@ def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_sta
     resumed = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "res", **common), train_dataset=data)
     with pytest.warns(UserWarning, match=r"resumed from .*checkpoint-2, which holds no optimizer state .*starts afresh"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.state.global_step == 4 and resumed.evon_optimizer.state_dict()["state"]  # it trained on
+    # it trained on from step 2 with a fresh optimizer: two updates, where a full resume's counts four
+    assert resumed.state.global_step == 4 and resumed.evon_optimizer.state_dict()["evon"]["updates"] == 2
     full = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", **common), train_dataset=data)
     full.train()
     again = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "again", **common), train_dataset=data)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="resumed from")
         again.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-2"))
+    assert again.state.global_step == 4 and again.evon_optimizer.state_dict()["evon"]["updates"] == 4
 
 
 # ---------------------------------------------------------------------------- evaluation
