@@ -2,7 +2,8 @@
 on one half of the calibration split with each rule of ``RULES`` (each ``standard_errors`` k at
 ``min_gain`` 0.01, each other ``min_gain`` at k = 1, and two pairs), its choice (noise scale and
 temperature) scored by BMA NLL and ECE on the other half, both ways; and the defaults with the
-gate off (``always_scan=True``) and without temperatures (``temperature=False``), ``OPTIONS``.
+gate off (``always_scan=True``), without temperatures (``temperature=False``), with the mean where
+no scale beats it (``keep_trained=False``) and with other screens (``screen_factor``), ``OPTIONS``.
 Validation data only: the tasks are built without their test partition
 (``payoff_tasks.make_task(..., development=True)``).
 
@@ -67,8 +68,17 @@ RULES = (
 # the row the others are counted against: the library's defaults
 DEFAULT_RULE = next(label for label, rule in RULES.items() if rule == (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN))
 # label -> other calibrate_posterior arguments, at the default k and min_gain: the scan where the
-# mean is not overconfident too (the gate off), and every scale scored at T = 1 (no temperature)
-OPTIONS = {"always_scan": {"always_scan": True}, "no temperature": {"temperature": False}}
+# mean is not overconfident too (the gate off), every scale scored at T = 1 (no temperature), the
+# mean wherever no scale beats it (the trained posterior not kept), and the screen's factor
+# (0: every scale scored; written out, as RULES)
+OPTIONS = {
+    "always_scan": {"always_scan": True},
+    "no temperature": {"temperature": False},
+    "keep_trained=False": {"keep_trained": False},
+    "screen_factor=0": {"screen_factor": 0.0},
+    "screen_factor=1.25": {"screen_factor": 1.25},
+    "screen_factor=5": {"screen_factor": 5.0},
+}
 
 
 def key(factor: float, seed: int) -> tuple[float, int]:
@@ -162,7 +172,7 @@ def rule_scores(logits: dict[Any, torch.Tensor], y: torch.Tensor, stand_in: Repl
     and the two choices ([multiplier, temperature])."""
     n = y.numel()
     halves = (torch.arange(0, n, 2), torch.arange(1, n, 2))
-    scored, order, picks = [], [], []
+    scored, order, picks, screened = [], [], [], []
     for fit, score in (halves, halves[::-1]):
         _, result = calibrate_posterior(Replay(logits), stand_in, [(fit, y[fit])], seed=seed,
                                         standard_errors=standard_errors, min_gain=min_gain, shift_labels=False,
@@ -170,9 +180,11 @@ def rule_scores(logits: dict[Any, torch.Tensor], y: torch.Tensor, stand_in: Repl
         scored.append(held_out_log_probs(logits, score, result.multiplier, result.temperature, seed))
         order.append(score)
         picks.append([result.multiplier, result.temperature])
+        screened.append(len(result.screened))
     logp, labels = torch.cat(scored), y[torch.cat(order)]
     ece = calibration_metrics(logp, labels, input_type="log_probs", ignore_index=None)["ece"]
-    return {"nll": float(-logp.gather(1, labels[:, None]).mean()), "ece": ece, "choices": picks}
+    nll = float(-logp.gather(1, labels[:, None]).mean())
+    return {"nll": nll, "ece": ece, "choices": picks, "screened": screened}
 
 
 def summary(rows: list[dict[str, Any]]) -> str:

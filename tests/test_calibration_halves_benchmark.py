@@ -33,7 +33,12 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
     stand_in = halves.ReplayPosterior(float(posterior.config.get("trained_ess", posterior.ess)))
     everything = torch.arange(y.numel())
     scored = []
-    for kwargs in ({"always_scan": True, "screen_factor": 0.0}, {"always_scan": True}, {"standard_errors": 0.0}):
+    for kwargs in (
+        {"always_scan": True, "screen_factor": 0.0},
+        {"always_scan": True},
+        {"standard_errors": 0.0},
+        {"always_scan": True, "screen_factor": 5.0, "keep_trained": False},
+    ):
         _, real = calibrate_posterior(
             model, posterior, payoff_tasks.as_calibration_batches(task.cal), seed=1000, shift_labels=False, **kwargs
         )
@@ -44,6 +49,8 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
         assert replayed.temperature == real.temperature and replayed.scanned == real.scanned
         assert [g / real.trained_ess for g in real.grid] == pytest.approx([g / replayed.trained_ess for g in replayed.grid])
         assert replayed.nll == pytest.approx(real.nll, rel=1e-9) and replayed.mean_nll == pytest.approx(real.mean_nll, rel=1e-9)
+        screened = [g / real.trained_ess for g in real.screened]
+        assert screened == pytest.approx([g / replayed.trained_ess for g in replayed.screened])
         scored.append(len(real.grid))
     assert scored[0] == len(halves.DEFAULT_GRID) and scored[1] > 0  # the replay stood in for every scale
     # the held-out score is the tempered BMA NLL of the stored draws, the mean's at ess = inf
@@ -68,6 +75,11 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
         ])  # fmt: skip
         ece = calibration_metrics(by_hand, y[torch.cat([odd, even])], input_type="log_probs", ignore_index=None)["ece"]
         assert row["ece"] == ece
+        # the scales each half's screen left out, as the rule's own result counts them
+        for (fit, _), count in zip(((even, odd), (odd, even)), row["screened"]):
+            _, own = calibrate_posterior(halves.Replay(logits), stand_in, [(fit, y[fit])], seed=1000,
+                                         standard_errors=k, min_gain=g, shift_labels=False, **options)  # fmt: skip
+            assert count == len(own.screened)
 
 
 def test_the_summary_counts_each_rules_runs_below_and_above_the_defaults() -> None:
