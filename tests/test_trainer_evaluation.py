@@ -30,6 +30,11 @@ def _trained(tmp_path, make=tiny_bert, train=None, evaluation=None, **overrides)
     return trainer
 
 
+def _without_runtime(metrics: dict) -> dict:
+    """``metrics`` less the runtime ones ``Trainer.predict`` adds (``speed_metrics``), which vary."""
+    return {k: v for k, v in metrics.items() if not k.endswith(("_runtime", "_samples_per_second", "_steps_per_second"))}
+
+
 def _averaged_softmax(trainer: EVONTrainer, batch: dict, seeds: tuple[int, ...]) -> torch.Tensor:
     """The BMA probabilities of ``batch``, computed directly: one sampled forward per seed."""
     trainer.model.eval()
@@ -208,6 +213,38 @@ def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
 
 
 
+def test_bma_predictions_report_as_trainer_predict_does(tmp_path):
+    """predict(bma=True) and predict_uncertainty() fire the callbacks' ``on_predict`` with their
+    metrics and add the runtime metrics ``Trainer.predict`` adds, and with
+    ``eval_do_concat_batches=False`` return per-batch lists as it does (before: no event, no
+    runtime metrics, one concatenated array)."""
+
+    class Seen(TrainerCallback):
+        def __init__(self) -> None:
+            self.metrics: list[dict] = []
+
+        def on_predict(self, args, state, control, metrics, **kwargs):
+            self.metrics.append(dict(metrics))
+
+    seen = Seen()
+    trainer = _trained(tmp_path, bma_num_samples=2)
+    trainer.add_callback(seen)
+    test = classification_data(40, seed=2)  # batches of 16, 16, 8
+    plain, bma, spread = trainer.predict(test), trainer.predict(test, bma=True), trainer.predict_uncertainty(test)
+    runtime = {"test_runtime", "test_samples_per_second", "test_steps_per_second"}
+    for out in (plain, bma, spread):
+        assert runtime <= set(out.metrics)
+    assert seen.metrics == [plain.metrics, bma.metrics, spread.metrics]
+    assert bma.metrics["test_samples_per_second"] == pytest.approx(40 / bma.metrics["test_runtime"], rel=0.05)
+    trainer.args.eval_do_concat_batches = False
+    per_batch, spread_per_batch = trainer.predict(test, bma=True), trainer.predict_uncertainty(test)
+    assert [p.shape for p in per_batch.predictions] == [(16, 3), (16, 3), (8, 3)]
+    np.testing.assert_array_equal(np.concatenate(per_batch.predictions), bma.predictions)
+    np.testing.assert_array_equal(np.concatenate(per_batch.label_ids), bma.label_ids)
+    assert [len(e) for e in spread_per_batch.predictions.epistemic] == [16, 16, 8]
+    np.testing.assert_array_equal(np.concatenate(spread_per_batch.predictions.total), spread.predictions.total)
+
+
 @pytest.mark.parametrize("batch_eval_metrics", [False, True])
 def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_metrics(tmp_path, batch_eval_metrics):
     """``Trainer.predict`` passes each batch's logits through ``preprocess_logits_for_metrics`` and
@@ -335,13 +372,13 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
         assert (torch.stack(samples)[0] - expected).abs().max() > 1e-3  # the samples differ
         np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-6)
     if not positions:
-        assert out.label_ids is None and out.metrics == {}
+        assert out.label_ids is None and _without_runtime(out.metrics) == {}
         return
     labels = (np.asarray(test["start_positions"]), np.asarray(test["end_positions"]))
     assert isinstance(out.label_ids, tuple) and len(out.label_ids) == 2
     for got, expected in zip(out.label_ids, labels, strict=True):
         np.testing.assert_array_equal(got, expected)
-    assert out.metrics == {
+    assert _without_runtime(out.metrics) == {
         f"test_{name}_hits": float((torch.stack(samples).mean(0).argmax(-1).numpy() == label).mean())
         for name, samples, label in (("start", starts, labels[0]), ("end", ends, labels[1]))
     }
@@ -387,7 +424,8 @@ def test_predict_uncertainty_classification_equals_a_direct_computation(tmp_path
     assert float(expected.epistemic.min()) > 0  # the samples disagree: a part that can be wrong
     np.testing.assert_array_equal(out.label_ids, np.asarray(test["labels"]))
     bma = trainer.predict(test, bma=True).metrics
-    assert out.metrics == pytest.approx(bma, rel=1e-9)  # the same passes' {prefix}_bma_* metrics
+    # the same passes' {prefix}_bma_* metrics
+    assert _without_runtime(out.metrics) == pytest.approx(_without_runtime(bma), rel=1e-9)
 
 
 def test_predict_uncertainty_draws_at_the_trained_scale_unless_asked(tmp_path):

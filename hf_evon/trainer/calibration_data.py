@@ -15,7 +15,7 @@ dataset's order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -68,6 +68,23 @@ def check_calibration_batches(
             "EVONTrainer: calibration_dataset has no labelled target (empty, or every label -100): "
             "calibrate() would fail after training; pass held-out examples with labels"
         )
+
+
+def under_labels(batch: Any, label_names: Sequence[str] | None) -> Any:
+    """``batch`` with its labels under ``labels`` where the trainer's ``label_names`` name one other
+    entry (a model whose ``forward`` calls its labels otherwise): the calibration reads ``labels``
+    and passes the rest to the model, which then predicts without computing a loss. Any other batch
+    as it is."""
+    names = list(label_names or ())
+    if len(names) != 1 or names[0] == "labels" or not isinstance(batch, Mapping) or names[0] not in batch:
+        return batch
+    return {**{k: v for k, v in batch.items() if k != names[0]}, "labels": batch[names[0]]}
+
+
+def is_eval_set(dataset: Any, eval_dataset: Any) -> bool:
+    """Whether ``dataset`` is the trainer's ``eval_dataset``, or one of a dict of them."""
+    sets = eval_dataset.values() if isinstance(eval_dataset, Mapping) else (eval_dataset,)
+    return dataset is not None and any(dataset is s for s in sets)
 
 
 def _token_count(example: Any) -> int | None:

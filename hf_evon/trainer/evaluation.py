@@ -51,6 +51,7 @@ __all__ = [
     "MetricAccumulator",
     "PosteriorEvaluation",
     "batch_labels",
+    "class_labels",
     "float64_log_softmax",
     "gathered_rows",
     "merge_metrics",
@@ -177,6 +178,13 @@ def batch_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | tuple[Tensor,
     return inputs[names[0]] if len(names) == 1 else tuple(inputs[name] for name in names)
 
 
+def class_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | None:
+    """:func:`batch_labels` where they are one tensor, the labels the posterior metrics score;
+    None otherwise (none, or several: extractive QA's start and end positions)."""
+    labels = batch_labels(trainer, inputs)
+    return labels if isinstance(labels, Tensor) else None
+
+
 def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...]:
     """The model's ``logits``; for an output without (extractive QA) its ``*_logits`` fields in
     order (``start_logits``, ``end_logits``), each a distribution of its own. A tuple output
@@ -273,7 +281,7 @@ def sample_passes(
     chunk_size: int | None = None
 
     def forward(inputs: dict[str, Any]) -> Tensor:
-        return transform(_forward_logits(trainer, model, inputs), inputs.get("labels"))
+        return transform(_forward_logits(trainer, model, inputs), class_labels(trainer, inputs))
 
     with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
         raw = next(loader, None)
@@ -438,7 +446,7 @@ class PosteriorEvaluation:
         description = f"BMA evaluation ({len(seeds)} posterior samples)"
         passes = dataloader if bma_dataloader is None else bma_dataloader()
         for done, inputs, rows in sample_passes(trainer, passes, posterior, seeds, transform, description):
-            bma.add(done.value(), inputs["labels"], rows)
+            bma.add(done.value(), class_labels(trainer, inputs), rows)
         return {f"{self.prefix}_bma_{k}": v for k, v in bma.summary().items()}
 
     def _own_mean_pass(self, dataloader: Any) -> bool:
@@ -448,8 +456,8 @@ class PosteriorEvaluation:
         model.eval()
         for inputs in dataloader:
             inputs = self.trainer._prepare_inputs(inputs)
-            labels = inputs.get("labels")
-            if not isinstance(labels, Tensor):
+            labels = class_labels(self.trainer, inputs)
+            if labels is None:
                 return False
             logits = _forward_logits(self.trainer, model, inputs)
             if not self._set_task(task_of(logits, labels, self.trainer._causal_lm), logits, labels):
@@ -542,7 +550,7 @@ class EvaluationMixin:
             return super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
             )
-        with evaluation.batch(inputs.get("labels")):  # labels first: a loss may pop them
+        with evaluation.batch(class_labels(self, inputs)):  # labels first: a loss may pop them
             return super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
             )

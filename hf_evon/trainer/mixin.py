@@ -107,7 +107,7 @@ from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
-from hf_evon.trainer.calibration_data import check_calibration_batches, cut_by_length, length_sorted
+from hf_evon.trainer import calibration_data
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.config import (
     FINETUNING_LEARNING_RATE,
@@ -186,16 +186,16 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         if not hasattr(self, "loss_is_scaled_for_ga"):  # the Trainer's switch, from transformers 5.19 on
             raise ImportError(f"{type(self).__name__} needs transformers >= 5.19; found {transformers.__version__}")
         args = self._evon_arguments(args)
-        if calibration_dataset is not None and calibration_dataset is kwargs.get("eval_dataset"):
-            raise ValueError(
-                "calibration_dataset is the eval_dataset: the sampling scale would be chosen on the examples the "
-                "BMA metrics are reported on. Hold out separate examples for calibration"
-            )
         if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
             kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
         elif peft_config is not None:
             model = self._wrap_peft(model, args, peft_config)
         super().__init__(model, args, *trainer_args, **kwargs)
+        if calibration_data.is_eval_set(calibration_dataset, self.eval_dataset):  # by keyword, position or in a dict
+            raise ValueError(
+                "calibration_dataset is the eval_dataset: the sampling scale would be chosen on the examples the "
+                "BMA metrics are reported on. Hold out separate examples for calibration"
+            )
         if posterior is not None and not isinstance(posterior, EVONPosterior):
             raise TypeError(f"posterior= takes an EVONPosterior (EVONPosterior.from_pretrained); got {type(posterior)}")
         if posterior is not None and self.model is not None:  # another model's: refused here, not when saving
@@ -307,8 +307,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
 
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loaded = not any(p.is_meta for p in self.model.parameters())
-        check_calibration_batches(
-            self._uncached_eval_dataloader(self.calibration_dataset), vocab, self._causal_lm,
+        loader = self._uncached_eval_dataloader(self.calibration_dataset)
+        calibration_data.check_calibration_batches(
+            (calibration_data.under_labels(b, self.label_names) for b in loader), vocab, self._causal_lm,
             (lambda b, where: held_out_classes(self.model, self._prepare_inputs(b), self._causal_lm, where)) if loaded else None,
         )  # fmt: skip
 
@@ -358,7 +359,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             raise ValueError(
                 "calibrate() needs held-out data: pass dataset= or EVONTrainer(calibration_dataset=...)"
             )
-        if dataset is self.eval_dataset:
+        if calibration_data.is_eval_set(dataset, self.eval_dataset):
             raise ValueError(
                 "calibrate(): dataset is the eval_dataset; calibrate on other examples than you report on"
             )
@@ -367,9 +368,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
         model = self._wrap_model(self.model, training=False)
         start = time.perf_counter()
-        # in order of length, the long tail cut: each pass pads little (the result is the dataset order's)
-        loader = self._uncached_eval_dataloader(length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last))
-        batches = cut_by_length([self._prepare_inputs(b) for b in loader])
+        # sorted by length, the long tail cut (each pass pads little; the dataset order's result), labels as "labels"
+        split = calibration_data.length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
+        batches = [self._prepare_inputs(b) for b in self._uncached_eval_dataloader(split)]
+        batches = calibration_data.cut_by_length([calibration_data.under_labels(b, self.label_names) for b in batches])
         _, result = calibrate_posterior(
             model,
             posterior,

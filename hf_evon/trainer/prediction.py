@@ -4,13 +4,15 @@ by the user's ``compute_metrics`` and by the ``{prefix}_bma_*`` metrics."""
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from transformers.trainer_pt_utils import nested_concat
-from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
@@ -85,6 +87,17 @@ def bma_predict(
     kind: str | None = None  # decided after the first forward (transform_one)
 
     outputs = 1  # the model's distributions per input (2 for extractive QA's start and end)
+    concat = args.eval_do_concat_batches
+
+    def joined(total: Any, part: Any) -> Any:
+        """The batches so far and ``part``, as ``Trainer.predict`` collects them: concatenated (padded
+        with -100), or a list of the batches' own with ``eval_do_concat_batches=False``."""
+        if total is None:
+            return part if concat else [part]
+        if concat:
+            return nested_concat(total, part, padding_index=-100)
+        total.append(part)
+        return total
 
     def transform_one(logits: Tensor) -> Tensor:
         nonlocal kind
@@ -149,19 +162,20 @@ def bma_predict(
             parts = tuple(gathered(x.float(), rows, classes=False) for x in entropies)
         else:
             parts = collected(logp, labels, rows)
-        predictions = parts if predictions is None else nested_concat(predictions, parts, padding_index=-100)
+        predictions = joined(predictions, parts)
         if labels is not None:
             if isinstance(labels, tuple):
                 labels = tuple(gathered(y, rows, classes=False) for y in labels)
             else:
                 labels = gathered(labels, rows, classes=False)
-            label_ids = labels if label_ids is None else nested_concat(label_ids, labels, padding_index=-100)
+            label_ids = joined(label_ids, labels)
         if main_input is not None and isinstance(inputs.get(main_input), Tensor):
             part = gathered(inputs[main_input], rows, classes=False)
-            input_ids = part if input_ids is None else nested_concat(input_ids, part, padding_index=-100)
+            input_ids = joined(input_ids, part)
     metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix, input_ids)
-    if uncertainty and predictions is not None:
-        predictions = PredictiveUncertainty(*(p.numpy() for p in predictions))
+    if uncertainty and predictions is not None:  # per field: one tensor, or the batches' (a list)
+        fields = list(predictions) if concat else [list(f) for f in zip(*predictions)]
+        predictions = PredictiveUncertainty(*map(_arrays, fields))
     else:
         predictions = _arrays(predictions)
     label_ids = _arrays(label_ids)
@@ -170,8 +184,11 @@ def bma_predict(
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
 
-def _arrays(values: Tensor | tuple[Tensor, ...] | None) -> Any:
-    """``values`` as numpy arrays (a tuple of them for a tuple), as ``Trainer.predict`` returns them."""
+def _arrays(values: Tensor | tuple[Tensor, ...] | list[Any] | None) -> Any:
+    """``values`` as numpy arrays (a tuple of them for a tuple, a list for a list of batches), as
+    ``Trainer.predict`` returns them."""
+    if isinstance(values, list):
+        return [_arrays(v) for v in values]
     if isinstance(values, tuple):
         return tuple(np.asarray(v.cpu().numpy()) for v in values)
     return None if values is None else np.asarray(values.cpu().numpy())
@@ -213,13 +230,16 @@ class PredictionMixin:
         ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
         over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
         model's logits; ``metrics`` holds your ``compute_metrics`` of them and ``{prefix}_bma_*``
-        where the task has them (:func:`bma_predict`). ``kwargs``: the subclass's own
-        (``Seq2SeqTrainer``'s generation settings).
+        where the task has them (:func:`bma_predict`). As from ``Trainer.predict``: the runtime
+        metrics, the callbacks' ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``.
+        ``kwargs``: the subclass's own (``Seq2SeqTrainer``'s generation settings).
         """
         if not bma:
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         posterior = self._bma_posterior("predict(bma=True)")
-        return bma_predict(self, self.get_test_dataloader(test_dataset), posterior, metric_key_prefix)
+        start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
+        output = bma_predict(self, dataloader, posterior, metric_key_prefix)
+        return self._reported(output, start, dataloader, metric_key_prefix)
 
     def predict_uncertainty(
         self, test_dataset: Any, metric_key_prefix: str = "test", calibrated_scale: bool = False
@@ -238,8 +258,22 @@ class PredictionMixin:
         posterior = self._bma_posterior("predict_uncertainty()")
         if not calibrated_scale:
             posterior = trained_posterior(posterior)
-        dataloader = self.get_test_dataloader(test_dataset)
-        return bma_predict(self, dataloader, posterior, metric_key_prefix, uncertainty=True)
+        start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
+        output = bma_predict(self, dataloader, posterior, metric_key_prefix, uncertainty=True)
+        return self._reported(output, start, dataloader, metric_key_prefix)
+
+    def _reported(self, output: PredictionOutput, start: float, dataloader: Any, prefix: str) -> PredictionOutput:
+        """``output`` with what ``Trainer.predict`` adds to its own: the runtime metrics (from
+        ``start``, per example and batch where the set has a length) and the callbacks'
+        ``on_predict`` event with the metrics."""
+        try:
+            rows = self.num_examples(dataloader)
+        except (TypeError, AttributeError):  # an iterable dataset: no length
+            rows = None
+        steps = None if rows is None else math.ceil(rows / (self.args.eval_batch_size * self.args.world_size))
+        output.metrics.update(speed_metrics(prefix, start, num_samples=rows, num_steps=steps))
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return output
 
     def _bma_posterior(self, caller: str) -> Any:
         """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where
