@@ -836,6 +836,26 @@ def test_encoder_decoder_scoring_needs_labels_and_refuses_encoder_outputs(seq2se
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):
+    """Labels that index no token (-1 for "no label", an id past the vocabulary, a float) are
+    refused by name, and the model is not left sampled (before: torch's index error after the
+    whole S·B forward, a device-side assert on a GPU)."""
+    model, posterior = gpt2
+    before = [p.detach().clone() for p in model.parameters()]
+    vocab = model.config.vocab_size
+    for bad, match in ((-1, "label -1"), (vocab, f"label {vocab}")):
+        labels = PROMPTS.clone()
+        labels[1, 3] = bad
+        with pytest.raises(ValueError, match=rf"bma_log_likelihood: labels have {match}, outside"):
+            bma_log_likelihood(model, posterior, PROMPTS, labels=labels, num_samples=2)
+    with pytest.raises(ValueError, match="bma_log_likelihood: labels has floating-point labels"):
+        bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS.float(), num_samples=2)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    labels = PROMPTS.clone()
+    labels[:, :2] = -100  # ignored targets stay fine
+    assert bma_log_likelihood(model, posterior, PROMPTS, labels=labels, num_samples=2).mask[:, :1].sum() == 0
+
+
 # ----------------------------------------------------------------------------- beam search
 MAKERS = {"llama": tiny_llama, "t5": tiny_t5, "bart": tiny_bart}
 BEAMS = dict(max_new_tokens=8, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -1403,3 +1403,18 @@ def test_recorded_lr_is_the_scheduled_peak_and_the_final_rate():
     _train(net, opt, [x] * 3, lambda m, b: m(b).square().mean(), scheduler=sched)
     config = EVONPosterior.from_optimizer(opt, net).config
     assert config["lr"] == 0.1 and config["final_lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_sampling_into_a_model_on_the_meta_device_says_so(mlp):
+    """A model made on the meta device (``torch.device("meta")``, empty-weight loading) has no
+    values to perturb: the sample is refused by name (before: torch's "META device type not an
+    accelerator"), and draw() refuses the meta device the same way."""
+    model, _, posterior = mlp
+    with torch.device("meta"):
+        empty = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="meta device.*load the model's weights"):
+        with posterior.sampled(empty, seed=0):
+            pass
+    with pytest.raises(ValueError, match="meta device"):
+        posterior.draw(1, seed=0, device="meta")
+    assert posterior.draw(1, seed=0)["0.weight"].shape == (1, 4, 5)

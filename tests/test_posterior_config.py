@@ -285,3 +285,29 @@ def test_the_posteriors_number_arguments_take_numpy_numbers_as_the_optimizer_doe
     for bad in (np.bool_(True), True, "50", torch.tensor(50.0)):
         with pytest.raises(TypeError, match="with_ess: ess must be a number"):
             posterior.with_ess(bad)
+
+
+def test_a_posterior_of_an_optimizer_built_with_numpy_numbers_saves_them_as_json_numbers(tmp_path):
+    """The optimizer takes NumPy numbers for its hyperparameters; the config wrote them as strings
+    (``str(np.float32(0.1))``), which the save then refused as "must be a number"."""
+    import numpy as np
+
+    from hf_evon import EVONPosterior, build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = build_optimizer(
+        model, lr=np.float32(0.25), betas=(np.float32(0.5), np.float64(0.75)), hess_init=np.float32(0.125),
+        clip_radius=np.float16(0.5), mc_samples=np.int64(2),
+    )  # fmt: skip
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    EVONPosterior.from_optimizer(opt, model).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "evon_posterior_config.json").read_text())
+    assert (saved["lr"], saved["betas"], saved["hess_init"], saved["clip_radius"]) == (0.25, [0.5, 0.75], 0.125, 0.5)
+    assert saved["mc_samples"] == 2 and isinstance(saved["mc_samples"], int)
+    assert EVONPosterior.from_pretrained(tmp_path).config["lr"] == 0.25

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_evon.predictive.logprobs import log_mean_prob
+from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob
 from hf_evon.predictive.uncertainty import (
     PredictiveUncertainty,
     UncertaintyAccumulator,
@@ -100,6 +100,23 @@ def test_accumulator_equals_the_stacked_decomposition() -> None:
         assert torch.allclose(a, b, atol=1e-12)
     assert draws[0].dtype == torch.float32  # the caller's draws are not changed in place
     assert torch.equal(draws[0], torch.stack(draws)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_accumulators_keep_no_reference_to_a_callers_buffer(dtype) -> None:
+    """A caller that copies each draw into one buffer gets the stacked result: the accumulators
+    kept a float64 first draw by reference, so the buffer's later draws replaced it."""
+    gen = torch.Generator().manual_seed(2)
+    draws = [torch.randn(4, 5, generator=gen, dtype=dtype).log_softmax(-1) for _ in range(3)]
+    acc, average, buffer = UncertaintyAccumulator(), LogMeanExp(), torch.empty(4, 5, dtype=dtype)
+    for d in draws:
+        buffer.copy_(d)
+        acc.add(buffer)
+        average.add(buffer)
+    stacked = predictive_uncertainty(torch.stack(draws))
+    for got, want in zip(acc.uncertainty(), stacked, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(average.value(), log_mean_prob(torch.stack(draws)), rtol=0, atol=1e-6)
 
 
 def test_bad_input_is_named() -> None:

@@ -188,6 +188,11 @@ def sample_group(
     are applied (``z ⊙ √V``). Math in ``compute_dtype`` on ``device`` (None: where the group is).
     """
     dev = torch.device(device) if device is not None else group.hess.device
+    if dev.type == "meta":
+        raise ValueError(
+            "cannot draw posterior samples on the meta device, which holds no values: load the model's "
+            "weights first (a model made under torch.device('meta') or with empty weights has none)"
+        )
     dt = compute_dtype(group.hess)
 
     def take(t: Tensor | None) -> Tensor | None:

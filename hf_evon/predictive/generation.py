@@ -34,7 +34,14 @@ from torch import nn
 from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model, unwrap_model
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
-from hf_evon.predictive.logprobs import IGNORE_INDEX, label_log_probs, log_mean_prob, tempered
+from hf_evon.predictive.logprobs import (
+    IGNORE_INDEX,
+    label_log_probs,
+    log_mean_prob,
+    require_class_labels,
+    tempered,
+    unscorable_labels,
+)
 
 Tensor = torch.Tensor
 
@@ -418,6 +425,8 @@ def bma_log_likelihood(
     ):
         what = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
         raise ValueError(f"bma_log_likelihood: labels must have {want}; got {what}")
+    if labels is not None:
+        require_class_labels(labels, "bma_log_likelihood: labels")
     padded = labels is None and attention_mask is not None  # labels taken from the unpadded ids
     if labels is None:
         labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
@@ -444,6 +453,12 @@ def bma_log_likelihood(
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows) as sampler:
         _check_sample_axis(sampler, gen_model, input_ids)
         logits = gen_model(**inputs, return_dict=True).logits
+    unscorable = unscorable_labels(targets, logits.shape[-1])
+    if bool(unscorable.any()):  # before the gather: an index past the logits asserts on a GPU
+        raise ValueError(
+            f"bma_log_likelihood: labels have label {int(targets[unscorable][0])}, outside the model's "
+            f"{logits.shape[-1]} tokens (0 to {logits.shape[-1] - 1}; {IGNORE_INDEX} marks a target that is not scored)"
+        )
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
         chunk = logits[s * batch : (s + 1) * batch, scored].float()

@@ -126,10 +126,8 @@ class LogMeanExp:
         self.count = 0
 
     def add(self, log_probs: Tensor) -> None:
-        if self.total is None:
-            self.total = log_probs
-        elif self.count == 1:  # a new tensor: the first draw is the caller's
-            self.total = torch.logaddexp(self.total, log_probs)
+        if self.total is None:  # a copy: the caller may write its next draw into the same tensor
+            self.total = log_probs.clone()
         else:  # in place: an LM's averages are the size of its full-vocabulary logits
             torch.logaddexp(self.total, log_probs, out=self.total)
         self.count += 1
