@@ -867,3 +867,61 @@ def test_the_calibrate_help_and_the_uncalibrated_card_state_the_calibrations_def
     assert f"DEFAULT_MIN_GAIN, {DEFAULT_MIN_GAIN:g})" in shown
     words = {0.5: "half a standard error", 1.0: "a standard error"}[DEFAULT_STANDARD_ERRORS]
     assert f"by more than {words} or {100 * DEFAULT_MIN_GAIN:g}%" in _calibration_text({})
+
+
+def test_inspect_prints_a_files_control_characters_escaped(saved, tmp_path, capsys):
+    """A config from anyone holds strings ``inspect`` prints: a terminal's escape sequences and
+    line breaks in them are shown escaped, not acted on (before: the screen cleared, a forged line)."""
+    target = _copy_of(saved, tmp_path)
+    config_path = target / "evon_posterior_config.json"
+    config = json.loads(config_path.read_text())
+    config["model_class"] = "\x1b[2J\x1b[31mFAKE\x1b[0m"
+    config["library_version"] = "0.1\nInjected line"
+    config_path.write_text(json.dumps(config))
+    assert main(["inspect", str(target)]) == 0
+    text = capsys.readouterr().out
+    assert "\x1b" not in text and "\nInjected line" not in text
+    assert "model \\x1b[2J\\x1b[31mFAKE\\x1b[0m (base" in text and "hf-evon 0.1\\nInjected line;" in text
+
+
+def test_a_continuation_keeps_the_space_a_sentencepiece_tokenizer_puts_before_it(tmp_path, capsys):
+    """Llama-style tokenizers (Metaspace) mark a word's leading space in its token, which decoding
+    the new tokens alone drops: the completion is the full sequence's text after the prompt's
+    (before: "Hello worldcat cat cat")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁cat": 3, "</s>": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=5, n_positions=32, eos_token_id=None))
+    posterior = trained_posterior(model, 5, lambda x: x)
+    with torch.no_grad():  # the final layer norm (a point estimate) makes every next token "▁cat"
+        model.transformer.ln_f.weight.zero_()
+        cat = model.transformer.wte.weight[3]
+        model.transformer.ln_f.bias.copy_(50 * cat / cat.norm())
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "Hello world", "--max-new-tokens", "3", "--samples", "2"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "Hello world cat cat cat\n"
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["completion"] == " cat cat cat"
+
+
+def test_calibrate_checks_its_output_before_the_calibration(saved, tmp_path, capsys, monkeypatch):
+    """An --output that cannot be a directory is a usage error before any pass (before: after the
+    whole calibration)."""
+    import hf_evon.predictive.calibration as calibration
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    taken = tmp_path / "README.md"
+    taken.write_text("a file")
+    for output in (taken, taken / "inside"):
+        argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "8"]) == 2
+        assert "is a file, not a directory" in capsys.readouterr().err

@@ -136,6 +136,23 @@ def test_an_oversized_config_is_refused_without_reading_it_whole(tmp_path, monke
         EVONPosterior.from_pretrained(tmp_path)
 
 
+def test_a_large_config_of_empty_lists_is_refused_before_parsing(tmp_path):
+    """Python's JSON parser makes an object of some 50 bytes from each 3-byte "[]," a file holds:
+    a config within the byte limit could take 50x its size in memory before its fields were
+    checked. A config over 1 MiB with more than one list or object per 16 bytes is refused unread
+    (a posterior's config holds about one per 100-160 bytes)."""
+    _posterior().save_pretrained(tmp_path)
+    path = tmp_path / POSTERIOR_CONFIG_NAME
+    raw = json.loads(path.read_text())
+    raw["padding"] = [[] for _ in range(2**19)]  # 1.5 MiB of "[], "
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PosteriorMismatchError, match=rf"{POSTERIOR_CONFIG_NAME}.*lists/objects in .* bytes"):
+        EVONPosterior.from_pretrained(tmp_path)
+    raw["padding"] = ["x" * 120 for _ in range(2**14)]  # 2 MiB of plain strings: read as before
+    path.write_text(json.dumps(raw))
+    assert EVONPosterior.from_pretrained(tmp_path).config["padding"][0] == "x" * 120
+
+
 @pytest.mark.parametrize("depth", [100, 100_000])
 def test_a_deeply_nested_config_is_a_clear_error(tmp_path, depth):
     _posterior().save_pretrained(tmp_path)

@@ -40,6 +40,7 @@ from hf_evon.cli.loading import (
     resolve_device,
     torch_dtype,
 )
+from hf_evon.cli.text import completion_text, number_text, printable, size_text
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Posterior config entry written by post-hoc calibration: {"ess": float | "inf", ...}
@@ -265,7 +266,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     for row in range(sequences.shape[0]):
         new_ids = sequences[row, start:].tolist()
         prompt_ids = input_ids[row][attention_mask[row].bool()].tolist()
-        completion = None if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=True)
+        completion = None if tokenizer is None else completion_text(tokenizer, [] if encoder_decoder else prompt_ids, new_ids)
         if args.json:
             record = {
                 "prompt": args.prompt[row] if args.prompt is not None else prompt_ids,
@@ -357,18 +358,6 @@ def inspect_posterior(posterior: Any) -> dict[str, Any]:
     }
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _num(x: Any) -> str:
-    return "inf" if isinstance(x, float) and math.isinf(x) else (f"{x:.4g}" if isinstance(x, float) else str(x))
-
-
 def _calibration_text(calibration: Any) -> str:
     """The config's ``calibration`` entry, with its source."""
     from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
@@ -377,7 +366,7 @@ def _calibration_text(calibration: Any) -> str:
         return "none recorded"
     source = f"(from {POSTERIOR_CONFIG_NAME}, '{CALIBRATION_KEY}')"
     if isinstance(calibration, dict):
-        return ", ".join(f"{k} {_num(v)}" for k, v in calibration.items()) + " " + source
+        return ", ".join(f"{k} {number_text(v)}" for k, v in calibration.items()) + " " + source
     return f"{calibration!r} {source}"
 
 
@@ -412,13 +401,13 @@ def _run_inspect(args: argparse.Namespace) -> int:
         f"EVON posterior at {args.location}" + (f"/{args.subfolder}" if args.subfolder else ""),
         f"  format {summary['format_version']}, written by hf-evon {summary['library_version']}; "
         f"model {summary['model_class']} (base {summary['base_model']})",
-        f"  ess {_num(summary['ess'])}, BMA temperature {_num(summary['temperature'])}, "
-        f"weight_decay {_num(summary['weight_decay'])}, "
+        f"  ess {number_text(summary['ess'])}, BMA temperature {number_text(summary['temperature'])}, "
+        f"weight_decay {number_text(summary['weight_decay'])}, "
         f"EVON updates {summary['optimizer_step']}, eigenbases stored in {summary['eigenbasis_dtype']}",
         f"  calibration: {_calibration_text(summary['calibration'])}",
         f"  covered: {summary['num_covered_tensors']} tensors, {summary['num_covered_params']:,} parameters; "
         f"point estimates: {points}",
-        "  files: " + ", ".join(f"{f} {_size(n)}" for f, n in summary["files"].items()),
+        "  files: " + ", ".join(f"{f} {size_text(n)}" for f, n in summary["files"].items()),
         "",
         "posterior std (marginal, per element)",
     ]
@@ -430,7 +419,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         shape = "x".join(map(str, t["shape"]))
         stats = " ".join(f"{t[k]:>10.3g}" for k in ("std_min", "std_median", "std_mean", "std_max"))
         lines.append(f"  {name:<{width}}  {shape:<12} {t['bases']:<5} {stats}")
-    print("\n".join(lines))
+    print("\n".join(map(printable, lines)))  # the config's strings come from anyone
     return 0
 
 
@@ -501,6 +490,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
+    existing = os.path.abspath(args.output)  # checked before the passes, not at the save after them
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--output {args.output!r}: {existing!r} is a file, not a directory")
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
     if is_encoder_decoder(model):

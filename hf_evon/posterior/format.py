@@ -75,8 +75,12 @@ _STALE_FILE_RE = re.compile(
         ]
     )
 )
-# a config of a million covered parameters is about 200 MiB; far beyond any model's
-MAX_CONFIG_BYTES = 256 * 2**20
+# a config takes about 200 bytes per covered tensor: 64 MiB is some 300,000 tensors, beyond any model's
+MAX_CONFIG_BYTES = 64 * 2**20
+# Python's JSON parser makes an object of ~50 bytes from each "[]," (3 bytes): a config over
+# CONTAINER_CHECK_BYTES must hold at least this many bytes per list or object (a posterior's
+# holds 100-160), which bounds what its parse takes to about 10x the file
+MIN_BYTES_PER_CONTAINER, CONTAINER_CHECK_BYTES = 16, 2**20
 _STAGED_NAME_RE = re.compile(r"[0-9a-f]{32}")
 _STAGING_DIR_RE = re.compile(r"\.evon_posterior\.[0-9a-f]{32}\.staging")
 # what safetensors' save_file writes before renaming it onto the file (Rust's tempfile names)
@@ -237,7 +241,8 @@ def _read_groups(
 def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
     """The validated config file (errors name the field and the file).
 
-    At most ``MAX_CONFIG_BYTES`` are read: a config from elsewhere cannot exhaust memory.
+    At most ``MAX_CONFIG_BYTES`` are read, and a large one dense with lists or objects is refused
+    unparsed (``MIN_BYTES_PER_CONTAINER``): a config from elsewhere cannot exhaust memory.
     """
     where = os.fspath(config_path)
     try:
@@ -249,6 +254,12 @@ def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
         raise PosteriorMismatchError(
             f"{where}: the config is larger than {MAX_CONFIG_BYTES} bytes (a posterior config takes "
             "about 200 bytes per covered parameter); refusing to read it"
+        )
+    containers = data.count(b"[") + data.count(b"{")  # an upper bound: brackets in strings count too
+    if len(data) > CONTAINER_CHECK_BYTES and containers * MIN_BYTES_PER_CONTAINER > len(data):
+        raise PosteriorMismatchError(
+            f"{where}: the config holds up to {containers} lists/objects in {len(data)} bytes, more than one "
+            f"per {MIN_BYTES_PER_CONTAINER} bytes (a posterior's config holds about one per 100); refusing to parse it"
         )
     try:
         raw = json.loads(data.decode("utf-8"))
