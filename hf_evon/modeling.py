@@ -82,14 +82,19 @@ def is_encoder_decoder(model: nn.Module) -> bool:
     return bool(getattr(getattr(_innermost(model), "config", None), "is_encoder_decoder", False))
 
 
+# transformers' causal-LM classes whose own loss scores position t against label t, unshifted
+# (XLNet's permutation LM, XLM's LM head)
+_UNSHIFTED_LM_HEADS = frozenset({"XLNetLMHeadModel", "XLMWithLMHeadModel"})
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` predicts token t+1 at position t, so its labels are shifted (as its loss does).
 
     The model behind DDP, ``torch.compile`` and PEFT wrappers decides: an encoder-decoder never
     (its decoder is fed the labels shifted right, the loss compares them unshifted); else a class
     transformers lists as a causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: ``*ForCausalLM``,
-    ``GPT2LMHeadModel``, ...) or whose name ends in ``ForCausalLM`` (custom models), or a model
-    configured as a decoder (``config.is_decoder``).
+    ``GPT2LMHeadModel``, ...; not XLNet's and XLM's, whose loss does not shift) or whose name ends
+    in ``ForCausalLM`` (custom models), or a model configured as a decoder (``config.is_decoder``).
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -98,6 +103,8 @@ def is_causal_lm(model: nn.Module) -> bool:
     base = _innermost(model)
     config = getattr(base, "config", None)
     name = model_class(base).__name__
+    if name in _UNSHIFTED_LM_HEADS:
+        return False
     return (
         name.endswith("ForCausalLM")
         or name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()

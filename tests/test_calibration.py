@@ -988,3 +988,37 @@ def test_a_tuple_output_led_by_its_loss_is_calibrated_on_its_logits() -> None:
     _, result = calibrate_posterior(model, posterior, [{"input_ids": ids, "labels": ids}], grid=[1.0], num_samples=2)
     assert result.num_targets == ids.numel()
     assert result.mean_nll == pytest.approx(float(loss), rel=1e-6)
+
+
+def test_the_causal_lm_rule_agrees_with_each_models_own_loss() -> None:
+    """A model's labels are shifted where its own loss shifts them: XLNet's and XLM's LM heads are
+    in transformers' causal-LM mapping, but their loss scores position t against label t (before,
+    the posterior metrics and the calibration shifted their labels and scored other targets)."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        XLMConfig,
+        XLMWithLMHeadModel,
+        XLNetConfig,
+        XLNetLMHeadModel,
+    )
+
+    from hf_evon.modeling import is_causal_lm
+
+    torch.manual_seed(0)
+    models = [
+        GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)),
+        XLNetLMHeadModel(XLNetConfig(vocab_size=50, d_model=16, n_layer=1, n_head=2, d_inner=32, dropout=0.0)),
+        XLMWithLMHeadModel(XLMConfig(vocab_size=50, emb_dim=16, n_layers=1, n_heads=2, dropout=0.0)),
+    ]
+    ids = torch.randint(3, 50, (2, 8))
+    for model in models:
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=ids)
+        logits = out.logits.float()
+        unshifted = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        assert not torch.isclose(unshifted, shifted, rtol=1e-3)  # the check can tell them apart
+        assert is_causal_lm(model) == bool(torch.isclose(out.loss, shifted, rtol=1e-5)), type(model).__name__
+        assert is_causal_lm(model) != bool(torch.isclose(out.loss, unshifted, rtol=1e-5)), type(model).__name__
