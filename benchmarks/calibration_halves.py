@@ -3,7 +3,8 @@ on one half of the calibration split with each rule of ``RULES`` (each ``standar
 ``min_gain`` 0.01, each other ``min_gain`` at k = 1, and two pairs), its choice (noise scale and
 temperature) scored by BMA NLL and ECE on the other half, both ways; and the defaults with the
 gate off (``always_scan=True``), without temperatures (``temperature=False``), with the mean where
-no scale beats it (``keep_trained=False``) and with other screens (``screen_factor``), ``OPTIONS``.
+no scale beats it (``keep_trained=False``), with other screens (``screen_factor``) and the mean at
+the rule's temperature alone (no samples), ``OPTIONS``.
 Validation data only: the tasks are built without their test partition
 (``payoff_tasks.make_task(..., development=True)``).
 
@@ -69,8 +70,9 @@ RULES = (
 DEFAULT_RULE = next(label for label, rule in RULES.items() if rule == (DEFAULT_STANDARD_ERRORS, DEFAULT_MIN_GAIN))
 # label -> other calibrate_posterior arguments, at the default k and min_gain: the scan where the
 # mean is not overconfident too (the gate off), every scale scored at T = 1 (no temperature), the
-# mean wherever no scale beats it (the trained posterior not kept), and the screen's factor
-# (0: every scale scored; written out, as RULES)
+# mean wherever no scale beats it (the trained posterior not kept), the screen's factor (0: every
+# scale scored; written out, as RULES), and the mean at the rule's temperature alone (every scale
+# screened out, the trained posterior not kept): what the samples add beyond that temperature
 OPTIONS = {
     "always_scan": {"always_scan": True},
     "no temperature": {"temperature": False},
@@ -78,6 +80,7 @@ OPTIONS = {
     "screen_factor=0": {"screen_factor": 0.0},
     "screen_factor=1.25": {"screen_factor": 1.25},
     "screen_factor=5": {"screen_factor": 5.0},
+    "temperature only": {"screen_factor": 1e9, "keep_trained": False},
 }
 
 
