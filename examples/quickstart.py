@@ -25,7 +25,8 @@ docs/trainer.md#calibration-standard-errors) admit more noise than steps of one 
 (which keep 0.03x here: BMA@32 0.0783 / 0.0133). Averaging
 samples can only soften predictions, so where the mean is not overconfident it has nothing to
 fix (``benchmarks/bma_headroom.py``). BMA's gains here are small at every budget because the
-default prior (weight_decay, a quarter of the weights' RMS) already regularises the mean.
+mean's default L2 pull (``mean_weight_decay``: the precision of a prior whose std is a quarter of
+the weights' RMS; the posterior's own δ is fitted to the curvature) already regularises it.
 
     python examples/quickstart.py                # 25-40 s on 2 idle CPU cores
     python examples/quickstart.py --epochs 30 --bma-samples 64 --seeds 6

@@ -701,6 +701,77 @@ def test_a_refused_param_group_leaves_the_optimizer_as_it_was(group: dict, name:
     train_step(model, opt, data)  # still usable
 
 
+def test_an_infinite_rate_set_mid_run_is_refused_before_the_step_changes_anything() -> None:
+    """``lr = inf`` set between steps (a scheduler that blew up) was let through by the check that
+    skips unchanged groups, and the step made every weight inf or NaN; the constructor refuses it."""
+    model = make_model()
+    opt = make_opt(model, mc_samples=1)
+    data = make_data()
+    for _ in range(4):
+        train_step(model, opt, data)
+    with opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+    before = snapshot(model, opt)
+    for bad in (math.inf, math.nan, -1.0):
+        opt.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: Invalid lr"):
+            opt.step()
+        assert_identical(snapshot(model, opt), before)
+    opt.param_groups[0]["lr"] = 0.05
+    opt.step()  # the retry steps
+    assert all(torch.isfinite(p).all() for p in model.parameters()) and opt.skipped_steps == 0
+
+
+def test_mean_weight_decay_none_set_mid_run_is_resolved_as_the_constructor_resolves_it() -> None:
+    """``mean_weight_decay=None`` is the constructor's default, resolved there; set between steps it
+    stayed None and pulled the mean by δ alone."""
+    model = make_model()
+    opt = EVON(model.parameters(), seed=0)  # the defaults: δ fitted to the curvature, the mean's pull apart
+    resolved = opt.param_groups[0]["mean_weight_decay"]
+    assert resolved is not None and resolved > 0
+    data = make_data()
+    train_step(model, opt, data)
+    opt.param_groups[0]["mean_weight_decay"] = None
+    train_step(model, opt, data)
+    assert opt.param_groups[0]["mean_weight_decay"] == resolved
+
+
+def test_numpy_hyperparameters_are_stored_as_python_numbers_for_a_weights_only_load() -> None:
+    """The optimizer accepts NumPy numbers; stored as they came, its state dict needed NumPy's
+    unpickler (``torch.load(weights_only=True)`` refused it), also for a rate set mid-run."""
+    import io
+
+    np = pytest.importorskip("numpy")
+    model = make_model()
+    opt = make_opt(model, lr=np.float64(0.05), betas=(np.float32(0.5), np.float64(0.99)), mc_samples=np.int64(1))
+    data = make_data()
+    train_step(model, opt, data)
+    opt.param_groups[0]["lr"] = np.float64(0.025)
+    opt.param_groups[1]["weight_decay"] = np.float32(0.5)
+    train_step(model, opt, data)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    groups = torch.load(buffer, weights_only=True)["param_groups"]
+    assert (groups[0]["lr"], groups[0]["betas"], groups[0]["mc_samples"]) == (0.025, (0.5, 0.99), 1)
+    assert type(groups[0]["lr"]) is float and type(groups[0]["mc_samples"]) is int
+    assert groups[1]["weight_decay"] == 0.5 and type(groups[1]["weight_decay"]) is float
+
+
+def test_a_skipped_steps_warning_points_at_the_callers_line() -> None:
+    """The warning that a non-finite gradient skipped the step names the line that called
+    ``step()`` (before: a line inside evon.py, which warning filters by module then missed)."""
+    model = make_model()
+    opt = make_opt(model, mc_samples=1)
+    with opt.sampled_params(train=True):
+        (loss_fn(model, make_data()) * math.nan).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, caught[0].lineno)]
+    assert "opt.step()" in open(__file__).read().splitlines()[caught[0].lineno - 1]
+
+
 def test_numpy_numbers_are_accepted() -> None:
     np = pytest.importorskip("numpy")
     w = nn.Parameter(torch.randn(3, 4))

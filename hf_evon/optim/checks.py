@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 from enum import Enum
 from typing import Any
+
+import torch
 
 __all__ = [
     "ALGORITHMS",
@@ -94,6 +98,22 @@ def mode_value(value: Any) -> Any:
     """A mode as the plain string groups store (an Enum member becomes its value; anything
     else is returned as is, for validation to name)."""
     return value.value if isinstance(value, Enum) else value
+
+
+# where a warning's caller is not: hf_evon's and torch's files (torch's optimizer hooks and no_grad wrap step())
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (os.path.dirname(os.path.abspath(__file__)), torch.__file__)
+)
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that makes the calling function's warning name the first frame outside
+    hf_evon and torch: the user's line (``opt.step()``), however many wrappers lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def is_real(x: Any) -> bool:

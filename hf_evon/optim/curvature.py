@@ -29,7 +29,6 @@ from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_INIT_STD_RATIO,
     PRIOR_QUANTILE,
-    default_weight_decay,
     noise_std_ratio,
 )
 from hf_evon.optim.hooks import ShardingHooks
@@ -42,7 +41,6 @@ __all__ = [
     "log_histogram",
     "mean_pull",
     "refit_due",
-    "resolve_mean_weight_decay",
 ]
 
 Tensor = torch.Tensor
@@ -67,18 +65,6 @@ def curvature_fitted(group: dict[str, Any]) -> tuple[str, ...]:
 def mean_pull(group: dict[str, Any]) -> float:
     """λ: the L2 pull on the mean, the prior's δ plus the group's ``mean_weight_decay``."""
     return group["weight_decay"] + (group.get("mean_weight_decay") or 0.0)
-
-
-def resolve_mean_weight_decay(group: dict[str, Any]) -> None:
-    """Replace a group's ``mean_weight_decay=None`` (in place): where δ is fitted to the curvature
-    (and so far below what regularises the mean), the δ the defaults would give from h0
-    (``default_weight_decay``: the pull the mean trains well with, docs/defaults.md#step-curvature);
-    elsewhere 0, as δ already pulls the mean."""
-    if group.get("algorithm", "evon") != "evon" or group.get("mean_weight_decay", 0.0) is not None:
-        return
-    fitted = "weight_decay" in group.get("fit_to_curvature", ())
-    ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
-    group["mean_weight_decay"] = default_weight_decay(group["hess_init"], ratio) if fitted else 0.0
 
 
 def log_histogram(hess: Tensor) -> Tensor:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+import hf_evon.optim.health as health
 from hf_evon.optim.buckets import (
     Bucket,
     Plan,
@@ -40,7 +40,7 @@ from hf_evon.optim.buckets import (
     stack_state,
 )
 from hf_evon.optim.checks import Clip, HessEstimator, NonFinite, StepCurvature, mode_value, refuse_grad_scaler
-from hf_evon.optim.curvature import curvature_fitted, fit_from_curvature, refit_due, resolve_mean_weight_decay
+from hf_evon.optim.curvature import curvature_fitted, fit_from_curvature, refit_due
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -57,7 +57,6 @@ from hf_evon.optim.defaults import (
     DEFAULT_STEP_CURVATURE,
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, consumed_places, restore_grads, set_aside_grads
-from hf_evon.optim.health import first_nonfinite, health_rows, health_stats, param_label, warn_health
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
 from hf_evon.optim.linalg import autocast_disabled, dense_covariance, marginal_variance, rotated_std
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
@@ -75,8 +74,7 @@ from hf_evon.optim.validation import (
     check_layout,
     group_layout,
     prepare_group,
-    resolve_prior,
-    validate_group,
+    settle_group,
     validate_groups,
     validate_hyperparameters,
 )
@@ -185,7 +183,7 @@ class EVON(Optimizer):
         given = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
         defaults = validate_hyperparameters(**given)
         lr = defaults["lr"]
-        defaults = {"algorithm": "evon", **defaults, "betas": tuple(betas)}
+        defaults = {"algorithm": "evon", **defaults, "betas": tuple(defaults["betas"])}
         defaults["adamw_eps"] = defaults.pop("adamw_eps")  # the group keys' order as saved
         adamw_rate = lr if adamw_lr is None else adamw_lr
         self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay)
@@ -230,8 +228,7 @@ class EVON(Optimizer):
             group.setdefault("fit_to_curvature", curvature_fitted(group))
             if group["fit_to_curvature"] and self._updates:  # added mid-run: its fits' clock starts here
                 group.setdefault("fit_from", self._updates)
-            validate_group(resolve_prior(group))
-            resolve_mean_weight_decay(group)
+            settle_group(group)
         except ValueError:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             raise
@@ -496,17 +493,17 @@ class EVON(Optimizer):
         # sharded: skip on every rank or none
         if self._hooks.all_ranks(finite_flags(plans, adamw, self.param_groups, self._param_label)):
             return True
-        msg = first_nonfinite(self.param_groups, plans, adamw, self._param_label)
+        msg = health.first_nonfinite(self.param_groups, plans, adamw, self._param_label)
         msg = f"{msg}; the step was skipped and the optimizer state is unchanged"
         if self.nonfinite == "raise":
             self.discard_samples()
             raise NonFiniteGradientError(msg)
         self.skipped_steps += 1
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        health.warn_skipped(msg)
         return False
 
     def _param_label(self, p: Tensor) -> str:
-        return param_label(self.param_groups, self._hooks.model_param(p))  # FSDP2: p's DTensor
+        return health.param_label(self.param_groups, self._hooks.model_param(p))  # FSDP2: p's DTensor
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[Bucket, int]:
@@ -522,11 +519,11 @@ class EVON(Optimizer):
         """Noise-to-signal and Hessian statistics of the current posterior (:func:`~hf_evon.optim.
         health.health_stats`; one host sync; sharded: a collective, on every rank). With ``warn``,
         the first runaway noise or collapse to a broad prior warns, naming the cause and the fix."""
-        rows, numel = health_rows(self.buckets)
+        rows, numel = health.health_rows(self.buckets)
         rows, numel = self._hooks.pool_rows(rows, numel)  # sharded: every rank's matrices
-        stats = health_stats(rows, numel)
+        stats = health.health_stats(rows, numel)
         if warn and stats:
-            warn_health(stats, self._health_warned)
+            health.warn_health(stats, self._health_warned)
         return stats
 
     def posterior_factors(self, p: Tensor) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
-from hf_evon.optim.checks import uses_fisher
+from hf_evon.optim.checks import outside_stacklevel, uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
 from hf_evon.optim.linalg import norms_of
 
@@ -96,9 +96,17 @@ def health_stats(t: Tensor, numel: int) -> dict[str, float]:
     }
 
 
-def warn_health(stats: dict[str, float], warned: set[str], stacklevel: int = 3) -> None:
+def warn_skipped(message: str) -> None:
+    """The ``RuntimeWarning`` of a step skipped for a non-finite gradient, at the caller's line
+    outside hf_evon (``opt.step()``)."""
+    warnings.warn(message, RuntimeWarning, stacklevel=outside_stacklevel())
+
+
+def warn_health(stats: dict[str, float], warned: set[str], stacklevel: int | None = None) -> None:
     """A ``RuntimeWarning`` naming cause and fix, the first time (per ``warned``) that the noise
-    runs away or the posterior collapses to a broad prior."""
+    runs away or the posterior collapses to a broad prior; at the caller's line outside hf_evon
+    (``stacklevel`` None)."""
+    stacklevel = outside_stacklevel() if stacklevel is None else stacklevel
     if stats["noise_to_signal_max"] >= 1.0 and "runaway" not in warned:
         warned.add("runaway")
         warnings.warn(

@@ -8,6 +8,7 @@ Both raise ``ValueError("Invalid <name>: <value> (must be <rule>)")`` at the fir
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Any
 
 import torch
@@ -45,7 +46,10 @@ __all__ = [
     "check_layout",
     "group_layout",
     "prepare_group",
+    "python_numbers",
+    "resolve_mean_weight_decay",
     "resolve_prior",
+    "settle_group",
     "validate_group",
     "validate_groups",
     "validate_hyperparameters",
@@ -103,7 +107,23 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     # EVON's defaults for the fields the prior is derived from, where not given
     prior = {"hess_init": DEFAULT_HESS_INIT, "weight_decay": None}
     validate_group(resolve_prior({**prior, **group, "algorithm": "evon", "params": []}))
-    return group
+    return python_numbers(group)
+
+
+def python_numbers(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a group, or defaults) with the NumPy numbers the checks accept made Python's,
+    in place, pairs such as ``betas`` too: a state dict of them loads with
+    ``torch.load(weights_only=True)``, which refuses NumPy's types."""
+
+    def python(x: Any) -> Any:
+        # by type: np.float64 is a float subclass, and it too needs NumPy's unpickler
+        numpy_number = isinstance(x, numbers.Number) and type(x) not in (bool, int, float, complex)
+        return x.item() if numpy_number and hasattr(x, "item") else x
+
+    for key, value in values.items():
+        if key != "params":
+            values[key] = type(value)(map(python, value)) if isinstance(value, tuple | list) else python(value)
+    return values
 
 
 def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +142,7 @@ def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -
             param_group["adamw_eps"] = param_group.pop("eps")
         for key, value in adamw_defaults.items():
             param_group.setdefault(key, value)
-    return param_group
+    return python_numbers(param_group)
 
 
 def resolve_prior(group: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +158,18 @@ def resolve_prior(group: dict[str, Any]) -> dict[str, Any]:
                 )
             group["weight_decay"] = default_weight_decay(h0, ratio)
     return group
+
+
+def resolve_mean_weight_decay(group: dict[str, Any]) -> None:
+    """Replace a group's ``mean_weight_decay=None`` (in place): where δ is fitted to the curvature
+    (and so far below what regularises the mean), the δ the defaults would give from h0
+    (``default_weight_decay``: the pull the mean trains well with, docs/defaults.md#step-curvature);
+    elsewhere 0, as δ already pulls the mean."""
+    if group.get("algorithm", "evon") != "evon" or group.get("mean_weight_decay", 0.0) is not None:
+        return
+    fitted = "weight_decay" in group.get("fit_to_curvature", ())
+    ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
+    group["mean_weight_decay"] = default_weight_decay(group["hess_init"], ratio) if fitted else 0.0
 
 
 def validate_group(group: dict[str, Any]) -> None:
@@ -237,6 +269,14 @@ def validate_group(group: dict[str, Any]) -> None:
 _SCHEDULED = ("params", "param_names", "lr", "initial_lr")
 
 
+def settle_group(group: dict[str, Any]) -> None:
+    """``group`` checked (``validate_group``), its NumPy numbers made Python's, and its None defaults
+    resolved as the constructor resolves them: ``weight_decay`` (``resolve_prior``), then
+    ``mean_weight_decay``."""
+    validate_group(resolve_prior(python_numbers(group)))
+    resolve_mean_weight_decay(group)
+
+
 def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]]) -> None:
     """Every group checked as by ``validate_group``, the error naming the group: ``step()`` runs it
     before it changes anything, since a field changed mid-run (a mode set to a typo) would otherwise
@@ -247,13 +287,14 @@ def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, 
         settings = tuple(v for k, v in group.items() if k not in _SCHEDULED)
         lr = group.get("lr")
         with contextlib.suppress(Exception):  # a tensor setting compares elementwise: check it
-            if checked.get(id(group)) == settings and is_real(lr) and lr >= 0:
+            if checked.get(id(group)) == settings and finite(lr) and lr >= 0:
+                group["lr"] = lr if type(lr) in (int, float) else float(lr)  # a NumPy rate: Python's
                 continue
         try:
-            validate_group(resolve_prior(group))  # weight_decay=None set mid-run: as the constructor does
+            settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
-        checked[id(group)] = settings
+        checked[id(group)] = tuple(v for k, v in group.items() if k not in _SCHEDULED)
 
 
 # what the buckets and their state are built from: fixed once they are (a change would silently

@@ -79,7 +79,7 @@ def as_dtype(value: torch.dtype | str | None, argument: str = "dtype") -> torch.
 def json_value(value: Any) -> Any:
     """JSON-safe copy: tuples become lists, infinities the strings "inf"/"-inf", NumPy numbers (which
     the optimizer takes for its hyperparameters) Python's."""
-    if isinstance(value, numbers.Number) and not isinstance(value, bool | int | float) and hasattr(value, "item"):
+    if isinstance(value, numbers.Number) and type(value) not in (bool, int, float) and hasattr(value, "item"):
         value = value.item()  # np.float32(0.1) -> 0.1, np.int64(2) -> 2
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"

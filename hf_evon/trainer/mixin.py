@@ -99,6 +99,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
+import hf_evon.trainer.calibration_data as calibration_data
 from hf_evon.distributed.ddp import prepare_distributed
 from hf_evon.modeling import is_causal_lm, is_peft_model, prepends_virtual_tokens, pretrained_name
 from hf_evon.optim import EVON, build_optimizer
@@ -107,7 +108,6 @@ from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
-from hf_evon.trainer import calibration_data
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.config import (
     FINETUNING_LEARNING_RATE,
