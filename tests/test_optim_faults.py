@@ -16,6 +16,7 @@ from test_optim_state import assert_identical, loss_fn, make_data, make_model, m
 from torch import nn
 
 from hf_evon import EVON, EVONPosterior
+from hf_evon.optim.defaults import lr_from_adamw_lr
 
 
 # ------------------------------------------------- item 3: the reference packages' loop
@@ -770,6 +771,21 @@ def test_a_skipped_steps_warning_points_at_the_callers_line() -> None:
         opt.step()
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, caught[0].lineno)]
     assert "opt.step()" in open(__file__).read().splitlines()[caught[0].lineno - 1]
+
+
+def test_a_groups_own_lr_none_takes_its_own_clips_default_rate() -> None:
+    """``lr=None`` is the constructor's "clip's default α"; in a group it was refused ("Invalid lr:
+    None"). A group's own None now takes its own clip's α; a group without ``lr`` takes the
+    constructor's, as torch's optimizers fill a group's missing keys."""
+    a, b, c = (nn.Parameter(torch.randn(4, 4)) for _ in range(3))
+    opt = EVON([{"params": [a], "clip": "element", "lr": None}, {"params": [b], "clip": "element"}, {"params": [c]}])
+    assert [g["lr"] for g in opt.param_groups] == [
+        lr_from_adamw_lr(1e-3, 0.01, clip="element"), lr_from_adamw_lr(1e-3, 0.01, clip="whiten_rms"),
+        lr_from_adamw_lr(1e-3, 0.01, clip="whiten_rms"),
+    ]  # fmt: skip
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.04) and opt.param_groups[1]["lr"] == pytest.approx(0.16)
+    with pytest.raises(ValueError, match="clip_radius"):
+        EVON([{"params": [a], "lr": None, "clip_radius": -1.0}])
 
 
 def test_numpy_numbers_are_accepted() -> None:

@@ -96,7 +96,8 @@ class EVON(Optimizer):
             (embeddings, heads, 1-D tensors: torch's fused AdamW, Trainer's default); the rest EVON.
         lr: learning rate α (EVON groups; AdamW groups default to ``adamw_lr``). None: AdamW's default
             rate 1e-3 through ``clip``'s step ratio (``lr_from_adamw_lr``): 0.16 for "whiten_rms", 0.04
-            for "element" and, as a first guess, for the modes without a ratio.
+            for "element" and, as a first guess, for the modes without a ratio; a group's own
+            ``lr=None`` takes its own ``clip``'s (a group without ``lr`` takes this one, as in torch).
         ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default):
             per group, first the ζ whose initial std is ``init_std_ratio`` of the weights' RMS;
             under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps

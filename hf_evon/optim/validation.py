@@ -271,8 +271,12 @@ _SCHEDULED = ("params", "param_names", "lr", "initial_lr")
 
 def settle_group(group: dict[str, Any]) -> None:
     """``group`` checked (``validate_group``), its NumPy numbers made Python's, and its None defaults
-    resolved as the constructor resolves them: ``weight_decay`` (``resolve_prior``), then
-    ``mean_weight_decay``."""
+    resolved as the constructor resolves them: an EVON group's ``lr`` (its clip's default α),
+    ``weight_decay`` (``resolve_prior``), then ``mean_weight_decay``."""
+    clip, radius = group.get("clip"), group.get("clip_radius", DEFAULT_CLIP_RADIUS)
+    if group.get("lr", 0.0) is None and group.get("algorithm", "evon") == "evon" and clip in CLIP_MODES:
+        require("clip_radius", radius, finite(radius) and radius > 0.0, "a finite number > 0")  # α's scale
+        group["lr"] = lr_from_adamw_lr(DEFAULT_ADAMW_LR, radius, clip=ratio_clip(clip))
     validate_group(resolve_prior(python_numbers(group)))
     resolve_mean_weight_decay(group)
 
