@@ -222,3 +222,15 @@ def test_a_raw_text_calibration_dataset_is_prepared_as_trl_prepares_an_eval_set(
     assert first.num_targets == sum(len(ids) - 1 for ids in prepared["input_ids"])  # every next token
     again = trainer.calibrate(held_out)  # raw text passed to calibrate: prepared the same way
     assert again.mean_nll == pytest.approx(first.mean_nll, rel=1e-9) and again.num_targets == first.num_targets
+
+
+def test_a_calibration_dataset_that_is_the_raw_eval_set_is_refused(tmp_path, corpus):
+    """TRL prepares the eval set into a new dataset before the Trainer keeps it: the eval set as
+    given is refused as the calibration split too, by keyword or inside a dict of eval sets."""
+    tokenizer, train, evaluation = corpus
+    for given in (evaluation, {"dev": evaluation}):
+        with pytest.raises(ValueError, match="calibration_dataset is the eval_dataset"):
+            EVONSFTTrainer(
+                model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, packing=False), train_dataset=train,
+                eval_dataset=given, processing_class=tokenizer, calibration_dataset=evaluation,
+            )  # fmt: skip

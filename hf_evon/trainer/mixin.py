@@ -186,31 +186,31 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         if not hasattr(self, "loss_is_scaled_for_ga"):  # the Trainer's switch, from transformers 5.19 on
             raise ImportError(f"{type(self).__name__} needs transformers >= 5.19; found {transformers.__version__}")
         args = self._evon_arguments(args)
-        if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
-            kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
-        elif peft_config is not None:
-            model = self._wrap_peft(model, args, peft_config)
-        super().__init__(model, args, *trainer_args, **kwargs)
-        if calibration_data.is_eval_set(calibration_dataset, self.eval_dataset):  # by keyword, position or in a dict
+        init = inspect.signature(super().__init__)
+        given_eval = init.bind_partial(model, args, *trainer_args, **kwargs).arguments.get("eval_dataset")
+        if calibration_data.is_eval_set(calibration_dataset, given_eval):  # as given: TRL's is prepared anew
             raise ValueError(
                 "calibration_dataset is the eval_dataset: the sampling scale would be chosen on the examples the "
                 "BMA metrics are reported on. Hold out separate examples for calibration"
             )
+        if peft_config is not None and "peft_config" in init.parameters:
+            kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
+        elif peft_config is not None:
+            model = self._wrap_peft(model, args, peft_config)
+        super().__init__(model, args, *trainer_args, **kwargs)
         if posterior is not None and not isinstance(posterior, EVONPosterior):
             raise TypeError(f"posterior= takes an EVONPosterior (EVONPosterior.from_pretrained); got {type(posterior)}")
         if posterior is not None and self.model is not None:  # another model's: refused here, not when saving
             posterior.check_model(self.model)
-        self.posterior = posterior
-        self.calibration_dataset = calibration_dataset
+        self.posterior, self.calibration_dataset = posterior, calibration_dataset
         self.calibration: Any = None  # the last CalibrationResult: this train()'s, at step _calibrated_step
         self._calibrated_step = -1
         self._posterior_from_checkpoint = False
         self._evon_step_items: Tensor | None = None
         self._evon_items_global = False
         self._evon_evaluation: PosteriorEvaluation | None = None
-        self._evon_in_training = False
+        self._evon_in_training = self._evon_in_evaluate = False
         self._evon_sampled_loss: dict[str, Any] | None = None  # set while training_step samples
-        self._evon_in_evaluate = False
         self._evon_fsdp2_resume: str | None = None
         self._resolve_learning_rate()
         self._causal_lm = self._detect_causal_lm()
