@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 import os
 import sys
 from enum import Enum
 from typing import Any
-
-import torch
 
 __all__ = [
     "ALGORITHMS",
@@ -100,10 +99,15 @@ def mode_value(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-# where a warning's caller is not: hf_evon's and torch's files (torch's optimizer hooks and no_grad wrap step())
+def _package_dir(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)  # found, not imported
+    return None if spec is None or spec.origin is None else os.path.dirname(os.path.abspath(spec.origin)) + os.sep
+
+
+# where a warning's caller is not: hf_evon's files, torch's (its optimizer hooks and no_grad wrap
+# step()) and the Hugging Face stack's that call step() for the user (Trainer, accelerate, TRL, PEFT)
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep
-    for path in (os.path.dirname(os.path.abspath(__file__)), torch.__file__)
+    d for d in map(_package_dir, ("hf_evon", "torch", "transformers", "accelerate", "trl", "peft")) if d is not None
 )
 
 
