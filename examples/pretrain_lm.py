@@ -152,9 +152,10 @@ def load_tokens(
     """Tokenizer + train/validation token streams; built once by the main process, then cached."""
     cache_root = args.cache_dir or args.output_dir
     source = args.dataset or "stdlib"
-    key = f"{source}-{args.dataset_config}-{args.corpus_mb}-{args.val_fraction}-{args.vocab_size}".replace(
-        "/", "_"
-    )
+    # everything that decides the tokens: a dataset's text column too (another column is other data)
+    column = f"-{args.text_column}" if args.dataset else ""
+    key = f"{source}-{args.dataset_config}{column}-{args.corpus_mb}-{args.val_fraction}-{args.vocab_size}"
+    key = key.replace("/", "_")
     tok_dir = os.path.join(cache_root, f"tokenizer-{key}")  # trained on this corpus's training split
     cache = os.path.join(cache_root, "data_cache", f"{key}.pt")
     with accelerator.main_process_first():
@@ -384,6 +385,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"data: {len(train_tokens):,} train / {len(val_tokens):,} validation tokens, vocabulary {len(tokenizer)} "
         f"({time.time() - t0:.1f}s); {accelerator.num_processes} process(es), {accelerator.distributed_type.value}"
     )
+    if len(train_tokens) <= args.seq_len:  # the training windows start below len - seq_len
+        raise SystemExit(
+            f"pretrain_lm: the training split holds {len(train_tokens)} tokens, not more than one --seq-len "
+            f"block ({args.seq_len}): use a shorter --seq-len, a smaller --val-fraction or a larger corpus"
+        )
     model = build_model(args, len(tokenizer))
     optimizer = build_optimizer_for(args, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))  # stepped once per step

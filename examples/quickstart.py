@@ -154,6 +154,9 @@ def main() -> None:
     for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    train_rows = len(split_data(0)[0][0])  # the same for every seed
+    if args.batch_size > train_rows:  # no full batch: no step
+        ap.error(f"--batch-size must be at most the training split's {train_rows} images; got {args.batch_size}")
     t0 = time.time()
     per_seed, calibrations, saved = [], [], None
     for seed in range(args.seeds):

@@ -190,3 +190,43 @@ def test_the_tokenizer_cache_follows_the_corpus(tmp_path) -> None:
     shared = str(tmp_path / "shared")
     vocab("0.05", shared)
     assert vocab("0.1", shared) == vocab("0.1", str(tmp_path / "fresh"))
+
+
+def test_a_training_split_not_longer_than_one_block_is_refused(cache: str, tmp_path) -> None:
+    """Every token held out for validation: the training windows had nowhere to start, and the
+    first step raised torch's "random_ expects 'from' to be less than 'to'"."""
+    args = [
+        "--max-steps", "1", "--corpus-mb", "0.05", "--val-fraction", "1.0", "--vocab-size", "300", "--n-layer", "1",
+        "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "1", "--no-progress",
+        "--output-dir", str(tmp_path), "--cache-dir", cache,
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, SCRIPT, *args], env=worker_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "the training split holds 0 tokens, not more than one --seq-len block (16)" in proc.stderr
+
+
+def test_the_token_cache_follows_the_text_column(tmp_path) -> None:
+    """The data cache's key left out --text-column: a second run on another column of the same
+    dataset trained on the first column's tokens, and its metrics named the second."""
+    import contextlib
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("pretrain_lm", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext, is_main_process=True)
+    data = tmp_path / "table"
+    data.mkdir()
+    rows = [f"row {i} says {'alpha ' * (i % 7)}" for i in range(40)]
+    alt = [f"other {i} reads {'beta gamma ' * (i % 5)}" for i in range(40)]
+    (data / "train.csv").write_text("text,alt\n" + "".join(f"{a},{b}\n" for a, b in zip(rows, alt)))
+
+    def tokens(column: str, cache_dir: str) -> list[int]:
+        argv = ["--dataset", str(data), "--text-column", column, "--vocab-size", "300", "--val-fraction", "0.2",
+                "--cache-dir", cache_dir]  # fmt: skip
+        return example.load_tokens(example.parse_args(argv), accelerator)[1].tolist()
+
+    shared = str(tmp_path / "shared")
+    first = tokens("text", shared)
+    assert tokens("alt", shared) == tokens("alt", str(tmp_path / "fresh")) != first

@@ -54,3 +54,15 @@ def test_a_count_below_one_is_an_argument_error(tmp_path, argv) -> None:
     )  # fmt: skip
     assert run.returncode == 2 and f"{argv[0]} must be >= 1; got {argv[1]}" in run.stderr
     assert "Traceback" not in run.stderr and not (tmp_path / "q").exists()
+
+
+def test_a_batch_larger_than_the_training_split_is_an_argument_error(tmp_path) -> None:
+    """--batch-size above the training split's 1006 images made zero steps and a ZeroDivisionError
+    in the rate schedule, with a traceback."""
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "quickstart.py"), "--output-dir", str(tmp_path / "q"),
+         "--batch-size", "2000"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 2 and "--batch-size must be at most the training split's 1006 images; got 2000" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "q").exists()
