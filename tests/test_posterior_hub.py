@@ -243,3 +243,28 @@ def test_load_by_repo_id_in_a_fresh_process_via_hf_endpoint(hub, posterior, tmp_
     # and the bfloat16 bases are the originals rounded, upcast to float32
     for name in posterior.names:
         assert torch.equal(here[name].Q_L, posterior[name].Q_L.to(torch.bfloat16).float())
+
+
+def test_bad_push_arguments_are_refused_before_the_repo_is_created(hub, posterior, tmp_path):
+    """An eigenbasis dtype that is no float, or card metrics that are no mapping, failed after
+    ``create_repo``: the Hub kept a new (public by default) repo holding nothing of the posterior;
+    the metrics failed with "'str' object has no attribute 'items'". A local save refuses them
+    before writing anything too."""
+    with pytest.raises(ValueError, match="eigenbasis_dtype"):
+        posterior.push_to_hub("alice/bad-dtype", token=TOKEN, endpoint=hub.endpoint, eigenbasis_dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"model_card_kwargs\['metrics'\] must be a mapping"):
+        posterior.push_to_hub("alice/bad-card", token=TOKEN, endpoint=hub.endpoint, model_card_kwargs={"metrics": "x"})
+    assert "alice/bad-dtype" not in hub.repos and "alice/bad-card" not in hub.repos
+    with pytest.raises(TypeError, match=r"model_card_kwargs\['metrics'\] must be a mapping"):
+        posterior.save_pretrained(tmp_path / "local", model_card_kwargs={"metrics": "x"})
+    assert not (tmp_path / "local" / POSTERIOR_CONFIG_NAME).exists()
+
+
+@pytest.mark.parametrize("subfolder", ["sub/", "/sub", "sub"])
+def test_a_subfolder_loads_with_the_slashes_the_push_accepts(hub, posterior, tmp_path, subfolder):
+    """``push_to_hub(path_in_repo="sub/")`` strips the slashes; ``from_pretrained(subfolder="sub/")``
+    did not ("…/resolve/main/sub//…: evon_posterior_config.json is missing"; "/sub": an invalid
+    filename), though a local directory loads either way."""
+    posterior.push_to_hub("alice/nested", token=TOKEN, endpoint=hub.endpoint, path_in_repo=subfolder)
+    assert POSTERIOR_CONFIG_NAME in {p.split("/")[-1] for p in hub.files("alice/nested") if p.startswith("sub/")}
+    _same(posterior, _load(hub, "alice/nested", tmp_path / "cache", subfolder=subfolder))

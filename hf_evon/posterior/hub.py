@@ -52,7 +52,10 @@ def resolve_files(
 
     From a directory, or downloaded from the Hub. The config comes first: it names the
     weights file, which is how a reader sees one consistent pair while a save runs.
+    ``subfolder`` is taken without leading or trailing slashes, as ``push_to_hub``'s
+    ``path_in_repo`` is.
     """
+    subfolder = (subfolder or "").strip("/") or None
     if os.path.isdir(path):
         directory = os.path.join(path, subfolder) if subfolder else path
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)

@@ -516,6 +516,12 @@ def card_arguments(given: Mapping[str, Any] | None) -> dict[str, Any]:
     unknown = sorted(set(given or {}) - known)
     if unknown:
         raise TypeError(f"model_card_kwargs: unknown keyword(s) {unknown}; the card takes {sorted(known)}")
+    metrics = (given or {}).get("metrics")
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise TypeError(
+            "model_card_kwargs['metrics'] must be a mapping ({'mean': {...}, 'bma': {...}} or a "
+            f"trainer.evaluate() dict); got {type(metrics).__name__}"
+        )
     return dict(given or {})
 
 

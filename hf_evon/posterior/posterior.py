@@ -554,6 +554,7 @@ class EVONPosterior:
         Returns the ``huggingface_hub.CommitInfo``.
         """
         card_kwargs = card_arguments(model_card_kwargs)
+        as_dtype(eigenbasis_dtype, "eigenbasis_dtype")  # refused before the repo is created
 
         def write(files_dir: str, card_dir: str, resolved_repo_id: str, subfolder: str | None) -> None:
             self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
