@@ -98,17 +98,20 @@ def dataset_corpus(
     max_bytes: int | None = None,
 ) -> list[Document]:
     """Documents from a ``datasets`` text dataset (a Hub name, or a local directory of text
-    files), named ``"<name>:<row>"``; empty rows are skipped; with ``max_bytes`` reading stops
-    once that many bytes were collected (the last document is kept whole)."""
+    files), named ``"<name>:<row>"`` (a local directory by its own name: the split hashes the
+    names, and must not depend on how its path is spelled); empty rows are skipped; with
+    ``max_bytes`` reading stops once that many bytes were collected (the last document is kept
+    whole)."""
     from datasets import load_dataset
 
     ds = load_dataset(name, config, split=split)
+    label = os.path.basename(os.path.abspath(name)) if os.path.isdir(name) else name
     docs, size = [], 0
     for i, row in enumerate(ds):
         text = row[text_column]
         if not text or not text.strip():
             continue
-        docs.append((f"{name}:{i}", text))
+        docs.append((f"{label}:{i}", text))
         size += len(text.encode())
         if max_bytes is not None and size >= max_bytes:
             break
@@ -186,6 +189,7 @@ def encode_documents(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> to
     eos = tokenizer.eos_token_id
     chunks: list[torch.Tensor] = []
     for batch in _batched(texts, 256):
-        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+        # a document's own "<|endoftext|>" is text: the one end-of-text token is the one appended
+        for ids in tokenizer(batch, add_special_tokens=False, split_special_tokens=True)["input_ids"]:
             chunks.append(torch.tensor(ids + [eos], dtype=torch.int32))
     return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int32)

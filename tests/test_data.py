@@ -111,8 +111,29 @@ def test_dataset_corpus_from_a_local_text_directory(tmp_path):
     (tmp_path / "a.txt").write_text("first line\n\nsecond line\nthird line\n")
     docs = data.dataset_corpus(str(tmp_path))
     assert docs == [
-        (f"{tmp_path}:0", "first line"),
-        (f"{tmp_path}:2", "second line"),
-        (f"{tmp_path}:3", "third line"),
+        (f"{tmp_path.name}:0", "first line"),
+        (f"{tmp_path.name}:2", "second line"),
+        (f"{tmp_path.name}:3", "third line"),
     ]
     assert data.dataset_corpus(str(tmp_path), max_bytes=11) == docs[:2]
+
+
+def test_a_local_datasets_documents_are_named_whatever_its_path_spelling(tmp_path, monkeypatch):
+    """The split hashes the documents' names, which held the path as given: the same directory
+    spelled with a trailing slash, or relative, got another validation split."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("\n".join(f"line {i} of the text" for i in range(60)))
+    monkeypatch.chdir(tmp_path)
+    spellings = [str(folder), f"{folder}/", "corpus", "./corpus/"]
+    corpora = [data.dataset_corpus(path) for path in spellings]
+    assert all(c == corpora[0] for c in corpora) and corpora[0][0] == ("corpus:0", "line 0 of the text")
+    assert len({tuple(data.split_documents(c, 0.2)[1]) for c in corpora}) == 1
+
+
+def test_a_documents_own_end_of_text_string_is_text_not_the_token(tokenizer):
+    """A document holding the literal "<|endoftext|>" got an end-of-text token in its middle: a
+    document boundary inside it. The string is encoded as text; the one token ends the document."""
+    stream = data.encode_documents(tokenizer, [f"a {data.EOS} b"]).tolist()
+    assert stream.count(tokenizer.eos_token_id) == 1 and stream[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(stream[:-1]) == f"a {data.EOS} b"
