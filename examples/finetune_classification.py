@@ -165,8 +165,16 @@ def hub_dataset(name: str, text_column: str, label_column: str, train_size: int,
     )
     test = test.rename_columns({k: v for k, v in rename.items() if k != v}).select_columns(["text", "label"])
     feature = data["train"].features[label_column]
-    names = list(getattr(feature, "names", None) or [str(i) for i in sorted(set(train["label"]))])
-    return train, test, names
+    if getattr(feature, "names", None):  # a ClassLabel: ids 0..K-1 already
+        return train, test, list(feature.names)
+    # plain integers: numbered in order from 0 (labels 1 and 2 are classes 0 and 1), values kept as names
+    values = sorted(set(train["label"]))
+    unseen = sorted(set(test["label"]) - set(values))
+    if unseen:
+        raise ValueError(f"{name}: test labels {unseen} are not among the training labels {values}")
+    index = {v: i for i, v in enumerate(values)}
+    number = lambda row: {"label": index[row["label"]]}  # noqa: E731
+    return train.map(number), test.map(number), [str(v) for v in values]
 
 
 # ---------------------------------------------------------------------------- model
@@ -409,9 +417,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.calibration_fraction < 1:
         p.error(f"--calibration-fraction must be in (0, 1); got {args.calibration_fraction}")
-    for name in ("bma_samples", "batch_size", "train_per_class", "logging_steps"):  # counts read after training
-        if getattr(args, name) < 1:
+    for name in ("bma_samples", "batch_size", "train_per_class", "eval_per_class", "logging_steps"):
+        if getattr(args, name) < 1:  # counts read after training, or a test split with nothing in it
             p.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
+    if not args.epochs > 0 and args.max_steps <= 0:  # 0 trained nothing and saved the untrained model
+        p.error(f"--epochs must be a number > 0 (or --max-steps > 0); got {args.epochs}")
+    if args.max_length < 3:  # [CLS], [SEP] and a token of the text; below 2 the tokenizer does not truncate
+        p.error(f"--max-length must be an integer >= 3; got {args.max_length}")
     args.methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - {"adamw", "ivon", "evon"}
     if unknown or not args.methods:

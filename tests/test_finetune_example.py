@@ -105,6 +105,10 @@ def test_example_lora(example, tmp_path, capsys):
     (["--bma-samples", "0"], "--bma-samples must be an integer >= 1"),
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--methods", ","], "--methods names none"),
+    (["--eval-per-class", "0"], "--eval-per-class must be an integer >= 1"),
+    (["--epochs", "0"], "--epochs must be a number > 0"),
+    (["--max-length", "2"], "--max-length must be an integer >= 3"),
+    (["--max-length", "-3"], "--max-length must be an integer >= 3"),
 ])  # fmt: skip
 def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv, message, capsys):
     """--bma-samples 0 trained, then raised a KeyError on the missing eval_bma_* metrics;
@@ -112,3 +116,21 @@ def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv,
     with pytest.raises(SystemExit) as exit_:
         example.parse_args(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_integer_labels_that_do_not_start_at_0_are_numbered_from_it(example, tmp_path):
+    """A ``--dataset`` whose integer labels are 1 and 2 got num_labels 2 and crashed in training
+    ("Target 2 is out of bounds"): the labels are numbered in order from 0, their values kept as
+    the class names; a test label the training split lacks is refused by name."""
+    folder = tmp_path / "table"
+    folder.mkdir()
+    rows = [(f"text number {i} about {'cats' if i % 2 else 'dogs'}", 1 + i % 2) for i in range(12)]
+    for split in ("train", "test"):
+        (folder / f"{split}.csv").write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    train, test, names = example.hub_dataset(str(folder), "text", "label", 10, 6)
+    assert names == ["1", "2"] and set(train["label"]) | set(test["label"]) <= {0, 1}
+    by_text = dict(rows)
+    assert all(names[y] == str(by_text[t]) for t, y in zip(train["text"], train["label"]))
+    (folder / "test.csv").write_text("text,label\nan unseen class,7\n")
+    with pytest.raises(ValueError, match=r"test labels \[7\] are not among the training labels \[1, 2\]"):
+        example.hub_dataset(str(folder), "text", "label", 10, 6)
