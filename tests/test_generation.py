@@ -836,6 +836,28 @@ def test_encoder_decoder_scoring_needs_labels_and_refuses_encoder_outputs(seq2se
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_a_dynamic_cache_setting_given_or_configured_decodes_as_without_it(gpt2):
+    """``cache_implementation="dynamic"`` passed the call's check and then made transformers refuse
+    "both cache_implementation and cache"; a model whose generation_config sets a cache (a Hub
+    config's "static") failed the same way, and ``generation_config=`` drew a deprecation warning
+    for a ``use_cache`` the user never passed. BMA keeps its own dynamic cache in every case."""
+    from transformers import GenerationConfig
+
+    model, posterior = gpt2
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kw)
+    assert torch.equal(generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, cache_implementation="dynamic", **kw), want)
+    configured = copy.deepcopy(model)
+    configured.generation_config.cache_implementation = "static"
+    assert torch.equal(generate_bma(configured, posterior, PROMPTS, num_samples=2, seed=0, **kw), want)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*generation_config.*deprecated")
+        got = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, generation_config=GenerationConfig(**kw))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="cache_implementation must be unset"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, cache_implementation="static", **kw)
+
+
 def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):
     """Labels that index no token (-1 for "no label", an id past the vocabulary, a float) are
     refused by name, and the model is not left sampled (before: torch's index error after the

@@ -246,7 +246,9 @@ def generate_bma(
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
             raise ValueError(f"generate_bma does not support {key!r}")
-    if generation_kwargs.get("cache_implementation") not in (None, "dynamic"):
+    given_config = generation_kwargs.get("generation_config")
+    asked = generation_kwargs.get("cache_implementation", getattr(given_config, "cache_implementation", None))
+    if asked not in (None, "dynamic"):  # the model's own setting (a Hub config's "static") is overridden
         raise ValueError(
             "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
         )
@@ -272,8 +274,14 @@ def generate_bma(
             # (EVONSeq2SeqTrainer.predict(bma=True))
             generation_kwargs[_cache_keyword(gen_model)] = cache
             # always cached: with use_cache=False (given, or the model's config after gradient
-            # checkpointing) generate re-feeds the whole sequence, which this cache would append again
-            generation_kwargs["use_cache"] = True
+            # checkpointing) generate re-feeds the whole sequence, which this cache would append again;
+            # and by this cache alone: transformers refuses a cache beside a cache_implementation
+            settings = {"use_cache": True, "cache_implementation": None}
+            if given_config is not None:  # in the config: beside it, settings are a deprecated mix
+                generation_kwargs["generation_config"] = copy.deepcopy(given_config)
+                generation_kwargs["generation_config"].update(**settings)
+            else:
+                generation_kwargs.update(settings)
             return type(gen_model).generate(
                 gen_model, input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs
             )
