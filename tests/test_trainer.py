@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -608,7 +609,7 @@ def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_sta
     checkpoint = tmp_path / "lean" / "out" / "checkpoint-2"
     assert (checkpoint / POSTERIOR_CONFIG_NAME).is_file() and not (checkpoint / "optimizer.pt").exists()
     resumed = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "res", **common), train_dataset=data)
-    with pytest.warns(UserWarning, match=r"resumed from .*checkpoint-2, which holds no optimizer state .*starts afresh"):
+    with pytest.warns(UserWarning, match=r"resumed from .*checkpoint-2, whose optimizer state the Trainer did not load .*starts afresh"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
     # it trained on from step 2 with a fresh optimizer: two updates, where a full resume's counts four
     assert resumed.state.global_step == 4 and resumed.evon_optimizer.state_dict()["evon"]["updates"] == 2
@@ -619,6 +620,37 @@ def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_sta
         warnings.filterwarnings("error", message="resumed from")
         again.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-2"))
     assert again.state.global_step == 4 and again.evon_optimizer.state_dict()["evon"]["updates"] == 4
+
+
+def test_a_resume_says_what_became_of_evons_state_whatever_the_checkpoints_files(tmp_path):
+    """The warning read the checkpoint's file names: with optimizer.pt but no scheduler.pt the
+    Trainer loads neither (EVON started afresh, silently); a trainer that had trained before keeps
+    its optimizer (EVON went on from that state, while the warning said it started afresh). And a
+    seed changed since the save is named among the settings the checkpoint's state replaces."""
+    data = classification_data(32)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    full = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", **common), train_dataset=data)
+    full.train()
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    partial = tmp_path / "partial"
+    shutil.copytree(checkpoint, partial)
+    os.remove(partial / "scheduler.pt")
+    resumed = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "r1", **common), train_dataset=data)
+    with pytest.warns(UserWarning, match=r"resumed from .*partial, whose optimizer state the Trainer did not load .*starts afresh"):
+        resumed.train(resume_from_checkpoint=str(partial))
+    assert resumed.evon_optimizer.state_dict()["evon"]["updates"] == 2
+    lean = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "lean", save_only_model=True, **common), train_dataset=data)
+    lean.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lean.train(resume_from_checkpoint=str(tmp_path / "lean" / "out" / "checkpoint-2"))
+    said = [str(w.message) for w in caught if "resumed from" in str(w.message)]
+    assert len(said) == 1 and "goes on from the state this trainer already had" in said[0], said
+    assert lean.evon_optimizer.state_dict()["evon"]["updates"] == 6  # 4, then 2 more on the same state
+    other_seed = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "r2", evon_seed=123, **common), train_dataset=data)
+    with pytest.warns(UserWarning, match=r"replace this run's where they differ \(seed: 123 -> 0\)"):
+        other_seed.train(resume_from_checkpoint=str(checkpoint))
+    assert other_seed.evon_optimizer.seed == 0
 
 
 # ---------------------------------------------------------------------------- evaluation

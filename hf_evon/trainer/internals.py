@@ -11,8 +11,10 @@ changes it fails there rather than silently here.
 * ``_load_optimizer_and_scheduler(checkpoint)``: called by ``train(resume_from_checkpoint=...)``
   before the optimizer is sharded; under FSDP2 only the scheduler is loaded here. Elsewhere a
   warning names each setting of this run's config that the checkpoint's optimizer state replaced,
-  and another says when the checkpoint holds no optimizer state (``save_only_model=True``): the
-  Trainer then resumes the weights alone, and EVON's posterior starts afresh.
+  and another says when the Trainer did not load EVON's state (``save_only_model=True``, or no
+  ``scheduler.pt`` beside ``optimizer.pt``): the weights resume alone, and EVON's posterior starts
+  afresh (or, on a trainer that trained before, goes on from that state). The check is a
+  ``load_state_dict`` post-hook on EVON, not the checkpoint's file names.
 * ``_push_from_checkpoint(checkpoint_folder)``: copies a checkpoint's model files into the output
   directory and uploads it; the posterior files must be copied first, and only when it pushes
   (not with ``hub_strategy="end"``, nor while the previous push still uploads unless
@@ -23,24 +25,15 @@ changes it fails there rather than silently here.
   their number, so the norm and the clip refer to the mean gradient instead.
 """
 
-import os
 import warnings
 from typing import Any
 
 from torch import nn
-from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import HubStrategy
 
 from hf_evon.trainer.checkpointing import settings_replaced
 
 __all__ = ["TrainerInternals"]
-
-
-def _holds_optimizer_state(checkpoint: str) -> bool:
-    """Whether ``checkpoint`` holds the Trainer's optimizer state (a file, or torch's distributed
-    checkpoint folder), as ``Trainer._load_optimizer_and_scheduler`` looks for it."""
-    stem = OPTIMIZER_NAME.split(".")[0]  # optimizer.pt, optimizer.bin, FSDP's optimizer_0 folder
-    return any(name.startswith(stem) for name in os.listdir(checkpoint))
 
 
 class TrainerInternals:
@@ -54,18 +47,33 @@ class TrainerInternals:
         if self._load_fsdp2_scheduler(checkpoint):
             return
         optimizer = self.evon_optimizer
-        fresh = [] if optimizer is None else [dict(g) for g in optimizer.param_groups]
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if optimizer is not None and checkpoint is not None and not _holds_optimizer_state(checkpoint):
+        if optimizer is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        fresh, seed, had_state = [dict(g) for g in optimizer.param_groups], optimizer.seed, bool(optimizer.state)
+        # whether the Trainer loaded EVON's state: its own rules (which files, which together) decide
+        loads: list[bool] = []
+        hook = optimizer.register_load_state_dict_post_hook(lambda _: loads.append(True))
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            hook.remove()
+        if checkpoint is not None and not loads:
+            what = (
+                "goes on from the state this trainer already had (its last train()'s, not the checkpoint's)"
+                if had_state
+                else "starts afresh (its Hessian at hess_init, identity eigenbases, no momentum), so the "
+                "posterior it ends with is learned from the steps after the resume only"
+            )
             warnings.warn(
-                f"resumed from {checkpoint}, which holds no optimizer state (save_only_model=True saves "
-                "none): the weights resume, but EVON starts afresh (its Hessian at hess_init, identity "
-                "eigenbases, no momentum), so the posterior it ends with is learned from the steps after "
-                "the resume only",
+                f"resumed from {checkpoint}, whose optimizer state the Trainer did not load (save_only_model=True "
+                f"saves none; it loads optimizer.pt only beside scheduler.pt): the weights resume, but EVON {what}",
                 UserWarning,
                 stacklevel=2,
             )
-        if changed := settings_replaced(fresh, [] if optimizer is None else optimizer.param_groups):
+        changed = settings_replaced(fresh, optimizer.param_groups)
+        if loads and optimizer.seed != seed:  # the checkpoint's noise stream goes on: exact resumes
+            changed.append(f"seed: {seed} -> {optimizer.seed}")
+        if changed:
             warnings.warn(
                 f"resumed from {checkpoint}: its optimizer settings replace this run's where they differ "
                 f"({'; '.join(changed)}); EVON trains on with the checkpoint's",
