@@ -152,12 +152,15 @@ def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:
 
 
 def _tuner_layers(model: nn.Module) -> dict[str, Any]:
-    """PEFT's tuner layers of ``model`` by module name (none without PEFT)."""
+    """PEFT's tuner layers of ``model`` by module name, its head copies (``modules_to_save``, whose
+    wrapper keeps the layers' adapter attributes) included; none without PEFT."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils.other import ModulesToSaveWrapper
     except ImportError:  # pragma: no cover - peft is optional
         return {}
-    return {n: m for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    kinds = (BaseTunerLayer, ModulesToSaveWrapper)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
 def _adapter_of(layers: Mapping[str, Any], name: str) -> tuple[Any, str] | None:
@@ -182,10 +185,14 @@ def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:
     does not use now (another adapter active, merged into its base layer, adapters disabled) does
     not take part: a sample of it changes nothing the model computes. Empty without PEFT."""
     layers = _tuner_layers(model)
-    if not layers:
-        return []
+    prompting = getattr(model, "active_adapter", None)  # a PeftModel's: prompt learning has one at a time
     reasons = []
     for name in names:
+        parts = name.split(".")
+        if parts[0] == "prompt_encoder" and len(parts) > 2 and isinstance(prompting, str):
+            if parts[1] != prompting:  # prompt_encoder.<adapter>.…
+                reasons.append(f"{name!r}: adapter {parts[1]!r} is not active (active: [{prompting!r}])")
+            continue
         found = _adapter_of(layers, name)
         if found is None:
             continue

@@ -627,3 +627,23 @@ def test_clipped_steps_shrink_when_the_gradients_fade() -> None:
     # values in about [0.7, 1.2], never near 0
     unscaled_rms = torch.tensor(runs[False][-50:]) / math.sqrt(24) / (0.1 * 0.01)
     assert 0.7 <= float(unscaled_rms.min()) and float(unscaled_rms.max()) <= 1.2
+
+
+def test_build_optimizer_says_when_evon_trains_none_of_the_parameters():
+    """PEFT's prompt tuning of a causal LM trains one embedding, which goes to AdamW: the run was
+    AdamW's, with no posterior and no word of it until BMA said "train with EVON first"."""
+    import warnings
+
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import build_optimizer
+
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    prompted = get_peft_model(base, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    with pytest.warns(UserWarning, match="EVON trains none of this model's parameters"):
+        opt = build_optimizer(prompted)
+    assert not any(g["params"] for g in opt.param_groups if g["algorithm"] == "evon")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="EVON trains none")
+        build_optimizer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))

@@ -1418,3 +1418,39 @@ def test_sampling_into_a_model_on_the_meta_device_says_so(mlp):
     with pytest.raises(ValueError, match="meta device"):
         posterior.draw(1, seed=0, device="meta")
     assert posterior.draw(1, seed=0)["0.weight"].shape == (1, 4, 5)
+
+
+def _posterior_of(model: nn.Module, batch: dict) -> EVONPosterior:
+    from hf_evon import build_optimizer
+
+    opt = build_optimizer(model, ess=1e3, weight_decay=1e-2, seed=0)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return EVONPosterior.from_optimizer(opt, model).with_ess(10.0)
+
+
+def test_a_posterior_of_an_inactive_head_copy_or_prompt_encoder_is_refused():
+    """PEFT's head copies (``modules_to_save``) and prompt encoders belong to an adapter too: with
+    another adapter active, a posterior over them passed ``check_model`` and its samples changed
+    nothing the model computes (BMA ran the mean S times). LoRA's layers were refused so already."""
+    from peft import PrefixTuningConfig, PromptTuningConfig, TaskType, get_peft_model
+    from test_trainer import tiny_bert, tiny_gpt2
+
+    ids = torch.randint(3, 100, (8, 8), generator=torch.Generator().manual_seed(0))
+    cases = [
+        (tiny_bert(), PromptTuningConfig(task_type=TaskType.SEQ_CLS, num_virtual_tokens=4), {"labels": ids[:, 1] % 3}),
+        (tiny_gpt2(), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, prefix_projection=True,
+                                         encoder_hidden_size=16), {"labels": ids}),  # fmt: skip
+    ]
+    for base, peft_config, labels in cases:
+        model = get_peft_model(base, peft_config)
+        posterior = _posterior_of(model, {"input_ids": ids, **labels})
+        assert posterior.names and all("modules_to_save.default" in n or "prompt_encoder.default" in n for n in posterior.names)
+        posterior.check_model(model)  # its own adapter active: fine
+        model.add_adapter("other", copy.deepcopy(peft_config))
+        model.set_adapter("other")
+        with pytest.raises(PosteriorMismatchError, match="adapter 'default' is not active"):
+            posterior.check_model(model)

@@ -251,6 +251,14 @@ def build_optimizer(
                 split.append(
                     {**g, "params": [p for p, _ in members], "param_names": [n for _, n in members], **extra}
                 )
+    if not any(g["algorithm"] == "evon" and g["params"] for g in split):
+        warnings.warn(
+            "build_optimizer: EVON trains none of this model's parameters (every trainable tensor went to "
+            "AdamW: 1-D tensors and embeddings do by default, e.g. PEFT's prompt tuning), so the run is "
+            "AdamW's and has no posterior; train matrices (LoRA) or name them in evon_patterns",
+            UserWarning,
+            stacklevel=2,
+        )
     return EVON(split, **kwargs)
 
 
