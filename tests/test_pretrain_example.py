@@ -145,17 +145,23 @@ def test_recipe_option_builds_the_papers_table(recipe: str) -> None:
         assert group[key] == (tuple(value) if isinstance(value, tuple) else value), key
 
 
-def test_a_validation_split_shorter_than_one_block_is_refused(cache: str, tmp_path) -> None:
+@pytest.mark.parametrize("val_fraction, seq_len, message", [
     # 0.05 MB of corpus, 0.1% of it held out: ~2.6k validation tokens, less than one 4096-token
     # block; the run reported NaN losses as numbers in metrics.json and the card
+    ("0.001", "4096", r"the validation split holds \d+ tokens, less than one --seq-len block \(4096\)"),
+    # every token held out: the training windows had nowhere to start, and the first step raised
+    # torch's "random_ expects 'from' to be less than 'to'"
+    ("1.0", "16", r"the training split holds 0 tokens, not more than one --seq-len block \(16\)"),
+])  # fmt: skip
+def test_a_split_shorter_than_one_block_is_refused(cache: str, tmp_path, val_fraction, seq_len, message) -> None:
     args = [
-        "--max-steps", "1", "--corpus-mb", "0.05", "--val-fraction", "0.001", "--vocab-size", "300", "--n-layer", "1",
-        "--n-embd", "32", "--n-head", "2", "--seq-len", "4096", "--batch-size", "1", "--no-progress",
-        "--output-dir", str(tmp_path), "--cache-dir", cache,
+        "--max-steps", "1", "--corpus-mb", "0.05", "--val-fraction", val_fraction, "--vocab-size", "300",
+        "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", seq_len, "--batch-size", "1",
+        "--no-progress", "--output-dir", str(tmp_path), "--cache-dir", cache,
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, SCRIPT, *args], env=worker_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode != 0
-    assert re.search(r"the validation split holds \d+ tokens, less than one --seq-len block \(4096\)", proc.stderr)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert re.search(message, proc.stderr)
     assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))
 
 
@@ -190,19 +196,6 @@ def test_the_tokenizer_cache_follows_the_corpus(tmp_path) -> None:
     shared = str(tmp_path / "shared")
     vocab("0.05", shared)
     assert vocab("0.1", shared) == vocab("0.1", str(tmp_path / "fresh"))
-
-
-def test_a_training_split_not_longer_than_one_block_is_refused(cache: str, tmp_path) -> None:
-    """Every token held out for validation: the training windows had nowhere to start, and the
-    first step raised torch's "random_ expects 'from' to be less than 'to'"."""
-    args = [
-        "--max-steps", "1", "--corpus-mb", "0.05", "--val-fraction", "1.0", "--vocab-size", "300", "--n-layer", "1",
-        "--n-embd", "32", "--n-head", "2", "--seq-len", "16", "--batch-size", "1", "--no-progress",
-        "--output-dir", str(tmp_path), "--cache-dir", cache,
-    ]  # fmt: skip
-    proc = subprocess.run([sys.executable, SCRIPT, *args], env=worker_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "the training split holds 0 tokens, not more than one --seq-len block (16)" in proc.stderr
 
 
 def test_the_token_cache_follows_the_text_column(tmp_path) -> None:
