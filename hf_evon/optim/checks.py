@@ -27,6 +27,8 @@ __all__ = [
     "is_int",
     "is_real",
     "mode_value",
+    "outside_stacklevel",
+    "python_number",
     "refuse_grad_scaler",
     "require",
     "uses_fisher",
@@ -113,11 +115,20 @@ _LIBRARY_DIRS = tuple(
 
 def outside_stacklevel() -> int:
     """The ``stacklevel`` that makes the calling function's warning name the first frame outside
-    hf_evon and torch: the user's line (``opt.step()``), however many wrappers lie between."""
+    ``_LIBRARY_DIRS``: the user's line (``opt.step()``, ``trainer.train()``), however many wrappers
+    lie between."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def python_number(x: Any) -> Any:
+    """``x`` as Python's number where it is NumPy's (the checks accept both; a state dict or a JSON
+    file of NumPy numbers needs NumPy to read, and ``torch.load(weights_only=True)`` refuses them);
+    anything else as it is. By type: ``np.float64`` is a ``float`` subclass."""
+    numpy_number = isinstance(x, numbers.Number) and type(x) not in (bool, int, float, complex)
+    return x.item() if numpy_number and hasattr(x, "item") else x
 
 
 def is_real(x: Any) -> bool:

@@ -102,11 +102,10 @@ def warn_skipped(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=outside_stacklevel())
 
 
-def warn_health(stats: dict[str, float], warned: set[str], stacklevel: int | None = None) -> None:
+def warn_health(stats: dict[str, float], warned: set[str]) -> None:
     """A ``RuntimeWarning`` naming cause and fix, the first time (per ``warned``) that the noise
-    runs away or the posterior collapses to a broad prior; at the caller's line outside hf_evon
-    (``stacklevel`` None)."""
-    stacklevel = outside_stacklevel() if stacklevel is None else stacklevel
+    runs away or the posterior collapses to a broad prior; at the caller's line outside hf_evon."""
+    stacklevel = outside_stacklevel()
     if stats["noise_to_signal_max"] >= 1.0 and "runaway" not in warned:
         warned.add("runaway")
         warnings.warn(

@@ -8,7 +8,6 @@ Both raise ``ValueError("Invalid <name>: <value> (must be <rule>)")`` at the fir
 from __future__ import annotations
 
 import contextlib
-import numbers
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from hf_evon.optim.checks import (
     is_int,
     is_real,
     mode_value,
+    python_number,
     require,
 )
 from hf_evon.optim.defaults import (
@@ -49,6 +49,7 @@ __all__ = [
     "python_numbers",
     "resolve_mean_weight_decay",
     "resolve_prior",
+    "resolve_rate",
     "settle_group",
     "validate_group",
     "validate_groups",
@@ -97,12 +98,7 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     if "adamw_weight_decay" in kwargs:
         wd = kwargs["adamw_weight_decay"]
         require("adamw_weight_decay", wd, finite(wd) and wd >= 0.0, "a finite number >= 0")
-    group = {k: v for k, v in kwargs.items() if k in GROUP_KEYS}
-    if group.get("lr", 0.0) is None:
-        clip = group.get("clip", DEFAULT_CLIP)
-        group["lr"] = lr_from_adamw_lr(
-            DEFAULT_ADAMW_LR, group.get("clip_radius", DEFAULT_CLIP_RADIUS), clip=ratio_clip(clip)
-        )
+    group = resolve_rate({k: v for k, v in kwargs.items() if k in GROUP_KEYS})
     # the keywords themselves, before any group: the message names the keyword given
     # EVON's defaults for the fields the prior is derived from, where not given
     prior = {"hess_init": DEFAULT_HESS_INIT, "weight_decay": None}
@@ -111,18 +107,13 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
 
 
 def python_numbers(values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` (a group, or defaults) with the NumPy numbers the checks accept made Python's,
+    """``values`` (a group, or defaults) with their NumPy numbers made Python's (``python_number``),
     in place, pairs such as ``betas`` too: a state dict of them loads with
-    ``torch.load(weights_only=True)``, which refuses NumPy's types."""
-
-    def python(x: Any) -> Any:
-        # by type: np.float64 is a float subclass, and it too needs NumPy's unpickler
-        numpy_number = isinstance(x, numbers.Number) and type(x) not in (bool, int, float, complex)
-        return x.item() if numpy_number and hasattr(x, "item") else x
-
+    ``torch.load(weights_only=True)``."""
     for key, value in values.items():
         if key != "params":
-            values[key] = type(value)(map(python, value)) if isinstance(value, tuple | list) else python(value)
+            is_pair = isinstance(value, tuple | list)
+            values[key] = type(value)(map(python_number, value)) if is_pair else python_number(value)
     return values
 
 
@@ -143,6 +134,16 @@ def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -
         for key, value in adamw_defaults.items():
             param_group.setdefault(key, value)
     return python_numbers(param_group)
+
+
+def resolve_rate(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with an EVON group's ``lr=None`` replaced (in place) by its clip's default α:
+    AdamW's default rate through the clip's step ratio (``lr_from_adamw_lr``, which names a bad
+    ``clip_radius``; an unknown clip takes "element"'s ratio, and ``validate_group`` names it)."""
+    if group.get("lr", 0.0) is None and group.get("algorithm", "evon") == "evon":
+        radius, clip = group.get("clip_radius", DEFAULT_CLIP_RADIUS), group.get("clip", DEFAULT_CLIP)
+        group["lr"] = lr_from_adamw_lr(DEFAULT_ADAMW_LR, radius, clip=ratio_clip(clip))
+    return group
 
 
 def resolve_prior(group: dict[str, Any]) -> dict[str, Any]:
@@ -273,11 +274,7 @@ def settle_group(group: dict[str, Any]) -> None:
     """``group`` checked (``validate_group``), its NumPy numbers made Python's, and its None defaults
     resolved as the constructor resolves them: an EVON group's ``lr`` (its clip's default α),
     ``weight_decay`` (``resolve_prior``), then ``mean_weight_decay``."""
-    clip, radius = group.get("clip"), group.get("clip_radius", DEFAULT_CLIP_RADIUS)
-    if group.get("lr", 0.0) is None and group.get("algorithm", "evon") == "evon" and clip in CLIP_MODES:
-        require("clip_radius", radius, finite(radius) and radius > 0.0, "a finite number > 0")  # α's scale
-        group["lr"] = lr_from_adamw_lr(DEFAULT_ADAMW_LR, radius, clip=ratio_clip(clip))
-    validate_group(resolve_prior(python_numbers(group)))
+    validate_group(resolve_prior(resolve_rate(python_numbers(group))))
     resolve_mean_weight_decay(group)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import re
 import uuid
 from collections.abc import Mapping
@@ -23,7 +22,7 @@ import torch
 import hf_evon.posterior.json_rules as rules
 from hf_evon import __version__
 from hf_evon.optim.buckets import matrix_shape
-from hf_evon.optim.checks import is_real
+from hf_evon.optim.checks import is_real, python_number
 from hf_evon.posterior.gaussian import MatrixFactors, basis_dtype
 from hf_evon.posterior.json_rules import PosteriorMismatchError
 
@@ -79,8 +78,7 @@ def as_dtype(value: torch.dtype | str | None, argument: str = "dtype") -> torch.
 def json_value(value: Any) -> Any:
     """JSON-safe copy: tuples become lists, infinities the strings "inf"/"-inf", NumPy numbers (which
     the optimizer takes for its hyperparameters) Python's."""
-    if isinstance(value, numbers.Number) and type(value) not in (bool, int, float) and hasattr(value, "item"):
-        value = value.item()  # np.float32(0.1) -> 0.1, np.int64(2) -> 2
+    value = python_number(value)  # np.float32(0.1) -> 0.1, np.int64(2) -> 2
     if isinstance(value, float) and math.isinf(value):
         return "inf" if value > 0 else "-inf"
     if isinstance(value, float) and math.isnan(value):

@@ -39,8 +39,8 @@ from hf_evon.predictive.logprobs import (
     label_log_probs,
     log_mean_prob,
     require_class_labels,
+    require_scorable_labels,
     tempered,
-    unscorable_labels,
 )
 
 Tensor = torch.Tensor
@@ -461,12 +461,7 @@ def bma_log_likelihood(
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows) as sampler:
         _check_sample_axis(sampler, gen_model, input_ids)
         logits = gen_model(**inputs, return_dict=True).logits
-    unscorable = unscorable_labels(targets, logits.shape[-1])
-    if bool(unscorable.any()):  # before the gather: an index past the logits asserts on a GPU
-        raise ValueError(
-            f"bma_log_likelihood: labels have label {int(targets[unscorable][0])}, outside the model's "
-            f"{logits.shape[-1]} tokens (0 to {logits.shape[-1] - 1}; {IGNORE_INDEX} marks a target that is not scored)"
-        )
+    require_scorable_labels(targets, logits.shape[-1], "bma_log_likelihood: labels have")
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
         chunk = logits[s * batch : (s + 1) * batch, scored].float()

@@ -29,6 +29,7 @@ __all__ = [
     "shifted",
     "target_log_probs",
     "tempered",
+    "require_scorable_labels",
     "unscorable_labels",
 ]
 
@@ -56,6 +57,18 @@ def require_class_labels(labels: Any, where: str) -> None:
 def unscorable_labels(labels: Tensor, classes: int) -> Tensor:
     """Where ``labels`` hold neither -100 nor one of ``classes`` (-1 for "no label", say)."""
     return labels.ne(IGNORE_INDEX) & (labels.lt(0) | labels.ge(classes))
+
+
+def require_scorable_labels(labels: Tensor, classes: int, where: str) -> None:
+    """Raise, naming ``where`` ("... batch 3 has") and the first such label, where ``labels`` hold
+    one that is neither -100 nor one of ``classes`` (before a gather: on a GPU an index past the
+    logits is a device-side assert). One host read."""
+    bad = labels[unscorable_labels(labels, classes)]
+    if bad.numel():
+        raise ValueError(
+            f"{where} label {int(bad[0])}, outside the model's {classes} classes (0 to {classes - 1}; "
+            f"{IGNORE_INDEX} marks a target that is not scored)"
+        )
 
 
 def shifted(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:

@@ -20,12 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_evon.predictive.logprobs import (
-    IGNORE_INDEX,
-    count_label_items,
-    require_class_labels,
-    unscorable_labels,
-)
+from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
 
 def check_calibration_batches(
@@ -56,12 +51,7 @@ def check_calibration_batches(
             classes = classes_of(batch, where)
         if classes is not None and isinstance(labels, torch.Tensor):
             scored = labels[..., 1:] if causal_lm else labels  # a causal LM never scores position 0
-            bad = scored[unscorable_labels(scored, classes)]
-            if bad.numel():
-                raise ValueError(
-                    f"{where} has label {int(bad[0])}, outside the model's {classes} classes (0 to "
-                    f"{classes - 1}; {IGNORE_INDEX} marks a target that is not scored)"
-                )
+            require_scorable_labels(scored, classes, f"{where} has")
         targets += int(count_label_items(batch["labels"], causal_lm) or 0)
     if targets == 0:
         raise ValueError(
