@@ -38,11 +38,14 @@ import contextlib
 import json
 import math
 import os
+import tempfile
 import time
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+from huggingface_hub import CommitOperationDelete, HfApi
+from huggingface_hub.errors import RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 from tqdm.auto import tqdm
 
 from hf_evon import EVON, EVONPosterior, build_param_groups, prepare_distributed
@@ -54,6 +57,7 @@ from hf_evon.data import (
     stdlib_corpus,
 )
 from hf_evon.optim.checks import CLIP_MODES
+from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 from hf_evon.posterior.model_card import SECTION_START
 
 # EVON's defaults: the paper's NanoGPT table (lr, h0, ζ, β1, 1-β2, δ, β3), adaptive Hessian
@@ -479,13 +483,13 @@ def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
         json.dump({"final": final, "history": history, "args": vars(args)}, fh, indent=2)
     card = None
     if evon is None:  # no posterior: do not leave a stale one (or its card) from an earlier run beside this model
-        for name in ("evon_posterior.safetensors", "evon_posterior_config.json"):
+        for name in (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
-        card_path = os.path.join(out, "README.md")  # this script's README is the posterior's card
+        card_path = os.path.join(out, "README.md")
         if os.path.isfile(card_path):
             with open(card_path, encoding="utf-8", errors="replace") as fh:
-                stale = SECTION_START in fh.read()
+                stale = is_posterior_card(fh.read())
             if stale:
                 os.remove(card_path)
     else:
@@ -494,11 +498,43 @@ def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
         posterior.save_pretrained(out, model_card_kwargs=card)
     accelerator.print(f"saved model{' + posterior + model card' if evon is not None else ''} to {out}")
     if args.push_to_hub:
+        # first, so that no commit of the repo pairs this run's weights with an earlier run's posterior
+        remove_posterior_from_hub(args.push_to_hub)
         raw.push_to_hub(args.push_to_hub)
         tokenizer.push_to_hub(args.push_to_hub)
         if evon is not None:
             posterior.push_to_hub(args.push_to_hub, model_card_kwargs=card)
         accelerator.print(f"pushed to {args.push_to_hub}")
+
+
+def is_posterior_card(text: str) -> bool:
+    """Whether a README is an earlier run's posterior card: this script's README is the posterior's."""
+    return SECTION_START in text
+
+
+def remove_posterior_from_hub(repo_id: str) -> None:
+    """Delete an earlier push's posterior files and card from ``repo_id``, in one commit (nothing
+    where the repo or the files do not exist): the posterior of this run, if it has one, is
+    pushed after the model; without one, the repo must not offer the old posterior beside the
+    new weights. The card is read before it is deleted: offline, this raises rather than delete
+    a card unseen."""
+    api = HfApi()
+    names = (POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+    stale = [name for name in names if api.file_exists(repo_id, name)]
+    with tempfile.TemporaryDirectory(prefix="pretrain_lm_card_") as tmp:
+        try:
+            card = api.hf_hub_download(repo_id, "README.md", cache_dir=tmp)
+            with open(card, encoding="utf-8", errors="replace") as fh:
+                if is_posterior_card(fh.read()):
+                    stale.append("README.md")
+        except (RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+            pass
+    if stale:
+        api.create_commit(
+            repo_id,
+            [CommitOperationDelete(path_in_repo=name) for name in stale],
+            commit_message="Remove the EVON posterior and card of an earlier push",
+        )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ TINY = [
 ]  # fmt: skip
 
 
-def run(args: list[str], processes: int = 1) -> str:
-    env = worker_env()
+def run(args: list[str], processes: int = 1, env: dict[str, str] | None = None) -> str:
+    env = worker_env() if env is None else env
     if processes == 1:
         cmd = [sys.executable, SCRIPT, *args]
     else:
@@ -223,3 +223,33 @@ def test_the_token_cache_follows_the_text_column(tmp_path) -> None:
     shared = str(tmp_path / "shared")
     first = tokens("text", shared)
     assert tokens("alt", shared) == tokens("alt", str(tmp_path / "fresh")) != first
+
+
+def test_a_push_without_a_posterior_leaves_none_of_an_earlier_push_in_the_repo(cache: str, tmp_path) -> None:
+    """An EVON run pushed its posterior and card; an AdamW run then pushed its model to the same
+    repo, which kept the EVON run's posterior files and card: a download paired the new weights
+    with the old posterior (check_model only warns that the weights are not its mean)."""
+    from hub_stub import HubStub
+
+    from hf_evon import EVONPosterior
+    from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+    from hf_evon.posterior.model_card import SECTION_START
+
+    repo, token = "alice/tiny-lm", "hf_dummy_token"
+    base = [*TINY, "--max-steps", "2", "--eval-every", "0", "--cache-dir", cache, "--push-to-hub", repo]
+    with HubStub() as hub:
+        env = dict(worker_env(), HF_ENDPOINT=hub.endpoint, HF_TOKEN=token, HF_HOME=str(tmp_path / "home"))
+        env.pop("HF_HUB_OFFLINE", None)
+        run([*base, "--output-dir", str(tmp_path / "evon")], env=env)
+        files = hub.files(repo)
+        assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "model.safetensors"} <= set(files)
+        assert SECTION_START in files["README.md"].decode()
+        run([*base, "--optimizer", "adamw", "--output-dir", str(tmp_path / "adamw")], env=env)
+        files = hub.files(repo)
+        assert POSTERIOR_WEIGHTS_NAME not in files and POSTERIOR_CONFIG_NAME not in files
+        assert SECTION_START not in files.get("README.md", b"").decode()
+        local = open(os.path.join(tmp_path, "adamw", "model", "model.safetensors"), "rb").read()
+        assert files["model.safetensors"] == local  # the AdamW run's weights
+        missing = rf"no EVON posterior at {repo}: {POSTERIOR_CONFIG_NAME} is missing"
+        with pytest.raises(FileNotFoundError, match=missing):
+            EVONPosterior.from_pretrained(repo, token=token, endpoint=hub.endpoint, cache_dir=tmp_path / "dl")
