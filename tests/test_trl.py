@@ -234,3 +234,24 @@ def test_a_calibration_dataset_that_is_the_raw_eval_set_is_refused(tmp_path, cor
                 model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, packing=False), train_dataset=train,
                 eval_dataset=given, processing_class=tokenizer, calibration_dataset=evaluation,
             )  # fmt: skip
+
+
+def test_calibrate_refuses_the_eval_set_as_given_and_as_trl_prepared_it(tmp_path, corpus):
+    """TRL keeps the eval set prepared anew (``trainer.eval_dataset`` is another object), and
+    ``calibrate(dataset)`` prepares its dataset anew too: the raw eval set, the prepared one, alone
+    or in a dict of eval sets, are each refused before any pass; a reassigned eval set leaves the
+    one first given free to calibrate on."""
+    tokenizer, train, evaluation = corpus
+    for given in (evaluation, {"dev": evaluation}):
+        trainer = EVONSFTTrainer(
+            model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, packing=False), train_dataset=train,
+            eval_dataset=given, processing_class=tokenizer,
+        )  # fmt: skip
+        kept = trainer.eval_dataset["dev"] if isinstance(given, dict) else trainer.eval_dataset
+        assert kept is not evaluation  # TRL's preparation: what the identity check alone missed
+        for dataset in (evaluation, kept):
+            with pytest.raises(ValueError, match=r"^calibrate\(\): dataset is the eval_dataset"):
+                trainer.calibrate(dataset)
+    trainer.eval_dataset = Dataset.from_dict({"text": _paragraphs()[60:72]})
+    with pytest.raises(ValueError, match="no posterior yet"):  # past the eval-set check: not refused
+        trainer.calibrate(evaluation)

@@ -77,6 +77,18 @@ def is_eval_set(dataset: Any, eval_dataset: Any) -> bool:
     return dataset is not None and any(dataset is s for s in sets)
 
 
+def refuse_eval_set(dataset: Any, name: str, eval_dataset: Any, as_given: tuple[Any, Any] = (None, None)) -> None:
+    """Raise, naming ``name``, where ``dataset`` is the trainer's ``eval_dataset`` (:func:`is_eval_set`)
+    or, while the trainer keeps the eval set it was made with, that set as it was given: ``as_given``
+    is it and the one the trainer kept, which TRL's trainers prepare anew (another object)."""
+    given, kept = as_given
+    if is_eval_set(dataset, eval_dataset) or (eval_dataset is kept and is_eval_set(dataset, given)):
+        raise ValueError(
+            f"{name} is the eval_dataset: the sampling scale would be chosen on the examples the BMA metrics "
+            "are reported on. Hold out separate examples for calibration"
+        )
+
+
 def _token_count(example: Any) -> int | None:
     ids = example.get("input_ids") if isinstance(example, Mapping) else None
     try:

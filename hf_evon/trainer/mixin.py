@@ -188,16 +188,14 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         args = self._evon_arguments(args)
         init = inspect.signature(super().__init__)
         given_eval = init.bind_partial(model, args, *trainer_args, **kwargs).arguments.get("eval_dataset")
-        if calibration_data.is_eval_set(calibration_dataset, given_eval):  # as given: TRL's is prepared anew
-            raise ValueError(
-                "calibration_dataset is the eval_dataset: the sampling scale would be chosen on the examples the "
-                "BMA metrics are reported on. Hold out separate examples for calibration"
-            )
+        calibration_data.refuse_eval_set(calibration_dataset, "calibration_dataset", given_eval)
         if peft_config is not None and "peft_config" in init.parameters:
             kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
         elif peft_config is not None:
             model = self._wrap_peft(model, args, peft_config)
         super().__init__(model, args, *trainer_args, **kwargs)
+        # the eval set as given beside the one kept: TRL's trainers keep it prepared anew, another object
+        self._evon_eval_given = (given_eval, self.eval_dataset)
         if posterior is not None and not isinstance(posterior, EVONPosterior):
             raise TypeError(f"posterior= takes an EVONPosterior (EVONPosterior.from_pretrained); got {type(posterior)}")
         if posterior is not None and self.model is not None:  # another model's: refused here, not when saving
@@ -326,6 +324,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         finally:
             self.args.dataloader_persistent_workers = persistent
 
+    def _refuse_eval_set(self, dataset: Any) -> None:
+        """Refuse ``dataset`` for ``calibrate()`` where it is the eval set, as kept or as it was given."""
+        calibration_data.refuse_eval_set(dataset, "calibrate(): dataset", self.eval_dataset, self._evon_eval_given)
+
     def calibrate(
         self,
         dataset: Any = None,
@@ -359,10 +361,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
             raise ValueError(
                 "calibrate() needs held-out data: pass dataset= or EVONTrainer(calibration_dataset=...)"
             )
-        if calibration_data.is_eval_set(dataset, self.eval_dataset):
-            raise ValueError(
-                "calibrate(): dataset is the eval_dataset; calibrate on other examples than you report on"
-            )
+        self._refuse_eval_set(dataset)
         posterior = self._trained_posterior()  # the calibration in place stays until this one succeeds
         if posterior is None:
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")

@@ -72,6 +72,7 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
         return out
 
     def calibrate(self, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_eval_set(dataset)  # before preparing: the prepared dataset is another object
         return super().calibrate(self._prepared_for_calibration(dataset), *args, **kwargs)
 
     def _prepared_for_calibration(self, dataset: Any) -> Any:
