@@ -95,7 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--dataset-config", default=None)
     d.add_argument("--text-column", default="text")
     d.add_argument("--corpus-mb", type=float, default=None, help="cap on the corpus size (MB of text)")
-    d.add_argument("--val-fraction", type=float, default=0.02)
+    d.add_argument(
+        "--val-fraction", type=float, default=0.02, help="share of the documents held out for validation, in (0, 1)"
+    )
     o = ap.add_argument_group("optimisation")
     o.add_argument("--optimizer", choices=["adamw", "soap", "ivon", "evon"], default="evon")
     o.add_argument("--max-steps", type=int, default=300)
@@ -146,6 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "mc_samples", "val_batches", "bma_samples"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
+    # the run evaluates on the held-out documents and trains on the others, so it needs both: a
+    # fraction that leaves either side empty is this argument's fault, whatever the corpus
+    if not 0 < args.val_fraction < 1:
+        ap.error(
+            "--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
+            f"the rest); got {args.val_fraction:g}"
+        )
     return args
 
 

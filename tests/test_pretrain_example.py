@@ -149,9 +149,9 @@ def test_recipe_option_builds_the_papers_table(recipe: str) -> None:
     # 0.05 MB of corpus, 0.1% of it held out: ~2.6k validation tokens, less than one 4096-token
     # block; the run reported NaN losses as numbers in metrics.json and the card
     ("0.001", "4096", r"the validation split holds \d+ tokens, less than one --seq-len block \(4096\)"),
-    # every token held out: the training windows had nowhere to start, and the first step raised
-    # torch's "random_ expects 'from' to be less than 'to'"
-    ("1.0", "16", r"the training split holds 0 tokens, not more than one --seq-len block \(16\)"),
+    # a training split shorter than a block: the training windows had nowhere to start, and the
+    # first step raised torch's "random_ expects 'from' to be less than 'to'"
+    ("0.02", "100000", r"the training split holds \d+ tokens, not more than one --seq-len block \(100000\)"),
 ])  # fmt: skip
 def test_a_split_shorter_than_one_block_is_refused(cache: str, tmp_path, val_fraction, seq_len, message) -> None:
     args = [
@@ -175,6 +175,24 @@ def test_a_count_below_one_is_an_argument_error(flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         pretrain_lm.parse_args([flag, "0", "--output-dir", "unused"])
     assert exit_.value.code == 2 and f"{flag} must be an integer >= 1; got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1", "1", "1.5", "nan"])
+def test_a_val_fraction_outside_0_1_is_an_argument_error(value: str, capsys) -> None:
+    """--val-fraction 0 held nothing out: the corpus was tokenised and the model built, then the run
+    stopped on "the validation split holds 0 tokens ...: use a shorter --seq-len or a larger corpus",
+    blaming the corpus; a negative one or one above 1 raised split_documents' ValueError (a
+    traceback), and 1 held out every document, leaving nothing to train on."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import pretrain_lm
+
+    with pytest.raises(SystemExit) as exit_:
+        pretrain_lm.parse_args(["--val-fraction", value, "--output-dir", "unused"])
+    message = (
+        f"--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
+        f"the rest); got {value}"
+    )
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_the_tokenizer_cache_follows_the_corpus(tmp_path) -> None:
