@@ -1454,3 +1454,63 @@ def test_a_posterior_of_an_inactive_head_copy_or_prompt_encoder_is_refused():
         model.set_adapter("other")
         with pytest.raises(PosteriorMismatchError, match="adapter 'default' is not active"):
             posterior.check_model(model)
+
+
+@pytest.mark.parametrize("kind", ["prefix_projection", "p_tuning"])
+def test_a_posterior_over_a_prompt_encoders_projection_warns_when_saved(tmp_path, kind):
+    """PEFT saves prefix tuning with ``prefix_projection=True`` (and P-tuning) as the prompt encoder's
+    output (``prompt_embeddings``): the projection the posterior covers is not in the saved adapter,
+    so the posterior saved beside it did not fit ``PeftModel.from_pretrained``'s model and said only
+    "is not a parameter of the model". Its save warns, naming the cause and what to keep; its load
+    names the cause; the warning's way (the encoder's own weights into ``get_peft_model``) fits."""
+    from peft import PeftModel, PrefixTuningConfig, PromptEncoderConfig, TaskType, get_peft_model
+    from test_trainer import tiny_gpt2
+
+    if kind == "prefix_projection":
+        config = PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, prefix_projection=True,
+                                    encoder_hidden_size=16)  # fmt: skip
+        head, cause = "transform", r"prefix tuning's projection \(prefix_projection=True\)"
+    else:
+        config = PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, encoder_hidden_size=16)
+        head, cause = "mlp_head", "P-tuning's MLP head"
+    ids = torch.randint(3, 100, (8, 8), generator=torch.Generator().manual_seed(0))
+    model = get_peft_model(tiny_gpt2(), copy.deepcopy(config))
+    posterior = _posterior_of(model, {"input_ids": ids, "labels": ids})
+    first = f"prompt_encoder.default.{head}.0.weight"
+    assert first in posterior.names and all(f"prompt_encoder.default.{head}." in n for n in posterior.names)
+    model.save_pretrained(tmp_path)
+    saved = rf"'{first}'.*{cause}.*PEFT's save_pretrained keeps only its output.*model\.prompt_encoder\.state_dict\(\)"
+    with pytest.warns(UserWarning, match=saved) as caught:
+        posterior.save_pretrained(tmp_path, model_card=False)
+    assert caught[0].filename == __file__  # the user's line, not the library's
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), tmp_path)
+    loaded = rf"'{first.replace('.', '[.]')}' is not a parameter of the model \({cause}: PEFT saves"
+    with pytest.raises(PosteriorMismatchError, match=loaded):
+        EVONPosterior.from_pretrained(tmp_path, model=reloaded)
+    # the way the warning names: the encoder's own weights in a model built as the trained one was
+    rebuilt = get_peft_model(tiny_gpt2(), copy.deepcopy(config))
+    rebuilt.prompt_encoder.load_state_dict(model.prompt_encoder.state_dict())
+    loaded = EVONPosterior.from_pretrained(tmp_path, model=rebuilt)
+    model.eval(), rebuilt.eval()
+    with torch.no_grad():
+        mean = model(input_ids=ids).logits
+        with posterior.sampled(model, seed=3):
+            expected = model(input_ids=ids).logits
+        with loaded.sampled(rebuilt, seed=3):
+            assert torch.equal(rebuilt(input_ids=ids).logits, expected)
+    assert not torch.equal(expected, mean)  # the sample changes what the model computes
+
+
+def test_a_lora_posterior_saves_without_the_prompt_encoder_warning(tmp_path):
+    """Only a prompt encoder's projection is dropped by PEFT's save: a LoRA adapter's posterior fits the
+    saved adapter and its save says nothing of it."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from test_trainer import tiny_gpt2
+
+    ids = torch.randint(3, 100, (8, 8), generator=torch.Generator().manual_seed(0))
+    model = get_peft_model(tiny_gpt2(), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["c_attn"]))
+    posterior = _posterior_of(model, {"input_ids": ids, "labels": ids})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        posterior.save_pretrained(tmp_path, model_card=False)
+    assert [str(w.message) for w in caught] == []

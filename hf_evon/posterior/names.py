@@ -1,21 +1,68 @@
 """Why a posterior's tensor name is not a parameter of a model: the hint its mismatch error gives
-(``EVONPosterior.check_model``)."""
+(``EVONPosterior.check_model``), and the names a PEFT adapter's own save drops, of which the
+posterior's save warns (``EVONPosterior.save_pretrained``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
 
 from hf_evon.modeling import adapter_name_of
+from hf_evon.optim.checks import outside_stacklevel
 
-__all__ = ["name_hint"]
+__all__ = ["name_hint", "peft_unsaved_module", "warn_peft_unsaved"]
+
+# PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
+# back as ``embedding.weight``), never the modules that compute that output from the embedding: it
+# builds them for training only (``inference_mode=False``), so a reloaded adapter has none of them
+_PEFT_TRAINING_ONLY_MODULES = {
+    "transform": "prefix tuning's projection (prefix_projection=True)",
+    "mlp_head": "P-tuning's MLP head",
+    "lstm_head": "P-tuning's LSTM head",
+}
+
+
+def peft_unsaved_module(name: str) -> str | None:
+    """The PEFT module parameter ``name`` belongs to where PEFT's ``save_pretrained`` does not save it
+    (``prompt_encoder.<adapter>.transform.…``: a prompt encoder's projection), else None."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "prompt_encoder":
+        return _PEFT_TRAINING_ONLY_MODULES.get(parts[2])
+    return None
+
+
+def warn_peft_unsaved(names: Iterable[str]) -> None:
+    """Warn, at the user's line, where ``names`` (a posterior's, being saved) cover a module PEFT's
+    ``save_pretrained`` drops: the posterior will not fit ``PeftModel.from_pretrained``'s model."""
+    unsaved = [(n, module) for n in names if (module := peft_unsaved_module(n)) is not None]
+    if not unsaved:
+        return
+    name, module = unsaved[0]
+    more = f" and {len(unsaved) - 1} more" if len(unsaved) > 1 else ""
+    warnings.warn(
+        f"this posterior covers {name!r}{more}, {module}: PEFT's save_pretrained keeps only its output "
+        "(the adapter's prompt_embeddings), so a model loaded with PeftModel.from_pretrained has none of "
+        "these parameters and this posterior does not fit it. To use the posterior after a reload, also save "
+        "the prompt encoder's own weights (model.prompt_encoder.state_dict()) and load them into a model "
+        "built as this one was (get_peft_model(base_model, the same config))",
+        UserWarning,
+        stacklevel=outside_stacklevel(),
+    )
 
 
 def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
     """The likely cause where ``name`` matches a parameter of ``model`` (``params``, by name) but for
-    a wrapper prefix (PEFT's ``base_model.model.``) or the PEFT adapter's name; else ""."""
+    a wrapper prefix (PEFT's ``base_model.model.``) or the PEFT adapter's name, or where PEFT's save
+    drops it (a prompt encoder's projection); else ""."""
+    unsaved = peft_unsaved_module(name)
+    if unsaved is not None:
+        return (
+            f" ({unsaved}: PEFT saves only its output, so PeftModel.from_pretrained's model lacks it; load "
+            "the prompt encoder's own weights into a model built with get_peft_model(base_model, the same config))"
+        )
     for other in params:
         if other.endswith("." + name):
             return f" (the model has {other!r}: was the posterior built from an unwrapped model?)"

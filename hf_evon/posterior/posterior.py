@@ -54,7 +54,7 @@ from hf_evon.posterior.gaussian import (
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.model_card import card_arguments, save_model_card
-from hf_evon.posterior.names import name_hint
+from hf_evon.posterior.names import name_hint, warn_peft_unsaved
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -453,7 +453,8 @@ class EVONPosterior:
 
         Safe beside a model: only these two files and ``README.md`` (updated, not replaced)
         are touched. Atomic: a failed save leaves the previous checkpoint intact. The format
-        is specified in ``docs/posterior-format.md``.
+        is specified in ``docs/posterior-format.md``. A posterior over a module PEFT's own save drops (a
+        prompt encoder's projection: ``prefix_projection=True``, P-tuning's head) warns, naming what to keep.
 
         Args:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
@@ -476,6 +477,7 @@ class EVONPosterior:
         if os.path.isfile(directory):
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
         eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
+        warn_peft_unsaved(self.names)  # before any file is written: a warning made an error leaves none
         os.makedirs(directory, exist_ok=True)
         factors = self.factors
         config = PosteriorConfig.for_save(
