@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 
@@ -829,3 +830,29 @@ def test_predict_bma_reads_labels_of_a_forward_that_names_none(tmp_path):
     assert np.array_equal(out.label_ids, np.asarray(held_out["labels"]))
     evaluated = trainer.evaluate()
     assert out.metrics["test_bma_nll"] == pytest.approx(evaluated["eval_bma_nll"], rel=1e-6)
+
+
+def test_predict_bma_converts_its_predictions_to_numpy_once(tmp_path, monkeypatch):
+    """compute_metrics reads the arrays predict(bma=True) returns: each gathered tensor is copied to
+    the host and converted once (the predictions and labels were converted for compute_metrics and
+    again for the output: a second device-to-host copy of the whole set on an accelerator)."""
+    seen = []
+
+    def compute_metrics(p):  # noqa: ANN001, ANN202
+        seen.append(p)
+        return {"rows": float(len(p.label_ids))}
+
+    trainer = _trained(tmp_path, bma_num_samples=2)
+    trainer.compute_metrics = compute_metrics
+    converted = []
+    numpy = torch.Tensor.numpy
+
+    def counted(tensor, *args, **kwargs):  # noqa: ANN001, ANN202
+        converted.append((tensor.data_ptr(), tuple(tensor.shape)))
+        return numpy(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "numpy", counted)
+    out = trainer.predict(classification_data(40, seed=2), bma=True)
+    assert [c for c, n in collections.Counter(converted).items() if n > 1] == []
+    assert out.predictions is seen[0].predictions and out.label_ids is seen[0].label_ids
+    assert out.predictions.shape == (40, 3) and out.metrics["test_rows"] == 40.0

@@ -8,7 +8,6 @@ import math
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from transformers.trainer_pt_utils import nested_concat
@@ -172,13 +171,17 @@ def bma_predict(
         if main_input is not None and isinstance(inputs.get(main_input), Tensor):
             part = gathered(inputs[main_input], rows, classes=False)
             input_ids = joined(input_ids, part)
-    metrics = {} if uncertainty else _user_metrics(trainer, predictions, label_ids, metric_key_prefix, input_ids)
+    tensors = (predictions, label_ids, input_ids)
     if uncertainty and predictions is not None:  # per field: one tensor, or the batches' (a list)
         fields = list(predictions) if concat else [list(f) for f in zip(*predictions)]
         predictions = PredictiveUncertainty(*map(_arrays, fields))
     else:
         predictions = _arrays(predictions)
     label_ids = _arrays(label_ids)
+    metrics: dict[str, float] = {}
+    if not uncertainty:  # compute_metrics reads the arrays returned (each copied to the host once)
+        values = tensors if trainer.args.batch_eval_metrics else (predictions, label_ids, _arrays(input_ids))
+        metrics = _user_metrics(trainer, *values, metric_key_prefix)
     if metrics_acc is not None:
         merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
@@ -190,22 +193,19 @@ def _arrays(values: Tensor | tuple[Tensor, ...] | list[Any] | None) -> Any:
     if isinstance(values, list):
         return [_arrays(v) for v in values]
     if isinstance(values, tuple):
-        return tuple(np.asarray(v.cpu().numpy()) for v in values)
-    return None if values is None else np.asarray(values.cpu().numpy())
+        return tuple(v.cpu().numpy() for v in values)
+    return None if values is None else values.cpu().numpy()
 
 
-def _user_metrics(
-    trainer: Any, predictions: Any, label_ids: Any, prefix: str, inputs: Any = None
-) -> dict[str, float]:
+def _user_metrics(trainer: Any, predictions: Any, label_ids: Any, inputs: Any, prefix: str) -> dict[str, float]:
     """The user's ``compute_metrics`` of the BMA predictions (and ``inputs``, the model's main inputs
     where ``include_for_metrics`` asks for them), keys prefixed as ``Trainer.predict`` prefixes them;
-    with ``batch_eval_metrics`` one call over the whole set (``compute_result``)."""
+    with ``batch_eval_metrics`` one call over the whole set (``compute_result``). The values as
+    ``compute_metrics`` takes them: the Trainer hands it numpy arrays of the whole set, and with
+    ``batch_eval_metrics`` torch tensors of each batch (a compute_metrics written for that mode uses
+    torch operations), here the set's."""
     if trainer.compute_metrics is None or predictions is None or label_ids is None:
         return {}
-    # the Trainer hands compute_metrics numpy arrays of the whole set, and with batch_eval_metrics
-    # torch tensors of each batch: a compute_metrics written for that mode uses torch operations
-    if not trainer.args.batch_eval_metrics:
-        predictions, label_ids, inputs = _arrays(predictions), _arrays(label_ids), _arrays(inputs)
     prediction = EvalPrediction(predictions=predictions, label_ids=label_ids, inputs=inputs)
     if trainer.args.batch_eval_metrics:
         metrics = trainer.compute_metrics(prediction, compute_result=True)
