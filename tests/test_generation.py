@@ -7,6 +7,7 @@ import copy
 import functools
 import math
 import os
+import re
 import warnings
 
 import pytest
@@ -173,6 +174,16 @@ def gpt2():
 
 
 PROMPTS = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, 7, 30, 12]])
+# the way out every refusal of batched BMA names: the samples written into the weights, one at a time
+ONE_DRAW_AT_A_TIME = re.escape(
+    "sample the model one draw at a time instead: run it inside `with posterior.sampled(model, seed=s)` "
+    "for each of S seeds and average the S predicted probabilities"
+)
+
+
+def refused(match: str):
+    """``pytest.raises`` for batched BMA's refusal matching ``match``, ending with the way out."""
+    return pytest.raises(NotImplementedError, match=rf"{match}.*; {ONE_DRAW_AT_A_TIME}$")
 
 
 @pytest.fixture(params=["materialize", "factored"])
@@ -560,7 +571,7 @@ def test_unsupported_requests_raise(gpt2):
     other = tiny_gpt2(seed=3)
     covered_norm = train_posterior(other, steps=1, evon_patterns=[r"ln_f\.weight"])
     assert "transformer.ln_f.weight" in covered_norm.names
-    with pytest.raises(NotImplementedError, match="transformer.ln_f.weight"):
+    with refused("transformer.ln_f.weight"):
         generate_bma(other, covered_norm, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0)
     assert not any("forward" in m.__dict__ for m in other.modules())
     with pytest.raises(hf_evon.PosteriorMismatchError):
@@ -987,7 +998,7 @@ def test_dora_adapters_are_refused_by_batched_bma():
         lambda: bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0),
         lambda: generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0),
     ):
-        with pytest.raises(NotImplementedError, match="DoRA"):
+        with refused("DoRA"):
             call()
     assert not any("forward" in m.__dict__ for m in model.modules())
 
@@ -1092,7 +1103,7 @@ def test_an_embedding_subclass_with_a_forward_of_its_own_is_refused():
     model.transformer.wte = scaled
     posterior = train_posterior(model, evon_patterns=["wte"])
     assert "transformer.wte.weight" in posterior.names
-    with pytest.raises(NotImplementedError, match=r"'transformer.wte.weight' belongs to a Scaled"):
+    with refused(r"'transformer.wte.weight' belongs to a Scaled"):
         bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=1)
 
 
@@ -1155,10 +1166,10 @@ def test_a_weight_norm_or_spectral_norm_tensor_is_refused_by_batched_bma():
         assert name in posterior.names
         # the tensor alone: a posterior over it only, as one over the whole model reaches it too
         alone = EVONPosterior.from_factors({name: posterior[name]}, dict(posterior.config))
-        with pytest.raises(NotImplementedError, match=rf"'{name}' is the '{attr}' of a Conv1D"):
+        with refused(rf"'{name}' is the '{attr}' of a Conv1D"):
             bma_log_likelihood(model, alone, PROMPTS, num_samples=2, seed=0)
         assert not any("forward" in m.__dict__ for m in model.modules())
-    with pytest.raises(NotImplementedError, match=r"'transformer.h.0.mlp.c_fc.weight_g' is the 'weight_g'"):
+    with refused(r"'transformer.h.0.mlp.c_fc.weight_g' is the 'weight_g'"):
         generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
 
 
@@ -1212,7 +1223,7 @@ def test_a_covered_weight_read_outside_its_modules_forward_is_refused():
         (autoencoder, tied, xa, r"'enc.weight' " + outside + r"t\)"),
     ):
         params = dict(model.named_parameters())
-        with torch.no_grad(), pytest.raises(NotImplementedError, match=match):
+        with torch.no_grad(), refused(match):
             with batched.BatchedSamples(model, post, 3, seed=0):
                 model(inputs.repeat(3, *[1] * (inputs.ndim - 1)))
         assert dict(model.named_parameters()) == params  # the parameters themselves, back in place
@@ -1246,7 +1257,7 @@ def test_a_covered_weights_metadata_stays_readable_inside_a_batched_block():
         assert torch.equal(torch.zeros_like(w), torch.zeros(mean.shape)) and type(torch.zeros_like(w)) is torch.Tensor
         assert w.new_zeros(3).shape == (3,) and torch.numel(w) == mean.numel() and len(w) == len(mean)
         assert w.data_ptr() == mean.data_ptr() and w.grad is None and not w.is_sparse
-        with pytest.raises(NotImplementedError, match=rf"'{name}' is read outside its module's forward"):
+        with refused(rf"'{name}' is read outside its module's forward"):
             w.sum()
     assert module.weight is mean
     with pytest.raises(RuntimeError, match="inside an active BatchedSamples block"):
@@ -1280,9 +1291,9 @@ def test_a_covered_module_whose_input_does_not_lead_with_the_samples_is_refused(
     t5_match = "'encoder." + bias.replace(".", r"\.") + r"' \(Embedding" + gets + r"\(1, 1\)"
     buckets_only = EVONPosterior.from_factors({n: relative[n] for n in buckets}, dict(relative.config))
     for model, posterior, match in ((fsmt, train_posterior(fsmt), fsmt_match), (t5, buckets_only, t5_match)):
-        with pytest.raises(NotImplementedError, match=match):
+        with refused(match):
             bma_log_likelihood(model, posterior, ids, labels=ids, num_samples=2, seed=0)
-        with pytest.raises(NotImplementedError, match=match):
+        with refused(match):
             generate_bma(model, posterior, ids, num_samples=2, seed=0, max_new_tokens=2)
         assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in model.modules())
     # T5's batch-first layers pass the check: their samples score as written into the weights
@@ -1328,7 +1339,7 @@ def test_a_padded_time_first_layer_is_refused_when_its_padding_equals_the_sample
     ).eval()  # fmt: skip
     posterior = train_posterior(led)
     match = r"self_attn\.longformer_self_attn\.(query|key|value)\.weight.*does not lead with the samples' rows"
-    with pytest.raises(NotImplementedError, match=match):
+    with refused(match):
         bma_log_likelihood(led, posterior, PROMPTS, labels=PROMPTS, num_samples=4, seed=0)
 
 
@@ -1348,3 +1359,67 @@ def test_falcons_linear_layers_are_batched_as_linear_layers() -> None:
     reference = torch.stack([torch.log_softmax(x, -1).gather(-1, PROMPTS[:, 1:, None])[..., 0] for x in logits])
     torch.testing.assert_close(scored.sample_token_log_probs, reference, atol=1e-5, rtol=1e-5)
     assert (reference[0] - reference[1]).abs().max() > 1e-3  # the samples differ
+
+
+def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> None:
+    """A scaled word embedding (Gemma's, MBart's scale_embedding), Mixtral's router, a prompt-learning
+    adapter, an nn.Embedding with max_norm and a covered layer fed a selection of the rows were refused
+    without the way out some other refusals named (the samples written into the weights one at a
+    time, ``posterior.sampled``); every refusal now ends with that one hint."""
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+    from transformers import (
+        GemmaConfig,
+        GemmaForCausalLM,
+        MBartConfig,
+        MBartForConditionalGeneration,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    gemma = GemmaForCausalLM(GemmaConfig(**small, head_dim=16)).eval()
+    mbart = MBartForConditionalGeneration(
+        MBartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+            scale_embedding=True, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        )
+    ).eval()  # fmt: skip
+    mixtral = MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)).eval()
+    prefix = get_peft_model(
+        tiny_gpt2(), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=2, prefix_projection=True,
+                                        encoder_hidden_size=16)  # fmt: skip
+    )
+    max_norm = tiny_gpt2()
+    max_norm.transformer.wte.max_norm = 10.0
+    embeddings = ["embed_tokens"]
+    cases = [
+        (gemma, train_posterior(gemma, evon_patterns=embeddings), r"'model\.embed_tokens\.weight' belongs to a GemmaTextScaled"),
+        (mbart, train_posterior(mbart, evon_patterns=embeddings), r"'model\.shared\.weight' belongs to a MBartScaledWordEmbedding"),
+        (mixtral, train_posterior(mixtral), r"'model\.layers\.0\.mlp\.gate\.weight' belongs to a MixtralTopKRouter"),
+        (prefix, train_posterior(prefix), "supports LoRA-style PEFT models, not prompt learning"),
+        (max_norm, train_posterior(max_norm, evon_patterns=["wte"]), r"'transformer\.wte\.weight': nn\.Embedding with max_norm"),
+    ]  # fmt: skip
+    for model, posterior, match in cases:
+        with refused(match):
+            generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+        with refused(match):
+            bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+
+    class Routed(torch.nn.Module):  # a layer fed a selection of the rows, as a mixture's expert is
+        def __init__(self) -> None:
+            super().__init__()
+            self.expert = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.expert(x[:1])
+
+    routed = Routed()
+    posterior = _trained_posterior(routed, torch.randn(3, 4), lambda out: out.square().mean())
+    with torch.no_grad(), refused(r"expert\.weight: the batched-sample forward expects a leading batch"):
+        with batched.BatchedSamples(routed, posterior, 2, seed=0):
+            routed(torch.randn(4, 4))
+    assert not any("forward" in m.__dict__ for m in routed.modules())

@@ -15,7 +15,8 @@ For the block, the owners hold a guard in place of each covered parameter that a
 metadata (dtype, device, shape) and raises ``NotImplementedError`` naming it on any computation
 elsewhere: ``nn.MultiheadAttention`` reading ``out_proj.weight`` in its functional forward, a
 decoder tied as ``F.linear(h, enc.weight.t())`` would otherwise run every sample at the mean.
-Such a model is sampled one draw at a time (``with posterior.sampled(model, seed=...)``).
+Such a model is sampled one draw at a time (``with posterior.sampled(model, seed=...)``), the way
+out every refusal of the batched path names (:func:`refusal`).
 Likewise each covered module's input must lead with the S·B rows: ``check_sample_axis`` (which
 ``generate_bma`` and ``bma_log_likelihood`` run first) refuses a time-first layer (FSMT's, LED's
 encoder self-attention) or an input that is no batch (T5's relative position buckets) among the
@@ -76,6 +77,20 @@ DRAW_CHUNK_ELEMENTS = 2**27  # float32 values drawn at once (512 MiB)
 # measured: docs/trainer.md#batched-samples-auto
 DECODE_ROW_COST = 4
 MIN_FACTORED_ROWS = 8
+
+
+# the way out of every refusal of the batched path: each sample written into the weights in turn, which
+# any model runs (S forwards per step instead of one batched one)
+ONE_DRAW_AT_A_TIME = (
+    "sample the model one draw at a time instead: run it inside `with posterior.sampled(model, seed=s)` "
+    "for each of S seeds and average the S predicted probabilities"
+)
+
+
+def refusal(reason: str) -> NotImplementedError:
+    """The error refusing batched BMA (``generate_bma``, ``bma_log_likelihood``) for ``reason``, ending
+    with the way out every such refusal names (:data:`ONE_DRAW_AT_A_TIME`)."""
+    return NotImplementedError(f"{reason}; {ONE_DRAW_AT_A_TIME}")
 
 
 def expected_rows(batch_size: int, prompt_tokens: int, new_tokens: int = 0) -> int:
@@ -139,11 +154,10 @@ class _CoveredOutsideItsForward(nn.Parameter):
         what = getattr(func, "__name__", str(func))
         if what == "__get__":  # a property: name it
             what = "." + getattr(func.__self__, "__name__", "?")
-        raise NotImplementedError(
+        raise refusal(
             f"posterior parameter {name!r} is read outside its module's forward "
             f"(by {what}): batched BMA applies a covered weight's samples "
-            "in its owner's forward only, so this use would run every sample at the mean; sample the "
-            "model one draw at a time (`with posterior.sampled(model, seed=...)`)"
+            "in its owner's forward only, so this use would run every sample at the mean"
         )
 
 
@@ -163,9 +177,9 @@ def _plain_linear(module: nn.Module) -> bool:
 
 def _sample_major(x: Tensor, num_samples: int, name: str) -> Tensor:
     if x.shape[0] % num_samples:
-        raise RuntimeError(
+        raise refusal(
             f"{name}: the batched-sample forward expects a leading batch of S·B rows (S={num_samples}), "
-            f"got input of shape {tuple(x.shape)}"
+            f"got input of shape {tuple(x.shape)} (a layer fed a selection of the rows, as a mixture's expert is)"
         )
     return x.reshape(num_samples, -1, x.shape[-1])
 
@@ -323,17 +337,16 @@ class BatchedSamples:
         dora = _dora_owners(self.model)
         for module, attrs in owners.items():
             if module in dora:
-                raise NotImplementedError(
+                raise refusal(
                     f"posterior parameter {next(iter(attrs.values()))!r} belongs to a DoRA adapter "
                     "(use_dora=True), whose weight norm runs the adapter on an identity matrix that "
-                    "batched BMA cannot tell from batch rows; sample it one draw at a time "
-                    "(`with posterior.sampled(model, seed=...)`)"
+                    "batched BMA cannot tell from batch rows"
                 )
             # the supported kinds' own forward: a subclass's (a scaled word embedding, a learned
             # position embedding taking position_ids) would be replaced by the plain product, silently
             base = next((k for k in (nn.Linear, nn.Embedding, conv1d) if k and isinstance(module, k)), None)
             if base is None or (type(module).forward is not base.forward and not _plain_linear(module)):
-                raise NotImplementedError(
+                raise refusal(
                     f"posterior parameter {next(iter(attrs.values()))!r} belongs to a "
                     f"{type(module).__name__}; batched BMA supports nn.Linear, Conv1D and nn.Embedding "
                     "(and subclasses that keep their forward)"
@@ -343,15 +356,14 @@ class BatchedSamples:
             # makes the weight) would stay at the mean in every sample
             others = sorted(set(attrs) - {"weight", "bias"})
             if others:
-                raise NotImplementedError(
+                raise refusal(
                     f"posterior parameter {attrs[others[0]]!r} is the {others[0]!r} of a "
                     f"{type(module).__name__}; "
                     "batched BMA applies samples of a module's weight and bias only (a weight_norm or "
-                    "spectral_norm hook makes the weight from other tensors); sample it one draw at a time "
-                    "(`with posterior.sampled(model, seed=...)`)"
+                    "spectral_norm hook makes the weight from other tensors)"
                 )
             if isinstance(module, nn.Embedding) and module.max_norm is not None:
-                raise NotImplementedError(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
+                raise refusal(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
         # one seed for all names, as a single draw(seed=None) would do
         self.seed = resolve_seed(self.seed)
         factored = self._factored(params, owners)
@@ -419,13 +431,12 @@ class BatchedSamples:
         def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x = args[0] if args else next(iter(kwargs.values()), None)
             if isinstance(x, Tensor) and (x.dim() == 0 or x.shape[0] != s_count):
-                raise NotImplementedError(
+                raise refusal(
                     f"posterior parameter {self._labels[module]!r} ({type(module).__name__}) gets an "
                     f"input that does not lead with the samples' rows: one token of {rows} sequence(s) per "
                     f"sample ({s_count} rows) reaches it as shape {tuple(x.shape)} (a time-first layer, "
                     "or an input that is no batch, like relative position buckets), so batched BMA would "
-                    "mix the samples; sample the model one draw at a time "
-                    "(`with posterior.sampled(model, seed=...)`)"
+                    "mix the samples"
                 )
 
         handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in self._labels]
@@ -523,7 +534,7 @@ class BatchedSamples:
 
         def forward(self_: nn.Module, ids: Tensor) -> Tensor:
             if ids.shape[0] % s_count:
-                raise RuntimeError(f"{label}: expected a leading batch of S·B rows, got {tuple(ids.shape)}")
+                raise refusal(f"{label}: expected a leading batch of S·B rows, got {tuple(ids.shape)}")
             offsets = torch.arange(s_count, device=ids.device).mul_(vocab).view(s_count, *[1] * ids.ndim)
             shifted = (ids.reshape(s_count, -1, *ids.shape[1:]) + offsets).reshape(ids.shape)
             return F.embedding(shifted, flat)

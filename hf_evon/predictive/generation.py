@@ -33,7 +33,7 @@ from torch import nn
 
 from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model, unwrap_model
 from hf_evon.optim.noise import resolve_seed
-from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows
+from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows, refusal
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     label_log_probs,
@@ -60,7 +60,7 @@ def _generation_model(model: nn.Module) -> nn.Module:
     if is_peft_model(model):
         config = model.active_peft_config if hasattr(model, "active_peft_config") else None
         if config is not None and getattr(config, "is_prompt_learning", False):
-            raise NotImplementedError("BMA decoding supports LoRA-style PEFT models, not prompt learning")
+            raise refusal("BMA decoding supports LoRA-style PEFT models, not prompt learning")
         return model.get_base_model()
     return model
 
