@@ -85,7 +85,7 @@ def _sampled_logits(model, posterior, inputs, seed: int) -> torch.Tensor:
         return model(**inputs).logits
 
 
-def _train(task: str, tmp_path: Path, tokenizer):
+def _train(task: str, tmp_path: Path, tokenizer, save_tokenizer: bool = True):
     from transformers import (
         AutoModelForSequenceClassification,
         BertConfig,
@@ -129,7 +129,7 @@ def _train(task: str, tmp_path: Path, tokenizer):
         args=_args(tmp_path / "out"),
         train_dataset=data,
         eval_dataset=data,
-        processing_class=tokenizer,
+        processing_class=tokenizer if save_tokenizer else None,
     )
     trainer.train()
     trainer.evaluate()
@@ -158,6 +158,37 @@ def test_trainer_card_snippet_runs_as_written(task, tmp_path, tokenizer, capsys)
         expected = _bma_probs(model, posterior, inputs)
         assert namespace["probs"].shape == (1, 3)
         torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("task", ["causal-lm", "sequence-classification"])
+def test_a_run_that_saved_no_tokenizer_gets_a_snippet_that_loads_none(task, tmp_path, tokenizer, capsys):
+    """A Trainer without a processing_class saves no tokenizer, and its card's snippet called
+    ``AutoTokenizer.from_pretrained`` on the output directory all the same (an OSError: no
+    tokenizer files there). The snippet feeds token ids instead, and runs as written; once a
+    tokenizer is saved beside the model, the card's snippet loads it."""
+    trainer = _train(task, tmp_path, tokenizer, save_tokenizer=False)
+    out = Path(trainer.args.output_dir)
+    assert not (out / "tokenizer_config.json").exists()
+    snippet = _snippet((out / "README.md").read_text())
+    assert "AutoTokenizer" not in snippet and "tokenizer(" not in snippet
+    assert "torch.tensor([[0, 1, 2, 3]])  # token ids: no tokenizer was saved with the model" in snippet
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+
+    model, posterior, ids = trainer.model.eval(), trainer.current_posterior(), torch.tensor([[0, 1, 2, 3]])
+    if task == "causal-lm":
+        expected = hf_evon.generate_bma(model, posterior, ids, num_samples=8, seed=0, max_new_tokens=32)
+        assert torch.equal(namespace["output_ids"], expected)
+    else:
+        expected = _bma_probs(model, posterior, {"input_ids": ids})
+        torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
+
+    trainer.processing_class = tokenizer
+    trainer.save_model()  # the tokenizer beside the model now: the card's snippet loads it
+    snippet = _snippet((out / "README.md").read_text())
+    assert f'tokenizer = AutoTokenizer.from_pretrained("{out.resolve()}")' in snippet
+    assert "token ids" not in snippet
 
 
 def test_seq2seq_question_answering_and_multiple_choice_cards_run_as_written(tmp_path, tokenizer, capsys):

@@ -187,6 +187,25 @@ def test_push_beside_a_model_keeps_its_files_and_updates_its_card(hub, posterior
     assert all(hub.files(repo)[p] == data for p, data in model_files.items() if p != "README.md")
 
 
+def test_a_pushed_cards_snippet_loads_a_tokenizer_only_where_the_repo_has_one(hub, posterior, tmp_path):
+    """The pushed card's snippet called ``AutoTokenizer.from_pretrained`` on the repo whether or
+    not it held a tokenizer (an MLP's never does). A local save without one gets no tokenizer
+    line either."""
+    repo = "alice/mlp-no-tokenizer"
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    snippet = ModelCard(hub.files(repo)["README.md"].decode()).text.split("```python\n", 1)[1]
+    assert "AutoTokenizer" not in snippet
+    assert "inputs = ...  # the model's inputs (a dict of tensors): no tokenizer was saved with the model" in snippet
+    posterior.save_pretrained(tmp_path)
+    assert "AutoTokenizer" not in (tmp_path / "README.md").read_text()
+
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.upload_file(path_or_fileobj=b"{}", path_in_repo="tokenizer_config.json", repo_id=repo)
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    snippet = ModelCard(hub.files(repo)["README.md"].decode()).text
+    assert f'tokenizer = AutoTokenizer.from_pretrained("{repo}")' in snippet and "inputs = ..." not in snippet
+
+
 def test_save_pretrained_with_push_to_hub(hub, posterior, tmp_path):
     posterior.save_pretrained(
         tmp_path / "local", push_to_hub=True, repo_id="alice/pushed", token=TOKEN, endpoint=hub.endpoint

@@ -21,6 +21,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from hf_evon.fileio import looks_like_local_path
 from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorConfig, PosteriorMismatchError
 from hf_evon.posterior.format import read_config
+from hf_evon.posterior.snippet import TOKENIZER_FILE
 
 T = TypeVar("T")
 
@@ -190,9 +191,11 @@ def push_folder(
 
     The repo (and the branch ``revision``) is created if needed; its other files are kept.
     ``write(files_dir, card_dir, repo_id, subfolder)`` writes ``file_names`` into
-    ``files_dir`` and ``README.md`` into ``card_dir``, where the repo's current card, if it
-    has one, has been put to be updated (``repo_id`` as the Hub resolved it, namespace
-    included). Returns the ``huggingface_hub.CommitInfo``.
+    ``files_dir`` and ``README.md`` into ``card_dir``, where what the card reads of the repo's
+    root has been put: its current card, to be updated, and its tokenizer's
+    ``tokenizer_config.json`` (the card's snippet loads a tokenizer only where one is saved),
+    each where the repo has it (``repo_id`` as the Hub resolved it, namespace included).
+    Returns the ``huggingface_hub.CommitInfo``.
     """
     api = HfApi(endpoint=endpoint, token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
@@ -203,19 +206,20 @@ def push_folder(
         card_dir = os.path.join(tmp, "card")
         files_dir = os.path.join(tmp, "files")
         os.makedirs(card_dir)
-        try:
-            existing = hf_hub_download(
-                repo_id,
-                "README.md",
-                revision=revision,
-                token=token,
-                endpoint=api.endpoint,
-                cache_dir=os.path.join(tmp, "cache"),
-            )
-            shutil.copyfile(existing, os.path.join(card_dir, "README.md"))
-        except (EntryNotFoundError, RevisionNotFoundError) as err:
-            if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
-                raise
+        for name in ("README.md", TOKENIZER_FILE):
+            try:
+                existing = hf_hub_download(
+                    repo_id,
+                    name,
+                    revision=revision,
+                    token=token,
+                    endpoint=api.endpoint,
+                    cache_dir=os.path.join(tmp, "cache"),
+                )
+                shutil.copyfile(existing, os.path.join(card_dir, name))
+            except (EntryNotFoundError, RevisionNotFoundError) as err:
+                if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
+                    raise
         write(files_dir, card_dir, repo_id, folder or None)
         operations = [
             CommitOperationAdd(

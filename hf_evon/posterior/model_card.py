@@ -16,8 +16,9 @@ kept as it was.
 A card pushed by ``EVONTrainer`` (:func:`hf_evon.trainer.card.save_trainer_model_card`) also names the repo id in
 its snippet, counts the Trainer's optimizer steps, and corrects the ``- optimizer:`` line of
 the Trainer's own card (which reports ``TrainingArguments.optim``, not EVON). Every snippet
-is meant to run as written: it names the saved directory (or the repo id) and, for a PEFT
-classifier, the label count the base model must be built with.
+is meant to run as written: it names the saved directory (or the repo id), for a PEFT
+classifier the label count the base model must be built with, and loads a tokenizer only where
+one was saved with the model (``hf_evon.posterior.snippet``).
 
 Cards are rendered from plain data (:class:`CardSource`: the config, the covered names and
 counts), so this module needs nothing of ``EVONPosterior`` but those attributes.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import math
 import os
 import re
@@ -42,6 +42,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import atomic_write, temporary_name_pattern
 from hf_evon.posterior.json_rules import as_float
+from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
 
 __all__ = [
     "CardSource",
@@ -119,7 +120,7 @@ def format_value(value: Any) -> str:
 
 # Everything a card shows may come from a config downloaded from elsewhere: each value is escaped
 # for where it lands, so it stays text (no markup, no new line, no end of a cell, a code span,
-# the EVON section or a string literal of the snippet).
+# the EVON section, or, in ``snippet``, a string literal of the snippet).
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _MARKDOWN_SPECIAL = re.compile(r"([\\`|\[\]])")
 _CODE_SPAN_UNSAFE = re.compile(r"[`|<>]")
@@ -135,11 +136,6 @@ def _md(value: Any) -> str:
 def _code(value: Any) -> str:
     """``value`` in a Markdown code span; characters a span cannot escape show as U+FFFD."""
     return "`" + _CODE_SPAN_UNSAFE.sub("\ufffd", _CONTROL.sub("\ufffd", str(value))) + "`"
-
-
-def _py(value: Any) -> str:
-    """``value`` as a Python string literal that cannot end the snippet's code fence or the section."""
-    return json.dumps(str(value)).replace("`", "\\x60").replace("<", "\\x3c").replace(">", "\\x3e")
 
 
 def _is_hub_id(name: str | None) -> bool:
@@ -198,119 +194,6 @@ def _metric_rows(metrics: Mapping[str, Any] | None) -> list[tuple[str, str, str]
             continue
         rows.append((_md(name), *("–" if v is None else _md(format_value(v)) for v in values)))
     return rows
-
-
-_LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
-
-
-def _auto_class(model_class: str) -> str:
-    """The transformers Auto class that reloads a model saved as ``model_class`` (a PEFT wrapper's
-    name says its task: ``PeftModelForSeq2SeqLM``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-
-    if model_class in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values() or "Seq2SeqLM" in model_class:
-        return "AutoModelForSeq2SeqLM"
-    if "CausalLM" in model_class or "LMHead" in model_class:
-        return "AutoModelForCausalLM"
-    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice", "MaskedLM"):
-        if task in model_class:
-            return f"AutoModelFor{task}"
-    return "AutoModel"
-
-
-def _num_labels(model: Any) -> int | None:
-    """The label count of a classifier (``model.config.num_labels``; PEFT models forward it)."""
-    value = getattr(getattr(model, "config", None), "num_labels", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _usage_snippet(
-    posterior: CardSource,
-    base_model: str | None,
-    location: str,
-    subfolder: str | None,
-    model_id: str | None,
-    num_labels: int | None,
-) -> str:
-    """Runnable code that loads the model and this posterior and predicts with BMA: decoding
-    with ``generate_bma`` for causal LMs and encoder-decoders, averaged start and end
-    probabilities for extractive QA, averaged class probabilities otherwise. A PEFT
-    classifier's base model is built with ``num_labels`` (its head is in the adapter)."""
-    sub = f", subfolder={_py(subfolder)}" if subfolder else ""
-    model_class = str(posterior.config.get("model_class", ""))
-    # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
-    is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
-    auto = _auto_class(model_class)
-    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
-    hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
-    lines = [] if causal else ["import torch"]
-    labels = f", num_labels={num_labels}" if num_labels is not None and auto in _LABELLED_AUTO_CLASSES else ""
-    if is_peft:
-        base = _py(model_id or base_model or "<base model id>")
-        lines += [
-            "from peft import PeftModel",
-            f"from transformers import {auto}, AutoTokenizer",
-            f"from hf_evon import {hf_evon_names}",
-            "",
-            f"base = {auto}.from_pretrained({base}{labels})",
-            f"model = PeftModel.from_pretrained(base, {_py(location)})",
-            f"tokenizer = AutoTokenizer.from_pretrained({base})",
-        ]
-    else:
-        model_location = _py(model_id or location)
-        lines += [
-            f"from transformers import {auto}, AutoTokenizer",
-            f"from hf_evon import {hf_evon_names}",
-            "",
-            f"model = {auto}.from_pretrained({model_location})",
-            f"tokenizer = AutoTokenizer.from_pretrained({model_location})",
-        ]
-    lines += [
-        f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
-        "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
-        "",
-    ]
-    if causal:
-        lines += [
-            'inputs = tokenizer("The meaning of life is", return_tensors="pt")',
-            "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
-            "    model, posterior, inputs.input_ids, attention_mask=inputs.attention_mask,",
-            "    num_samples=8, seed=0, max_new_tokens=32,",
-            ")",
-            "print(tokenizer.decode(output_ids[0], skip_special_tokens=True))",
-        ]
-    elif auto == "AutoModelForQuestionAnswering":
-        lines += [
-            'inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")',
-            "model.eval()",
-            "start = end = 0.0",
-            "with torch.no_grad():",
-            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
-            "        with posterior.sampled(model, seed=seed):",
-            "            outputs = model(**inputs)",
-            "        start = start + outputs.start_logits.softmax(-1) / 8",
-            "        end = end + outputs.end_logits.softmax(-1) / 8",
-            "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
-        ]
-    else:
-        if auto == "AutoModelForMultipleChoice":  # one question, two choices: a batch of (1, 2, tokens)
-            lines += [
-                'pairs = tokenizer(["An example input."] * 2, ["A first choice.", "A second choice."],',
-                '                  return_tensors="pt", padding=True)',
-                "inputs = {key: value.unsqueeze(0) for key, value in pairs.items()}",
-            ]
-        else:
-            lines.append('inputs = tokenizer("An example input.", return_tensors="pt")')
-        lines += [
-            "model.eval()",
-            "probs = 0.0",
-            "with torch.no_grad():",
-            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
-            "        with posterior.sampled(model, seed=seed):",
-            "            probs = probs + model(**inputs).logits.softmax(-1) / 8",
-            "print(probs)",
-        ]
-    return "\n".join(lines)
 
 
 # a calibration scores scales by held-out NLL and may keep the mean, whose samples never disagree
@@ -422,6 +305,7 @@ def render_model_card(
     num_bma_samples: int | None = None,
     model: Any = None,
     training_steps: int | None = None,
+    tokenizer_saved: bool = True,
     model_name: str | None = None,
     tags: list[str] | None = None,
     license: str | None = None,
@@ -466,8 +350,8 @@ def render_model_card(
         name_patterns=_name_patterns(list(posterior.names)),
         metrics_rows=_metric_rows(metrics),
         num_bma_samples=num_bma_samples,
-        usage_snippet=_usage_snippet(
-            posterior, base_model, location, subfolder, model_id, _num_labels(model)
+        usage_snippet=usage_snippet(
+            posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved
         ),
         calibration_text=_calibration_text(config),
         eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),
@@ -545,9 +429,10 @@ def save_model_card(
             absolute path of ``directory``, so the snippet runs where it was saved),
             ``subfolder``, ``model_id`` (override the model id in the snippet), ``model`` (the
             trained model: a PEFT classifier's snippet needs its ``num_labels``),
-            ``training_steps``, ``num_bma_samples``, ``model_name``, ``tags``, ``license``,
-            ``datasets``, ``language``; ``optimizer``: text for the ``- optimizer:`` line of
-            an existing Trainer card.
+            ``training_steps``, ``tokenizer_saved`` (whether the snippet loads a tokenizer;
+            default: whether ``directory`` holds one), ``num_bma_samples``, ``model_name``,
+            ``tags``, ``license``, ``datasets``, ``language``; ``optimizer``: text for the
+            ``- optimizer:`` line of an existing Trainer card.
 
     Returns the card that was written. The write is atomic (``hf_evon.fileio.atomic_write``). An
     existing README.md that is not UTF-8 text is left as it is, with a warning (the card it would
@@ -555,6 +440,7 @@ def save_model_card(
     """
     optimizer = kwargs.pop("optimizer", None)
     kwargs.setdefault("repo_id", os.path.abspath(os.fspath(directory)))
+    kwargs.setdefault("tokenizer_saved", has_tokenizer(directory))
     fresh = render_model_card(posterior, base_model, metrics, **kwargs)
     path = os.path.join(os.fspath(directory), "README.md")
     card = fresh

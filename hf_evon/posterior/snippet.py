@@ -1,0 +1,171 @@
+"""The model card's usage snippet: runnable code that loads the model and the posterior and predicts with BMA.
+
+The snippet loads a tokenizer only where one was saved with the model (``tokenizer_config.json``
+beside it, :func:`has_tokenizer`); otherwise a text model gets a few token ids, and a model whose
+inputs the card cannot know (``AutoModel``: an MLP, a vision model) a placeholder saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
+
+TOKENIZER_FILE = "tokenizer_config.json"  # what every transformers tokenizer's save_pretrained writes
+_LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+_NO_TOKENIZER = "no tokenizer was saved with the model"
+_TOKEN_IDS = f"input_ids = torch.tensor([[0, 1, 2, 3]])  # token ids: {_NO_TOKENIZER}"
+
+
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """Whether a tokenizer is saved in ``directory``."""
+    return os.path.isfile(os.path.join(os.fspath(directory), TOKENIZER_FILE))
+
+
+def _py(value: Any) -> str:
+    """``value`` as a Python string literal that cannot end the snippet's code fence or the section
+    (a card's values may come from a config downloaded from elsewhere)."""
+    return json.dumps(str(value)).replace("`", "\\x60").replace("<", "\\x3c").replace(">", "\\x3e")
+
+
+def _auto_class(model_class: str) -> str:
+    """The transformers Auto class that reloads a model saved as ``model_class`` (a PEFT wrapper's
+    name says its task: ``PeftModelForSeq2SeqLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    if model_class in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values() or "Seq2SeqLM" in model_class:
+        return "AutoModelForSeq2SeqLM"
+    if "CausalLM" in model_class or "LMHead" in model_class:
+        return "AutoModelForCausalLM"
+    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice", "MaskedLM"):
+        if task in model_class:
+            return f"AutoModelFor{task}"
+    return "AutoModel"
+
+
+def num_labels(model: Any) -> int | None:
+    """The label count of a classifier (``model.config.num_labels``; PEFT models forward it)."""
+    value = getattr(getattr(model, "config", None), "num_labels", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _decoding_lines(tokenizer: bool) -> list[str]:
+    """``generate_bma`` on a prompt, then the output printed (decoded where there is a tokenizer)."""
+    if not tokenizer:
+        return [
+            _TOKEN_IDS,
+            "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
+            "    model, posterior, input_ids, num_samples=8, seed=0, max_new_tokens=32,",
+            ")",
+            "print(output_ids[0].tolist())",
+        ]
+    return [
+        'inputs = tokenizer("The meaning of life is", return_tensors="pt")',
+        "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
+        "    model, posterior, inputs.input_ids, attention_mask=inputs.attention_mask,",
+        "    num_samples=8, seed=0, max_new_tokens=32,",
+        ")",
+        "print(tokenizer.decode(output_ids[0], skip_special_tokens=True))",
+    ]
+
+
+def _input_lines(auto: str, tokenizer: bool) -> list[str]:
+    """The ``inputs`` of one prediction: tokenized text, token ids, or a placeholder."""
+    if auto == "AutoModelForQuestionAnswering":
+        if tokenizer:
+            return ['inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")']
+        return [_TOKEN_IDS, 'inputs = {"input_ids": input_ids}']
+    if auto == "AutoModelForMultipleChoice":  # one question, two choices: a batch of (1, 2, tokens)
+        if tokenizer:
+            return [
+                'pairs = tokenizer(["An example input."] * 2, ["A first choice.", "A second choice."],',
+                '                  return_tensors="pt", padding=True)',
+                "inputs = {key: value.unsqueeze(0) for key, value in pairs.items()}",
+            ]
+        return [
+            f"input_ids = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 4]]])  # two choices' token ids: {_NO_TOKENIZER}",
+            'inputs = {"input_ids": input_ids}',
+        ]
+    if tokenizer:
+        return ['inputs = tokenizer("An example input.", return_tensors="pt")']
+    if auto == "AutoModel":  # no task the card knows the inputs of
+        return [f"inputs = ...  # the model's inputs (a dict of tensors): {_NO_TOKENIZER}"]
+    return [_TOKEN_IDS, 'inputs = {"input_ids": input_ids}']
+
+
+def usage_snippet(
+    posterior: Any,
+    base_model: str | None,
+    location: str,
+    subfolder: str | None,
+    model_id: str | None,
+    labels_count: int | None,
+    tokenizer: bool,
+) -> str:
+    """Runnable code that loads the model and this posterior and predicts with BMA: decoding
+    with ``generate_bma`` for causal LMs and encoder-decoders, averaged start and end
+    probabilities for extractive QA, averaged class probabilities otherwise. A PEFT
+    classifier's base model is built with ``labels_count`` (its head is in the adapter).
+    ``tokenizer``: whether one was saved with the model (the snippet loads it from there)."""
+    sub = f", subfolder={_py(subfolder)}" if subfolder else ""
+    model_class = str(posterior.config.get("model_class", ""))
+    # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
+    is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
+    auto = _auto_class(model_class)
+    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
+    hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
+    lines = [] if causal and tokenizer else ["import torch"]
+    auto_names = f"{auto}, AutoTokenizer" if tokenizer else auto
+    labels = f", num_labels={labels_count}" if labels_count is not None and auto in _LABELLED_AUTO_CLASSES else ""
+    if is_peft:
+        model_location = _py(model_id or base_model or "<base model id>")
+        lines += [
+            "from peft import PeftModel",
+            f"from transformers import {auto_names}",
+            f"from hf_evon import {hf_evon_names}",
+            "",
+            f"base = {auto}.from_pretrained({model_location}{labels})",
+            f"model = PeftModel.from_pretrained(base, {_py(location)})",
+        ]
+    else:
+        model_location = _py(model_id or location)
+        lines += [
+            f"from transformers import {auto_names}",
+            f"from hf_evon import {hf_evon_names}",
+            "",
+            f"model = {auto}.from_pretrained({model_location})",
+        ]
+    if tokenizer:
+        lines.append(f"tokenizer = AutoTokenizer.from_pretrained({model_location})")
+    lines += [
+        f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
+        "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
+        "",
+    ]
+    if causal:
+        return "\n".join(lines + _decoding_lines(tokenizer))
+    if auto == "AutoModelForQuestionAnswering":
+        lines += _input_lines(auto, tokenizer) + [
+            "model.eval()",
+            "start = end = 0.0",
+            "with torch.no_grad():",
+            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+            "        with posterior.sampled(model, seed=seed):",
+            "            outputs = model(**inputs)",
+            "        start = start + outputs.start_logits.softmax(-1) / 8",
+            "        end = end + outputs.end_logits.softmax(-1) / 8",
+            "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
+        ]
+        return "\n".join(lines)
+    lines += _input_lines(auto, tokenizer) + [
+        "model.eval()",
+        "probs = 0.0",
+        "with torch.no_grad():",
+        "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+        "        with posterior.sampled(model, seed=seed):",
+        "            probs = probs + model(**inputs).logits.softmax(-1) / 8",
+        "print(probs)",
+    ]
+    return "\n".join(lines)
