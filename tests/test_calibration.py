@@ -825,13 +825,20 @@ def test_a_nan_in_the_held_out_inputs_is_refused_naming_the_batch() -> None:
 @pytest.mark.parametrize("bad", [-1, 3])
 def test_a_label_outside_the_classes_is_refused_naming_the_batch(bad) -> None:
     """-1 for "no label" (GLUE's test splits) or a class the model lacks failed inside the gather
-    ("index out of bounds"; on a GPU a device-side assert that ends the process)."""
+    ("index out of bounds"; on a GPU a device-side assert that ends the process). Refused in the
+    words of every label range check (require_scorable_labels): the first such batch, and its
+    first such label, read once the pass has found it."""
     model, post, cal, _ = trained()
     x, y = cal[1]
-    y = y.clone()
-    y[7] = bad
-    with pytest.raises(ValueError, match=r"batch 1 \(counting from 0\) has a label outside the model's 3 classes"):
-        calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)
+    y, later = y.clone(), cal[0][1].clone()
+    y[7], y[9], later[0] = bad, 5, 4
+    message = (
+        rf"^calibrate_posterior: batch 1 \(counting from 0\) has label {bad}, outside the model's 3 classes "
+        r"\(0 to 2; -100 marks a target that is not scored\)$"
+    )
+    with pytest.raises(ValueError, match=message):
+        calibrate_posterior(model, post, [cal[0], (x, y), (cal[0][0], later)], grid=[1.0], num_samples=2)
+    y[9] = 1  # one of the classes again
     y[7] = -100  # not scored: accepted
     assert calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)[1].num_targets == 2 * len(y) - 1
 

@@ -1204,7 +1204,7 @@ def test_a_failed_calibration_keeps_the_one_before(tmp_path) -> None:
     trainer.train()
     first = _recalibrated(trainer)
     bad = Dataset.from_list([{"input_ids": r["input_ids"], "labels": 7} for r in classification_data(8, 3)])
-    with pytest.raises(ValueError, match="label outside the model's 3 classes"):
+    with pytest.raises(ValueError, match=r"batch 0 \(counting from 0\) has label 7, outside the model's 3 classes"):
         trainer.calibrate(bad)
     assert trainer.calibration is first and trainer.current_posterior().ess == first.ess
 

@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder
-from hf_evon.predictive.logprobs import labelled_rows, require_class_labels, shifted, unscorable_labels
+from hf_evon.predictive.logprobs import (
+    labelled_rows,
+    require_class_labels,
+    require_scorable_labels,
+    shifted,
+    unscorable_labels,
+)
 
 __all__ = ["held_out_classes", "require_aligned", "scored_pass", "split_batch"]
 
@@ -119,11 +125,6 @@ def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures
     return out
 
 
-def _labels_in_range(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
-    """Whether every scored label is one of the logits' classes (a device flag, read with the others)."""
-    return ~unscorable_labels(shifted(logits, labels, shift)[1], logits.shape[-1]).any()
-
-
 @torch.no_grad()
 def scored_pass(
     model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float], check: bool = False
@@ -133,26 +134,30 @@ def scored_pass(
     ``check`` (the pass at the posterior mean) raises, naming the first such batch, on a label
     outside the logits' classes (-1 for "no label") and on a non-finite log-likelihood: a NaN
     in the held-out data would otherwise make every NLL NaN and the search "choose" the mean and
-    the temperature grid's end. The later passes read the same batches."""
-    out, labels_ok, classes = [], [], 0
+    the temperature grid's end. The later passes read the same batches. The labels' range is one
+    device flag per batch, read with the others after the pass; only where one is raised are that
+    batch's labels read, to name the first such label as :func:`~hf_evon.predictive.logprobs.
+    require_scorable_labels` does."""
+    out: list[Tensor] = []
+    labels_ok: list[Tensor] = []
+    scored: list[tuple[Tensor, int]] = []  # each batch's scored labels and classes
     for i, (call, labels) in enumerate(map(split_batch, batches)):
         where = f"calibrate_posterior: batch {i} (counting from 0)"
         require_class_labels(labels, where)
         logits = _logits(call(model))
         if check:  # the trainer checks before training (held_out_classes); a direct caller here
             require_aligned(logits, labels, shift, where)
-        classes = logits.shape[-1]
         out.append(tempered_log_probs(logits, labels, shift, temperatures))
         if check:
-            labels_ok.append(_labels_in_range(logits, labels.to(logits.device), shift))
+            targets = shifted(logits, labels, shift)[1]  # a view of the batch's labels, not a copy
+            scored.append((targets, logits.shape[-1]))
+            labels_ok.append(~unscorable_labels(targets.to(logits.device), logits.shape[-1]).any())
     if check and out:
         flags = torch.stack([torch.stack(labels_ok), torch.stack([torch.isfinite(x).all() for x in out])])
         labelled, finite = flags.tolist()  # one sync
-        if not all(labelled):
-            raise ValueError(
-                f"calibrate_posterior: batch {labelled.index(False)} (counting from 0) has a label outside "
-                f"the model's {classes} classes (0 to {classes - 1}; -100 marks a target that is not scored)"
-            )
+        if not all(labelled):  # raises: its flag is the same check of the same labels
+            first = labelled.index(False)
+            require_scorable_labels(*scored[first], f"calibrate_posterior: batch {first} (counting from 0) has")
         if not all(finite):
             raise ValueError(
                 f"calibrate_posterior: batch {finite.index(False)} (counting from 0) has a non-finite "
