@@ -85,7 +85,8 @@ def _input_lines(auto: str, tokenizer: bool) -> list[str]:
                 "inputs = {key: value.unsqueeze(0) for key, value in pairs.items()}",
             ]
         return [
-            f"input_ids = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 4]]])  # two choices' token ids: {_NO_TOKENIZER}",
+            "input_ids = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 4]]])"
+            f"  # token ids of one question's two choices: {_NO_TOKENIZER}",
             'inputs = {"input_ids": input_ids}',
         ]
     if tokenizer:
