@@ -110,6 +110,85 @@ def test_an_adamw_groups_eps_is_adamws_and_unsupported_adamw_options_are_refused
             EVON([{"params": list(_model().parameters()), "algorithm": "adamw", option: True}])
 
 
+def test_an_adamw_groups_eps_is_the_one_it_shows_and_an_edit_between_steps_is_used() -> None:
+    """An AdamW group showed EVON's Hessian ε (``eps``: 1e-12) and stepped with AdamW's, kept under
+    ``adamw_eps``: a scheduler or callback written for torch.optim.AdamW that set ``group["eps"]``
+    changed nothing. Its ``eps`` is AdamW's ε (the constructor's ``adamw_eps``), an edit between
+    steps is used by the next step as torch AdamW uses it, and an EVON group's ``eps`` is EVON's."""
+    opt = _optimizer(_model(), adamw_eps=1e-6)
+    assert [g["eps"] for g in opt.param_groups] == [1e-12, 1e-6]
+    assert not any("adamw_eps" in g for g in opt.param_groups)
+    # a group given EVON's keyword for it keeps it under torch's; given both, it is refused
+    given = {"algorithm": "adamw", "adamw_eps": 1e-4}
+    assert [g["eps"] for g in EVON([{"params": list(_model().parameters()), **given}]).param_groups] == [1e-4]
+    with pytest.raises(ValueError, match="'eps' or as 'adamw_eps', not both"):
+        EVON([{"params": list(_model().parameters()), **given, "eps": 1e-4}])
+
+    def run(make, schedule: list[float]) -> list[torch.Tensor]:  # noqa: ANN001
+        model = _model()
+        opt = make(list(model.parameters()))
+        for eps in schedule:
+            opt.param_groups[0]["eps"] = eps
+            nn.functional.cross_entropy(model(X), Y).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    group = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1}
+    schedule = [1e-8, 1e-8, 0.1, 0.1, 1e-3]
+    ref = run(lambda ps: torch.optim.AdamW([{"params": ps, **group}], fused=True), schedule)
+    got = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]), schedule)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # the edits change the weights (the test can fail)
+    unedited = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]), [1e-8] * len(schedule))
+    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, unedited, strict=True))
+
+
+_ABSENT = "absent: an AdamW group's ε is its 'eps', as in torch.optim.AdamW"
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "rule"),
+    [
+        *(("eps", bad, "a finite number > 0") for bad in (0.0, -1e-8, float("inf"), float("nan"))),
+        ("adamw_eps", 1e-3, _ABSENT),
+    ],
+    ids=["0", "negative", "inf", "nan", "adamw_eps"],
+)
+def test_an_invalid_eps_set_on_an_adamw_group_is_refused_by_name_and_the_step_goes_on(
+    key: str, bad: float, rule: str
+) -> None:
+    """An AdamW group's ``eps`` set between the samples and the step to a value torch AdamW would
+    divide by (0, negative, inf, NaN), or its ε set as ``adamw_eps`` (which the step would ignore),
+    is refused by name before anything changes; set right, the same step goes ahead exactly as one
+    never refused."""
+
+    def sample(opt: EVON, model: nn.Module) -> None:
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(X), Y).backward()
+
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model), _optimizer(twin)
+    for _ in range(2):
+        _step(opt, model)
+        _step(twin_opt, twin)
+    sample(opt, model)
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[1][key] = bad
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value) == f"param_groups[1]: Invalid {key}: {bad!r} (must be {rule})"
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert opt.recorded_samples == 1
+    del opt.param_groups[1][key]
+    opt.param_groups[1]["eps"] = 1e-8
+    opt.step()
+    opt.zero_grad()
+    _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 # ----------------------------------------------------------------------------- edits between steps
 @pytest.mark.parametrize(
     ("group", "edit"),

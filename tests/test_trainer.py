@@ -653,6 +653,32 @@ def test_a_resume_says_what_became_of_evons_state_whatever_the_checkpoints_files
     assert other_seed.evon_optimizer.seed == 0
 
 
+def test_a_resume_names_a_changed_adamw_eps_as_the_adamw_groups_eps():
+    """An AdamW group's ε is its ``eps`` (torch AdamW's key): a checkpoint's that differs from the
+    run's ``adam_epsilon`` is named as that group's eps; a checkpoint that kept it under
+    ``adamw_eps`` (beside EVON's 1e-12 as ``eps``) with the run's value changes nothing."""
+    from hf_evon.trainer.checkpointing import settings_replaced
+
+    def optimizer(adamw_eps: float) -> EVON:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 2)
+        return EVON([{"params": [layer.weight]}, {"params": [layer.bias], "algorithm": "adamw"}], adamw_eps=adamw_eps)
+
+    saved = optimizer(1e-3).state_dict()
+    run = optimizer(1e-8)
+    fresh = [dict(g) for g in run.param_groups]
+    run.load_state_dict(saved)
+    assert settings_replaced(fresh, run.param_groups) == ["group 1 eps: 1e-08 -> 0.001"]
+    old = optimizer(1e-3).state_dict()
+    for group in old["param_groups"]:
+        group["eps"] = 1e-12 if group["algorithm"] == "adamw" else group["eps"]
+        group["adamw_eps"] = 1e-3
+    run = optimizer(1e-3)
+    fresh = [dict(g) for g in run.param_groups]
+    run.load_state_dict(old)
+    assert settings_replaced(fresh, run.param_groups) == []
+
+
 # ---------------------------------------------------------------------------- evaluation
 def _direct_bma(model, posterior, data, seeds, causal=False):
     model.eval()

@@ -135,11 +135,11 @@ class EVON(Optimizer):
             balanced by cost, so no step pays for all QRs at once. False refreshes every matrix after
             the updates with t % f == 0. A group's first (or only) matrix always has phase 0.
         init_std_ratio: the initial posterior std relative to the weights' RMS for ``ess="auto"``.
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: defaults for AdamW groups
-            (``adamw_lr=None``: use ``lr``, EVON's rate, which is rarely right for AdamW).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW groups' lr, betas, eps, weight_decay
+            (torch AdamW's keys; ``adamw_lr=None``: use ``lr``, EVON's rate, which is rarely right for AdamW).
         nonfinite: "skip" (warn, leave everything untouched) or "raise" on a NaN/inf gradient.
         seed: seed of the posterior noise; each data-parallel rank derives its own stream.
-        eps: the ε of adaptive Hessian clipping.
+        eps: the ε of adaptive Hessian clipping (EVON groups; an AdamW group's ``eps`` is AdamW's ε).
     """
 
     # torch.amp.GradScaler then hands step() its scale instead of stepping blindly: EVON refuses it
@@ -185,9 +185,10 @@ class EVON(Optimizer):
         defaults = validate_hyperparameters(**given)
         lr = defaults["lr"]
         defaults = {"algorithm": "evon", **defaults, "betas": tuple(defaults["betas"])}
-        defaults["adamw_eps"] = defaults.pop("adamw_eps")  # the group keys' order as saved
         adamw_rate = lr if adamw_lr is None else adamw_lr
-        self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), weight_decay=adamw_weight_decay)
+        self._adamw_defaults = dict(  # an AdamW group's keys, as torch AdamW names them
+            lr=adamw_rate, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
+        )
         self.nonfinite, self.seed = nonfinite, resolve_seed(seed)
         self.skipped_steps = 0
         self.health_check_every = 100  # posterior_health(warn=True) every this many steps (a host sync; 0: never)

@@ -60,6 +60,7 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
     loaded: dict[str, Any] = {}
 
     def check(_: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = upgraded_groups(state_dict)
         validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
         state_dict = dict(state_dict)
         loaded["extra"] = state_dict.pop(EXTRA_KEY, None)
@@ -85,6 +86,26 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
     finally:
         pre.remove()
         post.remove()
+
+
+def upgraded_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with its groups keyed as this version keys them: an AdamW group's ε is its
+    ``eps`` (torch AdamW's key), which the step reads. A group that carries ``adamw_eps`` is of the
+    format that keeps AdamW's ε there, on every group, and EVON's inert Hessian ε (1e-12) as an
+    AdamW group's ``eps``: that ``adamw_eps`` becomes an AdamW group's ``eps`` and leaves an EVON
+    group. New dicts where a group changes: the state dict given is left as it is."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not any(isinstance(g, dict) and "adamw_eps" in g for g in groups):
+        return state_dict  # nothing to upgrade (what is not a list of dicts, validate_state_dict names)
+    upgraded = []
+    for group in groups:
+        if isinstance(group, dict) and "adamw_eps" in group:
+            group = dict(group)
+            eps = group.pop("adamw_eps")
+            if group.get("algorithm") == "adamw":
+                group["eps"] = eps
+        upgraded.append(group)
+    return {**state_dict, "param_groups": upgraded}
 
 
 def check_group_structure(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:

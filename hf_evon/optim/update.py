@@ -264,7 +264,7 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
         beta1=beta1,
         beta2=beta2,
         weight_decay=group["weight_decay"],
-        eps=group["adamw_eps"],
+        eps=group["eps"],
     )
 
 

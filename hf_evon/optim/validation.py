@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 # EVON's keyword arguments that are the optimizer's own, not a group's
-_OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_weight_decay", "nonfinite", "seed")
+_OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay", "nonfinite", "seed")
 
 
 def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
@@ -119,9 +119,10 @@ def python_numbers(values: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -> dict[str, Any]:
     """A group as given to ``add_param_group``, before torch fills in EVON's defaults: modes given
-    as Enums stored as their strings; an AdamW group's missing keys from ``adamw_defaults``, its
-    ``eps`` AdamW's ε (``adamw_eps``: torch AdamW's name for it), and torch AdamW's ``amsgrad`` and
-    ``maximize``, which EVON's AdamW does not implement, refused rather than ignored."""
+    as Enums stored as their strings; an AdamW group's missing keys from ``adamw_defaults``, its ε
+    under torch AdamW's key ``eps`` (given as ``adamw_eps``, EVON's keyword, it moves there), and
+    torch AdamW's ``amsgrad`` and ``maximize``, which EVON's AdamW does not implement, refused
+    rather than ignored."""
     for key in MODE_KEYS:
         if key in param_group:
             param_group[key] = mode_value(param_group[key])
@@ -129,8 +130,10 @@ def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -
         for option in ("amsgrad", "maximize"):
             if param_group.get(option):
                 raise ValueError(f"EVON's AdamW groups do not implement {option}=True (torch.optim.AdamW does)")
-        if "eps" in param_group and "adamw_eps" not in param_group:
-            param_group["adamw_eps"] = param_group.pop("eps")
+        if "adamw_eps" in param_group:
+            if "eps" in param_group:
+                raise ValueError("an AdamW group takes its ε as 'eps' or as 'adamw_eps', not both")
+            param_group["eps"] = param_group.pop("adamw_eps")
         for key, value in adamw_defaults.items():
             param_group.setdefault(key, value)
     return python_numbers(param_group)
@@ -195,8 +198,11 @@ def validate_group(group: dict[str, Any]) -> None:
         unresolved = wd is None and algorithm == "evon"
         need("weight_decay", unresolved or (finite(wd) and wd >= 0.0), "a finite number >= 0")
     if algorithm == "adamw":
-        if has("adamw_eps"):
-            need("adamw_eps", finite(group["adamw_eps"]) and group["adamw_eps"] > 0.0, "a finite number > 0")
+        if has("eps"):  # AdamW's ε (torch AdamW's key); the step reads no other
+            need("eps", finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
+        # set between steps it would be ignored: the step reads "eps"
+        rule = "absent: an AdamW group's ε is its 'eps', as in torch.optim.AdamW"
+        need("adamw_eps", not has("adamw_eps"), rule)
         return
     if has("ess"):
         ess = group["ess"]
@@ -357,7 +363,8 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
 
 
 # an EVON group's hyperparameters (EVON's keyword arguments that become group defaults), in the
-# order EVON takes them
+# order EVON takes them. An AdamW group carries them too, inert but ``eps``, which is AdamW's ε there
+# (torch AdamW's key; EVON's ``adamw_eps`` sets its default)
 GROUP_KEYS = (
     "lr",
     "ess",
@@ -378,7 +385,6 @@ GROUP_KEYS = (
     "stagger_refresh",
     "init_std_ratio",
     "eps",
-    "adamw_eps",
     "hess_estimator",
     "curvature_refit",
     "step_curvature",

@@ -24,11 +24,10 @@ from hf_evon.posterior.json_rules import PosteriorMismatchError, recordable_base
 __all__ = ["HYPERPARAMETER_KEYS", "Snapshot", "snapshot"]
 
 # EVON group entries recorded as hyperparameters (those present in the optimizer's group), in the
-# file's order: what the posterior is defined by first; init_std_ratio and adamw_eps shape only the
-# start of training and the AdamW part
+# file's order: what the posterior is defined by first; init_std_ratio shapes only the start of training
 _DEFINING_KEYS = ("lr", "ess", "weight_decay")
 HYPERPARAMETER_KEYS = _DEFINING_KEYS + tuple(
-    k for k in GROUP_KEYS if k not in _DEFINING_KEYS and k not in ("init_std_ratio", "adamw_eps")
+    k for k in GROUP_KEYS if k not in _DEFINING_KEYS and k != "init_std_ratio"
 )
 
 

@@ -46,7 +46,7 @@ def _has_posterior(directory: str) -> bool:
 # the settings a group's config gives: EVON's group keys (its rate as configured, ``initial_lr``: ``lr``
 # is the scheduled one) and AdamW's (the EVON keys an AdamW group carries are inert there)
 _EVON_SETTINGS = ("initial_lr", *(k for k in GROUP_KEYS if k != "lr"))
-_ADAMW_SETTINGS = ("initial_lr", "betas", "weight_decay", "adamw_eps")
+_ADAMW_SETTINGS = ("initial_lr", "betas", "weight_decay", "eps")
 
 
 def settings_replaced(fresh: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> list[str]:
