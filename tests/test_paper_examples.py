@@ -119,6 +119,9 @@ def test_fig3a_mlp_fast(tmp_path) -> None:
     assert set(res) == {"small EVON", "small IVON", "large EVON", "large IVON"}
     for r in res.values():
         assert r["finite"] and r["std_away"] > 0 and r["std_near"] > 0
+        # the element clip bounds every entry's move by α·r, so no measured move exceeds it
+        assert 0 <= 0.99 * r["share_at_bound"] <= r["mean_move_over_bound"] <= 1 + 1e-5
+        assert 0 <= r["saturated_at_data"] <= 1
 
 
 def test_fig3b_iris_fast(tmp_path) -> None:

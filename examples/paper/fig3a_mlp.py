@@ -63,6 +63,7 @@ SETTINGS = {
     ),
 }
 SAMPLES = 200
+MOTION_STEPS = 200  # the last steps over which the mean's motion is measured
 DATA_KEYS: tuple[str, ...] = ()  # settings that come from the data (none: the data are generated)
 
 
@@ -126,10 +127,21 @@ def near_mask(grid: torch.Tensor) -> torch.Tensor:
     return (a >= 1.0) & (a <= 2.0)
 
 
+def saturated_share(net: nn.Sequential, act: type[nn.Module], x: torch.Tensor) -> float:
+    """Share of the last hidden layer's units that are flat at the data (tanh |z| > 3, ELU z < −3):
+    where all are, the network is a constant across the data whatever its output weights."""
+    z = net[:-2](x)  # the last hidden layer's pre-activations
+    flat = z.abs() > 3 if act is nn.Tanh else z < -3
+    return float(flat.float().mean())
+
+
 def train_and_sample(
     size: str, method: str, hidden: list[int], act: type[nn.Module], steps: int, seed: int, grid: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """Train; return predictive samples on ``grid`` (SAMPLES × len(grid)) and the final loss at the mean."""
+) -> tuple[torch.Tensor, float, dict[str, float]]:
+    """Train; return predictive samples on ``grid`` (SAMPLES × len(grid)), the final loss at the
+    mean, and how the mean moves over the last ``MOTION_STEPS`` steps: its mean move per entry and
+    step as a share of the element clip's bound α·r, and the share of moves at that bound (a mean
+    that still walks at the bound has not settled: its final loss is where the walk stands)."""
     torch.manual_seed(seed)
     net = mlp(hidden, act)
     x, y = data(seed)
@@ -137,9 +149,17 @@ def train_and_sample(
     ess_start, ess_end = ess_schedule(SETTINGS[(size, method)]["ess"])
     opt = EVON(net.parameters(), **kwargs)
 
+    moves: list[torch.Tensor] = []
+    last: list[torch.Tensor] = []
+
     def anneal(k: int) -> None:  # geometric ζ schedule over the first half, then constant
         frac = min(1.0, k / max(1, steps // 2))
         opt.param_groups[0]["ess"] = ess_start * (ess_end / ess_start) ** frac
+        if k >= steps - MOTION_STEPS:
+            flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+            if last:
+                moves.append((flat - last.pop()).abs())
+            last.append(flat)
 
     train_variational(
         opt,
@@ -149,13 +169,20 @@ def train_and_sample(
         decay_frac=0.0,
         before_step=anneal,
     )
+    bound = kwargs["lr"] * kwargs["clip_radius"]  # the element clip's largest move per entry
+    move = torch.stack(moves)
+    motion = dict(
+        mean_move_over_bound=float(move.mean() / bound),
+        share_at_bound=float((move >= 0.99 * bound).float().mean()),
+    )
     preds = []
     with torch.no_grad():
         loss = float(0.5 * (net(x) - y).square().mean())
+        motion["saturated_at_data"] = saturated_share(net, act, x)
         for _ in range(SAMPLES):
             with opt.sampled_params(train=False):
                 preds.append(net(grid.unsqueeze(1)).squeeze(1))
-    return torch.stack(preds), loss
+    return torch.stack(preds), loss, motion
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
@@ -172,14 +199,17 @@ def run(argv: Sequence[str] | None = None) -> dict:
     for r, (arch, (hidden, act)) in enumerate(ARCHS.items()):
         size = arch.split()[0]
         for c, method in enumerate(("EVON", "IVON")):
-            preds, loss = train_and_sample(size, method, hidden, act, steps, args.seed, grid)
+            preds, loss, motion = train_and_sample(size, method, hidden, act, steps, args.seed, grid)
             std = preds.std(0)
             away, near = float(std[away_mask(grid)].mean()), float(std[near_mask(grid)].mean())
             ok = bool(torch.isfinite(preds).all())
             results[f"{size} {method}"] = dict(
-                std_away=away, std_near=near, train_loss_at_mean=loss, finite=ok
+                std_away=away, std_near=near, train_loss_at_mean=loss, finite=ok, **motion
             )
-            rows.append([arch, method, away, near, away / near if near > 0 else math.inf, loss])
+            rows.append(
+                [arch, method, away, near, away / near if near > 0 else math.inf, loss]
+                + [motion[k] for k in ("share_at_bound", "mean_move_over_bound", "saturated_at_data")]
+            )
             ax = axes[r, c]
             for s in range(min(30, SAMPLES)):
                 ax.plot(grid, preds[s], color=COLORS[method], alpha=0.25, lw=0.8)
@@ -200,6 +230,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
             "near data",
             "ratio away/near",
             "train loss at mean",
+            f"moves at the clip's bound, last {MOTION_STEPS} steps",
+            "mean move / bound",
+            "last hidden layer flat at the data",
         ],
         rows,
     )
