@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -89,6 +90,9 @@ def atomic_write(path: str, data: bytes | str) -> None:
         fh.write(payload)
 
 
+_held = threading.local()  # (st_dev, st_ino) of the directories this thread holds the lock of
+
+
 @contextlib.contextmanager
 def directory_lock(directory: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``directory`` itself (no lock file is left behind).
@@ -97,19 +101,32 @@ def directory_lock(directory: str) -> Iterator[None]:
     another is still writing. The kernel drops the lock when its holder dies, so a killed
     writer never blocks the next one. Where the platform has no ``flock`` (Windows) this
     does not lock, nor where the file system refuses locks.
+
+    A thread that holds it already takes it again at no cost, so several writes (a posterior's
+    files, then its card) are one turn: no other writer comes between them.
     """
     if fcntl is None:
         yield
         return
     fd = os.open(directory, os.O_RDONLY)
     try:
+        stat = os.fstat(fd)
+        key = (stat.st_dev, stat.st_ino)
+        held = _held.__dict__.setdefault("directories", set())
+        if key in held:
+            yield
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:  # a file system without locks (ENOLCK, EOPNOTSUPP): as where there is no flock
             pass
-        yield
+        held.add(key)
+        try:
+            yield
+        finally:
+            held.discard(key)
     finally:
-        os.close(fd)  # releases the lock
+        os.close(fd)  # releases the lock (a nested turn's descriptor holds none)
 
 
 def looks_like_local_path(value: str) -> bool:

@@ -191,6 +191,43 @@ def test_a_run_that_saved_no_tokenizer_gets_a_snippet_that_loads_none(task, tmp_
     assert "token ids" not in snippet
 
 
+def test_a_trainer_saves_its_posterior_and_card_in_one_turn_of_the_directory_lock(tmp_path, tokenizer, monkeypatch):
+    """The Trainer wrote its posterior under the directory lock and its card after letting it go:
+    another save of the directory could come between them, leaving a card of a posterior the
+    directory no longer held. Both are written in one turn (the lock is taken once)."""
+    import types
+
+    fcntl = pytest.importorskip("fcntl")
+    import hf_evon.fileio as fileio
+    import hf_evon.posterior.model_card as card_module
+
+    trainer = _train("causal-lm", tmp_path, tokenizer)
+    out = os.stat(trainer.args.output_dir)
+    turns: list[tuple[int, int]] = []  # the directories locked, in order
+    card_locked: list[bool] = []
+
+    def flock(fd: int, operation: int) -> None:
+        if operation == fcntl.LOCK_EX:
+            turns.append((os.fstat(fd).st_dev, os.fstat(fd).st_ino))
+        fcntl.flock(fd, operation)
+
+    def atomic_write(path: str, data: str) -> None:  # a second lock on the directory fails while one is held
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            card_locked.append(False)
+        except BlockingIOError:
+            card_locked.append(True)
+        finally:
+            os.close(fd)
+        fileio.atomic_write(path, data)
+
+    monkeypatch.setattr(fileio, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX))
+    monkeypatch.setattr(card_module, "atomic_write", atomic_write)
+    trainer.save_model()
+    assert turns == [(out.st_dev, out.st_ino)] and card_locked == [True]
+
+
 def test_seq2seq_question_answering_and_multiple_choice_cards_run_as_written(tmp_path, tokenizer, capsys):
     """The snippet of an encoder-decoder's card loaded it with ``AutoModel`` (no LM head: the
     posterior did not match) and read ``.logits``; an extractive QA model's has no ``logits``; a

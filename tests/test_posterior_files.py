@@ -544,6 +544,76 @@ def test_two_writers_in_one_directory_leave_a_posterior_that_loads(tmp_path, mon
     assert _which(tmp_path, a.to_tensors(), b.to_tensors()) in ("old", "new")
 
 
+def test_two_writers_leave_the_card_of_the_posterior_beside_it(tmp_path, monkeypatch):
+    """The card was written after the posterior's lock was let go: writer B saved its posterior
+    and card while A was about to write its card, and A's card then described a posterior the
+    directory no longer held. Each writer's posterior and card are one turn under the lock."""
+    import threading
+
+    import hf_evon.posterior.model_card as card_module
+
+    a, b = _posterior().with_ess(200.0), _posterior(scale=3.0).with_ess(500.0)
+    go = threading.Event()
+    real = card_module.atomic_write
+
+    def paused(path, data):  # A stops right before its card's write, its posterior switched in
+        if threading.current_thread().name == "A":
+            go.wait(timeout=20)
+        return real(path, data)
+
+    monkeypatch.setattr(card_module, "atomic_write", paused)
+    errors: list[BaseException] = []
+
+    def run(post):
+        try:
+            post.save_pretrained(tmp_path)
+        except BaseException as err:  # noqa: BLE001 - reported by the assert below
+            errors.append(err)
+
+    writer_a = threading.Thread(target=run, args=(a,), name="A")
+    writer_a.start()
+    config = tmp_path / POSTERIOR_CONFIG_NAME
+    while not config.exists() or EVONPosterior.from_pretrained(tmp_path).ess != 200.0:
+        writer_a.join(0.01)  # A is switching its posterior in
+    writer_b = threading.Thread(target=run, args=(b,), name="B")
+    writer_b.start()
+    writer_b.join(2.0)  # outside the lock B saves both files here
+    go.set()
+    writer_a.join()
+    writer_b.join()
+    assert not errors, errors
+    saved = EVONPosterior.from_pretrained(tmp_path).ess
+    card = (tmp_path / "README.md").read_text()
+    assert saved == 500.0  # B saved last
+    assert f"| effective sample size `ess` (ζ) | {saved:g} |" in card and card.count("(ζ) |") == 1
+
+
+def test_a_card_is_written_under_the_directory_lock(tmp_path, monkeypatch):
+    """A card written on its own (the Trainer's, after the posterior) takes the posterior's lock:
+    no posterior save switches files between its reading the card there and its writing it."""
+    fcntl = pytest.importorskip("fcntl")
+    import hf_evon.posterior.model_card as card_module
+
+    held: list[bool] = []
+    real = card_module.atomic_write
+
+    def probed(path, data):  # another lock on the directory fails while a writer holds one
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        return real(path, data)
+
+    monkeypatch.setattr(card_module, "atomic_write", probed)
+    save_model_card(tmp_path, _posterior())
+    _posterior().save_pretrained(tmp_path)
+    assert held == [True, True]
+
+
 @pytest.mark.parametrize("saves_in_a_row", [1, 3])
 def test_a_reader_during_a_save_sees_the_old_or_the_new_posterior(tmp_path, monkeypatch, saves_in_a_row):
     """The config is read, then a save switches both files, then the reader opens the weights;

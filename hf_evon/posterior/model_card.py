@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hf_evon.fileio import atomic_write, temporary_name_pattern
+from hf_evon.fileio import atomic_write, directory_lock, temporary_name_pattern
 from hf_evon.posterior.json_rules import as_float
 from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
 
@@ -434,30 +434,34 @@ def save_model_card(
             ``tags``, ``license``, ``datasets``, ``language``; ``optimizer``: text for the
             ``- optimizer:`` line of an existing Trainer card.
 
-    Returns the card that was written. The write is atomic (``hf_evon.fileio.atomic_write``). An
-    existing README.md that is not UTF-8 text is left as it is, with a warning (the card it would
-    have become is returned): rewriting it would lose what it holds.
+    Returns the card that was written. The write is atomic (``hf_evon.fileio.atomic_write``) and
+    under the posterior's ``directory_lock`` (in the same turn as the posterior's files where
+    ``EVONPosterior.save_pretrained`` writes both). An existing README.md that is not UTF-8 text
+    is left as it is, with a warning (the card it would have become is returned): rewriting it
+    would lose what it holds.
     """
     optimizer = kwargs.pop("optimizer", None)
     kwargs.setdefault("repo_id", os.path.abspath(os.fspath(directory)))
     kwargs.setdefault("tokenizer_saved", has_tokenizer(directory))
     fresh = render_model_card(posterior, base_model, metrics, **kwargs)
-    path = os.path.join(os.fspath(directory), "README.md")
-    card = fresh
-    if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                existing = ModelCard(fh.read(), ignore_metadata_errors=True)
-        except UnicodeDecodeError as err:
-            msg = f"{path} is not UTF-8 text ({err.reason}, byte {err.start}): left as it is, without EVON's card"
-            warnings.warn(msg, UserWarning, stacklevel=2)
-            return fresh
-        card = update_model_card(existing, fresh, optimizer)
-    folder = os.path.dirname(path)
-    for name in os.listdir(folder):  # left by a write that was killed before its os.replace
-        stale = os.path.join(folder, name)
-        with contextlib.suppress(OSError):  # not one another process is writing now
-            if _CARD_TMP.fullmatch(name) and time.time() - os.path.getmtime(stale) > _CARD_TMP_STALE_SECONDS:
-                os.remove(stale)
-    atomic_write(path, str(card))
+    folder = os.fspath(directory)
+    path = os.path.join(folder, "README.md")
+    # the posterior's lock: no save switches its files between this card's reading and writing
+    with directory_lock(folder):
+        card = fresh
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    existing = ModelCard(fh.read(), ignore_metadata_errors=True)
+            except UnicodeDecodeError as err:
+                msg = f"{path} is not UTF-8 text ({err.reason}, byte {err.start}): left as it is, without EVON's card"
+                warnings.warn(msg, UserWarning, stacklevel=2)
+                return fresh
+            card = update_model_card(existing, fresh, optimizer)
+        for name in os.listdir(folder):  # left by a write that was killed before its os.replace
+            stale = os.path.join(folder, name)
+            with contextlib.suppress(OSError):  # not one another process is writing now
+                if _CARD_TMP.fullmatch(name) and time.time() - os.path.getmtime(stale) > _CARD_TMP_STALE_SECONDS:
+                    os.remove(stale)
+        atomic_write(path, str(card))
     return card

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_evon.fileio import directory_lock
 from hf_evon.modeling import unused_adapter_parameters, unwrap_model
 from hf_evon.optim.checks import is_real
 from hf_evon.optim.noise import resolve_seed
@@ -483,9 +484,10 @@ class EVONPosterior:
         config = PosteriorConfig.for_save(
             self.config, factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
         )
-        write_posterior(directory, file_tensors(factors, eig), config)
-        if write_card:
-            save_model_card(directory, self, **card_kwargs)
+        with directory_lock(directory):  # one turn: no other save comes between the posterior and its card
+            write_posterior(directory, file_tensors(factors, eig), config)
+            if write_card:
+                save_model_card(directory, self, **card_kwargs)
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or os.path.basename(os.path.abspath(directory))
             push_kwargs.setdefault("model_card_kwargs", card_kwargs)

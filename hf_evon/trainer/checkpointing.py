@@ -26,7 +26,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
-from hf_evon.fileio import replaced_atomically
+from hf_evon.fileio import directory_lock, replaced_atomically
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
 from hf_evon.trainer.card import save_trainer_model_card
@@ -81,8 +81,9 @@ class CheckpointingMixin:
         if posterior is None:
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        posterior.save_pretrained(output_dir, model_card=False)
-        self._write_model_card(output_dir, posterior)
+        with directory_lock(output_dir):  # one turn: no other save comes between the posterior and its card
+            posterior.save_pretrained(output_dir, model_card=False)
+            self._write_model_card(output_dir, posterior)
 
     def _write_model_card(self, directory: str, posterior: Any) -> None:
         save_trainer_model_card(self, directory, posterior)
@@ -136,9 +137,10 @@ class CheckpointingMixin:
         output_dir = self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         # the save protocol, not two copies in place: a kill between them would pair the
-        # checkpoint's weights with the previous config
-        copy_posterior(checkpoint_folder, output_dir)
-        self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
+        # checkpoint's weights with the previous config; the card in the same turn of the lock
+        with directory_lock(output_dir):
+            copy_posterior(checkpoint_folder, output_dir)
+            self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
 
     # ------------------------------------------------------------------ sharded and FSDP2 state
     def _gather_sharded_state(self) -> None:
