@@ -191,6 +191,43 @@ def test_a_run_that_saved_no_tokenizer_gets_a_snippet_that_loads_none(task, tmp_
     assert "token ids" not in snippet
 
 
+def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_tensor(tmp_path, capsys):
+    """An ``nn.Module`` that is no transformers model (an MLP) has no ``config.json`` to load and
+    returns a tensor: its card's snippet called ``AutoModel.from_pretrained`` on the directory and
+    read ``model(**inputs).logits``, failing on both lines. It now says to build the model as in
+    training and calls it on a tensor; with those two lines filled in it predicts the BMA the
+    posterior gives here."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = hf_evon.build_optimizer(model)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
+    posterior.save_pretrained(tmp_path)
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    assert "AutoModel" not in snippet and "from transformers" not in snippet and ".logits" not in snippet
+    model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
+    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+    assert model_line in snippet and inputs_line in snippet
+    x = torch.randn(5, 4)
+    namespace: dict = {"_model": model, "_x": x}
+    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    model.eval()
+    with torch.no_grad():
+        expected = 0.0
+        for seed in range(8):
+            with posterior.sampled(model, seed=seed):
+                expected = expected + model(x).softmax(-1) / 8
+    assert torch.equal(namespace["probs"], expected)
+
+
 def test_a_trainer_saves_its_posterior_and_card_in_one_turn_of_the_directory_lock(tmp_path, tokenizer, monkeypatch):
     """The Trainer wrote its posterior under the directory lock and its card after letting it go:
     another save of the directory could come between them, leaving a card of a posterior the

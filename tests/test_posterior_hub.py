@@ -189,22 +189,40 @@ def test_push_beside_a_model_keeps_its_files_and_updates_its_card(hub, posterior
 
 def test_a_pushed_cards_snippet_loads_a_tokenizer_only_where_the_repo_has_one(hub, posterior, tmp_path):
     """The pushed card's snippet called ``AutoTokenizer.from_pretrained`` on the repo whether or
-    not it held a tokenizer (an MLP's never does). A local save without one gets no tokenizer
-    line either."""
-    repo = "alice/mlp-no-tokenizer"
-    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
-    snippet = ModelCard(hub.files(repo)["README.md"].decode()).text.split("```python\n", 1)[1]
-    assert "AutoTokenizer" not in snippet
-    placeholder = "inputs = ...  # the model's inputs (a dict of tensors): no tokenizer was saved with the model"
-    assert placeholder in snippet
-    posterior.save_pretrained(tmp_path)
+    not it held a tokenizer. A language model's card feeds token ids until the repo holds one; a
+    local save without one gets no tokenizer line either. An MLP's card loads no tokenizer and no
+    transformers model at all: the user builds it as in training."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def card_code(repo: str) -> str:
+        return ModelCard(hub.files(repo)["README.md"].decode()).text.split("```python\n", 1)[1].split("```")[0]
+
+    posterior.push_to_hub("alice/mlp-no-tokenizer", token=TOKEN, endpoint=hub.endpoint)
+    snippet = card_code("alice/mlp-no-tokenizer")
+    assert "AutoTokenizer" not in snippet and "AutoModel" not in snippet
+    assert "model = ...  # your Sequential as built in training" in snippet
+
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=32, n_positions=16))
+    opt = hf_evon.build_optimizer(lm)
+    ids = torch.randint(0, 32, (2, 8))
+    with opt.sampled_params(train=True):
+        lm(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    lm_posterior = EVONPosterior.from_optimizer(opt, lm)
+    repo = "alice/lm-no-tokenizer"
+    lm_posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    snippet = card_code(repo)
+    token_ids = "input_ids = torch.tensor([[0, 1, 2, 3]])  # token ids: no tokenizer was saved with the model"
+    assert "AutoTokenizer" not in snippet and token_ids in snippet
+    lm_posterior.save_pretrained(tmp_path)
     assert "AutoTokenizer" not in (tmp_path / "README.md").read_text()
 
     api = HfApi(endpoint=hub.endpoint, token=TOKEN)
     api.upload_file(path_or_fileobj=b"{}", path_in_repo="tokenizer_config.json", repo_id=repo)
-    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
-    snippet = ModelCard(hub.files(repo)["README.md"].decode()).text
-    assert f'tokenizer = AutoTokenizer.from_pretrained("{repo}")' in snippet and "inputs = ..." not in snippet
+    lm_posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    snippet = card_code(repo)
+    assert f'tokenizer = AutoTokenizer.from_pretrained("{repo}")' in snippet and "token ids" not in snippet
 
 
 def test_save_pretrained_with_push_to_hub(hub, posterior, tmp_path):

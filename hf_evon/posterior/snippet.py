@@ -2,7 +2,8 @@
 
 The snippet loads a tokenizer only where one was saved with the model (``tokenizer_config.json``
 beside it, :func:`has_tokenizer`); otherwise a text model gets a few token ids, and a model whose
-inputs the card cannot know (``AutoModel``: an MLP, a vision model) a placeholder saying so.
+inputs the card cannot know (``AutoModel``) a placeholder saying so. A plain ``nn.Module`` (an MLP:
+no transformers class, no ``config.json``) is built by the user as in training and called on a tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +44,43 @@ def _auto_class(model_class: str) -> str:
         if task in model_class:
             return f"AutoModelFor{task}"
     return "AutoModel"
+
+
+def is_transformers_model(model_class: str) -> bool:
+    """Whether ``model_class`` names a transformers model class (one an Auto class can reload); a
+    plain ``nn.Module`` (an MLP) has no ``config.json`` and returns a tensor, not ``.logits``."""
+    import transformers
+
+    try:
+        cls = getattr(transformers, model_class, None) if model_class.isidentifier() else None
+    except Exception:  # a lazy import of an optional backend's class: not loadable here either
+        return False
+    return isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+
+
+def _plain_module_snippet(model_class: str, location: str, sub: str) -> str:
+    """A plain ``nn.Module``'s snippet: the user builds the model as in training, and its forward
+    takes a tensor and returns logits."""
+    name = model_class if model_class.isidentifier() else "model"
+    return "\n".join(
+        [
+            "import torch",
+            "from hf_evon import EVONPosterior",
+            "",
+            f"model = ...  # your {name} as built in training, with its trained weights (not a transformers model)",
+            f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
+            "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
+            "",
+            "inputs = ...  # a batch of the model's inputs (a tensor)",
+            "model.eval()",
+            "probs = 0.0",
+            "with torch.no_grad():",
+            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+            "        with posterior.sampled(model, seed=seed):",
+            "            probs = probs + model(inputs).softmax(-1) / 8",
+            "print(probs)",
+        ]
+    )
 
 
 def num_labels(model: Any) -> int | None:
@@ -114,6 +152,8 @@ def usage_snippet(
     model_class = str(posterior.config.get("model_class", ""))
     # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
+    if model_class and not is_peft and not is_transformers_model(model_class):  # an unrecorded class: an Auto class
+        return _plain_module_snippet(model_class, location, sub)
     auto = _auto_class(model_class)
     causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
