@@ -60,3 +60,19 @@ def one_step_optimizer(lm: torch.nn.Module, vocab_size: int):
         lm(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     return opt
+
+
+def directory_locked(directory: str) -> bool:
+    """Whether another holder has the directory's ``flock`` (``hf_evon.fileio.directory_lock``): a
+    second, non-blocking lock on it fails exactly then."""
+    import fcntl
+    import os
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases a lock this probe took
+    return False

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import directory_locked
 from datasets import Dataset
 
 import hf_evon
@@ -248,15 +249,8 @@ def test_a_trainer_saves_its_posterior_and_card_in_one_turn_of_the_directory_loc
             turns.append((os.fstat(fd).st_dev, os.fstat(fd).st_ino))
         fcntl.flock(fd, operation)
 
-    def atomic_write(path: str, data: str) -> None:  # a second lock on the directory fails while one is held
-        fd = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            card_locked.append(False)
-        except BlockingIOError:
-            card_locked.append(True)
-        finally:
-            os.close(fd)
+    def atomic_write(path: str, data: str) -> None:
+        card_locked.append(directory_locked(os.path.dirname(path)))
         fileio.atomic_write(path, data)
 
     monkeypatch.setattr(fileio, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import directory_locked
 
 from hf_evon import EVONPosterior, PosteriorMismatchError
 from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
@@ -591,21 +592,14 @@ def test_two_writers_leave_the_card_of_the_posterior_beside_it(tmp_path, monkeyp
 def test_a_card_is_written_under_the_directory_lock(tmp_path, monkeypatch):
     """A card written on its own (the Trainer's, after the posterior) takes the posterior's lock:
     no posterior save switches files between its reading the card there and its writing it."""
-    fcntl = pytest.importorskip("fcntl")
+    pytest.importorskip("fcntl")
     import hf_evon.posterior.model_card as card_module
 
     held: list[bool] = []
     real = card_module.atomic_write
 
-    def probed(path, data):  # another lock on the directory fails while a writer holds one
-        fd = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            held.append(False)
-        except BlockingIOError:
-            held.append(True)
-        finally:
-            os.close(fd)
+    def probed(path, data):
+        held.append(directory_locked(os.path.dirname(path)))
         return real(path, data)
 
     monkeypatch.setattr(card_module, "atomic_write", probed)
