@@ -26,8 +26,8 @@ Methods, each at its own defaults, trained by ``payoff_training``'s loop (linear
     Laplace LL  laplace-torch's KFAC Laplace over the last layer of the AdamW model (prior precision
                 by the NLL on the ID calibration split, ``payoff_laplace.kron_laplace``), S GLM
                 samples of the last layer's logits
-    IVON        ivon-opt at its conventions (lr 0.1, ζ = N; ``payoff.ivon_optimizer``), S samples;
-                tabular tasks only (it does not fine-tune MiniLM at them: payoff.py)
+    IVON        ivon-opt at its conventions with payoff.py's settings for the kind of task
+                (``payoff.IVON_SETTINGS``: lr 0.1, ζ = N from scratch; lr 1, ζ = 10⁷ for LoRA), S samples
     EVON diag.  ``build_optimizer(model, identity_basis=True)``: the same posterior without the
                 rotation, S samples at its trained ζ
     EVON        ``build_optimizer(model)``, S samples at its trained ζ (as
@@ -264,18 +264,16 @@ def run(
         mean = {"mean ID NLL": float(F.nll_loss(log_probs(model, task.test), labels))}
         return {**rows(*laplace_samples(model, task, ood, samples, seed), labels, sampled=True), **mean}
     if method == "ivon":
-        if name in ("docstrings", "noisy_docstrings"):
-            return "n/a: ivon-opt does not fine-tune MiniLM at its conventions (payoff.py)"
         try:
             import ivon
         except ImportError:
             return "ivon-opt not installed"
         import payoff
 
-        n_train = payoff.training_targets(task)
-        opt = payoff.ivon_optimizer(ivon, model, n_train)
+        setting = payoff.IVON_SETTINGS[payoff.task_kind(task.name)]
+        opt = payoff.ivon_optimizer(ivon, model, payoff.training_targets(task), **setting)
         payoff_training.train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
-        posterior: Any = payoff.IVONPosterior(opt, float(n_train))
+        posterior: Any = payoff.IVONPosterior(opt, float(opt.param_groups[0]["ess"]))
     else:
         opt = payoff_training.train_evon(task, model, seed, identity_basis=method == "evon_diag")
         posterior = EVONPosterior.from_optimizer(opt, model)

@@ -15,8 +15,10 @@ Rows: AdamW (a per-kind standard rate: 1e-3 from scratch and for LoRA, 1e-4 for 
 fine-tuning); AdamW + temperature scaling; laplace-torch's last-layer KFAC Laplace on the
 AdamW model (prior precision by its own grid search on the calibration split; probit
 predictive; classification only), and on LoRA its KFAC Laplace over the adapters and the head
-as well (Laplace-LoRA; the same grid search and predictive); IVON (ivon-opt with its own conventions: lr 0.1 in its
-rescaled convention, ess = N, its other defaults) at the mean and at BMA@8/@32 after the same
+as well (Laplace-LoRA; the same grid search and predictive); IVON (ivon-opt with its own conventions,
+its rate in its rescaled convention and ζ per kind of task as the others get a rate per kind,
+``IVON_SETTINGS``: lr 0.1 and ess = N from scratch, lr 0.1 and ess 1e9 for full fine-tuning, lr 1
+and ess 1e7 for LoRA; its other defaults) at the mean and at BMA@8/@32 after the same
 calibration of ζ as EVON's (``calibrate_posterior``); EVON (``build_optimizer`` defaults; the
 AdamW part at the task's AdamW rate, as ``EVONTrainer`` takes ``learning_rate`` for it) at the
 mean and with the calibrated posterior at BMA@8 and @32; the same EVON with
@@ -110,13 +112,35 @@ def run_soap(task: Task, seed: int) -> dict[str, Any]:
     return {"SOAP (pytorch-optimizer)": rows.pop("SOAP"), **rows}
 
 
-def ivon_optimizer(ivon: Any, model: nn.Module, n_train: int, lr: float = 0.1) -> torch.optim.Optimizer:
-    """ivon-opt with its own conventions: its recommended lr 0.1 in its convention (the step is
-    scaled by h0 + δ, ``rescale_lr=True``), ess = N (the IVON paper's choice for ζ; the SOAP-Bubbles
-    paper tunes ζ on a grid, which a defaults table does not), its other defaults; on the
-    trainable parameters only: it perturbs and decays every parameter it is given, frozen ones
-    included (a LoRA model's base weights would drift)."""
-    return ivon.IVON([p for p in model.parameters() if p.requires_grad], lr=lr, ess=n_train)
+# ivon-opt per kind of task, as AdamW, SOAP and EVON get a rate per kind: its rate in its own
+# convention (the step scaled by h0 + δ), ζ (None: N, the IVON paper's choice) and h0, each kind's the
+# setting of a grid with the lowest temperature-scaled NLL of the mean on the development tasks'
+# calibration splits (docs/results.md#ivons-settings-per-kind-of-task)
+IVON_SETTINGS: dict[str, dict[str, Any]] = {
+    "scratch": dict(lr=0.1, ess=None, hess_init=1.0),
+    "full": dict(lr=0.1, ess=1e9, hess_init=1.0),
+    "lora": dict(lr=1.0, ess=1e7, hess_init=1.0),
+}
+
+
+def task_kind(name: str) -> str:
+    """"lora" (LoRA adapters fine-tuned), "full" (every weight fine-tuned) or "scratch", by the name
+    of a payoff task (``minilm_lora``, ``minilm_noisy_full``) or a Table 2 one (``<text task>/lora``)."""
+    if name.endswith("lora"):
+        return "lora"
+    return "full" if name.endswith("full") else "scratch"
+
+
+def ivon_optimizer(
+    ivon: Any, model: nn.Module, n_train: int, lr: float = 0.1, ess: float | None = None, hess_init: float = 1.0
+) -> torch.optim.Optimizer:
+    """ivon-opt with its own conventions: ``lr`` in its convention (the step is scaled by h0 + δ,
+    ``rescale_lr=True``; its recommended 0.1 by default), ess = N unless given (the IVON paper's
+    choice for ζ), h0 ``hess_init`` (its default 1), its other defaults; on the trainable
+    parameters only: it perturbs and decays every parameter it is given, frozen ones included (a
+    LoRA model's base weights would drift)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return ivon.IVON(params, lr=lr, ess=n_train if ess is None else ess, hess_init=hess_init)
 
 
 class IVONPosterior:
@@ -170,11 +194,11 @@ def run_ivon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     except ImportError:
         return {"IVON (ivon-opt) mean": "ivon-opt not installed"}
     model = task.make_model(seed)
-    n_train = training_targets(task)
-    opt = ivon_optimizer(ivon, model, n_train, lr=0.1 * task.lr_scale)
+    setting = IVON_SETTINGS[task_kind(task.name)]
+    opt = ivon_optimizer(ivon, model, training_targets(task), **{**setting, "lr": setting["lr"] * task.lr_scale})
     train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
     mean = log_probs(model, task.test, task.shift)
-    posterior = IVONPosterior(opt, float(n_train))
+    posterior = IVONPosterior(opt, float(opt.param_groups[0]["ess"]))
     return {
         "IVON (ivon-opt) mean": scores(*mean),
         **selection_row("IVON (ivon-opt)", model=model, task=task),

@@ -14,6 +14,7 @@ the noise level's ceiling and the mean's pull ``mean_weight_decay=None`` resolve
     python benchmarks/validation_sweep.py --tasks minilm_lora docstring_topic/lora \\
         --settings '{}' '{"clip": "element"}' adamw --seeds 0 --processes 2
     python benchmarks/validation_sweep.py --tasks digits wine --settings '{}' '{"prior_std_ratio": 0.5}'
+    python benchmarks/validation_sweep.py --tasks minilm_full --settings ivon:0.1 'ivon:{"lr": 0.1, "ess": 1e7}'
 
 Figures: docs/defaults.md (each default's section says which settings it compared).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -84,6 +86,8 @@ def run(job: tuple[str, int, Any]) -> dict[str, Any]:
     health: dict[str, float] = {}
     if setting == "adamw":
         train_adamw(task, model, seed)
+    elif isinstance(setting, str):  # "ivon:<lr>" or "ivon:{...}": ivon-opt at its conventions but these
+        train_ivon(task, model, seed, ivon_kwargs(setting))
     else:
         kwargs = {k: v for k, v in setting.items() if k != "prior_std_ratio"}
         with prior_std_ratio(setting.get("prior_std_ratio")):
@@ -101,25 +105,65 @@ def run(job: tuple[str, int, Any]) -> dict[str, Any]:
     )  # fmt: skip
 
 
+IVON_KEYS = ("lr", "ess", "hess_init")  # what an ivon setting may set (payoff.ivon_optimizer's)
+
+
+def ivon_kwargs(text: str) -> dict[str, Any] | None:
+    """``payoff.ivon_optimizer``'s keyword arguments from 'ivon:<lr>' or 'ivon:{"lr": ..., "ess": ...,
+    "hess_init": ...}' (each a number > 0; lr required); None where ``text`` is neither."""
+    try:
+        value = json.loads(text[len("ivon:") :]) if text.startswith("ivon:") else None
+    except json.JSONDecodeError:
+        return None
+    kwargs = value if isinstance(value, dict) else {"lr": value}
+    positive = all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in kwargs.values()
+    )
+    return kwargs if "lr" in kwargs and set(kwargs) <= set(IVON_KEYS) and positive else None
+
+
+def train_ivon(task: Any, model: Any, seed: int, kwargs: dict[str, Any]) -> None:
+    """ivon-opt (``payoff.ivon_optimizer``: ess = N unless given, its other defaults) with ``kwargs``,
+    trained by payoff's loop; the weights are left at its mean."""
+    import ivon
+    import payoff
+    from payoff_training import train
+
+    opt = payoff.ivon_optimizer(ivon, model, payoff.training_targets(task), **kwargs)
+    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+
+
+def parse_setting(text: str) -> Any:
+    """A ``--settings`` entry: 'adamw', an ivon one (``ivon_kwargs``), or a JSON object; None where it
+    is none of them."""
+    if text == "adamw":
+        return text
+    if text.startswith("ivon:"):
+        return text if ivon_kwargs(text) is not None else None
+    try:
+        setting = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return setting if isinstance(setting, dict) else None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", required=True)
     ap.add_argument(
         "--settings", nargs="+", default=["{}"],
         help="each a JSON object of train_evon keyword arguments and/or \"prior_std_ratio\" ('{}': the "
-        "defaults), or 'adamw'",
+        "defaults), 'adamw', or 'ivon:<lr>' / 'ivon:{\"lr\": ..., \"ess\": ..., \"hess_init\": ...}' (ivon-opt at "
+        "that rate in its convention, ζ = N unless given)",
     )  # fmt: skip
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--processes", type=int, default=2)
     args = ap.parse_args(argv)
     settings = []
     for text in args.settings:
-        try:
-            setting = text if text == "adamw" else json.loads(text)
-        except json.JSONDecodeError:
-            setting = None
-        if setting != "adamw" and not isinstance(setting, dict):
-            ap.error(f"--settings: {text!r} is neither a JSON object nor 'adamw'")
+        setting = parse_setting(text)
+        if setting is None:
+            ap.error(f"--settings: {text!r} is neither a JSON object, 'adamw' nor an ivon setting (ivon:<lr>)")
         settings.append(setting)
     jobs = [(t, s, k) for s in args.seeds for k in settings for t in args.tasks]
     with get_context("spawn").Pool(args.processes) as pool:

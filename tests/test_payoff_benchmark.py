@@ -230,6 +230,39 @@ def test_ivon_leaves_frozen_parameters_alone() -> None:
     assert torch.equal(model[0].weight, frozen)
 
 
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("digits", "scratch"), ("tiny_gpt2", "scratch"), ("minilm_full", "full"), ("minilm_noisy_full", "full"),
+     ("minilm_lora", "lora"), ("minilm_noisy_lora", "lora"), ("docstring_topic/full", "full"),
+     ("comment_topic/lora", "lora")],
+)  # fmt: skip
+def test_ivon_runs_at_its_settings_for_the_kind_of_task_its_rate_times_the_searchs_scale(
+    name: str, kind: str, monkeypatch
+) -> None:
+    """ivon-opt gets settings per kind of task (``IVON_SETTINGS``), as the other methods get a rate per
+    kind, its rate scaled as theirs by a random search's ``lr_scale``."""
+    import dataclasses
+
+    import payoff_tasks
+
+    assert payoff.task_kind(name) == kind
+    rates = []
+
+    class Stop(Exception):
+        pass
+
+    def ivon_optimizer(ivon, model, n_train, **kwargs):
+        rates.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(payoff, "ivon_optimizer", ivon_optimizer)
+    task = dataclasses.replace(payoff_tasks.make_task("iris", 0, True, True), name=name, lr_scale=0.5)
+    pytest.importorskip("ivon")
+    with pytest.raises(Stop):
+        payoff.run_ivon(task, 0, [8])
+    assert rates == [{**payoff.IVON_SETTINGS[kind], "lr": payoff.IVON_SETTINGS[kind]["lr"] * 0.5}]
+
+
 def test_a_rerun_of_one_method_combines_with_an_earlier_run_of_all() -> None:
     earlier = {
         "digits": [
