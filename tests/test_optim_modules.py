@@ -156,3 +156,84 @@ def test_a_pattern_matches_a_tied_weight_by_any_of_its_names_and_one_matching_no
     with pytest.warns(UserWarning, match=r"evon_patterns: 'lm_haed' matches no parameter name of the model"):
         opt = build_optimizer(model, evon_patterns=["lm_haed"])
     assert names(opt, "evon") == matrices
+
+
+def test_parameters_instead_of_a_model_are_refused_by_name_and_a_generator_is_left_unread() -> None:
+    # the split needs the modules (embeddings, the output head): parameters or groups raised
+    # "AttributeError: 'generator' object has no attribute 'modules'"
+    from hf_evon import build_optimizer, build_param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for build in (build_optimizer, build_param_groups):
+        given = model.parameters()
+        with pytest.raises(TypeError, match=rf"^{build.__name__}: model must be a torch\.nn\.Module; got a generator"):
+            build(given)
+        assert next(given) is model[0].weight  # not consumed: it can still go to EVON(params)
+        for given in (list(model.parameters()), [{"params": list(model.parameters())}]):
+            with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module; got a list.*EVON\(params"):
+                build(given)
+
+
+def test_a_pattern_matching_nothing_is_warned_at_the_callers_line() -> None:
+    # through build_optimizer the warning named grouping.py's call of build_param_groups
+    from hf_evon import build_optimizer, build_param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for build in (build_optimizer, build_param_groups):
+        with pytest.warns(UserWarning, match="evon_patterns: 'nothing' matches no parameter name") as record:
+            build(model, evon_patterns="nothing")
+        assert [w.filename for w in record] == [__file__], build.__name__
+    with pytest.warns(UserWarning, match="EVON trains none of this model's parameters") as record:
+        build_optimizer(model, adamw_patterns=".*")
+    assert [w.filename for w in record] == [__file__]
+
+
+def test_lora_on_the_output_head_trains_its_factors_with_evon_at_the_adapter_rate() -> None:
+    # get_output_embeddings() returns PEFT's LoRA wrapper of the head: its lora_A/lora_B went to
+    # AdamW as "the output head", while LoRA on an embedding goes to EVON
+    import peft
+
+    class Base(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.out = torch.nn.Linear(8, 5)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.out
+
+    from hf_evon import build_optimizer
+
+    plain = build_optimizer(Base(), learning_rate=1e-3)
+    assert [g["param_names"] for g in plain.param_groups if g["algorithm"] == "adamw"][0] == ["out.weight"]
+    model = peft.get_peft_model(Base(), peft.LoraConfig(r=2, target_modules=["proj", "out"]))
+    opt = build_optimizer(model, learning_rate=1e-3)
+    evon = {n: g["lr"] for g in opt.param_groups if g["algorithm"] == "evon" for n in g["param_names"]}
+    lora = sorted(n for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
+    assert sorted(evon) == lora and any(".out." in n for n in lora)
+    assert list(evon.values()) == pytest.approx([0.1] * len(lora), rel=1e-12)  # 1.6·1e-3/0.01·0.625
+    assert [g["param_names"] for g in opt.param_groups if g["algorithm"] == "adamw"] == []
+
+
+def test_the_adamw_rate_and_decay_given_to_the_split_are_named_when_invalid() -> None:
+    # they reached EVON inside the AdamW groups and were refused as "Invalid lr" / "Invalid weight_decay"
+    from hf_evon import build_optimizer, build_param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for build in (build_optimizer, build_param_groups):
+        with pytest.raises(ValueError, match=r"^Invalid adamw_lr: -1\.0 \(must be"):
+            build(model, adamw_lr=-1.0)
+        with pytest.raises(ValueError, match=r"^Invalid adamw_weight_decay: nan \(must be"):
+            build(model, adamw_weight_decay=float("nan"))
+
+
+def test_a_recipe_given_as_its_settings_rather_than_its_name_is_refused_by_name() -> None:
+    # RECIPES["llama"] itself as recipe= raised "TypeError: unhashable type: 'dict'"
+    from hf_evon import RECIPES, build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for given in (RECIPES["llama"], ["llama"]):
+        with pytest.raises(TypeError, match=r"^recipe: one of \['clip-finetuning', 'llama', 'nanogpt'\] or None"):
+            build_optimizer(model, recipe=given)
+    with pytest.raises(ValueError, match=r"^unknown recipe 'Llama': choose one of \['clip-finetuning', 'llama'"):
+        build_optimizer(model, recipe="Llama")

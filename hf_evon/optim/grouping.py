@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import is_peft_model, pretrained_name
-from hf_evon.optim.checks import is_real, require
+from hf_evon.optim.checks import is_real, outside_stacklevel, require
 from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
@@ -28,6 +28,7 @@ from hf_evon.optim.defaults import (
 )
 from hf_evon.optim.evon import EVON
 from hf_evon.optim.recipes import recipe_kwargs
+from hf_evon.optim.validation import validate_hyperparameters
 
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 # transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
@@ -47,9 +48,22 @@ def is_full_finetuning(model: nn.Module) -> bool:
     return 2 * sum(p.numel() for _, p in params if p.requires_grad) > sum(p.numel() for _, p in params)
 
 
+def _require_module(model: Any, function: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{function}: model must be a torch.nn.Module; got a {type(model).__name__}. The split reads the "
+            "model's modules (its embeddings, its output head); parameters or parameter groups of your own "
+            "go to EVON(params, ...), with algorithm='adamw' on the groups AdamW is to train"
+        )
+
+
 def _output_head_ids(model: nn.Module) -> set[int]:
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
+    # a PEFT tuner layer (LoRA, IA3, ...) on the head: the head is its base layer, and the factors
+    # beside it are an adapter's, trained as on any other layer
+    base_layer = getattr(head, "get_base_layer", None)
+    head = base_layer() if isinstance(head, nn.Module) and callable(base_layer) else head
     return {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
 
 
@@ -85,7 +99,7 @@ def _warn_unmatched(
             warnings.warn(
                 f"{argument}: {pat.pattern!r} matches no parameter name of the model; it moves nothing",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=outside_stacklevel(),
             )
 
 
@@ -118,8 +132,12 @@ def build_param_groups(
     (``named_parameters()``'s). Name regexes override the split: ``adamw_patterns`` first, then
     ``evon_patterns``; a tied weight matches where any of its names does (GPT-2's ``lm_head`` is
     ``transformer.wte``'s weight). A pattern that matches no name at all is warned about. Each group
-    carries ``param_names`` so the split can be inspected (``describe_param_groups``).
+    carries ``param_names`` so the split can be inspected (``describe_param_groups``). ``model`` is
+    a module: parameters or groups of your own go to ``EVON(params)``.
     """
+    _require_module(model, "build_param_groups")
+    # by their own names: inside the AdamW groups EVON would name them "lr" and "weight_decay"
+    validate_hyperparameters(adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay)
     adamw_patterns = compiled_patterns(adamw_patterns, "adamw_patterns")
     evon_patterns = compiled_patterns(evon_patterns, "evon_patterns")
     head, embeddings = _output_head_ids(model), _embedding_ids(model)
@@ -187,6 +205,7 @@ def build_optimizer(
     :data:`~hf_evon.optim.defaults.DEFAULT_SNR_SCALING` ("adam"). The
     reasons: :mod:`hf_evon.optim.defaults`; the measurements: ``docs/defaults.md``.
     """
+    _require_module(model, "build_optimizer")
     require(
         "adapter_lr_scale",
         adapter_lr_scale,
@@ -257,7 +276,7 @@ def build_optimizer(
             "AdamW: 1-D tensors and embeddings do by default, e.g. PEFT's prompt tuning), so the run is "
             "AdamW's and has no posterior; train matrices (LoRA) or name them in evon_patterns",
             UserWarning,
-            stacklevel=2,
+            stacklevel=outside_stacklevel(),
         )
     return EVON(split, **kwargs)
 

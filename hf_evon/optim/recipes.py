@@ -73,6 +73,11 @@ def recipe_kwargs(name: str | None, overrides: dict[str, Any] | None = None) -> 
     """The recipe's EVON keyword arguments updated by ``overrides`` (``None``: no recipe)."""
     if name is None:
         return dict(overrides or {})
+    if not isinstance(name, str):
+        raise TypeError(
+            f"recipe: one of {sorted(RECIPES)} or None, a recipe's name; got a {type(name).__name__} "
+            "(settings of your own go as keyword arguments)"
+        )
     if name not in RECIPES:
         raise ValueError(
             f"unknown recipe {name!r}: choose one of {sorted(RECIPES)} (or None for the defaults)"
