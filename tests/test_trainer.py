@@ -29,6 +29,7 @@ from transformers import (
 from hf_evon import EVON, EVONConfig, EVONTrainer, build_optimizer
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
 from hf_evon.predictive.metrics import calibration_metrics
+from hf_evon.trainer import EVONSeq2SeqConfig
 
 try:  # tests/test_cuda.py borrows the fixtures below on machines without datasets
     from datasets import Dataset
@@ -180,6 +181,17 @@ def test_hfargumentparser_parses_every_evon_field(tmp_path):
         args=["--output_dir", str(tmp_path), "--evon_ess", "inf", "--evon_hess_clip_ratio", "0"]
     )
     assert math.isinf(inf_args.evon_ess) and inf_args.evon_hess_clip_ratio is None
+
+
+def test_the_command_line_help_shows_every_evon_field() -> None:
+    """argparse %-formats each help text: a bare "%" in one ("30% quantile") made --help raise
+    ValueError (unsupported format character), in any script parsing an EVON config."""
+    for config_class in (EVONConfig, EVONSeq2SeqConfig):
+        text = " ".join(HfArgumentParser(config_class).format_help().split())
+        own = {f.name for f in dataclasses.fields(EVONConfig)}
+        own -= {f.name for f in dataclasses.fields(TrainingArguments)}
+        assert all(f"--{name} " in text for name in own), config_class
+        assert "H's 30% quantile" in text and "is 25% of the weights' RMS" in text
 
 
 @pytest.mark.parametrize(

@@ -140,18 +140,19 @@ class EVONConfig(TrainingArguments):
             "help": "β3: averaging of the Shampoo statistics L and R, in [0, 1). Default (None): evon_beta2."
         },
     )
+    # a help text's "%" is written "%%": argparse %-formats each one for --help
     evon_weight_decay: float | None = field(
         default=None,
         metadata={
             "help": "Prior precision per datum δ > 0 of EVON-owned weights (0 only with evon_ess inf): the "
             "prior is N(0, 1/(ζδ) I). "
             "Separate from weight_decay, which is AdamW's decoupled weight decay for the other parameters. "
-            "Default (None): under the Fisher estimate with evon_ess 'auto' (the defaults), H's 30% quantile, "
+            "Default (None): under the Fisher estimate with evon_ess 'auto' (the defaults), H's 30%% quantile, "
             "fitted after the second update and every evon_curvature_refit steps (docs/defaults.md#curvature-fit); "
             "until then, and under the Price estimate for good, h0 · ρ0² / (ρ² − ρ0²), ρ0 = evon_init_std_ratio, "
             f"ρ = {DEFAULT_PRIOR_STD_RATIO:g} ({_PRIOR:.2g} at h0 {_H0:g}, {_PRIOR_FINETUNING:.2g} for full "
             "fine-tuning): the prior's std, where the Price estimate's noise goes once H has decayed (after "
-            f"~{_PRIOR_REACHED_AFTER:.0f} steps: h0·β2ᵗ = δ), is {DEFAULT_PRIOR_STD_RATIO:.0%} of the weights' RMS "
+            f"~{_PRIOR_REACHED_AFTER:.0f} steps: h0·β2ᵗ = δ), is {DEFAULT_PRIOR_STD_RATIO:.0%}% of the weights' RMS "
             "(hf_evon.optim.defaults.default_weight_decay)."
         },
     )
