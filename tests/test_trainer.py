@@ -194,6 +194,19 @@ def test_the_command_line_help_shows_every_evon_field() -> None:
         assert "H's 30% quantile" in text and "is 25% of the weights' RMS" in text
 
 
+def test_the_command_line_takes_none_where_the_help_offers_it(tmp_path) -> None:
+    """--evon_clip and --evon_snr_scaling list None among their choices (the default: chosen from
+    the model); "None" on the command line was refused as an invalid choice."""
+    parser = HfArgumentParser(EVONConfig)
+    choices = {a.dest: a.choices for a in parser._actions if a.dest in ("evon_clip", "evon_snr_scaling")}
+    assert all("None" in c for c in choices.values()), choices
+    argv = ["--output_dir", str(tmp_path), "--evon_clip", "None", "--evon_snr_scaling", "None"]
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    assert args.evon_clip is None and args.evon_snr_scaling is None
+    kwargs = args.evon_optimizer_kwargs()
+    assert kwargs["clip"] is None and kwargs["snr_scaling"] is None
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

@@ -52,7 +52,8 @@ _PRIOR, _PRIOR_FINETUNING = (default_weight_decay(h, DEFAULT_INIT_STD_RATIO) for
 _PRIOR_REACHED_AFTER = math.log(_PRIOR / _H0) / math.log(DEFAULT_BETAS[1])  # steps until h0·β2ᵗ = δ
 # the metrics EVONTrainer reports that fall as predictions improve (mean_* and bma_*)
 _LOWER_IS_BETTER = ("_nll", "_ece", "_brier", "_perplexity")
-_SNR_CHOICES = {"true": True, "false": False, "adam": "adam"}  # command line text -> EVON's snr_scaling
+# command line text -> EVON's snr_scaling ("None": the default, chosen from the model)
+_SNR_CHOICES = {"true": True, "false": False, "adam": "adam", "None": None}
 
 
 @dataclass
@@ -219,7 +220,7 @@ class EVONConfig(TrainingArguments):
             "scaled to entry RMS evon_clip_radius). Whitening costs ~15 matmuls per matrix and step, noticeable "
             "on CPU. Default (None): 'whiten_rms', and 'element' for full fine-tuning of a pretrained model "
             "(hf_evon.optim.defaults.default_clip; measurements: docs/trainer.md).",
-            "choices": [*CLIP_MODES, None],
+            "choices": [*CLIP_MODES, "None"],
         },
     )
     evon_clip_radius: float = field(
@@ -236,7 +237,7 @@ class EVONConfig(TrainingArguments):
             "the gradients carry signal and small once they are noise. 'true': by min(1, ρ/ρ₀), ρ₀ = "
             "sqrt((1-β1)/(1+β1)): full steps until the gradients fade. 'false': off. Default (None): 'adam' "
             "(hf_evon.optim.defaults.DEFAULT_SNR_SCALING). No effect with evon_clip='none'; off in the paper's recipes.",
-            "choices": [*_SNR_CHOICES, None],
+            "choices": list(_SNR_CHOICES),
         },
     )
     evon_phased_gradients: bool = field(
@@ -381,6 +382,8 @@ class EVONConfig(TrainingArguments):
             self.posterior_max_basis_ratio = None  # "0" on the command line means keep every basis
         if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:
             self.evon_hess_clip_ratio = None  # "0" on the command line means off
+        if self.evon_clip == "None":  # the command line's text for the default
+            self.evon_clip = None
         if isinstance(self.evon_snr_scaling, str):
             self.evon_snr_scaling = _SNR_CHOICES.get(self.evon_snr_scaling, self.evon_snr_scaling)
         if self.evon_ess is None:  # None means the default, "auto"
