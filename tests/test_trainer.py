@@ -239,6 +239,27 @@ def test_config_rejects_invalid_values(tmp_path, field, value):
         EVONConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
 
 
+def test_evon_fields_take_numpy_numbers_and_hold_pythons(tmp_path):
+    """The BMA counts refused NumPy integers ("must be an integer >= 0" for np.int64(4)) that
+    evon_mc_samples takes; NumPy numbers kept in the config made to_json_string() (the Trainer's
+    log and integrations) raise."""
+    import numpy as np
+
+    counts = {"evon_mc_samples": 2, "bma_num_samples": 4, "bma_ece_bins": 10, "bma_eval_every": 2}
+    numpy_counts = {name: np.int64(n) for name, n in counts.items()}
+    args = EVONConfig(
+        output_dir=str(tmp_path), report_to="none", evon_ess=np.float32(1024.0), evon_beta1=np.float32(0.5),
+        **numpy_counts,
+    )  # fmt: skip
+    values = {name: getattr(args, name) for name in counts}
+    assert values == counts
+    assert all(type(v) is int for v in values.values()) and type(args.evon_ess) is float
+    saved = json.loads(args.to_json_string())
+    assert (saved["bma_num_samples"], saved["evon_ess"], saved["evon_beta1"]) == (4, 1024.0, 0.5)
+    with pytest.raises(ValueError, match="bma_num_samples"):
+        EVONConfig(output_dir=str(tmp_path), report_to="none", bma_num_samples=np.float64(4.0))
+
+
 def test_a_field_set_as_text_after_the_config_is_made_is_parsed_for_the_optimizer(tmp_path):
     """A hyperparameter search sets each trial's value cast to the field's current type (transformers'
     _hp_search_setup): evon_ess 1000.0 became "1000.0", which EVON refused at train()."""

@@ -8,12 +8,12 @@ One place for what a run is configured with; the Trainer plumbing that reads it 
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
-from hf_evon.optim.checks import CLIP_MODES, HESS_ESTIMATORS, STEP_CURVATURES
+from hf_evon.optim.checks import CLIP_MODES, HESS_ESTIMATORS, STEP_CURVATURES, python_number
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -377,7 +377,13 @@ class EVONConfig(TrainingArguments):
         self._warn_unused_optimizer_settings()
 
     def _parse_command_line_values(self) -> None:
-        """The typed values of fields the command line gives as text ("0" = off, "inf", "true")."""
+        """The typed values of fields the command line gives as text ("0" = off, "inf", "true"), and
+        Python's numbers for NumPy's (a search's grid): the counts' checks take ``int``, and
+        ``to_json_string()`` (the Trainer's logs, the integrations) takes no NumPy number."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if python_number(value) is not value:
+                setattr(self, f.name, python_number(value))
         if self.posterior_max_basis_ratio is not None and self.posterior_max_basis_ratio == 0:
             self.posterior_max_basis_ratio = None  # "0" on the command line means keep every basis
         if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:
