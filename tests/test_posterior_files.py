@@ -164,6 +164,30 @@ def test_a_deeply_nested_config_is_a_clear_error(tmp_path, depth):
         EVONPosterior.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("where", ["top", "entry"])
+def test_a_config_with_a_key_twice_is_refused(tmp_path, where):
+    """JSON leaves a key given twice in one object undefined: Python's parser keeps the last value,
+    other readers (and a person reading the file) the first, so an ess of 1e-30 before the ess
+    used stayed hidden. The config is refused, naming the file and the key."""
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+    path = tmp_path / POSTERIOR_CONFIG_NAME
+    text = path.read_text()
+    if where == "top":
+        text = text.replace('"ess": 100.0,', '"ess": 1e-30, "ess": 100.0,', 1)
+        key = "ess"
+    else:
+        text = text.replace('"left_basis": true,', '"left_basis": false, "left_basis": true,', 1)
+        key = "left_basis"
+    path.write_text(text)
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value) == (
+        f"{path}: cannot read the config (key {key!r} appears twice in one object; "
+        "JSON readers disagree on which value it has)"
+    )
+
+
 @pytest.mark.parametrize("literal", ["NaN", "-Infinity"])
 def test_a_number_that_could_not_be_written_back_is_refused_on_load(tmp_path, literal):
     """Python's json reads NaN and -Infinity: such a config loaded, and the posterior could then never
@@ -212,6 +236,20 @@ def test_a_bad_trained_ess_by_parameter_is_refused_on_load(tmp_path, value, mess
         EVONPosterior.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("value", [0, -5.0, "-inf"])
+def test_a_trained_ess_that_is_not_positive_is_refused_on_load(tmp_path, value):
+    """``trained_ess`` is the ζ ``trained_posterior`` puts back: one <= 0 loaded and then failed
+    there ("with_ess: ess must be > 0"), naming neither the file nor the field."""
+    _posterior().save_pretrained(tmp_path)
+    _edit_config(tmp_path, trained_ess=value)
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / POSTERIOR_CONFIG_NAME}: field 'trained_ess' must be a number > 0 (or \"inf\"); "
+        f"got {value!r}"
+    )
+
+
 def test_a_valid_calibration_entry_loads_and_resaves(tmp_path):
     record = {"ess": 10.0, "trained_ess": 100.0, "mean_nll": 2.0, "nll": [1.9, 1.8], "grid": [0.1, 1.0],
               "chosen_nll": 1.8, "num_targets": 50, "num_samples": 4, "min_gain": 0.01, "method": "gridsearch"}  # fmt: skip
@@ -229,6 +267,53 @@ def test_an_ess_whose_variance_overflows_float32_is_refused(tmp_path):
         EVONPosterior.from_pretrained(tmp_path)
     with pytest.raises(PosteriorMismatchError, match="ess"):
         _posterior().with_ess(1e-40)
+
+
+def _edit_weights(directory: Path, edit) -> Path:
+    """Rewrite the weights file with ``edit(tensors, metadata)`` applied; its path."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = directory / POSTERIOR_WEIGHTS_NAME
+    with safe_open(path, framework="pt") as fh:
+        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+    edit(tensors, metadata)
+    save_file(tensors, path, metadata=metadata)
+    return path
+
+
+WEIGHTS_ERRORS = {
+    "missing": (lambda t, m: t.pop(f"{LORA}.Q_L"), f"tensor '{LORA}.Q_L' is missing"),
+    "dtype": (lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"].int()}), "has dtype I32"),
+    "shape": (
+        lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"][:, :3].contiguous()}),
+        "has shape [4, 3]",
+    ),
+    "undeclared": (
+        lambda t, m: t.update({"x.hess": torch.ones(1)}),
+        "holds tensors the config does not declare",
+    ),
+    "non-finite": (lambda t, m: t[f"{LORA}.hess"].view(-1)[0].fill_(float("nan")), "has non-finite values"),
+    "non-positive": (lambda t, m: t[f"{LORA}.hess"].view(-1)[0].fill_(-1.0), "has non-positive hess"),
+    "not orthonormal": (lambda t, m: t[f"{LORA}.Q_R"].mul_(1.1), "is not orthonormal"),
+    "other save": (
+        lambda t, m: m.update(checkpoint_id="0" * 32),
+        f"(checkpoint {'0' * 32}) and",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHTS_ERRORS))
+def test_a_bad_weights_file_is_named_in_the_error(tmp_path, case):
+    """The format's contract: a load error names the tensor or field *and the file*. Errors about
+    the weights file's tensors named the tensor alone ("tensor 'x.hess' has non-finite values"),
+    so a user loading a model directory, a subfolder or a Hub cache could not tell which file."""
+    edit, message = WEIGHTS_ERRORS[case]
+    _posterior().save_pretrained(tmp_path)
+    path = _edit_weights(tmp_path, edit)
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value).startswith(str(path)) and message in str(err.value), str(err.value)
 
 
 def test_a_float32_basis_saved_as_float64_loads(tmp_path):

@@ -254,7 +254,7 @@ class PosteriorConfig:
     max_basis_ratio: float | None = _optional(rules.number, nullable=True)  # lean posteriors
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
-    trained_ess: float | None = _optional(rules.number)
+    trained_ess: float | None = _optional(rules.positive_number)
     # the trained ζ of parameters whose group's differs from trained_ess (several EVON groups)
     trained_ess_by_parameter: dict[str, float] | None = _optional(rules.ess_by_name)
     temperature: float | None = _optional(rules.temperature)  # BMA predicts softmax(logits / T); absent: 1

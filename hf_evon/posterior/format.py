@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import hf_evon.posterior.json_rules as json_rules
 from hf_evon.fileio import (
     atomic_write,
     directory_lock,
@@ -144,44 +145,49 @@ def file_tensors(
     return tensors
 
 
-def _check_tensor_headers(fh: Any, config: PosteriorConfig) -> dict[str, torch.dtype]:
-    """Presence, dtype and shape of every tensor, from the header alone (nothing read yet)."""
+def _check_tensor_headers(fh: Any, config: PosteriorConfig, where: str) -> dict[str, torch.dtype]:
+    """Presence, dtype and shape of every tensor, from the header alone (nothing read yet);
+    errors name ``where`` (the weights file) and the tensor."""
     keys = set(fh.keys())
     stored: dict[str, torch.dtype] = {}
     for name, entry in config.parameters.items():
         for key, _, want in entry.tensors(name):
             if key not in keys:
-                raise PosteriorMismatchError(f"tensor {key!r} is missing from {POSTERIOR_WEIGHTS_NAME}")
+                raise PosteriorMismatchError(f"{where}: tensor {key!r} is missing")
             header = fh.get_slice(key)
             dtype = _STORED_DTYPES.get(header.get_dtype())
             if dtype is None:
                 raise PosteriorMismatchError(
-                    f"tensor {key!r} has dtype {header.get_dtype()}; expected one of {sorted(_STORED_DTYPES)}"
+                    f"{where}: tensor {key!r} has dtype {header.get_dtype()}; "
+                    f"expected one of {sorted(_STORED_DTYPES)}"
                 )
             if tuple(header.get_shape()) != want:
                 raise PosteriorMismatchError(
-                    f"tensor {key!r} has shape {list(header.get_shape())}; expected {list(want)}"
+                    f"{where}: tensor {key!r} has shape {list(header.get_shape())}; expected {list(want)}"
                 )
             stored[key] = dtype
     extra = sorted(keys - set(stored))
     if extra:
         raise PosteriorMismatchError(
-            f"{POSTERIOR_WEIGHTS_NAME} holds tensors the config does not declare: {extra[:5]} "
+            f"{where} holds tensors the config does not declare: {extra[:5]} "
             "(refusing to skip them silently)"
         )
     return stored
 
 
-def _check_values(key: str, kind: str, slot: Tensor, weight_decay: float, stored: torch.dtype) -> None:
-    """Finite values; ``hess + weight_decay > 0``; an orthonormal basis (within its dtype's rounding)."""
+def _check_values(
+    key: str, kind: str, slot: Tensor, weight_decay: float, stored: torch.dtype, where: str
+) -> None:
+    """Finite values; ``hess + weight_decay > 0``; an orthonormal basis (within its dtype's rounding).
+    Errors name ``where`` (the weights file) and the tensor."""
     if not _all_finite(slot):
-        raise PosteriorMismatchError(f"tensor {key!r} has non-finite values (NaN or inf)")
+        raise PosteriorMismatchError(f"{where}: tensor {key!r} has non-finite values (NaN or inf)")
     if kind == "hess":
         # IVON's update keeps H + δ > 0 (H itself may dip below 0 by less than δ)
         low = float(slot.min()) + weight_decay
         if low <= 0:
             raise PosteriorMismatchError(
-                f"tensor {key!r} has non-positive hess + weight_decay (min {low:g}); EVON "
+                f"{where}: tensor {key!r} has non-positive hess + weight_decay (min {low:g}); EVON "
                 "keeps it positive, else the variance 1/(ess·(hess + weight_decay)) would be "
                 "negative or infinite"
             )
@@ -191,14 +197,21 @@ def _check_values(key: str, kind: str, slot: Tensor, weight_decay: float, stored
     err = orthonormality_error(slot)
     if err > tol:
         raise PosteriorMismatchError(
-            f"tensor {key!r} is not orthonormal (‖QᵀQx − x‖/‖x‖ = {err:.3g} > {tol:g} for {dtype_name(stored)})"
+            f"{where}: tensor {key!r} is not orthonormal "
+            f"(‖QᵀQx − x‖/‖x‖ = {err:.3g} > {tol:g} for {dtype_name(stored)})"
         )
 
 
 def _read_groups(
-    fh: Any, config: PosteriorConfig, stored: dict[str, torch.dtype], device: Any, reorthonormalize: bool
+    fh: Any,
+    config: PosteriorConfig,
+    stored: dict[str, torch.dtype],
+    device: Any,
+    reorthonormalize: bool,
+    where: str,
 ) -> list[FactorGroup]:
-    """Read every tensor once, straight into its group's stacked buffer, validating its values."""
+    """Read every tensor once, straight into its group's stacked buffer, validating its values
+    (errors name ``where``, the weights file)."""
     buckets: dict[tuple, list[str]] = {}
     for name, entry in config.parameters.items():
         dt = torch.float64 if stored[f"{name}.hess"] == torch.float64 else torch.float32
@@ -216,7 +229,7 @@ def _read_groups(
             for key, kind, _ in config.parameters[name].tensors(name):
                 slot = buffers[kind][i]
                 slot.copy_(fh.get_tensor(key))  # upcasts half-precision bases to float32
-                _check_values(key, kind, slot, weight_decay, stored[key])
+                _check_values(key, kind, slot, weight_decay, stored[key], where)
         if reorthonormalize:
             for kind in ("Q_L", "Q_R"):
                 if buffers[kind] is not None:
@@ -262,7 +275,7 @@ def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
             f"per {MIN_BYTES_PER_CONTAINER} bytes (a posterior's config holds about one per 100); refusing to parse it"
         )
     try:
-        raw = json.loads(data.decode("utf-8"))
+        raw = json.loads(data.decode("utf-8"), object_pairs_hook=json_rules.unique_keys)
     except RecursionError:
         raise PosteriorMismatchError(
             f"{where}: the config nests lists/objects too deeply to parse (at most {MAX_CONFIG_DEPTH} levels)"
@@ -284,11 +297,11 @@ def read_factor_groups(
         saved_id = (fh.metadata() or {}).get("checkpoint_id")
         if saved_id is not None and config.checkpoint_id is not None and saved_id != config.checkpoint_id:
             raise PosteriorMismatchError(
-                f"{config.weights_name} (checkpoint {saved_id}) and {POSTERIOR_CONFIG_NAME} (checkpoint "
+                f"{weights_path} (checkpoint {saved_id}) and {POSTERIOR_CONFIG_NAME} (checkpoint "
                 f"{config.checkpoint_id}) come from different saves; save the posterior again"
             )
-        stored = _check_tensor_headers(fh, config)
-        groups = _read_groups(fh, config, stored, device, reorthonormalize)
+        stored = _check_tensor_headers(fh, config, weights_path)
+        groups = _read_groups(fh, config, stored, device, reorthonormalize, weights_path)
     check_finite_std(groups, config.source)
     return groups
 

@@ -24,11 +24,32 @@ class PosteriorMismatchError(ValueError):
 Rule = Callable[[Any, str, str], Any]
 
 
+def shown(value: Any) -> str:
+    """``repr(value)``, cut short: a file from elsewhere may hold a 400-digit number or a 1 MB string."""
+    text = repr(value)
+    return f"{text[:60]}... ({len(text)} characters)" if len(text) > 80 else text
+
+
 def rule_error(where: str, field: str, rule: str, value: Any) -> PosteriorMismatchError:
-    shown = repr(value)
-    if len(shown) > 80:  # a file from elsewhere may hold a 400-digit number or a 1 MB string
-        shown = f"{shown[:60]}... ({len(shown)} characters)"
-    return PosteriorMismatchError(f"{where}: field {field!r} must be {rule}; got {shown}")
+    return PosteriorMismatchError(f"{where}: field {field!r} must be {rule}; got {shown(value)}")
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A parsed JSON object (``json.loads``' ``object_pairs_hook``) whose keys are all different.
+
+    JSON leaves a repeated key's value undefined: Python keeps the last, other readers the first,
+    so a config could show one ``ess`` and load another.
+    """
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(
+                    f"key {shown(key)} appears twice in one object; JSON readers disagree on which value it has"
+                )
+            seen.add(key)
+    return out
 
 
 def as_float(value: Any) -> float | None:
@@ -52,6 +73,14 @@ def number(value: Any, field: str, where: str) -> float:
     if number is None or math.isnan(number) or number == -math.inf:
         raise rule_error(where, field, 'a number (or "inf")', value)
     return value
+
+
+def positive_number(value: Any, field: str, where: str) -> float:
+    """A JSON number > 0, or ``"inf"`` (a ζ: ``1/ζ`` scales every variance); an integer stays one."""
+    number = math.inf if value == "inf" else as_float(value)
+    if number is None or not number > 0:  # NaN too
+        raise rule_error(where, field, 'a number > 0 (or "inf")', value)
+    return math.inf if value == "inf" else value
 
 
 def integer(minimum: int) -> Rule:
