@@ -29,7 +29,7 @@ from transformers import (
 from hf_evon import EVON, EVONConfig, EVONTrainer, build_optimizer
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
 from hf_evon.predictive.metrics import calibration_metrics
-from hf_evon.trainer import EVONSeq2SeqConfig
+from hf_evon.trainer import EVONSeq2SeqConfig, evon_config_class
 
 try:  # tests/test_cuda.py borrows the fixtures below on machines without datasets
     from datasets import Dataset
@@ -205,6 +205,52 @@ def test_the_command_line_takes_none_where_the_help_offers_it(tmp_path) -> None:
     assert args.evon_clip is None and args.evon_snr_scaling is None
     kwargs = args.evon_optimizer_kwargs()
     assert kwargs["clip"] is None and kwargs["snr_scaling"] is None
+
+
+OWN_ARGUMENTS = """
+import dataclasses
+from transformers import TrainingArguments
+
+@dataclasses.dataclass
+class OwnArguments(TrainingArguments):
+    remove_unused_columns: bool = False  # as TRL's GRPOConfig: the trainer needs its raw columns
+    logging_steps: float = 10
+    learning_rate: float = 1e-6
+    extra: int = 3
+"""
+
+
+def test_a_combined_arguments_class_keeps_its_bases_defaults_and_unpickles_elsewhere(tmp_path, monkeypatch):
+    """evon_config_class(base) took TrainingArguments' defaults where base has its own (EVONConfig,
+    first in the MRO, re-applies every inherited field): TRL's GRPOConfig lost remove_unused_columns
+    False. And its instances, pickled by the built class's name, did not unpickle in a process that
+    had not built it (training_args.bin, spawned workers)."""
+    (tmp_path / "own_arguments.py").write_text(OWN_ARGUMENTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from own_arguments import OwnArguments
+
+    combined = evon_config_class(OwnArguments)
+    defaults = {f.name: f.default for f in dataclasses.fields(combined)}
+    assert (defaults["remove_unused_columns"], defaults["logging_steps"], defaults["extra"]) == (False, 10, 3)
+    assert defaults["learning_rate"] is None  # EVONConfig's own field wins: chosen from the model
+    args = combined(output_dir=str(tmp_path / "out"), report_to="none", evon_ess=500.0, extra=5)
+    assert args.remove_unused_columns is False and args.logging_steps == 10
+    torch.save(args, tmp_path / "training_args.bin")
+    script = (
+        "import sys, torch\n"
+        "args = torch.load(sys.argv[1], weights_only=False)\n"
+        "print(type(args).__name__, type(args).__mro__[2].__name__, args.evon_ess, args.extra,\n"
+        "      args.remove_unused_columns)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "training_args.bin")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["EVONOwnArguments", "OwnArguments", "500.0", "5", "False"]
 
 
 @pytest.mark.parametrize(

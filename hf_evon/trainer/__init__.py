@@ -1,7 +1,8 @@
 """EVON in the ``transformers.Trainer`` family: one module per concern.
 
-* :mod:`~hf_evon.trainer.config`: :class:`EVONConfig` (``TrainingArguments`` + EVON fields) and
-  :func:`evon_config_class` (the EVON fields on any other arguments class);
+* :mod:`~hf_evon.trainer.config`: :class:`EVONConfig` (``TrainingArguments`` + EVON fields);
+* :mod:`~hf_evon.trainer.combined`: :func:`evon_config_class` (the EVON fields on any other
+  arguments class);
 * :mod:`~hf_evon.trainer.mixin`: :class:`EVONTrainerMixin`, the training plumbing (optimizer,
   sampled training step, loss scaling, clipping, logs) for any ``Trainer`` subclass;
 * :mod:`~hf_evon.trainer.checkpointing`: the posterior saved with the model, the best model's
@@ -29,7 +30,8 @@ Any other ``Trainer`` subclass: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)
 
 from typing import Any
 
-from hf_evon.trainer.config import EVONConfig, evon_config_class, register_evon_config
+from hf_evon.trainer.combined import evon_config_class, register_evon_config
+from hf_evon.trainer.config import EVONConfig
 from hf_evon.trainer.mixin import EVONTrainerMixin
 from hf_evon.trainer.trainers import EVONSeq2SeqConfig, EVONSeq2SeqTrainer, EVONTrainer
 

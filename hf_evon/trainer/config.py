@@ -2,8 +2,8 @@
 
 One place for what a run is configured with; the Trainer plumbing that reads it lives in
 :mod:`hf_evon.trainer.mixin`, the evaluation in :mod:`hf_evon.trainer.evaluation`.
-:func:`evon_config_class` combines ``EVONConfig`` with another trainer's arguments class
-(e.g. TRL's ``SFTConfig``), so the EVON fields compose with any ``Trainer`` subclass.
+:func:`hf_evon.trainer.combined.evon_config_class` combines ``EVONConfig`` with another trainer's
+arguments class (e.g. TRL's ``SFTConfig``), so the EVON fields compose with any ``Trainer`` subclass.
 """
 
 import math
@@ -36,7 +36,7 @@ from hf_evon.optim.grouping import compiled_patterns
 from hf_evon.optim.recipes import RECIPES
 from hf_evon.optim.validation import validate_hyperparameters
 
-__all__ = ["EVONConfig", "converted_config", "evon_config_class", "register_evon_config"]
+__all__ = ["EVONConfig"]
 
 # learning_rate=None: EVONTrainer picks one of these from the model (the rate AdamW would get)
 SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
@@ -551,56 +551,3 @@ class EVONConfig(TrainingArguments):
             "nonfinite": self.evon_nonfinite,
             "seed": self.seed if self.evon_seed is None else self.evon_seed,
         }
-
-
-_COMBINED: dict[type, type] = {}
-
-
-def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfig]) -> None:
-    """Make ``combined`` (a declared ``EVONConfig`` + ``base`` dataclass) what
-    :func:`evon_config_class` returns for ``base``."""
-    if not (issubclass(combined, EVONConfig) and issubclass(combined, base)):
-        raise TypeError(f"{combined.__name__} must subclass both EVONConfig and {base.__name__}")
-    _COMBINED[base] = combined
-
-
-def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
-    """``EVONConfig`` combined with ``base`` (e.g. TRL's ``SFTConfig``): every field of both.
-
-    ``EVONConfig``'s fields win where both define one (``learning_rate``: chosen from the model
-    unless set).
-    ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to itself, a base with a declared
-    combination (``EVONSFTConfig``, ``EVONSeq2SeqConfig``) to that; any other is built once, as
-    ``hf_evon.trainer.config.EVON<Base>`` (so checkpoints can pickle it).
-    """
-    if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
-        raise TypeError(f"base must be a TrainingArguments subclass; got {base!r}")
-    if issubclass(base, EVONConfig):
-        return base
-    if base is TrainingArguments:
-        return EVONConfig
-    if base not in _COMBINED:
-        name = f"EVON{base.__name__}"
-        while name in globals():
-            name += "_"
-        combined = type(name, (EVONConfig, base), {"__module__": __name__, "__qualname__": name})
-        combined.__doc__ = f"``{base.__name__}`` plus the EVON fields of :class:`EVONConfig`."
-        globals()[name] = _COMBINED[base] = dataclass(combined)
-    return _COMBINED[base]
-
-
-def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONConfig:
-    """Plain ``args`` as ``target`` (:func:`evon_config_class`), the EVON fields at their defaults.
-
-    A lower-is-better metric (``*_nll``, ``*_ece``, ...) whose ``greater_is_better`` is the one
-    ``TrainingArguments`` set by itself (True for any name not ending in "loss") is left to
-    ``EVONConfig`` (False): kept, it would load the worst checkpoint as the best. A user who set
-    True by hand cannot be told apart from the default, and gets ``EVONConfig``'s choice.
-    """
-    values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
-    # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
-    values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
-    metric = args.metric_for_best_model or ""
-    if metric.endswith(_LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
-        values["greater_is_better"] = None
-    return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})

@@ -109,13 +109,8 @@ from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.checkpointing import CheckpointingMixin
-from hf_evon.trainer.config import (
-    FINETUNING_LEARNING_RATE,
-    SCRATCH_LEARNING_RATE,
-    EVONConfig,
-    converted_config,
-    evon_config_class,
-)
+from hf_evon.trainer.combined import converted_config, evon_config_class
+from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
 from hf_evon.trainer.internals import TrainerInternals
 from hf_evon.trainer.prediction import PredictionMixin

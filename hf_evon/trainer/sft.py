@@ -12,7 +12,8 @@ from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
-from hf_evon.trainer.config import EVONConfig, register_evon_config
+from hf_evon.trainer.combined import register_evon_config
+from hf_evon.trainer.config import EVONConfig
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]

@@ -9,7 +9,8 @@ from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from hf_evon.predictive.generation import generate_bma
-from hf_evon.trainer.config import EVONConfig, register_evon_config
+from hf_evon.trainer.combined import register_evon_config
+from hf_evon.trainer.config import EVONConfig
 from hf_evon.trainer.evaluation import merge_metrics
 from hf_evon.trainer.mixin import EVONTrainerMixin
 

@@ -1,0 +1,119 @@
+"""``EVONConfig`` combined with another trainer's arguments class (e.g. TRL's ``GRPOConfig``).
+
+:func:`evon_config_class` gives the class with the fields of both, so the EVON fields compose with
+any ``Trainer`` subclass; :func:`converted_config` turns plain arguments into it.
+"""
+
+import copyreg
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, get_type_hints
+
+from transformers import TrainingArguments
+
+from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
+
+__all__ = ["converted_config", "evon_config_class", "register_evon_config"]
+
+_COMBINED: dict[type, type] = {}
+
+
+def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfig]) -> None:
+    """Make ``combined`` (a declared ``EVONConfig`` + ``base`` dataclass) what
+    :func:`evon_config_class` returns for ``base``."""
+    if not (issubclass(combined, EVONConfig) and issubclass(combined, base)):
+        raise TypeError(f"{combined.__name__} must subclass both EVONConfig and {base.__name__}")
+    _COMBINED[base] = combined
+
+
+def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
+    """``EVONConfig`` combined with ``base`` (e.g. TRL's ``GRPOConfig``): every field of both.
+
+    ``EVONConfig``'s own fields win where both define one (``learning_rate``: chosen from the
+    model unless set); every other field keeps ``base``'s default (``remove_unused_columns=False``
+    of ``GRPOConfig``).
+    ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to itself, a base with a declared
+    combination (``EVONSFTConfig``, ``EVONSeq2SeqConfig``) to that; any other is built once, as
+    ``hf_evon.trainer.combined.EVON<Base>``, whose instances pickle by ``base``: a process that has
+    not built the class (one loading ``training_args.bin``, a spawned worker) builds it to unpickle.
+    """
+    if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
+        raise TypeError(f"base must be a TrainingArguments subclass; got {base!r}")
+    if issubclass(base, EVONConfig):
+        return base
+    if base is TrainingArguments:
+        return EVONConfig
+    if base not in _COMBINED:
+        name = f"EVON{base.__name__}"
+        while name in globals():
+            name += "_"
+        namespace = {"__module__": __name__, "__qualname__": name, "__reduce__": _reduce_by_base}
+        namespace.update(_fields_base_declares(base))
+        combined = type(name, (EVONConfig, base), namespace)
+        combined.__doc__ = f"``{base.__name__}`` plus the EVON fields of :class:`~hf_evon.EVONConfig`."
+        globals()[name] = _COMBINED[base] = dataclass(combined)
+    return _COMBINED[base]
+
+
+def _fields_base_declares(base: type[TrainingArguments]) -> dict[str, Any]:
+    """Class-body entries re-declaring the fields ``base`` declares anew (its own defaults) and
+    ``EVONConfig`` does not: the dataclass of ``(EVONConfig, base)`` would otherwise take each
+    from ``EVONConfig``, first in its MRO, whose inherited fields carry ``TrainingArguments``'
+    defaults."""
+    own = {f.name: f for f in fields(EVONConfig)}
+    evons = vars(EVONConfig)["__annotations__"]
+    declared = {
+        f.name: f for f in fields(base) if f.name in own and f is not own[f.name] and f.name not in evons
+    }
+    types = get_type_hints(base)  # resolved: a string annotation would be read in this module
+    namespace: dict[str, Any] = {"__annotations__": {name: types[name] for name in declared}}
+    for name, f in declared.items():
+        namespace[name] = _copied_field(f)
+    return namespace
+
+
+def _copied_field(f: Field) -> Field:
+    """A new ``Field`` with ``f``'s settings (a dataclass takes over the ``Field`` objects in its body)."""
+    default = (
+        {"default": f.default} if f.default_factory is MISSING else {"default_factory": f.default_factory}
+    )
+    return field(
+        **default,
+        init=f.init,
+        repr=f.repr,
+        hash=f.hash,
+        compare=f.compare,
+        metadata=f.metadata,
+        kw_only=f.kw_only,
+    )
+
+
+def _reduce_by_base(config: EVONConfig) -> tuple[Any, ...]:
+    """A built combination's instance pickled by its base and its state (see :func:`evon_config_class`);
+    that of a subclass declared elsewhere, by the subclass's name, as ``pickle`` does by default."""
+    if type(config).__module__ != __name__:
+        return copyreg.__newobj__, (type(config),), dict(vars(config))
+    return _unpickled, (type(config).__bases__[1], dict(vars(config)))
+
+
+def _unpickled(base: type[TrainingArguments], state: dict[str, Any]) -> EVONConfig:
+    combined = evon_config_class(base)
+    config = combined.__new__(combined)
+    vars(config).update(state)
+    return config
+
+
+def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONConfig:
+    """Plain ``args`` as ``target`` (:func:`evon_config_class`), the EVON fields at their defaults.
+
+    A lower-is-better metric (``*_nll``, ``*_ece``, ...) whose ``greater_is_better`` is the one
+    ``TrainingArguments`` set by itself (True for any name not ending in "loss") is left to
+    ``EVONConfig`` (False): kept, it would load the worst checkpoint as the best. A user who set
+    True by hand cannot be told apart from the default, and gets ``EVONConfig``'s choice.
+    """
+    values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
+    # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
+    values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
+    metric = args.metric_for_best_model or ""
+    if metric.endswith(_LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
+        values["greater_is_better"] = None
+    return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})
