@@ -8,8 +8,10 @@ import pytest
 import torch
 from test_trainer import classification_data, config
 from torch import nn
+from transformers import Trainer
 
 from hf_evon import EVONTrainer
+from hf_evon.trainer import EVONTrainerMixin
 
 
 class Classifier(nn.Module):
@@ -74,6 +76,19 @@ def test_a_calibration_split_that_is_an_eval_set_is_refused_before_training(tmp_
         EVONTrainer(
             model=Classifier("labels"), args=args, train_dataset=classification_data(),
             eval_dataset={"dev": held_out}, calibration_dataset=held_out,
+        )  # fmt: skip
+
+    class PassingTrainer(Trainer):  # a subclass whose __init__ hides eval_dataset in **kwargs
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    class EVONPassingTrainer(EVONTrainerMixin, PassingTrainer):
+        pass
+
+    with pytest.raises(ValueError, match="calibration_dataset is the eval_dataset"):
+        EVONPassingTrainer(
+            model=Classifier("labels"), args=args, train_dataset=classification_data(), eval_dataset=held_out,
+            calibration_dataset=held_out,
         )  # fmt: skip
     trainer = EVONTrainer(
         model=Classifier("labels"), args=args, train_dataset=classification_data(), eval_dataset={"dev": held_out}

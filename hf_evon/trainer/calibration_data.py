@@ -77,12 +77,9 @@ def is_eval_set(dataset: Any, eval_dataset: Any) -> bool:
     return dataset is not None and any(dataset is s for s in sets)
 
 
-def refuse_eval_set(dataset: Any, name: str, eval_dataset: Any, as_given: tuple[Any, Any] = (None, None)) -> None:
-    """Raise, naming ``name``, where ``dataset`` is the trainer's ``eval_dataset`` (:func:`is_eval_set`)
-    or, while the trainer keeps the eval set it was made with, that set as it was given: ``as_given``
-    is it and the one the trainer kept, which TRL's trainers prepare anew (another object)."""
-    given, kept = as_given
-    if is_eval_set(dataset, eval_dataset) or (eval_dataset is kept and is_eval_set(dataset, given)):
+def refuse_eval_set(dataset: Any, name: str, *eval_sets: Any) -> None:
+    """Raise, naming ``name``, where ``dataset`` is one of ``eval_sets`` (:func:`is_eval_set`)."""
+    if any(is_eval_set(dataset, eval_set) for eval_set in eval_sets):
         raise ValueError(
             f"{name} is the eval_dataset: the sampling scale would be chosen on the examples the BMA metrics "
             "are reported on. Hold out separate examples for calibration"

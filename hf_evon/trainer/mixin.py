@@ -183,7 +183,6 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         args = self._evon_arguments(args)
         init = inspect.signature(super().__init__)
         given_eval = init.bind_partial(model, args, *trainer_args, **kwargs).arguments.get("eval_dataset")
-        calibration_data.refuse_eval_set(calibration_dataset, "calibration_dataset", given_eval)
         if peft_config is not None and "peft_config" in init.parameters:
             kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
         elif peft_config is not None:
@@ -191,6 +190,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         super().__init__(model, args, *trainer_args, **kwargs)
         # the eval set as given beside the one kept: TRL's trainers keep it prepared anew, another object
         self._evon_eval_given = (given_eval, self.eval_dataset)
+        self._refuse_eval_set(calibration_dataset, "calibration_dataset")
         if posterior is not None and not isinstance(posterior, EVONPosterior):
             raise TypeError(f"posterior= takes an EVONPosterior (EVONPosterior.from_pretrained); got {type(posterior)}")
         if posterior is not None and self.model is not None:  # another model's: refused here, not when saving
@@ -319,9 +319,12 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Tra
         finally:
             self.args.dataloader_persistent_workers = persistent
 
-    def _refuse_eval_set(self, dataset: Any) -> None:
-        """Refuse ``dataset`` for ``calibrate()`` where it is the eval set, as kept or as it was given."""
-        calibration_data.refuse_eval_set(dataset, "calibrate(): dataset", self.eval_dataset, self._evon_eval_given)
+    def _refuse_eval_set(self, dataset: Any, name: str = "calibrate(): dataset") -> None:
+        """Refuse ``dataset`` for calibration where it is the eval set as kept or, while the trainer keeps
+        the one it was made with, that set as it was given (``bind_partial`` of the parent's signature)."""
+        given, kept = self._evon_eval_given
+        sets = (self.eval_dataset, given) if self.eval_dataset is kept else (self.eval_dataset,)
+        calibration_data.refuse_eval_set(dataset, name, *sets)
 
     def calibrate(
         self,
