@@ -589,85 +589,74 @@ def test_loading_a_missing_local_path_says_the_path_does_not_exist(tmp_path):
 
 
 # ----------------------------------------------------------------------------- item 2: two writers
-def test_two_writers_in_one_directory_leave_a_posterior_that_loads(tmp_path, monkeypatch):
-    """A's staged weights are not B's "left by a killed save": whoever switches last wins, whole."""
+def _two_writers(directory, monkeypatch, module, a, b, a_is_inside, **save_kwargs) -> None:
+    """Writer A saves ``a`` and stops at its next ``module.atomic_write`` once ``a_is_inside()``
+    (polled while A runs); writer B then saves ``b`` (given 2 s: without a lock it finishes in
+    them); A goes on. Neither save may raise."""
     import threading
 
-    import hf_evon.posterior.format as format_module
-
-    a, b = _posterior(scale=2.0), _posterior(scale=5.0)
-    _posterior().save_pretrained(tmp_path)
     go = threading.Event()
-    real = format_module.atomic_write
+    real = module.atomic_write
 
-    def paused(path, data):  # A stops right before its config switch, its weights staged
+    def paused(path, data):
         if threading.current_thread().name == "A":
             go.wait(timeout=20)
         return real(path, data)
 
-    monkeypatch.setattr(format_module, "atomic_write", paused)
+    monkeypatch.setattr(module, "atomic_write", paused)
     errors: list[BaseException] = []
 
     def run(post):
         try:
-            post.save_pretrained(tmp_path, model_card=False)
+            post.save_pretrained(directory, **save_kwargs)
         except BaseException as err:  # noqa: BLE001 - reported by the assert below
             errors.append(err)
 
     writer_a = threading.Thread(target=run, args=(a,), name="A")
     writer_a.start()
-    while not list(tmp_path.glob(".evon_posterior.*")) and not list(
-        tmp_path.glob("evon_posterior.*.safetensors")
-    ):
-        writer_a.join(0.01)  # A is writing its weights
+    while not a_is_inside():
+        writer_a.join(0.01)
     writer_b = threading.Thread(target=run, args=(b,), name="B")
     writer_b.start()
-    writer_b.join(2.0)  # without a lock B finishes here, cleaning up what A staged
+    writer_b.join(2.0)
     go.set()
     writer_a.join()
     writer_b.join()
     assert not errors, errors
+
+
+def test_two_writers_in_one_directory_leave_a_posterior_that_loads(tmp_path, monkeypatch):
+    """A's staged weights are not B's "left by a killed save": whoever switches last wins, whole.
+    A stops right before its config switch, its weights staged; without a lock B would finish
+    then, cleaning up what A staged."""
+    import hf_evon.posterior.format as format_module
+
+    a, b = _posterior(scale=2.0), _posterior(scale=5.0)
+    _posterior().save_pretrained(tmp_path)
+
+    def a_is_writing_its_weights() -> bool:
+        staged = list(tmp_path.glob(".evon_posterior.*")) + list(tmp_path.glob("evon_posterior.*.safetensors"))
+        return bool(staged)
+
+    _two_writers(tmp_path, monkeypatch, format_module, a, b, a_is_writing_its_weights, model_card=False)
     assert _which(tmp_path, a.to_tensors(), b.to_tensors()) in ("old", "new")
 
 
 def test_two_writers_leave_the_card_of_the_posterior_beside_it(tmp_path, monkeypatch):
     """The card was written after the posterior's lock was let go: writer B saved its posterior
     and card while A was about to write its card, and A's card then described a posterior the
-    directory no longer held. Each writer's posterior and card are one turn under the lock."""
-    import threading
-
+    directory no longer held. Each writer's posterior and card are one turn under the lock. A
+    stops right before its card's write, its posterior switched in; outside the lock B saves both
+    files then."""
     import hf_evon.posterior.model_card as card_module
 
     a, b = _posterior().with_ess(200.0), _posterior(scale=3.0).with_ess(500.0)
-    go = threading.Event()
-    real = card_module.atomic_write
-
-    def paused(path, data):  # A stops right before its card's write, its posterior switched in
-        if threading.current_thread().name == "A":
-            go.wait(timeout=20)
-        return real(path, data)
-
-    monkeypatch.setattr(card_module, "atomic_write", paused)
-    errors: list[BaseException] = []
-
-    def run(post):
-        try:
-            post.save_pretrained(tmp_path)
-        except BaseException as err:  # noqa: BLE001 - reported by the assert below
-            errors.append(err)
-
-    writer_a = threading.Thread(target=run, args=(a,), name="A")
-    writer_a.start()
     config = tmp_path / POSTERIOR_CONFIG_NAME
-    while not config.exists() or EVONPosterior.from_pretrained(tmp_path).ess != 200.0:
-        writer_a.join(0.01)  # A is switching its posterior in
-    writer_b = threading.Thread(target=run, args=(b,), name="B")
-    writer_b.start()
-    writer_b.join(2.0)  # outside the lock B saves both files here
-    go.set()
-    writer_a.join()
-    writer_b.join()
-    assert not errors, errors
+
+    def a_switched_its_posterior_in() -> bool:
+        return config.exists() and EVONPosterior.from_pretrained(tmp_path).ess == 200.0
+
+    _two_writers(tmp_path, monkeypatch, card_module, a, b, a_switched_its_posterior_in)
     saved = EVONPosterior.from_pretrained(tmp_path).ess
     card = (tmp_path / "README.md").read_text()
     assert saved == 500.0  # B saved last

@@ -77,9 +77,7 @@ def number(value: Any, field: str, where: str) -> float:
 
 def positive_number(value: Any, field: str, where: str) -> float:
     """A JSON number > 0, or ``"inf"`` (a ζ: ``1/ζ`` scales every variance); an integer stays one."""
-    number = math.inf if value == "inf" else as_float(value)
-    if number is None or not number > 0:  # NaN too
-        raise rule_error(where, field, 'a number > 0 (or "inf")', value)
+    json_float(value, field, where, positive=True)
     return math.inf if value == "inf" else value
 
 
@@ -168,10 +166,8 @@ def recordable_base_model(value: str | None) -> str | None:
 def json_float(value: Any, field: str, where: str, *, positive: bool = False) -> float:
     """A number, or ``"inf"``/``"-inf"``/``"nan"`` as ``json_value`` writes them; ``positive``: > 0."""
     number = float(value) if isinstance(value, str) and value in ("inf", "-inf", "nan") else as_float(value)
-    if number is None:
-        raise rule_error(where, field, 'a number (or "inf")', value)
-    if positive and not number > 0:
-        raise rule_error(where, field, 'a number > 0 (or "inf")', value)
+    if number is None or (positive and not number > 0):  # NaN too
+        raise rule_error(where, field, 'a number > 0 (or "inf")' if positive else 'a number (or "inf")', value)
     return number
 
 

@@ -46,7 +46,7 @@ def _auto_class(model_class: str) -> str:
     return "AutoModel"
 
 
-def is_transformers_model(model_class: str) -> bool:
+def _is_transformers_model(model_class: str) -> bool:
     """Whether ``model_class`` names a transformers model class (one an Auto class can reload); a
     plain ``nn.Module`` (an MLP) has no ``config.json`` and returns a tensor, not ``.logits``."""
     import transformers
@@ -56,6 +56,29 @@ def is_transformers_model(model_class: str) -> bool:
     except Exception:  # a lazy import of an optional backend's class: not loadable here either
         return False
     return isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+
+
+def _posterior_lines(location: str, sub: str) -> list[str]:
+    """The posterior loaded and checked against the model, then a blank line."""
+    return [
+        f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
+        "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
+        "",
+    ]
+
+
+def _averaged_probs_lines(logits: str) -> list[str]:
+    """BMA of class probabilities: ``logits`` (an expression of ``model`` and ``inputs``) softmaxed
+    under 8 weight samples and averaged."""
+    return [
+        "model.eval()",
+        "probs = 0.0",
+        "with torch.no_grad():",
+        "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+        "        with posterior.sampled(model, seed=seed):",
+        f"            probs = probs + {logits}.softmax(-1) / 8",
+        "print(probs)",
+    ]
 
 
 def _plain_module_snippet(model_class: str, location: str, sub: str) -> str:
@@ -68,17 +91,9 @@ def _plain_module_snippet(model_class: str, location: str, sub: str) -> str:
             "from hf_evon import EVONPosterior",
             "",
             f"model = ...  # your {name} as built in training, with its trained weights (not a transformers model)",
-            f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
-            "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
-            "",
+            *_posterior_lines(location, sub),
             "inputs = ...  # a batch of the model's inputs (a tensor)",
-            "model.eval()",
-            "probs = 0.0",
-            "with torch.no_grad():",
-            "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
-            "        with posterior.sampled(model, seed=seed):",
-            "            probs = probs + model(inputs).softmax(-1) / 8",
-            "print(probs)",
+            *_averaged_probs_lines("model(inputs)"),
         ]
     )
 
@@ -111,10 +126,8 @@ def _decoding_lines(tokenizer: bool) -> list[str]:
 
 def _input_lines(auto: str, tokenizer: bool) -> list[str]:
     """The ``inputs`` of one prediction: tokenized text, token ids, or a placeholder."""
-    if auto == "AutoModelForQuestionAnswering":
-        if tokenizer:
-            return ['inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")']
-        return [_TOKEN_IDS, 'inputs = {"input_ids": input_ids}']
+    if auto == "AutoModelForQuestionAnswering" and tokenizer:
+        return ['inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")']
     if auto == "AutoModelForMultipleChoice":  # one question, two choices: a batch of (1, 2, tokens)
         if tokenizer:
             return [
@@ -152,7 +165,7 @@ def usage_snippet(
     model_class = str(posterior.config.get("model_class", ""))
     # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
-    if model_class and not is_peft and not is_transformers_model(model_class):  # an unrecorded class: an Auto class
+    if model_class and not is_peft and not _is_transformers_model(model_class):  # an unrecorded class: an Auto class
         return _plain_module_snippet(model_class, location, sub)
     auto = _auto_class(model_class)
     causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
@@ -180,11 +193,7 @@ def usage_snippet(
         ]
     if tokenizer:
         lines.append(f"tokenizer = AutoTokenizer.from_pretrained({model_location})")
-    lines += [
-        f"posterior = EVONPosterior.from_pretrained({_py(location)}{sub})",
-        "posterior.check_model(model)  # raises if the shapes differ; warns if the weights are not its mean",
-        "",
-    ]
+    lines += _posterior_lines(location, sub)
     if causal:
         return "\n".join(lines + _decoding_lines(tokenizer))
     if auto == "AutoModelForQuestionAnswering":
@@ -200,13 +209,4 @@ def usage_snippet(
             "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
         ]
         return "\n".join(lines)
-    lines += _input_lines(auto, tokenizer) + [
-        "model.eval()",
-        "probs = 0.0",
-        "with torch.no_grad():",
-        "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
-        "        with posterior.sampled(model, seed=seed):",
-        "            probs = probs + model(**inputs).logits.softmax(-1) / 8",
-        "print(probs)",
-    ]
-    return "\n".join(lines)
+    return "\n".join(lines + _input_lines(auto, tokenizer) + _averaged_probs_lines("model(**inputs).logits"))
