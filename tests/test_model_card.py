@@ -192,6 +192,22 @@ def test_a_run_that_saved_no_tokenizer_gets_a_snippet_that_loads_none(task, tmp_
     assert "token ids" not in snippet
 
 
+def test_a_peft_adapters_snippet_loads_the_tokenizer_of_its_base_model():
+    """A PEFT snippet builds the base model from its id and loads the tokenizer from there too, as
+    it did before the card learned to tell whether a tokenizer was saved: the adapter's directory
+    holding none says nothing about the base's, and the snippet fed token ids instead."""
+    import types
+
+    from hf_evon.posterior.snippet import usage_snippet
+
+    posterior = types.SimpleNamespace(
+        config={"model_class": "PeftModelForCausalLM"}, names=["base_model.model.h.0.attn.c_attn.lora_A.default.weight"]
+    )
+    snippet = usage_snippet(posterior, "gpt2", "path/to/adapter", None, None, None, tokenizer=False)
+    assert 'base = AutoModelForCausalLM.from_pretrained("gpt2")' in snippet
+    assert 'tokenizer = AutoTokenizer.from_pretrained("gpt2")' in snippet and "token ids" not in snippet
+
+
 def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_tensor(tmp_path, capsys):
     """An ``nn.Module`` that is no transformers model (an MLP) has no ``config.json`` to load and
     returns a tensor: its card's snippet called ``AutoModel.from_pretrained`` on the directory and

@@ -167,6 +167,9 @@ def usage_snippet(
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
     if model_class and not is_peft and not _is_transformers_model(model_class):  # an unrecorded class: an Auto class
         return _plain_module_snippet(model_class, location, sub)
+    # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
+    # directory holds
+    tokenizer = tokenizer or is_peft
     auto = _auto_class(model_class)
     causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
