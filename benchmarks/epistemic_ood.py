@@ -270,10 +270,7 @@ def run(
             return "ivon-opt not installed"
         import payoff
 
-        setting = payoff.IVON_SETTINGS[payoff.task_kind(task.name)]
-        opt = payoff.ivon_optimizer(ivon, model, payoff.training_targets(task), **setting)
-        payoff_training.train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
-        posterior: Any = payoff.IVONPosterior(opt, float(opt.param_groups[0]["ess"]))
+        posterior: Any = payoff.train_ivon(ivon, task, model, seed, payoff.IVON_SETTINGS[payoff.task_kind(task.name)])
     else:
         opt = payoff_training.train_evon(task, model, seed, identity_basis=method == "evon_diag")
         posterior = EVONPosterior.from_optimizer(opt, model)

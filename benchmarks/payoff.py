@@ -188,17 +188,22 @@ def training_targets(task: Task) -> int:
     return sum(int(count_label_items(y, task.shift)) for _, y in task.train)
 
 
+def train_ivon(ivon: Any, task: Task, model: nn.Module, seed: int, setting: dict[str, Any]) -> IVONPosterior:
+    """ivon-opt at ``setting`` (``ivon_optimizer``'s keywords; its rate times the task's ``lr_scale``)
+    trained by the shared loop; the weights are left at its mean, whose posterior this returns."""
+    opt = ivon_optimizer(ivon, model, training_targets(task), **{**setting, "lr": setting["lr"] * task.lr_scale})
+    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    return IVONPosterior(opt, float(opt.param_groups[0]["ess"]))
+
+
 def run_ivon(task: Task, seed: int, sizes: list[int]) -> dict[str, Any]:
     try:
         import ivon
     except ImportError:
         return {"IVON (ivon-opt) mean": "ivon-opt not installed"}
     model = task.make_model(seed)
-    setting = IVON_SETTINGS[task_kind(task.name)]
-    opt = ivon_optimizer(ivon, model, training_targets(task), **{**setting, "lr": setting["lr"] * task.lr_scale})
-    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
+    posterior = train_ivon(ivon, task, model, seed, IVON_SETTINGS[task_kind(task.name)])
     mean = log_probs(model, task.test, task.shift)
-    posterior = IVONPosterior(opt, float(opt.param_groups[0]["ess"]))
     return {
         "IVON (ivon-opt) mean": scores(*mean),
         **selection_row("IVON (ivon-opt)", model=model, task=task),

@@ -87,7 +87,10 @@ def run(job: tuple[str, int, Any]) -> dict[str, Any]:
     if setting == "adamw":
         train_adamw(task, model, seed)
     elif isinstance(setting, str):  # "ivon:<lr>" or "ivon:{...}": ivon-opt at its conventions but these
-        train_ivon(task, model, seed, ivon_kwargs(setting))
+        import ivon
+        import payoff
+
+        payoff.train_ivon(ivon, task, model, seed, ivon_kwargs(setting))
     else:
         kwargs = {k: v for k, v in setting.items() if k != "prior_std_ratio"}
         with prior_std_ratio(setting.get("prior_std_ratio")):
@@ -110,9 +113,9 @@ IVON_KEYS = ("lr", "ess", "hess_init")  # what an ivon setting may set (payoff.i
 
 def ivon_kwargs(text: str) -> dict[str, Any] | None:
     """``payoff.ivon_optimizer``'s keyword arguments from 'ivon:<lr>' or 'ivon:{"lr": ..., "ess": ...,
-    "hess_init": ...}' (each a number > 0; lr required); None where ``text`` is neither."""
+    "hess_init": ...}' (each a number > 0; lr required); None where what follows 'ivon:' is neither."""
     try:
-        value = json.loads(text[len("ivon:") :]) if text.startswith("ivon:") else None
+        value = json.loads(text[len("ivon:") :])
     except json.JSONDecodeError:
         return None
     kwargs = value if isinstance(value, dict) else {"lr": value}
@@ -120,17 +123,6 @@ def ivon_kwargs(text: str) -> dict[str, Any] | None:
         isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in kwargs.values()
     )
     return kwargs if "lr" in kwargs and set(kwargs) <= set(IVON_KEYS) and positive else None
-
-
-def train_ivon(task: Any, model: Any, seed: int, kwargs: dict[str, Any]) -> None:
-    """ivon-opt (``payoff.ivon_optimizer``: ess = N unless given, its other defaults) with ``kwargs``,
-    trained by payoff's loop; the weights are left at its mean."""
-    import ivon
-    import payoff
-    from payoff_training import train
-
-    opt = payoff.ivon_optimizer(ivon, model, payoff.training_targets(task), **kwargs)
-    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True))
 
 
 def parse_setting(text: str) -> Any:
