@@ -87,22 +87,26 @@ def test_an_adamw_group_steps_complex_parameters_as_torch_adamw_does() -> None:
     torch.testing.assert_close(got_state["exp_avg_sq"], ref_state["exp_avg_sq"], rtol=1e-6, atol=1e-9)
 
 
+def _adamw_run(make, eps_schedule: list[float] | None = None, steps: int = 5) -> list[torch.Tensor]:  # noqa: ANN001
+    """The weights after ``steps`` full-batch steps of the optimizer ``make`` builds on a fresh model,
+    its first group's ``eps`` set before each step from ``eps_schedule`` where given."""
+    model = _model()
+    opt = make(list(model.parameters()))
+    for eps in eps_schedule or [None] * steps:
+        if eps is not None:
+            opt.param_groups[0]["eps"] = eps
+        nn.functional.cross_entropy(model(X), Y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
 def test_an_adamw_groups_eps_is_adamws_and_unsupported_adamw_options_are_refused() -> None:
-    """torch AdamW's own group keys were ignored without a word: ``eps`` (EVON's AdamW reads
-    ``adamw_eps``), ``amsgrad`` and ``maximize``."""
-
-    def run(make) -> list[torch.Tensor]:  # noqa: ANN001
-        model = _model()
-        opt = make(list(model.parameters()))
-        for _ in range(5):
-            nn.functional.cross_entropy(model(X), Y).backward()
-            opt.step()
-            opt.zero_grad()
-        return [p.detach() for p in model.parameters()]
-
+    """torch AdamW's own group keys are an AdamW group's: its ``eps`` is AdamW's ε, and ``amsgrad``
+    and ``maximize``, which EVON's AdamW does not implement, are refused rather than ignored."""
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "eps": 1e-3}
-    ref = run(lambda ps: torch.optim.AdamW([{"params": ps, **group}], fused=True))
-    got = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]))
+    ref = _adamw_run(lambda ps: torch.optim.AdamW([{"params": ps, **group}], fused=True))
+    got = _adamw_run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]))
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for option in ("amsgrad", "maximize"):
@@ -124,24 +128,14 @@ def test_an_adamw_groups_eps_is_the_one_it_shows_and_an_edit_between_steps_is_us
     with pytest.raises(ValueError, match="'eps' or as 'adamw_eps', not both"):
         EVON([{"params": list(_model().parameters()), **given, "eps": 1e-4}])
 
-    def run(make, schedule: list[float]) -> list[torch.Tensor]:  # noqa: ANN001
-        model = _model()
-        opt = make(list(model.parameters()))
-        for eps in schedule:
-            opt.param_groups[0]["eps"] = eps
-            nn.functional.cross_entropy(model(X), Y).backward()
-            opt.step()
-            opt.zero_grad()
-        return [p.detach() for p in model.parameters()]
-
     group = {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1}
     schedule = [1e-8, 1e-8, 0.1, 0.1, 1e-3]
-    ref = run(lambda ps: torch.optim.AdamW([{"params": ps, **group}], fused=True), schedule)
-    got = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]), schedule)
+    ref = _adamw_run(lambda ps: torch.optim.AdamW([{"params": ps, **group}], fused=True), schedule)
+    got = _adamw_run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]), schedule)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     # the edits change the weights (the test can fail)
-    unedited = run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]), [1e-8] * len(schedule))
+    unedited = _adamw_run(lambda ps: EVON([{"params": ps, "algorithm": "adamw", **group}]), [1e-8] * len(schedule))
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(got, unedited, strict=True))
 
 

@@ -136,7 +136,7 @@ def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -
             param_group["eps"] = param_group.pop("adamw_eps")
         for key, value in adamw_defaults.items():
             param_group.setdefault(key, value)
-    return python_numbers(param_group)
+    return param_group  # its NumPy numbers made Python's by settle_group, once torch has filled it in
 
 
 def resolve_rate(group: dict[str, Any]) -> dict[str, Any]:
@@ -291,17 +291,21 @@ def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, 
     optimizer's, by id of group) holds the settings last found valid: such a group is not checked
     again but for its rate, which schedulers set every step."""
     for i, group in enumerate(groups):
-        settings = tuple(v for k, v in group.items() if k not in _SCHEDULED)
         lr = group.get("lr")
         with contextlib.suppress(Exception):  # a tensor setting compares elementwise: check it
-            if checked.get(id(group)) == settings and finite(lr) and lr >= 0:
-                group["lr"] = lr if type(lr) in (int, float) else float(lr)  # a NumPy rate: Python's
+            if checked.get(id(group)) == _settings(group) and finite(lr) and lr >= 0:
+                group["lr"] = python_number(lr)  # a NumPy rate: Python's
                 continue
         try:
             settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
-        checked[id(group)] = tuple(v for k, v in group.items() if k not in _SCHEDULED)
+        checked[id(group)] = _settings(group)
+
+
+def _settings(group: dict[str, Any]) -> tuple[Any, ...]:
+    """What ``validate_groups`` last found valid in ``group``: its values but the scheduled ones."""
+    return tuple(v for k, v in group.items() if k not in _SCHEDULED)
 
 
 # what the buckets and their state are built from: fixed once they are (a change would silently

@@ -4,15 +4,16 @@
 any ``Trainer`` subclass; :func:`converted_config` turns plain arguments into it.
 """
 
+import copy
 import copyreg
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
 from transformers import TrainingArguments
 
 from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
 
-__all__ = ["converted_config", "evon_config_class", "register_evon_config"]
+__all__ = ["converted_config", "evon_config_class", "keeping_defaults_of", "register_evon_config"]
 
 _COMBINED: dict[type, type] = {}
 
@@ -54,6 +55,22 @@ def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     return _COMBINED[base]
 
 
+def keeping_defaults_of(base: type[TrainingArguments]) -> Any:
+    """Class decorator, under ``@dataclass``, for a combination declared by hand (``EVONSFTConfig``):
+    the fields ``base`` declares anew keep ``base``'s defaults, as :func:`evon_config_class`'s do."""
+
+    def apply(cls: type) -> type:
+        namespace = _fields_base_declares(base)
+        annotations = namespace.pop("__annotations__")
+        cls.__annotations__ = {**annotations, **vars(cls).get("__annotations__", {})}
+        for name, f in namespace.items():
+            if name not in vars(cls):
+                setattr(cls, name, f)
+        return cls
+
+    return apply
+
+
 def _fields_base_declares(base: type[TrainingArguments]) -> dict[str, Any]:
     """Class-body entries re-declaring the fields ``base`` declares anew (its own defaults) and
     ``EVONConfig`` does not: the dataclass of ``(EVONConfig, base)`` would otherwise take each
@@ -67,24 +84,8 @@ def _fields_base_declares(base: type[TrainingArguments]) -> dict[str, Any]:
     types = get_type_hints(base)  # resolved: a string annotation would be read in this module
     namespace: dict[str, Any] = {"__annotations__": {name: types[name] for name in declared}}
     for name, f in declared.items():
-        namespace[name] = _copied_field(f)
+        namespace[name] = copy.copy(f)  # a dataclass takes over the Field objects in its body
     return namespace
-
-
-def _copied_field(f: Field) -> Field:
-    """A new ``Field`` with ``f``'s settings (a dataclass takes over the ``Field`` objects in its body)."""
-    default = (
-        {"default": f.default} if f.default_factory is MISSING else {"default_factory": f.default_factory}
-    )
-    return field(
-        **default,
-        init=f.init,
-        repr=f.repr,
-        hash=f.hash,
-        compare=f.compare,
-        metadata=f.metadata,
-        kw_only=f.kw_only,
-    )
 
 
 def _reduce_by_base(config: EVONConfig) -> tuple[Any, ...]:

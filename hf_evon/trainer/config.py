@@ -382,8 +382,8 @@ class EVONConfig(TrainingArguments):
         ``to_json_string()`` (the Trainer's logs, the integrations) takes no NumPy number."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if python_number(value) is not value:
-                setattr(self, f.name, python_number(value))
+            if (converted := python_number(value)) is not value:
+                setattr(self, f.name, converted)
         if self.posterior_max_basis_ratio is not None and self.posterior_max_basis_ratio == 0:
             self.posterior_max_basis_ratio = None  # "0" on the command line means keep every basis
         if self.evon_hess_clip_ratio is not None and self.evon_hess_clip_ratio == 0:

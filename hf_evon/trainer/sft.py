@@ -12,7 +12,7 @@ from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
-from hf_evon.trainer.combined import register_evon_config
+from hf_evon.trainer.combined import keeping_defaults_of, register_evon_config
 from hf_evon.trainer.config import EVONConfig
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
@@ -20,9 +20,9 @@ __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
 
 
 def _sft_default(name: str) -> Field:
-    """``SFTConfig``'s default for ``name`` with EVONConfig's help text: EVONConfig, first in the
-    MRO, would otherwise give TrainingArguments' default (TRL changes a few: ``tests/test_trl.py``
-    checks that every one it changes is kept)."""
+    """``SFTConfig``'s default for ``name``, one ``EVONConfig`` declares itself (``learning_rate``: TRL's
+    rate, the one you would give AdamW), with EVONConfig's help text; the fields only TRL declares keep
+    its defaults through :func:`keeping_defaults_of` (``tests/test_trl.py`` checks every one)."""
     sft = {f.name: f for f in fields(SFTConfig)}[name]
     evon = {f.name: f for f in fields(EVONConfig)}[name]
     if sft.default_factory is not MISSING:
@@ -31,13 +31,11 @@ def _sft_default(name: str) -> Field:
 
 
 @dataclass
+@keeping_defaults_of(SFTConfig)
 class EVONSFTConfig(EVONConfig, SFTConfig):
     """``SFTConfig`` (its defaults) plus every EVON field of :class:`~hf_evon.EVONConfig`."""
 
     learning_rate: float | None = _sft_default("learning_rate")
-    logging_steps: float = _sft_default("logging_steps")
-    gradient_checkpointing: bool = _sft_default("gradient_checkpointing")
-    bf16: bool | None = _sft_default("bf16")
 
 
 register_evon_config(SFTConfig, EVONSFTConfig)
