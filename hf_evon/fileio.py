@@ -90,7 +90,14 @@ def atomic_write(path: str, data: bytes | str) -> None:
         fh.write(payload)
 
 
-_held = threading.local()  # (st_dev, st_ino) of the directories this thread holds the lock of
+class _Held(threading.local):
+    """The (st_dev, st_ino) of the directories this thread holds the lock of."""
+
+    def __init__(self) -> None:
+        self.directories: set[tuple[int, int]] = set()
+
+
+_held = _Held()
 
 
 @contextlib.contextmanager
@@ -112,7 +119,7 @@ def directory_lock(directory: str) -> Iterator[None]:
     try:
         stat = os.fstat(fd)
         key = (stat.st_dev, stat.st_ino)
-        held = _held.__dict__.setdefault("directories", set())
+        held = _held.directories
         if key in held:
             yield
             return

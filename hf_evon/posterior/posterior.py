@@ -484,8 +484,9 @@ class EVONPosterior:
         config = PosteriorConfig.for_save(
             self.config, factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
         )
+        tensors = file_tensors(factors, eig)  # the copy to the host before the lock: other savers wait less
         with directory_lock(directory):  # one turn: no other save comes between the posterior and its card
-            write_posterior(directory, file_tensors(factors, eig), config)
+            write_posterior(directory, tensors, config)
             if write_card:
                 save_model_card(directory, self, **card_kwargs)
         if push_to_hub:
