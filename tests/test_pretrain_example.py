@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 from launcher import free_port, worker_env
@@ -34,6 +37,21 @@ def run(args: list[str], processes: int = 1, env: dict[str, str] | None = None) 
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def example():
+    """The script as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location("pretrain_lm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def accelerator():
+    """The two things load_tokens reads of an Accelerator, for one process."""
+    return types.SimpleNamespace(main_process_first=contextlib.nullcontext, is_main_process=True)
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +148,14 @@ def test_two_processes(cache: str, tmp_path, shard: bool) -> None:
 
 
 @pytest.mark.parametrize("recipe", ["nanogpt", "llama"])
-def test_recipe_option_builds_the_papers_table(recipe: str) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import pretrain_lm
+def test_recipe_option_builds_the_papers_table(recipe: str, example) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hf_evon import RECIPES
 
-    args = pretrain_lm.parse_args(["--recipe", recipe, "--output-dir", "unused"])
+    args = example.parse_args(["--recipe", recipe, "--output-dir", "unused"])
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
-    opt = pretrain_lm.build_optimizer_for(args, model)
+    opt = example.build_optimizer_for(args, model)
     group = next(g for g in opt.param_groups if g["algorithm"] == "evon")
     for key, value in RECIPES[recipe].items():
         assert group[key] == (tuple(value) if isinstance(value, tuple) else value), key
@@ -166,28 +182,22 @@ def test_a_split_shorter_than_one_block_is_refused(cache: str, tmp_path, val_fra
 
 
 @pytest.mark.parametrize("flag", ["--bma-samples", "--max-steps", "--grad-accum", "--seq-len", "--mc-samples"])
-def test_a_count_below_one_is_an_argument_error(flag: str, capsys) -> None:
+def test_a_count_below_one_is_an_argument_error(flag: str, capsys, example) -> None:
     """--bma-samples 0 trained, then crashed halfway through saving (the new model beside the old
     posterior); --max-steps 0, --grad-accum 0, --seq-len 0 and --mc-samples 0 raised from inside."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import pretrain_lm
-
     with pytest.raises(SystemExit) as exit_:
-        pretrain_lm.parse_args([flag, "0", "--output-dir", "unused"])
+        example.parse_args([flag, "0", "--output-dir", "unused"])
     assert exit_.value.code == 2 and f"{flag} must be an integer >= 1; got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-0.1", "1", "1.5", "nan"])
-def test_a_val_fraction_outside_0_1_is_an_argument_error(value: str, capsys) -> None:
+def test_a_val_fraction_outside_0_1_is_an_argument_error(value: str, capsys, example) -> None:
     """--val-fraction 0 held nothing out: the corpus was tokenised and the model built, then the run
     stopped on "the validation split holds 0 tokens ...: use a shorter --seq-len or a larger corpus",
     blaming the corpus; a negative one or one above 1 raised split_documents' ValueError (a
     traceback), and 1 held out every document, leaving nothing to train on."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import pretrain_lm
-
     with pytest.raises(SystemExit) as exit_:
-        pretrain_lm.parse_args(["--val-fraction", value, "--output-dir", "unused"])
+        example.parse_args(["--val-fraction", value, "--output-dir", "unused"])
     message = (
         f"--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
         f"the rest); got {value}"
@@ -195,17 +205,9 @@ def test_a_val_fraction_outside_0_1_is_an_argument_error(value: str, capsys) -> 
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_tokenizer_cache_follows_the_corpus(tmp_path) -> None:
+def test_the_tokenizer_cache_follows_the_corpus(tmp_path, example, accelerator) -> None:
     """A second corpus in the same cache directory gets a tokenizer trained on it, not the first
     corpus's tokenizer of the same vocabulary size."""
-    import contextlib
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("pretrain_lm", SCRIPT)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext, is_main_process=True)
 
     def vocab(corpus_mb: str, cache_dir: str) -> dict[str, int]:
         args = example.parse_args(["--vocab-size", "384", "--corpus-mb", corpus_mb, "--cache-dir", cache_dir])
@@ -216,17 +218,9 @@ def test_the_tokenizer_cache_follows_the_corpus(tmp_path) -> None:
     assert vocab("0.1", shared) == vocab("0.1", str(tmp_path / "fresh"))
 
 
-def test_the_token_cache_follows_the_text_column(tmp_path) -> None:
+def test_the_token_cache_follows_the_text_column(tmp_path, example, accelerator) -> None:
     """The data cache's key left out --text-column: a second run on another column of the same
     dataset trained on the first column's tokens, and its metrics named the second."""
-    import contextlib
-    import importlib.util
-    import types
-
-    spec = importlib.util.spec_from_file_location("pretrain_lm", SCRIPT)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    accelerator = types.SimpleNamespace(main_process_first=contextlib.nullcontext, is_main_process=True)
     data = tmp_path / "table"
     data.mkdir()
     rows = [f"row {i} says {'alpha ' * (i % 7)}" for i in range(40)]

@@ -139,9 +139,10 @@ def train_and_sample(
     size: str, method: str, hidden: list[int], act: type[nn.Module], steps: int, seed: int, grid: torch.Tensor
 ) -> tuple[torch.Tensor, float, dict[str, float]]:
     """Train; return predictive samples on ``grid`` (SAMPLES × len(grid)), the final loss at the
-    mean, and how the mean moves over the last ``MOTION_STEPS`` steps: its mean move per entry and
-    step as a share of the element clip's bound α·r, and the share of moves at that bound (a mean
-    that still walks at the bound has not settled: its final loss is where the walk stands)."""
+    mean, and how the mean moves between the weights before each of the last ``MOTION_STEPS`` steps:
+    its mean move per entry and step as a share of the element clip's bound α·r, and the share of
+    moves at that bound (a mean that still walks at the bound has not settled: its final loss is
+    where the walk stands)."""
     torch.manual_seed(seed)
     net = mlp(hidden, act)
     x, y = data(seed)
@@ -149,17 +150,13 @@ def train_and_sample(
     ess_start, ess_end = ess_schedule(SETTINGS[(size, method)]["ess"])
     opt = EVON(net.parameters(), **kwargs)
 
-    moves: list[torch.Tensor] = []
-    last: list[torch.Tensor] = []
+    snapshots: list[torch.Tensor] = []  # the weights before each of the last MOTION_STEPS steps
 
-    def anneal(k: int) -> None:  # geometric ζ schedule over the first half, then constant
-        frac = min(1.0, k / max(1, steps // 2))
+    def before_step(k: int) -> None:
+        frac = min(1.0, k / max(1, steps // 2))  # geometric ζ schedule over the first half, then constant
         opt.param_groups[0]["ess"] = ess_start * (ess_end / ess_start) ** frac
         if k >= steps - MOTION_STEPS:
-            flat = torch.cat([p.detach().flatten() for p in net.parameters()])
-            if last:
-                moves.append((flat - last.pop()).abs())
-            last.append(flat)
+            snapshots.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
 
     train_variational(
         opt,
@@ -167,10 +164,10 @@ def train_and_sample(
         steps,
         kwargs["lr"],
         decay_frac=0.0,
-        before_step=anneal,
+        before_step=before_step,
     )
     bound = kwargs["lr"] * kwargs["clip_radius"]  # the element clip's largest move per entry
-    move = torch.stack(moves)
+    move = torch.stack(snapshots).diff(dim=0).abs()
     motion = dict(
         mean_move_over_bound=float(move.mean() / bound),
         share_at_bound=float((move >= 0.99 * bound).float().mean()),
