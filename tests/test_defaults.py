@@ -647,3 +647,20 @@ def test_build_optimizer_says_when_evon_trains_none_of_the_parameters():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="EVON trains none")
         build_optimizer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+
+
+def test_learning_rate_takes_numpy_numbers_as_every_other_rate_does() -> None:
+    """build_optimizer's learning_rate refused np.float32 ("must be a finite number >= 0"), which
+    adamw_lr, lr and EVONConfig take: a rate read from a NumPy sweep grid. It now gives the groups
+    a float's rates, as Python numbers (a state dict of NumPy numbers needs NumPy to load)."""
+    import numpy as np
+
+    model = mlp()
+    rate = np.float32(3e-4)
+    ours = build_optimizer(model, learning_rate=rate)
+    theirs = build_optimizer(model, learning_rate=float(rate))
+    rates = [(g["algorithm"], g["lr"]) for g in ours.param_groups]
+    assert rates == [(g["algorithm"], g["lr"]) for g in theirs.param_groups]
+    assert all(type(g["lr"]) is float for g in ours.param_groups)
+    with pytest.raises(ValueError, match="learning_rate"):
+        build_optimizer(model, learning_rate=np.float32("nan"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from collections.abc import Iterable
@@ -12,7 +11,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import is_peft_model, pretrained_name
-from hf_evon.optim.checks import is_real, outside_stacklevel, require
+from hf_evon.optim.checks import finite, is_real, outside_stacklevel, require
 from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
@@ -213,15 +212,8 @@ def build_optimizer(
         "None or a number > 0",
     )
     if learning_rate is not None:
-        require(
-            "learning_rate",
-            learning_rate,
-            isinstance(learning_rate, int | float)
-            and not isinstance(learning_rate, bool)
-            and math.isfinite(learning_rate)
-            and learning_rate >= 0,
-            "a finite number >= 0",
-        )
+        require("learning_rate", learning_rate, finite(learning_rate) and learning_rate >= 0, "a finite number >= 0")
+        learning_rate = float(learning_rate)
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
     for key in ("clip", "lr", "hess_init", "snr_scaling", "weight_decay"):
         if key in evon_kwargs and evon_kwargs[key] is None:
