@@ -232,7 +232,7 @@ def test_a_combined_arguments_class_keeps_its_bases_defaults_and_unpickles_elsew
     combined = evon_config_class(OwnArguments)
     defaults = {f.name: f.default for f in dataclasses.fields(combined)}
     assert (defaults["remove_unused_columns"], defaults["logging_steps"], defaults["extra"]) == (False, 10, 3)
-    assert defaults["learning_rate"] is None  # EVONConfig's own field wins: chosen from the model
+    assert defaults["learning_rate"] == 1e-6  # base's own rate: the one you would give AdamW with it
     args = combined(output_dir=str(tmp_path / "out"), report_to="none", evon_ess=500.0, extra=5)
     assert args.remove_unused_columns is False and args.logging_steps == 10
     torch.save(args, tmp_path / "training_args.bin")

@@ -7,11 +7,14 @@ docstrings, a few steps on CPU. Skipped without ``trl`` (``pip install hf-evon[t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import json
 import math
 import string
+import subprocess
+import sys
 import textwrap
 import warnings
 
@@ -26,6 +29,7 @@ from hf_evon.posterior.posterior import POSTERIOR_WEIGHTS_NAME
 trl = pytest.importorskip("trl")
 
 from hf_evon.trainer import EVONSFTConfig, EVONSFTTrainer  # noqa: E402
+from hf_evon.trainer.combined import evon_config_class  # noqa: E402
 
 
 def _paragraphs() -> list[str]:
@@ -255,3 +259,35 @@ def test_calibrate_refuses_the_eval_set_as_given_and_as_trl_prepared_it(tmp_path
     trainer.eval_dataset = Dataset.from_dict({"text": _paragraphs()[60:72]})
     with pytest.raises(ValueError, match="no posterior yet"):  # past the eval-set check: not refused
         trainer.calibrate(evaluation)
+
+
+def test_evon_config_class_of_trls_configs_keeps_their_rates_in_a_fresh_process(tmp_path):
+    """Two defects of one rule. (1) evon_config_class(SFTConfig) in a process that had not imported
+    hf_evon.trainer.sft built a second class instead of EVONSFTConfig. (2) The rate a TRL config
+    declares (the one you would give AdamW for that trainer: SFT 2e-5, GRPO and DPO 1e-6) was kept by
+    EVONSFTConfig but reset to None (chosen from the model: 50x GRPO's) by every built combination.
+    A base's own rate is kept, with EVONConfig's help; TrainingArguments' generic one is EVON's
+    choice (None)."""
+    script = (
+        "import trl\n"
+        "from transformers import TrainingArguments, Seq2SeqTrainingArguments\n"
+        "from hf_evon import EVONConfig\n"
+        "from hf_evon.trainer.combined import evon_config_class\n"
+        "sft = evon_config_class(trl.SFTConfig)\n"
+        "import hf_evon.trainer.sft as module\n"
+        "print(sft is module.EVONSFTConfig)\n"
+        "own = EVONConfig.__dataclass_fields__['learning_rate'].metadata['help']\n"
+        "for base in (trl.SFTConfig, trl.GRPOConfig, trl.DPOConfig, TrainingArguments, Seq2SeqTrainingArguments):\n"
+        "    field = evon_config_class(base).__dataclass_fields__['learning_rate']\n"
+        "    print(field.default, field.metadata['help'] == own)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    declared = [f"{_declared_rate(base)} True" for base in (trl.SFTConfig, trl.GRPOConfig, trl.DPOConfig)]
+    assert proc.stdout.splitlines() == ["True", *declared, "None True", "None True"]
+    args = evon_config_class(trl.GRPOConfig)(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert args.learning_rate == _declared_rate(trl.GRPOConfig) == 1e-6
+
+
+def _declared_rate(base):  # noqa: ANN001, ANN202
+    return {f.name: f.default for f in dataclasses.fields(base)}["learning_rate"]

@@ -13,7 +13,7 @@ from transformers import TrainingArguments
 
 from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
 
-__all__ = ["converted_config", "evon_config_class", "keeping_defaults_of", "register_evon_config"]
+__all__ = ["converted_config", "evon_config_class", "register_evon_config"]
 
 _COMBINED: dict[type, type] = {}
 
@@ -29,11 +29,11 @@ def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfi
 def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     """``EVONConfig`` combined with ``base`` (e.g. TRL's ``GRPOConfig``): every field of both.
 
-    ``EVONConfig``'s own fields win where both define one (``learning_rate``: chosen from the
-    model unless set); every other field keeps ``base``'s default (``remove_unused_columns=False``
-    of ``GRPOConfig``).
+    Every field keeps ``base``'s default (``remove_unused_columns=False`` of ``GRPOConfig``);
+    ``learning_rate`` is chosen from the model unless set, or unless ``base`` declares its own
+    (TRL's configs: the rate you would give AdamW for that trainer).
     ``TrainingArguments`` (or an ``EVONConfig`` subclass) maps to itself, a base with a declared
-    combination (``EVONSFTConfig``, ``EVONSeq2SeqConfig``) to that; any other is built once, as
+    combination (``EVONSeq2SeqConfig``) to that; any other is built once (``EVONSFTConfig``), as
     ``hf_evon.trainer.combined.EVON<Base>``, whose instances pickle by ``base``: a process that has
     not built the class (one loading ``training_args.bin``, a spawned worker) builds it to unpickle.
     """
@@ -55,36 +55,29 @@ def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     return _COMBINED[base]
 
 
-def keeping_defaults_of(base: type[TrainingArguments]) -> Any:
-    """Class decorator, under ``@dataclass``, for a combination declared by hand (``EVONSFTConfig``):
-    the fields ``base`` declares anew keep ``base``'s defaults, as :func:`evon_config_class`'s do."""
-
-    def apply(cls: type) -> type:
-        namespace = _fields_base_declares(base)
-        annotations = namespace.pop("__annotations__")
-        cls.__annotations__ = {**annotations, **vars(cls).get("__annotations__", {})}
-        for name, f in namespace.items():
-            if name not in vars(cls):
-                setattr(cls, name, f)
-        return cls
-
-    return apply
-
-
 def _fields_base_declares(base: type[TrainingArguments]) -> dict[str, Any]:
-    """Class-body entries re-declaring the fields ``base`` declares anew (its own defaults) and
-    ``EVONConfig`` does not: the dataclass of ``(EVONConfig, base)`` would otherwise take each
-    from ``EVONConfig``, first in its MRO, whose inherited fields carry ``TrainingArguments``'
-    defaults."""
+    """Class-body entries re-declaring the fields ``base`` declares anew (its own defaults): the
+    dataclass of ``(EVONConfig, base)`` would otherwise take each from ``EVONConfig``, first in its
+    MRO, whose inherited fields carry ``TrainingArguments``' defaults. A field ``EVONConfig``
+    declares itself (``learning_rate``) keeps ``EVONConfig``'s type and help, and takes ``base``'s
+    default where ``base`` declares one: a trainer's own rate (TRL's SFT 2e-5, GRPO 1e-6) is the
+    rate you would give AdamW there, from which EVON derives its own."""
     own = {f.name: f for f in fields(EVONConfig)}
-    evons = vars(EVONConfig)["__annotations__"]
-    declared = {
-        f.name: f for f in fields(base) if f.name in own and f is not own[f.name] and f.name not in evons
-    }
+    inherited = {f.name: f for f in fields(TrainingArguments)}
+    evon_types = get_type_hints(EVONConfig)
     types = get_type_hints(base)  # resolved: a string annotation would be read in this module
-    namespace: dict[str, Any] = {"__annotations__": {name: types[name] for name in declared}}
-    for name, f in declared.items():
-        namespace[name] = copy.copy(f)  # a dataclass takes over the Field objects in its body
+    namespace: dict[str, Any] = {"__annotations__": {}}
+    for f in fields(base):
+        if f.name not in own or f is own[f.name] or f is inherited.get(f.name):
+            continue
+        if f.name in vars(EVONConfig)["__annotations__"]:
+            declared = copy.copy(own[f.name])
+            declared.default, declared.default_factory = f.default, f.default_factory
+            namespace["__annotations__"][f.name] = evon_types[f.name]
+        else:
+            declared = copy.copy(f)  # a dataclass takes over the Field objects in its body
+            namespace["__annotations__"][f.name] = types[f.name]
+        namespace[f.name] = declared
     return namespace
 
 

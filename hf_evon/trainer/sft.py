@@ -7,38 +7,17 @@ included, plus the EVON fields; ``learning_rate`` is, as everywhere in hf-evon, 
 would give AdamW (TRL's default), from which EVON derives its own step size.
 """
 
-from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
-from hf_evon.trainer.combined import keeping_defaults_of, register_evon_config
-from hf_evon.trainer.config import EVONConfig
+from hf_evon.trainer.combined import evon_config_class
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
 
-
-def _sft_default(name: str) -> Field:
-    """``SFTConfig``'s default for ``name``, one ``EVONConfig`` declares itself (``learning_rate``: TRL's
-    rate, the one you would give AdamW), with EVONConfig's help text; the fields only TRL declares keep
-    its defaults through :func:`keeping_defaults_of` (``tests/test_trl.py`` checks every one)."""
-    sft = {f.name: f for f in fields(SFTConfig)}[name]
-    evon = {f.name: f for f in fields(EVONConfig)}[name]
-    if sft.default_factory is not MISSING:
-        return field(default_factory=sft.default_factory, metadata=evon.metadata)
-    return field(default=sft.default, metadata=evon.metadata)
-
-
-@dataclass
-@keeping_defaults_of(SFTConfig)
-class EVONSFTConfig(EVONConfig, SFTConfig):
-    """``SFTConfig`` (its defaults) plus every EVON field of :class:`~hf_evon.EVONConfig`."""
-
-    learning_rate: float | None = _sft_default("learning_rate")
-
-
-register_evon_config(SFTConfig, EVONSFTConfig)
+# SFTConfig's fields and defaults (its rate included) plus every EVON field of EVONConfig
+EVONSFTConfig = evon_config_class(SFTConfig)
 
 
 class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
