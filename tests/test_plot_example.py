@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("matplotlib")
@@ -18,16 +18,7 @@ from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location(
-        "plot_evon_logs", REPO_ROOT / "examples" / "plot_evon_logs.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-plot_evon_logs = _load_example()
+plot_evon_logs = load_script(REPO_ROOT / "examples" / "plot_evon_logs.py")
 
 
 def test_tensorboard_is_in_the_examples_extra():

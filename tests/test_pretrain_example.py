@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -12,6 +11,7 @@ import sys
 import types
 
 import pytest
+from conftest import load_script
 from launcher import free_port, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,10 +42,7 @@ def run(args: list[str], processes: int = 1, env: dict[str, str] | None = None) 
 @pytest.fixture(scope="module")
 def example():
     """The script as a module (its functions, without running it)."""
-    spec = importlib.util.spec_from_file_location("pretrain_lm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture
