@@ -24,6 +24,12 @@ _PEFT_TRAINING_ONLY_MODULES = {
     "lstm_head": "P-tuning's LSTM head",
 }
 
+# the one way to use such a posterior after a reload (the save's warning and the load's hint)
+_REBUILT_MODEL = (
+    "the prompt encoder's own weights (model.prompt_encoder.state_dict(), saved beside the adapter) loaded "
+    "into a model built as the trained one was (get_peft_model(base_model, the same config))"
+)
+
 
 def peft_unsaved_module(name: str) -> str | None:
     """The PEFT module parameter ``name`` belongs to where PEFT's ``save_pretrained`` does not save it
@@ -45,9 +51,7 @@ def warn_peft_unsaved(names: Iterable[str]) -> None:
     warnings.warn(
         f"this posterior covers {name!r}{more}, {module}: PEFT's save_pretrained keeps only its output "
         "(the adapter's prompt_embeddings), so a model loaded with PeftModel.from_pretrained has none of "
-        "these parameters and this posterior does not fit it. To use the posterior after a reload, also save "
-        "the prompt encoder's own weights (model.prompt_encoder.state_dict()) and load them into a model "
-        "built as this one was (get_peft_model(base_model, the same config))",
+        f"these parameters and this posterior does not fit it. After a reload the posterior needs {_REBUILT_MODEL}",
         UserWarning,
         stacklevel=outside_stacklevel(),
     )
@@ -60,8 +64,8 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
     unsaved = peft_unsaved_module(name)
     if unsaved is not None:
         return (
-            f" ({unsaved}: PEFT saves only its output, so PeftModel.from_pretrained's model lacks it; load "
-            "the prompt encoder's own weights into a model built with get_peft_model(base_model, the same config))"
+            f" ({unsaved}: PEFT saves only its output, so PeftModel.from_pretrained's model lacks it; the "
+            f"posterior needs {_REBUILT_MODEL})"
         )
     for other in params:
         if other.endswith("." + name):
