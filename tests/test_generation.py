@@ -231,6 +231,27 @@ def test_zero_variance_equals_generate_under_processors_that_read_the_logits_sca
     got = generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=2, seed=0, **kwargs)
     assert torch.equal(got, expected)
 
+
+@pytest.mark.parametrize(
+    ("arch", "guidance"),
+    [("gpt2", {}), ("gpt2", dict(negative_prompt_ids=torch.tensor([[7, 30], [11, 12]]))), ("bart", {})],
+    ids=["gpt2", "gpt2-negative-prompt", "bart"],
+)
+def test_classifier_free_guidance_decodes_as_generate_at_zero_variance(gpt2, arch, guidance):
+    """``guidance_scale`` makes generate's guidance processor run the model on the unconditional
+    prompt itself, passing the ids positionally; generate_bma's forward raised TypeError ("takes
+    the model's inputs by keyword"). At zero variance it decodes as model.generate."""
+    model, posterior = gpt2 if arch == "gpt2" else (tiny_bart(), None)
+    if posterior is None:
+        posterior = train_posterior(model)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = model.generate(PROMPTS, guidance_scale=3.0, **guidance, **kwargs)
+    assert not torch.equal(expected, model.generate(PROMPTS, **kwargs))  # the guidance changes the decoding
+    zero = posterior.with_ess(float("inf"))
+    got = generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, guidance_scale=3.0, **guidance, **kwargs)
+    assert torch.equal(got, expected)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_matches_slow_reference(strategy, gpt2, arch):
     model, posterior = gpt2 if arch == "gpt2" else (tiny_llama(1), None)

@@ -151,11 +151,12 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
     search) then runs on the BMA predictive: ``log_softmax`` of these logits is ``log p̄``. Inputs of
     ``S·N`` rows (the samples' encoder outputs) pass as they are."""
     forward = model.forward
+    signature = inspect.signature(forward)
 
     @functools.wraps(forward)  # generate reads the forward's signature
     def bma_forward(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            raise TypeError("generate_bma's forward takes the model's inputs by keyword, as generate passes them")
+        if args:  # guidance_scale's processor calls the model with the ids first, by position
+            kwargs = {**signature.bind_partial(*args).arguments, **kwargs}
         keys = ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds")
         rows = next(kwargs[k].shape[0] for k in keys if kwargs.get(k) is not None)
 
@@ -225,8 +226,8 @@ def generate_bma(
             ``do_sample=True`` (``seed=None``: fresh weights, torch's global RNG for tokens).
         **generation_kwargs: anything ``model.generate`` takes for greedy decoding, sampling and
             beam search: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-            ``repetition_penalty`` and the other processors, ``eos_token_id``, ``pad_token_id``,
-            ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
+            ``repetition_penalty``, ``guidance_scale`` and the other processors, ``eos_token_id``,
+            ``pad_token_id``, ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
             ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ``stop_strings``
             (with ``tokenizer``), ``num_beams``, ``num_return_sequences``, ``length_penalty``,
             ``early_stopping``. Assisted and contrastive decoding are not supported.
