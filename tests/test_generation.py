@@ -1006,6 +1006,27 @@ def test_beam_sampling_is_reproducible_with_a_seed_and_leaves_the_global_generat
     assert any(not torch.equal(first, o) for o in others)
 
 
+def test_seeded_sampling_on_cuda_device_0_seeds_that_devices_generator(gpt2, monkeypatch):
+    """Tokens sampled for inputs on cuda:0 draw from cuda:0's generator: a seeded call seeds that
+    one, whichever device is current. ``device.index or current_device()`` took index 0 for "no
+    index" and seeded the current device's (cuda:1 here), leaving cuda:0's unseeded (a seeded call
+    not reproducible) and cuda:1's reseeded for good (fork_rng restores only the device named).
+    Two stand-in generators, no GPU needed: the block's own seeding is what is checked."""
+    import contextlib
+
+    from hf_evon.predictive import generation
+
+    model, posterior = gpt2
+    generators = (torch.Generator().manual_seed(100), torch.Generator().manual_seed(101))
+    monkeypatch.setattr(torch.cuda, "default_generators", generators)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **kwargs: contextlib.nullcontext())
+    with generation._on_the_predictive(model, posterior, 2, torch.device("cuda", 0), token_seed=12345):
+        seeds = [g.initial_seed() for g in generators]
+    assert seeds == [12345, 101]
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_dora_adapters_are_refused_by_batched_bma():
     """DoRA builds each adapter's weight as lora_B(lora_A(I)) for its norm: the identity's rows
     went through the sample-major forward as if they were S·B batch rows, so every sample's norm

@@ -317,8 +317,9 @@ def _on_the_predictive(
             stack.enter_context(torch.random.fork_rng(devices=[device] if cuda else []))
             # only the generator the decoding draws from: torch.manual_seed would also reseed every
             # GPU's generator for a call on the CPU, and fork_rng restores only the devices named
-            if cuda:
-                torch.cuda.default_generators[device.index or torch.cuda.current_device()].manual_seed(token_seed)
+            if cuda:  # index 0 is a device too: only a device without an index means the current one
+                index = torch.cuda.current_device() if device.index is None else device.index
+                torch.cuda.default_generators[index].manual_seed(token_seed)
             else:
                 torch.default_generator.manual_seed(token_seed)
         yield cache
