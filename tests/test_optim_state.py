@@ -973,3 +973,17 @@ def test_another_models_state_dict_is_refused_naming_the_parameter_and_both_shap
     regrouped = EVON([{"params": swapped}, groups(model)[1]], lr=0.05, ess=64.0)
     with pytest.raises(ValueError, match=r"needs \(5, 5\): the state dict of another model, or of this one grouped otherwise"):
         regrouped.load_state_dict(opt.state_dict())
+
+
+def test_an_adamw_state_of_another_shape_is_refused_naming_the_parameter_and_both_shapes() -> None:
+    """An AdamW group's state was loaded whatever its shape: the biases listed in another order put
+    a (5,) exp_avg on a (3,) bias, and the next step's fused AdamW kernel wrote past the tensors'
+    ends (glibc aborted the process: "free(): invalid next size")."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    weights, biases = groups(model)[0]["params"], groups(model)[1]["params"]
+    reordered = EVON([{"params": weights}, {"params": biases[::-1], "algorithm": "adamw"}], lr=0.05, ess=64.0)
+    train_step(model, reordered, data)
+    named = "state[4]['exp_avg'] has shape (5,), but parameter #0 of its group (shape (3,)) needs (3,)"
+    _refused_and_unchanged(reordered, model, data, opt.state_dict(), named)

@@ -64,9 +64,11 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
         validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
         state_dict = dict(state_dict)
         loaded["extra"] = state_dict.pop(EXTRA_KEY, None)
-        state_dict = local_state_dict(state_dict)
+        # on the full state dict: its entries are shaped as the whole parameters (FSDP2's cut
+        # keeps a rank's rows of an AdamW state)
         check_group_structure(optimizer.param_groups, state_dict)
         check_state_shapes(optimizer.param_groups, state_dict)
+        state_dict = local_state_dict(state_dict)
         loaded["state_dict"] = state_dict
         return state_dict
 
@@ -138,23 +140,39 @@ _STATE_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
 }
 
 
+# an AdamW state entry's shape for a parameter of shape s (torch AdamW's keys)
+_ADAMW_SHAPES: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    "exp_avg": lambda s: s,
+    "exp_avg_sq": lambda s: s,
+    "step": lambda s: (),
+}
+
+
+def _wanted_shapes(group: dict[str, Any], p: Tensor) -> dict[str, tuple[int, ...]]:
+    if group["algorithm"] == "evon":
+        m, n = matrix_shape(p.shape)
+        return {key: shape(m, n) for key, shape in _STATE_SHAPES.items()}
+    return {key: shape(tuple(p.shape)) for key, shape in _ADAMW_SHAPES.items()}
+
+
 def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
-    """Raise, naming the parameter, where a loaded EVON state entry does not fit its parameter (a
-    state dict of another model with as many parameters per group), before anything is loaded."""
+    """Raise, naming the parameter, where a loaded state entry (EVON's or AdamW's) does not fit its
+    parameter (a state dict of another model with as many parameters per group), before anything
+    is loaded: an AdamW kernel does not check the shapes it is given."""
     saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
     owners = [(g, j, p) for g in param_groups for j, p in enumerate(g["params"])]
     for idx, (group, j, p) in zip(saved_ids, owners):
-        if group["algorithm"] != "evon" or idx not in loaded["state"]:
+        if idx not in loaded["state"]:
             continue
-        m, n = matrix_shape(p.shape)
+        wanted = _wanted_shapes(group, p)
         for key, value in loaded["state"][idx].items():
-            want = _STATE_SHAPES.get(key)
-            if want is not None and torch.is_tensor(value) and tuple(value.shape) != want(m, n):
+            want = wanted.get(key)
+            if want is not None and torch.is_tensor(value) and tuple(value.shape) != want:
                 names = group.get("param_names")
                 label = repr(names[j]) if names else f"#{j} of its group"
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] has shape {tuple(value.shape)}, but "
-                    f"parameter {label} (shape {tuple(p.shape)}) needs {want(m, n)}: the state dict of "
+                    f"parameter {label} (shape {tuple(p.shape)}) needs {want}: the state dict of "
                     "another model, or of this one grouped otherwise (other evon_patterns or param groups)"
                 )
 
