@@ -890,6 +890,23 @@ def test_a_dynamic_cache_setting_given_or_configured_decodes_as_without_it(gpt2)
         generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, cache_implementation="static", **kw)
 
 
+def test_a_configured_cache_setting_beside_a_given_generation_config_decodes_as_without_it(gpt2):
+    """generate fills a given ``generation_config``'s unset fields from the model's own: a model
+    whose generation_config sets a cache ("static", as some Hub configs do), called with
+    ``generation_config=``, had transformers refuse "both cache_implementation and cache". BMA keeps
+    its own dynamic cache there too, and the model's setting is as it was after the call."""
+    from transformers import GenerationConfig
+
+    model, posterior = gpt2
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kw)
+    configured = copy.deepcopy(model)
+    configured.generation_config.cache_implementation = "static"
+    got = generate_bma(configured, posterior, PROMPTS, num_samples=2, seed=0, generation_config=GenerationConfig(**kw))
+    assert torch.equal(got, want)
+    assert configured.generation_config.cache_implementation == "static"
+
+
 def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):
     """Labels that index no token (-1 for "no label", an id past the vocabulary, a float) are
     refused by name, and the model is not left sampled (before: torch's index error after the

@@ -312,6 +312,7 @@ def _on_the_predictive(
         cache = EncoderDecoderCache(cache, _sample_major_cache(num_samples, config))
     with contextlib.ExitStack() as stack:
         stack.enter_context(_averaging_forward(gen_model, num_samples, posterior))
+        stack.enter_context(_without_cache_setting(gen_model))
         if token_seed is not None:
             cuda = device.type == "cuda"
             stack.enter_context(torch.random.fork_rng(devices=[device] if cuda else []))
@@ -323,6 +324,23 @@ def _on_the_predictive(
             else:
                 torch.default_generator.manual_seed(token_seed)
         yield cache
+
+
+@contextlib.contextmanager
+def _without_cache_setting(model: nn.Module) -> Iterator[None]:
+    """``model.generation_config`` without its ``cache_implementation`` for the block (a copy; the
+    model's own is put back after): generate fills a given ``generation_config``'s unset fields from
+    the model's, and refuses a cache setting beside the cache handed to it."""
+    config = getattr(model, "generation_config", None)
+    if getattr(config, "cache_implementation", None) is None:
+        yield
+        return
+    model.generation_config = copy.deepcopy(config)
+    model.generation_config.cache_implementation = None
+    try:
+        yield
+    finally:
+        model.generation_config = config
 
 
 @dataclass
