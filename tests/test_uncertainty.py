@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -150,6 +151,16 @@ def test_what_is_not_log_probabilities_or_an_axis_is_refused() -> None:
     for dim in (3, -4, "0"):
         with pytest.raises(ValueError, match=r"dim must be an axis of sample_log_probs \(shape \(4, 5, 3\)\)"):
             predictive_uncertainty(logits.log_softmax(-1), dim=dim)
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((0, 3, 5), 0), ((3, 0, 5), 1), ((4, 0, 5), -2)])
+def test_an_empty_samples_axis_is_refused_by_name(shape, dim) -> None:
+    """No samples along ``dim`` (a slice ``[:k]`` with k = 0) raised "math domain error" from the
+    average's log(0); the inputs' own axes may be empty (an empty batch: empty entropies)."""
+    with pytest.raises(ValueError, match=rf"sample_log_probs has no samples along dim {dim} \(shape {re.escape(str(shape))}\)"):
+        predictive_uncertainty(torch.empty(shape), dim=dim)
+    empty_batch = predictive_uncertainty(torch.full((2, 0, 5), -math.log(5.0)))
+    assert all(part.shape == (0,) for part in empty_batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

@@ -82,6 +82,9 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
         raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -sample_log_probs.ndim <= dim < sample_log_probs.ndim:
         raise ValueError(f"dim must be an axis of sample_log_probs (shape {tuple(sample_log_probs.shape)}); got {dim!r}")
+    if sample_log_probs.shape[dim] == 0:  # their average would be log(0 / 0)
+        shape = tuple(sample_log_probs.shape)
+        raise ValueError(f"sample_log_probs has no samples along dim {dim} (shape {shape})")
     dim %= sample_log_probs.ndim  # entropy() drops the classes axis: a negative dim would move
     if dim == sample_log_probs.ndim - 1:
         raise ValueError("dim must not be the last dimension: the classes are there")
