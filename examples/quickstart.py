@@ -142,7 +142,7 @@ def run_seed(
     return rows, model, posterior, calibration, x_te, bma
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output-dir", default="outputs/quickstart")
     ap.add_argument("--epochs", type=int, default=60)
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--bma-samples", type=int, default=32)
     ap.add_argument("--seeds", type=int, default=3, help="splits and initialisations; the table is their mean")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")

@@ -925,3 +925,36 @@ def test_calibrate_checks_its_output_before_the_calibration(saved, tmp_path, cap
         argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
         assert main([*argv, "--block-size", "8"]) == 2
         assert "is a file, not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("base", ["./moved/away", "moved-away"])
+def test_an_adapters_missing_base_model_is_named_as_the_adapters(saved, tmp_path, capsys, monkeypatch, base):
+    """An adapter whose base model (``base_model_name_or_path``) is not here: a path-like one was
+    reported as huggingface_hub's "Repo id must be in the form ...", a bare name was looked up on
+    an unreachable Hub with five retries (~50 s), and neither message named the adapter's config."""
+    import socket
+
+    from huggingface_hub import constants
+    from peft import LoraConfig, get_peft_model
+
+    path, model, *_ = saved
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    lora.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+    with socket.socket() as sock:  # a port nothing listens on: connections are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--posterior", str(path), "--prompt-ids", "5 9", "--device", "cpu"]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == (2 if base.startswith(".") else 1), err
+    line = err.strip().splitlines()[-1]
+    assert f"base_model_name_or_path in {str(tmp_path / 'adapter_config.json')!r}" in line, line
+    assert repr(base) in line and "Repo id must be" not in line, line
+    if code == 1:
+        assert f"looked up on the Hugging Face Hub, which failed: http://127.0.0.1:{port} cannot be reached" in line

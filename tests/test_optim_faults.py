@@ -496,6 +496,30 @@ def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     assert_identical(runs[1], runs[0])
 
 
+def test_zero_grad_between_a_steps_blocks_is_refused_naming_the_parameter() -> None:
+    """zero_grad() before each sample's block (torch's zero_grad, forward, backward order) cleared
+    the earlier samples' gradients, which .grad holds until the step: the step then took the last
+    sample's gradient divided by the number of samples, silently (the reference packages keep each
+    sample's gradient apart from .grad). The next block refuses, before anything changes."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    assert opt.mc_samples == 2
+    train_step(model, opt, data)
+    with opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+    opt.zero_grad()
+    before, blocks = snapshot(model, opt), opt.sample_blocks
+    named = r"param_groups\[0\]\['params'\]\[0\] \(shape \(5, 6\)\) .*zero_grad\(\).*discard_samples\(\)"
+    with pytest.raises(RuntimeError, match=named):
+        with opt.sampled_params(train=True):
+            raise AssertionError("the block must not run")
+    assert_identical(snapshot(model, opt), before)
+    assert opt.sample_blocks == blocks and opt.recorded_samples == 1 and not opt.in_sample
+    opt.discard_samples()  # what the message advises: the step's samples dropped, training goes on
+    train_step(model, opt, data)
+    assert opt.recorded_samples == 0 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_load_state_dict_with_samples_pending_is_refused_and_the_step_goes_on() -> None:
     """Loaded inside a block or between a block and step(), the state rebuilt the buckets, which
     held (or were to hold) the block's Hessian numerator: the next step lost the sample silently."""

@@ -163,7 +163,10 @@ def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
                 f"--model {path!r} is a PEFT adapter whose adapter_config.json names no base model "
                 "(base_model_name_or_path is empty): set it to the base model's directory or Hub repo id"
             )
-        seq2seq = _config_is_encoder_decoder(base, None)
+        # the base is a location of its own (often a path relative to where the adapter was trained):
+        # one that is not here is reported as the adapter config's, not as a bad Hub repo id
+        option = f"the base model (base_model_name_or_path in {os.path.join(path, 'adapter_config.json')!r})"
+        seq2seq = from_location(base, option, lambda: _config_is_encoder_decoder(base, None))
         return (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(path, **kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["consumed_grads", "consumed_places", "restore_grads", "set_aside_grads"]
+__all__ = ["consumed_grads", "consumed_places", "refuse_cleared_grads", "restore_grads", "set_aside_grads"]
 
 Tensor = torch.Tensor
 # id(param) -> (weak reference to the gradient a step consumed, its version then)
@@ -48,11 +48,21 @@ def consumed_places(param_groups: list[dict[str, Any]], consumed: Consumed) -> l
 
 
 def set_aside_grads(
-    param_groups: list[dict[str, Any]], consumed: Consumed, out: list[tuple[Tensor, Tensor | None]]
+    param_groups: list[dict[str, Any]],
+    consumed: Consumed,
+    out: list[tuple[Tensor, Tensor | None]],
+    held: set[int] = frozenset(),
 ) -> None:
     """Append ``(param, its gradient kept for this step)`` to ``out`` for every parameter, each
     before its ``.grad`` becomes None (so the block's backward leaves exactly this sample's
-    gradient there): interrupted, ``out`` still holds every gradient taken away."""
+    gradient there): interrupted, ``out`` still holds every gradient taken away.
+
+    ``held``: the parameters (by id) whose ``.grad`` held the step's earlier samples' gradients at
+    the last recorded block's exit. One of them without a gradient now is refused, before anything
+    is set aside: ``.grad`` is where those samples' gradients are kept until the step, which
+    divides by their count, so a ``zero_grad()`` between the blocks would leave the step the later
+    samples' gradients divided by every sample's count."""
+    refuse_cleared_grads(param_groups, held)
     for group in param_groups:
         for p in group["params"]:
             grad = keep = p.grad
@@ -67,13 +77,30 @@ def set_aside_grads(
             p.grad = None
 
 
-def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> None:
+def refuse_cleared_grads(param_groups: list[dict[str, Any]], held: set[int]) -> None:
+    """Raise, naming the first parameter, where one in ``held`` has no gradient (see ``set_aside_grads``)."""
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            if p.grad is None and id(p) in held:
+                name = names[j] if names else f"param_groups[{gi}]['params'][{j}]"
+                raise RuntimeError(
+                    f"{name} (shape {tuple(p.shape)}) lost the gradient of this step's earlier "
+                    "sampled_params(train=True) blocks, which .grad holds until step() (zero_grad() or "
+                    ".grad = None between the blocks): the step would divide what is left by every "
+                    "sample's count. Call zero_grad() inside the block or after step(); to drop the "
+                    "step's recorded samples, call optimizer.discard_samples()"
+                )
+
+
+def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> set[int] | None:
     """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
-    failed block: as at entry, less what the last step consumed)."""
+    failed block: as at entry, less what the last step consumed). Recorded: returns the
+    parameters (by id) holding a gradient now, the step's gradients (``set_aside_grads``' ``held``)."""
     if not recorded:
         for p, keep in stash:
             p.grad = keep
-        return
+        return None
     own, kept = [], []
     for p, keep in stash:
         if keep is None:
@@ -85,3 +112,4 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> 
             kept.append(keep)
     if own:
         torch._foreach_add_(own, kept)
+    return {id(p) for p, _ in stash if p.grad is not None}
