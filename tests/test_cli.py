@@ -958,3 +958,18 @@ def test_an_adapters_missing_base_model_is_named_as_the_adapters(saved, tmp_path
     assert repr(base) in line and "Repo id must be" not in line, line
     if code == 1:
         assert f"looked up on the Hugging Face Hub, which failed: http://127.0.0.1:{port} cannot be reached" in line
+
+
+def test_a_text_file_that_is_not_utf8_is_a_usage_error_naming_it(saved, tmp_path, capsys, monkeypatch):
+    """--text in another encoding: the model was loaded first, then the error was Python's bare
+    "'utf-8' codec can't decode byte 0xff in position 3" with no file named, exit code 1."""
+    import hf_evon.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model_posterior_tokenizer", lambda *a: pytest.fail("model loaded first"))
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("déf x\n".encode("latin-1") * 20)
+    argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(tmp_path / "out")]
+    assert main([*argv, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"--text {str(text)!r} is not UTF-8 text (byte 0xe9 at offset 1)" in err, err
+    assert not (tmp_path / "out").exists()

@@ -490,6 +490,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
+    try:  # read before the model loads: a file in another encoding is a mistake found at once
+        with open(args.text, encoding="utf-8") as fh:
+            text = fh.read()
+    except UnicodeDecodeError as err:
+        byte = f"byte 0x{err.object[err.start]:02x} at offset {err.start}"
+        raise UsageError(f"--text {args.text!r} is not UTF-8 text ({byte}): convert it to UTF-8") from None
     existing = os.path.abspath(args.output)  # checked before the passes, not at the save after them
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -504,8 +510,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         )
     if tokenizer is None:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
-    with open(args.text, encoding="utf-8") as fh:
-        ids = tokenizer(fh.read(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     block = min(args.block_size, getattr(model.config, "max_position_embeddings", args.block_size))
     n = min(len(ids) // block, args.max_blocks)
     if n == 0:
