@@ -1099,6 +1099,24 @@ def test_beams_from_the_models_generation_config():
     assert type(greedy).__name__ == "GenerateEncoderDecoderOutput"
 
 
+def tiny_bert_mlm(seed: int = 0):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    return BertForMaskedLM(cfg).eval()
+
+
+def test_a_model_that_cannot_generate_is_refused_by_name():
+    """generate_bma on a masked LM (no generate) failed with AttributeError "'BertForMaskedLM' object
+    has no attribute 'generation_config'", deep in the call's config handling."""
+    model = tiny_bert_mlm()
+    posterior = train_posterior(model)
+    with pytest.raises(TypeError, match=r"generate_bma: model \(BertForMaskedLM\) cannot generate"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, max_new_tokens=2)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

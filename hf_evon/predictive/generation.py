@@ -255,6 +255,11 @@ def generate_bma(
         )
     _check_inputs("generate_bma", model, posterior, input_ids, attention_mask)
     gen_model = _generation_model(model)
+    if not callable(getattr(type(gen_model), "generate", None)):
+        raise TypeError(
+            f"generate_bma: model ({type(gen_model).__name__}) cannot generate: it has no generate(); "
+            "generate_bma decodes causal LMs and encoder-decoder models"
+        )
     # do_sample may also come from the model's generation_config; distinct from the weight draw
     token_seed = None if seed is None else (resolve_seed(seed) * 2654435761 + 1) % 2**63
     config = _checked_call_config(gen_model, generation_kwargs)
