@@ -973,3 +973,23 @@ def test_a_text_file_that_is_not_utf8_is_a_usage_error_naming_it(saved, tmp_path
     err = capsys.readouterr().err
     assert f"--text {str(text)!r} is not UTF-8 text (byte 0xe9 at offset 1)" in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_tokenizer_files_that_do_not_load_are_not_reported_as_missing(saved, tmp_path, capsys, command):
+    """An empty (or cut) tokenizer.json beside the model: the load error was swallowed and the
+    command said "--model ... has no tokenizer files" (generate with --prompt-ids printed bare ids)."""
+    directory = _copy_of(saved, tmp_path)
+    (directory / "tokenizer.json").write_text("")
+    if command == "generate":
+        argv = ["generate", "--model", str(directory), "--prompt-ids", "5 9", "--max-new-tokens", "2"]
+    else:
+        text = tmp_path / "held_out.txt"
+        text.write_text("def held_out(x):\n    return x\n" * 6)
+        argv = ["calibrate", "--model", str(directory), "--text", str(text), "--output", str(tmp_path / "out")]
+    assert main([*argv, "--device", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    line = err.strip().splitlines()[-1]
+    assert out == "" and "has no tokenizer files" not in err, err
+    assert line.startswith(f"hf-evon {command}: error: --model {str(directory)!r}: its tokenizer files "), line
+    assert "(tokenizer.json, tokenizer_config.json) do not load (JSONDecodeError: Expecting value" in line, line

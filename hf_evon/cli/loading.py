@@ -199,14 +199,21 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     for candidate in dict.fromkeys([path, base_model_name(model)]):  # an adapter's: its base model's
         if candidate is None:
             continue
-        if os.path.isdir(candidate) and not any(
-            os.path.isfile(os.path.join(candidate, f)) for f in _TOKENIZER_FILES
-        ):
+        files = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(candidate, f))]
+        if os.path.isdir(candidate) and not files:
             continue
         try:
             tokenizer = AutoTokenizer.from_pretrained(candidate, revision=revision)
-        except (OSError, ValueError):
-            continue
+        except (OSError, ValueError) as err:
+            if not files:  # a Hub repo without a tokenizer, or the Hub unreachable: the next candidate
+                continue
+            # a broken file, as a broken weights file, is an error: not "no tokenizer" (ids printed)
+            which = "--model" if candidate == path else "the base model"
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"{which} {candidate!r}: its tokenizer files ({', '.join(files)}) do not load "
+                f"({type(err).__name__}: {first})"
+            ) from err
         if len(tokenizer) > 1:
             return tokenizer
     return None
