@@ -1117,6 +1117,30 @@ def test_a_model_that_cannot_generate_is_refused_by_name():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_a_masked_lm_scores_its_labels_unshifted_as_its_own_loss():
+    """A masked LM's labels are not next tokens: position t scores labels[:, t], as its loss does
+    (and calibrate_posterior, by the one is_causal_lm rule). bma_log_likelihood shifted them as a
+    causal LM's and scored each masked position's neighbour instead."""
+    model = tiny_bert_mlm()
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    labels = torch.full_like(PROMPTS, -100)
+    labels[0, 2], labels[1, 0], labels[1, 5] = 17, 40, 12
+    masked = PROMPTS.masked_fill(labels != -100, 4)
+    result = bma_log_likelihood(model, posterior, masked, labels=labels, num_samples=3, seed=5)
+    per_sample = []
+    for m in sampled_copies(model, posterior, 3, 5):
+        with torch.no_grad():
+            log_probs = torch.log_softmax(m(input_ids=masked).logits.double(), -1)
+        per_sample.append(log_probs.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1))
+    expected = (torch.logsumexp(torch.stack(per_sample), 0) - math.log(3)) * (labels != -100)
+    assert result.token_log_probs.shape == labels.shape and torch.equal(result.mask, labels != -100)
+    torch.testing.assert_close(result.token_log_probs.double(), expected, atol=1e-5, rtol=0)
+    with posterior.sampled(model, seed=5), torch.no_grad():  # one draw: the first of the seed's
+        own_loss = model(input_ids=masked, labels=labels).loss
+    one = bma_log_likelihood(model, posterior, masked, labels=labels, num_samples=1, seed=5)
+    torch.testing.assert_close(one.loss, own_loss, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, is_peft_model, unwrap_model
+from hf_evon.modeling import (
+    decoder_inputs_from_labels,
+    is_causal_lm,
+    is_encoder_decoder,
+    is_peft_model,
+    unwrap_model,
+)
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows, refusal
 from hf_evon.predictive.logprobs import (
@@ -354,7 +360,9 @@ class BMALogLikelihood:
 
     Positions follow the causal-LM convention of transformers: entry ``t`` scores token
     ``t+1`` given tokens ``≤ t``, so tensors have length ``T - 1``; for an encoder-decoder
-    model entry ``t`` scores ``labels[:, t]`` (length ``L``, the labels' own).
+    model entry ``t`` scores ``labels[:, t]`` (length ``L``, the labels' own), and for a model
+    that is neither (a masked LM, a token classifier: ``hf_evon.modeling.is_causal_lm``'s rule)
+    ``labels[:, t]`` too (length ``T``), as its own loss scores them.
 
     Attributes:
         token_log_probs: ``(B, T-1)`` ``log p̄(x_{t+1} | x_{≤t})``, 0 where not scored.
@@ -431,7 +439,8 @@ def bma_log_likelihood(
     """Log-likelihood of ``input_ids`` under the BMA predictive ``p̄ = 1/S Σ_s p(· | W_s)``.
 
     One forward of batch ``S·B`` (as in ``generate_bma``). ``labels`` follow transformers'
-    convention (same shape as ``input_ids``, ``-100`` = not scored, shifted inside); by default
+    convention (same shape as ``input_ids``, ``-100`` = not scored, shifted inside for a causal LM;
+    a masked LM's or token classifier's are not shifted, as its loss does not shift them); by default
     they are ``input_ids`` with padding (``attention_mask == 0``) ignored. With an attention
     mask, position ids are counted from the first real token, so left- and right-padded
     sequences score as they would alone. Loss and perplexity: ``result.loss``,
@@ -478,9 +487,12 @@ def bma_log_likelihood(
             # as one row, not S·B
             mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0).repeat(num_samples, 1)
-        targets, scored = labels[:, 1:], slice(None, -1)  # position t predicts token t+1
-        if padded:  # nor a token predicted from a pad (left padding's first token): as if alone
-            targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
+        if not is_causal_lm(gen_model):  # a masked LM's labels are not next tokens: t scores labels[t]
+            targets, scored = labels, slice(None)
+        else:
+            targets, scored = labels[:, 1:], slice(None, -1)  # position t predicts token t+1
+            if padded:  # nor a token predicted from a pad (left padding's first token): as if alone
+                targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
     mask = targets != IGNORE_INDEX
     rows = expected_rows(batch, input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows) as sampler:
