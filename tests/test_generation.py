@@ -1117,6 +1117,28 @@ def test_a_model_that_cannot_generate_is_refused_by_name():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_a_model_without_token_logits_is_refused_by_name():
+    """A sequence classifier's logits, one distribution per sequence, give none per label position:
+    bma_log_likelihood failed inside torch's gather ("Index tensor must have the same number of
+    dimensions as input tensor"). It names the logits' and the labels' shapes."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=3)
+    model = BertForSequenceClassification(cfg)
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1e4, seed=0)
+    with opt.sampled_params(train=True):
+        model(input_ids=PROMPTS, labels=torch.tensor([0, 2])).loss.backward()
+    opt.step()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    model.eval()
+    before = snapshot(model)
+    match = r"bma_log_likelihood: the model's logits \(4, 3\) hold no distribution per position of labels \(2, 6\)"
+    with pytest.raises(ValueError, match=match):
+        bma_log_likelihood(model, posterior, PROMPTS, labels=torch.zeros_like(PROMPTS), num_samples=2, seed=0)
+    assert_unchanged(model, before)
+
+
 def test_a_masked_lm_scores_its_labels_unshifted_as_its_own_loss():
     """A masked LM's labels are not next tokens: position t scores labels[:, t], as its loss does
     (and calibrate_posterior, by the one is_causal_lm rule). bma_log_likelihood shifted them as a

@@ -498,6 +498,11 @@ def bma_log_likelihood(
     with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows) as sampler:
         _check_sample_axis(sampler, gen_model, input_ids)
         logits = gen_model(**inputs, return_dict=True).logits
+    if logits.dim() != 3 or logits[:, scored].shape[1] != targets.shape[1]:  # a sequence classifier's (S·B, C)
+        raise ValueError(
+            f"bma_log_likelihood: the model's logits {tuple(logits.shape)} hold no distribution per position "
+            f"of labels {tuple(labels.shape)}: it scores the tokens of a language model (or a token classifier)"
+        )
     require_scorable_labels(targets, logits.shape[-1], "bma_log_likelihood: labels have")
     per_sample = []
     for s in range(num_samples):  # one sample at a time keeps the float32 copy small
