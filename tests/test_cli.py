@@ -993,3 +993,23 @@ def test_tokenizer_files_that_do_not_load_are_not_reported_as_missing(saved, tmp
     assert out == "" and "has no tokenizer files" not in err, err
     assert line.startswith(f"hf-evon {command}: error: --model {str(directory)!r}: its tokenizer files "), line
     assert "(tokenizer.json, tokenizer_config.json) do not load (JSONDecodeError: Expecting value" in line, line
+
+
+def test_calibrate_refuses_an_output_it_cannot_write_before_the_calibration(saved, tmp_path, capsys, monkeypatch):
+    """An --output in a directory this user cannot write: the whole calibration ran and its result
+    was lost at the save ("cannot save the calibrated posterior (Permission denied)"). The check
+    asks ``os.access`` (root passes any mode bits, so the test stands in for the permission)."""
+    import hf_evon.predictive.calibration as calibration
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: os.fspath(p) != str(read_only) and access(p, mode, **k))
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    for output in (read_only, read_only / "new" / "run"):
+        argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "8", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"--output {str(output)!r}: {str(read_only)!r} is a directory this user cannot write in" in err, err

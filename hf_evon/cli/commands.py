@@ -499,8 +499,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     existing = os.path.abspath(args.output)  # checked before the passes, not at the save after them
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--output {args.output!r}: {existing!r} is a file, not a directory")
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
+        why = "is a directory this user cannot write in" if os.path.isdir(existing) else "is a file, not a directory"
+        raise UsageError(f"--output {args.output!r}: {existing!r} {why}")
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
     if is_encoder_decoder(model):
