@@ -680,6 +680,21 @@ def test_an_iterator_and_an_infinite_ess_are_refused() -> None:
         calibrate_posterior(post, model, cal)
 
 
+def test_a_posterior_of_another_model_is_refused_before_any_pass() -> None:
+    """Where no sample is drawn (the mean not overconfident, keep_trained=False), a posterior that
+    does not fit the model was never checked: calibrate_posterior returned it "calibrated" to the
+    mean. It raises PosteriorMismatchError naming the tensors, as every sampling of it would."""
+    from hf_evon import PosteriorMismatchError
+
+    _, post, cal, _ = trained(steps=30)
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    with torch.no_grad():
+        other[2].weight.mul_(0.01)  # an underconfident mean: no scale is scored
+    with pytest.raises(PosteriorMismatchError, match=r"'0.weight' has shape \(16, 6\) in the model but \(32, 6\)"):
+        calibrate_posterior(other, post, cal, keep_trained=False)
+
+
 class FixedLogits(nn.Module):
     """Returns the logits it is given, times ``scale`` (a model whose temperature is known)."""
 
@@ -1029,3 +1044,27 @@ def test_the_causal_lm_rule_agrees_with_each_models_own_loss() -> None:
         assert not torch.isclose(unshifted, shifted, rtol=1e-3)  # the check can tell them apart
         assert is_causal_lm(model) == bool(torch.isclose(out.loss, shifted, rtol=1e-5)), type(model).__name__
         assert is_causal_lm(model) != bool(torch.isclose(out.loss, unshifted, rtol=1e-5)), type(model).__name__
+
+
+def test_tempered_log_probs_are_log_softmax_at_each_temperature_and_leave_the_logits_alone() -> None:
+    """Every temperature's log p(label) is log_softmax(logits / T)'s, in float64, for logits that
+    would overflow exp unshifted (±800); float64 logits are read, not shifted in place."""
+    from hf_evon.predictive.held_out import tempered_log_probs
+    from hf_evon.predictive.logprobs import labelled_rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 40, dtype=torch.float64) * 5
+    logits[0, 0, 7] = 800.0
+    logits[1, 2, 3] = -800.0
+    labels = torch.randint(0, 40, (3, 6))
+    labels[2, :2] = -100
+    temperatures = [0.25, 1.0, 2.0 ** 0.25, 3.0]
+    before = logits.clone()
+    for shift in (True, False):  # unshifted, the rows are a view of the logits
+        got = tempered_log_probs(logits, labels, shift, temperatures)
+        assert torch.equal(logits, before)
+        rows, target = labelled_rows(logits, labels, shift)
+        for i, t in enumerate(temperatures):
+            expected = torch.log_softmax(rows / t, dim=-1).gather(1, target[:, None]).squeeze(1)
+            assert got.dtype == torch.float64 and torch.allclose(got[i], expected, rtol=1e-12, atol=1e-12)
+        assert torch.isfinite(got).all()
