@@ -1013,3 +1013,27 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_the_calibration(save
         assert main([*argv, "--block-size", "8", "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert f"--output {str(output)!r}: {str(read_only)!r} is a directory this user cannot write in" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_a_posterior_only_directory_as_model_says_so(saved, tmp_path, capsys, command):
+    """--model given calibrate's --output (a posterior, no model): the error was transformers'
+    "Unrecognized model in ... Should have a `model_type` key in its config.json", a config.json
+    the directory does not have."""
+    posterior_dir = tmp_path / "calibrated"
+    saved[3].save_pretrained(posterior_dir)
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    rest = ["--prompt-ids", "5 9"] if command == "generate" else ["--text", str(text), "--output", str(tmp_path / "o")]
+    assert main([command, "--model", str(posterior_dir), *rest, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--model {str(posterior_dir)!r} holds no config.json (nor a PEFT adapter's adapter_config.json): "
+        "it holds an EVON posterior; pass it as --posterior, and the model's directory or Hub repo id as --model"
+    ) in err, err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([command, "--model", str(empty), *rest, "--device", "cpu"]) == 2
+    assert f"--model {str(empty)!r} holds no config.json (nor a PEFT adapter's adapter_config.json)\n" in (
+        capsys.readouterr().err
+    )

@@ -151,6 +151,16 @@ def resolve_device(name: str | None) -> Any:
 def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
     """The causal LM, or encoder-decoder model (its config's ``is_encoder_decoder``), at ``path``;
     a PEFT adapter directory: the adapter on its base model."""
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
+
+    if os.path.isdir(path) and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+    ):  # transformers would report a missing `model_type` key in the config.json that is not there
+        hint = ""
+        if os.path.isfile(os.path.join(path, POSTERIOR_CONFIG_NAME)):  # e.g. calibrate's --output
+            hint = (": it holds an EVON posterior; pass it as --posterior, and the model's directory or Hub "
+                    "repo id as --model")  # fmt: skip
+        raise UsageError(f"--model {path!r} holds no config.json (nor a PEFT adapter's adapter_config.json){hint}")
     kwargs: dict[str, Any] = {"revision": revision}
     if dtype is not None:
         kwargs["dtype"] = dtype
