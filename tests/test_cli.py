@@ -1037,3 +1037,19 @@ def test_a_posterior_only_directory_as_model_says_so(saved, tmp_path, capsys, co
     assert f"--model {str(empty)!r} holds no config.json (nor a PEFT adapter's adapter_config.json)\n" in (
         capsys.readouterr().err
     )
+
+
+def test_an_encoder_decoder_without_a_tokenizer_prints_the_decoders_ids_alone(saved_seq2seq, tmp_path, capsys):
+    """Without a tokenizer the ids printed were the encoder's prompt followed by the decoder's
+    output, one line that reads as a continuation; the output is the decoder's, as with text."""
+    path, model, _, posterior = saved_seq2seq
+    model.save_pretrained(tmp_path)  # no tokenizer here
+    posterior.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--samples", "2", "--max-new-tokens", "5", "--seed", "3"]
+    assert main([*argv, "--prompt-ids", "5 9 17", "--device", "cpu"]) == 0
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9, 17]]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+        num_samples=2, seed=3, max_new_tokens=5, do_sample=False, pad_token_id=1,
+    )  # fmt: skip
+    assert printed == expected[0, 1:].tolist()

@@ -280,7 +280,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             continued = args.prompt is not None and not encoder_decoder
             print(args.prompt[row] + completion if continued else completion)
         else:
-            print(" ".join(map(str, prompt_ids + new_ids)))
+            print(" ".join(map(str, new_ids if encoder_decoder else prompt_ids + new_ids)))
     return 0
 
 
