@@ -209,6 +209,7 @@ class EVON(Optimizer):
         self._in_sample = self._training_block = False
         # the gradients the last step consumed (gradients.consumed_grads): a block drops, not adds, them
         self._consumed: Consumed = {}
+        self._held: set[int] = set()  # the parameters whose .grad holds the step's samples (set_aside_grads)
         # set by prepare_distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
@@ -352,7 +353,7 @@ class EVON(Optimizer):
                 self._sample_blocks += train
                 self._eval_blocks += not train
                 if stash is not None:  # filled as it goes: every gradient set aside is given back
-                    set_aside_grads(self.param_groups, self._consumed, stash)
+                    set_aside_grads(self.param_groups, self._consumed, stash, self._held, self.discard_samples)
                 with torch.no_grad(), autocast_disabled():
                     self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
                     for b in self.buckets:
@@ -372,7 +373,7 @@ class EVON(Optimizer):
                             b.record_sample(alone=not any(id(p) in kept for p in b.params))
                     restore_means(perturbed)
                     if stash is not None:
-                        restore_grads(stash, ok)
+                        self._held = restore_grads(stash, ok) or self._held  # None: not recorded
                 self._samples += int(ok and train)
                 self._synchronized &= not (ok and train)  # its own gradients are not averaged yet
                 exited = True
@@ -478,7 +479,7 @@ class EVON(Optimizer):
         self._synchronized = False
         for b in self._buckets or ():  # (buckets not built yet hold none)
             b.acc = b.exit_grads = b.rotated_grads = None
-        self._consumed = consumed_grads(self.param_groups)
+        self._consumed, self._held = consumed_grads(self.param_groups), set()
 
     def _plan(self, b: Bucket, num_samples: int) -> list[Plan]:
         """What the bucket's update needs that can fail (the candidate H too), no state changed

@@ -7,12 +7,16 @@ Gradients the previous step consumed and nobody cleared are dropped, not counted
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["consumed_grads", "consumed_places", "refuse_cleared_grads", "restore_grads", "set_aside_grads"]
+from hf_evon.optim.checks import outside_stacklevel
+
+__all__ = ["consumed_grads", "consumed_places", "restore_grads", "set_aside_grads"]
 
 Tensor = torch.Tensor
 # id(param) -> (weak reference to the gradient a step consumed, its version then)
@@ -51,18 +55,39 @@ def set_aside_grads(
     param_groups: list[dict[str, Any]],
     consumed: Consumed,
     out: list[tuple[Tensor, Tensor | None]],
-    held: set[int] = frozenset(),
+    held: set[int] | frozenset[int] = frozenset(),
+    discard: Callable[[], None] | None = None,
 ) -> None:
     """Append ``(param, its gradient kept for this step)`` to ``out`` for every parameter, each
     before its ``.grad`` becomes None (so the block's backward leaves exactly this sample's
     gradient there): interrupted, ``out`` still holds every gradient taken away.
 
     ``held``: the parameters (by id) whose ``.grad`` held the step's earlier samples' gradients at
-    the last recorded block's exit. One of them without a gradient now is refused, before anything
-    is set aside: ``.grad`` is where those samples' gradients are kept until the step, which
-    divides by their count, so a ``zero_grad()`` between the blocks would leave the step the later
-    samples' gradients divided by every sample's count."""
-    refuse_cleared_grads(param_groups, held)
+    the last recorded block's exit. Where one has none now (``zero_grad()`` between the blocks),
+    those samples' gradients are gone, and the step, which divides by the count of samples, would
+    divide what is left by theirs too: the earlier samples are dropped (``discard``, with a
+    warning naming the parameter) and so is every gradient left of them, so that the step's
+    gradient is the mean over the samples from here on."""
+    cleared = [
+        (names[j] if names else f"param_groups[{gi}]['params'][{j}]", p)
+        for gi, group in enumerate(param_groups)
+        for names in [group.get("param_names")]
+        for j, p in enumerate(group["params"])
+        if p.grad is None and id(p) in held
+    ]
+    if cleared:
+        name, p = cleared[0]
+        warnings.warn(
+            f"{name} (shape {tuple(p.shape)}) lost the gradient of this step's earlier "
+            "sampled_params(train=True) blocks, which .grad holds until step() (zero_grad() or .grad = None "
+            "between the blocks): those samples are dropped and the step averages the samples from this "
+            "block on. Call zero_grad() inside the block or after step() to average every sample",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
+        if discard is not None:
+            discard()
+        consumed = consumed_grads(param_groups)  # what is left of the dropped samples' gradients
     for group in param_groups:
         for p in group["params"]:
             grad = keep = p.grad
@@ -75,22 +100,6 @@ def set_aside_grads(
                     keep = grad.clone()
             out.append((p, keep))
             p.grad = None
-
-
-def refuse_cleared_grads(param_groups: list[dict[str, Any]], held: set[int]) -> None:
-    """Raise, naming the first parameter, where one in ``held`` has no gradient (see ``set_aside_grads``)."""
-    for gi, group in enumerate(param_groups):
-        names = group.get("param_names")
-        for j, p in enumerate(group["params"]):
-            if p.grad is None and id(p) in held:
-                name = names[j] if names else f"param_groups[{gi}]['params'][{j}]"
-                raise RuntimeError(
-                    f"{name} (shape {tuple(p.shape)}) lost the gradient of this step's earlier "
-                    "sampled_params(train=True) blocks, which .grad holds until step() (zero_grad() or "
-                    ".grad = None between the blocks): the step would divide what is left by every "
-                    "sample's count. Call zero_grad() inside the block or after step(); to drop the "
-                    "step's recorded samples, call optimizer.discard_samples()"
-                )
 
 
 def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> set[int] | None:
