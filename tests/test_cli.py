@@ -1053,3 +1053,29 @@ def test_an_encoder_decoder_without_a_tokenizer_prints_the_decoders_ids_alone(sa
         num_samples=2, seed=3, max_new_tokens=5, do_sample=False, pad_token_id=1,
     )  # fmt: skip
     assert printed == expected[0, 1:].tolist()
+
+
+def test_running_out_of_memory_is_one_error_line(saved, capsys, monkeypatch):
+    """Too many --samples for the memory: a RuntimeError traceback (CPU allocator, or CUDA's
+    torch.OutOfMemoryError) where the module promises an error line; other RuntimeErrors still
+    raise (a bug keeps its traceback)."""
+    import hf_evon.predictive.generation as generation
+
+    argv = ["generate", "--model", str(saved[0]), "--prompt-ids", "5 9", "--max-new-tokens", "2", "--device", "cpu"]
+    assert main([*argv, "--samples", str(10**9)]) == 1  # S x the covered weights: terabytes
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("hf-evon generate: error: out of memory (") and "can't allocate memory" in lines[0]
+    assert "use fewer --samples" in lines[0], lines[0]
+
+    def cuda_oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nmore advice")
+
+    monkeypatch.setattr(generation, "generate_bma", cuda_oom)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "hf-evon generate: error: out of memory (CUDA out of memory. Tried to allocate 20.00 GiB.): " in err
+    from hf_evon.cli.loading import failure_text
+
+    assert failure_text(RuntimeError("shape mismatch")) is None

@@ -33,10 +33,12 @@ from typing import Any
 
 from hf_evon.cli.loading import (
     UsageError,
+    failure_text,
     file_error_text,
     file_errors,
     from_location,
     load_model_posterior_tokenizer,
+    read_text,
     resolve_device,
     torch_dtype,
 )
@@ -490,12 +492,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
-    try:  # read before the model loads: a file in another encoding is a mistake found at once
-        with open(args.text, encoding="utf-8") as fh:
-            text = fh.read()
-    except UnicodeDecodeError as err:
-        byte = f"byte 0x{err.object[err.start]:02x} at offset {err.start}"
-        raise UsageError(f"--text {args.text!r} is not UTF-8 text ({byte}): convert it to UTF-8") from None
+    text = read_text(args.text, "--text")  # before the model loads: a file in another encoding fails at once
     existing = os.path.abspath(args.output)  # checked before the passes, not at the save after them
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -591,8 +588,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, NotImplementedError, OSError) as err:
         print(f"{args.parser.prog}: error: {err}", file=sys.stderr)
         return 1
-    except file_errors() as err:
-        print(f"{args.parser.prog}: error: {file_error_text(err)}", file=sys.stderr)
+    except (*file_errors(), MemoryError, RuntimeError) as err:  # (NotImplementedError: reported above)
+        if (text := failure_text(err)) is None:
+            raise  # a bug keeps its traceback
+        print(f"{args.parser.prog}: error: {text}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the shell's convention, no traceback; nothing was half-written
         print(f"{args.parser.prog}: interrupted", file=sys.stderr)

@@ -72,6 +72,33 @@ def file_error_text(err: BaseException) -> str:
     return f"a safetensors file could not be read or written ({first})"
 
 
+def failure_text(err: BaseException) -> str | None:
+    """The error line of a failure that is no bug: a file that does not load or write
+    (:func:`file_errors`), or memory run out (``torch.OutOfMemoryError`` of a GPU, the CPU
+    allocator's RuntimeError, MemoryError); None for anything else, which keeps its traceback."""
+    if isinstance(err, file_errors()):
+        return file_error_text(err)
+    import torch
+
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(err):
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        return (
+            f"out of memory ({first}): use fewer --samples (calibrate: a smaller --batch-size or "
+            "--block-size), or a device with more memory"
+        )
+    return None
+
+
+def read_text(path: str, option: str) -> str:
+    """The UTF-8 text of the file ``path``; a file in another encoding is a usage error naming it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError as err:
+        byte = f"byte 0x{err.object[err.start]:02x} at offset {err.start}"
+        raise UsageError(f"{option} {path!r} is not UTF-8 text ({byte}): convert it to UTF-8") from None
+
+
 def unreachable_hub(repo_id: str) -> str | None:
     """Why the Hub cannot serve ``repo_id`` here, or None (it answers, or some of the repo is in the
     local cache, or ``HF_HUB_OFFLINE`` is set: the libraries then load from the cache).
