@@ -1079,3 +1079,33 @@ def test_running_out_of_memory_is_one_error_line(saved, capsys, monkeypatch):
     from hf_evon.cli.loading import failure_text
 
     assert failure_text(RuntimeError("shape mismatch")) is None
+
+
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_a_model_without_a_language_modelling_head_is_refused(tmp_path, capsys, command):
+    """A masked LM (BertForMaskedLM) loaded as AutoModelForCausalLM becomes a BertLMHeadModel whose
+    attention still sees the following tokens: generate printed text and calibrate saved a scale
+    chosen on it (its "next-token" NLL scored a model that reads the token it predicts)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    model = BertForMaskedLM(config)
+    posterior = trained_posterior(model, len(tokenizer), lambda x: x)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    rest = ["--prompt", "ab"] if command == "generate" else ["--text", str(text), "--output", str(tmp_path / "o")]
+    assert main([command, "--model", str(tmp_path), *rest, "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "o").exists()
+    assert (
+        f"--model {str(tmp_path)!r} is a BertForMaskedLM (config.json's architectures), not a causal LM or an "
+        "encoder-decoder LM"
+    ) in err, err

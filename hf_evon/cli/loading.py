@@ -203,18 +203,36 @@ def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
         # the base is a location of its own (often a path relative to where the adapter was trained):
         # one that is not here is reported as the adapter config's, not as a bad Hub repo id
         option = f"the base model (base_model_name_or_path in {os.path.join(path, 'adapter_config.json')!r})"
-        seq2seq = from_location(base, option, lambda: _config_is_encoder_decoder(base, None))
+        seq2seq = from_location(base, option, lambda: _config_is_encoder_decoder(base, None, option))
         return (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(path, **kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    seq2seq = _config_is_encoder_decoder(path, revision)
+    seq2seq = _config_is_encoder_decoder(path, revision, "--model")
     return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path, **kwargs)
 
 
-def _config_is_encoder_decoder(path: str, revision: str | None) -> bool:
+def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> bool:
+    """Whether the model at ``path`` is an encoder-decoder; a UsageError where its saved class
+    (``architectures``) is no language model: the Auto classes would load it with another head,
+    a masked LM as a causal one whose attention still sees the tokens it predicts."""
     from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto
 
-    return bool(getattr(AutoConfig.from_pretrained(path, revision=revision), "is_encoder_decoder", False))
+    def classes(mapping: str) -> set[str]:
+        names = getattr(modeling_auto, mapping).values()
+        return {n for name in names for n in ([name] if isinstance(name, str) else name or ())}
+
+    config = AutoConfig.from_pretrained(path, revision=revision)
+    language_models = classes("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") | classes("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES")
+    known = set().union(*(classes(m) for m in dir(modeling_auto) if re.fullmatch(r"MODEL_\w*MAPPING_NAMES", m)))
+    saved = [a for a in getattr(config, "architectures", None) or [] if isinstance(a, str)]
+    # a class transformers does not know (a subclass of one's own) is given the benefit of the doubt
+    if saved and known.issuperset(saved) and not language_models.intersection(saved):
+        raise UsageError(
+            f"{option} {path!r} is a {', '.join(saved)} (config.json's architectures), not a causal LM or an "
+            "encoder-decoder LM: generate and calibrate need a model with a language-modelling head"
+        )
+    return bool(getattr(config, "is_encoder_decoder", False))
 
 
 _TOKENIZER_FILES = (
