@@ -324,6 +324,10 @@ def test_generate_with_a_lora_adapter_of_an_encoder_decoder_model(saved_seq2seq,
         (["--prompt", "ab", "--device", "bogus"], "--device 'bogus' is not a torch device"),
         (["--prompt", "ab", "--device", "cuda"], "--device 'cuda': CUDA is not available"),
         (["--prompt", "ab", "--device", "cuda:1"], "--device 'cuda:1': CUDA is not available"),
+        # these raised from inside torch, with a traceback
+        (["--prompt", "ab", "--device", "meta"], "--device 'meta': the meta device holds no data"),
+        (["--prompt", "ab", "--device", "xpu"], "--device 'xpu': torch.xpu is not available here"),
+        (["--prompt", "ab", "--device", "hpu"], "--device 'hpu': torch.hpu is not available here"),
     ],
 )
 def test_bad_generate_input_is_an_argparse_style_error(saved, capsys, args, message):
@@ -331,6 +335,8 @@ def test_bad_generate_input_is_an_argparse_style_error(saved, capsys, args, mess
     option (usage, ``hf-evon generate: error: ...``, exit code 2), never as a traceback."""
     if any(a.startswith("cuda") for a in args) and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
+    if "xpu" in args and torch.xpu.is_available():
+        pytest.skip("an XPU is available here")
     path, *_ = saved
     code = main(["generate", "--model", str(path), "--samples", "1", "--max-new-tokens", "2", *args])
     err = capsys.readouterr().err

@@ -172,6 +172,12 @@ def resolve_device(name: str | None) -> Any:
             )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise UsageError(f"--device {name!r}: MPS is not available on this machine; use --device cpu")
+    elif device.type == "meta":
+        raise UsageError(f"--device {name!r}: the meta device holds no data (shapes only); use --device cpu")
+    elif device.type not in ("cpu", "mps"):  # xpu, hpu, ...: torch raises from deep inside otherwise
+        is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+        if not (callable(is_available) and is_available()):
+            raise UsageError(f"--device {name!r}: torch.{device.type} is not available here; use --device cpu")
     return device
 
 
