@@ -987,3 +987,35 @@ def test_an_adamw_state_of_another_shape_is_refused_naming_the_parameter_and_bot
     train_step(model, reordered, data)
     named = "state[4]['exp_avg'] has shape (5,), but parameter #0 of its group (shape (3,)) needs (3,)"
     _refused_and_unchanged(reordered, model, data, opt.state_dict(), named)
+
+
+@pytest.mark.parametrize("reset", ["clear", "replace"])
+def test_a_reset_optimizer_state_restarts_evons_state_as_torchs_optimizers_do(reset: str) -> None:
+    """``optimizer.state.clear()`` (or a new ``defaultdict(dict)``), torch's way to reset an
+    optimizer, restarted the AdamW groups only: the EVON groups stepped on with the state stacked
+    in their buckets, which ``state_dict()`` no longer held, so a checkpoint lost every EVON
+    state entry, and posterior_std reported the old posterior. The EVON groups now restart as well:
+    as an optimizer that loads the same state dict with no state (same groups, counters and noise
+    stream)."""
+    import collections
+
+    data = make_data()
+    model, twin = make_model(), make_model()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    twin.load_state_dict(model.state_dict())
+    fresh = make_opt(twin)
+    fresh.load_state_dict({**copy.deepcopy(opt.state_dict()), "state": {}})
+    if reset == "clear":
+        opt.state.clear()
+    else:
+        opt.state = collections.defaultdict(dict)
+    assert torch.equal(opt.posterior_std(model[0].weight), fresh.posterior_std(twin[0].weight))
+    for _ in range(3):
+        train_step(model, opt, data)
+        train_step(twin, fresh, data)
+    assert_identical(snapshot(model, opt), snapshot(twin, fresh))
+    saved = opt.state_dict()["state"]
+    evon_ids = opt.state_dict()["param_groups"][0]["params"]
+    assert all("hess" in saved[i] for i in evon_ids)

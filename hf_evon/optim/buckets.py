@@ -153,6 +153,14 @@ class Bucket:
     # member lists as index tensors on the state's device, built once: building one from a list is
     # a host-to-device copy, which on a GPU waits for all queued work (a sync per refresh)
     _indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = field(default_factory=dict, repr=False)
+    # the first member's ``optimizer.state`` entry, which ``stack_state`` pointed at the stacked state
+    first_state: dict[str, Any] | None = field(default=None, repr=False)
+
+    def stale(self, state: dict[Tensor, Any], model_param: Callable[[Tensor], Tensor]) -> bool:
+        """Whether the optimizer's ``state`` no longer holds the entries this bucket's state was
+        stacked into (``optimizer.state`` cleared or replaced: torch's way to reset an optimizer),
+        so that the buckets are to be stacked again from what it holds now."""
+        return self.first_state is not None and state.get(model_param(self.params[0])) is not self.first_state
 
     @property
     def preconditioned(self) -> bool:
@@ -467,7 +475,7 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
 
     ``member_state(p)`` is the ``optimizer.state`` entry of bucket member ``p``."""
     device, dt = b.params[0].device, b.dtype
-    first = member_state(b.params[0])
+    first = b.first_state = member_state(b.params[0])
     # each member's counter (a state saved before they were per member holds one shared by all)
     zero = torch.zeros((), dtype=torch.float32)
     step = torch.stack([member_state(p).get("step", zero).detach().cpu().float().reshape(()) for p in b.params])

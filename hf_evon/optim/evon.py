@@ -272,7 +272,7 @@ class EVON(Optimizer):
     @property
     def buckets(self) -> list[Bucket]:
         """This rank's EVON parameters, bucketed with their stacked state (built on first use)."""
-        if self._buckets is None:
+        if self._buckets is None or any(b.stale(self.state, self._hooks.model_param) for b in self._buckets):
             self._bucket_index = None
             self._buckets = self._build_buckets()
         return self._buckets
@@ -511,7 +511,7 @@ class EVON(Optimizer):
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[Bucket, int]:
         p = self._hooks.bucket_param(p)  # FSDP2: a DTensor's bucket member is its owner's full copy
-        if self._buckets is None or self._bucket_index is None:
+        if not self.buckets or self._bucket_index is None:  # self.buckets first: a rebuild drops the index
             self._bucket_index = {id(q): (b, i) for b in self.buckets for i, q in enumerate(b.params)}
         if id(p) not in self._bucket_index:
             raise ValueError(f"a tensor of shape {tuple(p.shape)} is not trained by EVON in this optimizer")
