@@ -663,6 +663,34 @@ def test_check_model_names_the_offending_tensor(gpt2):
         post.check_model(shallower)
 
 
+
+def test_two_covered_names_of_one_tied_tensor_are_refused():
+    """A posterior with its own factors for two names (taken with untied weights) that the model ties to
+    one tensor: each sample added both perturbations to it, silently (the variance of their sum)."""
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    class Untied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.dec = nn.Linear(3, 4, bias=False), nn.Linear(3, 4, bias=False)
+
+    tied = Untied()
+    tied.dec.weight = tied.enc.weight
+    factors = MatrixFactors(None, None, torch.ones(4, 3), (4, 3), (4, 3), 1.0, 0.0)
+    post = EVONPosterior.from_factors({"enc.weight": factors, "dec.weight": factors})
+    post.check_model(Untied())  # two tensors: fits
+    before = tied.enc.weight.detach().clone()
+    message = r"'dec\.weight' and 'enc\.weight' are one tensor in the model \(tied weights\)"
+    with pytest.raises(PosteriorMismatchError, match=message):
+        post.check_model(tied)
+    with pytest.raises(PosteriorMismatchError, match=message):
+        with post.sampled(tied, seed=0):
+            pass
+    assert torch.equal(tied.enc.weight, before)
+    one = EVONPosterior.from_factors({"dec.weight": factors})  # one name of the tied tensor: one sample
+    with one.sampled(tied, seed=3):
+        torch.testing.assert_close(tied.enc.weight - before, one.draw(1, seed=3)["dec.weight"][0])
+
 # ----------------------------------------------------------------------------- files
 def test_round_trip_in_a_fresh_process(gpt2, tmp_path):
     _, _, post = gpt2

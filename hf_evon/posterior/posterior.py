@@ -308,10 +308,16 @@ class EVONPosterior:
         inner = unwrap_model(model)  # the names the posterior uses: no DDP / torch.compile prefix
         params = dict(inner.named_parameters(remove_duplicate=False))
         problems = []
+        first_name: dict[int, str] = {}  # a tensor covered under two names would take two perturbations
         for name in self.names:
             f = self[name]
             p = params.get(name)
-            if p is None:
+            if p is not None and first_name.setdefault(id(p), name) != name:
+                problems.append(
+                    f"{first_name[id(p)]!r} and {name!r} are one tensor in the model (tied weights), "
+                    "each with its own posterior: a sample would perturb it twice"
+                )
+            elif p is None:
                 problems.append(f"{name!r} is not a parameter of the model{name_hint(name, inner, params)}")
             elif tuple(p.shape) != f.shape:
                 problems.append(
