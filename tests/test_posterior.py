@@ -496,6 +496,19 @@ def test_to_changes_storage_not_results(mlp):
     torch.testing.assert_close(wide.std("0.weight").float(), post.std("0.weight"))
 
 
+def test_to_takes_a_dtype_in_first_place_as_torch_does(mlp):
+    """``post.to(torch.float64)``, as ``module.to(torch.float64)``: torch's TypeError ("to() received an
+    invalid combination of arguments ... device=torch.dtype") came from inside, the dtype taken for a device."""
+    _, _, post = mlp
+    for args, kwargs in (((torch.float64,), {}), (("cpu", torch.float64), {}), ((), {"dtype": torch.float64})):
+        wide = post.to(*args, **kwargs)
+        assert wide.config["eigenbasis_dtype"] == "float64"
+        for name in post.names:
+            assert wide[name].hess.dtype == torch.float64 and wide[name].hess.device.type == "cpu"
+            assert torch.equal(wide[name].hess, post[name].hess.double())
+    with pytest.raises(TypeError, match=r"to: dtype given twice"):
+        post.to(torch.float64, torch.float32)
+
 def test_to_a_half_dtype_casts_the_bases_and_keeps_the_hessian_float32(tmp_path):
     """H beyond float16's 65504 (a summed loss's curvature) keeps its float32 value: std stays the float64
     formula's with the half-rounded bases, and the saved copy loads back with the same std."""

@@ -419,10 +419,17 @@ class EVONPosterior:
         config = dict(self.config, temperature=float(temperature))
         return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> EVONPosterior:
+    def to(
+        self, device: torch.device | str | torch.dtype | None = None, dtype: torch.dtype | None = None
+    ) -> EVONPosterior:
         """A copy with factors on ``device`` and/or stored in ``dtype`` (the math runs in float32, in
         float64 for float64 factors: a float64 copy draws other noise than the float32 one). A half
-        ``dtype`` casts the bases only: ``H`` stays float32, as the file format holds it."""
+        ``dtype`` casts the bases only: ``H`` stays float32, as the file format holds it. A dtype alone may
+        come first, as in ``module.to(torch.float64)``."""
+        if isinstance(device, torch.dtype):
+            if dtype is not None:
+                raise TypeError(f"to: dtype given twice ({device} and {dtype}); pass to(device, dtype)")
+            device, dtype = None, device
         dtype = as_dtype(dtype, "to: dtype")
         groups = [g.cast(device, dtype) for g in self._groups]
         config = dict(self.config)
