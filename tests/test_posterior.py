@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -411,6 +412,17 @@ def test_draw_determinism_subsets_and_dtypes(gpt2):
         post.draw(1, names=["transformer.wte.weight"])
     with pytest.raises(ValueError, match="num_samples"):
         post.draw(0)
+
+
+def test_num_samples_of_another_integer_kind_is_one(mlp):
+    """A NumPy integer (``np.int64(2)``, as seeds take it) was refused as "num_samples must be an
+    integer >= 1; got np.int64(2)", which it is."""
+    post = mlp[2]
+    drawn, plain = post.draw(np.int64(2), seed=5), post.draw(2, seed=5)
+    assert all(v.shape[0] == 2 and torch.equal(v, plain[k]) for k, v in drawn.items())
+    for bad in (True, 2.0, np.int64(0), "2"):
+        with pytest.raises(ValueError, match=re.escape(f"num_samples must be an integer >= 1; got {bad!r}")):
+            post.draw(bad)
 
 
 def test_with_ess_scales_the_variance_and_inf_removes_it(mlp):

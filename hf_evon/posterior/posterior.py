@@ -28,7 +28,7 @@ from torch import nn
 
 from hf_evon.fileio import directory_lock
 from hf_evon.modeling import unused_adapter_parameters, unwrap_model
-from hf_evon.optim.checks import is_real
+from hf_evon.optim.checks import is_int, is_real
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
@@ -245,8 +245,9 @@ class EVONPosterior:
         ``E_s = z_s ⊙ √V`` shaped ``(S, m, n)`` (``W_s − M = Q_L E_s Q_Rᵀ``): no matmuls, for code
         that applies the bases to activations instead of to the weights.
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as seeds
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
+        num_samples = int(num_samples)
         seed, dtype = resolve_seed(seed), as_dtype(dtype, "draw: dtype")
         wanted = self._select(names)
         out: dict[str, Tensor] = {}
