@@ -437,6 +437,21 @@ def test_with_ess_scales_the_variance_and_inf_removes_it(mlp):
         post.with_ess(0.0)
 
 
+def test_with_ess_names_what_its_mapping_misses_or_has_too_many():
+    """The KeyError listed the mapping's own (first 5) names: a mapping missing one of many covered
+    names did not say which."""
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    factors = MatrixFactors(None, None, torch.ones(2, 3), (2, 3), (2, 3), 10.0, 0.0)
+    post = EVONPosterior.from_factors({f"layer{i}.weight": factors for i in range(7)})
+    given = {name: 5.0 for name in post.names if name != "layer6.weight"}
+    with pytest.raises(KeyError, match=r"missing \['layer6\.weight'\]"):
+        post.with_ess(given)
+    with pytest.raises(KeyError, match=r"not covered \['head\.weight'\]"):
+        post.with_ess({**given, "layer6.weight": 5.0, "head.weight": 5.0})
+    assert [post.with_ess({**given, "layer6.weight": 2.0})[n].ess for n in post.names] == [5.0] * 6 + [2.0]
+
+
 def test_lean_posterior_drops_wide_bases_and_keeps_every_marginal(gpt2):
     """Issue 11 item 6: a basis wider than 3x the other side goes; std() and its ess scaling stay exact."""
     model, opt, full = gpt2

@@ -384,8 +384,10 @@ class EVONPosterior:
         """A copy with effective sample size ``ess`` everywhere, or ``{name: ess}`` for every covered
         name (``inf``: zero variance). Variances scale as ``1/ess``: a larger ζ narrows the posterior."""
         if isinstance(ess, Mapping):
-            if sorted(ess) != self.names:
-                raise KeyError(f"with_ess: a mapping needs exactly the covered names; got {sorted(ess)[:5]}")
+            missing, unknown = [n for n in self.names if n not in ess], [n for n in ess if n not in self]
+            if missing or unknown:
+                where = f"with_ess: a mapping needs exactly the covered names; missing {missing[:5]}"
+                raise KeyError(f"{where}, not covered {unknown[:5]}")
             named = self.factors.items()
             factors = {n: replace(f, ess=ess_number(ess[n], f"with_ess: ess[{n!r}]")) for n, f in named}
             return self._with_groups(stack_factors(factors), factors[self.names[0]].ess, "with_ess")
