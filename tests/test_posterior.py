@@ -488,6 +488,20 @@ def test_lean_posterior_drops_wide_bases_and_keeps_every_marginal(gpt2):
         full.lean(0.5)
 
 
+def test_lean_takes_a_numpy_ratio():
+    """``lean(np.float32(3))`` was refused as "max_basis_ratio must be a number >= 1 or None", which it is."""
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    q_right = torch.linalg.qr(torch.randn(13, 13, generator=torch.Generator().manual_seed(0)))[0]
+    factors = MatrixFactors(None, q_right, torch.rand(3, 13) + 0.5, (3, 13), (3, 13), 10.0, 1e-3)
+    post = EVONPosterior.from_factors({"w": factors})
+    lean, ref = post.lean(np.float32(3.0)), post.lean(3.0)
+    assert lean["w"].Q_R is None and torch.equal(lean["w"].hess, ref["w"].hess)
+    assert lean.config["max_basis_ratio"] == 3.0 and type(lean.config["max_basis_ratio"]) is float
+    with pytest.raises(TypeError, match=r"max_basis_ratio must be a number >= 1 or None; got '3'"):
+        post.lean("3")
+
+
 def test_lean_posterior_with_half_precision_bases_round_trips(gpt2, tmp_path):
     model, opt, _ = gpt2
     post = EVONPosterior.from_optimizer(opt, model, eigenbasis_dtype=torch.float16)

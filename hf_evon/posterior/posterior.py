@@ -356,7 +356,7 @@ class EVONPosterior:
         groups = self._groups
         config = dict(self.config)
         if max_basis_ratio is not None:
-            if isinstance(max_basis_ratio, bool) or not isinstance(max_basis_ratio, int | float):
+            if not is_real(max_basis_ratio):  # NumPy numbers too, not a bool
                 raise TypeError(f"max_basis_ratio must be a number >= 1 or None; got {max_basis_ratio!r}")
             if not max_basis_ratio >= 1.0:
                 raise ValueError(
