@@ -1019,3 +1019,31 @@ def test_a_reset_optimizer_state_restarts_evons_state_as_torchs_optimizers_do(re
     saved = opt.state_dict()["state"]
     evon_ids = opt.state_dict()["param_groups"][0]["params"]
     assert all("hess" in saved[i] for i in evon_ids)
+
+
+def test_a_state_dict_whose_bases_one_stacked_state_cannot_hold_is_refused_naming_both() -> None:
+    """Two matrices of one shape and group, stacked apart where the state was saved (float64 and
+    float32: one was updated and has its bases, the other never had a gradient) share one stacked
+    state in a float32 model: the state dict loaded, and every block after it raised "EVON state
+    'L' is missing for some parameters", the optimizer stuck with a state it could not stack. It is
+    refused at load, naming both entries, and the optimizer trains on as it was."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4, dtype=F64))
+    saved_opt = EVON([a, b], seed=0)
+    for _ in range(2):
+        with saved_opt.sampled_params(train=True):
+            (a.sum() ** 2).backward()  # b never gets a gradient: its bucket is never initialised
+        saved_opt.step()
+        saved_opt.zero_grad()
+    saved = copy.deepcopy(saved_opt.state_dict())
+    assert "L" in saved["state"][0] and "L" not in saved["state"][1]
+    a2, b2 = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().float())
+    opt = EVON([a2, b2], seed=0)
+    with pytest.raises(ValueError, match=r"state\[1\] has no 'L' but state\[0\] has one") as err:
+        opt.load_state_dict(saved)
+    assert "parameters #1 of its group and #0 of its group (shape (4, 4), torch.float32)" in str(err.value)
+    assert not opt.state and opt.sample_blocks == 0
+    with opt.sampled_params(train=True):
+        (a2.sum() ** 2 + b2.sum()).backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in (a2, b2))

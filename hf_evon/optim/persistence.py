@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM, matrix_shape, state_dtype
+from hf_evon.optim.buckets import (
+    ROTATED_MOMENTUM,
+    WEIGHT_SPACE_MOMENTUM,
+    group_buckets,
+    matrix_shape,
+    state_dtype,
+)
 from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.validation import validate_state_dict
 
@@ -68,6 +74,7 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
         # keeps a rank's rows of an AdamW state)
         check_group_structure(optimizer.param_groups, state_dict)
         check_state_shapes(optimizer.param_groups, state_dict)
+        check_stacked_bases(optimizer.param_groups, state_dict)
         state_dict = local_state_dict(state_dict)
         loaded["state_dict"] = state_dict
         return state_dict
@@ -174,6 +181,36 @@ def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] has shape {tuple(value.shape)}, but "
                     f"parameter {label} (shape {tuple(p.shape)}) needs {want}: the state dict of "
                     "another model, or of this one grouped otherwise (other evon_patterns or param groups)"
+                )
+
+
+def check_stacked_bases(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
+    """Raise, naming two parameters, where the matrices this optimizer stacks into one bucket (one
+    group, matrix shape, device and dtype; the groups' settings as loaded) would load the
+    eigenbasis statistics for some and not for others, before anything is loaded: a bucket's state
+    is stacked for all its members or none. Where the state was saved they were stacked apart
+    (another dtype or device), and one of them never updated."""
+    saved_groups = loaded["param_groups"]
+    index = {id(p): i for g, sg in zip(param_groups, saved_groups) for p, i in zip(g["params"], sg["params"])}
+    label = {
+        id(p): repr(names[j]) if names else f"#{j} of its group"
+        for g in param_groups
+        for names in [g.get("param_names")]
+        for j, p in enumerate(g["params"])
+    }
+    merged = [{**sg, "params": g["params"]} for g, sg in zip(param_groups, saved_groups)]
+    for b in group_buckets(merged):
+        for key in ("L", "R", "Q_L", "Q_R"):
+            has = {id(p): key in loaded["state"].get(index[id(p)], {}) for p in b.params}
+            if any(has.values()) and not all(has.values()):
+                with_it = next(p for p in b.params if has[id(p)])
+                without = next(p for p in b.params if not has[id(p)])
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{index[id(without)]!r}] has no {key!r} but "
+                    f"state[{index[id(with_it)]!r}] has one, and their parameters {label[id(without)]} and "
+                    f"{label[id(with_it)]} (shape {tuple(without.shape)}, {without.dtype}) share one stacked "
+                    "state here, which holds it for all or none: the state dict was saved where they were "
+                    "stacked apart (another dtype or device); load it into the dtypes and devices it was saved with"
                 )
 
 
