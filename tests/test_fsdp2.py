@@ -318,3 +318,23 @@ def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_pa
         trainer._load_optimizer_and_scheduler(str(tmp_path))
     trainer.evon_optimizer.sharding = None  # not FSDP2: the Trainer's own (nothing to load here)
     trainer._load_optimizer_and_scheduler(None)
+
+
+def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> None:
+    """``posterior.sampled(model)`` on DTensor parameters (the Trainer's BMA evaluation under FSDP2)
+    raised torch's "aten.add.Tensor got mixed torch.Tensor and DTensor": the whole draw was added to
+    the shard. Each rank now holds its rows of the same sample as the unsharded model's."""
+    import fsdp2_posterior_worker as pw
+    from launcher import rank_results
+
+    ranks = rank_results(2, os.path.join(HERE, "fsdp2_posterior_worker.py"), str(tmp_path))
+    model = worker.net()
+    mean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pw.posterior().sampled(model, seed=pw.SEED):
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any(not torch.equal(want[n], mean[n]) for n in want)
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["sample"].keys() == want.keys()
+        assert all(torch.equal(r["sample"][n], want[n]) for n in want)  # the same float64 maths
+        assert all(torch.equal(r["after"][n], mean[n]) for n in mean)  # restored bit for bit

@@ -36,9 +36,32 @@ Tensor = torch.Tensor
 
 def add_perturbation(mean: Tensor, delta: Tensor) -> Tensor:
     """``M + ΔW`` formed in float32 or wider (the wider of the two dtypes) and cast once to ``mean``'s
-    dtype: a sample written into a float32 model keeps its float32 mean whatever dtype ``delta`` has."""
+    dtype: a sample written into a float32 model keeps its float32 mean whatever dtype ``delta`` has.
+    A DTensor ``mean`` (an FSDP2 shard) takes its own part of the whole ``delta``."""
+    if hasattr(mean, "device_mesh") and not hasattr(delta, "device_mesh"):
+        delta = placed_like(delta, mean)
     wide = torch.promote_types(torch.promote_types(mean.dtype, delta.dtype), torch.float32)
     return (mean.to(wide) + delta.to(wide)).to(mean.dtype)
+
+
+def placed_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` as a DTensor placed as the DTensor ``like``, each rank keeping its part (``Shard(d)``:
+    ``torch.chunk``'s share of dim ``d``; ``Replicate``: all of it), no communication: every rank
+    holds the same ``whole``."""
+    from torch.distributed.tensor import DTensor
+
+    local, coordinate = whole, like.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(like.placements):
+        if placement.is_shard() and coordinate is not None:
+            parts, size = like.device_mesh.size(mesh_dim), local.shape[placement.dim]
+            chunk = -(-size // parts)
+            start = min(coordinate[mesh_dim] * chunk, size)
+            local = local.narrow(placement.dim, start, max(min(chunk, size - start), 0))
+        elif not placement.is_replicate():
+            raise ValueError(f"cannot write a posterior sample into a DTensor placed as {like.placements}")
+    return DTensor.from_local(
+        local.contiguous(), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,64 @@
+"""``EVONPosterior.sampled`` on an FSDP2-sharded model (``fully_shard``: DTensor parameters, rows
+split unevenly over the ranks): each rank saves the full weights inside a sample and after it.
+
+The posterior is given by its factors (random orthonormal bases, float64), so no training is
+needed: ``tests/test_fsdp2.py`` compares with the same posterior sampled into the unsharded model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import fsdp2_worker as worker
+import torch
+import torch.distributed as dist
+
+from hf_evon import EVONPosterior
+from hf_evon.posterior.gaussian import MatrixFactors
+
+SEED = 3
+
+
+def posterior() -> EVONPosterior:
+    """Factors for every EVON-shaped matrix of ``worker.Net`` (7×7), float64, reproducible."""
+    gen = torch.Generator().manual_seed(0)
+    dim = worker.DIM
+
+    def basis() -> torch.Tensor:
+        return torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))[0]
+
+    factors = {
+        f"layers.{i}.weight": MatrixFactors(
+            basis(), basis(), torch.rand(dim, dim, generator=gen, dtype=torch.float64) + 0.5,
+            (dim, dim), (dim, dim), 50.0, 1e-3,
+        )  # fmt: skip
+        for i in range(worker.DEPTH)
+    }
+    return EVONPosterior.from_factors(factors)
+
+
+def main(out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    model = worker.shard(worker.net(), init_device_mesh("cpu", (world,)))
+    result = {}
+    try:
+        with posterior().sampled(model, seed=SEED):
+            result["sample"] = worker.full_weights(model)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(err).__name__}: {err}"
+    result["after"] = worker.full_weights(model)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    finish()  # exits here: no process-group destructor runs (launcher.finish)
+
+
+from launcher import finish  # noqa: E402
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    finish()
