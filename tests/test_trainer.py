@@ -1283,6 +1283,34 @@ def test_the_logged_learning_rate_is_adamws_in_use_under_a_scheduler_without_ini
     assert logged[-1] < 1e-3  # the plateau schedule did lower it
 
 
+@pytest.mark.parametrize(
+    ("scheduler", "kwargs"),
+    [("cosine_with_min_lr", {"min_lr": 1e-4}), ("cosine_warmup_with_min_lr", {"min_lr": 1e-4}), ("polynomial", {"lr_end": 1e-4})],
+)
+def test_a_schedules_end_rate_is_in_the_units_of_learning_rate(tmp_path, scheduler, kwargs):
+    """transformers reads ``lr_scheduler_kwargs``' ``min_lr``/``lr_end`` against ``optimizer.defaults["lr"]``,
+    which is EVON's α (0.02 here): AdamW's rate fell to 1e-3 · 1e-4 / 0.02 = 5e-6 instead of 1e-4.
+    They are rates in the units of ``learning_rate``, as under ``Trainer``: AdamW's rate follows the
+    schedule a plain AdamW at 1e-3 gets, and α keeps its ratio to it."""
+    from transformers import get_scheduler
+
+    args = config(tmp_path, max_steps=4, learning_rate=1e-3, lr_scheduler_type=scheduler, lr_scheduler_kwargs=kwargs)
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data())
+    trainer.train()
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = get_scheduler(scheduler, reference, num_warmup_steps=0, num_training_steps=4, scheduler_specific_kwargs=kwargs)
+    for _ in range(4):
+        reference.step()
+        schedule.step()
+    expected = reference.param_groups[0]["lr"]
+    groups = trainer.evon_optimizer.param_groups
+    evon, adamw = groups[0], next(g for g in groups if g["algorithm"] == "adamw")
+    assert evon["algorithm"] == "evon" and evon["initial_lr"] == 2e-2 and adamw["initial_lr"] == 1e-3
+    assert adamw["lr"] == pytest.approx(expected, rel=1e-9)
+    assert evon["lr"] == pytest.approx(2e-2 * expected / 1e-3, rel=1e-9)
+    assert trainer.evon_optimizer.defaults["lr"] == 2e-2  # read against the user's rate while the schedule was built
+
+
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):
     """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
     result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)

@@ -67,7 +67,7 @@ What the trainer does differently from ``transformers.Trainer``:
 * **PEFT.** ``peft_config=`` wraps the model with ``peft.get_peft_model`` (as TRL does); EVON
   then owns the LoRA matrices and the posterior covers the adapter.
 
-Hooks used: the public ``Trainer`` methods ``create_optimizer``, ``training_step`` (wrapping
+Hooks used: the public ``Trainer`` methods ``create_optimizer``, ``create_scheduler``, ``training_step`` (wrapping
 ``super()``; while it runs, ``self.compute_loss``, whichever class defines it, is wrapped to scale
 the loss), ``get_batch_samples``, ``log``, ``evaluate``, ``evaluation_loop``, ``prediction_step``,
 ``predict``, ``train``, ``save_model``, ``create_model_card``, the documented ``loss_is_scaled_for_ga`` switch and a ``TrainerCallback``
@@ -114,6 +114,7 @@ from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RA
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
 from hf_evon.trainer.internals import TrainerInternals
 from hf_evon.trainer.prediction import PredictionMixin
+from hf_evon.trainer.schedule import ScheduleMixin
 from hf_evon.trainer.statistics import posterior_statistics
 
 logger = logging.get_logger(__name__)
@@ -141,7 +142,7 @@ class _EVONSetUp(TrainerCallback):
         self.trainer._prepare_evon_for_training()
 
 
-class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, TrainerInternals):
+class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, ScheduleMixin, TrainerInternals):
     """EVON training, posterior evaluation and saving for any ``transformers.Trainer`` subclass.
 
     Put it first among the bases: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)`` (see
