@@ -22,6 +22,7 @@ from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     HfArgumentParser,
+    Trainer,
     TrainerCallback,
     TrainingArguments,
 )
@@ -1233,11 +1234,11 @@ def test_ddp_two_processes(tmp_path, kind):
 def test_the_logged_learning_rate_is_the_users_and_alpha_is_logged_beside_it(tmp_path, scheduler):
     """Issue 33 §3: the logged ``learning_rate`` was EVON's α (0.075 where the user set 1e-3): the
     Trainer reads the first parameter group's. It is the user's rate, as scheduled, and α is
-    ``evon/learning_rate`` (the first EVON group's, as the optimizer held it at that step)."""
+    ``evon/learning_rate`` (the first EVON group's, as the step used it: before the scheduler steps)."""
     rates: list[tuple[float, float]] = []
 
     class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, optimizer=None, **kwargs):  # noqa: ANN001, ANN201
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):  # noqa: ANN001, ANN201
             first = trainer.evon_optimizer.param_groups[0]
             rates.append((first["lr"], first["initial_lr"]))
 
@@ -1281,6 +1282,34 @@ def test_the_logged_learning_rate_is_adamws_in_use_under_a_scheduler_without_ini
     logged = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h and "learning_rate" in h]
     assert logged == held[: len(logged)] and len(logged) == 4
     assert logged[-1] < 1e-3  # the plateau schedule did lower it
+
+
+@pytest.mark.parametrize("scheduler", ["linear", "cosine"])
+def test_the_logged_learning_rate_is_the_one_the_step_used_as_the_trainer_logs_it(tmp_path, scheduler):
+    """The logged ``learning_rate`` and ``evon/learning_rate`` were the rates after the scheduler stepped
+    (the next step's; 0.0 at the last step of a linear schedule), one step ahead of what ``Trainer``
+    logs: the rate the step used. Both runs here follow one schedule from the same rate."""
+    common = dict(max_steps=4, learning_rate=1e-3, lr_scheduler_type=scheduler, warmup_steps=1, logging_steps=1)
+    plain = dict(output_dir=str(tmp_path / "plain"), report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+    reference = Trainer(
+        model=tiny_bert(), args=TrainingArguments(**plain, **common), train_dataset=classification_data()
+    )
+    reference.train()
+    used: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            used.append(trainer.evon_optimizer.param_groups[0]["lr"])  # EVON's α as the step used it
+
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, **common), train_dataset=classification_data(), callbacks=[Record()]
+    )
+    trainer.train()
+    expected = [h["learning_rate"] for h in reference.state.log_history if "loss" in h]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert expected[0] == 0.0 and len(set(expected)) == 4  # the warm-up's first step, then a rate per step
+    assert [h["learning_rate"] for h in logs] == pytest.approx(expected, rel=1e-12, abs=0.0)
+    assert [h["evon/learning_rate"] for h in logs] == pytest.approx(used, rel=1e-12, abs=0.0)
 
 
 @pytest.mark.parametrize(

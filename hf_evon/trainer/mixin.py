@@ -114,7 +114,7 @@ from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RA
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
 from hf_evon.trainer.internals import TrainerInternals
 from hf_evon.trainer.prediction import PredictionMixin
-from hf_evon.trainer.schedule import ScheduleMixin
+from hf_evon.trainer.schedule import ScheduleMixin, UsedRates
 from hf_evon.trainer.statistics import posterior_statistics
 
 logger = logging.get_logger(__name__)
@@ -212,6 +212,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         # and its loss scores every label, the first from the prompt
         self._loss_shifts_labels = self._causal_lm and not prepends_virtual_tokens(self.model)
         self.add_callback(_EVONSetUp(self))
+        self.add_callback(UsedRates(self))
 
     def _resolve_learning_rate(self) -> None:
         """``learning_rate=None``: a rate for how the model is trained (see ``EVONConfig.learning_rate``)."""
@@ -572,10 +573,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
             logs = {**logs, **self.posterior_statistics()}
         groups = [] if self.evon_optimizer is None else self.evon_optimizer.param_groups
         if "learning_rate" in logs and groups and groups[0]["algorithm"] == "evon" and self.args.learning_rate:
-            first, adamw = groups[0], next((g["lr"] for g in groups if g["algorithm"] == "adamw"), None)
-            schedule = first["lr"] / first["initial_lr"] if first.get("initial_lr") else 1.0
-            rate = self.args.learning_rate * schedule if adamw is None else adamw
-            logs = {**logs, "learning_rate": rate, "evon/learning_rate": first["lr"]}
+            logs = {**logs, **self._rate_logs(groups)}  # as the step used them (hf_evon.trainer.schedule)
         super().log(logs, start_time)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,19 +1,24 @@
 """The learning-rate schedule of the EVON trainers, in the units of ``learning_rate`` (AdamW's rate).
 
-EVON holds its α as ``optimizer.defaults["lr"]``, where ``Trainer`` looks for "the" learning rate:
+EVON holds its α as the first parameter group's rate and as ``optimizer.defaults["lr"]``, where
+``Trainer`` looks for "the" learning rate. Two places read it there:
 
 * ``create_scheduler``: transformers reads a schedule's absolute rates (``lr_scheduler_kwargs``'
   ``min_lr`` of the ``cosine_*_with_min_lr`` schedules, ``polynomial``'s ``lr_end``) against
   ``optimizer.defaults["lr"]``. While the schedule is built that is the user's rate
   (:func:`user_rate`), so such a rate means what it means under ``Trainer``: AdamW's rate reaches
   it, and every group (α too) keeps its ratio to AdamW's.
+* the logged ``learning_rate``: ``Trainer`` logs the first group's rate as the step used it (read
+  before its scheduler steps). The EVON trainers log the user's rate as the step used it, and α as
+  ``evon/learning_rate`` (:meth:`ScheduleMixin._rate_logs`), both recorded at ``on_optimizer_step``.
 """
 
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
-__all__ = ["ScheduleMixin", "user_rate"]
+__all__ = ["ScheduleMixin", "UsedRates", "user_rate"]
 
 
 def user_rate(groups: list[dict[str, Any]], learning_rate: float) -> float:
@@ -23,8 +28,24 @@ def user_rate(groups: list[dict[str, Any]], learning_rate: float) -> float:
     return learning_rate if adamw is None else adamw.get("initial_lr", adamw["lr"])
 
 
+class UsedRates(TrainerCallback):
+    """``on_optimizer_step`` (after the step, before the scheduler's): each group's rate as the step used it."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._evon_used_rates = None  # another optimizer's (a model_init run), or the last train()'s
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer = self.trainer.evon_optimizer
+        self.trainer._evon_used_rates = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
+
+
 class ScheduleMixin:
-    """``create_scheduler`` of :class:`~hf_evon.trainer.EVONTrainerMixin` (module docstring)."""
+    """``create_scheduler`` and the logged rates of :class:`~hf_evon.trainer.EVONTrainerMixin` (module docstring)."""
+
+    _evon_used_rates: list[float] | None = None  # set by UsedRates
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         """The subclass's scheduler, built while ``optimizer.defaults["lr"]`` is the user's rate."""
@@ -38,3 +59,13 @@ class ScheduleMixin:
             return super().create_scheduler(num_training_steps, optimizer)
         finally:
             evon.defaults["lr"] = alpha
+
+    def _rate_logs(self, groups: list[dict[str, Any]]) -> dict[str, float]:
+        """``learning_rate`` (the user's: AdamW's group's, or ``learning_rate`` as scheduled without one)
+        and ``evon/learning_rate`` (α, the first group's) as the last step used them."""
+        used = self._evon_used_rates
+        used = used if used is not None and len(used) == len(groups) else [g["lr"] for g in groups]
+        first, adamw = groups[0], next((r for g, r in zip(groups, used) if g["algorithm"] == "adamw"), None)
+        schedule = used[0] / first["initial_lr"] if first.get("initial_lr") else 1.0
+        rate = self.args.learning_rate * schedule if adamw is None else adamw
+        return {"learning_rate": rate, "evon/learning_rate": used[0]}
