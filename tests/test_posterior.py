@@ -249,6 +249,21 @@ def test_from_factors_checks_shapes(mlp):
         EVONPosterior.from_factors({"w": bad})
 
 
+def test_from_factors_takes_shapes_given_as_lists():
+    """Shapes as lists (as JSON gives them) raised "TypeError: unhashable type: 'list'" from inside."""
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    model = nn.Linear(3, 4, bias=False)
+    listed = MatrixFactors(None, None, torch.ones(4, 3), [4, 3], [4, 3], 10.0, 0.0)
+    post = EVONPosterior.from_factors({"weight": listed})
+    assert post["weight"].shape == (4, 3) and post["weight"].matrix_shape == (4, 3)
+    post.check_model(model)  # a tuple (4, 3) again: the model's shape
+    assert post.draw(1, seed=0)["weight"].shape == (1, 4, 3)
+    bad = MatrixFactors(None, None, torch.ones(4, 3), (4, 3.0), (4, 3), 10.0, 0.0)
+    with pytest.raises(PosteriorMismatchError, match=r"'weight': shape must be a sequence of integers; got \(4, 3\.0\)"):
+        EVONPosterior.from_factors({"weight": bad})
+
+
 def test_untrained_optimizer_gives_the_prior_like_initial_posterior():
     model = nn.Linear(3, 2)
     opt = hf_evon.EVON(model.parameters(), **plain_evon(ess=10.0, hess_init=0.5, weight_decay=0.1))

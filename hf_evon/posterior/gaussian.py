@@ -12,6 +12,7 @@ sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -162,10 +163,23 @@ def check_factor_shapes(name: str, f: MatrixFactors) -> None:
             raise PosteriorMismatchError(f"'{name}.{label}' has shape {tuple(t.shape)}; expected {want}")
 
 
+def _with_tuple_shapes(name: str, f: MatrixFactors) -> MatrixFactors:
+    """``f`` with ``shape`` and ``matrix_shape`` as tuples of ints, or an error naming ``name``."""
+    shapes = {}
+    for field in ("shape", "matrix_shape"):
+        value = getattr(f, field)
+        try:
+            shapes[field] = tuple(operator.index(s) for s in value)
+        except TypeError:
+            raise PosteriorMismatchError(f"{name!r}: {field} must be a sequence of integers; got {value!r}") from None
+    return replace(f, **shapes)
+
+
 def stack_factors(factors: Mapping[str, MatrixFactors]) -> list[FactorGroup]:
     """Stack factors into groups of equal matrix shape, stored bases, noise scale, dtypes and
     device (names sorted within a group), so that sampling runs one batched matmul per group."""
     buckets: dict[tuple, list[str]] = {}
+    factors = {name: _with_tuple_shapes(name, f) for name, f in factors.items()}  # lists from JSON too
     for name in sorted(factors):
         f = factors[name]
         check_factor_shapes(name, f)
