@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -72,6 +73,21 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("beams", [None, 3])
+
+def _unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> int:
+    """huggingface_hub pointed at a local port nothing listens on (connections are refused), online,
+    with an empty cache under ``tmp_path``, which is the working directory; returns the port."""
+    from huggingface_hub import constants
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+    return port
+
 def test_generate_matches_generate_bma(saved, capsys, beams):
     path, model, tokenizer, posterior = saved
     prompts = ["def f(x):", "a = b"]
@@ -416,19 +432,12 @@ def test_an_unreachable_hub_is_reported_before_any_retry_unless_the_repo_is_cach
     file five times with backoff (~50 s for ``hf-evon generate``). One request to the endpoint
     tells first, so the loader never starts; a repo in the local cache, or HF_HUB_OFFLINE, still
     goes to the loader (which may load it from the cache)."""
-    import socket
 
     from huggingface_hub import constants
 
     from hf_evon.cli.loading import from_location
 
-    with socket.socket() as sock:  # a port nothing listens on: connections are refused
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.chdir(tmp_path)
+    port = _unreachable_hub(monkeypatch, tmp_path)
     calls = []
 
     def load():
@@ -938,9 +947,7 @@ def test_an_adapters_missing_base_model_is_named_as_the_adapters(saved, tmp_path
     """An adapter whose base model (``base_model_name_or_path``) is not here: a path-like one was
     reported as huggingface_hub's "Repo id must be in the form ...", a bare name was looked up on
     an unreachable Hub with five retries (~50 s), and neither message named the adapter's config."""
-    import socket
 
-    from huggingface_hub import constants
     from peft import LoraConfig, get_peft_model
 
     path, model, *_ = saved
@@ -948,13 +955,7 @@ def test_an_adapters_missing_base_model_is_named_as_the_adapters(saved, tmp_path
     lora.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
-    with socket.socket() as sock:  # a port nothing listens on: connections are refused
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.chdir(tmp_path)
+    port = _unreachable_hub(monkeypatch, tmp_path)
     argv = ["generate", "--model", str(tmp_path), "--posterior", str(path), "--prompt-ids", "5 9", "--device", "cpu"]
     code = main(argv)
     err = capsys.readouterr().err
