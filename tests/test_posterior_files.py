@@ -789,3 +789,44 @@ def test_a_card_keyword_the_card_does_not_take_is_refused_before_anything_is_wri
     with pytest.raises(TypeError, match=r"model_card_kwargs: unknown keyword\(s\) \['bogus'\]"):
         first.with_temperature(3.0).save_pretrained(tmp_path, model_card_kwargs={"bogus": 1})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_posterior_over_a_0d_parameter_saves_loads_and_samples_alike(tmp_path) -> None:
+    """EVON trains a 0-d parameter in an EVON group (``EVON(model.parameters())`` on a model with a
+    learnable scalar, CLIP's ``logit_scale``; or one named in ``evon_patterns``), and its posterior
+    covers it, but ``save_pretrained`` failed on its shape ``[]`` ("must be a non-empty list of
+    integers >= 1"): an EVONTrainer run crashed at its first checkpoint. It saves, and the loaded
+    posterior gives the same std and the same samples."""
+    from torch import nn
+
+    from hf_evon import EVON
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 3)
+            self.scale = nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x) * self.scale
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(8, 4)
+    opt = EVON(model.parameters(), ess=1e4)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    assert "scale" in posterior.names and posterior.std("scale").shape == ()
+    posterior.save_pretrained(tmp_path, model_card=False)
+    config = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())
+    assert config["parameters"]["scale"]["shape"] == [] and config["parameters"]["scale"]["matrix_shape"] == [1, 1]
+    loaded = EVONPosterior.from_pretrained(tmp_path, model=model)
+    assert torch.equal(loaded.std("scale"), posterior.std("scale"))
+    with posterior.sampled(model, seed=5):
+        expected = [p.detach().clone() for p in model.parameters()]
+    with loaded.sampled(model, seed=5):
+        assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected, strict=True))
+    assert not torch.equal(expected[-1], model.scale.detach())  # the sample moves the scalar too

@@ -174,7 +174,7 @@ class ParameterEntry:
         missing = [k for k in ("shape", "matrix_shape", "left_basis", "right_basis") if k not in value]
         if missing:
             raise PosteriorMismatchError(f"{where}: field {key!r} lacks {missing}")
-        shape = rules.shape(value["shape"], f"{key}.shape", where)
+        shape = rules.shape(value["shape"], f"{key}.shape", where, empty=True)  # [] : a 0-d tensor
         declared = rules.shape(value["matrix_shape"], f"{key}.matrix_shape", where)
         left = rules.boolean(value["left_basis"], f"{key}.left_basis", where)
         right = rules.boolean(value["right_basis"], f"{key}.right_basis", where)

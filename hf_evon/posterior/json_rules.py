@@ -118,12 +118,14 @@ def betas(value: Any, field: str, where: str) -> tuple[float, float]:
     return (number(value[0], f"{field}[0]", where), number(value[1], f"{field}[1]", where))
 
 
-def shape(value: Any, field: str, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise rule_error(where, field, "a non-empty list of integers >= 1", value)
+def shape(value: Any, field: str, where: str, empty: bool = False) -> tuple[int, ...]:
+    """A list of integers >= 1; ``empty``: the empty list too (a 0-d tensor's shape)."""
+    rule = "a list of integers >= 1" if empty else "a non-empty list of integers >= 1"
+    if not isinstance(value, list) or not (value or empty):
+        raise rule_error(where, field, rule, value)
     for d in value:
         if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-            raise rule_error(where, field, "a non-empty list of integers >= 1", value)
+            raise rule_error(where, field, rule, value)
     return tuple(value)
 
 
