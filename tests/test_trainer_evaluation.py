@@ -856,3 +856,50 @@ def test_predict_bma_converts_its_predictions_to_numpy_once(tmp_path, monkeypatc
     assert [c for c, n in collections.Counter(converted).items() if n > 1] == []
     assert out.predictions is seen[0].predictions and out.label_ids is seen[0].label_ids
     assert out.predictions.shape == (40, 3) and out.metrics["test_rows"] == 40.0
+
+
+def test_the_evon_passes_give_the_model_what_its_forward_takes(tmp_path):
+    """A custom ``compute_loss`` takes entries out of the batch before the forward (the labels of a
+    model whose ``forward`` has no ``labels``, per-example weights), so the Trainer's pass runs; the
+    BMA passes of ``evaluate()`` and ``predict(bma=True)`` raised TypeError (``forward() got an
+    unexpected keyword argument 'labels'``), and the calibration one for ``'weight'``. They give the
+    forward the entries it takes and score the labels, as on the batch without the others."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from hf_evon.predictive.metrics import calibration_metrics
+
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = nn.Embedding(100, 16), nn.Linear(16 * 8, 3)
+
+        def forward(self, input_ids):  # noqa: ANN001, ANN201
+            return SequenceClassifierOutput(logits=self.head(self.emb(input_ids).flatten(1)))
+
+    class Weighted(EVONTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+            labels, weight = inputs.pop("labels"), inputs.pop("weight")
+            outputs = model(**inputs)
+            loss = (nn.functional.cross_entropy(outputs.logits, labels, reduction="none") * weight).mean()
+            return (loss, outputs) if return_outputs else loss
+
+    def weighted(data):  # noqa: ANN001, ANN202
+        return data.map(lambda row: {"weight": 1.0})
+
+    held_out = classification_data(16, seed=3)
+    args = config(tmp_path, max_steps=3, remove_unused_columns=False, label_names=["labels"], bma_num_samples=2, bma_seed=3)
+    trainer = Weighted(
+        model=Net(), args=args, train_dataset=weighted(classification_data(48)), eval_dataset=weighted(held_out)
+    )
+    trainer.train()
+    expected = _averaged_softmax(trainer, {"input_ids": torch.tensor(held_out["input_ids"])}, (3, 4))
+    reference = calibration_metrics(expected.log(), torch.tensor(held_out["labels"]), "log_probs", n_bins=15)
+    metrics = trainer.evaluate()
+    for key in ("nll", "accuracy", "ece", "brier"):
+        assert metrics[f"eval_bma_{key}"] == pytest.approx(reference[key], rel=1e-6, abs=1e-9), key
+    out = trainer.predict(weighted(held_out), bma=True)
+    np.testing.assert_allclose(out.predictions, expected.numpy(), rtol=1e-5, atol=1e-7)
+    assert trainer.calibrate(weighted(classification_data(16, seed=5)), grid=(0.5,)).num_targets == 16

@@ -15,11 +15,13 @@ dataset's order.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
 
+from hf_evon.modeling import peft_base_model, unwrap_model
 from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
 
@@ -60,11 +62,32 @@ def check_calibration_batches(
         )
 
 
-def under_labels(batch: Any, label_names: Sequence[str] | None) -> Any:
+def forward_inputs(model: torch.nn.Module, batch: Any, keep: Iterable[str] = ()) -> Any:
+    """``batch`` less the entries that ``model``'s ``forward`` (behind DDP, ``torch.compile`` and PEFT)
+    has no parameter for, where it takes no ``**kwargs``; the ``keep`` entries stay (labels the caller
+    takes out itself). A custom ``compute_loss`` takes such entries out before its forward (per-example
+    weights; the labels of a forward without any), so the Trainer's pass runs, and the EVON trainers'
+    own passes (BMA, calibration) must too. Any other batch (or forward) as it is."""
+    if not isinstance(batch, Mapping):
+        return batch
+    try:
+        parameters = inspect.signature(peft_base_model(unwrap_model(model)).forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the batch as it is
+        return batch
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return batch
+    taken = {*parameters, *keep}
+    return batch if all(k in taken for k in batch) else {k: v for k, v in batch.items() if k in taken}
+
+
+def under_labels(batch: Any, label_names: Sequence[str] | None, model: torch.nn.Module | None = None) -> Any:
     """``batch`` with its labels under ``labels`` where the trainer's ``label_names`` name one other
     entry (a model whose ``forward`` calls its labels otherwise): the calibration reads ``labels``
-    and passes the rest to the model, which then predicts without computing a loss. Any other batch
+    and passes the rest to the model, which then predicts without computing a loss. With ``model``,
+    only the entries its ``forward`` takes, and the labels (:func:`forward_inputs`). Any other batch
     as it is."""
+    if model is not None:
+        batch = forward_inputs(model, batch, ["labels", *(label_names or ())])
     names = list(label_names or ())
     if len(names) != 1 or names[0] == "labels" or not isinstance(batch, Mapping) or names[0] not in batch:
         return batch

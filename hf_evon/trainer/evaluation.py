@@ -40,7 +40,7 @@ from hf_evon.predictive.logprobs import (
     tempered,
 )
 from hf_evon.predictive.metrics import CALIBRATION_METRIC_KEYS, calibration_metrics
-from hf_evon.trainer.calibration_data import length_sorted
+from hf_evon.trainer.calibration_data import forward_inputs, length_sorted
 
 logger = logging.get_logger(__name__)
 
@@ -188,7 +188,9 @@ def class_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | None:
 def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...]:
     """The model's ``logits``; for an output without (extractive QA) its ``*_logits`` fields in
     order (``start_logits``, ``end_logits``), each a distribution of its own. A tuple output
-    (``return_dict=False``): its logits after the loss, as ``Trainer.prediction_step`` reads them."""
+    (``return_dict=False``): its logits after the loss, as ``Trainer.prediction_step`` reads them.
+    Only the entries the forward takes (:func:`~hf_evon.trainer.calibration_data.forward_inputs`)."""
+    inputs = forward_inputs(trainer.model, inputs)
     with torch.no_grad(), trainer.compute_loss_context_manager():
         outputs = model(**inputs)
     fields = output_logits(outputs, labels_given=batch_labels(trainer, inputs) is not None)

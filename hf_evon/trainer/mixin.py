@@ -304,7 +304,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         loaded = not any(p.is_meta for p in self.model.parameters())
         loader = self._uncached_eval_dataloader(self.calibration_dataset)
         calibration_data.check_calibration_batches(
-            (calibration_data.under_labels(b, self.label_names) for b in loader), vocab, self._causal_lm,
+            (calibration_data.under_labels(b, self.label_names, self.model) for b in loader), vocab, self._causal_lm,
             (lambda b, where: held_out_classes(self.model, self._prepare_inputs(b), self._causal_lm, where)) if loaded else None,
         )  # fmt: skip
 
@@ -370,7 +370,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         # sorted by length, the long tail cut (each pass pads little; the dataset order's result), labels as "labels"
         split = calibration_data.length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
         batches = [self._prepare_inputs(b) for b in self._uncached_eval_dataloader(split)]
-        batches = calibration_data.cut_by_length([calibration_data.under_labels(b, self.label_names) for b in batches])
+        batches = calibration_data.cut_by_length([calibration_data.under_labels(b, self.label_names, self.model) for b in batches])
         _, result = calibrate_posterior(
             model,
             posterior,
