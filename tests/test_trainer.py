@@ -1340,6 +1340,32 @@ def test_a_schedules_end_rate_is_in_the_units_of_learning_rate(tmp_path, schedul
     assert trainer.evon_optimizer.defaults["lr"] == 2e-2  # read against the user's rate while the schedule was built
 
 
+@pytest.mark.parametrize(
+    ("scheduler", "steps", "bound"),
+    [("reduce_lr_on_plateau", 5, {"min_lr": 1e-4}), ("greedy", 1, {"max_lr": 2e-3, "min_lr": 1e-4})],
+)
+def test_a_plateau_schedules_bounds_are_in_the_units_of_learning_rate(tmp_path, scheduler, steps, bound):
+    """A plateau schedule's ``min_lr`` (greedy's ``max_lr`` too) bounds every group's rate by that one
+    number: AdamW's (1e-3) stopped at the bound, and so did EVON's α (0.02, 20 times AdamW's): reduced
+    to 1e-4, or "raised" to greedy's 2e-3, below its start. The bounds are in the units of
+    ``learning_rate``, as under ``Trainer``: AdamW stops at the bound, α at 20 times it."""
+    kwargs = {**bound, "factor": 0.1, "patience": 0, "mode": "max", "cooldown": 0}
+    args = config(
+        tmp_path, max_steps=steps, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
+        lr_scheduler_type=scheduler, metric_for_best_model="eval_loss", bma_num_samples=0, lr_scheduler_kwargs=kwargs,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(), eval_dataset=classification_data(8, seed=1)
+    )
+    trainer.train()
+    groups = trainer.evon_optimizer.param_groups
+    evon, adamw = groups[0], next(g for g in groups if g["algorithm"] == "adamw")
+    end = bound["max_lr" if scheduler == "greedy" else "min_lr"]  # greedy raised the rate, the plateau lowered it
+    assert evon["algorithm"] == "evon" and adamw["lr"] == pytest.approx(end, rel=1e-9)
+    assert evon["lr"] == pytest.approx(2e-2 * end / 1e-3, rel=1e-9)
+    assert args.lr_scheduler_kwargs == kwargs  # the config as given
+
+
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):
     """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
     result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)

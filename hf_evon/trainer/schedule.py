@@ -7,7 +7,9 @@ EVON holds its α as the first parameter group's rate and as ``optimizer.default
   ``min_lr`` of the ``cosine_*_with_min_lr`` schedules, ``polynomial``'s ``lr_end``) against
   ``optimizer.defaults["lr"]``. While the schedule is built that is the user's rate
   (:func:`user_rate`), so such a rate means what it means under ``Trainer``: AdamW's rate reaches
-  it, and every group (α too) keeps its ratio to AdamW's.
+  it, and every group (α too) keeps its ratio to AdamW's. The bounds of the plateau schedules
+  (``reduce_lr_on_plateau``'s ``min_lr``, ``greedy``'s ``min_lr``/``max_lr``), one number for every
+  group, become each group's at that ratio (:data:`GROUP_BOUNDS`).
 * the logged ``learning_rate``: ``Trainer`` logs the first group's rate as the step used it (read
   before its scheduler steps). The EVON trainers log the user's rate as the step used it, and α as
   ``evon/learning_rate`` (:meth:`ScheduleMixin._rate_logs`), both recorded at ``on_optimizer_step``.
@@ -18,7 +20,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-__all__ = ["ScheduleMixin", "UsedRates", "user_rate"]
+__all__ = ["GROUP_BOUNDS", "ScheduleMixin", "UsedRates", "user_rate"]
+
+# schedules whose kwargs bound each group's rate (a number: the same bound for every group)
+GROUP_BOUNDS = {"reduce_lr_on_plateau": ("min_lr",), "greedy": ("min_lr", "max_lr")}
 
 
 def user_rate(groups: list[dict[str, Any]], learning_rate: float) -> float:
@@ -29,7 +34,8 @@ def user_rate(groups: list[dict[str, Any]], learning_rate: float) -> float:
 
 
 class UsedRates(TrainerCallback):
-    """``on_optimizer_step`` (after the step, before the scheduler's): each group's rate as the step used it."""
+    """``on_optimizer_step`` (after the step, before the scheduler's): each group's rate as the step
+    used it."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -39,26 +45,42 @@ class UsedRates(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = self.trainer.evon_optimizer
-        self.trainer._evon_used_rates = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
+        rates = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
+        self.trainer._evon_used_rates = rates
 
 
 class ScheduleMixin:
-    """``create_scheduler`` and the logged rates of :class:`~hf_evon.trainer.EVONTrainerMixin` (module docstring)."""
+    """``create_scheduler`` and the logged rates of :class:`~hf_evon.trainer.EVONTrainerMixin`
+    (module docstring)."""
 
     _evon_used_rates: list[float] | None = None  # set by UsedRates
 
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """The subclass's scheduler, built while ``optimizer.defaults["lr"]`` is the user's rate."""
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        """The subclass's scheduler, built while ``optimizer.defaults["lr"]`` is the user's rate and a
+        plateau schedule's bounds are each group's (the config's kwargs as given again after)."""
         evon = self.evon_optimizer
         other = optimizer is not None and optimizer.defaults is not getattr(evon, "defaults", None)
         if self.lr_scheduler is not None or evon is None or other:  # built already, or not EVON's
             return super().create_scheduler(num_training_steps, optimizer)
-        alpha = evon.defaults["lr"]
-        evon.defaults["lr"] = user_rate(evon.param_groups, self.args.learning_rate)
+        alpha, given = evon.defaults["lr"], self.args.lr_scheduler_kwargs
+        rate = user_rate(evon.param_groups, self.args.learning_rate)
+        kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
+        numbers = {  # a list is the user's bound per group already
+            key: given[key]
+            for key in GROUP_BOUNDS.get(kind, ())
+            if isinstance(given, dict) and type(given.get(key)) in (int, float)
+        }
+        ratios = [g.get("initial_lr", g["lr"]) / rate for g in evon.param_groups]
+        bounds = {key: [value * ratio for ratio in ratios] for key, value in numbers.items()}
+        evon.defaults["lr"] = rate
+        if bounds:
+            self.args.lr_scheduler_kwargs = {**given, **bounds}
         try:
             return super().create_scheduler(num_training_steps, optimizer)
         finally:
-            evon.defaults["lr"] = alpha
+            evon.defaults["lr"], self.args.lr_scheduler_kwargs = alpha, given
 
     def _rate_logs(self, groups: list[dict[str, Any]]) -> dict[str, float]:
         """``learning_rate`` (the user's: AdamW's group's, or ``learning_rate`` as scheduled without one)
