@@ -338,3 +338,33 @@ def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> No
         assert r["sample"].keys() == want.keys()
         assert all(torch.equal(r["sample"][n], want[n]) for n in want)  # the same float64 maths
         assert all(torch.equal(r["after"][n], mean[n]) for n in mean)  # restored bit for bit
+
+
+def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> None:
+    """``bma_log_likelihood``, ``generate_bma`` and both ``BatchedSamples`` strategies on DTensor
+    parameters, each rank on its own prompts: the setup added the whole draw to a rank's shard
+    ("The size of tensor a (5) must match the size of tensor b (10)") or failed making its guard of
+    a DTensor. Each rank now runs the unsharded model's samples, exactly; its mean untouched. A
+    DTensor no FSDP2 forward gathers is refused by name."""
+    import fsdp2_bma_worker as bw
+    from launcher import rank_results
+
+    ranks = rank_results(2, os.path.join(HERE, "fsdp2_bma_worker.py"), str(tmp_path))
+    net = bw.model()
+    mean = {n: p.detach().clone() for n, p in net.named_parameters()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' (a matmul's rounding may depend on the thread count)
+    try:
+        want = [bw.results(net, bw.posterior(bw.model()), bw.prompts(rank)) for rank in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    assert want[0]["materialize_factored"] == [] and len(want[0]["factored_factored"]) == 8  # both ways
+    assert not torch.equal(want[0]["materialize"][:2], want[0]["materialize"][2:4])  # samples differ
+    for r, w in zip(ranks, want, strict=True):
+        assert "error" not in r, r["error"]
+        assert r["not_gathered"].startswith("NotImplementedError: posterior parameter 'weight' ")
+        assert "without FSDP2 gathering it" in r["not_gathered"]
+        assert r.keys() - {"after", "not_gathered"} == w.keys()
+        for key, value in w.items():
+            assert (value == r[key]) if isinstance(value, list) else torch.equal(value, r[key]), key
+        assert r["after"].keys() == mean.keys() and all(torch.equal(r["after"][n], mean[n]) for n in mean)

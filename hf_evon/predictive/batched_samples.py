@@ -50,6 +50,14 @@ else, by a DoRA adapter (which runs its layers on an identity matrix for the wei
 that is another tensor of a supported module (``weight_norm``'s ``weight_g`` / ``weight_v``,
 ``spectral_norm``'s ``weight_orig``) raises ``NotImplementedError`` naming it, rather than
 silently decoding at the mean or mixing the samples.
+
+FSDP2 (``fully_shard``: DTensor parameters, each rank a share of the rows): a forward runs on the
+whole weights FSDP2 gathers, so each rank keeps the whole draw (the same on every rank for a
+given seed; ``seed=None``: each rank its own samples; no communication) and a covered forward adds
+it to the gathered mean as it runs, as ``posterior.sampled`` would have written it: the unsharded
+model's samples, exactly, for S·m·n additions per materialized matrix and forward. FSDP2 puts the
+gathered parameters on the modules for every forward, replacing what they hold, so a DTensor holds
+no guard: a read of it outside its owner's forward is not refused there (it reads the mean).
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_evon.modeling import unwrap_model
+from hf_evon.optim.buckets import is_dtensor
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
 
@@ -383,12 +392,15 @@ class BatchedSamples:
                         )
                     if rotated:
                         value = draw.to(mean.dtype)  # E_s, applied between the bases
+                    elif is_dtensor(mean):  # ΔW_s whole: added to the mean FSDP2 gathers (_sampler)
+                        value = draw
                     else:  # the rounding of writing a sample into the weights (posterior.sampled)
                         value = add_perturbation(mean, draw)
                     per_sample[name] = value.contiguous()
                     self.extra_bytes += value.numel() * value.element_size()
         self.factored = set(factored)
-        guards = {name: _guard(name, p) for name, p in params.items()}  # one per tensor: ties stay ties
+        # one per tensor: ties stay ties; FSDP2 would replace a DTensor's guard by the gathered weight
+        guards = {name: _guard(name, p) for name, p in params.items() if not is_dtensor(p)}
         try:
             for module, attrs in owners.items():
                 weights = {attr: per_sample[name] for attr, name in attrs.items()}
@@ -399,7 +411,7 @@ class BatchedSamples:
                     )
                 else:
                     forward = self._make_forward(module, weights, label)
-                self._patch(module, forward, {attr: guards[name] for attr, name in attrs.items()})
+                self._patch(module, forward, {attr: guards[name] for attr, name in attrs.items() if name in guards})
                 self._labels[module] = label
         except BaseException:
             self._restore()
@@ -476,19 +488,17 @@ class BatchedSamples:
         # batched weights laid out (S, in, out) for bmm: Linear stores (out, in), Conv1D (in, out)
         transpose = not (conv1d is not None and isinstance(module, conv1d))
         s_count = self.num_samples
-        w_s = weights.get("weight")
-        b_s = weights.get("bias")
-        w_bmm = None if w_s is None else (w_s.mT if transpose else w_s)
-        bias_s = None if b_s is None else b_s.unsqueeze(1)  # (S, 1, out)
+        sample = _sampler(module, weights, label)
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
             xs = _sample_major(x, s_count, label)
-            if w_bmm is not None:
-                w = w_bmm
+            w_s, b_s = sample(self_, "weight"), sample(self_, "bias")
+            if w_s is not None:
+                w = w_s.mT if transpose else w_s
             else:  # the weight is not covered: the module's own
                 weight = self_.weight.mT if transpose else self_.weight
                 w = weight.expand(s_count, *weight.shape)
-            b = bias_s if bias_s is not None else self_.bias
+            b = b_s.unsqueeze(1) if b_s is not None else self_.bias  # (S, 1, out)
             y = torch.bmm(xs, w) if b is None else torch.baddbmm(b.expand(s_count, 1, -1), xs, w)
             return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -506,15 +516,17 @@ class BatchedSamples:
         def basis(q: Tensor | None) -> Tensor | None:
             return None if q is None else q.to(device=device, dtype=dtype)
 
-        if conv1d is not None and isinstance(module, conv1d):  # weight (in, out) = (m, n)
+        is_conv1d = conv1d is not None and isinstance(module, conv1d)
+        if is_conv1d:  # weight (in, out) = (m, n)
             q_in, q_out, e_io = basis(factors.Q_L), basis(factors.Q_R), e_s
-            mean = mean.mT  # Conv1D's x @ W + b is F.linear's with the (out, in) view
         else:  # nn.Linear: weight (out, in) = (m, n), x @ ΔWᵀ = x Q_R E_sᵀ Q_Lᵀ
             q_in, q_out, e_io = basis(factors.Q_R), basis(factors.Q_L), e_s.mT
         s_count = self.num_samples
+        sharded = is_dtensor(mean)
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
-            y = F.linear(x, mean, self_.bias)
+            m = _gathered(self_, "weight", label) if sharded else mean
+            y = F.linear(x, m.mT if is_conv1d else m, self_.bias)  # Conv1D: F.linear's (out, in) view
             xs = _sample_major(x, s_count, label)
             t = xs if q_in is None else xs @ q_in
             t = torch.bmm(t, e_io)
@@ -528,15 +540,42 @@ class BatchedSamples:
         self, module: nn.Module, weights: dict[str, Tensor], label: str
     ) -> Callable[..., Tensor]:
         s_count = self.num_samples
-        w_s = weights["weight"]  # (S, V, d), materialized
-        vocab = w_s.shape[1]
-        flat = w_s.reshape(s_count * vocab, -1)
+        sample = _sampler(module, weights, label)
+        vocab = weights["weight"].shape[1]  # (S, V, d), materialized
 
         def forward(self_: nn.Module, ids: Tensor) -> Tensor:
             if ids.shape[0] % s_count:
                 raise refusal(f"{label}: expected a leading batch of S·B rows, got {tuple(ids.shape)}")
+            flat = sample(self_, "weight").reshape(s_count * vocab, -1)
             offsets = torch.arange(s_count, device=ids.device).mul_(vocab).view(s_count, *[1] * ids.ndim)
             shifted = (ids.reshape(s_count, -1, *ids.shape[1:]) + offsets).reshape(ids.shape)
             return F.embedding(shifted, flat)
 
         return forward
+
+
+def _gathered(module: nn.Module, attr: str, label: str) -> Tensor:
+    """The whole mean of the DTensor parameter ``module.<attr>``, which FSDP2 puts on the module
+    for its forward (``label``: a covered name the module owns)."""
+    mean = module._parameters[attr]
+    if mean is None or is_dtensor(mean):
+        raise refusal(
+            f"posterior parameter {attr!r} of the module owning {label!r} is a DTensor whose module runs "
+            "without FSDP2 gathering it "
+            "(tensor parallelism, or a module outside fully_shard): batched BMA needs the whole weight"
+        )
+    return mean.detach()
+
+
+def _sampler(module: nn.Module, weights: dict[str, Tensor], label: str) -> Callable[[nn.Module, str], Tensor | None]:
+    """``sample(module, attr)``: the (S, …) per-sample values of the covered ``attr`` (``None`` where
+    it is not covered); a DTensor's, held as ``ΔW_s``, added to the mean FSDP2 gathered for this forward
+    with the rounding of ``posterior.sampled``."""
+    sharded = {attr for attr in weights if is_dtensor(module._parameters[attr])}
+
+    def sample(module_: nn.Module, attr: str) -> Tensor | None:
+        if attr in sharded:
+            return add_perturbation(_gathered(module_, attr, label), weights[attr])
+        return weights.get(attr)
+
+    return sample

@@ -1,0 +1,116 @@
+"""Batched BMA (``bma_log_likelihood``, ``generate_bma``, ``BatchedSamples`` materialized and
+factored) on an FSDP2-sharded GPT-2 (``fully_shard`` per block and at the root: DTensor
+parameters, rows split unevenly over the ranks), each rank on its own prompts.
+
+``tests/test_fsdp2.py`` runs the same calls on the unsharded model and compares.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import fsdp2_worker as worker
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_evon import EVONPosterior
+from hf_evon.posterior.gaussian import MatrixFactors
+from hf_evon.predictive.batched_samples import BatchedSamples
+from hf_evon.predictive.generation import bma_log_likelihood, generate_bma
+
+SEED, SAMPLES, NEW_TOKENS = 5, 3, 3
+VOCAB = 45  # rows of the tied wte / lm_head: 23 + 22 over 2 ranks
+
+
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=10, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config).double().eval()
+
+
+def posterior(net: torch.nn.Module) -> EVONPosterior:
+    """Factors (random orthonormal bases, float64) for every matrix but the position embedding,
+    the tied wte / lm_head included (an embedding and a linear owner of one parameter)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def basis(k: int) -> torch.Tensor:
+        return torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))[0]
+
+    factors = {}
+    for name, p in net.named_parameters():
+        if p.dim() == 2 and name != "transformer.wpe.weight":
+            m, n = p.shape
+            hess = torch.rand(m, n, generator=gen, dtype=torch.float64) + 0.5
+            factors[name] = MatrixFactors(basis(m), basis(n), hess, (m, n), (m, n), 30.0, 1e-3)
+    return EVONPosterior.from_factors(factors)
+
+
+def prompts(rank: int) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(100 + rank))
+
+
+def results(net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor) -> dict:
+    """What the test compares: each batched-BMA path's output on ``ids``."""
+    out = {
+        "log_likelihood": bma_log_likelihood(net, post, ids, num_samples=SAMPLES, seed=SEED).sample_token_log_probs,
+        "generated": generate_bma(
+            net, post, ids, num_samples=SAMPLES, seed=SEED, max_new_tokens=NEW_TOKENS, do_sample=False
+        ),
+    }
+    for strategy in ("materialize", "factored"):
+        with torch.no_grad(), BatchedSamples(net, post, SAMPLES, seed=SEED, strategy=strategy) as sampler:
+            out[strategy] = net(ids.repeat(SAMPLES, 1)).logits
+            out[f"{strategy}_factored"] = sorted(sampler.factored)
+    return out
+
+
+def not_gathered(mesh) -> str:
+    """Batched BMA on a DTensor that no FSDP2 forward gathers (sharded as tensor parallelism does)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    lin = torch.nn.Linear(4, 4).double()
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    eye = torch.eye(4, dtype=torch.float64)
+    post = EVONPosterior.from_factors({"weight": MatrixFactors(eye, eye, eye + 1, (4, 4), (4, 4), 30.0, 1e-3)})
+    try:
+        with torch.no_grad(), BatchedSamples(lin, post, 2, seed=SEED, strategy="materialize"):
+            lin(torch.zeros(2, 4, dtype=torch.float64))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return f"{type(err).__name__}: {err}"
+    return "not refused"
+
+
+def main(out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    net = model()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in net.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    result: dict = {}
+    try:
+        result.update(results(net, posterior(model()), prompts(rank)))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(err).__name__}: {err}"
+    result["not_gathered"] = not_gathered(mesh)
+    result["after"] = worker.full_weights(net)  # the root's stay gathered after a forward (FSDP2's way)
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    finish()  # exits here: no process-group destructor runs (launcher.finish)
+
+
+from launcher import finish  # noqa: E402
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    finish()
