@@ -710,6 +710,28 @@ def test_the_mean_fingerprint_across_a_cast_below_float16s_normal_range(recorded
         post.check_model(model)
 
 
+def test_a_posterior_mean_warning_names_the_users_line():
+    """The warning pointed at the library's own line: hf_evon/posterior/posterior.py (the call of
+    check_model inside sampled) or contextlib's; it names the line that called sampled or
+    check_model."""
+    from hf_evon.posterior.fingerprint import PosteriorMeanWarning, mean_fingerprint
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    model = nn.Linear(3, 2, bias=False)
+    fingerprint = mean_fingerprint(dict(model.named_parameters()), ["weight"])
+    factors = MatrixFactors(None, None, torch.ones(2, 3), (2, 3), (2, 3), 100.0, 0.0)
+    post = EVONPosterior.from_factors({"weight": factors}, config={"mean_fingerprint": fingerprint})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.warns(PosteriorMeanWarning) as direct:
+        post.check_model(model)
+    with pytest.warns(PosteriorMeanWarning) as sampled:
+        with post.sampled(model, seed=0):
+            pass
+    assert [w.filename for w in direct] == [w.filename for w in sampled] == [__file__]
+    assert sampled[0].lineno == direct[0].lineno + 2  # the `with post.sampled(...)` line
+
+
 def test_check_model_names_the_offending_tensor(gpt2):
     from transformers import GPT2Config, GPT2LMHeadModel
 

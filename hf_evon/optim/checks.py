@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import numbers
@@ -107,10 +108,11 @@ def _package_dir(name: str) -> str | None:
 
 
 # where a warning's caller is not: hf_evon's files, torch's (its optimizer hooks and no_grad wrap
-# step()) and the Hugging Face stack's that call step() for the user (Trainer, accelerate, TRL, PEFT)
+# step()) and the Hugging Face stack's that call step() for the user (Trainer, accelerate, TRL, PEFT);
+# and contextlib's, whose __enter__ runs a context manager (posterior.sampled) for the user's `with`
 _LIBRARY_DIRS = tuple(
     d for d in map(_package_dir, ("hf_evon", "torch", "transformers", "accelerate", "trl", "peft")) if d is not None
-)
+) + (contextlib.__file__,)
 
 
 def outside_stacklevel() -> int:

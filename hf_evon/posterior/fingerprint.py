@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from hf_evon.optim.checks import outside_stacklevel
+
 __all__ = [
     "FINGERPRINT_POSITIONS",
     "PosteriorMeanWarning",
@@ -145,5 +147,5 @@ def warn_if_other_mean(
             "come from different saves (e.g. a save killed between the model's files and the posterior's, "
             "or files of two runs); save the posterior again with these weights before sampling",
             PosteriorMeanWarning,
-            stacklevel=3,
+            stacklevel=outside_stacklevel(),  # the user's line, also through sampled()
         )
