@@ -1,5 +1,6 @@
 """``EVONPosterior.sampled`` on an FSDP2-sharded model (``fully_shard``: DTensor parameters, rows
-split unevenly over the ranks): each rank saves the full weights inside a sample and after it.
+split unevenly over the ranks): each rank saves the full weights inside a sample and after it,
+and what ``sampled(model)`` without a seed raised.
 
 The posterior is given by its factors (random orthonormal bases, float64), so no training is
 needed: ``tests/test_fsdp2.py`` compares with the same posterior sampled into the unsharded model.
@@ -52,6 +53,8 @@ def main(out: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(err).__name__}: {err}"
     result["after"] = worker.full_weights(model)
+    result["seed_none"] = worker.expect_error(lambda: posterior().sampled(model).__enter__())
+    result["after_seed_none"] = worker.full_weights(model)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     finish()  # exits here: no process-group destructor runs (launcher.finish)

@@ -323,7 +323,9 @@ def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_pa
 def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> None:
     """``posterior.sampled(model)`` on DTensor parameters (the Trainer's BMA evaluation under FSDP2)
     raised torch's "aten.add.Tensor got mixed torch.Tensor and DTensor": the whole draw was added to
-    the shard. Each rank now holds its rows of the same sample as the unsharded model's."""
+    the shard. Each rank now holds its rows of the same sample as the unsharded model's. Without a
+    seed each rank took one from its own RNG, writing its rows of another sample: refused, naming
+    ``seed``, before any weight is written."""
     import fsdp2_posterior_worker as pw
     from launcher import rank_results
 
@@ -338,6 +340,9 @@ def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> No
         assert r["sample"].keys() == want.keys()
         assert all(torch.equal(r["sample"][n], want[n]) for n in want)  # the same float64 maths
         assert all(torch.equal(r["after"][n], mean[n]) for n in mean)  # restored bit for bit
+        assert r["seed_none"] is not None and r["seed_none"].startswith("ValueError: sampled(model, seed=None)")
+        assert "pass seed=<int>, the same on every rank" in r["seed_none"]
+        assert all(torch.equal(r["after_seed_none"][n], mean[n]) for n in mean)
 
 
 def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> None:

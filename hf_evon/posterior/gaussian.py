@@ -13,13 +13,13 @@ sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import matrix_shape, wide_sides
+from hf_evon.optim.buckets import is_dtensor, matrix_shape, wide_sides
 from hf_evon.optim.buckets import state_dtype as compute_dtype  # float32 math; float64 stays float64
 from hf_evon.optim.linalg import (
     dense_covariance,
@@ -29,7 +29,7 @@ from hf_evon.optim.linalg import (
     rotated_variance,
     unrotate,
 )
-from hf_evon.optim.noise import derived_seed
+from hf_evon.optim.noise import derived_seed, resolve_seed
 from hf_evon.posterior.json_rules import PosteriorMismatchError
 
 Tensor = torch.Tensor
@@ -43,6 +43,19 @@ def add_perturbation(mean: Tensor, delta: Tensor) -> Tensor:
         delta = placed_like(delta, mean)
     wide = torch.promote_types(torch.promote_types(mean.dtype, delta.dtype), torch.float32)
     return (mean.to(wide) + delta.to(wide)).to(mean.dtype)
+
+
+def sample_seed(seed: int | None, params: Iterable[Tensor]) -> int:
+    """``seed`` for writing one sample into ``params`` (``resolve_seed``). ``seed=None`` is refused
+    where one is a DTensor (FSDP2): each rank would take a seed from its own RNG and write its rows
+    of a different sample, a model torn between samples that no rank could see."""
+    if seed is None and any(is_dtensor(p) for p in params):
+        raise ValueError(
+            "sampled(model, seed=None): the model's parameters are sharded (DTensors, FSDP2), and each "
+            "rank would draw its own seed and write its rows of a different sample; pass seed=<int>, the "
+            "same on every rank"
+        )
+    return resolve_seed(seed)
 
 
 def placed_like(whole: Tensor, like: Tensor) -> Tensor:

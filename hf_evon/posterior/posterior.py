@@ -51,6 +51,7 @@ from hf_evon.posterior.gaussian import (
     basis_dtype,
     drop_wide_bases,
     sample_group,
+    sample_seed,
     stack_factors,
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
@@ -281,7 +282,7 @@ class EVONPosterior:
         """
         self.check_model(model)
         params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
-        seed = resolve_seed(seed)
+        seed = sample_seed(seed, (params[name] for name in self.names))
         by_device: dict[torch.device, list[str]] = {}
         for name in self.names:
             by_device.setdefault(params[name].device, []).append(name)
