@@ -72,8 +72,6 @@ def saved(tmp_path_factory):
     return path, model, tokenizer, posterior
 
 
-@pytest.mark.parametrize("beams", [None, 3])
-
 def _unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> int:
     """huggingface_hub pointed at a local port nothing listens on (connections are refused), online,
     with an empty cache under ``tmp_path``, which is the working directory; returns the port."""
@@ -88,6 +86,8 @@ def _unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> 
     monkeypatch.chdir(tmp_path)
     return port
 
+
+@pytest.mark.parametrize("beams", [None, 3])
 def test_generate_matches_generate_bma(saved, capsys, beams):
     path, model, tokenizer, posterior = saved
     prompts = ["def f(x):", "a = b"]
