@@ -1150,7 +1150,7 @@ LOAD_ERRORS = {
     "float shape": (
         None,
         lambda c: _set(c["parameters"][W], "shape", [3.2, 4.7]),
-        rf"evon_posterior_config\.json: field 'parameters\.{W}\.shape' must be a non-empty list of integers",
+        rf"evon_posterior_config\.json: field 'parameters\.{W}\.shape' must be a list of integers >= 1",  # [] is a 0-d tensor's
     ),
     "float matrix_shape": (
         None,
