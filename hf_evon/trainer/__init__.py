@@ -9,6 +9,8 @@
   posterior, FSDP2 optimizer save/resume, pushed checkpoints;
 * :mod:`~hf_evon.trainer.internals`: the only overrides of private ``Trainer`` methods, and why;
 * :mod:`~hf_evon.trainer.statistics`: the ``evon/*`` statistics logged while training;
+* :mod:`~hf_evon.trainer.schedule`: the learning-rate schedule and the logged rates, in ``learning_rate``'s
+  units (AdamW's rate);
 * :mod:`~hf_evon.trainer.evaluation`: metrics at the posterior mean and under BMA;
 * :mod:`~hf_evon.trainer.prediction`: ``predict(test, bma=True)``, BMA predictions;
 * :mod:`~hf_evon.trainer.trainers`: :class:`EVONTrainer`, :class:`EVONSeq2SeqTrainer`;
