@@ -54,8 +54,12 @@ def prompts(rank: int) -> torch.Tensor:
     return torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(100 + rank))
 
 
-def results(net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor) -> dict:
-    """What the test compares: each batched-BMA path's output on ``ids``."""
+def results(
+    net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor, rank: int, synced_gpus: bool | None
+) -> dict:
+    """What the test compares: each batched-BMA path's output on ``ids`` (rank ``rank``'s prompts);
+    ``synced_gpus`` for the decoding of a rank-dependent number of tokens (True under FSDP2, as
+    ``Seq2SeqTrainer`` passes it for an FSDP-managed model)."""
     out = {
         "log_likelihood": bma_log_likelihood(net, post, ids, num_samples=SAMPLES, seed=SEED).sample_token_log_probs,
         "generated": generate_bma(
@@ -66,6 +70,11 @@ def results(net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor) -> dic
         with torch.no_grad(), BatchedSamples(net, post, SAMPLES, seed=SEED, strategy=strategy) as sampler:
             out[strategy] = net(ids.repeat(SAMPLES, 1)).logits
             out[f"{strategy}_factored"] = sorted(sampler.factored)
+    # the ranks decode different numbers of tokens: the one done first must go on gathering shards
+    out["uneven"] = generate_bma(
+        net, post, ids, num_samples=SAMPLES, seed=SEED, max_new_tokens=1 + 3 * rank, do_sample=False,
+        synced_gpus=synced_gpus,
+    )  # fmt: skip
     return out
 
 
@@ -99,7 +108,7 @@ def main(out: str) -> None:
     fully_shard(net, mesh=mesh)
     result: dict = {}
     try:
-        result.update(results(net, posterior(model()), prompts(rank)))
+        result.update(results(net, posterior(model()), prompts(rank), rank, True))
     except Exception as err:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(err).__name__}: {err}"
     result["not_gathered"] = not_gathered(mesh)

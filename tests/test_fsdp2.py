@@ -350,7 +350,10 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     parameters, each rank on its own prompts: the setup added the whole draw to a rank's shard
     ("The size of tensor a (5) must match the size of tensor b (10)") or failed making its guard of
     a DTensor. Each rank now runs the unsharded model's samples, exactly; its mean untouched. A
-    DTensor no FSDP2 forward gathers is refused by name."""
+    DTensor no FSDP2 forward gathers is refused by name. ``synced_gpus=True``, which
+    ``Seq2SeqTrainer`` passes for an FSDP-managed model (so that a rank done first goes on gathering
+    shards for the others), was refused ("generate_bma does not support 'synced_gpus'"); ranks that
+    decode different numbers of tokens now finish with the unsharded model's tokens."""
     import fsdp2_bma_worker as bw
     from launcher import rank_results
 
@@ -360,10 +363,11 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers' (a matmul's rounding may depend on the thread count)
     try:
-        want = [bw.results(net, bw.posterior(bw.model()), bw.prompts(rank)) for rank in range(2)]
+        want = [bw.results(net, bw.posterior(bw.model()), bw.prompts(rank), rank, None) for rank in range(2)]
     finally:
         torch.set_num_threads(threads)
     assert want[0]["materialize_factored"] == [] and len(want[0]["factored_factored"]) == 8  # both ways
+    assert [w["uneven"].shape[1] - 4 for w in want] == [1, 4]  # the 4-token prompts' new tokens
     assert not torch.equal(want[0]["materialize"][:2], want[0]["materialize"][2:4])  # samples differ
     for r, w in zip(ranks, want, strict=True):
         assert "error" not in r, r["error"]

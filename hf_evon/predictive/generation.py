@@ -54,7 +54,7 @@ Tensor = torch.Tensor
 __all__ = ["BMALogLikelihood", "bma_log_likelihood", "generate_bma"]
 
 _UNSUPPORTED_KWARGS = (
-    "assistant_model", "synced_gpus", "prefix_allowed_tokens_fn", "past_key_values", "cache", "encoder_outputs",
+    "assistant_model", "prefix_allowed_tokens_fn", "past_key_values", "cache", "encoder_outputs",
 )  # fmt: skip
 
 
@@ -236,7 +236,9 @@ def generate_bma(
             ``pad_token_id``, ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
             ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ``stop_strings``
             (with ``tokenizer``), ``num_beams``, ``num_return_sequences``, ``length_penalty``,
-            ``early_stopping``. Assisted and contrastive decoding are not supported.
+            ``early_stopping``, ``synced_gpus`` (an FSDP2 model's ranks step together until every
+            one is done; transformers sets it for a ``fully_shard``-ed model, and ``Seq2SeqTrainer``
+            passes it). Assisted and contrastive decoding are not supported.
 
     Returns:
         What ``model.generate`` returns, decoded by ``model.generate`` itself on the BMA predictive:

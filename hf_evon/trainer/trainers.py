@@ -93,8 +93,6 @@ def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed:
 
     def generate(input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("labels", None)
-        if not kwargs.get("synced_gpus"):  # the trainer's False: nothing to synchronise
-            kwargs.pop("synced_gpus", None)
         return generate_bma(
             model, posterior, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed, **kwargs
         )
