@@ -1633,3 +1633,57 @@ def test_a_lora_posterior_saves_without_the_prompt_encoder_warning(tmp_path):
         warnings.simplefilter("always")
         posterior.save_pretrained(tmp_path, model_card=False)
     assert [str(w.message) for w in caught] == []
+
+
+def test_an_adalora_posterior_beside_the_rank_pruned_adapter_is_warned_of_and_its_way_out_fits(tmp_path):
+    """AdaLoRA's rank allocation (``update_and_allocate``) records a ``rank_pattern``, and PEFT's
+    ``save_pretrained`` then keeps only the kept ranks of ``lora_A``/``lora_B``/``lora_E``: the posterior
+    saved beside it (every rank) did not fit ``PeftModel.from_pretrained``'s model, and neither its save
+    nor the reload's mismatch error said why. The save now warns, naming the tensor, both shapes and
+    the way out; the reload's error names the cause; the way out (``rank_pattern = None``) fits exactly."""
+    from peft import AdaLoraConfig, PeftModel, get_peft_model
+    from test_trainer import tiny_gpt2
+
+    # a budget of 1 rank (target_r) for two layers of 4 ranks: the final allocation prunes at least 7
+    config = AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
+    )
+    model = get_peft_model(tiny_gpt2(), config)
+    opt = hf_evon.build_optimizer(model, ess=1e3, seed=0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        ids = torch.randint(3, 100, (4, 8), generator=g)
+        with opt.sampled_params(train=True):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model.base_model.update_and_allocate(step)  # AdaLoRA's step, as PEFT's docs place it
+        opt.zero_grad()
+    kept = {f"base_model.model.{k[: -len('lora_E.default')]}lora_A.default": sum(v)
+            for k, v in model.peft_config["default"].rank_pattern.items()}  # fmt: skip
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    # the first covered tensor PEFT saves pruned (the posterior's names are sorted; lora_A sorts first)
+    name = next(n for n in posterior.names if kept.get(n, 4) < 4)
+    kept = kept[name]
+    assert posterior[name].shape == (4, 32)
+
+    pruned = tmp_path / "pruned"
+    model.save_pretrained(pruned)
+    with pytest.warns(UserWarning, match=rf"'{re.escape(name)}'.*\(4, 32\).*\({kept}, 32\).*rank_pattern = None"):
+        posterior.save_pretrained(pruned, model_card=False)
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), pruned)
+    with pytest.raises(PosteriorMismatchError, match=rf"'{re.escape(name)}' has shape \({kept}, 32\).*AdaLoRA.*rank_pattern"):
+        EVONPosterior.from_pretrained(pruned).check_model(reloaded)
+
+    full = tmp_path / "full"
+    model.peft_config["default"].rank_pattern = None  # the way out: every rank saved, the pruned ones zero
+    model.save_pretrained(full)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        posterior.save_pretrained(full, model_card=False)
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), full)
+    loaded = EVONPosterior.from_pretrained(full)
+    ours, theirs = dict(model.named_parameters()), dict(reloaded.named_parameters())
+    with posterior.sampled(model, seed=3):
+        expected = {n: ours[n].detach().clone() for n in posterior.names}
+    with loaded.sampled(reloaded, seed=3):
+        assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)

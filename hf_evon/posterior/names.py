@@ -1,19 +1,22 @@
 """Why a posterior's tensor name is not a parameter of a model: the hint its mismatch error gives
-(``EVONPosterior.check_model``), and the names a PEFT adapter's own save drops, of which the
-posterior's save warns (``EVONPosterior.save_pretrained``)."""
+(``EVONPosterior.check_model``), and the names a PEFT adapter's own save drops or saves at another
+shape, of which the posterior's save warns (``EVONPosterior.save_pretrained``)."""
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hf_evon.modeling import adapter_name_of
 from hf_evon.optim.checks import outside_stacklevel
 
-__all__ = ["name_hint", "peft_unsaved_module", "warn_peft_unsaved"]
+__all__ = ["name_hint", "peft_unsaved_module", "shape_hint", "warn_peft_unsaved"]
 
 # PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
 # back as ``embedding.weight``), never the modules that compute that output from the embedding: it
@@ -40,9 +43,70 @@ def peft_unsaved_module(name: str) -> str | None:
     return None
 
 
-def warn_peft_unsaved(names: Iterable[str]) -> None:
-    """Warn, at the user's line, where ``names`` (a posterior's, being saved) cover a module PEFT's
-    ``save_pretrained`` drops: the posterior will not fit ``PeftModel.from_pretrained``'s model."""
+# AdaLoRA's rank allocation records the ranks it keeps (``rank_pattern``) and PEFT's save keeps only
+# those rows of lora_A / lora_E and columns of lora_B; a posterior over the pruned rows has no form
+# in the file's Kronecker eigenbases, so the adapter is to keep every rank (the pruned ones are zeros)
+_ADALORA_WAY_OUT = (
+    "AdaLoRA: PEFT's save_pretrained keeps only the ranks its rank allocation kept (the config's "
+    "rank_pattern); to save every rank, the pruned ones as zeros, which this posterior fits, set "
+    "model.peft_config[adapter_name].rank_pattern = None before model.save_pretrained"
+)
+
+
+def _saved_adapter(directory: str) -> tuple[str | None, dict[str, tuple[int, ...]]]:
+    """The PEFT type and tensor shapes of the adapter PEFT saved in ``directory`` (none: ``(None, {})``)."""
+    weights, config = (os.path.join(directory, f) for f in ("adapter_model.safetensors", "adapter_config.json"))
+    if not os.path.isfile(weights):
+        return None, {}
+    try:
+        with safe_open(weights, "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        with open(config, encoding="utf-8") as fh:
+            peft_type = json.load(fh).get("peft_type")
+    except (OSError, ValueError, AttributeError, SafetensorError):  # not PEFT's files: nothing to compare
+        return None, {}
+    return (peft_type if isinstance(peft_type, str) else None), shapes
+
+
+def _warn_peft_reshaped(shapes: Mapping[str, tuple[int, ...]], directory: str) -> None:
+    """Warn where the adapter PEFT saved in ``directory`` holds a tensor the posterior covers (PEFT's
+    key: the parameter's name without the adapter's name) at another shape than ``shapes`` gives."""
+    peft_type, saved = _saved_adapter(directory)
+    reshaped = []
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        keys = (".".join(parts[:i] + parts[i + 1 :]) for i in range(1, len(parts)))
+        key = next((k for k in keys if k in saved), None)
+        if key is not None and saved[key] != tuple(shape):
+            reshaped.append((name, tuple(shape), saved[key]))
+    if not reshaped:
+        return
+    name, shape, stored = reshaped[0]
+    more = f" (and {len(reshaped) - 1} more)" if len(reshaped) > 1 else ""
+    why = f". {_ADALORA_WAY_OUT}" if peft_type == "ADALORA" else ""
+    warnings.warn(
+        f"this posterior covers {name!r} at shape {shape}, but the PEFT adapter saved in {directory!r} holds "
+        f"it at {stored}{more}: a model loaded with PeftModel.from_pretrained has the saved shapes, which "
+        f"this posterior does not fit{why}",
+        UserWarning,
+        stacklevel=outside_stacklevel(),
+    )
+
+
+def shape_hint(name: str, model: nn.Module) -> str:
+    """The likely cause where ``name``'s shape in ``model`` is not the posterior's: AdaLoRA's save."""
+    configs = getattr(model, "peft_config", None)
+    config = configs.get(adapter_name_of(model, name)) if isinstance(configs, Mapping) else None
+    kind = getattr(getattr(config, "peft_type", None), "value", None)
+    return f" ({_ADALORA_WAY_OUT})" if kind == "ADALORA" else ""
+
+
+def warn_peft_unsaved(names: Iterable[str], directory: str = "", shapes: Mapping[str, Any] | None = None) -> None:
+    """Warn, at the user's line, where ``names`` (a posterior's, being saved to ``directory``) cover a
+    module PEFT's ``save_pretrained`` drops, or where the adapter PEFT saved in ``directory`` holds one at
+    another shape than ``shapes``: the posterior will not fit ``PeftModel.from_pretrained``'s model."""
+    if shapes and directory:
+        _warn_peft_reshaped(shapes, directory)
     unsaved = [(n, module) for n in names if (module := peft_unsaved_module(n)) is not None]
     if not unsaved:
         return

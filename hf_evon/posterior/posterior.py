@@ -56,7 +56,7 @@ from hf_evon.posterior.gaussian import (
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.model_card import card_arguments, save_model_card
-from hf_evon.posterior.names import name_hint, warn_peft_unsaved
+from hf_evon.posterior.names import name_hint, shape_hint, warn_peft_unsaved
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -324,6 +324,7 @@ class EVONPosterior:
             elif tuple(p.shape) != f.shape:
                 problems.append(
                     f"{name!r} has shape {tuple(p.shape)} in the model but {f.shape} in the posterior"
+                    + shape_hint(name, inner)
                 )
             elif not p.is_floating_point():
                 problems.append(
@@ -472,7 +473,8 @@ class EVONPosterior:
         Safe beside a model: only these two files and ``README.md`` (updated, not replaced)
         are touched. Atomic: a failed save leaves the previous checkpoint intact. The format
         is specified in ``docs/posterior-format.md``. A posterior over a module PEFT's own save drops (a
-        prompt encoder's projection: ``prefix_projection=True``, P-tuning's head) warns, naming what to keep.
+        prompt encoder's projection: ``prefix_projection=True``, P-tuning's head) warns, naming what to keep;
+        so does one the adapter PEFT saved in ``save_directory`` holds at another shape (AdaLoRA's pruned ranks).
 
         Args:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
@@ -495,7 +497,7 @@ class EVONPosterior:
         if os.path.isfile(directory):
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
         eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
-        warn_peft_unsaved(self.names)  # before any file is written: a warning made an error leaves none
+        warn_peft_unsaved(self.names, directory, {n: self[n].shape for n in self.names})  # before any file is written
         os.makedirs(directory, exist_ok=True)
         factors = self.factors
         config = PosteriorConfig.for_save(
