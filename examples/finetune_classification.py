@@ -290,10 +290,18 @@ def remove_other_kind(directory: str, adapter: bool) -> None:
             os.remove(os.path.join(directory, name))
 
 
-def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_basis: bool) -> dict[str, Any]:
-    from transformers import DataCollatorWithPadding
+# the flag that sets each EVONConfig field the config may refuse (its message names the flag)
+EVON_FLAGS = {
+    "evon_learning_rate": "--evon-lr", "evon_ess": "--evon-ess", "evon_hess_init": "--evon-hess-init",
+    "evon_clip": "--evon-clip", "evon_clip_radius": "--evon-clip-radius",
+    "evon_weight_decay": "--evon-weight-decay", "evon_max_precond_dim": "--max-precond-dim",
+    "bma_num_samples": "--bma-samples", "learning_rate": "--learning-rate",
+}  # fmt: skip
 
-    from hf_evon import EVONConfig, EVONTrainer
+
+def evon_config(args: argparse.Namespace, identity_basis: bool) -> Any:
+    """The ``EVONConfig`` of IVON (``identity_basis``) or EVON, in ``<output-dir>/ivon|evon``."""
+    from hf_evon import EVONConfig
 
     name = "ivon" if identity_basis else "evon"
     lr_factor = args.lora_lr_factor if args.lora else 1.0
@@ -303,7 +311,7 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
         "evon_hess_init": args.evon_hess_init, "evon_clip": args.evon_clip,
         "evon_clip_radius": args.evon_clip_radius, "evon_weight_decay": args.evon_weight_decay,
     }  # fmt: skip
-    config = EVONConfig(
+    return EVONConfig(
         **common_arguments(args, os.path.join(args.output_dir, name)),
         **{k: v for k, v in evon.items() if v is not None},
         learning_rate=args.learning_rate * lr_factor,  # AdamW's rate: EVON's α follows from it
@@ -312,6 +320,14 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
         evon_identity_basis=identity_basis,
         bma_num_samples=args.bma_samples,
     )
+
+
+def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_basis: bool) -> dict[str, Any]:
+    from transformers import DataCollatorWithPadding
+
+    from hf_evon import EVONTrainer
+
+    config = evon_config(args, identity_basis)
     trainer = EVONTrainer(
         model=load_model(num_labels, args.seed), args=config, train_dataset=data["train"],
         eval_dataset=data["test"], data_collator=DataCollatorWithPadding(data["tokenizer"]),
@@ -417,18 +433,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.calibration_fraction < 1:
         p.error(f"--calibration-fraction must be in (0, 1); got {args.calibration_fraction}")
-    for name in ("bma_samples", "batch_size", "train_per_class", "eval_per_class", "logging_steps"):
+    counts = ("bma_samples", "batch_size", "train_per_class", "eval_per_class", "train_size", "eval_size")
+    for name in (*counts, "logging_steps"):
         if getattr(args, name) < 1:  # counts read after training, or a test split with nothing in it
             p.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
-    if not args.epochs > 0 and args.max_steps <= 0:  # 0 trained nothing and saved the untrained model
-        p.error(f"--epochs must be a number > 0 (or --max-steps > 0); got {args.epochs}")
+    if not 0 < args.epochs < math.inf and args.max_steps <= 0:  # 0 trained nothing and saved the untrained model
+        p.error(f"--epochs must be a finite number > 0 (or --max-steps > 0); got {args.epochs}")
+    if not 0 <= args.learning_rate < math.inf:
+        p.error(f"--learning-rate must be a finite number >= 0; got {args.learning_rate}")
+    if not 0 < args.lora_lr_factor < math.inf:
+        p.error(f"--lora-lr-factor must be a finite number > 0; got {args.lora_lr_factor}")
     if args.max_length < 3:  # [CLS], [SEP] and a token of the text; below 2 the tokenizer does not truncate
         p.error(f"--max-length must be an integer >= 3; got {args.max_length}")
     args.methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - {"adamw", "ivon", "evon"}
     if unknown or not args.methods:
         p.error(f"unknown methods {sorted(unknown)}" if unknown else "--methods names none")
+    check_before_training(p, args)
     return args
+
+
+def check_before_training(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the Trainer and EVONConfig would refuse only when a method starts (EVON's flags: after
+    AdamW has trained), refused here: the loggers, the output directories, the EVON settings."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    try:
+        get_reporting_integration_callbacks(args.report_to)
+    except ValueError as err:
+        p.error(f"--report-to: {err}")
+    for path in (args.output_dir, *(os.path.join(args.output_dir, m) for m in args.methods)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"--output-dir: {path} is a file, not a directory")
+    if {"ivon", "evon"} & set(args.methods):
+        try:
+            evon_config(args, identity_basis=False)
+        except ValueError as err:
+            p.error(re.sub(r"EVONConfig\.(\w+)(?= = )", lambda m: EVON_FLAGS.get(m[1], m[0]), str(err)))
 
 
 def prepare_data(args: argparse.Namespace) -> tuple[dict, int, list[str]]:
@@ -445,6 +486,11 @@ def prepare_data(args: argparse.Namespace) -> tuple[dict, int, list[str]]:
     def tokenize(batch: dict) -> dict:
         return tokenizer(batch["text"], truncation=True, max_length=args.max_length)
 
+    if len(test) - math.ceil((1 - args.calibration_fraction) * len(test)) < 1:  # datasets' split sizes
+        raise SystemExit(
+            f"--calibration-fraction {args.calibration_fraction:g} of the {len(test)} held-out texts leaves none "
+            "to calibrate on: raise it or hold out more texts (--eval-per-class, --eval-size)"
+        )
     held = test.train_test_split(test_size=1 - args.calibration_fraction, seed=args.seed)  # never trained on
     data = {
         split: ds.map(tokenize, batched=True, remove_columns=["text"]).rename_column("label", "labels")

@@ -103,7 +103,7 @@ def test_example_lora(example, tmp_path, capsys):
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--methods", ","], "--methods names none"),
     (["--eval-per-class", "0"], "--eval-per-class must be an integer >= 1"),
-    (["--epochs", "0"], "--epochs must be a number > 0"),
+    (["--epochs", "0"], "--epochs must be a finite number > 0"),
     (["--max-length", "2"], "--max-length must be an integer >= 3"),
     (["--max-length", "-3"], "--max-length must be an integer >= 3"),
 ])  # fmt: skip
@@ -131,3 +131,54 @@ def test_integer_labels_that_do_not_start_at_0_are_numbered_from_it(example, tmp
     (folder / "test.csv").write_text("text,label\nan unseen class,7\n")
     with pytest.raises(ValueError, match=r"test labels \[7\] are not among the training labels \[1, 2\]"):
         example.hub_dataset(str(folder), "text", "label", 10, 6)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--evon-ess", "0"], "--evon-ess = 0.0 is invalid: Invalid ess"),
+    (["--evon-clip-radius", "-1"], "--evon-clip-radius = -1.0 is invalid: Invalid clip_radius"),
+    (["--evon-hess-init", "-1"], "--evon-hess-init = -1.0 is invalid: Invalid hess_init"),
+    (["--max-precond-dim", "0"], "--max-precond-dim = 0 is invalid: Invalid max_precond_dim"),
+    (["--methods", "ivon", "--evon-weight-decay", "-1"], "--evon-weight-decay = -1.0 is invalid"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0"),
+    (["--learning-rate", "-1"], "--learning-rate must be a finite number >= 0; got -1.0"),
+    (["--lora-lr-factor", "0"], "--lora-lr-factor must be a finite number > 0; got 0.0"),
+    (["--train-size", "0"], "--train-size must be an integer >= 1; got 0"),
+    (["--eval-size", "-2"], "--eval-size must be an integer >= 1; got -2"),
+    (["--report-to", "bogus"], "--report-to: bogus is not supported"),
+])  # fmt: skip
+def test_a_bad_training_setting_is_an_argument_error_before_any_training(example, argv, message, capsys):
+    """The EVON flags were checked only when EVONConfig was built for IVON, after AdamW had
+    trained (minutes with the defaults), then a ValueError traceback naming EVONConfig's field
+    rather than the flag; --epochs inf raised an OverflowError, --learning-rate -1 a ValueError in
+    torch's AdamW, --eval-size 0 one in datasets' split and --report-to bogus one in Trainer."""
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_output_directory_that_is_a_file_is_an_argument_error(example, tmp_path, capsys):
+    """A file at --output-dir (or at its <method> directory) raised NotADirectoryError from inside
+    the Trainer; for EVON only after training, when saving."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "evon").write_text("")
+    for argv, path in ((["--output-dir", str(tmp_path / "file")], tmp_path / "file"),
+                       (["--output-dir", str(tmp_path / "out")], tmp_path / "out" / "evon")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            example.parse_args(argv)
+        assert exit_.value.code == 2 and f"--output-dir: {path} is a file, not a directory" in capsys.readouterr().err
+    assert example.parse_args(["--output-dir", str(tmp_path / "out"), "--methods", "adamw,ivon"]).methods == [
+        "adamw", "ivon"
+    ]
+
+
+def test_a_calibration_fraction_that_leaves_no_calibration_text_is_named(example):
+    """2 texts per class hold out 10: a fraction of 0.05 calibrates on none of them, which
+    datasets' train_test_split refused with a ValueError naming its own test_size; 0.1 calibrates
+    on 1 (the test split takes ceil(0.9 * 10) = 9)."""
+    args = example.parse_args(["--eval-per-class", "2", "--calibration-fraction", "0.05"])
+    with pytest.raises(SystemExit, match=r"--calibration-fraction 0.05 of the 10 held-out texts leaves none "
+                       r"to calibrate on"):  # fmt: skip
+        example.prepare_data(args)
+    data, _, _ = example.prepare_data(example.parse_args(["--eval-per-class", "2", "--calibration-fraction", "0.1"]))
+    assert (len(data["calibration"]), len(data["test"])) == (1, 9)
