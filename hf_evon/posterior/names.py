@@ -72,10 +72,12 @@ def _warn_peft_reshaped(shapes: Mapping[str, tuple[int, ...]], directory: str) -
     """Warn where the adapter PEFT saved in ``directory`` holds a tensor the posterior covers (PEFT's
     key: the parameter's name without the adapter's name) at another shape than ``shapes`` gives."""
     peft_type, saved = _saved_adapter(directory)
+    # PEFT saves adapter "default" in the directory it is given, any other in a folder of its name
+    here = {"default", os.path.basename(os.path.normpath(directory))}
     reshaped = []
     for name, shape in shapes.items():
         parts = name.split(".")
-        keys = (".".join(parts[:i] + parts[i + 1 :]) for i in range(1, len(parts)))
+        keys = (".".join(parts[:i] + parts[i + 1 :]) for i in range(1, len(parts)) if parts[i] in here)
         key = next((k for k in keys if k in saved), None)
         if key is not None and saved[key] != tuple(shape):
             reshaped.append((name, tuple(shape), saved[key]))
