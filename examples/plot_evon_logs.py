@@ -74,8 +74,24 @@ def read_scalars(logdir: str) -> dict[str, Series]:
     return {tag: (sorted(points), [points[s] for s in sorted(points)]) for tag, points in by_tag.items()}
 
 
+def image_format(path: str) -> str:
+    """The format ``path``'s extension names (PNG without one); ValueError for one matplotlib cannot
+    write."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    ext = os.path.splitext(path)[1][1:].lower() or "png"
+    if ext not in FigureCanvasBase.get_supported_filetypes():
+        formats = ", ".join(sorted(FigureCanvasBase.get_supported_filetypes()))
+        raise ValueError(f"{ext!r} is not a format matplotlib writes ({formats})")
+    return ext
+
+
 def plot(scalars: dict[str, Series], path: str, title: str | None = None) -> list[str]:
-    """Draw the :data:`PANELS` that have data into ``path`` (PNG); returns the panel titles drawn."""
+    """Draw the :data:`PANELS` that have data into the file ``path`` (PNG unless its extension
+    names another format); returns the panel titles drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +122,8 @@ def plot(scalars: dict[str, Series], path: str, title: str | None = None) -> lis
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    # the format given: without it matplotlib appends ".png" to a name without an extension
+    fig.savefig(path, dpi=110, format=image_format(path))
     plt.close(fig)
     return [name for name, _, _ in panels]
 
@@ -114,9 +131,17 @@ def plot(scalars: dict[str, Series], path: str, title: str | None = None) -> lis
 def main(argv: Sequence[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logdir", help="TensorBoard log directory (the Trainer's <output_dir>/runs: its newest run) or one run's")
-    p.add_argument("--output", default="evon_tensorboard.png", help="PNG to write")
+    p.add_argument(
+        "--output", default="evon_tensorboard.png", help="PNG to write (another extension: that format)"
+    )
     p.add_argument("--title", default=None, help="figure title")
     args = p.parse_args(argv)
+    if os.path.isdir(args.output):
+        p.error(f"--output {args.output}: is a directory (name the image file to write)")
+    try:
+        image_format(args.output)
+    except ValueError as err:
+        p.error(f"--output {args.output}: {err}")
     drawn = plot(read_scalars(args.logdir), args.output, args.title)
     print(f"wrote {args.output}: {', '.join(drawn)}")
     return drawn

@@ -96,3 +96,29 @@ def test_two_runs_in_one_log_directory_are_not_merged(tmp_path, capsys):
     assert plot_evon_logs.read_scalars(str(logdir))["train/loss"] == ([1, 2], [9.0, 8.0])
     assert "2 runs under" in capsys.readouterr().err
     assert plot_evon_logs.read_scalars(str(logdir / "first"))["train/loss"] == ([1, 2, 3], [5.0, 4.0, 3.0])
+
+
+def _one_run(logdir: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(logdir / "run"))
+    for step, value in enumerate((3.0, 2.0), start=1):
+        writer.add_scalar("train/loss", value, step)
+    writer.close()
+
+
+def test_the_figure_is_written_at_the_output_path_it_prints(tmp_path, capsys):
+    """``--output curves`` (no extension) printed "wrote curves" while matplotlib wrote
+    curves.png; an existing directory as --output did the same (``<dir>.png``), and an unknown
+    extension raised matplotlib's ValueError with a traceback."""
+    _one_run(tmp_path / "runs")
+    out = tmp_path / "curves"
+    plot_evon_logs.main([str(tmp_path / "runs"), "--output", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
+    assert f"wrote {out}: training loss" in capsys.readouterr().out
+    (tmp_path / "adir").mkdir()
+    for output, message in ((tmp_path / "adir", "is a directory"), (tmp_path / "c.xyz", "'xyz' is not a format")):
+        with pytest.raises(SystemExit) as exit_:
+            plot_evon_logs.main([str(tmp_path / "runs"), "--output", str(output)])
+        assert exit_.value.code == 2 and f"--output {output}: " in (err := capsys.readouterr().err) and message in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "curves", "runs"]
