@@ -77,3 +77,13 @@ def test_a_batch_larger_than_the_training_split_is_an_argument_error(quickstart,
     train = fitted - fitted // 5
     err = _argument_error(quickstart, capsys, tmp_path, ["--batch-size", "2000"])
     assert f"--batch-size must be at most the training split's {train} images; got 2000" in err
+
+
+def test_an_output_directory_that_is_a_file_is_an_argument_error(quickstart, capsys, tmp_path) -> None:
+    """A file at --output-dir raised FileExistsError from os.makedirs after every seed had trained
+    (the default run's 40 s), losing the results; the file is left as it was."""
+    (tmp_path / "q").write_text("notes")
+    with pytest.raises(SystemExit) as exit_:
+        quickstart.main(["--output-dir", str(tmp_path / "q")])
+    assert exit_.value.code == 2 and (tmp_path / "q").read_text() == "notes"
+    assert f"--output-dir: {tmp_path / 'q'} is a file, not a directory" in capsys.readouterr().err
