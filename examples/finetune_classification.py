@@ -154,9 +154,23 @@ def hub_dataset(name: str, text_column: str, label_column: str, train_size: int,
     from datasets import load_dataset
 
     data = load_dataset(name)
-    eval_split = next((s for s in ("test", "validation", "dev") if s in data), None)
-    if "train" not in data or eval_split is None:
+    candidates = [s for s in ("test", "validation", "dev") if s in data]
+    if "train" not in data or not candidates:
         raise ValueError(f"{name} needs a 'train' split and a 'test' or 'validation' split; has {list(data)}")
+    for column, flag in ((text_column, "--text-column"), (label_column, "--label-column")):
+        if column not in data["train"].column_names:
+            raise ValueError(f"{name} has no column {column!r} ({flag}); its columns: {data['train'].column_names}")
+    feature = data["train"].features[label_column]
+    class_label = bool(getattr(feature, "names", None))  # a ClassLabel: ids 0..K-1 already
+    # a ClassLabel split without labels holds -1 (GLUE's test splits): it cannot be scored (plain
+    # integers keep -1 as a class: labels -1 and 1 are classes 0 and 1)
+    labelled = lambda s: not class_label or min(data[s][label_column], default=-1) >= 0  # noqa: E731
+    eval_split = next((s for s in candidates if labelled(s)), None)
+    if eval_split is None:
+        raise ValueError(
+            f"{name} has no labelled evaluation split: its {candidates} splits hold label -1 (no label) "
+            "or nothing"
+        )
     train = data["train"].shuffle(seed=0).select(range(min(train_size, len(data["train"]))))
     test = data[eval_split].shuffle(seed=0).select(range(min(eval_size, len(data[eval_split]))))
     rename = {text_column: "text", label_column: "label"}
@@ -164,8 +178,7 @@ def hub_dataset(name: str, text_column: str, label_column: str, train_size: int,
         ["text", "label"]
     )
     test = test.rename_columns({k: v for k, v in rename.items() if k != v}).select_columns(["text", "label"])
-    feature = data["train"].features[label_column]
-    if getattr(feature, "names", None):  # a ClassLabel: ids 0..K-1 already
+    if class_label:
         return train, test, list(feature.names)
     # plain integers: numbered in order from 0 (labels 1 and 2 are classes 0 and 1), values kept as names
     values = sorted(set(train["label"]))

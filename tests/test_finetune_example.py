@@ -182,3 +182,26 @@ def test_a_calibration_fraction_that_leaves_no_calibration_text_is_named(example
         example.prepare_data(args)
     data, _, _ = example.prepare_data(example.parse_args(["--eval-per-class", "2", "--calibration-fraction", "0.1"]))
     assert (len(data["calibration"]), len(data["test"])) == (1, 9)
+
+
+def test_an_unlabelled_test_split_is_passed_over_for_the_validation_split(example, tmp_path):
+    """datasets marks a split without labels (GLUE's and SST-2's test) with label -1: that split
+    was taken as the test texts, and AdamW's evaluation after training raised "Target -1 is out of
+    bounds". The first labelled split of test/validation/dev is taken; none labelled is refused."""
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    features = Features({"sentence": Value("string"), "label": ClassLabel(names=["neg", "pos"])})
+    splits = {"train": [0, 1] * 6, "validation": [1, 0, 1], "test": [-1] * 4}
+    for split, labels in splits.items():
+        texts = [f"{split} text {i}" for i in range(len(labels))]
+        Dataset.from_dict({"sentence": texts, "label": labels}, features=features).to_parquet(
+            tmp_path / f"{split}.parquet"
+        )
+    train, test, names = example.hub_dataset(str(tmp_path), "sentence", "label", 10, 6)
+    assert names == ["neg", "pos"] and len(train) == 10
+    assert sorted(zip(test["text"], test["label"])) == [(f"validation text {i}", y) for i, y in enumerate([1, 0, 1])]
+    Dataset.from_dict({"sentence": ["v"], "label": [-1]}, features=features).to_parquet(tmp_path / "validation.parquet")
+    with pytest.raises(ValueError, match=r"no labelled evaluation split: .*'test', 'validation'.* label -1"):
+        example.hub_dataset(str(tmp_path), "sentence", "label", 10, 6)
+    with pytest.raises(ValueError, match=r"has no column 'text' \(--text-column\); its columns: \['sentence', 'label'\]"):
+        example.hub_dataset(str(tmp_path), "text", "label", 10, 6)
