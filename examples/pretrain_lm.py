@@ -57,6 +57,7 @@ from hf_evon.data import (
     stdlib_corpus,
 )
 from hf_evon.optim.checks import CLIP_MODES
+from hf_evon.optim.validation import validate_hyperparameters
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
 from hf_evon.posterior.model_card import SECTION_START
 
@@ -155,6 +156,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
             f"the rest); got {args.val_fraction:g}"
         )
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        ap.error(f"--output-dir {args.output_dir!r} is a file, not a directory")
+    # EVON's settings, checked as EVON checks them, before the data and the model are built
+    settings = {
+        "--lr": {"lr": args.lr},
+        "--ess": {"ess": args.ess},
+        "--hess-init": {"hess_init": args.hess_init},
+        "--beta1/--beta2": {"betas": (args.beta1, args.beta2)},
+        "--shampoo-beta": {"shampoo_beta": args.shampoo_beta},
+        "--weight-decay": {"weight_decay": args.weight_decay},
+        "--hess-clip": {"hess_clip_ratio": args.hess_clip or None},
+        "--clip-radius": {"clip_radius": args.clip_radius},
+        "--precondition-frequency": {"precondition_frequency": args.precondition_frequency},
+    }
+    if args.optimizer != "adamw":
+        for flag, kwargs in settings.items():
+            try:
+                validate_hyperparameters(**kwargs)
+            except ValueError as err:
+                ap.error(f"{flag}: {err}")
     return args
 
 

@@ -262,3 +262,28 @@ def test_a_push_without_a_posterior_leaves_none_of_an_earlier_push_in_the_repo(c
         missing = rf"no EVON posterior at {repo}: {POSTERIOR_CONFIG_NAME} is missing"
         with pytest.raises(FileNotFoundError, match=missing):
             EVONPosterior.from_pretrained(repo, token=token, endpoint=hub.endpoint, cache_dir=tmp_path / "dl")
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--ess", "0"), ("--hess-init", "-1"), ("--beta2", "1.5"), ("--weight-decay", "-1"), ("--clip-radius", "0"),
+     ("--precondition-frequency", "0"), ("--lr", "nan")],
+)  # fmt: skip
+def test_an_invalid_evon_setting_is_an_argument_error_naming_the_flag(flag: str, value: str, capsys, example) -> None:
+    """--ess 0 (and the other EVON settings EVON refuses) raised EVON's ValueError as a traceback,
+    after the corpus had been tokenised and the model built."""
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args([flag, value, "--output-dir", "unused"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and flag in err and "Invalid" in err, err
+    example.parse_args([flag, value, "--optimizer", "adamw", "--output-dir", "unused"])  # AdamW has no EVON
+
+
+def test_an_output_directory_that_is_a_file_is_an_argument_error(tmp_path, capsys, example) -> None:
+    """A file at --output-dir raised FileExistsError from os.makedirs, with a traceback."""
+    path = tmp_path / "out"
+    path.write_text("keep me")
+    with pytest.raises(SystemExit) as exit_:
+        example.parse_args(["--output-dir", str(path)])
+    assert exit_.value.code == 2 and "--output-dir" in capsys.readouterr().err
+    assert path.read_text() == "keep me"
