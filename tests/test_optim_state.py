@@ -1021,6 +1021,26 @@ def test_a_reset_optimizer_state_restarts_evons_state_as_torchs_optimizers_do(re
     assert all("hess" in saved[i] for i in evon_ids)
 
 
+def test_a_reset_between_a_recorded_block_and_the_step_is_refused_as_any_rebuild() -> None:
+    """Clearing ``optimizer.state`` re-stacks EVON's state, which drops the Hessian numerators of the
+    samples recorded since the last step: like ``invalidate_buckets()`` and ``load_state_dict`` there,
+    it is refused (at the step), the recorded samples kept; after ``discard_samples()`` the step runs
+    as an optimizer reset before the block."""
+    data = make_data()
+    model = make_model()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    with opt.sampled_params(train=True):
+        loss_fn(model, data).backward()
+    opt.state.clear()
+    with pytest.raises(RuntimeError, match=r"1 recorded sample\(s\) would lose their Hessian estimate"):
+        opt.step()
+    opt.discard_samples()
+    opt.zero_grad()
+    train_step(model, opt, data)
+    assert all("hess" in opt.state[p] for p in opt.param_groups[0]["params"])
+
+
 def test_a_state_dict_whose_bases_one_stacked_state_cannot_hold_is_refused_naming_both() -> None:
     """Two matrices of one shape and group, stacked apart where the state was saved (float64 and
     float32: one was updated and has its bases, the other never had a gradient) share one stacked

@@ -186,13 +186,11 @@ class EVON(Optimizer):
         lr = defaults["lr"]
         defaults = {"algorithm": "evon", **defaults, "betas": tuple(defaults["betas"])}
         adamw_rate = lr if adamw_lr is None else adamw_lr
-        self._adamw_defaults = dict(  # an AdamW group's keys, as torch AdamW names them
-            lr=adamw_rate, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
-        )
-        self.nonfinite, self.seed = nonfinite, resolve_seed(seed)
-        self.skipped_steps = 0
-        self.health_check_every = 100  # posterior_health(warn=True) every this many steps (a host sync; 0: never)
-        self._updates = 0  # steps taken by this object (for the health check's period)
+        # an AdamW group's keys, as torch AdamW names them
+        self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        self.nonfinite, self.seed, self.skipped_steps = nonfinite, resolve_seed(seed), 0
+        # posterior_health(warn=True) every this many steps (a host sync; 0: never); steps this object took
+        self.health_check_every, self._updates = 100, 0
         self._health_warned: set[str] = set()  # each health warning is given once
         # train=True / train=False blocks entered so far: the blocks' noise labels (noise_label)
         self._sample_blocks = self._eval_blocks = 0
@@ -272,7 +270,11 @@ class EVON(Optimizer):
     @property
     def buckets(self) -> list[Bucket]:
         """This rank's EVON parameters, bucketed with their stacked state (built on first use)."""
-        if self._buckets is None or any(b.stale(self.state, self._hooks.model_param) for b in self._buckets):
+        if self._buckets and self._buckets[0].stale(self.state, self._hooks.model_param):  # torch's reset
+            if self._samples:  # optimizer.state cleared or replaced: stacked again, unless samples await
+                self._refuse_rebuild("clearing or replacing optimizer.state")
+            self._buckets = None
+        if self._buckets is None:
             self._bucket_index = None
             self._buckets = self._build_buckets()
         return self._buckets
@@ -338,8 +340,7 @@ class EVON(Optimizer):
         ``step()`` consumed are dropped, not counted again. On exit, also on an exception, the
         mean is restored bit-for-bit; a block that raised is not recorded (``.grad`` as before it,
         less what the last step consumed); an interrupt (Ctrl-C) also drops the step's earlier
-        samples. Frozen parameters are not perturbed. ``train=False`` only samples (BMA).
-        """
+        samples. Frozen parameters are not perturbed. ``train=False`` only samples (BMA)."""
         self._refuse_in_sample("sampled_params() (blocks cannot be nested)")
         if not isinstance(train, bool):  # a string would decide the recording only at the exit
             raise TypeError(f"sampled_params: train must be True or False; got {train!r}")
@@ -410,8 +411,7 @@ class EVON(Optimizer):
     def step(self, closure: Any = None) -> Any:
         """One EVON update of every EVON group and one AdamW update of every AdamW group.
 
-        ``closure`` (optional) is called once inside ``sampled_params(train=True)``.
-        """
+        ``closure`` (optional) is called once inside ``sampled_params(train=True)``."""
         refuse_grad_scaler(self)
         loss = None
         if closure is not None:
