@@ -39,7 +39,7 @@ def add_perturbation(mean: Tensor, delta: Tensor) -> Tensor:
     """``M + ΔW`` formed in float32 or wider (the wider of the two dtypes) and cast once to ``mean``'s
     dtype: a sample written into a float32 model keeps its float32 mean whatever dtype ``delta`` has.
     A DTensor ``mean`` (an FSDP2 shard) takes its own part of the whole ``delta``."""
-    if hasattr(mean, "device_mesh") and not hasattr(delta, "device_mesh"):
+    if is_dtensor(mean) and not is_dtensor(delta):
         delta = placed_like(delta, mean)
     wide = torch.promote_types(torch.promote_types(mean.dtype, delta.dtype), torch.float32)
     return (mean.to(wide) + delta.to(wide)).to(mean.dtype)
@@ -64,13 +64,13 @@ def placed_like(whole: Tensor, like: Tensor) -> Tensor:
     holds the same ``whole``."""
     from torch.distributed.tensor import DTensor
 
+    from hf_evon.distributed.fsdp2 import shard_rows
+
     local, coordinate = whole, like.device_mesh.get_coordinate()
     for mesh_dim, placement in enumerate(like.placements):
         if placement.is_shard() and coordinate is not None:
             parts, size = like.device_mesh.size(mesh_dim), local.shape[placement.dim]
-            chunk = -(-size // parts)
-            start = min(coordinate[mesh_dim] * chunk, size)
-            local = local.narrow(placement.dim, start, max(min(chunk, size - start), 0))
+            local = local.narrow(placement.dim, *shard_rows(size, parts, coordinate[mesh_dim]))
         elif not placement.is_replicate():
             raise ValueError(f"cannot write a posterior sample into a DTensor placed as {like.placements}")
     return DTensor.from_local(

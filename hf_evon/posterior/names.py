@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
@@ -103,13 +103,13 @@ def shape_hint(name: str, model: nn.Module) -> str:
     return f" ({_ADALORA_WAY_OUT})" if kind == "ADALORA" else ""
 
 
-def warn_peft_unsaved(names: Iterable[str], directory: str = "", shapes: Mapping[str, Any] | None = None) -> None:
-    """Warn, at the user's line, where ``names`` (a posterior's, being saved to ``directory``) cover a
-    module PEFT's ``save_pretrained`` drops, or where the adapter PEFT saved in ``directory`` holds one at
-    another shape than ``shapes``: the posterior will not fit ``PeftModel.from_pretrained``'s model."""
-    if shapes and directory:
-        _warn_peft_reshaped(shapes, directory)
-    unsaved = [(n, module) for n in names if (module := peft_unsaved_module(n)) is not None]
+def warn_peft_unsaved(directory: str, shapes: Mapping[str, Any]) -> None:
+    """Warn, at the user's line, where a posterior being saved to ``directory`` (its names and their
+    ``shapes``) covers a module PEFT's ``save_pretrained`` drops, or where the adapter PEFT saved in
+    ``directory`` holds one at another shape: the posterior will not fit ``PeftModel.from_pretrained``'s
+    model."""
+    _warn_peft_reshaped(shapes, directory)
+    unsaved = [(n, module) for n in shapes if (module := peft_unsaved_module(n)) is not None]
     if not unsaved:
         return
     name, module = unsaved[0]

@@ -497,7 +497,7 @@ class EVONPosterior:
         if os.path.isfile(directory):
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
         eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
-        warn_peft_unsaved(self.names, directory, {n: self[n].shape for n in self.names})  # before any file is written
+        warn_peft_unsaved(directory, {n: self[n].shape for n in self.names})  # before any file is written
         os.makedirs(directory, exist_ok=True)
         factors = self.factors
         config = PosteriorConfig.for_save(

@@ -316,8 +316,7 @@ def calibrate_posterior(
     trained = float(base.ess)
     if math.isinf(trained):
         raise ValueError("calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate")
-    if hasattr(base, "check_model"):  # before any pass: a choice may draw no sample that would check it
-        base.check_model(model)
+    base.check_model(model)  # before any pass: a choice may draw no sample that would check it
     if shift_labels is not None and not isinstance(shift_labels, bool):  # 'no' would be True
         raise TypeError(f"calibrate_posterior: shift_labels must be True, False or None; got {shift_labels!r}")
     shift = is_causal_lm(model) if shift_labels is None else shift_labels
