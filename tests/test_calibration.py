@@ -1046,10 +1046,17 @@ def test_the_causal_lm_rule_agrees_with_each_models_own_loss() -> None:
         assert is_causal_lm(model) != bool(torch.isclose(out.loss, unshifted, rtol=1e-5)), type(model).__name__
 
 
-def test_tempered_log_probs_are_log_softmax_at_each_temperature_and_leave_the_logits_alone() -> None:
+@pytest.mark.parametrize("chunk_entries", [1 << 18, 5 * 40, 1])  # one chunk; 5 rows and a ragged end; 1 row
+def test_tempered_log_probs_are_log_softmax_at_each_temperature_and_leave_the_logits_alone(
+    chunk_entries: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every temperature's log p(label) is log_softmax(logits / T)'s, in float64, for logits that
-    would overflow exp unshifted (±800); float64 logits are read, not shifted in place."""
+    would overflow exp unshifted (±800), whatever the chunks the rows are scored in; float64 logits
+    are read, not shifted in place."""
+    from hf_evon.predictive import held_out
     from hf_evon.predictive.held_out import tempered_log_probs
+
+    monkeypatch.setattr(held_out, "_CHUNK_ENTRIES", chunk_entries)
     from hf_evon.predictive.logprobs import labelled_rows
 
     torch.manual_seed(0)
