@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim.checks import outside_stacklevel
+from hf_evon.optim.health import param_label
 
 __all__ = ["consumed_grads", "consumed_places", "restore_grads", "set_aside_grads"]
 
@@ -68,17 +69,10 @@ def set_aside_grads(
     divide what is left by theirs too: the earlier samples are dropped (``discard``, with a
     warning naming the parameter) and so is every gradient left of them, so that the step's
     gradient is the mean over the samples from here on."""
-    cleared = [
-        (names[j] if names else f"param_groups[{gi}]['params'][{j}]", p)
-        for gi, group in enumerate(param_groups)
-        for names in [group.get("param_names")]
-        for j, p in enumerate(group["params"])
-        if p.grad is None and id(p) in held
-    ]
-    if cleared:
-        name, p = cleared[0]
+    lost = next((p for group in param_groups for p in group["params"] if p.grad is None and id(p) in held), None)
+    if lost is not None:
         warnings.warn(
-            f"{name} (shape {tuple(p.shape)}) lost the gradient of this step's earlier "
+            f"{param_label(param_groups, lost)} lost the gradient of this step's earlier "
             "sampled_params(train=True) blocks, which .grad holds until step() (zero_grad() or .grad = None "
             "between the blocks): those samples are dropped and the step averages the samples from this "
             "block on. Call zero_grad() inside the block or after step() to average every sample",
