@@ -6,7 +6,6 @@ import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import textwrap
 import pytest
 import torch
 from conftest import plain_evon
+from launcher import free_port
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import hf_evon
@@ -77,9 +77,7 @@ def _unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> 
     with an empty cache under ``tmp_path``, which is the working directory; returns the port."""
     from huggingface_hub import constants
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
