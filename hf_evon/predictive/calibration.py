@@ -316,7 +316,10 @@ def calibrate_posterior(
     trained = float(base.ess)
     if math.isinf(trained):
         raise ValueError("calibrate_posterior: the posterior has ess = inf (no noise) and nothing to calibrate")
-    base.check_model(model)  # before any pass: a choice may draw no sample that would check it
+    # before any pass: a choice may draw no sample that would check it (a duck-typed posterior,
+    # benchmarks/calibration_halves.py's replay of recorded draws, has no model to check against)
+    if hasattr(base, "check_model"):
+        base.check_model(model)
     if shift_labels is not None and not isinstance(shift_labels, bool):  # 'no' would be True
         raise TypeError(f"calibrate_posterior: shift_labels must be True, False or None; got {shift_labels!r}")
     shift = is_causal_lm(model) if shift_labels is None else shift_labels
