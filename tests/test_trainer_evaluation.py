@@ -903,3 +903,34 @@ def test_the_evon_passes_give_the_model_what_its_forward_takes(tmp_path):
     out = trainer.predict(weighted(held_out), bma=True)
     np.testing.assert_allclose(out.predictions, expected.numpy(), rtol=1e-5, atol=1e-7)
     assert trainer.calibrate(weighted(classification_data(16, seed=5)), grid=(0.5,)).num_targets == 16
+
+
+def test_predict_bma_honours_prediction_loss_only(tmp_path):
+    """``prediction_loss_only=True``: ``Trainer.predict`` returns no predictions and no labels and
+    calls neither ``preprocess_logits_for_metrics`` nor ``compute_metrics``; predict(bma=True)
+    gathered and returned the averaged probabilities, the labels, and scored them anyway. Its
+    ``test_bma_*`` metrics (the BMA's losses) stay those of a run without the flag."""
+    calls = []
+
+    def compute_metrics(p):  # noqa: ANN001, ANN202
+        calls.append("compute_metrics")
+        return {"rows": float(len(p.label_ids))}
+
+    def preprocess(probs, labels):  # noqa: ANN001, ANN202
+        calls.append("preprocess")
+        return probs
+
+    trainer = _trained(tmp_path, bma_num_samples=2)
+    trainer.compute_metrics, trainer.preprocess_logits_for_metrics = compute_metrics, preprocess
+    test = classification_data(40, seed=2)
+    full = trainer.predict(test, bma=True)
+    assert calls == ["preprocess"] * 3 + ["compute_metrics"]
+    calls.clear()
+    trainer.args.prediction_loss_only = True
+    plain, bma = trainer.predict(test), trainer.predict(test, bma=True)
+    assert plain.predictions is None and plain.label_ids is None
+    assert type(bma.predictions) is type(bma.label_ids) is type(None)
+    assert calls == []
+    assert "test_rows" not in bma.metrics
+    keys = [f"test_bma_{m}" for m in ("nll", "accuracy", "ece", "brier")]
+    assert [bma.metrics[k] for k in keys] == [full.metrics[k] for k in keys]

@@ -42,7 +42,12 @@ def _output_kind(model: nn.Module) -> str | None:
 
 
 def bma_predict(
-    trainer: Any, dataloader: Any, posterior: Any, metric_key_prefix: str = "test", uncertainty: bool = False
+    trainer: Any,
+    dataloader: Any,
+    posterior: Any,
+    metric_key_prefix: str = "test",
+    uncertainty: bool = False,
+    loss_only: bool = False,
 ) -> PredictionOutput:
     """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
     for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
@@ -62,9 +67,13 @@ def bma_predict(
     (an LM's: every position's) total, aleatoric and epistemic entropy, shaped like the logits
     without their classes (padded with -100 as the probabilities are); your ``compute_metrics``,
     which reads probabilities, is not called.
+
+    ``loss_only`` (``args.prediction_loss_only``, as ``Trainer.predict`` reads it): no predictions and
+    no labels are gathered or returned (None), and neither ``preprocess_logits_for_metrics`` nor
+    ``compute_metrics`` is called; ``metrics`` holds the ``{prefix}_bma_*`` ones, the BMA's losses.
     """
     args = trainer.args
-    wanted = set(getattr(args, "include_for_metrics", None) or ())
+    wanted = set() if loss_only else set(getattr(args, "include_for_metrics", None) or ())
     if "loss" in wanted and trainer.compute_metrics is not None and not uncertainty:
         raise ValueError(
             "predict(bma=True) has no per-batch loss for include_for_metrics=['loss'] (the BMA predictions "
@@ -157,6 +166,8 @@ def bma_predict(
             checked = True
             if metrics_acc is not None and isinstance(labels, Tensor):
                 metrics_acc.add(reduce_log_probs(logp, labels, metrics_acc.task), labels, rows)
+        if loss_only:  # the BMA metrics only, as Trainer.prediction_step returns the loss only
+            continue
         if entropies is not None:
             parts = tuple(gathered(x.float(), rows, classes=False) for x in entropies)
         else:
@@ -231,14 +242,17 @@ class PredictionMixin:
         over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
         model's logits; ``metrics`` holds your ``compute_metrics`` of them and ``{prefix}_bma_*``
         where the task has them (:func:`bma_predict`). As from ``Trainer.predict``: the runtime
-        metrics, the callbacks' ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``.
+        metrics, the callbacks' ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``,
+        no predictions or labels (None) with ``prediction_loss_only``.
         ``kwargs``: the subclass's own (``Seq2SeqTrainer``'s generation settings).
         """
         if not bma:
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         posterior = self._bma_posterior("predict(bma=True)")
         start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
-        output = bma_predict(self, dataloader, posterior, metric_key_prefix)
+        output = bma_predict(
+            self, dataloader, posterior, metric_key_prefix, loss_only=bool(self.args.prediction_loss_only)
+        )
         return self._reported(output, start, dataloader, metric_key_prefix)
 
     def predict_uncertainty(
