@@ -1,6 +1,7 @@
 """``EVONPosterior.sampled`` on an FSDP2-sharded model (``fully_shard``: DTensor parameters, rows
 split unevenly over the ranks): each rank saves the full weights inside a sample and after it,
-and what ``sampled(model)`` without a seed raised.
+the most elements any tensor the sample's set-up made held, and what ``sampled(model)`` without a
+seed raised.
 
 The posterior is given by its factors (random orthonormal bases, float64), so no training is
 needed: ``tests/test_fsdp2.py`` compares with the same posterior sampled into the unsharded model.
@@ -39,6 +40,26 @@ def posterior() -> EVONPosterior:
     return EVONPosterior.from_factors(factors)
 
 
+def largest_tensor(fn) -> int:
+    """The most elements of any tensor an operator returns while ``fn`` runs (a DTensor counts
+    whole: its global shape)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.numel = max([self.numel, *sizes])
+            return out
+
+    with Largest() as mode:
+        fn()
+    return mode.numel
+
+
 def main(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -53,6 +74,16 @@ def main(out: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(err).__name__}: {err}"
     result["after"] = worker.full_weights(model)
+    post = posterior()
+
+    def enter_and_leave() -> None:
+        with post.sampled(model, seed=SEED):
+            pass
+
+    try:
+        result["largest"] = largest_tensor(enter_and_leave)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(err).__name__}: {err}"
     result["seed_none"] = worker.expect_error(lambda: posterior().sampled(model).__enter__())
     result["after_seed_none"] = worker.full_weights(model)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

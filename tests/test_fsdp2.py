@@ -345,6 +345,24 @@ def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> No
         assert all(torch.equal(r["after_seed_none"][n], mean[n]) for n in mean)
 
 
+def test_a_posterior_sampled_into_an_fsdp2_model_holds_one_parameters_draw_at_a_time(tmp_path) -> None:
+    """``posterior.sampled(model)`` on DTensor parameters drew every covered parameter's whole
+    perturbation on every rank (one (5, 1, 7, 7) tensor for the five 7x7 matrices of one factor
+    group, 245 values), to keep only its rows of each: a rank's peak was the unsharded model's. It
+    now draws one parameter at a time, so no tensor it makes exceeds one covered matrix (m·n) or a
+    basis of one (m², n²): 49 values here."""
+    import fsdp2_posterior_worker as pw
+    from launcher import rank_results
+
+    post = pw.posterior()
+    bound = max(max(m * n, m * m, n * n) for m, n in (post[name].matrix_shape for name in post.names))
+    assert bound == worker.DIM**2 and len(post.names) == worker.DEPTH
+    ranks = rank_results(2, os.path.join(HERE, "fsdp2_posterior_worker.py"), str(tmp_path))
+    for r in ranks:
+        assert "error" not in r, r["error"]
+        assert r["largest"] == bound  # one matrix's draw is made whole: the bound holds exactly
+
+
 def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> None:
     """``bma_log_likelihood``, ``generate_bma`` and both ``BatchedSamples`` strategies on DTensor
     parameters, each rank on its own prompts: the setup added the whole draw to a rank's shard

@@ -58,6 +58,22 @@ def sample_seed(seed: int | None, params: Iterable[Tensor]) -> int:
     return resolve_seed(seed)
 
 
+def draw_batches(params: Mapping[str, Tensor], names: Iterable[str]) -> list[tuple[torch.device, list[str]]]:
+    """``names`` in the batches ``sampled`` draws them in, each with its device: the plain tensors of
+    one device together (one batched draw per factor group); a DTensor (an FSDP2 shard) alone, as
+    each rank draws its whole perturbation to keep only its own rows of it: one parameter's draw at a
+    time rather than every covered parameter's, which would be the unsharded model's peak."""
+    batches: dict[torch.device, list[str]] = {}
+    alone: list[tuple[torch.device, list[str]]] = []
+    for name in names:
+        p = params[name]
+        if is_dtensor(p):
+            alone.append((p.device, [name]))
+        else:
+            batches.setdefault(p.device, []).append(name)
+    return [*batches.items(), *alone]
+
+
 def placed_like(whole: Tensor, like: Tensor) -> Tensor:
     """``whole`` as a DTensor placed as the DTensor ``like``, each rank keeping its part (``Shard(d)``:
     ``torch.chunk``'s share of dim ``d``; ``Replicate``: all of it), no communication: every rank

@@ -49,6 +49,7 @@ from hf_evon.posterior.gaussian import (
     MatrixFactors,
     add_perturbation,
     basis_dtype,
+    draw_batches,
     drop_wide_bases,
     sample_group,
     sample_seed,
@@ -283,13 +284,10 @@ class EVONPosterior:
         self.check_model(model)
         params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
         seed = sample_seed(seed, (params[name] for name in self.names))
-        by_device: dict[torch.device, list[str]] = {}
-        for name in self.names:
-            by_device.setdefault(params[name].device, []).append(name)
         saved: list[tuple[Tensor, Tensor]] = []
         try:
             with torch.no_grad():
-                for dev, names in by_device.items():
+                for dev, names in draw_batches(params, self.names):
                     draws = self.draw(1, seed=seed, names=names, device=dev)
                     for name in names:
                         p = params[name]
