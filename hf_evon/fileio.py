@@ -25,6 +25,7 @@ __all__ = [
     "looks_like_local_path",
     "fsync_dir",
     "fsync_file",
+    "give_created_mode",
     "replaced_atomically",
     "temporary_name",
     "temporary_name_pattern",
@@ -81,6 +82,24 @@ def replaced_atomically(path: str) -> Iterator[str]:
         with contextlib.suppress(OSError):
             os.remove(tmp)  # gone already after the replace
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def give_created_mode(path: str) -> None:
+    """Give ``path`` the permissions ``open(path, "w")`` would have given it: 0666 less the umask.
+
+    Writers that go through a temporary file of their own (safetensors' ``save_file``, Rust's
+    ``tempfile``) create it 0600 and rename it, so their file is unreadable to the group and
+    others whatever the umask. The mode is read off a file created beside ``path`` (a sibling
+    ``temporary_name``, removed at once): reading the umask itself would change it for every thread.
+    """
+    probe = temporary_name(path)
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        mode = os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        os.remove(probe)
+    os.chmod(path, mode)
 
 
 def atomic_write(path: str, data: bytes | str) -> None:

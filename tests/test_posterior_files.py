@@ -830,3 +830,34 @@ def test_a_posterior_over_a_0d_parameter_saves_loads_and_samples_alike(tmp_path)
     with loaded.sampled(model, seed=5):
         assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected, strict=True))
     assert not torch.equal(expected[-1], model.scale.detach())  # the sample moves the scalar too
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_the_posterior_files_get_the_mode_a_plain_open_gives(tmp_path, umask):
+    """safetensors writes its file through a 0600 temporary and renames it, so the weights file
+    (and the canonical hard link to it) was 0600 under any umask: a posterior saved on a shared
+    machine was unreadable to the colleagues who can read the model's files (0644 under umask 022).
+    Every file of a save, a copy included, gets ``0666 & ~umask``, as ``open(path, "w")`` gives."""
+    from hf_evon.posterior.format import copy_posterior
+
+    previous = os.umask(umask)
+    try:
+        _posterior().save_pretrained(tmp_path / "saved")
+        (tmp_path / "copied").mkdir()
+        copy_posterior(str(tmp_path / "saved"), str(tmp_path / "copied"))
+    finally:
+        os.umask(previous)
+    modes = {
+        f"{folder}/{path.name}": path.stat().st_mode & 0o777
+        for folder in ("saved", "copied")
+        for path in (tmp_path / folder).iterdir()
+    }
+    assert set(modes) == {
+        "saved/README.md",
+        f"saved/{POSTERIOR_WEIGHTS_NAME}",
+        f"saved/{POSTERIOR_CONFIG_NAME}",
+        f"copied/{POSTERIOR_WEIGHTS_NAME}",
+        f"copied/{POSTERIOR_CONFIG_NAME}",
+    }
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+

@@ -28,6 +28,7 @@ from hf_evon.fileio import (
     atomic_write,
     directory_lock,
     fsync_file,
+    give_created_mode,
     replaced_atomically,
     temporary_name_pattern,
 )
@@ -370,6 +371,7 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
             os.mkdir(staging)
             inner = os.path.join(staging, POSTERIOR_WEIGHTS_NAME)
             write_weights(inner)
+            give_created_mode(inner)  # safetensors' own temporary is 0600: readable as the model's files are
             fsync_file(inner)
             os.rename(inner, staged)
             atomic_write(config_path, config.updated(weights_file=staged_name).to_json())
