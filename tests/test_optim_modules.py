@@ -215,6 +215,36 @@ def test_lora_on_the_output_head_trains_its_factors_with_evon_at_the_adapter_rat
     assert [g["param_names"] for g in opt.param_groups if g["algorithm"] == "adamw"] == []
 
 
+def test_a_vits_learned_tokens_and_position_embeddings_go_to_adamw_and_its_patch_conv_to_evon() -> None:
+    """ViT's ``cls_token`` [1, 1, D] (a vector) and ``position_embeddings`` [1, N, D] (an embedding
+    table) are bare parameters broadcast over the batch; they went to EVON as 3-D "matrices", where
+    BERT's position embeddings (an ``nn.Embedding``) go to AdamW. A conv kernel with one output
+    channel [1, C, k, k] stays EVON's, and ``evon_patterns`` moves a token back."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from hf_evon import build_param_groups
+
+    vit = ViTForImageClassification(
+        ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                  image_size=8, patch_size=4, num_labels=3)
+    )  # fmt: skip
+    groups = build_param_groups(vit, adamw_weight_decay=0.1)
+    named = dict(vit.named_parameters())
+    matrices = sorted(n for n, p in named.items() if n.endswith(".weight") and p.ndim >= 2)
+    assert [(g["algorithm"], g["weight_decay"] if g["algorithm"] == "adamw" else None) for g in groups] == [
+        ("evon", None), ("adamw", 0.1), ("adamw", 0.0)
+    ]
+    evon, decay, no_decay = (g["param_names"] for g in groups)
+    assert "vit.embeddings.patch_embeddings.projection.weight" in matrices
+    assert sorted(evon) == matrices
+    assert decay == ["vit.embeddings.position_embeddings"]
+    assert sorted(no_decay) == sorted(["vit.embeddings.cls_token", *(n for n, p in named.items() if p.ndim == 1)])
+    back = build_param_groups(vit, evon_patterns="cls_token")
+    assert "vit.embeddings.cls_token" in back[0]["param_names"]
+    one_channel = torch.nn.Sequential(torch.nn.Conv2d(3, 1, 3, bias=False))
+    assert [g["algorithm"] for g in build_param_groups(one_channel)] == ["evon"]
+
+
 def test_the_adamw_rate_and_decay_given_to_the_split_are_named_when_invalid() -> None:
     # they reached EVON inside the AdamW groups and were refused as "Invalid lr" / "Invalid weight_decay"
     from hf_evon import build_optimizer, build_param_groups

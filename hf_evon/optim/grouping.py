@@ -75,6 +75,19 @@ def _embedding_ids(model: nn.Module) -> set[int]:
     }
 
 
+def _broadcast_ids(model: nn.Module) -> tuple[set[int], set[int]]:
+    """The bare parameters of 3 or more dimensions whose leading dimension is 1 (conv kernels
+    aside): tensors added to the activations by broadcasting over the batch, not linear maps.
+    Returned as (learned vectors, embedding tables) by how many of their dimensions exceed 1:
+    ViT's ``cls_token`` [1, 1, D] is a vector, its ``position_embeddings`` [1, N, D] a table."""
+    kernels = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.modules.conv._ConvNd)}
+    vectors, tables = set(), set()
+    for p in model.parameters():
+        if p.ndim >= 3 and p.shape[0] == 1 and id(p) not in kernels:
+            (vectors if sum(d > 1 for d in p.shape) <= 1 else tables).add(id(p))
+    return vectors, tables
+
+
 def _matches(names: list[str], patterns: list[re.Pattern[str]]) -> bool:
     return any(pat.search(name) for pat in patterns for name in names)
 
@@ -127,7 +140,9 @@ def build_param_groups(
 
     EVON gets the matrices (2-D and conv kernels, LoRA ``A``/``B`` included); AdamW gets
     embeddings, the output head (``model.get_output_embeddings()``) and 1-D tensors, as in
-    the paper. Frozen parameters are left out; tied weights appear once, under their first name
+    the paper. A bare parameter of 3 or more dimensions with a leading 1, which broadcasts over
+    the batch, is AdamW's too: a learned token (ViT's ``cls_token`` [1, 1, D]) as a 1-D tensor, a
+    learned table (ViT's ``position_embeddings`` [1, N, D]) as an embedding. Frozen parameters are left out; tied weights appear once, under their first name
     (``named_parameters()``'s). Name regexes override the split: ``adamw_patterns`` first, then
     ``evon_patterns``; a tied weight matches where any of its names does (GPT-2's ``lm_head`` is
     ``transformer.wte``'s weight). A pattern that matches no name at all is warned about. Each group
@@ -140,6 +155,7 @@ def build_param_groups(
     adamw_patterns = compiled_patterns(adamw_patterns, "adamw_patterns")
     evon_patterns = compiled_patterns(evon_patterns, "evon_patterns")
     head, embeddings = _output_head_ids(model), _embedding_ids(model)
+    vectors, tables = _broadcast_ids(model)
     aliased = _aliased_parameters(model)
     _warn_unmatched(aliased, adamw_patterns, "adamw_patterns")
     _warn_unmatched(aliased, evon_patterns, "evon_patterns")
@@ -152,9 +168,9 @@ def build_param_groups(
             (decay if p.ndim >= 2 else no_decay).append((name, p))
         elif _matches(names, evon_patterns):
             evon.append((name, p))
-        elif p.ndim < 2:
+        elif p.ndim < 2 or id(p) in vectors:
             no_decay.append((name, p))
-        elif id(p) in head or id(p) in embeddings:
+        elif id(p) in head or id(p) in embeddings or id(p) in tables:
             decay.append((name, p))
         else:
             evon.append((name, p))
