@@ -1181,7 +1181,7 @@ LOAD_ERRORS = {
     "other save's config": (
         None,
         lambda c: _set(c, "checkpoint_id", "0" * 32),
-        r"evon_posterior\.safetensors \(checkpoint [0-9a-f]+\) and evon_posterior_config\.json \(checkpoint 0+\)",
+        r"evon_posterior\.safetensors \(checkpoint [0-9a-f]+\) and \S+/evon_posterior_config\.json \(checkpoint 0+\)",
     ),
 }
 

@@ -861,3 +861,47 @@ def test_the_posterior_files_get_the_mode_a_plain_open_gives(tmp_path, umask):
     }
     assert modes == dict.fromkeys(modes, 0o666 & ~umask)
 
+
+@pytest.mark.parametrize("missing", ["weights", "config"])
+def test_a_checkpoint_id_on_one_side_only_is_a_mismatch(tmp_path, missing):
+    """The format promises the weights file's metadata and the config share one checkpoint_id, and
+    refuses a weights file from another save; a weights file without the id (or a config without
+    it beside weights that carry one) was not compared, so a pair from two saves loaded silently.
+    The error names both files."""
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    saved_id = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())["checkpoint_id"]
+    if missing == "weights":
+        weights = _edit_weights(tmp_path, lambda t, m: m.pop("checkpoint_id"))
+        shown = (f"{weights} (no checkpoint_id)", f"{POSTERIOR_CONFIG_NAME} (checkpoint {saved_id})")
+    else:
+        weights = tmp_path / POSTERIOR_WEIGHTS_NAME
+        raw = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())
+        del raw["checkpoint_id"]
+        (tmp_path / POSTERIOR_CONFIG_NAME).write_text(json.dumps(raw))
+        shown = (f"{weights} (checkpoint {saved_id})", f"{POSTERIOR_CONFIG_NAME} (no checkpoint_id)")
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert message.startswith(shown[0]) and shown[1] in message and "different saves" in message, message
+
+
+def test_a_posterior_without_checkpoint_ids_loads_and_copies_into_a_pair_that_loads(tmp_path):
+    """Files that carry no checkpoint_id on either side (written by hand or by another tool) are no
+    mismatch; their copy (the Trainer's push) names the pair with one id on both sides."""
+    from safetensors import safe_open
+
+    from hf_evon.posterior.format import copy_posterior
+
+    posterior = _posterior()
+    posterior.save_pretrained(tmp_path / "a", model_card=False)
+    _edit_weights(tmp_path / "a", lambda t, m: m.pop("checkpoint_id"))
+    raw = json.loads((tmp_path / "a" / POSTERIOR_CONFIG_NAME).read_text())
+    del raw["checkpoint_id"]
+    (tmp_path / "a" / POSTERIOR_CONFIG_NAME).write_text(json.dumps(raw))
+    assert torch.equal(EVONPosterior.from_pretrained(tmp_path / "a").std(LORA), posterior.std(LORA))
+    (tmp_path / "b").mkdir()
+    copy_posterior(str(tmp_path / "a"), str(tmp_path / "b"))
+    copied_id = json.loads((tmp_path / "b" / POSTERIOR_CONFIG_NAME).read_text())["checkpoint_id"]
+    with safe_open(tmp_path / "b" / POSTERIOR_WEIGHTS_NAME, framework="pt") as fh:
+        assert fh.metadata()["checkpoint_id"] == copied_id
+    assert torch.equal(EVONPosterior.from_pretrained(tmp_path / "b").std(LORA), posterior.std(LORA))

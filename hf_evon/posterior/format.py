@@ -286,6 +286,18 @@ def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
     return PosteriorConfig.from_dict(raw, where)
 
 
+def _check_same_save(weights_path: str, weights_id: str | None, config: PosteriorConfig) -> None:
+    """Refuse a weights file and a config of different saves: their ``checkpoint_id`` differ, or
+    one of them carries none (every save writes it to both; only files written without it on
+    both sides, by hand or by another tool, pair without it)."""
+    if weights_id != config.checkpoint_id:
+        shown = lambda i: "no checkpoint_id" if i is None else f"checkpoint {i}"  # noqa: E731
+        raise PosteriorMismatchError(
+            f"{weights_path} ({shown(weights_id)}) and {config.source} ({shown(config.checkpoint_id)}) "
+            "come from different saves; save the posterior again"
+        )
+
+
 def read_factor_groups(
     config: PosteriorConfig, weights_path: str, device: Any, reorthonormalize: bool
 ) -> list[FactorGroup]:
@@ -295,12 +307,7 @@ def read_factor_groups(
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise PosteriorMismatchError(f"{weights_path}: not a readable safetensors file ({err})") from err
     with handle as fh:
-        saved_id = (fh.metadata() or {}).get("checkpoint_id")
-        if saved_id is not None and config.checkpoint_id is not None and saved_id != config.checkpoint_id:
-            raise PosteriorMismatchError(
-                f"{weights_path} (checkpoint {saved_id}) and {POSTERIOR_CONFIG_NAME} (checkpoint "
-                f"{config.checkpoint_id}) come from different saves; save the posterior again"
-            )
+        _check_same_save(weights_path, (fh.metadata() or {}).get("checkpoint_id"), config)
         stored = _check_tensor_headers(fh, config, weights_path)
         groups = _read_groups(fh, config, stored, device, reorthonormalize, weights_path)
     check_finite_std(groups, config.source)
@@ -425,6 +432,19 @@ def copy_posterior(source: str, directory: str) -> None:
         raise FileNotFoundError(
             f"{source}: {config.weights_name} (named by {POSTERIOR_CONFIG_NAME}) is missing"
         )
-    if config.checkpoint_id is None:  # written before checkpoint ids: name this copy
-        config = config.updated(checkpoint_id=uuid.uuid4().hex)
-    _switch_in(directory, config, lambda path: shutil.copyfile(weights, path))
+    if config.checkpoint_id is not None:
+        _switch_in(directory, config, lambda path: shutil.copyfile(weights, path))
+        return
+    # files without a checkpoint_id: this copy names the pair with one id, in both files
+    try:
+        with safe_open(weights, framework="pt", device="cpu") as fh:
+            metadata = dict(fh.metadata() or {})
+            _check_same_save(weights, metadata.get("checkpoint_id"), config)
+            tensors = {key: fh.get_tensor(key) for key in fh.keys()}
+    except PosteriorMismatchError:
+        raise
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise PosteriorMismatchError(f"{weights}: not a readable safetensors file ({err})") from err
+    config = config.updated(checkpoint_id=uuid.uuid4().hex)
+    metadata.update(format="pt", checkpoint_id=config.checkpoint_id)
+    _switch_in(directory, config, lambda path: save_file(tensors, path, metadata=metadata))
