@@ -1366,6 +1366,34 @@ def test_a_plateau_schedules_bounds_are_in_the_units_of_learning_rate(tmp_path, 
     assert args.lr_scheduler_kwargs == kwargs  # the config as given
 
 
+def test_greedys_default_bounds_are_each_groups_in_the_units_of_learning_rate(tmp_path):
+    """Without ``min_lr``/``max_lr`` greedy bounds every group by its defaults (1e-3, 1.0), numbers in
+    the units of ``learning_rate`` as given ones are; they applied unscaled to EVON's α (20 times
+    AdamW's rate here): raised by 1000x in one step, AdamW's rate stopped at the default ceiling and
+    so did α, 20 times too low."""
+    import inspect
+
+    from transformers.optimization import GreedyLR
+
+    defaults = {k: inspect.signature(GreedyLR).parameters[k].default for k in ("min_lr", "max_lr")}
+    kwargs = {"factor": 1e-3, "patience": 0, "mode": "max", "cooldown": 0}
+    args = config(
+        tmp_path, max_steps=1, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
+        lr_scheduler_type="greedy", metric_for_best_model="eval_loss", bma_num_samples=0, lr_scheduler_kwargs=kwargs,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(), eval_dataset=classification_data(8, seed=1)
+    )
+    trainer.train()
+    groups = trainer.evon_optimizer.param_groups
+    ratios = [20.0 if g["algorithm"] == "evon" else 1.0 for g in groups]  # α = 2e-2, AdamW's 1e-3
+    assert sorted(set(ratios)) == [1.0, 20.0]
+    assert [g["lr"] for g in groups] == pytest.approx([defaults["max_lr"] * r for r in ratios], rel=1e-9)
+    assert trainer.lr_scheduler.min_lrs == pytest.approx([defaults["min_lr"] * r for r in ratios], rel=1e-12)
+    assert trainer.lr_scheduler.max_lrs == pytest.approx([defaults["max_lr"] * r for r in ratios], rel=1e-12)
+    assert args.lr_scheduler_kwargs == kwargs  # the config as given
+
+
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):
     """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
     result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)

@@ -9,21 +9,36 @@ EVON holds its α as the first parameter group's rate and as ``optimizer.default
   (:func:`user_rate`), so such a rate means what it means under ``Trainer``: AdamW's rate reaches
   it, and every group (α too) keeps its ratio to AdamW's. The bounds of the plateau schedules
   (``reduce_lr_on_plateau``'s ``min_lr``, ``greedy``'s ``min_lr``/``max_lr``), one number for every
-  group, become each group's at that ratio (:data:`GROUP_BOUNDS`).
+  group, become each group's at that ratio (:data:`GROUP_BOUNDS`), their defaults (greedy's 1e-3 and
+  1.0) where none is given.
 * the logged ``learning_rate``: ``Trainer`` logs the first group's rate as the step used it (read
   before its scheduler steps). The EVON trainers log the user's rate as the step used it, and α as
   ``evon/learning_rate`` (:meth:`ScheduleMixin._rate_logs`), both recorded at ``on_optimizer_step``.
 """
 
+import inspect
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, optimization
 
-__all__ = ["GROUP_BOUNDS", "ScheduleMixin", "UsedRates", "user_rate"]
+__all__ = ["GROUP_BOUNDS", "ScheduleMixin", "UsedRates", "default_bounds", "user_rate"]
 
 # schedules whose kwargs bound each group's rate (a number: the same bound for every group)
 GROUP_BOUNDS = {"reduce_lr_on_plateau": ("min_lr",), "greedy": ("min_lr", "max_lr")}
+
+
+def default_bounds(kind: str) -> dict[str, float]:
+    """The bounds of :data:`GROUP_BOUNDS` that schedule ``kind`` applies where its kwargs give none:
+    its constructor's defaults (one number for every group, in the units of ``learning_rate``)."""
+    scheduler = {"reduce_lr_on_plateau": torch.optim.lr_scheduler.ReduceLROnPlateau}.get(
+        kind, getattr(optimization, "GreedyLR", None) if kind == "greedy" else None
+    )
+    if scheduler is None:
+        return {}
+    parameters = inspect.signature(scheduler).parameters
+    found = {key: parameters[key].default for key in GROUP_BOUNDS[kind] if key in parameters}
+    return {key: value for key, value in found.items() if type(value) in (int, float)}
 
 
 def user_rate(groups: list[dict[str, Any]], learning_rate: float) -> float:
@@ -67,16 +82,14 @@ class ScheduleMixin:
         alpha, given = evon.defaults["lr"], self.args.lr_scheduler_kwargs
         rate = user_rate(evon.param_groups, self.args.learning_rate)
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
-        numbers = {  # a list is the user's bound per group already
-            key: given[key]
-            for key in GROUP_BOUNDS.get(kind, ())
-            if isinstance(given, dict) and type(given.get(key)) in (int, float)
-        }
+        # a bound not given is the schedule's default, one number too; a list is the user's per group
+        stated = {**default_bounds(kind), **(given if isinstance(given, dict) else {})}
+        numbers = {key: stated[key] for key in GROUP_BOUNDS.get(kind, ()) if type(stated.get(key)) in (int, float)}
         ratios = [g.get("initial_lr", g["lr"]) / rate for g in evon.param_groups]
         bounds = {key: [value * ratio for ratio in ratios] for key, value in numbers.items()}
         evon.defaults["lr"] = rate
         if bounds:
-            self.args.lr_scheduler_kwargs = {**given, **bounds}
+            self.args.lr_scheduler_kwargs = {**(given if isinstance(given, dict) else {}), **bounds}
         try:
             return super().create_scheduler(num_training_steps, optimizer)
         finally:
