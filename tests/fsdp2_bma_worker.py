@@ -66,6 +66,7 @@ def results(
             net, post, ids, num_samples=SAMPLES, seed=SEED, max_new_tokens=NEW_TOKENS, do_sample=False
         ),
     }
+    out["full_adds"] = full_adds(net, post, ids)
     for strategy in ("materialize", "factored"):
         with torch.no_grad(), BatchedSamples(net, post, SAMPLES, seed=SEED, strategy=strategy) as sampler:
             out[strategy] = net(ids.repeat(SAMPLES, 1)).logits
@@ -76,6 +77,30 @@ def results(
         synced_gpus=synced_gpus,
     )  # fmt: skip
     return out
+
+
+def full_adds(net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor) -> dict[str, int]:
+    """The additions of a whole (S, *shape) tensor of a covered parameter (a sample's ``M + ΔW``)
+    in a materialized block: in all (its entry and two forwards), and in its second forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {(SAMPLES, *post[name].shape) for name in post.names}
+
+    class Adds(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and tuple(out.shape) in shapes:
+                self.count += 1
+            return out
+
+    with torch.no_grad(), Adds() as adds:
+        with BatchedSamples(net, post, SAMPLES, seed=SEED, strategy="materialize"):
+            net(ids.repeat(SAMPLES, 1))
+            before = adds.count
+            net(ids.repeat(SAMPLES, 1))
+    return {"in_all": adds.count, "second_forward": adds.count - before}
 
 
 def not_gathered(mesh) -> str:

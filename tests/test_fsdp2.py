@@ -371,7 +371,11 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     DTensor no FSDP2 forward gathers is refused by name. ``synced_gpus=True``, which
     ``Seq2SeqTrainer`` passes for an FSDP-managed model (so that a rank done first goes on gathering
     shards for the others), was refused ("generate_bma does not support 'synced_gpus'"); ranks that
-    decode different numbers of tokens now finish with the unsharded model's tokens."""
+    decode different numbers of tokens now finish with the unsharded model's tokens. A materialized
+    sharded block added the whole ΔW (S·m·n values per covered matrix) to the gathered mean in every
+    forward, each decoding step ("full_adds" {'in_all': 17, 'second_forward': 8} against the
+    unsharded {'in_all': 9, 'second_forward': 0}); it now forms each sample once, as the unsharded
+    path does."""
     import fsdp2_bma_worker as bw
     from launcher import rank_results
 
@@ -387,11 +391,15 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     assert want[0]["materialize_factored"] == [] and len(want[0]["factored_factored"]) == 8  # both ways
     assert [w["uneven"].shape[1] - 4 for w in want] == [1, 4]  # the 4-token prompts' new tokens
     assert not torch.equal(want[0]["materialize"][:2], want[0]["materialize"][2:4])  # samples differ
+    # the unsharded path forms each covered name's S samples once (at entry), none in a forward; so
+    # must the sharded one ("full_adds" compared below)
+    assert want[0]["full_adds"] == {"in_all": len(bw.posterior(net).names), "second_forward": 0}
     for r, w in zip(ranks, want, strict=True):
         assert "error" not in r, r["error"]
         assert r["not_gathered"].startswith("NotImplementedError: posterior parameter 'weight' ")
         assert "without FSDP2 gathering it" in r["not_gathered"]
         assert r.keys() - {"after", "not_gathered"} == w.keys()
+        assert r["full_adds"] == w["full_adds"]
         for key, value in w.items():
-            assert (value == r[key]) if isinstance(value, list) else torch.equal(value, r[key]), key
+            assert (value == r[key]) if isinstance(value, list | dict) else torch.equal(value, r[key]), key
         assert r["after"].keys() == mean.keys() and all(torch.equal(r["after"][n], mean[n]) for n in mean)

@@ -53,9 +53,11 @@ silently decoding at the mean or mixing the samples.
 
 FSDP2 (``fully_shard``: DTensor parameters, each rank a share of the rows): a forward runs on the
 whole weights FSDP2 gathers, so each rank keeps the whole draw (the same on every rank for a
-given seed; ``seed=None``: each rank its own samples; no communication) and a covered forward adds
-it to the gathered mean as it runs, as ``posterior.sampled`` would have written it: the unsharded
-model's samples, exactly, for S·m·n additions per materialized matrix and forward. FSDP2 puts the
+given seed; ``seed=None``: each rank its own samples; no communication) and the first covered
+forward adds it to the gathered mean, as ``posterior.sampled`` would have written it, keeping the
+sums (in place of the draw) for every later forward: the unsharded model's samples, exactly, formed
+once per block (S·m·n additions per materialized matrix), as the unsharded path forms them on entry.
+So the block holds each whole covered matrix's S samples on every rank until it exits. FSDP2 puts the
 gathered parameters on the modules for every forward, replacing what they hold, so a DTensor holds
 no guard: a read of it outside its owner's forward is not refused there (it reads the mean).
 """
@@ -250,6 +252,10 @@ class BatchedSamples:
         # (module, its forward before the block, its covered parameters by attribute)
         self._patched: list[tuple[nn.Module, Any, dict[str, Tensor]]] = []
         self._labels: dict[nn.Module, str] = {}  # each patched module: a covered name it owns
+        # each name's per-sample values; a DTensor's (S, …) ΔW_s until the first forward adds them to
+        # the mean FSDP2 gathers, once for all forwards (``_sampler``): the names still in ``_pending``
+        self._samples: dict[str, Tensor] = {}
+        self._pending: set[str] = set()
         self.extra_bytes = 0  # memory held by the per-sample weights while active
 
     # ----------------------------------------------------------------- set-up
@@ -376,7 +382,7 @@ class BatchedSamples:
         # one seed for all names, as a single draw(seed=None) would do
         self.seed = resolve_seed(self.seed)
         factored = self._factored(params, owners)
-        per_sample: dict[str, Tensor] = {}
+        per_sample, self._pending = self._samples, set()
         with torch.no_grad():
             for rotated, group in (
                 (False, [n for n in params if n not in factored]),
@@ -394,23 +400,24 @@ class BatchedSamples:
                         value = draw.to(mean.dtype)  # E_s, applied between the bases
                     elif is_dtensor(mean):  # ΔW_s whole: added to the mean FSDP2 gathers (_sampler)
                         value = draw
+                        self._pending.add(name)
                     else:  # the rounding of writing a sample into the weights (posterior.sampled)
                         value = add_perturbation(mean, draw)
                     per_sample[name] = value.contiguous()
-                    self.extra_bytes += value.numel() * value.element_size()
+                    # a DTensor's ΔW_s gives way to M + ΔW_s in the parameter's dtype
+                    self.extra_bytes += value.numel() * max(value.element_size(), mean.element_size())
         self.factored = set(factored)
         # one per tensor: ties stay ties; FSDP2 would replace a DTensor's guard by the gathered weight
         guards = {name: _guard(name, p) for name, p in params.items() if not is_dtensor(p)}
         try:
             for module, attrs in owners.items():
-                weights = {attr: per_sample[name] for attr, name in attrs.items()}
                 label = next(iter(attrs.values()))
                 if label in factored:
                     forward = self._factored_forward(
-                        module, params[label], weights["weight"], factored[label], label
+                        module, params[label], per_sample[label], factored[label], label
                     )
                 else:
-                    forward = self._make_forward(module, weights, label)
+                    forward = self._make_forward(module, attrs, label)
                 self._patch(module, forward, {attr: guards[name] for attr, name in attrs.items() if name in guards})
                 self._labels[module] = label
         except BaseException:
@@ -469,6 +476,8 @@ class BatchedSamples:
 
     def _restore(self) -> None:
         self._labels = {}
+        self._samples.clear()  # the forwards' closures hold this dict: release the samples now
+        self._pending.clear()
         while self._patched:
             module, previous, params = self._patched.pop()
             module._parameters.update(params)
@@ -478,17 +487,16 @@ class BatchedSamples:
                 module.forward = previous
 
     # ------------------------------------------------------------- forwards
-    def _make_forward(
-        self, module: nn.Module, weights: dict[str, Tensor], label: str
-    ) -> Callable[..., Tensor]:
-        """``x_s @ W_s (+ b_s)``: per-sample materialized weights (and biases), one batched matmul."""
+    def _make_forward(self, module: nn.Module, attrs: dict[str, str], label: str) -> Callable[..., Tensor]:
+        """``x_s @ W_s (+ b_s)``: per-sample materialized weights (and biases), one batched matmul
+        (``attrs``: the module's covered attributes and their names)."""
         if isinstance(module, nn.Embedding):
-            return self._embedding_forward(module, weights, label)
+            return self._embedding_forward(module, attrs, label)
         conv1d = _conv1d_type()
         # batched weights laid out (S, in, out) for bmm: Linear stores (out, in), Conv1D (in, out)
         transpose = not (conv1d is not None and isinstance(module, conv1d))
         s_count = self.num_samples
-        sample = _sampler(module, weights, label)
+        sample = _sampler(module, attrs, self._samples, self._pending, label)
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
             xs = _sample_major(x, s_count, label)
@@ -536,12 +544,10 @@ class BatchedSamples:
 
         return forward
 
-    def _embedding_forward(
-        self, module: nn.Module, weights: dict[str, Tensor], label: str
-    ) -> Callable[..., Tensor]:
+    def _embedding_forward(self, module: nn.Module, attrs: dict[str, str], label: str) -> Callable[..., Tensor]:
         s_count = self.num_samples
-        sample = _sampler(module, weights, label)
-        vocab = weights["weight"].shape[1]  # (S, V, d), materialized
+        sample = _sampler(module, attrs, self._samples, self._pending, label)
+        vocab = self._samples[attrs["weight"]].shape[1]  # (S, V, d), materialized
 
         def forward(self_: nn.Module, ids: Tensor) -> Tensor:
             if ids.shape[0] % s_count:
@@ -567,15 +573,26 @@ def _gathered(module: nn.Module, attr: str, label: str) -> Tensor:
     return mean.detach()
 
 
-def _sampler(module: nn.Module, weights: dict[str, Tensor], label: str) -> Callable[[nn.Module, str], Tensor | None]:
-    """``sample(module, attr)``: the (S, …) per-sample values of the covered ``attr`` (``None`` where
-    it is not covered); a DTensor's, held as ``ΔW_s``, added to the mean FSDP2 gathered for this forward
-    with the rounding of ``posterior.sampled``."""
-    sharded = {attr for attr in weights if is_dtensor(module._parameters[attr])}
+def _sampler(
+    module: nn.Module, attrs: dict[str, str], samples: dict[str, Tensor], pending: set[str], label: str
+) -> Callable[[nn.Module, str], Tensor | None]:
+    """``sample(module, attr)``: the (S, …) per-sample values ``samples[name]`` of the covered ``attr``
+    (``attrs``: attribute to name; ``None`` where it is not covered). A DTensor's, held as ``ΔW_s``
+    while its name is ``pending``, the first forward adds to the mean FSDP2 gathered for it, with the
+    rounding of ``posterior.sampled``, and keeps in its place (one entry for all owners of a tied
+    weight): every later forward (a decoding step) reuses it, as the unsharded path reuses what it
+    formed at entry, and checks only that FSDP2 gathered the parameter."""
+    sharded = {attr for attr in attrs if is_dtensor(module._parameters[attr])}
 
     def sample(module_: nn.Module, attr: str) -> Tensor | None:
+        name = attrs.get(attr)
+        if name is None:
+            return None
         if attr in sharded:
-            return add_perturbation(_gathered(module_, attr, label), weights[attr])
-        return weights.get(attr)
+            mean = _gathered(module_, attr, label)
+            if name in pending:
+                samples[name] = add_perturbation(mean, samples[name]).contiguous()
+                pending.discard(name)
+        return samples[name]
 
     return sample
