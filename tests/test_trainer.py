@@ -1312,21 +1312,26 @@ def test_the_logged_learning_rate_is_the_one_the_step_used_as_the_trainer_logs_i
     assert [h["evon/learning_rate"] for h in logs] == pytest.approx(used, rel=1e-12, abs=0.0)
 
 
+@pytest.mark.parametrize("adamw_rate", [1e-3, 5e-4])
 @pytest.mark.parametrize(
     ("scheduler", "kwargs"),
     [("cosine_with_min_lr", {"min_lr": 1e-4}), ("cosine_warmup_with_min_lr", {"min_lr": 1e-4}), ("polynomial", {"lr_end": 1e-4})],
 )
-def test_a_schedules_end_rate_is_in_the_units_of_learning_rate(tmp_path, scheduler, kwargs):
+def test_a_schedules_end_rate_is_in_the_units_of_learning_rate(tmp_path, scheduler, kwargs, adamw_rate):
     """transformers reads ``lr_scheduler_kwargs``' ``min_lr``/``lr_end`` against ``optimizer.defaults["lr"]``,
     which is EVON's α (0.02 here): AdamW's rate fell to 1e-3 · 1e-4 / 0.02 = 5e-6 instead of 1e-4.
     They are rates in the units of ``learning_rate``, as under ``Trainer``: AdamW's rate follows the
-    schedule a plain AdamW at 1e-3 gets, and α keeps its ratio to it."""
+    schedule a plain AdamW at its rate gets, and α keeps its ratio to it. An AdamW rate of its own
+    (``evon_adamw_learning_rate`` 5e-4, ``learning_rate`` 1e-3) is the one the bound is read against."""
     from transformers import get_scheduler
 
-    args = config(tmp_path, max_steps=4, learning_rate=1e-3, lr_scheduler_type=scheduler, lr_scheduler_kwargs=kwargs)
+    args = config(
+        tmp_path, max_steps=4, learning_rate=1e-3, evon_adamw_learning_rate=adamw_rate, lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=kwargs,
+    )  # fmt: skip
     trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data())
     trainer.train()
-    reference = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    reference = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=adamw_rate)
     schedule = get_scheduler(scheduler, reference, num_warmup_steps=0, num_training_steps=4, scheduler_specific_kwargs=kwargs)
     for _ in range(4):
         reference.step()
@@ -1334,25 +1339,28 @@ def test_a_schedules_end_rate_is_in_the_units_of_learning_rate(tmp_path, schedul
     expected = reference.param_groups[0]["lr"]
     groups = trainer.evon_optimizer.param_groups
     evon, adamw = groups[0], next(g for g in groups if g["algorithm"] == "adamw")
-    assert evon["algorithm"] == "evon" and evon["initial_lr"] == 2e-2 and adamw["initial_lr"] == 1e-3
+    assert evon["algorithm"] == "evon" and evon["initial_lr"] == 2e-2 and adamw["initial_lr"] == adamw_rate
     assert adamw["lr"] == pytest.approx(expected, rel=1e-9)
-    assert evon["lr"] == pytest.approx(2e-2 * expected / 1e-3, rel=1e-9)
+    assert evon["lr"] == pytest.approx(2e-2 * expected / adamw_rate, rel=1e-9)
     assert trainer.evon_optimizer.defaults["lr"] == 2e-2  # read against the user's rate while the schedule was built
 
 
+@pytest.mark.parametrize("adamw_rate", [1e-3, 5e-4])
 @pytest.mark.parametrize(
     ("scheduler", "steps", "bound"),
     [("reduce_lr_on_plateau", 5, {"min_lr": 1e-4}), ("greedy", 1, {"max_lr": 2e-3, "min_lr": 1e-4})],
 )
-def test_a_plateau_schedules_bounds_are_in_the_units_of_learning_rate(tmp_path, scheduler, steps, bound):
+def test_a_plateau_schedules_bounds_are_in_the_units_of_learning_rate(tmp_path, scheduler, steps, bound, adamw_rate):
     """A plateau schedule's ``min_lr`` (greedy's ``max_lr`` too) bounds every group's rate by that one
     number: AdamW's (1e-3) stopped at the bound, and so did EVON's α (0.02, 20 times AdamW's): reduced
     to 1e-4, or "raised" to greedy's 2e-3, below its start. The bounds are in the units of
-    ``learning_rate``, as under ``Trainer``: AdamW stops at the bound, α at 20 times it."""
+    ``learning_rate``, as under ``Trainer``: AdamW stops at the bound, α at its ratio (20, or 40 with
+    ``evon_adamw_learning_rate`` 5e-4 beside ``learning_rate`` 1e-3: AdamW's own rate is the unit)."""
     kwargs = {**bound, "factor": 0.1, "patience": 0, "mode": "max", "cooldown": 0}
     args = config(
-        tmp_path, max_steps=steps, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
-        lr_scheduler_type=scheduler, metric_for_best_model="eval_loss", bma_num_samples=0, lr_scheduler_kwargs=kwargs,
+        tmp_path, max_steps=steps, learning_rate=1e-3, evon_adamw_learning_rate=adamw_rate, logging_steps=1,
+        eval_strategy="steps", eval_steps=1, lr_scheduler_type=scheduler, metric_for_best_model="eval_loss",
+        bma_num_samples=0, lr_scheduler_kwargs=kwargs,
     )  # fmt: skip
     trainer = EVONTrainer(
         model=tiny_bert(), args=args, train_dataset=classification_data(), eval_dataset=classification_data(8, seed=1)
@@ -1362,7 +1370,7 @@ def test_a_plateau_schedules_bounds_are_in_the_units_of_learning_rate(tmp_path, 
     evon, adamw = groups[0], next(g for g in groups if g["algorithm"] == "adamw")
     end = bound["max_lr" if scheduler == "greedy" else "min_lr"]  # greedy raised the rate, the plateau lowered it
     assert evon["algorithm"] == "evon" and adamw["lr"] == pytest.approx(end, rel=1e-9)
-    assert evon["lr"] == pytest.approx(2e-2 * end / 1e-3, rel=1e-9)
+    assert evon["lr"] == pytest.approx(2e-2 * end / adamw_rate, rel=1e-9)
     assert args.lr_scheduler_kwargs == kwargs  # the config as given
 
 
