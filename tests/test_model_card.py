@@ -272,7 +272,8 @@ def test_a_trainer_saves_its_posterior_and_card_in_one_turn_of_the_directory_loc
     monkeypatch.setattr(fileio, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX))
     monkeypatch.setattr(card_module, "atomic_write", atomic_write)
     trainer.save_model()
-    assert turns == [(out.st_dev, out.st_ino)] and card_locked == [True]
+    # two card writes: the previous card's EVON section retracted before the posterior's switch, the new card
+    assert turns == [(out.st_dev, out.st_ino)] and card_locked == [True, True]
 
 
 def test_seq2seq_question_answering_and_multiple_choice_cards_run_as_written(tmp_path, tokenizer, capsys):

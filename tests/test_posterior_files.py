@@ -678,8 +678,8 @@ def test_a_card_is_written_under_the_directory_lock(tmp_path, monkeypatch):
 
     monkeypatch.setattr(card_module, "atomic_write", probed)
     save_model_card(tmp_path, _posterior())
-    _posterior().save_pretrained(tmp_path)
-    assert held == [True, True]
+    _posterior().save_pretrained(tmp_path)  # retracts the card's EVON section, then writes the new card
+    assert held == [True, True, True]
 
 
 @pytest.mark.parametrize("saves_in_a_row", [1, 3])
@@ -905,3 +905,53 @@ def test_a_posterior_without_checkpoint_ids_loads_and_copies_into_a_pair_that_lo
     with safe_open(tmp_path / "b" / POSTERIOR_WEIGHTS_NAME, framework="pt") as fh:
         assert fh.metadata()["checkpoint_id"] == copied_id
     assert torch.equal(EVONPosterior.from_pretrained(tmp_path / "b").std(LORA), posterior.std(LORA))
+
+
+_ESS_ROW = re.compile(r"\| effective sample size `ess` \(ζ\) \| (\S+) \|")
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "push copy"])
+def test_a_save_killed_anywhere_leaves_no_card_of_another_posterior(tmp_path, monkeypatch, how):
+    """The card is written after the posterior's switch: a kill between the two left the new
+    posterior beside the previous card, whose EVON section (its ess, its calibration) described a
+    posterior the directory no longer held. At every kill point the card's section describes the
+    posterior that loads, or none; the user's own text is kept."""
+    from hf_evon.trainer.checkpointing import CheckpointingMixin
+
+    old, new = _posterior().with_ess(200.0), _posterior(scale=3.0).with_ess(500.0)
+    checkpoint = tmp_path / "checkpoint-2"
+    new.save_pretrained(checkpoint)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    (pristine / "README.md").write_text("# My model\n\nThe user's notes.\n")
+    old.save_pretrained(pristine)
+    assert _ESS_ROW.findall((pristine / "README.md").read_text()) == ["200"]
+
+    def save(directory: Path) -> None:
+        if how == "save_pretrained":
+            new.save_pretrained(directory)
+        else:
+            CheckpointingMixin._copy_posterior_for_push(_FakeTrainer(directory), str(checkpoint))
+
+    with monkeypatch.context() as patch:
+        calls = _kill_after(patch, None)
+        shutil.copytree(pristine, tmp_path / "count")
+        calls.clear()
+        save(tmp_path / "count")
+    seen = []
+    for k in range(1, len(calls) + 1):
+        target = tmp_path / f"kill{k}"
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _kill_after(patch, k)
+            with pytest.raises(_Killed):
+                save(target)
+        ess = EVONPosterior.from_pretrained(target).ess
+        card = (target / "README.md").read_text()
+        assert "The user's notes." in card and card.count(SECTION_START) == 1, (k, calls[k - 1])
+        rows = _ESS_ROW.findall(card)
+        assert rows in ([], [f"{ess:g}"]), (k, calls[k - 1], ess, rows)
+        seen.append((ess, rows))
+    assert seen[0] == (200.0, ["200"]) and seen[-1] == (500.0, ["500"]), seen
+    assert (500.0, []) in seen  # the section is retracted before the switch, rewritten after it
+    assert _ESS_ROW.findall((tmp_path / "count" / "README.md").read_text()) == ["500"]

@@ -50,6 +50,7 @@ from hf_evon.posterior.gaussian import (
     orthonormality_error,
     polar_step,
 )
+from hf_evon.posterior.model_card import retract_card_section
 
 __all__ = [
     "FORMAT_VERSION",
@@ -367,7 +368,7 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
     staging = os.path.join(directory, f".evon_posterior.{checkpoint_id}.staging")
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
     with directory_lock(directory):
-        switched = False
+        switched, card = False, None
         # a retry of a save that failed after its switch: the config may name the staged file
         staged_before = os.path.exists(staged)
         try:
@@ -381,6 +382,8 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
             give_created_mode(inner)  # safetensors' own temporary is 0600: readable as the model's files are
             fsync_file(inner)
             os.rename(inner, staged)
+            # the card describes the posterior about to be replaced; its new section follows the switch
+            card = retract_card_section(directory)
             atomic_write(config_path, config.updated(weights_file=staged_name).to_json())
             switched = True  # from here on the directory holds the new posterior
             with replaced_atomically(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)) as tmp:
@@ -393,9 +396,13 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
         finally:
             # an interrupt right after the config's switch (in its fsync, before ``switched`` is set)
             # leaves a config naming the staged file: that is the posterior now, and it stays
-            if not switched and not staged_before and not _config_names(config_path, staged_name):
-                with contextlib.suppress(OSError):
-                    os.remove(staged)
+            if not switched and not _config_names(config_path, staged_name):
+                if not staged_before:
+                    with contextlib.suppress(OSError):
+                        os.remove(staged)
+                if card is not None:  # the card describes the posterior that stays
+                    with contextlib.suppress(OSError):
+                        atomic_write(os.path.join(directory, "README.md"), card)
             if not switched:
                 shutil.rmtree(staging, ignore_errors=True)
 

@@ -53,6 +53,7 @@ __all__ = [
     "card_arguments",
     "format_value",
     "render_model_card",
+    "retract_card_section",
     "save_model_card",
     "template_path",
     "update_model_card",
@@ -387,6 +388,39 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
+
+
+# what a save puts in place of the EVON section before it switches its posterior in: a kill before
+# the new card then leaves a card that describes no posterior rather than the one replaced
+RETRACTED_SECTION = (
+    f"{SECTION_START}\n## EVON posterior\n\nThis section describes the EVON posterior saved here and is "
+    "rewritten by each save of it; the latest save did not rewrite it (it was interrupted, or wrote no card). "
+    "The posterior's settings are in `evon_posterior_config.json`; load it with "
+    f"`hf_evon.EVONPosterior.from_pretrained`.\n{SECTION_END}"
+)
+
+
+def retract_card_section(directory: str | os.PathLike) -> str | None:
+    """Replace the EVON section of ``directory/README.md`` by :data:`RETRACTED_SECTION`, keeping
+    every other byte; a no-op where there is no card, no section, or no UTF-8 text.
+
+    A posterior save calls it before its switch: the section describes the posterior the save
+    replaces, and the new card is written only after the switch. Returns the card's text as it
+    was where it was changed (a save that fails before its switch writes it back), else None.
+    """
+    folder = os.fspath(directory)
+    path = os.path.join(folder, "README.md")
+    with directory_lock(folder):
+        try:
+            with open(path, encoding="utf-8", newline="") as fh:  # newline="": line ends kept as they are
+                text = fh.read()
+        except (FileNotFoundError, UnicodeDecodeError):  # no card; a card save_model_card leaves as it is
+            return None
+        start, end = text.find(SECTION_START), text.find(SECTION_END)
+        if start < 0 or end < start or text[start : end + len(SECTION_END)] == RETRACTED_SECTION:
+            return None
+        atomic_write(path, text[:start] + RETRACTED_SECTION + text[end + len(SECTION_END) :])
+        return text
 
 
 _CARD_TMP = re.compile(temporary_name_pattern("README.md"))

@@ -480,7 +480,8 @@ class EVONPosterior:
                 half precision (about half the file); ``H`` keeps its dtype (float32, float64 for float64 weights).
             push_to_hub: afterwards also :meth:`push_to_hub` (``repo_id`` defaults to the
                 directory's name; other keyword arguments are passed on).
-            model_card (kwarg, default True): create/update ``README.md``.
+            model_card (kwarg, default True): create/update ``README.md``. With False, an EVON section
+                already there (it described the posterior replaced) becomes a note naming the config.
             model_card_kwargs (kwarg): passed to ``hf_evon.posterior.model_card.save_model_card``
                 (``base_model``, ``metrics``, ...).
         """
