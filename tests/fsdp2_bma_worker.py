@@ -103,6 +103,27 @@ def full_adds(net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor) -> d
     return {"in_all": adds.count, "second_forward": adds.count - before}
 
 
+def logits(net: torch.nn.Module, post: EVONPosterior, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each ``BatchedSamples`` strategy's logits on ``ids``."""
+    out = {}
+    for strategy in ("materialize", "factored"):
+        with torch.no_grad(), BatchedSamples(net, post, SAMPLES, seed=SEED, strategy=strategy):
+            out[strategy] = net(ids.repeat(SAMPLES, 1)).logits
+    return out
+
+
+def mixed_precision(mesh, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``logits`` of the float64 model sharded with FSDP2's mixed precision, which gathers the
+    weights for each forward in float32 (``MixedPrecisionPolicy(param_dtype=torch.float32)``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    net, policy = model(), MixedPrecisionPolicy(param_dtype=torch.float32)
+    for block in net.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(net, mesh=mesh, mp_policy=policy)
+    return logits(net, posterior(model()), ids)
+
+
 def not_gathered(mesh) -> str:
     """Batched BMA on a DTensor that no FSDP2 forward gathers (sharded as tensor parallelism does)."""
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -137,6 +158,10 @@ def main(out: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(err).__name__}: {err}"
     result["not_gathered"] = not_gathered(mesh)
+    try:
+        result["mixed_precision"] = mixed_precision(mesh, prompts(rank))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        result["mixed_precision"] = f"{type(err).__name__}: {err}"
     result["after"] = worker.full_weights(net)  # the root's stay gathered after a forward (FSDP2's way)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()

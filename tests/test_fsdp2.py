@@ -375,7 +375,9 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     sharded block added the whole ΔW (S·m·n values per covered matrix) to the gathered mean in every
     forward, each decoding step ("full_adds" {'in_all': 17, 'second_forward': 8} against the
     unsharded {'in_all': 9, 'second_forward': 0}); it now forms each sample once, as the unsharded
-    path does."""
+    path does. Under FSDP2's mixed precision (the weights gathered in float32 from float64 shards)
+    the factored strategy multiplied float32 activations with the float64 samples ("expected m1 and
+    m2 to have the same dtype"); both strategies now give the float32 model's samples, exactly."""
     import fsdp2_bma_worker as bw
     from launcher import rank_results
 
@@ -386,6 +388,8 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     torch.set_num_threads(1)  # the workers' (a matmul's rounding may depend on the thread count)
     try:
         want = [bw.results(net, bw.posterior(bw.model()), bw.prompts(rank), rank, None) for rank in range(2)]
+        # what FSDP2 gathers under MixedPrecisionPolicy(param_dtype=torch.float32): the float32 model
+        want_mixed = [bw.logits(bw.model().float(), bw.posterior(bw.model()), bw.prompts(rank)) for rank in range(2)]
     finally:
         torch.set_num_threads(threads)
     assert want[0]["materialize_factored"] == [] and len(want[0]["factored_factored"]) == 8  # both ways
@@ -394,11 +398,14 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     # the unsharded path forms each covered name's S samples once (at entry), none in a forward; so
     # must the sharded one ("full_adds" compared below)
     assert want[0]["full_adds"] == {"in_all": len(bw.posterior(net).names), "second_forward": 0}
-    for r, w in zip(ranks, want, strict=True):
+    for r, w, mixed in zip(ranks, want, want_mixed, strict=True):
         assert "error" not in r, r["error"]
+        assert not isinstance(r["mixed_precision"], str), r["mixed_precision"]
+        assert r["mixed_precision"].keys() == mixed.keys() == {"materialize", "factored"}
+        assert all(m.dtype == torch.float32 and torch.equal(r["mixed_precision"][k], m) for k, m in mixed.items())
         assert r["not_gathered"].startswith("NotImplementedError: posterior parameter 'weight' ")
         assert "without FSDP2 gathering it" in r["not_gathered"]
-        assert r.keys() - {"after", "not_gathered"} == w.keys()
+        assert r.keys() - {"after", "not_gathered", "mixed_precision"} == w.keys()
         assert r["full_adds"] == w["full_adds"]
         for key, value in w.items():
             assert (value == r[key]) if isinstance(value, list | dict) else torch.equal(value, r[key]), key

@@ -396,11 +396,11 @@ class BatchedSamples:
                         raise ValueError(
                             f"posterior draw for {name!r} has shape {tuple(draw.shape)}, expected {expected}"
                         )
-                    if rotated:
-                        value = draw.to(mean.dtype)  # E_s, applied between the bases
-                    elif is_dtensor(mean):  # ΔW_s whole: added to the mean FSDP2 gathers (_sampler)
+                    if is_dtensor(mean):  # E_s or ΔW_s whole, for the mean FSDP2 gathers (its dtype)
                         value = draw
                         self._pending.add(name)
+                    elif rotated:
+                        value = draw.to(mean.dtype)  # E_s, applied between the bases
                     else:  # the rounding of writing a sample into the weights (posterior.sampled)
                         value = add_perturbation(mean, draw)
                     per_sample[name] = value.contiguous()
@@ -413,9 +413,7 @@ class BatchedSamples:
             for module, attrs in owners.items():
                 label = next(iter(attrs.values()))
                 if label in factored:
-                    forward = self._factored_forward(
-                        module, params[label], per_sample[label], factored[label], label
-                    )
+                    forward = self._factored_forward(module, params[label], factored[label], label)
                 else:
                     forward = self._make_forward(module, attrs, label)
                 self._patch(module, forward, {attr: guards[name] for attr, name in attrs.items() if name in guards})
@@ -512,28 +510,31 @@ class BatchedSamples:
 
         return forward
 
-    def _factored_forward(
-        self, module: nn.Module, mean: Tensor, e_s: Tensor, factors: Any, label: str
-    ) -> Callable[..., Tensor]:
+    def _factored_forward(self, module: nn.Module, mean: Tensor, factors: Any, label: str) -> Callable[..., Tensor]:
         """``x_s @ M + ((x_s @ Q_in) @ E_s) @ Q_outᵀ``: the mean ``M`` (the parameter, as the module
         holds a guard in its place) applied as the module does, plus the sample's deviation applied
-        through the bases (shared by all samples) and ``E_s`` (S, m, n)."""
-        conv1d = _conv1d_type()
-        dtype, device = e_s.dtype, e_s.device
+        through the bases (shared by all samples) and ``E_s`` (S, m, n), ``self._samples[label]``."""
+        is_conv1d = isinstance(module, _conv1d_type() or ())
+        samples, pending = self._samples, self._pending
 
-        def basis(q: Tensor | None) -> Tensor | None:
-            return None if q is None else q.to(device=device, dtype=dtype)
+        def operands(dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, Tensor]:  # Q_in, Q_out, E_s
+            e_s = samples[label]
+            q_l, q_r = (None if q is None else q.to(device=e_s.device, dtype=dtype) for q in (factors.Q_L, factors.Q_R))
+            if is_conv1d:  # weight (in, out) = (m, n)
+                return q_l, q_r, e_s
+            return q_r, q_l, e_s.mT  # nn.Linear: weight (out, in) = (m, n), x @ ΔWᵀ = x Q_R E_sᵀ Q_Lᵀ
 
-        is_conv1d = conv1d is not None and isinstance(module, conv1d)
-        if is_conv1d:  # weight (in, out) = (m, n)
-            q_in, q_out, e_io = basis(factors.Q_L), basis(factors.Q_R), e_s
-        else:  # nn.Linear: weight (out, in) = (m, n), x @ ΔWᵀ = x Q_R E_sᵀ Q_Lᵀ
-            q_in, q_out, e_io = basis(factors.Q_R), basis(factors.Q_L), e_s.mT
         s_count = self.num_samples
         sharded = is_dtensor(mean)
+        held = [] if sharded else [operands(mean.dtype)]
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
             m = _gathered(self_, "weight", label) if sharded else mean
+            if label in pending:  # E_s in the dtype FSDP2 gathers the mean in (its mixed precision's), once
+                samples[label] = samples[label].to(m.dtype)
+                pending.discard(label)
+                held.append(operands(m.dtype))
+            q_in, q_out, e_io = held[0]
             y = F.linear(x, m.mT if is_conv1d else m, self_.bias)  # Conv1D: F.linear's (out, in) view
             xs = _sample_major(x, s_count, label)
             t = xs if q_in is None else xs @ q_in
