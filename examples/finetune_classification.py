@@ -335,10 +335,16 @@ def evon_config(args: argparse.Namespace, identity_basis: bool) -> Any:
     )
 
 
+def mean_std(posterior: Any) -> float:
+    """The mean marginal std over every weight ``posterior`` covers."""
+    total = sum(float(posterior.std(name).double().sum()) for name in posterior.names)
+    return total / sum(posterior[name].hess.numel() for name in posterior.names)
+
+
 def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_basis: bool) -> dict[str, Any]:
     from transformers import DataCollatorWithPadding
 
-    from hf_evon import EVONTrainer
+    from hf_evon import EVONPosterior, EVONTrainer
 
     config = evon_config(args, identity_basis)
     trainer = EVONTrainer(
@@ -354,7 +360,8 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
     return {
         "mean": {k: metrics[f"eval_mean_{k}"] for k in keys},
         "bma": {k: metrics[f"eval_bma_{k}"] for k in keys},
-        "std": trainer.posterior_statistics()["evon/posterior_std_mean"],
+        # the saved posterior's, at the calibrated scale BMA samples at (the optimizer's is the trained one)
+        "std": mean_std(EVONPosterior.from_pretrained(config.output_dir)),
         "calibration": trainer.calibration,
     }
 

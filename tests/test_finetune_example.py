@@ -134,7 +134,7 @@ def test_integer_labels_that_do_not_start_at_0_are_numbered_from_it(example, tmp
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--evon-ess", "0"], "--evon-ess = 0.0 is invalid: Invalid ess"),
+    (["--evon-ess", "1e5"], "--evon-ess = 0.0 is invalid: Invalid ess"),
     (["--evon-clip-radius", "-1"], "--evon-clip-radius = -1.0 is invalid: Invalid clip_radius"),
     (["--evon-hess-init", "-1"], "--evon-hess-init = -1.0 is invalid: Invalid hess_init"),
     (["--max-precond-dim", "0"], "--max-precond-dim = 0 is invalid: Invalid max_precond_dim"),
@@ -205,3 +205,19 @@ def test_an_unlabelled_test_split_is_passed_over_for_the_validation_split(exampl
         example.hub_dataset(str(tmp_path), "sentence", "label", 10, 6)
     with pytest.raises(ValueError, match=r"has no column 'text' \(--text-column\); its columns: \['sentence', 'label'\]"):
         example.hub_dataset(str(tmp_path), "text", "label", 10, 6)
+
+
+def test_the_printed_posterior_std_is_the_saved_calibrated_posteriors(example, tmp_path, capsys):
+    """After calibration the example printed the optimizer's posterior std, the scale EVON trained
+    with, beside the calibrated scale: not the std of the posterior it saved (and BMA samples)."""
+    import re
+
+    from hf_evon import EVONPosterior
+
+    example.main([*TINY, "--methods", "evon", "--evon-ess", "1e5", "--output-dir", str(tmp_path)])
+    printed = re.findall(r"^EVON: mean posterior std (\S+);", capsys.readouterr().out, re.MULTILINE)
+    saved = EVONPosterior.from_pretrained(tmp_path / "evon")
+    assert saved.config["calibration"]["ess"] != saved.config["calibration"]["trained_ess"]  # the std moved
+    total = sum(float(saved.std(name).double().sum()) for name in saved.names)
+    count = sum(saved.std(name).numel() for name in saved.names)
+    assert printed == [f"{total / count:.3g}"]
