@@ -1114,3 +1114,63 @@ def test_a_model_without_a_language_modelling_head_is_refused(tmp_path, capsys, 
         f"--model {str(tmp_path)!r} is a BertForMaskedLM (config.json's architectures), not a causal LM or an "
         "encoder-decoder LM"
     ) in err, err
+
+
+def test_calibrate_tokenizes_only_the_text_its_blocks_use(saved, tmp_path, monkeypatch, capsys):
+    """calibrate read and tokenized the whole --text file though it scores at most --max-blocks
+    blocks: on a large file that took minutes and the file's size in memory several times over.
+    It tokenizes a prefix of the file, and the blocks are the first ones the whole file's tokens give."""
+    import hf_evon.cli.commands as commands
+    from hf_evon.predictive import calibration
+
+    path, _, tokenizer, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 8000)
+    tokenized: list[int] = []
+    scored: list[list[torch.Tensor]] = []
+    load, calibrate = commands.load_model_posterior_tokenizer, calibration.calibrate_posterior
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, value, *args, **kwargs):
+            tokenized.append(len(value))
+            return self.inner(value, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    def loaded(*args):
+        model, posterior, tok = load(*args)
+        return model, posterior, Recording(tok)
+
+    def calibrated(model, posterior, batches, **kwargs):
+        scored.append([b["input_ids"] for b in batches])
+        return calibrate(model, posterior, batches, **kwargs)
+
+    monkeypatch.setattr(commands, "load_model_posterior_tokenizer", loaded)
+    monkeypatch.setattr(calibration, "calibrate_posterior", calibrated)
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out")]
+    assert main([*argv, "--block-size", "16", "--max-blocks", "3", "--batch-size", "2", "--samples", "2"]) == 0
+    whole = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    assert len(scored) == 1 and [b.shape[0] for b in scored[0]] == [2, 1]
+    assert torch.equal(torch.cat(scored[0]).flatten(), whole[: 3 * 16])
+    assert tokenized and max(tokenized) <= len(whole) // 4, (tokenized, len(whole))
+
+
+def test_the_tokens_of_a_prefix_are_the_whole_texts_also_where_a_character_is_cut(saved, tmp_path, monkeypatch):
+    """text_tokens reads growing prefixes: one that ends inside a two-byte character is read up to
+    it, and one too short for the tokens wanted is read longer, so the ids are the whole file's."""
+    import hf_evon.cli.loading as loading
+
+    tokenizer = saved[2]
+    text = tmp_path / "text.txt"
+    text.write_text("déf x(é):\n" * 40, encoding="utf-8")
+    whole = tokenizer(text.read_text(encoding="utf-8"), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    monkeypatch.setattr(loading, "TEXT_CHUNK_BYTES", 5)  # "déf x": 'é' is bytes 1-2, the cut at 5 is after 'x'
+    monkeypatch.setattr(loading, "BYTES_PER_TOKEN", 1)
+    monkeypatch.setattr(loading, "TOKEN_MARGIN", 3)
+    assert loading.read_text(str(text), "--text", 2) == ("d", False)  # 'é' cut after its first byte: left out
+    for count in (1, 7, 30, len(whole), len(whole) + 5):
+        assert torch.equal(loading.text_tokens(str(text), "--text", tokenizer, count), whole[:count]), count

@@ -40,6 +40,7 @@ from hf_evon.cli.loading import (
     load_model_posterior_tokenizer,
     read_text,
     resolve_device,
+    text_tokens,
     torch_dtype,
 )
 from hf_evon.cli.text import completion_text, number_text, printable, size_text
@@ -492,7 +493,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
-    text = read_text(args.text, "--text")  # before the model loads: a file in another encoding fails at once
+    read_text(args.text, "--text")  # its start before the model loads: a file in another encoding fails at once
     existing = os.path.abspath(args.output)  # checked before the passes, not at the save after them
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -508,8 +509,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         )
     if tokenizer is None:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
     block = min(args.block_size, getattr(model.config, "max_position_embeddings", args.block_size))
+    ids = text_tokens(args.text, "--text", tokenizer, block * args.max_blocks)  # what the blocks use
     n = min(len(ids) // block, args.max_blocks)
     if n == 0:
         raise UsageError(f"--text {args.text!r} holds {len(ids)} tokens: fewer than one block of {block}")

@@ -8,6 +8,7 @@ torch, transformers and the rest of hf_evon are imported inside the functions, s
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import re
 from collections.abc import Callable
@@ -89,14 +90,41 @@ def failure_text(err: BaseException) -> str | None:
     return None
 
 
-def read_text(path: str, option: str) -> str:
-    """The UTF-8 text of the file ``path``; a file in another encoding is a usage error naming it."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
+# a file's first bytes: read before the model loads (an encoding error there fails at once), and
+# the least of a prefix tokenized
+TEXT_CHUNK_BYTES = 2**16
+BYTES_PER_TOKEN = 16  # the first prefix's size per token wanted; well above any tokenizer's average
+# tokens wanted past those used: a prefix's last tokens may differ from the whole text's (a word cut)
+TOKEN_MARGIN = 64
+
+
+def read_text(path: str, option: str, max_bytes: int | None = TEXT_CHUNK_BYTES) -> tuple[str, bool]:
+    """The UTF-8 text of the file ``path``'s first ``max_bytes`` bytes (less a character the limit
+    cuts; None: all of it), and whether that is the whole file; a file in another encoding is a
+    usage error naming it (and the offset of the byte)."""
+    with open(path, "rb") as fh:
+        data = fh.read() if max_bytes is None else fh.read(max_bytes + 1)
+    whole = max_bytes is None or len(data) <= max_bytes
+    try:  # an incremental decoder: a character the limit cuts is no error
+        return codecs.getincrementaldecoder("utf-8")().decode(data if whole else data[:max_bytes], final=whole), whole
     except UnicodeDecodeError as err:
         byte = f"byte 0x{err.object[err.start]:02x} at offset {err.start}"
         raise UsageError(f"{option} {path!r} is not UTF-8 text ({byte}): convert it to UTF-8") from None
+
+
+def text_tokens(path: str, option: str, tokenizer: Any, count: int) -> Any:
+    """The first ``count`` token ids (fewer where the file holds fewer) of the UTF-8 file ``path``
+    as ``tokenizer`` splits the whole text, from a prefix of it: a command that uses a few blocks of
+    a large file neither reads nor tokenizes the rest. A prefix is taken at ``BYTES_PER_TOKEN``
+    bytes per token wanted, and four times longer until it gives ``TOKEN_MARGIN`` tokens more
+    than wanted (its last tokens may be a word the prefix cuts) or is the whole file."""
+    size = max(TEXT_CHUNK_BYTES, (count + TOKEN_MARGIN) * BYTES_PER_TOKEN)
+    while True:
+        text, whole = read_text(path, option, size)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        if whole or len(ids) >= count + TOKEN_MARGIN:
+            return ids[:count]
+        size *= 4
 
 
 def unreachable_hub(repo_id: str) -> str | None:
