@@ -621,6 +621,25 @@ def test_sampled_puts_a_sample_in_and_restores_bit_for_bit(gpt2):
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+def test_sampled_draws_one_factor_group_at_a_time(gpt2, monkeypatch):
+    """Each draw of ``sampled`` holds one factor group's perturbations, so its float32 transient is
+    the largest group's, not the whole covered model's at once (one draw of every name before)."""
+    model, _, post = gpt2
+    calls: list[list[str]] = []
+    draw = EVONPosterior.draw
+
+    def recorded(self, num_samples, seed=None, names=None, **kwargs):
+        out = draw(self, num_samples, seed=seed, names=names, **kwargs)
+        calls.append(sorted(out))
+        return out
+
+    monkeypatch.setattr(EVONPosterior, "draw", recorded)
+    with post.sampled(model, seed=3):
+        pass
+    groups = sorted(sorted(group.names) for group in post._groups)
+    assert len(groups) > 1 and sorted(calls) == groups
+
+
 def test_sampled_restores_on_exception_and_in_half_precision(mlp):
     model, _, post = mlp
     half = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(torch.bfloat16)

@@ -58,20 +58,25 @@ def sample_seed(seed: int | None, params: Iterable[Tensor]) -> int:
     return resolve_seed(seed)
 
 
-def draw_batches(params: Mapping[str, Tensor], names: Iterable[str]) -> list[tuple[torch.device, list[str]]]:
-    """``names`` in the batches ``sampled`` draws them in, each with its device: the plain tensors of
-    one device together (one batched draw per factor group); a DTensor (an FSDP2 shard) alone, as
-    each rank draws its whole perturbation to keep only its own rows of it: one parameter's draw at a
-    time rather than every covered parameter's, which would be the unsharded model's peak."""
-    batches: dict[torch.device, list[str]] = {}
-    alone: list[tuple[torch.device, list[str]]] = []
-    for name in names:
-        p = params[name]
-        if is_dtensor(p):
-            alone.append((p.device, [name]))
-        else:
-            batches.setdefault(p.device, []).append(name)
-    return [*batches.items(), *alone]
+def draw_batches(
+    params: Mapping[str, Tensor], groups: Iterable[Iterable[str]]
+) -> list[tuple[torch.device, list[str]]]:
+    """The names of ``groups`` (each factor group's covered names) in the batches ``sampled`` draws
+    them in, each with its device: one factor group's plain tensors of one device together (one
+    batched draw), so a draw's float32 transient is the largest group's, not the whole covered
+    model's; a DTensor (an FSDP2 shard) alone, as each rank draws its whole perturbation to keep
+    only its own rows of it."""
+    batches: list[tuple[torch.device, list[str]]] = []
+    for names in groups:
+        by_device: dict[torch.device, list[str]] = {}
+        for name in names:
+            p = params[name]
+            if is_dtensor(p):
+                batches.append((p.device, [name]))
+            else:
+                by_device.setdefault(p.device, []).append(name)
+        batches.extend(by_device.items())
+    return batches
 
 
 def placed_like(whole: Tensor, like: Tensor) -> Tensor:

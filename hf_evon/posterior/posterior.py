@@ -287,7 +287,7 @@ class EVONPosterior:
         saved: list[tuple[Tensor, Tensor]] = []
         try:
             with torch.no_grad():
-                for dev, names in draw_batches(params, self.names):
+                for dev, names in draw_batches(params, (group.names for group in self._groups)):
                     draws = self.draw(1, seed=seed, names=names, device=dev)
                     for name in names:
                         p = params[name]
