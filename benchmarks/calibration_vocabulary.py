@@ -10,7 +10,10 @@ Two measurements, one thread:
 
 1. ``tempered_log_probs`` on [targets, vocabulary] float32 logits at ``TEMPERATURE_GRID``, against
    the direct form it computes (a float64 copy of the rows, one ``logsumexp`` of the rows / T per
-   temperature): seconds per call, and the largest difference of the two (float64 rounding).
+   temperature): seconds per call, and the largest difference of the two (its float32 exps'
+   error). The logits are standard normal times ``--logit-scales``: 3 spreads a row over about
+   ±13, 20 over about ±86, where a low temperature's exps of the far-off tokens underflow (as a
+   trained LM's do).
 2. The README's ``EVONTrainer`` snippet (a 2-layer, 64-wide GPT-2 with GPT-2's vocabulary, 48
    training rows of 32 random tokens, one epoch, 8 rows for the calibration): seconds of
    ``train()`` without its closing ``calibrate()``, and of that ``calibrate()``.
@@ -57,15 +60,18 @@ def seconds(call: Callable[..., Any], args: tuple, repeats: int) -> float:
     return statistics.median(times)
 
 
-def kernel_rows(vocabularies: list[int], targets: int, repeats: int) -> list[dict[str, float]]:
+def kernel_rows(
+    vocabularies: list[int], targets: int, repeats: int, scales: list[float]
+) -> list[dict[str, float]]:
     rows = []
-    for vocabulary in vocabularies:
+    for scale, vocabulary in [(s, v) for s in scales for v in vocabularies]:
         generator = torch.Generator().manual_seed(vocabulary)
-        logits = torch.randn(targets, vocabulary, generator=generator) * 3
+        logits = torch.randn(targets, vocabulary, generator=generator) * scale
         labels = torch.randint(0, vocabulary, (targets,), generator=generator)
         ours = tempered_log_probs(logits, labels, False, TEMPERATURE_GRID)
         difference = float((ours - direct(logits, labels, TEMPERATURE_GRID)).abs().max())
         rows.append({
+            "logit_scale": scale,
             "vocabulary": vocabulary,
             "direct_s": seconds(direct, (logits, labels, TEMPERATURE_GRID), repeats),
             "ours_s": seconds(tempered_log_probs, (logits, labels, False, TEMPERATURE_GRID), repeats),
@@ -106,19 +112,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--vocabularies", type=int, nargs="+", default=[1024, 32000, 50257, 128256])
     ap.add_argument("--targets", type=int, default=248, help="scored targets (the snippet's: 8 rows of 31)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--logit-scales", type=float, nargs="+", default=[3.0, 20.0])
     ap.add_argument("--no-trainer", action="store_true", help="only the kernel's table")
     args = ap.parse_args(argv)
-    if args.targets < 1 or args.repeats < 1 or min(args.vocabularies) < 2:
-        ap.error("--targets and --repeats must be >= 1 and every vocabulary >= 2")
+    if args.targets < 1 or args.repeats < 1 or min(args.vocabularies) < 2 or min(args.logit_scales) <= 0:
+        ap.error("--targets and --repeats must be >= 1, every vocabulary >= 2 and every logit scale > 0")
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    rows = kernel_rows(args.vocabularies, args.targets, args.repeats)
+    rows = kernel_rows(args.vocabularies, args.targets, args.repeats, args.logit_scales)
     print(f"tempered_log_probs, {args.targets} targets x {len(TEMPERATURE_GRID)} temperatures, one thread")
-    print("| vocabulary | direct s | tempered_log_probs s | speed-up | max difference |")
-    print("|---|---|---|---|---|")
+    print("| logit scale | vocabulary | direct s | tempered_log_probs s | speed-up | max difference |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['vocabulary']} | {r['direct_s']:.3f} | {r['ours_s']:.3f} | {r['direct_s'] / r['ours_s']:.1f}x "
+            f"| {r['logit_scale']:g} | {r['vocabulary']} | {r['direct_s']:.3f} | {r['ours_s']:.3f} | {r['direct_s'] / r['ours_s']:.1f}x "
             f"| {r['max_difference']:.1e} |"
         )
     result: dict[str, Any] = {"kernel": rows}

@@ -24,10 +24,14 @@ __all__ = ["held_out_classes", "require_aligned", "scored_pass", "split_batch"]
 
 Tensor = torch.Tensor
 
-# entries of logits scored at a time: a float64 chunk and its scaled copy (2 MiB each) stay in
+# entries of logits scored at a time: a chunk and its scaled copy (at most 2 MiB each) stay in
 # cache across the temperatures, where an LM's whole [targets, vocabulary] rows would stream from
 # memory once per temperature (docs/results.md#calibration-speed)
 _CHUNK_ENTRIES = 1 << 18
+# every row's sum holds its maximum's exp(0) = 1, and exp(-80) < 2e-35: V such terms are below
+# float64's resolution of it, while an exp that underflows to a subnormal or 0 takes a slow path
+# (10-30× per entry on a CPU, for an LM's far-off tokens at a low temperature)
+_EXP_FLOOR = -80.0
 
 
 def split_batch(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
@@ -118,29 +122,34 @@ def _logits(output: Any) -> Tensor:
 
 def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
-    (float64). The rows are read in chunks of about ``_CHUNK_ENTRIES`` entries, each copied to
-    float64 less its rows' maxima (no exp overflows, at any T > 0) and scored at every temperature
-    while it is in cache: an LM's [targets, vocabulary] rows cost one exp per entry and
-    temperature, and two chunks of memory. A label outside the logits' classes is gathered as
-    class 0 (:func:`scored_pass` refuses it): an index out of range would fail here, on a GPU with
-    a device-side assert."""
+    (float64). The rows are read in chunks of about ``_CHUNK_ENTRIES`` entries, each copied less its
+    rows' maxima (no exp overflows, at any T > 0) and scored at every temperature while it is in
+    cache: an LM's [targets, vocabulary] rows cost one exp per entry and temperature, and two chunks
+    of memory. The exps run in the logits' precision, float32 at least (float64 logits: float64):
+    float32's are 2-3× faster and add an error below 1e-6 to each log-sum-exp, the size of the
+    float32 logits' own rounding; the label's logit less its row's maximum is taken exactly, in
+    float64. A label outside the logits' classes is gathered as class 0 (:func:`scored_pass`
+    refuses it): an index out of range would fail here, on a GPU with a device-side assert."""
     rows, target = labelled_rows(logits, labels, shift)
     count, classes = rows.shape
     step = max(1, _CHUNK_ENTRIES // max(classes, 1))
-    shifted = torch.empty(min(step, count), classes, dtype=torch.float64, device=rows.device)
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    shifted = torch.empty(min(step, count), classes, dtype=dtype, device=rows.device)
     scaled = torch.empty_like(shifted)
     index = target.clamp(0, classes - 1)[:, None]
-    # a product by 1/T: float64 division costs more than the exp
+    # a product by 1/T: division costs more than the exp
     inverse = [1.0 / t for t in temperatures]
     sums = torch.empty(len(temperatures), count, dtype=torch.float64, device=rows.device)
     at_target = torch.empty(count, dtype=torch.float64, device=rows.device)
     for start in range(0, count, step):
-        chunk = shifted[: min(step, count - start)].copy_(rows[start : start + step])
-        chunk -= chunk.amax(-1, keepdim=True)
-        stop = start + len(chunk)
-        at_target[start:stop] = chunk.gather(1, index[start:stop]).squeeze(1)
+        stop = min(start + step, count)
+        maxima = rows[start:stop].amax(-1, keepdim=True)
+        at_target[start:stop] = (rows[start:stop].gather(1, index[start:stop]).double() - maxima.double()).squeeze(1)
+        chunk = shifted[: stop - start].copy_(rows[start:stop])  # bfloat16 would round the difference
+        chunk -= maxima.to(dtype)
         for i, scale in enumerate(inverse):
-            sums[i, start:stop] = torch.mul(chunk, scale, out=scaled[: len(chunk)]).exp_().sum(-1)
+            scaled_chunk = torch.mul(chunk, scale, out=scaled[: len(chunk)]).clamp_min_(_EXP_FLOOR)
+            sums[i, start:stop] = scaled_chunk.exp_().sum(-1)
     return at_target * torch.tensor(inverse, dtype=torch.float64, device=rows.device)[:, None] - sums.log()
 
 
