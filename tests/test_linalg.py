@@ -226,6 +226,79 @@ def test_eigenbasis_signs_do_not_depend_on_the_solver() -> None:
     assert bool((torch.gather(raw, -2, raw.abs().argmax(dim=-2, keepdim=True)) < 0).any())
 
 
+def dead_unit_statistic(seed: int = 2) -> torch.Tensor:
+    """A float32 L = G Gᵀ (384×384) of a first gradient G of rank 20 whose 200 rows (dead units) are
+    zero, scattered: MKL's float32 ``syevd`` fails to converge on it (as on a MiniLM fine-tuning
+    run's first statistics at ``ess=10``), float64 does not."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(384, 20, generator=gen) * torch.rand(20, generator=gen) ** 4
+    g[:200] = 0
+    g = g[torch.randperm(384, generator=gen)]
+    return g @ g.T
+
+
+def assert_descending_eigenbasis(q: torch.Tensor, stat: torch.Tensor) -> None:
+    """``q`` is orthonormal and diagonalises ``stat`` with its eigenvalues in descending order."""
+    eye = torch.eye(q.shape[-1], dtype=F64).expand(q.shape)
+    torch.testing.assert_close(q.double().mT @ q.double(), eye, atol=1e-5, rtol=0)
+    evals = torch.linalg.eigvalsh(stat.double()).flip(-1)
+    scale = float(evals.abs().max())
+    rotated = q.double().mT @ stat.double() @ q.double()
+    torch.testing.assert_close(rotated, torch.diag_embed(evals), atol=1e-5 * scale, rtol=0)
+
+
+def test_eigenbasis_of_a_statistic_float32_eigh_cannot_diagonalise() -> None:
+    """Fine-tuning at ``ess=10`` crashed on its first step: ``linalg.eigh`` raised "failed to
+    converge" on a finite statistic with many zero rows. The basis comes from float64 instead."""
+    stat = torch.stack([dead_unit_statistic(2), dead_unit_statistic(11)])
+    q = eigenbasis(stat)
+    assert q.dtype == torch.float32 and q.shape == stat.shape
+    assert_descending_eigenbasis(q, stat)
+
+
+def test_eigenbasis_retries_in_float64_where_float32_eigh_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the LAPACK: a float32 eigh that raises gives float64's basis, rounded to float32,
+    with the same descending order and column signs."""
+    eigh = torch.linalg.eigh
+
+    def float32_fails(x: torch.Tensor):
+        if x.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return eigh(x)
+
+    stat, _ = spread_statistic(8, seed=0, dtype=torch.float32)
+    stat = torch.stack([stat, stat.flip(0, 1)])
+    expected = eigenbasis(stat.double()).float()
+    monkeypatch.setattr(torch.linalg, "eigh", float32_fails)
+    q = eigenbasis(stat)
+    assert q.dtype == torch.float32
+    torch.testing.assert_close(q, expected, atol=1e-6, rtol=0)
+
+
+def test_a_member_no_eigh_diagonalises_starts_from_the_identity_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One member on which every eigh fails (float32, float64, shifted) keeps the identity (in the
+    descending convention: its columns reversed), named in a warning; the others are diagonalised."""
+    eigh = torch.linalg.eigh
+    stat, _ = spread_statistic(6, seed=0, dtype=torch.float32)
+    bad = torch.diag(torch.arange(6.0))
+
+    def fails_on_bad(x: torch.Tensor):
+        members = x.reshape(-1, 6, 6).double()
+        if any(torch.allclose(m, bad.double(), atol=1e-6) for m in members):
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return eigh(x)
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails_on_bad)
+    with pytest.warns(
+        RuntimeWarning, match=r"eigh failed to converge on 1 of 2 Shampoo statistics of shape \(6, 6\)"
+    ):
+        q = eigenbasis(torch.stack([stat, bad]))
+    assert torch.equal(q[1], torch.eye(6).flip(-1))
+    assert_descending_eigenbasis(q[0], stat)
+
+
 @pytest.mark.parametrize("shape", [(3, 5, 8), (2, 8, 5), (6, 6)])
 @pytest.mark.parametrize("steps", [5, 0])
 @pytest.mark.parametrize("route", ["eigh", "iterations"])

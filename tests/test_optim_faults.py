@@ -247,6 +247,31 @@ def test_the_overflow_check_leaves_the_state_unchanged() -> None:
     assert_identical(snapshot(model, opt), before)
 
 
+def test_a_first_statistic_float32_eigh_cannot_diagonalise_trains_on() -> None:
+    """``examples/finetune_classification.py --evon-ess 10`` crashed on its first step with
+    "linalg.eigh: failed to converge": huge noise left most units dead, and MKL's float32 eigh fails
+    on such a finite L = G Gᵀ with many zero rows. The step goes on with L's exact eigenbasis."""
+    gen = torch.Generator().manual_seed(13)
+    g = torch.randn(384, 20, generator=gen) * torch.rand(20, generator=gen) ** 4
+    g[:200] = 0  # dead units: zero rows of the gradient, scattered
+    g = g[torch.randperm(384, generator=gen)]
+    layer = nn.Linear(20, 384, bias=False)
+    opt = EVON(layer.parameters(), ess=10.0, seed=0)
+    for _ in range(3):
+        for _ in range(opt.mc_samples):
+            with opt.sampled_params(train=True):
+                (layer.weight * g).sum().backward()  # the gradient is g whatever the sample
+        opt.step()
+        opt.zero_grad()
+    st = opt.state[layer.weight]
+    assert int(st["step"]) == 2  # the initialising step does not count
+    assert torch.isfinite(layer.weight).all()
+    q, stat = st["Q_L"].double(), st["L"].double()
+    torch.testing.assert_close(q.mT @ q, torch.eye(384, dtype=torch.float64), atol=1e-5, rtol=0)
+    evals = torch.linalg.eigvalsh(stat).flip(-1)  # descending, and a fixed L keeps its eigenbasis
+    torch.testing.assert_close(q.mT @ stat @ q, torch.diag(evals), atol=1e-5 * float(evals[0]), rtol=0)
+
+
 # ------------------------------------------------- item 6: frozen and gradient-less parameters
 def test_frozen_and_unused_parameters_stay_bit_identical() -> None:
     model, data = make_model(), make_data()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -137,9 +138,49 @@ def eigenbasis(stat: Tensor) -> Tensor:
     a rounding-level change of L (gradients averaged over ranks in another order) can flip
     them, and with them every later noise draw (as ``power_qr`` fixes its signs too).
     """
-    q = torch.linalg.eigh(stat).eigenvectors.flip(-1)
+    q = eigenvectors(stat).flip(-1)
     signs = torch.gather(q, -2, q.abs().argmax(dim=-2, keepdim=True)).sign()
     return (q * signs).contiguous()  # row-major, like reloaded state
+
+
+def eigenvectors(stat: Tensor) -> Tensor:
+    """``torch.linalg.eigh(stat).eigenvectors`` (ascending), for finite symmetric ``stat`` whose
+    eigh LAPACK may fail to converge on.
+
+    MKL's float32 ``syevd`` fails on some exactly rank-deficient statistics (a fine-tuning run's
+    first gradients with many dead units: rows of zeros); float64 converges on them, and a shift
+    ``μI`` (the same eigenvectors) is the next retry. A member neither diagonalises keeps the
+    identity, with a warning: any orthonormal basis is a valid start for the refresh's power
+    iteration, which turns it towards the eigenvectors. The retries run only after a failure.
+    """
+    try:
+        return torch.linalg.eigh(stat).eigenvectors
+    except torch.linalg.LinAlgError:
+        pass
+    wide = stat.double()
+    try:
+        return torch.linalg.eigh(wide).eigenvectors.to(stat.dtype)
+    except torch.linalg.LinAlgError:
+        pass
+    stack = wide.reshape(-1, *wide.shape[-2:])
+    eye = torch.eye(stack.shape[-1], dtype=wide.dtype, device=wide.device)
+    out, failed = [], 0
+    for member in stack:
+        shift = member.diagonal().abs().mean() * stack.shape[-1] * torch.finfo(wide.dtype).eps
+        try:
+            out.append(torch.linalg.eigh(member + shift * eye).eigenvectors)
+        except torch.linalg.LinAlgError:
+            failed += 1
+            out.append(eye)
+    if failed:
+        warnings.warn(
+            f"EVON: eigh failed to converge on {failed} of {len(out)} Shampoo statistics of shape "
+            f"{tuple(stat.shape[-2:])} (in float32, float64 and with a shift); they start from the identity "
+            "basis, which the eigenbasis refresh turns towards their eigenvectors",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return torch.stack(out).reshape(stat.shape).to(stat.dtype)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
