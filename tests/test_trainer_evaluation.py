@@ -101,6 +101,16 @@ def test_bma_every_k_evaluations_or_only_at_the_end(tmp_path, every, with_bma):
     assert "eval_bma_nll" in trainer.evaluate()  # outside train(): always
 
 
+class _EmbeddingHead(torch.nn.Module):
+    """A seeded classifier of 8-token rows (vocabulary 100): an embedding and a linear head to 3
+    logits over the flattened embeddings; a test subclasses it with the forward it calls them by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(100, 16), torch.nn.Linear(16 * 8, 3)
+
+
 class _StopsTraining(TrainerCallback):
     """Stops training at ``step``: on that step's evaluation metrics (as ``EarlyStoppingCallback``
     does, after the evaluation's passes) or at the step's end (before its evaluation)."""
@@ -804,12 +814,7 @@ def test_predict_bma_reads_labels_of_a_forward_that_names_none(tmp_path):
     reports eval_bma_* from the batch's ``labels``."""
     nn = torch.nn
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.emb, self.head = nn.Embedding(100, 16), nn.Linear(16 * 8, 3)
-
+    class Net(_EmbeddingHead):
         def forward(self, **batch):  # noqa: ANN003, ANN201
             logits = self.head(self.emb(batch["input_ids"]).flatten(1))
             out = {"logits": logits}
@@ -870,12 +875,7 @@ def test_the_evon_passes_give_the_model_what_its_forward_takes(tmp_path):
 
     nn = torch.nn
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.emb, self.head = nn.Embedding(100, 16), nn.Linear(16 * 8, 3)
-
+    class Net(_EmbeddingHead):
         def forward(self, input_ids):  # noqa: ANN001, ANN201
             return SequenceClassifierOutput(logits=self.head(self.emb(input_ids).flatten(1)))
 
