@@ -282,20 +282,31 @@ def _edit_weights(directory: Path, edit) -> Path:
     return path
 
 
+# errors in the weights file, none of them also in test_posterior.py's LOAD_ERRORS: the message
+# names the file (asserted below), the tensor and what is wrong with it
 WEIGHTS_ERRORS = {
     "missing": (lambda t, m: t.pop(f"{LORA}.Q_L"), f"tensor '{LORA}.Q_L' is missing"),
-    "dtype": (lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"].int()}), "has dtype I32"),
+    "dtype": (
+        lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"].int()}),
+        f"tensor '{LORA}.hess' has dtype I32",
+    ),
     "shape": (
         lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"][:, :3].contiguous()}),
-        "has shape [4, 3]",
+        f"tensor '{LORA}.hess' has shape [4, 3]; expected [4, 6]",
     ),
     "undeclared": (
         lambda t, m: t.update({"x.hess": torch.ones(1)}),
-        "holds tensors the config does not declare",
+        "holds tensors the config does not declare: ['x.hess']",
     ),
-    "non-finite": (lambda t, m: t[f"{LORA}.hess"].view(-1)[0].fill_(float("nan")), "has non-finite values"),
-    "non-positive": (lambda t, m: t[f"{LORA}.hess"].view(-1)[0].fill_(-1.0), "has non-positive hess"),
-    "not orthonormal": (lambda t, m: t[f"{LORA}.Q_R"].mul_(1.1), "is not orthonormal"),
+    "non-finite": (
+        lambda t, m: t[f"{LORA}.hess"].view(-1)[0].fill_(float("nan")),
+        f"tensor '{LORA}.hess' has non-finite values",
+    ),
+    "non-positive": (
+        lambda t, m: t[f"{LORA}.hess"].view(-1)[0].fill_(-1.0),
+        f"tensor '{LORA}.hess' has non-positive hess",
+    ),
+    "not orthonormal": (lambda t, m: t[f"{LORA}.Q_R"].mul_(1.1), f"tensor '{LORA}.Q_R' is not orthonormal"),
     "other save": (
         lambda t, m: m.update(checkpoint_id="0" * 32),
         f"(checkpoint {'0' * 32}) and",
@@ -464,6 +475,29 @@ def _which(directory: Path, old: dict, new: dict) -> str:
     return which[0]
 
 
+def _at_every_kill_point(
+    monkeypatch, tmp_path: Path, pristine: Path, save, check, interrupt: bool = False
+) -> list:
+    """``save`` run on copies of ``pristine``: once whole (into ``tmp_path / "count"``) to count its
+    file-system calls, then once per call k on a fresh copy, killed (``interrupt``: Ctrl-C) right
+    after call k. Returns what ``check(copy, call)`` gives per k, ``call`` naming call k."""
+    with monkeypatch.context() as patch:
+        calls = _kill_after(patch, None)
+        shutil.copytree(pristine, tmp_path / "count")
+        calls.clear()
+        save(tmp_path / "count")
+    seen = []
+    for k in range(1, len(calls) + 1):
+        target = tmp_path / f"kill{k}"
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _kill_after(patch, k, interrupt=interrupt)
+            with pytest.raises(KeyboardInterrupt if interrupt else _Killed):
+                save(target)
+        seen.append(check(target, f"call {k} ({calls[k - 1]})"))
+    return seen
+
+
 class _FakeTrainer:
     """What ``CheckpointingMixin._copy_posterior_for_push`` uses of a trainer."""
 
@@ -495,21 +529,8 @@ def test_a_push_from_a_checkpoint_killed_midway_leaves_a_posterior_that_loads(tm
     def push(directory: Path) -> None:
         CheckpointingMixin._copy_posterior_for_push(_FakeTrainer(directory), str(checkpoint))
 
-    with monkeypatch.context() as patch:
-        calls = _kill_after(patch, None)
-        shutil.copytree(pristine, tmp_path / "count")
-        calls.clear()
-        push(tmp_path / "count")
+    seen = _at_every_kill_point(monkeypatch, tmp_path, pristine, push, lambda d, call: _which(d, old, new))
     assert _which(tmp_path / "count", old, new) == "new"
-    seen = []
-    for k in range(1, len(calls) + 1):
-        target = tmp_path / f"kill{k}"
-        shutil.copytree(pristine, target)
-        with monkeypatch.context() as patch:
-            _kill_after(patch, k)
-            with pytest.raises(_Killed):
-                push(target)
-        seen.append(_which(target, old, new))
     assert seen[0] == "old" and seen[-1] == "new", seen
     assert seen == sorted(seen, key=lambda w: w == "new"), seen
 
@@ -521,20 +542,14 @@ def test_a_save_interrupted_anywhere_leaves_the_old_posterior_or_the_new(tmp_pat
     old, new = old_post.to_tensors(), new_post.to_tensors()
     pristine = tmp_path / "pristine"
     old_post.save_pretrained(pristine, model_card=False)
-    with monkeypatch.context() as patch:
-        calls = _kill_after(patch, None)
-        shutil.copytree(pristine, tmp_path / "count")
-        calls.clear()
-        new_post.save_pretrained(tmp_path / "count", model_card=False)
-    seen = []
-    for k in range(1, len(calls) + 1):
-        target = tmp_path / f"interrupt{k}"
-        shutil.copytree(pristine, target)
-        with monkeypatch.context() as patch:
-            _kill_after(patch, k, interrupt=True)
-            with pytest.raises(KeyboardInterrupt):
-                new_post.save_pretrained(target, model_card=False)
-        seen.append(_which(target, old, new))
+    seen = _at_every_kill_point(
+        monkeypatch,
+        tmp_path,
+        pristine,
+        lambda d: new_post.save_pretrained(d, model_card=False),
+        lambda d, call: _which(d, old, new),
+        interrupt=True,
+    )
     assert seen[0] == "old" and seen[-1] == "new", seen
     assert seen == sorted(seen, key=lambda w: w == "new"), seen
 
@@ -933,25 +948,15 @@ def test_a_save_killed_anywhere_leaves_no_card_of_another_posterior(tmp_path, mo
         else:
             CheckpointingMixin._copy_posterior_for_push(_FakeTrainer(directory), str(checkpoint))
 
-    with monkeypatch.context() as patch:
-        calls = _kill_after(patch, None)
-        shutil.copytree(pristine, tmp_path / "count")
-        calls.clear()
-        save(tmp_path / "count")
-    seen = []
-    for k in range(1, len(calls) + 1):
-        target = tmp_path / f"kill{k}"
-        shutil.copytree(pristine, target)
-        with monkeypatch.context() as patch:
-            _kill_after(patch, k)
-            with pytest.raises(_Killed):
-                save(target)
-        ess = EVONPosterior.from_pretrained(target).ess
-        card = (target / "README.md").read_text()
-        assert "The user's notes." in card and card.count(SECTION_START) == 1, (k, calls[k - 1])
+    def card_of(directory: Path, call: str) -> tuple[float, list[str]]:
+        ess = EVONPosterior.from_pretrained(directory).ess
+        card = (directory / "README.md").read_text()
+        assert "The user's notes." in card and card.count(SECTION_START) == 1, call
         rows = _ESS_ROW.findall(card)
-        assert rows in ([], [f"{ess:g}"]), (k, calls[k - 1], ess, rows)
-        seen.append((ess, rows))
+        assert rows in ([], [f"{ess:g}"]), (call, ess, rows)
+        return ess, rows
+
+    seen = _at_every_kill_point(monkeypatch, tmp_path, pristine, save, card_of)
     assert seen[0] == (200.0, ["200"]) and seen[-1] == (500.0, ["500"]), seen
     assert (500.0, []) in seen  # the section is retracted before the switch, rewritten after it
     assert _ESS_ROW.findall((tmp_path / "count" / "README.md").read_text()) == ["500"]
