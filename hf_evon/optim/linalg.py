@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from hf_evon.optim.checks import outside_stacklevel
+
 Tensor = torch.Tensor
 
 # Muon's quintic Newton–Schulz coefficients (5 iterations drive singular values to ~1).
@@ -143,42 +145,47 @@ def eigenbasis(stat: Tensor) -> Tensor:
     return (q * signs).contiguous()  # row-major, like reloaded state
 
 
-def eigenvectors(stat: Tensor) -> Tensor:
-    """``torch.linalg.eigh(stat).eigenvectors`` (ascending), for finite symmetric ``stat`` whose
-    eigh LAPACK may fail to converge on.
+def converged_eigenvectors(stat: Tensor) -> Tensor | None:
+    """``torch.linalg.eigh(stat).eigenvectors``, or None where LAPACK failed: it raised, or (MKL's
+    float32 ``syevd`` does both) returned NaN without raising. One host sync (the check)."""
+    try:
+        q = torch.linalg.eigh(stat).eigenvectors
+    except torch.linalg.LinAlgError:
+        return None
+    return q if bool(torch.isfinite(q).all()) else None
 
-    MKL's float32 ``syevd`` fails on some exactly rank-deficient statistics (a fine-tuning run's
-    first gradients with many dead units: rows of zeros); float64 converges on them, and a shift
-    ``μI`` (the same eigenvectors) is the next retry. A member neither diagonalises keeps the
-    identity, with a warning: any orthonormal basis is a valid start for the refresh's power
-    iteration, which turns it towards the eigenvectors. The retries run only after a failure.
+
+def eigenvectors(stat: Tensor) -> Tensor:
+    """``torch.linalg.eigh(stat).eigenvectors`` (ascending) for finite symmetric ``stat``, also where
+    LAPACK fails to converge on it.
+
+    MKL's float32 ``syevd`` fails (raises, or returns NaN) on some exactly rank-deficient
+    statistics (a fine-tuning run's first gradients with many dead units: rows of zeros); float64
+    converges on them, and a shift ``μI`` (the same eigenvectors) is the next retry. A member none
+    diagonalises keeps the identity, with a warning: any orthonormal basis is a valid start for the
+    refresh's power iteration, which turns it towards the eigenvectors. The retries run only after
+    a failure; the check costs the bucket's initialising step one host sync, none later.
     """
-    try:
-        return torch.linalg.eigh(stat).eigenvectors
-    except torch.linalg.LinAlgError:
-        pass
+    if (q := converged_eigenvectors(stat)) is not None:
+        return q
     wide = stat.double()
-    try:
-        return torch.linalg.eigh(wide).eigenvectors.to(stat.dtype)
-    except torch.linalg.LinAlgError:
-        pass
+    if (q := converged_eigenvectors(wide)) is not None:
+        return q.to(stat.dtype)
     stack = wide.reshape(-1, *wide.shape[-2:])
     eye = torch.eye(stack.shape[-1], dtype=wide.dtype, device=wide.device)
     out, failed = [], 0
     for member in stack:
         shift = member.diagonal().abs().mean() * stack.shape[-1] * torch.finfo(wide.dtype).eps
-        try:
-            out.append(torch.linalg.eigh(member + shift * eye).eigenvectors)
-        except torch.linalg.LinAlgError:
-            failed += 1
-            out.append(eye)
+        q = converged_eigenvectors(member + shift * eye)
+        failed += q is None
+        out.append(eye if q is None else q)
     if failed:
         warnings.warn(
             f"EVON: eigh failed to converge on {failed} of {len(out)} Shampoo statistics of shape "
             f"{tuple(stat.shape[-2:])} (in float32, float64 and with a shift); they start from the identity "
             "basis, which the eigenbasis refresh turns towards their eigenvectors",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=outside_stacklevel(),
         )
     return torch.stack(out).reshape(stat.shape).to(stat.dtype)
 
