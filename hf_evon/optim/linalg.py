@@ -292,8 +292,11 @@ def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7, scale: float = 1
     # squares summed in float64: in float32 they overflow once an entry passes ~1.8e19
     norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True, dtype=torch.float64).to(y.dtype)
     y = y / (norm + eps)
+    spectral = None
     if steps > 0 and y.device.type == "cpu" and y.dtype in _EIGH_DTYPES and eigh_beats_iterations(*y.shape[-2:]):
-        y = _quintic_on_gram_spectrum(y, norm, steps, scale)
+        spectral = _quintic_on_gram_spectrum(y, norm, steps, scale)
+    if spectral is not None:
+        y = spectral
     else:
         for i in range(steps):
             # a·Y + (b·YYᵀ + c·(YYᵀ)²)·Y, its scalings folded into the products (beta·C + alpha·A·B)
@@ -318,15 +321,24 @@ def eigh_beats_iterations(m: int, n: int) -> bool:
     return 3 * m * m * n + (5 + 1200 / m) * m**3 < 0.75 * 5 * (2 * m * m * n + m**3)
 
 
-def _quintic_on_gram_spectrum(y: Tensor, norm: Tensor, steps: int, scale: float) -> Tensor:
+def _quintic_on_gram_spectrum(y: Tensor, norm: Tensor, steps: int, scale: float) -> Tensor | None:
     """The quintic iteration's result for normalised wide ``y`` (B, m, n), m ≤ n, from the
     eigendecomposition Y Yᵀ = V diag(λ) Vᵀ: each iteration maps Y = V diag(σ) Wᵀ to
     V diag(σ·p(σ²)) Wᵀ with p(s) = a + b·s + c·s², so ``steps`` of them give V diag(r) Vᵀ Y with
     r = Π_k p(s_k), s_0 = λ, s_{k+1} = s_k·p(s_k)²: the same map, without square roots. A
-    non-finite ``norm`` (an inf or NaN entry) gives NaN everywhere, as the iterations do."""
+    non-finite ``norm`` (an inf or NaN entry) gives NaN everywhere, as the iterations do.
+
+    None where LAPACK fails on the (finite) Gram: MKL's float32 ``syevd`` raises or returns NaN on
+    some rank-deficient ones (an update with many zero rows); the caller then takes the iterations.
+    The check reads CPU tensors: no device sync."""
     a, b, c = _NS_COEFFS
     gram = torch.bmm(y, y.mT).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    evals, evecs = torch.linalg.eigh(gram)
+    try:
+        evals, evecs = torch.linalg.eigh(gram)
+    except torch.linalg.LinAlgError:
+        return None
+    if not bool(torch.isfinite(evals).all() and torch.isfinite(evecs).all()):
+        return None
     s = evals.clamp_(min=0.0)
     ratio = None
     for _ in range(steps):
