@@ -291,3 +291,36 @@ def test_evon_config_class_of_trls_configs_keeps_their_rates_in_a_fresh_process(
 
 def _declared_rate(base):  # noqa: ANN001, ANN202
     return {f.name: f.default for f in dataclasses.fields(base)}["learning_rate"]
+
+
+def test_the_mixin_composes_with_trl_trainers_that_take_args_third(tmp_path, corpus):
+    """TRL's DPOTrainer(model, ref_model, args), as GRPOTrainer(model, reward_funcs, args), takes its
+    arguments third: the mixin passed ``args`` on second, so ``EVONDPOTrainer(model=..., ref_model=...,
+    args=...)`` raised "multiple values for argument 'ref_model'" (and without ref_model, the config
+    became the reference model). ``args`` and ``model`` are found by name in the subclass's order."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_evon.trainer import EVONTrainerMixin
+
+    class EVONDPOTrainer(EVONTrainerMixin, DPOTrainer):
+        config_class = evon_config_class(DPOConfig)
+
+    tokenizer, train, _ = corpus
+    texts = train["text"][:8]
+    pairs = Dataset.from_dict(
+        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
+    )
+    args = EVONDPOTrainer.config_class(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=2, per_device_train_batch_size=4,
+        max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", evon_ess=1e3,
+        learning_rate=1e-3,  # DPO's own 1e-6 barely moves a float32 weight; EVON's first step moves none
+    )  # fmt: skip
+    model, reference = tiny_gpt2(tokenizer), tiny_gpt2(tokenizer)
+    by_name = EVONDPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer)
+    assert by_name.args is args and by_name.ref_model is reference and by_name.model is model
+    by_place = EVONDPOTrainer(model, reference, args, train_dataset=pairs, processing_class=tokenizer)
+    assert by_place.args is args and by_place.ref_model is reference and by_place.model is model
+    before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    by_place.train()
+    assert isinstance(by_place.evon_optimizer, EVON)
+    assert not torch.equal(model.transformer.h[0].attn.c_attn.weight.detach(), before)

@@ -6,14 +6,16 @@ any ``Trainer`` subclass; :func:`converted_config` turns plain arguments into it
 
 import copy
 import copyreg
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
 
-__all__ = ["converted_config", "evon_config_class", "register_evon_config"]
+__all__ = ["TrainerCall", "converted_config", "evon_config_class", "register_evon_config"]
 
 _COMBINED: dict[type, type] = {}
 
@@ -111,3 +113,32 @@ def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONC
     if metric.endswith(_LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
         values["greater_is_better"] = None
     return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})
+
+
+class TrainerCall:
+    """A call's arguments to a ``Trainer`` subclass's ``__init__``, read and replaced by name wherever
+    they stand: TRL's ``DPOTrainer(model, ref_model, args)`` and ``GRPOTrainer(model, reward_funcs,
+    args)`` take ``args`` third. An ``__init__`` that names no ``args`` (``*args, **kwargs``) passes
+    its arguments on to ``Trainer``, whose order then holds."""
+
+    def __init__(self, init: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        params = inspect.signature(init).parameters.values()
+        self.names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not any(p.name == "args" and p.kind is not p.VAR_POSITIONAL for p in params):
+            self.names = list(inspect.signature(Trainer).parameters)
+        self.args, self.kwargs = list(args), dict(kwargs)
+
+    def _position(self, name: str) -> int | None:
+        index = self.names.index(name) if name in self.names else len(self.args)
+        return index if index < len(self.args) else None
+
+    def get(self, name: str) -> Any:
+        index = self._position(name)
+        return self.kwargs.get(name) if index is None else self.args[index]
+
+    def set(self, name: str, value: Any) -> None:
+        index = self._position(name)
+        if index is None:
+            self.kwargs[name] = value
+        else:
+            self.args[index] = value

@@ -109,7 +109,7 @@ from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.checkpointing import CheckpointingMixin
-from hf_evon.trainer.combined import converted_config, evon_config_class
+from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class
 from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
 from hf_evon.trainer.internals import TrainerInternals
@@ -170,25 +170,20 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
     config_class: type[EVONConfig] = EVONConfig
 
     def __init__(
-        self,
-        model: nn.Module | None = None,
-        args: TrainingArguments | None = None,
-        *trainer_args: Any,
-        peft_config: Any = None,
-        posterior: Any = None,
-        calibration_dataset: Any = None,
+        self, *trainer_args: Any, peft_config: Any = None, posterior: Any = None, calibration_dataset: Any = None,
         **kwargs: Any,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if not hasattr(self, "loss_is_scaled_for_ga"):  # the Trainer's switch, from transformers 5.19 on
             raise ImportError(f"{type(self).__name__} needs transformers >= 5.19; found {transformers.__version__}")
-        args = self._evon_arguments(args)
-        init = inspect.signature(super().__init__)
-        given_eval = init.bind_partial(model, args, *trainer_args, **kwargs).arguments.get("eval_dataset")
-        if peft_config is not None and "peft_config" in init.parameters:
-            kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
+        # by name, in the subclass's order: TRL's DPOTrainer(model, ref_model, args) takes args third
+        call = TrainerCall(super().__init__, trainer_args, kwargs)
+        call.set("args", args := self._evon_arguments(call.get("args")))
+        given_eval = call.get("eval_dataset")
+        if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
+            call.kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
         elif peft_config is not None:
-            model = self._wrap_peft(model, args, peft_config)
-        super().__init__(model, args, *trainer_args, **kwargs)
+            call.set("model", self._wrap_peft(call.get("model"), args, peft_config))
+        super().__init__(*call.args, **call.kwargs)
         # the eval set as given beside the one kept: TRL's trainers keep it prepared anew, another object
         self._evon_eval_given = (given_eval, self.eval_dataset)
         self._refuse_eval_set(calibration_dataset, "calibration_dataset")
