@@ -7,7 +7,6 @@ parameters, rows split unevenly over the ranks), each rank on its own prompts.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import fsdp2_worker as worker
@@ -36,18 +35,9 @@ def model() -> GPT2LMHeadModel:
 def posterior(net: torch.nn.Module) -> EVONPosterior:
     """Factors (random orthonormal bases, float64) for every matrix but the position embedding,
     the tied wte / lm_head included (an embedding and a linear owner of one parameter)."""
-    gen = torch.Generator().manual_seed(0)
-
-    def basis(k: int) -> torch.Tensor:
-        return torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))[0]
-
-    factors = {}
-    for name, p in net.named_parameters():
-        if p.dim() == 2 and name != "transformer.wpe.weight":
-            m, n = p.shape
-            hess = torch.rand(m, n, generator=gen, dtype=torch.float64) + 0.5
-            factors[name] = MatrixFactors(basis(m), basis(n), hess, (m, n), (m, n), 30.0, 1e-3)
-    return EVONPosterior.from_factors(factors)
+    shapes = {name: tuple(p.shape) for name, p in net.named_parameters() if p.dim() == 2}
+    del shapes["transformer.wpe.weight"]
+    return worker.random_posterior(shapes, 30.0)
 
 
 def prompts(rank: int) -> torch.Tensor:
@@ -163,12 +153,10 @@ def main(out: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the test
         result["mixed_precision"] = f"{type(err).__name__}: {err}"
     result["after"] = worker.full_weights(net)  # the root's stay gathered after a forward (FSDP2's way)
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    finish()  # exits here: no process-group destructor runs (launcher.finish)
+    save_and_finish(result, out, rank)  # exits here: no process-group destructor runs (launcher.finish)
 
 
-from launcher import finish  # noqa: E402
+from launcher import finish, save_and_finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])

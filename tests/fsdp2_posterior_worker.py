@@ -9,7 +9,6 @@ needed: ``tests/test_fsdp2.py`` compares with the same posterior sampled into th
 
 from __future__ import annotations
 
-import os
 import sys
 
 import fsdp2_worker as worker
@@ -17,27 +16,14 @@ import torch
 import torch.distributed as dist
 
 from hf_evon import EVONPosterior
-from hf_evon.posterior.gaussian import MatrixFactors
 
 SEED = 3
 
 
 def posterior() -> EVONPosterior:
     """Factors for every EVON-shaped matrix of ``worker.Net`` (7×7), float64, reproducible."""
-    gen = torch.Generator().manual_seed(0)
     dim = worker.DIM
-
-    def basis() -> torch.Tensor:
-        return torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))[0]
-
-    factors = {
-        f"layers.{i}.weight": MatrixFactors(
-            basis(), basis(), torch.rand(dim, dim, generator=gen, dtype=torch.float64) + 0.5,
-            (dim, dim), (dim, dim), 50.0, 1e-3,
-        )  # fmt: skip
-        for i in range(worker.DEPTH)
-    }
-    return EVONPosterior.from_factors(factors)
+    return worker.random_posterior({f"layers.{i}.weight": (dim, dim) for i in range(worker.DEPTH)}, 50.0)
 
 
 def largest_tensor(fn) -> int:
@@ -86,12 +72,10 @@ def main(out: str) -> None:
         result["error"] = f"{type(err).__name__}: {err}"
     result["seed_none"] = worker.expect_error(lambda: posterior().sampled(model).__enter__())
     result["after_seed_none"] = worker.full_weights(model)
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    finish()  # exits here: no process-group destructor runs (launcher.finish)
+    save_and_finish(result, out, rank)  # exits here: no process-group destructor runs (launcher.finish)
 
 
-from launcher import finish  # noqa: E402
+from launcher import finish, save_and_finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -28,7 +28,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharded_trainer_worker as base  # noqa: E402
@@ -93,7 +92,7 @@ def refused(out: str, rank: int) -> None:
         f.write(msg)
 
 
-def train(out: str, world: int, rank: int, mode: str) -> None:
+def train(out: str, world: int, rank: int, mode: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     from hf_evon.distributed.fsdp2 import FSDP2Sharding
@@ -130,25 +129,24 @@ def train(out: str, world: int, rank: int, mode: str) -> None:
             result["resumed_skipped"] = again.evon_optimizer.skipped_steps
         except Exception as err:  # noqa: BLE001 - the test checks the type and message
             result["resume"] = f"{type(err).__name__}: {err}"
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    return result
 
 
 def main(out: str, mode: str) -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    result = None
     if mode == "refused":
         refused(out, rank)
     else:
         if mode == "fsdp2":
             enable_fsdp_on_cpu()
-        train(out, world, rank, mode)
-    if dist.is_initialized():
-        dist.barrier()
-        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
+        result = train(out, world, rank, mode)
+    save_and_finish(result, out, rank)  # exits here: no DDP or process-group destructor runs
 
 
-from launcher import finish  # noqa: E402
+from launcher import finish, save_and_finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])

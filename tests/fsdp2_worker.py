@@ -21,6 +21,7 @@ from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, check_ranks_in_sync, prepare_distributed
 from hf_evon.distributed.sharding import optimizer_state_bytes
+from hf_evon.posterior.gaussian import MatrixFactors
 
 STEPS, RESUME_AT, GLOBAL_BATCH, VOCAB, DIM, DEPTH = 5, 3, 12, 11, 7, 5
 HP = dict(seed=11, mc_samples=2, precondition_frequency=2, adamw_lr=1e-2)
@@ -77,6 +78,22 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         t = p.detach()
         out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
     return out
+
+
+def random_posterior(shapes: dict[str, tuple[int, int]], ess: float) -> EVONPosterior:
+    """Factors for the ``(m, n)`` matrices ``shapes`` names: random orthonormal bases and a
+    curvature in [0.5, 1.5), float64, reproducible (one generator, seed 0, drawn in ``shapes``'
+    order), weight decay 1e-3: a posterior given without training."""
+    gen = torch.Generator().manual_seed(0)
+
+    def basis(k: int) -> torch.Tensor:
+        return torch.linalg.qr(torch.randn(k, k, generator=gen, dtype=torch.float64))[0]
+
+    factors = {}
+    for name, (m, n) in shapes.items():
+        q_l, q_r, hess = basis(m), basis(n), torch.rand(m, n, generator=gen, dtype=torch.float64) + 0.5
+        factors[name] = MatrixFactors(q_l, q_r, hess, (m, n), (m, n), ess, 1e-3)
+    return EVONPosterior.from_factors(factors)
 
 
 def make(mesh=None, **hp):
@@ -273,12 +290,10 @@ def main(out: str) -> None:
             result["refusals"] = refusals(mesh, world)
         except Exception:  # noqa: BLE001 - reported to the test
             result["refusals_crash"] = traceback.format_exc()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
+    save_and_finish(result, out, rank)  # exits here: no DDP or process-group destructor runs
 
 
-from launcher import finish  # noqa: E402
+from launcher import finish, save_and_finish  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1])

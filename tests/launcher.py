@@ -83,3 +83,16 @@ def finish() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def save_and_finish(result: dict | None, out: str, rank: int) -> None:
+    """A worker's closing tail: save ``result`` (unless None) as ``out/rank{rank}.pt``, the file
+    :func:`rank_results` loads, wait for every rank (where a process group is up: no rank may exit
+    while another still needs it), then :func:`finish`."""
+    import torch.distributed as dist
+
+    if result is not None:
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+    finish()
