@@ -44,6 +44,19 @@ def load_script(path: str | Path, name: str | None = None) -> types.ModuleType:
     return module
 
 
+def argument_error(call, argv: list[str], capsys) -> str:
+    """argparse's error line (``prog: error: message``, below the usage, which lists every flag)
+    that ``call(argv)`` prints when it exits with argparse's status 2; another status or an
+    exception fails the test."""
+    with pytest.raises(SystemExit) as exit_:
+        call(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    error = err.strip().splitlines()[-1]
+    assert ": error: " in error, err
+    return error
+
+
 def plain_evon(**overrides):
     """``PLAIN_EVON`` updated by ``overrides`` (keyword arguments of ``EVON``/``build_optimizer``)."""
     return {**PLAIN_EVON, **overrides}

