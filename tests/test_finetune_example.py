@@ -132,7 +132,7 @@ def test_integer_labels_that_do_not_start_at_0_are_numbered_from_it(example, tmp
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--evon-ess", "1e5"], "--evon-ess = 0.0 is invalid: Invalid ess"),
+    (["--evon-ess", "0"], "--evon-ess = 0.0 is invalid: Invalid ess"),
     (["--evon-clip-radius", "-1"], "--evon-clip-radius = -1.0 is invalid: Invalid clip_radius"),
     (["--evon-hess-init", "-1"], "--evon-hess-init = -1.0 is invalid: Invalid hess_init"),
     (["--max-precond-dim", "0"], "--max-precond-dim = 0 is invalid: Invalid max_precond_dim"),
