@@ -324,3 +324,35 @@ def test_the_mixin_composes_with_trl_trainers_that_take_args_third(tmp_path, cor
     by_place.train()
     assert isinstance(by_place.evon_optimizer, EVON)
     assert not torch.equal(model.transformer.h[0].attn.c_attn.weight.detach(), before)
+
+
+def test_plain_trl_configs_whose_post_init_derives_fields_are_converted(tmp_path):
+    """GRPOConfig's (and RLOOConfig's) __post_init__ derives generation_batch_size from
+    steps_per_generation (or the other way round) and refuses both given: converting a plain one
+    rebuilt it from all its values and raised "'generation_batch_size' and 'steps_per_generation'
+    can not be both configured". Every field keeps the plain config's value, the EVON fields their
+    defaults, and EVONConfig's checks and choices still apply."""
+    from dataclasses import MISSING, fields
+
+    from hf_evon.trainer.combined import converted_config
+
+    kw = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    for base in (trl.GRPOConfig, trl.RLOOConfig, trl.SFTConfig):
+        plain = base(**kw, per_device_train_batch_size=4, steps_per_generation=2) if base is not trl.SFTConfig else base(**kw)
+        target = evon_config_class(base)
+        converted = converted_config(plain, target)
+        assert type(converted) is target
+        assert {f.name: getattr(converted, f.name) for f in fields(base)} == {
+            f.name: getattr(plain, f.name) for f in fields(base)
+        }, base.__name__
+        evon_only = [f for f in fields(target) if f.name not in {g.name for g in fields(base)}]
+        assert evon_only and all(
+            getattr(converted, f.name) == (f.default if f.default_factory is MISSING else f.default_factory())
+            for f in evon_only
+        )
+    ranked = converted_config(trl.SFTConfig(**kw, metric_for_best_model="eval_bma_nll"), EVONSFTConfig)
+    assert ranked.greater_is_better is False  # EVONConfig's choice for a lower-is-better metric
+    half = trl.SFTConfig(**kw)
+    half.fp16 = True  # set after its checks (fp16 needs a GPU): EVONConfig's refusal still holds
+    with pytest.raises(ValueError, match=r"EVONConfig\.fp16 = True is not supported"):
+        converted_config(half, EVONSFTConfig)

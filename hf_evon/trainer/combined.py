@@ -8,7 +8,7 @@ import copy
 import copyreg
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
 from transformers import Trainer, TrainingArguments
@@ -101,18 +101,28 @@ def _unpickled(base: type[TrainingArguments], state: dict[str, Any]) -> EVONConf
 def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONConfig:
     """Plain ``args`` as ``target`` (:func:`evon_config_class`), the EVON fields at their defaults.
 
+    Every field of ``args`` keeps its value as ``args``' own ``__post_init__`` left it, not built
+    again from those values: a post-init may derive fields and refuse them given together (TRL's
+    ``GRPOConfig``: ``generation_batch_size`` from ``steps_per_generation``). ``EVONConfig``'s own
+    checks and choices then apply, as when it is built.
+
     A lower-is-better metric (``*_nll``, ``*_ece``, ...) whose ``greater_is_better`` is the one
-    ``TrainingArguments`` set by itself (True for any name not ending in "loss") is left to
-    ``EVONConfig`` (False): kept, it would load the worst checkpoint as the best. A user who set
-    True by hand cannot be told apart from the default, and gets ``EVONConfig``'s choice.
+    ``TrainingArguments`` set by itself (True for any name not ending in "loss") is given
+    ``EVONConfig``'s choice (False): kept, it would load the worst checkpoint as the best. A user
+    who set True by hand cannot be told apart from the default, and gets ``EVONConfig``'s choice.
     """
-    values = {k: v for k, v in args.to_dict().items() if not k.startswith("_")}
-    # to_dict() masks every *_token field (hub_token, and e.g. TRL's eos_token/pad_token)
-    values.update({k: getattr(args, k) for k in values if k.endswith("_token")})
+    config = target.__new__(target)
+    # its own lists and dicts (report_to, fsdp_config, ...), as a config built from the values has
+    vars(config).update({k: copy.deepcopy(v) if isinstance(v, list | dict) else v for k, v in vars(args).items()})
+    for f in fields(target):
+        if f.name not in vars(args):  # an EVON field
+            setattr(config, f.name, f.default if f.default_factory is MISSING else f.default_factory())
     metric = args.metric_for_best_model or ""
     if metric.endswith(_LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
-        values["greater_is_better"] = None
-    return target(**{k: v for k, v in values.items() if k in target.__dataclass_fields__})
+        config.greater_is_better = False
+    config._refuse_fp16()
+    config._finish_evon_fields()
+    return config
 
 
 class TrainerCall:

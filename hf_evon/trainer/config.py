@@ -362,15 +362,22 @@ class EVONConfig(TrainingArguments):
     }
 
     def __post_init__(self) -> None:
-        if self.fp16:  # before TrainingArguments' own checks, so this is the error users see
+        self._refuse_fp16()  # before TrainingArguments' own checks, so this is the error users see
+        if self.greater_is_better is None and (self.metric_for_best_model or "").endswith(_LOWER_IS_BETTER):
+            self.greater_is_better = False  # transformers' default knows only that a "...loss" falls
+        super().__post_init__()
+        self._finish_evon_fields()
+
+    def _refuse_fp16(self) -> None:
+        if self.fp16:
             raise ValueError(
                 "EVONConfig.fp16 = True is not supported: fp16 needs loss scaling (GradScaler), and EVON "
                 "records its Hessian estimate G°⊙E from the scaled gradients; use bf16=True (no scaling) "
                 "or float32"
             )
-        if self.greater_is_better is None and (self.metric_for_best_model or "").endswith(_LOWER_IS_BETTER):
-            self.greater_is_better = False  # transformers' default knows only that a "...loss" falls
-        super().__post_init__()
+
+    def _finish_evon_fields(self) -> None:
+        """What ``__post_init__`` does after ``TrainingArguments``': the EVON fields' values and checks."""
         self._parse_command_line_values()
         self._check_with_evon()
         self._check_trainer_fields()
