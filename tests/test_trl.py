@@ -356,3 +356,33 @@ def test_plain_trl_configs_whose_post_init_derives_fields_are_converted(tmp_path
     half.fp16 = True  # set after its checks (fp16 needs a GPU): EVONConfig's refusal still holds
     with pytest.raises(ValueError, match=r"EVONConfig\.fp16 = True is not supported"):
         converted_config(half, EVONSFTConfig)
+
+
+def test_evon_mc_samples_above_one_is_refused_for_trl_trainers_that_buffer_generations(tmp_path, corpus):
+    """GRPOTrainer (RLOO, Distillation) advances its generation buffer at each training_step call,
+    and EVON runs training_step once per posterior sample: with evon_mc_samples=2 each sample of a
+    micro-batch trained on other completions and generation ran twice as often, silently. Refused
+    when the trainer is made; one sample per micro-batch trains as GRPO does."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_evon.trainer import EVONTrainerMixin
+
+    class EVONGRPOTrainer(EVONTrainerMixin, GRPOTrainer):
+        config_class = evon_config_class(GRPOConfig)
+
+    tokenizer, train, _ = corpus
+    prompts = Dataset.from_dict({"prompt": [t[:20] for t in train["text"][:8]]})
+
+    def make(samples: int) -> EVONGRPOTrainer:
+        args = EVONGRPOTrainer.config_class(
+            output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4,
+            num_generations=4, max_completion_length=8, gradient_checkpointing=False, evon_mc_samples=samples,
+        )  # fmt: skip
+        return EVONGRPOTrainer(
+            model=tiny_gpt2(tokenizer), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            args=args, train_dataset=prompts, processing_class=tokenizer,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"evon_mc_samples = 2 .*EVONGRPOTrainer"):
+        make(2)
+    assert make(1).args.evon_mc_samples == 1
