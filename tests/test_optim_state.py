@@ -1067,3 +1067,55 @@ def test_a_state_dict_whose_bases_one_stacked_state_cannot_hold_is_refused_namin
         (a2.sum() ** 2 + b2.sum()).backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in (a2, b2))
+
+
+# ------------------------------------------------------ a group's parameter list edited in place
+def _two_matrix_steps(opt: EVON, a: nn.Parameter, b: nn.Parameter, uses_b: list[bool]) -> None:
+    x = torch.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    for use in uses_b:
+        with opt.sampled_params(train=True):
+            h = x @ a.T
+            ((h @ b.T if use else h).tanh().square().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_parameter_appended_to_an_evon_groups_list_is_trained() -> None:
+    """As torch.optim does, a parameter appended to ``param_groups[i]["params"]`` trains from its first
+    gradient, exactly as a member of the group that had no gradient until then. Before, the buckets
+    built at the first step never saw it: it got gradients and stayed unchanged."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3, 3))
+    ref_a, ref_b = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
+    b0 = b.detach().clone()
+    settings = plain_evon(ess=math.inf, weight_decay=0.0, lr=0.1)
+    opt, ref = EVON([a], **settings), EVON([ref_a, ref_b], **settings)
+    _two_matrix_steps(opt, a, b, [False, False])
+    _two_matrix_steps(ref, ref_a, ref_b, [False, False])
+    opt.param_groups[0]["params"].append(b)
+    _two_matrix_steps(opt, a, b, [True] * 4)
+    _two_matrix_steps(ref, ref_a, ref_b, [True] * 4)
+    assert not torch.equal(ref_b, b0)  # the reference trained b
+    assert torch.equal(b, ref_b) and torch.equal(a, ref_a)
+
+
+def test_a_parameter_removed_from_an_evon_groups_list_is_no_longer_updated() -> None:
+    """As in torch.optim, a parameter taken out of every group keeps its weights, though it still
+    gets gradients. Before, the buckets built at the first step kept stepping (and sampling) it."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3, 3))
+    opt = EVON([a, b], **plain_evon(ess=10.0, lr=0.1))
+    _two_matrix_steps(opt, a, b, [True] * 2)
+    del opt.param_groups[0]["params"][1]  # b
+    kept_b, kept_a = b.detach().clone(), a.detach().clone()
+    _two_matrix_steps(opt, a, b, [True] * 2)
+    assert b.grad is not None and torch.equal(b, kept_b)
+    assert not torch.equal(a, kept_a)
+    with opt.sampled_params(train=True):
+        a.sum().backward()
+    opt.param_groups[0]["params"].append(b)  # the recorded sample's Hessian numerator is stacked
+    with pytest.raises(RuntimeError, match="editing a group's params was called between"):
+        opt.step()
+    del opt.param_groups[0]["params"][1]
+    opt.step()
+    assert torch.equal(b, kept_b)

@@ -24,7 +24,7 @@ from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import AUTO_ESS, DEFAULT_INIT_STD_RATIO
 from hf_evon.optim.functional import refresh_bases as refreshed_bases
 from hf_evon.optim.functional import shampoo_statistics
-from hf_evon.optim.linalg import rotate, sample_perturbation, unrotate
+from hf_evon.optim.linalg import eigenbasis, rotate, sample_perturbation, unrotate
 
 __all__ = [
     "Bucket",
@@ -475,7 +475,7 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
 
     ``member_state(p)`` is the ``optimizer.state`` entry of bucket member ``p``."""
     device, dt = b.params[0].device, b.dtype
-    first = b.first_state = member_state(b.params[0])
+    b.first_state = member_state(b.params[0])
     # each member's counter (a state saved before they were per member holds one shared by all)
     zero = torch.zeros((), dtype=torch.float32)
     step = torch.stack([member_state(p).get("step", zero).detach().cpu().float().reshape(()) for p in b.params])
@@ -488,12 +488,24 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
     }
     for p in b.params:
         settle_member_momentum(member_state(p), momentum)
-    keys = list(fresh) + [k for k in ("L", "R", "Q_L", "Q_R") if k in first]
+    bases = [k for k in ("L", "R", "Q_L", "Q_R") if any(k in member_state(p) for p in b.params)]
+    # a member without the statistics the others have (appended to its group's params after their
+    # first step) gets what a member without a gradient at that step has: zero statistics, their
+    # eigenbasis, and the counter UNINITIALIZED, so that its own first gradient initialises them
+    late = [i for i, p in enumerate(b.params) if any(k not in member_state(p) for k in bases)]
+    if late:
+        step[late] = float(UNINITIALIZED)
+
+    def zeros(side: int) -> Tensor:
+        return torch.zeros(side, side, device=device, dtype=dt)
+
+    blank = {"L": lambda: zeros(b.m), "R": lambda: zeros(b.n)}
+    blank |= {"Q_L": lambda: eigenbasis(zeros(b.m)[None])[0], "Q_R": lambda: eigenbasis(zeros(b.n)[None])[0]}
+    keys = list(fresh) + bases
     for k in keys:
         per_param = [member_state(p).get(k) for p in b.params]
-        if any(x is None for x in per_param) and k not in fresh:
-            raise ValueError(f"EVON state {k!r} is missing for some parameters of shape {(b.m, b.n)}")
-        b.state[k] = torch.stack([fresh[k]() if x is None else x.to(device, dt) for x in per_param])
+        make = fresh[k] if k in fresh else blank[k]
+        b.state[k] = torch.stack([make() if x is None else x.to(device, dt) for x in per_param])
     # the health check's runaway watch (1: watched), saved with the state so that a resumed run
     # watches what the uninterrupted one does; a member without it is watched where its weights are
     # not all zero (a LoRA B starting at zero is watched once its noise falls below its RMS)

@@ -71,8 +71,7 @@ from hf_evon.optim.update import (
     plan_update,
 )
 from hf_evon.optim.validation import (
-    check_layout,
-    group_layout,
+    BuiltLayout,
     prepare_group,
     settle_group,
     validate_groups,
@@ -270,9 +269,10 @@ class EVON(Optimizer):
     @property
     def buckets(self) -> list[Bucket]:
         """This rank's EVON parameters, bucketed with their stacked state (built on first use)."""
-        if self._buckets and self._buckets[0].stale(self.state, self._hooks.model_param):  # torch's reset
-            if self._samples:  # optimizer.state cleared or replaced: stacked again, unless samples await
-                self._refuse_rebuild("clearing or replacing optimizer.state")
+        reset = self._buckets and self._buckets[0].stale(self.state, self._hooks.model_param)  # torch's reset
+        if reset or self._buckets is not None and self._layout.edited(self.param_groups):
+            if self._samples:  # stacked again (optimizer.state or a group's params), unless samples await
+                self._refuse_rebuild("clearing or replacing optimizer.state, or editing a group's params")
             self._buckets = None
         if self._buckets is None:
             self._bucket_index = None
@@ -302,15 +302,15 @@ class EVON(Optimizer):
         for b in built:
             stack_state(b, self._member_state)
         resolve_auto_ess(self.param_groups, self._hooks.square_sums)
-        self._layout = {id(g): group_layout(g) for g in self.param_groups}
+        self._layout = BuiltLayout(self.param_groups)
         return built
 
     def _settle_groups(self) -> None:
         """Every group valid (``validate_groups``), ``ess="auto"`` set mid-run resolved as the
-        constructor's, and none changed in what its buckets were built from (``check_layout``)."""
+        constructor's, and none changed in what its buckets were built from (``BuiltLayout.check``)."""
         validate_groups(self.param_groups, self._checked_groups)
         if self._buckets is not None:
-            check_layout(self.param_groups, self._layout)
+            self._layout.check(self.param_groups)
             resolve_auto_ess(self.param_groups, self._hooks.square_sums)
 
     def _refuse_in_sample(self, call: str) -> None:

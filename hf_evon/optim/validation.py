@@ -43,6 +43,7 @@ from hf_evon.optim.defaults import (
 
 __all__ = [
     "LAYOUT_KEYS",
+    "BuiltLayout",
     "check_layout",
     "group_layout",
     "prepare_group",
@@ -329,6 +330,29 @@ def check_layout(groups: list[dict[str, Any]], built: dict[int, tuple[Any, ...]]
                 "built its state: it fixes the group's algorithm and eigenbases. Set it when building the "
                 "optimizer (or add the parameters as a new group)"
             )
+
+
+def _evon_members(groups: list[dict[str, Any]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each EVON group (by id) with its parameters (by id), in order: whom its buckets hold."""
+    return tuple((id(g), tuple(map(id, g["params"]))) for g in groups if g.get("algorithm") == "evon")
+
+
+class BuiltLayout:
+    """What the buckets were built from: each group's layout (``LAYOUT_KEYS``), fixed once they are
+    (``check``), and the EVON groups' parameters. torch.optim lets a user edit a group's list in place
+    (``param_groups[i]["params"].append(p)``, ``del ...[j]``) and steps what it holds at each step:
+    such an edit (``edited``) rebuilds the buckets, so that an appended parameter trains and a
+    removed one no longer does."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.layouts = {id(g): group_layout(g) for g in groups}
+        self.members = _evon_members(groups)
+
+    def check(self, groups: list[dict[str, Any]]) -> None:
+        check_layout(groups, self.layouts)
+
+    def edited(self, groups: list[dict[str, Any]]) -> bool:
+        return _evon_members(groups) != self.members
 
 
 def validate_state_dict(state_dict: dict[str, Any]) -> None:
