@@ -245,6 +245,24 @@ def scenario_fsdp(accelerator, out: dict) -> None:
     out["unsupported_error_name"] = UnsupportedParallelismError.__name__
 
 
+def scenario_uneven_join(accelerator, out: dict) -> None:
+    """(g) DDP's join with uneven inputs (``model.join()``; accelerate's ``join_uneven_inputs`` is a
+    no-op on CPUs): rank 1 runs out of batches first. A joined rank shadows only DDP's collectives,
+    not EVON's step, so EVON must refuse on every rank, not hang."""
+    rank = accelerator.process_index
+
+    def uneven(shard: bool) -> None:
+        raw = tiny_gpt2()
+        model, optimizer = accelerator.prepare(raw, build_optimizer(raw, ess=100.0))
+        evon = prepare_distributed(model, optimizer, shard=shard)
+        with model.join():
+            for step in range(3 if rank == 0 else 2):
+                sampled_step(accelerator, model, optimizer, evon, micro_batches(step, 4, rank))
+
+    expect_error(out, "error_join", lambda: uneven(False))
+    expect_error(out, "error_join_sharded", lambda: uneven(True))
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
@@ -254,6 +272,7 @@ def main() -> None:
     scenario_deterministic(accelerator, out)
     scenario_misuse(accelerator, out)
     scenario_fsdp(accelerator, out)
+    scenario_uneven_join(accelerator, out)
     torch.save(out, os.path.join(out_dir, f"rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group on every rank together

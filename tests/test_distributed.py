@@ -274,6 +274,19 @@ def test_ranks_disagreeing_on_gradients_raise_instead_of_hanging(ranks: list[dic
         assert r["error_mismatch"] is not None and "disagree" in r["error_mismatch"]
 
 
+def test_ddp_join_with_uneven_inputs_is_refused_on_every_rank(ranks: list[dict]) -> None:
+    """``with model.join():`` (DDP's; ``accelerator.join_uneven_inputs(..., even_batches=False)`` on
+    GPUs), rank 1 one batch short: the joined rank's loop shadows DDP's collectives, not EVON's step,
+    so its join all-reduces paired with rank 0's step (gloo aborted: "Received data size doesn't
+    match expected size"; elsewhere rank 1 left the join while rank 0 hung in its step). Every rank
+    now refuses the first step inside the join, naming it, plain and sharded."""
+    for r in ranks:
+        for key in ("error_join", "error_join_sharded"):
+            assert r[key] is not None and r[key].startswith("RuntimeError: "), (key, r[key])
+            assert "join context" in r[key] and "throw_on_early_termination=True" in r[key], r[key]
+        assert r["error_join"] == ranks[0]["error_join"]
+
+
 def test_fsdp_is_refused(ranks: list[dict]) -> None:
     for r in ranks:
         assert (

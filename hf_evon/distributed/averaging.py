@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,8 @@ class RankAverager:
         verify_local_gradients: at the first noisy steps, check that the ranks' gradients
             differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
         optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``).
+        guard: called first at every step, before any collective (raises to refuse the step on
+            every rank alike).
     """
 
     def __init__(
@@ -70,16 +73,20 @@ class RankAverager:
         check_consistency: bool = True,
         verify_local_gradients: bool = False,
         optimizer: EVON | None = None,
+        guard: Callable[[], None] | None = None,
     ) -> None:
         self.group = group
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.check_consistency = check_consistency
         self.verify_local_gradients = verify_local_gradients
         self.optimizer = optimizer
+        self.guard = guard
         self.calls = 0  # how many times it averaged (once per optimizer step)
         self._verifications_left = 3
 
     def __call__(self, tensors: list[Tensor]) -> None:
+        if self.guard is not None:
+            self.guard()
         self.calls += 1
         world = world_size(self.group)
         if world == 1 or not tensors:

@@ -316,6 +316,25 @@ def _ddp_modules(model: nn.Module) -> list[nn.parallel.DistributedDataParallel]:
     return found
 
 
+def _refuse_uneven_join(ddps: list[nn.parallel.DistributedDataParallel]) -> None:
+    """Raise if DDP's join (``accelerator.join_uneven_inputs(..., even_batches=False)``,
+    ``model.join()``) is enabled without ``throw_on_early_termination``: a rank that runs out of
+    inputs shadows DDP's collectives only, so its join all-reduces pair with the other ranks' EVON
+    step (gloo aborts on the size mismatch, or the ranks hang). Checked at every step before any
+    collective: each rank has at least one batch, so the first step inside the join is still in
+    lockstep and every rank raises there alike."""
+    for ddp in ddps:
+        config = getattr(ddp, "_join_config", None)
+        if config is not None and config.enable and not config.throw_on_early_termination:
+            raise RuntimeError(
+                "EVON cannot train inside DDP's join context for uneven inputs (accelerator.join_uneven_inputs "
+                "with even_batches=False, or DistributedDataParallel.join()): a rank that runs out of batches "
+                "shadows DDP's communication but not EVON's step, so the ranks would hang. Give every rank the "
+                "same number of batches (accelerate's default even_batches=True, or drop_last=True), or use "
+                "join(throw_on_early_termination=True) to stop all ranks when the first runs out"
+            )
+
+
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
     """Give every rank rank 0's seed (each rank's noise stream is derived from it and its rank)."""
     seed = torch.tensor([evon.seed], dtype=torch.int64, device=device)
@@ -410,7 +429,13 @@ def prepare_distributed(
         if evon.sharding is None:
             evon.install_sharding(EVONSharding(evon, process_group))
         if world > 1:
-            evon.gradient_reducer = evon.sharding.reduce_gradients
+            reduce = evon.sharding.reduce_gradients
+
+            def guarded_reduce(tensors: list[Tensor]) -> None:
+                _refuse_uneven_join(ddps)
+                reduce(tensors)
+
+            evon.gradient_reducer = guarded_reduce
         return handle
     if evon.sharding is not None:
         raise ValueError("this EVON was prepared with shard=True already; it cannot be unsharded")
@@ -425,6 +450,7 @@ def prepare_distributed(
         # a DDP wrapper we were not given still averages -> check the first noisy steps
         verify_local_gradients=not all(id(p) in covered for p in params),
         optimizer=evon,
+        guard=(lambda: _refuse_uneven_join(ddps)) if ddps else None,
     )
     return handle
 
