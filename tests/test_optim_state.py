@@ -1119,3 +1119,37 @@ def test_a_parameter_removed_from_an_evon_groups_list_is_no_longer_updated() -> 
     del opt.param_groups[0]["params"][1]
     opt.step()
     assert torch.equal(b, kept_b)
+
+
+@pytest.mark.parametrize("reset", ["del", "assign", "clear"])
+def test_one_parameters_state_reset_restarts_it_as_a_fresh_optimizer_would(reset: str) -> None:
+    """Resetting one parameter's ``optimizer.state`` entry (as torch.optim users reset a re-initialised
+    layer's) restarts its state, as a fresh optimizer over it would. Before, only the first member
+    of a bucket was watched: the other's entry stayed empty (state_dict() saved nothing for it)
+    while the buckets stepped it with its old state."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3, 3))
+    settings = plain_evon(ess=math.inf, weight_decay=0.0, lr=0.1, precondition_frequency=2, stagger_refresh=False)
+    opt = EVON([a, b], **settings)
+    _two_matrix_steps(opt, a, b, [True] * 3)
+    if reset == "del":
+        del opt.state[b]
+    elif reset == "assign":
+        opt.state[b] = {}
+    else:
+        opt.state[b].clear()
+    fresh_b = nn.Parameter(b.detach().clone())
+    fresh = EVON([fresh_b], **settings)
+    for _ in range(4):
+        with opt.sampled_params(train=True):
+            (torch.linspace(-1.0, 1.0, 9).reshape(3, 3) @ b).tanh().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with fresh.sampled_params(train=True):
+            (torch.linspace(-1.0, 1.0, 9).reshape(3, 3) @ fresh_b).tanh().square().sum().backward()
+        fresh.step()
+        fresh.zero_grad()
+    assert torch.equal(b, fresh_b)
+    saved, fresh_saved = opt.state_dict()["state"][1], fresh.state_dict()["state"][0]
+    assert sorted(saved) == sorted(fresh_saved)
+    assert all(torch.equal(saved[k], fresh_saved[k]) for k in saved)

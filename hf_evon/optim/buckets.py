@@ -153,14 +153,19 @@ class Bucket:
     # member lists as index tensors on the state's device, built once: building one from a list is
     # a host-to-device copy, which on a GPU waits for all queued work (a sync per refresh)
     _indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = field(default_factory=dict, repr=False)
-    # the first member's ``optimizer.state`` entry, which ``stack_state`` pointed at the stacked state
-    first_state: dict[str, Any] | None = field(default=None, repr=False)
+    # the members' ``optimizer.state`` entries, which ``stack_state`` pointed at the stacked state
+    member_states: list[dict[str, Any]] | None = field(default=None, repr=False)
 
     def stale(self, state: dict[Tensor, Any], model_param: Callable[[Tensor], Tensor]) -> bool:
         """Whether the optimizer's ``state`` no longer holds the entries this bucket's state was
-        stacked into (``optimizer.state`` cleared or replaced: torch's way to reset an optimizer),
-        so that the buckets are to be stacked again from what it holds now."""
-        return self.first_state is not None and state.get(model_param(self.params[0])) is not self.first_state
+        stacked into (``optimizer.state`` cleared or replaced: torch's way to reset an optimizer; or
+        one member's entry deleted, replaced or cleared: its reset), so that the buckets are to be
+        stacked again from what it holds now (a reset member restarts as a late one)."""
+        if self.member_states is None:
+            return False
+        return any(
+            state.get(model_param(p)) is not st or "step" not in st for p, st in zip(self.params, self.member_states)
+        )
 
     @property
     def preconditioned(self) -> bool:
@@ -475,7 +480,7 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
 
     ``member_state(p)`` is the ``optimizer.state`` entry of bucket member ``p``."""
     device, dt = b.params[0].device, b.dtype
-    b.first_state = member_state(b.params[0])
+    b.member_states = [member_state(p) for p in b.params]
     # each member's counter (a state saved before they were per member holds one shared by all)
     zero = torch.zeros((), dtype=torch.float32)
     step = torch.stack([member_state(p).get("step", zero).detach().cpu().float().reshape(()) for p in b.params])
