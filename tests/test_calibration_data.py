@@ -297,3 +297,43 @@ def test_a_model_with_tuple_outputs_is_calibrated_as_with_dict_outputs(tmp_path)
         assert result.grid == reference.grid and result.nll == reference.nll
         assert result.mean_nll == reference.mean_nll and result.temperature == reference.temperature
         assert result.ess == reference.ess
+
+
+CALIBRATION_DDP_WORKER = """
+import os, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_trainer import classification_data, config, tiny_bert
+from hf_evon import EVONTrainer
+
+out = Path(sys.argv[2])
+args = config(out, max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=4, ddp_backend="gloo",
+              bma_num_samples=2, evon_ess=300.0)
+trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(48),
+                      calibration_dataset=classification_data(31, 7))
+trainer.train()
+torch.save({"calibration": vars(trainer.calibration), "posterior": trainer.current_posterior().to_tensors()},
+           out / f"rank{os.environ['RANK']}.pt")
+torch.distributed.barrier()
+from launcher import finish  # ends the worker before gloo's destructors can abort or hang it
+finish()
+"""
+
+
+def test_calibration_at_the_end_of_training_under_ddp_scores_the_whole_split_alike_on_every_rank(tmp_path) -> None:
+    """Two gloo ranks, 31 calibration examples: each rank scored only its own half of the split (16
+    targets, one of them the padding duplicate) and chose its own temperature and scale (4.76 on
+    one rank, 8.0 on the other), so the ranks' posteriors differed and rank 0's was saved. Every
+    rank now scores the whole split, each example once, and makes one choice."""
+    from pathlib import Path
+
+    from launcher import torchrun
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(CALIBRATION_DDP_WORKER)
+    torchrun(2, str(worker), str(Path(__file__).parent), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0]["calibration"]["num_targets"] == 31  # one label per example, each example once
+    assert ranks[0]["calibration"] == ranks[1]["calibration"]
+    assert all(torch.equal(ranks[0]["posterior"][k], ranks[1]["posterior"][k]) for k in ranks[0]["posterior"])

@@ -25,6 +25,19 @@ from hf_evon.modeling import peft_base_model, unwrap_model
 from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
 
+def whole_split(loader: Any) -> Any:
+    """``loader`` (an uncached one of the Trainer's, prepared by accelerate) reading the whole split
+    on every process: the calibration chooses one scale and temperature from the NLL summed over
+    the split, which each rank computes by itself, so under DDP a rank reading only its shard (and
+    the padding rows that even out the shards) would choose on its own data, unlike the others.
+    accelerate's batch sampler shard becomes a pass-through (one process, as transformers makes it
+    for a rank-aware sampler) that does not complete the last batch with the first rows."""
+    shard = getattr(loader, "batch_sampler", None)
+    if getattr(shard, "num_processes", 1) > 1 and hasattr(shard, "process_index"):
+        shard.num_processes, shard.process_index, shard.even_batches = 1, 0, False
+    return loader
+
+
 def check_calibration_batches(
     batches: Iterable[Any],
     vocab_size: int | None,
