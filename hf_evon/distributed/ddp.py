@@ -322,7 +322,9 @@ def _refuse_uneven_join(ddps: list[nn.parallel.DistributedDataParallel]) -> None
     inputs shadows DDP's collectives only, so its join all-reduces pair with the other ranks' EVON
     step (gloo aborts on the size mismatch, or the ranks hang). Checked at every step before any
     collective: each rank has at least one batch, so the first step inside the join is still in
-    lockstep and every rank raises there alike."""
+    lockstep and every rank raises there alike. It reads DDP's private ``_join_config`` (set by
+    ``join``), the one place hf-evon does; ``test_ddp_join_with_uneven_inputs_is_refused_on_every_rank``
+    pins it."""
     for ddp in ddps:
         config = getattr(ddp, "_join_config", None)
         if config is not None and config.enable and not config.throw_on_early_termination:
