@@ -553,3 +553,35 @@ def test_each_eval_datasets_metrics_share_a_row_of_mean_and_bma() -> None:
         ("a_nll", "1.5", "1.25"), ("b_nll", "2.5", "2.25"), ("nll", "0.5", "0.25"),
         ("loss", "0.75", "–"), ("xbma_y", "3", "–"),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("adapter_name", ["default", "mine"])
+def test_a_named_peft_adapters_snippet_loads_it_under_its_name_from_where_peft_saved_it(tmp_path, adapter_name):
+    """PEFT saves an adapter not named "default" in a folder of its name (``out/mine``) and the
+    posterior's tensors carry that name (``lora_A.mine.weight``). The card's snippet loaded
+    ``PeftModel.from_pretrained(base, "out")``, which finds no ``adapter_config.json`` there, and
+    would have named the adapter "default", which the posterior does not fit. Its model line now
+    loads the saved adapter under the posterior's name, and the posterior checks against it."""
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def base() -> BertForSequenceClassification:
+        torch.manual_seed(0)
+        return BertForSequenceClassification(
+            BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+        )
+
+    lora = LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query"])
+    model = get_peft_model(base(), lora, adapter_name=adapter_name)
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    line = next(s for s in snippet.splitlines() if s.startswith("model = PeftModel.from_pretrained("))
+    namespace: dict = {"PeftModel": PeftModel, "base": base()}
+    exec(compile(line, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    loaded = namespace["model"]
+    assert loaded.active_adapter == adapter_name
+    EVONPosterior.from_pretrained(tmp_path).check_model(loaded)
+    for name in posterior.names:
+        assert torch.equal(loaded.get_parameter(name), model.get_parameter(name)), name
