@@ -1295,6 +1295,26 @@ def test_a_posterior_of_an_adapter_the_forward_does_not_use_is_refused():
     post.check_model(model)
 
 
+
+def test_a_peft_posterior_given_the_model_merge_and_unload_returned_names_the_merge():
+    """``merge_and_unload()`` folds the LoRA factors' mean into the base weights and returns the plain
+    transformers model: a LoRA posterior has no factors left to sample there. The error named each
+    tensor "not a parameter of the model" and no cause; it names the merge and the way out."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), lora)
+    post = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, **plain_evon(ess=500, seed=0)), model)
+    merged = model.merge_and_unload()
+    name = "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"
+    with pytest.raises(PosteriorMismatchError, match=rf"'{re.escape(name)}' is not a parameter of the model \(.*merge_and_unload"):
+        post.check_model(merged)
+    with pytest.raises(PosteriorMismatchError, match="merge_and_unload"):
+        with post.sampled(merged, seed=0):
+            pass
+
 def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import GPT2LMHeadModel

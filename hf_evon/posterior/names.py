@@ -13,7 +13,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hf_evon.modeling import adapter_name_of
+from hf_evon.modeling import adapter_name_of, is_peft_model
 from hf_evon.optim.checks import outside_stacklevel
 
 __all__ = ["name_hint", "peft_unsaved_module", "shape_hint", "warn_peft_unsaved"]
@@ -138,6 +138,13 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
             return f" (the model has {other!r}: was the posterior built from an unwrapped model?)"
         if name.endswith("." + other):
             return f" (the model has {other!r}: pass the wrapped model, e.g. the PeftModel, the posterior was built from)"
+    if name.startswith("base_model.model.") and not is_peft_model(model):
+        # a PEFT tuner's tensor, and a model without PEFT's wrapper: most often merge_and_unload's result
+        return (
+            " (a PEFT adapter's tensor, and the model is no PeftModel: merge_and_unload() folds the adapter's "
+            "mean into the base weights and leaves no adapter tensors to sample; sample the PeftModel, "
+            "e.g. PeftModel.from_pretrained(base_model, adapter_dir), and merge a copy for deployment)"
+        )
     parts = name.split(".")
     for other in params:
         segments = other.split(".")
