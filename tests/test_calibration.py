@@ -1085,3 +1085,66 @@ def test_tempered_log_probs_are_log_softmax_at_each_temperature_and_leave_the_lo
             assert got.dtype == torch.float64
             assert torch.allclose(got[i], expected, rtol=tolerance, atol=tolerance), float((got[i] - expected).abs().max())
         assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize(
+    "case", ["unshifted", "shifted", "virtual tokens", "not contiguous", "2-D classifier", "no label"]
+)
+def test_the_scored_rows_are_found_by_index_without_copying_the_logits(case: str) -> None:
+    """``labelled_row_index`` names the rows of ``logits.reshape(-1, classes)`` that ``labelled_rows``
+    selects, in order, with the same labels: unshifted, a causal LM's shift, prompt tuning's
+    virtual tokens (the logits longer than the labels), logits that are a non-contiguous view, a
+    classifier's [batch, classes], and no scored label at all. ``tempered_log_probs`` reads the
+    rows by this index, chunk by chunk, instead of copying every scored row out of the logits
+    (twice for a shifted LM: the shifted view's reshape and the mask)."""
+    from hf_evon.predictive.logprobs import labelled_row_index, labelled_rows
+
+    gen = torch.Generator().manual_seed(1)
+    shift = case in ("shifted", "virtual tokens", "not contiguous")
+    if case == "2-D classifier":
+        logits, labels = torch.randn(7, 5, generator=gen), torch.tensor([0, 4, -100, 2, 1, -100, 3])
+    else:
+        logits = torch.randn(3, 9 if case == "virtual tokens" else 6, 11, generator=gen)
+        labels = torch.randint(0, 11, (3, 6), generator=gen)
+        labels[1, 2:4] = -100
+        if case == "no label":
+            labels[:] = -100
+        if case == "not contiguous":
+            logits = torch.randn(3, 11, 6, generator=gen).transpose(1, 2)
+    rows, target = labelled_rows(logits, labels, shift)
+    index, indexed_target = labelled_row_index(logits, labels, shift)
+    assert torch.equal(logits.reshape(-1, logits.shape[-1])[index], rows)
+    assert torch.equal(indexed_target, target) and len(index) == len(target)
+    assert len(index) == (0 if case == "no label" else int((labels[:, 1:] if shift and case != "virtual tokens" else labels).ne(-100).sum()))
+
+
+def test_tempered_log_probs_holds_a_chunk_of_the_rows_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring an LM's logits allocates nothing larger than a chunk of rows (here 2,048 entries, two
+    rows of 1,000 classes) and the per-target vectors: the scored rows are never copied out of the
+    logits whole. Before, ``labelled_rows`` copied all of them, twice for a shifted LM (the
+    shifted view's reshape, then the mask): 4 × 31 × 1,000 entries."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_evon.predictive import held_out
+
+    monkeypatch.setattr(held_out, "_CHUNK_ENTRIES", 2048)
+    logits = torch.randn(4, 32, 1000, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            inputs = [*args, *(kwargs or {}).values()]
+            read = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read:  # not a view
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    with Largest():
+        got = held_out.tempered_log_probs(logits, labels, True, [1.0, 2.0])
+    expected = torch.log_softmax(logits[:, :-1].double() / 2.0, -1).gather(-1, labels[:, 1:, None]).reshape(-1)
+    torch.testing.assert_close(got[1], expected, rtol=0, atol=FLOAT32_SCORING)
+    assert Largest.numel == 2 * 1000  # a chunk: two rows

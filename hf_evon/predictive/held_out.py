@@ -13,7 +13,7 @@ from torch import nn
 
 from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder
 from hf_evon.predictive.logprobs import (
-    labelled_rows,
+    labelled_row_index,
     require_class_labels,
     require_scorable_labels,
     shifted,
@@ -122,30 +122,36 @@ def _logits(output: Any) -> Tensor:
 
 def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures: Sequence[float]) -> Tensor:
     """log softmax(logits / T)(label) of every labelled target, per temperature: ``[T, targets]``
-    (float64). The rows are read in chunks of about ``_CHUNK_ENTRIES`` entries, each copied less its
-    rows' maxima (no exp overflows, at any T > 0) and scored at every temperature while it is in
-    cache: an LM's [targets, vocabulary] rows cost one exp per entry and temperature, and two chunks
-    of memory. The exps run in the logits' precision, float32 at least (float64 logits: float64):
+    (float64). The scored rows are read by index (never copied out of the logits whole) in chunks of
+    about ``_CHUNK_ENTRIES`` entries, each less its rows' maxima (no exp overflows, at any T > 0) and
+    scored at every temperature while it is in cache: an LM's [targets, vocabulary] rows cost one
+    exp per entry and temperature, and two chunks of memory. The exps run in the logits' precision, float32 at least (float64 logits: float64):
     float32's are 2-3× faster and add an error below 1e-6 to each log-sum-exp, the size of the
     float32 logits' own rounding; the label's logit less its row's maximum is taken exactly, in
     float64. A label outside the logits' classes is gathered as class 0 (:func:`scored_pass`
     refuses it): an index out of range would fail here, on a GPU with a device-side assert."""
-    rows, target = labelled_rows(logits, labels, shift)
-    count, classes = rows.shape
+    row_index, target = labelled_row_index(logits, labels, shift)
+    classes = logits.shape[-1]
+    flat = logits.reshape(-1, classes)  # a view of contiguous logits: the scored rows are read by index
+    count, device = len(row_index), logits.device
     step = max(1, _CHUNK_ENTRIES // max(classes, 1))
-    dtype = torch.promote_types(rows.dtype, torch.float32)
-    shifted = torch.empty(min(step, count), classes, dtype=dtype, device=rows.device)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    shifted = torch.empty(min(step, count), classes, dtype=dtype, device=device)
     scaled = torch.empty_like(shifted)
     index = target.clamp(0, classes - 1)[:, None]
     # a product by 1/T: division costs more than the exp
     inverse = [1.0 / t for t in temperatures]
-    sums = torch.empty(len(temperatures), count, dtype=torch.float64, device=rows.device)
-    at_target = torch.empty(count, dtype=torch.float64, device=rows.device)
+    sums = torch.empty(len(temperatures), count, dtype=torch.float64, device=device)
+    at_target = torch.empty(count, dtype=torch.float64, device=device)
     for start in range(0, count, step):
         stop = min(start + step, count)
-        maxima = rows[start:stop].amax(-1, keepdim=True)
-        at_target[start:stop] = (rows[start:stop].gather(1, index[start:stop]).double() - maxima.double()).squeeze(1)
-        chunk = shifted[: stop - start].copy_(rows[start:stop])  # bfloat16 would round the difference
+        if flat.dtype == dtype:
+            rows = chunk = torch.index_select(flat, 0, row_index[start:stop], out=shifted[: stop - start])
+        else:  # bfloat16 would round the differences below: copied to float32 first
+            rows = flat.index_select(0, row_index[start:stop])
+            chunk = shifted[: stop - start].copy_(rows)
+        maxima = rows.amax(-1, keepdim=True)
+        at_target[start:stop] = (rows.gather(1, index[start:stop]).double() - maxima.double()).squeeze(1)
         chunk -= maxima.to(dtype)
         for i, scale in enumerate(inverse):
             scaled_chunk = torch.mul(chunk, scale, out=scaled[: len(chunk)]).clamp_min_(_EXP_FLOOR)

@@ -22,6 +22,7 @@ __all__ = [
     "ValueMean",
     "count_label_items",
     "label_log_probs",
+    "labelled_row_index",
     "labelled_rows",
     "log_mean_prob",
     "normalization_tolerance",
@@ -102,12 +103,21 @@ def label_log_probs(log_probs: Tensor, labels: Tensor) -> Tensor:
     return picked.masked_fill(~keep, 0.0)
 
 
-def labelled_rows(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
-    """(logit rows, labels) of the scored targets only, flattened: shifted if ``shift``, -100 dropped."""
-    logits, labels = shifted(logits, labels, shift)
+def labelled_row_index(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """(row indices into ``logits.reshape(-1, classes)``, labels) of the scored targets only: shifted
+    if ``shift``, -100 dropped. An index, not the rows: an LM's scored rows are most of its logits,
+    which a reader taking them chunk by chunk then never copies whole."""
+    rows = torch.arange(logits.shape[:-1].numel(), device=logits.device).reshape(logits.shape[:-1])
+    rows, labels = shifted(rows[..., None], labels, shift)
     target = labels.reshape(-1)
     keep = target.ne(IGNORE_INDEX)
-    return logits.reshape(-1, logits.shape[-1])[keep], target[keep].long()
+    return rows.reshape(-1)[keep], target[keep].long()
+
+
+def labelled_rows(logits: Tensor, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """(logit rows, labels) of the scored targets only, flattened: shifted if ``shift``, -100 dropped."""
+    index, target = labelled_row_index(logits, labels, shift)
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, index), target
 
 
 def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
