@@ -211,3 +211,40 @@ def test_predict_bma_with_generate_restores_generate_after_an_error(tmp_path):
     trainer.args.bma_num_samples = 0
     with pytest.raises(ValueError, match="bma_num_samples"):
         trainer.predict(reversal_data(6, seed=3), bma=True)
+
+
+def test_token_metrics_hold_a_few_numbers_per_token_not_the_vocabulary(tmp_path, monkeypatch):
+    """An encoder-decoder's ``eval_mean_*``/``eval_bma_*`` are token metrics over the decoder's
+    vocabulary: the accumulators kept every evaluated token's float64 log-probabilities over the
+    whole vocabulary until the end (for T5's 32k tokens, 250 KiB a token: gigabytes for a modest
+    evaluation set). They hold a few numbers per token, and the metrics are still
+    ``calibration_metrics`` of the model's full log-probabilities."""
+    from hf_evon.predictive.metrics import calibration_metrics
+    from hf_evon.trainer.evaluation import MetricAccumulator, _nbytes
+
+    held = []
+    summary = MetricAccumulator.summary
+
+    def measured(self):
+        held.append((_nbytes([t for pair in self.outputs for t in pair]), sum(p[1].numel() for p in self.outputs)))
+        return summary(self)
+
+    monkeypatch.setattr(MetricAccumulator, "summary", measured)
+    evaluation = reversal_data(12, seed=1)
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=8,
+        per_device_eval_batch_size=5, save_strategy="no", disable_tqdm=True, bma_num_samples=2, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=reversal_data(32, seed=0))
+    trainer.train()
+    metrics = trainer.evaluate(evaluation)
+    vocab = trainer.model.config.vocab_size
+    assert len(held) == 2  # the mean's and the BMA's
+    for nbytes, positions in held:  # at most 8 float64 a position (the vocabulary's would be 64)
+        assert positions == 12 * 6 and nbytes <= positions * 8 * 8 < positions * vocab * 8
+    batch = {k: torch.tensor(v) for k, v in evaluation[:].items()}
+    with torch.no_grad():
+        logp = torch.log_softmax(trainer.model.eval()(**batch).logits.double(), -1)
+    reference = calibration_metrics(logp.reshape(-1, vocab), batch["labels"].reshape(-1), "log_probs")
+    for key, value in reference.items():
+        assert metrics[f"eval_mean_{key}"] == pytest.approx(value, rel=1e-9, abs=1e-12), key

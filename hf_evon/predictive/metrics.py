@@ -48,8 +48,10 @@ __all__ = [
     "brier_score",
     "calibration_metrics",
     "expected_calibration_error",
+    "item_statistics",
     "load_metric",
     "metric_module_path",
+    "metrics_of_statistics",
     "negative_log_likelihood",
 ]
 
@@ -160,7 +162,11 @@ def expected_calibration_error(
         raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
     conf, pred = logp.exp().max(-1)
-    correct = (pred == labels).double()
+    return _binned_calibration_error(conf, (pred == labels).double(), n_bins)
+
+
+def _binned_calibration_error(conf: Tensor, correct: Tensor, n_bins: int) -> float:
+    """ECE of items' top-label confidences ``conf`` and whether that label is right (``correct``, 0/1)."""
     # bin b (0-based) holds (b/n, (b+1)/n]: its index is the number of inner boundaries strictly below
     # the confidence; b/n as a correctly rounded division (linspace's 11/20 is 0.5499999999999999)
     inner = torch.arange(1, n_bins, dtype=torch.float64) / n_bins
@@ -185,6 +191,50 @@ def calibration_metrics(
         accuracy(logp, labels, "log_probs", None),
         expected_calibration_error(logp, labels, n_bins, "log_probs", None),
         brier_score(logp, labels, "log_probs", None),
+    )
+    return dict(zip(CALIBRATION_METRIC_KEYS, values, strict=True))
+
+
+# the columns of :func:`item_statistics`
+_LOGP_LABEL, _CORRECT, _CONF, _CONF_CORRECT, _BRIER, _NAN = range(6)
+
+
+def item_statistics(logp: Tensor, labels: Tensor) -> Tensor:
+    """What :func:`calibration_metrics` reads of each item of float64 log-probabilities ``logp``
+    ``(..., C)`` with integer ``labels`` ``(...)``, six numbers an item (``(..., 6)``, 0 where a label
+    is ``-100``), for :func:`metrics_of_statistics`: a set's metrics without its items' C
+    probabilities held at once (a decoder's vocabulary). ValueError for a label outside ``[0, C)``."""
+    ignored = labels == -100
+    if bool(((labels < 0) | (labels >= logp.shape[-1]))[~ignored].any()):
+        raise ValueError(f"references must be in [0, {logp.shape[-1]}); got values outside")
+    safe = labels.masked_fill(ignored, 0).long()
+    probs = logp.exp()
+    conf, top = probs.max(-1)
+    onehot = torch.nn.functional.one_hot(safe, logp.shape[-1]).to(probs.dtype)
+    stats = torch.stack(
+        [
+            logp.gather(-1, safe[..., None]).squeeze(-1),
+            (logp.argmax(-1) == safe).to(logp.dtype),
+            conf,
+            (top == safe).to(logp.dtype),
+            (probs - onehot).square().sum(-1),
+            torch.isnan(logp).any(-1).to(logp.dtype),
+        ],
+        dim=-1,
+    )
+    return stats.masked_fill(ignored[..., None], 0.0)
+
+
+def metrics_of_statistics(stats: Tensor, n_bins: int = 15) -> dict[str, float]:
+    """:func:`calibration_metrics` of items from their :func:`item_statistics` ``(N, 6)`` (the items
+    to score only: none ignored)."""
+    stats = stats.double()
+    nan = bool(stats[:, _NAN].any())
+    values = (
+        float(-stats[:, _LOGP_LABEL].mean()),
+        math.nan if nan else float(stats[:, _CORRECT].mean()),
+        _binned_calibration_error(stats[:, _CONF].contiguous(), stats[:, _CONF_CORRECT].contiguous(), n_bins),
+        float(stats[:, _BRIER].mean()),
     )
     return dict(zip(CALIBRATION_METRIC_KEYS, values, strict=True))
 

@@ -39,7 +39,12 @@ from hf_evon.predictive.logprobs import (
     shifted,
     tempered,
 )
-from hf_evon.predictive.metrics import CALIBRATION_METRIC_KEYS, calibration_metrics
+from hf_evon.predictive.metrics import (
+    CALIBRATION_METRIC_KEYS,
+    calibration_metrics,
+    item_statistics,
+    metrics_of_statistics,
+)
 from hf_evon.trainer.calibration_data import forward_inputs, length_sorted
 
 logger = logging.get_logger(__name__)
@@ -122,8 +127,8 @@ class MetricAccumulator:
             stats = torch.stack([nll, mask.sum(-1).double()], dim=-1)  # (B, 2)
             self.outputs.append((gather(stats), torch.empty(0)))
             return
-        if self.task == "token_classification":
-            logp, labels = self.pad(logp, dim=1, pad_index=0.0), self.pad(labels, dim=1, pad_index=-100)
+        if self.task == "token_classification":  # a few numbers a token, not its vocabulary's (a decoder's)
+            logp, labels = self.pad(item_statistics(logp, labels), dim=1), self.pad(labels, dim=1, pad_index=-100)
         self.outputs.append((gather(logp), gather(labels)))
 
     def summary(self) -> dict[str, float]:
@@ -136,11 +141,13 @@ class MetricAccumulator:
             perplexity = math.nan if nll != nll else math.exp(nll) if nll < 709.78 else math.inf
             return {"nll": nll, "perplexity": perplexity}
         if self.task == "token_classification":
-            logp = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs])
-            labels = torch.cat([lab.reshape(-1) for _, lab in self.outputs])
-        else:
-            logp = torch.cat([o for o, _ in self.outputs])
-            labels = torch.cat([lab for _, lab in self.outputs])
+            stats = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs])
+            kept = torch.cat([lab.reshape(-1) for _, lab in self.outputs]).ne(IGNORE_INDEX)
+            if bool(kept.any()):
+                return metrics_of_statistics(stats[kept], self.ece_bins)
+            return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)  # no label kept, as below
+        logp = torch.cat([o for o, _ in self.outputs])
+        labels = torch.cat([lab for _, lab in self.outputs])
         if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)
         return calibration_metrics(logp, labels, "log_probs", n_bins=self.ece_bins)
