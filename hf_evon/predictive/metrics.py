@@ -184,15 +184,12 @@ def calibration_metrics(
     n_bins: int = 15,
     ignore_index: int | None = -100,
 ) -> dict[str, float]:
-    """``CALIBRATION_METRIC_KEYS`` (nll, accuracy, ece, brier) in one call (the keys ``EVONTrainer`` reports)."""
+    """``CALIBRATION_METRIC_KEYS`` (nll, accuracy, ece, brier) in one call (the keys ``EVONTrainer`` reports),
+    through :func:`item_statistics`, as the trainer's token metrics are summed batch by batch."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    values = (
-        negative_log_likelihood(logp, labels, "log_probs", None),
-        accuracy(logp, labels, "log_probs", None),
-        expected_calibration_error(logp, labels, n_bins, "log_probs", None),
-        brier_score(logp, labels, "log_probs", None),
-    )
-    return dict(zip(CALIBRATION_METRIC_KEYS, values, strict=True))
+    return metrics_of_statistics(item_statistics(logp, labels), n_bins)
 
 
 # the columns of :func:`item_statistics`
