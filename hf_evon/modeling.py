@@ -10,6 +10,7 @@ from torch import nn
 
 __all__ = [
     "adapter_name_of",
+    "adapter_of_names",
     "base_model_name",
     "decoder_inputs_from_labels",
     "is_causal_lm",
@@ -178,6 +179,37 @@ def adapter_name_of(model: nn.Module, name: str) -> str | None:
     """The name of the PEFT adapter parameter ``name`` of ``model`` belongs to, or None."""
     found = _adapter_of(_tuner_layers(model), name)
     return None if found is None else found[1]
+
+
+def _adapter_attributes() -> set[str]:
+    """The attributes under which PEFT's tuner layers keep each adapter's tensors, by the adapter's
+    name (``lora_A.<adapter>.weight``, ``ia3_l.<adapter>``, ``modules_to_save.<adapter>.weight``)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is optional
+        return set()
+    found, classes = {"modules_to_save"}, [BaseTunerLayer]
+    while classes:
+        cls = classes.pop()
+        found.update(getattr(cls, "adapter_layer_names", ()))
+        classes.extend(cls.__subclasses__())
+    return found
+
+
+def adapter_of_names(names: Any) -> str | None:
+    """The one PEFT adapter parameter ``names`` belong to, read from the names alone (no model: a
+    saved posterior's), or None (no adapter's names, or several adapters'): the segment after a tuner
+    layer's adapter attribute (``lora_A.<adapter>.weight``) or ``prompt_encoder.<adapter>.…``."""
+    attributes, adapters = _adapter_attributes(), set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == "prompt_encoder" and len(parts) > 2:
+            adapters.add(parts[1])
+            continue
+        i = next((i for i, part in enumerate(parts[:-1]) if part in attributes), None)
+        if i is not None:
+            adapters.add(parts[i + 1])
+    return adapters.pop() if len(adapters) == 1 else None
 
 
 def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:

@@ -317,6 +317,36 @@ def test_generate_with_a_lora_adapter_of_an_encoder_decoder_model(saved_seq2seq,
     assert record["completion_ids"] == expected[0, 1:].tolist()
 
 
+@pytest.mark.parametrize("model_dir", ["the adapter's folder", "where the adapter was saved"])
+def test_generate_with_a_lora_adapter_not_named_default(saved, tmp_path, capsys, model_dir):
+    """PEFT saves an adapter named "mine" in ``dir/mine`` and loads any adapter as "default", while
+    the posterior names its tensors ``lora_A.mine.weight``: the CLI loads the adapter under the
+    posterior's name, also given the directory PEFT saved into. Before, ``--model dir/mine`` loaded
+    it as "default" (the posterior did not fit) and ``--model dir`` had "no config.json"."""
+    from peft import LoraConfig, get_peft_model
+
+    path, _, _, _ = saved
+    model = get_peft_model(
+        GPT2LMHeadModel.from_pretrained(path),
+        LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True),
+        adapter_name="mine",
+    )
+    posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
+    assert posterior.names and all(".mine." in n for n in posterior.names)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    assert (tmp_path / "mine" / "adapter_config.json").is_file()
+    where = tmp_path / "mine" if model_dir == "the adapter's folder" else tmp_path
+    argv = ["generate", "--model", str(where), "--posterior", str(tmp_path), "--samples", "3"]
+    assert main([*argv, "--max-new-tokens", "4", "--seed", "2", "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
+    )  # fmt: skip
+    assert record["completion_ids"] == expected[0, 2:].tolist()
+
+
 # ----------------------------------------------------------------------------- errors (issue 9.15, 11.7)
 @pytest.mark.parametrize(
     ("args", "message"),

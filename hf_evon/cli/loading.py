@@ -209,11 +209,22 @@ def resolve_device(name: str | None) -> Any:
     return device
 
 
-def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
+def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:
     """The causal LM, or encoder-decoder model (its config's ``is_encoder_decoder``), at ``path``;
-    a PEFT adapter directory: the adapter on its base model."""
+    a PEFT adapter directory: the adapter on its base model, under the name ``adapter()`` gives (the
+    posterior's: PEFT loads any adapter as "default", where the posterior names the one it was
+    trained as), also from the folder of that name PEFT saves a named adapter in (``path/<name>``)."""
     from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
 
+    peft_kwargs: dict[str, Any] = {}
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        inside = os.path.isfile(os.path.join(path, "adapter_config.json"))
+        if not inside and any(os.path.isfile(os.path.join(d.path, "adapter_config.json")) for d in os.scandir(path)):
+            named = adapter()  # PEFT's save_pretrained puts an adapter not named "default" in path/<name>
+            if named and os.path.isfile(os.path.join(path, named, "adapter_config.json")):
+                path, inside = os.path.join(path, named), True
+        if inside and (named := adapter()) not in (None, "default"):
+            peft_kwargs["adapter_name"] = named
     if os.path.isdir(path) and not any(
         os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
     ):  # transformers would report a missing `model_type` key in the config.json that is not there
@@ -238,7 +249,8 @@ def _load_model(path: str, revision: str | None, dtype: Any) -> Any:
         # one that is not here is reported as the adapter config's, not as a bad Hub repo id
         option = f"the base model (base_model_name_or_path in {os.path.join(path, 'adapter_config.json')!r})"
         seq2seq = from_location(base, option, lambda: _config_is_encoder_decoder(base, None, option))
-        return (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(path, **kwargs)
+        auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
+        return auto.from_pretrained(path, **kwargs, **peft_kwargs)
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     seq2seq = _config_is_encoder_decoder(path, revision, "--model")
@@ -313,16 +325,29 @@ def load_model_posterior_tokenizer(
 ) -> tuple[Any, Any, Any]:
     """``--model`` (on ``device``, in eval mode), its posterior (``--posterior``, default ``--model``,
     and ``--posterior-subfolder``) and its tokenizer (or None)."""
+    from hf_evon.modeling import adapter_of_names
     from hf_evon.posterior.posterior import EVONPosterior
 
-    model = from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype))
-    model = model.to(device).eval()
     location = args.posterior or args.model
-    posterior = from_location(
-        location,
-        "--posterior" if args.posterior else "--model",
-        lambda: EVONPosterior.from_pretrained(
-            location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
-        ),
-    )
-    return model, posterior, _load_tokenizer(args.model, args.revision, model)
+    loaded: list[Any] = []  # the posterior, loaded once: before the model where its adapter's name is needed
+
+    def posterior() -> Any:
+        if not loaded:
+            loaded.append(from_location(
+                location,
+                "--posterior" if args.posterior else "--model",
+                lambda: EVONPosterior.from_pretrained(
+                    location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
+                ),
+            ))  # fmt: skip
+        return loaded[0]
+
+    def adapter() -> str | None:  # None where the posterior does not load: its error follows the model's
+        try:
+            return adapter_of_names(posterior().names)
+        except Exception:  # noqa: BLE001 - raised again by posterior() once the model has loaded
+            return None
+
+    model = from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype, adapter))
+    model = model.to(device).eval()
+    return model, posterior(), _load_tokenizer(args.model, args.revision, model)

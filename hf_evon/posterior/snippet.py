@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any
 
+from hf_evon.modeling import adapter_of_names
+
 __all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
 
 TOKENIZER_FILE = "tokenizer_config.json"  # what every transformers tokenizer's save_pretrained writes
@@ -147,35 +149,12 @@ def _input_lines(auto: str, tokenizer: bool) -> list[str]:
     return [_TOKEN_IDS, 'inputs = {"input_ids": input_ids}']
 
 
-def _adapter_attributes() -> set[str]:
-    """The attributes under which PEFT's tuner layers keep each adapter's tensors, by the adapter's
-    name (``lora_A.<adapter>.weight``, ``ia3_l.<adapter>``, ``modules_to_save.<adapter>.weight``)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is optional
-        return set()
-    found, classes = {"modules_to_save"}, [BaseTunerLayer]
-    while classes:
-        cls = classes.pop()
-        found.update(getattr(cls, "adapter_layer_names", ()))
-        classes.extend(cls.__subclasses__())
-    return found
-
-
 def _adapter_arguments(names: Any, location: str) -> str:
     """What ``PeftModel.from_pretrained(base, location…)`` needs to load the adapter the posterior's
     ``names`` belong to: nothing for "default"; for any other, PEFT's ``save_pretrained`` puts it in
     a folder of its name (``subfolder``), and the posterior's names carry that name (``adapter_name``)."""
-    attributes, adapters = _adapter_attributes(), set()
-    for name in names:
-        parts = name.split(".")
-        if parts[0] == "prompt_encoder" and len(parts) > 2:  # prompt_encoder.<adapter>.…
-            adapters.add(parts[1])
-            continue
-        i = next((i for i, part in enumerate(parts[:-1]) if part in attributes), None)
-        if i is not None:
-            adapters.add(parts[i + 1])
-    if len(adapters) != 1 or (adapter := adapters.pop()) == "default":
+    adapter = adapter_of_names(names)
+    if adapter in (None, "default"):
         return ""
     # a posterior saved inside the adapter's own folder finds its adapter_config.json right there
     here = os.path.basename(os.path.normpath(location)) == adapter and os.path.isfile(
