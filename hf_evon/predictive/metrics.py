@@ -127,9 +127,7 @@ def accuracy(
     log-probability is NaN (as the other metrics are: a diverged model's row has no most probable
     class, not class 0). Probabilities with a NaN are refused: their rows do not sum to 1."""
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    if bool(torch.isnan(logp).any()):
-        return math.nan
-    return float((logp.argmax(-1) == labels).double().mean())
+    return metrics_of_statistics(item_statistics(logp, labels))["accuracy"]
 
 
 def negative_log_likelihood(
@@ -137,7 +135,7 @@ def negative_log_likelihood(
 ) -> float:
     """Mean ``−log p(reference)`` (natural log); ``inf`` if a reference has probability 0."""
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return float(-logp.gather(1, labels[:, None]).mean())
+    return metrics_of_statistics(item_statistics(logp, labels))["nll"]
 
 
 def brier_score(
@@ -145,9 +143,7 @@ def brier_score(
 ) -> float:
     """Mean over items of ``Σ_c (p_c − onehot_c)²`` (multi-class Brier score, in [0, 2])."""
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    probs = logp.exp()
-    onehot = torch.nn.functional.one_hot(labels, probs.shape[1]).double()
-    return float((probs - onehot).square().sum(-1).mean())
+    return metrics_of_statistics(item_statistics(logp, labels))["brier"]
 
 
 def expected_calibration_error(
@@ -161,8 +157,7 @@ def expected_calibration_error(
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
     logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    conf, pred = logp.exp().max(-1)
-    return _binned_calibration_error(conf, (pred == labels).double(), n_bins)
+    return metrics_of_statistics(item_statistics(logp, labels), n_bins)["ece"]
 
 
 def _binned_calibration_error(conf: Tensor, correct: Tensor, n_bins: int) -> float:
