@@ -1153,3 +1153,40 @@ def test_one_parameters_state_reset_restarts_it_as_a_fresh_optimizer_would(reset
     saved, fresh_saved = opt.state_dict()["state"][1], fresh.state_dict()["state"][0]
     assert sorted(saved) == sorted(fresh_saved)
     assert all(torch.equal(saved[k], fresh_saved[k]) for k in saved)
+
+
+def _moved_run(source: str, step_curvature: str, reset: bool) -> dict[str, torch.Tensor]:
+    """Three steps with ``model[4].weight`` in the ``source`` algorithm's group, then three with it
+    moved in place to the other group (after ``del optimizer.state[p]``, torch's reset, if ``reset``)."""
+    data = make_data()
+    model = make_model()
+    moved = model[4].weight
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight") and p is not moved]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    evon = {"params": weights + [moved] * (source == "evon")}
+    adamw = {"params": biases + [moved] * (source == "adamw"), "algorithm": "adamw"}
+    settings = dict(lr=0.05, ess=64.0, hess_init=0.5, weight_decay=1e-3, precondition_frequency=3)
+    opt = EVON([evon, adamw], **settings, mc_samples=2, adamw_lr=0.01, clip="none", seed=123, step_curvature=step_curvature)
+    for _ in range(3):
+        train_step(model, opt, data)
+    if reset:
+        del opt.state[moved]
+    src, dst = opt.param_groups if source == "evon" else opt.param_groups[::-1]
+    del src["params"][next(i for i, p in enumerate(src["params"]) if p is moved)]
+    dst["params"].append(moved)
+    for _ in range(3):
+        train_step(model, opt, data)
+    return snapshot(model, opt)
+
+
+@pytest.mark.parametrize("step_curvature", ["matrix", "entry"])
+@pytest.mark.parametrize("source", ["adamw", "evon"])
+def test_a_parameter_moved_to_a_group_of_the_other_algorithm_starts_that_ones_state_fresh(
+    source: str, step_curvature: str
+) -> None:
+    """A parameter moved in place from an AdamW group to an EVON group (or back) trains exactly as
+    one whose state was reset (``del optimizer.state[p]``) before the move: the other algorithm's
+    state means nothing here. Before, AdamW's ``exp_avg`` became EVON's momentum (and its
+    ``exp_avg_sq`` stayed in the state dict), and EVON's state in an AdamW group raised KeyError
+    'exp_avg_sq' (or, under step_curvature="entry", stepped with EVON's rotated momentum)."""
+    assert_identical(_moved_run(source, step_curvature, False), _moved_run(source, step_curvature, True))

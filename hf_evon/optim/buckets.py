@@ -50,6 +50,8 @@ Tensor = torch.Tensor
 
 # the momentum's state key in the eigenbasis and in the weights' space (see the module docstring)
 ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM = "exp_avg", "exp_avg_unrotated"
+# a key of torch AdamW's state that EVON's never has: it tells the one state from the other
+ADAMW_ONLY_KEY = "exp_avg_sq"
 
 
 def momentum_key(group: dict[str, Any]) -> str:
@@ -481,6 +483,9 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
     ``member_state(p)`` is the ``optimizer.state`` entry of bucket member ``p``."""
     device, dt = b.params[0].device, b.dtype
     b.member_states = [member_state(p) for p in b.params]
+    for st in b.member_states:
+        if ADAMW_ONLY_KEY in st:  # AdamW's state (moved here from an AdamW group) means nothing to EVON
+            st.clear()  # so it starts as a parameter appended to the group does
     # each member's counter (a state saved before they were per member holds one shared by all)
     zero = torch.zeros((), dtype=torch.float32)
     step = torch.stack([member_state(p).get("step", zero).detach().cpu().float().reshape(()) for p in b.params])

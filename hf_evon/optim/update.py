@@ -9,7 +9,15 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import UNINITIALIZED, Bucket, Plan, count_updates, momentum_key, point_state_views
+from hf_evon.optim.buckets import (
+    ADAMW_ONLY_KEY,
+    UNINITIALIZED,
+    Bucket,
+    Plan,
+    count_updates,
+    momentum_key,
+    point_state_views,
+)
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
@@ -249,7 +257,8 @@ def evon_updates(
 def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
     """One AdamW step of an AdamW group's ``params`` (their state created on the first)."""
     for p, st in zip(params, states):
-        if "step" not in st:
+        if ADAMW_ONLY_KEY not in st:  # none yet, or EVON's (moved here from an EVON group): AdamW's starts fresh
+            st.clear()
             st["step"] = torch.zeros((), dtype=torch.float32, device=adamw_step_device(p))
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
