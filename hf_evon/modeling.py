@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = [
     "model_class",
     "peft_base_model",
     "pretrained_name",
+    "pruned_ranks",
     "unwrap_model",
 ]
 
@@ -236,3 +238,27 @@ def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:
         elif adapter not in layer.active_adapters:
             reasons.append(f"{name!r}: adapter {adapter!r} is not active (active: {list(layer.active_adapters)})")
     return reasons
+
+
+def pruned_ranks(model: nn.Module) -> dict[str, Any]:
+    """The entries of ``model``'s AdaLoRA singular values (``lora_E.<adapter>``) its rank allocation
+    pruned, as a boolean mask per parameter name (``named_parameters``' names; only names with one).
+
+    AdaLoRA prunes rank i by writing 0 into ``lora_E[i]`` (``update_and_allocate``; a save with every
+    rank keeps the zeros): the rank is off, not uncertain, so a posterior sample keeps it 0 where a
+    draw would turn it back on as noise. An exact 0 is the sign (a trained singular value is never
+    exactly 0), so an untrained adapter, whose ``lora_E`` starts at 0, samples as its mean."""
+    if "peft" not in sys.modules:  # no PEFT layers without PEFT: not imported here for every sample
+        return {}
+    from peft.tuners.adalora import AdaLoraLayer
+
+    pruned = {}
+    for module_name, layer in unwrap_model(model).named_modules():
+        if not isinstance(layer, AdaLoraLayer):
+            continue
+        for adapter, value in layer.lora_E.items():
+            zero = value.detach() == 0
+            zero = zero.full_tensor() if hasattr(zero, "full_tensor") else zero  # an FSDP2 shard: the whole
+            if bool(zero.any()):
+                pruned[f"{module_name}.lora_E.{adapter}" if module_name else f"lora_E.{adapter}"] = zero
+    return pruned

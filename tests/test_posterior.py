@@ -1704,3 +1704,60 @@ def test_an_adalora_posterior_beside_the_rank_pruned_adapter_is_warned_of_and_it
         expected = {n: ours[n].detach().clone() for n in posterior.names}
     with loaded.sampled(reloaded, seed=3):
         assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)
+
+
+def _adalora_past_its_allocation() -> tuple[nn.Module, hf_evon.EVON]:
+    """A tiny GPT-2 with AdaLoRA (two layers of 4 ranks, a budget of 1), trained with EVON past its final
+    rank allocation, ``update_and_allocate`` called as PEFT's docs place it."""
+    from peft import AdaLoraConfig, get_peft_model
+    from test_trainer import tiny_gpt2
+
+    config = AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
+    )
+    model = get_peft_model(tiny_gpt2(), config)
+    opt = hf_evon.build_optimizer(model, ess=1e3, seed=0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        ids = torch.randint(3, 100, (4, 8), generator=g)
+        with opt.sampled_params(train=True):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        model.base_model.update_and_allocate(step)
+        opt.zero_grad()
+    return model, opt
+
+
+def test_adaloras_pruned_ranks_stay_zero_in_every_sample(tmp_path):
+    """AdaLoRA prunes a rank by zeroing its singular value (``lora_E``'s entry; ``rank_pattern`` records
+    it). A posterior sample put noise of the posterior's std (about 1) there, so every pruned rank came
+    back into every sample (and BMA) as noise. Pruned entries now keep the mean's zero in every sample,
+    also in the model reloaded from the adapter saved with every rank (its config has no rank_pattern);
+    every other entry is the mean plus the posterior's draw, bit for bit."""
+    from peft import PeftModel
+    from test_trainer import tiny_gpt2
+
+    model, opt = _adalora_past_its_allocation()
+    pattern = model.peft_config["default"].rank_pattern
+    pruned = {f"base_model.model.{k}": ~torch.tensor(v).unsqueeze(-1) for k, v in pattern.items()}
+    assert any(m.any() for m in pruned.values()) and not all(m.all() for m in pruned.values())
+    posterior = EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)  # E's r×r basis kept
+    assert set(pruned) <= set(posterior.names)
+    params = dict(model.named_parameters())
+    means = {n: params[n].detach().clone() for n in posterior.names}
+    assert all(torch.equal(means[n][m], torch.zeros(int(m.sum()))) for n, m in pruned.items())
+    draws = posterior.draw(1, seed=5)
+    expected = {n: means[n] + draws[n][0] for n in posterior.names}
+    expected.update({n: expected[n].masked_fill(m, 0.0) for n, m in pruned.items()})
+    with posterior.sampled(model, seed=5):
+        wrong = [n for n in posterior.names if not torch.equal(params[n].detach(), expected[n])]
+        assert wrong == [], {n: params[n].detach()[pruned[n]] for n in wrong if n in pruned}
+
+    model.peft_config["default"].rank_pattern = None  # every rank saved, the pruned ones as zeros
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path, model_card=False)
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), tmp_path)
+    assert reloaded.peft_config["default"].rank_pattern is None
+    theirs = dict(reloaded.named_parameters())
+    with EVONPosterior.from_pretrained(tmp_path).sampled(reloaded, seed=5):
+        assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)

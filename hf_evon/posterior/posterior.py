@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hf_evon.fileio import directory_lock
-from hf_evon.modeling import unused_adapter_parameters, unwrap_model
+from hf_evon.modeling import pruned_ranks, unused_adapter_parameters, unwrap_model
 from hf_evon.optim.checks import is_int, is_real
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
@@ -284,6 +284,7 @@ class EVONPosterior:
         self.check_model(model)
         params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
         seed = sample_seed(seed, (params[name] for name in self.names))
+        pruned = pruned_ranks(model)  # AdaLoRA's pruned ranks are off, not uncertain: every sample keeps them 0
         saved: list[tuple[Tensor, Tensor]] = []
         try:
             with torch.no_grad():
@@ -294,7 +295,7 @@ class EVONPosterior:
                         mean = p.detach().clone()
                         saved.append((p, mean))
                         delta = draws.pop(name)[0]
-                        p.copy_(add_perturbation(mean, delta))
+                        p.copy_(add_perturbation(mean, delta.masked_fill(pruned[name], 0) if name in pruned else delta))
             yield model
         finally:
             with torch.no_grad():
