@@ -101,6 +101,41 @@ def test_bma_every_k_evaluations_or_only_at_the_end(tmp_path, every, with_bma):
     assert "eval_bma_nll" in trainer.evaluate()  # outside train(): always
 
 
+class _EvaluatesMidTraining(TrainerCallback):
+    """At the end of step ``step``: ``trainer.evaluate(data, **kwargs)`` and the stand-alone
+    ``posterior_metrics`` of ``data``, on the weights of that step."""
+
+    def __init__(self, trainer, data, step: int, **kwargs) -> None:  # noqa: ANN001
+        self.trainer, self.data, self.step, self.kwargs = trainer, data, step, kwargs
+        self.metrics: dict = {}
+        self.alone: dict = {}
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if state.global_step == self.step:
+            self.metrics = self.trainer.evaluate(self.data, **self.kwargs)
+            self.alone = self.trainer.posterior_metrics(self.trainer.get_eval_dataloader(self.data))
+
+
+@pytest.mark.parametrize("bma", [True, False])
+def test_evaluate_bma_true_runs_the_bma_passes_where_bma_eval_every_skips_them(tmp_path, bma):
+    """``evaluate(dev, bma=True)`` from a callback during ``train()`` (bma_eval_every=0: no BMA
+    before the end) raised TypeError ("Trainer.evaluate() got an unexpected keyword argument
+    'bma'"); it runs the BMA passes, whose metrics are the stand-alone ones; ``evaluate(dev)`` still
+    skips them there."""
+    dev = classification_data(20, seed=1)
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=3, evon_ess=60.0, bma_num_samples=2, bma_eval_every=0),
+        train_dataset=classification_data(),
+    )  # fmt: skip
+    callback = _EvaluatesMidTraining(trainer, dev, step=1, **({"bma": True} if bma else {}))
+    trainer.add_callback(callback)
+    trainer.train()
+    assert set(callback.alone) == {f"eval_{w}_{m}" for w in ("mean", "bma") for m in ("nll", "accuracy", "ece", "brier")}
+    assert ("eval_bma_nll" in callback.metrics) is bma and "eval_mean_nll" in callback.metrics
+    for key in callback.metrics.keys() & callback.alone.keys():
+        assert callback.metrics[key] == pytest.approx(callback.alone[key], rel=1e-9, abs=1e-12), key
+
+
 class _EmbeddingHead(torch.nn.Module):
     """A seeded classifier of 8-token rows (vocabulary 100): an embedding and a linear head to 3
     logits over the flattened embeddings; a test subclasses it with the forward it calls them by."""

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from transformers import T5Config, T5ForConditionalGeneration
+from transformers import T5Config, T5ForConditionalGeneration, TrainerCallback
 
 from hf_evon import EVON
 from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
@@ -248,3 +248,41 @@ def test_token_metrics_hold_a_few_numbers_per_token_not_the_vocabulary(tmp_path,
     reference = calibration_metrics(logp.reshape(-1, vocab), batch["labels"].reshape(-1), "log_probs")
     for key, value in reference.items():
         assert metrics[f"eval_mean_{key}"] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+class _EvaluatesMidTraining(TrainerCallback):
+    """At the end of step ``step``: ``trainer.evaluate(data, bma=True)`` and the stand-alone
+    ``posterior_metrics`` of ``data``, on the weights of that step."""
+
+    def __init__(self, trainer: EVONSeq2SeqTrainer, data: Dataset, step: int) -> None:
+        self.trainer, self.data, self.step = trainer, data, step
+        self.metrics: dict = {}
+        self.alone: dict = {}
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if state.global_step == self.step:
+            self.metrics = self.trainer.evaluate(self.data, bma=True)
+            self.alone = self.trainer.posterior_metrics(self.trainer.get_eval_dataloader(self.data))
+
+
+@pytest.mark.parametrize("generate", [False, True])
+def test_evaluate_bma_true_reports_the_token_bma_metrics_during_training(tmp_path, generate):
+    """``evaluate(dev, bma=True)`` without ``predict_with_generate`` dropped ``bma`` (and with it, the
+    token BMA metrics followed ``bma_eval_every``): from a callback during ``train()`` with
+    bma_eval_every=0 it reported no eval_bma_*. It runs the BMA passes, as ``EVONTrainer.evaluate(bma=True)``
+    does; their metrics are the stand-alone ones."""
+    dev = reversal_data(8, seed=1)
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=8,
+        per_device_eval_batch_size=4, evon_ess=30.0, save_strategy="no", disable_tqdm=True, bma_num_samples=2,
+        bma_eval_every=0, predict_with_generate=generate, generation_max_length=7, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=reversal_data(32, seed=0))
+    callback = _EvaluatesMidTraining(trainer, dev, step=1)
+    trainer.add_callback(callback)
+    trainer.train()
+    assert {k for k in callback.alone if k.startswith("eval_bma_")} == {
+        f"eval_bma_{m}" for m in ("nll", "accuracy", "ece", "brier")
+    }
+    for key, value in callback.alone.items():
+        assert callback.metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

@@ -483,17 +483,19 @@ class EvaluationMixin:
     # the evaluations (step, evaluation, its loader) at the current step that skipped BMA: one per
     # eval dataset, which the Trainer evaluates one after the other
     _evon_bma_skipped: list[tuple[int, PosteriorEvaluation, Any]] | None = None
+    _evon_bma_asked = False  # evaluate(bma=True): the BMA passes run whatever bma_eval_every says
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """The subclass's ``evaluate()``, with the ``eval_mean_*`` and (when due) ``eval_bma_*`` metrics."""
-        outer, step = self._evon_in_evaluate, self.state.global_step
-        self._evon_in_evaluate = True
+    def evaluate(self, *args: Any, bma: bool = False, **kwargs: Any) -> dict[str, float]:
+        """The subclass's ``evaluate()``, with ``eval_mean_*`` and (when due, or ``bma=True``) ``eval_bma_*``."""
+        outer, asked, step = self._evon_in_evaluate, self._evon_bma_asked, self.state.global_step
+        # the Trainer evaluates each of several eval datasets by a call of its own, without bma
+        self._evon_in_evaluate, self._evon_bma_asked = True, asked or bma
         self._evon_bma_skipped = [e for e in self._evon_bma_skipped or () if e[0] == step]
         ours = len(self._evon_bma_skipped)  # what this call's evaluation adds comes after
         try:
             return self._bma_where_training_stops(super().evaluate(*args, **kwargs), ours)
         finally:
-            self._evon_in_evaluate = outer
+            self._evon_in_evaluate, self._evon_bma_asked = outer, asked
 
     def _bma_where_training_stops(self, metrics: dict[str, float], ours: int) -> dict[str, float]:
         """The evaluation at which training stops carries BMA, as the one at ``max_steps`` does.
@@ -576,7 +578,7 @@ class EvaluationMixin:
 
     def _bma_due(self) -> bool:
         """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
-        if not self._evon_in_training:
+        if not self._evon_in_training or self._evon_bma_asked:
             return True
         every, step = self.args.bma_eval_every, self.state.global_step
         # this evaluation's number in the run's logs (a resumed run's included; several eval datasets

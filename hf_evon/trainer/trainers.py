@@ -77,12 +77,14 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         """``Seq2SeqTrainer.evaluate`` with the posterior metrics. ``bma=True`` under
         ``predict_with_generate``: your ``compute_metrics`` scores ids decoded by
         :func:`generate_bma`, as in ``predict(test, bma=True)``; the evaluations ``train()`` runs
-        decode at the mean (BMA decoding costs S forwards a token)."""
+        decode at the mean (BMA decoding costs S forwards a token). ``bma=True`` runs the BMA passes of
+        the ``eval_bma_*`` token metrics also where ``bma_eval_every`` skips them, as
+        ``EVONTrainer.evaluate(bma=True)`` does."""
         if not (bma and self.args.predict_with_generate):
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
         posterior = self._bma_posterior("evaluate(bma=True)")
         with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=True, **gen_kwargs)
 
 
 @contextmanager
