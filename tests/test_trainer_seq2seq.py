@@ -250,6 +250,35 @@ def test_token_metrics_hold_a_few_numbers_per_token_not_the_vocabulary(tmp_path,
         assert metrics[f"eval_mean_{key}"] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
+class _Recorder(TrainerCallback):
+    """Copies of the metrics ``on_evaluate`` and ``on_predict`` are given, as a logger reads them then."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict] = {}
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        self.seen["evaluate"] = dict(metrics)
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        self.seen["predict"] = dict(metrics)
+
+
+def test_callbacks_see_the_posterior_metrics_of_predict_and_evaluate_bma_with_generate(tmp_path):
+    """``predict(test, bma=True)`` under ``predict_with_generate`` added the labels' test_mean_* and
+    test_bma_* after ``on_predict`` had run, so callbacks (report_to loggers) never saw them; the
+    metrics ``on_predict`` and ``on_evaluate`` get are the ones returned."""
+    trainer = _generating_trainer(tmp_path, compute_metrics=lambda p: {"rows": float(len(p.predictions))})
+    recorder = _Recorder()
+    trainer.add_callback(recorder)
+    test = reversal_data(6, seed=3)
+    out = trainer.predict(test, bma=True)
+    assert "test_bma_nll" in out.metrics and "test_mean_nll" in out.metrics and out.metrics["test_rows"] == 6.0
+    assert recorder.seen["predict"] == out.metrics
+    metrics = trainer.evaluate(test, bma=True)
+    assert "eval_bma_nll" in metrics and recorder.seen["evaluate"] == metrics
+    assert {k: v for k, v in trainer.state.log_history[-1].items() if k != "step"} == metrics  # the logged
+
+
 class _EvaluatesMidTraining(TrainerCallback):
     """At the end of step ``step``: ``trainer.evaluate(data, bma=True)`` and the stand-alone
     ``posterior_metrics`` of ``data``, on the weights of that step."""

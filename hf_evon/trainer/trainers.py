@@ -58,13 +58,30 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         if not (bma and self.args.predict_with_generate):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
         posterior = self._bma_posterior("predict(bma=True)")
-        with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
-            output = super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
-        # the labels' token metrics (none without labels): 1 + S passes, as evaluate() runs them
-        metrics = self.posterior_metrics(self.get_test_dataloader(test_dataset), metric_key_prefix)
-        merge_metrics(output.metrics, metrics)
-        return output
+        self._evon_generated_prediction = True
+        try:
+            with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
+                return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
+        finally:
+            self._evon_generated_prediction = False
 
+    _evon_generated_prediction = False  # inside predict(bma=True) under predict_with_generate
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """The loop; in ``predict(bma=True)`` under generation its metrics gain the labels' token
+        metrics here, before ``Trainer.predict`` hands them to the callbacks' ``on_predict``."""
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        if self._evon_generated_prediction:
+            # the labels' token metrics (none without labels): 1 + S passes, as evaluate() runs them
+            merge_metrics(output.metrics, self.posterior_metrics(dataloader, metric_key_prefix))
+        return output
 
     def evaluate(
         self,
