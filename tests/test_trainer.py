@@ -901,6 +901,43 @@ def test_peft_config_wraps_the_model_and_the_posterior_covers_the_adapter(tmp_pa
         EVONTrainer(model=trainer.model, args=config(tmp_path), peft_config=_lora_config())
 
 
+
+def test_adaloras_rank_allocation_runs_at_every_optimizer_step(tmp_path):
+    """AdaLoRA allocates its rank budget only where ``update_and_allocate(global_step)`` is called after
+    each optimizer step (PEFT's docs: in the training loop); ``Trainer`` never calls it, so an AdaLoRA
+    adapter trained by EVONTrainer kept every rank (no rank_pattern, no pruned singular value). It is
+    now called once per optimizer step (gradient accumulation: not per micro-batch) with the step's
+    index, and the final allocation leaves exactly the budget (target_r per layer) of ranks."""
+    from peft import AdaLoraConfig
+
+    adalora = AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
+    )
+    args = config(tmp_path, max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = EVONTrainer(model=tiny_gpt2(), args=args, peft_config=adalora, train_dataset=lm_data())
+    adalora_model, steps = trainer.model.base_model, []
+    allocate = adalora_model.update_and_allocate
+
+    def recorded(global_step: int) -> None:
+        steps.append(global_step)
+        allocate(global_step)
+
+    adalora_model.update_and_allocate = recorded
+    trainer.train()
+    assert steps == [0, 1, 2, 3]
+    pattern = trainer.model.peft_config["default"].rank_pattern
+    assert pattern is not None and sum(sum(kept) for kept in pattern.values()) == 2  # target_r for 2 layers
+    params = dict(trainer.model.get_base_model().named_parameters())
+    for name, kept in pattern.items():
+        assert torch.equal(params[name].detach().flatten() == 0, ~torch.tensor(kept)), name
+
+    from hf_evon.trainer import AdaLoraRankAllocation
+
+    own = AdaLoraRankAllocation()  # the user's own: not a second one, which would allocate twice a step
+    trainer = EVONTrainer(model=trainer.model, args=args, train_dataset=lm_data(), callbacks=[own])
+    assert [c for c in trainer.callback_handler.callbacks if isinstance(c, AdaLoraRankAllocation)] == [own]
+
+
 # ---------------------------------------------------------------------------- fresh process
 RELOAD_SCRIPT = textwrap.dedent(
     """

@@ -14,6 +14,8 @@
 * :mod:`~hf_evon.trainer.evaluation`: metrics at the posterior mean and under BMA;
 * :mod:`~hf_evon.trainer.prediction`: ``predict(test, bma=True)``, BMA predictions;
 * :mod:`~hf_evon.trainer.trainers`: :class:`EVONTrainer`, :class:`EVONSeq2SeqTrainer`;
+* :mod:`~hf_evon.trainer.adalora`: :class:`AdaLoraRankAllocation`, PEFT AdaLoRA's rank allocation after
+  every optimizer step (every EVON trainer adds it; ``Trainer`` leaves it to the user);
 * :mod:`~hf_evon.trainer.sft`: ``EVONSFTTrainer``/``EVONSFTConfig`` for TRL (imported on first use,
   needs ``trl``).
 
@@ -32,12 +34,14 @@ Any other ``Trainer`` subclass: ``class MyTrainer(EVONTrainerMixin, SomeTrainer)
 
 from typing import Any
 
+from hf_evon.trainer.adalora import AdaLoraRankAllocation
 from hf_evon.trainer.combined import evon_config_class, register_evon_config
 from hf_evon.trainer.config import EVONConfig
 from hf_evon.trainer.mixin import EVONTrainerMixin
 from hf_evon.trainer.trainers import EVONSeq2SeqConfig, EVONSeq2SeqTrainer, EVONTrainer
 
 __all__ = [
+    "AdaLoraRankAllocation",
     "EVONConfig",
     "EVONSFTConfig",
     "EVONSFTTrainer",

@@ -108,6 +108,7 @@ from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
+from hf_evon.trainer.adalora import add_rank_allocation
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class
 from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
@@ -214,6 +215,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         self._loss_shifts_labels = self._causal_lm and not prepends_virtual_tokens(self.model)
         self.add_callback(_EVONSetUp(self))
         self.add_callback(UsedRates(self))
+        add_rank_allocation(self)  # AdaLoRA's rank allocation, which Trainer leaves to the user
 
     def _resolve_learning_rate(self) -> None:
         """``learning_rate=None``: a rate for how the model is trained (see ``EVONConfig.learning_rate``)."""
