@@ -337,3 +337,55 @@ def test_calibration_at_the_end_of_training_under_ddp_scores_the_whole_split_ali
     assert ranks[0]["calibration"]["num_targets"] == 31  # one label per example, each example once
     assert ranks[0]["calibration"] == ranks[1]["calibration"]
     assert all(torch.equal(ranks[0]["posterior"][k], ranks[1]["posterior"][k]) for k in ranks[0]["posterior"])
+
+
+CALIBRATION_ITERABLE_DDP_WORKER = """
+import os, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_trainer import classification_data, classification_rows, config, tiny_bert
+from hf_evon import EVONTrainer
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(classification_rows(31, 7))
+
+out = Path(sys.argv[2])
+args = config(out, max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4, ddp_backend="gloo",
+              bma_num_samples=2, evon_ess=300.0)
+trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(48), calibration_dataset=Stream())
+trainer.train()  # accelerate dispatches an iterable split: rank 0 reads, each rank gets a slice of each batch
+kwargs = dict(grid=(1.0, 0.3), num_samples=2, always_scan=True, screen_factor=0.0)
+results = {"dispatched": trainer.calibrate(**kwargs), "map-style": trainer.calibrate(classification_data(31, 7), **kwargs)}
+trainer.accelerator.dataloader_config.dispatch_batches = False  # each rank reads its own shard
+results["IterableDatasetShard"] = trainer.calibrate(Stream(), **kwargs)
+results["datasets shards"] = trainer.calibrate(classification_data(31, 7).to_iterable_dataset(num_shards=2), **kwargs)
+trainer.accelerator.dataloader_config.dispatch_batches = True  # a map-style split's batches dispatched too
+results["map-style dispatched"] = trainer.calibrate(classification_data(31, 7), **kwargs)
+torch.save({k: vars(v) for k, v in results.items()}, out / f"rank{os.environ['RANK']}.pt")
+torch.distributed.barrier()
+from launcher import finish  # ends the worker before gloo's destructors can abort or hang it
+finish()
+"""
+
+
+def test_an_iterable_calibration_split_under_ddp_is_scored_whole_alike_on_every_rank(tmp_path) -> None:
+    """Two gloo ranks, an ``IterableDataset`` of 31 calibration examples: accelerate splits it however it
+    reads it (batches dispatched from rank 0, ``IterableDatasetShard``, a ``datasets`` stream's own
+    shards), so each rank scored 15 or 16 targets and chose its own temperature (4.76 on one rank, 1.0
+    on the other); so did a map-style split with ``dispatch_batches=True``. Every rank now scores the whole
+    split, as the map-style split is scored by default."""
+    from pathlib import Path
+
+    from launcher import torchrun
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(CALIBRATION_ITERABLE_DDP_WORKER)
+    torchrun(2, str(worker), str(Path(__file__).parent), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    reference = ranks[0]["map-style"]
+    assert reference["num_targets"] == 31
+    for name in ("dispatched", "IterableDatasetShard", "datasets shards", "map-style dispatched"):
+        assert ranks[0][name] == reference, name

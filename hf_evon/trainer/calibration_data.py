@@ -20,18 +20,38 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
+from accelerate.data_loader import DataLoaderDispatcher
 
 from hf_evon.modeling import peft_base_model, unwrap_model
 from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
+# What a whole-split loader over an ``IterableDataset`` keeps of the loader accelerate prepared (those
+# its torch's ``DataLoader`` takes): the batching, the collator (which drops the unused columns), the workers.
+LOADER_SETTINGS = (
+    "batch_size", "drop_last", "collate_fn", "num_workers", "pin_memory", "pin_memory_device", "timeout",
+    "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor", "in_order",
+)  # fmt: skip
 
-def whole_split(loader: Any) -> Any:
-    """``loader`` (an uncached one of the Trainer's, prepared by accelerate) reading the whole split
-    on every process: the calibration chooses one scale and temperature from the NLL summed over
-    the split, which each rank computes by itself, so under DDP a rank reading only its shard (and
-    the padding rows that even out the shards) would choose on its own data, unlike the others.
-    accelerate's batch sampler shard becomes a pass-through (one process, as transformers makes it
-    for a rank-aware sampler) that does not complete the last batch with the first rows."""
+
+def whole_split(loader: Any, dataset: Any) -> Any:
+    """``loader`` (an uncached one of the Trainer's for ``dataset``, prepared by accelerate) reading the
+    whole split on every process: the calibration chooses one scale and temperature from the NLL
+    summed over the split, which each rank computes by itself, so under DDP a rank reading only its
+    shard (and the padding rows that even out the shards) would choose on its own data, unlike the
+    others. accelerate's batch sampler shard becomes a pass-through (one process, as transformers
+    makes it for a rank-aware sampler) that does not complete the last batch with the first rows.
+    Where accelerate dispatches the batches (rank 0 reads, each rank gets a slice of every batch:
+    its default for an ``IterableDataset``), the loader it reads from; where it shards an
+    ``IterableDataset`` (``IterableDatasetShard``, or a ``datasets`` stream's own shards), a loader
+    with the same settings over ``dataset`` itself."""
+    if isinstance(loader, DataLoaderDispatcher):
+        return loader.base_dataloader  # the dataset's own batches, none sliced or completed
+    sharded = getattr(loader, "dataset", dataset) is not dataset
+    if isinstance(dataset, torch.utils.data.IterableDataset) and sharded:
+        base = getattr(loader, "base_dataloader", loader)
+        taken = inspect.signature(torch.utils.data.DataLoader).parameters
+        settings = {k: getattr(base, k) for k in LOADER_SETTINGS if k in taken and hasattr(base, k)}
+        return torch.utils.data.DataLoader(dataset, **settings)
     shard = getattr(loader, "batch_sampler", None)
     if getattr(shard, "num_processes", 1) > 1 and hasattr(shard, "process_index"):
         shard.num_processes, shard.process_index, shard.even_batches = 1, 0, False

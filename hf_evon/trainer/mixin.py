@@ -372,7 +372,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         start = time.perf_counter()
         # sorted by length, the long tail cut (each pass pads little; the dataset order's result), labels as "labels"
         split = calibration_data.length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
-        loader = calibration_data.whole_split(self._uncached_eval_dataloader(split))  # every rank: one choice
+        loader = calibration_data.whole_split(self._uncached_eval_dataloader(split), split)  # every rank: one choice
         batches = [self._prepare_inputs(b) for b in loader]
         batches = calibration_data.cut_by_length([calibration_data.under_labels(b, self.label_names, self.model) for b in batches])
         _, result = calibrate_posterior(
