@@ -540,6 +540,20 @@ def test_predict_bma_needs_a_posterior_and_samples(tmp_path):
         trainer.predict(classification_data(8), bma=True)
 
 
+def test_evaluate_bma_true_needs_a_posterior_and_samples(tmp_path):
+    """``evaluate(bma=True)`` without a posterior or with ``bma_num_samples=0`` returned no eval_bma_*
+    (a log line at most); it raises, naming what is missing, as ``predict(bma=True)`` does."""
+    untrained = EVONTrainer(model=tiny_bert(), args=config(tmp_path), eval_dataset=classification_data(8))
+    with pytest.raises(ValueError, match=r"evaluate\(bma=True\) needs a posterior"):
+        untrained.evaluate(bma=True)
+    trainer = _trained(tmp_path / "t")
+    trainer.args.bma_num_samples = 0
+    with pytest.raises(ValueError, match="bma_num_samples = 0"):
+        trainer.evaluate(bma=True)
+    metrics = trainer.evaluate()  # the refused call left no evaluation behind: the plain one runs
+    assert "eval_mean_nll" in metrics and "eval_bma_nll" not in metrics
+
+
 def test_bma_every_k_counts_an_evaluation_of_several_datasets_once(tmp_path):
     evaluation = {"a": classification_data(16, seed=1), "b": classification_data(16, seed=2)}
     trainer = _trained(

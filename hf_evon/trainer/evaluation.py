@@ -487,6 +487,8 @@ class EvaluationMixin:
 
     def evaluate(self, *args: Any, bma: bool = False, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with ``eval_mean_*`` and (when due, or ``bma=True``) ``eval_bma_*``."""
+        if bma:  # asked for: no posterior or no samples is an error, as for predict(bma=True)
+            self._bma_posterior("evaluate(bma=True)")
         outer, asked, step = self._evon_in_evaluate, self._evon_bma_asked, self.state.global_step
         # the Trainer evaluates each of several eval datasets by a call of its own, without bma
         self._evon_in_evaluate, self._evon_bma_asked = True, asked or bma
