@@ -1204,3 +1204,24 @@ def test_the_tokens_of_a_prefix_are_the_whole_texts_also_where_a_character_is_cu
     assert loading.read_text(str(text), "--text", 2) == ("d", False)  # 'é' cut after its first byte: left out
     for count in (1, 7, 30, len(whole), len(whole) + 5):
         assert torch.equal(loading.text_tokens(str(text), "--text", tokenizer, count), whole[:count]), count
+
+
+def test_calibrate_saves_a_posterior_calibrated_with_a_negative_seed(saved, tmp_path, capsys):
+    """--seed takes any integer, as calibrate_posterior and sampling do, but the saved config's rule
+    refused a negative calibration seed: --seed -5 ran the whole calibration, then failed at the save
+    with "field 'calibration.seed' must be an integer >= 0", exit code 1, and nothing saved."""
+    from hf_evon.predictive.calibration import calibrate_posterior
+
+    path, model, tokenizer, posterior = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    out = tmp_path / "calibrated"
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(out)]
+    code = main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2", "--seed", "-5", "--json"])
+    assert code == 0, capsys.readouterr().err
+    ids = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    batches = [{"input_ids": ids[:32].view(2, 16), "labels": ids[:32].view(2, 16)}]
+    _, expected = calibrate_posterior(model, posterior, batches, num_samples=2, seed=-5, shift_labels=True)
+    loaded = EVONPosterior.from_pretrained(out)
+    assert loaded.config["calibration"]["seed"] == -5 and json.loads(capsys.readouterr().out)["seed"] == -5
+    assert loaded.ess == expected.ess and loaded.config["calibration"]["mean_nll"] == expected.mean_nll

@@ -223,7 +223,7 @@ _CALIBRATION_KEYS = (
     ("temperatures", False, "list"),
     ("num_samples", False, "integer"),
     ("num_targets", False, "integer"),
-    ("seed", False, "integer"),
+    ("seed", False, "seed"),
     ("grid", False, "list"),
     ("nll", False, "list"),
     ("scanned", False, "bool"),
@@ -245,6 +245,9 @@ def calibration(value: Any, field: str, where: str) -> dict[str, Any]:
             continue
         if kind == "integer":
             integer(0)(item, name, where)
+        elif kind == "seed":  # any integer: seeds may be negative (hf_evon.optim.noise.resolve_seed)
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise rule_error(where, name, "an integer", item)
         elif kind == "bool" and not isinstance(item, bool):
             raise rule_error(where, name, "true or false", item)
         elif kind == "list":
