@@ -554,6 +554,16 @@ def test_evaluate_bma_true_needs_a_posterior_and_samples(tmp_path):
     assert "eval_mean_nll" in metrics and "eval_bma_nll" not in metrics
 
 
+def test_predict_bma_refuses_keywords_the_trainers_predict_does_not_take(tmp_path):
+    """``predict(test, bma=True, num_samples=4)`` ignored the keyword (the samples stay
+    ``bma_num_samples``) where ``Trainer.predict`` raises TypeError; it raises too, naming it."""
+    trainer = _trained(tmp_path)
+    with pytest.raises(TypeError, match="'num_samples'"):
+        trainer.predict(classification_data(8), bma=True, num_samples=4)
+    with pytest.raises(TypeError, match="'num_samples'"):
+        trainer.predict(classification_data(8), num_samples=4)  # as without bma
+
+
 def test_bma_every_k_counts_an_evaluation_of_several_datasets_once(tmp_path):
     evaluation = {"a": classification_data(16, seed=1), "b": classification_data(16, seed=2)}
     trainer = _trained(

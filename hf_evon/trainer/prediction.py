@@ -4,6 +4,7 @@ by the user's ``compute_metrics`` and by the ``{prefix}_bma_*`` metrics."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from typing import Any
@@ -225,6 +226,20 @@ def _user_metrics(trainer: Any, predictions: Any, label_ids: Any, inputs: Any, p
     return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in dict(metrics).items()}
 
 
+def _refuse_unknown_keywords(method: Any, kwargs: dict[str, Any]) -> None:
+    """TypeError naming the ``kwargs`` that ``method`` (the subclass's ``predict``) does not take: the
+    BMA predictions do not call it, and a keyword it would refuse must not pass unnoticed."""
+    parameters = inspect.signature(method).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    unknown = sorted(set(kwargs) - {p.name for p in parameters})
+    if unknown:
+        raise TypeError(
+            f"predict(bma=True) got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: "
+            f"{getattr(method, '__qualname__', 'predict')} takes no such keyword"
+        )
+
+
 class PredictionMixin:
     """``predict(bma=True)`` and ``predict_uncertainty`` of :class:`~hf_evon.trainer.EVONTrainerMixin`."""
 
@@ -248,6 +263,7 @@ class PredictionMixin:
         """
         if not bma:
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
+        _refuse_unknown_keywords(super().predict, kwargs)  # as the subclass's predict would
         posterior = self._bma_posterior("predict(bma=True)")
         start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
         output = bma_predict(
