@@ -459,3 +459,80 @@ def test_a_complex_parameter_leaves_the_other_gradients_norms_widened() -> None:
     assert [n.dtype for n in norms] == [torch.float32, torch.float32, torch.float32]
     assert [float(n) for n in norms] == pytest.approx([1000**0.5 * 10, 5.0, 1000**0.5 * 10], rel=1e-6)
     assert all(torch.isfinite(n.square()) for n in norms)
+
+
+# ------------------------------------------------------------------- a learning rate as a tensor
+def _rate(value: float, tensor: bool) -> float | torch.Tensor:
+    return torch.tensor(value) if tensor else value
+
+
+def _run_with_rates(tensor: bool, how: str) -> tuple[nn.Sequential, EVON]:
+    """Four steps at rates that are powers of two (so a rate multiplied in any order is exact)."""
+    model = _model()
+    if how == "constructor":
+        opt = _optimizer(model, lr=_rate(0.125, tensor), adamw_lr=_rate(0.0625, tensor))
+    else:
+        opt = _optimizer(model, lr=0.125, adamw_lr=0.0625)
+        for group in opt.param_groups:
+            group["lr"] = _rate(group["lr"], tensor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5**t) if how == "scheduler" else None
+    for _ in range(4):
+        _step(opt, model)
+        if scheduler is not None:
+            scheduler.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("how", ["constructor", "group", "scheduler"])
+def test_a_tensor_learning_rate_trains_as_the_same_float_does(how: str) -> None:
+    """torch.optim.AdamW takes ``lr`` as a 0-dim tensor (which schedulers then set in place, with
+    ``fill_``), and so do EVON's groups of both algorithms: the run is the one at the same floats.
+    Before, EVON(lr=torch.tensor(...)) and a group's tensor rate were refused ("Invalid lr")."""
+    model, opt = _run_with_rates(True, how)
+    ref_model, ref = _run_with_rates(False, how)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    assert all(torch.is_tensor(g["lr"]) for g in opt.param_groups)  # a scheduler fills it in place
+    if how == "scheduler":
+        assert [float(g["lr"]) for g in opt.param_groups] == [0.125 / 16, 0.0625 / 16]
+    saved = pickle.loads(pickle.dumps(opt.state_dict()))
+    fresh = _optimizer(_model(), lr=0.125, adamw_lr=0.0625)
+    fresh.load_state_dict(saved)
+    assert [float(g["lr"]) for g in fresh.param_groups] == [float(g["lr"]) for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_tensor_rate_on_the_device_steps_the_weights_as_its_float_does(scaled: bool) -> None:
+    """A rate held as a tensor on an accelerator is multiplied there (no host sync per step), by the
+    same kernel as a CPU tensor here: the weights get the float rate's step exactly (powers of two)."""
+    from hf_evon.optim.update import step_weights
+
+    torch.manual_seed(0)
+    params = [torch.randn(3, 4), torch.randn(5)]
+    deltas = [torch.randn(3, 4), torch.randn(5)]
+    scales = [torch.tensor(0.5), torch.tensor(0.25)] if scaled else None
+    by_float, by_tensor = [p.clone() for p in params], [p.clone() for p in params]
+    step_weights(by_float, deltas, scales, 0.125)
+    step_weights(by_tensor, deltas, scales, torch.tensor(0.125))
+    expected = [p - 0.125 * d * (1.0 if s is None else s) for p, d, s in zip(params, deltas, scales or [None] * 2)]
+    for got, other, want in zip(by_tensor, by_float, expected):
+        assert torch.equal(got, other) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "rate, rule",
+    [
+        (torch.tensor([0.1]), "0-dim"),
+        (torch.tensor(1), "floating-point"),
+        (torch.tensor(-0.1), ">= 0"),
+        (torch.tensor(float("nan")), "finite"),
+    ],
+)
+@pytest.mark.parametrize("key", ["lr", "adamw_lr"])
+def test_a_tensor_rate_that_is_not_a_finite_0_dim_float_is_refused_by_name(rate, rule: str, key: str) -> None:
+    with pytest.raises(ValueError, match=rf"Invalid {key}: .*{rule}"):
+        _optimizer(_model(), **{key: rate})
+    opt = _optimizer(_model())
+    opt.param_groups[1 if key == "adamw_lr" else 0]["lr"] = rate
+    with pytest.raises(ValueError, match=rf"param_groups\[\d\]: Invalid lr: .*{rule}"):
+        _step(opt, _model())

@@ -311,3 +311,24 @@ def test_a_posterior_of_an_optimizer_built_with_numpy_numbers_saves_them_as_json
     assert (saved["lr"], saved["betas"], saved["hess_init"], saved["clip_radius"]) == (0.25, [0.5, 0.75], 0.125, 0.5)
     assert saved["mc_samples"] == 2 and isinstance(saved["mc_samples"], int)
     assert EVONPosterior.from_pretrained(tmp_path).config["lr"] == 0.25
+
+
+def test_a_posterior_of_an_optimizer_with_a_tensor_rate_saves_its_numbers(tmp_path):
+    """The optimizer takes ``lr`` as a 0-dim tensor, as torch.optim does (a scheduler then sets it in
+    place); the config records the rates as JSON numbers, the peak and the final one."""
+    from hf_evon import EVON, EVONPosterior
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = EVON([model[0].weight, model[2].weight], lr=torch.tensor(0.25), seed=0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5**t)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    EVONPosterior.from_optimizer(opt, model).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "evon_posterior_config.json").read_text())
+    assert (saved["lr"], saved["final_lr"]) == (0.25, 0.0625)

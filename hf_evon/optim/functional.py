@@ -196,7 +196,7 @@ def adamw(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     weight_decay: float,
@@ -207,8 +207,11 @@ def adamw(
     Fused (one kernel per device and dtype, the step counts read on the device) where every
     tensor is a real float on a CPU or CUDA device, as ``transformers.Trainer``'s default
     ``adamw_torch_fused`` is; else multi-tensor, whose bias corrections read each step count
-    back to the host."""
+    back to the host. ``lr`` may be a 0-dim tensor (torch AdamW's), on a device read there."""
     fused = all(map(fused_adamw, params))
+    if torch.is_tensor(lr) and (not fused or lr.device.type == "cpu"):
+        # torch's multi-tensor kernel refuses a tensor rate (but capturable); a CPU one is read as a number
+        lr = lr.item()
     # complex entries as (real, imaginary) pairs, as torch.optim.AdamW steps them
     has_complex = not fused and any(map(torch.is_complex, params))
     _functional_adam(

@@ -44,6 +44,7 @@ __all__ = [
     "finite_flags",
     "hessian_candidate",
     "plan_update",
+    "step_weights",
 ]
 
 Tensor = torch.Tensor
@@ -247,11 +248,26 @@ def evon_updates(
         if counted:
             stepped.append((plan.bucket, plan.members))
     for lr, (params, deltas, scales) in steps.values():
+        # a CPU tensor's rate is read without a device sync: the number's step exactly
+        step_weights(params, deltas, scales, lr.item() if torch.is_tensor(lr) and lr.device.type == "cpu" else lr)
+    count_updates(stepped)
+
+
+def step_weights(params: list[Tensor], deltas: list[Tensor], scales: list[Tensor] | None, lr: float | Tensor) -> None:
+    """``p -= lr·s·Δ`` for every parameter (s = 1 where ``scales`` is None) in one multi-tensor op.
+    A rate held in a 0-dim tensor is multiplied on the device, as torch's capturable optimizers do:
+    reading it to the host would wait, every step, for all the work queued there."""
+    if not torch.is_tensor(lr):
         if scales is None:
             torch._foreach_add_(params, deltas, alpha=-lr)
         else:
             torch._foreach_addcmul_(params, deltas, scales, value=-lr)
-    count_updates(stepped)
+        return
+    deltas = torch._foreach_mul(deltas, lr.neg().to(params[0].device))
+    if scales is None:
+        torch._foreach_add_(params, deltas)
+    else:
+        torch._foreach_addcmul_(params, deltas, scales)
 
 
 def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:

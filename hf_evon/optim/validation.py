@@ -86,8 +86,8 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
         require(
             "adamw_lr",
             adamw_lr,
-            adamw_lr is None or (finite(adamw_lr) and adamw_lr >= 0.0),
-            "None or a finite number >= 0",
+            adamw_lr is None or rate_ok(adamw_lr),
+            f"None or {RATE_RULE}",
         )
     if "adamw_betas" in kwargs:
         require(
@@ -105,6 +105,18 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     prior = {"hess_init": DEFAULT_HESS_INIT, "weight_decay": None}
     validate_group(resolve_prior({**prior, **group, "algorithm": "evon", "params": []}))
     return python_numbers(group)
+
+
+# a learning rate's rule: torch.optim takes one as a tensor too (its schedulers then set it in place)
+RATE_RULE = "a finite number >= 0, or a 0-dim floating-point tensor holding one"
+
+
+def rate_ok(lr: Any, read: bool = True) -> bool:
+    """Whether ``lr`` is a learning rate (``RATE_RULE``). ``read=False``: a tensor's value is taken
+    as valid (reading one on an accelerator waits for all its queued work)."""
+    if torch.is_tensor(lr):
+        return lr.ndim == 0 and lr.is_floating_point() and (not read or bool(torch.isfinite(lr) & (lr >= 0)))
+    return finite(lr) and lr >= 0.0
 
 
 def python_numbers(values: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +202,7 @@ def validate_group(group: dict[str, Any]) -> None:
     algorithm = group.get("algorithm", "evon")
     need("algorithm", algorithm in ALGORITHMS, "'evon' or 'adamw'")
     if has("lr"):
-        need("lr", finite(group["lr"]) and group["lr"] >= 0.0, "a finite number >= 0")
+        need("lr", rate_ok(group["lr"]), RATE_RULE)
     if has("betas"):
         need("betas", betas_ok(group["betas"]), "two numbers in [0, 1)")
     if has("weight_decay"):
@@ -293,8 +305,9 @@ def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, 
     again but for its rate, which schedulers set every step."""
     for i, group in enumerate(groups):
         lr = group.get("lr")
+        on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # a device's rate: read at set-up only
         with contextlib.suppress(Exception):  # a tensor setting compares elementwise: check it
-            if checked.get(id(group)) == _settings(group) and finite(lr) and lr >= 0:
+            if checked.get(id(group)) == _settings(group) and rate_ok(lr, read=on_host):
                 group["lr"] = python_number(lr)  # a NumPy rate: Python's
                 continue
         try:

@@ -97,6 +97,8 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     settings = {k: first[k] for k in HYPERPARAMETER_KEYS if k in first}
     if "initial_lr" in first:  # under an LR scheduler: the configured (peak) rate, not today's
         settings["lr"], settings["final_lr"] = first["initial_lr"], first["lr"]
+    # a rate held in a 0-dim tensor (torch.optim's option; schedulers set it in place): its number
+    settings = {k: v.item() if torch.is_tensor(v) else v for k, v in settings.items()}
     if "betas" in settings:
         settings["betas"] = tuple(settings["betas"])
     steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
