@@ -938,6 +938,39 @@ def test_adaloras_rank_allocation_runs_at_every_optimizer_step(tmp_path):
     assert [c for c in trainer.callback_handler.callbacks if isinstance(c, AdaLoraRankAllocation)] == [own]
 
 
+
+def test_an_adalora_adapter_saved_by_the_trainer_reloads_with_its_posterior(tmp_path):
+    """PEFT saves an AdaLoRA adapter with a rank_pattern at its kept ranks only, where the posterior covers
+    every rank: ``save_model()`` wrote an adapter and a posterior that did not fit together (the posterior's
+    save warned, and ``from_pretrained(dir, model=PeftModel.from_pretrained(...))`` raised). The trainer now
+    saves every rank (the pruned ones as AdaLoRA's zeros), the reloaded pair samples as the trained model
+    does, bit for bit, and the live model keeps its rank_pattern for the rest of training."""
+    from peft import AdaLoraConfig, PeftModel
+
+    adalora = AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
+    )
+    args = config(tmp_path, max_steps=4, per_device_train_batch_size=4)
+    trainer = EVONTrainer(model=tiny_gpt2(), args=args, peft_config=adalora, train_dataset=lm_data())
+    trainer.train()
+    pattern = dict(trainer.model.peft_config["default"].rank_pattern)
+    assert sum(sum(kept) for kept in pattern.values()) == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_model()
+    out = trainer.args.output_dir
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), out)
+    loaded = EVONPosterior.from_pretrained(out, model=reloaded)
+    posterior = trainer.current_posterior()
+    ours, theirs = dict(trainer.model.named_parameters()), dict(reloaded.named_parameters())
+    with posterior.sampled(trainer.model, seed=3):
+        expected = {n: ours[n].detach().clone() for n in posterior.names}
+    with loaded.sampled(reloaded, seed=3):
+        assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert trainer.model.peft_config["default"].rank_pattern == pattern
+
+
 # ---------------------------------------------------------------------------- fresh process
 RELOAD_SCRIPT = textwrap.dedent(
     """

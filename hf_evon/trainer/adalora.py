@@ -10,11 +10,19 @@ loop does. Every ``EVONTrainerMixin`` trainer adds one (:func:`add_rank_allocati
 ``Trainer`` pass ``callbacks=[AdaLoraRankAllocation()]``. It does nothing for other models.
 Do not call ``update_and_allocate`` yourself as well: a second call in a step updates AdaLoRA's
 importance averages twice.
+
+PEFT's ``save_pretrained`` keeps only the ranks a ``rank_pattern`` keeps, where an EVON posterior covers
+every rank (a Kronecker-factored Gaussian has no exact form over a subset of rows): the EVON trainers
+save an AdaLoRA adapter with every rank, the pruned ones as the zeros AdaLoRA wrote into ``lora_E``
+(:func:`every_rank_saved`), so adapter and posterior reload together; a sample keeps those ranks at 0
+(:func:`hf_evon.modeling.pruned_ranks`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -22,7 +30,7 @@ from transformers import TrainerCallback
 
 from hf_evon.modeling import is_peft_model, unwrap_model
 
-__all__ = ["AdaLoraRankAllocation", "add_rank_allocation"]
+__all__ = ["AdaLoraRankAllocation", "add_rank_allocation", "adalora_model", "every_rank_saved"]
 
 
 def adalora_model(model: Any) -> Any:
@@ -52,3 +60,20 @@ def add_rank_allocation(trainer: Any) -> None:
     two would allocate twice a step."""
     if not any(isinstance(c, AdaLoraRankAllocation) for c in trainer.callback_handler.callbacks):
         trainer.add_callback(AdaLoraRankAllocation())
+
+
+@contextlib.contextmanager
+def every_rank_saved(model: Any) -> Iterator[None]:
+    """For the enclosed save, ``model``'s AdaLoRA adapters without a ``rank_pattern``, so PEFT's save keeps
+    every rank (the pruned ones as zeros; reloaded, they compute what the kept ranks alone do); each
+    pattern is put back afterwards, also on an error, for the rest of training."""
+    adalora = adalora_model(model)
+    configs = [] if adalora is None else [c for c in adalora.peft_config.values() if c.rank_pattern is not None]
+    patterns = [c.rank_pattern for c in configs]
+    try:
+        for c in configs:
+            c.rank_pattern = None
+        yield
+    finally:
+        for c, pattern in zip(configs, patterns, strict=True):
+            c.rank_pattern = pattern

@@ -3,7 +3,8 @@
 * ``save_model()`` (which the Trainer's checkpoints call too) writes ``evon_posterior.safetensors``
   and ``evon_posterior_config.json`` next to the model (or the PEFT adapter) and the model card;
   with ``evon_shard`` the sharded state is gathered first, on every process, so the rank-0-only
-  writing needs no collective.
+  writing needs no collective. An AdaLoRA adapter is saved with every rank, the pruned ones as
+  AdaLoRA's zeros (:func:`~hf_evon.trainer.adalora.every_rank_saved`): the posterior covers every rank.
 * ``load_best_model_at_end``: once the Trainer restored the best checkpoint's weights, that
   checkpoint's posterior comes back with them (:meth:`CheckpointingMixin._load_best_posterior`).
 * FSDP2: the Trainer's ``optimizer.bin`` (torch's distributed checkpoint, per-parameter state
@@ -29,6 +30,7 @@ from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import directory_lock, replaced_atomically
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
+from hf_evon.trainer.adalora import every_rank_saved
 from hf_evon.trainer.card import save_trainer_model_card
 
 __all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin", "settings_replaced"]
@@ -74,7 +76,8 @@ class CheckpointingMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model (or adapter) as usual, plus the posterior and the model card."""
         self._gather_sharded_state()
-        super().save_model(output_dir, _internal_call)
+        with every_rank_saved(self.model):
+            super().save_model(output_dir, _internal_call)
         if not self.args.should_save:
             return
         posterior = self.current_posterior()
