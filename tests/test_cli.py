@@ -1225,3 +1225,38 @@ def test_calibrate_saves_a_posterior_calibrated_with_a_negative_seed(saved, tmp_
     loaded = EVONPosterior.from_pretrained(out)
     assert loaded.config["calibration"]["seed"] == -5 and json.loads(capsys.readouterr().out)["seed"] == -5
     assert loaded.ess == expected.ess and loaded.config["calibration"]["mean_nll"] == expected.mean_nll
+
+
+def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(saved, tmp_path, capsys, monkeypatch):
+    """An --output holding another run's model and posterior: calibrate replaced that posterior with
+    one of --model's weights, silently, leaving the other model beside a posterior that does not fit
+    it (its trained posterior lost). It is a usage error before any pass; the files stay as they were.
+    An --output holding a posterior of --model's own weights (the model's directory, a rerun) is saved to."""
+    import hf_evon.predictive.calibration as calibration
+
+    path, model, tokenizer, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    wider = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=1, n_head=2))
+    retrained = copy.deepcopy(model)
+    others = {"wider": (wider, trained_posterior(wider, len(tokenizer), lambda x: x))}
+    others["retrained"] = (retrained, trained_posterior(retrained, len(tokenizer), lambda x: x.roll(1, 1)))
+    calibrate = calibration.calibrate_posterior
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    for name, (other, posterior) in others.items():
+        output = tmp_path / name
+        other.save_pretrained(output)
+        posterior.save_pretrained(output)
+        before = {f.name: f.read_bytes() for f in output.iterdir()}
+        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, name
+        err = capsys.readouterr().err
+        assert f"--output {str(output)!r} holds the EVON posterior of other weights" in err, err
+        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, name
+    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
+    own = tmp_path / "own"
+    shutil.copytree(path, own)
+    for _ in range(2):  # the model's own directory, then a rerun into it
+        argv = ["calibrate", "--model", str(own), "--text", str(text), "--output", str(own), "--json"]
+        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
+        assert EVONPosterior.from_pretrained(own).ess == float(json.loads(capsys.readouterr().out)["ess"])

@@ -33,6 +33,8 @@ from typing import Any
 
 from hf_evon.cli.loading import (
     UsageError,
+    check_output,
+    check_output_posterior,
     failure_text,
     file_error_text,
     file_errors,
@@ -431,7 +433,9 @@ def _add_calibrate(subparsers: Any) -> None:
     p = _subcommand(subparsers, "calibrate", _run_calibrate)
     _add_model_posterior_options(p, "local model directory or Hub repo id (a transformers causal LM)")
     p.add_argument("--text", required=True, help="held-out text file (UTF-8)")
-    p.add_argument("--output", required=True, help="directory to save the calibrated posterior to")
+    p.add_argument(
+        "--output", required=True, help="directory to save the calibrated posterior to (not another model's)"
+    )
     p.add_argument(  # a block of one token has no target to score
         "--block-size", type=_int_at_least(2), default=128, help="tokens per block (default 128; at most the model's context)"
     )
@@ -494,14 +498,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text!r} is not a file")
     read_text(args.text, "--text")  # its start before the model loads: a file in another encoding fails at once
-    existing = os.path.abspath(args.output)  # checked before the passes, not at the save after them
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
-        why = "is a directory this user cannot write in" if os.path.isdir(existing) else "is a file, not a directory"
-        raise UsageError(f"--output {args.output!r}: {existing!r} {why}")
+    check_output(args.output)  # checked before the passes, not at the save after them
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
+    check_output_posterior(args.output, model, posterior)
     if is_encoder_decoder(model):
         raise UsageError(
             f"--model {args.model!r} is an encoder-decoder model: calibrate scores --text as a causal LM's "

@@ -173,6 +173,50 @@ def from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
         ) from err
 
 
+def check_output(output: str) -> None:
+    """A usage error where ``output`` cannot become a directory this user writes in."""
+    existing = os.path.abspath(output)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
+        why = "is a directory this user cannot write in" if os.path.isdir(existing) else "is a file, not a directory"
+        raise UsageError(f"--output {output!r}: {existing!r} {why}")
+
+
+def check_output_posterior(output: str, model: Any, posterior: Any) -> None:
+    """A usage error where ``output`` holds a posterior that is not of ``model``'s weights (other
+    tensors, or another mean by its recorded ``mean_fingerprint``), or one that does not load.
+
+    Why: the save replaces the posterior there, and another run's trained posterior would be
+    lost, its model left beside a posterior of other weights. A posterior of the same weights
+    (the model's own directory, a rerun) is what a calibration replaces."""
+    from hf_evon.modeling import unwrap_model
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorMismatchError
+    from hf_evon.posterior.fingerprint import mean_mismatches
+    from hf_evon.posterior.format import read_config
+
+    path = os.path.join(output, POSTERIOR_CONFIG_NAME)
+    if not os.path.isfile(path):
+        return
+    keep = "pass another --output, or remove its evon_posterior files to replace them"
+    try:
+        config = read_config(path)
+    except PosteriorMismatchError as err:
+        raise UsageError(f"--output {output!r} holds an EVON posterior that does not load ({err}): {keep}") from None
+    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    names = set(posterior.names)
+    other = sorted(set(config.parameters) ^ names) or sorted(
+        n for n, e in config.parameters.items() if tuple(e.shape) != tuple(posterior[n].shape)
+    )
+    if not other and config.mean_fingerprint:
+        other = mean_mismatches(config.mean_fingerprint, params, names)
+    if other:
+        raise UsageError(
+            f"--output {output!r} holds the EVON posterior of other weights than --model's (e.g. tensor "
+            f"{other[0]!r}); saving would replace it: {keep}"
+        )
+
+
 def torch_dtype(name: str) -> Any:
     import torch
 
