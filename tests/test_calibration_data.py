@@ -67,6 +67,27 @@ def test_length_sorted_keeps_the_examples_and_orders_them_by_token_count() -> No
     assert length_sorted(data, left) is data and length_sorted(data, right)["input_ids"] == ordered["input_ids"]
 
 
+def test_length_sorted_returns_an_iterable_dataset_as_it_is_even_with_a_length() -> None:
+    """An ``IterableDataset`` with ``__len__`` (or wrapped in accelerate's ``IterableDatasetShard``, which
+    ``evaluate()``'s BMA passes under DDP with ``dispatch_batches=False`` get) passed the Sized check
+    and was indexed: ``NotImplementedError`` from ``dataset[0]``, or ``TypeError`` from the shard's
+    ``len()`` of an unsized stream, so ``calibrate()`` and the BMA metrics of such a split crashed."""
+    from accelerate.data_loader import IterableDatasetShard
+
+    rows = [{"input_ids": torch.arange(k), "labels": k} for k in (5, 2, 9, 2)]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(rows)
+
+    class SizedStream(Stream):
+        def __len__(self) -> int:
+            return len(rows)
+
+    for dataset in (SizedStream(), IterableDatasetShard(Stream(), batch_size=2, num_processes=2)):
+        assert length_sorted(dataset) is dataset, type(dataset).__name__
+
+
 def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -226,12 +226,15 @@ def length_sorted(dataset: Any, collator: Any = None, drop_last: bool = False) -
     """``dataset``'s examples ordered by their ``input_ids``' length (a stable sort): a
     ``datasets.Dataset`` through ``select``, another map-style dataset through
     ``torch.utils.data.Subset``. Returned as it is where the examples carry no ``input_ids``,
-    where the dataset has no length (iterable) or where the order would not change; and where
+    where the dataset is iterable (read in its order, whether or not it has a length: a ``datasets``
+    stream, accelerate's ``IterableDatasetShard``) or where the order would not change; and where
     the order changes what is scored: ``drop_last`` (the loader drops the last batch: in the
     dataset's order, other examples) or a ``collator`` that pads on the left (a row's padding
     moves its tokens' positions, and with them its log-probabilities)."""
     sides = {getattr(collator, "padding_side", None), getattr(getattr(collator, "tokenizer", None), "padding_side", None)}
     if drop_last or "left" in sides or not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
+        return dataset
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # read in its order, even with a length
         return dataset
     column_names = getattr(dataset, "column_names", None)
     if column_names is not None:  # a datasets.Dataset: read the one column, not every example
