@@ -1190,3 +1190,43 @@ def test_a_parameter_moved_to_a_group_of_the_other_algorithm_starts_that_ones_st
     ``exp_avg_sq`` stayed in the state dict), and EVON's state in an AdamW group raised KeyError
     'exp_avg_sq' (or, under step_curvature="entry", stepped with EVON's rotated momentum)."""
     assert_identical(_moved_run(source, step_curvature, False), _moved_run(source, step_curvature, True))
+
+
+@pytest.mark.parametrize("edit", ["append", "reset", "move"])
+def test_a_checkpoint_saved_right_after_a_params_edit_resumes_as_the_run_goes_on(edit: str) -> None:
+    """A state dict saved between an edit of a group's parameters and the next step (a parameter
+    appended to an EVON group, one whose state was reset with ``del optimizer.state[p]``, one moved in
+    from an AdamW group) holds no EVON state for it, which the live optimizer stacks as a member
+    joining late. Before, loading it was refused ("state[1] has no 'L' but state[0] has one ... saved
+    where they were stacked apart"); it now resumes exactly as the run that saved it goes on."""
+    data = make_data()
+    settings = dict(lr=0.05, ess=64.0, hess_init=0.5, weight_decay=1e-3, precondition_frequency=3, seed=123)
+
+    def build(model: nn.Module, before_edit: bool) -> EVON:
+        a, b = model[2].weight, model[4].weight  # 5x5 both: one bucket
+        biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+        evon = [a] if before_edit and edit != "reset" else [a, b]
+        adamw = biases + ([b] if before_edit and edit == "move" else [])
+        return EVON([{"params": evon}, {"params": adamw, "algorithm": "adamw"}], **settings)
+
+    model = make_model()
+    opt = build(model, True)
+    for _ in range(2):
+        train_step(model, opt, data)
+    b = model[4].weight
+    b.grad = None  # outside the optimizer, its gradients were never zeroed
+    if edit == "move":
+        del opt.param_groups[1]["params"][-1]
+    if edit == "reset":
+        del opt.state[b]
+    else:
+        opt.param_groups[0]["params"].append(b)
+    saved = roundtrip(opt.state_dict())
+    twin = make_model()
+    twin.load_state_dict(model.state_dict())
+    resumed = build(twin, False)
+    resumed.load_state_dict(saved)
+    for _ in range(3):
+        train_step(model, opt, data)
+        train_step(twin, resumed, data)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))

@@ -189,7 +189,9 @@ def check_stacked_bases(param_groups: list[dict[str, Any]], loaded: dict[str, An
     group, matrix shape, device and dtype; the groups' settings as loaded) would load the
     eigenbasis statistics for some and not for others, before anything is loaded: a bucket's state
     is stacked for all its members or none. Where the state was saved they were stacked apart
-    (another dtype or device), and one of them never updated."""
+    (another dtype or device), and one of them never updated. A member without EVON's state (saved
+    between an edit of its group's params or a reset of its state and the next step) is not stacked
+    yet: it joins its bucket late, as in the optimizer that saved it."""
     saved_groups = loaded["param_groups"]
     index = {id(p): i for g, sg in zip(param_groups, saved_groups) for p, i in zip(g["params"], sg["params"])}
     label = {
@@ -200,11 +202,12 @@ def check_stacked_bases(param_groups: list[dict[str, Any]], loaded: dict[str, An
     }
     merged = [{**sg, "params": g["params"]} for g, sg in zip(param_groups, saved_groups)]
     for b in group_buckets(merged):
+        stacked = [p for p in b.params if "hess" in loaded["state"].get(index[id(p)], {})]
         for key in ("L", "R", "Q_L", "Q_R"):
-            has = {id(p): key in loaded["state"].get(index[id(p)], {}) for p in b.params}
+            has = {id(p): key in loaded["state"][index[id(p)]] for p in stacked}
             if any(has.values()) and not all(has.values()):
-                with_it = next(p for p in b.params if has[id(p)])
-                without = next(p for p in b.params if not has[id(p)])
+                with_it = next(p for p in stacked if has[id(p)])
+                without = next(p for p in stacked if not has[id(p)])
                 raise ValueError(
                     f"EVON.load_state_dict: state[{index[id(without)]!r}] has no {key!r} but "
                     f"state[{index[id(with_it)]!r}] has one, and their parameters {label[id(without)]} and "
