@@ -691,6 +691,25 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     )
 
 
+def test_a_resume_on_the_trainer_that_trained_continues_exactly(tmp_path):
+    """``trainer.train(resume_from_checkpoint=...)`` on the trainer that wrote the checkpoint loads
+    its state into the same EVON, whose noise generator had drawn the last step's sample: the
+    resumed step's label is that step's, so the generator was not reseeded and the step drew
+    other noise than the run that saved the checkpoint (weights and posterior differed)."""
+    data = classification_data(32)
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, evon_ess=300.0),
+        train_dataset=data,
+    )  # fmt: skip
+    trainer.train()
+    weights, posterior = params(trainer.model), trainer.current_posterior().to_tensors()
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+    assert all(torch.equal(weights[name], p) for name, p in params(trainer.model).items())
+    again = trainer.current_posterior().to_tensors()
+    assert again.keys() == posterior.keys() and all(torch.equal(again[k], posterior[k]) for k in again)
+
+
 def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_starts_afresh(tmp_path):
     """``save_only_model=True`` checkpoints hold the weights and the posterior but no optimizer
     state; transformers resumes from them silently with a fresh optimizer. EVON's posterior then
@@ -969,6 +988,33 @@ def test_an_adalora_adapter_saved_by_the_trainer_reloads_with_its_posterior(tmp_
         assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)
     assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
     assert trainer.model.peft_config["default"].rank_pattern == pattern
+
+
+
+def test_an_adalora_run_resumed_after_its_final_allocation_ends_as_the_whole_run(tmp_path):
+    """Past AdaLoRA's final allocation, ``update_and_allocate`` masks with the config's rank_pattern, which
+    a checkpoint's adapter (saved with every rank, the pruned ones as zeros) does not carry: a run resumed
+    there crashed at its first step (``mask_using_rank_pattern(model, None)``: AttributeError). The
+    pattern is now read back from the zeros, and the resumed run ends exactly as the whole run does."""
+    from peft import AdaLoraConfig
+
+    def adalora() -> AdaLoraConfig:
+        return AdaLoraConfig(
+            init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=6, tinit=0, tfinal=2,
+            deltaT=1,
+        )  # fmt: skip
+
+    common = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=5, evon_ess=300.0)
+    full = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "full", **common), peft_config=adalora(),
+                       train_dataset=lm_data())  # fmt: skip
+    full.train()
+    resumed = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "res", **common), peft_config=adalora(),
+                          train_dataset=lm_data())  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-5"))
+    pattern = full.model.peft_config["default"].rank_pattern
+    assert resumed.model.peft_config["default"].rank_pattern == pattern
+    pa, pb = params(full.model), params(resumed.model)
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
 
 
 # ---------------------------------------------------------------------------- fresh process

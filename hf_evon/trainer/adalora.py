@@ -7,7 +7,10 @@ never calls it, so an adapter trained without it keeps every rank: ``target_r``,
 ``on_optimizer_step`` (after ``optimizer.step()``, before ``zero_grad``, once per optimizer step
 also under gradient accumulation) with ``state.global_step``, the step's index from 0, as PEFT's
 loop does. Every ``EVONTrainerMixin`` trainer adds one (:func:`add_rank_allocation`); with any other
-``Trainer`` pass ``callbacks=[AdaLoraRankAllocation()]``. It does nothing for other models.
+``Trainer`` pass ``callbacks=[AdaLoraRankAllocation()]``. It does nothing for other models. A run
+resumed after the final allocation gets its ``rank_pattern`` back from the checkpoint's zeros
+(:func:`kept_ranks`); one resumed before it starts AdaLoRA's importance averages afresh (PEFT keeps them
+in no file).
 Do not call ``update_and_allocate`` yourself as well: a second call in a step updates AdaLoRA's
 importance averages twice.
 
@@ -30,7 +33,7 @@ from transformers import TrainerCallback
 
 from hf_evon.modeling import is_peft_model, unwrap_model
 
-__all__ = ["AdaLoraRankAllocation", "add_rank_allocation", "adalora_model", "every_rank_saved"]
+__all__ = ["AdaLoraRankAllocation", "adalora_model", "add_rank_allocation", "every_rank_saved", "kept_ranks"]
 
 
 def adalora_model(model: Any) -> Any:
@@ -49,10 +52,31 @@ class AdaLoraRankAllocation(TrainerCallback):
     """Runs AdaLoRA's rank allocation (``update_and_allocate(state.global_step)``) after every optimizer
     step of a ``Trainer`` whose model has an AdaLoRA adapter; see :mod:`hf_evon.trainer.adalora`."""
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        adalora = adalora_model(model)
+        if adalora is None:
+            return
+        adapter = adalora.trainable_adapter_name
+        config = adalora.peft_config[adapter]
+        if config.rank_pattern is None and state.global_step > config.total_step - config.tfinal:
+            # resumed past the final allocation, which masks with the pattern from here on: a checkpoint
+            # holds every rank (every_rank_saved), the pruned ones as zeros (until the next step), no pattern
+            config.rank_pattern = kept_ranks(adalora, adapter)
+
     def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         adalora = adalora_model(model)
         if adalora is not None:
             adalora.update_and_allocate(state.global_step)
+
+
+def kept_ranks(adalora: Any, adapter: str) -> dict[str, list[bool]]:
+    """AdaLoRA's ``rank_pattern`` of ``adapter`` read from its singular values (``lora_E``): a rank is
+    kept where its value is not the 0 the allocation writes; keyed as the allocation keys it."""
+    return {
+        name: (p.detach() != 0).view(-1).tolist()
+        for name, p in adalora.model.named_parameters()
+        if f"lora_E.{adapter}" in name
+    }
 
 
 def add_rank_allocation(trainer: Any) -> None:
