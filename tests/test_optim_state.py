@@ -1230,3 +1230,38 @@ def test_a_checkpoint_saved_right_after_a_params_edit_resumes_as_the_run_goes_on
         train_step(model, opt, data)
         train_step(twin, resumed, data)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+@pytest.mark.parametrize("step_curvature", ["matrix", "entry"])
+@pytest.mark.parametrize("source", ["adamw", "evon"])
+def test_a_checkpoint_saved_right_after_a_move_between_algorithms_resumes(source: str, step_curvature: str) -> None:
+    """A 3-D kernel moved between an EVON and an AdamW group, the state saved before the next step:
+    its entry still holds the other algorithm's state (which the next step drops), whose shapes
+    are not the new algorithm's (EVON's m×n, AdamW's the kernel's). Before, the load refused it
+    as "the state dict of another model, or of this one grouped otherwise"; it now resumes exactly."""
+
+    def run(kernel: nn.Parameter, w: nn.Parameter, opt: EVON, steps: int) -> None:
+        for _ in range(steps):
+            with opt.sampled_params(train=True):
+                ((w @ kernel.reshape(4, 3)).tanh().square().sum() + kernel.pow(3).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def build(kernel: nn.Parameter, w: nn.Parameter, in_evon: bool) -> EVON:
+        groups = [{"params": [w] + [kernel] * in_evon}, {"params": [kernel] * (not in_evon), "algorithm": "adamw"}]
+        return EVON(groups, **plain_evon(ess=64.0, lr=0.1, step_curvature=step_curvature))
+
+    torch.manual_seed(0)
+    kernel, w = nn.Parameter(torch.randn(3, 2, 2)), nn.Parameter(torch.randn(3, 4))  # both 3x4 to EVON
+    opt = build(kernel, w, source == "evon")
+    run(kernel, w, opt, 2)
+    src, dst = opt.param_groups if source == "evon" else opt.param_groups[::-1]
+    del src["params"][-1]
+    dst["params"].append(kernel)
+    saved = roundtrip(opt.state_dict())
+    kernel2, w2 = nn.Parameter(kernel.detach().clone()), nn.Parameter(w.detach().clone())
+    resumed = build(kernel2, w2, source != "evon")
+    resumed.load_state_dict(saved)
+    run(kernel, w, opt, 3)
+    run(kernel2, w2, resumed, 3)
+    assert torch.equal(kernel, kernel2) and torch.equal(w, w2)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hf_evon.optim.buckets import (
+    ADAMW_ONLY_KEY,
     ROTATED_MOMENTUM,
     WEIGHT_SPACE_MOMENTUM,
     group_buckets,
@@ -162,6 +163,12 @@ def _wanted_shapes(group: dict[str, Any], p: Tensor) -> dict[str, tuple[int, ...
     return {key: shape(tuple(p.shape)) for key, shape in _ADAMW_SHAPES.items()}
 
 
+def _foreign(group: dict[str, Any], entries: dict[str, Any]) -> bool:
+    """Whether ``entries`` are the other algorithm's state (its parameter moved between groups since
+    the last step), which the next step drops (``stack_state``, ``adamw_update``): shaped for the other."""
+    return ADAMW_ONLY_KEY in entries if group["algorithm"] == "evon" else "hess" in entries
+
+
 def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
     """Raise, naming the parameter, where a loaded state entry (EVON's or AdamW's) does not fit its
     parameter (a state dict of another model with as many parameters per group), before anything
@@ -169,7 +176,7 @@ def check_state_shapes(param_groups: list[dict[str, Any]], loaded: dict[str, Any
     saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
     owners = [(g, j, p) for g in param_groups for j, p in enumerate(g["params"])]
     for idx, (group, j, p) in zip(saved_ids, owners):
-        if idx not in loaded["state"]:
+        if idx not in loaded["state"] or _foreign(group, loaded["state"][idx]):
             continue
         wanted = _wanted_shapes(group, p)
         for key, value in loaded["state"][idx].items():
