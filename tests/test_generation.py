@@ -868,6 +868,30 @@ def test_encoder_decoder_scoring_needs_labels_and_refuses_encoder_outputs(seq2se
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+@pytest.mark.parametrize("given", [False, True], ids=["model-config", "given-config"])
+def test_encoder_outputs_the_models_generation_config_asks_for_are_returned(given):
+    """``output_attentions`` / ``output_hidden_states`` set in the model's generation_config (also
+    beside a given ``generation_config`` that leaves them unset, whose unset fields generate fills
+    from the model's) reach the decoder's outputs but not the samples' encoder: the result held
+    ``encoder_attentions=None`` and ``encoder_hidden_states=None`` where model.generate returns
+    them. At zero variance every sample's encoder is the mean's: generate's, once per sample."""
+    from transformers import GenerationConfig
+
+    model = tiny_t5()
+    zero = train_posterior(model).with_ess(float("inf"))
+    model.generation_config.update(output_attentions=True, output_hidden_states=True, return_dict_in_generate=True)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    call = dict(generation_config=GenerationConfig(**kwargs)) if given else kwargs
+    want = model.generate(PROMPTS, **call)
+    got = generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **call)
+    assert torch.equal(got.sequences, want.sequences)
+    for key in ("encoder_attentions", "encoder_hidden_states"):
+        assert getattr(got, key) is not None, key
+        assert len(getattr(got, key)) == len(getattr(want, key))
+        for a, b in zip(getattr(got, key), getattr(want, key), strict=True):
+            torch.testing.assert_close(a, b.repeat(2, *[1] * (b.dim() - 1)), atol=1e-6, rtol=1e-5)
+
+
 def test_a_dynamic_cache_setting_given_or_configured_decodes_as_without_it(gpt2):
     """``cache_implementation="dynamic"`` passed the call's check and then made transformers refuse
     "both cache_implementation and cache"; a model whose generation_config sets a cache (a Hub

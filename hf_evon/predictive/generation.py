@@ -72,20 +72,17 @@ def _generation_model(model: nn.Module) -> nn.Module:
 
 
 def _sampled_encoder_outputs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor | None,
-    num_samples: int,
-    generation_kwargs: dict[str, Any],
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, num_samples: int, config: Any
 ) -> Any:
     """An encoder-decoder model's encoder run on the S samples' weights (``S·B`` rows, sample-major,
     inside ``BatchedSamples``). ``model.generate`` would run the encoder once, at the mean; handed
     these ``encoder_outputs`` it skips its own pass, and each sample's decoder attends to its own
-    encoder's states. No mask given: none used, as ``generate`` runs an encoder-decoder's encoder."""
+    encoder's states. No mask given: none used, as ``generate`` runs an encoder-decoder's encoder.
+    ``config``: the call's effective ``GenerationConfig`` (:func:`_checked_call_config`), whose
+    ``output_attentions`` / ``output_hidden_states`` generate hands its encoder as they are."""
     inputs = {"input_ids": input_ids.repeat(num_samples, 1), "return_dict": True}
-    config = generation_kwargs.get("generation_config")
-    for key in ("output_attentions", "output_hidden_states"):  # what generate asks of its encoder
-        inputs[key] = bool(generation_kwargs.get(key, getattr(config, key, False)))
+    for key in ("output_attentions", "output_hidden_states"):
+        inputs[key] = getattr(config, key, None)
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
     return model.get_encoder()(**inputs)
@@ -119,12 +116,16 @@ def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor,
 
 
 def _checked_call_config(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> Any:
-    """The call's effective ``GenerationConfig`` (the given or the model's, updated with the call's
-    settings, as ``model.generate`` reads them); ValueError for a decoding mode other than greedy,
-    sampling and beam search (with or without sampling)."""
+    """The call's effective ``GenerationConfig``, as ``model.generate`` forms it: the given one with
+    its unset fields filled from the model's (or the model's), updated with the call's settings;
+    ValueError for a decoding mode other than greedy, sampling and beam search (with or without
+    sampling)."""
     from transformers.generation import GenerationMode
 
-    config = copy.deepcopy(generation_kwargs.get("generation_config") or gen_model.generation_config)
+    given = generation_kwargs.get("generation_config")
+    config = copy.deepcopy(given or gen_model.generation_config)
+    if given is not None:  # a given config's unset fields: the model's settings
+        config.update(**gen_model.generation_config.to_dict(), defaults_only=True)
     config.update(**{k: v for k, v in generation_kwargs.items() if k != "generation_config"})
     mode = config.get_generation_mode()
     modes = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
@@ -281,7 +282,7 @@ def generate_bma(
         _check_sample_axis(sampler, gen_model, input_ids)
         if is_encoder_decoder(gen_model):
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
-                gen_model, input_ids, attention_mask, num_samples, generation_kwargs
+                gen_model, input_ids, attention_mask, num_samples, config
             )
         with _on_the_predictive(gen_model, posterior, num_samples, input_ids.device, token_seed) as cache:
             # the class's generate: the instance's may be a wrapper that routes here
