@@ -1260,3 +1260,26 @@ def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(save
         argv = ["calibrate", "--model", str(own), "--text", str(text), "--output", str(own), "--json"]
         assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
         assert EVONPosterior.from_pretrained(own).ess == float(json.loads(capsys.readouterr().out)["ess"])
+
+
+def test_generate_reads_prompts_with_a_tokenizer_that_has_no_special_tokens(saved, tmp_path, capsys):
+    """A tokenizer with no pad, end-of-sequence or unknown token (a tokenizers' model wrapped as it is):
+    --prompt failed, also for one prompt, with transformers' "Asking to pad but the tokenizer does not
+    have a padding token. Please select a token to use as `pad_token`", a fix in Python code.
+    The prompts decode as their token ids do with --prompt-ids (the padding is masked)."""
+    path, model, tokenizer, posterior = saved
+    directory = tmp_path / "model"
+    shutil.copytree(path, directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(directory / name)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer).save_pretrained(directory)
+    prompts = ["def f(x):", "a = b"]
+    common = ["generate", "--model", str(directory), "--samples", "2", "--max-new-tokens", "4", "--json"]
+    assert main([*common, *(a for p in prompts for a in ("--prompt", p))]) == 0, capsys.readouterr().err
+    by_text = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ids = [" ".join(map(str, tokenizer(p)["input_ids"])) for p in prompts]
+    assert main([*common, *(a for i in ids for a in ("--prompt-ids", i))]) == 0
+    by_ids = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in by_text] == prompts
+    assert [r["completion_ids"] for r in by_text] == [r["completion_ids"] for r in by_ids]
+    assert [r["completion"] for r in by_text] == [r["completion"] for r in by_ids]

@@ -228,27 +228,26 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--model {args.model!r} has no tokenizer files: pass token ids with --prompt-ids"
             )
-        # decoder-only batches are left-padded; an encoder-decoder's encoder takes either side
-        tokenizer.padding_side = "right" if encoder_decoder else "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-        enc = tokenizer(args.prompt, return_tensors="pt", padding=True)
-        input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
-        pad_id = tokenizer.pad_token_id
+        # one prompt at a time, padded here: a tokenizer without a pad token cannot pad a batch
+        prompt_ids = [tokenizer(p)["input_ids"] for p in args.prompt]
+        pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) if t is not None), None)
     else:
-        width = max(map(len, args.prompt_ids))
+        prompt_ids = args.prompt_ids
+    if pad_id is None:  # the padding is masked: any id in the vocabulary does
         pad_id = getattr(model.config, "pad_token_id", None)
         if pad_id is None:
             pad_id = getattr(model.config, "eos_token_id", None)
         if isinstance(pad_id, list):
             pad_id = pad_id[0]
         pad_id = 0 if pad_id is None else int(pad_id)
-        def padded(row: list[int], fill: int) -> list[int]:  # on the side the model pads
-            pad = [fill] * (width - len(row))
-            return row + pad if encoder_decoder else pad + row
+    width = max(map(len, prompt_ids))
 
-        input_ids = torch.tensor([padded(p, pad_id) for p in args.prompt_ids])
-        attention_mask = torch.tensor([padded([1] * len(p), 0) for p in args.prompt_ids])
+    def padded(row: list[int], fill: int) -> list[int]:  # decoder-only batches are left-padded; encoders take either
+        pad = [fill] * (width - len(row))
+        return row + pad if encoder_decoder else pad + row
+
+    input_ids = torch.tensor([padded(p, pad_id) for p in prompt_ids], dtype=torch.long)
+    attention_mask = torch.tensor([padded([1] * len(p), 0) for p in prompt_ids], dtype=torch.long)
     _check_prompts(input_ids, attention_mask, model, args, encoder_decoder)
 
     gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
