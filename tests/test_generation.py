@@ -931,6 +931,23 @@ def test_a_configured_cache_setting_beside_a_given_generation_config_decodes_as_
     assert configured.generation_config.cache_implementation == "static"
 
 
+def test_a_hybrid_cache_setting_given_decodes_as_without_it(gpt2):
+    """generate takes ``cache_implementation="hybrid"`` (what Gemma 2's Hub generation_config.json
+    holds) as unset, and decodes with its dynamic cache; generate_bma refused it ("cache_implementation
+    must be unset"), given as a keyword or in a given ``generation_config``."""
+    from transformers import GenerationConfig
+
+    model, posterior = gpt2
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kw)
+    config = GenerationConfig(cache_implementation="hybrid", **kw)
+    assert torch.equal(model.generate(PROMPTS, generation_config=config), model.generate(PROMPTS, **kw))
+    assert torch.equal(generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, generation_config=config), want)
+    assert config.cache_implementation == "hybrid"  # the caller's config is left as it was
+    got = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, cache_implementation="hybrid", **kw)
+    assert torch.equal(got, want)
+
+
 def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):
     """Labels that index no token (-1 for "no label", an id past the vocabulary, a float) are
     refused by name, and the model is not left sampled (before: torch's index error after the

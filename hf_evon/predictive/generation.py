@@ -258,7 +258,9 @@ def generate_bma(
             raise ValueError(f"generate_bma does not support {key!r}")
     given_config = generation_kwargs.get("generation_config")
     asked = generation_kwargs.get("cache_implementation", getattr(given_config, "cache_implementation", None))
-    if asked not in (None, "dynamic"):  # the model's own setting (a Hub config's "static") is overridden
+    # the model's own setting (a Hub config's "static") is overridden; generate takes "hybrid" (Gemma 2's
+    # Hub config) as unset, decoding with its dynamic cache
+    if asked not in (None, "dynamic", "hybrid"):
         raise ValueError(
             "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
         )
