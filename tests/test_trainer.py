@@ -691,6 +691,25 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     )
 
 
+def test_a_resume_on_the_trainer_that_trained_continues_exactly(tmp_path):
+    """``trainer.train(resume_from_checkpoint=...)`` on the trainer that wrote the checkpoint loads
+    its state into the same EVON, whose noise generator had drawn the last step's sample: the
+    resumed step's label is that step's, so the generator was not reseeded and the step drew
+    other noise than the run that saved the checkpoint (weights and posterior differed)."""
+    data = classification_data(32)
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, evon_ess=300.0),
+        train_dataset=data,
+    )  # fmt: skip
+    trainer.train()
+    weights, posterior = params(trainer.model), trainer.current_posterior().to_tensors()
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+    assert all(torch.equal(weights[name], p) for name, p in params(trainer.model).items())
+    again = trainer.current_posterior().to_tensors()
+    assert again.keys() == posterior.keys() and all(torch.equal(again[k], posterior[k]) for k in again)
+
+
 def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_starts_afresh(tmp_path):
     """``save_only_model=True`` checkpoints hold the weights and the posterior but no optimizer
     state; transformers resumes from them silently with a fresh optimizer. EVON's posterior then
@@ -1407,6 +1426,36 @@ def test_the_logged_learning_rate_is_the_one_the_step_used_as_the_trainer_logs_i
     assert expected[0] == 0.0 and len(set(expected)) == 4  # the warm-up's first step, then a rate per step
     assert [h["learning_rate"] for h in logs] == pytest.approx(expected, rel=1e-12, abs=0.0)
     assert [h["evon/learning_rate"] for h in logs] == pytest.approx(used, rel=1e-12, abs=0.0)
+
+
+def test_a_users_evon_with_a_tensor_rate_logs_the_rates_each_step_used_as_numbers(tmp_path):
+    """With the user's own ``EVON(lr=torch.tensor(...))`` (torch's schedulers then set the tensor in
+    place), the logged ``evon/learning_rate`` held the tensor itself: a reference the scheduler had
+    moved on by the time it was logged, and a ``log_history`` that ``json`` cannot write."""
+    model = tiny_bert()
+    alpha = 0.125
+    optimizer = build_optimizer(model, lr=torch.tensor(alpha))
+    used: list[float] = []
+
+    class Record(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            used.append(float(trainer.evon_optimizer.param_groups[0]["lr"]))  # the rate the step used
+
+    common = dict(max_steps=4, learning_rate=1e-3, lr_scheduler_type="linear", logging_steps=1)
+    trainer = EVONTrainer(
+        model=model,
+        args=config(tmp_path, **common),
+        train_dataset=classification_data(),
+        optimizers=(optimizer, None),
+        callbacks=[Record()],
+    )
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [type(h["evon/learning_rate"]) for h in logs] == [float] * 4
+    assert [h["evon/learning_rate"] for h in logs] == used
+    assert used[0] == alpha and len(set(used)) == 4  # the linear schedule's four rates from α
+    trainer.state.save_to_json(str(tmp_path / "state.json"))
+    assert json.loads((tmp_path / "state.json").read_text())["log_history"][0]["evon/learning_rate"] == used[0]
 
 
 @pytest.mark.parametrize("adamw_rate", [1e-3, 5e-4])

@@ -60,8 +60,13 @@ class UsedRates(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = self.trainer.evon_optimizer
-        rates = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
+        # a tensor rate (torch's schedulers set it in place) is copied on its device: no host sync per step
+        rates = None if optimizer is None else [_snapshot(g["lr"]) for g in optimizer.param_groups]
         self.trainer._evon_used_rates = rates
+
+
+def _snapshot(rate: Any) -> Any:
+    return rate.detach().clone() if torch.is_tensor(rate) else rate
 
 
 class ScheduleMixin:
@@ -100,7 +105,9 @@ class ScheduleMixin:
         and ``evon/learning_rate`` (α, the first group's) as the last step used them."""
         used = self._evon_used_rates
         used = used if used is not None and len(used) == len(groups) else [g["lr"] for g in groups]
+        used = [float(r) for r in used]  # a tensor rate logged as its number, as Trainer logs its own
         first, adamw = groups[0], next((r for g, r in zip(groups, used) if g["algorithm"] == "adamw"), None)
-        schedule = used[0] / first["initial_lr"] if first.get("initial_lr") else 1.0
+        initial = float(first.get("initial_lr") or 0.0)
+        schedule = used[0] / initial if initial else 1.0
         rate = self.args.learning_rate * schedule if adamw is None else adamw
         return {"learning_rate": rate, "evon/learning_rate": used[0]}
