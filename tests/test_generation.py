@@ -948,6 +948,30 @@ def test_a_hybrid_cache_setting_given_decodes_as_without_it(gpt2):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=True, top_k=10), dict(num_beams=3)])
+def test_prefix_allowed_tokens_fn_constrains_as_in_generate(gpt2, mode):
+    """``prefix_allowed_tokens_fn`` (generate's constrained decoding for greedy, sampling and beam
+    search: a processor on the N rows' ids) was refused ("generate_bma does not support"). At zero
+    variance it decodes as model.generate (sampling from the generator the seed sets); with noise
+    every new token is one the function allows for its row's prefix."""
+    from hf_evon.optim.noise import resolve_seed
+
+    model, posterior = gpt2
+
+    def allowed(batch_id: int, prefix: torch.Tensor) -> list[int]:
+        return [10 + batch_id, 20 + int(prefix[-1]) % 7, 30 + int(prefix[-1]) % 5]
+
+    kwargs = dict(max_new_tokens=6, pad_token_id=0, eos_token_id=None, prefix_allowed_tokens_fn=allowed, **mode)
+    torch.manual_seed((resolve_seed(4) * 2654435761 + 1) % 2**63)  # the token seed generate_bma sets for seed=4
+    want = model.generate(PROMPTS, **kwargs)
+    assert not torch.equal(want, model.generate(PROMPTS, **{k: v for k, v in kwargs.items() if k != "prefix_allowed_tokens_fn"}))
+    assert torch.equal(generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=2, seed=4, **kwargs), want)
+    out = generate_bma(model, posterior.with_ess(NOISY_ESS), PROMPTS, num_samples=3, seed=4, **kwargs)
+    for row in range(out.shape[0]):
+        for t in range(PROMPTS.shape[1], out.shape[1]):
+            assert int(out[row, t]) in allowed(row, out[row, :t]), (row, t)
+
+
 def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):
     """Labels that index no token (-1 for "no label", an id past the vocabulary, a float) are
     refused by name, and the model is not left sampled (before: torch's index error after the

@@ -53,9 +53,7 @@ Tensor = torch.Tensor
 
 __all__ = ["BMALogLikelihood", "bma_log_likelihood", "generate_bma"]
 
-_UNSUPPORTED_KWARGS = (
-    "assistant_model", "prefix_allowed_tokens_fn", "past_key_values", "cache", "encoder_outputs",
-)  # fmt: skip
+_UNSUPPORTED_KWARGS = ("assistant_model", "past_key_values", "cache", "encoder_outputs")
 
 
 def _generation_model(model: nn.Module) -> nn.Module:
@@ -234,9 +232,9 @@ def generate_bma(
         **generation_kwargs: anything ``model.generate`` takes for greedy decoding, sampling and
             beam search: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``repetition_penalty``, ``guidance_scale`` and the other processors, ``eos_token_id``,
-            ``pad_token_id``, ``stopping_criteria``, ``logits_processor``, ``streamer``, ``generation_config``,
-            ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ``stop_strings``
-            (with ``tokenizer``), ``num_beams``, ``num_return_sequences``, ``length_penalty``,
+            ``pad_token_id``, ``stopping_criteria``, ``logits_processor``, ``prefix_allowed_tokens_fn``,
+            ``streamer``, ``generation_config``, ``return_dict_in_generate``, ``output_scores``,
+            ``output_logits``, ``stop_strings`` (with ``tokenizer``), ``num_beams``, ``num_return_sequences``, ``length_penalty``,
             ``early_stopping``, ``synced_gpus`` (an FSDP2 model's ranks step together until every
             one is done; transformers sets it for a ``fully_shard``-ed model, and ``Seq2SeqTrainer``
             passes it). Assisted and contrastive decoding are not supported.
