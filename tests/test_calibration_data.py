@@ -365,6 +365,7 @@ import os, sys
 from pathlib import Path
 import torch
 sys.path.insert(0, sys.argv[1])
+from test_calibration_data import pad, ragged_classification
 from test_trainer import classification_data, classification_rows, config, tiny_bert
 from hf_evon import EVONTrainer
 
@@ -375,10 +376,15 @@ class Stream(torch.utils.data.IterableDataset):
 out = Path(sys.argv[2])
 args = config(out, max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4, ddp_backend="gloo",
               bma_num_samples=2, evon_ess=300.0)
-trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(48), calibration_dataset=Stream())
-trainer.train()  # accelerate dispatches an iterable split: rank 0 reads, each rank gets a slice of each batch
+# accelerate dispatches an iterable split: rank 0 reads (and concatenates batches: of one width only), each
+# rank gets a slice of each batch
+ragged = ragged_classification(31, 2).to_iterable_dataset()
+trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(48), data_collator=pad,
+                      calibration_dataset=ragged)
+trainer.train()
 kwargs = dict(grid=(1.0, 0.3), num_samples=2, always_scan=True, screen_factor=0.0)
-results = {"dispatched": trainer.calibrate(**kwargs), "map-style": trainer.calibrate(classification_data(31, 7), **kwargs)}
+results = {"at the end": trainer.calibration, "dispatched": trainer.calibrate(Stream(), **kwargs),
+           "map-style": trainer.calibrate(classification_data(31, 7), **kwargs)}
 trainer.accelerator.dataloader_config.dispatch_batches = False  # each rank reads its own shard
 results["IterableDatasetShard"] = trainer.calibrate(Stream(), **kwargs)
 results["datasets shards"] = trainer.calibrate(classification_data(31, 7).to_iterable_dataset(num_shards=2), **kwargs)
@@ -396,7 +402,10 @@ def test_an_iterable_calibration_split_under_ddp_is_scored_whole_alike_on_every_
     reads it (batches dispatched from rank 0, ``IterableDatasetShard``, a ``datasets`` stream's own
     shards), so each rank scored 15 or 16 targets and chose its own temperature (4.76 on one rank, 1.0
     on the other); so did a map-style split with ``dispatch_batches=True``. Every rank now scores the whole
-    split, as the map-style split is scored by default."""
+    split, as the map-style split is scored by default. The check of the split before training read it as
+    dispatched too: batches of different widths (a padding collator's) failed before the first step, on
+    rank 0 alone, in accelerate's concatenation ("You can't use batches of different size with
+    `dispatch_batches=True`"), rank 1 waiting for its broadcast; every rank now checks the whole split."""
     from pathlib import Path
 
     from launcher import torchrun
@@ -406,6 +415,7 @@ def test_an_iterable_calibration_split_under_ddp_is_scored_whole_alike_on_every_
     torchrun(2, str(worker), str(Path(__file__).parent), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[0] == ranks[1]
+    assert ranks[0]["at the end"]["num_targets"] == 31
     reference = ranks[0]["map-style"]
     assert reference["num_targets"] == 31
     for name in ("dispatched", "IterableDatasetShard", "datasets shards", "map-style dispatched"):

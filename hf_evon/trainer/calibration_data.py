@@ -43,7 +43,9 @@ def whole_split(loader: Any, dataset: Any) -> Any:
     Where accelerate dispatches the batches (rank 0 reads, each rank gets a slice of every batch:
     its default for an ``IterableDataset``), the loader it reads from; where it shards an
     ``IterableDataset`` (``IterableDatasetShard``, or a ``datasets`` stream's own shards), a loader
-    with the same settings over ``dataset`` itself."""
+    with the same settings over ``dataset`` itself. The check before training reads it so too: one
+    verdict on every rank, and no batch concatenated across ranks (dispatched batches must have one
+    width; a padding collator's need not)."""
     if isinstance(loader, DataLoaderDispatcher):
         return loader.base_dataloader  # the dataset's own batches, none sliced or completed
     sharded = getattr(loader, "dataset", dataset) is not dataset

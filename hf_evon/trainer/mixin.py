@@ -305,7 +305,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
 
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loaded = not any(p.is_meta for p in self.model.parameters())
-        loader = self._uncached_eval_dataloader(self.calibration_dataset)
+        loader = calibration_data.whole_split(self._uncached_eval_dataloader(d := self.calibration_dataset), d)
         calibration_data.check_calibration_batches(
             (calibration_data.under_labels(b, self.label_names, self.model) for b in loader), vocab, self._causal_lm,
             (lambda b, where: held_out_classes(self.model, self._prepare_inputs(b), self._causal_lm, where)) if loaded else None,
