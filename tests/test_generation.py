@@ -1127,6 +1127,22 @@ def test_dora_adapters_are_refused_by_batched_bma():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_peft_adapter_names_are_refused_by_name():
+    """PEFT's ``generate(adapter_names=[...])`` (a batch mixing adapters) runs sub-batches of rows
+    through each adapter's layers, which the samples' batched forward cannot split by sample:
+    generate_bma passed it on, and transformers answered that the model does not use
+    ``adapter_names`` ("typos in the generate arguments"), though the PEFT model does."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(tiny_gpt2(seed=2), config)
+    posterior = train_posterior(model)
+    kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, adapter_names=["default", "default"])
+    assert model.generate(input_ids=PROMPTS, **kwargs).shape == (2, PROMPTS.shape[1] + 2)
+    with pytest.raises(ValueError, match=r"generate_bma does not support 'adapter_names'"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kwargs)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_beam_search_of_a_peft_lora_posterior():
     """Beam search on a LoRA model: the forward that averages is the LoRA-injected base model's."""
     peft = pytest.importorskip("peft")

@@ -53,7 +53,9 @@ Tensor = torch.Tensor
 
 __all__ = ["BMALogLikelihood", "bma_log_likelihood", "generate_bma"]
 
-_UNSUPPORTED_KWARGS = ("assistant_model", "past_key_values", "cache", "encoder_outputs")
+# adapter_names: PEFT's batches mixing adapters run sub-batches of rows through each adapter's layers,
+# which the samples' batched forward cannot split by sample
+_UNSUPPORTED_KWARGS = ("assistant_model", "past_key_values", "cache", "encoder_outputs", "adapter_names")
 
 
 def _generation_model(model: nn.Module) -> nn.Module:
