@@ -691,6 +691,25 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     )
 
 
+def test_a_resume_on_the_trainer_that_trained_continues_exactly(tmp_path):
+    """``trainer.train(resume_from_checkpoint=...)`` on the trainer that wrote the checkpoint loads
+    its state into the same EVON, whose noise generator had drawn the last step's sample: the
+    resumed step's label is that step's, so the generator was not reseeded and the step drew
+    other noise than the run that saved the checkpoint (weights and posterior differed)."""
+    data = classification_data(32)
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=3, save_strategy="steps", save_steps=1, evon_ess=300.0),
+        train_dataset=data,
+    )  # fmt: skip
+    trainer.train()
+    weights, posterior = params(trainer.model), trainer.current_posterior().to_tensors()
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert trainer.state.global_step == 3
+    assert all(torch.equal(weights[name], p) for name, p in params(trainer.model).items())
+    again = trainer.current_posterior().to_tensors()
+    assert again.keys() == posterior.keys() and all(torch.equal(again[k], posterior[k]) for k in again)
+
+
 def test_resume_from_a_checkpoint_without_optimizer_state_says_the_posterior_starts_afresh(tmp_path):
     """``save_only_model=True`` checkpoints hold the weights and the posterior but no optimizer
     state; transformers resumes from them silently with a fresh optimizer. EVON's posterior then

@@ -350,7 +350,7 @@ class EVON(Optimizer):
         ok, exited, grad_mode = False, False, torch.is_grad_enabled()
         try:
             try:  # from here on an interrupt anywhere is cleaned up below
-                self._in_sample, self._training_block = True, train
+                self._in_sample, self._training_block, self._streams = True, train, StreamGenerators()
                 self._sample_blocks += train
                 self._eval_blocks += not train
                 if stash is not None:  # filled as it goes: every gradient set aside is given back

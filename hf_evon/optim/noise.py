@@ -34,7 +34,11 @@ def process_rank() -> int:
 
 
 class StreamGenerators:
-    """One ``torch.Generator`` per device, reseeded only when the stream it serves changes."""
+    """One ``torch.Generator`` per device, reseeded only when the stream it serves changes.
+
+    EVON makes one for each ``sampled_params`` block: a block's draws start at its stream's seed
+    also where its label is one an earlier block drew from (a state loaded into the optimizer that
+    drew past it: a resume on the trainer that trained)."""
 
     def __init__(self) -> None:
         self._seeded: dict[torch.device, tuple[tuple, torch.Generator]] = {}
