@@ -1256,6 +1256,10 @@ def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(save
     monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
     own = tmp_path / "own"
     shutil.copytree(path, own)
+    # a --posterior of other weights into the model's own directory: that posterior is the mistake named
+    argv = ["calibrate", "--model", str(own), "--posterior", str(tmp_path / "wider"), "--text", str(text)]
+    assert main([*argv, "--output", str(own), "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 1
+    assert "this EVON posterior does not fit the given GPT2LMHeadModel" in capsys.readouterr().err
     for _ in range(2):  # the model's own directory, then a rerun into it
         argv = ["calibrate", "--model", str(own), "--text", str(text), "--output", str(own), "--json"]
         assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0

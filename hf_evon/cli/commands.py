@@ -500,7 +500,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     check_output(args.output)  # checked before the passes, not at the save after them
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
-    check_output_posterior(args.output, model, posterior)
+    check_output_posterior(args.output, model)
     if is_encoder_decoder(model):
         raise UsageError(
             f"--model {args.model!r} is an encoder-decoder model: calibrate scores --text as a causal LM's "

@@ -183,9 +183,10 @@ def check_output(output: str) -> None:
         raise UsageError(f"--output {output!r}: {existing!r} {why}")
 
 
-def check_output_posterior(output: str, model: Any, posterior: Any) -> None:
-    """A usage error where ``output`` holds a posterior that is not of ``model``'s weights (other
-    tensors, or another mean by its recorded ``mean_fingerprint``), or one that does not load.
+def check_output_posterior(output: str, model: Any) -> None:
+    """A usage error where ``output`` holds a posterior that is not of ``model``'s weights (tensors
+    the model lacks or shapes otherwise, or another mean by its recorded ``mean_fingerprint``), or
+    one that does not load.
 
     Why: the save replaces the posterior there, and another run's trained posterior would be
     lost, its model left beside a posterior of other weights. A posterior of the same weights
@@ -203,13 +204,11 @@ def check_output_posterior(output: str, model: Any, posterior: Any) -> None:
         config = read_config(path)
     except PosteriorMismatchError as err:
         raise UsageError(f"--output {output!r} holds an EVON posterior that does not load ({err}): {keep}") from None
+    # compared with the model, not with --posterior: one that does not fit the model is reported as such later
     params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
-    names = set(posterior.names)
-    other = sorted(set(config.parameters) ^ names) or sorted(
-        n for n, e in config.parameters.items() if tuple(e.shape) != tuple(posterior[n].shape)
-    )
+    other = sorted(n for n, e in config.parameters.items() if n not in params or tuple(params[n].shape) != e.shape)
     if not other and config.mean_fingerprint:
-        other = mean_mismatches(config.mean_fingerprint, params, names)
+        other = mean_mismatches(config.mean_fingerprint, params, config.parameters)
     if other:
         raise UsageError(
             f"--output {output!r} holds the EVON posterior of other weights than --model's (e.g. tensor "
