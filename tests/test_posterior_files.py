@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -267,6 +268,26 @@ def test_an_ess_whose_variance_overflows_float32_is_refused(tmp_path):
         EVONPosterior.from_pretrained(tmp_path)
     with pytest.raises(PosteriorMismatchError, match="ess"):
         _posterior().with_ess(1e-40)
+
+
+@pytest.mark.parametrize("where, field", [("top", "ess"), ("entry", "ess"), ("entry", "weight_decay")])
+def test_a_noise_scale_written_as_an_integer_past_int64_loads_as_that_number(tmp_path, where, field):
+    """JSON integers are kept as integers (a config is written back as it was given): an ``ess`` of
+    ``10**30`` (a float's range, not int64's) loaded into the factor groups as a Python int, and the
+    std check failed with "OverflowError: int too big to convert", naming neither file nor field."""
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+    path = tmp_path / POSTERIOR_CONFIG_NAME
+    raw = json.loads(path.read_text())
+    target = raw if where == "top" else raw["parameters"][LORA]
+    target[field] = 10**30
+    path.write_text(json.dumps(raw))
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    value = 1e30  # float(10**30): the same number
+    name = LORA if where == "entry" else post.names[1]
+    assert getattr(loaded[name], field) == value
+    want = EVONPosterior.from_factors({name: replace(post[name], **{field: value})}).std(name)
+    assert torch.equal(loaded.std(name), want)
 
 
 def _edit_weights(directory: Path, edit) -> Path:

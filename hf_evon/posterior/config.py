@@ -406,11 +406,12 @@ class PosteriorConfig:
         return self.weights_file or POSTERIOR_WEIGHTS_NAME
 
     def noise_scale(self, name: str) -> tuple[float, float]:
-        """``(ess, weight_decay)`` of covered parameter ``name`` (its own, or the top-level one)."""
+        """``(ess, weight_decay)`` of covered parameter ``name`` (its own, or the top-level one), as
+        floats: the config keeps a JSON integer as one, and torch cannot scale by one past int64."""
         entry = self.parameters[name]
         return (
-            self.ess if entry.ess is None else entry.ess,
-            self.weight_decay if entry.weight_decay is None else entry.weight_decay,
+            float(self.ess if entry.ess is None else entry.ess),
+            float(self.weight_decay if entry.weight_decay is None else entry.weight_decay),
         )
 
 
