@@ -931,6 +931,26 @@ def test_a_configured_cache_setting_beside_a_given_generation_config_decodes_as_
     assert configured.generation_config.cache_implementation == "static"
 
 
+@pytest.mark.parametrize(
+    "setting", [dict(use_cache=False), dict(cache_implementation="dynamic")], ids=["use_cache", "cache_implementation"]
+)
+def test_a_cache_setting_beside_a_given_generation_config_decodes_as_without_it(gpt2, setting):
+    """A keyword beside ``generation_config=`` overrides the config in generate: ``use_cache=False``
+    there made generate re-feed the whole sequence to the samples' cache, which appended it again
+    (other tokens, silently), and ``cache_implementation="dynamic"`` had transformers refuse "both
+    cache_implementation and cache". Both decode as without them, as the keywords alone do."""
+    from transformers import GenerationConfig
+
+    model, posterior = gpt2
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kw)
+    assert torch.equal(generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kw, **setting), want)
+    config = GenerationConfig(**kw)  # its unset eos_token_id: the model's, as generate fills it
+    want = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, generation_config=config)
+    got = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, generation_config=config, **setting)
+    assert torch.equal(got, want)
+
+
 def test_a_hybrid_cache_setting_given_decodes_as_without_it(gpt2):
     """generate takes ``cache_implementation="hybrid"`` (what Gemma 2's Hub generation_config.json
     holds) as unset, and decodes with its dynamic cache; generate_bma refused it ("cache_implementation

@@ -297,6 +297,8 @@ def generate_bma(
             if given_config is not None:  # in the config: beside it, settings are a deprecated mix
                 generation_kwargs["generation_config"] = copy.deepcopy(given_config)
                 generation_kwargs["generation_config"].update(**settings)
+                for key in settings:  # a keyword beside the config would override it in generate
+                    generation_kwargs.pop(key, None)
             else:
                 generation_kwargs.update(settings)
             return type(gen_model).generate(
