@@ -290,6 +290,29 @@ def test_a_noise_scale_written_as_an_integer_past_int64_loads_as_that_number(tmp
     assert torch.equal(loaded.std(name), want)
 
 
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("ess", 0, "ess must be > 0"),
+        ("weight_decay", -1.0, "weight_decay must be finite and >= 0"),
+        ("shape", [6, 4], "matrix_shape [4, 6] does not match shape [6, 4]"),
+    ],
+)
+def test_a_bad_parameter_entry_is_named_with_its_file(tmp_path, field, value, message):
+    """The format's contract: a load error names the field *and the file*. A parameter entry's own
+    ess, weight decay or shape named the parameter alone ("'…lora_A.default.weight': ess must be > 0")."""
+    _posterior().save_pretrained(tmp_path)
+    path = tmp_path / POSTERIOR_CONFIG_NAME
+    raw = json.loads(path.read_text())
+    raw["parameters"][LORA][field] = value
+    path.write_text(json.dumps(raw))
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value).startswith(f"{path}: parameters entry '{LORA}': ") and message in str(err.value), str(
+        err.value
+    )
+
+
 def _edit_weights(directory: Path, edit) -> Path:
     """Rewrite the weights file with ``edit(tensors, metadata)`` applied; its path."""
     from safetensors import safe_open

@@ -178,16 +178,15 @@ class ParameterEntry:
         declared = rules.shape(value["matrix_shape"], f"{key}.matrix_shape", where)
         left = rules.boolean(value["left_basis"], f"{key}.left_basis", where)
         right = rules.boolean(value["right_basis"], f"{key}.right_basis", where)
+        entry = f"{where}: parameters entry {name!r}"  # the file too: a model directory, subfolder or Hub cache
         if len(declared) != 2 or declared != matrix_shape(shape):
             raise PosteriorMismatchError(
-                f"{name!r}: matrix_shape {list(declared)} does not match shape {list(shape)} "
+                f"{entry}: matrix_shape {list(declared)} does not match shape {list(shape)} "
                 f"(EVON views it as {list(matrix_shape(shape))})"
             )
         ess = rules.number(value["ess"], f"{key}.ess", where) if "ess" in value else None
         wd = rules.number(value["weight_decay"], f"{key}.weight_decay", where) if "weight_decay" in value else None
-        check_noise_scale(
-            config_ess if ess is None else ess, config_weight_decay if wd is None else wd, repr(name)
-        )
+        check_noise_scale(config_ess if ess is None else ess, config_weight_decay if wd is None else wd, entry)
         return cls(shape, (declared[0], declared[1]), left, right, ess, wd)
 
     def to_dict(self) -> dict[str, Any]:
