@@ -511,9 +511,12 @@ def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     # scales screened out with one sample are counted apart from the scored ones
     record = dict(calibrated.config["calibration"], screened=[])
     assert "screened out" not in _calibration_text({"calibration": record})
-    record["screened"] = [1e9, 3e8]
+    record.update(screened=[1e9, 3e8], grid=[1e8, 3e7], nll=[record["mean_nll"]] * 2)
     screened = _calibration_text({"calibration": record})
-    assert f"{len(record['grid'])} scales and the mean; 2 scale(s) with less noise screened out" in screened
+    assert "2 scales and the mean; 2 scale(s) with less noise screened out" in screened
+    # every scale screened out: the mean alone was scored, not "0 scales and the mean"
+    alone = _calibration_text({"calibration": dict(record, grid=[], nll=[])})
+    assert "(the mean alone; 2 scale(s) with less noise screened out" in alone and "0 scales" not in alone
     # a calibration that scored no scale (the mean not overconfident) says so, not "∞ scales tried"
     record = dict(calibrated.config["calibration"], scanned=False, grid=[], nll=[], ess="inf")
     text = _calibration_text({"calibration": record})

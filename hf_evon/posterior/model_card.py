@@ -251,13 +251,17 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
     # a calibration that records no chosen_nll chose the lowest NLL
     chosen = cal.get("chosen_nll", min(float(v) for v in [cal["mean_nll"], *cal.get("nll", [])]))
     show = lambda v: _md(format_value(v))  # noqa: E731
+    scored, screened = len(cal.get("grid", [])), len(cal.get("screened") or ())
     return (
         f"Calibrated on {show(cal.get('num_targets'))} held-out targets by BMA negative log-likelihood "
-        f"({show(cal.get('num_samples'))} samples per scale, {len(cal.get('grid', []))} scales and the mean"
         + (
-            f"; {len(cal['screened'])} scale(s) with less noise screened out: their samples barely moved "
-            "the predictions"
-            if cal.get("screened")
+            f"({show(cal.get('num_samples'))} samples per scale, {scored} scales and the mean"
+            if scored or not screened
+            else "(the mean alone"  # every scale screened out: none was scored with all its samples
+        )
+        + (
+            f"; {screened} scale(s) with less noise screened out: their samples barely moved the predictions"
+            if screened
             else ""
         )
         + "): "
