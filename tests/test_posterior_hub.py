@@ -8,6 +8,7 @@ process) or ``HF_ENDPOINT`` (in a fresh interpreter) and a dummy token.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ from torch import nn
 import hf_evon
 from hf_evon import EVONPosterior
 from hf_evon.posterior.model_card import SECTION_START
-from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
+from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, MatrixFactors
 
 try:
     from hub_stub import HubStub
@@ -306,3 +307,38 @@ def test_a_subfolder_loads_with_the_slashes_the_push_accepts(hub, posterior, tmp
     posterior.push_to_hub("alice/nested", token=TOKEN, endpoint=hub.endpoint, path_in_repo=subfolder)
     assert POSTERIOR_CONFIG_NAME in {p.split("/")[-1] for p in hub.files("alice/nested") if p.startswith("sub/")}
     _same(posterior, _load(hub, "alice/nested", tmp_path / "cache", subfolder=subfolder))
+
+
+def _snippet_call(card_text: str, prefix: str) -> tuple[list, dict]:
+    """The arguments of the card snippet's line that starts with ``prefix`` (a ``from_pretrained`` call)."""
+    code = card_text.split("```python\n", 1)[1].split("```")[0]
+    line = next(line for line in code.splitlines() if line.startswith(prefix))
+    call = ast.parse(line).body[0].value
+    return [ast.literal_eval(a) for a in call.args], {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+
+
+def test_a_card_pushed_to_a_branch_loads_the_branchs_posterior_and_model(hub, posterior, tmp_path):
+    """``push_to_hub(revision="v2")`` put a card on the branch whose snippet loaded from the default
+    branch: ``EVONPosterior.from_pretrained(repo, subfolder=...)`` without ``revision``, so it loaded
+    main's posterior (another one, here) or failed for want of one there; the model line too."""
+    repo = "alice/evon-branch-card"
+    tempered = posterior.with_ess(4 * posterior.ess)
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, path_in_repo="post")
+    tempered.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, revision="v2", path_in_repo="post")
+    card = ModelCard(hub.files(repo, "v2")["README.md"].decode()).text
+    args, kwargs = _snippet_call(card, "posterior = EVONPosterior.from_pretrained(")
+    _same(tempered, _load(hub, *args, tmp_path / "cache", **kwargs))
+    main_card = ModelCard(hub.files(repo)["README.md"].decode()).text
+    args, kwargs = _snippet_call(main_card, "posterior = EVONPosterior.from_pretrained(")
+    assert (args, kwargs) == ([repo], {"subfolder": "post"})  # the default branch needs no revision
+
+    factors = MatrixFactors(None, None, torch.ones(8, 32), (8, 32), (8, 32), 100.0, 1e-3)
+    lm_posterior = EVONPosterior.from_factors(
+        {"transformer.h.0.mlp.c_fc.weight": factors}, {"model_class": "GPT2LMHeadModel"}
+    )
+    lm_posterior.push_to_hub("alice/lm-branch", token=TOKEN, endpoint=hub.endpoint, revision="v2")
+    card = ModelCard(hub.files("alice/lm-branch", "v2")["README.md"].decode()).text
+    assert _snippet_call(card, "model = AutoModelForCausalLM.from_pretrained(") == (
+        ["alice/lm-branch"],
+        {"revision": "v2"},
+    )

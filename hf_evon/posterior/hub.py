@@ -176,7 +176,7 @@ def read_posterior(
 
 def push_folder(
     repo_id: str,
-    write: Callable[[str, str, str, str | None], None],
+    write: Callable[[str, str, dict[str, Any]], None],
     file_names: Sequence[str],
     *,
     commit_message: str,
@@ -190,11 +190,13 @@ def push_folder(
     """Upload ``file_names`` (to ``path_in_repo``) and the repo's ``README.md`` in one commit.
 
     The repo (and the branch ``revision``) is created if needed; its other files are kept.
-    ``write(files_dir, card_dir, repo_id, subfolder)`` writes ``file_names`` into
+    ``write(files_dir, card_dir, location)`` writes ``file_names`` into
     ``files_dir`` and ``README.md`` into ``card_dir``, where what the card reads of the repo's
     root has been put: its current card, to be updated, and its tokenizer's
     ``tokenizer_config.json`` (the card's snippet loads a tokenizer only where one is saved),
-    each where the repo has it (``repo_id`` as the Hub resolved it, namespace included).
+    each where the repo has it. ``location`` is where the files land, as the card's snippet
+    loads them: ``repo_id`` (as the Hub resolved it, namespace included), ``subfolder`` and
+    ``revision`` (None for the default branch; a pull request's target branch with ``create_pr``).
     Returns the ``huggingface_hub.CommitInfo``.
     """
     api = HfApi(endpoint=endpoint, token=token)
@@ -220,7 +222,8 @@ def push_folder(
             except (EntryNotFoundError, RevisionNotFoundError) as err:
                 if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
                     raise
-        write(files_dir, card_dir, repo_id, folder or None)
+        branch = None if revision in (None, "main") else revision
+        write(files_dir, card_dir, {"repo_id": repo_id, "subfolder": folder or None, "revision": branch})
         operations = [
             CommitOperationAdd(
                 path_in_repo=f"{folder}/{fname}" if folder else fname,

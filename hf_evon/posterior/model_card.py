@@ -306,6 +306,7 @@ def render_model_card(
     *,
     repo_id: str | None = None,
     subfolder: str | None = None,
+    revision: str | None = None,
     model_id: str | None = None,
     num_bma_samples: int | None = None,
     model: Any = None,
@@ -356,7 +357,7 @@ def render_model_card(
         metrics_rows=_metric_rows(metrics),
         num_bma_samples=num_bma_samples,
         usage_snippet=usage_snippet(
-            posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved
+            posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved, revision
         ),
         calibration_text=_calibration_text(config),
         eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),
@@ -465,7 +466,8 @@ def save_model_card(
             (``eval_bma_*`` keys are the BMA column).
         **kwargs: ``repo_id`` (where model + posterior live, for the snippet; default: the
             absolute path of ``directory``, so the snippet runs where it was saved),
-            ``subfolder``, ``model_id`` (override the model id in the snippet), ``model`` (the
+            ``subfolder``, ``revision`` (the branch the card is pushed to: the snippet loads from
+            it), ``model_id`` (override the model id in the snippet), ``model`` (the
             trained model: a PEFT classifier's snippet needs its ``num_labels``),
             ``training_steps``, ``tokenizer_saved`` (whether the snippet loads a tokenizer;
             default: whether ``directory`` holds one), ``num_bma_samples``, ``model_name``,

@@ -580,11 +580,9 @@ class EVONPosterior:
         card_kwargs = card_arguments(model_card_kwargs)
         as_dtype(eigenbasis_dtype, "eigenbasis_dtype")  # refused before the repo is created
 
-        def write(files_dir: str, card_dir: str, resolved_repo_id: str, subfolder: str | None) -> None:
+        def write(files_dir: str, card_dir: str, location: dict[str, Any]) -> None:
             self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
-            card_kwargs.setdefault("repo_id", resolved_repo_id)
-            card_kwargs.setdefault("subfolder", subfolder)
-            save_model_card(card_dir, self, **card_kwargs)
+            save_model_card(card_dir, self, **{**location, **card_kwargs})  # the snippet loads from `location`
 
         return push_folder(
             repo_id,

@@ -171,13 +171,17 @@ def usage_snippet(
     model_id: str | None,
     labels_count: int | None,
     tokenizer: bool,
+    revision: str | None = None,
 ) -> str:
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
     with ``generate_bma`` for causal LMs and encoder-decoders, averaged start and end
     probabilities for extractive QA, averaged class probabilities otherwise. A PEFT
     classifier's base model is built with ``labels_count`` (its head is in the adapter).
-    ``tokenizer``: whether one was saved with the model (the snippet loads it from there)."""
-    sub = f", subfolder={_py(subfolder)}" if subfolder else ""
+    ``tokenizer``: whether one was saved with the model (the snippet loads it from there).
+    ``revision``: the branch of ``location`` the card is on; what the snippet loads from
+    ``location`` is loaded from it (without it, the default branch's files would be)."""
+    rev = f", revision={_py(revision)}" if revision else ""
+    sub = rev + (f", subfolder={_py(subfolder)}" if subfolder else "")
     model_class = str(posterior.config.get("model_class", ""))
     # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
@@ -200,10 +204,10 @@ def usage_snippet(
             f"from hf_evon import {hf_evon_names}",
             "",
             f"base = {auto}.from_pretrained({model_location}{labels})",
-            f"model = PeftModel.from_pretrained(base, {_py(location)}{_adapter_arguments(posterior.names, location)})",
+            f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{_adapter_arguments(posterior.names, location)})",
         ]
     else:
-        model_location = _py(model_id or location)
+        model_location = _py(model_id) if model_id else _py(location) + rev
         lines += [
             f"from transformers import {auto_names}",
             f"from hf_evon import {hf_evon_names}",
