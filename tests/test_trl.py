@@ -386,3 +386,43 @@ def test_evon_mc_samples_above_one_is_refused_for_trl_trainers_that_buffer_gener
     with pytest.raises(ValueError, match=r"evon_mc_samples = 2 .*EVONGRPOTrainer"):
         make(2)
     assert make(1).args.evon_mc_samples == 1
+
+
+def test_trl_reward_and_dpo_num_tokens_count_each_token_once_whatever_evon_mc_samples(tmp_path, corpus):
+    """RewardTrainer and DPOTrainer (as KTO) add a micro-batch's tokens to their private
+    _total_train_tokens at each compute_loss, as SFTTrainer does; EVONSFTTrainer alone counted them
+    once, so a mixin subclass of either logged num_tokens evon_mc_samples times the plain trainer's."""
+    from transformers import GPT2ForSequenceClassification
+    from trl import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
+
+    from hf_evon.trainer import EVONTrainerMixin
+
+    tokenizer, train, _ = corpus
+    texts = train["text"][:8]
+    pairs = Dataset.from_dict(
+        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
+    )
+
+    def scorer() -> GPT2ForSequenceClassification:
+        config = tiny_gpt2(tokenizer).config
+        config.num_labels = 1
+        torch.manual_seed(0)
+        return GPT2ForSequenceClassification(config)
+
+    common = dict(report_to="none", use_cpu=True, bf16=False, seed=0, max_steps=2, per_device_train_batch_size=4,
+                  logging_steps=1, max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no",
+                  learning_rate=1e-3)  # fmt: skip
+    for base, config, extra in (
+        (RewardTrainer, RewardConfig, lambda: {"model": scorer()}),
+        (DPOTrainer, DPOConfig, lambda: {"model": tiny_gpt2(tokenizer), "ref_model": tiny_gpt2(tokenizer)}),
+    ):
+        plain = base(args=config(output_dir=str(tmp_path / "plain"), **common), train_dataset=pairs,
+                     processing_class=tokenizer, **extra())  # fmt: skip
+        plain.train()
+        expected = [h["num_tokens"] for h in plain.state.log_history if "loss" in h]
+        assert len(expected) == 2 and expected[0] > 0, base.__name__
+        evon_class = type(f"EVON{base.__name__}", (EVONTrainerMixin, base), {"config_class": evon_config_class(config)})
+        args = evon_class.config_class(output_dir=str(tmp_path / "evon"), evon_mc_samples=3, evon_ess=1e3, **common)
+        trainer = evon_class(args=args, train_dataset=pairs, processing_class=tokenizer, **extra())
+        trainer.train()
+        assert [h["num_tokens"] for h in trainer.state.log_history if "loss" in h] == expected, base.__name__

@@ -23,11 +23,19 @@ changes it fails there rather than silently here.
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
+
+One private attribute of TRL's trainers is corrected too (pinned by ``tests/test_trl.py``):
+``_total_train_tokens``, to which ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and
+``RewardTrainer`` add a micro-batch's tokens at each ``compute_loss`` (and log as ``num_tokens``):
+the mixin runs each micro-batch once per posterior sample, and its tokens count once.
 """
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 from transformers.trainer_utils import HubStrategy
 
@@ -103,3 +111,37 @@ class TrainerInternals:
         if self.evon_optimizer is None or grad_norm is not None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
         return self._mean_grad_norm(model, None)
+
+    def _mean_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        """Norm of the mean gradient over the step's samples, clipped to ``max_norm`` if given.
+
+        ``p.grad`` holds the sum over the step's ``sampled_params(train=True)`` blocks, which
+        ``EVON.step`` divides by their number: the norm and the clip refer to the mean. A
+        non-finite norm leaves the gradients as they are: scaling them by ``max_norm / nan``
+        would write NaN into every gradient, and EVON's non-finite warning would then name the
+        first parameter instead of the one that went wrong.
+        """
+        optimizer = self.evon_optimizer
+        optimizer.synchronize()
+        n = max(optimizer.recorded_samples, 1)
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if max_norm is not None:
+            # a non-finite norm counts as 0 here, whose clip factor is 1: the gradients keep their
+            # values, decided on the device (a host check would wait for every queued kernel)
+            finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * n, finite, foreach=True)
+        return total / n
+
+    @contextmanager
+    def _trl_tokens_counted_once(self, samples: int) -> Iterator[None]:
+        """Around a micro-batch's ``samples`` runs of ``training_step``: TRL's ``_total_train_tokens``
+        (and its logged ``num_tokens``) grow by the micro-batch's tokens once, not once per sample."""
+        before = getattr(self, "_total_train_tokens", None)
+        yield
+        after = getattr(self, "_total_train_tokens", None)
+        if samples > 1 and isinstance(before, int) and isinstance(after, int) and after != before:
+            self._total_train_tokens = before + (after - before) // samples
+            metrics = getattr(self, "_metrics", None)
+            if isinstance(metrics, dict) and "num_tokens" in metrics.get("train", {}):
+                metrics["train"]["num_tokens"] = [self._total_train_tokens]

@@ -527,9 +527,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         own = self.__dict__.get("compute_loss")  # an instance's own compute_loss, if one was set
         self.loss_is_scaled_for_ga, self.compute_loss = True, compute_loss
         try:
-            for _ in range(optimizer.mc_samples):
-                with optimizer.sampled_params(train=True):
-                    super().training_step(model, inputs, num_items_in_batch if scaled_for_ga else None)
+            with self._trl_tokens_counted_once(optimizer.mc_samples):
+                for _ in range(optimizer.mc_samples):
+                    with optimizer.sampled_params(train=True):
+                        super().training_step(model, inputs, num_items_in_batch if scaled_for_ga else None)
         finally:
             self.loss_is_scaled_for_ga = given
             if own is None:
@@ -539,28 +540,6 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         if not logged:
             raise RuntimeError("the Trainer's training_step did not call compute_loss: EVON has no loss to scale")
         return torch.stack(logged).sum() / optimizer.mc_samples
-
-    # ------------------------------------------------------------------ clipping / grad norm
-    def _mean_grad_norm(self, model: nn.Module, max_norm: float | None) -> Tensor:
-        """Norm of the mean gradient over the step's samples, clipped to ``max_norm`` if given.
-
-        ``p.grad`` holds the sum over the step's ``sampled_params(train=True)`` blocks, which
-        ``EVON.step`` divides by their number: the norm and the clip refer to the mean. A
-        non-finite norm leaves the gradients as they are: scaling them by ``max_norm / nan``
-        would write NaN into every gradient, and EVON's non-finite warning would then name the
-        first parameter instead of the one that went wrong.
-        """
-        optimizer = self.evon_optimizer
-        optimizer.synchronize()
-        n = max(optimizer.recorded_samples, 1)
-        params = [p for p in model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if max_norm is not None:
-            # a non-finite norm counts as 0 here, whose clip factor is 1: the gradients keep their
-            # values, decided on the device (a host check would wait for every queued kernel)
-            finite = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm * n, finite, foreach=True)
-        return total / n
 
     # ------------------------------------------------------------------ logging
     def posterior_statistics(self) -> dict[str, float]:

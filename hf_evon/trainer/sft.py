@@ -37,18 +37,6 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
         super().__init__(*args, **kwargs)
         self.calibration_dataset = self._prepared_for_calibration(self.calibration_dataset)
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The mixin's (the micro-batch once per posterior sample), counting the micro-batch's tokens
-        once in TRL's ``num_tokens`` log: TRL adds them at each ``compute_loss``, in its private
-        ``_total_train_tokens`` and ``_metrics`` (pinned by ``tests/test_trl.py``)."""
-        before = getattr(self, "_total_train_tokens", None)
-        out = super().training_step(*args, **kwargs)
-        samples = 1 if self.evon_optimizer is None else self.evon_optimizer.mc_samples
-        if isinstance(before, int) and samples > 1:
-            self._total_train_tokens = before + (self._total_train_tokens - before) // samples
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        return out
-
     def calibrate(self, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
         self._refuse_eval_set(dataset)  # before preparing: the prepared dataset is another object
         return super().calibrate(self._prepared_for_calibration(dataset), *args, **kwargs)
