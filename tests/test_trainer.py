@@ -1131,6 +1131,47 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
         assert ta.keys() == final.keys() and all(torch.equal(ta[k], final[k]) for k in ta)
 
 
+
+@pytest.mark.parametrize("how", ["hub_revision", "push_to_hub(revision=)"])
+def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, monkeypatch, how):
+    """``push_to_hub`` to a branch (``hub_revision``, or its ``revision=`` argument) put a card on
+    the branch whose snippet loaded the posterior from the default branch (none there, or another)."""
+    import ast
+
+    from huggingface_hub import HfApi, ModelCard
+
+    try:
+        from hub_stub import HubStub
+    except ImportError:
+        from tests.hub_stub import HubStub
+    import transformers.trainer as trainer_module
+
+    with HubStub() as hub:
+        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
+        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
+        api.create_repo("user/evon-branch")
+        api.create_branch("user/evon-branch", branch="v2")  # the Trainer pushes to an existing branch
+        revision = {"hub_revision": "v2"} if how == "hub_revision" else {}
+        args = config(
+            tmp_path, max_steps=1, hub_model_id="user/evon-branch", hub_token="hf_dummy", push_to_hub=True,
+            save_strategy="no", **revision,
+        )  # fmt: skip
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
+        trainer.train()
+        trainer.push_to_hub(**({} if revision else {"revision": "v2"}))
+        assert POSTERIOR_CONFIG_NAME not in hub.files("user/evon-branch")
+        card = ModelCard(hub.files("user/evon-branch", "v2")["README.md"].decode()).text
+        code = card.split("```python\n", 1)[1].split("```")[0]
+        line = next(line for line in code.splitlines() if line.startswith("posterior = EVONPosterior.from_pretrained("))
+        call = ast.parse(line).body[0].value
+        assert [ast.literal_eval(a) for a in call.args] == ["user/evon-branch"]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        assert kwargs == {"revision": "v2"}
+        loaded = EVONPosterior.from_pretrained(
+            "user/evon-branch", **kwargs, endpoint=hub.endpoint, token="hf_dummy", cache_dir=tmp_path / "cache"
+        )
+        assert _tensors_equal(loaded.to_tensors(), trainer.current_posterior().to_tensors())
+
 def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -72,7 +72,7 @@ def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
 
 def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: CardSource) -> ModelCard:
     """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
-    it pushes to (``hub_model_id``) in the snippet, its ``global_step`` (the best checkpoint's
+    (``hub_model_id``) and branch it pushes to in the snippet, its ``global_step`` (the best checkpoint's
     evaluation and step after ``load_best_model_at_end``), its model (for a PEFT
     classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""
     args = trainer.args
@@ -89,4 +89,7 @@ def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterio
     hub_id = getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)
     if getattr(args, "push_to_hub", False) and hub_id:
         kwargs["repo_id"] = hub_id
+        # the branch the push goes to (push_to_hub's revision, else hub_revision): the snippet loads from it
+        revision = getattr(trainer, "_hub_push_revision", None) or getattr(args, "hub_revision", None)
+        kwargs["revision"] = None if revision == "main" else revision
     return save_model_card(directory, posterior, **kwargs)

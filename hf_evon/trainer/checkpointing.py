@@ -91,6 +91,22 @@ class CheckpointingMixin:
     def _write_model_card(self, directory: str, posterior: Any) -> None:
         save_trainer_model_card(self, directory, posterior)
 
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The Trainer's push; the card it writes first loads the posterior from the branch pushed to
+        (``revision``, else ``hub_revision``), which only this call knows."""
+        self._hub_push_revision = revision
+        try:
+            return super().push_to_hub(commit_message, blocking, token, revision, **kwargs)
+        finally:
+            self._hub_push_revision = None
+
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's card, then the EVON section (the Trainer's card replaces README.md).
 
