@@ -524,14 +524,18 @@ def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     assert_identical(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("estimator", ["fisher", "price"])
-def test_zero_grad_between_a_steps_blocks_drops_the_earlier_samples_with_a_warning(estimator: str) -> None:
+def test_zero_grad_between_a_steps_blocks_drops_the_earlier_samples_with_a_warning(
+    estimator: str, set_to_none: bool
+) -> None:
     """zero_grad() between a step's blocks (torch's zero_grad, forward, backward order; or a loop
     starting a step over after an abort) cleared the earlier samples' gradients, which .grad holds
     until the step, but not their count: the step divided the later samples' gradient by every
     sample's count, silently. The earlier samples are now dropped, with a warning naming the
     parameter: the step is the one of the later samples alone (the same noise: the blocks keep
-    their place in the stream, as idle_block does)."""
+    their place in the stream, as idle_block does). zero_grad(set_to_none=False), which zeroes
+    .grad in place, was not noticed at all: the step halved the gradient, silently."""
     data = make_data()
     runs = []
     for clear in (False, True):
@@ -541,7 +545,7 @@ def test_zero_grad_between_a_steps_blocks_drops_the_earlier_samples_with_a_warni
         if clear:
             with opt.sampled_params(train=True):
                 loss_fn(model, data).backward()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             named = r"param_groups\[0\]\['params'\]\[0\] \(shape \(5, 6\)\) lost the gradient .* zero_grad\(\)"
             with pytest.warns(UserWarning, match=named):
                 with opt.sampled_params(train=True):

@@ -206,7 +206,7 @@ class EVON(Optimizer):
         self._in_sample = self._training_block = False
         # the gradients the last step consumed (gradients.consumed_grads): a block drops, not adds, them
         self._consumed: Consumed = {}
-        self._held: set[int] = set()  # the parameters whose .grad holds the step's samples (set_aside_grads)
+        self._held: Consumed = {}  # the gradients that hold the step's samples (set_aside_grads)
         # set by prepare_distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self._synchronized = False
@@ -479,7 +479,7 @@ class EVON(Optimizer):
         self._synchronized = False
         for b in self._buckets or ():  # (buckets not built yet hold none)
             b.acc = b.exit_grads = b.rotated_grads = None
-        self._consumed, self._held = consumed_grads(self.param_groups), set()
+        self._consumed, self._held = consumed_grads(self.param_groups), {}
 
     def _plan(self, b: Bucket, num_samples: int) -> list[Plan]:
         """What the bucket's update needs that can fail (the candidate H too), no state changed

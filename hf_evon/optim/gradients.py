@@ -52,30 +52,51 @@ def consumed_places(param_groups: list[dict[str, Any]], consumed: Consumed) -> l
     ]
 
 
+def _local(grad: Tensor) -> Tensor:
+    """This rank's part of a DTensor gradient (FSDP2); any other gradient as it is."""
+    return grad.to_local() if callable(getattr(grad, "to_local", None)) else grad
+
+
+def _lost_gradient(param_groups: list[dict[str, Any]], held: Consumed) -> Tensor | None:
+    """The first parameter whose gradient of the step's earlier samples is gone: ``.grad`` None
+    (``zero_grad()``), or, where every gradient changed in place since the last recorded exit is
+    zero, the first of those (``zero_grad(set_to_none=False)``). Another change in place (an
+    average over ranks, a clip) leaves a non-zero gradient; only those changed are read (a sync)."""
+    params = [p for group in param_groups for p in group["params"] if id(p) in held]
+    lost = next((p for p in params if p.grad is None), None)
+    if lost is not None:
+        return lost
+    changed = [p for p in params if not _is_consumed(p, held)]  # not the tensor, or not the version, left there
+    if changed and not any(bool(_local(p.grad).any()) for p in changed):
+        return changed[0]
+    return None
+
+
 def set_aside_grads(
     param_groups: list[dict[str, Any]],
     consumed: Consumed,
     out: list[tuple[Tensor, Tensor | None]],
-    held: set[int] | frozenset[int] = frozenset(),
+    held: Consumed | None = None,
     discard: Callable[[], None] | None = None,
 ) -> None:
     """Append ``(param, its gradient kept for this step)`` to ``out`` for every parameter, each
     before its ``.grad`` becomes None (so the block's backward leaves exactly this sample's
     gradient there): interrupted, ``out`` still holds every gradient taken away.
 
-    ``held``: the parameters (by id) whose ``.grad`` held the step's earlier samples' gradients at
-    the last recorded block's exit. Where one has none now (``zero_grad()`` between the blocks),
-    those samples' gradients are gone, and the step, which divides by the count of samples, would
-    divide what is left by theirs too: the earlier samples are dropped (``discard``, with a
-    warning naming the parameter) and so is every gradient left of them, so that the step's
-    gradient is the mean over the samples from here on."""
-    lost = next((p for group in param_groups for p in group["params"] if p.grad is None and id(p) in held), None)
+    ``held``: the gradients (``restore_grads``) that held the step's earlier samples' gradients at
+    the last recorded block's exit. Where one is gone now (``zero_grad()`` between the blocks, with
+    ``set_to_none`` or without), those samples' gradients are gone, and the step, which divides by
+    the count of samples, would divide what is left by theirs too: the earlier samples are dropped
+    (``discard``, with a warning naming the parameter) and so is every gradient left of them, so
+    that the step's gradient is the mean over the samples from here on."""
+    lost = _lost_gradient(param_groups, held) if held else None
     if lost is not None:
         warnings.warn(
             f"{param_label(param_groups, lost)} lost the gradient of this step's earlier "
-            "sampled_params(train=True) blocks, which .grad holds until step() (zero_grad() or .grad = None "
-            "between the blocks): those samples are dropped and the step averages the samples from this "
-            "block on. Call zero_grad() inside the block or after step() to average every sample",
+            "sampled_params(train=True) blocks, which .grad holds until step() (zero_grad(), with set_to_none "
+            "or without, or .grad = None between the blocks): those samples are dropped and the step averages "
+            "the samples from this block on. Call zero_grad() inside the block or after step() to average "
+            "every sample",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )
@@ -96,10 +117,10 @@ def set_aside_grads(
             p.grad = None
 
 
-def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> set[int] | None:
+def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> Consumed | None:
     """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
     failed block: as at entry, less what the last step consumed). Recorded: returns the
-    parameters (by id) holding a gradient now, the step's gradients (``set_aside_grads``' ``held``)."""
+    gradients now in ``.grad``, the step's (``set_aside_grads``' ``held``), by identity and version."""
     if not recorded:
         for p, keep in stash:
             p.grad = keep
@@ -115,4 +136,4 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> 
             kept.append(keep)
     if own:
         torch._foreach_add_(own, kept)
-    return {id(p) for p, _ in stash if p.grad is not None}
+    return {id(p): (weakref.ref(p.grad), p.grad._version) for p, _ in stash if p.grad is not None}
