@@ -593,8 +593,10 @@ def test_unsupported_requests_raise(gpt2):
     covered_norm = train_posterior(other, steps=1, evon_patterns=[r"ln_f\.weight"])
     assert "transformer.ln_f.weight" in covered_norm.names
     with refused("transformer.ln_f.weight"):
-        generate_bma(other, covered_norm, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0)
+        bma_log_likelihood(other, covered_norm, PROMPTS, num_samples=2)
     assert not any("forward" in m.__dict__ for m in other.modules())
+    # generate_bma decodes it one draw at a time
+    assert generate_bma(other, covered_norm, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0).shape == (2, 8)
     with pytest.raises(hf_evon.PosteriorMismatchError):
         generate_bma(tiny_llama(), posterior, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0)
 
@@ -1138,13 +1140,18 @@ def test_dora_adapters_are_refused_by_batched_bma():
     config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, use_dora=True)
     model = peft.get_peft_model(tiny_gpt2(seed=2), config)
     posterior = train_posterior(model)
-    for call in (
-        lambda: bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0),
-        lambda: generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0),
-    ):
-        with refused("DoRA"):
-            call()
+    with refused("DoRA"):
+        bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    # generate_bma decodes it one draw at a time: the slow reference's tokens
+    before = snapshot(model)
+    out = generate_bma(
+        model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=3, pad_token_id=0, eos_token_id=None,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert_unchanged(model, before)
+    new_ids = out.sequences[:, PROMPTS.shape[1] :]
+    assert_reference_argmax(new_ids, reference_greedy(sampled_copies(model, posterior, 2, 0), PROMPTS, None, 3, new_ids)[1])
 
 
 def test_peft_adapter_names_are_refused_by_name():
@@ -1393,8 +1400,10 @@ def test_a_weight_norm_or_spectral_norm_tensor_is_refused_by_batched_bma():
         with refused(rf"'{name}' is the '{attr}' of a Conv1D"):
             bma_log_likelihood(model, alone, PROMPTS, num_samples=2, seed=0)
         assert not any("forward" in m.__dict__ for m in model.modules())
-    with refused(r"'transformer.h.0.mlp.c_fc.weight_g' is the 'weight_g'"):
-        generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+    # generate_bma decodes it one draw at a time, each sample's weight made from its own weight_g and weight_v
+    new_ids = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=3, eos_token_id=None)
+    new_ids = new_ids[:, PROMPTS.shape[1] :]
+    assert_reference_argmax(new_ids, reference_greedy(sampled_copies(model, posterior, 2, 0), PROMPTS, None, 3, new_ids)[1])
 
 
 def _trained_posterior(model: torch.nn.Module, x: torch.Tensor, loss, **kwargs) -> EVONPosterior:
@@ -1627,8 +1636,9 @@ def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> Non
         (max_norm, train_posterior(max_norm, evon_patterns=["wte"]), r"'transformer\.wte\.weight': nn\.Embedding with max_norm"),
     ]  # fmt: skip
     for model, posterior, match in cases:
-        with refused(match):
-            generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+        if model is mbart or model is prefix:  # generate_bma decodes the others one draw at a time
+            with refused(match):
+                generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
         with refused(match):
             bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
         assert not any("forward" in m.__dict__ for m in model.modules())
@@ -1647,3 +1657,76 @@ def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> Non
         with batched.BatchedSamples(routed, posterior, 2, seed=0):
             routed(torch.randn(4, 4))
     assert not any("forward" in m.__dict__ for m in routed.modules())
+
+
+# ----------------------------------------------------------------------------- one draw at a time
+def _refuse_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched path refuses every model, as it refuses an AdaLoRA or IA3 one."""
+
+    def refuse(self: batched.BatchedSamples) -> None:
+        raise batched.refusal("refused for the test")
+
+    monkeypatch.setattr(batched.BatchedSamples, "__enter__", refuse)
+
+
+ONE_AT_A_TIME_MODES = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, top_k=10),
+    "beams": dict(do_sample=False, num_beams=3),
+    "guidance": dict(do_sample=False, guidance_scale=3.0),
+}
+
+
+@pytest.mark.parametrize("mode", list(ONE_AT_A_TIME_MODES))
+def test_a_model_the_batched_path_refuses_decodes_one_draw_at_a_time_as_the_batched_path(gpt2, monkeypatch, mode):
+    """A model whose covered parameters the batched samples cannot run (PEFT's AdaLoRA, IA3, LoHa,
+    LoKr, DoRA, weight_norm) was refused by generate_bma with NotImplementedError, so the model
+    card's snippet and ``hf-evon generate`` could not decode it. Refused, generate_bma now writes
+    the same S samples into the weights one at a time, each with its own KV cache: on a model the
+    batched path runs, its tokens and the predictive's logits are the batched path's."""
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    ids, mask = left_pad([[5, 9, 17, 3, 22, 8], [40, 41, 7]])
+    kwargs = dict(
+        attention_mask=mask, num_samples=3, seed=4, max_new_tokens=6, pad_token_id=0, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True, **ONE_AT_A_TIME_MODES[mode],
+    )  # fmt: skip
+    expected = generate_bma(model, noisy, ids, **kwargs)
+    other_seed = generate_bma(model, noisy, ids, **{**kwargs, "seed": 5})
+    assert not torch.equal(expected.sequences, other_seed.sequences)  # the samples decide the tokens
+    before = snapshot(model)
+    _refuse_batched(monkeypatch)
+    got = generate_bma(model, noisy, ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, want in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(step, want, atol=1e-4, rtol=1e-5)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("adapter", ["ia3", "adalora"])
+def test_an_ia3_or_adalora_lm_decodes_one_draw_at_a_time_as_the_slow_reference(adapter):
+    """IA3's scaling vectors and AdaLoRA's lora_A/lora_E/lora_B live in ParameterDicts, which the
+    batched samples cannot run: generate_bma raised NotImplementedError. It now decodes them with
+    the BMA predictive of the samples written into the weights (the slow reference's)."""
+    peft = pytest.importorskip("peft")
+    config = (
+        peft.IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])
+        if adapter == "ia3"
+        else peft.AdaLoraConfig(init_r=4, target_r=2, target_modules=["c_attn"], total_step=10, fan_in_fan_out=True)
+    )
+    model = peft.get_peft_model(tiny_gpt2(seed=2), config)
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    before = snapshot(model)
+    out = generate_bma(
+        model, posterior, PROMPTS, num_samples=3, seed=4, max_new_tokens=5, do_sample=False, pad_token_id=0,
+        eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    assert_unchanged(model, before)
+    copies = sampled_copies(model, posterior, 3, 4)
+    new_ids = out.sequences[:, PROMPTS.shape[1] :]
+    _, scores = reference_greedy(copies, PROMPTS, None, 5, forced=new_ids)
+    assert_reference_argmax(new_ids, scores)
+    for got, want in zip(log_mean_probs(out), scores, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    _, mean_scores = reference_greedy([model], PROMPTS, None, 5, forced=new_ids)
+    assert (scores[0] - mean_scores[0]).abs().max() > 1e-3  # the adapter's samples differ from its mean

@@ -14,7 +14,9 @@ Speed: the S samples are not S models. They run as one forward of batch ``S·B``
 (sample-major) in which only the posterior's matrices have S versions, applied by batched
 matmuls (see ``hf_evon.predictive.batched_samples``); each sample has its own rows of one shared KV
 cache, reused across steps and reordered with beam search's beams. The weights are drawn once per
-call from ``seed`` and kept for the whole sequence. The model's parameters are never written.
+call from ``seed`` and kept for the whole sequence. The model's parameters are never written, except
+for a causal LM the batched samples refuse: ``generate_bma`` writes the same samples into its weights
+one at a time (``hf_evon.predictive.sequential_samples``) and puts the mean back after every forward.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from hf_evon.modeling import (
     unwrap_model,
 )
 from hf_evon.optim.noise import resolve_seed
-from hf_evon.predictive.batched_samples import BatchedSamples, expected_rows, refusal
+from hf_evon.predictive.batched_samples import ONE_DRAW_AT_A_TIME, BatchedSamples, expected_rows, refusal
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     label_log_probs,
@@ -48,6 +50,7 @@ from hf_evon.predictive.logprobs import (
     require_scorable_labels,
     tempered,
 )
+from hf_evon.predictive.sequential_samples import one_draw_at_a_time
 
 Tensor = torch.Tensor
 
@@ -252,6 +255,13 @@ def generate_bma(
         as in ``model.generate``. ``scores`` are what the processors made of them; beam search's
         ``sequences_scores`` are sums of ``log p̄``. Attentions and hidden states, if requested,
         are per sample (batch ``S·B``, sample-major).
+
+    A causal LM the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D``
+    or ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
+    adapters, ``weight_norm``, a scaled word embedding) is decoded with the same S samples written
+    into its weights one at a time (``hf_evon.predictive.sequential_samples``), each with its own KV
+    cache: the same tokens, at S forwards per step; attentions and hidden states are the last
+    sample's. An encoder-decoder model the batched samples refuse is refused.
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
@@ -278,32 +288,78 @@ def generate_bma(
     # the most tokens the call can add, for the cost model of the batched samples
     new_tokens = config.max_new_tokens or (config.max_length or 20) - input_ids.shape[1]
     rows = expected_rows(input_ids.shape[0] * beams, input_ids.shape[1], max(int(new_tokens), 1))
-    with BatchedSamples(
-        model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams
-    ) as sampler:
-        _check_sample_axis(sampler, gen_model, input_ids)
+    sampler = _entered_batched_samples(
+        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams),
+        gen_model,
+        input_ids,
+    )
+    if isinstance(sampler, NotImplementedError):  # the batched path refuses the model
+        if is_encoder_decoder(gen_model):  # each sample's own encoder outputs: the batched path only
+            raise sampler
+        # the S samples it would draw, written into the weights one at a time: its tokens
+        combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
+        with (
+            one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine) as cache,
+            _without_cache_setting(gen_model),
+            _seeded_tokens(input_ids.device, token_seed),
+        ):
+            return _generate_cached(gen_model, cache, given_config, input_ids, attention_mask, generation_kwargs)
+    try:
         if is_encoder_decoder(gen_model):
             generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
                 gen_model, input_ids, attention_mask, num_samples, config
             )
         with _on_the_predictive(gen_model, posterior, num_samples, input_ids.device, token_seed) as cache:
-            # the class's generate: the instance's may be a wrapper that routes here
-            # (EVONSeq2SeqTrainer.predict(bma=True))
-            generation_kwargs[_cache_keyword(gen_model)] = cache
-            # always cached: with use_cache=False (given, or the model's config after gradient
-            # checkpointing) generate re-feeds the whole sequence, which this cache would append again;
-            # and by this cache alone: transformers refuses a cache beside a cache_implementation
-            settings = {"use_cache": True, "cache_implementation": None}
-            if given_config is not None:  # in the config: beside it, settings are a deprecated mix
-                generation_kwargs["generation_config"] = copy.deepcopy(given_config)
-                generation_kwargs["generation_config"].update(**settings)
-                for key in settings:  # a keyword beside the config would override it in generate
-                    generation_kwargs.pop(key, None)
-            else:
-                generation_kwargs.update(settings)
-            return type(gen_model).generate(
-                gen_model, input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs
-            )
+            return _generate_cached(gen_model, cache, given_config, input_ids, attention_mask, generation_kwargs)
+    finally:
+        sampler.__exit__(None, None, None)
+
+
+def _entered_batched_samples(
+    sampler: BatchedSamples, gen_model: nn.Module, input_ids: Tensor
+) -> BatchedSamples | NotImplementedError:
+    """``sampler`` entered, its sample axis checked (:func:`_check_sample_axis`); or, where the batched
+    path refuses the model, that refusal, the block exited (the model as it was)."""
+    try:
+        sampler.__enter__()
+    except NotImplementedError as error:
+        if ONE_DRAW_AT_A_TIME not in str(error):
+            raise
+        return error
+    try:
+        _check_sample_axis(sampler, gen_model, input_ids)
+    except BaseException as error:
+        sampler.__exit__(None, None, None)
+        if isinstance(error, NotImplementedError) and ONE_DRAW_AT_A_TIME in str(error):
+            return error
+        raise
+    return sampler
+
+
+def _generate_cached(
+    gen_model: nn.Module,
+    cache: Any,
+    given_config: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    generation_kwargs: dict[str, Any],
+) -> Any:
+    """``generate`` of ``gen_model``'s class on ``cache``, always cached and by this cache alone."""
+    # the class's generate: the instance's may be a wrapper that routes here
+    # (EVONSeq2SeqTrainer.predict(bma=True))
+    generation_kwargs[_cache_keyword(gen_model)] = cache
+    # always cached: with use_cache=False (given, or the model's config after gradient
+    # checkpointing) generate re-feeds the whole sequence, which this cache would append again;
+    # and by this cache alone: transformers refuses a cache beside a cache_implementation
+    settings = {"use_cache": True, "cache_implementation": None}
+    if given_config is not None:  # in the config: beside it, settings are a deprecated mix
+        generation_kwargs["generation_config"] = copy.deepcopy(given_config)
+        generation_kwargs["generation_config"].update(**settings)
+        for key in settings:  # a keyword beside the config would override it in generate
+            generation_kwargs.pop(key, None)
+    else:
+        generation_kwargs.update(settings)
+    return type(gen_model).generate(gen_model, input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -331,17 +387,27 @@ def _on_the_predictive(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_averaging_forward(gen_model, num_samples, posterior))
         stack.enter_context(_without_cache_setting(gen_model))
-        if token_seed is not None:
-            cuda = device.type == "cuda"
-            stack.enter_context(torch.random.fork_rng(devices=[device] if cuda else []))
-            # only the generator the decoding draws from: torch.manual_seed would also reseed every
-            # GPU's generator for a call on the CPU, and fork_rng restores only the devices named
-            if cuda:  # index 0 is a device too: only a device without an index means the current one
-                index = torch.cuda.current_device() if device.index is None else device.index
-                torch.cuda.default_generators[index].manual_seed(token_seed)
-            else:
-                torch.default_generator.manual_seed(token_seed)
+        stack.enter_context(_seeded_tokens(device, token_seed))
         yield cache
+
+
+@contextlib.contextmanager
+def _seeded_tokens(device: torch.device, token_seed: int | None) -> Iterator[None]:
+    """Torch's generator of ``device``, which sampling draws from, seeded with ``token_seed`` for the
+    block and restored after (``torch.random.fork_rng``); ``None``: left as it is."""
+    if token_seed is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        # only the generator the decoding draws from: torch.manual_seed would also reseed every
+        # GPU's generator for a call on the CPU, and fork_rng restores only the devices named
+        if cuda:  # index 0 is a device too: only a device without an index means the current one
+            index = torch.cuda.current_device() if device.index is None else device.index
+            torch.cuda.default_generators[index].manual_seed(token_seed)
+        else:
+            torch.default_generator.manual_seed(token_seed)
+        yield
 
 
 @contextlib.contextmanager

@@ -1,0 +1,214 @@
+"""S posterior samples of a model written into its weights one at a time: BMA decoding for the models
+the batched samples (:mod:`hf_evon.predictive.batched_samples`) refuse.
+
+The batched path needs every covered parameter owned by an ``nn.Linear``, ``Conv1D`` or ``nn.Embedding``
+and used only through its forward. Other models (PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA adapters,
+``weight_norm``, a scaled word embedding, a mixture's router) run each sample as ``posterior.sampled``
+runs it: its weights written into the model's parameters. :class:`SequentialSamples` draws the S samples
+the batched path would draw (``posterior.draw(S, seed=seed)``, each written as ``M + ΔW_s`` with the
+rounding of ``posterior.sampled``; AdaLoRA's pruned ranks kept 0, as ``sampled`` keeps them) and holds
+them for the whole call; :func:`forward_per_sample` makes a model's forward run once per sample, each
+sample on its own KV cache (:class:`PerSampleCache`), and combine the S logits. Each step costs S
+forwards of ``B`` rows and S writes of the covered weights; the mean is written back after every
+forward, and on exit (also when the block raises), bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_evon.modeling import pruned_ranks, unwrap_model
+from hf_evon.posterior.gaussian import add_perturbation, sample_seed
+from hf_evon.predictive.batched_samples import DRAW_CHUNK_ELEMENTS
+
+Tensor = torch.Tensor
+
+# the keywords under which a forward takes its KV cache: transformers from 5.24, and before
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+class SequentialSamples:
+    """Context manager holding S posterior samples of ``model``'s covered weights, each written into
+    the parameters on :meth:`write` and the mean put back on :meth:`restore` (and on exit).
+
+    Args:
+        model: the model whose ``named_parameters()`` names the posterior uses (behind DDP and
+            ``torch.compile``: the module they wrap).
+        posterior: an ``EVONPosterior``.
+        num_samples: S.
+        seed: seed of the weight draw, ``posterior.draw(S, seed=seed)``: the samples ``BatchedSamples``
+            draws for the same seed.
+    """
+
+    def __init__(self, model: nn.Module, posterior: Any, num_samples: int, seed: int | None = None) -> None:
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
+        self.model = unwrap_model(model)
+        self.posterior = posterior
+        self.num_samples = num_samples
+        self.seed = seed
+        self._params: dict[str, Tensor] = {}
+        self._means: dict[str, Tensor] = {}
+        self._samples: dict[str, list[Tensor]] = {}
+        self._written = False
+
+    def __enter__(self) -> SequentialSamples:
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = [n for n in self.posterior.names if n not in named]
+        if unknown:
+            raise KeyError(f"posterior covers parameters the model does not have: {unknown[:5]}")
+        params = {n: named[n] for n in self.posterior.names}
+        self.seed = sample_seed(self.seed, params.values())
+        pruned = pruned_ranks(self.model)
+        with torch.no_grad():
+            for names in self._chunks(params):
+                devices = {params[n].device for n in names}
+                device = next(iter(devices)) if len(devices) == 1 else None
+                draws = self.posterior.draw(self.num_samples, seed=self.seed, names=names, device=device)
+                for name in names:
+                    mean = params[name].detach()
+                    delta = draws.pop(name).to(mean.device)
+                    if name in pruned:  # a pruned rank is off, not uncertain: 0 in every sample
+                        delta = delta.masked_fill(pruned[name].to(delta.device), 0)
+                    self._samples[name] = [add_perturbation(mean, d) for d in delta]
+                    self._means[name] = mean.clone()
+        self._params = params
+        return self
+
+    def _chunks(self, params: dict[str, Tensor]) -> Iterator[list[str]]:
+        """The names in chunks of at most ``DRAW_CHUNK_ELEMENTS`` drawn values (one name at least), as
+        ``BatchedSamples`` draws them: the float32 transient of a draw stays bounded."""
+        chunk: list[str] = []
+        size = 0
+        for name, p in params.items():
+            if chunk and size + self.num_samples * p.numel() > DRAW_CHUNK_ELEMENTS:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(name)
+            size += self.num_samples * p.numel()
+        if chunk:
+            yield chunk
+
+    def write(self, s: int) -> None:
+        """Sample ``s``'s weights into the model's covered parameters."""
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(self._samples[name][s])
+        self._written = True
+
+    def restore(self) -> None:
+        """The mean back into the covered parameters, bit for bit."""
+        if not self._written:
+            return
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(self._means[name])
+        self._written = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.restore()
+        self._samples.clear()
+        self._means.clear()
+        self._params = {}
+
+
+def per_sample_cache(num_samples: int, config: Any) -> Any:
+    """A :class:`PerSampleCache` of ``num_samples`` dynamic caches (``config``: the decoder's)."""
+    from transformers import DynamicCache
+
+    class PerSampleCache(DynamicCache):
+        """Sample 0's KV cache, holding the other samples' (``per_sample``): what ``generate`` reads of
+        it (its length) is every sample's, and beam search's reordering reorders every sample's."""
+
+        def __init__(self) -> None:
+            super().__init__(config=config)
+            self.per_sample = [self, *(DynamicCache(config=config) for _ in range(num_samples - 1))]
+
+        def reorder_cache(self, beam_idx: Tensor) -> None:
+            super().reorder_cache(beam_idx)
+            for cache in self.per_sample[1:]:
+                cache.reorder_cache(beam_idx)
+
+    return PerSampleCache()
+
+
+@contextlib.contextmanager
+def forward_per_sample(
+    model: nn.Module,
+    samples: SequentialSamples,
+    new_cache: Callable[[], Any],
+    combine: Callable[[list[Tensor]], Tensor],
+) -> Iterator[None]:
+    """``model``'s forward, for the block, run once per sample of ``samples`` (each written into the
+    weights in turn, the mean written back after), each on its own cache of the
+    :func:`per_sample_cache` handed to it, and returning the outputs of the last with ``logits``
+    ``combine(the S samples' logits)`` and that same cache. A call without a cache that caches (the
+    unconditional pass of ``guidance_scale``'s processor) gets a fresh one from ``new_cache``, so its
+    next call finds each sample's states apart again."""
+    forward = model.forward
+    signature = inspect.signature(forward)
+    key = next((k for k in CACHE_KEYWORDS if k in signature.parameters), CACHE_KEYWORDS[-1])
+
+    @functools.wraps(forward)  # generate reads the forward's signature
+    def each_sample(*args: Any, **kwargs: Any) -> Any:
+        if args:  # guidance_scale's processor calls the model with the ids first, by position
+            kwargs = {**signature.bind_partial(*args).arguments, **kwargs}
+        cache = kwargs.get(key)
+        if cache is None and kwargs.get("use_cache", getattr(model.config, "use_cache", False)):
+            cache = new_cache()
+        if cache is not None and not hasattr(cache, "per_sample"):
+            raise ValueError(
+                f"generate_bma one draw at a time: the model was called with a cache ({type(cache).__name__}) "
+                "that does not hold one cache per sample"
+            )
+        outputs, logits = None, []
+        try:
+            for s in range(samples.num_samples):
+                samples.write(s)
+                if cache is not None:
+                    kwargs[key] = cache.per_sample[s]
+                outputs = forward(**kwargs)
+                logits.append(outputs.logits)
+        finally:
+            samples.restore()
+        outputs.logits = combine(logits)
+        for name in CACHE_KEYWORDS:
+            if outputs.get(name) is not None:
+                outputs[name] = cache
+        return outputs
+
+    previous = model.__dict__.get("forward")
+    model.forward = each_sample
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.forward
+        else:
+            model.forward = previous
+
+
+@contextlib.contextmanager
+def one_draw_at_a_time(
+    model: nn.Module,
+    gen_model: nn.Module,
+    posterior: Any,
+    num_samples: int,
+    seed: int | None,
+    combine: Callable[[list[Tensor]], Tensor],
+) -> Iterator[Any]:
+    """For the block, ``gen_model``'s forward (the transformers model of ``model``, which the posterior's
+    names address) runs S samples one at a time (:class:`SequentialSamples`, :func:`forward_per_sample`);
+    yields the :func:`per_sample_cache` to hand ``generate``."""
+    config = gen_model.config.get_text_config(decoder=True)
+    new_cache = functools.partial(per_sample_cache, num_samples, config)
+    with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
+        with forward_per_sample(gen_model, samples, new_cache, combine):
+            yield new_cache()
