@@ -391,6 +391,23 @@ def test_a_float32_basis_saved_as_float64_loads(tmp_path):
         EVONPosterior.from_pretrained(tmp_path / "f64")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_posterior_read_from_half_precision_files_saves_as_it_was_read(tmp_path, dtype):
+    """A posterior loaded from half-precision bases (held upcast to float32) and saved again (a copy, a
+    push to another repo) wrote them as float32: bfloat16's rounding then failed float32's
+    orthonormality check ("'….Q_L' is not orthonormal … for float32"), so the copy did not load."""
+    from safetensors.torch import load_file
+
+    _posterior().save_pretrained(tmp_path / "half", eigenbasis_dtype=dtype)
+    loaded = EVONPosterior.from_pretrained(tmp_path / "half")
+    loaded.save_pretrained(tmp_path / "again")
+    again = EVONPosterior.from_pretrained(tmp_path / "again")
+    first, second = load_file(tmp_path / "half" / POSTERIOR_WEIGHTS_NAME), load_file(tmp_path / "again" / POSTERIOR_WEIGHTS_NAME)
+    assert first.keys() == second.keys()
+    assert all(first[k].dtype == second[k].dtype and torch.equal(first[k], second[k]) for k in first)
+    assert again.config["eigenbasis_dtype"] == loaded.config["eigenbasis_dtype"] == str(dtype).removeprefix("torch.")
+    assert all(torch.equal(again.std(n), loaded.std(n)) for n in loaded.names)
+
 def test_a_readme_that_is_not_utf8_is_left_as_it_is_and_the_posterior_saves(tmp_path):
     readme = "# Modèle\n\nNotes in Latin-1.\n".encode("latin-1")
     (tmp_path / "README.md").write_bytes(readme)

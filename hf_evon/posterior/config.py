@@ -75,6 +75,17 @@ def as_dtype(value: torch.dtype | str | None, argument: str = "dtype") -> torch.
         ) from None
 
 
+def declared_basis_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype ``config["eigenbasis_dtype"]`` holds the bases in (None where it names no float dtype).
+
+    A posterior read from half-precision bases holds them upcast to float32 but no more precise than
+    they were read: a save writes them as read, not as float32 that float32's orthonormality check
+    (``docs/posterior-format.md#orthonormality``) refuses on load."""
+    try:
+        return as_dtype(config.get("eigenbasis_dtype"))
+    except ValueError:
+        return None
+
 def json_value(value: Any) -> Any:
     """JSON-safe copy: tuples become lists, infinities the strings "inf"/"-inf", NumPy numbers (which
     the optimizer takes for its hyperparameters) Python's."""

@@ -38,6 +38,7 @@ from hf_evon.posterior.config import (
     PosteriorMismatchError,
     as_dtype,
     check_noise_scale,
+    declared_basis_dtype,
     dtype_name,
     ess_number,
 )
@@ -479,6 +480,7 @@ class EVONPosterior:
             save_directory: the directory (created if needed), e.g. the model's or adapter's.
             eigenbasis_dtype: ``torch.bfloat16``/``torch.float16`` stores ``Q_L``/``Q_R`` in
                 half precision (about half the file); ``H`` keeps its dtype (float32, float64 for float64 weights).
+                Default: ``config["eigenbasis_dtype"]`` (a posterior read from half-precision files: as read).
             push_to_hub: afterwards also :meth:`push_to_hub` (``repo_id`` defaults to the
                 directory's name; other keyword arguments are passed on).
             model_card (kwarg, default True): create/update ``README.md``. With False, an EVON section
@@ -496,7 +498,7 @@ class EVONPosterior:
         directory = os.fspath(save_directory)
         if os.path.isfile(directory):
             raise ValueError(f"save_directory {directory!r} is a file, not a directory")
-        eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
+        eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype") or declared_basis_dtype(self.config)
         warn_peft_unsaved(directory, {n: self[n].shape for n in self.names})  # before any file is written
         os.makedirs(directory, exist_ok=True)
         factors = self.factors
