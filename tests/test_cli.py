@@ -347,6 +347,34 @@ def test_generate_with_a_lora_adapter_not_named_default(saved, tmp_path, capsys,
     assert record["completion_ids"] == expected[0, 2:].tolist()
 
 
+@pytest.mark.parametrize("adapter", ["ia3", "adalora"])
+def test_generate_decodes_an_ia3_or_adalora_adapter(saved, tmp_path, capsys, adapter):
+    """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched
+    samples cannot run: ``hf-evon generate`` failed with NotImplementedError for such an adapter.
+    It now decodes it as generate_bma does (the samples written into the weights one at a time)."""
+    from peft import AdaLoraConfig, IA3Config, get_peft_model
+
+    path, _, _, _ = saved
+    config = (
+        IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])
+        if adapter == "ia3"
+        else AdaLoraConfig(init_r=4, target_r=2, target_modules=["c_attn"], total_step=10, fan_in_fan_out=True)
+    )
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(path), config)
+    posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
+    assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
+    )  # fmt: skip
+    assert record["completion_ids"] == expected[0, 2:].tolist()
+    assert len(record["completion_ids"]) == 4
+
+
 # ----------------------------------------------------------------------------- errors (issue 9.15, 11.7)
 @pytest.mark.parametrize(
     ("args", "message"),

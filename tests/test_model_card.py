@@ -588,3 +588,39 @@ def test_a_named_peft_adapters_snippet_loads_it_under_its_name_from_where_peft_s
     EVONPosterior.from_pretrained(tmp_path).check_model(loaded)
     for name in posterior.names:
         assert torch.equal(loaded.get_parameter(name), model.get_parameter(name)), name
+
+
+@pytest.mark.parametrize("adapter", ["ia3", "adalora"])
+def test_the_snippet_of_an_ia3_or_adalora_causal_lms_card_runs_as_written(adapter, tmp_path, tokenizer, capsys):
+    """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched
+    samples cannot run: the card's snippet, which "runs as written", raised NotImplementedError at
+    its ``generate_bma`` call. It now decodes, the in-memory model's BMA tokens."""
+    from peft import AdaLoraConfig, IA3Config, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=tokenizer.vocab_size, n_positions=64, bos_token_id=0,
+        eos_token_id=None,
+    )  # fmt: skip
+    base_dir = tmp_path / "base"
+    GPT2LMHeadModel(config).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    peft_config = (
+        IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])
+        if adapter == "ia3"
+        else AdaLoraConfig(init_r=4, target_r=2, target_modules=["c_attn"], total_step=10, fan_in_fan_out=True)
+    )
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(base_dir), peft_config).eval()
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    posterior.save_pretrained(out, model_card_kwargs={"model": model, "base_model": str(base_dir)})
+    snippet = _snippet((out / "README.md").read_text())
+    assert f'base = AutoModelForCausalLM.from_pretrained("{base_dir}")' in snippet
+    assert "output_ids = generate_bma(" in snippet
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert torch.equal(namespace["output_ids"], _snippet_decoding(model, posterior, tokenizer))
+    assert namespace["output_ids"].shape[1] > 32  # the prompt and 32 new tokens
+    capsys.readouterr()
