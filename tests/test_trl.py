@@ -426,3 +426,39 @@ def test_trl_reward_and_dpo_num_tokens_count_each_token_once_whatever_evon_mc_sa
         trainer = evon_class(args=args, train_dataset=pairs, processing_class=tokenizer, **extra())
         trainer.train()
         assert [h["num_tokens"] for h in trainer.state.log_history if "loss" in h] == expected, base.__name__
+
+
+def test_a_calibration_dataset_the_trainer_cannot_batch_is_refused_naming_it(tmp_path, corpus):
+    """A raw preference calibration_dataset beside a mixin subclass of RewardTrainer (as of DPOTrainer,
+    which prepare only their train and eval sets) failed in train() with the Trainer's "No columns in
+    the dataset match the model's forward method signature", naming no dataset, while the train set
+    of that very format trains. It is refused naming calibration_dataset (or calibrate()'s dataset),
+    the Trainer's message kept, before any step."""
+    from transformers import GPT2ForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    from hf_evon.trainer import EVONTrainerMixin
+
+    class EVONRewardTrainer(EVONTrainerMixin, RewardTrainer):
+        config_class = evon_config_class(RewardConfig)
+
+    tokenizer, train, _ = corpus
+    texts = train["text"][:12]
+    pairs = Dataset.from_dict(
+        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
+    )
+    config = tiny_gpt2(tokenizer).config
+    config.num_labels = 1
+    args = EVONRewardTrainer.config_class(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=1, per_device_train_batch_size=4,
+        max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", evon_ess=1e3,
+    )  # fmt: skip
+    trainer = EVONRewardTrainer(model=GPT2ForSequenceClassification(config), args=args, train_dataset=pairs.select(range(8)),
+                                processing_class=tokenizer, calibration_dataset=pairs.select(range(8, 12)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^EVONTrainer: calibration_dataset .*No columns in the dataset match"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and trainer.evon_optimizer is None
+    trainer.calibration_dataset = None
+    trainer.train()
+    with pytest.raises(ValueError, match=r"^EVONTrainer: calibrate\(\): dataset .*No columns in the dataset match"):
+        trainer.calibrate(pairs.select(range(8, 12)))

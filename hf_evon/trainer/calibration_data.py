@@ -16,7 +16,7 @@ dataset's order.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -58,6 +58,32 @@ def whole_split(loader: Any, dataset: Any) -> Any:
     if getattr(shard, "num_processes", 1) > 1 and hasattr(shard, "process_index"):
         shard.num_processes, shard.process_index, shard.even_batches = 1, 0, False
     return loader
+
+
+def named_batches(make_loader: Callable[[], Iterable[Any]], name: str) -> Iterator[Any]:
+    """The batches of the loader ``make_loader()`` builds; a ValueError, KeyError or TypeError raised
+    while it is built or read (the Trainer's column removal, the collator) is raised again naming
+    ``name``: a calibration split in another format than the train set the trainer prepared (TRL's
+    preference pairs, raw text) fails there with a message that names no dataset."""
+    try:
+        batches = iter(make_loader())
+    except (ValueError, KeyError, TypeError) as err:
+        raise _not_batched(name, err) from err
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (ValueError, KeyError, TypeError) as err:
+            raise _not_batched(name, err) from err
+        yield batch
+
+
+def _not_batched(name: str, err: Exception) -> ValueError:
+    return ValueError(
+        f"EVONTrainer: {name} could not be batched by the trainer's data collator ({type(err).__name__}: "
+        f"{err}); pass examples as the trainer's train_dataset is once prepared"
+    )
 
 
 def check_calibration_batches(

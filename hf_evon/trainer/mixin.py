@@ -305,7 +305,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
 
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loaded = not any(p.is_meta for p in self.model.parameters())
-        loader = calibration_data.whole_split(self._uncached_eval_dataloader(d := self.calibration_dataset), d)
+        d = self.calibration_dataset
+        loader = calibration_data.named_batches(
+            lambda: calibration_data.whole_split(self._uncached_eval_dataloader(d), d), "calibration_dataset"
+        )
         calibration_data.check_calibration_batches(
             (calibration_data.under_labels(b, self.label_names, self.model) for b in loader), vocab, self._causal_lm,
             (lambda b, where: held_out_classes(self.model, self._prepare_inputs(b), self._causal_lm, where)) if loaded else None,
@@ -359,7 +362,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         """
         from hf_evon.predictive.calibration import DEFAULT_NUM_SAMPLES, calibrate_posterior
 
-        dataset = self.calibration_dataset if dataset is None else dataset
+        given, dataset = dataset, self.calibration_dataset if dataset is None else dataset
         if dataset is None:
             raise ValueError(
                 "calibrate() needs held-out data: pass dataset= or EVONTrainer(calibration_dataset=...)"
@@ -372,7 +375,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         start = time.perf_counter()
         # sorted by length, the long tail cut (each pass pads little; the dataset order's result), labels as "labels"
         split = calibration_data.length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
-        loader = calibration_data.whole_split(self._uncached_eval_dataloader(split), split)  # every rank: one choice
+        loader = calibration_data.named_batches(  # every rank reads the whole split: one choice
+            lambda: calibration_data.whole_split(self._uncached_eval_dataloader(split), split),
+            "calibration_dataset" if given is None else "calibrate(): dataset",
+        )
         batches = [self._prepare_inputs(b) for b in loader]
         batches = calibration_data.cut_by_length([calibration_data.under_labels(b, self.label_names, self.model) for b in batches])
         _, result = calibrate_posterior(
