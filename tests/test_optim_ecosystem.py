@@ -384,6 +384,30 @@ def test_a_block_entered_inside_autocast_draws_the_float32_sample() -> None:
 
 
 # ----------------------------------------------------------------------------- evaluation and ranks
+@pytest.mark.parametrize("first_use", ["sampled_params", "posterior_std"])
+def test_a_first_use_under_inference_mode_leaves_an_optimizer_that_trains(first_use: str) -> None:
+    """An evaluation before training under ``torch.inference_mode()`` (a BMA baseline, or a look at
+    the initial posterior) stacked EVON's state as inference tensors: the first step then raised
+    "Inference tensors do not track version counter". Training after it equals training after
+    the same evaluation under ``torch.no_grad()``."""
+    runs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        model = _model()
+        opt = _optimizer(model, precondition_frequency=2)
+        with mode():
+            if first_use == "sampled_params":
+                with opt.sampled_params(train=False):
+                    model(X)
+            else:
+                opt.posterior_std(model[0].weight)
+        for _ in range(3):
+            _step(opt, model)
+        assert not any(v.is_inference() for v in opt.state[model[0].weight].values())
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_an_evaluation_block_leaves_the_training_noise_as_it_was() -> None:
     """A ``sampled_params(train=False)`` block (a BMA evaluation) advanced the training blocks'
     noise label: training then took other samples than without the evaluation (with AdamW an

@@ -477,6 +477,8 @@ def assign_refresh_phases(param_groups: list[dict[str, Any]], buckets: list[Buck
             load[phase] += cost((b, i))
 
 
+@torch.inference_mode(False)  # a first use inside inference_mode: steps update this state in place
+@torch.no_grad()  # inside it: inference_mode(False) turns gradients on
 def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> None:
     """Move per-parameter state into stacked storage; per-parameter entries become views.
 
