@@ -1132,10 +1132,12 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
 
 
 
-@pytest.mark.parametrize("how", ["hub_revision", "push_to_hub(revision=)"])
+@pytest.mark.parametrize("how", ["hub_revision", "push_to_hub(revision=)", "push_to_hub=False"])
 def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, monkeypatch, how):
     """``push_to_hub`` to a branch (``hub_revision``, or its ``revision=`` argument) put a card on
-    the branch whose snippet loaded the posterior from the default branch (none there, or another)."""
+    the branch whose snippet loaded the posterior from the default branch (none there, or another).
+    ``trainer.push_to_hub()`` without ``args.push_to_hub`` pushed a card whose snippet loaded the
+    model and the posterior from the output directory's local path."""
     import ast
 
     from huggingface_hub import HfApi, ModelCard
@@ -1153,8 +1155,8 @@ def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, m
         api.create_branch("user/evon-branch", branch="v2")  # the Trainer pushes to an existing branch
         revision = {"hub_revision": "v2"} if how == "hub_revision" else {}
         args = config(
-            tmp_path, max_steps=1, hub_model_id="user/evon-branch", hub_token="hf_dummy", push_to_hub=True,
-            save_strategy="no", **revision,
+            tmp_path, max_steps=1, hub_model_id="user/evon-branch", hub_token="hf_dummy",
+            push_to_hub=how != "push_to_hub=False", save_strategy="no", **revision,
         )  # fmt: skip
         trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
         trainer.train()

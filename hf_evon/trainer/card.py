@@ -87,9 +87,9 @@ def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterio
         "optimizer": _optimizer_text(trainer, posterior),
     }
     hub_id = getattr(trainer, "hub_model_id", None) or getattr(args, "hub_model_id", None)
-    if getattr(args, "push_to_hub", False) and hub_id:
+    pushing = getattr(trainer, "_hub_push_revision", None)  # the branch a push_to_hub() call goes to
+    if (pushing is not None or getattr(args, "push_to_hub", False)) and hub_id:
         kwargs["repo_id"] = hub_id
-        # the branch the push goes to (push_to_hub's revision, else hub_revision): the snippet loads from it
-        revision = getattr(trainer, "_hub_push_revision", None) or getattr(args, "hub_revision", None)
+        revision = pushing or getattr(args, "hub_revision", None)  # the snippet loads from that branch
         kwargs["revision"] = None if revision == "main" else revision
     return save_model_card(directory, posterior, **kwargs)

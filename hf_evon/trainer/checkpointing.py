@@ -99,9 +99,10 @@ class CheckpointingMixin:
         revision: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """The Trainer's push; the card it writes first loads the posterior from the branch pushed to
-        (``revision``, else ``hub_revision``), which only this call knows."""
-        self._hub_push_revision = revision
+        """The Trainer's push; the card it writes first loads the model and the posterior from the repo and
+        branch pushed to (``revision``, else ``hub_revision``), which only this call knows (also without
+        ``args.push_to_hub``)."""
+        self._hub_push_revision = revision or self.args.hub_revision or "main"
         try:
             return super().push_to_hub(commit_message, blocking, token, revision, **kwargs)
         finally:
