@@ -1526,9 +1526,13 @@ def test_a_covered_module_whose_input_does_not_lead_with_the_samples_is_refused(
     for model, posterior, match in ((fsmt, train_posterior(fsmt), fsmt_match), (t5, buckets_only, t5_match)):
         with refused(match):
             bma_log_likelihood(model, posterior, ids, labels=ids, num_samples=2, seed=0)
-        with refused(match):
-            generate_bma(model, posterior, ids, num_samples=2, seed=0, max_new_tokens=2)
         assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in model.modules())
+        # generate_bma decodes it one draw at a time: the slow reference's tokens
+        greedy = dict(max_new_tokens=2, num_beams=1, do_sample=False, eos_token_id=None, forced_eos_token_id=None)
+        new_ids = generate_bma(model, posterior, ids, num_samples=2, seed=0, **greedy)[:, 1:]  # FSMT's config: 5 beams
+        start = model.generation_config.decoder_start_token_id
+        copies = sampled_copies(model, posterior, 2, 0)
+        assert_reference_argmax(new_ids, reference_seq2seq_greedy(copies, ids, None, start, 2, new_ids)[1])
     # T5's batch-first layers pass the check: their samples score as written into the weights
     rest = {n: relative[n] for n in relative.names if n not in buckets}
     rest = EVONPosterior.from_factors(rest, dict(relative.config))
@@ -1636,7 +1640,7 @@ def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> Non
         (max_norm, train_posterior(max_norm, evon_patterns=["wte"]), r"'transformer\.wte\.weight': nn\.Embedding with max_norm"),
     ]  # fmt: skip
     for model, posterior, match in cases:
-        if model is mbart or model is prefix:  # generate_bma decodes the others one draw at a time
+        if model is prefix:  # generate_bma decodes the others one draw at a time
             with refused(match):
                 generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
         with refused(match):
@@ -1753,4 +1757,32 @@ def test_one_draw_at_a_time_puts_the_mean_back_when_a_forward_raises(gpt2, monke
         handle.remove()
     assert not torch.equal(calls[0], calls[1])  # the two forwards ran two samples
     assert not torch.equal(calls[1], before["transformer.h.0.mlp.c_fc.weight"])
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampling", "beams"])
+def test_an_encoder_decoder_the_batched_path_refuses_decodes_one_draw_at_a_time_as_the_batched_path(
+    seq2seq, monkeypatch, mode
+):
+    """An encoder-decoder model the batched samples refuse (an IA3 or AdaLoRA adapter of T5, FSMT's
+    time-first layers) was refused by generate_bma. It now runs each sample's encoder and decoder
+    with the sample written into the weights: on a model the batched path runs, its tokens and the
+    predictive's logits are the batched path's, for greedy decoding, sampling and beam search."""
+    model, posterior = seq2seq
+    noisy = posterior.with_ess(NOISY_ESS)
+    pad = model.config.pad_token_id
+    ids = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, pad, pad, pad]])  # right-padded, as T5/BART take it
+    mask = (torch.arange(6) < torch.tensor([[6], [3]])).long()
+    kwargs = dict(
+        attention_mask=mask, num_samples=3, seed=7, max_new_tokens=6, eos_token_id=None,
+        return_dict_in_generate=True, output_logits=True, **ONE_AT_A_TIME_MODES[mode],
+    )  # fmt: skip
+    expected = generate_bma(model, noisy, ids, **kwargs)
+    assert not torch.equal(expected.sequences, generate_bma(model, noisy, ids, **{**kwargs, "seed": 8}).sequences)
+    before = snapshot(model)
+    _refuse_batched(monkeypatch)
+    got = generate_bma(model, noisy, ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, want in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(step, want, atol=1e-4, rtol=1e-5)
     assert_unchanged(model, before)

@@ -15,7 +15,7 @@ Speed: the S samples are not S models. They run as one forward of batch ``S·B``
 matmuls (see ``hf_evon.predictive.batched_samples``); each sample has its own rows of one shared KV
 cache, reused across steps and reordered with beam search's beams. The weights are drawn once per
 call from ``seed`` and kept for the whole sequence. The model's parameters are never written, except
-for a causal LM the batched samples refuse: ``generate_bma`` writes the same samples into its weights
+for a model the batched samples refuse: ``generate_bma`` writes the same samples into its weights
 one at a time (``hf_evon.predictive.sequential_samples``) and puts the mean back after every forward.
 """
 
@@ -256,12 +256,12 @@ def generate_bma(
         ``sequences_scores`` are sums of ``log p̄``. Attentions and hidden states, if requested,
         are per sample (batch ``S·B``, sample-major).
 
-    A causal LM the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D``
-    or ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
+    A model the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D`` or
+    ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
     adapters, ``weight_norm``, a scaled word embedding) is decoded with the same S samples written
     into its weights one at a time (``hf_evon.predictive.sequential_samples``), each with its own KV
-    cache: the same tokens, at S forwards per step; attentions and hidden states are the last
-    sample's. An encoder-decoder model the batched samples refuse is refused.
+    cache (and encoder): the same tokens, at S forwards per step; attentions and hidden states are
+    the last sample's decoder's, an encoder-decoder's encoder outputs sample 0's.
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
@@ -294,15 +294,18 @@ def generate_bma(
         input_ids,
     )
     if isinstance(sampler, NotImplementedError):  # the batched path refuses the model
-        if is_encoder_decoder(gen_model):  # each sample's own encoder outputs: the batched path only
-            raise sampler
         # the S samples it would draw, written into the weights one at a time: its tokens
         combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
+        encoder = None
+        if is_encoder_decoder(gen_model):  # each sample's own encoder, on the B rows
+            encoder = functools.partial(_sampled_encoder_outputs, gen_model, input_ids, attention_mask, 1, config)
         with (
-            one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine) as cache,
+            one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine, encoder) as (cache, encoded),
             _without_cache_setting(gen_model),
             _seeded_tokens(input_ids.device, token_seed),
         ):
+            if encoded is not None:
+                generation_kwargs["encoder_outputs"] = encoded
             return _generate_cached(gen_model, cache, given_config, input_ids, attention_mask, generation_kwargs)
     try:
         if is_encoder_decoder(gen_model):

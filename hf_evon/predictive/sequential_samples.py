@@ -8,7 +8,8 @@ runs it: its weights written into the model's parameters. :class:`SequentialSamp
 the batched path would draw (``posterior.draw(S, seed=seed)``, each written as ``M + ΔW_s`` with the
 rounding of ``posterior.sampled``; AdaLoRA's pruned ranks kept 0, as ``sampled`` keeps them) and holds
 them for the whole call; :func:`forward_per_sample` makes a model's forward run once per sample, each
-sample on its own KV cache (:class:`PerSampleCache`), and combine the S logits. Each step costs S
+sample on its own KV cache (:func:`per_sample_cache`) and, in an encoder-decoder model, its own encoder
+outputs, and combine the S logits. Each step costs S
 forwards of ``B`` rows and S writes of the covered weights; the mean is written back after every
 forward, and on exit (also when the block raises), bit for bit.
 """
@@ -119,17 +120,26 @@ class SequentialSamples:
         self._params = {}
 
 
-def per_sample_cache(num_samples: int, config: Any) -> Any:
-    """A :class:`PerSampleCache` of ``num_samples`` dynamic caches (``config``: the decoder's)."""
-    from transformers import DynamicCache
+def per_sample_cache(num_samples: int, config: Any, encoder_decoder: bool = False) -> Any:
+    """A ``PerSampleCache`` of ``num_samples`` dynamic caches (``config``: the decoder's; an
+    encoder-decoder model's: each an ``EncoderDecoderCache`` of two)."""
+    from transformers import DynamicCache, EncoderDecoderCache
 
-    class PerSampleCache(DynamicCache):
+    def fresh() -> Any:
+        if encoder_decoder:  # self-attention and cross-attention
+            return EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+        return DynamicCache(config=config)
+
+    class PerSampleCache(EncoderDecoderCache if encoder_decoder else DynamicCache):  # type: ignore[misc]
         """Sample 0's KV cache, holding the other samples' (``per_sample``): what ``generate`` reads of
         it (its length) is every sample's, and beam search's reordering reorders every sample's."""
 
         def __init__(self) -> None:
-            super().__init__(config=config)
-            self.per_sample = [self, *(DynamicCache(config=config) for _ in range(num_samples - 1))]
+            if encoder_decoder:
+                super().__init__(DynamicCache(config=config), DynamicCache(config=config))
+            else:
+                super().__init__(config=config)
+            self.per_sample = [self, *(fresh() for _ in range(num_samples - 1))]
 
         def reorder_cache(self, beam_idx: Tensor) -> None:
             super().reorder_cache(beam_idx)
@@ -145,13 +155,24 @@ def forward_per_sample(
     samples: SequentialSamples,
     new_cache: Callable[[], Any],
     combine: Callable[[list[Tensor]], Tensor],
+    encoder_outputs: list[Any] | None = None,
 ) -> Iterator[None]:
     """``model``'s forward, for the block, run once per sample of ``samples`` (each written into the
     weights in turn, the mean written back after), each on its own cache of the
     :func:`per_sample_cache` handed to it, and returning the outputs of the last with ``logits``
     ``combine(the S samples' logits)`` and that same cache. A call without a cache that caches (the
     unconditional pass of ``guidance_scale``'s processor) gets a fresh one from ``new_cache``, so its
-    next call finds each sample's states apart again."""
+    next call finds each sample's states apart again. ``encoder_outputs``: an encoder-decoder model's,
+    one per sample (``B`` rows), each sample's decoder given its own, repeated as ``generate`` repeats
+    the ones handed to it for beams and returned sequences."""
+    expanded: dict[int, list[Any]] = {}
+
+    def own_encoder_outputs(s: int, given: Any) -> Any:
+        rows = given[0].shape[0]
+        if rows not in expanded:
+            expanded[rows] = [_repeated(outputs, rows // outputs[0].shape[0]) for outputs in encoder_outputs]
+        return expanded[rows][s]
+
     forward = model.forward
     signature = inspect.signature(forward)
     key = next((k for k in CACHE_KEYWORDS if k in signature.parameters), CACHE_KEYWORDS[-1])
@@ -174,6 +195,8 @@ def forward_per_sample(
                 samples.write(s)
                 if cache is not None:
                     kwargs[key] = cache.per_sample[s]
+                if encoder_outputs is not None and kwargs.get("encoder_outputs") is not None:
+                    kwargs["encoder_outputs"] = own_encoder_outputs(s, kwargs["encoder_outputs"])
                 outputs = forward(**kwargs)
                 logits.append(outputs.logits)
         finally:
@@ -195,6 +218,16 @@ def forward_per_sample(
             model.forward = previous
 
 
+def _repeated(outputs: Any, times: int) -> Any:
+    """``outputs`` (a ``ModelOutput``) with each tensor's rows repeated ``times`` times, as ``generate``
+    repeats the encoder outputs handed to it."""
+    if times == 1:
+        return outputs
+    return type(outputs)(
+        **{k: v.repeat_interleave(times, dim=0) if isinstance(v, Tensor) else v for k, v in outputs.items()}
+    )
+
+
 @contextlib.contextmanager
 def one_draw_at_a_time(
     model: nn.Module,
@@ -203,12 +236,25 @@ def one_draw_at_a_time(
     num_samples: int,
     seed: int | None,
     combine: Callable[[list[Tensor]], Tensor],
-) -> Iterator[Any]:
+    encoder: Callable[[], Any] | None = None,
+) -> Iterator[tuple[Any, Any]]:
     """For the block, ``gen_model``'s forward (the transformers model of ``model``, which the posterior's
-    names address) runs S samples one at a time (:class:`SequentialSamples`, :func:`forward_per_sample`);
-    yields the :func:`per_sample_cache` to hand ``generate``."""
+    names address) runs S samples one at a time (:class:`SequentialSamples`, :func:`forward_per_sample`).
+    ``encoder``: an encoder-decoder model's encoder pass, run once per sample. Yields the
+    :func:`per_sample_cache` to hand ``generate`` and the encoder outputs to hand it (sample 0's; each
+    sample's decoder gets its own), ``None`` without ``encoder``."""
     config = gen_model.config.get_text_config(decoder=True)
-    new_cache = functools.partial(per_sample_cache, num_samples, config)
+    new_cache = functools.partial(per_sample_cache, num_samples, config, encoder is not None)
     with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
-        with forward_per_sample(gen_model, samples, new_cache, combine):
-            yield new_cache()
+        per_sample = None
+        if encoder is not None:
+            per_sample = []
+            try:
+                for s in range(num_samples):
+                    samples.write(s)
+                    per_sample.append(encoder())
+            finally:
+                samples.restore()
+        with forward_per_sample(gen_model, samples, new_cache, combine, per_sample):
+            # a copy: generate repeats the tensors of the outputs handed to it in place
+            yield new_cache(), None if per_sample is None else type(per_sample[0])(**per_sample[0])
