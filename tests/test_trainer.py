@@ -279,6 +279,11 @@ def test_a_combined_arguments_class_keeps_its_bases_defaults_and_unpickles_elsew
         ("bma_num_samples", -1),
         ("bma_ece_bins", 0),
         ("fp16", True),  # loss scaling would corrupt the Hessian estimate
+        ("evon_shard", "false"),  # a truthy string: DDP sharding on, had it not been refused
+        ("evon_shard", 1),
+        ("bma_seed", 1.5),  # refused only by the first BMA evaluation, after training
+        ("bma_seed", "3"),
+        ("posterior_max_basis_ratio", True),  # a bool is no ratio (True would be 1: drop every non-square basis)
     ],
 )
 def test_config_rejects_invalid_values(tmp_path, field, value):

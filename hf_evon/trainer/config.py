@@ -451,6 +451,7 @@ class EVONConfig(TrainingArguments):
             self.posterior_max_basis_ratio is None
             or (
                 isinstance(self.posterior_max_basis_ratio, int | float)
+                and not isinstance(self.posterior_max_basis_ratio, bool)
                 and self.posterior_max_basis_ratio >= 1
             ),
             "posterior_max_basis_ratio",
@@ -461,7 +462,11 @@ class EVONConfig(TrainingArguments):
             "evon_recipe",
             f"None or one of {sorted(RECIPES)}",
         )
+        # a dict or JSON file gives values untyped: the string "false" would turn sharding on
+        need(isinstance(self.evon_shard, bool), "evon_shard", "True or False (a bool, not a string or number)")
         need(count(self.bma_num_samples, 0), "bma_num_samples", "an integer >= 0")
+        # any integer: sample s is seeded bma_seed + s (hf_evon.optim.noise.resolve_seed)
+        need(isinstance(self.bma_seed, int) and not isinstance(self.bma_seed, bool), "bma_seed", "an integer")
         need(count(self.bma_ece_bins, 1), "bma_ece_bins", "an integer >= 1")
         need(
             count(self.bma_eval_every, 0),
