@@ -462,3 +462,41 @@ def test_a_calibration_dataset_the_trainer_cannot_batch_is_refused_naming_it(tmp
     trainer.train()
     with pytest.raises(ValueError, match=r"^EVONTrainer: calibrate\(\): dataset .*No columns in the dataset match"):
         trainer.calibrate(pairs.select(range(8, 12)))
+
+
+def test_plain_training_arguments_or_an_evon_config_given_to_evon_sft_trainer_become_its_config(tmp_path, corpus):
+    """SFTTrainer takes plain TrainingArguments and rebuilds them as an SFTConfig; EVONSFTTrainer made an
+    EVONConfig of them (as of an EVONConfig given as is), which TRL then rebuilt as SFTConfig(**to_dict())
+    and raised "SFTConfig.__init__() got an unexpected keyword argument 'evon_learning_rate'". Either is
+    rebuilt as an EVONSFTConfig: its values kept (the EVON fields an EVONConfig sets), SFTConfig's own
+    fields as TRL's rebuild resolves them (pad_to_multiple_of "auto" -> None)."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_evon import EVONConfig
+
+    tokenizer, train, _ = corpus
+    train = Dataset.from_dict({"text": [t[:100] for t in train["text"]]})  # within n_positions: SFT's max_length
+    kw = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=1, per_device_train_batch_size=4)
+    plain = SFTTrainer(model=tiny_gpt2(tokenizer), args=TrainingArguments(**kw, learning_rate=1e-3),
+                       train_dataset=train, processing_class=tokenizer)  # fmt: skip
+    sft_only = [f.name for f in fields(SFTConfig) if f.name not in {g.name for g in fields(TrainingArguments)}]
+    with pytest.warns(UserWarning, match=r"plain TrainingArguments: converted to EVONSFTConfig"):
+        trainer = EVONSFTTrainer(model=tiny_gpt2(tokenizer), args=TrainingArguments(**kw, learning_rate=1e-3),
+                                 train_dataset=train, processing_class=tokenizer)  # fmt: skip
+    assert type(trainer.args) is EVONSFTConfig and trainer.args.learning_rate == 1e-3
+    assert {n: getattr(trainer.args, n) for n in sft_only} == {n: getattr(plain.args, n) for n in sft_only}
+    assert trainer.args.pad_to_multiple_of is None  # resolved, as SFTConfig's post-init does
+    with pytest.warns(UserWarning, match="plain TrainingArguments"):
+        ranked = EVONSFTTrainer(model=tiny_gpt2(tokenizer), args=TrainingArguments(**kw, metric_for_best_model="eval_bma_nll"),
+                                train_dataset=train, processing_class=tokenizer)  # fmt: skip
+    assert ranked.args.greater_is_better is False  # EVONConfig's choice for a lower-is-better metric
+    given = EVONConfig(**kw, evon_mc_samples=2, bma_num_samples=3, evon_ess=1e3)
+    trainer = EVONSFTTrainer(model=tiny_gpt2(tokenizer), args=given, train_dataset=train, processing_class=tokenizer)
+    assert type(trainer.args) is EVONSFTConfig
+    assert (trainer.args.evon_mc_samples, trainer.args.bma_num_samples, trainer.args.evon_ess) == (2, 3, 1e3)
+    assert {n: getattr(trainer.args, n) for n in sft_only} == {n: getattr(plain.args, n) for n in sft_only}
+    trainer.train()
+    assert trainer.evon_optimizer.mc_samples == 2 and trainer.state.global_step == 1

@@ -15,7 +15,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
 
-__all__ = ["TrainerCall", "converted_config", "evon_config_class", "register_evon_config"]
+__all__ = ["TrainerCall", "converted_config", "evon_config_class", "rebuilt_config", "register_evon_config"]
 
 _COMBINED: dict[type, type] = {}
 
@@ -123,6 +123,22 @@ def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONC
     config._refuse_fp16()
     config._finish_evon_fields()
     return config
+
+
+def rebuilt_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONConfig:
+    """``args``, of a class ``target`` derives from (``TrainingArguments``, ``EVONConfig``), built again as
+    ``target`` from its values, the fields of ``target``'s other base at their defaults: as TRL's trainers
+    rebuild plain ``TrainingArguments`` into their own config (``SFTConfig(**args.to_dict())``), whose
+    post-init then resolves those fields (``SFTConfig``'s ``pad_to_multiple_of="auto"``)."""
+    values = args.to_dict()
+    for f in fields(args):
+        if f.init and f.name.endswith("_token"):
+            values[f.name] = getattr(args, f.name)  # to_dict() hides the tokens' values
+    metric = args.metric_for_best_model or ""
+    if not isinstance(args, EVONConfig) and metric.endswith(_LOWER_IS_BETTER):
+        if args.greater_is_better == (not metric.endswith("loss")):  # TrainingArguments' own choice
+            values["greater_is_better"] = None  # EVONConfig's choice, as converted_config makes it
+    return target(**values)
 
 
 class TrainerCall:

@@ -110,7 +110,7 @@ from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.adalora import add_rank_allocation
 from hf_evon.trainer.checkpointing import CheckpointingMixin
-from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class
+from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class, rebuilt_config
 from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
 from hf_evon.trainer.internals import TrainerInternals
@@ -232,11 +232,14 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         """``args`` as an EVON config; plain arguments are converted, with a warning."""
         if args is None:
             return self.config_class(output_dir="tmp_trainer")
-        if isinstance(args, EVONConfig):
-            return args
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be an EVONConfig or TrainingArguments; got {type(args).__name__}")
-        target = evon_config_class(type(args))
+        # a class the trainer's derives from (TrainingArguments or EVONConfig to EVONSFTTrainer): rebuilt as
+        # the trainer's, as TRL rebuilds plain TrainingArguments; an EVONConfig kept would reach it unrebuildable
+        rebuild = issubclass(self.config_class, type(args)) and evon_config_class(type(args)) is not self.config_class
+        if isinstance(args, EVONConfig):
+            return rebuilt_config(args, self.config_class) if rebuild else args
+        target = self.config_class if rebuild else evon_config_class(type(args))
         warnings.warn(
             f"{type(self).__name__} got a plain {type(args).__name__}: converted to {target.__name__} with the "
             f"EVON fields at their defaults. Its learning_rate = {args.learning_rate!r} is used as for AdamW: by the "
@@ -247,7 +250,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
             UserWarning,
             stacklevel=3,
         )
-        return converted_config(args, target)
+        return rebuilt_config(args, target) if rebuild else converted_config(args, target)
 
     @staticmethod
     def _wrap_peft(model: Any, args: TrainingArguments, peft_config: Any) -> nn.Module:
@@ -438,7 +441,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         """
         if self.evon_optimizer is None:
             return
-        self.evon_optimizer.discard_samples()  # an aborted run's (auto_find_batch_size, a retry after an error)
+        # an aborted run's samples (auto_find_batch_size, a retry after an error), and the noise of its
+        # unfinished step: the retry draws what a fresh run draws, as plain Trainer's equals a fresh one
+        self.evon_optimizer.discard_samples(rewind=True)
         prepare_distributed(self.model_wrapped, self.optimizer, shard=True if self.args.evon_shard else None)
         self._load_fsdp2_optimizer()
 
