@@ -299,3 +299,36 @@ def test_a_train_after_an_aborted_one_drops_its_pending_samples(tmp_path):
     norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (retried, fresh)]
     assert norms[0] == norms[1] and len(norms[0]) == 3
     assert all(torch.equal(a, b) for a, b in zip(retried.model.parameters(), fresh.model.parameters()))
+
+
+@pytest.mark.parametrize("mc_samples", [1, 2])
+def test_an_out_of_memory_retry_draws_the_noise_of_a_fresh_run(tmp_path, mc_samples):
+    """auto_find_batch_size: the last of the first step's posterior samples runs out of memory at batch size 16,
+    and the run starts over at int(16 * 0.9) = 14. The blocks of the step that never completed (the one that
+    raised, and with two samples one recorded before it) advanced EVON's noise counter, so the retried run
+    drew other noise than a fresh run at batch size 14. It now draws the same: equal losses and weights."""
+    common = dict(max_steps=2, evon_mc_samples=mc_samples, logging_steps=1, auto_find_batch_size=True)
+    retried = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path / "retried", per_device_train_batch_size=16, **common),
+        train_dataset=classification_data(),
+    )  # fmt: skip
+    own, calls = retried.compute_loss, [0]
+
+    def out_of_memory(model, inputs, *args, **kwargs):  # noqa: ANN002, ANN003, ANN001, ANN202
+        calls[0] += 1
+        if inputs["input_ids"].shape[0] == 16 and calls[0] == mc_samples:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return own(model, inputs, *args, **kwargs)
+
+    retried.compute_loss = out_of_memory
+    retried.train()
+    assert calls[0] == mc_samples * 3 and retried._train_batch_size == 14  # the retry ran 2 steps at 14
+    fresh = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path / "fresh", per_device_train_batch_size=14, **common),
+        train_dataset=classification_data(),
+    )  # fmt: skip
+    fresh.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (retried, fresh)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(retried.model.parameters(), fresh.model.parameters()))
+    assert [t.evon_optimizer.sample_blocks for t in (retried, fresh)] == [2 * mc_samples] * 2

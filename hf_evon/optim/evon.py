@@ -67,8 +67,7 @@ from hf_evon.optim.update import (
     adamw_update,
     evon_updates,
     finite_flags,
-    hessian_candidate,
-    plan_update,
+    step_plans,
 )
 from hf_evon.optim.validation import (
     BuiltLayout,
@@ -193,6 +192,8 @@ class EVON(Optimizer):
         self._health_warned: set[str] = set()  # each health warning is given once
         # train=True / train=False blocks entered so far: the blocks' noise labels (noise_label)
         self._sample_blocks = self._eval_blocks = 0
+        # _sample_blocks when the last step() call ended: a trainer starting over rewinds the noise to it
+        self._stepped_blocks = 0
         self._reset_transient()
         super().__init__(params, defaults)
 
@@ -418,7 +419,10 @@ class EVON(Optimizer):
             with torch.enable_grad(), self.sampled_params(train=True):
                 loss = closure()
         with autocast_disabled():  # the caller's (a model's bfloat16 autocast): EVON's state keeps its dtypes
-            self._update()
+            try:
+                self._update()
+            finally:  # a skipped or refused step too: a rewind never draws its noise again
+                self._stepped_blocks = self._sample_blocks
         return loss
 
     def _update(self) -> None:
@@ -436,7 +440,7 @@ class EVON(Optimizer):
                     "`with optimizer.sampled_params(train=True):` before step()"
                 )
         num_samples = max(self._samples, 1)
-        plans = [plan for b in self.buckets for plan in self._plan(b, num_samples)]
+        plans = [plan for b in self.buckets for plan in step_plans(b, num_samples, self._member_state)]
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         if not self._all_finite(plans, adamw):
             self.discard_samples()
@@ -473,22 +477,18 @@ class EVON(Optimizer):
             raise
         self._synchronized = True
 
-    def discard_samples(self) -> None:
-        """Drop the samples recorded since the last step (a trainer starting over after an abort)."""
+    def discard_samples(self, rewind: bool = False) -> None:
+        """Drop the samples recorded since the last step. ``rewind`` (a trainer starting over after an
+        abort): also the noise counter back to the end of the last ``step()`` call, so the blocks of
+        the step that never completed draw again the noise a run that never aborted draws."""
+        if rewind:
+            self._refuse_in_sample("discard_samples(rewind=True)")
+            self._sample_blocks = self._stepped_blocks
         self._samples = 0
         self._synchronized = False
         for b in self._buckets or ():  # (buckets not built yet hold none)
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed, self._held = consumed_grads(self.param_groups), {}
-
-    def _plan(self, b: Bucket, num_samples: int) -> list[Plan]:
-        """What the bucket's update needs that can fail (the candidate H too), no state changed
-        but the momentum's space, which follows a ``step_curvature`` changed since the last step."""
-        b.settle_momentum(self._member_state)
-        plans = plan_update(b, num_samples)
-        for plan in (plan for plan in plans if not plan.initializing):
-            hessian_candidate(plan, num_samples)
-        return plans
 
     def _all_finite(self, plans: list[Plan], adamw: AdamWInputs) -> bool:
         """Whether the step may go ahead (every value finite on every rank); else warns (or

@@ -39,6 +39,7 @@ COPIED_ATTRIBUTES = (
     "_updates",
     "_health_warned",
     "_sample_blocks",
+    "_stepped_blocks",
     "_eval_blocks",
     "_adamw_defaults",
 )
@@ -88,6 +89,8 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
             optimizer.seed = int(extra["seed"])
             for key, attr in _SAVED_COUNTERS.items():
                 setattr(optimizer, attr, int(extra.get(key, 0)))
+        # a state dict keeps no step mark: the trainer saves one between steps, where the two counts agree
+        optimizer._stepped_blocks = optimizer._sample_blocks
 
     pre = optimizer.register_load_state_dict_pre_hook(check)  # after the user's
     post = optimizer.register_load_state_dict_post_hook(restore, prepend=True)  # before the user's

@@ -44,6 +44,7 @@ __all__ = [
     "finite_flags",
     "hessian_candidate",
     "plan_update",
+    "step_plans",
     "step_weights",
 ]
 
@@ -74,6 +75,17 @@ def plan_update(b: Bucket, num_samples: int) -> list[Plan]:
     if len(by_count) == 1 and len(active) == len(b.params):
         return [_plan(b, None, num_samples)]
     return [_plan(b, members, num_samples) for members in by_count.values()]
+
+
+def step_plans(b: Bucket, num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]) -> list[Plan]:
+    """What the bucket's update needs that can fail (the candidate H too), no state changed but the
+    momentum's space, which follows a ``step_curvature`` changed since the last step.
+    ``member_state``: a member's ``optimizer.state`` entry."""
+    b.settle_momentum(member_state)
+    plans = plan_update(b, num_samples)
+    for plan in (plan for plan in plans if not plan.initializing):
+        hessian_candidate(plan, num_samples)
+    return plans
 
 
 def _plan(b: Bucket, members: list[int] | None, num_samples: int) -> Plan:
