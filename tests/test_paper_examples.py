@@ -230,6 +230,21 @@ def test_table2_search_choice_and_json_round_trip() -> None:
     )
 
 
+def test_table2_a_method_whose_package_is_missing_has_no_search_choice() -> None:
+    """A peer whose package is not installed (ivon-opt, pytorch-optimizer: the ``benchmarks``
+    extra, not the ``paper`` one the README installs) returns its reason instead of rows, as in
+    benchmarks/payoff.py. The default ``--fast`` run trained every method and then stopped on
+    ``KeyError: '_selection IVON (ivon-opt)'``; the method gets no tuned rows and keeps its reason."""
+    import table2_finetune as t2
+
+    missing = {"IVON (ivon-opt) mean": "ivon-opt not installed"}
+    done = {("a", 0, "ivon", x): dict(missing, _seconds={"ivon": 0.0}) for x in (1.0, 0.5)}
+    assert t2.chosen_multiplier(done, "a", "ivon", 0, [0.5]) is None
+    cfg = {"seeds": [0], "tasks": ["a"], "methods": ["ivon"], "lr_multipliers": [0.5]}
+    assert t2.best_reruns(done, {**cfg, "seeds": [0, 1]}) == []
+    assert t2.tables(done, cfg) == {"runs": {"a": [missing]}, "chosen": {"a ivon": None}}
+
+
 def test_table2_rows_missing_on_a_seed_come_in_the_same_order_in_every_process() -> None:
     """The tuned rows a seed lacks ("not run") follow the order they were first seen in, whatever
     the string hash's seed: the report of the same runs is the same file (it was a set's order)."""

@@ -340,11 +340,12 @@ def chosen_multiplier(
     done: dict[Job, Any], name: str, method: str, seed: int, multipliers: list[float]
 ) -> float | None:
     """The candidate (1.0: the default, or a draw) of lowest calibration NLL, once all ran;
-    a candidate whose NLL is not finite (a diverged run) loses."""
+    a candidate whose NLL is not finite (a diverged run) loses. None also where the method did not
+    train (its package is not installed: its rows hold the reason, no selection row)."""
     nll = {}
     for m in [1.0, *multipliers]:
         rows = done.get((name, seed, method, m))
-        if rows is None:
+        if rows is None or SELECTION_ROW[method] not in rows:
             return None
         value = rows[SELECTION_ROW[method]]["cal_nll"]
         nll[m] = value if math.isfinite(value) else math.inf
