@@ -291,6 +291,16 @@ def test_config_rejects_invalid_values(tmp_path, field, value):
         EVONConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
 
 
+@pytest.mark.parametrize("ess", ["auto", 1e4])
+def test_config_refuses_a_zero_prior_precision_with_a_finite_ess(tmp_path, ess):
+    """evon_weight_decay=0 was checked alone: the config took it with a finite or 'auto' evon_ess,
+    and EVON refused it only at train(), its message naming no config field."""
+    with pytest.raises(ValueError, match=r"EVONConfig\.evon_weight_decay = 0\.0 is invalid: .*0 only with ess=inf"):
+        EVONConfig(output_dir=str(tmp_path), report_to="none", evon_ess=ess, evon_weight_decay=0.0)
+    args = EVONConfig(output_dir=str(tmp_path), report_to="none", evon_ess="inf", evon_weight_decay=0.0)
+    assert (args.evon_ess, args.evon_weight_decay) == (float("inf"), 0.0)
+
+
 def test_evon_fields_take_numpy_numbers_and_hold_pythons(tmp_path):
     """The BMA counts refused NumPy integers ("must be an integer >= 0" for np.int64(4)) that
     evon_mc_samples takes; NumPy numbers kept in the config made to_json_string() (the Trainer's

@@ -431,6 +431,8 @@ class EVONConfig(TrainingArguments):
                 keyword == "init_std_ratio"
             ):  # weight_decay=None derives the prior from it (a set one is checked below)
                 kwargs["weight_decay"] = None if self.evon_weight_decay is None else 0.0
+            if keyword == "weight_decay":  # 0 is a valid prior only with ess inf (checked above)
+                kwargs["ess"] = self.evon_ess
             kwargs[keyword] = value
             try:
                 validate_hyperparameters(**kwargs)
