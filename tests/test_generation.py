@@ -27,6 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_evon
 import hf_evon.predictive.batched_samples as batched
 from hf_evon import EVONPosterior, bma_log_likelihood, generate_bma
+from hf_evon.predictive import generation
 from hf_evon.predictive.generation import bma_loss_curve
 
 VOCAB = 48
@@ -184,6 +185,24 @@ ONE_DRAW_AT_A_TIME = re.escape(
 def refused(match: str):
     """``pytest.raises`` for batched BMA's refusal matching ``match``, ending with the way out."""
     return pytest.raises(NotImplementedError, match=rf"{match}.*; {ONE_DRAW_AT_A_TIME}$")
+
+
+def batched_refusal(model: torch.nn.Module, posterior: EVONPosterior, input_ids: torch.Tensor, num_samples: int = 2):
+    """Raise the refusal the batched path meets before it runs (the samples entered, their sample axis
+    checked), where generate_bma and bma_log_likelihood then run the model one draw at a time."""
+    gen_model = generation._generation_model(model)
+    sampler = batched.BatchedSamples(model, posterior, num_samples, seed=0)
+    sampler = generation._entered_batched_samples(sampler, gen_model, input_ids)
+    if isinstance(sampler, NotImplementedError):
+        raise sampler
+    sampler.__exit__(None, None, None)
+
+
+def reference_log_probs(model: torch.nn.Module, posterior: EVONPosterior, ids: torch.Tensor, num_samples: int, seed: int):
+    """Slow per-sample ``log p(x_{t+1} | x_{≤t})``, ``(S, B, T-1)``: each sample written into a deep copy."""
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits[:, :-1] for m in sampled_copies(model, posterior, num_samples, seed)]
+    return torch.stack([torch.log_softmax(x.float(), -1).gather(-1, ids[:, 1:, None])[..., 0] for x in logits])
 
 
 @pytest.fixture(params=["materialize", "factored"])
@@ -593,9 +612,13 @@ def test_unsupported_requests_raise(gpt2):
     covered_norm = train_posterior(other, steps=1, evon_patterns=[r"ln_f\.weight"])
     assert "transformer.ln_f.weight" in covered_norm.names
     with refused("transformer.ln_f.weight"):
-        bma_log_likelihood(other, covered_norm, PROMPTS, num_samples=2)
+        batched_refusal(other, covered_norm, PROMPTS)
     assert not any("forward" in m.__dict__ for m in other.modules())
-    # generate_bma decodes it one draw at a time
+    # generate_bma decodes it one draw at a time, bma_log_likelihood scores it so
+    scored = bma_log_likelihood(other, covered_norm, PROMPTS, num_samples=2, seed=0)
+    torch.testing.assert_close(
+        scored.sample_token_log_probs, reference_log_probs(other, covered_norm, PROMPTS, 2, 0), atol=1e-5, rtol=1e-5
+    )
     assert generate_bma(other, covered_norm, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0).shape == (2, 8)
     with pytest.raises(hf_evon.PosteriorMismatchError):
         generate_bma(tiny_llama(), posterior, PROMPTS, num_samples=2, max_new_tokens=2, pad_token_id=0)
@@ -1141,8 +1164,12 @@ def test_dora_adapters_are_refused_by_batched_bma():
     model = peft.get_peft_model(tiny_gpt2(seed=2), config)
     posterior = train_posterior(model)
     with refused("DoRA"):
-        bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+        batched_refusal(model, posterior, PROMPTS)
     assert not any("forward" in m.__dict__ for m in model.modules())
+    # bma_log_likelihood scores it one draw at a time: the slow reference's log-probabilities
+    scored = bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+    reference = reference_log_probs(model, posterior, PROMPTS, 2, 0)
+    torch.testing.assert_close(scored.sample_token_log_probs, reference, atol=1e-5, rtol=1e-5)
     # generate_bma decodes it one draw at a time: the slow reference's tokens
     before = snapshot(model)
     out = generate_bma(
@@ -1241,7 +1268,7 @@ def test_a_model_without_token_logits_is_refused_by_name():
     posterior = EVONPosterior.from_optimizer(opt, model)
     model.eval()
     before = snapshot(model)
-    match = r"bma_log_likelihood: the model's logits \(4, 3\) hold no distribution per position of labels \(2, 6\)"
+    match = r"bma_log_likelihood: the model's logits \(2, 3\) hold no distribution per position of labels \(2, 6\)"
     with pytest.raises(ValueError, match=match):
         bma_log_likelihood(model, posterior, PROMPTS, labels=torch.zeros_like(PROMPTS), num_samples=2, seed=0)
     assert_unchanged(model, before)
@@ -1335,7 +1362,7 @@ def test_an_embedding_subclass_with_a_forward_of_its_own_is_refused():
     posterior = train_posterior(model, evon_patterns=["wte"])
     assert "transformer.wte.weight" in posterior.names
     with refused(r"'transformer.wte.weight' belongs to a Scaled"):
-        bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=1)
+        batched_refusal(model, posterior, PROMPTS)
 
 
 def test_a_second_batched_block_on_one_model_is_refused():
@@ -1398,7 +1425,7 @@ def test_a_weight_norm_or_spectral_norm_tensor_is_refused_by_batched_bma():
         # the tensor alone: a posterior over it only, as one over the whole model reaches it too
         alone = EVONPosterior.from_factors({name: posterior[name]}, dict(posterior.config))
         with refused(rf"'{name}' is the '{attr}' of a Conv1D"):
-            bma_log_likelihood(model, alone, PROMPTS, num_samples=2, seed=0)
+            batched_refusal(model, alone, PROMPTS)
         assert not any("forward" in m.__dict__ for m in model.modules())
     # generate_bma decodes it one draw at a time, each sample's weight made from its own weight_g and weight_v
     new_ids = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=3, eos_token_id=None)
@@ -1525,7 +1552,7 @@ def test_a_covered_module_whose_input_does_not_lead_with_the_samples_is_refused(
     buckets_only = EVONPosterior.from_factors({n: relative[n] for n in buckets}, dict(relative.config))
     for model, posterior, match in ((fsmt, train_posterior(fsmt), fsmt_match), (t5, buckets_only, t5_match)):
         with refused(match):
-            bma_log_likelihood(model, posterior, ids, labels=ids, num_samples=2, seed=0)
+            batched_refusal(model, posterior, ids)
         assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in model.modules())
         # generate_bma decodes it one draw at a time: the slow reference's tokens
         greedy = dict(max_new_tokens=2, num_beams=1, do_sample=False, eos_token_id=None, forced_eos_token_id=None)
@@ -1577,7 +1604,7 @@ def test_a_padded_time_first_layer_is_refused_when_its_padding_equals_the_sample
     posterior = train_posterior(led)
     match = r"self_attn\.longformer_self_attn\.(query|key|value)\.weight.*does not lead with the samples' rows"
     with refused(match):
-        bma_log_likelihood(led, posterior, PROMPTS, labels=PROMPTS, num_samples=4, seed=0)
+        batched_refusal(led, posterior, PROMPTS, num_samples=4)
 
 
 def test_falcons_linear_layers_are_batched_as_linear_layers() -> None:
@@ -1640,11 +1667,13 @@ def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> Non
         (max_norm, train_posterior(max_norm, evon_patterns=["wte"]), r"'transformer\.wte\.weight': nn\.Embedding with max_norm"),
     ]  # fmt: skip
     for model, posterior, match in cases:
-        if model is prefix:  # generate_bma decodes the others one draw at a time
+        if model is prefix:  # generate_bma and bma_log_likelihood run the others one draw at a time
             with refused(match):
                 generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+            with refused(match):
+                bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
         with refused(match):
-            bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+            batched_refusal(model, posterior, PROMPTS)
         assert not any("forward" in m.__dict__ for m in model.modules())
 
     class Routed(torch.nn.Module):  # a layer fed a selection of the rows, as a mixture's expert is
@@ -1786,3 +1815,85 @@ def test_an_encoder_decoder_the_batched_path_refuses_decodes_one_draw_at_a_time_
     for step, want in zip(got.logits, expected.logits, strict=True):
         torch.testing.assert_close(step, want, atol=1e-4, rtol=1e-5)
     assert_unchanged(model, before)
+
+
+def test_a_model_the_batched_path_refuses_scores_one_draw_at_a_time_as_the_batched_path(gpt2, monkeypatch):
+    """bma_log_likelihood refused a model the batched samples cannot run (PEFT's AdaLoRA, IA3,
+    DoRA, weight_norm) with NotImplementedError, where generate_bma decodes it. It now scores the
+    same S samples written into the weights one at a time: on a model the batched path runs, its
+    per-sample and BMA log-likelihoods are the batched path's."""
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    ids, mask = left_pad([[5, 9, 17, 3, 22, 8], [40, 41, 7]])
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 3] = -100  # an ignored position inside a sequence
+    kwargs = dict(attention_mask=mask, labels=labels, num_samples=3, seed=4)
+    expected = bma_log_likelihood(model, noisy, ids, **kwargs)
+    other_seed = bma_log_likelihood(model, noisy, ids, **{**kwargs, "seed": 5})
+    assert (expected.sample_token_log_probs - other_seed.sample_token_log_probs).abs().max() > 1e-3
+    before = snapshot(model)
+    _refuse_batched(monkeypatch)
+    got = bma_log_likelihood(model, noisy, ids, **kwargs)
+    assert torch.equal(got.mask, expected.mask)
+    torch.testing.assert_close(got.sample_token_log_probs, expected.sample_token_log_probs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.token_log_probs, expected.token_log_probs, atol=1e-5, rtol=1e-5)
+    assert_unchanged(model, before)
+
+
+def test_an_encoder_decoder_the_batched_path_refuses_scores_one_draw_at_a_time_as_the_batched_path(
+    seq2seq, monkeypatch
+):
+    """As for a causal LM: each sample's encoder and decoder run with the sample in the weights, and
+    the scores are the batched path's."""
+    model, posterior = seq2seq
+    noisy = posterior.with_ess(NOISY_ESS)
+    pad = model.config.pad_token_id
+    ids = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, pad, pad, pad]])
+    mask = (torch.arange(6) < torch.tensor([[6], [3]])).long()
+    labels = torch.tensor([[7, 8, 9, 10], [11, 12, -100, -100]])
+    kwargs = dict(attention_mask=mask, labels=labels, num_samples=3, seed=7)
+    # per-sample weights M + ΔW_s, as written into the weights: the factored samples round in another
+    # order, and these ill-conditioned tiny models turn that into ~2e-3 of log p (float32 itself is
+    # ~1e-3 off, see test_encoder_decoder_matches_slow_reference)
+    monkeypatch.setattr(batched, "DEFAULT_STRATEGY", "materialize")
+    expected = bma_log_likelihood(model, noisy, ids, **kwargs)
+    before = snapshot(model)
+    _refuse_batched(monkeypatch)
+    got = bma_log_likelihood(model, noisy, ids, **kwargs)
+    assert torch.equal(got.mask, expected.mask)
+    torch.testing.assert_close(got.sample_token_log_probs, expected.sample_token_log_probs, atol=1e-5, rtol=1e-5)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("adapter", ["ia3", "adalora"])
+def test_an_ia3_or_adalora_lm_scores_one_draw_at_a_time_as_the_slow_reference(adapter):
+    """IA3's scaling vectors and AdaLoRA's lora_A/lora_E/lora_B live in ParameterDicts, which the
+    batched samples cannot run: bma_log_likelihood raised NotImplementedError. It now scores them
+    under each sample written into the weights (the slow reference's deep copies)."""
+    peft = pytest.importorskip("peft")
+    config = (
+        peft.IA3Config(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"])
+        if adapter == "ia3"
+        else peft.AdaLoraConfig(init_r=4, target_r=2, target_modules=["c_attn"], total_step=10, fan_in_fan_out=True)
+    )
+    model = peft.get_peft_model(tiny_gpt2(seed=2), config)
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    ids, mask = left_pad([[5, 9, 17, 3, 22, 8], [40, 41, 7]])
+    before = snapshot(model)
+    result = bma_log_likelihood(model, posterior, ids, attention_mask=mask, num_samples=3, seed=4)
+    assert_unchanged(model, before)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    valid = (mask[:, 1:] == 1) & (mask[:, :-1] == 1)  # a token predicted from a pad is not scored
+    targets = ids[:, 1:, None]
+    with torch.no_grad():
+        per_sample = torch.stack([
+            torch.log_softmax(m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1], -1)
+            .gather(-1, targets)[..., 0]
+            for m in sampled_copies(model, posterior, 3, 4)
+        ]) * valid  # fmt: skip
+        mean = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1], -1)
+    assert torch.equal(result.mask, valid)
+    torch.testing.assert_close(result.sample_token_log_probs, per_sample, atol=1e-5, rtol=1e-5)
+    expected = (torch.logsumexp(per_sample, 0) - math.log(3)) * valid
+    torch.testing.assert_close(result.token_log_probs, expected, atol=1e-5, rtol=1e-5)
+    assert (per_sample[0] - mean.gather(-1, targets)[..., 0] * valid).abs().max() > 1e-3  # samples differ from the mean

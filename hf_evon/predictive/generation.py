@@ -15,8 +15,8 @@ Speed: the S samples are not S models. They run as one forward of batch ``S·B``
 matmuls (see ``hf_evon.predictive.batched_samples``); each sample has its own rows of one shared KV
 cache, reused across steps and reordered with beam search's beams. The weights are drawn once per
 call from ``seed`` and kept for the whole sequence. The model's parameters are never written, except
-for a model the batched samples refuse: ``generate_bma`` writes the same samples into its weights
-one at a time (``hf_evon.predictive.sequential_samples``) and puts the mean back after every forward.
+for a model the batched samples refuse: both functions write the same samples into its weights one
+at a time (``hf_evon.predictive.sequential_samples``) and put the mean back after every forward.
 """
 
 from __future__ import annotations
@@ -44,13 +44,12 @@ from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.batched_samples import ONE_DRAW_AT_A_TIME, BatchedSamples, expected_rows, refusal
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
-    label_log_probs,
     log_mean_prob,
     require_class_labels,
-    require_scorable_labels,
+    sample_target_log_probs,
     tempered,
 )
-from hf_evon.predictive.sequential_samples import one_draw_at_a_time
+from hf_evon.predictive.sequential_samples import SequentialSamples, one_draw_at_a_time
 
 Tensor = torch.Tensor
 
@@ -514,7 +513,9 @@ def bma_log_likelihood(
 ) -> BMALogLikelihood:
     """Log-likelihood of ``input_ids`` under the BMA predictive ``p̄ = 1/S Σ_s p(· | W_s)``.
 
-    One forward of batch ``S·B`` (as in ``generate_bma``). ``labels`` follow transformers'
+    One forward of batch ``S·B`` (as in ``generate_bma``); a model the batched samples refuse (as
+    ``generate_bma`` lists) runs the same S samples written into its weights, one forward of ``B``
+    rows each (``hf_evon.predictive.sequential_samples``). ``labels`` follow transformers'
     convention (same shape as ``input_ids``, ``-100`` = not scored, shifted inside for a causal LM;
     a masked LM's or token classifier's are not shifted, as its loss does not shift them); by default
     they are ``input_ids`` with padding (``attention_mask == 0``) ignored. With an attention
@@ -548,21 +549,18 @@ def bma_log_likelihood(
     padded = labels is None and attention_mask is not None  # labels taken from the unpadded ids
     if labels is None:
         labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-    batch = input_ids.shape[0]
-    inputs: dict[str, Any] = {"input_ids": input_ids.repeat(num_samples, 1), "use_cache": False}
+    inputs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}  # B rows: one sample's
     if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
+        inputs["attention_mask"] = attention_mask
     if encoder_decoder:
-        inputs.update(
-            {k: v.repeat(num_samples, 1) for k, v in decoder_inputs_from_labels(gen_model, labels).items()}
-        )
+        inputs.update(decoder_inputs_from_labels(gen_model, labels))
         targets, scored = labels, slice(None)  # position t predicts labels[t]
     else:
         if "position_ids" in inspect.signature(gen_model.forward).parameters:
             # also without a mask: a model's own (1, T) ids would reach a covered position embedding
             # as one row, not S·B
             mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0).repeat(num_samples, 1)
+            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         if not is_causal_lm(gen_model):  # a masked LM's labels are not next tokens: t scores labels[t]
             targets, scored = labels, slice(None)
         else:
@@ -570,21 +568,23 @@ def bma_log_likelihood(
             if padded:  # nor a token predicted from a pad (left padding's first token): as if alone
                 targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
     mask = targets != IGNORE_INDEX
-    rows = expected_rows(batch, input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
-    with BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows) as sampler:
-        _check_sample_axis(sampler, gen_model, input_ids)
-        logits = gen_model(**inputs, return_dict=True).logits
-    if logits.dim() != 3 or logits[:, scored].shape[1] != targets.shape[1]:  # a sequence classifier's (S·B, C)
-        raise ValueError(
-            f"bma_log_likelihood: the model's logits {tuple(logits.shape)} hold no distribution per position "
-            f"of labels {tuple(labels.shape)}: it scores the tokens of a language model (or a token classifier)"
-        )
-    require_scorable_labels(targets, logits.shape[-1], "bma_log_likelihood: labels have")
-    per_sample = []
-    for s in range(num_samples):  # one sample at a time keeps the float32 copy small
-        chunk = logits[s * batch : (s + 1) * batch, scored].float()
-        per_sample.append(label_log_probs(torch.log_softmax(tempered(chunk, posterior), dim=-1), targets))
-    del logits
+    score = functools.partial(sample_target_log_probs, targets=targets, scored=scored, labels=labels, posterior=posterior)
+    rows = expected_rows(len(input_ids), input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
+    sampler = _entered_batched_samples(
+        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows), gen_model, input_ids
+    )
+    if isinstance(sampler, NotImplementedError):  # the batched path refuses the model: its S samples in turn
+        with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
+            per_sample = samples.each(lambda: score(gen_model(**inputs, return_dict=True).logits))
+    else:
+        try:  # S·B rows, sample-major
+            repeated = {k: v.repeat(num_samples, 1) if isinstance(v, Tensor) else v for k, v in inputs.items()}
+            logits = gen_model(**repeated, return_dict=True).logits
+        finally:
+            sampler.__exit__(None, None, None)
+        # one sample at a time keeps the float32 copy small
+        per_sample = [score(chunk) for chunk in logits.split(len(input_ids))]
+        del logits
     sample_lp = torch.stack(per_sample)
     return BMALogLikelihood(log_mean_prob(sample_lp) * mask, mask, sample_lp)
 

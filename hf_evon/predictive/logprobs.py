@@ -191,3 +191,17 @@ class ValueMean:
         if self.total is None:
             raise ValueError("ValueMean: no draws added")
         return self.total / self.count
+
+
+def sample_target_log_probs(logits: Tensor, targets: Tensor, scored: slice, labels: Tensor, posterior: object) -> Tensor:
+    """``bma_log_likelihood``'s ``log p(target)`` under one sample's ``(B, T, V)`` logits at positions
+    ``scored`` (tempered, in float32; 0 where the target is -100). ValueError, naming the shapes, for
+    logits holding no distribution per position of ``labels`` (a sequence classifier's ``(B, C)``),
+    and naming the label, for a target outside the vocabulary."""
+    if logits.dim() != 3 or logits[:, scored].shape[1] != targets.shape[1]:
+        raise ValueError(
+            f"bma_log_likelihood: the model's logits {tuple(logits.shape)} hold no distribution per position "
+            f"of labels {tuple(labels.shape)}: it scores the tokens of a language model (or a token classifier)"
+        )
+    require_scorable_labels(targets, logits.shape[-1], "bma_log_likelihood: labels have")
+    return label_log_probs(torch.log_softmax(tempered(logits[:, scored].float(), posterior), dim=-1), targets)

@@ -11,7 +11,8 @@ them for the whole call; :func:`forward_per_sample` makes a model's forward run 
 sample on its own KV cache (:func:`per_sample_cache`) and, in an encoder-decoder model, its own encoder
 outputs, and combine the S logits. Each step costs S
 forwards of ``B`` rows and S writes of the covered weights; the mean is written back after every
-forward, and on exit (also when the block raises), bit for bit.
+forward, and on exit (also when the block raises), bit for bit. ``bma_log_likelihood`` scores such a
+model with :meth:`SequentialSamples.each`: one forward of ``B`` rows per sample.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from hf_evon.posterior.gaussian import add_perturbation, sample_seed
 from hf_evon.predictive.batched_samples import DRAW_CHUNK_ELEMENTS
 
 Tensor = torch.Tensor
+T = TypeVar("T")
 
 # the keywords under which a forward takes its KV cache: transformers from 5.24, and before
 CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -103,6 +105,19 @@ class SequentialSamples:
             for name, p in self._params.items():
                 p.copy_(self._samples[name][s])
         self._written = True
+
+    def each(self, run: Callable[[], T]) -> list[T]:
+        """``run()`` once per sample, that sample written into the weights; the mean back after the
+        last, and when one raises (an encoder-decoder's encoder passes, ``bma_log_likelihood``'s
+        forwards)."""
+        results = []
+        try:
+            for s in range(self.num_samples):
+                self.write(s)
+                results.append(run())
+        finally:
+            self.restore()
+        return results
 
     def restore(self) -> None:
         """The mean back into the covered parameters, bit for bit."""
@@ -246,15 +261,7 @@ def one_draw_at_a_time(
     config = gen_model.config.get_text_config(decoder=True)
     new_cache = functools.partial(per_sample_cache, num_samples, config, encoder is not None)
     with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
-        per_sample = None
-        if encoder is not None:
-            per_sample = []
-            try:
-                for s in range(num_samples):
-                    samples.write(s)
-                    per_sample.append(encoder())
-            finally:
-                samples.restore()
+        per_sample = None if encoder is None else samples.each(encoder)
         with forward_per_sample(gen_model, samples, new_cache, combine, per_sample):
             # a copy: generate repeats the tensors of the outputs handed to it in place
             yield new_cache(), None if per_sample is None else type(per_sample[0])(**per_sample[0])
