@@ -1041,6 +1041,43 @@ def test_a_reset_between_a_recorded_block_and_the_step_is_refused_as_any_rebuild
     assert all("hess" in opt.state[p] for p in opt.param_groups[0]["params"])
 
 
+def test_a_rewind_sets_the_noise_back_to_the_end_of_the_last_step_call_never_past_it() -> None:
+    """``discard_samples(rewind=True)`` (a trainer starting over) sets the noise counter back to where
+    the last ``step()`` call left it: the blocks of the unfinished step (recorded, or raised) draw
+    their noise again; a skipped non-finite step is a step call, its noise never drawn again. The
+    optimizer's own ``discard_samples()`` keeps the counter; a copy and a loaded state rewind alike."""
+    data = make_data()
+    model = make_model()
+    opt = make_opt(model)  # mc_samples=2: two blocks a step
+    weight = opt.param_groups[0]["params"][0]
+    train_step(model, opt, data)
+    with opt.sampled_params(train=True):
+        (loss_fn(model, data) * math.nan).backward()
+    with pytest.warns(RuntimeWarning, match="the step was skipped"):
+        opt.step()
+    opt.zero_grad()
+    assert opt.sample_blocks == 3 and opt.skipped_steps == 1
+    with opt.sampled_params(train=True):  # recorded: the 4th block's noise
+        loss_fn(model, data).backward()
+        drawn = opt.current_noise(weight).clone()
+    with pytest.raises(RuntimeError, match="out of memory"), opt.sampled_params(train=True):
+        raise RuntimeError("CUDA out of memory.")
+    opt.discard_samples()
+    assert opt.sample_blocks == 5 and opt.recorded_samples == 0
+    copied, loaded = copy.deepcopy(opt), make_opt(make_model())
+    loaded.load_state_dict(opt.state_dict())
+    for o in (opt, copied, loaded):
+        o.discard_samples(rewind=True)
+        assert o.sample_blocks == (5 if o is loaded else 3)  # a state dict keeps no step mark
+    opt.zero_grad()
+    with opt.sampled_params(train=True):
+        assert torch.equal(opt.current_noise(weight), drawn)
+    with pytest.raises(RuntimeError, match=r"discard_samples\(rewind=True\) called inside a sampled_params"):
+        with opt.sampled_params(train=True):
+            opt.discard_samples(rewind=True)
+    assert opt.sample_blocks == 5
+
+
 def test_a_state_dict_whose_bases_one_stacked_state_cannot_hold_is_refused_naming_both() -> None:
     """Two matrices of one shape and group, stacked apart where the state was saved (float64 and
     float32: one was updated and has its bases, the other never had a gradient) share one stacked
