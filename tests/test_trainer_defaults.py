@@ -201,6 +201,20 @@ def test_a_recipe_fills_the_fields_left_at_their_defaults(tmp_path) -> None:
         EVONConfig(output_dir=str(tmp_path), report_to="none", evon_recipe="gpt5")
 
 
+def test_the_recipe_help_says_a_field_set_to_its_default_takes_the_recipes_value(tmp_path) -> None:
+    """evon_recipe's help promised "fields you set yourself win", but a field set to its default value
+    cannot be told from one left unset: --evon_hess_estimator fisher (the default) with the
+    clip-finetuning recipe trained with the recipe's 'price'."""
+    from transformers import HfArgumentParser
+
+    argv = ["--output_dir", str(tmp_path), "--evon_recipe", "clip-finetuning", "--evon_hess_estimator", "fisher"]
+    (args,) = HfArgumentParser(EVONConfig).parse_args_into_dataclasses(args=argv)
+    assert args.evon_optimizer_kwargs()["hess_estimator"] == "price"
+    help_text = " ".join(EVONConfig.__dataclass_fields__["evon_recipe"].metadata["help"].split())
+    assert "fields you set yourself win" not in help_text
+    assert "a field set to its default value takes the recipe's" in help_text
+
+
 def _rates(trainer: EVONTrainer) -> dict[str, set[float]]:
     rates: dict[str, set[float]] = {}
     for g in trainer.create_optimizer().param_groups:

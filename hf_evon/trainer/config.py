@@ -96,7 +96,8 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "One of the paper's tuned settings (hf_evon.RECIPES: 'nanogpt', 'llama', 'clip-finetuning', "
             "each citing its table). It sets evon_learning_rate and the evon_* fields that are still at their "
-            "defaults; fields you set yourself win. Default: our scale-free defaults.",
+            "default values; a field set to another value wins, and a field set to its default value takes the "
+            "recipe's (it cannot be told from one left unset). Default: our scale-free defaults.",
         },
     )
     # typed str for the command line (HfArgumentParser turns float | str into float, which refuses
