@@ -101,6 +101,15 @@ def test_bma_every_k_evaluations_or_only_at_the_end(tmp_path, every, with_bma):
     assert "eval_bma_nll" in trainer.evaluate()  # outside train(): always
 
 
+def test_the_bma_eval_every_help_says_the_last_evaluation_runs_bma_for_every_k() -> None:
+    """bma_eval_every's help said only 0 runs BMA at the evaluation at which training stops; every k
+    does (k=3 over 4 evaluations: the 3rd and the 4th, as the test above pins)."""
+    from hf_evon import EVONConfig
+
+    help_text = " ".join(EVONConfig.__dataclass_fields__["bma_eval_every"].metadata["help"].split())
+    assert "and at the evaluation at which training stops, whatever k" in help_text
+
+
 class _EvaluatesMidTraining(TrainerCallback):
     """At the end of step ``step``: ``trainer.evaluate(data, **kwargs)`` and the stand-alone
     ``posterior_metrics`` of ``data``, on the weights of that step."""

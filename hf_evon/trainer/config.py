@@ -319,8 +319,8 @@ class EVONConfig(TrainingArguments):
         default=1,
         metadata={
             "help": "BMA passes cost bma_num_samples forward passes per evaluation: run them on every k-th "
-            "evaluation during training (1: every one), or with 0 only at the end (the evaluation at which "
-            "training stops: at the last step, or where a callback such as EarlyStoppingCallback stops it). "
+            "evaluation during training (1: every one) and at the evaluation at which training stops, whatever k "
+            "(at the last step, or where a callback such as EarlyStoppingCallback stops it); 0: only there. "
             "evaluate() outside train() always runs them. Evaluations without BMA still report the eval_mean_* "
             "metrics."
         },
