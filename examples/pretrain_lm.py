@@ -293,7 +293,6 @@ def build_optimizer_for(args: argparse.Namespace, model: torch.nn.Module) -> tor
             g.pop("param_names")
         return torch.optim.AdamW(groups, lr=args.adamw_lr, betas=(0.9, 0.95))
     if args.recipe is not None:
-
         fixed = dict(identity_basis=args.optimizer == "ivon", precondition_frequency=args.precondition_frequency,
                      mc_samples=args.mc_samples, adamw_betas=(0.9, 0.95), seed=args.seed)  # fmt: skip
         if args.optimizer == "soap":
