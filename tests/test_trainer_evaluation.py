@@ -1002,3 +1002,25 @@ def test_predict_bma_honours_prediction_loss_only(tmp_path):
     assert "test_rows" not in bma.metrics
     keys = [f"test_bma_{m}" for m in ("nll", "accuracy", "ece", "brier")]
     assert [bma.metrics[k] for k in keys] == [full.metrics[k] for k in keys]
+
+
+def test_evaluate_bma_true_snapshots_the_posterior_once(tmp_path, monkeypatch):
+    """``evaluate(bma=True)`` took two snapshots of the optimizer's posterior (a copy of every factor
+    each): one to check that there is one, one for the BMA passes. One now, with the same metrics
+    as the BMA passes over the one posterior (``posterior_metrics``, the same seeds)."""
+    from hf_evon import EVONPosterior
+
+    trainer = _trained(tmp_path, bma_num_samples=3)
+    alone = trainer.posterior_metrics(trainer.get_eval_dataloader())
+    taken = []
+    snapshot = EVONPosterior.from_optimizer.__func__
+
+    def counted(cls, *args, **kwargs):
+        taken.append(1)
+        return snapshot(cls, *args, **kwargs)
+
+    monkeypatch.setattr(EVONPosterior, "from_optimizer", classmethod(counted))
+    metrics = trainer.evaluate(bma=True)
+    assert len(taken) == 1
+    for key in ("eval_bma_nll", "eval_bma_accuracy", "eval_bma_ece", "eval_bma_brier"):
+        assert metrics[key] == pytest.approx(alone[key], rel=1e-12, abs=1e-15), key

@@ -315,3 +315,28 @@ def test_evaluate_bma_true_reports_the_token_bma_metrics_during_training(tmp_pat
     }
     for key, value in callback.alone.items():
         assert callback.metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("call", ["evaluate", "predict"])
+def test_bma_with_generate_snapshots_the_posterior_once(tmp_path, monkeypatch, call):
+    """``evaluate(bma=True)`` under ``predict_with_generate`` took three snapshots of the optimizer's
+    posterior (a copy of every factor each), ``predict(bma=True)`` two: one for generate_bma, one
+    per check and one for the token metrics' passes. One now, and the metrics are those of the one
+    posterior's passes."""
+    from hf_evon import EVONPosterior
+
+    trainer = _generating_trainer(tmp_path)
+    test = reversal_data(6, seed=3)
+    prefix = "eval" if call == "evaluate" else "test"
+    expected = trainer.posterior_metrics(trainer.get_test_dataloader(test), prefix)
+    taken = []
+    snapshot = EVONPosterior.from_optimizer.__func__
+
+    def counted(cls, *args, **kwargs):
+        taken.append(1)
+        return snapshot(cls, *args, **kwargs)
+
+    monkeypatch.setattr(EVONPosterior, "from_optimizer", classmethod(counted))
+    metrics = trainer.evaluate(test, bma=True) if call == "evaluate" else trainer.predict(test, bma=True).metrics
+    assert len(taken) == 1
+    assert metrics[f"{prefix}_bma_nll"] == pytest.approx(expected[f"{prefix}_bma_nll"], rel=1e-12)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_evon.predictive.held_out import output_logits
@@ -209,8 +210,6 @@ def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> T
 
 # ------------------------------------------------------------------------------------------ passes
 def _progress(trainer: Any, total: int | None, description: str) -> Any:
-    from tqdm.auto import tqdm
-
     disable = bool(trainer.args.disable_tqdm) or not trainer.is_local_process_zero()
     return tqdm(total=total, desc=description, disable=disable, leave=False, dynamic_ncols=True)
 
@@ -429,7 +428,7 @@ class PosteriorEvaluation:
         if self.unsupported or self.mean is None:
             return {}
         trainer, args = self.trainer, self.trainer.args
-        posterior = trainer.current_posterior() if args.bma_num_samples > 0 else None
+        posterior = trainer._evaluated_posterior() if args.bma_num_samples > 0 else None
         if args.bma_num_samples > 0 and posterior is None:
             logger.warning(
                 "EVONTrainer: no posterior yet (no EVON optimizer, no posterior=): BMA metrics skipped"
@@ -487,15 +486,16 @@ class EvaluationMixin:
 
     def evaluate(self, *args: Any, bma: bool = False, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with ``eval_mean_*`` and (when due, or ``bma=True``) ``eval_bma_*``."""
-        if bma:  # asked for: no posterior or no samples is an error, as for predict(bma=True)
-            self._bma_posterior("evaluate(bma=True)")
+        # asked for: no posterior or no samples is an error, as for predict(bma=True); one serves every pass
+        held = self._holding_posterior(self._bma_posterior("evaluate(bma=True)") if bma else None)
         outer, asked, step = self._evon_in_evaluate, self._evon_bma_asked, self.state.global_step
         # the Trainer evaluates each of several eval datasets by a call of its own, without bma
         self._evon_in_evaluate, self._evon_bma_asked = True, asked or bma
         self._evon_bma_skipped = [e for e in self._evon_bma_skipped or () if e[0] == step]
         ours = len(self._evon_bma_skipped)  # what this call's evaluation adds comes after
         try:
-            return self._bma_where_training_stops(super().evaluate(*args, **kwargs), ours)
+            with held:
+                return self._bma_where_training_stops(super().evaluate(*args, **kwargs), ours)
         finally:
             self._evon_in_evaluate, self._evon_bma_asked = outer, asked
 

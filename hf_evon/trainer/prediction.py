@@ -4,9 +4,11 @@ by the user's ``compute_metrics`` and by the ``{prefix}_bma_*`` metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -305,10 +307,31 @@ class PredictionMixin:
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return output
 
+    # inside _holding_posterior: the posterior every pass of the enclosed call samples
+    _evon_held_posterior: Any = None
+
+    @contextlib.contextmanager
+    def _holding_posterior(self, posterior: Any) -> Iterator[None]:
+        """``posterior`` for every pass of the enclosed call (:meth:`_evaluated_posterior`; None: the
+        one held already, if any): a snapshot of the optimizer's posterior copies all its factors, and
+        nothing changes them while one evaluation or prediction runs, so one serves its checks and passes."""
+        held = self._evon_held_posterior
+        if posterior is not None:
+            self._evon_held_posterior = posterior
+        try:
+            yield
+        finally:
+            self._evon_held_posterior = held
+
+    def _evaluated_posterior(self) -> Any:
+        """The posterior held for the running call (:meth:`_holding_posterior`), else ``current_posterior()``."""
+        held = self._evon_held_posterior
+        return self.current_posterior() if held is None else held
+
     def _bma_posterior(self, caller: str) -> Any:
-        """The posterior BMA samples (``current_posterior()``); ValueError naming ``caller`` where
+        """The posterior BMA samples (:meth:`_evaluated_posterior`); ValueError naming ``caller`` where
         there is none or ``bma_num_samples`` asks for no samples."""
-        posterior = self.current_posterior()
+        posterior = self._evaluated_posterior()
         if posterior is None:
             raise ValueError(
                 f"{caller} needs a posterior: train with EVON first, or pass "

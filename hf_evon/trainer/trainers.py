@@ -57,10 +57,12 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         ``bma=True`` and no generation: the averaged token probabilities (:mod:`hf_evon.trainer.prediction`)."""
         if not (bma and self.args.predict_with_generate):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
-        posterior = self._bma_posterior("predict(bma=True)")
+        posterior = self._bma_posterior("predict(bma=True)")  # one for decoding and the token metrics' passes
         self._evon_generated_prediction = True
         try:
-            with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
+            with self._holding_posterior(posterior), _generation_by_bma(
+                self.model, posterior, self.args.bma_num_samples, self.args.bma_seed
+            ):
                 return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
         finally:
             self._evon_generated_prediction = False
@@ -99,8 +101,10 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         ``EVONTrainer.evaluate(bma=True)`` does."""
         if not (bma and self.args.predict_with_generate):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
-        posterior = self._bma_posterior("evaluate(bma=True)")
-        with _generation_by_bma(self.model, posterior, self.args.bma_num_samples, self.args.bma_seed):
+        posterior = self._bma_posterior("evaluate(bma=True)")  # one for decoding and the token metrics' passes
+        with self._holding_posterior(posterior), _generation_by_bma(
+            self.model, posterior, self.args.bma_num_samples, self.args.bma_seed
+        ):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=True, **gen_kwargs)
 
 
