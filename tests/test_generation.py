@@ -338,6 +338,29 @@ def test_left_padded_batch_equals_each_prompt_alone(strategy, gpt2):
     assert_reference_argmax(picked, ref_scores)
 
 
+def test_a_left_padded_batch_with_its_mask_runs_no_forward_without_a_mask(gpt2, monkeypatch):
+    """Each forward generate_bma runs on a left-padded batch given with its attention_mask gets a
+    mask. The one-token probe of the sample axis ran the first prompt's first token (the pad) alone,
+    without one, and transformers warned "We strongly recommend passing in an `attention_mask`"
+    to a caller who had passed it."""
+    from transformers import PreTrainedModel
+
+    model, posterior = gpt2
+    monkeypatch.setattr(model.config, "pad_token_id", 0)
+    unmasked = []
+    warn = PreTrainedModel.warn_if_padding_and_no_attention_mask
+
+    def spy(self, input_ids, attention_mask):
+        if attention_mask is None and input_ids is not None and bool((input_ids == 0).any()):
+            unmasked.append(tuple(input_ids.shape))
+        return warn(self, input_ids, attention_mask)
+
+    monkeypatch.setattr(PreTrainedModel, "warn_if_padding_and_no_attention_mask", spy)
+    ids, mask = left_pad([[5, 9, 17], [40, 41, 7, 7, 30, 12]])
+    out = generate_bma(model, posterior, ids, attention_mask=mask, num_samples=2, max_new_tokens=2, pad_token_id=0)
+    assert out.shape == (2, ids.shape[1] + 2) and unmasked == []
+
+
 def test_seeded_sampling_is_reproducible(gpt2):
     model, posterior = gpt2
     noisy = posterior.with_ess(NOISY_ESS)

@@ -95,10 +95,13 @@ def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, input_ids:
     decoder) on one token of the first sequence, once and twice per sample; position ids given where
     the forward takes them, as a model's own ``(1, T)`` ids would reach a covered position embedding
     as one row."""
-    takes_positions = "position_ids" in inspect.signature(gen_model.forward).parameters
+    parameters = inspect.signature(gen_model.forward).parameters
+    takes_positions = "position_ids" in parameters
     for rows in (1, 2):
         tokens = input_ids[:1, :1].repeat(sampler.num_samples * rows, 1)
         inputs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
+        if "attention_mask" in parameters:  # the token may be a left pad: unmasked, transformers warns
+            inputs["attention_mask"] = torch.ones_like(tokens)
         if is_encoder_decoder(gen_model):  # only the shapes matter: the token itself starts the decoder
             inputs["decoder_input_ids"] = tokens
         elif takes_positions:
