@@ -177,3 +177,42 @@ def test_a_temperature_divides_low_precision_logits_in_float32(dtype):
     exact = logits.double() / t
     torch.testing.assert_close(out.double(), exact, rtol=1e-6 if dtype != torch.float64 else 1e-15, atol=0)
     assert tempered(logits, SimpleNamespace(temperature=1.0)) is logits
+
+
+def test_the_accumulators_results_read_the_host_once_and_average_once() -> None:
+    """``predict_uncertainty`` reads ``value()`` (log p̄) and ``uncertainty()`` of each batch: each
+    computed log p̄ anew (a copy the size of the logits) and read the host once to check the samples,
+    two reads a batch. One now, and the same tensors bit for bit, also after more samples."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    samples = torch.log_softmax(torch.randn(4, 3, 5, generator=g, dtype=torch.float64), -1)
+
+    def fed(n: int) -> tuple[UncertaintyAccumulator, LogMeanExp]:
+        acc, average = UncertaintyAccumulator(), LogMeanExp()
+        for s in samples[:n]:
+            acc.add(s)
+            average.add(s)
+        return acc, average
+
+    acc, average = fed(3)
+    with HostReads() as reads:
+        value, u = acc.value(), acc.uncertainty()
+    assert reads.count == 1
+    alone = fed(3)[0].uncertainty()  # read on its own
+    assert torch.equal(value, average.value())
+    assert all(torch.equal(a, b) for a, b in zip(u, alone, strict=True))
+    acc.add(samples[3])  # a later sample: the results are of all four
+    acc4, average4 = fed(4)
+    assert torch.equal(acc.value(), average4.value())
+    assert all(torch.equal(a, b) for a, b in zip(acc.uncertainty(), acc4.uncertainty(), strict=True))
+    assert not torch.equal(acc.value(), value)

@@ -99,10 +99,13 @@ class UncertaintyAccumulator:
     them: ``add`` each sample's log-probabilities (same shape every time), then ``value()`` is
     ``log p̄`` (as :class:`~hf_evon.predictive.logprobs.LogMeanExp`) and ``uncertainty()`` the
     decomposition. That the samples are log-probabilities is checked when a result is read (one
-    read for all of them, not one per sample)."""
+    read for all of them, not one per sample). ``value()`` is computed once per sample count (an
+    LM's is the size of its logits), and ``uncertainty()`` reads it: the same tensor until the next
+    ``add``."""
 
     def __init__(self) -> None:
         self._average = LogMeanExp()
+        self._value: Tensor | None = None  # value() of the samples added so far
         self._entropy_sum: Tensor | None = None
         self._off: Tensor | None = None  # the samples' largest _mass_off, on their device
         self._tolerance = 0.0
@@ -125,11 +128,14 @@ class UncertaintyAccumulator:
         h = entropy(logp)
         self._entropy_sum = h if self._entropy_sum is None else self._entropy_sum.add_(h)
         self._average.add(logp)
+        self._value = None
 
     def value(self) -> Tensor:
-        if self._off is not None:
-            _require_log_probs(self._off, self._tolerance, "log_probs")
-        return self._average.value()
+        if self._value is None:
+            if self._off is not None:
+                _require_log_probs(self._off, self._tolerance, "log_probs")
+            self._value = self._average.value()
+        return self._value
 
     def uncertainty(self) -> PredictiveUncertainty:
         if self._entropy_sum is None:
