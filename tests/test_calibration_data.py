@@ -420,3 +420,42 @@ def test_an_iterable_calibration_split_under_ddp_is_scored_whole_alike_on_every_
     assert reference["num_targets"] == 31
     for name in ("dispatched", "IterableDatasetShard", "datasets shards", "map-style dispatched"):
         assert ranks[0][name] == reference, name
+
+
+def test_forward_inputs_reads_a_forwards_signature_once_per_model_and_forward(monkeypatch) -> None:
+    """The BMA passes and the calibration call ``forward_inputs`` for every batch of every pass; it
+    read ``inspect.signature`` of the model's forward each time (S passes × batches reads). Once per
+    model and forward now (again for another one, or a forward replaced on the instance), with the
+    same batches."""
+    import inspect
+
+    from hf_evon.trainer import calibration_data
+
+    class Net(torch.nn.Module):
+        def forward(self, input_ids, labels=None):  # noqa: ANN001, ANN201
+            return input_ids
+
+    reads = []
+    signature = inspect.signature
+
+    def counted(obj, *args, **kwargs):  # noqa: ANN001, ANN202
+        reads.append(getattr(obj, "__func__", obj))
+        return signature(obj, *args, **kwargs)
+
+    monkeypatch.setattr(calibration_data.inspect, "signature", counted)
+    batch = {"input_ids": torch.ones(2, 3), "labels": torch.zeros(2), "weight": torch.ones(2)}
+    model, other = Net(), Net()
+    for _ in range(5):
+        assert list(calibration_data.forward_inputs(model, batch)) == ["input_ids", "labels"]
+        assert list(calibration_data.forward_inputs(model, batch, ["weight"])) == ["input_ids", "labels", "weight"]
+    assert reads == [Net.forward]
+    assert list(calibration_data.forward_inputs(other, batch)) == ["input_ids", "labels"]
+    assert reads == [Net.forward, Net.forward]
+
+    def any_entry(**kwargs):  # noqa: ANN003, ANN202
+        return kwargs
+
+    model.forward = any_entry  # an instance's own forward, taking every entry
+    assert calibration_data.forward_inputs(model, batch) is batch
+    assert calibration_data.forward_inputs(model, batch) is batch
+    assert reads == [Net.forward, Net.forward, any_entry]

@@ -16,6 +16,7 @@ dataset's order.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
@@ -131,14 +132,40 @@ def forward_inputs(model: torch.nn.Module, batch: Any, keep: Iterable[str] = ())
     own passes (BMA, calibration) must too. Any other batch (or forward) as it is."""
     if not isinstance(batch, Mapping):
         return batch
-    try:
-        parameters = inspect.signature(peft_base_model(unwrap_model(model)).forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the batch as it is
+    names = _forward_names(peft_base_model(unwrap_model(model)))
+    if names is None:
         return batch
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return batch
-    taken = {*parameters, *keep}
+    taken = names.union(keep)
     return batch if all(k in taken for k in batch) else {k: v for k, v in batch.items() if k in taken}
+
+
+# Per model (behind its wrappers): a weak reference to its forward's function and the names it takes.
+# The BMA passes and the calibration ask for every batch of every pass: one read serves them all.
+_FORWARD_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, frozenset[str] | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _forward_names(model: torch.nn.Module) -> frozenset[str] | None:
+    """The parameter names of ``model.forward``; None where it takes ``**kwargs`` or has no signature
+    to read. Read again only for another forward (one set on the instance, say)."""
+    forward = model.forward
+    function = getattr(forward, "__func__", forward)  # a bound method is made anew at each access
+    known = _FORWARD_NAMES.get(model)
+    if known is not None and known[0]() is function:
+        return known[1]
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the batch as it is
+        names = None
+    else:
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        names = None if takes_any else frozenset(parameters)
+    try:  # a weak reference: a forward that closes over its model must not keep the model alive
+        _FORWARD_NAMES[model] = (weakref.ref(function), names)
+    except TypeError:  # a model or a forward without weak references: read each time
+        pass
+    return names
 
 
 def under_labels(batch: Any, label_names: Sequence[str] | None, model: torch.nn.Module | None = None) -> Any:
