@@ -513,3 +513,60 @@ def test_a_skipped_evon_step_is_reported_to_accelerate_and_its_scheduler() -> No
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+# ---------------------------------------------------------------- EVONTrainer under torchrun
+def _max_rel_error(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
+
+
+def test_trainer_under_ddp_accumulates_resumes_across_world_sizes_and_saves_once(tmp_path) -> None:
+    """``EVONTrainer`` on 2 gloo ranks (torchrun) with gradient_accumulation_steps=2 and
+    evon_mc_samples=2, plain (ess=inf) and evon_shard=True (noisy, whose noise is the one process's):
+    the weights equal one process's with the same global batch; a 2-rank checkpoint resumes in one
+    process, and a one-process checkpoint on 2 ranks, to the same weights; the posterior at the end
+    is written by rank 0 only, and after a sharded run rank 0 alone can save it; evaluate()'s metrics are
+    the same on both ranks, and its BMA metrics those of one process. Before, ``save_model()`` on rank 0
+    alone after an evon_shard=True run waited for ever in a gather of the sharded state."""
+    import trainer_ddp_worker as tw
+    from launcher import torchrun
+
+    one, one_eval = {}, {}
+    for shard in (False, True):
+        name = "shard" if shard else "plain"
+        trainer = tw.train(tmp_path / f"one_{name}", 1, shard)
+        one[name], one_eval[name] = tw.weights(trainer), trainer.evaluate()
+        one[f"{name}_logs"] = tw.training_logs(trainer)
+    torchrun(2, os.path.join(HERE, "trainer_ddp_worker.py"), HERE, str(tmp_path), timeout=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    def metrics(logged: dict) -> dict:  # not the timings
+        return {k: v for k, v in logged.items() if not k.endswith(("_runtime", "_per_second"))}
+
+    start = tw.tiny_gpt2().double().state_dict()
+    for name in ("plain", "shard"):
+        assert not torch.equal(one[name]["transformer.h.0.mlp.c_fc.weight"], start["transformer.h.0.mlp.c_fc.weight"])
+        for r in ranks:
+            assert _max_rel_error(r[f"{name}_weights"], one[name]) <= 1e-6, name
+            assert _max_rel_error(r[f"{name}_resumed"], one[name]) <= 1e-6, name
+            assert metrics(r[f"{name}_eval"]) == metrics(ranks[0][f"{name}_eval"]), name
+        got, want = metrics(ranks[0][f"{name}_eval"]), metrics(one_eval[name])
+        assert got.keys() == want.keys() and "eval_bma_nll" in got
+        bma = [k for k in want if k.startswith("eval_bma_")]  # eval_loss is the Trainer's mean of batch means
+        assert bma
+        for key in bma:  # the posterior's seeded samples: those of one process
+            assert got[key] == pytest.approx(want[key], rel=1e-6), (name, key, got, want)
+        assert ranks[0][f"{name}_files"] == ranks[1][f"{name}_files"]
+        assert {"evon_posterior.safetensors", "evon_posterior_config.json"} <= set(ranks[0][f"{name}_files"])
+        assert not [f for f in ranks[0][f"{name}_files"] if "tmp" in f or f.startswith(".")], ranks[0][f"{name}_files"]
+        # a 2-rank checkpoint resumed in one process
+        resumed = tw.train(tmp_path / f"back_{name}", 1, name == "shard",
+                           resume=str(tmp_path / f"two_{name}" / "out" / "checkpoint-2"))  # fmt: skip
+        assert _max_rel_error(tw.weights(resumed), one[name]) <= 1e-6, name
+    assert ranks[1]["saves"] == []  # only the process that saves writes posteriors
+    # rank 0 alone saves the sharded run's model and posterior, without waiting for rank 1
+    assert ranks[0]["rank0_save"] is None
+    final = tmp_path / "rank0_save" / "final"
+    assert {"model.safetensors", "evon_posterior.safetensors", "evon_posterior_config.json"} <= set(os.listdir(final))
+    assert ranks[0]["saves"] and all(s.startswith(str(tmp_path)) for s in ranks[0]["saves"])

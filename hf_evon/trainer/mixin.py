@@ -571,8 +571,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         super().log(logs, start_time)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """The subclass's ``train()``; then the best checkpoint's posterior (``load_best_model_at_end``)
-        and, with a ``calibration_dataset``, :meth:`calibrate`."""
+        """The subclass's ``train()``; then, with ``evon_shard``, the gathered state and posterior (so
+        saving from rank 0 alone needs no collective), the best checkpoint's posterior
+        (``load_best_model_at_end``) and, with a ``calibration_dataset``, :meth:`calibrate`."""
         self._check_fsdp_plugin()
         if self.calibration_dataset is not None:
             self._check_calibration_data()  # before the first step: not after the whole run
@@ -582,6 +583,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
             output = super().train(*args, **kwargs)
         finally:
             self._evon_in_training = False
+        # every rank is here: a sharded state gathered now lets rank-0-only code (`save_model()` under
+        # `is_world_process_zero()`, as with plain DDP) run without a collective the others never join
+        self._gather_sharded_state()
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_posterior()  # the Trainer has just loaded that checkpoint's weights
         if self.calibration_dataset is not None and (posterior := self.current_posterior()) is not None:
