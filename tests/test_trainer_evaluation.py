@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -1024,3 +1025,30 @@ def test_evaluate_bma_true_snapshots_the_posterior_once(tmp_path, monkeypatch):
     assert len(taken) == 1
     for key in ("eval_bma_nll", "eval_bma_accuracy", "eval_bma_ece", "eval_bma_brier"):
         assert metrics[key] == pytest.approx(alone[key], rel=1e-12, abs=1e-15), key
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_the_posterior_metrics_copy_to_the_host_once_per_evaluation(tmp_path, monkeypatch, kind):
+    """The mean metrics (read in the Trainer's pass) and the BMA ones copied every batch's gathered
+    log-probabilities (and labels) to the host as it came: on a GPU a host sync per batch, in the
+    Trainer's pass too. They stay on the device until the summary now: one copy per field and
+    metric set (a classifier's log-probabilities and labels, an LM's NLL sums), with the same
+    metrics as the stand-alone computation."""
+    if kind == "bert":
+        trainer, fields = _trained(tmp_path), 2  # 3 batches
+    else:
+        trainer, fields = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(20, seed=1)), 1  # 2 batches
+    alone = trainer.posterior_metrics(trainer.get_eval_dataloader())
+    copies = [0]
+    to_host = torch.Tensor.cpu
+    here = os.path.join("hf_evon", "trainer", "evaluation.py")
+
+    def counted(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        copies[0] += sys._getframe(1).f_code.co_filename.endswith(here)
+        return to_host(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    metrics = trainer.evaluate(bma=True)
+    assert copies[0] == 2 * fields  # the mean's and the BMA's metric sets
+    for key, value in alone.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

@@ -105,7 +105,8 @@ def _metric_log_probs(logits: Tensor, labels: Tensor, task: str) -> Tensor:
 
 
 class MetricAccumulator:
-    """Per-batch log-probabilities, gathered across processes, summarised at the end."""
+    """Per-batch log-probabilities, gathered across processes, kept on their device (no host sync a batch) and
+    copied to the host once, to be summarised at the end."""
 
     def __init__(self, trainer: Any, task: str) -> None:
         self.task = task
@@ -134,7 +135,7 @@ class MetricAccumulator:
 
     def summary(self) -> dict[str, float]:
         if self.task == "causal_lm":
-            stats = torch.cat([o for o, _ in self.outputs])
+            stats = torch.cat([o for o, _ in self.outputs]).cpu()
             tokens = float(stats[:, 1].sum())
             # no label token at all: NaN, as the model's own mean loss (not 0 / perplexity 1)
             nll = float(stats[:, 0].sum()) / tokens if tokens > 0 else math.nan
@@ -142,13 +143,13 @@ class MetricAccumulator:
             perplexity = math.nan if nll != nll else math.exp(nll) if nll < 709.78 else math.inf
             return {"nll": nll, "perplexity": perplexity}
         if self.task == "token_classification":
-            stats = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs])
-            kept = torch.cat([lab.reshape(-1) for _, lab in self.outputs]).ne(IGNORE_INDEX)
+            stats = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs]).cpu()
+            kept = torch.cat([lab.reshape(-1) for _, lab in self.outputs]).cpu().ne(IGNORE_INDEX)
             if bool(kept.any()):
                 return metrics_of_statistics(stats[kept], self.ece_bins)
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)  # no label kept, as below
-        logp = torch.cat([o for o, _ in self.outputs])
-        labels = torch.cat([lab for _, lab in self.outputs])
+        logp = torch.cat([o for o, _ in self.outputs]).cpu()
+        labels = torch.cat([lab for _, lab in self.outputs]).cpu()
         if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)
         return calibration_metrics(logp, labels, "log_probs", n_bins=self.ece_bins)
@@ -232,12 +233,11 @@ def _nbytes(value: Any) -> int:
 
 
 def gathered_rows(accelerator: Any, values: Tensor, rows: int | None) -> Tensor:
-    """A batch's ``values`` gathered over processes, on the CPU: the first ``rows`` (:func:`_kept_rows`,
-    for a batch read earlier), or None: what ``gather_for_metrics`` keeps of the batch the loader
-    stands at."""
+    """A batch's ``values`` gathered over processes, on their device: the first ``rows`` (:func:`_kept_rows`,
+    for a batch read earlier), or None: what ``gather_for_metrics`` keeps of the batch the loader stands at."""
     if rows is None:
-        return accelerator.gather_for_metrics(values.contiguous()).cpu()
-    return accelerator.gather(values.contiguous())[:rows].cpu()
+        return accelerator.gather_for_metrics(values.contiguous())
+    return accelerator.gather(values.contiguous())[:rows]
 
 
 def _kept_rows(trainer: Any, values: Tensor | tuple[Tensor, ...]) -> int:

@@ -144,7 +144,7 @@ def bma_predict(
     def gathered(values: Tensor, rows: int, classes: bool = True) -> Tensor:
         if values.ndim >= (3 if classes else 2):  # sequences: as long as the longest process's
             values = pad(values, dim=1, pad_index=-100)
-        return gathered_rows(trainer.accelerator, values, rows)
+        return gathered_rows(trainer.accelerator, values, rows).cpu()  # a batch at a time: the predictions are large
 
     def collected(logp: Tensor | tuple[Tensor, ...], labels: Any, rows: int) -> Any:
         """Probabilities (or values), through the user's ``preprocess_logits_for_metrics`` as
