@@ -585,7 +585,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
             self._evon_in_training = False
         # every rank is here: a sharded state gathered now lets rank-0-only code (`save_model()` under
         # `is_world_process_zero()`, as with plain DDP) run without a collective the others never join
-        self._gather_sharded_state()
+        # (not in one process, which needs none, nor under FSDP2, whose model saving is a collective)
+        if self.args.world_size > 1 and not self._evon_fsdp2():
+            self._gather_sharded_state()
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_posterior()  # the Trainer has just loaded that checkpoint's weights
         if self.calibration_dataset is not None and (posterior := self.current_posterior()) is not None:
