@@ -538,6 +538,7 @@ def test_trainer_under_ddp_accumulates_resumes_across_world_sizes_and_saves_once
         trainer = tw.train(tmp_path / f"one_{name}", 1, shard)
         one[name], one_eval[name] = tw.weights(trainer), trainer.evaluate()
         one[f"{name}_logs"] = tw.training_logs(trainer)
+        one[f"{name}_calibration"] = None if trainer.calibration is None else vars(trainer.calibration)
     torchrun(2, os.path.join(HERE, "trainer_ddp_worker.py"), HERE, str(tmp_path), timeout=240)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -551,6 +552,13 @@ def test_trainer_under_ddp_accumulates_resumes_across_world_sizes_and_saves_once
             assert _max_rel_error(r[f"{name}_weights"], one[name]) <= 1e-6, name
             assert _max_rel_error(r[f"{name}_resumed"], one[name]) <= 1e-6, name
             assert metrics(r[f"{name}_eval"]) == metrics(ranks[0][f"{name}_eval"]), name
+            assert r[f"{name}_calibration"] == ranks[0][f"{name}_calibration"], name
+            logs, want_logs = r[f"{name}_logs"], one[f"{name}_logs"]
+            assert len(logs) == len(want_logs) == tw.STEPS // 2
+            for got, want in zip(logs, want_logs):  # the loss, grad_norm and EVON's statistics
+                assert got.keys() == want.keys() and {"loss", "grad_norm", "evon/hess_mean"} <= got.keys()
+                for key, value in want.items():
+                    assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (name, key, got, want)
         got, want = metrics(ranks[0][f"{name}_eval"]), metrics(one_eval[name])
         assert got.keys() == want.keys() and "eval_bma_nll" in got
         bma = [k for k in want if k.startswith("eval_bma_")]  # eval_loss is the Trainer's mean of batch means
@@ -564,6 +572,10 @@ def test_trainer_under_ddp_accumulates_resumes_across_world_sizes_and_saves_once
         resumed = tw.train(tmp_path / f"back_{name}", 1, name == "shard",
                            resume=str(tmp_path / f"two_{name}" / "out" / "checkpoint-2"))  # fmt: skip
         assert _max_rel_error(tw.weights(resumed), one[name]) <= 1e-6, name
+    # the sharded runs calibrate at the end of training: every rank scores the whole split, as one process
+    got, want = ranks[0]["shard_calibration"], one["shard_calibration"]
+    assert want is not None and want["num_targets"] == got["num_targets"] > 0 and got["ess"] == want["ess"]
+    assert got["nll"] == pytest.approx(want["nll"], rel=1e-6)
     assert ranks[1]["saves"] == []  # only the process that saves writes posteriors
     # rank 0 alone saves the sharded run's model and posterior, without waiting for rank 1
     assert ranks[0]["rank0_save"] is None

@@ -49,8 +49,9 @@ def run_config(out: Path, world: int, shard: bool, **changes):
 def train(out: Path, world: int, shard: bool, resume: str | None = None, **changes) -> EVONTrainer:
     model = tiny_gpt2().double()
     data = lm_data(GLOBAL_BATCH * STEPS)
+    calibration = lm_data(12, seed=1) if shard else None  # noise to calibrate in the sharded runs only
     trainer = EVONTrainer(model=model, args=run_config(out, world, shard, **changes), train_dataset=data,
-                          eval_dataset=data.select(range(10)))  # fmt: skip
+                          eval_dataset=data.select(range(10)), calibration_dataset=calibration)  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -115,6 +116,7 @@ def main(out: Path) -> None:
         result[f"{name}_weights"] = weights(trainer)
         result[f"{name}_logs"] = training_logs(trainer)
         result[f"{name}_eval"] = trainer.evaluate()
+        result[f"{name}_calibration"] = None if trainer.calibration is None else vars(trainer.calibration)
         trainer.save_model()
         dist.barrier()
         result[f"{name}_files"] = sorted(os.listdir(trainer.args.output_dir))
