@@ -536,7 +536,7 @@ def test_trainer_under_ddp_accumulates_resumes_across_world_sizes_and_saves_once
     for shard in (False, True):
         name = "shard" if shard else "plain"
         trainer = tw.train(tmp_path / f"one_{name}", 1, shard)
-        one[name], one_eval[name] = tw.weights(trainer), trainer.evaluate()
+        one[name], one_eval[name] = tw.weights(trainer), trainer.evaluate(bma=True)
         one[f"{name}_logs"] = tw.training_logs(trainer)
         one[f"{name}_calibration"] = None if trainer.calibration is None else vars(trainer.calibration)
     torchrun(2, os.path.join(HERE, "trainer_ddp_worker.py"), HERE, str(tmp_path), timeout=240)

@@ -115,7 +115,7 @@ def main(out: Path) -> None:
         trainer = train(out / f"two_{name}", 2, shard)
         result[f"{name}_weights"] = weights(trainer)
         result[f"{name}_logs"] = training_logs(trainer)
-        result[f"{name}_eval"] = trainer.evaluate()
+        result[f"{name}_eval"] = trainer.evaluate(bma=True)
         result[f"{name}_calibration"] = None if trainer.calibration is None else vars(trainer.calibration)
         trainer.save_model()
         dist.barrier()
