@@ -1052,3 +1052,49 @@ def test_the_posterior_metrics_copy_to_the_host_once_per_evaluation(tmp_path, mo
     assert copies[0] == 2 * fields  # the mean's and the BMA's metric sets
     for key, value in alone.items():
         assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_predict_bma_joins_the_batches_once_as_nested_concat_would(tmp_path, monkeypatch):
+    """``predict(bma=True)`` and ``predict_uncertainty`` joined each batch to the ones before it
+    (``nested_concat``, batch after batch): every earlier batch copied again at each batch, an LM's
+    probabilities most of the time of a large set. One join now, to the same arrays: each batch
+    padded with -100 to the longest, as folding the per-batch arrays with ``nested_concat`` gives."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling
+    from transformers.trainer_pt_utils import nested_concat
+
+    from hf_evon.trainer import prediction
+
+    trained = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(8, seed=1))
+    rows = [{"input_ids": r["input_ids"]} for r in _rows_of_many_lengths(10, labels=False)]
+    collator = DataCollatorForLanguageModeling(_word_tokenizer(), mlm=False)
+
+    def trainer(concat: bool) -> EVONTrainer:
+        args = config(tmp_path / str(concat), per_device_eval_batch_size=4, bma_num_samples=2, eval_do_concat_batches=concat)
+        return EVONTrainer(model=trained.model, args=args, posterior=trained.current_posterior(), data_collator=collator)
+
+    joins = [0]
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        joins[0] += 1
+        return nested_concat(*args, **kwargs)
+
+    monkeypatch.setattr(prediction, "nested_concat", counted, raising=False)
+    test = Dataset.from_list(rows)  # batches of 4, 4 and 2 rows, each padded to its own longest
+    out, by_batch = trainer(True).predict(test, bma=True), trainer(False).predict(test, bma=True)
+    u, u_by_batch = trainer(True).predict_uncertainty(test), trainer(False).predict_uncertainty(test)
+    assert joins[0] == 0
+    widths = {p.shape[1] for p in by_batch.predictions}
+    assert len(by_batch.predictions) == 3 and len(widths) > 1  # ragged: the join pads
+
+    def folded(parts):  # noqa: ANN001, ANN202
+        total = parts[0]
+        for part in parts[1:]:
+            total = nested_concat(total, part, padding_index=-100)
+        return total
+
+    for joined, parts in [(out.predictions, by_batch.predictions), (out.label_ids, by_batch.label_ids)]:
+        expected = folded(parts)
+        assert joined.dtype == expected.dtype and np.array_equal(joined, expected)
+    for field in ("total", "aleatoric", "epistemic"):
+        assert np.array_equal(getattr(u.predictions, field), folded(getattr(u_by_batch.predictions, field)))

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
 from hf_evon.predictive.calibration import trained_posterior
@@ -101,12 +100,9 @@ def bma_predict(
     concat = args.eval_do_concat_batches
 
     def joined(total: Any, part: Any) -> Any:
-        """The batches so far and ``part``, as ``Trainer.predict`` collects them: concatenated (padded
-        with -100), or a list of the batches' own with ``eval_do_concat_batches=False``."""
-        if total is None:
-            return part if concat else [part]
-        if concat:
-            return nested_concat(total, part, padding_index=-100)
+        """The batches so far and ``part``, a list (:func:`_concatenated` joins them at the end, as
+        ``Trainer.predict`` concatenates them, with ``eval_do_concat_batches``)."""
+        total = [] if total is None else total
         total.append(part)
         return total
 
@@ -185,6 +181,8 @@ def bma_predict(
         if main_input is not None and isinstance(inputs.get(main_input), Tensor):
             part = gathered(inputs[main_input], rows, classes=False)
             input_ids = joined(input_ids, part)
+    if concat:
+        predictions, label_ids, input_ids = map(_concatenated, (predictions, label_ids, input_ids))
     tensors = (predictions, label_ids, input_ids)
     if uncertainty and predictions is not None:  # per field: one tensor, or the batches' (a list)
         fields = list(predictions) if concat else [list(f) for f in zip(*predictions)]
@@ -199,6 +197,27 @@ def bma_predict(
     if metrics_acc is not None:
         merge_metrics(metrics, {f"{metric_key_prefix}_bma_{k}": v for k, v in metrics_acc.summary().items()})
     return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+
+def _concatenated(parts: list[Any] | None) -> Any:
+    """The batches' ``parts`` (tensors, or tuples of them) concatenated along the first dimension,
+    each padded with -100 along the second to the longest, as ``nested_concat`` folds them batch
+    after batch, in one copy: folded, every earlier batch is copied again at each batch."""
+    if parts is None:
+        return None
+    first = parts[0]
+    if isinstance(first, tuple):
+        return tuple(_concatenated([part[i] for part in parts]) for i in range(len(first)))
+    parts = [torch.atleast_1d(part) for part in parts]
+    if first.ndim <= 1 or all(part.shape[1] == parts[0].shape[1] for part in parts):
+        return torch.cat(parts)
+    width = max(part.shape[1] for part in parts)
+    out = parts[0].new_full((sum(len(part) for part in parts), width, *parts[0].shape[2:]), -100)
+    row = 0
+    for part in parts:
+        out[row : row + len(part), : part.shape[1]] = part
+        row += len(part)
+    return out
 
 
 def _arrays(values: Tensor | tuple[Tensor, ...] | list[Any] | None) -> Any:
