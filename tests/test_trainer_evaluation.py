@@ -1098,3 +1098,27 @@ def test_predict_bma_joins_the_batches_once_as_nested_concat_would(tmp_path, mon
         assert joined.dtype == expected.dtype and np.array_equal(joined, expected)
     for field in ("total", "aleatoric", "epistemic"):
         assert np.array_equal(getattr(u.predictions, field), folded(getattr(u_by_batch.predictions, field)))
+
+
+@pytest.mark.parametrize("task", ["classification", "token_classification", "causal_lm"])
+def test_a_summarised_metric_accumulator_holds_one_host_copy(tmp_path, task):
+    """The accumulators keep each batch on its device until the summary; an evaluation whose BMA
+    passes wait for the end of training (``bma_eval_every``) kept its mean accumulator's batches
+    there until the next evaluation, through the training steps between. The summary joins them on
+    the host and keeps that one copy, and a second summary gives the same metrics."""
+    from hf_evon.trainer.evaluation import MetricAccumulator
+
+    trainer = _trained(tmp_path, max_steps=1)
+    acc = MetricAccumulator(trainer, task)
+    g = torch.Generator().manual_seed(0)
+    for width in (5, 7, 6):  # token batches of different lengths
+        labels = torch.randint(0, 3, (4,) if task == "classification" else (4, width), generator=g)
+        labels[0, ...] = -100
+        shape = (4, 3) if task == "classification" else (4, width, 3)
+        logp = torch.log_softmax(torch.randn(shape, generator=g, dtype=torch.float64), -1)
+        if task == "causal_lm":
+            logp = logp.gather(-1, labels[:, 1:].clamp(min=0)[..., None]).squeeze(-1)
+        acc.add(logp, labels)
+    first = acc.summary()
+    assert len(acc.outputs) == 1 and all(t.device.type == "cpu" for t in acc.outputs[0])
+    assert acc.summary() == first

@@ -105,8 +105,7 @@ def _metric_log_probs(logits: Tensor, labels: Tensor, task: str) -> Tensor:
 
 
 class MetricAccumulator:
-    """Per-batch log-probabilities, gathered across processes, kept on their device (no host sync a batch) and
-    copied to the host once, to be summarised at the end."""
+    """Per-batch log-probabilities, gathered across processes on their device (no host sync a batch), summarised."""
 
     def __init__(self, trainer: Any, task: str) -> None:
         self.task = task
@@ -134,25 +133,26 @@ class MetricAccumulator:
         self.outputs.append((gather(logp), gather(labels)))
 
     def summary(self) -> dict[str, float]:
+        # joined on the host once, and kept so: an evaluation whose BMA waits for training's end holds no GPU memory
+        flat = self.task == "token_classification"
+        values = torch.cat([o.reshape(-1, o.shape[-1]) if flat else o for o, _ in self.outputs]).cpu()
+        labels = torch.cat([lab.reshape(-1) if flat else lab for _, lab in self.outputs]).cpu()
+        self.outputs = [(values, labels)]
         if self.task == "causal_lm":
-            stats = torch.cat([o for o, _ in self.outputs]).cpu()
-            tokens = float(stats[:, 1].sum())
+            tokens = float(values[:, 1].sum())
             # no label token at all: NaN, as the model's own mean loss (not 0 / perplexity 1)
-            nll = float(stats[:, 0].sum()) / tokens if tokens > 0 else math.nan
+            nll = float(values[:, 0].sum()) / tokens if tokens > 0 else math.nan
             # exp overflows a float past log(max) ~ 709.78: the perplexity is inf there (as the NLL may be)
             perplexity = math.nan if nll != nll else math.exp(nll) if nll < 709.78 else math.inf
             return {"nll": nll, "perplexity": perplexity}
-        if self.task == "token_classification":
-            stats = torch.cat([o.reshape(-1, o.shape[-1]) for o, _ in self.outputs]).cpu()
-            kept = torch.cat([lab.reshape(-1) for _, lab in self.outputs]).cpu().ne(IGNORE_INDEX)
+        if flat:
+            kept = labels.ne(IGNORE_INDEX)
             if bool(kept.any()):
-                return metrics_of_statistics(stats[kept], self.ece_bins)
+                return metrics_of_statistics(values[kept], self.ece_bins)
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)  # no label kept, as below
-        logp = torch.cat([o for o, _ in self.outputs]).cpu()
-        labels = torch.cat([lab for _, lab in self.outputs]).cpu()
         if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)
-        return calibration_metrics(logp, labels, "log_probs", n_bins=self.ece_bins)
+        return calibration_metrics(values, labels, "log_probs", n_bins=self.ece_bins)
 
 
 def merge_metrics(metrics: dict[str, float], ours: dict[str, float]) -> dict[str, float]:
