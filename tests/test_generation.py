@@ -1943,3 +1943,122 @@ def test_scoring_one_draw_at_a_time_puts_the_mean_back_when_a_forward_raises(gpt
     assert not torch.equal(calls[0], calls[1])  # the two forwards ran two samples
     assert not torch.equal(calls[1], before["transformer.h.0.mlp.c_fc.weight"])
     assert_unchanged(model, before)
+
+
+# ----------------------------------------------------------------------------- speech and vision encoders
+def tiny_whisper(seed: int = 0):
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=10,
+        max_target_positions=32, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
+        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.5,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(cfg).eval()
+
+
+def tiny_vision_encoder_decoder(seed: int = 0):
+    """A TrOCR/Donut-shaped model: a ViT encoder of 8×8 images, a GPT-2 decoder with cross-attention."""
+    from transformers import VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    torch.manual_seed(seed)
+    encoder = ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
+        patch_size=4, num_channels=3,
+    )  # fmt: skip
+    decoder = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=1, n_head=2, initializer_range=0.5)
+    model = VisionEncoderDecoderModel(VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+    for config in (model.config, model.generation_config):
+        config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 0, 1, 2
+    return model.eval()
+
+
+# the encoder's input of each: a batch of 2 (log-mel frames; images)
+ENCODER_INPUTS = {"whisper": ("input_features", (2, 8, 20)), "vision": ("pixel_values", (2, 3, 8, 8))}
+
+
+@pytest.fixture(scope="module", params=["whisper", "vision"])
+def feature_seq2seq(request):
+    """A model whose encoder reads no token ids, its encoder input's name, a batch of it, and a posterior."""
+    model = tiny_whisper() if request.param == "whisper" else tiny_vision_encoder_decoder()
+    name, shape = ENCODER_INPUTS[request.param]
+    features = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1e4, precondition_frequency=2, seed=0)
+    labels = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.train()
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            model(**{name: features}, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return model, name, features, EVONPosterior.from_optimizer(opt, model)
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_speech_and_vision_encoder_decoders_decode_at_zero_variance_as_generate(strategy, feature_seq2seq, num_beams):
+    """Whisper (``input_features``) and a VisionEncoderDecoder (``pixel_values``): generate_bma took
+    only ``input_ids`` ("missing 1 required positional argument: 'input_ids'")."""
+    model, name, features, posterior = feature_seq2seq
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, num_beams=num_beams)
+    expected = model.generate(**{name: features}, **kwargs)
+    assert len(set(expected[:, 1:].flatten().tolist())) > 2  # a sequence worth comparing
+    zero = posterior.with_ess(float("inf"))
+    assert torch.equal(generate_bma(model, zero, **{name: features}, num_samples=3, seed=0, **kwargs), expected)
+
+
+@pytest.mark.parametrize("path", ["materialize", "factored", "one-draw-at-a-time"])
+def test_speech_and_vision_encoder_decoders_match_the_slow_reference(feature_seq2seq, path, monkeypatch):
+    """Each sample runs its own encoder on the features: log p̄ of every step equals S separate
+    models', and bma_log_likelihood (which took no ``input_features``/``pixel_values``) scores the
+    generated tokens with the same log p̄; batched or with the samples written into the weights."""
+    if path == "one-draw-at-a-time":
+        _refuse_batched(monkeypatch)
+    else:
+        monkeypatch.setattr(batched, "DEFAULT_STRATEGY", path)
+    model, name, features, posterior = feature_seq2seq
+    noisy = posterior.with_ess(NOISY_ESS)
+    before = snapshot(model)
+    num_samples, new = 3, 5
+    out = generate_bma(
+        model, noisy, **{name: features}, num_samples=num_samples, seed=7, max_new_tokens=new, do_sample=False,
+        eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    copies = [m.double() for m in sampled_copies(model, noisy, num_samples, 7)]
+    picked = out.sequences[:, 1:]
+    with torch.no_grad():
+        per_sample = [
+            torch.log_softmax(m(**{name: features.double()}, decoder_input_ids=out.sequences[:, :-1]).logits, -1)
+            for m in copies
+        ]
+    reference = torch.logsumexp(torch.stack(per_sample), 0) - math.log(num_samples)  # (B, new, V)
+    got = torch.stack(log_mean_probs(out), 1)
+    torch.testing.assert_close(got.double(), reference, atol=1e-4, rtol=1e-4)
+    mean_first = torch.log_softmax(model(**{name: features}, decoder_input_ids=out.sequences[:, :1]).logits[:, -1], -1)
+    assert (got[:, 0] - mean_first).abs().max() > 1e-2  # the samples differ from the mean
+    scored = bma_log_likelihood(model, noisy, **{name: features}, labels=picked, num_samples=num_samples, seed=7)
+    want = reference.gather(-1, picked[..., None])[..., 0]
+    assert scored.token_log_probs.shape == picked.shape and bool(scored.mask.all())
+    torch.testing.assert_close(scored.token_log_probs.double(), want, atol=1e-4, rtol=1e-4)
+    assert_unchanged(model, before)
+
+
+def test_an_encoder_input_the_model_does_not_read_is_named(feature_seq2seq, gpt2):
+    """An encoder input that is missing, of the wrong kind, or not the model's is refused by name."""
+    model, name, features, posterior = feature_seq2seq
+    with pytest.raises(ValueError, match=rf"generate_bma: .*{name}"):
+        generate_bma(model, posterior, num_samples=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"bma_log_likelihood: {name} must be a floating"):
+        bma_log_likelihood(model, posterior, **{name: features.long()}, labels=PROMPTS, num_samples=2)
+    with pytest.raises(ValueError, match=rf"generate_bma: {name} is empty"):
+        generate_bma(model, posterior, **{name: features[:0]}, num_samples=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"generate_bma: {name} and input_ids"):
+        generate_bma(model, posterior, PROMPTS, **{name: features}, num_samples=2, max_new_tokens=2)
+    lm, lm_posterior = gpt2
+    with pytest.raises(TypeError, match=rf"bma_log_likelihood: .*\b{name}\b.*input_ids"):
+        bma_log_likelihood(lm, lm_posterior, **{name: features}, num_samples=2)
+    with pytest.raises(ValueError, match="generate_bma: input_ids must be"):
+        generate_bma(lm, lm_posterior, num_samples=2, max_new_tokens=2)
+    assert not any("forward" in m.__dict__ for m in model.modules())

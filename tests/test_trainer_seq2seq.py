@@ -340,3 +340,76 @@ def test_bma_with_generate_snapshots_the_posterior_once(tmp_path, monkeypatch, c
     metrics = trainer.evaluate(test, bma=True) if call == "evaluate" else trainer.predict(test, bma=True).metrics
     assert len(taken) == 1
     assert metrics[f"{prefix}_bma_nll"] == pytest.approx(expected[f"{prefix}_bma_nll"], rel=1e-12)
+
+
+def tiny_whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=10,
+        max_target_positions=32, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
+        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.5,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(config)
+
+
+def tiny_vision_encoder_decoder():
+    from transformers import GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    torch.manual_seed(0)
+    encoder = ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
+        patch_size=4, num_channels=3,
+    )  # fmt: skip
+    decoder = GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2, initializer_range=0.5)
+    model = VisionEncoderDecoderModel(VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder))
+    for config in (model.config, model.generation_config):
+        config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 0, 1, 2
+    return model
+
+
+def feature_data(name: str, shape: tuple[int, ...], n: int, seed: int) -> Dataset:
+    """Random encoder inputs (log-mel frames, images) and 5 label tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(3, 64, (n, 5), generator=g)
+    return Dataset.from_dict({name: torch.randn(n, *shape, generator=g).tolist(), "labels": labels.tolist()})
+
+
+@pytest.mark.parametrize("arch", ["whisper", "vision"])
+def test_predict_and_evaluate_bma_with_generate_decode_speech_and_vision_inputs(tmp_path, arch):
+    """Whisper (``input_features``) and a VisionEncoderDecoder (``pixel_values``) trained 2 steps:
+    ``predict(bma=True)`` and ``evaluate(bma=True)`` under ``predict_with_generate`` failed with
+    "generate_bma: input_ids must be a (batch, length) tensor of token ids; got NoneType"; their ids
+    are generate_bma's on the batch's encoder input."""
+    from hf_evon import generate_bma
+
+    model, name, shape = (
+        (tiny_whisper(), "input_features", (8, 20)) if arch == "whisper" else
+        (tiny_vision_encoder_decoder(), "pixel_values", (3, 8, 8))
+    )  # fmt: skip
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, evon_ess=30.0, evon_hess_init=1.0, save_strategy="no", disable_tqdm=True,
+        bma_num_samples=3, bma_seed=5, predict_with_generate=True, generation_max_length=6, seed=0,
+    )  # fmt: skip
+    seen = []
+    trainer = EVONSeq2SeqTrainer(
+        model=model, args=args, train_dataset=feature_data(name, shape, 8, seed=0),
+        compute_metrics=lambda p: seen.append(p.predictions) or {"rows": float(len(p.predictions))},
+    )  # fmt: skip
+    trainer.train()
+    test = feature_data(name, shape, 4, seed=1)
+    out = trainer.predict(test, bma=True)
+    model = trainer.model.eval()
+    features = torch.tensor(test[name])
+    expected = generate_bma(model, trainer.current_posterior(), **{name: features}, num_samples=3, seed=5, max_length=6)
+    assert not torch.equal(expected, model.generate(**{name: features}, max_length=6))  # not the mean's
+    pad = model.generation_config.pad_token_id
+    assert torch.equal(_decoded(out.predictions, expected.shape[1], pad), expected)
+    assert out.metrics["test_rows"] == 4.0 and "test_bma_nll" in out.metrics
+    metrics = trainer.evaluate(test, bma=True)
+    assert torch.equal(_decoded(seen[-1], expected.shape[1], pad), expected)
+    assert metrics["eval_rows"] == 4.0 and "eval_bma_nll" in metrics
+    assert "generate" not in model.__dict__

@@ -42,6 +42,15 @@ from hf_evon.modeling import (
 )
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.batched_samples import ONE_DRAW_AT_A_TIME, BatchedSamples, expected_rows, refusal
+from hf_evon.predictive.encoder_inputs import (
+    TOKENS,
+    check_inputs,
+    encoder_input,
+    length,
+    probe_inputs,
+    repeated,
+    sampled_encoder_outputs,
+)
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     log_mean_prob,
@@ -73,39 +82,20 @@ def _generation_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _sampled_encoder_outputs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, num_samples: int, config: Any
-) -> Any:
-    """An encoder-decoder model's encoder run on the S samples' weights (``S·B`` rows, sample-major,
-    inside ``BatchedSamples``). ``model.generate`` would run the encoder once, at the mean; handed
-    these ``encoder_outputs`` it skips its own pass, and each sample's decoder attends to its own
-    encoder's states. No mask given: none used, as ``generate`` runs an encoder-decoder's encoder.
-    ``config``: the call's effective ``GenerationConfig`` (:func:`_checked_call_config`), whose
-    ``output_attentions`` / ``output_hidden_states`` generate hands its encoder as they are."""
-    inputs = {"input_ids": input_ids.repeat(num_samples, 1), "return_dict": True}
-    for key in ("output_attentions", "output_hidden_states"):
-        inputs[key] = getattr(config, key, None)
-    if attention_mask is not None:
-        inputs["attention_mask"] = attention_mask.repeat(num_samples, 1)
-    return model.get_encoder()(**inputs)
-
-
-def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, input_ids: Tensor) -> None:
+def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, value: Tensor, name: str = TOKENS) -> None:
     """``sampler.check_sample_axis`` on forwards of ``gen_model`` (an encoder-decoder's encoder and
-    decoder) on one token of the first sequence, once and twice per sample; position ids given where
-    the forward takes them, as a model's own ``(1, T)`` ids would reach a covered position embedding
-    as one row."""
+    decoder) on the first row's first token (:func:`probe_inputs`, ``value`` its input ``name``), once
+    and twice per sample; position ids given where the forward takes them, as a model's own ``(1, T)``
+    ids would reach a covered position embedding as one row."""
     parameters = inspect.signature(gen_model.forward).parameters
-    takes_positions = "position_ids" in parameters
+    encoder_decoder = is_encoder_decoder(gen_model)
     for rows in (1, 2):
-        tokens = input_ids[:1, :1].repeat(sampler.num_samples * rows, 1)
-        inputs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
-        if "attention_mask" in parameters:  # the token may be a left pad: unmasked, transformers warns
-            inputs["attention_mask"] = torch.ones_like(tokens)
-        if is_encoder_decoder(gen_model):  # only the shapes matter: the token itself starts the decoder
-            inputs["decoder_input_ids"] = tokens
-        elif takes_positions:
-            inputs["position_ids"] = torch.zeros_like(tokens)
+        inputs = probe_inputs(name, value, sampler.num_samples * rows, encoder_decoder)
+        inputs["use_cache"] = False
+        if name == TOKENS and "attention_mask" in parameters:  # a left pad unmasked: transformers warns
+            inputs["attention_mask"] = torch.ones_like(inputs[TOKENS])
+        if not encoder_decoder and "position_ids" in parameters:
+            inputs["position_ids"] = torch.zeros_like(inputs[TOKENS])
         sampler.check_sample_axis(lambda inputs=inputs: gen_model(**inputs, return_dict=True), rows)
 
 
@@ -193,32 +183,11 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
             model.forward = previous
 
 
-def _check_inputs(where: str, model: nn.Module, posterior: Any, input_ids: Any, attention_mask: Any) -> None:
-    """The checks every token-input function runs first, each naming its argument: ``posterior`` an
-    EVON posterior of ``model``, ``input_ids`` a non-empty ``(B, T)`` integer tensor of ids in the
-    model's vocabulary, ``attention_mask`` None or of its shape."""
-    if not hasattr(posterior, "check_model"):
-        raise TypeError(f"{where}: posterior must be an EVONPosterior; got {type(posterior).__name__}")
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        what = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-        raise ValueError(f"{where}: input_ids must be a (batch, length) tensor of token ids; got {what}")
-    if 0 in input_ids.shape:
-        raise ValueError(f"{where}: input_ids is empty (shape {tuple(input_ids.shape)})")
-    vocab = getattr(getattr(unwrap_model(model), "config", None), "vocab_size", None)
-    low, high = input_ids.aminmax()
-    if int(low) < 0 or (isinstance(vocab, int) and int(high) >= vocab):
-        raise ValueError(f"{where}: input_ids holds ids from {int(low)} to {int(high)}, outside the model's vocabulary 0..{vocab}")
-    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape):
-        what = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-        raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(input_ids.shape)}; got {what}")
-    posterior.check_model(model)
-
-
 @torch.no_grad()
 def generate_bma(
     model: nn.Module,
     posterior: Any,
-    input_ids: Tensor,
+    input_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     num_samples: int = 8,
     seed: int | None = None,
@@ -232,6 +201,8 @@ def generate_bma(
         posterior: an ``EVONPosterior`` over (some of) ``model.named_parameters()``.
         input_ids: ``(B, T)`` prompts, left-padded for batches (as for ``model.generate``); an
             encoder-decoder model's encoder inputs (padded on either side, with ``attention_mask``).
+            An encoder that reads no token ids takes its input by the model's name for it instead
+            (Whisper's ``input_features=``, a VisionEncoderDecoder's ``pixel_values=``), as ``generate``.
         attention_mask: ``(B, T)``; derived from ``pad_token_id`` when omitted, as transformers does.
         num_samples: S, the number of weight samples (drawn once, kept for the whole call).
         seed: makes the call reproducible: seeds the weight draw and the token sampling of
@@ -276,8 +247,9 @@ def generate_bma(
         raise ValueError(
             "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
         )
-    _check_inputs("generate_bma", model, posterior, input_ids, attention_mask)
     gen_model = _generation_model(model)
+    name, source = encoder_input("generate_bma", gen_model, input_ids, generation_kwargs)
+    check_inputs("generate_bma", model, posterior, name, source, attention_mask)
     if not callable(getattr(type(gen_model), "generate", None)):
         raise TypeError(
             f"generate_bma: model ({type(gen_model).__name__}) cannot generate: it has no generate(); "
@@ -288,43 +260,46 @@ def generate_bma(
     config = _checked_call_config(gen_model, generation_kwargs)
     beams = int(config.num_beams or 1)
     # the most tokens the call can add, for the cost model of the batched samples
-    new_tokens = config.max_new_tokens or (config.max_length or 20) - input_ids.shape[1]
-    rows = expected_rows(input_ids.shape[0] * beams, input_ids.shape[1], max(int(new_tokens), 1))
+    start = source.shape[1] if name == TOKENS else 1  # beside features, the decoder starts from one token
+    new_tokens = config.max_new_tokens or (config.max_length or 20) - start
+    rows = expected_rows(len(source) * beams, length(name, source), max(int(new_tokens), 1))
     sampler = _entered_batched_samples(
-        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows, batch_size=input_ids.shape[0] * beams),
+        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * beams),
         gen_model,
-        input_ids,
+        source,
+        name,
     )
     if isinstance(sampler, NotImplementedError):  # the batched path refuses the model
         # the S samples it would draw, written into the weights one at a time: its tokens
         combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
         encoder = None
         if is_encoder_decoder(gen_model):  # each sample's own encoder, on the B rows
-            encoder = functools.partial(_sampled_encoder_outputs, gen_model, input_ids, attention_mask, 1, config)
+            encoder = functools.partial(sampled_encoder_outputs, gen_model, name, source, attention_mask, 1, config)
         with (
             one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine, encoder) as (cache, encoded),
             _without_cache_setting(gen_model),
-            _seeded_tokens(input_ids.device, token_seed),
+            _seeded_tokens(source.device, token_seed),
         ):
             if encoded is not None:
                 generation_kwargs["encoder_outputs"] = encoded
-            return _generate_cached(gen_model, cache, given_config, input_ids, attention_mask, generation_kwargs)
+            return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, generation_kwargs)
     try:
         if is_encoder_decoder(gen_model):
-            generation_kwargs["encoder_outputs"] = _sampled_encoder_outputs(
-                gen_model, input_ids, attention_mask, num_samples, config
+            generation_kwargs["encoder_outputs"] = sampled_encoder_outputs(
+                gen_model, name, source, attention_mask, num_samples, config
             )
-        with _on_the_predictive(gen_model, posterior, num_samples, input_ids.device, token_seed) as cache:
-            return _generate_cached(gen_model, cache, given_config, input_ids, attention_mask, generation_kwargs)
+        with _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed) as cache:
+            return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, generation_kwargs)
     finally:
         sampler.__exit__(None, None, None)
 
 
 def _entered_batched_samples(
-    sampler: BatchedSamples, gen_model: nn.Module, input_ids: Tensor
+    sampler: BatchedSamples, gen_model: nn.Module, source: Tensor, name: str = TOKENS
 ) -> BatchedSamples | NotImplementedError:
-    """``sampler`` entered, its sample axis checked (:func:`_check_sample_axis`); or, where the batched
-    path refuses the model, that refusal, the block exited (the model as it was)."""
+    """``sampler`` entered, its sample axis checked (:func:`_check_sample_axis` on ``source``, the
+    model's input ``name``); or, where the batched path refuses the model, that refusal, the block
+    exited (the model as it was)."""
     try:
         sampler.__enter__()
     except NotImplementedError as error:
@@ -332,7 +307,7 @@ def _entered_batched_samples(
             raise
         return error
     try:
-        _check_sample_axis(sampler, gen_model, input_ids)
+        _check_sample_axis(sampler, gen_model, source, name)
     except BaseException as error:
         sampler.__exit__(None, None, None)
         if isinstance(error, NotImplementedError) and ONE_DRAW_AT_A_TIME in str(error):
@@ -345,11 +320,12 @@ def _generate_cached(
     gen_model: nn.Module,
     cache: Any,
     given_config: Any,
-    input_ids: Tensor,
+    inputs: dict[str, Tensor],
     attention_mask: Tensor | None,
     generation_kwargs: dict[str, Any],
 ) -> Any:
-    """``generate`` of ``gen_model``'s class on ``cache``, always cached and by this cache alone."""
+    """``generate`` of ``gen_model``'s class on ``inputs`` (the encoder input by its name) and
+    ``cache``, always cached and by this cache alone."""
     # the class's generate: the instance's may be a wrapper that routes here
     # (EVONSeq2SeqTrainer.predict(bma=True))
     generation_kwargs[_cache_keyword(gen_model)] = cache
@@ -364,7 +340,7 @@ def _generate_cached(
             generation_kwargs.pop(key, None)
     else:
         generation_kwargs.update(settings)
-    return type(gen_model).generate(gen_model, input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+    return type(gen_model).generate(gen_model, **inputs, attention_mask=attention_mask, **generation_kwargs)
 
 
 def _cache_keyword(model: nn.Module) -> str:
@@ -508,11 +484,12 @@ class BMALogLikelihood:
 def bma_log_likelihood(
     model: nn.Module,
     posterior: Any,
-    input_ids: Tensor,
+    input_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     labels: Tensor | None = None,
     num_samples: int = 8,
     seed: int | None = None,
+    **encoder_inputs: Tensor,
 ) -> BMALogLikelihood:
     """Log-likelihood of ``input_ids`` under the BMA predictive ``p̄ = 1/S Σ_s p(· | W_s)``.
 
@@ -529,21 +506,29 @@ def bma_log_likelihood(
     An encoder-decoder model scores ``labels`` (required: the decoder's targets, ``(B, L)``) given
     ``input_ids`` (the encoder's input), each sample with its own encoder; its decoder is fed the
     labels shifted right, as in training, and entry ``t`` scores ``labels[:, t]`` (length ``L``).
+    An encoder that reads no token ids takes its input by the model's name for it instead of
+    ``input_ids`` (Whisper's ``input_features=``, a VisionEncoderDecoder's ``pixel_values=``).
     The model's mode is left as it is, as ``generate`` leaves it: call ``model.eval()`` first, or
     dropout makes the scores differ from call to call whatever the ``seed``.
     """
-    _check_inputs("bma_log_likelihood", model, posterior, input_ids, attention_mask)
     gen_model = _generation_model(model)
+    name, source = encoder_input("bma_log_likelihood", gen_model, input_ids, encoder_inputs)
+    if encoder_inputs:
+        raise TypeError(
+            f"bma_log_likelihood: got {', '.join(encoder_inputs)}, which {type(gen_model).__name__} does not "
+            f"read; it reads {name}"
+        )
+    check_inputs("bma_log_likelihood", model, posterior, name, source, attention_mask)
     encoder_decoder = is_encoder_decoder(gen_model)
     if encoder_decoder and labels is None:
         raise ValueError(
             "bma_log_likelihood: an encoder-decoder model scores labels= (the decoder's target ids) "
-            "given input_ids (its encoder's input); labels is None"
+            f"given {name} (its encoder's input); labels is None"
         )
-    want = "(batch, length)" if encoder_decoder else f"input_ids' shape {tuple(input_ids.shape)}"
+    want = "(batch, length)" if encoder_decoder else f"input_ids' shape {tuple(source.shape)}"
     if labels is not None and (
         not isinstance(labels, Tensor)
-        or (labels.shape != input_ids.shape if not encoder_decoder else labels.dim() != 2 or len(labels) != len(input_ids))
+        or (labels.shape != source.shape if not encoder_decoder else labels.dim() != 2 or len(labels) != len(source))
     ):
         what = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
         raise ValueError(f"bma_log_likelihood: labels must have {want}; got {what}")
@@ -552,7 +537,7 @@ def bma_log_likelihood(
     padded = labels is None and attention_mask is not None  # labels taken from the unpadded ids
     if labels is None:
         labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-    inputs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}  # B rows: one sample's
+    inputs: dict[str, Any] = {name: source, "use_cache": False}  # B rows: one sample's
     if attention_mask is not None:
         inputs["attention_mask"] = attention_mask
     if encoder_decoder:
@@ -572,21 +557,20 @@ def bma_log_likelihood(
                 targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
     mask = targets != IGNORE_INDEX
     score = functools.partial(sample_target_log_probs, targets=targets, scored=scored, labels=labels, posterior=posterior)
-    rows = expected_rows(len(input_ids), input_ids.shape[1] + (labels.shape[1] if encoder_decoder else 0))
+    rows = expected_rows(len(source), length(name, source) + (labels.shape[1] if encoder_decoder else 0))
     sampler = _entered_batched_samples(
-        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows), gen_model, input_ids
+        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows), gen_model, source, name
     )
     if isinstance(sampler, NotImplementedError):  # the batched path refuses the model: its S samples in turn
         with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
             per_sample = samples.each(lambda: score(gen_model(**inputs, return_dict=True).logits))
     else:
         try:  # S·B rows, sample-major
-            repeated = {k: v.repeat(num_samples, 1) if isinstance(v, Tensor) else v for k, v in inputs.items()}
-            logits = gen_model(**repeated, return_dict=True).logits
+            logits = gen_model(**{k: repeated(v, num_samples) for k, v in inputs.items()}, return_dict=True).logits
         finally:
             sampler.__exit__(None, None, None)
         # one sample at a time keeps the float32 copy small
-        per_sample = [score(chunk) for chunk in logits.split(len(input_ids))]
+        per_sample = [score(chunk) for chunk in logits.split(len(source))]
         del logits
     sample_lp = torch.stack(per_sample)
     return BMALogLikelihood(log_mean_prob(sample_lp) * mask, mask, sample_lp)

@@ -1,0 +1,121 @@
+"""The inputs BMA decoding and scoring (:mod:`hf_evon.predictive.generation`) hand a model, and their checks.
+
+A causal LM and a text encoder-decoder (T5, BART) read token ids, ``input_ids``. An encoder-decoder
+whose encoder reads something else names it in ``main_input_name``: Whisper's ``input_features``
+(log-mel frames), a ``VisionEncoderDecoderModel``'s (TrOCR, Donut) ``pixel_values``; ``generate`` takes
+it by that name, and so do ``generate_bma`` and ``bma_log_likelihood``. Every sample of the posterior
+runs its own encoder on that input (:func:`sampled_encoder_outputs`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_evon.modeling import is_encoder_decoder, unwrap_model
+
+Tensor = torch.Tensor
+
+TOKENS = "input_ids"
+
+
+def encoder_input(where: str, gen_model: nn.Module, input_ids: Any, given: dict[str, Any]) -> tuple[str, Any]:
+    """``(name, value)`` of the input ``gen_model`` reads: ``input_ids``, or an encoder-decoder's
+    ``main_input_name`` (taken out of ``given``, the call's keywords). ValueError naming the input
+    where it is missing or both it and ``input_ids`` are given."""
+    name = getattr(gen_model, "main_input_name", TOKENS) if is_encoder_decoder(gen_model) else TOKENS
+    if name == TOKENS:
+        return TOKENS, input_ids
+    value = given.pop(name, None)
+    model = type(gen_model).__name__
+    if value is not None and input_ids is not None:
+        raise ValueError(f"{where}: {name} and input_ids both given; {model}'s encoder reads {name} alone")
+    if value is None:
+        got = "input_ids" if input_ids is not None else "neither"
+        raise ValueError(f"{where}: {model}'s encoder reads {name}, not token ids: give {name}=...; got {got}")
+    return name, value
+
+
+def check_inputs(
+    where: str, model: nn.Module, posterior: Any, name: str, value: Any, attention_mask: Any
+) -> None:
+    """The checks every BMA function runs first, each naming its argument: ``posterior`` an EVON
+    posterior of ``model``; ``input_ids`` a non-empty ``(B, T)`` integer tensor of ids in the model's
+    vocabulary and ``attention_mask`` None or of its shape; another encoder input (``name``) a
+    non-empty floating tensor of at least two dimensions and ``attention_mask`` None or of its ``B``
+    rows."""
+    if not hasattr(posterior, "check_model"):
+        raise TypeError(f"{where}: posterior must be an EVONPosterior; got {type(posterior).__name__}")
+    if name != TOKENS:
+        _check_features(where, name, value, attention_mask)
+        posterior.check_model(model)
+        return
+    if not isinstance(value, Tensor) or value.dim() != 2 or value.is_floating_point():
+        what = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{where}: input_ids must be a (batch, length) tensor of token ids; got {what}")
+    if 0 in value.shape:
+        raise ValueError(f"{where}: input_ids is empty (shape {tuple(value.shape)})")
+    vocab = getattr(getattr(unwrap_model(model), "config", None), "vocab_size", None)
+    low, high = value.aminmax()
+    if int(low) < 0 or (isinstance(vocab, int) and int(high) >= vocab):
+        raise ValueError(f"{where}: input_ids holds ids from {int(low)} to {int(high)}, outside the model's vocabulary 0..{vocab}")
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.shape != value.shape):
+        what = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(value.shape)}; got {what}")
+    posterior.check_model(model)
+
+
+def _check_features(where: str, name: str, value: Any, attention_mask: Any) -> None:
+    if not isinstance(value, Tensor) or value.dim() < 2 or not value.is_floating_point():
+        what = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{where}: {name} must be a floating (batch, ...) tensor; got {what}")
+    if 0 in value.shape:
+        raise ValueError(f"{where}: {name} is empty (shape {tuple(value.shape)})")
+    if attention_mask is not None and (
+        not isinstance(attention_mask, Tensor) or attention_mask.dim() < 1 or len(attention_mask) != len(value)
+    ):
+        what = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+        raise ValueError(f"{where}: attention_mask must have {name}'s {len(value)} rows; got {what}")
+
+
+def length(name: str, value: Tensor) -> int:
+    """The positions per row the encoder reads, for the cost model of the batched samples: the
+    tokens, or a feature input's last dimension (frames, an image's width)."""
+    return value.shape[-1] if name != TOKENS else value.shape[1]
+
+
+def repeated(value: Any, times: int) -> Any:
+    """A tensor's rows repeated ``times`` times, whole (sample-major), whatever its dimensions."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    return value.repeat(times, *([1] * (value.dim() - 1)))
+
+
+def sampled_encoder_outputs(
+    model: nn.Module, name: str, value: Tensor, attention_mask: Tensor | None, num_samples: int, config: Any
+) -> Any:
+    """An encoder-decoder model's encoder run on the S samples' weights (``S·B`` rows, sample-major,
+    inside ``BatchedSamples``; or ``num_samples=1`` on the sample written into the weights).
+    ``model.generate`` would run the encoder once, at the mean; handed these ``encoder_outputs`` it
+    skips its own pass, and each sample's decoder attends to its own encoder's states. No mask given:
+    none used, as ``generate`` runs an encoder-decoder's encoder. ``config``: the call's effective
+    ``GenerationConfig``, whose ``output_attentions`` / ``output_hidden_states`` generate hands its
+    encoder as they are."""
+    inputs = {name: repeated(value, num_samples), "return_dict": True}
+    for key in ("output_attentions", "output_hidden_states"):
+        inputs[key] = getattr(config, key, None)
+    if attention_mask is not None:
+        inputs["attention_mask"] = repeated(attention_mask, num_samples)
+    return model.get_encoder()(**inputs)
+
+
+def probe_inputs(name: str, value: Tensor, rows: int, encoder_decoder: bool) -> dict[str, Any]:
+    """Inputs of ``rows`` rows, the first row's first position (a feature input's first row whole),
+    for a forward that checks the sample axis; only the shapes matter. An encoder-decoder's decoder
+    starts from the token (token 0 beside features)."""
+    if name != TOKENS:
+        return {name: repeated(value[:1], rows), "decoder_input_ids": value.new_zeros((rows, 1), dtype=torch.long)}
+    tokens = value[:1, :1].repeat(rows, 1)
+    return {TOKENS: tokens, **({"decoder_input_ids": tokens} if encoder_decoder else {})}
