@@ -408,6 +408,91 @@ def test_a_posterior_read_from_half_precision_files_saves_as_it_was_read(tmp_pat
     assert again.config["eigenbasis_dtype"] == loaded.config["eigenbasis_dtype"] == str(dtype).removeprefix("torch.")
     assert all(torch.equal(again.std(n), loaded.std(n)) for n in loaded.names)
 
+
+def _polar(q: torch.Tensor) -> torch.Tensor:
+    """The orthonormal matrix nearest ``q`` (its polar factor ``U Vᵀ``), in float64."""
+    u, _, vh = torch.linalg.svd(q.double())
+    return u @ vh
+
+
+def _bases(posterior: EVONPosterior) -> dict[str, torch.Tensor]:
+    return {f"{n}.{k}": getattr(posterior[n], k) for n in posterior.names for k in ("Q_L", "Q_R")}
+
+
+@pytest.mark.parametrize(
+    "stored, upcast",
+    [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float64), (torch.float16, torch.float64)],
+)
+def test_a_posterior_read_at_a_lower_precision_and_upcast_saves_a_posterior_that_loads(
+    tmp_path, stored, upcast
+):
+    """``from_pretrained(<half-precision files>).to(<wider dtype>)`` declared the half-precision bases
+    (their rounding, 3e-3 for bfloat16, 3e-4 for float16) as the wider dtype: its save wrote a posterior
+    whose load refused it ("'….Q_L' is not orthonormal (… > 0.001 for float32)"). The upcast holds the
+    nearest orthonormal bases (their polar factors) in the wider dtype; the file read leaves them alone."""
+    from safetensors.torch import load_file
+
+    _posterior().save_pretrained(tmp_path / "half", eigenbasis_dtype=stored, model_card=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path / "half")
+    held = {k: q.clone() for k, q in _bases(loaded).items()}
+    up = loaded.to(upcast)
+    up.save_pretrained(tmp_path / "up", model_card=False)
+    again = EVONPosterior.from_pretrained(tmp_path / "up")
+    assert again.config["eigenbasis_dtype"] == str(upcast).removeprefix("torch.")
+    written = load_file(tmp_path / "up" / POSTERIOR_WEIGHTS_NAME)
+    for key, q in _bases(up).items():
+        assert q.dtype == upcast and torch.equal(written[key], q)  # the save writes the upcast bases as held
+        torch.testing.assert_close(q, _polar(held[key]).to(upcast), atol=1e-6, rtol=0)
+        assert torch.equal(_bases(loaded)[key], held[key])  # the posterior it came from is unchanged
+
+
+@pytest.mark.parametrize("written", [torch.float32, torch.float64])
+def test_a_posterior_read_at_a_lower_precision_saves_at_a_wider_one_that_loads(tmp_path, written):
+    """``save_pretrained(eigenbasis_dtype=<wider>)`` (and ``lean(eigenbasis_dtype=<wider>)``) of a posterior
+    read from bfloat16 bases wrote their rounding as the wider dtype, refused on load ("… is not
+    orthonormal")."""
+    from safetensors.torch import load_file
+
+    _posterior().save_pretrained(tmp_path / "half", eigenbasis_dtype=torch.bfloat16, model_card=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path / "half")
+    loaded.save_pretrained(tmp_path / "wide", eigenbasis_dtype=written, model_card=False)
+    loaded.lean(None, eigenbasis_dtype=written).save_pretrained(tmp_path / "lean", model_card=False)
+    for directory in ("wide", "lean"):
+        EVONPosterior.from_pretrained(tmp_path / directory)
+        for key, q in load_file(tmp_path / directory / POSTERIOR_WEIGHTS_NAME).items():
+            if not key.endswith(".hess"):
+                assert q.dtype == written
+                torch.testing.assert_close(q, _polar(_bases(loaded)[key]).to(written), atol=1e-6, rtol=0)
+
+
+def test_a_float32_basis_upcast_to_float64_loads_and_an_orthonormal_one_is_not_changed(tmp_path):
+    """A float32 basis off by 1e-5 (within float32's tolerance, as GPT-2's are: 1.5e-6) upcast by
+    ``.to(torch.float64)`` (float64 hess too) was saved as is, and its load refused it (float64's tolerance
+    is 1e-6). One already within its tolerance stays bit for bit what the cast gives, as does a float32
+    posterior saved as float32."""
+    from safetensors.torch import load_file
+
+    q = _orthonormal(16, 0)
+    noisy = (q + 3e-6 * torch.randn(16, 16, generator=torch.Generator().manual_seed(2))).float()
+    posterior = EVONPosterior.from_factors(
+        {
+            "noisy": MatrixFactors(noisy, None, torch.ones(16, 3), (16, 3), (16, 3), 100.0, 1e-3),
+            "clean": MatrixFactors(q, _orthonormal(3, 1), torch.ones(16, 3), (16, 3), (16, 3), 100.0, 1e-3),
+        }
+    )
+    up = posterior.to(torch.float64)
+    up.save_pretrained(tmp_path / "f64", model_card=False)
+    EVONPosterior.from_pretrained(tmp_path / "f64")
+    torch.testing.assert_close(up["noisy"].Q_L, _polar(noisy), atol=1e-12, rtol=0)
+    assert torch.equal(up["clean"].Q_L, q.double())
+    assert torch.equal(up["clean"].Q_R, _orthonormal(3, 1).double())
+    assert torch.equal(posterior.to(torch.float32)["noisy"].Q_L, noisy)
+    posterior.save_pretrained(tmp_path / "f32", model_card=False)
+    written = load_file(tmp_path / "f32" / POSTERIOR_WEIGHTS_NAME)
+    assert torch.equal(written["noisy.Q_L"], noisy) and torch.equal(written["clean.Q_L"], q)
+    assert torch.equal(written["clean.Q_R"], _orthonormal(3, 1))
+
+
 def test_a_readme_that_is_not_utf8_is_left_as_it_is_and_the_posterior_saves(tmp_path):
     readme = "# Modèle\n\nNotes in Latin-1.\n".encode("latin-1")
     (tmp_path / "README.md").write_bytes(readme)

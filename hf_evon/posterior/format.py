@@ -46,9 +46,12 @@ from hf_evon.posterior.config import (
 from hf_evon.posterior.gaussian import (
     FactorGroup,
     MatrixFactors,
+    coarser,
     compute_dtype,
+    orthonormal_tolerance,
     orthonormality_error,
     polar_step,
+    upcast_bases,
 )
 from hf_evon.posterior.model_card import retract_card_section
 
@@ -90,14 +93,6 @@ _STAGING_DIR_RE = re.compile(r"\.evon_posterior\.[0-9a-f]{32}\.staging")
 _SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 STALE_TEMPORARY_SECONDS = 600  # a live save writes to its temporary all along
 _STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-# ‖QᵀQx − x‖ / ‖x‖ allowed on load, by the dtype the basis was stored in: ~10x what rounding a
-# basis to that dtype gives, far below what a wrong basis gives (docs/posterior-format.md#orthonormality)
-_ORTHONORMAL_TOL = {
-    torch.float64: 1e-6,
-    torch.float32: 1e-3,
-    torch.float16: 1e-2,
-    torch.bfloat16: 6e-2,
-}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -133,15 +128,24 @@ def check_finite_std(groups: list[FactorGroup], where: str, field: str = "ess") 
 
 # ----------------------------------------------------------------------------- tensors
 def file_tensors(
-    factors: Mapping[str, MatrixFactors], eigenbasis_dtype: torch.dtype | str | None = None
+    factors: Mapping[str, MatrixFactors],
+    eigenbasis_dtype: torch.dtype | str | None = None,
+    held: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
-    """The weights file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous)."""
+    """The weights file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous).
+
+    ``held``: the precision the bases hold (``EVONPosterior.config["eigenbasis_dtype"]``; their dtype
+    where None or finer). Bases written finer than that are re-orthonormalised where the written dtype's
+    load check would refuse them (``upcast_bases``); bases written at most as fine are copied as they are.
+    """
     eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
     tensors: dict[str, Tensor] = {}
     for name, f in factors.items():
         for key, q in (("Q_L", f.Q_L), ("Q_R", f.Q_R)):
             if q is not None:
-                tensors[f"{name}.{key}"] = q.detach().to("cpu", dtype=eig or q.dtype, copy=True).contiguous()
+                basis = q.detach().to("cpu", dtype=eig or q.dtype, copy=True).contiguous()
+                held_q = coarser(held, q.dtype)
+                tensors[f"{name}.{key}"] = upcast_bases(basis, basis.dtype, held_q, f.hess.dtype)
         # copies: the factors are views into stacked buffers, which safetensors refuses to save
         tensors[f"{name}.hess"] = f.hess.detach().to("cpu", copy=True).contiguous()
     return tensors
@@ -195,7 +199,7 @@ def _check_values(
             )
         return
     # measured in the buffer's dtype: a float32 basis stored as float64 is read back as float32
-    tol = max(_ORTHONORMAL_TOL.get(stored, 1e-3), _ORTHONORMAL_TOL.get(slot.dtype, 1e-3))
+    tol = orthonormal_tolerance(stored, slot.dtype)
     err = orthonormality_error(slot)
     if err > tol:
         raise PosteriorMismatchError(

@@ -12,6 +12,7 @@ sample size ``ess`` and ``δ`` the weight decay. Nothing here knows about files 
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -161,13 +162,31 @@ class FactorGroup:
             weight_decay=self.weight_decay,
         )
 
-    def cast(self, device: torch.device | str | None, dtype: torch.dtype | None) -> FactorGroup:
+    def cast(
+        self, device: torch.device | str | None, dtype: torch.dtype | None, held: torch.dtype | None = None
+    ) -> FactorGroup:
         """Tensors on ``device``; bases in ``dtype``, ``H`` in ``dtype`` but never narrower than float32
-        (the file format's ``hess``): float16 ends at 65504, where a larger H would give a zero std."""
+        (the file format's ``hess``): float16 ends at 65504, where a larger H would give a zero std.
+        ``held``: the precision the bases hold (their dtype where None or finer): ``with_basis_dtype``."""
         hess_dtype = None if dtype is None else torch.promote_types(dtype, torch.float32)
-        cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+        group = self if dtype is None else self.with_basis_dtype(dtype, held, hess_dtype)
+        cast = lambda t: None if t is None else t.to(device=device)  # noqa: E731
         hess = self.hess.to(device=device, dtype=hess_dtype)
-        return replace(self, q_left=cast(self.q_left), q_right=cast(self.q_right), hess=hess)
+        return replace(group, q_left=cast(group.q_left), q_right=cast(group.q_right), hess=hess)
+
+    def with_basis_dtype(
+        self, dtype: torch.dtype, held: torch.dtype | None = None, hess: torch.dtype | None = None
+    ) -> FactorGroup:
+        """Bases in ``dtype`` (``upcast_bases``), beside an ``H`` of dtype ``hess`` (its own where None).
+        Bases that hold only ``held``'s precision (``EVONPosterior.config["eigenbasis_dtype"]``, coarser
+        than their dtype where read from half-precision files) are re-orthonormalised where ``dtype``'s
+        load check would refuse them: a save writes them as ``dtype``, and must load."""
+        hess = hess or self.hess.dtype
+
+        def cast(q: Tensor | None) -> Tensor | None:
+            return None if q is None else upcast_bases(q, dtype, coarser(held, q.dtype), hess)
+
+        return replace(self, q_left=cast(self.q_left), q_right=cast(self.q_right))
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> FactorGroup:
         return replace(
@@ -321,6 +340,63 @@ def polar_step(q: Tensor) -> Tensor:
         gram = q.mT @ q
         eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
         return q @ (1.5 * eye - 0.5 * gram)
+
+
+# ‖QᵀQx − x‖ / ‖x‖ allowed on load, by the dtype the basis was stored in: ~10x what rounding a
+# basis to that dtype gives, far below what a wrong basis gives (docs/posterior-format.md#orthonormality)
+ORTHONORMAL_TOL = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 6e-2,
+}
+
+
+def orthonormal_tolerance(stored: torch.dtype, hess: torch.dtype) -> float:
+    """The ``orthonormality_error`` a load allows a basis stored in ``stored`` beside a ``hess`` of dtype
+    ``hess``: the basis is read into buffers of float64 (a float64 ``hess``) or float32 and measured
+    there, so the looser of the two dtypes' bounds applies."""
+    held = torch.float64 if hess == torch.float64 else torch.float32
+    return max(ORTHONORMAL_TOL.get(stored, 1e-3), ORTHONORMAL_TOL.get(held, 1e-3))
+
+
+def coarser(a: torch.dtype | None, b: torch.dtype) -> torch.dtype:
+    """The less precise of two float dtypes (``b`` where ``a`` is None)."""
+    return b if a is None or torch.finfo(b).eps >= torch.finfo(a).eps else a
+
+
+def upcast_bases(q: Tensor, dtype: torch.dtype, held: torch.dtype, hess: torch.dtype) -> Tensor:
+    """``q`` (a basis or a stack of them) cast to ``dtype``, each basis orthonormal within what a load
+    of it beside a ``hess`` of that dtype allows (``orthonormal_tolerance``).
+
+    Bases that hold only ``held``'s precision (bfloat16 bases read into float32) carry its rounding,
+    which a finer ``dtype``'s check refuses: where a basis exceeds that check it becomes its polar
+    factor (Newton–Schulz steps in float64), then cast. Any other basis is what ``q.to(dtype)`` gives,
+    bit for bit, and a cast to a ``dtype`` no finer than ``held`` measures nothing.
+    """
+    if torch.finfo(dtype).eps >= torch.finfo(held).eps:
+        return q.to(dtype)
+    out = q.to(dtype, copy=True)  # never ``q`` itself, which other posteriors may share
+    tol = orthonormal_tolerance(dtype, hess)
+    for index in itertools.product(*map(range, q.shape[:-2])):
+        if orthonormality_error(out[index]) > tol:
+            out[index] = _polar_factor(q[index].to(torch.float64)).to(dtype)
+    return out
+
+
+def _polar_factor(q: Tensor, max_steps: int = 8) -> Tensor:
+    """Newton–Schulz steps towards the orthonormal matrix nearest ``q`` while they bring it closer (each
+    squares the error of a near-orthonormal ``q``: bfloat16's 3e-3 reaches float64's rounding in 3 steps)."""
+    err = orthonormality_error(q)
+    for _ in range(max_steps):
+        if err < 1e-13:
+            break
+        step = polar_step(q)
+        step_err = orthonormality_error(step)
+        if not step_err < err:
+            break
+        q, err = step, step_err
+    return q
 
 
 # A basis is kept when its side is at most this many times the other side: its k×k entries

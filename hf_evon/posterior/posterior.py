@@ -371,8 +371,7 @@ class EVONPosterior:
             )
         eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
         if eig is not None:
-            cast = lambda q: None if q is None else q.to(eig)  # noqa: E731
-            groups = [replace(g, q_left=cast(g.q_left), q_right=cast(g.q_right)) for g in groups]
+            groups = [g.with_basis_dtype(eig, declared_basis_dtype(config)) for g in groups]
             config["eigenbasis_dtype"] = dtype_name(eig)
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
@@ -429,14 +428,15 @@ class EVONPosterior:
     ) -> EVONPosterior:
         """A copy with factors on ``device`` and/or stored in ``dtype`` (the math runs in float32, in
         float64 for float64 factors: a float64 copy draws other noise than the float32 one). A half
-        ``dtype`` casts the bases only: ``H`` stays float32, as the file format holds it. A dtype alone may
-        come first, as in ``module.to(torch.float64)``."""
+        ``dtype`` casts the bases only: ``H`` stays float32, as the file format holds it. Bases of a coarser
+        precision (read from half-precision files; float32 under float64) are re-orthonormalised where
+        ``dtype``'s load check would refuse them. A dtype alone may come first, as in ``module.to(dtype)``."""
         if isinstance(device, torch.dtype):
             if dtype is not None:
                 raise TypeError(f"to: dtype given twice ({device} and {dtype}); pass to(device, dtype)")
             device, dtype = None, device
         dtype = as_dtype(dtype, "to: dtype")
-        groups = [g.cast(device, dtype) for g in self._groups]
+        groups = [g.cast(device, dtype, declared_basis_dtype(self.config)) for g in self._groups]
         config = dict(self.config)
         if dtype is not None:
             config["eigenbasis_dtype"] = dtype_name(dtype)
@@ -505,7 +505,7 @@ class EVONPosterior:
         config = PosteriorConfig.for_save(
             self.config, factors, eig, self.num_point_estimates, self.num_point_estimate_tensors
         )
-        tensors = file_tensors(factors, eig)  # the copy to the host before the lock: other savers wait less
+        tensors = file_tensors(factors, eig, declared_basis_dtype(self.config))  # pre-lock: others wait less
         with directory_lock(directory):  # one turn: no other save comes between the posterior and its card
             write_posterior(directory, tensors, config)
             if write_card:
