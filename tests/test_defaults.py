@@ -200,6 +200,32 @@ def test_hess_init_share_follows_the_recursion_when_the_data_has_no_curvature() 
     assert 0.99 < share < 1.0  # all of H is what h0 decayed to (the correction adds a little)
 
 
+def test_hess_init_share_counts_only_the_updates_that_decay_h0_under_phased_gradients() -> None:
+    """Phased gradients: the clean (odd) updates leave H alone, so after t updates the Price
+    estimate has decayed h0 ⌈t/2⌉ times. The share was h0·β2ᵗ / H, which fell to ~β2^(t/2)
+    while all of H was still h0's: a posterior that had learned nothing read as learned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights, ess=1e4, weight_decay=1e-4, hess_estimator="price", phased_gradients=True)
+    h0, beta2, delta = DEFAULT_HESS_INIT, opt.param_groups[0]["betas"][1], 1e-4
+    x = torch.randn(16, 8, dtype=torch.float64)
+    h, decays = h0, 0
+    for k in range(11):  # the first step sets up the eigenbases: t = k updates after it
+        with opt.sampled_params(train=True):
+            (0.0 * model(x).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        t = k
+        if t % 2 == 1:  # the update from count t - 1 (even) was a noisy one: H's only updates
+            h, decays = beta2 * h + 0.5 * (1 - beta2) ** 2 * h * h / (h + delta), decays + 1
+        assert float(opt.state[weights[0]]["step"]) == t
+        assert float(opt.state[weights[0]]["hess"].max()) == pytest.approx(h, rel=1e-12)
+        share = opt.posterior_health(warn=False)["hess_init_share"]
+        assert share == pytest.approx(h0 * beta2**decays / h, rel=1e-12)
+    assert decays == 5 and 0.9999 < share < 1.0
+
+
 @pytest.mark.parametrize("gamma", [None, 2.0])
 def test_hess_init_share_falls_when_the_data_has_curvature(gamma: float | None) -> None:
     """A loss with curvature 100 per weight. Without Hessian clipping H learns it and h0's

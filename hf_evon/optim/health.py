@@ -48,7 +48,9 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             (hess < g["weight_decay"]).sum(),
         ]
         steps = b.state["step"].double().clamp_min(0)  # a member not yet initialised: still h0
-        # the Fisher estimate's first update replaces h0; the Price one decays it by β2 per step
+        if g["phased_gradients"]:  # only the noisy updates (counts 0, 2, 4, ...) change H
+            steps = torch.div(steps + 1, 2, rounding_mode="floor")
+        # the Fisher estimate's first update replaces h0; the Price one decays it by β2 per update of H
         kept = steps.eq(0).double() if uses_fisher(g) else torch.pow(g["betas"][1], steps)
         init_part = g["hess_init"] * (kept * hess[0].numel()).sum()  # per member: its own count
         prior_var = torch.tensor(  # built where the row is stacked: no copy
@@ -75,8 +77,9 @@ def health_stats(t: Tensor, numel: int) -> dict[str, float]:
     it, its ratio says nothing about ``ess``); ``hess_*``: H over every entry;
     ``hess_below_prior``: the fraction of entries with H < δ, whose variance is dominated by
     the prior 1/(ζδ) rather than by data; ``hess_init_share``: Σ h0·β2ᵗ / Σ H, the part of H
-    that is still its initial value after t updates — near 1, the posterior's shape is h0's
-    rather than learned from the data, and sampling it is close to isotropic noise
+    that is still its initial value after t updates of H (phased gradients: every other step)
+    — near 1, the posterior's shape is h0's rather than learned from the data, and sampling it
+    is close to isotropic noise
     (docs/defaults.md#hess-init); ``prior_to_signal``: the prior's std 1/sqrt(ζδ) / RMS
     weight, pooled: where the noise goes once H has decayed. ``warn_health`` warns of runaway
     noise (max noise-to-signal ≥ 1: samples no longer resemble the mean) and of a collapse to
