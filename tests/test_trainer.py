@@ -393,6 +393,37 @@ def test_training_moves_the_posterior_and_logs_statistics(tmp_path):
     assert trainer.posterior_statistics()["evon/posterior_std_mean"] == pytest.approx(float(std), rel=1e-5)
 
 
+def test_logged_hessian_range_is_posterior_healths_beside_a_deterministic_group() -> None:
+    """With an ess=inf group beside a sampled one, evon/hess_min|max|mean ranged over the
+    deterministic group's H too (its squared gradients), overwriting posterior_health()'s values
+    of the same names, which describe the posterior's entries alone, as evon/hess_below_prior and
+    evon/hess_init_share in the same log do."""
+    from hf_evon.trainer.statistics import posterior_statistics
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    sampled, deterministic = model[0].weight, model[2].weight
+    groups = [{"params": [sampled], "ess": 300.0}, {"params": [deterministic], "ess": math.inf}]
+    opt = EVON(groups, weight_decay=1e-2)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    hess = opt.state[sampled]["hess"].double()
+    every = torch.cat([hess.flatten(), opt.state[deterministic]["hess"].double().flatten()])
+    assert abs(float(every.mean()) - float(hess.mean())) > 1e-3 * float(hess.mean())  # the two differ
+    logged, health = posterior_statistics(opt), opt.posterior_health(warn=False)
+    assert {k: logged[f"evon/{k}"] for k in health} == health
+    assert (logged["evon/hess_min"], logged["evon/hess_max"]) == (float(hess.min()), float(hess.max()))
+    assert logged["evon/hess_mean"] == pytest.approx(float(hess.mean()), rel=1e-6)  # a float32 sum
+    # the mean std still covers every EVON weight: the deterministic ones have none
+    std_sum = float(opt.posterior_std(sampled).double().sum())
+    expected = std_sum / (sampled.numel() + deterministic.numel())
+    assert logged["evon/posterior_std_mean"] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_gradient_accumulation_equals_larger_batch_deterministic(tmp_path, kind):
     """ess=inf: no noise, so K micro-batches must give exactly the update of one K× batch.

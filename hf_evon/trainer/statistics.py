@@ -15,6 +15,9 @@ def posterior_statistics(optimizer: EVON) -> dict[str, float]:
     """``evon/posterior_std_mean`` (mean marginal posterior std over all EVON-owned weights),
     ``evon/hess_min``/``max``/``mean`` (range of the rotated-space Hessian H), ``evon/skipped_steps``
     and every ``posterior_health()`` statistic as ``evon/<name>``; {} before the first step.
+    ``posterior_health()``'s ``hess_*`` are those logged: they cover the sampled (finite ``ess``)
+    groups, as the other health statistics do; only where no group samples do they cover the
+    deterministic H (the squared gradients' average) of every EVON matrix.
 
     Under ``evon_shard`` every rank's matrices are pooled (a collective: call it on every rank).
     """
@@ -42,10 +45,10 @@ def posterior_statistics(optimizer: EVON) -> dict[str, float]:
     h_sum, std_sum = t[:, 2].tolist(), t[:, 3].tolist()
     health = {f"evon/{k}": v for k, v in optimizer.posterior_health(warn=True).items()}
     return {
-        **health,
         "evon/posterior_std_mean": sum(std_sum) / count,
         "evon/hess_min": h_min,
         "evon/hess_max": h_max,
         "evon/hess_mean": sum(h_sum) / count,
         "evon/skipped_steps": float(optimizer.skipped_steps),
+        **health,  # last: a key in both is health's (its denominators are those of its other statistics)
     }
