@@ -624,6 +624,41 @@ def test_model_restored_after_an_exception(gpt2):
     assert model.generate(PROMPTS, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (2, 8)
 
 
+def _offloaded(model: torch.nn.Module, how: str, tmp_path) -> tuple[torch.nn.Module, str]:
+    """A deep copy of ``model`` offloaded by accelerate as ``how`` says, and a covered weight it keeps
+    on the meta device (loaded into its module for each forward only)."""
+    from accelerate import cpu_offload, dispatch_model
+
+    m = copy.deepcopy(model)
+    if how == "cpu_offload":
+        return cpu_offload(m, execution_device="cpu"), "transformer.h.0.attn.c_attn.weight"
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.drop": "cpu"}
+    device_map |= {"transformer.h.0": "cpu", "transformer.h.1": "disk", "transformer.ln_f": "cpu", "lm_head": "cpu"}
+    return dispatch_model(m, device_map, main_device="cpu", offload_dir=str(tmp_path)), "transformer.h.1.attn.c_attn.weight"
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "dispatch_to_disk"])
+def test_an_offloaded_model_is_refused_naming_the_offloaded_weight(gpt2, how, tmp_path):
+    """accelerate's offload keeps a weight on the meta device and loads it into its module for each
+    forward only: there is no mean to draw samples around or write them into. generate_bma and
+    bma_log_likelihood raised the meta device's "load the model's weights first" (which the offloaded
+    model had done), or, where only some modules are offloaded, a device mismatch from inside the forward."""
+    model, posterior = gpt2
+    offloaded, name = _offloaded(model, how, tmp_path)
+    forwards = {n: m.__dict__.get("forward") for n, m in offloaded.named_modules()}
+    with torch.no_grad():
+        expected = model(input_ids=PROMPTS).logits
+    match = rf"{re.escape(repr(name))}.*offloaded by accelerate"
+    with pytest.raises(ValueError, match=match):
+        bma_log_likelihood(offloaded, posterior, PROMPTS, num_samples=2, seed=0)
+    with pytest.raises(ValueError, match=match):
+        generate_bma(offloaded, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+    # the model as it was: its hooks' forwards in place, its weights the mean
+    assert {n: m.__dict__.get("forward") for n, m in offloaded.named_modules()} == forwards
+    with torch.no_grad():
+        torch.testing.assert_close(offloaded(input_ids=PROMPTS).logits, expected, atol=0, rtol=0)
+
+
 def test_unsupported_requests_raise(gpt2):
     model, posterior = gpt2
     with pytest.raises(ValueError, match="'cache'"):  # the samples keep a cache of S·B rows of their own

@@ -659,6 +659,27 @@ def test_sampled_restores_on_exception_and_in_half_precision(mlp):
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize("how", ["cpu_offload", "dispatch_to_disk"])
+def test_sampled_refuses_an_offloaded_weight_naming_it(mlp, how, tmp_path):
+    """accelerate's offload keeps a weight on the meta device and loads it into its module for each
+    forward only, so a sample written into the parameter never reaches the forward. sampled raised the
+    meta device's "load the model's weights first", which the offloaded model had done."""
+    from accelerate import cpu_offload, dispatch_model
+
+    model, _, post = mlp
+    x = torch.randn(3, 5)
+    m = copy.deepcopy(model)
+    if how == "cpu_offload":
+        m, name = cpu_offload(m, execution_device="cpu"), "0.weight"
+    else:
+        m, name = dispatch_model(m, {"0": "cpu", "1": "cpu", "2": "disk"}, "cpu", offload_dir=str(tmp_path)), "2.weight"
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(name))}.*offloaded by accelerate.*device_map"):
+        with post.sampled(m, seed=0):
+            pass
+    with torch.no_grad():
+        assert torch.equal(m(x), model(x))
+
+
 def test_a_posterior_is_not_taken_inside_a_sampled_block(mlp):
     # its fingerprint recorded the sample as the mean: every later check at the mean warned
     model, opt, _ = mlp

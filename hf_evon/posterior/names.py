@@ -1,6 +1,8 @@
 """Why a posterior's tensor name is not a parameter of a model: the hint its mismatch error gives
 (``EVONPosterior.check_model``), and the names a PEFT adapter's own save drops or saves at another
-shape, of which the posterior's save warns (``EVONPosterior.save_pretrained``)."""
+shape, of which the posterior's save warns (``EVONPosterior.save_pretrained``); and whether the
+parameters a posterior names hold their values, which accelerate's offload keeps elsewhere
+(:func:`resident_parameters`)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hf_evon.modeling import adapter_name_of, is_peft_model
+from hf_evon.modeling import adapter_name_of, is_peft_model, unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 
-__all__ = ["name_hint", "peft_unsaved_module", "shape_hint", "warn_peft_unsaved"]
+__all__ = ["name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint", "warn_peft_unsaved"]
 
 # PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
 # back as ``embedding.weight``), never the modules that compute that output from the embedding: it
@@ -158,3 +160,32 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
                 f"under the posterior's name, e.g. PeftModel.from_pretrained(..., adapter_name={ours!r}))"
             )
     return ""
+
+
+def resident_parameters(model: nn.Module, names: Any) -> dict[str, nn.Parameter]:
+    """``model``'s parameters by name (behind DDP and ``torch.compile``; a tied one under each of its
+    names), each of ``names`` it has checked to hold its values: posterior samples are drawn around a
+    weight and written into it. Raises ``ValueError`` naming the first on the meta device, which
+    accelerate's offload (``cpu_offload``, ``disk_offload``, a ``device_map`` with ``"cpu"`` or ``"disk"``)
+    leaves there, loading the weight into its module for each forward only."""
+    inner = unwrap_model(model)
+    params = dict(inner.named_parameters(remove_duplicate=False))
+    empty = [n for n in names if n in params and params[n].is_meta]
+    if not empty:
+        return params
+    name, more = empty[0], f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+    path = name.split(".")[:-1]
+    # accelerate's hook sits on the owner or, for a block offloaded as one, on a module above it
+    hooked = any(hasattr(inner.get_submodule(".".join(path[:i])), "_hf_hook") for i in range(len(path) + 1))
+    if not hooked:
+        raise ValueError(
+            f"posterior parameter {name!r}{more} is on the meta device, which holds no values: load the "
+            "model's weights first (a model made under torch.device('meta') or with empty weights has none)"
+        )
+    raise ValueError(
+        f"posterior parameter {name!r}{more} is offloaded by accelerate (cpu_offload, disk_offload, or a "
+        f"device_map putting {'.'.join(path)!r} or a module above it on 'cpu' or 'disk'): it stays on the "
+        "meta device and is loaded into its module for each forward only, so there is no weight to draw "
+        "posterior samples around or write them into; load the model without offloading the posterior's "
+        "modules (a device_map or max_memory that keeps them on the execution device)"
+    )

@@ -58,7 +58,7 @@ from hf_evon.posterior.gaussian import (
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.model_card import card_arguments, save_model_card
-from hf_evon.posterior.names import name_hint, shape_hint, warn_peft_unsaved
+from hf_evon.posterior.names import name_hint, resident_parameters, shape_hint, warn_peft_unsaved
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -283,7 +283,7 @@ class EVONPosterior:
         factors), also inside ``torch.autocast``, and cast once to the parameter's dtype.
         """
         self.check_model(model)
-        params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+        params = resident_parameters(model, self.names)
         seed = sample_seed(seed, (params[name] for name in self.names))
         pruned = pruned_ranks(model)  # AdaLoRA's pruned ranks are off, not uncertain: every sample keeps them 0
         saved: list[tuple[Tensor, Tensor]] = []

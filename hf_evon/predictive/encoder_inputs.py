@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import is_encoder_decoder, unwrap_model
+from hf_evon.posterior.names import resident_parameters
 
 Tensor = torch.Tensor
 
@@ -48,6 +49,8 @@ def check_inputs(
     rows."""
     if not hasattr(posterior, "check_model"):
         raise TypeError(f"{where}: posterior must be an EVONPosterior; got {type(posterior).__name__}")
+    # accelerate's offload keeps a covered weight out of the model but in its module's forward
+    resident_parameters(model, getattr(posterior, "names", ()))
     if name != TOKENS:
         _check_features(where, name, value, attention_mask)
         posterior.check_model(model)
