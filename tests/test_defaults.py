@@ -263,6 +263,27 @@ def test_runaway_noise_warns_once_naming_the_cause() -> None:
         opt.posterior_health()  # once only
 
 
+def test_posterior_health_inside_a_sample_measures_the_mean_weights() -> None:
+    """Inside ``sampled_params`` the weights hold a sample: the RMS weight was the sample's, so
+    ess=50 noise of ~16x the mean's RMS read as ~1x (noise over mean plus noise) and the runaway
+    check missed it; the statistics are of the posterior, whose weights are the mean."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights, ess=50.0, weight_decay=1e-3)
+    for seed in range(2):
+        one_sample(opt, model, seed)
+        opt.step()
+        opt.zero_grad()
+    outside, mean = opt.posterior_health(warn=False), weights[0].detach().clone()
+    assert outside["noise_to_signal_max"] > 1.0
+    for train in (False, True):
+        with opt.sampled_params(train=train):
+            assert not torch.equal(weights[0], mean)  # a sample is in
+            inside = opt.posterior_health(warn=False)
+        assert inside == pytest.approx(outside, rel=1e-6)
+        opt.discard_samples()
+
+
 def test_the_runaway_watch_resumes_with_the_state() -> None:
     """A resumed run rebuilt the watch from the weights at the resume: LoRA's B, grown from zero
     but still below its noise, was watched at once, and the health check reported (and warned of)

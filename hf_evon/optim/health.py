@@ -35,7 +35,9 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             continue
         hess = b.state["hess"]
         var = torch.reciprocal(g["ess"] * (hess + g["weight_decay"]))
-        w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).to(b.dtype).square()
+        # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
+        weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
+        w_sq = torch.stack(torch._foreach_norm(weights)).to(b.dtype).square()
         var_sum = var.sum(dim=(1, 2))
         ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
         watched = b.state["noise_watched"].masked_fill_(ratio < 1, 1.0)  # from then on: for good
