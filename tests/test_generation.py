@@ -659,6 +659,45 @@ def test_an_offloaded_model_is_refused_naming_the_offloaded_weight(gpt2, how, tm
         torch.testing.assert_close(offloaded(input_ids=PROMPTS).logits, expected, atol=0, rtol=0)
 
 
+def test_an_accelerate_hook_on_a_covered_module_runs_around_its_samples(strategy, gpt2):
+    """accelerate's hooks (``AlignDevicesHook`` of a ``device_map``, moving the input to its module's
+    device) replace a module's ``forward``; batched BMA replaced that forward in turn, so the hook never
+    ran. A hook that doubles the input stands for it here, where every device is the CPU."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Doubling(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            return tuple(2 * a for a in args), kwargs
+
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    owner = "transformer.h.0.mlp.c_fc"
+    assert f"{owner}.weight" in noisy.names
+
+    def hooked(m: torch.nn.Module) -> torch.nn.Module:
+        add_hook_to_module(m.get_submodule(owner), Doubling())
+        return m
+
+    target = hooked(copy.deepcopy(model))
+    hook_forward = target.get_submodule(owner).forward
+    copies = [hooked(m) for m in sampled_copies(model, noisy, 3, 5)]
+    with torch.no_grad():
+        logits = [m(input_ids=PROMPTS).logits[:, :-1].float() for m in copies]
+    expected = torch.stack([torch.log_softmax(x, -1).gather(-1, PROMPTS[:, 1:, None])[..., 0] for x in logits])
+    scored = bma_log_likelihood(target, noisy, PROMPTS, num_samples=3, seed=5)
+    torch.testing.assert_close(scored.sample_token_log_probs, expected, atol=1e-5, rtol=1e-5)
+    out = generate_bma(
+        target, noisy, PROMPTS, num_samples=3, seed=5, max_new_tokens=4, do_sample=False, pad_token_id=0,
+        eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+    )  # fmt: skip
+    picked = out.sequences[:, PROMPTS.shape[1] :]
+    _, ref_scores = reference_greedy(copies, PROMPTS, None, 4, picked)
+    assert_reference_argmax(picked, ref_scores)
+    for got, want in zip(log_mean_probs(out), ref_scores):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-5)
+    assert target.get_submodule(owner).forward is hook_forward  # the hook's forward back in place
+
+
 def test_unsupported_requests_raise(gpt2):
     model, posterior = gpt2
     with pytest.raises(ValueError, match="'cache'"):  # the samples keep a cache of S·B rows of their own

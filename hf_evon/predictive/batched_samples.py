@@ -2,7 +2,8 @@
 
 Only the matrices the posterior covers get S versions. For the duration of a
 ``with BatchedSamples(...)`` block, the ``forward`` of every module that owns a covered
-parameter is replaced (an instance attribute, removed again on exit) by one that views its
+parameter is replaced (an instance attribute, removed again on exit; under an accelerate hook, the
+forward the hook runs: :mod:`hf_evon.predictive.module_forward`) by one that views its
 input as ``(S, B·…, in)`` — the batch is *sample-major*: rows ``s·B … s·B+B-1`` belong to
 sample ``s`` — and multiplies it with the stacked per-sample weights ``(S, in, out)`` in one
 batched matmul. Everything else (embeddings, norms, attention, the KV cache) is shared code
@@ -64,7 +65,6 @@ no guard: a read of it outside its owner's forward is not refused there (it read
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,6 +76,7 @@ from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import is_dtensor
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
+from hf_evon.predictive.module_forward import own_forward, replace_forward, restore_forward
 
 Tensor = torch.Tensor
 
@@ -249,8 +250,8 @@ class BatchedSamples:
         self.rows = rows
         self.batch_size = batch_size
         self.factored: set[str] = set()  # names applied factored (set on entry)
-        # (module, its forward before the block, its covered parameters by attribute)
-        self._patched: list[tuple[nn.Module, Any, dict[str, Tensor]]] = []
+        # (module, its forward before the block (replace_forward's), its covered parameters by attribute)
+        self._patched: list[tuple[nn.Module, tuple[str, Any], dict[str, Tensor]]] = []
         self._labels: dict[nn.Module, str] = {}  # each patched module: a covered name it owns
         # each name's per-sample values; a DTensor's (S, …) ΔW_s until the first forward adds them to
         # the mean FSDP2 gathers, once for all forwards (``_sampler``): the names still in ``_pending``
@@ -336,7 +337,7 @@ class BatchedSamples:
     def __enter__(self) -> BatchedSamples:
         # a second block would batch on top of the first's forwards, and the first's exit (in any
         # order) would leave the other's in place or take them away from under it
-        if self._patched or any(getattr(m.__dict__.get("forward"), _BATCHED, False) for m in self.model.modules()):
+        if self._patched or any(getattr(own_forward(m), _BATCHED, False) for m in self.model.modules()):
             raise RuntimeError(
                 "a BatchedSamples block is already active on this model (nested, or another thread's)"
             )
@@ -466,10 +467,10 @@ class BatchedSamples:
     def _patch(self, module: nn.Module, forward: Callable[..., Tensor], guards: dict[str, Tensor]) -> None:
         """``module`` runs ``forward`` and holds ``guards`` in place of its covered parameters, which
         ``forward`` reads from its closure only."""
-        previous = module.__dict__.get("forward")  # e.g. an accelerate hook's forward
-        self._patched.append((module, previous, {attr: module._parameters[attr] for attr in guards}))
         setattr(forward, _BATCHED, True)
-        module.forward = types.MethodType(forward, module)
+        params = {attr: module._parameters[attr] for attr in guards}
+        # under an accelerate hook, the forward the hook runs: it still moves the input to the device
+        self._patched.append((module, replace_forward(module, forward), params))
         module._parameters.update(guards)
 
     def _restore(self) -> None:
@@ -479,10 +480,7 @@ class BatchedSamples:
         while self._patched:
             module, previous, params = self._patched.pop()
             module._parameters.update(params)
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
+            restore_forward(module, *previous)
 
     # ------------------------------------------------------------- forwards
     def _make_forward(self, module: nn.Module, attrs: dict[str, str], label: str) -> Callable[..., Tensor]:
