@@ -176,6 +176,23 @@ def test_posterior_health_matches_a_closed_form() -> None:
     assert stats["hess_below_prior"] == pytest.approx(float((all_h < 1e-3).double().mean()))
 
 
+def test_hess_mean_of_a_uniform_hessian_is_that_value() -> None:
+    """Every H entry h0 (no update yet): the mean is h0 as H holds it, between hess_min and
+    hess_max. The sum ran in H's float32, so the mean came out below the minimum (0.0099999991
+    < 0.0099999998), and the logged evon/hess_mean, posterior_health()'s, with it."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights, ess=500.0)
+    one_sample(opt, model)
+    opt.step()  # the initialising step: H stays h0
+    opt.zero_grad()
+    h0 = float(torch.tensor(DEFAULT_HESS_INIT, dtype=torch.float32))
+    assert all(bool(opt.state[p]["hess"].eq(h0).all()) for p in weights)
+    stats = opt.posterior_health(warn=False)
+    assert stats["hess_min"] == stats["hess_mean"] == stats["hess_max"] == h0
+    assert stats["hess_init_share"] == pytest.approx(DEFAULT_HESS_INIT / h0, rel=1e-15)  # given / held h0
+
+
 def test_hess_init_share_follows_the_recursion_when_the_data_has_no_curvature() -> None:
     """Zero gradients: the Price estimate Ĥ is 0, so H_t obeys H ← β2·H + ½(1−β2)²H²/(H+δ)
     (IVON's correction) from h0 and the share is h0·β2ᵗ / H_t, computed here in float64."""

@@ -46,7 +46,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             w_sq.sum(),
             hess.min(),
             hess.max(),
-            hess.sum(),
+            hess.sum(dtype=torch.float64),  # a float32 sum of many entries drifts (its mean below its min)
             (hess < g["weight_decay"]).sum(),
         ]
         steps = b.state["step"].double().clamp_min(0)  # a member not yet initialised: still h0
