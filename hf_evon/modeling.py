@@ -143,14 +143,32 @@ def pretrained_name(model: nn.Module) -> str:
     return name if getattr(peft_base_model(model), "_weight_conversions", None) is not None else ""
 
 
+# transformers' encoder-decoders without ``prepare_decoder_input_ids_from_labels`` whose forward builds
+# its decoder's inputs from labels as ``shift_tokens_right(labels, config.pad_token_id,
+# config.decoder_start_token_id)``, that function of the model's own module
+_SHIFTS_LABELS_RIGHT = frozenset({
+    "WhisperForConditionalGeneration", "Speech2TextForConditionalGeneration", "M2M100ForConditionalGeneration",
+    "NllbMoeForConditionalGeneration", "BlenderbotForConditionalGeneration",
+    "BlenderbotSmallForConditionalGeneration", "MoonshineForConditionalGeneration",
+})  # fmt: skip
+
+
 def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:
     """What an encoder-decoder model's forward needs to score ``labels`` without a loss: the
     decoder's inputs, the labels shifted right (``prepare_decoder_input_ids_from_labels``, as
-    ``DataCollatorForSeq2Seq(model=...)`` builds them); a model without that method gets the
-    labels themselves, from which its forward builds them (and a loss besides)."""
+    ``DataCollatorForSeq2Seq(model=...)`` builds them, or the shift the forward itself runs: Whisper's);
+    any other model gets the labels themselves, from which its forward builds them (and a loss besides)."""
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if callable(prepare):
         return {"decoder_input_ids": prepare(labels=labels)}
+    base = _innermost(model)
+    cls = model_class(base)
+    shift = getattr(sys.modules.get(cls.__module__), "shift_tokens_right", None)
+    if cls.__name__ in _SHIFTS_LABELS_RIGHT and callable(shift) and getattr(labels, "ndim", 0) == 2:
+        if labels.shape[1] > getattr(base, "max_target_positions", labels.shape[1]):
+            return {"labels": labels}  # Whisper's forward refuses them, naming its limit
+        config = base.config
+        return {"decoder_input_ids": shift(labels, config.pad_token_id, config.decoder_start_token_id)}
     return {"labels": labels}
 
 

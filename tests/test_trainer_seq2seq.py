@@ -413,3 +413,40 @@ def test_predict_and_evaluate_bma_with_generate_decode_speech_and_vision_inputs(
     assert torch.equal(_decoded(seen[-1], expected.shape[1], pad), expected)
     assert metrics["eval_rows"] == 4.0 and "eval_bma_nll" in metrics
     assert "generate" not in model.__dict__
+
+
+
+def test_whisper_is_scored_without_its_labels_and_a_loss(monkeypatch):
+    """Whisper has no ``prepare_decoder_input_ids_from_labels``: bma_log_likelihood (and the
+    calibration) handed its forward the labels, from which it derives its decoder inputs, so each
+    forward also computed a loss that was thrown away. The decoder inputs are derived as its forward
+    derives them (-100 as its pad), the logits are bit for bit those of the labelled forward; labels
+    longer than its decoder's positions still reach the forward, which refuses them by its limit."""
+    import hf_evon
+    from hf_evon import bma_log_likelihood
+    from hf_evon.modeling import decoder_inputs_from_labels
+    from hf_evon.posterior import EVONPosterior
+    from hf_evon.predictive import generation
+
+    model = tiny_whisper().eval()
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, lr=1e-2, ess=30.0, seed=0), model)
+    g = torch.Generator().manual_seed(0)
+    features, labels = torch.randn(3, 8, 20, generator=g), torch.randint(3, 64, (3, 6), generator=g)
+    labels[1, 4:] = -100
+    derived = decoder_inputs_from_labels(model, labels)
+    assert list(derived) == ["decoder_input_ids"] and int(derived["decoder_input_ids"][1, 5]) == 1  # the pad
+    with torch.no_grad():
+        logits = model(input_features=features, **derived).logits
+        assert torch.equal(logits, model(input_features=features, labels=labels).logits)
+    long = torch.full((1, 33), 5)
+    assert list(decoder_inputs_from_labels(model, long)) == ["labels"]
+    with pytest.raises(ValueError, match="cannot exceed the maximum allowed length of 32"):
+        model(input_features=features[:1], **decoder_inputs_from_labels(model, long))
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append("labels" in kwargs), with_kwargs=True)
+    scored = bma_log_likelihood(model, posterior, input_features=features, labels=labels, num_samples=3, seed=5)
+    assert seen and not any(seen)
+    monkeypatch.setattr(generation, "decoder_inputs_from_labels", lambda model, labels: {"labels": labels})
+    labelled = bma_log_likelihood(model, posterior, input_features=features, labels=labels, num_samples=3, seed=5)
+    assert seen[-1] and torch.equal(scored.token_log_probs, labelled.token_log_probs)
+    assert torch.equal(scored.mask, labels.ne(-100))
