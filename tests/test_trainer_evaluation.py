@@ -451,6 +451,70 @@ def test_predict_bma_causal_lm(tmp_path):
     assert out.metrics["test_bma_perplexity"] == pytest.approx(math.exp(bma_nll), rel=1e-5)
 
 
+def _labelled_forwards(model: torch.nn.Module) -> list[bool]:
+    """Per forward of ``model`` from here on: whether it was handed labels."""
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append("labels" in kwargs), with_kwargs=True)
+    return seen
+
+
+def _multi_label_data(n: int, seed: int):
+    from datasets import Dataset
+
+    ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+    labels = torch.stack([ids[:, 1] % 2, ids[:, 2] % 2, ids[:, 3] % 2], 1).float()
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "multi_label"])
+def test_bma_passes_compute_no_loss_and_give_the_labelled_forwards_results(tmp_path, kind, monkeypatch):
+    """The BMA passes of predict/evaluate with bma handed every one of their S x batches forwards the
+    labels, so each computed a loss it threw away (an LM's: a float copy of its logits and a
+    cross-entropy over every position). Only the first labelled forward of a model whose
+    ``config.problem_type`` is unset keeps them (transformers sets it there, multi-label from float
+    labels, and predict(bma=True) reads it); the predictions and metrics are bit for bit those of
+    forwards that all get the labels."""
+    from hf_evon.trainer import calibration_data
+
+    if kind == "gpt2":
+        trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(20, seed=1), bma_num_samples=3)
+        test = lm_data(40, seed=2)
+    elif kind == "bert":
+        trainer = _trained(tmp_path, bma_num_samples=3)
+        test = classification_data(40, seed=2)
+    else:
+        make = lambda: tiny_bert(num_labels=3)  # noqa: E731
+        trainer = _trained(tmp_path, make, _multi_label_data(48, 0), _multi_label_data(16, 1), bma_num_samples=3)
+        test = _multi_label_data(40, 2)
+    unset = kind == "multi_label"  # trained on float labels: the training forward set it
+
+    def run() -> tuple[np.ndarray, dict, dict]:
+        if unset:
+            trainer.model.config.problem_type = None
+        out = trainer.predict(test, bma=True)
+        metrics = {} if unset else trainer.posterior_metrics(trainer.get_eval_dataloader())
+        return out.predictions, _without_runtime(out.metrics), metrics
+
+    seen = _labelled_forwards(trainer.model)
+    predictions, predict_metrics, metrics = run()
+    first = kind != "bert"  # an LM's config has no problem_type either: its first forward keeps them
+    batches = 0 if unset else len(trainer.get_eval_dataloader())
+    # predict: S passes over 3 batches; the metrics: the mean's pass, then S passes
+    expected = [first] + [False] * (3 * 3 - 1) + [False] * batches + ([first] + [False] * (3 * batches - 1)) * bool(batches)
+    assert seen == expected and len(seen) == 9 + 4 * batches
+    assert trainer.model.config.problem_type == (None if kind == "gpt2" else "single_label_classification"
+                                                 if kind == "bert" else "multi_label_classification")
+    scoring = calibration_data.scoring_inputs
+    monkeypatch.setattr(
+        calibration_data, "scoring_inputs", lambda model, batch, names, keep=False: scoring(model, batch, names, True)
+    )
+    seen.clear()
+    labelled = run()
+    assert seen == [True] * len(expected)
+    np.testing.assert_array_equal(predictions, labelled[0])
+    assert (predict_metrics, metrics) == labelled[1:] and (predict_metrics or unset)
+
+
 # the trainer's float32 logits in batches against the direct ones of all rows at once differ by
 # about 1e-7, which an entropy carries as an absolute error of the same order (measured up to 3e-7)
 ENTROPY_ATOL = 1e-6

@@ -450,3 +450,56 @@ def test_whisper_is_scored_without_its_labels_and_a_loss(monkeypatch):
     labelled = bma_log_likelihood(model, posterior, input_features=features, labels=labels, num_samples=3, seed=5)
     assert seen[-1] and torch.equal(scored.token_log_probs, labelled.token_log_probs)
     assert torch.equal(scored.mask, labels.ne(-100))
+
+
+@pytest.mark.parametrize("arch", ["t5", "whisper"])
+def test_bma_passes_of_an_encoder_decoder_derive_its_decoder_inputs_and_compute_no_loss(tmp_path, arch, monkeypatch):
+    """The BMA passes handed every forward the labels, from which an encoder-decoder whose batch has
+    no decoder inputs derives them, and computed a loss each that was thrown away; so did
+    bma_log_likelihood (and the calibration) for a model without ``prepare_decoder_input_ids_from_labels``
+    (Whisper). The decoder inputs are now derived as the forward derives them, and the metrics and
+    log-likelihoods are bit for bit those of forwards given the labels."""
+    from hf_evon import bma_log_likelihood
+    from hf_evon.predictive import generation
+    from hf_evon.trainer import calibration_data
+
+    if arch == "t5":
+        model, name, train, test = tiny_t5(), "input_ids", reversal_data(32, seed=0), reversal_data(12, seed=1)
+    else:
+        model, name = tiny_whisper(), "input_features"
+        train, test = feature_data(name, (8, 20), 8, seed=0), feature_data(name, (8, 20), 12, seed=1)
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+        per_device_eval_batch_size=8, evon_ess=30.0, evon_hess_init=1.0, save_strategy="no", disable_tqdm=True,
+        bma_num_samples=3, bma_seed=5, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    model = trainer.model.eval()
+    batch = {k: torch.tensor(v) for k, v in test[:4].items()}
+    assert "decoder_input_ids" not in next(iter(trainer.get_eval_dataloader(test)))
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append("labels" in kwargs), with_kwargs=True)
+
+    def run():
+        metrics = trainer.posterior_metrics(trainer.get_eval_dataloader(test))
+        scored = bma_log_likelihood(
+            model, trainer.current_posterior(), **{name: batch[name]}, labels=batch["labels"], num_samples=3, seed=5
+        )
+        return metrics, scored.token_log_probs
+
+    metrics, token_log_probs = run()
+    # 12 rows in batches of 8: the mean's pass, then S = 3 passes, the first forward of which keeps the
+    # labels (the config's problem_type is unset: a classifier would set it there); then bma_log_likelihood's
+    assert seen[:8] == [False, False, True, False, False, False, False, False] and len(seen) > 8
+    assert not any(seen[8:])
+    scoring = calibration_data.scoring_inputs
+    monkeypatch.setattr(
+        calibration_data, "scoring_inputs", lambda model, batch, names, keep=False: scoring(model, batch, names, True)
+    )
+    monkeypatch.setattr(generation, "decoder_inputs_from_labels", lambda model, labels: {"labels": labels})
+    seen.clear()
+    labelled_metrics, labelled_log_probs = run()
+    assert all(seen[:8]) and seen[-1]  # bma_log_likelihood's scoring forward is its last (after probes)
+    assert metrics == labelled_metrics and "eval_bma_nll" in metrics
+    assert torch.equal(token_log_probs, labelled_log_probs)

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from accelerate.data_loader import DataLoaderDispatcher
 
-from hf_evon.modeling import peft_base_model, unwrap_model
+from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, peft_base_model, unwrap_model
+from hf_evon.predictive.held_out import output_logits
 from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
 # What a whole-split loader over an ``IterableDataset`` keeps of the loader accelerate prepared (those
@@ -137,6 +138,57 @@ def forward_inputs(model: torch.nn.Module, batch: Any, keep: Iterable[str] = ())
         return batch
     taken = names.union(keep)
     return batch if all(k in taken for k in batch) else {k: v for k, v in batch.items() if k in taken}
+
+
+def scoring_inputs(
+    model: torch.nn.Module, batch: Any, label_names: Sequence[str], keep_labels: bool = False
+) -> tuple[Any, bool]:
+    """The inputs of a forward that only scores ``batch`` (a BMA pass), and whether they hold its labels.
+
+    :func:`forward_inputs`, less the labels (all of ``label_names``) where ``model``'s forward takes
+    each as an optional parameter: a transformers model computes its loss from them, which such a
+    pass throws away (an LM's: a float copy of its logits and a cross-entropy over every position).
+    An encoder-decoder whose batch has no decoder inputs gets those its forward would derive from
+    the labels (:func:`~hf_evon.modeling.decoder_inputs_from_labels`), and keeps its labels where
+    they cannot be derived so. ``keep_labels``: the labels stay (a forward whose side effects are
+    wanted: a classifier sets an unset ``config.problem_type`` from them)."""
+    batch = forward_inputs(model, batch)
+    if not isinstance(batch, Mapping) or any(batch.get(name) is None for name in label_names):
+        return batch, False
+    if keep_labels:
+        return batch, True
+    try:
+        parameters = inspect.signature(peft_base_model(unwrap_model(model)).forward).parameters
+    except (TypeError, ValueError):  # no signature to read: the batch as it is
+        return batch, True
+    optional = {name for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+    if not optional.issuperset(label_names):
+        return batch, True
+    inputs = {k: v for k, v in batch.items() if k not in label_names}
+    if is_encoder_decoder(model) and "decoder_input_ids" not in batch and "decoder_inputs_embeds" not in batch:
+        derived = decoder_inputs_from_labels(model, batch["labels"]) if list(label_names) == ["labels"] else {}
+        if "decoder_input_ids" not in derived:
+            return batch, True
+        inputs.update(derived)
+    return inputs, False
+
+
+def forward_logits(
+    trainer: Any, model: torch.nn.Module, inputs: dict[str, Any], keep_labels: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The model's ``logits``; for an output without (extractive QA) its ``*_logits`` fields in
+    order (``start_logits``, ``end_logits``), each a distribution of its own. A tuple output
+    (``return_dict=False``): its logits after the loss, as ``Trainer.prediction_step`` reads them.
+    The forward computes no loss where it can do without the labels
+    (:func:`~hf_evon.trainer.calibration_data.scoring_inputs`, unless ``keep_labels``)."""
+    inputs, labelled = scoring_inputs(trainer.model, inputs, trainer.label_names or ["labels"], keep_labels)
+    with torch.no_grad(), trainer.compute_loss_context_manager():
+        outputs = model(**inputs)
+    fields = output_logits(outputs, labels_given=labelled)
+    if fields is None:
+        found = f"fields: {list(outputs)}" if isinstance(outputs, dict) else f"a tuple of {len(outputs)}"
+        raise ValueError(f"EVONTrainer: BMA averages the model's logits, and its output has none ({found})")
+    return fields
 
 
 # Per model (behind its wrappers): a weak reference to its forward's function and the names it takes.

@@ -32,7 +32,6 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from hf_evon.predictive.held_out import output_logits
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     LogMeanExp,
@@ -46,7 +45,7 @@ from hf_evon.predictive.metrics import (
     item_statistics,
     metrics_of_statistics,
 )
-from hf_evon.trainer.calibration_data import forward_inputs, length_sorted
+from hf_evon.trainer.calibration_data import forward_logits, length_sorted
 
 logger = logging.get_logger(__name__)
 
@@ -194,21 +193,6 @@ def class_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | None:
     return labels if isinstance(labels, Tensor) else None
 
 
-def _forward_logits(trainer: Any, model: nn.Module, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...]:
-    """The model's ``logits``; for an output without (extractive QA) its ``*_logits`` fields in
-    order (``start_logits``, ``end_logits``), each a distribution of its own. A tuple output
-    (``return_dict=False``): its logits after the loss, as ``Trainer.prediction_step`` reads them.
-    Only the entries the forward takes (:func:`~hf_evon.trainer.calibration_data.forward_inputs`)."""
-    inputs = forward_inputs(trainer.model, inputs)
-    with torch.no_grad(), trainer.compute_loss_context_manager():
-        outputs = model(**inputs)
-    fields = output_logits(outputs, labels_given=batch_labels(trainer, inputs) is not None)
-    if fields is None:
-        found = f"fields: {list(outputs)}" if isinstance(outputs, dict) else f"a tuple of {len(outputs)}"
-        raise ValueError(f"EVONTrainer: BMA averages the model's logits, and its output has none ({found})")
-    return fields
-
-
 # ------------------------------------------------------------------------------------------ passes
 def _progress(trainer: Any, total: int | None, description: str) -> Any:
     disable = bool(trainer.args.disable_tqdm) or not trainer.is_local_process_zero()
@@ -288,8 +272,14 @@ def sample_passes(
     loader = iter(dataloader)
     chunk_size: int | None = None
 
+    # a transformers classifier sets an unset config.problem_type (float labels: multi-label) in its first
+    # labelled forward, which predict(bma=True) reads: that forward keeps its labels, the others need none
+    unset = [getattr(getattr(trainer.model, "config", None), "problem_type", "") is None]
+
     def forward(inputs: dict[str, Any]) -> Tensor:
-        return transform(_forward_logits(trainer, model, inputs), class_labels(trainer, inputs))
+        keep = unset[0] and batch_labels(trainer, inputs) is not None
+        unset[0] = unset[0] and not keep
+        return transform(forward_logits(trainer, model, inputs, keep), class_labels(trainer, inputs))
 
     with _progress(trainer, None if batches is None else batches * len(seeds), description) as bar:
         raw = next(loader, None)
@@ -467,7 +457,7 @@ class PosteriorEvaluation:
             labels = class_labels(self.trainer, inputs)
             if labels is None:
                 return False
-            logits = _forward_logits(self.trainer, model, inputs)
+            logits = forward_logits(self.trainer, model, inputs)
             if not self._set_task(task_of(logits, labels, self.trainer._causal_lm), logits, labels):
                 return False
             self.mean.add(_metric_log_probs(logits, labels, self.task), labels)  # type: ignore[union-attr, arg-type]
