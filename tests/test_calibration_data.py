@@ -459,3 +459,9 @@ def test_forward_inputs_reads_a_forwards_signature_once_per_model_and_forward(mo
     assert calibration_data.forward_inputs(model, batch) is batch
     assert calibration_data.forward_inputs(model, batch) is batch
     assert reads == [Net.forward, Net.forward, any_entry]
+    # the BMA passes' scoring_inputs (labels left out where the forward takes them as optional) too
+    third = Net()
+    for _ in range(5):
+        inputs, labelled = calibration_data.scoring_inputs(third, batch, ["labels"])
+        assert list(inputs) == ["input_ids"] and not labelled
+    assert reads == [Net.forward, Net.forward, any_entry, Net.forward]

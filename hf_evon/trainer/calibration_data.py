@@ -157,9 +157,8 @@ def scoring_inputs(
         return batch, False
     if keep_labels:
         return batch, True
-    try:
-        parameters = inspect.signature(peft_base_model(unwrap_model(model)).forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the batch as it is
+    parameters = _forward_parameters(peft_base_model(unwrap_model(model)))
+    if parameters is None:  # no signature to read: the batch as it is
         return batch, True
     optional = {name for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
     if not optional.issuperset(label_names):
@@ -191,33 +190,38 @@ def forward_logits(
     return fields
 
 
-# Per model (behind its wrappers): a weak reference to its forward's function and the names it takes.
-# The BMA passes and the calibration ask for every batch of every pass: one read serves them all.
-_FORWARD_NAMES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, frozenset[str] | None]] = (
+# Per model (behind its wrappers): a weak reference to its forward's function and that forward's
+# parameters. The BMA passes and the calibration ask for every batch of every pass: one read serves them all.
+_FORWARD_PARAMETERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Mapping[str, Any] | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _forward_names(model: torch.nn.Module) -> frozenset[str] | None:
-    """The parameter names of ``model.forward``; None where it takes ``**kwargs`` or has no signature
-    to read. Read again only for another forward (one set on the instance, say)."""
+def _forward_parameters(model: torch.nn.Module) -> Mapping[str, inspect.Parameter] | None:
+    """The parameters of ``model.forward`` (None: no signature to read). Read again only for another
+    forward (one set on the instance, say)."""
     forward = model.forward
     function = getattr(forward, "__func__", forward)  # a bound method is made anew at each access
-    known = _FORWARD_NAMES.get(model)
+    known = _FORWARD_PARAMETERS.get(model)
     if known is not None and known[0]() is function:
         return known[1]
     try:
         parameters = inspect.signature(forward).parameters
-    except (TypeError, ValueError):  # no signature to read: the batch as it is
-        names = None
-    else:
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        names = None if takes_any else frozenset(parameters)
+    except (TypeError, ValueError):
+        parameters = None
     try:  # a weak reference: a forward that closes over its model must not keep the model alive
-        _FORWARD_NAMES[model] = (weakref.ref(function), names)
+        _FORWARD_PARAMETERS[model] = (weakref.ref(function), parameters)
     except TypeError:  # a model or a forward without weak references: read each time
         pass
-    return names
+    return parameters
+
+
+def _forward_names(model: torch.nn.Module) -> frozenset[str] | None:
+    """The parameter names of ``model.forward``; None where it takes ``**kwargs`` or has no signature."""
+    parameters = _forward_parameters(model)
+    if parameters is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters)
 
 
 def under_labels(batch: Any, label_names: Sequence[str] | None, model: torch.nn.Module | None = None) -> Any:
