@@ -500,3 +500,45 @@ def test_plain_training_arguments_or_an_evon_config_given_to_evon_sft_trainer_be
     assert {n: getattr(trainer.args, n) for n in sft_only} == {n: getattr(plain.args, n) for n in sft_only}
     trainer.train()
     assert trainer.evon_optimizer.mc_samples == 2 and trainer.state.global_step == 1
+
+
+def test_evaluate_of_unlabelled_preference_batches_warns_once_and_bma_true_is_refused(tmp_path, corpus, monkeypatch):
+    """A mixin subclass of RewardTrainer (as of DPOTrainer, KTOTrainer) evaluates batches of preference
+    data, no labels: evaluate() and evaluate(bma=True) returned no eval_mean_*/eval_bma_* metrics and
+    said nothing. A plain evaluate() now warns once per trainer; evaluate(bma=True), which asks for the
+    BMA metrics, raises a ValueError saying the batches hold no labels."""
+    from transformers import GPT2ForSequenceClassification
+    from trl import RewardConfig, RewardTrainer
+
+    import hf_evon.trainer.evaluation as evaluation
+    from hf_evon.trainer import EVONTrainerMixin
+
+    class EVONRewardTrainer(EVONTrainerMixin, RewardTrainer):
+        config_class = evon_config_class(RewardConfig)
+
+    tokenizer, train, _ = corpus
+    texts = train["text"][:12]
+    pairs = Dataset.from_dict(
+        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
+    )
+    config = tiny_gpt2(tokenizer).config
+    config.num_labels = 1
+    args = EVONRewardTrainer.config_class(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=1, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, max_length=64, gradient_checkpointing=False, disable_tqdm=True,
+        save_strategy="no", evon_ess=1e3, bma_num_samples=2,
+    )  # fmt: skip
+    trainer = EVONRewardTrainer(model=GPT2ForSequenceClassification(config), args=args, train_dataset=pairs.select(range(8)),
+                                eval_dataset=pairs.select(range(8, 12)), processing_class=tokenizer)  # fmt: skip
+    trainer.train()
+    warned: list[str] = []
+    monkeypatch.setattr(evaluation.logger, "warning", lambda message, *a, **k: warned.append(message))
+    for _ in range(2):
+        metrics = trainer.evaluate()
+        assert "eval_mean_reward" in metrics  # RewardTrainer's own metric; EVON's mean/BMA ones are absent
+        assert not {"eval_mean_nll", "eval_mean_accuracy"} & set(metrics) and not any("_bma_" in k for k in metrics)
+    assert len(warned) == 1 and "no labels" in warned[0] and "eval_mean_" in warned[0], warned
+    with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): .*no labels.*'labels'"):
+        trainer.evaluate(bma=True)
+    assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None
+    assert "eval_loss" in trainer.evaluate() and len(warned) == 1

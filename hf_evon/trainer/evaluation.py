@@ -354,8 +354,14 @@ class PosteriorEvaluation:
             self._outputs = None
         if self.unsupported or not self.reused:
             return
-        if not isinstance(labels, Tensor):
-            self.unsupported = True
+        if not isinstance(labels, Tensor):  # none (preference data: TRL's DPO, KTO, reward), or several
+            self.unsupported, trainer = True, self.trainer
+            if labels is None and (trainer._evon_bma_asked or not trainer.__dict__.get("_evon_warned_unlabelled")):
+                why = f"the evaluation batches hold no labels ({trainer.label_names or ['labels']}) to score"
+                if trainer._evon_bma_asked:  # asked for by name: an error, as for no posterior
+                    raise ValueError(f"evaluate(bma=True): {why}, so there are no {self.prefix}_bma_* metrics")
+                trainer._evon_warned_unlabelled = True  # once per trainer: each evaluation would repeat it
+                logger.warning(f"EVONTrainer: {why}: no {self.prefix}_mean_*/{self.prefix}_bma_* metrics")
             return
         logp = self._mean_log_probs(outputs, labels)
         if logp is None:
@@ -553,7 +559,7 @@ class EvaluationMixin:
             return super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
             )
-        with evaluation.batch(class_labels(self, inputs)):  # labels first: a loss may pop them
+        with evaluation.batch(batch_labels(self, inputs)):  # labels first: a loss may pop them
             return super().prediction_step(
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
             )
