@@ -190,7 +190,10 @@ CONFIG_ERRORS = {
         lambda raw: raw.update(mean_fingerprint={"dtype": "float32", "values": {"0.weight": [10**400]}}),
         r"field 'mean_fingerprint\.values\.0\.weight\[0\]' must be a number",
     ),
-    "not an object": (lambda raw: raw.clear(), r"format_version None is not a known"),
+    # an object without the key: said missing (it read "format_version None is not a known ... format")
+    "no format_version": (lambda raw: raw.pop("format_version"), r"^v1\.json: 'format_version' is missing"),
+    "empty object": (lambda raw: raw.clear(), r"^v1\.json: 'format_version' is missing"),
+    "format_version 0": (_set("format_version", 0), r"^v1\.json: format_version 0 is not a known"),
 }
 
 

@@ -290,7 +290,12 @@ class PosteriorConfig:
         if not isinstance(raw, dict):
             raise PosteriorMismatchError(f"{where}: the config must be a JSON object")
         check_depth(raw, where)
-        version = raw.get("format_version")
+        if "format_version" not in raw:  # not an EVON posterior config (or one cut short)
+            raise PosteriorMismatchError(
+                f"{where}: 'format_version' is missing: not an EVON posterior config "
+                f"(this hf-evon reads version {FORMAT_VERSION})"
+            )
+        version = raw["format_version"]
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise PosteriorMismatchError(
                 f"{where}: format_version {version!r} is not a known EVON posterior format "
