@@ -215,6 +215,20 @@ def test_the_recipe_help_says_a_field_set_to_its_default_takes_the_recipes_value
     assert "a field set to its default value takes the recipe's" in help_text
 
 
+def test_the_basis_ratio_help_says_it_shapes_the_evaluations_posterior_too(tmp_path) -> None:
+    """posterior_max_basis_ratio's help said it applies to saved posteriors, but the posterior the
+    trainer builds from its optimizer is lean for every use: evaluate()'s and predict()'s BMA samples
+    and calibrate() draw from the posterior with the wide bases dropped."""
+    help_text = " ".join(EVONConfig.__dataclass_fields__["posterior_max_basis_ratio"].metadata["help"].split())
+    assert not help_text.startswith("Saved posteriors drop")
+    assert "evaluate()'s and predict(bma=True)'s BMA samples" in help_text and "current_posterior()" in help_text
+    t, _ = trainer(tmp_path)
+    t.args.max_steps = 2
+    t.train()
+    assert t.current_posterior().config["max_basis_ratio"] == t.args.posterior_max_basis_ratio == 3.0
+    assert t._evaluated_posterior().config["max_basis_ratio"] == 3.0  # what evaluate()'s BMA samples
+
+
 def _rates(trainer: EVONTrainer) -> dict[str, set[float]]:
     rates: dict[str, set[float]] = {}
     for g in trainer.create_optimizer().param_groups:

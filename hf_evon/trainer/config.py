@@ -293,10 +293,12 @@ class EVONConfig(TrainingArguments):
     posterior_max_basis_ratio: float | None = field(
         default=3.0,
         metadata={
-            "help": "Saved posteriors drop an eigenbasis whose side is more than this many times the other "
-            "side (a LoRA matrix's d x d side): every marginal std is kept, the posterior stays within ~2x the "
-            "model or adapter bytes (measurements: docs/trainer.md). "
-            "None (or 0 on the command line) keeps every basis: the full posterior."
+            "help": "The posterior the trainer builds from its EVON optimizer (current_posterior(): the one it "
+            "saves, and the one evaluate()'s and predict(bma=True)'s BMA samples and calibrate() score) drops "
+            "an eigenbasis whose side is more than this many times the other side (a LoRA matrix's d x d "
+            "side): every marginal std is kept, the correlations along that side are not, and the posterior "
+            "stays within ~2x the model or adapter bytes (measurements: docs/trainer.md). A posterior= given "
+            "to the trainer is used as it is. None (or 0 on the command line) keeps every basis: the full posterior."
         },
     )
     bma_num_samples: int = field(
