@@ -345,6 +345,7 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
     from transformers import DataCollatorWithPadding
 
     from hf_evon import EVONPosterior, EVONTrainer
+    from hf_evon.predictive import trained_posterior
 
     config = evon_config(args, identity_basis)
     trainer = EVONTrainer(
@@ -357,11 +358,14 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
     remove_other_kind(config.output_dir, adapter=args.lora)
     trainer.save_model()  # model (or adapter) + evon_posterior.* + model card
     keys = ("accuracy", "nll", "ece", "brier")
+    saved = EVONPosterior.from_pretrained(config.output_dir)
     return {
         "mean": {k: metrics[f"eval_mean_{k}"] for k in keys},
         "bma": {k: metrics[f"eval_bma_{k}"] for k in keys},
         # the saved posterior's, at the calibrated scale BMA samples at (the optimizer's is the trained one)
-        "std": mean_std(EVONPosterior.from_pretrained(config.output_dir)),
+        "std": mean_std(saved),
+        # the posterior as EVON trained it (where the calibration keeps the mean, the saved std is 0)
+        "trained_std": mean_std(trained_posterior(saved)),
         "calibration": trainer.calibration,
     }
 
@@ -552,10 +556,19 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
             result = run_evon(args, data, num_labels, identity_basis=method == "ivon")
             label = method.upper()
             rows.append((label, result["mean"]))
-            rows.append((f"{label}@{args.bma_samples} (BMA)", result["bma"]))
             cal = result["calibration"]
+            # ess = inf: BMA samples nothing but the mean (at the calibration's temperature)
+            keeps_mean = cal is not None and math.isinf(cal.ess)
+            equals = "" if not keeps_mean else " = mean" if cal.temperature == 1 else f" = mean at T {cal.temperature:.3g}"
+            rows.append((f"{label}@{args.bma_samples} (BMA{equals})", result["bma"]))
             if cal is None:  # --evon-ess inf: no noise, nothing calibrated
                 print(f"{label}: mean posterior std {result['std']:.3g}; no noise (ess = inf), not calibrated")
+            elif keeps_mean:
+                print(
+                    f"{label}: the calibration kept the mean (no sampling scale beat it); the trained posterior's "
+                    f"mean std {result['trained_std']:.3g} (held-out NLL {cal.chosen_nll:.4f} at the mean, "
+                    f"temperature {cal.temperature:.3g})"
+                )
             else:
                 print(
                     f"{label}: mean posterior std {result['std']:.3g}; calibrated sampling scale ×{cal.multiplier:.3g} "

@@ -202,13 +202,23 @@ def test_an_unlabelled_test_split_is_passed_over_for_the_validation_split(exampl
         example.hub_dataset(str(tmp_path), "text", "label", 10, 6)
 
 
-def test_the_printed_posterior_std_is_the_saved_calibrated_posteriors(example, tmp_path, capsys):
+def test_the_printed_posterior_std_is_the_saved_calibrated_posteriors(example, tmp_path, capsys, monkeypatch):
     """After calibration the example printed the optimizer's posterior std, the scale EVON trained
-    with, beside the calibrated scale: not the std of the posterior it saved (and BMA samples)."""
+    with, beside the calibrated scale: not the std of the posterior it saved (and BMA samples). The
+    calibration's choice is set to twice the trained ζ (a tiny run may keep the mean instead)."""
+    import dataclasses
     import re
 
-    from hf_evon import EVONPosterior
+    from hf_evon import EVONPosterior, EVONTrainer
 
+    calibrate = EVONTrainer.calibrate
+
+    def twice_the_trained_ess(self, *args, **kwargs):
+        result = calibrate(self, *args, **kwargs)
+        self.calibration = dataclasses.replace(result, ess=2 * result.trained_ess)
+        return self.calibration
+
+    monkeypatch.setattr(EVONTrainer, "calibrate", twice_the_trained_ess)
     example.main([*TINY, "--methods", "evon", "--evon-ess", "1e5", "--output-dir", str(tmp_path)])
     printed = re.findall(r"^EVON: mean posterior std (\S+);", capsys.readouterr().out, re.MULTILINE)
     saved = EVONPosterior.from_pretrained(tmp_path / "evon")
@@ -216,3 +226,30 @@ def test_the_printed_posterior_std_is_the_saved_calibrated_posteriors(example, t
     total = sum(float(saved.std(name).double().sum()) for name in saved.names)
     count = sum(saved.std(name).numel() for name in saved.names)
     assert printed == [f"{total / count:.3g}"]
+
+
+def test_a_calibration_that_keeps_the_mean_is_said_so(example, tmp_path, capsys, monkeypatch):
+    """Where the calibration chose ess = inf (BMA is the mean), the example printed "mean posterior
+    std 0; calibrated sampling scale ×inf the trained ζ" and labelled the row plain BMA. Forced here:
+    no scale can gain 99.9% over the mean, and the trained posterior is not kept in its place."""
+    import re
+
+    from hf_evon import EVONPosterior, EVONTrainer
+    from hf_evon.predictive import trained_posterior
+
+    calibrate = EVONTrainer.calibrate
+    monkeypatch.setattr(
+        EVONTrainer, "calibrate", lambda self, *a, **k: calibrate(self, *a, **k, keep_trained=False, min_gain=0.999)
+    )
+    rows = example.main([*TINY, "--methods", "evon", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    saved = EVONPosterior.from_pretrained(tmp_path / "evon")
+    assert saved.config["calibration"]["ess"] == "inf"
+    assert [name for name, _ in rows] == ["EVON", "EVON@2 (BMA = mean)"]
+    assert "×inf" not in out and "calibrated sampling scale" not in out
+    trained = trained_posterior(saved)
+    total = sum(float(trained.std(name).double().sum()) for name in trained.names)
+    count = sum(trained.std(name).numel() for name in trained.names)
+    printed = re.findall(r"^EVON: the calibration kept the mean \(no sampling scale beat it\); the trained "
+                         r"posterior's mean std (\S+)", out, re.MULTILINE)  # fmt: skip
+    assert printed == [f"{total / count:.3g}"] and total > 0
