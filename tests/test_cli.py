@@ -1315,3 +1315,51 @@ def test_generate_reads_prompts_with_a_tokenizer_that_has_no_special_tokens(save
     assert [r["prompt"] for r in by_text] == prompts
     assert [r["completion_ids"] for r in by_text] == [r["completion_ids"] for r in by_ids]
     assert [r["completion"] for r in by_text] == [r["completion"] for r in by_ids]
+
+
+def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved, tmp_path, capsys, monkeypatch):
+    """An --output holding another model's weights and no posterior: calibrate saved --model's
+    calibrated posterior beside them, where it fits nothing. It is a usage error before any pass
+    naming what differs (config.json's model_type or sizes, a tensor's shape in the safetensors
+    file); the files stay as they were. A copy of --model's own weights is saved to."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    import hf_evon.predictive.calibration as calibration
+
+    path, model, tokenizer, _ = saved
+    vocab = len(tokenizer)
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    wider = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=64, n_embd=16, n_layer=2, n_head=2))
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=vocab, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+    ))  # fmt: skip
+    wider.save_pretrained(tmp_path / "wider")
+    bart.save_pretrained(tmp_path / "bart")
+    wider.save_pretrained(tmp_path / "weights_only")
+    os.remove(tmp_path / "weights_only" / "config.json")
+    wider.config.save_pretrained(tmp_path / "config_only")
+    expected = {
+        "bart": "its config.json's model_type 'bart', --model's 'gpt2'",
+        "wider": "its config.json's n_embd 16, --model's 32",
+        "config_only": "its config.json's n_embd 16, --model's 32",
+        "weights_only": "tensor 'transformer.h.0.attn.c_attn.bias' has shape (48,) in model.safetensors, "
+        "(96,) in --model",
+    }
+    calibrate = calibration.calibrate_posterior
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    for name, what in expected.items():
+        output = tmp_path / name
+        before = {f.name: f.read_bytes() for f in output.iterdir()}
+        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, name
+        err = capsys.readouterr().err
+        assert f"--output {str(output)!r} holds the weights of another model than --model's ({what})" in err, err
+        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, name
+    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
+    copy_of_own = tmp_path / "copy"
+    model.save_pretrained(copy_of_own)
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(copy_of_own), "--json"]
+    assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
+    assert EVONPosterior.from_pretrained(copy_of_own).ess == float(json.loads(capsys.readouterr().out)["ess"])

@@ -186,7 +186,7 @@ def check_output(output: str) -> None:
 def check_output_posterior(output: str, model: Any) -> None:
     """A usage error where ``output`` holds a posterior that is not of ``model``'s weights (tensors
     the model lacks or shapes otherwise, or another mean by its recorded ``mean_fingerprint``), or
-    one that does not load.
+    one that does not load, or another model's weights (:func:`check_output_weights`).
 
     Why: the save replaces the posterior there, and another run's trained posterior would be
     lost, its model left beside a posterior of other weights. A posterior of the same weights
@@ -198,6 +198,7 @@ def check_output_posterior(output: str, model: Any) -> None:
 
     path = os.path.join(output, POSTERIOR_CONFIG_NAME)
     if not os.path.isfile(path):
+        check_output_weights(output, model)
         return
     keep = "pass another --output, or remove its evon_posterior files to replace them"
     try:
@@ -214,6 +215,77 @@ def check_output_posterior(output: str, model: Any) -> None:
             f"--output {output!r} holds the EVON posterior of other weights than --model's (e.g. tensor "
             f"{other[0]!r}); saving would replace it: {keep}"
         )
+    check_output_weights(output, model)
+
+
+# config.json sizes that set parameter shapes, compared where both configs hold them (a file of
+# weights in another format than safetensors is not read)
+SIZE_KEYS = (
+    "vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "num_hidden_layers",
+    "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
+)  # fmt: skip
+WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on a header
+
+
+def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the safetensors file at ``path``, from its header (no tensor is read)."""
+    import json
+
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        if not 0 < size <= MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(fh.read(size))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def check_output_weights(output: str, model: Any) -> None:
+    """A usage error where ``output`` holds another model's weights than ``model``'s: its config.json
+    of another ``model_type`` or sizes (SIZE_KEYS), or a tensor of its safetensors files of a name
+    the model has and another shape, or none of the model's names.
+
+    Why: the posterior saved there would sit beside weights it does not fit, and ``from_pretrained``
+    of the directory would load the one with the other. A copy of the model's weights is fine."""
+    import json
+
+    from hf_evon.modeling import is_peft_model, unwrap_model
+
+    model = unwrap_model(model)
+    base = model.get_base_model() if is_peft_model(model) else model
+    other = f"--output {output!r} holds the weights of another model than --model's"
+    keep = "saving the posterior there would put it beside weights it does not fit: pass another --output"
+    mine = getattr(base, "config", None)
+    mine = mine.to_dict() if hasattr(mine, "to_dict") else {}
+    try:
+        with open(os.path.join(output, "config.json"), encoding="utf-8") as fh:
+            theirs = json.load(fh)
+    except (OSError, ValueError):  # none, or not a model's config: the weights files still tell
+        theirs = {}
+    theirs = theirs if isinstance(theirs, dict) else {}
+    for key in ("model_type", *SIZE_KEYS):
+        if key in theirs and key in mine and theirs[key] != mine[key]:
+            raise UsageError(f"{other} (its config.json's {key} {theirs[key]!r}, --model's {mine[key]!r}): {keep}")
+    # the names a saved file gives the model's parameters: PEFT's wrapped layer as the plain one,
+    # and a headless save's without the base model's prefix
+    prefix = getattr(base, "base_model_prefix", "")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in base.named_parameters(remove_duplicate=False):
+        name = name.replace(".base_layer.", ".")
+        shapes[name] = shapes[name.removeprefix(f"{prefix}.") if prefix else name] = tuple(param.shape)
+    names = sorted(n for n in os.listdir(output) if WEIGHT_FILES.fullmatch(n)) if os.path.isdir(output) else []
+    for file in names:
+        try:
+            stored = safetensors_shapes(os.path.join(output, file))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"--output {output!r}: its {file} does not read as safetensors ({err}): {keep}") from None
+        for tensor, shape in sorted(stored.items()):
+            if tensor in shapes and shapes[tensor] != shape:
+                raise UsageError(
+                    f"{other} (tensor {tensor!r} has shape {shape} in {file}, {shapes[tensor]} in --model): {keep}"
+                )
+        if stored and not set(stored) & set(shapes):
+            raise UsageError(f"{other} (none of the tensors of its {file} is --model's, e.g. {min(stored)!r}): {keep}")
 
 
 def torch_dtype(name: str) -> Any:
