@@ -91,6 +91,32 @@ DECODE_ROW_COST = 4
 MIN_FACTORED_ROWS = 8
 
 
+def chunked_draws(
+    posterior: Any, params: dict[str, Tensor], num_samples: int, seed: int | None, rotated: bool = False
+) -> Iterator[tuple[str, Tensor]]:
+    """Every given parameter's ``num_samples`` draws (``posterior.draw``), a chunk of names at a time.
+
+    ``EVONPosterior.draw`` seeds each name on its own, so the values do not depend on how names are
+    chunked; chunks of at most ``DRAW_CHUNK_ELEMENTS`` float32 values keep the float32 peak bounded
+    while the matrices of one chunk are still drawn batched.
+    """
+    chunk: list[str] = []
+    size = 0
+    names = list(params)
+    for i, name in enumerate(names):
+        chunk.append(name)
+        size += num_samples * params[name].numel()
+        last = i == len(names) - 1
+        if last or size + num_samples * params[names[i + 1]].numel() > DRAW_CHUNK_ELEMENTS:
+            devices = {params[n].device for n in chunk}
+            device = next(iter(devices)) if len(devices) == 1 else None
+            kwargs = {"rotated": True} if rotated else {}
+            draws = posterior.draw(num_samples, seed=seed, names=chunk, device=device, **kwargs)
+            for n in chunk:
+                yield n, draws.pop(n)
+            chunk, size = [], 0
+
+
 # the way out of every refusal of the batched path: each sample written into the weights in turn, which
 # any model runs (S forwards per step instead of one batched one)
 ONE_DRAW_AT_A_TIME = (
@@ -274,31 +300,6 @@ class BatchedSamples:
             raise RuntimeError(f"covered parameters not found in any module: {missing}")
         return owners
 
-    def _draws(self, params: dict[str, Tensor], rotated: bool) -> Iterator[tuple[str, Tensor]]:
-        """Every given parameter's S draws (``posterior.draw``), a chunk of names at a time.
-
-        ``EVONPosterior.draw`` seeds each name on its own, so the values do not depend on how
-        names are chunked; chunks of at most ``DRAW_CHUNK_ELEMENTS`` float32 values keep the
-        float32 peak bounded while the matrices of one chunk are still drawn batched.
-        """
-        chunk: list[str] = []
-        size = 0
-        names = list(params)
-        for i, name in enumerate(names):
-            chunk.append(name)
-            size += self.num_samples * params[name].numel()
-            last = i == len(names) - 1
-            if last or size + self.num_samples * params[names[i + 1]].numel() > DRAW_CHUNK_ELEMENTS:
-                devices = {params[n].device for n in chunk}
-                device = next(iter(devices)) if len(devices) == 1 else None
-                kwargs = {"rotated": True} if rotated else {}
-                draws = self.posterior.draw(
-                    self.num_samples, seed=self.seed, names=chunk, device=device, **kwargs
-                )
-                for n in chunk:
-                    yield n, draws.pop(n)
-                chunk, size = [], 0
-
     def _factored(self, params: dict[str, Tensor], owners: dict[nn.Module, dict[str, str]]) -> dict[str, Any]:
         """The covered weights applied as ``x @ M + ((x @ Q_in) @ E_s) @ Q_outᵀ``, with their factors."""
         if self.strategy == "materialize" or not hasattr(self.posterior, "__getitem__"):
@@ -389,7 +390,7 @@ class BatchedSamples:
                 (False, [n for n in params if n not in factored]),
                 (True, sorted(factored)),
             ):
-                for name, draw in self._draws({n: params[n] for n in group}, rotated):
+                for name, draw in chunked_draws(self.posterior, {n: params[n] for n in group}, self.num_samples, self.seed, rotated):
                     mean = params[name].detach()
                     draw = draw.to(mean.device)
                     expected = (self.num_samples, *(factored[name].matrix_shape if rotated else mean.shape))

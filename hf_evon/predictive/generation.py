@@ -58,6 +58,7 @@ from hf_evon.predictive.logprobs import (
     sample_target_log_probs,
     tempered,
 )
+from hf_evon.predictive.module_forward import instance_forward
 from hf_evon.predictive.sequential_samples import SequentialSamples, one_draw_at_a_time
 
 Tensor = torch.Tensor
@@ -172,15 +173,8 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
         outputs.logits = log_mean + normalizer
         return outputs
 
-    previous = model.__dict__.get("forward")
-    model.forward = bma_forward
-    try:
+    with instance_forward(model, bma_forward):
         yield
-    finally:
-        if previous is None:
-            del model.forward
-        else:
-            model.forward = previous
 
 
 @torch.no_grad()

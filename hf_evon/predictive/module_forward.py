@@ -9,13 +9,14 @@ replacement of ``forward`` would skip the hook; one of ``_old_forward`` runs ins
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["own_forward", "replace_forward", "restore_forward"]
+__all__ = ["instance_forward", "own_forward", "replace_forward", "restore_forward"]
 
 
 def _attribute(module: nn.Module) -> str:
@@ -44,3 +45,18 @@ def restore_forward(module: nn.Module, attr: str, previous: Any) -> None:
         module.__dict__.pop(attr, None)
     else:
         setattr(module, attr, previous)
+
+
+@contextlib.contextmanager
+def instance_forward(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``module.forward`` is ``forward`` (called without ``self``) for the block; what the instance had
+    before (its class's forward, or its own) is back after, also when the block raises."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous

@@ -28,7 +28,8 @@ from torch import nn
 
 from hf_evon.modeling import pruned_ranks, unwrap_model
 from hf_evon.posterior.gaussian import add_perturbation, sample_seed
-from hf_evon.predictive.batched_samples import DRAW_CHUNK_ELEMENTS
+from hf_evon.predictive.batched_samples import chunked_draws
+from hf_evon.predictive.module_forward import instance_forward
 
 Tensor = torch.Tensor
 T = TypeVar("T")
@@ -71,33 +72,15 @@ class SequentialSamples:
         self.seed = sample_seed(self.seed, params.values())
         pruned = pruned_ranks(self.model)
         with torch.no_grad():
-            for names in self._chunks(params):
-                devices = {params[n].device for n in names}
-                device = next(iter(devices)) if len(devices) == 1 else None
-                draws = self.posterior.draw(self.num_samples, seed=self.seed, names=names, device=device)
-                for name in names:
-                    mean = params[name].detach()
-                    delta = draws.pop(name).to(mean.device)
-                    if name in pruned:  # a pruned rank is off, not uncertain: 0 in every sample
-                        delta = delta.masked_fill(pruned[name].to(delta.device), 0)
-                    self._samples[name] = [add_perturbation(mean, d) for d in delta]
-                    self._means[name] = mean.clone()
+            for name, draw in chunked_draws(self.posterior, params, self.num_samples, self.seed):
+                mean = params[name].detach()
+                delta = draw.to(mean.device)
+                if name in pruned:  # a pruned rank is off, not uncertain: 0 in every sample
+                    delta = delta.masked_fill(pruned[name].to(delta.device), 0)
+                self._samples[name] = [add_perturbation(mean, d) for d in delta]
+                self._means[name] = mean.clone()
         self._params = params
         return self
-
-    def _chunks(self, params: dict[str, Tensor]) -> Iterator[list[str]]:
-        """The names in chunks of at most ``DRAW_CHUNK_ELEMENTS`` drawn values (one name at least), as
-        ``BatchedSamples`` draws them: the float32 transient of a draw stays bounded."""
-        chunk: list[str] = []
-        size = 0
-        for name, p in params.items():
-            if chunk and size + self.num_samples * p.numel() > DRAW_CHUNK_ELEMENTS:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(name)
-            size += self.num_samples * p.numel()
-        if chunk:
-            yield chunk
 
     def write(self, s: int) -> None:
         """Sample ``s``'s weights into the model's covered parameters."""
@@ -222,15 +205,8 @@ def forward_per_sample(
                 outputs[name] = cache
         return outputs
 
-    previous = model.__dict__.get("forward")
-    model.forward = each_sample
-    try:
+    with instance_forward(model, each_sample):
         yield
-    finally:
-        if previous is None:
-            del model.forward
-        else:
-            model.forward = previous
 
 
 def _repeated(outputs: Any, times: int) -> Any:
