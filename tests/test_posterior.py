@@ -1679,23 +1679,11 @@ def test_an_adalora_posterior_beside_the_rank_pruned_adapter_is_warned_of_and_it
     saved beside it (every rank) did not fit ``PeftModel.from_pretrained``'s model, and neither its save
     nor the reload's mismatch error said why. The save now warns, naming the tensor, both shapes and
     the way out; the reload's error names the cause; the way out (``rank_pattern = None``) fits exactly."""
-    from peft import AdaLoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel
     from test_trainer import tiny_gpt2
 
     # a budget of 1 rank (target_r) for two layers of 4 ranks: the final allocation prunes at least 7
-    config = AdaLoraConfig(
-        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
-    )
-    model = get_peft_model(tiny_gpt2(), config)
-    opt = hf_evon.build_optimizer(model, ess=1e3, seed=0)
-    g = torch.Generator().manual_seed(0)
-    for step in range(4):
-        ids = torch.randint(3, 100, (4, 8), generator=g)
-        with opt.sampled_params(train=True):
-            model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        model.base_model.update_and_allocate(step)  # AdaLoRA's step, as PEFT's docs place it
-        opt.zero_grad()
+    model, opt = _adalora_past_its_allocation()
     kept = {f"base_model.model.{k[: -len('lora_E.default')]}lora_A.default": sum(v)
             for k, v in model.peft_config["default"].rank_pattern.items()}  # fmt: skip
     posterior = EVONPosterior.from_optimizer(opt, model)
