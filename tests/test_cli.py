@@ -609,6 +609,23 @@ def test_inspect_leaves_out_a_model_file_that_is_a_dangling_link(saved, tmp_path
     assert "model.safetensors" not in files and "evon_posterior_config.json" in files
 
 
+def test_inspect_subfolder_lists_the_model_weights_beside_the_posterior(saved, tmp_path, capsys):
+    """With --subfolder X, inspect listed the model weights at the location's root as the ones beside
+    the posterior (and not X's): the sizes it printed were of another model's files."""
+    path, *_ = saved
+    config = GPT2Config(vocab_size=8, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=1)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)  # another model at the root
+    (tmp_path / "pytorch_model.bin").write_bytes(b"0" * 7)
+    shutil.copytree(path, tmp_path / "run")
+    sub = tmp_path / "run"
+    assert main(["inspect", str(tmp_path), "--subfolder", "run", "--json"]) == 0
+    files = json.loads(capsys.readouterr().out)["files"]
+    assert files == {
+        f: (sub / f).stat().st_size
+        for f in ("evon_posterior.safetensors", "evon_posterior_config.json", "model.safetensors")
+    }
+
+
 def test_inspect_text(saved, capsys):
     path, _, _, posterior = saved
     assert main(["inspect", str(path)]) == 0

@@ -310,7 +310,7 @@ def _file_sizes(args: argparse.Namespace, posterior: Any) -> dict[str, int]:
         directory = os.path.join(args.location, args.subfolder) if args.subfolder else args.location
         sizes = {}
         files = [os.path.join(directory, f) for f in names]
-        files += [os.path.join(args.location, f) for f in sorted(os.listdir(args.location)) if MODEL_WEIGHT_FILE.fullmatch(f)]
+        files += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if MODEL_WEIGHT_FILE.fullmatch(f)]
         for path in files:  # (a dangling link, or a file a save removed meanwhile: left out)
             with contextlib.suppress(FileNotFoundError):
                 sizes[os.path.basename(path)] = os.path.getsize(path)
