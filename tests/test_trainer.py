@@ -1004,6 +1004,40 @@ def test_adaloras_rank_allocation_runs_at_every_optimizer_step(tmp_path):
 
 
 
+def test_adaloras_pruned_ranks_stay_zero_in_every_training_sample(tmp_path):
+    """AdaLoRA prunes a rank by writing 0 into its singular value (``lora_E``); the training samples
+    (``sampled_params(train=True)`` in ``training_step``) put noise of the posterior's std there, so every
+    training forward after a pruning ran with the pruned ranks back on. Every training forward past the
+    final allocation now sees the pruned entries at exactly 0, as posterior samples keep them."""
+    from peft import AdaLoraConfig
+    from peft.tuners.adalora import AdaLoraLayer
+
+    adalora = AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
+    )
+    args = config(tmp_path, max_steps=6, per_device_train_batch_size=4)
+    trainer = EVONTrainer(model=tiny_gpt2(), args=args, peft_config=adalora, train_dataset=lm_data())
+    layers = {n: m for n, m in trainer.model.get_base_model().named_modules() if isinstance(m, AdaLoraLayer)}
+    seen: list[tuple[int, str, torch.Tensor]] = []
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        if trainer.evon_optimizer.in_sample and module.training:
+            name = next(n for n, m in layers.items() if m is module)
+            seen.append((trainer.state.global_step, name, module.lora_E["default"].detach().clone()))
+
+    for layer in layers.values():
+        layer.register_forward_pre_hook(record)
+    trainer.train()
+    pattern = trainer.model.peft_config["default"].rank_pattern
+    pruned = {n: ~torch.tensor(pattern[f"{n}.lora_E.default"]) for n in layers}
+    assert all(m.any() for m in pruned.values())
+    late = [(name, value) for step, name, value in seen if step >= 4]  # past the final allocation (step 3)
+    assert len(late) == 2 * len(layers)  # steps 4 and 5, one sample each
+    assert all(value.flatten()[pruned[name]].eq(0).all() for name, value in late), late
+    assert all(value.flatten()[~pruned[name]].ne(0).all() for name, value in late)
+
+
+
 def test_an_adalora_adapter_saved_by_the_trainer_reloads_with_its_posterior(tmp_path):
     """PEFT saves an AdaLoRA adapter with a rank_pattern at its kept ranks only, where the posterior covers
     every rank: ``save_model()`` wrote an adapter and a posterior that did not fit together (the posterior's

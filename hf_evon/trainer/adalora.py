@@ -18,7 +18,7 @@ PEFT's ``save_pretrained`` keeps only the ranks a ``rank_pattern`` keeps, where 
 every rank (a Kronecker-factored Gaussian has no exact form over a subset of rows): the EVON trainers
 save an AdaLoRA adapter with every rank, the pruned ones as the zeros AdaLoRA wrote into ``lora_E``
 (:func:`every_rank_saved`), so adapter and posterior reload together; a sample keeps those ranks at 0
-(:func:`hf_evon.modeling.pruned_ranks`).
+(:func:`hf_evon.modeling.pruned_ranks`), and so does every training sample (:func:`pruned_entries`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from hf_evon.modeling import is_peft_model, unwrap_model
 
 __all__ = ["AdaLoraRankAllocation", "adalora_model", "add_rank_allocation", "every_rank_saved", "kept_ranks"]
+__all__ += ["pruned_entries", "zero_pruned"]
 
 
 def adalora_model(model: Any) -> Any:
@@ -77,6 +79,28 @@ def kept_ranks(adalora: Any, adapter: str) -> dict[str, list[bool]]:
         for name, p in adalora.model.named_parameters()
         if f"lora_E.{adapter}" in name
     }
+
+
+def pruned_entries(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each AdaLoRA singular-value tensor (``lora_E``) of ``model`` with the mask of the entries its rank
+    allocation pruned (the exact zeros it wrote), read from the mean: [] for any other model. Taken before
+    a ``sampled_params`` block, for :func:`zero_pruned` inside it."""
+    adalora = adalora_model(model)
+    if adalora is None:
+        return []
+    from peft.tuners.adalora import AdaLoraLayer
+
+    layers = [m for m in adalora.model.modules() if isinstance(m, AdaLoraLayer)]
+    return [(p, p.detach() == 0) for layer in layers for p in layer.lora_E.values()]
+
+
+@torch.no_grad()
+def zero_pruned(entries: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put the pruned entries of a sample back to 0 (:func:`pruned_entries`): a pruned rank is off, not
+    uncertain, so the forward of a training sample runs without it, as a posterior sample does; the
+    block's exit writes back the mean, whose entries there are 0 already."""
+    for p, pruned in entries:
+        p.masked_fill_(pruned, 0)
 
 
 def add_rank_allocation(trainer: Any) -> None:

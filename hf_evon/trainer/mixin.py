@@ -108,7 +108,7 @@ from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
-from hf_evon.trainer.adalora import add_rank_allocation
+from hf_evon.trainer.adalora import add_rank_allocation, pruned_entries, zero_pruned
 from hf_evon.trainer.checkpointing import CheckpointingMixin
 from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class, rebuilt_config
 from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
@@ -538,9 +538,11 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         own = self.__dict__.get("compute_loss")  # an instance's own compute_loss, if one was set
         self.loss_is_scaled_for_ga, self.compute_loss = True, compute_loss
         try:
+            pruned = pruned_entries(model)  # AdaLoRA's pruned ranks (the mean's zeros): 0 in every sample
             with self._trl_tokens_counted_once(optimizer.mc_samples):
                 for _ in range(optimizer.mc_samples):
                     with optimizer.sampled_params(train=True):
+                        zero_pruned(pruned)
                         super().training_step(model, inputs, num_items_in_batch if scaled_for_ga else None)
         finally:
             self.loss_is_scaled_for_ga = given
