@@ -1186,3 +1186,55 @@ def test_a_summarised_metric_accumulator_holds_one_host_copy(tmp_path, task):
     first = acc.summary()
     assert len(acc.outputs) == 1 and all(t.device.type == "cpu" for t in acc.outputs[0])
     assert acc.summary() == first
+
+
+def _qa_data(n: int, seed: int):
+    from datasets import Dataset
+
+    ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+    return Dataset.from_dict(
+        {"input_ids": ids.tolist(), "start_positions": (ids[:, 0] % 4).tolist(), "end_positions": (4 + ids[:, 1] % 4).tolist()}
+    )
+
+
+def _tiny_qa() -> torch.nn.Module:
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    return BertForQuestionAnswering(config)
+
+
+def test_evaluate_of_extractive_qa_warns_once_naming_its_label_names(tmp_path, monkeypatch):
+    """An extractive QA model's batches carry two label tensors (``start_positions``,
+    ``end_positions``), which the mean/BMA metrics (one class label tensor against one logits
+    tensor) do not score: evaluate() returned no eval_mean_*/eval_bma_* metrics and said nothing.
+    It warns once per trainer, naming the label names; the model's own eval_loss stays."""
+    import hf_evon.trainer.evaluation as evaluation
+
+    trainer = _trained(tmp_path, _tiny_qa, _qa_data(32, 0), _qa_data(16, 1), eval_strategy="no")
+    warned: list[str] = []
+    monkeypatch.setattr(evaluation.logger, "warning", lambda message, *a, **k: warned.append(message))
+    for _ in range(2):
+        metrics = trainer.evaluate()
+        assert "eval_loss" in metrics and not any("_mean_" in k or "_bma_" in k for k in metrics), metrics
+    assert len(warned) == 1 and "['start_positions', 'end_positions']" in warned[0], warned
+    assert "eval_mean_" in warned[0]
+
+
+@pytest.mark.parametrize("kind", ["unlabelled", "qa"])
+def test_evaluate_bma_true_refuses_batches_it_cannot_score_before_any_forward(tmp_path, kind):
+    """evaluate(bma=True) of a set without labels raised its ValueError only after the first batch's
+    forward; one of extractive QA batches (two label tensors) returned no eval_bma_* and said nothing.
+    Both raise before any forward, naming the label names, and leave no evaluation behind."""
+    if kind == "unlabelled":
+        trainer = _trained(tmp_path, max_steps=1)
+        dev, names, why = classification_data(16, seed=1).remove_columns("labels"), "['labels']", "no labels"
+    else:
+        trainer = _trained(tmp_path, _tiny_qa, _qa_data(32, 0), _qa_data(16, 1), max_steps=1, eval_strategy="no")
+        dev, names, why = _qa_data(16, 1), "['start_positions', 'end_positions']", "several label tensors"
+    calls = _count_forwards(trainer.model)
+    with pytest.raises(ValueError, match=rf"^evaluate\(bma=True\): .*{why}.*{names}".replace("[", r"\[")):
+        trainer.evaluate(dev, bma=True)
+    assert calls[0] == 0
+    assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None

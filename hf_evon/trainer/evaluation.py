@@ -346,6 +346,8 @@ class PosteriorEvaluation:
     @contextlib.contextmanager
     def batch(self, labels: Any) -> Iterator[None]:
         """Around one ``prediction_step``: add its batch at the mean to the mean metrics."""
+        if not self.unsupported and self.reused and not isinstance(labels, Tensor):
+            self._refuse_labels(labels)  # before the batch's forward: a refusal costs no pass
         self._outputs = []
         try:
             yield
@@ -354,21 +356,24 @@ class PosteriorEvaluation:
             self._outputs = None
         if self.unsupported or not self.reused:
             return
-        if not isinstance(labels, Tensor):  # none (preference data: TRL's DPO, KTO, reward), or several
-            self.unsupported, trainer = True, self.trainer
-            if labels is None and (trainer._evon_bma_asked or not trainer.__dict__.get("_evon_warned_unlabelled")):
-                why = f"the evaluation batches hold no labels ({trainer.label_names or ['labels']}) to score"
-                if trainer._evon_bma_asked:  # asked for by name: an error, as for no posterior
-                    raise ValueError(f"evaluate(bma=True): {why}, so there are no {self.prefix}_bma_* metrics")
-                trainer._evon_warned_unlabelled = True  # once per trainer: each evaluation would repeat it
-                logger.warning(f"EVONTrainer: {why}: no {self.prefix}_mean_*/{self.prefix}_bma_* metrics")
-            return
         logp = self._mean_log_probs(outputs, labels)
         if logp is None:
             if not self.unsupported:
                 self.reused = False
             return
         self.mean.add(logp, labels)  # type: ignore[union-attr]
+
+    def _refuse_labels(self, labels: tuple[Tensor, ...] | None) -> None:
+        """No labels (TRL's DPO, KTO, reward) or several label tensors (extractive QA's start and end positions),
+        which the metrics do not score: ValueError under ``evaluate(bma=True)``, else a warning once per trainer."""
+        self.unsupported, trainer = True, self.trainer
+        names = trainer.label_names or ["labels"]
+        held = f"no labels ({names}) to score" if labels is None else f"several label tensors ({names}), not one"
+        if trainer._evon_bma_asked:  # asked for by name: an error, as for no posterior
+            raise ValueError(f"evaluate(bma=True): the evaluation batches hold {held}, so no {self.prefix}_bma_* metrics")
+        if not trainer.__dict__.get("_evon_warned_unlabelled"):  # once per trainer: each evaluation would repeat it
+            trainer._evon_warned_unlabelled = True
+            logger.warning(f"EVONTrainer: the evaluation batches hold {held}: no {self.prefix}_mean_*/_bma_* metrics")
 
     def _mean_log_probs(self, outputs: list[Any], labels: Tensor) -> Tensor | None:
         causal = self.trainer._causal_lm
