@@ -1096,7 +1096,7 @@ def test_prefix_allowed_tokens_fn_constrains_as_in_generate(gpt2, mode):
     search: a processor on the N rows' ids) was refused ("generate_bma does not support"). At zero
     variance it decodes as model.generate (sampling from the generator the seed sets); with noise
     every new token is one the function allows for its row's prefix."""
-    from hf_evon.optim.noise import resolve_seed
+    from hf_evon.optim.noise import derived_seed
 
     model, posterior = gpt2
 
@@ -1104,7 +1104,7 @@ def test_prefix_allowed_tokens_fn_constrains_as_in_generate(gpt2, mode):
         return [10 + batch_id, 20 + int(prefix[-1]) % 7, 30 + int(prefix[-1]) % 5]
 
     kwargs = dict(max_new_tokens=6, pad_token_id=0, eos_token_id=None, prefix_allowed_tokens_fn=allowed, **mode)
-    torch.manual_seed((resolve_seed(4) * 2654435761 + 1) % 2**63)  # the token seed generate_bma sets for seed=4
+    torch.manual_seed(derived_seed(4, "tokens"))  # the token seed generate_bma sets for seed=4
     want = model.generate(PROMPTS, **kwargs)
     assert not torch.equal(want, model.generate(PROMPTS, **{k: v for k, v in kwargs.items() if k != "prefix_allowed_tokens_fn"}))
     assert torch.equal(generate_bma(model, posterior.with_ess(float("inf")), PROMPTS, num_samples=2, seed=4, **kwargs), want)
@@ -1112,6 +1112,23 @@ def test_prefix_allowed_tokens_fn_constrains_as_in_generate(gpt2, mode):
     for row in range(out.shape[0]):
         for t in range(PROMPTS.shape[1], out.shape[1]):
             assert int(out[row, t]) in allowed(row, out[row, :t]), (row, t)
+
+
+def test_generate_bma_seeds_that_differ_by_a_multiple_of_2_to_the_32_sample_distinct_tokens(gpt2):
+    """The token seed was (seed * 2654435761 + 1) % 2**63, and torch's CPU generator keeps a seed's
+    low 32 bits: seeds 0 and 2**32 (or -1 and 2**63 - 1) sampled identical tokens. The token seed is
+    the seed's stream "tokens" (derived_seed, a hash of the seed), as every weight matrix's is."""
+    from hf_evon.optim.noise import derived_seed
+
+    model, posterior = gpt2
+    mean = posterior.with_ess(float("inf"))  # the weights are the mean whatever the seed: tokens alone differ
+    kwargs = dict(max_new_tokens=8, do_sample=True, pad_token_id=0, eos_token_id=None)
+    for pair in ((0, 2**32), (-1, 2**63 - 1)):
+        outs = [generate_bma(model, mean, PROMPTS, num_samples=2, seed=seed, **kwargs) for seed in pair]
+        assert not torch.equal(*outs), pair
+        for seed, out in zip(pair, outs):
+            torch.manual_seed(derived_seed(seed, "tokens"))
+            assert torch.equal(out, model.generate(PROMPTS, **kwargs)), seed
 
 
 def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):

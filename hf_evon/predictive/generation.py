@@ -40,7 +40,7 @@ from hf_evon.modeling import (
     is_peft_model,
     unwrap_model,
 )
-from hf_evon.optim.noise import resolve_seed
+from hf_evon.optim.noise import derived_seed, resolve_seed
 from hf_evon.predictive.batched_samples import ONE_DRAW_AT_A_TIME, BatchedSamples, expected_rows, refusal
 from hf_evon.predictive.encoder_inputs import (
     TOKENS,
@@ -249,8 +249,10 @@ def generate_bma(
             f"generate_bma: model ({type(gen_model).__name__}) cannot generate: it has no generate(); "
             "generate_bma decodes causal LMs and encoder-decoder models"
         )
-    # do_sample may also come from the model's generation_config; distinct from the weight draw
-    token_seed = None if seed is None else (resolve_seed(seed) * 2654435761 + 1) % 2**63
+    # do_sample may also come from the model's generation_config; a stream of its own, hashed from the
+    # seed as the weight draws' are: torch's CPU generator keeps a seed's low 32 bits, so an affine map
+    # of the seed would give seeds 2**32 apart the same tokens
+    token_seed = None if seed is None else derived_seed(resolve_seed(seed), "tokens")
     config = _checked_call_config(gen_model, generation_kwargs)
     beams = int(config.num_beams or 1)
     # the most tokens the call can add, for the cost model of the batched samples
