@@ -1068,7 +1068,7 @@ def test_a_rewind_sets_the_noise_back_to_the_end_of_the_last_step_call_never_pas
     loaded.load_state_dict(opt.state_dict())
     for o in (opt, copied, loaded):
         o.discard_samples(rewind=True)
-        assert o.sample_blocks == (5 if o is loaded else 3)  # a state dict keeps no step mark
+        assert o.sample_blocks == 3
     opt.zero_grad()
     with opt.sampled_params(train=True):
         assert torch.equal(opt.current_noise(weight), drawn)
@@ -1076,6 +1076,39 @@ def test_a_rewind_sets_the_noise_back_to_the_end_of_the_last_step_call_never_pas
         with opt.sampled_params(train=True):
             opt.discard_samples(rewind=True)
     assert opt.sample_blocks == 5
+
+
+def test_a_state_dict_saved_mid_step_and_an_older_pickle_rewind_to_the_step_mark() -> None:
+    """A state dict saved between the blocks of one step kept no step mark: loaded into a fresh EVON,
+    ``discard_samples(rewind=True)`` rewound to the saved block count, so the restarted step drew
+    other noise than the original's rewind does; an EVON unpickled from a state without the mark
+    raised AttributeError at the rewind. Both rewind to the end of the last ``step()`` call (a pickle
+    without the mark: to its block count, as a state dict without one loads)."""
+    data = make_data()
+    model = make_model()
+    opt = make_opt(model)  # mc_samples=2
+    weight = opt.param_groups[0]["params"][0]
+    train_step(model, opt, data)
+    with opt.sampled_params(train=True):  # the 3rd block; the step is not finished
+        loss_fn(model, data).backward()
+    saved = opt.state_dict()
+    loaded = make_opt(make_model())
+    loaded.load_state_dict(saved)
+    drawn = []
+    for o in (opt, loaded):
+        o.discard_samples(rewind=True)
+        o.zero_grad()
+        with o.sampled_params(train=True):
+            drawn.append(o.current_noise(weight if o is opt else o.param_groups[0]["params"][0]).clone())
+    assert opt.sample_blocks == loaded.sample_blocks == 3
+    assert torch.equal(drawn[0], drawn[1])
+    opt.discard_samples()
+    state = opt.__getstate__()
+    del state["_evon"]["_stepped_blocks"]
+    older = EVON.__new__(EVON)
+    older.__setstate__(state)
+    older.discard_samples(rewind=True)
+    assert older.sample_blocks == 3
 
 
 def test_a_state_dict_whose_bases_one_stacked_state_cannot_hold_is_refused_naming_both() -> None:

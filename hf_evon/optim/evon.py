@@ -60,7 +60,7 @@ from hf_evon.optim.gradients import Consumed, consumed_grads, consumed_places, r
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
 from hf_evon.optim.linalg import autocast_disabled, dense_covariance, marginal_variance, rotated_std
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
-from hf_evon.optim.persistence import COPIED_ATTRIBUTES, EXTRA_KEY, loading, saved_extras
+from hf_evon.optim.persistence import COPIED_ATTRIBUTES, EXTRA_KEY, loading, restore_copied, saved_extras
 from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
@@ -580,9 +580,7 @@ class EVON(Optimizer):
         own = state.pop("_evon", None)  # None: torch's load_state_dict setting state and groups
         super().__setstate__(state)
         if own is not None:
-            self._reset_transient()
-            self._consumed = consumed_grads(self.param_groups, own.pop("consumed"))
-            self.__dict__.update(own)
+            restore_copied(self, own)
 
 
 def unwrap_optimizer(optimizer: Any) -> EVON:

@@ -22,9 +22,10 @@ from hf_evon.optim.buckets import (
     state_dtype,
 )
 from hf_evon.optim.functional import adamw_step_device
+from hf_evon.optim.gradients import consumed_grads
 from hf_evon.optim.validation import validate_state_dict
 
-__all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "saved_extras"]
+__all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "restore_copied", "saved_extras"]
 
 Tensor = torch.Tensor
 
@@ -46,10 +47,13 @@ COPIED_ATTRIBUTES = (
 
 
 # the counters saved beside the noise's seed (state-dict key -> the optimizer's attribute): the
-# blocks' counts, the skipped steps and the updates (the curvature fits' and health checks' clock);
-# a state dict without one restores 0
+# blocks' counts, the block count at the end of the last step() call (where a rewind sets the noise
+# back: a state dict saved between the blocks of a step restarts that step's noise), the skipped steps
+# and the updates (the curvature fits' and health checks' clock); a state dict without one restores
+# 0, without the step mark the block count (it was saved between steps, where the two agree)
 _SAVED_COUNTERS = {
     "sample_blocks": "_sample_blocks",
+    "stepped_blocks": "_stepped_blocks",
     "eval_blocks": "_eval_blocks",
     "skipped_steps": "skipped_steps",
     "updates": "_updates",
@@ -84,13 +88,12 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
     def restore(_: Any) -> None:
         restore_state_dtypes(optimizer.state, optimizer.param_groups, loaded["state_dict"])
         optimizer._buckets = None
-        extra = loaded["extra"]
-        if extra is not None:
+        extra = loaded["extra"] or {}
+        if extra:
             optimizer.seed = int(extra["seed"])
             for key, attr in _SAVED_COUNTERS.items():
                 setattr(optimizer, attr, int(extra.get(key, 0)))
-        # a state dict keeps no step mark: the trainer saves one between steps, where the two counts agree
-        optimizer._stepped_blocks = optimizer._sample_blocks
+        optimizer._stepped_blocks = int(extra.get("stepped_blocks", optimizer._sample_blocks))
 
     pre = optimizer.register_load_state_dict_pre_hook(check)  # after the user's
     post = optimizer.register_load_state_dict_post_hook(restore, prepend=True)  # before the user's
@@ -99,6 +102,16 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
     finally:
         pre.remove()
         post.remove()
+
+
+def restore_copied(optimizer: Any, own: dict[str, Any]) -> None:
+    """Set what ``__getstate__`` kept (``COPIED_ATTRIBUTES``, the consumed gradients' places) on an
+    unpickled or copied ``optimizer``, and rebuild the rest. A pickle without the step mark rewinds
+    to its block count, as a state dict without one loads."""
+    optimizer._reset_transient()
+    optimizer._consumed = consumed_grads(optimizer.param_groups, own.pop("consumed"))
+    own.setdefault("_stepped_blocks", own.get("_sample_blocks", 0))
+    optimizer.__dict__.update(own)
 
 
 def upgraded_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
