@@ -1238,3 +1238,33 @@ def test_evaluate_bma_true_refuses_batches_it_cannot_score_before_any_forward(tm
         trainer.evaluate(dev, bma=True)
     assert calls[0] == 0
     assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None
+
+
+def test_evaluate_of_a_regression_warns_once_and_bma_true_is_refused(tmp_path, monkeypatch):
+    """A regression's outputs are no class distribution for the mean/BMA metrics: every evaluate()
+    logged the same warning again, and evaluate(bma=True), which asks for eval_bma_*, returned none
+    and raised nothing. The warning comes once per trainer; evaluate(bma=True) raises a ValueError
+    naming the logits' and labels' shapes, and leaves no evaluation behind."""
+    from datasets import Dataset
+
+    import hf_evon.trainer.evaluation as evaluation
+
+    def data(n: int, seed: int) -> Dataset:
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        return Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 1].double() / 100).tolist()})
+
+    def make() -> torch.nn.Module:
+        model = tiny_bert(num_labels=1)
+        model.config.problem_type = "regression"
+        return model
+
+    trainer = _trained(tmp_path, make, data(32, 0), data(16, 1), eval_strategy="no", max_steps=1)
+    warned: list[str] = []
+    monkeypatch.setattr(evaluation.logger, "warning", lambda message, *a, **k: warned.append(message))
+    for _ in range(2):
+        metrics = trainer.evaluate()
+        assert "eval_loss" in metrics and not any("_mean_" in k or "_bma_" in k for k in metrics), metrics
+    assert len(warned) == 1 and "logits (16, 1) and labels (16,)" in warned[0], warned
+    with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): .*logits \(16, 1\) and labels \(16,\)"):
+        trainer.evaluate(bma=True)
+    assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None

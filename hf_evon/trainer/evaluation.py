@@ -23,7 +23,6 @@ the mean runs. The BMA passes have their own progress bar.
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +45,7 @@ from hf_evon.predictive.metrics import (
     metrics_of_statistics,
 )
 from hf_evon.trainer.calibration_data import forward_logits, length_sorted
+from hf_evon.trainer.metric_merge import merge_metrics
 
 logger = logging.get_logger(__name__)
 
@@ -152,21 +152,6 @@ class MetricAccumulator:
         if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)
         return calibration_metrics(values, labels, "log_probs", n_bins=self.ece_bins)
-
-
-def merge_metrics(metrics: dict[str, float], ours: dict[str, float]) -> dict[str, float]:
-    """Add ``ours`` to ``metrics`` without replacing a key that is already there (the user's)."""
-    for key, value in ours.items():
-        if key in metrics:
-            warnings.warn(
-                f"metric {key!r} from compute_metrics clashes with EVON's posterior metric of that name: "
-                "the compute_metrics value is kept, EVON's is dropped (rename the key in compute_metrics)",
-                UserWarning,
-                stacklevel=3,
-            )
-            continue
-        metrics[key] = value
-    return metrics
 
 
 def _output_field(output: Any, name: str) -> Any:
@@ -398,12 +383,17 @@ class PosteriorEvaluation:
 
     def _set_task(self, task: str | None, logits: Tensor, labels: Tensor) -> bool:
         if self.task is None:
-            if task is None:
-                logger.warning(
-                    "EVONTrainer: mean/BMA metrics need class logits (classification or causal LM); got "
-                    f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}: skipped"
+            if task is None:  # regression, multi-label
+                self.unsupported, trainer = True, self.trainer
+                why = (
+                    "mean/BMA metrics need class logits (classification or causal LM); got "
+                    f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}"
                 )
-                self.unsupported = True
+                if trainer._evon_bma_asked:  # asked for by name: an error, as for no labels
+                    raise ValueError(f"evaluate(bma=True): the {why}, so no {self.prefix}_bma_* metrics")
+                if not trainer.__dict__.get("_evon_warned_no_classes"):  # once per trainer, as for no labels
+                    trainer._evon_warned_no_classes = True
+                    logger.warning(f"EVONTrainer: {why}: skipped")
                 return False
             self.task = task
             self.mean = MetricAccumulator(self.trainer, task)
