@@ -465,6 +465,24 @@ def test_a_posterior_read_at_a_lower_precision_saves_at_a_wider_one_that_loads(t
                 torch.testing.assert_close(q, _polar(_bases(loaded)[key]).to(written), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("written", [None, torch.bfloat16, torch.float32, torch.float64])
+def test_to_tensors_gives_the_tensors_save_pretrained_writes(tmp_path, written):
+    """``to_tensors(eigenbasis_dtype=<wider>)`` of a posterior read from bfloat16 bases cast their
+    rounding to the wider dtype (which a load of them refuses), where ``save_pretrained`` writes their
+    polar factors; ``to_tensors()`` gave the float32 bases held in memory, where the file holds them in
+    the recorded bfloat16. The file's tensors are what ``save_pretrained`` writes, bit for bit."""
+    from safetensors.torch import load_file
+
+    _posterior().save_pretrained(tmp_path / "half", eigenbasis_dtype=torch.bfloat16, model_card=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path / "half")
+    loaded.save_pretrained(tmp_path / "again", eigenbasis_dtype=written, model_card=False)
+    on_file = load_file(tmp_path / "again" / POSTERIOR_WEIGHTS_NAME)
+    tensors = loaded.to_tensors(written)
+    assert tensors.keys() == on_file.keys()
+    for key, value in on_file.items():
+        assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
+
+
 def test_a_float32_basis_upcast_to_float64_loads_and_an_orthonormal_one_is_not_changed(tmp_path):
     """A float32 basis off by 1e-5 (within float32's tolerance, as GPT-2's are: 1.5e-6) upcast by
     ``.to(torch.float64)`` (float64 hess too) was saved as is, and its load refused it (float64's tolerance

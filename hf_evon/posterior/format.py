@@ -135,10 +135,11 @@ def file_tensors(
     """The weights file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous).
 
     ``held``: the precision the bases hold (``EVONPosterior.config["eigenbasis_dtype"]``; their dtype
-    where None or finer). Bases written finer than that are re-orthonormalised where the written dtype's
-    load check would refuse them (``upcast_bases``); bases written at most as fine are copied as they are.
+    where None or finer), and the dtype they are written in where ``eigenbasis_dtype`` is None. Bases
+    written finer than that are re-orthonormalised where the written dtype's load check would refuse
+    them (``upcast_bases``); bases written at most as fine are copied as they are.
     """
-    eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
+    eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype") or held
     tensors: dict[str, Tensor] = {}
     for name, f in factors.items():
         for key, q in (("Q_L", f.Q_L), ("Q_R", f.Q_R)):

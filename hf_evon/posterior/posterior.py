@@ -458,8 +458,8 @@ class EVONPosterior:
 
     # ------------------------------------------------------------------ files
     def to_tensors(self, eigenbasis_dtype: torch.dtype | str | None = None) -> dict[str, Tensor]:
-        """The file's tensors: ``<name>.Q_L``, ``<name>.Q_R``, ``<name>.hess`` (CPU, contiguous)."""
-        return file_tensors(self.factors, eigenbasis_dtype)
+        """The file's tensors (``<name>.Q_L``, ``.Q_R``, ``.hess``; CPU) as ``save_pretrained`` writes them."""
+        return file_tensors(self.factors, eigenbasis_dtype, declared_basis_dtype(self.config))
 
     def save_pretrained(
         self,
