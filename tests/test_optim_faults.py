@@ -969,3 +969,38 @@ def test_an_interrupt_at_any_line_of_a_step_leaves_the_mean_and_a_usable_optimiz
             failures.append((n - 4, where.strip(), problems))
     assert fired > 100  # the tracer reached the step's lines
     assert not failures, failures[:5]
+
+
+# ------------------------------------------------- a model cast or moved after the optimizer stepped
+def _mlp_step(model: nn.Module, opt: EVON, x: torch.Tensor) -> None:
+    for _ in range(opt.mc_samples):
+        with opt.sampled_params(train=True):
+            hidden = model[1](model[0](x.to(model[0].weight.dtype)))  # each layer in its own dtype
+            model[2](hidden.to(model[2].weight.dtype)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("cast", ["all", "first_layer"])
+def test_a_model_cast_after_a_step_is_refused_by_name_before_any_weight_moves(cast: str) -> None:
+    """``model.to(torch.bfloat16)`` after a step (build_optimizer: the matrices EVON's, the biases
+    AdamW's): the EVON group stepped, then torch's fused AdamW kernel raised "expected scalar type
+    BFloat16 but found Float" (its state float32), the step half applied. The step is refused before
+    any group steps, naming the parameter; no weight moves and the optimizer trains on once cast back."""
+    from hf_evon import build_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = build_optimizer(model)
+    x = torch.randn(5, 4)
+    _mlp_step(model, opt, x)
+    (model if cast == "all" else model[0]).to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"0\.bias .*torch\.bfloat16.*'exp_avg' is torch\.float32"):
+        _mlp_step(model, opt, x)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert opt.recorded_samples == 0
+    model.float()
+    opt.zero_grad()
+    _mlp_step(model, opt, x)
+    assert not any(torch.equal(p.float(), before[n].float()) for n, p in model.named_parameters())

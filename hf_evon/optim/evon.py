@@ -67,6 +67,7 @@ from hf_evon.optim.update import (
     adamw_update,
     evon_updates,
     finite_flags,
+    refuse_moved_params,
     step_plans,
 )
 from hf_evon.optim.validation import (
@@ -440,8 +441,9 @@ class EVON(Optimizer):
                     "`with optimizer.sampled_params(train=True):` before step()"
                 )
         num_samples = max(self._samples, 1)
-        plans = [plan for b in self.buckets for plan in step_plans(b, num_samples, self._member_state)]
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
+        refuse_moved_params(self.buckets, adamw, self._param_label, self.discard_samples)
+        plans = [plan for b in self.buckets for plan in step_plans(b, num_samples, self._member_state)]
         if not self._all_finite(plans, adamw):
             self.discard_samples()
             return

@@ -44,6 +44,7 @@ __all__ = [
     "finite_flags",
     "hessian_candidate",
     "plan_update",
+    "refuse_moved_params",
     "step_plans",
     "step_weights",
 ]
@@ -303,6 +304,33 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
         weight_decay=group["weight_decay"],
         eps=group["eps"],
     )
+
+
+def refuse_moved_params(
+    buckets: list[Bucket], adamw: AdamWInputs, label: Callable[[Tensor], str], refused: Callable[[], None]
+) -> None:
+    """Raise, naming the parameter, where a parameter is no longer of the dtype or on the device its
+    state was made for (``model.to(torch.bfloat16)`` after a step), after calling ``refused``. Checked
+    before any group steps: torch's kernels raise at the first group they meet, the others stepped.
+    EVON's state follows the weights' dtype (its update is cast to it), not their device."""
+    moved = [(p, "hess", b.state["hess"]) for b in buckets for p in b.params if p.device != b.state["hess"].device]
+    for params, _, states in adamw.values():
+        for p, st in zip(params, states):
+            if ADAMW_ONLY_KEY not in st:  # no AdamW state yet: the step makes it, as p is now
+                continue
+            wanted = {"exp_avg": (p.dtype, p.device), "exp_avg_sq": (p.dtype, p.device)}
+            if torch.is_tensor(st.get("step")):
+                wanted["step"] = (st["step"].dtype, adamw_step_device(p))
+            moved += [(p, k, st[k]) for k, place in wanted.items() if (st[k].dtype, st[k].device) != place]
+    if moved:
+        refused()
+        p, key, v = moved[0]
+        raise RuntimeError(
+            f"EVON.step: parameter {label(p)} is {p.dtype} on {p.device}, but its state {key!r} is {v.dtype} "
+            f"on {v.device}: the model was cast or moved after the optimizer's state was made. The step was "
+            "not taken and its samples are dropped: cast or move the model back, or reload the optimizer's "
+            "state into the model as it is now (optimizer.load_state_dict(optimizer.state_dict()))"
+        )
 
 
 def adamw_inputs(
