@@ -943,6 +943,39 @@ def _refused_and_unchanged(opt: EVON, model: nn.Module, data, bad: dict, named: 
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _evon_entry(sd: dict) -> dict:
+    return next(st for st in sd["state"].values() if "hess" in st)
+
+
+@pytest.mark.parametrize(
+    "corrupt,named",
+    [
+        (lambda sd: _evon_entry(sd)["step"].fill_(-5.0), "'step'"),
+        (lambda sd: _evon_entry(sd)["step"].fill_(float("nan")), "'step'"),
+        (lambda sd: _evon_entry(sd).update(step="3"), "'step'"),
+        (lambda sd: _evon_entry(sd)["exp_avg_sq_norm"].fill_(-1.0), "'exp_avg_sq_norm'"),
+        (lambda sd: _evon_entry(sd).update(hess="x"), "'hess'"),
+        (lambda sd: sd.update(evon="junk"), "'evon'"),
+        (lambda sd: sd["evon"].update(seed="x"), "'seed'"),
+    ],
+    ids=["step<0", "step-nan", "step-str", "exp_avg_sq_norm<0", "hess-str", "extras-str", "seed-str"],
+)
+def test_load_state_dict_refuses_state_the_next_step_cannot_use(corrupt, named: str) -> None:
+    """A state dict with a negative or NaN step count, a negative EMA of ‖G‖² (whose square root
+    the step takes), a non-tensor entry or bad counters under 'evon' loaded: the next steps then
+    made every weight NaN (reported as a 'non-finite gradient'), or raised an AttributeError or
+    TypeError, the last after the state was already replaced. Each is refused at load, naming the
+    entry, and the optimizer keeps its own state and trains on."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    _refused_and_unchanged(opt, model, data, bad, named)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+
+
 def test_another_optimizers_state_dict_is_refused_before_anything_changes() -> None:
     # torch's AdamW over the same parameters: as many groups and parameters, none of EVON's keys
     model, data = make_model(), make_data()

@@ -8,6 +8,7 @@ before the user's post-hooks (which then see the state as loaded)."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,6 +66,24 @@ def saved_extras(optimizer: Any) -> dict[str, int]:
     return {"seed": optimizer.seed, **{key: getattr(optimizer, attr) for key, attr in _SAVED_COUNTERS.items()}}
 
 
+def checked_extras(extra: Any) -> Any:
+    """``extra`` (a state dict's ``EXTRA_KEY`` entry, or None) if :func:`loading`'s restore can read it:
+    a dict with an integer ``seed`` and integer counters. Checked before the load changes anything,
+    since the restore runs after the state is replaced."""
+    if extra is None:
+        return extra
+    if not isinstance(extra, dict) or "seed" not in extra:
+        raise ValueError(
+            f"EVON.load_state_dict: {EXTRA_KEY!r} must be a dict holding 'seed' and {sorted(_SAVED_COUNTERS)}; "
+            f"got {extra!r:.100}"
+        )
+    for key in ("seed", *_SAVED_COUNTERS):
+        value = extra.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"EVON.load_state_dict: {EXTRA_KEY!r}[{key!r}] must be an integer; got {value!r:.100}")
+    return extra
+
+
 @contextlib.contextmanager
 def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
     """EVON's checks and restores around ``Optimizer.load_state_dict`` inside the block, as that
@@ -75,7 +94,7 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
         state_dict = upgraded_groups(state_dict)
         validate_state_dict(state_dict)  # before anything changes: a refused state leaves this one
         state_dict = dict(state_dict)
-        loaded["extra"] = state_dict.pop(EXTRA_KEY, None)
+        loaded["extra"] = checked_extras(state_dict.pop(EXTRA_KEY, None))
         # on the full state dict: its entries are shaped as the whole parameters (FSDP2's cut
         # keeps a rank's rows of an AdamW state)
         check_group_structure(optimizer.param_groups, state_dict)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hf_evon.optim.buckets import UNINITIALIZED
 from hf_evon.optim.checks import (
     ALGORITHMS,
     CLIP_MODES,
@@ -392,10 +393,17 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
             prior.update(dict.fromkeys(group.get("params", ()), float(hyper.get("weight_decay") or 0.0)))
     for idx, entries in state_dict.get("state", {}).items():
         for key, value in entries.items() if idx in prior else ():
-            if key == "step" or not torch.is_tensor(value):
-                continue
+            if not torch.is_tensor(value):  # the step reads every entry as a tensor
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a tensor; got {type(value).__name__}"
+                )
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] has NaN or inf entries")
+            # a step count (UNINITIALIZED: a member awaiting its first gradient) and a squared norm:
+            # below these the bias correction and the square root are NaN
+            low = UNINITIALIZED if key == "step" else 0
+            if key in ("step", "exp_avg_sq_norm") and not bool((value >= low).all()):
+                raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
             if key == "hess" and not bool((value + prior[idx] > 0).all()):
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}]['hess'] has entries with H + weight_decay <= 0 "
