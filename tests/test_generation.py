@@ -1908,6 +1908,84 @@ def test_one_draw_at_a_time_puts_the_mean_back_when_a_forward_raises(gpt2, monke
     assert_unchanged(model, before)
 
 
+def tiny_switch_with_covered_experts():
+    """A tiny SwitchTransformers (a mixture of ``nn.Linear`` experts) whose posterior covers the experts
+    alone: the sample-axis probe's one token per row takes each expert all of the rows or none, and
+    text selects rows per expert, so the batched samples refuse it during the forward."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    torch.manual_seed(1)
+    config = SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, expert_capacity=64, num_layers=2, num_sparse_encoder_layers=0,
+        num_decoder_layers=2, num_sparse_decoder_layers=2, num_heads=4, num_experts=4, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = SwitchTransformersForConditionalGeneration(config).eval()
+    for name, param in model.named_parameters():
+        param.requires_grad_(".experts." in name)
+    posterior = train_posterior(model)
+    assert posterior.names and all(".experts." in n for n in posterior.names)
+    batched_refusal(model, posterior, PROMPTS)  # the probe passes: the refusal comes in the forward
+    with torch.no_grad(), refused(r"experts\.expert_\d\.wi\.weight: the batched-sample forward expects a leading"):
+        with batched.BatchedSamples(model, posterior, 2, seed=0):
+            model(input_ids=PROMPTS.repeat(2, 1), labels=PROMPTS.repeat(2, 1))
+    return model, posterior
+
+
+@pytest.mark.parametrize("call", ["generate_bma", "bma_log_likelihood"])
+def test_a_refusal_during_the_batched_forward_runs_one_draw_at_a_time(monkeypatch, call):
+    """A refusal of the batched samples raised during the forward (a mixture's expert fed a selection of
+    the rows, which the probe's one token did not show) reached the user as NotImplementedError. The
+    call now runs from scratch one draw at a time, as for a refusal before the forward: the tokens,
+    logits, streamed tokens and scores of that path forced, the model at its mean."""
+    model, posterior = tiny_switch_with_covered_experts()
+    before = snapshot(model)
+
+    def run() -> tuple:
+        if call == "bma_log_likelihood":
+            scored = bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+            return (scored.sample_token_log_probs, scored.token_log_probs)
+        streamer = _Collect()
+        out = generate_bma(
+            model, posterior, PROMPTS[:1], num_samples=2, seed=0, max_new_tokens=4, do_sample=False,
+            eos_token_id=None, return_dict_in_generate=True, output_logits=True, streamer=streamer,
+        )  # fmt: skip
+        assert streamer.ended == 1
+        return (out.sequences, *out.logits, *streamer.puts)
+
+    got = run()
+    assert_unchanged(model, before)
+    _refuse_batched(monkeypatch)
+    expected = run()
+    assert len(got) == len(expected)
+    for have, want in zip(got, expected):
+        assert torch.equal(have, want)
+
+
+def test_a_refusal_during_batched_decoding_after_streamed_tokens_names_the_streamer(gpt2):
+    """Tokens given to a streamer cannot be taken back: a refusal of the batched samples after the
+    first new tokens were streamed is raised, naming the streamer, and the model is left at its mean."""
+    model, posterior = gpt2
+    before = snapshot(model)
+    streamer = _Collect()
+
+    def refuse_once_streaming(module, args, output):
+        if len(streamer.puts) == 2:  # the prompt and the first new token
+            raise batched.refusal("refused for the test")
+
+    handle = model.transformer.register_forward_hook(refuse_once_streaming)
+    try:
+        with pytest.raises(NotImplementedError, match=r"refused for the test.*without streamer=$"):
+            generate_bma(
+                model, posterior.with_ess(NOISY_ESS), PROMPTS[:1], num_samples=2, seed=0, max_new_tokens=4,
+                pad_token_id=0, eos_token_id=None, streamer=streamer,
+            )  # fmt: skip
+    finally:
+        handle.remove()
+    assert len(streamer.puts) == 2
+    assert_unchanged(model, before)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sampling", "beams"])
 def test_an_encoder_decoder_the_batched_path_refuses_decodes_one_draw_at_a_time_as_the_batched_path(
     seq2seq, monkeypatch, mode

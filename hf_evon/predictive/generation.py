@@ -59,7 +59,7 @@ from hf_evon.predictive.logprobs import (
     tempered,
 )
 from hf_evon.predictive.module_forward import instance_forward
-from hf_evon.predictive.sequential_samples import SequentialSamples, one_draw_at_a_time
+from hf_evon.predictive.sequential_samples import SequentialSamples, held_prompt, one_draw_at_a_time
 
 Tensor = torch.Tensor
 
@@ -225,10 +225,11 @@ def generate_bma(
 
     A model the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D`` or
     ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
-    adapters, ``weight_norm``, a scaled word embedding) is decoded with the same S samples written
-    into its weights one at a time (``hf_evon.predictive.sequential_samples``), each with its own KV
-    cache (and encoder): the same tokens, at S forwards per step; attentions and hidden states are
-    the last sample's decoder's, an encoder-decoder's encoder outputs sample 0's.
+    adapters, ``weight_norm``, a scaled word embedding; or, during decoding, a mixture's expert fed a
+    selection of rows: decoding starts again, unless a ``streamer`` got new tokens) is decoded with
+    the same S samples written into its weights one at a time (``hf_evon.predictive.sequential_samples``),
+    each with its own KV cache (and encoder): the same tokens, at S forwards per step; attentions and
+    hidden states are the last sample's decoder's, an encoder-decoder's encoder outputs sample 0's.
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
@@ -265,29 +266,41 @@ def generate_bma(
         source,
         name,
     )
-    if isinstance(sampler, NotImplementedError):  # the batched path refuses the model
-        # the S samples it would draw, written into the weights one at a time: its tokens
-        combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
-        encoder = None
-        if is_encoder_decoder(gen_model):  # each sample's own encoder, on the B rows
-            encoder = functools.partial(sampled_encoder_outputs, gen_model, name, source, attention_mask, 1, config)
-        with (
-            one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine, encoder) as (cache, encoded),
-            _without_cache_setting(gen_model),
-            _seeded_tokens(source.device, token_seed),
-        ):
-            if encoded is not None:
-                generation_kwargs["encoder_outputs"] = encoded
-            return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, generation_kwargs)
-    try:
-        if is_encoder_decoder(gen_model):
-            generation_kwargs["encoder_outputs"] = sampled_encoder_outputs(
-                gen_model, name, source, attention_mask, num_samples, config
-            )
-        with _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed) as cache:
-            return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, generation_kwargs)
-    finally:
-        sampler.__exit__(None, None, None)
+    if not isinstance(sampler, NotImplementedError):
+        # a refusal during its forwards (a mixture's expert fed another selection of rows than the probe's)
+        # is answered as one before: the samples one at a time, from scratch, on the call's own kwargs
+        streamer = held_prompt(generation_kwargs.get("streamer"))
+        attempt = {**generation_kwargs, **({"streamer": streamer} if streamer is not None else {})}
+        try:
+            if is_encoder_decoder(gen_model):
+                attempt["encoder_outputs"] = sampled_encoder_outputs(
+                    gen_model, name, source, attention_mask, num_samples, config
+                )
+            with _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed) as cache:
+                return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, attempt)
+        except NotImplementedError as error:
+            if ONE_DRAW_AT_A_TIME not in str(error):
+                raise
+            if streamer is not None and streamer.streamed:
+                raise NotImplementedError(
+                    f"generate_bma: {error}. The batched samples met this after the streamer had been given new "
+                    "tokens, which decoding one draw at a time would give it again: call it without streamer="
+                ) from error
+        finally:
+            sampler.__exit__(None, None, None)
+    # the S samples the batched path would draw, written into the weights one at a time: its tokens
+    combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
+    encoder = None
+    if is_encoder_decoder(gen_model):  # each sample's own encoder, on the B rows
+        encoder = functools.partial(sampled_encoder_outputs, gen_model, name, source, attention_mask, 1, config)
+    with (
+        one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine, encoder) as (cache, encoded),
+        _without_cache_setting(gen_model),
+        _seeded_tokens(source.device, token_seed),
+    ):
+        if encoded is not None:
+            generation_kwargs["encoder_outputs"] = encoded
+        return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, generation_kwargs)
 
 
 def _entered_batched_samples(
@@ -557,15 +570,19 @@ def bma_log_likelihood(
     sampler = _entered_batched_samples(
         BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows), gen_model, source, name
     )
-    if isinstance(sampler, NotImplementedError):  # the batched path refuses the model: its S samples in turn
-        with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
-            per_sample = samples.each(lambda: score(gen_model(**inputs, return_dict=True).logits))
-    else:
+    logits = None
+    if not isinstance(sampler, NotImplementedError):
         try:  # S·B rows, sample-major
             logits = gen_model(**{k: repeated(v, num_samples) for k, v in inputs.items()}, return_dict=True).logits
+        except NotImplementedError as error:  # refused during the forward: as refused before it
+            if ONE_DRAW_AT_A_TIME not in str(error):
+                raise
         finally:
             sampler.__exit__(None, None, None)
-        # one sample at a time keeps the float32 copy small
+    if logits is None:  # the batched path refuses the model: its S samples in turn
+        with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
+            per_sample = samples.each(lambda: score(gen_model(**inputs, return_dict=True).logits))
+    else:  # one sample at a time keeps the float32 copy small
         per_sample = [score(chunk) for chunk in logits.split(len(source))]
         del logits
     sample_lp = torch.stack(per_sample)

@@ -219,6 +219,36 @@ def _repeated(outputs: Any, times: int) -> Any:
     )
 
 
+class _HeldPrompt:
+    """``streamer`` for a batched attempt that a refusal in its first forward re-runs one draw at a time:
+    the first ``put`` (the prompt, which ``generate`` puts before any forward) reaches ``streamer`` with
+    the second (the first new tokens), so that re-run's own prompt is the one it gets; ``streamed``: new
+    tokens have reached it, which a re-run would give it again."""
+
+    def __init__(self, streamer: Any) -> None:
+        self.streamer, self.prompt, self.streamed = streamer, None, False
+
+    def put(self, value: Tensor) -> None:
+        if self.prompt is None and not self.streamed:
+            self.prompt = value
+            return
+        if not self.streamed:
+            self.streamer.put(self.prompt)
+            self.streamed = True
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        if not self.streamed and self.prompt is not None:  # no new token: the prompt alone
+            self.streamer.put(self.prompt)
+        self.streamed = True
+        self.streamer.end()
+
+
+def held_prompt(streamer: Any) -> _HeldPrompt | None:
+    """``streamer`` (``None``: none) with its prompt held back (:class:`_HeldPrompt`)."""
+    return None if streamer is None else _HeldPrompt(streamer)
+
+
 @contextlib.contextmanager
 def one_draw_at_a_time(
     model: nn.Module,
