@@ -1380,3 +1380,54 @@ def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved,
     argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(copy_of_own), "--json"]
     assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
     assert EVONPosterior.from_pretrained(copy_of_own).ess == float(json.loads(capsys.readouterr().out)["ess"])
+
+
+def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running_their_code(
+    saved, tmp_path, capsys, monkeypatch
+):
+    """--output holding another model's pytorch_model.bin, or a sharded checkpoint's index of another
+    model's tensors, and no config.json: calibrate saved the posterior beside them (only safetensors
+    files were read). They are read without running code (the index as JSON, a .bin with
+    torch.load(weights_only=True)): a usage error before any pass naming what differs, the files left
+    as they were; a .bin that loads only by running code is refused, the code not run. A .bin copy of
+    --model's own weights is saved to."""
+    import hf_evon.predictive.calibration as calibration
+
+    path, model, tokenizer, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    wider = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=2, n_head=2))
+    (tmp_path / "bin").mkdir()
+    torch.save(wider.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "index").mkdir()
+    weight_map = {"encoder.layers.0.fc1.weight": "model-00001-of-00002.safetensors", "shared.weight": "x"}
+    (tmp_path / "index" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "pickle").mkdir()
+    shutil.copy(path / "model.safetensors", tmp_path / "pickle" / "model.safetensors")
+    _evil_pickle(tmp_path / "pickle")
+    expected = {
+        "bin": "holds the weights of another model than --model's (tensor 'lm_head.weight' has shape "
+        f"({len(tokenizer)}, 16) in pytorch_model.bin, ({len(tokenizer)}, 32) in --model)",
+        "index": "holds the weights of another model than --model's (none of the tensors of its "
+        "model.safetensors.index.json is --model's, e.g. 'encoder.layers.0.fc1.weight')",
+        "pickle": "its pytorch_model.bin does not read as tensors without running code (torch.load(weights_only=True) "
+        "refuses it: WeightsUnpickler error: Unsupported global: GLOBAL print was not an allowed global by default)",
+    }
+    calibrate = calibration.calibrate_posterior
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    for name, what in expected.items():
+        output = tmp_path / name
+        before = {f.name: f.read_bytes() for f in output.iterdir()}
+        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, name
+        out, err = capsys.readouterr()
+        assert f"--output {str(output)!r}" in err and what in err, err
+        assert "UNPICKLED-CODE-RAN" not in out + err
+        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, name
+    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
+    own = tmp_path / "own"
+    own.mkdir()
+    torch.save(model.state_dict(), own / "pytorch_model.bin")
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(own), "--json"]
+    assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
+    assert EVONPosterior.from_pretrained(own).ess == float(json.loads(capsys.readouterr().out)["ess"])

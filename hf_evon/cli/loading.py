@@ -218,13 +218,15 @@ def check_output_posterior(output: str, model: Any) -> None:
     check_output_weights(output, model)
 
 
-# config.json sizes that set parameter shapes, compared where both configs hold them (a file of
-# weights in another format than safetensors is not read)
+# config.json sizes that set parameter shapes, compared where both configs hold them
 SIZE_KEYS = (
     "vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "num_hidden_layers",
     "n_layer", "num_attention_heads", "n_head", "num_key_value_heads",
 )  # fmt: skip
-WEIGHT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+# the weights files (and shard indexes) from_pretrained reads from a directory
+WEIGHT_FILES = re.compile(
+    r"model(-\d+-of-\d+)?\.safetensors|pytorch_model(-\d+-of-\d+)?\.bin|(model\.safetensors|pytorch_model\.bin)\.index\.json"
+)
 
 
 def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -239,10 +241,46 @@ def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
         raise ValueError(str(err)) from None
 
 
+def weights_file_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
+    """Each tensor's shape in the weights file at ``path`` (None: a shard index's names, without shapes),
+    read without running code: a safetensors header, a shard index's ``weight_map``, a pickled ``.bin``
+    through ``torch.load(weights_only=True)``, memory-mapped; ValueError where the file does not read so."""
+    import json
+    import pickle
+
+    if path.endswith(".safetensors"):
+        return dict(safetensors_shapes(path))
+    if path.endswith(".index.json"):
+        with open(path, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError("it has no 'weight_map' object naming the tensors")
+        return dict.fromkeys(map(str, weight_map))
+    import torch
+
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # a file of torch's legacy format cannot be memory-mapped
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError) as err:
+        lines = [_ANSI.sub("", line).strip() for line in str(err).splitlines() if line.strip()]
+        # torch's first line of a refusal says how to load the file anyway; the unpickler's says why
+        why = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
+        why = why.split(". Please use")[0]  # not the advice to allow the global: the file is not trusted here
+        raise ValueError(f"torch.load(weights_only=True) refuses it: {why or type(err).__name__}") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError("it is not a dictionary of tensors")
+    return {str(k): tuple(t.shape) for k, t in state.items()}
+
+
 def check_output_weights(output: str, model: Any) -> None:
     """A usage error where ``output`` holds another model's weights than ``model``'s: its config.json
-    of another ``model_type`` or sizes (SIZE_KEYS), or a tensor of its safetensors files of a name
-    the model has and another shape, or none of the model's names.
+    of another ``model_type`` or sizes (SIZE_KEYS), or a tensor of its weights files (safetensors, a
+    pickled ``.bin``, a shard index: ``weights_file_shapes``) of a name the model has and another shape,
+    or none of the model's names; a ``.bin`` that loads only by running code is refused.
 
     Why: the posterior saved there would sit beside weights it does not fit, and ``from_pretrained``
     of the directory would load the one with the other. A copy of the model's weights is fine."""
@@ -275,11 +313,14 @@ def check_output_weights(output: str, model: Any) -> None:
     names = sorted(n for n in os.listdir(output) if WEIGHT_FILES.fullmatch(n)) if os.path.isdir(output) else []
     for file in names:
         try:
-            stored = safetensors_shapes(os.path.join(output, file))
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise UsageError(f"--output {output!r}: its {file} does not read as safetensors ({err}): {keep}") from None
+            stored = weights_file_shapes(os.path.join(output, file))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            what = "as safetensors" if file.endswith(".safetensors") else (
+                "as a shard index" if file.endswith(".json") else "as tensors without running code"
+            )
+            raise UsageError(f"--output {output!r}: its {file} does not read {what} ({err}): {keep}") from None
         for tensor, shape in sorted(stored.items()):
-            if tensor in shapes and shapes[tensor] != shape:
+            if tensor in shapes and shape is not None and shapes[tensor] != shape:
                 raise UsageError(
                     f"{other} (tensor {tensor!r} has shape {shape} in {file}, {shapes[tensor]} in --model): {keep}"
                 )
