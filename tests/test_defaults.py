@@ -267,6 +267,38 @@ def test_hess_init_share_falls_when_the_data_has_curvature(gamma: float | None) 
         assert 0.1 < (beta2 / growth) ** t <= stats["hess_init_share"] < 1.0
 
 
+def test_posterior_health_leaves_out_frozen_matrices_that_never_had_a_gradient() -> None:
+    """Frozen matrices (``requires_grad=False``) in EVON's group, one sharing the trained matrix's
+    bucket and one in a bucket of its own, never get a gradient: their H stayed h0 and counted in
+    every statistic (a share of h0 near 1, a below-prior share near 0, the noise of weights never
+    sampled). The statistics are the trained matrix's alone, computed here by hand (Price: h0·β2ᵗ)."""
+    torch.manual_seed(0)
+    trained, twin, other = nn.Linear(8, 6, bias=False), nn.Linear(8, 6, bias=False), nn.Linear(8, 5, bias=False)
+    twin.weight.requires_grad_(False)
+    other.weight.requires_grad_(False)
+    delta, ess = 3e-2, 1e4
+    opt = EVON([trained.weight, twin.weight, other.weight], ess=ess, weight_decay=delta, hess_estimator="price")
+    x = torch.randn(16, 8)
+    for _ in range(6):  # the first step sets up the eigenbases: 5 updates of H
+        with opt.sampled_params(train=True):
+            (trained(x).square().sum() + (twin(x) + other(x).sum()).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(bool(opt.state[p.weight]["hess"].eq(DEFAULT_HESS_INIT).all()) for p in (twin, other))
+    hess, w = opt.state[trained.weight]["hess"].double(), trained.weight.detach().double()
+    h0, beta2 = DEFAULT_HESS_INIT, opt.param_groups[0]["betas"][1]
+    stats = opt.posterior_health(warn=False)
+    assert stats["hess_init_share"] == pytest.approx(h0 * beta2**5 * hess.numel() / float(hess.sum()), rel=1e-12)
+    assert stats["hess_below_prior"] == float((opt.state[trained.weight]["hess"] < delta).double().mean())
+    assert stats["hess_mean"] == pytest.approx(float(hess.mean()), rel=1e-12)
+    assert (stats["hess_min"], stats["hess_max"]) == (float(hess.min()), float(hess.max()))
+    var = 1.0 / (ess * (hess + delta))
+    assert stats["noise_to_signal"] == pytest.approx(math.sqrt(float(var.sum() / w.square().sum())), rel=1e-5)
+    assert stats["prior_to_signal"] == pytest.approx(
+        math.sqrt(hess.numel() / (ess * delta) / float(w.square().sum())), rel=1e-5
+    )
+
+
 def test_runaway_noise_warns_once_naming_the_cause() -> None:
     """ess = N-style noise on a small model: the std dwarfs the weights (the issue's MLP case)."""
     model = mlp()

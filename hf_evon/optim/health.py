@@ -27,20 +27,30 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
     """Per bucket, float64 on the CPU (one host sync), and the number of H entries:
     [Σ V, Σ W², min H, max H, Σ H, #H<δ, max per-matrix noise-to-signal, Σ h0·β2ᵗ, Σ 1/(ζδ)].
 
-    Also adds to each bucket's runaway watch the members whose noise is now below their RMS."""
+    A frozen member (``requires_grad=False``) never updated is left out: its H is h0 and it is never
+    sampled. Also adds to each bucket's runaway watch the members whose noise is now below their RMS."""
     rows, numel = [], 0
     for b in buckets:
         g = b.group
         if math.isinf(g["ess"]):
             continue
-        hess = b.state["hess"]
+        # a frozen matrix never updated holds h0, not a curvature, and is never sampled: left out
+        counts = b.counts
+        members = [i for i, p in enumerate(b.params) if p.requires_grad or counts[i] > 0]
+        if not members:
+            continue
+        idx = None if len(members) == len(b.params) else b.member_index(members)  # None: every member
+        hess = b.state["hess"] if idx is None else b.state["hess"][idx]
         var = torch.reciprocal(g["ess"] * (hess + g["weight_decay"]))
         # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
         weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
-        w_sq = torch.stack(torch._foreach_norm(weights)).to(b.dtype).square()
+        w_sq = torch.stack(torch._foreach_norm([weights[i] for i in members])).to(b.dtype).square()
         var_sum = var.sum(dim=(1, 2))
         ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
-        watched = b.state["noise_watched"].masked_fill_(ratio < 1, 1.0)  # from then on: for good
+        watched = b.state["noise_watched"] if idx is None else b.state["noise_watched"][idx]
+        watched.masked_fill_(ratio < 1, 1.0)  # from then on: for good
+        if idx is not None:
+            b.state["noise_watched"].index_copy_(0, idx, watched)
         row = [
             var_sum.sum(),
             w_sq.sum(),
@@ -49,7 +59,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             hess.sum(dtype=torch.float64),  # a float32 sum of many entries drifts (its mean below its min)
             (hess < g["weight_decay"]).sum(),
         ]
-        steps = b.state["step"].double().clamp_min(0)  # a member not yet initialised: still h0
+        steps = b.state["step"][members].double().clamp_min(0)  # a member not yet initialised: still h0
         if g["phased_gradients"]:  # only the noisy updates (counts 0, 2, 4, ...) change H
             steps = torch.div(steps + 1, 2, rounding_mode="floor")
         # the Fisher estimate's first update replaces h0; the Price one decays it by β2 per update of H
