@@ -1986,6 +1986,35 @@ def test_a_refusal_during_batched_decoding_after_streamed_tokens_names_the_strea
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "bart"])
+def test_one_draw_at_a_time_returns_every_samples_attentions_and_hidden_states(monkeypatch, arch):
+    """One draw at a time, the attentions and hidden states generate_bma returned (output_attentions,
+    output_hidden_states) were the last sample's decoder's, B rows, where the batched path returns
+    every sample's, S·B rows sample-major; a model refused during the batched forwards switches path
+    unseen. Both paths return the same: each step's, per layer, of every sample."""
+    model = tiny_gpt2() if arch == "gpt2" else tiny_bart()
+    model.set_attn_implementation("eager")  # attentions to return
+    posterior = train_posterior(model).with_ess(NOISY_ESS)
+    kwargs = dict(
+        num_samples=3, seed=4, max_new_tokens=3, do_sample=False, pad_token_id=model.config.pad_token_id or 0,
+        eos_token_id=None, return_dict_in_generate=True, output_attentions=True, output_hidden_states=True,
+    )  # fmt: skip
+    keys = ("attentions", "hidden_states") if arch == "gpt2" else (
+        "decoder_attentions", "cross_attentions", "decoder_hidden_states"
+    )  # fmt: skip
+    expected = generate_bma(model, posterior, PROMPTS, **kwargs)
+    _refuse_batched(monkeypatch)
+    got = generate_bma(model, posterior, PROMPTS, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for key in keys:
+        assert len(got[key]) == len(expected[key]) == 3  # one per step
+        for got_step, want_step in zip(got[key], expected[key], strict=True):
+            assert len(got_step) == len(want_step) > 0  # one per layer
+            for have, want in zip(got_step, want_step, strict=True):
+                assert have.shape[0] == 3 * len(PROMPTS), key
+                torch.testing.assert_close(have, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["greedy", "sampling", "beams"])
 def test_an_encoder_decoder_the_batched_path_refuses_decodes_one_draw_at_a_time_as_the_batched_path(
     seq2seq, monkeypatch, mode

@@ -228,8 +228,8 @@ def generate_bma(
     adapters, ``weight_norm``, a scaled word embedding; or, during decoding, a mixture's expert fed a
     selection of rows: decoding starts again, unless a ``streamer`` got new tokens) is decoded with
     the same S samples written into its weights one at a time (``hf_evon.predictive.sequential_samples``),
-    each with its own KV cache (and encoder): the same tokens, at S forwards per step; attentions and
-    hidden states are the last sample's decoder's, an encoder-decoder's encoder outputs sample 0's.
+    each with its own KV cache (and encoder): the same tokens, at S forwards per step; the decoder's
+    attentions and hidden states are every sample's too, an encoder-decoder's encoder's sample 0's (B rows).
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:

@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 # the keywords under which a forward takes its KV cache: transformers from 5.24, and before
 CACHE_KEYWORDS = ("cache", "past_key_values")
+# a decoder's outputs per layer that generate returns when asked (output_attentions, output_hidden_states)
+PER_SAMPLE_OUTPUTS = ("attentions", "hidden_states", "decoder_attentions", "cross_attentions", "decoder_hidden_states")
 
 
 class SequentialSamples:
@@ -158,7 +160,8 @@ def forward_per_sample(
     """``model``'s forward, for the block, run once per sample of ``samples`` (each written into the
     weights in turn, the mean written back after), each on its own cache of the
     :func:`per_sample_cache` handed to it, and returning the outputs of the last with ``logits``
-    ``combine(the S samples' logits)`` and that same cache. A call without a cache that caches (the
+    ``combine(the S samples' logits)``, that same cache, and the decoder's attentions and hidden states
+    (where requested) of all S samples, ``S·B`` rows sample-major as the batched path returns them. A call without a cache that caches (the
     unconditional pass of ``guidance_scale``'s processor) gets a fresh one from ``new_cache``, so its
     next call finds each sample's states apart again. ``encoder_outputs``: an encoder-decoder model's,
     one per sample (``B`` rows), each sample's decoder given its own, repeated as ``generate`` repeats
@@ -187,7 +190,7 @@ def forward_per_sample(
                 f"generate_bma one draw at a time: the model was called with a cache ({type(cache).__name__}) "
                 "that does not hold one cache per sample"
             )
-        outputs, logits = None, []
+        outputs, logits, per_layer = None, [], {}
         try:
             for s in range(samples.num_samples):
                 samples.write(s)
@@ -197,9 +200,14 @@ def forward_per_sample(
                     kwargs["encoder_outputs"] = own_encoder_outputs(s, kwargs["encoder_outputs"])
                 outputs = forward(**kwargs)
                 logits.append(outputs.logits)
+                for name in PER_SAMPLE_OUTPUTS:  # requested: every sample's, as the batched path's
+                    if isinstance(outputs.get(name), tuple):
+                        per_layer.setdefault(name, []).append(outputs[name])
         finally:
             samples.restore()
         outputs.logits = combine(logits)
+        for name, layers in per_layer.items():  # (S·B, …) per layer, sample-major
+            outputs[name] = tuple(torch.cat(samples_of_layer) for samples_of_layer in zip(*layers))
         for name in CACHE_KEYWORDS:
             if outputs.get(name) is not None:
                 outputs[name] = cache
