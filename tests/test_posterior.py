@@ -1770,3 +1770,33 @@ def test_adaloras_pruned_ranks_stay_zero_in_every_sample(tmp_path):
     theirs = dict(reloaded.named_parameters())
     with EVONPosterior.from_pretrained(tmp_path).sampled(reloaded, seed=5):
         assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)
+
+
+def test_adaloras_pruned_ranks_have_no_spread_in_draw_and_std(tmp_path):
+    """``sampled()`` keeps AdaLoRA's pruned singular values at the mean's 0, but ``draw()`` returned noise
+    and ``std()`` the posterior's spread there: a sample built from ``draw()`` (``M + ΔW``) was not the one
+    ``sampled()`` writes, and ``std()`` reported uncertainty for a rank that is off. Both now hold 0 at
+    the pruned entries (recorded by ``from_optimizer``), the same after a save and a reload without the
+    model; every other entry is as before."""
+    model, opt = _adalora_past_its_allocation()
+    pattern = model.peft_config["default"].rank_pattern
+    pruned = {f"base_model.model.{k}": ~torch.tensor(v).unsqueeze(-1) for k, v in pattern.items()}
+    assert any(m.any() for m in pruned.values())
+    posterior = EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
+    params = dict(model.named_parameters())
+    for loaded in (posterior, None):
+        if loaded is None:
+            posterior.save_pretrained(tmp_path, model_card=False)
+            loaded = EVONPosterior.from_pretrained(tmp_path)
+        for name, mask in pruned.items():
+            f = loaded[name]
+            spread = f.marginal_variance().sqrt().reshape(f.shape)
+            assert torch.equal(loaded.std(name), spread.masked_fill(mask, 0.0)) and bool(spread[mask].gt(0).all())
+        draws = loaded.draw(2, seed=5)
+        assert all(torch.equal(draws[n][:, m], torch.zeros(2, int(m.sum()))) for n, m in pruned.items())
+        assert all(draws[n][:, ~m].ne(0).all() for n, m in pruned.items())
+        with loaded.sampled(model, seed=5):
+            one = loaded.draw(1, seed=5)
+            sample = {n: params[n].detach().clone() for n in loaded.names}
+        means = {n: params[n].detach() for n in loaded.names}
+        assert all(torch.equal(sample[n], means[n] + one[n][0]) for n in loaded.names)

@@ -237,6 +237,30 @@ def test_a_bad_trained_ess_by_parameter_is_refused_on_load(tmp_path, value, mess
         EVONPosterior.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"not.covered": [0]}, r"pruned_ranks names 'not.covered', which is not covered"),
+        ({"NAME": ["NUMEL"]}, r"pruned_ranks names 'NAME', which has NUMEL entries"),
+        ({"NAME": [1, 0]}, r"pruned_ranks.NAME' must be .*increasing list"),
+        ({"NAME": []}, r"pruned_ranks.NAME' must be .*non-empty"),
+        ({"NAME": [-1]}, r"pruned_ranks.NAME' must be .*integers >= 0"),
+        ([0], r"'pruned_ranks' must be an object"),
+    ],
+)
+def test_a_bad_pruned_ranks_is_refused_on_load(tmp_path, value, message):
+    """``pruned_ranks`` lists the entries ``draw()`` and ``std()`` hold at 0 (AdaLoRA's pruned ranks): one
+    naming an uncovered parameter or an entry it lacks is refused, naming the field, not an IndexError
+    at the first draw."""
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+    name, numel = post.names[0], post.std(post.names[0]).numel()
+    edited = json.dumps(value).replace("NAME", name).replace('"NUMEL"', str(numel))
+    _edit_config(tmp_path, pruned_ranks=json.loads(edited))
+    with pytest.raises(PosteriorMismatchError, match=message.replace("NAME", re.escape(name)).replace("NUMEL", str(numel))):
+        EVONPosterior.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("value", [0, -5.0, "-inf"])
 def test_a_trained_ess_that_is_not_positive_is_refused_on_load(tmp_path, value):
     """``trained_ess`` is the ζ ``trained_posterior`` puts back: one <= 0 loaded and then failed

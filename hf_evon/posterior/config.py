@@ -259,6 +259,7 @@ class PosteriorConfig:
     base_model: str | None = _optional(rules.base_model, nullable=True)
     model_class: str | None = _optional(rules.string, nullable=True)
     mean_fingerprint: dict[str, Any] | None = _optional(rules.mean_fingerprint, nullable=True)
+    pruned_ranks: dict[str, list[int]] | None = _optional(rules.pruned_ranks)  # AdaLoRA's: no spread there
     # how the tensors are stored
     eigenbasis_dtype: str | None = _optional(rules.string)
     max_basis_ratio: float | None = _optional(rules.number, nullable=True)  # lean posteriors
@@ -322,6 +323,10 @@ class PosteriorConfig:
         }
         if unknown := sorted(set(values.get("trained_ess_by_parameter") or {}) - set(entries)):
             raise PosteriorMismatchError(f"{where}: trained_ess_by_parameter names uncovered {unknown[:5]}")
+        for name, indices in (values.get("pruned_ranks") or {}).items():
+            if name not in entries or indices[-1] >= math.prod(entries[name].shape):
+                what = "is not covered" if name not in entries else f"has {math.prod(entries[name].shape)} entries"
+                raise PosteriorMismatchError(f"{where}: pruned_ranks names {name!r}, which {what}")
         return cls(
             ess=ess,
             weight_decay=weight_decay,

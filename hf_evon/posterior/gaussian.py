@@ -46,6 +46,15 @@ def add_perturbation(mean: Tensor, delta: Tensor) -> Tensor:
     return (mean.to(wide) + delta.to(wide)).to(mean.dtype)
 
 
+def zero_entries(values: Tensor, indices: list[int] | None, leading: int = 0) -> Tensor:
+    """``values`` (``leading`` batch dims, then one parameter's shape) with the listed entries of the
+    parameter's row-major flatten set to 0 (AdaLoRA's pruned ranks: off, not uncertain)."""
+    if not indices:
+        return values
+    flat = values.reshape(*values.shape[:leading], -1)
+    return flat.index_fill(leading, torch.tensor(indices, device=values.device), 0).reshape(values.shape)
+
+
 def sample_seed(seed: int | None, params: Iterable[Tensor]) -> int:
     """``seed`` for writing one sample into ``params`` (``resolve_seed``). ``seed=None`` is refused
     where one is a DTensor (FSDP2): each rank would take a seed from its own RNG and write its rows
@@ -131,6 +140,10 @@ class MatrixFactors:
     def marginal_variance(self) -> Tensor:
         """Diagonal of the covariance, shaped ``matrix_shape``."""
         return marginal_variance(*self._wide(), self.ess, self.weight_decay)
+
+    def std(self, pruned: list[int] | None = None) -> Tensor:
+        """Marginal standard deviations shaped like the parameter; 0 at ``pruned`` (:func:`zero_entries`)."""
+        return zero_entries(self.marginal_variance().sqrt().reshape(self.shape), pruned)
 
     def covariance(self) -> Tensor:
         """Dense covariance of the row-major flatten of the matrix."""
@@ -269,13 +282,20 @@ def stack_factors(factors: Mapping[str, MatrixFactors]) -> list[FactorGroup]:
 
 
 def sample_group(
-    group: FactorGroup, members: list[int], num_samples: int, seed: int, device: Any, rotated: bool = False
+    group: FactorGroup,
+    members: list[int],
+    num_samples: int,
+    seed: int,
+    device: Any,
+    rotated: bool = False,
+    pruned: Mapping[str, list[int]] | None = None,
 ) -> Tensor:
     """``num_samples`` perturbations of the group's matrices ``members``: ``(len(members), S, m, n)``.
 
     Each matrix draws from its own generator seeded by ``(seed, name)``, so its values do not
     depend on which other matrices are drawn with it. ``rotated``: the draws before the bases
     are applied (``z ⊙ √V``). Math in ``compute_dtype`` on ``device`` (None: where the group is).
+    ``pruned`` (``{name: entries}``, AdaLoRA's pruned ranks) are 0 in the perturbations, not in ``rotated``'s.
     """
     dev = torch.device(device) if device is not None else group.hess.device
     if dev.type == "meta":
@@ -299,8 +319,12 @@ def sample_group(
         gen.manual_seed(derived_seed(seed, group.names[i]))
         z[j].normal_(generator=gen)
     if rotated:
-        q_left = q_right = None
-    return perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
+        return perturbations(z, hess, None, None, group.ess, group.weight_decay)
+    out = perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)
+    for j, i in enumerate(members):
+        if pruned and group.names[i] in pruned:
+            out[j] = zero_entries(out[j], pruned[group.names[i]], 1)
+    return out
 
 
 def perturbations(

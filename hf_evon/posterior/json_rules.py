@@ -202,6 +202,22 @@ def mean_fingerprint(value: Any, field: str, where: str) -> dict[str, Any]:
     return value
 
 
+def pruned_ranks(value: Any, field: str, where: str) -> dict[str, list[int]]:
+    """``{parameter name: [indices]}``: the entries (of the row-major flatten) AdaLoRA's rank allocation
+    pruned, increasing integers >= 0, each list non-empty."""
+    rule = "an object {parameter name: a non-empty increasing list of integers >= 0}"
+    if not isinstance(value, dict):
+        raise rule_error(where, field, rule, value)
+    for name, indices in value.items():
+        if not isinstance(indices, list) or not indices:
+            raise rule_error(where, f"{field}.{name}", rule, indices)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices) or indices != sorted(
+            set(indices)
+        ):
+            raise rule_error(where, f"{field}.{name}", rule, indices)
+    return value
+
+
 def ess_by_name(value: Any, field: str, where: str) -> dict[str, float]:
     """``{parameter name: ess > 0 or "inf"}`` (the trained ζ of parameters whose group's differs)."""
     if not isinstance(value, dict):

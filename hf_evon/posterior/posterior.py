@@ -212,9 +212,8 @@ class EVONPosterior:
         )
 
     def std(self, name: str) -> Tensor:
-        """Marginal posterior standard deviations of ``name``, shaped like the parameter."""
-        f = self[name]
-        return f.marginal_variance().sqrt().reshape(f.shape)
+        """Marginal posterior standard deviations of ``name``, shaped like the parameter (0 at pruned ranks: draw)."""
+        return self[name].std((self.config.get("pruned_ranks") or {}).get(name))
 
     def covariance(self, name: str, max_elements: int = MAX_DENSE_COVARIANCE_ELEMENTS) -> Tensor:
         """Dense covariance of the row-major flatten of ``name`` (small parameters only)."""
@@ -240,13 +239,13 @@ class EVONPosterior:
     ) -> dict[str, Tensor]:
         """Draw perturbations ``W_s − M`` without touching any model.
 
-        Returns ``{name: (S, *param_shape)}``. Each parameter's noise comes from its own
-        generator seeded by ``(seed, name)``, so the same seed gives the same values for a
-        parameter whatever subset is drawn (on the same device type). Math in float32;
-        ``dtype`` casts the result. ``seed=None`` takes a seed from torch's global RNG.
-        ``rotated=True`` returns the same draws before the bases are applied,
-        ``E_s = z_s ⊙ √V`` shaped ``(S, m, n)`` (``W_s − M = Q_L E_s Q_Rᵀ``): no matmuls, for code
-        that applies the bases to activations instead of to the weights.
+        Returns ``{name: (S, *param_shape)}``. Each parameter's noise comes from its own generator seeded by
+        ``(seed, name)``, so the same seed gives the same values for a parameter whatever subset is drawn (on
+        the same device type). Math in float32; ``dtype`` casts the result. ``seed=None`` takes a seed from
+        torch's global RNG. AdaLoRA's pruned ranks (``config["pruned_ranks"]``) are 0, as in ``sampled``.
+        ``rotated=True``: the draws before the bases are applied (none zeroed), ``E_s = z_s ⊙ √V`` shaped
+        ``(S, m, n)`` (``W_s − M = Q_L E_s Q_Rᵀ``): no matmuls, for code that applies the bases to activations
+        instead of to the weights.
         """
         if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as seeds
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
@@ -258,7 +257,7 @@ class EVONPosterior:
             idx = [i for i, name in enumerate(group.names) if name in wanted]
             if not idx:
                 continue
-            noise = sample_group(group, idx, num_samples, seed, device, rotated)
+            noise = sample_group(group, idx, num_samples, seed, device, rotated, self.config.get("pruned_ranks"))
             for j, i in enumerate(idx):
                 value = noise[j] if rotated else noise[j].reshape(num_samples, *group.shapes[i])
                 out[group.names[i]] = value if dtype is None else value.to(dtype)

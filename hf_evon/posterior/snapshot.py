@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import base_model_name, model_class, peft_base_model, unwrap_model
+from hf_evon.modeling import base_model_name, model_class, peft_base_model, pruned_ranks, unwrap_model
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.validation import GROUP_KEYS
@@ -107,6 +107,10 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     settings["base_model"] = recordable_base_model(base_model_name(model))
     settings["model_class"] = _recorded_class(model)
     settings["mean_fingerprint"] = mean_fingerprint({name: p for name, p, _ in entries}, factors)
+    # AdaLoRA's pruned ranks (the mean's zeros): off, not uncertain; std() and draw() hold 0 there, as samples do
+    pruned = {n: m.flatten().nonzero().flatten().tolist() for n, m in pruned_ranks(model).items() if n in factors}
+    if pruned:
+        settings["pruned_ranks"] = pruned
     covered = {id(p) for _, p, _ in entries}
     points = [p for _, p in named if id(p) not in covered]
     return Snapshot(factors, settings, sum(p.numel() for p in points), len(points))
