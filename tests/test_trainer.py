@@ -1038,6 +1038,29 @@ def test_adaloras_pruned_ranks_stay_zero_in_every_training_sample(tmp_path):
 
 
 
+def test_the_logged_posterior_std_mean_counts_adaloras_pruned_ranks_as_no_spread(tmp_path):
+    """``evon/posterior_std_mean`` averaged the posterior's std (about 1 at this ess) over AdaLoRA's pruned
+    singular values too, which every sample keeps at 0; they now count as std 0, as ``std()`` reports
+    them: the mean over every EVON-owned entry of the optimizer's ``posterior_std``, 0 where pruned."""
+    from peft import AdaLoraConfig
+
+    adalora = AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=4, tinit=0, tfinal=1, deltaT=1
+    )
+    args = config(tmp_path, max_steps=4, per_device_train_batch_size=4)
+    trainer = EVONTrainer(model=tiny_gpt2(), args=args, peft_config=adalora, train_dataset=lm_data())
+    trainer.train()
+    opt = trainer.evon_optimizer
+    owned = [p for b in opt.buckets for p in b.params]
+    lora_e = {id(p) for n, p in trainer.model.named_parameters() if ".lora_E." in n}
+    assert any(bool((p == 0).any()) for p in owned if id(p) in lora_e)
+    stds = [opt.posterior_std(p).masked_fill((p == 0) & (id(p) in lora_e), 0).double() for p in owned]
+    expected = float(sum(s.sum() for s in stds)) / sum(s.numel() for s in stds)
+    logged = trainer.posterior_statistics()["evon/posterior_std_mean"]
+    assert logged == pytest.approx(expected, rel=1e-6)
+
+
+
 def test_an_adalora_adapter_saved_by_the_trainer_reloads_with_its_posterior(tmp_path):
     """PEFT saves an AdaLoRA adapter with a rank_pattern at its kept ranks only, where the posterior covers
     every rank: ``save_model()`` wrote an adapter and a posterior that did not fit together (the posterior's

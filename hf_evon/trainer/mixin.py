@@ -559,7 +559,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         """``evon/posterior_std_mean``, ``evon/hess_min``/``max``/``mean``, ``evon/skipped_steps`` and
         ``posterior_health()``'s statistics (:func:`hf_evon.trainer.statistics.posterior_statistics`)."""
         optimizer = self.evon_optimizer
-        return {} if optimizer is None else posterior_statistics(optimizer)
+        return {} if optimizer is None else posterior_statistics(optimizer, pruned_entries(self.model))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` plus the posterior's statistics at training logs; ``learning_rate`` is the

@@ -11,8 +11,9 @@ __all__ = ["posterior_statistics"]
 
 
 @torch.no_grad()
-def posterior_statistics(optimizer: EVON) -> dict[str, float]:
-    """``evon/posterior_std_mean`` (mean marginal posterior std over all EVON-owned weights),
+def posterior_statistics(optimizer: EVON, pruned: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> dict[str, float]:
+    """``evon/posterior_std_mean`` (mean marginal posterior std over all EVON-owned weights, 0 at the
+    ``pruned`` entries: AdaLoRA's pruned ranks, ``hf_evon.trainer.adalora.pruned_entries``, which samples keep 0),
     ``evon/hess_min``/``max``/``mean`` (range of the rotated-space Hessian H), ``evon/skipped_steps``
     and every ``posterior_health()`` statistic as ``evon/<name>``; {} before the first step.
     ``posterior_health()``'s ``hess_*`` are those logged: they cover the sampled (finite ``ess``)
@@ -24,6 +25,7 @@ def posterior_statistics(optimizer: EVON) -> dict[str, float]:
     buckets = optimizer.buckets
     if not buckets and optimizer.sharding is None:
         return {}
+    masks = {id(p): mask for p, mask in pruned}
     rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
     count = 0
     for b in buckets:
@@ -32,8 +34,11 @@ def posterior_statistics(optimizer: EVON) -> dict[str, float]:
         if math.isinf(group["ess"]):
             std_sum = hess.new_zeros((), dtype=torch.float64)
         else:
-            std = marginal_variance(hess, q_left, q_right, group["ess"], group["weight_decay"])
-            std_sum = std.clamp_min(0).sqrt().double().sum()
+            std = marginal_variance(hess, q_left, q_right, group["ess"], group["weight_decay"]).clamp_min(0).sqrt()
+            for i, p in enumerate(b.params) if masks else ():
+                if id(p) in masks:
+                    std[i] = std[i].masked_fill(masks[id(p)].reshape(std[i].shape), 0)
+            std_sum = std.double().sum()
         rows.append(torch.stack([hess.min().double(), hess.max().double(), hess.double().sum(), std_sum]))
         count += hess.numel()
     t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 4)
