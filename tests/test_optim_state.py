@@ -976,6 +976,19 @@ def test_load_state_dict_refuses_state_the_next_step_cannot_use(corrupt, named: 
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
 
 
+def test_load_state_dict_refuses_an_eigenbasis_that_is_not_orthonormal() -> None:
+    """A state dict whose Q_L was scaled by 1.5 loaded, and the posterior built from the optimizer
+    then saved bases that EVONPosterior.from_pretrained refuses ("is not orthonormal"): a saved
+    posterior that no load reads. The load refuses it, naming the entry."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    bad = copy.deepcopy(opt.state_dict())
+    _evon_entry(bad)["Q_L"].mul_(1.5)
+    _refused_and_unchanged(opt, model, data, bad, "['Q_L'] is not orthonormal")
+
+
 def test_another_optimizers_state_dict_is_refused_before_anything_changes() -> None:
     # torch's AdamW over the same parameters: as many groups and parameters, none of EVON's keys
     model, data = make_model(), make_data()

@@ -369,6 +369,19 @@ class BuiltLayout:
         return _evon_members(groups) != self.members
 
 
+# ‖QᵀQx − x‖/‖x‖ a loaded eigenbasis may have, by its dtype: what a saved posterior's load allows
+# (hf_evon.posterior.gaussian.ORTHONORMAL_TOL), at least float32's, which the bases are computed in
+BASIS_TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+
+def orthonormality_error(q: torch.Tensor) -> float:
+    """``max ‖QᵀQx − x‖ / ‖x‖`` over two fixed random probes (in float64), for one basis or a stack."""
+    q64 = q.detach().to("cpu", torch.float64)
+    x = torch.randn(q64.shape[-1], 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    residual = q64.mT @ (q64 @ x) - x
+    return float((residual.norm(dim=-2) / x.norm(dim=0)).max())
+
+
 def validate_state_dict(state_dict: dict[str, Any]) -> None:
     """Check a state dict before ``EVON.load_state_dict`` changes anything: every group's
     hyperparameters as the constructor checks them, and each EVON parameter's state finite with
@@ -404,6 +417,14 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
             low = UNINITIALIZED if key == "step" else 0
             if key in ("step", "exp_avg_sq_norm") and not bool((value >= low).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
+            if key in ("Q_L", "Q_R") and value.numel():
+                err, tol = orthonormality_error(value), BASIS_TOLERANCE.get(value.dtype, 6e-2)
+                if err > tol:
+                    raise ValueError(
+                        f"EVON.load_state_dict: state[{idx!r}][{key!r}] is not orthonormal "
+                        f"(‖QᵀQx − x‖/‖x‖ = {err:.3g} > {tol:g} for {value.dtype}): a posterior saved from it "
+                        "would not load"
+                    )
             if key == "hess" and not bool((value + prior[idx] > 0).all()):
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}]['hess'] has entries with H + weight_decay <= 0 "
