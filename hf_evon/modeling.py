@@ -266,17 +266,24 @@ def pruned_ranks(model: nn.Module) -> dict[str, Any]:
     rank keeps the zeros): the rank is off, not uncertain, so a posterior sample keeps it 0 where a
     draw would turn it back on as noise. An exact 0 is the sign (a trained singular value is never
     exactly 0), so an untrained adapter, whose ``lora_E`` starts at 0, samples as its mean."""
+    pruned = {}
+    for name, value in adalora_singular_values(model):
+        zero = value.detach() == 0
+        zero = zero.full_tensor() if hasattr(zero, "full_tensor") else zero  # an FSDP2 shard: the whole
+        if bool(zero.any()):
+            pruned[name] = zero
+    return pruned
+
+
+def adalora_singular_values(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, lora_E.<adapter>)`` of every AdaLoRA layer of ``model`` (``named_parameters``' names)."""
     if "peft" not in sys.modules:  # no PEFT layers without PEFT: not imported here for every sample
-        return {}
+        return []
     from peft.tuners.adalora import AdaLoraLayer
 
-    pruned = {}
-    for module_name, layer in unwrap_model(model).named_modules():
-        if not isinstance(layer, AdaLoraLayer):
-            continue
-        for adapter, value in layer.lora_E.items():
-            zero = value.detach() == 0
-            zero = zero.full_tensor() if hasattr(zero, "full_tensor") else zero  # an FSDP2 shard: the whole
-            if bool(zero.any()):
-                pruned[f"{module_name}.lora_E.{adapter}" if module_name else f"lora_E.{adapter}"] = zero
-    return pruned
+    return [
+        (f"{module_name}.lora_E.{adapter}" if module_name else f"lora_E.{adapter}", value)
+        for module_name, layer in unwrap_model(model).named_modules()
+        if isinstance(layer, AdaLoraLayer)
+        for adapter, value in layer.lora_E.items()
+    ]

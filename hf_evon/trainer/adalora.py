@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from hf_evon.modeling import is_peft_model, unwrap_model
+from hf_evon.modeling import adalora_singular_values, is_peft_model, unwrap_model
 
 __all__ = ["AdaLoraRankAllocation", "adalora_model", "add_rank_allocation", "every_rank_saved", "kept_ranks"]
 __all__ += ["pruned_entries", "zero_pruned"]
@@ -86,12 +86,9 @@ def pruned_entries(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     allocation pruned (the exact zeros it wrote), read from the mean: [] for any other model. Taken before
     a ``sampled_params`` block, for :func:`zero_pruned` inside it."""
     adalora = adalora_model(model)
-    if adalora is None:
+    if adalora is None:  # checked first: a cheap test for every other model, at every step
         return []
-    from peft.tuners.adalora import AdaLoraLayer
-
-    layers = [m for m in adalora.model.modules() if isinstance(m, AdaLoraLayer)]
-    return [(p, p.detach() == 0) for layer in layers for p in layer.lora_E.values()]
+    return [(p, p.detach() == 0) for _, p in adalora_singular_values(model)]
 
 
 @torch.no_grad()
