@@ -9,6 +9,7 @@ The checks recompute what they compare from shapes and files.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import fsdp2_worker as worker
@@ -318,6 +319,43 @@ def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_pa
         trainer._load_optimizer_and_scheduler(str(tmp_path))
     trainer.evon_optimizer.sharding = None  # not FSDP2: the Trainer's own (nothing to load here)
     trainer._load_optimizer_and_scheduler(None)
+
+
+@pytest.mark.parametrize("content", ["truncated", "code", "another model"])
+def test_an_unreadable_evon_optimizer_state_is_named_by_its_file(tmp_path, content) -> None:
+    """A resume from an ``evon_optimizer.pt`` cut short, holding a pickle that would run code, or
+    holding another model's state raised torch's "PytorchStreamReader failed reading zip archive",
+    its "Weights only load failed" or EVON's load_state_dict error, none naming the file. Each is a
+    ValueError naming it, and the optimizer is left as it was (the sharding object stands in for a
+    real FSDP2 one)."""
+    import pickle
+
+    from datasets import Dataset
+
+    from hf_evon import EVONConfig, EVONTrainer
+    from hf_evon.distributed.fsdp2 import FSDP2Sharding
+
+    model = torch.nn.Linear(4, 4)
+    args = EVONConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, max_steps=1)
+    trainer = EVONTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"x": [[0.0] * 4]}))
+    trainer.create_optimizer()
+    path = tmp_path / "evon_optimizer.pt"
+    if content == "another model":
+        other = torch.nn.Linear(4, 3)
+        torch.save(type(trainer.evon_optimizer)(other.parameters()).state_dict(), path)
+    else:
+        torch.save(trainer.evon_optimizer.state_dict(), path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2] if content == "truncated" else pickle.dumps(os.getcwd))
+    before = copy.deepcopy(trainer.evon_optimizer.state_dict())
+    trainer.evon_optimizer.sharding = object.__new__(FSDP2Sharding)
+    trainer._load_optimizer_and_scheduler(str(tmp_path))
+    with pytest.raises(ValueError) as err:
+        trainer._load_fsdp2_optimizer()
+    assert str(err.value).startswith(f"{path}: "), str(err.value)
+    trainer.evon_optimizer.sharding = None
+    after = trainer.evon_optimizer.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
 
 
 def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> None:

@@ -18,6 +18,7 @@ The private ``Trainer`` methods that call into this module are overridden in
 """
 
 import os
+import pickle
 import warnings
 from typing import Any
 
@@ -243,6 +244,21 @@ class CheckpointingMixin:
         if path is None:
             return
         check_torch_load_is_safe()
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.evon_optimizer.load_state_dict(state)
+        # torch's errors (a file cut short, a pickle refused) and EVON's name neither file nor checkpoint
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            # torch's reason, without its advice to load with weights_only=False (which runs the file's code)
+            reason = str(err).split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
+            raise ValueError(
+                f"{path}: refusing to load a pickle that is not plain tensors and numbers: loading it could "
+                f"run code ({' '.join(reason.split())[:300]})"
+            ) from err
+        except (RuntimeError, EOFError, OSError) as err:
+            first = (str(err).splitlines() or [repr(err)])[0][:300]
+            raise ValueError(f"{path}: cannot read EVON's optimizer state ({first})") from err
+        try:
+            self.evon_optimizer.load_state_dict(state)
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}: {err}") from err
         self._evon_fsdp2_resume = None
