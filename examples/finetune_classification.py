@@ -10,7 +10,8 @@ gets a fresh classification head and is fine-tuned three ways:
 * **EVON** — ``EVONTrainer`` (the SOAP-Bubble posterior: Kronecker-factored eigenbases).
 
 For IVON and EVON the table shows the posterior mean and Bayesian model averaging over S
-posterior samples (``@S``). Columns: accuracy (higher is better), negative log-likelihood,
+posterior samples (``@S``); where the calibration keeps the mean (no sampling scale beats it), the
+second row is the mean at the calibration's temperature instead, one pass, labelled so. Columns: accuracy (higher is better), negative log-likelihood,
 expected calibration error (15 bins) and the multi-class Brier score (lower is better).
 
 Default task (no network needed): *which part of the Python standard library does this
@@ -525,13 +526,40 @@ def prepare_data(args: argparse.Namespace) -> tuple[dict, int, list[str]]:
 
 
 def format_table(rows: list[tuple[str, dict[str, float]]]) -> str:
-    head = f"| {'method':<16} | {'accuracy ↑':>10} | {'NLL ↓':>7} | {'ECE ↓':>7} | {'Brier ↓':>7} |"
+    width = max([16, *(len(name) for name, _ in rows)])  # the method column fits its longest name
+    head = f"| {'method':<{width}} | {'accuracy ↑':>10} | {'NLL ↓':>7} | {'ECE ↓':>7} | {'Brier ↓':>7} |"
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for name, m in rows:
         lines.append(
-            f"| {name:<16} | {m['accuracy']:>10.4f} | {m['nll']:>7.4f} | {m['ece']:>7.4f} | {m['brier']:>7.4f} |"
+            f"| {name:<{width}} | {m['accuracy']:>10.4f} | {m['nll']:>7.4f} | {m['ece']:>7.4f} | {m['brier']:>7.4f} |"
         )
     return "\n".join(lines)
+
+
+def evon_report(label: str, result: dict[str, Any], bma_samples: int) -> tuple[list[tuple[str, dict]], str]:
+    """The table rows of an EVON/IVON ``result`` (``run_evon``'s) and the line that sums up its posterior.
+
+    The second row says what was evaluated: a posterior without noise (ess = inf, where the
+    calibration keeps the mean or ``--evon-ess inf`` trains none) is evaluated in one pass at the
+    mean, at the calibration's temperature, not as an average of ``bma_samples`` samples."""
+    cal = result["calibration"]
+    rows: list[tuple[str, dict]] = [(label, result["mean"])]
+    if cal is None:  # --evon-ess inf: no noise, nothing calibrated
+        rows.append((f"{label} mean (no noise: ess = inf)", result["bma"]))
+        return rows, f"{label}: mean posterior std {result['std']:.3g}; no noise (ess = inf), not calibrated"
+    if math.isinf(cal.ess):
+        at = "" if cal.temperature == 1 else f" at T {cal.temperature:.3g}"
+        rows.append((f"{label} mean{at} (calibration kept the mean)", result["bma"]))
+        return rows, (
+            f"{label}: the calibration kept the mean (no sampling scale beat it); the trained posterior's "
+            f"mean std {result['trained_std']:.3g} (held-out NLL {cal.chosen_nll:.4f} at the mean, "
+            f"temperature {cal.temperature:.3g})"
+        )
+    rows.append((f"{label}@{bma_samples} (BMA)", result["bma"]))
+    return rows, (
+        f"{label}: mean posterior std {result['std']:.3g}; calibrated sampling scale ×{cal.multiplier:.3g} "
+        f"the trained ζ (held-out BMA NLL {cal.chosen_nll:.4f} vs {cal.mean_nll:.4f} at the mean)"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
@@ -554,26 +582,9 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
             rows.append(("AdamW", run_adamw(args, data, num_labels)["mean"]))
         else:
             result = run_evon(args, data, num_labels, identity_basis=method == "ivon")
-            label = method.upper()
-            rows.append((label, result["mean"]))
-            cal = result["calibration"]
-            # ess = inf: BMA samples nothing but the mean (at the calibration's temperature)
-            keeps_mean = cal is not None and math.isinf(cal.ess)
-            equals = "" if not keeps_mean else " = mean" if cal.temperature == 1 else f" = mean at T {cal.temperature:.3g}"
-            rows.append((f"{label}@{args.bma_samples} (BMA{equals})", result["bma"]))
-            if cal is None:  # --evon-ess inf: no noise, nothing calibrated
-                print(f"{label}: mean posterior std {result['std']:.3g}; no noise (ess = inf), not calibrated")
-            elif keeps_mean:
-                print(
-                    f"{label}: the calibration kept the mean (no sampling scale beat it); the trained posterior's "
-                    f"mean std {result['trained_std']:.3g} (held-out NLL {cal.chosen_nll:.4f} at the mean, "
-                    f"temperature {cal.temperature:.3g})"
-                )
-            else:
-                print(
-                    f"{label}: mean posterior std {result['std']:.3g}; calibrated sampling scale ×{cal.multiplier:.3g} "
-                    f"the trained ζ (held-out BMA NLL {cal.chosen_nll:.4f} vs {cal.mean_nll:.4f} at the mean)"
-                )
+            new_rows, summary = evon_report(method.upper(), result, args.bma_samples)
+            rows += new_rows
+            print(summary)
         times[method] = time.time() - t0
         print(f"{method}: {times[method]:.0f} s")
     print()

@@ -230,7 +230,8 @@ def test_the_printed_posterior_std_is_the_saved_calibrated_posteriors(example, t
 
 def test_a_calibration_that_keeps_the_mean_is_said_so(example, tmp_path, capsys, monkeypatch):
     """Where the calibration chose ess = inf (BMA is the mean), the example printed "mean posterior
-    std 0; calibrated sampling scale ×inf the trained ζ" and labelled the row plain BMA. Forced here:
+    std 0; calibrated sampling scale ×inf the trained ζ" and labelled the row plain BMA (then
+    ``EVON@2 (BMA = mean)``, as if 2 samples were averaged: the row is one pass at the mean). Forced here:
     no scale can gain 99.9% over the mean, and the trained posterior is not kept in its place."""
     import re
 
@@ -245,7 +246,9 @@ def test_a_calibration_that_keeps_the_mean_is_said_so(example, tmp_path, capsys,
     out = capsys.readouterr().out
     saved = EVONPosterior.from_pretrained(tmp_path / "evon")
     assert saved.config["calibration"]["ess"] == "inf"
-    assert [name for name, _ in rows] == ["EVON", "EVON@2 (BMA = mean)"]
+    temperature = saved.temperature
+    at = "" if temperature == 1 else f" at T {temperature:.3g}"
+    assert [name for name, _ in rows] == ["EVON", f"EVON mean{at} (calibration kept the mean)"]
     assert "×inf" not in out and "calibrated sampling scale" not in out
     trained = trained_posterior(saved)
     total = sum(float(trained.std(name).double().sum()) for name in trained.names)
@@ -253,3 +256,45 @@ def test_a_calibration_that_keeps_the_mean_is_said_so(example, tmp_path, capsys,
     printed = re.findall(r"^EVON: the calibration kept the mean \(no sampling scale beat it\); the trained "
                          r"posterior's mean std (\S+)", out, re.MULTILINE)  # fmt: skip
     assert printed == [f"{total / count:.3g}"] and total > 0
+
+
+def test_the_rows_say_what_was_evaluated(example):
+    """Where the posterior has no noise (the calibration kept the mean, or ``--evon-ess inf``), the
+    BMA metrics come from one pass at the mean at the calibration's temperature; the row was
+    labelled ``EVON@8 (BMA = mean ...)``, as if 8 samples had been averaged."""
+    from hf_evon.predictive.calibration import CalibrationResult
+
+    mean = {"accuracy": 0.5, "nll": 0.9, "ece": 0.1, "brier": 0.6}
+    bma = {"accuracy": 0.5, "nll": 0.7, "ece": 0.05, "brier": 0.55}
+    scan = dict(trained_ess=1e5, grid=[1e5, 2e5], nll=[0.8, 0.75], mean_nll=0.85, num_samples=8, num_targets=3, seed=0)
+    result = {"mean": mean, "bma": bma, "std": 0.0, "trained_std": 0.0123}
+
+    kept = CalibrationResult(ess=math.inf, temperature=0.42, tempered_mean_nll=0.6, **scan)
+    rows, line = example.evon_report("EVON", {**result, "calibration": kept}, 8)
+    assert rows == [("EVON", mean), ("EVON mean at T 0.42 (calibration kept the mean)", bma)]
+    assert line == ("EVON: the calibration kept the mean (no sampling scale beat it); the trained posterior's "
+                    "mean std 0.0123 (held-out NLL 0.6000 at the mean, temperature 0.42)")  # fmt: skip
+
+    kept_at_1 = CalibrationResult(ess=math.inf, **scan)
+    rows, _ = example.evon_report("IVON", {**result, "calibration": kept_at_1}, 8)
+    assert [name for name, _ in rows] == ["IVON", "IVON mean (calibration kept the mean)"]
+
+    rows, line = example.evon_report("EVON", {**result, "calibration": None}, 8)
+    assert [name for name, _ in rows] == ["EVON", "EVON mean (no noise: ess = inf)"]
+    assert line == "EVON: mean posterior std 0; no noise (ess = inf), not calibrated"
+
+    sampled = CalibrationResult(ess=2e5, **scan)
+    rows, line = example.evon_report("EVON", {**result, "std": 0.004, "calibration": sampled}, 8)
+    assert rows == [("EVON", mean), ("EVON@8 (BMA)", bma)]
+    assert line == ("EVON: mean posterior std 0.004; calibrated sampling scale ×2 the trained ζ "
+                    "(held-out BMA NLL 0.7500 vs 0.8500 at the mean)")  # fmt: skip
+
+
+def test_the_table_stays_aligned_with_a_long_row_name(example):
+    """A row name longer than 16 characters (``EVON mean at T 0.42 (calibration kept the mean)``)
+    pushed its line's columns right of the header's."""
+    metrics = {"accuracy": 0.5, "nll": 0.9, "ece": 0.1, "brier": 0.6}
+    table = example.format_table([("AdamW", metrics), ("EVON mean at T 0.42 (calibration kept the mean)", metrics)])
+    lines = table.split("\n")
+    bars = {tuple(i for i, c in enumerate(line) if c == "|") for line in lines}
+    assert len(bars) == 1 and len(lines) == 4
