@@ -1268,3 +1268,20 @@ def test_evaluate_of_a_regression_warns_once_and_bma_true_is_refused(tmp_path, m
     with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): .*logits \(16, 1\) and labels \(16,\)"):
         trainer.evaluate(bma=True)
     assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_posterior_metrics_refuses_batches_it_cannot_score_before_any_forward(tmp_path, labelled):
+    """posterior_metrics() of extractive QA batches (two label tensors) or of unlabelled ones
+    returned {} and said nothing, where evaluate(bma=True) refuses them. Asked for by name, it
+    raises the same ValueError, naming the call and the label names, before any forward."""
+    trainer = _trained(tmp_path, _tiny_qa, _qa_data(32, 0), _qa_data(16, 1), max_steps=1, eval_strategy="no")
+    dev = _qa_data(16, 1)
+    if not labelled:
+        dev = dev.remove_columns(["start_positions", "end_positions"])
+    why = "several label tensors" if labelled else "no labels"
+    calls = _count_forwards(trainer.model)
+    names = r"\['start_positions', 'end_positions'\]"
+    with pytest.raises(ValueError, match=rf"^posterior_metrics\(\): .*{why}.*{names}"):
+        trainer.posterior_metrics(trainer.get_eval_dataloader(dev))
+    assert calls[0] == 0

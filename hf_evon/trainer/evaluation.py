@@ -303,8 +303,9 @@ class PosteriorEvaluation:
     """The posterior metrics of one ``evaluate()``: mean metrics read from the Trainer's own pass
     (:meth:`watch` + :meth:`batch`), then the BMA passes (:meth:`finish`)."""
 
-    def __init__(self, trainer: Any, metric_key_prefix: str, with_bma: bool) -> None:
+    def __init__(self, trainer: Any, metric_key_prefix: str, with_bma: bool, asked: str | None = None) -> None:
         self.trainer = trainer
+        self.asked = asked  # the call that asks for these metrics by name: what they cannot score is its error
         self.prefix = metric_key_prefix
         self.with_bma = with_bma
         self.task: str | None = None
@@ -354,8 +355,9 @@ class PosteriorEvaluation:
         self.unsupported, trainer = True, self.trainer
         names = trainer.label_names or ["labels"]
         held = f"no labels ({names}) to score" if labels is None else f"several label tensors ({names}), not one"
-        if trainer._evon_bma_asked:  # asked for by name: an error, as for no posterior
-            raise ValueError(f"evaluate(bma=True): the evaluation batches hold {held}, so no {self.prefix}_bma_* metrics")
+        asked = self.asked or ("evaluate(bma=True)" if trainer._evon_bma_asked else None)
+        if asked:  # asked for by name: an error, as for no posterior
+            raise ValueError(f"{asked}: the evaluation batches hold {held}, so no {self.prefix}_bma_* metrics")
         if not trainer.__dict__.get("_evon_warned_unlabelled"):  # once per trainer: each evaluation would repeat it
             trainer._evon_warned_unlabelled = True
             logger.warning(f"EVONTrainer: the evaluation batches hold {held}: no {self.prefix}_mean_*/_bma_* metrics")
@@ -389,8 +391,9 @@ class PosteriorEvaluation:
                     "mean/BMA metrics need class logits (classification or causal LM); got "
                     f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}"
                 )
-                if trainer._evon_bma_asked:  # asked for by name: an error, as for no labels
-                    raise ValueError(f"evaluate(bma=True): the {why}, so no {self.prefix}_bma_* metrics")
+                asked = self.asked or ("evaluate(bma=True)" if trainer._evon_bma_asked else None)
+                if asked:  # asked for by name: an error, as for no labels
+                    raise ValueError(f"{asked}: the {why}, so no {self.prefix}_bma_* metrics")
                 if not trainer.__dict__.get("_evon_warned_no_classes"):  # once per trainer, as for no labels
                     trainer._evon_warned_no_classes = True
                     logger.warning(f"EVONTrainer: {why}: skipped")
@@ -455,8 +458,10 @@ class PosteriorEvaluation:
         model.eval()
         for inputs in dataloader:
             inputs = self.trainer._prepare_inputs(inputs)
-            labels = class_labels(self.trainer, inputs)
-            if labels is None:
+            labels = batch_labels(self.trainer, inputs)
+            if not isinstance(labels, Tensor):
+                if self.asked:
+                    self._refuse_labels(labels)
                 return False
             logits = forward_logits(self.trainer, model, inputs)
             if not self._set_task(task_of(logits, labels, self.trainer._causal_lm), logits, labels):
@@ -584,7 +589,6 @@ class EvaluationMixin:
 
     def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
-        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead."""
-        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
-        evaluation.reused = False
-        return evaluation.finish(dataloader)
+        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead. Batches
+        without labels or with several label tensors (extractive QA) raise a ValueError naming them."""
+        return PosteriorEvaluation(self, metric_key_prefix, with_bma=True, asked="posterior_metrics()").finish(dataloader)

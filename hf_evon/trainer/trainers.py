@@ -11,7 +11,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 from hf_evon.predictive.generation import generate_bma
 from hf_evon.trainer.combined import register_evon_config
 from hf_evon.trainer.config import EVONConfig
-from hf_evon.trainer.evaluation import merge_metrics
+from hf_evon.trainer.evaluation import PosteriorEvaluation, merge_metrics
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSeq2SeqConfig", "EVONSeq2SeqTrainer", "EVONTrainer"]
@@ -81,8 +81,10 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         metrics here, before ``Trainer.predict`` hands them to the callbacks' ``on_predict``."""
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         if self._evon_generated_prediction:
-            # the labels' token metrics (none without labels): 1 + S passes, as evaluate() runs them
-            merge_metrics(output.metrics, self.posterior_metrics(dataloader, metric_key_prefix))
+            # the labels' token metrics (none without labels: not asked for by name, no refusal): 1 + S passes,
+            # as evaluate() runs them
+            metrics = PosteriorEvaluation(self, metric_key_prefix, with_bma=True).finish(dataloader)
+            merge_metrics(output.metrics, metrics)
         return output
 
     def evaluate(
