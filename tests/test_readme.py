@@ -88,3 +88,45 @@ def test_doc_links_and_anchors_resolve() -> None:
                 broken.append(f"{source.relative_to(REPO_ROOT)}: {docs}{name}#{anchor}")
     assert not broken, "\n".join(broken)
     assert len(pages) >= 10  # the pages above were all found
+
+
+def config_table() -> dict[str, str]:
+    """docs/trainer.md's table of ``EVONConfig``'s fields: each field's name -> its default column."""
+    text = (REPO_ROOT / "docs" / "trainer.md").read_text()
+    _, found, rest = text.partition("## EVONConfig's fields\n")
+    assert found, "docs/trainer.md has no section 'EVONConfig's fields'"
+    section = rest.split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| `(\w+)` \| [^|\n]* \| `([^`\n]*)` \|", section, re.M))
+
+
+def test_evon_config_fields_documented() -> None:
+    """Every field ``EVONConfig`` adds to ``TrainingArguments`` (or whose default it changes) is a row
+    of docs/trainer.md's table, its default column ``EVONConfig``'s default, and every field the
+    table, docs/trainer.md and docs/usage.md name exists. (22 of the fields were in neither page.)"""
+    import ast
+    from dataclasses import MISSING, fields
+
+    from transformers import TrainingArguments
+
+    import hf_evon
+    import hf_evon.trainer
+    from hf_evon import EVONConfig
+
+    base = {f.name: f.default for f in fields(TrainingArguments)}
+    ours = {f.name: f.default for f in fields(EVONConfig) if f.name not in base or f.default != base[f.name]}
+    assert MISSING not in ours.values()
+    table = config_table()
+    assert sorted(set(ours) - set(table)) == [], "EVONConfig fields without a row in docs/trainer.md"
+    assert sorted(set(table) - set(ours)) == [], "rows of docs/trainer.md that are no EVONConfig field"
+    wrong = {name: (table[name], default) for name, default in ours.items() if ast.literal_eval(table[name]) != default}
+    assert wrong == {}, "docs/trainer.md's default (first) against EVONConfig's (second)"
+    # the fields and keyword arguments the pages cite: `evon_*`/`bma_*` names and EVONConfig(name=...)
+    every = {f.name for f in fields(EVONConfig)}
+    api = set(dir(hf_evon)) | set(dir(hf_evon.trainer))
+    unknown = []
+    for page in ("trainer.md", "usage.md"):
+        text = (REPO_ROOT / "docs" / page).read_text()
+        cited = re.findall(r"`((?:evon|bma)_[a-z0-9_]+)(?:=[^`]*)?`", text)
+        cited += [kw for call in re.findall(r"EVONConfig\(([^)]*)\)", text) for kw in re.findall(r"(\w+)=", call)]
+        unknown += [f"{page}: {name}" for name in cited if name not in every and name not in api]
+    assert unknown == []
