@@ -1431,3 +1431,53 @@ def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running
     argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(own), "--json"]
     assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
     assert EVONPosterior.from_pretrained(own).ess == float(json.loads(capsys.readouterr().out)["ess"])
+
+
+def test_calibrate_refuses_an_output_holding_another_adapter(saved, tmp_path, capsys, monkeypatch):
+    """calibrate of a LoRA model into an --output holding another adapter (another rank, other target
+    modules): its adapter_model.safetensors and adapter_config.json were not read, and the posterior
+    was saved beside an adapter it does not fit. A usage error before any pass naming the file and
+    what differs (PEFT's saved names drop the adapter name); the files stay. The same adapter is saved to."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_evon.predictive.calibration as calibration
+
+    path, model, tokenizer, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+
+    def lora(r: int, modules: list[str]):
+        return get_peft_model(copy.deepcopy(model), LoraConfig(r=r, target_modules=modules, fan_in_fan_out=True))
+
+    ours = lora(2, ["c_attn"])
+    adapter = tmp_path / "adapter"
+    ours.save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(path)}))
+    trained_posterior(ours, len(tokenizer), lambda x: x).save_pretrained(adapter)
+    name = "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"
+    expected = {
+        "rank": f"tensor {name!r} has shape (4, 32) in adapter_model.safetensors, (2, 32) in --model",
+        "modules": f"its adapter_model.safetensors lacks --model's tensor {name!r}",
+    }
+    lora(4, ["c_attn"]).save_pretrained(tmp_path / "rank")
+    lora(2, ["c_proj"]).save_pretrained(tmp_path / "modules")
+    (tmp_path / "config_only").mkdir()
+    shutil.copy(tmp_path / "rank" / "adapter_config.json", tmp_path / "config_only")
+    expected["config_only"] = "its adapter_config.json's r 4, --model's 2"
+    calibrate = calibration.calibrate_posterior
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    for case, what in expected.items():
+        output = tmp_path / case
+        before = {f.name: f.read_bytes() for f in output.iterdir()}
+        argv = ["calibrate", "--model", str(adapter), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, case
+        err = capsys.readouterr().err
+        assert f"--output {str(output)!r} holds another adapter than --model's ({what})" in err, err
+        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, case
+    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
+    same = tmp_path / "same"
+    ours.save_pretrained(same)
+    argv = ["calibrate", "--model", str(adapter), "--text", str(text), "--output", str(same), "--json"]
+    assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0, capsys.readouterr().err
+    assert EVONPosterior.from_pretrained(same).ess == float(json.loads(capsys.readouterr().out)["ess"])

@@ -326,6 +326,62 @@ def check_output_weights(output: str, model: Any) -> None:
                 )
         if stored and not set(stored) & set(shapes):
             raise UsageError(f"{other} (none of the tensors of its {file} is --model's, e.g. {min(stored)!r}): {keep}")
+    if is_peft_model(model):
+        check_output_adapter(output, model, keep)
+
+
+def check_output_adapter(output: str, model: Any, keep: str) -> None:
+    """A usage error where ``output`` (or its ``<adapter name>`` folder, where PEFT saves an adapter not
+    named "default") holds another adapter than the PEFT ``model``'s active one: its adapter_config.json
+    of another ``peft_type``, ``r`` or ``target_modules``, or its adapter weights (read as
+    :func:`weights_file_shapes` reads them) lacking a tensor of the model's adapter, holding one it
+    lacks, or one of another shape. Names are compared as PEFT saves them (without the adapter name:
+    ``.lora_A.weight`` for ``.lora_A.default.weight``), with the embedding layers PEFT may save too."""
+    import json
+
+    from peft.utils import get_peft_model_state_dict
+
+    name = model.active_adapter
+    other = f"--output {output!r} holds another adapter than --model's"
+    # as adapter_config.json holds it: an enum as its value, a set as a list
+    mine = json.loads(json.dumps(model.peft_config[name].to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    required = {k: tuple(t.shape) for k, t in get_peft_model_state_dict(model, adapter_name=name).items()}
+    allowed = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=True)
+    allowed = {k: tuple(t.shape) for k, t in allowed.items()}
+    folders = [output] if name == "default" else [output, os.path.join(output, name)]
+    for folder in folders:
+        for file in ("adapter_model.safetensors", "adapter_model.bin"):
+            path = os.path.join(folder, file)
+            if not os.path.isfile(path):
+                continue
+            where = os.path.relpath(path, output)
+            try:
+                stored = weights_file_shapes(path)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                what = "as safetensors" if file.endswith(".safetensors") else "as tensors without running code"
+                raise UsageError(f"--output {output!r}: its {where} does not read {what} ({err}): {keep}") from None
+            for tensor, shape in sorted(stored.items()):
+                if tensor in allowed and shape != allowed[tensor]:
+                    raise UsageError(
+                        f"{other} (tensor {tensor!r} has shape {shape} in {where}, {allowed[tensor]} in --model): {keep}"
+                    )
+            if missing := sorted(set(required) - set(stored)):
+                raise UsageError(f"{other} (its {where} lacks --model's tensor {missing[0]!r}): {keep}")
+            if extra := sorted(set(stored) - set(allowed)):
+                raise UsageError(f"{other} (its {where} holds tensor {extra[0]!r}, which --model lacks): {keep}")
+        try:
+            with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as fh:
+                theirs = json.load(fh)
+        except (OSError, ValueError):  # none, or not an adapter's config
+            theirs = {}
+        theirs = theirs if isinstance(theirs, dict) else {}
+        for key in ("peft_type", "r", "target_modules"):
+            ours, their = mine.get(key), theirs.get(key)
+            if isinstance(ours, list) and isinstance(their, list):  # a set, written as a list in any order
+                ours, their = sorted(map(str, ours)), sorted(map(str, their))
+            if key in theirs and ours is not None and ours != their:
+                where = os.path.relpath(os.path.join(folder, "adapter_config.json"), output)
+                raise UsageError(f"{other} (its {where}'s {key} {theirs[key]!r}, --model's {mine[key]!r}): {keep}")
 
 
 def torch_dtype(name: str) -> Any:
