@@ -837,6 +837,76 @@ def test_a_resume_names_a_changed_adamw_eps_as_the_adamw_groups_eps():
     assert settings_replaced(fresh, run.param_groups) == []
 
 
+def _killed_saves(tmp_path: Path, **settings) -> tuple[EVONTrainer, Path]:
+    """An uninterrupted run saving every 2 steps, and a copy of its output directory as saves killed
+    at different points would leave it: checkpoint-4 without trainer_state.json (the Trainer writes
+    it last), checkpoint-6 with it cut short, checkpoint-8 without optimizer.pt."""
+    common = dict(max_steps=8, save_strategy="steps", save_steps=2, evon_ess=300.0, **settings)
+    full = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", **common), train_dataset=classification_data(32))
+    full.train()
+    killed = tmp_path / "killed" / "out"
+    shutil.copytree(tmp_path / "full" / "out", killed)
+    os.remove(killed / "checkpoint-4" / "trainer_state.json")
+    state = killed / "checkpoint-6" / "trainer_state.json"
+    state.write_text(state.read_text()[:40])
+    if (killed / "checkpoint-8" / "optimizer.pt").exists():
+        os.remove(killed / "checkpoint-8" / "optimizer.pt")
+    else:
+        os.remove(killed / "checkpoint-8" / "trainer_state.json")
+    return full, killed
+
+
+def test_resume_true_goes_on_from_the_newest_complete_checkpoint(tmp_path):
+    """``resume_from_checkpoint=True`` took the highest-numbered checkpoint directory, whatever a
+    killed save left in it: without trainer_state.json the run restarted at step 0 with the partial
+    checkpoint's weights and a fresh optimizer (EVON's posterior lost). It resumes from the newest
+    complete checkpoint, says once which directories it skipped and what each lacks, and ends
+    exactly as the uninterrupted run."""
+    full, killed = _killed_saves(tmp_path)
+    common = dict(max_steps=8, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    resumed = EVONTrainer(model=tiny_bert(seed=7), args=config(killed.parent, **common), train_dataset=classification_data(32))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.train(resume_from_checkpoint=True)
+    said = [str(w.message) for w in caught if "incomplete" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    for step, missing in ((8, "optimizer.pt"), (6, "trainer_state.json"), (4, "trainer_state.json")):
+        assert f"{killed / f'checkpoint-{step}'} (" in said[0] and missing in said[0].split(f"checkpoint-{step} (")[1]
+    assert str(killed / "checkpoint-2") in said[0].split("resuming from")[1]
+    assert resumed.state.global_step == 8 and resumed.evon_optimizer.state_dict()["evon"]["updates"] == 8
+    pa, pb = params(full.model), params(resumed.model)
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
+    fa, fb = full.current_posterior().to_tensors(), resumed.current_posterior().to_tensors()
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_a_resume_refuses_a_checkpoint_a_killed_save_left_incomplete(tmp_path):
+    """An explicit path to a checkpoint without trainer_state.json started the run at step 0 (or
+    failed reading the file, without saying the save was cut short); it is a ValueError naming the
+    directory and the file, the trainer unchanged. With no complete checkpoint at all,
+    ``resume_from_checkpoint=True`` names each directory. A ``save_only_model`` run writes no
+    optimizer.pt, so its checkpoints are complete without one."""
+    _, killed = _killed_saves(tmp_path)
+    common = dict(max_steps=8, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    trainer = EVONTrainer(model=tiny_bert(seed=7), args=config(killed.parent, **common), train_dataset=classification_data(32))
+    before = params(trainer.model)
+    for step, missing in ((4, "no trainer_state.json"), (6, "trainer_state.json cut short")):
+        with pytest.raises(ValueError, match=rf"{killed / f'checkpoint-{step}'}.*{missing}"):
+            trainer.train(resume_from_checkpoint=str(killed / f"checkpoint-{step}"))
+        assert trainer.state.global_step == 0 and trainer.evon_optimizer is None
+        assert all(torch.equal(before[n], p) for n, p in params(trainer.model).items())
+    shutil.rmtree(killed / "checkpoint-2")
+    with pytest.raises(ValueError, match=r"no complete checkpoint .*checkpoint-8 \(no optimizer\.pt.*checkpoint-4 \("):
+        trainer.train(resume_from_checkpoint=True)
+    lean_full, lean = _killed_saves(tmp_path / "lean", save_only_model=True)
+    assert not (lean / "checkpoint-2" / "optimizer.pt").exists()
+    lean_args = config(lean.parent, **common, save_only_model=True)
+    again = EVONTrainer(model=tiny_bert(seed=7), args=lean_args, train_dataset=classification_data(32))
+    with pytest.warns(UserWarning, match=r"resuming from .*checkpoint-2\b"):
+        again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 8
+
+
 # ---------------------------------------------------------------------------- evaluation
 def _direct_bma(model, posterior, data, seeds, causal=False):
     model.eval()

@@ -10,6 +10,10 @@
 * FSDP2: the Trainer's ``optimizer.bin`` (torch's distributed checkpoint, per-parameter state
   gathered by name) has no room for EVON's per-matrix state and noise streams, so EVON's full
   state goes to ``evon_optimizer.pt`` and a resume loads it after EVON is sharded over the mesh.
+* ``train(resume_from_checkpoint=True)`` resumes from the newest *complete* checkpoint
+  (:func:`resume_arguments`): the Trainer writes ``trainer_state.json`` last, in place, so a save
+  killed mid-way leaves a directory without it (or with it cut short), which transformers would
+  take as the newest (and fail on it, or resume EVON afresh where only the optimizer state is missing).
 * A checkpoint pushed to the Hub carries its posterior (switched into the output directory first,
   with the save protocol of ``docs/posterior-format.md``).
 
@@ -17,14 +21,17 @@ The private ``Trainer`` methods that call into this module are overridden in
 :mod:`hf_evon.trainer.internals`.
 """
 
+import json
 import os
 import pickle
+import re
 import warnings
 from typing import Any
 
 import torch
-from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
@@ -34,7 +41,7 @@ from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
 from hf_evon.trainer.adalora import every_rank_saved
 from hf_evon.trainer.card import save_trainer_model_card
 
-__all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin", "settings_replaced"]
+__all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin", "resume_arguments", "settings_replaced"]
 
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
 
@@ -68,6 +75,91 @@ def settings_replaced(fresh: list[dict[str, Any]], loaded: list[dict[str, Any]])
             if old[key] != value:
                 changed.append(f"group {gi} {key}: {value!r} -> {old[key]!r}")
     return changed
+
+
+_CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # transformers' get_last_checkpoint's
+
+
+def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
+    """What ``directory`` lacks to resume from, or None. The Trainer writes the weights, the
+    optimizer state and then ``trainer_state.json``, each in place: a save killed mid-way leaves no
+    ``trainer_state.json``, or one cut short; ``needs`` are the further files the run resumes from."""
+    state = os.path.join(directory, TRAINER_STATE_NAME)
+    if not os.path.isfile(state):
+        return f"no {TRAINER_STATE_NAME}"
+    try:
+        with open(state, encoding="utf-8") as f:
+            json.load(f)
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"{TRAINER_STATE_NAME} cut short or unreadable: {str(err)[:120]}"
+    missing = [name for name in needs if not os.path.isfile(os.path.join(directory, name))]
+    return f"no {' and no '.join(missing)}" if missing else None
+
+
+def _optimizer_files(trainer: Any) -> tuple[str, ...]:
+    """The optimizer state files this run's checkpoints hold and its resume loads: none with
+    ``save_only_model``; EVON's ``evon_optimizer.pt`` under FSDP2; DeepSpeed's and FSDP1's own
+    layouts are theirs to check; else ``optimizer.pt`` beside ``scheduler.pt``."""
+    if trainer.args.save_only_model:
+        return ()
+    if trainer._accelerate_fsdp2() or trainer._evon_fsdp2():
+        return (EVON_OPTIMIZER_NAME,)
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        return ()
+    return (OPTIMIZER_NAME, SCHEDULER_NAME)
+
+
+def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
+    """``resume_from_checkpoint`` as ``Trainer.train`` is to get it: True becomes the newest complete
+    checkpoint in ``output_dir`` (a warning names each newer one skipped and what it lacks); an
+    explicit path to an incomplete checkpoint is a ValueError naming it and the file."""
+    if resume is None or resume is False:
+        return resume
+    if not isinstance(resume, bool):
+        directory = os.fspath(resume)
+        if os.path.isdir(directory) and (lacks := _incomplete(directory)) is not None:
+            raise ValueError(
+                f"resume_from_checkpoint={directory!r} is an incomplete checkpoint ({lacks}): its save was "
+                "cut short (the Trainer writes trainer_state.json last); resume from an earlier checkpoint"
+            )
+        return resume
+    output_dir = trainer.args.output_dir
+    if not os.path.isdir(output_dir):
+        return resume  # the Trainer's own error
+    steps = {int(m.group(1)): name for name in os.listdir(output_dir) if (m := _CHECKPOINT_DIR.match(name))}
+    needs, skipped = _optimizer_files(trainer), []
+    for step in sorted(steps, reverse=True):
+        directory = os.path.join(output_dir, steps[step])
+        if not os.path.isdir(directory):
+            continue
+        lacks = _incomplete(directory, needs)
+        if lacks is None:
+            if skipped:
+                warnings.warn(
+                    f"resume_from_checkpoint=True: skipping the incomplete checkpoints a save cut short left "
+                    f"({'; '.join(skipped)}); resuming from {directory}",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return directory
+        skipped.append(f"{directory} ({lacks})")
+    if skipped:
+        raise ValueError(
+            f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} to resume from; each is "
+            f"incomplete: {'; '.join(skipped)}"
+        )
+    return resume  # no checkpoint at all: the Trainer's own error
+
+
+def resume_arguments(trainer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``train(*args, **kwargs)``'s arguments with ``resume_from_checkpoint`` (its first) resolved by
+    :func:`_checkpoint_to_resume`."""
+    if args:
+        return (_checkpoint_to_resume(trainer, args[0]), *args[1:]), kwargs
+    if "resume_from_checkpoint" in kwargs:
+        resume = _checkpoint_to_resume(trainer, kwargs["resume_from_checkpoint"])
+        return args, {**kwargs, "resume_from_checkpoint": resume}
+    return args, kwargs
 
 
 class CheckpointingMixin:

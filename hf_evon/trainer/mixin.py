@@ -109,7 +109,7 @@ from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.adalora import add_rank_allocation, pruned_entries, zero_pruned
-from hf_evon.trainer.checkpointing import CheckpointingMixin
+from hf_evon.trainer.checkpointing import CheckpointingMixin, resume_arguments
 from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class, rebuilt_config
 from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
@@ -577,6 +577,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         saving from rank 0 alone needs no collective), the best checkpoint's posterior
         (``load_best_model_at_end``) and, with a ``calibration_dataset``, :meth:`calibrate`."""
         self._check_fsdp_plugin()
+        args, kwargs = resume_arguments(self, args, kwargs)  # the newest complete checkpoint for True
         if self.calibration_dataset is not None:
             self._check_calibration_data()  # before the first step: not after the whole run
         self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
