@@ -542,3 +542,26 @@ def test_evaluate_of_unlabelled_preference_batches_warns_once_and_bma_true_is_re
         trainer.evaluate(bma=True)
     assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None
     assert "eval_loss" in trainer.evaluate() and len(warned) == 1
+
+
+def test_evon_sft_trainer_without_args_picks_the_output_dir_sft_trainer_picks(tmp_path, corpus, monkeypatch):
+    """EVONSFTTrainer(args=None) wrote to "tmp_trainer" where TRL's SFTTrainer(args=None) writes to
+    "<model name>-SFT": it takes SFTTrainer's default, as an EVONSFTConfig."""
+    import transformers.training_args
+
+    monkeypatch.chdir(tmp_path)
+    # SFTConfig's default bf16=True is refused on a machine without bf16 support: both are only built here
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda *a, **k: True)
+    tokenizer, train, _ = corpus
+
+    def model() -> GPT2LMHeadModel:
+        made = tiny_gpt2(tokenizer)
+        made.config._name_or_path = "some-org/tiny-gpt2"  # as from_pretrained("some-org/tiny-gpt2") sets it
+        return made
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = trl.SFTTrainer(model=model(), train_dataset=train, processing_class=tokenizer).args.output_dir
+    trainer = EVONSFTTrainer(model=model(), train_dataset=train, processing_class=tokenizer)
+    assert trainer.args.output_dir == expected == "tiny-gpt2-SFT"
+    assert isinstance(trainer.args, EVONSFTConfig)
