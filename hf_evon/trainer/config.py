@@ -181,8 +181,10 @@ class EVONConfig(TrainingArguments):
     evon_hess_clip_ratio: float | None = field(
         default=DEFAULT_HESS_CLIP_RATIO,
         metadata={
-            "help": "γ of the adaptive Hessian clipping: each Hessian estimate is clamped to ±γ(H+ε). "
-            "None (or 0 on the command line) disables it. The paper's CLIP runs use 2.0."
+            "help": "γ of the adaptive Hessian clipping: each Price estimate (evon_hess_estimator='price'), and "
+            "at evon_ess inf each squared rotated gradient, is clamped to ±γ(H+ε); the Fisher estimate at a "
+            "finite evon_ess has none to clip. None (or 0 on the command line) disables it. The paper's CLIP "
+            "runs use 2.0."
         },
     )
     evon_hess_estimator: str = field(
