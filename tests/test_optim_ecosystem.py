@@ -383,6 +383,41 @@ def test_a_block_entered_inside_autocast_draws_the_float32_sample() -> None:
     assert torch.equal(samples[0], samples[1])
 
 
+def _bf16_forward(model: nn.Module, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``model`` at ``weights`` in an autocast region of its own (nothing cast before it)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        return torch.func.functional_call(model, weights, (X,))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_forwards_in_one_autocast_region_see_each_sample_and_the_mean_after_it(train: bool) -> None:
+    """autocast keeps its bfloat16 cast of each parameter for the rest of its outermost region and
+    does not see in-place writes: in a loop inside one ``torch.autocast`` every forward ran at the
+    weights cast first (the mean here; the first sample where no forward came before it), so the
+    samples changed no output and trained on no sample. Each forward is the one a fresh region
+    gives at the weights the model holds."""
+    model = _model()
+    opt = _optimizer(model, ess=50.0)
+    for _ in range(2):
+        _step(opt, model)
+    mean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [model(X)]
+        samples = []
+        for _ in range(2):
+            with opt.sampled_params(train=train):
+                samples.append({n: p.detach().clone() for n, p in model.named_parameters()})
+                out = model(X)
+                outs.append(out.detach())
+                if train:
+                    nn.functional.cross_entropy(out.float(), Y).backward()
+        outs.append(model(X))
+    assert not torch.equal(samples[0]["0.weight"], samples[1]["0.weight"])
+    expected = [_bf16_forward(model, w) for w in (mean, *samples, mean)]
+    for got, want in zip(outs, expected, strict=True):
+        assert torch.equal(got.detach(), want)
+
+
 # ----------------------------------------------------------------------------- evaluation and ranks
 @pytest.mark.parametrize("first_use", ["sampled_params", "posterior_std"])
 def test_a_first_use_under_inference_mode_leaves_an_optimizer_that_trains(first_use: str) -> None:

@@ -58,7 +58,7 @@ from hf_evon.optim.defaults import (
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, consumed_places, restore_grads, set_aside_grads
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
-from hf_evon.optim.linalg import autocast_disabled, dense_covariance, marginal_variance, rotated_std
+from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std, writing_weights
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
 from hf_evon.optim.persistence import COPIED_ATTRIBUTES, EXTRA_KEY, loading, restore_copied, saved_extras
 from hf_evon.optim.update import (
@@ -357,7 +357,7 @@ class EVON(Optimizer):
                 self._eval_blocks += not train
                 if stash is not None:  # filled as it goes: every gradient set aside is given back
                     set_aside_grads(self.param_groups, self._consumed, stash, self._held, self.discard_samples)
-                with torch.no_grad(), autocast_disabled():
+                with torch.no_grad(), writing_weights():
                     self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
                     for b in self.buckets:
                         if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
@@ -368,7 +368,7 @@ class EVON(Optimizer):
                 yield
                 ok = True
             finally:
-                with torch.no_grad(), autocast_disabled():
+                with torch.no_grad(), writing_weights():
                     self._hooks.end_sample(recorded=ok and train)
                     kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                     for b in perturbed if ok else ():
@@ -382,7 +382,7 @@ class EVON(Optimizer):
                 exited = True
         finally:
             if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped
-                with torch.no_grad(), autocast_disabled():
+                with torch.no_grad(), writing_weights():
                     restore_means(perturbed)
                     if stash is not None:
                         restore_grads(stash, False)
@@ -419,7 +419,7 @@ class EVON(Optimizer):
         if closure is not None:
             with torch.enable_grad(), self.sampled_params(train=True):
                 loss = closure()
-        with autocast_disabled():  # the caller's (a model's bfloat16 autocast): EVON's state keeps its dtypes
+        with writing_weights():  # no autocast: the state keeps its dtypes; a forward casts the new means
             try:
                 self._update()
             finally:  # a skipped or refused step too: a rewind never draws its noise again

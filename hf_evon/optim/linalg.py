@@ -205,6 +205,19 @@ def autocast_disabled() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def writing_weights() -> Iterator[None]:
+    """:func:`autocast_disabled` around code that writes parameters in place, autocast's cached casts
+    dropped after it: autocast keeps its lower-precision copy of each parameter (a leaf that requires
+    grad) until its outermost region ends and does not see in-place writes, so a forward after a sample
+    or the mean is written would otherwise run at the weights cast before it."""
+    try:
+        with autocast_disabled():
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
+@contextlib.contextmanager
 def exact_float32_matmul() -> Iterator[None]:
     """Full float32 matmuls inside (no TF32, no autocast); the caller's settings are restored."""
     saved = torch.get_float32_matmul_precision()
