@@ -174,6 +174,19 @@ def test_parameters_instead_of_a_model_are_refused_by_name_and_a_generator_is_le
                 build(given)
 
 
+def test_describe_param_groups_given_a_model_names_what_it_takes() -> None:
+    # a model (the usage guide's "build_param_groups / describe_param_groups show the split") raised
+    # "TypeError: 'Linear' object is not subscriptable" from inside the loop
+    from hf_evon import build_optimizer, build_param_groups, describe_param_groups
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"^describe_param_groups: groups must be.*got a Sequential.*build_param_groups"):
+        describe_param_groups(model)
+    lines = describe_param_groups(build_param_groups(model)).splitlines()
+    assert lines == describe_param_groups(build_optimizer(model).param_groups).splitlines()
+    assert [line.split()[:3] for line in lines] == [["evon", "24", "params"], ["adamw", "6", "params"]]
+
+
 def test_a_pattern_matching_nothing_is_warned_at_the_callers_line() -> None:
     # through build_optimizer the warning named grouping.py's call of build_param_groups
     from hf_evon import build_optimizer, build_param_groups

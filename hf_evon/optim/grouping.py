@@ -291,6 +291,12 @@ def build_optimizer(
 
 def describe_param_groups(groups: list[dict[str, Any]]) -> str:
     """One line per group: algorithm, parameter count, names (for logs and checks)."""
+    if not isinstance(groups, list | tuple) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        # the groups are what a model splits into, not the model (nor the optimizer) itself
+        raise TypeError(
+            "describe_param_groups: groups must be a list of parameter groups (dicts with 'params'); got a "
+            f"{type(groups).__name__}: pass build_param_groups(model) or optimizer.param_groups"
+        )
     lines = []
     for g in groups:
         count = sum(p.numel() for p in g["params"])
