@@ -1800,7 +1800,7 @@ def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> Non
 
     routed = Routed()
     posterior = _trained_posterior(routed, torch.randn(3, 4), lambda out: out.square().mean())
-    with torch.no_grad(), refused(r"expert\.weight: the batched-sample forward expects a leading batch"):
+    with torch.no_grad(), refused(r"'expert\.weight' is in a mixture of experts \(expert\)"):
         with batched.BatchedSamples(routed, posterior, 2, seed=0):
             routed(torch.randn(4, 4))
     assert not any("forward" in m.__dict__ for m in routed.modules())
@@ -1908,10 +1908,9 @@ def test_one_draw_at_a_time_puts_the_mean_back_when_a_forward_raises(gpt2, monke
     assert_unchanged(model, before)
 
 
-def tiny_switch_with_covered_experts():
-    """A tiny SwitchTransformers (a mixture of ``nn.Linear`` experts) whose posterior covers the experts
-    alone: the sample-axis probe's one token per row takes each expert all of the rows or none, and
-    text selects rows per expert, so the batched samples refuse it during the forward."""
+def tiny_switch(covered: str = ".experts.") -> tuple:
+    """A tiny SwitchTransformers (a mixture of ``nn.Linear`` experts) whose posterior covers the parameters
+    named with ``covered`` alone."""
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
     torch.manual_seed(1)
@@ -1922,9 +1921,25 @@ def tiny_switch_with_covered_experts():
     )  # fmt: skip
     model = SwitchTransformersForConditionalGeneration(config).eval()
     for name, param in model.named_parameters():
-        param.requires_grad_(".experts." in name)
+        param.requires_grad_(covered in name)
     posterior = train_posterior(model)
-    assert posterior.names and all(".experts." in n for n in posterior.names)
+    assert posterior.names and all(covered in n for n in posterior.names)
+    return model, posterior
+
+
+# a posterior whose S = 2 samples route one token alike (the sample-axis probe passes) and this text's
+# tokens differently, each expert getting an even number of the samples' rows
+SWITCH_ESS = 300.0
+SWITCH_TEXT = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+
+
+def tiny_switch_with_covered_experts(monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """A tiny SwitchTransformers whose posterior covers the experts alone, with the batched samples' refusal
+    of a mixture's experts on entry turned off: the sample-axis probe's one token per row takes each expert
+    all of the rows or none, and text selects rows per expert, so the batched samples refuse it during the
+    forward, as they refuse a layer fed a selection of rows they cannot tell from its name."""
+    model, posterior = tiny_switch()
+    monkeypatch.setattr(batched, "routed_expert", lambda model, owners: None)
     batched_refusal(model, posterior, PROMPTS)  # the probe passes: the refusal comes in the forward
     with torch.no_grad(), refused(r"experts\.expert_\d\.wi\.weight: the batched-sample forward expects a leading"):
         with batched.BatchedSamples(model, posterior, 2, seed=0):
@@ -1938,7 +1953,7 @@ def test_a_refusal_during_the_batched_forward_runs_one_draw_at_a_time(monkeypatc
     the rows, which the probe's one token did not show) reached the user as NotImplementedError. The
     call now runs from scratch one draw at a time, as for a refusal before the forward: the tokens,
     logits, streamed tokens and scores of that path forced, the model at its mean."""
-    model, posterior = tiny_switch_with_covered_experts()
+    model, posterior = tiny_switch_with_covered_experts(monkeypatch)
     before = snapshot(model)
 
     def run() -> tuple:
@@ -1960,6 +1975,98 @@ def test_a_refusal_during_the_batched_forward_runs_one_draw_at_a_time(monkeypatc
     assert len(got) == len(expected)
     for have, want in zip(got, expected):
         assert torch.equal(have, want)
+
+
+@pytest.mark.parametrize("call", ["generate_bma", "bma_log_likelihood"])
+def test_covered_mixture_experts_run_one_draw_at_a_time_from_the_start(monkeypatch, call):
+    """SwitchTransformers' experts are nn.Linear layers fed the rows their router selects. Where each
+    expert got a multiple of S rows, the batched samples ran them without a word, splitting the selection
+    in S equal blocks: rows of one sample ran another's weights (sample log-likelihoods off by 1.3
+    nats). A covered expert is refused before any forward, so both calls give the one-draw-at-a-time
+    path's results exactly."""
+    model, posterior = tiny_switch()
+    noisy = posterior.with_ess(SWITCH_ESS)
+    with refused(r"'encoder\.block\.1\.layer\.1\.mlp\.experts\.expert_0\.wi\.weight' is in a mixture of experts"):
+        batched_refusal(model, noisy, SWITCH_TEXT)
+
+    def run() -> tuple:
+        if call == "bma_log_likelihood":
+            scored = bma_log_likelihood(model, noisy, SWITCH_TEXT, labels=SWITCH_TEXT, num_samples=2, seed=0)
+            return (scored.sample_token_log_probs, scored.token_log_probs)
+        out = generate_bma(
+            model, noisy, SWITCH_TEXT, num_samples=2, seed=0, max_new_tokens=4, do_sample=False,
+            eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+        return (out.sequences, *out.logits)
+
+    got = run()
+    _refuse_batched(monkeypatch)
+    expected = run()
+    assert len(got) == len(expected)
+    for have, want in zip(got, expected):
+        torch.testing.assert_close(have, want, rtol=0, atol=0)
+
+
+def test_a_hand_written_routed_expert_is_refused_before_any_forward():
+    """An nn.Linear expert fed ``x[mask]`` (the rows a covered layer's output routes to it) got, for an
+    even selection, the rows of both samples split in halves without a word: the batched path refuses a
+    covered module in an ``experts`` container before any forward, the model left as it was."""
+
+    class Routed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            mask = h[:, 0] > 0
+            out = torch.zeros_like(h)
+            out[mask] = self.experts[0](h[mask])
+            out[~mask] = self.experts[1](h[~mask])
+            return out
+
+    routed = Routed()
+    posterior = _trained_posterior(routed, torch.randn(3, 4), lambda out: out.square().mean())
+    with refused(r"'experts\.0\.weight' is in a mixture of experts \(experts\.0\)"):
+        with batched.BatchedSamples(routed, posterior, 2, seed=0):
+            pass
+    assert not any("forward" in m.__dict__ for m in routed.modules())
+    assert all(type(p) is torch.nn.Parameter for p in routed.parameters())
+
+
+def test_a_layer_fed_a_selection_of_rows_that_is_no_multiple_of_the_batch_is_refused():
+    """A covered layer fed a selection of the S·B rows whose size is a multiple of S but not of S·B (the
+    call's B sequences per sample) cannot hold the samples' rows in S equal blocks: refused mid-forward,
+    naming the parameter and the shape, where it ran the first rows as sample 0's and the next as
+    sample 1's."""
+
+    class Picked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x[:2])
+
+    picked = Picked()
+    posterior = _trained_posterior(picked, torch.randn(3, 4), lambda out: out.square().mean())
+    match = r"head\.weight: .* a leading batch of S·B rows or S·B·tokens \(S=2, B=2\), got input of shape \(2, 4\)"
+    with torch.no_grad(), refused(match):
+        with batched.BatchedSamples(picked, posterior, 2, seed=0, sequences=2):
+            picked(torch.randn(4, 4))
+    assert not any("forward" in m.__dict__ for m in picked.modules())
+    with pytest.raises(ValueError, match="sequences must be an integer >= 1; got 0"):
+        batched.BatchedSamples(picked, posterior, 2, sequences=0)
+
+
+def test_a_refusal_is_its_own_exception_class():
+    """Refusals were told apart by their message's text; they are BatchedSamplesRefused, a
+    NotImplementedError (callers catching that still catch them)."""
+    error = batched.refusal("a reason")
+    assert type(error) is batched.BatchedSamplesRefused
+    assert isinstance(error, NotImplementedError)
+    assert str(error).startswith("a reason; sample the model one draw at a time")
 
 
 def test_a_refusal_during_batched_decoding_after_streamed_tokens_names_the_streamer(gpt2):

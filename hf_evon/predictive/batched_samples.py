@@ -21,9 +21,8 @@ out every refusal of the batched path names (:func:`refusal`).
 Likewise each covered module's input must lead with the S·B rows: ``check_sample_axis`` (which
 ``generate_bma`` and ``bma_log_likelihood`` run first) refuses a time-first layer (FSMT's, LED's
 encoder self-attention) or an input that is no batch (T5's relative position buckets) among the
-modules its one-token forward reaches. It cannot see a layer fed a selection of rows (the experts
-of a mixture-of-experts model built of ``nn.Linear``) or one a one-token input never reaches:
-such a model is sampled one draw at a time too.
+modules its one-token forward reaches. A covered module in a mixture of experts (fed the rows its
+router selects) is refused on entry, an input no multiple of S·B rows mid-forward (:mod:`.batched_refusals`).
 
 Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``):
 
@@ -76,6 +75,14 @@ from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import is_dtensor
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
+from hf_evon.predictive.batched_refusals import (  # noqa: F401 - ONE_DRAW_AT_A_TIME: part of this module's API
+    ONE_DRAW_AT_A_TIME,
+    BatchedSamplesRefused,
+    check_sequences,
+    refusal,
+    routed_expert,
+    sample_major,
+)
 from hf_evon.predictive.module_forward import own_forward, replace_forward, restore_forward
 
 Tensor = torch.Tensor
@@ -115,20 +122,6 @@ def chunked_draws(
             for n in chunk:
                 yield n, draws.pop(n)
             chunk, size = [], 0
-
-
-# the way out of every refusal of the batched path: each sample written into the weights in turn, which
-# any model runs (S forwards per step instead of one batched one)
-ONE_DRAW_AT_A_TIME = (
-    "sample the model one draw at a time instead: run it inside `with posterior.sampled(model, seed=s)` "
-    "for each of S seeds and average the S predicted probabilities"
-)
-
-
-def refusal(reason: str) -> NotImplementedError:
-    """The error refusing batched BMA (``generate_bma``, ``bma_log_likelihood``) for ``reason``, ending
-    with the way out every such refusal names (:data:`ONE_DRAW_AT_A_TIME`)."""
-    return NotImplementedError(f"{reason}; {ONE_DRAW_AT_A_TIME}")
 
 
 def expected_rows(batch_size: int, prompt_tokens: int, new_tokens: int = 0) -> int:
@@ -213,15 +206,6 @@ def _plain_linear(module: nn.Module) -> bool:
     )
 
 
-def _sample_major(x: Tensor, num_samples: int, name: str) -> Tensor:
-    if x.shape[0] % num_samples:
-        raise refusal(
-            f"{name}: the batched-sample forward expects a leading batch of S·B rows (S={num_samples}), "
-            f"got input of shape {tuple(x.shape)} (a layer fed a selection of the rows, as a mixture's expert is)"
-        )
-    return x.reshape(num_samples, -1, x.shape[-1])
-
-
 def _dora_owners(model: nn.Module) -> set[nn.Module]:
     """The ``lora_A`` / ``lora_B`` modules of PEFT's DoRA adapters (``use_dora[adapter]``)."""
     owners = set()
@@ -251,6 +235,9 @@ class BatchedSamples:
             ``"auto"``; ``None`` (unknown) materializes.
         batch_size: B, the rows per sample of one forward step (``"auto"`` materializes when
             S·B < ``MIN_FACTORED_ROWS``); ``None``: not limiting.
+        sequences: the sequences per sample the call's input holds (its B before beams): a covered
+            module's input whose leading size is no multiple of S·sequences is refused mid-forward
+            (``None``: 1, S alone checked).
     """
 
     def __init__(
@@ -262,6 +249,7 @@ class BatchedSamples:
         strategy: str | None = None,
         rows: int | None = None,
         batch_size: int | None = None,
+        sequences: int | None = None,
     ) -> None:
         strategy = DEFAULT_STRATEGY if strategy is None else strategy
         if not isinstance(num_samples, int) or num_samples < 1:
@@ -275,6 +263,8 @@ class BatchedSamples:
         self.strategy = strategy
         self.rows = rows
         self.batch_size = batch_size
+        # B of the rows check (sample_major); check_sample_axis's probe sets its own while it runs
+        self._sequences = [check_sequences(sequences)]
         self.factored: set[str] = set()  # names applied factored (set on entry)
         # (module, its forward before the block (replace_forward's), its covered parameters by attribute)
         self._patched: list[tuple[nn.Module, tuple[str, Any], dict[str, Tensor]]] = []
@@ -381,6 +371,7 @@ class BatchedSamples:
                 )
             if isinstance(module, nn.Embedding) and module.max_norm is not None:
                 raise refusal(f"{attrs['weight']!r}: nn.Embedding with max_norm is not supported")
+        routed_expert(self.model, owners)
         # one seed for all names, as a single draw(seed=None) would do
         self.seed = resolve_seed(self.seed)
         factored = self._factored(params, owners)
@@ -446,6 +437,7 @@ class BatchedSamples:
         if self.num_samples == 1:  # one sample: nothing to mix
             return
         s_count = self.num_samples * rows
+        sequences = self._sequences[0]
 
         def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             x = args[0] if args else next(iter(kwargs.values()), None)
@@ -459,9 +451,11 @@ class BatchedSamples:
                 )
 
         handles = [m.register_forward_pre_hook(check, with_kwargs=True) for m in self._labels]
+        self._sequences[0] = rows
         try:
             run()
         finally:
+            self._sequences[0] = sequences
             for handle in handles:
                 handle.remove()
 
@@ -492,11 +486,11 @@ class BatchedSamples:
         conv1d = _conv1d_type()
         # batched weights laid out (S, in, out) for bmm: Linear stores (out, in), Conv1D (in, out)
         transpose = not (conv1d is not None and isinstance(module, conv1d))
-        s_count = self.num_samples
+        s_count, sequences = self.num_samples, self._sequences
         sample = _sampler(module, attrs, self._samples, self._pending, label)
 
         def forward(self_: nn.Module, x: Tensor) -> Tensor:
-            xs = _sample_major(x, s_count, label)
+            xs = sample_major(x, s_count, sequences[0], label)
             w_s, b_s = sample(self_, "weight"), sample(self_, "bias")
             if w_s is not None:
                 w = w_s.mT if transpose else w_s
@@ -523,7 +517,7 @@ class BatchedSamples:
                 return q_l, q_r, e_s
             return q_r, q_l, e_s.mT  # nn.Linear: weight (out, in) = (m, n), x @ ΔWᵀ = x Q_R E_sᵀ Q_Lᵀ
 
-        s_count = self.num_samples
+        s_count, sequences = self.num_samples, self._sequences
         sharded = is_dtensor(mean)
         held = [] if sharded else [operands(mean.dtype)]
 
@@ -535,7 +529,7 @@ class BatchedSamples:
                 held.append(operands(m.dtype))
             q_in, q_out, e_io = held[0]
             y = F.linear(x, m.mT if is_conv1d else m, self_.bias)  # Conv1D: F.linear's (out, in) view
-            xs = _sample_major(x, s_count, label)
+            xs = sample_major(x, s_count, sequences[0], label)
             t = xs if q_in is None else xs @ q_in
             t = torch.bmm(t, e_io)
             if q_out is not None:
@@ -545,13 +539,16 @@ class BatchedSamples:
         return forward
 
     def _embedding_forward(self, module: nn.Module, attrs: dict[str, str], label: str) -> Callable[..., Tensor]:
-        s_count = self.num_samples
+        s_count, sequences = self.num_samples, self._sequences
         sample = _sampler(module, attrs, self._samples, self._pending, label)
         vocab = self._samples[attrs["weight"]].shape[1]  # (S, V, d), materialized
 
         def forward(self_: nn.Module, ids: Tensor) -> Tensor:
-            if ids.shape[0] % s_count:
-                raise refusal(f"{label}: expected a leading batch of S·B rows, got {tuple(ids.shape)}")
+            if ids.dim() == 0 or ids.shape[0] % (s_count * sequences[0]):
+                raise refusal(
+                    f"{label}: expected a leading batch of S·B rows (S={s_count}, B={sequences[0]}), "
+                    f"got {tuple(ids.shape)}"
+                )
             flat = sample(self_, "weight").reshape(s_count * vocab, -1)
             offsets = torch.arange(s_count, device=ids.device).mul_(vocab).view(s_count, *[1] * ids.ndim)
             shifted = (ids.reshape(s_count, -1, *ids.shape[1:]) + offsets).reshape(ids.shape)

@@ -41,7 +41,7 @@ from hf_evon.modeling import (
     unwrap_model,
 )
 from hf_evon.optim.noise import derived_seed, resolve_seed
-from hf_evon.predictive.batched_samples import ONE_DRAW_AT_A_TIME, BatchedSamples, expected_rows, refusal
+from hf_evon.predictive.batched_samples import BatchedSamples, BatchedSamplesRefused, expected_rows, refusal
 from hf_evon.predictive.encoder_inputs import (
     TOKENS,
     check_inputs,
@@ -225,8 +225,8 @@ def generate_bma(
 
     A model the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D`` or
     ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
-    adapters, ``weight_norm``, a scaled word embedding; or, during decoding, a mixture's expert fed a
-    selection of rows: decoding starts again, unless a ``streamer`` got new tokens) is decoded with
+    adapters, ``weight_norm``, a scaled word embedding, a mixture's expert; or, during decoding, a layer
+    fed a selection of rows: decoding starts again, unless a ``streamer`` got new tokens) is decoded with
     the same S samples written into its weights one at a time (``hf_evon.predictive.sequential_samples``),
     each with its own KV cache (and encoder): the same tokens, at S forwards per step; the decoder's
     attentions and hidden states are every sample's too, an encoder-decoder's encoder's sample 0's (B rows).
@@ -261,13 +261,15 @@ def generate_bma(
     new_tokens = config.max_new_tokens or (config.max_length or 20) - start
     rows = expected_rows(len(source) * beams, length(name, source), max(int(new_tokens), 1))
     sampler = _entered_batched_samples(
-        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * beams),
+        BatchedSamples(
+            model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * beams, sequences=len(source)
+        ),
         gen_model,
         source,
         name,
     )
-    if not isinstance(sampler, NotImplementedError):
-        # a refusal during its forwards (a mixture's expert fed another selection of rows than the probe's)
+    if not isinstance(sampler, BatchedSamplesRefused):
+        # a refusal during its forwards (a layer fed another selection of rows than the probe's)
         # is answered as one before: the samples one at a time, from scratch, on the call's own kwargs
         streamer = held_prompt(generation_kwargs.get("streamer"))
         attempt = {**generation_kwargs, **({"streamer": streamer} if streamer is not None else {})}
@@ -278,9 +280,7 @@ def generate_bma(
                 )
             with _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed) as cache:
                 return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, attempt)
-        except NotImplementedError as error:
-            if ONE_DRAW_AT_A_TIME not in str(error):
-                raise
+        except BatchedSamplesRefused as error:
             if streamer is not None and streamer.streamed:
                 raise NotImplementedError(
                     f"generate_bma: {error}. The batched samples met this after the streamer had been given new "
@@ -305,21 +305,19 @@ def generate_bma(
 
 def _entered_batched_samples(
     sampler: BatchedSamples, gen_model: nn.Module, source: Tensor, name: str = TOKENS
-) -> BatchedSamples | NotImplementedError:
+) -> BatchedSamples | BatchedSamplesRefused:
     """``sampler`` entered, its sample axis checked (:func:`_check_sample_axis` on ``source``, the
     model's input ``name``); or, where the batched path refuses the model, that refusal, the block
     exited (the model as it was)."""
     try:
         sampler.__enter__()
-    except NotImplementedError as error:
-        if ONE_DRAW_AT_A_TIME not in str(error):
-            raise
+    except BatchedSamplesRefused as error:
         return error
     try:
         _check_sample_axis(sampler, gen_model, source, name)
     except BaseException as error:
         sampler.__exit__(None, None, None)
-        if isinstance(error, NotImplementedError) and ONE_DRAW_AT_A_TIME in str(error):
+        if isinstance(error, BatchedSamplesRefused):
             return error
         raise
     return sampler
@@ -568,15 +566,17 @@ def bma_log_likelihood(
     score = functools.partial(sample_target_log_probs, targets=targets, scored=scored, labels=labels, posterior=posterior)
     rows = expected_rows(len(source), length(name, source) + (labels.shape[1] if encoder_decoder else 0))
     sampler = _entered_batched_samples(
-        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows), gen_model, source, name
+        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows, sequences=len(source)),
+        gen_model,
+        source,
+        name,
     )
     logits = None
-    if not isinstance(sampler, NotImplementedError):
+    if not isinstance(sampler, BatchedSamplesRefused):
         try:  # S·B rows, sample-major
             logits = gen_model(**{k: repeated(v, num_samples) for k, v in inputs.items()}, return_dict=True).logits
-        except NotImplementedError as error:  # refused during the forward: as refused before it
-            if ONE_DRAW_AT_A_TIME not in str(error):
-                raise
+        except BatchedSamplesRefused:  # refused during the forward: as refused before it
+            pass
         finally:
             sampler.__exit__(None, None, None)
     if logits is None:  # the batched path refuses the model: its S samples in turn
