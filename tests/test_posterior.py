@@ -414,6 +414,31 @@ def test_float32_maths_inside_an_autocast_region(mlp):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_forwards_in_one_autocast_region_see_each_sample_and_the_mean_after_it(mlp):
+    """autocast keeps its bfloat16 cast of each parameter until its outermost region ends and does not
+    see in-place writes: inside one ``torch.autocast`` (a BMA loop over seeds, say) every forward ran
+    at the mean cast before the first ``sampled()``, so every sample predicted as the mean. Each forward
+    is the one a fresh region gives at the weights the model holds."""
+    model, _, post = mlp
+    model, x = copy.deepcopy(model), torch.randn(3, 5)
+
+    def fresh(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            return torch.func.functional_call(model, weights, (x,))
+
+    mean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        outs, weights = [model(x)], [mean]
+        for seed in (1, 2):
+            with post.sampled(model, seed=seed):
+                outs.append(model(x))
+                weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        outs.append(model(x))
+    assert not torch.equal(weights[1]["0.weight"], mean["0.weight"])
+    for got, at in zip(outs, [*weights, mean], strict=True):
+        assert torch.equal(got, fresh(at))
+
+
 def test_draw_determinism_subsets_and_dtypes(gpt2):
     post = gpt2[2]
     a, b, c = post.draw(2, seed=5), post.draw(2, seed=5), post.draw(2, seed=6)

@@ -29,6 +29,7 @@ from torch import nn
 from hf_evon.fileio import directory_lock
 from hf_evon.modeling import pruned_ranks, unused_adapter_parameters, unwrap_model
 from hf_evon.optim.checks import is_int, is_real
+from hf_evon.optim.linalg import writing_weights
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
@@ -287,7 +288,7 @@ class EVONPosterior:
         pruned = pruned_ranks(model)  # AdaLoRA's pruned ranks are off, not uncertain: every sample keeps them 0
         saved: list[tuple[Tensor, Tensor]] = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), writing_weights():  # forwards inside see the sample, not a cast from before
                 for dev, names in draw_batches(params, (group.names for group in self._groups)):
                     draws = self.draw(1, seed=seed, names=names, device=dev)
                     for name in names:
@@ -298,7 +299,7 @@ class EVONPosterior:
                         p.copy_(add_perturbation(mean, delta.masked_fill(pruned[name], 0) if name in pruned else delta))
             yield model
         finally:
-            with torch.no_grad():
+            with torch.no_grad(), writing_weights():
                 for p, mean in reversed(saved):
                     p.copy_(mean)
 
