@@ -2349,3 +2349,36 @@ def test_an_encoder_input_the_model_does_not_read_is_named(feature_seq2seq, gpt2
     with pytest.raises(ValueError, match="generate_bma: input_ids must be"):
         generate_bma(lm, lm_posterior, num_samples=2, max_new_tokens=2)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_samples_written_one_at_a_time_in_one_autocast_region_each_reach_the_forward() -> None:
+    """autocast keeps its bfloat16 cast of each parameter until its outermost region ends and does not
+    see in-place writes: inside one ``torch.autocast`` (``bma_log_likelihood`` or ``generate_bma`` of a
+    model the batched path refuses, called in a bfloat16 region) every sample's forward ran at the mean
+    cast before the first write. Each forward is the one a fresh region gives at the weights written."""
+    from hf_evon.predictive.sequential_samples import SequentialSamples
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)), torch.randn(6, 5)
+    opt = hf_evon.build_optimizer(model, ess=50.0, seed=0)
+    with opt.sampled_params(train=True):
+        model(x).square().sum().backward()
+    opt.step()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def fresh(at: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            return torch.func.functional_call(model, at, (x,))
+
+    mean = weights()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        first = model(x)
+        with SequentialSamples(model, posterior, 2, seed=1) as samples:
+            ran = samples.each(lambda: (model(x), weights()))
+        last = model(x)
+    assert not torch.equal(ran[0][1]["0.weight"], mean["0.weight"])
+    for got, at in [(first, mean), *ran, (last, mean)]:
+        assert torch.equal(got, fresh(at))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import pruned_ranks, unwrap_model
+from hf_evon.optim.linalg import writing_weights
 from hf_evon.posterior.gaussian import add_perturbation, sample_seed
 from hf_evon.predictive.batched_samples import chunked_draws
 from hf_evon.predictive.module_forward import instance_forward
@@ -86,7 +87,7 @@ class SequentialSamples:
 
     def write(self, s: int) -> None:
         """Sample ``s``'s weights into the model's covered parameters."""
-        with torch.no_grad():
+        with torch.no_grad(), writing_weights():  # the forward casts the sample, not a cast from before
             for name, p in self._params.items():
                 p.copy_(self._samples[name][s])
         self._written = True
@@ -108,7 +109,7 @@ class SequentialSamples:
         """The mean back into the covered parameters, bit for bit."""
         if not self._written:
             return
-        with torch.no_grad():
+        with torch.no_grad(), writing_weights():
             for name, p in self._params.items():
                 p.copy_(self._means[name])
         self._written = False
