@@ -942,6 +942,17 @@ def test_scale_ess_keeps_the_groups_ratios_and_with_ess_takes_one_per_name() -> 
         post.scale_ess("2")
 
 
+def test_scale_ess_names_a_factor_not_above_0() -> None:
+    """A factor <= 0 (or NaN) was reported as the product: ``scale_ess(-1)`` as "ess must be > 0; got
+    -1000.0", a point mass's ``scale_ess(0)`` as "got nan", neither naming the factor given."""
+    _, post = _two_group_posterior()
+    for posterior in (post, post.with_ess(math.inf)):
+        for factor in (-1.0, 0, math.nan, -math.inf):
+            with pytest.raises(ValueError, match=rf"^scale_ess: factor must be > 0 \(inf for no noise\); got {factor!r}$"):
+                posterior.scale_ess(factor)
+    assert post.scale_ess(math.inf).is_point_mass
+
+
 def test_a_prompt_tuned_lm_is_calibrated_on_the_tokens_its_loss_scores() -> None:
     """PEFT's prompt tuning prepends virtual tokens: the logits are longer than the labels and the
     last virtual token predicts the first label. The calibration refused it ("labels do not align")

@@ -105,11 +105,13 @@ def json_value(value: Any) -> Any:
     return str(value)
 
 
-def ess_number(value: Any, argument: str) -> float:
+def ess_number(value: Any, argument: str, positive: bool = False) -> float:
     """An ess (or a factor on one) given as a number (Python or NumPy, as the optimizer takes its
-    arguments), as a float; anything else refused by ``argument``."""
+    arguments), as a float; anything else refused by ``argument``, and with ``positive`` one not > 0."""
     if not is_real(value):
         raise TypeError(f"{argument} must be a number (math.inf for no noise); got {value!r}")
+    if positive and not value > 0:
+        raise PosteriorMismatchError(f"{argument} must be > 0 (inf for no noise); got {value!r}")
     return float(value)
 
 

@@ -399,7 +399,7 @@ class EVONPosterior:
         """A copy with every covered parameter's ζ times ``factor`` > 0 (``inf``: zero variance): the
         same shape of uncertainty, each variance ``1/factor`` as large; groups trained at different ζ
         keep their ratios (``with_ess`` sets one ζ everywhere)."""
-        factor = ess_number(factor, "scale_ess: factor")
+        factor = ess_number(factor, "scale_ess: factor", positive=True)  # the products would name another ess
         groups = [replace(g, ess=g.ess * factor) for g in self._groups]
         return self._with_groups(groups, self.ess * factor, "scale_ess")
 
