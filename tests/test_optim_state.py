@@ -976,6 +976,36 @@ def test_load_state_dict_refuses_state_the_next_step_cannot_use(corrupt, named: 
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
 
 
+@pytest.mark.parametrize("missing", ["hess", "step", "exp_avg_unrotated"])
+def test_load_state_dict_refuses_an_evon_entry_missing_some_of_its_keys(missing: str) -> None:
+    """An EVON entry holding some of its state but not H, its step count or its momentum loaded
+    without a word, and the next step silently restarted that piece (H from hess_init, the bias
+    correction from 0, the momentum from zero). It is refused at load, naming the parameter and the
+    missing key, the optimizer unchanged; an entry with no keys (a parameter not stepped yet) and an
+    AdamW entry (a parameter moved from an AdamW group) still load."""
+    model, data = make_model(), make_data()
+    weights = [(n, p) for n, p in model.named_parameters() if n.endswith("weight")]
+    opt = make_opt(model)
+    opt.param_groups[0]["param_names"] = [n for n, _ in weights]  # as build_param_groups names them
+    for _ in range(3):
+        train_step(model, opt, data)
+    good = copy.deepcopy(opt.state_dict())
+    assert missing in good["state"][1]
+    bad = copy.deepcopy(good)
+    del bad["state"][1][missing]
+    _refused_and_unchanged(opt, model, data, bad, f"{missing!r}")
+    with pytest.raises(ValueError, match="load_state_dict") as err:
+        opt.load_state_dict(bad)
+    assert "'2.weight'" in str(err.value) and "state[1]" in str(err.value)
+    not_stepped = copy.deepcopy(opt.state_dict())
+    not_stepped["state"][1] = {}
+    opt.load_state_dict(not_stepped)
+    moved = copy.deepcopy(opt.state_dict())
+    # AdamW's entry for this weight (saved while it was in an AdamW group): no 'hess', and dropped
+    moved["state"][1] = {"exp_avg": torch.zeros(5, 5), "exp_avg_sq": torch.zeros(5, 5), "step": torch.tensor(3.0)}
+    opt.load_state_dict(moved)
+
+
 def test_load_state_dict_refuses_an_eigenbasis_that_is_not_orthonormal() -> None:
     """A state dict whose Q_L was scaled by 1.5 loaded, and the posterior built from the optimizer
     then saved bases that EVONPosterior.from_pretrained refuses ("is not orthonormal"): a saved

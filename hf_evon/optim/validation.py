@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hf_evon.optim.buckets import UNINITIALIZED
+from hf_evon.optim.buckets import ADAMW_ONLY_KEY, ROTATED_MOMENTUM, UNINITIALIZED, WEIGHT_SPACE_MOMENTUM
 from hf_evon.optim.checks import (
     ALGORITHMS,
     CLIP_MODES,
@@ -382,15 +382,37 @@ def orthonormality_error(q: torch.Tensor) -> float:
     return float((residual.norm(dim=-2) / x.norm(dim=0)).max())
 
 
+# what every stepped EVON entry holds (a momentum under either space's key): the step fills in a
+# missing one afresh, so an entry with some of them but not all would restart that piece silently
+_REQUIRED_KEYS = ("hess", "step", (ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM))
+
+
+def check_entry_complete(idx: Any, entries: dict[str, Any], name: str | None) -> None:
+    """Raise, naming the parameter and the key, where an EVON state entry holds some of
+    ``_REQUIRED_KEYS`` but not all. No keys (a parameter not stepped yet) and AdamW's state (a
+    parameter moved from an AdamW group, which the step drops) pass."""
+    if not entries or ADAMW_ONLY_KEY in entries:
+        return
+    for key in _REQUIRED_KEYS:
+        keys = key if isinstance(key, tuple) else (key,)
+        if not any(k in entries for k in keys):
+            label = f"state[{idx!r}]" + (f" (parameter {name!r})" if name else "")
+            raise ValueError(
+                f"EVON.load_state_dict: {label} has no {' or '.join(map(repr, keys))} but holds "
+                f"{sorted(entries)}: a corrupt or partial EVON state"
+            )
+
+
 def validate_state_dict(state_dict: dict[str, Any]) -> None:
     """Check a state dict before ``EVON.load_state_dict`` changes anything: every group's
-    hyperparameters as the constructor checks them, and each EVON parameter's state finite with
-    H + δ > 0 (a positive, finite posterior variance). The message names the group or the
-    parameter's index and entry."""
+    hyperparameters as the constructor checks them, each EVON parameter's state complete
+    (:func:`check_entry_complete`) and finite with H + δ > 0 (a positive, finite posterior
+    variance). The message names the group or the parameter's index and entry."""
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
     prior: dict[Any, float] = {}  # parameter index -> its group's δ, for EVON groups
+    names: dict[Any, str] = {}  # parameter index -> its name, where its EVON group has names
     for gi, group in enumerate(groups):
         if group.get("algorithm") not in ALGORITHMS:  # every group an EVON saves names its algorithm
             raise ValueError(
@@ -404,7 +426,10 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
             raise ValueError(f"EVON.load_state_dict: param_groups[{gi}]: {err}") from None
         if hyper.get("algorithm", "evon") == "evon":
             prior.update(dict.fromkeys(group.get("params", ()), float(hyper.get("weight_decay") or 0.0)))
+            names.update(zip(group.get("params", ()), group.get("param_names") or ()))
     for idx, entries in state_dict.get("state", {}).items():
+        if idx in prior:
+            check_entry_complete(idx, entries, names.get(idx))
         for key, value in entries.items() if idx in prior else ():
             if not torch.is_tensor(value):  # the step reads every entry as a tensor
                 raise ValueError(
