@@ -194,6 +194,16 @@ CONFIG_ERRORS = {
     "no format_version": (lambda raw: raw.pop("format_version"), r"^v1\.json: 'format_version' is missing"),
     "empty object": (lambda raw: raw.clear(), r"^v1\.json: 'format_version' is missing"),
     "format_version 0": (_set("format_version", 0), r"^v1\.json: format_version 0 is not a known"),
+    # a dtype name that is no float dtype the format stores tensors in (these read as any string)
+    "unknown eigenbasis_dtype": (
+        _set("eigenbasis_dtype", "x"),
+        r"^v1\.json: field 'eigenbasis_dtype' must be one of \['bfloat16', 'float16', 'float32', 'float64'\]; got 'x'$",
+    ),
+    "integer hess_dtype": (
+        _set("hess_dtype", "int8"),
+        r"^v1\.json: field 'hess_dtype' must be one of \['bfloat16', 'float16', 'float32', 'float64'\]; got 'int8'$",
+    ),
+    "float8 eigenbasis_dtype": (_set("eigenbasis_dtype", "float8_e4m3fn"), r"field 'eigenbasis_dtype' must be one of"),
 }
 
 

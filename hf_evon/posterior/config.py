@@ -152,6 +152,14 @@ def _weights_file(value: Any, field: str, where: str) -> str:
     return value
 
 
+def _tensor_dtype(value: Any, field: str, where: str) -> str:
+    """The name of a ``TensorDtype`` (``"float32"``), as a save writes the dtypes it stores tensors in."""
+    names = sorted(d.value for d in TensorDtype)
+    if value not in names:
+        raise rules.rule_error(where, field, f"one of {names}", value)
+    return value
+
+
 def _optional(rule: rules.Rule, *, nullable: bool = False) -> Any:
     """A config field that may be absent (None), checked by ``rule`` where present.
 
@@ -263,7 +271,7 @@ class PosteriorConfig:
     mean_fingerprint: dict[str, Any] | None = _optional(rules.mean_fingerprint, nullable=True)
     pruned_ranks: dict[str, list[int]] | None = _optional(rules.pruned_ranks)  # AdaLoRA's: no spread there
     # how the tensors are stored
-    eigenbasis_dtype: str | None = _optional(rules.string)
+    eigenbasis_dtype: str | None = _optional(_tensor_dtype)
     max_basis_ratio: float | None = _optional(rules.number, nullable=True)  # lean posteriors
     # post-hoc calibration: the ess EVON trained with, and the search's record
     # (hf_evon.predictive.calibration.CalibrationResult.to_json)
@@ -278,7 +286,7 @@ class PosteriorConfig:
     library_version: str | None = _optional(rules.string)
     checkpoint_id: str | None = _optional(rules.string)
     weights_file: str | None = _optional(_weights_file)
-    hess_dtype: str | None = _optional(rules.string)
+    hess_dtype: str | None = _optional(_tensor_dtype)
     num_point_estimates: int | None = _optional(rules.integer(0), nullable=True)
     num_point_estimate_tensors: int | None = _optional(rules.integer(0), nullable=True)
     parameters: dict[str, ParameterEntry]
