@@ -362,3 +362,28 @@ def length_sorted(dataset: Any, collator: Any = None, drop_last: bool = False) -
     if column_names is not None:
         return dataset.select(order)
     return torch.utils.data.Subset(dataset, order)
+
+
+def replayed(loader: Any) -> Callable[[], Any]:
+    """A function returning ``loader`` set to read again the order it reads next (called before that
+    read). A shuffled sampler of an eval loader (transformers' ``LengthGroupedSampler``, under
+    ``train_sampling_strategy="group_by_length"``) draws its order from its own generator on every
+    read: the BMA passes over the loader would read other batches than the Trainer's pass did, which
+    changes what is scored where the batching does (left padding moves a row's positions, the last
+    batch dropped is another). The generators of the loader's samplers are reset to their state now."""
+    found: dict[int, torch.Generator] = {}
+    for owner in (loader, getattr(loader, "base_dataloader", None)):
+        batch_sampler = getattr(owner, "batch_sampler", None)
+        shard = getattr(batch_sampler, "batch_sampler", None)  # accelerate's BatchSamplerShard over several processes
+        for sampler in (getattr(owner, "sampler", None), batch_sampler, *(getattr(b, "sampler", None) for b in (batch_sampler, shard))):
+            generator = getattr(sampler, "generator", None)
+            if isinstance(generator, torch.Generator):
+                found[id(generator)] = generator
+    states = [(generator, generator.get_state()) for generator in found.values()]
+
+    def again() -> Any:
+        for generator, state in states:
+            generator.set_state(state)
+        return loader
+
+    return again

@@ -44,7 +44,7 @@ from hf_evon.predictive.metrics import (
     item_statistics,
     metrics_of_statistics,
 )
-from hf_evon.trainer.calibration_data import forward_logits, length_sorted
+from hf_evon.trainer.calibration_data import forward_logits, length_sorted, replayed
 from hf_evon.trainer.metric_merge import merge_metrics
 
 logger = logging.get_logger(__name__)
@@ -410,7 +410,7 @@ class PosteriorEvaluation:
         if self.unsupported:
             return {}
         if not self.reused or self.mean is None:
-            if not self._own_mean_pass(dataloader):
+            if not self._own_mean_pass(dataloader if bma_dataloader is None else bma_dataloader()):
                 return {}
         metrics = {f"{self.prefix}_mean_{k}": v for k, v in self.mean.summary().items()}  # type: ignore[union-attr]
         if self.with_bma:
@@ -475,8 +475,8 @@ class EvaluationMixin:
     """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
     posterior metrics to the subclass's (``predict(bma=True)``: :mod:`hf_evon.trainer.prediction`)."""
 
-    # the evaluations (step, evaluation, its loader) at the current step that skipped BMA: one per
-    # eval dataset, which the Trainer evaluates one after the other
+    # the evaluations (step, evaluation, the maker of its BMA passes' loader) at the current step that
+    # skipped BMA: one per eval dataset, which the Trainer evaluates one after the other
     _evon_bma_skipped: list[tuple[int, PosteriorEvaluation, Any]] | None = None
     _evon_bma_asked = False  # evaluate(bma=True): the BMA passes run whatever bma_eval_every says
 
@@ -508,8 +508,8 @@ class EvaluationMixin:
         if not skipped or not self.control.should_training_stop:
             return metrics
         self._evon_bma_skipped = []
-        for i, (_, evaluation, dataloader) in enumerate(skipped):
-            bma = evaluation.bma_metrics(dataloader, lambda d=dataloader: self._length_sorted_loader(d))
+        for i, (_, evaluation, passes) in enumerate(skipped):
+            bma = evaluation.bma_metrics(None, passes)
             if bma:
                 self.log(bma)
                 if i >= ours:
@@ -533,7 +533,7 @@ class EvaluationMixin:
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=self._bma_due())
-        self._evon_evaluation = evaluation
+        self._evon_evaluation, replay = evaluation, replayed(dataloader)  # before the Trainer's pass draws its order
         try:
             with evaluation.watch(self.model):
                 output = super().evaluation_loop(
@@ -541,9 +541,12 @@ class EvaluationMixin:
                 )
         finally:
             self._evon_evaluation = None
-        merge_metrics(output.metrics, evaluation.finish(dataloader, lambda: self._length_sorted_loader(dataloader)))
+        def passes() -> Any:  # the batches of the Trainer's pass again, or the set sorted by length
+            return self._length_sorted_loader(dataloader, replay)
+
+        merge_metrics(output.metrics, evaluation.finish(dataloader, passes))
         if not evaluation.with_bma:
-            self._evon_bma_skipped = [*(self._evon_bma_skipped or ()), (self.state.global_step, evaluation, dataloader)]
+            self._evon_bma_skipped = [*(self._evon_bma_skipped or ()), (self.state.global_step, evaluation, passes)]
         return output
 
     def prediction_step(
@@ -564,14 +567,15 @@ class EvaluationMixin:
                 model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs
             )
 
-    def _length_sorted_loader(self, dataloader: Any) -> Any:
+    def _length_sorted_loader(self, dataloader: Any, replay: Callable[[], Any] | None = None) -> Any:
         """The evaluation loader's dataset in order of token count
         (:func:`~hf_evon.trainer.calibration_data.length_sorted`), for the BMA passes: each of the
-        S passes then pads little. ``dataloader`` itself where the order would not change."""
+        S passes then pads little. ``dataloader`` itself where the order would not change or must not,
+        through ``replay`` (:func:`~hf_evon.trainer.calibration_data.replayed`) where given."""
         dataset = getattr(dataloader, "dataset", None)
         ordered = None if dataset is None else length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
         if ordered is None or ordered is dataset:
-            return dataloader
+            return dataloader if replay is None else replay()
         return self._uncached_eval_dataloader(ordered)
 
     def _bma_due(self) -> bool:
