@@ -953,6 +953,39 @@ def test_scale_ess_names_a_factor_not_above_0() -> None:
     assert post.scale_ess(math.inf).is_point_mass
 
 
+def test_batches_that_come_in_another_order_on_a_later_pass_are_refused() -> None:
+    """BMA averages each target's probabilities over passes that each read the batches again: a
+    DataLoader with shuffle=True paired one example's log-probabilities with another's, and the NLLs
+    (0.71 where the data's is 0.77 on the MLP below) were silently wrong. An unshuffled DataLoader
+    gives the list's result exactly; a shuffled one is refused by name."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, post = _two_group_posterior()
+    x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(1)), torch.arange(64) % 3
+    options = {"num_samples": 2, "grid": [1.0, 0.1], "always_scan": True, "temperature": False, "screen_factor": 0}
+    _, listed = calibrate_posterior(model, post, [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)], **options)
+    _, loaded = calibrate_posterior(model, post, DataLoader(TensorDataset(x, y), batch_size=16), **options)
+    assert loaded.nll == listed.nll and loaded.mean_nll == listed.mean_nll and listed.nll
+    torch.manual_seed(0)
+    shuffled = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    with pytest.raises(ValueError, match=r"^calibrate_posterior: batch 0 \(counting from 0\) holds other labels .*shuffle"):
+        calibrate_posterior(model, post, shuffled, **options)
+    fewer = [[(x[:32], y[:32]), (x[32:], y[32:])], [(x[:32], y[:32])]]  # a later pass with fewer batches
+    with pytest.raises(ValueError, match=r"^calibrate_posterior: a later pass over the batches gave 1 batches where the first gave 2"):
+        calibrate_posterior(model, post, _Passes(fewer), **options)
+
+
+class _Passes:
+    """Re-iterable batches: ``passes[0]`` until one pass has read them all, then ``passes[1]``."""
+
+    def __init__(self, passes: list) -> None:
+        self.passes, self.done = passes, False
+
+    def __iter__(self):
+        yield from self.passes[self.done]
+        self.done = True
+
+
 def test_a_prompt_tuned_lm_is_calibrated_on_the_tokens_its_loss_scores() -> None:
     """PEFT's prompt tuning prepends virtual tokens: the logits are longer than the labels and the
     last virtual token predicts the first label. The calibration refused it ("labels do not align")

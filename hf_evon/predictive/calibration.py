@@ -233,7 +233,8 @@ def calibrate_posterior(
 ) -> tuple[Any, CalibrationResult]:
     """Choose the posterior's sampling ζ and softmax temperature T by BMA NLL on ``batches`` (held-out data).
 
-    ``batches`` is re-iterable (a list or a DataLoader) of dicts with ``labels`` (HF models;
+    ``batches`` is re-iterable (a list or a DataLoader, read in the same order on every pass: one with
+    ``shuffle=True`` is refused) of dicts with ``labels`` (HF models;
     −100 ignored; causal LMs' labels are shifted, ``shift_labels=None`` detects them) or of
     ``(inputs, labels)`` pairs (plain modules returning logits). ``grid`` holds multiples of
     the trained ζ (> 0); ζ = ∞ (the mean) is always a candidate. The same seeds are used at
@@ -327,7 +328,8 @@ def calibrate_posterior(
     model.eval()
     one = TEMPERATURE_GRID.index(1.0)
     try:
-        mean_logp = scored_pass(model, batches, shift, TEMPERATURE_GRID, check=True)  # [T, targets]
+        first_labels: list[Any] = []  # every later pass must read these: the same targets in the same order
+        mean_logp = scored_pass(model, batches, shift, TEMPERATURE_GRID, check=True, first_labels=first_labels)
         if mean_logp.shape[1] == 0:
             raise ValueError("calibrate_posterior: the batches hold no labelled targets")
         mean_t_nll = -mean_logp.mean(1)
@@ -349,7 +351,7 @@ def calibrate_posterior(
         def moves(i: int) -> bool:
             """Does scale i's first draw move the predictions by the screen's tolerance?"""
             with base.scale_ess(scales[i]).sampled(model, seed=seed):
-                first[i] = scored_pass(model, batches, shift, temperatures)
+                first[i] = scored_pass(model, batches, shift, temperatures, first_labels=first_labels)
             return float((first[i][screen_t] - screen_ref).abs().mean()) >= tolerance
 
         def score(factor: float, ts: Sequence[float], first_draw: Tensor | None) -> tuple[Tensor, int, Tensor]:
@@ -359,7 +361,7 @@ def calibrate_posterior(
             logps = [] if first_draw is None else [first_draw]
             for s in range(len(logps), num_samples):
                 with candidate.sampled(model, seed=seed + s):
-                    logps.append(scored_pass(model, batches, shift, ts))
+                    logps.append(scored_pass(model, batches, shift, ts, first_labels=first_labels))
             stacked = torch.stack(logps)  # [S, T, targets]
             t_nll = _bma_nll(stacked).mean(-1)
             t = int(t_nll.argmin())

@@ -161,9 +161,20 @@ def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures
 
 @torch.no_grad()
 def scored_pass(
-    model: nn.Module, batches: Iterable[Any], shift: bool, temperatures: Sequence[float], check: bool = False
+    model: nn.Module,
+    batches: Iterable[Any],
+    shift: bool,
+    temperatures: Sequence[float],
+    check: bool = False,
+    first_labels: list[Any] | None = None,
 ) -> Tensor:
     """log p(label) of every target at each temperature, ``[T, targets]``.
+
+    ``first_labels``: the first pass given it (empty) records each batch's labels there, and every
+    later pass must read the same labels in the same batches, or raises ValueError naming the
+    first batch that differs: BMA averages each target's log-probabilities over passes, and batches
+    in another order (a DataLoader with ``shuffle=True``) would pair one example's with another's.
+    One device read per pass.
 
     ``check`` (the pass at the posterior mean) raises, naming the first such batch, on a label
     outside the logits' classes (-1 for "no label") and on a non-finite log-likelihood: a NaN
@@ -175,9 +186,15 @@ def scored_pass(
     out: list[Tensor] = []
     labels_ok: list[Tensor] = []
     scored: list[tuple[Tensor, int]] = []  # each batch's scored labels and classes
+    record = first_labels is not None and not first_labels
+    same: list[Tensor] = []  # per batch: its labels are the first pass's (a device flag)
     for i, (call, labels) in enumerate(map(split_batch, batches)):
         where = f"calibrate_posterior: batch {i} (counting from 0)"
         require_class_labels(labels, where)
+        if record:
+            first_labels.append(labels)
+        elif first_labels is not None:
+            same.append(_same_labels(first_labels[i] if i < len(first_labels) else None, labels))
         logits = _logits(call(model))
         if check:  # the trainer checks before training (held_out_classes); a direct caller here
             require_aligned(logits, labels, shift, where)
@@ -198,4 +215,29 @@ def scored_pass(
                 "log-likelihood at the posterior mean: NaN or inf in its inputs, or a model output that "
                 "overflows. Calibration needs finite held-out NLLs; clean or drop that batch"
             )
+    if first_labels is not None and not record:
+        if len(same) != len(first_labels):
+            raise ValueError(
+                f"calibrate_posterior: a later pass over the batches gave {len(same)} batches where the first "
+                f"gave {len(first_labels)}: every pass must read the same batches"
+            )
+        flags = torch.stack([flag.to(same[0].device) for flag in same]).tolist() if same else []
+        if not all(flags):
+            raise ValueError(
+                f"calibrate_posterior: batch {flags.index(False)} (counting from 0) holds other labels on a later pass than "
+                "on the first: BMA averages each target over passes that read the batches again, which must "
+                "come in the same order (a DataLoader with shuffle=True does not: pass shuffle=False or a list)"
+            )
     return torch.cat(out, dim=1) if out else torch.zeros(len(temperatures), 0, dtype=torch.float64)
+
+
+def _same_labels(first: Any, labels: Any) -> Tensor:
+    """Whether ``labels`` are ``first`` (a 0-d bool tensor on their device; no sync)."""
+    if first is labels:  # a list of batches: the same tensors on every pass
+        return torch.tensor(True)
+    if first is None or not isinstance(labels, Tensor) or not isinstance(first, Tensor):
+        equal = first is not None and torch.equal(torch.as_tensor(first), torch.as_tensor(labels))
+        return torch.tensor(equal)
+    if first.shape != labels.shape:
+        return torch.tensor(False, device=labels.device)
+    return (first.to(labels.device) == labels).all()
