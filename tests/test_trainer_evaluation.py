@@ -1312,3 +1312,49 @@ def test_posterior_metrics_refuses_batches_it_cannot_score_before_any_forward(tm
     with pytest.raises(ValueError, match=rf"^posterior_metrics\(\): .*{why}.*{names}"):
         trainer.posterior_metrics(trainer.get_eval_dataloader(dev))
     assert calls[0] == 0
+
+
+class _OneTrial:
+    """A search backend running one trial as optuna's does when training evaluates nothing: train,
+    evaluate, score the metrics with the search's ``compute_objective``."""
+
+    name = "one_trial"
+
+    def ensure_available(self) -> None:
+        pass
+
+    def default_hp_space(self, trial):  # noqa: ANN001, ANN201
+        return {}
+
+    def run(self, trainer, n_trials, direction, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        trainer.train()
+        metrics = trainer.evaluate()
+        return metrics, trainer.compute_objective(metrics)
+
+
+def _user_metrics(prediction) -> dict[str, float]:  # noqa: ANN001
+    predicted = np.argmax(prediction.predictions, -1)
+    return {"first_class": float((predicted == 0).mean()), "agreement": float((predicted == prediction.label_ids).mean())}
+
+
+@pytest.mark.parametrize("compute_metrics", [None, _user_metrics])
+def test_hyperparameter_searchs_default_objective_is_the_one_a_plain_trainer_searches_on(
+    tmp_path, monkeypatch, compute_metrics
+):
+    """The default objective (transformers' default_compute_objective: eval_loss, or the sum of the
+    compute_metrics values) also summed EVON's eval_mean_*/eval_bma_* metrics, accuracies among
+    NLLs, so a search minimised a mixture; it scores the subclass's metrics alone."""
+    import transformers.trainer
+    from transformers.trainer_utils import HPSearchBackend
+
+    monkeypatch.setitem(transformers.trainer.ALL_HYPERPARAMETER_SEARCH_BACKENDS, HPSearchBackend.OPTUNA, _OneTrial)
+    trainer = EVONTrainer(
+        model_init=lambda: tiny_bert(), args=config(tmp_path, max_steps=2, bma_num_samples=2, evon_ess=60.0),
+        train_dataset=classification_data(), eval_dataset=classification_data(16, seed=1), compute_metrics=compute_metrics,
+    )  # fmt: skip
+    metrics, objective = trainer.hyperparameter_search(backend="optuna", n_trials=1)
+    assert "eval_bma_nll" in metrics and "eval_mean_accuracy" in metrics
+    if compute_metrics is None:
+        assert objective == metrics["eval_loss"]
+    else:
+        assert objective == metrics["eval_first_class"] + metrics["eval_agreement"]

@@ -45,7 +45,7 @@ from hf_evon.predictive.metrics import (
     metrics_of_statistics,
 )
 from hf_evon.trainer.calibration_data import forward_logits, length_sorted, replayed
-from hf_evon.trainer.metric_merge import merge_metrics
+from hf_evon.trainer.metric_merge import SearchObjectiveMixin, added_metric_keys, merge_metrics
 
 logger = logging.get_logger(__name__)
 
@@ -471,7 +471,7 @@ class PosteriorEvaluation:
 
 
 # ------------------------------------------------------------------------------------------ the hooks
-class EvaluationMixin:
+class EvaluationMixin(SearchObjectiveMixin):
     """The evaluation hooks of :class:`~hf_evon.trainer.EVONTrainerMixin`: ``evaluate()`` adds the
     posterior metrics to the subclass's (``predict(bma=True)``: :mod:`hf_evon.trainer.prediction`)."""
 
@@ -513,7 +513,7 @@ class EvaluationMixin:
             if bma:
                 self.log(bma)
                 if i >= ours:
-                    metrics = merge_metrics(dict(metrics), bma)
+                    metrics = merge_metrics(dict(metrics), bma, added_metric_keys(self))
         return metrics
 
     def evaluation_loop(
@@ -544,7 +544,7 @@ class EvaluationMixin:
         def passes() -> Any:  # the batches of the Trainer's pass again, or the set sorted by length
             return self._length_sorted_loader(dataloader, replay)
 
-        merge_metrics(output.metrics, evaluation.finish(dataloader, passes))
+        merge_metrics(output.metrics, evaluation.finish(dataloader, passes), added_metric_keys(self))
         if not evaluation.with_bma:
             self._evon_bma_skipped = [*(self._evon_bma_skipped or ()), (self.state.global_step, evaluation, passes)]
         return output
