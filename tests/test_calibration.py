@@ -968,8 +968,10 @@ def test_batches_that_come_in_another_order_on_a_later_pass_are_refused() -> Non
     assert loaded.nll == listed.nll and loaded.mean_nll == listed.mean_nll and listed.nll
     torch.manual_seed(0)
     shuffled = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"^calibrate_posterior: batch 0 \(counting from 0\) holds other labels .*shuffle"):
         calibrate_posterior(model, post, shuffled, **options)
+    assert model.training and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))  # the mean, as given
     fewer = [[(x[:32], y[:32]), (x[32:], y[32:])], [(x[:32], y[:32])]]  # a later pass with fewer batches
     with pytest.raises(ValueError, match=r"^calibrate_posterior: a later pass over the batches gave 1 batches where the first gave 2"):
         calibrate_posterior(model, post, _Passes(fewer), **options)
