@@ -340,10 +340,13 @@ def length_sorted(dataset: Any, collator: Any = None, drop_last: bool = False) -
     where the dataset is iterable (read in its order, whether or not it has a length: a ``datasets``
     stream, accelerate's ``IterableDatasetShard``) or where the order would not change; and where
     the order changes what is scored: ``drop_last`` (the loader drops the last batch: in the
-    dataset's order, other examples) or a ``collator`` that pads on the left (a row's padding
-    moves its tokens' positions, and with them its log-probabilities)."""
+    dataset's order, other examples), a ``collator`` that pads on the left (a row's padding
+    moves its tokens' positions, and with them its log-probabilities) or one that masks at random
+    (:func:`masks_at_random`: the BMA passes score the masks the Trainer's pass drew, in its order)."""
     sides = {getattr(collator, "padding_side", None), getattr(getattr(collator, "tokenizer", None), "padding_side", None)}
-    if drop_last or "left" in sides or not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
+    if drop_last or "left" in sides or masks_at_random(collator):
+        return dataset
+    if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__"):
         return dataset
     if isinstance(dataset, torch.utils.data.IterableDataset):  # read in its order, even with a length
         return dataset
@@ -364,13 +367,37 @@ def length_sorted(dataset: Any, collator: Any = None, drop_last: bool = False) -
     return torch.utils.data.Subset(dataset, order)
 
 
+def masks_at_random(collator: Any) -> bool:
+    """Whether ``collator`` draws its batches at random: transformers' masked (``mlm=True``, whole
+    word masking) and permutation language modeling collators."""
+    return getattr(collator, "mlm", False) is True or hasattr(collator, "plm_probability")
+
+
+class _Replay:
+    """``loader`` read with torch's CPU generator at ``state`` (where a collator masks at random, its
+    workers' seeds too), that generator's state restored after the read."""
+
+    def __init__(self, loader: Any, state: torch.Tensor) -> None:
+        self.loader, self.state = loader, state
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.state)
+            yield from self.loader
+
+
 def replayed(loader: Any) -> Callable[[], Any]:
-    """A function returning ``loader`` set to read again the order it reads next (called before that
+    """A function returning ``loader`` set to read again the batches it reads next (called before that
     read). A shuffled sampler of an eval loader (transformers' ``LengthGroupedSampler``, under
     ``train_sampling_strategy="group_by_length"``) draws its order from its own generator on every
-    read: the BMA passes over the loader would read other batches than the Trainer's pass did, which
-    changes what is scored where the batching does (left padding moves a row's positions, the last
-    batch dropped is another). The generators of the loader's samplers are reset to their state now."""
+    read, a masked LM's collator its masks from torch's: the BMA passes over the loader would read
+    other batches than the Trainer's pass did, which changes what is scored where the batching does
+    (left padding moves a row's positions, the last batch dropped is another, other tokens are
+    masked). The generators of the loader's samplers and torch's CPU generator are as they are now
+    for each read (torch's restored after it; a persistent worker's own generator is not reset)."""
     found: dict[int, torch.Generator] = {}
     for owner in (loader, getattr(loader, "base_dataloader", None)):
         batch_sampler = getattr(owner, "batch_sampler", None)
@@ -380,10 +407,11 @@ def replayed(loader: Any) -> Callable[[], Any]:
             if isinstance(generator, torch.Generator):
                 found[id(generator)] = generator
     states = [(generator, generator.get_state()) for generator in found.values()]
+    torch_state = torch.get_rng_state()
 
     def again() -> Any:
         for generator, state in states:
             generator.set_state(state)
-        return loader
+        return _Replay(loader, torch_state)
 
     return again
