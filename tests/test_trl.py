@@ -544,24 +544,60 @@ def test_evaluate_of_unlabelled_preference_batches_warns_once_and_bma_true_is_re
     assert "eval_loss" in trainer.evaluate() and len(warned) == 1
 
 
-def test_evon_sft_trainer_without_args_picks_the_output_dir_sft_trainer_picks(tmp_path, corpus, monkeypatch):
-    """EVONSFTTrainer(args=None) wrote to "tmp_trainer" where TRL's SFTTrainer(args=None) writes to
-    "<model name>-SFT": it takes SFTTrainer's default, as an EVONSFTConfig."""
+@pytest.mark.parametrize("name", ["SFT", "DPO", "KTO", "GRPO", "RLOO", "Reward"])
+def test_an_evon_trl_trainer_without_args_picks_the_output_dir_trls_trainer_picks(tmp_path, corpus, monkeypatch, name):
+    """A mixin subclass of TRL's DPOTrainer, KTOTrainer, GRPOTrainer, RLOOTrainer or RewardTrainer
+    given args=None wrote to Trainer's "tmp_trainer" where the TRL trainer writes to "<model name>-DPO"
+    (and so on); EVONSFTTrainer alone had its own code for SFTTrainer's "<model name>-SFT". Each
+    takes its TRL trainer's default, as its own config class."""
     import transformers.training_args
+    from transformers import GPT2ForSequenceClassification
+
+    from hf_evon.trainer import EVONTrainerMixin
 
     monkeypatch.chdir(tmp_path)
-    # SFTConfig's default bf16=True is refused on a machine without bf16 support: both are only built here
+    # TRL configs' default bf16=True is refused on a machine without bf16 support: both are only built here
     monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda *a, **k: True)
     tokenizer, train, _ = corpus
+    texts = train["text"][:8]
+    pairs = {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts]}
+    pairs["rejected"] = [t[80:130] for t in texts]
+    prompts = {"prompt": [t[:20] for t in texts]}
+    labelled = {"prompt": pairs["prompt"], "completion": pairs["chosen"], "label": [True, False] * 4}
 
-    def model() -> GPT2LMHeadModel:
+    saved = tmp_path / "some-org" / "tiny-gpt2"
+    tiny_gpt2(tokenizer).save_pretrained(saved)  # RLOOTrainer loads its reference model from the policy's path
+
+    def lm() -> GPT2LMHeadModel:
         made = tiny_gpt2(tokenizer)
-        made.config._name_or_path = "some-org/tiny-gpt2"  # as from_pretrained("some-org/tiny-gpt2") sets it
+        made.config._name_or_path = str(saved)  # as from_pretrained(saved) sets it
         return made
 
+    def scorer() -> GPT2ForSequenceClassification:
+        config = lm().config
+        config.num_labels = 1
+        return GPT2ForSequenceClassification(config)
+
+    def reward(completions, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return [float(len(c)) for c in completions]
+
+    kwargs = {
+        "SFT": lambda: {"model": lm(), "train_dataset": Dataset.from_dict({"text": texts})},
+        "DPO": lambda: {"model": lm(), "ref_model": lm(), "train_dataset": Dataset.from_dict(pairs)},
+        "KTO": lambda: {"model": lm(), "ref_model": lm(), "train_dataset": Dataset.from_dict(labelled)},
+        "GRPO": lambda: {"model": lm(), "reward_funcs": reward, "train_dataset": Dataset.from_dict(prompts)},
+        "RLOO": lambda: {"model": lm(), "reward_funcs": reward, "train_dataset": Dataset.from_dict(prompts)},
+        "Reward": lambda: {"model": scorer(), "train_dataset": Dataset.from_dict(pairs)},
+    }[name]
+    base = getattr(trl, f"{name}Trainer")
+    if name == "SFT":
+        evon_class = EVONSFTTrainer
+    else:
+        config_class = evon_config_class(getattr(trl, f"{name}Config"))
+        evon_class = type(f"EVON{name}Trainer", (EVONTrainerMixin, base), {"config_class": config_class})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = trl.SFTTrainer(model=model(), train_dataset=train, processing_class=tokenizer).args.output_dir
-    trainer = EVONSFTTrainer(model=model(), train_dataset=train, processing_class=tokenizer)
-    assert trainer.args.output_dir == expected == "tiny-gpt2-SFT"
-    assert isinstance(trainer.args, EVONSFTConfig)
+        expected = base(processing_class=tokenizer, **kwargs()).args.output_dir
+        trainer = evon_class(processing_class=tokenizer, **kwargs())
+    assert trainer.args.output_dir == expected == f"tiny-gpt2-{name}"
+    assert type(trainer.args) is evon_class.config_class

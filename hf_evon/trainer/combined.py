@@ -158,6 +158,21 @@ class TrainerCall:
         index = self.names.index(name) if name in self.names else len(self.args)
         return index if index < len(self.args) else None
 
+    def default_output_dir(self, trainer_class: type[Trainer]) -> str:
+        """The ``output_dir`` ``trainer_class`` given ``args=None`` writes to, as its base picks it: a
+        TRL trainer ``<X>Trainer`` (the first of ``trainer_class``'s bases from TRL: ``DPOTrainer``,
+        ``GRPOTrainer``, ...) ``"<model name>-<X>"``, the last part of the call's model's id or path
+        (its config's ``_name_or_path``, or the model given as a string); any other ``Trainer``
+        ``"tmp_trainer"``."""
+        model = self.get("model")
+        trl_bases = (c for c in trainer_class.__mro__ if c.__module__.split(".")[0] == "trl")
+        trl_base = next((c for c in trl_bases if c.__name__.endswith("Trainer")), None)
+        if trl_base is None or model is None:  # TRL's trainers need a model to name the directory
+            return "tmp_trainer"
+        config = getattr(model, "config", None)
+        name = model if isinstance(model, str) else getattr(config, "_name_or_path", "")
+        return f"{str(name).split('/')[-1]}-{trl_base.__name__.removesuffix('Trainer')}"
+
     def get(self, name: str) -> Any:
         index = self._position(name)
         return self.kwargs.get(name) if index is None else self.args[index]

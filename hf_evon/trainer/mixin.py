@@ -178,7 +178,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
             raise ImportError(f"{type(self).__name__} needs transformers >= 5.19; found {transformers.__version__}")
         # by name, in the subclass's order: TRL's DPOTrainer(model, ref_model, args) takes args third
         call = TrainerCall(super().__init__, trainer_args, kwargs)
-        call.set("args", args := self._evon_arguments(call.get("args")))
+        call.set("args", args := self._evon_arguments(call.get("args"), call.default_output_dir(type(self))))
         given_eval = call.get("eval_dataset")
         if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
             call.kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
@@ -228,10 +228,10 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         how = f"full fine-tuning of the pretrained {name!r}" if full_finetuning else "training from scratch or through PEFT"
         logger.info(f"EVONConfig.learning_rate = {self.args.learning_rate} (unset: {how})")
 
-    def _evon_arguments(self, args: TrainingArguments | None) -> EVONConfig:
-        """``args`` as an EVON config; plain arguments are converted, with a warning."""
+    def _evon_arguments(self, args: TrainingArguments | None, output_dir: str = "tmp_trainer") -> EVONConfig:
+        """``args`` as an EVON config (None: one writing to ``output_dir``), plain ones converted, warned."""
         if args is None:
-            return self.config_class(output_dir="tmp_trainer")
+            return self.config_class(output_dir=output_dir)
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be an EVONConfig or TrainingArguments; got {type(args).__name__}")
         # a class the trainer's derives from (TrainingArguments or EVONConfig to EVONSFTTrainer): rebuilt as

@@ -11,7 +11,7 @@ from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
-from hf_evon.trainer.combined import TrainerCall, evon_config_class
+from hf_evon.trainer.combined import evon_config_class
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSFTConfig", "EVONSFTTrainer"]
@@ -34,13 +34,7 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
     config_class = EVONSFTConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        call = TrainerCall(super(EVONTrainerMixin, self).__init__, args, kwargs)
-        model = call.get("model")
-        if call.get("args") is None and model is not None:
-            # SFTTrainer's default output_dir, "<model name>-SFT", not Trainer's "tmp_trainer"
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
-            call.set("args", self.config_class(f"{str(name).split('/')[-1]}-SFT"))
-        super().__init__(*call.args, **call.kwargs)
+        super().__init__(*args, **kwargs)
         self.calibration_dataset = self._prepared_for_calibration(self.calibration_dataset)
 
     def calibrate(self, dataset: Any = None, *args: Any, **kwargs: Any) -> Any:
