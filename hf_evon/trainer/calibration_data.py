@@ -100,24 +100,27 @@ def check_calibration_batches(
     scored as the calibration will: :func:`~hf_evon.predictive.held_out.held_out_classes`),
     labels that do not align with the logits or lie outside their classes (-1 for "no label")."""
     targets, classes = 0, None
-    for i, batch in enumerate(batches):
-        where = f"EVONTrainer: calibration_dataset batch {i}"
-        if not isinstance(batch, Mapping) or "labels" not in batch:
-            raise ValueError(f"{where} has no 'labels'")
-        labels = batch["labels"]
-        require_class_labels(labels, where)
-        ids = batch.get("input_ids")
-        if vocab_size is not None and isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab_size:
-            raise ValueError(
-                f"EVONTrainer: calibration_dataset batch {i} has token id {int(ids.max())}, beyond the model's "
-                f"vocabulary ({vocab_size}): tokenized by another tokenizer?"
-            )
-        if classes_of is not None and classes is None:
-            classes = classes_of(batch, where)
-        if classes is not None and isinstance(labels, torch.Tensor):
-            scored = labels[..., 1:] if causal_lm else labels  # a causal LM never scores position 0
-            require_scorable_labels(scored, classes, f"{where} has")
-        targets += int(count_label_items(batch["labels"], causal_lm) or 0)
+    # reading the batches draws from torch's generator (a loader's workers' seed, a masking collator):
+    # the training after the check draws as it would without a calibration split
+    with torch.random.fork_rng(devices=[]):
+        for i, batch in enumerate(batches):
+            where = f"EVONTrainer: calibration_dataset batch {i}"
+            if not isinstance(batch, Mapping) or "labels" not in batch:
+                raise ValueError(f"{where} has no 'labels'")
+            labels = batch["labels"]
+            require_class_labels(labels, where)
+            ids = batch.get("input_ids")
+            if vocab_size is not None and isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= vocab_size:
+                raise ValueError(
+                    f"EVONTrainer: calibration_dataset batch {i} has token id {int(ids.max())}, beyond the model's "
+                    f"vocabulary ({vocab_size}): tokenized by another tokenizer?"
+                )
+            if classes_of is not None and classes is None:
+                classes = classes_of(batch, where)
+            if classes is not None and isinstance(labels, torch.Tensor):
+                scored = labels[..., 1:] if causal_lm else labels  # a causal LM never scores position 0
+                require_scorable_labels(scored, classes, f"{where} has")
+            targets += int(count_label_items(batch["labels"], causal_lm) or 0)
     if targets == 0:
         raise ValueError(
             "EVONTrainer: calibration_dataset has no labelled target (empty, or every label -100): "
