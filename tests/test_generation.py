@@ -594,6 +594,28 @@ def test_bma_log_likelihood_equals_direct_computation(strategy, gpt2):
     assert_unchanged(model, before)
 
 
+def test_a_float64_models_bma_keeps_float64(strategy):
+    """A float64 model's BMA log-likelihoods and generate_bma's logits are float64: at zero variance
+    they are the model's own float64 log-probabilities and logits. Both were rounded to float32
+    (dtype float32, off by ~1e-7), so they were not the mean's own as documented."""
+    model = tiny_gpt2().double()
+    zero = train_posterior(model).with_ess(float("inf"))
+    with torch.no_grad():
+        logits = model(input_ids=PROMPTS).logits
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, PROMPTS[:, 1:, None])[..., 0]
+    result = bma_log_likelihood(model, zero, PROMPTS, num_samples=2, seed=0)
+    assert result.token_log_probs.dtype == result.sample_token_log_probs.dtype == torch.float64
+    torch.testing.assert_close(result.token_log_probs, expected, atol=1e-12, rtol=0)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs.update(output_logits=True, return_dict_in_generate=True)
+    plain = model.generate(PROMPTS, **kwargs)
+    got = generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **kwargs)
+    assert torch.equal(got.sequences, plain.sequences)
+    for ours, theirs in zip(got.logits, plain.logits, strict=True):
+        assert ours.dtype == theirs.dtype == torch.float64
+        torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
+
+
 # ----------------------------------------------------------------------------- safety
 def test_model_restored_after_an_exception(gpt2):
     model, posterior = gpt2
@@ -1129,6 +1151,33 @@ def test_generate_bma_seeds_that_differ_by_a_multiple_of_2_to_the_32_sample_dist
         for seed, out in zip(pair, outs):
             torch.manual_seed(derived_seed(seed, "tokens"))
             assert torch.equal(out, model.generate(PROMPTS, **kwargs)), seed
+
+
+def test_bma_log_likelihood_names_a_plain_module_whose_forward_takes_no_token_ids():
+    """A plain torch LM (``forward(x)``, logits out) got torch's "LM.forward() got an unexpected keyword
+    argument 'input_ids'" from inside the sample probe; the refusal now names the function, the model
+    and what it calls, with the way out, before any sample is written."""
+    from hf_evon import EVON
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(x))
+
+    model = LM()
+    optimizer = EVON([model.out.weight], seed=0)
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    with optimizer.sampled_params(train=True):
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+    optimizer.step()
+    posterior = EVONPosterior.from_optimizer(optimizer, model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"^bma_log_likelihood: LM\.forward takes no input_ids.*posterior\.sampled"):
+        bma_log_likelihood(model, posterior, ids, num_samples=2)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_bma_log_likelihood_names_labels_that_are_not_token_ids(gpt2):

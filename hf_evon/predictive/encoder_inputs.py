@@ -9,6 +9,7 @@ runs its own encoder on that input (:func:`sampled_encoder_outputs`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -49,6 +50,15 @@ def check_inputs(
     rows."""
     if not hasattr(posterior, "check_model"):
         raise TypeError(f"{where}: posterior must be an EVONPosterior; got {type(posterior).__name__}")
+    inner = unwrap_model(model)
+    taken = inspect.signature(inner.forward).parameters
+    if name not in taken and not any(p.kind is p.VAR_KEYWORD for p in taken.values()):
+        # a plain module (forward(x) -> logits) would fail inside the sample probe, on torch's message
+        raise TypeError(
+            f"{where}: {type(inner).__name__}.forward takes no {name}: {where} runs transformers models, "
+            f"model({name}=..., return_dict=True).logits; for a plain module average the probabilities of "
+            "its passes under `with posterior.sampled(model, seed=s)` for S seeds"
+        )
     # accelerate's offload keeps a covered weight out of the model but in its module's forward
     resident_parameters(model, getattr(posterior, "names", ()))
     if name != TOKENS:
