@@ -36,6 +36,7 @@ import payoff_tasks  # noqa: E402
 import payoff_training  # noqa: E402
 
 import hf_evon.optim.grouping as grouping  # noqa: E402
+import hf_evon.optim.update as update  # noqa: E402
 from hf_evon import build_optimizer  # noqa: E402
 from hf_evon.optim.evon import EVON  # noqa: E402
 
@@ -55,7 +56,7 @@ class AntitheticEVON(EVON):
 
 def run(antithetic: bool, seed: int) -> None:
     records: list[tuple[tuple[int, int], float, float, float, float]] = []
-    candidate = EVON._hessian_candidate
+    candidate = update.hessian_candidate  # what the step calls for each bucket's candidate H
 
     def recorded(plan, num_samples):  # noqa: ANN001, ANN202
         b, g = plan.work, plan.work.group
@@ -69,7 +70,7 @@ def run(antithetic: bool, seed: int) -> None:
     model = task.make_model(seed)
     real = grouping.EVON
     grouping.EVON = AntitheticEVON if antithetic else EVON
-    EVON._hessian_candidate = staticmethod(recorded)
+    update.hessian_candidate = recorded
     try:
         opt = build_optimizer(
             model, learning_rate=task.adamw_lr, seed=seed, mc_samples=2, hess_estimator="price", step_curvature="entry"
@@ -89,7 +90,7 @@ def run(antithetic: bool, seed: int) -> None:
         model.eval()
     finally:
         grouping.EVON = real
-        EVON._hessian_candidate = staticmethod(candidate)
+        update.hessian_candidate = candidate
     print(f"{'antithetic pairs' if antithetic else 'independent draws'}:")
     for shape in dict.fromkeys(r[0] for r in records):
         rows = np.array([r[1:] for r in records if r[0] == shape])
