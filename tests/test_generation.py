@@ -595,9 +595,10 @@ def test_bma_log_likelihood_equals_direct_computation(strategy, gpt2):
 
 
 def test_a_float64_models_bma_keeps_float64(strategy):
-    """A float64 model's BMA log-likelihoods and generate_bma's logits are float64: at zero variance
-    they are the model's own float64 log-probabilities and logits. Both were rounded to float32
-    (dtype float32, off by ~1e-7), so they were not the mean's own as documented."""
+    """A float64 model's BMA is averaged in float64: at zero variance bma_log_likelihood gives the
+    model's own float64 log-probabilities, and generate_bma's logits are exactly generate's (which
+    rounds them to float32). Both were computed in float32: float32 log-likelihoods, and 91 of 96
+    logits off generate's by up to 2e-7."""
     model = tiny_gpt2().double()
     zero = train_posterior(model).with_ess(float("inf"))
     with torch.no_grad():
@@ -611,9 +612,8 @@ def test_a_float64_models_bma_keeps_float64(strategy):
     plain = model.generate(PROMPTS, **kwargs)
     got = generate_bma(model, zero, PROMPTS, num_samples=2, seed=0, **kwargs)
     assert torch.equal(got.sequences, plain.sequences)
-    for ours, theirs in zip(got.logits, plain.logits, strict=True):
-        assert ours.dtype == theirs.dtype == torch.float64
-        torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
+    for ours, theirs in zip(got.logits, plain.logits, strict=True):  # generate rounds both to float32
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 
 # ----------------------------------------------------------------------------- safety

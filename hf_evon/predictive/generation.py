@@ -57,6 +57,7 @@ from hf_evon.predictive.logprobs import (
     require_class_labels,
     sample_target_log_probs,
     tempered,
+    widened,
 )
 from hf_evon.predictive.module_forward import instance_forward
 from hf_evon.predictive.sequential_samples import SequentialSamples, held_prompt, one_draw_at_a_time
@@ -104,7 +105,7 @@ def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor,
     """``(log p̄, c)`` of sample-major logits ``(S·N, …, V)``: the log of the S samples' averaged
     softmax (of the tempered logits) and their mean log-normaliser ``c``; ``log p̄ + c`` are logits
     on the model's own scale, the mean's at zero variance."""
-    logits = tempered(logits.float(), posterior)
+    logits = tempered(widened(logits), posterior)
     normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
     rows = logits.shape[0] // num_samples
     log_mean = log_mean_prob((logits - normalizers).view(num_samples, rows, *logits.shape[1:]))

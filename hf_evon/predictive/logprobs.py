@@ -32,6 +32,7 @@ __all__ = [
     "tempered",
     "require_scorable_labels",
     "unscorable_labels",
+    "widened",
 ]
 
 IGNORE_INDEX = -100  # transformers' label of a position that is not scored
@@ -131,6 +132,11 @@ def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
     return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])
 
 
+def widened(logits: Tensor) -> Tensor:
+    """``logits`` in float32 at least: half precision's are widened, a float64 model's keep float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def tempered(logits: Tensor, posterior: object) -> Tensor:
     """``logits / T`` for the posterior's BMA temperature ``T`` (``posterior.temperature``, 1 when it
     has none; then ``logits`` itself): the calibrated predictive is ``1/S Σ_s softmax(logits_s / T)``.
@@ -138,7 +144,7 @@ def tempered(logits: Tensor, posterior: object) -> Tensor:
     temperature = float(getattr(posterior, "temperature", 1.0))
     if temperature == 1.0:
         return logits
-    return logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    return widened(logits) / temperature
 
 
 class LogMeanExp:
@@ -195,13 +201,13 @@ class ValueMean:
 
 def sample_target_log_probs(logits: Tensor, targets: Tensor, scored: slice, labels: Tensor, posterior: object) -> Tensor:
     """``bma_log_likelihood``'s ``log p(target)`` under one sample's ``(B, T, V)`` logits at positions
-    ``scored`` (tempered, in float32; 0 where the target is -100). ValueError, naming the shapes, for
-    logits holding no distribution per position of ``labels`` (a sequence classifier's ``(B, C)``),
-    and naming the label, for a target outside the vocabulary."""
+    ``scored`` (tempered, in float32 at least: a float64 model's in float64; 0 where the target is -100).
+    ValueError, naming the shapes, for logits holding no distribution per position of ``labels`` (a
+    sequence classifier's ``(B, C)``), and naming the label, for a target outside the vocabulary."""
     if logits.dim() != 3 or logits[:, scored].shape[1] != targets.shape[1]:
         raise ValueError(
             f"bma_log_likelihood: the model's logits {tuple(logits.shape)} hold no distribution per position "
             f"of labels {tuple(labels.shape)}: it scores the tokens of a language model (or a token classifier)"
         )
     require_scorable_labels(targets, logits.shape[-1], "bma_log_likelihood: labels have")
-    return label_log_probs(torch.log_softmax(tempered(logits[:, scored].float(), posterior), dim=-1), targets)
+    return label_log_probs(torch.log_softmax(tempered(widened(logits[:, scored]), posterior), dim=-1), targets)
