@@ -733,6 +733,30 @@ def test_the_means_temperature_is_the_grid_point_of_least_nll(scale: float) -> N
     assert result.to_json()["mean_temperature"] == result.mean_temperature
 
 
+@pytest.mark.parametrize("num_samples", [6, 8])
+@pytest.mark.parametrize("k", [0.0, 0.5])
+def test_draws_that_equal_the_mean_tie_with_it_and_the_mean_is_kept(num_samples: int, k: float) -> None:
+    """A scale whose draws are below the weights' float32 resolution (ζ × 1e30) predicts exactly as
+    the mean: its BMA NLL is the mean's, bit for bit, and the walk from the mean keeps the first of
+    tied candidates (k = 0: the first lowest NLL; k > 0: no gain at all). Before, logsumexp − log S
+    of S equal values was off in the last bit: the 8 draws' NLL 1.5091104326381326 against the mean's
+    1.5091104326381324, and the 6 draws "beat" the mean even at k = 0.5 (ess 1e34 chosen)."""
+    from hf_evon.posterior.gaussian import MatrixFactors
+
+    model = FixedLogits(3.0)
+    posterior = EVONPosterior.from_factors(
+        {"weight": MatrixFactors(None, None, torch.ones(1, 1), (1, 1), (1, 1), 1e4, 1e-3)}
+    )
+    assert float(posterior.scale_ess(1e30).draw(num_samples, seed=0)["weight"].abs().max()) < 1e-16
+    torch.manual_seed(0)  # _fixed_logit_data's labels come from the global generator
+    _, result = calibrate_posterior(
+        model, posterior, _fixed_logit_data(400), grid=[1e30], num_samples=num_samples, standard_errors=k,
+        min_gain=0.0, temperature=False, always_scan=True, screen_factor=0.0, keep_trained=False,
+    )  # fmt: skip
+    assert result.grid == [1e4 * 1e30] and result.nll == [result.mean_nll]
+    assert result.ess == math.inf
+
+
 def test_one_causal_lm_rule_for_plain_peft_and_encoder_decoder_models() -> None:
     """hf_evon.modeling.is_causal_lm: shifted labels for causal LMs (PEFT-wrapped too), never for an
     encoder-decoder or a classifier; calibration and the trainer use this one rule."""
