@@ -936,6 +936,18 @@ def test_a_prompt_tuned_lm_is_scored_as_its_own_loss_scores_it(tmp_path):
     assert losses["evon"]["eval_mean_nll"] == pytest.approx(float(own.loss), rel=1e-6)
 
 
+def test_a_float64_lms_mean_nll_is_its_float64_nll(tmp_path):
+    """A float64 causal LM's eval_mean_nll and eval_bma_nll are its NLLs computed in float64 (the
+    metrics run in float64): its log-probabilities were taken in float32 (log_softmax(logits.float())),
+    eval_mean_nll 4.587062248816857 for 4.587062246170191."""
+    evaluation = lm_data(8, seed=1)
+    trainer = _trained(tmp_path, make=lambda: tiny_gpt2().double(), train=lm_data(), evaluation=evaluation)
+    metrics = trainer.evaluate()
+    mean, bma, _ = _direct_bma(trainer.model, trainer.current_posterior(), evaluation, seeds=[3, 4], causal=True)
+    assert metrics["eval_mean_nll"] == pytest.approx(mean, rel=1e-13, abs=0)
+    assert metrics["eval_bma_nll"] == pytest.approx(bma, rel=1e-13, abs=0)
+
+
 @pytest.mark.parametrize("nll, perplexity", [(3.0, math.exp(3.0)), (709.7, math.exp(709.7)), (801.0, math.inf),
                                               (math.inf, math.inf)])  # fmt: skip
 def test_an_lms_perplexity_is_inf_where_exp_of_its_nll_overflows(nll, perplexity):

@@ -37,6 +37,7 @@ from hf_evon.predictive.logprobs import (
     label_log_probs,
     shifted,
     tempered,
+    widened,
 )
 from hf_evon.predictive.metrics import (
     CALIBRATION_METRIC_KEYS,
@@ -96,9 +97,9 @@ def float64_log_softmax(logits: Tensor) -> Tensor:
 
 
 def _metric_log_probs(logits: Tensor, labels: Tensor, task: str) -> Tensor:
-    """``reduce_log_probs(log_softmax(logits))`` without a float64 copy of an LM's full logits."""
+    """``reduce_log_probs(log_softmax(logits))`` without a float64 copy of an LM's full (float32) logits."""
     if task == "causal_lm":
-        picked = reduce_log_probs(torch.log_softmax(logits.float(), dim=-1), labels, task)
+        picked = reduce_log_probs(torch.log_softmax(widened(logits), dim=-1), labels, task)
         return picked.double()
     return float64_log_softmax(logits)
 
