@@ -377,19 +377,31 @@ def masks_at_random(collator: Any) -> bool:
 
 
 class _Replay:
-    """``loader`` read with torch's CPU generator at ``state`` (where a collator masks at random, its
-    workers' seeds too), that generator's state restored after the read."""
+    """``loader`` read with torch's CPU generator at ``state`` (None: as it is; where a collator masks
+    at random, its workers' seeds too), that generator's state restored after the read: a read of
+    the BMA passes leaves the training's draws as they would be without it."""
 
-    def __init__(self, loader: Any, state: torch.Tensor) -> None:
+    def __init__(self, loader: Any, state: torch.Tensor | None = None) -> None:
         self.loader, self.state = loader, state
 
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __getattr__(self, name: str) -> Any:  # the loader's dataset, batch size, ...
+        if name == "loader":  # not set yet (a copy being made): no loader to read from
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
     def __iter__(self) -> Iterator[Any]:
         with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self.state)
+            if self.state is not None:
+                torch.set_rng_state(self.state)
             yield from self.loader
+
+
+def forked(loader: Any) -> Any:
+    """``loader`` read on a fork of torch's CPU generator (its read draws its workers' seed from it)."""
+    return _Replay(loader)
 
 
 def replayed(loader: Any) -> Callable[[], Any]:

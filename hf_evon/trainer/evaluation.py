@@ -45,7 +45,7 @@ from hf_evon.predictive.metrics import (
     item_statistics,
     metrics_of_statistics,
 )
-from hf_evon.trainer.calibration_data import forward_logits, length_sorted, replayed
+from hf_evon.trainer.calibration_data import forked, forward_logits, length_sorted, replayed
 from hf_evon.trainer.metric_merge import SearchObjectiveMixin, added_metric_keys, merge_metrics
 
 logger = logging.get_logger(__name__)
@@ -577,7 +577,7 @@ class EvaluationMixin(SearchObjectiveMixin):
         ordered = None if dataset is None else length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
         if ordered is None or ordered is dataset:
             return dataloader if replay is None else replay()
-        return self._uncached_eval_dataloader(ordered)
+        return forked(self._uncached_eval_dataloader(ordered))  # leaves torch's generator as it is
 
     def _bma_due(self) -> bool:
         """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
