@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import statistics
 import time
 from collections.abc import Callable
@@ -123,13 +124,15 @@ def naive_generate(models: list, input_ids: torch.Tensor, new_tokens: int) -> to
         caches = [DynamicCache(config=config) for _ in models]
         step_ids = input_ids
     out = step_ids
+    # transformers from 5.24 takes the cache as ``cache`` (``past_key_values`` is deprecated there)
+    keyword = "cache" if "cache" in inspect.signature(models[0].forward).parameters else "past_key_values"
     for _ in range(new_tokens):
         log_probs = []
         for m, cache, enc in zip(models, caches, encoded):
             if enc is None:
-                logits = m(input_ids=step_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                logits = m(input_ids=step_ids, **{keyword: cache}, use_cache=True, logits_to_keep=1).logits
             else:
-                logits = m(encoder_outputs=enc, decoder_input_ids=step_ids, past_key_values=cache, use_cache=True).logits
+                logits = m(encoder_outputs=enc, decoder_input_ids=step_ids, **{keyword: cache}, use_cache=True).logits
             log_probs.append(torch.log_softmax(logits[:, -1].float(), dim=-1))
         mean = torch.logsumexp(torch.stack(log_probs), dim=0)
         step_ids = mean.argmax(-1, keepdim=True)
