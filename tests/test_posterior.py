@@ -849,6 +849,80 @@ def test_two_covered_names_of_one_tied_tensor_are_refused():
     with one.sampled(tied, seed=3):
         torch.testing.assert_close(tied.enc.weight - before, one.draw(1, seed=3)["dec.weight"][0])
 
+class _TiedMLP(nn.Module):
+    """An MLP whose two middle layers share one weight (``mid2.weight is mid1.weight``) unless ``tie=False``."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4, bias=False), nn.Linear(4, 2, bias=False)
+        self.mid1, self.mid2 = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        if tie:
+            self.mid2.weight = self.mid1.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid2(torch.tanh(self.mid1(torch.tanh(self.inp(x)))))))
+
+
+@pytest.fixture(scope="module")
+def tied_mlp():
+    """(model, posterior) of ``_TiedMLP`` trained 4 steps by EVON (the tied weight covered once)."""
+    torch.manual_seed(0)
+    model = _TiedMLP()
+    x, y = torch.randn(32, 3), torch.randn(32, 2)
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=0.05, ess=100, precondition_frequency=2, seed=1))
+    _train(model, opt, [(x, y)] * 4, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    return model, EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
+
+
+def test_a_tied_weight_is_covered_under_each_of_its_names(tied_mlp):
+    """A weight tied under two names is covered once, keyed by its first name; the other name read as a
+    point estimate: ``"mid2.weight" in post`` was False, ``std("mid2.weight")`` a KeyError and
+    ``draw(names=["mid2.weight"])`` refused, though every sample moves it (it is the same tensor)."""
+    model, post = tied_mlp
+    assert post.names == ["inp.weight", "mid1.weight", "out.weight"]  # covered once, under its first name
+    assert "mid2.weight" in post and len(post) == 3
+    assert torch.equal(post.std("mid2.weight"), post.std("mid1.weight"))
+    assert post.config["tied_parameters"] == {"mid2.weight": "mid1.weight"}
+    assert torch.equal(post.covariance("mid2.weight"), post.covariance("mid1.weight"))
+    assert torch.equal(post["mid2.weight"].hess, post["mid1.weight"].hess)
+    with pytest.raises(KeyError, match=r"key 'mid2\.weight' as 'mid1\.weight'"):  # one tensor: keyed once
+        post.with_ess(dict.fromkeys([*post.names, "mid2.weight"], 5.0))
+    every = post.draw(2, seed=5)
+    assert list(every) == post.names  # each covered tensor once: adding every draw perturbs each once
+    alias = post.draw(2, seed=5, names=["mid2.weight", "out.weight"])
+    assert list(alias) == ["mid2.weight", "out.weight"]
+    assert torch.equal(alias["mid2.weight"], every["mid1.weight"])
+    both = post.draw(1, seed=7, names=["mid1.weight", "mid2.weight"])
+    assert torch.equal(both["mid1.weight"], both["mid2.weight"])  # one tensor, one sample
+    before = model.mid1.weight.detach().clone()
+    with post.sampled(model, seed=7):
+        torch.testing.assert_close(model.mid2.weight - before, both["mid2.weight"][0])
+    assert torch.equal(model.mid1.weight, before)
+
+
+def test_a_posterior_of_a_tied_weight_refuses_a_model_where_its_names_are_untied(tied_mlp, tmp_path):
+    """A posterior taken where ``mid2.weight is mid1.weight``, given a copy where they are two parameters,
+    sampled ``mid1.weight`` alone and left ``mid2.weight`` at the mean, silently; it is refused naming both,
+    and nothing is written."""
+    model, post = tied_mlp
+    untied = _TiedMLP(tie=False)
+    untied.load_state_dict(model.state_dict())
+    assert untied.mid2.weight is not untied.mid1.weight
+    message = r"'mid2\.weight' is tied to 'mid1\.weight' in this posterior.*separate parameter"
+    with pytest.raises(PosteriorMismatchError, match=message):
+        post.check_model(untied)
+    before = {n: p.detach().clone() for n, p in untied.named_parameters()}
+    with pytest.raises(PosteriorMismatchError, match=message):
+        with post.sampled(untied, seed=0):
+            pass
+    assert all(torch.equal(p, before[n]) for n, p in untied.named_parameters())
+    post.save_pretrained(tmp_path, model_card=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path, model=model)
+    assert loaded.config["tied_parameters"] == {"mid2.weight": "mid1.weight"} and "mid2.weight" in loaded
+    with pytest.raises(PosteriorMismatchError, match=message):
+        EVONPosterior.from_pretrained(tmp_path, model=untied)
+
+
 # ----------------------------------------------------------------------------- files
 def test_round_trip_in_a_fresh_process(gpt2, tmp_path):
     _, _, post = gpt2

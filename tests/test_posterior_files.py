@@ -261,6 +261,48 @@ def test_a_bad_pruned_ranks_is_refused_on_load(tmp_path, value, message):
         EVONPosterior.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"h.2.mlp.weight": "not.covered"}, r"tied_parameters.*'h\.2\.mlp\.weight'.*'not\.covered', which is not covered"),
+        ({"NAME": "OTHER"}, r"tied_parameters.*'NAME'.*is covered itself"),
+        ({"h.2.mlp.weight": 3}, r"'tied_parameters\.h\.2\.mlp\.weight' must be a string"),
+        (["NAME"], r"'tied_parameters' must be an object"),
+    ],
+)
+def test_a_bad_tied_parameters_is_refused_on_load(tmp_path, value, message):
+    """``tied_parameters`` maps each other name of a tied weight to the covered one it resolves to: one
+    naming an uncovered parameter, or an alias that has factors of its own, is refused naming the field
+    (it was an unknown key, kept and ignored)."""
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+    name, other = post.names
+    edited = json.dumps(value).replace("NAME", name).replace("OTHER", other)
+    _edit_config(tmp_path, tied_parameters=json.loads(edited))
+    with pytest.raises(PosteriorMismatchError, match=message.replace("NAME", re.escape(name))):
+        EVONPosterior.from_pretrained(tmp_path)
+    with pytest.raises(PosteriorMismatchError, match=message.replace("NAME", re.escape(name))):
+        _posterior(tied_parameters=json.loads(edited))  # a hand-built config: refused as a file's is
+
+
+def test_a_posterior_without_tied_parameters_loads_and_resaves_without_it(tmp_path):
+    """A file written before ``tied_parameters`` existed (or of a model without tied weights) loads as
+    before: its names alone are covered, and it saves back without the key."""
+    post = _posterior()
+    post.save_pretrained(tmp_path / "a")
+    loaded = EVONPosterior.from_pretrained(tmp_path / "a")
+    assert "tied_parameters" not in loaded.config and "h.2.mlp.weight" not in loaded
+    with pytest.raises(KeyError, match="h.2.mlp.weight"):
+        loaded.std("h.2.mlp.weight")
+    loaded.save_pretrained(tmp_path / "b")
+    assert "tied_parameters" not in json.loads((tmp_path / "b" / POSTERIOR_CONFIG_NAME).read_text())
+    tied = _posterior(tied_parameters={"h.2.mlp.weight": "h.1.mlp.weight"})
+    tied.save_pretrained(tmp_path / "c")
+    again = EVONPosterior.from_pretrained(tmp_path / "c")
+    assert again.config["tied_parameters"] == {"h.2.mlp.weight": "h.1.mlp.weight"}
+    assert torch.equal(again.std("h.2.mlp.weight"), again.std("h.1.mlp.weight"))
+
+
 @pytest.mark.parametrize("value", [0, -5.0, "-inf"])
 def test_a_trained_ess_that_is_not_positive_is_refused_on_load(tmp_path, value):
     """``trained_ess`` is the ζ ``trained_posterior`` puts back: one <= 0 loaded and then failed

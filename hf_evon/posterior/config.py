@@ -123,6 +123,18 @@ def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
         raise PosteriorMismatchError(f"{where}: weight_decay must be finite and >= 0; got {weight_decay!r}")
 
 
+def check_tied_parameters(aliases: Any, covered: Any, where: str) -> dict[str, str]:
+    """``aliases`` (``tied_parameters``; None: none), each name of which resolves to a covered name and has
+    no factors of its own."""
+    aliases = {} if aliases is None else rules.tied_parameters(aliases, "tied_parameters", where)
+    for alias, name in aliases.items():
+        if alias in covered:
+            raise PosteriorMismatchError(f"{where}: tied_parameters maps {alias!r}, which is covered itself, to {name!r}")
+        if name not in covered:
+            raise PosteriorMismatchError(f"{where}: tied_parameters maps {alias!r} to {name!r}, which is not covered")
+    return dict(aliases)
+
+
 # a saved config nests 4 levels (parameters.<name>.shape); writing it back recurses per level
 MAX_CONFIG_DEPTH = 64
 
@@ -270,6 +282,7 @@ class PosteriorConfig:
     model_class: str | None = _optional(rules.string, nullable=True)
     mean_fingerprint: dict[str, Any] | None = _optional(rules.mean_fingerprint, nullable=True)
     pruned_ranks: dict[str, list[int]] | None = _optional(rules.pruned_ranks)  # AdaLoRA's: no spread there
+    tied_parameters: dict[str, str] | None = _optional(rules.tied_parameters)  # a tied weight's other names
     # how the tensors are stored
     eigenbasis_dtype: str | None = _optional(_tensor_dtype)
     max_basis_ratio: float | None = _optional(rules.number, nullable=True)  # lean posteriors
@@ -337,6 +350,7 @@ class PosteriorConfig:
             if name not in entries or indices[-1] >= math.prod(entries[name].shape):
                 what = "is not covered" if name not in entries else f"has {math.prod(entries[name].shape)} entries"
                 raise PosteriorMismatchError(f"{where}: pruned_ranks names {name!r}, which {what}")
+        check_tied_parameters(values.get("tied_parameters"), entries, where)
         return cls(
             ess=ess,
             weight_decay=weight_decay,

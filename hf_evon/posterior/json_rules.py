@@ -218,6 +218,17 @@ def pruned_ranks(value: Any, field: str, where: str) -> dict[str, list[int]]:
     return value
 
 
+def tied_parameters(value: Any, field: str, where: str) -> dict[str, str]:
+    """``{other name: covered name}``: each further name of a weight the model ties under several names,
+    and the name it is covered under (its first in ``named_parameters()``)."""
+    if not isinstance(value, dict):
+        raise rule_error(where, field, "an object {other name of a tied weight: its covered name}", value)
+    for alias, name in value.items():
+        if not isinstance(name, str):
+            raise rule_error(where, f"{field}.{alias}", "a string (the covered name)", name)
+    return value
+
+
 def ess_by_name(value: Any, field: str, where: str) -> dict[str, float]:
     """``{parameter name: ess > 0 or "inf"}`` (the trained ζ of parameters whose group's differs)."""
     if not isinstance(value, dict):

@@ -18,7 +18,8 @@ from torch import nn
 from hf_evon.modeling import adapter_name_of, is_peft_model, unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 
-__all__ = ["name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint", "warn_peft_unsaved"]
+__all__ = ["model_problems", "name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint"]
+__all__ += ["warn_peft_unsaved"]
 
 # PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
 # back as ``embedding.weight``), never the modules that compute that output from the embedding: it
@@ -160,6 +161,42 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
                 f"under the posterior's name, e.g. PeftModel.from_pretrained(..., adapter_name={ours!r}))"
             )
     return ""
+
+
+def model_problems(
+    shapes: Mapping[str, tuple[int, ...]], aliases: Mapping[str, str], model: nn.Module, params: Mapping[str, Any]
+) -> list[str]:
+    """Why ``model`` (its parameters ``params`` under every name) does not fit a posterior covering
+    ``shapes`` (name: shape), a sentence each: a covered name it lacks, shapes otherwise or holds as no
+    float; two covered names it ties to one tensor; a name the posterior ties to a covered one
+    (``aliases``, ``tied_parameters``) that is a separate parameter in it."""
+    problems = []
+    first_name: dict[int, str] = {}  # a tensor covered under two names would take two perturbations
+    for name, shape in shapes.items():
+        p = params.get(name)
+        if p is not None and first_name.setdefault(id(p), name) != name:
+            problems.append(
+                f"{first_name[id(p)]!r} and {name!r} are one tensor in the model (tied weights), "
+                "each with its own posterior: a sample would perturb it twice"
+            )
+        elif p is None:
+            problems.append(f"{name!r} is not a parameter of the model{name_hint(name, model, params)}")
+        elif tuple(p.shape) != shape:
+            problems.append(
+                f"{name!r} has shape {tuple(p.shape)} in the model but {shape} in the posterior"
+                + shape_hint(name, model)
+            )
+        elif not p.is_floating_point():
+            problems.append(f"{name!r} has dtype {p.dtype} in the model; a posterior needs a float parameter")
+    for alias, name in aliases.items():
+        # where the posterior was taken they were one tensor, covered as `name`: a sample would move only it
+        if alias in params and name in params and params[alias] is not params[name]:
+            problems.append(
+                f"{alias!r} is tied to {name!r} in this posterior (one tensor in the model it was taken from) "
+                f"but is a separate parameter in the model: a sample would move {name!r} and leave {alias!r} "
+                "at its mean; tie them as in training (e.g. model.tie_weights() with tie_word_embeddings=True)"
+            )
+    return problems
 
 
 def resident_parameters(model: nn.Module, names: Any) -> dict[str, nn.Parameter]:

@@ -39,6 +39,7 @@ from hf_evon.posterior.config import (
     PosteriorMismatchError,
     as_dtype,
     check_noise_scale,
+    check_tied_parameters,
     declared_basis_dtype,
     dtype_name,
     ess_number,
@@ -59,7 +60,7 @@ from hf_evon.posterior.gaussian import (
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.model_card import card_arguments, save_model_card
-from hf_evon.posterior.names import name_hint, resident_parameters, shape_hint, warn_peft_unsaved
+from hf_evon.posterior.names import model_problems, resident_parameters, warn_peft_unsaved
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -76,7 +77,9 @@ class EVONPosterior:
 
     Build it with :meth:`from_optimizer` (a snapshot: later training does not change it) or
     :meth:`from_pretrained`. It covers exactly the EVON-owned parameters, keyed by the
-    model's parameter names; every other model parameter is a point estimate. The mean is
+    model's parameter names; every other model parameter is a point estimate. A weight the model
+    ties under several names is covered once, under its first; ``in``, ``[]``, ``std``, ``covariance``
+    and ``draw(names=...)`` take its other names too (``config["tied_parameters"]``). The mean is
     not stored: it is the model's weights, so a posterior is used together with its model.
 
     Attributes:
@@ -103,6 +106,8 @@ class EVONPosterior:
         }
         self.names: list[str] = sorted(self._index)
         self.config: dict[str, Any] = dict(config)
+        # a tied weight's other names (config["tied_parameters"]), each resolving to the name it is covered under
+        self._aliases = check_tied_parameters(self.config.get("tied_parameters"), self._index, "EVONPosterior.config")
         self.num_point_estimates = num_point_estimates
         self.num_point_estimate_tensors = num_point_estimate_tensors
 
@@ -184,13 +189,13 @@ class EVONPosterior:
         return sum(math.prod(s) for g in self._groups for s in g.shapes)
 
     def __getitem__(self, name: str) -> MatrixFactors:
-        if name not in self._index:
+        if name not in self:
             raise KeyError(f"{name!r} is not covered by this posterior")
-        gi, i = self._index[name]
+        gi, i = self._index[self._aliases.get(name, name)]
         return self._groups[gi].factors(i)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return name in self._index or name in self._aliases
 
     def __len__(self) -> int:
         return len(self.names)
@@ -214,7 +219,7 @@ class EVONPosterior:
 
     def std(self, name: str) -> Tensor:
         """Marginal posterior standard deviations of ``name``, shaped like the parameter (0 at pruned ranks: draw)."""
-        return self[name].std((self.config.get("pruned_ranks") or {}).get(name))
+        return self[name].std((self.config.get("pruned_ranks") or {}).get(self._aliases.get(name, name)))
 
     def covariance(self, name: str, max_elements: int = MAX_DENSE_COVARIANCE_ELEMENTS) -> Tensor:
         """Dense covariance of the row-major flatten of ``name`` (small parameters only)."""
@@ -240,7 +245,8 @@ class EVONPosterior:
     ) -> dict[str, Tensor]:
         """Draw perturbations ``W_s − M`` without touching any model.
 
-        Returns ``{name: (S, *param_shape)}``. Each parameter's noise comes from its own generator seeded by
+        Returns ``{name: (S, *param_shape)}``, each covered tensor once, or each of ``names`` (a tied weight's
+        other name: its covered name's draws). Each parameter's noise comes from its own generator seeded by
         ``(seed, name)``, so the same seed gives the same values for a parameter whatever subset is drawn (on
         the same device type). Math in float32; ``dtype`` casts the result. ``seed=None`` takes a seed from
         torch's global RNG. AdaLoRA's pruned ranks (``config["pruned_ranks"]``) are 0, as in ``sampled``.
@@ -253,25 +259,25 @@ class EVONPosterior:
         num_samples = int(num_samples)
         seed, dtype = resolve_seed(seed), as_dtype(dtype, "draw: dtype")
         wanted = self._select(names)
+        covered = set(wanted.values())
         out: dict[str, Tensor] = {}
         for group in self._groups:
-            idx = [i for i, name in enumerate(group.names) if name in wanted]
+            idx = [i for i, name in enumerate(group.names) if name in covered]
             if not idx:
                 continue
             noise = sample_group(group, idx, num_samples, seed, device, rotated, self.config.get("pruned_ranks"))
             for j, i in enumerate(idx):
                 value = noise[j] if rotated else noise[j].reshape(num_samples, *group.shapes[i])
                 out[group.names[i]] = value if dtype is None else value.to(dtype)
-        return {name: out[name] for name in self.names if name in out}
+        return {name: out[wanted[name]] for name in sorted(wanted)}
 
-    def _select(self, names: Iterable[str] | str | None) -> set[str]:
-        if names is None:
-            return set(self.names)
-        names = [names] if isinstance(names, str) else list(names)
-        unknown = [n for n in names if n not in self._index]
+    def _select(self, names: Iterable[str] | str | None) -> dict[str, str]:
+        """Each name asked for (default: the covered ones) and the covered name it resolves to."""
+        names = self.names if names is None else [names] if isinstance(names, str) else list(names)
+        unknown = [n for n in names if n not in self]
         if unknown:
             raise KeyError(f"not covered by this posterior: {unknown[:5]}")
-        return set(names)
+        return {name: self._aliases.get(name, name) for name in names}
 
     @contextlib.contextmanager
     def sampled(self, model: nn.Module, seed: int | None = None) -> Iterator[nn.Module]:
@@ -309,27 +315,7 @@ class EVONPosterior:
         warn (``PosteriorMeanWarning``) where its weights are not the ones the posterior was taken at."""
         inner = unwrap_model(model)  # the names the posterior uses: no DDP / torch.compile prefix
         params = dict(inner.named_parameters(remove_duplicate=False))
-        problems = []
-        first_name: dict[int, str] = {}  # a tensor covered under two names would take two perturbations
-        for name in self.names:
-            f = self[name]
-            p = params.get(name)
-            if p is not None and first_name.setdefault(id(p), name) != name:
-                problems.append(
-                    f"{first_name[id(p)]!r} and {name!r} are one tensor in the model (tied weights), "
-                    "each with its own posterior: a sample would perturb it twice"
-                )
-            elif p is None:
-                problems.append(f"{name!r} is not a parameter of the model{name_hint(name, inner, params)}")
-            elif tuple(p.shape) != f.shape:
-                problems.append(
-                    f"{name!r} has shape {tuple(p.shape)} in the model but {f.shape} in the posterior"
-                    + shape_hint(name, inner)
-                )
-            elif not p.is_floating_point():
-                problems.append(
-                    f"{name!r} has dtype {p.dtype} in the model; a posterior needs a float parameter"
-                )
+        problems = model_problems({name: self[name].shape for name in self.names}, self._aliases, inner, params)
         problems += unused_adapter_parameters(inner, [n for n in self.names if n in params])
         if problems:
             more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
@@ -385,10 +371,12 @@ class EVONPosterior:
         """A copy with effective sample size ``ess`` everywhere, or ``{name: ess}`` for every covered
         name (``inf``: zero variance). Variances scale as ``1/ess``: a larger ζ narrows the posterior."""
         if isinstance(ess, Mapping):
-            missing, unknown = [n for n in self.names if n not in ess], [n for n in ess if n not in self]
+            missing, unknown = [n for n in self.names if n not in ess], [n for n in ess if n not in self._index]
             if missing or unknown:
                 where = f"with_ess: a mapping needs exactly the covered names; missing {missing[:5]}"
-                raise KeyError(f"{where}, not covered {unknown[:5]}")
+                tied = [n for n in unknown if n in self._aliases]  # one tensor: keyed once, by its covered name
+                hint = f" (tied names: key {tied[0]!r} as {self._aliases[tied[0]]!r})" if tied else ""
+                raise KeyError(f"{where}, not covered {unknown[:5]}{hint}")
             named = self.factors.items()
             factors = {n: replace(f, ess=ess_number(ess[n], f"with_ess: ess[{n!r}]")) for n, f in named}
             return self._with_groups(stack_factors(factors), factors[self.names[0]].ess, "with_ess")

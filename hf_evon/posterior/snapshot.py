@@ -112,5 +112,10 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     if pruned:
         settings["pruned_ranks"] = pruned
     covered = {id(p) for _, p, _ in entries}
+    # a covered tensor the model ties under further names (an MLP's mid2.weight is mid1.weight): each
+    # resolves to the name it is covered under, and a model where they are separate is refused
+    tied = {n: names_by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in covered}
+    if tied := {alias: name for alias, name in tied.items() if alias != name}:
+        settings["tied_parameters"] = tied
     points = [p for _, p in named if id(p) not in covered]
     return Snapshot(factors, settings, sum(p.numel() for p in points), len(points))
