@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_optim_state import assert_identical, loss_fn, make_data, make_model, make_opt, snapshot, train_step
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hf_evon import EVON, EVONPosterior
 from hf_evon.optim.defaults import lr_from_adamw_lr
@@ -648,6 +649,50 @@ def test_a_refused_step_leaves_the_next_steps_gradients_to_be_averaged() -> None
     done = len(calls)
     opt.step()
     assert len(calls) == done + 1
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_backward_after_its_block_is_refused_also_through_activation_checkpointing(reentrant: bool) -> None:
+    """Outside its block the weights hold the mean again. Without checkpointing autograd refuses
+    the block's graph (the weights it saved changed in place); through torch.utils.checkpoint,
+    which saves no weight and recomputes the forward during backward, the backward ran silently at
+    the mean, under the sample's loss, and the step trained on that gradient. It is refused now,
+    naming the parameter, and the step's samples are dropped; the backward inside the block gives
+    exactly the gradient without checkpointing."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0), requires_grad=reentrant)
+
+    def run(where: str) -> nn.Parameter:
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(3, 4))
+        opt = EVON([{"params": [w], "param_names": ["w"]}], seed=0)
+
+        def loss() -> torch.Tensor:
+            if where == "plain":
+                return torch.tanh(x @ w.T).square().mean()
+            return checkpoint(lambda t: torch.tanh(t @ w.T), x, use_reentrant=reentrant).square().mean()
+
+        for _ in range(2):
+            with opt.sampled_params(train=True):
+                value = loss()
+                if where != "after":
+                    value.backward()
+            if where == "after":
+                mean = w.detach().clone()
+                with pytest.raises(RuntimeError, match=r"reached w \(shape \(3, 4\)\) after its sampled_params\(train=True\) "
+                                   r"block had exited: call backward inside the block"):
+                    value.backward()
+                assert opt.recorded_samples == 0 and torch.equal(w, mean)
+                with pytest.raises(RuntimeError, match="needs the gradient at a posterior sample"):
+                    opt.step()
+                opt.zero_grad()
+                with opt.sampled_params(train=True):
+                    loss().backward()
+            opt.step()
+            opt.zero_grad()
+        return w
+
+    assert torch.equal(run("checkpointed"), run("plain"))
+    run("after")  # each refusal is followed by a block with its backward inside, which steps
 
 
 def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:

@@ -376,7 +376,7 @@ class EVON(Optimizer):
                             b.record_sample(alone=not any(id(p) in kept for p in b.params))
                     restore_means(perturbed)
                     if stash is not None:
-                        self._held = restore_grads(stash, ok) or self._held  # None: not recorded
+                        self._held = restore_grads(stash, ok, self) or self._held  # None: not recorded
                 self._samples += int(ok and train)
                 self._synchronized &= not (ok and train)  # its own gradients are not averaged yet
                 exited = True

@@ -3,30 +3,73 @@
 Inside a block ``.grad`` holds only that block's gradient, so ``zero_grad()`` inside the block
 (the IVON/EVON reference packages' loop) and accumulating without it give the same update.
 Gradients the previous step consumed and nobody cleared are dropped, not counted again.
+A gradient that reaches an EVON weight after its block exited, before the next block or step, is
+refused (:func:`guard_late_gradients`).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.health import param_label
 
-__all__ = ["consumed_grads", "consumed_places", "restore_grads", "set_aside_grads"]
+__all__ = ["consumed_grads", "consumed_places", "guard_late_gradients", "restore_grads", "set_aside_grads"]
 
 Tensor = torch.Tensor
 # id(param) -> (weak reference to the gradient a step consumed, its version then)
 Consumed = dict[int, tuple[weakref.ref, int]]
+# parameter -> the handle of its hook refusing a gradient after its training block exited
+_LATE_GUARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def guard_late_gradients(param_groups: list[dict[str, Any]], discard: Callable[[], None]) -> None:
+    """Refuse, from a recorded block's exit until the next ``sampled_params(train=True)`` block or the
+    step's end (:func:`consumed_grads`), a gradient that reaches a sampled EVON weight: a backward of
+    the exited block's graph (the documented loop calls backward inside the block). Outside
+    the block the weights hold the mean again; autograd notices that for the weights a graph saved (their
+    version moved), but activation checkpointing saves none and recomputes the forward during backward,
+    at the mean, so that gradient is at neither the sample nor the mean. The refusal drops the step's
+    samples (``discard``), whose gradients the backward has partly added to."""
+
+    def refuse(p: torch.Tensor) -> None:
+        if p not in _LATE_GUARDS:  # left behind by an interrupt between its removal and the registry's
+            return
+        discard()
+        raise RuntimeError(
+            f"a gradient reached {param_label(param_groups, p)} after its sampled_params(train=True) block had "
+            "exited: call backward inside the block. Outside it the weights hold the mean again, and a backward "
+            "through activation checkpointing would recompute the forward at the mean, not at the sample the "
+            "loss was taken at. This step's samples are dropped"
+        )
+
+    for group in param_groups:
+        if group["algorithm"] != "evon" or math.isinf(group["ess"]):  # no noise: the same weights
+            continue
+        for p in group["params"]:
+            if p.requires_grad and p not in _LATE_GUARDS:
+                _LATE_GUARDS[p] = p.register_post_accumulate_grad_hook(refuse)
+
+
+def _unguard(param_groups: list[dict[str, Any]]) -> None:
+    for group in param_groups:
+        for p in group["params"]:
+            handle = _LATE_GUARDS.pop(p, None)
+            if handle is not None:
+                handle.remove()
 
 
 def consumed_grads(param_groups: list[dict[str, Any]], places: list[tuple[int, int]] | None = None) -> Consumed:
     """The gradients a step has just used (``places``: only those at these (group, position)),
     recognisable later by identity and version."""
+    _unguard(param_groups)  # the step is over: a later gradient is the next step's
     chosen = None if places is None else set(places)
     return {
         id(p): (weakref.ref(p.grad), p.grad._version)
@@ -89,6 +132,7 @@ def set_aside_grads(
     the count of samples, would divide what is left by theirs too: the earlier samples are dropped
     (``discard``, with a warning naming the parameter) and so is every gradient left of them, so
     that the step's gradient is the mean over the samples from here on."""
+    _unguard(param_groups)  # a block is running: its own backward is awaited
     lost = _lost_gradient(param_groups, held) if held else None
     if lost is not None:
         warnings.warn(
@@ -117,10 +161,13 @@ def set_aside_grads(
             p.grad = None
 
 
-def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool) -> Consumed | None:
+def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, optimizer: Any = None) -> Consumed | None:
     """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
     failed block: as at entry, less what the last step consumed). Recorded: returns the
-    gradients now in ``.grad``, the step's (``set_aside_grads``' ``held``), by identity and version."""
+    gradients now in ``.grad``, the step's (``set_aside_grads``' ``held``), by identity and version,
+    and the ``optimizer``'s sampled weights refuse a later gradient (:func:`guard_late_gradients`)."""
+    if recorded and optimizer is not None:
+        guard_late_gradients(optimizer.param_groups, optimizer.discard_samples)
     if not recorded:
         for p, keep in stash:
             p.grad = keep
