@@ -879,11 +879,12 @@ def test_bma_passes_over_a_length_grouped_eval_loader_batch_as_its_mean_pass(tmp
         assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path, workers) -> None:
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, False), (1, True)])
+def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path, workers, persistent) -> None:
     """DataCollatorForLanguageModeling(mlm=True) masks at random on every read: the BMA passes, over
     the eval set sorted by length, scored other masked tokens than the mean pass, so a posterior
-    without noise reported eval_bma_nll 4.6093 against eval_mean_nll 4.6212."""
+    without noise reported eval_bma_nll 4.6093 against eval_mean_nll 4.6212. A persistent worker's
+    masks are not drawn again (its generator lives in the worker): 4.6164 against 4.6334 there."""
     from datasets import Dataset
     from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
 
@@ -898,7 +899,9 @@ def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
     )  # fmt: skip
-    args = config(tmp_path, max_steps=2, evon_ess=1e15, dataloader_num_workers=workers)  # no noise: BMA is the mean
+    args = config(
+        tmp_path, max_steps=2, evon_ess=1e15, dataloader_num_workers=workers, dataloader_persistent_workers=persistent
+    )  # no noise: BMA is the mean
     trainer = EVONTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
     trainer.train()
     for _ in range(2):  # each evaluation draws its own masks, the same in each of its passes

@@ -404,7 +404,7 @@ def forked(loader: Any) -> Any:
     return _Replay(loader)
 
 
-def replayed(loader: Any) -> Callable[[], Any]:
+def replayed(loader: Any, trainer: Any) -> Callable[[], Any]:
     """A function returning ``loader`` set to read again the batches it reads next (called before that
     read). A shuffled sampler of an eval loader (transformers' ``LengthGroupedSampler``, under
     ``train_sampling_strategy="group_by_length"``) draws its order from its own generator on every
@@ -412,7 +412,10 @@ def replayed(loader: Any) -> Callable[[], Any]:
     other batches than the Trainer's pass did, which changes what is scored where the batching does
     (left padding moves a row's positions, the last batch dropped is another, other tokens are
     masked). The generators of the loader's samplers and torch's CPU generator are as they are now
-    for each read (torch's restored after it; a persistent worker's own generator is not reset)."""
+    for each read (torch's restored after it). A persistent worker's generator lives in the worker, so
+    a masking collator's masks there are not drawn again: the function's ``stale`` is then True and
+    it returns a loader of the same split without persistent workers (``trainer``'s), whose every
+    read draws the same masks, for the mean pass too."""
     found: dict[int, torch.Generator] = {}
     for owner in (loader, getattr(loader, "base_dataloader", None)):
         batch_sampler = getattr(owner, "batch_sampler", None)
@@ -423,10 +426,14 @@ def replayed(loader: Any) -> Callable[[], Any]:
                 found[id(generator)] = generator
     states = [(generator, generator.get_state()) for generator in found.values()]
     torch_state = torch.get_rng_state()
+    collate = getattr(loader, "collate_fn", None)  # the Trainer's column-removing wrapper holds the collator
+    masking = masks_at_random(getattr(collate, "data_collator", collate))
+    stale = masking and getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0
 
     def again() -> Any:
         for generator, state in states:
             generator.set_state(state)
-        return _Replay(loader, torch_state)
+        return _Replay(trainer._uncached_eval_dataloader(loader.dataset) if stale else loader, torch_state)
 
+    again.stale = stale  # type: ignore[attr-defined]
     return again

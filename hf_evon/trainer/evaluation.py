@@ -534,7 +534,7 @@ class EvaluationMixin(SearchObjectiveMixin):
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=self._bma_due())
-        self._evon_evaluation, replay = evaluation, replayed(dataloader)  # before the Trainer's pass draws its order
+        self._evon_evaluation, replay = evaluation, replayed(dataloader, self)  # before the Trainer's pass draws its order
         try:
             with evaluation.watch(self.model):
                 output = super().evaluation_loop(
@@ -542,6 +542,7 @@ class EvaluationMixin(SearchObjectiveMixin):
                 )
         finally:
             self._evon_evaluation = None
+        evaluation.reused &= not replay.stale  # type: ignore[attr-defined]  # its masks not drawn again: a mean pass
         def passes() -> Any:  # the batches of the Trainer's pass again, or the set sorted by length
             return self._length_sorted_loader(dataloader, replay)
 
