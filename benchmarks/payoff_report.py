@@ -130,6 +130,10 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
         out.append("")
     size = int(bma_row.rsplit("@", 1)[1])
     lines, gains = targets(summary, size)
+    if math.isnan(gains["EVON"]) or math.isnan(gains["IVON (ivon-opt)"]):  # a method not run: nothing to judge
+        verdict = "n/a: " + ("EVON" if math.isnan(gains["EVON"]) else "IVON") + " did not run"
+    else:
+        verdict = f"{'yes' if gains['EVON'] >= gains['IVON (ivon-opt)'] else 'NO'}: EVON's ≥ IVON's"
     out += [
         "## Targets",
         "",
@@ -143,7 +147,7 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
         "",
         "Average BMA gain in NLL over tasks: "
         + ", ".join(f"{k} {v:+.4f}" for k, v in gains.items())
-        + f" ({'yes' if gains['EVON'] >= gains['IVON (ivon-opt)'] else 'NO'}: EVON's ≥ IVON's).",
+        + f" ({verdict}).",
     ]
     return "\n".join(out) + "\n"
 

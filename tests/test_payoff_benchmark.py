@@ -581,3 +581,29 @@ def test_an_lm_task_with_one_held_out_document_says_it_cannot_split_it() -> None
     assert len(split_documents(docs, val_fraction=0.0001)[1]) == 1
     with pytest.raises(ValueError, match=r"1 held-out document\(s\) give no 64-token block"):
         payoff_tasks.lm_task(0, True, docs=docs, val_fraction=0.0001)
+
+
+def test_the_ivon_comparison_is_not_judged_where_ivon_did_not_run() -> None:
+    """The closing line compared EVON's average BMA gain with IVON's, which is NaN where ivon-opt is
+    not installed or not among ``--methods``, and printed "(NO: EVON's ≥ IVON's)" for a comparison
+    never made; with both gains the verdict is the comparison's."""
+
+    def row(nll: float) -> dict:
+        return {k: (v, 0.0) for k, v in {"nll": nll, "accuracy": 0.9, "ece": 0.05, "brier": 0.1}.items()}
+
+    summary = {
+        "digits": {
+            "EVON mean": row(0.30),
+            "EVON calibrated BMA@32": row(0.21),
+            "IVON (ivon-opt) mean": "ivon-opt not installed",
+        }
+    }
+    text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
+    assert text.rstrip().endswith("+nan (n/a: IVON did not run)."), text.splitlines()[-1]
+    summary["digits"] |= {"IVON (ivon-opt) mean": row(0.30), "IVON (ivon-opt) calibrated BMA@32": row(0.20)}
+    text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
+    assert "EVON +0.0900, IVON (ivon-opt) +0.1000," in text
+    assert text.rstrip().endswith("(NO: EVON's ≥ IVON's)."), text.splitlines()[-1]
+    summary["digits"]["IVON (ivon-opt) calibrated BMA@32"] = row(0.22)
+    text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
+    assert text.rstrip().endswith("(yes: EVON's ≥ IVON's)."), text.splitlines()[-1]
