@@ -227,6 +227,36 @@ def test_an_underconfident_mean_is_sharpened_where_a_cross_validation_in_the_spl
     assert few.mean_temperature < 1 and few.temperature == 1.0
 
 
+def test_a_sharpened_mean_and_the_trained_posterior_share_one_temperature_scanned_or_screened() -> None:
+    """Where the rule sharpens an underconfident mean (T < 1), every scale, the trained one too, is
+    scored at that T, whether the scan scores the trained scale or the screen left it out: the same
+    choice and the same NLL both ways, the reference's BMA NLL at that T. Before, the scanned
+    trained scale was scored at T = 1 (NLL 0.999, the mean kept) and the screened one at T = 0.5
+    (NLL 0.872, the trained posterior kept): a near-tie in the screen flipped the choice."""
+    torch.manual_seed(0)  # _fixed_logit_data's labels come from the global generator
+    batches, posterior = _fixed_logit_data(2000), _point_posterior()
+    rule = dict(grid=[1.0], num_samples=2, standard_errors=2.0)
+    _, plain = calibrate_posterior(FixedLogits(0.5), posterior, batches, **rule)
+    sharpened = plain.temperature
+    assert sharpened < 1 and not plain.scanned and plain.kept_trained  # the case's premise
+    y = torch.cat([b[1] for b in batches])
+    reference = tempered_bma_nll(draw_logits(FixedLogits(0.5), posterior, batches, range(2)), y, sharpened)
+    assert plain.trained_nll == pytest.approx(reference, rel=FLOAT32_SCORING)
+    results = []
+    for screen_factor in (0.0, 1e6):  # the trained scale scored by the scan; screened out
+        _, result = calibrate_posterior(
+            FixedLogits(0.5), posterior, batches, **rule, always_scan=True, screen_factor=screen_factor
+        )
+        assert result.scanned and result.mean_temperature < 1
+        assert result.temperature == sharpened and result.ess == posterior.ess
+        assert result.trained_nll == pytest.approx(reference, rel=FLOAT32_SCORING)
+        results.append(result)
+    scored, screened = results
+    assert scored.grid == [posterior.ess] and scored.temperatures == [sharpened]
+    assert screened.screened == [posterior.ess] and screened.grid == []
+    assert scored.trained_nll == screened.trained_nll
+
+
 def test_the_temperature_choice_builds_its_tensors_on_the_inputs_device() -> None:
     """On CUDA, calibrate_posterior failed in the sharpening's cross-validation: its fold masks were
     built on the default device (the CPU) and indexed CUDA log-probs. Reproduced on the CPU under

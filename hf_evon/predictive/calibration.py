@@ -21,7 +21,10 @@ T does that part, and a scale is kept only where the weight noise adds to what T
 (the same standard-error and ``min_gain`` rules, against the mean at its own T).
 measured: docs/trainer.md#calibration-temperature
 Where the mean is not overconfident (its best T is not above 1), no other scale is scored:
-averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate).
+averaging samples only softens (measured: docs/trainer.md#calibration-scan-gate). An underconfident
+mean is sharpened (T < 1) only under ``MIN_ERRORS_TO_SHARPEN``'s rule, and then every scale the
+calibration scores, the trained one included, is scored at the mean's T, scanned or not
+(measured: docs/trainer.md#calibration-sharpening).
 
 Where no scale beats the mean, the posterior EVON trained (ζ × 1) is kept unless the mean
 predicts better than it by more than the same k standard errors or by more than ``min_gain``
@@ -259,9 +262,10 @@ def calibrate_posterior(
     underconfident mean (best T < 1) predicts at its best T where the split holds at least
     ``MIN_ERRORS_TO_SHARPEN`` targets it gives less than even odds and a 2-fold cross-validation
     within the split gains k standard errors and ``min_gain`` over T = 1
-    (:func:`mean_temperature_choice`). Either way the result records the mean's own best T of
-    ``TEMPERATURE_GRID`` (``mean_temperature``; > 1: overconfident, the only case averaging
-    samples helps).
+    (:func:`mean_temperature_choice`); every scale scored, the trained one included (scanned,
+    screened out or not scanned), is then scored at that T too. Either way the result records the
+    mean's own best T of ``TEMPERATURE_GRID`` (``mean_temperature``; > 1: overconfident, the only
+    case averaging samples helps).
 
     The noise scales are scored only where the mean is overconfident there (its best T > 1;
     ``always_scan=True``: always): averaging samples softens predictions, so where the mean is
@@ -337,13 +341,17 @@ def calibrate_posterior(
         start = mean_temperature_choice(mean_logp, standard_errors, min_gain) if temperature else one
         scanned = always_scan or best_t > one  # the mean overconfident there: noise may help
         scales = factors if scanned else []
-        temperatures = SOFTENING_TEMPERATURES if start > one else (1.0,)
+        # a softened mean: every scale at its own softening T; else every scale (the trained one too,
+        # scanned or not) at the mean's T, a sharpened one included: the rule admits it for all alike
+        temperatures = SOFTENING_TEMPERATURES if start > one else (TEMPERATURE_GRID[start],)
         # per candidate: log p of each draw at its own temperature, [S, targets]
         draws, chosen_t = [mean_logp[start][None]], [TEMPERATURE_GRID[start]]
         tried, nlls = [], []
-        best = mean_nll  # the stop rule reads NLLs at T = 1: a temperature rescues any noise to ~log C
+        # the stop rule reads NLLs at temperatures[0] (T = 1 where the mean is softened: a softening
+        # temperature rescues any noise to ~log C), starting from the mean's NLL at that T
+        best = float(mean_t_nll[TEMPERATURE_GRID.index(temperatures[0])])
         # the screen compares a scale's first draw with the mean at the mean's own temperature
-        screen_t, screen_ref = (start - one, mean_logp[start]) if start > one else (0, mean_logp[one])
+        screen_t, screen_ref = temperatures.index(TEMPERATURE_GRID[start]), mean_logp[start]
         tolerance = screen_factor * min_gain * float(-screen_ref.mean())
         first: dict[int, Tensor] = {}  # a scale's first draw, [T, targets], drawn by the screen
 
@@ -374,9 +382,9 @@ def calibrate_posterior(
             chosen_t.append(temperatures[t])
             tried.append(trained * scales[i])
             nlls.append(float(t_nll[t]))
-            untempered = float(t_nll[0])  # temperatures[0] is 1
-            best = min(best, untempered)
-            if untempered > 2.0 * best:
+            stop_nll = float(t_nll[0])
+            best = min(best, stop_nll)
+            if stop_nll > 2.0 * best:
                 break
         reference = float(mean_t_nll[start])  # the mean's NLL at its own temperature (T = 1 without)
         index = _stepwise_choice(draws, standard_errors)
@@ -387,11 +395,10 @@ def calibrate_posterior(
             if trained in tried:  # scored by the scan, at its own temperature
                 j = tried.index(trained) + 1
                 trained_logp, trained_t, trained_nll = draws[j], chosen_t[j], nlls[j - 1]
-            else:  # screened out or not scanned: at the mean's temperature, or its own softening one
-                trained_ts = temperatures if start > one else (TEMPERATURE_GRID[start],)
-                probed = first.get(scales.index(1.0)) if 1.0 in scales and trained_ts == temperatures else None
-                trained_logp, t, t_nll = score(1.0, trained_ts, probed)
-                trained_t, trained_nll = trained_ts[t], float(t_nll[t])
+            else:  # screened out or not scanned: at the temperatures the scan scores a scale at
+                probed = first.get(scales.index(1.0)) if 1.0 in scales else None
+                trained_logp, t, t_nll = score(1.0, temperatures, probed)
+                trained_t, trained_nll = temperatures[t], float(t_nll[t])
             excess, error = _gain_and_error(trained_logp, draws[0])
             keep = excess <= standard_errors * error and excess <= min_gain * reference
     finally:
