@@ -289,7 +289,7 @@ def minilm_lora(args: argparse.Namespace, out: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     import finetune_classification as ft  # the example's task, model and LoRA settings
 
-    ex = ft.parse_args(["--lora", "--max-steps", str(args.steps), "--bma-samples", "0"])
+    ex = ft.parse_args(["--lora", "--max-steps", str(args.steps)])  # no BMA passes: bma_num_samples=0 below
     data, num_labels, _ = ft.prepare_data(ex)
     config = EVONConfig(
         **ft.common_arguments(ex, os.path.join(out, "minilm_lora_run")),
