@@ -1037,6 +1037,28 @@ def test_peft_config_wraps_the_model_and_the_posterior_covers_the_adapter(tmp_pa
 
 
 
+def test_bma_after_an_evon_run_that_trained_no_matrix_names_why_there_is_no_posterior(tmp_path, caplog):
+    """PEFT's prompt tuning trains one embedding, which AdamW owns: EVON owns nothing, so there is no
+    posterior. ``predict(bma=True)`` said "train with EVON first" (the run did) and ``evaluate()`` logged
+    "no EVON optimizer" (there is one); both now say that EVON trains none of the parameters."""
+    from peft import PromptTuningConfig, TaskType
+
+    prompt = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    with pytest.warns(UserWarning, match="EVON trains none"):
+        trainer = EVONTrainer(
+            model=tiny_gpt2(), args=config(tmp_path, max_steps=1), peft_config=prompt, train_dataset=lm_data(8),
+        )
+        trainer.train()
+    assert trainer.evon_optimizer is not None and trainer.current_posterior() is None
+    for call in (lambda: trainer.predict(lm_data(4), bma=True), lambda: trainer.evaluate(lm_data(4), bma=True)):
+        with pytest.raises(ValueError, match=r"needs a posterior: EVON trains none of the model's parameters"):
+            call()
+    with caplog.at_level("WARNING", logger="hf_evon"):
+        metrics = trainer.evaluate(lm_data(4))
+    assert "eval_mean_nll" in metrics and not any(k.startswith("eval_bma_") for k in metrics)
+    assert "EVONTrainer: EVON trains none of the model's parameters" in caplog.text
+
+
 def test_adaloras_rank_allocation_runs_at_every_optimizer_step(tmp_path):
     """AdaLoRA allocates its rank budget only where ``update_and_allocate(global_step)`` is called after
     each optimizer step (PEFT's docs: in the training loop); ``Trainer`` never calls it, so an AdaLoRA

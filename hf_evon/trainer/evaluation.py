@@ -425,9 +425,7 @@ class PosteriorEvaluation:
         trainer, args = self.trainer, self.trainer.args
         posterior = trainer._evaluated_posterior() if args.bma_num_samples > 0 else None
         if args.bma_num_samples > 0 and posterior is None:
-            logger.warning(
-                "EVONTrainer: no posterior yet (no EVON optimizer, no posterior=): BMA metrics skipped"
-            )
+            logger.warning(f"EVONTrainer: {trainer._no_posterior()}: BMA metrics skipped")
         if posterior is None:
             return {}
         if posterior.is_point_mass and posterior.temperature == 1.0:

@@ -347,15 +347,24 @@ class PredictionMixin:
         held = self._evon_held_posterior
         return self.current_posterior() if held is None else held
 
+    def _no_posterior(self) -> str:
+        """Why :meth:`_evaluated_posterior` is None, and the way to one."""
+        given = "pass posterior=EVONPosterior.from_pretrained(...) to the trainer"
+        opt = self.evon_optimizer
+        if opt is not None and not any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
+            # e.g. PEFT's prompt or prefix tuning: one embedding, which AdamW owns by default
+            return (
+                "EVON trains none of the model's parameters (every trainable tensor went to AdamW), so the "
+                f"run has no posterior: train matrices (LoRA) or name them in evon_patterns, or {given}"
+            )
+        return f"train with EVON first, or {given}"
+
     def _bma_posterior(self, caller: str) -> Any:
         """The posterior BMA samples (:meth:`_evaluated_posterior`); ValueError naming ``caller`` where
         there is none or ``bma_num_samples`` asks for no samples."""
         posterior = self._evaluated_posterior()
         if posterior is None:
-            raise ValueError(
-                f"{caller} needs a posterior: train with EVON first, or pass "
-                "posterior=EVONPosterior.from_pretrained(...) to the trainer"
-            )
+            raise ValueError(f"{caller} needs a posterior: {self._no_posterior()}")
         if self.args.bma_num_samples < 1:
             raise ValueError(
                 f"{caller} needs posterior samples, but EVONConfig.bma_num_samples = "
