@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 import warnings
 
 import pytest
@@ -177,6 +178,35 @@ def test_an_invalid_eps_set_on_an_adamw_group_is_refused_by_name_and_the_step_go
     assert opt.recorded_samples == 1
     del opt.param_groups[1][key]
     opt.param_groups[1]["eps"] = 1e-8
+    opt.step()
+    opt.zero_grad()
+    _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("group", "key"), [(0, "maximize"), (1, "maximize"), (1, "amsgrad")])
+def test_maximize_and_amsgrad_are_refused_by_name_wherever_a_group_gets_them(group: int, key: str) -> None:
+    """torch.optim's ``maximize``/``amsgrad`` were refused only in a group given to the constructor
+    or ``add_param_group`` as AdamW: on an EVON group (``maximize=True``) or set on any group between
+    steps (as torch.optim.AdamW honours), the step silently descended without AMSGrad. Each is
+    refused by name before anything changes; removed, the same step goes ahead as one never refused."""
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model), _optimizer(twin)
+    rule = "False or absent: EVON does not implement it (torch.optim's option)"
+    with pytest.raises(ValueError, match=re.escape(f"Invalid {key}: True (must be {rule})")):
+        _optimizer(_model()).add_param_group({"params": [nn.Parameter(torch.ones(2, 2))], key: True})
+    _step(opt, model)
+    _step(twin_opt, twin)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[group][key] = True
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value) == f"param_groups[{group}]: Invalid {key}: True (must be {rule})"
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert opt.recorded_samples == 1
+    opt.param_groups[group][key] = False  # torch's default: what the step does
     opt.step()
     opt.zero_grad()
     _step(twin_opt, twin)

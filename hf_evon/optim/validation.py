@@ -134,16 +134,12 @@ def python_numbers(values: dict[str, Any]) -> dict[str, Any]:
 def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -> dict[str, Any]:
     """A group as given to ``add_param_group``, before torch fills in EVON's defaults: modes given
     as Enums stored as their strings; an AdamW group's missing keys from ``adamw_defaults``, its ε
-    under torch AdamW's key ``eps`` (given as ``adamw_eps``, EVON's keyword, it moves there), and
-    torch AdamW's ``amsgrad`` and ``maximize``, which EVON's AdamW does not implement, refused
-    rather than ignored."""
+    under torch AdamW's key ``eps`` (given as ``adamw_eps``, EVON's keyword, it moves there)
+    (``validate_group`` refuses torch.optim's ``amsgrad`` and ``maximize``)."""
     for key in MODE_KEYS:
         if key in param_group:
             param_group[key] = mode_value(param_group[key])
     if param_group.get("algorithm", "evon") == "adamw":
-        for option in ("amsgrad", "maximize"):
-            if param_group.get(option):
-                raise ValueError(f"EVON's AdamW groups do not implement {option}=True (torch.optim.AdamW does)")
         if "adamw_eps" in param_group:
             if "eps" in param_group:
                 raise ValueError("an AdamW group takes its ε as 'eps' or as 'adamw_eps', not both")
@@ -202,6 +198,10 @@ def validate_group(group: dict[str, Any]) -> None:
 
     algorithm = group.get("algorithm", "evon")
     need("algorithm", algorithm in ALGORITHMS, "'evon' or 'adamw'")
+    # torch.optim's options that neither algorithm implements: a group given them (or a torch callback
+    # setting them between steps) would otherwise descend, without AMSGrad, silently
+    for option in ("maximize", "amsgrad"):
+        need(option, not group.get(option), "False or absent: EVON does not implement it (torch.optim's option)")
     if has("lr"):
         need("lr", rate_ok(group["lr"]), RATE_RULE)
     if has("betas"):
