@@ -262,6 +262,40 @@ def test_auto_values_set_between_steps_are_resolved_as_the_constructor_resolves_
         assert group["ess"] == pytest.approx(1 / (ratio**2 * mean_square * (h0 + 1e-3)), rel=1e-6)
 
 
+def test_an_init_std_ratio_the_curvature_fit_cannot_use_is_refused_before_anything_changes() -> None:
+    """ζ fitted to the curvature (``ess="auto"``, the Fisher estimate) aims at a noise rising from
+    ``init_std_ratio`` to ``DEFAULT_PRIOR_STD_RATIO``. With ``weight_decay`` given, a ratio at or above
+    it passed the constructor (as it did set between steps), and the step of the first fit raised
+    default_weight_decay's ValueError after the weights had moved. It is refused by name: by the
+    constructor, and by the step before anything changes; where ζ is not fitted it is accepted."""
+    from hf_evon.optim.defaults import DEFAULT_PRIOR_STD_RATIO as ratio
+
+    rule = f"a number below {ratio}, the fitted noise's final ratio, where ess is fitted to the curvature"
+    with pytest.raises(ValueError, match=re.escape(f"Invalid init_std_ratio: {ratio} (must be {rule}")):
+        EVON([nn.Parameter(torch.ones(2, 2))], weight_decay=1e-3, init_std_ratio=ratio)
+    for unfitted in ({"ess": 1e4}, {"hess_estimator": "price"}, {"curvature_refit": 0}):
+        EVON([nn.Parameter(torch.ones(2, 2))], weight_decay=1e-3, init_std_ratio=ratio, **unfitted)
+
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model, weight_decay=1e-3), _optimizer(twin, weight_decay=1e-3)
+    for _ in range(2):
+        _step(opt, model)
+        _step(twin_opt, twin)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["init_std_ratio"] = ratio
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value).startswith(f"param_groups[0]: Invalid init_std_ratio: {ratio} (must be {rule}")
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    opt.param_groups[0]["init_std_ratio"] = twin_opt.param_groups[0]["init_std_ratio"]
+    opt.step()
+    opt.zero_grad()
+    _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 # ----------------------------------------------------------------------------- state dicts
 def test_torchs_load_state_dict_hooks_see_the_state_as_loaded() -> None:
     """A post-hook ran before EVON had restored its counters and the state's dtypes (what it set

@@ -33,6 +33,8 @@ from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
     DEFAULT_CLIP_RADIUS,
+    DEFAULT_CURVATURE_REFIT,
+    DEFAULT_HESS_ESTIMATOR,
     DEFAULT_HESS_INIT,
     DEFAULT_INIT_STD_RATIO,
     DEFAULT_PRIOR_STD_RATIO,
@@ -231,6 +233,14 @@ def validate_group(group: dict[str, Any]) -> None:
             need("weight_decay", False, rule)
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     need("init_std_ratio", finite(ratio) and ratio > 0.0, "a finite number > 0")
+    if finite(ratio) and ratio > 0.0 and _ess_fitted(group):
+        # noise_std_ratio raises the fitted noise from it to DEFAULT_PRIOR_STD_RATIO: at or above
+        # that, the first fit (after the weights have moved) would raise
+        rule = (
+            f"a number below {DEFAULT_PRIOR_STD_RATIO}, the fitted noise's final ratio, where ess is fitted "
+            "to the curvature (ess='auto' under hess_estimator='fisher' with curvature_refit > 0)"
+        )
+        need("init_std_ratio", ratio < DEFAULT_PRIOR_STD_RATIO, rule)
     if has("hess_init"):
         need("hess_init", finite(group["hess_init"]) and group["hess_init"] > 0.0, "a finite number > 0")
     for name in ("mc_samples", "precondition_frequency", "max_precond_dim"):
@@ -284,6 +294,19 @@ def validate_group(group: dict[str, Any]) -> None:
             )
         if not p.is_floating_point():
             raise ValueError(f"EVON cannot train the {p.dtype} parameter {label}: it needs floating-point weights")
+
+
+def _ess_fitted(group: dict[str, Any]) -> bool:
+    """Whether the group's ζ is refit to its curvature: named in its ``fit_to_curvature`` once built
+    (``curvature.curvature_fitted``), else where ``ess="auto"`` under the Fisher estimate with a refit
+    period (missing keys: EVON's defaults, as for the constructor's keywords)."""
+    if "fit_to_curvature" in group:
+        return "ess" in (group["fit_to_curvature"] or ())
+    return (
+        group.get("ess", AUTO_ESS) == AUTO_ESS
+        and group.get("hess_estimator", DEFAULT_HESS_ESTIMATOR) == "fisher"
+        and bool(group.get("curvature_refit", DEFAULT_CURVATURE_REFIT))
+    )
 
 
 # what a scheduler sets each step: not part of a group's settings checked once
