@@ -284,25 +284,15 @@ def tiny_gpt2(args: argparse.Namespace, out: str) -> None:
 def minilm_lora(args: argparse.Namespace, out: str) -> None:
     from transformers import DataCollatorWithPadding
 
-    from hf_evon import EVONConfig, EVONTrainer
+    from hf_evon import EVONTrainer
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
     import finetune_classification as ft  # the example's task, model and LoRA settings
 
-    ex = ft.parse_args(["--lora", "--max-steps", str(args.steps)])  # no BMA passes: bma_num_samples=0 below
+    ex = ft.parse_args(["--lora", "--max-steps", str(args.steps), "--output-dir", os.path.join(out, "minilm_lora_run")])
     data, num_labels, _ = ft.prepare_data(ex)
-    config = EVONConfig(
-        **ft.common_arguments(ex, os.path.join(out, "minilm_lora_run")),
-        learning_rate=ex.evon_lr * ex.lora_lr_factor,
-        evon_adamw_learning_rate=ex.adamw_lr * ex.lora_lr_factor,
-        evon_ess=ex.evon_ess,
-        evon_hess_init=ex.evon_hess_init,
-        evon_clip=ex.evon_clip,
-        evon_clip_radius=ex.evon_clip_radius,
-        evon_weight_decay=ex.evon_weight_decay,
-        evon_max_precond_dim=ex.max_precond_dim,
-        bma_num_samples=0,
-    )
+    ex.bma_samples = 0  # no BMA passes in training: the posteriors are scored below
+    config = ft.evon_config(ex, identity_basis=False)  # the example's EVON run, rates and defaults
     collate = DataCollatorWithPadding(data["tokenizer"])
     trainer = EVONTrainer(
         model=ft.load_model(num_labels, ex.seed), args=config, train_dataset=data["train"],
@@ -310,6 +300,7 @@ def minilm_lora(args: argparse.Namespace, out: str) -> None:
     )  # fmt: skip
     trainer.train()
     model = trainer.model
+    ess = next(g["ess"] for g in trainer.evon_optimizer.param_groups if g["algorithm"] == "evon")
     adapter_dir = os.path.join(out, "minilm_lora_adapter")
     model.save_pretrained(adapter_dir)
     adapter_bytes = os.path.getsize(os.path.join(adapter_dir, "adapter_model.safetensors"))
@@ -323,7 +314,7 @@ def minilm_lora(args: argparse.Namespace, out: str) -> None:
     rows = [data["test"][i] for i in range(len(data["test"]))]
     batches = [collate(rows[i : i + 64]) for i in range(0, len(rows), 64)]
     report(
-        f"MiniLM-L6 LoRA r=8 (attention; {args.steps} EVON steps, ess = {ex.evon_ess:g}, {len(rows)} test texts)",
+        f"MiniLM-L6 LoRA r=8 (attention; {args.steps} EVON steps, ess = {ess:g}, {len(rows)} test texts)",
         adapter_bytes,
         "adapter",
         variants_of(trainer.evon_optimizer, model),

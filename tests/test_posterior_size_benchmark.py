@@ -19,17 +19,31 @@ class _Stop(Exception):
     pass
 
 
-def test_the_lora_run_parses_the_examples_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_the_lora_run_trains_with_the_examples_evon_settings(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """``--what trained`` built the LoRA run's settings with the example's parser and
-    ``--bma-samples 0``, which that parser refuses (``--bma-samples must be an integer >= 1``,
-    SystemExit 2) before any training; the run's own ``bma_num_samples=0`` turns the BMA passes off."""
-    seen: list[argparse.Namespace] = []
+    ``--bma-samples 0``, which that parser refuses (SystemExit 2 before any training), and then
+    multiplied ``--evon-lr``, None unless given, by the LoRA factor (TypeError). The run takes the
+    example's EVON configuration: the Trainer's rate is AdamW's (``--learning-rate``, 1e-4) times
+    the LoRA factor, ``max_steps`` the benchmark's, and no BMA passes during training."""
+    import hf_evon
 
-    def prepare_data(args: argparse.Namespace) -> None:
-        seen.append(args)
+    seen: dict = {}
+
+    def prepare_data(args: argparse.Namespace) -> tuple[dict, int, None]:
+        seen["example"] = args
+        return {"tokenizer": object(), "train": []}, 5, None
+
+    def trainer(**kwargs: object) -> None:
+        seen.update(kwargs)
         raise _Stop
 
     monkeypatch.setattr(example, "prepare_data", prepare_data)
+    monkeypatch.setattr(example, "load_model", lambda num_labels, seed: None)
+    monkeypatch.setattr(hf_evon, "EVONTrainer", trainer)
     with pytest.raises(_Stop):
         sizes.minilm_lora(argparse.Namespace(steps=3, samples=2), os.fspath(tmp_path))
-    assert len(seen) == 1 and seen[0].lora and seen[0].max_steps == 3
+    ex, config = seen["example"], seen["args"]
+    assert ex.lora and ex.lora_lr_factor > 1
+    assert config.learning_rate == 1e-4 * ex.lora_lr_factor
+    assert (config.max_steps, config.bma_num_samples) == (3, 0)
+    assert config.output_dir.startswith(os.fspath(tmp_path)) and seen["peft_config"] is not None
