@@ -52,6 +52,7 @@ from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.held_out import scored_pass, tempered_log_probs
+from hf_evon.predictive.logprobs import log_mean_prob
 
 Tensor = torch.Tensor
 
@@ -505,12 +506,10 @@ def _first_true(predicate: Callable[[int], bool], n: int) -> int:
 def _bma_nll(logps: Tensor) -> Tensor:
     """Per-target NLL of the average of the draws' probabilities (``logps``: [S, targets]).
 
-    As ``max + log mean exp(logps − max)``: S equal draws give exactly their own NLL (the mean of S
-    ones is 1), where ``logsumexp − log S`` can be off in the last bit, so a scale whose draws predict
-    as the mean ties with it exactly and the rules keep the first of tied candidates."""
-    peak = logps.amax(0)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # all −inf: NLL inf, not NaN
-    return -(peak + (logps - peak).exp().mean(0).log())
+    :func:`~hf_evon.predictive.logprobs.log_mean_prob`: S equal draws give exactly their own NLL,
+    so a scale whose draws predict as the mean ties with it exactly and the rules keep the first of
+    tied candidates."""
+    return -log_mean_prob(logps, 0)
 
 
 def _gain_and_error(draws: Tensor, best: Tensor) -> tuple[float, float]:

@@ -3,12 +3,12 @@
 Labels follow transformers' convention: ``-100`` marks a position that is not scored, and a
 causal LM's labels are the input ids, so the logits at position ``t`` predict the label at
 ``t + 1`` (``shift=True``; :func:`hf_evon.modeling.is_causal_lm` says which models need it).
-BMA averages *probabilities* over S posterior samples: ``log p̄ = logsumexp_s log p_s − log S``.
+BMA averages *probabilities* over S posterior samples: ``log p̄ = log(1/S Σ_s exp(log p_s))``,
+relative to their max (:func:`log_mean_prob`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -127,9 +127,27 @@ def target_log_probs(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
     return torch.log_softmax(rows.double(), dim=-1).gather(1, target[:, None]).squeeze(1)
 
 
+def _shift(peak: Tensor) -> Tensor:
+    """The shift the exps are taken relative to: the peak where finite, else 0 (all −inf: exp(−inf)
+    = 0 and the result −inf, not NaN; +inf or NaN: carried into the sum)."""
+    return torch.where(torch.isfinite(peak), peak, torch.zeros((), dtype=peak.dtype, device=peak.device))
+
+
+def _log_mean_exp(peak: Tensor, scaled_sum: Tensor, count: int) -> Tensor:
+    """``log(mean exp(x))`` from the values' peak (their max) and ``scaled_sum`` = Σ exp(x − shift):
+    ``shift + log(scaled_sum / count)``, the one finish of :func:`log_mean_prob` and
+    :class:`LogMeanExp`. S equal values give exactly their value (S ones sum to S, whose mean is 1,
+    whose log is 0), where ``logsumexp − log S`` is off in the last bits: samples that agree have
+    exactly the mean's log-probabilities, and exactly 0 epistemic uncertainty."""
+    return _shift(peak) + (scaled_sum / count).log()
+
+
 def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
-    """BMA: ``log(mean_s exp(log_probs_s))`` over ``dim`` (averages probabilities, stably)."""
-    return torch.logsumexp(log_probs, dim=dim) - math.log(log_probs.shape[dim])
+    """BMA: ``log(mean_s exp(log_probs_s))`` over ``dim`` (averages probabilities, stably: relative
+    to their max)."""
+    peak = log_probs.amax(dim, keepdim=True)
+    scaled_sum = (log_probs - _shift(peak)).exp().sum(dim)
+    return _log_mean_exp(peak.squeeze(dim), scaled_sum, log_probs.shape[dim])
 
 
 def widened(logits: Tensor) -> Tensor:
@@ -148,23 +166,31 @@ def tempered(logits: Tensor, posterior: object) -> Tensor:
 
 
 class LogMeanExp:
-    """:func:`log_mean_prob` over draws that arrive one at a time (one pass per posterior sample)."""
+    """:func:`log_mean_prob` over draws that arrive one at a time (one pass per posterior sample):
+    the draws' running max ``peak`` and ``scaled_sum`` = Σ exp(draw − peak), rescaled in place when
+    the max rises, finished as :func:`log_mean_prob` is (equal draws: exactly their value)."""
 
     def __init__(self) -> None:
-        self.total: Tensor | None = None
+        self.peak: Tensor | None = None
+        self.scaled_sum: Tensor | None = None
         self.count = 0
 
     def add(self, log_probs: Tensor) -> None:
-        if self.total is None:  # a copy: the caller may write its next draw into the same tensor
-            self.total = log_probs.clone()
+        if self.peak is None:  # copies: the caller may write its next draw into the same tensor
+            self.peak = log_probs.clone()
+            self.scaled_sum = (log_probs - _shift(log_probs)).exp_()
         else:  # in place: an LM's averages are the size of its full-vocabulary logits
-            torch.logaddexp(self.total, log_probs, out=self.total)
+            peak = torch.maximum(self.peak, log_probs)
+            shift = _shift(peak)
+            # Σ exp(x − old shift) · exp(old peak − new shift): exp(−inf) = 0 where no draw had mass yet
+            self.scaled_sum.mul_(self.peak.sub_(shift).exp_()).add_((log_probs - shift).exp_())
+            self.peak = peak
         self.count += 1
 
     def value(self) -> Tensor:
-        if self.total is None:
+        if self.peak is None:
             raise ValueError("LogMeanExp: no draws added")
-        return self.total - math.log(self.count)
+        return _log_mean_exp(self.peak, self.scaled_sum, self.count)
 
 
 class PerOutput:

@@ -71,6 +71,13 @@ def _require_log_probs(off: Tensor, tolerance: float, name: str) -> None:
         )
 
 
+def _mean_entropy(first: Tensor, deviation_sum: Tensor, count: int) -> Tensor:
+    """The samples' mean entropy as the first's plus their mean deviation from it: samples that
+    agree give exactly the entropy of each (where a sum over S divided by S is off in the last bit)
+    and, with :func:`~hf_evon.predictive.logprobs.log_mean_prob` exact there too, exactly 0 epistemic."""
+    return first + deviation_sum / count
+
+
 def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> PredictiveUncertainty:
     """The decomposition for log-probabilities of S samples stacked along ``dim`` (classes last),
     e.g. ``torch.stack([model(x).log_softmax(-1) for each posterior sample])`` shaped (S, N, C)."""
@@ -90,7 +97,9 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
         raise ValueError("dim must not be the last dimension: the classes are there")
     logp = sample_log_probs.double()
     total = entropy(log_mean_prob(logp, dim=dim))
-    aleatoric = entropy(logp).mean(dim=dim)
+    h = entropy(logp)
+    first = h.select(dim, 0)
+    aleatoric = _mean_entropy(first, (h - first.unsqueeze(dim)).sum(dim=dim), h.shape[dim])
     return PredictiveUncertainty(total, aleatoric, (total - aleatoric).clamp_(min=0.0))
 
 
@@ -106,7 +115,8 @@ class UncertaintyAccumulator:
     def __init__(self) -> None:
         self._average = LogMeanExp()
         self._value: Tensor | None = None  # value() of the samples added so far
-        self._entropy_sum: Tensor | None = None
+        self._first_entropy: Tensor | None = None  # the first sample's, and the others' deviations from it
+        self._deviation_sum: Tensor | None = None
         self._off: Tensor | None = None  # the samples' largest _mass_off, on their device
         self._tolerance = 0.0
 
@@ -116,7 +126,7 @@ class UncertaintyAccumulator:
 
     def add(self, log_probs: Tensor) -> None:
         _check(log_probs, "log_probs")
-        earlier = self._average.total
+        earlier = self._average.peak
         if earlier is not None and log_probs.shape != earlier.shape:
             raise ValueError(
                 f"log_probs has shape {tuple(log_probs.shape)}, the earlier samples {tuple(earlier.shape)}"
@@ -126,7 +136,10 @@ class UncertaintyAccumulator:
         self._tolerance = max(self._tolerance, normalization_tolerance(log_probs.dtype))
         logp = log_probs.double()
         h = entropy(logp)
-        self._entropy_sum = h if self._entropy_sum is None else self._entropy_sum.add_(h)
+        if self._first_entropy is None:
+            self._first_entropy, self._deviation_sum = h, torch.zeros_like(h)
+        else:
+            self._deviation_sum.add_(h - self._first_entropy)
         self._average.add(logp)
         self._value = None
 
@@ -138,8 +151,8 @@ class UncertaintyAccumulator:
         return self._value
 
     def uncertainty(self) -> PredictiveUncertainty:
-        if self._entropy_sum is None:
+        if self._first_entropy is None:
             raise ValueError("UncertaintyAccumulator: no samples added")
         total = entropy(self.value())
-        aleatoric = self._entropy_sum / self.count
+        aleatoric = _mean_entropy(self._first_entropy, self._deviation_sum, self.count)
         return PredictiveUncertainty(total, aleatoric, (total - aleatoric).clamp_(min=0.0))
