@@ -1059,6 +1059,30 @@ def test_bma_after_an_evon_run_that_trained_no_matrix_names_why_there_is_no_post
     assert "EVONTrainer: EVON trains none of the model's parameters" in caplog.text
 
 
+def test_save_model_after_merge_and_unload_refuses_before_writing_and_names_the_merge(tmp_path):
+    """``trainer.model.merge_and_unload()`` removes the adapter's tensors the posterior covers. Saving
+    then wrote PEFT's adapter of no tensors over the saved one and only then raised, beside the old
+    posterior, with "pass the model the optimizer was built for" (the trainer's own model); the
+    refusal now comes before anything is written and names the merge."""
+    from hf_evon.posterior.json_rules import PosteriorMismatchError
+
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, max_steps=2), peft_config=_lora_config(),
+        train_dataset=classification_data(16),
+    )  # fmt: skip
+    trainer.train()
+    trainer.save_model()
+    out = Path(trainer.args.output_dir)
+    saved = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert "adapter_model.safetensors" in saved and POSTERIOR_WEIGHTS_NAME in saved
+    trainer.model.merge_and_unload()
+    lora_a = "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.default"
+    for call in (trainer.save_model, trainer.current_posterior):
+        with pytest.raises(PosteriorMismatchError, match=rf"{lora_a}.*merge_and_unload\(\)"):
+            call()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == saved
+
+
 def test_adaloras_rank_allocation_runs_at_every_optimizer_step(tmp_path):
     """AdaLoRA allocates its rank budget only where ``update_and_allocate(global_step)`` is called after
     each optimizer step (PEFT's docs: in the training loop); ``Trainer`` never calls it, so an AdaLoRA

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import base_model_name, model_class, peft_base_model, pruned_ranks, unwrap_model
+from hf_evon.modeling import (
+    adapter_name_of,
+    adapter_of_names,
+    base_model_name,
+    model_class,
+    peft_base_model,
+    pruned_ranks,
+    unwrap_model,
+)
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.validation import GROUP_KEYS
@@ -50,6 +58,20 @@ def _recorded_class(model: nn.Module) -> str:
     return model_class(peft_base_model(model)).__name__ if name == "PeftModel" else name
 
 
+def _missing_hint(label: str, model: nn.Module) -> str:
+    """What to do about EVON-owned parameter ``label`` that ``model`` lacks."""
+    if adapter_of_names([label]) is not None and adapter_name_of(model, label) is None:
+        # a PEFT adapter's tensor whose tuner layer is gone: merge_and_unload()/unload() replace the
+        # layers in place, so the trainer's own model loses them too
+        return (
+            "it is a PEFT adapter's tensor and the model has no such adapter layer, as after "
+            "merge_and_unload(), which folds the adapter's mean into the base weights in place and leaves "
+            "no adapter tensors to sample or save a posterior for; take the posterior (and save) before "
+            "merging, merge a copy for deployment and save it with its own save_pretrained()"
+        )
+    return "pass the model the optimizer was built for"
+
+
 def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     """Read the posterior factors of ``optimizer`` (unwrapped from accelerate) for ``model``
     (unwrapped from DDP). With sharded EVON this gathers the factors: a collective, so every
@@ -76,7 +98,7 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
                 label = labels[i] if labels else f"EVON group {gi}, parameter {i}"
                 raise PosteriorMismatchError(
                     f"{label} (shape {tuple(p.shape)}) is trained by EVON but is not a parameter of "
-                    f"the given {type(model).__name__}: pass the model the optimizer was built for"
+                    f"the given {type(model).__name__}: {_missing_hint(label, model)}"
                 )
             entries.append((names_by_id[id(p)], p, optimizer.posterior_factors(p)))
     if not entries:

@@ -169,11 +169,10 @@ class CheckpointingMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model (or adapter) as usual, plus the posterior and the model card."""
         self._gather_sharded_state()
+        # taken first: a posterior that does not fit the model (merged away) refuses before anything is written
+        posterior = self.current_posterior() if self.args.should_save else None
         with every_rank_saved(self.model):
             super().save_model(output_dir, _internal_call)
-        if not self.args.should_save:
-            return
-        posterior = self.current_posterior()
         if posterior is None:
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
