@@ -594,6 +594,26 @@ def test_bma_log_likelihood_equals_direct_computation(strategy, gpt2):
     assert_unchanged(model, before)
 
 
+def test_the_sample_count_k_must_be_an_integer():
+    """group_loss(k) and first(k) take k samples: a float k failed inside slicing ("slice indices
+    must be integers"), naming no argument, and k=True ran as k = 1; both are refused naming k.
+    A numpy integer is an integer: the closed form of k = 2's two groups holds for it."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    sample_lp = torch.log_softmax(torch.randn(4, 2, 3, 5, generator=g, dtype=torch.float64), -1)[..., 0]
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    result = generation.BMALogLikelihood(generation.log_mean_prob(sample_lp) * mask, mask, sample_lp)
+    for bad in (2.0, 1.5, True, "2"):
+        for call in (result.group_loss, result.first):
+            with pytest.raises(TypeError, match=rf"k must be an integer .*; got {re.escape(repr(bad))}"):
+                call(bad)
+    pairs = [sample_lp[:2].exp().mean(0).log(), sample_lp[2:].exp().mean(0).log()]
+    want = sum(-(lp * mask).sum() / mask.sum() for lp in pairs) / 2
+    torch.testing.assert_close(result.group_loss(np.int64(2)), want, rtol=1e-12, atol=0)
+    assert torch.equal(result.first(np.int64(2)).token_log_probs, result.first(2).token_log_probs)
+
+
 def test_a_float64_models_bma_keeps_float64(strategy):
     """A float64 model's BMA is averaged in float64: at zero variance bma_log_likelihood gives the
     model's own float64 log-probabilities, and generate_bma's logits are exactly generate's (which

@@ -89,3 +89,13 @@ def check_sequences(sequences: Any) -> int:
     if not isinstance(sequences, int) or isinstance(sequences, bool) or sequences < 1:
         raise ValueError(f"sequences must be an integer >= 1; got {sequences!r}")
     return sequences
+
+
+def check_sample_count(k: Any, num_samples: int) -> int:
+    """``k`` of ``BMALogLikelihood.group_loss`` and ``first`` checked: an integer in [1, S] (a float
+    would fail inside slicing naming no argument, and ``True`` would run as 1)."""
+    if isinstance(k, bool) or not hasattr(k, "__index__"):
+        raise TypeError(f"k must be an integer number of samples in [1, {num_samples}]; got {k!r}")
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"k must be in [1, {num_samples}]; got {k}")
+    return int(k)

@@ -41,6 +41,7 @@ from hf_evon.modeling import (
     unwrap_model,
 )
 from hf_evon.optim.noise import derived_seed, resolve_seed
+from hf_evon.predictive.batched_refusals import check_sample_count
 from hf_evon.predictive.batched_samples import BatchedSamples, BatchedSamplesRefused, expected_rows, refusal
 from hf_evon.predictive.encoder_inputs import (
     TOKENS,
@@ -473,8 +474,7 @@ class BMALogLikelihood:
     def group_loss(self, k: int) -> Tensor:
         """Expected BMA loss with ``k`` samples: the mean over the ``S // k`` disjoint groups
         of ``k`` consecutive samples (a less noisy gain-vs-S curve than one group)."""
-        if not 1 <= k <= self.num_samples:
-            raise ValueError(f"k must be in [1, {self.num_samples}]; got {k}")
+        k = check_sample_count(k, self.num_samples)
         groups = self.sample_token_log_probs[: (self.num_samples // k) * k]
         groups = groups.reshape(self.num_samples // k, k, *groups.shape[1:])
         nll = -(log_mean_prob(groups, dim=1) * self.mask).sum((-1, -2)) / self.mask.sum()
@@ -482,8 +482,7 @@ class BMALogLikelihood:
 
     def first(self, k: int) -> BMALogLikelihood:
         """The BMA of the first ``k`` samples only (gain-vs-S curves from one call)."""
-        if not 1 <= k <= self.num_samples:
-            raise ValueError(f"k must be in [1, {self.num_samples}]; got {k}")
+        k = check_sample_count(k, self.num_samples)
         sub = self.sample_token_log_probs[:k]
         return BMALogLikelihood((log_mean_prob(sub) * self.mask), self.mask, sub)
 
