@@ -331,6 +331,30 @@ def test_torchs_load_state_dict_hooks_see_the_state_as_loaded() -> None:
     assert repaired.seed == 123
 
 
+def test_torchs_state_dict_post_hooks_see_the_state_dict_as_saved() -> None:
+    """A post-hook ran before EVON added its noise seed and counters (``"evon"``): a hook that kept
+    the state dict it was handed (a checkpointing callback) kept one without them, and a resume
+    from it drew other noise. The hook sees what ``state_dict()`` returns; its copy resumes the run."""
+    model = _model()
+    opt = _optimizer(model)
+    for _ in range(2):
+        _step(opt, model)
+    kept = []
+    opt.register_state_dict_post_hook(lambda _, state_dict: kept.append(copy.deepcopy(state_dict)))
+    returned = opt.state_dict()
+    counters = {"sample_blocks": 2, "stepped_blocks": 2, "eval_blocks": 0, "skipped_steps": 0, "updates": 2}
+    assert kept[0]["evon"] == returned["evon"] == {"seed": 0, **counters}
+
+    twin = copy.deepcopy(model)
+    weights, biases = [twin[0].weight, twin[2].weight], [twin[0].bias, twin[2].bias]
+    resumed = EVON([{"params": weights}, {"params": biases, "algorithm": "adamw"}], seed=7)
+    resumed.load_state_dict(kept[0])
+    for _ in range(2):
+        _step(opt, model)
+        _step(resumed, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 def test_a_state_dict_of_other_groups_is_refused_with_torchs_reason() -> None:
     model = _model()
     src = _optimizer(model)

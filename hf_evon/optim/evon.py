@@ -60,7 +60,7 @@ from hf_evon.optim.gradients import Consumed, consumed_grads, consumed_places, r
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
 from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std, writing_weights
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
-from hf_evon.optim.persistence import COPIED_ATTRIBUTES, EXTRA_KEY, loading, restore_copied, saved_extras
+from hf_evon.optim.persistence import COPIED_ATTRIBUTES, loading, restore_copied, saving
 from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
@@ -559,9 +559,8 @@ class EVON(Optimizer):
 
     # ---------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd[EXTRA_KEY] = saved_extras(self)
-        return self._hooks.full_state_dict(sd)  # sharded: a collective, the full state on every rank
+        with saving(self, self._hooks.full_state_dict):  # sharded: a collective, the full state on every rank
+            return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refuse_rebuild("load_state_dict()")

@@ -26,7 +26,7 @@ from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads
 from hf_evon.optim.validation import validate_state_dict
 
-__all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "restore_copied", "saved_extras"]
+__all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "restore_copied", "saved_extras", "saving"]
 
 Tensor = torch.Tensor
 
@@ -82,6 +82,24 @@ def checked_extras(extra: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"EVON.load_state_dict: {EXTRA_KEY!r}[{key!r}] must be an integer; got {value!r:.100}")
     return extra
+
+
+
+@contextlib.contextmanager
+def saving(optimizer: Any, full_state_dict: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
+    """EVON's additions to the state dict ``Optimizer.state_dict`` builds inside the block, as that
+    call's first post-hook: the user's post-hooks then see (and may keep) the state dict as saved,
+    with ``EXTRA_KEY``. ``full_state_dict``: every rank's state (sharded runs; a collective)."""
+
+    def add(_: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[EXTRA_KEY] = saved_extras(optimizer)
+        return full_state_dict(state_dict)
+
+    handle = optimizer.register_state_dict_post_hook(add, prepend=True)  # before the user's
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextlib.contextmanager
