@@ -39,6 +39,7 @@ from hf_evon import EVONPosterior  # noqa: E402
 from hf_evon.predictive.calibration import calibrate_posterior  # noqa: E402
 
 RULES = {"screened": None, "every scale": 0.0}  # rule -> screen_factor (None: the default)
+TASKS = t2.task_names(False)  # noisy_digits and every <text task>/<lora|full>
 
 
 def make_task(name: str, seed: int) -> payoff_tasks.Task:
@@ -86,7 +87,8 @@ def run(name: str, seed: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", nargs="+", default=["noisy_digits", "docstring_topic/lora"])
+    # t2.make_task takes any variant but "lora" for full fine-tuning: a name is checked here, before any run
+    ap.add_argument("--tasks", nargs="+", default=["noisy_digits", "docstring_topic/lora"], choices=TASKS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1)
     args = ap.parse_args()
