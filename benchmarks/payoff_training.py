@@ -90,6 +90,13 @@ def scores(logp: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
 
 
 def fit_temperature(logp: torch.Tensor, labels: torch.Tensor) -> float:
+    """Temperature scaling's T (Guo et al. 2017): the held-out NLL of ``logp / T`` minimised by
+    L-BFGS on log T. Where every row's label holds the largest logit (a split without errors, as
+    small calibration splits often are) the NLL falls toward its floor as T → 0 and has no
+    minimum: the split gives no measure of how far to sharpen, and any small T the optimizer
+    stops at scores the first test mistake at a huge NLL, so the fit is 1 (no temperature)."""
+    if bool((logp.gather(-1, labels[:, None]) >= logp.max(-1, keepdim=True).values).all()):
+        return 1.0
     log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([log_t], lr=0.5, max_iter=100, line_search_fn="strong_wolfe")
 

@@ -607,3 +607,27 @@ def test_the_ivon_comparison_is_not_judged_where_ivon_did_not_run() -> None:
     summary["digits"]["IVON (ivon-opt) calibrated BMA@32"] = row(0.22)
     text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
     assert text.rstrip().endswith("(yes: EVON's ≥ IVON's)."), text.splitlines()[-1]
+
+
+def test_a_calibration_split_without_errors_fits_no_temperature() -> None:
+    """Every row's label holds the largest logit: the NLL falls toward 0 as T → 0 and has no
+    minimum, so any T an optimizer stops at is an artifact of its tolerance. The fit returned
+    T 0.028 here (as on iris's 9-row split, where AdamW's test NLL went 0.097 → 0.625); it is
+    exactly 1, and a test split with one mistake scores as the untempered model."""
+    logits = torch.tensor([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.5, 1.0], [1.0, 0.0, 0.2]], dtype=torch.float64)
+    logp, labels = torch.log_softmax(logits, -1), torch.tensor([0, 1, 2, 0])
+    assert payoff_training.fit_temperature(logp, labels) == 1.0
+    # a tie at the label's logit has no minimum either (the NLL falls toward log 2)
+    tied = torch.log_softmax(torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 0.0]], dtype=torch.float64), -1)
+    assert payoff_training.fit_temperature(tied, torch.tensor([0, 1])) == 1.0
+
+
+def test_a_calibration_split_with_errors_fits_the_nlls_stationary_temperature() -> None:
+    """With a mistake the NLL has its minimum at finite T, where its derivative in β = 1/T,
+    mean(E_p[z] − z_label), is 0 (z: the log-probs, p = softmax(β z))."""
+    logits = torch.tensor([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 1.5, 1.0], [1.0, 0.0, 0.2]], dtype=torch.float64)
+    logp, labels = torch.log_softmax(logits, -1), torch.tensor([0, 1, 2, 0])
+    t = payoff_training.fit_temperature(logp, labels)
+    p = torch.softmax(logp / t, -1)
+    slope = float(((p * logp).sum(-1) - logp.gather(-1, labels[:, None])[:, 0]).mean())
+    assert t != 1.0 and abs(slope) < 1e-4  # L-BFGS's tolerance; at T = 1 the slope is -0.24
