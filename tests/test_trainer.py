@@ -301,6 +301,17 @@ def test_config_refuses_a_zero_prior_precision_with_a_finite_ess(tmp_path, ess):
     assert (args.evon_ess, args.evon_weight_decay) == (float("inf"), 0.0)
 
 
+@pytest.mark.parametrize("unfitted", [{"evon_ess": "1e4"}, {"evon_hess_estimator": "price"}, {"evon_curvature_refit": 0}])
+def test_config_bounds_init_std_ratio_where_ess_is_fitted_and_only_there(tmp_path, unfitted):
+    """With evon_weight_decay given, EVON refuses init_std_ratio >= DEFAULT_PRIOR_STD_RATIO only where
+    ζ is fitted to the curvature. The config checked the ratio with EVON's defaults for the fields that
+    decide it ('auto', Fisher, a refit period): it refused a run where ζ is not fitted."""
+    kwargs = dict(output_dir=str(tmp_path), report_to="none", evon_weight_decay=1e-3, evon_init_std_ratio=0.3)
+    assert EVONConfig(**kwargs, **unfitted).evon_init_std_ratio == 0.3
+    with pytest.raises(ValueError, match=r"EVONConfig\.evon_init_std_ratio = 0\.3 is invalid: .*where ess is fitted"):
+        EVONConfig(**kwargs)
+
+
 def test_evon_fields_take_numpy_numbers_and_hold_pythons(tmp_path):
     """The BMA counts refused NumPy integers ("must be an integer >= 0" for np.int64(4)) that
     evon_mc_samples takes; NumPy numbers kept in the config made to_json_string() (the Trainer's

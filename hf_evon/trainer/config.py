@@ -436,6 +436,8 @@ class EVONConfig(TrainingArguments):
                 keyword == "init_std_ratio"
             ):  # weight_decay=None derives the prior from it (a set one is checked below)
                 kwargs["weight_decay"] = None if self.evon_weight_decay is None else 0.0
+                # the bound a curvature fit of ζ sets: checked below, with the fields that decide the fit
+                kwargs["curvature_refit"] = 0
             if keyword == "weight_decay":  # 0 is a valid prior only with ess inf (checked above)
                 kwargs["ess"] = self.evon_ess
             kwargs[keyword] = value
@@ -443,6 +445,12 @@ class EVONConfig(TrainingArguments):
                 validate_hyperparameters(**kwargs)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"EVONConfig.{name} = {getattr(self, name)!r} is invalid: {err}") from None
+        if self.evon_weight_decay is not None:  # (None: refused above, by weight_decay=None's own rule)
+            fit = dict(ess=self.evon_ess, hess_estimator=self.evon_hess_estimator, curvature_refit=self.evon_curvature_refit)
+            try:
+                validate_hyperparameters(init_std_ratio=self.evon_init_std_ratio, weight_decay=self.evon_weight_decay, **fit)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"EVONConfig.evon_init_std_ratio = {self.evon_init_std_ratio!r} is invalid: {err}") from None
 
     def _check_trainer_fields(self) -> None:
         """The fields only the trainer uses (posterior saving, BMA evaluation, recipes, patterns)."""
