@@ -555,7 +555,7 @@ def test_noise_that_only_hurts_calibrates_to_the_mean() -> None:
 def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
     """Averaging samples softens predictions: where the mean's best temperature on the data is not
     above 1, BMA is the mean and the pass at the mean is the only pass; always_scan=True scores
-    the scales (here, too, to no gain); an overconfident mean is scanned by default."""
+    the scales (here, at T = 1, to no gain); an overconfident mean is scanned by default."""
     model, post, cal, _ = trained(seed=1, steps=100)
     passes: list[int] = []
     model.register_forward_hook(lambda *_: passes.append(1))
@@ -566,9 +566,10 @@ def test_the_scales_are_scored_only_where_the_mean_is_overconfident() -> None:
     assert calibrated.ess == math.inf and calibrated.config["calibration"]["scanned"] is False
     assert "no scale was scored" in gated.summary()
     passes.clear()
-    _, full = calibrate_posterior(
-        model, post, cal, grid=grid, num_samples=2, always_scan=True, screen_factor=0, keep_trained=False
-    )
+    _, full = calibrate_posterior(  # at T = 1: the sharpened mean's T would score every scale at it too
+        model, post, cal, grid=grid, num_samples=2, always_scan=True, screen_factor=0, keep_trained=False,
+        temperature=False,
+    )  # fmt: skip
     assert full.scanned and full.grid == [post.ess * f for f in grid]
     assert len(passes) == len(cal) * (1 + 2 * len(grid)) and full.mean_nll == gated.mean_nll
     assert full.ess == math.inf and "no scale beat it" in full.summary()
