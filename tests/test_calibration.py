@@ -197,13 +197,15 @@ def test_an_underconfident_mean_is_sharpened_where_a_cross_validation_in_the_spl
     )
     assert under.mean_temperature < 1 and under.temperature == under.mean_temperature
     assert under.ess == math.inf and not under.scanned and under.tempered_mean_nll < under.mean_nll
-    # the reference: log p(y) at every T, targets in batch order, folds by parity
+    # the reference: log p(y) at every T; folds: every other target in order of log p(y) at T = 1
     z, y = torch.cat([b[0] for b in batches]).double() * 0.5, torch.cat([b[1] for b in batches])
     ll = torch.stack([torch.log_softmax(z / t, -1)[torch.arange(len(y)), y] for t in TEMPERATURE_GRID])
     one, cv = TEMPERATURE_GRID.index(1.0), torch.empty(len(y), dtype=torch.float64)
+    assert len(set(ll[one].tolist())) == len(y)  # no ties: the order at T = 1 alone decides the folds
+    ranked = ll[one].argsort()
     for fit in (0, 1):
-        t = int(ll[:, fit::2].mean(1).argmax())
-        cv[1 - fit :: 2] = ll[t, 1 - fit :: 2]
+        t = int(ll[:, ranked[fit::2]].mean(1).argmax())
+        cv[ranked[1 - fit :: 2]] = ll[t, ranked[1 - fit :: 2]]
     relative = float((cv - ll[one]).mean()) / float(-ll[one].mean())
     for g, want in ((0.99 * relative, under.temperature), (1.01 * relative, 1.0)):
         _, result = calibrate_posterior(
@@ -270,6 +272,30 @@ def test_the_temperature_choice_builds_its_tensors_on_the_inputs_device() -> Non
     assert chosen < TEMPERATURE_GRID.index(1.0)  # the case's premise: the cross-validation ran and sharpened
     with torch.device("meta"):
         assert mean_temperature_choice(ll, 2.0, 0.0) == chosen
+
+
+def test_the_sharpening_does_not_depend_on_the_order_the_targets_are_read_in() -> None:
+    """The trainer reads a datasets.Dataset sorted by length and an IterableDataset in its own order,
+    and the calibration is promised not to depend on it. The cross-validation took every other target
+    in reading order as a fold, so the same 60 targets reordered went T = 0.5 one way and T = 1
+    another (seed 0); its folds are now every other target in order of the mean's log p(label)."""
+    from hf_evon.predictive.calibration import TEMPERATURE_GRID, mean_temperature_choice
+
+    g = torch.Generator().manual_seed(0)
+    z = 2 * torch.randn(60, 5, generator=g, dtype=torch.float64)
+    y = torch.multinomial(torch.softmax(z, -1), 1, generator=g)[:, 0]
+    ll = torch.stack([torch.log_softmax(0.5 * z / t, -1)[torch.arange(60), y] for t in TEMPERATURE_GRID])
+    chosen = mean_temperature_choice(ll, 0.5, 0.01)
+    assert chosen < TEMPERATURE_GRID.index(1.0)  # the premise: this split is sharpened
+    for p in range(8):
+        perm = torch.randperm(60, generator=torch.Generator().manual_seed(p))
+        assert mean_temperature_choice(ll[:, perm], 0.5, 0.01) == chosen, p
+    # through calibrate_posterior: the rows of a batch reversed, the batches swapped
+    batches = [(z[:30].float(), y[:30]), (z[30:].float(), y[30:])]
+    backwards = [(x.flip(0), t.flip(0)) for x, t in reversed(batches)]
+    _, forward = calibrate_posterior(FixedLogits(0.5), _point_posterior(), batches, grid=[1.0], num_samples=2)
+    _, reverse = calibrate_posterior(FixedLogits(0.5), _point_posterior(), backwards, grid=[1.0], num_samples=2)
+    assert forward.temperature == reverse.temperature == TEMPERATURE_GRID[chosen]
 
 
 def test_an_overconfident_mean_is_softened_only_beyond_k_standard_errors() -> None:

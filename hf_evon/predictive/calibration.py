@@ -472,14 +472,21 @@ def _sharpening(mean_logp: Tensor, one: int, standard_errors: float, min_gain: f
     """``TEMPERATURE_GRID`` index of the temperature below 1 an underconfident mean predicts with,
     or ``one`` (T = 1). The whole split's best T is kept only if the split holds at least
     ``MIN_ERRORS_TO_SHARPEN`` targets the mean gives less than even odds, and a 2-fold cross-
-    validation within it (T chosen on every other target, scored on the rest, both ways) beats
-    T = 1 by more than ``standard_errors`` standard errors (paired per target) and ``min_gain``."""
+    validation within it (T chosen on every other target in order of their log p(label) at T = 1,
+    scored on the rest, both ways: folds that do not depend on the order the split is read in)
+    beats T = 1 by more than ``standard_errors`` standard errors (paired per target) and ``min_gain``."""
     nll = -mean_logp.mean(1)
     best = int(nll.argmin())
     if best >= one or int((mean_logp[one] < math.log(0.5)).sum()) < MIN_ERRORS_TO_SHARPEN:
         return one
     n = mean_logp.shape[1]
-    parity = torch.arange(n, device=mean_logp.device) % 2
+    # the folds: every other target in order of log p(label) at T = 1 (ties: at the other Ts), not
+    # in reading order, which the trainer changes (a Dataset sorted by length, a stream as it comes)
+    order = torch.arange(n, device=mean_logp.device)
+    for row in [*range(mean_logp.shape[0] - 1, -1, -1), one]:  # stable sorts: the last is the first key
+        order = order[torch.sort(mean_logp[row, order], stable=True).indices]
+    parity = torch.empty_like(order)
+    parity[order] = torch.arange(n, device=mean_logp.device) % 2
     halves = (parity == 0, parity == 1)
     held_out = torch.empty(n, dtype=mean_logp.dtype, device=mean_logp.device)
     for fit, score in (halves, halves[::-1]):
