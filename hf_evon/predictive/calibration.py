@@ -74,8 +74,9 @@ DEFAULT_STANDARD_ERRORS = 0.5
 # Softmax temperatures, 0.125-8 in steps of 19% (a step off the optimum costs well under 1% of
 # NLL): the mean's best T among them is recorded with every calibration (> 1: overconfident there).
 TEMPERATURE_GRID: tuple[float, ...] = tuple(2.0 ** (k / 4) for k in range(-12, 13))
-# The temperatures a noise scale is scored at: softening, since samples only soften. Each costs one
-# log-sum-exp over the classes per target and pass (a vocabulary's width for LMs).
+# The temperatures a noise scale is scored at where the mean is softened: softening, since samples
+# only soften (elsewhere every scale is scored at the mean's T, a sharpened one included). Each costs
+# one log-sum-exp over the classes per target and pass (a vocabulary's width for LMs).
 # measured: docs/trainer.md#calibration-temperature
 SOFTENING_TEMPERATURES: tuple[float, ...] = tuple(t for t in TEMPERATURE_GRID if t >= 1.0)
 # Walking from little noise to much, a scale is scored with all its S draws only from the first
@@ -114,8 +115,8 @@ class CalibrationResult:
     # only case averaging samples can help); None where not measured
     mean_temperature: float | None = None
     # the chosen temperature (1: none), each scale's own (aligned with grid), and the mean's NLL at
-    # its softening temperature; the last two are empty/None where every scale was scored at T = 1
-    # (temperature=False, or softening the mean did not beat T = 1 by k standard errors)
+    # its own temperature; the last two are empty/None where every scale was scored at T = 1
+    # (temperature=False, or the mean's rule kept T = 1: neither softened nor sharpened)
     temperature: float = 1.0
     temperatures: list[float] = field(default_factory=list)
     tempered_mean_nll: float | None = None
