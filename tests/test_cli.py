@@ -1272,12 +1272,36 @@ def test_calibrate_saves_a_posterior_calibrated_with_a_negative_seed(saved, tmp_
     assert loaded.ess == expected.ess and loaded.config["calibration"]["mean_nll"] == expected.mean_nll
 
 
+def refused_outputs(model, text, outputs, capsys, monkeypatch) -> dict:
+    """``calibrate --model model --output DIR`` for each DIR of ``outputs``: a usage error (2) before any
+    pass, DIR's files as they were; each DIR's (stdout, stderr)."""
+    import hf_evon.predictive.calibration as calibration
+
+    calibrate = calibration.calibrate_posterior
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    said = {}
+    for output in outputs:
+        before = {f.name: f.read_bytes() for f in output.iterdir()}
+        argv = ["calibrate", "--model", str(model), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, output
+        said[output] = capsys.readouterr()
+        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, output
+    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
+    return said
+
+
+def assert_calibrated_into(output, capsys, *argv: str) -> None:
+    """``calibrate ARGV --output output --json`` saves there the posterior it reports."""
+    argv = ["calibrate", *argv, "--output", str(output), "--json", "--block-size", "16", "--max-blocks", "2"]
+    assert main([*argv, "--samples", "2"]) == 0, capsys.readouterr().err
+    assert EVONPosterior.from_pretrained(output).ess == float(json.loads(capsys.readouterr().out)["ess"])
+
+
 def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(saved, tmp_path, capsys, monkeypatch):
     """An --output holding another run's model and posterior: calibrate replaced that posterior with
     one of --model's weights, silently, leaving the other model beside a posterior that does not fit
     it (its trained posterior lost). It is a usage error before any pass; the files stay as they were.
     An --output holding a posterior of --model's own weights (the model's directory, a rerun) is saved to."""
-    import hf_evon.predictive.calibration as calibration
 
     path, model, tokenizer, _ = saved
     text = tmp_path / "held_out.txt"
@@ -1286,19 +1310,11 @@ def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(save
     retrained = copy.deepcopy(model)
     others = {"wider": (wider, trained_posterior(wider, len(tokenizer), lambda x: x))}
     others["retrained"] = (retrained, trained_posterior(retrained, len(tokenizer), lambda x: x.roll(1, 1)))
-    calibrate = calibration.calibrate_posterior
-    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
     for name, (other, posterior) in others.items():
-        output = tmp_path / name
-        other.save_pretrained(output)
-        posterior.save_pretrained(output)
-        before = {f.name: f.read_bytes() for f in output.iterdir()}
-        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(output)]
-        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, name
-        err = capsys.readouterr().err
+        other.save_pretrained(tmp_path / name)
+        posterior.save_pretrained(tmp_path / name)
+    for output, (_, err) in refused_outputs(path, text, [tmp_path / n for n in others], capsys, monkeypatch).items():
         assert f"--output {str(output)!r} holds the EVON posterior of other weights" in err, err
-        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, name
-    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
     own = tmp_path / "own"
     shutil.copytree(path, own)
     # a --posterior of other weights into the model's own directory: that posterior is the mistake named
@@ -1306,9 +1322,7 @@ def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(save
     assert main([*argv, "--output", str(own), "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 1
     assert "this EVON posterior does not fit the given GPT2LMHeadModel" in capsys.readouterr().err
     for _ in range(2):  # the model's own directory, then a rerun into it
-        argv = ["calibrate", "--model", str(own), "--text", str(text), "--output", str(own), "--json"]
-        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
-        assert EVONPosterior.from_pretrained(own).ess == float(json.loads(capsys.readouterr().out)["ess"])
+        assert_calibrated_into(own, capsys, "--model", str(own), "--text", str(text))
 
 
 def test_generate_reads_prompts_with_a_tokenizer_that_has_no_special_tokens(saved, tmp_path, capsys):
@@ -1341,7 +1355,6 @@ def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved,
     file); the files stay as they were. A copy of --model's own weights is saved to."""
     from transformers import BartConfig, BartForConditionalGeneration
 
-    import hf_evon.predictive.calibration as calibration
 
     path, model, tokenizer, _ = saved
     vocab = len(tokenizer)
@@ -1364,22 +1377,13 @@ def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved,
         "weights_only": "tensor 'transformer.h.0.attn.c_attn.bias' has shape (48,) in model.safetensors, "
         "(96,) in --model",
     }
-    calibrate = calibration.calibrate_posterior
-    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    said = refused_outputs(path, text, [tmp_path / n for n in expected], capsys, monkeypatch)
     for name, what in expected.items():
-        output = tmp_path / name
-        before = {f.name: f.read_bytes() for f in output.iterdir()}
-        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(output)]
-        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, name
-        err = capsys.readouterr().err
+        output, (_, err) = tmp_path / name, said[tmp_path / name]
         assert f"--output {str(output)!r} holds the weights of another model than --model's ({what})" in err, err
-        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, name
-    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
     copy_of_own = tmp_path / "copy"
     model.save_pretrained(copy_of_own)
-    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(copy_of_own), "--json"]
-    assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
-    assert EVONPosterior.from_pretrained(copy_of_own).ess == float(json.loads(capsys.readouterr().out)["ess"])
+    assert_calibrated_into(copy_of_own, capsys, "--model", str(path), "--text", str(text))
 
 
 def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running_their_code(
@@ -1391,7 +1395,6 @@ def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running
     torch.load(weights_only=True)): a usage error before any pass naming what differs, the files left
     as they were; a .bin that loads only by running code is refused, the code not run. A .bin copy of
     --model's own weights is saved to."""
-    import hf_evon.predictive.calibration as calibration
 
     path, model, tokenizer, _ = saved
     text = tmp_path / "held_out.txt"
@@ -1413,24 +1416,15 @@ def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running
         "pickle": "its pytorch_model.bin does not read as tensors without running code (torch.load(weights_only=True) "
         "refuses it: WeightsUnpickler error: Unsupported global: GLOBAL print was not an allowed global by default)",
     }
-    calibrate = calibration.calibrate_posterior
-    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    said = refused_outputs(path, text, [tmp_path / n for n in expected], capsys, monkeypatch)
     for name, what in expected.items():
-        output = tmp_path / name
-        before = {f.name: f.read_bytes() for f in output.iterdir()}
-        argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(output)]
-        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, name
-        out, err = capsys.readouterr()
+        output, (out, err) = tmp_path / name, said[tmp_path / name]
         assert f"--output {str(output)!r}" in err and what in err, err
         assert "UNPICKLED-CODE-RAN" not in out + err
-        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, name
-    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
     own = tmp_path / "own"
     own.mkdir()
     torch.save(model.state_dict(), own / "pytorch_model.bin")
-    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(own), "--json"]
-    assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0
-    assert EVONPosterior.from_pretrained(own).ess == float(json.loads(capsys.readouterr().out)["ess"])
+    assert_calibrated_into(own, capsys, "--model", str(path), "--text", str(text))
 
 
 def test_calibrate_refuses_an_output_holding_another_adapter(saved, tmp_path, capsys, monkeypatch):
@@ -1440,7 +1434,6 @@ def test_calibrate_refuses_an_output_holding_another_adapter(saved, tmp_path, ca
     what differs (PEFT's saved names drop the adapter name); the files stay. The same adapter is saved to."""
     from peft import LoraConfig, get_peft_model
 
-    import hf_evon.predictive.calibration as calibration
 
     path, model, tokenizer, _ = saved
     text = tmp_path / "held_out.txt"
@@ -1465,19 +1458,10 @@ def test_calibrate_refuses_an_output_holding_another_adapter(saved, tmp_path, ca
     (tmp_path / "config_only").mkdir()
     shutil.copy(tmp_path / "rank" / "adapter_config.json", tmp_path / "config_only")
     expected["config_only"] = "its adapter_config.json's r 4, --model's 2"
-    calibrate = calibration.calibrate_posterior
-    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    said = refused_outputs(adapter, text, [tmp_path / c for c in expected], capsys, monkeypatch)
     for case, what in expected.items():
-        output = tmp_path / case
-        before = {f.name: f.read_bytes() for f in output.iterdir()}
-        argv = ["calibrate", "--model", str(adapter), "--text", str(text), "--output", str(output)]
-        assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, case
-        err = capsys.readouterr().err
+        output, (_, err) = tmp_path / case, said[tmp_path / case]
         assert f"--output {str(output)!r} holds another adapter than --model's ({what})" in err, err
-        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, case
-    monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
     same = tmp_path / "same"
     ours.save_pretrained(same)
-    argv = ["calibrate", "--model", str(adapter), "--text", str(text), "--output", str(same), "--json"]
-    assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 0, capsys.readouterr().err
-    assert EVONPosterior.from_pretrained(same).ess == float(json.loads(capsys.readouterr().out)["ess"])
+    assert_calibrated_into(same, capsys, "--model", str(adapter), "--text", str(text))
