@@ -99,8 +99,6 @@ def is_causal_lm(model: nn.Module) -> bool:
     ``GPT2LMHeadModel``, ...; not XLNet's and XLM's, whose loss does not shift) or whose name ends
     in ``ForCausalLM`` (custom models), or a model configured as a decoder (``config.is_decoder``).
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     if is_encoder_decoder(model):
         return False
     base = _innermost(model)
@@ -108,11 +106,13 @@ def is_causal_lm(model: nn.Module) -> bool:
     name = model_class(base).__name__
     if name in _UNSHIFTED_LM_HEADS:
         return False
-    return (
-        name.endswith("ForCausalLM")
-        or name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        or bool(getattr(config, "is_decoder", False))
-    )
+    if name.endswith("ForCausalLM") or bool(getattr(config, "is_decoder", False)):
+        return True
+    if "transformers" not in sys.modules:  # no transformers class without it; importing it costs seconds
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 def base_model_name(model: nn.Module) -> str | None:
@@ -175,6 +175,8 @@ def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:
 def _tuner_layers(model: nn.Module) -> dict[str, Any]:
     """PEFT's tuner layers of ``model`` by module name, its head copies (``modules_to_save``, whose
     wrapper keeps the layers' adapter attributes) included; none without PEFT."""
+    if "peft" not in sys.modules:  # no module can be a tuner layer; importing peft costs seconds
+        return {}
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
         from peft.utils.other import ModulesToSaveWrapper

@@ -1275,3 +1275,30 @@ def test_tempered_log_probs_holds_a_chunk_of_the_rows_at_a_time(monkeypatch: pyt
     expected = torch.log_softmax(logits[:, :-1].double() / 2.0, -1).gather(-1, labels[:, 1:, None]).reshape(-1)
     torch.testing.assert_close(got[1], expected, rtol=0, atol=FLOAT32_SCORING)
     assert Largest.numel == 2 * 1000  # a chunk: two rows
+
+
+def test_calibrating_a_model_without_peft_does_not_import_peft() -> None:
+    """A plain torch model's calibration imported peft (and with it transformers) to look for PEFT's
+    tuner layers, seconds on the first call: no model can hold one unless peft is imported."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import torch
+from torch import nn
+from hf_evon import EVONPosterior, build_optimizer
+from hf_evon.predictive.calibration import calibrate_posterior
+torch.manual_seed(0)
+model = nn.Linear(4, 3)
+opt = build_optimizer(model, seed=0)
+x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+with opt.sampled_params(train=True):
+    nn.functional.cross_entropy(model(x), y).backward()
+opt.step()
+calibrate_posterior(model, EVONPosterior.from_optimizer(opt, model), [(x, y)], always_scan=True)
+print(sorted(m for m in ("peft", "transformers") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
