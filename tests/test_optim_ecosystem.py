@@ -213,6 +213,50 @@ def test_maximize_and_amsgrad_are_refused_by_name_wherever_a_group_gets_them(gro
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("key", ["differentiable", "capturable"])
+@pytest.mark.parametrize("group", [0, 1])
+def test_differentiable_and_capturable_are_refused_by_name_wherever_a_group_gets_them(group: int, key: str) -> None:
+    """torch.optim.AdamW's ``differentiable=True`` (the step in the autograd graph) and
+    ``capturable=True`` (a step free of host syncs, for CUDA graphs; torch refuses it on the CPU but
+    for its fused kernel) were accepted on either algorithm's group and did nothing: the step runs
+    under no_grad and reads values back to the host. Each is refused by name before anything
+    changes: by the constructor, add_param_group, load_state_dict and the step after an edit."""
+    rule = "False or absent: EVON does not implement it (torch.optim's option)"
+    message = f"Invalid {key}: True (must be {rule})"
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model), _optimizer(twin)
+    weights, biases = [model[0].weight, model[2].weight], [model[0].bias, model[2].bias]
+    given = [{"params": weights}, {"params": biases, "algorithm": "adamw"}]
+    given[group][key] = True
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EVON(given)
+    algorithm = {0: "evon", 1: "adamw"}[group]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2, 2))], "algorithm": algorithm, key: True})
+    assert len(opt.param_groups) == 2
+    _step(opt, model)
+    _step(twin_opt, twin)
+    state = opt.state_dict()
+    state["param_groups"][group][key] = True
+    with pytest.raises(ValueError) as refused:
+        opt.load_state_dict(state)
+    assert str(refused.value) == f"EVON.load_state_dict: param_groups[{group}]: {message}"
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    saved = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[group][key] = True
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value) == f"param_groups[{group}]: {message}"
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert opt.recorded_samples == 1
+    opt.param_groups[group][key] = False  # torch's default: what the step does
+    opt.step()
+    opt.zero_grad()
+    _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 # ----------------------------------------------------------------------------- edits between steps
 @pytest.mark.parametrize(
     ("group", "edit"),

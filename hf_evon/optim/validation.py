@@ -137,7 +137,7 @@ def prepare_group(param_group: dict[str, Any], adamw_defaults: dict[str, Any]) -
     """A group as given to ``add_param_group``, before torch fills in EVON's defaults: modes given
     as Enums stored as their strings; an AdamW group's missing keys from ``adamw_defaults``, its ε
     under torch AdamW's key ``eps`` (given as ``adamw_eps``, EVON's keyword, it moves there)
-    (``validate_group`` refuses torch.optim's ``amsgrad`` and ``maximize``)."""
+    (``validate_group`` refuses torch.optim's ``amsgrad``, ``maximize``, ``differentiable`` and ``capturable``)."""
     for key in MODE_KEYS:
         if key in param_group:
             param_group[key] = mode_value(param_group[key])
@@ -201,8 +201,9 @@ def validate_group(group: dict[str, Any]) -> None:
     algorithm = group.get("algorithm", "evon")
     need("algorithm", algorithm in ALGORITHMS, "'evon' or 'adamw'")
     # torch.optim's options that neither algorithm implements: a group given them (or a torch callback
-    # setting them between steps) would otherwise descend, without AMSGrad, silently
-    for option in ("maximize", "amsgrad"):
+    # setting them between steps) would otherwise descend, without AMSGrad, outside autograd (the step
+    # runs under no_grad) and with host syncs (its finite check: no CUDA graph capture), silently
+    for option in ("maximize", "amsgrad", "differentiable", "capturable"):
         need(option, not group.get(option), "False or absent: EVON does not implement it (torch.optim's option)")
     if has("lr"):
         need("lr", rate_ok(group["lr"]), RATE_RULE)
