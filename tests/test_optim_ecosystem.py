@@ -257,6 +257,76 @@ def test_differentiable_and_capturable_are_refused_by_name_wherever_a_group_gets
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
+@pytest.mark.parametrize(("built", "switched"), [("fisher", "price"), ("price", "fisher")])
+@pytest.mark.parametrize("stepped", [0, 2])
+def test_a_changed_hess_estimator_is_refused_by_name_before_anything_changes(
+    built: str, switched: str, stepped: int
+) -> None:
+    """Whether ess and the prior are fitted to the curvature (``fit_to_curvature``) is decided when
+    a group is built, from its estimate of H: a group switched from "fisher" to "price" kept refitting
+    ζ and δ from the Price H, one switched the other way never fitted them, and H's history is the
+    other estimate's. The step refuses the edit, naming the group and the key, before anything
+    changes; set back, the step goes ahead as one never refused. An AdamW group carries the key inert."""
+    model, twin = _model(), _model()
+    opt = _optimizer(model, hess_estimator=built, precondition_frequency=2)
+    twin_opt = _optimizer(twin, hess_estimator=built, precondition_frequency=2)
+    assert bool(opt.param_groups[0]["fit_to_curvature"]) == (built == "fisher")
+    for _ in range(stepped):
+        _step(opt, model)
+        _step(twin_opt, twin)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    saved = [p.detach().clone() for p in model.parameters()]
+    settings = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "hess_estimator")}
+    opt.param_groups[0]["hess_estimator"] = switched
+    opt.param_groups[1]["hess_estimator"] = switched  # inert in an AdamW group: accepted
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value).startswith(
+        f"param_groups[0]: 'hess_estimator' changed from {built!r} to {switched!r} after the group was built"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "hess_estimator")} == settings
+    assert opt.recorded_samples == 1
+    opt.param_groups[0]["hess_estimator"] = built
+    opt.step()
+    opt.zero_grad()
+    for _ in range(2):
+        _step(opt, model)
+    for _ in range(3):
+        _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert [g["ess"] for g in opt.param_groups] == [g["ess"] for g in twin_opt.param_groups]
+
+
+def test_a_group_added_or_loaded_with_another_hess_estimator_is_built_with_it() -> None:
+    """The estimate a group is built with is its own: a group added with another one, and the
+    groups a state dict brings (torch's load replaces their settings), are not edits to refuse."""
+    model, twin = _model(), _model()
+    opt = _optimizer(model, hess_estimator="fisher")
+    source = _optimizer(twin, hess_estimator="price")
+    for _ in range(2):
+        _step(opt, model)
+        _step(source, twin)
+    opt.load_state_dict(copy.deepcopy(source.state_dict()))  # as a checkpoint holds it
+    with torch.no_grad():
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            a.copy_(b)
+    assert opt.param_groups[0]["hess_estimator"] == "price" and opt.param_groups[0]["fit_to_curvature"] == ()
+    for _ in range(2):
+        _step(opt, model)
+        _step(source, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    extra = nn.Parameter(torch.ones(3, 2))
+    opt.add_param_group({"params": [extra], "hess_estimator": "fisher", "ess": 1e4})
+    for _ in range(2):  # its first update sets up its eigenbases
+        with opt.sampled_params(train=True):
+            (nn.functional.cross_entropy(model(X), Y) + extra.square().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.param_groups[2]["hess_estimator"] == "fisher" and not torch.equal(extra, torch.ones(3, 2))
+
+
 # ----------------------------------------------------------------------------- edits between steps
 @pytest.mark.parametrize(
     ("group", "edit"),

@@ -40,7 +40,7 @@ from hf_evon.optim.buckets import (
     stack_state,
 )
 from hf_evon.optim.checks import Clip, HessEstimator, NonFinite, StepCurvature, mode_value, refuse_grad_scaler
-from hf_evon.optim.curvature import curvature_fitted, fit_from_curvature, refit_due
+from hf_evon.optim.curvature import fit_from_curvature, refit_due
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -72,8 +72,8 @@ from hf_evon.optim.update import (
 )
 from hf_evon.optim.validation import (
     BuiltLayout,
+    build_group,
     prepare_group,
-    settle_group,
     validate_groups,
     validate_hyperparameters,
 )
@@ -201,6 +201,7 @@ class EVON(Optimizer):
     def _reset_transient(self) -> None:
         """What is rebuilt rather than saved or copied (:mod:`hf_evon.optim.persistence`)."""
         self._checked_groups: dict[int, tuple[Any, ...]] = {}  # validate_groups' settings found valid
+        self._built_estimates: dict[int, Any] = {}  # each group's hess_estimator as built (build_group)
         self._streams = StreamGenerators()
         self._buckets: list[Bucket] | None = None
         self._bucket_index: dict[int, tuple[Bucket, int]] | None = None
@@ -226,11 +227,7 @@ class EVON(Optimizer):
         self._refuse_rebuild("add_param_group()")
         super().add_param_group(prepare_group(param_group, self._adamw_defaults))
         try:
-            group = self.param_groups[-1]
-            group.setdefault("fit_to_curvature", curvature_fitted(group))
-            if group["fit_to_curvature"] and self._updates:  # added mid-run: its fits' clock starts here
-                group.setdefault("fit_from", self._updates)
-            settle_group(group)
+            build_group(self.param_groups[-1], self._updates, self._built_estimates)
         except ValueError:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             raise
@@ -310,7 +307,7 @@ class EVON(Optimizer):
     def _settle_groups(self) -> None:
         """Every group valid (``validate_groups``), ``ess="auto"`` set mid-run resolved as the
         constructor's, and none changed in what its buckets were built from (``BuiltLayout.check``)."""
-        validate_groups(self.param_groups, self._checked_groups)
+        validate_groups(self.param_groups, self._checked_groups, self._built_estimates)
         if self._buckets is not None:
             self._layout.check(self.param_groups)
             resolve_auto_ess(self.param_groups, self._hooks.square_sums)

@@ -28,6 +28,7 @@ from hf_evon.optim.checks import (
     python_number,
     require,
 )
+from hf_evon.optim.curvature import curvature_fitted
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -47,6 +48,8 @@ from hf_evon.optim.defaults import (
 __all__ = [
     "LAYOUT_KEYS",
     "BuiltLayout",
+    "build_group",
+    "built_estimates",
     "check_layout",
     "group_layout",
     "prepare_group",
@@ -322,12 +325,48 @@ def settle_group(group: dict[str, Any]) -> None:
     resolve_mean_weight_decay(group)
 
 
-def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]]) -> None:
+def build_group(group: dict[str, Any], updates: int, built: dict[int, Any]) -> None:
+    """A group ``add_param_group`` has just added, after ``updates`` updates: what is fitted to its
+    curvature decided (``curvature_fitted``, fixed from here on), its fits' clock started where it is
+    added mid-run (``fit_from``), settled (``settle_group``), and the estimate of H it is built with
+    kept in ``built`` (by id of group), which ``validate_groups`` holds it to."""
+    group.setdefault("fit_to_curvature", curvature_fitted(group))
+    if group["fit_to_curvature"] and updates:  # added mid-run: its fits' clock starts here
+        group.setdefault("fit_from", updates)
+    settle_group(group)
+    built[id(group)] = group.get("hess_estimator")
+
+
+def built_estimates(groups: list[dict[str, Any]]) -> dict[int, Any]:
+    """Each group's ``hess_estimator`` (by id of group) as ``build_group`` keeps it: for groups that
+    arrive built (a state dict's, a copy's), which are built with the one they hold."""
+    return {id(g): g.get("hess_estimator") for g in groups}
+
+
+def check_built_estimate(group: dict[str, Any], built: dict[int, Any]) -> None:
+    """Raise, naming the key, where an EVON group's ``hess_estimator`` is no longer the one it was
+    built with (``built``, by id of group; a group not in it is taken as built with the one it holds). The estimate decides, when the group is built, whether its ess and weight_decay
+    are fitted to the curvature (``fit_to_curvature``), and its H holds that estimate's history: a
+    switch cannot take effect as if the group had been built with the other."""
+    was, now = built.setdefault(id(group), group.get("hess_estimator")), group.get("hess_estimator")
+    if group.get("algorithm", "evon") == "evon" and now != was:
+        raise ValueError(
+            f"'hess_estimator' changed from {mode_value(was)!r} to {mode_value(now)!r} after the group was "
+            "built: it fixes whether ess and weight_decay are fitted to the curvature (fit_to_curvature), "
+            "and H holds its estimate's history. Set it when building the optimizer (or add the "
+            "parameters as a new group)"
+        )
+
+
+def validate_groups(
+    groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]], built: dict[int, Any] | None = None
+) -> None:
     """Every group checked as by ``validate_group``, the error naming the group: ``step()`` runs it
     before it changes anything, since a field changed mid-run (a mode set to a typo) would otherwise
     raise halfway through the buckets, some of their state already updated. ``checked`` (the
     optimizer's, by id of group) holds the settings last found valid: such a group is not checked
-    again but for its rate, which schedulers set every step."""
+    again but for its rate, which schedulers set every step. ``built``: each group's estimate of H
+    as built (``check_built_estimate``)."""
     for i, group in enumerate(groups):
         lr = group.get("lr")
         on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # a device's rate: read at set-up only
@@ -337,6 +376,7 @@ def validate_groups(groups: list[dict[str, Any]], checked: dict[int, tuple[Any, 
                 continue
         try:
             settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
+            check_built_estimate(group, {} if built is None else built)
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
         checked[id(group)] = _settings(group)
