@@ -327,6 +327,133 @@ def test_a_group_added_or_loaded_with_another_hess_estimator_is_built_with_it() 
     assert opt.param_groups[2]["hess_estimator"] == "fisher" and not torch.equal(extra, torch.ones(3, 2))
 
 
+# what each edit below would change in what is fitted to the curvature: (built with, edited key, set to)
+_FIT_EDITS = [
+    ({"curvature_refit": 0}, "curvature_refit", 3),  # () -> ("ess", "weight_decay"): ess stayed fixed
+    ({"curvature_refit": 3}, "curvature_refit", 0),  # ("ess", "weight_decay") -> ()
+    ({"ess": 1e4, "curvature_refit": 3}, "ess", "auto"),  # () -> ("ess", "weight_decay"): resolved once
+    ({"weight_decay": 1e-3, "curvature_refit": 3}, "weight_decay", None),  # ("ess",) -> both
+]
+
+
+@pytest.mark.parametrize(("built", "key", "edited"), _FIT_EDITS)
+@pytest.mark.parametrize("stepped", [0, 3])
+def test_an_edit_that_would_change_what_is_fitted_is_refused_by_name(
+    built: dict, key: str, edited: object, stepped: int
+) -> None:
+    """Like hess_estimator, curvature_refit (0 or not), ess ("auto" or a number) and weight_decay
+    (None or a number) decide when a group is built what is fitted to its curvature: set between
+    steps so as to change that, they were silently ignored (ess stayed as resolved at build under a
+    curvature_refit set from 0 to N; an ess="auto" set on a group built with a number was resolved
+    once and never refitted). The step refuses the edit, naming the group and the key, before
+    anything changes; set back, the step goes ahead as one never refused."""
+    model, twin = _model(), _model()
+    opt = _optimizer(model, precondition_frequency=2, **built)
+    twin_opt = _optimizer(twin, precondition_frequency=2, **built)
+    for _ in range(stepped):
+        _step(opt, model)
+        _step(twin_opt, twin)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    saved = [p.detach().clone() for p in model.parameters()]
+    settings = dict(opt.param_groups[0])
+    opt.param_groups[0][key] = edited
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value).startswith(
+        f"param_groups[0]: {key!r} changed from {settings[key]!r} to {edited!r} after the group was built"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert {k: v for k, v in opt.param_groups[0].items() if k != key} == {
+        k: v for k, v in settings.items() if k != key
+    }
+    assert opt.recorded_samples == 1
+    opt.param_groups[0][key] = settings[key]
+    opt.step()
+    opt.zero_grad()
+    for _ in range(3):
+        _step(opt, model)
+    for _ in range(4):
+        _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert [g["ess"] for g in opt.param_groups] == [g["ess"] for g in twin_opt.param_groups]
+
+
+@pytest.mark.parametrize(
+    ("built", "key", "edited"),
+    [
+        ({"curvature_refit": 3}, "curvature_refit", 5),  # still fitted, on the new period
+        ({"ess": 1e4, "curvature_refit": 0}, "curvature_refit", 3),  # a given ζ is never fitted
+        ({"hess_estimator": "price"}, "ess", "auto"),  # nor is one under the Price estimate
+        ({"ess": 1e4, "weight_decay": 1e-3}, "weight_decay", None),  # a given ζ keeps the default δ
+    ],
+)
+def test_an_edit_that_leaves_what_is_fitted_takes_effect_as_if_built_with_it(
+    built: dict, key: str, edited: object
+) -> None:
+    """An edit of those keys that does not change what is fitted to the curvature is not refused:
+    set before the first step, the run is the one of a group built with it."""
+    model, twin = _model(), _model()
+    opt = _optimizer(model, precondition_frequency=2, **built)
+    twin_opt = _optimizer(twin, precondition_frequency=2, **{**built, key: edited})
+    opt.param_groups[0][key] = edited
+    for _ in range(6):
+        _step(opt, model)
+        _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert [g["ess"] for g in opt.param_groups] == [g["ess"] for g in twin_opt.param_groups]
+
+
+def test_a_group_added_or_loaded_with_other_fitted_keys_is_built_with_them() -> None:
+    """What a group added with ess="auto", weight_decay=None or curvature_refit, or a group a state
+    dict brings, fits to its curvature is its own, not an edit to refuse; a loaded group fitted to
+    its curvature is held to it as one built so (its ess and weight_decay are numbers by then)."""
+    model, twin = _model(), _model()
+    opt = _optimizer(model, ess=1e4, weight_decay=1e-3, curvature_refit=0)
+    source = _optimizer(twin, curvature_refit=3)
+    for _ in range(2):
+        _step(opt, model)
+        _step(source, twin)
+    opt.load_state_dict(copy.deepcopy(source.state_dict()))  # as a checkpoint holds it
+    with torch.no_grad():
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            a.copy_(b)
+    assert opt.param_groups[0]["fit_to_curvature"] == ("ess", "weight_decay")
+    for _ in range(4):
+        _step(opt, model)
+        _step(source, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert opt.param_groups[0]["ess"] == source.param_groups[0]["ess"]
+    opt.param_groups[0]["curvature_refit"] = 0
+    with pytest.raises(ValueError, match=r"^param_groups\[0\]: 'curvature_refit' changed from 3 to 0 after"):
+        _step(opt, model)
+    opt.param_groups[0]["curvature_refit"] = 3
+    extra = nn.Parameter(torch.ones(3, 2))
+    opt.add_param_group({"params": [extra], "ess": "auto", "weight_decay": None, "curvature_refit": 2})
+    assert opt.param_groups[2]["fit_to_curvature"] == ("ess", "weight_decay")
+    for _ in range(3):  # its first update sets up its eigenbases, its second fits ζ and δ
+        with opt.sampled_params(train=True):
+            (nn.functional.cross_entropy(model(X), Y) + extra.square().sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert isinstance(opt.param_groups[2]["ess"], float) and not torch.equal(extra, torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_holds_its_groups_to_what_the_original_was_built_with(how: str) -> None:
+    """A copy's groups hold resolved numbers: ess="auto" built under curvature_refit=0 reads as a
+    given ζ there, yet is the original's "auto", and the copy refuses the same edits it does."""
+    model = _model()
+    opt = _optimizer(model, curvature_refit=0)
+    _step(opt, model)
+    clone = {"deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o))}[how]
+    pair = clone({"model": model, "opt": opt})
+    for optimizer, net in ((opt, model), (pair["opt"], pair["model"])):
+        optimizer.param_groups[0]["curvature_refit"] = 3
+        with pytest.raises(ValueError, match=r"^param_groups\[0\]: 'curvature_refit' changed from 0 to 3 after"):
+            _step(optimizer, net)
+
+
 # ----------------------------------------------------------------------------- edits between steps
 @pytest.mark.parametrize(
     ("group", "edit"),
@@ -363,7 +490,8 @@ def test_auto_values_set_between_steps_are_resolved_as_the_constructor_resolves_
     from hf_evon.optim.defaults import DEFAULT_INIT_STD_RATIO, default_weight_decay
 
     model = _model()
-    opt = EVON([model[0].weight, model[2].weight], seed=0, ess=1e4, weight_decay=1e-3)  # nothing fitted
+    # nothing fitted, as with "auto" built in (curvature_refit=0): the edit takes effect as built with it
+    opt = EVON([model[0].weight, model[2].weight], seed=0, ess=1e4, weight_decay=1e-3, curvature_refit=0)
     _step(opt, model)
     opt.param_groups[0][key] = {"ess": "auto", "weight_decay": None}[key]
     group, (h0, ratio) = opt.param_groups[0], (opt.param_groups[0]["hess_init"], DEFAULT_INIT_STD_RATIO)

@@ -201,7 +201,7 @@ class EVON(Optimizer):
     def _reset_transient(self) -> None:
         """What is rebuilt rather than saved or copied (:mod:`hf_evon.optim.persistence`)."""
         self._checked_groups: dict[int, tuple[Any, ...]] = {}  # validate_groups' settings found valid
-        self._built_estimates: dict[int, Any] = {}  # each group's hess_estimator as built (build_group)
+        self._fit_records: dict[int, dict[str, Any]] = {}  # the keys that decided each group's fits (build_group)
         self._streams = StreamGenerators()
         self._buckets: list[Bucket] | None = None
         self._bucket_index: dict[int, tuple[Bucket, int]] | None = None
@@ -227,7 +227,7 @@ class EVON(Optimizer):
         self._refuse_rebuild("add_param_group()")
         super().add_param_group(prepare_group(param_group, self._adamw_defaults))
         try:
-            build_group(self.param_groups[-1], self._updates, self._built_estimates)
+            build_group(self.param_groups[-1], self._updates, self._fit_records)
         except ValueError:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             raise
@@ -307,7 +307,7 @@ class EVON(Optimizer):
     def _settle_groups(self) -> None:
         """Every group valid (``validate_groups``), ``ess="auto"`` set mid-run resolved as the
         constructor's, and none changed in what its buckets were built from (``BuiltLayout.check``)."""
-        validate_groups(self.param_groups, self._checked_groups, self._built_estimates)
+        validate_groups(self.param_groups, self._checked_groups, self._fit_records)
         if self._buckets is not None:
             self._layout.check(self.param_groups)
             resolve_auto_ess(self.param_groups, self._hooks.square_sums)
@@ -571,6 +571,7 @@ class EVON(Optimizer):
             raise RuntimeError("a distributed EVON cannot be copied or pickled: save its state_dict()")
         own = {k: getattr(self, k) for k in COPIED_ATTRIBUTES}
         own["consumed"] = consumed_places(self.param_groups, self._consumed)
+        own["fit_records"] = [self._fit_records.get(id(g)) for g in self.param_groups]
         return {**super().__getstate__(), "_evon": own}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from hf_evon.optim.buckets import (
 )
 from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads
-from hf_evon.optim.validation import built_estimates, validate_state_dict
+from hf_evon.optim.validation import fit_records, validate_state_dict
 
 __all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "restore_copied", "saved_extras", "saving"]
 
@@ -125,7 +125,7 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
     def restore(_: Any) -> None:
         restore_state_dtypes(optimizer.state, optimizer.param_groups, loaded["state_dict"])
         optimizer._buckets = None
-        optimizer._built_estimates = built_estimates(optimizer.param_groups)  # the groups as loaded
+        optimizer._fit_records = fit_records(optimizer.param_groups)  # the groups as loaded
         extra = loaded["extra"] or {}
         if extra:
             optimizer.seed = int(extra["seed"])
@@ -147,7 +147,7 @@ def restore_copied(optimizer: Any, own: dict[str, Any]) -> None:
     unpickled or copied ``optimizer``, and rebuild the rest. A pickle without the step mark rewinds
     to its block count, as a state dict without one loads."""
     optimizer._reset_transient()
-    optimizer._built_estimates = built_estimates(optimizer.param_groups)  # the groups as copied
+    optimizer._fit_records = fit_records(optimizer.param_groups, own.pop("fit_records", None))  # the originals'
     optimizer._consumed = consumed_grads(optimizer.param_groups, own.pop("consumed"))
     own.setdefault("_stepped_blocks", own.get("_sample_blocks", 0))
     optimizer.__dict__.update(own)

@@ -48,8 +48,11 @@ from hf_evon.optim.defaults import (
 __all__ = [
     "LAYOUT_KEYS",
     "BuiltLayout",
+    "FIT_KEYS",
     "build_group",
-    "built_estimates",
+    "check_fit_record",
+    "fit_record",
+    "fit_records",
     "check_layout",
     "group_layout",
     "prepare_group",
@@ -325,37 +328,77 @@ def settle_group(group: dict[str, Any]) -> None:
     resolve_mean_weight_decay(group)
 
 
-def build_group(group: dict[str, Any], updates: int, built: dict[int, Any]) -> None:
+def build_group(group: dict[str, Any], updates: int, built: dict[int, dict[str, Any]]) -> None:
     """A group ``add_param_group`` has just added, after ``updates`` updates: what is fitted to its
     curvature decided (``curvature_fitted``, fixed from here on), its fits' clock started where it is
-    added mid-run (``fit_from``), settled (``settle_group``), and the estimate of H it is built with
-    kept in ``built`` (by id of group), which ``validate_groups`` holds it to."""
+    added mid-run (``fit_from``), settled (``settle_group``), and the keys that decided it kept in
+    ``built`` (``fit_record``, by id of group), which ``validate_groups`` holds it to."""
     group.setdefault("fit_to_curvature", curvature_fitted(group))
     if group["fit_to_curvature"] and updates:  # added mid-run: its fits' clock starts here
         group.setdefault("fit_from", updates)
+    record = fit_record(group)  # before settle_group resolves weight_decay=None
     settle_group(group)
-    built[id(group)] = group.get("hess_estimator")
+    built[id(group)] = record
 
 
-def built_estimates(groups: list[dict[str, Any]]) -> dict[int, Any]:
-    """Each group's ``hess_estimator`` (by id of group) as ``build_group`` keeps it: for groups that
-    arrive built (a state dict's, a copy's), which are built with the one they hold."""
-    return {id(g): g.get("hess_estimator") for g in groups}
+# what decides, when a group is built, what is fitted to its curvature (curvature_fitted)
+FIT_KEYS = ("hess_estimator", "curvature_refit", "ess", "weight_decay")
 
 
-def check_built_estimate(group: dict[str, Any], built: dict[int, Any]) -> None:
-    """Raise, naming the key, where an EVON group's ``hess_estimator`` is no longer the one it was
-    built with (``built``, by id of group; a group not in it is taken as built with the one it holds). The estimate decides, when the group is built, whether its ess and weight_decay
-    are fitted to the curvature (``fit_to_curvature``), and its H holds that estimate's history: a
-    switch cannot take effect as if the group had been built with the other."""
-    was, now = built.setdefault(id(group), group.get("hess_estimator")), group.get("hess_estimator")
-    if group.get("algorithm", "evon") == "evon" and now != was:
-        raise ValueError(
-            f"'hess_estimator' changed from {mode_value(was)!r} to {mode_value(now)!r} after the group was "
-            "built: it fixes whether ess and weight_decay are fitted to the curvature (fit_to_curvature), "
-            "and H holds its estimate's history. Set it when building the optimizer (or add the "
-            "parameters as a new group)"
-        )
+def fit_record(group: dict[str, Any]) -> dict[str, Any]:
+    """``group``'s ``FIT_KEYS`` as it is built: ess "auto" and weight_decay None where its
+    ``fit_to_curvature`` names them (a loaded or copied group holds the numbers fitted since)."""
+    fitted, unset = group.get("fit_to_curvature") or (), {"ess": AUTO_ESS, "weight_decay": None}
+    return {key: unset[key] if key in fitted else group.get(key) for key in FIT_KEYS}
+
+
+def fit_records(groups: list[dict[str, Any]], kept: list[Any] | None = None) -> dict[int, dict[str, Any]]:
+    """Each group's ``fit_record`` (by id of group) for groups that arrive built (a state dict's, a
+    copy's), which are built with what they hold; ``kept``: a copy's originals' records, in order."""
+    kept = kept if kept and len(kept) == len(groups) else [None] * len(groups)
+    return {id(g): dict(r) if r is not None else fit_record(g) for g, r in zip(groups, kept, strict=True)}
+
+
+def _fit_edits(group: dict[str, Any], was: dict[str, Any]) -> dict[str, Any]:
+    """``was`` (a ``fit_record``) with the group's valid edits (the invalid: ``validate_group`` names
+    them); an "auto" ess and a None weight_decay stay, resolved to numbers since."""
+    now = dict(was)
+    if group.get("hess_estimator") in HESS_ESTIMATORS:
+        now["hess_estimator"] = group["hess_estimator"]
+    refit = group.get("curvature_refit")
+    if is_int(refit) and refit >= 0:
+        now["curvature_refit"] = refit
+    if was["ess"] != AUTO_ESS:
+        now["ess"] = group.get("ess")
+    if was["weight_decay"] is not None:
+        now["weight_decay"] = group.get("weight_decay")
+    return now
+
+
+def check_fit_record(group: dict[str, Any], built: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Raise, naming the key, where an EVON group's edits of ``FIT_KEYS`` would change what its
+    build (``built``, by id of group; else: what it holds) fixed to be fitted to its curvature
+    (``fit_to_curvature``), or its ``hess_estimator`` (H holds that estimate's history); else return
+    its record with the edits, which take effect as if the group had been built with them."""
+    was = built.get(id(group)) or fit_record(group)
+    now = _fit_edits(group, was)
+    if group.get("algorithm", "evon") != "evon":
+        return now
+    fitted = curvature_fitted(was)
+    if now["hess_estimator"] != was["hess_estimator"]:
+        key, why = "hess_estimator", ", and H holds its estimate's history"
+    elif curvature_fitted(now) != fitted and tuple(group.get("fit_to_curvature") or ()) == fitted:
+        # (a fit_to_curvature edited by hand, as docs/usage.md offers, says itself what is fitted)
+        changed = [k for k in FIT_KEYS if now[k] != was[k]]
+        flips = [k for k in changed if curvature_fitted({**was, k: now[k]}) != fitted]
+        key, why = (flips or changed)[0], f": {list(fitted)} as built, {list(curvature_fitted(now))} with it"
+    else:
+        return now
+    raise ValueError(
+        f"{key!r} changed from {mode_value(was[key])!r} to {mode_value(now[key])!r} after the group was "
+        f"built: it fixes whether ess and weight_decay are fitted to the curvature (fit_to_curvature){why}. "
+        "Set it when building the optimizer (or add the parameters as a new group)"
+    )
 
 
 def validate_groups(
@@ -365,8 +408,8 @@ def validate_groups(
     before it changes anything, since a field changed mid-run (a mode set to a typo) would otherwise
     raise halfway through the buckets, some of their state already updated. ``checked`` (the
     optimizer's, by id of group) holds the settings last found valid: such a group is not checked
-    again but for its rate, which schedulers set every step. ``built``: each group's estimate of H
-    as built (``check_built_estimate``)."""
+    again but for its rate, which schedulers set every step. ``built``: each group's keys that
+    decided what is fitted to its curvature (``check_fit_record``), updated with the edits it takes."""
     for i, group in enumerate(groups):
         lr = group.get("lr")
         on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # a device's rate: read at set-up only
@@ -375,10 +418,12 @@ def validate_groups(
                 group["lr"] = python_number(lr)  # a NumPy rate: Python's
                 continue
         try:
+            record = check_fit_record(group, {} if built is None else built)  # before a None is resolved
             settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
-            check_built_estimate(group, {} if built is None else built)
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
+        if built is not None:
+            built[id(group)] = record
         checked[id(group)] = _settings(group)
 
 
