@@ -276,6 +276,30 @@ def weights_file_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
     return {str(k): tuple(t.shape) for k, t in state.items()}
 
 
+def _stored_shapes(output: str, file: str, keep: str) -> dict[str, tuple[int, ...] | None]:
+    """:func:`weights_file_shapes` of ``file`` (relative to ``output``), a usage error naming it where
+    it does not read so."""
+    try:
+        return weights_file_shapes(os.path.join(output, file))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        what = "as safetensors" if file.endswith(".safetensors") else (
+            "as a shard index" if file.endswith(".json") else "as tensors without running code"
+        )
+        raise UsageError(f"--output {output!r}: its {file} does not read {what} ({err}): {keep}") from None
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; {} where there is none or it is no object (not a config)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            value = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def check_output_weights(output: str, model: Any) -> None:
     """A usage error where ``output`` holds another model's weights than ``model``'s: its config.json
     of another ``model_type`` or sizes (SIZE_KEYS), or a tensor of its weights files (safetensors, a
@@ -284,8 +308,6 @@ def check_output_weights(output: str, model: Any) -> None:
 
     Why: the posterior saved there would sit beside weights it does not fit, and ``from_pretrained``
     of the directory would load the one with the other. A copy of the model's weights is fine."""
-    import json
-
     from hf_evon.modeling import is_peft_model, unwrap_model
 
     model = unwrap_model(model)
@@ -294,12 +316,7 @@ def check_output_weights(output: str, model: Any) -> None:
     keep = "saving the posterior there would put it beside weights it does not fit: pass another --output"
     mine = getattr(base, "config", None)
     mine = mine.to_dict() if hasattr(mine, "to_dict") else {}
-    try:
-        with open(os.path.join(output, "config.json"), encoding="utf-8") as fh:
-            theirs = json.load(fh)
-    except (OSError, ValueError):  # none, or not a model's config: the weights files still tell
-        theirs = {}
-    theirs = theirs if isinstance(theirs, dict) else {}
+    theirs = _json_object(os.path.join(output, "config.json"))  # {}: the weights files still tell
     for key in ("model_type", *SIZE_KEYS):
         if key in theirs and key in mine and theirs[key] != mine[key]:
             raise UsageError(f"{other} (its config.json's {key} {theirs[key]!r}, --model's {mine[key]!r}): {keep}")
@@ -312,13 +329,7 @@ def check_output_weights(output: str, model: Any) -> None:
         shapes[name] = shapes[name.removeprefix(f"{prefix}.") if prefix else name] = tuple(param.shape)
     names = sorted(n for n in os.listdir(output) if WEIGHT_FILES.fullmatch(n)) if os.path.isdir(output) else []
     for file in names:
-        try:
-            stored = weights_file_shapes(os.path.join(output, file))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-            what = "as safetensors" if file.endswith(".safetensors") else (
-                "as a shard index" if file.endswith(".json") else "as tensors without running code"
-            )
-            raise UsageError(f"--output {output!r}: its {file} does not read {what} ({err}): {keep}") from None
+        stored = _stored_shapes(output, file, keep)
         for tensor, shape in sorted(stored.items()):
             if tensor in shapes and shape is not None and shapes[tensor] != shape:
                 raise UsageError(
@@ -355,11 +366,7 @@ def check_output_adapter(output: str, model: Any, keep: str) -> None:
             if not os.path.isfile(path):
                 continue
             where = os.path.relpath(path, output)
-            try:
-                stored = weights_file_shapes(path)
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-                what = "as safetensors" if file.endswith(".safetensors") else "as tensors without running code"
-                raise UsageError(f"--output {output!r}: its {where} does not read {what} ({err}): {keep}") from None
+            stored = _stored_shapes(output, where, keep)
             for tensor, shape in sorted(stored.items()):
                 if tensor in allowed and shape != allowed[tensor]:
                     raise UsageError(
@@ -369,12 +376,7 @@ def check_output_adapter(output: str, model: Any, keep: str) -> None:
                 raise UsageError(f"{other} (its {where} lacks --model's tensor {missing[0]!r}): {keep}")
             if extra := sorted(set(stored) - set(allowed)):
                 raise UsageError(f"{other} (its {where} holds tensor {extra[0]!r}, which --model lacks): {keep}")
-        try:
-            with open(os.path.join(folder, "adapter_config.json"), encoding="utf-8") as fh:
-                theirs = json.load(fh)
-        except (OSError, ValueError):  # none, or not an adapter's config
-            theirs = {}
-        theirs = theirs if isinstance(theirs, dict) else {}
+        theirs = _json_object(os.path.join(folder, "adapter_config.json"))
         for key in ("peft_type", "r", "target_modules"):
             ours, their = mine.get(key), theirs.get(key)
             if isinstance(ours, list) and isinstance(their, list):  # a set, written as a list in any order
