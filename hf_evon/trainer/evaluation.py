@@ -311,7 +311,7 @@ class PosteriorEvaluation:
         self.with_bma = with_bma
         self.task: str | None = None
         self.mean: MetricAccumulator | None = None
-        self.reused = True  # False once a batch gave no usable model output
+        self.reused = True  # False where a batch gave no usable model output, or its masks are not drawn again
         self.unsupported = False  # no labels, or no class distribution: no posterior metrics
         self._outputs: list[Any] | None = None
 
@@ -352,16 +352,23 @@ class PosteriorEvaluation:
 
     def _refuse_labels(self, labels: tuple[Tensor, ...] | None) -> None:
         """No labels (TRL's DPO, KTO, reward) or several label tensors (extractive QA's start and end positions),
-        which the metrics do not score: ValueError under ``evaluate(bma=True)``, else a warning once per trainer."""
-        self.unsupported, trainer = True, self.trainer
-        names = trainer.label_names or ["labels"]
+        which the metrics do not score (:meth:`_not_scored`)."""
+        names = self.trainer.label_names or ["labels"]
         held = f"no labels ({names}) to score" if labels is None else f"several label tensors ({names}), not one"
+        warning = f"EVONTrainer: the evaluation batches hold {held}: no {self.prefix}_mean_*/_bma_* metrics"
+        self._not_scored(f"the evaluation batches hold {held}", "_evon_warned_unlabelled", warning)
+
+    def _not_scored(self, why: str, warned: str, warning: str) -> None:
+        """No posterior metrics (``why``): a ValueError where they are asked for by name (``asked``, or
+        ``evaluate(bma=True)``: as for no posterior), else ``warning`` once per trainer (its flag ``warned``:
+        each evaluation would repeat it)."""
+        self.unsupported, trainer = True, self.trainer
         asked = self.asked or ("evaluate(bma=True)" if trainer._evon_bma_asked else None)
-        if asked:  # asked for by name: an error, as for no posterior
-            raise ValueError(f"{asked}: the evaluation batches hold {held}, so no {self.prefix}_bma_* metrics")
-        if not trainer.__dict__.get("_evon_warned_unlabelled"):  # once per trainer: each evaluation would repeat it
-            trainer._evon_warned_unlabelled = True
-            logger.warning(f"EVONTrainer: the evaluation batches hold {held}: no {self.prefix}_mean_*/_bma_* metrics")
+        if asked:
+            raise ValueError(f"{asked}: {why}, so no {self.prefix}_bma_* metrics")
+        if not trainer.__dict__.get(warned):
+            setattr(trainer, warned, True)
+            logger.warning(warning)
 
     def _mean_log_probs(self, outputs: list[Any], labels: Tensor) -> Tensor | None:
         causal = self.trainer._causal_lm
@@ -387,17 +394,11 @@ class PosteriorEvaluation:
     def _set_task(self, task: str | None, logits: Tensor, labels: Tensor) -> bool:
         if self.task is None:
             if task is None:  # regression, multi-label
-                self.unsupported, trainer = True, self.trainer
                 why = (
                     "mean/BMA metrics need class logits (classification or causal LM); got "
                     f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}"
                 )
-                asked = self.asked or ("evaluate(bma=True)" if trainer._evon_bma_asked else None)
-                if asked:  # asked for by name: an error, as for no labels
-                    raise ValueError(f"{asked}: the {why}, so no {self.prefix}_bma_* metrics")
-                if not trainer.__dict__.get("_evon_warned_no_classes"):  # once per trainer, as for no labels
-                    trainer._evon_warned_no_classes = True
-                    logger.warning(f"EVONTrainer: {why}: skipped")
+                self._not_scored(f"the {why}", "_evon_warned_no_classes", f"EVONTrainer: {why}: skipped")
                 return False
             self.task = task
             self.mean = MetricAccumulator(self.trainer, task)
