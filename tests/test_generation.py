@@ -2128,6 +2128,23 @@ def test_a_layer_fed_a_selection_of_rows_that_is_no_multiple_of_the_batch_is_ref
     with pytest.raises(ValueError, match="sequences must be an integer >= 1; got 0"):
         batched.BatchedSamples(picked, posterior, 2, sequences=0)
 
+    class PickedIds(torch.nn.Module):  # a covered nn.Embedding is held to the same rule
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.embed(ids[:2])
+
+    picked = PickedIds()
+    posterior = _trained_posterior(
+        picked, torch.arange(3)[:, None], lambda out: out.square().mean(), evon_patterns=[r"embed\.weight"]
+    )
+    match = r"embed\.weight: .* a leading batch of S·B rows or S·B·tokens \(S=2, B=2\), got input of shape \(2, 3\)"
+    with torch.no_grad(), refused(match):
+        with batched.BatchedSamples(picked, posterior, 2, seed=0, strategy="materialize", sequences=2):
+            picked(torch.zeros(4, 3, dtype=torch.long))
+
 
 def test_a_refusal_is_its_own_exception_class():
     """Refusals were told apart by their message's text; they are BatchedSamplesRefused, a

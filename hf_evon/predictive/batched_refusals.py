@@ -70,15 +70,20 @@ def routed_expert(model: nn.Module, owners: dict[nn.Module, dict[str, str]]) -> 
                 )
 
 
-def sample_major(x: Tensor, num_samples: int, sequences: int, name: str) -> Tensor:
-    """``x`` viewed as ``(S, rows per sample, features)``; refused where its leading size cannot be
-    S·B or S·B·tokens (``sequences``: B, the call's sequences per sample)."""
+def require_sample_major(x: Tensor, num_samples: int, sequences: int, name: str) -> None:
+    """Refuse ``x`` (a covered module's input, ``name``: its parameter) where its leading size cannot
+    be S·B or S·B·tokens (``sequences``: B, the call's sequences per sample)."""
     if x.dim() == 0 or x.shape[0] % (num_samples * sequences):
         raise refusal(
             f"{name}: the batched-sample forward expects a leading batch of S·B rows or S·B·tokens "
             f"(S={num_samples}, B={sequences}), got input of shape {tuple(x.shape)} "
             "(a layer fed a selection of the rows, as a mixture's expert is)"
         )
+
+
+def sample_major(x: Tensor, num_samples: int, sequences: int, name: str) -> Tensor:
+    """``x`` viewed as ``(S, rows per sample, features)``, refused as :func:`require_sample_major` says."""
+    require_sample_major(x, num_samples, sequences, name)
     return x.reshape(num_samples, -1, x.shape[-1])
 
 

@@ -80,6 +80,7 @@ from hf_evon.predictive.batched_refusals import (  # noqa: F401 - ONE_DRAW_AT_A_
     BatchedSamplesRefused,
     check_sequences,
     refusal,
+    require_sample_major,
     routed_expert,
     sample_major,
 )
@@ -544,11 +545,7 @@ class BatchedSamples:
         vocab = self._samples[attrs["weight"]].shape[1]  # (S, V, d), materialized
 
         def forward(self_: nn.Module, ids: Tensor) -> Tensor:
-            if ids.dim() == 0 or ids.shape[0] % (s_count * sequences[0]):
-                raise refusal(
-                    f"{label}: expected a leading batch of S·B rows (S={s_count}, B={sequences[0]}), "
-                    f"got {tuple(ids.shape)}"
-                )
+            require_sample_major(ids, s_count, sequences[0], label)
             flat = sample(self_, "weight").reshape(s_count * vocab, -1)
             offsets = torch.arange(s_count, device=ids.device).mul_(vocab).view(s_count, *[1] * ids.ndim)
             shifted = (ids.reshape(s_count, -1, *ids.shape[1:]) + offsets).reshape(ids.shape)
