@@ -420,7 +420,9 @@ class EVONConfig(TrainingArguments):
 
         ``validate_hyperparameters`` (the checks ``EVON(...)`` runs) gets the field's value, EVON's
         defaults standing for the rest (plus the fields ``weight_decay=None`` is resolved from); None,
-        where a field's None means "chosen from the model", is not passed.
+        where a field's None means "chosen from the model", is not passed. ``evon_init_std_ratio`` beside
+        a given ``evon_weight_decay`` is checked once more with the config's own ``evon_ess``,
+        ``evon_hess_estimator`` and ``evon_curvature_refit``: they decide whether its bound applies.
         """
         for name, keyword in self._EVON_CHECKED.items():
             value = getattr(self, name)
