@@ -303,17 +303,16 @@ def validate_group(group: dict[str, Any]) -> None:
             raise ValueError(f"EVON cannot train the {p.dtype} parameter {label}: it needs floating-point weights")
 
 
+# what a group not built yet fits to its curvature where it omits these keys (the constructor's defaults)
+_FIT_DEFAULTS = {"ess": AUTO_ESS, "hess_estimator": DEFAULT_HESS_ESTIMATOR, "curvature_refit": DEFAULT_CURVATURE_REFIT}
+
+
 def _ess_fitted(group: dict[str, Any]) -> bool:
-    """Whether the group's ζ is refit to its curvature: named in its ``fit_to_curvature`` once built
-    (``curvature.curvature_fitted``), else where ``ess="auto"`` under the Fisher estimate with a refit
-    period (missing keys: EVON's defaults, as for the constructor's keywords)."""
+    """Whether the group's ζ is refit to its curvature: named in its ``fit_to_curvature`` once built,
+    else as ``curvature.curvature_fitted`` decides at build (missing keys: EVON's defaults)."""
     if "fit_to_curvature" in group:
         return "ess" in (group["fit_to_curvature"] or ())
-    return (
-        group.get("ess", AUTO_ESS) == AUTO_ESS
-        and group.get("hess_estimator", DEFAULT_HESS_ESTIMATOR) == "fisher"
-        and bool(group.get("curvature_refit", DEFAULT_CURVATURE_REFIT))
-    )
+    return "ess" in curvature_fitted({**_FIT_DEFAULTS, **group})
 
 
 # what a scheduler sets each step: not part of a group's settings checked once
