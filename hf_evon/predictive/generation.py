@@ -582,7 +582,7 @@ def bma_log_likelihood(
     if logits is None:  # the batched path refuses the model: its S samples in turn
         with SequentialSamples(model, posterior, num_samples, seed=seed) as samples:
             per_sample = samples.each(lambda: score(gen_model(**inputs, return_dict=True).logits))
-    else:  # one sample at a time keeps the float32 copy small
+    else:  # one sample at a time keeps the widened (float32 at least) copy small
         per_sample = [score(chunk) for chunk in logits.split(len(source))]
         del logits
     sample_lp = torch.stack(per_sample)
