@@ -594,6 +594,6 @@ class EvaluationMixin(SearchObjectiveMixin):
 
     def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
-        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead. Batches
-        without labels or with several label tensors (extractive QA) raise a ValueError naming them."""
+        mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead. Batches of no
+        labels, several label tensors (extractive QA) or no class logits (regression) raise a ValueError."""
         return PosteriorEvaluation(self, metric_key_prefix, with_bma=True, asked="posterior_metrics()").finish(dataloader)
