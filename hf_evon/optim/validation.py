@@ -401,7 +401,7 @@ def check_fit_record(group: dict[str, Any], built: dict[int, dict[str, Any]]) ->
 
 
 def validate_groups(
-    groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]], built: dict[int, Any] | None = None
+    groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]], built: dict[int, dict[str, Any]]
 ) -> None:
     """Every group checked as by ``validate_group``, the error naming the group: ``step()`` runs it
     before it changes anything, since a field changed mid-run (a mode set to a typo) would otherwise
@@ -417,12 +417,11 @@ def validate_groups(
                 group["lr"] = python_number(lr)  # a NumPy rate: Python's
                 continue
         try:
-            record = check_fit_record(group, {} if built is None else built)  # before a None is resolved
+            record = check_fit_record(group, built)  # before a None is resolved
             settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
-        if built is not None:
-            built[id(group)] = record
+        built[id(group)] = record
         checked[id(group)] = _settings(group)
 
 
