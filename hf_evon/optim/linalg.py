@@ -229,6 +229,17 @@ def exact_float32_matmul() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved)
 
 
+def orthonormality_error(q: Tensor, probes: int = 2) -> float:
+    """``max ‖QᵀQx − x‖ / ‖x‖`` over fixed random probes, for one basis or a stack of them: O(k n²)
+    instead of O(n³). Measured in float32 (float64 bases: float64), as ``buckets.state_dtype``."""
+    q32 = q.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
+    with exact_float32_matmul():
+        residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q
+    return float((residual.norm(dim=-2) / x.norm(dim=0)).max())
+
+
 def _cholesky_qr_pass(a: Tensor, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
     gram = a.mT @ a
     if shift is not None:

@@ -44,6 +44,7 @@ from hf_evon.optim.defaults import (
     lr_from_adamw_lr,
     ratio_clip,
 )
+from hf_evon.optim.linalg import orthonormality_error
 
 __all__ = [
     "LAYOUT_KEYS",
@@ -479,14 +480,6 @@ class BuiltLayout:
 # ‖QᵀQx − x‖/‖x‖ a loaded eigenbasis may have, by its dtype: what a saved posterior's load allows
 # (hf_evon.posterior.gaussian.ORTHONORMAL_TOL), at least float32's, which the bases are computed in
 BASIS_TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 6e-2}
-
-
-def orthonormality_error(q: torch.Tensor) -> float:
-    """``max ‖QᵀQx − x‖ / ‖x‖`` over two fixed random probes (in float64), for one basis or a stack."""
-    q64 = q.detach().to("cpu", torch.float64)
-    x = torch.randn(q64.shape[-1], 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    residual = q64.mT @ (q64 @ x) - x
-    return float((residual.norm(dim=-2) / x.norm(dim=0)).max())
 
 
 # what every stepped EVON entry holds (a momentum under either space's key): the step fills in a

@@ -26,6 +26,7 @@ from hf_evon.optim.linalg import (
     dense_covariance,
     exact_float32_matmul,
     marginal_variance,
+    orthonormality_error,
     rotated_std,
     rotated_variance,
     unrotate,
@@ -346,16 +347,6 @@ def perturbations(
         if q_right is not None:  # [X_1; …; X_S] @ Q_Rᵀ as one (S·m, n) block per matrix
             x = unrotate(x.reshape(b, s * m, n), None, q_right)
     return x.reshape(b, s, m, n)
-
-
-def orthonormality_error(q: Tensor, probes: int = 2) -> float:
-    """``max ‖QᵀQx − x‖ / ‖x‖`` over fixed random probes: O(k n²) instead of O(n³)."""
-    q32 = q.to(compute_dtype(q))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
-    with exact_float32_matmul():
-        residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q
-    return float((residual.norm(dim=0) / x.norm(dim=0)).max())
 
 
 def polar_step(q: Tensor) -> Tensor:
