@@ -918,6 +918,30 @@ def test_a_resume_refuses_a_checkpoint_a_killed_save_left_incomplete(tmp_path):
     assert again.state.global_step == 8
 
 
+def test_the_skipped_checkpoints_warning_names_the_users_train_call(tmp_path, monkeypatch):
+    """The warning that ``resume_from_checkpoint=True`` skips an incomplete checkpoint named a line of
+    hf_evon/trainer/mixin.py (a fixed ``stacklevel`` counted from the helper): a filter by module or
+    the report's location pointed into the library. It names the caller's ``trainer.train()`` line."""
+    from transformers import Trainer
+
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(8))
+    complete, cut = Path(trainer.args.output_dir) / "checkpoint-2", Path(trainer.args.output_dir) / "checkpoint-4"
+    for name in ("trainer_state.json", "optimizer.pt", "scheduler.pt"):
+        complete.mkdir(parents=True, exist_ok=True)
+        (complete / name).write_text("{}")
+    cut.mkdir()
+
+    def stop(self, *args, **kwargs):
+        raise KeyboardInterrupt(kwargs["resume_from_checkpoint"])  # the resolved checkpoint: no training
+
+    monkeypatch.setattr(Trainer, "train", stop)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(KeyboardInterrupt, match="checkpoint-2"):
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=True)
+    said = [w for w in caught if "incomplete checkpoints" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
+
+
 # ---------------------------------------------------------------------------- evaluation
 def _direct_bma(model, posterior, data, seeds, causal=False):
     model.eval()

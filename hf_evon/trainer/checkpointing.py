@@ -36,6 +36,7 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import directory_lock, replaced_atomically
+from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
 from hf_evon.trainer.adalora import every_rank_saved
@@ -139,7 +140,7 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
                     f"resume_from_checkpoint=True: skipping the incomplete checkpoints a save cut short left "
                     f"({'; '.join(skipped)}); resuming from {directory}",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=outside_stacklevel(),  # the user's train() call, behind any subclass's
                 )
             return directory
         skipped.append(f"{directory} ({lacks})")
