@@ -228,7 +228,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         how = f"full fine-tuning of the pretrained {name!r}" if full_finetuning else "training from scratch or through PEFT"
         logger.info(f"EVONConfig.learning_rate = {self.args.learning_rate} (unset: {how})")
 
-    def _evon_arguments(self, args: TrainingArguments | None, output_dir: str = "tmp_trainer") -> EVONConfig:
+    def _evon_arguments(self, args: TrainingArguments | None, output_dir: str) -> EVONConfig:
         """``args`` as an EVON config (None: one writing to ``output_dir``), plain ones converted, warned."""
         if args is None:
             return self.config_class(output_dir=output_dir)
