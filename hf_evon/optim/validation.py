@@ -506,8 +506,10 @@ def check_entry_complete(idx: Any, entries: dict[str, Any], name: str | None) ->
 def validate_state_dict(state_dict: dict[str, Any]) -> None:
     """Check a state dict before ``EVON.load_state_dict`` changes anything: every group's
     hyperparameters as the constructor checks them, each EVON parameter's state complete
-    (:func:`check_entry_complete`) and finite with H + δ > 0 (a positive, finite posterior
-    variance). The message names the group or the parameter's index and entry."""
+    (:func:`check_entry_complete`), every entry a finite tensor, its step count at least
+    ``UNINITIALIZED`` and its ``exp_avg_sq_norm`` at least 0, its eigenbases orthonormal within
+    ``BASIS_TOLERANCE`` and H + δ > 0 (a positive, finite posterior variance). The message names the
+    group or the parameter's index and entry."""
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
