@@ -9,6 +9,7 @@ relative to their max (:func:`log_mean_prob`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -135,8 +136,8 @@ def _shift(peak: Tensor) -> Tensor:
 
 def _log_mean_exp(peak: Tensor, scaled_sum: Tensor, count: int) -> Tensor:
     """``log(mean exp(x))`` from the values' peak (their max) and ``scaled_sum`` = Σ exp(x − shift):
-    ``shift + log(scaled_sum / count)``, the one finish of :func:`log_mean_prob` and
-    :class:`LogMeanExp`. S equal values give exactly their value (S ones sum to S, whose mean is 1,
+    ``shift + log(scaled_sum / count)``, the finish of :func:`log_mean_prob` and of the calibration's
+    BMA NLL. S equal values give exactly their value (S ones sum to S, whose mean is 1,
     whose log is 0), where ``logsumexp − log S`` is off in the last bits: samples that agree have
     exactly the mean's log-probabilities, and exactly 0 epistemic uncertainty."""
     return _shift(peak) + (scaled_sum / count).log()
@@ -166,31 +167,31 @@ def tempered(logits: Tensor, posterior: object) -> Tensor:
 
 
 class LogMeanExp:
-    """:func:`log_mean_prob` over draws that arrive one at a time (one pass per posterior sample):
-    the draws' running max ``peak`` and ``scaled_sum`` = Σ exp(draw − peak), rescaled in place when
-    the max rises, finished as :func:`log_mean_prob` is (equal draws: exactly their value)."""
+    """:func:`log_mean_prob` over draws that arrive one at a time (one pass per posterior sample): a
+    running log-sum-exp, in place (an LM's averages are the size of its full-vocabulary logits). While
+    every draw equals the first (a posterior without noise: the mean S times) no sum is formed and
+    ``value()`` is that draw exactly, where a running sum is off in the last bits; the comparison runs
+    until the first draw that differs (one device read each)."""
 
     def __init__(self) -> None:
-        self.peak: Tensor | None = None
-        self.scaled_sum: Tensor | None = None
+        self.total: Tensor | None = None
         self.count = 0
+        self._equal = True  # every draw so far is the first
 
     def add(self, log_probs: Tensor) -> None:
-        if self.peak is None:  # copies: the caller may write its next draw into the same tensor
-            self.peak = log_probs.clone()
-            self.scaled_sum = (log_probs - _shift(log_probs)).exp_()
-        else:  # in place: an LM's averages are the size of its full-vocabulary logits
-            peak = torch.maximum(self.peak, log_probs)
-            shift = _shift(peak)
-            # Σ exp(x − old shift) · exp(old peak − new shift): exp(−inf) = 0 where no draw had mass yet
-            self.scaled_sum.mul_(self.peak.sub_(shift).exp_()).add_((log_probs - shift).exp_())
-            self.peak = peak
+        if self.total is None:  # a copy: the caller may write its next draw into the same tensor
+            self.total = log_probs.clone()
+        elif not (self._equal and torch.equal(log_probs, self.total)):
+            if self._equal:  # total holds the first draw, count times over: its log-sum-exp
+                self._equal = False
+                self.total.add_(math.log(self.count))
+            torch.logaddexp(self.total, log_probs, out=self.total)
         self.count += 1
 
     def value(self) -> Tensor:
-        if self.peak is None:
+        if self.total is None:
             raise ValueError("LogMeanExp: no draws added")
-        return _log_mean_exp(self.peak, self.scaled_sum, self.count)
+        return self.total.clone() if self._equal else self.total - math.log(self.count)
 
 
 class PerOutput:

@@ -126,7 +126,7 @@ class UncertaintyAccumulator:
 
     def add(self, log_probs: Tensor) -> None:
         _check(log_probs, "log_probs")
-        earlier = self._average.peak
+        earlier = self._average.total
         if earlier is not None and log_probs.shape != earlier.shape:
             raise ValueError(
                 f"log_probs has shape {tuple(log_probs.shape)}, the earlier samples {tuple(earlier.shape)}"
