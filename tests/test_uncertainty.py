@@ -238,3 +238,23 @@ def test_the_accumulators_results_read_the_host_once_and_average_once() -> None:
     assert torch.equal(acc.value(), average4.value())
     assert all(torch.equal(a, b) for a, b in zip(acc.uncertainty(), acc4.uncertainty(), strict=True))
     assert not torch.equal(acc.value(), value)
+
+
+@pytest.mark.parametrize("equal_first", [1, 2, 3])
+def test_draws_that_differ_only_after_equal_ones_average_as_stacked(equal_first: int) -> None:
+    """LogMeanExp forms no sum while the draws equal the first; the first that differs is averaged
+    with all of them: the same log p̄ as log_mean_prob over the stacked draws (a class ruled out by
+    every draw included)."""
+    g = torch.Generator().manual_seed(1)
+    first = torch.log_softmax(3 * torch.randn(20, 5, generator=g, dtype=torch.float64), -1)
+    first[:, 0] = -math.inf
+    later = [torch.log_softmax(3 * torch.randn(20, 5, generator=g, dtype=torch.float64), -1) for _ in range(2)]
+    for x in later:
+        x[:, 0] = -math.inf
+    draws = [first] * equal_first + later
+    average = LogMeanExp()
+    for x in draws:
+        average.add(x)
+    want = log_mean_prob(torch.stack(draws))
+    assert torch.equal(average.value().isinf(), want.isinf())
+    torch.testing.assert_close(average.value(), want, rtol=0, atol=1e-13)
