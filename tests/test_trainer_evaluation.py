@@ -910,6 +910,32 @@ def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path
         assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
 
 
+def test_posterior_metrics_of_a_masked_lm_score_the_same_masks_in_every_pass(tmp_path) -> None:
+    """posterior_metrics(loader) read a masking collator's loader once for its mean pass and once per
+    BMA pass, each read drawing other masks: a posterior without noise reported eval_bma_nll apart
+    from eval_mean_nll. Every pass now reads the masks the first drew, as evaluate()'s do."""
+    from datasets import Dataset
+    from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
+
+    tokenizer = _word_tokenizer()
+    tokenizer.mask_token = "t99"
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
+    rows = Dataset.from_list(_rows_of_many_lengths(24, labels=False))
+    torch.manual_seed(0)
+    model = BertForMaskedLM(
+        BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+    )  # fmt: skip
+    args = config(tmp_path, max_steps=2, evon_ess=1e15)  # no noise: BMA is the mean
+    trainer = EVONTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
+    trainer.train()
+    metrics = trainer.posterior_metrics(trainer.get_eval_dataloader())
+    assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
+    assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
+
+
 def test_bma_passes_during_training_leave_the_trained_weights_as_they_are_without_them(tmp_path) -> None:
     """The BMA passes read the eval set by another loader, whose read draws its workers' seed from
     torch's generator: training with dropout after an evaluation with BMA drew other masks than after

@@ -351,8 +351,7 @@ class PosteriorEvaluation:
         self.mean.add(logp, labels)  # type: ignore[union-attr]
 
     def _refuse_labels(self, labels: tuple[Tensor, ...] | None) -> None:
-        """No labels (TRL's DPO, KTO, reward) or several label tensors (extractive QA's start and end positions),
-        which the metrics do not score (:meth:`_not_scored`)."""
+        """No labels (TRL's DPO, KTO, reward) or several label tensors (extractive QA): :meth:`_not_scored`."""
         names = self.trainer.label_names or ["labels"]
         held = f"no labels ({names}) to score" if labels is None else f"several label tensors ({names}), not one"
         warning = f"EVONTrainer: the evaluation batches hold {held}: no {self.prefix}_mean_*/_bma_* metrics"
@@ -596,4 +595,6 @@ class EvaluationMixin(SearchObjectiveMixin):
         """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
         mean, ``bma_num_samples`` sampled passes); ``evaluate()`` reuses its own pass instead. Batches of no
         labels, several label tensors (extractive QA) or no class logits (regression) raise a ValueError."""
-        return PosteriorEvaluation(self, metric_key_prefix, with_bma=True, asked="posterior_metrics()").finish(dataloader)
+        evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True, asked="posterior_metrics()")
+        replay = replayed(dataloader, self)  # each pass the batches (order, masks) the first reads; stale: as given
+        return evaluation.finish(dataloader, None if replay.stale else replay)  # type: ignore[attr-defined]
