@@ -143,8 +143,10 @@ def test_compute_metrics_keys_are_never_replaced(tmp_path):
         compute_metrics=compute_metrics,
     )  # fmt: skip
     trainer.train()
-    with pytest.warns(UserWarning, match="'eval_mean_ece' from compute_metrics clashes"):
+    with pytest.warns(UserWarning, match="'eval_mean_ece' from compute_metrics clashes") as caught:
         metrics = trainer.evaluate()
+    # the warning names the user's evaluate() call (this file), not a line of transformers' Trainer
+    assert [w.filename for w in caught if "clashes" in str(w.message)] == [__file__]
     assert metrics["eval_accuracy"] == pytest.approx(returned["accuracy"])
     assert metrics["eval_nll"] == pytest.approx(returned["nll"])
     assert metrics["eval_mean_ece"] == -1.0

@@ -7,6 +7,8 @@ from typing import Any
 
 from transformers.trainer_utils import default_compute_objective
 
+from hf_evon.optim.checks import outside_stacklevel
+
 __all__ = ["SearchObjectiveMixin", "added_metric_keys", "merge_metrics"]
 
 
@@ -24,7 +26,7 @@ def merge_metrics(metrics: dict[str, float], ours: dict[str, float], added: set[
                 f"metric {key!r} from compute_metrics clashes with EVON's posterior metric of that name: "
                 "the compute_metrics value is kept, EVON's is dropped (rename the key in compute_metrics)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=outside_stacklevel(),  # the user's evaluate(), behind the Trainer's frames
             )
             continue
         metrics[key] = value
