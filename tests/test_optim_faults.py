@@ -695,6 +695,34 @@ def test_a_backward_after_its_block_is_refused_also_through_activation_checkpoin
     run("after")  # each refusal is followed by a block with its backward inside, which steps
 
 
+
+def test_the_late_gradient_guard_hooks_each_weight_once_across_blocks_steps_and_optimizers() -> None:
+    """The guard leaves one hook per sampled weight, however many blocks, steps and optimizers built in
+    turn over the same model; it refuses for the optimizer whose block exited last, naming the weight
+    by that optimizer's names, and lets every backward inside a block or after a step through."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.zeros(3))
+    x = torch.randn(8, 4)
+
+    def loss() -> torch.Tensor:
+        return (x @ w.T + b).square().mean()
+
+    for name in ("first", "second", "third"):
+        opt = EVON([{"params": [w], "param_names": [name]}, {"params": [b], "param_names": ["b"], "algorithm": "adamw"}], seed=0)
+        for _ in range(2):
+            with opt.sampled_params(train=True):
+                loss().backward()
+            opt.step()
+            loss().backward()  # after the step: the next step's
+            opt.zero_grad()
+        with opt.sampled_params(train=True):
+            value = loss()
+            value.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=rf"reached {name} \(shape \(3, 4\)\) after its sampled_params"):
+            value.backward()
+        assert opt.recorded_samples == 0
+        assert len(w._post_accumulate_grad_hooks) == 1 and not b._post_accumulate_grad_hooks
+
 def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:
     # a dead input unit: H = 0 on its column after the Fisher estimate's first average; with
     # weight_decay = 0 its variance 1/(ess·(H + 0)) was inf, every sample inf, the loss NaN

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.health import param_label
@@ -26,8 +25,35 @@ __all__ = ["consumed_grads", "consumed_places", "guard_late_gradients", "restore
 Tensor = torch.Tensor
 # id(param) -> (weak reference to the gradient a step consumed, its version then)
 Consumed = dict[int, tuple[weakref.ref, int]]
-# parameter -> the handle of its hook refusing a gradient after its training block exited
-_LATE_GUARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(param) -> a weak reference to the parameter, which carries the late-gradient hook: registered once,
+# as a hook costs one Python call per backward and registering and removing one per block cost several
+_HOOKED: dict[int, weakref.ref] = {}
+# id(param) -> (its optimizer's param_groups, discard) from a recorded block's exit until the next block or
+# the step's end: the hook refuses a gradient only while its parameter is here
+_ARMED: dict[int, tuple[list[dict[str, Any]], Callable[[], None]]] = {}
+
+
+def _refuse_late(p: torch.Tensor) -> None:
+    armed = _ARMED.get(id(p))
+    if armed is None:
+        return
+    param_groups, discard = armed
+    discard()
+    raise RuntimeError(
+        f"a gradient reached {param_label(param_groups, p)} after its sampled_params(train=True) block had "
+        "exited: call backward inside the block. Outside it the weights hold the mean again, and a backward "
+        "through activation checkpointing would recompute the forward at the mean, not at the sample the "
+        "loss was taken at. This step's samples are dropped"
+    )
+
+
+def _forget(pid: int) -> Callable[[weakref.ref], None]:
+    def forget(ref: weakref.ref) -> None:  # the parameter is gone: its id may name another tensor next
+        if _HOOKED.get(pid) is ref:
+            del _HOOKED[pid]
+            _ARMED.pop(pid, None)
+
+    return forget
 
 
 def guard_late_gradients(param_groups: list[dict[str, Any]], discard: Callable[[], None]) -> None:
@@ -37,33 +63,26 @@ def guard_late_gradients(param_groups: list[dict[str, Any]], discard: Callable[[
     the block the weights hold the mean again; autograd notices that for the weights a graph saved (their
     version moved), but activation checkpointing saves none and recomputes the forward during backward,
     at the mean, so that gradient is at neither the sample nor the mean. The refusal drops the step's
-    samples (``discard``), whose gradients the backward has partly added to."""
-
-    def refuse(p: torch.Tensor) -> None:
-        if p not in _LATE_GUARDS:  # left behind by an interrupt between its removal and the registry's
-            return
-        discard()
-        raise RuntimeError(
-            f"a gradient reached {param_label(param_groups, p)} after its sampled_params(train=True) block had "
-            "exited: call backward inside the block. Outside it the weights hold the mean again, and a backward "
-            "through activation checkpointing would recompute the forward at the mean, not at the sample the "
-            "loss was taken at. This step's samples are dropped"
-        )
-
+    samples (``discard``), whose gradients the backward has partly added to. Each weight gets its hook
+    once; the hook does nothing while its weight is not armed here."""
+    owner = (param_groups, discard)
     for group in param_groups:
         if group["algorithm"] != "evon" or math.isinf(group["ess"]):  # no noise: the same weights
             continue
         for p in group["params"]:
-            if p.requires_grad and p not in _LATE_GUARDS:
-                _LATE_GUARDS[p] = p.register_post_accumulate_grad_hook(refuse)
+            if p.requires_grad:
+                pid = id(p)
+                if pid not in _HOOKED:
+                    p.register_post_accumulate_grad_hook(_refuse_late)
+                    _HOOKED[pid] = weakref.ref(p, _forget(pid))
+                _ARMED[pid] = owner
 
 
 def _unguard(param_groups: list[dict[str, Any]]) -> None:
-    for group in param_groups:
-        for p in group["params"]:
-            handle = _LATE_GUARDS.pop(p, None)
-            if handle is not None:
-                handle.remove()
+    if _ARMED:
+        for group in param_groups:
+            for p in group["params"]:
+                _ARMED.pop(id(p), None)
 
 
 def consumed_grads(param_groups: list[dict[str, Any]], places: list[tuple[int, int]] | None = None) -> Consumed:
