@@ -208,6 +208,80 @@ def test_a_peft_adapters_snippet_loads_the_tokenizer_of_its_base_model():
     assert 'tokenizer = AutoTokenizer.from_pretrained("gpt2")' in snippet and "token ids" not in snippet
 
 
+def _vision_or_audio_classifier(kind: str):
+    """A tiny ViT image classifier or Wav2Vec2 audio classifier and one batch of its inputs."""
+    from transformers import (
+        ViTConfig,
+        ViTForImageClassification,
+        Wav2Vec2Config,
+        Wav2Vec2ForSequenceClassification,
+    )
+
+    torch.manual_seed(0)
+    if kind == "vit":
+        config = ViTConfig(
+            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8,
+            patch_size=4, num_labels=3,
+        )  # fmt: skip
+        return ViTForImageClassification(config), "pixel_values", (3, 8, 8)
+    config = Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        classifier_proj_size=8, vocab_size=10, num_labels=3, mask_time_prob=0.0, layerdrop=0.0,
+    )  # fmt: skip
+    return Wav2Vec2ForSequenceClassification(config), "input_values", (400,)
+
+
+@pytest.mark.parametrize(
+    ("kind", "auto", "maker"),
+    [("vit", "AutoModelForImageClassification", "image processor"),
+     ("wav2vec2", "AutoModelForAudioClassification", "feature extractor")],
+)  # fmt: skip
+def test_an_image_or_audio_classifiers_card_loads_it_with_its_task_class_and_predicts_its_bma(
+    kind, auto, maker, tmp_path, capsys
+):
+    """A ViT image classifier's card loaded it with ``AutoModel`` (a ViTModel without the head: the
+    posterior's check refused it, no ``.logits``), a Wav2Vec2 audio classifier's with
+    ``AutoModelForSequenceClassification`` (a ValueError: no such model for its config), and both fed
+    token ids. The card names the task's Auto class and the model's own input; with that input filled
+    in, the snippet predicts the BMA the posterior gives here."""
+    model, key, shape = _vision_or_audio_classifier(kind)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, *shape, generator=g)
+    data = Dataset.from_dict({key: x.tolist(), "labels": (torch.arange(12) % 3).tolist()})
+    trainer = EVONTrainer(model=model, args=_args(tmp_path / "out"), train_dataset=data)
+    trainer.train()
+    trainer.save_model()
+    out = Path(trainer.args.output_dir)
+    snippet = _snippet((out / "README.md").read_text())
+    assert f'model = {auto}.from_pretrained("{out.resolve()}")' in snippet
+    assert "tokenizer" not in snippet.lower() and "token ids" not in snippet and "input_ids" not in snippet
+    inputs_line = f'inputs = ...  # the model\'s inputs: {{"{key}": ...}} as its {maker} makes them'
+    assert inputs_line in snippet
+    inputs = {key: torch.randn(2, *shape, generator=g)}
+    namespace: dict = {"_inputs": inputs}
+    exec(compile(snippet.replace(inputs_line, "inputs = _inputs"), "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    expected = _bma_probs(trainer.model, trainer.current_posterior(), inputs)
+    assert namespace["probs"].shape == (2, 3)
+    torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_peft_image_classifiers_snippet_builds_its_base_for_the_task_and_loads_no_tokenizer():
+    """A LoRA-adapted ViT classifier's snippet built its base with ``AutoModel`` (no head, no
+    ``num_labels``) and loaded a tokenizer from the base model, which an image model has none of."""
+    import types
+
+    from hf_evon.posterior.snippet import usage_snippet
+
+    names = ["base_model.model.vit.layers.0.attention.q_proj.lora_A.default.weight"]
+    posterior = types.SimpleNamespace(config={"model_class": "ViTForImageClassification"}, names=names)
+    snippet = usage_snippet(posterior, "google/vit-base-patch16-224", "path/to/adapter", None, None, 5, tokenizer=False)
+    assert 'base = AutoModelForImageClassification.from_pretrained("google/vit-base-patch16-224", num_labels=5)' in snippet
+    assert "tokenizer" not in snippet.lower() and "input_ids" not in snippet
+    assert 'inputs = ...  # the model\'s inputs: {"pixel_values": ...} as its image processor makes them' in snippet
+
+
 def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_tensor(tmp_path, capsys):
     """An ``nn.Module`` that is no transformers model (an MLP) has no ``config.json`` to load and
     returns a tensor: its card's snippet called ``AutoModel.from_pretrained`` on the directory and

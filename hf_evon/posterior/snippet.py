@@ -2,7 +2,8 @@
 
 The snippet loads a tokenizer only where one was saved with the model (``tokenizer_config.json``
 beside it, :func:`has_tokenizer`); otherwise a text model gets a few token ids, and a model whose
-inputs the card cannot know (``AutoModel``) a placeholder saying so. A plain ``nn.Module`` (an MLP:
+inputs the card cannot know (``AutoModel``) a placeholder saying so; an image or audio classifier
+is loaded with its task's Auto class and gets a placeholder naming its main input. A plain ``nn.Module`` (an MLP:
 no transformers class, no ``config.json``) is built by the user as in training and called on a tensor.
 """
 
@@ -17,7 +18,13 @@ from hf_evon.modeling import adapter_of_names
 __all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
 
 TOKENIZER_FILE = "tokenizer_config.json"  # what every transformers tokenizer's save_pretrained writes
-_LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification")
+# the Auto classes of image and audio classifiers: their inputs come from an image processor or a
+# feature extractor (never a tokenizer), under the model's ``main_input_name``
+_NON_TEXT_AUTO_CLASSES = {
+    "AutoModelForImageClassification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image processor"),
+    "AutoModelForAudioClassification": ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "feature extractor"),
+}
+_LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", *_NON_TEXT_AUTO_CLASSES)
 _NO_TOKENIZER = "no tokenizer was saved with the model"
 _TOKEN_IDS = f"input_ids = torch.tensor([[0, 1, 2, 3]])  # token ids: {_NO_TOKENIZER}"
 
@@ -42,7 +49,15 @@ def _auto_class(model_class: str) -> str:
         return "AutoModelForSeq2SeqLM"
     if "CausalLM" in model_class or "LMHead" in model_class:
         return "AutoModelForCausalLM"
-    for task in ("SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice", "MaskedLM"):
+    # by transformers' own task mappings first: an audio classifier may be named *ForSequenceClassification
+    # (Wav2Vec2's), which AutoModelForSequenceClassification does not load
+    from transformers.models.auto import modeling_auto
+
+    for auto, (mapping, _) in _NON_TEXT_AUTO_CLASSES.items():
+        for value in getattr(modeling_auto, mapping, {}).values():
+            if model_class == value or (isinstance(value, tuple) and model_class in value):
+                return auto
+    for task in ("ImageClassification", "AudioClassification", "SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice", "MaskedLM"):
         if task in model_class:
             return f"AutoModelFor{task}"
     return "AutoModel"
@@ -126,8 +141,25 @@ def _decoding_lines(tokenizer: bool) -> list[str]:
     ]
 
 
-def _input_lines(auto: str, tokenizer: bool) -> list[str]:
-    """The ``inputs`` of one prediction: tokenized text, token ids, or a placeholder."""
+def _main_input_name(model_class: str) -> str:
+    """The name of the model's main input (``pixel_values``, ``input_values``, ...), read from its
+    transformers class; ``input_ids`` where there is none."""
+    import transformers
+
+    try:
+        cls = getattr(transformers, model_class, None) if model_class.isidentifier() else None
+    except Exception:  # a lazy import of an optional backend's class
+        cls = None
+    name = getattr(cls, "main_input_name", None)
+    return name if isinstance(name, str) and name.isidentifier() else "input_ids"
+
+
+def _input_lines(auto: str, tokenizer: bool, model_class: str = "") -> list[str]:
+    """The ``inputs`` of one prediction: tokenized text, token ids, or a placeholder (an image or
+    audio classifier's names its main input and what makes it)."""
+    if auto in _NON_TEXT_AUTO_CLASSES:
+        maker = _NON_TEXT_AUTO_CLASSES[auto][1]
+        return [f'inputs = ...  # the model\'s inputs: {{"{_main_input_name(model_class)}": ...}} as its {maker} makes them']
     if auto == "AutoModelForQuestionAnswering" and tokenizer:
         return ['inputs = tokenizer("What is this?", "An example input.", return_tensors="pt")']
     if auto == "AutoModelForMultipleChoice":  # one question, two choices: a batch of (1, 2, tokens)
@@ -189,8 +221,8 @@ def usage_snippet(
         return _plain_module_snippet(model_class, location, sub)
     # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
     # directory holds
-    tokenizer = tokenizer or is_peft
     auto = _auto_class(model_class)
+    tokenizer = (tokenizer or is_peft) and auto not in _NON_TEXT_AUTO_CLASSES
     causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
     lines = [] if causal and tokenizer else ["import torch"]
@@ -232,4 +264,4 @@ def usage_snippet(
             "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
         ]
         return "\n".join(lines)
-    return "\n".join(lines + _input_lines(auto, tokenizer) + _averaged_probs_lines("model(**inputs).logits"))
+    return "\n".join(lines + _input_lines(auto, tokenizer, model_class) + _averaged_probs_lines("model(**inputs).logits"))
