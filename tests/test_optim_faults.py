@@ -1077,3 +1077,41 @@ def test_a_model_cast_after_a_step_is_refused_by_name_before_any_weight_moves(ca
     opt.zero_grad()
     _mlp_step(model, opt, x)
     assert not any(torch.equal(p.float(), before[n].float()) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "key"), [("2.weight", "hess"), ("2.bias", "exp_avg"), ("2.bias", "exp_avg_sq"), ("2.bias", "step")]
+)
+def test_every_state_entry_out_of_place_is_named_by_the_moved_params_check(name: str, key: str) -> None:
+    """Each entry the check compares (an EVON weight's device against its bucket's state, an AdamW
+    parameter's dtype and device against exp_avg and exp_avg_sq, its step count's device against
+    where its kernel reads it) is named when only it is out of place, after ``refused`` is called once;
+    in place, nothing is refused."""
+    from hf_evon import build_optimizer
+    from hf_evon.optim.update import adamw_inputs, refuse_moved_params
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = build_optimizer(model)
+    x = torch.randn(5, 4)
+    _mlp_step(model, opt, x)
+    model(x).square().mean().backward()
+    refused: list[int] = []
+
+    def check() -> None:
+        adamw = adamw_inputs(opt.param_groups, opt.state, opt._hooks, 1)
+        refuse_moved_params(opt.buckets, adamw, opt._param_label, lambda: refused.append(1))
+
+    check()
+    assert refused == []
+    p = dict(model.named_parameters())[name]
+    if key == "hess":  # the weight's device against its bucket's: a meta state stands in for a moved weight
+        (bucket,) = (b for b in opt.buckets if any(q is p for q in b.params))
+        bucket.state["hess"] = bucket.state["hess"].to("meta")
+    elif key == "step":
+        opt.state[p]["step"] = opt.state[p]["step"].to("meta")
+    else:
+        opt.state[p][key] = opt.state[p][key].double()
+    with pytest.raises(RuntimeError, match=rf"parameter {name} .*is torch\.float32 on cpu, but its state '{key}' is "):
+        check()
+    assert refused == [1]

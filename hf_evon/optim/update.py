@@ -306,6 +306,37 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
     )
 
 
+def _moved_param(buckets: list[Bucket], adamw: AdamWInputs) -> tuple[Tensor, str, Tensor] | None:
+    """The first parameter, with its state entry, no longer of the dtype or on the device that entry was
+    made for; None if there is none."""
+    for b in buckets:
+        hess = b.state["hess"]
+        device = hess.device  # read once: the members' states are rows of this one tensor
+        for p in b.params:
+            if p.device != device:
+                return p, "hess", hess
+    step_devices: dict[tuple[torch.dtype, torch.device], torch.device] = {}  # adamw_step_device per place
+    for params, _, states in adamw.values():
+        for p, st in zip(params, states):
+            avg_sq = st.get(ADAMW_ONLY_KEY)
+            if avg_sq is None:  # no AdamW state yet: the step makes it, as p is now
+                continue
+            dtype, device = p.dtype, p.device
+            avg = st["exp_avg"]
+            if avg.dtype != dtype or avg.device != device:
+                return p, "exp_avg", avg
+            if avg_sq.dtype != dtype or avg_sq.device != device:
+                return p, "exp_avg_sq", avg_sq
+            step = st.get("step")
+            if isinstance(step, Tensor):
+                wanted = step_devices.get((dtype, device))
+                if wanted is None:
+                    wanted = step_devices[dtype, device] = adamw_step_device(p)
+                if step.device != wanted:
+                    return p, "step", step
+    return None
+
+
 def refuse_moved_params(
     buckets: list[Bucket], adamw: AdamWInputs, label: Callable[[Tensor], str], refused: Callable[[], None]
 ) -> None:
@@ -313,18 +344,10 @@ def refuse_moved_params(
     state was made for (``model.to(torch.bfloat16)`` after a step), after calling ``refused``. Checked
     before any group steps: torch's kernels raise at the first group they meet, the others stepped.
     EVON's state follows the weights' dtype (its update is cast to it), not their device."""
-    moved = [(p, "hess", b.state["hess"]) for b in buckets for p in b.params if p.device != b.state["hess"].device]
-    for params, _, states in adamw.values():
-        for p, st in zip(params, states):
-            if ADAMW_ONLY_KEY not in st:  # no AdamW state yet: the step makes it, as p is now
-                continue
-            wanted = {"exp_avg": (p.dtype, p.device), "exp_avg_sq": (p.dtype, p.device)}
-            if torch.is_tensor(st.get("step")):
-                wanted["step"] = (st["step"].dtype, adamw_step_device(p))
-            moved += [(p, k, st[k]) for k, place in wanted.items() if (st[k].dtype, st[k].device) != place]
-    if moved:
+    moved = _moved_param(buckets, adamw)
+    if moved is not None:
         refused()
-        p, key, v = moved[0]
+        p, key, v = moved
         raise RuntimeError(
             f"EVON.step: parameter {label(p)} is {p.dtype} on {p.device}, but its state {key!r} is {v.dtype} "
             f"on {v.device}: the model was cast or moved after the optimizer's state was made. The step was "
