@@ -319,6 +319,50 @@ def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_t
     assert torch.equal(namespace["probs"], expected)
 
 
+def test_a_lora_adapted_plain_torch_modules_card_builds_its_base_as_in_training(tmp_path, capsys):
+    """A PEFT adapter on an ``nn.Module`` that is no transformers model (a CLIP vision tower with a
+    head of one's own, an MLP) got the snippet of a transformers model: ``AutoModel.from_pretrained``
+    of a base model id and a tokenizer, neither of which exists. It says to build the base as in
+    training, wraps it with the saved adapter, and calls it on a tensor; with those two lines filled
+    in it predicts the BMA the posterior gives here."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    fresh_base = copy.deepcopy(base)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"]))
+    opt = hf_evon.build_optimizer(model)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    assert "AutoModel" not in snippet and "from transformers" not in snippet and "tokenizer" not in snippet.lower()
+    base_line = "base = ...  # your Sequential as built in training, with its weights before the adapter (not a transformers model)"
+    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+    assert base_line in snippet and inputs_line in snippet
+    assert f'model = PeftModel.from_pretrained(base, "{tmp_path}")' in snippet
+    x = torch.randn(5, 4)
+    namespace: dict = {"_base": fresh_base, "_x": x}
+    filled = snippet.replace(base_line, "base = _base").replace(inputs_line, "inputs = _x")
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    model.eval()
+    with torch.no_grad():
+        expected = 0.0
+        for seed in range(8):
+            with posterior.sampled(model, seed=seed):
+                expected = expected + model(x).softmax(-1) / 8
+    torch.testing.assert_close(namespace["probs"], expected, rtol=1e-6, atol=1e-7)
+
+
 def test_a_trainer_saves_its_posterior_and_card_in_one_turn_of_the_directory_lock(tmp_path, tokenizer, monkeypatch):
     """The Trainer wrote its posterior under the directory lock and its card after letting it go:
     another save of the directory could come between them, leaving a card of a posterior the

@@ -4,7 +4,8 @@ The snippet loads a tokenizer only where one was saved with the model (``tokeniz
 beside it, :func:`has_tokenizer`); otherwise a text model gets a few token ids, and a model whose
 inputs the card cannot know (``AutoModel``) a placeholder saying so; an image or audio classifier
 is loaded with its task's Auto class and gets a placeholder naming its main input. A plain ``nn.Module`` (an MLP:
-no transformers class, no ``config.json``) is built by the user as in training and called on a tensor.
+no transformers class, no ``config.json``) is built by the user as in training (its base, wrapped with
+the saved adapter, where a PEFT adapter is on it) and called on a tensor.
 """
 
 from __future__ import annotations
@@ -98,16 +99,26 @@ def _averaged_probs_lines(logits: str) -> list[str]:
     ]
 
 
-def _plain_module_snippet(model_class: str, location: str, sub: str) -> str:
+def _plain_module_snippet(model_class: str, location: str, sub: str, adapter: str | None = None) -> str:
     """A plain ``nn.Module``'s snippet: the user builds the model as in training, and its forward
-    takes a tensor and returns logits."""
+    takes a tensor and returns logits. ``adapter``: the arguments after ``location`` with which
+    ``PeftModel.from_pretrained`` loads a PEFT adapter on it (None: no adapter); the user then
+    builds the base, and the snippet wraps it."""
     name = model_class if model_class.isidentifier() else "model"
+    what = "with its weights before the adapter" if adapter is not None else "with its trained weights"
+    built = f"# your {name} as built in training, {what} (not a transformers model)"
+    model_lines = (
+        [f"model = ...  {built}"]
+        if adapter is None
+        else [f"base = ...  {built}", f"model = PeftModel.from_pretrained(base, {_py(location)}{adapter})"]
+    )
     return "\n".join(
         [
             "import torch",
+            *(["from peft import PeftModel"] if adapter is not None else []),
             "from hf_evon import EVONPosterior",
             "",
-            f"model = ...  # your {name} as built in training, with its trained weights (not a transformers model)",
+            *model_lines,
             *_posterior_lines(location, sub),
             "inputs = ...  # a batch of the model's inputs (a tensor)",
             *_averaged_probs_lines("model(inputs)"),
@@ -219,6 +230,9 @@ def usage_snippet(
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
     if model_class and not is_peft and not _is_transformers_model(model_class):  # an unrecorded class: an Auto class
         return _plain_module_snippet(model_class, location, sub)
+    # a PEFT adapter on a plain nn.Module (a plain PeftModel records its base's class): no Auto class loads it
+    if model_class and is_peft and not model_class.startswith("Peft") and not _is_transformers_model(model_class):
+        return _plain_module_snippet(model_class, location, sub, rev + _adapter_arguments(posterior.names, location))
     # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
     # directory holds
     auto = _auto_class(model_class)
