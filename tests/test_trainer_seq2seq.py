@@ -213,6 +213,40 @@ def test_predict_bma_with_generate_restores_generate_after_an_error(tmp_path):
         trainer.predict(reversal_data(6, seed=3), bma=True)
 
 
+@pytest.mark.parametrize("bma", [False, True])
+def test_evaluate_with_generate_keeps_no_decoding_step_logits(tmp_path, monkeypatch, bma):
+    """``evaluate()`` under ``predict_with_generate`` reads the mean metrics from the Trainer's pass
+    through a forward hook, which kept every forward's output until the batch was done: each
+    decoding step's logits (rows x vocabulary, rows: the batch times the beams), which
+    ``generate`` itself drops step by step (T5-small's 32k vocabulary, 32 rows, 4 beams, 128 tokens:
+    2 GiB a batch). Only the output the metrics read (the loss forward's) is kept; the mean metrics
+    are the model's token NLL."""
+    import weakref
+
+    from hf_evon.trainer.evaluation import MetricAccumulator
+
+    trainer = _generating_trainer(tmp_path, compute_metrics=lambda p: {"rows": float(len(p.predictions))})
+    steps: list = []  # the decoding steps' logits of the batch so far, weakly
+    trainer.model.register_forward_hook(
+        lambda m, args, out: steps.append(weakref.ref(out.logits)) if out.logits.shape[1] == 1 else None
+    )
+    seen: list[tuple[int, int]] = []  # per batch: (decoding steps, their logits still alive)
+    add = MetricAccumulator.add
+
+    def counted(self, logp, labels, rows=None):  # noqa: ANN001, ANN202
+        seen.append((len(steps), sum(ref() is not None for ref in steps)))
+        steps.clear()
+        return add(self, logp, labels, rows)
+
+    monkeypatch.setattr(MetricAccumulator, "add", counted)
+    test = reversal_data(6, seed=3)
+    metrics = trainer.evaluate(test, bma=bma, num_beams=2)
+    assert metrics["eval_rows"] == 6.0
+    assert seen[0][0] >= 6 and seen[1][0] >= 6  # two batches of 4 and 2, 6 steps each at least
+    assert [alive for _, alive in seen] == [0] * len(seen)
+    assert metrics["eval_mean_nll"] == pytest.approx(_direct_token_nll(trainer.model, test), rel=1e-6)
+
+
 def test_token_metrics_hold_a_few_numbers_per_token_not_the_vocabulary(tmp_path, monkeypatch):
     """An encoder-decoder's ``eval_mean_*``/``eval_bma_*`` are token metrics over the decoder's
     vocabulary: the accumulators kept every evaluated token's float64 log-probabilities over the

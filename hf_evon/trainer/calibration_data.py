@@ -193,6 +193,25 @@ def forward_logits(
     return fields
 
 
+def output_field(output: Any, name: str) -> Any:
+    """Field ``name`` of a model output (a ``ModelOutput``, a dict or an object), or None."""
+    if isinstance(output, dict):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def scored_field(output: Any, labels: torch.Tensor, causal: bool) -> str | None:
+    """The field of a forward's ``output`` the mean metrics read for ``labels``: "logits" (one row per
+    label, or a classifier's), "log_probs" (a causal LM's fused head: the shifted labels'), or None."""
+    logits = output_field(output, "logits")
+    if isinstance(logits, torch.Tensor) and (
+        (logits.ndim == labels.ndim + 1 and logits.shape[:-1] == labels.shape) or (logits.ndim == 2 and labels.ndim == 1)
+    ):
+        return "logits"
+    token_logp = output_field(output, "log_probs") if causal else None
+    return "log_probs" if isinstance(token_logp, torch.Tensor) and token_logp.shape == labels[:, 1:].shape else None
+
+
 # Per model (behind its wrappers): a weak reference to its forward's function and that forward's
 # parameters. The BMA passes and the calibration ask for every batch of every pass: one read serves them all.
 _FORWARD_PARAMETERS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, Mapping[str, Any] | None]] = (

@@ -45,7 +45,14 @@ from hf_evon.predictive.metrics import (
     item_statistics,
     metrics_of_statistics,
 )
-from hf_evon.trainer.calibration_data import forked, forward_logits, length_sorted, replayed
+from hf_evon.trainer.calibration_data import (
+    forked,
+    forward_logits,
+    length_sorted,
+    output_field,
+    replayed,
+    scored_field,
+)
 from hf_evon.trainer.metric_merge import SearchObjectiveMixin, added_metric_keys, merge_metrics
 
 logger = logging.get_logger(__name__)
@@ -153,12 +160,6 @@ class MetricAccumulator:
         if not bool(labels.ne(IGNORE_INDEX).any()):  # no label kept: NaN, as an LM's and the model's own loss
             return dict.fromkeys(CALIBRATION_METRIC_KEYS, math.nan)
         return calibration_metrics(values, labels, "log_probs", n_bins=self.ece_bins)
-
-
-def _output_field(output: Any, name: str) -> Any:
-    if isinstance(output, dict):
-        return output.get(name)
-    return getattr(output, name, None)
 
 
 def batch_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | tuple[Tensor, ...] | None:
@@ -313,7 +314,9 @@ class PosteriorEvaluation:
         self.mean: MetricAccumulator | None = None
         self.reused = True  # False where a batch gave no usable model output, or its masks are not drawn again
         self.unsupported = False  # no labels, or no class distribution: no posterior metrics
-        self._outputs: list[Any] | None = None
+        # the batch's last forward output of each field the metrics read (scored_field), and its labels
+        self._outputs: dict[str, Any] | None = None
+        self._labels: Tensor | None = None
 
     # ---- reading the Trainer's pass
     @contextlib.contextmanager
@@ -321,8 +324,10 @@ class PosteriorEvaluation:
         """Record the model's outputs (forward hook) while the Trainer's evaluation loop runs."""
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._outputs is not None:
-                self._outputs.append(output)
+            # only the last of each field is read: generate()'s decoding steps (a batch x vocabulary of
+            # logits each) are not kept until the batch is done
+            if self._outputs is not None and (field := scored_field(output, self._labels, self.trainer._causal_lm)):
+                self._outputs[field] = output
 
         handle = model.register_forward_hook(hook)
         try:
@@ -335,12 +340,12 @@ class PosteriorEvaluation:
         """Around one ``prediction_step``: add its batch at the mean to the mean metrics."""
         if not self.unsupported and self.reused and not isinstance(labels, Tensor):
             self._refuse_labels(labels)  # before the batch's forward: a refusal costs no pass
-        self._outputs = []
+        self._outputs, self._labels = ({}, labels) if isinstance(labels, Tensor) else (None, None)
         try:
             yield
             outputs = self._outputs
         finally:
-            self._outputs = None
+            self._outputs = self._labels = None
         if self.unsupported or not self.reused:
             return
         logp = self._mean_log_probs(outputs, labels)
@@ -369,25 +374,16 @@ class PosteriorEvaluation:
             setattr(trainer, warned, True)
             logger.warning(warning)
 
-    def _mean_log_probs(self, outputs: list[Any], labels: Tensor) -> Tensor | None:
-        causal = self.trainer._causal_lm
-        for output in reversed(outputs):  # the last forward is the loss forward (after any generate())
-            logits = _output_field(output, "logits")
-            if (
-                isinstance(logits, Tensor)
-                and logits.ndim == labels.ndim + 1
-                and logits.shape[:-1] == labels.shape
-            ) or (isinstance(logits, Tensor) and logits.ndim == 2 and labels.ndim == 1):
-                if not self._set_task(task_of(logits, labels, causal), logits, labels):
-                    return None
-                return _metric_log_probs(logits, labels.to(logits.device), self.task)  # type: ignore[arg-type]
-        if causal:
-            for output in reversed(outputs):
-                # TRL's fused LM head: log p(label token) of the shifted labels, 0 where ignored
-                token_logp = _output_field(output, "log_probs")
-                if isinstance(token_logp, Tensor) and token_logp.shape == labels[:, 1:].shape:
-                    self._set_task("causal_lm", token_logp, labels)
-                    return token_logp.double()
+    def _mean_log_probs(self, outputs: dict[str, Any] | None, labels: Tensor) -> Tensor | None:
+        if outputs and "logits" in outputs:  # the last forward is the loss forward (after any generate())
+            logits = output_field(outputs["logits"], "logits")
+            if not self._set_task(task_of(logits, labels, self.trainer._causal_lm), logits, labels):
+                return None
+            return _metric_log_probs(logits, labels.to(logits.device), self.task)  # type: ignore[arg-type]
+        if outputs and "log_probs" in outputs:  # TRL's fused LM head: log p(shifted label), 0 where ignored
+            token_logp = output_field(outputs["log_probs"], "log_probs")
+            self._set_task("causal_lm", token_logp, labels)
+            return token_logp.double()
         return None
 
     def _set_task(self, task: str | None, logits: Tensor, labels: Tensor) -> bool:
