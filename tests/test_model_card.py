@@ -267,6 +267,50 @@ def test_an_image_or_audio_classifiers_card_loads_it_with_its_task_class_and_pre
     torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_speech_to_text_models_card_loads_it_with_its_task_class_and_decodes_its_features(tmp_path, capsys):
+    """A Whisper model's card loaded it with ``AutoModel`` (a WhisperModel without the LM head, whose
+    names lack the posterior's ``model.`` prefix: check_model raised PosteriorMismatchError) and
+    averaged ``.logits`` of inputs it could not name. The card loads it with
+    ``AutoModelForSpeechSeq2Seq`` and decodes its ``input_features`` with ``generate_bma``: with them
+    filled in, the snippet's ids are generate_bma's on the trained model and posterior."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=10,
+        max_target_positions=40, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
+        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.5,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    data = Dataset.from_dict(
+        {"input_features": torch.randn(8, 8, 20, generator=g).tolist(), "labels": torch.randint(3, 64, (8, 5)).tolist()}
+    )
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+        evon_ess=30.0, save_strategy="no", disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(model=WhisperForConditionalGeneration(config), args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model()
+    out = Path(trainer.args.output_dir)
+    snippet = _snippet((out / "README.md").read_text())
+    assert f'model = AutoModelForSpeechSeq2Seq.from_pretrained("{out.resolve()}")' in snippet
+    inputs_line = 'inputs = ...  # the model\'s inputs: {"input_features": ...} as its feature extractor makes them'
+    assert inputs_line in snippet and "input_ids" not in snippet
+    inputs = {"input_features": torch.randn(2, 8, 20, generator=g)}
+    namespace: dict = {"_inputs": inputs}
+    capsys.readouterr()  # the training's logs
+    exec(compile(snippet.replace(inputs_line, "inputs = _inputs"), "model_card_snippet", "exec"), namespace)  # noqa: S102
+    expected = hf_evon.generate_bma(
+        trainer.model.eval(), trainer.current_posterior(), **inputs, num_samples=8, seed=0, max_new_tokens=32
+    )
+    assert torch.equal(namespace["output_ids"], expected)
+    assert capsys.readouterr().out.strip() == str(expected[0].tolist())
+
+
 def test_a_peft_image_classifiers_snippet_builds_its_base_for_the_task_and_loads_no_tokenizer():
     """A LoRA-adapted ViT classifier's snippet built its base with ``AutoModel`` (no head, no
     ``num_labels``) and loaded a tokenizer from the base model, which an image model has none of."""

@@ -28,6 +28,7 @@ _NON_TEXT_AUTO_CLASSES = {
 _LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTokenClassification", *_NON_TEXT_AUTO_CLASSES)
 _NO_TOKENIZER = "no tokenizer was saved with the model"
 _TOKEN_IDS = f"input_ids = torch.tensor([[0, 1, 2, 3]])  # token ids: {_NO_TOKENIZER}"
+_SPEECH_TO_TEXT = "AutoModelForSpeechSeq2Seq"  # decodes text from features (Whisper's input_features)
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
@@ -44,10 +45,15 @@ def _py(value: Any) -> str:
 def _auto_class(model_class: str) -> str:
     """The transformers Auto class that reloads a model saved as ``model_class`` (a PEFT wrapper's
     name says its task: ``PeftModelForSeq2SeqLM``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
 
     if model_class in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.values() or "Seq2SeqLM" in model_class:
         return "AutoModelForSeq2SeqLM"
+    if model_class in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES.values():  # Whisper: AutoModel has no LM head
+        return _SPEECH_TO_TEXT
     if "CausalLM" in model_class or "LMHead" in model_class:
         return "AutoModelForCausalLM"
     # by transformers' own task mappings first: an audio classifier may be named *ForSequenceClassification
@@ -132,8 +138,18 @@ def num_labels(model: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _decoding_lines(tokenizer: bool) -> list[str]:
-    """``generate_bma`` on a prompt, then the output printed (decoded where there is a tokenizer)."""
+def _decoding_lines(tokenizer: bool, auto: str = "", model_class: str = "") -> list[str]:
+    """``generate_bma`` on a prompt (a speech-to-text model's: its features, a placeholder naming
+    them), then the output printed (decoded where there is a tokenizer)."""
+    if auto == _SPEECH_TO_TEXT:
+        printed = "tokenizer.decode(output_ids[0], skip_special_tokens=True)" if tokenizer else "output_ids[0].tolist()"
+        return [
+            f'inputs = ...  # the model\'s inputs: {{"{_main_input_name(model_class)}": ...}} as its feature extractor makes them',
+            "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
+            "    model, posterior, **inputs, num_samples=8, seed=0, max_new_tokens=32,",
+            ")",
+            f"print({printed})",
+        ]
     if not tokenizer:
         return [
             _TOKEN_IDS,
@@ -237,9 +253,9 @@ def usage_snippet(
     # directory holds
     auto = _auto_class(model_class)
     tokenizer = (tokenizer or is_peft) and auto not in _NON_TEXT_AUTO_CLASSES
-    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM")  # decodes
+    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", _SPEECH_TO_TEXT)  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
-    lines = [] if causal and tokenizer else ["import torch"]
+    lines = [] if causal and (tokenizer or auto == _SPEECH_TO_TEXT) else ["import torch"]  # token ids need torch
     auto_names = f"{auto}, AutoTokenizer" if tokenizer else auto
     labels = f", num_labels={labels_count}" if labels_count is not None and auto in _LABELLED_AUTO_CLASSES else ""
     if is_peft:
@@ -264,7 +280,7 @@ def usage_snippet(
         lines.append(f"tokenizer = AutoTokenizer.from_pretrained({model_location})")
     lines += _posterior_lines(location, sub)
     if causal:
-        return "\n".join(lines + _decoding_lines(tokenizer))
+        return "\n".join(lines + _decoding_lines(tokenizer, auto, model_class))
     if auto == "AutoModelForQuestionAnswering":
         lines += _input_lines(auto, tokenizer) + [
             "model.eval()",
