@@ -48,7 +48,11 @@ def test_the_replay_of_the_draws_calibrates_as_the_model_does() -> None:
         assert replayed.multiplier == pytest.approx(real.multiplier, rel=1e-12)
         assert replayed.temperature == real.temperature and replayed.scanned == real.scanned
         assert [g / real.trained_ess for g in real.grid] == pytest.approx([g / replayed.trained_ess for g in replayed.grid])
-        assert replayed.nll == pytest.approx(real.nll, rel=1e-9) and replayed.mean_nll == pytest.approx(real.mean_nll, rel=1e-9)
+        # the replay holds float32 log-probs (logits less their log-sum-exp) where the model gives logits: at
+        # the sharpened mean's temperature (T 0.35 here), at which every scale is scored, each divides by T
+        # with its own float32 rounding, so the NLLs agree to float32's resolution, not to float64's
+        assert replayed.nll == pytest.approx(real.nll, rel=1e-7) and replayed.mean_nll == pytest.approx(real.mean_nll, rel=1e-7)
+        assert replayed.temperature < 1  # the case the tolerance is for
         screened = [g / real.trained_ess for g in real.screened]
         assert screened == pytest.approx([g / replayed.trained_ess for g in replayed.screened])
         scored.append(len(real.grid))
