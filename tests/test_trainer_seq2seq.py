@@ -171,6 +171,28 @@ def test_predict_bma_with_generate_decodes_with_beam_search(tmp_path):
     assert "generate" not in model.__dict__ and "forward" not in model.__dict__
 
 
+def test_predict_bma_with_generate_scores_the_batches_of_its_predictions(tmp_path):
+    """``predict(test, bma=True)`` under ``predict_with_generate`` with a length-grouped loader
+    (train_sampling_strategy="group_by_length", dataloader_drop_last): its test_mean_* and test_bma_*
+    passes read the loader anew, each read drawing another order and so dropping other rows, so a
+    posterior without noise reported test_bma_nll apart from test_mean_nll. Every pass reads the
+    batches of the Trainer's pass."""
+    trained = _generating_trainer(tmp_path)
+    quiet = trained.current_posterior().with_ess(1e15)  # no noise to speak of: BMA is the mean
+    args = EVONSeq2SeqConfig(
+        output_dir=str(tmp_path / "p"), report_to="none", use_cpu=True, per_device_eval_batch_size=4,
+        disable_tqdm=True, bma_num_samples=2, predict_with_generate=True, generation_max_length=7, seed=0,
+        train_sampling_strategy="group_by_length", dataloader_drop_last=True,
+    )  # fmt: skip
+    trainer = EVONSeq2SeqTrainer(model=trained.model, args=args, posterior=quiet)
+    test = reversal_data(10, seed=3)  # batches of 4: each read drops 2 rows of its own order
+    for _ in range(2):  # each prediction's passes read one order
+        out = trainer.predict(test, bma=True)
+        assert len(out.predictions) == 8
+        assert out.metrics["test_bma_nll"] == pytest.approx(out.metrics["test_mean_nll"], rel=1e-6)
+        assert out.metrics["test_bma_accuracy"] == out.metrics["test_mean_accuracy"]
+
+
 def test_evaluate_bma_with_generate_scores_generate_bma_ids(tmp_path):
     """``evaluate(bma=True)`` under ``predict_with_generate``: evaluate() always decoded at the mean,
     so a generation metric (BLEU, ROUGE) never saw BMA. With ``bma=True`` compute_metrics scores
