@@ -229,6 +229,16 @@ def exact_float32_matmul() -> Iterator[None]:
         torch.set_float32_matmul_precision(saved)
 
 
+# ‖QᵀQx − x‖ / ‖x‖ allowed on load, by the dtype the basis was stored in: ~10x what rounding a
+# basis to that dtype gives, far below what a wrong basis gives (docs/posterior-format.md#orthonormality)
+ORTHONORMAL_TOL = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 6e-2,
+}
+
+
 def orthonormality_error(q: Tensor, probes: int = 2) -> float:
     """``max ‖QᵀQx − x‖ / ‖x‖`` over fixed random probes, for one basis or a stack of them: O(k n²)
     instead of O(n³). Measured in float32 (float64 bases: float64), as ``buckets.state_dtype``."""

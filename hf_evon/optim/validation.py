@@ -44,7 +44,7 @@ from hf_evon.optim.defaults import (
     lr_from_adamw_lr,
     ratio_clip,
 )
-from hf_evon.optim.linalg import orthonormality_error
+from hf_evon.optim.linalg import ORTHONORMAL_TOL, orthonormality_error
 
 __all__ = [
     "LAYOUT_KEYS",
@@ -477,11 +477,6 @@ class BuiltLayout:
         return _evon_members(groups) != self.members
 
 
-# ‖QᵀQx − x‖/‖x‖ a loaded eigenbasis may have, by its dtype: what a saved posterior's load allows
-# (hf_evon.posterior.gaussian.ORTHONORMAL_TOL), at least float32's, which the bases are computed in
-BASIS_TOLERANCE = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 6e-2}
-
-
 # what every stepped EVON entry holds (a momentum under either space's key): the step fills in a
 # missing one afresh, so an entry with some of them but not all would restart that piece silently
 _REQUIRED_KEYS = ("hess", "step", (ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM))
@@ -508,8 +503,8 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
     hyperparameters as the constructor checks them, each EVON parameter's state complete
     (:func:`check_entry_complete`), every entry a finite tensor, its step count at least
     ``UNINITIALIZED`` and its ``exp_avg_sq_norm`` at least 0, its eigenbases orthonormal within
-    ``BASIS_TOLERANCE`` and H + δ > 0 (a positive, finite posterior variance). The message names the
-    group or the parameter's index and entry."""
+    ``ORTHONORMAL_TOL`` (at least float32's) and H + δ > 0 (a positive, finite posterior variance).
+    The message names the group or the parameter's index and entry."""
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
@@ -545,7 +540,9 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
             if key in ("step", "exp_avg_sq_norm") and not bool((value >= low).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
             if key in ("Q_L", "Q_R") and value.numel():
-                err, tol = orthonormality_error(value), BASIS_TOLERANCE.get(value.dtype, 6e-2)
+                # a saved posterior's bound, at least float32's, which the bases are computed in
+                err = orthonormality_error(value)
+                tol = max(ORTHONORMAL_TOL.get(value.dtype, 6e-2), ORTHONORMAL_TOL[torch.float32])
                 if err > tol:
                     raise ValueError(
                         f"EVON.load_state_dict: state[{idx!r}][{key!r}] is not orthonormal "

@@ -23,6 +23,7 @@ import torch
 from hf_evon.optim.buckets import is_dtensor, matrix_shape, wide_sides
 from hf_evon.optim.buckets import state_dtype as compute_dtype  # float32 math; float64 stays float64
 from hf_evon.optim.linalg import (
+    ORTHONORMAL_TOL,
     dense_covariance,
     exact_float32_matmul,
     marginal_variance,
@@ -355,16 +356,6 @@ def polar_step(q: Tensor) -> Tensor:
         gram = q.mT @ q
         eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
         return q @ (1.5 * eye - 0.5 * gram)
-
-
-# ‖QᵀQx − x‖ / ‖x‖ allowed on load, by the dtype the basis was stored in: ~10x what rounding a
-# basis to that dtype gives, far below what a wrong basis gives (docs/posterior-format.md#orthonormality)
-ORTHONORMAL_TOL = {
-    torch.float64: 1e-6,
-    torch.float32: 1e-3,
-    torch.float16: 1e-2,
-    torch.bfloat16: 6e-2,
-}
 
 
 def orthonormal_tolerance(stored: torch.dtype, hess: torch.dtype) -> float:
