@@ -134,21 +134,14 @@ def _shift(peak: Tensor) -> Tensor:
     return torch.where(torch.isfinite(peak), peak, torch.zeros((), dtype=peak.dtype, device=peak.device))
 
 
-def _log_mean_exp(peak: Tensor, scaled_sum: Tensor, count: int) -> Tensor:
-    """``log(mean exp(x))`` from the values' peak (their max) and ``scaled_sum`` = Σ exp(x − shift):
-    ``shift + log(scaled_sum / count)``, the finish of :func:`log_mean_prob` and of the calibration's
-    BMA NLL. S equal values give exactly their value (S ones sum to S, whose mean is 1,
-    whose log is 0), where ``logsumexp − log S`` is off in the last bits: samples that agree have
-    exactly the mean's log-probabilities, and exactly 0 epistemic uncertainty."""
-    return _shift(peak) + (scaled_sum / count).log()
-
-
 def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
-    """BMA: ``log(mean_s exp(log_probs_s))`` over ``dim`` (averages probabilities, stably: relative
-    to their max)."""
-    peak = log_probs.amax(dim, keepdim=True)
-    scaled_sum = (log_probs - _shift(peak)).exp().sum(dim)
-    return _log_mean_exp(peak.squeeze(dim), scaled_sum, log_probs.shape[dim])
+    """BMA: ``log(mean_s exp(log_probs_s))`` over ``dim`` (averages probabilities), as ``shift +
+    log(mean exp(x − shift))`` with the values' max as the shift: S equal values give exactly their
+    value (S ones sum to S, whose mean is 1, whose log is 0), where ``logsumexp − log S`` is off in the
+    last bits, so samples that agree have exactly the mean's log-probabilities (and 0 epistemic
+    uncertainty) and a calibration scale whose draws equal the mean ties with it."""
+    shift = _shift(log_probs.amax(dim, keepdim=True))
+    return shift.squeeze(dim) + ((log_probs - shift).exp().sum(dim) / log_probs.shape[dim]).log()
 
 
 def widened(logits: Tensor) -> Tensor:
