@@ -385,22 +385,8 @@ def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributio
     positions (label names other than ``labels``) and dropped the end distribution without them.
     ``label_ids`` are the start and end positions and ``compute_metrics`` scores them, as in
     ``Trainer.predict``: predict(bma=True) read a ``labels`` key only, returned None and skipped it."""
-    from datasets import Dataset
-    from transformers import BertConfig, BertForQuestionAnswering
-
-    def data(n: int, seed: int) -> Dataset:
-        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
-        return Dataset.from_dict(
-            {"input_ids": ids.tolist(), "start_positions": (ids[:, 0] % 4).tolist(), "end_positions": (4 + ids[:, 1] % 4).tolist()}
-        )
-
-    def make() -> torch.nn.Module:
-        torch.manual_seed(0)
-        config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-        return BertForQuestionAnswering(config)
-
-    trainer = _trained(tmp_path, make, data(48, 0), data(16, 1), bma_num_samples=3, eval_strategy="no")
-    test = data(20, 2)
+    trainer = _trained(tmp_path, _tiny_qa, _qa_data(48, 0), _qa_data(16, 1), bma_num_samples=3, eval_strategy="no")
+    test = _qa_data(20, 2)
     if not positions:
         test = test.remove_columns(["start_positions", "end_positions"])
     trainer.model.config.return_dict = return_dict
