@@ -326,6 +326,17 @@ def test_a_peft_image_classifiers_snippet_builds_its_base_for_the_task_and_loads
     assert 'inputs = ...  # the model\'s inputs: {"pixel_values": ...} as its image processor makes them' in snippet
 
 
+def _plain_bma(model, posterior, x) -> torch.Tensor:
+    """The plain-module snippet's BMA, computed here: the softmax averaged over samples 0-7, in eval mode."""
+    model.eval()
+    with torch.no_grad():
+        expected = 0.0
+        for seed in range(8):
+            with posterior.sampled(model, seed=seed):
+                expected = expected + model(x).softmax(-1) / 8
+    return expected
+
+
 def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_tensor(tmp_path, capsys):
     """An ``nn.Module`` that is no transformers model (an MLP) has no ``config.json`` to load and
     returns a tensor: its card's snippet called ``AutoModel.from_pretrained`` on the directory and
@@ -354,12 +365,7 @@ def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_t
     filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
     exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
     assert capsys.readouterr().out.strip()
-    model.eval()
-    with torch.no_grad():
-        expected = 0.0
-        for seed in range(8):
-            with posterior.sampled(model, seed=seed):
-                expected = expected + model(x).softmax(-1) / 8
+    expected = _plain_bma(model, posterior, x)
     assert torch.equal(namespace["probs"], expected)
 
 
@@ -398,12 +404,7 @@ def test_a_lora_adapted_plain_torch_modules_card_builds_its_base_as_in_training(
     filled = snippet.replace(base_line, "base = _base").replace(inputs_line, "inputs = _x")
     exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
     assert capsys.readouterr().out.strip()
-    model.eval()
-    with torch.no_grad():
-        expected = 0.0
-        for seed in range(8):
-            with posterior.sampled(model, seed=seed):
-                expected = expected + model(x).softmax(-1) / 8
+    expected = _plain_bma(model, posterior, x)
     torch.testing.assert_close(namespace["probs"], expected, rtol=1e-6, atol=1e-7)
 
 
