@@ -428,12 +428,16 @@ def test_trl_reward_and_dpo_num_tokens_count_each_token_once_whatever_evon_mc_sa
         assert [h["num_tokens"] for h in trainer.state.log_history if "loss" in h] == expected, base.__name__
 
 
-def test_a_calibration_dataset_the_trainer_cannot_batch_is_refused_naming_it(tmp_path, corpus):
-    """A raw preference calibration_dataset beside a mixin subclass of RewardTrainer (as of DPOTrainer,
-    which prepare only their train and eval sets) failed in train() with the Trainer's "No columns in
-    the dataset match the model's forward method signature", naming no dataset, while the train set
-    of that very format trains. It is refused naming calibration_dataset (or calibrate()'s dataset),
-    the Trainer's message kept, before any step."""
+def _preference_pairs(corpus) -> Dataset:
+    """12 raw preference pairs (prompt, chosen, rejected) cut from the corpus's texts."""
+    texts = corpus[1]["text"][:12]
+    return Dataset.from_dict(
+        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
+    )
+
+
+def _reward_trainer(tmp_path, corpus, settings: dict | None = None, **datasets):
+    """A mixin subclass of TRL's RewardTrainer on a tiny GPT-2 scorer, one step over the first 8 pairs."""
     from transformers import GPT2ForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
@@ -442,19 +446,25 @@ def test_a_calibration_dataset_the_trainer_cannot_batch_is_refused_naming_it(tmp
     class EVONRewardTrainer(EVONTrainerMixin, RewardTrainer):
         config_class = evon_config_class(RewardConfig)
 
-    tokenizer, train, _ = corpus
-    texts = train["text"][:12]
-    pairs = Dataset.from_dict(
-        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
-    )
+    tokenizer = corpus[0]
     config = tiny_gpt2(tokenizer).config
     config.num_labels = 1
     args = EVONRewardTrainer.config_class(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=1, per_device_train_batch_size=4,
-        max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", evon_ess=1e3,
+        max_length=64, gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", evon_ess=1e3, **(settings or {}),
     )  # fmt: skip
-    trainer = EVONRewardTrainer(model=GPT2ForSequenceClassification(config), args=args, train_dataset=pairs.select(range(8)),
-                                processing_class=tokenizer, calibration_dataset=pairs.select(range(8, 12)))  # fmt: skip
+    return EVONRewardTrainer(model=GPT2ForSequenceClassification(config), args=args,
+                             train_dataset=_preference_pairs(corpus).select(range(8)), processing_class=tokenizer, **datasets)  # fmt: skip
+
+
+def test_a_calibration_dataset_the_trainer_cannot_batch_is_refused_naming_it(tmp_path, corpus):
+    """A raw preference calibration_dataset beside a mixin subclass of RewardTrainer (as of DPOTrainer,
+    which prepare only their train and eval sets) failed in train() with the Trainer's "No columns in
+    the dataset match the model's forward method signature", naming no dataset, while the train set
+    of that very format trains. It is refused naming calibration_dataset (or calibrate()'s dataset),
+    the Trainer's message kept, before any step."""
+    pairs = _preference_pairs(corpus)
+    trainer = _reward_trainer(tmp_path, corpus, calibration_dataset=pairs.select(range(8, 12)))
     with pytest.raises(ValueError, match=r"^EVONTrainer: calibration_dataset .*No columns in the dataset match"):
         trainer.train()
     assert trainer.state.global_step == 0 and trainer.evon_optimizer is None
@@ -507,29 +517,12 @@ def test_evaluate_of_unlabelled_preference_batches_warns_once_and_bma_true_is_re
     data, no labels: evaluate() and evaluate(bma=True) returned no eval_mean_*/eval_bma_* metrics and
     said nothing. A plain evaluate() now warns once per trainer; evaluate(bma=True), which asks for the
     BMA metrics, raises a ValueError saying the batches hold no labels."""
-    from transformers import GPT2ForSequenceClassification
-    from trl import RewardConfig, RewardTrainer
-
     import hf_evon.trainer.evaluation as evaluation
-    from hf_evon.trainer import EVONTrainerMixin
 
-    class EVONRewardTrainer(EVONTrainerMixin, RewardTrainer):
-        config_class = evon_config_class(RewardConfig)
-
-    tokenizer, train, _ = corpus
-    texts = train["text"][:12]
-    pairs = Dataset.from_dict(
-        {"prompt": [t[:30] for t in texts], "chosen": [t[30:80] for t in texts], "rejected": [t[80:130] for t in texts]}
-    )
-    config = tiny_gpt2(tokenizer).config
-    config.num_labels = 1
-    args = EVONRewardTrainer.config_class(
-        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_steps=1, per_device_train_batch_size=4,
-        per_device_eval_batch_size=4, max_length=64, gradient_checkpointing=False, disable_tqdm=True,
-        save_strategy="no", evon_ess=1e3, bma_num_samples=2,
+    trainer = _reward_trainer(
+        tmp_path, corpus, {"per_device_eval_batch_size": 4, "bma_num_samples": 2},
+        eval_dataset=_preference_pairs(corpus).select(range(8, 12)),
     )  # fmt: skip
-    trainer = EVONRewardTrainer(model=GPT2ForSequenceClassification(config), args=args, train_dataset=pairs.select(range(8)),
-                                eval_dataset=pairs.select(range(8, 12)), processing_class=tokenizer)  # fmt: skip
     trainer.train()
     warned: list[str] = []
     monkeypatch.setattr(evaluation.logger, "warning", lambda message, *a, **k: warned.append(message))
