@@ -899,6 +899,18 @@ def test_fp16_grad_scaler_is_refused_and_leaves_the_optimizer_usable() -> None:
     assert not torch.equal(snapshot(model, opt)["param.0.weight"], before["param.0.weight"])
 
 
+def _refused_and_unchanged(opt: EVON, model: nn.Module, data, bad: dict, named: str) -> None:
+    before = snapshot(model, opt)
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="load_state_dict") as err:
+        opt.load_state_dict(bad)
+    assert named in str(err.value)
+    assert_identical(snapshot(model, opt), before)
+    assert [dict(g) for g in opt.param_groups] == groups  # the groups' hyperparameters too
+    train_step(model, opt, data)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     "corrupt,named",
     [
@@ -921,26 +933,8 @@ def test_load_state_dict_validates_as_the_constructor_does(corrupt, named: str) 
         train_step(model, opt, data)
     bad = copy.deepcopy(opt.state_dict())
     corrupt(bad)
-    before = snapshot(model, opt)
-    with pytest.raises(ValueError, match="load_state_dict") as err:
-        opt.load_state_dict(bad)
-    assert named in str(err.value)
-    assert_identical(snapshot(model, opt), before)
-    train_step(model, opt, data)
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    _refused_and_unchanged(opt, model, data, bad, named)
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
-
-
-def _refused_and_unchanged(opt: EVON, model: nn.Module, data, bad: dict, named: str) -> None:
-    before = snapshot(model, opt)
-    groups = [dict(g) for g in opt.param_groups]
-    with pytest.raises(ValueError, match="load_state_dict") as err:
-        opt.load_state_dict(bad)
-    assert named in str(err.value)
-    assert_identical(snapshot(model, opt), before)
-    assert [dict(g) for g in opt.param_groups] == groups  # the groups' hyperparameters too
-    train_step(model, opt, data)
-    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def _evon_entry(sd: dict) -> dict:
