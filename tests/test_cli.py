@@ -1191,6 +1191,45 @@ def test_a_model_without_a_language_modelling_head_is_refused(tmp_path, capsys, 
     ) in err, err
 
 
+def test_a_speech_to_text_model_or_its_adapter_is_refused_naming_what_is_supported(tmp_path, capsys):
+    """generate and calibrate run models that read token ids. A WhisperForConditionalGeneration (and a
+    LoRA adapter of one) was refused as "not a causal LM or an encoder-decoder LM" that lacked "a
+    language-modelling head": Whisper is an encoder-decoder LM with one, reading audio features, not token ids.
+    ``inspect``, which loads no model, summarises its posterior."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=40, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=16,
+        max_target_positions=32, pad_token_id=1, bos_token_id=0, eos_token_id=1, decoder_start_token_id=2,
+    )  # fmt: skip
+    base, adapter = tmp_path / "whisper", tmp_path / "adapter"
+    model = WhisperForConditionalGeneration(config)
+    model.save_pretrained(base)
+    EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, **plain_evon()), model).save_pretrained(base)
+    lora = get_peft_model(WhisperForConditionalGeneration.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"]))
+    lora.save_pretrained(adapter)
+    EVONPosterior.from_optimizer(hf_evon.build_optimizer(lora, **plain_evon()), lora).save_pretrained(adapter)
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    for path, option in ((base, "--model"), (adapter, "the base model")):
+        assert main(["inspect", str(path), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["model_class"] == "WhisperForConditionalGeneration"
+        for rest in (["generate", "--prompt-ids", "5 6"], ["calibrate", "--text", str(text), "--output", str(tmp_path / "o")]):
+            assert main([rest[0], "--model", str(path), *rest[1:], "--device", "cpu"]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and not (tmp_path / "o").exists()
+            assert f"{option} " in err and (
+                f"{str(base)!r} is a WhisperForConditionalGeneration (config.json's architectures), a speech-to-text "
+                "model (AutoModelForSpeechSeq2Seq), which reads audio features, not token ids alone: generate and "
+                "calibrate run causal LMs (AutoModelForCausalLM), text encoder-decoders (AutoModelForSeq2SeqLM) and "
+                "PEFT adapters of them; decode it from Python with hf_evon.generate_bma, passing its input by the "
+                "model's name for it"
+            ) in err, err
+
+
 def test_calibrate_tokenizes_only_the_text_its_blocks_use(saved, tmp_path, monkeypatch, capsys):
     """calibrate read and tokenized the whole --text file though it scores at most --max-blocks
     blocks: on a large file that took minutes and the file's size in memory several times over.

@@ -470,6 +470,14 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path, **kwargs)
 
 
+# text generators whose input is not token ids alone: the mapping of their classes, what they are, their
+# Auto class, what they read
+_NOT_TOKEN_INPUT = (
+    ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "a speech-to-text model", "AutoModelForSpeechSeq2Seq", "audio features"),
+    ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "an image-text-to-text model", "AutoModelForImageTextToText", "images"),
+)
+
+
 def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> bool:
     """Whether the model at ``path`` is an encoder-decoder; a UsageError where its saved class
     (``architectures``) is no language model: the Auto classes would load it with another head,
@@ -487,9 +495,20 @@ def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> 
     saved = [a for a in getattr(config, "architectures", None) or [] if isinstance(a, str)]
     # a class transformers does not know (a subclass of one's own) is given the benefit of the doubt
     if saved and known.issuperset(saved) and not language_models.intersection(saved):
+        what = f"{option} {path!r} is a {', '.join(saved)} (config.json's architectures)"
+        supported = (
+            "generate and calibrate run causal LMs (AutoModelForCausalLM), text encoder-decoders "
+            "(AutoModelForSeq2SeqLM) and PEFT adapters of them"
+        )
+        # a model that decodes text from audio or images has a language-modelling head, not token input
+        for mapping, kind, auto, reads in _NOT_TOKEN_INPUT:
+            if classes(mapping).intersection(saved):
+                raise UsageError(
+                    f"{what}, {kind} ({auto}), which reads {reads}, not token ids alone: {supported}; decode it "
+                    "from Python with hf_evon.generate_bma, passing its input by the model's name for it"
+                )
         raise UsageError(
-            f"{option} {path!r} is a {', '.join(saved)} (config.json's architectures), not a causal LM or an "
-            "encoder-decoder LM: generate and calibrate need a model with a language-modelling head"
+            f"{what}, not a causal LM or an encoder-decoder LM: {supported}, which have a language-modelling head"
         )
     return bool(getattr(config, "is_encoder_decoder", False))
 
