@@ -113,6 +113,15 @@ def _decoded(predictions, width: int, pad: int) -> torch.Tensor:
     return tokens[:, :width]
 
 
+def _bma_samples(posterior):
+    """``posterior`` drawing the samples of seeds ``bma_seed + s`` (5, 6, 7), those the trainer's BMA
+    decoding and token metrics average (checked against ``posterior.sampled`` in
+    test_predict_bma_with_generate_decodes_the_samples_its_token_metrics_average)."""
+    from hf_evon.trainer.trainers import _SamplesBySeed
+
+    return _SamplesBySeed(posterior, 5)
+
+
 def test_predict_passes_generation_settings_to_seq2seq_trainer(tmp_path):
     """``Seq2SeqTrainer.predict(test, **gen_kwargs)``: the mixin's predict took no generation
     settings ("unexpected keyword argument 'max_new_tokens'")."""
@@ -140,7 +149,7 @@ def test_predict_bma_with_generate_decodes_with_generate_bma(tmp_path):
     out = trainer.predict(test, bma=True)
     posterior = trainer.current_posterior()
     ids = torch.tensor(test["input_ids"])
-    expected = generate_bma(model, posterior, ids, num_samples=3, seed=5, max_length=7)
+    expected = generate_bma(model, _bma_samples(posterior), ids, num_samples=3, seed=5, max_length=7)
     pad = model.config.pad_token_id
     assert torch.equal(_decoded(out.predictions, expected.shape[1], pad), expected)
     assert out.metrics["test_rows"] == 6.0 and len(seen) == 1 and seen[0] is out.predictions
@@ -164,8 +173,9 @@ def test_predict_bma_with_generate_decodes_with_beam_search(tmp_path):
     test = reversal_data(6, seed=3)
     out = trainer.predict(test, bma=True, num_beams=3)
     model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
-    expected = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7, num_beams=3)
-    greedy = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7)
+    samples = _bma_samples(trainer.current_posterior())
+    expected = generate_bma(model, samples, ids, num_samples=3, seed=5, max_length=7, num_beams=3)
+    greedy = generate_bma(model, samples, ids, num_samples=3, seed=5, max_length=7)
     assert not torch.equal(expected, greedy)  # the beams change the decoding here
     assert torch.equal(_decoded(out.predictions, expected.shape[1], model.config.pad_token_id), expected)
     assert "generate" not in model.__dict__ and "forward" not in model.__dict__
@@ -205,7 +215,7 @@ def test_evaluate_bma_with_generate_scores_generate_bma_ids(tmp_path):
     model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
     pad = model.config.pad_token_id
     bma_metrics = trainer.evaluate(test, bma=True)
-    expected = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7)
+    expected = generate_bma(model, _bma_samples(trainer.current_posterior()), ids, num_samples=3, seed=5, max_length=7)
     assert torch.equal(_decoded(seen[-1], expected.shape[1], pad), expected)
     mean_metrics = trainer.evaluate(test)
     mean_ids = model.generate(ids, max_length=7)
@@ -460,7 +470,8 @@ def test_predict_and_evaluate_bma_with_generate_decode_speech_and_vision_inputs(
     out = trainer.predict(test, bma=True)
     model = trainer.model.eval()
     features = torch.tensor(test[name])
-    expected = generate_bma(model, trainer.current_posterior(), **{name: features}, num_samples=3, seed=5, max_length=6)
+    samples = _bma_samples(trainer.current_posterior())
+    expected = generate_bma(model, samples, **{name: features}, num_samples=3, seed=5, max_length=6)
     assert not torch.equal(expected, model.generate(**{name: features}, max_length=6))  # not the mean's
     pad = model.generation_config.pad_token_id
     assert torch.equal(_decoded(out.predictions, expected.shape[1], pad), expected)
@@ -559,3 +570,36 @@ def test_bma_passes_of_an_encoder_decoder_derive_its_decoder_inputs_and_compute_
     assert all(seen[:8]) and seen[-1]  # bma_log_likelihood's scoring forward is its last (after probes)
     assert metrics == labelled_metrics and "eval_bma_nll" in metrics
     assert torch.equal(token_log_probs, labelled_log_probs)
+
+
+def _sampled_greedy(model, posterior, ids: torch.Tensor, seeds: list[int], steps: int) -> torch.Tensor:
+    """Greedy decoding of ``1/S Σ_s softmax(logits_s)`` with sample ``s`` written into the weights by
+    ``posterior.sampled(model, seed=s)``, as the token metrics' passes write it; past EOS the pad id,
+    as ``generate`` pads finished rows."""
+    config = model.config
+    decoded = torch.full((len(ids), 1), config.decoder_start_token_id)
+    done = torch.zeros(len(ids), dtype=torch.bool)
+    for _ in range(steps):
+        probs = torch.zeros(len(ids), config.vocab_size, dtype=torch.float64)
+        for seed in seeds:
+            with torch.no_grad(), posterior.sampled(model, seed=seed):
+                logits = model(input_ids=ids, decoder_input_ids=decoded).logits[:, -1]
+            probs += torch.softmax(logits.double() / posterior.temperature, dim=-1)
+        token = torch.where(done, config.pad_token_id, probs.argmax(-1))
+        done |= token == config.eos_token_id
+        decoded = torch.cat([decoded, token[:, None]], dim=1)
+    return decoded
+
+
+def test_predict_bma_with_generate_decodes_the_samples_its_token_metrics_average(tmp_path):
+    """``predict(test, bma=True)`` under ``predict_with_generate`` decoded with the samples of
+    ``posterior.draw(S, seed=bma_seed)`` while its ``test_bma_*`` token metrics averaged those of
+    ``posterior.sampled(model, seed=bma_seed + s)``: other weights than the predictions'. The ids are
+    greedy decoding of the BMA predictive of the metrics' samples (seeds 5, 6, 7)."""
+    trainer = _generating_trainer(tmp_path)
+    test = reversal_data(6, seed=3)
+    out = trainer.predict(test, bma=True, max_new_tokens=4)
+    model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
+    expected = _sampled_greedy(model, trainer.current_posterior(), ids, [5, 6, 7], steps=4)
+    assert torch.equal(_decoded(out.predictions, expected.shape[1], model.config.pad_token_id), expected)
+

@@ -5,6 +5,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
@@ -52,7 +53,8 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
     ) -> Any:
         """``Seq2SeqTrainer.predict`` (``gen_kwargs``: its generation settings). With ``bma=True``
         and ``predict_with_generate``, the ``predictions`` are decoded by :func:`generate_bma`
-        (``bma_num_samples`` samples, seed ``bma_seed``, the same draw for every batch) and your
+        (``bma_num_samples`` samples, those of seeds ``bma_seed + s`` that the token metrics average, the
+        same for every batch) and your
         ``compute_metrics`` scores them; the loss is the mean's, as in ``Seq2SeqTrainer``, and the
         metrics add the labels' ``{prefix}_mean_*`` and ``{prefix}_bma_*`` token metrics. With
         ``bma=True`` and no generation: the averaged token probabilities (:mod:`hf_evon.trainer.prediction`)."""
@@ -115,16 +117,42 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=True, **gen_kwargs)
 
 
+class _SamplesBySeed:
+    """``posterior`` whose ``draw(S)`` gives the samples the BMA passes write, sample ``s`` the one of
+    ``posterior.sampled(model, seed=seed + s)``, whatever seed the caller passes: ``generate_bma``
+    then decodes with the weights the ``{prefix}_bma_*`` token metrics average (its own ``draw(S,
+    seed)`` would take S slices of one stream, other samples than seeds ``seed + s`` but the first)."""
+
+    def __init__(self, posterior: Any, seed: int) -> None:
+        self._posterior, self._seed = posterior, seed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._posterior, name)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._posterior[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._posterior
+
+    def draw(self, num_samples: int, seed: Any = None, **kwargs: Any) -> dict[str, Any]:
+        # each name's draws are seeded by (seed, name) alone, so per-seed draws of the same names stack
+        draws = [self._posterior.draw(1, seed=self._seed + s, **kwargs) for s in range(num_samples)]
+        return {name: torch.cat([d.pop(name) for d in draws]) for name in list(draws[0])}
+
+
 @contextmanager
 def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed: int) -> Iterator[None]:
     """``model.generate`` routed to :func:`generate_bma` for the block: ``Seq2SeqTrainer``'s
     ``prediction_step`` (its generation settings, padding and loss) then runs unchanged. The
-    batch's ``labels`` stay out of decoding, as ``generate`` ignores them."""
+    batch's ``labels`` stay out of decoding, as ``generate`` ignores them. Every batch decodes with
+    the same weight samples, those of seeds ``seed + s`` (:class:`_SamplesBySeed`)."""
+    samples = _SamplesBySeed(posterior, seed)
 
     def generate(input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("labels", None)
         return generate_bma(
-            model, posterior, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed, **kwargs
+            model, samples, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed, **kwargs
         )
 
     previous = model.__dict__.get("generate")  # an instance's own (a Hub repo's custom_generate)
