@@ -603,3 +603,15 @@ def test_predict_bma_with_generate_decodes_the_samples_its_token_metrics_average
     expected = _sampled_greedy(model, trainer.current_posterior(), ids, [5, 6, 7], steps=4)
     assert torch.equal(_decoded(out.predictions, expected.shape[1], model.config.pad_token_id), expected)
 
+
+def test_predict_bma_with_generate_samples_other_tokens_in_each_batch(tmp_path):
+    """``do_sample=True`` under ``predict(test, bma=True)``: every batch sampled its tokens from one
+    stream (the same seed each batch), so two batches of the same prompts decoded the same ids. Each
+    batch has its own stream now, the call as a whole reproducible."""
+    trainer = _generating_trainer(tmp_path)
+    half = reversal_data(4, seed=3)  # one batch of 4 (per_device_eval_batch_size), twice
+    test = Dataset.from_dict({k: list(half[k]) * 2 for k in half.column_names})
+    first = torch.as_tensor(trainer.predict(test, bma=True, do_sample=True, max_new_tokens=5).predictions)
+    assert not torch.equal(first[:4], first[4:])
+    again = torch.as_tensor(trainer.predict(test, bma=True, do_sample=True, max_new_tokens=5).predictions)
+    assert torch.equal(first, again)

@@ -1,5 +1,6 @@
 """The EVON trainers: :class:`EVONTrainerMixin` on ``transformers.Trainer`` and ``Seq2SeqTrainer``."""
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
+from hf_evon.optim.noise import derived_seed, process_rank
 from hf_evon.predictive.generation import generate_bma
 from hf_evon.trainer.calibration_data import replayed
 from hf_evon.trainer.combined import register_evon_config
@@ -54,7 +56,7 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         """``Seq2SeqTrainer.predict`` (``gen_kwargs``: its generation settings). With ``bma=True``
         and ``predict_with_generate``, the ``predictions`` are decoded by :func:`generate_bma`
         (``bma_num_samples`` samples, those of seeds ``bma_seed + s`` that the token metrics average, the
-        same for every batch) and your
+        same for every batch; ``do_sample``'s tokens a stream of each batch's own) and your
         ``compute_metrics`` scores them; the loss is the mean's, as in ``Seq2SeqTrainer``, and the
         metrics add the labels' ``{prefix}_mean_*`` and ``{prefix}_bma_*`` token metrics. With
         ``bma=True`` and no generation: the averaged token probabilities (:mod:`hf_evon.trainer.prediction`)."""
@@ -145,14 +147,19 @@ class _SamplesBySeed:
 def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed: int) -> Iterator[None]:
     """``model.generate`` routed to :func:`generate_bma` for the block: ``Seq2SeqTrainer``'s
     ``prediction_step`` (its generation settings, padding and loss) then runs unchanged. The
-    batch's ``labels`` stay out of decoding, as ``generate`` ignores them. Every batch decodes with
-    the same weight samples, those of seeds ``seed + s`` (:class:`_SamplesBySeed`)."""
+    batch's ``labels`` stay out of decoding, as ``generate`` ignores them.
+
+    Every batch decodes with the same weight samples, those of seeds ``seed + s`` (:class:`_SamplesBySeed`);
+    sampling (``do_sample``) draws its tokens from a stream of each batch's own (by its number in the
+    block and the process's rank), so batches of the same prompts do not decode the same tokens."""
     samples = _SamplesBySeed(posterior, seed)
+    batches = itertools.count()
 
     def generate(input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("labels", None)
+        tokens = derived_seed(seed, "generation batch", process_rank(), next(batches))
         return generate_bma(
-            model, samples, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed, **kwargs
+            model, samples, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=tokens, **kwargs
         )
 
     previous = model.__dict__.get("generate")  # an instance's own (a Hub repo's custom_generate)
