@@ -311,6 +311,48 @@ def test_a_speech_to_text_models_card_loads_it_with_its_task_class_and_decodes_i
     assert capsys.readouterr().out.strip() == str(expected[0].tolist())
 
 
+def test_a_vision_encoder_decoders_card_loads_it_for_its_task_and_decodes_its_pixels(tmp_path, capsys):
+    """A VisionEncoderDecoderModel's card (TrOCR, Donut: an image-to-text model) loaded it with
+    ``AutoModel``, which raises ValueError for a VisionEncoderDecoderConfig, and averaged the
+    ``.logits`` of inputs it could not name (a decoder's need ``decoder_input_ids``). The card loads it
+    with ``AutoModelForImageTextToText`` and decodes its ``pixel_values`` with ``generate_bma``: with
+    them filled in, the snippet's ids are generate_bma's on the trained model and posterior."""
+    from transformers import GPT2Config, VisionEncoderDecoderConfig, VisionEncoderDecoderModel, ViTConfig
+
+    torch.manual_seed(0)
+    encoder = ViTConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=8, patch_size=4
+    )
+    decoder = GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=40, bos_token_id=0, eos_token_id=1,
+        add_cross_attention=True, is_decoder=True,
+    )  # fmt: skip
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 0, 1, 1
+    model = VisionEncoderDecoderModel(config=config)
+    opt = hf_evon.build_optimizer(model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            model(pixel_values=torch.randn(2, 3, 8, 8, generator=g), labels=torch.randint(2, 30, (2, 5), generator=g)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model).with_ess(30.0)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    assert f'model = AutoModelForImageTextToText.from_pretrained("{tmp_path}")' in snippet and ".logits" not in snippet
+    inputs_line = 'inputs = ...  # the model\'s inputs: {"pixel_values": ...} as its processor makes them'
+    assert inputs_line in snippet and "input_ids" not in snippet
+    inputs = {"pixel_values": torch.randn(2, 3, 8, 8, generator=g)}
+    namespace: dict = {"_inputs": inputs}
+    capsys.readouterr()  # the save's logs
+    exec(compile(snippet.replace(inputs_line, "inputs = _inputs"), "model_card_snippet", "exec"), namespace)  # noqa: S102
+    expected = hf_evon.generate_bma(model.eval(), posterior, **inputs, num_samples=8, seed=0, max_new_tokens=32)
+    assert expected.shape[1] > 2 and torch.equal(namespace["output_ids"], expected)
+    assert capsys.readouterr().out.strip() == str(expected[0].tolist())
+
+
 def test_a_peft_image_classifiers_snippet_builds_its_base_for_the_task_and_loads_no_tokenizer():
     """A LoRA-adapted ViT classifier's snippet built its base with ``AutoModel`` (no head, no
     ``num_labels``) and loaded a tokenizer from the base model, which an image model has none of."""

@@ -3,7 +3,8 @@
 The snippet loads a tokenizer only where one was saved with the model (``tokenizer_config.json``
 beside it, :func:`has_tokenizer`); otherwise a text model gets a few token ids, and a model whose
 inputs the card cannot know (``AutoModel``) a placeholder saying so; an image or audio classifier
-is loaded with its task's Auto class and gets a placeholder naming its main input. A plain ``nn.Module`` (an MLP:
+is loaded with its task's Auto class and gets a placeholder naming its main input, as does a
+speech-to-text or image-to-text model, which decodes with ``generate_bma``. A plain ``nn.Module`` (an MLP:
 no transformers class, no ``config.json``) is built by the user as in training (its base, wrapped with
 the saved adapter, where a PEFT adapter is on it) and called on a tensor.
 """
@@ -29,6 +30,10 @@ _LABELLED_AUTO_CLASSES = ("AutoModelForSequenceClassification", "AutoModelForTok
 _NO_TOKENIZER = "no tokenizer was saved with the model"
 _TOKEN_IDS = f"input_ids = torch.tensor([[0, 1, 2, 3]])  # token ids: {_NO_TOKENIZER}"
 _SPEECH_TO_TEXT = "AutoModelForSpeechSeq2Seq"  # decodes text from features (Whisper's input_features)
+# decodes text from images (a VisionEncoderDecoder's pixel_values), with a prompt's tokens where it takes one
+_IMAGE_TO_TEXT = "AutoModelForImageTextToText"
+# the Auto classes that decode text from inputs other than token ids alone, and what makes those inputs
+_NON_TEXT_DECODERS = {_SPEECH_TO_TEXT: "feature extractor", _IMAGE_TO_TEXT: "processor"}
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:
@@ -59,6 +64,11 @@ def _auto_class(model_class: str) -> str:
     # by transformers' own task mappings first: an audio classifier may be named *ForSequenceClassification
     # (Wav2Vec2's), which AutoModelForSequenceClassification does not load
     from transformers.models.auto import modeling_auto
+
+    # an image-to-text model (VisionEncoderDecoderModel): AutoModel does not load it, and it decodes
+    for value in getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}).values():
+        if model_class == value or (isinstance(value, tuple) and model_class in value):
+            return _IMAGE_TO_TEXT
 
     for auto, (mapping, _) in _NON_TEXT_AUTO_CLASSES.items():
         for value in getattr(modeling_auto, mapping, {}).values():
@@ -139,12 +149,13 @@ def num_labels(model: Any) -> int | None:
 
 
 def _decoding_lines(tokenizer: bool, auto: str = "", model_class: str = "") -> list[str]:
-    """``generate_bma`` on a prompt (a speech-to-text model's: its features, a placeholder naming
-    them), then the output printed (decoded where there is a tokenizer)."""
-    if auto == _SPEECH_TO_TEXT:
+    """``generate_bma`` on a prompt (a speech-to-text or image-to-text model's: its features or
+    pixels, a placeholder naming them), then the output printed (decoded where there is a tokenizer)."""
+    if auto in _NON_TEXT_DECODERS:
         printed = "tokenizer.decode(output_ids[0], skip_special_tokens=True)" if tokenizer else "output_ids[0].tolist()"
+        maker = _NON_TEXT_DECODERS[auto]
         return [
-            f'inputs = ...  # the model\'s inputs: {{"{_main_input_name(model_class)}": ...}} as its feature extractor makes them',
+            f'inputs = ...  # the model\'s inputs: {{"{_main_input_name(model_class)}": ...}} as its {maker} makes them',
             "output_ids = generate_bma(  # averages next-token probabilities over 8 weight samples",
             "    model, posterior, **inputs, num_samples=8, seed=0, max_new_tokens=32,",
             ")",
@@ -253,9 +264,9 @@ def usage_snippet(
     # directory holds
     auto = _auto_class(model_class)
     tokenizer = (tokenizer or is_peft) and auto not in _NON_TEXT_AUTO_CLASSES
-    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", _SPEECH_TO_TEXT)  # decodes
+    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", *_NON_TEXT_DECODERS)  # decodes
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
-    lines = [] if causal and (tokenizer or auto == _SPEECH_TO_TEXT) else ["import torch"]  # token ids need torch
+    lines = [] if causal and (tokenizer or auto in _NON_TEXT_DECODERS) else ["import torch"]  # token ids need torch
     auto_names = f"{auto}, AutoTokenizer" if tokenizer else auto
     labels = f", num_labels={labels_count}" if labels_count is not None and auto in _LABELLED_AUTO_CLASSES else ""
     if is_peft:
