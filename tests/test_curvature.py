@@ -209,6 +209,38 @@ def test_resume_across_a_refit_is_bit_for_bit() -> None:
     assert opt.param_groups[0]["weight_decay"] == expected[1]["weight_decay"]
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "still_fitted"), [("ess", 5000.0, ("weight_decay",)), ("weight_decay", 1e-3, ("ess",))]
+)
+def test_a_fitted_value_set_mid_run_sticks(key: str, value: float, still_fitted: tuple[str, ...]) -> None:
+    """A number set in ``param_groups`` on a group built with ess="auto" (or weight_decay=None), as
+    torch users set lr, was silently overwritten by the next refit; it is kept, that key is no longer
+    fitted (dropped from ``fit_to_curvature``, which a state dict saves), the other key still is."""
+    model = mlp()
+    x, y = data()
+    opt = EVON(evon_weights(model), curvature_refit=3, seed=0)
+    group = opt.param_groups[0]
+    for _ in range(3):
+        train_step(model, opt, x, y)
+    group[key] = -1.0  # refused by name, nothing changed
+    with pytest.raises(ValueError, match=rf"^param_groups\[0\]: .*{key}"):
+        train_step(model, opt, x, y)
+    assert group["fit_to_curvature"] == ("ess", "weight_decay")
+    group[key] = value
+    for _ in range(3):  # a refit after step 6
+        train_step(model, opt, x, y)
+    assert group[key] == value and group["fit_to_curvature"] == still_fitted
+    assert opt.state_dict()["param_groups"][0]["fit_to_curvature"] == still_fitted
+    hess = torch.cat([opt.state[p]["hess"].flatten().double() for p in group["params"]])
+    w = torch.cat([p.detach().flatten().double() for p in group["params"]])
+    if key == "ess":  # δ refit to H's quantile
+        assert group["weight_decay"] == pytest.approx(expected_prior(hess), rel=1e-9)
+    else:  # ζ refit to the noise ratio with the user's δ
+        pooled_var = float((1 / (group["ess"] * (hess + value))).mean())
+        ratio = noise_std_ratio(6, group["hess_init"], group["betas"][1])
+        assert pooled_var == pytest.approx(ratio**2 * float(w.square().mean()), rel=1e-6)
+
+
 # ---------------------------------------------------------------------- H stays a curvature
 @pytest.mark.parametrize("hess_clip_ratio", [None, 2.0])
 def test_price_estimate_never_makes_h_negative(hess_clip_ratio: float | None) -> None:

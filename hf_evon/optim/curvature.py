@@ -38,8 +38,11 @@ __all__ = [
     "fit_from_curvature",
     "fitted_ess",
     "fitted_prior",
+    "fitted_values",
+    "keep_user_numbers",
     "log_histogram",
     "mean_pull",
+    "note_fitted",
     "refit_due",
 ]
 
@@ -60,6 +63,31 @@ def curvature_fitted(group: dict[str, Any]) -> tuple[str, ...]:
     if not group.get("curvature_refit") or group.get("ess") != AUTO_ESS:
         return ()
     return ("ess", "weight_decay") if group.get("weight_decay", 0.0) is None else ("ess",)
+
+
+def fitted_values(group: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The (key, value) pairs of the keys ``group``'s ``fit_to_curvature`` names, as it holds them."""
+    return tuple((key, group.get(key)) for key in group.get("fit_to_curvature") or ())
+
+
+def note_fitted(groups: list[dict[str, Any]], records: dict[int, dict[str, Any]]) -> None:
+    """Keep in each group's fit record (``records``, by id of group) its ``fitted_values`` as the
+    optimizer has just set them (built, resolved from "auto", refit): a number found there later that
+    differs is the user's own, which ``validation.validate_groups`` keeps, as torch keeps an edited lr."""
+    for group in groups:
+        if id(group) in records:
+            records[id(group)]["set_by_fit"] = fitted_values(group)
+
+
+def keep_user_numbers(group: dict[str, Any], record: dict[str, Any], numbers: list[str]) -> None:
+    """Drop from ``group``'s ``fit_to_curvature`` each of ``numbers`` (its fitted keys that held a
+    number, not "auto"/None, before the group was settled) whose number is not the one the optimizer
+    last set (``record``'s ``set_by_fit``): the user's, kept from then on as a given ζ or δ is."""
+    last = dict(record.get("set_by_fit") or fitted_values(group))
+    edited = [key for key in numbers if key in last and group.get(key) != last[key]]
+    if edited:
+        group["fit_to_curvature"] = tuple(k for k in group["fit_to_curvature"] if k not in edited)
+    record["set_by_fit"] = fitted_values(group)
 
 
 def mean_pull(group: dict[str, Any]) -> float:
@@ -113,10 +141,15 @@ def refit_due(group: dict[str, Any], t: int) -> bool:
 
 @torch.no_grad()
 def fit_from_curvature(
-    groups: list[dict[str, Any]], buckets: list[Bucket], hooks: ShardingHooks, t: int
+    groups: list[dict[str, Any]],
+    buckets: list[Bucket],
+    hooks: ShardingHooks,
+    t: int,
+    records: dict[int, dict[str, Any]] | None = None,
 ) -> None:
     """Refit δ and then ζ of each of ``groups`` (those named in its ``fit_to_curvature``) from the
-    H of its ``buckets`` on every rank (two pooled reductions), after the ``t``-th update.
+    H of its ``buckets`` on every rank (two pooled reductions), after the ``t``-th update; the
+    values set noted in ``records`` (the optimizer's fit records: ``note_fitted``).
 
     Sums are taken per matrix and added in the matrices' order in their group, so a sharded run
     (each rank holding some matrices) fits the very numbers a single process does."""
@@ -182,3 +215,4 @@ def fit_from_curvature(
             ess = fitted_ess(float(inv[gi, 0]), int(sums[gi, 1]), float(sums[gi, 0]), ratio)
             if ess is not None:
                 group["ess"] = ess
+    note_fitted(groups, records or {})

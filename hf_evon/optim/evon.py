@@ -40,7 +40,7 @@ from hf_evon.optim.buckets import (
     stack_state,
 )
 from hf_evon.optim.checks import Clip, HessEstimator, NonFinite, StepCurvature, mode_value, refuse_grad_scaler
-from hf_evon.optim.curvature import fit_from_curvature, refit_due
+from hf_evon.optim.curvature import fit_from_curvature, note_fitted, refit_due
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -101,6 +101,7 @@ class EVON(Optimizer):
             per group, first the ζ whose initial std is ``init_std_ratio`` of the weights' RMS;
             under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps
             (:mod:`hf_evon.optim.curvature`). ``inf``: no noise, a SOAP-like method.
+            A number set later in ``param_groups`` is kept, no longer refit (so is a set ``weight_decay``).
         hess_init: initial Hessian h0 > 0 everywhere.
         betas: (β1, β2) for the momentum and the Hessian.
         weight_decay: prior precision δ > 0 per datum (0 only at ess=inf): prior ``N(0, (ζ δ)^-1 I)``. None (the
@@ -301,6 +302,7 @@ class EVON(Optimizer):
         for b in built:
             stack_state(b, self._member_state)
         resolve_auto_ess(self.param_groups, self._hooks.square_sums)
+        note_fitted(self.param_groups, self._fit_records)
         self._layout = BuiltLayout(self.param_groups)
         return built
 
@@ -311,6 +313,7 @@ class EVON(Optimizer):
         if self._buckets is not None:
             self._layout.check(self.param_groups)
             resolve_auto_ess(self.param_groups, self._hooks.square_sums)
+            note_fitted(self.param_groups, self._fit_records)
 
     def _refuse_in_sample(self, call: str) -> None:
         if self._in_sample:
@@ -453,7 +456,7 @@ class EVON(Optimizer):
         self._updates += 1
         due = [g for g in self.param_groups if refit_due(g, self._updates)]
         if due:
-            fit_from_curvature(due, self.buckets, self._hooks, self._updates)
+            fit_from_curvature(due, self.buckets, self._hooks, self._updates, self._fit_records)
         if self.health_check_every and self._updates % self.health_check_every == 0:
             self.posterior_health(warn=True)
 

@@ -28,7 +28,7 @@ from hf_evon.optim.checks import (
     python_number,
     require,
 )
-from hf_evon.optim.curvature import curvature_fitted
+from hf_evon.optim.curvature import curvature_fitted, fitted_values, keep_user_numbers
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -338,7 +338,7 @@ def build_group(group: dict[str, Any], updates: int, built: dict[int, dict[str, 
         group.setdefault("fit_from", updates)
     record = fit_record(group)  # before settle_group resolves weight_decay=None
     settle_group(group)
-    built[id(group)] = record
+    built[id(group)] = {**record, "set_by_fit": fitted_values(group)}  # the resolved weight_decay
 
 
 # what decides, when a group is built, what is fitted to its curvature (curvature_fitted)
@@ -347,9 +347,11 @@ FIT_KEYS = ("hess_estimator", "curvature_refit", "ess", "weight_decay")
 
 def fit_record(group: dict[str, Any]) -> dict[str, Any]:
     """``group``'s ``FIT_KEYS`` as it is built: ess "auto" and weight_decay None where its
-    ``fit_to_curvature`` names them (a loaded or copied group holds the numbers fitted since)."""
+    ``fit_to_curvature`` names them (a loaded or copied group holds the numbers fitted since), and
+    under ``set_by_fit`` those numbers as it holds them (``curvature.note_fitted``)."""
     fitted, unset = group.get("fit_to_curvature") or (), {"ess": AUTO_ESS, "weight_decay": None}
-    return {key: unset[key] if key in fitted else group.get(key) for key in FIT_KEYS}
+    record = {key: unset[key] if key in fitted else group.get(key) for key in FIT_KEYS}
+    return {**record, "set_by_fit": fitted_values(group)}
 
 
 def fit_records(groups: list[dict[str, Any]], kept: list[Any] | None = None) -> dict[int, dict[str, Any]]:
@@ -417,11 +419,14 @@ def validate_groups(
             if checked.get(id(group)) == _settings(group) and rate_ok(lr, read=on_host):
                 group["lr"] = python_number(lr)  # a NumPy rate: Python's
                 continue
+        fitted = group.get("fit_to_curvature") or ()
+        numbers = [k for k in fitted if group.get(k) is not None and not isinstance(group.get(k), str)]
         try:
             record = check_fit_record(group, built)  # before a None is resolved
             settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
         except (ValueError, TypeError) as err:
             raise type(err)(f"param_groups[{i}]: {err}") from None
+        keep_user_numbers(group, record, numbers)
         built[id(group)] = record
         checked[id(group)] = _settings(group)
 
