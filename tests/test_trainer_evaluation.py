@@ -1324,6 +1324,27 @@ def test_evaluate_of_extractive_qa_warns_once_naming_its_label_names(tmp_path, m
     assert "eval_mean_" in warned[0]
 
 
+def test_evaluate_of_one_label_tensor_against_several_distributions_is_refused_by_name(tmp_path, monkeypatch):
+    """One label tensor (``label_names=["start_positions"]``) against an output of several
+    distributions (``start_logits``, ``end_logits``, no ``logits``): evaluate() raised AttributeError
+    ('tuple' object has no attribute 'shape') in the mean pass, losing the Trainer's own metrics.
+    It skips the mean/BMA metrics with one warning saying so (2 distributions against one label
+    tensor), and evaluate(bma=True) raises a ValueError saying it; the model's eval_loss stays."""
+    import hf_evon.trainer.evaluation as evaluation
+
+    trainer = _trained(
+        tmp_path, _tiny_qa, _qa_data(32, 0), _qa_data(16, 1), eval_strategy="no", label_names=["start_positions"]
+    )
+    warned: list[str] = []
+    monkeypatch.setattr(evaluation.logger, "warning", lambda message, *a, **k: warned.append(message))
+    for _ in range(2):
+        metrics = trainer.evaluate()
+        assert "eval_loss" in metrics and not any("_mean_" in k or "_bma_" in k for k in metrics), metrics
+    assert len(warned) == 1 and "2 distributions" in warned[0] and "eval_mean_" in warned[0], warned
+    with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): .*2 distributions"):
+        trainer.evaluate(bma=True)
+
+
 @pytest.mark.parametrize("kind", ["unlabelled", "qa"])
 def test_evaluate_bma_true_refuses_batches_it_cannot_score_before_any_forward(tmp_path, kind):
     """evaluate(bma=True) of a set without labels raised its ValueError only after the first batch's

@@ -459,6 +459,10 @@ class PosteriorEvaluation:
                     self._refuse_labels(labels)
                 return False
             logits = forward_logits(self.trainer, model, inputs)
+            if isinstance(logits, tuple):  # several *_logits fields: which one the labels score is unknown
+                why = f"the model's output holds {len(logits)} distributions (*_logits) against one label tensor"
+                self._not_scored(why, "_evon_warned_no_classes", f"EVONTrainer: {why}: no {self.prefix}_mean_* metrics")
+                return False
             if not self._set_task(task_of(logits, labels, self.trainer._causal_lm), logits, labels):
                 return False
             self.mean.add(_metric_log_probs(logits, labels, self.task), labels)  # type: ignore[union-attr, arg-type]
