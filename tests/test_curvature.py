@@ -241,6 +241,39 @@ def test_a_fitted_value_set_mid_run_sticks(key: str, value: float, still_fitted:
         assert pooled_var == pytest.approx(ratio**2 * float(w.square().mean()), rel=1e-6)
 
 
+def test_resume_at_a_refit_keeps_fitting_as_the_uninterrupted_run() -> None:
+    """Saved right after the refit at step curvature_refit, rebuilt with the same arguments and
+    loaded: the group keeps its "auto" fits (the refit at 2·curvature_refit) as the run never stopped."""
+    x, y = data()
+    refit = 4
+
+    def fresh() -> tuple[nn.Module, EVON]:
+        model = mlp()
+        return model, EVON(evon_weights(model), curvature_refit=refit, seed=0)
+
+    model, opt = fresh()
+    for _ in range(2 * refit):
+        train_step(model, opt, x, y)
+    expected, group = [p.detach().clone() for p in model.parameters()], dict(opt.param_groups[0])
+
+    model, opt = fresh()
+    for _ in range(refit):
+        train_step(model, opt, x, y)
+    saved_fit = (opt.param_groups[0]["ess"], opt.param_groups[0]["weight_decay"])
+    checkpoint = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    model, opt = fresh()
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    assert opt.param_groups[0]["fit_to_curvature"] == ("ess", "weight_decay")
+    for _ in range(refit):
+        train_step(model, opt, x, y)
+    assert (group["ess"], group["weight_decay"]) != saved_fit  # refit after the resume
+    assert opt.param_groups[0]["ess"] == group["ess"]
+    assert opt.param_groups[0]["weight_decay"] == group["weight_decay"]
+    for a, b in zip(model.parameters(), expected):
+        assert torch.equal(a.detach(), b)
+
+
 # ---------------------------------------------------------------------- H stays a curvature
 @pytest.mark.parametrize("hess_clip_ratio", [None, 2.0])
 def test_price_estimate_never_makes_h_negative(hess_clip_ratio: float | None) -> None:
