@@ -130,3 +130,93 @@ def test_evon_config_fields_documented() -> None:
         cited += [kw for call in re.findall(r"EVONConfig\(([^)]*)\)", text) for kw in re.findall(r"(\w+)=", call)]
         unknown += [f"{page}: {name}" for name in cited if name not in every and name not in api]
     assert unknown == []
+
+
+# docs/usage.md's Python blocks, each after the set-up of what it takes as given (a tiny model built
+# from a config, a few batches), keyed by the code of the block's first line; (old, new) edits make a block fit
+# this machine (no Hub, a CPU), each edit's old text checked to be in the block
+_LM = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=128,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0))
+ids = torch.randint(1, 64, (8, 12))
+loader = [{"input_ids": ids[i : i + 4], "labels": ids[i : i + 4]} for i in (0, 4)]
+"""
+_LM_EVON = _LM + "import hf_evon\nfrom hf_evon import EVONPosterior, build_optimizer\noptimizer = build_optimizer(model)\n"
+_CLASSIFIER = """
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+torch.manual_seed(0)
+model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                                 num_attention_heads=2, intermediate_size=32, num_labels=3))
+def examples(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, 50, (6,), generator=g), "labels": int(torch.randint(0, 3, (), generator=g))}
+            for _ in range(n)]
+train, dev, held_out, test = examples(32, 0), examples(16, 1), examples(16, 2), examples(8, 3)
+"""
+_SFT = """
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate("<eos> a b c d".split())}, unk_token="<eos>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+model = GPT2LMHeadModel(GPT2Config(vocab_size=5, n_embd=16, n_layer=1, n_head=2, eos_token_id=0, pad_token_id=0))
+texts, dev = Dataset.from_dict({"text": ["a b c d"] * 8}), Dataset.from_dict({"text": ["d c b a"] * 2})
+"""
+_ACCELERATE = _LM_EVON + "from accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n"
+USAGE_BLOCKS = {
+    "from hf_evon import build_optimizer": (_LM, []),
+    "from hf_evon import EVONConfig, EVONTrainer": (_CLASSIFIER, [('"out"', '"out", num_train_epochs=1')]),
+    "from hf_evon.trainer import EVONSFTConfig, EVONSFTTrainer": (_SFT, [("packing=True", "packing=True, bf16=False")]),
+    "from hf_evon import EVONPosterior, calibrate_posterior": (_LM_EVON + "val_batches = loader\n", []),
+    "import torch": (
+        "import torch\nfrom hf_evon import EVONPosterior, build_optimizer\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))\n"
+        "posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)\nx = torch.randn(5, 4)\n",
+        [],
+    ),
+    "from hf_evon import EVONPosterior": (_LM_EVON, [('posterior.push_to_hub("me/my-model")', "")]),
+    "from hf_evon import generate_bma": (
+        _LM_EVON + "posterior = EVONPosterior.from_optimizer(optimizer, model)\n"
+        "input_ids = ids[:2, :4]\nmask = torch.ones_like(input_ids)\n",
+        [],
+    ),
+    "model, optimizer, loader = accelerator.prepare(model, optimizer, loader)": (_ACCELERATE, []),
+    "for micro_batches in steps:": (
+        _ACCELERATE.replace("cpu=True", "cpu=True, gradient_accumulation_steps=2")
+        + "model, optimizer = accelerator.prepare(model, optimizer)\n"
+        "optimizer = hf_evon.prepare_distributed(model, optimizer)\nsteps, max_norm = [loader], 1.0\n",
+        [],
+    ),
+    "from hf_evon.data import encode_documents, load_or_train_tokenizer, split_documents, stdlib_corpus": ("", []),
+}
+
+
+def test_usage_snippets_run(tmp_path) -> None:
+    """Every Python block of docs/usage.md runs as written after the set-up of what it takes as given,
+    each in a fresh namespace of one interpreter, in an empty directory. (No test ran them.)"""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "docs" / "usage.md").read_text(), re.S)
+    first_lines = [block.splitlines()[0].split("#")[0].strip() for block in blocks]  # its code, no comment
+    assert first_lines == list(USAGE_BLOCKS), "a block of docs/usage.md without its set-up here (or one gone)"
+    parts = []
+    for i, block in enumerate(blocks):
+        setup, edits = USAGE_BLOCKS[first_lines[i]]
+        for old, new in edits:
+            assert old in block, (first_lines[i], old)
+            block = block.replace(old, new)
+        parts.append(f"exec({setup + block!r}, {{}})\nprint('BLOCK', {i}, flush=True)\n")
+    script = tmp_path / "usage.py"
+    script.write_text("".join(parts))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+    )
+    assert run.returncode == 0, run.stdout[-500:] + run.stderr[-3000:]
+    assert re.findall(r"^BLOCK (\d+)$", run.stdout, re.M) == [str(i) for i in range(len(blocks))]
+    # what the blocks' comments name: the posterior's two files, the tokenizer the data helper trained
+    assert {"evon_posterior.safetensors", "evon_posterior_config.json"} <= set(os.listdir(tmp_path / "out"))
+    assert (tmp_path / "out" / "tok" / "tokenizer.json").is_file()
