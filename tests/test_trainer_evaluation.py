@@ -248,6 +248,40 @@ def test_a_resumed_run_runs_bma_at_the_evaluations_the_uninterrupted_one_does(tm
         assert [h["step"] for h in evals if "eval_bma_nll" in h] == [2, 4, 6]
 
 
+@pytest.mark.parametrize("every,with_bma", [(1, [0, 1, 2, 3, 4]), (2, [2, 4]), (3, [3, 4]), (0, [4])])
+def test_the_evaluation_on_start_counts_toward_no_bma_eval_every(tmp_path, every, with_bma):
+    """``eval_on_start=True`` with bma_eval_every=2: the evaluation before the first step counted as
+    the run's first, so BMA ran at steps 1, 3 and 4 instead of the 2nd and 4th evaluations of training
+    (steps 2 and 4). The start evaluation is extra: BMA there with bma_eval_every=1 only."""
+    trainer = _trained(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, bma_eval_every=every, logging_steps=10,
+        eval_on_start=True,
+    )  # fmt: skip
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [0, 1, 2, 3, 4]
+    assert [h["step"] for h in evals if "eval_bma_nll" in h] == with_bma
+
+
+def test_a_resumed_run_evaluating_on_start_runs_bma_at_the_evaluations_the_uninterrupted_one_does(tmp_path):
+    """Resumed at step 3 (no evaluation there: eval_steps=2) with ``eval_on_start=True``: the start
+    evaluation at step 3 counted as the run's second, so the one at step 4 (the 2nd of training,
+    bma_eval_every=2) ran no BMA; it runs it, as the uninterrupted run does, and the one at 3 none."""
+    common = dict(max_steps=6, eval_strategy="steps", eval_steps=2, bma_eval_every=2, logging_steps=10,
+                  save_strategy="steps", save_steps=3)  # fmt: skip
+    straight = _trained(tmp_path / "straight", **common)
+    resumed = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path / "resumed", evon_ess=60.0, bma_num_samples=2, bma_seed=3, eval_on_start=True, **common),
+        train_dataset=classification_data(),
+        eval_dataset=classification_data(48, seed=1),
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "out" / "checkpoint-3"))
+    for trainer, steps in ((straight, [2, 4, 6]), (resumed, [2, 3, 4, 6])):
+        evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+        assert [h["step"] for h in evals] == steps
+        assert [h["step"] for h in evals if "eval_bma_nll" in h] == [4, 6]
+
+
 def test_predict_bma_returns_averaged_probabilities_classification(tmp_path):
     trainer = _trained(tmp_path, bma_num_samples=3)
     test = classification_data(40, seed=2)  # batches of 16, 16, 8

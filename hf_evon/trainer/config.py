@@ -324,7 +324,8 @@ class EVONConfig(TrainingArguments):
         metadata={
             "help": "BMA passes cost bma_num_samples forward passes per evaluation: run them on every k-th "
             "evaluation during training (1: every one) and at the evaluation at which training stops, whatever k "
-            "(at the last step, or where a callback such as EarlyStoppingCallback stops it); 0: only there. "
+            "(at the last step, or where a callback such as EarlyStoppingCallback stops it); 0: only there. An "
+            "evaluation before the first step (eval_on_start) counts toward no k-th and runs them with k = 1 only. "
             "evaluate() outside train() always runs them. Evaluations without BMA still report the eval_mean_* "
             "metrics."
         },

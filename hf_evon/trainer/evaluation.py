@@ -45,6 +45,7 @@ from hf_evon.predictive.metrics import (
     item_statistics,
     metrics_of_statistics,
 )
+from hf_evon.trainer.bma_schedule import bma_due
 from hf_evon.trainer.calibration_data import (
     forked,
     forward_logits,
@@ -579,17 +580,8 @@ class EvaluationMixin(SearchObjectiveMixin):
         return forked(self._uncached_eval_dataloader(ordered))  # leaves torch's generator as it is
 
     def _bma_due(self) -> bool:
-        """Whether this evaluation runs the BMA passes (``bma_eval_every``)."""
-        if not self._evon_in_training or self._evon_bma_asked:
-            return True
-        every, step = self.args.bma_eval_every, self.state.global_step
-        # this evaluation's number in the run's logs (a resumed run's included; several eval datasets
-        # at one step are one evaluation)
-        logs = self.state.log_history
-        earlier = {h["step"] for h in logs if h.get("step", step) < step and any(k.startswith("eval_") for k in h)}
-        # the last step, or a stop decided before this evaluation (a callback's at the step's end)
-        at_end = (self.state.max_steps > 0 and step >= self.state.max_steps) or self.control.should_training_stop
-        return at_end or (every > 0 and (len(earlier) + 1) % every == 0)
+        """Whether this evaluation runs the BMA passes (``bma_eval_every``: :func:`bma_due`)."""
+        return not self._evon_in_training or self._evon_bma_asked or bma_due(self)
 
     def posterior_metrics(self, dataloader: Any, metric_key_prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_mean_*`` and ``{prefix}_bma_*`` of ``dataloader`` on their own (one pass at the
