@@ -23,6 +23,7 @@ __all__ = [
     "atomic_write",
     "directory_lock",
     "looks_like_local_path",
+    "refused_load_text",
     "fsync_dir",
     "fsync_file",
     "give_created_mode",
@@ -167,4 +168,30 @@ def looks_like_local_path(value: str) -> bool:
         or (os.altsep is not None and os.altsep in value)
         or (os.sep != "/" and os.sep in value)
         or ("/" in value and os.path.isdir(first))
+    )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# the lines of torch's refusal that say how to load the file anyway, not why it was refused
+_TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
+
+
+def refused_load_text(path: str, err: BaseException) -> str:
+    """The one message for a file ``torch.load(weights_only=True)`` refuses (a pickle.UnpicklingError):
+    it names ``path`` and gives the unpickler's reason (the global or opcode it met). torch's own
+    message advises ``weights_only=False`` or allowing the global, which would run whatever code the
+    file holds: the file is not trusted here, so the advice is left out."""
+    reasons = []
+    for line in _ANSI.sub("", str(err)).splitlines():
+        line = line.strip()
+        if "WeightsUnpickler error:" in line:
+            line = line.split("WeightsUnpickler error:", 1)[1].strip()
+        elif line.startswith(_TORCH_ADVICE):
+            continue
+        if line:
+            reasons.append(line.split(". Please use", 1)[0].rstrip("."))
+    why = "; ".join(reasons)[:300] or type(err).__name__
+    return (
+        f"{path}: refusing to load it: torch.load(weights_only=True) loads tensors and plain data only, "
+        f"and this file holds more, which loading could run as code ({why})"
     )

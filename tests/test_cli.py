@@ -810,12 +810,26 @@ def _evil_pickle(directory) -> None:
     torch.save({"x": Evil()}, directory / "pytorch_model.bin")
 
 
+def test_a_refused_pickle_is_named_without_torchs_advice(saved, tmp_path, capsys):
+    """A model whose pytorch_model.bin holds a pickle that would run code was reported with torch's
+    first line, "This file can still be loaded ... if you trust the source", naming no file. The
+    error names the file and the global the unpickler met, and gives no advice to load it anyway."""
+    directory = _copy_of(saved, tmp_path)
+    _evil_pickle(directory)
+    code = main(["generate", "--model", str(directory), "--prompt-ids", "5 6", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 1
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert str(directory / "pytorch_model.bin") in line and "Unsupported global: GLOBAL print" in line, line
+    assert "can still be loaded" not in line and "weights_only=False" not in line, line
+
+
 @pytest.mark.parametrize(
     "fault, message",
     [
         ("truncated", "a safetensors file could not be read"),
         ("deep_model_config", "nests too deeply"),
-        ("pickle", "refusing to load a pickled file"),
+        ("pickle", "pytorch_model.bin: refusing to load it"),
         ("deep_posterior_config", "evon_posterior_config.json: the config nests"),
     ],
 )
@@ -1452,8 +1466,10 @@ def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running
         f"({len(tokenizer)}, 16) in pytorch_model.bin, ({len(tokenizer)}, 32) in --model)",
         "index": "holds the weights of another model than --model's (none of the tensors of its "
         "model.safetensors.index.json is --model's, e.g. 'encoder.layers.0.fc1.weight')",
-        "pickle": "its pytorch_model.bin does not read as tensors without running code (torch.load(weights_only=True) "
-        "refuses it: WeightsUnpickler error: Unsupported global: GLOBAL print was not an allowed global by default)",
+        "pickle": "its pytorch_model.bin does not read as tensors without running code ("
+        f"{tmp_path / 'pickle' / 'pytorch_model.bin'}: refusing to load it: torch.load(weights_only=True) loads "
+        "tensors and plain data only, and this file holds more, which loading could run as code (Unsupported "
+        "global: GLOBAL print was not an allowed global by default))",
     }
     said = refused_outputs(path, text, [tmp_path / n for n in expected], capsys, monkeypatch)
     for name, what in expected.items():

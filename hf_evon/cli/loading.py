@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from hf_evon.fileio import looks_like_local_path
+from hf_evon.fileio import looks_like_local_path, refused_load_text
 
 
 # --------------------------------------------------------------------- shared helpers
@@ -60,14 +60,27 @@ def file_errors() -> tuple[type[BaseException], ...]:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _loaded_file(err: BaseException) -> str | None:
+    """The file ``torch.load`` was reading where it raised ``err`` (transformers' loaders let its
+    refusal through without naming the file); None where no ``torch.load`` call is in the traceback."""
+    tb, found = err.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "load" and code.co_filename.endswith(os.path.join("torch", "serialization.py")):
+            f = tb.tb_frame.f_locals.get("f")
+            found = os.fspath(f) if isinstance(f, str | os.PathLike) else found
+        tb = tb.tb_next
+    return found
+
+
 def file_error_text(err: BaseException) -> str:
     """One line: what failed, and the first line of the library's message."""
     import pickle
 
+    if isinstance(err, pickle.UnpicklingError):
+        return refused_load_text(_loaded_file(err) or "a pickled file", err)
     lines = (_ANSI.sub("", line).strip() for line in str(err).splitlines())
     first = next((line for line in lines if line), type(err).__name__)
-    if isinstance(err, pickle.UnpicklingError):
-        return f"refusing to load a pickled file: loading it could run code ({first})"
     if isinstance(err, RecursionError):
         return f"a file nests too deeply to read ({first})"
     return f"a safetensors file could not be read or written ({first})"
@@ -265,12 +278,11 @@ def weights_file_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
             if "mmap" not in str(err):
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, TypeError) as err:
-        lines = [_ANSI.sub("", line).strip() for line in str(err).splitlines() if line.strip()]
-        # torch's first line of a refusal says how to load the file anyway; the unpickler's says why
-        why = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
-        why = why.split(". Please use")[0]  # not the advice to allow the global: the file is not trusted here
-        raise ValueError(f"torch.load(weights_only=True) refuses it: {why or type(err).__name__}") from None
+    except pickle.UnpicklingError as err:
+        raise ValueError(refused_load_text(path, err)) from None
+    except (RuntimeError, EOFError, AttributeError, TypeError) as err:
+        first = next((_ANSI.sub("", line).strip() for line in str(err).splitlines() if line.strip()), "")
+        raise ValueError(f"torch.load cannot read it: {first or type(err).__name__}") from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise ValueError("it is not a dictionary of tensors")
     return {str(k): tuple(t.shape) for k, t in state.items()}

@@ -35,7 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
-from hf_evon.fileio import directory_lock, replaced_atomically
+from hf_evon.fileio import directory_lock, refused_load_text, replaced_atomically
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
@@ -326,7 +326,11 @@ class CheckpointingMixin:
         if os.path.isfile(scheduler):
             with warnings.catch_warnings(record=True) as caught:
                 check_torch_load_is_safe()
-                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+                try:
+                    state = torch.load(scheduler, weights_only=True)
+                except pickle.UnpicklingError as err:
+                    raise ValueError(refused_load_text(scheduler, err)) from err
+                self.lr_scheduler.load_state_dict(state)
             reissue_pt_warnings(caught)
         return True
 
@@ -340,12 +344,7 @@ class CheckpointingMixin:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
-            # torch's reason, without its advice to load with weights_only=False (which runs the file's code)
-            reason = str(err).split("WeightsUnpickler error:", 1)[-1].split("Check the documentation", 1)[0]
-            raise ValueError(
-                f"{path}: refusing to load a pickle that is not plain tensors and numbers: loading it could "
-                f"run code ({' '.join(reason.split())[:300]})"
-            ) from err
+            raise ValueError(refused_load_text(path, err)) from err
         except (RuntimeError, EOFError, OSError) as err:
             first = (str(err).splitlines() or [repr(err)])[0][:300]
             raise ValueError(f"{path}: cannot read EVON's optimizer state ({first})") from err
