@@ -26,7 +26,7 @@ from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads
 from hf_evon.optim.validation import fit_records, validate_state_dict
 
-__all__ = ["COPIED_ATTRIBUTES", "EXTRA_KEY", "loading", "restore_copied", "saved_extras", "saving"]
+__all__ = ["COPIED_ATTRIBUTES", "loading", "restore_copied", "saving"]
 
 Tensor = torch.Tensor
 
