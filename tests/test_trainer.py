@@ -1428,6 +1428,31 @@ def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, m
         )
         assert _tensors_equal(loaded.to_tensors(), trainer.current_posterior().to_tensors())
 
+
+@pytest.mark.parametrize("private", [True, False])
+def test_push_to_hub_takes_private_as_the_trainers_fifth_positional_argument(tmp_path, monkeypatch, private):
+    """``Trainer.push_to_hub(commit_message, blocking, token, revision, private)``: the EVON override
+    left ``private`` out, so a positional call raised TypeError (takes 5 positional arguments but 6
+    were given)."""
+    from huggingface_hub import HfApi
+
+    try:
+        from hub_stub import HubStub
+    except ImportError:
+        from tests.hub_stub import HubStub
+    import transformers.trainer as trainer_module
+
+    with HubStub() as hub:
+        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
+        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
+        # no args.push_to_hub: push_to_hub creates the repo, private as its argument says
+        args = config(tmp_path, hub_model_id="user/evon-private", hub_token="hf_dummy", hub_private_repo=not private)
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
+        trainer.push_to_hub("positional", True, None, None, private)
+        assert hub.repos["user/evon-private"]["private"] is private
+        assert "model.safetensors" in hub.files("user/evon-private")
+
+
 def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

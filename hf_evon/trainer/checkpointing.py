@@ -190,6 +190,7 @@ class CheckpointingMixin:
         blocking: bool = True,
         token: str | None = None,
         revision: str | None = None,
+        private: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """The Trainer's push; the card it writes first loads the model and the posterior from the repo and
@@ -197,7 +198,7 @@ class CheckpointingMixin:
         ``args.push_to_hub``)."""
         self._hub_push_revision = revision or self.args.hub_revision or "main"
         try:
-            return super().push_to_hub(commit_message, blocking, token, revision, **kwargs)
+            return super().push_to_hub(commit_message, blocking, token, revision, private, **kwargs)
         finally:
             self._hub_push_revision = None
 
