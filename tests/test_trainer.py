@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -1927,3 +1928,100 @@ def test_a_posterior_of_another_model_is_refused_when_the_trainer_is_built(tmp_p
     with pytest.raises(TypeError, match=r"posterior= takes an EVONPosterior .*got <class 'str'>"):
         EVONTrainer(model=tiny_bert(), args=config(tmp_path), posterior="out/checkpoint")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
+
+
+# ---------------------------------------------------------------------------- signatures
+_POS, _KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+_EMPTY = inspect.Parameter.empty
+# The overrides whose parameters differ from the parent's on purpose: (class defining it, method) ->
+# ("adds", parameters put before the parent's **kwargs, if any) or ("passes on", keyword-only parameters
+# beside *args/**kwargs, which go to the parent unchanged), and why.
+_DELIBERATE_SIGNATURES = {
+    ("EVONTrainerMixin", "__init__"): (
+        "passes on", (("peft_config", _KW, None), ("posterior", _KW, None), ("calibration_dataset", _KW, None)),
+        "any Trainer subclass's parameters, matched by name in its own order (TRL's DPOTrainer takes args "
+        "third); EVON's own are keyword-only",
+    ),
+    ("EVONSFTTrainer", "__init__"): ("passes on", (), "SFTTrainer's parameters, through EVONTrainerMixin's"),
+    ("EVONTrainerMixin", "train"): (
+        "passes on", (), "resume_from_checkpoint (first, or by name) resolved when True, the rest as given",
+    ),
+    ("CheckpointingMixin", "create_model_card"): (
+        "passes on", (), "one override over Trainer's and TRL's cards, whose parameters differ",
+    ),
+    ("EvaluationMixin", "evaluate"): (
+        "passes on", (("bma", _KW, False),), "bma=True asks for the BMA metrics; the rest is the subclass's",
+    ),
+    ("PredictionMixin", "predict"): (
+        "adds", (("bma", _POS, False), ("**", inspect.Parameter.VAR_KEYWORD, _EMPTY)),
+        "bma=True predicts by BMA; **kwargs are a subclass's own (Seq2SeqTrainer's generation settings)",
+    ),
+    ("EVONSeq2SeqTrainer", "predict"): ("adds", (("bma", _POS, False),), "bma=True decodes by BMA"),
+    ("EVONSeq2SeqTrainer", "evaluate"): ("adds", (("bma", _POS, False),), "bma=True decodes by BMA"),
+    ("EvaluationMixin", "prediction_step"): (
+        "adds", (("**", inspect.Parameter.VAR_KEYWORD, _EMPTY),), "Seq2SeqTrainer's gen_kwargs, passed on",
+    ),
+}
+
+
+def _parameters(function) -> list[tuple[str, object, object]]:
+    """What a caller sees of ``function``'s parameters: names (``*``/``**`` for the variadic ones,
+    whose names no call spells), kinds, defaults, in order; annotations aside."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [
+        (stars.get(p.kind, p.name), p.kind, p.default) for p in inspect.signature(function).parameters.values()
+    ]
+
+
+def _passes_everything_on(parameters: list) -> bool:
+    return [kind for _, kind, _ in parameters[1:]] == [
+        inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
+    ]
+
+
+@pytest.mark.parametrize(
+    "ours, parent",
+    [
+        ("hf_evon.trainer:EVONTrainer", "transformers:Trainer"),
+        ("hf_evon.trainer:EVONSeq2SeqTrainer", "transformers:Seq2SeqTrainer"),
+        ("hf_evon.trainer.sft:EVONSFTTrainer", "trl:SFTTrainer"),
+    ],
+)
+def test_every_override_takes_the_parents_parameters(ours, parent):
+    """Each public method (and ``__init__``) the EVON trainers override takes the parameters of the
+    method it overrides, in order, of the same kinds and defaults, or differs as
+    ``_DELIBERATE_SIGNATURES`` says and why. ``push_to_hub`` left out ``private``, the Trainer's fifth
+    positional parameter."""
+    import importlib
+
+    def resolve(spec: str) -> type:
+        module, name = spec.split(":")
+        return getattr(pytest.importorskip(module) if module == "trl" else importlib.import_module(module), name)
+
+    ours, parent = resolve(ours), resolve(parent)
+    checked = []
+    for name in sorted(n for n in dir(parent) if n == "__init__" or not n.startswith("_")):
+        if not inspect.isfunction(getattr(parent, name)):
+            continue
+        definer = next(k for k in ours.__mro__ if name in vars(k))
+        if definer in parent.__mro__:
+            continue  # not overridden
+        # a parent method that passes everything on (SFTTrainer.training_step) takes what it calls
+        bases = [k for k in parent.__mro__ if name in vars(k)]
+        theirs = next(p for k in bases if not _passes_everything_on(p := _parameters(vars(k)[name])))
+        mine = _parameters(getattr(ours, name))
+        deliberate = _DELIBERATE_SIGNATURES.get((definer.__name__, name))
+        if deliberate is None:
+            expected = theirs
+        elif deliberate[0] == "passes on":
+            expected = [
+                theirs[0], ("*", inspect.Parameter.VAR_POSITIONAL, _EMPTY), *deliberate[1],
+                ("**", inspect.Parameter.VAR_KEYWORD, _EMPTY),
+            ]  # fmt: skip
+        else:
+            added = [p for p in deliberate[1] if p[0] != "**"]
+            var_keyword = [p for p in (*theirs, *deliberate[1]) if p[0] == "**"][:1]
+            expected = [p for p in theirs if p[0] != "**"] + added + var_keyword
+        assert mine == expected, f"{ours.__name__}.{name} (from {definer.__name__}) vs {parent.__name__}.{name}"
+        checked.append(name)
+    assert {"push_to_hub", "evaluate", "predict", "train", "create_model_card"} <= set(checked)
