@@ -1115,3 +1115,42 @@ def test_every_state_entry_out_of_place_is_named_by_the_moved_params_check(name:
     with pytest.raises(RuntimeError, match=rf"parameter {name} .*is torch\.float32 on cpu, but its state '{key}' is "):
         check()
     assert refused == [1]
+
+
+def test_an_optimizer_dropped_after_a_block_without_its_step_is_collected_and_guards_nothing() -> None:
+    """A run that ends between a block's exit and the step (interrupted, or ending mid-accumulation)
+    left the late-gradient guard holding the optimizer's param_groups and bound discard_samples in a
+    module-level registry: after ``del opt, w; gc.collect()`` both stayed alive for the rest of the
+    process (each run of a sweep or notebook kept its weights), and a plain backward through a weight
+    still in use, once its optimizer was dropped, was refused in the dropped optimizer's name."""
+    import gc
+    import weakref
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+    def ended_after_a_block(w: nn.Parameter) -> EVON:
+        opt = EVON([{"params": [w], "param_names": ["w"]}], seed=0)
+        with opt.sampled_params(train=True):
+            (x @ w.T).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with opt.sampled_params(train=True):  # the run ends here, before its step
+            (x @ w.T).square().mean().backward()
+        return opt
+
+    w = nn.Parameter(torch.randn(3, 4))
+    opt = ended_after_a_block(w)
+    dead_opt, dead_w = weakref.ref(opt), weakref.ref(w)
+    del opt, w
+    gc.collect()
+    assert dead_opt() is None and dead_w() is None
+
+    w = nn.Parameter(torch.randn(3, 4))
+    dead_opt = weakref.ref(ended_after_a_block(w))
+    gc.collect()
+    assert dead_opt() is None
+    w.grad = None
+    (x @ w.T).square().mean().backward()  # the weight is trained on without EVON: nothing to refuse
+    (expected,) = torch.autograd.grad((x @ w.T).square().mean(), w)
+    assert torch.equal(w.grad, expected)
+    assert len(w._post_accumulate_grad_hooks) == 1

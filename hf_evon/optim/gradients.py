@@ -28,20 +28,25 @@ Consumed = dict[int, tuple[weakref.ref, int]]
 # id(param) -> a weak reference to the parameter, which carries the late-gradient hook: registered once,
 # as a hook costs one Python call per backward and registering and removing one per block cost several
 _HOOKED: dict[int, weakref.ref] = {}
-# id(param) -> (its optimizer's param_groups, discard) from a recorded block's exit until the next block or
-# the step's end: the hook refuses a gradient only while its parameter is here
-_ARMED: dict[int, tuple[list[dict[str, Any]], Callable[[], None]]] = {}
+# id(param) -> a weak reference to its optimizer, from a recorded block's exit until the next block or the
+# step's end: the hook refuses a gradient only while its parameter is here and that optimizer lives. Weak, as
+# a run may end between a block and its step: a strong one would keep the optimizer, its state and every
+# parameter alive for the rest of the process, and refuse gradients for an optimizer the user dropped
+_ARMED: dict[int, weakref.ref] = {}
 
 
 def _refuse_late(p: torch.Tensor) -> None:
     armed = _ARMED.get(id(p))
     if armed is None:
         return
-    param_groups, discard = armed
-    discard()
+    optimizer = armed()
+    if optimizer is None:  # dropped: the weight is trained on without it
+        _ARMED.pop(id(p), None)
+        return
+    optimizer.discard_samples()
     raise RuntimeError(
-        f"a gradient reached {param_label(param_groups, p)} after its sampled_params(train=True) block had "
-        "exited: call backward inside the block. Outside it the weights hold the mean again, and a backward "
+        f"a gradient reached {param_label(optimizer.param_groups, p)} after its sampled_params(train=True) block "
+        "had exited: call backward inside the block. Outside it the weights hold the mean again, and a backward "
         "through activation checkpointing would recompute the forward at the mean, not at the sample the "
         "loss was taken at. This step's samples are dropped"
     )
@@ -56,17 +61,18 @@ def _forget(pid: int) -> Callable[[weakref.ref], None]:
     return forget
 
 
-def guard_late_gradients(param_groups: list[dict[str, Any]], discard: Callable[[], None]) -> None:
+def guard_late_gradients(optimizer: Any) -> None:
     """Refuse, from a recorded block's exit until the next ``sampled_params(train=True)`` block or the
     step's end (:func:`consumed_grads`), a gradient that reaches a sampled EVON weight: a backward of
     the exited block's graph (the documented loop calls backward inside the block). Outside
     the block the weights hold the mean again; autograd notices that for the weights a graph saved (their
     version moved), but activation checkpointing saves none and recomputes the forward during backward,
     at the mean, so that gradient is at neither the sample nor the mean. The refusal drops the step's
-    samples (``discard``), whose gradients the backward has partly added to. Each weight gets its hook
-    once; the hook does nothing while its weight is not armed here."""
-    owner = (param_groups, discard)
-    for group in param_groups:
+    samples (``optimizer.discard_samples``), whose gradients the backward has partly added to. Each weight
+    gets its hook once; the hook does nothing while its weight is not armed here, or once ``optimizer``
+    is garbage."""
+    owner = weakref.ref(optimizer)
+    for group in optimizer.param_groups:
         if group["algorithm"] != "evon" or math.isinf(group["ess"]):  # no noise: the same weights
             continue
         for p in group["params"]:
@@ -186,7 +192,7 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
     gradients now in ``.grad``, the step's (``set_aside_grads``' ``held``), by identity and version,
     and the ``optimizer``'s sampled weights refuse a later gradient (:func:`guard_late_gradients`)."""
     if recorded and optimizer is not None:
-        guard_late_gradients(optimizer.param_groups, optimizer.discard_samples)
+        guard_late_gradients(optimizer)
     if not recorded:
         for p, keep in stash:
             p.grad = keep
