@@ -942,6 +942,39 @@ def test_calibrate_refuses_an_encoder_decoder_model(saved_seq2seq, tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("context", ["absent", None])
+def test_calibrate_takes_the_block_size_where_the_config_states_no_context(tmp_path, capsys, context):
+    """A config without ``max_position_embeddings`` (Mamba's), or with it None, bounds no block:
+    ``min(--block-size, None)`` raised TypeError ('<' not supported between 'NoneType' and 'int')."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from hf_evon.predictive.calibration import calibrate_posterior
+
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    extra = {} if context == "absent" else {"max_position_embeddings": None}
+    config = MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4, **extra)
+    model = MambaForCausalLM(config)
+    assert getattr(model.config, "max_position_embeddings", "absent") == context
+    posterior = trained_posterior(model, len(tokenizer), lambda x: x)
+    path = tmp_path / "mamba"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    posterior.save_pretrained(path)
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 3)
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out")]
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    ids = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    n = len(ids) // 16
+    rows = ids[: n * 16].view(n, 16)
+    batches = [{"input_ids": rows[i : i + 8], "labels": rows[i : i + 8]} for i in range(0, n, 8)]
+    _, expected = calibrate_posterior(model, posterior, batches, num_samples=2, seed=0, shift_labels=True)
+    assert printed["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-9)
+    assert printed["nll"] == pytest.approx(expected.nll, rel=1e-9)
+
+
 def test_an_adapter_that_names_no_base_model_is_a_usage_error(saved, tmp_path, capsys):
     """PEFT writes ``base_model_name_or_path: null`` for a model built from a config: loading then
     looked up a Hub repo named 'None', retrying for half a minute before an OSError."""

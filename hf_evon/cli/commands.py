@@ -508,7 +508,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         )
     if tokenizer is None:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
-    block = min(args.block_size, getattr(model.config, "max_position_embeddings", args.block_size))
+    context = getattr(model.config, "max_position_embeddings", None)  # None or absent: no bound (e.g. Mamba's)
+    block = min(args.block_size, context) if isinstance(context, int) and context > 0 else args.block_size
     ids = text_tokens(args.text, "--text", tokenizer, block * args.max_blocks)  # what the blocks use
     n = min(len(ids) // block, args.max_blocks)
     if n == 0:
