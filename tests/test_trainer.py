@@ -1723,6 +1723,50 @@ def test_the_logged_learning_rate_is_adamws_in_use_under_a_scheduler_without_ini
     assert logged[-1] < 1e-3  # the plateau schedule did lower it
 
 
+def _plateau_args(tmp_path: Path, **overrides) -> EVONConfig:
+    """reduce_lr_on_plateau halving every group's rate at each evaluation whose loss did not rise."""
+    return config(
+        tmp_path, max_steps=4, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
+        lr_scheduler_type="reduce_lr_on_plateau", metric_for_best_model="eval_loss", bma_num_samples=0,
+        lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "mode": "max"}, **overrides,
+    )  # fmt: skip
+
+
+def test_without_an_adamw_group_the_logged_rate_follows_a_plateau_schedule(tmp_path):
+    """Only EVON groups (the embeddings, head and 1-D tensors frozen): the logged ``learning_rate`` is
+    ``learning_rate`` as scheduled, ``learning_rate · α_used / α``. reduce_lr_on_plateau sets no
+    ``initial_lr``, and the logged rate stayed at 1e-3 while the schedule halved α."""
+    model = tiny_bert()
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.ndim == 2 and "encoder" in name)
+    trainer = EVONTrainer(
+        model=model, args=_plateau_args(tmp_path), train_dataset=classification_data(),
+        eval_dataset=classification_data(8, seed=1),
+    )  # fmt: skip
+    trainer.train()
+    assert {g["algorithm"] for g in trainer.evon_optimizer.param_groups} == {"evon"}
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    alphas = [h["evon/learning_rate"] for h in logs]
+    assert len(logs) == 4 and alphas[0] == 2e-2 and alphas[-1] < 2e-2  # the schedule lowered α
+    assert [h["learning_rate"] for h in logs] == pytest.approx([1e-3 * a / 2e-2 for a in alphas], rel=1e-12)
+
+
+def test_a_plateau_schedules_saved_posterior_records_the_configured_rate_and_the_rate_at_save_time(tmp_path):
+    """The posterior's ``lr`` is EVON's configured rate under an LR scheduler and ``final_lr`` the rate at
+    save time (docs/posterior-format.md). Under reduce_lr_on_plateau, which sets no ``initial_lr``, the
+    saved ``lr`` was the lowered rate and ``final_lr`` was missing."""
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=_plateau_args(tmp_path), train_dataset=classification_data(),
+        eval_dataset=classification_data(8, seed=1),
+    )  # fmt: skip
+    trainer.train()
+    alpha = trainer.evon_optimizer.param_groups[0]["lr"]
+    assert alpha < 2e-2  # the schedule lowered it
+    trainer.save_model()
+    saved = EVONPosterior.from_pretrained(trainer.args.output_dir).config
+    assert (saved["lr"], saved["final_lr"]) == (2e-2, alpha)
+
+
 @pytest.mark.parametrize("scheduler", ["linear", "cosine"])
 def test_the_logged_learning_rate_is_the_one_the_step_used_as_the_trainer_logs_it(tmp_path, scheduler):
     """The logged ``learning_rate`` and ``evon/learning_rate`` were the rates after the scheduler stepped

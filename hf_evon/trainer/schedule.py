@@ -96,9 +96,14 @@ class ScheduleMixin:
         if bounds:
             self.args.lr_scheduler_kwargs = {**(given if isinstance(given, dict) else {}), **bounds}
         try:
-            return super().create_scheduler(num_training_steps, optimizer)
+            scheduler = super().create_scheduler(num_training_steps, optimizer)
         finally:
             evon.defaults["lr"], self.args.lr_scheduler_kwargs = alpha, given
+        # each group's configured rate, as torch's other schedulers record it: the plateau schedules set
+        # none, and the logged learning_rate (without an AdamW group) and the posterior's lr read it
+        for group in evon.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        return scheduler
 
     def _rate_logs(self, groups: list[dict[str, Any]]) -> dict[str, float]:
         """``learning_rate`` (the user's: AdamW's group's, or ``learning_rate`` as scheduled without one)
