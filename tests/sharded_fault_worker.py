@@ -1,6 +1,8 @@
-"""Worker for tests/test_sharding.py: a step without ``sampled_params`` when some rank owns no
-noisy matrix (one EVON matrix, two ranks). Every rank must raise the same error; before the fix
-the rank that owned nothing went on into the step's collective and waited forever."""
+"""Worker for tests/test_sharding.py: a step one rank refuses from its own share (one EVON matrix,
+two ranks), which every rank must refuse alike instead of leaving the others in the step's
+collective for ever. Scenario (argv[2]): "no_samples" (the default), a step without
+``sampled_params`` while some rank owns no noisy matrix; "moved", a step after an AdamW bias (rank 1's)
+was recast, which only its owner, holding its state, can see."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch import nn
 from hf_evon import build_optimizer, prepare_distributed
 
 
-def main(out: str) -> None:
+def main(out: str, scenario: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -27,13 +29,20 @@ def main(out: str) -> None:
         ddp(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
-    ddp(x).square().mean().backward()  # the loop forgot sampled_params
+    owner = opt.sharding.owns(model[0].bias)
+    if scenario == "moved":  # on every rank; only the owner holds the bias's AdamW state
+        model[0].bias.data = model[0].bias.data.float()
+        with opt.sampled_params(train=True):  # the layer run in float32
+            hidden = torch.tanh(nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias))
+            model[2](hidden.double()).square().mean().backward()
+    else:
+        ddp(x).square().mean().backward()  # the loop forgot sampled_params
     try:
         opt.step()
         message = ""
     except RuntimeError as err:
         message = str(err)
-    torch.save({"message": message}, os.path.join(out, f"rank{rank}.pt"))
+    torch.save({"message": message, "owner": owner}, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
@@ -41,5 +50,5 @@ def main(out: str) -> None:
 from launcher import finish  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "no_samples")
     finish()

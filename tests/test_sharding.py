@@ -258,6 +258,16 @@ def test_a_step_without_samples_raises_on_every_rank_not_only_the_owners(tmp_pat
     assert all("sampled_params" in r["message"] for r in results)
 
 
+def test_a_recast_parameter_refuses_the_step_on_every_rank_not_only_its_owner(tmp_path) -> None:
+    """Only rank 1 owns (holds the AdamW state of) the recast bias: before the fix it raised alone and
+    rank 0 waited in the step's finiteness all-reduce for ever (the timeout fails it)."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "moved", timeout=60)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [r["owner"] for r in results] == [False, True]
+    assert "parameter 0.bias (shape (4,)) is torch.float32" in results[1]["message"]
+    assert "rank 1" in results[0]["message"] and "parameter 0.bias (shape (4,)) is torch.float32" in results[0]["message"]
+
+
 def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(tmp_path) -> None:
     """transformers' scripts call ``create_model_card()`` on every process; its rank-0-only body
     must not gather the sharded posterior alone (a hang, before the fix: the timeout fails it)."""

@@ -263,6 +263,10 @@ class EVONSharding(ShardingHooks):
         return torch.cat([r for r, _ in parts]), sum(c for _, c in parts)
 
     # ------------------------------------------------------------- state
+    def every_rank(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (a collective)."""
+        return self._gather_objects(obj)
+
     def _gather_objects(self, obj: Any) -> list[Any]:
         if self.world == 1:
             return [obj]

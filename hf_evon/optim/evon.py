@@ -67,7 +67,8 @@ from hf_evon.optim.update import (
     adamw_update,
     evon_updates,
     finite_flags,
-    refuse_moved_params,
+    moved_refusal,
+    refuse_step,
     step_plans,
 )
 from hf_evon.optim.validation import (
@@ -431,18 +432,14 @@ class EVON(Optimizer):
         self._settle_groups()
         self.synchronize()
         self._hooks.before_step()  # FSDP2: the owners gather the step's (clipped) gradients
-        if self._samples == 0:
-            needs_samples = any(b.noisy_phase() for b in self.buckets)
-            # sharded: a rank that owns no noisy matrix must raise too
-            if not self._hooks.all_ranks(not needs_samples):
-                self._synchronized = False  # the next step's gradients are not averaged yet
-                raise RuntimeError(
-                    "EVON needs the gradient at a posterior sample: run forward/backward inside "
-                    "`with optimizer.sampled_params(train=True):` before step()"
-                )
         num_samples = max(self._samples, 1)
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
-        refuse_moved_params(self.buckets, adamw, self._param_label, self.discard_samples)
+        moved = moved_refusal(self.buckets, adamw, self._param_label)
+        needs_samples = self._samples == 0 and any(b.noisy_phase() for b in self.buckets)
+        # sharded: a rank that owns no noisy matrix or no moved parameter must raise too (one agreed flag)
+        if not self._hooks.all_ranks(moved is None and not needs_samples):
+            self._synchronized = False  # the next step's gradients are not averaged yet
+            refuse_step(self._hooks, moved, self.discard_samples)
         plans = [plan for b in self.buckets for plan in step_plans(b, num_samples, self._member_state)]
         if not self._all_finite(plans, adamw):
             self.discard_samples()

@@ -27,7 +27,7 @@ class ShardingHooks:
     for a parameter in this rank's buckets, and back). The loop: ``before_sample``,
     ``share_sample``, ``end_sample``, ``before_step``, ``after_step``, ``all_ranks``. Values:
     ``square_sums`` (``ess="auto"``), ``standard_normal`` (the sample's draw; None: the optimizer's
-    own per-rank stream), ``adamw_tensors``, ``pool_rows`` (health statistics),
+    own per-rank stream), ``adamw_tensors``, ``pool_rows`` (health statistics), ``every_rank``,
     ``remote_factors``. Checkpoints: ``full_state_dict``, ``local_state_dict``.
     """
 
@@ -66,6 +66,10 @@ class ShardingHooks:
     def pool_rows(self, rows: Tensor, count: int) -> tuple[Tensor, int]:
         """Per-bucket health statistics (CPU) and element counts of every rank, pooled."""
         return rows, count
+
+    def every_rank(self, obj: Any) -> list[Any]:
+        """``obj`` (picklable) of every rank, in rank order (a collective)."""
+        return [obj]
 
     def remote_factors(self, p: Tensor) -> dict[str, Any]:
         """``posterior_factors`` of a parameter another rank owns."""

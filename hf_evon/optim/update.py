@@ -44,7 +44,9 @@ __all__ = [
     "finite_flags",
     "hessian_candidate",
     "plan_update",
+    "moved_refusal",
     "refuse_moved_params",
+    "refuse_step",
     "step_plans",
     "step_weights",
 ]
@@ -337,23 +339,48 @@ def _moved_param(buckets: list[Bucket], adamw: AdamWInputs) -> tuple[Tensor, str
     return None
 
 
+def moved_refusal(buckets: list[Bucket], adamw: AdamWInputs, label: Callable[[Tensor], str]) -> str | None:
+    """Why the step is refused, naming the parameter (``label``), where a parameter is no longer of the
+    dtype or on the device its state was made for (``model.to(torch.bfloat16)`` after a step); None if
+    none is. Checked before any group steps: torch's kernels raise at the first group they meet, the
+    others stepped. EVON's state follows the weights' dtype (its update is cast to it), not their device."""
+    moved = _moved_param(buckets, adamw)
+    if moved is None:
+        return None
+    p, key, v = moved
+    return (
+        f"EVON.step: parameter {label(p)} is {p.dtype} on {p.device}, but its state {key!r} is {v.dtype} "
+        f"on {v.device}: the model was cast or moved after the optimizer's state was made. The step was "
+        "not taken and its samples are dropped: cast or move the model back, or reload the optimizer's "
+        "state into the model as it is now (optimizer.load_state_dict(optimizer.state_dict()))"
+    )
+
+
 def refuse_moved_params(
     buckets: list[Bucket], adamw: AdamWInputs, label: Callable[[Tensor], str], refused: Callable[[], None]
 ) -> None:
-    """Raise, naming the parameter, where a parameter is no longer of the dtype or on the device its
-    state was made for (``model.to(torch.bfloat16)`` after a step), after calling ``refused``. Checked
-    before any group steps: torch's kernels raise at the first group they meet, the others stepped.
-    EVON's state follows the weights' dtype (its update is cast to it), not their device."""
-    moved = _moved_param(buckets, adamw)
-    if moved is not None:
+    """Raise :func:`moved_refusal`'s reason, if any, after calling ``refused`` (this rank alone)."""
+    reason = moved_refusal(buckets, adamw, label)
+    if reason is not None:
         refused()
-        p, key, v = moved
+        raise RuntimeError(reason)
+
+
+def refuse_step(hooks: ShardingHooks, reason: str | None, refused: Callable[[], None]) -> None:
+    """Raise on every rank, once the ranks agreed (``hooks.all_ranks``) that some rank refuses the
+    step: this rank's ``reason`` or else the first refusing rank's (sharded: a recast parameter shows
+    only in its owner's state, so the other ranks learn it here, one collective on this rare path),
+    after calling ``refused``; where no rank has a reason, some rank lacks samples for its noisy matrices."""
+    reasons = hooks.every_rank(reason)
+    first = next(((r, why) for r, why in enumerate(reasons) if why is not None), None)
+    if first is None:
         raise RuntimeError(
-            f"EVON.step: parameter {label(p)} is {p.dtype} on {p.device}, but its state {key!r} is {v.dtype} "
-            f"on {v.device}: the model was cast or moved after the optimizer's state was made. The step was "
-            "not taken and its samples are dropped: cast or move the model back, or reload the optimizer's "
-            "state into the model as it is now (optimizer.load_state_dict(optimizer.state_dict()))"
+            "EVON needs the gradient at a posterior sample: run forward/backward inside "
+            "`with optimizer.sampled_params(train=True):` before step()"
         )
+    refused()
+    rank, why = first
+    raise RuntimeError(reason if reason is not None else f"rank {rank} refused the step, so every rank does: {why}")
 
 
 def adamw_inputs(
