@@ -342,3 +342,13 @@ def test_a_card_pushed_to_a_branch_loads_the_branchs_posterior_and_model(hub, po
         ["alice/lm-branch"],
         {"revision": "v2"},
     )
+
+
+def test_offline_without_a_cache_names_the_repo_and_file(hub, posterior, tmp_path):
+    """``local_files_only=True`` with nothing cached raised huggingface_hub's "Cannot find the
+    requested files in the disk cache ..." naming neither the repo nor the file."""
+    posterior.push_to_hub("alice/offline", token=TOKEN, endpoint=hub.endpoint, revision="v1")
+    with pytest.raises(LocalEntryNotFoundError, match=rf"alice/offline/sub \(revision v1\).*{POSTERIOR_CONFIG_NAME}"):
+        _load(hub, "alice/offline", tmp_path / "empty", local_files_only=True, revision="v1", subfolder="sub")
+    _load(hub, "alice/offline", tmp_path / "cache", revision="v1")
+    _same(posterior, _load(hub, "alice/offline", tmp_path / "cache", local_files_only=True, revision="v1"))

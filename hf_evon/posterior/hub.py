@@ -87,13 +87,17 @@ def resolve_files(
                 **hub_kwargs,
             )
         except EntryNotFoundError as err:
-            if isinstance(err, LocalEntryNotFoundError):  # offline / not cached: not "missing"
-                raise
             where = (
                 f"{path}"
                 + (f"/{subfolder}" if subfolder else "")
                 + (f" (revision {revision})" if revision else "")
             )
+            if isinstance(err, LocalEntryNotFoundError):  # offline / not cached: not "missing"
+                # huggingface_hub's message names neither the repo nor the file
+                raise LocalEntryNotFoundError(
+                    f"EVON posterior at {where}: {fname} is not in the Hub cache and cannot be "
+                    f"downloaded (local_files_only={local_files_only}): {err}"
+                ) from err
             raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
 
     config_file = download(POSTERIOR_CONFIG_NAME, revision)
