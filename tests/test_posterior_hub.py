@@ -352,3 +352,37 @@ def test_offline_without_a_cache_names_the_repo_and_file(hub, posterior, tmp_pat
         _load(hub, "alice/offline", tmp_path / "empty", local_files_only=True, revision="v1", subfolder="sub")
     _load(hub, "alice/offline", tmp_path / "cache", revision="v1")
     _same(posterior, _load(hub, "alice/offline", tmp_path / "cache", local_files_only=True, revision="v1"))
+
+
+def test_a_pull_request_to_a_new_branch_creates_the_branch(hub, posterior, tmp_path):
+    """``push_to_hub(revision="v3", create_pr=True)`` did not create the missing branch the docstring
+    promises (transformers' push_to_hub does): the commit failed with "Revision Not Found"."""
+    repo = "alice/pr-branch"
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    tempered = posterior.with_ess(3 * posterior.ess)
+    info = tempered.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, revision="v3", create_pr=True)
+    assert info.pr_revision == "refs/pr/1"
+    assert hub.repos[repo]["branches"]["v3"] == hub.repos[repo]["branches"]["main"]  # the PR is not merged
+    _same(tempered, _load(hub, repo, tmp_path, revision="refs/pr/1"))
+    _same(posterior, _load(hub, repo, tmp_path, revision="v3"))
+
+
+def test_a_pull_request_without_write_access_to_the_branch_is_still_opened(hub, posterior, tmp_path, monkeypatch):
+    """Without write access the Hub refuses ``create_branch`` (403), as transformers' push_to_hub allows
+    for a pull request: one to an existing branch is still opened; any other push fails."""
+    from types import SimpleNamespace
+
+    from huggingface_hub.errors import HfHubHTTPError
+
+    repo = "alice/pr-no-write"
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, revision="v1")
+
+    def refuse(self, repo_id, *, branch, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        raise HfHubHTTPError(f"403 Forbidden: {branch}", response=SimpleNamespace(status_code=403, headers={}, request=None))
+
+    monkeypatch.setattr(HfApi, "create_branch", refuse)
+    tempered = posterior.with_ess(5 * posterior.ess)
+    info = tempered.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, revision="v1", create_pr=True)
+    _same(tempered, _load(hub, repo, tmp_path, revision=info.pr_revision))
+    with pytest.raises(HfHubHTTPError, match="403 Forbidden: v1"):
+        tempered.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, revision="v1")

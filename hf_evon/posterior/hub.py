@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RevisionNotFoundError,
+)
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import looks_like_local_path
@@ -205,8 +210,15 @@ def push_folder(
     """
     api = HfApi(endpoint=endpoint, token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    if revision is not None and revision != "main" and not create_pr:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    if revision is not None and revision != "main" and not revision.startswith("refs/pr/"):
+        # a pull request needs its target branch too (transformers' push_to_hub creates it alike);
+        # a PR ref (``refs/pr/N``) is pushed to as it is, never created as a branch
+        try:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        except HfHubHTTPError as err:
+            # no write access: a PR can still be opened where the branch exists (else the commit says so)
+            if not (create_pr and err.response is not None and err.response.status_code == 403):
+                raise
     folder = (path_in_repo or "").strip("/")
     with tempfile.TemporaryDirectory(prefix="evon_posterior_push_") as tmp:
         card_dir = os.path.join(tmp, "card")
