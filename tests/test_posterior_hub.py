@@ -386,3 +386,24 @@ def test_a_pull_request_without_write_access_to_the_branch_is_still_opened(hub, 
     _same(tempered, _load(hub, repo, tmp_path, revision=info.pr_revision))
     with pytest.raises(HfHubHTTPError, match="403 Forbidden: v1"):
         tempered.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, revision="v1")
+
+
+@pytest.mark.parametrize("folder", ["", "post"])
+def test_a_push_removes_the_staged_weights_a_folder_upload_left_in_the_repo(hub, posterior, folder):
+    """A folder uploaded right after an interrupted save (the trainer's push of its output directory)
+    holds the staged ``evon_posterior.<checkpoint_id>.safetensors``, named by its config. A later
+    push wrote the canonical pair beside it and left the staged file, orphaned, in the repo."""
+    repo = f"alice/staged-{folder or 'root'}"
+    prefix = f"{folder}/" if folder else ""
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo(repo)
+    staged = f"evon_posterior.{'ab' * 16}.safetensors"
+    for name, data in {staged: b"old weights", "model.safetensors": b"model", "notes.txt": b"x"}.items():
+        api.upload_file(path_or_fileobj=data, path_in_repo=prefix + name, repo_id=repo)
+    api.upload_file(path_or_fileobj=b"kept", path_in_repo=f"other/{staged}", repo_id=repo)
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint, path_in_repo=folder)
+    files = hub.files(repo)
+    assert prefix + staged not in files
+    assert {prefix + POSTERIOR_WEIGHTS_NAME, prefix + POSTERIOR_CONFIG_NAME} <= set(files)
+    assert files[prefix + "model.safetensors"] == b"model" and files[prefix + "notes.txt"] == b"x"
+    assert files[f"other/{staged}"] == b"kept"  # another folder's files are not this push's

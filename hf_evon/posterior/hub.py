@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, hf_hub_download
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -24,7 +24,13 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import looks_like_local_path
-from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorConfig, PosteriorMismatchError
+from hf_evon.posterior.config import (
+    POSTERIOR_CONFIG_NAME,
+    POSTERIOR_WEIGHTS_NAME,
+    WEIGHTS_FILE_RE,
+    PosteriorConfig,
+    PosteriorMismatchError,
+)
 from hf_evon.posterior.format import read_config
 from hf_evon.posterior.snippet import TOKENIZER_FILE
 
@@ -198,7 +204,8 @@ def push_folder(
 ) -> CommitInfo:
     """Upload ``file_names`` (to ``path_in_repo``) and the repo's ``README.md`` in one commit.
 
-    The repo (and the branch ``revision``) is created if needed; its other files are kept.
+    The repo (and the branch ``revision``) is created if needed; its other files are kept, but for
+    staged weights files (``evon_posterior.<checkpoint_id>.safetensors``) in ``path_in_repo``, removed.
     ``write(files_dir, card_dir, location)`` writes ``file_names`` into
     ``files_dir`` and ``README.md`` into ``card_dir``, where what the card reads of the repo's
     root has been put: its current card, to be updated, and its tokenizer's
@@ -250,6 +257,7 @@ def push_folder(
         operations.append(
             CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
         )
+        operations += [CommitOperationDelete(path_in_repo=p) for p in _staged_weights(api, repo_id, revision, folder)]
         return api.create_commit(
             repo_id,
             operations,
@@ -257,3 +265,21 @@ def push_folder(
             revision=revision,
             create_pr=create_pr,
         )
+
+
+def _staged_weights(api: HfApi, repo_id: str, revision: str | None, folder: str) -> list[str]:
+    """The staged weights files (``evon_posterior.<checkpoint_id>.safetensors``) in ``folder`` of the repo.
+
+    A folder uploaded just after an interrupted save holds one, named by its config; the pushed
+    config names the canonical file, so the staged one is nobody's weights any more. A reader
+    that has the old config downloads its weights at that config's commit, where they stay.
+    """
+    siblings = api.model_info(repo_id, revision=revision).siblings or []
+    prefix = f"{folder}/" if folder else ""
+    return [
+        s.rfilename
+        for s in siblings
+        if s.rfilename.startswith(prefix)
+        and WEIGHTS_FILE_RE.fullmatch(name := s.rfilename[len(prefix) :])
+        and name != POSTERIOR_WEIGHTS_NAME
+    ]
