@@ -1723,12 +1723,15 @@ def test_the_logged_learning_rate_is_adamws_in_use_under_a_scheduler_without_ini
     assert logged[-1] < 1e-3  # the plateau schedule did lower it
 
 
+_PLATEAU = {"patience": 0, "factor": 0.5, "mode": "max", "threshold": 1.0, "threshold_mode": "abs"}
+
+
 def _plateau_args(tmp_path: Path, **overrides) -> EVONConfig:
-    """reduce_lr_on_plateau halving every group's rate at each evaluation whose loss did not rise."""
+    """reduce_lr_on_plateau halving every group's rate at each evaluation after the first (none rises by 1)."""
     return config(
         tmp_path, max_steps=4, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
         lr_scheduler_type="reduce_lr_on_plateau", metric_for_best_model="eval_loss", bma_num_samples=0,
-        lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "mode": "max"}, **overrides,
+        lr_scheduler_kwargs=_PLATEAU, **overrides,
     )  # fmt: skip
 
 
@@ -1751,13 +1754,22 @@ def test_without_an_adamw_group_the_logged_rate_follows_a_plateau_schedule(tmp_p
     assert [h["learning_rate"] for h in logs] == pytest.approx([1e-3 * a / 2e-2 for a in alphas], rel=1e-12)
 
 
-def test_a_plateau_schedules_saved_posterior_records_the_configured_rate_and_the_rate_at_save_time(tmp_path):
+@pytest.mark.parametrize("users_scheduler", [False, True])
+def test_a_plateau_schedules_saved_posterior_records_the_configured_rate_and_the_rate_at_save_time(
+    tmp_path, users_scheduler
+):
     """The posterior's ``lr`` is EVON's configured rate under an LR scheduler and ``final_lr`` the rate at
     save time (docs/posterior-format.md). Under reduce_lr_on_plateau, which sets no ``initial_lr``, the
-    saved ``lr`` was the lowered rate and ``final_lr`` was missing."""
+    saved ``lr`` was the lowered rate and ``final_lr`` was missing; so under the user's own plateau
+    schedule (``optimizers=(evon, scheduler)``)."""
+    model, optimizers = tiny_bert(), (None, None)
+    if users_scheduler:
+        evon = build_optimizer(model, lr=2e-2, adamw_lr=1e-3, ess=1e4, hess_init=1.0, precondition_frequency=2)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(evon, **_PLATEAU)
+        optimizers = (evon, plateau)
     trainer = EVONTrainer(
-        model=tiny_bert(), args=_plateau_args(tmp_path), train_dataset=classification_data(),
-        eval_dataset=classification_data(8, seed=1),
+        model=model, args=_plateau_args(tmp_path), train_dataset=classification_data(),
+        eval_dataset=classification_data(8, seed=1), optimizers=optimizers,
     )  # fmt: skip
     trainer.train()
     alpha = trainer.evon_optimizer.param_groups[0]["lr"]

@@ -69,6 +69,16 @@ def _snapshot(rate: Any) -> Any:
     return rate.detach().clone() if torch.is_tensor(rate) else rate
 
 
+def _configured_rates_recorded(evon: Any, scheduler: Any) -> Any:
+    """``scheduler``, each of ``evon``'s groups holding its configured rate as ``initial_lr``, as torch's
+    schedulers record it but the plateau schedules do not: the logged ``learning_rate`` (without an
+    AdamW group) and the posterior's ``lr`` read it."""
+    for group in evon.param_groups:
+        if "initial_lr" not in group:  # a copy: a tensor rate is set in place as the schedule goes
+            group["initial_lr"] = _snapshot(group["lr"])
+    return scheduler
+
+
 class ScheduleMixin:
     """``create_scheduler`` and the logged rates of :class:`~hf_evon.trainer.EVONTrainerMixin`
     (module docstring)."""
@@ -82,8 +92,10 @@ class ScheduleMixin:
         plateau schedule's bounds are each group's (the config's kwargs as given again after)."""
         evon = self.evon_optimizer
         other = optimizer is not None and optimizer.defaults is not getattr(evon, "defaults", None)
-        if self.lr_scheduler is not None or evon is None or other:  # built already, or not EVON's
+        if evon is None or other:  # not EVON's
             return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is not None:  # the user's own (optimizers=(evon, scheduler))
+            return _configured_rates_recorded(evon, super().create_scheduler(num_training_steps, optimizer))
         alpha, given = evon.defaults["lr"], self.args.lr_scheduler_kwargs
         rate = user_rate(evon.param_groups, self.args.learning_rate)
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
@@ -99,11 +111,7 @@ class ScheduleMixin:
             scheduler = super().create_scheduler(num_training_steps, optimizer)
         finally:
             evon.defaults["lr"], self.args.lr_scheduler_kwargs = alpha, given
-        # each group's configured rate, as torch's other schedulers record it: the plateau schedules set
-        # none, and the logged learning_rate (without an AdamW group) and the posterior's lr read it
-        for group in evon.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-        return scheduler
+        return _configured_rates_recorded(evon, scheduler)
 
     def _rate_logs(self, groups: list[dict[str, Any]]) -> dict[str, float]:
         """``learning_rate`` (the user's: AdamW's group's, or ``learning_rate`` as scheduled without one)
