@@ -2,7 +2,8 @@
 two ranks), which every rank must refuse alike instead of leaving the others in the step's
 collective for ever. Scenario (argv[2]): "no_samples" (the default), a step without
 ``sampled_params`` while some rank owns no noisy matrix; "moved", a step after an AdamW bias (rank 1's)
-was recast, which only its owner, holding its state, can see."""
+was recast, which only its owner, holding its state, can see; "block_raised", a step after a
+``sampled_params`` block that raised on rank 1 only (and was caught)."""
 
 from __future__ import annotations
 
@@ -30,19 +31,32 @@ def main(out: str, scenario: str) -> None:
     opt.step()
     opt.zero_grad()
     owner = opt.sharding.owns(model[0].bias)
+    block_error = ""
     if scenario == "moved":  # on every rank; only the owner holds the bias's AdamW state
         model[0].bias.data = model[0].bias.data.float()
         with opt.sampled_params(train=True):  # the layer run in float32
             hidden = torch.tanh(nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias))
             model[2](hidden.double()).square().mean().backward()
+    elif scenario == "block_raised":  # rank 1's second block raises and is caught: one sample fewer there
+        for i in range(2):
+            try:
+                with opt.sampled_params(train=True):
+                    ddp(x).square().mean().backward()
+                    if rank == 1 and i == 1:
+                        raise ValueError("a failed logging callback")
+            except (ValueError, RuntimeError) as err:
+                block_error = str(err)
     else:
         ddp(x).square().mean().backward()  # the loop forgot sampled_params
+    samples = opt.recorded_samples
     try:
         opt.step()
         message = ""
     except RuntimeError as err:
         message = str(err)
-    torch.save({"message": message, "owner": owner}, os.path.join(out, f"rank{rank}.pt"))
+    result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples}
+    result["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 

@@ -268,6 +268,20 @@ def test_a_recast_parameter_refuses_the_step_on_every_rank_not_only_its_owner(tm
     assert "rank 1" in results[0]["message"] and "parameter 0.bias (shape (4,)) is torch.float32" in results[0]["message"]
 
 
+def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> None:
+    """Rank 1's second block raised (and was caught): before the fix rank 0 averaged that block's
+    gradients alone, its all-reduce met rank 1's next collective and gloo aborted rank 1 (SIGABRT,
+    rank 0: "Connection reset by peer"). Now every rank learns it at the block's exit: rank 0's
+    block raises naming rank 1, neither records it, and both take the same one-sample step."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "block_raised", timeout=60)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert "raised on rank 1, so this block is recorded on no rank" in results[0]["block_error"]
+    assert results[1]["block_error"] == "a failed logging callback"
+    assert [r["samples"] for r in results] == [1, 1] and [r["message"] for r in results] == ["", ""]
+    for k, v in results[0]["weights"].items():
+        assert torch.equal(v, results[1]["weights"][k]), k
+
+
 def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(tmp_path) -> None:
     """transformers' scripts call ``create_model_card()`` on every process; its rank-0-only body
     must not gather the sharded posterior alone (a hang, before the fix: the timeout fails it)."""

@@ -84,15 +84,20 @@ class RankAverager:
         self.calls = 0  # how many times it averaged (once per optimizer step)
         self._verifications_left = 3
 
-    def __call__(self, tensors: list[Tensor]) -> None:
+    def __call__(self, tensors: list[Tensor], failed: bool = False, device: torch.device | None = None) -> int | None:
+        """Average ``tensors``; ``failed``: this rank's ``sampled_params`` block raised, so it only joins
+        the structure check (needs ``check_consistency``; ``device`` for its flag where it holds no
+        tensor), in which every rank learns it, and none averages. Returns the highest such rank, or None."""
         if self.guard is not None:
             self.guard()
         self.calls += 1
         world = world_size(self.group)
-        if world == 1 or not tensors:
-            return
+        if world == 1 or not tensors and not failed:
+            return None
         if self.check_consistency:
-            self._check_same_structure(tensors)
+            failed_rank = self._check_same_structure(tensors, failed, device)
+            if failed_rank is not None:
+                return failed_rank
         if self.verify_local_gradients and self._verifications_left > 0:
             self._verify_local(tensors)
         works = []
@@ -106,6 +111,7 @@ class RankAverager:
             work.wait()
             flat.div_(world)
             torch._foreach_copy_(bucket, list(_unflatten_dense_tensors(flat, bucket)))
+        return None
 
     def _buckets(self, tensors: list[Tensor]) -> list[list[Tensor]]:
         by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
@@ -123,15 +129,23 @@ class RankAverager:
             sizes[key] = sizes.get(key, 0) + nbytes
         return [chunk for chunks in by_kind.values() for chunk in chunks]
 
-    def _check_same_structure(self, tensors: list[Tensor]) -> None:
+    def _check_same_structure(
+        self, tensors: list[Tensor], failed: bool = False, device: torch.device | None = None
+    ) -> int | None:
+        """Raise on every rank alike where the ranks' tensors, samples or hyperparameters differ;
+        return the highest rank that ``failed`` (its block raised), or None."""
         count, numel = len(tensors), sum(t.numel() for t in tensors)
         # each rank divides the averaged sum of its samples' gradients by its own count of them
         samples = 0 if self.optimizer is None else self.optimizer.recorded_samples
         settings = _settings(self.optimizer)
-        values = [count, numel, samples, zlib.crc32(repr(settings).encode())]
-        sig = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=tensors[0].device)
+        failed_rank = dist.get_rank(self.group) + 1 if failed else 0  # 0: none failed
+        values = [count, numel, samples, zlib.crc32(repr(settings).encode()), failed_rank]
+        device = tensors[0].device if tensors else device
+        sig = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
         dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
-        hi_count, hi_numel, hi_samples, hi_key, lo_count, lo_numel, lo_samples, lo_key = sig.tolist()
+        hi_count, hi_numel, hi_samples, hi_key, hi_failed, lo_count, lo_numel, lo_samples, lo_key, _ = sig.tolist()
+        if hi_failed:  # every rank sees it: none averages, none waits
+            return hi_failed - 1
         if hi_key != -lo_key:  # the ranks' hyperparameters differ: name them (rare: one more collective)
             every: list[Any] = [None] * world_size(self.group)
             dist.all_gather_object(every, settings, group=self.group)
@@ -156,6 +170,7 @@ class RankAverager:
                 "gradients for the same parameters (with DDP, find_unused_parameters=True gives "
                 "unused parameters zero gradients)"
             )
+        return None
 
     def _verify_local(self, tensors: list[Tensor]) -> None:
         opt = self.optimizer

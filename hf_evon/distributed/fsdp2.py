@@ -269,7 +269,7 @@ class FSDP2Sharding(EVONSharding):
             self._means = [(_local(p), _local(p).clone()) for p in params]
             self._from_owners(params)
 
-    def end_sample(self, recorded: bool) -> None:
+    def end_sample(self, recorded: bool, failed: bool = False) -> str | None:
         with torch.no_grad():
             if self._means:
                 torch._foreach_copy_([t for t, _ in self._means], [m for _, m in self._means])
@@ -279,6 +279,7 @@ class FSDP2Sharding(EVONSharding):
                 self._gather_grads()
                 grads = [p.grad for p in self.evon_params]
                 self._exit_rows = [None if g is None else _local(g).clone() for g in grads]
+        return None
 
     def reduce_gradients(self, tensors: list[Tensor]) -> None:
         """``EVON.gradient_reducer``: nothing to do, FSDP2's reduce-scatter averaged the gradients

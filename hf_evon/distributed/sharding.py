@@ -218,16 +218,26 @@ class EVONSharding(ShardingHooks):
             self._means = [(p, p.detach().clone()) for p in params if not self.owns(p)]
             self._broadcast_from_owners(params)
 
-    def end_sample(self, recorded: bool) -> None:
+    def end_sample(self, recorded: bool, failed: bool = False) -> str | None:
         """At a block's exit: restore the means of non-owned matrices; average the block's
-        gradients (``recorded``: a ``train=True`` block that completed)."""
+        gradients (``recorded``: a ``train=True`` block that completed). A ``train=True`` block
+        that raised here (``failed``) still joins the averaging's structure check, so every rank
+        learns it there and none averages or records the block (none waits for this rank)."""
         with torch.no_grad():
             if self._means:
                 torch._foreach_copy_([p.detach() for p, _ in self._means], [m for _, m in self._means])
             self._means = []
-            if recorded and self.world > 1:
+            if (recorded or failed) and self.world > 1:
                 grads = [p.grad for p in self.params if p.grad is not None]
-                self.averager(grads)
+                device = self.params[0].device if self.params else torch.device("cpu")
+                rank = self.averager(grads, failed=failed, device=device)
+                if rank is not None and not failed:
+                    return (
+                        f"EVON: the sampled_params(train=True) block raised on rank {rank}, so this block is "
+                        "recorded on no rank (the gradients are as before it): run the same blocks on every "
+                        "rank, or let the error stop every rank"
+                    )
+        return None
 
     @property
     def averager(self) -> RankAverager:

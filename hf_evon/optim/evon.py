@@ -350,7 +350,7 @@ class EVON(Optimizer):
         self._settle_groups()
         perturbed: list[Bucket] = []
         stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
-        ok, exited, grad_mode = False, False, torch.is_grad_enabled()
+        ok, exited, refused, grad_mode = False, False, None, torch.is_grad_enabled()
         try:
             try:  # from here on an interrupt anywhere is cleaned up below
                 self._in_sample, self._training_block, self._streams = True, train, StreamGenerators()
@@ -370,7 +370,8 @@ class EVON(Optimizer):
                 ok = True
             finally:
                 with torch.no_grad(), writing_weights():
-                    self._hooks.end_sample(recorded=ok and train)
+                    refused = self._hooks.end_sample(recorded=ok and train, failed=train and not ok)
+                    ok = ok and refused is None  # sharded: it raised on another rank, recorded on none
                     kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                     for b in perturbed if ok else ():
                         if b.acc is not None and b.z is not None:
@@ -381,6 +382,8 @@ class EVON(Optimizer):
                 self._samples += int(ok and train)
                 self._synchronized &= not (ok and train)  # its own gradients are not averaged yet
                 exited = True
+                if refused is not None:
+                    raise RuntimeError(refused)
         finally:
             if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped
                 with torch.no_grad(), writing_weights():

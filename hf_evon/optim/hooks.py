@@ -82,9 +82,11 @@ class ShardingHooks:
     def share_sample(self) -> None:
         """After this rank wrote the sample of the matrices it owns."""
 
-    def end_sample(self, recorded: bool) -> None:
+    def end_sample(self, recorded: bool, failed: bool = False) -> str | None:
         """At a block's exit, before the means are restored (``recorded``: a ``train=True``
-        block that completed)."""
+        block that completed; ``failed``: one that raised on this rank). Returns why a block that
+        completed here is not recorded after all (it raised on another rank), else None."""
+        return None
 
     def before_step(self) -> None:
         """In ``step()``, after ``synchronize()``."""
