@@ -26,7 +26,7 @@ from torch import nn
 
 import hf_evon
 from hf_evon import EVONPosterior
-from hf_evon.posterior.model_card import SECTION_START
+from hf_evon.posterior.model_card import RETRACTED_SECTION, SECTION_END, SECTION_START
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, MatrixFactors
 
 try:
@@ -407,3 +407,22 @@ def test_a_push_removes_the_staged_weights_a_folder_upload_left_in_the_repo(hub,
     assert {prefix + POSTERIOR_WEIGHTS_NAME, prefix + POSTERIOR_CONFIG_NAME} <= set(files)
     assert files[prefix + "model.safetensors"] == b"model" and files[prefix + "notes.txt"] == b"x"
     assert files[f"other/{staged}"] == b"kept"  # another folder's files are not this push's
+
+
+def test_save_pretrained_without_a_card_pushes_none(hub, posterior, tmp_path):
+    """``save_pretrained(push_to_hub=True, model_card=False)`` wrote no local card but pushed one:
+    ``model_card`` was not passed on, so the repo's README got an EVON section (a repo without one
+    got a README). As locally: no card is written, and an EVON section already there (describing the
+    posterior replaced) becomes the note naming the config."""
+    push = {"push_to_hub": True, "token": TOKEN, "endpoint": hub.endpoint, "model_card": False}
+    posterior.save_pretrained(tmp_path / "bare", repo_id="alice/no-card", **push)
+    assert not (tmp_path / "bare" / "README.md").exists()
+    assert set(hub.files("alice/no-card")) == {".gitattributes", POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME}
+
+    posterior.push_to_hub("alice/old-card", token=TOKEN, endpoint=hub.endpoint)
+    card = hub.files("alice/old-card")["README.md"].decode()
+    start, end = card.index(SECTION_START), card.index(SECTION_END)
+    posterior.with_ess(2 * posterior.ess).save_pretrained(tmp_path / "old", repo_id="alice/old-card", **push)
+    pushed = hub.files("alice/old-card")["README.md"].decode()
+    assert pushed == card[:start] + RETRACTED_SECTION + card[end + len(SECTION_END) :]
+    assert _load(hub, "alice/old-card", tmp_path / "cache").ess == 2 * posterior.ess

@@ -202,7 +202,7 @@ def push_folder(
     path_in_repo: str | None,
     endpoint: str | None,
 ) -> CommitInfo:
-    """Upload ``file_names`` (to ``path_in_repo``) and the repo's ``README.md`` in one commit.
+    """Upload ``file_names`` (to ``path_in_repo``) and the repo's ``README.md`` (where ``write`` leaves one) in one commit.
 
     The repo (and the branch ``revision``) is created if needed; its other files are kept, but for
     staged weights files (``evon_posterior.<checkpoint_id>.safetensors``) in ``path_in_repo``, removed.
@@ -254,9 +254,10 @@ def push_folder(
             )
             for fname in file_names
         ]
-        operations.append(
-            CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
-        )
+        if os.path.isfile(os.path.join(card_dir, "README.md")):  # none where no card is pushed to a repo without one
+            operations.append(
+                CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
+            )
         operations += [CommitOperationDelete(path_in_repo=p) for p in _staged_weights(api, repo_id, revision, folder)]
         return api.create_commit(
             repo_id,

@@ -59,7 +59,7 @@ from hf_evon.posterior.gaussian import (
     stack_factors,
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
-from hf_evon.posterior.model_card import card_arguments, save_model_card
+from hf_evon.posterior.model_card import card_arguments, retract_card_section, save_model_card
 from hf_evon.posterior.names import model_problems, resident_parameters, warn_peft_unsaved
 from hf_evon.posterior.snapshot import snapshot
 
@@ -500,7 +500,7 @@ class EVONPosterior:
                 save_model_card(directory, self, **card_kwargs)
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or os.path.basename(os.path.abspath(directory))
-            push_kwargs.setdefault("model_card_kwargs", card_kwargs)
+            push_kwargs.update(model_card_kwargs=card_kwargs, model_card=write_card)
             self.push_to_hub(repo_id, eigenbasis_dtype=eig, **push_kwargs)
 
     @classmethod
@@ -558,13 +558,15 @@ class EVONPosterior:
         *,
         path_in_repo: str | None = None,
         endpoint: str | None = None,
+        model_card: bool = True,
     ) -> Any:
         """Upload the posterior (+ updated model card) to a Hub repo in one commit.
 
         The repo is created if needed; files already in it (the model's, an adapter's) are
         kept, and an existing ``README.md`` is updated, not replaced. ``path_in_repo`` puts
         the two posterior files in a subfolder (load with ``subfolder=``); the card stays at
-        the repo root. ``revision`` commits to that branch (created if missing).
+        the repo root. ``revision`` commits to that branch (created if missing). ``model_card=False``
+        pushes no card; an EVON section already in the repo's card becomes a note, as in a local save.
         Returns the ``huggingface_hub.CommitInfo``.
         """
         card_kwargs = card_arguments(model_card_kwargs)
@@ -572,7 +574,10 @@ class EVONPosterior:
 
         def write(files_dir: str, card_dir: str, location: dict[str, Any]) -> None:
             self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
-            save_model_card(card_dir, self, **{**location, **card_kwargs})  # the snippet loads from `location`
+            if model_card:
+                save_model_card(card_dir, self, **{**location, **card_kwargs})  # the snippet loads from `location`
+            else:  # the section there describes the posterior this push replaces
+                retract_card_section(card_dir)
 
         return push_folder(
             repo_id,
