@@ -203,6 +203,15 @@ def adapter_name_of(model: nn.Module, name: str) -> str | None:
     return None if found is None else found[1]
 
 
+def adapter_parameter_ids(model: nn.Module) -> set[int]:
+    """The ids of the parameters PEFT's tuner layers hold for an adapter (``lora_A.<adapter>.weight``,
+    ``boft_R.<adapter>``); none without PEFT."""
+    layers = _tuner_layers(model)
+    if not layers:
+        return set()
+    return {id(p) for name, p in model.named_parameters() if _adapter_of(layers, name) is not None}
+
+
 def _adapter_attributes() -> set[str]:
     """The attributes under which PEFT's tuner layers keep each adapter's tensors, by the adapter's
     name (``lora_A.<adapter>.weight``, ``ia3_l.<adapter>``, ``modules_to_save.<adapter>.weight``)."""

@@ -258,6 +258,38 @@ def test_a_vits_learned_tokens_and_position_embeddings_go_to_adamw_and_its_patch
     assert [g["algorithm"] for g in build_param_groups(one_channel)] == ["evon"]
 
 
+@pytest.mark.filterwarnings("ignore:Failed to load the CUDA extension", "ignore:Setting boft_n_butterfly_factor")
+def test_a_boft_adapters_rotations_go_to_evon_beside_a_vits_broadcast_tokens() -> None:
+    """BOFT's rotations ``boft_R`` [1, blocks, b, b] have a leading 1 as ViT's tokens do, but are a stack
+    of matrices that multiply their layer's weight, not a tensor broadcast over the batch: they went to
+    AdamW as an embedding table, and the posterior covered only BOFT's scales. They are EVON's now,
+    while the ViT's ``cls_token`` and ``position_embeddings`` stay AdamW's."""
+    import peft
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from hf_evon import build_param_groups
+
+    vit = ViTForImageClassification(
+        ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                  image_size=8, patch_size=4, num_labels=3)
+    )  # fmt: skip
+    model = peft.get_peft_model(vit, peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"]))
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    rotations = sorted(n for n in named if ".boft_R." in n)
+    assert len(rotations) == 2 and all(named[n].shape == (1, 2, 4, 4) for n in rotations)
+    groups = build_param_groups(model)
+    assert [g["algorithm"] for g in groups] == ["evon"]
+    assert sorted(groups[0]["param_names"]) == sorted(named)  # the rotations and the scales [8, 1]
+    model.base_model.model.vit.embeddings.cls_token.requires_grad_(True)
+    model.base_model.model.vit.embeddings.position_embeddings.requires_grad_(True)
+    by_algorithm = [(g["algorithm"], sorted(g["param_names"])) for g in build_param_groups(model)]
+    assert by_algorithm == [
+        ("evon", sorted(named)),
+        ("adamw", ["base_model.model.vit.embeddings.position_embeddings"]),
+        ("adamw", ["base_model.model.vit.embeddings.cls_token"]),
+    ]
+
+
 def test_the_adamw_rate_and_decay_given_to_the_split_are_named_when_invalid() -> None:
     # they reached EVON inside the AdamW groups and were refused as "Invalid lr" / "Invalid weight_decay"
     from hf_evon import build_optimizer, build_param_groups

@@ -1246,6 +1246,63 @@ def test_an_adalora_adapter_saved_by_the_trainer_reloads_with_its_posterior(tmp_
 
 
 
+def _peft_kind(kind: str):
+    """A PEFT config of ``kind`` and its base: GPT-2 (Conv1D layers) where PEFT supports them, else BERT."""
+    import peft
+
+    if kind in ("rslora", "pissa"):
+        extra = {"use_rslora": True} if kind == "rslora" else {"init_lora_weights": "pissa"}
+        return tiny_gpt2, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, **extra)
+    bert, modules = (lambda: tiny_bert(seed=1)), ["query", "value"]
+    return bert, {
+        "olora": peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=modules, init_lora_weights="olora"),
+        "oft": peft.OFTConfig(task_type="SEQ_CLS", r=0, oft_block_size=4, target_modules=modules),
+        "boft": peft.BOFTConfig(task_type="SEQ_CLS", boft_block_size=4, target_modules=modules),
+        "vera": peft.VeraConfig(task_type="SEQ_CLS", r=4, target_modules=modules),
+    }[kind]
+
+
+@pytest.mark.filterwarnings("ignore:Failed to load the CUDA extension", "ignore:Setting boft_n_butterfly_factor")
+@pytest.mark.parametrize("kind", ["rslora", "pissa", "olora", "oft", "boft", "vera"])
+def test_each_peft_adapter_kind_saved_by_the_trainer_reloads_with_its_posterior_and_its_bma(tmp_path, kind):
+    """VeRA, OFT, BOFT and LoRA with rsLoRA's scaling or PiSSA's/OLoRA's initialisation (which rewrite
+    the base weights; PEFT's ``from_pretrained`` rewrites the reloaded base the same way): the posterior
+    covers every matrix the adapter trains (the documented split: tensors of two or more dimensions to
+    EVON; VeRA's vectors to AdamW), and the saved adapter and posterior, reloaded as the card's snippet
+    does, sample and evaluate as the trained model. BOFT's rotations [1, blocks, b, b] were taken for a
+    table broadcast over the batch and went to AdamW: its posterior covered only the scales."""
+    from peft import PeftModel
+
+    base, peft_config = _peft_kind(kind)
+    lm = base is tiny_gpt2
+    train, evaluation = (lm_data(), lm_data(8, seed=1)) if lm else (classification_data(), classification_data(24, 1))
+    args = config(tmp_path, max_steps=2, bma_seed=2)
+    trainer = EVONTrainer(model=base(), args=args, peft_config=peft_config, train_dataset=train, eval_dataset=evaluation)
+    trainer.train()
+    trained = trainer.evaluate()
+    posterior = trainer.current_posterior()
+    matrices = [n for n, p in trainer.model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    assert posterior.names == matrices
+    health = trainer.optimizer.posterior_health(warn=False)
+    assert health and all(math.isfinite(v) for v in health.values())
+    trainer.save_model()
+    out = trainer.args.output_dir
+    reloaded = PeftModel.from_pretrained(base(), out)
+    loaded = EVONPosterior.from_pretrained(out, model=reloaded)
+    assert loaded.names == posterior.names
+    ours, theirs = dict(trainer.model.named_parameters()), dict(reloaded.named_parameters())
+    assert all(torch.equal(theirs[n].detach(), p.detach()) for n, p in ours.items()), "the reloaded model"
+    with posterior.sampled(trainer.model, seed=3):
+        expected = {n: ours[n].detach().clone() for n in posterior.names}
+    with loaded.sampled(reloaded, seed=3):
+        assert all(torch.equal(theirs[n].detach(), expected[n]) for n in posterior.names)
+    again = EVONTrainer(model=reloaded, args=config(tmp_path / "again", bma_seed=2), posterior=loaded,
+                        eval_dataset=evaluation).evaluate()  # fmt: skip
+    bma = [k for k in trained if k.startswith("eval_bma_")]
+    assert bma and torch.allclose(torch.tensor([again[k] for k in bma]), torch.tensor([trained[k] for k in bma]))
+    assert again["eval_mean_nll"] == pytest.approx(trained["eval_mean_nll"], rel=1e-6)
+
+
 def test_an_adalora_run_resumed_after_its_final_allocation_ends_as_the_whole_run(tmp_path):
     """Past AdaLoRA's final allocation, ``update_and_allocate`` masks with the config's rank_pattern, which
     a checkpoint's adapter (saved with every rank, the pruned ones as zeros) does not carry: a run resumed

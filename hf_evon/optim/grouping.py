@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import is_peft_model, pretrained_name
+from hf_evon.modeling import adapter_parameter_ids, is_peft_model, pretrained_name
 from hf_evon.optim.checks import finite, is_real, outside_stacklevel, require
 from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
@@ -79,11 +79,14 @@ def _broadcast_ids(model: nn.Module) -> tuple[set[int], set[int]]:
     """The bare parameters of 3 or more dimensions whose leading dimension is 1 (conv kernels
     aside): tensors added to the activations by broadcasting over the batch, not linear maps.
     Returned as (learned vectors, embedding tables) by how many of their dimensions exceed 1:
-    ViT's ``cls_token`` [1, 1, D] is a vector, its ``position_embeddings`` [1, N, D] a table."""
+    ViT's ``cls_token`` [1, 1, D] is a vector, its ``position_embeddings`` [1, N, D] a table. A PEFT
+    adapter's tensors are none of these: they act inside their layer (BOFT's rotations
+    [1, blocks, b, b] are a stack of matrices that multiply the layer's weight)."""
     kernels = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.modules.conv._ConvNd)}
+    kept = kernels | adapter_parameter_ids(model)
     vectors, tables = set(), set()
     for p in model.parameters():
-        if p.ndim >= 3 and p.shape[0] == 1 and id(p) not in kernels:
+        if p.ndim >= 3 and p.shape[0] == 1 and id(p) not in kept:
             (vectors if sum(d > 1 for d in p.shape) <= 1 else tables).add(id(p))
     return vectors, tables
 
