@@ -3,7 +3,8 @@ two ranks), which every rank must refuse alike instead of leaving the others in 
 collective for ever. Scenario (argv[2]): "no_samples" (the default), a step without
 ``sampled_params`` while some rank owns no noisy matrix; "moved", a step after an AdamW bias (rank 1's)
 was recast, which only its owner, holding its state, can see; "block_raised", a step after a
-``sampled_params`` block that raised on rank 1 only (and was caught)."""
+``sampled_params`` block that raised on rank 1 only (and was caught); "overflow", a step whose
+AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def main(out: str, scenario: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
-    opt = build_optimizer(model, adamw_patterns=[r"^2\."], seed=0)  # one EVON matrix: "0.weight"
+    raising = {"nonfinite": "raise"} if scenario == "overflow" else {}
+    opt = build_optimizer(model, adamw_patterns=[r"^2\."], seed=0, **raising)  # one EVON matrix: "0.weight"
     ddp = nn.parallel.DistributedDataParallel(model)
     prepare_distributed(ddp, opt, shard=True)
     x = torch.randn(6, 4, dtype=torch.float64)
@@ -37,6 +39,10 @@ def main(out: str, scenario: str) -> None:
         with opt.sampled_params(train=True):  # the layer run in float32
             hidden = torch.tanh(nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias))
             model[2](hidden.double()).square().mean().backward()
+    elif scenario == "overflow":  # finite, but its square is not: seen by its owner (rank 1) only
+        with opt.sampled_params(train=True):
+            ddp(x).square().mean().backward()
+        model[0].bias.grad.fill_(1e200)
     elif scenario == "block_raised":  # rank 1's second block raises and is caught: one sample fewer there
         for i in range(2):
             try:
@@ -52,7 +58,7 @@ def main(out: str, scenario: str) -> None:
     try:
         opt.step()
         message = ""
-    except RuntimeError as err:
+    except (RuntimeError, FloatingPointError) as err:  # FloatingPointError: NonFiniteGradientError
         message = str(err)
     result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples}
     result["weights"] = {k: v.clone() for k, v in model.state_dict().items()}

@@ -282,6 +282,16 @@ def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> Non
         assert torch.equal(v, results[1]["weights"][k]), k
 
 
+def test_a_refused_nonfinite_step_names_the_parameter_on_every_rank(tmp_path) -> None:
+    """Only rank 1 owns the bias whose squared gradient overflows: every rank refuses the step, and
+    each names the bias (rank 0 said only "a non-finite value" before the fix)."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "overflow", timeout=60)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [r["owner"] for r in results] == [False, True]
+    for r in results:
+        assert r["message"].startswith("overflow in AdamW's squared gradient of 0.bias (shape (4,))"), r["message"]
+
+
 def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(tmp_path) -> None:
     """transformers' scripts call ``create_model_card()`` on every process; its rank-0-only body
     must not gather the sharded posterior alone (a hang, before the fix: the timeout fails it)."""

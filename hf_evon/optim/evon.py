@@ -499,7 +499,7 @@ class EVON(Optimizer):
         if self._hooks.all_ranks(finite_flags(plans, adamw, self.param_groups, self._param_label)):
             return True
         msg = health.first_nonfinite(self.param_groups, plans, adamw, self._param_label)
-        msg = f"{msg}; the step was skipped and the optimizer state is unchanged"
+        msg = health.skipped_reason(self._hooks.every_rank(msg))  # sharded: the owner names it
         if self.nonfinite == "raise":
             self.discard_samples()
             raise NonFiniteGradientError(msg)

@@ -15,7 +15,7 @@ from hf_evon.optim.checks import outside_stacklevel, uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
 from hf_evon.optim.linalg import norms_of
 
-__all__ = ["first_nonfinite", "health_rows", "health_stats", "warn_health"]
+__all__ = ["first_nonfinite", "health_rows", "health_stats", "skipped_reason", "warn_health"]
 
 Tensor = torch.Tensor
 
@@ -186,7 +186,17 @@ def first_nonfinite(
                     f"overflow in AdamW's squared gradient of {label(p)}: its gradient is "
                     "finite but so large (a spike) that its square is not"
                 )
-    return "a non-finite value"
+    return UNNAMED
+
+
+UNNAMED = "a non-finite value"
+
+
+def skipped_reason(found: list[str]) -> str:
+    """Why a step is skipped, from every rank's :func:`first_nonfinite` (sharded: only the owner
+    of a matrix or AdamW parameter sees its overflow): the first that names a parameter."""
+    named = next((why for why in found if why != UNNAMED), UNNAMED)
+    return f"{named}; the step was skipped and the optimizer state is unchanged"
 
 
 def param_label(param_groups: list[dict[str, Any]], p: Tensor) -> str:
