@@ -795,6 +795,37 @@ def test_a_named_peft_adapters_snippet_loads_it_under_its_name_from_where_peft_s
         assert torch.equal(loaded.get_parameter(name), model.get_parameter(name)), name
 
 
+def test_the_snippet_of_a_prefix_tuned_causal_lms_card_runs_as_written(tmp_path, tokenizer, capsys):
+    """PEFT's prompt learning (here prefix tuning, its prefixes named in ``evon_patterns``) has no BMA
+    decoding: ``generate_bma`` refuses it, and the card's snippet, which "runs as written", raised
+    there. It now averages the next token's probabilities over 8 samples, as the refusal advises."""
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=tokenizer.vocab_size, n_positions=64)
+    base_dir = tmp_path / "base"
+    GPT2LMHeadModel(config).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    prefix = PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(base_dir), prefix).eval()
+    optimizer = hf_evon.build_optimizer(model, ess=100.0, evon_patterns=["prompt_encoder"])
+    posterior = EVONPosterior.from_optimizer(optimizer, model)
+    assert posterior.names == ["prompt_encoder.default.embedding.weight"]
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    posterior.save_pretrained(out, model_card_kwargs={"model": model, "base_model": str(base_dir)})
+    snippet = _snippet((out / "README.md").read_text())
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    inputs = tokenizer("An example input.", return_tensors="pt")
+    expected = torch.stack(
+        [_sampled_logits(model, posterior, inputs, seed)[:, -1].softmax(-1) for seed in range(8)]
+    ).mean(0)  # fmt: skip
+    torch.testing.assert_close(namespace["probs"], expected, atol=1e-6, rtol=1e-5)
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
 def test_the_snippet_of_an_ia3_or_adalora_causal_lms_card_runs_as_written(adapter, tmp_path, tokenizer, capsys):
     """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched

@@ -264,7 +264,10 @@ def usage_snippet(
     # directory holds
     auto = _auto_class(model_class)
     tokenizer = (tokenizer or is_peft) and auto not in _NON_TEXT_AUTO_CLASSES
-    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", *_NON_TEXT_DECODERS)  # decodes
+    # PEFT's prompt learning (its encoder under ``prompt_encoder.<adapter>``) has no BMA decoding
+    # (generate_bma refuses it): its causal LM averages the next token's probabilities instead
+    prompting = auto == "AutoModelForCausalLM" and any(n.startswith("prompt_encoder.") for n in posterior.names)
+    causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", *_NON_TEXT_DECODERS) and not prompting
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
     lines = [] if causal and (tokenizer or auto in _NON_TEXT_DECODERS) else ["import torch"]  # token ids need torch
     auto_names = f"{auto}, AutoTokenizer" if tokenizer else auto
@@ -305,4 +308,5 @@ def usage_snippet(
             "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
         ]
         return "\n".join(lines)
-    return "\n".join(lines + _input_lines(auto, tokenizer, model_class) + _averaged_probs_lines("model(**inputs).logits"))
+    logits = "model(**inputs).logits[:, -1]" if prompting else "model(**inputs).logits"
+    return "\n".join(lines + _input_lines(auto, tokenizer, model_class) + _averaged_probs_lines(logits))
