@@ -1661,6 +1661,76 @@ def test_recorded_lr_is_the_scheduled_peak_and_the_final_rate():
     assert config["lr"] == 0.1 and config["final_lr"] == pytest.approx(0.1 * 0.5**3)
 
 
+def _plateau_run(lr, steps=3):
+    """A raw EVON at ``lr`` under torch's ReduceLROnPlateau (factor 0.5, patience 0) fed a flat
+    metric: the first call sets the best, each later one halves the rate."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = hf_evon.EVON([net.weight], **plain_evon(lr=lr, ess=100, seed=0))
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    x = torch.randn(8, 3)
+    for _ in range(steps):
+        _train(net, opt, [x], lambda m, b: m(b).square().mean())
+        sched.step(1.0)
+    return net, opt
+
+
+@pytest.mark.parametrize("rate", [0.1, "tensor"])
+def test_recorded_lr_under_a_plateau_scheduler_is_the_configured_rate(rate, tmp_path):
+    """ReduceLROnPlateau sets no ``initial_lr``: a raw EVON's saved ``lr`` was the lowered rate and
+    ``final_lr`` was missing (docs/posterior-format.md: ``lr`` is the configured rate under a scheduler)."""
+    configured = 0.1 if rate == 0.1 else 0.25  # a tensor rate: the scheduler sets it in place
+    net, opt = _plateau_run(configured if rate == 0.1 else torch.tensor(configured))
+    assert float(opt.param_groups[0]["lr"]) == configured * 0.5**2  # two halvings
+    EVONPosterior.from_optimizer(opt, net).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())
+    assert (saved["lr"], saved["final_lr"]) == (configured, configured * 0.5**2)
+    # the record survives a state-dict round trip into an optimizer configured otherwise, and a copy
+    fresh = hf_evon.EVON([net.weight], **plain_evon(lr=0.5, ess=100, seed=0))
+    fresh.load_state_dict(opt.state_dict())
+    for model, other in ((net, fresh), copy.deepcopy((net, opt)), pickle.loads(pickle.dumps((net, opt)))):
+        config = EVONPosterior.from_optimizer(other, model).config
+        assert (config["lr"], config["final_lr"]) == (saved["lr"], saved["final_lr"])
+
+
+def test_recorded_lr_under_one_cycle_is_its_peak_and_the_final_rate():
+    """OneCycleLR sets ``initial_lr`` to its starting rate ``max_lr / div_factor``: the saved ``lr`` was
+    that start, not the schedule's configured peak ``max_lr``."""
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = hf_evon.EVON([net.weight], **plain_evon(lr=0.1, ess=100, seed=0))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.4, total_steps=10, cycle_momentum=False)
+    x = torch.randn(8, 3)
+    _train(net, opt, [x] * 3, lambda m, b: m(b).square().mean(), scheduler=sched)
+    config = EVONPosterior.from_optimizer(opt, net).config
+    assert (config["lr"], config["final_lr"]) == (0.4, opt.param_groups[0]["lr"])
+    assert config["final_lr"] == sched.get_last_lr()[0] != 0.4
+
+
+def test_schedulers_built_after_a_rate_change_scale_the_rate_in_use():
+    """EVON does not pre-set torch's ``initial_lr``: a scheduler built after the rate was changed
+    scales the changed rate (torch's ``setdefault`` would keep a pre-set one), and one resumed with
+    ``last_epoch`` on a group without it still refuses, as under torch's own optimizers."""
+    net = nn.Linear(3, 2)
+    opt = hf_evon.EVON([net.weight], **plain_evon(lr=0.1, ess=100, seed=0))
+    assert "initial_lr" not in opt.param_groups[0]
+    opt.param_groups[0]["lr"] = 0.2
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    assert sched.base_lrs == [0.2] and opt.param_groups[0]["initial_lr"] == 0.2
+    fresh = hf_evon.EVON([net.weight], **plain_evon(lr=0.1, ess=100, seed=0))
+    with pytest.raises(KeyError, match="initial_lr"):
+        torch.optim.lr_scheduler.LambdaLR(fresh, lambda step: 1.0, last_epoch=3)
+
+
+def test_no_final_lr_is_recorded_without_a_rate_change():
+    torch.manual_seed(0)
+    net = nn.Linear(3, 2)
+    opt = hf_evon.EVON([net.weight], **plain_evon(lr=0.1, ess=100, seed=0))
+    _train(net, opt, [torch.randn(8, 3)], lambda m, b: m(b).square().mean())
+    config = EVONPosterior.from_optimizer(opt, net).config
+    assert config["lr"] == 0.1 and "final_lr" not in config
+
+
 def test_sampling_into_a_model_on_the_meta_device_says_so(mlp):
     """A model made on the meta device (``torch.device("meta")``, empty-weight loading) has no
     values to perturb: the sample is refused by name (before: torch's "META device type not an

@@ -338,6 +338,11 @@ def build_group(group: dict[str, Any], updates: int, built: dict[int, dict[str, 
         group.setdefault("fit_from", updates)
     record = fit_record(group)  # before settle_group resolves weight_decay=None
     settle_group(group)
+    # the rate as configured, which a posterior records where no scheduler set initial_lr
+    # (ReduceLROnPlateau sets none); initial_lr stays the schedulers' (setdefault: one pre-set would
+    # win over a rate changed before they are built). A copy: a tensor rate is set in place
+    rate = group["lr"]
+    group.setdefault("configured_lr", rate.detach().clone() if torch.is_tensor(rate) else rate)
     built[id(group)] = {**record, "set_by_fit": fitted_values(group)}  # the resolved weight_decay
 
 

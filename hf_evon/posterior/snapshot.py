@@ -117,8 +117,13 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     }
     first = evon_groups[0]
     settings = {k: first[k] for k in HYPERPARAMETER_KEYS if k in first}
-    if "initial_lr" in first:  # under an LR scheduler: the configured (peak) rate, not today's
-        settings["lr"], settings["final_lr"] = first["initial_lr"], first["lr"]
+    # under an LR scheduler the configured (peak) rate, not today's: OneCycleLR's max_lr (its initial_lr
+    # is its start, max_lr / div_factor), another's initial_lr, or where the scheduler sets none
+    # (ReduceLROnPlateau) the rate EVON was built with (a rate that has not moved from it: no final_lr)
+    one_cycle = "max_lr" in first and "initial_lr" in first
+    configured = first["max_lr"] if one_cycle else first.get("initial_lr", first.get("configured_lr"))
+    if configured is not None and ("initial_lr" in first or float(configured) != float(first["lr"])):
+        settings["lr"], settings["final_lr"] = configured, first["lr"]
     # a rate held in a 0-dim tensor (torch.optim's option; schedulers set it in place): its number
     settings = {k: v.item() if torch.is_tensor(v) else v for k, v in settings.items()}
     if "betas" in settings:
