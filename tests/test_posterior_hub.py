@@ -426,3 +426,35 @@ def test_save_pretrained_without_a_card_pushes_none(hub, posterior, tmp_path):
     pushed = hub.files("alice/old-card")["README.md"].decode()
     assert pushed == card[:start] + RETRACTED_SECTION + card[end + len(SECTION_END) :]
     assert _load(hub, "alice/old-card", tmp_path / "cache").ess == 2 * posterior.ess
+
+
+def test_an_edit_of_the_repo_during_a_push_is_not_overwritten(hub, posterior, monkeypatch):
+    """A push read the repo's README.md, edited its EVON section and committed without pinning the
+    parent commit: an edit landing between the read and the commit was silently overwritten. The
+    commit is pinned to the revision the card was read at; a conflict says so, and a retry pushes."""
+    import hf_evon.posterior.hub as hub_module
+
+    repo = "alice/concurrent-card"
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo(repo)
+    api.upload_file(path_or_fileobj=b"# A model\n\nIts own text.\n", path_in_repo="README.md", repo_id=repo)
+    edited = b"# A model\n\nA colleague's edit.\n"
+    real, edits = hub_module.hf_hub_download, []
+
+    def download(repo_id, filename, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        out = real(repo_id, filename, **kwargs)
+        if filename == "README.md" and not edits:  # a colleague's edit, right after the card is read
+            edits.append(api.upload_file(path_or_fileobj=edited, path_in_repo="README.md", repo_id=repo))
+        return out
+
+    monkeypatch.setattr(hub_module, "hf_hub_download", download)
+    before = hub.commits(repo)
+    with pytest.raises(RuntimeError, match=f"{repo} changed during the push.*push again") as caught:
+        posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    assert edits and hub.commits(repo) == [edits[0].commit_message, *before]  # nothing of the push landed
+    assert hub.files(repo)["README.md"] == edited and POSTERIOR_CONFIG_NAME not in hub.files(repo)
+    assert "main" in str(caught.value)
+
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)  # the retry keeps the edit
+    card = hub.files(repo)["README.md"].decode()
+    assert "A colleague's edit." in card and card.count(SECTION_START) == 1

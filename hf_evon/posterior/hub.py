@@ -231,17 +231,22 @@ def push_folder(
         card_dir = os.path.join(tmp, "card")
         files_dir = os.path.join(tmp, "files")
         os.makedirs(card_dir)
+        # the commit the card is read at: the push commits onto it (parent_commit), so an edit landing
+        # between the read and the commit is refused rather than overwritten by the edited card
+        read_at = None
         for name in ("README.md", TOKENIZER_FILE):
             try:
                 existing = hf_hub_download(
                     repo_id,
                     name,
-                    revision=revision,
+                    revision=read_at or revision,
                     token=token,
                     endpoint=api.endpoint,
                     cache_dir=os.path.join(tmp, "cache"),
                 )
                 shutil.copyfile(existing, os.path.join(card_dir, name))
+                if name == "README.md":
+                    read_at = _snapshot_commit(existing)
             except (EntryNotFoundError, RevisionNotFoundError) as err:
                 if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
                     raise
@@ -258,14 +263,26 @@ def push_folder(
             operations.append(
                 CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
             )
-        operations += [CommitOperationDelete(path_in_repo=p) for p in _staged_weights(api, repo_id, revision, folder)]
-        return api.create_commit(
-            repo_id,
-            operations,
-            commit_message=commit_message,
-            revision=revision,
-            create_pr=create_pr,
-        )
+        staged = _staged_weights(api, repo_id, read_at or revision, folder)
+        operations += [CommitOperationDelete(path_in_repo=p) for p in staged]
+        try:
+            return api.create_commit(
+                repo_id,
+                operations,
+                commit_message=commit_message,
+                revision=revision,
+                create_pr=create_pr,
+                parent_commit=read_at,
+            )
+        except HfHubHTTPError as err:  # the Hub answers a moved parent with 412 (or 409)
+            status = None if err.response is None else err.response.status_code
+            if read_at is None or status not in (409, 412):
+                raise
+            raise RuntimeError(
+                f"{repo_id} changed during the push: {revision or 'main'} moved on from commit {read_at}, "
+                "where its README.md was read, before the commit (another push or edit); nothing was "
+                "pushed, so no change was overwritten: push again to update the card as it is now"
+            ) from err
 
 
 def _staged_weights(api: HfApi, repo_id: str, revision: str | None, folder: str) -> list[str]:
