@@ -4,7 +4,9 @@ collective for ever. Scenario (argv[2]): "no_samples" (the default), a step with
 ``sampled_params`` while some rank owns no noisy matrix; "moved", a step after an AdamW bias (rank 1's)
 was recast, which only its owner, holding its state, can see; "block_raised", a step after a
 ``sampled_params`` block that raised on rank 1 only (and was caught); "overflow", a step whose
-AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``."""
+AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``;
+"fsdp2_block_raised", "block_raised" under FSDP2 (tests/fsdp2_worker.py's model), next to a run of
+the first block alone."""
 
 from __future__ import annotations
 
@@ -18,9 +20,41 @@ from torch import nn
 from hf_evon import build_optimizer, prepare_distributed
 
 
+def fsdp2_blocks(rank: int, blocks: int) -> dict:
+    """``blocks`` sampled_params blocks (rank 1's second raises after its backward, and is caught),
+    then a step, on tests/fsdp2_worker.py's model under FSDP2."""
+    import fsdp2_worker as fw
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, opt = fw.make(init_device_mesh("cpu", (dist.get_world_size(),)))
+    rows = fw.GLOBAL_BATCH // dist.get_world_size()
+    ids, x, y = (t[rank * rows : (rank + 1) * rows] for t in fw.batch(0))
+    block_error = ""
+    for i in range(blocks):
+        try:
+            with opt.sampled_params(train=True):
+                nn.functional.mse_loss(model(ids, x), y).backward()
+                if rank == 1 and i == 1:
+                    raise ValueError("a failed logging callback")
+        except (ValueError, RuntimeError) as err:
+            block_error = str(err)
+    samples = opt.recorded_samples
+    try:
+        opt.step()
+        message = ""
+    except RuntimeError as err:
+        message = str(err)
+    return {"message": message, "block_error": block_error, "samples": samples, "weights": fw.full_weights(model)}
+
+
 def main(out: str, scenario: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if scenario == "fsdp2_block_raised":
+        result = {"raised": fsdp2_blocks(rank, 2), "alone": fsdp2_blocks(rank, 1)}
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier()
+        finish()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     raising = {"nonfinite": "raise"} if scenario == "overflow" else {}

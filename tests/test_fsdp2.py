@@ -299,6 +299,24 @@ def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int)
             assert "layers.3.weight" in nf["messages"][0]
 
 
+def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> None:
+    """Rank 1's second block raised after its backward (and was caught): before the fix rank 0 sent
+    that block's gradients to the owners alone (an all_to_all) while rank 1 went on into the step's
+    all-reduce, and the job hung (the timeout fails it). Now rank 0's block raises naming rank 1,
+    neither records it, and the step equals that of a run of the first block alone."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "fsdp2_block_raised", timeout=90)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    raised = [r["raised"] for r in results]
+    assert "raised on rank 1, so this block is recorded on no rank" in raised[0]["block_error"]
+    assert raised[1]["block_error"] == "a failed logging callback"
+    assert [r["samples"] for r in raised] == [1, 1] and [r["message"] for r in raised] == ["", ""]
+    for r in results:
+        alone = r["alone"]
+        assert alone["samples"] == 1 and alone["block_error"] == ""
+        for k, v in alone["weights"].items():
+            assert torch.equal(r["raised"]["weights"][k], v), k
+
+
 def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_path) -> None:
     """Under FSDP2 EVON's state is resumed from ``evon_optimizer.pt`` (the Trainer's optimizer.bin,
     torch's distributed checkpoint, does not fit it): a checkpoint without it is refused by name

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hf_evon.distributed.sharding import EVONSharding, _cpu_copy, _fresh
+from hf_evon.distributed.sharding import EVONSharding, _cpu_copy, _fresh, block_raised_on
 from hf_evon.optim.buckets import Bucket
 
 if TYPE_CHECKING:
@@ -135,12 +135,21 @@ class FSDP2Sharding(EVONSharding):
     def _rows(self, p: Tensor, rank: int) -> tuple[int, int]:
         return shard_rows(p.shape[0], self.world, rank)
 
-    def _to_owners(self, params: list[Tensor], local: list[Tensor]) -> dict[int, Tensor]:
+    def _to_owners(
+        self, params: list[Tensor], local: list[Tensor], flag: bool | None = None
+    ) -> tuple[dict[int, Tensor], list[Tensor]]:
         """Each owner's full matrices from every rank's rows ``local[i]`` of ``params[i]``
-        (one ``all_to_all`` per dtype); returns ``{id(param): full}`` for this rank's."""
+        (one ``all_to_all`` per dtype); returns ``{id(param): full}`` for this rank's, and each
+        rank's ``flag`` (a one-element tensor, rank order), sent to every rank with the first
+        dtype's rows (alone where there are none): empty where ``flag`` is None."""
         out: dict[int, Tensor] = {}
+        flags: list[Tensor] = []
         by_id = {id(p): t for p, t in zip(params, local)}
-        for ps in self._kinds(params).values():
+        kinds = list(self._kinds(params).values()) or ([[]] if flag is not None else [])
+        for k, ps in enumerate(kinds):
+            dtype = ps[0].dtype if ps else torch.float32
+            device = local[0].device if local else self._device()
+            extra = int(flag is not None and k == 0)  # 0 or 1: exact in any dtype
             send, send_sizes = [], [0] * self.world
             for r in range(self.world):
                 for p in ps:
@@ -148,11 +157,15 @@ class FSDP2Sharding(EVONSharding):
                         t = by_id[id(p)].reshape(-1)
                         send.append(t)
                         send_sizes[r] += t.numel()
+                if extra:
+                    send.append(torch.full((1,), float(bool(flag)), dtype=dtype, device=device))
+                    send_sizes[r] += 1
             mine = [p for p in ps if self.owner[id(p)] == self.rank]
             cols = {id(p): p.numel() // max(p.shape[0], 1) for p in mine}
-            recv_sizes = [sum(self._rows(p, r)[1] * cols[id(p)] for p in mine) for r in range(self.world)]
-            device = local[0].device
-            flat_out = self._all_to_all(send, send_sizes, recv_sizes, ps[0].dtype, device)
+            recv_sizes = [
+                sum(self._rows(p, r)[1] * cols[id(p)] for p in mine) + extra for r in range(self.world)
+            ]
+            flat_out = self._all_to_all(send, send_sizes, recv_sizes, dtype, device)
             full = {id(p): torch.empty(p.shape, dtype=p.dtype, device=device) for p in mine}
             dst, src, pos = [], [], 0
             for r in range(self.world):
@@ -163,10 +176,13 @@ class FSDP2Sharding(EVONSharding):
                         dst.append(full[id(p)].narrow(0, start, length).reshape(-1))
                         src.append(flat_out[pos : pos + n])
                     pos += n
+                if extra:
+                    flags.append(flat_out[pos : pos + 1])
+                    pos += 1
             if dst:
                 torch._foreach_copy_(dst, src)
             out.update(full)
-        return out
+        return out, flags
 
     def _all_to_all(
         self,
@@ -218,7 +234,7 @@ class FSDP2Sharding(EVONSharding):
     def _pull(self) -> None:
         """The owners' copies from the shards (a collective)."""
         with torch.no_grad():
-            full = self._to_owners(self.evon_params, [_local(p).detach() for p in self.evon_params])
+            full, _ = self._to_owners(self.evon_params, [_local(p).detach() for p in self.evon_params])
             for key, value in full.items():
                 self.proxy[key].copy_(value)
         self._stamp()
@@ -243,20 +259,27 @@ class FSDP2Sharding(EVONSharding):
                 self._pull()
         return grads_changed
 
-    def _gather_grads(self) -> None:
+    def _gather_grads(self, failed: bool | None = None) -> int | None:
         """Owners' copies get the full (FSDP2-averaged) gradient of their matrices; None where
-        the DTensor has none."""
+        the DTensor has none. ``failed`` (a block's exit): whether this rank's block raised, sent
+        with the rows, so every rank learns it from the exchange that runs anyway; returns the
+        first rank whose block raised (the copies then get no gradient), or None."""
         with_grad = [p for p in self.evon_params if p.grad is not None]
         for p in self.evon_params:
             q = self.proxy.get(id(p))
             if q is not None:
                 q.grad = None
-        if not with_grad:
-            return
-        full = self._to_owners(with_grad, [_local(p.grad) for p in with_grad])
+        if not with_grad and failed is None:
+            return None
+        full, flags = self._to_owners(with_grad, [_local(p.grad) for p in with_grad], failed)
+        if flags:
+            raised = [r for r, f in enumerate(torch.cat(flags).tolist()) if f]
+            if raised:
+                return raised[0]
         for p in with_grad:
             if id(p) in full:
                 self.proxy[id(p)].grad = full[id(p)]
+        return None
 
     def before_sample(self) -> None:
         self._refresh()
@@ -275,8 +298,13 @@ class FSDP2Sharding(EVONSharding):
                 torch._foreach_copy_([t for t, _ in self._means], [m for _, m in self._means])
             self._means = []
             self._stamp()
-            if recorded:
-                self._gather_grads()
+            if recorded or failed and self.world > 1:
+                # a block that raised here still joins the exchange, so every rank learns it and
+                # none records the block (none waits for this rank)
+                rank = self._gather_grads(failed if self.world > 1 else None)
+                if rank is not None:
+                    self._exit_rows = None  # the step gathers its gradients afresh
+                    return None if failed else block_raised_on(rank)
                 grads = [p.grad for p in self.evon_params]
                 self._exit_rows = [None if g is None else _local(g).clone() for g in grads]
         return None

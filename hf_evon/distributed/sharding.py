@@ -56,6 +56,15 @@ Tensor = torch.Tensor
 __all__ = ["EVONSharding", "assign_owners", "optimizer_state_bytes", "parameter_cost"]
 
 
+def block_raised_on(rank: int) -> str:
+    """Why a ``sampled_params(train=True)`` block that completed here is recorded on no rank."""
+    return (
+        f"EVON: the sampled_params(train=True) block raised on rank {rank}, so this block is "
+        "recorded on no rank (the gradients are as before it): run the same blocks on every "
+        "rank, or let the error stop every rank"
+    )
+
+
 def parameter_cost(p: Tensor, group: dict[str, Any]) -> float:
     """Optimizer FLOPs per step (up to a constant) that owning ``p`` costs.
 
@@ -232,11 +241,7 @@ class EVONSharding(ShardingHooks):
                 device = self.params[0].device if self.params else torch.device("cpu")
                 rank = self.averager(grads, failed=failed, device=device)
                 if rank is not None and not failed:
-                    return (
-                        f"EVON: the sampled_params(train=True) block raised on rank {rank}, so this block is "
-                        "recorded on no rank (the gradients are as before it): run the same blocks on every "
-                        "rank, or let the error stop every rank"
-                    )
+                    return block_raised_on(rank)
         return None
 
     @property
