@@ -615,3 +615,36 @@ def test_predict_bma_with_generate_samples_other_tokens_in_each_batch(tmp_path):
     assert not torch.equal(first[:4], first[4:])
     again = torch.as_tensor(trainer.predict(test, bma=True, do_sample=True, max_new_tokens=5).predictions)
     assert torch.equal(first, again)
+
+
+def test_the_seed_pinned_posterior_copies_and_pickles():
+    """``_SamplesBySeed`` proxied the posterior with ``__getattr__``, which read ``self._posterior``:
+    a copy or an unpickle looks up ``__setstate__`` before that is set, so ``__getattr__`` called
+    itself until RecursionError; ``copy.deepcopy`` found the posterior's ``__deepcopy__`` through it
+    and returned the bare posterior, drawing other samples. A copy now is one, draws as the original,
+    and an attribute it lacks raises AttributeError naming it."""
+    import copy
+    import pickle
+
+    from conftest import plain_evon
+
+    from hf_evon import EVONPosterior
+    from hf_evon.trainer.trainers import _SamplesBySeed
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = EVON([net.weight], **plain_evon(lr=0.1, ess=50, seed=0))
+    with opt.sampled_params(train=True):
+        net(torch.randn(4, 3)).square().mean().backward()
+    opt.step()
+    samples = _SamplesBySeed(EVONPosterior.from_optimizer(opt, net), 5)
+    expected = samples.draw(3)
+    for copied in (copy.copy(samples), copy.deepcopy(samples), pickle.loads(pickle.dumps(samples))):
+        assert type(copied) is _SamplesBySeed and copied._seed == 5
+        assert copied.names == samples.names == ["weight"] and "weight" in copied
+        drawn = copied.draw(3, seed=123)  # the caller's seed is ignored: seeds 5, 6, 7
+        assert set(drawn) == set(expected) and all(torch.equal(drawn[k], expected[k]) for k in expected)
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        samples.no_such_attribute  # noqa: B018
+    with pytest.raises(AttributeError, match="_posterior"):
+        _SamplesBySeed.__new__(_SamplesBySeed).names  # noqa: B018

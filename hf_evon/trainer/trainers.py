@@ -129,7 +129,12 @@ class _SamplesBySeed:
         self._posterior, self._seed = posterior, seed
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._posterior, name)
+        # not the posterior's protocol methods: deepcopy looks __deepcopy__ up on the instance (the
+        # posterior's would copy the posterior alone, unpinned), and a copy or an unpickle looks up
+        # __setstate__ before _posterior is set (read through the instance, not this method again)
+        if name == "_posterior" or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(f"{type(self).__name__} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, "_posterior"), name)
 
     def __getitem__(self, name: str) -> Any:
         return self._posterior[name]
