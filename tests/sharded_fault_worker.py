@@ -6,7 +6,7 @@ was recast, which only its owner, holding its state, can see; "block_raised", a 
 ``sampled_params`` block that raised on rank 1 only (and was caught); "overflow", a step whose
 AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``;
 "fsdp2_block_raised", "block_raised" under FSDP2 (tests/fsdp2_worker.py's model), next to a run of
-the first block alone."""
+the first block alone; "ddp_moved", non-sharded DDP, a step after rank 1 alone recast that bias."""
 
 from __future__ import annotations
 
@@ -60,18 +60,23 @@ def main(out: str, scenario: str) -> None:
     raising = {"nonfinite": "raise"} if scenario == "overflow" else {}
     opt = build_optimizer(model, adamw_patterns=[r"^2\."], seed=0, **raising)  # one EVON matrix: "0.weight"
     ddp = nn.parallel.DistributedDataParallel(model)
-    prepare_distributed(ddp, opt, shard=True)
+    prepare_distributed(ddp, opt, shard=not scenario.startswith("ddp_"))
     x = torch.randn(6, 4, dtype=torch.float64)
     with opt.sampled_params(train=True):  # a correct first step
         ddp(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
-    owner = opt.sharding.owns(model[0].bias)
+    owner = opt.sharding is not None and opt.sharding.owns(model[0].bias)
     block_error = ""
-    if scenario == "moved":  # on every rank; only the owner holds the bias's AdamW state
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    if scenario == "moved" or scenario == "ddp_moved" and rank == 1:
+        # "moved": on every rank, only the owner holds the bias's AdamW state; "ddp_moved": every rank
+        # holds it, but only rank 1 recast it
         model[0].bias.data = model[0].bias.data.float()
+    if scenario in ("moved", "ddp_moved"):
         with opt.sampled_params(train=True):  # the layer run in float32
-            hidden = torch.tanh(nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias))
+            bias = model[0].bias
+            hidden = torch.tanh(nn.functional.linear(x.to(bias.dtype), model[0].weight.to(bias.dtype), bias))
             model[2](hidden.double()).square().mean().backward()
     elif scenario == "overflow":  # finite, but its square is not: seen by its owner (rank 1) only
         with opt.sampled_params(train=True):
@@ -96,6 +101,7 @@ def main(out: str, scenario: str) -> None:
         message = str(err)
     result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples}
     result["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
+    result["before"] = before
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)

@@ -268,6 +268,22 @@ def test_a_recast_parameter_refuses_the_step_on_every_rank_not_only_its_owner(tm
     assert "rank 1" in results[0]["message"] and "parameter 0.bias (shape (4,)) is torch.float32" in results[0]["message"]
 
 
+def test_a_parameter_recast_on_one_rank_refuses_the_unsharded_step_on_every_rank(tmp_path) -> None:
+    """Non-sharded DDP, rank 1 alone recast an AdamW bias to float32: before the fix its gradient went
+    into a float32 flat buffer of its own on rank 1 only, so the ranks' averaging all-reduces did not
+    pair (or, had they, rank 1 raised after them while rank 0 stepped). Now the structure check
+    before them refuses the step on every rank, rank 0 naming rank 1 and the bias; no rank steps."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "ddp_moved", timeout=60)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    reason = "parameter 0.bias (shape (4,)) is torch.float32"
+    assert results[1]["message"].startswith(f"EVON.step: {reason}"), results[1]["message"]
+    assert results[0]["message"].startswith("rank 1 refused the step, so every rank does"), results[0]["message"]
+    assert reason in results[0]["message"]
+    for r in results:
+        for k, v in r["before"].items():
+            assert torch.equal(r["weights"][k], v.to(r["weights"][k].dtype)), k
+
+
 def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> None:
     """Rank 1's second block raised (and was caught): before the fix rank 0 averaged that block's
     gradients alone, its all-reduce met rank 1's next collective and gloo aborted rank 1 (SIGABRT,

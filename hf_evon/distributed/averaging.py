@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hf_evon.optim.health import param_label
+from hf_evon.optim.hooks import ShardingHooks
+from hf_evon.optim.update import adamw_inputs, moved_refusal
 from hf_evon.optim.validation import GROUP_KEYS
 
 if TYPE_CHECKING:
@@ -27,6 +30,12 @@ def _settings(optimizer: EVON | None) -> list[dict[str, Any]]:
         return []
     keys = ("algorithm", *GROUP_KEYS)
     return [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+
+
+def _moved(optimizer: EVON) -> str | None:
+    """Why ``optimizer``'s step is refused where a parameter was recast or moved since its state was made."""
+    adamw = adamw_inputs(optimizer.param_groups, optimizer.state, ShardingHooks(), 1)  # lists, no arithmetic
+    return moved_refusal(optimizer.buckets, adamw, lambda p: param_label(optimizer.param_groups, p))
 
 
 def _differences(every: list[Any], mine: list[dict[str, Any]]) -> list[str]:
@@ -139,13 +148,23 @@ class RankAverager:
         samples = 0 if self.optimizer is None else self.optimizer.recorded_samples
         settings = _settings(self.optimizer)
         failed_rank = dist.get_rank(self.group) + 1 if failed else 0  # 0: none failed
-        values = [count, numel, samples, zlib.crc32(repr(settings).encode()), failed_rank]
+        # a parameter recast or moved on this rank alone: its gradient would go into a flat buffer of
+        # its own here, and the ranks' all-reduces would not pair; so every rank refuses the step
+        moved = None if self.optimizer is None else _moved(self.optimizer)
+        values = [count, numel, samples, zlib.crc32(repr(settings).encode()), failed_rank, int(moved is not None)]
         device = tensors[0].device if tensors else device
         sig = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
         dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
-        hi_count, hi_numel, hi_samples, hi_key, hi_failed, lo_count, lo_numel, lo_samples, lo_key, _ = sig.tolist()
+        hi_count, hi_numel, hi_samples, hi_key, hi_failed, hi_moved, lo_count, lo_numel, lo_samples, lo_key = (
+            sig.tolist()[:10]
+        )
         if hi_failed:  # every rank sees it: none averages, none waits
             return hi_failed - 1
+        if hi_moved:  # every rank learns the reason (rare: one more collective)
+            every_reason: list[Any] = [None] * world_size(self.group)
+            dist.all_gather_object(every_reason, moved, group=self.group)
+            first = next(r for r, why in enumerate(every_reason) if why is not None)
+            raise RuntimeError(moved or f"rank {first} refused the step, so every rank does: {every_reason[first]}")
         if hi_key != -lo_key:  # the ranks' hyperparameters differ: name them (rare: one more collective)
             every: list[Any] = [None] * world_size(self.group)
             dist.all_gather_object(every, settings, group=self.group)
