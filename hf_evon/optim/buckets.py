@@ -277,7 +277,9 @@ class Bucket:
         z = draw(self)
         q_left, q_right = self.bases() if self.initialized else (None, None)
         noise = sample_perturbation(z, self.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
-        self.write_params(self.mean.to(self.dtype) + noise, self.live)
+        # the noise added into the weights in place, computed as mean + noise in the state's
+        # dtype and rounded to the weights' (an in-place add promotes): no stacked sum to copy back
+        torch._foreach_add_(*self.unstacked(noise, range(len(self.params)) if self.live is None else self.live))
         if train and self.initialized:
             self.z = z
             if self.acc is None and not uses_fisher(g):
