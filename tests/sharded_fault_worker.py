@@ -6,7 +6,8 @@ was recast, which only its owner, holding its state, can see; "block_raised", a 
 ``sampled_params`` block that raised on rank 1 only (and was caught); "overflow", a step whose
 AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``;
 "fsdp2_block_raised", "block_raised" under FSDP2 (tests/fsdp2_worker.py's model), next to a run of
-the first block alone; "ddp_moved", non-sharded DDP, a step after rank 1 alone recast that bias."""
+the first block alone; "ddp_moved", non-sharded DDP, a step after rank 1 alone recast that bias;
+"param_edit", a step after rank 1 alone doubled the learning rate of that bias's group."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def main(out: str, scenario: str) -> None:
     owner = opt.sharding is not None and opt.sharding.owns(model[0].bias)
     block_error = ""
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    group = None  # "param_edit": the group edited
     if scenario == "moved" or scenario == "ddp_moved" and rank == 1:
         # "moved": on every rank, only the owner holds the bias's AdamW state; "ddp_moved": every rank
         # holds it, but only rank 1 recast it
@@ -78,6 +80,12 @@ def main(out: str, scenario: str) -> None:
             bias = model[0].bias
             hidden = torch.tanh(nn.functional.linear(x.to(bias.dtype), model[0].weight.to(bias.dtype), bias))
             model[2](hidden.double()).square().mean().backward()
+    elif scenario == "param_edit":  # valid, but on rank 1 only: the owners would apply different rates
+        group = next(i for i, g in enumerate(opt.param_groups) if any(p is model[0].bias for p in g["params"]))
+        if rank == 1:
+            opt.param_groups[group]["lr"] *= 2
+        with opt.sampled_params(train=True):
+            ddp(x).square().mean().backward()
     elif scenario == "overflow":  # finite, but its square is not: seen by its owner (rank 1) only
         with opt.sampled_params(train=True):
             ddp(x).square().mean().backward()
@@ -101,7 +109,7 @@ def main(out: str, scenario: str) -> None:
         message = str(err)
     result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples}
     result["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
-    result["before"] = before
+    result["before"], result["group"] = before, group
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)

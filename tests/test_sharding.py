@@ -284,6 +284,20 @@ def test_a_parameter_recast_on_one_rank_refuses_the_unsharded_step_on_every_rank
             assert torch.equal(r["weights"][k], v.to(r["weights"][k].dtype)), k
 
 
+def test_a_param_groups_edit_on_one_rank_refuses_the_sharded_step_on_every_rank(tmp_path) -> None:
+    """Rank 1 alone doubled the learning rate of the bias's group: before the fix the sharded averager
+    compared no settings, both ranks stepped, and each owner applied its own rate. Now the step's
+    agreed flag carries the settings' checksum: every rank refuses the step naming rank 1 and the
+    group's lr, and no rank steps."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "param_edit", timeout=60)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for r in results:
+        assert "hyperparameters differ" in r["message"] and f"group {r['group']} lr" in r["message"], r["message"]
+        assert "rank 1" in r["message"], r["message"]
+        for k, v in r["before"].items():
+            assert torch.equal(r["weights"][k], v), k
+
+
 def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> None:
     """Rank 1's second block raised (and was caught): before the fix rank 0 averaged that block's
     gradients alone, its all-reduce met rank 1's next collective and gloo aborted rank 1 (SIGABRT,

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["RankAverager", "world_size"]
+__all__ = ["RankAverager", "settings_differ", "settings_key", "world_size"]
 
 
 def _settings(optimizer: EVON | None) -> list[dict[str, Any]]:
@@ -36,6 +36,24 @@ def _moved(optimizer: EVON) -> str | None:
     """Why ``optimizer``'s step is refused where a parameter was recast or moved since its state was made."""
     adamw = adamw_inputs(optimizer.param_groups, optimizer.state, ShardingHooks(), 1)  # lists, no arithmetic
     return moved_refusal(optimizer.buckets, adamw, lambda p: param_label(optimizer.param_groups, p))
+
+
+def settings_key(optimizer: EVON | None) -> tuple[list[dict[str, Any]], int]:
+    """``optimizer``'s group settings and their checksum (compared across ranks)."""
+    settings = _settings(optimizer)
+    return settings, zlib.crc32(repr(settings).encode())
+
+
+def settings_differ(every: list[Any], mine: list[dict[str, Any]]) -> str:
+    """Why a step is refused where the ranks' group settings (``every``, rank order) differ."""
+    differ = _differences(every, mine)
+    odd = [str(r) for r, theirs in enumerate(every) if theirs != every[0]]
+    ranks = f"rank {odd[0]} differs" if len(odd) == 1 else f"ranks {', '.join(odd)} differ"
+    return (
+        f"EVON: the ranks' hyperparameters differ ({', '.join(differ) or 'the parameter groups'}; {ranks} "
+        f"from rank 0; per rank: {every}): each would apply a different update. Build the optimizer, and "
+        "edit its param_groups, alike on every rank"
+    )
 
 
 def _differences(every: list[Any], mine: list[dict[str, Any]]) -> list[str]:
@@ -146,12 +164,12 @@ class RankAverager:
         count, numel = len(tensors), sum(t.numel() for t in tensors)
         # each rank divides the averaged sum of its samples' gradients by its own count of them
         samples = 0 if self.optimizer is None else self.optimizer.recorded_samples
-        settings = _settings(self.optimizer)
+        settings, key = settings_key(self.optimizer)
         failed_rank = dist.get_rank(self.group) + 1 if failed else 0  # 0: none failed
         # a parameter recast or moved on this rank alone: its gradient would go into a flat buffer of
         # its own here, and the ranks' all-reduces would not pair; so every rank refuses the step
         moved = None if self.optimizer is None else _moved(self.optimizer)
-        values = [count, numel, samples, zlib.crc32(repr(settings).encode()), failed_rank, int(moved is not None)]
+        values = [count, numel, samples, key, failed_rank, int(moved is not None)]
         device = tensors[0].device if tensors else device
         sig = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
         dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=self.group)
@@ -168,11 +186,7 @@ class RankAverager:
         if hi_key != -lo_key:  # the ranks' hyperparameters differ: name them (rare: one more collective)
             every: list[Any] = [None] * world_size(self.group)
             dist.all_gather_object(every, settings, group=self.group)
-            differ = _differences(every, settings)
-            raise RuntimeError(
-                f"EVON: the ranks' hyperparameters differ ({', '.join(differ) or 'the parameter groups'}; per "
-                f"rank: {every}): each would apply a different update. Build the optimizer alike on every rank"
-            )
+            raise RuntimeError(settings_differ(every, settings))
         if hi_samples != -lo_samples:  # every rank sees the same maxima: all raise, none hangs
             raise RuntimeError(
                 "EVON: the ranks recorded different numbers of sampled_params(train=True) blocks for "

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hf_evon.distributed.averaging import RankAverager
+from hf_evon.distributed.averaging import RankAverager, settings_differ, settings_key
 from hf_evon.optim.buckets import Bucket, matrix_shape, preconditioned_sides, state_dtype
 from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.noise import derived_seed
@@ -263,13 +263,20 @@ class EVONSharding(ShardingHooks):
             self._broadcast_from_owners(self.params)
 
     def all_ranks(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (a step is skipped by all or none)."""
+        """Whether ``ok`` holds on every rank (a step is skipped by all or none). The same all-reduce
+        compares the ranks' group hyperparameters (each owner applies its own: a ``param_groups``
+        edit on one rank shows nowhere else), and every rank refuses the step where they differ."""
         if self.world == 1:
             return ok
         device = self.params[0].device if self.params else torch.device("cpu")
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+        settings, key = settings_key(self.optimizer)
+        flag = torch.tensor([0 if ok else 1, key, -key], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item()) == 0
+        bad, hi_key, lo_key = flag.tolist()
+        if hi_key != -lo_key:  # name them (rare: one more collective)
+            self.optimizer.discard_samples()
+            raise RuntimeError(settings_differ(self._gather_objects(settings), settings))
+        return bad == 0
 
     def pool_rows(self, rows: Tensor, count: int) -> tuple[Tensor, int]:
         """Every rank's per-bucket statistics rows (CPU) and element counts, pooled (a
