@@ -20,6 +20,7 @@ except ImportError:  # Windows: no flock
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
+    "ANSI_ESCAPE",
     "atomic_write",
     "directory_lock",
     "looks_like_local_path",
@@ -171,7 +172,8 @@ def looks_like_local_path(value: str) -> bool:
     )
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# terminal colour codes, which some libraries put in their error messages
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 # the lines of torch's refusal that say how to load the file anyway, not why it was refused
 _TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
 
@@ -182,7 +184,7 @@ def refused_load_text(path: str, err: BaseException) -> str:
     message advises ``weights_only=False`` or allowing the global, which would run whatever code the
     file holds: the file is not trusted here, so the advice is left out."""
     reasons = []
-    for line in _ANSI.sub("", str(err)).splitlines():
+    for line in ANSI_ESCAPE.sub("", str(err)).splitlines():
         line = line.strip()
         if "WeightsUnpickler error:" in line:
             line = line.split("WeightsUnpickler error:", 1)[1].strip()

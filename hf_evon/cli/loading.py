@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from hf_evon.fileio import looks_like_local_path, refused_load_text
+from hf_evon.fileio import ANSI_ESCAPE, looks_like_local_path, refused_load_text
 
 
 # --------------------------------------------------------------------- shared helpers
@@ -57,9 +57,6 @@ def file_errors() -> tuple[type[BaseException], ...]:
     return (SafetensorError, pickle.UnpicklingError, RecursionError)
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
 def _loaded_file(err: BaseException) -> str | None:
     """The file ``torch.load`` was reading where it raised ``err`` (transformers' loaders let its
     refusal through without naming the file); None where no ``torch.load`` call is in the traceback."""
@@ -79,7 +76,7 @@ def file_error_text(err: BaseException) -> str:
 
     if isinstance(err, pickle.UnpicklingError):
         return refused_load_text(_loaded_file(err) or "a pickled file", err)
-    lines = (_ANSI.sub("", line).strip() for line in str(err).splitlines())
+    lines = (ANSI_ESCAPE.sub("", line).strip() for line in str(err).splitlines())
     first = next((line for line in lines if line), type(err).__name__)
     if isinstance(err, RecursionError):
         return f"a file nests too deeply to read ({first})"
@@ -281,7 +278,7 @@ def weights_file_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
     except pickle.UnpicklingError as err:
         raise ValueError(refused_load_text(path, err)) from None
     except (RuntimeError, EOFError, AttributeError, TypeError) as err:
-        first = next((_ANSI.sub("", line).strip() for line in str(err).splitlines() if line.strip()), "")
+        first = next((ANSI_ESCAPE.sub("", line).strip() for line in str(err).splitlines() if line.strip()), "")
         raise ValueError(f"torch.load cannot read it: {first or type(err).__name__}") from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise ValueError("it is not a dictionary of tensors")
