@@ -7,7 +7,8 @@ was recast, which only its owner, holding its state, can see; "block_raised", a 
 AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``;
 "fsdp2_block_raised", "block_raised" under FSDP2 (tests/fsdp2_worker.py's model), next to a run of
 the first block alone; "ddp_moved", non-sharded DDP, a step after rank 1 alone recast that bias;
-"param_edit", a step after rank 1 alone doubled the learning rate of that bias's group."""
+"param_edit", a step after rank 1 alone doubled the learning rate of that bias's group; "steady", a
+correct step, counting the all-reduces it runs and the calls of the step's agreed flag."""
 
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ def fsdp2_blocks(rank: int, blocks: int) -> dict:
     except RuntimeError as err:
         message = str(err)
     return {"message": message, "block_error": block_error, "samples": samples, "weights": fw.full_weights(model)}
+
+
+def counted(owner: object, name: str, counts: dict[str, int]) -> None:
+    """``owner.name`` replaced by a wrapper counting its calls in ``counts[name]``."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
 
 
 def main(out: str, scenario: str) -> None:
@@ -99,15 +111,22 @@ def main(out: str, scenario: str) -> None:
                         raise ValueError("a failed logging callback")
             except (ValueError, RuntimeError) as err:
                 block_error = str(err)
+    elif scenario == "steady":
+        with opt.sampled_params(train=True):
+            ddp(x).square().mean().backward()
     else:
         ddp(x).square().mean().backward()  # the loop forgot sampled_params
     samples = opt.recorded_samples
+    counts = {"all_reduce": 0, "all_ranks": 0}
+    if scenario == "steady":  # counted in the step alone
+        counted(dist, "all_reduce", counts)
+        counted(opt.sharding, "all_ranks", counts)
     try:
         opt.step()
         message = ""
     except (RuntimeError, FloatingPointError) as err:  # FloatingPointError: NonFiniteGradientError
         message = str(err)
-    result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples}
+    result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples, "counts": counts}
     result["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
     result["before"], result["group"] = before, group
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))

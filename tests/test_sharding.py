@@ -329,3 +329,13 @@ def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(tmp_pa
     card = (tmp_path / "README.md").read_text()
     assert card.startswith("---") and "# sharded-card" in card
     assert "## EVON posterior (SOAP-Bubble)" in card
+
+
+def test_a_sharded_step_agrees_in_one_all_reduce(tmp_path) -> None:
+    """A correct sharded step runs one all-reduce (the agreed flag: finite values, no refusal, the
+    same settings) and no other; a refusal's agreement folded into the same flag, not a second
+    all-reduce (and host read) per step."""
+    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "steady", timeout=60)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [r["message"] for r in results] == ["", ""]
+    assert [r["counts"] for r in results] == [{"all_reduce": 1, "all_ranks": 1}] * 2

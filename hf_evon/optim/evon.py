@@ -439,12 +439,9 @@ class EVON(Optimizer):
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         moved = moved_refusal(self.buckets, adamw, self._param_label)
         needs_samples = self._samples == 0 and any(b.noisy_phase() for b in self.buckets)
-        # sharded: a rank that owns no noisy matrix or no moved parameter must raise too (one agreed flag)
-        if not self._hooks.all_ranks(moved is None and not needs_samples):
-            self._synchronized = False  # the next step's gradients are not averaged yet
-            refuse_step(self._hooks, moved, self.discard_samples)
-        plans = [plan for b in self.buckets for plan in step_plans(b, num_samples, self._member_state)]
-        if not self._all_finite(plans, adamw):
+        refused = moved is not None or needs_samples  # then no plans: the step raises
+        plans = [] if refused else [p for b in self.buckets for p in step_plans(b, num_samples, self._member_state)]
+        if not self._all_finite(plans, adamw, moved, needs_samples):
             self.discard_samples()
             return
 
@@ -492,14 +489,17 @@ class EVON(Optimizer):
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed, self._held = consumed_grads(self.param_groups), {}
 
-    def _all_finite(self, plans: list[Plan], adamw: AdamWInputs) -> bool:
-        """Whether the step may go ahead (every value finite on every rank); else warns (or
-        raises, ``nonfinite="raise"``) naming what was not finite."""
-        # sharded: skip on every rank or none
-        if self._hooks.all_ranks(finite_flags(plans, adamw, self.param_groups, self._param_label)):
+    def _all_finite(self, plans: list[Plan], adamw: AdamWInputs, moved: str | None, needs_samples: bool) -> bool:
+        """Whether no rank refuses the step (a ``moved`` parameter, ``needs_samples``: raises on every rank)
+        and all is finite on every rank (else warns, or raises: ``nonfinite``), in one agreed flag."""
+        refused = moved is not None or needs_samples
+        if self._hooks.all_ranks(not refused and finite_flags(plans, adamw, self.param_groups, self._param_label)):
             return True
-        msg = health.first_nonfinite(self.param_groups, plans, adamw, self._param_label)
-        msg = health.skipped_reason(self._hooks.every_rank(msg))  # sharded: the owner names it
+        self._synchronized = False  # the next step's gradients are not averaged yet
+        msg = None if refused else health.first_nonfinite(self.param_groups, plans, adamw, self._param_label)
+        found = self._hooks.every_rank((moved, needs_samples, msg))  # sharded: the owner names it
+        refuse_step(found, moved, self.discard_samples)
+        msg = health.skipped_reason([m for _, _, m in found if m is not None])
         if self.nonfinite == "raise":
             self.discard_samples()
             raise NonFiniteGradientError(msg)

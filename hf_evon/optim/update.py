@@ -36,6 +36,7 @@ from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.linalg import eigenbasis, norms_of, rotate
 
 __all__ = [
+    "NEEDS_SAMPLES",
     "AdamWInputs",
     "adamw_inputs",
     "adamw_update",
@@ -45,7 +46,6 @@ __all__ = [
     "hessian_candidate",
     "plan_update",
     "moved_refusal",
-    "refuse_moved_params",
     "refuse_step",
     "step_plans",
     "step_weights",
@@ -356,28 +356,25 @@ def moved_refusal(buckets: list[Bucket], adamw: AdamWInputs, label: Callable[[Te
     )
 
 
-def refuse_moved_params(
-    buckets: list[Bucket], adamw: AdamWInputs, label: Callable[[Tensor], str], refused: Callable[[], None]
+NEEDS_SAMPLES = (
+    "EVON needs the gradient at a posterior sample: run forward/backward inside "
+    "`with optimizer.sampled_params(train=True):` before step()"
+)
+
+
+def refuse_step(
+    found: list[tuple[str | None, bool, str | None]], reason: str | None, refused: Callable[[], None]
 ) -> None:
-    """Raise :func:`moved_refusal`'s reason, if any, after calling ``refused`` (this rank alone)."""
-    reason = moved_refusal(buckets, adamw, label)
-    if reason is not None:
-        refused()
-        raise RuntimeError(reason)
-
-
-def refuse_step(hooks: ShardingHooks, reason: str | None, refused: Callable[[], None]) -> None:
-    """Raise on every rank, once the ranks agreed (``hooks.all_ranks``) that some rank refuses the
-    step: this rank's ``reason`` or else the first refusing rank's (sharded: a recast parameter shows
-    only in its owner's state, so the other ranks learn it here, one collective on this rare path),
-    after calling ``refused``; where no rank has a reason, some rank lacks samples for its noisy matrices."""
-    reasons = hooks.every_rank(reason)
-    first = next(((r, why) for r, why in enumerate(reasons) if why is not None), None)
+    """Raise on every rank alike where some rank refuses the step, from every rank's (moved
+    parameter's reason or None, whether it lacks samples for its noisy matrices, non-finite finding),
+    in rank order (sharded: a recast parameter shows only in its owner's state): this rank's
+    ``reason`` or else the first refusing rank's, after calling ``refused``; without a moved
+    parameter, the missing samples. Return where no rank refuses (a value was not finite)."""
+    first = next(((r, why) for r, (why, _, _) in enumerate(found) if why is not None), None)
     if first is None:
-        raise RuntimeError(
-            "EVON needs the gradient at a posterior sample: run forward/backward inside "
-            "`with optimizer.sampled_params(train=True):` before step()"
-        )
+        if any(needs for _, needs, _ in found):
+            raise RuntimeError(NEEDS_SAMPLES)
+        return
     refused()
     rank, why = first
     raise RuntimeError(reason if reason is not None else f"rank {rank} refused the step, so every rank does: {why}")
