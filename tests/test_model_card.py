@@ -192,6 +192,49 @@ def test_a_run_that_saved_no_tokenizer_gets_a_snippet_that_loads_none(task, tmp_
     assert "token ids" not in snippet
 
 
+@pytest.mark.parametrize(
+    "problem, inferred",
+    [("multi_label_classification", False), ("multi_label_classification", True), ("regression", False)],
+)
+def test_a_multi_label_or_regression_classifiers_snippet_averages_sigmoids_or_values(tmp_path, capsys, problem, inferred):
+    """The snippet of every sequence classifier averaged ``logits.softmax(-1)``: a multi-label model's
+    labels came back as one distribution over them (summing to 1, not each label's probability), a
+    regression's single output as 1.0 whatever the input. ``inferred``: the config has no
+    problem_type and transformers sets it from the float labels in training."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    outputs = 1 if problem == "regression" else 3
+    config = BertConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=outputs, problem_type=None if inferred else problem,
+    )  # fmt: skip
+    ids = torch.randint(3, 100, (12, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids[:, 1:4] % 2 if problem != "regression" else ids[:, 1] / 100
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.float().tolist()})
+    trainer = EVONTrainer(
+        model=BertForSequenceClassification(config), args=_args(tmp_path / "out"), train_dataset=data
+    )
+    trainer.train()
+    assert trainer.model.config.problem_type == problem
+    trainer.save_model()
+    snippet = _snippet((Path(trainer.args.output_dir) / "README.md").read_text())
+    assert "softmax" not in snippet
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+
+    model, posterior = trainer.model.eval(), trainer.current_posterior()
+    with torch.no_grad():
+        samples = [_sampled_logits(model, posterior, {"input_ids": torch.tensor([[0, 1, 2, 3]])}, s) for s in range(8)]
+    if problem == "regression":
+        expected, got = torch.stack(samples).mean(0), namespace["values"]
+    else:
+        expected, got = torch.stack([s.sigmoid() for s in samples]).mean(0), namespace["probs"]
+    assert got.shape == (1, outputs) and not torch.allclose(got.sum(-1), torch.ones(1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_peft_adapters_snippet_loads_the_tokenizer_of_its_base_model():
     """A PEFT snippet builds the base model from its id and loads the tokenizer from there too, as
     it did before the card learned to tell whether a tokenizer was saved: the adapter's directory

@@ -42,7 +42,7 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import atomic_write, directory_lock, temporary_name_pattern
 from hf_evon.posterior.json_rules import as_float
-from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
+from hf_evon.posterior.snippet import has_tokenizer, num_labels, problem_type, usage_snippet
 
 __all__ = [
     "CardSource",
@@ -357,7 +357,8 @@ def render_model_card(
         metrics_rows=_metric_rows(metrics),
         num_bma_samples=num_bma_samples,
         usage_snippet=usage_snippet(
-            posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved, revision
+            posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved, revision,
+            problem_type(model),
         ),
         calibration_text=_calibration_text(config),
         eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),

@@ -17,7 +17,7 @@ from typing import Any
 
 from hf_evon.modeling import adapter_of_names
 
-__all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
+__all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "problem_type", "usage_snippet"]
 
 TOKENIZER_FILE = "tokenizer_config.json"  # what every transformers tokenizer's save_pretrained writes
 # the Auto classes of image and audio classifiers: their inputs come from an image processor or a
@@ -101,17 +101,25 @@ def _posterior_lines(location: str, sub: str) -> list[str]:
     ]
 
 
-def _averaged_probs_lines(logits: str) -> list[str]:
+def _averaged_probs_lines(logits: str, problem: str | None = None) -> list[str]:
     """BMA of class probabilities: ``logits`` (an expression of ``model`` and ``inputs``) softmaxed
-    under 8 weight samples and averaged."""
+    under 8 weight samples and averaged; a multi-label classifier's (``problem``, transformers'
+    ``problem_type``) each label's sigmoid, a regression's outputs themselves (a softmax of one
+    output is 1 whatever the input)."""
+    if problem == "regression":
+        name, averaged, what = "values", logits, "predictions"
+    elif problem == "multi_label_classification":  # each label a yes/no of its own
+        name, averaged, what = "probs", f"{logits}.sigmoid()", "per-label probabilities"
+    else:
+        name, averaged, what = "probs", f"{logits}.softmax(-1)", "probabilities"
     return [
         "model.eval()",
-        "probs = 0.0",
+        f"{name} = 0.0",
         "with torch.no_grad():",
-        "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
+        f"    for seed in range(8):  # BMA: average the {what} of 8 weight samples",
         "        with posterior.sampled(model, seed=seed):",
-        f"            probs = probs + {logits}.softmax(-1) / 8",
-        "print(probs)",
+        f"            {name} = {name} + {averaged} / 8",
+        f"print({name})",
     ]
 
 
@@ -146,6 +154,13 @@ def num_labels(model: Any) -> int | None:
     """The label count of a classifier (``model.config.num_labels``; PEFT models forward it)."""
     value = getattr(getattr(model, "config", None), "num_labels", None)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def problem_type(model: Any) -> str | None:
+    """A classifier's ``model.config.problem_type`` (transformers': "regression",
+    "single_label_classification", "multi_label_classification"; None where unset or unknown)."""
+    value = getattr(getattr(model, "config", None), "problem_type", None)
+    return value if isinstance(value, str) else None
 
 
 def _decoding_lines(tokenizer: bool, auto: str = "", model_class: str = "") -> list[str]:
@@ -242,6 +257,7 @@ def usage_snippet(
     labels_count: int | None,
     tokenizer: bool,
     revision: str | None = None,
+    problem: str | None = None,
 ) -> str:
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
     with ``generate_bma`` for causal LMs and encoder-decoders, averaged start and end
@@ -249,7 +265,9 @@ def usage_snippet(
     classifier's base model is built with ``labels_count`` (its head is in the adapter).
     ``tokenizer``: whether one was saved with the model (the snippet loads it from there).
     ``revision``: the branch of ``location`` the card is on; what the snippet loads from
-    ``location`` is loaded from it (without it, the default branch's files would be)."""
+    ``location`` is loaded from it (without it, the default branch's files would be).
+    ``problem``: the classifier's ``config.problem_type`` (:func:`problem_type`): a multi-label
+    one averages sigmoids, a regression its outputs."""
     rev = f", revision={_py(revision)}" if revision else ""
     sub = rev + (f", subfolder={_py(subfolder)}" if subfolder else "")
     model_class = str(posterior.config.get("model_class", ""))
@@ -309,4 +327,5 @@ def usage_snippet(
         ]
         return "\n".join(lines)
     logits = "model(**inputs).logits[:, -1]" if prompting else "model(**inputs).logits"
-    return "\n".join(lines + _input_lines(auto, tokenizer, model_class) + _averaged_probs_lines(logits))
+    averaged = _averaged_probs_lines(logits, None if prompting else problem)
+    return "\n".join(lines + _input_lines(auto, tokenizer, model_class) + averaged)
