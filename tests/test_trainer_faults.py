@@ -334,3 +334,36 @@ def test_an_out_of_memory_retry_draws_the_noise_of_a_fresh_run(tmp_path, mc_samp
     assert losses[0] == losses[1] and len(losses[0]) == 2
     assert all(torch.equal(a, b) for a, b in zip(retried.model.parameters(), fresh.model.parameters()))
     assert [t.evon_optimizer.sample_blocks for t in (retried, fresh)] == [2 * mc_samples] * 2
+
+
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_the_calibration_of_a_multi_label_or_regression_model_is_refused_naming_its_problem_type(tmp_path, problem):
+    """Given class-index labels, the calibration of a model whose ``config.problem_type`` says its
+    logits are per-label sigmoids or values scored them under a softmax: it ran, chose a scale and
+    a softmax temperature from that NLL (0.125 for a 3-label model) and saved them with the
+    posterior. Before training (calibration_dataset), in trainer.calibrate() and in
+    calibrate_posterior it is refused naming problem_type, and the posterior is left as it is."""
+    from hf_evon.predictive.calibration import calibrate_posterior
+
+    outputs = 3 if problem == "multi_label_classification" else 1
+    model = tiny_bert(num_labels=outputs)
+    model.config.problem_type = problem
+    ids = torch.randint(3, 100, (16, 8), generator=torch.Generator().manual_seed(0))
+    float_labels = ids[:, 1:4] % 2 if outputs == 3 else ids[:, 1:2] / 100
+    train = Dataset.from_dict({"input_ids": ids.tolist(), "labels": float_labels.float().squeeze(-1).tolist()})
+    classes = classification_data(8).map(lambda r: {"labels": r["labels"] % outputs})  # class indices
+    match = rf"problem_type '{problem}'"
+    trainer = EVONTrainer(model=model, args=config(tmp_path, max_steps=2), train_dataset=train, calibration_dataset=classes)
+    with pytest.raises(ValueError, match=rf"calibration_dataset batch 0: the model's {match}"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    trainer.calibration_dataset = None
+    trainer.train()
+    before = trainer.current_posterior()
+    with pytest.raises(ValueError, match=match):
+        trainer.calibrate(classes)
+    batch = {"input_ids": torch.tensor(classes["input_ids"]), "labels": torch.tensor(classes["labels"])}
+    with pytest.raises(ValueError, match=rf"^calibrate_posterior: the model's {match}"):
+        calibrate_posterior(trainer.model, before, [batch], grid=[1.0], num_samples=2)
+    after = trainer.current_posterior()
+    assert (after.ess, after.temperature) == (before.ess, before.temperature) == (before.ess, 1.0)

@@ -52,7 +52,7 @@ from hf_evon.modeling import is_causal_lm
 from hf_evon.optim.checks import is_real as _is_real
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.held_out import scored_pass, tempered_log_probs
-from hf_evon.predictive.logprobs import log_mean_prob
+from hf_evon.predictive.logprobs import log_mean_prob, require_softmax_model
 
 Tensor = torch.Tensor
 
@@ -291,6 +291,7 @@ def calibrate_posterior(
             "calibrate_posterior(model, posterior, batches): model must be a torch.nn.Module and posterior "
             f"the model's posterior; got {type(model).__name__} and {type(posterior).__name__}"
         )
+    require_softmax_model(model, "calibrate_posterior")
     grid, seed = DEFAULT_GRID if grid is None else grid, resolve_seed(seed)
     standard_errors = DEFAULT_STANDARD_ERRORS if standard_errors is None else standard_errors
     min_gain = DEFAULT_MIN_GAIN if min_gain is None else min_gain

@@ -16,6 +16,7 @@ from hf_evon.predictive.logprobs import (
     labelled_row_index,
     require_class_labels,
     require_scorable_labels,
+    require_softmax_model,
     shifted,
     unscorable_labels,
 )
@@ -68,6 +69,7 @@ def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> i
     an LM); raise ValueError naming ``where`` where the calibration would fail: before training,
     not after it (CTC's labels, for one, do not align with its frames)."""
     call, labels = split_batch(batch)
+    require_softmax_model(model, where)
     require_class_labels(labels, where)
     training = model.training
     model.eval()

@@ -28,6 +28,7 @@ __all__ = [
     "log_mean_prob",
     "normalization_tolerance",
     "require_class_labels",
+    "require_softmax_model",
     "shifted",
     "target_log_probs",
     "tempered",
@@ -56,6 +57,23 @@ def require_class_labels(labels: Any, where: str) -> None:
             "under the model's softmax; a model without a class distribution has none to average"
         )
 
+
+# transformers' problem types whose logits are no softmax's: each label's sigmoid, or the values themselves
+NOT_SOFTMAX_PROBLEMS = ("multi_label_classification", "regression")
+
+
+def require_softmax_model(model: Any, where: str) -> None:
+    """Raise, naming ``where`` and the problem type, where ``model.config.problem_type`` (transformers',
+    PEFT forwards it) says its logits are a multi-label classifier's (a sigmoid per label) or a
+    regression's (values): a softmax over them, and a temperature chosen for it, mean nothing, whatever
+    labels come with them."""
+    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    if problem in NOT_SOFTMAX_PROBLEMS:
+        raise ValueError(
+            f"{where}: the model's problem_type {problem!r} has no class distribution (its logits are "
+            f"{'per-label sigmoids' if problem == 'multi_label_classification' else 'values'}, not a softmax's): "
+            "calibration and BMA log-likelihoods score class labels under the model's softmax"
+        )
 
 def unscorable_labels(labels: Tensor, classes: int) -> Tensor:
     """Where ``labels`` hold neither -100 nor one of ``classes`` (-1 for "no label", say)."""
