@@ -1502,6 +1502,36 @@ def test_bad_token_inputs_are_refused_by_name(gpt2, call, match) -> None:
         call(model, posterior)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_generates_inputs_keyword_is_the_prompt_as_in_generate(gpt2, arch):
+    """``model.generate(inputs=ids)`` takes the prompt (an encoder-decoder's encoder input) by its
+    own first parameter's name; generate_bma refused it as "input_ids must be a (batch, length)
+    tensor of token ids; got NoneType", as if no prompt had been given. At zero variance it decodes
+    as generate; beside input_ids it is refused naming both, as generate refuses them."""
+    model, posterior = gpt2 if arch == "gpt2" else (tiny_t5(), None)
+    if posterior is None:
+        posterior = train_posterior(model)
+    zero = posterior.with_ess(float("inf"))
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = model.generate(inputs=PROMPTS, **kwargs)
+    assert torch.equal(generate_bma(model, zero, inputs=PROMPTS, num_samples=2, seed=0, **kwargs), expected)
+    with pytest.raises(ValueError, match="generate_bma: inputs and input_ids both given"):
+        generate_bma(model, zero, PROMPTS, inputs=PROMPTS, num_samples=2, **kwargs)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_generates_inputs_keyword_is_a_feature_encoders_input(feature_seq2seq):
+    """``inputs=`` is a Whisper's or VisionEncoderDecoder's encoder input too (its ``input_features``,
+    ``pixel_values``): generate_bma said "reads {name}, not token ids: give {name}=...; got neither"."""
+    model, name, features, posterior = feature_seq2seq
+    zero = posterior.with_ess(float("inf"))
+    kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    expected = model.generate(**{name: features}, **kwargs)
+    assert torch.equal(generate_bma(model, zero, inputs=features, num_samples=2, seed=0, **kwargs), expected)
+    with pytest.raises(ValueError, match=f"generate_bma: inputs and {name} both given"):
+        generate_bma(model, zero, inputs=features, **{name: features}, num_samples=2, **kwargs)
+
+
 def test_use_cache_false_generates_as_the_cached_call(gpt2):
     """generate_bma hands generate its own cache; with use_cache=False (given, or in the model's
     config, as after gradient-checkpointed training) generate re-fed the whole sequence each step

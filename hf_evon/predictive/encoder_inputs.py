@@ -23,11 +23,22 @@ Tensor = torch.Tensor
 TOKENS = "input_ids"
 
 
-def encoder_input(where: str, gen_model: nn.Module, input_ids: Any, given: dict[str, Any]) -> tuple[str, Any]:
+def encoder_input(
+    where: str, gen_model: nn.Module, input_ids: Any, given: dict[str, Any], generate: bool = False
+) -> tuple[str, Any]:
     """``(name, value)`` of the input ``gen_model`` reads: ``input_ids``, or an encoder-decoder's
     ``main_input_name`` (taken out of ``given``, the call's keywords). ValueError naming the input
-    where it is missing or both it and ``input_ids`` are given."""
+    where it is missing or both it and ``input_ids`` are given. ``generate``: ``given`` are
+    ``generate``'s keywords, whose ``inputs`` (its first parameter) is that input too, taken out of
+    ``given``."""
     name = getattr(gen_model, "main_input_name", TOKENS) if is_encoder_decoder(gen_model) else TOKENS
+    if generate and given.get("inputs") is not None:
+        if input_ids is not None or given.get(name) is not None:
+            raise ValueError(f"{where}: inputs and {name} both given; give the model's input once")
+        if name == TOKENS:
+            input_ids = given.pop("inputs")
+        else:
+            given[name] = given.pop("inputs")
     if name == TOKENS:
         return TOKENS, input_ids
     value = given.pop(name, None)

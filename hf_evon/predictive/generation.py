@@ -245,7 +245,7 @@ def generate_bma(
             "generate_bma keeps a dynamic KV cache of S·B rows; cache_implementation must be unset"
         )
     gen_model = _generation_model(model)
-    name, source = encoder_input("generate_bma", gen_model, input_ids, generation_kwargs)
+    name, source = encoder_input("generate_bma", gen_model, input_ids, generation_kwargs, generate=True)
     check_inputs("generate_bma", model, posterior, name, source, attention_mask)
     if not callable(getattr(type(gen_model), "generate", None)):
         raise TypeError(
