@@ -1532,6 +1532,23 @@ def test_generates_inputs_keyword_is_a_feature_encoders_input(feature_seq2seq):
         generate_bma(model, zero, inputs=features, **{name: features}, num_samples=2, **kwargs)
 
 
+@pytest.mark.parametrize("call", ["generate_bma", "bma_log_likelihood"])
+def test_inputs_embeds_without_input_ids_is_refused_by_name(gpt2, call):
+    """A prompt given as ``inputs_embeds`` alone (which ``model.generate`` and the model's forward
+    take) was refused as "input_ids must be a (batch, length) tensor of token ids; got NoneType"
+    (generate_bma) or "got inputs_embeds, which GPT2LMHeadModel does not read" (bma_log_likelihood,
+    though the model reads it); the refusal names inputs_embeds and asks for the token ids, from
+    which each sample embeds the prompt with its own covered embedding."""
+    model, posterior = gpt2
+    embeds = model.transformer.wte(PROMPTS).detach()
+    with pytest.raises(ValueError, match=rf"{call}: inputs_embeds without input_ids"):
+        if call == "generate_bma":
+            generate_bma(model, posterior, inputs_embeds=embeds, num_samples=2, max_new_tokens=2, pad_token_id=0)
+        else:
+            bma_log_likelihood(model, posterior, inputs_embeds=embeds, num_samples=2)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_use_cache_false_generates_as_the_cached_call(gpt2):
     """generate_bma hands generate its own cache; with use_cache=False (given, or in the model's
     config, as after gradient-checkpointed training) generate re-fed the whole sequence each step

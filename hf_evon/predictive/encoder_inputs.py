@@ -28,9 +28,9 @@ def encoder_input(
 ) -> tuple[str, Any]:
     """``(name, value)`` of the input ``gen_model`` reads: ``input_ids``, or an encoder-decoder's
     ``main_input_name`` (taken out of ``given``, the call's keywords). ValueError naming the input
-    where it is missing or both it and ``input_ids`` are given. ``generate``: ``given`` are
-    ``generate``'s keywords, whose ``inputs`` (its first parameter) is that input too, taken out of
-    ``given``."""
+    where it is missing or both it and ``input_ids`` are given, and naming ``inputs_embeds`` given
+    without token ids. ``generate``: ``given`` are ``generate``'s keywords, whose ``inputs`` (its
+    first parameter) is that input too, taken out of ``given``."""
     name = getattr(gen_model, "main_input_name", TOKENS) if is_encoder_decoder(gen_model) else TOKENS
     if generate and given.get("inputs") is not None:
         if input_ids is not None or given.get(name) is not None:
@@ -39,6 +39,12 @@ def encoder_input(
             input_ids = given.pop("inputs")
         else:
             given[name] = given.pop("inputs")
+    if name == TOKENS and input_ids is None and given.get("inputs_embeds") is not None:
+        # given embeddings would bypass a covered embedding's samples, and the checks read the ids
+        raise ValueError(
+            f"{where}: inputs_embeds without input_ids: the samples are run from token ids (a covered "
+            "embedding is each sample's own); give input_ids"
+        )
     if name == TOKENS:
         return TOKENS, input_ids
     value = given.pop(name, None)
