@@ -1488,3 +1488,26 @@ def test_hyperparameter_searchs_default_objective_is_the_one_a_plain_trainer_sea
         assert objective == metrics["eval_loss"]
     else:
         assert objective == metrics["eval_first_class"] + metrics["eval_agreement"]
+
+
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_a_multi_label_or_regression_models_refused_bma_metrics_and_uncertainty_name_its_problem_type(tmp_path, problem):
+    """evaluate(bma=True) refused a multi-label model for want of "class logits", naming its logits
+    (16, 3), which are a 3-label classifier's; predict_uncertainty named a "kind 'sigmoid'" of its
+    own. Both now name the config's problem_type, what the user set or transformers inferred."""
+    outputs = 3 if problem == "multi_label_classification" else 1
+
+    def data(n: int, seed: int):
+        from datasets import Dataset
+
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        labels = ids[:, 1:4] % 2 if outputs == 3 else ids[:, 1] / 100
+        return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.float().tolist()})
+
+    trainer = _trained(tmp_path, lambda: tiny_bert(num_labels=outputs), data(16, 0), data(16, 1), eval_strategy="no")
+    assert trainer.model.config.problem_type == problem  # inferred by transformers from the labels
+    named = rf"problem_type '{problem}'"
+    with pytest.raises(ValueError, match=rf"^evaluate\(bma=True\): .*{named}"):
+        trainer.evaluate(bma=True)
+    with pytest.raises(ValueError, match=rf"^predict_uncertainty .*{named}"):
+        trainer.predict_uncertainty(data(8, 2))

@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
+    NOT_SOFTMAX_PROBLEMS,
     LogMeanExp,
     label_log_probs,
     shifted,
@@ -390,9 +391,11 @@ class PosteriorEvaluation:
     def _set_task(self, task: str | None, logits: Tensor, labels: Tensor) -> bool:
         if self.task is None:
             if task is None:  # regression, multi-label
+                problem = getattr(getattr(self.trainer.model, "config", None), "problem_type", None)
                 why = (
                     "mean/BMA metrics need class logits (classification or causal LM); got "
                     f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}"
+                    + (f": its problem_type {problem!r} has no softmax" if problem in NOT_SOFTMAX_PROBLEMS else "")
                 )
                 self._not_scored(f"the {why}", "_evon_warned_no_classes", f"EVONTrainer: {why}: skipped")
                 return False

@@ -129,9 +129,11 @@ def bma_predict(
     def average() -> Any:
         if uncertainty:
             if kind != "softmax" or outputs != 1:
+                problem = getattr(getattr(trainer.model, "config", None), "problem_type", None)
                 raise ValueError(
                     "predict_uncertainty needs a model with one softmax output (a classifier or an LM); "
                     f"this model's output is {outputs} distribution(s) of kind {kind!r}"
+                    + (f" (its problem_type {problem!r})" if kind != "softmax" and problem else "")
                 )
             return UncertaintyAccumulator()
         make = LogMeanExp if kind == "softmax" else ValueMean
