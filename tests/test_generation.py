@@ -1549,6 +1549,18 @@ def test_inputs_embeds_without_input_ids_is_refused_by_name(gpt2, call):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_an_input_bma_log_likelihood_does_not_pass_on_is_refused_without_claiming_the_model_ignores_it(gpt2):
+    """``token_type_ids`` (which GPT-2's forward reads) was refused as "got token_type_ids, which
+    GPT2LMHeadModel does not read; it reads input_ids", a false reason; the refusal says what
+    bma_log_likelihood runs the model on."""
+    model, posterior = gpt2
+    with pytest.raises(TypeError) as refusal:
+        bma_log_likelihood(model, posterior, PROMPTS, token_type_ids=torch.zeros_like(PROMPTS), num_samples=2)
+    assert str(refusal.value) == (
+        "bma_log_likelihood: got token_type_ids; it runs the model on input_ids, attention_mask and labels alone"
+    )
+
+
 def test_use_cache_false_generates_as_the_cached_call(gpt2):
     """generate_bma hands generate its own cache; with use_cache=False (given, or in the model's
     config, as after gradient-checkpointed training) generate re-fed the whole sequence each step

@@ -522,8 +522,8 @@ def bma_log_likelihood(
     name, source = encoder_input("bma_log_likelihood", gen_model, input_ids, encoder_inputs)
     if encoder_inputs:
         raise TypeError(
-            f"bma_log_likelihood: got {', '.join(encoder_inputs)}, which {type(gen_model).__name__} does not "
-            f"read; it reads {name}"
+            f"bma_log_likelihood: got {', '.join(encoder_inputs)}; it runs the model on {name}, attention_mask "
+            "and labels alone"
         )
     check_inputs("bma_log_likelihood", model, posterior, name, source, attention_mask)
     encoder_decoder = is_encoder_decoder(gen_model)
