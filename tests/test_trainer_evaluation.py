@@ -1511,3 +1511,24 @@ def test_a_multi_label_or_regression_models_refused_bma_metrics_and_uncertainty_
         trainer.evaluate(bma=True)
     with pytest.raises(ValueError, match=rf"^predict_uncertainty .*{named}"):
         trainer.predict_uncertainty(data(8, 2))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_predict_bma_of_a_token_classifier_over_processes_pads_what_preprocess_logits_for_metrics_returns(
+    tmp_path, world
+):
+    """A token classifier's preprocess_logits_for_metrics keeps the argmax, (B, T): predict(bma=True)
+    padded only three-dimensional outputs across processes, so two processes whose batches were
+    padded to other lengths gathered tensors of other widths, and gloo aborted rank 0
+    ("terminate called after throwing an instance of 'gloo::EnforceNotMet'"), where Trainer.predict
+    pads them. Each process's output is padded to the longest now: every sentence's labelled tokens
+    get the argmax of their BMA probabilities, the rest -100 or a class."""
+    from launcher import rank_results
+
+    for saved in rank_results(world, os.path.join(os.path.dirname(__file__), "token_bma_worker.py"), str(tmp_path)):
+        probabilities, argmax = saved["probabilities"], saved["argmax"]
+        labels = probabilities.label_ids
+        assert labels.shape == (10, 13) and argmax.predictions.shape == labels.shape
+        np.testing.assert_array_equal(argmax.label_ids, labels)
+        scored = labels != -100
+        np.testing.assert_array_equal(argmax.predictions[scored], probabilities.predictions.argmax(-1)[scored])

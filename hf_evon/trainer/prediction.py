@@ -151,9 +151,12 @@ def bma_predict(
             return (x.exp() if kind == "softmax" else x).float()
 
         probs = tuple(map(convert, logp)) if isinstance(logp, tuple) else convert(logp)
-        if trainer.preprocess_logits_for_metrics is not None:
+        classes = trainer.preprocess_logits_for_metrics is None
+        if not classes:  # the user's layout: a token classifier's argmax is (B, T), its tokens' dimension padded
             probs = trainer.preprocess_logits_for_metrics(probs, labels)
-        return tuple(gathered(p, rows) for p in probs) if isinstance(probs, tuple) else gathered(probs, rows)
+        if isinstance(probs, tuple):
+            return tuple(gathered(p, rows, classes) for p in probs)
+        return gathered(probs, rows, classes)
 
     for done, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         logp = done.value()
