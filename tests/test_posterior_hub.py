@@ -458,3 +458,34 @@ def test_an_edit_of_the_repo_during_a_push_is_not_overwritten(hub, posterior, mo
     posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)  # the retry keeps the edit
     card = hub.files(repo)["README.md"].decode()
     assert "A colleague's edit." in card and card.count(SECTION_START) == 1
+
+
+def test_a_card_added_during_a_push_to_a_repo_without_one_is_not_overwritten(hub, posterior, monkeypatch):
+    """A push to a repo with no README.md pinned no parent commit (only a card read gave one): a
+    README.md added by someone else between the push's look for it and its commit was replaced by
+    the push's card. The push pins the branch's commit it read; the commit is refused instead."""
+    import hf_evon.posterior.hub as hub_module
+
+    repo = "alice/concurrent-first-card"
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo(repo)
+    theirs = b"# A model\n\nA colleague's first card.\n"
+    real, edits = hub_module.hf_hub_download, []
+
+    def download(repo_id, filename, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        try:
+            return real(repo_id, filename, **kwargs)
+        finally:
+            if filename == "README.md" and not edits:  # a colleague's card, right after the look for one
+                edits.append(api.upload_file(path_or_fileobj=theirs, path_in_repo="README.md", repo_id=repo))
+
+    monkeypatch.setattr(hub_module, "hf_hub_download", download)
+    before = hub.commits(repo)
+    with pytest.raises(RuntimeError, match=f"{repo} changed during the push.*push again"):
+        posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    assert edits and hub.commits(repo) == [edits[0].commit_message, *before]  # nothing of the push landed
+    assert hub.files(repo)["README.md"] == theirs and POSTERIOR_CONFIG_NAME not in hub.files(repo)
+
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)  # the retry keeps their card
+    card = hub.files(repo)["README.md"].decode()
+    assert "A colleague's first card." in card and card.count(SECTION_START) == 1

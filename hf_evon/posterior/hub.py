@@ -21,6 +21,7 @@ from huggingface_hub.errors import (
     LocalEntryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import looks_like_local_path
@@ -231,9 +232,11 @@ def push_folder(
         card_dir = os.path.join(tmp, "card")
         files_dir = os.path.join(tmp, "files")
         os.makedirs(card_dir)
-        # the commit the card is read at: the push commits onto it (parent_commit), so an edit landing
-        # between the read and the commit is refused rather than overwritten by the edited card
-        read_at = None
+        # the branch's commit, read once: the card, tokenizer and staged weights are read there and the
+        # push commits onto it (parent_commit), so an edit landing between the read and the commit (a
+        # card added to a repo that had none too) is refused rather than overwritten by the pushed card
+        info = api.model_info(repo_id, revision=revision)
+        read_at = info.sha
         for name in ("README.md", TOKENIZER_FILE):
             try:
                 existing = hf_hub_download(
@@ -245,8 +248,6 @@ def push_folder(
                     cache_dir=os.path.join(tmp, "cache"),
                 )
                 shutil.copyfile(existing, os.path.join(card_dir, name))
-                if name == "README.md":
-                    read_at = _snapshot_commit(existing)
             except (EntryNotFoundError, RevisionNotFoundError) as err:
                 if isinstance(err, LocalEntryNotFoundError):  # offline: never replace a card unseen
                     raise
@@ -263,7 +264,7 @@ def push_folder(
             operations.append(
                 CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=os.path.join(card_dir, "README.md"))
             )
-        staged = _staged_weights(api, repo_id, read_at or revision, folder)
+        staged = _staged_weights(info.siblings or [], folder)
         operations += [CommitOperationDelete(path_in_repo=p) for p in staged]
         try:
             return api.create_commit(
@@ -280,19 +281,19 @@ def push_folder(
                 raise
             raise RuntimeError(
                 f"{repo_id} changed during the push: {revision or 'main'} moved on from commit {read_at}, "
-                "where its README.md was read, before the commit (another push or edit); nothing was "
-                "pushed, so no change was overwritten: push again to update the card as it is now"
+                "where the push read its card (or found none), before the commit (another push or edit); "
+                "nothing was pushed, so no change was overwritten: push again to update the card as it is now"
             ) from err
 
 
-def _staged_weights(api: HfApi, repo_id: str, revision: str | None, folder: str) -> list[str]:
-    """The staged weights files (``evon_posterior.<checkpoint_id>.safetensors``) in ``folder`` of the repo.
+def _staged_weights(siblings: Sequence[RepoSibling], folder: str) -> list[str]:
+    """The staged weights files (``evon_posterior.<checkpoint_id>.safetensors``) in ``folder``, of
+    ``siblings`` (the repo's files at the commit the push reads).
 
     A folder uploaded just after an interrupted save holds one, named by its config; the pushed
     config names the canonical file, so the staged one is nobody's weights any more. A reader
     that has the old config downloads its weights at that config's commit, where they stay.
     """
-    siblings = api.model_info(repo_id, revision=revision).siblings or []
     prefix = f"{folder}/" if folder else ""
     return [
         s.rfilename
