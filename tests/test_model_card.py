@@ -869,6 +869,42 @@ def test_the_snippet_of_a_prefix_tuned_causal_lms_card_runs_as_written(tmp_path,
     capsys.readouterr()
 
 
+def test_the_snippet_of_a_prefix_tuned_seq2seq_models_card_runs_as_written(tmp_path, tokenizer, capsys):
+    """A prefix-tuned encoder-decoder's card (its prefixes named in ``evon_patterns``) gave a snippet
+    that called ``generate_bma``, which refuses prompt learning, so the snippet raised. It averages
+    the first decoded token's probabilities (the decoder fed its start token) over 8 samples."""
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=tokenizer.vocab_size, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    base_dir = tmp_path / "base"
+    T5ForConditionalGeneration(config).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    prefix = PrefixTuningConfig(task_type=TaskType.SEQ_2_SEQ_LM, num_virtual_tokens=4)
+    model = get_peft_model(T5ForConditionalGeneration.from_pretrained(base_dir), prefix).eval()
+    optimizer = hf_evon.build_optimizer(model, ess=100.0, evon_patterns=["prompt_encoder"])
+    posterior = EVONPosterior.from_optimizer(optimizer, model)
+    assert posterior.names == ["prompt_encoder.default.embedding.weight"]
+    out = tmp_path / "out"
+    model.save_pretrained(out)
+    posterior.save_pretrained(out, model_card_kwargs={"model": model, "base_model": str(base_dir)})
+    snippet = _snippet((out / "README.md").read_text())
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    inputs = dict(tokenizer("An example input.", return_tensors="pt"), decoder_input_ids=torch.tensor([[0]]))
+    with torch.no_grad():
+        expected = torch.stack(
+            [_sampled_logits(model, posterior, inputs, seed)[:, -1].softmax(-1) for seed in range(8)]
+        ).mean(0)
+    assert namespace["probs"].shape == (1, tokenizer.vocab_size)
+    torch.testing.assert_close(namespace["probs"], expected, atol=1e-6, rtol=1e-5)
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
 def test_the_snippet_of_an_ia3_or_adalora_causal_lms_card_runs_as_written(adapter, tmp_path, tokenizer, capsys):
     """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched

@@ -260,7 +260,8 @@ def usage_snippet(
     problem: str | None = None,
 ) -> str:
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
-    with ``generate_bma`` for causal LMs and encoder-decoders, averaged start and end
+    with ``generate_bma`` for causal LMs and encoder-decoders (their next token's averaged
+    probabilities under PEFT's prompt learning, which it refuses), averaged start and end
     probabilities for extractive QA, averaged class probabilities otherwise. A PEFT
     classifier's base model is built with ``labels_count`` (its head is in the adapter).
     ``tokenizer``: whether one was saved with the model (the snippet loads it from there).
@@ -283,8 +284,11 @@ def usage_snippet(
     auto = _auto_class(model_class)
     tokenizer = (tokenizer or is_peft) and auto not in _NON_TEXT_AUTO_CLASSES
     # PEFT's prompt learning (its encoder under ``prompt_encoder.<adapter>``) has no BMA decoding
-    # (generate_bma refuses it): its causal LM averages the next token's probabilities instead
-    prompting = auto == "AutoModelForCausalLM" and any(n.startswith("prompt_encoder.") for n in posterior.names)
+    # (generate_bma refuses it): its causal LM averages the next token's probabilities instead, its
+    # encoder-decoder the first decoded token's
+    prompting = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM") and any(
+        n.startswith("prompt_encoder.") for n in posterior.names
+    )
     causal = auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", *_NON_TEXT_DECODERS) and not prompting
     hf_evon_names = "EVONPosterior, generate_bma" if causal else "EVONPosterior"
     lines = [] if causal and (tokenizer or auto in _NON_TEXT_DECODERS) else ["import torch"]  # token ids need torch
@@ -328,4 +332,10 @@ def usage_snippet(
         return "\n".join(lines)
     logits = "model(**inputs).logits[:, -1]" if prompting else "model(**inputs).logits"
     averaged = _averaged_probs_lines(logits, None if prompting else problem)
-    return "\n".join(lines + _input_lines(auto, tokenizer, model_class) + averaged)
+    inputs = _input_lines(auto, tokenizer, model_class)
+    if auto == "AutoModelForSeq2SeqLM":  # the decoder starts from its start token alone
+        inputs += [
+            'start = torch.full((inputs["input_ids"].shape[0], 1), model.config.decoder_start_token_id)',
+            'inputs = {**inputs, "decoder_input_ids": start}  # probabilities of the first token it decodes',
+        ]
+    return "\n".join(lines + inputs + averaged)
