@@ -2527,3 +2527,90 @@ def test_samples_written_one_at_a_time_in_one_autocast_region_each_reach_the_for
     assert not torch.equal(ran[0][1]["0.weight"], mean["0.weight"])
     for got, at in [(first, mean), *ran, (last, mean)]:
         assert torch.equal(got, fresh(at))
+
+
+class _SeenLengths:
+    """A stateful user callback of ``generate`` (a logits processor, a stopping criterion, a
+    ``prefix_allowed_tokens_fn``): records the length of the ids of every call."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def processor(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.lengths.append(input_ids.shape[1])
+        return scores
+
+    def criterion(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        self.lengths.append(input_ids.shape[1])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def allowed(self, batch_id: int, input_ids: torch.Tensor) -> list[int]:
+        self.lengths.append(input_ids.shape[0])
+        return list(range(VOCAB))
+
+
+def _user_callback(kind: str, seen: _SeenLengths) -> dict:
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.logits_process import LogitsProcessor
+    from transformers.generation.stopping_criteria import StoppingCriteria
+
+    if kind == "logits_processor":
+        processor = type("Recorded", (LogitsProcessor,), {"__call__": lambda self, i, s: seen.processor(i, s)})
+        return {kind: LogitsProcessorList([processor()])}
+    if kind == "stopping_criteria":
+        criterion = type("Recorded", (StoppingCriteria,), {"__call__": lambda self, i, s, **k: seen.criterion(i, s)})
+        return {kind: StoppingCriteriaList([criterion()])}
+    return {kind: seen.allowed}
+
+
+@pytest.mark.parametrize("kind", ["logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"])
+def test_a_refusal_during_batched_decoding_never_shows_a_user_callback_the_same_tokens_twice(gpt2, kind):
+    """A refusal of the batched samples after the first decoding step restarted decoding one draw at a
+    time, which called the user's stateful logits_processor, stopping_criteria or prefix_allowed_tokens_fn
+    again over the first tokens (a logits processor saw the lengths [6, 6, 7, 8, 9]). A refusal in the first forward, before any
+    callback runs, still restarts (each length seen once, the tokens of that path); one after it is raised,
+    naming the callback, the callback called once and the model at its mean."""
+    model, posterior = gpt2
+    noisy, before = posterior.with_ess(NOISY_ESS), snapshot(model)
+    kwargs = dict(num_samples=2, seed=0, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    prompt, prefill_rows = PROMPTS[:1], 2  # the prefill of the batched samples: S·B rows of the whole prompt
+    refused_once = []
+
+    def refuse_prefill(module, args, output):
+        if not refused_once and output.last_hidden_state.shape[:2] == (prefill_rows, prompt.shape[1]):
+            refused_once.append(True)
+            raise batched.refusal("refused for the test")
+
+    seen = _SeenLengths()
+    handle = model.transformer.register_forward_hook(refuse_prefill)
+    try:
+        out = generate_bma(model, noisy, prompt, **kwargs, **_user_callback(kind, seen))
+    finally:
+        handle.remove()
+    first = prompt.shape[1] + (kind == "stopping_criteria")  # a criterion sees the step's token too
+    assert refused_once and seen.lengths == [first, first + 1, first + 2, first + 3]
+    alone = _SeenLengths()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _refuse_batched(monkeypatch)
+        assert torch.equal(out, generate_bma(model, noisy, prompt, **kwargs, **_user_callback(kind, alone)))
+    assert alone.lengths == seen.lengths
+
+    seen, refused_once = _SeenLengths(), []
+
+    def refuse_after_a_step(module, args, output):
+        if seen.lengths and not refused_once:  # the callback has seen the first step
+            refused_once.append(True)
+            raise batched.refusal("refused for the test")
+
+    handle = model.transformer.register_forward_hook(refuse_after_a_step)
+    error = None
+    try:
+        generate_bma(model, noisy, prompt, **kwargs, **_user_callback(kind, seen))
+    except NotImplementedError as raised:
+        error = raised
+    finally:
+        handle.remove()
+    assert seen.lengths == [first]
+    assert re.search(rf"refused for the test.*after {kind}= had been called", str(error))
+    assert_unchanged(model, before)
+

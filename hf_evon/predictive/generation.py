@@ -52,6 +52,12 @@ from hf_evon.predictive.encoder_inputs import (
     repeated,
     sampled_encoder_outputs,
 )
+from hf_evon.predictive.generate_call import (
+    cache_keyword,
+    refuse_a_second_run,
+    seeded_tokens,
+    without_cache_setting,
+)
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     log_mean_prob,
@@ -149,12 +155,15 @@ def _sample_major_cache(num_samples: int, config: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> Iterator[None]:
+def _averaging_forward(
+    model: nn.Module, num_samples: int, posterior: Any, returned: list[int] | None = None
+) -> Iterator[None]:
     """``model``'s forward, for the block, as the BMA predictive's: each call's ``N`` rows run as
     ``S·N`` (sample-major, the samples of the enclosing ``BatchedSamples``) and the logits it returns
     are ``log p̄ + c`` (:func:`_averaged`). ``model.generate``'s own decoding (greedy, sampling, beam
     search) then runs on the BMA predictive: ``log_softmax`` of these logits is ``log p̄``. Inputs of
-    ``S·N`` rows (the samples' encoder outputs) pass as they are."""
+    ``S·N`` rows (the samples' encoder outputs) pass as they are. ``returned``: gets each call's ``N``
+    once its forward has returned."""
     forward = model.forward
     signature = inspect.signature(forward)
 
@@ -173,6 +182,8 @@ def _averaging_forward(model: nn.Module, num_samples: int, posterior: Any) -> It
         outputs = forward(**{k: expand(v) for k, v in kwargs.items()})
         log_mean, normalizer = _averaged(outputs.logits, num_samples, posterior)
         outputs.logits = log_mean + normalizer
+        if returned is not None:
+            returned.append(rows)
         return outputs
 
     with instance_forward(model, bma_forward):
@@ -228,7 +239,9 @@ def generate_bma(
     A model the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D`` or
     ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
     adapters, ``weight_norm``, a scaled word embedding, a mixture's expert; or, during decoding, a layer
-    fed a selection of rows: decoding starts again, unless a ``streamer`` got new tokens) is decoded with
+    fed a selection of rows: decoding starts again, unless a ``streamer`` got new tokens or a
+    ``logits_processor``, ``stopping_criteria`` or ``prefix_allowed_tokens_fn`` of the call has been
+    called, which would see the first tokens twice: then NotImplementedError naming them) is decoded with
     the same S samples written into its weights one at a time (``hf_evon.predictive.sequential_samples``),
     each with its own KV cache (and encoder): the same tokens, at S forwards per step; the decoder's
     attentions and hidden states are every sample's too, an encoder-decoder's encoder's sample 0's (B rows).
@@ -272,22 +285,21 @@ def generate_bma(
     )
     if not isinstance(sampler, BatchedSamplesRefused):
         # a refusal during its forwards (a layer fed another selection of rows than the probe's)
-        # is answered as one before: the samples one at a time, from scratch, on the call's own kwargs
+        # is answered as one before: the samples one at a time, from scratch, on the call's own kwargs,
+        # unless the call's own objects have seen tokens (refuse_a_second_run)
         streamer = held_prompt(generation_kwargs.get("streamer"))
         attempt = {**generation_kwargs, **({"streamer": streamer} if streamer is not None else {})}
+        returned: list[int] = []  # the forwards of the attempt that returned
         try:
             if is_encoder_decoder(gen_model):
                 attempt["encoder_outputs"] = sampled_encoder_outputs(
                     gen_model, name, source, attention_mask, num_samples, config
                 )
-            with _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed) as cache:
+            predictive = _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed, returned)
+            with predictive as cache:
                 return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, attempt)
         except BatchedSamplesRefused as error:
-            if streamer is not None and streamer.streamed:
-                raise NotImplementedError(
-                    f"generate_bma: {error}. The batched samples met this after the streamer had been given new "
-                    "tokens, which decoding one draw at a time would give it again: call it without streamer="
-                ) from error
+            refuse_a_second_run(error, generation_kwargs, streamer is not None and streamer.streamed, bool(returned))
         finally:
             sampler.__exit__(None, None, None)
     # the S samples the batched path would draw, written into the weights one at a time: its tokens
@@ -297,8 +309,8 @@ def generate_bma(
         encoder = functools.partial(sampled_encoder_outputs, gen_model, name, source, attention_mask, 1, config)
     with (
         one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine, encoder) as (cache, encoded),
-        _without_cache_setting(gen_model),
-        _seeded_tokens(source.device, token_seed),
+        without_cache_setting(gen_model),
+        seeded_tokens(source.device, token_seed),
     ):
         if encoded is not None:
             generation_kwargs["encoder_outputs"] = encoded
@@ -337,7 +349,7 @@ def _generate_cached(
     ``cache``, always cached and by this cache alone."""
     # the class's generate: the instance's may be a wrapper that routes here
     # (EVONSeq2SeqTrainer.predict(bma=True))
-    generation_kwargs[_cache_keyword(gen_model)] = cache
+    generation_kwargs[cache_keyword(gen_model)] = cache
     # always cached: with use_cache=False (given, or the model's config after gradient
     # checkpointing) generate re-feeds the whole sequence, which this cache would append again;
     # and by this cache alone: transformers refuses a cache beside a cache_implementation
@@ -352,22 +364,21 @@ def _generate_cached(
     return type(gen_model).generate(gen_model, **inputs, attention_mask=attention_mask, **generation_kwargs)
 
 
-def _cache_keyword(model: nn.Module) -> str:
-    """The keyword under which ``model``'s forward takes its KV cache: ``cache`` where the forward
-    has one (transformers from 5.24), else ``past_key_values`` (before 5.24, whose ``generate``
-    rejects ``cache`` as an unused model argument; 5.24's takes ``past_key_values`` with a warning)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @contextlib.contextmanager
 def _on_the_predictive(
-    gen_model: nn.Module, posterior: Any, num_samples: int, device: torch.device, token_seed: int | None
+    gen_model: nn.Module,
+    posterior: Any,
+    num_samples: int,
+    device: torch.device,
+    token_seed: int | None,
+    returned: list[int] | None = None,
 ) -> Iterator[Any]:
     """For the block, ``model.generate``'s own decoding (greedy, sampling, beam search) runs on the
     BMA predictive (:func:`_averaging_forward`); yields the KV cache to hand it, ``S·B·num_beams``
     rows reordered per sample (:func:`_sample_major_cache`). ``token_seed``: sampling draws from
     torch's global generator, seeded with it for the block and restored after
-    (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator."""
+    (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator. ``returned``:
+    as :func:`_averaging_forward`'s."""
     from transformers import EncoderDecoderCache
 
     config = gen_model.config.get_text_config(decoder=True)
@@ -375,46 +386,10 @@ def _on_the_predictive(
     if is_encoder_decoder(gen_model):
         cache = EncoderDecoderCache(cache, _sample_major_cache(num_samples, config))
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_averaging_forward(gen_model, num_samples, posterior))
-        stack.enter_context(_without_cache_setting(gen_model))
-        stack.enter_context(_seeded_tokens(device, token_seed))
+        stack.enter_context(_averaging_forward(gen_model, num_samples, posterior, returned))
+        stack.enter_context(without_cache_setting(gen_model))
+        stack.enter_context(seeded_tokens(device, token_seed))
         yield cache
-
-
-@contextlib.contextmanager
-def _seeded_tokens(device: torch.device, token_seed: int | None) -> Iterator[None]:
-    """Torch's generator of ``device``, which sampling draws from, seeded with ``token_seed`` for the
-    block and restored after (``torch.random.fork_rng``); ``None``: left as it is."""
-    if token_seed is None:
-        yield
-        return
-    cuda = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        # only the generator the decoding draws from: torch.manual_seed would also reseed every
-        # GPU's generator for a call on the CPU, and fork_rng restores only the devices named
-        if cuda:  # index 0 is a device too: only a device without an index means the current one
-            index = torch.cuda.current_device() if device.index is None else device.index
-            torch.cuda.default_generators[index].manual_seed(token_seed)
-        else:
-            torch.default_generator.manual_seed(token_seed)
-        yield
-
-
-@contextlib.contextmanager
-def _without_cache_setting(model: nn.Module) -> Iterator[None]:
-    """``model.generation_config`` without its ``cache_implementation`` for the block (a copy; the
-    model's own is put back after): generate fills a given ``generation_config``'s unset fields from
-    the model's, and refuses a cache setting beside the cache handed to it."""
-    config = getattr(model, "generation_config", None)
-    if getattr(config, "cache_implementation", None) is None:
-        yield
-        return
-    model.generation_config = copy.deepcopy(config)
-    model.generation_config.cache_implementation = None
-    try:
-        yield
-    finally:
-        model.generation_config = config
 
 
 @dataclass
