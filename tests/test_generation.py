@@ -2614,3 +2614,19 @@ def test_a_refusal_during_batched_decoding_never_shows_a_user_callback_the_same_
     assert re.search(rf"refused for the test.*after {kind}= had been called", str(error))
     assert_unchanged(model, before)
 
+
+@pytest.mark.parametrize("decoder_ids", [None, 3])
+def test_the_new_token_count_of_an_encoder_decoder_counts_from_its_decoders_start(seq2seq, monkeypatch, decoder_ids):
+    """``max_length`` bounds an encoder-decoder's decoder ids, not its encoder input: with a 30-token
+    encoder input and max_length=10 the cost model of the batched samples was told 1 new token
+    (10 - 30, clamped), where decoding adds 9 (10 less the start token; 7 past 3 decoder ids given)."""
+    model, posterior = seq2seq
+    source = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
+    told = []
+    monkeypatch.setattr(generation, "expected_rows", lambda *args: told.append(args) or batched.expected_rows(*args))
+    given = {}
+    if decoder_ids is not None:  # led by the start token, which generate would otherwise put before them
+        given["decoder_input_ids"] = torch.full((2, decoder_ids), 5)
+        given["decoder_input_ids"][:, 0] = model.config.decoder_start_token_id
+    generate_bma(model, posterior, source, num_samples=2, seed=0, max_length=10, min_length=0, do_sample=False, **given)
+    assert told == [(2, 30, 10 - (decoder_ids or 1))]

@@ -1,6 +1,6 @@
-"""What ``generate_bma`` settles about one ``model.generate`` call beside the samples: whether decoding can
-start again one draw at a time after the batched samples refuse the model partway, the generator its sampling
-draws from, and the model's cache setting it sets aside."""
+"""What ``generate_bma`` settles about one ``model.generate`` call beside the samples: how many tokens it can
+add, whether decoding can start again one draw at a time after the batched samples refuse the model partway,
+the generator its sampling draws from, and the model's cache setting it sets aside."""
 
 from __future__ import annotations
 
@@ -8,15 +8,36 @@ import contextlib
 import copy
 import inspect
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+
+from hf_evon.modeling import is_encoder_decoder
+from hf_evon.predictive.encoder_inputs import TOKENS
 
 Tensor = torch.Tensor
 
 # the call's own objects that generate calls after each forward: they keep what they see, so decoding again
 # from the start would show them the first tokens twice
 USER_CALLBACKS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn")
+
+
+def most_new_tokens(
+    gen_model: nn.Module, config: Any, name: str, source: Tensor, generation_kwargs: dict
+) -> int:
+    """The most tokens a ``generate`` call on ``source`` (the input ``name``) can add (at least 1), under
+    its effective ``config``: ``max_new_tokens``, else ``max_length`` less the length decoding starts from,
+    a causal LM's prompt, an encoder-decoder's decoder ids (given ``decoder_input_ids``, else its start
+    token): ``max_length`` bounds the decoder's ids, never the encoder's input."""
+    if config.max_new_tokens is not None:
+        return max(int(config.max_new_tokens), 1)
+    if is_encoder_decoder(gen_model) or name != TOKENS:
+        given = generation_kwargs.get("decoder_input_ids")
+        start = given.shape[1] if isinstance(given, Tensor) and given.dim() == 2 else 1
+    else:
+        start = source.shape[1]
+    return max(int(config.max_length or 20) - start, 1)
 
 
 def refuse_a_second_run(error: Exception, generation_kwargs: dict, streamed: bool, stepped: bool) -> None:

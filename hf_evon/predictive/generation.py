@@ -54,6 +54,7 @@ from hf_evon.predictive.encoder_inputs import (
 )
 from hf_evon.predictive.generate_call import (
     cache_keyword,
+    most_new_tokens,
     refuse_a_second_run,
     seeded_tokens,
     without_cache_setting,
@@ -272,9 +273,8 @@ def generate_bma(
     config = _checked_call_config(gen_model, generation_kwargs)
     beams = int(config.num_beams or 1)
     # the most tokens the call can add, for the cost model of the batched samples
-    start = source.shape[1] if name == TOKENS else 1  # beside features, the decoder starts from one token
-    new_tokens = config.max_new_tokens or (config.max_length or 20) - start
-    rows = expected_rows(len(source) * beams, length(name, source), max(int(new_tokens), 1))
+    new_tokens = most_new_tokens(gen_model, config, name, source, generation_kwargs)
+    rows = expected_rows(len(source) * beams, length(name, source), new_tokens)
     sampler = _entered_batched_samples(
         BatchedSamples(
             model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * beams, sequences=len(source)
