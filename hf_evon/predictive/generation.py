@@ -235,7 +235,8 @@ def generate_bma(
         so processors that are not shift-invariant (``repetition_penalty``, length penalties) act
         as in ``model.generate``. ``scores`` are what the processors made of them; beam search's
         ``sequences_scores`` are sums of ``log p̄``. Attentions and hidden states, if requested,
-        are per sample (batch ``S·B``, sample-major).
+        are per sample (batch ``S·B``, sample-major). Its ``cache`` (``past_key_values``) is the samples'
+        own (``S·B`` rows; one draw at a time, sample 0's holding the others'), which continues no call.
 
     A model the batched samples refuse (covered parameters that are no ``nn.Linear``, ``Conv1D`` or
     ``nn.Embedding`` weight used through its forward: PEFT's AdaLoRA, IA3, LoHa, LoKr and DoRA
