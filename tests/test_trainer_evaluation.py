@@ -1532,3 +1532,31 @@ def test_predict_bma_of_a_token_classifier_over_processes_pads_what_preprocess_l
         np.testing.assert_array_equal(argmax.label_ids, labels)
         scored = labels != -100
         np.testing.assert_array_equal(argmax.predictions[scored], probabilities.predictions.argmax(-1)[scored])
+
+
+def test_predict_bma_refuses_a_segmentation_model_whose_classes_are_not_its_logits_last_dimension(tmp_path):
+    """A semantic segmentation model's logits are (B, classes, H, W): predict(bma=True) and
+    predict_uncertainty averaged a softmax over the last dimension, the image's width, and returned
+    rows that sum to 1 across pixels, not across classes, without a word. Both refuse it now, naming
+    the model class, before any pass."""
+    from datasets import Dataset
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    from hf_evon import EVONPosterior, build_optimizer
+
+    torch.manual_seed(0)
+    model = SegformerForSemanticSegmentation(SegformerConfig(
+        num_encoder_blocks=1, depths=[1], sr_ratios=[1], hidden_sizes=[16], patch_sizes=[3], strides=[2],
+        num_attention_heads=[1], mlp_ratios=[2], decoder_hidden_size=16, num_labels=3,
+    ))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    pixels, labels = torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 3, (4, 8, 8), generator=gen)
+    data = Dataset.from_dict({"pixel_values": pixels.tolist(), "labels": labels.tolist()})
+    posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)
+    trainer = EVONTrainer(model=model, args=config(tmp_path, bma_num_samples=2), posterior=posterior)
+    forwards = _count_forwards(model)
+    with pytest.raises(ValueError, match=r"^predict\(bma=True\): SegformerForSemanticSegmentation's logits"):
+        trainer.predict(data, bma=True)
+    with pytest.raises(ValueError, match=r"^predict_uncertainty\(\): SegformerForSemanticSegmentation's logits"):
+        trainer.predict_uncertainty(data)
+    assert forwards[0] == 0

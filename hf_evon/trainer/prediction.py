@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
+from hf_evon.modeling import model_class, peft_base_model, unwrap_model
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
@@ -41,6 +42,22 @@ def _output_kind(model: nn.Module) -> str | None:
     return {"regression": "value", "multi_label_classification": "sigmoid"}.get(
         problem, "softmax" if problem else None
     )
+
+
+def _refuse_classes_not_last(model: nn.Module, caller: str) -> None:
+    """ValueError naming ``caller`` and the model class where the model is one of transformers' semantic
+    segmentation models: their logits are per pixel, (B, classes, H, W), and BMA's softmax over the last
+    dimension would normalise across the image's width, not the classes."""
+    from transformers.models.auto import modeling_auto
+
+    name = model_class(peft_base_model(unwrap_model(model))).__name__
+    for value in getattr(modeling_auto, "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES", {}).values():
+        if name == value or (isinstance(value, tuple) and name in value):
+            raise ValueError(
+                f"{caller}: {name}'s logits are per pixel, (batch, classes, height, width), and BMA averages a "
+                "softmax over the logits' last dimension: semantic segmentation models are not supported; average "
+                "softmax(logits, dim=1) of the passes under `with posterior.sampled(model, seed=s)` instead"
+            )
 
 
 def bma_predict(
@@ -74,6 +91,7 @@ def bma_predict(
     no labels are gathered or returned (None), and neither ``preprocess_logits_for_metrics`` nor
     ``compute_metrics`` is called; ``metrics`` holds the ``{prefix}_bma_*`` ones, the BMA's losses.
     """
+    _refuse_classes_not_last(trainer.model, "predict_uncertainty()" if uncertainty else "predict(bma=True)")
     args = trainer.args
     wanted = set() if loss_only else set(getattr(args, "include_for_metrics", None) or ())
     if "loss" in wanted and trainer.compute_metrics is not None and not uncertainty:
