@@ -290,6 +290,62 @@ def test_a_boft_adapters_rotations_go_to_evon_beside_a_vits_broadcast_tokens() -
     ]
 
 
+def test_an_adapter_whose_own_tensors_all_go_to_adamw_is_named_with_the_patterns_that_cover_it() -> None:
+    """VeRA's trainable tensors are vectors (``vera_lambda_b``/``vera_lambda_d``), AdamW's by the split:
+    on a classifier EVON trains only the head's copy, so the posterior covered none of the adapter and
+    nothing said so. build_optimizer warns once, naming the kind and the evon_patterns that cover it;
+    with those, the vectors are EVON's and nothing is warned. LoRA (EVON's) is not warned about."""
+    import warnings
+
+    import peft
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_evon import build_optimizer
+
+    def vera(kind: str = "vera") -> torch.nn.Module:
+        torch.manual_seed(0)
+        bert = BertForSequenceClassification(
+            BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=32, num_labels=3)
+        )  # fmt: skip
+        config = {
+            "vera": peft.VeraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"]),
+            "lora": peft.LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value"]),
+        }[kind]
+        return peft.get_peft_model(bert, config)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = build_optimizer(vera(), ess=100.0)
+    named = [str(w.message) for w in caught if "evon_patterns" in str(w.message)]
+    assert len(named) == 1 and [w.filename for w in caught if "evon_patterns" in str(w.message)] == [__file__]
+    assert "VERA adapter 'default'" in named[0]
+    assert "evon_patterns=['vera_lambda_b', 'vera_lambda_d']" in named[0]
+    evon = [n for g in optimizer.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]
+    assert evon == ["base_model.model.classifier.modules_to_save.default.weight"]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*evon_patterns")
+        model = vera()
+        optimizer = build_optimizer(model, ess=100.0, evon_patterns=["vera_lambda_b", "vera_lambda_d"])
+        build_optimizer(vera("lora"), ess=100.0)
+    vectors = [n for n, p in model.named_parameters() if p.requires_grad and ".vera_lambda_" in n]
+    evon = [n for g in optimizer.param_groups if g["algorithm"] == "evon" for n in g["param_names"]]
+    assert len(vectors) == 4 and set(vectors) < set(evon)
+
+    from peft import PromptTuningConfig, TaskType
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    prompted = peft.get_peft_model(gpt2, PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    with warnings.catch_warnings(record=True) as caught:  # EVON trains nothing: one warning says both
+        warnings.simplefilter("always")
+        build_optimizer(prompted)
+    named = [str(w.message) for w in caught if "evon_patterns" in str(w.message)]
+    assert len(named) == 1 and "EVON trains none" in named[0]
+    assert named[0].endswith("for the PROMPT_TUNING adapter 'default': evon_patterns=['prompt_encoder']")
+
+
 def test_the_adamw_rate_and_decay_given_to_the_split_are_named_when_invalid() -> None:
     # they reached EVON inside the AdamW groups and were refused as "Invalid lr" / "Invalid weight_decay"
     from hf_evon import build_optimizer, build_param_groups

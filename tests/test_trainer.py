@@ -1303,6 +1303,28 @@ def test_each_peft_adapter_kind_saved_by_the_trainer_reloads_with_its_posterior_
     assert again["eval_mean_nll"] == pytest.approx(trained["eval_mean_nll"], rel=1e-6)
 
 
+def test_a_vera_classifier_run_says_its_posterior_misses_the_adapter_and_the_patterns_that_cover_it(tmp_path):
+    """VeRA's vectors go to AdamW by the split, so a VeRA classifier's posterior covered only its head's
+    copy and the run said nothing. The trainer warns once, naming VERA and the evon_patterns to use;
+    trained with those, the posterior covers the vectors and nothing is warned."""
+    base, peft_config = _peft_kind("vera")
+    with pytest.warns(UserWarning, match="VERA adapter 'default'") as record:
+        trainer = EVONTrainer(model=base(), args=config(tmp_path / "a", max_steps=1), peft_config=peft_config,
+                              train_dataset=classification_data())  # fmt: skip
+        trainer.train()
+    assert len([w for w in record if "evon_patterns=['vera_lambda_b', 'vera_lambda_d']" in str(w.message)]) == 1
+    assert trainer.current_posterior().names == ["base_model.model.classifier.modules_to_save.default.weight"]
+    args = config(tmp_path / "b", max_steps=1, evon_patterns=["vera_lambda_b", "vera_lambda_d"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*adapter 'default'")
+        trainer = EVONTrainer(model=base(), args=args, peft_config=_peft_kind("vera")[1],
+                              train_dataset=classification_data())  # fmt: skip
+        trainer.train()
+    vectors = [n for n, p in trainer.model.named_parameters() if p.requires_grad and ".vera_lambda_" in n]
+    assert len(vectors) == 4 * trainer.model.config.num_hidden_layers  # two vectors in query and in value
+    assert set(vectors) < set(trainer.current_posterior().names)
+
+
 def test_an_adalora_run_resumed_after_its_final_allocation_ends_as_the_whole_run(tmp_path):
     """Past AdaLoRA's final allocation, ``update_and_allocate`` masks with the config's rank_pattern, which
     a checkpoint's adapter (saved with every rank, the pruned ones as zeros) does not carry: a run resumed

@@ -281,15 +281,57 @@ def build_optimizer(
                 split.append(
                     {**g, "params": [p for p, _ in members], "param_names": [n for _, n in members], **extra}
                 )
+    uncovered = _adapters_left_to_adamw(model, split, compiled_patterns(adamw_patterns, "adamw_patterns"))
     if not any(g["algorithm"] == "evon" and g["params"] for g in split):
         warnings.warn(
             "build_optimizer: EVON trains none of this model's parameters (every trainable tensor went to "
             "AdamW: 1-D tensors and embeddings do by default, e.g. PEFT's prompt tuning), so the run is "
-            "AdamW's and has no posterior; train matrices (LoRA) or name them in evon_patterns",
+            "AdamW's and has no posterior; train matrices (LoRA) or name them in evon_patterns"
+            + "".join(f"; for the {kind} adapter {name!r}: evon_patterns={patterns}" for kind, name, patterns in uncovered),
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
+    elif uncovered:  # EVON trains something else (a classifier head's copy): the posterior misses the adapter
+        warnings.warn(
+            "build_optimizer: "
+            + "; ".join(
+                f"the {kind} adapter {name!r} trains only tensors AdamW owns by the split (1-D tensors and "
+                f"embeddings: {', '.join(patterns)}), so the posterior covers none of it; to cover it, "
+                f"pass evon_patterns={patterns}"
+                for kind, name, patterns in uncovered
+            )
+            + " (EVONConfig's evon_patterns for the trainer)",
             UserWarning,
             stacklevel=outside_stacklevel(),
         )
     return EVON(split, **kwargs)
+
+
+def _adapters_left_to_adamw(
+    model: nn.Module, groups: list[dict[str, Any]], adamw_patterns: list[re.Pattern[str]]
+) -> list[tuple[str, str, list[str]]]:
+    """``(kind, adapter name, evon_patterns that cover it)`` of each PEFT adapter of ``model`` whose own
+    trainable tensors (not ``modules_to_save`` copies) all went to AdamW, though not by ``adamw_patterns``:
+    VeRA's vectors, prompt tuning's embedding. The patterns are the names the tensors are kept under
+    in their module (``vera_lambda_b``, ``prompt_encoder``: the segment before the adapter's name)."""
+    peft_config = getattr(model, "peft_config", None) if is_peft_model(model) else None
+    if not isinstance(peft_config, dict):
+        return []
+    evon_ids = {id(p) for g in groups if g["algorithm"] == "evon" for p in g["params"]}
+    found = []
+    for adapter, config in peft_config.items():
+        owned = [
+            (name, p)
+            for name, p in model.named_parameters()
+            if p.requires_grad and adapter in name.split(".")[1:] and "modules_to_save" not in name.split(".")
+        ]
+        if not owned or any(id(p) in evon_ids or _matches([n], adamw_patterns) for n, p in owned):
+            continue
+        segments = {(parts := n.split("."))[parts.index(adapter, 1) - 1] for n, _ in owned}
+        kind = getattr(config, "peft_type", None)
+        kind = str(getattr(kind, "value", kind) or type(config).__name__)
+        found.append((kind, str(adapter), sorted(re.escape(s) for s in segments)))
+    return found
 
 
 def describe_param_groups(groups: list[dict[str, Any]]) -> str:
