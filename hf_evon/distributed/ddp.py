@@ -361,7 +361,9 @@ def prepare_distributed(
         optimizer: ``EVON`` or a wrapper of it (accelerate's ``AcceleratedOptimizer``).
         process_group: the data-parallel group (default: the world).
         bucket_cap_mb: size bound of one flat all-reduce buffer.
-        check_consistency: check every step that all ranks reduce the same tensors.
+        check_consistency: check every step that all ranks reduce the same tensors. With False, a
+            ``sampled_params(train=True)`` block that raised on one rank (and was caught) goes unnoticed:
+            the ranks average gradients of different numbers of samples, and the step goes on.
         shard: each rank owns a cost-balanced share of the parameters, keeps only their state
             and does only their maths; weights and posterior samples are exchanged (see
             :mod:`hf_evon.distributed.sharding`, also for its noise semantics: one posterior sample
