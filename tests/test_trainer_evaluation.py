@@ -1560,3 +1560,55 @@ def test_predict_bma_refuses_a_segmentation_model_whose_classes_are_not_its_logi
     with pytest.raises(ValueError, match=r"^predict_uncertainty\(\): SegformerForSemanticSegmentation's logits"):
         trainer.predict_uncertainty(data)
     assert forwards[0] == 0
+
+
+def test_predict_bma_refuses_a_mask_query_segmentation_model_and_keeps_detr_segmentation(tmp_path):
+    """Mask2Former (as MaskFormer, OneFormer, EoMT) outputs ``class_queries_logits`` (B, queries, classes + 1)
+    and ``masks_queries_logits`` (B, queries, H, W), no ``logits``: predict(bma=True) averaged both through
+    a softmax over the last dimension, the mask's width, and returned the masks' rows summing to 1 across
+    pixels without a word. Both BMA calls refuse it now, naming the model class, before any pass; a
+    DetrForSegmentation, whose ``logits`` are its class logits, still predicts."""
+    from datasets import Dataset
+    from transformers import (
+        DetrConfig,
+        DetrForSegmentation,
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        ResNetConfig,
+        SwinConfig,
+    )
+
+    from hf_evon import EVONPosterior, build_optimizer
+
+    torch.manual_seed(0)
+    backbone = SwinConfig(
+        image_size=32, patch_size=4, embed_dim=32, depths=[1] * 4, num_heads=[1] * 4, window_size=2,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )  # fmt: skip
+    model = Mask2FormerForUniversalSegmentation(Mask2FormerConfig(
+        backbone_config=backbone, num_labels=3, hidden_dim=32, feature_size=32, mask_feature_size=32,
+        encoder_feedforward_dim=32, dim_feedforward=32, decoder_layers=2, encoder_layers=1, num_queries=4,
+        num_attention_heads=2, common_stride=4,
+    ))  # fmt: skip
+    data = Dataset.from_dict({"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))})
+    posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)
+    trainer = EVONTrainer(model=model, args=config(tmp_path, bma_num_samples=2), posterior=posterior)
+    forwards = _count_forwards(model)
+    with pytest.raises(ValueError, match=r"^predict\(bma=True\): Mask2FormerForUniversalSegmentation's output"):
+        trainer.predict(data, bma=True)
+    with pytest.raises(ValueError, match=r"^predict_uncertainty\(\): Mask2FormerForUniversalSegmentation's output"):
+        trainer.predict_uncertainty(data)
+    assert forwards[0] == 0
+
+    detr = DetrForSegmentation(DetrConfig(
+        use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=ResNetConfig(
+            embedding_size=8, hidden_sizes=[8, 8, 8, 8], depths=[1, 1, 1, 1], out_features=["stage1", "stage2",
+            "stage3", "stage4"]), d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=8,
+        decoder_attention_heads=8, encoder_ffn_dim=16, decoder_ffn_dim=16, num_queries=3, num_labels=2,
+    )).eval()  # fmt: skip
+    posterior = EVONPosterior.from_optimizer(build_optimizer(detr), detr)
+    trainer = EVONTrainer(model=detr, args=config(tmp_path, bma_num_samples=2), posterior=posterior)
+    probabilities = trainer.predict(data, bma=True).predictions
+    with torch.no_grad():  # the class logits: (B, queries, classes + 1), each row a distribution
+        assert probabilities.shape == detr(pixel_values=torch.tensor(data["pixel_values"])).logits.shape
+    np.testing.assert_allclose(probabilities.sum(-1), 1.0, rtol=1e-6)

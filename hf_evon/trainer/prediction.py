@@ -5,9 +5,11 @@ by the user's ``compute_metrics`` and by the ``{prefix}_bma_*`` metrics."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import time
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,19 +47,51 @@ def _output_kind(model: nn.Module) -> str | None:
 
 
 def _refuse_classes_not_last(model: nn.Module, caller: str) -> None:
-    """ValueError naming ``caller`` and the model class where the model is one of transformers' semantic
-    segmentation models: their logits are per pixel, (B, classes, H, W), and BMA's softmax over the last
-    dimension would normalise across the image's width, not the classes."""
+    """ValueError naming ``caller`` and the model class where BMA's softmax over the logits' last dimension
+    would not be over classes: transformers' semantic segmentation models, whose logits are per pixel,
+    (B, classes, H, W), and its instance and universal segmentation models that declare no ``logits``
+    (Mask2Former, MaskFormer, OneFormer: ``masks_queries_logits`` (B, queries, H, W) are per-pixel mask
+    logits, a sigmoid each). A DETR's ``logits`` are its class logits, and it is kept."""
     from transformers.models.auto import modeling_auto
 
-    name = model_class(peft_base_model(unwrap_model(model))).__name__
-    for value in getattr(modeling_auto, "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES", {}).values():
-        if name == value or (isinstance(value, tuple) and name in value):
-            raise ValueError(
-                f"{caller}: {name}'s logits are per pixel, (batch, classes, height, width), and BMA averages a "
-                "softmax over the logits' last dimension: semantic segmentation models are not supported; average "
-                "softmax(logits, dim=1) of the passes under `with posterior.sampled(model, seed=s)` instead"
-            )
+    cls = model_class(peft_base_model(unwrap_model(model)))
+    name = cls.__name__
+
+    def named(mapping: str) -> bool:
+        values = getattr(modeling_auto, mapping, {}).values()
+        return any(name == value or (isinstance(value, tuple) and name in value) for value in values)
+
+    if named("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"):
+        raise ValueError(
+            f"{caller}: {name}'s logits are per pixel, (batch, classes, height, width), and BMA averages a "
+            "softmax over the logits' last dimension: semantic segmentation models are not supported; average "
+            "softmax(logits, dim=1) of the passes under `with posterior.sampled(model, seed=s)` instead"
+        )
+    mask_queries = named("MODEL_FOR_INSTANCE_SEGMENTATION_MAPPING_NAMES") or named(
+        "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"
+    )
+    if mask_queries and "masks_queries_logits" in _declared_output_fields(cls):
+        raise ValueError(
+            f"{caller}: {name}'s output is class_queries_logits and masks_queries_logits (per-pixel mask logits, "
+            "(batch, queries, height, width)), no logits, and BMA averages a softmax over each one's last "
+            "dimension: mask-query segmentation models are not supported; average the passes' post-processed "
+            "outputs under `with posterior.sampled(model, seed=s)` instead"
+        )
+
+
+def _declared_output_fields(cls: type) -> set[str]:
+    """The fields of the output dataclass(es) ``cls.forward`` declares it returns (empty where it declares
+    none, a dict say)."""
+    try:
+        returned = inspect.signature(cls.forward).return_annotation
+    except (TypeError, ValueError):
+        return set()
+    return {
+        field.name
+        for kind in typing.get_args(returned) or (returned,)
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind)
+        for field in dataclasses.fields(kind)
+    }
 
 
 def bma_predict(
