@@ -167,6 +167,20 @@ def test_single_process_shard_keeps_everything_and_cannot_be_undone() -> None:
         prepare_distributed(model, opt)
 
 
+def test_sharded_prepare_takes_bucket_cap_mb_and_refuses_to_skip_the_consistency_check() -> None:
+    """Sharded mode averages through its own RankAverager, which took neither argument: a given
+    bucket_cap_mb was silently replaced by 64 MB, and check_consistency=False silently ignored (the
+    check carries the ranks' agreement on a block that raised on one of them, so it cannot be skipped)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = build_optimizer(model, seed=0)
+    with pytest.raises(ValueError, match=r"check_consistency=False .*sharded"):
+        prepare_distributed(model, opt, shard=True, check_consistency=False)
+    assert opt.sharding is None  # nothing installed
+    prepare_distributed(model, opt, shard=True, bucket_cap_mb=0.5)
+    assert opt.sharding.averager.bucket_cap_bytes == 2**19
+    assert opt.sharding.averager.check_consistency is True
+
+
 # ---------------------------------------------------------------------------- EVONTrainer
 TRAINER_WORKER = os.path.join(HERE, "sharded_trainer_worker.py")
 

@@ -363,7 +363,8 @@ def prepare_distributed(
         bucket_cap_mb: size bound of one flat all-reduce buffer.
         check_consistency: check every step that all ranks reduce the same tensors. With False, a
             ``sampled_params(train=True)`` block that raised on one rank (and was caught) goes unnoticed:
-            the ranks average gradients of different numbers of samples, and the step goes on.
+            the ranks average gradients of different numbers of samples, and the step goes on. Sharded
+            runs always check (the check is how their ranks agree on such a block): False is refused.
         shard: each rank owns a cost-balanced share of the parameters, keeps only their state
             and does only their maths; weights and posterior samples are exchanged (see
             :mod:`hf_evon.distributed.sharding`, also for its noise semantics: one posterior sample
@@ -407,6 +408,11 @@ def prepare_distributed(
         )
     handle = as_evon_handle(optimizer)
     mesh = check_supported_parallelism(model, evon)
+    if not check_consistency and (shard or mesh is not None and shard is not False):
+        raise ValueError(
+            "prepare_distributed: check_consistency=False is for unsharded DDP; sharded EVON always checks "
+            "(its ranks agree there on a sampled_params block that raised on one of them)"
+        )
     if mesh is not None:
         return _prepare_fsdp2(model, evon, handle, mesh, shard)
     ddps = _ddp_modules(model)
@@ -431,7 +437,7 @@ def prepare_distributed(
         if isinstance(evon.sharding, FSDP2Sharding):
             raise ValueError("this EVON was prepared for FSDP2, but the model given is not fully_shard-ed")
         if evon.sharding is None:
-            evon.install_sharding(EVONSharding(evon, process_group))
+            evon.install_sharding(EVONSharding(evon, process_group, bucket_cap_mb))
         if world > 1:
             reduce = evon.sharding.reduce_gradients
 

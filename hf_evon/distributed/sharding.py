@@ -112,9 +112,10 @@ class EVONSharding(ShardingHooks):
         group: the data-parallel process group (default: the world; none: one process).
     """
 
-    def __init__(self, optimizer: EVON, group: Any = None) -> None:
+    def __init__(self, optimizer: EVON, group: Any = None, bucket_cap_mb: float = 64.0) -> None:
         self.optimizer = optimizer
         self.group = group
+        self.bucket_cap_mb = bucket_cap_mb  # of the averager's flat buffers (prepare_distributed's)
         initialized = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
@@ -247,7 +248,7 @@ class EVONSharding(ShardingHooks):
     @property
     def averager(self) -> RankAverager:
         if self._averager is None:
-            self._averager = RankAverager(group=self.group)
+            self._averager = RankAverager(group=self.group, bucket_cap_mb=self.bucket_cap_mb)
         return self._averager
 
     def reduce_gradients(self, tensors: list[Tensor]) -> None:
