@@ -2630,3 +2630,45 @@ def test_the_new_token_count_of_an_encoder_decoder_counts_from_its_decoders_star
         given["decoder_input_ids"][:, 0] = model.config.decoder_start_token_id
     generate_bma(model, posterior, source, num_samples=2, seed=0, max_length=10, min_length=0, do_sample=False, **given)
     assert told == [(2, 30, 10 - (decoder_ids or 1))]
+
+
+def test_a_token_classifier_without_labels_and_a_multiple_choice_model_are_refused_by_name():
+    """A token classifier's logits are classes, not token ids: bma_log_likelihood without labels= took the
+    input ids as its labels, as a causal LM's, and failed with "labels have label 5, outside the model's 4
+    classes", though no labels were passed. A multiple-choice model (ids (batch, choices, length)) was refused
+    with "input_ids must be a (batch, length) tensor ...; got (2, 3, 6)", its class unnamed. Both name the
+    model class now, before any forward; a token classifier's labels= still score as its own loss."""
+    from transformers import BertConfig, BertForMultipleChoice, BertForTokenClassification
+
+    def _count_forwards(module: torch.nn.Module) -> list[int]:
+        calls = [0]
+        module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        return calls
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=4)
+    model = BertForTokenClassification(cfg)
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=NOISY_ESS, seed=0)
+    labels = torch.tensor([[0, 1, 2, 3, -100, 1], [3, 3, 2, 0, 1, -100]])
+    with opt.sampled_params(train=True):
+        model(input_ids=PROMPTS, labels=labels).loss.backward()
+    opt.step()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    model.eval()
+    before, forwards = snapshot(model), _count_forwards(model)
+    with pytest.raises(ValueError, match=r"^bma_log_likelihood: BertForTokenClassification is a token classifier.*labels="):
+        bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=0)
+    assert forwards[0] == 0
+    assert_unchanged(model, before)
+    with posterior.sampled(model, seed=5), torch.no_grad():  # one draw: the first of the seed's
+        own_loss = model(input_ids=PROMPTS, labels=labels).loss
+    one = bma_log_likelihood(model, posterior, PROMPTS, labels=labels, num_samples=1, seed=5)
+    torch.testing.assert_close(one.loss, own_loss, atol=1e-5, rtol=0)
+
+    torch.manual_seed(0)
+    choices = BertForMultipleChoice(cfg).eval()
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(choices, seed=0), choices)
+    forwards = _count_forwards(choices)
+    with pytest.raises(ValueError, match=r"^bma_log_likelihood: BertForMultipleChoice is a multiple-choice model"):
+        bma_log_likelihood(choices, posterior, PROMPTS[:, None].expand(2, 3, 6), num_samples=2, seed=0)
+    assert forwards[0] == 0

@@ -10,12 +10,13 @@ runs its own encoder on that input (:func:`sampled_encoder_outputs`).
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_evon.modeling import is_encoder_decoder, unwrap_model
+from hf_evon.modeling import is_encoder_decoder, model_class, peft_base_model, unwrap_model
 from hf_evon.posterior.names import resident_parameters
 
 Tensor = torch.Tensor
@@ -55,6 +56,37 @@ def encoder_input(
         got = "input_ids" if input_ids is not None else "neither"
         raise ValueError(f"{where}: {model}'s encoder reads {name}, not token ids: give {name}=...; got {got}")
     return name, value
+
+
+def _head_of(name: str, suffix: str, mapping: str) -> bool:
+    """Whether model class ``name`` is a transformers head of one kind: named ``*{suffix}`` or listed in
+    transformers' auto ``mapping`` (read only where transformers is imported: it costs seconds)."""
+    if name.endswith(suffix):
+        return True
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.models.auto import modeling_auto
+
+    values = getattr(modeling_auto, mapping, {}).values()
+    return any(name == value or (isinstance(value, tuple) and name in value) for value in values)
+
+
+def check_scored_model(where: str, model: nn.Module, labels: Any) -> None:
+    """ValueError naming the model class where a score of token sequences does not apply as called: a
+    multiple-choice model (ids ``(batch, choices, length)``, one logit per choice), or a token classifier
+    without ``labels`` (the default labels are the input ids, and its logits are classes, not ids)."""
+    name = model_class(peft_base_model(unwrap_model(model))).__name__
+    if _head_of(name, "ForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"):
+        raise ValueError(
+            f"{where}: {name} is a multiple-choice model (input_ids (batch, choices, length), one logit per "
+            f"choice): not supported; {where} scores (batch, length) sequences of a causal or masked LM, of "
+            "an encoder-decoder (labels=) or of a token classifier (labels=)"
+        )
+    if labels is None and _head_of(name, "ForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"):
+        raise ValueError(
+            f"{where}: {name} is a token classifier, its logits are classes, not token ids: give labels= "
+            "(batch, length) class ids, -100 where a token is not scored; labels is None"
+        )
 
 
 def check_inputs(

@@ -46,6 +46,7 @@ from hf_evon.predictive.batched_samples import BatchedSamples, BatchedSamplesRef
 from hf_evon.predictive.encoder_inputs import (
     TOKENS,
     check_inputs,
+    check_scored_model,
     encoder_input,
     length,
     probe_inputs,
@@ -481,7 +482,8 @@ def bma_log_likelihood(
     rows each (``hf_evon.predictive.sequential_samples``). ``labels`` follow transformers'
     convention (same shape as ``input_ids``, ``-100`` = not scored, shifted inside for a causal LM;
     a masked LM's or token classifier's are not shifted, as its loss does not shift them); by default
-    they are ``input_ids`` with padding (``attention_mask == 0``) ignored. With an attention
+    they are ``input_ids`` with padding (``attention_mask == 0``) ignored (a token classifier, whose
+    classes are not ids, needs ``labels=``; a multiple-choice model is refused). With an attention
     mask, position ids are counted from the first real token, so left- and right-padded
     sequences score as they would alone. Loss and perplexity: ``result.loss``,
     ``result.perplexity``; see ``BMALogLikelihood``.
@@ -495,6 +497,7 @@ def bma_log_likelihood(
     dropout makes the scores differ from call to call whatever the ``seed``.
     """
     gen_model = _generation_model(model)
+    check_scored_model("bma_log_likelihood", gen_model, labels)
     name, source = encoder_input("bma_log_likelihood", gen_model, input_ids, encoder_inputs)
     if encoder_inputs:
         raise TypeError(
