@@ -365,6 +365,32 @@ def test_rank_averager_packs_by_dtype_and_cap() -> None:
     assert math.isclose(avg.bucket_cap_bytes, 1e-4 * 2**20, abs_tol=1)
 
 
+def test_the_ranks_settings_checksum_reads_neither_a_tensor_rates_device_nor_its_value() -> None:
+    """The ranks compare a checksum of their group settings every step (the DDP averager, sharded
+    EVON's agreed flag). A tensor rate went in as its repr, which names its device and reads its value:
+    each GPU rank's rate on its own device (cuda:0, cuda:1) made a checksum of its own, so every step
+    was refused as "the ranks' hyperparameters differ", and the value came back to the host every
+    step. A tensor setting now counts by its dtype and shape (a rate on the device is read at set-up
+    only); a number is still compared by value."""
+    from hf_evon.distributed.averaging import settings_key
+
+    model = worker.tiny_gpt2()
+    opt = build_optimizer(model, **plain_evon(ess=100.0))
+    keys = {}
+    for device in ("cpu", "meta"):  # meta: a device whose value no read can reach, as another rank's GPU
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(1e-3, device=device)
+            group["betas"] = (torch.tensor(0.9, device=device), 0.999)
+        keys[device] = settings_key(opt)[1]
+    assert keys["cpu"] == keys["meta"]
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64)
+    assert settings_key(opt)[1] != keys["cpu"]
+    opt.param_groups[0]["lr"], opt.param_groups[0]["betas"] = 1e-3, (0.9, 0.999)
+    number = settings_key(opt)[1]
+    opt.param_groups[0]["lr"] = 2e-3
+    assert settings_key(opt)[1] != number
+
+
 def _accelerate_run(use_accelerate: bool, micro: int, distributed: bool = True) -> dict[str, torch.Tensor]:
     """Three EVON steps of 2 samples over ``micro`` accumulated micro-batches: through one
     accelerate-prepared handle (then through prepare_distributed unless ``distributed`` is

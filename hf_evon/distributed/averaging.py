@@ -29,7 +29,18 @@ def _settings(optimizer: EVON | None) -> list[dict[str, Any]]:
     if optimizer is None:
         return []
     keys = ("algorithm", *GROUP_KEYS)
-    return [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+    return [{k: _comparable(g[k]) for k in keys if k in g} for g in optimizer.param_groups]
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` as the ranks compare it: a tensor (a rate torch's schedulers set in place) by its dtype
+    and shape alone, since its repr names each rank's own device (cuda:0, cuda:1) and reading a
+    device's value every step is a host sync (a rate on the device is read at set-up only)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.dtype}, shape={tuple(value.shape)})"
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_comparable, value))
+    return value
 
 
 def _moved(optimizer: EVON) -> str | None:
