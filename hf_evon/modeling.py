@@ -21,6 +21,7 @@ __all__ = [
     "model_class",
     "peft_base_model",
     "pretrained_name",
+    "problem_type",
     "pruned_ranks",
     "unwrap_model",
 ]
@@ -151,6 +152,13 @@ _SHIFTS_LABELS_RIGHT = frozenset({
     "NllbMoeForConditionalGeneration", "BlenderbotForConditionalGeneration",
     "BlenderbotSmallForConditionalGeneration", "MoonshineForConditionalGeneration",
 })  # fmt: skip
+
+
+def problem_type(model: Any) -> str | None:
+    """``model.config.problem_type`` (transformers' "regression", "single_label_classification",
+    "multi_label_classification"; a PEFT model's is its base model's), None where unset."""
+    value = getattr(getattr(model, "config", None), "problem_type", None)
+    return value if isinstance(value, str) else None
 
 
 def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:

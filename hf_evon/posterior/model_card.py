@@ -41,8 +41,9 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import atomic_write, directory_lock, temporary_name_pattern
+from hf_evon.modeling import problem_type
 from hf_evon.posterior.json_rules import as_float
-from hf_evon.posterior.snippet import has_tokenizer, num_labels, problem_type, usage_snippet
+from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
 
 __all__ = [
     "CardSource",

@@ -17,7 +17,7 @@ from typing import Any
 
 from hf_evon.modeling import adapter_of_names
 
-__all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "problem_type", "usage_snippet"]
+__all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
 
 TOKENIZER_FILE = "tokenizer_config.json"  # what every transformers tokenizer's save_pretrained writes
 # the Auto classes of image and audio classifiers: their inputs come from an image processor or a
@@ -156,13 +156,6 @@ def num_labels(model: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def problem_type(model: Any) -> str | None:
-    """A classifier's ``model.config.problem_type`` (transformers': "regression",
-    "single_label_classification", "multi_label_classification"; None where unset or unknown)."""
-    value = getattr(getattr(model, "config", None), "problem_type", None)
-    return value if isinstance(value, str) else None
-
-
 def _decoding_lines(tokenizer: bool, auto: str = "", model_class: str = "") -> list[str]:
     """``generate_bma`` on a prompt (a speech-to-text or image-to-text model's: its features or
     pixels, a placeholder naming them), then the output printed (decoded where there is a tokenizer)."""
@@ -267,7 +260,7 @@ def usage_snippet(
     ``tokenizer``: whether one was saved with the model (the snippet loads it from there).
     ``revision``: the branch of ``location`` the card is on; what the snippet loads from
     ``location`` is loaded from it (without it, the default branch's files would be).
-    ``problem``: the classifier's ``config.problem_type`` (:func:`problem_type`): a multi-label
+    ``problem``: the classifier's ``config.problem_type`` (:func:`hf_evon.modeling.problem_type`): a multi-label
     one averages sigmoids, a regression its outputs."""
     rev = f", revision={_py(revision)}" if revision else ""
     sub = rev + (f", subfolder={_py(subfolder)}" if subfolder else "")

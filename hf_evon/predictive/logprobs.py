@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hf_evon.modeling import problem_type
+
 Tensor = torch.Tensor
 
 __all__ = [
@@ -67,7 +69,7 @@ def require_softmax_model(model: Any, where: str) -> None:
     PEFT forwards it) says its logits are a multi-label classifier's (a sigmoid per label) or a
     regression's (values): a softmax over them, and a temperature chosen for it, mean nothing, whatever
     labels come with them."""
-    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    problem = problem_type(model)
     if problem in NOT_SOFTMAX_PROBLEMS:
         raise ValueError(
             f"{where}: the model's problem_type {problem!r} has no class distribution (its logits are "

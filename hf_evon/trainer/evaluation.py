@@ -31,6 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
+from hf_evon.modeling import problem_type
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     NOT_SOFTMAX_PROBLEMS,
@@ -391,7 +392,7 @@ class PosteriorEvaluation:
     def _set_task(self, task: str | None, logits: Tensor, labels: Tensor) -> bool:
         if self.task is None:
             if task is None:  # regression, multi-label
-                problem = getattr(getattr(self.trainer.model, "config", None), "problem_type", None)
+                problem = problem_type(self.trainer.model)
                 why = (
                     "mean/BMA metrics need class logits (classification or causal LM); got "
                     f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)}"

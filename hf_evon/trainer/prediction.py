@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
-from hf_evon.modeling import model_class, peft_base_model, unwrap_model
+from hf_evon.modeling import model_class, peft_base_model, problem_type, unwrap_model
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
@@ -40,7 +40,7 @@ __all__ = ["PredictionMixin", "bma_predict"]
 def _output_kind(model: nn.Module) -> str | None:
     """What the model's logits are, from transformers' ``config.problem_type``: "value"
     (regression), "sigmoid" (multi-label), "softmax" (single-label); None where it is not set."""
-    problem = getattr(getattr(model, "config", None), "problem_type", None)
+    problem = problem_type(model)
     return {"regression": "value", "multi_label_classification": "sigmoid"}.get(
         problem, "softmax" if problem else None
     )
@@ -181,7 +181,7 @@ def bma_predict(
     def average() -> Any:
         if uncertainty:
             if kind != "softmax" or outputs != 1:
-                problem = getattr(getattr(trainer.model, "config", None), "problem_type", None)
+                problem = problem_type(trainer.model)
                 raise ValueError(
                     "predict_uncertainty needs a model with one softmax output (a classifier or an LM); "
                     f"this model's output is {outputs} distribution(s) of kind {kind!r}"
