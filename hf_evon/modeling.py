@@ -156,7 +156,10 @@ _SHIFTS_LABELS_RIGHT = frozenset({
 
 def problem_type(model: Any) -> str | None:
     """``model.config.problem_type`` (transformers' "regression", "single_label_classification",
-    "multi_label_classification"; a PEFT model's is its base model's), None where unset."""
+    "multi_label_classification"; a PEFT model's is its base model's), None where unset. A data-parallel
+    wrapper has no ``config`` of its own: its module's is read."""
+    if isinstance(model, nn.Module):
+        model = unwrap_model(model)
     value = getattr(getattr(model, "config", None), "problem_type", None)
     return value if isinstance(value, str) else None
 

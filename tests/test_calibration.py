@@ -110,6 +110,18 @@ def test_labels_that_do_not_align_with_the_logits_are_named_for_a_direct_caller(
         calibrate_posterior(model, post, [(x, y[:1])], num_samples=2)
 
 
+def test_a_wrapped_multi_label_model_is_refused_naming_its_problem_type() -> None:
+    """A model handed over in its data-parallel wrapper (accelerate's prepare, ``nn.DataParallel``)
+    has no ``config`` of its own: the problem_type check read none and calibrated a multi-label
+    model's sigmoid outputs under a softmax. The wrapped model's problem_type is read and refused."""
+    from transformers import PretrainedConfig
+
+    model, post, cal = overfitted()
+    model.config = PretrainedConfig(problem_type="multi_label_classification")
+    with pytest.raises(ValueError, match=r"^calibrate_posterior: the model's problem_type 'multi_label_classification'"):
+        calibrate_posterior(nn.DataParallel(model), post, cal, num_samples=2)
+
+
 @pytest.mark.parametrize("temperature", [False, True])
 def test_grid_nll_is_the_bma_nll_and_the_choice_is_the_grid_minimum(temperature: bool) -> None:
     """Each scale's NLL is the BMA NLL at its own best softening temperature (T >= 1 of the grid;
