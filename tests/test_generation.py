@@ -1532,6 +1532,15 @@ def test_generates_inputs_keyword_is_a_feature_encoders_input(feature_seq2seq):
         generate_bma(model, zero, inputs=features, **{name: features}, num_samples=2, **kwargs)
 
 
+def test_inputs_beside_token_ids_for_a_feature_encoder_names_the_token_ids(feature_seq2seq):
+    """A Whisper's (or VisionEncoderDecoder's) ``inputs=`` beside ``input_ids`` was refused as
+    "inputs and input_features both given", naming an input the call never had; it names input_ids."""
+    model, name, features, posterior = feature_seq2seq
+    ids = torch.ones(len(features), 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^generate_bma: inputs and input_ids both given"):
+        generate_bma(model, posterior, ids, inputs=features, num_samples=2, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("call", ["generate_bma", "bma_log_likelihood"])
 def test_inputs_embeds_without_input_ids_is_refused_by_name(gpt2, call):
     """A prompt given as ``inputs_embeds`` alone (which ``model.generate`` and the model's forward

@@ -35,7 +35,8 @@ def encoder_input(
     name = getattr(gen_model, "main_input_name", TOKENS) if is_encoder_decoder(gen_model) else TOKENS
     if generate and given.get("inputs") is not None:
         if input_ids is not None or given.get(name) is not None:
-            raise ValueError(f"{where}: inputs and {name} both given; give the model's input once")
+            both = name if given.get(name) is not None else TOKENS
+            raise ValueError(f"{where}: inputs and {both} both given; give the model's input once")
         if name == TOKENS:
             input_ids = given.pop("inputs")
         else:
