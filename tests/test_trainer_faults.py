@@ -367,3 +367,24 @@ def test_the_calibration_of_a_multi_label_or_regression_model_is_refused_naming_
         calibrate_posterior(trainer.model, before, [batch], grid=[1.0], num_samples=2)
     after = trainer.current_posterior()
     assert (after.ess, after.temperature) == (before.ess, before.temperature) == (before.ess, 1.0)
+
+
+@pytest.mark.parametrize("outputs", [3, 1])
+def test_a_calibration_split_is_refused_before_training_where_transformers_will_set_a_problem_type_without_softmax(
+    tmp_path, outputs
+):
+    """A classifier whose config.problem_type is None takes it from its first labelled forward (transformers'
+    rule: one output, regression; float labels, multi-label). With float training labels, or one output, and a
+    calibration_dataset of class indices, the check before training passed; the run trained, and its
+    calibration was refused at the end. It is refused before the first step now, naming the problem type."""
+    model = tiny_bert(num_labels=outputs)
+    assert model.config.problem_type is None
+    ids = torch.randint(3, 100, (16, 8), generator=torch.Generator().manual_seed(0))
+    float_labels = ids[:, 1:4] % 2 if outputs == 3 else ids[:, 1:2] / 100
+    train = Dataset.from_dict({"input_ids": ids.tolist(), "labels": float_labels.float().squeeze(-1).tolist()})
+    classes = classification_data(8).map(lambda r: {"labels": r["labels"] % outputs})  # class indices
+    problem = "multi_label_classification" if outputs == 3 else "regression"
+    trainer = EVONTrainer(model=model, args=config(tmp_path, max_steps=2), train_dataset=train, calibration_dataset=classes)
+    with pytest.raises(ValueError, match=rf"^EVONTrainer: calibration_dataset: the model's problem_type '{problem}'"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and model.config.problem_type is None

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from accelerate.data_loader import DataLoaderDispatcher
 
-from hf_evon.modeling import decoder_inputs_from_labels, is_encoder_decoder, peft_base_model, unwrap_model
+from hf_evon.modeling import (
+    decoder_inputs_from_labels,
+    is_encoder_decoder,
+    model_class,
+    peft_base_model,
+    unwrap_model,
+)
 from hf_evon.predictive.held_out import output_logits
 from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
@@ -126,6 +132,42 @@ def check_calibration_batches(
             "EVONTrainer: calibration_dataset has no labelled target (empty, or every label -100): "
             "calibrate() would fail after training; pass held-out examples with labels"
         )
+
+
+# transformers' classifier heads whose loss (``ForSequenceClassificationLoss``) sets an unset
+# config.problem_type in their first labelled forward: one output, regression; float labels, multi-label
+_PROBLEM_SETTING_HEADS = (
+    "ForSequenceClassification", "ForImageClassification", "ForAudioClassification", "ForVideoClassification"
+)  # fmt: skip
+
+
+def require_softmax_training(model: torch.nn.Module, train_dataset: Any, label_names: Sequence[str]) -> None:
+    """Raise, naming ``calibration_dataset``, where ``model.config.problem_type`` is None and training will
+    set one with no softmax (:data:`_PROBLEM_SETTING_HEADS`): ``num_labels`` 1, or float labels in
+    ``train_dataset``'s first example (read where the set is indexable; an iterable set is not read, and
+    its calibration is refused after training). The calibration after training would refuse it."""
+    base = peft_base_model(unwrap_model(model))
+    config = getattr(base, "config", None)
+    if getattr(config, "problem_type", "") is not None or not model_class(base).__name__.endswith(_PROBLEM_SETTING_HEADS):
+        return
+    if getattr(config, "num_labels", None) == 1:
+        problem, why = "regression", "num_labels is 1"
+    else:
+        problem, why = "multi_label_classification", "train_dataset's labels are floats"
+        try:
+            example = train_dataset[0]
+            label = next(example[k] for k in (*label_names, "label", "label_ids") if k in example)
+            floats = torch.as_tensor(label).is_floating_point()
+        except Exception:  # an iterable or empty set, another example type, labels torch cannot read
+            return
+        if not floats:
+            return
+    raise ValueError(
+        f"EVONTrainer: calibration_dataset: the model's problem_type {problem!r}, which transformers sets in the "
+        f"first training step (config.problem_type is None and {why}), has no class distribution: the calibration "
+        "after training scores class labels under the model's softmax; pass no calibration_dataset, or set "
+        "config.problem_type='single_label_classification' and train on class indices"
+    )
 
 
 def forward_inputs(model: torch.nn.Module, batch: Any, keep: Iterable[str] = ()) -> Any:
