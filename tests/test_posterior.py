@@ -498,6 +498,20 @@ def test_with_ess_names_what_its_mapping_misses_or_has_too_many():
     assert [post.with_ess({**given, "layer6.weight": 2.0})[n].ess for n in post.names] == [5.0] * 6 + [2.0]
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("-inf")])
+def test_with_ess_names_the_mapping_entry_that_is_not_positive(bad):
+    """``with_ess({..., "layer6.weight": 0})`` was refused as "with_ess: ess must be > 0; got 0.0", naming
+    neither the mapping's entry nor the parameter, though a non-number there was named
+    (``ess['layer6.weight']``)."""
+    factors = _identity_factors(2, 3, 10.0)
+    post = EVONPosterior.from_factors({f"layer{i}.weight": factors for i in range(7)})
+    given = {name: 5.0 for name in post.names}
+    message = f"with_ess: ess['layer6.weight'] must be > 0 (inf for no noise); got {bad!r}"
+    with pytest.raises(PosteriorMismatchError, match=re.escape(message)):
+        post.with_ess({**given, "layer6.weight": bad})
+    assert [f.ess for f in post.factors.values()] == [10.0] * 7  # the original is unchanged
+
+
 def test_lean_posterior_drops_wide_bases_and_keeps_every_marginal(gpt2):
     """Issue 11 item 6: a basis wider than 3x the other side goes; std() and its ess scaling stay exact."""
     model, opt, full = gpt2

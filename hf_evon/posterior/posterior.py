@@ -378,7 +378,8 @@ class EVONPosterior:
                 hint = f" (tied names: key {tied[0]!r} as {self._aliases[tied[0]]!r})" if tied else ""
                 raise KeyError(f"{where}, not covered {unknown[:5]}{hint}")
             named = self.factors.items()
-            factors = {n: replace(f, ess=ess_number(ess[n], f"with_ess: ess[{n!r}]")) for n, f in named}
+            # each entry checked by its name: the group check after the regrouping could not say which
+            factors = {n: replace(f, ess=ess_number(ess[n], f"with_ess: ess[{n!r}]", True)) for n, f in named}
             return self._with_groups(stack_factors(factors), factors[self.names[0]].ess, "with_ess")
         ess = ess_number(ess, "with_ess: ess")
         return self._with_groups([replace(g, ess=ess) for g in self._groups], ess, "with_ess")
