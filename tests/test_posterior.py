@@ -193,6 +193,23 @@ def test_from_optimizer_covers_exactly_the_evon_params(mlp, gpt2):
     assert gpt2[2].names[0] == "transformer.h.0.attn.c_attn.weight"
 
 
+def test_repr_shows_an_ess_and_weight_decay_that_differ_by_tensor():
+    """A posterior of two EVON groups (ess 100 and inf) read "ess=100" in its repr, the first tensor's: the
+    tensor with no noise at all was not to be seen."""
+    from hf_evon.posterior.posterior import MatrixFactors
+
+    def factors(ess: float, weight_decay: float) -> MatrixFactors:
+        return MatrixFactors(None, None, torch.ones(2, 3), (2, 3), (2, 3), ess, weight_decay)
+
+    mixed = EVONPosterior.from_factors({"a.weight": factors(100.0, 0.0), "b.weight": factors(math.inf, 1e-3)})
+    text = repr(mixed)
+    assert "ess=100 to inf (by tensor), weight_decay=0 to 0.001 (by tensor)" in text, text
+    same = EVONPosterior.from_factors({"a.weight": factors(100.0, 1e-3), "b.weight": factors(100.0, 1e-3)})
+    assert "ess=100, weight_decay=0.001," in repr(same)
+    assert "ess=200 to inf (by tensor)" in repr(mixed.scale_ess(2))
+    assert "ess=7, weight_decay=0 to 0.001 (by tensor)" in repr(mixed.with_ess(7))
+
+
 def test_trained_state_is_rotated_and_anisotropic(mlp):
     """The fixtures must exercise rotations and varying curvature, or later checks prove little."""
     _, _, post = mlp

@@ -213,9 +213,15 @@ class EVONPosterior:
             )
         return (
             f"EVONPosterior(covers {len(self.names)} tensors / {self.num_covered:,} parameters; {points}; "
-            f"ess={self.ess:g}, weight_decay={self.weight_decay:g}, "
+            f"ess={self._span('ess')}, weight_decay={self._span('weight_decay')}, "
             f"eigenbasis_dtype={self.config.get('eigenbasis_dtype')})"
         )
+
+    def _span(self, field: str) -> str:
+        """A noise setting as the groups hold it: one value, or its range where tensors differ (several
+        EVON groups, ``with_ess({...})``; the top-level value is one tensor's)."""
+        low, *_, high = sorted(getattr(g, field) for g in self._groups) * 2  # * 2: one group is low and high
+        return f"{low:g}" if low == high else f"{low:g} to {high:g} (by tensor)"
 
     def std(self, name: str) -> Tensor:
         """Marginal posterior standard deviations of ``name``, shaped like the parameter (0 at pruned ranks: draw)."""
