@@ -1534,6 +1534,27 @@ def test_predict_bma_of_a_token_classifier_over_processes_pads_what_preprocess_l
         np.testing.assert_array_equal(argmax.predictions[scored], probabilities.predictions.argmax(-1)[scored])
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_predict_bma_of_a_question_answerer_over_processes_pads_its_start_and_end_probabilities(tmp_path, world):
+    """A question answerer's BMA start and end probabilities are (B, T) each: predict(bma=True) padded
+    only three-dimensional outputs across processes, so two processes whose batches were padded to
+    other lengths gathered tensors of other widths, and gloo aborted rank 0 ("terminate called after
+    throwing an instance of 'gloo::EnforceNotMet'"), where Trainer.predict pads them. Each row is now
+    padded with -100 to the longest: the rest of it is its batch's distribution over positions."""
+    from launcher import torchrun
+    from token_bma_worker import answers as worker_answers
+
+    torchrun(world, os.path.join(os.path.dirname(__file__), "token_bma_worker.py"), str(tmp_path), "qa")
+    for r in range(world):
+        answers = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["answers"]
+        for probabilities in answers.predictions:
+            assert probabilities.shape == (10, 13)
+            kept = probabilities != -100
+            np.testing.assert_allclose(np.where(kept, probabilities, 0.0).sum(-1), np.ones(10), rtol=1e-5)
+            assert kept.all(-1).sum() >= 2  # the longest sentence's batch: no padding
+        np.testing.assert_array_equal(answers.label_ids[1], [a["end_positions"] for a in worker_answers(10, 1)])
+
+
 def test_predict_bma_refuses_a_segmentation_model_whose_classes_are_not_its_logits_last_dimension(tmp_path):
     """A semantic segmentation model's logits are (B, classes, H, W): predict(bma=True) and
     predict_uncertainty averaged a softmax over the last dimension, the image's width, and returned

@@ -3,14 +3,16 @@
 Trains a tiny BERT token classifier for 2 steps, then predicts 10 sentences of 3 to 13 tokens in
 batches of 2 per process, padded by ``DataCollatorForTokenClassification`` to each batch's longest (so
 the processes' batches differ in width), with and without a ``preprocess_logits_for_metrics`` that
-keeps the argmax (B, T). Each rank saves both outputs.
-Usage: ``torch.distributed.run --nproc_per_node W token_bma_worker.py OUT_DIR``.
+keeps the argmax (B, T). Each rank saves both outputs. Task "qa": a tiny BERT question answerer's
+start and end probabilities (B, T each) of the same sentences, padded by ``DataCollatorWithPadding``.
+Usage: ``torch.distributed.run --nproc_per_node W token_bma_worker.py OUT_DIR [token|qa]``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -18,7 +20,13 @@ from datasets import Dataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launcher import save_and_finish  # noqa: E402
 from test_trainer_evaluation import _word_tokenizer  # noqa: E402
-from transformers import BertConfig, BertForTokenClassification, DataCollatorForTokenClassification  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForQuestionAnswering,
+    BertForTokenClassification,
+    DataCollatorForTokenClassification,
+    DataCollatorWithPadding,
+)
 
 from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
 
@@ -31,7 +39,13 @@ def rows(n: int, seed: int) -> list[dict[str, list[int]]]:
     return out
 
 
-def main(out: str) -> None:
+def answers(n: int, seed: int) -> list[dict[str, Any]]:
+    """``rows``' sentences, each answered by its tokens 1 to its last."""
+    return [{"input_ids": r["input_ids"], "start_positions": 1, "end_positions": len(r["input_ids"]) - 1}
+            for r in rows(n, seed)]  # fmt: skip
+
+
+def main(out: str, task: str = "token") -> None:
     torch.set_num_threads(1)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
@@ -44,6 +58,14 @@ def main(out: str) -> None:
         per_device_train_batch_size=4, per_device_eval_batch_size=2, max_steps=2, evon_ess=60.0,
         bma_num_samples=2, bma_seed=3, save_strategy="no", disable_tqdm=True, seed=0,
     )  # fmt: skip
+    if task == "qa":
+        config.num_labels = 2  # a start and an end logit per token
+        trainer = EVONTrainer(
+            model=BertForQuestionAnswering(config), args=args, train_dataset=Dataset.from_list(answers(16, 0)),
+            data_collator=DataCollatorWithPadding(_word_tokenizer()),
+        )  # fmt: skip
+        trainer.train()
+        save_and_finish({"answers": trainer.predict(Dataset.from_list(answers(10, 1)), bma=True)}, out, rank)  # exits
     trainer = EVONTrainer(
         model=BertForTokenClassification(config), args=args, train_dataset=Dataset.from_list(rows(16, 0)),
         data_collator=DataCollatorForTokenClassification(_word_tokenizer()),
@@ -57,4 +79,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -191,8 +191,10 @@ def bma_predict(
         make = LogMeanExp if kind == "softmax" else ValueMean
         return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
 
-    def gathered(values: Tensor, rows: int, classes: bool = True) -> Tensor:
-        if values.ndim >= (3 if classes else 2):  # sequences: as long as the longest process's
+    def gathered(values: Tensor, rows: int) -> Tensor:
+        # as Trainer.predict pads its logits: a sequence's (a token classifier's, a question answerer's start
+        # and end) as long as the longest process's; a classifier's (B, classes) is as wide on every process
+        if values.ndim >= 2:
             values = pad(values, dim=1, pad_index=-100)
         return gathered_rows(trainer.accelerator, values, rows).cpu()  # a batch at a time: the predictions are large
 
@@ -203,12 +205,9 @@ def bma_predict(
             return (x.exp() if kind == "softmax" else x).float()
 
         probs = tuple(map(convert, logp)) if isinstance(logp, tuple) else convert(logp)
-        classes = trainer.preprocess_logits_for_metrics is None
-        if not classes:  # the user's layout: a token classifier's argmax is (B, T), its tokens' dimension padded
+        if trainer.preprocess_logits_for_metrics is not None:
             probs = trainer.preprocess_logits_for_metrics(probs, labels)
-        if isinstance(probs, tuple):
-            return tuple(gathered(p, rows, classes) for p in probs)
-        return gathered(probs, rows, classes)
+        return tuple(gathered(p, rows) for p in probs) if isinstance(probs, tuple) else gathered(probs, rows)
 
     for done, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         logp = done.value()
@@ -225,18 +224,18 @@ def bma_predict(
         if loss_only:  # the BMA metrics only, as Trainer.prediction_step returns the loss only
             continue
         if entropies is not None:
-            parts = tuple(gathered(x.float(), rows, classes=False) for x in entropies)
+            parts = tuple(gathered(x.float(), rows) for x in entropies)
         else:
             parts = collected(logp, labels, rows)
         predictions = joined(predictions, parts)
         if labels is not None:
             if isinstance(labels, tuple):
-                labels = tuple(gathered(y, rows, classes=False) for y in labels)
+                labels = tuple(gathered(y, rows) for y in labels)
             else:
-                labels = gathered(labels, rows, classes=False)
+                labels = gathered(labels, rows)
             label_ids = joined(label_ids, labels)
         if main_input is not None and isinstance(inputs.get(main_input), Tensor):
-            part = gathered(inputs[main_input], rows, classes=False)
+            part = gathered(inputs[main_input], rows)
             input_ids = joined(input_ids, part)
     if concat:
         predictions, label_ids, input_ids = map(_concatenated, (predictions, label_ids, input_ids))
