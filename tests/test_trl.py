@@ -228,6 +228,59 @@ def test_a_raw_text_calibration_dataset_is_prepared_as_trl_prepares_an_eval_set(
     assert again.mean_nll == pytest.approx(first.mean_nll, rel=1e-9) and again.num_targets == first.num_targets
 
 
+def _scored_log_probs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(next label) of ``batch`` as TRL's loss forward reads it (``use_cache=False``, under which
+    transformers keeps packed sequences apart), 0 where not scored, and the scored mask."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        logp = torch.log_softmax(model(**inputs, use_cache=False).logits.double(), dim=-1)[:, :-1]
+    targets = batch["labels"][:, 1:]
+    kept = targets.ne(-100)
+    return logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0] * kept, kept
+
+
+def test_bma_and_calibration_read_packed_sequences_apart_as_trls_loss_does_whatever_use_cache(tmp_path, corpus):
+    """TRL's loss forward sets use_cache=False, under which transformers reads the position_ids of a
+    padding-free packed row as one attention block per sequence; with ``use_cache=True`` in the config,
+    the BMA samples and the calibration ran the model with a cache, under which every token of the row
+    attends to the sequences packed before it: eval_bma_nll and the calibration's NLLs scored other
+    contexts than eval_mean_nll and the training loss."""
+    tokenizer, train, evaluation = corpus
+    held_out = Dataset.from_dict({"text": _paragraphs()[60:72]})
+    trainer = EVONSFTTrainer(
+        model=tiny_gpt2(tokenizer), args=sft_config(tmp_path, max_steps=2, use_cache=True), train_dataset=train,
+        eval_dataset=evaluation, processing_class=tokenizer,
+    )  # fmt: skip
+    assert trainer.model.config.use_cache
+    trainer.train()  # calibrated below, after the BMA passes of the posterior as trained
+    model, posterior, seeds = trainer.model.eval(), trainer._evaluated_posterior(), (0, 1)
+    assert trainer.args.bma_num_samples == len(seeds) and trainer.args.bma_seed == 0 and posterior.temperature == 1
+    metrics = trainer.evaluate()
+    mean_nll = bma_nll = tokens = 0.0
+    for batch in trainer.get_eval_dataloader():
+        batch = trainer._prepare_inputs(batch)
+        starts = batch["position_ids"].eq(0)
+        assert int(starts.sum()) > 1 and not bool(batch["labels"][starts].ne(-100).any())  # packed, apart
+        logp, kept = _scored_log_probs(model, batch)
+        samples = []
+        for seed in seeds:
+            with posterior.sampled(model, seed=seed):
+                samples.append(_scored_log_probs(model, batch)[0])
+        mean_nll -= float(logp.sum())
+        bma_nll -= float(((torch.logsumexp(torch.stack(samples), 0) - math.log(len(seeds))) * kept).sum())
+        tokens += float(kept.sum())
+    assert metrics["eval_mean_nll"] == pytest.approx(mean_nll / tokens, rel=1e-6)
+    assert metrics["eval_bma_nll"] == pytest.approx(bma_nll / tokens, rel=1e-6)
+
+    result = trainer.calibrate(held_out)
+    nll = targets = 0.0
+    for batch in trainer._uncached_eval_dataloader(trainer._prepared_for_calibration(held_out)):
+        logp, kept = _scored_log_probs(model, trainer._prepare_inputs(batch))
+        nll, targets = nll - float(logp.sum()), targets + float(kept.sum())
+    assert result.num_targets == targets
+    assert result.mean_nll == pytest.approx(nll / targets, rel=1e-6)
+
+
 def test_a_calibration_dataset_that_is_the_raw_eval_set_is_refused(tmp_path, corpus):
     """TRL prepares the eval set into a new dataset before the Trainer keeps it: the eval set as
     given is refused as the calibration split too, by keyword or inside a dict of eval sets."""

@@ -226,6 +226,7 @@ def forward_logits(
     The forward computes no loss where it can do without the labels
     (:func:`~hf_evon.trainer.calibration_data.scoring_inputs`, unless ``keep_labels``)."""
     inputs, labelled = scoring_inputs(trainer.model, inputs, trainer.label_names or ["labels"], keep_labels)
+    inputs = as_loss_forward(trainer, inputs)
     with torch.no_grad(), trainer.compute_loss_context_manager():
         outputs = model(**inputs)
     fields = output_logits(outputs, labels_given=labelled)
@@ -233,6 +234,18 @@ def forward_logits(
         found = f"fields: {list(outputs)}" if isinstance(outputs, dict) else f"a tuple of {len(outputs)}"
         raise ValueError(f"EVONTrainer: BMA averages the model's logits, and its output has none ({found})")
     return fields
+
+
+def as_loss_forward(trainer: Any, batch: Any) -> Any:
+    """``batch`` with the keyword arguments the trainer's loss forward sets on every batch (its
+    ``_evon_loss_forward_kwargs``; TRL's SFTTrainer: ``use_cache=False``, under which transformers reads
+    a padding-free packed row's ``position_ids`` as one attention block per sequence, and with a cache
+    as one sequence), so that EVON's own passes (BMA, calibration) score the contexts the loss scores.
+    Any other batch, or a trainer that sets none, as it is."""
+    extra = getattr(trainer, "_evon_loss_forward_kwargs", None)
+    if not extra or not isinstance(batch, Mapping):
+        return batch
+    return {**batch, **extra}
 
 
 def output_field(output: Any, name: str) -> Any:

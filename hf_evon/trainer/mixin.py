@@ -383,8 +383,8 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
             lambda: calibration_data.whole_split(self._uncached_eval_dataloader(split), split),
             "calibration_dataset" if given is None else "calibrate(): dataset",
         )
-        batches = [self._prepare_inputs(b) for b in loader]
-        batches = calibration_data.cut_by_length([calibration_data.under_labels(b, self.label_names, self.model) for b in batches])
+        batches = calibration_data.cut_by_length([calibration_data.under_labels(self._prepare_inputs(b), self.label_names, self.model) for b in loader])
+        batches = [calibration_data.as_loss_forward(self, b) for b in batches]  # after the cut: a flag is no row
         _, result = calibrate_posterior(
             model,
             posterior,

@@ -32,6 +32,9 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
     """
 
     config_class = EVONSFTConfig
+    # what SFTTrainer.compute_loss sets on every batch; the BMA and calibration passes set it too, so that
+    # they read a packed row's sequences apart, as the loss does, whatever config.use_cache says
+    _evon_loss_forward_kwargs = {"use_cache": False}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
