@@ -441,7 +441,7 @@ class EVON(Optimizer):
         needs_samples = self._samples == 0 and any(b.noisy_phase() for b in self.buckets)
         refused = moved is not None or needs_samples  # then no plans: the step raises
         plans = [] if refused else [p for b in self.buckets for p in step_plans(b, num_samples, self._member_state)]
-        if not self._all_finite(plans, adamw, moved, needs_samples):
+        if not self._step_agreed(plans, adamw, moved, needs_samples):
             self.discard_samples()
             return
 
@@ -489,7 +489,7 @@ class EVON(Optimizer):
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed, self._held = consumed_grads(self.param_groups), {}
 
-    def _all_finite(self, plans: list[Plan], adamw: AdamWInputs, moved: str | None, needs_samples: bool) -> bool:
+    def _step_agreed(self, plans: list[Plan], adamw: AdamWInputs, moved: str | None, needs_samples: bool) -> bool:
         """Whether no rank refuses the step (a ``moved`` parameter, ``needs_samples``: raises on every rank)
         and all is finite on every rank (else warns, or raises: ``nonfinite``), in one agreed flag."""
         refused = moved is not None or needs_samples

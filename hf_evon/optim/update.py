@@ -36,7 +36,6 @@ from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.linalg import eigenbasis, norms_of, rotate
 
 __all__ = [
-    "NEEDS_SAMPLES",
     "AdamWInputs",
     "adamw_inputs",
     "adamw_update",
