@@ -143,25 +143,25 @@ _PROBLEM_SETTING_HEADS = (
 
 def require_softmax_training(model: torch.nn.Module, train_dataset: Any, label_names: Sequence[str]) -> None:
     """Raise, naming ``calibration_dataset``, where ``model.config.problem_type`` is None and training will
-    set one with no softmax (:data:`_PROBLEM_SETTING_HEADS`): ``num_labels`` 1, or float labels in
-    ``train_dataset``'s first example (read where the set is indexable; an iterable set is not read, and
-    its calibration is refused after training). The calibration after training would refuse it."""
+    set one with no softmax (:data:`_PROBLEM_SETTING_HEADS`): ``num_labels`` 1, or float labels, where
+    ``train_dataset``'s first example holds labels (read where the set is indexable; an iterable set is not
+    read, and its calibration is refused after training). The calibration after training would refuse it."""
     base = peft_base_model(unwrap_model(model))
     config = getattr(base, "config", None)
     if getattr(config, "problem_type", "") is not None or not model_class(base).__name__.endswith(_PROBLEM_SETTING_HEADS):
         return
+    try:  # transformers sets it only where the forward gets labels: not under a loss of its own (TRL's reward)
+        example = train_dataset[0]
+        label = next(example[k] for k in (*label_names, "label", "label_ids") if k in example)
+        floats = torch.as_tensor(label).is_floating_point()
+    except Exception:  # an iterable or empty set, another example type, no labels, labels torch cannot read
+        return
     if getattr(config, "num_labels", None) == 1:
         problem, why = "regression", "num_labels is 1"
-    else:
+    elif floats:
         problem, why = "multi_label_classification", "train_dataset's labels are floats"
-        try:
-            example = train_dataset[0]
-            label = next(example[k] for k in (*label_names, "label", "label_ids") if k in example)
-            floats = torch.as_tensor(label).is_floating_point()
-        except Exception:  # an iterable or empty set, another example type, labels torch cannot read
-            return
-        if not floats:
-            return
+    else:
+        return
     raise ValueError(
         f"EVONTrainer: calibration_dataset: the model's problem_type {problem!r}, which transformers sets in the "
         f"first training step (config.problem_type is None and {why}), has no class distribution: the calibration "
