@@ -55,6 +55,13 @@ def overfitted(seed: int = 0, steps: int = 300) -> tuple[nn.Module, EVONPosterio
     return model, posterior, [batch(50) for _ in range(2)]
 
 
+def as_trained(posterior: EVONPosterior) -> EVONPosterior:
+    """``posterior`` as if EVON had trained it at its scale: no other trained ζ recorded to restore."""
+    for key in ("trained_ess", "trained_ess_by_parameter"):
+        posterior.config.pop(key, None)
+    return posterior
+
+
 def bma_nlls(model: nn.Module, posterior: EVONPosterior, batches: list, seeds: range) -> list[float]:
     """Reference: a plain loop over samples, averaging probabilities; NLL per example."""
     out = []
@@ -394,7 +401,7 @@ def test_the_trained_posterior_is_kept_unless_the_mean_beats_it_by_k_standard_er
     sides of the measured excess, its NLL against a plain BMA loop, the passes counted;
     keep_trained=False keeps the mean, in one pass."""
     model, post, cal, _ = trained(seed=1, steps=100)
-    noisy = post.with_ess(post.ess * 1e-2)  # trained with more noise: the mean predicts better
+    noisy = as_trained(post.with_ess(post.ess * 1e-2))  # trained with more noise: the mean predicts better
     passes: list[int] = []
     model.register_forward_hook(lambda *_: passes.append(1))
     x, y = (torch.cat(v) for v in zip(*cal))
@@ -581,7 +588,7 @@ def test_a_gain_that_depends_on_the_draws_is_not_taken_for_a_better_scale() -> N
 
 def test_noise_that_only_hurts_calibrates_to_the_mean() -> None:
     model, post, cal, _ = trained()
-    loud = post.with_ess(post.ess * 1e-6)  # std x1000: every sample is garbage
+    loud = as_trained(post.with_ess(post.ess * 1e-6))  # std x1000: every sample is garbage
     calibrated, result = calibrate_posterior(model, loud, cal, grid=[1.0, 3.0], num_samples=2)
     assert result.ess == math.inf and calibrated.ess == math.inf
     with calibrated.sampled(model, seed=0):  # the calibrated posterior samples the mean exactly
@@ -747,7 +754,7 @@ def test_an_iterator_and_an_infinite_ess_are_refused() -> None:
     with pytest.raises(TypeError, match="re-iterable"):
         calibrate_posterior(model, post, iter(cal))
     with pytest.raises(ValueError, match="ess = inf"):
-        calibrate_posterior(model, post.with_ess(math.inf), cal)
+        calibrate_posterior(model, as_trained(post.with_ess(math.inf)), cal)
     # the model and the posterior swapped: named as such, before any pass (an AttributeError before)
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module .*got EVONPosterior and Sequential"):
         calibrate_posterior(post, model, cal)
@@ -980,13 +987,15 @@ def test_a_calibration_summary_says_what_was_chosen() -> None:
     assert "BMA is the mean" in kept and "NLL 0.6000 vs 0.6000" in kept and "not overconfident" in kept
 
 
-def _two_group_posterior() -> tuple[nn.Module, EVONPosterior]:
-    """An MLP whose two EVON groups train at ζ 1000 and 10: a posterior with two noise scales."""
+def _two_group_posterior(reverse: bool = False) -> tuple[nn.Module, EVONPosterior]:
+    """An MLP whose two EVON groups train at ζ 1000 and 10: a posterior with two noise scales
+    (``reverse``: the group at 10 first, so the top-level ζ is not that of the first name, "0.weight")."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     from hf_evon import EVON
 
-    opt = EVON([{"params": [model[0].weight], "ess": 1e3}, {"params": [model[2].weight], "ess": 10.0}], seed=0)
+    groups = [{"params": [model[0].weight], "ess": 1e3}, {"params": [model[2].weight], "ess": 10.0}]
+    opt = EVON(groups[::-1] if reverse else groups, seed=0)
     x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
     for _ in range(5):
         with opt.sampled_params(train=True):
@@ -1019,6 +1028,33 @@ def test_a_calibration_scales_every_groups_own_ess_and_remembers_each(multiplier
         assert all(torch.equal(restored.std(n), post.std(n)) for n in post.names)
     again = result.apply(calibrated)  # applied to a calibrated posterior: from the trained one, not on top
     assert all(again[n].ess == calibrated[n].ess for n in post.names)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scale_set_by_hand_keeps_the_trained_one_for_the_calibration(reverse: bool) -> None:
+    """``with_ess``/``scale_ess`` on an uncalibrated posterior recorded no trained ζ, so ``calibrate_posterior``
+    took the hand-set scale for the trained one and searched its multiples; on a calibrated one they kept the
+    calibration's record, which no longer described the scale."""
+    from dataclasses import asdict
+
+    from hf_evon.predictive.calibration import trained_posterior
+
+    model, post = _two_group_posterior(reverse)
+    torch.manual_seed(1)
+    batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,))) for _ in range(2)]
+    kwargs = dict(grid=[0.01, 1.0], num_samples=2, always_scan=True)
+    reference, result = calibrate_posterior(model, post, batches, **kwargs)
+    by_name = {n: f.ess for n, f in post.factors.items()}
+    for hand in (post.scale_ess(0.5), post.with_ess(5.0), post.with_ess({"0.weight": 2.0, "2.weight": 3.0}),
+                 reference.with_ess(5.0), reference.scale_ess(3.0)):  # fmt: skip
+        assert hand.config.get("calibration") is None and hand.config["trained_ess"] == post.ess
+        restored = trained_posterior(hand)
+        assert restored.ess == post.ess and {n: f.ess for n, f in restored.factors.items()} == by_name
+        again, again_result = calibrate_posterior(model, hand, batches, **kwargs)
+        assert asdict(again_result) == asdict(result)
+        assert again.config == reference.config and {n: again[n].ess for n in post.names} == {
+            n: reference[n].ess for n in post.names
+        }
 
 
 def test_scale_ess_keeps_the_groups_ratios_and_with_ess_takes_one_per_name() -> None:

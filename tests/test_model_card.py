@@ -939,3 +939,35 @@ def test_the_snippet_of_an_ia3_or_adalora_causal_lms_card_runs_as_written(adapte
     assert torch.equal(namespace["output_ids"], _snippet_decoding(model, posterior, tokenizer))
     assert namespace["output_ids"].shape[1] > 32  # the prompt and 32 new tokens
     capsys.readouterr()
+
+
+def test_a_hand_set_scale_is_carded_as_set_by_hand_beside_the_trained_one(tmp_path):
+    """``with_ess``/``scale_ess`` kept a calibration's record: a calibrated posterior (ess 400 = 4 x the trained
+    100) set to ``with_ess(5)`` was saved with the record and carded "Calibrated ... `ess` = 400 (4 × the trained
+    100)"; an uncalibrated one at ``scale_ess(0.5)`` was carded "samples use the scale EVON trained with"."""
+    from hf_evon.posterior.gaussian import MatrixFactors
+    from hf_evon.predictive.calibration import CalibrationResult, trained_posterior
+
+    eye = torch.eye(3)
+    post = EVONPosterior.from_factors({"w": MatrixFactors(eye, eye, torch.ones(3, 3), (3, 3), (3, 3), 100.0, 1e-3)})
+    result = CalibrationResult(ess=400.0, trained_ess=100.0, grid=[400.0], nll=[0.5], mean_nll=0.6,
+                               num_samples=2, num_targets=4, seed=0)  # fmt: skip
+    calibrated = result.apply(post)
+    assert "`ess` = 400 (4 × the trained 100" in str(render_model_card(calibrated))
+    calibrated.with_ess(5.0).save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    assert loaded.ess == 5.0 and loaded.config["trained_ess"] == 100.0
+    assert loaded.config.get("calibration") is None
+    assert "Calibrated" not in card and "the sampling scale was set by hand (`ess` = 5; the trained 100)" in card
+    assert "hf_evon.calibrate_posterior" in card
+    restored = trained_posterior(loaded)
+    assert restored.ess == 100.0 and torch.equal(restored.std("w"), post.std("w"))
+    # uncalibrated, scaled by hand: the trained scale is recorded from the posterior as it was
+    half = post.scale_ess(0.5)
+    assert half.config["trained_ess"] == 100.0 and "trained_ess_by_parameter" not in half.config
+    text = str(render_model_card(half))
+    assert "the sampling scale was set by hand (`ess` = 50; the trained 100)" in text
+    assert "samples use the scale EVON trained with" not in text
+    # set back to the trained scale: the plain uncalibrated text
+    assert "Not calibrated: samples use the scale EVON trained with" in str(render_model_card(half.with_ess(100.0)))

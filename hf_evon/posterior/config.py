@@ -123,6 +123,22 @@ def check_noise_scale(ess: float, weight_decay: float, where: str) -> None:
         raise PosteriorMismatchError(f"{where}: weight_decay must be finite and >= 0; got {weight_decay!r}")
 
 
+def hand_set_scale(config: Mapping[str, Any], ess: float, scales: Mapping[str, float]) -> dict[str, Any]:
+    """``config`` of a posterior whose noise scale is set by hand to top-level ``ess`` (``with_ess``,
+    ``scale_ess``), ``scales`` being each covered name's ζ before. A calibration's record no longer
+    describes the scale and goes; the trained ζ stays (``trained_ess``, and ``trained_ess_by_parameter``
+    for names at another ζ, as a calibration records them), recorded from ``scales`` where absent, so the
+    trained posterior can still be restored and a calibration still searches multiples of it."""
+    out = {key: value for key, value in config.items() if key != "calibration"}
+    if out.get("trained_ess") is None:
+        trained = float(config["ess"])
+        others = {name: value for name, value in scales.items() if value != trained}
+        out.pop("trained_ess_by_parameter", None)
+        out.update(trained_ess=trained, **({"trained_ess_by_parameter": others} if others else {}))
+    out["ess"] = ess
+    return out
+
+
 def check_tied_parameters(aliases: Any, covered: Any, where: str) -> dict[str, str]:
     """``aliases`` (``tied_parameters``; None: none), each name of which resolves to a covered name and has
     no factors of its own."""

@@ -205,9 +205,14 @@ TRAINED_SCALE_NOTE = (
 )
 
 
-def _calibration_text(config: Mapping[str, Any]) -> str:
-    """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration)."""
+def _calibration_text(config: Mapping[str, Any], scales: Mapping[str, float] | None = None) -> str:
+    """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration);
+    ``scales``: each covered name's ζ, where tensors may differ from the top-level one."""
     cal = config.get("calibration")
+    if not isinstance(cal, Mapping) and _is_number(config.get("trained_ess")):
+        hand = _hand_set_text(config, scales or {})
+        if hand:
+            return hand
     if not isinstance(cal, Mapping):
         return (
             "Not calibrated: samples use the scale EVON trained with. Choose it on held-out data with "
@@ -281,6 +286,35 @@ def _calibration_text(config: Mapping[str, Any]) -> str:
         + tempered
         + " Sampling from this posterior (`posterior.sampled`, `generate_bma`, `hf-evon generate`) uses this scale."
         + ("" if ess == trained else TRAINED_SCALE_NOTE)
+    )
+
+
+def _scales(posterior: CardSource) -> dict[str, float]:
+    """Each covered name's ζ, where the source holds factors (an ``EVONPosterior``), else none."""
+    return {n: f.ess for n, f in getattr(posterior, "factors", {}).items()}
+
+
+def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float]) -> str:
+    """The card's words for a sampling scale set by hand (``with_ess``, ``scale_ess``; no calibration
+    record), or "" where every tensor is at the scale EVON trained (``trained_ess``, ``trained_ess_by_parameter``)."""
+    trained, by_name = float(config["trained_ess"]), config.get("trained_ess_by_parameter") or {}
+    ess = {**{n: float(v) for n, v in scales.items()}, "": float(config["ess"])}  # "": the top level
+    if all(v == float(by_name.get(n, trained)) for n, v in ess.items()):
+        return ""
+    low, high = min(ess.values()), max(ess.values())
+    shown = _md(format_value(low)) + ("" if low == high else f" to {_md(format_value(high))} by tensor")
+    temperature = config.get("temperature")
+    tempered = (
+        f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(format_value(temperature))}"
+        " (`posterior.temperature`)."
+        if _is_number(temperature) and float(temperature) != 1.0
+        else ""
+    )
+    return (
+        f"Not calibrated: the sampling scale was set by hand (`ess` = {shown}; the trained "
+        f"{_md(format_value(trained))}), not chosen on held-out data. Choose it there with "
+        "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`), which searches multiples of the trained scale "
+        "(`trained_ess` in the config), before relying on BMA." + tempered
     )
 
 
@@ -361,7 +395,7 @@ def render_model_card(
             posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved, revision,
             problem_type(model),
         ),
-        calibration_text=_calibration_text(config),
+        calibration_text=_calibration_text(config, _scales(posterior)),
         eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),
         format_version=_md(config.get("format_version", 1)),
     )

@@ -43,6 +43,7 @@ from hf_evon.posterior.config import (
     declared_basis_dtype,
     dtype_name,
     ess_number,
+    hand_set_scale,
 )
 from hf_evon.posterior.fingerprint import warn_if_other_mean
 from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
@@ -375,7 +376,8 @@ class EVONPosterior:
 
     def with_ess(self, ess: float | Mapping[str, float]) -> EVONPosterior:
         """A copy with effective sample size ``ess`` everywhere, or ``{name: ess}`` for every covered
-        name (``inf``: zero variance). Variances scale as ``1/ess``: a larger ζ narrows the posterior."""
+        name (``inf``: zero variance). Variances scale as ``1/ess``: a larger ζ narrows the posterior. The
+        config keeps the trained ζ (``trained_ess``, recorded where absent) and drops a calibration's record."""
         if isinstance(ess, Mapping):
             missing, unknown = [n for n in self.names if n not in ess], [n for n in ess if n not in self._index]
             if missing or unknown:
@@ -393,7 +395,7 @@ class EVONPosterior:
     def scale_ess(self, factor: float) -> EVONPosterior:
         """A copy with every covered parameter's ζ times ``factor`` > 0 (``inf``: zero variance): the
         same shape of uncertainty, each variance ``1/factor`` as large; groups trained at different ζ
-        keep their ratios (``with_ess`` sets one ζ everywhere)."""
+        keep their ratios (``with_ess`` sets one ζ everywhere). The config changes as ``with_ess``'s."""
         factor = ess_number(factor, "scale_ess: factor", positive=True)  # the products would name another ess
         groups = [replace(g, ess=g.ess * factor) for g in self._groups]
         return self._with_groups(groups, self.ess * factor, "scale_ess")
@@ -403,7 +405,7 @@ class EVONPosterior:
         for g in groups:
             check_noise_scale(g.ess, g.weight_decay, where)
         check_finite_std(groups, where)
-        config = dict(self.config, ess=ess)
+        config = hand_set_scale(self.config, ess, {n: g.ess for g in self._groups for n in g.names})
         return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     @property
@@ -443,13 +445,8 @@ class EVONPosterior:
         )
 
     def __deepcopy__(self, memo: dict) -> EVONPosterior:
-        groups = [g.map_tensors(lambda t: t.clone()) for g in self._groups]
-        return EVONPosterior(
-            groups,
-            copy.deepcopy(self.config, memo),
-            self.num_point_estimates,
-            self.num_point_estimate_tensors,
-        )
+        groups, config = [g.map_tensors(lambda t: t.clone()) for g in self._groups], copy.deepcopy(self.config, memo)
+        return EVONPosterior(groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     # ------------------------------------------------------------------ files
     def to_tensors(self, eigenbasis_dtype: torch.dtype | str | None = None) -> dict[str, Tensor]:

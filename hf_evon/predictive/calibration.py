@@ -431,16 +431,18 @@ def calibrate_posterior(
 
 
 def trained_posterior(posterior: Any) -> Any:
-    """``posterior`` at the noise scale EVON trained: a calibrated posterior's ζ put back from what
-    :meth:`CalibrationResult.apply` records (``trained_ess``; ``trained_ess_by_parameter`` for the
-    parameters of groups trained at another ζ); an uncalibrated posterior as it is."""
+    """``posterior`` at the noise scale EVON trained: a calibrated (or ``with_ess``/``scale_ess``) posterior's
+    ζ put back from what :meth:`CalibrationResult.apply` (or ``with_ess``) records (``trained_ess``;
+    ``trained_ess_by_parameter`` for the parameters of groups trained at another ζ); one without a record as it is."""
     trained = posterior.config.get("trained_ess")
     if trained is None:
         return posterior
     by_name = posterior.config.get("trained_ess_by_parameter")
     if not by_name:
         return posterior.with_ess(float(trained))
-    return posterior.with_ess({n: float(by_name.get(n, trained)) for n in posterior.names})
+    restored = posterior.with_ess({n: float(by_name.get(n, trained)) for n in posterior.names})
+    restored.config["ess"] = float(trained)  # the top level's trained ζ (with_ess's is the first name's)
+    return restored
 
 
 def mean_temperature(
