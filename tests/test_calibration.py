@@ -1030,6 +1030,24 @@ def test_a_calibration_scales_every_groups_own_ess_and_remembers_each(multiplier
     assert all(again[n].ess == calibrated[n].ess for n in post.names)
 
 
+@pytest.mark.parametrize("multiplier", [0.01, math.inf])
+def test_a_calibrated_posteriors_ess_is_the_chosen_one_whichever_group_comes_first(multiplier: float, tmp_path) -> None:
+    """Where the first EVON group (the top-level ζ, 10) is not the first name's ("0.weight", at 1000), the
+    calibrated posterior's ``ess`` (and the saved config's, the card's table) was the first name's ζ times the
+    multiple, 1000 x 0.01, not the chosen 10 x 0.01 its calibration record names."""
+    from hf_evon.predictive.calibration import CalibrationResult
+
+    _, post = _two_group_posterior(reverse=True)
+    assert post.ess == 10.0 and post["0.weight"].ess == 1e3
+    result = CalibrationResult(ess=post.ess * multiplier, trained_ess=post.ess, grid=[post.ess], nll=[1.0],
+                               mean_nll=1.0, num_samples=2, num_targets=4, seed=0)  # fmt: skip
+    calibrated = result.apply(post)
+    assert calibrated.ess == result.ess and calibrated["2.weight"].ess == result.ess
+    assert calibrated["0.weight"].ess == 1e3 * multiplier
+    calibrated.save_pretrained(tmp_path)
+    assert EVONPosterior.from_pretrained(tmp_path).ess == result.ess
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_a_scale_set_by_hand_keeps_the_trained_one_for_the_calibration(reverse: bool) -> None:
     """``with_ess``/``scale_ess`` on an uncalibrated posterior recorded no trained ζ, so ``calibrate_posterior``

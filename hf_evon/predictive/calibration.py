@@ -201,6 +201,7 @@ class CalibrationResult:
         calibrated.config.pop("trained_ess_by_parameter", None)
         if others:
             calibrated.config["trained_ess_by_parameter"] = others
+            calibrated.config["ess"] = self.ess  # the top level's choice (with_ess's is the first name's)
         calibrated.config["calibration"] = self.to_json()
         return calibrated
 
