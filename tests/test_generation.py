@@ -1558,6 +1558,30 @@ def test_inputs_embeds_without_input_ids_is_refused_by_name(gpt2, call):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_inputs_embeds_beside_input_ids_warns_where_the_input_embedding_is_covered(gpt2):
+    """``inputs_embeds`` beside ``input_ids``: ``generate`` embeds the prompt from the caller's embeddings,
+    so the samples of a covered input embedding reach only the generated tokens, and generate_bma said
+    nothing. It warns, naming the embedding, where the posterior covers it; not where it leaves it out."""
+    model = tiny_gpt2()
+    covered = train_posterior(model, evon_patterns=["wte"])
+    assert "transformer.wte.weight" in covered.names
+    embeds = model.transformer.wte(PROMPTS).detach()
+    kwargs = dict(num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate_bma(model, covered, PROMPTS, inputs_embeds=embeds, **kwargs)
+    named = [w for w in caught if "inputs_embeds" in str(w.message)]
+    assert len(named) == 1 and "'transformer.wte.weight'" in str(named[0].message), [str(w.message) for w in caught]
+
+    model, left_out = gpt2
+    assert not any("wte" in name or "lm_head" in name for name in left_out.names)
+    embeds = model.transformer.wte(PROMPTS).detach()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate_bma(model, left_out, PROMPTS, inputs_embeds=embeds, **kwargs)
+    assert not [w for w in caught if "inputs_embeds" in str(w.message)]
+
+
 def test_an_input_bma_log_likelihood_does_not_pass_on_is_refused_without_claiming_the_model_ignores_it(gpt2):
     """``token_type_ids`` (which GPT-2's forward reads) was refused as "got token_type_ids, which
     GPT2LMHeadModel does not read; it reads input_ids", a false reason; the refusal says what

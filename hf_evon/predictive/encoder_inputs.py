@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -57,6 +58,32 @@ def encoder_input(
         got = "input_ids" if input_ids is not None else "neither"
         raise ValueError(f"{where}: {model}'s encoder reads {name}, not token ids: give {name}=...; got {got}")
     return name, value
+
+
+def warn_given_embeddings(where: str, model: nn.Module, posterior: Any, given: dict[str, Any]) -> None:
+    """A warning naming the covered weight of ``model``'s input embedding where ``given`` (the call's
+    keywords) holds ``inputs_embeds`` beside the token ids: a decoder-only model's ``generate`` embeds the
+    prompt from them, so that weight's samples reach the generated tokens alone."""
+    if given.get("inputs_embeds") is None:
+        return
+    inner = unwrap_model(model)
+    try:
+        embedding = inner.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # no input embedding to name
+        return
+    if not isinstance(embedding, nn.Module):
+        return
+    own = {id(p) for p in embedding.parameters()}
+    names = set(getattr(posterior, "names", ()))
+    covered = [n for n, p in inner.named_parameters(remove_duplicate=False) if n in names and id(p) in own]
+    if covered:
+        warnings.warn(
+            f"{where}: inputs_embeds given beside input_ids: the prompt is embedded by the caller, so the "
+            f"posterior's samples of the input embedding {covered[0]!r} reach the generated tokens, not the "
+            "prompt's; give input_ids alone for each sample to embed the prompt with its own embedding",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _head_of(name: str, suffix: str, mapping: str) -> bool:

@@ -52,6 +52,7 @@ from hf_evon.predictive.encoder_inputs import (
     probe_inputs,
     repeated,
     sampled_encoder_outputs,
+    warn_given_embeddings,
 )
 from hf_evon.predictive.generate_call import (
     cache_keyword,
@@ -212,6 +213,7 @@ def generate_bma(
             encoder-decoder model's encoder inputs (padded on either side, with ``attention_mask``).
             An encoder that reads no token ids takes its input by the model's name for it instead
             (Whisper's ``input_features=``, a VisionEncoderDecoder's ``pixel_values=``), as ``generate``.
+            With ``inputs_embeds=`` too, a covered input embedding's samples miss the prompt (a warning).
         attention_mask: ``(B, T)``; derived from ``pad_token_id`` when omitted, as transformers does.
         num_samples: S, the number of weight samples (drawn once, kept for the whole call).
         seed: makes the call reproducible: seeds the weight draw and the token sampling of
@@ -263,6 +265,8 @@ def generate_bma(
     gen_model = _generation_model(model)
     name, source = encoder_input("generate_bma", gen_model, input_ids, generation_kwargs, generate=True)
     check_inputs("generate_bma", model, posterior, name, source, attention_mask)
+    if not is_encoder_decoder(gen_model):  # an encoder-decoder's generate refuses inputs_embeds beside ids
+        warn_given_embeddings("generate_bma", model, posterior, generation_kwargs)
     if not callable(getattr(type(gen_model), "generate", None)):
         raise TypeError(
             f"generate_bma: model ({type(gen_model).__name__}) cannot generate: it has no generate(); "
