@@ -751,7 +751,9 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     )
     assert printed["min_gain"] == 0.0 and printed["chosen_nll"] == pytest.approx(argmin.chosen_nll)
     mean = argmin.mean_nll if argmin.tempered_mean_nll is None else argmin.tempered_mean_nll
-    assert printed["chosen_nll"] == pytest.approx(min([mean, *argmin.nll]))
+    # the candidates: the mean, each scanned scale and the trained posterior (scored apart: trained_nll)
+    trained = [] if argmin.trained_nll is None else [argmin.trained_nll]
+    assert printed["chosen_nll"] == pytest.approx(min([mean, *argmin.nll, *trained]))
     assert printed["temperature"] == argmin.temperature  # each scale at its own temperature
     # --no-temperature scores every scale at T = 1
     assert main([*argv, "--block-size", "16", "--samples", "2", "--json", *extra, "--no-temperature"]) == 0
