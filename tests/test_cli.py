@@ -596,6 +596,29 @@ def test_inspect_json_reports_tensors_std_files_and_calibration(saved, tmp_path,
     )
 
 
+def test_inspect_reports_a_scale_set_by_hand_as_the_card_does(saved, tmp_path, capsys):
+    """A posterior saved after ``with_ess`` (no calibration record, ``trained_ess`` kept) was inspected as
+    "calibration: none recorded", without a word that its ``ess`` was set by hand, nor of the trained one."""
+    path, *_, posterior = saved
+    for hand, words in [
+        (posterior.with_ess(5.0), "`ess` = 5; the trained 30"),
+        (posterior.with_ess({n: 2.0 + i for i, n in enumerate(posterior.names)}),
+         f"`ess` = 2 to {len(posterior.names) + 1} by tensor; the trained 30"),
+    ]:  # fmt: skip
+        directory = tmp_path / str(len(words))
+        hand.save_pretrained(directory)
+        expected = f"the sampling scale was set by hand ({words}), not chosen on held-out data"
+        assert expected in (directory / "README.md").read_text()
+        assert main(["inspect", str(directory)]) == 0
+        assert f"calibration: none recorded; {expected}\n" in capsys.readouterr().out
+        assert main(["inspect", str(directory), "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["calibration"] is None and summary["trained_ess"] == 30.0
+        assert summary["scale_set_by_hand"] is True
+    assert main(["inspect", str(path), "--json"]) == 0  # at the scale it was trained with
+    assert json.loads(capsys.readouterr().out)["scale_set_by_hand"] is False
+
+
 def test_inspect_leaves_out_a_model_file_that_is_a_dangling_link(saved, tmp_path, capsys):
     """A model weights file beside the posterior that is a dangling link (or removed by a save
     meanwhile) made inspect fail with a bare errno message and nothing on stdout."""

@@ -45,11 +45,16 @@ from hf_evon.cli.loading import (
     text_tokens,
     torch_dtype,
 )
-from hf_evon.cli.text import completion_text, number_text, printable, size_text
+from hf_evon.cli.text import (
+    CALIBRATION_KEY,
+    calibration_text,
+    completion_text,
+    number_text,
+    printable,
+    size_text,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Posterior config entry written by post-hoc calibration: {"ess": float | "inf", ...}
-CALIBRATION_KEY = "calibration"
 # Weight files of a model or adapter saved beside a posterior (sizes shown by `inspect`).
 MODEL_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
 
@@ -330,7 +335,9 @@ def inspect_posterior(posterior: Any) -> dict[str, Any]:
     per-tensor std statistics, and the calibrated scale recorded in its config (or None)."""
     import torch
 
-    config = posterior.config
+    from hf_evon.posterior.model_card import hand_set_scale_text
+
+    config, scales = posterior.config, {n: f.ess for n, f in posterior.factors.items()}
     tensors = {}
     for name in posterior.names:
         std = posterior.std(name).double().flatten()
@@ -354,24 +361,14 @@ def inspect_posterior(posterior: Any) -> dict[str, Any]:
         "model_class": config.get("model_class"),
         "eigenbasis_dtype": config.get("eigenbasis_dtype"),
         "calibration": config.get(CALIBRATION_KEY),
+        "trained_ess": config.get("trained_ess"),  # kept by a calibration and by with_ess/scale_ess
+        "scale_set_by_hand": bool(hand_set_scale_text(config, scales)),  # with_ess/scale_ess, as the card says
         "num_covered_tensors": len(posterior.names),
         "num_covered_params": posterior.num_covered,
         "num_point_estimate_tensors": posterior.num_point_estimate_tensors,
         "num_point_estimates": posterior.num_point_estimates,
         "tensors": tensors,
     }
-
-
-def _calibration_text(calibration: Any) -> str:
-    """The config's ``calibration`` entry, with its source."""
-    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
-
-    if calibration is None:
-        return "none recorded"
-    source = f"(from {POSTERIOR_CONFIG_NAME}, '{CALIBRATION_KEY}')"
-    if isinstance(calibration, dict):
-        return ", ".join(f"{k} {number_text(v)}" for k, v in calibration.items()) + " " + source
-    return f"{calibration!r} {source}"
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -408,7 +405,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         f"  ess {number_text(summary['ess'])}, BMA temperature {number_text(summary['temperature'])}, "
         f"weight_decay {number_text(summary['weight_decay'])}, "
         f"EVON updates {summary['optimizer_step']}, eigenbases stored in {summary['eigenbasis_dtype']}",
-        f"  calibration: {_calibration_text(summary['calibration'])}",
+        f"  calibration: {calibration_text(posterior.config, {n: f.ess for n, f in posterior.factors.items()})}",
         f"  covered: {summary['num_covered_tensors']} tensors, {summary['num_covered_params']:,} parameters; "
         f"point estimates: {points}",
         "  files: " + ", ".join(f"{f} {size_text(n)}" for f, n in summary["files"].items()),

@@ -4,7 +4,11 @@ files shown as a terminal would not act on them."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
+
+# Posterior config entry written by post-hoc calibration: {"ess": float | "inf", ...}
+CALIBRATION_KEY = "calibration"
 
 
 def size_text(n: float) -> str:
@@ -34,3 +38,19 @@ def completion_text(tokenizer: Any, prompt_ids: list[int], new_ids: list[int]) -
     prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
     full = tokenizer.decode(prompt_ids + new_ids, skip_special_tokens=True)
     return full[len(prompt) :] if full.startswith(prompt) else tokenizer.decode(new_ids, skip_special_tokens=True)
+
+
+def calibration_text(config: Mapping[str, Any], scales: Mapping[str, float]) -> str:
+    """The posterior ``config``'s ``calibration`` entry, with its source; without one, where ``with_ess`` or
+    ``scale_ess`` set the scale (``scales``: each covered name's ζ), what the model card says of it."""
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
+    from hf_evon.posterior.model_card import hand_set_scale_text
+
+    calibration = config.get(CALIBRATION_KEY)
+    if calibration is None:
+        hand = hand_set_scale_text(config, scales)
+        return "none recorded" + (f"; {hand}" if hand else "")
+    source = f"(from {POSTERIOR_CONFIG_NAME}, '{CALIBRATION_KEY}')"
+    if isinstance(calibration, dict):
+        return ", ".join(f"{k} {number_text(v)}" for k, v in calibration.items()) + " " + source
+    return f"{calibration!r} {source}"

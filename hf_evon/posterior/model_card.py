@@ -33,7 +33,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any, Protocol
 
@@ -209,10 +209,9 @@ def _calibration_text(config: Mapping[str, Any], scales: Mapping[str, float] | N
     """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration);
     ``scales``: each covered name's ζ, where tensors may differ from the top-level one."""
     cal = config.get("calibration")
-    if not isinstance(cal, Mapping) and _is_number(config.get("trained_ess")):
-        hand = _hand_set_text(config, scales or {})
-        if hand:
-            return hand
+    hand = _hand_set_text(config, scales or {})
+    if hand:
+        return hand
     if not isinstance(cal, Mapping):
         return (
             "Not calibrated: samples use the scale EVON trained with. Choose it on held-out data with "
@@ -294,15 +293,32 @@ def _scales(posterior: CardSource) -> dict[str, float]:
     return {n: f.ess for n, f in getattr(posterior, "factors", {}).items()}
 
 
-def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float]) -> str:
-    """The card's words for a sampling scale set by hand (``with_ess``, ``scale_ess``; no calibration
-    record), or "" where every tensor is at the scale EVON trained (``trained_ess``, ``trained_ess_by_parameter``)."""
+def hand_set_scale_text(
+    config: Mapping[str, Any], scales: Mapping[str, float], show: Callable[[Any], str] = format_value
+) -> str:
+    """"the sampling scale was set by hand (`ess` = X; the trained Y), not chosen on held-out data" for a
+    posterior whose scale ``with_ess``/``scale_ess`` set (no calibration record; ``scales``: each covered
+    name's ζ), or "" where every tensor is at the scale EVON trained (``trained_ess``,
+    ``trained_ess_by_parameter``) or none is recorded; ``show`` writes a number. The card and
+    ``hf-evon inspect`` both say it so."""
+    if isinstance(config.get("calibration"), Mapping) or not _is_number(config.get("trained_ess")):
+        return ""
     trained, by_name = float(config["trained_ess"]), config.get("trained_ess_by_parameter") or {}
     ess = {**{n: float(v) for n, v in scales.items()}, "": float(config["ess"])}  # "": the top level
     if all(v == float(by_name.get(n, trained)) for n, v in ess.items()):
         return ""
     low, high = min(ess.values()), max(ess.values())
-    shown = _md(format_value(low)) + ("" if low == high else f" to {_md(format_value(high))} by tensor")
+    shown = show(low) + ("" if low == high else f" to {show(high)} by tensor")
+    where = f"`ess` = {shown}; the trained {show(trained)}"
+    return f"the sampling scale was set by hand ({where}), not chosen on held-out data"
+
+
+def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float]) -> str:
+    """The card's words for a sampling scale set by hand (``with_ess``, ``scale_ess``), or "" (as
+    :func:`hand_set_scale_text`)."""
+    hand = hand_set_scale_text(config, scales, lambda v: _md(format_value(v)))
+    if not hand:
+        return ""
     temperature = config.get("temperature")
     tempered = (
         f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(format_value(temperature))}"
@@ -311,8 +327,7 @@ def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float]) -> st
         else ""
     )
     return (
-        f"Not calibrated: the sampling scale was set by hand (`ess` = {shown}; the trained "
-        f"{_md(format_value(trained))}), not chosen on held-out data. Choose it there with "
+        f"Not calibrated: {hand}. Choose it there with "
         "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`), which searches multiples of the trained scale "
         "(`trained_ess` in the config), before relying on BMA." + tempered
     )
