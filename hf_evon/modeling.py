@@ -14,6 +14,7 @@ __all__ = [
     "adapter_of_names",
     "base_model_name",
     "decoder_inputs_from_labels",
+    "in_auto_mapping",
     "is_causal_lm",
     "is_encoder_decoder",
     "is_peft_model",
@@ -114,6 +115,16 @@ def is_causal_lm(model: nn.Module) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def in_auto_mapping(name: str, mapping: str) -> bool:
+    """Whether transformers' auto ``mapping`` (a ``modeling_auto`` name, ``MODEL_FOR_*_MAPPING_NAMES``) lists
+    model class ``name``, whose values are one class name or a tuple of them; False for a mapping this
+    transformers has not."""
+    from transformers.models.auto import modeling_auto
+
+    values = getattr(modeling_auto, mapping, {}).values()
+    return any(name == value or (isinstance(value, tuple) and name in value) for value in values)
 
 
 def base_model_name(model: nn.Module) -> str | None:

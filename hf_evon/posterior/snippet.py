@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from hf_evon.modeling import adapter_of_names
+from hf_evon.modeling import adapter_of_names, in_auto_mapping
 
 __all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
 
@@ -63,17 +63,12 @@ def _auto_class(model_class: str) -> str:
         return "AutoModelForCausalLM"
     # by transformers' own task mappings first: an audio classifier may be named *ForSequenceClassification
     # (Wav2Vec2's), which AutoModelForSequenceClassification does not load
-    from transformers.models.auto import modeling_auto
-
     # an image-to-text model (VisionEncoderDecoderModel): AutoModel does not load it, and it decodes
-    for value in getattr(modeling_auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}).values():
-        if model_class == value or (isinstance(value, tuple) and model_class in value):
-            return _IMAGE_TO_TEXT
-
+    if in_auto_mapping(model_class, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"):
+        return _IMAGE_TO_TEXT
     for auto, (mapping, _) in _NON_TEXT_AUTO_CLASSES.items():
-        for value in getattr(modeling_auto, mapping, {}).values():
-            if model_class == value or (isinstance(value, tuple) and model_class in value):
-                return auto
+        if in_auto_mapping(model_class, mapping):
+            return auto
     for task in ("ImageClassification", "AudioClassification", "SequenceClassification", "TokenClassification", "QuestionAnswering", "MultipleChoice", "MaskedLM"):
         if task in model_class:
             return f"AutoModelFor{task}"

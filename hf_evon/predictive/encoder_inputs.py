@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import is_encoder_decoder, model_class, peft_base_model, unwrap_model
+from hf_evon.modeling import in_auto_mapping, is_encoder_decoder, model_class, peft_base_model, unwrap_model
 from hf_evon.posterior.names import resident_parameters
 
 Tensor = torch.Tensor
@@ -91,12 +91,7 @@ def _head_of(name: str, suffix: str, mapping: str) -> bool:
     transformers' auto ``mapping`` (read only where transformers is imported: it costs seconds)."""
     if name.endswith(suffix):
         return True
-    if "transformers" not in sys.modules:
-        return False
-    from transformers.models.auto import modeling_auto
-
-    values = getattr(modeling_auto, mapping, {}).values()
-    return any(name == value or (isinstance(value, tuple) and name in value) for value in values)
+    return "transformers" in sys.modules and in_auto_mapping(name, mapping)
 
 
 def check_scored_model(where: str, model: nn.Module, labels: Any) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
-from hf_evon.modeling import model_class, peft_base_model, problem_type, unwrap_model
+from hf_evon.modeling import in_auto_mapping, model_class, peft_base_model, problem_type, unwrap_model
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
@@ -52,23 +52,16 @@ def _refuse_classes_not_last(model: nn.Module, caller: str) -> None:
     (B, classes, H, W), and its instance and universal segmentation models that declare no ``logits``
     (Mask2Former, MaskFormer, OneFormer: ``masks_queries_logits`` (B, queries, H, W) are per-pixel mask
     logits, a sigmoid each). A DETR's ``logits`` are its class logits, and it is kept."""
-    from transformers.models.auto import modeling_auto
-
     cls = model_class(peft_base_model(unwrap_model(model)))
     name = cls.__name__
-
-    def named(mapping: str) -> bool:
-        values = getattr(modeling_auto, mapping, {}).values()
-        return any(name == value or (isinstance(value, tuple) and name in value) for value in values)
-
-    if named("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"):
+    if in_auto_mapping(name, "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"):
         raise ValueError(
             f"{caller}: {name}'s logits are per pixel, (batch, classes, height, width), and BMA averages a "
             "softmax over the logits' last dimension: semantic segmentation models are not supported; average "
             "softmax(logits, dim=1) of the passes under `with posterior.sampled(model, seed=s)` instead"
         )
-    mask_queries = named("MODEL_FOR_INSTANCE_SEGMENTATION_MAPPING_NAMES") or named(
-        "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"
+    mask_queries = in_auto_mapping(name, "MODEL_FOR_INSTANCE_SEGMENTATION_MAPPING_NAMES") or in_auto_mapping(
+        name, "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"
     )
     if mask_queries and "masks_queries_logits" in _declared_output_fields(cls):
         raise ValueError(
