@@ -132,6 +132,78 @@ def test_evon_config_fields_documented() -> None:
     assert unknown == []
 
 
+def posterior_config_rows() -> dict[str, str]:
+    """docs/posterior-format.md's table of config keys: each key its first column names -> its row."""
+    text = (REPO_ROOT / "docs" / "posterior-format.md").read_text()
+    _, found, rest = text.partition("## The config\n")
+    assert found, "docs/posterior-format.md has no section 'The config'"
+    section = rest.split("\nEach `parameters` entry", 1)[0]
+    rows = {}
+    for first, row in re.findall(r"^\| ([^|\n]*) \|(.*)$", section, re.M):
+        rows.update((key, row) for key in re.findall(r"`(\w+)`", first))
+    return rows
+
+
+def test_posterior_config_keys_documented() -> None:
+    """Every key of a posterior config (a ``PosteriorConfig`` field, or a key a fresh save writes) is a
+    row of docs/posterior-format.md's table and every row such a key, and the ``calibration`` row names
+    every key of the record that loading checks. (The record's ``scanned`` and ``screened``, refused
+    on load where not a boolean or a list of numbers, were missing: the page said other keys are kept
+    as written.)"""
+    import json
+    from dataclasses import fields
+
+    import torch
+
+    from hf_evon import build_optimizer
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, PosteriorConfig
+    from hf_evon.posterior.json_rules import _CALIBRATION_KEYS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    optimizer = build_optimizer(model)
+    for _ in range(2):  # the first step only builds the eigenbases
+        with optimizer.sampled_params(train=True):
+            model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with __import__("tempfile").TemporaryDirectory() as directory:
+        EVONPosterior.from_optimizer(optimizer, model).save_pretrained(directory)
+        written = set(json.loads((Path(directory) / POSTERIOR_CONFIG_NAME).read_text()))
+    schema = {f.name for f in fields(PosteriorConfig)} - {"extra", "key_order", "source"}
+    rows = posterior_config_rows()
+    assert sorted((schema | written) - set(rows)) == [], "config keys without a row in docs/posterior-format.md"
+    assert sorted(set(rows) - schema - written) == [], "rows of docs/posterior-format.md that no config holds"
+    named = set(re.findall(r"`(\w+)`", rows["calibration"]))
+    assert sorted({key for key, _, _ in _CALIBRATION_KEYS} - named) == [], "calibration keys checked on load"
+
+
+def test_command_line_options_documented() -> None:
+    """Every ``--option`` docs/usage.md's command-line section gives a subcommand is one of its options,
+    and every ``(default X)`` of an option's help is the option's default."""
+    import argparse
+
+    from hf_evon.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    text = (REPO_ROOT / "docs" / "usage.md").read_text()
+    _, found, rest = text.partition("## Command line\n")
+    assert found, "docs/usage.md has no section 'Command line'"
+    items = re.findall(r"^- `hf-evon (\w+)(.*?)(?=^- |^\S|\Z)", rest.split("\n## ", 1)[0], re.M | re.S)
+    assert sorted(name for name, _ in items) == sorted(commands)
+    unknown, wrong = [], []
+    for name, item in items:
+        options = {o for a in commands[name]._actions for o in a.option_strings}
+        unknown += [f"{name} {o}" for o in re.findall(r"(?<![\w-])--[a-z][a-z-]*", item) if o not in options]
+        for action in commands[name]._actions:
+            for stated in re.findall(r"\(default (-?[\d.e+-]+)[;)]", action.help or ""):
+                if float(stated) != action.default:
+                    wrong.append(f"{name} {action.option_strings}: help {stated}, default {action.default!r}")
+    assert unknown == [], "options docs/usage.md names that the subcommand does not have"
+    assert wrong == [], "help texts whose stated default is not the option's"
+
+
 # docs/usage.md's Python blocks, each after the set-up of what it takes as given (a tiny model built
 # from a config, a few batches), keyed by the code of the block's first line; (old, new) edits make a block fit
 # this machine (no Hub, a CPU), each edit's old text checked to be in the block
