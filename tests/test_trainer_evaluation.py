@@ -1444,6 +1444,46 @@ def test_posterior_metrics_refuses_batches_it_cannot_score_before_any_forward(tm
     assert calls[0] == 0
 
 
+class _SetPredictor(torch.nn.Module):
+    """A stand-in for Mask2Former: its one label name, ``class_labels``, holds a list of tensors, one per
+    example and each of its own length (the classes of its objects)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids, class_labels=None):  # noqa: ANN001, ANN201
+        logits = self.head(self.embed(input_ids))
+        losses = [torch.nn.functional.cross_entropy(x[: len(c)], c) for x, c in zip(logits, class_labels or [])]
+        return {"loss": torch.stack(losses).mean() if losses else None, "logits": logits}
+
+
+def test_a_list_of_label_tensors_under_one_label_name_is_named_as_such(tmp_path):
+    """One label name holding a list of tensors (Mask2Former's ``class_labels``) was refused as "several
+    label tensors (['class_labels']), not one": it names what the batch holds, a list of 16 tensors under
+    that one name."""
+    from datasets import Dataset
+
+    def data(n: int, seed: int) -> Dataset:
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        return Dataset.from_dict({"input_ids": ids.tolist(), "class_labels": [[i % 3] * (1 + i % 4) for i in range(n)]})
+
+    def collate(rows: list[dict]) -> dict:
+        return {
+            "input_ids": torch.tensor([r["input_ids"] for r in rows]),
+            "class_labels": [torch.tensor(r["class_labels"]) for r in rows],
+        }
+
+    args = config(tmp_path, max_steps=1, evon_ess=60.0, bma_num_samples=2, label_names=["class_labels"])
+    trainer = EVONTrainer(model=_SetPredictor(), args=args, train_dataset=data(16, 0), data_collator=collate)
+    trainer.train()
+    calls = _count_forwards(trainer.model)
+    with pytest.raises(ValueError, match=r"a list of 16 tensors under one label name \(\['class_labels'\]\)") as err:
+        trainer.evaluate(data(16, 1), bma=True)
+    assert "several" not in str(err.value) and calls[0] == 0
+
+
 class _OneTrial:
     """A search backend running one trial as optuna's does when training evaluates nothing: train,
     evaluate, score the metrics with the search's ``compute_objective``."""

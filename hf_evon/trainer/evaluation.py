@@ -359,9 +359,13 @@ class PosteriorEvaluation:
         self.mean.add(logp, labels)  # type: ignore[union-attr]
 
     def _refuse_labels(self, labels: tuple[Tensor, ...] | None) -> None:
-        """No labels (TRL's DPO, KTO, reward) or several label tensors (extractive QA): :meth:`_not_scored`."""
+        """No labels (DPO, KTO, reward), several label tensors (extractive QA) or other: :meth:`_not_scored`."""
         names = self.trainer.label_names or ["labels"]
         held = f"no labels ({names}) to score" if labels is None else f"several label tensors ({names}), not one"
+        if labels is not None and len(names) == 1:  # one name holding, say, a list (Mask2Former's class_labels)
+            many = isinstance(labels, list | tuple) and all(isinstance(t, Tensor) for t in labels)
+            kind = type(labels).__name__ + (f" of {len(labels)} tensors" if many else "")
+            held = f"a {kind} under one label name ({names}), not one label tensor"
         warning = f"EVONTrainer: the evaluation batches hold {held}: no {self.prefix}_mean_*/_bma_* metrics"
         self._not_scored(f"the evaluation batches hold {held}", "_evon_warned_unlabelled", warning)
 
