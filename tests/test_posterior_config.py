@@ -216,6 +216,73 @@ def test_errors_name_the_file_and_the_field(case):
         PosteriorConfig.from_dict(raw, "v1.json")
 
 
+# EVON's mode and fit hyperparameters a save writes, each given what the optimizer refuses
+# (hf_evon.optim.validation): checked on load, named with the file and the key
+HYPERPARAMETER_ERRORS = {
+    "string curvature_refit": ("curvature_refit", "50", r"an integer >= 0; got '50'"),
+    "fractional curvature_refit": ("curvature_refit", 2.5, r"an integer >= 0; got 2\.5"),
+    "negative curvature_refit": ("curvature_refit", -1, r"an integer >= 0; got -1"),
+    "null curvature_refit": ("curvature_refit", None, r"an integer >= 0; got None"),
+    "unknown hess_estimator": ("hess_estimator", "Fisher", r"one of \['fisher', 'price'\]; got 'Fisher'"),
+    "null hess_estimator": ("hess_estimator", None, r"one of \['fisher', 'price'\]; got None"),
+    "unknown step_curvature": ("step_curvature", "diag", r"one of \['entry', 'matrix'\]; got 'diag'"),
+    "boolean step_curvature": ("step_curvature", True, r"one of \['entry', 'matrix'\]; got True"),
+    "string mean_weight_decay": ("mean_weight_decay", "0.1", r"a finite number >= 0; got '0\.1'"),
+    "negative mean_weight_decay": ("mean_weight_decay", -0.5, r"a finite number >= 0; got -0\.5"),
+    "infinite mean_weight_decay": ("mean_weight_decay", "inf", r"a finite number >= 0; got 'inf'"),
+    "max_precond_ratio below 1": ("max_precond_ratio", 0.5, r'a number >= 1 \(or "inf"\); got 0\.5'),
+    "string max_precond_ratio": ("max_precond_ratio", "128", r'a number >= 1 \(or "inf"\); got \'128\''),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HYPERPARAMETER_ERRORS))
+def test_the_optimizers_modes_and_fit_settings_are_checked_on_load(case):
+    """``hess_estimator``, ``step_curvature``, ``curvature_refit`` and ``mean_weight_decay`` were no
+    config fields: any value loaded (``"curvature_refit": "50"`` too), and ``max_precond_ratio``
+    took any number, where docs/posterior-format.md says a field of the wrong type is refused."""
+    key, value, message = HYPERPARAMETER_ERRORS[case]
+    raw = _raw("fresh")
+    raw[key] = value
+    with pytest.raises(PosteriorMismatchError, match=rf"^v1\.json: field '{key}' must be {message}$"):
+        PosteriorConfig.from_dict(raw, "v1.json")
+
+
+def test_a_fresh_saves_modes_and_fit_settings_read_and_write_back(tmp_path):
+    """A posterior saved from an optimizer records its modes and fit settings as the optimizer's
+    group holds them; they load as typed fields and write back byte for byte."""
+    from hf_evon import EVONPosterior, build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    opt = build_optimizer(model, hess_estimator="price", step_curvature="entry", curvature_refit=7)
+    opt.param_groups[0]["mean_weight_decay"] = 0.25  # hf_evon.optim.curvature adds it to the mean's pull
+    EVONPosterior.from_optimizer(opt, model).save_pretrained(tmp_path)
+    text = (tmp_path / "evon_posterior_config.json").read_text()
+    config = PosteriorConfig.from_dict(json.loads(text), "saved.json")
+    group = opt.param_groups[0]
+    assert (config.hess_estimator, config.step_curvature, config.curvature_refit) == ("price", "entry", 7)
+    assert (config.mean_weight_decay, config.max_precond_ratio) == (0.25, group["max_precond_ratio"])
+    assert config.to_json() == text and "hess_estimator" not in config.extra
+    loaded = EVONPosterior.from_pretrained(tmp_path).config
+    assert {k: loaded[k] for k in ("hess_estimator", "curvature_refit", "mean_weight_decay")} == {
+        "hess_estimator": "price", "curvature_refit": 7, "mean_weight_decay": 0.25,
+    }  # fmt: skip
+
+
+def test_a_config_without_the_modes_and_fit_settings_still_loads():
+    """Files written before these options lack the keys (and a null mean_weight_decay, which the
+    optimizer takes for its default, reads back as null)."""
+    raw = _raw("fresh")
+    config = PosteriorConfig.from_dict(raw)
+    assert (config.hess_estimator, config.step_curvature, config.curvature_refit, config.mean_weight_decay) == (
+        None, None, None, None,
+    )  # fmt: skip
+    assert config.to_dict() == raw
+    nulled = {**raw, "mean_weight_decay": None, "max_precond_ratio": "inf"}
+    config = PosteriorConfig.from_dict(nulled)
+    assert config.max_precond_ratio == math.inf and config.to_dict() == nulled
+
+
 def _factors(dtype=torch.float32) -> dict[str, MatrixFactors]:
     """Two covered matrices, (4, 5) at the config's ess 100 and (3, 4) at its own ess 256."""
 

@@ -281,7 +281,7 @@ class PosteriorConfig:
     mc_samples: int | None = _optional(rules.integer(1))
     precondition_frequency: int | None = _optional(rules.integer(1))
     max_precond_dim: int | None = _optional(rules.integer(0))
-    max_precond_ratio: float | None = _optional(rules.number)
+    max_precond_ratio: float | None = _optional(rules.at_least(1))
     shampoo_beta: float | None = _optional(rules.number, nullable=True)
     hess_clip_ratio: float | None = _optional(rules.number, nullable=True)
     clip: str | None = _optional(rules.string)
@@ -291,6 +291,11 @@ class PosteriorConfig:
     identity_basis: bool | None = _optional(rules.boolean)
     stagger_refresh: bool | None = _optional(rules.boolean)
     eps: float | None = _optional(rules.number)
+    hess_estimator: str | None = _optional(rules.hess_estimator)
+    curvature_refit: int | None = _optional(rules.integer(0))
+    step_curvature: str | None = _optional(rules.step_curvature)
+    # None: the optimizer's default (hf_evon.optim.validation.resolve_mean_weight_decay)
+    mean_weight_decay: float | None = _optional(rules.at_least(0, finite=True), nullable=True)
     final_lr: float | None = _optional(rules.number)  # the rate at save time, under an LR scheduler
     optimizer_step: int | None = _optional(rules.integer(0))
     # the model it belongs to

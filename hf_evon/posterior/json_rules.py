@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from hf_evon.optim.checks import HESS_ESTIMATORS, STEP_CURVATURES
 from hf_evon.optim.defaults import is_snr_scaling
 
 
@@ -79,6 +80,35 @@ def positive_number(value: Any, field: str, where: str) -> float:
     """A JSON number > 0, or ``"inf"`` (a ζ: ``1/ζ`` scales every variance); an integer stays one."""
     json_float(value, field, where, positive=True)
     return math.inf if value == "inf" else value
+
+
+def at_least(minimum: float, *, finite: bool = False) -> Rule:
+    """A JSON number ``>= minimum``, or (unless ``finite``) ``"inf"``; an integer stays one."""
+    shown_rule = f"a finite number >= {minimum:g}" if finite else f'a number >= {minimum:g} (or "inf")'
+
+    def rule(value: Any, field: str, where: str) -> float:
+        number = math.inf if value == "inf" and not finite else as_float(value)
+        if number is None or not number >= minimum or (finite and number == math.inf):  # NaN too
+            raise rule_error(where, field, shown_rule, value)
+        return math.inf if value == "inf" else value
+
+    return rule
+
+
+def one_of(names: tuple[str, ...]) -> Rule:
+    """One of ``names`` (a mode as the optimizer's Enum gives it): another string, even in other case, is refused."""
+
+    def rule(value: Any, field: str, where: str) -> str:
+        if not isinstance(value, str) or value not in names:
+            raise rule_error(where, field, f"one of {sorted(names)}", value)
+        return value
+
+    return rule
+
+
+# the optimizer's modes as its Enums give them (hf_evon.optim.checks)
+hess_estimator = one_of(HESS_ESTIMATORS)
+step_curvature = one_of(STEP_CURVATURES)
 
 
 def integer(minimum: int) -> Rule:
