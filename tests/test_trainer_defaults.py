@@ -413,3 +413,29 @@ def test_a_run_without_noise_skips_the_end_of_training_calibration(tmp_path) -> 
     assert tr.calibration is None and tr.current_posterior().is_point_mass
     with pytest.raises(ValueError, match="nothing to calibrate"):  # asked for by hand: still said
         tr.calibrate()
+
+
+def test_the_weight_decay_help_says_the_prior_is_fitted_after_the_first_weight_update() -> None:
+    """evon_weight_decay's help said the fitted prior comes "after the second update", but the first
+    step() only sets up the eigenbases (the weights stay): δ is fitted after the first weight update,
+    the second step(), as docs/algorithm.md says."""
+    from hf_evon import build_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    kwargs = EVONConfig(output_dir="unused", report_to="none").evon_optimizer_kwargs()
+    opt = build_optimizer(model, **kwargs)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    seen = []
+    for _ in range(2):
+        weight = model[0].weight.detach().clone()
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((torch.equal(weight, model[0].weight), opt.param_groups[0]["weight_decay"]))
+    (first_kept, prior_after_first), (second_kept, prior_after_second) = seen
+    assert first_kept and not second_kept and prior_after_second != prior_after_first
+    help_text = " ".join(EVONConfig.__dataclass_fields__["evon_weight_decay"].metadata["help"].split())
+    assert "after the second update" not in help_text
+    assert "fitted after the first weight update (the second step())" in help_text
