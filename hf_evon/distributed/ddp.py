@@ -387,6 +387,7 @@ def prepare_distributed(
             with another layout than ``Shard(0)`` on one 1-D mesh; DTensors without FSDP2.
         RuntimeError: DDP already has another communication hook.
         TypeError: ``optimizer`` is not EVON.
+        ValueError: ``check_consistency=False`` with a sharded run (``shard=True``, or FSDP2).
 
     Safe to call in a single process (it then only checks the model) and more than once.
     """
