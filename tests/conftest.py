@@ -75,6 +75,17 @@ def approx_tree(value, rel: float = 1e-6):
     return value
 
 
+def count_forwards(module: torch.nn.Module) -> list[int]:
+    """A one-item list that counts the forward calls of ``module`` from now on (a pre-hook adds 1)."""
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+
+    module.register_forward_pre_hook(hook)
+    return calls
+
+
 def one_step_optimizer(lm: torch.nn.Module, vocab_size: int):
     """``build_optimizer(lm)`` after one step on a random batch of 2×8 token ids (a causal LM)."""
     from hf_evon import build_optimizer

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import count_forwards
 from transformers import (
     DynamicCache,
     GPT2Config,
@@ -2673,11 +2674,6 @@ def test_a_token_classifier_without_labels_and_a_multiple_choice_model_are_refus
     model class now, before any forward; a token classifier's labels= still score as its own loss."""
     from transformers import BertConfig, BertForMultipleChoice, BertForTokenClassification
 
-    def _count_forwards(module: torch.nn.Module) -> list[int]:
-        calls = [0]
-        module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        return calls
-
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=4)
     model = BertForTokenClassification(cfg)
@@ -2688,7 +2684,7 @@ def test_a_token_classifier_without_labels_and_a_multiple_choice_model_are_refus
     opt.step()
     posterior = EVONPosterior.from_optimizer(opt, model)
     model.eval()
-    before, forwards = snapshot(model), _count_forwards(model)
+    before, forwards = snapshot(model), count_forwards(model)
     with pytest.raises(ValueError, match=r"^bma_log_likelihood: BertForTokenClassification is a token classifier.*labels="):
         bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=0)
     assert forwards[0] == 0
@@ -2701,7 +2697,7 @@ def test_a_token_classifier_without_labels_and_a_multiple_choice_model_are_refus
     torch.manual_seed(0)
     choices = BertForMultipleChoice(cfg).eval()
     posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(choices, seed=0), choices)
-    forwards = _count_forwards(choices)
+    forwards = count_forwards(choices)
     with pytest.raises(ValueError, match=r"^bma_log_likelihood: BertForMultipleChoice is a multiple-choice model"):
         bma_log_likelihood(choices, posterior, PROMPTS[:, None].expand(2, 3, 6), num_samples=2, seed=0)
     assert forwards[0] == 0

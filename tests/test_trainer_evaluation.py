@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import count_forwards
 from test_trainer import _direct_bma, classification_data, config, lm_data, tiny_bert, tiny_gpt2
 from transformers import TrainerCallback
 
@@ -48,16 +49,6 @@ def _averaged_softmax(trainer: EVONTrainer, batch: dict, seeds: tuple[int, ...])
     return torch.stack(samples).mean(0)
 
 
-def _count_forwards(model: torch.nn.Module) -> list[int]:
-    calls = [0]
-
-    def hook(module, args):
-        calls[0] += 1
-
-    model.register_forward_pre_hook(hook)
-    return calls
-
-
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_evaluate_reuses_the_trainers_mean_pass(tmp_path, kind):
     """1 + S passes per evaluation (was 2 + S), with the same metrics as one computed on its own."""
@@ -67,7 +58,7 @@ def test_evaluate_reuses_the_trainers_mean_pass(tmp_path, kind):
     else:
         trainer = _trained(tmp_path, tiny_gpt2, lm_data(16), lm_data(20, seed=1))  # 2 batches (16 + 4)
         batches = 2
-    calls = _count_forwards(trainer.model)
+    calls = count_forwards(trainer.model)
     metrics = trainer.evaluate()
     assert calls[0] == (1 + 2) * batches
     # the same numbers as the stand-alone computation (its own pass at the mean)
@@ -676,7 +667,7 @@ def test_bma_of_a_posterior_without_noise_is_the_mean_without_sampled_passes(tmp
     trainer.posterior = trainer.current_posterior().with_ess(math.inf)
     trainer._posterior_from_checkpoint = True  # current_posterior() is this one (as after a calibration)
     assert trainer.current_posterior().is_point_mass and not trainer.posterior.with_ess(60.0).is_point_mass
-    calls = _count_forwards(trainer.model)
+    calls = count_forwards(trainer.model)
     metrics = trainer.evaluate()
     assert calls[0] == 3  # the mean's pass alone (S = 3 sampled passes more before)
     for key in ("nll", "accuracy", "ece"):
@@ -715,7 +706,7 @@ def test_bma_evaluation_and_prediction_use_the_posteriors_temperature(tmp_path):
                     logps.append(torch.log_softmax(tempered, -1))
         expected = torch.logsumexp(torch.stack(logps), 0) - math.log(len(seeds))
         direct = calibration_metrics(expected, batch["labels"], "log_probs")
-        calls = _count_forwards(trainer.model)
+        calls = count_forwards(trainer.model)
         metrics = trainer.evaluate()
         assert calls[0] == 3 + 3 * len(seeds)  # the Trainer's pass, then one per sample (or the mean's)
         for key in ("nll", "accuracy", "ece"):
@@ -1390,7 +1381,7 @@ def test_evaluate_bma_true_refuses_batches_it_cannot_score_before_any_forward(tm
     else:
         trainer = _trained(tmp_path, _tiny_qa, _qa_data(32, 0), _qa_data(16, 1), max_steps=1, eval_strategy="no")
         dev, names, why = _qa_data(16, 1), "['start_positions', 'end_positions']", "several label tensors"
-    calls = _count_forwards(trainer.model)
+    calls = count_forwards(trainer.model)
     with pytest.raises(ValueError, match=rf"^evaluate\(bma=True\): .*{why}.*{names}".replace("[", r"\[")):
         trainer.evaluate(dev, bma=True)
     assert calls[0] == 0
@@ -1437,7 +1428,7 @@ def test_posterior_metrics_refuses_batches_it_cannot_score_before_any_forward(tm
     if not labelled:
         dev = dev.remove_columns(["start_positions", "end_positions"])
     why = "several label tensors" if labelled else "no labels"
-    calls = _count_forwards(trainer.model)
+    calls = count_forwards(trainer.model)
     names = r"\['start_positions', 'end_positions'\]"
     with pytest.raises(ValueError, match=rf"^posterior_metrics\(\): .*{why}.*{names}"):
         trainer.posterior_metrics(trainer.get_eval_dataloader(dev))
@@ -1478,7 +1469,7 @@ def test_a_list_of_label_tensors_under_one_label_name_is_named_as_such(tmp_path)
     args = config(tmp_path, max_steps=1, evon_ess=60.0, bma_num_samples=2, label_names=["class_labels"])
     trainer = EVONTrainer(model=_SetPredictor(), args=args, train_dataset=data(16, 0), data_collator=collate)
     trainer.train()
-    calls = _count_forwards(trainer.model)
+    calls = count_forwards(trainer.model)
     with pytest.raises(ValueError, match=r"a list of 16 tensors under one label name \(\['class_labels'\]\)") as err:
         trainer.evaluate(data(16, 1), bma=True)
     assert "several" not in str(err.value) and calls[0] == 0
@@ -1615,7 +1606,7 @@ def test_predict_bma_refuses_a_segmentation_model_whose_classes_are_not_its_logi
     data = Dataset.from_dict({"pixel_values": pixels.tolist(), "labels": labels.tolist()})
     posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)
     trainer = EVONTrainer(model=model, args=config(tmp_path, bma_num_samples=2), posterior=posterior)
-    forwards = _count_forwards(model)
+    forwards = count_forwards(model)
     with pytest.raises(ValueError, match=r"^predict\(bma=True\): SegformerForSemanticSegmentation's logits"):
         trainer.predict(data, bma=True)
     with pytest.raises(ValueError, match=r"^predict_uncertainty\(\): SegformerForSemanticSegmentation's logits"):
@@ -1654,7 +1645,7 @@ def test_predict_bma_refuses_a_mask_query_segmentation_model_and_keeps_detr_segm
     data = Dataset.from_dict({"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))})
     posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)
     trainer = EVONTrainer(model=model, args=config(tmp_path, bma_num_samples=2), posterior=posterior)
-    forwards = _count_forwards(model)
+    forwards = count_forwards(model)
     with pytest.raises(ValueError, match=r"^predict\(bma=True\): Mask2FormerForUniversalSegmentation's output"):
         trainer.predict(data, bma=True)
     with pytest.raises(ValueError, match=r"^predict_uncertainty\(\): Mask2FormerForUniversalSegmentation's output"):
