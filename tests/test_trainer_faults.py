@@ -369,22 +369,47 @@ def test_the_calibration_of_a_multi_label_or_regression_model_is_refused_naming_
     assert (after.ess, after.temperature) == (before.ess, before.temperature) == (before.ess, 1.0)
 
 
-@pytest.mark.parametrize("outputs", [3, 1])
+@pytest.mark.parametrize("outputs,dtype", [(3, torch.float), (1, torch.float), (3, torch.bool)])
 def test_a_calibration_split_is_refused_before_training_where_transformers_will_set_a_problem_type_without_softmax(
-    tmp_path, outputs
+    tmp_path, outputs, dtype
 ):
     """A classifier whose config.problem_type is None takes it from its first labelled forward (transformers'
-    rule: one output, regression; float labels, multi-label). With float training labels, or one output, and a
-    calibration_dataset of class indices, the check before training passed; the run trained, and its
-    calibration was refused at the end. It is refused before the first step now, naming the problem type."""
+    rule: one output, regression; labels of another dtype than long or int32, multi-label). With float training
+    labels, or one output, and a calibration_dataset of class indices, the check before training passed; the
+    run trained, and its calibration was refused at the end. Bool labels (multi-label to transformers too) were
+    taken for class indices, and the first step failed inside BCEWithLogitsLoss. Each is refused before the
+    first step now, naming the problem type."""
     model = tiny_bert(num_labels=outputs)
     assert model.config.problem_type is None
     ids = torch.randint(3, 100, (16, 8), generator=torch.Generator().manual_seed(0))
-    float_labels = ids[:, 1:4] % 2 if outputs == 3 else ids[:, 1:2] / 100
-    train = Dataset.from_dict({"input_ids": ids.tolist(), "labels": float_labels.float().squeeze(-1).tolist()})
+    labels = ids[:, 1:4] % 2 if outputs == 3 else ids[:, 1:2] / 100
+    train = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.to(dtype).squeeze(-1).tolist()})
     classes = classification_data(8).map(lambda r: {"labels": r["labels"] % outputs})  # class indices
     problem = "multi_label_classification" if outputs == 3 else "regression"
     trainer = EVONTrainer(model=model, args=config(tmp_path, max_steps=2), train_dataset=train, calibration_dataset=classes)
     with pytest.raises(ValueError, match=rf"^EVONTrainer: calibration_dataset: the model's problem_type '{problem}'"):
         trainer.train()
     assert trainer.state.global_step == 0 and model.config.problem_type is None
+
+
+def test_labels_the_data_collator_makes_class_indices_are_not_refused_before_training(tmp_path):
+    """transformers' rule reads the labels the model gets: default_data_collator batches a bool ``label``
+    as torch.long, so the first forward sets single_label_classification and the calibration split stands;
+    the same bools under ``labels`` stay bool (multi-label) and are refused, naming their dtype."""
+    from hf_evon.trainer.calibration_data import require_softmax_training
+
+    ids = torch.randint(3, 100, (16, 8), generator=torch.Generator().manual_seed(0))
+    flags = (ids[:, 1] % 2).bool().tolist()
+    for key, refused in (("label", False), ("labels", True)):
+        model = tiny_bert(num_labels=2)
+        train = Dataset.from_dict({"input_ids": ids.tolist(), key: flags})
+        args = config(tmp_path, max_steps=1)
+        classes = classification_data(8).map(lambda r: {"labels": r["labels"] % 2})
+        trainer = EVONTrainer(model=model, args=args, train_dataset=train, calibration_dataset=classes)
+        if refused:
+            with pytest.raises(ValueError, match=r"problem_type 'multi_label_classification'.*labels are torch\.bool"):
+                require_softmax_training(trainer)
+        else:
+            require_softmax_training(trainer)
+            trainer.train()
+            assert model.config.problem_type == "single_label_classification"

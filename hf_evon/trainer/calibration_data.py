@@ -135,31 +135,55 @@ def check_calibration_batches(
 
 
 # transformers' classifier heads whose loss (``ForSequenceClassificationLoss``) sets an unset
-# config.problem_type in their first labelled forward: one output, regression; float labels, multi-label
+# config.problem_type in their first labelled forward: one output, regression; labels neither long nor
+# int32 (floats, bools), multi-label
 _PROBLEM_SETTING_HEADS = (
     "ForSequenceClassification", "ForImageClassification", "ForAudioClassification", "ForVideoClassification"
 )  # fmt: skip
 
 
-def require_softmax_training(model: torch.nn.Module, train_dataset: Any, label_names: Sequence[str]) -> None:
-    """Raise, naming ``calibration_dataset``, where ``model.config.problem_type`` is None and training will
-    set one with no softmax (:data:`_PROBLEM_SETTING_HEADS`): ``num_labels`` 1, or float labels, where
-    ``train_dataset``'s first example holds labels (read where the set is indexable; an iterable set is not
-    read, and its calibration is refused after training). The calibration after training would refuse it."""
-    base = peft_base_model(unwrap_model(model))
+def _first_training_labels(trainer: Any) -> Any:
+    """The labels of the train set's first example as the model gets them: from the trainer's data collator's
+    batch of it alone (``default_data_collator`` turns a bool ``label`` into a long one), or where the collator
+    cannot batch it (columns the Trainer removes first), the example's own. The collator runs with the random
+    states restored after it (it may draw, for augmentation or masking)."""
+    import random
+
+    import numpy as np
+
+    example = trainer.train_dataset[0]
+    keys = (*(trainer.label_names or ["labels"]), "labels", "label", "label_ids")
+    states = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            batch = trainer.data_collator([example])
+        return next(batch[k] for k in keys if k in batch)
+    except Exception:  # the example as the Trainer would not give it to the collator, or no labels there
+        return next(example[k] for k in keys if k in example)
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+
+
+def require_softmax_training(trainer: Any) -> None:
+    """Raise, naming ``calibration_dataset``, where ``trainer.model.config.problem_type`` is None and training
+    will set one with no softmax (:data:`_PROBLEM_SETTING_HEADS`), by transformers' rule: ``num_labels`` 1
+    (regression), else labels of another dtype than long or int32 (multi-label: floats, bools), as the first
+    example of ``train_dataset`` (read where the set is indexable; an iterable set is not read, and its
+    calibration is refused after training) is batched. The calibration after training would refuse it."""
+    base = peft_base_model(unwrap_model(trainer.model))
     config = getattr(base, "config", None)
     if getattr(config, "problem_type", "") is not None or not model_class(base).__name__.endswith(_PROBLEM_SETTING_HEADS):
         return
     try:  # transformers sets it only where the forward gets labels: not under a loss of its own (TRL's reward)
-        example = train_dataset[0]
-        label = next(example[k] for k in (*label_names, "label", "label_ids") if k in example)
-        floats = torch.as_tensor(label).is_floating_point()
+        dtype = torch.as_tensor(_first_training_labels(trainer)).dtype
     except Exception:  # an iterable or empty set, another example type, no labels, labels torch cannot read
         return
-    if getattr(config, "num_labels", None) == 1:
+    num_labels = getattr(config, "num_labels", None)
+    if num_labels == 1:
         problem, why = "regression", "num_labels is 1"
-    elif floats:
-        problem, why = "multi_label_classification", "train_dataset's labels are floats"
+    elif not (isinstance(num_labels, int) and num_labels > 1 and dtype in (torch.long, torch.int)):
+        problem, why = "multi_label_classification", f"train_dataset's labels are {dtype}, not torch.long or torch.int"
     else:
         return
     raise ValueError(

@@ -306,7 +306,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         before the first step."""
         from hf_evon.predictive.held_out import held_out_classes
 
-        calibration_data.require_softmax_training(self.model, self.train_dataset, self.label_names or ["labels"])
+        calibration_data.require_softmax_training(self)
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
         loaded = not any(p.is_meta for p in self.model.parameters())
         d = self.calibration_dataset
