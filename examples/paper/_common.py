@@ -118,8 +118,9 @@ def jsonable(x: Any) -> Any:
 
 # ----------------------------------------------------------------------------- settings hash
 def param_group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Every param group's hyperparameters as the optimizer resolved them (names, not tensors)."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    """Every param group's hyperparameters as the optimizer resolved them (names, not tensors);
+    ``configured_lr`` is the group's lr as built, a record for the posterior file, not a setting."""
+    return [{k: v for k, v in g.items() if k not in ("params", "configured_lr")} for g in optimizer.param_groups]
 
 
 def evon_settings(kwargs: dict[str, Any], params: Any = None) -> dict[str, Any]:
