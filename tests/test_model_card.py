@@ -838,20 +838,18 @@ def test_a_named_peft_adapters_snippet_loads_it_under_its_name_from_where_peft_s
         assert torch.equal(loaded.get_parameter(name), model.get_parameter(name)), name
 
 
-def test_the_snippet_of_a_prefix_tuned_causal_lms_card_runs_as_written(tmp_path, tokenizer, capsys):
-    """PEFT's prompt learning (here prefix tuning, its prefixes named in ``evon_patterns``) has no BMA
-    decoding: ``generate_bma`` refuses it, and the card's snippet, which "runs as written", raised
-    there. It now averages the next token's probabilities over 8 samples, as the refusal advises."""
-    from peft import PrefixTuningConfig, TaskType, get_peft_model
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _run_prefix_tuned_card_snippet(model_class, config, task_type, tmp_path: Path, tokenizer):
+    """A prefix-tuned ``model_class(config)`` (its base and ``tokenizer`` saved under ``tmp_path/base``,
+    its prefixes named in ``evon_patterns``), saved with its posterior and card to ``tmp_path/out``,
+    and the namespace its card's snippet leaves after running as written: ``(model, posterior, namespace)``."""
+    from peft import PrefixTuningConfig, get_peft_model
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=tokenizer.vocab_size, n_positions=64)
     base_dir = tmp_path / "base"
-    GPT2LMHeadModel(config).save_pretrained(base_dir)
+    model_class(config).save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
-    prefix = PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
-    model = get_peft_model(GPT2LMHeadModel.from_pretrained(base_dir), prefix).eval()
+    prefix = PrefixTuningConfig(task_type=task_type, num_virtual_tokens=4)
+    model = get_peft_model(model_class.from_pretrained(base_dir), prefix).eval()
     optimizer = hf_evon.build_optimizer(model, ess=100.0, evon_patterns=["prompt_encoder"])
     posterior = EVONPosterior.from_optimizer(optimizer, model)
     assert posterior.names == ["prompt_encoder.default.embedding.weight"]
@@ -861,6 +859,20 @@ def test_the_snippet_of_a_prefix_tuned_causal_lms_card_runs_as_written(tmp_path,
     snippet = _snippet((out / "README.md").read_text())
     namespace: dict = {}
     exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    return model, posterior, namespace
+
+
+def test_the_snippet_of_a_prefix_tuned_causal_lms_card_runs_as_written(tmp_path, tokenizer, capsys):
+    """PEFT's prompt learning (here prefix tuning, its prefixes named in ``evon_patterns``) has no BMA
+    decoding: ``generate_bma`` refuses it, and the card's snippet, which "runs as written", raised
+    there. It now averages the next token's probabilities over 8 samples, as the refusal advises."""
+    from peft import TaskType
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=tokenizer.vocab_size, n_positions=64)
+    model, posterior, namespace = _run_prefix_tuned_card_snippet(
+        GPT2LMHeadModel, config, TaskType.CAUSAL_LM, tmp_path, tokenizer
+    )
     inputs = tokenizer("An example input.", return_tensors="pt")
     expected = torch.stack(
         [_sampled_logits(model, posterior, inputs, seed)[:, -1].softmax(-1) for seed in range(8)]
@@ -873,28 +885,16 @@ def test_the_snippet_of_a_prefix_tuned_seq2seq_models_card_runs_as_written(tmp_p
     """A prefix-tuned encoder-decoder's card (its prefixes named in ``evon_patterns``) gave a snippet
     that called ``generate_bma``, which refuses prompt learning, so the snippet raised. It averages
     the first decoded token's probabilities (the decoder fed its start token) over 8 samples."""
-    from peft import PrefixTuningConfig, TaskType, get_peft_model
+    from peft import TaskType
     from transformers import T5Config, T5ForConditionalGeneration
 
-    torch.manual_seed(0)
     config = T5Config(
         vocab_size=tokenizer.vocab_size, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
         decoder_start_token_id=0,
     )  # fmt: skip
-    base_dir = tmp_path / "base"
-    T5ForConditionalGeneration(config).save_pretrained(base_dir)
-    tokenizer.save_pretrained(base_dir)
-    prefix = PrefixTuningConfig(task_type=TaskType.SEQ_2_SEQ_LM, num_virtual_tokens=4)
-    model = get_peft_model(T5ForConditionalGeneration.from_pretrained(base_dir), prefix).eval()
-    optimizer = hf_evon.build_optimizer(model, ess=100.0, evon_patterns=["prompt_encoder"])
-    posterior = EVONPosterior.from_optimizer(optimizer, model)
-    assert posterior.names == ["prompt_encoder.default.embedding.weight"]
-    out = tmp_path / "out"
-    model.save_pretrained(out)
-    posterior.save_pretrained(out, model_card_kwargs={"model": model, "base_model": str(base_dir)})
-    snippet = _snippet((out / "README.md").read_text())
-    namespace: dict = {}
-    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    model, posterior, namespace = _run_prefix_tuned_card_snippet(
+        T5ForConditionalGeneration, config, TaskType.SEQ_2_SEQ_LM, tmp_path, tokenizer
+    )
     inputs = dict(tokenizer("An example input.", return_tensors="pt"), decoder_input_ids=torch.tensor([[0]]))
     with torch.no_grad():
         expected = torch.stack(
