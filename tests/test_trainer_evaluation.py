@@ -890,12 +890,9 @@ def test_bma_passes_over_a_length_grouped_eval_loader_batch_as_its_mean_pass(tmp
         assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
 
 
-@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, False), (1, True)])
-def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path, workers, persistent) -> None:
-    """DataCollatorForLanguageModeling(mlm=True) masks at random on every read: the BMA passes, over
-    the eval set sorted by length, scored other masked tokens than the mean pass, so a posterior
-    without noise reported eval_bma_nll 4.6093 against eval_mean_nll 4.6212. A persistent worker's
-    masks are not drawn again (its generator lives in the worker): 4.6164 against 4.6334 there."""
+def _trained_masked_lm(tmp_path, **overrides) -> EVONTrainer:
+    """A tiny BERT masked LM trained 2 steps without noise (so BMA is the mean), its train and eval
+    set 24 rows of many lengths read through a collator that masks at random on every read."""
     from datasets import Dataset
     from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
 
@@ -910,11 +907,21 @@ def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
     )  # fmt: skip
-    args = config(
-        tmp_path, max_steps=2, evon_ess=1e15, dataloader_num_workers=workers, dataloader_persistent_workers=persistent
-    )  # no noise: BMA is the mean
+    args = config(tmp_path, max_steps=2, evon_ess=1e15, **overrides)  # no noise: BMA is the mean
     trainer = EVONTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
     trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (1, False), (1, True)])
+def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path, workers, persistent) -> None:
+    """DataCollatorForLanguageModeling(mlm=True) masks at random on every read: the BMA passes, over
+    the eval set sorted by length, scored other masked tokens than the mean pass, so a posterior
+    without noise reported eval_bma_nll 4.6093 against eval_mean_nll 4.6212. A persistent worker's
+    masks are not drawn again (its generator lives in the worker): 4.6164 against 4.6334 there."""
+    trainer = _trained_masked_lm(
+        tmp_path, dataloader_num_workers=workers, dataloader_persistent_workers=persistent
+    )
     for _ in range(2):  # each evaluation draws its own masks, the same in each of its passes
         metrics = trainer.evaluate()
         assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
@@ -925,23 +932,7 @@ def test_posterior_metrics_of_a_masked_lm_score_the_same_masks_in_every_pass(tmp
     """posterior_metrics(loader) read a masking collator's loader once for its mean pass and once per
     BMA pass, each read drawing other masks: a posterior without noise reported eval_bma_nll apart
     from eval_mean_nll. Every pass now reads the masks the first drew, as evaluate()'s do."""
-    from datasets import Dataset
-    from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling
-
-    tokenizer = _word_tokenizer()
-    tokenizer.mask_token = "t99"
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.3)
-    rows = Dataset.from_list(_rows_of_many_lengths(24, labels=False))
-    torch.manual_seed(0)
-    model = BertForMaskedLM(
-        BertConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
-            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )
-    )  # fmt: skip
-    args = config(tmp_path, max_steps=2, evon_ess=1e15)  # no noise: BMA is the mean
-    trainer = EVONTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, data_collator=collator)
-    trainer.train()
+    trainer = _trained_masked_lm(tmp_path)
     metrics = trainer.posterior_metrics(trainer.get_eval_dataloader())
     assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
     assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
