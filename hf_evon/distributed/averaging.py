@@ -10,8 +10,6 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from hf_evon.optim.health import param_label
-from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.update import adamw_inputs, moved_refusal
 from hf_evon.optim.validation import GROUP_KEYS
 
@@ -45,8 +43,8 @@ def _comparable(value: Any) -> Any:
 
 def _moved(optimizer: EVON) -> str | None:
     """Why ``optimizer``'s step is refused where a parameter was recast or moved since its state was made."""
-    adamw = adamw_inputs(optimizer.param_groups, optimizer.state, ShardingHooks(), 1)  # lists, no arithmetic
-    return moved_refusal(optimizer.buckets, adamw, lambda p: param_label(optimizer.param_groups, p))
+    adamw = adamw_inputs(optimizer.param_groups, optimizer.state, optimizer._hooks, 1)  # lists, no arithmetic
+    return moved_refusal(optimizer.buckets, adamw, optimizer._param_label)  # as the step names it
 
 
 def settings_key(optimizer: EVON | None) -> tuple[list[dict[str, Any]], int]:
