@@ -230,6 +230,41 @@ def test_torch_adamw_options_evon_lacks_are_refused_by_name_wherever_a_group_get
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
+def _refused_then_set_back(
+    model: nn.Module, opt, twin: nn.Module, twin_opt, key: str, built: object, edited: object, *, more: int,
+    inert: tuple[int, ...] = (),
+) -> None:  # fmt: skip
+    """Sets group 0's ``key`` from ``built`` to ``edited`` (and the ``inert`` groups' to ``edited``,
+    accepted) between a backward and the step: the step refuses it, naming the group and the key,
+    before the weights, group 0's other settings or the recorded samples change. Set back, the step
+    goes ahead as one never refused: ``more`` steps on, the model and its groups' ess are the twin's
+    (stepped as often as the model so far), stepped ``more + 1`` times with no edit."""
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    saved = [p.detach().clone() for p in model.parameters()]
+    settings = {k: v for k, v in opt.param_groups[0].items() if k != key}
+    opt.param_groups[0][key] = edited
+    for i in inert:
+        opt.param_groups[i][key] = edited
+    with pytest.raises(ValueError) as refused:
+        opt.step()
+    assert str(refused.value).startswith(
+        f"param_groups[0]: {key!r} changed from {built!r} to {edited!r} after the group was built"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert {k: v for k, v in opt.param_groups[0].items() if k != key} == settings
+    assert opt.recorded_samples == 1
+    opt.param_groups[0][key] = built
+    opt.step()
+    opt.zero_grad()
+    for _ in range(more):
+        _step(opt, model)
+    for _ in range(more + 1):
+        _step(twin_opt, twin)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    assert [g["ess"] for g in opt.param_groups] == [g["ess"] for g in twin_opt.param_groups]
+
+
 @pytest.mark.parametrize(("built", "switched"), [("fisher", "price"), ("price", "fisher")])
 @pytest.mark.parametrize("stepped", [0, 2])
 def test_a_changed_hess_estimator_is_refused_by_name_before_anything_changes(
@@ -247,29 +282,7 @@ def test_a_changed_hess_estimator_is_refused_by_name_before_anything_changes(
     for _ in range(stepped):
         _step(opt, model)
         _step(twin_opt, twin)
-    with opt.sampled_params(train=True):
-        nn.functional.cross_entropy(model(X), Y).backward()
-    saved = [p.detach().clone() for p in model.parameters()]
-    settings = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "hess_estimator")}
-    opt.param_groups[0]["hess_estimator"] = switched
-    opt.param_groups[1]["hess_estimator"] = switched  # inert in an AdamW group: accepted
-    with pytest.raises(ValueError) as refused:
-        opt.step()
-    assert str(refused.value).startswith(
-        f"param_groups[0]: 'hess_estimator' changed from {built!r} to {switched!r} after the group was built"
-    )
-    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
-    assert {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "hess_estimator")} == settings
-    assert opt.recorded_samples == 1
-    opt.param_groups[0]["hess_estimator"] = built
-    opt.step()
-    opt.zero_grad()
-    for _ in range(2):
-        _step(opt, model)
-    for _ in range(3):
-        _step(twin_opt, twin)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
-    assert [g["ess"] for g in opt.param_groups] == [g["ess"] for g in twin_opt.param_groups]
+    _refused_then_set_back(model, opt, twin, twin_opt, "hess_estimator", built, switched, more=2, inert=(1,))
 
 
 def test_a_group_added_or_loaded_with_another_hess_estimator_is_built_with_it() -> None:
@@ -326,30 +339,7 @@ def test_an_edit_that_would_change_what_is_fitted_is_refused_by_name(
     for _ in range(stepped):
         _step(opt, model)
         _step(twin_opt, twin)
-    with opt.sampled_params(train=True):
-        nn.functional.cross_entropy(model(X), Y).backward()
-    saved = [p.detach().clone() for p in model.parameters()]
-    settings = dict(opt.param_groups[0])
-    opt.param_groups[0][key] = edited
-    with pytest.raises(ValueError) as refused:
-        opt.step()
-    assert str(refused.value).startswith(
-        f"param_groups[0]: {key!r} changed from {settings[key]!r} to {edited!r} after the group was built"
-    )
-    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
-    assert {k: v for k, v in opt.param_groups[0].items() if k != key} == {
-        k: v for k, v in settings.items() if k != key
-    }
-    assert opt.recorded_samples == 1
-    opt.param_groups[0][key] = settings[key]
-    opt.step()
-    opt.zero_grad()
-    for _ in range(3):
-        _step(opt, model)
-    for _ in range(4):
-        _step(twin_opt, twin)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
-    assert [g["ess"] for g in opt.param_groups] == [g["ess"] for g in twin_opt.param_groups]
+    _refused_then_set_back(model, opt, twin, twin_opt, key, opt.param_groups[0][key], edited, more=3)
 
 
 @pytest.mark.parametrize(
