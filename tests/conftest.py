@@ -98,6 +98,20 @@ def one_step_optimizer(lm: torch.nn.Module, vocab_size: int):
     return opt
 
 
+def tiny_whisper_config(**overrides):
+    """A one-layer Whisper config (64 tokens, 8 mel bins, width 16, no suppressed tokens) for
+    speech-to-text tests; ``overrides`` are ``WhisperConfig`` keyword arguments."""
+    from transformers import WhisperConfig
+
+    config = dict(
+        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=10,
+        max_target_positions=32, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
+        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.5,
+    )  # fmt: skip
+    return WhisperConfig(**{**config, **overrides})
+
+
 def directory_locked(directory: str) -> bool:
     """Whether another holder has the directory's ``flock`` (``hf_evon.fileio.directory_lock``): a
     second, non-blocking lock on it fails exactly then."""

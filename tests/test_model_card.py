@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_locked
+from conftest import directory_locked, tiny_whisper_config
 from datasets import Dataset
 
 import hf_evon
@@ -316,17 +316,12 @@ def test_a_speech_to_text_models_card_loads_it_with_its_task_class_and_decodes_i
     averaged ``.logits`` of inputs it could not name. The card loads it with
     ``AutoModelForSpeechSeq2Seq`` and decodes its ``input_features`` with ``generate_bma``: with them
     filled in, the snippet's ids are generate_bma's on the trained model and posterior."""
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    from transformers import WhisperForConditionalGeneration
 
     from hf_evon.trainer import EVONSeq2SeqConfig, EVONSeq2SeqTrainer
 
     torch.manual_seed(0)
-    config = WhisperConfig(
-        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=10,
-        max_target_positions=40, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
-        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.5,
-    )  # fmt: skip
+    config = tiny_whisper_config(max_target_positions=40)
     g = torch.Generator().manual_seed(0)
     data = Dataset.from_dict(
         {"input_features": torch.randn(8, 8, 20, generator=g).tolist(), "labels": torch.randint(3, 64, (8, 5)).tolist()}

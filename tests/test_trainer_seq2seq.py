@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_whisper_config
 from datasets import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, TrainerCallback
 
@@ -409,16 +410,10 @@ def test_bma_with_generate_snapshots_the_posterior_once(tmp_path, monkeypatch, c
 
 
 def tiny_whisper():
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    from transformers import WhisperForConditionalGeneration
 
     torch.manual_seed(0)
-    config = WhisperConfig(
-        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=10,
-        max_target_positions=32, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=3,
-        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.5,
-    )  # fmt: skip
-    return WhisperForConditionalGeneration(config)
+    return WhisperForConditionalGeneration(tiny_whisper_config())
 
 
 def tiny_vision_encoder_decoder():
