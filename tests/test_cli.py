@@ -742,6 +742,21 @@ def test_a_block_too_short_to_score_is_a_usage_error(saved, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def _calibrate_and_reference(argv, capsys, model, tokenizer, posterior, text):
+    """Runs ``hf-evon calibrate`` (``argv``) with 16-token blocks and 2 samples; returns what it printed,
+    the text's 16-token blocks in batches of 8, and calibrate_posterior's result on them."""
+    from hf_evon.predictive.calibration import calibrate_posterior
+
+    assert main([*argv, "--block-size", "16", "--samples", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    ids = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    n = len(ids) // 16
+    rows = ids[: n * 16].view(n, 16)
+    batches = [{"input_ids": rows[i : i + 8], "labels": rows[i : i + 8]} for i in range(0, n, 8)]
+    _, expected = calibrate_posterior(model, posterior, batches, num_samples=2, seed=0, shift_labels=True)
+    return printed, batches, expected
+
+
 def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_path, capsys):
     """``hf-evon calibrate`` = calibrate_posterior on the text's blocks; generate then uses it."""
     from hf_evon.predictive.calibration import calibrate_posterior
@@ -751,13 +766,7 @@ def test_calibrate_saves_the_scale_that_calibrate_posterior_chooses(saved, tmp_p
     text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
     out = tmp_path / "calibrated"
     argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(out)]
-    assert main([*argv, "--block-size", "16", "--samples", "2", "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    ids = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-    n = len(ids) // 16
-    rows = ids[: n * 16].view(n, 16)
-    batches = [{"input_ids": rows[i : i + 8], "labels": rows[i : i + 8]} for i in range(0, n, 8)]
-    _, expected = calibrate_posterior(model, posterior, batches, num_samples=2, seed=0, shift_labels=True)
+    printed, batches, expected = _calibrate_and_reference(argv, capsys, model, tokenizer, posterior, text)
     assert printed["nll"] == pytest.approx(expected.nll, rel=1e-9)
     assert printed["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-9)
     loaded = EVONPosterior.from_pretrained(out)
@@ -975,8 +984,6 @@ def test_calibrate_takes_the_block_size_where_the_config_states_no_context(tmp_p
     ``min(--block-size, None)`` raised TypeError ('<' not supported between 'NoneType' and 'int')."""
     from transformers import MambaConfig, MambaForCausalLM
 
-    from hf_evon.predictive.calibration import calibrate_posterior
-
     torch.manual_seed(0)
     tokenizer = char_tokenizer()
     extra = {} if context == "absent" else {"max_position_embeddings": None}
@@ -991,13 +998,7 @@ def test_calibrate_takes_the_block_size_where_the_config_states_no_context(tmp_p
     text = tmp_path / "held_out.txt"
     text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 3)
     argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out")]
-    assert main([*argv, "--block-size", "16", "--samples", "2", "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    ids = tokenizer(text.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-    n = len(ids) // 16
-    rows = ids[: n * 16].view(n, 16)
-    batches = [{"input_ids": rows[i : i + 8], "labels": rows[i : i + 8]} for i in range(0, n, 8)]
-    _, expected = calibrate_posterior(model, posterior, batches, num_samples=2, seed=0, shift_labels=True)
+    printed, _, expected = _calibrate_and_reference(argv, capsys, model, tokenizer, posterior, text)
     assert printed["mean_nll"] == pytest.approx(expected.mean_nll, rel=1e-9)
     assert printed["nll"] == pytest.approx(expected.nll, rel=1e-9)
 
