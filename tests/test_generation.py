@@ -1719,6 +1719,30 @@ def _trained_posterior(model: torch.nn.Module, x: torch.Tensor, loss, **kwargs) 
     return EVONPosterior.from_optimizer(opt, model.eval()).with_ess(NOISY_ESS)
 
 
+class _FirstRows(torch.nn.Module):
+    """Feeds its one layer, named ``name``, only the first ``rows`` rows of its input: a layer fed a
+    selection of the rows, as a mixture's expert is fed those routed to it."""
+
+    def __init__(self, name: str, layer: torch.nn.Module, rows: int) -> None:
+        super().__init__()
+        self.add_module(name, layer)
+        self.layer_name, self.rows = name, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.layer_name)(x[: self.rows])
+
+
+def _refused_mid_forward(
+    model: torch.nn.Module, posterior: EVONPosterior, x: torch.Tensor, match: str, **kwargs
+) -> None:
+    """The batched samples refuse ``model(x)`` with ``match`` during the forward, and leave no
+    forward patched on its modules."""
+    with torch.no_grad(), refused(match):
+        with batched.BatchedSamples(model, posterior, 2, seed=0, **kwargs):
+            model(x)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_a_covered_weight_read_outside_its_modules_forward_is_refused():
     """nn.MultiheadAttention reads out_proj.weight in F.multi_head_attention_forward, a decoder tied
     as F.linear(h, enc.weight.t()) reads the encoder's weight: the batched samples live in the
@@ -1952,20 +1976,10 @@ def test_every_refusal_of_batched_bma_names_sampling_one_draw_at_a_time() -> Non
             batched_refusal(model, posterior, PROMPTS)
         assert not any("forward" in m.__dict__ for m in model.modules())
 
-    class Routed(torch.nn.Module):  # a layer fed a selection of the rows, as a mixture's expert is
-        def __init__(self) -> None:
-            super().__init__()
-            self.expert = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.expert(x[:1])
-
-    routed = Routed()
+    routed = _FirstRows("expert", torch.nn.Linear(4, 4), 1)  # fed a selection, as a mixture's expert is
     posterior = _trained_posterior(routed, torch.randn(3, 4), lambda out: out.square().mean())
-    with torch.no_grad(), refused(r"'expert\.weight' is in a mixture of experts \(expert\)"):
-        with batched.BatchedSamples(routed, posterior, 2, seed=0):
-            routed(torch.randn(4, 4))
-    assert not any("forward" in m.__dict__ for m in routed.modules())
+    match = r"'expert\.weight' is in a mixture of experts \(expert\)"
+    _refused_mid_forward(routed, posterior, torch.randn(4, 4), match)
 
 
 # ----------------------------------------------------------------------------- one draw at a time
@@ -2202,34 +2216,14 @@ def test_a_layer_fed_a_selection_of_rows_that_is_no_multiple_of_the_batch_is_ref
     call's B sequences per sample) cannot hold the samples' rows in S equal blocks: refused mid-forward,
     naming the parameter and the shape, where it ran the first rows as sample 0's and the next as
     sample 1's."""
-
-    class Picked(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(x[:2])
-
-    picked = Picked()
+    picked = _FirstRows("head", torch.nn.Linear(4, 4), 2)
     posterior = _trained_posterior(picked, torch.randn(3, 4), lambda out: out.square().mean())
     match = r"head\.weight: .* a leading batch of S·B rows or S·B·tokens \(S=2, B=2\), got input of shape \(2, 4\)"
-    with torch.no_grad(), refused(match):
-        with batched.BatchedSamples(picked, posterior, 2, seed=0, sequences=2):
-            picked(torch.randn(4, 4))
-    assert not any("forward" in m.__dict__ for m in picked.modules())
+    _refused_mid_forward(picked, posterior, torch.randn(4, 4), match, sequences=2)
     with pytest.raises(ValueError, match="sequences must be an integer >= 1; got 0"):
         batched.BatchedSamples(picked, posterior, 2, sequences=0)
-
-    class PickedIds(torch.nn.Module):  # a covered nn.Embedding is held to the same rule
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(10, 4)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.embed(ids[:2])
-
-    picked = PickedIds()
+    # a covered nn.Embedding is held to the same rule
+    picked = _FirstRows("embed", torch.nn.Embedding(10, 4), 2)
     posterior = _trained_posterior(
         picked, torch.arange(3)[:, None], lambda out: out.square().mean(), evon_patterns=[r"embed\.weight"]
     )
