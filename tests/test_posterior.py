@@ -715,6 +715,52 @@ def test_sampled_restores_on_exception_and_in_half_precision(mlp):
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 
 
+def test_sampled_blocks_that_overlap_on_a_weight_are_refused_and_the_mean_comes_back(mlp):
+    """A second sampled() over a weight that already holds a sample drew around the sample, not the
+    mean (a silent sample of twice the variance), and from another thread, whose block could end
+    after the first's, wrote the first's sample back as the mean: the model kept it for good."""
+    import threading
+
+    model, _, post = mlp
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with post.sampled(model, seed=0):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match=r"'0\.weight'.*already holds a posterior sample"):
+            with post.sampled(model, seed=1):
+                pass
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in inside.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    first_in, second_done, errors = threading.Event(), threading.Event(), []
+
+    def first():
+        with post.sampled(model, seed=0):
+            first_in.set()
+            second_done.wait(30)
+
+    def second():
+        first_in.wait(30)
+        try:
+            with post.sampled(model, seed=1):
+                pass
+        except RuntimeError as e:
+            errors.append(e)
+        second_done.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 1 and "already holds a posterior sample" in str(errors[0])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    # posteriors over different weights of one model nest: each block holds only its own weights
+    only = {n: EVONPosterior.from_factors({n: post[n]}) for n in post.names}
+    with only["0.weight"].sampled(model, seed=0), only["2.weight"].sampled(model, seed=0):
+        assert not torch.equal(model[0].weight, before["0.weight"])
+        assert not torch.equal(model[2].weight, before["2.weight"])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 @pytest.mark.parametrize("how", ["cpu_offload", "dispatch_to_disk"])
 def test_sampled_refuses_an_offloaded_weight_naming_it(mlp, how, tmp_path):
     """accelerate's offload keeps a weight on the meta device and loads it into its module for each

@@ -6,10 +6,12 @@ parameters a posterior names hold their values, which accelerate's offload keeps
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from safetensors import SafetensorError, safe_open
@@ -19,7 +21,7 @@ from hf_evon.modeling import adapter_name_of, is_peft_model, unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 
 __all__ = ["model_problems", "name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint"]
-__all__ += ["warn_peft_unsaved"]
+__all__ += ["holding_sample", "warn_peft_unsaved"]
 
 # PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
 # back as ``embedding.weight``), never the modules that compute that output from the embedding: it
@@ -226,3 +228,33 @@ def resident_parameters(model: nn.Module, names: Any) -> dict[str, nn.Parameter]
         "posterior samples around or write them into; load the model without offloading the posterior's "
         "modules (a device_map or max_memory that keeps them on the execution device)"
     )
+
+
+# the parameters (by id) that hold a sample of an open ``sampled()`` block, of any posterior or thread
+_HELD: set[int] = set()
+_HELD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def holding_sample(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """Claim ``model``'s parameters ``names`` (those it has) for one ``sampled()`` block, or raise
+    ``RuntimeError`` naming one another open block holds: a sample drawn there would be drawn around
+    the other block's sample, not the mean, and the block that ends last would restore the other's
+    sample as the mean (threads end in any order). Blocks over different weights of a model nest."""
+    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    mine = {id(params[n]): n for n in names if n in params}
+    with _HELD_LOCK:
+        held = [n for key, n in mine.items() if key in _HELD]
+        if held:
+            more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+            raise RuntimeError(
+                f"posterior parameter {held[0]!r}{more} already holds a posterior sample of an open sampled() "
+                "block (this thread's or another's): a model holds one sample at a time; nest no sampled() "
+                "blocks over the same weights, and give each thread its own copy of the model"
+            )
+        _HELD.update(mine)
+    try:
+        yield
+    finally:
+        with _HELD_LOCK:
+            _HELD.difference_update(mine)

@@ -61,7 +61,7 @@ from hf_evon.posterior.gaussian import (
 )
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
 from hf_evon.posterior.model_card import card_arguments, retract_card_section, save_model_card
-from hf_evon.posterior.names import model_problems, resident_parameters, warn_peft_unsaved
+from hf_evon.posterior.names import holding_sample, model_problems, resident_parameters, warn_peft_unsaved
 from hf_evon.posterior.snapshot import snapshot
 
 Tensor = torch.Tensor
@@ -293,28 +293,30 @@ class EVONPosterior:
         The model is checked first (:meth:`check_model`). On exit, also on an exception,
         every covered weight gets its exact previous value back (bit for bit). Point
         estimates are untouched. ``(M + ΔW)`` is formed in float32 (float64 for float64 weights or
-        factors), also inside ``torch.autocast``, and cast once to the parameter's dtype.
+        factors), also inside ``torch.autocast``, and cast once to the parameter's dtype. A weight holds one
+        sample at a time: a block over weights another open block holds (nested, or another thread's) is refused.
         """
-        self.check_model(model)
-        params = resident_parameters(model, self.names)
-        seed = sample_seed(seed, (params[name] for name in self.names))
-        pruned = pruned_ranks(model)  # AdaLoRA's pruned ranks are off, not uncertain: every sample keeps them 0
-        saved: list[tuple[Tensor, Tensor]] = []
-        try:
-            with torch.no_grad(), writing_weights():  # forwards inside see the sample, not a cast from before
-                for dev, names in draw_batches(params, (group.names for group in self._groups)):
-                    draws = self.draw(1, seed=seed, names=names, device=dev)
-                    for name in names:
-                        p = params[name]
-                        mean = p.detach().clone()
-                        saved.append((p, mean))
-                        delta = draws.pop(name)[0]
-                        p.copy_(add_perturbation(mean, delta.masked_fill(pruned[name], 0) if name in pruned else delta))
-            yield model
-        finally:
-            with torch.no_grad(), writing_weights():
-                for p, mean in reversed(saved):
-                    p.copy_(mean)
+        with holding_sample(model, self.names):  # the mean is back before another block may take the weights
+            self.check_model(model)
+            params = resident_parameters(model, self.names)
+            seed = sample_seed(seed, (params[name] for name in self.names))
+            pruned = pruned_ranks(model)  # AdaLoRA's pruned ranks are off, not uncertain: every sample keeps them 0
+            saved: list[tuple[Tensor, Tensor]] = []
+            try:
+                with torch.no_grad(), writing_weights():  # forwards inside see the sample, not a cast from before
+                    for dev, names in draw_batches(params, (group.names for group in self._groups)):
+                        draws = self.draw(1, seed=seed, names=names, device=dev)
+                        for name in names:
+                            p = params[name]
+                            mean = p.detach().clone()
+                            saved.append((p, mean))
+                            delta = draws.pop(name)[0]
+                            p.copy_(add_perturbation(mean, delta.masked_fill(pruned[name], 0) if name in pruned else delta))
+                yield model
+            finally:
+                with torch.no_grad(), writing_weights():
+                    for p, mean in reversed(saved):
+                        p.copy_(mean)
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: nn.Module) -> None:
