@@ -99,6 +99,31 @@ def targets(
     return lines, {k: statistics.fmean(v) if v else math.nan for k, v in gains.items()}
 
 
+def gain_verdict(summary: dict[str, dict[str, Any]], size: int) -> str:
+    """Whether EVON's BMA gain in NLL, averaged over tasks, is at least IVON's: on the tasks both
+    ran (averages over different tasks compare the tasks, not the methods); n/a where one did not
+    run or a gain is NaN (a failed run)."""
+    gains = {
+        task: (bma_gain(rows, "EVON", size), bma_gain(rows, "IVON (ivon-opt)", size))
+        for task, rows in summary.items()
+    }
+    for i, name in enumerate(("EVON", "IVON")):
+        if all(g[i] is None for g in gains.values()):
+            return f"n/a: {name} did not run"
+    both = {task: g for task, g in gains.items() if None not in g}
+    if not both:
+        return "n/a: EVON and IVON ran on no task in common"
+    for i, name in enumerate(("EVON", "IVON")):
+        failed = [task for task, g in both.items() if math.isnan(g[i])]
+        if failed:
+            return f"n/a: {name}'s gain is NaN on {', '.join(failed)}"
+    evon, ivon = (statistics.fmean(g[i] for g in both.values()) for i in (0, 1))
+    verdict = f"{'yes' if evon >= ivon else 'NO'}: EVON's ≥ IVON's"
+    if len(both) < sum(any(x is not None for x in g) for g in gains.values()):
+        verdict += f" on the {len(both)} task{'s' * (len(both) > 1)} both ran, {evon:+.4f} vs {ivon:+.4f}"
+    return verdict
+
+
 def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, Any]) -> str:
     out = [f"# EVON payoff benchmark ({meta['seeds']} seeds, mean ± sd; {meta['minutes']:.1f} min)", ""]
     for task, rows in summary.items():
@@ -130,10 +155,7 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
         out.append("")
     size = int(bma_row.rsplit("@", 1)[1])
     lines, gains = targets(summary, size)
-    if math.isnan(gains["EVON"]) or math.isnan(gains["IVON (ivon-opt)"]):  # a method not run: nothing to judge
-        verdict = "n/a: " + ("EVON" if math.isnan(gains["EVON"]) else "IVON") + " did not run"
-    else:
-        verdict = f"{'yes' if gains['EVON'] >= gains['IVON (ivon-opt)'] else 'NO'}: EVON's ≥ IVON's"
+    verdict = gain_verdict(summary, size)
     out += [
         "## Targets",
         "",
