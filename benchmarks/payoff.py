@@ -309,8 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 saved = json.load(fh)
             merge_runs(runs, saved["runs"])
             minutes = max(minutes, saved["meta"]["minutes"])
-            args.seeds = saved["meta"]["seeds"]
             args.samples = saved["meta"].get("samples", args.samples)
+        # the seeds the combined rows average over (the files may hold different numbers)
+        counts = sorted({len(seeds) for seeds in runs.values()})
+        args.seeds = f"{counts[0]}–{counts[-1]}" if len(counts) > 1 else sum(counts)
         return report(runs, args, minutes)
     start = time.perf_counter()
     # one job per (task, seed, method), the slowest first, so parallel workers finish together

@@ -26,16 +26,17 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
     out: dict[str, dict[str, Any]] = {}
     for task, seeds in runs.items():
         out[task] = {}
-        for row in seeds[0]:
-            vals = [s[row] for s in seeds]
+        # every seed's rows: a combined rerun (--combine) can add a seed with some methods only
+        for row in dict.fromkeys(name for s in seeds for name in s):
+            vals = [s.get(row, f"not run on seed {i}") for i, s in enumerate(seeds)]
             reasons = [v for v in vals if isinstance(v, str)]
             if reasons:
                 out[task][row] = reasons[0]
                 continue
+            keys = dict.fromkeys(k for v in vals for k in v if isinstance(v[k], int | float))
+            # a key some seeds lack (a method's seconds on a seed it was not rerun on): over those that have it
             out[task][row] = {
-                k: mean_sd([v[k] for v in vals], scale=k == "calibrated_multiplier")
-                for k in vals[0]
-                if isinstance(vals[0][k], int | float)
+                k: mean_sd([v[k] for v in vals if k in v], scale=k == "calibrated_multiplier") for k in keys
             }
             if row == "_evon":
                 out[task][row]["calibrated_multipliers"] = [v["calibrated_multiplier"] for v in vals]

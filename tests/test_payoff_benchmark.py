@@ -661,3 +661,31 @@ def test_the_ivon_comparison_is_made_on_the_tasks_both_methods_ran() -> None:
     summary["wine"] |= {"IVON (ivon-opt) mean": row(math.nan), "IVON (ivon-opt) calibrated BMA@32": row(0.4)}
     last = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 2, "minutes": 0.1}).splitlines()[-1]
     assert last.endswith("(n/a: IVON's gain is NaN on wine)."), last
+
+
+def test_a_combined_report_counts_the_seeds_its_rows_average_over(tmp_path, capsys) -> None:
+    """``--combine`` titled the report with the last file's seed count: a 2-seed run of every method
+    combined with a 1-seed rerun of EVON read "(1 seeds" over means of 2 seeds; a rerun that adds a
+    seed raised KeyError: 'AdamW' (a row of seed 0 missing on the new seed)."""
+
+    def row(nll: float) -> dict:
+        return {"nll": nll, "accuracy": 0.9, "ece": 0.05, "brier": 0.1}
+
+    def seed(*names: str, nll: float = 0.3) -> dict:
+        return {"_seconds": {}, **{name: row(nll) for name in names}}
+
+    every = ("AdamW", "EVON mean", "EVON calibrated BMA@32")
+    files = {
+        "all": {"meta": {"seeds": 2, "minutes": 1.0}, "runs": {"digits": [seed(*every), seed(*every, nll=0.5)]}},
+        "rerun": {"meta": {"seeds": 1, "minutes": 0.5}, "runs": {"digits": [seed("EVON mean", nll=0.1)]}},
+        "more": {"meta": {"seeds": 3, "minutes": 0.5}, "runs": {"digits": [seed("EVON mean")] * 3}},
+    }
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    summary = payoff.main(["--combine", str(tmp_path / "all.json"), str(tmp_path / "rerun.json")])
+    assert summary["digits"]["EVON mean"]["nll"][0] == pytest.approx((0.1 + 0.5) / 2)
+    assert capsys.readouterr().out.startswith("# EVON payoff benchmark (2 seeds, mean ± sd;")
+    summary = payoff.main(["--combine", str(tmp_path / "all.json"), str(tmp_path / "more.json")])
+    assert capsys.readouterr().out.startswith("# EVON payoff benchmark (3 seeds, mean ± sd;")
+    assert summary["digits"]["AdamW"] == "not run on seed 2"
+    assert summary["digits"]["EVON mean"]["nll"][0] == pytest.approx(0.3)
