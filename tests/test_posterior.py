@@ -456,6 +456,25 @@ def test_forwards_in_one_autocast_region_see_each_sample_and_the_mean_after_it(m
         assert torch.equal(got, fresh(at))
 
 
+def test_draw_sample_s_is_the_one_sample_of_seed_plus_s(gpt2):
+    """``draw(S, seed)`` took S slices of one stream per tensor, so its samples were not those of
+    ``draw(1, seed + s)`` / ``sampled(model, seed=seed + s)`` that the trainer's BMA passes and the
+    calibration average for ``bma_seed = seed``: ``generate_bma(seed=k)`` decoded with other weights than
+    ``evaluate(bma=True)`` scored for ``bma_seed = k``. Sample s is now seed + s's, bit for bit."""
+    from hf_evon.posterior.gaussian import add_perturbation
+
+    model, _, post = gpt2
+    many = post.draw(3, seed=5)
+    for s in range(3):
+        one = post.draw(1, seed=5 + s)
+        assert all(torch.equal(many[name][s], one[name][0]) for name in post.names)
+    name = post.names[0]
+    mean = dict(model.named_parameters())[name].detach().clone()
+    with post.sampled(model, seed=7):
+        written = dict(model.named_parameters())[name].detach().clone()
+    assert torch.equal(written, add_perturbation(mean, many[name][2]))
+
+
 def test_draw_determinism_subsets_and_dtypes(gpt2):
     post = gpt2[2]
     a, b, c = post.draw(2, seed=5), post.draw(2, seed=5), post.draw(2, seed=6)
@@ -759,6 +778,33 @@ def test_sampled_blocks_that_overlap_on_a_weight_are_refused_and_the_mean_comes_
         assert not torch.equal(model[0].weight, before["0.weight"])
         assert not torch.equal(model[2].weight, before["2.weight"])
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_bma_inside_a_sampled_block_is_refused_and_the_mean_comes_back(gpt2):
+    """generate_bma / bma_log_likelihood inside sampled() drew their S samples around the block's sample,
+    not the mean (a silent BMA of a wider posterior), and the one-at-a-time samples, entered from another
+    thread, could restore a sample as the mean for good."""
+    from hf_evon.predictive.sequential_samples import SequentialSamples
+
+    model, _, post = gpt2
+    ids = torch.randint(0, 100, (2, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with post.sampled(model, seed=0):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match=rf"{re.escape(repr(post.names[0]))}.*already holds a posterior sample"):
+            hf_evon.bma_log_likelihood(model, post, ids, num_samples=2, seed=0)
+        with pytest.raises(RuntimeError, match=rf"{re.escape(repr(post.names[0]))}.*already holds a posterior sample"):
+            with SequentialSamples(model, post, 2, seed=0):
+                pass
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in inside.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    with SequentialSamples(model, post, 2, seed=0) as samples:  # its weights are held while it is open
+        with pytest.raises(RuntimeError, match="already holds a posterior sample"):
+            with post.sampled(model, seed=1):
+                pass
+        samples.write(1)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    hf_evon.bma_log_likelihood(model, post, ids, num_samples=2, seed=0)  # outside any block: as ever
 
 
 @pytest.mark.parametrize("how", ["cpu_offload", "dispatch_to_disk"])

@@ -21,7 +21,7 @@ from hf_evon.modeling import adapter_name_of, is_peft_model, unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 
 __all__ = ["model_problems", "name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint"]
-__all__ += ["holding_sample", "warn_peft_unsaved"]
+__all__ += ["claim_sample", "holding_sample", "release_sample", "warn_peft_unsaved"]
 
 # PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
 # back as ``embedding.weight``), never the modules that compute that output from the embedding: it
@@ -235,14 +235,13 @@ _HELD: set[int] = set()
 _HELD_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def holding_sample(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
-    """Claim ``model``'s parameters ``names`` (those it has) for one ``sampled()`` block, or raise
-    ``RuntimeError`` naming one another open block holds: a sample drawn there would be drawn around
-    the other block's sample, not the mean, and the block that ends last would restore the other's
-    sample as the mean (threads end in any order). Blocks over different weights of a model nest."""
-    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
-    mine = {id(params[n]): n for n in names if n in params}
+def claim_sample(params: Mapping[str, Any], hold: bool = True) -> set[int]:
+    """Claim the parameters ``params`` (name: parameter) for one sample's writes (``hold=False``: check
+    only, for code that reads them as the mean), or raise ``RuntimeError`` naming one an open
+    ``sampled()`` block holds: a sample drawn there would be drawn around that block's sample, not the
+    mean, and the block that ends last would restore the other's sample as the mean (threads end in any
+    order). Returns the ids claimed, for :func:`release_sample`."""
+    mine = {id(p): n for n, p in params.items()}
     with _HELD_LOCK:
         held = [n for key, n in mine.items() if key in _HELD]
         if held:
@@ -250,11 +249,27 @@ def holding_sample(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
             raise RuntimeError(
                 f"posterior parameter {held[0]!r}{more} already holds a posterior sample of an open sampled() "
                 "block (this thread's or another's): a model holds one sample at a time; nest no sampled() "
-                "blocks over the same weights, and give each thread its own copy of the model"
+                "blocks, generate_bma or bma_log_likelihood over the same weights, and give each thread its "
+                "own copy of the model"
             )
-        _HELD.update(mine)
+        if hold:
+            _HELD.update(mine)
+    return set(mine) if hold else set()
+
+
+def release_sample(claimed: set[int]) -> None:
+    """Release what :func:`claim_sample` claimed (the mean back in those parameters)."""
+    with _HELD_LOCK:
+        _HELD.difference_update(claimed)
+
+
+@contextlib.contextmanager
+def holding_sample(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """``model``'s parameters ``names`` (those it has) claimed for one ``sampled()`` block
+    (:func:`claim_sample`): blocks over different weights of a model nest."""
+    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    claimed = claim_sample({n: params[n] for n in names if n in params})
     try:
         yield
     finally:
-        with _HELD_LOCK:
-            _HELD.difference_update(mine)
+        release_sample(claimed)

@@ -75,6 +75,7 @@ from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import is_dtensor
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
+from hf_evon.posterior.names import claim_sample
 from hf_evon.predictive.batched_refusals import (  # noqa: F401 - ONE_DRAW_AT_A_TIME: part of this module's API
     ONE_DRAW_AT_A_TIME,
     BatchedSamplesRefused,
@@ -340,6 +341,7 @@ class BatchedSamples:
         if unknown:
             raise KeyError(f"posterior covers parameters the model does not have: {unknown[:5]}")
         params = {n: named[n] for n in names}
+        claim_sample(params, hold=False)  # the weights are the mean its samples are drawn around
         owners = self._owners({id(p): n for n, p in params.items()})
         conv1d = _conv1d_type()
         dora = _dora_owners(self.model)

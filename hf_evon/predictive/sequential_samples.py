@@ -29,6 +29,7 @@ from torch import nn
 from hf_evon.modeling import pruned_ranks, unwrap_model
 from hf_evon.optim.linalg import writing_weights
 from hf_evon.posterior.gaussian import add_perturbation, sample_seed
+from hf_evon.posterior.names import claim_sample, release_sample
 from hf_evon.predictive.batched_samples import chunked_draws
 from hf_evon.predictive.module_forward import instance_forward
 
@@ -65,6 +66,7 @@ class SequentialSamples:
         self._means: dict[str, Tensor] = {}
         self._samples: dict[str, list[Tensor]] = {}
         self._written = False
+        self._claimed: set[int] = set()
 
     def __enter__(self) -> SequentialSamples:
         named = dict(self.model.named_parameters(remove_duplicate=False))
@@ -74,14 +76,19 @@ class SequentialSamples:
         params = {n: named[n] for n in self.posterior.names}
         self.seed = sample_seed(self.seed, params.values())
         pruned = pruned_ranks(self.model)
-        with torch.no_grad():
-            for name, draw in chunked_draws(self.posterior, params, self.num_samples, self.seed):
-                mean = params[name].detach()
-                delta = draw.to(mean.device)
-                if name in pruned:  # a pruned rank is off, not uncertain: 0 in every sample
-                    delta = delta.masked_fill(pruned[name].to(delta.device), 0)
-                self._samples[name] = [add_perturbation(mean, d) for d in delta]
-                self._means[name] = mean.clone()
+        self._claimed = claim_sample(params)  # held until exit: no other block samples around its samples
+        try:
+            with torch.no_grad():
+                for name, draw in chunked_draws(self.posterior, params, self.num_samples, self.seed):
+                    mean = params[name].detach()
+                    delta = draw.to(mean.device)
+                    if name in pruned:  # a pruned rank is off, not uncertain: 0 in every sample
+                        delta = delta.masked_fill(pruned[name].to(delta.device), 0)
+                    self._samples[name] = [add_perturbation(mean, d) for d in delta]
+                    self._means[name] = mean.clone()
+        except BaseException:
+            release_sample(self._claimed)
+            raise
         self._params = params
         return self
 
@@ -115,9 +122,13 @@ class SequentialSamples:
         self._written = False
 
     def __exit__(self, *exc: Any) -> None:
-        self.restore()
-        self._samples.clear()
-        self._means.clear()
+        try:
+            self.restore()
+        finally:
+            release_sample(self._claimed)
+            self._claimed = set()
+            self._samples.clear()
+            self._means.clear()
         self._params = {}
 
 
