@@ -689,3 +689,18 @@ def test_a_combined_report_counts_the_seeds_its_rows_average_over(tmp_path, caps
     assert capsys.readouterr().out.startswith("# EVON payoff benchmark (3 seeds, mean ± sd;")
     assert summary["digits"]["AdamW"] == "not run on seed 2"
     assert summary["digits"]["EVON mean"]["nll"][0] == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("name", ["payoff", "payoff_noisy_text", "payoff_synthetic"])
+def test_a_stored_payoff_table_is_the_report_of_its_stored_runs(name) -> None:
+    """benchmarks/results/<name>.md is ``payoff_report``'s table of the runs in <name>.json (the
+    sample sd over seeds, the targets as ``targets`` checks them), so no stored cell is stale."""
+    results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+    with open(os.path.join(results, f"{name}.json")) as fh:
+        saved = json.load(fh)
+    summary = payoff_report.summarize(saved["runs"])
+    nlls = [seed["AdamW"]["nll"] for seed in saved["runs"][next(iter(saved["runs"]))]]
+    assert summary[next(iter(summary))]["AdamW"]["nll"] == (statistics.fmean(nlls), statistics.stdev(nlls))
+    text = payoff_report.markdown(summary, f"EVON calibrated BMA@{max(saved['meta']['samples'])}", saved["meta"])
+    with open(os.path.join(results, f"{name}.md")) as fh:
+        assert fh.read() == text
