@@ -849,6 +849,25 @@ def test_a_resume_names_a_changed_adamw_eps_as_the_adamw_groups_eps():
     assert settings_replaced(fresh, run.param_groups) == []
 
 
+def test_a_resume_with_another_rate_names_the_checkpoints_configured_rate_which_the_posterior_records(tmp_path):
+    """A checkpoint's EVON groups hold both records of the rate as configured (torch's ``initial_lr``,
+    EVON's ``configured_lr``): a resume configured with another α is named by its ``initial_lr`` (the
+    base the resumed schedule scales), trains on at the checkpoint's, and its posterior records that."""
+    data = classification_data(32)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, evon_ess=300.0, lr_scheduler_type="linear")
+    full = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", evon_learning_rate=2e-2, **common), train_dataset=data)
+    full.train()
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=False)["param_groups"][0]
+    assert saved["algorithm"] == "evon" and saved["initial_lr"] == saved["configured_lr"] == 2e-2
+    other = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "other", evon_learning_rate=3e-2, **common), train_dataset=data)
+    with pytest.warns(UserWarning, match=r"where they differ \(group 0 initial_lr: 0\.03 -> 0\.02[;)]"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+    first = other.evon_optimizer.param_groups[0]
+    assert (first["initial_lr"], first["configured_lr"]) == (2e-2, 2e-2)
+    assert other.current_posterior().config["lr"] == full.current_posterior().config["lr"] == 2e-2
+
+
 def _killed_saves(tmp_path: Path, **settings) -> tuple[EVONTrainer, Path]:
     """An uninterrupted run saving every 2 steps, and a copy of its output directory as saves killed
     at different points would leave it: checkpoint-4 without trainer_state.json (the Trainer writes

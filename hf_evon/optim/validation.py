@@ -45,6 +45,7 @@ from hf_evon.optim.defaults import (
     ratio_clip,
 )
 from hf_evon.optim.linalg import ORTHONORMAL_TOL, orthonormality_error
+from hf_evon.optim.rates import record_configured_rate
 
 __all__ = [
     "LAYOUT_KEYS",
@@ -338,11 +339,8 @@ def build_group(group: dict[str, Any], updates: int, built: dict[int, dict[str, 
         group.setdefault("fit_from", updates)
     record = fit_record(group)  # before settle_group resolves weight_decay=None
     settle_group(group)
-    # the rate as configured, which a posterior records where no scheduler set initial_lr
-    # (ReduceLROnPlateau sets none); initial_lr stays the schedulers' (setdefault: one pre-set would
-    # win over a rate changed before they are built). A copy: a tensor rate is set in place
-    rate = group["lr"]
-    group.setdefault("configured_lr", rate.detach().clone() if torch.is_tensor(rate) else rate)
+    # EVON's record of the rate as configured; torch's initial_lr stays the schedulers' (rates.py: both)
+    record_configured_rate(group)
     built[id(group)] = {**record, "set_by_fit": fitted_values(group)}  # the resolved weight_decay
 
 

@@ -24,6 +24,7 @@ from hf_evon.modeling import (
 )
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
+from hf_evon.optim.rates import configured_rate
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.fingerprint import mean_fingerprint
 from hf_evon.posterior.gaussian import MatrixFactors
@@ -117,11 +118,9 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     }
     first = evon_groups[0]
     settings = {k: first[k] for k in HYPERPARAMETER_KEYS if k in first}
-    # under an LR scheduler the configured (peak) rate, not today's: OneCycleLR's max_lr (its initial_lr
-    # is its start, max_lr / div_factor), another's initial_lr, or where the scheduler sets none
-    # (ReduceLROnPlateau) the rate EVON was built with (a rate that has not moved from it: no final_lr)
-    one_cycle = "max_lr" in first and "initial_lr" in first
-    configured = first["max_lr"] if one_cycle else first.get("initial_lr", first.get("configured_lr"))
+    # the rate as configured (a scheduler's peak), not today's, with today's as final_lr: under a
+    # scheduler that set initial_lr always, else (none, or ReduceLROnPlateau) where the rate moved
+    configured = configured_rate(first)
     if configured is not None and ("initial_lr" in first or float(configured) != float(first["lr"])):
         settings["lr"], settings["final_lr"] = configured, first["lr"]
     # a rate held in a 0-dim tensor (torch.optim's option; schedulers set it in place): its number

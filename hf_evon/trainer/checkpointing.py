@@ -54,8 +54,11 @@ def _has_posterior(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, POSTERIOR_CONFIG_NAME))
 
 
-# the settings a group's config gives: EVON's group keys (its rate as configured, ``initial_lr``: ``lr``
-# is the scheduled one) and AdamW's (the EVON keys an AdamW group carries are inert there)
+# the settings a group's config gives: EVON's group keys and AdamW's (the EVON keys an AdamW group carries
+# are inert there), the rate as torch's initial_lr (lr is the scheduled one), which each of a trainer's
+# groups holds: the base the resumed schedule scales. Not configured_rate(), OneCycleLR's max_lr, which
+# would leave a changed div_factor (its initial_lr) unnamed; EVON's configured_lr decides nothing where
+# initial_lr is held (hf_evon.optim.rates: both records)
 _EVON_SETTINGS = ("initial_lr", *(k for k in GROUP_KEYS if k != "lr"))
 _ADAMW_SETTINGS = ("initial_lr", "betas", "weight_decay", "eps")
 

@@ -71,8 +71,9 @@ def _snapshot(rate: Any) -> Any:
 
 def _configured_rates_recorded(evon: Any, scheduler: Any) -> Any:
     """``scheduler``, each of ``evon``'s groups holding its configured rate as ``initial_lr``, as torch's
-    schedulers record it but the plateau schedules do not: the logged ``learning_rate`` (without an
-    AdamW group) and the posterior's ``lr`` read it."""
+    schedulers record it but the plateau schedules do not: the key a resume's settings are compared by,
+    and the mark of a scheduled rate (the posterior records a ``final_lr``). EVON's own record, the rate
+    as built, is ``configured_lr`` (:mod:`hf_evon.optim.rates`: both records' roles)."""
     for group in evon.param_groups:
         if "initial_lr" not in group:  # a copy: a tensor rate is set in place as the schedule goes
             group["initial_lr"] = _snapshot(group["lr"])
