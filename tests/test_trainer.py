@@ -1852,6 +1852,30 @@ def test_without_an_adamw_group_the_logged_rate_follows_a_plateau_schedule(tmp_p
     assert [h["learning_rate"] for h in logs] == pytest.approx([1e-3 * a / 2e-2 for a in alphas], rel=1e-12)
 
 
+def test_without_an_adamw_group_the_logged_rate_under_one_cycle_peaks_at_learning_rate(tmp_path):
+    """Only EVON groups, under the user's OneCycleLR: α as configured is its peak ``max_lr`` (the
+    posterior's ``lr``), and the logged ``learning_rate`` is ``learning_rate · α_used / max_lr``. It was
+    read against OneCycleLR's ``initial_lr``, its start ``max_lr / div_factor``: 25 times that, logging
+    2.5e-2 at the peak of a run at learning_rate 1e-3."""
+    model = tiny_bert()
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.ndim == 2 and "encoder" in name)
+    evon = build_optimizer(model, lr=2e-2, ess=1e4, hess_init=1.0, precondition_frequency=2)
+    assert {g["algorithm"] for g in evon.param_groups} == {"evon"}
+    peak = 4e-2
+    cycle = torch.optim.lr_scheduler.OneCycleLR(evon, max_lr=peak, total_steps=4, pct_start=0.5, cycle_momentum=False)
+    trainer = EVONTrainer(
+        model=model, args=config(tmp_path, max_steps=4, learning_rate=1e-3, logging_steps=1),
+        train_dataset=classification_data(), optimizers=(evon, cycle),
+    )  # fmt: skip
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    alphas = [h["evon/learning_rate"] for h in logs]
+    assert len(logs) == 4 and alphas[0] == pytest.approx(peak / 25) and max(alphas) == pytest.approx(peak)
+    assert [h["learning_rate"] for h in logs] == pytest.approx([1e-3 * a / peak for a in alphas], rel=1e-12)
+    assert trainer.current_posterior().config["lr"] == peak  # the rate the logs are read against
+
+
 @pytest.mark.parametrize("users_scheduler", [False, True])
 def test_a_plateau_schedules_saved_posterior_records_the_configured_rate_and_the_rate_at_save_time(
     tmp_path, users_scheduler

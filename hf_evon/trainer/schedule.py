@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, optimization
 
+from hf_evon.optim.rates import configured_rate
+
 __all__ = ["GROUP_BOUNDS", "ScheduleMixin", "UsedRates", "default_bounds", "user_rate"]
 
 # schedules whose kwargs bound each group's rate (a number: the same bound for every group)
@@ -121,7 +123,7 @@ class ScheduleMixin:
         used = used if used is not None and len(used) == len(groups) else [g["lr"] for g in groups]
         used = [float(r) for r in used]  # a tensor rate logged as its number, as Trainer logs its own
         first, adamw = groups[0], next((r for g, r in zip(groups, used) if g["algorithm"] == "adamw"), None)
-        initial = float(first.get("initial_lr") or 0.0)
-        schedule = used[0] / initial if initial else 1.0
+        configured = float(configured_rate(first) or 0.0)  # OneCycleLR's peak, not its start
+        schedule = used[0] / configured if configured else 1.0
         rate = self.args.learning_rate * schedule if adamw is None else adamw
         return {"learning_rate": rate, "evon/learning_rate": used[0]}
