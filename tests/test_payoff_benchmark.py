@@ -704,3 +704,30 @@ def test_a_stored_payoff_table_is_the_report_of_its_stored_runs(name) -> None:
     text = payoff_report.markdown(summary, f"EVON calibrated BMA@{max(saved['meta']['samples'])}", saved["meta"])
     with open(os.path.join(results, f"{name}.md")) as fh:
         assert fh.read() == text
+
+
+def test_the_targets_compare_evons_defaults_with_adamws_default_temperature_rows_only() -> None:
+    """The targets are at the defaults: EVON@32's NLL against AdamW's and AdamW + temperature's (both
+    fits). Table 2's summary also holds the learning-rate search's "AdamW + temperature [tuned]",
+    which the check took as one more temperature row: its noisy_digits read NO (EVON@32 1.4871 against
+    the tuned 1.4384) where the defaults' check is yes (AdamW 2.9489, AdamW + T 1.5760)."""
+
+    def row(nll: float) -> dict:
+        return {k: (v, 0.0) for k, v in {"nll": nll, "accuracy": 0.6, "ece": 0.1}.items()}
+
+    summary = {
+        "noisy_digits": {
+            "AdamW": row(2.9489),
+            "AdamW + temperature": row(1.5760),
+            "EVON mean": row(2.2),
+            "EVON calibrated BMA@32": row(1.4871),
+            "_adamw": {"temperature": (4.13, 0.0)},
+            "AdamW [tuned]": row(2.5),
+            "AdamW + temperature [tuned]": row(1.4384),
+        }
+    }
+    line = payoff_report.targets(summary, 32, noisy=summary)[0][0]
+    assert line.split(" | ")[3:7] == ["yes", "yes", "yes", "yes"], line
+    summary["noisy_digits"]["AdamW + temperature (calibration's rule)"] = row(1.48)  # a default's fit: counts
+    line = payoff_report.targets(summary, 32, noisy=summary)[0][0]
+    assert line.split(" | ")[3:7] == ["yes", "yes", "NO", "yes"], line
