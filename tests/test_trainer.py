@@ -1626,6 +1626,47 @@ class _FirstSaveKilledAfterTheSwitch(TrainerCallback):
         (directory / "evon_posterior_config.json").write_text(json.dumps(config))
 
 
+def test_a_compiled_models_checkpoints_hold_the_models_own_names_and_load_back(tmp_path):
+    """A model passed already wrapped by ``torch.compile``: the Trainer wrote its weights under
+    ``_orig_mod.`` names, which ``from_pretrained`` does not load, beside a posterior (and a card)
+    under the model's own names; the best checkpoint's weights, and a resume's, must load back into
+    the compiled model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_mean_accuracy", remove_unused_columns=False,
+        bma_num_samples=2, evon_ess=100.0,
+    )  # fmt: skip
+    compiled = torch.compile(tiny_bert(), backend="eager")
+    trainer = EVONTrainer(
+        model=compiled, args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1)
+    )
+    trainer.train()
+    plain_names = set(tiny_bert().state_dict())
+    best = Path(trainer.state.best_model_checkpoint)
+    assert best.name == "checkpoint-2"  # an accuracy tied at step 4: the weights must come back from step 2
+    for directory in (tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-4"):
+        assert set(load_file(directory / "model.safetensors")) == plain_names, directory
+    # the best checkpoint's weights are the model's after training
+    saved = load_file(best / "model.safetensors")
+    assert all(torch.equal(v, saved[k]) for k, v in compiled._orig_mod.state_dict().items())
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
+    assert _tensors_equal(reloaded.state_dict(), compiled._orig_mod.state_dict())
+    EVONPosterior.from_pretrained(tmp_path / "final").check_model(reloaded)
+    # a resume from step 2 into another compiled model ends at step 4's saved weights
+    again = torch.compile(tiny_bert(seed=1), backend="eager")
+    resumed = EVONTrainer(
+        model=again, args=dataclasses.replace(args, load_best_model_at_end=False, eval_strategy="no", save_strategy="no"),
+        train_dataset=classification_data(),
+    )  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    last = load_file(tmp_path / "out" / "checkpoint-4" / "model.safetensors")
+    assert all(torch.equal(v, last[k]) for k, v in again._orig_mod.state_dict().items())
+
+
 @pytest.mark.parametrize("killed_first_save", [False, True])
 def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path, killed_first_save):
     """With ``killed_first_save`` every checkpoint's posterior loads from the staged file its

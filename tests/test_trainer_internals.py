@@ -64,8 +64,15 @@ def test_the_overridden_private_methods_exist_on_trainer():
         "_push_from_checkpoint",
         "_clip_grad_norm",
         "_get_grad_norm",
+        "_save",
+        "_load_from_checkpoint",
+        "_load_best_model",
     ):
         assert callable(getattr(Trainer, name, None)), name
+    assert list(inspect.signature(Trainer._save).parameters) == ["self", "output_dir", "state_dict"]
+    assert list(inspect.signature(Trainer._load_from_checkpoint).parameters) == ["self", "resume_from_checkpoint", "model"]
+    assert list(inspect.signature(Trainer._load_best_model).parameters) == ["self"]
+    assert "else self.model" in inspect.getsource(Trainer._load_best_model)  # it loads into self.model
     assert list(inspect.signature(Trainer._save_optimizer_and_scheduler).parameters) == ["self", "output_dir"]
     assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
     assert list(inspect.signature(Trainer._push_from_checkpoint).parameters) == ["self", "checkpoint_folder"]

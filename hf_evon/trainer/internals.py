@@ -20,6 +20,11 @@ changes it fails there rather than silently here.
   (not with ``hub_strategy="end"``, nor while the previous push still uploads unless
   ``hub_always_push``): a skipped push leaves the output directory's model as it was, so its
   posterior stays too.
+* ``_save(output_dir, state_dict)``, ``_load_from_checkpoint(checkpoint, model)`` and
+  ``_load_best_model()``: for a model passed already wrapped by ``torch.compile``, the Trainer
+  saves the wrapper's ``state_dict`` (every name under ``_orig_mod.``, which ``from_pretrained``
+  does not load, beside a posterior and a card under the model's own names) and loads into the
+  wrapper; the weights are saved and loaded under the model's own names instead.
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
@@ -44,8 +49,39 @@ from hf_evon.trainer.checkpointing import settings_replaced
 __all__ = ["TrainerInternals"]
 
 
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _compiled_inner(model: Any) -> nn.Module | None:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds, or None for any other model."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
 class TrainerInternals:
     """The private ``Trainer`` methods :class:`~hf_evon.trainer.EVONTrainerMixin` overrides."""
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        inner = _compiled_inner(self.model)
+        if inner is not None:  # the model's own names: what from_pretrained and the posterior use
+            state_dict = inner.state_dict() if state_dict is None else {
+                k.removeprefix(_COMPILED_PREFIX): v for k, v in state_dict.items()
+            }  # fmt: skip
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        inner = _compiled_inner(self.model if model is None else model)
+        super()._load_from_checkpoint(resume_from_checkpoint, model if inner is None else inner)
+
+    def _load_best_model(self) -> None:
+        compiled, inner = self.model, _compiled_inner(self.model)
+        if inner is None:
+            return super()._load_best_model()
+        self.model = inner  # it loads into self.model; the compiled wrapper shares these parameters
+        try:
+            super()._load_best_model()
+        finally:
+            self.model = compiled
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

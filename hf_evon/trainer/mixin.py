@@ -76,9 +76,9 @@ the loss), ``get_batch_samples``, ``log``, ``evaluate``, ``evaluation_loop``, ``
 Private transformers internals used, and why (each pinned by ``tests/test_trainer_internals.py``):
 
 * overridden, all in :mod:`hf_evon.trainer.internals`: ``_save_optimizer_and_scheduler`` and
-  ``_load_optimizer_and_scheduler`` (EVON's FSDP2 state does not fit torch's distributed
-  checkpoint), ``_push_from_checkpoint`` (a pushed checkpoint carries its posterior),
-  ``_clip_grad_norm`` and ``_get_grad_norm`` (clip and log the mean gradient over the samples);
+  ``_load_optimizer_and_scheduler`` (EVON's FSDP2 state does not fit torch's distributed checkpoint),
+  ``_push_from_checkpoint`` (a pushed checkpoint carries its posterior), ``_save``, ``_load_from_checkpoint``,
+  ``_load_best_model`` (a compiled model's own names), ``_clip_grad_norm``, ``_get_grad_norm`` (mean gradient);
 * called: ``_wrap_model`` and ``_prepare_inputs`` (the evaluation's own passes run the model as
   the Trainer's do);
 * set: ``_loss_shifts_labels`` (the Trainer decides it from ``model.loss_type``, which is None for
