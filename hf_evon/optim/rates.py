@@ -12,7 +12,8 @@ Two records of a group hold it, each written where its writer knows it:
 
 :func:`configured_rate` is what each reader of "the rate as configured" reads (the posterior's ``lr``,
 the trainers' logged ``learning_rate``). A resumed checkpoint's settings are compared by ``initial_lr``
-itself (``hf_evon.trainer.checkpointing``): the key the resumed schedule scales.
+itself (``hf_evon.trainer.checkpointing``): the key the resumed schedule scales. A schedule about to be
+built reads :func:`scheduler_base`: ``initial_lr`` else ``lr`` (not ``configured_lr``), the rate it will scale.
 """
 
 from __future__ import annotations
@@ -21,14 +22,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["configured_rate", "record_configured_rate"]
+__all__ = ["configured_rate", "rate_copy", "record_configured_rate", "scheduler_base"]
+
+
+def rate_copy(rate: Any) -> Any:
+    """``rate`` as it is now: a tensor rate copied (torch's schedulers set it in place), on its device."""
+    return rate.detach().clone() if torch.is_tensor(rate) else rate
 
 
 def record_configured_rate(group: dict[str, Any]) -> None:
-    """``group``'s ``configured_lr``: its ``lr`` as it is built (a copy: torch's schedulers set a tensor
-    rate in place), where it holds none (a loaded or copied group keeps its own)."""
-    rate = group["lr"]
-    group.setdefault("configured_lr", rate.detach().clone() if torch.is_tensor(rate) else rate)
+    """``group``'s ``configured_lr``: its ``lr`` as it is built (a copy), where it holds none (a loaded
+    or copied group keeps its own)."""
+    group.setdefault("configured_lr", rate_copy(group["lr"]))
+
+
+def scheduler_base(group: dict[str, Any]) -> Any:
+    """The rate a scheduler built now scales in ``group``: its ``initial_lr`` where one was recorded,
+    else its ``lr`` (torch's ``setdefault``)."""
+    return group.get("initial_lr", group["lr"])
 
 
 def configured_rate(group: dict[str, Any]) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, optimization
 
-from hf_evon.optim.rates import configured_rate
+from hf_evon.optim.rates import configured_rate, rate_copy, scheduler_base
 
 __all__ = ["GROUP_BOUNDS", "ScheduleMixin", "UsedRates", "default_bounds", "user_rate"]
 
@@ -47,7 +47,7 @@ def user_rate(groups: list[dict[str, Any]], learning_rate: float) -> float:
     """The rate the user gave for AdamW: the AdamW group's as configured (``initial_lr`` once a schedule
     set it; ``evon_adamw_learning_rate`` or ``learning_rate``), ``learning_rate`` without an AdamW group."""
     adamw = next((g for g in groups if g["algorithm"] == "adamw"), None)
-    return learning_rate if adamw is None else adamw.get("initial_lr", adamw["lr"])
+    return learning_rate if adamw is None else scheduler_base(adamw)
 
 
 class UsedRates(TrainerCallback):
@@ -63,12 +63,8 @@ class UsedRates(TrainerCallback):
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = self.trainer.evon_optimizer
         # a tensor rate (torch's schedulers set it in place) is copied on its device: no host sync per step
-        rates = None if optimizer is None else [_snapshot(g["lr"]) for g in optimizer.param_groups]
+        rates = None if optimizer is None else [rate_copy(g["lr"]) for g in optimizer.param_groups]
         self.trainer._evon_used_rates = rates
-
-
-def _snapshot(rate: Any) -> Any:
-    return rate.detach().clone() if torch.is_tensor(rate) else rate
 
 
 def _configured_rates_recorded(evon: Any, scheduler: Any) -> Any:
@@ -78,7 +74,7 @@ def _configured_rates_recorded(evon: Any, scheduler: Any) -> Any:
     as built, is ``configured_lr`` (:mod:`hf_evon.optim.rates`: both records' roles)."""
     for group in evon.param_groups:
         if "initial_lr" not in group:  # a copy: a tensor rate is set in place as the schedule goes
-            group["initial_lr"] = _snapshot(group["lr"])
+            group["initial_lr"] = rate_copy(group["lr"])
     return scheduler
 
 
@@ -105,7 +101,7 @@ class ScheduleMixin:
         # a bound not given is the schedule's default, one number too; a list is the user's per group
         stated = {**default_bounds(kind), **(given if isinstance(given, dict) else {})}
         numbers = {key: stated[key] for key in GROUP_BOUNDS.get(kind, ()) if type(stated.get(key)) in (int, float)}
-        ratios = [g.get("initial_lr", g["lr"]) / rate for g in evon.param_groups]
+        ratios = [scheduler_base(g) / rate for g in evon.param_groups]
         bounds = {key: [value * ratio for ratio in ratios] for key, value in numbers.items()}
         evon.defaults["lr"] = rate
         if bounds:
