@@ -16,6 +16,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import hf_evon.optim.update as update
 from hf_evon import build_optimizer, check_ranks_in_sync, prepare_distributed
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 
@@ -100,6 +101,8 @@ def scenario_noisy(accelerator, out: dict) -> None:
     params = dict(raw.named_parameters())
     out["initial"] = {k: v.clone() for k, v in raw.state_dict().items()}
     steps = []
+    real_check = update._moved_param  # counted: how often a step looks for moved parameters
+    update._moved_param = lambda *args: out.update(moved_checks=out.get("moved_checks", 0) + 1) or real_check(*args)
     for step in range(6):
         batches = micro_batches(step, 4, rank)
         rec: dict = {"batches": batches}
@@ -115,6 +118,7 @@ def scenario_noisy(accelerator, out: dict) -> None:
         rec["after"] = evon_state(evon)
         rec["mean_weights"] = {k: v.clone() for k, v in raw.state_dict().items()}
         steps.append(rec)
+    update._moved_param = real_check
     out["steps"] = steps
     out["reducer_calls"] = evon.gradient_reducer.calls
     check_ranks_in_sync(model, optimizer)  # the library's own check must agree too
@@ -213,6 +217,25 @@ def scenario_misuse(accelerator, out: dict) -> None:
                 sampled_step(accelerator, model, optimizer, evon, micro_batches(step, 4, rank))
             check_ranks_in_sync(model, optimizer)
 
+    def recast_after_synchronize() -> None:
+        raw = tiny_gpt2()
+        model, optimizer = accelerator.prepare(raw, build_optimizer(raw, ess=100.0))
+        evon = prepare_distributed(model, optimizer)
+        sampled_step(accelerator, model, optimizer, evon, micro_batches(0, 4, rank))  # the AdamW state made
+        with evon.sampled_params(train=True):
+            for ids in micro_batches(1, 4, rank):
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        evon.synchronize()  # as the Trainer does to clip: the averaging checked every parameter already
+        bias = raw.transformer.ln_f.bias
+        before = {k: v.clone() for k, v in raw.state_dict().items()}
+        bias.data = bias.data.float()  # after that check, before the step
+        try:
+            optimizer.step()
+        finally:
+            optimizer.zero_grad()
+            out["recast_kept"] = all(torch.equal(v, before[k].to(v.dtype)) for k, v in raw.state_dict().items())
+
     def different_hyperparameters() -> None:
         raw = tiny_gpt2()
         opt = build_optimizer(raw, ess=100.0, learning_rate=1e-3 if rank == 0 else 2e-3)
@@ -222,6 +245,7 @@ def scenario_misuse(accelerator, out: dict) -> None:
 
     expect_error(out, "error_samples", sample_failed_on_one_rank)
     expect_error(out, "error_hyperparameters", different_hyperparameters)
+    expect_error(out, "error_recast", recast_after_synchronize)
     expect_error(out, "error_forgot", forgot_prepare)
     expect_error(out, "error_unwrapped", unwrapped_module)
     expect_error(out, "error_mismatch", mismatched)

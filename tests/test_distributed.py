@@ -187,6 +187,24 @@ def test_synchronize_once_per_step_with_accumulation(ranks: list[dict]) -> None:
     assert ranks[0]["reducer_calls"] == ranks[1]["reducer_calls"] == 6
 
 
+def test_parameters_are_checked_for_a_move_once_per_step(ranks: list[dict]) -> None:
+    """Unsharded DDP: the averaging looks for a recast or moved parameter before its all-reduces, and
+    EVON's step looked again for the same parameters right after it (12 checks in 6 steps)."""
+    assert [r["moved_checks"] for r in ranks] == [6, 6]
+
+
+def test_a_parameter_recast_after_an_early_synchronize_still_refuses_the_step(ranks: list[dict]) -> None:
+    """``synchronize()`` (the Trainer's, to clip) checked the parameters, and then the model's final
+    bias was recast: the step refuses, naming it, and no weight moves."""
+    for r in ranks:
+        assert r["error_recast"] is not None, r["error_recast"]
+        assert r["error_recast"].startswith(
+            "RuntimeError: EVON.step: parameter transformer.ln_f.bias (shape (12,)) is torch.float32 on cpu, "
+            "but its state 'exp_avg' is torch.float64"
+        ), r["error_recast"]
+        assert r["recast_kept"] is True
+
+
 def test_two_ranks_match_one_process_with_double_batch(ranks: list[dict]) -> None:
     """Deterministic mode (ess=inf): 2 ranks x batch 4 == 1 process x batch 8.
 

@@ -97,7 +97,9 @@ class RankAverager:
             or drifting apart if not.
         verify_local_gradients: at the first noisy steps, check that the ranks' gradients
             differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
-        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``).
+        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``). Where its
+            structure check finds no parameter recast or moved on any rank, it tells ``optimizer``
+            (``_placement_checked``), whose ``step()`` then skips the same check if that step ran it.
         guard: called first at every step, before any collective (raises to refuse the step on
             every rank alike).
     """
@@ -192,6 +194,8 @@ class RankAverager:
             dist.all_gather_object(every_reason, moved, group=self.group)
             first = next(r for r, why in enumerate(every_reason) if why is not None)
             raise RuntimeError(moved or f"rank {first} refused the step, so every rank does: {every_reason[first]}")
+        if self.optimizer is not None:  # none moved on any rank: a step() running this check skips its own
+            self.optimizer._placement_checked = True
         if hi_key != -lo_key:  # the ranks' hyperparameters differ: name them (rare: one more collective)
             every: list[Any] = [None] * world_size(self.group)
             dist.all_gather_object(every, settings, group=self.group)

@@ -433,11 +433,12 @@ class EVON(Optimizer):
     def _update(self) -> None:
         self._refuse_in_sample("step()")
         self._settle_groups()
+        self._placement_checked = False  # set by a reducer that, within this call, finds none moved
         self.synchronize()
         self._hooks.before_step()  # FSDP2: the owners gather the step's (clipped) gradients
         num_samples = max(self._samples, 1)
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
-        moved = moved_refusal(self.buckets, adamw, self._param_label)
+        moved = None if self._placement_checked else moved_refusal(self.buckets, adamw, self._param_label)
         needs_samples = self._samples == 0 and any(b.noisy_phase() for b in self.buckets)
         refused = moved is not None or needs_samples  # then no plans: the step raises
         plans = [] if refused else [p for b in self.buckets for p in step_plans(b, num_samples, self._member_state)]
@@ -483,8 +484,7 @@ class EVON(Optimizer):
         if rewind:
             self._refuse_in_sample("discard_samples(rewind=True)")
             self._sample_blocks = self._stepped_blocks
-        self._samples = 0
-        self._synchronized = False
+        self._samples, self._synchronized = 0, False
         for b in self._buckets or ():  # (buckets not built yet hold none)
             b.acc = b.exit_grads = b.rotated_grads = None
         self._consumed, self._held = consumed_grads(self.param_groups), {}
