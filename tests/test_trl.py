@@ -647,3 +647,60 @@ def test_an_evon_trl_trainer_without_args_picks_the_output_dir_trls_trainer_pick
         trainer = evon_class(processing_class=tokenizer, **kwargs())
     assert trainer.args.output_dir == expected == f"tiny-gpt2-{name}"
     assert type(trainer.args) is evon_class.config_class
+
+
+def _evon_grpo(tmp_path, corpus, **settings):
+    """A mixin subclass of TRL's GRPOTrainer on a tiny GPT-2, 8 prompts, a length reward."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_evon.trainer import EVONTrainerMixin
+
+    class EVONGRPOTrainer(EVONTrainerMixin, GRPOTrainer):
+        config_class = evon_config_class(GRPOConfig)
+
+    tokenizer, train, _ = corpus
+    args = EVONGRPOTrainer.config_class(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=4, gradient_checkpointing=False, max_steps=2, logging_steps=1,
+        learning_rate=1e-3, evon_ess=1e3, save_strategy="no", disable_tqdm=True, **settings,
+    )  # fmt: skip
+    return EVONGRPOTrainer(
+        model=tiny_gpt2(tokenizer), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args, train_dataset=Dataset.from_dict({"prompt": [t[:20] for t in train["text"][:8]]}),
+        processing_class=tokenizer,
+    )  # fmt: skip
+
+
+def test_grpo_generates_at_the_sample_each_micro_batch_trains_at_and_refuses_a_buffer_spanning_samples(
+    tmp_path, corpus
+):
+    """GRPO generates inside the training_step that first needs a generation, so inside that
+    micro-batch's posterior sample. With steps_per_generation (TRL's default: gradient_accumulation_steps)
+    or num_iterations above 1 and no importance correction (TRL then assumes the buffered completions
+    on-policy), the later micro-batches trained, at other samples, on completions of the first one's,
+    silently. Refused when the trainer is made; one generation per micro-batch generates and trains
+    at the same sample."""
+    for settings in ({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "steps_per_generation": 1,
+                                                          "num_iterations": 2}):  # fmt: skip
+        with pytest.raises(ValueError, match=r"steps_per_generation \* num_iterations = \d \* \d = 2 is not supported by EVONGRPO"):
+            _evon_grpo(tmp_path, corpus, **settings)
+    # a buffer GRPO weighs by the generating sample's log-probabilities (old_per_token_logps): kept
+    assert _evon_grpo(tmp_path, corpus, num_iterations=2).args.num_iterations == 2
+    trainer = _evon_grpo(tmp_path, corpus, gradient_accumulation_steps=2, steps_per_generation=1)
+    generated, trained = [], []
+    generate, compute_loss = trainer._generate_and_score_completions, type(trainer).compute_loss
+
+    def recording_generate(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        opt = trainer.evon_optimizer
+        generated.append((opt.in_sample, opt.noise_label))
+        return generate(*args, **kwargs)
+
+    def recording_loss(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        trained.append((self.evon_optimizer.in_sample, self.evon_optimizer.noise_label))
+        return compute_loss(self, *args, **kwargs)
+
+    trainer._generate_and_score_completions = recording_generate
+    type(trainer).compute_loss = recording_loss
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert generated == trained == [(True, block) for block in (1, 2, 3, 4)]  # one sample per micro-batch

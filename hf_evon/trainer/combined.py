@@ -15,7 +15,10 @@ from transformers import Trainer, TrainingArguments
 
 from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
 
-__all__ = ["TrainerCall", "converted_config", "evon_config_class", "rebuilt_config", "register_evon_config"]
+__all__ = [
+    "TrainerCall", "converted_config", "evon_config_class", "rebuilt_config", "refuse_buffered_generations",
+    "register_evon_config",
+]
 
 _COMBINED: dict[type, type] = {}
 
@@ -183,3 +186,38 @@ class TrainerCall:
             self.kwargs[name] = value
         else:
             self.args[index] = value
+
+
+def refuse_buffered_generations(trainer: Trainer) -> None:
+    """Refuse what makes a trainer that buffers its generations (TRL's GRPO, RLOO, distillation:
+    ``_buffered_inputs``) train a posterior sample on completions another sample generated, unweighted.
+
+    Such a trainer generates inside the ``training_step`` that first needs a generation, so at that
+    micro-batch's posterior sample (the mixin runs ``training_step`` inside ``sampled_params``), and
+    hands out the next buffered slice at each call. With ``evon_mc_samples > 1`` each sample of a
+    micro-batch would take other completions. GRPO trains its buffer for ``steps_per_generation *
+    num_iterations`` calls, each at a sample of its own, and without an importance correction
+    (``old_per_token_logps``) where that product divides ``gradient_accumulation_steps``: it takes the
+    buffer as on-policy, which it is for the generating sample only."""
+    args, name = trainer.args, type(trainer).__name__
+    if not hasattr(trainer, "_buffered_inputs"):
+        return
+    if args.evon_mc_samples > 1:
+        raise ValueError(
+            f"EVONConfig.evon_mc_samples = {args.evon_mc_samples} is not supported by {name}: "
+            "it takes the next buffered generation at each training_step call, and EVON calls it once per "
+            "posterior sample, so each sample would train on other completions; use evon_mc_samples=1"
+        )
+    if not any(c.__name__ == "GRPOTrainer" and c.__module__.startswith("trl.") for c in type(trainer).__mro__):
+        return  # RLOO weighs every buffered completion by the generating weights' log-probabilities
+    every = args.steps_per_generation * args.num_iterations
+    corrected = args.use_vllm and args.vllm_importance_sampling_correction  # old_per_token_logps computed
+    if every > 1 and args.gradient_accumulation_steps % every == 0 and not corrected:
+        raise ValueError(
+            f"steps_per_generation * num_iterations = {args.steps_per_generation} * {args.num_iterations} = {every} "
+            f"is not supported by {name} with EVON: a generation is made at the posterior sample of the micro-batch "
+            f"that needs it, and its completions are trained for {every} micro-batches, each at a sample of its own, "
+            "as on-policy (no importance correction where this divides gradient_accumulation_steps = "
+            f"{args.gradient_accumulation_steps}); use steps_per_generation=1 and num_iterations=1 (each micro-batch "
+            "generates at the sample it trains at)"
+        )

@@ -100,6 +100,7 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
 import hf_evon.trainer.calibration_data as calibration_data
+import hf_evon.trainer.combined as combined
 from hf_evon.distributed.ddp import prepare_distributed
 from hf_evon.modeling import is_causal_lm, is_peft_model, prepends_virtual_tokens, pretrained_name
 from hf_evon.optim import EVON, build_optimizer
@@ -185,12 +186,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
         elif peft_config is not None:
             call.set("model", self._wrap_peft(call.get("model"), args, peft_config))
         super().__init__(*call.args, **call.kwargs)
-        if self.args.evon_mc_samples > 1 and hasattr(self, "_buffered_inputs"):  # TRL's GRPO, RLOO, Distillation
-            raise ValueError(
-                f"EVONConfig.evon_mc_samples = {self.args.evon_mc_samples} is not supported by {type(self).__name__}: "
-                "it takes the next buffered generation at each training_step call, and EVON calls it once per "
-                "posterior sample, so each sample would train on other completions; use evon_mc_samples=1"
-            )
+        combined.refuse_buffered_generations(self)  # TRL's GRPO, RLOO, Distillation: generations trained at other samples
         # the eval set as given beside the one kept: TRL's trainers keep it prepared anew, another object
         self._evon_eval_given = (given_eval, self.eval_dataset)
         self._refuse_eval_set(calibration_dataset, "calibration_dataset")
