@@ -188,11 +188,13 @@ def refused(match: str):
     return pytest.raises(NotImplementedError, match=rf"{match}.*; {ONE_DRAW_AT_A_TIME}$")
 
 
-def batched_refusal(model: torch.nn.Module, posterior: EVONPosterior, input_ids: torch.Tensor, num_samples: int = 2):
+def batched_refusal(
+    model: torch.nn.Module, posterior: EVONPosterior, input_ids: torch.Tensor, num_samples: int = 2, seed: int = 0
+):
     """Raise the refusal the batched path meets before it runs (the samples entered, their sample axis
     checked), where generate_bma and bma_log_likelihood then run the model one draw at a time."""
     gen_model = generation._generation_model(model)
-    sampler = batched.BatchedSamples(model, posterior, num_samples, seed=0)
+    sampler = batched.BatchedSamples(model, posterior, num_samples, seed=seed)
     sampler = generation._entered_batched_samples(sampler, gen_model, input_ids)
     if isinstance(sampler, NotImplementedError):
         raise sampler
@@ -983,12 +985,12 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     mask = (torch.arange(6) < torch.tensor([[6], [3]])).long()
     num_samples, new = 3, 8
     out = generate_bma(
-        model, noisy, ids, attention_mask=mask, num_samples=num_samples, seed=7, max_new_tokens=new,
+        model, noisy, ids, attention_mask=mask, num_samples=num_samples, seed=4, max_new_tokens=new,
         do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_scores=True,
         output_logits=True, output_attentions=True,
     )  # fmt: skip
     start = model.config.decoder_start_token_id
-    copies = sampled_copies(model, noisy, num_samples, 7)
+    copies = sampled_copies(model, noisy, num_samples, 4)
     picked = out.sequences[:, 1:]
     _, ref_scores = reference_seq2seq_greedy([m.double() for m in copies], ids, mask, start, new, picked)
     _, float32_scores = reference_seq2seq_greedy([m.float() for m in copies], ids, mask, start, new, picked)
@@ -1013,7 +1015,7 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     assert (log_mean_probs(out)[0] - torch.log_softmax(mean_first, -1)).abs().max() > 1e-2
     # the generated continuation scored as labels gives the same log p̄ of each chosen token
     labels = out.sequences[:, 1:]
-    scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=7)
+    scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=4)
     assert scored.token_log_probs.shape == labels.shape and bool(scored.mask.all())
     for t in range(new):
         want = log_mean_probs(out)[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
@@ -1274,8 +1276,8 @@ def test_beam_search_matches_slow_reference(strategy, gpt2, arch):
     noisy = posterior.with_ess(NOISY_ESS)
     before = snapshot(model)
     kwargs = dict(BEAMS, num_return_sequences=2, return_dict_in_generate=True, output_scores=True, length_penalty=0.5)
-    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=7, output_logits=True, **kwargs)
-    copies = sampled_copies(model, noisy, 3, 7)
+    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=4, output_logits=True, **kwargs)
+    copies = sampled_copies(model, noisy, 3, 4)
     encoder_ids = PROMPTS if arch in ("t5", "bart") else None
 
     def reference(dtype: torch.dtype):
@@ -1303,6 +1305,22 @@ def test_beam_search_matches_slow_reference(strategy, gpt2, arch):
     assert (out.sequences_scores - mean.sequences_scores).abs().max() > 1e-2
     assert_unchanged(model, before)
     assert "forward" not in model.__dict__
+
+
+def test_token_seed_samples_other_tokens_from_the_same_weight_samples(gpt2):
+    """``token_seed`` seeds the token sampling alone (``seed``'s when unset): another stream of tokens,
+    reproducible, from the weight samples of ``seed``, which greedy decoding shows unchanged."""
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    kwargs = dict(num_samples=2, seed=3, max_new_tokens=6, do_sample=True, pad_token_id=0)
+    base = generate_bma(model, noisy, PROMPTS, **kwargs)
+    assert torch.equal(base, generate_bma(model, noisy, PROMPTS, token_seed=3, **kwargs))
+    other = generate_bma(model, noisy, PROMPTS, token_seed=4, **kwargs)
+    assert not torch.equal(base, other)
+    assert torch.equal(other, generate_bma(model, noisy, PROMPTS, token_seed=4, **kwargs))
+    greedy = dict(kwargs, do_sample=False)
+    assert torch.equal(generate_bma(model, noisy, PROMPTS, token_seed=4, **greedy), generate_bma(model, noisy, PROMPTS, **greedy))
+    assert not torch.equal(generate_bma(model, noisy, PROMPTS, **dict(greedy, seed=9)), generate_bma(model, noisy, PROMPTS, **greedy))
 
 
 def test_beam_sampling_is_reproducible_with_a_seed_and_leaves_the_global_generator(gpt2):
@@ -2116,9 +2134,10 @@ def tiny_switch_with_covered_experts(monkeypatch: pytest.MonkeyPatch) -> tuple:
     forward, as they refuse a layer fed a selection of rows they cannot tell from its name."""
     model, posterior = tiny_switch()
     monkeypatch.setattr(batched, "routed_expert", lambda model, owners: None)
-    batched_refusal(model, posterior, PROMPTS)  # the probe passes: the refusal comes in the forward
+    # seed 7's two samples route the probe's token alike and the prompts' tokens not: the case under test
+    batched_refusal(model, posterior, PROMPTS, seed=7)  # the probe passes: the refusal comes in the forward
     with torch.no_grad(), refused(r"experts\.expert_\d\.wi\.weight: the batched-sample forward expects a leading"):
-        with batched.BatchedSamples(model, posterior, 2, seed=0):
+        with batched.BatchedSamples(model, posterior, 2, seed=7):
             model(input_ids=PROMPTS.repeat(2, 1), labels=PROMPTS.repeat(2, 1))
     return model, posterior
 
@@ -2134,11 +2153,11 @@ def test_a_refusal_during_the_batched_forward_runs_one_draw_at_a_time(monkeypatc
 
     def run() -> tuple:
         if call == "bma_log_likelihood":
-            scored = bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=0)
+            scored = bma_log_likelihood(model, posterior, PROMPTS, labels=PROMPTS, num_samples=2, seed=7)
             return (scored.sample_token_log_probs, scored.token_log_probs)
         streamer = _Collect()
         out = generate_bma(
-            model, posterior, PROMPTS[:1], num_samples=2, seed=0, max_new_tokens=4, do_sample=False,
+            model, posterior, PROMPTS[:1], num_samples=2, seed=7, max_new_tokens=4, do_sample=False,
             eos_token_id=None, return_dict_in_generate=True, output_logits=True, streamer=streamer,
         )  # fmt: skip
         assert streamer.ended == 1
@@ -2483,10 +2502,10 @@ def test_speech_and_vision_encoder_decoders_match_the_slow_reference(feature_seq
     before = snapshot(model)
     num_samples, new = 3, 5
     out = generate_bma(
-        model, noisy, **{name: features}, num_samples=num_samples, seed=7, max_new_tokens=new, do_sample=False,
+        model, noisy, **{name: features}, num_samples=num_samples, seed=4, max_new_tokens=new, do_sample=False,
         eos_token_id=None, return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
-    copies = [m.double() for m in sampled_copies(model, noisy, num_samples, 7)]
+    copies = [m.double() for m in sampled_copies(model, noisy, num_samples, 4)]
     picked = out.sequences[:, 1:]
     with torch.no_grad():
         per_sample = [
@@ -2498,7 +2517,7 @@ def test_speech_and_vision_encoder_decoders_match_the_slow_reference(feature_seq
     torch.testing.assert_close(got.double(), reference, atol=1e-4, rtol=1e-4)
     mean_first = torch.log_softmax(model(**{name: features}, decoder_input_ids=out.sequences[:, :1]).logits[:, -1], -1)
     assert (got[:, 0] - mean_first).abs().max() > 1e-2  # the samples differ from the mean
-    scored = bma_log_likelihood(model, noisy, **{name: features}, labels=picked, num_samples=num_samples, seed=7)
+    scored = bma_log_likelihood(model, noisy, **{name: features}, labels=picked, num_samples=num_samples, seed=4)
     want = reference.gather(-1, picked[..., None])[..., 0]
     assert scored.token_log_probs.shape == picked.shape and bool(scored.mask.all())
     torch.testing.assert_close(scored.token_log_probs.double(), want, atol=1e-4, rtol=1e-4)

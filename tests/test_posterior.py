@@ -364,23 +364,27 @@ def test_empirical_covariance_matches_within_sampling_error(mlp):
 
 
 def test_draw_is_the_documented_transform_of_seeded_normals(mlp):
-    """draw() = Q_L (z ⊙ √V) Q_Rᵀ with z from the per-parameter generator (linalg's formula)."""
+    """draw() = Q_L (z ⊙ √V) Q_Rᵀ with z from the per-parameter generator (linalg's formula), sample s's
+    seeded (99 + s, name)."""
     from hf_evon.optim.linalg import sample_perturbation
+
+    def seeded_normals(name, shape):
+        return torch.stack(
+            [torch.randn(*shape, generator=torch.Generator().manual_seed(derived_seed(99 + s, name))) for s in range(3)]
+        )
 
     _, _, post = mlp
     draws = post.draw(3, seed=99)
     for name in post.names:
         f = post[name]
-        gen = torch.Generator().manual_seed(derived_seed(99, name))
-        z = torch.randn(3, *f.matrix_shape, generator=gen)
+        z = seeded_normals(name, f.matrix_shape)
         expected = sample_perturbation(z, f.hess, f.Q_L, f.Q_R, f.ess, f.weight_decay)
         torch.testing.assert_close(draws[name], expected.reshape(3, *f.shape), rtol=1e-5, atol=1e-7)
     # rotated=True: the same draws before the bases, E = z ⊙ √V exactly
     rotated = post.draw(3, seed=99, rotated=True)
     for name in post.names:
         f = post[name]
-        gen = torch.Generator().manual_seed(derived_seed(99, name))
-        z = torch.randn(3, *f.matrix_shape, generator=gen)
+        z = seeded_normals(name, f.matrix_shape)
         assert torch.equal(rotated[name], z * torch.rsqrt(f.ess * (f.hess + f.weight_decay)))
 
 

@@ -114,15 +114,6 @@ def _decoded(predictions, width: int, pad: int) -> torch.Tensor:
     return tokens[:, :width]
 
 
-def _bma_samples(posterior):
-    """``posterior`` drawing the samples of seeds ``bma_seed + s`` (5, 6, 7), those the trainer's BMA
-    decoding and token metrics average (checked against ``posterior.sampled`` in
-    test_predict_bma_with_generate_decodes_the_samples_its_token_metrics_average)."""
-    from hf_evon.trainer.trainers import _SamplesBySeed
-
-    return _SamplesBySeed(posterior, 5)
-
-
 def test_predict_passes_generation_settings_to_seq2seq_trainer(tmp_path):
     """``Seq2SeqTrainer.predict(test, **gen_kwargs)``: the mixin's predict took no generation
     settings ("unexpected keyword argument 'max_new_tokens'")."""
@@ -150,7 +141,7 @@ def test_predict_bma_with_generate_decodes_with_generate_bma(tmp_path):
     out = trainer.predict(test, bma=True)
     posterior = trainer.current_posterior()
     ids = torch.tensor(test["input_ids"])
-    expected = generate_bma(model, _bma_samples(posterior), ids, num_samples=3, seed=5, max_length=7)
+    expected = generate_bma(model, posterior, ids, num_samples=3, seed=5, max_length=7)
     pad = model.config.pad_token_id
     assert torch.equal(_decoded(out.predictions, expected.shape[1], pad), expected)
     assert out.metrics["test_rows"] == 6.0 and len(seen) == 1 and seen[0] is out.predictions
@@ -174,7 +165,7 @@ def test_predict_bma_with_generate_decodes_with_beam_search(tmp_path):
     test = reversal_data(6, seed=3)
     out = trainer.predict(test, bma=True, num_beams=3)
     model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
-    samples = _bma_samples(trainer.current_posterior())
+    samples = trainer.current_posterior()
     expected = generate_bma(model, samples, ids, num_samples=3, seed=5, max_length=7, num_beams=3)
     greedy = generate_bma(model, samples, ids, num_samples=3, seed=5, max_length=7)
     assert not torch.equal(expected, greedy)  # the beams change the decoding here
@@ -216,7 +207,7 @@ def test_evaluate_bma_with_generate_scores_generate_bma_ids(tmp_path):
     model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
     pad = model.config.pad_token_id
     bma_metrics = trainer.evaluate(test, bma=True)
-    expected = generate_bma(model, _bma_samples(trainer.current_posterior()), ids, num_samples=3, seed=5, max_length=7)
+    expected = generate_bma(model, trainer.current_posterior(), ids, num_samples=3, seed=5, max_length=7)
     assert torch.equal(_decoded(seen[-1], expected.shape[1], pad), expected)
     mean_metrics = trainer.evaluate(test)
     mean_ids = model.generate(ids, max_length=7)
@@ -465,7 +456,7 @@ def test_predict_and_evaluate_bma_with_generate_decode_speech_and_vision_inputs(
     out = trainer.predict(test, bma=True)
     model = trainer.model.eval()
     features = torch.tensor(test[name])
-    samples = _bma_samples(trainer.current_posterior())
+    samples = trainer.current_posterior()
     expected = generate_bma(model, samples, **{name: features}, num_samples=3, seed=5, max_length=6)
     assert not torch.equal(expected, model.generate(**{name: features}, max_length=6))  # not the mean's
     pad = model.generation_config.pad_token_id
@@ -611,35 +602,3 @@ def test_predict_bma_with_generate_samples_other_tokens_in_each_batch(tmp_path):
     again = torch.as_tensor(trainer.predict(test, bma=True, do_sample=True, max_new_tokens=5).predictions)
     assert torch.equal(first, again)
 
-
-def test_the_seed_pinned_posterior_copies_and_pickles():
-    """``_SamplesBySeed`` proxied the posterior with ``__getattr__``, which read ``self._posterior``:
-    a copy or an unpickle looks up ``__setstate__`` before that is set, so ``__getattr__`` called
-    itself until RecursionError; ``copy.deepcopy`` found the posterior's ``__deepcopy__`` through it
-    and returned the bare posterior, drawing other samples. A copy now is one, draws as the original,
-    and an attribute it lacks raises AttributeError naming it."""
-    import copy
-    import pickle
-
-    from conftest import plain_evon
-
-    from hf_evon import EVONPosterior
-    from hf_evon.trainer.trainers import _SamplesBySeed
-
-    torch.manual_seed(0)
-    net = torch.nn.Linear(3, 2)
-    opt = EVON([net.weight], **plain_evon(lr=0.1, ess=50, seed=0))
-    with opt.sampled_params(train=True):
-        net(torch.randn(4, 3)).square().mean().backward()
-    opt.step()
-    samples = _SamplesBySeed(EVONPosterior.from_optimizer(opt, net), 5)
-    expected = samples.draw(3)
-    for copied in (copy.copy(samples), copy.deepcopy(samples), pickle.loads(pickle.dumps(samples))):
-        assert type(copied) is _SamplesBySeed and copied._seed == 5
-        assert copied.names == samples.names == ["weight"] and "weight" in copied
-        drawn = copied.draw(3, seed=123)  # the caller's seed is ignored: seeds 5, 6, 7
-        assert set(drawn) == set(expected) and all(torch.equal(drawn[k], expected[k]) for k in expected)
-    with pytest.raises(AttributeError, match="no_such_attribute"):
-        samples.no_such_attribute  # noqa: B018
-    with pytest.raises(AttributeError, match="_posterior"):
-        _SamplesBySeed.__new__(_SamplesBySeed).names  # noqa: B018

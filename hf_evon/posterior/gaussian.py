@@ -294,8 +294,9 @@ def sample_group(
 ) -> Tensor:
     """``num_samples`` perturbations of the group's matrices ``members``: ``(len(members), S, m, n)``.
 
-    Each matrix draws from its own generator seeded by ``(seed, name)``, so its values do not
-    depend on which other matrices are drawn with it. ``rotated``: the draws before the bases
+    Sample ``s`` of each matrix draws from a generator seeded by ``(seed + s, name)``, so its values
+    depend neither on which other matrices are drawn with it nor on how many samples are.
+    ``rotated``: the draws before the bases
     are applied (``z ⊙ √V``). Math in ``compute_dtype`` on ``device`` (None: where the group is).
     ``pruned`` (``{name: entries}``, AdaLoRA's pruned ranks) are 0 in the perturbations, not in ``rotated``'s.
     """
@@ -316,10 +317,11 @@ def sample_group(
 
     hess, q_left, q_right = take(group.hess), take(group.q_left), take(group.q_right)
     z = torch.empty(len(members), num_samples, group.m, group.n, device=dev, dtype=dt)
+    gen = torch.Generator(device=dev)
     for j, i in enumerate(members):
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(derived_seed(seed, group.names[i]))
-        z[j].normal_(generator=gen)
+        for s in range(num_samples):  # sample s is seed + s's one sample: the BMA passes' convention
+            gen.manual_seed(derived_seed(seed + s, group.names[i]))
+            z[j, s].normal_(generator=gen)
     if rotated:
         return perturbations(z, hess, None, None, group.ess, group.weight_decay)
     out = perturbations(z, hess, q_left, q_right, group.ess, group.weight_decay)

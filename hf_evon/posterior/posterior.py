@@ -253,9 +253,9 @@ class EVONPosterior:
         """Draw perturbations ``W_s − M`` without touching any model.
 
         Returns ``{name: (S, *param_shape)}``, each covered tensor once, or each of ``names`` (a tied weight's
-        other name: its covered name's draws). Each parameter's noise comes from its own generator seeded by
-        ``(seed, name)``, so the same seed gives the same values for a parameter whatever subset is drawn (on
-        the same device type). Math in float32; ``dtype`` casts the result. ``seed=None`` takes a seed from
+        other name: its covered name's draws). Sample ``s`` is ``sampled(model, seed=seed + s)``'s, as the BMA
+        passes take for ``bma_seed = seed`` (seeds ``S`` apart give disjoint sets), its noise from a generator
+        seeded by ``(seed + s, name)``: a parameter's values do not depend on which others are drawn. Math in float32; ``dtype`` casts the result. ``seed=None`` takes a seed from
         torch's global RNG. AdaLoRA's pruned ranks (``config["pruned_ranks"]``) are 0, as in ``sampled``.
         ``rotated=True``: the draws before the bases are applied (none zeroed), ``E_s = z_s ⊙ √V`` shaped
         ``(S, m, n)`` (``W_s − M = Q_L E_s Q_Rᵀ``): no matmuls, for code that applies the bases to activations

@@ -201,6 +201,7 @@ def generate_bma(
     attention_mask: Tensor | None = None,
     num_samples: int = 8,
     seed: int | None = None,
+    token_seed: int | None = None,
     **generation_kwargs: Any,
 ) -> Any:
     """Generate with the BMA predictive: next-token probabilities averaged over S samples.
@@ -216,8 +217,11 @@ def generate_bma(
             With ``inputs_embeds=`` too, a covered input embedding's samples miss the prompt (a warning).
         attention_mask: ``(B, T)``; derived from ``pad_token_id`` when omitted, as transformers does.
         num_samples: S, the number of weight samples (drawn once, kept for the whole call).
-        seed: makes the call reproducible: seeds the weight draw and the token sampling of
+        seed: makes the call reproducible: seeds the weight draw (sample ``s`` is ``posterior.draw(1, seed + s)``'s,
+            the one ``EVONTrainer``'s BMA passes take for ``bma_seed = seed``) and the token sampling of
             ``do_sample=True`` (``seed=None``: fresh weights, torch's global RNG for tokens).
+        token_seed: seeds the token sampling alone, in place of ``seed``: the same weight samples with
+            another token stream (a batch of prompts each with its own).
         **generation_kwargs: anything ``model.generate`` takes for greedy decoding, sampling and
             beam search: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``repetition_penalty``, ``guidance_scale`` and the other processors, ``eos_token_id``,
@@ -275,7 +279,8 @@ def generate_bma(
     # do_sample may also come from the model's generation_config; a stream of its own, hashed from the
     # seed as the weight draws' are: torch's CPU generator keeps a seed's low 32 bits, so an affine map
     # of the seed would give seeds 2**32 apart the same tokens
-    token_seed = None if seed is None else derived_seed(resolve_seed(seed), "tokens")
+    token_seed = seed if token_seed is None else token_seed
+    token_seed = None if token_seed is None else derived_seed(resolve_seed(token_seed), "tokens")
     config = _checked_call_config(gen_model, generation_kwargs)
     beams = int(config.num_beams or 1)
     # the most tokens the call can add, for the cost model of the batched samples

@@ -6,7 +6,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
@@ -119,52 +118,23 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=True, **gen_kwargs)
 
 
-class _SamplesBySeed:
-    """``posterior`` whose ``draw(S)`` gives the samples the BMA passes write, sample ``s`` the one of
-    ``posterior.sampled(model, seed=seed + s)``, whatever seed the caller passes: ``generate_bma``
-    then decodes with the weights the ``{prefix}_bma_*`` token metrics average (its own ``draw(S,
-    seed)`` would take S slices of one stream, other samples than seeds ``seed + s`` but the first)."""
-
-    def __init__(self, posterior: Any, seed: int) -> None:
-        self._posterior, self._seed = posterior, seed
-
-    def __getattr__(self, name: str) -> Any:
-        # not the posterior's protocol methods: deepcopy looks __deepcopy__ up on the instance (the
-        # posterior's would copy the posterior alone, unpinned), and a copy or an unpickle looks up
-        # __setstate__ before _posterior is set (read through the instance, not this method again)
-        if name == "_posterior" or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(f"{type(self).__name__} object has no attribute {name!r}")
-        return getattr(object.__getattribute__(self, "_posterior"), name)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._posterior[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._posterior
-
-    def draw(self, num_samples: int, seed: Any = None, **kwargs: Any) -> dict[str, Any]:
-        # each name's draws are seeded by (seed, name) alone, so per-seed draws of the same names stack
-        draws = [self._posterior.draw(1, seed=self._seed + s, **kwargs) for s in range(num_samples)]
-        return {name: torch.cat([d.pop(name) for d in draws]) for name in list(draws[0])}
-
-
 @contextmanager
 def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed: int) -> Iterator[None]:
     """``model.generate`` routed to :func:`generate_bma` for the block: ``Seq2SeqTrainer``'s
     ``prediction_step`` (its generation settings, padding and loss) then runs unchanged. The
     batch's ``labels`` stay out of decoding, as ``generate`` ignores them.
 
-    Every batch decodes with the same weight samples, those of seeds ``seed + s`` (:class:`_SamplesBySeed`);
-    sampling (``do_sample``) draws its tokens from a stream of each batch's own (by its number in the
-    block and the process's rank), so batches of the same prompts do not decode the same tokens."""
-    samples = _SamplesBySeed(posterior, seed)
+    Every batch decodes with the same weight samples, those of seeds ``seed + s`` that the token metrics
+    average; sampling (``do_sample``) draws its tokens from a stream of each batch's own (by its number in
+    the block and the process's rank), so batches of the same prompts do not decode the same tokens."""
     batches = itertools.count()
 
     def generate(input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> Any:
         kwargs.pop("labels", None)
         tokens = derived_seed(seed, "generation batch", process_rank(), next(batches))
         return generate_bma(
-            model, samples, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=tokens, **kwargs
+            model, posterior, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed,
+            token_seed=tokens, **kwargs,
         )
 
     previous = model.__dict__.get("generate")  # an instance's own (a Hub repo's custom_generate)
