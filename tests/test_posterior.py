@@ -1562,6 +1562,36 @@ def test_a_peft_posterior_given_the_model_merge_and_unload_returned_names_the_me
         with post.sampled(merged, seed=0):
             pass
 
+def test_a_peft_posterior_given_the_peft_model_merge_and_unload_emptied_names_the_merge():
+    """``model.merge_and_unload()`` (and ``unload()``) replaces the tuner layers inside the PeftModel
+    itself, so ``model`` is still a PeftModel without adapter tensors. Given that model, sampled() and
+    check_model said only that each LoRA tensor "is not a parameter of the model"; they name the merge
+    as for the model merge_and_unload returns. A PeftModel whose adapter sits on other modules is no
+    merge and is not told of one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    torch.manual_seed(1)
+    model = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), lora)
+    post = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, **plain_evon(ess=500, seed=0)), model)
+    name = re.escape("base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight")
+    for drop in ("merge_and_unload", "unload"):
+        torch.manual_seed(1)
+        model = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), lora)
+        getattr(model, drop)()
+        with pytest.raises(PosteriorMismatchError, match=rf"'{name}' is not a parameter of the model \(.*merge_and_unload\(\)"):
+            post.check_model(model)
+        with pytest.raises(PosteriorMismatchError, match=r"merge_and_unload\(\)"):
+            with post.sampled(model, seed=0):
+                pass
+    other = LoraConfig(r=4, lora_alpha=8, target_modules=["c_proj"], fan_in_fan_out=True)
+    elsewhere = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), other)
+    with pytest.raises(PosteriorMismatchError, match=rf"'{name}' is not a parameter of the model") as caught:
+        post.check_model(elsewhere)
+    assert "merge_and_unload" not in str(caught.value)
+
+
 def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import GPT2LMHeadModel

@@ -17,7 +17,13 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from hf_evon.modeling import adapter_name_of, is_peft_model, unwrap_model
+from hf_evon.modeling import (
+    adapter_name_of,
+    adapter_of_names,
+    adapter_parameter_ids,
+    is_peft_model,
+    unwrap_model,
+)
 from hf_evon.optim.checks import outside_stacklevel
 
 __all__ = ["model_problems", "name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint"]
@@ -128,6 +134,16 @@ def warn_peft_unsaved(directory: str, shapes: Mapping[str, Any]) -> None:
     )
 
 
+def _emptied_tuner_tensor(name: str, model: nn.Module) -> bool:
+    """Whether ``name`` is a PEFT tuner layer's tensor and ``model`` a PeftModel of tuner layers (no prompt
+    learning) that holds none: merge_and_unload() and unload() replace the tuner layers inside the
+    PeftModel itself, so the wrapper the user still holds keeps its names but no adapter tensor."""
+    if not is_peft_model(model) or name.startswith("prompt_encoder.") or adapter_of_names([name]) is None:
+        return False
+    prompting = getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False)
+    return not prompting and not adapter_parameter_ids(model)
+
+
 def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
     """The likely cause where ``name`` matches a parameter of ``model`` (``params``, by name) but for
     a wrapper prefix (PEFT's ``base_model.model.``) or the PEFT adapter's name, or where PEFT's save
@@ -149,6 +165,13 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
             " (a PEFT adapter's tensor, and the model is no PeftModel: merge_and_unload() folds the adapter's "
             "mean into the base weights and leaves no adapter tensors to sample; sample the PeftModel, "
             "e.g. PeftModel.from_pretrained(base_model, adapter_dir), and merge a copy for deployment)"
+        )
+    if _emptied_tuner_tensor(name, model):
+        return (
+            " (a PEFT adapter's tensor, and this PeftModel holds no adapter tensors, as after merge_and_unload() "
+            "or unload(), which replace its tuner layers in place (the merge folds the adapter's mean into the "
+            "base weights); sample a PeftModel that holds the adapter, e.g. PeftModel.from_pretrained(base_model, "
+            "adapter_dir), and merge a copy for deployment)"
         )
     parts = name.split(".")
     for other in params:
