@@ -749,6 +749,20 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
         calibrate_posterior(model, post, cal, **kwargs)
 
 
+def test_a_numpy_sample_count_calibrates_as_its_int() -> None:
+    """``num_samples=np.int64(4)``, which ``posterior.draw`` takes, was refused here ("must be an integer");
+    it now gives what 4 gives, recorded as a Python int (the posterior's JSON record takes no NumPy type)."""
+    import json
+
+    import numpy as np
+
+    model, post, cal, _ = trained(steps=1)
+    want_post, want = calibrate_posterior(model, post, cal, num_samples=4, always_scan=True)
+    got_post, got = calibrate_posterior(model, post, cal, num_samples=np.int64(4), always_scan=True)
+    assert got == want and type(got.num_samples) is int
+    assert json.dumps(got_post.config, default=str) == json.dumps(want_post.config, default=str)
+
+
 def test_an_iterator_and_an_infinite_ess_are_refused() -> None:
     model, post, cal, _ = trained(steps=1)
     with pytest.raises(TypeError, match="re-iterable"):

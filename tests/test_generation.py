@@ -2142,6 +2142,24 @@ def tiny_switch_with_covered_experts(monkeypatch: pytest.MonkeyPatch) -> tuple:
     return model, posterior
 
 
+def test_a_numpy_sample_count_decodes_as_its_int_on_both_paths(monkeypatch, gpt2):
+    """``num_samples=np.int64(2)``, which ``posterior.draw`` takes, was refused by the batched samples and by
+    the one-draw-at-a-time ones ("must be an integer"), and the latter took ``True``."""
+    import numpy as np
+
+    from hf_evon.predictive.sequential_samples import SequentialSamples
+
+    model, posterior = gpt2
+    noisy = posterior.with_ess(NOISY_ESS)
+    kwargs = dict(seed=0, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    want = generate_bma(model, noisy, PROMPTS, num_samples=2, **kwargs)
+    assert torch.equal(generate_bma(model, noisy, PROMPTS, num_samples=np.int64(2), **kwargs), want)
+    _refuse_batched(monkeypatch)
+    assert torch.equal(generate_bma(model, noisy, PROMPTS, num_samples=np.int64(2), **kwargs), want)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1; got True"):
+        SequentialSamples(model, noisy, True)
+
+
 @pytest.mark.parametrize("call", ["generate_bma", "bma_log_likelihood"])
 def test_a_refusal_during_the_batched_forward_runs_one_draw_at_a_time(monkeypatch, call):
     """A refusal of the batched samples raised during the forward (a mixture's expert fed a selection of

@@ -73,6 +73,7 @@ from torch import nn
 
 from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import is_dtensor
+from hf_evon.optim.checks import is_int
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
 from hf_evon.posterior.names import claim_sample
@@ -254,8 +255,9 @@ class BatchedSamples:
         sequences: int | None = None,
     ) -> None:
         strategy = DEFAULT_STRATEGY if strategy is None else strategy
-        if not isinstance(num_samples, int) or num_samples < 1:
+        if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as posterior.draw takes
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
+        num_samples = int(num_samples)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
         self.model = unwrap_model(model)
