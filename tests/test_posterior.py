@@ -1320,6 +1320,10 @@ def test_reorthonormalize_option(gpt2, tmp_path):
     name = "transformer.h.0.mlp.c_fc.weight"
     assert _orthonormality_error(plain[name].Q_R) > 1e-3
     assert _orthonormality_error(fixed[name].Q_R) < 1e-4
+    # bool() of a string is True: "no" turned the step on; a flag that is no bool is refused by name
+    for flag in ("no", 0, None):
+        with pytest.raises(ValueError, match=r"from_pretrained: reorthonormalize: .* \(must be True or False\)"):
+            EVONPosterior.from_pretrained(tmp_path, reorthonormalize=flag)
 
 
 # ----------------------------------------------------------------------------- load errors

@@ -28,7 +28,7 @@ from torch import nn
 
 from hf_evon.fileio import directory_lock
 from hf_evon.modeling import pruned_ranks, unused_adapter_parameters, unwrap_model
-from hf_evon.optim.checks import is_int, is_real
+from hf_evon.optim.checks import is_int, is_real, require
 from hf_evon.optim.linalg import writing_weights
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
@@ -535,7 +535,8 @@ class EVONPosterior:
         """
         device = kwargs.pop("device", "cpu")
         model = kwargs.pop("model", None)
-        reorthonormalize = bool(kwargs.pop("reorthonormalize", False))
+        reorthonormalize = kwargs.pop("reorthonormalize", False)  # a string like "no" is no flag
+        require("from_pretrained: reorthonormalize", reorthonormalize, isinstance(reorthonormalize, bool), "True or False")
         hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HUB_DOWNLOAD_KWARGS}
         if kwargs:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
