@@ -659,11 +659,12 @@ def _evon_grpo(tmp_path, corpus, **settings):
         config_class = evon_config_class(GRPOConfig)
 
     tokenizer, train, _ = corpus
-    args = EVONGRPOTrainer.config_class(
+    values = dict(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=4, gradient_checkpointing=False, max_steps=2, logging_steps=1,
-        learning_rate=1e-3, evon_ess=1e3, save_strategy="no", disable_tqdm=True, **settings,
+        learning_rate=1e-3, evon_ess=1e3, save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
+    args = EVONGRPOTrainer.config_class(**{**values, **settings})
     return EVONGRPOTrainer(
         model=tiny_gpt2(tokenizer), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=args, train_dataset=Dataset.from_dict({"prompt": [t[:20] for t in train["text"][:8]]}),
@@ -704,3 +705,18 @@ def test_grpo_generates_at_the_sample_each_micro_batch_trains_at_and_refuses_a_b
     trainer.train()
     assert trainer.state.global_step == 2
     assert generated == trained == [(True, block) for block in (1, 2, 3, 4)]  # one sample per micro-batch
+
+
+def test_grpo_evaluate_reports_trls_metrics_and_refuses_bma_naming_the_missing_labels(tmp_path, corpus):
+    """GRPO's evaluation batches are lists of prompt rows, not dicts: evaluate() of a mixin subclass
+    of GRPOTrainer raised "AttributeError: 'list' object has no attribute 'get'" where it looked for
+    the labels. It reports GRPO's own metrics (eval_reward), without eval_mean_*/eval_bma_*, and
+    evaluate(bma=True) raises the ValueError saying the batches hold no labels."""
+    trainer = _evon_grpo(tmp_path, corpus, max_steps=1, per_device_eval_batch_size=4)
+    trainer.eval_dataset = Dataset.from_dict({"prompt": [t[:20] for t in corpus[1]["text"][:4]]})
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and "eval_loss" in metrics
+    assert not any(k.startswith(("eval_mean_", "eval_bma_")) for k in metrics), metrics
+    with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): the evaluation batches hold no labels"):
+        trainer.evaluate(bma=True)

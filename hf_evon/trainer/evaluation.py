@@ -23,7 +23,7 @@ the mean runs. The BMA passes have their own progress bar.
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -171,8 +171,8 @@ def batch_labels(trainer: Any, inputs: dict[str, Any]) -> Tensor | tuple[Tensor,
     ``labels`` where those are none (a forward taking ``**batch``, whose signature names no label:
     the BMA metrics read ``labels`` as ``evaluate()`` does); None where one is missing."""
     names = trainer.label_names or ["labels"]
-    if any(inputs.get(name) is None for name in names):
-        return None
+    if not isinstance(inputs, Mapping) or any(inputs.get(name) is None for name in names):
+        return None  # not a Mapping: no labels (TRL's GRPO evaluates lists of prompts)
     return inputs[names[0]] if len(names) == 1 else tuple(inputs[name] for name in names)
 
 
