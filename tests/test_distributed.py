@@ -373,6 +373,50 @@ def test_deepspeed_engine_is_refused() -> None:
         )
 
 
+def test_deepspeed_zero_flat_partitions_are_refused_as_deepspeed() -> None:
+    """ZeRO (stages 1 and 2) puts its flat fp32 partitions into the optimizer's param groups: the
+    check for another model's tensors ran first and said "pass the model it was built for", on a
+    DeepSpeed engine that was the right one. DeepSpeed is now named."""
+
+    class DeepSpeedEngine(torch.nn.Module):  # stands in for deepspeed's engine (matched by name)
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    model = worker.tiny_gpt2()
+    opt = build_optimizer(model, **plain_evon(ess=100.0))
+    for group in opt.param_groups:  # as DeepSpeedZeroOptimizer does: one flat partition per group
+        group["params"] = [torch.cat([p.detach().reshape(-1) for p in group["params"]]).requires_grad_()]
+    with pytest.raises(UnsupportedParallelismError, match="EVON cannot run under DeepSpeed"):
+        prepare_distributed(DeepSpeedEngine(model), opt)
+    assert opt.sharding is None and opt.gradient_reducer is None
+
+
+@pytest.mark.parametrize(
+    ("flag", "match"),
+    [
+        ("is_deepspeed_enabled", r"cannot train under DeepSpeed \(TrainingArguments\.deepspeed"),
+        ("is_fsdp_enabled", r"cannot train under FSDP1 .*fsdp_version"),
+    ],
+)
+def test_trainer_refuses_deepspeed_and_fsdp1_before_building_anything(tmp_path, flag, match) -> None:
+    """accelerate's DeepSpeed or FSDP1 plugin (``is_deepspeed_enabled``/``is_fsdp_enabled`` set, as
+    the Trainer sets them from accelerate's state; neither plugin runs on CPUs, and deepspeed is not
+    installed, so the flags stand in for them). Before, DeepSpeed built EVON for its ZeRO wrapper (or
+    trained its config's own optimizer without EVON) and the first refusal, if any, came later and named
+    another model's tensors; FSDP1 built EVON on its flat parameters. Both are refused in ``train()``
+    now, naming the setting, before the optimizer is built."""
+    from test_trainer import config, lm_data, tiny_gpt2
+
+    from hf_evon import EVONTrainer
+
+    trainer = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path, max_steps=1), train_dataset=lm_data(4))
+    setattr(trainer, flag, True)
+    with pytest.raises(UnsupportedParallelismError, match=match):
+        trainer.train()
+    assert trainer.optimizer is None and trainer.state.global_step == 0
+
+
 def test_rank_averager_packs_by_dtype_and_cap() -> None:
     avg = RankAverager(bucket_cap_mb=1e-4)  # ~100 bytes per flat buffer
     ts = [torch.ones(10), torch.ones(3), torch.ones(20, dtype=torch.float64), torch.ones(30)]

@@ -399,6 +399,10 @@ def prepare_distributed(
         raise TypeError(f"prepare_distributed: check_consistency must be True or False; got {check_consistency!r}")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or not 0 < bucket_cap_mb < math.inf:
         raise ValueError(f"prepare_distributed: bucket_cap_mb must be a finite number > 0; got {bucket_cap_mb!r}")
+    if any(type(m).__name__ == "DeepSpeedEngine" for m in _module_chain(model)):
+        # named first: ZeRO puts its flat partitions into the optimizer's groups, which the check
+        # below would report as another model's tensors
+        check_supported_parallelism(model)
     evon = unwrap_optimizer(optimizer)
     own = {id(p) for p in model.parameters()}
     foreign = [p for g in evon.param_groups for p in g["params"] if id(p) not in own]

@@ -276,7 +276,26 @@ class CheckpointingMixin:
         return bool(self.args.fsdp) and getattr(self.accelerator.state, "fsdp_plugin", None) is None
 
     def _check_fsdp_plugin(self) -> None:
-        """Refuse ``fsdp`` arguments that accelerate would silently turn into plain DDP."""
+        """Refuse, before anything is built, ``fsdp`` arguments that accelerate would silently turn
+        into plain DDP, and the set-ups EVON cannot train: DeepSpeed (its engine flattens the weights
+        and steps its own optimizer, or one from its config instead of EVON) and FSDP1 (flat
+        parameters mixing matrices; the Trainer builds the optimizer on them, after wrapping)."""
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise UnsupportedParallelismError(
+                "EVONTrainer cannot train under DeepSpeed (TrainingArguments.deepspeed, or accelerate's "
+                "DeepSpeed config: distributed type "
+                f"{self.accelerator.state.distributed_type}): ZeRO flattens and partitions the weights, "
+                "and EVON's posterior is per whole matrix. Drop the deepspeed setting: plain DDP with "
+                "evon_shard=True shards EVON's state and work over the ranks, or use FSDP2 "
+                '(fsdp_config={"fsdp_version": 2})'
+            )
+        if getattr(self, "is_fsdp_enabled", False) and not self._accelerate_fsdp2():
+            raise UnsupportedParallelismError(
+                "EVONTrainer cannot train under FSDP1 (the Trainer's fsdp arguments without "
+                'fsdp_config={"fsdp_version": 2}, or accelerate\'s fsdp_version 1): its flat parameters '
+                'mix matrices, and EVON\'s posterior is per whole matrix. Set fsdp_config={"fsdp_version": 2} '
+                "(FSDP2, supported), or drop fsdp for plain DDP (evon_shard=True shards EVON's state)"
+            )
         if self._fsdp_requested_without_plugin():
             raise UnsupportedParallelismError(
                 "the Trainer's fsdp arguments are set, but accelerate did not enable FSDP (distributed "
