@@ -416,29 +416,9 @@ def test_evon_mc_samples_above_one_is_refused_for_trl_trainers_that_buffer_gener
     and EVON runs training_step once per posterior sample: with evon_mc_samples=2 each sample of a
     micro-batch trained on other completions and generation ran twice as often, silently. Refused
     when the trainer is made; one sample per micro-batch trains as GRPO does."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    from hf_evon.trainer import EVONTrainerMixin
-
-    class EVONGRPOTrainer(EVONTrainerMixin, GRPOTrainer):
-        config_class = evon_config_class(GRPOConfig)
-
-    tokenizer, train, _ = corpus
-    prompts = Dataset.from_dict({"prompt": [t[:20] for t in train["text"][:8]]})
-
-    def make(samples: int) -> EVONGRPOTrainer:
-        args = EVONGRPOTrainer.config_class(
-            output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4,
-            num_generations=4, max_completion_length=8, gradient_checkpointing=False, evon_mc_samples=samples,
-        )  # fmt: skip
-        return EVONGRPOTrainer(
-            model=tiny_gpt2(tokenizer), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-            args=args, train_dataset=prompts, processing_class=tokenizer,
-        )  # fmt: skip
-
     with pytest.raises(ValueError, match=r"evon_mc_samples = 2 .*EVONGRPOTrainer"):
-        make(2)
-    assert make(1).args.evon_mc_samples == 1
+        _evon_grpo(tmp_path, corpus, evon_mc_samples=2)
+    assert _evon_grpo(tmp_path, corpus, evon_mc_samples=1).args.evon_mc_samples == 1
 
 
 def test_trl_reward_and_dpo_num_tokens_count_each_token_once_whatever_evon_mc_samples(tmp_path, corpus):
@@ -720,3 +700,36 @@ def test_grpo_evaluate_reports_trls_metrics_and_refuses_bma_naming_the_missing_l
     assert not any(k.startswith(("eval_mean_", "eval_bma_")) for k in metrics), metrics
     with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): the evaluation batches hold no labels"):
         trainer.evaluate(bma=True)
+
+
+def test_rloo_trains_with_evon(tmp_path, corpus):
+    """RLOOTrainer's loss is not scaled for gradient accumulation and its training batches are lists
+    of prompt rows: the mixin read the micro-batch's labels by ``inputs.get`` and train() raised
+    "AttributeError: 'list' object has no attribute 'get'" at the first step. A batch that is not a
+    Mapping holds no labels: each micro-batch weighs 1/A, as RLOO's own loss is averaged."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    from hf_evon.trainer import EVONTrainerMixin
+
+    class EVONRLOOTrainer(EVONTrainerMixin, RLOOTrainer):
+        config_class = evon_config_class(RLOOConfig)
+
+    tokenizer, train, _ = corpus
+    saved = tmp_path / "tiny-gpt2"
+    tiny_gpt2(tokenizer).save_pretrained(saved)  # RLOOTrainer loads its reference model from the policy's path
+    model = tiny_gpt2(tokenizer)
+    model.config._name_or_path = str(saved)
+    args = EVONRLOOTrainer.config_class(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=4, gradient_checkpointing=False, max_steps=2, logging_steps=1,
+        learning_rate=1e-3, evon_ess=1e3, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = EVONRLOOTrainer(
+        model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+        train_dataset=Dataset.from_dict({"prompt": [t[:20] for t in train["text"][:8]]}), processing_class=tokenizer,
+    )  # fmt: skip
+    before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.evon_optimizer.recorded_samples == 0
+    assert not torch.equal(model.transformer.h[0].attn.c_attn.weight.detach(), before)
+    assert [math.isfinite(h["loss"]) and "reward" in h for h in trainer.state.log_history if "loss" in h] == [True] * 2

@@ -511,8 +511,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
                 "EVONTrainer supports neither SageMaker model parallelism nor DeepSpeed"
             )
         scaled_for_ga = self._loss_is_scaled_for_ga()
-        # once per micro-batch, before any loss (which may pop the labels)
-        share = torch.ones((), device=self.args.device) if scaled_for_ga else self._loss_share(inputs.get("labels"))
+        # once per micro-batch, before any loss (which may pop the labels); TRL's RLOO trains lists of rows, no labels
+        labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+        share = torch.ones((), device=self.args.device) if scaled_for_ga else self._loss_share(labels)
         logged: list[Tensor] = []
         unscaled = self.compute_loss
 
