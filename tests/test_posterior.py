@@ -1943,6 +1943,28 @@ def test_a_posterior_of_an_inactive_head_copy_or_prompt_encoder_is_refused():
             posterior.check_model(model)
 
 
+def test_a_prompt_encoder_posterior_under_disable_adapter_is_refused():
+    """Inside ``PeftModel.disable_adapter()`` a prompt-learning model runs its base model alone, so a
+    sample of its prompt encoder changes nothing it computes: sampled() ran and every sample was the
+    mean (BMA ran the mean S times). It is refused, as a disabled LoRA adapter's posterior is."""
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+    from test_trainer import tiny_gpt2
+
+    ids = torch.randint(3, 100, (8, 8), generator=torch.Generator().manual_seed(0))
+    prefix = PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4, prefix_projection=True,
+                                encoder_hidden_size=16)  # fmt: skip
+    model = get_peft_model(tiny_gpt2(), prefix).eval()
+    posterior = _posterior_of(model, {"input_ids": ids, "labels": ids})
+    assert posterior.names and all(n.startswith("prompt_encoder.default.") for n in posterior.names)
+    with model.disable_adapter():
+        with pytest.raises(PosteriorMismatchError, match=r"prompt_encoder\.default\..*: the model's adapters are disabled"):
+            posterior.check_model(model)
+        with pytest.raises(PosteriorMismatchError, match="adapters are disabled"):
+            with posterior.sampled(model, seed=0):
+                pass
+    posterior.check_model(model)  # enabled again: fine
+
+
 @pytest.mark.parametrize("kind", ["prefix_projection", "p_tuning"])
 def test_a_posterior_over_a_prompt_encoders_projection_warns_when_saved(tmp_path, kind):
     """PEFT saves prefix tuning with ``prefix_projection=True`` (and P-tuning) as the prompt encoder's
