@@ -271,11 +271,16 @@ def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:
     not take part: a sample of it changes nothing the model computes. Empty without PEFT."""
     layers = _tuner_layers(model)
     prompting = getattr(model, "active_adapter", None)  # a PeftModel's: prompt learning has one at a time
+    # PEFT's disable_adapter() runs a prompt-learning model's base model alone (its prompt encoder unused)
+    # and records that on the PeftModel only: prompt learning has no tuner layers to hold the flag
+    prompts_off = getattr(model, "_adapters_disabled", False) is True
     reasons = []
     for name in names:
         parts = name.split(".")
         if parts[0] == "prompt_encoder" and len(parts) > 2 and isinstance(prompting, str):
-            if parts[1] != prompting:  # prompt_encoder.<adapter>.…
+            if prompts_off:
+                reasons.append(f"{name!r}: the model's adapters are disabled")
+            elif parts[1] != prompting:  # prompt_encoder.<adapter>.…
                 reasons.append(f"{name!r}: adapter {parts[1]!r} is not active (active: [{prompting!r}])")
             continue
         found = _adapter_of(layers, name)
