@@ -733,3 +733,21 @@ def test_rloo_trains_with_evon(tmp_path, corpus):
     assert trainer.state.global_step == 2 and trainer.evon_optimizer.recorded_samples == 0
     assert not torch.equal(model.transformer.h[0].attn.c_attn.weight.detach(), before)
     assert [math.isfinite(h["loss"]) and "reward" in h for h in trainer.state.log_history if "loss" in h] == [True] * 2
+
+
+def test_grpo_bma_predictions_are_refused_naming_the_prompt_batches(tmp_path, corpus):
+    """predict(bma=True) and predict_uncertainty() of a mixin subclass of GRPOTrainer ran the sampled
+    forwards on what GRPO prepares from a batch of prompts (generated completions, rewards) and failed
+    in GPT-2 with "You have to specify either input_ids or inputs_embeds". Both are refused, naming
+    the trainer and its prompt batches, before any pass; predict() without bma stays GRPO's."""
+    trainer = _evon_grpo(tmp_path, corpus, max_steps=1, per_device_eval_batch_size=4)
+    trainer.train()
+    prompts = Dataset.from_dict({"prompt": [t[:20] for t in corpus[1]["text"][:4]]})
+    calls = [0]
+    trainer.model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+    with pytest.raises(ValueError, match=r"^predict\(bma=True\): the batches of EVONGRPOTrainer are prompts"):
+        trainer.predict(prompts, bma=True)
+    with pytest.raises(ValueError, match=r"^predict_uncertainty\(\): the batches of EVONGRPOTrainer are prompts"):
+        trainer.predict_uncertainty(prompts)
+    assert calls[0] == 0
+    assert "test_loss" in trainer.predict(prompts).metrics

@@ -310,6 +310,18 @@ def _refuse_unknown_keywords(method: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
+def _refuse_generated_batches(trainer: Any, call: str) -> None:
+    """ValueError for a trainer that buffers generations (TRL's GRPO, RLOO): its ``_prepare_inputs``
+    turns a batch of prompts into the completions it generates and their rewards, not the model's
+    inputs, so the sampled forwards would fail on a missing ``input_ids``."""
+    if hasattr(trainer, "_buffered_inputs"):
+        raise ValueError(
+            f"{call}: the batches of {type(trainer).__name__} are prompts, which it prepares into generated "
+            "completions and rewards, not the model's inputs: there are no predictions to average; decode "
+            "with the posterior by hf_evon.generate_bma, or use predict() without bma"
+        )
+
+
 class PredictionMixin:
     """``predict(bma=True)`` and ``predict_uncertainty`` of :class:`~hf_evon.trainer.EVONTrainerMixin`."""
 
@@ -334,6 +346,7 @@ class PredictionMixin:
         if not bma:
             return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
         _refuse_unknown_keywords(super().predict, kwargs)  # as the subclass's predict would
+        _refuse_generated_batches(self, "predict(bma=True)")
         posterior = self._bma_posterior("predict(bma=True)")
         start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
         output = bma_predict(
@@ -355,6 +368,7 @@ class PredictionMixin:
         the mean, whose samples never disagree (docs/usage.md#epistemic-uncertainty).
         ``calibrated_scale=True`` draws at the calibrated scale, as ``predict(bma=True)`` does.
         """
+        _refuse_generated_batches(self, "predict_uncertainty()")
         posterior = self._bma_posterior("predict_uncertainty()")
         if not calibrated_scale:
             posterior = trained_posterior(posterior)
