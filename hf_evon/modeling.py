@@ -12,6 +12,7 @@ from torch import nn
 __all__ = [
     "adapter_name_of",
     "adapter_of_names",
+    "adapters_of_names",
     "base_model_name",
     "decoder_inputs_from_labels",
     "in_auto_mapping",
@@ -253,6 +254,12 @@ def adapter_of_names(names: Any) -> str | None:
     """The one PEFT adapter parameter ``names`` belong to, read from the names alone (no model: a
     saved posterior's), or None (no adapter's names, or several adapters'): the segment after a tuner
     layer's adapter attribute (``lora_A.<adapter>.weight``) or ``prompt_encoder.<adapter>.…``."""
+    adapters = adapters_of_names(names)
+    return adapters.pop() if len(adapters) == 1 else None
+
+
+def adapters_of_names(names: Any) -> set[str]:
+    """Every PEFT adapter parameter ``names`` belong to, read from the names alone (as :func:`adapter_of_names`)."""
     attributes, adapters = _adapter_attributes(), set()
     for name in names:
         parts = name.split(".")
@@ -262,7 +269,7 @@ def adapter_of_names(names: Any) -> str | None:
         i = next((i for i, part in enumerate(parts[:-1]) if part in attributes), None)
         if i is not None:
             adapters.add(parts[i + 1])
-    return adapters.pop() if len(adapters) == 1 else None
+    return adapters
 
 
 def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:

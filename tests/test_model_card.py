@@ -801,6 +801,40 @@ def test_each_eval_datasets_metrics_share_a_row_of_mean_and_bma() -> None:
     ]  # fmt: skip
 
 
+def test_the_snippet_of_a_posterior_over_two_peft_adapters_loads_both_active(tmp_path):
+    """Two LoRA adapters trained together (``model.base_model.set_adapter(["default", "mine"])``): PEFT
+    saves "default" in the directory and "mine" in its folder, and the posterior covers both. The card's
+    snippet loaded "default" alone, which the posterior does not fit ('...lora_A.mine.weight' is not a
+    parameter of the model); it loads both, both active, and the posterior samples them as in training."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    def base() -> BertForSequenceClassification:
+        torch.manual_seed(0)
+        return BertForSequenceClassification(
+            BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+        )
+
+    model = get_peft_model(base(), LoraConfig(r=2, target_modules=["query"]))  # no head copy: one adapter's
+    model.add_adapter("mine", LoraConfig(r=3, target_modules=["value"]))
+    model.base_model.set_adapter(["default", "mine"])
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    assert {n.split(".")[-2] for n in posterior.names} == {"default", "mine"}
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    lines = [s for s in snippet.splitlines() if s.startswith(("model = PeftModel.", "model.load_adapter(", "model.base"))]
+    namespace: dict = {"PeftModel": PeftModel, "base": base()}
+    exec(compile("\n".join(lines), "model_card_snippet", "exec"), namespace)  # noqa: S102
+    loaded = namespace["model"].eval()
+    EVONPosterior.from_pretrained(tmp_path).check_model(loaded)
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with posterior.sampled(model.eval(), seed=1):
+        expected = model(input_ids=ids).logits
+    with EVONPosterior.from_pretrained(tmp_path).sampled(loaded, seed=1):
+        assert torch.equal(loaded(input_ids=ids).logits, expected)
+
+
 @pytest.mark.parametrize("adapter_name", ["default", "mine"])
 def test_a_named_peft_adapters_snippet_loads_it_under_its_name_from_where_peft_saved_it(tmp_path, adapter_name):
     """PEFT saves an adapter not named "default" in a folder of its name (``out/mine``) and the

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from hf_evon.modeling import adapter_of_names, in_auto_mapping
+from hf_evon.modeling import adapter_of_names, adapters_of_names, in_auto_mapping
 
 __all__ = ["TOKENIZER_FILE", "has_tokenizer", "num_labels", "usage_snippet"]
 
@@ -222,11 +222,32 @@ def _input_lines(auto: str, tokenizer: bool, model_class: str = "") -> list[str]
     return [_TOKEN_IDS, 'inputs = {"input_ids": input_ids}']
 
 
+def _peft_model_lines(names: Any, location: str, rev: str) -> list[str]:
+    """The lines that load the PEFT adapters the posterior's ``names`` belong to onto ``base``: one
+    adapter with ``PeftModel.from_pretrained``; several (trained together, all active) the first
+    ("default" where it is one) so, each other with ``load_adapter`` from where PEFT saved it, and all of
+    them made active, as the posterior's samples need them in the forward."""
+    adapters = sorted(adapters_of_names(names))
+    if len(adapters) < 2:
+        return [f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{_adapter_arguments(names, location)})"]
+    order = ["default", *(a for a in adapters if a != "default")] if "default" in adapters else adapters
+    first, *others = order
+    return [
+        f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{_named_adapter_arguments(first, location)})",
+        *(f"model.load_adapter({_py(location)}{rev}{_named_adapter_arguments(a, location)})" for a in others),
+        f"model.base_model.set_adapter({order!r})  # the posterior covers each of these adapters",
+    ]
+
+
 def _adapter_arguments(names: Any, location: str) -> str:
     """What ``PeftModel.from_pretrained(base, location…)`` needs to load the adapter the posterior's
     ``names`` belong to: nothing for "default"; for any other, PEFT's ``save_pretrained`` puts it in
     a folder of its name (``subfolder``), and the posterior's names carry that name (``adapter_name``)."""
-    adapter = adapter_of_names(names)
+    return _named_adapter_arguments(adapter_of_names(names), location)
+
+
+def _named_adapter_arguments(adapter: str | None, location: str) -> str:
+    """:func:`_adapter_arguments` for the adapter named ``adapter``."""
     if adapter in (None, "default"):
         return ""
     # a posterior saved inside the adapter's own folder finds its adapter_config.json right there
@@ -290,7 +311,7 @@ def usage_snippet(
             f"from hf_evon import {hf_evon_names}",
             "",
             f"base = {auto}.from_pretrained({model_location}{labels})",
-            f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{_adapter_arguments(posterior.names, location)})",
+            *_peft_model_lines(posterior.names, location, rev),
         ]
     else:
         model_location = _py(model_id) if model_id else _py(location) + rev
