@@ -368,3 +368,34 @@ def test_a_recipe_given_as_its_settings_rather_than_its_name_is_refused_by_name(
             build_optimizer(model, recipe=given)
     with pytest.raises(ValueError, match=r"^unknown recipe 'Llama': choose one of \['clip-finetuning', 'llama'"):
         build_optimizer(model, recipe="Llama")
+
+
+def test_an_adapter_that_is_trainable_but_not_active_is_refused_naming_it(tmp_path) -> None:
+    """PEFT's ``load_adapter(path, "b", is_trainable=True)`` beside the active adapter leaves "b"
+    trainable but out of the forward. EVON took its tensors, the posterior covered them, and after the
+    whole run every BMA (the trainer's evaluation) was refused because adapter 'b' is not active.
+    build_optimizer now refuses such a model before training, naming the adapter and the way out."""
+    import peft
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import build_optimizer
+
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    peft.get_peft_model(gpt2(), lora).save_pretrained(tmp_path)
+    model = peft.get_peft_model(gpt2(), lora)
+    model.load_adapter(str(tmp_path), adapter_name="b", is_trainable=True)
+    frozen = {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"lora_A\.b\.weight'?: adapter 'b' is not active .*requires_grad_\(False\)"):
+        build_optimizer(model, ess=100.0)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == frozen  # nothing changed
+    for name, p in model.named_parameters():
+        if ".b." in name:
+            p.requires_grad_(False)
+    optimizer = build_optimizer(model, ess=100.0)  # the way out: the active adapter's alone
+    assert {n for g in optimizer.param_groups for n in g["param_names"]} == {
+        n for n, p in model.named_parameters() if ".default." in n and p.requires_grad
+    }

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import adapter_parameter_ids, is_peft_model, pretrained_name
+from hf_evon.modeling import adapter_parameter_ids, is_peft_model, pretrained_name, unused_adapter_parameters
 from hf_evon.optim.checks import finite, is_real, outside_stacklevel, require
 from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
@@ -256,6 +256,7 @@ def build_optimizer(
     if adapter_lr_scale is None:
         adapter_lr_scale = default_adapter_lr_scale(kwargs.get("clip", DEFAULT_CLIP), finetuning)
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
+    _refuse_unused_adapters(model, groups)
     split = []
     new_heads = bool(pretrained_name(model))
     # through PEFT, what trains is what PEFT added: every name with an adapter's name as a segment
@@ -305,6 +306,23 @@ def build_optimizer(
             stacklevel=outside_stacklevel(),
         )
     return EVON(split, **kwargs)
+
+
+def _refuse_unused_adapters(model: nn.Module, groups: list[dict[str, Any]]) -> None:
+    """Refuse EVON tensors of a PEFT adapter the forward does not use now (trainable but not active, as
+    PEFT's ``load_adapter(..., is_trainable=True)`` leaves one beside the active adapter; merged;
+    disabled): they get no gradient, and a posterior over them is refused by every sample and BMA, so
+    the run's evaluation would fail only after training."""
+    reasons = unused_adapter_parameters(model, [n for g in groups if g["algorithm"] == "evon" for n in g["param_names"]])
+    if reasons:
+        more = f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+        raise ValueError(
+            "build_optimizer: EVON would train tensors the model's forward does not use, whose posterior no "
+            f"sample or BMA can use: {'; '.join(reasons[:3])}{more}. Freeze them (p.requires_grad_(False) for "
+            "the adapter's parameters, as PEFT's set_adapter leaves an inactive adapter) or make their adapter "
+            "active (model.set_adapter(name); model.base_model.set_adapter([...]) for several) before building "
+            "the optimizer"
+        )
 
 
 def _adapters_left_to_adamw(
