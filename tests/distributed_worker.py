@@ -287,6 +287,36 @@ def scenario_uneven_join(accelerator, out: dict) -> None:
     expect_error(out, "error_join_sharded", lambda: uneven(True))
 
 
+def scenario_uneven_batches(accelerator, out: dict) -> None:
+    """(h) ``even_batches=False`` with 5 batches over 2 ranks: rank 0 gets 3, rank 1 two. Rank 0's
+    third step waits in EVON's collectives for a rank that has left the loop: every rank must
+    refuse the first step instead, naming the setting, with the weights untouched. (Not at the
+    short rank's last batch: there accelerate's accumulate syncs early on that rank alone, and
+    DDP's forward then waits for the other rank before EVON runs.)"""
+    rows = torch.stack([global_batch(step, 1)[0] for step in range(10)])
+
+    def uneven(shard: bool) -> None:
+        raw = tiny_gpt2()
+        start = {n: p.detach().clone() for n, p in raw.named_parameters()}
+        accelerator.even_batches = False
+        try:
+            loader = accelerator.prepare(torch.utils.data.DataLoader(rows, batch_size=2))
+        finally:
+            accelerator.even_batches = True
+        model, optimizer = accelerator.prepare(raw, build_optimizer(raw, ess=100.0))
+        evon = prepare_distributed(model, optimizer, shard=shard)
+        try:
+            for ids in loader:
+                sampled_step(accelerator, model, optimizer, evon, [ids] * MICRO)
+        finally:
+            out[f"uneven_batches_untouched_{shard}"] = all(
+                torch.equal(p, start[n]) for n, p in accelerator.unwrap_model(model).named_parameters()
+            )
+
+    expect_error(out, "error_uneven_batches", lambda: uneven(False))
+    expect_error(out, "error_uneven_batches_sharded", lambda: uneven(True))
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
@@ -297,6 +327,7 @@ def main() -> None:
     scenario_misuse(accelerator, out)
     scenario_fsdp(accelerator, out)
     scenario_uneven_join(accelerator, out)
+    scenario_uneven_batches(accelerator, out)  # last: it leaves its loaders half-iterated
     torch.save(out, os.path.join(out_dir, f"rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group on every rank together

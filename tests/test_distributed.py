@@ -305,6 +305,19 @@ def test_ddp_join_with_uneven_inputs_is_refused_on_every_rank(ranks: list[dict])
         assert r["error_join"] == ranks[0]["error_join"]
 
 
+def test_uneven_batches_are_refused_on_every_rank_before_any_update(ranks: list[dict]) -> None:
+    """``even_batches=False``, 5 batches over 2 ranks (rank 0: 3, rank 1: 2): rank 0's third step
+    waited in EVON's all-reduce for rank 1, which had left the loop (gloo: "Timed out waiting ...
+    for recv operation", after the process group's timeout, 30 minutes by default). Every rank now
+    refuses the first step, naming each rank's count and the setting, plain and sharded."""
+    for r in ranks:
+        for key in ("error_uneven_batches", "error_uneven_batches_sharded"):
+            assert r[key] is not None and r[key].startswith("RuntimeError: EVON: "), (key, r[key])
+            assert "different numbers of batches ([3, 2], by rank" in r[key] and "even_batches" in r[key], r[key]
+            assert r[key] == ranks[0][key]
+        assert r["uneven_batches_untouched_False"] and r["uneven_batches_untouched_True"]
+
+
 def test_fsdp_is_refused(ranks: list[dict]) -> None:
     for r in ranks:
         assert (

@@ -337,6 +337,43 @@ def _refuse_uneven_join(ddps: list[nn.parallel.DistributedDataParallel]) -> None
             )
 
 
+class _UnevenBatchesCheck:
+    """Refuse, at the first step of each accelerate data loader, ranks whose loaders hold different
+    numbers of batches (``DataLoaderConfiguration(even_batches=False)`` with data that does not
+    divide over the ranks): the rank that runs out first leaves the others' EVON step waiting in its
+    collectives for ever (gloo: until its timeout). One tiny all-gather per loader, not per step; run
+    on every rank alike, as each rank's loaders come in the same order while their lengths agree."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.checked: set[tuple[int, int]] = set()
+
+    def __call__(self) -> None:
+        try:
+            from accelerate.state import GradientState
+        except ImportError:  # pragma: no cover - accelerate is a dependency
+            return
+        loader = GradientState().active_dataloader if GradientState._shared_state else None  # no new state
+        try:
+            count = len(loader) if loader is not None else None
+        except TypeError:  # an iterable dataset: no length to compare
+            count = None
+        if count is None or (id(loader), count) in self.checked:
+            return
+        every = torch.zeros(world_size(self.group), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(every, torch.tensor([count], dtype=torch.int64, device=self.device), group=self.group)
+        counts = every.tolist()
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"EVON: the ranks' data loaders hold different numbers of batches ({counts}, by rank; accelerate's "
+                "even_batches=False with data that does not divide over the ranks): the rank that runs out first "
+                "would leave the others waiting in EVON's step for ever. Give every rank the same number of "
+                "batches (DataLoaderConfiguration(even_batches=True), accelerate's default, or drop_last=True). "
+                "The step was refused on every rank"
+            )
+        self.checked.add((id(loader), count))
+
+
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
     """Give every rank rank 0's seed (each rank's noise stream is derived from it and its rank)."""
     seed = torch.tensor([evon.seed], dtype=torch.int64, device=device)
@@ -446,8 +483,11 @@ def prepare_distributed(
         if world > 1:
             reduce = evon.sharding.reduce_gradients
 
+            uneven = _UnevenBatchesCheck(process_group, device)
+
             def guarded_reduce(tensors: list[Tensor]) -> None:
                 _refuse_uneven_join(ddps)
+                uneven()
                 reduce(tensors)
 
             evon.gradient_reducer = guarded_reduce
@@ -457,6 +497,7 @@ def prepare_distributed(
     if world == 1:
         return handle
     covered = {id(p) for d in ddps for p in d.parameters()}
+    uneven = _UnevenBatchesCheck(process_group, device)
     evon.gradient_reducer = RankAverager(
         group=process_group,
         bucket_cap_mb=bucket_cap_mb,
@@ -465,7 +506,7 @@ def prepare_distributed(
         # a DDP wrapper we were not given still averages -> check the first noisy steps
         verify_local_gradients=not all(id(p) in covered for p in params),
         optimizer=evon,
-        guard=(lambda: _refuse_uneven_join(ddps)) if ddps else None,
+        guard=lambda: (_refuse_uneven_join(ddps), uneven()),
     )
     return handle
 
