@@ -683,3 +683,43 @@ def test_trainer_under_ddp_accumulates_resumes_across_world_sizes_and_saves_once
     final = tmp_path / "rank0_save" / "final"
     assert {"model.safetensors", "evon_posterior.safetensors", "evon_posterior_config.json"} <= set(os.listdir(final))
     assert ranks[0]["saves"] and all(s.startswith(str(tmp_path)) for s in ranks[0]["saves"])
+
+
+def test_the_uneven_batches_check_remembers_loaders_not_their_addresses(monkeypatch) -> None:
+    """The check kept the ``id`` of each loader it had compared: a new loader at a freed one's address
+    (CPython reuses them) was skipped on one rank and compared on another, whose all-gather then waited
+    for ever. It now remembers the loader objects themselves (weakly): every new loader is compared
+    once, on every rank alike. One process, the all-gather counted; the address reuse is forced."""
+    import accelerate.state
+
+    from hf_evon.distributed import ddp
+
+    class Loader:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+    class State:
+        _shared_state = {"active": True}
+        active_dataloader = None
+
+    gathers: list[int] = []
+
+    def all_gather_into_tensor(out, local, group=None):
+        gathers.append(int(local))
+        out.copy_(local.expand_as(out))
+
+    monkeypatch.setattr(accelerate.state, "GradientState", State)
+    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    monkeypatch.setattr(ddp, "id", lambda obj: 1234, raising=False)  # every object at one address
+    check = ddp._UnevenBatchesCheck(None, torch.device("cpu"))
+    first = Loader(3)
+    State.active_dataloader = first
+    check()
+    check()  # the same loader: compared once
+    State.active_dataloader = Loader(3)  # another loader of the same length (here: at the same address)
+    check()
+    assert gathers == [3, 3]

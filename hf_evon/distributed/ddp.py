@@ -61,6 +61,7 @@ FSDP2 (tensor parallelism), and FSDP2 with ``shard=False``.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -346,7 +347,9 @@ class _UnevenBatchesCheck:
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group, self.device = group, device
-        self.checked: set[tuple[int, int]] = set()
+        # the loaders themselves, not their ids: a new loader at a freed one's address must be compared
+        # again, or one rank skips the all-gather another runs
+        self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def __call__(self) -> None:
         try:
@@ -358,7 +361,7 @@ class _UnevenBatchesCheck:
             count = len(loader) if loader is not None else None
         except TypeError:  # an iterable dataset: no length to compare
             count = None
-        if count is None or (id(loader), count) in self.checked:
+        if count is None or loader in self.checked:
             return
         every = torch.zeros(world_size(self.group), dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(every, torch.tensor([count], dtype=torch.int64, device=self.device), group=self.group)
@@ -371,7 +374,7 @@ class _UnevenBatchesCheck:
                 "batches (DataLoaderConfiguration(even_batches=True), accelerate's default, or drop_last=True). "
                 "The step was refused on every rank"
             )
-        self.checked.add((id(loader), count))
+        self.checked.add(loader)
 
 
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
