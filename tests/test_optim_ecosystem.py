@@ -711,6 +711,39 @@ def test_forwards_in_one_autocast_region_see_each_sample_and_the_mean_after_it(t
         assert torch.equal(got.detach(), want)
 
 
+# ----------------------------------------------------------------------------- torch's step(closure)
+@pytest.mark.parametrize("returns_loss", [True, False])
+def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns_loss: bool) -> None:
+    """``step(closure)`` called the closure once, in one ``sampled_params(train=True)`` block: with
+    ``mc_samples=2`` each step averaged one sample, not the two the loop of the documentation takes.
+    It calls it ``mc_samples`` times, each in its own block, updates as that loop does, and returns the
+    mean of the closure's losses (None where the closure returns none, as torch's optimizers do)."""
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model, mc_samples=2), _optimizer(twin, mc_samples=2)
+    calls = []
+
+    def closure() -> torch.Tensor | None:
+        opt.zero_grad()
+        calls.append(opt.noise_label)
+        loss = nn.functional.cross_entropy(model(X), Y)
+        loss.backward()
+        return loss if returns_loss else None
+
+    for _ in range(3):
+        losses = []
+        for _ in range(twin_opt.mc_samples):
+            with twin_opt.sampled_params(train=True):
+                twin_opt.zero_grad()
+                losses.append(nn.functional.cross_entropy(twin(X), Y))
+                losses[-1].backward()
+        twin_opt.step()
+        got = opt.step(closure)
+        assert (got is None) if not returns_loss else torch.equal(got, (losses[0] + losses[1]) / 2)
+    assert calls == [1, 2, 3, 4, 5, 6]
+    assert opt.recorded_samples == 0 and opt.sample_blocks == twin_opt.sample_blocks == 6
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 # ----------------------------------------------------------------------------- evaluation and ranks
 @pytest.mark.parametrize("first_use", ["sampled_params", "posterior_std"])
 def test_a_first_use_under_inference_mode_leaves_an_optimizer_that_trains(first_use: str) -> None:

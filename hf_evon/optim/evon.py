@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+import hf_evon.optim.gradients as gradients
 import hf_evon.optim.health as health
 from hf_evon.optim.buckets import (
     Bucket,
@@ -417,12 +418,10 @@ class EVON(Optimizer):
     def step(self, closure: Any = None) -> Any:
         """One EVON update of every EVON group and one AdamW update of every AdamW group.
 
-        ``closure`` (optional) is called once inside ``sampled_params(train=True)``."""
+        ``closure`` (optional, it calls ``backward()``) is called ``mc_samples`` times, each inside its own
+        ``sampled_params(train=True)`` block; the step returns the mean of the losses it returns."""
         refuse_grad_scaler(self)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad(), self.sampled_params(train=True):
-                loss = closure()
+        loss = None if closure is None else gradients.closure_loss(self, closure)
         with writing_weights():  # no autocast: the state keeps its dtypes; a forward casts the new means
             try:
                 self._update()

@@ -20,7 +20,14 @@ import torch
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.health import param_label
 
-__all__ = ["consumed_grads", "consumed_places", "guard_late_gradients", "restore_grads", "set_aside_grads"]
+__all__ = [
+    "closure_loss",
+    "consumed_grads",
+    "consumed_places",
+    "guard_late_gradients",
+    "restore_grads",
+    "set_aside_grads",
+]
 
 Tensor = torch.Tensor
 # id(param) -> (weak reference to the gradient a step consumed, its version then)
@@ -209,3 +216,14 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
     if own:
         torch._foreach_add_(own, kept)
     return {id(p): (weakref.ref(p.grad), p.grad._version) for p, _ in stash if p.grad is not None}
+
+
+def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
+    """``closure`` called in each of ``optimizer.mc_samples`` blocks ``sampled_params(train=True)``, with
+    gradients enabled (``step()`` runs under no_grad), as the loop of ``mc_samples`` blocks records them:
+    the mean of the losses it returns (None where it returns none, as torch's optimizers return its loss)."""
+    losses = []
+    for _ in range(optimizer.mc_samples):
+        with torch.enable_grad(), optimizer.sampled_params(train=True):
+            losses.append(closure())
+    return None if any(loss is None for loss in losses) else sum(losses) / len(losses)
