@@ -744,6 +744,41 @@ def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns_l
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
+def test_a_step_whose_closure_raises_leaves_the_optimizer_as_the_last_step_did() -> None:
+    """A closure that raised in its second of ``mc_samples=2`` blocks (an out-of-memory error caught
+    and retried) left the first block's sample recorded: the retried ``step(closure)`` averaged three
+    samples, one of them from the failed call, and drew other noise than a run without the failure.
+    The failed call drops its samples and their noise; the retry steps as the run without it does."""
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model, mc_samples=2), _optimizer(twin, mc_samples=2)
+    fail_at = [4]
+
+    def closure_of(o: EVON, m: nn.Module, calls: list) -> object:
+        def closure() -> torch.Tensor:
+            calls.append(o.noise_label)
+            if len(calls) == fail_at[0]:
+                raise RuntimeError("CUDA out of memory")
+            loss = nn.functional.cross_entropy(m(X), Y)
+            loss.backward()
+            return loss
+
+        return closure
+
+    calls, twin_calls = [], []
+    closure, twin_closure = closure_of(opt, model, calls), closure_of(twin_opt, twin, twin_calls)
+    opt.step(closure)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        opt.step(closure)
+    assert opt.recorded_samples == 0 and opt.sample_blocks == 2
+    for _ in range(2):
+        opt.step(closure)
+    fail_at[0] = 0
+    for _ in range(3):
+        twin_opt.step(twin_closure)
+    assert calls == [1, 2, 3, 4, 3, 4, 5, 6] and twin_calls == [1, 2, 3, 4, 5, 6]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 # ----------------------------------------------------------------------------- evaluation and ranks
 @pytest.mark.parametrize("first_use", ["sampled_params", "posterior_std"])
 def test_a_first_use_under_inference_mode_leaves_an_optimizer_that_trains(first_use: str) -> None:

@@ -221,9 +221,16 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
 def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     """``closure`` called in each of ``optimizer.mc_samples`` blocks ``sampled_params(train=True)``, with
     gradients enabled (``step()`` runs under no_grad), as the loop of ``mc_samples`` blocks records them:
-    the mean of the losses it returns (None where it returns none, as torch's optimizers return its loss)."""
+    the mean of the losses it returns (None where it returns none, as torch's optimizers return its loss).
+    A call that raises (an out-of-memory error a caller retries) drops the step's samples and their noise:
+    the optimizer is as the last step left it, and a retry steps as a run without the failure does."""
     losses = []
-    for _ in range(optimizer.mc_samples):
-        with torch.enable_grad(), optimizer.sampled_params(train=True):
-            losses.append(closure())
+    try:
+        for _ in range(optimizer.mc_samples):
+            with torch.enable_grad(), optimizer.sampled_params(train=True):
+                losses.append(closure())
+    except BaseException:
+        if not optimizer.in_sample:  # else step(closure) was refused inside a block, which keeps its samples
+            optimizer.discard_samples(rewind=True)
+        raise
     return None if any(loss is None for loss in losses) else sum(losses) / len(losses)
