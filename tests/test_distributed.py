@@ -723,3 +723,45 @@ def test_the_uneven_batches_check_remembers_loaders_not_their_addresses(monkeypa
     State.active_dataloader = Loader(3)  # another loader of the same length (here: at the same address)
     check()
     assert gathers == [3, 3]
+
+
+def test_the_uneven_batches_check_gathers_at_the_first_step_on_every_rank_whatever_its_loader(monkeypatch) -> None:
+    """The Trainer takes a step's micro-batches before the step: a rank with fewer batches than
+    gradient_accumulation_steps (even_batches=False) has run out, and has no active loader, at its
+    first step, while another rank's loader is still active. The check gathered on the second rank
+    only, so the first rank's gradient all-reduce met the second's all-gather. Every rank now
+    gathers at its first step (no loader: -1) and both refuse it, naming the counts. Two ranks
+    simulated in one process: each check's all-gather is counted and answered with both counts."""
+    import accelerate.state
+
+    from hf_evon.distributed import ddp
+
+    class Loader:
+        def __len__(self) -> int:
+            return 2
+
+    class State:
+        _shared_state = {"active": True}
+        active_dataloader = None
+
+    gathered: dict[str, list[int]] = {"long": [], "short": []}
+    rank = {"now": "long"}
+
+    def all_gather_into_tensor(out, local, group=None):
+        gathered[rank["now"]].append(int(local))
+        out.copy_(torch.tensor([2, -1]))  # rank 0 (long) holds 2 batches; rank 1 (short) has run out
+
+    monkeypatch.setattr(accelerate.state, "GradientState", State)
+    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    long, short = ddp._UnevenBatchesCheck(None, torch.device("cpu")), ddp._UnevenBatchesCheck(None, torch.device("cpu"))
+    loader, refused = Loader(), []
+    for name, check, active in (("long", long, loader), ("short", short, None)):
+        rank["now"], State.active_dataloader = name, active
+        try:
+            check()
+        except RuntimeError as error:
+            refused.append(str(error))
+    assert gathered == {"long": [2], "short": [-1]}
+    assert len(refused) == 2 and refused[0] == refused[1]
+    assert "different numbers of batches ([2, -1], by rank; -1: no active data loader at this step" in refused[0]

@@ -343,13 +343,17 @@ class _UnevenBatchesCheck:
     numbers of batches (``DataLoaderConfiguration(even_batches=False)`` with data that does not
     divide over the ranks): the rank that runs out first leaves the others' EVON step waiting in its
     collectives for ever (gloo: until its timeout). One tiny all-gather per loader, not per step; run
-    on every rank alike, as each rank's loaders come in the same order while their lengths agree."""
+    on every rank alike, as each rank's loaders come in the same order while their lengths agree.
+    The first step gathers on every rank whatever its loader: the Trainer takes a step's micro-batches
+    before the step, so a rank with fewer batches than that has run out (no active loader) where
+    another's loader is still active, and only a gather on both keeps their collectives paired."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group, self.device = group, device
         # the loaders themselves, not their ids: a new loader at a freed one's address must be compared
         # again, or one rank skips the all-gather another runs
         self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.first = True
 
     def __call__(self) -> None:
         try:
@@ -361,20 +365,24 @@ class _UnevenBatchesCheck:
             count = len(loader) if loader is not None else None
         except TypeError:  # an iterable dataset: no length to compare
             count = None
-        if count is None or loader in self.checked:
+        if not self.first and (count is None or loader in self.checked):
             return
+        self.first = False
         every = torch.zeros(world_size(self.group), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(every, torch.tensor([count], dtype=torch.int64, device=self.device), group=self.group)
+        local = torch.tensor([-1 if count is None else count], dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(every, local, group=self.group)
         counts = every.tolist()
         if len(set(counts)) > 1:
             raise RuntimeError(
-                f"EVON: the ranks' data loaders hold different numbers of batches ({counts}, by rank; accelerate's "
+                f"EVON: the ranks' data loaders hold different numbers of batches ({counts}, by rank; -1: no active "
+                "data loader at this step, as a rank whose batches ran out before it; accelerate's "
                 "even_batches=False with data that does not divide over the ranks): the rank that runs out first "
                 "would leave the others waiting in EVON's step for ever. Give every rank the same number of "
                 "batches (DataLoaderConfiguration(even_batches=True), accelerate's default, or drop_last=True). "
                 "The step was refused on every rank"
             )
-        self.checked.add(loader)
+        if count is not None:
+            self.checked.add(loader)
 
 
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
