@@ -188,6 +188,12 @@ class TrainerCall:
             self.args[index] = value
 
 
+def buffers_generations(trainer: Any) -> bool:
+    """Whether ``trainer`` is one of TRL's that generate their own batches and buffer them (GRPO, RLOO,
+    distillation), told by TRL's private ``_buffered_inputs``: the one place hf-evon reads it."""
+    return hasattr(trainer, "_buffered_inputs")
+
+
 def refuse_buffered_generations(trainer: Trainer) -> None:
     """Refuse what makes a trainer that buffers its generations (TRL's GRPO, RLOO, distillation:
     ``_buffered_inputs``) train a posterior sample on completions another sample generated, unweighted.
@@ -200,7 +206,7 @@ def refuse_buffered_generations(trainer: Trainer) -> None:
     (``old_per_token_logps``) where that product divides ``gradient_accumulation_steps``: it takes the
     buffer as on-policy, which it is for the generating sample only."""
     args, name = trainer.args, type(trainer).__name__
-    if not hasattr(trainer, "_buffered_inputs"):
+    if not buffers_generations(trainer):
         return
     if args.evon_mc_samples > 1:
         raise ValueError(

@@ -21,6 +21,7 @@ from hf_evon.modeling import in_auto_mapping, model_class, peft_base_model, prob
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
 from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
+from hf_evon.trainer.combined import buffers_generations
 from hf_evon.trainer.evaluation import (
     MetricAccumulator,
     batch_labels,
@@ -314,7 +315,7 @@ def _refuse_generated_batches(trainer: Any, call: str) -> None:
     """ValueError for a trainer that buffers generations (TRL's GRPO, RLOO): its ``_prepare_inputs``
     turns a batch of prompts into the completions it generates and their rewards, not the model's
     inputs, so the sampled forwards would fail on a missing ``input_ids``."""
-    if hasattr(trainer, "_buffered_inputs"):
+    if buffers_generations(trainer):
         raise ValueError(
             f"{call}: the batches of {type(trainer).__name__} are prompts, which it prepares into generated "
             "completions and rewards, not the model's inputs: there are no predictions to average; decode "
