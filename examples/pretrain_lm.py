@@ -165,9 +165,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         ap.error(f"--output-dir {args.output_dir!r} is a file, not a directory")
+    # the schedule multiplies every group's rate by a factor that ends at --min-lr-ratio: below 0 the
+    # rate turns negative (EVON refuses that step mid-run, AdamW ascends), NaN makes it NaN
+    if not 0 <= args.min_lr_ratio <= 1:
+        ap.error(f"--min-lr-ratio must be a number in [0, 1]; got {args.min_lr_ratio:g}")
+    if not 0 <= args.grad_clip < math.inf:  # NaN or a negative norm would turn the clipping off unseen
+        ap.error(f"--grad-clip must be a finite number >= 0 (0: off); got {args.grad_clip:g}")
+    # the rates every variant uses, checked as EVON checks them: torch's AdamW checks only its
+    # default rate, not the matrices' group (--lr), and would train them by gradient ascent
+    rates = {
+        "--lr": {"lr": args.lr},
+        "--adamw-lr": {"adamw_lr": args.adamw_lr},
+        "--adamw-weight-decay": {"adamw_weight_decay": args.adamw_weight_decay},
+    }
+    for flag, kwargs in rates.items():
+        try:
+            validate_hyperparameters(**kwargs)
+        except ValueError as err:
+            ap.error(f"{flag}: {err}")
     # EVON's settings, checked as EVON checks them, before the data and the model are built
     settings = {
-        "--lr": {"lr": args.lr},
         "--ess": {"ess": args.ess},
         "--hess-init": {"hess_init": args.hess_init},
         "--beta1/--beta2": {"betas": (args.beta1, args.beta2)},

@@ -293,7 +293,29 @@ def test_an_invalid_evon_setting_is_an_argument_error_naming_the_flag(flag: str,
     error = argument_error(example.parse_args, [flag, value, "--output-dir", "unused"], capsys)
     assert f": error: {flag}" in error.replace("--beta1/", ""), error
     assert ": Invalid " in error, error  # EVON's own message (--beta2: "--beta1/--beta2: Invalid betas")
-    example.parse_args([flag, value, "--optimizer", "adamw", "--output-dir", "unused"])  # AdamW has no EVON
+    if flag != "--lr":  # --lr is AdamW's rate of the matrices there
+        example.parse_args([flag, value, "--optimizer", "adamw", "--output-dir", "unused"])  # AdamW has no EVON
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer", "adamw", "--lr", "-1"], "--lr: Invalid lr: -1.0"),
+    (["--optimizer", "adamw", "--lr", "nan"], "--lr: Invalid lr: nan"),
+    (["--adamw-lr", "-1"], "--adamw-lr: Invalid adamw_lr: -1.0"),
+    (["--optimizer", "adamw", "--adamw-lr", "inf"], "--adamw-lr: Invalid adamw_lr: inf"),
+    (["--optimizer", "adamw", "--adamw-weight-decay", "-1"], "--adamw-weight-decay: Invalid adamw_weight_decay: -1.0"),
+    (["--min-lr-ratio", "-1"], "--min-lr-ratio must be a number in [0, 1]; got -1"),
+    (["--optimizer", "adamw", "--min-lr-ratio", "nan"], "--min-lr-ratio must be a number in [0, 1]; got nan"),
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be a number in [0, 1]; got 1.5"),
+    (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0 (0: off); got -1"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0 (0: off); got nan"),
+])  # fmt: skip
+def test_a_bad_rate_or_schedule_setting_is_an_argument_error_for_every_optimizer(argv, message, capsys, example) -> None:
+    """--optimizer adamw --lr -1 trained the matrices by gradient ascent (torch's AdamW checks only
+    its default rate, not a group's) and saved the model, exit 0; --min-lr-ratio -1 drove the
+    cosine schedule's rate below 0 halfway through: EVON refused that step with a traceback
+    (the first half's training lost), AdamW ascended silently; --min-lr-ratio nan made every rate
+    after the warmup NaN; --grad-clip nan or -1 turned the clipping off silently."""
+    assert message in argument_error(example.parse_args, [*argv, "--output-dir", "unused"], capsys)
 
 
 def test_an_output_directory_that_is_a_file_is_an_argument_error(tmp_path, capsys, example) -> None:
