@@ -460,7 +460,10 @@ def main(argv: list[str] | None = None) -> dict:
     n_params = sum(p.numel() for p in raw.parameters())
     accelerator.print(f"model: {args.model}, {n_params:,} parameters; optimizer: {args.optimizer}")
     blocks = val_blocks(val_tokens, args)
-    has_posterior = evon is not None and math.isfinite(args.ess) and args.optimizer != "soap"
+    # the ζ the optimizer trains with (a --recipe's, not --ess's); SOAP-mode's is inf
+    has_posterior = evon is not None and all(
+        math.isfinite(g["ess"]) for g in evon.param_groups if g["algorithm"] == "evon"
+    )
     samples = evon.mc_samples if evon is not None else 1
     history: list[dict] = []
     bar = tqdm(range(args.max_steps), disable=args.no_progress or not accelerator.is_local_main_process)

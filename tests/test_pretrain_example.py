@@ -128,6 +128,18 @@ def test_baselines_run(optimizer: str, cache: str, tmp_path) -> None:
         assert "an EVON posterior" not in open(card).read()  # the section is this run's
 
 
+def test_a_recipe_run_saves_its_posterior_whatever_ess_says(cache: str, tmp_path) -> None:
+    """--recipe trains at the recipe's ζ, not --ess's; with --ess inf beside it the run trained a
+    posterior at the recipe's ζ = 5.27e6, then reported no BMA and saved none (read from --ess)."""
+    from hf_evon import RECIPES, EVONPosterior
+
+    args = [*TINY, "--max-steps", "2", "--eval-every", "0", "--recipe", "nanogpt", "--ess", "inf"]
+    log = run([*args, "--output-dir", str(tmp_path), "--cache-dir", cache])
+    final = re.search(r"final \(evon, 2 steps.*", log)
+    assert final and "val_loss_bma=" in final.group(0), log[-3000:]
+    assert EVONPosterior.from_pretrained(os.path.join(tmp_path, "model")).ess == RECIPES["nanogpt"]["ess"]
+
+
 @pytest.mark.parametrize("shard", [False, True])
 def test_two_processes(cache: str, tmp_path, shard: bool) -> None:
     out_dir = str(tmp_path)
