@@ -6,7 +6,7 @@ at every logging step: ``evon/posterior_std_mean`` (mean marginal posterior std)
 ``report_to="tensorboard"`` they land in ``<output_dir>/runs``; ``tensorboard --logdir`` shows
 them live, and this script draws the same scalars as a PNG (for a README or a report)::
 
-    python examples/finetune_classification.py --methods evon --report-to tensorboard
+    python examples/finetune_classification.py --methods evon --report-to tensorboard --output-dir outputs/finetune
     python examples/plot_evon_logs.py outputs/finetune/evon/runs --output docs/evon_tensorboard.png
 
 Needs ``tensorboard`` and ``matplotlib`` (both in the ``examples`` extra).

@@ -122,3 +122,18 @@ def test_the_figure_is_written_at_the_output_path_it_prints(tmp_path, capsys):
             plot_evon_logs.main([str(tmp_path / "runs"), "--output", str(output)])
         assert exit_.value.code == 2 and f"--output {output}: " in (err := capsys.readouterr().err) and message in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "curves", "runs"]
+
+
+def test_the_docstrings_commands_plot_the_run_the_first_one_logs():
+    """The docstring's fine-tuning command (no --output-dir: its runs land under the temporary
+    directory) was followed by a plot of outputs/finetune/evon/runs, which that command never
+    writes: pasted as given, the plot stopped on "is not a directory of TensorBoard event files"."""
+    import shlex
+
+    finetune = load_script(REPO_ROOT / "examples" / "finetune_classification.py")
+    commands = [line.split("#")[0].split() for line in plot_evon_logs.__doc__.splitlines() if "python examples/" in line]
+    train = next(c for c in commands if c[1] == "examples/finetune_classification.py")
+    plot = next(c for c in commands if c[1] == "examples/plot_evon_logs.py")
+    args = finetune.parse_args(shlex.split(" ".join(train[2:])))
+    assert "evon" in args.methods and args.report_to == "tensorboard"
+    assert plot[2] == f"{args.output_dir}/evon/runs"
