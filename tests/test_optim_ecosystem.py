@@ -712,22 +712,25 @@ def test_forwards_in_one_autocast_region_see_each_sample_and_the_mean_after_it(t
 
 
 # ----------------------------------------------------------------------------- torch's step(closure)
-@pytest.mark.parametrize("returns_loss", [True, False])
-def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns_loss: bool) -> None:
+@pytest.mark.parametrize("returns", ["loss", "none", "outputs"])
+def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns: str) -> None:
     """``step(closure)`` called the closure once, in one ``sampled_params(train=True)`` block: with
     ``mc_samples=2`` each step averaged one sample, not the two the loop of the documentation takes.
     It calls it ``mc_samples`` times, each in its own block, updates as that loop does, and returns the
-    mean of the closure's losses (None where the closure returns none, as torch's optimizers do)."""
+    mean of the closure's losses; a closure that returns something else (None, or the loss with the
+    logits, which no mean is taken of and which raised TypeError after the samples were recorded) gets
+    what its last call returned, as torch's optimizers return what the closure returns."""
     model, twin = _model(), _model()
     opt, twin_opt = _optimizer(model, mc_samples=2), _optimizer(twin, mc_samples=2)
     calls = []
 
-    def closure() -> torch.Tensor | None:
+    def closure() -> object:
         opt.zero_grad()
         calls.append(opt.noise_label)
-        loss = nn.functional.cross_entropy(model(X), Y)
+        logits = model(X)
+        loss = nn.functional.cross_entropy(logits, Y)
         loss.backward()
-        return loss if returns_loss else None
+        return {"loss": loss, "none": None, "outputs": (loss, logits)}[returns]
 
     for _ in range(3):
         losses = []
@@ -738,7 +741,12 @@ def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns_l
                 losses[-1].backward()
         twin_opt.step()
         got = opt.step(closure)
-        assert (got is None) if not returns_loss else torch.equal(got, (losses[0] + losses[1]) / 2)
+        if returns == "loss":
+            assert torch.equal(got, (losses[0] + losses[1]) / 2)
+        elif returns == "outputs":
+            assert isinstance(got, tuple) and torch.equal(got[0], losses[-1])
+        else:
+            assert got is None
     assert calls == [1, 2, 3, 4, 5, 6]
     assert opt.recorded_samples == 0 and opt.sample_blocks == twin_opt.sample_blocks == 6
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))

@@ -221,7 +221,8 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
 def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     """``closure`` called in each of ``optimizer.mc_samples`` blocks ``sampled_params(train=True)``, with
     gradients enabled (``step()`` runs under no_grad), as the loop of ``mc_samples`` blocks records them:
-    the mean of the losses it returns (None where it returns none, as torch's optimizers return its loss).
+    the mean of the losses it returns (tensors or numbers), else (None, the loss with other outputs) what
+    its last call returned, as torch's optimizers return what the closure returns.
     A call that raises (an out-of-memory error a caller retries) drops the step's samples and their noise:
     the optimizer is as the last step left it, and a retry steps as a run without the failure does."""
     losses = []
@@ -233,4 +234,6 @@ def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
         if not optimizer.in_sample:  # else step(closure) was refused inside a block, which keeps its samples
             optimizer.discard_samples(rewind=True)
         raise
-    return None if any(loss is None for loss in losses) else sum(losses) / len(losses)
+    if len(losses) > 1 and all(isinstance(loss, torch.Tensor | int | float) for loss in losses):
+        return sum(losses) / len(losses)
+    return losses[-1]
