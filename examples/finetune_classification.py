@@ -474,6 +474,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.methods) - {"adamw", "ivon", "evon"}
     if unknown or not args.methods:
         p.error(f"unknown methods {sorted(unknown)}" if unknown else "--methods names none")
+    twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
+    if twice:  # each method trains into <output-dir>/<method>: a second run would replace the first
+        p.error(f"--methods names {', '.join(twice)} twice")
     check_before_training(p, args)
     return args
 

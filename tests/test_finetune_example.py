@@ -102,6 +102,7 @@ def test_example_lora(example, tmp_path, capsys):
     (["--bma-samples", "0"], "--bma-samples must be an integer >= 1"),
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--methods", ","], "--methods names none"),
+    (["--methods", "evon,adamw,EVON"], "--methods names evon twice"),
     (["--eval-per-class", "0"], "--eval-per-class must be an integer >= 1"),
     (["--epochs", "0"], "--epochs must be a finite number > 0"),
     (["--max-length", "2"], "--max-length must be an integer >= 3"),
@@ -109,7 +110,8 @@ def test_example_lora(example, tmp_path, capsys):
 ])  # fmt: skip
 def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv, message, capsys):
     """--bma-samples 0 trained, then raised a KeyError on the missing eval_bma_* metrics;
-    --batch-size 0 raised from inside; --methods , printed an empty table with exit code 0."""
+    --batch-size 0 raised from inside; --methods , printed an empty table with exit code 0;
+    --methods evon,adamw,evon trained EVON twice into the same directory and printed two EVON rows."""
     assert message in argument_error(example.parse_args, argv, capsys)
 
 
