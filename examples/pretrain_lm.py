@@ -153,7 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     v.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     # counts a run divides by or reads the last of: refused here, not after the training
-    for name in ("max_steps", "batch_size", "seq_len", "grad_accum", "mc_samples", "val_batches", "bma_samples"):
+    # and the model's sizes (no layer leaves EVON no matrix: its posterior is refused after the training)
+    counts = ("max_steps", "batch_size", "seq_len", "grad_accum", "mc_samples", "val_batches", "bma_samples")
+    for name in (*counts, "n_layer", "n_embd", "n_head"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
     # the run evaluates on the held-out documents and trains on the others, so it needs both: a

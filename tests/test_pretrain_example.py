@@ -210,10 +210,15 @@ def test_a_split_shorter_than_one_block_is_refused(cache: str, tmp_path, val_fra
     assert not os.path.exists(os.path.join(tmp_path, "metrics.json"))
 
 
-@pytest.mark.parametrize("flag", ["--bma-samples", "--max-steps", "--grad-accum", "--seq-len", "--mc-samples"])
+@pytest.mark.parametrize(
+    "flag", ["--bma-samples", "--max-steps", "--grad-accum", "--seq-len", "--mc-samples", "--n-layer", "--n-embd", "--n-head"]
+)
 def test_a_count_below_one_is_an_argument_error(flag: str, capsys, example) -> None:
     """--bma-samples 0 trained, then crashed halfway through saving (the new model beside the old
-    posterior); --max-steps 0, --grad-accum 0, --seq-len 0 and --mc-samples 0 raised from inside."""
+    posterior); --max-steps 0, --grad-accum 0, --seq-len 0 and --mc-samples 0 raised from inside;
+    --n-layer 0 left EVON no matrix and trained every step before its posterior was refused
+    ("the optimizer has no EVON-owned parameters"); --n-embd 0 and --n-head 0 raised
+    ZeroDivisionError from the model's construction."""
     error = argument_error(example.parse_args, [flag, "0", "--output-dir", "unused"], capsys)
     assert f"{flag} must be an integer >= 1; got 0" in error
 
