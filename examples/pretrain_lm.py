@@ -155,9 +155,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # counts a run divides by or reads the last of: refused here, not after the training
     # and the model's sizes (no layer leaves EVON no matrix: its posterior is refused after the training)
     counts = ("max_steps", "batch_size", "seq_len", "grad_accum", "mc_samples", "val_batches", "bma_samples")
-    for name in (*counts, "n_layer", "n_embd", "n_head"):
+    for name in (*counts, "n_layer", "n_embd", "n_head", "vocab_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
+    if args.corpus_mb is not None and not args.corpus_mb > 0:  # an empty corpus: nothing to train on
+        ap.error(f"--corpus-mb must be a number > 0 (MB of text); got {args.corpus_mb:g}")
     # the run evaluates on the held-out documents and trains on the others, so it needs both: a
     # fraction that leaves either side empty is this argument's fault, whatever the corpus
     if not 0 < args.val_fraction < 1:

@@ -211,16 +211,27 @@ def test_a_split_shorter_than_one_block_is_refused(cache: str, tmp_path, val_fra
 
 
 @pytest.mark.parametrize(
-    "flag", ["--bma-samples", "--max-steps", "--grad-accum", "--seq-len", "--mc-samples", "--n-layer", "--n-embd", "--n-head"]
-)
+    "flag",
+    ["--bma-samples", "--max-steps", "--grad-accum", "--seq-len", "--mc-samples", "--n-layer", "--n-embd", "--n-head",
+     "--vocab-size"],
+)  # fmt: skip
 def test_a_count_below_one_is_an_argument_error(flag: str, capsys, example) -> None:
     """--bma-samples 0 trained, then crashed halfway through saving (the new model beside the old
     posterior); --max-steps 0, --grad-accum 0, --seq-len 0 and --mc-samples 0 raised from inside;
     --n-layer 0 left EVON no matrix and trained every step before its posterior was refused
     ("the optimizer has no EVON-owned parameters"); --n-embd 0 and --n-head 0 raised
-    ZeroDivisionError from the model's construction."""
+    ZeroDivisionError from the model's construction; --vocab-size -5 an OverflowError from the
+    tokenizer's training."""
     error = argument_error(example.parse_args, [flag, "0", "--output-dir", "unused"], capsys)
     assert f"{flag} must be an integer >= 1; got 0" in error
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_corpus_cap_that_is_not_positive_is_an_argument_error(value: str, capsys, example) -> None:
+    """--corpus-mb 0 or -1 tokenised an empty corpus, cached its tokenizer in the output directory
+    and stopped on "the training split holds 0 tokens ... use a shorter --seq-len"."""
+    error = argument_error(example.parse_args, ["--corpus-mb", value, "--output-dir", "unused"], capsys)
+    assert f"--corpus-mb must be a number > 0 (MB of text); got {value}" in error
 
 
 @pytest.mark.parametrize("value", ["0", "-0.1", "1", "1.5", "nan"])
