@@ -456,6 +456,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--output-dir", default=os.path.join(tempfile.gettempdir(), "hf_evon_finetune_classification")
     )
     args = p.parse_args(argv)
+    for name, zero in (("eval_steps", "only at the end"), ("threads", "torch's default")):
+        if getattr(args, name) < 0:  # a negative count would be taken as 0, unseen
+            p.error(f"--{name.replace('_', '-')} must be an integer >= 0 (0: {zero}); got {getattr(args, name)}")
     if not 0 < args.calibration_fraction < 1:
         p.error(f"--calibration-fraction must be in (0, 1); got {args.calibration_fraction}")
     counts = ("bma_samples", "batch_size", "train_per_class", "eval_per_class", "train_size", "eval_size")

@@ -103,6 +103,8 @@ def test_example_lora(example, tmp_path, capsys):
     (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
     (["--methods", ","], "--methods names none"),
     (["--methods", "evon,adamw,EVON"], "--methods names evon twice"),
+    (["--eval-steps", "-3"], "--eval-steps must be an integer >= 0 (0: only at the end); got -3"),
+    (["--threads", "-1"], "--threads must be an integer >= 0 (0: torch's default); got -1"),
     (["--eval-per-class", "0"], "--eval-per-class must be an integer >= 1"),
     (["--epochs", "0"], "--epochs must be a finite number > 0"),
     (["--max-length", "2"], "--max-length must be an integer >= 3"),
@@ -111,7 +113,8 @@ def test_example_lora(example, tmp_path, capsys):
 def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv, message, capsys):
     """--bma-samples 0 trained, then raised a KeyError on the missing eval_bma_* metrics;
     --batch-size 0 raised from inside; --methods , printed an empty table with exit code 0;
-    --methods evon,adamw,evon trained EVON twice into the same directory and printed two EVON rows."""
+    --methods evon,adamw,evon trained EVON twice into the same directory and printed two EVON rows;
+    --eval-steps -3 and --threads -1 were ignored unseen (no evaluation, torch's thread count)."""
     assert message in argument_error(example.parse_args, argv, capsys)
 
 
