@@ -175,6 +175,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--min-lr-ratio must be a number in [0, 1]; got {args.min_lr_ratio:g}")
     if not 0 <= args.grad_clip < math.inf:  # NaN or a negative norm would turn the clipping off unseen
         ap.error(f"--grad-clip must be a finite number >= 0 (0: off); got {args.grad_clip:g}")
+    if args.eval_every < 0:  # only the final evaluation, unseen
+        ap.error(f"--eval-every must be an integer >= 0 (0: only at the end); got {args.eval_every}")
+    if args.warmup_steps < 0:  # no warmup, unseen
+        ap.error(f"--warmup-steps must be an integer >= 0; got {args.warmup_steps}")
     # the rates every variant uses, checked as EVON checks them: torch's AdamW checks only its
     # default rate, not the matrices' group (--lr), and would train them by gradient ascent
     rates = {

@@ -336,13 +336,16 @@ def test_an_invalid_evon_setting_is_an_argument_error_naming_the_flag(flag: str,
     (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be a number in [0, 1]; got 1.5"),
     (["--grad-clip", "-1"], "--grad-clip must be a finite number >= 0 (0: off); got -1"),
     (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0 (0: off); got nan"),
+    (["--eval-every", "-1"], "--eval-every must be an integer >= 0 (0: only at the end); got -1"),
+    (["--warmup-steps", "-5"], "--warmup-steps must be an integer >= 0; got -5"),
 ])  # fmt: skip
 def test_a_bad_rate_or_schedule_setting_is_an_argument_error_for_every_optimizer(argv, message, capsys, example) -> None:
     """--optimizer adamw --lr -1 trained the matrices by gradient ascent (torch's AdamW checks only
     its default rate, not a group's) and saved the model, exit 0; --min-lr-ratio -1 drove the
     cosine schedule's rate below 0 halfway through: EVON refused that step with a traceback
     (the first half's training lost), AdamW ascended silently; --min-lr-ratio nan made every rate
-    after the warmup NaN; --grad-clip nan or -1 turned the clipping off silently."""
+    after the warmup NaN; --grad-clip nan or -1 turned the clipping off silently, --eval-every -1
+    the intermediate evaluations, and --warmup-steps -5 the warmup."""
     assert message in argument_error(example.parse_args, [*argv, "--output-dir", "unused"], capsys)
 
 
