@@ -786,6 +786,18 @@ def test_a_step_whose_closure_raises_leaves_the_optimizer_as_the_last_step_did()
     assert calls == [1, 2, 3, 4, 3, 4, 5, 6] and twin_calls == [1, 2, 3, 4, 5, 6]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
+def test_step_with_a_closure_inside_a_block_is_refused_naming_step_and_keeps_the_block() -> None:
+    """``step(closure)`` inside a ``sampled_params()`` block said that ``sampled_params()`` blocks
+    cannot be nested, which the caller did not call; it names ``step()``, as ``step()`` without a
+    closure does, calls the closure not at all and leaves the running block's sample recorded."""
+    model = _model()
+    opt, calls = _optimizer(model, mc_samples=2), []
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+        with pytest.raises(RuntimeError, match=r"^step\(\) called inside a sampled_params\(\) block"):
+            opt.step(lambda: calls.append(opt.noise_label))
+    assert calls == [] and opt.recorded_samples == 1 and opt.sample_blocks == 1
+
 
 # ----------------------------------------------------------------------------- evaluation and ranks
 @pytest.mark.parametrize("first_use", ["sampled_params", "posterior_std"])

@@ -225,14 +225,14 @@ def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     its last call returned, as torch's optimizers return what the closure returns.
     A call that raises (an out-of-memory error a caller retries) drops the step's samples and their noise:
     the optimizer is as the last step left it, and a retry steps as a run without the failure does."""
+    optimizer._refuse_in_sample("step()")  # here, not in its first block, whose refusal names sampled_params()
     losses = []
     try:
         for _ in range(optimizer.mc_samples):
             with torch.enable_grad(), optimizer.sampled_params(train=True):
                 losses.append(closure())
     except BaseException:
-        if not optimizer.in_sample:  # else step(closure) was refused inside a block, which keeps its samples
-            optimizer.discard_samples(rewind=True)
+        optimizer.discard_samples(rewind=True)
         raise
     if len(losses) > 1 and all(isinstance(loss, torch.Tensor | int | float) for loss in losses):
         return sum(losses) / len(losses)
