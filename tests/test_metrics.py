@@ -68,6 +68,22 @@ def test_a_confidence_on_any_boundary_falls_in_the_lower_bin(conf, n_bins):
     assert expected_calibration_error(probs, labels, n_bins=n_bins) == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("classes", [8, 10, 20])
+def test_a_given_probability_on_a_bin_edge_is_binned_as_given(classes):
+    """A uniform prediction over C classes has confidence 1/C, the upper edge of bin (0, 1/C] with
+    C bins. The confidence was read back as exp(log p), and exp(log(1/8)) is 0.12500000000000003
+    (0.1 gave 0.10000000000000002): the item went to the bin above, beside a wrong item there, and
+    the ECE of 8 classes was 0.34375 for the documented 0.53125. The given probabilities are binned."""
+    uniform = np.full(classes, 1 / classes)  # conf 1/C, label 0 = argmax: right, bin (0, 1/C]
+    above = np.full(classes, (1 - 1.5 / classes) / (classes - 1))
+    above[0] = 1.5 / classes  # conf 1.5/C, label 1: wrong, bin (1/C, 2/C]
+    probs, labels = np.stack([uniform, above]), np.array([0, 1])
+    expected = (abs(1 - 1 / classes) + abs(0 - 1.5 / classes)) / 2  # each alone in its bin
+    assert expected_calibration_error(probs, labels, n_bins=classes) == pytest.approx(expected, abs=1e-12)
+    assert _ece_float64(probs, labels, classes) == pytest.approx(expected, abs=1e-12)
+    assert calibration_metrics(probs, labels, n_bins=classes)["ece"] == pytest.approx(expected, abs=1e-12)
+
+
 def test_perfect_calibration_and_extremes():
     # confidence 0.75 on 4 items, 3 of them right: perfectly calibrated in its bin
     probs = np.array([[0.75, 0.25]] * 4)

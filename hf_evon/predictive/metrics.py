@@ -80,8 +80,9 @@ def _given_dtype(x: Any) -> torch.dtype:
 
 def _log_probs(
     predictions: Any, references: Any, input_type: str, ignore_index: int | None
-) -> tuple[Tensor, Tensor]:
-    """Validated ``(log p (N, C) float64, labels (N,) int64)`` with ignored items removed."""
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Validated ``(log p (N, C) float64, labels (N,) int64, p)`` with ignored items removed; ``p`` the
+    given probabilities (``input_type="probs"``), else None."""
     if input_type not in INPUT_TYPES:
         raise ValueError(f"input_type must be one of {INPUT_TYPES}; got {input_type!r}")
     preds = _as_tensor(predictions, torch.float64)
@@ -106,18 +107,23 @@ def _log_probs(
     if bool(((labels < 0) | (labels >= num_classes)).any()):
         raise ValueError(f"references must be in [0, {num_classes}); got values outside")
     if input_type == "logits":
-        return torch.log_softmax(preds, dim=-1), labels
+        return torch.log_softmax(preds, dim=-1), labels, None
     if input_type == "log_probs":
         if bool((preds > 1e-6).any()):
             raise ValueError("log_probs must be <= 0")
-        return preds, labels
+        return preds, labels, None
     # the rows' rounding is the given dtype's, not float64's: a bfloat16 softmax sums to 1 within ~4e-3
     atol = normalization_tolerance(_given_dtype(predictions))
     if bool((preds < 0).any()) or not torch.allclose(preds.sum(-1), torch.ones(()).double(), atol=atol):
         raise ValueError(
             "probs must be non-negative with rows summing to 1 (pass input_type='logits' or 'log_probs' otherwise)"
         )
-    return preds.log(), labels
+    return preds.log(), labels, preds
+
+
+def _statistics(predictions: Any, references: Any, input_type: str, ignore_index: int | None) -> Tensor:
+    """:func:`item_statistics` of the validated input (:func:`_log_probs`)."""
+    return item_statistics(*_log_probs(predictions, references, input_type, ignore_index))
 
 
 def accuracy(
@@ -126,24 +132,21 @@ def accuracy(
     """Fraction of items whose most probable class is the reference; NaN where a logit or
     log-probability is NaN (as the other metrics are: a diverged model's row has no most probable
     class, not class 0). Probabilities with a NaN are refused: their rows do not sum to 1."""
-    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return metrics_of_statistics(item_statistics(logp, labels))["accuracy"]
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index))["accuracy"]
 
 
 def negative_log_likelihood(
     predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
 ) -> float:
     """Mean ``−log p(reference)`` (natural log); ``inf`` if a reference has probability 0."""
-    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return metrics_of_statistics(item_statistics(logp, labels))["nll"]
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index))["nll"]
 
 
 def brier_score(
     predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
 ) -> float:
     """Mean over items of ``Σ_c (p_c − onehot_c)²`` (multi-class Brier score, in [0, 2])."""
-    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return metrics_of_statistics(item_statistics(logp, labels))["brier"]
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index))["brier"]
 
 
 def expected_calibration_error(
@@ -156,8 +159,7 @@ def expected_calibration_error(
     """Top-label ECE with ``n_bins`` equal-width bins over the confidence (0, 1]."""
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
-    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return metrics_of_statistics(item_statistics(logp, labels), n_bins)["ece"]
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index), n_bins)["ece"]
 
 
 def _binned_calibration_error(conf: Tensor, correct: Tensor, n_bins: int) -> float:
@@ -183,24 +185,26 @@ def calibration_metrics(
     through :func:`item_statistics`, as the trainer's token metrics are summed batch by batch."""
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
-    logp, labels = _log_probs(predictions, references, input_type, ignore_index)
-    return metrics_of_statistics(item_statistics(logp, labels), n_bins)
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index), n_bins)
 
 
 # the columns of :func:`item_statistics`
 _LOGP_LABEL, _CORRECT, _CONF, _CONF_CORRECT, _BRIER, _NAN = range(6)
 
 
-def item_statistics(logp: Tensor, labels: Tensor) -> Tensor:
+def item_statistics(logp: Tensor, labels: Tensor, probs: Tensor | None = None) -> Tensor:
     """What :func:`calibration_metrics` reads of each item of float64 log-probabilities ``logp``
     ``(..., C)`` with integer ``labels`` ``(...)``, six numbers an item (``(..., 6)``, 0 where a label
     is ``-100``), for :func:`metrics_of_statistics`: a set's metrics without its items' C
-    probabilities held at once (a decoder's vocabulary). ValueError for a label outside ``[0, C)``."""
+    probabilities held at once (a decoder's vocabulary). ValueError for a label outside ``[0, C)``.
+    ``probs``: the probabilities themselves where they were given, for the confidences and the Brier
+    score: ``exp(log p)`` is off in the last bit (``exp(log(1/8))`` is 0.12500000000000003), which moves
+    a confidence on a bin's upper edge into the bin above."""
     ignored = labels == -100
     if bool(((labels < 0) | (labels >= logp.shape[-1]))[~ignored].any()):
         raise ValueError(f"references must be in [0, {logp.shape[-1]}); got values outside")
     safe = labels.masked_fill(ignored, 0).long()
-    probs = logp.exp()
+    probs = logp.exp() if probs is None else probs.to(logp.dtype)
     conf, top = probs.max(-1)
     onehot = torch.nn.functional.one_hot(safe, logp.shape[-1]).to(probs.dtype)
     stats = torch.stack(
