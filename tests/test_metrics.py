@@ -84,6 +84,21 @@ def test_a_given_probability_on_a_bin_edge_is_binned_as_given(classes):
     assert calibration_metrics(probs, labels, n_bins=classes)["ece"] == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("classes", [8, 10, 20])
+def test_equal_logits_on_a_bin_edge_are_binned_as_their_softmax(classes):
+    """Equal logits over C classes have softmax 1/C, the upper edge of bin (0, 1/C] with C bins; the
+    confidence was read as exp(log_softmax), 0.12500000000000003 for C = 8, and the item went to the
+    bin above, beside a wrong item there: the ECE of 8 classes was 0.34375 for the documented 0.53125."""
+    above = np.full(classes, (1 - 1.5 / classes) / (classes - 1))
+    above[0] = 1.5 / classes  # conf 1.5/C, label 1: wrong, bin (1/C, 2/C]
+    logits, labels = np.stack([np.zeros(classes), np.log(above)]), np.array([0, 1])
+    expected = (abs(1 - 1 / classes) + abs(0 - 1.5 / classes)) / 2  # each alone in its bin
+    got = expected_calibration_error(logits, labels, n_bins=classes, input_type="logits")
+    assert got == pytest.approx(expected, abs=1e-12)
+    combined = calibration_metrics(logits, labels, input_type="logits", n_bins=classes)
+    assert combined["ece"] == pytest.approx(expected, abs=1e-12)
+
+
 def test_perfect_calibration_and_extremes():
     # confidence 0.75 on 4 items, 3 of them right: perfectly calibrated in its bin
     probs = np.array([[0.75, 0.25]] * 4)

@@ -82,7 +82,7 @@ def _log_probs(
     predictions: Any, references: Any, input_type: str, ignore_index: int | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Validated ``(log p (N, C) float64, labels (N,) int64, p)`` with ignored items removed; ``p`` the
-    given probabilities (``input_type="probs"``), else None."""
+    given probabilities, or the logits' softmax, else (``input_type="log_probs"``) None."""
     if input_type not in INPUT_TYPES:
         raise ValueError(f"input_type must be one of {INPUT_TYPES}; got {input_type!r}")
     preds = _as_tensor(predictions, torch.float64)
@@ -107,7 +107,7 @@ def _log_probs(
     if bool(((labels < 0) | (labels >= num_classes)).any()):
         raise ValueError(f"references must be in [0, {num_classes}); got values outside")
     if input_type == "logits":
-        return torch.log_softmax(preds, dim=-1), labels, None
+        return torch.log_softmax(preds, dim=-1), labels, torch.softmax(preds, dim=-1)
     if input_type == "log_probs":
         if bool((preds > 1e-6).any()):
             raise ValueError("log_probs must be <= 0")
@@ -197,9 +197,9 @@ def item_statistics(logp: Tensor, labels: Tensor, probs: Tensor | None = None) -
     ``(..., C)`` with integer ``labels`` ``(...)``, six numbers an item (``(..., 6)``, 0 where a label
     is ``-100``), for :func:`metrics_of_statistics`: a set's metrics without its items' C
     probabilities held at once (a decoder's vocabulary). ValueError for a label outside ``[0, C)``.
-    ``probs``: the probabilities themselves where they were given, for the confidences and the Brier
-    score: ``exp(log p)`` is off in the last bit (``exp(log(1/8))`` is 0.12500000000000003), which moves
-    a confidence on a bin's upper edge into the bin above."""
+    ``probs``: the probabilities themselves (given, or the softmax of given logits), for the confidences
+    and the Brier score: ``exp(log p)`` is off in the last bit (``exp(log(1/8))`` is 0.12500000000000003),
+    which moves a confidence on a bin's upper edge into the bin above."""
     ignored = labels == -100
     if bool(((labels < 0) | (labels >= logp.shape[-1]))[~ignored].any()):
         raise ValueError(f"references must be in [0, {logp.shape[-1]}); got values outside")
