@@ -16,7 +16,7 @@ import fsdp2_worker as worker
 import pytest
 import torch
 from conftest import approx_tree
-from launcher import runs_per_world, torchrun
+from launcher import rank_results, runs_per_world, torchrun
 
 from hf_evon import EVONPosterior, build_optimizer
 from hf_evon.distributed.fsdp2 import shard_rows
@@ -489,3 +489,28 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
         for key, value in w.items():
             assert (value == r[key]) if isinstance(value, list | dict) else torch.equal(value, r[key]), key
         assert r["after"].keys() == mean.keys() and all(torch.equal(r["after"][n], mean[n]) for n in mean)
+
+
+def test_evaluation_blocks_on_gathered_fsdp2_weights_see_their_own_sample(tmp_path) -> None:
+    """Under ``reshard_after_forward=False`` (and for the root of a lone ``fully_shard(model)``, by
+    default) a forward without backward leaves the weights gathered, and FSDP2 gathers again only
+    after a reshard: the second ``sampled_params(train=False)`` block's forward ran on the first
+    block's sample, and the next training forward on the last one (not its own sample), so the run
+    drifted from the same run without evaluation. Each block now runs on the sample its shards
+    hold (the unsharded model's output on those weights), and evaluation leaves training exact."""
+    from torch.func import functional_call
+
+    ranks = rank_results(2, os.path.join(HERE, "fsdp2_reshard_worker.py"), str(tmp_path), timeout=120)
+    plain = worker.net()
+    for r in ranks:
+        for variant in ("no_reshard", "root"):
+            assert not isinstance(r[variant], str), r[variant]
+            with_evals, without = r[variant][True], r[variant][False]
+            assert len(with_evals["blocks"]) == 4 and not without["blocks"]
+            outs = [b["out"] for b in with_evals["blocks"]]
+            assert not torch.equal(outs[0], outs[1])  # two samples
+            for b in with_evals["blocks"]:
+                want = functional_call(plain, b["sample"], (b["ids"], b["x"]))
+                torch.testing.assert_close(b["out"], want, rtol=1e-12, atol=0, msg=variant)
+            for a, c in zip(with_evals["trace"], without["trace"], strict=True):
+                assert all(torch.equal(a[k], c[k]) for k in a), variant

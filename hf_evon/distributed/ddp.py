@@ -539,7 +539,10 @@ def _prepare_fsdp2(model: nn.Module, evon: EVON, handle: Any, mesh: Any, shard: 
     params = [p for g in evon.param_groups for p in g["params"]]
     if world_size(group) > 1:
         _sync_seed(evon, group, params[0]._local_tensor.device if params else torch.device("cpu"))
-    evon.install_sharding(FSDP2Sharding(evon, mesh))
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    evon.install_sharding(FSDP2Sharding(evon, mesh, modules))
     evon.gradient_reducer = evon.sharding.reduce_gradients  # also in one process: it gathers rows
     return handle
 

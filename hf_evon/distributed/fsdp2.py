@@ -68,12 +68,14 @@ class FSDP2Sharding(EVONSharding):
     Args:
         optimizer: the EVON whose parameters are the FSDP2 DTensors.
         mesh: their 1-D device mesh (its process group is the data-parallel group).
+        modules: the model's ``fully_shard``-ed modules, resharded before EVON writes the shards.
     """
 
     fsdp2 = True
 
-    def __init__(self, optimizer: EVON, mesh: Any) -> None:
+    def __init__(self, optimizer: EVON, mesh: Any, modules: list[Any] | tuple[Any, ...] = ()) -> None:
         self.mesh = mesh
+        self.modules = list(modules)
         super().__init__(optimizer, mesh.get_group())
         self.evon_params = [p for p in self.params if id(p) in self.index]
         self.proxy: dict[int, Tensor] = {}  # id(DTensor) -> the owner's full copy
@@ -228,6 +230,13 @@ class FSDP2Sharding(EVONSharding):
             if pairs:
                 torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
 
+    def _release_gathered(self) -> None:
+        """Free the weights a forward left gathered (``reshard_after_forward=False``, or the root's
+        by default, after a forward without backward): FSDP2 gathers again only after a reshard, so
+        the next forward would run on them, not on the sample or mean EVON writes into the shards."""
+        for module in self.modules:
+            module.reshard()
+
     def _stamp(self) -> None:
         self._stamps = [(p._version, _local(p)._version, _local(p).data_ptr()) for p in self.evon_params]
 
@@ -288,11 +297,13 @@ class FSDP2Sharding(EVONSharding):
         """The owners wrote a sample into their copies: every rank writes its rows of it,
         keeping its rows of the mean to restore at the exit."""
         params = self._sampled()
+        self._release_gathered()
         with torch.no_grad():
             self._means = [(_local(p), _local(p).clone()) for p in params]
             self._from_owners(params)
 
     def end_sample(self, recorded: bool, failed: bool = False) -> str | None:
+        self._release_gathered()
         with torch.no_grad():
             if self._means:
                 torch._foreach_copy_([t for t, _ in self._means], [m for _, m in self._means])
@@ -329,6 +340,7 @@ class FSDP2Sharding(EVONSharding):
 
     def after_step(self) -> None:
         self._factors = self._state = None
+        self._release_gathered()
         with torch.no_grad():
             self._from_owners(self.evon_params)
             for q in self.proxy.values():
