@@ -198,9 +198,22 @@ def test_invalid_inputs(predictions, references, kwargs, match):
 def test_a_nan_prediction_makes_every_metric_nan(input_type):
     # accuracy scored a NaN row as class 0 (argmax of NaN) while the others were NaN: a diverged
     # model's evaluation read as a number; NaN (not an error) keeps a training run's evaluation going
-    predictions, references = [[-0.1, -2.4], [float("nan")] * 2], [0, 0]
+    predictions, references = [[math.log(0.9), math.log(0.1)], [float("nan")] * 2], [0, 0]
     for metric in (accuracy, negative_log_likelihood, brier_score, expected_calibration_error):
         assert math.isnan(metric(predictions, references, input_type=input_type)), metric.__name__
+
+@pytest.mark.parametrize("function", [accuracy, negative_log_likelihood, brier_score, expected_calibration_error])
+def test_log_probs_that_are_no_distribution_are_refused(function):
+    """``input_type="log_probs"`` checked only that the values were <= 0: logits that happen to be
+    negative passed as log-probabilities, and the NLL of [[-1, -2], [-0.5, -3]] with labels [0, 1]
+    came out 2.0 where their softmax's is 1.45. Rows whose logsumexp is not 0 are refused, as
+    probabilities whose rows do not sum to 1 are; a NaN row still gives NaN."""
+    logits, labels = [[-1.0, -2.0], [-0.5, -3.0]], [0, 1]
+    with pytest.raises(ValueError, match=r"log_probs.*logsumexp.*off by up to 0\.687"):
+        function(logits, labels, input_type="log_probs")
+    log_probs = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1)
+    expected = function(logits, labels, input_type="logits")
+    assert function(log_probs, labels, input_type="log_probs") == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 def test_an_ignore_index_that_is_not_an_integer_is_named():

@@ -10,7 +10,8 @@ Every function takes ``predictions`` of shape ``(N, C)`` and integer ``reference
 * ``"probs"`` (default): class probabilities, rows summing to one (within 1e-3; 5e-2 for float16
   and bfloat16 inputs, whose softmax rows are off by up to ~4e-3);
 * ``"logits"``: unnormalised scores, turned into probabilities with a softmax;
-* ``"log_probs"``: log-probabilities (e.g. a BMA predictive, ``logsumexp_s log p_s − log S``).
+* ``"log_probs"``: log-probabilities (e.g. a BMA predictive, ``logsumexp_s log p_s − log S``), each
+  row's logsumexp 0 within the same tolerance.
 
 Items whose reference equals ``ignore_index`` (default ``-100``, the transformers convention)
 are left out, so flattened token-classification outputs can be passed directly. Inputs may
@@ -111,6 +112,13 @@ def _log_probs(
     if input_type == "log_probs":
         if bool((preds > 1e-6).any()):
             raise ValueError("log_probs must be <= 0")
+        # logits that happen to be negative are no log-probabilities; a NaN row passes (its metrics are NaN)
+        off = float(preds.logsumexp(-1).abs().nan_to_num(0.0).max())
+        if off > normalization_tolerance(_given_dtype(predictions)):
+            raise ValueError(
+                f"log_probs must be log-probabilities, each row's logsumexp 0; its rows are off by up to {off:.3g} "
+                "(pass input_type='logits' for unnormalised scores)"
+            )
         return preds, labels, None
     # the rows' rounding is the given dtype's, not float64's: a bfloat16 softmax sums to 1 within ~4e-3
     atol = normalization_tolerance(_given_dtype(predictions))
