@@ -583,28 +583,30 @@ def test_an_lm_task_with_one_held_out_document_says_it_cannot_split_it() -> None
         payoff_tasks.lm_task(0, True, docs=docs, val_fraction=0.0001)
 
 
+def _summary_row(nll: float) -> dict:
+    """A summary row (mean, sd) of the report's four metrics, sd 0, the NLL given."""
+    return {k: (v, 0.0) for k, v in {"nll": nll, "accuracy": 0.9, "ece": 0.05, "brier": 0.1}.items()}
+
+
 def test_the_ivon_comparison_is_not_judged_where_ivon_did_not_run() -> None:
     """The closing line compared EVON's average BMA gain with IVON's, which is NaN where ivon-opt is
     not installed or not among ``--methods``, and printed "(NO: EVON's ≥ IVON's)" for a comparison
     never made; with both gains the verdict is the comparison's."""
 
-    def row(nll: float) -> dict:
-        return {k: (v, 0.0) for k, v in {"nll": nll, "accuracy": 0.9, "ece": 0.05, "brier": 0.1}.items()}
-
     summary = {
         "digits": {
-            "EVON mean": row(0.30),
-            "EVON calibrated BMA@32": row(0.21),
+            "EVON mean": _summary_row(0.30),
+            "EVON calibrated BMA@32": _summary_row(0.21),
             "IVON (ivon-opt) mean": "ivon-opt not installed",
         }
     }
     text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
     assert text.rstrip().endswith("+nan (n/a: IVON did not run)."), text.splitlines()[-1]
-    summary["digits"] |= {"IVON (ivon-opt) mean": row(0.30), "IVON (ivon-opt) calibrated BMA@32": row(0.20)}
+    summary["digits"] |= {"IVON (ivon-opt) mean": _summary_row(0.30), "IVON (ivon-opt) calibrated BMA@32": _summary_row(0.20)}
     text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
     assert "EVON +0.0900, IVON (ivon-opt) +0.1000," in text
     assert text.rstrip().endswith("(NO: EVON's ≥ IVON's)."), text.splitlines()[-1]
-    summary["digits"]["IVON (ivon-opt) calibrated BMA@32"] = row(0.22)
+    summary["digits"]["IVON (ivon-opt) calibrated BMA@32"] = _summary_row(0.22)
     text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
     assert text.rstrip().endswith("(yes: EVON's ≥ IVON's)."), text.splitlines()[-1]
 
@@ -639,26 +641,23 @@ def test_the_ivon_comparison_is_made_on_the_tasks_both_methods_ran() -> None:
     EVON +0.3000 (0.1 and 0.5) against IVON +0.2000 (0.2 alone) read "yes", though on the one task
     both ran IVON gains more. A NaN gain (a run that diverged) read "IVON did not run"."""
 
-    def row(nll: float) -> dict:
-        return {k: (v, 0.0) for k, v in {"nll": nll, "accuracy": 0.9, "ece": 0.05, "brier": 0.1}.items()}
-
     summary = {
         "digits": {
-            "EVON mean": row(0.30),
-            "EVON calibrated BMA@32": row(0.20),
-            "IVON (ivon-opt) mean": row(0.30),
-            "IVON (ivon-opt) calibrated BMA@32": row(0.10),
+            "EVON mean": _summary_row(0.30),
+            "EVON calibrated BMA@32": _summary_row(0.20),
+            "IVON (ivon-opt) mean": _summary_row(0.30),
+            "IVON (ivon-opt) calibrated BMA@32": _summary_row(0.10),
         },
         "wine": {
-            "EVON mean": row(1.0),
-            "EVON calibrated BMA@32": row(0.5),
+            "EVON mean": _summary_row(1.0),
+            "EVON calibrated BMA@32": _summary_row(0.5),
             "IVON (ivon-opt) mean": "not run on seed 1",
         },
     }
     last = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 2, "minutes": 0.1}).splitlines()[-1]
     assert "EVON +0.3000, IVON (ivon-opt) +0.2000," in last  # each method's own average, as before
     assert last.endswith("(NO: EVON's ≥ IVON's on the 1 task both ran, +0.1000 vs +0.2000)."), last
-    summary["wine"] |= {"IVON (ivon-opt) mean": row(math.nan), "IVON (ivon-opt) calibrated BMA@32": row(0.4)}
+    summary["wine"] |= {"IVON (ivon-opt) mean": _summary_row(math.nan), "IVON (ivon-opt) calibrated BMA@32": _summary_row(0.4)}
     last = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 2, "minutes": 0.1}).splitlines()[-1]
     assert last.endswith("(n/a: IVON's gain is NaN on wine)."), last
 
