@@ -751,6 +751,63 @@ def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns: 
     assert opt.recorded_samples == 0 and opt.sample_blocks == twin_opt.sample_blocks == 6
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
+@pytest.mark.parametrize("kind", ["float", "np.float32", "np.float64", "np.int64"])
+def test_step_with_a_closure_returns_the_mean_of_numeric_losses_of_any_number_type(kind: str) -> None:
+    """A closure returning ``loss.item()`` as a numpy scalar other than float64 (``np.float32``,
+    ``np.int64``), which is no Python ``float``/``int``, got its last call's loss back from
+    ``step(closure)``, not the mean over the ``mc_samples`` calls that a tensor or Python float gets.
+    Every real number (``numbers.Real``) is averaged, in its own type's arithmetic."""
+    import numpy as np
+
+    cast = {"float": float, "np.float32": np.float32, "np.float64": np.float64, "np.int64": np.int64}[kind]
+    model = _model()
+    opt, returned = _optimizer(model, mc_samples=2), []
+
+    def closure() -> object:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X), Y)
+        loss.backward()
+        returned.append(cast(loss.item() * 1000))  # np.int64: distinct integers per sample
+        return returned[-1]
+
+    got = opt.step(closure)
+    assert returned[0] != returned[1]
+    assert type(got) is type((returned[0] + returned[1]) / 2) and got == (returned[0] + returned[1]) / 2
+
+
+def test_step_with_a_closure_whose_losses_have_no_mean_is_refused_and_drops_the_samples() -> None:
+    """Per-example loss tensors of different shapes across the ``mc_samples`` calls (a closure that
+    draws its own batch, the last one smaller) raised torch's broadcast error after the samples were
+    recorded: the step never ran and the next one averaged four samples. The step is refused with a
+    ValueError naming the closure and the shapes, drops the samples, and a retry steps as a run
+    without the failure does."""
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model, mc_samples=2), _optimizer(twin, mc_samples=2)
+    sizes = [32, 8]
+
+    def closure_of(m: nn.Module, calls: list) -> object:
+        def closure() -> torch.Tensor:
+            n = sizes[len(calls) % 2]
+            calls.append(n)
+            loss = nn.functional.cross_entropy(m(X[:n]), Y[:n], reduction="none")
+            loss.mean().backward()
+            return loss.detach()
+
+        return closure
+
+    calls, twin_calls = [], []
+    closure, twin_closure = closure_of(model, calls), closure_of(twin, twin_calls)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"closure.*\(32,\).*\(8,\)"):
+        opt.step(closure)
+    assert opt.recorded_samples == 0 and opt.sample_blocks == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    sizes[1] = 32
+    opt.step(closure)
+    twin_opt.step(twin_closure)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 
 def test_a_step_whose_closure_raises_leaves_the_optimizer_as_the_last_step_did() -> None:
     """A closure that raised in its second of ``mc_samples=2`` blocks (an out-of-memory error caught

@@ -10,6 +10,7 @@ refused (:func:`guard_late_gradients`).
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable
@@ -221,8 +222,9 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
 def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     """``closure`` called in each of ``optimizer.mc_samples`` blocks ``sampled_params(train=True)``, with
     gradients enabled (``step()`` runs under no_grad), as the loop of ``mc_samples`` blocks records them:
-    the mean of the losses it returns (tensors or numbers), else (None, the loss with other outputs) what
-    its last call returned, as torch's optimizers return what the closure returns.
+    the mean of the losses it returns (tensors, or Python's or numpy's real numbers), else (None, the loss
+    with other outputs) what its last call returned, as torch's optimizers return what the closure returns.
+    Tensors of shapes that have no mean are refused (ValueError) before the update, the samples dropped.
     A call that raises (an out-of-memory error a caller retries) drops the step's samples and their noise:
     the optimizer is as the last step left it, and a retry steps as a run without the failure does."""
     optimizer._refuse_in_sample("step()")  # here, not in its first block, whose refusal names sampled_params()
@@ -234,6 +236,16 @@ def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     except BaseException:
         optimizer.discard_samples(rewind=True)
         raise
-    if len(losses) > 1 and all(isinstance(loss, torch.Tensor | int | float) for loss in losses):
-        return sum(losses) / len(losses)
+    # numbers.Real: Python's and numpy's scalars (np.float32, np.int64), which loss.item() style closures return
+    if len(losses) > 1 and all(isinstance(loss, torch.Tensor | numbers.Real) for loss in losses):
+        try:
+            return sum(losses) / len(losses)
+        except RuntimeError as error:  # tensors whose shapes do not broadcast: refused before the update
+            optimizer.discard_samples(rewind=True)
+            shapes = ", ".join(str(tuple(getattr(loss, "shape", ()))) for loss in losses)
+            raise ValueError(
+                f"step(closure): the closure's {len(losses)} losses (shapes {shapes}) have no mean: return "
+                "losses of one shape (a scalar, e.g. loss.mean()) from every call. This step's samples are "
+                f"dropped ({error})"
+            ) from error
     return losses[-1]
