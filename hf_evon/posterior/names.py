@@ -43,6 +43,11 @@ _REBUILT_MODEL = (
     "the prompt encoder's own weights (model.prompt_encoder.state_dict(), saved beside the adapter) loaded "
     "into a model built as the trained one was (get_peft_model(base_model, the same config))"
 )
+# what a model that merge_and_unload() returned, or the PeftModel it emptied, is told to sample instead
+_SAMPLE_THE_ADAPTER = (
+    "sample a PeftModel that holds the adapter, e.g. PeftModel.from_pretrained(base_model, adapter_dir), "
+    "and merge a copy for deployment"
+)
 
 
 def peft_unsaved_module(name: str) -> str | None:
@@ -163,15 +168,13 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
         # a PEFT tuner's tensor, and a model without PEFT's wrapper: most often merge_and_unload's result
         return (
             " (a PEFT adapter's tensor, and the model is no PeftModel: merge_and_unload() folds the adapter's "
-            "mean into the base weights and leaves no adapter tensors to sample; sample the PeftModel, "
-            "e.g. PeftModel.from_pretrained(base_model, adapter_dir), and merge a copy for deployment)"
+            f"mean into the base weights and leaves no adapter tensors to sample; {_SAMPLE_THE_ADAPTER})"
         )
     if _emptied_tuner_tensor(name, model):
         return (
             " (a PEFT adapter's tensor, and this PeftModel holds no adapter tensors, as after merge_and_unload() "
             "or unload(), which replace its tuner layers in place (the merge folds the adapter's mean into the "
-            "base weights); sample a PeftModel that holds the adapter, e.g. PeftModel.from_pretrained(base_model, "
-            "adapter_dir), and merge a copy for deployment)"
+            f"base weights); {_SAMPLE_THE_ADAPTER})"
         )
     parts = name.split(".")
     for other in params:
