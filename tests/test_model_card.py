@@ -488,6 +488,46 @@ def test_a_lora_adapted_plain_torch_modules_card_builds_its_base_as_in_training(
     torch.testing.assert_close(namespace["probs"], expected, rtol=1e-6, atol=1e-7)
 
 
+def test_a_plain_torch_modules_card_over_two_peft_adapters_loads_both_active(tmp_path, capsys):
+    """Two LoRA adapters trained together on an ``nn.Module`` that is no transformers model
+    (``model.base_model.set_adapter(["default", "mine"])``): the plain module's snippet loaded
+    "default" alone, which the posterior does not fit ('...lora_A.mine.weight' is not a parameter of
+    the model). It loads both, both active, as the transformers models' snippet does; with the base and
+    inputs filled in it predicts the BMA the posterior gives here."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    fresh_base = copy.deepcopy(base)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["0"]))
+    model.add_adapter("mine", LoraConfig(r=3, lora_alpha=3, target_modules=["2"]))
+    model.base_model.set_adapter(["default", "mine"])
+    opt = hf_evon.build_optimizer(model)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
+    assert {n.split(".")[-2] for n in posterior.names} == {"default", "mine"}
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    base_line = "base = ...  # your Sequential as built in training, with its weights before the adapter (not a transformers model)"
+    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+    assert base_line in snippet and inputs_line in snippet
+    x = torch.randn(5, 4)
+    namespace: dict = {"_base": fresh_base, "_x": x}
+    filled = snippet.replace(base_line, "base = _base").replace(inputs_line, "inputs = _x")
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    expected = _plain_bma(model, posterior, x)
+    torch.testing.assert_close(namespace["probs"], expected, rtol=1e-6, atol=1e-7)
+
+
 def test_a_trainer_saves_its_posterior_and_card_in_one_turn_of_the_directory_lock(tmp_path, tokenizer, monkeypatch):
     """The Trainer wrote its posterior under the directory lock and its card after letting it go:
     another save of the directory could come between them, leaving a card of a posterior the

@@ -6,7 +6,7 @@ inputs the card cannot know (``AutoModel``) a placeholder saying so; an image or
 is loaded with its task's Auto class and gets a placeholder naming its main input, as does a
 speech-to-text or image-to-text model, which decodes with ``generate_bma``. A plain ``nn.Module`` (an MLP:
 no transformers class, no ``config.json``) is built by the user as in training (its base, wrapped with
-the saved adapter, where a PEFT adapter is on it) and called on a tensor.
+the saved adapters, where PEFT adapters are on it) and called on a tensor.
 """
 
 from __future__ import annotations
@@ -118,23 +118,19 @@ def _averaged_probs_lines(logits: str, problem: str | None = None) -> list[str]:
     ]
 
 
-def _plain_module_snippet(model_class: str, location: str, sub: str, adapter: str | None = None) -> str:
+def _plain_module_snippet(model_class: str, location: str, sub: str, adapter_lines: list[str] | None = None) -> str:
     """A plain ``nn.Module``'s snippet: the user builds the model as in training, and its forward
-    takes a tensor and returns logits. ``adapter``: the arguments after ``location`` with which
-    ``PeftModel.from_pretrained`` loads a PEFT adapter on it (None: no adapter); the user then
+    takes a tensor and returns logits. ``adapter_lines``: the lines that wrap ``base`` with the PEFT
+    adapters the posterior covers (:func:`_peft_model_lines`; None: no adapter); the user then
     builds the base, and the snippet wraps it."""
     name = model_class if model_class.isidentifier() else "model"
-    what = "with its weights before the adapter" if adapter is not None else "with its trained weights"
+    what = "with its weights before the adapter" if adapter_lines is not None else "with its trained weights"
     built = f"# your {name} as built in training, {what} (not a transformers model)"
-    model_lines = (
-        [f"model = ...  {built}"]
-        if adapter is None
-        else [f"base = ...  {built}", f"model = PeftModel.from_pretrained(base, {_py(location)}{adapter})"]
-    )
+    model_lines = [f"model = ...  {built}"] if adapter_lines is None else [f"base = ...  {built}", *adapter_lines]
     return "\n".join(
         [
             "import torch",
-            *(["from peft import PeftModel"] if adapter is not None else []),
+            *(["from peft import PeftModel"] if adapter_lines is not None else []),
             "from hf_evon import EVONPosterior",
             "",
             *model_lines,
@@ -287,7 +283,7 @@ def usage_snippet(
         return _plain_module_snippet(model_class, location, sub)
     # a PEFT adapter on a plain nn.Module (a plain PeftModel records its base's class): no Auto class loads it
     if model_class and is_peft and not model_class.startswith("Peft") and not _is_transformers_model(model_class):
-        return _plain_module_snippet(model_class, location, sub, rev + _adapter_arguments(posterior.names, location))
+        return _plain_module_snippet(model_class, location, sub, _peft_model_lines(posterior.names, location, rev))
     # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
     # directory holds
     auto = _auto_class(model_class)
