@@ -514,3 +514,44 @@ def test_evaluation_blocks_on_gathered_fsdp2_weights_see_their_own_sample(tmp_pa
                 torch.testing.assert_close(b["out"], want, rtol=1e-12, atol=0, msg=variant)
             for a, c in zip(with_evals["trace"], without["trace"], strict=True):
                 assert all(torch.equal(a[k], c[k]) for k in a), variant
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """``tests/fsdp2_edge_worker.py`` on 2 ranks: its output directory and what each rank saved."""
+    out = str(tmp_path_factory.mktemp("fsdp2_edge"))
+    return out, rank_results(2, os.path.join(HERE, "fsdp2_edge_worker.py"), out, timeout=180)
+
+
+def test_a_posterior_of_matrices_with_fewer_rows_than_ranks_records_its_mean_fingerprint(edge) -> None:
+    """``b.weight`` (2x3) on 2 ranks leaves rank 0 three of the six values a fingerprint read, and the
+    saved posterior recorded no ``mean_fingerprint`` (None), so a model with other weights loaded
+    beside it went unnoticed. It records the values rank 0 holds (the first of the flattened
+    weight), and they match the unsharded model with those weights, and not one with others."""
+    import warnings
+
+    import fsdp2_edge_worker as ew
+
+    from hf_evon.posterior.fingerprint import FINGERPRINT_POSITIONS, PosteriorMeanWarning
+
+    out, ranks = edge
+    for r in ranks:
+        assert not isinstance(r["tiny"], str), r["tiny"]
+    weights, fingerprint = ranks[0]["tiny"]["weights"], ranks[0]["tiny"]["fingerprint"]
+    post = EVONPosterior.from_pretrained(os.path.join(out, "tiny_posterior"))
+    assert post.config["mean_fingerprint"] == fingerprint and fingerprint is not None
+    assert sorted(fingerprint["values"]) == sorted(post.names) == ["a.weight", "b.weight", "c.weight"]
+    for name, values in fingerprint["values"].items():
+        rows, cols = weights[name].shape
+        held = shard_rows(rows, 2, 0)[1] * cols  # rank 0's values: 6, 3 and 2
+        assert values == weights[name].reshape(-1)[: min(FINGERPRINT_POSITIONS, held)].tolist(), name
+    model = ew.tiny()
+    model.load_state_dict(weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        post.check_model(model)  # the weights it was taken at
+    with torch.no_grad():
+        model.b.weight[0, 2] += 1.0  # the last value rank 0 held
+    with pytest.warns(PosteriorMeanWarning, match=r"\['b\.weight'\]"):
+        post.check_model(model)
+

@@ -6,7 +6,8 @@ model's files and the posterior's leaves new weights beside the previous posteri
 load. A snapshot (``EVONPosterior.from_optimizer``) records ``mean_fingerprint`` in the config:
 per covered parameter its first ``FINGERPRINT_POSITIONS`` values (exact, as float64): an EVON
 update moves every entry, and under FSDP2 (rows sharded) the first entries are the first rank's,
-read there without a collective. :func:`mean_mismatches` compares them with a model's weights: exactly where the
+read there without a collective (fewer where that rank holds fewer: a matrix of fewer rows than
+ranks). :func:`mean_mismatches` compares the leading values both hold with a model's weights: exactly where the
 parameter has the dtype they were recorded in, within that dtype change's rounding otherwise
 (a model saved in float32 and loaded in bfloat16 still matches).
 
@@ -44,19 +45,19 @@ class PosteriorMeanWarning(UserWarning):
 
 
 def _leading_values(p: Tensor) -> Tensor | None:
-    """The first ``FINGERPRINT_POSITIONS`` entries of ``p`` (flattened), None where this process
-    does not hold them: the meta device, or a DTensor sharded elsewhere than on rows, or whose
-    first rows another rank holds."""
-    k = min(FINGERPRINT_POSITIONS, p.numel())
+    """The first ``FINGERPRINT_POSITIONS`` entries of ``p`` (flattened), fewer where this process
+    holds fewer (a row-sharded DTensor's first rank, whose rows are the first), None where it holds
+    none: the meta device, or a DTensor sharded elsewhere than on rows, or whose first rows another
+    rank holds."""
     if hasattr(p, "device_mesh"):
         coordinate = p.device_mesh.get_coordinate()
         rows_only = all(pl.is_replicate() or pl.is_shard(dim=0) for pl in p.placements)
         if not rows_only or coordinate is None or any(coordinate):
             return None
         p = p.to_local()
-    if p.device.type == "meta" or p.numel() < k:
+    if p.device.type == "meta" or p.numel() == 0:
         return None
-    return p.detach().reshape(-1)[:k]
+    return p.detach().reshape(-1)[:FINGERPRINT_POSITIONS]
 
 
 def _values(params: Mapping[str, Tensor], names: list[str]) -> dict[str, list[float]] | None:
@@ -119,8 +120,10 @@ def mean_mismatches(
     different = []
     for name in names:
         want, got = [float(v) for v in recorded[name]], current[name]  # "nan"/"inf" as json_value writes them
+        # the leading values both hold: a record or a model sharded by FSDP2 may hold fewer
+        want, got = want[: len(got)], got[: len(want)]
         dtype = str(params[name].dtype).removeprefix("torch.")
-        if len(want) != len(got):
+        if not want:
             different.append(name)
         elif dtype == recorded_dtype:
             if any(a != b and not (a != a and b != b) for a, b in zip(want, got, strict=True)):  # NaN == NaN
