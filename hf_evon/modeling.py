@@ -15,6 +15,7 @@ __all__ = [
     "adapters_of_names",
     "base_model_name",
     "decoder_inputs_from_labels",
+    "fsdp2_modules",
     "in_auto_mapping",
     "is_causal_lm",
     "is_encoder_decoder",
@@ -73,6 +74,15 @@ def model_class(model: nn.Module) -> type:
     if issubclass(cls, FSDPModule):
         return next((b for b in cls.__mro__[1:] if not issubclass(b, FSDPModule)), cls)
     return cls
+
+
+def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` manages (behind any wrapper); none without."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _innermost(model: nn.Module) -> nn.Module:

@@ -555,3 +555,17 @@ def test_a_posterior_of_matrices_with_fewer_rows_than_ranks_records_its_mean_fin
     with pytest.warns(PosteriorMeanWarning, match=r"\['b\.weight'\]"):
         post.check_model(model)
 
+
+def test_sampled_without_seed_is_refused_while_fsdp2_weights_are_gathered(edge) -> None:
+    """After a forward without backward under ``reshard_after_forward=False`` the model's parameters
+    are FSDP2's gathered plain tensors, and ``posterior.sampled(model)`` without a seed was accepted:
+    each rank drew from its own RNG. It is refused, naming ``seed``, as for sharded weights, and
+    no weight is written."""
+    mean = worker.net().state_dict()
+    for r in edge[1]:
+        got = r["seed_none"]
+        assert not isinstance(got, str), got
+        assert got["gathered"] == ["Parameter"]  # not DTensors: the weights were gathered
+        assert got["error"] is not None and got["error"].startswith("ValueError: sampled(model, seed=None)")
+        assert "pass seed=<int>, the same on every rank" in got["error"]
+        assert all(torch.equal(got["after"][k], mean[k]) for k in mean)

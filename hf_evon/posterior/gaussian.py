@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hf_evon.modeling import fsdp2_modules
 from hf_evon.optim.buckets import is_dtensor, matrix_shape, wide_sides
 from hf_evon.optim.buckets import state_dtype as compute_dtype  # float32 math; float64 stays float64
 from hf_evon.optim.linalg import (
@@ -57,15 +58,17 @@ def zero_entries(values: Tensor, indices: list[int] | None, leading: int = 0) ->
     return flat.index_fill(leading, torch.tensor(indices, device=values.device), 0).reshape(values.shape)
 
 
-def sample_seed(seed: int | None, params: Iterable[Tensor]) -> int:
-    """``seed`` for writing one sample into ``params`` (``resolve_seed``). ``seed=None`` is refused
-    where one is a DTensor (FSDP2): each rank would take a seed from its own RNG and write its rows
-    of a different sample, a model torn between samples that no rank could see."""
-    if seed is None and any(is_dtensor(p) for p in params):
+def sample_seed(seed: int | None, params: Iterable[Tensor], model: torch.nn.Module | None = None) -> int:
+    """``seed`` for writing one sample into ``params`` of ``model`` (``resolve_seed``). ``seed=None`` is
+    refused where one is a DTensor or ``model`` is ``fully_shard``-ed (FSDP2): each rank would take a
+    seed from its own RNG and write its rows of a different sample, a model torn between samples that no
+    rank could see. FSDP2 leaves the weights gathered (plain tensors) after a forward without backward
+    under ``reshard_after_forward=False``: each rank would run its own sample then."""
+    if seed is None and (any(is_dtensor(p) for p in params) or (model is not None and fsdp2_modules(model))):
         raise ValueError(
-            "sampled(model, seed=None): the model's parameters are sharded (DTensors, FSDP2), and each "
-            "rank would draw its own seed and write its rows of a different sample; pass seed=<int>, the "
-            "same on every rank"
+            "sampled(model, seed=None): the model's parameters are sharded (DTensors, FSDP2; gathered or "
+            "not), and each rank would draw its own seed and write its rows of a different sample; pass "
+            "seed=<int>, the same on every rank"
         )
     return resolve_seed(seed)
 

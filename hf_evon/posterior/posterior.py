@@ -299,7 +299,7 @@ class EVONPosterior:
         with holding_sample(model, self.names):  # the mean is back before another block may take the weights
             self.check_model(model)
             params = resident_parameters(model, self.names)
-            seed = sample_seed(seed, (params[name] for name in self.names))
+            seed = sample_seed(seed, (params[name] for name in self.names), model)
             pruned = pruned_ranks(model)  # AdaLoRA's pruned ranks are off, not uncertain: every sample keeps them 0
             saved: list[tuple[Tensor, Tensor]] = []
             try:

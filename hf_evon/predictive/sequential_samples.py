@@ -75,7 +75,7 @@ class SequentialSamples:
         if unknown:
             raise KeyError(f"posterior covers parameters the model does not have: {unknown[:5]}")
         params = {n: named[n] for n in self.posterior.names}
-        self.seed = sample_seed(self.seed, params.values())
+        self.seed = sample_seed(self.seed, params.values(), self.model)
         pruned = pruned_ranks(self.model)
         self._claimed = claim_sample(params)  # held until exit: no other block samples around its samples
         try:
