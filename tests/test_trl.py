@@ -629,7 +629,7 @@ def test_an_evon_trl_trainer_without_args_picks_the_output_dir_trls_trainer_pick
     assert type(trainer.args) is evon_class.config_class
 
 
-def _evon_grpo(tmp_path, corpus, **settings):
+def _evon_grpo(tmp_path, corpus, calibration_dataset=None, **settings):
     """A mixin subclass of TRL's GRPOTrainer on a tiny GPT-2, 8 prompts, a length reward."""
     from trl import GRPOConfig, GRPOTrainer
 
@@ -648,7 +648,7 @@ def _evon_grpo(tmp_path, corpus, **settings):
     return EVONGRPOTrainer(
         model=tiny_gpt2(tokenizer), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
         args=args, train_dataset=Dataset.from_dict({"prompt": [t[:20] for t in train["text"][:8]]}),
-        processing_class=tokenizer,
+        processing_class=tokenizer, calibration_dataset=calibration_dataset,
     )  # fmt: skip
 
 
@@ -700,6 +700,35 @@ def test_grpo_evaluate_reports_trls_metrics_and_refuses_bma_naming_the_missing_l
     assert not any(k.startswith(("eval_mean_", "eval_bma_")) for k in metrics), metrics
     with pytest.raises(ValueError, match=r"^evaluate\(bma=True\): the evaluation batches hold no labels"):
         trainer.evaluate(bma=True)
+
+
+def test_grpo_calibration_on_prompts_is_refused_naming_the_argument_and_what_to_pass_instead(tmp_path, corpus):
+    """GRPO's batches are prompts, which its _prepare_inputs turns into generated completions and rewards:
+    calibrate(prompts) generated completions and then failed with "calibrate_posterior: a dict batch
+    needs a 'labels' entry", naming neither the argument nor what to pass, and calibration_dataset=prompts
+    failed only at train() ("calibration_dataset batch 0 has no 'labels'"). Both are refused before any
+    generation, naming the argument and hf_evon.calibrate_posterior on labelled batches, which then works."""
+    import hf_evon
+
+    prompts = Dataset.from_dict({"prompt": [t[:20] for t in corpus[1]["text"][:4]]})
+    advice = r"hf_evon\.calibrate_posterior\(trainer\.model, trainer\.current_posterior\(\), batches\)"
+    with pytest.raises(ValueError, match=rf"^calibration_dataset: .*EVONGRPOTrainer.*{advice}.*'labels'"):
+        _evon_grpo(tmp_path, corpus, calibration_dataset=prompts)
+    trainer = _evon_grpo(tmp_path, corpus, max_steps=1)
+    trainer.train()
+    generated = []
+    trainer._generate_and_score_completions = lambda *a, **k: generated.append(a)  # noqa: ARG005
+    with pytest.raises(ValueError, match=rf"^calibrate\(\): dataset: .*EVONGRPOTrainer.*{advice}.*'labels'"):
+        trainer.calibrate(prompts)
+    assert generated == [] and trainer.calibration is None
+    tokenizer = corpus[0]
+    ids = tokenizer([t[:40] for t in corpus[1]["text"][:4]], return_tensors="pt", padding=True)
+    labels = ids["input_ids"].masked_fill(ids["attention_mask"] == 0, -100)
+    batches = [{**ids, "labels": labels}]
+    calibrated, result = hf_evon.calibrate_posterior(
+        trainer.model, trainer.current_posterior(), batches, grid=[1.0], num_samples=2
+    )
+    assert result.num_targets == int((labels[:, 1:] != -100).sum()) and calibrated is not None
 
 
 def test_rloo_trains_with_evon(tmp_path, corpus):

@@ -227,3 +227,22 @@ def refuse_buffered_generations(trainer: Trainer) -> None:
             f"{args.gradient_accumulation_steps}); use steps_per_generation=1 and num_iterations=1 (each micro-batch "
             "generates at the sample it trains at)"
         )
+
+
+def refuse_generated_calibration(trainer: Trainer, dataset: Any, name: str) -> None:
+    """Refuse calibration data (``name``: the argument it came by) for a trainer that buffers
+    generations (TRL's GRPO, RLOO, distillation): its ``_prepare_inputs`` turns every batch, whatever
+    its columns, into generated completions and rewards, and the calibration scores labels the
+    model's forward is given, which those batches never hold. hf_evon's own function calibrates on
+    labelled batches."""
+    if dataset is None or not buffers_generations(trainer):
+        return
+    raise ValueError(
+        f"{name}: {type(trainer).__name__} prepares each batch into completions it generates and "
+        "their rewards, which hold no labels for the calibration to score (it would generate from "
+        "the data, then fail); pass no calibration data to this trainer and calibrate with "
+        "hf_evon.calibrate_posterior(trainer.model, trainer.current_posterior(), batches) after "
+        "training, batches being held-out dicts of 'input_ids', 'attention_mask' and 'labels' (a "
+        "prompt and its reference completion tokenized, the prompt's labels -100), then save the "
+        "posterior it returns (save_pretrained)"
+    )

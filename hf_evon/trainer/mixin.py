@@ -329,7 +329,9 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
 
     def _refuse_eval_set(self, dataset: Any, name: str = "calibrate(): dataset") -> None:
         """Refuse ``dataset`` for calibration where it is the eval set as kept or, while the trainer keeps
-        the one it was made with, that set as it was given (``bind_partial`` of the parent's signature)."""
+        the one it was made with, that set as it was given (``bind_partial`` of the parent's signature);
+        any dataset for a trainer that generates its batches (TRL's GRPO: combined.py's refusal)."""
+        combined.refuse_generated_calibration(self, dataset, name)  # batches of prompts: no labels to score
         given, kept = self._evon_eval_given
         sets = (self.eval_dataset, given) if self.eval_dataset is kept else (self.eval_dataset,)
         calibration_data.refuse_eval_set(dataset, name, *sets)
