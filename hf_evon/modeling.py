@@ -26,6 +26,7 @@ __all__ = [
     "pretrained_name",
     "problem_type",
     "pruned_ranks",
+    "release_gathered",
     "unwrap_model",
 ]
 
@@ -83,6 +84,14 @@ def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     except ImportError:  # pragma: no cover - torch without distributed
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def release_gathered(model: nn.Module) -> None:
+    """Reshard ``model``'s ``fully_shard``-ed modules: a forward without backward leaves their weights
+    gathered (``reshard_after_forward=False``, or a lone ``fully_shard(model)``'s root by default), and
+    FSDP2 gathers again only after a reshard, so a forward would not see what is written into the shards."""
+    for module in fsdp2_modules(model):
+        module.reshard()
 
 
 def _innermost(model: nn.Module) -> nn.Module:

@@ -556,6 +556,28 @@ def test_a_posterior_of_matrices_with_fewer_rows_than_ranks_records_its_mean_fin
         post.check_model(model)
 
 
+def test_a_failed_evaluation_forward_under_reshard_after_forward_false_leaves_the_mean(edge) -> None:
+    """An evaluation forward that raises (in ``layers.2``, its earlier layers gathered with the
+    sample) inside ``EVON.sampled_params(train=False)`` or ``posterior.sampled(model, seed=...)``
+    under ``reshard_after_forward=False``: the shards hold the mean, a forward after it runs on the
+    mean (the unsharded model's output on it), and training goes on as without the failed pass."""
+    from torch.func import functional_call
+
+    plain = worker.net()
+    for r in edge[1]:
+        want = r["plain"]
+        assert not isinstance(want, str), want
+        for via in ("evon", "posterior"):
+            got = r[via]
+            assert not isinstance(got, str), f"{via}: {got}"
+            assert got["raised"], via
+            assert all(torch.equal(got["mean"][k], v) for k, v in want["trace"][0].items()), via
+            mean_out = functional_call(plain, got["mean"], (got["ids"], got["x"]))
+            torch.testing.assert_close(got["out"], mean_out, rtol=1e-12, atol=0, msg=via)
+            for a, b in zip(got["trace"], want["trace"], strict=True):
+                assert all(torch.equal(a[k], b[k]) for k in a), via
+
+
 def test_sampled_without_seed_is_refused_while_fsdp2_weights_are_gathered(edge) -> None:
     """After a forward without backward under ``reshard_after_forward=False`` the model's parameters
     are FSDP2's gathered plain tensors, and ``posterior.sampled(model)`` without a seed was accepted:

@@ -22,6 +22,7 @@ from hf_evon.modeling import (
     adapter_of_names,
     adapter_parameter_ids,
     is_peft_model,
+    release_gathered,
     unwrap_model,
 )
 from hf_evon.optim.checks import outside_stacklevel
@@ -292,10 +293,14 @@ def release_sample(claimed: set[int]) -> None:
 @contextlib.contextmanager
 def holding_sample(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     """``model``'s parameters ``names`` (those it has) claimed for one ``sampled()`` block
-    (:func:`claim_sample`): blocks over different weights of a model nest."""
+    (:func:`claim_sample`): blocks over different weights of a model nest. FSDP2's gathered weights are
+    released at both ends (:func:`~hf_evon.modeling.release_gathered`): the block writes its sample into
+    the shards, and the next forward gathers the mean back, not the sample a forward left gathered."""
+    release_gathered(model)
     params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
     claimed = claim_sample({n: params[n] for n in names if n in params})
     try:
         yield
     finally:
         release_sample(claimed)
+        release_gathered(model)
