@@ -236,6 +236,27 @@ def scenario_misuse(accelerator, out: dict) -> None:
             optimizer.zero_grad()
             out["recast_kept"] = all(torch.equal(v, before[k].to(v.dtype)) for k, v in raw.state_dict().items())
 
+    def early_synchronize_checks() -> None:
+        raw = tiny_gpt2()
+        model, optimizer = accelerator.prepare(raw, build_optimizer(raw, ess=100.0))
+        evon = prepare_distributed(model, optimizer)
+        for step in range(2):  # the initialising step, then a noisy one: the averaged tensors settle
+            sampled_step(accelerator, model, optimizer, evon, micro_batches(step, 4, rank))
+        real_check, checks = update._moved_param, []
+        update._moved_param = lambda *args: checks.append(1) or real_check(*args)
+        try:
+            for step in (2, 3):
+                with evon.sampled_params(train=True):
+                    for ids in micro_batches(step, 4, rank):
+                        with accelerator.accumulate(model):
+                            accelerator.backward(model(input_ids=ids, labels=ids).loss)
+                evon.synchronize()  # as the Trainer does to clip, before its step
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            update._moved_param = real_check
+        out["early_synchronize_moved_checks"] = len(checks)
+
     def different_hyperparameters() -> None:
         raw = tiny_gpt2()
         opt = build_optimizer(raw, ess=100.0, learning_rate=1e-3 if rank == 0 else 2e-3)
@@ -246,6 +267,7 @@ def scenario_misuse(accelerator, out: dict) -> None:
     expect_error(out, "error_samples", sample_failed_on_one_rank)
     expect_error(out, "error_hyperparameters", different_hyperparameters)
     expect_error(out, "error_recast", recast_after_synchronize)
+    early_synchronize_checks()
     expect_error(out, "error_forgot", forgot_prepare)
     expect_error(out, "error_unwrapped", unwrapped_module)
     expect_error(out, "error_mismatch", mismatched)

@@ -193,6 +193,12 @@ def test_parameters_are_checked_for_a_move_once_per_step(ranks: list[dict]) -> N
     assert [r["moved_checks"] for r in ranks] == [6, 6]
 
 
+def test_a_step_after_an_early_synchronize_checks_the_parameters_for_a_move_once(ranks: list[dict]) -> None:
+    """The Trainer synchronizes before its step, to clip: the averaging looked for a recast or moved
+    parameter, and the step looked again for the same parameters (4 checks in 2 steps)."""
+    assert [r["early_synchronize_moved_checks"] for r in ranks] == [2, 2]
+
+
 def test_a_parameter_recast_after_an_early_synchronize_still_refuses_the_step(ranks: list[dict]) -> None:
     """``synchronize()`` (the Trainer's, to clip) checked the parameters, and then the model's final
     bias was recast: the step refuses, naming it, and no weight moves."""

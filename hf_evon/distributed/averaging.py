@@ -97,9 +97,12 @@ class RankAverager:
             or drifting apart if not.
         verify_local_gradients: at the first noisy steps, check that the ranks' gradients
             differ, i.e. that nothing (an unprepared DDP wrapper) averaged them already.
-        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``). Where its
-            structure check finds no parameter recast or moved on any rank, it tells ``optimizer``
-            (``_placement_checked``), whose ``step()`` then skips the same check if that step ran it.
+        optimizer: the EVON this reducer serves (needed by ``verify_local_gradients``). Its structure
+            check looks for a parameter recast or moved on a rank whose averaged tensors changed dtype
+            or device since the last step that found none (where a recast shows before the step);
+            finding none on any rank, it tells ``optimizer`` (``_placement_checked``), whose ``step()``
+            then skips the same check if that step ran it. A step that synchronized earlier (the
+            Trainer's, to clip) checks itself: a recast between the two leaves the tensors as they were.
         guard: called first at every step, before any collective (raises to refuse the step on
             every rank alike).
     """
@@ -120,6 +123,7 @@ class RankAverager:
         self.optimizer = optimizer
         self.guard = guard
         self.calls = 0  # how many times it averaged (once per optimizer step)
+        self._layout: list[tuple[torch.dtype, torch.device]] | None = None  # as at the last step with none moved
         self._verifications_left = 3
 
     def __call__(self, tensors: list[Tensor], failed: bool = False, device: torch.device | None = None) -> int | None:
@@ -179,7 +183,9 @@ class RankAverager:
         failed_rank = dist.get_rank(self.group) + 1 if failed else 0  # 0: none failed
         # a parameter recast or moved on this rank alone: its gradient would go into a flat buffer of
         # its own here, and the ranks' all-reduces would not pair; so every rank refuses the step
-        moved = None if self.optimizer is None else _moved(self.optimizer)
+        layout = [(t.dtype, t.device) for t in tensors]  # a recast's or move's gradients show it
+        checked = self.optimizer is not None and layout != self._layout
+        moved = _moved(self.optimizer) if checked else None
         values = [count, numel, samples, key, failed_rank, int(moved is not None)]
         device = tensors[0].device if tensors else device
         sig = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=device)
@@ -194,8 +200,9 @@ class RankAverager:
             dist.all_gather_object(every_reason, moved, group=self.group)
             first = next(r for r, why in enumerate(every_reason) if why is not None)
             raise RuntimeError(moved or f"rank {first} refused the step, so every rank does: {every_reason[first]}")
-        if self.optimizer is not None:  # none moved on any rank: a step() running this check skips its own
+        if checked:  # none moved on any rank: a step() running this check skips its own
             self.optimizer._placement_checked = True
+            self._layout = layout
         if hi_key != -lo_key:  # the ranks' hyperparameters differ: name them (rare: one more collective)
             every: list[Any] = [None] * world_size(self.group)
             dist.all_gather_object(every, settings, group=self.group)
