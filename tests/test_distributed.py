@@ -731,6 +731,53 @@ def test_the_uneven_batches_check_remembers_loaders_not_their_addresses(monkeypa
     assert gathers == [3, 3]
 
 
+def test_the_uneven_batches_check_asks_each_loader_its_length_once_and_compares_a_second_loader(monkeypatch) -> None:
+    """Every step asked the active loader its length before looking it up among the loaders compared
+    already. Each loader is now asked once; a second train loader that appears mid-run (a resume's
+    skipping loader, a subclass's own) is compared with its own length, not passed on the first's
+    verdict, and is refused where the ranks' lengths differ. One process, the all-gather answered
+    with this rank's count and, for the second loader, another rank's."""
+    import accelerate.state
+
+    from hf_evon.distributed import ddp
+
+    asked: list[int] = []
+
+    class Loader:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            asked.append(self.n)
+            return self.n
+
+    class State:
+        _shared_state = {"active": True}
+        active_dataloader = None
+
+    gathers: list[int] = []
+    other = {"count": None}
+
+    def all_gather_into_tensor(out, local, group=None):
+        gathers.append(int(local))
+        out.copy_(torch.tensor([int(local), int(local) if other["count"] is None else other["count"]]))
+
+    monkeypatch.setattr(accelerate.state, "GradientState", State)
+    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    check = ddp._UnevenBatchesCheck(None, torch.device("cpu"))
+    first = State.active_dataloader = Loader(3)
+    for _ in range(4):
+        check()
+    assert (asked, gathers) == ([3], [3])
+    second = State.active_dataloader = Loader(5)
+    other["count"] = 4
+    with pytest.raises(RuntimeError, match=r"different numbers of batches \(\[5, 4\], by rank"):
+        check()
+    assert (asked, gathers) == ([3, 5], [3, 5])
+    assert first in check.checked and second not in check.checked
+
+
 def test_the_uneven_batches_check_gathers_at_the_first_step_on_every_rank_whatever_its_loader(monkeypatch) -> None:
     """The Trainer takes a step's micro-batches before the step: a rank with fewer batches than
     gradient_accumulation_steps (even_batches=False) has run out, and has no active loader, at its

@@ -361,11 +361,14 @@ class _UnevenBatchesCheck:
         except ImportError:  # pragma: no cover - accelerate is a dependency
             return
         loader = GradientState().active_dataloader if GradientState._shared_state else None  # no new state
+        if not self.first and (loader is None or loader in self.checked):
+            return  # looked up first: a loader's length can cost what its sampler's does, every step
         try:
             count = len(loader) if loader is not None else None
-        except TypeError:  # an iterable dataset: no length to compare
+        except TypeError:  # an iterable dataset: no length to compare, on any step
             count = None
-        if not self.first and (count is None or loader in self.checked):
+            self.checked.add(loader)
+        if not self.first and count is None:
             return
         self.first = False
         every = torch.zeros(world_size(self.group), dtype=torch.int64, device=self.device)
