@@ -480,6 +480,33 @@ def test_gradient_accumulation_equals_larger_batch_deterministic(tmp_path, kind)
     assert la == pytest.approx(lb, rel=1e-5)  # the logged loss is the batch mean either way
 
 
+def test_an_epoch_shorter_than_gradient_accumulation_steps_steps_as_one_without_accumulation(tmp_path):
+    """One batch per epoch with gradient_accumulation_steps=4: the Trainer steps at each epoch's end
+    on that one batch (as plain Trainer with AdamW does), every sample block closed and used, so
+    the run is exactly the one with gradient_accumulation_steps=1, noise included."""
+    common = dict(max_steps=-1, num_train_epochs=3, evon_mc_samples=2, per_device_train_batch_size=8)
+    runs = {}
+    for ga in (4, 1):
+        trainer = EVONTrainer(
+            model=tiny_bert(), args=config(tmp_path / str(ga), gradient_accumulation_steps=ga, **common),
+            train_dataset=classification_data(8),
+        )  # fmt: skip
+        trainer.train()
+        assert trainer.evon_optimizer.recorded_samples == 0 and trainer.evon_optimizer.skipped_steps == 0
+        runs[ga] = (trainer.state.global_step, params(trainer.model))
+    plain = Trainer(
+        model=tiny_bert(), train_dataset=classification_data(8),
+        args=TrainingArguments(
+            output_dir=str(tmp_path / "plain"), report_to="none", use_cpu=True, per_device_train_batch_size=8,
+            gradient_accumulation_steps=4, num_train_epochs=3, save_strategy="no", disable_tqdm=True,
+        ),
+    )  # fmt: skip
+    plain.train()
+    assert runs[4][0] == runs[1][0] == plain.state.global_step == 3
+    for name, value in runs[1][1].items():
+        assert torch.equal(runs[4][1][name], value), name
+
+
 def test_a_compute_loss_override_is_scaled_like_the_trainers_own(tmp_path):
     """A subclass that overrides ``compute_loss`` without calling ``super()`` (the usual
     Trainer pattern) trains exactly as the default loss does: EVON's scaling wraps whatever
