@@ -7,7 +7,8 @@
   ``EVON.sampled_params(train=False)`` and inside ``posterior.sampled(model, seed=...)`` (a forward
   hook of ``layers.2``), then a forward outside any block and the next training step, against the
   same run without the failed pass; and ``posterior.sampled(model)`` without a seed while the weights
-  are gathered (after a forward without backward).
+  are gathered (after a forward without backward); ``SequentialSamples``' forward per sample, and
+  one after them.
 """
 
 from __future__ import annotations
@@ -111,6 +112,18 @@ def seed_none_gathered(mesh) -> dict:
     return {"gathered": gathered, "error": error, "after": worker.full_weights(model)}
 
 
+def sequential(mesh) -> dict:
+    """``SequentialSamples``' forwards, one per sample, under ``reshard_after_forward=False``."""
+    from hf_evon.predictive.sequential_samples import SequentialSamples
+
+    model = worker.shard(worker.net(), mesh, reshard_after_forward=False)
+    ids, x, _ = worker.batch(0)
+    with torch.no_grad(), SequentialSamples(model, pw.posterior(), 3, seed=SEED) as samples:
+        outs = samples.each(lambda: model(ids, x))
+        after = model(ids, x)
+    return {"outs": outs, "after": after, "weights": worker.full_weights(model)}
+
+
 def main(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -125,6 +138,7 @@ def main(out: str) -> None:
         ("evon", lambda: run(mesh, rank, world, "evon")),
         ("posterior", lambda: run(mesh, rank, world, "posterior")),
         ("seed_none", lambda: seed_none_gathered(mesh)),
+        ("sequential", lambda: sequential(mesh)),
     ):
         try:
             result[key] = fn()

@@ -591,3 +591,27 @@ def test_sampled_without_seed_is_refused_while_fsdp2_weights_are_gathered(edge) 
         assert got["error"] is not None and got["error"].startswith("ValueError: sampled(model, seed=None)")
         assert "pass seed=<int>, the same on every rank" in got["error"]
         assert all(torch.equal(got["after"][k], mean[k]) for k in mean)
+
+
+def test_sequential_samples_under_reshard_after_forward_false_run_each_sample(edge) -> None:
+    """``SequentialSamples`` (the BMA's one-sample-at-a-time path) under ``reshard_after_forward=False``:
+    each forward runs on its own sample and the forward after the block on the mean, as in the
+    unsharded model."""
+    import fsdp2_posterior_worker as pw
+
+    from hf_evon.predictive.sequential_samples import SequentialSamples
+
+    model = worker.net()
+    mean = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, x, _ = worker.batch(0)
+    with torch.no_grad(), SequentialSamples(model, pw.posterior(), 3, seed=pw.SEED) as samples:
+        want = samples.each(lambda: model(ids, x))
+        want_after = model(ids, x)
+    assert not torch.equal(want[0], want[1]) and not torch.equal(want[1], want[2])
+    for r in edge[1]:
+        got = r["sequential"]
+        assert not isinstance(got, str), got
+        for s, (a, b) in enumerate(zip(got["outs"], want, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=0, msg=f"sample {s}")
+        torch.testing.assert_close(got["after"], want_after, rtol=1e-12, atol=0, msg="after")
+        assert all(torch.equal(got["weights"][n], mean[n]) for n in mean)

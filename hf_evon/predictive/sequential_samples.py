@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hf_evon.modeling import pruned_ranks, unwrap_model
+from hf_evon.modeling import pruned_ranks, release_gathered, unwrap_model
 from hf_evon.optim.checks import is_int
 from hf_evon.optim.linalg import writing_weights
 from hf_evon.posterior.gaussian import add_perturbation, sample_seed
@@ -70,6 +70,7 @@ class SequentialSamples:
         self._claimed: set[int] = set()
 
     def __enter__(self) -> SequentialSamples:
+        release_gathered(self.model)  # the samples go into FSDP2's shards, not weights a forward left gathered
         named = dict(self.model.named_parameters(remove_duplicate=False))
         unknown = [n for n in self.posterior.names if n not in named]
         if unknown:
@@ -95,6 +96,7 @@ class SequentialSamples:
 
     def write(self, s: int) -> None:
         """Sample ``s``'s weights into the model's covered parameters."""
+        release_gathered(self.model)  # FSDP2's next forward gathers this sample, not the last one
         with torch.no_grad(), writing_weights():  # the forward casts the sample, not a cast from before
             for name, p in self._params.items():
                 p.copy_(self._samples[name][s])
@@ -117,6 +119,7 @@ class SequentialSamples:
         """The mean back into the covered parameters, bit for bit."""
         if not self._written:
             return
+        release_gathered(self.model)  # FSDP2's next forward gathers the mean, not the last sample
         with torch.no_grad(), writing_weights():
             for name, p in self._params.items():
                 p.copy_(self._means[name])
