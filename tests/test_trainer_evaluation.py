@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import sys
@@ -355,6 +356,34 @@ def test_predict_bma_runs_the_users_compute_metrics_and_preprocess_logits_for_me
     assert out.metrics["test_agreement"] == float((expected.numpy() == np.asarray(test["labels"])).mean())
     assert out.metrics["test_agreement"] == pytest.approx(out.metrics["test_bma_accuracy"], abs=1e-12)
     assert calls == [(True, torch.Tensor, torch.Tensor) if batch_eval_metrics else (None, np.ndarray, np.ndarray)]
+
+
+@pytest.mark.parametrize("batch_eval_metrics", [False, True])
+def test_predict_bma_reports_the_users_numpy_and_tensor_metrics_as_python_numbers(tmp_path, batch_eval_metrics):
+    """``Trainer.predict`` turns the numpy scalars and one-element tensors a ``compute_metrics``
+    returns into Python numbers (``denumpify_detensorize``); predict(bma=True) kept them, so
+    ``trainer.save_metrics("test", out.metrics)`` failed (float32 / Tensor is not JSON serializable)."""
+
+    def agreement(prediction, compute_result=None):
+        hits = prediction.predictions.argmax(-1) == prediction.label_ids
+        if batch_eval_metrics:  # torch tensors, as the Trainer hands them in that mode
+            return {"agreement": hits.float().mean(), "count": hits.sum()}
+        return {"agreement": hits.astype(np.float32).mean(), "count": hits.sum()}
+
+    trainer = _trained(tmp_path, batch_eval_metrics=batch_eval_metrics)
+    trainer.compute_metrics = agreement
+    test = classification_data(40, seed=2)
+    plain, bma = trainer.predict(test), trainer.predict(test, bma=True)
+    hits = bma.predictions.argmax(-1) == bma.label_ids
+    for out in (plain, bma):
+        assert {k: type(out.metrics[k]) for k in ("test_agreement", "test_count")} == {
+            "test_agreement": float, "test_count": int,
+        }  # fmt: skip
+    assert bma.metrics["test_count"] == int(hits.sum())
+    assert bma.metrics["test_agreement"] == float(hits.astype(np.float32).mean())
+    trainer.save_metrics("test", bma.metrics)
+    with open(os.path.join(trainer.args.output_dir, "test_results.json")) as f:
+        assert json.load(f)["test_count"] == int(hits.sum())
 
 @pytest.mark.parametrize(
     "problem, inferred",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, denumpify_detensorize, speed_metrics
 
 from hf_evon.modeling import in_auto_mapping, model_class, peft_base_model, problem_type, unwrap_model
 from hf_evon.predictive.calibration import trained_posterior
@@ -294,7 +294,9 @@ def _user_metrics(trainer: Any, predictions: Any, label_ids: Any, inputs: Any, p
         metrics = trainer.compute_metrics(prediction, compute_result=True)
     else:
         metrics = trainer.compute_metrics(prediction)
-    return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in dict(metrics).items()}
+    # Python numbers, as Trainer.predict reports them: a numpy scalar or tensor does not serialise (save_metrics)
+    metrics = denumpify_detensorize(dict(metrics))
+    return {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
 
 
 def _refuse_unknown_keywords(method: Any, kwargs: dict[str, Any]) -> None:
