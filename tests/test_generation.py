@@ -974,37 +974,48 @@ def test_encoder_decoder_zero_variance_equals_generate(strategy, seq2seq):
     assert torch.equal(generate_bma(model, zero, PROMPTS, num_samples=3, seed=0, **kwargs), expected)
 
 
+def assert_rounded_predictive(logits: tuple, want: list[torch.Tensor], slack: float = 1e-10) -> None:
+    """``logits`` (generate's per step: a float64 predictive's ``L = log p̄ + c``, which generate rounds
+    to float32) are the float64 reference's ``log p̄`` (``want``) up to that rounding. Rounding moves
+    each logit by at most half a float32 ulp, 2⁻²⁴·|L|, and ``log_softmax`` by at most twice the largest
+    move in its row; ``slack`` covers the float64 sums taken in other orders (1e-15 to 5e-12 measured
+    through these ill-conditioned tiny models, where a wrong sample or mask is off by more than 1e-3)."""
+    assert len(logits) == len(want)
+    for t, (got, ref) in enumerate(zip(logits, want, strict=True)):
+        assert got.dtype == torch.float32 and ref.dtype == torch.float64
+        bound = 2 * 2.0**-24 * got.double().abs().amax(-1) + slack
+        off = (torch.log_softmax(got.double(), -1) - ref).abs().amax(-1)
+        assert bool((off <= bound).all()), f"step {t}: log p̄ off the reference by {off.tolist()}, bound {bound.tolist()}"
+
+
 def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     """Each sample runs its own encoder (and cross-attention) over a padded batch: sequences and
-    log p̄ equal S separate models'; the generated text scores the same under bma_log_likelihood."""
+    log p̄ equal S separate models'; the generated text scores the same under bma_log_likelihood.
+    In float64 (model and posterior): these tiny random models are ill-conditioned (log p̄ to about
+    -16), so float32 rounding alone put the batched path up to 1e-1 off the float64 reference (T5,
+    seed 7) and up to 50x the float32 reference's own error (BART's factored samples, seed 7); in
+    float64 it is within 5e-12 at seeds 1-9, and generate's float32 logits within their rounding of it."""
     model, posterior = seq2seq
-    noisy = posterior.with_ess(NOISY_ESS)
+    model = copy.deepcopy(model).double()
+    noisy = posterior.with_ess(NOISY_ESS).to(torch.float64)
     before = snapshot(model)
     pad = model.config.pad_token_id
     ids = torch.tensor([[5, 9, 17, 3, 22, 8], [40, 41, 7, pad, pad, pad]])  # right-padded, as T5/BART take it
     mask = (torch.arange(6) < torch.tensor([[6], [3]])).long()
-    num_samples, new = 3, 8
+    num_samples, new, seed = 3, 8, 7
     out = generate_bma(
-        model, noisy, ids, attention_mask=mask, num_samples=num_samples, seed=4, max_new_tokens=new,
+        model, noisy, ids, attention_mask=mask, num_samples=num_samples, seed=seed, max_new_tokens=new,
         do_sample=False, eos_token_id=None, return_dict_in_generate=True, output_scores=True,
         output_logits=True, output_attentions=True,
     )  # fmt: skip
     start = model.config.decoder_start_token_id
-    copies = sampled_copies(model, noisy, num_samples, 4)
     picked = out.sequences[:, 1:]
-    _, ref_scores = reference_seq2seq_greedy([m.double() for m in copies], ids, mask, start, new, picked)
-    _, float32_scores = reference_seq2seq_greedy([m.float() for m in copies], ids, mask, start, new, picked)
-
-    def error(scores):  # the largest deviation of unprocessed log p̄ from the float64 reference
-        return max(float((a.double() - b).abs().max()) for a, b in zip(scores, ref_scores, strict=True))
-
-    # these tiny random models are ill-conditioned (log p̄ to about -16): float32 itself is ~1e-3
-    # off, so the bound is the float32 reference's own error times FLOAT32_SPREAD; a wrong sample
-    # or mask is off by O(1)
-    off = error(log_mean_probs(out))
-    assert off <= FLOAT32_SPREAD * error(float32_scores) + 1e-6
-    # each pick is generate_bma's own argmax, so it trails the reference's by at most twice that error
-    assert_reference_argmax(picked, ref_scores, tol=2 * off + 1e-6)
+    copies = sampled_copies(model, noisy, num_samples, seed)
+    _, ref_scores = reference_seq2seq_greedy(copies, ids, mask, start, new, picked)
+    assert_rounded_predictive(out.logits, ref_scores)
+    # each pick is the argmax of the rounded logits: the reference's, up to twice their rounding
+    rounding = max(float(2 * 2.0**-24 * step.abs().max()) for step in out.logits)
+    assert_reference_argmax(picked, ref_scores, tol=2 * (rounding + 1e-10))
     # what generate's own outputs carry: per-sample encoder and decoder attentions (S·B rows)
     assert type(out).__name__ == "GenerateEncoderDecoderOutput"
     assert out.encoder_attentions[0].shape[0] == num_samples * 2
@@ -1013,15 +1024,14 @@ def test_encoder_decoder_matches_slow_reference(strategy, seq2seq):
     with torch.no_grad():
         mean_first = model(input_ids=ids, attention_mask=mask, decoder_input_ids=out.sequences[:, :1]).logits[:, -1]
     assert (log_mean_probs(out)[0] - torch.log_softmax(mean_first, -1)).abs().max() > 1e-2
-    # the generated continuation scored as labels gives the same log p̄ of each chosen token
+    # the generated continuation scored as labels: the reference's log p̄ of each chosen token, in float64
     labels = out.sequences[:, 1:]
-    scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=4)
+    scored = bma_log_likelihood(model, noisy, ids, attention_mask=mask, labels=labels, num_samples=num_samples, seed=seed)
     assert scored.token_log_probs.shape == labels.shape and bool(scored.mask.all())
+    assert scored.token_log_probs.dtype == torch.float64
     for t in range(new):
-        want = log_mean_probs(out)[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
-        # two float32 computations of one log p̄ summed in other orders: ~400 ulps apart at most
-        # (1.6e-5 at -1.28 on transformers 5.19's BART), where a wrong sample or mask is off by O(1)
-        torch.testing.assert_close(scored.token_log_probs[:, t], want, atol=1e-5, rtol=5e-5)
+        want = ref_scores[t].gather(-1, labels[:, t : t + 1]).squeeze(-1)
+        torch.testing.assert_close(scored.token_log_probs[:, t], want, atol=1e-10, rtol=0)
     assert_unchanged(model, before)
 
 
@@ -1235,10 +1245,11 @@ def _model_and_posterior(arch: str, gpt2):
     return model, train_posterior(model)
 
 
-def slow_bma_model(model, copies: list, encoder_ids=None, num_beams: int = 1):
+def slow_bma_model(model, copies: list, encoder_ids=None, num_beams: int = 1, recorded: list | None = None):
     """A copy of ``model`` whose forward is the BMA predictive computed slowly: every sample its own
     model (and own encoder, run on ``encoder_ids`` repeated per beam), the whole prefix each step (no
-    cache), float64, logits ``log p̄``. ``generate(num_beams=...)`` on it is the reference."""
+    cache), float64, logits ``log p̄``. ``generate(num_beams=...)`` on it is the reference.
+    ``recorded`` gets each call's float64 ``log p̄`` of the last position (generate keeps float32)."""
     ref = copy.deepcopy(model)
 
     @functools.wraps(ref.forward)
@@ -1249,6 +1260,8 @@ def slow_bma_model(model, copies: list, encoder_ids=None, num_beams: int = 1):
         outs = [_forward_model(m)(**kwargs, use_cache=False) for m in copies]
         log_probs = torch.stack([torch.log_softmax(o.logits.double(), -1) for o in outs])
         outs[0].logits = torch.logsumexp(log_probs, 0) - math.log(len(copies))
+        if recorded is not None:
+            recorded.append(outs[0].logits[:, -1].clone())
         return outs[0]
 
     ref.forward = forward
@@ -1271,35 +1284,33 @@ def test_beam_search_zero_variance_equals_generate(gpt2, arch):
 def test_beam_search_matches_slow_reference(strategy, gpt2, arch):
     """With a wide posterior the beams are those of generate's beam search on S separate models'
     averaged probabilities (each its own encoder), and the sequence scores theirs; the cache of
-    S·B·beams rows follows every sample's beams (a reorder by the B·beams indices alone fails)."""
+    S·B·beams rows follows every sample's beams (a reorder by the B·beams indices alone fails).
+    In float64 (model and posterior), as test_encoder_decoder_matches_slow_reference: float32
+    rounding through the tiny T5 and BART put log p̄ up to ~1e-2 off the float64 reference."""
     model, posterior = _model_and_posterior(arch, gpt2)
-    noisy = posterior.with_ess(NOISY_ESS)
+    model = copy.deepcopy(model).double()
+    noisy = posterior.with_ess(NOISY_ESS).to(torch.float64)
     before = snapshot(model)
+    seed = 7
     kwargs = dict(BEAMS, num_return_sequences=2, return_dict_in_generate=True, output_scores=True, length_penalty=0.5)
-    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=4, output_logits=True, **kwargs)
-    copies = sampled_copies(model, noisy, 3, 4)
+    out = generate_bma(model, noisy, PROMPTS, num_samples=3, seed=seed, output_logits=True, **kwargs)
     encoder_ids = PROMPTS if arch in ("t5", "bart") else None
-
-    def reference(dtype: torch.dtype):
-        ref = slow_bma_model(model, [copy.deepcopy(m).to(dtype) for m in copies], encoder_ids, BEAMS["num_beams"])
-        return ref.generate(PROMPTS, use_cache=False, output_logits=True, **kwargs)
-
-    want, float32 = reference(torch.float64), reference(torch.float32)
-    assert torch.equal(out.sequences, want.sequences) and torch.equal(float32.sequences, want.sequences)
-
-    def error(logits):  # the largest deviation of log p̄ from the float64 reference's, over all steps
-        pairs = zip(logits, want.logits, strict=True)
-        return max(float((torch.log_softmax(a.double(), -1) - b).abs().max()) for a, b in pairs)
-
-    # the tiny T5 and BART are ill-conditioned (log p̄ to about -16): float32 itself is up to ~1e-2
-    # off there, so the bound is the float32 reference's own error times FLOAT32_SPREAD, plus ~100
-    # float32 ulps of log p̄ ≈ -4; a wrong sample's rows are off by O(1)
-    ulps = 100 * torch.finfo(torch.float32).eps * 4
-    assert len(out.logits) == len(want.logits) == BEAMS["max_new_tokens"]
-    assert error(out.logits) <= FLOAT32_SPREAD * error(float32.logits) + ulps
-    scores_error = float((out.sequences_scores.double() - want.sequences_scores).abs().max())
-    float32_scores_error = float((float32.sequences_scores.double() - want.sequences_scores).abs().max())
-    assert scores_error <= FLOAT32_SPREAD * float32_scores_error + ulps
+    recorded = []
+    ref = slow_bma_model(model, sampled_copies(model, noisy, 3, seed), encoder_ids, BEAMS["num_beams"], recorded)
+    want = ref.generate(PROMPTS, use_cache=False, output_logits=True, **kwargs)
+    assert torch.equal(out.sequences, want.sequences)
+    assert len(out.logits) == BEAMS["max_new_tokens"]
+    assert_rounded_predictive(out.logits, recorded)
+    # generate scores the beams in float32 on both sides, from logits (ours log p̄ + c, the reference's
+    # log p̄) of the same float64 log p̄ up to 1e-10: per side, each of the n steps adds the logits'
+    # rounding and log_softmax's two (an ulp of M each, M the largest |logit| or |log p̄|) and the
+    # running sum's (half an ulp of n·M): within n·(n + 2)·eps·M of the exact score, for each side
+    n = BEAMS["max_new_tokens"]
+    largest = max(
+        float(x.abs().max()) for step in (*out.logits, *want.logits) for x in (step, torch.log_softmax(step, -1))
+    )
+    bound = 2 * n * (n + 2) * torch.finfo(torch.float32).eps * largest
+    torch.testing.assert_close(out.sequences_scores, want.sequences_scores, atol=bound, rtol=0)
     # the samples change the beams' scores: not the mean model's
     mean = model.generate(PROMPTS, **kwargs)
     assert (out.sequences_scores - mean.sequences_scores).abs().max() > 1e-2
