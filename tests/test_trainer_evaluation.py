@@ -385,6 +385,22 @@ def test_predict_bma_reports_the_users_numpy_and_tensor_metrics_as_python_number
     with open(os.path.join(trainer.args.output_dir, "test_results.json")) as f:
         assert json.load(f)["test_count"] == int(hits.sum())
 
+
+def test_predict_bma_reports_the_memory_metrics_trainer_predict_reports(tmp_path):
+    """With ``skip_memory_metrics=False`` ``Trainer.predict`` adds ``test_mem_*``; predict(bma=True)
+    added none. A failed predict(bma=True) leaves the tracker free for the next call's metrics."""
+    pytest.importorskip("psutil")
+    trainer = _trained(tmp_path, skip_memory_metrics=False)
+    test = classification_data(40, seed=2)
+    memory = {k for k in trainer.predict(test).metrics if k.startswith("test_mem_")}
+    assert memory and {k for k in trainer.predict(test, bma=True).metrics if k.startswith("test_mem_")} == memory
+    trainer.compute_metrics, trainer.args.include_for_metrics = (lambda p: {}), ["loss"]
+    with pytest.raises(ValueError, match=r"include_for_metrics=\['loss'\]"):
+        trainer.predict(test, bma=True)  # refused inside the tracked call
+    trainer.compute_metrics, trainer.args.include_for_metrics = None, []
+    assert any(k.startswith("eval_mem_") for k in trainer.evaluate())
+    assert {k for k in trainer.predict(test, bma=True).metrics if k.startswith("test_mem_")} == memory
+
 @pytest.mark.parametrize(
     "problem, inferred",
     [("regression", False), ("multi_label_classification", False), ("multi_label_classification", True)],

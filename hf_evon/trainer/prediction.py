@@ -342,8 +342,9 @@ class PredictionMixin:
         over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
         model's logits; ``metrics`` holds your ``compute_metrics`` of them and ``{prefix}_bma_*``
         where the task has them (:func:`bma_predict`). As from ``Trainer.predict``: the runtime
-        metrics, the callbacks' ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``,
-        no predictions or labels (None) with ``prediction_loss_only``.
+        metrics (and ``{prefix}_mem_*`` with ``skip_memory_metrics=False``), the callbacks'
+        ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``, no predictions or
+        labels (None) with ``prediction_loss_only``.
         ``kwargs``: the subclass's own (``Seq2SeqTrainer``'s generation settings).
         """
         if not bma:
@@ -351,10 +352,17 @@ class PredictionMixin:
         _refuse_unknown_keywords(super().predict, kwargs)  # as the subclass's predict would
         _refuse_generated_batches(self, "predict(bma=True)")
         posterior = self._bma_posterior("predict(bma=True)")
-        start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
-        output = bma_predict(
-            self, dataloader, posterior, metric_key_prefix, loss_only=bool(self.args.prediction_loss_only)
-        )
+        # the tracker names its stage by the function that calls it: both calls stay in this predict
+        self._memory_tracker.start()
+        try:
+            start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
+            output = bma_predict(
+                self, dataloader, posterior, metric_key_prefix, loss_only=bool(self.args.prediction_loss_only)
+            )
+        except BaseException:
+            self._memory_tracker.stop_and_update_metrics()  # free for the next call's stage
+            raise
+        self._memory_tracker.stop_and_update_metrics(output.metrics)
         return self._reported(output, start, dataloader, metric_key_prefix)
 
     def predict_uncertainty(
