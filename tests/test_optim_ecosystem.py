@@ -808,6 +808,34 @@ def test_step_with_a_closure_whose_losses_have_no_mean_is_refused_and_drops_the_
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
+def test_step_with_a_closure_whose_mean_runs_out_of_memory_raises_that_error_and_drops_the_samples() -> None:
+    """Averaging the closure's losses that runs out of memory (per-token loss tensors on a full device)
+    was reported as a ValueError saying the losses' shapes have no mean, which a caller's
+    ``except torch.OutOfMemoryError`` retry does not catch. The out-of-memory error comes through as
+    it is, the step's samples dropped, as for a closure that raises."""
+
+    class FullDevice(torch.Tensor):  # a loss whose addition finds no memory
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("add", "__add__", "__radd__"):
+                raise torch.OutOfMemoryError("out of memory averaging the losses")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    model = _model()
+    opt = _optimizer(model, mc_samples=2)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure() -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(X), Y, reduction="none")
+        loss.mean().backward()
+        return loss.detach().as_subclass(FullDevice)
+
+    with pytest.raises(torch.OutOfMemoryError, match="averaging the losses"):
+        opt.step(closure)
+    assert opt.recorded_samples == 0 and opt.sample_blocks == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
 
 def test_a_step_whose_closure_raises_leaves_the_optimizer_as_the_last_step_did() -> None:
     """A closure that raised in its second of ``mc_samples=2`` blocks (an out-of-memory error caught

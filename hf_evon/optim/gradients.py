@@ -238,14 +238,19 @@ def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
         raise
     # numbers.Real: Python's and numpy's scalars (np.float32, np.int64), which loss.item() style closures return
     if len(losses) > 1 and all(isinstance(loss, torch.Tensor | numbers.Real) for loss in losses):
+        shapes = [tuple(getattr(loss, "shape", ())) for loss in losses]
+        try:
+            torch.broadcast_shapes(*shapes)
+        except RuntimeError as error:  # shapes that do not broadcast: refused before the update
+            optimizer.discard_samples(rewind=True)
+            raise ValueError(
+                f"step(closure): the closure's {len(losses)} losses (shapes {', '.join(map(str, shapes))}) have "
+                "no mean: return losses of one shape (a scalar, e.g. loss.mean()) from every call. This step's "
+                f"samples are dropped ({error})"
+            ) from error
         try:
             return sum(losses) / len(losses)
-        except RuntimeError as error:  # tensors whose shapes do not broadcast: refused before the update
+        except BaseException:  # out of memory, other devices: as it is, the samples dropped as for a raise
             optimizer.discard_samples(rewind=True)
-            shapes = ", ".join(str(tuple(getattr(loss, "shape", ()))) for loss in losses)
-            raise ValueError(
-                f"step(closure): the closure's {len(losses)} losses (shapes {shapes}) have no mean: return "
-                "losses of one shape (a scalar, e.g. loss.mean()) from every call. This step's samples are "
-                f"dropped ({error})"
-            ) from error
+            raise
     return losses[-1]
