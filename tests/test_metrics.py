@@ -216,6 +216,34 @@ def test_log_probs_that_are_no_distribution_are_refused(function):
     assert function(log_probs, labels, input_type="log_probs") == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("function", [accuracy, negative_log_likelihood, brier_score, expected_calibration_error])
+def test_one_column_of_predictions_is_refused_naming_the_two_column_form(function):
+    """A binary classifier's single logit (BCEWithLogits) passed as ``(N, 1)`` logits was softmaxed
+    over its one column, probability 1 for class 0 whatever the input: on references that are all 0
+    every metric read perfect (NLL 0, accuracy 1), and a reference 1 read "outside [0, 1)". One
+    column is refused, naming predictions and the two columns that give its sigmoid, whose metrics
+    are the Bernoulli ones: softmax([0, z]) = [1 - sigmoid(z), sigmoid(z)]."""
+    z = torch.tensor([[2.0], [-1.0], [0.5]], dtype=torch.float64)
+    for input_type, given in (("logits", z), ("probs", torch.sigmoid(z)), ("log_probs", z.sigmoid().log())):
+        with pytest.raises(ValueError, match=r"^predictions have 1 column \(shape \(3, 1\)\).*two columns"):
+            function(given, [0, 0, 0], input_type=input_type)
+    two = torch.cat([torch.zeros_like(z), z], dim=1)
+    p = torch.sigmoid(z).squeeze(1)
+    labels = torch.tensor([1, 0, 0])
+    expected = {
+        negative_log_likelihood: float(-torch.where(labels == 1, p, 1 - p).log().mean()),
+        accuracy: 2 / 3,  # sigmoid(z) > 1/2 predicts 1: wrong for the third input only
+        brier_score: float((2 * (p - labels) ** 2).mean()),
+        # bins of 15: conf 0.8808 (right), 0.7311 (right), 0.6225 (wrong) in three bins of one each
+        expected_calibration_error: float(
+            ((1 - torch.sigmoid(torch.tensor(2.0, dtype=torch.float64)))
+             + (1 - torch.sigmoid(torch.tensor(1.0, dtype=torch.float64)))
+             + torch.sigmoid(torch.tensor(0.5, dtype=torch.float64))) / 3
+        ),
+    }[function]
+    assert function(two, labels, input_type="logits") == pytest.approx(expected, rel=1e-12)
+
+
 def test_an_ignore_index_that_is_not_an_integer_is_named():
     with pytest.raises(TypeError, match=r"ignore_index must be an integer or None; got 'x'"):
         brier_score([[0.5, 0.5]], [0], ignore_index="x")

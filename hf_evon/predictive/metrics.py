@@ -4,8 +4,8 @@ One implementation, used by ``EVONTrainer.evaluate`` and by the ``evaluate`` mod
 in ``hf_evon/predictive/metrics_modules`` (load them offline with :func:`load_metric`, e.g.
 ``load_metric("ece")``, and combine them with other metrics in your ``compute_metrics``).
 
-Every function takes ``predictions`` of shape ``(N, C)`` and integer ``references`` of shape
-``(N,)``. ``input_type`` says what the predictions are:
+Every function takes ``predictions`` of shape ``(N, C)``, ``C >= 2`` (a binary classifier's single
+logit ``z`` as the logits ``[0, z]``), and integer ``references`` of shape ``(N,)``. ``input_type`` says what the predictions are:
 
 * ``"probs"`` (default): class probabilities, rows summing to one (within 1e-3; 5e-2 for float16
   and bfloat16 inputs, whose softmax rows are off by up to ~4e-3);
@@ -90,6 +90,14 @@ def _log_probs(
     labels = _as_tensor(references, torch.float64)
     if preds.ndim != 2:
         raise ValueError(f"predictions must have shape (N, C); got {tuple(preds.shape)}")
+    if preds.shape[1] < 2:  # a softmax over one column is 1 whatever the input: every metric "perfect"
+        columns = preds.shape[1]
+        raise ValueError(
+            f"predictions have {columns} column{'' if columns == 1 else 's'} (shape {tuple(preds.shape)}): "
+            "the metrics score a distribution over at least two classes. A binary classifier's single "
+            "logit z (a sigmoid) is scored as two columns: logits [0, z], whose softmax is [1 - sigmoid(z), "
+            "sigmoid(z)], or probabilities [1 - p, p]; a regression's values have no class metrics"
+        )
     if labels.ndim != 1 or labels.shape[0] != preds.shape[0]:
         raise ValueError(
             f"references must have shape (N,) matching predictions {tuple(preds.shape)}; got {tuple(labels.shape)}"
