@@ -71,6 +71,7 @@ from torch import nn
 from hf_evon.distributed.averaging import RankAverager, world_size
 from hf_evon.distributed.fsdp2 import FSDP2Sharding, shard_rows
 from hf_evon.distributed.sharding import EVONSharding
+from hf_evon.modeling import fsdp2_modules
 from hf_evon.optim.evon import EVON, unwrap_optimizer
 
 Tensor = torch.Tensor
@@ -542,10 +543,7 @@ def _prepare_fsdp2(model: nn.Module, evon: EVON, handle: Any, mesh: Any, shard: 
     params = [p for g in evon.param_groups for p in g["params"]]
     if world_size(group) > 1:
         _sync_seed(evon, group, params[0]._local_tensor.device if params else torch.device("cpu"))
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    evon.install_sharding(FSDP2Sharding(evon, mesh, modules))
+    evon.install_sharding(FSDP2Sharding(evon, mesh, fsdp2_modules(model)))
     evon.gradient_reducer = evon.sharding.reduce_gradients  # also in one process: it gathers rows
     return handle
 
