@@ -175,6 +175,25 @@ def test_what_is_not_log_probabilities_or_an_axis_is_refused() -> None:
             predictive_uncertainty(logits.log_softmax(-1), dim=dim)
 
 
+def test_one_class_is_refused_naming_the_two_column_form_of_a_sigmoid() -> None:
+    """A binary classifier's single logit, log_softmax-ed as the usage snippet does, is 0 whatever the
+    input: every entropy came out 0, the samples' disagreement included. One class is refused by name,
+    by the stacked decomposition and the accumulator alike; the two columns [0, z] it names give the
+    Bernoulli entropies of sigmoid(z)."""
+    z = torch.tensor([[[2.0], [-0.5]], [[0.5], [1.0]], [[-1.0], [0.0]]], dtype=torch.float64)  # (S, N, 1)
+    with pytest.raises(ValueError, match=r"^sample_log_probs has one class \(shape \(3, 2, 1\)\).*\[0, z\]"):
+        predictive_uncertainty(z.log_softmax(-1))
+    acc = UncertaintyAccumulator()
+    with pytest.raises(ValueError, match=r"^log_probs has one class \(shape \(2, 1\)\).*\[0, z\]"):
+        acc.add(z[0].log_softmax(-1))
+    assert acc.count == 0
+    u = predictive_uncertainty(torch.cat([torch.zeros_like(z), z], -1).log_softmax(-1))
+    for i in range(2):
+        p = torch.sigmoid(z[:, i, 0]).tolist()
+        expected = reference([[1 - q, q] for q in p])
+        assert (u.total[i].item(), u.aleatoric[i].item(), u.epistemic[i].item()) == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize(("shape", "dim"), [((0, 3, 5), 0), ((3, 0, 5), 1), ((4, 0, 5), -2)])
 def test_an_empty_samples_axis_is_refused_by_name(shape, dim) -> None:
     """No samples along ``dim`` (a slice ``[:k]`` with k = 0) raised "math domain error" from the

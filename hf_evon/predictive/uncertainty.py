@@ -50,6 +50,12 @@ def _check(log_probs: Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor of log-probabilities; got {got}")
     if log_probs.ndim < 1 or log_probs.shape[-1] < 1:
         raise ValueError(f"{name} needs a last dimension of classes; got shape {tuple(log_probs.shape)}")
+    if log_probs.shape[-1] == 1:  # the log_softmax of one logit is 0: every entropy would read 0
+        raise ValueError(
+            f"{name} has one class (shape {tuple(log_probs.shape)}): its only log-probability is 0 whatever "
+            "the input, and so is every entropy. A binary classifier's single logit z (a sigmoid) is two "
+            "classes: stack the log_softmax of the logits [0, z] (log(1 - sigmoid(z)), log sigmoid(z))"
+        )
 
 
 def _mass_off(log_probs: Tensor) -> Tensor:
