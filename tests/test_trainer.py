@@ -965,6 +965,25 @@ def test_a_resume_refuses_a_checkpoint_a_killed_save_left_incomplete(tmp_path):
     assert again.state.global_step == 8
 
 
+def test_resume_true_says_a_checkpoint_without_optimizer_state_was_saved_so_and_how_to_resume_it(tmp_path):
+    """A ``save_only_model=True`` run's checkpoints resumed with ``save_only_model`` off: each finished
+    save (its trainer_state.json, written last, complete) was refused as "incomplete", the error naming
+    neither ``save_only_model`` nor the way to resume its weights; it names both."""
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    EVONTrainer(
+        model=tiny_bert(), args=config(tmp_path, save_only_model=True, **common), train_dataset=classification_data(32)
+    ).train()
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path, **common), train_dataset=classification_data(32))
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    with pytest.raises(ValueError, match=r"checkpoint-4 \(no optimizer\.pt and no scheduler\.pt: saved without") as err:
+        trainer.train(resume_from_checkpoint=True)
+    assert "save_only_model=True" in str(err.value) and "resume_from_checkpoint=<its path>" in str(err.value)
+    assert trainer.state.global_step == 0 and trainer.evon_optimizer is None
+    with pytest.warns(UserWarning, match=r"resumed from .*checkpoint-4, whose optimizer state .*starts afresh"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))  # the way the error names
+    assert trainer.state.global_step == 4
+
+
 def test_the_skipped_checkpoints_warning_names_the_users_train_call(tmp_path, monkeypatch):
     """The warning that ``resume_from_checkpoint=True`` skips an incomplete checkpoint named a line of
     hf_evon/trainer/mixin.py (a fixed ``stacklevel`` counted from the helper): a filter by module or

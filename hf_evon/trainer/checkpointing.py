@@ -29,7 +29,7 @@ import warnings
 from typing import Any
 
 import torch
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils.import_utils import check_torch_load_is_safe
@@ -97,7 +97,29 @@ def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
     except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return f"{TRAINER_STATE_NAME} cut short or unreadable: {str(err)[:120]}"
     missing = [name for name in needs if not os.path.isfile(os.path.join(directory, name))]
-    return f"no {' and no '.join(missing)}" if missing else None
+    if not missing:
+        return None
+    lacks = f"no {' and no '.join(missing)}"
+    if any(os.path.exists(os.path.join(directory, name)) for name in _OPTIMIZER_STATE_FILES):
+        return lacks
+    # trainer_state.json is written after the optimizer state: a save with the one and none of the other
+    # finished without it
+    return f"{lacks}: {_SAVED_WITHOUT_OPTIMIZER}"
+
+
+# what any of the Trainer's saves (the FSDP ones too) and EVON's under FSDP2 write of the optimizer state
+_OPTIMIZER_STATE_FILES = (OPTIMIZER_NAME, SCHEDULER_NAME, OPTIMIZER_NAME_BIN, "optimizer_0", EVON_OPTIMIZER_NAME)
+_SAVED_WITHOUT_OPTIMIZER = "saved without its optimizer state, as save_only_model=True saves"
+
+
+def _how_to_resume(skipped: list[str]) -> str:
+    """The ways to resume checkpoints saved without optimizer state, where ``skipped`` has one."""
+    if not any(_SAVED_WITHOUT_OPTIMIZER in entry for entry in skipped):
+        return ""
+    return (
+        ". Set save_only_model=True to resume such checkpoints, or pass resume_from_checkpoint=<its path> "
+        "to resume its weights with EVON's state afresh"
+    )
 
 
 def _optimizer_files(trainer: Any) -> tuple[str, ...]:
@@ -140,8 +162,8 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
         if lacks is None:
             if skipped:
                 warnings.warn(
-                    f"resume_from_checkpoint=True: skipping the incomplete checkpoints a save cut short left "
-                    f"({'; '.join(skipped)}); resuming from {directory}",
+                    f"resume_from_checkpoint=True: skipping the incomplete checkpoints "
+                    f"({'; '.join(skipped)}); resuming from {directory}{_how_to_resume(skipped)}",
                     UserWarning,
                     stacklevel=outside_stacklevel(),  # the user's train() call, behind any subclass's
                 )
@@ -150,7 +172,7 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
     if skipped:
         raise ValueError(
             f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} to resume from; each is "
-            f"incomplete: {'; '.join(skipped)}"
+            f"incomplete: {'; '.join(skipped)}{_how_to_resume(skipped)}"
         )
     return resume  # no checkpoint at all: the Trainer's own error
 
