@@ -988,6 +988,32 @@ def test_regression_targets_are_refused_naming_the_batch() -> None:
     assert calibrate_posterior(model, post, [cal[0], (x, y)], grid=[1.0], num_samples=2)[1].num_targets == 2 * len(y)
 
 
+def test_a_single_logit_model_is_refused_naming_its_one_class() -> None:
+    """A binary classifier with one logit (trained with BCEWithLogits) calibrated on class labels: the
+    softmax of its one logit is 1 whatever the input, so labels all 0 "calibrated" on held-out NLL 0
+    and returned normally, and a label 1 read as outside the model's classes. Both are refused before
+    any sample is drawn, naming the logits' one class; so is the trainer's check of a calibration set."""
+    from hf_evon.predictive.held_out import held_out_classes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = build_optimizer(model, seed=0)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+    y = (x[:, 0] > 0).long()
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            nn.functional.binary_cross_entropy_with_logits(model(x).squeeze(-1), y.float()).backward()
+        opt.step()
+        opt.zero_grad()
+    post = EVONPosterior.from_optimizer(opt, model)
+    one_class = r"the model's logits \(64, 1\) have one class: .*single logit"
+    for labels in (torch.zeros_like(y), y):
+        with pytest.raises(ValueError, match=r"^calibrate_posterior: batch 0 \(counting from 0\): " + one_class):
+            calibrate_posterior(model, post, [(x, labels)], grid=[1.0], num_samples=2)
+        with pytest.raises(ValueError, match=r"^EVONTrainer: calibration_dataset: " + one_class):
+            held_out_classes(model, (x, labels), False, "EVONTrainer: calibration_dataset")
+
+
 def test_a_calibration_summary_says_what_was_chosen() -> None:
     """The one line the trainer and the quickstart print: the mean kept, or the scale chosen."""
     from hf_evon.predictive.calibration import CalibrationResult

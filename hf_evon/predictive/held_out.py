@@ -83,13 +83,21 @@ def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> i
 
 
 def require_aligned(logits: Tensor, labels: Any, shift: bool, where: str) -> None:
-    """Raise, naming ``where``, where ``labels`` do not give one class label per row of ``logits``."""
+    """Raise, naming ``where``, where ``labels`` do not give one class label per row of ``logits``, or
+    where the logits have one class (a sigmoid's single logit, a regression's value)."""
     rows, targets = shifted(logits, labels, shift) if isinstance(labels, Tensor) else (logits, None)
     if targets is None or rows.shape[:-1] != targets.shape:
         raise ValueError(
             f"{where}: labels shaped {tuple(getattr(labels, 'shape', ()))} do not align with the model's logits "
             f"{tuple(logits.shape)}{' (a causal LM: shifted by one)' if shift else ''}: the calibration scores one "
             "class label per row of logits (classification: (batch,); token classification, LMs: (batch, length))"
+        )
+    if logits.shape[-1] < 2:  # the softmax of one logit is 1: every held-out NLL 0, whatever the scale
+        raise ValueError(
+            f"{where}: the model's logits {tuple(logits.shape)} have one class: its softmax is 1 whatever the "
+            "input. A single logit (a binary classifier's sigmoid, trained with BCEWithLogits) or a regression's "
+            "value has no class distribution to calibrate; a binary classifier with two logits (cross-entropy "
+            "over classes 0 and 1) has"
         )
 
 
