@@ -446,6 +446,58 @@ def test_predict_bma_averages_a_regressions_outputs_and_a_multi_label_models_sig
     assert not any(key.startswith("test_bma_") for key in out.metrics)  # no class metrics to report
 
 
+class _MultiLabelModule(torch.nn.Module):
+    """A plain (non-transformers) multi-label classifier: 3 logits, BCEWithLogits on float 0/1 labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": torch.nn.functional.binary_cross_entropy_with_logits(logits, labels), "logits": logits}
+
+
+def test_predict_bma_of_a_plain_module_with_float_labels_asks_for_its_problem_type(tmp_path):
+    """A plain multi-label module (no config.problem_type) trained on float 0/1 labels shaped like its
+    logits: predict(bma=True) and predict_uncertainty averaged softmaxes over its labels, a distribution
+    where each label is a yes/no of its own. Floating-point labels beside several outputs name no
+    averaging (sigmoids, values or soft class targets' softmaxes): refused naming the labels and
+    problem_type; given a config with problem_type "multi_label_classification", the sigmoids' mean."""
+    from datasets import Dataset
+    from transformers import PretrainedConfig
+
+    def data(n: int, seed: int) -> Dataset:
+        x = torch.randn(n, 5, generator=torch.Generator().manual_seed(seed))
+        return Dataset.from_dict({"x": x.tolist(), "labels": (x[:, :3] > 0).float().tolist()})
+
+    trainer = _trained(tmp_path, _MultiLabelModule, data(48, 0), data(16, 1), eval_strategy="no",
+                       bma_num_samples=3, remove_unused_columns=False)  # fmt: skip
+    test = data(20, 2)
+    for caller, call in (
+        (r"predict\(bma=True\)", lambda: trainer.predict(test, bma=True)),
+        (r"predict_uncertainty\(\)", lambda: trainer.predict_uncertainty(test)),
+    ):
+        refused = rf"^{caller}: the model has no config\.problem_type.*labels are floating point"
+        with pytest.raises(ValueError, match=refused + r" \(torch\.float32, shape \(16, 3\)\).*'multi_label_classification'"):
+            call()
+    trainer.model.config = PretrainedConfig(problem_type="multi_label_classification")
+    out = trainer.predict(test, bma=True)
+    x = torch.tensor(test["x"])
+    trainer.model.eval()
+    with torch.no_grad():
+        samples = []
+        for seed in (3, 4, 5):
+            with trainer.current_posterior().sampled(trainer.model, seed=seed):
+                samples.append(torch.sigmoid(trainer.model(x)["logits"].double()))
+    expected = torch.stack(samples).mean(0)
+    assert expected.std(0).min() > 1e-3
+    np.testing.assert_allclose(out.predictions, expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("return_dict, positions", [(True, True), (False, True), (False, False)])
 def test_predict_bma_of_extractive_qa_averages_the_start_and_the_end_distributions(tmp_path, return_dict, positions):
     """An extractive QA model returns ``start_logits`` and ``end_logits`` and no ``logits``:

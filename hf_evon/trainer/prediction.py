@@ -47,6 +47,25 @@ def _output_kind(model: nn.Module) -> str | None:
     )
 
 
+def _kind_of_unset(logits: Tensor, labels: Tensor | None, caller: str) -> str:
+    """:func:`_output_kind` of a model without ``config.problem_type``: one output a value, several a
+    class distribution; ValueError where several come with floating-point labels, which are multi-label
+    targets, regression values or soft class targets alike, each averaged otherwise (sigmoids, values,
+    softmaxes): only the model's problem_type says which."""
+    if logits.shape[-1] == 1:
+        return "value"
+    if isinstance(labels, Tensor) and labels.is_floating_point():
+        raise ValueError(
+            f"{caller}: the model has no config.problem_type and its labels are floating point "
+            f"({labels.dtype}, shape {tuple(labels.shape)}) beside logits {tuple(logits.shape)}: multi-label "
+            "targets (a sigmoid per label), regression values and soft class targets (a softmax) are averaged "
+            "differently. Give the model a config naming its problem_type: 'multi_label_classification', "
+            "'regression' or 'single_label_classification' (model.config = transformers.PretrainedConfig("
+            "problem_type=...) for a plain module)"
+        )
+    return "softmax"
+
+
 def _refuse_classes_not_last(model: nn.Module, caller: str) -> None:
     """ValueError naming ``caller`` and the model class where BMA's softmax over the logits' last dimension
     would not be over classes: transformers' semantic segmentation models, whose logits are per pixel,
@@ -98,7 +117,9 @@ def bma_predict(
 ) -> PredictionOutput:
     """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
     for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
-    multi-label classifier the averaged sigmoid probabilities (:func:`_output_kind`).
+    multi-label classifier the averaged sigmoid probabilities (:func:`_output_kind`). A model without
+    ``problem_type`` whose several outputs come with floating-point labels is refused
+    (:func:`_kind_of_unset`).
 
     ``predictions`` has the shape of the model's logits (batches concatenated, padded with -100
     like ``Trainer.predict``; through ``preprocess_logits_for_metrics`` if the trainer has one),
@@ -119,7 +140,8 @@ def bma_predict(
     no labels are gathered or returned (None), and neither ``preprocess_logits_for_metrics`` nor
     ``compute_metrics`` is called; ``metrics`` holds the ``{prefix}_bma_*`` ones, the BMA's losses.
     """
-    _refuse_classes_not_last(trainer.model, "predict_uncertainty()" if uncertainty else "predict(bma=True)")
+    caller = "predict_uncertainty()" if uncertainty else "predict(bma=True)"
+    _refuse_classes_not_last(trainer.model, caller)
     args = trainer.args
     wanted = set() if loss_only else set(getattr(args, "include_for_metrics", None) or ())
     if "loss" in wanted and trainer.compute_metrics is not None and not uncertainty:
@@ -152,25 +174,25 @@ def bma_predict(
         total.append(part)
         return total
 
-    def transform_one(logits: Tensor) -> Tensor:
+    def transform_one(logits: Tensor, labels: Tensor | None) -> Tensor:
         nonlocal kind
         if kind is None:
             # read after the forward: a transformers model whose problem_type is unset sets it from
             # its first labelled batch (float labels: multi-label); still unset (no labels), one output
             # is a value, several a class distribution
-            kind = _output_kind(trainer.model) or ("value" if logits.shape[-1] == 1 else "softmax")
+            kind = _output_kind(trainer.model) or _kind_of_unset(logits, labels, caller)
         if kind == "value":
             return logits.double()
         if kind == "sigmoid":
             return torch.sigmoid(tempered(logits, posterior).double())
         return float64_log_softmax(tempered(logits, posterior))
 
-    def transform(logits: Tensor | tuple[Tensor, ...], _: Any) -> Tensor | tuple[Tensor, ...]:
+    def transform(logits: Tensor | tuple[Tensor, ...], labels: Tensor | None) -> Tensor | tuple[Tensor, ...]:
         nonlocal outputs
         if isinstance(logits, Tensor):
-            return transform_one(logits)
+            return transform_one(logits, labels)
         outputs = len(logits)
-        return tuple(map(transform_one, logits))
+        return tuple(transform_one(part, None) for part in logits)
 
     def average() -> Any:
         if uncertainty:
