@@ -449,6 +449,51 @@ def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_t
     assert torch.equal(namespace["probs"], expected)
 
 
+@pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
+def test_a_plain_torch_modules_snippet_averages_what_its_problem_type_says(tmp_path, capsys, problem):
+    """A plain module whose ``config.problem_type`` says its outputs are values (regression) or per-label
+    sigmoids got the softmax snippet all the same: a regression's single output printed 1.0 whatever the
+    input, a multi-label model's labels one distribution. It averages the values, or the sigmoids."""
+    from torch import nn
+    from transformers import PretrainedConfig
+
+    torch.manual_seed(0)
+    outputs = 1 if problem == "regression" else 3
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, outputs))
+    model.config = PretrainedConfig(problem_type=problem)
+    opt = hf_evon.build_optimizer(model)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        with opt.sampled_params(train=True):
+            if problem == "regression":
+                nn.functional.mse_loss(model(x), x[:, :1]).backward()
+            else:
+                nn.functional.binary_cross_entropy_with_logits(model(x), (x[:, :3] > 0).float()).backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
+    posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    assert "softmax" not in snippet
+    model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
+    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+    x = torch.randn(5, 4)
+    namespace: dict = {"_model": model, "_x": x}
+    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    model.eval()
+    with torch.no_grad():
+        samples = []
+        for seed in range(8):
+            with posterior.sampled(model, seed=seed):
+                samples.append(model(x) if problem == "regression" else model(x).sigmoid())
+    expected = torch.stack(samples).mean(0)
+    got = namespace["values" if problem == "regression" else "probs"]
+    assert got.shape == (5, outputs) and expected.std(0).min() > 1e-3
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_a_lora_adapted_plain_torch_modules_card_builds_its_base_as_in_training(tmp_path, capsys):
     """A PEFT adapter on an ``nn.Module`` that is no transformers model (a CLIP vision tower with a
     head of one's own, an MLP) got the snippet of a transformers model: ``AutoModel.from_pretrained``

@@ -118,11 +118,14 @@ def _averaged_probs_lines(logits: str, problem: str | None = None) -> list[str]:
     ]
 
 
-def _plain_module_snippet(model_class: str, location: str, sub: str, adapter_lines: list[str] | None = None) -> str:
+def _plain_module_snippet(
+    model_class: str, location: str, sub: str, adapter_lines: list[str] | None = None, problem: str | None = None
+) -> str:
     """A plain ``nn.Module``'s snippet: the user builds the model as in training, and its forward
     takes a tensor and returns logits. ``adapter_lines``: the lines that wrap ``base`` with the PEFT
     adapters the posterior covers (:func:`_peft_model_lines`; None: no adapter); the user then
-    builds the base, and the snippet wraps it."""
+    builds the base, and the snippet wraps it. ``problem``: the module's ``config.problem_type``, as
+    a transformers classifier's (:func:`_averaged_probs_lines`)."""
     name = model_class if model_class.isidentifier() else "model"
     what = "with its weights before the adapter" if adapter_lines is not None else "with its trained weights"
     built = f"# your {name} as built in training, {what} (not a transformers model)"
@@ -136,7 +139,7 @@ def _plain_module_snippet(model_class: str, location: str, sub: str, adapter_lin
             *model_lines,
             *_posterior_lines(location, sub),
             "inputs = ...  # a batch of the model's inputs (a tensor)",
-            *_averaged_probs_lines("model(inputs)"),
+            *_averaged_probs_lines("model(inputs)", problem),
         ]
     )
 
@@ -280,10 +283,11 @@ def usage_snippet(
     # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
     if model_class and not is_peft and not _is_transformers_model(model_class):  # an unrecorded class: an Auto class
-        return _plain_module_snippet(model_class, location, sub)
+        return _plain_module_snippet(model_class, location, sub, problem=problem)
     # a PEFT adapter on a plain nn.Module (a plain PeftModel records its base's class): no Auto class loads it
     if model_class and is_peft and not model_class.startswith("Peft") and not _is_transformers_model(model_class):
-        return _plain_module_snippet(model_class, location, sub, _peft_model_lines(posterior.names, location, rev))
+        adapter = _peft_model_lines(posterior.names, location, rev)
+        return _plain_module_snippet(model_class, location, sub, adapter, problem)
     # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
     # directory holds
     auto = _auto_class(model_class)
