@@ -296,8 +296,9 @@ def holding_sample(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     (:func:`claim_sample`): blocks over different weights of a model nest. FSDP2's gathered weights are
     released at both ends (:func:`~hf_evon.modeling.release_gathered`): the block writes its sample into
     the shards, and the next forward gathers the mean back, not the sample a forward left gathered."""
+    inner = unwrap_model(model)  # first: refuses anything but a module by name
     release_gathered(model)
-    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    params = dict(inner.named_parameters(remove_duplicate=False))
     claimed = claim_sample({n: params[n] for n in names if n in params})
     try:
         yield
