@@ -494,6 +494,41 @@ def test_a_plain_torch_modules_snippet_averages_what_its_problem_type_says(tmp_p
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
+def test_a_plain_regression_modules_snippet_without_problem_type_averages_its_single_output(tmp_path, capsys):
+    """A plain module has no ``config.problem_type`` as a rule; with one output predict(bma=True) averages
+    it as a value, but the card's snippet softmaxed it: 1.0 for every input, whatever the samples. One
+    output is averaged as the values, several as class probabilities (exactly as before)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = hf_evon.build_optimizer(model)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        with opt.sampled_params(train=True):
+            nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
+    posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
+    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+    x = torch.randn(5, 4)
+    namespace: dict = {"_model": model, "_x": x}
+    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    model.eval()
+    with torch.no_grad():
+        expected = 0.0
+        for seed in range(8):
+            with posterior.sampled(model, seed=seed):
+                expected = expected + model(x) / 8
+    assert expected.shape == (5, 1) and expected.std(0).min() > 1e-3
+    assert torch.equal(namespace["probs"], expected)
+
+
 def test_a_lora_adapted_plain_torch_modules_card_builds_its_base_as_in_training(tmp_path, capsys):
     """A PEFT adapter on an ``nn.Module`` that is no transformers model (a CLIP vision tower with a
     head of one's own, an MLP) got the snippet of a transformers model: ``AutoModel.from_pretrained``

@@ -96,24 +96,32 @@ def _posterior_lines(location: str, sub: str) -> list[str]:
     ]
 
 
-def _averaged_probs_lines(logits: str, problem: str | None = None) -> list[str]:
+def _averaged_probs_lines(logits: str, problem: str | None = None, unset_by_width: bool = False) -> list[str]:
     """BMA of class probabilities: ``logits`` (an expression of ``model`` and ``inputs``) softmaxed
     under 8 weight samples and averaged; a multi-label classifier's (``problem``, transformers'
     ``problem_type``) each label's sigmoid, a regression's outputs themselves (a softmax of one
-    output is 1 whatever the input)."""
+    output is 1 whatever the input). ``unset_by_width``: without ``problem``, one output is averaged
+    as a value and several as class probabilities, as ``predict(bma=True)`` reads such a model."""
     if problem == "regression":
         name, averaged, what = "values", logits, "predictions"
     elif problem == "multi_label_classification":  # each label a yes/no of its own
         name, averaged, what = "probs", f"{logits}.sigmoid()", "per-label probabilities"
     else:
         name, averaged, what = "probs", f"{logits}.softmax(-1)", "probabilities"
+    added = [f"            {name} = {name} + {averaged} / 8"]
+    if problem is None and unset_by_width:
+        what = "probabilities (of one output: the values)"
+        added = [
+            f"            out = {logits}",
+            f"            {name} = {name} + (out if out.shape[-1] == 1 else out.softmax(-1)) / 8",
+        ]
     return [
         "model.eval()",
         f"{name} = 0.0",
         "with torch.no_grad():",
         f"    for seed in range(8):  # BMA: average the {what} of 8 weight samples",
         "        with posterior.sampled(model, seed=seed):",
-        f"            {name} = {name} + {averaged} / 8",
+        *added,
         f"print({name})",
     ]
 
@@ -139,7 +147,8 @@ def _plain_module_snippet(
             *model_lines,
             *_posterior_lines(location, sub),
             "inputs = ...  # a batch of the model's inputs (a tensor)",
-            *_averaged_probs_lines("model(inputs)", problem),
+            # a plain module has no problem_type as a rule: its outputs' number says what they are
+            *_averaged_probs_lines("model(inputs)", problem, unset_by_width=True),
         ]
     )
 
