@@ -310,6 +310,65 @@ def test_an_image_or_audio_classifiers_card_loads_it_with_its_task_class_and_pre
     torch.testing.assert_close(namespace["probs"], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["vit", "plain"])
+def test_a_tempered_posteriors_snippet_predicts_the_tempered_bma(kind, tmp_path, capsys, monkeypatch):
+    """A calibrated posterior's temperature T (the card says "BMA predicts softmax(logits / T)") was
+    left out of every classifier snippet: it averaged ``softmax(logits)``, not what
+    ``trainer.predict(bma=True)`` returns (0.06 apart per probability here at T = 2.5). The ViT's
+    snippet now gives ``predict(bma=True)``'s probabilities at the same 8 seeds, a plain module's
+    the tempered softmax averaged by hand."""
+    from torch import nn
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "vit":
+        model, key, shape = _vision_or_audio_classifier("vit")
+        data = Dataset.from_dict({key: torch.randn(12, *shape, generator=g).tolist(), "labels": (torch.arange(12) % 3).tolist()})
+        trainer = EVONTrainer(
+            model=model, args=_args(tmp_path / "out", bma_num_samples=8, bma_seed=0), train_dataset=data
+        )
+        trainer.train()
+        posterior = trainer.current_posterior().with_temperature(2.5)
+        monkeypatch.setattr(trainer, "current_posterior", lambda: posterior)  # as a calibration choosing T = 2.5
+        trainer.save_model()
+        out = Path(trainer.args.output_dir)
+        inputs_line = f'inputs = ...  # the model\'s inputs: {{"{key}": ...}} as its image processor makes them'
+        x = torch.randn(4, *shape, generator=g)
+        filled = _snippet((out / "README.md").read_text()).replace(inputs_line, "inputs = _inputs")
+        namespace: dict = {"_inputs": {key: x}}
+        test = Dataset.from_dict({key: x.tolist(), "labels": [0] * 4})
+        expected = torch.as_tensor(trainer.predict(test, bma=True).predictions)
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = hf_evon.build_optimizer(model)
+        for _ in range(3):
+            with opt.sampled_params(train=True):
+                nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+        posterior = hf_evon.EVONPosterior.from_optimizer(opt, model).with_temperature(2.5)
+        posterior.save_pretrained(tmp_path)
+        model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
+        inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+        x = torch.randn(5, 4, generator=g)
+        filled = _snippet((tmp_path / "README.md").read_text()).replace(model_line, "model = _model")
+        filled = filled.replace(inputs_line, "inputs = _x")
+        namespace = {"_model": model, "_x": x}
+        model.eval()
+        with torch.no_grad():
+            expected = torch.stack(
+                [_plain_sampled(model, posterior, x, seed).div(2.5).softmax(-1) for seed in range(8)]
+            ).mean(0)
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    torch.testing.assert_close(namespace["probs"].double(), expected.double(), rtol=1e-5, atol=1e-6)
+
+
+def _plain_sampled(model, posterior, x, seed: int) -> torch.Tensor:
+    with posterior.sampled(model, seed=seed):
+        return model(x)
+
+
 def test_a_speech_to_text_models_card_loads_it_with_its_task_class_and_decodes_its_features(tmp_path, capsys):
     """A Whisper model's card loaded it with ``AutoModel`` (a WhisperModel without the LM head, whose
     names lack the posterior's ``model.`` prefix: check_model raised PosteriorMismatchError) and

@@ -96,24 +96,36 @@ def _posterior_lines(location: str, sub: str) -> list[str]:
     ]
 
 
-def _averaged_probs_lines(logits: str, problem: str | None = None, unset_by_width: bool = False) -> list[str]:
+def _tempered(logits: str, posterior: Any) -> str:
+    """``logits`` divided by the posterior's temperature where it has one other than 1: BMA
+    (``predict(bma=True)``, the card's text) averages ``softmax(logits / T)``, or each label's
+    ``sigmoid(logits / T)``."""
+    temperature = getattr(posterior, "config", {}).get("temperature", 1.0)
+    untempered = isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature == 1.0
+    return logits if untempered else f"({logits} / posterior.temperature)"
+
+
+def _averaged_probs_lines(
+    logits: str, problem: str | None = None, unset_by_width: bool = False, posterior: Any = None
+) -> list[str]:
     """BMA of class probabilities: ``logits`` (an expression of ``model`` and ``inputs``) softmaxed
     under 8 weight samples and averaged; a multi-label classifier's (``problem``, transformers'
     ``problem_type``) each label's sigmoid, a regression's outputs themselves (a softmax of one
     output is 1 whatever the input). ``unset_by_width``: without ``problem``, one output is averaged
-    as a value and several as class probabilities, as ``predict(bma=True)`` reads such a model."""
+    as a value and several as class probabilities, as ``predict(bma=True)`` reads such a model.
+    ``posterior``: the probabilities are of the logits divided by its temperature (:func:`_tempered`)."""
     if problem == "regression":
         name, averaged, what = "values", logits, "predictions"
     elif problem == "multi_label_classification":  # each label a yes/no of its own
-        name, averaged, what = "probs", f"{logits}.sigmoid()", "per-label probabilities"
+        name, averaged, what = "probs", f"{_tempered(logits, posterior)}.sigmoid()", "per-label probabilities"
     else:
-        name, averaged, what = "probs", f"{logits}.softmax(-1)", "probabilities"
+        name, averaged, what = "probs", f"{_tempered(logits, posterior)}.softmax(-1)", "probabilities"
     added = [f"            {name} = {name} + {averaged} / 8"]
     if problem is None and unset_by_width:
         what = "probabilities (of one output: the values)"
         added = [
             f"            out = {logits}",
-            f"            {name} = {name} + (out if out.shape[-1] == 1 else out.softmax(-1)) / 8",
+            f"            {name} = {name} + (out if out.shape[-1] == 1 else {_tempered('out', posterior)}.softmax(-1)) / 8",
         ]
     return [
         "model.eval()",
@@ -127,7 +139,12 @@ def _averaged_probs_lines(logits: str, problem: str | None = None, unset_by_widt
 
 
 def _plain_module_snippet(
-    model_class: str, location: str, sub: str, adapter_lines: list[str] | None = None, problem: str | None = None
+    model_class: str,
+    location: str,
+    sub: str,
+    adapter_lines: list[str] | None = None,
+    problem: str | None = None,
+    posterior: Any = None,
 ) -> str:
     """A plain ``nn.Module``'s snippet: the user builds the model as in training, and its forward
     takes a tensor and returns logits. ``adapter_lines``: the lines that wrap ``base`` with the PEFT
@@ -148,7 +165,7 @@ def _plain_module_snippet(
             *_posterior_lines(location, sub),
             "inputs = ...  # a batch of the model's inputs (a tensor)",
             # a plain module has no problem_type as a rule: its outputs' number says what they are
-            *_averaged_probs_lines("model(inputs)", problem, unset_by_width=True),
+            *_averaged_probs_lines("model(inputs)", problem, unset_by_width=True, posterior=posterior),
         ]
     )
 
@@ -292,11 +309,11 @@ def usage_snippet(
     # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
     is_peft = "Peft" in model_class or any(".lora_" in n or n.startswith("base_model.model.") for n in posterior.names)
     if model_class and not is_peft and not _is_transformers_model(model_class):  # an unrecorded class: an Auto class
-        return _plain_module_snippet(model_class, location, sub, problem=problem)
+        return _plain_module_snippet(model_class, location, sub, problem=problem, posterior=posterior)
     # a PEFT adapter on a plain nn.Module (a plain PeftModel records its base's class): no Auto class loads it
     if model_class and is_peft and not model_class.startswith("Peft") and not _is_transformers_model(model_class):
         adapter = _peft_model_lines(posterior.names, location, rev)
-        return _plain_module_snippet(model_class, location, sub, adapter, problem)
+        return _plain_module_snippet(model_class, location, sub, adapter, problem, posterior)
     # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
     # directory holds
     auto = _auto_class(model_class)
@@ -343,13 +360,13 @@ def usage_snippet(
             "    for seed in range(8):  # BMA: average the probabilities of 8 weight samples",
             "        with posterior.sampled(model, seed=seed):",
             "            outputs = model(**inputs)",
-            "        start = start + outputs.start_logits.softmax(-1) / 8",
-            "        end = end + outputs.end_logits.softmax(-1) / 8",
+            f"        start = start + {_tempered('outputs.start_logits', posterior)}.softmax(-1) / 8",
+            f"        end = end + {_tempered('outputs.end_logits', posterior)}.softmax(-1) / 8",
             "print(start.argmax(-1), end.argmax(-1))  # the most probable answer span",
         ]
         return "\n".join(lines)
     logits = "model(**inputs).logits[:, -1]" if prompting else "model(**inputs).logits"
-    averaged = _averaged_probs_lines(logits, None if prompting else problem)
+    averaged = _averaged_probs_lines(logits, None if prompting else problem, posterior=posterior)
     inputs = _input_lines(auto, tokenizer, model_class)
     if auto == "AutoModelForSeq2SeqLM":  # the decoder starts from its start token alone
         inputs += [
