@@ -33,6 +33,7 @@ _PUBLIC = {
     "negative_log_likelihood": "predictive",
     "predictive_uncertainty": "predictive",
     "PredictiveUncertainty": "predictive",
+    "PredictiveSpread": "predictive",
 }
 
 __all__ = sorted(_PUBLIC)

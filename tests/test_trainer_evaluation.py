@@ -693,23 +693,99 @@ def test_predict_uncertainty_of_a_causal_lm_is_per_position(tmp_path):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=ENTROPY_ATOL)
 
 
-def test_predict_uncertainty_needs_a_softmax(tmp_path):
+def test_predict_uncertainty_needs_a_softmax_or_a_regression(tmp_path):
+    """A multi-label classifier's sigmoids are neither one softmax's classes nor a regression's values:
+    refused, saying how their entropies split under posterior samples."""
     from datasets import Dataset
 
     def data(n: int, seed: int) -> Dataset:
         ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        return Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 1:4] % 2).float().tolist()})
+
+    def make() -> torch.nn.Module:
+        model = tiny_bert(num_labels=3)
+        model.config.problem_type = "multi_label_classification"
+        return model
+
+    trainer = _trained(tmp_path, make, data(32, 0), data(16, 1), eval_strategy="no")
+    refused = r"one softmax output .* or a regression's values .* of kind 'sigmoid'.*predictive_uncertainty splits"
+    with pytest.raises(ValueError, match=refused):
+        trainer.predict_uncertainty(data(8, 2))
+    with pytest.raises(ValueError, match=r"predict_uncertainty\(\) needs a posterior"):
+        EVONTrainer(model=tiny_bert(), args=config(tmp_path / "u")).predict_uncertainty(classification_data(8))
+
+
+class _TwoValueRegressor(torch.nn.Module):
+    """A plain (non-transformers) regression of two values per input, MSE on float targets; its config,
+    transformers' own, says only problem_type "regression"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.config = PretrainedConfig(problem_type="regression")
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"loss": torch.nn.functional.mse_loss(logits, labels), "logits": logits}
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_predict_uncertainty_of_a_regression_is_the_bma_mean_and_the_samples_spread(tmp_path, plain):
+    """predict_uncertainty refused a regression ("needs a model with one softmax output"), and
+    predict(bma=True) gave only the samples' mean: nothing said how far the samples' outputs spread.
+    It returns, per input and output, predict(bma=True)'s mean (exactly) and the standard deviation
+    over the S samples drawn with seeds bma_seed + s; a posterior without noise spreads by exactly 0."""
+    from datasets import Dataset
+
+    from hf_evon.predictive.uncertainty import PredictiveSpread
+
+    def data(n: int, seed: int) -> Dataset:
+        generator = torch.Generator().manual_seed(seed)
+        if plain:
+            x = torch.randn(n, 5, generator=generator)
+            return Dataset.from_dict({"x": x.tolist(), "labels": torch.stack([x[:, 0], x[:, 1] * x[:, 2]], 1).tolist()})
+        ids = torch.randint(3, 100, (n, 8), generator=generator)
         return Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids[:, 1].double() / 100).tolist()})
 
     def make() -> torch.nn.Module:
+        if plain:
+            return _TwoValueRegressor()
         model = tiny_bert(num_labels=1)
         model.config.problem_type = "regression"
         return model
 
-    trainer = _trained(tmp_path, make, data(32, 0), data(16, 1), eval_strategy="no")
-    with pytest.raises(ValueError, match="one softmax output .* of kind 'value'"):
-        trainer.predict_uncertainty(data(8, 2))
-    with pytest.raises(ValueError, match=r"predict_uncertainty\(\) needs a posterior"):
-        EVONTrainer(model=tiny_bert(), args=config(tmp_path / "u")).predict_uncertainty(classification_data(8))
+    trainer = _trained(tmp_path, make, data(48, 0), data(16, 1), eval_strategy="no", bma_num_samples=3,
+                       remove_unused_columns=not plain)  # fmt: skip
+    test = data(40, 2)  # batches of 16, 16, 8
+    out = trainer.predict_uncertainty(test)
+    assert isinstance(out.predictions, PredictiveSpread)
+    np.testing.assert_array_equal(out.predictions.mean, trainer.predict(test, bma=True).predictions)
+    batch = {k: torch.tensor(v) for k, v in test[:].items() if k != "labels"}
+    trainer.model.eval()
+    samples = []
+    with torch.no_grad():
+        for s in range(3):
+            with trainer.current_posterior().sampled(trainer.model, seed=trainer.args.bma_seed + s):
+                output = trainer.model(**batch)
+                samples.append((output["logits"] if plain else output.logits).double())
+    samples = torch.stack(samples)
+    mean, std = samples.mean(0), samples.std(0, correction=0)
+    assert out.predictions.mean.shape == out.predictions.std.shape == mean.shape == (40, 2 if plain else 1)
+    assert float(std.min()) > 1e-4  # the samples disagree on every input: a spread that can be wrong
+    np.testing.assert_allclose(out.predictions.mean, mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.predictions.std, std.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(out.label_ids, np.asarray(test["labels"], dtype=np.float32))
+    assert not any(key.startswith("test_bma_") for key in out.metrics)  # no class metrics to report
+    point = EVONTrainer(model=trainer.model, args=config(tmp_path / "p", bma_num_samples=3),
+                        posterior=trainer.current_posterior().with_ess(math.inf))  # fmt: skip
+    still = point.predict_uncertainty(test, calibrated_scale=True).predictions
+    np.testing.assert_array_equal(still.std, np.zeros_like(still.mean))
+    np.testing.assert_array_equal(still.mean, point.predict(test, bma=True).predictions)
 
 
 def test_predict_bma_needs_a_posterior_and_samples(tmp_path):
@@ -1613,7 +1689,8 @@ def test_hyperparameter_searchs_default_objective_is_the_one_a_plain_trainer_sea
 def test_a_multi_label_or_regression_models_refused_bma_metrics_and_uncertainty_name_its_problem_type(tmp_path, problem):
     """evaluate(bma=True) refused a multi-label model for want of "class logits", naming its logits
     (16, 3), which are a 3-label classifier's; predict_uncertainty named a "kind 'sigmoid'" of its
-    own. Both now name the config's problem_type, what the user set or transformers inferred."""
+    own. Both now name the config's problem_type, what the user set or transformers inferred; a
+    regression's predict_uncertainty is its outputs' mean and spread."""
     outputs = 3 if problem == "multi_label_classification" else 1
 
     def data(n: int, seed: int):
@@ -1628,6 +1705,11 @@ def test_a_multi_label_or_regression_models_refused_bma_metrics_and_uncertainty_
     named = rf"problem_type '{problem}'"
     with pytest.raises(ValueError, match=rf"^evaluate\(bma=True\): .*{named}"):
         trainer.evaluate(bma=True)
+    if problem == "regression":
+        from hf_evon.predictive.uncertainty import PredictiveSpread
+
+        assert isinstance(trainer.predict_uncertainty(data(8, 2)).predictions, PredictiveSpread)
+        return
     with pytest.raises(ValueError, match=rf"^predict_uncertainty .*{named}"):
         trainer.predict_uncertainty(data(8, 2))
 

@@ -10,7 +10,9 @@ import torch
 
 from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob
 from hf_evon.predictive.uncertainty import (
+    PredictiveSpread,
     PredictiveUncertainty,
+    SpreadAccumulator,
     UncertaintyAccumulator,
     entropy,
     predictive_uncertainty,
@@ -277,3 +279,31 @@ def test_draws_that_differ_only_after_equal_ones_average_as_stacked(equal_first:
     want = log_mean_prob(torch.stack(draws))
     assert torch.equal(average.value().isinf(), want.isinf())
     torch.testing.assert_close(average.value(), want, rtol=0, atol=1e-13)
+
+
+def test_the_spread_of_a_regressions_samples_is_their_mean_and_their_standard_deviation_over_s() -> None:
+    """SpreadAccumulator's mean is ValueMean's, the sum in arrival order over S; its std is sqrt(1/S Σ (y − mean)²),
+    here against the plain-Python formula; samples that agree (large values, where Σy² − S·mean² cancels)
+    spread by exactly 0; a sample of another shape or an integer one is refused, naming ``values``."""
+    draws = [[1.0, -2.0], [3.0, 0.5], [2.5, 4.0], [-1.0, 1.0]]
+    acc = SpreadAccumulator()
+    for row in draws:
+        acc.add(torch.tensor(row, dtype=torch.float32))
+    spread = acc.spread()
+    assert isinstance(spread, PredictiveSpread) and spread.mean.dtype == spread.std.dtype == torch.float64
+    for j in range(2):
+        column = [row[j] for row in draws]
+        mean = sum(column) / 4
+        assert spread.mean[j].item() == mean
+        assert spread.std[j].item() == pytest.approx(math.sqrt(sum((y - mean) ** 2 for y in column) / 4), rel=1e-15)
+    same = SpreadAccumulator()
+    for _ in range(5):
+        same.add(torch.full((3,), 1234.567, dtype=torch.float64))
+    assert torch.equal(same.spread().std, torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(same.spread().mean, torch.full((3,), 1234.567, dtype=torch.float64))
+    with pytest.raises(ValueError, match=re.escape("values has shape (3,), the earlier samples (2,)")):
+        acc.add(torch.zeros(3))
+    with pytest.raises(TypeError, match="values must be a floating-point tensor"):
+        acc.add(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="no samples added"):
+        SpreadAccumulator().spread()

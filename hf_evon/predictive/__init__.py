@@ -11,11 +11,12 @@ from hf_evon.predictive.metrics import (
     expected_calibration_error,
     negative_log_likelihood,
 )
-from hf_evon.predictive.uncertainty import PredictiveUncertainty, predictive_uncertainty
+from hf_evon.predictive.uncertainty import PredictiveSpread, PredictiveUncertainty, predictive_uncertainty
 
 __all__ = [
     "BMALogLikelihood",
     "CalibrationResult",
+    "PredictiveSpread",
     "PredictiveUncertainty",
     "accuracy",
     "bma_log_likelihood",

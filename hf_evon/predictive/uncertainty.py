@@ -13,6 +13,9 @@ A temperature on one model rescales the first two alike and never creates the th
 weights that vary can give (docs/results.md#epistemic-uncertainty). The arithmetic runs in
 float64; ``epistemic`` is clamped at 0, its exact lower bound (Jensen's inequality), against
 rounding.
+
+A regression's outputs are values, not distributions: :class:`PredictiveSpread` is the samples'
+mean and standard deviation, the epistemic spread (the weights' share of the predictive variance).
 """
 
 from __future__ import annotations
@@ -21,11 +24,18 @@ from typing import NamedTuple
 
 import torch
 
-from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob, normalization_tolerance
+from hf_evon.predictive.logprobs import LogMeanExp, ValueMean, log_mean_prob, normalization_tolerance
 
 Tensor = torch.Tensor
 
-__all__ = ["PredictiveUncertainty", "UncertaintyAccumulator", "entropy", "predictive_uncertainty"]
+__all__ = [
+    "PredictiveSpread",
+    "PredictiveUncertainty",
+    "SpreadAccumulator",
+    "UncertaintyAccumulator",
+    "entropy",
+    "predictive_uncertainty",
+]
 
 
 class PredictiveUncertainty(NamedTuple):
@@ -162,3 +172,54 @@ class UncertaintyAccumulator:
         total = entropy(self.value())
         aleatoric = _mean_entropy(self._first_entropy, self._deviation_sum, self.count)
         return PredictiveUncertainty(total, aleatoric, (total - aleatoric).clamp_(min=0.0))
+
+
+class PredictiveSpread(NamedTuple):
+    """A regression's outputs under S posterior samples ``y_s``, each field shaped like the outputs:
+    ``mean = 1/S Σ_s y_s`` (BMA's prediction) and ``std = sqrt(1/S Σ_s (y_s − mean)²)``, the samples'
+    standard deviation (over S, not S − 1: one sample spreads by 0). ``std`` is the epistemic spread,
+    the weights' share of the predictive variance; the labels' noise around each sample's output
+    (aleatoric) is the likelihood's, which a model trained on squared error does not output."""
+
+    mean: Tensor
+    std: Tensor
+
+
+class SpreadAccumulator:
+    """:class:`PredictiveSpread` of values that arrive one sample at a time: ``add`` each sample's
+    (same shape every time), then ``value()`` is the mean, :class:`~hf_evon.predictive.logprobs.ValueMean`'s
+    (the same sum in the same order as BMA's average of values, so equal to it) and ``spread()`` the
+    mean and standard deviation. The squared deviations accumulate in float64 by Welford's update:
+    no cancellation between ``Σ y²`` and ``S·mean²``, and samples that agree spread by exactly 0."""
+
+    def __init__(self) -> None:
+        self._average = ValueMean()
+        self._running: Tensor | None = None  # Welford's running mean, which the squared deviations need
+        self._squares: Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return self._average.count
+
+    def add(self, values: Tensor) -> None:
+        if not isinstance(values, Tensor) or not values.is_floating_point():
+            got = getattr(values, "dtype", type(values).__name__)
+            raise TypeError(f"values must be a floating-point tensor of a sample's outputs; got {got}")
+        if self._running is not None and values.shape != self._running.shape:
+            raise ValueError(f"values has shape {tuple(values.shape)}, the earlier samples {tuple(self._running.shape)}")
+        values = values.double()
+        self._average.add(values)
+        if self._running is None:
+            self._running, self._squares = values.clone(), torch.zeros_like(values)
+        else:
+            delta = values - self._running
+            self._running.add_(delta / self.count)
+            self._squares.add_(delta * (values - self._running))
+
+    def value(self) -> Tensor:
+        return self._average.value()
+
+    def spread(self) -> PredictiveSpread:
+        if self._squares is None:
+            raise ValueError("SpreadAccumulator: no samples added")
+        return PredictiveSpread(self.value(), (self._squares / self.count).sqrt())

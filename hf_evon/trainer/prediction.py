@@ -20,7 +20,12 @@ from transformers.trainer_utils import EvalPrediction, PredictionOutput, denumpi
 from hf_evon.modeling import in_auto_mapping, model_class, peft_base_model, problem_type, unwrap_model
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
-from hf_evon.predictive.uncertainty import PredictiveUncertainty, UncertaintyAccumulator
+from hf_evon.predictive.uncertainty import (
+    PredictiveSpread,
+    PredictiveUncertainty,
+    SpreadAccumulator,
+    UncertaintyAccumulator,
+)
 from hf_evon.trainer.combined import buffers_generations
 from hf_evon.trainer.evaluation import (
     MetricAccumulator,
@@ -134,7 +139,10 @@ def bma_predict(
     :class:`~hf_evon.predictive.uncertainty.PredictiveUncertainty` of arrays instead, every input's
     (an LM's: every position's) total, aleatoric and epistemic entropy, shaped like the logits
     without their classes (padded with -100 as the probabilities are); your ``compute_metrics``,
-    which reads probabilities, is not called.
+    which reads probabilities, is not called. A regression's (kind "value") is a
+    :class:`~hf_evon.predictive.uncertainty.PredictiveSpread` of arrays shaped like its outputs: the
+    averaged outputs (``predictions`` without ``uncertainty``, before ``preprocess_logits_for_metrics``)
+    and the samples' standard deviation; a multi-label classifier, or several distributions, are refused.
 
     ``loss_only`` (``args.prediction_loss_only``, as ``Trainer.predict`` reads it): no predictions and
     no labels are gathered or returned (None), and neither ``preprocess_logits_for_metrics`` nor
@@ -196,14 +204,20 @@ def bma_predict(
 
     def average() -> Any:
         if uncertainty:
-            if kind != "softmax" or outputs != 1:
+            if kind == "sigmoid" or outputs != 1:
                 problem = problem_type(trainer.model)
                 raise ValueError(
-                    "predict_uncertainty needs a model with one softmax output (a classifier or an LM); "
-                    f"this model's output is {outputs} distribution(s) of kind {kind!r}"
+                    "predict_uncertainty needs a model with one softmax output (a classifier or an LM: "
+                    "entropies) or a regression's values (their mean and spread); this model's output is "
+                    f"{outputs} distribution(s) of kind {kind!r}"
                     + (f" (its problem_type {problem!r})" if kind != "softmax" and problem else "")
+                    + (
+                        ": a label's sigmoid p is the two classes [1 - p, p], whose samples' entropies "
+                        "hf_evon.predictive_uncertainty splits (docs/usage.md#epistemic-uncertainty)"
+                        if kind == "sigmoid" else ""
+                    )
                 )
-            return UncertaintyAccumulator()
+            return SpreadAccumulator() if kind == "value" else UncertaintyAccumulator()
         make = LogMeanExp if kind == "softmax" else ValueMean
         return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
 
@@ -227,7 +241,7 @@ def bma_predict(
 
     for done, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         logp = done.value()
-        entropies = done.uncertainty() if uncertainty else None
+        entropies = (done.spread() if kind == "value" else done.uncertainty()) if uncertainty else None
         del done  # one chunk's accumulators alive at a time
         labels = batch_labels(trainer, inputs)  # a tuple where there are several (QA's start and end)
         if not isinstance(logp, tuple):  # the class metrics: of one softmax's log p̄ only
@@ -258,7 +272,7 @@ def bma_predict(
     tensors = (predictions, label_ids, input_ids)
     if uncertainty and predictions is not None:  # per field: one tensor, or the batches' (a list)
         fields = list(predictions) if concat else [list(f) for f in zip(*predictions)]
-        predictions = PredictiveUncertainty(*map(_arrays, fields))
+        predictions = (PredictiveSpread if kind == "value" else PredictiveUncertainty)(*map(_arrays, fields))
     else:
         predictions = _arrays(predictions)
     label_ids = _arrays(label_ids)
@@ -394,6 +408,10 @@ class PredictionMixin:
         :class:`~hf_evon.predictive.uncertainty.PredictiveUncertainty` of arrays (``total``,
         ``aleatoric``, ``epistemic``: entropies in nats, one per input, an LM's one per position),
         ``label_ids`` the labels, ``metrics`` the ``{prefix}_bma_*`` metrics (:func:`bma_predict`).
+        A regression's (``config.problem_type`` "regression", or one output and none set) is a
+        :class:`~hf_evon.predictive.uncertainty.PredictiveSpread` of arrays shaped like its outputs:
+        ``mean``, ``predict(bma=True)``'s predictions from the same seeds ``bma_seed + s``, and ``std``,
+        the samples' standard deviation; a multi-label classifier's sigmoids are refused.
 
         ``epistemic`` (the samples' disagreement) is what flags inputs unlike the training data.
         The samples are drawn at the noise scale EVON trained, at the calibrated temperature: a
