@@ -731,6 +731,19 @@ def test_grpo_calibration_on_prompts_is_refused_naming_the_argument_and_what_to_
     assert result.num_targets == int((labels[:, 1:] != -100).sum()) and calibrated is not None
 
 
+def test_grpo_calibrate_without_data_names_what_calibrates_it(tmp_path, corpus):
+    """calibrate() with no dataset and no calibration_dataset on GRPO said "pass dataset= or
+    EVONTrainer(calibration_dataset=...)", both of which this trainer refuses (its batches are prompts
+    it generates from); the error names the trainer and hf_evon.calibrate_posterior on labelled batches."""
+    trainer = _evon_grpo(tmp_path, corpus, max_steps=1)
+    with pytest.raises(ValueError, match=r"^calibrate\(\) needs held-out labelled data.*EVONGRPOTrainer") as err:
+        trainer.calibrate()
+    message = str(err.value)
+    assert "hf_evon.calibrate_posterior(trainer.model, trainer.current_posterior(), batches)" in message
+    assert "pass dataset=" not in message and "EVONTrainer(calibration_dataset=...)" not in message
+    assert trainer.calibration is None
+
+
 def test_rloo_trains_with_evon(tmp_path, corpus):
     """RLOOTrainer's loss is not scaled for gradient accumulation and its training batches are lists
     of prompt rows: the mixin read the micro-batch's labels by ``inputs.get`` and train() raised

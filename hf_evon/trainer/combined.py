@@ -240,9 +240,26 @@ def refuse_generated_calibration(trainer: Trainer, dataset: Any, name: str) -> N
     raise ValueError(
         f"{name}: {type(trainer).__name__} prepares each batch into completions it generates and "
         "their rewards, which hold no labels for the calibration to score (it would generate from "
-        "the data, then fail); pass no calibration data to this trainer and calibrate with "
-        "hf_evon.calibrate_posterior(trainer.model, trainer.current_posterior(), batches) after "
-        "training, batches being held-out dicts of 'input_ids', 'attention_mask' and 'labels' (a "
-        "prompt and its reference completion tokenized, the prompt's labels -100), then save the "
-        "posterior it returns (save_pretrained)"
+        f"the data, then fail); pass no calibration data to this trainer and {_CALIBRATE_POSTERIOR}"
+    )
+
+
+# what calibrates a trainer that generates its batches (refuse_generated_calibration, no_calibration_data)
+_CALIBRATE_POSTERIOR = (
+    "calibrate with hf_evon.calibrate_posterior(trainer.model, trainer.current_posterior(), batches) after "
+    "training, batches being held-out dicts of 'input_ids', 'attention_mask' and 'labels' (a prompt and its "
+    "reference completion tokenized, the prompt's labels -100), then save the posterior it returns (save_pretrained)"
+)
+
+
+def no_calibration_data(trainer: Trainer) -> str:
+    """The error of ``calibrate()`` given no dataset where the trainer has no ``calibration_dataset``: the
+    ways to give it one, or, for a trainer that generates its batches (which refuses both:
+    :func:`refuse_generated_calibration`), hf_evon's own function on labelled batches."""
+    if not buffers_generations(trainer):
+        return "calibrate() needs held-out data: pass dataset= or EVONTrainer(calibration_dataset=...)"
+    return (
+        f"calibrate() needs held-out labelled data, which {type(trainer).__name__} takes by neither dataset= "
+        "nor calibration_dataset= (it generates completions from every batch, which hold no labels to score): "
+        + _CALIBRATE_POSTERIOR
     )

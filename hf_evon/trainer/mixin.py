@@ -366,9 +366,7 @@ class EVONTrainerMixin(PredictionMixin, EvaluationMixin, CheckpointingMixin, Sch
 
         given, dataset = dataset, self.calibration_dataset if dataset is None else dataset
         if dataset is None:
-            raise ValueError(
-                "calibrate() needs held-out data: pass dataset= or EVONTrainer(calibration_dataset=...)"
-            )
+            raise ValueError(combined.no_calibration_data(self))
         self._refuse_eval_set(dataset)
         posterior = self._trained_posterior()  # the calibration in place stays until this one succeeds
         if posterior is None:
