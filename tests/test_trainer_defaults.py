@@ -124,9 +124,9 @@ def test_calibration_dataset_sets_the_sampling_scale_used_everywhere(tmp_path) -
     # its outcome is shown at the default verbosity (issue 33 §3: it was only in log_history)
     from transformers.testing_utils import CaptureLogger
 
-    import hf_evon.trainer.mixin as mixin
+    import hf_evon.trainer.calibration as calibration
 
-    with CaptureLogger(mixin.logger) as shown:
+    with CaptureLogger(calibration.logger) as shown:
         again = tr.calibrate(min_gain=0.0, standard_errors=0.0)
     assert again.summary() in shown.out and f"{again.chosen_nll:.4f} vs {again.mean_nll:.4f}" in shown.out
     trained_nll = [] if again.trained_nll is None else [again.trained_nll]

@@ -12,6 +12,8 @@
 * :mod:`~hf_evon.trainer.schedule`: the learning-rate schedule and the logged rates, in ``learning_rate``'s
   units (AdamW's rate);
 * :mod:`~hf_evon.trainer.evaluation`: metrics at the posterior mean and under BMA;
+* :mod:`~hf_evon.trainer.calibration`: ``calibrate()``, the posterior's scale and temperature chosen on
+  held-out data (``calibration_dataset``);
 * :mod:`~hf_evon.trainer.prediction`: ``predict(test, bma=True)``, BMA predictions;
 * :mod:`~hf_evon.trainer.trainers`: :class:`EVONTrainer`, :class:`EVONSeq2SeqTrainer`;
 * :mod:`~hf_evon.trainer.adalora`: :class:`AdaLoraRankAllocation`, PEFT AdaLoRA's rank allocation after
