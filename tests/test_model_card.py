@@ -508,6 +508,58 @@ def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_t
     assert torch.equal(namespace["probs"], expected)
 
 
+class _ClipWithHead(torch.nn.Module):
+    """A tiny CLIP vision tower and a linear head, a plain module the Trainer trains: it returns a
+    ``ModelOutput`` with the loss and the logits, as the Trainer needs."""
+
+    def __init__(self) -> None:
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.tower = CLIPVisionModel(
+            CLIPVisionConfig(
+                image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=32,
+            )
+        )  # fmt: skip
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, pixel_values, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.head(self.tower(pixel_values=pixel_values).pooler_output)
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def test_a_plain_module_returning_a_model_output_gets_a_snippet_that_reads_its_logits(tmp_path, capsys):
+    """A plain module trained by the Trainer returns its loss with its logits (a ``ModelOutput`` or a
+    dict), and the card's snippet called ``.softmax`` / ``.shape`` on that output: AttributeError:
+    'SequenceClassifierOutput' object has no attribute 'shape'. With its model and inputs filled in,
+    the snippet now gives ``trainer.predict(bma=True)``'s probabilities at the same 8 seeds."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 3, 8, 8, generator=g)
+    data = Dataset.from_dict({"pixel_values": x.tolist(), "labels": (torch.arange(12) % 3).tolist()})
+    trainer = EVONTrainer(
+        model=_ClipWithHead(), args=_args(tmp_path / "out", bma_num_samples=8, bma_seed=0), train_dataset=data
+    )
+    trainer.train()
+    trainer.save_model()
+    snippet = _snippet((Path(trainer.args.output_dir) / "README.md").read_text())
+    model_line = "model = ...  # your _ClipWithHead as built in training, with its trained weights (not a transformers model)"
+    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
+    assert model_line in snippet and inputs_line in snippet
+    test = torch.randn(4, 3, 8, 8, generator=g)
+    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
+    namespace: dict = {"_model": trainer.model, "_x": test}
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    expected = trainer.predict(Dataset.from_dict({"pixel_values": test.tolist(), "labels": [0] * 4}), bma=True)
+    assert namespace["probs"].shape == (4, 3)
+    torch.testing.assert_close(namespace["probs"].double(), torch.as_tensor(expected.predictions).double())
+
+
 @pytest.mark.parametrize("problem", ["regression", "multi_label_classification"])
 def test_a_plain_torch_modules_snippet_averages_what_its_problem_type_says(tmp_path, capsys, problem):
     """A plain module whose ``config.problem_type`` says its outputs are values (regression) or per-label

@@ -106,14 +106,19 @@ def _tempered(logits: str, posterior: Any) -> str:
 
 
 def _averaged_probs_lines(
-    logits: str, problem: str | None = None, unset_by_width: bool = False, posterior: Any = None
+    logits: str,
+    problem: str | None = None,
+    unset_by_width: bool = False,
+    posterior: Any = None,
+    computed: tuple[str, ...] = (),
 ) -> list[str]:
     """BMA of class probabilities: ``logits`` (an expression of ``model`` and ``inputs``) softmaxed
     under 8 weight samples and averaged; a multi-label classifier's (``problem``, transformers'
     ``problem_type``) each label's sigmoid, a regression's outputs themselves (a softmax of one
     output is 1 whatever the input). ``unset_by_width``: without ``problem``, one output is averaged
     as a value and several as class probabilities, as ``predict(bma=True)`` reads such a model.
-    ``posterior``: the probabilities are of the logits divided by its temperature (:func:`_tempered`)."""
+    ``posterior``: the probabilities are of the logits divided by its temperature (:func:`_tempered`).
+    ``computed``: lines run under each sample before the average, which compute ``logits`` (a name then)."""
     if problem == "regression":
         name, averaged, what = "values", logits, "predictions"
     elif problem == "multi_label_classification":  # each label a yes/no of its own
@@ -123,10 +128,13 @@ def _averaged_probs_lines(
     added = [f"            {name} = {name} + {averaged} / 8"]
     if problem is None and unset_by_width:
         what = "probabilities (of one output: the values)"
+        out = logits if logits.isidentifier() else "out"  # an expression is computed once
+        softmax = f"{_tempered(out, posterior)}.softmax(-1)"
         added = [
-            f"            out = {logits}",
-            f"            {name} = {name} + (out if out.shape[-1] == 1 else {_tempered('out', posterior)}.softmax(-1)) / 8",
+            *([] if out == logits else [f"            out = {logits}"]),
+            f"            {name} = {name} + ({out} if {out}.shape[-1] == 1 else {softmax}) / 8",
         ]
+    added = [*(f"            {line}" for line in computed), *added]
     return [
         "model.eval()",
         f"{name} = 0.0",
@@ -138,6 +146,12 @@ def _averaged_probs_lines(
     ]
 
 
+_PLAIN_LOGITS = (
+    "outputs = model(inputs)",
+    'logits = outputs["logits"] if isinstance(outputs, dict) else outputs  # a ModelOutput is a dict',
+)
+
+
 def _plain_module_snippet(
     model_class: str,
     location: str,
@@ -147,7 +161,8 @@ def _plain_module_snippet(
     posterior: Any = None,
 ) -> str:
     """A plain ``nn.Module``'s snippet: the user builds the model as in training, and its forward
-    takes a tensor and returns logits. ``adapter_lines``: the lines that wrap ``base`` with the PEFT
+    takes a tensor and returns logits, or a dict or ``ModelOutput`` holding them beside its loss (as
+    a module the Trainer trains does). ``adapter_lines``: the lines that wrap ``base`` with the PEFT
     adapters the posterior covers (:func:`_peft_model_lines`; None: no adapter); the user then
     builds the base, and the snippet wraps it. ``problem``: the module's ``config.problem_type``, as
     a transformers classifier's (:func:`_averaged_probs_lines`)."""
@@ -165,7 +180,10 @@ def _plain_module_snippet(
             *_posterior_lines(location, sub),
             "inputs = ...  # a batch of the model's inputs (a tensor)",
             # a plain module has no problem_type as a rule: its outputs' number says what they are
-            *_averaged_probs_lines("model(inputs)", problem, unset_by_width=True, posterior=posterior),
+            # a module the Trainer trains returns its loss too: a dict or ModelOutput holding the logits
+            *_averaged_probs_lines(
+                "logits", problem, unset_by_width=True, posterior=posterior, computed=_PLAIN_LOGITS
+            ),
         ]
     )
 
