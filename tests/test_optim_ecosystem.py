@@ -1061,3 +1061,49 @@ def test_a_tensor_rate_that_is_not_a_finite_0_dim_float_is_refused_by_name(rate,
     opt.param_groups[1 if key == "adamw_lr" else 0]["lr"] = rate
     with pytest.raises(ValueError, match=rf"param_groups\[\d\]: Invalid lr: .*{rule}"):
         _step(opt, _model())
+
+
+# ----------------------------------------------------------------------------- accelerate's accumulation
+@pytest.mark.parametrize("distributed", [False, True])
+def test_a_sample_block_inside_accelerates_accumulation_is_refused_before_anything_changes(distributed: bool) -> None:
+    """accelerate's own layout, ``with accelerator.accumulate(model):`` around the sample blocks and
+    ``optimizer.step()`` (accelerate skips the step until the K-th micro-batch): every micro-batch's blocks
+    were recorded as samples of one step, so EVON divided the gradient (already divided by K by
+    ``accelerator.backward``) by K more, silently. The prepared handle's block now refuses to start there,
+    naming the layout; the docs' layout (the K micro-batches inside each block) trains as before."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from hf_evon import prepare_distributed
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        model = _model()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model, optimizer = accelerator.prepare(model, _optimizer(model))
+        if distributed:
+            optimizer = prepare_distributed(model, optimizer)
+        evon = optimizer.optimizer
+        start = [p.detach().clone() for p in model.parameters()]
+        with accelerator.accumulate(model):  # the first of K = 2 micro-batches: accelerate accumulates
+            with pytest.raises(RuntimeError, match=r"sampled_params\(train=True\).*accelerator\.accumulate.*gradient_accumulation_steps=2"):
+                with optimizer.sampled_params(train=True):
+                    pass
+            with optimizer.sampled_params(train=False):  # sampling for evaluation is no sample of a step
+                pass
+        assert evon.recorded_samples == 0 and evon.sample_blocks == 0 and not evon.in_sample
+        assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+        assert all(p.grad is None for p in model.parameters())
+        with accelerator.accumulate(model):  # the second: the docs' layout resumes
+            pass
+        with optimizer.sampled_params(train=True):
+            for _ in range(2):
+                with accelerator.accumulate(model):
+                    accelerator.backward(nn.functional.cross_entropy(model(X), Y))
+        optimizer.step()
+        assert evon.recorded_samples == 0 and evon.sample_blocks == 1
+        assert not all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hf_evon.distributed.accumulation import accumulation_checked
 from hf_evon.distributed.averaging import RankAverager, world_size
 from hf_evon.distributed.fsdp2 import FSDP2Sharding, shard_rows
 from hf_evon.distributed.sharding import EVONSharding
@@ -114,7 +115,8 @@ class EVONHandle:
             evon = unwrap_optimizer(self)
         except TypeError:
             raise missing from None
-        return getattr(evon, name)
+        found = getattr(evon, name)  # a training block is checked against accelerate's accumulation
+        return accumulation_checked(self, found) if name == "sampled_params" else found
 
 
 try:
