@@ -24,7 +24,7 @@ from launcher import finish  # noqa: E402
 
 from hf_evon import EVONConfig, EVONTrainer  # noqa: E402
 from hf_evon.predictive.uncertainty import predictive_uncertainty  # noqa: E402
-from hf_evon.trainer import evaluation  # noqa: E402
+from hf_evon.trainer import sampled_passes  # noqa: E402
 
 ROWS, SEEDS = 20, (3, 4)
 
@@ -60,13 +60,13 @@ def main(out: str) -> None:
     test = data(ROWS, seed=2)
     whole, metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
     uncertainty = trainer.predict_uncertainty(test)
-    evaluation.SAMPLE_PASS_CHUNK_BYTES = 1
+    sampled_passes.SAMPLE_PASS_CHUNK_BYTES = 1
     chunked, chunked_metrics = trainer.predict(test, bma=True), trainer.evaluate(test)
     # processes that size their chunks differently (rank 0 one batch, the others three) must agree
     # on one size: their gathers are collectives that pair up in order
     rank = int(os.environ.get("RANK", "0"))
-    evaluation.SAMPLE_PASS_CHUNK_BYTES = 3000
-    evaluation._nbytes = lambda value: 1500 if rank == 0 else 500  # per call: inputs, then averages
+    sampled_passes.SAMPLE_PASS_CHUNK_BYTES = 3000
+    sampled_passes._nbytes = lambda value: 1500 if rank == 0 else 500  # per call: inputs, then averages
     uneven = trainer.predict(test, bma=True)
     model, posterior = trainer.model, trainer.current_posterior()
     x, probs = torch.tensor(test["x"]), []

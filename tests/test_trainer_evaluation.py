@@ -899,7 +899,7 @@ def test_predict_bma_runs_its_passes_in_chunks_with_the_same_numbers(tmp_path, m
     (``SAMPLE_PASS_CHUNK_BYTES``): at most one chunk's averages are alive, each sample is drawn once
     per chunk, and predictions and metrics are exactly those of one chunk."""
     from hf_evon.posterior import EVONPosterior
-    from hf_evon.trainer import evaluation, prediction
+    from hf_evon.trainer import prediction, sampled_passes
 
     live, peak, draws = [0], [0], [0]
 
@@ -930,7 +930,7 @@ def test_predict_bma_runs_its_passes_in_chunks_with_the_same_numbers(tmp_path, m
 
     whole, whole_peak, whole_draws = run()
     assert (whole_peak, whole_draws) == (3, 3)  # one chunk: all 3 batches' averages, 3 samples drawn
-    monkeypatch.setattr(evaluation, "SAMPLE_PASS_CHUNK_BYTES", 1)  # a chunk of one batch
+    monkeypatch.setattr(sampled_passes, "SAMPLE_PASS_CHUNK_BYTES", 1)  # a chunk of one batch
     chunked, chunked_peak, chunked_draws = run()
     assert (chunked_peak, chunked_draws) == (1, 9)
     assert chunked.predictions.shape == (40, 12, 100)
@@ -941,7 +941,7 @@ def test_predict_bma_runs_its_passes_in_chunks_with_the_same_numbers(tmp_path, m
         assert chunked.metrics[key] == whole.metrics[key], key
     # one batch's inputs and averages in bytes: a budget of two batches makes chunks of 2 and 1
     batch_bytes = 16 * 12 * 8 * 3 + 16 * 12 * 100 * 8  # ids, mask, labels (int64); float64 log p̄
-    monkeypatch.setattr(evaluation, "SAMPLE_PASS_CHUNK_BYTES", 2 * batch_bytes)
+    monkeypatch.setattr(sampled_passes, "SAMPLE_PASS_CHUNK_BYTES", 2 * batch_bytes)
     pairs, pairs_peak, pairs_draws = run()
     assert (pairs_peak, pairs_draws) == (2, 6)
     np.testing.assert_array_equal(pairs.predictions, whole.predictions)

@@ -278,7 +278,8 @@ def test_token_metrics_hold_a_few_numbers_per_token_not_the_vocabulary(tmp_path,
     evaluation set). They hold a few numbers per token, and the metrics are still
     ``calibration_metrics`` of the model's full log-probabilities."""
     from hf_evon.predictive.metrics import calibration_metrics
-    from hf_evon.trainer.evaluation import MetricAccumulator, _nbytes
+    from hf_evon.trainer.evaluation import MetricAccumulator
+    from hf_evon.trainer.sampled_passes import _nbytes
 
     held = []
     summary = MetricAccumulator.summary
