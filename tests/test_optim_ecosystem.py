@@ -1107,3 +1107,39 @@ def test_a_sample_block_inside_accelerates_accumulation_is_refused_before_anythi
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def test_a_checkpoint_inside_a_sample_block_is_refused_naming_state_dict(tmp_path) -> None:
+    """``accelerator.save_state`` (or ``torch.save`` of the model's and the optimizer's state) inside a
+    ``sampled_params`` block wrote the sample as the model's weights beside EVON's state, and a run resumed
+    from it trained on from the sample, not the mean. ``state_dict()`` there is refused, as a posterior
+    snapshot is; after the block the checkpoint holds the mean."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        model = _model()
+        accelerator = Accelerator(cpu=True)
+        model, optimizer = accelerator.prepare(model, _optimizer(model))
+        for _ in range(2):
+            _step(optimizer.optimizer, model)
+        mean = [p.detach().clone() for p in model.parameters()]
+        with optimizer.sampled_params(train=True):
+            with pytest.raises(RuntimeError, match=r"^state_dict\(\) .*inside a sampled_params\(\) block"):
+                accelerator.save_state(str(tmp_path / "inside"))
+            with pytest.raises(RuntimeError, match=r"^state_dict\(\) .*inside a sampled_params\(\) block"):
+                optimizer.state_dict()
+            nn.functional.cross_entropy(model(X), Y).backward()
+        assert optimizer.recorded_samples == 1  # the block is recorded as any other
+        accelerator.save_state(str(tmp_path / "after"))
+        saved = torch.load(tmp_path / "after" / "optimizer.bin", weights_only=True)
+        assert saved["evon"]["sample_blocks"] == 3
+        from safetensors.torch import load_file
+
+        weights = load_file(tmp_path / "after" / "model.safetensors")
+        assert all(torch.equal(weights[k], m) for k, m in zip(dict(model.named_parameters()), mean))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

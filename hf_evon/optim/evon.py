@@ -558,6 +558,7 @@ class EVON(Optimizer):
 
     # ---------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:
+        self._refuse_in_sample("state_dict() (the weights hold a sample: a checkpoint now would resume from it)")
         with saving(self, self._hooks.full_state_dict):  # sharded: a collective, the full state on every rank
             return super().state_dict()
 
