@@ -386,3 +386,53 @@ def test_a_group_added_mid_run_is_fitted_on_its_own_clock() -> None:
     expected = noise_std_ratio(2, group["hess_init"], group["betas"][1], group["init_std_ratio"])
     assert ratio == pytest.approx(expected, rel=1e-5)
     assert ratio != pytest.approx(noise_std_ratio(22, group["hess_init"], group["betas"][1], group["init_std_ratio"]), rel=1e-3)
+
+
+# ---------------------------------------------------------------------- H and a clipped gradient
+def _rotated(grad: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
+    g = grad if q_left is None else q_left.mT @ grad
+    return g if q_right is None else g @ q_right
+
+
+@pytest.mark.parametrize("estimator", ["fisher", "price"])
+def test_a_gradient_clipped_before_step_scales_the_fisher_estimate_of_h_and_not_the_price_one(estimator) -> None:
+    """The Trainer's ``max_grad_norm`` multiplies every ``p.grad`` by c = max_norm / norm between the
+    sampled blocks and ``step()``. The mixin's docs said EVON's H is not rescaled by it; under the
+    Fisher estimate it is: that update's term is (c·G_rot)², c² times the unclipped one. The Price
+    estimate reads each sample's gradient at its block's exit, before the clip: H is the same."""
+    from hf_evon.trainer import mixin
+
+    c, beta2 = 0.25, 0.4  # β = min(β2, 1 − 1/t) = β2 at the update t = 2
+    runs = {}
+    for scale in (1.0, c):
+        model = mlp().double()
+        x, y = data()
+        x = x.double()
+        weights = evon_weights(model)
+        opt = EVON(weights, hess_estimator=estimator, ess=1e4, weight_decay=1e-2, betas=(0.9, beta2),
+                   precondition_frequency=100, seed=0)  # fmt: skip
+        for _ in range(2):  # the initialising step, then update t = 1
+            train_step(model, opt, x, y)
+        factors = [opt.posterior_factors(p) for p in weights]
+        before = [(f["hess"].clone(), f["Q_L"], f["Q_R"]) for f in factors]
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(x), y).backward()
+        grads = [p.grad.clone() for p in weights]
+        for p in weights:
+            p.grad.mul_(scale)  # what the Trainer's clip does
+        opt.step()
+        runs[scale] = (before, grads, [opt.state[p]["hess"].clone() for p in weights])
+    for (before, grads, clipped), (_, _, unclipped) in zip(zip(*runs[c]), zip(*runs[1.0])):
+        hess0, q_left, q_right = before
+        assert not torch.equal(unclipped, hess0)  # the step updated H
+        if estimator == "fisher":
+            g_rot = _rotated(grads, q_left, q_right)
+            for got, scale in ((clipped, c), (unclipped, 1.0)):
+                expected = beta2 * hess0 + (1 - beta2) * (scale * g_rot).square()
+                # atol: entries of G_rot along the gradient's null directions are float64 rounding
+                torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14 * float(expected.max()))
+        else:
+            assert torch.equal(clipped, unclipped)
+    doc = " ".join(mixin.__doc__.split())
+    assert "the Hessian estimate of EVON is not rescaled" not in doc
+    assert "clip factor squared" in doc and "before the clip" in doc

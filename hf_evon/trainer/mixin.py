@@ -29,8 +29,13 @@ What the trainer does differently from ``transformers.Trainer``:
 * **Gradient clipping and grad-norm logging** refer to the *mean* gradient over the step's
   samples (what EVON uses), not to the sum that ``p.grad`` holds: the norm is divided by A·K,
   and ``max_grad_norm`` clips the mean. Clipping rescales the gradients of every parameter
-  (EVON and AdamW); the Hessian estimate of EVON is not rescaled (it estimates curvature,
-  not the step). ``optimizer.synchronize()`` runs first (a no-op on one process). A
+  (EVON and AdamW) by c = max_grad_norm / norm, and EVON's H sees it where H is estimated from
+  the step's gradient: under ``hess_estimator="fisher"`` (the default) H ← β·H + (1−β)·G_rot² takes
+  the clipped G_rot, so a step whose clip bites adds c²·G_rot², its contribution lowered by the
+  clip factor squared (and with it the ζ and δ refit from H). The Price estimate
+  (``"price"``) reads each sample's gradient at its ``sampled_params`` block's exit, before the
+  clip: its H is not rescaled (only the step is). ``max_grad_norm=0`` disables the clip.
+  ``optimizer.synchronize()`` runs first (a no-op on one process). A
   non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
   deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
