@@ -531,6 +531,42 @@ def test_prepared_accelerate_optimizer_is_one_handle(micro: int) -> None:
         assert torch.equal(got[k], expected[k]), k
 
 
+def test_a_block_after_a_step_short_of_its_micro_batches_is_refused_naming_that_step() -> None:
+    """The docs' layout (a step's micro-batches inside each sample's block) with a step of fewer than
+    gradient_accumulation_steps micro-batches (an epoch's last, 3 batches at K = 2) leaves accelerate's
+    counter mid-step: it skips that optimizer.step() and zero_grad(), and the next block is refused. The
+    refusal said the block was "entered inside accelerator.accumulate(model)", which it was not, and
+    told the user to use the layout they were using; it names the short step too."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        torch.manual_seed(0)
+        model = worker.tiny_gpt2()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model, optimizer = accelerator.prepare(model, build_optimizer(model, ess=500.0))
+        batches = [torch.randint(0, 32, (2, 6)) for _ in range(5)]
+        for step_batches in (batches[:2], batches[2:3]):  # the second step is short: accelerate skips it
+            with optimizer.sampled_params(train=True):
+                for ids in step_batches:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match="gradient_accumulation_steps=2") as refused:
+            with optimizer.sampled_params(train=True):
+                pass
+        assert "after a step of fewer than 2 micro-batches" in str(refused.value)
+        assert optimizer.recorded_samples == 1  # the short step's block, which accelerate did not step
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def test_accelerate_prepare_alone_answers_evons_api() -> None:
     """``accelerator.prepare(build_optimizer(model))`` without prepare_distributed (one process):
     the AcceleratedOptimizer answers ``mc_samples`` and ``sampled_params`` from its EVON, and the
