@@ -235,6 +235,44 @@ def test_a_multi_label_or_regression_classifiers_snippet_averages_sigmoids_or_va
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_a_one_output_classifier_without_problem_type_gets_a_snippet_that_averages_its_values(tmp_path, capsys):
+    """A transformers model with one output and no config.problem_type (a reward model: TRL's RewardTrainer
+    never passes labels to its forward, so transformers never sets one) is averaged as values by
+    predict(bma=True), but its card's snippet softmaxed the single output: 1.0 whatever the samples. The
+    snippet gives the samples' mean output, as a plain module's does."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, num_labels=1,
+    )  # fmt: skip
+    model = BertForSequenceClassification(config)
+    opt = hf_evon.build_optimizer(model, ess=20.0)  # samples that differ
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(3, 100, (8, 8), generator=g)
+        with opt.sampled_params(train=True):  # a score trained by a loss of one's own, no labels in the forward
+            torch.nn.functional.mse_loss(model(input_ids=ids).logits[:, 0], ids[:, 1] / 100).backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.config.problem_type is None
+    model.save_pretrained(tmp_path)
+    posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
+    posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
+    snippet = _snippet((tmp_path / "README.md").read_text())
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    assert capsys.readouterr().out.strip()
+    model.eval()
+    with torch.no_grad():
+        samples = [_sampled_logits(model, posterior, {"input_ids": torch.tensor([[0, 1, 2, 3]])}, s) for s in range(8)]
+    expected = torch.stack(samples).mean(0)
+    assert expected.shape == (1, 1) and torch.stack(samples).std(0).min() > 1e-4
+    got = namespace.get("values", namespace.get("probs"))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_peft_adapters_snippet_loads_the_tokenizer_of_its_base_model():
     """A PEFT snippet builds the base model from its id and loads the tokenizer from there too, as
     it did before the card learned to tell whether a tokenizer was saved: the adapter's directory

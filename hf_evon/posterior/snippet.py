@@ -320,7 +320,8 @@ def usage_snippet(
     ``revision``: the branch of ``location`` the card is on; what the snippet loads from
     ``location`` is loaded from it (without it, the default branch's files would be).
     ``problem``: the classifier's ``config.problem_type`` (:func:`hf_evon.modeling.problem_type`): a multi-label
-    one averages sigmoids, a regression its outputs."""
+    one averages sigmoids, a regression its outputs, as does a classifier of one output (``labels_count`` 1)
+    without one (``predict(bma=True)`` reads it as a value)."""
     rev = f", revision={_py(revision)}" if revision else ""
     sub = rev + (f", subfolder={_py(subfolder)}" if subfolder else "")
     model_class = str(posterior.config.get("model_class", ""))
@@ -384,7 +385,14 @@ def usage_snippet(
         ]
         return "\n".join(lines)
     logits = "model(**inputs).logits[:, -1]" if prompting else "model(**inputs).logits"
-    averaged = _averaged_probs_lines(logits, None if prompting else problem, posterior=posterior)
+    problem = None if prompting else problem
+    by_width = False
+    if problem is None and auto in _LABELLED_AUTO_CLASSES:
+        # predict(bma=True) averages one output without a problem_type as a value: a reward model's score
+        # (TRL's RewardTrainer passes no labels to the forward, where transformers would set one)
+        problem = "regression" if labels_count == 1 else None
+        by_width = labels_count is None
+    averaged = _averaged_probs_lines(logits, problem, unset_by_width=by_width, posterior=posterior)
     inputs = _input_lines(auto, tokenizer, model_class)
     if auto == "AutoModelForSeq2SeqLM":  # the decoder starts from its start token alone
         inputs += [
