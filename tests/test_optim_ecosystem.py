@@ -1143,3 +1143,41 @@ def test_a_checkpoint_inside_a_sample_block_is_refused_naming_state_dict(tmp_pat
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+# ----------------------------------------------------------------------------- frozen parameters
+def test_a_frozen_parameter_in_an_evon_group_leaves_the_others_training_as_without_it() -> None:
+    """A ``requires_grad=False`` parameter in a torch.optim.AdamW group changes nothing for the
+    others (``EVON(model.parameters())`` with a frozen layer, as one passes AdamW). ``ess="auto"``
+    pooled the frozen weights' RMS with the trained ones: a frozen matrix 10x their scale set ζ
+    ~100x too small, the trained matrix's noise 10x too broad, and its whole run differed."""
+    torch.manual_seed(0)
+    trained0, frozen0, target = torch.randn(8, 6) * 0.3, torch.randn(5, 7) * 3.0, torch.randn(8, 6)
+    runs = []
+    for with_frozen in (False, True):
+        w, frozen = nn.Parameter(trained0.clone()), nn.Parameter(frozen0.clone(), requires_grad=False)
+        opt = EVON([{"params": [w, frozen] if with_frozen else [w]}], seed=0, curvature_refit=2)
+        ess = []
+        for _ in range(5):
+            with opt.sampled_params(train=True):
+                ((w.tanh() - target) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ess.append(opt.param_groups[0]["ess"])
+        assert torch.equal(frozen, frozen0)
+        runs.append((w.detach().clone(), ess, opt.posterior_std(w)))
+    (w_alone, ess_alone, std_alone), (w_with, ess_with, std_with) = runs
+    assert ess_with == ess_alone
+    assert torch.equal(w_with, w_alone) and torch.equal(std_with, std_alone)
+
+
+def test_ess_auto_of_a_group_with_a_frozen_parameter_is_that_of_its_trained_weights() -> None:
+    """ζ = 1 / (ρ² · rms² · (h0 + δ)), rms over the trained weights only (docs of ``ess``)."""
+    torch.manual_seed(0)
+    w, frozen = nn.Parameter(torch.randn(8, 6) * 0.3), nn.Parameter(torch.randn(5, 7) * 3.0, requires_grad=False)
+    opt = EVON([{"params": [w, frozen]}], seed=0)
+    opt.posterior_std(w)  # builds the buckets, which resolves ess="auto"
+    g = opt.param_groups[0]
+    rms_sq = float(w.detach().double().square().mean())
+    expected = 1.0 / (g["init_std_ratio"] ** 2 * rms_sq * (g["hess_init"] + g["weight_decay"]))
+    assert g["ess"] == pytest.approx(expected, rel=1e-6)

@@ -561,12 +561,15 @@ def point_state_views(
 def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
     """ζ = 1 / (ρ² · rms² · (h0 + δ)) for ``ess="auto"``: the initial std is ρ · rms.
 
-    rms pools the group's non-zero weights (``square_sums``: Σ p² per parameter; a
-    zero-initialised LoRA ``B`` says nothing about scale); an all-zero group uses
-    1/sqrt(fan-in), nn.Linear's initial scale. ρ is the group's ``init_std_ratio``.
+    rms pools the group's non-zero trained weights (``square_sums``: Σ p² per parameter; a
+    zero-initialised LoRA ``B`` says nothing about scale; a frozen one, as in torch's optimizers,
+    nothing about the others); an all-zero group uses 1/sqrt(fan-in), nn.Linear's initial scale. A
+    group with no trained weight pools them all. ρ is the group's ``init_std_ratio``.
     """
     sizes = [p.numel() for p in group["params"]]
-    nonzero = [(float(t), n) for t, n in zip(square_sums.tolist(), sizes) if t > 0.0]
+    trained = [p.requires_grad for p in group["params"]]
+    trained = trained if any(trained) else [True] * len(trained)
+    nonzero = [(float(t), n) for t, n, k in zip(square_sums.tolist(), sizes, trained) if k and t > 0.0]
     if nonzero:
         rms_sq = sum(t for t, _ in nonzero) / sum(n for _, n in nonzero)
     else:

@@ -100,7 +100,7 @@ class EVON(Optimizer):
             for "element" and, as a first guess, for the modes without a ratio; a group's own
             ``lr=None`` takes its own ``clip``'s (a group without ``lr`` takes this one, as in torch).
         ess: effective sample size ζ of the objective ``ζ·E[loss] + KL``. ``"auto"`` (default):
-            per group, first the ζ whose initial std is ``init_std_ratio`` of the weights' RMS;
+            per group, first the ζ whose initial std is ``init_std_ratio`` of the trained weights' RMS;
             under ``hess_estimator="fisher"``, refit from H every ``curvature_refit`` steps
             (:mod:`hf_evon.optim.curvature`). ``inf``: no noise, a SOAP-like method.
             A number set later in ``param_groups`` is kept, no longer refit (so is a set ``weight_decay``).
