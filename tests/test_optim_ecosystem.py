@@ -583,6 +583,31 @@ def test_a_state_dict_of_other_groups_is_refused_with_torchs_reason() -> None:
         other_sizes.load_state_dict(state)
 
 
+
+def test_a_state_dict_of_groups_listed_in_another_order_is_refused_naming_the_group() -> None:
+    """A state saved by an optimizer listing its groups in another order (AdamW's first) was refused
+    with torch's bare "doesn't match the size of optimizer's group", naming neither the group nor
+    the sizes; the refusal keeps torch's words and adds both, and the optimizer is left as it was."""
+    model = _model()
+    src = _optimizer(model)
+    _step(src, model)
+    state = src.state_dict()
+    twin = _model()
+    reordered = EVON(
+        [{"params": [twin[0].bias, twin[2].bias, twin[0].weight], "algorithm": "adamw"}, {"params": [twin[2].weight]}],
+        seed=0,
+    )
+    before = copy.deepcopy(reordered.state_dict())
+    with pytest.raises(ValueError) as refused:
+        reordered.load_state_dict(state)
+    assert str(refused.value) == (
+        "loaded state dict contains a parameter group that doesn't match the size of optimizer's group: "
+        "param_groups[0] holds 3 parameters here but 2 in the state dict (groups listed in another order?)"
+    )
+    after = reordered.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"] == before["state"] == {}
+
+
 # ----------------------------------------------------------------------------- precision and kinds
 def test_a_step_inside_autocast_keeps_evons_float32_state() -> None:
     """step() under torch.autocast stored the Shampoo statistics in bfloat16; every later step

@@ -175,13 +175,19 @@ def upgraded_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def check_group_structure(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
     """torch's own checks of the groups' number and sizes (run before EVON's, which pair the
-    parameters in order), and each group's algorithm: the state of one is not the other's."""
+    parameters in order; a size refused names the group), and each group's algorithm: the state of
+    one is not the other's."""
     saved = loaded["param_groups"]
     if len(saved) != len(param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
     for i, (group, saved_group) in enumerate(zip(param_groups, saved)):
         if len(group["params"]) != len(saved_group["params"]):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+            # torch's words, and which group and sizes: groups listed in another order differ here first
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of optimizer's group: "
+                f"param_groups[{i}] holds {len(group['params'])} parameters here but {len(saved_group['params'])} "
+                "in the state dict (groups listed in another order?)"
+            )
         if group["algorithm"] != saved_group["algorithm"]:
             raise ValueError(
                 f"EVON.load_state_dict: param_groups[{i}] is an {group['algorithm']!r} group here but an "
