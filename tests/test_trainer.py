@@ -2136,6 +2136,32 @@ def test_greedys_default_bounds_are_each_groups_in_the_units_of_learning_rate(tm
     assert args.lr_scheduler_kwargs == kwargs  # the config as given
 
 
+@pytest.mark.parametrize("alpha", [None, 2e-2])
+def test_learning_rate_zero_trains_as_trainer_does_and_logs_adamws_rate_zero(tmp_path, alpha):
+    """``learning_rate=0`` (the AdamW part held still, as ``Trainer`` allows) failed in ``create_scheduler``
+    with a bare ZeroDivisionError (every group's rate was divided by AdamW's). It trains: the AdamW
+    group stays at rate 0 and its weights unchanged, EVON's α is 0 derived from it or, given, scheduled
+    as under any rate; the logged ``learning_rate`` is AdamW's 0, not α, and α is ``evon/learning_rate``."""
+    model = tiny_bert()
+    before = params(model)
+    args = config(
+        tmp_path, learning_rate=0.0, evon_learning_rate=alpha, evon_adamw_learning_rate=None,
+        lr_scheduler_type="linear", logging_steps=1,
+    )  # fmt: skip
+    trainer = EVONTrainer(model=model, args=args, train_dataset=classification_data())
+    trainer.train()
+    groups = trainer.evon_optimizer.param_groups
+    adamw = {id(p) for g in groups if g["algorithm"] == "adamw" for p in g["params"]}
+    assert groups[0]["algorithm"] == "evon" and adamw
+    for name, p in model.named_parameters():
+        if id(p) in adamw:
+            assert torch.equal(p.detach(), before[name]), name
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    expected = [0.0] * 4 if alpha is None else [alpha * (4 - s) / 4 for s in range(4)]  # linear, no warm-up
+    assert [h["learning_rate"] for h in logs] == [0.0] * 4
+    assert [h["evon/learning_rate"] for h in logs] == pytest.approx(expected, rel=1e-12, abs=0.0)
+
+
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):
     """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
     result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)

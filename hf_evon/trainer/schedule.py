@@ -101,7 +101,8 @@ class ScheduleMixin:
         # a bound not given is the schedule's default, one number too; a list is the user's per group
         stated = {**default_bounds(kind), **(given if isinstance(given, dict) else {})}
         numbers = {key: stated[key] for key in GROUP_BOUNDS.get(kind, ()) if type(stated.get(key)) in (int, float)}
-        ratios = [scheduler_base(g) / rate for g in evon.param_groups]
+        # AdamW's rate 0 (held still, as Trainer allows) leaves no ratio to keep: each bound is every group's
+        ratios = [scheduler_base(g) / rate if rate else 1.0 for g in evon.param_groups] if numbers else []
         bounds = {key: [value * ratio for ratio in ratios] for key, value in numbers.items()}
         evon.defaults["lr"] = rate
         if bounds:
