@@ -122,6 +122,18 @@ def test_optim_is_ignored_with_a_warning(tmp_path):
         EVONConfig(output_dir=str(tmp_path), report_to="none")
 
 
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_optimizer_cls_and_kwargs_is_refused_naming_the_argument(tmp_path, optimizer_cls):
+    """``Trainer(optimizer_cls_and_kwargs=(cls, kwargs))`` was ignored without a word: EVONTrainer built
+    EVON, and the user's optimizer and rate never ran. It is refused where the trainer is made,
+    naming the argument and the ways to choose the optimizer."""
+    with pytest.raises(ValueError, match=r"optimizer_cls_and_kwargs = \((SGD|AdamW), .*build_optimizer"):
+        EVONTrainer(
+            model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(16),
+            optimizer_cls_and_kwargs=(optimizer_cls, {"lr": 0.1}),
+        )  # fmt: skip
+
+
 def test_compute_metrics_keys_are_never_replaced(tmp_path):
     """The user's `accuracy`/`nll` are theirs; ours are eval_mean_*/eval_bma_*; a clash keeps theirs."""
     returned: dict[str, float] = {}

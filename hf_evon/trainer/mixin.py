@@ -9,7 +9,7 @@ What the trainer does differently from ``transformers.Trainer``:
   (EVON for weight matrices, AdamW for embeddings, the LM head and 1-D tensors; see the
   ``evon_*`` fields of :class:`EVONConfig`). ``args.optim`` is not used (setting it warns; so
   does passing plain ``TrainingArguments``, whose ``learning_rate`` is taken as AdamW's, EVON's
-  α derived from it).
+  α derived from it); ``optimizer_cls_and_kwargs`` is refused.
 * **Sampled training step.** Every micro-batch runs the subclass's ``training_step``
   ``evon_mc_samples`` times, each inside ``optimizer.sampled_params(train=True)`` (the backward
   pass too, so gradient checkpointing recomputes at the sampled weights). Each micro-batch draws
@@ -187,6 +187,13 @@ class EVONTrainerMixin(
         # by name, in the subclass's order: TRL's DPOTrainer(model, ref_model, args) takes args third
         call = TrainerCall(super().__init__, trainer_args, kwargs)
         call.set("args", args := self._evon_arguments(call.get("args"), call.default_output_dir(type(self))))
+        if (chosen := call.get("optimizer_cls_and_kwargs")) is not None:  # Trainer's create_optimizer reads it, not EVON's
+            cls = getattr(chosen[0], "__name__", chosen[0]) if isinstance(chosen, tuple | list) and chosen else chosen
+            raise ValueError(
+                f"optimizer_cls_and_kwargs = ({cls}, ...) is not used by {type(self).__name__}, which always trains "
+                "with EVON: configure it with the EVONConfig fields, or pass your own "
+                "optimizers=(hf_evon.build_optimizer(model, ...), None); for another optimizer use the Trainer itself"
+            )
         given_eval = call.get("eval_dataset")
         if peft_config is not None and "peft_config" in inspect.signature(super().__init__).parameters:
             call.kwargs["peft_config"] = peft_config  # the subclass (e.g. TRL's) wraps the model itself
