@@ -2162,6 +2162,33 @@ def test_learning_rate_zero_trains_as_trainer_does_and_logs_adamws_rate_zero(tmp
     assert [h["evon/learning_rate"] for h in logs] == pytest.approx(expected, rel=1e-12, abs=0.0)
 
 
+@pytest.mark.parametrize("how", ["optimizers", "create_optimizer"])
+def test_an_optimizer_other_than_evon_is_named_at_train_and_no_posterior_is_claimed(tmp_path, how):
+    """``optimizers=(torch.optim.AdamW(...), None)``, or a subclass whose ``create_optimizer`` builds
+    AdamW, trained as ``Trainer`` does without a word: no posterior learned, none saved, and the
+    run's EVON-specific outputs silently missing. ``train()`` says so, naming the optimizer; the
+    run is the Trainer's own (its AdamW steps), and no posterior is claimed or written."""
+
+    class OwnOptimizer(EVONTrainer):
+        def create_optimizer(self, model=None):  # noqa: ANN001, ANN201
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+            return self.optimizer
+
+    model = tiny_bert()
+    kwargs = {"optimizers": (torch.optim.AdamW(model.parameters(), lr=1e-3), None)} if how == "optimizers" else {}
+    cls = EVONTrainer if how == "optimizers" else OwnOptimizer
+    trainer = cls(model=model, args=config(tmp_path, logging_steps=1), train_dataset=classification_data(), **kwargs)
+    with pytest.warns(UserWarning, match=r"optimizer is AdamW, not EVON: .*no posterior") as record:
+        trainer.train()
+    assert sum("not EVON" in str(w.message) for w in record) == 1
+    assert trainer.evon_optimizer is None and trainer.current_posterior() is None
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 4 and not any(k.startswith("evon/") for h in logs for k in h)
+    trainer.save_model()
+    assert not (Path(trainer.args.output_dir) / POSTERIOR_CONFIG_NAME).exists()
+
+
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):
     """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
     result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)

@@ -345,7 +345,15 @@ class EVONTrainerMixin(
         full state from ``evon_optimizer.pt``. In one process it only checks the model
         (FSDP1/DeepSpeed are refused with a clear error).
         """
-        if self.evon_optimizer is None:
+        if self.evon_optimizer is None:  # the user's (optimizers=, create_optimizer): the run is the Trainer's
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer
+            warnings.warn(
+                f"{type(self).__name__}: the optimizer is {type(inner).__name__}, not EVON: it trains as the Trainer "
+                "does, and no posterior is learned (no evon/* logs, no eval_bma_* metrics, none saved). For a posterior "
+                "let the trainer build EVON, or pass optimizers=(hf_evon.build_optimizer(model, ...), None).",
+                UserWarning,
+                stacklevel=2,
+            )
             return
         # an aborted run's samples (auto_find_batch_size, a retry after an error), and the noise of its
         # unfinished step: the retry draws what a fresh run draws, as plain Trainer's equals a fresh one
