@@ -134,6 +134,26 @@ def test_optimizer_cls_and_kwargs_is_refused_naming_the_argument(tmp_path, optim
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("given_optimizer", [False, True])
+def test_a_scheduler_of_another_optimizer_is_refused_naming_it(tmp_path, given_optimizer):
+    """``optimizers=(None, scheduler)`` (the scheduler built on an optimizer of the user's, as EVON does not
+    exist yet), or ``optimizers=(evon, scheduler)`` with the scheduler on another optimizer: the
+    scheduler stepped that optimizer, and EVON's rates stayed at their start without a word. It is
+    refused before the first step, naming the scheduler and both optimizers; the weights are untouched."""
+    model = tiny_bert()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(other, lambda step: 0.5**step)
+    evon = build_optimizer(model, lr=2e-2, adamw_lr=1e-3, ess=1e4, hess_init=1.0) if given_optimizer else None
+    trainer = EVONTrainer(
+        model=model, args=config(tmp_path), train_dataset=classification_data(16), optimizers=(evon, scheduler)
+    )
+    match = r"optimizers=\(\.\.\., LambdaLR\): the scheduler steps another optimizer \(SGD\), not the trainer's EVON"
+    with pytest.raises(ValueError, match=match):
+        trainer.train()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
 def test_compute_metrics_keys_are_never_replaced(tmp_path):
     """The user's `accuracy`/`nll` are theirs; ours are eval_mean_*/eval_bma_*; a clash keeps theirs."""
     returned: dict[str, float] = {}

@@ -78,6 +78,21 @@ def _configured_rates_recorded(evon: Any, scheduler: Any) -> Any:
     return scheduler
 
 
+def _refuse_another_optimizers(scheduler: Any, evon: Any) -> None:
+    """Refuse the user's ``scheduler`` where it steps another optimizer than ``evon``: EVON's rates would
+    stay at their start (``optimizers=(None, scheduler)`` can only hold a scheduler of another optimizer)."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler
+    stepped = getattr(inner, "optimizer", None)
+    if stepped is None or stepped is evon or stepped.defaults is evon.defaults:
+        return
+    raise ValueError(
+        f"optimizers=(..., {type(inner).__name__}): the scheduler steps another optimizer ({type(stepped).__name__}), "
+        "not the trainer's EVON, whose rates would stay at their start. Build it on the EVON you pass beside it: "
+        "evon = hf_evon.build_optimizer(model, ...); optimizers=(evon, scheduler_of(evon)); or pass "
+        "optimizers=(None, None) and choose the schedule with lr_scheduler_type / lr_scheduler_kwargs"
+    )
+
+
 class ScheduleMixin:
     """``create_scheduler`` and the logged rates of :class:`~hf_evon.trainer.EVONTrainerMixin`
     (module docstring)."""
@@ -94,6 +109,7 @@ class ScheduleMixin:
         if evon is None or other:  # not EVON's
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is not None:  # the user's own (optimizers=(evon, scheduler))
+            _refuse_another_optimizers(self.lr_scheduler, evon)
             return _configured_rates_recorded(evon, super().create_scheduler(num_training_steps, optimizer))
         alpha, given = evon.defaults["lr"], self.args.lr_scheduler_kwargs
         rate = user_rate(evon.param_groups, self.args.learning_rate)
