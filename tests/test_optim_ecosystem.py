@@ -1206,3 +1206,18 @@ def test_ess_auto_of_a_group_with_a_frozen_parameter_is_that_of_its_trained_weig
     rms_sq = float(w.detach().double().square().mean())
     expected = 1.0 / (g["init_std_ratio"] ** 2 * rms_sq * (g["hess_init"] + g["weight_decay"]))
     assert g["ess"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_ess_auto_of_an_all_zero_trained_group_takes_the_fan_in_of_its_trained_weights_only() -> None:
+    """An all-zero trained matrix (a zero-initialised head) takes rms² = 1/fan-in (``ess`` docs). The
+    fan-in was the largest over the group's parameters, a frozen one's too: a frozen matrix wider than the
+    trained one set its noise, where without it the group takes the trained matrix's own fan-in."""
+    head, frozen = nn.Parameter(torch.zeros(8, 6)), nn.Parameter(torch.randn(5, 40), requires_grad=False)
+    alone = EVON([{"params": [nn.Parameter(torch.zeros(8, 6))]}], seed=0)
+    opt = EVON([{"params": [head, frozen]}], seed=0)
+    for o in (alone, opt):
+        o.posterior_std(o.param_groups[0]["params"][0])  # builds the buckets, which resolves ess="auto"
+    g = opt.param_groups[0]
+    expected = 1.0 / (g["init_std_ratio"] ** 2 * (1.0 / 6) * (g["hess_init"] + g["weight_decay"]))
+    assert g["ess"] == pytest.approx(expected, rel=1e-12)
+    assert g["ess"] == alone.param_groups[0]["ess"]

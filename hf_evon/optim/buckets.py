@@ -563,8 +563,8 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
 
     rms pools the group's non-zero trained weights (``square_sums``: Σ p² per parameter; a
     zero-initialised LoRA ``B`` says nothing about scale; a frozen one, as in torch's optimizers,
-    nothing about the others); an all-zero group uses 1/sqrt(fan-in), nn.Linear's initial scale. A
-    group with no trained weight pools them all. ρ is the group's ``init_std_ratio``.
+    nothing about the others); all-zero trained weights use 1/sqrt(their largest fan-in), nn.Linear's
+    initial scale. A group with no trained weight pools them all. ρ is the group's ``init_std_ratio``.
     """
     sizes = [p.numel() for p in group["params"]]
     trained = [p.requires_grad for p in group["params"]]
@@ -573,7 +573,7 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
     if nonzero:
         rms_sq = sum(t for t, _ in nonzero) / sum(n for _, n in nonzero)
     else:
-        fan_in = max((matrix_shape(p.shape)[1] for p in group["params"]), default=1)
+        fan_in = max((matrix_shape(p.shape)[1] for p, k in zip(group["params"], trained) if k), default=1)
         rms_sq = 1.0 / fan_in
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))
