@@ -2189,6 +2189,31 @@ def test_an_optimizer_other_than_evon_is_named_at_train_and_no_posterior_is_clai
     assert not (Path(trainer.args.output_dir) / POSTERIOR_CONFIG_NAME).exists()
 
 
+def test_a_users_evon_listing_its_adamw_group_first_logs_alpha_as_evon_learning_rate(tmp_path):
+    """The user's own ``EVON([{adamw group}, {evon group}])`` (groups in the order the user lists them):
+    ``evon/learning_rate`` was missing from every log, being looked for in the first group only. α is the
+    first EVON group's rate as the step used it, ``learning_rate`` the AdamW group's."""
+    model = tiny_bert()
+    named = list(model.named_parameters())
+    mats = [(n, p) for n, p in named if p.ndim == 2 and "encoder" in n]
+    rest = [(n, p) for n, p in named if (n, p) not in mats]
+    optimizer = EVON(
+        [
+            {"params": [p for _, p in rest], "param_names": [n for n, _ in rest], "algorithm": "adamw", "lr": 1e-3},
+            {"params": [p for _, p in mats], "param_names": [n for n, _ in mats], "lr": 2e-2},
+        ],
+        ess=1e4, hess_init=1.0,
+    )  # fmt: skip
+    args = config(tmp_path, max_steps=4, learning_rate=1e-3, lr_scheduler_type="linear", logging_steps=1)
+    trainer = EVONTrainer(model=model, args=args, train_dataset=classification_data(), optimizers=(optimizer, None))
+    trainer.train()
+    assert [g["algorithm"] for g in trainer.evon_optimizer.param_groups] == ["adamw", "evon"]
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    linear = [(4 - s) / 4 for s in range(4)]  # the rate each step used, no warm-up
+    assert [h["learning_rate"] for h in logs] == pytest.approx([1e-3 * f for f in linear], rel=1e-12)
+    assert [h.get("evon/learning_rate") for h in logs] == pytest.approx([2e-2 * f for f in linear], rel=1e-12)
+
+
 def _recalibrated(trainer: EVONTrainer, seed: int = 2):
     """A calibration that cannot keep the trained scale: only ×0.5 or the mean are candidates."""
     result = trainer.calibrate(classification_data(24, seed), grid=(0.5,), keep_trained=False, always_scan=True)

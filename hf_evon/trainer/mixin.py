@@ -483,7 +483,7 @@ class EVONTrainerMixin(
         if "loss" in logs and not any(k.startswith("eval_") for k in logs):
             logs = {**logs, **self.posterior_statistics()}
         groups = [] if self.evon_optimizer is None else self.evon_optimizer.param_groups
-        if "learning_rate" in logs and groups and groups[0]["algorithm"] == "evon":
+        if "learning_rate" in logs and any(g["algorithm"] == "evon" for g in groups):
             logs = {**logs, **self._rate_logs(groups)}  # as the step used them (hf_evon.trainer.schedule)
         super().log(logs, start_time)
 

@@ -131,12 +131,14 @@ class ScheduleMixin:
 
     def _rate_logs(self, groups: list[dict[str, Any]]) -> dict[str, float]:
         """``learning_rate`` (the user's: AdamW's group's, or ``learning_rate`` as scheduled without one)
-        and ``evon/learning_rate`` (α, the first group's) as the last step used them."""
+        and ``evon/learning_rate`` (α, the first EVON group's, wherever the user listed it) as the last
+        step used them."""
         used = self._evon_used_rates
         used = used if used is not None and len(used) == len(groups) else [g["lr"] for g in groups]
         used = [float(r) for r in used]  # a tensor rate logged as its number, as Trainer logs its own
-        first, adamw = groups[0], next((r for g, r in zip(groups, used) if g["algorithm"] == "adamw"), None)
-        configured = float(configured_rate(first) or 0.0)  # OneCycleLR's peak, not its start
-        schedule = used[0] / configured if configured else 1.0
+        first = next(i for i, g in enumerate(groups) if g["algorithm"] == "evon")
+        adamw = next((r for g, r in zip(groups, used) if g["algorithm"] == "adamw"), None)
+        configured = float(configured_rate(groups[first]) or 0.0)  # OneCycleLR's peak, not its start
+        schedule = used[first] / configured if configured else 1.0
         rate = self.args.learning_rate * schedule if adamw is None else adamw
-        return {"learning_rate": rate, "evon/learning_rate": used[0]}
+        return {"learning_rate": rate, "evon/learning_rate": used[first]}
