@@ -1104,6 +1104,44 @@ def test_the_snippet_of_a_posterior_over_two_peft_adapters_loads_both_active(tmp
         assert torch.equal(loaded(input_ids=ids).logits, expected)
 
 
+def test_a_snippet_loads_two_peft_adapters_from_the_folder_the_checkpoint_is_in(tmp_path):
+    """A Trainer checkpoint pushed as ``last-checkpoint/`` holds its adapters there ("mine" in
+    ``last-checkpoint/mine``): with ``model_subfolder`` the snippet loads each from that folder, under
+    the posterior's names, and the posterior from beside them."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_evon.posterior.model_card import save_model_card
+
+    def base() -> BertForSequenceClassification:
+        torch.manual_seed(0)
+        return BertForSequenceClassification(
+            BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+        )
+
+    model = get_peft_model(base(), LoraConfig(r=2, target_modules=["query"]))
+    model.add_adapter("mine", LoraConfig(r=3, target_modules=["value"]))
+    model.base_model.set_adapter(["default", "mine"])
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    folder = tmp_path / "last-checkpoint"
+    model.save_pretrained(folder)
+    posterior.save_pretrained(folder, model_card=False)
+    card = save_model_card(
+        folder, posterior, repo_id=str(tmp_path), subfolder="last-checkpoint", model_subfolder="last-checkpoint",
+        model=model,
+    )  # fmt: skip
+    snippet = _snippet(card.text)
+    lines = [s for s in snippet.splitlines() if s.startswith(("model = PeftModel.", "model.load_adapter(", "model.base"))]
+    assert 'subfolder="last-checkpoint/mine", adapter_name="mine"' in lines[1]
+    posterior_line = next(s for s in snippet.splitlines() if s.startswith("posterior = "))
+    namespace: dict = {"PeftModel": PeftModel, "base": base(), "EVONPosterior": EVONPosterior}
+    exec(compile("\n".join([*lines, posterior_line]), "model_card_snippet", "exec"), namespace)  # noqa: S102
+    loaded = namespace["model"].eval()
+    namespace["posterior"].check_model(loaded)
+    for name in posterior.names:
+        assert torch.equal(loaded.get_parameter(name), model.get_parameter(name)), name
+
+
 @pytest.mark.parametrize("adapter_name", ["default", "mine"])
 def test_a_named_peft_adapters_snippet_loads_it_under_its_name_from_where_peft_saved_it(tmp_path, adapter_name):
     """PEFT saves an adapter not named "default" in a folder of its name (``out/mine``) and the

@@ -1574,6 +1574,63 @@ def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, m
         assert _tensors_equal(loaded.to_tensors(), trainer.current_posterior().to_tensors())
 
 
+@pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
+def test_a_checkpoint_folder_pushed_to_a_subfolder_has_a_card_that_loads_that_checkpoint(tmp_path, monkeypatch, strategy):
+    """``hub_strategy="checkpoint"`` / ``"all_checkpoints"`` push each checkpoint folder, card included,
+    to ``last-checkpoint/`` / ``checkpoint-N/``. That card's snippet loaded the model and the posterior
+    from the repo's root (``from_pretrained("user/evon-ckpt")``): the newest pushed step's, not the
+    checkpoint's the card describes (its steps and evaluation)."""
+    import ast
+
+    from huggingface_hub import HfApi, ModelCard
+    from safetensors.torch import load_file
+
+    try:
+        from hub_stub import HubStub
+    except ImportError:
+        from tests.hub_stub import HubStub
+    import transformers.trainer as trainer_module
+
+    with HubStub() as hub:
+        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
+        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
+        args = config(
+            tmp_path, max_steps=2, hub_model_id="user/evon-ckpt", hub_token="hf_dummy", save_strategy="steps",
+            save_steps=1, push_to_hub=True, hub_strategy=strategy,
+        )  # fmt: skip
+        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+        push = trainer._push_from_checkpoint
+
+        def push_and_wait(checkpoint_folder):  # noqa: ANN001, ANN202
+            push(checkpoint_folder)  # every checkpoint is pushed: none is skipped for a push in flight
+            trainer._finish_current_push()
+
+        monkeypatch.setattr(trainer, "_push_from_checkpoint", push_and_wait)
+        trainer.train()
+        folder = "last-checkpoint" if strategy == "checkpoint" else "checkpoint-1"
+        step = 2 if strategy == "checkpoint" else 1
+        card = ModelCard(hub.files("user/evon-ckpt")[f"{folder}/README.md"].decode()).text
+        code = card.split("```python\n", 1)[1].split("```")[0]
+        calls = {}
+        for prefix in ("model = AutoModelForSequenceClassification.from_pretrained(", "posterior = EVONPosterior.from_pretrained("):
+            line = next(line for line in code.splitlines() if line.startswith(prefix))
+            call = ast.parse(line).body[0].value
+            calls[prefix.split(" ")[0]] = (
+                [ast.literal_eval(a) for a in call.args], {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            )
+        assert calls["model"] == (["user/evon-ckpt"], {"subfolder": folder})
+        assert calls["posterior"] == (["user/evon-ckpt"], {"subfolder": folder})
+        loaded = EVONPosterior.from_pretrained(
+            *calls["posterior"][0], **calls["posterior"][1], endpoint=hub.endpoint, token="hf_dummy",
+            cache_dir=tmp_path / "cache",
+        )  # fmt: skip
+        saved = load_file(tmp_path / "out" / f"checkpoint-{step}" / POSTERIOR_WEIGHTS_NAME)
+        assert _tensors_equal(loaded.to_tensors(), saved)
+        # the root's card, pushed beside the root's model, loads from the root
+        root = ModelCard(hub.files("user/evon-ckpt")["README.md"].decode()).text
+        assert 'EVONPosterior.from_pretrained("user/evon-ckpt")\n' in root
+
+
 @pytest.mark.parametrize("private", [True, False])
 def test_push_to_hub_takes_private_as_the_trainers_fifth_positional_argument(tmp_path, monkeypatch, private):
     """``Trainer.push_to_hub(commit_message, blocking, token, revision, private)``: the EVON override

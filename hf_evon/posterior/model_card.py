@@ -357,6 +357,7 @@ def render_model_card(
     repo_id: str | None = None,
     subfolder: str | None = None,
     revision: str | None = None,
+    model_subfolder: str | None = None,
     model_id: str | None = None,
     num_bma_samples: int | None = None,
     model: Any = None,
@@ -408,7 +409,7 @@ def render_model_card(
         num_bma_samples=num_bma_samples,
         usage_snippet=usage_snippet(
             posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved, revision,
-            problem_type(model),
+            problem_type(model), model_subfolder,
         ),
         calibration_text=_calibration_text(config, _scales(posterior)),
         eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),
@@ -517,9 +518,11 @@ def save_model_card(
             (``eval_bma_*`` keys are the BMA column).
         **kwargs: ``repo_id`` (where model + posterior live, for the snippet; default: the
             absolute path of ``directory``, so the snippet runs where it was saved),
-            ``subfolder``, ``revision`` (the branch the card is pushed to: the snippet loads from
-            it), ``model_id`` (override the model id in the snippet), ``model`` (the
-            trained model: a PEFT classifier's snippet needs its ``num_labels``),
+            ``subfolder`` (the posterior's folder in ``repo_id``), ``model_subfolder`` (the model's,
+            where it is not the root: a Trainer checkpoint pushed as ``last-checkpoint/``), ``revision``
+            (the branch the card is pushed to: the snippet loads from it), ``model_id`` (override
+            the model id in the snippet), ``model`` (the trained model: a PEFT classifier's snippet
+            needs its ``num_labels``),
             ``training_steps``, ``tokenizer_saved`` (whether the snippet loads a tokenizer;
             default: whether ``directory`` holds one), ``num_bma_samples``, ``model_name``,
             ``tags``, ``license``, ``datasets``, ``language``; ``optimizer``: text for the

@@ -265,39 +265,41 @@ def _input_lines(auto: str, tokenizer: bool, model_class: str = "") -> list[str]
     return [_TOKEN_IDS, 'inputs = {"input_ids": input_ids}']
 
 
-def _peft_model_lines(names: Any, location: str, rev: str) -> list[str]:
+def _peft_model_lines(names: Any, location: str, rev: str, folder: str | None = None) -> list[str]:
     """The lines that load the PEFT adapters the posterior's ``names`` belong to onto ``base``: one
     adapter with ``PeftModel.from_pretrained``; several (trained together, all active) the first
     ("default" where it is one) so, each other with ``load_adapter`` from where PEFT saved it, and all of
-    them made active, as the posterior's samples need them in the forward."""
+    them made active, as the posterior's samples need them in the forward. ``folder``: the folder of
+    ``location`` the adapters are saved in (None: its root)."""
     adapters = sorted(adapters_of_names(names))
+
+    def arguments(adapter: str | None) -> str:
+        return _named_adapter_arguments(adapter, location, folder)
+
     if len(adapters) < 2:
-        return [f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{_adapter_arguments(names, location)})"]
+        return [f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{arguments(adapter_of_names(names))})"]
     order = ["default", *(a for a in adapters if a != "default")] if "default" in adapters else adapters
     first, *others = order
     return [
-        f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{_named_adapter_arguments(first, location)})",
-        *(f"model.load_adapter({_py(location)}{rev}{_named_adapter_arguments(a, location)})" for a in others),
+        f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{arguments(first)})",
+        *(f"model.load_adapter({_py(location)}{rev}{arguments(a)})" for a in others),
         f"model.base_model.set_adapter({order!r})  # the posterior covers each of these adapters",
     ]
 
 
-def _adapter_arguments(names: Any, location: str) -> str:
-    """What ``PeftModel.from_pretrained(base, location…)`` needs to load the adapter the posterior's
-    ``names`` belong to: nothing for "default"; for any other, PEFT's ``save_pretrained`` puts it in
-    a folder of its name (``subfolder``), and the posterior's names carry that name (``adapter_name``)."""
-    return _named_adapter_arguments(adapter_of_names(names), location)
-
-
-def _named_adapter_arguments(adapter: str | None, location: str) -> str:
-    """:func:`_adapter_arguments` for the adapter named ``adapter``."""
+def _named_adapter_arguments(adapter: str | None, location: str, folder: str | None = None) -> str:
+    """What ``PeftModel.from_pretrained(base, location…)`` needs to load the adapter named ``adapter``
+    from ``location``'s ``folder`` (None: its root): nothing more for "default"; for any other, PEFT's
+    ``save_pretrained`` puts it in a folder of its name (``subfolder``), and the posterior's names
+    carry that name (``adapter_name``)."""
     if adapter in (None, "default"):
-        return ""
+        return f", subfolder={_py(folder)}" if folder else ""
     # a posterior saved inside the adapter's own folder finds its adapter_config.json right there
-    here = os.path.basename(os.path.normpath(location)) == adapter and os.path.isfile(
+    here = not folder and os.path.basename(os.path.normpath(location)) == adapter and os.path.isfile(
         os.path.join(location, "adapter_config.json")
     )
-    return ("" if here else f", subfolder={_py(adapter)}") + f", adapter_name={_py(adapter)}"
+    path = f"{folder}/{adapter}" if folder else adapter
+    return ("" if here else f", subfolder={_py(path)}") + f", adapter_name={_py(adapter)}"
 
 
 def usage_snippet(
@@ -310,6 +312,7 @@ def usage_snippet(
     tokenizer: bool,
     revision: str | None = None,
     problem: str | None = None,
+    model_subfolder: str | None = None,
 ) -> str:
     """Runnable code that loads the model and this posterior and predicts with BMA: decoding
     with ``generate_bma`` for causal LMs and encoder-decoders (their next token's averaged
@@ -321,8 +324,11 @@ def usage_snippet(
     ``location`` is loaded from it (without it, the default branch's files would be).
     ``problem``: the classifier's ``config.problem_type`` (:func:`hf_evon.modeling.problem_type`): a multi-label
     one averages sigmoids, a regression its outputs, as does a classifier of one output (``labels_count`` 1)
-    without one (``predict(bma=True)`` reads it as a value)."""
+    without one (``predict(bma=True)`` reads it as a value).
+    ``model_subfolder``: the folder of ``location`` the model (or adapter) and its tokenizer are saved in,
+    as a Trainer checkpoint pushed to ``last-checkpoint/`` is (None: its root)."""
     rev = f", revision={_py(revision)}" if revision else ""
+    model_sub = rev + (f", subfolder={_py(model_subfolder)}" if model_subfolder else "")
     sub = rev + (f", subfolder={_py(subfolder)}" if subfolder else "")
     model_class = str(posterior.config.get("model_class", ""))
     # a PEFT tuner's parameters live under its ``base_model.model.`` (a plain PeftModel records its base's class)
@@ -331,7 +337,7 @@ def usage_snippet(
         return _plain_module_snippet(model_class, location, sub, problem=problem, posterior=posterior)
     # a PEFT adapter on a plain nn.Module (a plain PeftModel records its base's class): no Auto class loads it
     if model_class and is_peft and not model_class.startswith("Peft") and not _is_transformers_model(model_class):
-        adapter = _peft_model_lines(posterior.names, location, rev)
+        adapter = _peft_model_lines(posterior.names, location, rev, model_subfolder)
         return _plain_module_snippet(model_class, location, sub, adapter, problem, posterior)
     # a PEFT snippet loads the tokenizer where it builds the base model from, whatever the adapter's
     # directory holds
@@ -356,10 +362,10 @@ def usage_snippet(
             f"from hf_evon import {hf_evon_names}",
             "",
             f"base = {auto}.from_pretrained({model_location}{labels})",
-            *_peft_model_lines(posterior.names, location, rev),
+            *_peft_model_lines(posterior.names, location, rev, model_subfolder),
         ]
     else:
-        model_location = _py(model_id) if model_id else _py(location) + rev
+        model_location = _py(model_id) if model_id else _py(location) + model_sub
         lines += [
             f"from transformers import {auto_names}",
             f"from hf_evon import {hf_evon_names}",

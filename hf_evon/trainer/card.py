@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from huggingface_hub import ModelCard
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
 from hf_evon.posterior.model_card import CardSource, format_value, save_model_card
 
@@ -70,11 +71,28 @@ def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
     return text
 
 
+def _checkpoint_folder_in_repo(args: Any, directory: str | os.PathLike) -> str | None:
+    """The repo folder the Trainer pushes ``directory`` to where it is one of ``output_dir``'s
+    checkpoints that ``hub_strategy`` pushes whole (``"checkpoint"``: ``last-checkpoint``;
+    ``"all_checkpoints"``: its own name), else None (the output directory goes to the repo's root)."""
+    strategy = getattr(args, "hub_strategy", None)
+    if strategy not in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+        return None
+    path = os.path.abspath(os.fspath(directory))
+    name = os.path.basename(path)
+    if not re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", name):
+        return None
+    if os.path.dirname(path) != os.path.abspath(os.fspath(args.output_dir)):
+        return None
+    return "last-checkpoint" if strategy == HubStrategy.CHECKPOINT else name
+
+
 def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterior: CardSource) -> ModelCard:
     """The card ``EVONTrainer`` writes beside its model: the latest BMA evaluation, the repo id
     (``hub_model_id``) and branch it pushes to in the snippet, its ``global_step`` (the best checkpoint's
     evaluation and step after ``load_best_model_at_end``), its model (for a PEFT
-    classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line."""
+    classifier's ``num_labels``), and EVON on the Trainer card's ``- optimizer:`` line. A checkpoint's card
+    that ``hub_strategy`` pushes with its checkpoint to a folder of the repo loads both from that folder."""
     args = trainer.args
     state = getattr(trainer, "state", None)
     best_step = _best_checkpoint_step(trainer)
@@ -92,4 +110,6 @@ def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterio
         kwargs["repo_id"] = hub_id
         revision = pushing or getattr(args, "hub_revision", None)  # the snippet loads from that branch
         kwargs["revision"] = None if revision == "main" else revision
+        if pushing is None and (folder := _checkpoint_folder_in_repo(args, directory)) is not None:
+            kwargs["subfolder"] = kwargs["model_subfolder"] = folder
     return save_model_card(directory, posterior, **kwargs)
