@@ -1852,6 +1852,49 @@ def test_a_best_checkpoint_without_a_posterior_leaves_none_beside_its_weights(tm
     assert not (Path(trainer.args.output_dir) / "evon_posterior_config.json").exists()
 
 
+class _PosteriorMovedOut(TrainerCallback):
+    """Moves each checkpoint's posterior into the output directory once it is saved (as a pushed
+    checkpoint's copy leaves it there): the checkpoints hold none, the output directory the last one's."""
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        for f in (Path(args.output_dir) / f"checkpoint-{state.global_step}").glob("evon_posterior*"):
+            os.replace(f, Path(args.output_dir) / f.name)
+
+
+def test_saving_without_a_posterior_removes_an_older_saves_posterior_and_says_so(tmp_path):
+    """With a best checkpoint without a posterior (``load_best_model_at_end``), ``save_model()`` wrote
+    none and left the posterior of a later step (an earlier save's) in ``output_dir`` beside the best
+    step's weights; ``create_model_card`` then described that posterior. The save removes it, naming
+    its files; a posterior taken at the saved weights stays."""
+    args = config(
+        tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_step", greater_is_better=False, bma_num_samples=2,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(16), eval_dataset=classification_data(16, 1),
+        callbacks=[_PosteriorMovedOut()], compute_metrics=lambda _: {"step": trainer.state.global_step},
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="holds no posterior"):
+        trainer.train()
+    out = Path(trainer.args.output_dir)
+    assert trainer.state.best_global_step == 1 and (out / POSTERIOR_CONFIG_NAME).exists()  # step 2's
+    trainer.create_model_card()
+    assert "hf-evon:start" in (out / "README.md").read_text()  # it describes step 2's posterior
+    with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}, {POSTERIOR_WEIGHTS_NAME}\)") as record:
+        trainer.save_model()
+    assert sum(str(out) in str(w.message) for w in record) == 1
+    assert not list(out.glob("evon_posterior*")) and (out / "model.safetensors").exists()
+    assert "hf-evon:start" not in (out / "README.md").read_text()
+    trainer.create_model_card()
+    assert "hf-evon:start" not in (out / "README.md").read_text()
+    # the posterior of the saved weights themselves is theirs: it stays, without a word
+    EVONPosterior.from_optimizer(trainer.evon_optimizer, trainer.model).save_pretrained(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer.save_model()
+    assert (out / POSTERIOR_CONFIG_NAME).exists() and (out / POSTERIOR_WEIGHTS_NAME).exists()
+
+
 # ---------------------------------------------------------------------------- data parallel
 DDP_WORKER = textwrap.dedent(
     """

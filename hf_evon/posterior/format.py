@@ -27,6 +27,7 @@ import hf_evon.posterior.json_rules as json_rules
 from hf_evon.fileio import (
     atomic_write,
     directory_lock,
+    fsync_dir,
     fsync_file,
     give_created_mode,
     replaced_atomically,
@@ -65,6 +66,7 @@ __all__ = [
     "file_tensors",
     "read_config",
     "read_factor_groups",
+    "remove_posterior",
     "write_posterior",
 ]
 
@@ -460,3 +462,28 @@ def copy_posterior(source: str, directory: str) -> None:
     config = config.updated(checkpoint_id=uuid.uuid4().hex)
     metadata.update(format="pt", checkpoint_id=config.checkpoint_id)
     _switch_in(directory, config, lambda path: save_file(tensors, path, metadata=metadata))
+
+
+def remove_posterior(directory: str) -> list[str]:
+    """Remove the posterior saved in ``directory``: its config, its weights, the files killed saves
+    left, and the card's EVON section, which describes it. Returns the names of the posterior's files
+    removed (none where the directory holds none); every other file stays.
+
+    Under the directory lock, the config first: it is what a reader follows, so a kill after it
+    leaves weights that no reader takes for a posterior, never a config without its weights.
+    """
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    with directory_lock(directory):
+        for name in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME):
+            try:
+                os.remove(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue
+            removed.append(name)
+        _remove_stale_files(directory)
+        if removed:
+            fsync_dir(directory)
+            retract_card_section(directory, replacement="")
+    return removed

@@ -457,9 +457,10 @@ RETRACTED_SECTION = (
 )
 
 
-def retract_card_section(directory: str | os.PathLike) -> str | None:
-    """Replace the EVON section of ``directory/README.md`` by :data:`RETRACTED_SECTION`, keeping
-    every other byte; a no-op where there is no card, no section, or no UTF-8 text.
+def retract_card_section(directory: str | os.PathLike, replacement: str = RETRACTED_SECTION) -> str | None:
+    """Replace the EVON section of ``directory/README.md`` by ``replacement`` (:data:`RETRACTED_SECTION`;
+    "" drops it: no posterior is left to name), keeping every other byte; a no-op where there is no card,
+    no section, or no UTF-8 text.
 
     A posterior save calls it before its switch: the section describes the posterior the save
     replaces, and the new card is written only after the switch. Returns the card's text as it
@@ -474,9 +475,9 @@ def retract_card_section(directory: str | os.PathLike) -> str | None:
         except (FileNotFoundError, UnicodeDecodeError):  # no card; a card save_model_card leaves as it is
             return None
         start, end = text.find(SECTION_START), text.find(SECTION_END)
-        if start < 0 or end < start or text[start : end + len(SECTION_END)] == RETRACTED_SECTION:
+        if start < 0 or end < start or text[start : end + len(SECTION_END)] == replacement:
             return None
-        atomic_write(path, text[:start] + RETRACTED_SECTION + text[end + len(SECTION_END) :])
+        atomic_write(path, text[:start] + replacement + text[end + len(SECTION_END) :])
         return text
 
 

@@ -36,13 +36,28 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import directory_lock, refused_load_text, replaced_atomically
+from hf_evon.modeling import unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.validation import GROUP_KEYS
-from hf_evon.posterior.format import POSTERIOR_CONFIG_NAME, copy_posterior
+from hf_evon.posterior.fingerprint import mean_mismatches
+from hf_evon.posterior.format import (
+    POSTERIOR_CONFIG_NAME,
+    POSTERIOR_WEIGHTS_NAME,
+    PosteriorMismatchError,
+    copy_posterior,
+    read_config,
+    remove_posterior,
+)
 from hf_evon.trainer.adalora import every_rank_saved
 from hf_evon.trainer.card import save_trainer_model_card
 
-__all__ = ["EVON_OPTIMIZER_NAME", "CheckpointingMixin", "resume_arguments", "settings_replaced"]
+__all__ = [
+    "EVON_OPTIMIZER_NAME",
+    "CheckpointingMixin",
+    "other_weights",
+    "resume_arguments",
+    "settings_replaced",
+]
 
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
 
@@ -52,6 +67,17 @@ def _has_posterior(directory: str) -> bool:
     names (a first save killed after its switch names the staged file: that loads); a config
     that does not load is an error ``from_pretrained`` names, not a posterior to skip."""
     return os.path.isfile(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+
+
+def other_weights(model: Any, fingerprint: Any, names: Any) -> list[str] | None:
+    """The covered ``names`` whose weights in ``model`` are not the ones a posterior's ``mean_fingerprint``
+    recorded (``[]``: its mean is these weights); None where that cannot be told: no fingerprint, or a
+    covered tensor the model lacks."""
+    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    names = list(names)
+    if not fingerprint or not names or any(name not in params for name in names):
+        return None
+    return mean_mismatches(fingerprint, params, names)
 
 
 # the settings a group's config gives: EVON's group keys and AdamW's (the EVON keys an AdamW group carries
@@ -199,12 +225,37 @@ class CheckpointingMixin:
         posterior = self.current_posterior() if self.args.should_save else None
         with every_rank_saved(self.model):
             super().save_model(output_dir, _internal_call)
-        if posterior is None:
-            return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if posterior is None:
+            if self.args.should_save:
+                self._remove_other_posterior(output_dir)
+            return
         with directory_lock(output_dir):  # one turn: no other save comes between the posterior and its card
             posterior.save_pretrained(output_dir, model_card=False)
             self._write_model_card(output_dir, posterior)
+
+    def _remove_other_posterior(self, directory: str) -> None:
+        """Where the model is saved without a posterior: remove the one ``directory`` holds (an earlier
+        save's, or a pushed checkpoint's copy) unless it was taken at the model's weights (its
+        ``mean_fingerprint``), so that no directory pairs a model with a posterior of other weights."""
+        config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
+        if not os.path.isfile(config_path) and not os.path.isfile(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)):
+            return
+        try:
+            config = read_config(config_path)
+            if other_weights(self.model, config.mean_fingerprint, config.parameters) == []:
+                return  # the posterior of these very weights
+        except (OSError, PosteriorMismatchError):  # none, or unreadable: nothing ties it to these weights
+            pass
+        removed = remove_posterior(directory)
+        if removed:
+            warnings.warn(
+                f"{type(self).__name__}: the model saved in {directory} has no posterior, and the one there "
+                f"({', '.join(removed)}) was taken at other weights (or cannot be told to be these weights' "
+                "own): it is removed, not left beside this model as its posterior",
+                UserWarning,
+                stacklevel=outside_stacklevel(),
+            )
 
     def _write_model_card(self, directory: str, posterior: Any) -> None:
         save_trainer_model_card(self, directory, posterior)
@@ -266,10 +317,13 @@ class CheckpointingMixin:
         self.posterior = EVONPosterior.from_pretrained(best, device=next(self.model.parameters()).device)
 
     def _copy_posterior_for_push(self, checkpoint_folder: str) -> None:
-        """Copy the checkpoint's posterior (and card) into the output directory the Trainer uploads."""
+        """Copy the checkpoint's posterior (and card) into the output directory the Trainer uploads; for a
+        checkpoint without one, remove the output directory's (:meth:`_remove_other_posterior`)."""
         if not self.is_world_process_zero():
             return
         if not os.path.isfile(os.path.join(checkpoint_folder, POSTERIOR_CONFIG_NAME)):
+            # the checkpoint's model replaces the output directory's: an earlier push's posterior goes
+            self._remove_other_posterior(self.args.output_dir)
             return
         from hf_evon.posterior.posterior import EVONPosterior
 
