@@ -1895,6 +1895,32 @@ def test_saving_without_a_posterior_removes_an_older_saves_posterior_and_says_so
     assert (out / POSTERIOR_CONFIG_NAME).exists() and (out / POSTERIOR_WEIGHTS_NAME).exists()
 
 
+def test_a_given_posterior_is_not_saved_beside_weights_another_optimizer_moved(tmp_path):
+    """``posterior=`` with another optimizer (``optimizers=(AdamW, None)``): after ``train()``,
+    ``current_posterior()`` returned the given posterior, whose mean is the weights before training,
+    and ``save_model()`` wrote it beside the moved weights as theirs."""
+    model = tiny_bert()
+    first = EVONTrainer(model=model, args=config(tmp_path / "first", max_steps=2), train_dataset=classification_data(16))
+    first.train()
+    posterior = first.current_posterior()
+    assert posterior.config.get("mean_fingerprint")
+    trainer = EVONTrainer(
+        model=model, args=config(tmp_path, max_steps=2), train_dataset=classification_data(16), posterior=posterior,
+        optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-2), None),
+    )  # fmt: skip
+    assert trainer.current_posterior() is posterior  # the weights it was taken at
+    out = Path(trainer.args.output_dir)
+    trainer.save_model()
+    assert (out / POSTERIOR_CONFIG_NAME).exists()
+    with pytest.warns(UserWarning, match="not EVON"):
+        trainer.train()
+    with pytest.warns(UserWarning, match=r"weights differ from the ones the posterior \(posterior="):
+        assert trainer.current_posterior() is None
+    with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}.*{POSTERIOR_WEIGHTS_NAME}"):
+        trainer.save_model()
+    assert not (out / POSTERIOR_CONFIG_NAME).exists() and not (out / POSTERIOR_WEIGHTS_NAME).exists()
+
+
 # ---------------------------------------------------------------------------- data parallel
 DDP_WORKER = textwrap.dedent(
     """

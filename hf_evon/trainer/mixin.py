@@ -107,14 +107,16 @@ import hf_evon.trainer.combined as combined
 from hf_evon.distributed.ddp import prepare_distributed
 from hf_evon.modeling import is_causal_lm, is_peft_model, prepends_virtual_tokens, pretrained_name
 from hf_evon.optim import EVON, build_optimizer
+from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.defaults import lr_from_adamw_lr
 from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
+from hf_evon.posterior.fingerprint import PosteriorMeanWarning
 from hf_evon.posterior.posterior import EVONPosterior
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.adalora import add_rank_allocation, pruned_entries, zero_pruned
 from hf_evon.trainer.calibration import CalibrationMixin
-from hf_evon.trainer.checkpointing import CheckpointingMixin, resume_arguments
+from hf_evon.trainer.checkpointing import CheckpointingMixin, other_weights, resume_arguments
 from hf_evon.trainer.combined import TrainerCall, converted_config, evon_config_class, rebuilt_config
 from hf_evon.trainer.config import FINETUNING_LEARNING_RATE, SCRATCH_LEARNING_RATE, EVONConfig
 from hf_evon.trainer.evaluation import EvaluationMixin, PosteriorEvaluation
@@ -306,8 +308,28 @@ class EVONTrainerMixin(
         if self._posterior_from_checkpoint or opt is None or not any(
             g["algorithm"] == "evon" and g["params"] for g in opt.param_groups
         ):
-            return self.posterior
+            return self._held_posterior()
         return EVONPosterior.from_optimizer(opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio)
+
+    def _held_posterior(self) -> Any:
+        """``self.posterior`` (``posterior=``, or the best checkpoint's) while its mean is the model's
+        weights, by its ``mean_fingerprint``; None once they moved (another optimizer than EVON trained
+        them): a posterior around other weights is not these weights' posterior, for evaluation or saving."""
+        posterior = self.posterior
+        if posterior is None or self.model is None:
+            return posterior
+        different = other_weights(self.model, posterior.config.get("mean_fingerprint"), posterior.names)
+        if not different:
+            return posterior
+        warnings.warn(
+            f"{type(self).__name__}: the model's weights differ from the ones the posterior (posterior=, or the "
+            f"best checkpoint's) was taken at, in {len(different)} of {len(posterior.names)} covered tensors, e.g. "
+            f"{different[:3]} (trained by an optimizer other than EVON, or changed otherwise): it is not these "
+            "weights' posterior, so evaluation and saving go without one",
+            PosteriorMeanWarning,
+            stacklevel=outside_stacklevel(),
+        )
+        return None
 
     def _uncached_eval_dataloader(self, dataset: Any) -> Any:
         """``get_eval_dataloader(dataset)`` (the eval batch size, collator and column removal), kept
