@@ -2,7 +2,8 @@
 
 It serves exactly the endpoints that ``huggingface_hub``'s client uses for
 ``create_repo``, ``create_branch``, ``upload_file``/``create_commit`` (README metadata
-validation, ``preupload`` and the NDJSON ``commit``), ``model_info``/``repo_info`` and
+validation, ``preupload`` and the NDJSON ``commit``), ``model_info``/``repo_info``,
+``list_repo_tree``/``list_repo_files`` (``upload_folder``'s ``delete_patterns``) and
 ``hf_hub_download`` (``HEAD`` + ``GET`` on ``/{repo}/resolve/{revision}/{path}``), with the
 Hub's error codes (``X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound``).
 Every file is uploaded inline ("regular" upload mode); there is no LFS/Xet storage.
@@ -223,6 +224,8 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "GET" and (not rest or rest[0] == "revision"):
                 revision = unquote(rest[1]) if len(rest) > 1 else "main"
                 return self._model_info(repo_id, revision)
+            if method == "GET" and len(rest) >= 2 and rest[0] == "tree":
+                return self._tree(repo_id, unquote(rest[1]), unquote("/".join(rest[2:])), query)
             if method == "POST" and len(rest) == 2 and rest[0] == "preupload":
                 self._require_auth()
                 return self._preupload(repo_id, unquote(rest[1]), json.loads(body or b"{}"))
@@ -257,6 +260,28 @@ class _Handler(BaseHTTPRequestHandler):
                 "siblings": [{"rfilename": path, "size": len(data)} for path, data in sorted(files.items())],
             },
         )
+
+    def _tree(self, repo_id: str, revision: str, path: str, query: dict[str, str]) -> None:
+        """``list_repo_tree`` (``list_repo_files``, ``upload_folder``'s ``delete_patterns``): one page, the
+        files under ``path`` (all of them where ``recursive``, else its own files and folders)."""
+        hub = self.hub
+        repo = hub._repo(repo_id)
+        files = repo["commits"][hub._resolve(repo, revision)]["files"]
+        prefix = path.strip("/") + "/" if path.strip("/") else ""
+        recursive = query.get("recursive", "").lower() == "true"
+        entries, folders = [], set()
+        for name, data in sorted(files.items()):
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix) :]
+            if "/" in rest and not recursive:
+                folders.add(prefix + rest.split("/", 1)[0])
+                continue
+            entries.append({"type": "file", "path": name, "oid": git_blob_sha1(data), "size": len(data)})
+        entries += [{"type": "directory", "path": folder, "oid": ""} for folder in sorted(folders)]
+        if prefix and not entries:
+            raise _HubError(404, f"Entry not found: {path}", "EntryNotFound")
+        return self._json(200, entries)
 
     def _preupload(self, repo_id: str, revision: str, payload: dict[str, Any]) -> None:
         hub = self.hub

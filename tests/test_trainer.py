@@ -1531,6 +1531,61 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
 
 
 
+class _FirstPosteriorDropped(TrainerCallback):
+    """Removes checkpoint-1's posterior once it is saved (and pushed): the best checkpoint holds none."""
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if state.global_step == 1:
+            for f in (Path(args.output_dir) / "checkpoint-1").glob("evon_posterior*"):
+                f.unlink()
+
+
+def test_push_to_hub_of_a_model_without_a_posterior_deletes_the_repos_older_posterior(tmp_path, monkeypatch):
+    """``load_best_model_at_end`` with ``hub_strategy="every_save"`` and a best checkpoint without a
+    posterior: ``push_to_hub()`` uploaded the best model beside step 2's posterior (left in the output
+    directory by step 2's push, and on the Hub since then). The push deletes the repo's posterior files
+    in the commit that uploads the model."""
+    from huggingface_hub import HfApi
+    from safetensors.torch import load, load_file
+
+    try:
+        from hub_stub import HubStub
+    except ImportError:
+        from tests.hub_stub import HubStub
+    import transformers.trainer as trainer_module
+
+    with HubStub() as hub:
+        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
+        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
+        args = config(
+            tmp_path, max_steps=2, hub_model_id="user/evon-best", hub_token="hf_dummy", save_strategy="steps",
+            save_steps=1, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True, push_to_hub=True,
+            metric_for_best_model="eval_step", greater_is_better=False, hub_strategy="every_save",
+            hub_always_push=True, bma_num_samples=2,
+        )  # fmt: skip
+        trainer = EVONTrainer(
+            model=tiny_bert(), args=args, train_dataset=classification_data(16),
+            eval_dataset=classification_data(16, 1), callbacks=[_FirstPosteriorDropped()],
+            compute_metrics=lambda _: {"step": trainer.state.global_step},
+        )  # fmt: skip
+        with pytest.warns(UserWarning, match="holds no posterior"):
+            trainer.train()
+        trainer._finish_current_push()
+        out = Path(trainer.args.output_dir)
+        assert trainer.state.best_global_step == 1
+        files = hub.files("user/evon-best")
+        assert files[POSTERIOR_WEIGHTS_NAME] == (out / "checkpoint-2" / POSTERIOR_WEIGHTS_NAME).read_bytes()
+        commits = len(hub.commits("user/evon-best"))
+        with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}, {POSTERIOR_WEIGHTS_NAME}\)"):
+            trainer.push_to_hub()
+        files = hub.files("user/evon-best")
+        assert len(hub.commits("user/evon-best")) == commits + 1  # one commit: the model and the deletion
+        assert not [name for name in files if name.startswith("evon_posterior")]
+        model, best = load(files["model.safetensors"]), load_file(out / "checkpoint-1" / "model.safetensors")
+        assert model.keys() == best.keys() and all(torch.equal(model[k], best[k]) for k in best)
+        assert "hf-evon:start" not in files["README.md"].decode()
+
+
 @pytest.mark.parametrize("how", ["hub_revision", "push_to_hub(revision=)", "push_to_hub=False"])
 def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, monkeypatch, how):
     """``push_to_hub`` to a branch (``hub_revision``, or its ``revision=`` argument) put a card on

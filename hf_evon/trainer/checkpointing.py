@@ -26,6 +26,8 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ __all__ = [
     "EVON_OPTIMIZER_NAME",
     "CheckpointingMixin",
     "other_weights",
+    "posterior_deleting_uploads",
     "resume_arguments",
     "settings_replaced",
 ]
@@ -214,6 +217,46 @@ def resume_arguments(trainer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple
     return args, kwargs
 
 
+# a posterior's files in a folder of a repo, relative to the folder (docs/posterior-format.md): the pair, and
+# the staged weights a folder upload of a killed save's directory takes along
+_HUB_POSTERIOR_FILES = (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, "evon_posterior.*.safetensors")
+
+
+class _PosteriorDeletingApi:
+    """The Trainer's ``HfApi``, whose ``upload_folder`` of a folder without a posterior also deletes the
+    repo's posterior files at that folder's place (``delete_patterns``, in the same commit): the model
+    uploaded replaces the one they belong to. A folder with a posterior uploads its own over them."""
+
+    def __init__(self, api: Any) -> None:
+        self._api = api
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._api, name)
+
+    def upload_folder(self, *args: Any, **kwargs: Any) -> Any:
+        folder = kwargs.get("folder_path", args[1] if len(args) > 1 else None)
+        if folder is not None and not _has_posterior(os.fspath(folder)):
+            patterns = kwargs.get("delete_patterns") or []
+            patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+            kwargs["delete_patterns"] = patterns + [p for p in _HUB_POSTERIOR_FILES if p not in patterns]
+        return self._api.upload_folder(*args, **kwargs)
+
+
+@contextmanager
+def posterior_deleting_uploads() -> Iterator[None]:
+    """While it lasts, the Trainer's uploads (``transformers.trainer.hf_api()``, which ``push_to_hub`` and
+    ``_push_from_checkpoint`` call for each upload and offer no other hook to) go through
+    :class:`_PosteriorDeletingApi`."""
+    import transformers.trainer as trainer_module
+
+    factory = trainer_module.hf_api
+    trainer_module.hf_api = lambda: _PosteriorDeletingApi(factory())
+    try:
+        yield
+    finally:
+        trainer_module.hf_api = factory
+
+
 class CheckpointingMixin:
     """Saving and resuming for :class:`~hf_evon.trainer.EVONTrainerMixin` (see the module docstring)."""
 
@@ -271,10 +314,12 @@ class CheckpointingMixin:
     ) -> Any:
         """The Trainer's push; the card it writes first loads the model and the posterior from the repo and
         branch pushed to (``revision``, else ``hub_revision``), which only this call knows (also without
-        ``args.push_to_hub``)."""
+        ``args.push_to_hub``). A model saved without a posterior is uploaded in a commit that deletes the
+        repo's posterior files (:func:`posterior_deleting_uploads`)."""
         self._hub_push_revision = revision or self.args.hub_revision or "main"
         try:
-            return super().push_to_hub(commit_message, blocking, token, revision, private, **kwargs)
+            with posterior_deleting_uploads():  # a model saved without a posterior: the repo's goes too
+                return super().push_to_hub(commit_message, blocking, token, revision, private, **kwargs)
         finally:
             self._hub_push_revision = None
 

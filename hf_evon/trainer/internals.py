@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from transformers.trainer_utils import HubStrategy
 
-from hf_evon.trainer.checkpointing import settings_replaced
+from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
 
 __all__ = ["TrainerInternals"]
 
@@ -128,7 +128,8 @@ class TrainerInternals:
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         if self._checkpoint_push_runs():
             self._copy_posterior_for_push(checkpoint_folder)
-        super()._push_from_checkpoint(checkpoint_folder)
+        with posterior_deleting_uploads():  # a checkpoint without a posterior: the repo's goes (root and folder)
+            super()._push_from_checkpoint(checkpoint_folder)
 
     def _checkpoint_push_runs(self) -> bool:
         """Whether ``Trainer._push_from_checkpoint`` copies and uploads this checkpoint, by its own
