@@ -77,6 +77,12 @@ def test_the_overridden_private_methods_exist_on_trainer():
     assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
     assert list(inspect.signature(Trainer._push_from_checkpoint).parameters) == ["self", "checkpoint_folder"]
     assert list(inspect.signature(Trainer._get_grad_norm).parameters) == ["self", "model", "grad_norm"]
+    # posterior_deleting_uploads wraps the factory both pushes upload through
+    import transformers.trainer as trainer_module
+
+    assert callable(trainer_module.hf_api)
+    for push in (Trainer.push_to_hub, Trainer._push_from_checkpoint):
+        assert "hf_api().upload_folder(" in inspect.getsource(push), push.__name__
 
 
 def test_checkpoint_saves_the_model_then_the_optimizer_into_the_checkpoint_dir(tmp_path):

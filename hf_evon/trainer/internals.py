@@ -29,6 +29,11 @@ changes it fails there rather than silently here.
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
 
+One private name of ``transformers.trainer`` is relied on: ``push_to_hub`` and
+``_push_from_checkpoint`` upload through its ``hf_api()`` factory, which
+:func:`~hf_evon.trainer.checkpointing.posterior_deleting_uploads` wraps for the length of the call so
+that a folder without a posterior deletes the repo's older one in the same commit.
+
 One private attribute of TRL's trainers is corrected too (pinned by ``tests/test_trl.py``):
 ``_total_train_tokens``, to which ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and
 ``RewardTrainer`` add a micro-batch's tokens at each ``compute_loss`` (and log as ``num_tokens``):
