@@ -1487,7 +1487,9 @@ def test_saved_output_reloads_in_a_fresh_process_and_reproduces_bma(tmp_path):
 
 
 # ---------------------------------------------------------------------------- hub
-def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
+@pytest.fixture
+def hub_api(monkeypatch):
+    """The local Hub stand-in and a client of it, through which the Trainer's uploads go."""
     from huggingface_hub import HfApi
 
     try:
@@ -1499,35 +1501,40 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, monkeypatch):
     with HubStub() as hub:
         api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
         monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
-        args = config(
-            tmp_path, max_steps=2, hub_model_id="user/evon-tiny", hub_token="hf_dummy", save_strategy="steps",
-            save_steps=1, push_to_hub=True, hub_strategy="every_save",
-        )  # fmt: skip
-        trainer = EVONTrainer(
-            model=tiny_bert(),
-            args=args,
-            train_dataset=classification_data(16),
-            eval_dataset=classification_data(16, 1),
-        )
-        trainer.train()
-        # the checkpoint pushes copy the posterior into the output dir before uploading it
-        trainer._finish_current_push()
-        files = hub.files("user/evon-tiny")
-        assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "model.safetensors"} <= set(files)
-        trainer.evaluate()
-        trainer.push_to_hub()
-        files = hub.files("user/evon-tiny")
-        assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "model.safetensors", "README.md"} <= set(files)
-        readme = files["README.md"].decode()
-        assert "hf-evon:start" in readme and "### Evaluation" in readme
-        loaded = EVONPosterior.from_pretrained(
-            "user/evon-tiny", endpoint=hub.endpoint, token="hf_dummy", cache_dir=tmp_path / "cache"
-        )
-        local = EVONPosterior.from_pretrained(trainer.args.output_dir)
-        ta, tb = loaded.to_tensors(), local.to_tensors()
-        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-        final = trainer.current_posterior().to_tensors()
-        assert ta.keys() == final.keys() and all(torch.equal(ta[k], final[k]) for k in ta)
+        yield hub, api
+
+
+def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, hub_api):
+    hub, api = hub_api
+    args = config(
+        tmp_path, max_steps=2, hub_model_id="user/evon-tiny", hub_token="hf_dummy", save_strategy="steps",
+        save_steps=1, push_to_hub=True, hub_strategy="every_save",
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=classification_data(16),
+        eval_dataset=classification_data(16, 1),
+    )
+    trainer.train()
+    # the checkpoint pushes copy the posterior into the output dir before uploading it
+    trainer._finish_current_push()
+    files = hub.files("user/evon-tiny")
+    assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "model.safetensors"} <= set(files)
+    trainer.evaluate()
+    trainer.push_to_hub()
+    files = hub.files("user/evon-tiny")
+    assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "model.safetensors", "README.md"} <= set(files)
+    readme = files["README.md"].decode()
+    assert "hf-evon:start" in readme and "### Evaluation" in readme
+    loaded = EVONPosterior.from_pretrained(
+        "user/evon-tiny", endpoint=hub.endpoint, token="hf_dummy", cache_dir=tmp_path / "cache"
+    )
+    local = EVONPosterior.from_pretrained(trainer.args.output_dir)
+    ta, tb = loaded.to_tensors(), local.to_tensors()
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    final = trainer.current_posterior().to_tensors()
+    assert ta.keys() == final.keys() and all(torch.equal(ta[k], final[k]) for k in ta)
 
 
 
@@ -1540,174 +1547,140 @@ class _FirstPosteriorDropped(TrainerCallback):
                 f.unlink()
 
 
-def test_push_to_hub_of_a_model_without_a_posterior_deletes_the_repos_older_posterior(tmp_path, monkeypatch):
+def test_push_to_hub_of_a_model_without_a_posterior_deletes_the_repos_older_posterior(tmp_path, hub_api):
     """``load_best_model_at_end`` with ``hub_strategy="every_save"`` and a best checkpoint without a
     posterior: ``push_to_hub()`` uploaded the best model beside step 2's posterior (left in the output
     directory by step 2's push, and on the Hub since then). The push deletes the repo's posterior files
     in the commit that uploads the model."""
-    from huggingface_hub import HfApi
     from safetensors.torch import load, load_file
 
-    try:
-        from hub_stub import HubStub
-    except ImportError:
-        from tests.hub_stub import HubStub
-    import transformers.trainer as trainer_module
-
-    with HubStub() as hub:
-        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
-        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
-        args = config(
-            tmp_path, max_steps=2, hub_model_id="user/evon-best", hub_token="hf_dummy", save_strategy="steps",
-            save_steps=1, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True, push_to_hub=True,
-            metric_for_best_model="eval_step", greater_is_better=False, hub_strategy="every_save",
-            hub_always_push=True, bma_num_samples=2,
-        )  # fmt: skip
-        trainer = EVONTrainer(
-            model=tiny_bert(), args=args, train_dataset=classification_data(16),
-            eval_dataset=classification_data(16, 1), callbacks=[_FirstPosteriorDropped()],
-            compute_metrics=lambda _: {"step": trainer.state.global_step},
-        )  # fmt: skip
-        with pytest.warns(UserWarning, match="holds no posterior"):
-            trainer.train()
-        trainer._finish_current_push()
-        out = Path(trainer.args.output_dir)
-        assert trainer.state.best_global_step == 1
-        files = hub.files("user/evon-best")
-        assert files[POSTERIOR_WEIGHTS_NAME] == (out / "checkpoint-2" / POSTERIOR_WEIGHTS_NAME).read_bytes()
-        commits = len(hub.commits("user/evon-best"))
-        with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}, {POSTERIOR_WEIGHTS_NAME}\)"):
-            trainer.push_to_hub()
-        files = hub.files("user/evon-best")
-        assert len(hub.commits("user/evon-best")) == commits + 1  # one commit: the model and the deletion
-        assert not [name for name in files if name.startswith("evon_posterior")]
-        model, best = load(files["model.safetensors"]), load_file(out / "checkpoint-1" / "model.safetensors")
-        assert model.keys() == best.keys() and all(torch.equal(model[k], best[k]) for k in best)
-        assert "hf-evon:start" not in files["README.md"].decode()
+    hub, api = hub_api
+    args = config(
+        tmp_path, max_steps=2, hub_model_id="user/evon-best", hub_token="hf_dummy", save_strategy="steps",
+        save_steps=1, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True, push_to_hub=True,
+        metric_for_best_model="eval_step", greater_is_better=False, hub_strategy="every_save",
+        hub_always_push=True, bma_num_samples=2,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(16),
+        eval_dataset=classification_data(16, 1), callbacks=[_FirstPosteriorDropped()],
+        compute_metrics=lambda _: {"step": trainer.state.global_step},
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="holds no posterior"):
+        trainer.train()
+    trainer._finish_current_push()
+    out = Path(trainer.args.output_dir)
+    assert trainer.state.best_global_step == 1
+    files = hub.files("user/evon-best")
+    assert files[POSTERIOR_WEIGHTS_NAME] == (out / "checkpoint-2" / POSTERIOR_WEIGHTS_NAME).read_bytes()
+    commits = len(hub.commits("user/evon-best"))
+    with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}, {POSTERIOR_WEIGHTS_NAME}\)"):
+        trainer.push_to_hub()
+    files = hub.files("user/evon-best")
+    assert len(hub.commits("user/evon-best")) == commits + 1  # one commit: the model and the deletion
+    assert not [name for name in files if name.startswith("evon_posterior")]
+    model, best = load(files["model.safetensors"]), load_file(out / "checkpoint-1" / "model.safetensors")
+    assert model.keys() == best.keys() and all(torch.equal(model[k], best[k]) for k in best)
+    assert "hf-evon:start" not in files["README.md"].decode()
 
 
 @pytest.mark.parametrize("how", ["hub_revision", "push_to_hub(revision=)", "push_to_hub=False"])
-def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, monkeypatch, how):
+def test_a_push_to_a_branch_writes_a_card_that_loads_from_the_branch(tmp_path, hub_api, how):
     """``push_to_hub`` to a branch (``hub_revision``, or its ``revision=`` argument) put a card on
     the branch whose snippet loaded the posterior from the default branch (none there, or another).
     ``trainer.push_to_hub()`` without ``args.push_to_hub`` pushed a card whose snippet loaded the
     model and the posterior from the output directory's local path."""
     import ast
 
-    from huggingface_hub import HfApi, ModelCard
+    from huggingface_hub import ModelCard
 
-    try:
-        from hub_stub import HubStub
-    except ImportError:
-        from tests.hub_stub import HubStub
-    import transformers.trainer as trainer_module
-
-    with HubStub() as hub:
-        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
-        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
-        api.create_repo("user/evon-branch")
-        api.create_branch("user/evon-branch", branch="v2")  # the Trainer pushes to an existing branch
-        revision = {"hub_revision": "v2"} if how == "hub_revision" else {}
-        args = config(
-            tmp_path, max_steps=1, hub_model_id="user/evon-branch", hub_token="hf_dummy",
-            push_to_hub=how != "push_to_hub=False", save_strategy="no", **revision,
-        )  # fmt: skip
-        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
-        trainer.train()
-        trainer.push_to_hub(**({} if revision else {"revision": "v2"}))
-        assert POSTERIOR_CONFIG_NAME not in hub.files("user/evon-branch")
-        card = ModelCard(hub.files("user/evon-branch", "v2")["README.md"].decode()).text
-        code = card.split("```python\n", 1)[1].split("```")[0]
-        line = next(line for line in code.splitlines() if line.startswith("posterior = EVONPosterior.from_pretrained("))
-        call = ast.parse(line).body[0].value
-        assert [ast.literal_eval(a) for a in call.args] == ["user/evon-branch"]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-        assert kwargs == {"revision": "v2"}
-        loaded = EVONPosterior.from_pretrained(
-            "user/evon-branch", **kwargs, endpoint=hub.endpoint, token="hf_dummy", cache_dir=tmp_path / "cache"
-        )
-        assert _tensors_equal(loaded.to_tensors(), trainer.current_posterior().to_tensors())
+    hub, api = hub_api
+    api.create_repo("user/evon-branch")
+    api.create_branch("user/evon-branch", branch="v2")  # the Trainer pushes to an existing branch
+    revision = {"hub_revision": "v2"} if how == "hub_revision" else {}
+    args = config(
+        tmp_path, max_steps=1, hub_model_id="user/evon-branch", hub_token="hf_dummy",
+        push_to_hub=how != "push_to_hub=False", save_strategy="no", **revision,
+    )  # fmt: skip
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
+    trainer.train()
+    trainer.push_to_hub(**({} if revision else {"revision": "v2"}))
+    assert POSTERIOR_CONFIG_NAME not in hub.files("user/evon-branch")
+    card = ModelCard(hub.files("user/evon-branch", "v2")["README.md"].decode()).text
+    code = card.split("```python\n", 1)[1].split("```")[0]
+    line = next(line for line in code.splitlines() if line.startswith("posterior = EVONPosterior.from_pretrained("))
+    call = ast.parse(line).body[0].value
+    assert [ast.literal_eval(a) for a in call.args] == ["user/evon-branch"]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert kwargs == {"revision": "v2"}
+    loaded = EVONPosterior.from_pretrained(
+        "user/evon-branch", **kwargs, endpoint=hub.endpoint, token="hf_dummy", cache_dir=tmp_path / "cache"
+    )
+    assert _tensors_equal(loaded.to_tensors(), trainer.current_posterior().to_tensors())
 
 
 @pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
-def test_a_checkpoint_folder_pushed_to_a_subfolder_has_a_card_that_loads_that_checkpoint(tmp_path, monkeypatch, strategy):
+def test_a_checkpoint_folder_pushed_to_a_subfolder_has_a_card_that_loads_that_checkpoint(tmp_path, monkeypatch, hub_api, strategy):
     """``hub_strategy="checkpoint"`` / ``"all_checkpoints"`` push each checkpoint folder, card included,
     to ``last-checkpoint/`` / ``checkpoint-N/``. That card's snippet loaded the model and the posterior
     from the repo's root (``from_pretrained("user/evon-ckpt")``): the newest pushed step's, not the
     checkpoint's the card describes (its steps and evaluation)."""
     import ast
 
-    from huggingface_hub import HfApi, ModelCard
+    from huggingface_hub import ModelCard
     from safetensors.torch import load_file
 
-    try:
-        from hub_stub import HubStub
-    except ImportError:
-        from tests.hub_stub import HubStub
-    import transformers.trainer as trainer_module
+    hub, api = hub_api
+    args = config(
+        tmp_path, max_steps=2, hub_model_id="user/evon-ckpt", hub_token="hf_dummy", save_strategy="steps",
+        save_steps=1, push_to_hub=True, hub_strategy=strategy,
+    )  # fmt: skip
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    push = trainer._push_from_checkpoint
 
-    with HubStub() as hub:
-        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
-        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
-        args = config(
-            tmp_path, max_steps=2, hub_model_id="user/evon-ckpt", hub_token="hf_dummy", save_strategy="steps",
-            save_steps=1, push_to_hub=True, hub_strategy=strategy,
-        )  # fmt: skip
-        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
-        push = trainer._push_from_checkpoint
+    def push_and_wait(checkpoint_folder):  # noqa: ANN001, ANN202
+        push(checkpoint_folder)  # every checkpoint is pushed: none is skipped for a push in flight
+        trainer._finish_current_push()
 
-        def push_and_wait(checkpoint_folder):  # noqa: ANN001, ANN202
-            push(checkpoint_folder)  # every checkpoint is pushed: none is skipped for a push in flight
-            trainer._finish_current_push()
-
-        monkeypatch.setattr(trainer, "_push_from_checkpoint", push_and_wait)
-        trainer.train()
-        folder = "last-checkpoint" if strategy == "checkpoint" else "checkpoint-1"
-        step = 2 if strategy == "checkpoint" else 1
-        card = ModelCard(hub.files("user/evon-ckpt")[f"{folder}/README.md"].decode()).text
-        code = card.split("```python\n", 1)[1].split("```")[0]
-        calls = {}
-        for prefix in ("model = AutoModelForSequenceClassification.from_pretrained(", "posterior = EVONPosterior.from_pretrained("):
-            line = next(line for line in code.splitlines() if line.startswith(prefix))
-            call = ast.parse(line).body[0].value
-            calls[prefix.split(" ")[0]] = (
-                [ast.literal_eval(a) for a in call.args], {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            )
-        assert calls["model"] == (["user/evon-ckpt"], {"subfolder": folder})
-        assert calls["posterior"] == (["user/evon-ckpt"], {"subfolder": folder})
-        loaded = EVONPosterior.from_pretrained(
-            *calls["posterior"][0], **calls["posterior"][1], endpoint=hub.endpoint, token="hf_dummy",
-            cache_dir=tmp_path / "cache",
-        )  # fmt: skip
-        saved = load_file(tmp_path / "out" / f"checkpoint-{step}" / POSTERIOR_WEIGHTS_NAME)
-        assert _tensors_equal(loaded.to_tensors(), saved)
-        # the root's card, pushed beside the root's model, loads from the root
-        root = ModelCard(hub.files("user/evon-ckpt")["README.md"].decode()).text
-        assert 'EVONPosterior.from_pretrained("user/evon-ckpt")\n' in root
+    monkeypatch.setattr(trainer, "_push_from_checkpoint", push_and_wait)
+    trainer.train()
+    folder = "last-checkpoint" if strategy == "checkpoint" else "checkpoint-1"
+    step = 2 if strategy == "checkpoint" else 1
+    card = ModelCard(hub.files("user/evon-ckpt")[f"{folder}/README.md"].decode()).text
+    code = card.split("```python\n", 1)[1].split("```")[0]
+    calls = {}
+    for prefix in ("model = AutoModelForSequenceClassification.from_pretrained(", "posterior = EVONPosterior.from_pretrained("):
+        line = next(line for line in code.splitlines() if line.startswith(prefix))
+        call = ast.parse(line).body[0].value
+        calls[prefix.split(" ")[0]] = (
+            [ast.literal_eval(a) for a in call.args], {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        )
+    assert calls["model"] == (["user/evon-ckpt"], {"subfolder": folder})
+    assert calls["posterior"] == (["user/evon-ckpt"], {"subfolder": folder})
+    loaded = EVONPosterior.from_pretrained(
+        *calls["posterior"][0], **calls["posterior"][1], endpoint=hub.endpoint, token="hf_dummy",
+        cache_dir=tmp_path / "cache",
+    )  # fmt: skip
+    saved = load_file(tmp_path / "out" / f"checkpoint-{step}" / POSTERIOR_WEIGHTS_NAME)
+    assert _tensors_equal(loaded.to_tensors(), saved)
+    # the root's card, pushed beside the root's model, loads from the root
+    root = ModelCard(hub.files("user/evon-ckpt")["README.md"].decode()).text
+    assert 'EVONPosterior.from_pretrained("user/evon-ckpt")\n' in root
 
 
 @pytest.mark.parametrize("private", [True, False])
-def test_push_to_hub_takes_private_as_the_trainers_fifth_positional_argument(tmp_path, monkeypatch, private):
+def test_push_to_hub_takes_private_as_the_trainers_fifth_positional_argument(tmp_path, hub_api, private):
     """``Trainer.push_to_hub(commit_message, blocking, token, revision, private)``: the EVON override
     left ``private`` out, so a positional call raised TypeError (takes 5 positional arguments but 6
     were given)."""
-    from huggingface_hub import HfApi
 
-    try:
-        from hub_stub import HubStub
-    except ImportError:
-        from tests.hub_stub import HubStub
-    import transformers.trainer as trainer_module
-
-    with HubStub() as hub:
-        api = HfApi(endpoint=hub.endpoint, token="hf_dummy")
-        monkeypatch.setattr(trainer_module, "hf_api", lambda: api)
-        # no args.push_to_hub: push_to_hub creates the repo, private as its argument says
-        args = config(tmp_path, hub_model_id="user/evon-private", hub_token="hf_dummy", hub_private_repo=not private)
-        trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
-        trainer.push_to_hub("positional", True, None, None, private)
-        assert hub.repos["user/evon-private"]["private"] is private
-        assert "model.safetensors" in hub.files("user/evon-private")
+    hub, api = hub_api
+    # no args.push_to_hub: push_to_hub creates the repo, private as its argument says
+    args = config(tmp_path, hub_model_id="user/evon-private", hub_token="hf_dummy", hub_private_repo=not private)
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(8))
+    trainer.push_to_hub("positional", True, None, None, private)
+    assert hub.repos["user/evon-private"]["private"] is private
+    assert "model.safetensors" in hub.files("user/evon-private")
 
 
 def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
