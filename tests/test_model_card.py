@@ -63,6 +63,22 @@ def _snippet(readme: str) -> str:
     return readme.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+_INPUTS_LINE = "inputs = ...  # a batch of the model's inputs (a tensor)"
+
+
+def _run_plain_snippet(snippet: str, module, inputs, class_name: str = "Sequential", adapter: bool = False) -> dict:
+    """Run a plain module's card ``snippet`` with its placeholders bound, as a user fills them in: its
+    ``model = ...`` line (``base = ...`` under an adapter) to ``module`` and its inputs line to
+    ``inputs``; both placeholders as the card writes them. The snippet's namespace after the run."""
+    var, weights = ("base", "with its weights before the adapter") if adapter else ("model", "with its trained weights")
+    module_line = f"{var} = ...  # your {class_name} as built in training, {weights} (not a transformers model)"
+    assert module_line in snippet and _INPUTS_LINE in snippet
+    namespace: dict = {"_module": module, "_x": inputs}
+    filled = snippet.replace(module_line, f"{var} = _module").replace(_INPUTS_LINE, "inputs = _x")
+    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
 def _bma_probs(model, posterior, inputs) -> torch.Tensor:
     """The snippet's prediction, computed here with the in-memory model and posterior."""
     model.eval()
@@ -534,13 +550,8 @@ def test_a_plain_torch_modules_card_builds_it_as_in_training_and_calls_it_on_a_t
     posterior.save_pretrained(tmp_path)
     snippet = _snippet((tmp_path / "README.md").read_text())
     assert "AutoModel" not in snippet and "from transformers" not in snippet and ".logits" not in snippet
-    model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
-    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
-    assert model_line in snippet and inputs_line in snippet
     x = torch.randn(5, 4)
-    namespace: dict = {"_model": model, "_x": x}
-    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
-    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    namespace = _run_plain_snippet(snippet, model, x)
     assert capsys.readouterr().out.strip()
     expected = _plain_bma(model, posterior, x)
     assert torch.equal(namespace["probs"], expected)
@@ -585,13 +596,8 @@ def test_a_plain_module_returning_a_model_output_gets_a_snippet_that_reads_its_l
     trainer.train()
     trainer.save_model()
     snippet = _snippet((Path(trainer.args.output_dir) / "README.md").read_text())
-    model_line = "model = ...  # your _ClipWithHead as built in training, with its trained weights (not a transformers model)"
-    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
-    assert model_line in snippet and inputs_line in snippet
     test = torch.randn(4, 3, 8, 8, generator=g)
-    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
-    namespace: dict = {"_model": trainer.model, "_x": test}
-    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    namespace = _run_plain_snippet(snippet, trainer.model, test, class_name="_ClipWithHead")
     assert capsys.readouterr().out.strip()
     expected = trainer.predict(Dataset.from_dict({"pixel_values": test.tolist(), "labels": [0] * 4}), bma=True)
     assert namespace["probs"].shape == (4, 3)
@@ -624,12 +630,8 @@ def test_a_plain_torch_modules_snippet_averages_what_its_problem_type_says(tmp_p
     posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
     snippet = _snippet((tmp_path / "README.md").read_text())
     assert "softmax" not in snippet
-    model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
-    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
     x = torch.randn(5, 4)
-    namespace: dict = {"_model": model, "_x": x}
-    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
-    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    namespace = _run_plain_snippet(snippet, model, x)
     assert capsys.readouterr().out.strip()
     model.eval()
     with torch.no_grad():
@@ -661,12 +663,8 @@ def test_a_plain_regression_modules_snippet_without_problem_type_averages_its_si
     posterior = hf_evon.EVONPosterior.from_optimizer(opt, model)
     posterior.save_pretrained(tmp_path, model_card_kwargs={"model": model})
     snippet = _snippet((tmp_path / "README.md").read_text())
-    model_line = "model = ...  # your Sequential as built in training, with its trained weights (not a transformers model)"
-    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
     x = torch.randn(5, 4)
-    namespace: dict = {"_model": model, "_x": x}
-    filled = snippet.replace(model_line, "model = _model").replace(inputs_line, "inputs = _x")
-    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    namespace = _run_plain_snippet(snippet, model, x)
     assert capsys.readouterr().out.strip()
     model.eval()
     with torch.no_grad():
@@ -704,14 +702,9 @@ def test_a_lora_adapted_plain_torch_modules_card_builds_its_base_as_in_training(
     posterior.save_pretrained(tmp_path)
     snippet = _snippet((tmp_path / "README.md").read_text())
     assert "AutoModel" not in snippet and "from transformers" not in snippet and "tokenizer" not in snippet.lower()
-    base_line = "base = ...  # your Sequential as built in training, with its weights before the adapter (not a transformers model)"
-    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
-    assert base_line in snippet and inputs_line in snippet
     assert f'model = PeftModel.from_pretrained(base, "{tmp_path}")' in snippet
     x = torch.randn(5, 4)
-    namespace: dict = {"_base": fresh_base, "_x": x}
-    filled = snippet.replace(base_line, "base = _base").replace(inputs_line, "inputs = _x")
-    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    namespace = _run_plain_snippet(snippet, fresh_base, x, adapter=True)
     assert capsys.readouterr().out.strip()
     expected = _plain_bma(model, posterior, x)
     torch.testing.assert_close(namespace["probs"], expected, rtol=1e-6, atol=1e-7)
@@ -745,13 +738,8 @@ def test_a_plain_torch_modules_card_over_two_peft_adapters_loads_both_active(tmp
     model.save_pretrained(tmp_path)
     posterior.save_pretrained(tmp_path)
     snippet = _snippet((tmp_path / "README.md").read_text())
-    base_line = "base = ...  # your Sequential as built in training, with its weights before the adapter (not a transformers model)"
-    inputs_line = "inputs = ...  # a batch of the model's inputs (a tensor)"
-    assert base_line in snippet and inputs_line in snippet
     x = torch.randn(5, 4)
-    namespace: dict = {"_base": fresh_base, "_x": x}
-    filled = snippet.replace(base_line, "base = _base").replace(inputs_line, "inputs = _x")
-    exec(compile(filled, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    namespace = _run_plain_snippet(snippet, fresh_base, x, adapter=True)
     assert capsys.readouterr().out.strip()
     expected = _plain_bma(model, posterior, x)
     torch.testing.assert_close(namespace["probs"], expected, rtol=1e-6, atol=1e-7)
