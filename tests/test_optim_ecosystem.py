@@ -800,6 +800,29 @@ def test_step_with_a_closure_returns_the_mean_of_numeric_losses_of_any_number_ty
     assert type(got) is type((returned[0] + returned[1]) / 2) and got == (returned[0] + returned[1]) / 2
 
 
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_step_with_a_closure_returning_numpy_arrays_returns_their_mean(shape: tuple) -> None:
+    """A closure returning its loss as a numpy array (``loss.detach().numpy()``, a 0-d array, or per-example
+    losses) got its last call's array back from ``step(closure)``, where a tensor, a Python float or a numpy
+    scalar gets the mean over the ``mc_samples`` calls. Numeric arrays are averaged as those are."""
+    import numpy as np
+
+    model = _model()
+    opt, returned = _optimizer(model, mc_samples=2), []
+
+    def closure() -> object:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X), Y)
+        loss.backward()
+        scale = 1.0 + np.arange(shape[0] if shape else 1).reshape(shape)
+        returned.append(np.asarray(loss.detach().double().numpy() * scale))  # 0-d: an array, no numpy scalar
+        return returned[-1]
+
+    got = opt.step(closure)
+    assert all(type(r) is np.ndarray for r in returned) and not np.array_equal(returned[0], returned[1])
+    assert np.shape(got) == shape and np.array_equal(got, (returned[0] + returned[1]) / 2)
+
+
 def test_step_with_a_closure_whose_losses_have_no_mean_is_refused_and_drops_the_samples() -> None:
     """Per-example loss tensors of different shapes across the ``mc_samples`` calls (a closure that
     draws its own batch, the last one smaller) raised torch's broadcast error after the samples were

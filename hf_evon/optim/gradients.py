@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -219,14 +220,25 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
     return {id(p): (weakref.ref(p.grad), p.grad._version) for p, _ in stash if p.grad is not None}
 
 
+def _is_numeric_loss(loss: Any) -> bool:
+    """A loss :func:`closure_loss` averages: a tensor, a real number (Python's, numpy's scalars such as
+    ``np.float32``, which ``loss.item()`` style closures return) or a numpy array of real numbers
+    (``loss.detach().numpy()``, a 0-d array, or per-example losses)."""
+    if isinstance(loss, torch.Tensor | numbers.Real):
+        return True
+    numpy = sys.modules.get("numpy")  # a closure that returns a numpy array has imported numpy
+    return numpy is not None and isinstance(loss, numpy.ndarray) and loss.dtype.kind in "iuf"
+
+
 def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     """``closure`` called in each of ``optimizer.mc_samples`` blocks ``sampled_params(train=True)``, with
     gradients enabled (``step()`` runs under no_grad), as the loop of ``mc_samples`` blocks records them:
-    the mean of the losses it returns (tensors, or Python's or numpy's real numbers), else (None, the loss
-    with other outputs) what its last call returned, as torch's optimizers return what the closure returns.
-    Tensors of shapes that have no mean are refused (ValueError) before the update, the samples dropped.
-    A call that raises (an out-of-memory error a caller retries) drops the step's samples and their noise:
-    the optimizer is as the last step left it, and a retry steps as a run without the failure does."""
+    the mean of the losses it returns (:func:`_is_numeric_loss`: tensors, real numbers, numpy arrays),
+    else (None, the loss with other outputs) what its last call returned, as torch's optimizers return what
+    the closure returns. Losses of shapes that have no mean are refused (ValueError) before the update, the
+    samples dropped. A call that raises (an out-of-memory error a caller retries) drops the step's samples
+    and their noise: the optimizer is as the last step left it, and a retry steps as a run without the
+    failure does."""
     optimizer._refuse_in_sample("step()")  # here, not in its first block, whose refusal names sampled_params()
     losses = []
     try:
@@ -236,8 +248,7 @@ def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     except BaseException:
         optimizer.discard_samples(rewind=True)
         raise
-    # numbers.Real: Python's and numpy's scalars (np.float32, np.int64), which loss.item() style closures return
-    if len(losses) > 1 and all(isinstance(loss, torch.Tensor | numbers.Real) for loss in losses):
+    if len(losses) > 1 and all(_is_numeric_loss(loss) for loss in losses):
         shapes = [tuple(getattr(loss, "shape", ())) for loss in losses]
         try:
             torch.broadcast_shapes(*shapes)
