@@ -77,6 +77,47 @@ def train(
             trace.append({k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
+RD_DIM, RD_ROWS, RD_STEPS = 16, 6, 3  # 16x16 matrices, 6 rows per step: rank-deficient statistics
+
+
+def rank_deficient(rank: int, world: int, identity_basis: bool = False) -> dict:
+    """Two 16x16 EVON matrices trained on 6 rows per step (divided over the ranks), one
+    training sample per step: each step's L = G Gᵀ and R = Gᵀ G have rank ≤ 6, so the
+    eigenvectors of their zero eigenvalue are any basis of a null space. Saves, by name, the
+    means after each step, each step's sample, its draw in the eigenbasis (``current_noise``,
+    each rank its own matrices) and the gathered state after each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(RD_DIM, RD_DIM), nn.Tanh(), nn.Linear(RD_DIM, RD_DIM)).double()
+    opt = build_optimizer(
+        model, seed=7, mc_samples=1, precondition_frequency=1, ess=1e4, identity_basis=identity_basis
+    )
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = prepare_distributed(ddp, opt, shard=True)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    order = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
+    evon = [p for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]]
+    rows = RD_ROWS // world
+    out: dict = {"means": [], "samples": [], "noise": [], "state": [], "groups": None}
+    for step in range(RD_STEPS):
+        gen = torch.Generator().manual_seed(200 + step)
+        x = torch.randn(RD_ROWS, RD_DIM, generator=gen, dtype=torch.float64)
+        y = torch.randn(RD_ROWS, RD_DIM, generator=gen, dtype=torch.float64)
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        with opt.sampled_params(train=True):
+            out["samples"].append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            if step > 0:  # the first sample has no eigenbasis (and no draw kept)
+                mine = [p for p in evon if opt.sharding.owns(p)]
+                out["noise"].append({name_of[id(p)]: opt.current_noise(p).clone() for p in mine})
+            nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out["means"].append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        sd = opt.state_dict()  # every rank: it gathers
+        out["state"].append({order[i]: st for i, st in sd["state"].items()})
+        out["groups"] = sd["param_groups"]
+    return out
+
+
 def main(out: str) -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -120,6 +161,8 @@ def main(out: str) -> None:
     frozen: list = []
     train(model3, ddp3, opt3, 0, 3, rank, world, frozen)
     result["frozen"] = frozen
+    result["rank_deficient"] = rank_deficient(rank, world)
+    result["rank_deficient_identity"] = rank_deficient(rank, world, identity_basis=True)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     if dist.is_initialized():
         finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)

@@ -20,6 +20,7 @@ from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
 from hf_evon.distributed.sharding import assign_owners, optimizer_state_bytes
+from hf_evon.optim.linalg import rotated_std
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "sharded_worker.py")
@@ -139,6 +140,77 @@ def test_posterior_of_a_sharded_run_is_the_single_process_one(runs, world: int) 
     with ref.sampled(model_a, seed=3), post.sampled(model_b, seed=3):
         for (n, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
             torch.testing.assert_close(pb, pa, rtol=1e-6, atol=1e-12, msg=n)
+
+
+def _null_space_start(stat: torch.Tensor) -> int:
+    """The number of nonzero eigenvalues of a Shampoo statistic (its basis lists them first)."""
+    ev = torch.linalg.eigvalsh(stat)
+    return int((ev > 1e-9 * ev.max()).sum())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_deficient_statistics_give_the_same_posterior_in_another_null_space_basis(runs, world: int) -> None:
+    """With rank-deficient L and R (16x16 matrices, 6 rows per step) the eigenvectors of the zero
+    eigenvalue are any basis of the null space, and rounding (the ranks' gradient average is summed
+    in another order) picks another one, so W ranks' second-step sample differs from one process's
+    in that space. Everything else is the same: the first step's statistics, H and means, the
+    eigenvectors of the nonzero eigenvalues, the null space itself, the draw in the eigenbasis
+    (one noise stream per matrix), each sample's part in the statistics' range, and the posterior's
+    covariance (so the sample's distribution). A noise stream that differed with the world size or
+    the owner fails the draw's comparison."""
+    ref = runs[1][1][0]["rank_deficient"]
+    ess, decay = ref["groups"][0]["ess"], ref["groups"][0]["weight_decay"]
+    assert ess == 1e4
+    close = dict(rtol=1e-6, atol=1e-12)
+    for r in runs[world][1]:
+        got = r["rank_deficient"]
+        for k, v in ref["means"][0].items():
+            torch.testing.assert_close(got["means"][0][k], v, **close, msg=k)
+        noise = {k: v for rank in runs[world][1] for k, v in rank["rank_deficient"]["noise"][0].items()}
+        assert noise.keys() == ref["noise"][0].keys() == {"0.weight", "2.weight"}
+        for name in noise:
+            a, b = ref["state"][0][name], got["state"][0][name]
+            for key in ("L", "R", "hess"):
+                torch.testing.assert_close(b[key], a[key], **close, msg=f"{name} {key}")
+            torch.testing.assert_close(noise[name], ref["noise"][0][name], **close, msg=name)
+            ranges = []
+            for side in ("L", "R"):
+                rank = _null_space_start(a[side])
+                assert rank <= worker.RD_ROWS < worker.RD_DIM  # the case this test is about
+                qa, qb = a["Q_" + side], b["Q_" + side]
+                torch.testing.assert_close(qb[:, :rank], qa[:, :rank], **close, msg=f"{name} Q_{side}")
+                null_a, null_b = qa[:, rank:] @ qa[:, rank:].T, qb[:, rank:] @ qb[:, rank:].T
+                torch.testing.assert_close(null_b, null_a, **close, msg=f"{name} Q_{side} null space")
+                ranges.append(qa[:, :rank])
+            # each run's sample is its mean plus its own draw in its own basis: Q_L E Q_Rᵀ
+            for run, e in ((ref, ref["noise"][0][name]), (got, noise[name])):
+                st = run["state"][0][name]
+                want = run["means"][0][name] + st["Q_L"] @ e @ st["Q_R"].T
+                torch.testing.assert_close(run["samples"][1][name], want, rtol=1e-9, atol=1e-12, msg=name)
+            # so the samples agree on the statistics' range, and their covariance (Q_L ⊗ Q_R) D (Q_L ⊗ Q_R)ᵀ,
+            # D the variances of the draw's entries, is one and the same
+            u, v = ranges
+            part = [u.T @ (run["samples"][1][name] - run["means"][0][name]) @ v for run in (ref, got)]
+            torch.testing.assert_close(part[1], part[0], **close, msg=name)
+            cov = []
+            for st in (a, b):
+                basis = torch.kron(st["Q_L"], st["Q_R"])
+                cov.append(basis @ torch.diag(rotated_std(st["hess"], ess, decay).square().flatten()) @ basis.T)
+            torch.testing.assert_close(cov[1], cov[0], **close, msg=f"{name} covariance")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_identity_basis_keeps_rank_deficient_runs_equal_at_every_step(runs, world: int) -> None:
+    """With ``identity_basis=True`` no eigenbasis is chosen, so the rank-deficient run of
+    W ranks equals the one-process run at every sample and step, as the documentation says."""
+    ref = runs[1][1][0]["rank_deficient_identity"]
+    assert len(ref["samples"]) == len(ref["means"]) == worker.RD_STEPS
+    for r in runs[world][1]:
+        got = r["rank_deficient_identity"]
+        for a, b in zip(ref["samples"] + ref["means"], got["samples"] + got["means"]):
+            assert _max_rel(a, b) <= 1e-6
+    # and the noise really moved the weights: the comparison is not of untouched values
+    assert _max_rel(ref["samples"][-1], ref["means"][-2]) > 1e-4
 
 
 def test_owners_are_deterministic_and_balanced() -> None:

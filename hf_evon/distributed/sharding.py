@@ -23,7 +23,11 @@ sampled_params block)``, independent of the world size and of who owns it. With 
 per-rank batches and a mean loss, the rank average of the gradients is the gradient of the
 concatenated batch, so a run on W ranks with batch b per rank equals (to rounding) a one-process
 sharded run (``shard=True`` in a single process: world 1, the reference) with batch W·b and the
-same seed. Non-sharded DDP instead gives each rank its own noise (W samples per step).
+same seed, while each Shampoo statistic has a unique eigenbasis. A rank-deficient one leaves the
+basis of its null space to rounding, which the ranks' summation order changes: the sample then
+differs there (same draw ``z``, same covariance, another basis), and the runs part from that step
+on; ``ess=inf`` and ``identity_basis=True`` runs stay equal. Non-sharded DDP instead gives each
+rank its own noise (W samples per step).
 
 Under FSDP2 (``fully_shard``), :class:`hf_evon.distributed.fsdp2.FSDP2Sharding` extends this class:
 the same ownership, noise streams and checkpoint format, with the matrices' rows exchanged.
