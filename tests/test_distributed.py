@@ -854,3 +854,53 @@ def test_the_uneven_batches_check_gathers_at_the_first_step_on_every_rank_whatev
     assert gathered == {"long": [2], "short": [-1]}
     assert len(refused) == 2 and refused[0] == refused[1]
     assert "different numbers of batches ([2, -1], by rank; -1: no active data loader at this step" in refused[0]
+
+
+def test_the_uneven_batches_check_compares_a_loader_again_in_each_of_its_epochs(monkeypatch) -> None:
+    """A loader was compared at its first step only: one whose length changes between epochs (a sampler
+    that draws another subset each epoch) and that the ranks then hold with different lengths was never
+    compared again, so a rank's extra step paired its gradient all-reduce with another rank's first step of
+    the next epoch, averaging gradients of different steps, silently. Each epoch of a loader (accelerate's
+    ``iteration``) is now compared at its first step, and its other steps ask nothing. One process, the
+    all-gather answered with this rank's count and another rank's."""
+    import accelerate.state
+
+    from hf_evon.distributed import ddp
+
+    asked: list[int] = []
+
+    class Loader:
+        def __init__(self) -> None:
+            self.n, self.iteration = 3, 0
+
+        def __len__(self) -> int:
+            asked.append(self.n)
+            return self.n
+
+    class State:
+        _shared_state = {"active": True}
+        active_dataloader = None
+
+    gathers: list[int] = []
+    other = {"count": 3}
+
+    def all_gather_into_tensor(out, local, group=None):
+        gathers.append(int(local))
+        out.copy_(torch.tensor([int(local), other["count"]]))
+
+    monkeypatch.setattr(accelerate.state, "GradientState", State)
+    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    check = ddp._UnevenBatchesCheck(None, torch.device("cpu"))
+    loader = State.active_dataloader = Loader()
+    for _ in range(3):  # epoch 0: both ranks hold 3 batches
+        check()
+    assert (asked, gathers) == ([3], [3])
+    loader.iteration, loader.n, other["count"] = 1, 4, 4  # epoch 1: 4 batches on both
+    for _ in range(4):
+        check()
+    assert (asked, gathers) == ([3, 4], [3, 4])
+    loader.iteration, loader.n, other["count"] = 2, 5, 4  # epoch 2: this rank 5, the other 4
+    with pytest.raises(RuntimeError, match=r"different numbers of batches \(\[5, 4\], by rank"):
+        check()
+    assert (asked, gathers) == ([3, 4, 5], [3, 4, 5])

@@ -349,13 +349,15 @@ class _UnevenBatchesCheck:
     on every rank alike, as each rank's loaders come in the same order while their lengths agree.
     The first step gathers on every rank whatever its loader: the Trainer takes a step's micro-batches
     before the step, so a rank with fewer batches than that has run out (no active loader) where
-    another's loader is still active, and only a gather on both keeps their collectives paired."""
+    another's loader is still active, and only a gather on both keeps their collectives paired.
+    Each epoch of a loader (accelerate's ``iteration``) is compared again: its length can change between
+    epochs (its sampler's does), and a rank's extra step would pair with another's next epoch's first."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group, self.device = group, device
         # the loaders themselves, not their ids: a new loader at a freed one's address must be compared
-        # again, or one rank skips the all-gather another runs
-        self.checked: weakref.WeakSet[Any] = weakref.WeakSet()
+        # again, or one rank skips the all-gather another runs; each with the epoch it was compared in
+        self.checked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.first = True
 
     def __call__(self) -> None:
@@ -364,13 +366,14 @@ class _UnevenBatchesCheck:
         except ImportError:  # pragma: no cover - accelerate is a dependency
             return
         loader = GradientState().active_dataloader if GradientState._shared_state else None  # no new state
-        if not self.first and (loader is None or loader in self.checked):
+        epoch = getattr(loader, "iteration", None)
+        if not self.first and (loader is None or loader in self.checked and self.checked[loader] == epoch):
             return  # looked up first: a loader's length can cost what its sampler's does, every step
         try:
             count = len(loader) if loader is not None else None
         except TypeError:  # an iterable dataset: no length to compare, on any step
             count = None
-            self.checked.add(loader)
+            self.checked[loader] = epoch
         if not self.first and count is None:
             return
         self.first = False
@@ -388,7 +391,7 @@ class _UnevenBatchesCheck:
                 "The step was refused on every rank"
             )
         if count is not None:
-            self.checked.add(loader)
+            self.checked[loader] = epoch
 
 
 def _sync_seed(evon: EVON, group: Any, device: torch.device) -> None:
