@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_evon import accuracy, brier_score, expected_calibration_error, negative_log_likelihood
-from hf_evon.predictive.metrics import calibration_metrics, load_metric, metric_module_path
+from hf_evon.predictive.metrics import calibration_metrics, item_statistics, load_metric, metric_module_path
 
 # 6 items, 3 classes; confidences 0.9, 0.8, 0.55, 0.5, 0.45, 0.7 (top class first column
 # unless noted). Hand-made so every bin of a 5-bin ECE is easy to check.
@@ -242,6 +242,19 @@ def test_one_column_of_predictions_is_refused_naming_the_two_column_form(functio
         ),
     }[function]
     assert function(two, labels, input_type="logits") == pytest.approx(expected, rel=1e-12)
+
+
+def test_item_statistics_of_one_column_is_refused_naming_log_probabilities():
+    """``item_statistics`` (the trainer's token metrics, ``metrics_of_statistics``'s input) took ``(N, 1)``
+    log-probabilities silently: a binary classifier's log-sigmoid column scored every item as correct with
+    confidence ``p`` (its probability of class 1, read as that of class 0), so on references 0 the accuracy
+    read 1 whatever the model said. One column is refused, as ``calibration_metrics`` refuses it."""
+    logp = torch.sigmoid(torch.tensor([[2.0], [-1.0], [0.5]], dtype=torch.float64)).log()
+    with pytest.raises(ValueError, match=r"^item_statistics: logp has 1 column \(shape \(3, 1\)\).*two columns"):
+        item_statistics(logp, torch.tensor([0, 0, 0]))
+    two = torch.log_softmax(torch.cat([torch.zeros(3, 1), logp.exp().logit()], 1), -1)  # [1 - p, p]
+    stats = item_statistics(two, torch.tensor([0, 0, 0]))
+    assert stats[:, 1].tolist() == [0.0, 1.0, 0.0]  # the argmax is class 0 where p < 1/2 only
 
 
 def test_an_ignore_index_that_is_not_an_integer_is_named():

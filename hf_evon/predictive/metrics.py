@@ -215,7 +215,15 @@ def item_statistics(logp: Tensor, labels: Tensor, probs: Tensor | None = None) -
     probabilities held at once (a decoder's vocabulary). ValueError for a label outside ``[0, C)``.
     ``probs``: the probabilities themselves (given, or the softmax of given logits), for the confidences
     and the Brier score: ``exp(log p)`` is off in the last bit (``exp(log(1/8))`` is 0.12500000000000003),
-    which moves a confidence on a bin's upper edge into the bin above."""
+    which moves a confidence on a bin's upper edge into the bin above. ValueError for fewer than two
+    columns: one log-probability (a binary classifier's log-sigmoid) would score every item as class 0."""
+    if logp.ndim < 1 or logp.shape[-1] < 2:
+        raise ValueError(
+            f"item_statistics: logp has {logp.shape[-1] if logp.ndim else 0} column"
+            f"{'' if logp.ndim and logp.shape[-1] == 1 else 's'} (shape {tuple(logp.shape)}): the statistics "
+            "score a distribution over at least two classes. A binary classifier's single logit z is two "
+            "columns: the log_softmax of [0, z], (log(1 - sigmoid(z)), log sigmoid(z))"
+        )
     ignored = labels == -100
     if bool(((labels < 0) | (labels >= logp.shape[-1]))[~ignored].any()):
         raise ValueError(f"references must be in [0, {logp.shape[-1]}); got values outside")
