@@ -1265,6 +1265,39 @@ def test_the_snippet_of_an_ia3_or_adalora_causal_lms_card_runs_as_written(adapte
     capsys.readouterr()
 
 
+@pytest.mark.parametrize(
+    "problem, labels, words",
+    [
+        (None, 3, "BMA predicts softmax(logits / T) averaged over samples, T = 2.5"),
+        ("single_label_classification", 3, "BMA predicts softmax(logits / T) averaged over samples, T = 2.5"),
+        ("multi_label_classification", 3, "BMA predicts each label's sigmoid(logits / T) averaged over samples, T = 2.5"),
+        ("regression", 1, "BMA predicts the outputs themselves averaged over samples (values, no logits): the temperature T = 2.5"),
+        (None, 1, "BMA predicts the outputs themselves averaged over samples (values, no logits): the temperature T = 2.5"),
+    ],
+)  # fmt: skip
+def test_the_cards_bma_temperature_words_are_those_of_the_models_problem_type(problem, labels, words):
+    """The card said "BMA predicts softmax(logits / T) averaged over samples" of every model, calibrated or
+    set by hand: a multi-label classifier's BMA averages each label's sigmoid(logits / T), and a regression's
+    (or a one-output model's without a problem_type, which ``predict(bma=True)`` reads as a value) the
+    outputs themselves, untempered. The card names what the model's BMA computes, as its snippet does."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    from hf_evon.posterior.gaussian import MatrixFactors
+    from hf_evon.predictive.calibration import CalibrationResult
+
+    eye = torch.eye(3)
+    post = EVONPosterior.from_factors({"w": MatrixFactors(eye, eye, torch.ones(3, 3), (3, 3), (3, 3), 100.0, 1e-3)})
+    result = CalibrationResult(ess=400.0, trained_ess=100.0, grid=[400.0], nll=[0.5], mean_nll=0.6,
+                               num_samples=2, num_targets=4, seed=0, temperature=2.5)  # fmt: skip
+    model = SimpleNamespace(config=PretrainedConfig(problem_type=problem, num_labels=labels))
+    for posterior in (result.apply(post), post.with_ess(5.0).with_temperature(2.5)):
+        text = str(render_model_card(posterior, model=model))
+        assert words in text
+        assert (problem, labels) in ((None, 3), ("single_label_classification", 3)) or "softmax(logits" not in text
+
+
 def test_a_hand_set_scale_is_carded_as_set_by_hand_beside_the_trained_one(tmp_path):
     """``with_ess``/``scale_ess`` kept a calibration's record: a calibrated posterior (ess 400 = 4 x the trained
     100) set to ``with_ess(5)`` was saved with the record and carded "Calibrated ... `ess` = 400 (4 × the trained

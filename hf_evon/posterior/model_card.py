@@ -205,11 +205,38 @@ TRAINED_SCALE_NOTE = (
 )
 
 
-def _calibration_text(config: Mapping[str, Any], scales: Mapping[str, float] | None = None) -> str:
+def _bma_kind(model: Any) -> str:
+    """What the model's BMA averages, as ``predict(bma=True)`` and the card's snippet read it: "value" for a
+    regression (or one output without a problem_type), "sigmoid" for a multi-label classifier, else "softmax"."""
+    problem = problem_type(model)
+    if problem == "regression" or (problem is None and num_labels(model) == 1):
+        return "value"
+    return "sigmoid" if problem == "multi_label_classification" else "softmax"
+
+
+def _tempered_text(temperature: Any, where: str, kind: str) -> str:
+    """The card's words for the BMA temperature (none where it is 1) of a model whose BMA averages ``kind``
+    (:func:`_bma_kind`); ``where``: what the parenthesis after T says."""
+    if not _is_number(temperature) or float(temperature) == 1.0:
+        return ""
+    t = f"T = {_md(format_value(temperature))} ({where})"
+    if kind == "value":  # predict(bma=True) averages a regression's outputs untempered
+        return (
+            " BMA predicts the outputs themselves averaged over samples (values, no logits): the temperature "
+            f"{t} does not apply to them."
+        )
+    what = "each label's sigmoid(logits / T)" if kind == "sigmoid" else "softmax(logits / T)"
+    return f" BMA predicts {what} averaged over samples, {t}."
+
+
+def _calibration_text(
+    config: Mapping[str, Any], scales: Mapping[str, float] | None = None, kind: str = "softmax"
+) -> str:
     """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration);
-    ``scales``: each covered name's ζ, where tensors may differ from the top-level one."""
+    ``scales``: each covered name's ζ, where tensors may differ from the top-level one; ``kind``: what
+    the model's BMA averages (:func:`_bma_kind`)."""
     cal = config.get("calibration")
-    hand = _hand_set_text(config, scales or {})
+    hand = _hand_set_text(config, scales or {}, kind)
     if hand:
         return hand
     if not isinstance(cal, Mapping):
@@ -219,12 +246,7 @@ def _calibration_text(config: Mapping[str, Any], scales: Mapping[str, float] | N
             "calibrated BMA is never worse than the mean by more than half a standard error or 1% (its "
             "defaults)."
         )
-    tempered = (
-        f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(format_value(config['temperature']))}"
-        " (chosen with the scale; `posterior.temperature`)."
-        if _is_number(config.get("temperature")) and float(config["temperature"]) != 1.0
-        else ""
-    )
+    tempered = _tempered_text(config.get("temperature"), "chosen with the scale; `posterior.temperature`", kind)
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     kept = _is_number(cal.get("trained_nll")) and ess == trained
@@ -313,19 +335,13 @@ def hand_set_scale_text(
     return f"the sampling scale was set by hand ({where}), not chosen on held-out data"
 
 
-def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float]) -> str:
+def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float], kind: str = "softmax") -> str:
     """The card's words for a sampling scale set by hand (``with_ess``, ``scale_ess``), or "" (as
-    :func:`hand_set_scale_text`)."""
+    :func:`hand_set_scale_text`); ``kind``: what the model's BMA averages (:func:`_bma_kind`)."""
     hand = hand_set_scale_text(config, scales, lambda v: _md(format_value(v)))
     if not hand:
         return ""
-    temperature = config.get("temperature")
-    tempered = (
-        f" BMA predicts softmax(logits / T) averaged over samples, T = {_md(format_value(temperature))}"
-        " (`posterior.temperature`)."
-        if _is_number(temperature) and float(temperature) != 1.0
-        else ""
-    )
+    tempered = _tempered_text(config.get("temperature"), "`posterior.temperature`", kind)
     return (
         f"Not calibrated: {hand}. Choose it there with "
         "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`), which searches multiples of the trained scale "
@@ -411,7 +427,7 @@ def render_model_card(
             posterior, base_model, location, subfolder, model_id, num_labels(model), tokenizer_saved, revision,
             problem_type(model), model_subfolder,
         ),
-        calibration_text=_calibration_text(config, _scales(posterior)),
+        calibration_text=_calibration_text(config, _scales(posterior), _bma_kind(model)),
         eigenbasis_dtype=_md(config.get("eigenbasis_dtype", "float32")),
         format_version=_md(config.get("format_version", 1)),
     )
