@@ -1157,6 +1157,63 @@ def test_a_sample_block_inside_accelerates_accumulation_is_refused_before_anythi
         GradientState._reset_state()
 
 
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_bare_evons_sample_block_inside_accelerates_accumulation_is_refused(closure: bool) -> None:
+    """An EVON not passed to ``accelerator.prepare`` stepped in accelerate's layout (blocks and ``step()``
+    inside ``accelerator.accumulate(model)``): accelerate skips no step of a bare optimizer, so EVON
+    stepped at every micro-batch, each with the gradient of a loss ``accelerator.backward`` divided by K,
+    silently (4 updates for 4 micro-batches at K = 2). Its block (or ``step(closure)``'s) is now refused
+    there as the prepared optimizer's is, before any gradient or weight changes; the docs' layout trains,
+    one update per K micro-batches, the mean gradient's."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        model = _model()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        evon = _optimizer(model)
+        model = accelerator.prepare(model)
+        start = [p.detach().clone() for p in model.parameters()]
+
+        def loss() -> torch.Tensor:
+            out = nn.functional.cross_entropy(model(X), Y)
+            accelerator.backward(out)
+            return out
+
+        with accelerator.accumulate(model):  # the first of K = 2 micro-batches
+            with pytest.raises(RuntimeError, match=r"sampled_params\(train=True\).*gradient_accumulation_steps=2"):
+                if closure:
+                    evon.step(loss)
+                else:
+                    with evon.sampled_params(train=True):
+                        loss()
+            with evon.sampled_params(train=False):  # sampling for evaluation is no sample of a step
+                pass
+        assert evon.recorded_samples == 0 and not evon.in_sample
+        assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+        assert all(p.grad is None for p in model.parameters())
+        with accelerator.accumulate(model):  # the second: the docs' layout resumes
+            pass
+        with evon.sampled_params(train=True):
+            for _ in range(2):
+                with accelerator.accumulate(model):
+                    loss()
+        evon.step()
+        ref_model = _model()
+        ref = _optimizer(ref_model)
+        with ref.sampled_params(train=True):  # the same step without accelerate: each loss divided by K
+            for _ in range(2):
+                (nn.functional.cross_entropy(ref_model(X), Y) / 2).backward()
+        ref.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+        assert not all(torch.equal(p, s) for p, s in zip(model.parameters(), start))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
 def test_a_checkpoint_inside_a_sample_block_is_refused_naming_state_dict(tmp_path) -> None:
     """``accelerator.save_state`` (or ``torch.save`` of the model's and the optimizer's state) inside a
     ``sampled_params`` block wrote the sample as the model's weights beside EVON's state, and a run resumed

@@ -27,6 +27,7 @@ __all__ = [
     "consumed_grads",
     "consumed_places",
     "guard_late_gradients",
+    "mid_accumulation_refusal",
     "restore_grads",
     "set_aside_grads",
 ]
@@ -149,6 +150,37 @@ def _lost_gradient(param_groups: list[dict[str, Any]], held: Consumed) -> Tensor
     return None
 
 
+def mid_accumulation_refusal(num_steps: int, sync_gradients: bool) -> str | None:
+    """Why a ``sampled_params(train=True)`` block cannot start while accelerate's gradient accumulation
+    is mid-step (``sync_gradients`` False with ``gradient_accumulation_steps`` > 1), else None: inside
+    ``accelerator.accumulate`` before the K-th micro-batch, each micro-batch's blocks would count as
+    samples of one step, dividing the gradient (already divided by K by ``accelerator.backward``) by K
+    once more, and a bare EVON, whose ``step()`` accelerate does not skip, would step at every
+    micro-batch. The same state follows a step of fewer than K micro-batches, which a prepared
+    optimizer skipped; the flag cannot tell the two apart, so the refusal names both. The Trainer runs
+    accelerate with ``num_steps=1`` (it accumulates itself) and is never refused."""
+    if num_steps <= 1 or sync_gradients:
+        return None
+    return (
+        "sampled_params(train=True) entered inside accelerator.accumulate(model) before the last of its "
+        f"gradient_accumulation_steps={num_steps} micro-batches, or after a step of fewer than {num_steps} "
+        "micro-batches (a prepared optimizer's step() and zero_grad() are skipped there): put exactly "
+        f"{num_steps} micro-batches (each in accelerator.accumulate) inside every sample's block, then step "
+        "outside it (docs/usage.md)"
+    )
+
+
+def _refuse_mid_accumulation() -> None:
+    """Raise :func:`mid_accumulation_refusal` for accelerate's gradient state, if any (no import: a
+    process that never imported accelerate runs no accumulation). Dictionary reads, no host sync."""
+    state = getattr(sys.modules.get("accelerate.state"), "GradientState", None)
+    shared = getattr(state, "_shared_state", None) or {}
+    kwargs = shared.get("plugin_kwargs") or {}
+    refusal = mid_accumulation_refusal(kwargs.get("num_steps", 1), shared.get("sync_gradients", True))
+    if refusal is not None:
+        raise RuntimeError(refusal)
+
+
 def set_aside_grads(
     param_groups: list[dict[str, Any]],
     consumed: Consumed,
@@ -166,6 +198,7 @@ def set_aside_grads(
     the count of samples, would divide what is left by theirs too: the earlier samples are dropped
     (``discard``, with a warning naming the parameter) and so is every gradient left of them, so
     that the step's gradient is the mean over the samples from here on."""
+    _refuse_mid_accumulation()  # first: nothing is set aside yet, the block raises unrecorded
     _unguard(param_groups)  # a block is running: its own backward is awaited
     lost = _lost_gradient(param_groups, held) if held else None
     if lost is not None:
