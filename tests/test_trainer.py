@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from hf_evon import EVON, EVONConfig, EVONTrainer, build_optimizer
+from hf_evon.posterior.fingerprint import PosteriorMeanWarning
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
 from hf_evon.predictive.metrics import calibration_metrics
 from hf_evon.trainer import EVONSeq2SeqConfig, evon_config_class
@@ -1947,6 +1948,38 @@ def test_a_given_posterior_is_not_saved_beside_weights_another_optimizer_moved(t
     with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}.*{POSTERIOR_WEIGHTS_NAME}"):
         trainer.save_model()
     assert not (out / POSTERIOR_CONFIG_NAME).exists() and not (out / POSTERIOR_WEIGHTS_NAME).exists()
+
+
+def test_a_given_posterior_without_a_fingerprint_is_not_saved_after_another_optimizer_trained(tmp_path):
+    """``posterior=`` read from a file without ``mean_fingerprint`` (a hand-built posterior's), then
+    ``train()`` with another optimizer: ``current_posterior()`` still returned it, and ``save_model()``
+    wrote it beside the moved weights, although the trainer itself had moved them."""
+    model = tiny_bert()
+    first = EVONTrainer(model=model, args=config(tmp_path / "first", max_steps=2), train_dataset=classification_data(16))
+    first.train()
+    first.current_posterior().save_pretrained(tmp_path / "given", model_card=False)
+    path = tmp_path / "given" / POSTERIOR_CONFIG_NAME
+    written = json.loads(path.read_text())
+    del written["mean_fingerprint"]
+    path.write_text(json.dumps(written))
+    posterior = EVONPosterior.from_pretrained(tmp_path / "given")
+    assert posterior.config.get("mean_fingerprint") is None
+    trainer = EVONTrainer(
+        model=model, args=config(tmp_path, max_steps=2), train_dataset=classification_data(16), posterior=posterior,
+        optimizers=(torch.optim.AdamW(model.parameters(), lr=1e-2), None),
+    )  # fmt: skip
+    assert trainer.current_posterior() is posterior  # nothing moved the weights yet: it is taken as theirs
+    out = Path(trainer.args.output_dir)
+    with pytest.warns(UserWarning, match="not EVON"):
+        trainer.train()
+    with pytest.warns(PosteriorMeanWarning, match=r"no mean_fingerprint.*train\(\)"):
+        assert trainer.current_posterior() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PosteriorMeanWarning)
+        trainer.save_model()
+    assert not (out / POSTERIOR_CONFIG_NAME).exists() and not (out / POSTERIOR_WEIGHTS_NAME).exists()
+    trainer.posterior = posterior  # set again after training: the user's word that it is these weights'
+    assert trainer.current_posterior() is posterior
 
 
 # ---------------------------------------------------------------------------- data parallel

@@ -311,6 +311,16 @@ class EVONTrainerMixin(
             return self._held_posterior()
         return EVONPosterior.from_optimizer(opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio)
 
+    @property
+    def posterior(self) -> Any:
+        """The posterior held for the model's weights (``posterior=``, the best checkpoint's, or one set
+        here): see :meth:`current_posterior`. Setting it vouches for it as the current weights'."""
+        return self.__dict__.get("_evon_posterior")
+
+    @posterior.setter
+    def posterior(self, value: Any) -> None:
+        self._evon_posterior, self._posterior_trained_past = value, None
+
     def _held_posterior(self) -> Any:
         """``self.posterior`` (``posterior=``, or the best checkpoint's) while its mean is the model's
         weights, by its ``mean_fingerprint``; None once they moved (another optimizer than EVON trained
@@ -319,6 +329,18 @@ class EVONTrainerMixin(
         if posterior is None or self.model is None:
             return posterior
         different = other_weights(self.model, posterior.config.get("mean_fingerprint"), posterior.names)
+        if different is None and posterior is self.__dict__.get("_posterior_trained_past"):
+            # nothing to check the weights by, and this trainer's train() has moved them (its steps, or the
+            # checkpoint it resumed): a posterior taken before cannot be vouched for as theirs
+            warnings.warn(
+                f"{type(self).__name__}: the posterior (posterior=) has no mean_fingerprint to check the model's "
+                "weights by, and train() has changed them since it was given (another optimizer than EVON trained "
+                "them, or a checkpoint was resumed): it is not taken as these weights' posterior, so evaluation "
+                "and saving go without one (set trainer.posterior again if it is theirs)",
+                PosteriorMeanWarning,
+                stacklevel=outside_stacklevel(),
+            )
+            return None
         if not different:
             return posterior
         warnings.warn(
@@ -518,6 +540,7 @@ class EVONTrainerMixin(
         if self.calibration_dataset is not None:
             self._check_calibration_data()  # before the first step: not after the whole run
         self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
+        self._posterior_trained_past = self.posterior  # the weights it may have been taken at change from here
         self._evon_fsdp2_resume, self._evon_in_training = None, True
         try:
             output = super().train(*args, **kwargs)
