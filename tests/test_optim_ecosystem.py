@@ -1214,6 +1214,40 @@ def test_a_bare_evons_sample_block_inside_accelerates_accumulation_is_refused(cl
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
+
+def test_accelerates_clip_inside_a_block_clips_that_sample_and_after_the_blocks_their_sum() -> None:
+    """What docs/usage.md says ``accelerator.clip_grad_norm_`` clips in the accumulation layout: at a block's
+    K-th micro-batch, that sample's gradient alone (the earlier samples' are set aside), each clipped to
+    ``max_norm`` on its own; after the blocks, the sum over the samples, whose norm it returns."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        model = _model()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model, optimizer = accelerator.prepare(model, _optimizer(model))
+        params = list(model.parameters())
+        seen, returned = [], []
+        for _ in range(2):  # two samples of one step
+            with optimizer.sampled_params(train=True):
+                for i in range(2):
+                    with accelerator.accumulate(model):
+                        accelerator.backward(nn.functional.cross_entropy(model(X[16 * i : 16 * i + 16]), Y[16 * i : 16 * i + 16]))
+                        if accelerator.sync_gradients:
+                            seen.append(torch.cat([p.grad.flatten() for p in params]))
+                            returned.append(accelerator.clip_grad_norm_(params, 0.125))
+        for g, n in zip(seen, returned):
+            assert torch.allclose(n, g.norm()) and g.norm() > 0.125  # each sample's own norm, then clipped
+        total = torch.cat([p.grad.flatten() for p in params])
+        clipped = [g * (0.125 / (n + 1e-6)) for g, n in zip(seen, returned)]  # torch's clip_grad_norm_ factor
+        assert torch.allclose(total, clipped[0] + clipped[1])
+        assert torch.allclose(accelerator.clip_grad_norm_(params, float("inf")), total.norm())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
 def test_a_checkpoint_inside_a_sample_block_is_refused_naming_state_dict(tmp_path) -> None:
     """``accelerator.save_state`` (or ``torch.save`` of the model's and the optimizer's state) inside a
     ``sampled_params`` block wrote the sample as the model's weights beside EVON's state, and a run resumed
