@@ -437,6 +437,36 @@ def test_logged_hessian_range_is_posterior_healths_beside_a_deterministic_group(
     assert logged["evon/posterior_std_mean"] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("ess", [1e4, math.inf])
+def test_logged_statistics_leave_out_frozen_matrices_that_never_had_a_gradient(ess) -> None:
+    """Frozen matrices (``requires_grad=False``) a user gave EVON, one sharing the trained matrix's bucket
+    and one in a bucket of its own, are never sampled and their H stays h0: evon/posterior_std_mean
+    averaged their h0 std in (and, with no sampled group, evon/hess_min|max|mean ranged over their h0),
+    where posterior_health() leaves them out. The statistics are the trained matrix's alone."""
+    from hf_evon.trainer.statistics import posterior_statistics
+
+    torch.manual_seed(0)
+    trained, twin = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 6, bias=False)
+    other = torch.nn.Linear(8, 5, bias=False)
+    twin.weight.requires_grad_(False)
+    other.weight.requires_grad_(False)
+    opt = EVON([trained.weight, twin.weight, other.weight], ess=ess, weight_decay=3e-2)
+    x = torch.randn(16, 8)
+    for _ in range(4):
+        with opt.sampled_params(train=True):
+            (trained(x).square().sum() + (twin(x) + other(x).sum()).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    hess = opt.state[trained.weight]["hess"].double()
+    frozen_hess = opt.state[twin.weight]["hess"]
+    assert not bool(frozen_hess.eq(hess.min()).all()) and float(frozen_hess.max()) < float(hess.max())
+    logged = posterior_statistics(opt)
+    std = opt.posterior_std(trained.weight).double() if math.isfinite(ess) else torch.zeros(1, dtype=torch.float64)
+    assert logged["evon/posterior_std_mean"] == pytest.approx(float(std.mean()), rel=1e-6)  # float32 std
+    assert (logged["evon/hess_min"], logged["evon/hess_max"]) == (float(hess.min()), float(hess.max()))
+    assert logged["evon/hess_mean"] == pytest.approx(float(hess.mean()), rel=1e-12)
+
+
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
 def test_gradient_accumulation_equals_larger_batch_deterministic(tmp_path, kind):
     """ess=inf: no noise, so K micro-batches must give exactly the update of one K× batch.

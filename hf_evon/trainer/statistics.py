@@ -13,7 +13,8 @@ __all__ = ["posterior_statistics"]
 @torch.no_grad()
 def posterior_statistics(optimizer: EVON, pruned: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> dict[str, float]:
     """``evon/posterior_std_mean`` (mean marginal posterior std over all EVON-owned weights, 0 at the
-    ``pruned`` entries: AdaLoRA's pruned ranks, ``hf_evon.trainer.adalora.pruned_entries``, which samples keep 0),
+    ``pruned`` entries: AdaLoRA's pruned ranks, ``hf_evon.trainer.adalora.pruned_entries``, which samples keep 0;
+    frozen matrices that never had a gradient, never sampled, left out as ``posterior_health()`` leaves them),
     ``evon/hess_min``/``max``/``mean`` (range of the rotated-space Hessian H), ``evon/skipped_steps``
     and every ``posterior_health()`` statistic as ``evon/<name>``; {} before the first step.
     ``posterior_health()``'s ``hess_*`` are those logged: they cover the sampled (finite ``ess``)
@@ -29,6 +30,13 @@ def posterior_statistics(optimizer: EVON, pruned: list[tuple[torch.Tensor, torch
     rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
     count = 0
     for b in buckets:
+        # a frozen matrix never updated holds h0, not a curvature, and is never sampled: left out, as
+        # posterior_health() leaves it out
+        counts = b.counts
+        members = [i for i, p in enumerate(b.params) if p.requires_grad or counts[i] > 0]
+        if not members:
+            continue
+        idx = None if len(members) == len(b.params) else b.member_index(members)  # None: every member
         hess, group = b.state["hess"], b.group
         q_left, q_right = b.bases() if b.initialized else (None, None)
         if math.isinf(group["ess"]):
@@ -38,7 +46,8 @@ def posterior_statistics(optimizer: EVON, pruned: list[tuple[torch.Tensor, torch
             for i, p in enumerate(b.params) if masks else ():
                 if id(p) in masks:
                     std[i] = std[i].masked_fill(masks[id(p)].reshape(std[i].shape), 0)
-            std_sum = std.double().sum()
+            std_sum = (std if idx is None else std[idx]).double().sum()
+        hess = hess if idx is None else hess[idx]
         rows.append(torch.stack([hess.min().double(), hess.max().double(), hess.double().sum(), std_sum]))
         count += hess.numel()
     t = torch.stack([r.to(rows[0].device) for r in rows]).cpu() if rows else torch.zeros(0, 4)
