@@ -870,6 +870,28 @@ def _two_writers(directory, monkeypatch, module, a, b, a_is_inside, **save_kwarg
     assert not errors, errors
 
 
+def test_the_staged_weights_glob_matches_the_staged_file_a_save_writes_and_nothing_else(tmp_path, monkeypatch):
+    """The staged weights' name is defined once (``staged_weights_name``); the glob the Trainer's Hub uploads
+    delete by (``delete_patterns``, fnmatch) and the patterns the config and the save's clean-up read derive
+    from it. The glob matches the staged file a save writes, and none of the other files it writes."""
+    from fnmatch import fnmatch
+
+    import hf_evon.posterior.format as format_module
+    from hf_evon.posterior.config import STAGED_WEIGHTS_GLOB, WEIGHTS_FILE_RE
+    from hf_evon.trainer.checkpointing import _HUB_POSTERIOR_FILES
+
+    renamed, rename = [], os.rename
+    monkeypatch.setattr(format_module.os, "rename", lambda a, b: (renamed.append(os.path.basename(b)), rename(a, b)))
+    _posterior().save_pretrained(tmp_path)
+    checkpoint_id = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())["checkpoint_id"]
+    staged = f"evon_posterior.{checkpoint_id}.safetensors"  # docs/posterior-format.md's spelling
+    assert staged in renamed and STAGED_WEIGHTS_GLOB in _HUB_POSTERIOR_FILES
+    assert fnmatch(staged, STAGED_WEIGHTS_GLOB) and WEIGHTS_FILE_RE.fullmatch(staged)
+    written = set(renamed) | set(os.listdir(tmp_path)) | {f".evon_posterior.{checkpoint_id}.staging"}
+    assert written - {staged} >= {POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, "README.md"}
+    assert [name for name in written if fnmatch(name, STAGED_WEIGHTS_GLOB)] == [staged]
+
+
 def test_two_writers_in_one_directory_leave_a_posterior_that_loads(tmp_path, monkeypatch):
     """A's staged weights are not B's "left by a killed save": whoever switches last wins, whole.
     A stops right before its config switch, its weights staged; without a lock B would finish

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import uuid
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ __all__ = [
     "FORMAT_VERSION",
     "POSTERIOR_CONFIG_NAME",
     "POSTERIOR_WEIGHTS_NAME",
+    "STAGED_WEIGHTS_GLOB",
     "ParameterEntry",
     "PosteriorConfig",
     "PosteriorMismatchError",
@@ -39,8 +41,23 @@ __all__ = [
 FORMAT_VERSION = 1
 POSTERIOR_WEIGHTS_NAME = "evon_posterior.safetensors"
 POSTERIOR_CONFIG_NAME = "evon_posterior_config.json"
+CHECKPOINT_ID_PATTERN = "[0-9a-f]{32}"  # a save's checkpoint_id (uuid4().hex)
+
+
+def staged_weights_name(checkpoint_id: str) -> str:
+    """The weights file a save with ``checkpoint_id`` stages (docs/posterior-format.md#the-save-protocol):
+    the canonical name with the id before its extension. The one spelling of it: the patterns below, the
+    save's clean-up and the Hub's deletions derive from it."""
+    stem, extension = os.path.splitext(POSTERIOR_WEIGHTS_NAME)
+    return f"{stem}.{checkpoint_id}{extension}"
+
+
+# every staged weights file, as a glob (fnmatch: huggingface_hub's delete_patterns) and as a regex
+STAGED_WEIGHTS_GLOB = staged_weights_name("*")
+_ID = "<checkpoint_id>"
+STAGED_WEIGHTS_RE = re.compile(CHECKPOINT_ID_PATTERN.join(map(re.escape, staged_weights_name(_ID).split(_ID))))
 # the weights file a config may name: the canonical one, or one staged by an interrupted save
-WEIGHTS_FILE_RE = re.compile(r"evon_posterior(\.[0-9a-f]{32})?\.safetensors")
+WEIGHTS_FILE_RE = re.compile(f"{re.escape(POSTERIOR_WEIGHTS_NAME)}|{STAGED_WEIGHTS_RE.pattern}")
 
 
 class TensorDtype(str, Enum):
@@ -175,7 +192,7 @@ def _weights_file(value: Any, field: str, where: str) -> str:
     """A plain file name written by a save: never a path out of the directory."""
     if not isinstance(value, str) or not WEIGHTS_FILE_RE.fullmatch(value):
         raise rules.rule_error(
-            where, field, f"{POSTERIOR_WEIGHTS_NAME!r} or 'evon_posterior.<32 hex digits>.safetensors'", value
+            where, field, f"{POSTERIOR_WEIGHTS_NAME!r} or {staged_weights_name('<32 hex digits>')!r}", value
         )
     return value
 

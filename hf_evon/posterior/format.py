@@ -35,14 +35,18 @@ from hf_evon.fileio import (
 )
 from hf_evon.optim.linalg import rotated_std, rotated_variance
 from hf_evon.posterior.config import (
+    CHECKPOINT_ID_PATTERN,
     FORMAT_VERSION,
     MAX_CONFIG_DEPTH,
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
+    STAGED_WEIGHTS_GLOB,
+    STAGED_WEIGHTS_RE,
     PosteriorConfig,
     PosteriorMismatchError,
     as_dtype,
     dtype_name,
+    staged_weights_name,
 )
 from hf_evon.posterior.gaussian import (
     FactorGroup,
@@ -60,6 +64,7 @@ __all__ = [
     "FORMAT_VERSION",
     "POSTERIOR_CONFIG_NAME",
     "POSTERIOR_WEIGHTS_NAME",
+    "STAGED_WEIGHTS_GLOB",
     "PosteriorMismatchError",
     "check_finite_std",
     "copy_posterior",
@@ -75,7 +80,7 @@ Tensor = torch.Tensor
 # files a save leaves only when it is killed; the next save removes them
 _STALE_FILE_RE = re.compile(
     "|".join(
-        [r"evon_posterior\.[0-9a-f]{32}\.safetensors"]  # staged weights
+        [STAGED_WEIGHTS_RE.pattern]  # staged weights
         + [
             temporary_name_pattern(name + bak)
             for name in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME)
@@ -89,7 +94,7 @@ MAX_CONFIG_BYTES = 64 * 2**20
 # CONTAINER_CHECK_BYTES must hold at least this many bytes per list or object (a posterior's
 # holds 100-160), which bounds what its parse takes to about 10x the file
 MIN_BYTES_PER_CONTAINER, CONTAINER_CHECK_BYTES = 16, 2**20
-_STAGED_NAME_RE = re.compile(r"[0-9a-f]{32}")
+_STAGED_NAME_RE = re.compile(CHECKPOINT_ID_PATTERN)
 _STAGING_DIR_RE = re.compile(r"\.evon_posterior\.[0-9a-f]{32}\.staging")
 # what safetensors' save_file writes before renaming it onto the file (Rust's tempfile names)
 _SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
@@ -370,7 +375,7 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
         raise ValueError(
             f"a posterior save needs a config with a 32-hex-digit checkpoint_id; got {checkpoint_id!r}"
         )
-    staged_name = f"evon_posterior.{checkpoint_id}.safetensors"
+    staged_name = staged_weights_name(checkpoint_id)
     staged = os.path.join(directory, staged_name)
     staging = os.path.join(directory, f".evon_posterior.{checkpoint_id}.staging")
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)

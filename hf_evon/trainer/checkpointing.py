@@ -45,6 +45,7 @@ from hf_evon.posterior.fingerprint import mean_mismatches
 from hf_evon.posterior.format import (
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
+    STAGED_WEIGHTS_GLOB,
     PosteriorMismatchError,
     copy_posterior,
     read_config,
@@ -219,7 +220,7 @@ def resume_arguments(trainer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple
 
 # a posterior's files in a folder of a repo, relative to the folder (docs/posterior-format.md): the pair, and
 # the staged weights a folder upload of a killed save's directory takes along
-_HUB_POSTERIOR_FILES = (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, "evon_posterior.*.safetensors")
+_HUB_POSTERIOR_FILES = (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, STAGED_WEIGHTS_GLOB)
 
 
 class _PosteriorDeletingApi:
