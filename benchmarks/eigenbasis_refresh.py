@@ -12,8 +12,10 @@ Two parts, on the GPT-2-small EVON matrices:
   Each row also gives its largest distance from the library's Q and from orthonormality.
 * ``--part step``: EVON's whole step on the 48 block matrices (``step_profile.gpt2_block_step``:
   default settings, staggered refresh, random gradients), median of 30 synced steps (3 refresh
-  cycles), with ``linalg._cholesky_qr_pass`` replaced by each of ``PASSES`` in turn; and the step
-  with no refresh at all (a refresh period longer than the run), the floor the refresh adds to.
+  cycles), with ``linalg._cholesky_qr_pass`` replaced by each of ``PASSES`` in turn; with the
+  due sides QR'd in one call per bucket and side instead of one per side size
+  (``linalg.power_qr_many``); and the step with no refresh at all (a refresh period longer than
+  the run), the floor the refresh adds to.
 
 ``--library magma`` runs it all with torch's MAGMA backend instead of cuSOLVER. Used to choose the
 refresh implementation in ``hf_evon/optim/linalg.py`` (docs/defaults.md#cholesky-qr).
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from hf_evon.optim import linalg
+from hf_evon.optim import functional, linalg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_profile import gpt2_block_step  # noqa: E402
@@ -127,6 +129,17 @@ def patched_pass(qr_pass: QrPass) -> Iterator[None]:
         yield
     finally:
         linalg._cholesky_qr_pass = saved
+
+
+@contextlib.contextmanager
+def one_call_per_bucket() -> Iterator[None]:
+    """The step's refresh without grouping: one QR call per bucket and side, not one per side size."""
+    saved = functional.power_qr_many
+    functional.power_qr_many = lambda pairs: saved(pairs, grouped=False)
+    try:
+        yield
+    finally:
+        functional.power_qr_many = saved
 
 
 def synchronize(device: str) -> None:
@@ -221,7 +234,7 @@ def qr_with(qr_pass: QrPass, a: Tensor) -> Tensor:
         return linalg.cholesky_qr(a)[0]
 
 
-def step_part(device: str, steps: int) -> None:
+def step_part(device: str, steps: int, all_passes: bool = True) -> None:
     def median_step(**settings: object) -> tuple[float, float]:
         opt, sample_and_grad = gpt2_block_step(device, **settings)
         times = []
@@ -235,10 +248,13 @@ def step_part(device: str, steps: int) -> None:
                 times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times), statistics.mean(times)
 
-    for name, qr_pass in PASSES.items():
+    for name, qr_pass in PASSES.items() if all_passes else list(PASSES.items())[:1]:
         with patched_pass(qr_pass):
             median, mean = median_step()
         print(f"step, {name:28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
+    with one_call_per_bucket():
+        median, mean = median_step()
+    print(f"step, {'one QR call per bucket, side':28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
     median, mean = median_step(precondition_frequency=10**6)
     print(f"step, {'no refresh':28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
 
@@ -250,6 +266,7 @@ def main() -> None:
     ap.add_argument("--part", nargs="+", default=["batch", "step"], choices=["batch", "step"])
     ap.add_argument("--steps", type=int, default=30, help="timed steps per variant (30 = 3 refresh cycles)")
     ap.add_argument("--small", action="store_true", help="small batches (a check of the script)")
+    ap.add_argument("--library-pass-only", action="store_true", help="the step part without the other PASSES")
     args = ap.parse_args()
     if args.library:
         torch.backends.cuda.preferred_linalg_library(args.library)
@@ -260,7 +277,7 @@ def main() -> None:
     if "batch" in args.part:
         batch_part(args.device, args.small)
     if "step" in args.part:
-        step_part(args.device, args.steps)
+        step_part(args.device, args.steps, all_passes=not args.library_pass_only)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 from test_linalg import with_condition_number
 from test_optim_state import make_data, make_model, make_opt, roundtrip, train_step
 
-from hf_evon.optim.linalg import power_qr
+from hf_evon.optim.linalg import power_qr, power_qr_many
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -25,6 +25,22 @@ def test_the_cuda_refresh_equals_the_cpu_refresh() -> None:
     cuda = power_qr(stat.cuda(), q_old.cuda()).cpu()
     torch.testing.assert_close(cuda, cpu, rtol=0, atol=1e-3)
     torch.testing.assert_close(cuda.mT @ cuda, torch.eye(48).expand(3, 48, 48), rtol=0, atol=1e-5)
+
+
+def test_the_cuda_refresh_groups_sides_of_one_size_into_one_call_with_the_same_bases() -> None:
+    """Off a CPU, ``power_qr_many`` factors the stacks of one side size together by default: the
+    bases equal one call per stack (cuSOLVER factors each member alone; only the batched products'
+    kernels may round differently), and the group's shapes come back in order."""
+    pairs = []
+    for batch, n, seed in ((1, 48, 4), (3, 48, 5), (2, 20, 6), (2, 48, 7)):
+        stat = with_condition_number(batch, n, 30.0, seed=seed)
+        q_old = torch.linalg.qr(with_condition_number(batch, n, 10.0, seed=seed + 10)).Q.float()
+        pairs.append(((stat @ stat.mT).float().cuda(), q_old.cuda()))
+    grouped = power_qr_many(pairs)
+    alone = power_qr_many(pairs, grouped=False)
+    for new, one, (stat, _) in zip(grouped, alone, pairs):
+        assert new.shape == stat.shape
+        torch.testing.assert_close(new, one, rtol=0, atol=1e-5)
 
 
 def test_a_cpu_checkpoint_resumes_on_cuda_with_the_step_counts_on_the_gpu() -> None:

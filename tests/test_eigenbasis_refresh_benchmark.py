@@ -50,3 +50,26 @@ def test_the_patch_is_undone_after_an_error() -> None:
         assert linalg._cholesky_qr_pass is refresh.qr_pass_blocked_gram
         raise RuntimeError("inside")
     assert linalg._cholesky_qr_pass is library_pass
+
+
+
+def test_one_call_per_bucket_ungroups_the_steps_refresh_and_is_undone_after_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step variant without grouping hands the refresh's ``power_qr_many`` ``grouped=False``
+    (one QR call per stack, also off a CPU) and puts the function back, also after an error."""
+    from hf_evon.optim import functional
+
+    asked = []
+
+    def recorder(pairs: list, grouped: bool | None = None) -> list:
+        asked.append(grouped)
+        return []
+
+    monkeypatch.setattr(functional, "power_qr_many", recorder)
+    with pytest.raises(RuntimeError, match="inside"):
+        with refresh.one_call_per_bucket():
+            functional.power_qr_many([])
+            raise RuntimeError("inside")
+    assert asked == [False]
+    assert functional.power_qr_many is recorder

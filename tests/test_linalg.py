@@ -484,3 +484,37 @@ def test_unrotate_scaled_is_alpha_q_x_qt_plus_beta_c_in_a_new_tensor(left: bool,
         expected = expected - 3.0 * c
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     assert torch.equal(x, before) and out.data_ptr() != x.data_ptr()
+
+
+def test_power_qr_many_splits_a_group_at_its_entry_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grouped refresh call takes statistics of at most ``REFRESH_CALL_ENTRIES`` entries (a
+    stack over the bound goes alone), so refreshing every matrix at once stays in calls of bounded
+    memory; the bases are those of one call per stack, bit for bit, on either QR path."""
+    from hf_evon.optim import linalg
+
+    gen = torch.Generator().manual_seed(3)
+
+    def stack(batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.randn(batch, n, 2 * n, generator=gen)
+        stat = g @ g.mT
+        return stat, eigenbasis(stat + torch.randn(batch, n, n, generator=gen).mul(0.1).add(torch.randn(n, n).mT))
+
+    pairs = [stack(1, 12), stack(3, 12), stack(2, 7), stack(2, 12), stack(5, 12)]
+    sizes = []
+    real = linalg.power_qr
+
+    def counting(stat: torch.Tensor, q: torch.Tensor, householder: bool | None = None) -> torch.Tensor:
+        sizes.append(tuple(stat.shape))
+        return real(stat, q, householder=householder)
+
+    monkeypatch.setattr(linalg, "power_qr", counting)
+    monkeypatch.setattr(linalg, "REFRESH_CALL_ENTRIES", 4 * 12 * 12)  # four 12×12 members a call
+    for householder in (True, False):
+        sizes.clear()
+        grouped = linalg.power_qr_many(pairs, grouped=True, householder=householder)
+        assert sizes == [(4, 12, 12), (2, 12, 12), (5, 12, 12), (2, 7, 7)]
+        alone = linalg.power_qr_many(pairs, grouped=False, householder=householder)
+        assert len(grouped) == len(alone) == len(pairs)
+        for new, one, (stat, _) in zip(grouped, alone, pairs):
+            assert new.shape == stat.shape
+            assert torch.equal(new, one)

@@ -136,6 +136,51 @@ def test_a_steady_per_matrix_step_multiplies_only_what_the_maths_needs() -> None
     assert total == steps * 3 * 2 * m * n * (m + n)
 
 
+def test_a_steps_refreshes_share_one_qr_call_per_side_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: on accelerators each QR call has a fixed cost (a batched Cholesky costs about as much
+    for a few members as for one), so a step hands the due sides of all buckets with one side size to
+    one call. Three buckets (6×5, 5×6, 6×6) refreshed at once make two calls (sizes 6 and 5), not
+    six, and every state tensor equals that of one call per side, bit for bit (on this CPU, with
+    the accelerators' CholeskyQR path forced)."""
+    from hf_evon import EVON
+    from hf_evon.optim import functional, linalg
+
+    calls = []
+    real_power_qr, real_many = linalg.power_qr, linalg.power_qr_many
+
+    def counting_power_qr(stat, q, householder=None):  # noqa: ANN001, ANN202
+        calls.append(stat.shape[-1])
+        return real_power_qr(stat, q, householder=householder)
+
+    def run(grouped: bool) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(
+            functional, "power_qr_many", lambda pairs: real_many(pairs, grouped=grouped, householder=False)
+        )
+        calls.clear()
+        torch.manual_seed(0)
+        weights = [torch.nn.Parameter(torch.randn(*shape) / 6**0.5) for shape in ((6, 5), (5, 6), (6, 6))]
+        opt = EVON(weights, seed=0, precondition_frequency=3, stagger_refresh=False)
+        x = torch.randn(8, 6)
+        for _ in range(7):  # the initialising step and two refresh cycles
+            with opt.sampled_params(train=True):
+                loss = torch.tanh(x[:, :5] @ weights[0].mT).square().sum()
+                loss = loss + torch.tanh(x @ weights[1].mT).square().sum() + torch.tanh(x @ weights[2]).sum()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        refreshes = list(calls)
+        return {f"{i}.{k}": v.clone() for i, w in enumerate(weights) for k, v in opt.state[w].items()}, refreshes
+
+    monkeypatch.setattr(linalg, "power_qr", counting_power_qr)
+    grouped, grouped_calls = run(True)
+    alone, alone_calls = run(False)
+    assert sorted(grouped_calls) == [5, 5, 6, 6]  # two refresh steps, one call per side size each
+    assert sorted(alone_calls) == [5] * 4 + [6] * 8  # one per bucket and side
+    assert grouped.keys() == alone.keys()
+    for key in grouped:
+        assert torch.equal(grouped[key], alone[key]), key
+
+
 def test_a_staggered_refresh_builds_each_phases_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 32: the members a staggered refresh takes are indexed by a tensor on the state's device,
     built once per member list: building it from a Python list is a host-to-device copy, which

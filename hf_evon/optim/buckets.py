@@ -40,6 +40,7 @@ __all__ = [
     "matrix_shape",
     "momentum_key",
     "preconditioned_sides",
+    "refresh_buckets",
     "wide_sides",
     "stack_state",
     "state_dtype",
@@ -303,22 +304,6 @@ class Bucket:
         if self.right:
             st["R"] = shampoo_statistics(st.get("R"), grad, beta3, right=True)
 
-    def refresh_bases(self, members: list[int] | None) -> None:
-        """One power iteration + QR for the given members (None: all of them)."""
-        st = self.state
-        idx = slice(None) if members is None else self.member_index(members)
-        rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
-        moved, new_left, new_right = refreshed_bases(
-            st["L"][idx] if self.left else None,
-            st["R"][idx] if self.right else None,
-            st["Q_L"][idx] if self.left else None,
-            st["Q_R"][idx] if self.right else None,
-            st[ROTATED_MOMENTUM][idx] if rotated else None,
-        )
-        for key, value in ((ROTATED_MOMENTUM, moved), ("Q_L", new_left), ("Q_R", new_right)):
-            if value is not None:
-                st[key][idx] = value
-
     def settle_momentum(self, member_state: Callable[[Tensor], dict[str, Any]]) -> None:
         """Keep the momentum under the key the group's step reads (:func:`momentum_key`), moving
         it from the other space where the group's ``step_curvature`` changed since it was stacked."""
@@ -384,6 +369,31 @@ class Bucket:
         # phased gradients: the initialising step and even updates are clean, each member by its
         # own count (the bucket's step is noisy if any member's is)
         return self.initialized and any(c % 2 == 0 for c in self.counts)
+
+
+def refresh_buckets(due: list[tuple[Bucket, list[int] | None]]) -> None:
+    """One power iteration + QR for the listed members of each bucket (None: all of them), the
+    momentum moved to the new bases; the QRs of all buckets together (``refresh_bases``). A
+    bucket may be listed once per set of its members (the sets are disjoint)."""
+    stacks, where = [], []
+    for b, members in due:
+        st = b.state
+        idx = slice(None) if members is None else b.member_index(members)
+        rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
+        stacks.append(
+            (
+                st["L"][idx] if b.left else None,
+                st["R"][idx] if b.right else None,
+                st["Q_L"][idx] if b.left else None,
+                st["Q_R"][idx] if b.right else None,
+                st[ROTATED_MOMENTUM][idx] if rotated else None,
+            )
+        )
+        where.append((st, idx))
+    for (st, idx), values in zip(where, refreshed_bases(stacks)):
+        for key, value in zip((ROTATED_MOMENTUM, "Q_L", "Q_R"), values):
+            if value is not None:
+                st[key][idx] = value
 
 
 def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:

@@ -26,7 +26,7 @@ from hf_evon.optim.linalg import (
     clip_update,
     gram,
     gram_is_blocked,
-    power_qr,
+    power_qr_many,
     rotate,
     unrotate,
     unrotate_scaled,
@@ -172,21 +172,24 @@ def shampoo_statistics(stat: Tensor | None, grad: Tensor, beta3: float, right: b
 
 
 def refresh_bases(
-    left_stat: Tensor | None,
-    right_stat: Tensor | None,
-    q_left: Tensor | None,
-    q_right: Tensor | None,
-    exp_avg: Tensor | None,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """One power iteration + QR per side with a basis (``*_stat`` None: no basis on that side).
+    stacks: list[tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None, Tensor | None]],
+) -> list[tuple[Tensor | None, Tensor | None, Tensor | None]]:
+    """One power iteration + QR per side with a basis, for each bucket's
+    ``(L, R, Q_L, Q_R, momentum)`` stacks (a statistic None: no basis on that side); the QRs of
+    all of them by :func:`power_qr_many` (on accelerators, sides of one size in one call).
 
-    Returns ``(momentum moved to the new bases, new Q_L, new Q_R)``: m ← Q_L,newᵀ Q_L,old m
-    Q_R,oldᵀ Q_R,new (None for ``exp_avg`` None: a momentum kept in the weights' space stays).
+    Returns each bucket's ``(momentum moved to the new bases, new Q_L, new Q_R)``: m ← Q_L,newᵀ
+    Q_L,old m Q_R,oldᵀ Q_R,new (None for a momentum None: one kept in the weights' space stays).
     H is deliberately not rotated."""
-    new_left = power_qr(left_stat, q_left) if left_stat is not None else None
-    new_right = power_qr(right_stat, q_right) if right_stat is not None else None
-    moved = None if exp_avg is None else rotate(unrotate(exp_avg, q_left, q_right), new_left, new_right)
-    return moved, new_left, new_right
+    sides = [side for left, right, q_left, q_right, _ in stacks for side in ((left, q_left), (right, q_right))]
+    new = iter(power_qr_many([(stat, q) for stat, q in sides if stat is not None]))
+    out = []
+    for left, right, q_left, q_right, exp_avg in stacks:
+        new_left = next(new) if left is not None else None
+        new_right = next(new) if right is not None else None
+        moved = None if exp_avg is None else rotate(unrotate(exp_avg, q_left, q_right), new_left, new_right)
+        out.append((moved, new_left, new_right))
+    return out
 
 
 def adamw(

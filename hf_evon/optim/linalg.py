@@ -314,6 +314,42 @@ def power_qr(stat: Tensor, q: Tensor, householder: bool | None = None) -> Tensor
     return new * signs
 
 
+# the entries of the statistics one grouped refresh call takes at most (its float64 product and
+# passes: 1 GiB each): a refresh of every matrix at once stays in calls of bounded memory
+REFRESH_CALL_ENTRIES = 1 << 27
+
+
+def power_qr_many(
+    pairs: list[tuple[Tensor, Tensor]], grouped: bool | None = None, householder: bool | None = None
+) -> list[Tensor]:
+    """:func:`power_qr` of each ``(statistic, basis)`` stack, in order.
+
+    ``grouped`` (None: off a CPU) hands the stacks of one side size, dtype and device to one call:
+    on an accelerator a batched Cholesky costs about as much for a few members as for one
+    (docs/defaults.md#cholesky-qr), and a staggered refresh brings a few members of several
+    buckets per step (calls of at most ``REFRESH_CALL_ENTRIES``). Every operation of the refresh is
+    per member, so the bases are those of one call per stack. On a CPU, LAPACK's QR works member by
+    member: stacking would only copy. ``householder``: as :func:`power_qr`'s."""
+    if grouped is None:
+        grouped = bool(pairs) and pairs[0][0].device.type != "cpu"
+    together: dict[tuple, list[list[int]]] = {}
+    for i, (stat, _) in enumerate(pairs):
+        calls = together.setdefault((stat.shape[-1], stat.dtype, stat.device) if grouped else (i,), [[]])
+        if calls[-1] and sum(pairs[j][0].numel() for j in calls[-1]) + stat.numel() > REFRESH_CALL_ENTRIES:
+            calls.append([])
+        calls[-1].append(i)
+    out: dict[int, Tensor] = {}
+    for members in (call for calls in together.values() for call in calls):
+        if len(members) == 1:
+            out[members[0]] = power_qr(*pairs[members[0]], householder=householder)
+            continue
+        stat = torch.cat([pairs[i][0] for i in members])
+        new = power_qr(stat, torch.cat([pairs[i][1] for i in members]), householder=householder)
+        for i, part in zip(members, new.split([pairs[i][0].shape[0] for i in members])):
+            out[i] = part
+    return [out[i] for i in range(len(pairs))]
+
+
 def newton_schulz(x: Tensor, steps: int = 5, eps: float = 1e-7, scale: float = 1.0) -> Tensor:
     """Approximately orthogonalise each matrix of a stack (singular values -> ~1), as Muon does;
     the result times ``scale`` (folded into the last product). On a CPU, where one eigh of the

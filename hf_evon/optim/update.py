@@ -17,6 +17,7 @@ from hf_evon.optim.buckets import (
     count_updates,
     momentum_key,
     point_state_views,
+    refresh_buckets,
 )
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
@@ -163,13 +164,17 @@ def finite_flags(
 
 
 def evon_update(
-    plan: Plan, num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]
+    plan: Plan,
+    num_samples: int,
+    member_state: Callable[[Tensor], dict[str, Any]],
+    refreshes: list[tuple[Bucket, list[int] | None]],
 ) -> WeightStep | None:
-    """Apply the planned step to the state: H, momentum, the statistics and, where due, the
-    eigenbasis refresh. Returns the step for the weights, ``(params, Δ in each one's shape, each
-    one's scale s or None)``, applied as ``p -= lr·s·Δ`` by :func:`evon_updates` (one multi-tensor
-    op for all buckets of a group); None on the initialising step. ``member_state``:
-    ``optimizer.state`` of a member."""
+    """Apply the planned step to the state: H, momentum and the statistics; the members whose
+    eigenbasis refresh is due are appended to ``refreshes`` (bucket, members or None for all), which
+    :func:`evon_updates` refreshes together. Returns the step for the weights, ``(params, Δ in each
+    one's shape, each one's scale s or None)``, applied as ``p -= lr·s·Δ`` by :func:`evon_updates`
+    (one multi-tensor op for all buckets of a group); None on the initialising step.
+    ``member_state``: ``optimizer.state`` of a member."""
     b, grad = plan.work, plan.grad
     g, st = b.group, b.state
     beta1, beta2 = g["betas"]
@@ -235,8 +240,10 @@ def evon_update(
     if b.preconditioned:
         f = g["precondition_frequency"]
         due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
+        if plan.members is not None:  # refreshed in the bucket, after the scatter below
+            due = [plan.members[i] for i in due]
         if due:
-            b.refresh_bases(None if len(due) == len(b.params) else due)
+            refreshes.append((plan.bucket, None if len(due) == len(plan.bucket.params) else due))
     if plan.members is not None:
         plan.bucket.scatter(b, plan.members)
     return step
@@ -245,13 +252,15 @@ def evon_update(
 def evon_updates(
     plans: list[Plan], num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]
 ) -> None:
-    """:func:`evon_update` of every plan, then the weights' steps and the update counters, each
-    in one multi-tensor op for all buckets (the steps per group: rates and scaling are per group)."""
+    """:func:`evon_update` of every plan, then the due eigenbasis refreshes of all buckets together,
+    the weights' steps and the update counters, each in one multi-tensor op for all buckets (the
+    steps per group: rates and scaling are per group)."""
     steps: dict[int, tuple[float, WeightStep]] = {}
     stepped = []
+    refreshes: list[tuple[Bucket, list[int] | None]] = []
     for plan in plans:
         counted = plan.work.initialized  # a bucket's first step does not count, a late member's does
-        if (step := evon_update(plan, num_samples, member_state)) is not None:
+        if (step := evon_update(plan, num_samples, member_state, refreshes)) is not None:
             group = plan.work.group
             empty: WeightStep = ([], [], None if step[2] is None else [])
             _, (params, deltas, scales) = steps.setdefault(id(group), (group["lr"], empty))
@@ -261,6 +270,8 @@ def evon_updates(
                 scales += step[2]
         if counted:
             stepped.append((plan.bucket, plan.members))
+    if refreshes:
+        refresh_buckets(refreshes)
     for lr, (params, deltas, scales) in steps.values():
         # a CPU tensor's rate is read without a device sync: the number's step exactly
         step_weights(params, deltas, scales, lr.item() if torch.is_tensor(lr) and lr.device.type == "cpu" else lr)
