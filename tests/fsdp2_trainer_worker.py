@@ -12,6 +12,7 @@
   (``fully_shard`` of each ``Linear`` and the root, the optimizer's parameters switched to the
   DTensors, ``prepare_distributed`` shards EVON over the mesh). Trains the float64 regressor
   of ``sharded_trainer_worker`` and calls ``save_model``.
+* ``held``: the ``fsdp2`` arguments, a ``posterior=`` and AdamW (:func:`held`).
 * ``reference``: one process, no FSDP, ``evon_shard=True`` (the noise semantics of sharded
   runs), the same global batch.
 
@@ -132,6 +133,36 @@ def train(out: str, world: int, rank: int, mode: str) -> dict:
     return result
 
 
+def held(out: str, world: int) -> dict:
+    """``posterior=`` (taken at the initial weights, with its ``mean_fingerprint``) and AdamW under the
+    Trainer's FSDP2: after training each rank records whether ``current_posterior()`` still gives it."""
+    import warnings
+
+    from hf_evon import EVONPosterior, build_optimizer
+
+    class AdamWTrainer(EVONTrainer):  # the Trainer refuses optimizers= under FSDP
+        def create_optimizer(self, model=None):  # noqa: ANN001, ANN202
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+            return self.optimizer
+
+    model = base.Regressor()
+    posterior = EVONPosterior.from_optimizer(build_optimizer(model), model)
+    trainer = AdamWTrainer(
+        model=model, args=config(out, world, "fsdp2"), train_dataset=base.data(STEPS), posterior=posterior
+    )
+    before = trainer.current_posterior() is posterior
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+        after = trainer.current_posterior()
+    return {
+        "before": before,
+        "after": None if after is None else after is posterior,
+        "dtensor_params": sum(hasattr(p, "placements") for p in trainer.model.parameters()),
+    }
+
+
 def main(out: str, mode: str) -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -139,6 +170,9 @@ def main(out: str, mode: str) -> None:
     result = None
     if mode == "refused":
         refused(out, rank)
+    elif mode == "held":
+        enable_fsdp_on_cpu()
+        result = held(out, world)
     else:
         if mode == "fsdp2":
             enable_fsdp_on_cpu()

@@ -289,6 +289,17 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
         assert _max_rel(wa, wb) <= 1e-6 and _max_rel(wa, init) > 1e-6
 
 
+def test_a_given_posterior_is_dropped_on_every_rank_once_fsdp2_training_moved_the_weights(tmp_path) -> None:
+    """``posterior=`` with another optimizer under the Trainer's FSDP2: only rank 0 holds the leading
+    values its ``mean_fingerprint`` is compared with, so after training rank 0 dropped the posterior and
+    rank 1 kept it (its BMA passes would then wait on collectives rank 0 never joins)."""
+    torchrun(2, TRAINER_WORKER, str(tmp_path), "held")
+    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    assert all(r["dtensor_params"] > 0 for r in ranks)  # the model is sharded
+    assert [r["before"] for r in ranks] == [True, True]  # the weights it was taken at
+    assert [r["after"] for r in ranks] == [None, None]  # AdamW moved them: no rank keeps it
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int) -> None:
     for rank, r in enumerate(runs[world][1]):

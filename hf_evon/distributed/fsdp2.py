@@ -47,7 +47,22 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["FSDP2Sharding", "shard_rows"]
+__all__ = ["FSDP2Sharding", "first_rows_value", "shard_rows"]
+
+
+def first_rows_value(value: Any, params: Any) -> Any:
+    """``value`` as the rank holding the first rows of ``params`` computed it, on every rank of their
+    mesh, where one of ``params`` is a DTensor of a mesh over more than one rank (``value`` itself
+    elsewhere): what only that rank can read (a posterior's ``mean_fingerprint`` compared with the
+    weights' leading entries) is decided there and sent to all, so that no two ranks decide apart.
+    A collective where it sends: every rank of the mesh calls it."""
+    mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+    if mesh is None or mesh.ndim != 1 or mesh.size() < 2 or not dist.is_initialized():
+        return value
+    group = mesh.get_group()
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:

@@ -265,6 +265,8 @@ class CheckpointingMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The model (or adapter) as usual, plus the posterior and the model card."""
         self._gather_sharded_state()
+        if self.posterior is not None and self.model is not None:  # every rank: under FSDP2 a collective
+            self._held_mismatch(self.posterior)
         # taken first: a posterior that does not fit the model (merged away) refuses before anything is written
         posterior = self.current_posterior() if self.args.should_save else None
         with every_rank_saved(self.model):

@@ -105,6 +105,7 @@ from transformers.utils import logging
 
 import hf_evon.trainer.combined as combined
 from hf_evon.distributed.ddp import prepare_distributed
+from hf_evon.distributed.fsdp2 import first_rows_value
 from hf_evon.modeling import is_causal_lm, is_peft_model, prepends_virtual_tokens, pretrained_name
 from hf_evon.optim import EVON, build_optimizer
 from hf_evon.optim.checks import outside_stacklevel
@@ -328,7 +329,7 @@ class EVONTrainerMixin(
         posterior = self.posterior
         if posterior is None or self.model is None:
             return posterior
-        different = other_weights(self.model, posterior.config.get("mean_fingerprint"), posterior.names)
+        different = self._held_mismatch(posterior)
         if different is None and posterior is self.__dict__.get("_posterior_trained_past"):
             # nothing to check the weights by, and this trainer's train() has moved them (its steps, or the
             # checkpoint it resumed): a posterior taken before cannot be vouched for as theirs
@@ -352,6 +353,21 @@ class EVONTrainerMixin(
             stacklevel=outside_stacklevel(),
         )
         return None
+
+    def _held_mismatch(self, posterior: Any) -> list[str] | None:
+        """:func:`other_weights` for the held ``posterior``, the same on every rank: under FSDP2 only the rank
+        of the first rows holds the leading values compared, so its verdict is sent to all (a collective,
+        on every rank) and kept for this step, where rank-0-only saving finds it (``save_model`` agrees
+        on it on every rank first)."""
+        kept = self.__dict__.get("_held_verdict")
+        if kept is not None and kept[0] is posterior and kept[1] == self.state.global_step:
+            return kept[2]
+        different = other_weights(self.model, posterior.config.get("mean_fingerprint"), posterior.names)
+        params = [p for _, p in self.model.named_parameters()]
+        if any(hasattr(p, "device_mesh") for p in params):
+            different = first_rows_value(different, params)
+            self._held_verdict = (posterior, self.state.global_step, different)
+        return different
 
     def _uncached_eval_dataloader(self, dataset: Any) -> Any:
         """``get_eval_dataloader(dataset)`` (the eval batch size, collator and column removal), kept
@@ -541,6 +557,7 @@ class EVONTrainerMixin(
             self._check_calibration_data()  # before the first step: not after the whole run
         self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
         self._posterior_trained_past = self.posterior  # the weights it may have been taken at change from here
+        self._held_verdict = None  # a resume loads other weights at the same step
         self._evon_fsdp2_resume, self._evon_in_training = None, True
         try:
             output = super().train(*args, **kwargs)
@@ -553,6 +570,9 @@ class EVONTrainerMixin(
             self._gather_sharded_state()
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self._load_best_posterior()  # the Trainer has just loaded that checkpoint's weights
+        self._held_verdict = None  # the best checkpoint's weights, at the last step
+        if self.posterior is not None:  # every rank is here: rank-0-only saving finds the verdict
+            self._held_mismatch(self.posterior)
         if self.calibration_dataset is not None and (posterior := self.current_posterior()) is not None:
             if not posterior.is_point_mass:  # ess = inf (SOAP mode): no noise to calibrate
                 self.calibrate()
