@@ -11,7 +11,7 @@ import torch
 from test_linalg import with_condition_number
 from test_optim_state import make_data, make_model, make_opt, roundtrip, train_step
 
-from hf_evon.optim.linalg import power_qr, power_qr_many
+from hf_evon.optim.linalg import cholesky_factors, power_qr, power_qr_many
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -41,6 +41,19 @@ def test_the_cuda_refresh_groups_sides_of_one_size_into_one_call_with_the_same_b
     for new, one, (stat, _) in zip(grouped, alone, pairs):
         assert new.shape == stat.shape
         torch.testing.assert_close(new, one, rtol=0, atol=1e-5)
+
+
+def test_cusolver_factors_a_large_stack_one_member_at_a_time_as_the_batched_call_does() -> None:
+    """On CUDA a stack of sides from ``CHOLESKY_ALONE_MIN_SIDE`` on is factored member by member
+    (the default there); the factors and flags equal cuSOLVER's batched call's."""
+    x = with_condition_number(3, 1600, 100.0, seed=8).cuda()
+    gram = x.mT @ x
+    gram[1] = -gram[1]
+    low, info = cholesky_factors(gram)
+    low_batched, info_batched = cholesky_factors(gram, alone=False)
+    assert info.tolist()[1] != 0 and info.tolist()[0] == info.tolist()[2] == 0
+    assert torch.equal(info.cpu(), info_batched.cpu())
+    torch.testing.assert_close(low[[0, 2]], low_batched[[0, 2]], rtol=1e-10, atol=1e-12)
 
 
 def test_a_cpu_checkpoint_resumes_on_cuda_with_the_step_counts_on_the_gpu() -> None:

@@ -518,3 +518,21 @@ def test_power_qr_many_splits_a_group_at_its_entry_bound(monkeypatch: pytest.Mon
         for new, one, (stat, _) in zip(grouped, alone, pairs):
             assert new.shape == stat.shape
             assert torch.equal(new, one)
+
+
+def test_cholesky_factors_one_member_at_a_time_equal_the_batched_call() -> None:
+    """Where an accelerator factors each member of a large stack alone (cuSOLVER's batched Cholesky
+    is several times slower there), the factors and the per-member ``info`` equal the batched
+    call's, a member that is not positive definite flagged at its own place."""
+    from hf_evon.optim.linalg import cholesky_factors
+
+    x = with_condition_number(4, 24, 100.0, seed=13)
+    gram = x.mT @ x
+    gram[2] = -gram[2]  # not positive definite
+    low, info = cholesky_factors(gram, alone=False)
+    low_alone, info_alone = cholesky_factors(gram, alone=True)
+    assert info.tolist()[0] == info.tolist()[1] == info.tolist()[3] == 0 and info.tolist()[2] != 0
+    assert torch.equal(info_alone, info)
+    assert torch.equal(low_alone[[0, 1, 3]], low[[0, 1, 3]])
+    torch.testing.assert_close(low_alone[0] @ low_alone[0].mT, gram[0], rtol=1e-12, atol=0)
+    assert torch.equal(cholesky_factors(gram[:1], alone=True)[0], low[:1])  # one member: one call
