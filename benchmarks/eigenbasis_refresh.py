@@ -13,9 +13,12 @@ Two parts, on the GPT-2-small EVON matrices:
 * ``--part step``: EVON's whole step on the 48 block matrices (``step_profile.gpt2_block_step``:
   default settings, staggered refresh, random gradients), median of 30 synced steps (3 refresh
   cycles), with ``linalg._cholesky_qr_pass`` replaced by each of ``PASSES`` in turn; with the
-  due sides QR'd in one call per bucket and side instead of one per side size
-  (``linalg.power_qr_many``); and the step with no refresh at all (a refresh period longer than
-  the run), the floor the refresh adds to.
+  refresh factored in the other ways of ``REFRESH_VARIANTS`` (one QR call per bucket and side
+  instead of one per side size, ``linalg.power_qr_many``; cuSOLVER's batched Cholesky for large
+  sides too, ``linalg.cholesky_factors``); and the step with no refresh at all (a refresh period
+  longer than the run), the floor the refresh adds to.
+* ``--part phases``: the refresh of each step of a staggered cycle alone, under each of
+  ``REFRESH_VARIANTS``.
 
 ``--library magma`` runs it all with torch's MAGMA backend instead of cuSOLVER. Used to choose the
 refresh implementation in ``hf_evon/optim/linalg.py`` (docs/defaults.md#cholesky-qr).
@@ -24,7 +27,10 @@ refresh implementation in ``hf_evon/optim/linalg.py`` (docs/defaults.md#cholesky
 On an H200 (2026-11-28, benchmarks/results/gpu_h200/eigenbasis_refresh_2026-11-28.log): the batch
 356 ms through the library's CholeskyQR3 (Householder 797), 334 to 456 ms through the other passes,
 355 ms replayed from a CUDA graph; the step 94.9 ms with the library's pass, 90.8 to 113.1 ms with
-the others, and 20.6 ms without a refresh.
+the others, and 20.6 ms without a refresh. On an H200 (2026-11-30, gpu_h200/*_2026-11-30b.*): the
+step 79.3 ms with the library's refresh, 86.4 ms with one call per bucket and side, 21.1 ms without
+a refresh; a staggered cycle's refresh (``--part phases``' code) 551 ms, 595 ungrouped, 789 with
+the batched Cholesky for large sides, 724 ungrouped and batched.
 """
 
 from __future__ import annotations
@@ -142,6 +148,34 @@ def one_call_per_bucket() -> Iterator[None]:
         functional.power_qr_many = saved
 
 
+@contextlib.contextmanager
+def batched_cholesky() -> Iterator[None]:
+    """Every stack through cuSOLVER's batched Cholesky, large sides too (``CHOLESKY_ALONE_MIN_SIDE``)."""
+    saved = linalg.CHOLESKY_ALONE_MIN_SIDE
+    linalg.CHOLESKY_ALONE_MIN_SIDE = 1 << 62
+    try:
+        yield
+    finally:
+        linalg.CHOLESKY_ALONE_MIN_SIDE = saved
+
+
+@contextlib.contextmanager
+def ungrouped_and_batched() -> Iterator[None]:
+    with one_call_per_bucket(), batched_cholesky():
+        yield
+
+
+LIBRARY = "library"
+# how a step's due refreshes are factored: the library's (sides of one size in one call, members
+# of large sides' Cholesky one by one) and the variants it was chosen over (docs/defaults.md#cholesky-qr)
+REFRESH_VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    LIBRARY: contextlib.nullcontext,
+    "one QR call per bucket, side": one_call_per_bucket,
+    "batched Cholesky": batched_cholesky,
+    "ungrouped, batched Cholesky": ungrouped_and_batched,
+}
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -252,18 +286,61 @@ def step_part(device: str, steps: int, all_passes: bool = True) -> None:
         with patched_pass(qr_pass):
             median, mean = median_step()
         print(f"step, {name:28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
-    with one_call_per_bucket():
-        median, mean = median_step()
-    print(f"step, {'one QR call per bucket, side':28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
+    for name, variant in REFRESH_VARIANTS.items():
+        if name != LIBRARY:
+            with variant():
+                median, mean = median_step()
+            print(f"step, {name:28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
     median, mean = median_step(precondition_frequency=10**6)
     print(f"step, {'no refresh':28s} median {median:7.2f} ms  mean {mean:7.2f} ms", flush=True)
+
+
+def phases_part(device: str, repeats: int = 5) -> None:
+    """The refresh of each step of a staggered cycle alone (the due members of every bucket, as
+    ``refresh_buckets`` gathers them), under each of ``REFRESH_VARIANTS``: median ms per phase
+    and their sum over the cycle."""
+    opt, sample_and_grad = gpt2_block_step(device)
+    for _ in range(12):
+        sample_and_grad()
+        opt.step()
+    f = opt.param_groups[0]["precondition_frequency"]
+    totals = dict.fromkeys(REFRESH_VARIANTS, 0.0)
+    for phase in range(f):
+        pairs = []
+        for b in opt.buckets:
+            due = [i for i, ph in enumerate(b.refresh_phase) if (phase + ph) % f == 0]
+            if due:
+                idx = b.member_index(due)
+                sides = (("L", "Q_L", b.left), ("R", "Q_R", b.right))
+                pairs += [(b.state[stat][idx], b.state[basis][idx]) for stat, basis, on in sides if on]
+        cells = []
+        for name, variant in REFRESH_VARIANTS.items():
+            with variant():
+                ms = median_ms(lambda: functional.power_qr_many(pairs), device, repeats)  # noqa: B023
+            totals[name] += ms
+            cells.append(f"{name} {ms:6.2f}")
+        sizes = sorted({p[0].shape[-1] for p in pairs})
+        print(f"phase {phase} (sides {sizes}, {sum(p[0].shape[0] for p in pairs)} stacked): " + ", ".join(cells))
+    print("per cycle: " + ", ".join(f"{name} {ms:.1f} ms" for name, ms in totals.items()), flush=True)
+
+
+def median_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
+    fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--library", default=None, choices=[None, "cusolver", "magma"])
-    ap.add_argument("--part", nargs="+", default=["batch", "step"], choices=["batch", "step"])
+    ap.add_argument("--part", nargs="+", default=["batch", "step", "phases"], choices=["batch", "step", "phases"])
     ap.add_argument("--steps", type=int, default=30, help="timed steps per variant (30 = 3 refresh cycles)")
     ap.add_argument("--small", action="store_true", help="small batches (a check of the script)")
     ap.add_argument("--library-pass-only", action="store_true", help="the step part without the other PASSES")
@@ -278,6 +355,8 @@ def main() -> None:
         batch_part(args.device, args.small)
     if "step" in args.part:
         step_part(args.device, args.steps, all_passes=not args.library_pass_only)
+    if "phases" in args.part:
+        phases_part(args.device)
 
 
 if __name__ == "__main__":

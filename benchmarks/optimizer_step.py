@@ -14,7 +14,8 @@ as in the paper. Timed steps cover several eigenbasis refreshes (every 10th step
 ``evon`` refreshes every matrix at ``t % 10 == 0`` (the spec's schedule); ``evon-staggered``
 is EVON's default (``stagger_refresh=True``: each matrix has its own phase).
 
-Figures: docs/results.md#speed (CPU), #on-a-gpu-h100-2026-11-26 and #on-a-gpu-h200-2026-11-27 (GPU).
+Figures: docs/results.md#speed (CPU), #on-a-gpu-h100-2026-11-26, #on-a-gpu-h200-2026-11-27 and
+#on-a-gpu-h200-2026-11-30 (GPU).
 """
 
 from __future__ import annotations

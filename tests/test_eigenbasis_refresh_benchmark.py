@@ -73,3 +73,22 @@ def test_one_call_per_bucket_ungroups_the_steps_refresh_and_is_undone_after_an_e
             raise RuntimeError("inside")
     assert asked == [False]
     assert functional.power_qr_many is recorder
+
+
+def test_the_refresh_variants_start_with_the_library_and_undo_their_settings_after_an_error() -> None:
+    """``REFRESH_VARIANTS``: the library's way first (no patch), the others change what they name
+    inside the block (grouping off, the batched Cholesky for every side) and undo it, also after an
+    error."""
+    from hf_evon.optim import functional
+
+    names = list(refresh.REFRESH_VARIANTS)
+    assert names[0] == refresh.LIBRARY
+    many, side = functional.power_qr_many, linalg.CHOLESKY_ALONE_MIN_SIDE
+    with refresh.REFRESH_VARIANTS[refresh.LIBRARY]():
+        assert (functional.power_qr_many, linalg.CHOLESKY_ALONE_MIN_SIDE) == (many, side)
+    with pytest.raises(RuntimeError, match="inside"):
+        with refresh.REFRESH_VARIANTS["ungrouped, batched Cholesky"]():
+            assert functional.power_qr_many is not many
+            assert linalg.CHOLESKY_ALONE_MIN_SIDE > 1 << 40
+            raise RuntimeError("inside")
+    assert (functional.power_qr_many, linalg.CHOLESKY_ALONE_MIN_SIDE) == (many, side)
