@@ -284,8 +284,9 @@ def cholesky_qr(a: Tensor) -> tuple[Tensor, Tensor]:
     and a boolean per member whose Cholesky failed (e.g. an all-zero ``A``; its ``Q`` is not usable).
 
     Built from Gram matrices, Cholesky and triangular solves, it takes about half the time of
-    cuSOLVER's Householder QR on a GPU refresh batch, and members are factored together: cuSOLVER's
-    batched Cholesky beats one call per member (docs/defaults.md#cholesky-qr). Columns are
+    cuSOLVER's Householder QR on a GPU refresh batch. Members are factored together: the Gram
+    matrices and the triangular solves in one batched call each, which beats one call per member,
+    and the Cholesky factors as :func:`cholesky_factors` says (docs/defaults.md#cholesky-qr). Columns are
     first scaled to unit norm (``Q`` is unchanged by that); float64 and the shift keep it stable up
     to condition numbers ~1e15. ``failed`` stays on the device: reading it is the caller's choice.
     """
@@ -343,8 +344,8 @@ def power_qr_many(
     """:func:`power_qr` of each ``(statistic, basis)`` stack, in order.
 
     ``grouped`` (None: off a CPU) hands the stacks of one side size, dtype and device to one call:
-    on an accelerator a batched Cholesky costs about as much for a few members as for one
-    (docs/defaults.md#cholesky-qr), and a staggered refresh brings a few members of several
+    on an accelerator one call on a few members costs less than one per member (its batched products
+    and solves; docs/defaults.md#cholesky-qr), and a staggered refresh brings a few members of several
     buckets per step (calls of at most ``REFRESH_CALL_ENTRIES``). Every operation of the refresh is
     per member, so the bases are those of one call per stack. On a CPU, LAPACK's QR works member by
     member: stacking would only copy. ``householder``: as :func:`power_qr`'s."""
