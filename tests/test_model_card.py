@@ -1298,6 +1298,33 @@ def test_the_cards_bma_temperature_words_are_those_of_the_models_problem_type(pr
         assert (problem, labels) in ((None, 3), ("single_label_classification", 3)) or "softmax(logits" not in text
 
 
+@pytest.mark.parametrize(
+    "problem, labels, words",
+    [
+        (None, 3, "BMA predicts softmax(logits / T) averaged over samples, T = 2.5 (`posterior.temperature`)"),
+        ("multi_label_classification", 3, "BMA predicts each label's sigmoid(logits / T) averaged over samples, T = 2.5"),
+        ("regression", 1, "the temperature T = 2.5 (`posterior.temperature`) does not apply to them"),
+    ],
+)  # fmt: skip
+def test_an_uncalibrated_posteriors_card_names_its_hand_set_temperature(problem, labels, words):
+    """A posterior tempered by ``with_temperature`` alone (no calibration, the trained ``ess``) was carded
+    "Not calibrated: samples use the scale EVON trained with" and never named T, though its BMA divides the
+    logits by it. The card says what its BMA computes, T included, as it does for a hand-set scale."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    from hf_evon.posterior.gaussian import MatrixFactors
+
+    eye = torch.eye(3)
+    post = EVONPosterior.from_factors({"w": MatrixFactors(eye, eye, torch.ones(3, 3), (3, 3), (3, 3), 100.0, 1e-3)})
+    model = SimpleNamespace(config=PretrainedConfig(problem_type=problem, num_labels=labels))
+    text = str(render_model_card(post.with_temperature(2.5), model=model))
+    assert "Not calibrated: samples use the scale EVON trained with" in text
+    assert words in text
+    assert "T = " not in str(render_model_card(post.with_temperature(1.0), model=model))
+
+
 def test_a_hand_set_scale_is_carded_as_set_by_hand_beside_the_trained_one(tmp_path):
     """``with_ess``/``scale_ess`` kept a calibration's record: a calibrated posterior (ess 400 = 4 x the trained
     100) set to ``with_ess(5)`` was saved with the record and carded "Calibrated ... `ess` = 400 (4 × the trained

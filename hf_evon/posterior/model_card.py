@@ -244,7 +244,7 @@ def _calibration_text(
             "Not calibrated: samples use the scale EVON trained with. Choose it on held-out data with "
             "`hf_evon.calibrate_posterior` (or `hf-evon calibrate`) before relying on BMA: on that data the "
             "calibrated BMA is never worse than the mean by more than half a standard error or 1% (its "
-            "defaults)."
+            "defaults)." + _tempered_text(config.get("temperature"), "`posterior.temperature`", kind)
         )
     tempered = _tempered_text(config.get("temperature"), "chosen with the scale; `posterior.temperature`", kind)
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
