@@ -127,36 +127,31 @@ OTHER_PASSES = {name: p for name, p in PASSES.items() if p is not linalg._choles
 
 
 @contextlib.contextmanager
-def patched_pass(qr_pass: QrPass) -> Iterator[None]:
-    """``linalg._cholesky_qr_pass`` replaced inside the block (``cholesky_qr`` looks it up per call)."""
-    saved = linalg._cholesky_qr_pass
-    linalg._cholesky_qr_pass = qr_pass
+def patched(module: object, name: str, value: object) -> Iterator[None]:
+    """``module.name`` set to ``value`` inside the block (the library looks it up per call), and
+    put back after it, also after an error."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        linalg._cholesky_qr_pass = saved
+        setattr(module, name, saved)
 
 
-@contextlib.contextmanager
-def one_call_per_bucket() -> Iterator[None]:
+def patched_pass(qr_pass: QrPass) -> contextlib.AbstractContextManager[None]:
+    """``linalg._cholesky_qr_pass`` replaced inside the block."""
+    return patched(linalg, "_cholesky_qr_pass", qr_pass)
+
+
+def one_call_per_bucket() -> contextlib.AbstractContextManager[None]:
     """The step's refresh without grouping: one QR call per bucket and side, not one per side size."""
-    saved = functional.power_qr_many
-    functional.power_qr_many = lambda pairs: saved(pairs, grouped=False)
-    try:
-        yield
-    finally:
-        functional.power_qr_many = saved
+    many = functional.power_qr_many
+    return patched(functional, "power_qr_many", lambda pairs: many(pairs, grouped=False))
 
 
-@contextlib.contextmanager
-def batched_cholesky() -> Iterator[None]:
+def batched_cholesky() -> contextlib.AbstractContextManager[None]:
     """Every stack through cuSOLVER's batched Cholesky, large sides too (``CHOLESKY_ALONE_MIN_SIDE``)."""
-    saved = linalg.CHOLESKY_ALONE_MIN_SIDE
-    linalg.CHOLESKY_ALONE_MIN_SIDE = 1 << 62
-    try:
-        yield
-    finally:
-        linalg.CHOLESKY_ALONE_MIN_SIDE = saved
+    return patched(linalg, "CHOLESKY_ALONE_MIN_SIDE", 1 << 62)
 
 
 @contextlib.contextmanager
