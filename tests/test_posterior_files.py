@@ -892,6 +892,28 @@ def test_the_staged_weights_glob_matches_the_staged_file_a_save_writes_and_nothi
     assert [name for name in written if fnmatch(name, STAGED_WEIGHTS_GLOB)] == [staged]
 
 
+def test_the_staging_folder_a_save_makes_is_the_one_the_next_saves_clean_up_removes(tmp_path, monkeypatch):
+    """The staging folder's name is defined once (``_staging_dir_name``) and the clean-up's pattern derives
+    from it: the folder a save makes is the documented ``.evon_posterior.<checkpoint_id>.staging``, a copy a
+    killed save left is removed by the next save, and nothing else a save writes matches the pattern."""
+    import hf_evon.posterior.format as format_module
+
+    made, mkdir = [], os.mkdir
+    monkeypatch.setattr(format_module.os, "mkdir", lambda path, *a: (made.append(path), mkdir(path, *a)))
+    _posterior().save_pretrained(tmp_path)
+    made = [os.path.basename(path) for path in made if os.path.dirname(os.fspath(path)) == os.fspath(tmp_path)]
+    checkpoint_id = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())["checkpoint_id"]
+    staging = f".evon_posterior.{checkpoint_id}.staging"  # docs/posterior-format.md's spelling
+    assert made == [staging] and format_module._STAGING_DIR_RE.fullmatch(staging)
+    assert not any(format_module._STAGING_DIR_RE.fullmatch(name) for name in os.listdir(tmp_path))
+    left = tmp_path / f".evon_posterior.{'0' * 32}.staging"  # what a save killed mid-write leaves
+    left.mkdir()
+    (left / POSTERIOR_WEIGHTS_NAME).write_bytes(b"partial")
+    _posterior().save_pretrained(tmp_path)
+    assert not left.exists()
+    assert sorted(os.listdir(tmp_path)) == sorted([POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, "README.md"])
+
+
 def test_two_writers_in_one_directory_leave_a_posterior_that_loads(tmp_path, monkeypatch):
     """A's staged weights are not B's "left by a killed save": whoever switches last wins, whole.
     A stops right before its config switch, its weights staged; without a lock B would finish

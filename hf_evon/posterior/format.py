@@ -95,7 +95,17 @@ MAX_CONFIG_BYTES = 64 * 2**20
 # holds 100-160), which bounds what its parse takes to about 10x the file
 MIN_BYTES_PER_CONTAINER, CONTAINER_CHECK_BYTES = 16, 2**20
 _STAGED_NAME_RE = re.compile(CHECKPOINT_ID_PATTERN)
-_STAGING_DIR_RE = re.compile(r"\.evon_posterior\.[0-9a-f]{32}\.staging")
+
+
+def _staging_dir_name(checkpoint_id: str) -> str:
+    """The folder a save with ``checkpoint_id`` writes its weights in (docs/posterior-format.md#the-save-protocol);
+    :data:`_STAGING_DIR_RE`, by which a later save removes one a killed save left, derives from it."""
+    return f".evon_posterior.{checkpoint_id}.staging"
+
+
+_STAGING_DIR_RE = re.compile(
+    CHECKPOINT_ID_PATTERN.join(map(re.escape, _staging_dir_name("<checkpoint_id>").split("<checkpoint_id>")))
+)
 # what safetensors' save_file writes before renaming it onto the file (Rust's tempfile names)
 _SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 STALE_TEMPORARY_SECONDS = 600  # a live save writes to its temporary all along
@@ -377,7 +387,7 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
         )
     staged_name = staged_weights_name(checkpoint_id)
     staged = os.path.join(directory, staged_name)
-    staging = os.path.join(directory, f".evon_posterior.{checkpoint_id}.staging")
+    staging = os.path.join(directory, _staging_dir_name(checkpoint_id))
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
     with directory_lock(directory):
         switched, card = False, None
