@@ -57,11 +57,11 @@ from hf_evon.optim.defaults import (
     DEFAULT_SNR_SCALING,
     DEFAULT_STEP_CURVATURE,
 )
-from hf_evon.optim.gradients import Consumed, consumed_grads, consumed_places, restore_grads, set_aside_grads
+from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
 from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std, writing_weights
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
-from hf_evon.optim.persistence import COPIED_ATTRIBUTES, loading, restore_copied, saving
+from hf_evon.optim.persistence import copied_attributes, loading, restore_copied, saving
 from hf_evon.optim.update import (
     AdamWInputs,
     adamw_inputs,
@@ -572,10 +572,7 @@ class EVON(Optimizer):
         self._refuse_rebuild("copying or pickling the optimizer")
         if self.sharding is not None or self.gradient_reducer is not None:
             raise RuntimeError("a distributed EVON cannot be copied or pickled: save its state_dict()")
-        own = {k: getattr(self, k) for k in COPIED_ATTRIBUTES}
-        own["consumed"] = consumed_places(self.param_groups, self._consumed)
-        own["fit_records"] = [self._fit_records.get(id(g)) for g in self.param_groups]
-        return {**super().__getstate__(), "_evon": own}
+        return {**super().__getstate__(), "_evon": copied_attributes(self)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)

@@ -23,10 +23,10 @@ from hf_evon.optim.buckets import (
     state_dtype,
 )
 from hf_evon.optim.functional import adamw_step_device
-from hf_evon.optim.gradients import consumed_grads
+from hf_evon.optim.gradients import consumed_grads, consumed_places
 from hf_evon.optim.validation import fit_records, validate_state_dict
 
-__all__ = ["COPIED_ATTRIBUTES", "loading", "restore_copied", "saving"]
+__all__ = ["COPIED_ATTRIBUTES", "copied_attributes", "loading", "restore_copied", "saving"]
 
 Tensor = torch.Tensor
 
@@ -140,6 +140,15 @@ def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[st
     finally:
         pre.remove()
         post.remove()
+
+
+def copied_attributes(optimizer: Any) -> dict[str, Any]:
+    """What ``__getstate__`` keeps beside torch's state (:func:`restore_copied` sets it back): the
+    ``COPIED_ATTRIBUTES``, the consumed gradients' places and each group's fit record."""
+    own = {k: getattr(optimizer, k) for k in COPIED_ATTRIBUTES}
+    own["consumed"] = consumed_places(optimizer.param_groups, optimizer._consumed)
+    own["fit_records"] = [optimizer._fit_records.get(id(g)) for g in optimizer.param_groups]
+    return own
 
 
 def restore_copied(optimizer: Any, own: dict[str, Any]) -> None:
