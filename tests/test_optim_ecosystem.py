@@ -5,6 +5,7 @@ situation or with what EVON's own documentation promises."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import re
@@ -1247,6 +1248,99 @@ def test_accelerates_clip_inside_a_block_clips_that_sample_and_after_the_blocks_
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+def _first_difference(a: object, b: object, path: str = "state_dict") -> str | None:
+    """Where two state dicts differ (tensors: dtype and every value), or None."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        return None if same and torch.equal(a, b) else f"{path}: {a!r} != {b!r}"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b))}"
+        return next((d for k in a if (d := _first_difference(a[k], b[k], f"{path}[{k!r}]"))), None)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and type(a) is type(b) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{path}[{i}]"))), None)
+    return None if a == b else f"{path}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize("refused", ["accumulate", "nested", "state_dict"])
+def test_a_refused_call_at_a_block_leaves_the_optimizer_and_its_noise_as_they_were(refused: str) -> None:
+    """A training block refused at its entry (a bare EVON's, inside ``accelerator.accumulate`` before the
+    K-th micro-batch) still counted as a block: the noise counter moved on, and every later sample
+    drew other noise than a run that never hit the refusal. Each refusal at a block (that one, a nested
+    block, ``state_dict()`` or ``step()`` inside a block) now leaves the state dict, the gradients,
+    the weights and every later sample as an identical optimizer's that was never refused."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        model, ref_model = _model(), _model()
+        opt, ref = _optimizer(model), _optimizer(ref_model)
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = accelerator.prepare(model)
+        _step(opt, model)  # state worth comparing: a step's statistics, one block counted
+        _step(ref, ref_model)
+        calls = {
+            "nested": (opt.sampled_params, "sampled_params"),
+            "state_dict": (opt.state_dict, r"state_dict\(\)"),
+            "step": (opt.step, r"step\(\)"),
+        }
+        if refused == "accumulate":
+            with accelerator.accumulate(model):  # the first of K = 2 micro-batches
+                with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps=2"):
+                    with opt.sampled_params(train=True):
+                        pass
+            with accelerator.accumulate(model):  # the second: blocks may start again
+                pass
+        for _ in range(2):  # two steps of two samples, the refused call inside the first block
+            for sample in range(2):
+                with opt.sampled_params(train=True):
+                    if refused in calls and sample == 0:
+                        call, name = calls[refused]
+                        with pytest.raises(RuntimeError, match=name + r".*inside a sampled_params\(\) block"):
+                            with contextlib.ExitStack() as stack:
+                                result = call()
+                                if refused == "nested":
+                                    stack.enter_context(result)
+                    nn.functional.cross_entropy(model(X), Y).backward()
+                with ref.sampled_params(train=True):
+                    nn.functional.cross_entropy(ref_model(X), Y).backward()
+                for p, q in zip(model.parameters(), ref_model.parameters()):
+                    assert torch.equal(p.grad, q.grad)
+            assert _first_difference(opt.state_dict(), ref.state_dict()) is None
+            opt.step()
+            ref.step()
+            assert _first_difference(opt.state_dict(), ref.state_dict()) is None
+        assert opt.sample_blocks == ref.sample_blocks == 5
+        with opt.sampled_params(train=True), ref.sampled_params(train=True):  # the next sample's weights
+            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def test_a_block_refused_for_a_cleared_optimizer_state_counts_no_block() -> None:
+    """``optimizer.state`` cleared between a recorded block and ``step()`` refuses the next block at its
+    entry (the recorded sample's Hessian numerators would be lost); that refused block still counted
+    as a block, and moved the noise stream on. Now the counter, the gradients and the weights are
+    as before the refused block."""
+    model = _model()
+    opt = _optimizer(model)
+    with opt.sampled_params(train=True):
+        nn.functional.cross_entropy(model(X), Y).backward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.state.clear()
+    with pytest.raises(RuntimeError, match=r"optimizer\.state"):
+        with opt.sampled_params(train=True):
+            pass
+    assert (opt.sample_blocks, opt.recorded_samples, opt.in_sample) == (1, 1, False)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
 
 def test_a_checkpoint_inside_a_sample_block_is_refused_naming_state_dict(tmp_path) -> None:
     """``accelerator.save_state`` (or ``torch.save`` of the model's and the optimizer's state) inside a

@@ -355,13 +355,14 @@ class EVON(Optimizer):
         try:
             try:  # from here on an interrupt anywhere is cleaned up below
                 self._in_sample, self._training_block, self._streams = True, train, StreamGenerators()
-                self._sample_blocks += train
-                self._eval_blocks += not train
                 if stash is not None:  # filled as it goes: every gradient set aside is given back
                     set_aside_grads(self.param_groups, self._consumed, stash, self._held, self.discard_samples)
                 with torch.no_grad(), writing_weights():
                     self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
-                    for b in self.buckets:
+                    buckets = self.buckets  # its refusals (and set_aside_grads') before the block counts
+                    self._sample_blocks += train  # the block's noise label, a refused block's never
+                    self._eval_blocks += not train
+                    for b in buckets:
                         if not math.isinf(b.group["ess"]) and not (train and not b.noisy_phase()):
                             perturbed.append(b)  # before the draw: an error inside still restores it
                             if not b.perturb(self._standard_normal, train):  # all its members frozen
