@@ -1263,13 +1263,14 @@ def _first_difference(a: object, b: object, path: str = "state_dict") -> str | N
     return None if a == b else f"{path}: {a!r} != {b!r}"
 
 
-@pytest.mark.parametrize("refused", ["accumulate", "nested", "state_dict"])
+@pytest.mark.parametrize("refused", ["accumulate", "nested", "state_dict", "step"])
 def test_a_refused_call_at_a_block_leaves_the_optimizer_and_its_noise_as_they_were(refused: str) -> None:
     """A training block refused at its entry (a bare EVON's, inside ``accelerator.accumulate`` before the
     K-th micro-batch) still counted as a block: the noise counter moved on, and every later sample
     drew other noise than a run that never hit the refusal. Each refusal at a block (that one, a nested
     block, ``state_dict()`` or ``step()`` inside a block) now leaves the state dict, the gradients,
-    the weights and every later sample as an identical optimizer's that was never refused."""
+    the weights and every later sample as an identical optimizer's that was never refused. A ``step()``
+    refused inside a block set the step mark (where a rewind sets the noise back) to the middle of a step."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 

@@ -421,6 +421,7 @@ class EVON(Optimizer):
 
         ``closure`` (optional, it calls ``backward()``) is called ``mc_samples`` times, each inside its own
         ``sampled_params(train=True)`` block; the step returns the mean of the losses it returns."""
+        self._refuse_in_sample("step()")  # before the step mark below: a refused call changes nothing
         refuse_grad_scaler(self)
         loss = None if closure is None else gradients.closure_loss(self, closure)
         with writing_weights():  # no autocast: the state keeps its dtypes; a forward casts the new means
@@ -431,7 +432,6 @@ class EVON(Optimizer):
         return loss
 
     def _update(self) -> None:
-        self._refuse_in_sample("step()")
         self._settle_groups()
         self._placement_checked = False  # set by a reducer that, within this call, finds none moved
         self.synchronize()
