@@ -298,6 +298,38 @@ def test_untrained_optimizer_gives_the_prior_like_initial_posterior():
     assert post.num_point_estimates == 0 and post.names == ["bias", "weight"]
 
 
+def test_a_frozen_weight_never_updated_is_a_point_estimate_that_no_sample_perturbs(tmp_path):
+    """EVON built over every parameter of a model with a frozen matrix (requires_grad False, never a gradient,
+    H still h0) never perturbs it, yet the posterior covered it and ``posterior.sampled(model)`` drew it at
+    the prior-like h0 scale. It is a point estimate of the posterior, saved and loaded as one; a matrix
+    frozen after EVON updated it keeps the posterior it learned (its samples and factors are the optimizer's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].weight.requires_grad_(False)
+    opt = hf_evon.EVON(model.parameters(), **plain_evon(lr=0.05, ess=100.0, precondition_frequency=2, seed=0))
+    assert EVONPosterior.from_optimizer(opt, model).names == ["0.bias", "2.bias", "2.weight"]  # no step yet
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    loss = lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    _train(model, opt, [(x, y)] * 3, loss)
+    model[2].weight.requires_grad_(False)  # frozen after its updates: its posterior is the one EVON learned
+    _train(model, opt, [(x, y)] * 2, loss)
+    post = EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
+    assert post.names == ["0.bias", "2.bias", "2.weight"]
+    assert post.num_point_estimate_tensors == 1 and post.num_point_estimates == model[0].weight.numel() == 32
+    torch.testing.assert_close(post.std("2.weight"), opt.posterior_std(model[2].weight), rtol=0, atol=0)
+    means = {n: p.detach().clone() for n, p in model.named_parameters()}
+    post.save_pretrained(tmp_path)
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    assert loaded.names == post.names and loaded.num_point_estimate_tensors == 1
+    for p in (post, loaded):
+        with p.sampled(model, seed=0):
+            assert torch.equal(model[0].weight, means["0.weight"])
+            assert not torch.equal(model[2].weight, means["2.weight"])
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no EVON-owned parameters that are trainable or were updated"):
+        EVONPosterior.from_optimizer(hf_evon.EVON(model.parameters(), **plain_evon()), model)
+
+
 # ----------------------------------------------------------------------------- moments
 def test_covariance_equals_the_optimizers(mlp):
     model, opt, post = mlp

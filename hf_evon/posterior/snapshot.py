@@ -73,6 +73,13 @@ def _missing_hint(label: str, model: nn.Module) -> str:
     return "pass the model the optimizer was built for"
 
 
+def _updates(optimizer: Any, p: torch.Tensor, factors: dict[str, Any]) -> int:
+    """The updates EVON took of ``p`` (its ``step``; a sharded EVON's gathered ``factors`` hold it
+    for a matrix another rank owns), 0 where it has none yet."""
+    step = optimizer.state.get(p, {}).get("step", factors.get("step"))
+    return 0 if step is None else int(step.item() if torch.is_tensor(step) else step)
+
+
 def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     """Read the posterior factors of ``optimizer`` (unwrapped from accelerate) for ``model``
     (unwrapped from DDP). With sharded EVON this gathers the factors: a collective, so every
@@ -101,9 +108,17 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
                     f"{label} (shape {tuple(p.shape)}) is trained by EVON but is not a parameter of "
                     f"the given {type(model).__name__}: {_missing_hint(label, model)}"
                 )
-            entries.append((names_by_id[id(p)], p, optimizer.posterior_factors(p)))
+            f = optimizer.posterior_factors(p)
+            if not p.requires_grad and _updates(optimizer, p, f) == 0:
+                # frozen and never updated: H is still h0, not a curvature, and EVON's own samples leave it
+                # alone; its posterior is a point (the mean), so it is a point estimate here too
+                continue
+            entries.append((names_by_id[id(p)], p, f))
     if not entries:
-        raise ValueError("the optimizer has no EVON-owned parameters: there is no posterior to take")
+        raise ValueError(
+            "the optimizer has no EVON-owned parameters that are trainable or were updated (a frozen one never "
+            "updated is a point estimate): there is no posterior to take"
+        )
     factors = {
         name: MatrixFactors(
             Q_L=None if f["Q_L"] is None else f["Q_L"].detach(),
@@ -127,9 +142,8 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     settings = {k: v.item() if torch.is_tensor(v) else v for k, v in settings.items()}
     if "betas" in settings:
         settings["betas"] = tuple(settings["betas"])
-    steps = [optimizer.state.get(p, {}).get("step", f.get("step")) for _, p, f in entries]
     # each matrix counts its own updates (one that joined late, fewer): the optimizer's are the most
-    settings["optimizer_step"] = max((int(s.item() if torch.is_tensor(s) else s) for s in steps if s is not None), default=0)
+    settings["optimizer_step"] = max((_updates(optimizer, p, f) for _, p, f in entries), default=0)
     settings["base_model"] = recordable_base_model(base_model_name(model))
     settings["model_class"] = _recorded_class(model)
     settings["mean_fingerprint"] = mean_fingerprint({name: p for name, p, _ in entries}, factors)
