@@ -1327,7 +1327,8 @@ def test_a_block_refused_for_a_cleared_optimizer_state_counts_no_block() -> None
     """``optimizer.state`` cleared between a recorded block and ``step()`` refuses the next block at its
     entry (the recorded sample's Hessian numerators would be lost); that refused block still counted
     as a block, and moved the noise stream on. Now the counter, the gradients and the weights are
-    as before the refused block."""
+    as before the refused block. Its message said the clearing was done inside a block (call it after
+    the block), where it was done after one, before ``step()``."""
     model = _model()
     opt = _optimizer(model)
     with opt.sampled_params(train=True):
@@ -1335,9 +1336,14 @@ def test_a_block_refused_for_a_cleared_optimizer_state_counts_no_block() -> None
     weights = [p.detach().clone() for p in model.parameters()]
     grads = [p.grad.clone() for p in model.parameters()]
     opt.state.clear()
-    with pytest.raises(RuntimeError, match=r"optimizer\.state"):
+    with pytest.raises(RuntimeError) as refused:
         with opt.sampled_params(train=True):
             pass
+    assert str(refused.value) == (
+        "clearing or replacing optimizer.state, or editing a group's params was called between a "
+        "sampled_params(train=True) block and step(): the 1 recorded sample(s) would lose their Hessian "
+        "estimate. Call step() first"
+    )
     assert (opt.sample_blocks, opt.recorded_samples, opt.in_sample) == (1, 1, False)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))

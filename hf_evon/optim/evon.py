@@ -274,7 +274,7 @@ class EVON(Optimizer):
         reset = any(b.stale(self.state, self._hooks.model_param) for b in self._buckets or ())  # torch's reset
         if reset or self._buckets is not None and self._layout.edited(self.param_groups):
             if self._samples:  # stacked again (optimizer.state or a group's params), unless samples await
-                self._refuse_rebuild("clearing or replacing optimizer.state, or editing a group's params")
+                self._refuse_rebuild("clearing or replacing optimizer.state, or editing a group's params", False)
             self._buckets = None
         if self._buckets is None:
             self._bucket_index = None
@@ -321,8 +321,9 @@ class EVON(Optimizer):
         if self._in_sample:
             raise RuntimeError(f"{call} called inside a sampled_params() block: call it after the block")
 
-    def _refuse_rebuild(self, call: str) -> None:  # the buckets hold the recorded samples' numerators
-        self._refuse_in_sample(call)
+    def _refuse_rebuild(self, call: str, called: bool = True) -> None:  # buckets: the samples' numerators
+        if called:  # else found at the next use of the buckets, which may be inside a block
+            self._refuse_in_sample(call)
         if self._samples:
             msg = f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() first"
             raise RuntimeError(f"{call} was called between a sampled_params(train=True) block and step(): {msg}")
