@@ -3,6 +3,7 @@
 * ``tiny``: a model whose matrices have fewer rows than ranks (rank 1 holds none of ``c.weight``,
   rank 0 one row of ``b.weight``) trains one step; every rank takes the posterior, rank 0 saves it
   to ``OUT/tiny_posterior``, and every rank saves the full weights;
+* ``verdicts``: what each rank's ``mean_mismatches`` says of row- and column-sharded weights;
 * ``reshard_after_forward=False``: an evaluation forward that raises inside
   ``EVON.sampled_params(train=False)`` and inside ``posterior.sampled(model, seed=...)`` (a forward
   hook of ``layers.2``), then a forward outside any block and the next training step, against the
@@ -60,6 +61,51 @@ def tiny_run(mesh, rank: int, world: int, out: str) -> dict:
     if rank == 0:
         post.save_pretrained(f"{out}/tiny_posterior")
     return {"weights": worker.full_weights(model), "fingerprint": post.config.get("mean_fingerprint")}
+
+
+def verdicts(mesh, rank: int) -> dict:
+    """What ``mean_mismatches`` says on this rank of the ``tiny`` model's fingerprint, on rows sharded by
+    ``fully_shard`` and on a matrix sharded by columns (``Shard(1)``), for the same weights and moved
+    ones, and whether ``warn_if_other_mean`` warned for the moved ones."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hf_evon.posterior.fingerprint import (
+        PosteriorMeanWarning,
+        mean_fingerprint,
+        mean_mismatches,
+        warn_if_other_mean,
+    )
+
+    def warned(fingerprint, params, names) -> bool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_if_other_mean(fingerprint, params, names)
+        return any(issubclass(w.category, PosteriorMeanWarning) for w in caught)
+
+    names = ["a.weight", "b.weight", "c.weight"]
+    fingerprint = mean_fingerprint(dict(tiny().named_parameters()), names)
+    model = tiny()
+    for sub in (model.a, model.b, model.c, model):
+        fully_shard(sub, mesh=mesh)
+    params = dict(model.named_parameters())
+    out = {"rows_same": mean_mismatches(fingerprint, params, names)}
+    with torch.no_grad():
+        model.b.weight.add_(1.0)  # every rank's rows
+    out["rows_moved"] = mean_mismatches(fingerprint, params, names)
+    out["rows_warned"] = warned(fingerprint, params, names)
+    w = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    moved = w.clone()
+    moved[0, 1] += 1.0  # rank 0 holds columns 0 and 1
+    cols = {"w": distribute_tensor(w, mesh, [Shard(1)])}
+    cols_moved = {"w": distribute_tensor(moved, mesh, [Shard(1)])}
+    out["cols_fingerprint"] = mean_fingerprint(cols, ["w"])
+    out["cols_same"] = mean_mismatches(mean_fingerprint({"w": w}, ["w"]), cols, ["w"])
+    out["cols_moved"] = mean_mismatches(mean_fingerprint({"w": w}, ["w"]), cols_moved, ["w"])
+    out["cols_warned"] = warned(mean_fingerprint({"w": w}, ["w"]), cols_moved, ["w"])
+    return out
 
 
 class Raised(Exception):
@@ -134,6 +180,7 @@ def main(out: str) -> None:
     result: dict = {}
     for key, fn in (
         ("tiny", lambda: tiny_run(mesh, rank, world, out)),
+        ("verdicts", lambda: verdicts(mesh, rank)),
         ("plain", lambda: run(mesh, rank, world, None)),
         ("evon", lambda: run(mesh, rank, world, "evon")),
         ("posterior", lambda: run(mesh, rank, world, "posterior")),

@@ -567,6 +567,24 @@ def test_a_posterior_of_matrices_with_fewer_rows_than_ranks_records_its_mean_fin
         post.check_model(model)
 
 
+def test_mean_mismatches_says_which_ranks_cannot_tell_and_reads_column_shards(edge) -> None:
+    """``mean_mismatches`` returned ``[]`` (a match) on the rank that holds none of the fingerprint's
+    leading values (rank 1 under FSDP2), also for moved weights, and on every rank for a matrix
+    sharded by columns (``Shard(1)``: a tensor-parallel row-wise layer), whose moved weights no rank
+    warned of. Rank 1 now says None (cannot tell) for rows; the rank holding the first columns
+    (rank 0) reads the leading values of the first row it holds, records them, and warns."""
+    _, ranks = edge
+    for r in ranks:
+        assert not isinstance(r["verdicts"], str), r["verdicts"]
+    first, other = ranks[0]["verdicts"], ranks[1]["verdicts"]
+    assert (first["rows_same"], first["rows_moved"], first["rows_warned"]) == ([], ["b.weight"], True)
+    assert (other["rows_same"], other["rows_moved"], other["rows_warned"]) == (None, None, False)
+    assert first["cols_fingerprint"] == {"dtype": "float64", "values": {"w": [0.0, 1.0]}}
+    assert other["cols_fingerprint"] is None
+    assert (first["cols_same"], first["cols_moved"], first["cols_warned"]) == ([], ["w"], True)
+    assert (other["cols_same"], other["cols_moved"], other["cols_warned"]) == (None, None, False)
+
+
 def test_a_failed_evaluation_forward_under_reshard_after_forward_false_leaves_the_mean(edge) -> None:
     """An evaluation forward that raises (in ``layers.2``, its earlier layers gathered with the
     sample) inside ``EVON.sampled_params(train=False)`` or ``posterior.sampled(model, seed=...)``

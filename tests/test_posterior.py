@@ -939,6 +939,39 @@ def test_the_mean_fingerprint_across_a_cast_below_float16s_normal_range(recorded
         post.check_model(model)
 
 
+def test_mean_mismatches_tells_weights_it_cannot_read_apart_from_matching_ones():
+    """``mean_mismatches`` returned ``[]`` (the posterior's mean) where one covered weight was on the
+    meta device: "cannot tell" read as "these weights", and a moved weight beside it went unnoticed
+    (no warning). It names the moved weights it reads, returns ``[]`` only where it read and matched
+    every one, and None where it found none moved but could not read them all."""
+    from hf_evon.posterior.fingerprint import (
+        PosteriorMeanWarning,
+        mean_fingerprint,
+        mean_mismatches,
+        warn_if_other_mean,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    names = ["0.weight", "1.weight"]
+    fingerprint = mean_fingerprint(dict(model.named_parameters()), names)
+    assert mean_mismatches(fingerprint, dict(model.named_parameters()), names) == []
+    model[0].to("meta")
+    params = dict(model.named_parameters())
+    assert mean_mismatches(fingerprint, params, names) is None  # 1.weight matches, 0.weight unread
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        warn_if_other_mean(fingerprint, params, names)
+    with torch.no_grad():
+        model[1].weight[1, 2] += 1.0
+    assert mean_mismatches(fingerprint, params, names) == ["1.weight"]
+    with pytest.warns(PosteriorMeanWarning, match=r"in 1 of 2 covered tensors, e\.g\. \['1\.weight'\]"):
+        warn_if_other_mean(fingerprint, params, names)
+    model[1].to("meta")
+    assert mean_mismatches(fingerprint, dict(model.named_parameters()), names) is None
+    assert mean_mismatches({"dtype": "float32", "values": {}}, params, names) is None  # nothing to compare
+
+
 def test_a_posterior_mean_warning_names_the_users_line():
     """The warning pointed at the library's own line: hf_evon/posterior/posterior.py (the call of
     check_model inside sampled) or contextlib's; it names the line that called sampled or

@@ -5,11 +5,15 @@ beside a model can end up beside other weights: a ``trainer.save_model()`` kille
 model's files and the posterior's leaves new weights beside the previous posterior, and both
 load. A snapshot (``EVONPosterior.from_optimizer``) records ``mean_fingerprint`` in the config:
 per covered parameter its first ``FINGERPRINT_POSITIONS`` values (exact, as float64): an EVON
-update moves every entry, and under FSDP2 (rows sharded) the first entries are the first rank's,
-read there without a collective (fewer where that rank holds fewer: a matrix of fewer rows than
-ranks). :func:`mean_mismatches` compares the leading values both hold with a model's weights: exactly where the
-parameter has the dtype they were recorded in, within that dtype change's rounding otherwise
-(a model saved in float32 and loaded in bfloat16 still matches).
+update moves every entry, and of a sharded DTensor (FSDP2's rows, tensor parallelism's rows or
+columns) the first entries are the first rank's (every mesh coordinate 0), read there without a
+collective (fewer where that rank holds fewer: a matrix of fewer rows than ranks, the first row's
+columns of a column shard). :func:`mean_mismatches` compares the leading values both hold with a
+model's weights: exactly where the parameter has the dtype they were recorded in, within that dtype
+change's rounding otherwise (a model saved in float32 and loaded in bfloat16 still matches). Where
+this process cannot read a weight (another rank holds its first entries, or it is on the meta device)
+it says so (None) rather than "a match": a caller deciding on it across ranks takes the first rank's
+answer (``hf_evon.distributed.fsdp2.first_rows_value``).
 
 A mismatch warns instead of refusing: sampling around other weights is still a well-defined
 Gaussian, and deliberate uses (training on from a saved posterior, an adapter merged into its
@@ -46,34 +50,39 @@ class PosteriorMeanWarning(UserWarning):
 
 def _leading_values(p: Tensor) -> Tensor | None:
     """The first ``FINGERPRINT_POSITIONS`` entries of ``p`` (flattened), fewer where this process
-    holds fewer (a row-sharded DTensor's first rank, whose rows are the first), None where it holds
-    none: the meta device, or a DTensor sharded elsewhere than on rows, or whose first rows another
-    rank holds."""
+    holds fewer, None where it holds none: the meta device, an empty tensor, or a DTensor whose first
+    entries another rank holds (only mesh coordinate 0 holds them) or that is not sharded (``Partial``).
+
+    Coordinate 0 of a DTensor sharded on dims ``s1 < ... < sk`` holds offset 0 on each, so its local
+    entries, flattened, start with the global ones for as long as they run along the last sharded
+    dim and the full dims after it: ``prod(local.shape[sk:])`` entries (all of them for rows)."""
     if hasattr(p, "device_mesh"):
         coordinate = p.device_mesh.get_coordinate()
-        rows_only = all(pl.is_replicate() or pl.is_shard(dim=0) for pl in p.placements)
-        if not rows_only or coordinate is None or any(coordinate):
+        if coordinate is None or any(coordinate):
             return None
-        p = p.to_local()
+        if not all(pl.is_replicate() or pl.is_shard() for pl in p.placements):
+            return None
+        sharded = [pl.dim % p.dim() for pl in p.placements if pl.is_shard()]
+        local = p.to_local()
+        p = local[(0,) * max(sharded)] if sharded else local  # index 0 on the dims before sk
     if p.device.type == "meta" or p.numel() == 0:
         return None
     return p.detach().reshape(-1)[:FINGERPRINT_POSITIONS]
 
 
-def _values(params: Mapping[str, Tensor], names: list[str]) -> dict[str, list[float]] | None:
-    """The leading values of each parameter, read in one transfer; None where one is not held
-    by this process (see ``_leading_values``): there is nothing to compare then."""
-    picked = []
+def _values(params: Mapping[str, Tensor], names: list[str]) -> dict[str, list[float]]:
+    """The leading values of each parameter this process holds, read in one transfer; a name it
+    does not hold (see ``_leading_values``) is left out."""
+    picked = {}
     for name in names:
         values = _leading_values(params[name])
-        if values is None or params[name].numel() == 0:
-            return None
-        picked.append(values.to(torch.float64))
+        if values is not None:
+            picked[name] = values.to(torch.float64)
     if not picked:
         return {}
-    flat_values = torch.cat(picked).cpu().tolist()
+    flat_values = torch.cat(list(picked.values())).cpu().tolist()
     out, start = {}, 0
-    for name, values in zip(names, picked, strict=True):
+    for name, values in picked.items():
         out[name] = flat_values[start : start + values.numel()]
         start += values.numel()
     return out
@@ -88,7 +97,7 @@ def mean_fingerprint(params: Mapping[str, Tensor], names: Iterable[str]) -> dict
     """``{"dtype": ..., "values": {name: [...]}}`` of the covered ``names`` (None: not recordable)."""
     names = sorted(names)
     values = _values(params, names)
-    if values is None:
+    if len(values) < len(names):
         return None
     return {"dtype": _dtype_label(params[n].dtype for n in names), "values": values}
 
@@ -109,13 +118,16 @@ def _rounding(*dtype_names: str) -> tuple[float, float]:
 
 def mean_mismatches(
     fingerprint: Mapping[str, Any], params: Mapping[str, Tensor], names: Iterable[str]
-) -> list[str]:
-    """The covered ``names`` whose weights in ``params`` differ from the recorded ones."""
+) -> list[str] | None:
+    """The covered ``names`` whose weights in ``params`` differ from the recorded ones: ``[]`` where
+    this process read every one the fingerprint records and each matches, None where it cannot tell:
+    none of those it read differs, but it could not read them all (see ``_leading_values``), or the
+    fingerprint records none of ``names``."""
     recorded = fingerprint.get("values") or {}
     names = [n for n in sorted(names) if n in recorded and n in params]
     current = _values(params, names)
-    if current is None:
-        return []
+    unread = len(current) < len(names)
+    names = [n for n in names if n in current]
     recorded_dtype = str(fingerprint.get("dtype"))
     different = []
     for name in names:
@@ -132,13 +144,19 @@ def mean_mismatches(
             rel, spacing = _rounding(dtype, recorded_dtype)
             if any(abs(a - b) > rel * max(abs(a), abs(b)) + spacing for a, b in zip(want, got, strict=True)):
                 different.append(name)
+    if not different and (unread or not names):
+        return None
     return different
 
 
 def warn_if_other_mean(
     fingerprint: Mapping[str, Any] | None, params: Mapping[str, Tensor], names: Iterable[str]
 ) -> None:
-    """Warn (:class:`PosteriorMeanWarning`) where the weights in ``params`` are not the recorded mean."""
+    """Warn (:class:`PosteriorMeanWarning`) where the weights in ``params`` are not the recorded mean.
+
+    Silent where this process cannot tell: under FSDP2 or tensor parallelism the rank holding the
+    first entries (mesh coordinate 0) compares and warns, and weights on the meta device have no
+    values (sampling refuses them, naming them)."""
     if not fingerprint:
         return
     names = list(names)

@@ -75,8 +75,9 @@ def _has_posterior(directory: str) -> bool:
 
 def other_weights(model: Any, fingerprint: Any, names: Any) -> list[str] | None:
     """The covered ``names`` whose weights in ``model`` are not the ones a posterior's ``mean_fingerprint``
-    recorded (``[]``: its mean is these weights); None where that cannot be told: no fingerprint, or a
-    covered tensor the model lacks."""
+    recorded (``[]``: its mean is these weights); None where that cannot be told: no fingerprint, a
+    covered tensor the model lacks, or weights this process cannot read (under FSDP2 another rank holds
+    their leading entries: ``EVONTrainerMixin._held_mismatch`` takes that rank's answer)."""
     params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
     names = list(names)
     if not fingerprint or not names or any(name not in params for name in names):

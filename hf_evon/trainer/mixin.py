@@ -331,11 +331,13 @@ class EVONTrainerMixin(
             return posterior
         different = self._held_mismatch(posterior)
         if different is None and posterior is self.__dict__.get("_posterior_trained_past"):
-            # nothing to check the weights by, and this trainer's train() has moved them (its steps, or the
-            # checkpoint it resumed): a posterior taken before cannot be vouched for as theirs
+            # nothing to check the weights by (no fingerprint, or weights not readable even on the first-rows
+            # rank), and this trainer's train() has moved them (its steps, or the checkpoint it resumed): a
+            # posterior taken before cannot be vouched for as theirs
             warnings.warn(
                 f"{type(self).__name__}: the posterior (posterior=) has no mean_fingerprint to check the model's "
-                "weights by, and train() has changed them since it was given (another optimizer than EVON trained "
+                "weights by (or they cannot be read: the meta device), and train() has changed them since it was "
+                "given (another optimizer than EVON trained "
                 "them, or a checkpoint was resumed): it is not taken as these weights' posterior, so evaluation "
                 "and saving go without one (set trainer.posterior again if it is theirs)",
                 PosteriorMeanWarning,
