@@ -181,6 +181,49 @@ def test_a_steps_refreshes_share_one_qr_call_per_side_size(monkeypatch: pytest.M
         assert torch.equal(grouped[key], alone[key]), key
 
 
+def test_a_steps_refreshes_hold_the_state_of_a_bounded_run_of_buckets_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's due refreshes are gathered, refreshed and written back in runs of at most
+    ``REFRESH_CALL_ENTRIES`` statistics' entries (a bucket over it alone), as a grouped QR call
+    takes. Before, a step gathered every due bucket's stacks and held every new basis and moved
+    momentum until the last was made: on a refresh step without stagger, a new Q_L, Q_R and momentum
+    of every matrix at once (here one run of all three buckets, 61 + 61 + 72 entries over a bound of
+    122). The state equals that of one run of all of them, bit for bit."""
+    from hf_evon import EVON
+    from hf_evon.optim import linalg, update
+
+    runs = []
+    real_refresh = update.refresh_buckets
+
+    def recording(due):  # noqa: ANN001, ANN202
+        runs.append([(b.m, b.n, members) for b, members in due])
+        return real_refresh(due)
+
+    def run(bound: int) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(linalg, "REFRESH_CALL_ENTRIES", bound)
+        runs.clear()
+        torch.manual_seed(0)
+        weights = [torch.nn.Parameter(torch.randn(*shape) / 6**0.5) for shape in ((6, 5), (5, 6), (6, 6))]
+        opt = EVON(weights, seed=0, precondition_frequency=3, stagger_refresh=False)
+        x = torch.randn(8, 6)
+        for _ in range(7):  # the initialising step and two refresh cycles
+            with opt.sampled_params(train=True):
+                loss = torch.tanh(x[:, :5] @ weights[0].mT).square().sum()
+                loss = loss + torch.tanh(x @ weights[1].mT).square().sum() + torch.tanh(x @ weights[2]).sum()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return {f"{i}.{k}": v.clone() for i, w in enumerate(weights) for k, v in opt.state[w].items()}
+
+    monkeypatch.setattr(update, "refresh_buckets", recording)
+    bounded = run(36 + 25 + 25 + 36)  # the 6×5 and 5×6 matrices' statistics
+    assert runs == [[(6, 5, None), (5, 6, None)], [(6, 6, None)]] * 2  # two refresh steps
+    whole = run(1 << 27)
+    assert runs == [[(6, 5, None), (5, 6, None), (6, 6, None)]] * 2
+    assert bounded.keys() == whole.keys()
+    for key in bounded:
+        assert torch.equal(bounded[key], whole[key]), key
+
+
 def test_a_staggered_refresh_builds_each_phases_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 32: the members a staggered refresh takes are indexed by a tensor on the state's device,
     built once per member list: building it from a Python list is a host-to-device copy, which

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+import hf_evon.optim.linalg as linalg
 from hf_evon.optim.buckets import (
     ADAMW_ONLY_KEY,
     UNINITIALIZED,
@@ -46,6 +47,7 @@ __all__ = [
     "hessian_candidate",
     "plan_update",
     "moved_refusal",
+    "refresh_runs",
     "refuse_step",
     "step_plans",
     "step_weights",
@@ -252,9 +254,9 @@ def evon_update(
 def evon_updates(
     plans: list[Plan], num_samples: int, member_state: Callable[[Tensor], dict[str, Any]]
 ) -> None:
-    """:func:`evon_update` of every plan, then the due eigenbasis refreshes of all buckets together,
-    the weights' steps and the update counters, each in one multi-tensor op for all buckets (the
-    steps per group: rates and scaling are per group)."""
+    """:func:`evon_update` of every plan, then the due eigenbasis refreshes of all buckets together
+    (in runs of bounded memory, :func:`refresh_runs`), the weights' steps and the update counters,
+    each in one multi-tensor op for all buckets (the steps per group: rates and scaling are per group)."""
     steps: dict[int, tuple[float, WeightStep]] = {}
     stepped = []
     refreshes: list[tuple[Bucket, list[int] | None]] = []
@@ -270,12 +272,29 @@ def evon_updates(
                 scales += step[2]
         if counted:
             stepped.append((plan.bucket, plan.members))
-    if refreshes:
-        refresh_buckets(refreshes)
+    for run in refresh_runs(refreshes):  # each written before the next is gathered
+        refresh_buckets(run)
     for lr, (params, deltas, scales) in steps.values():
         # a CPU tensor's rate is read without a device sync: the number's step exactly
         step_weights(params, deltas, scales, lr.item() if torch.is_tensor(lr) and lr.device.type == "cpu" else lr)
     count_updates(stepped)
+
+
+def refresh_runs(due: list[tuple[Bucket, list[int] | None]]) -> list[list[tuple[Bucket, list[int] | None]]]:
+    """The due refreshes (bucket, members or None for all) in runs of at most
+    ``linalg.REFRESH_CALL_ENTRIES`` statistics' entries (a bucket over it alone), the bound of one
+    grouped QR call: a run's gathered stacks, new bases and moved momenta are held until it is
+    written, so a step that refreshes every matrix holds the state of one run at a time, not of all."""
+    runs: list[list[tuple[Bucket, list[int] | None]]] = []
+    entries = 0
+    for b, members in due:
+        size = (len(b.params) if members is None else len(members)) * (b.left * b.m**2 + b.right * b.n**2)
+        if not runs or entries + size > linalg.REFRESH_CALL_ENTRIES:
+            runs.append([])
+            entries = 0
+        runs[-1].append((b, members))
+        entries += size
+    return runs
 
 
 def step_weights(params: list[Tensor], deltas: list[Tensor], scales: list[Tensor] | None, lr: float | Tensor) -> None:
