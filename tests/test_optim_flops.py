@@ -152,7 +152,7 @@ def test_a_steps_refreshes_share_one_qr_call_per_side_size(monkeypatch: pytest.M
         calls.append(stat.shape[-1])
         return real_power_qr(stat, q, householder=householder)
 
-    def run(grouped: bool) -> dict[str, torch.Tensor]:
+    def run(grouped: bool) -> tuple[dict[str, torch.Tensor], list[int]]:
         monkeypatch.setattr(
             functional, "power_qr_many", lambda pairs: real_many(pairs, grouped=grouped, householder=False)
         )
