@@ -1735,6 +1735,46 @@ def test_a_posterior_of_another_adapter_name_names_both(tmp_path):
         ) in str(caught.value)
 
 
+def test_a_posterior_of_an_adapter_not_named_default_names_the_subfolder_peft_saved_it_in(tmp_path):
+    """PEFT's save_pretrained writes adapter "default" at the directory's root and any other adapter in a
+    subfolder of its name. A posterior of adapter "other", given the root's adapter (loaded as "default"),
+    told the user to load ``PeftModel.from_pretrained(..., adapter_name='other')``: from the root that
+    loads "default"'s weights under the name "other", a model the posterior fits by name but not by its
+    weights. The hint names the subfolder, and following it gives the posterior's own weights."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    from hf_evon.posterior.fingerprint import PosteriorMeanWarning
+
+    torch.manual_seed(1)
+    lora = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel(_tiny_gpt2_config()), lora)
+    model.add_adapter("other", lora)
+    model.set_adapter("other")
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=500, precondition_frequency=2, seed=0))
+    _train(model, opt, [torch.randint(0, 100, (4, 16)) for _ in range(2)], _lm_loss)
+    post = EVONPosterior.from_optimizer(opt, model)
+    model.save_pretrained(tmp_path)
+    post.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    root = PeftModel.from_pretrained(GPT2LMHeadModel(_tiny_gpt2_config()), tmp_path)
+    with pytest.raises(PosteriorMismatchError) as caught:
+        EVONPosterior.from_pretrained(tmp_path, model=root)
+    assert (
+        f"{post.names[0]!r} is not a parameter of the model (the model's adapter is named 'default', the "
+        "posterior's 'other': load the adapter under the posterior's name from where PEFT saved it, e.g. "
+        "PeftModel.from_pretrained(base, saved_dir, subfolder='other', adapter_name='other'); PEFT's "
+        "save_pretrained puts an adapter not named 'default' in a subfolder of its name)"
+    ) in str(caught.value)
+    torch.manual_seed(1)
+    followed = PeftModel.from_pretrained(
+        GPT2LMHeadModel(_tiny_gpt2_config()), tmp_path, subfolder="other", adapter_name="other"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        EVONPosterior.from_pretrained(tmp_path, model=followed)
+
+
 # ----------------------------------------------------------------------------- model card
 def test_model_card_content(gpt2, tmp_path):
     _, _, post = gpt2

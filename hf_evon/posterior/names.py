@@ -185,9 +185,18 @@ def name_hint(name: str, model: nn.Module, params: Mapping[str, Any]) -> str:
         differ = [i for i, (a, b) in enumerate(zip(parts, segments, strict=True)) if a != b]
         if len(differ) == 1 and adapter_name_of(model, other) == segments[differ[0]]:
             ours, theirs = parts[differ[0]], segments[differ[0]]
+            if ours == "default":
+                return (
+                    f" (the model's adapter is named {theirs!r}, the posterior's {ours!r}: load the adapter "
+                    f"under the posterior's name, e.g. PeftModel.from_pretrained(..., adapter_name={ours!r}))"
+                )
+            # PEFT saves any other adapter in a subfolder of its name: loaded from the directory's root
+            # under the posterior's name, the model would hold the root's adapter ("default"'s weights)
             return (
-                f" (the model's adapter is named {theirs!r}, the posterior's {ours!r}: load the adapter "
-                f"under the posterior's name, e.g. PeftModel.from_pretrained(..., adapter_name={ours!r}))"
+                f" (the model's adapter is named {theirs!r}, the posterior's {ours!r}: load the adapter under the "
+                "posterior's name from where PEFT saved it, e.g. PeftModel.from_pretrained(base, saved_dir, "
+                f"subfolder={ours!r}, adapter_name={ours!r}); PEFT's save_pretrained puts an adapter not named "
+                "'default' in a subfolder of its name)"
             )
     return ""
 
