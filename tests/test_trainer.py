@@ -1862,6 +1862,39 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path
     assert all(torch.equal(saved[k], on_disk[k]) for k in saved)
 
 
+def test_load_best_model_at_end_loads_a_non_default_adapter_from_its_own_subfolder(tmp_path):
+    """PEFT saves the adapter "default" at a checkpoint's root and any other in a subfolder of its name.
+    With "other" active, the Trainer's load_best_model_at_end loaded the root's adapter ("default"'s
+    untrained weights) into "other": the trained adapter was lost and the best checkpoint's posterior sat
+    beside weights it was not taken at. The active adapter is the best checkpoint's, and its posterior fits."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model = get_peft_model(tiny_bert(), _lora_config())
+    model.add_adapter("other", _lora_config())
+    model.set_adapter("other")
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", bma_num_samples=2, evon_ess=100.0,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=model, args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1)
+    )
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    saved = load_file(os.path.join(best, "other", "adapter_model.safetensors"))
+    root = load_file(os.path.join(best, "adapter_model.safetensors"))
+    held = get_peft_model_state_dict(model, adapter_name="other")  # what PEFT saves of it, by its keys
+    assert held.keys() == saved.keys() == root.keys()
+    assert all(torch.equal(held[k], saved[k]) for k in saved)
+    assert not all(torch.equal(saved[k], root[k]) for k in saved)  # the root's is another adapter's
+    trained = [p for n, p in model.named_parameters() if ".other." in n]
+    assert model.active_adapters == ["other"] and all(p.requires_grad for p in trained)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        trainer.posterior.check_model(model)
+
+
 def test_the_card_after_load_best_model_at_end_reports_the_best_checkpoints_evaluation_and_step(tmp_path):
     """save_model() after load_best_model_at_end writes the best checkpoint's weights and posterior:
     its card reports that checkpoint's evaluation and step, not the last evaluation's."""

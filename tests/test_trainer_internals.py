@@ -73,6 +73,10 @@ def test_the_overridden_private_methods_exist_on_trainer():
     assert list(inspect.signature(Trainer._load_from_checkpoint).parameters) == ["self", "resume_from_checkpoint", "model"]
     assert list(inspect.signature(Trainer._load_best_model).parameters) == ["self"]
     assert "else self.model" in inspect.getsource(Trainer._load_best_model)  # it loads into self.model
+    # a PeftModel's active adapter from best_model_checkpoint itself, which the override points at its subfolder
+    assert "model.load_adapter(self.state.best_model_checkpoint, active_adapter)" in inspect.getsource(
+        Trainer._load_best_model
+    )
     assert list(inspect.signature(Trainer._save_optimizer_and_scheduler).parameters) == ["self", "output_dir"]
     assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters) == ["self", "checkpoint"]
     assert list(inspect.signature(Trainer._push_from_checkpoint).parameters) == ["self", "checkpoint_folder"]

@@ -24,7 +24,10 @@ changes it fails there rather than silently here.
   ``_load_best_model()``: for a model passed already wrapped by ``torch.compile``, the Trainer
   saves the wrapper's ``state_dict`` (every name under ``_orig_mod.``, which ``from_pretrained``
   does not load, beside a posterior and a card under the model's own names) and loads into the
-  wrapper; the weights are saved and loaded under the model's own names instead.
+  wrapper; the weights are saved and loaded under the model's own names instead. ``_load_best_model``
+  also loads a PEFT model's active adapter from where PEFT saved it: the Trainer loads the checkpoint's
+  root, which holds the adapter "default", into the active one, and PEFT saves any other adapter in a
+  subfolder of its name.
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
@@ -40,6 +43,7 @@ One private attribute of TRL's trainers is corrected too (pinned by ``tests/test
 the mixin runs each micro-batch once per posterior sample, and its tokens count once.
 """
 
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +52,9 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.trainer_utils import HubStrategy
+from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
+from hf_evon.modeling import is_peft_model
 from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
 
 __all__ = ["TrainerInternals"]
@@ -61,6 +67,23 @@ def _compiled_inner(model: Any) -> nn.Module | None:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds, or None for any other model."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) else None
+
+
+def _active_adapter_folder(trainer: Any, model: nn.Module) -> str | None:
+    """The best checkpoint's folder of ``model``'s active PEFT adapter where it is not the checkpoint's
+    root: PEFT saves "default" there and any other adapter in a subfolder of its name, while the
+    Trainer loads the root's adapter into the active one (the first, as the Trainer takes). None where
+    the root is right, or where DeepSpeed or FSDP load the checkpoint their own way."""
+    best = trainer.state.best_model_checkpoint
+    if not best or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or not is_peft_model(model):
+        return None
+    active = getattr(model, "active_adapters", None)
+    adapter = active[0] if isinstance(active, list | tuple) and active else None
+    if not isinstance(adapter, str) or adapter == "default":
+        return None
+    folder = os.path.join(best, adapter)
+    saved = any(os.path.isfile(os.path.join(folder, f)) for f in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
+    return folder if saved else None
 
 
 class TrainerInternals:
@@ -80,13 +103,15 @@ class TrainerInternals:
 
     def _load_best_model(self) -> None:
         compiled, inner = self.model, _compiled_inner(self.model)
-        if inner is None:
-            return super()._load_best_model()
-        self.model = inner  # it loads into self.model; the compiled wrapper shares these parameters
+        best, folder = self.state.best_model_checkpoint, _active_adapter_folder(self, inner or compiled)
+        if inner is not None:
+            self.model = inner  # it loads into self.model; the compiled wrapper shares these parameters
+        if folder is not None:  # the Trainer loads the checkpoint's root, which holds "default"'s adapter
+            self.state.best_model_checkpoint = folder
         try:
             super()._load_best_model()
         finally:
-            self.model = compiled
+            self.model, self.state.best_model_checkpoint = compiled, best
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
