@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -341,6 +342,38 @@ def test_generate_with_a_lora_adapter_not_named_default(saved, tmp_path, capsys,
     where = tmp_path / "mine" if model_dir == "the adapter's folder" else tmp_path
     argv = ["generate", "--model", str(where), "--posterior", str(tmp_path), "--samples", "3"]
     assert main([*argv, "--max-new-tokens", "4", "--seed", "2", "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
+    )  # fmt: skip
+    assert record["completion_ids"] == expected[0, 2:].tolist()
+
+
+def test_generate_loads_a_named_adapter_from_its_folder_beside_the_default_one_at_the_root(saved, tmp_path, capsys):
+    """A PeftModel with the adapters "default" and "mine", "mine" trained: PEFT saves "default" at the
+    directory's root and "mine" in ``dir/mine``. Given ``--model dir`` and the posterior of "mine", the
+    CLI loaded the root's adapter ("default"'s weights) under the name "mine": the posterior fitted by
+    name and was sampled around other weights (a PosteriorMeanWarning, other completions). It loads
+    ``dir/mine``, and decodes as generate_bma on the trained model."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_evon.posterior.fingerprint import PosteriorMeanWarning
+
+    path, _, _, _ = saved
+    lora = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(path), lora)
+    model.add_adapter("mine", lora)
+    model.set_adapter("mine")
+    posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
+    assert posterior.names and all(".mine." in n for n in posterior.names)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "mine" / "adapter_config.json").is_file()
+    argv = ["generate", "--model", str(tmp_path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     expected = generate_bma(
         model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),

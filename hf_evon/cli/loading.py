@@ -441,9 +441,11 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     peft_kwargs: dict[str, Any] = {}
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         inside = os.path.isfile(os.path.join(path, "adapter_config.json"))
-        if not inside and any(os.path.isfile(os.path.join(d.path, "adapter_config.json")) for d in os.scandir(path)):
-            named = adapter()  # PEFT's save_pretrained puts an adapter not named "default" in path/<name>
-            if named and os.path.isfile(os.path.join(path, named, "adapter_config.json")):
+        if any(os.path.isfile(os.path.join(d.path, "adapter_config.json")) for d in os.scandir(path) if d.is_dir()):
+            # PEFT's save_pretrained puts an adapter not named "default" in path/<name>, and "default" at the
+            # root: the root holds the posterior's adapter only where that is "default" or no folder is named so
+            named = adapter()
+            if named and not (inside and named == "default") and os.path.isfile(os.path.join(path, named, "adapter_config.json")):
                 path, inside = os.path.join(path, named), True
         if inside and (named := adapter()) not in (None, "default"):
             peft_kwargs["adapter_name"] = named
