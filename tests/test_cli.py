@@ -1614,3 +1614,19 @@ def test_calibrate_refuses_an_output_holding_another_adapter(saved, tmp_path, ca
     same = tmp_path / "same"
     ours.save_pretrained(same)
     assert_calibrated_into(same, capsys, "--model", str(adapter), "--text", str(text))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "ab", "--samples", str(2**63)], f"--samples: wants an integer from 1 to {2**63 - 1}; got '{2**63}'"),
+    (["--prompt", "ab", "--num-beams", str(2**63)], f"--num-beams: wants an integer from 1 to {2**63 - 1}"),
+    (["--prompt-ids", str(2**63)], f"--prompt-ids: token id {2**63} is no 64-bit integer"),
+    (["--prompt-ids", f"5 {-(2**63) - 1}"], f"--prompt-ids: token id {-(2**63) - 1} is no 64-bit integer"),
+])  # fmt: skip
+def test_an_integer_beyond_64_bits_is_an_argparse_error_naming_its_option(saved, capsys, argv, message):
+    """--samples or --num-beams of 2**63 raised torch's TypeError with a traceback, and --prompt-ids
+    beyond 64 bits printed "Overflow when unpacking long long", naming no option, exit code 1."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(saved[0]), "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err, err
+    assert f"hf-evon generate: error: argument {message}" in err, err

@@ -59,11 +59,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MODEL_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)")
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+def _int_at_least(low: int, high: int = 2**63 - 1) -> Callable[[str], int]:
     def parse(text: str) -> int:
         with contextlib.suppress(ValueError):
-            if (value := int(text)) >= low:
+            if low <= (value := int(text)) <= high:
                 return value
+            if value > high:  # torch takes sizes as 64-bit integers: a larger one fails deep inside it
+                raise argparse.ArgumentTypeError(f"wants an integer from {low} to {high}; got {text!r}")
         raise argparse.ArgumentTypeError(f"wants an integer >= {low}; got {text!r}")
 
     return parse
@@ -94,8 +96,8 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"--prompt-ids wants integers separated by spaces or commas; got {text!r}"
         ) from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    if not ids or abs(big := max(ids, key=abs)) >= 2**63:  # torch's token ids are 64-bit integers
+        raise argparse.ArgumentTypeError("--prompt-ids is empty" if not ids else f"token id {big} is no 64-bit integer")
     return ids
 
 
