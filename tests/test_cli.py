@@ -1630,3 +1630,20 @@ def test_an_integer_beyond_64_bits_is_an_argparse_error_naming_its_option(saved,
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err, err
     assert f"hf-evon generate: error: argument {message}" in err, err
+
+
+def test_calibrate_with_more_max_blocks_than_bytes_can_count_uses_the_whole_text(saved, tmp_path, capsys):
+    """--max-blocks 2**62 (a valid 64-bit integer) made the text's first read ask for more bytes than
+    an index holds: OverflowError with a traceback (smaller values allocated that many bytes). A read
+    takes at most the file; the run scores the text's blocks as --max-blocks of exactly their number."""
+    from hf_evon.cli.loading import read_text
+
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    assert read_text(str(text), "--text", 2**62) == (text.read_text(), True)
+    runs = {}
+    for blocks in (str(2**62), str(len(text.read_text()) // 16)):  # a character a token
+        argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(tmp_path / blocks)]
+        assert main([*argv, "--block-size", "16", "--samples", "2", "--max-blocks", blocks, "--json"]) == 0
+        runs[blocks] = json.loads(capsys.readouterr().out)
+    assert runs[str(2**62)] == runs[str(len(text.read_text()) // 16)]

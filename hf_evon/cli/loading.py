@@ -113,7 +113,8 @@ def read_text(path: str, option: str, max_bytes: int | None = TEXT_CHUNK_BYTES) 
     cuts; None: all of it), and whether that is the whole file; a file in another encoding is a
     usage error naming it (and the offset of the byte)."""
     with open(path, "rb") as fh:
-        data = fh.read() if max_bytes is None else fh.read(max_bytes + 1)
+        # at most the file's size (and a byte to see it end): read(n) allocates n bytes first
+        data = fh.read() if max_bytes is None else fh.read(min(max_bytes, os.fstat(fh.fileno()).st_size) + 1)
     whole = max_bytes is None or len(data) <= max_bytes
     try:  # an incremental decoder: a character the limit cuts is no error
         return codecs.getincrementaldecoder("utf-8")().decode(data if whole else data[:max_bytes], final=whole), whole
