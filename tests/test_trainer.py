@@ -1895,6 +1895,37 @@ def test_load_best_model_at_end_loads_a_non_default_adapter_from_its_own_subfold
         trainer.posterior.check_model(model)
 
 
+def test_load_best_model_at_end_loads_every_active_adapter_of_the_best_checkpoint(tmp_path):
+    """Two PEFT adapters trained together (both active): the Trainer's load_best_model_at_end loads only
+    the first active one, so "other" kept the last step's weights beside the best checkpoint's posterior.
+    Every active adapter is the best checkpoint's."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)  # no head copy
+    model = get_peft_model(tiny_bert(), lora)
+    model.add_adapter("other", lora)
+    model.base_model.set_adapter(["default", "other"])  # both active and trainable
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_early", bma_num_samples=2, evon_ess=100.0,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=model, args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1),
+        compute_metrics=lambda _: {"early": -trainer.state.global_step},  # the first checkpoint is the best
+    )  # fmt: skip
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith("checkpoint-2")
+    for adapter, folder in (("default", best), ("other", os.path.join(best, "other"))):
+        saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+        held = get_peft_model_state_dict(model, adapter_name=adapter)
+        assert held.keys() == saved.keys() and all(torch.equal(held[k], saved[k]) for k in saved), adapter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PosteriorMeanWarning)
+        trainer.posterior.check_model(model)
+
+
 def test_the_card_after_load_best_model_at_end_reports_the_best_checkpoints_evaluation_and_step(tmp_path):
     """save_model() after load_best_model_at_end writes the best checkpoint's weights and posterior:
     its card reports that checkpoint's evaluation and step, not the last evaluation's."""

@@ -25,9 +25,9 @@ changes it fails there rather than silently here.
   saves the wrapper's ``state_dict`` (every name under ``_orig_mod.``, which ``from_pretrained``
   does not load, beside a posterior and a card under the model's own names) and loads into the
   wrapper; the weights are saved and loaded under the model's own names instead. ``_load_best_model``
-  also loads a PEFT model's active adapter from where PEFT saved it: the Trainer loads the checkpoint's
-  root, which holds the adapter "default", into the active one, and PEFT saves any other adapter in a
-  subfolder of its name.
+  also loads each of a PEFT model's active adapters from where PEFT saved it: the Trainer loads the
+  checkpoint's root, which holds the adapter "default", into the first active one only, and PEFT saves
+  any other adapter in a subfolder of its name.
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
@@ -69,21 +69,24 @@ def _compiled_inner(model: Any) -> nn.Module | None:
     return inner if isinstance(inner, nn.Module) else None
 
 
-def _active_adapter_folder(trainer: Any, model: nn.Module) -> str | None:
-    """The best checkpoint's folder of ``model``'s active PEFT adapter where it is not the checkpoint's
-    root: PEFT saves "default" there and any other adapter in a subfolder of its name, while the
-    Trainer loads the root's adapter into the active one (the first, as the Trainer takes). None where
-    the root is right, or where DeepSpeed or FSDP load the checkpoint their own way."""
+def _active_adapter_folders(trainer: Any, model: nn.Module) -> list[tuple[str, str]]:
+    """``(adapter, folder)`` of each of ``model``'s active PEFT adapters in the best checkpoint, in the
+    order PEFT keeps them: PEFT saves "default" at the checkpoint's root and any other adapter in a
+    subfolder of its name, while the Trainer loads the root's adapter into the first active one only.
+    Empty without PEFT, where the first one is not saved, or where DeepSpeed or FSDP load the checkpoint
+    their own way."""
     best = trainer.state.best_model_checkpoint
     if not best or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled or not is_peft_model(model):
-        return None
+        return []
     active = getattr(model, "active_adapters", None)
-    adapter = active[0] if isinstance(active, list | tuple) and active else None
-    if not isinstance(adapter, str) or adapter == "default":
-        return None
-    folder = os.path.join(best, adapter)
-    saved = any(os.path.isfile(os.path.join(folder, f)) for f in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
-    return folder if saved else None
+    found = []
+    for adapter in active if isinstance(active, list | tuple) else ():
+        folder = best if adapter == "default" else os.path.join(best, str(adapter))
+        if any(os.path.isfile(os.path.join(folder, f)) for f in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)):
+            found.append((str(adapter), folder))
+        elif not found:  # the first one's folder is where the Trainer loads from: it is left to the Trainer
+            return []
+    return found
 
 
 class TrainerInternals:
@@ -103,13 +106,15 @@ class TrainerInternals:
 
     def _load_best_model(self) -> None:
         compiled, inner = self.model, _compiled_inner(self.model)
-        best, folder = self.state.best_model_checkpoint, _active_adapter_folder(self, inner or compiled)
+        best, adapters = self.state.best_model_checkpoint, _active_adapter_folders(self, inner or compiled)
         if inner is not None:
             self.model = inner  # it loads into self.model; the compiled wrapper shares these parameters
-        if folder is not None:  # the Trainer loads the checkpoint's root, which holds "default"'s adapter
-            self.state.best_model_checkpoint = folder
+        if adapters:  # the Trainer loads the checkpoint's root, which holds "default"'s adapter, into the first
+            self.state.best_model_checkpoint = adapters[0][1]
         try:
             super()._load_best_model()
+            for adapter, folder in adapters[1:]:  # the Trainer loads the first active adapter only
+                self.model.load_adapter(folder, adapter)
         finally:
             self.model, self.state.best_model_checkpoint = compiled, best
 
