@@ -330,6 +330,26 @@ def test_a_frozen_weight_never_updated_is_a_point_estimate_that_no_sample_pertur
         EVONPosterior.from_optimizer(hf_evon.EVON(model.parameters(), **plain_evon()), model)
 
 
+def test_a_frozen_weight_beside_trained_ones_of_its_shape_is_a_point_estimate():
+    """A frozen matrix stacked with trained ones of its shape (one bucket) gets the counter
+    UNINITIALIZED (-1), not 0, at the bucket's first step; the posterior still covered it (and drew it
+    at the h0 scale) though EVON's samples never touch it and ``posterior_health`` leaves it out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[0].weight.requires_grad_(False)
+    opt = hf_evon.EVON(model.parameters(), **plain_evon(lr=0.05, ess=100.0, seed=0))
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    _train(model, opt, [(x, y)] * 3, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    # three steps, the first initialising the statistics: two updates of the trained matrix
+    assert opt.state[model[0].weight]["step"].item() == -1 and opt.state[model[2].weight]["step"].item() == 2
+    post = EVONPosterior.from_optimizer(opt, model, max_basis_ratio=None)
+    assert "0.weight" not in post.names and "2.weight" in post.names
+    assert post.num_point_estimate_tensors == 1 and post.num_point_estimates == model[0].weight.numel() == 16
+    mean = model[0].weight.detach().clone()
+    with post.sampled(model, seed=0):
+        assert torch.equal(model[0].weight, mean)
+
+
 # ----------------------------------------------------------------------------- moments
 def test_covariance_equals_the_optimizers(mlp):
     model, opt, post = mlp

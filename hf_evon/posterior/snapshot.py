@@ -75,7 +75,8 @@ def _missing_hint(label: str, model: nn.Module) -> str:
 
 def _updates(optimizer: Any, p: torch.Tensor, factors: dict[str, Any]) -> int:
     """The updates EVON took of ``p`` (its ``step``; a sharded EVON's gathered ``factors`` hold it
-    for a matrix another rank owns), 0 where it has none yet."""
+    for a matrix another rank owns), 0 where it has none yet; ``UNINITIALIZED`` (-1) for a member
+    that had no gradient at its bucket's first step: never updated either."""
     step = optimizer.state.get(p, {}).get("step", factors.get("step"))
     return 0 if step is None else int(step.item() if torch.is_tensor(step) else step)
 
@@ -109,7 +110,7 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
                     f"the given {type(model).__name__}: {_missing_hint(label, model)}"
                 )
             f = optimizer.posterior_factors(p)
-            if not p.requires_grad and _updates(optimizer, p, f) == 0:
+            if not p.requires_grad and _updates(optimizer, p, f) <= 0:
                 # frozen and never updated: H is still h0, not a curvature, and EVON's own samples leave it
                 # alone; its posterior is a point (the mean), so it is a point estimate here too
                 continue
