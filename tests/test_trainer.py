@@ -1191,6 +1191,26 @@ def test_bma_after_an_evon_run_that_trained_no_matrix_names_why_there_is_no_post
     assert "EVONTrainer: EVON trains none of the model's parameters" in caplog.text
 
 
+def test_a_run_whose_evon_matrices_are_all_frozen_and_never_updated_saves_without_a_posterior(tmp_path):
+    """Every EVON matrix frozen after the optimizer was built (a phase that trains only AdamW's tensors):
+    each is a point estimate, so ``EVONPosterior.from_optimizer`` has nothing to cover, and
+    ``current_posterior()`` and ``save_model`` raised its ValueError ("no EVON-owned parameters that are
+    trainable or were updated") where the trainer checked only that EVON has parameters. It saves the
+    model without a posterior."""
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path, max_steps=2), train_dataset=classification_data())
+    trainer.create_optimizer()
+    evon = [p for g in trainer.evon_optimizer.param_groups if g["algorithm"] == "evon" for p in g["params"]]
+    assert evon and all(p.requires_grad for p in evon)
+    for p in evon:
+        p.requires_grad_(False)
+    trainer.train()
+    assert trainer.current_posterior() is None
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    assert not (tmp_path / "saved" / POSTERIOR_CONFIG_NAME).exists()
+    assert not (tmp_path / "saved" / POSTERIOR_WEIGHTS_NAME).exists()
+
+
 def test_save_model_after_merge_and_unload_refuses_before_writing_and_names_the_merge(tmp_path):
     """``trainer.model.merge_and_unload()`` removes the adapter's tensors the posterior covers. Saving
     then wrote PEFT's adapter of no tensors over the saved one and only then raised, beside the old

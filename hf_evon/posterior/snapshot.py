@@ -30,7 +30,7 @@ from hf_evon.posterior.fingerprint import mean_fingerprint
 from hf_evon.posterior.gaussian import MatrixFactors
 from hf_evon.posterior.json_rules import PosteriorMismatchError, recordable_base_model
 
-__all__ = ["HYPERPARAMETER_KEYS", "Snapshot", "snapshot"]
+__all__ = ["HYPERPARAMETER_KEYS", "Snapshot", "has_posterior_to_take", "snapshot"]
 
 # EVON group entries recorded as hyperparameters (those present in the optimizer's group), in the
 # file's order: what the posterior is defined by first; init_std_ratio shapes only the start of training
@@ -81,6 +81,27 @@ def _updates(optimizer: Any, p: torch.Tensor, factors: dict[str, Any]) -> int:
     return 0 if step is None else int(step.item() if torch.is_tensor(step) else step)
 
 
+def _point_estimate(optimizer: Any, p: torch.Tensor, factors: dict[str, Any]) -> bool:
+    """Whether EVON member ``p`` is a point estimate of the posterior: frozen and never updated, its H
+    still h0, not a curvature, and EVON's own samples leave it alone (its posterior is the mean)."""
+    return not p.requires_grad and _updates(optimizer, p, factors) <= 0
+
+
+def has_posterior_to_take(optimizer: Any) -> bool:
+    """Whether :func:`snapshot` finds a parameter to cover: an EVON member with entries that is trainable
+    or that EVON updated. Where every member is frozen, sharded EVON gathers the factors (a collective,
+    as :func:`snapshot`'s), so every rank calls it then."""
+    optimizer = unwrap_optimizer(optimizer)
+    members = [p for g in optimizer.param_groups if g.get("algorithm", "evon") == "evon" for p in g["params"]]
+    members = [p for p in members if p.numel()]
+    if not members or any(p.requires_grad for p in members):
+        return bool(members)
+    sharding = getattr(optimizer, "sharding", None)
+    if sharding is not None:
+        sharding.gather_factors()
+    return not all(_point_estimate(optimizer, p, optimizer.posterior_factors(p)) for p in members)
+
+
 def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
     """Read the posterior factors of ``optimizer`` (unwrapped from accelerate) for ``model``
     (unwrapped from DDP). With sharded EVON this gathers the factors: a collective, so every
@@ -110,9 +131,7 @@ def snapshot(optimizer: Any, model: nn.Module) -> Snapshot:
                     f"the given {type(model).__name__}: {_missing_hint(label, model)}"
                 )
             f = optimizer.posterior_factors(p)
-            if not p.requires_grad and _updates(optimizer, p, f) <= 0:
-                # frozen and never updated: H is still h0, not a curvature, and EVON's own samples leave it
-                # alone; its posterior is a point (the mean), so it is a point estimate here too
+            if _point_estimate(optimizer, p, f):
                 continue
             entries.append((names_by_id[id(p)], p, f))
     if not entries:

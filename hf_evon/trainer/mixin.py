@@ -114,6 +114,7 @@ from hf_evon.optim.evon import unwrap_optimizer
 from hf_evon.optim.grouping import is_full_finetuning
 from hf_evon.posterior.fingerprint import PosteriorMeanWarning
 from hf_evon.posterior.posterior import EVONPosterior
+from hf_evon.posterior.snapshot import has_posterior_to_take
 from hf_evon.predictive.logprobs import count_label_items
 from hf_evon.trainer.adalora import add_rank_allocation, pruned_entries, zero_pruned
 from hf_evon.trainer.calibration import CalibrationMixin
@@ -306,9 +307,8 @@ class EVONTrainerMixin(
     def _trained_posterior(self) -> Any:
         """:meth:`current_posterior` before its calibration."""
         opt = self.evon_optimizer
-        if self._posterior_from_checkpoint or opt is None or not any(
-            g["algorithm"] == "evon" and g["params"] for g in opt.param_groups
-        ):
+        # no EVON matrix to cover (all with AdamW, or every one frozen and never updated): the held one
+        if self._posterior_from_checkpoint or opt is None or not has_posterior_to_take(opt):
             return self._held_posterior()
         return EVONPosterior.from_optimizer(opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio)
 
