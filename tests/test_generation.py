@@ -2057,6 +2057,28 @@ def test_a_model_the_batched_path_refuses_decodes_one_draw_at_a_time_as_the_batc
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_one_draw_at_a_time_raises_no_deprecation_of_a_cache_keyword_the_caller_never_passed(monkeypatch, arch):
+    """One draw at a time, generate_bma read each forward's output by both cache names, and reading
+    ``past_key_values`` of a transformers 5.24 output logs "`past_key_values`/`cache_params` are
+    deprecated. Use `cache` instead.": a warning about a keyword the caller never passed."""
+    from transformers.utils import generic
+
+    model = tiny_gpt2() if arch == "gpt2" else tiny_t5()
+    posterior = train_posterior(model)
+    messages: list[str] = []
+    record = lambda message, *args, **kwargs: messages.append(str(message))  # noqa: E731
+    monkeypatch.setattr(generic.logger, "warning_once", record)
+    monkeypatch.setattr(generic.logger, "warning", record)
+    _refuse_batched(monkeypatch)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, return_dict_in_generate=True, **kwargs)
+    assert out.sequences.shape[1] == (PROMPTS.shape[1] if arch == "gpt2" else 1) + 3
+    assert [m for m in messages if "past_key_values" in m] == []
+
+
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
 def test_an_ia3_or_adalora_lm_decodes_one_draw_at_a_time_as_the_slow_reference(adapter):
     """IA3's scaling vectors and AdaLoRA's lora_A/lora_E/lora_B live in ParameterDicts, which the

@@ -224,8 +224,10 @@ def forward_per_sample(
         outputs.logits = combine(logits)
         for name, layers in per_layer.items():  # (S·B, …) per layer, sample-major
             outputs[name] = tuple(torch.cat(samples_of_layer) for samples_of_layer in zip(*layers))
-        for name in CACHE_KEYWORDS:
-            if outputs.get(name) is not None:
+        # the output's own name for its cache, from its keys: reading the other name through the output
+        # (transformers 5.24's past_key_values) logs a deprecation of a keyword the caller never passed
+        for name in [k for k in CACHE_KEYWORDS if k in outputs.keys()]:
+            if outputs[name] is not None:
                 outputs[name] = cache
         return outputs
 
