@@ -437,6 +437,21 @@ def test_a_bad_weights_file_is_named_in_the_error(tmp_path, case):
     assert str(err.value).startswith(str(path)) and message in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_bases_stored_coarser_than_the_configs_eigenbasis_dtype_are_refused(tmp_path, stored):
+    """A config declaring ``eigenbasis_dtype: float32`` beside half-precision bases loaded (the file's
+    own tolerance passed them), and the posterior's save then wrote their rounding as float32, which
+    its load refused ("'….Q_L' is not orthonormal (0.0026 > 0.001 for float32)")."""
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    assert json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())["eigenbasis_dtype"] == "float32"
+    path = _edit_weights(tmp_path, lambda t, m: t.update({k: v.to(stored) for k, v in t.items() if ".Q_" in k}))
+    name = {torch.bfloat16: "BF16", torch.float16: "F16"}[stored]
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value).startswith(f"{path}: tensor '{LORA}.Q_L' is stored in {name}, "), str(err.value)
+    assert "eigenbasis_dtype 'float32'" in str(err.value)
+
+
 def test_a_float32_basis_saved_as_float64_loads(tmp_path):
     # EVON's float32 basis, off by 1e-5 (well within float32's tolerance), saved with
     # eigenbasis_dtype=float64: it is read into the float32 buffers of its float32 hess, so the

@@ -110,6 +110,7 @@ _STAGING_DIR_RE = re.compile(
 _SAFETENSORS_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 STALE_TEMPORARY_SECONDS = 600  # a live save writes to its temporary all along
 _STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_STORED_NAMES = {dtype: name for name, dtype in _STORED_DTYPES.items()}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -190,6 +191,7 @@ def _check_tensor_headers(fh: Any, config: PosteriorConfig, where: str) -> dict[
                     f"{where}: tensor {key!r} has shape {list(header.get_shape())}; expected {list(want)}"
                 )
             stored[key] = dtype
+    _check_basis_precision(config, stored, where)
     extra = sorted(keys - set(stored))
     if extra:
         raise PosteriorMismatchError(
@@ -197,6 +199,25 @@ def _check_tensor_headers(fh: Any, config: PosteriorConfig, where: str) -> dict[
             "(refusing to skip them silently)"
         )
     return stored
+
+
+def _check_basis_precision(config: PosteriorConfig, stored: dict[str, torch.dtype], where: str) -> None:
+    """Refuse a basis stored coarser than both the config's ``eigenbasis_dtype`` and the buffer it is read
+    into: the loaded posterior would declare the finer precision, and its save would write the coarse
+    rounding as that dtype, which the load's orthonormality check refuses. (A basis read into a buffer
+    of its own dtype is held as it is: a mixed-dtype posterior declares its first basis's dtype.)"""
+    declared = as_dtype(config.eigenbasis_dtype)
+    if declared is None:
+        return
+    for name, entry in config.parameters.items():
+        buffer = torch.float64 if stored[f"{name}.hess"] == torch.float64 else torch.float32
+        for key, kind, _ in entry.tensors(name):
+            dtype = stored[key]
+            if kind != "hess" and torch.finfo(dtype).eps > max(torch.finfo(d).eps for d in (declared, buffer)):
+                raise PosteriorMismatchError(
+                    f"{where}: tensor {key!r} is stored in {_STORED_NAMES[dtype]}, coarser than the config's "
+                    f"eigenbasis_dtype {config.eigenbasis_dtype!r}"
+                )
 
 
 def _check_values(
