@@ -1336,6 +1336,17 @@ def test_token_seed_samples_other_tokens_from_the_same_weight_samples(gpt2):
     assert not torch.equal(generate_bma(model, noisy, PROMPTS, **dict(greedy, seed=9)), generate_bma(model, noisy, PROMPTS, **greedy))
 
 
+@pytest.mark.parametrize("token_seed", [1.5, "3", True])
+def test_a_token_seed_that_is_no_integer_is_refused_naming_token_seed(gpt2, token_seed):
+    """A token_seed that is no integer, beside a valid seed, was refused as "seed must be an integer
+    (or None); got 1.5": the argument named was the valid one."""
+    model, posterior = gpt2
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=rf"^generate_bma: token_seed must be an integer \(or None\); got {re.escape(repr(token_seed))}$"):
+        generate_bma(model, posterior, PROMPTS, num_samples=2, seed=3, token_seed=token_seed, do_sample=True, max_new_tokens=2)
+    assert_unchanged(model, before)
+
+
 def test_beam_sampling_is_reproducible_with_a_seed_and_leaves_the_global_generator(gpt2):
     model, posterior = gpt2
     kwargs = dict(BEAMS, do_sample=True, top_k=10)

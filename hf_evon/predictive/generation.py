@@ -40,6 +40,7 @@ from hf_evon.modeling import (
     is_peft_model,
     unwrap_model,
 )
+from hf_evon.optim.checks import is_int
 from hf_evon.optim.noise import derived_seed, resolve_seed
 from hf_evon.predictive.batched_refusals import check_sample_count
 from hf_evon.predictive.batched_samples import BatchedSamples, BatchedSamplesRefused, expected_rows, refusal
@@ -279,6 +280,8 @@ def generate_bma(
     # do_sample may also come from the model's generation_config; a stream of its own, hashed from the
     # seed as the weight draws' are: torch's CPU generator keeps a seed's low 32 bits, so an affine map
     # of the seed would give seeds 2**32 apart the same tokens
+    if token_seed is not None and not is_int(token_seed):  # resolve_seed's refusal would name seed
+        raise TypeError(f"generate_bma: token_seed must be an integer (or None); got {token_seed!r}")
     token_seed = seed if token_seed is None else token_seed
     token_seed = None if token_seed is None else derived_seed(resolve_seed(token_seed), "tokens")
     config = _checked_call_config(gen_model, generation_kwargs)
