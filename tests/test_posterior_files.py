@@ -452,6 +452,27 @@ def test_bases_stored_coarser_than_the_configs_eigenbasis_dtype_are_refused(tmp_
     assert "eigenbasis_dtype 'float32'" in str(err.value)
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_half_precision_bases_under_a_config_without_eigenbasis_dtype_save_as_they_were_read(tmp_path, stored):
+    """A config without ``eigenbasis_dtype`` (the key is optional) beside half-precision bases loaded,
+    and the posterior's save wrote their rounding as float32, which its load refused ("'….Q_L' is not
+    orthonormal (0.0026 > 0.001 for float32)"). The loaded posterior declares the precision it read."""
+    from safetensors.torch import load_file
+
+    _posterior().save_pretrained(tmp_path / "half", eigenbasis_dtype=stored, model_card=False)
+    raw = json.loads((tmp_path / "half" / POSTERIOR_CONFIG_NAME).read_text())
+    del raw["eigenbasis_dtype"]
+    (tmp_path / "half" / POSTERIOR_CONFIG_NAME).write_text(json.dumps(raw))
+    loaded = EVONPosterior.from_pretrained(tmp_path / "half")
+    loaded.save_pretrained(tmp_path / "again", model_card=False)
+    again = EVONPosterior.from_pretrained(tmp_path / "again")
+    first = load_file(tmp_path / "half" / POSTERIOR_WEIGHTS_NAME)
+    second = load_file(tmp_path / "again" / POSTERIOR_WEIGHTS_NAME)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert all(torch.equal(again.std(n), loaded.std(n)) for n in loaded.names)
+    assert again.config["eigenbasis_dtype"] == loaded.config["eigenbasis_dtype"] == str(stored).removeprefix("torch.")
+
+
 def test_a_float32_basis_saved_as_float64_loads(tmp_path):
     # EVON's float32 basis, off by 1e-5 (well within float32's tolerance), saved with
     # eigenbasis_dtype=float64: it is read into the float32 buffers of its float32 hess, so the

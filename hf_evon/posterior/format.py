@@ -342,10 +342,28 @@ def _check_same_save(weights_path: str, weights_id: str | None, config: Posterio
         )
 
 
+def _read_precision(config: PosteriorConfig, stored: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The precision a config without ``eigenbasis_dtype`` holds its bases at where some are stored
+    coarser than the buffers they are read into (bfloat16 into float32): the coarsest such dtype, which
+    the loaded posterior declares so that its save does not write their rounding as float32. None
+    where the config declares one (``_check_basis_precision``) or every basis is held as stored."""
+    if config.eigenbasis_dtype is not None:
+        return None
+    coarsest = None
+    for name, entry in config.parameters.items():
+        buffer = torch.float64 if stored[f"{name}.hess"] == torch.float64 else torch.float32
+        for key, kind, _ in entry.tensors(name):
+            if kind != "hess" and torch.finfo(stored[key]).eps > torch.finfo(buffer).eps:
+                coarsest = coarser(coarsest, stored[key])
+    return coarsest
+
+
 def read_factor_groups(
     config: PosteriorConfig, weights_path: str, device: Any, reorthonormalize: bool
-) -> list[FactorGroup]:
-    """Read and validate the weights file ``config`` belongs to, into stacked factor groups."""
+) -> tuple[list[FactorGroup], torch.dtype | None]:
+    """Read and validate the weights file ``config`` belongs to, into stacked factor groups; and the
+    precision of the bases read where the config declares none and it is coarser than they are held in
+    (``eigenbasis_dtype`` for the loaded posterior's config), else None."""
     try:
         handle = safe_open(weights_path, framework="pt", device="cpu")
     except Exception as err:  # safetensors raises its own error types for corrupt headers
@@ -355,7 +373,7 @@ def read_factor_groups(
         stored = _check_tensor_headers(fh, config, weights_path)
         groups = _read_groups(fh, config, stored, device, reorthonormalize, weights_path)
     check_finite_std(groups, config.source)
-    return groups
+    return groups, _read_precision(config, stored)
 
 
 # ----------------------------------------------------------------------------- write

@@ -20,6 +20,7 @@ from hf_evon.posterior.config import (
     PosteriorConfig,
     as_dtype,
     declared_basis_dtype,
+    dtype_name,
 )
 from hf_evon.posterior.format import file_tensors, read_factor_groups, write_posterior
 from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
@@ -127,13 +128,14 @@ class PosteriorFilesMixin:
         hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HUB_DOWNLOAD_KWARGS}
         if kwargs:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
-        config, groups = read_posterior(
+        config, (groups, read_dtype) = read_posterior(
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs,
             lambda config, weights: read_factor_groups(config, weights, device, reorthonormalize),
         )  # fmt: skip
-        posterior = cls(
-            groups, config.settings(), config.num_point_estimates, config.num_point_estimate_tensors
-        )
+        settings = config.settings()
+        if read_dtype is not None:  # half-precision bases under a config that declares no dtype
+            settings["eigenbasis_dtype"] = dtype_name(read_dtype)
+        posterior = cls(groups, settings, config.num_point_estimates, config.num_point_estimate_tensors)
         if model is not None:
             posterior.check_model(model)
         return posterior
