@@ -1209,6 +1209,9 @@ def test_a_run_whose_evon_matrices_are_all_frozen_and_never_updated_saves_withou
     assert (tmp_path / "saved" / "model.safetensors").is_file()
     assert not (tmp_path / "saved" / POSTERIOR_CONFIG_NAME).exists()
     assert not (tmp_path / "saved" / POSTERIOR_WEIGHTS_NAME).exists()
+    # BMA asks for a posterior: the refusal says why there is none (not "train with EVON first")
+    with pytest.raises(ValueError, match="every matrix EVON owns is frozen and EVON never updated one"):
+        trainer.predict(classification_data(4), bma=True)
 
 
 def test_save_model_after_merge_and_unload_refuses_before_writing_and_names_the_merge(tmp_path):

@@ -249,7 +249,7 @@ class EVON(Optimizer):
 
     @property
     def sample_blocks(self) -> int:
-        """``sampled_params(train=True)`` blocks entered so far (in the state dict)."""
+        """``sampled_params(train=True)`` blocks entered so far, a refused one not counted (in the state dict)."""
         return self._sample_blocks
 
     @property

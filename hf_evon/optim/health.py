@@ -15,12 +15,33 @@ from hf_evon.optim.checks import outside_stacklevel, uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
 from hf_evon.optim.linalg import norms_of
 
-__all__ = ["first_nonfinite", "health_rows", "health_stats", "skipped_reason", "warn_health"]
+__all__ = [
+    "covered_members",
+    "first_nonfinite",
+    "health_rows",
+    "health_stats",
+    "is_point_estimate",
+    "skipped_reason",
+    "warn_health",
+]
 
 Tensor = torch.Tensor
 
 # columns of a health row, one row per bucket
 _COLUMNS = 9
+
+
+def is_point_estimate(trainable: bool, updates: int) -> bool:
+    """Whether an EVON member is a point estimate of the posterior: frozen and never updated (its
+    counter 0, or ``UNINITIALIZED`` where it had no gradient at its bucket's first step), its H still
+    h0, not a curvature, and EVON's samples leave it alone."""
+    return not trainable and updates <= 0
+
+
+def covered_members(b: Bucket) -> list[int]:
+    """The members of ``b`` that are no point estimate (:func:`is_point_estimate`)."""
+    counts = b.counts
+    return [i for i, p in enumerate(b.params) if not is_point_estimate(p.requires_grad, counts[i])]
 
 
 def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
@@ -34,9 +55,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
         g = b.group
         if math.isinf(g["ess"]):
             continue
-        # a frozen matrix never updated holds h0, not a curvature, and is never sampled: left out
-        counts = b.counts
-        members = [i for i, p in enumerate(b.params) if p.requires_grad or counts[i] > 0]
+        members = covered_members(b)  # a point estimate holds h0, not a curvature, and is never sampled
         if not members:
             continue
         idx = None if len(members) == len(b.params) else b.member_index(members)  # None: every member

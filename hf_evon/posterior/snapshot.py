@@ -24,6 +24,7 @@ from hf_evon.modeling import (
 )
 from hf_evon.optim.buckets import matrix_shape
 from hf_evon.optim.evon import unwrap_optimizer
+from hf_evon.optim.health import is_point_estimate
 from hf_evon.optim.rates import configured_rate
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.fingerprint import mean_fingerprint
@@ -84,7 +85,7 @@ def _updates(optimizer: Any, p: torch.Tensor, factors: dict[str, Any]) -> int:
 def _point_estimate(optimizer: Any, p: torch.Tensor, factors: dict[str, Any]) -> bool:
     """Whether EVON member ``p`` is a point estimate of the posterior: frozen and never updated, its H
     still h0, not a curvature, and EVON's own samples leave it alone (its posterior is the mean)."""
-    return not p.requires_grad and _updates(optimizer, p, factors) <= 0
+    return is_point_estimate(p.requires_grad, _updates(optimizer, p, factors))
 
 
 def has_posterior_to_take(optimizer: Any) -> bool:

@@ -106,7 +106,7 @@ class TrainerInternals:
 
     def _load_best_model(self) -> None:
         compiled, inner = self.model, _compiled_inner(self.model)
-        best, adapters = self.state.best_model_checkpoint, _active_adapter_folders(self, inner or compiled)
+        best, adapters = self.state.best_model_checkpoint, _active_adapter_folders(self, compiled if inner is None else inner)
         if inner is not None:
             self.model = inner  # it loads into self.model; the compiled wrapper shares these parameters
         if adapters:  # the Trainer loads the checkpoint's root, which holds "default"'s adapter, into the first

@@ -471,6 +471,12 @@ class PredictionMixin:
                 "EVON trains none of the model's parameters (every trainable tensor went to AdamW), so the "
                 f"run has no posterior: train matrices (LoRA) or name them in evon_patterns, or {given}"
             )
+        if opt is not None and not any(p.requires_grad for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]):
+            # a frozen matrix EVON never updated is a point estimate (EVONPosterior covers none of them)
+            return (
+                "every matrix EVON owns is frozen and EVON never updated one, so each is a point estimate and "
+                f"the run has no posterior: unfreeze them and train, or {given}"
+            )
         return f"train with EVON first, or {given}"
 
     def _bma_posterior(self, caller: str) -> Any:

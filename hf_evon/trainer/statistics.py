@@ -5,6 +5,7 @@ import math
 import torch
 
 from hf_evon.optim import EVON
+from hf_evon.optim.health import covered_members
 from hf_evon.optim.linalg import marginal_variance
 
 __all__ = ["posterior_statistics"]
@@ -30,10 +31,7 @@ def posterior_statistics(optimizer: EVON, pruned: list[tuple[torch.Tensor, torch
     rows = []  # per bucket: min H, max H, sum H, sum std (one host sync for all of them)
     count = 0
     for b in buckets:
-        # a frozen matrix never updated holds h0, not a curvature, and is never sampled: left out, as
-        # posterior_health() leaves it out
-        counts = b.counts
-        members = [i for i, p in enumerate(b.params) if p.requires_grad or counts[i] > 0]
+        members = covered_members(b)  # as posterior_health(): a point estimate holds h0, not a curvature
         if not members:
             continue
         idx = None if len(members) == len(b.params) else b.member_index(members)  # None: every member
