@@ -2594,6 +2594,29 @@ def test_speech_and_vision_encoder_decoders_match_the_slow_reference(feature_seq
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("path", ["batched", "one draw at a time"])
+def test_an_encoder_keyword_of_the_call_reaches_every_samples_encoder_as_in_generate(path, monkeypatch):
+    """generate hands its encoder the call's model keywords the encoder takes (a ViT's
+    interpolate_pos_encoding, for images of another size than the config's); generate_bma ran the
+    samples' encoders on their input and mask alone, so 16×16 images failed with "Input image size
+    (16*16) doesn't match model (8*8)". At zero variance it decodes them as generate."""
+    model = tiny_vision_encoder_decoder()
+    # the patch convolution left to AdamW: the batched path runs the model (it refuses a covered Conv2d)
+    opt = hf_evon.build_optimizer(model, lr=1e-2, ess=1e4, precondition_frequency=2, seed=0, adamw_patterns=[r"patch_embeddings"])
+    images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with opt.sampled_params(train=True):
+        model(pixel_values=images, labels=torch.tensor([[5, 6], [7, 8]])).loss.backward()
+    opt.step()
+    posterior = EVONPosterior.from_optimizer(opt, model).with_ess(float("inf"))
+    if path == "one draw at a time":
+        _refuse_batched(monkeypatch)
+    large = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=4, do_sample=False, interpolate_pos_encoding=True)
+    expected = model.generate(pixel_values=large, **kwargs)
+    got = generate_bma(model, posterior, pixel_values=large, num_samples=2, seed=0, **kwargs)
+    assert torch.equal(got, expected)
+
+
 def test_an_encoder_input_the_model_does_not_read_is_named(feature_seq2seq, gpt2):
     """An encoder input that is missing, of the wrong kind, or not the model's is refused by name."""
     model, name, features, posterior = feature_seq2seq

@@ -178,8 +178,42 @@ def repeated(value: Any, times: int) -> Any:
     return value.repeat(times, *([1] * (value.dim() - 1)))
 
 
+def encoder_keywords(model: nn.Module, config: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The call's keywords (``given``, ``generate``'s) that ``generate`` hands an encoder-decoder's
+    encoder beside its input (a ViT's ``interpolate_pos_encoding``): those no generation setting
+    (``config``'s fields) and no parameter of ``generate`` claims, the decoder's and the cache's aside,
+    that the encoder's forward takes (every one, where it takes ``**kwargs``)."""
+    if not is_encoder_decoder(model):
+        return {}
+    claimed = set(inspect.signature(type(model).generate).parameters) | {"attention_mask", "encoder_outputs"}
+    taken = set(inspect.signature(model.get_encoder().forward).parameters)
+    everything = "kwargs" in taken or "model_kwargs" in taken
+    return {
+        key: value
+        for key, value in given.items()
+        if key not in claimed
+        and not hasattr(config, key)
+        and not key.startswith(("decoder_", "cross_attn", "use_cache", "cache"))
+        and (everything or key in taken)
+    }
+
+
+def _rows(value: Any, rows: int, times: int, first: bool = False) -> Any:
+    """An encoder keyword's value for ``times`` copies of the call's ``rows`` sequences (sample-major): a
+    tensor of ``rows`` rows repeated whole (``first``: its first row alone, repeated); others as given."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or len(value) != rows:
+        return value
+    return repeated(value[:1] if first else value, times)
+
+
 def sampled_encoder_outputs(
-    model: nn.Module, name: str, value: Tensor, attention_mask: Tensor | None, num_samples: int, config: Any
+    model: nn.Module,
+    name: str,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    num_samples: int,
+    config: Any,
+    keywords: dict[str, Any] | None = None,
 ) -> Any:
     """An encoder-decoder model's encoder run on the S samples' weights (``S·B`` rows, sample-major,
     inside ``BatchedSamples``; or ``num_samples=1`` on the sample written into the weights).
@@ -187,8 +221,9 @@ def sampled_encoder_outputs(
     skips its own pass, and each sample's decoder attends to its own encoder's states. No mask given:
     none used, as ``generate`` runs an encoder-decoder's encoder. ``config``: the call's effective
     ``GenerationConfig``, whose ``output_attentions`` / ``output_hidden_states`` generate hands its
-    encoder as they are."""
-    inputs = {name: repeated(value, num_samples), "return_dict": True}
+    encoder as they are. ``keywords``: the call's for the encoder (:func:`encoder_keywords`), each sample's."""
+    inputs = {k: _rows(v, len(value), num_samples) for k, v in (keywords or {}).items()}
+    inputs.update({name: repeated(value, num_samples), "return_dict": True})
     for key in ("output_attentions", "output_hidden_states"):
         inputs[key] = getattr(config, key, None)
     if attention_mask is not None:
@@ -196,11 +231,16 @@ def sampled_encoder_outputs(
     return model.get_encoder()(**inputs)
 
 
-def probe_inputs(name: str, value: Tensor, rows: int, encoder_decoder: bool) -> dict[str, Any]:
+def probe_inputs(
+    name: str, value: Tensor, rows: int, encoder_decoder: bool, keywords: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Inputs of ``rows`` rows, the first row's first position (a feature input's first row whole),
     for a forward that checks the sample axis; only the shapes matter. An encoder-decoder's decoder
-    starts from the token (token 0 beside features)."""
+    starts from the token (token 0 beside features). ``keywords``: the call's for its encoder
+    (:func:`encoder_keywords`), their first row's."""
+    extra = {k: _rows(v, len(value), rows, first=True) for k, v in (keywords or {}).items()}
     if name != TOKENS:
-        return {name: repeated(value[:1], rows), "decoder_input_ids": value.new_zeros((rows, 1), dtype=torch.long)}
+        zeros = value.new_zeros((rows, 1), dtype=torch.long)
+        return {**extra, name: repeated(value[:1], rows), "decoder_input_ids": zeros}
     tokens = value[:1, :1].repeat(rows, 1)
-    return {TOKENS: tokens, **({"decoder_input_ids": tokens} if encoder_decoder else {})}
+    return {**extra, TOKENS: tokens, **({"decoder_input_ids": tokens} if encoder_decoder else {})}

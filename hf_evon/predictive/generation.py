@@ -49,6 +49,7 @@ from hf_evon.predictive.encoder_inputs import (
     check_inputs,
     check_scored_model,
     encoder_input,
+    encoder_keywords,
     length,
     probe_inputs,
     repeated,
@@ -95,15 +96,17 @@ def _generation_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_sample_axis(sampler: BatchedSamples, gen_model: nn.Module, value: Tensor, name: str = TOKENS) -> None:
+def _check_sample_axis(
+    sampler: BatchedSamples, gen_model: nn.Module, value: Tensor, name: str = TOKENS, keywords: dict | None = None
+) -> None:
     """``sampler.check_sample_axis`` on forwards of ``gen_model`` (an encoder-decoder's encoder and
     decoder) on the first row's first token (:func:`probe_inputs`, ``value`` its input ``name``), once
     and twice per sample; position ids given where the forward takes them, as a model's own ``(1, T)``
-    ids would reach a covered position embedding as one row."""
+    ids would reach a covered position embedding as one row; ``keywords``: the call's for the encoder."""
     parameters = inspect.signature(gen_model.forward).parameters
     encoder_decoder = is_encoder_decoder(gen_model)
     for rows in (1, 2):
-        inputs = probe_inputs(name, value, sampler.num_samples * rows, encoder_decoder)
+        inputs = probe_inputs(name, value, sampler.num_samples * rows, encoder_decoder, keywords)
         inputs["use_cache"] = False
         if name == TOKENS and "attention_mask" in parameters:  # a left pad unmasked: transformers warns
             inputs["attention_mask"] = torch.ones_like(inputs[TOKENS])
@@ -285,6 +288,7 @@ def generate_bma(
     token_seed = seed if token_seed is None else token_seed
     token_seed = None if token_seed is None else derived_seed(resolve_seed(token_seed), "tokens")
     config = _checked_call_config(gen_model, generation_kwargs)
+    keywords = encoder_keywords(gen_model, config, generation_kwargs)  # generate hands its encoder
     beams = int(config.num_beams or 1)
     # the most tokens the call can add, for the cost model of the batched samples
     new_tokens = most_new_tokens(gen_model, config, name, source, generation_kwargs)
@@ -296,6 +300,7 @@ def generate_bma(
         gen_model,
         source,
         name,
+        keywords,
     )
     if not isinstance(sampler, BatchedSamplesRefused):
         # a refusal during its forwards (a layer fed another selection of rows than the probe's)
@@ -307,7 +312,7 @@ def generate_bma(
         try:
             if is_encoder_decoder(gen_model):
                 attempt["encoder_outputs"] = sampled_encoder_outputs(
-                    gen_model, name, source, attention_mask, num_samples, config
+                    gen_model, name, source, attention_mask, num_samples, config, keywords
                 )
             predictive = _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed, returned)
             with predictive as cache:
@@ -320,7 +325,9 @@ def generate_bma(
     combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
     encoder = None
     if is_encoder_decoder(gen_model):  # each sample's own encoder, on the B rows
-        encoder = functools.partial(sampled_encoder_outputs, gen_model, name, source, attention_mask, 1, config)
+        encoder = functools.partial(
+            sampled_encoder_outputs, gen_model, name, source, attention_mask, 1, config, keywords
+        )
     with (
         one_draw_at_a_time(model, gen_model, posterior, num_samples, seed, combine, encoder) as (cache, encoded),
         without_cache_setting(gen_model),
@@ -332,7 +339,7 @@ def generate_bma(
 
 
 def _entered_batched_samples(
-    sampler: BatchedSamples, gen_model: nn.Module, source: Tensor, name: str = TOKENS
+    sampler: BatchedSamples, gen_model: nn.Module, source: Tensor, name: str = TOKENS, keywords: dict | None = None
 ) -> BatchedSamples | BatchedSamplesRefused:
     """``sampler`` entered, its sample axis checked (:func:`_check_sample_axis` on ``source``, the
     model's input ``name``); or, where the batched path refuses the model, that refusal, the block
@@ -342,7 +349,7 @@ def _entered_batched_samples(
     except BatchedSamplesRefused as error:
         return error
     try:
-        _check_sample_axis(sampler, gen_model, source, name)
+        _check_sample_axis(sampler, gen_model, source, name, keywords)
     except BaseException as error:
         sampler.__exit__(None, None, None)
         if isinstance(error, BatchedSamplesRefused):
