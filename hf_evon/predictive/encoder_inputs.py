@@ -186,6 +186,7 @@ def encoder_keywords(model: nn.Module, config: Any, given: dict[str, Any]) -> di
     if not is_encoder_decoder(model):
         return {}
     claimed = set(inspect.signature(type(model).generate).parameters) | {"attention_mask", "encoder_outputs"}
+    claimed |= {"tokenizer", "assistant_tokenizer", "trust_remote_code"}  # generate takes them out of its kwargs
     taken = set(inspect.signature(model.get_encoder().forward).parameters)
     everything = "kwargs" in taken or "model_kwargs" in taken
     return {
