@@ -862,6 +862,41 @@ def test_a_killed_safetensors_write_leaves_nothing_the_next_save_keeps(tmp_path,
     )
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize("how", ["fifo", "symlink to a fifo"])
+def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, how):
+    """A folder from elsewhere whose config is a named pipe (or a link to one, to ``/dev/stdin``) made
+    ``from_pretrained`` block for ever in ``open()``, waiting for a writer."""
+    import threading
+
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    config = tmp_path / POSTERIOR_CONFIG_NAME
+    config.unlink()
+    fifo = tmp_path / "pipe" if how == "symlink to a fifo" else config
+    os.mkfifo(fifo)
+    if fifo != config:
+        config.symlink_to(fifo)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            EVONPosterior.from_pretrained(tmp_path)
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(err)
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        with open(fifo, "w") as fh:  # the writer the reader waits for: it reads an empty config and ends
+            fh.write("")
+        thread.join(10)
+        pytest.fail("from_pretrained blocked opening a config that is a named pipe")
+    assert isinstance(outcome[0], PosteriorMismatchError), outcome
+    assert str(outcome[0]).startswith(f"{config}: not a regular file"), str(outcome[0])
+
+
 def test_loading_a_missing_local_path_says_the_path_does_not_exist(tmp_path):
     for missing in (str(tmp_path / "nope"), "./runs/nope", "runs/a/b"):
         with pytest.raises(FileNotFoundError, match="no such directory") as info:

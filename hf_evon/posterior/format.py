@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -300,11 +301,19 @@ def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
     """The validated config file (errors name the field and the file).
 
     At most ``MAX_CONFIG_BYTES`` are read, and a large one dense with lists or objects is refused
-    unparsed (``MIN_BYTES_PER_CONTAINER``): a config from elsewhere cannot exhaust memory.
+    unparsed (``MIN_BYTES_PER_CONTAINER``): a config from elsewhere cannot exhaust memory. One that
+    is not a regular file (a named pipe) is refused unread: a config from elsewhere cannot block.
     """
     where = os.fspath(config_path)
     try:
-        with open(where, "rb") as fh:
+        # O_NONBLOCK: opening a named pipe (a folder from elsewhere may hold one, or a link to /dev/stdin)
+        # would otherwise wait for a writer for ever; a regular file reads as without it
+        fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with open(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PosteriorMismatchError(
+                    f"{where}: not a regular file (a named pipe, device or directory); refusing to read it as the config"
+                )
             data = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise PosteriorMismatchError(f"{where}: cannot read the config ({err})") from err

@@ -72,7 +72,7 @@ def resolve_files(
     if os.path.isdir(path):
         directory = os.path.join(path, subfolder) if subfolder else path
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-        if not os.path.isfile(config_path):
+        if not os.path.exists(config_path):  # one that is no regular file: read_config says so
             raise FileNotFoundError(f"no EVON posterior in {directory!r}: {POSTERIOR_CONFIG_NAME} is missing")
         config = read_config(config_path)
         weights_path = os.path.join(directory, config.weights_name)
