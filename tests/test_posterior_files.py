@@ -897,6 +897,20 @@ def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_pat
     assert str(outcome[0]).startswith(f"{config}: not a regular file"), str(outcome[0])
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_weights_file_that_is_not_a_regular_file_is_named_as_such(tmp_path, kind):
+    """A weights file that is a named pipe or a directory was reported as missing ("… is missing"),
+    sending the user to look for a file that is there."""
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    weights = tmp_path / POSTERIOR_WEIGHTS_NAME
+    weights.unlink()
+    os.mkfifo(weights) if kind == "fifo" else weights.mkdir()
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value).startswith(f"{weights}: not a regular file"), str(err.value)
+
+
 def test_loading_a_missing_local_path_says_the_path_does_not_exist(tmp_path):
     for missing in (str(tmp_path / "nope"), "./runs/nope", "runs/a/b"):
         with pytest.raises(FileNotFoundError, match="no such directory") as info:

@@ -76,6 +76,11 @@ def resolve_files(
             raise FileNotFoundError(f"no EVON posterior in {directory!r}: {POSTERIOR_CONFIG_NAME} is missing")
         config = read_config(config_path)
         weights_path = os.path.join(directory, config.weights_name)
+        if os.path.exists(weights_path) and not os.path.isfile(weights_path):
+            raise PosteriorMismatchError(
+                f"{weights_path}: not a regular file (a named pipe, device or directory); refusing to read it "
+                f"as the weights {POSTERIOR_CONFIG_NAME} names"
+            )
         if not os.path.isfile(weights_path):
             raise FileNotFoundError(
                 f"no EVON posterior in {directory!r}: {config.weights_name} (named by "
