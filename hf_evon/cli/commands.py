@@ -33,8 +33,6 @@ from typing import Any
 
 from hf_evon.cli.loading import (
     UsageError,
-    check_output,
-    check_output_posterior,
     failure_text,
     file_error_text,
     file_errors,
@@ -45,6 +43,7 @@ from hf_evon.cli.loading import (
     text_tokens,
     torch_dtype,
 )
+from hf_evon.cli.output import check_output, check_output_posterior
 from hf_evon.cli.text import (
     CALIBRATION_KEY,
     calibration_text,
