@@ -1259,6 +1259,30 @@ def test_a_checkpoint_id_on_one_side_only_is_a_mismatch(tmp_path, missing):
     assert message.startswith(shown[0]) and shown[1] in message and "different saves" in message, message
 
 
+@pytest.mark.parametrize("side", ["weights", "config"])
+def test_a_huge_checkpoint_id_is_shown_cut_short(tmp_path, side):
+    """A crafted file's checkpoint_id is any string (the config checks no more; a safetensors header
+    may hold 100 MB): the different-saves error printed both ids whole, so a 1 MiB id made a 1 MiB
+    message. An id that is no save's (32 hex digits) is shown cut short, as other untrusted values."""
+    from hf_evon.posterior.json_rules import shown
+
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    saved_id = json.loads((tmp_path / POSTERIOR_CONFIG_NAME).read_text())["checkpoint_id"]
+    huge = "f" * 2**20
+    weights = tmp_path / POSTERIOR_WEIGHTS_NAME
+    if side == "weights":
+        _edit_weights(tmp_path, lambda t, m: m.update(checkpoint_id=huge))
+        expected = (f"{weights} (checkpoint {shown(huge)})", f"{POSTERIOR_CONFIG_NAME} (checkpoint {saved_id})")
+    else:
+        _edit_config(tmp_path, checkpoint_id=huge)
+        expected = (f"{weights} (checkpoint {saved_id})", f"{POSTERIOR_CONFIG_NAME} (checkpoint {shown(huge)})")
+    with pytest.raises(PosteriorMismatchError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert len(message) < len(str(tmp_path)) * 2 + 400, len(message)
+    assert message.startswith(expected[0]) and expected[1] in message and "different saves" in message
+
+
 def test_a_posterior_without_checkpoint_ids_loads_and_copies_into_a_pair_that_loads(tmp_path):
     """Files that carry no checkpoint_id on either side (written by hand or by another tool) are no
     mismatch; their copy (the Trainer's push) names the pair with one id on both sides."""

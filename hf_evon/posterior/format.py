@@ -344,7 +344,13 @@ def _check_same_save(weights_path: str, weights_id: str | None, config: Posterio
     one of them carries none (every save writes it to both; only files written without it on
     both sides, by hand or by another tool, pair without it)."""
     if weights_id != config.checkpoint_id:
-        shown = lambda i: "no checkpoint_id" if i is None else f"checkpoint {i}"  # noqa: E731
+
+        def shown(i: str | None) -> str:
+            if i is None:
+                return "no checkpoint_id"
+            # a save's id as it is; any other string is a file's from elsewhere and may be megabytes long
+            return f"checkpoint {i if re.fullmatch(CHECKPOINT_ID_PATTERN, i) else json_rules.shown(i)}"
+
         raise PosteriorMismatchError(
             f"{weights_path} ({shown(weights_id)}) and {config.source} ({shown(config.checkpoint_id)}) "
             "come from different saves; save the posterior again"
