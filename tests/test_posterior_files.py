@@ -801,6 +801,30 @@ def test_a_push_from_a_checkpoint_killed_midway_leaves_a_posterior_that_loads(tm
     assert seen == sorted(seen, key=lambda w: w == "new"), seen
 
 
+def test_a_push_from_a_checkpoint_with_broken_weights_keeps_the_output_dirs_posterior(tmp_path):
+    """The checkpoint's weights were copied unchecked (they carry a checkpoint_id) and read only from
+    output_dir after the switch: a checkpoint whose weights file is broken (a tensor of another shape,
+    its checkpoint_id kept) replaced output_dir's posterior with one that does not load, and the error
+    named output_dir's copy. The checkpoint is read in full first: the error names its file, and
+    output_dir keeps its posterior and its card."""
+    from hf_evon.trainer.checkpointing import CheckpointingMixin
+
+    old_post = _posterior()
+    out = tmp_path / "out"
+    old_post.save_pretrained(out)
+    card = (out / "README.md").read_text()
+    checkpoint = tmp_path / "checkpoint-2"
+    _posterior(scale=3.0).save_pretrained(checkpoint)
+    hess = f"{LORA}.hess"
+    weights = _edit_weights(checkpoint, lambda t, m: t.update({hess: t[hess][:, :3].contiguous()}))
+    trainer = _FakeTrainer(out)
+    with pytest.raises(PosteriorMismatchError) as err:
+        CheckpointingMixin._copy_posterior_for_push(trainer, str(checkpoint))
+    assert str(weights) in str(err.value) and f"tensor '{hess}' has shape [4, 3]" in str(err.value), err.value
+    assert trainer.cards == 0 and (out / "README.md").read_text() == card
+    assert _which(out, old_post.to_tensors(), _posterior(scale=3.0).to_tensors()) == "old"
+
+
 def test_a_save_interrupted_anywhere_leaves_the_old_posterior_or_the_new(tmp_path, monkeypatch):
     """A Ctrl-C in the directory's fsync right after the config's switch (before the save marked it
     switched) let the cleanup remove the staged weights the new config named: neither loaded."""
@@ -909,6 +933,40 @@ def test_a_weights_file_that_is_not_a_regular_file_is_named_as_such(tmp_path, ki
     with pytest.raises(PosteriorMismatchError) as err:
         EVONPosterior.from_pretrained(tmp_path)
     assert str(err.value).startswith(f"{weights}: not a regular file"), str(err.value)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_NONBLOCK"), reason="no O_NONBLOCK")
+def test_the_config_is_read_blocking_where_a_filesystem_honours_o_nonblock(tmp_path, monkeypatch):
+    """The config is opened with O_NONBLOCK (a named pipe must not block the open), which POSIX leaves
+    unspecified for a regular file: a filesystem that honours it (FUSE, network ones) may answer a read
+    with EAGAIN. The read went through the non-blocking descriptor, and such a config was refused as
+    "cannot read the config ([Errno 11] ...)"; a regular file is read blocking."""
+    import builtins
+    import errno
+
+    import hf_evon.posterior.format as format_module
+
+    saved = _posterior()
+    saved.save_pretrained(tmp_path, model_card=False)
+
+    class HonoursNonBlocking:  # a file on a filesystem that has no data at hand for a non-blocking read
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.fh.__exit__(*exc)
+
+        def read(self, size=-1):
+            if not os.get_blocking(self.fh.fileno()):
+                raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+            return self.fh.read(size)
+
+    monkeypatch.setattr(format_module, "open", lambda *a, **k: HonoursNonBlocking(builtins.open(*a, **k)), raising=False)
+    loaded = EVONPosterior.from_pretrained(tmp_path)
+    assert loaded.names == saved.names and all(torch.equal(loaded.std(n), saved.std(n)) for n in saved.names)
 
 
 def test_loading_a_missing_local_path_says_the_path_does_not_exist(tmp_path):
