@@ -1647,3 +1647,26 @@ def test_calibrate_with_more_max_blocks_than_bytes_can_count_uses_the_whole_text
         assert main([*argv, "--block-size", "16", "--samples", "2", "--max-blocks", blocks, "--json"]) == 0
         runs[blocks] = json.loads(capsys.readouterr().out)
     assert runs[str(2**62)] == runs[str(len(text.read_text()) // 16)]
+
+
+@pytest.mark.parametrize("command", ["generate", "calibrate"])
+def test_an_unknown_model_type_is_one_line_naming_the_option_and_file(saved, tmp_path, capsys, command):
+    """A --model whose config.json has a model_type transformers does not know printed transformers'
+    multi-line message with pip advice, naming neither --model nor the file."""
+    import transformers
+
+    path, *_ = saved
+    model_dir = tmp_path / "m"
+    shutil.copytree(path, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "zzz"}))
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    rest = ["--prompt-ids", "5 9"] if command == "generate" else ["--text", str(text), "--output", str(tmp_path / "o")]
+    assert main([command, "--model", str(model_dir), *rest, "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "o").exists()
+    assert "pip" not in err and err.splitlines()[-1] == (
+        f"hf-evon {command}: error: --model {str(model_dir)!r}: {str(model_dir / 'config.json')!r} has model_type "
+        f"'zzz', which transformers {transformers.__version__} does not know"
+    ), err

@@ -289,7 +289,22 @@ def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> 
         names = getattr(modeling_auto, mapping).values()
         return {n for name in names for n in ([name] if isinstance(name, str) else name or ())}
 
-    config = AutoConfig.from_pretrained(path, revision=revision)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision)
+    except ValueError:
+        # transformers' message for a model_type it lacks is a paragraph of pip advice naming no file
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        saved = transformers.PretrainedConfig.get_config_dict(path, revision=revision)[0]
+        model_type = saved.get("model_type")  # (a model of its own code, auto_map, keeps transformers' message)
+        if not isinstance(model_type, str) or model_type in CONFIG_MAPPING or "auto_map" in saved:
+            raise
+        where = repr(os.path.join(path, "config.json")) if os.path.isdir(path) else "its config.json"
+        raise UsageError(
+            f"{option} {path!r}: {where} has model_type {model_type!r}, which transformers "
+            f"{transformers.__version__} does not know"
+        ) from None
     language_models = classes("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") | classes("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES")
     known = set().union(*(classes(m) for m in dir(modeling_auto) if re.fullmatch(r"MODEL_\w*MAPPING_NAMES", m)))
     saved = [a for a in getattr(config, "architectures", None) or [] if isinstance(a, str)]
