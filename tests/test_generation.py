@@ -2772,6 +2772,42 @@ def test_the_new_token_count_of_an_encoder_decoder_counts_from_its_decoders_star
     assert told == [(2, 30, 10 - (decoder_ids or 1))]
 
 
+@pytest.mark.parametrize(
+    "decoding",
+    [
+        dict(do_sample=True, num_return_sequences=3),
+        dict(do_sample=False, num_beams=2, num_return_sequences=2),
+        dict(do_sample=True, num_beams=3, num_return_sequences=2),
+        dict(do_sample=False),
+    ],
+    ids=["sampling", "beams", "beam-sampling", "greedy"],
+)
+def test_the_cost_model_of_the_batched_samples_is_told_the_rows_generate_runs(gpt2, monkeypatch, decoding):
+    """The batched samples choose how to apply each matrix from the rows per sample a step runs and
+    the rows the call runs: generate runs B·max(num_beams, num_return_sequences) rows per sample.
+    Sampling with num_return_sequences=3 told them B rows (B·num_beams), a third of those it ran."""
+    model, posterior = gpt2
+    told = []
+
+    class Recorded(batched.BatchedSamples):
+        def __init__(self, *args, **kwargs):
+            told.append((kwargs["batch_size"], kwargs["rows"]))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "BatchedSamples", Recorded)
+    ran = []  # rows of each forward of the head, the probes' S and 2S among them
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: ran.append(args[0].shape[0]))
+    try:
+        kwargs = dict(max_new_tokens=4, pad_token_id=0, eos_token_id=None, **decoding)
+        out = generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, **kwargs)
+    finally:
+        handle.remove()
+    per_call = max(decoding.get("num_beams", 1), decoding.get("num_return_sequences", 1))
+    assert out.shape[0] == len(PROMPTS) * decoding.get("num_return_sequences", 1)
+    assert max(ran) == 2 * len(PROMPTS) * per_call  # S·B·max(num_beams, num_return_sequences)
+    assert told == [(len(PROMPTS) * per_call, batched.expected_rows(len(PROMPTS) * per_call, PROMPTS.shape[1], 4))]
+
+
 def test_a_token_classifier_without_labels_and_a_multiple_choice_model_are_refused_by_name():
     """A token classifier's logits are classes, not token ids: bma_log_likelihood without labels= took the
     input ids as its labels, as a causal LM's, and failed with "labels have label 5, outside the model's 4

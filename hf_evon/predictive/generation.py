@@ -289,13 +289,16 @@ def generate_bma(
     token_seed = None if token_seed is None else derived_seed(resolve_seed(token_seed), "tokens")
     config = _checked_call_config(gen_model, generation_kwargs)
     keywords = encoder_keywords(gen_model, config, generation_kwargs)  # generate hands its encoder
-    beams = int(config.num_beams or 1)
+    # the rows per sample generate runs: it expands each prompt to its beams, or when sampling to its
+    # num_return_sequences
+    per_prompt = max(int(config.num_beams or 1), int(config.num_return_sequences or 1))
     # the most tokens the call can add, for the cost model of the batched samples
     new_tokens = most_new_tokens(gen_model, config, name, source, generation_kwargs)
-    rows = expected_rows(len(source) * beams, length(name, source), new_tokens)
+    rows = expected_rows(len(source) * per_prompt, length(name, source), new_tokens)
     sampler = _entered_batched_samples(
         BatchedSamples(
-            model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * beams, sequences=len(source)
+            model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * per_prompt,
+            sequences=len(source),
         ),
         gen_model,
         source,
@@ -395,7 +398,7 @@ def _on_the_predictive(
     returned: list[int] | None = None,
 ) -> Iterator[Any]:
     """For the block, ``model.generate``'s own decoding (greedy, sampling, beam search) runs on the
-    BMA predictive (:func:`_averaging_forward`); yields the KV cache to hand it, ``S·B·num_beams``
+    BMA predictive (:func:`_averaging_forward`); yields the KV cache to hand it, ``S·B·max(num_beams, num_return_sequences)``
     rows reordered per sample (:func:`_sample_major_cache`). ``token_seed``: sampling draws from
     torch's global generator, seeded with it for the block and restored after
     (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator. ``returned``:
