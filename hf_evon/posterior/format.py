@@ -202,6 +202,23 @@ def _check_tensor_headers(fh: Any, config: PosteriorConfig, where: str) -> dict[
     return stored
 
 
+def _buffer_dtype(stored_hess: torch.dtype) -> torch.dtype:
+    """The dtype a parameter's tensors are read into, from its stored ``hess``'s: float64 or float32."""
+    return torch.float64 if stored_hess == torch.float64 else torch.float32
+
+
+def _coarser_than_read(config: PosteriorConfig, stored: dict[str, torch.dtype]) -> list[tuple[str, torch.dtype]]:
+    """The bases stored coarser than the buffer they are read into (bfloat16 into float32), with their
+    stored dtype: the loaded posterior holds them at that precision only."""
+    coarse = []
+    for name, entry in config.parameters.items():
+        buffer = _buffer_dtype(stored[f"{name}.hess"])
+        for key, kind, _ in entry.tensors(name):
+            if kind != "hess" and torch.finfo(stored[key]).eps > torch.finfo(buffer).eps:
+                coarse.append((key, stored[key]))
+    return coarse
+
+
 def _check_basis_precision(config: PosteriorConfig, stored: dict[str, torch.dtype], where: str) -> None:
     """Refuse a basis stored coarser than both the config's ``eigenbasis_dtype`` and the buffer it is read
     into: the loaded posterior would declare the finer precision, and its save would write the coarse
@@ -210,15 +227,12 @@ def _check_basis_precision(config: PosteriorConfig, stored: dict[str, torch.dtyp
     declared = as_dtype(config.eigenbasis_dtype)
     if declared is None:
         return
-    for name, entry in config.parameters.items():
-        buffer = torch.float64 if stored[f"{name}.hess"] == torch.float64 else torch.float32
-        for key, kind, _ in entry.tensors(name):
-            dtype = stored[key]
-            if kind != "hess" and torch.finfo(dtype).eps > max(torch.finfo(d).eps for d in (declared, buffer)):
-                raise PosteriorMismatchError(
-                    f"{where}: tensor {key!r} is stored in {_STORED_NAMES[dtype]}, coarser than the config's "
-                    f"eigenbasis_dtype {config.eigenbasis_dtype!r}"
-                )
+    for key, dtype in _coarser_than_read(config, stored):
+        if torch.finfo(dtype).eps > torch.finfo(declared).eps:
+            raise PosteriorMismatchError(
+                f"{where}: tensor {key!r} is stored in {_STORED_NAMES[dtype]}, coarser than the config's "
+                f"eigenbasis_dtype {config.eigenbasis_dtype!r}"
+            )
 
 
 def _check_values(
@@ -260,7 +274,7 @@ def _read_groups(
     (errors name ``where``, the weights file)."""
     buckets: dict[tuple, list[str]] = {}
     for name, entry in config.parameters.items():
-        dt = torch.float64 if stored[f"{name}.hess"] == torch.float64 else torch.float32
+        dt = _buffer_dtype(stored[f"{name}.hess"])
         key = (*entry.matrix_shape, entry.left_basis, entry.right_basis, *config.noise_scale(name), dt)
         buckets.setdefault(key, []).append(name)
     groups = []
@@ -367,11 +381,8 @@ def _read_precision(config: PosteriorConfig, stored: dict[str, torch.dtype]) -> 
     if config.eigenbasis_dtype is not None:
         return None
     coarsest = None
-    for name, entry in config.parameters.items():
-        buffer = torch.float64 if stored[f"{name}.hess"] == torch.float64 else torch.float32
-        for key, kind, _ in entry.tensors(name):
-            if kind != "hess" and torch.finfo(stored[key]).eps > torch.finfo(buffer).eps:
-                coarsest = coarser(coarsest, stored[key])
+    for _, dtype in _coarser_than_read(config, stored):
+        coarsest = coarser(coarsest, dtype)
     return coarsest
 
 
