@@ -296,9 +296,9 @@ def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> 
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        saved = transformers.PretrainedConfig.get_config_dict(path, revision=revision)[0]
-        model_type = saved.get("model_type")  # (a model of its own code, auto_map, keeps transformers' message)
-        if not isinstance(model_type, str) or model_type in CONFIG_MAPPING or "auto_map" in saved:
+        stored = transformers.PretrainedConfig.get_config_dict(path, revision=revision)[0]
+        model_type = stored.get("model_type")  # (a model of its own code, auto_map, keeps transformers' message)
+        if not isinstance(model_type, str) or model_type in CONFIG_MAPPING or "auto_map" in stored:
             raise
         where = repr(os.path.join(path, "config.json")) if os.path.isdir(path) else "its config.json"
         raise UsageError(
