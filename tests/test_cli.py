@@ -1670,3 +1670,16 @@ def test_an_unknown_model_type_is_one_line_naming_the_option_and_file(saved, tmp
         f"hf-evon {command}: error: --model {str(model_dir)!r}: {str(model_dir / 'config.json')!r} has model_type "
         f"'zzz', which transformers {transformers.__version__} does not know"
     ), err
+
+
+def test_inspect_takes_a_subfolder_with_slashes_as_the_posterior_loads_it(saved, tmp_path, capsys):
+    """The posterior loads from ``--subfolder /run/`` as from ``run``, but inspect looked the file sizes
+    up in ``/run/`` (the join of an absolute path drops the location) and printed ``location//run/``."""
+    path, *_ = saved
+    shutil.copytree(path, tmp_path / "run")
+    assert main(["inspect", str(tmp_path), "--subfolder", "run", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["inspect", str(tmp_path), "--subfolder", "/run/", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == plain
+    assert main(["inspect", str(tmp_path), "--subfolder", "/run/"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"EVON posterior at {tmp_path}/run"

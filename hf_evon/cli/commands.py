@@ -382,6 +382,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from hf_evon.posterior.config import json_value
     from hf_evon.posterior.posterior import EVONPosterior
 
+    args.subfolder = (args.subfolder or "").strip("/") or None  # as from_pretrained takes it: header and sizes agree
     posterior = from_location(
         args.location,
         "location",
