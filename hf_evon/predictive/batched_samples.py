@@ -37,7 +37,9 @@ Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strateg
   favour ``factored``); on accelerators ``materialize`` (one kernel per layer and step keeps
   decoding latency at that of the plain model; the one-off draw is fast there).
 
-Both give the same samples (the same ``E_s``); results differ only by float rounding.
+Both give the same samples (the same ``E_s``), to rounding in the parameter dtype: ``materialize`` rounds
+each ``W_s`` as ``posterior.sampled`` writes it, ``factored`` its three products (log-probabilities ~1e-5
+apart in float32, a few bfloat16 steps of the logits in bfloat16: a near-tie may pick another token).
 Memory: S ``(m, n)`` tensors per covered matrix either way (``W_s`` or ``E_s``), in the
 parameter dtype (GPT-2 small: 85M covered values, so S = 8 holds 0.68G values: 2.7 GB
 float32, 1.4 GB bfloat16), plus transiently the posterior's float32 draw of one chunk of

@@ -256,8 +256,9 @@ def generate_bma(
     ``logits_processor``, ``stopping_criteria`` or ``prefix_allowed_tokens_fn`` of the call has been
     called, which would see the first tokens twice: then NotImplementedError naming them) is decoded with
     the same S samples written into its weights one at a time (``hf_evon.predictive.sequential_samples``),
-    each with its own KV cache (and encoder): the same tokens, at S forwards per step; the decoder's
-    attentions and hidden states are every sample's too, an encoder-decoder's encoder's sample 0's (B rows).
+    each with its own KV cache (and encoder): the tokens of per-sample weights (the factored form's to its
+    rounding, ``hf_evon.predictive.batched_samples``), at S forwards per step; the decoder's attentions
+    and hidden states are every sample's too, an encoder-decoder's encoder's sample 0's (B rows).
     """
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
