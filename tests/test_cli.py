@@ -1683,3 +1683,22 @@ def test_inspect_takes_a_subfolder_with_slashes_as_the_posterior_loads_it(saved,
     assert json.loads(capsys.readouterr().out) == plain
     assert main(["inspect", str(tmp_path), "--subfolder", "/run/"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"EVON posterior at {tmp_path}/run"
+
+
+@pytest.mark.parametrize("file", ["evon_posterior_config.json", "evon_posterior.safetensors"])
+def test_a_posterior_file_that_is_a_dangling_link_is_named_as_such(saved, tmp_path, capsys, file):
+    """A posterior config (or weights file) that is a link to nothing was reported as missing, where
+    ``ls`` shows it there; the error names the link and where it points."""
+    path, *_ = saved
+    directory = tmp_path / "run"
+    shutil.copytree(path, directory)
+    (directory / file).unlink()
+    (directory / file).symlink_to(tmp_path / "moved-away")
+    named = " (named by evon_posterior_config.json)" if file.endswith(".safetensors") else ""
+    for argv in (["inspect", str(directory)], ["generate", "--model", str(directory), "--prompt-ids", "5 9"]):
+        assert main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines()[-1] == (  # (before it: transformers' progress bar of the model)
+            f"hf-evon {argv[0]}: error: no EVON posterior in {str(directory)!r}: {file}{named} is a link to "
+            f"{str(tmp_path / 'moved-away')!r}, which does not exist"
+        ), err

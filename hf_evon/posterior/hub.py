@@ -73,7 +73,7 @@ def resolve_files(
         directory = os.path.join(path, subfolder) if subfolder else path
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
         if not os.path.exists(config_path):  # one that is no regular file: read_config says so
-            raise FileNotFoundError(f"no EVON posterior in {directory!r}: {POSTERIOR_CONFIG_NAME} is missing")
+            raise FileNotFoundError(_missing_text(directory, POSTERIOR_CONFIG_NAME, POSTERIOR_CONFIG_NAME))
         config = read_config(config_path)
         weights_path = os.path.join(directory, config.weights_name)
         if os.path.exists(weights_path) and not os.path.isfile(weights_path):
@@ -82,10 +82,8 @@ def resolve_files(
                 f"as the weights {POSTERIOR_CONFIG_NAME} names"
             )
         if not os.path.isfile(weights_path):
-            raise FileNotFoundError(
-                f"no EVON posterior in {directory!r}: {config.weights_name} (named by "
-                f"{POSTERIOR_CONFIG_NAME}) is missing"
-            )
+            named = f"{config.weights_name} (named by {POSTERIOR_CONFIG_NAME})"
+            raise FileNotFoundError(_missing_text(directory, config.weights_name, named))
         return config, weights_path
     if os.path.exists(path):
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
@@ -122,6 +120,15 @@ def resolve_files(
     # the weights of the config's own commit: a push between the two downloads would pair the
     # config with the next commit's weights (its checkpoint_id refuses such a pair)
     return config, download(config.weights_name, _snapshot_commit(config_file) or revision)
+
+
+def _missing_text(directory: str, name: str, shown: str) -> str:
+    """Why the file ``name`` (``shown`` so) of a local posterior is not there: missing, or a link to
+    nothing, which ``ls`` still lists: its target is named."""
+    path = os.path.join(directory, name)
+    if os.path.islink(path):
+        return f"no EVON posterior in {directory!r}: {shown} is a link to {os.readlink(path)!r}, which does not exist"
+    return f"no EVON posterior in {directory!r}: {shown} is missing"
 
 
 def _snapshot_commit(cached: str) -> str | None:
