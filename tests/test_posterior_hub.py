@@ -119,6 +119,8 @@ def test_a_push_between_the_config_and_the_weights_downloads_loads_the_configs_c
 
     def download(repo_id, filename, **kwargs):  # noqa: ANN001, ANN003, ANN202
         out = real(repo_id, filename, **kwargs)
+        if kwargs.get("dry_run"):  # the config's size, asked before its download
+            return out
         if filename in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME) and len(calls) < 2:
             calls.append((filename, kwargs.get("revision")))
             if len(calls) == 1:  # a colleague's push, right after the config's download
@@ -352,6 +354,28 @@ def test_offline_without_a_cache_names_the_repo_and_file(hub, posterior, tmp_pat
         _load(hub, "alice/offline", tmp_path / "empty", local_files_only=True, revision="v1", subfolder="sub")
     _load(hub, "alice/offline", tmp_path / "cache", revision="v1")
     _same(posterior, _load(hub, "alice/offline", tmp_path / "cache", local_files_only=True, revision="v1"))
+
+
+def test_a_config_larger_than_the_limit_is_refused_before_its_download(hub, posterior, tmp_path, monkeypatch):
+    """read_config reads at most MAX_CONFIG_BYTES, but the config was downloaded whole first: a repo's
+    config of any size filled the Hub cache's disk before being refused. Its size on the Hub (the HEAD
+    request a download makes) is checked first; the error names the repo and the file."""
+    import hf_evon.posterior.format as posterior_format
+
+    repo = "alice/big-config"
+    posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+    size = len(hub.files(repo)[POSTERIOR_CONFIG_NAME])
+    get_config = ("GET", f"/{repo}/resolve/main/{POSTERIOR_CONFIG_NAME}")
+    monkeypatch.setattr(posterior_format, "MAX_CONFIG_BYTES", size - 1)
+    seen = len(hub.requests)
+    message = rf"{repo}: {POSTERIOR_CONFIG_NAME} is {size} bytes on the Hub, larger than {size - 1} bytes"
+    with pytest.raises(hf_evon.PosteriorMismatchError, match=message):
+        _load(hub, repo, tmp_path / "cache")
+    assert get_config not in hub.requests[seen:]
+    assert not any(files for _, _, files in os.walk(tmp_path / "cache" / "models--alice--big-config" / "blobs"))
+    monkeypatch.setattr(posterior_format, "MAX_CONFIG_BYTES", size)  # a config of exactly the limit loads
+    _same(posterior, _load(hub, repo, tmp_path / "cache"))
+    assert get_config in hub.requests[seen:]
 
 
 def test_a_pull_request_to_a_new_branch_creates_the_branch(hub, posterior, tmp_path):

@@ -24,6 +24,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+import hf_evon.posterior.format as posterior_format
 from hf_evon.fileio import looks_like_local_path
 from hf_evon.posterior.config import (
     POSTERIOR_CONFIG_NAME,
@@ -89,24 +90,32 @@ def resolve_files(
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
     _check_repo_id(path)
 
-    def download(fname: str, at: str | None) -> str:
+    where = f"{path}" + (f"/{subfolder}" if subfolder else "") + (f" (revision {revision})" if revision else "")
+
+    def download(fname: str, at: str | None, max_bytes: int | None = None) -> str:
+        kwargs = dict(
+            subfolder=subfolder,
+            revision=at,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            **hub_kwargs,
+        )
         try:
-            return hf_hub_download(
-                path,
-                fname,
-                subfolder=subfolder,
-                revision=at,
-                token=token,
-                cache_dir=cache_dir,
-                local_files_only=local_files_only,
-                **hub_kwargs,
-            )
+            if max_bytes is not None:
+                # the size the Hub reports (the HEAD request a download makes), before any byte lands
+                # on disk: read_config's limit applies only once the whole file is downloaded. A push
+                # landing between this request and the download is not covered (huggingface_hub has
+                # no download with a size cap); read_config still reads no more than the limit
+                info = hf_hub_download(path, fname, dry_run=True, **kwargs)
+                if info.will_download and info.file_size is not None and info.file_size > max_bytes:
+                    raise PosteriorMismatchError(
+                        f"EVON posterior at {where}: {fname} is {info.file_size} bytes on the Hub, larger than "
+                        f"{max_bytes} bytes (a posterior config takes about 200 bytes per covered parameter); "
+                        "refusing to download it"
+                    )
+            return hf_hub_download(path, fname, **kwargs)
         except EntryNotFoundError as err:
-            where = (
-                f"{path}"
-                + (f"/{subfolder}" if subfolder else "")
-                + (f" (revision {revision})" if revision else "")
-            )
             if isinstance(err, LocalEntryNotFoundError):  # offline / not cached: not "missing"
                 # huggingface_hub's message names neither the repo nor the file
                 raise LocalEntryNotFoundError(
@@ -115,7 +124,7 @@ def resolve_files(
                 ) from err
             raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
 
-    config_file = download(POSTERIOR_CONFIG_NAME, revision)
+    config_file = download(POSTERIOR_CONFIG_NAME, revision, posterior_format.MAX_CONFIG_BYTES)
     config = read_config(config_file)
     # the weights of the config's own commit: a push between the two downloads would pair the
     # config with the next commit's weights (its checkpoint_id refuses such a pair)
