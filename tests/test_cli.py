@@ -1702,3 +1702,24 @@ def test_a_posterior_file_that_is_a_dangling_link_is_named_as_such(saved, tmp_pa
             f"hf-evon {argv[0]}: error: no EVON posterior in {str(directory)!r}: {file}{named} is a link to "
             f"{str(tmp_path / 'moved-away')!r}, which does not exist"
         ), err
+
+
+def test_calibrate_refuses_an_output_whose_posterior_config_is_a_directory_before_the_calibration(
+    saved, tmp_path, capsys, monkeypatch
+):
+    """An --output whose evon_posterior_config.json is a directory passed as holding no posterior: the
+    whole calibration ran, then the save failed 'Is a directory', leaving its staged weights file there."""
+    import hf_evon.predictive.calibration as calibration
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    output = tmp_path / "out"
+    (output / "evon_posterior_config.json").mkdir(parents=True)
+    argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
+    assert main([*argv, "--block-size", "8", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"hf-evon calibrate: error: --output {str(output)!r}: its evon_posterior_config.json is a directory, "
+        "where the save writes the posterior's config: pass another --output, or remove that directory"
+    )
+    assert os.listdir(output) == ["evon_posterior_config.json"]

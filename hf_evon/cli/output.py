@@ -40,6 +40,11 @@ def check_output_posterior(output: str, model: Any) -> None:
     from hf_evon.posterior.format import read_config
 
     path = os.path.join(output, POSTERIOR_CONFIG_NAME)
+    if os.path.isdir(path):  # the save's os.replace of the config onto it fails, after the whole calibration
+        raise UsageError(
+            f"--output {output!r}: its {POSTERIOR_CONFIG_NAME} is a directory, where the save writes the "
+            "posterior's config: pass another --output, or remove that directory"
+        )
     if not os.path.isfile(path):
         check_output_weights(output, model)
         return
