@@ -935,6 +935,23 @@ def test_a_weights_file_that_is_not_a_regular_file_is_named_as_such(tmp_path, ki
     assert str(err.value).startswith(f"{weights}: not a regular file"), str(err.value)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd")
+def test_a_config_that_is_a_directory_is_refused_as_such_and_leaves_no_descriptor_open(tmp_path):
+    """A config that is a directory opened (O_RDONLY opens a directory) and then failed in ``open(fd)``:
+    refused as "cannot read the config ([Errno 21] Is a directory: 3)", and each load left that
+    descriptor open."""
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    config = tmp_path / POSTERIOR_CONFIG_NAME
+    config.unlink()
+    config.mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(PosteriorMismatchError) as err:
+            EVONPosterior.from_pretrained(tmp_path)
+        assert str(err.value).startswith(f"{config}: not a regular file"), str(err.value)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 @pytest.mark.skipif(not hasattr(os, "O_NONBLOCK"), reason="no O_NONBLOCK")
 def test_the_config_is_read_blocking_where_a_filesystem_honours_o_nonblock(tmp_path, monkeypatch):
     """The config is opened with O_NONBLOCK (a named pipe must not block the open), which POSIX leaves

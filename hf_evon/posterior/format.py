@@ -323,14 +323,17 @@ def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
         # O_NONBLOCK: opening a named pipe (a folder from elsewhere may hold one, or a link to /dev/stdin)
         # would otherwise wait for a writer for ever; a regular file is then read blocking
         fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        with open(fd, "rb") as fh:
+        try:  # checked on the descriptor: open(fd) refuses a directory's, which it then leaves open
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise PosteriorMismatchError(
                     f"{where}: not a regular file (a named pipe, device or directory); refusing to read it as the config"
                 )
             if hasattr(os, "O_NONBLOCK"):  # POSIX leaves O_NONBLOCK on a regular file unspecified: a FUSE or
                 os.set_blocking(fd, True)  # network filesystem may answer a read with EAGAIN or a short read
-            data = fh.read(MAX_CONFIG_BYTES + 1)
+            with open(fd, "rb", closefd=False) as fh:
+                data = fh.read(MAX_CONFIG_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as err:
         raise PosteriorMismatchError(f"{where}: cannot read the config ({err})") from err
     if len(data) > MAX_CONFIG_BYTES:
