@@ -523,7 +523,9 @@ def copy_posterior(source: str, directory: str) -> None:
     """Copy the posterior saved in ``source`` into ``directory`` with the save protocol.
 
     The files are copied as they are (their ``checkpoint_id`` kept); the config is read and
-    validated first, and the weights file it names is the one copied.
+    validated first, and the weights file it names is the one copied. Weights that carry a
+    ``checkpoint_id`` are copied unread: a caller loads the source first where a broken one must
+    not replace ``directory``'s posterior (the Trainer's push does).
     """
     config = read_config(os.path.join(source, POSTERIOR_CONFIG_NAME))
     weights = os.path.join(source, config.weights_name)

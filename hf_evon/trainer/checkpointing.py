@@ -381,8 +381,11 @@ class CheckpointingMixin:
         # the save protocol, not two copies in place: a kill between them would pair the
         # checkpoint's weights with the previous config; the card in the same turn of the lock
         with directory_lock(output_dir):
+            # read in full first (copy_posterior copies weights that carry a checkpoint_id as they are):
+            # a checkpoint that does not load never replaces the output directory's posterior
+            posterior = EVONPosterior.from_pretrained(checkpoint_folder)
             copy_posterior(checkpoint_folder, output_dir)
-            self._write_model_card(output_dir, EVONPosterior.from_pretrained(output_dir))
+            self._write_model_card(output_dir, posterior)
 
     # ------------------------------------------------------------------ sharded and FSDP2 state
     def _gather_sharded_state(self) -> None:
