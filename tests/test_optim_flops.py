@@ -136,13 +136,31 @@ def test_a_steady_per_matrix_step_multiplies_only_what_the_maths_needs() -> None
     assert total == steps * 3 * 2 * m * n * (m + n)
 
 
-def test_a_steps_refreshes_share_one_qr_call_per_side_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 32: on accelerators each QR call has a fixed cost (a batched Cholesky costs about as much
-    for a few members as for one), so a step hands the due sides of all buckets with one side size to
-    one call. Three buckets (6×5, 5×6, 6×6) refreshed at once make two calls (sizes 6 and 5), not
-    six, and every state tensor equals that of one call per side, bit for bit (on this CPU, with
-    the accelerators' CholeskyQR path forced)."""
+def _three_buckets_trained() -> dict[str, torch.Tensor]:
+    """Every state tensor of EVON over three buckets (6×5, 5×6, 6×6), refreshed all at once every 3
+    updates, after the initialising step and two refresh cycles."""
     from hf_evon import EVON
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(*shape) / 6**0.5) for shape in ((6, 5), (5, 6), (6, 6))]
+    opt = EVON(weights, seed=0, precondition_frequency=3, stagger_refresh=False)
+    x = torch.randn(8, 6)
+    for _ in range(7):
+        with opt.sampled_params(train=True):
+            loss = torch.tanh(x[:, :5] @ weights[0].mT).square().sum()
+            loss = loss + torch.tanh(x @ weights[1].mT).square().sum() + torch.tanh(x @ weights[2]).sum()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {f"{i}.{k}": v.clone() for i, w in enumerate(weights) for k, v in opt.state[w].items()}
+
+
+def test_a_steps_refreshes_share_one_qr_call_per_side_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On accelerators one QR call on a few members costs less than one per member (its batched
+    products and solves), so a step hands the due sides of all buckets with one side size to one
+    call. Three buckets (6×5, 5×6, 6×6) refreshed at once make two calls (sizes 6 and 5), not six,
+    and every state tensor equals that of one call per side, bit for bit (on this CPU, with the
+    accelerators' CholeskyQR path forced)."""
     from hf_evon.optim import functional, linalg
 
     calls = []
@@ -157,19 +175,8 @@ def test_a_steps_refreshes_share_one_qr_call_per_side_size(monkeypatch: pytest.M
             functional, "power_qr_many", lambda pairs: real_many(pairs, grouped=grouped, householder=False)
         )
         calls.clear()
-        torch.manual_seed(0)
-        weights = [torch.nn.Parameter(torch.randn(*shape) / 6**0.5) for shape in ((6, 5), (5, 6), (6, 6))]
-        opt = EVON(weights, seed=0, precondition_frequency=3, stagger_refresh=False)
-        x = torch.randn(8, 6)
-        for _ in range(7):  # the initialising step and two refresh cycles
-            with opt.sampled_params(train=True):
-                loss = torch.tanh(x[:, :5] @ weights[0].mT).square().sum()
-                loss = loss + torch.tanh(x @ weights[1].mT).square().sum() + torch.tanh(x @ weights[2]).sum()
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-        refreshes = list(calls)
-        return {f"{i}.{k}": v.clone() for i, w in enumerate(weights) for k, v in opt.state[w].items()}, refreshes
+        state = _three_buckets_trained()
+        return state, list(calls)
 
     monkeypatch.setattr(linalg, "power_qr", counting_power_qr)
     grouped, grouped_calls = run(True)
@@ -188,7 +195,6 @@ def test_a_steps_refreshes_hold_the_state_of_a_bounded_run_of_buckets_at_once(mo
     momentum until the last was made: on a refresh step without stagger, a new Q_L, Q_R and momentum
     of every matrix at once (here one run of all three buckets, 61 + 61 + 72 entries over a bound of
     122). The state equals that of one run of all of them, bit for bit."""
-    from hf_evon import EVON
     from hf_evon.optim import linalg, update
 
     runs = []
@@ -201,18 +207,7 @@ def test_a_steps_refreshes_hold_the_state_of_a_bounded_run_of_buckets_at_once(mo
     def run(bound: int) -> dict[str, torch.Tensor]:
         monkeypatch.setattr(linalg, "REFRESH_CALL_ENTRIES", bound)
         runs.clear()
-        torch.manual_seed(0)
-        weights = [torch.nn.Parameter(torch.randn(*shape) / 6**0.5) for shape in ((6, 5), (5, 6), (6, 6))]
-        opt = EVON(weights, seed=0, precondition_frequency=3, stagger_refresh=False)
-        x = torch.randn(8, 6)
-        for _ in range(7):  # the initialising step and two refresh cycles
-            with opt.sampled_params(train=True):
-                loss = torch.tanh(x[:, :5] @ weights[0].mT).square().sum()
-                loss = loss + torch.tanh(x @ weights[1].mT).square().sum() + torch.tanh(x @ weights[2]).sum()
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return {f"{i}.{k}": v.clone() for i, w in enumerate(weights) for k, v in opt.state[w].items()}
+        return _three_buckets_trained()
 
     monkeypatch.setattr(update, "refresh_buckets", recording)
     bounded = run(36 + 25 + 25 + 36)  # the 6×5 and 5×6 matrices' statistics
