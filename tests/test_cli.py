@@ -350,6 +350,20 @@ def test_generate_with_a_lora_adapter_not_named_default(saved, tmp_path, capsys,
     assert record["completion_ids"] == expected[0, 2:].tolist()
 
 
+def _assert_generates_as_generate_bma(path, model, posterior, capsys) -> None:  # noqa: ANN001
+    """``hf-evon generate`` on the model and posterior saved at ``path`` (3 samples, 4 greedy new
+    tokens after ids 5 9, seed 2) writes the completion ``generate_bma`` makes of them."""
+    argv = ["generate", "--model", str(path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
+    assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
+    )  # fmt: skip
+    assert record["completion_ids"] == expected[0, 2:].tolist()
+    assert len(record["completion_ids"]) == 4
+
+
 def test_generate_loads_a_named_adapter_from_its_folder_beside_the_default_one_at_the_root(saved, tmp_path, capsys):
     """A PeftModel with the adapters "default" and "mine", "mine" trained: PEFT saves "default" at the
     directory's root and "mine" in ``dir/mine``. Given ``--model dir`` and the posterior of "mine", the
@@ -370,16 +384,9 @@ def test_generate_loads_a_named_adapter_from_its_folder_beside_the_default_one_a
     model.save_pretrained(tmp_path)
     posterior.save_pretrained(tmp_path)
     assert (tmp_path / "adapter_config.json").is_file() and (tmp_path / "mine" / "adapter_config.json").is_file()
-    argv = ["generate", "--model", str(tmp_path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", PosteriorMeanWarning)
-        assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    expected = generate_bma(
-        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
-        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
-    )  # fmt: skip
-    assert record["completion_ids"] == expected[0, 2:].tolist()
+        _assert_generates_as_generate_bma(tmp_path, model, posterior, capsys)
 
 
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
@@ -399,15 +406,7 @@ def test_generate_decodes_an_ia3_or_adalora_adapter(saved, tmp_path, capsys, ada
     posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
     model.save_pretrained(tmp_path)
     posterior.save_pretrained(tmp_path)
-    argv = ["generate", "--model", str(tmp_path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
-    assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    expected = generate_bma(
-        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
-        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
-    )  # fmt: skip
-    assert record["completion_ids"] == expected[0, 2:].tolist()
-    assert len(record["completion_ids"]) == 4
+    _assert_generates_as_generate_bma(tmp_path, model, posterior, capsys)
 
 
 # ----------------------------------------------------------------------------- errors (issue 9.15, 11.7)
