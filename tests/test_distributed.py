@@ -767,14 +767,37 @@ def test_the_uneven_batches_check_remembers_loaders_not_their_addresses(monkeypa
     assert gathers == [3, 3]
 
 
+def _two_ranks_answered(monkeypatch, other: dict[str, int | None]) -> tuple[type, list[int]]:  # noqa: ANN001
+    """Two ranks simulated in one process for ``ddp._UnevenBatchesCheck``: accelerate's gradient state
+    replaced by a class whose ``active_dataloader`` the test sets, and each all-gather answered with
+    this rank's count and ``other["count"]`` (None: this rank's again). Returns the state class and
+    the list of counts this rank gathered."""
+    import accelerate.state
+
+    from hf_evon.distributed import ddp
+
+    class State:
+        _shared_state = {"active": True}
+        active_dataloader = None
+
+    gathers: list[int] = []
+
+    def all_gather_into_tensor(out, local, group=None):  # noqa: ANN001, ANN202
+        gathers.append(int(local))
+        out.copy_(torch.tensor([int(local), int(local) if other["count"] is None else other["count"]]))
+
+    monkeypatch.setattr(accelerate.state, "GradientState", State)
+    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    return State, gathers
+
+
 def test_the_uneven_batches_check_asks_each_loader_its_length_once_and_compares_a_second_loader(monkeypatch) -> None:
     """Every step asked the active loader its length before looking it up among the loaders compared
     already. Each loader is now asked once; a second train loader that appears mid-run (a resume's
     skipping loader, a subclass's own) is compared with its own length, not passed on the first's
     verdict, and is refused where the ranks' lengths differ. One process, the all-gather answered
     with this rank's count and, for the second loader, another rank's."""
-    import accelerate.state
-
     from hf_evon.distributed import ddp
 
     asked: list[int] = []
@@ -787,20 +810,8 @@ def test_the_uneven_batches_check_asks_each_loader_its_length_once_and_compares_
             asked.append(self.n)
             return self.n
 
-    class State:
-        _shared_state = {"active": True}
-        active_dataloader = None
-
-    gathers: list[int] = []
-    other = {"count": None}
-
-    def all_gather_into_tensor(out, local, group=None):
-        gathers.append(int(local))
-        out.copy_(torch.tensor([int(local), int(local) if other["count"] is None else other["count"]]))
-
-    monkeypatch.setattr(accelerate.state, "GradientState", State)
-    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
-    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    other: dict[str, int | None] = {"count": None}
+    State, gathers = _two_ranks_answered(monkeypatch, other)
     check = ddp._UnevenBatchesCheck(None, torch.device("cpu"))
     first = State.active_dataloader = Loader(3)
     for _ in range(4):
@@ -863,8 +874,6 @@ def test_the_uneven_batches_check_compares_a_loader_again_in_each_of_its_epochs(
     the next epoch, averaging gradients of different steps, silently. Each epoch of a loader (accelerate's
     ``iteration``) is now compared at its first step, and its other steps ask nothing. One process, the
     all-gather answered with this rank's count and another rank's."""
-    import accelerate.state
-
     from hf_evon.distributed import ddp
 
     asked: list[int] = []
@@ -877,20 +886,8 @@ def test_the_uneven_batches_check_compares_a_loader_again_in_each_of_its_epochs(
             asked.append(self.n)
             return self.n
 
-    class State:
-        _shared_state = {"active": True}
-        active_dataloader = None
-
-    gathers: list[int] = []
-    other = {"count": 3}
-
-    def all_gather_into_tensor(out, local, group=None):
-        gathers.append(int(local))
-        out.copy_(torch.tensor([int(local), other["count"]]))
-
-    monkeypatch.setattr(accelerate.state, "GradientState", State)
-    monkeypatch.setattr(ddp.dist, "all_gather_into_tensor", all_gather_into_tensor)
-    monkeypatch.setattr(ddp, "world_size", lambda group: 2)
+    other: dict[str, int | None] = {"count": 3}
+    State, gathers = _two_ranks_answered(monkeypatch, other)
     check = ddp._UnevenBatchesCheck(None, torch.device("cpu"))
     loader = State.active_dataloader = Loader()
     for _ in range(3):  # epoch 0: both ranks hold 3 batches

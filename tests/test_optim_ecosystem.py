@@ -10,6 +10,7 @@ import copy
 import pickle
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -777,6 +778,22 @@ def test_step_with_a_closure_takes_mc_samples_samples_as_the_loop_does(returns: 
     assert opt.recorded_samples == 0 and opt.sample_blocks == twin_opt.sample_blocks == 6
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
+def _step_with_closure_returning(convert: Callable[[torch.Tensor], object]) -> tuple[object, list[object]]:
+    """``step(closure)`` of a 2-sample EVON whose closure returns ``convert(loss)``: what the step
+    returned, and what each of its two calls returned."""
+    model = _model()
+    opt, returned = _optimizer(model, mc_samples=2), []
+
+    def closure() -> object:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(X), Y)
+        loss.backward()
+        returned.append(convert(loss))
+        return returned[-1]
+
+    return opt.step(closure), returned
+
+
 @pytest.mark.parametrize("kind", ["float", "np.float32", "np.float64", "np.int64"])
 def test_step_with_a_closure_returns_the_mean_of_numeric_losses_of_any_number_type(kind: str) -> None:
     """A closure returning ``loss.item()`` as a numpy scalar other than float64 (``np.float32``,
@@ -786,17 +803,8 @@ def test_step_with_a_closure_returns_the_mean_of_numeric_losses_of_any_number_ty
     import numpy as np
 
     cast = {"float": float, "np.float32": np.float32, "np.float64": np.float64, "np.int64": np.int64}[kind]
-    model = _model()
-    opt, returned = _optimizer(model, mc_samples=2), []
-
-    def closure() -> object:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(X), Y)
-        loss.backward()
-        returned.append(cast(loss.item() * 1000))  # np.int64: distinct integers per sample
-        return returned[-1]
-
-    got = opt.step(closure)
+    # np.int64: distinct integers per sample
+    got, returned = _step_with_closure_returning(lambda loss: cast(loss.item() * 1000))
     assert returned[0] != returned[1]
     assert type(got) is type((returned[0] + returned[1]) / 2) and got == (returned[0] + returned[1]) / 2
 
@@ -808,18 +816,9 @@ def test_step_with_a_closure_returning_numpy_arrays_returns_their_mean(shape: tu
     scalar gets the mean over the ``mc_samples`` calls. Numeric arrays are averaged as those are."""
     import numpy as np
 
-    model = _model()
-    opt, returned = _optimizer(model, mc_samples=2), []
-
-    def closure() -> object:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(X), Y)
-        loss.backward()
-        scale = 1.0 + np.arange(shape[0] if shape else 1).reshape(shape)
-        returned.append(np.asarray(loss.detach().double().numpy() * scale))  # 0-d: an array, no numpy scalar
-        return returned[-1]
-
-    got = opt.step(closure)
+    scale = 1.0 + np.arange(shape[0] if shape else 1).reshape(shape)
+    # 0-d: an array, no numpy scalar
+    got, returned = _step_with_closure_returning(lambda loss: np.asarray(loss.detach().double().numpy() * scale))
     assert all(type(r) is np.ndarray for r in returned) and not np.array_equal(returned[0], returned[1])
     assert np.shape(got) == shape and np.array_equal(got, (returned[0] + returned[1]) / 2)
 
