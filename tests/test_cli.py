@@ -320,6 +320,22 @@ def test_generate_with_a_lora_adapter_of_an_encoder_decoder_model(saved_seq2seq,
     assert record["completion_ids"] == expected[0, 1:].tolist()
 
 
+def _assert_generates_as_generate_bma(path, model, posterior, capsys, posterior_dir=None) -> None:  # noqa: ANN001
+    """``hf-evon generate`` on the model saved at ``path`` and its posterior (at ``posterior_dir``, or
+    beside the model) (3 samples, 4 greedy new tokens after ids 5 9, seed 2) writes the completion
+    ``generate_bma`` makes of them."""
+    argv = ["generate", "--model", str(path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
+    argv += [] if posterior_dir is None else ["--posterior", str(posterior_dir)]
+    assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    expected = generate_bma(
+        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
+    )  # fmt: skip
+    assert record["completion_ids"] == expected[0, 2:].tolist()
+    assert len(record["completion_ids"]) == 4
+
+
 @pytest.mark.parametrize("model_dir", ["the adapter's folder", "where the adapter was saved"])
 def test_generate_with_a_lora_adapter_not_named_default(saved, tmp_path, capsys, model_dir):
     """PEFT saves an adapter named "mine" in ``dir/mine`` and loads any adapter as "default", while
@@ -340,28 +356,7 @@ def test_generate_with_a_lora_adapter_not_named_default(saved, tmp_path, capsys,
     posterior.save_pretrained(tmp_path)
     assert (tmp_path / "mine" / "adapter_config.json").is_file()
     where = tmp_path / "mine" if model_dir == "the adapter's folder" else tmp_path
-    argv = ["generate", "--model", str(where), "--posterior", str(tmp_path), "--samples", "3"]
-    assert main([*argv, "--max-new-tokens", "4", "--seed", "2", "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    expected = generate_bma(
-        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
-        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
-    )  # fmt: skip
-    assert record["completion_ids"] == expected[0, 2:].tolist()
-
-
-def _assert_generates_as_generate_bma(path, model, posterior, capsys) -> None:  # noqa: ANN001
-    """``hf-evon generate`` on the model and posterior saved at ``path`` (3 samples, 4 greedy new
-    tokens after ids 5 9, seed 2) writes the completion ``generate_bma`` makes of them."""
-    argv = ["generate", "--model", str(path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2"]
-    assert main([*argv, "--prompt-ids", "5 9", "--device", "cpu", "--json"]) == 0
-    record = json.loads(capsys.readouterr().out)
-    expected = generate_bma(
-        model, posterior, torch.tensor([[5, 9]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
-        num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
-    )  # fmt: skip
-    assert record["completion_ids"] == expected[0, 2:].tolist()
-    assert len(record["completion_ids"]) == 4
+    _assert_generates_as_generate_bma(where, model, posterior, capsys, posterior_dir=tmp_path)
 
 
 def test_generate_loads_a_named_adapter_from_its_folder_beside_the_default_one_at_the_root(saved, tmp_path, capsys):
