@@ -724,6 +724,47 @@ def test_the_late_gradient_guard_hooks_each_weight_once_across_blocks_steps_and_
         assert opt.recorded_samples == 0
         assert len(w._post_accumulate_grad_hooks) == 1 and not b._post_accumulate_grad_hooks
 
+@pytest.mark.parametrize("block", ["refused", "raised"])
+def test_a_block_refused_or_raising_leaves_the_late_gradient_guard_armed(block: str) -> None:
+    """A training block disarms the guard at its entry (its own backward is awaited); one refused there
+    (``optimizer.state`` cleared after a recorded block: its Hessian numerators would be lost) or raising
+    inside left it disarmed, though the earlier sample is still the step's: a backward of that sample's
+    graph after the block went through unrefused, added to the step's gradient, and the step trained
+    on it. The guard is as before the block: that backward is refused, naming the weight."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4))
+    x = torch.randn(8, 4)
+    opt = EVON([{"params": [w], "param_names": ["w"]}], seed=0)
+
+    def loss() -> torch.Tensor:
+        return torch.tanh(x @ w.T).square().mean()
+
+    with opt.sampled_params(train=True):
+        loss().backward()
+    opt.step()
+    opt.zero_grad()
+    with opt.sampled_params(train=True):
+        value = loss()
+        value.backward(retain_graph=True)
+    grad = w.grad.clone()
+    if block == "refused":
+        entries = dict(opt.state)
+        opt.state.clear()
+        with pytest.raises(RuntimeError, match=r"clearing or replacing optimizer\.state"):
+            with opt.sampled_params(train=True):
+                pass
+        opt.state.update(entries)  # the state back: the step may use the recorded sample
+    else:
+        with contextlib.suppress(Boom), opt.sampled_params(train=True):
+            loss().backward()
+            raise Boom
+    assert opt.recorded_samples == 1 and torch.equal(w.grad, grad)
+    late = r"reached w \(shape \(3, 4\)\) after its sampled_params\(train=True\) block"
+    with pytest.raises(RuntimeError, match=late):
+        value.backward()
+    assert opt.recorded_samples == 0
+
+
 def test_no_prior_is_refused_with_noise_and_trains_without_it() -> None:
     # a dead input unit: H = 0 on its column after the Fisher estimate's first average; with
     # weight_decay = 0 its variance 1/(ess·(H + 0)) was inf, every sample inf, the loss NaN

@@ -232,8 +232,10 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
     """``.grad`` = kept + this sample's gradient (``recorded``), or only the kept part (a
     failed block: as at entry, less what the last step consumed). Recorded: returns the
     gradients now in ``.grad``, the step's (``set_aside_grads``' ``held``), by identity and version,
-    and the ``optimizer``'s sampled weights refuse a later gradient (:func:`guard_late_gradients`)."""
-    if recorded and optimizer is not None:
+    and the ``optimizer``'s sampled weights refuse a later gradient (:func:`guard_late_gradients`).
+    Failed (refused at its entry or raised inside) while earlier samples await the step: the guard
+    their recorded exit armed, which the block's entry disarmed, is armed again, as it was."""
+    if optimizer is not None and (recorded or optimizer.recorded_samples):
         guard_late_gradients(optimizer)
     if not recorded:
         for p, keep in stash:
