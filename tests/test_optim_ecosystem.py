@@ -823,6 +823,34 @@ def test_step_with_a_closure_returning_numpy_arrays_returns_their_mean(shape: tu
     assert np.shape(got) == shape and np.array_equal(got, (returned[0] + returned[1]) / 2)
 
 
+@pytest.mark.parametrize("tensor_first", [True, False], ids=["tensor-first", "numpy-first"])
+@pytest.mark.parametrize("numpy_shape", [None, (), (1,)], ids=["np.float64", "0-d", "(1,)"])
+def test_step_with_a_closure_returning_a_tensor_and_a_numpy_loss_returns_their_mean_in_either_order(
+    numpy_shape: tuple | None, tensor_first: bool
+) -> None:
+    """A closure returning a tensor on one call and a numpy array on the other had its mean taken in call
+    order: ``ndarray + Tensor`` raised numpy's TypeError ("Concatenation operation is not implemented")
+    after both samples were recorded (they were dropped), and a 0-d array first was read as a float, a
+    tensor first read it as a float64 tensor, the mean's dtype depending on the order. Either order gives
+    the mean as ``Tensor + ndarray`` computes it (the array read as a tensor); a numpy scalar counts as a
+    number."""
+    import numpy as np
+
+    def convert(loss: torch.Tensor) -> object:
+        convert.calls += 1
+        if (convert.calls == 1) == tensor_first:
+            return loss.detach()
+        value = loss.detach().double().numpy()
+        return np.float64(value) if numpy_shape is None else value.reshape(numpy_shape)
+
+    convert.calls = 0
+    got, returned = _step_with_closure_returning(convert)
+    tensor, other = returned if tensor_first else returned[::-1]
+    expected = (tensor + other) / 2
+    assert type(got) is torch.Tensor and (got.dtype, got.shape) == (expected.dtype, expected.shape)
+    assert torch.equal(got, expected)
+
+
 def test_step_with_a_closure_whose_losses_have_no_mean_is_refused_and_drops_the_samples() -> None:
     """Per-example loss tensors of different shapes across the ``mc_samples`` calls (a closure that
     draws its own batch, the last one smaller) raised torch's broadcast error after the samples were

@@ -265,6 +265,18 @@ def _is_numeric_loss(loss: Any) -> bool:
     return numpy is not None and isinstance(loss, numpy.ndarray) and loss.dtype.kind in "iuf"
 
 
+def _as_tensors_with_tensors(losses: list[Any]) -> list[Any]:
+    """``losses`` with every numpy array read as a tensor on the device of the first tensor among them, if
+    any: ``ndarray + Tensor`` raises (numpy's own sum, which refuses a tensor) where ``Tensor + ndarray``
+    reads the array as a tensor, and a 0-d array summed first becomes a numpy scalar, a number to torch,
+    so the mean's type would depend on the calls' order. Numpy scalars stay numbers, as torch reads them."""
+    device = next((loss.device for loss in losses if isinstance(loss, torch.Tensor)), None)
+    if device is None:
+        return losses
+    numeric = torch.Tensor | numbers.Real
+    return [loss if isinstance(loss, numeric) else torch.as_tensor(loss, device=device) for loss in losses]
+
+
 def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
     """``closure`` called in each of ``optimizer.mc_samples`` blocks ``sampled_params(train=True)``, with
     gradients enabled (``step()`` runs under no_grad), as the loop of ``mc_samples`` blocks records them:
@@ -295,7 +307,7 @@ def closure_loss(optimizer: Any, closure: Callable[[], Any]) -> Any:
                 f"samples are dropped ({error})"
             ) from error
         try:
-            return sum(losses) / len(losses)
+            return sum(_as_tensors_with_tensors(losses)) / len(losses)
         except BaseException:  # out of memory, other devices: as it is, the samples dropped as for a raise
             optimizer.discard_samples(rewind=True)
             raise
