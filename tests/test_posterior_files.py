@@ -1153,6 +1153,31 @@ def test_a_reader_during_a_save_sees_the_old_or_the_new_posterior(tmp_path, monk
     assert _which(tmp_path, old.to_tensors(), new.to_tensors()) == "new"
 
 
+def test_a_reader_of_a_subfolder_given_with_slashes_during_a_save_sees_the_new_posterior(tmp_path, monkeypatch):
+    """``subfolder="/sub/"`` reads ``sub`` (taken without slashes, as ``path_in_repo`` is); a save
+    switching the files between the reader's config and weights raised PosteriorMismatchError: the check
+    for a switch looked at ``os.path.join(path, "/sub/")``, the root ``/sub/``, saw no config before
+    and none after, and so no switch to read again for."""
+    import hf_evon.posterior.format as format_module
+
+    old, new = _posterior(), _posterior(scale=4.0)
+    old.save_pretrained(tmp_path / "sub")
+    real = format_module.safe_open
+    saves = []
+
+    def open_after_a_save(*args, **kwargs):
+        if not saves:
+            saves.append(1)
+            new.save_pretrained(tmp_path / "sub", model_card=False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(format_module, "safe_open", open_after_a_save)
+    loaded = EVONPosterior.from_pretrained(tmp_path, subfolder="/sub/").to_tensors()
+    expected = new.to_tensors()
+    assert saves == [1] and loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[key], expected[key]) for key in expected)
+
+
 # ----------------------------------------------------------------------------- item 11: model + posterior
 def test_a_save_model_killed_between_model_and_posterior_is_not_a_silent_pair(tmp_path, monkeypatch):
     """New weights beside the previous posterior both load: the posterior's recorded mean tells."""

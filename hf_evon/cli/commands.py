@@ -380,9 +380,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
     those of the model weights saved beside it), and the calibrated scale if the config records one.
     """
     from hf_evon.posterior.config import json_value
+    from hf_evon.posterior.hub import subfolder_in_repo
     from hf_evon.posterior.posterior import EVONPosterior
 
-    args.subfolder = (args.subfolder or "").strip("/") or None  # as from_pretrained takes it: header and sizes agree
+    args.subfolder = subfolder_in_repo(args.subfolder)  # as from_pretrained takes it: header and sizes agree
     posterior = from_location(
         args.location,
         "location",

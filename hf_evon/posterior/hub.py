@@ -11,6 +11,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,25 +54,45 @@ PUSH_KWARGS = (
 HUB_DOWNLOAD_KWARGS = ("force_download", "endpoint", "etag_timeout", "headers", "user_agent")
 
 
-def resolve_files(
-    path: str,
-    revision: str | None,
-    subfolder: str | None,
-    token: str | bool | None,
-    cache_dir: str | os.PathLike | None,
-    local_files_only: bool,
-    hub_kwargs: dict[str, Any],
-) -> tuple[PosteriorConfig, str]:
+def subfolder_in_repo(subfolder: str | None) -> str | None:
+    """``subfolder`` without leading or trailing slashes, as ``push_to_hub``'s ``path_in_repo`` is
+    taken; None for the root."""
+    return (subfolder or "").strip("/") or None
+
+
+@dataclass(frozen=True)
+class PosteriorSource:
+    """Where :func:`read_posterior` reads a posterior: a local directory ``path`` (its ``subfolder``),
+    or a Hub repo id and how to download from it (``hub_kwargs``: :data:`HUB_DOWNLOAD_KWARGS`).
+    ``subfolder`` is kept as :func:`subfolder_in_repo` takes it."""
+
+    path: str
+    revision: str | None
+    subfolder: str | None
+    token: str | bool | None
+    cache_dir: str | os.PathLike | None
+    local_files_only: bool
+    hub_kwargs: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "subfolder", subfolder_in_repo(self.subfolder))
+
+    @property
+    def directory(self) -> str:
+        """The local directory that holds the files, where ``path`` is one."""
+        return os.path.join(self.path, self.subfolder) if self.subfolder else self.path
+
+
+def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str]:
     """The validated config and the local path of the weights file it names.
 
     From a directory, or downloaded from the Hub. The config comes first: it names the
     weights file, which is how a reader sees one consistent pair while a save runs.
-    ``subfolder`` is taken without leading or trailing slashes, as ``push_to_hub``'s
-    ``path_in_repo`` is.
     """
-    subfolder = (subfolder or "").strip("/") or None
+    path, revision, subfolder = source.path, source.revision, source.subfolder
+    token, cache_dir, local_files_only = source.token, source.cache_dir, source.local_files_only
     if os.path.isdir(path):
-        directory = os.path.join(path, subfolder) if subfolder else path
+        directory = source.directory
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
         if not os.path.exists(config_path):  # one that is no regular file: read_config says so
             raise FileNotFoundError(_missing_text(directory, POSTERIOR_CONFIG_NAME, POSTERIOR_CONFIG_NAME))
@@ -99,7 +120,7 @@ def resolve_files(
             token=token,
             cache_dir=cache_dir,
             local_files_only=local_files_only,
-            **hub_kwargs,
+            **source.hub_kwargs,
         )
         try:
             if max_bytes is not None:
@@ -163,11 +184,10 @@ def _check_repo_id(path: str) -> None:
         ) from None
 
 
-def _local_switch_state(path: str, subfolder: str | None) -> tuple[str | None, str] | None:
+def _local_switch_state(source: PosteriorSource) -> tuple[str | None, str] | None:
     """(checkpoint_id, weights file) of the config in a local directory, None where none is readable."""
-    directory = os.path.join(path, subfolder) if subfolder else path
     try:
-        config = read_config(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+        config = read_config(os.path.join(source.directory, POSTERIOR_CONFIG_NAME))
     except (PosteriorMismatchError, OSError):
         return None
     return config.checkpoint_id, config.weights_name
@@ -179,16 +199,7 @@ def _local_switch_state(path: str, subfolder: str | None) -> tuple[str | None, s
 _READ_ATTEMPTS = 16
 
 
-def read_posterior(
-    path: str,
-    revision: str | None,
-    subfolder: str | None,
-    token: str | bool | None,
-    cache_dir: str | os.PathLike | None,
-    local_files_only: bool,
-    hub_kwargs: dict[str, Any],
-    read: Callable[[PosteriorConfig, str], T],
-) -> tuple[PosteriorConfig, T]:
+def read_posterior(source: PosteriorSource, read: Callable[[PosteriorConfig, str], T]) -> tuple[PosteriorConfig, T]:
     """:func:`resolve_files`, then ``read(config, weights_path)``.
 
     In a local directory a save may switch the config between this reader's reading the
@@ -196,18 +207,16 @@ def read_posterior(
     config has changed since, the pair is read again, so a reader sees the old posterior or a
     new one, never an error caused by a concurrent save.
     """
-    local = os.path.isdir(path)
+    local = os.path.isdir(source.path)
     attempts = 0
     while True:
-        before = _local_switch_state(path, subfolder) if local else None
+        before = _local_switch_state(source) if local else None
         try:
-            config, weights_path = resolve_files(
-                path, revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
-            )
+            config, weights_path = resolve_files(source)
             return config, read(config, weights_path)
         except (PosteriorMismatchError, FileNotFoundError):
             attempts += 1
-            if not local or attempts == _READ_ATTEMPTS or _local_switch_state(path, subfolder) == before:
+            if not local or attempts == _READ_ATTEMPTS or _local_switch_state(source) == before:
                 raise
 
 

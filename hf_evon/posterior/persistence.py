@@ -23,7 +23,13 @@ from hf_evon.posterior.config import (
     dtype_name,
 )
 from hf_evon.posterior.format import file_tensors, read_factor_groups, write_posterior
-from hf_evon.posterior.hub import HUB_DOWNLOAD_KWARGS, PUSH_KWARGS, push_folder, read_posterior
+from hf_evon.posterior.hub import (
+    HUB_DOWNLOAD_KWARGS,
+    PUSH_KWARGS,
+    PosteriorSource,
+    push_folder,
+    read_posterior,
+)
 from hf_evon.posterior.model_card import card_arguments, retract_card_section, save_model_card
 from hf_evon.posterior.names import warn_peft_unsaved
 
@@ -128,10 +134,12 @@ class PosteriorFilesMixin:
         hub_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in HUB_DOWNLOAD_KWARGS}
         if kwargs:
             raise TypeError(f"from_pretrained() got unexpected keyword arguments: {sorted(kwargs)}")
+        source = PosteriorSource(
+            os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
+        )
         config, (groups, read_dtype) = read_posterior(
-            os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs,
-            lambda config, weights: read_factor_groups(config, weights, device, reorthonormalize),
-        )  # fmt: skip
+            source, lambda config, weights: read_factor_groups(config, weights, device, reorthonormalize)
+        )
         settings = config.settings()
         if read_dtype is not None:  # half-precision bases under a config that declares no dtype
             settings["eigenbasis_dtype"] = dtype_name(read_dtype)
