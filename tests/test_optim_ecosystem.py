@@ -1369,11 +1369,39 @@ def test_a_block_refused_for_a_cleared_optimizer_state_counts_no_block() -> None
     assert str(refused.value) == (
         "clearing or replacing optimizer.state, or editing a group's params was called between a "
         "sampled_params(train=True) block and step(): the 1 recorded sample(s) would lose their Hessian "
-        "estimate. Call step() first"
+        "estimate. Put it back before step() or call discard_samples()"
     )
     assert (opt.sample_blocks, opt.recorded_samples, opt.in_sample) == (1, 1, False)
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_a_step_refused_for_a_cleared_optimizer_state_names_the_ways_out() -> None:
+    """``step()`` after ``optimizer.state`` was cleared between a recorded block and the step is refused
+    (the recorded sample's Hessian numerators would be lost) with the block's message, which ended "Call
+    step() first": the call refused was step() itself, and calling it again was refused again. The message
+    names the two ways out, putting the state back and ``discard_samples()`` (tests/test_optim_state.py
+    steps after the latter); with the entries put back the step is a never-cleared twin's, bit for bit."""
+    model, twin = _model(), _model()
+    opt, twin_opt = _optimizer(model), _optimizer(twin)
+    for o, m in ((opt, model), (twin_opt, twin)):
+        _step(o, m)
+        o.zero_grad()
+        with o.sampled_params(train=True):
+            nn.functional.cross_entropy(m(X), Y).backward()
+    entries = dict(opt.state)
+    opt.state.clear()
+    with pytest.raises(RuntimeError) as refused:
+        opt.step()
+    assert str(refused.value) == (
+        "clearing or replacing optimizer.state, or editing a group's params was called between a "
+        "sampled_params(train=True) block and step(): the 1 recorded sample(s) would lose their Hessian "
+        "estimate. Put it back before step() or call discard_samples()"
+    )
+    opt.state.update(entries)
+    opt.step()
+    twin_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
 def test_a_checkpoint_inside_a_sample_block_is_refused_naming_state_dict(tmp_path) -> None:

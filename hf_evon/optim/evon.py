@@ -324,8 +324,9 @@ class EVON(Optimizer):
     def _refuse_rebuild(self, call: str, called: bool = True) -> None:  # buckets: the samples' numerators
         if called:  # else found at the next use of the buckets, which may be inside a block
             self._refuse_in_sample(call)
-        if self._samples:
-            msg = f"the {self._samples} recorded sample(s) would lose their Hessian estimate. Call step() first"
+        if self._samples:  # found (not called): step() itself refuses, so the ways out are named
+            way = "Call step() first" if called else "Put it back before step() or call discard_samples()"
+            msg = f"the {self._samples} recorded sample(s) would lose their Hessian estimate. {way}"
             raise RuntimeError(f"{call} was called between a sampled_params(train=True) block and step(): {msg}")
 
     def _member_state(self, p: Tensor) -> dict[str, Any]:
