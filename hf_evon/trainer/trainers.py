@@ -61,15 +61,12 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         ``bma=True`` and no generation: the averaged token probabilities (:mod:`hf_evon.trainer.prediction`)."""
         if not (bma and self.args.predict_with_generate):
             return super().predict(test_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
-        posterior = self._bma_posterior("predict(bma=True)")  # one for decoding and the token metrics' passes
-        self._evon_generated_prediction = True
-        try:
-            with self._holding_posterior(posterior), _generation_by_bma(
-                self.model, posterior, self.args.bma_num_samples, self.args.bma_seed
-            ):
+        with self._decoding_by_bma("predict(bma=True)"):
+            self._evon_generated_prediction = True
+            try:
                 return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
-        finally:
-            self._evon_generated_prediction = False
+            finally:
+                self._evon_generated_prediction = False
 
     _evon_generated_prediction = False  # inside predict(bma=True) under predict_with_generate
 
@@ -111,11 +108,19 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         ``EVONTrainer.evaluate(bma=True)`` does."""
         if not (bma and self.args.predict_with_generate):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=bma, **gen_kwargs)
-        posterior = self._bma_posterior("evaluate(bma=True)")  # one for decoding and the token metrics' passes
+        with self._decoding_by_bma("evaluate(bma=True)"):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=True, **gen_kwargs)
+
+    @contextmanager
+    def _decoding_by_bma(self, caller: str) -> Iterator[None]:
+        """The block's ``generate`` decodes by :func:`generate_bma` (:func:`_generation_by_bma`) with the
+        posterior of ``caller`` (:meth:`_bma_posterior`), held for the block: one posterior for decoding
+        and the token metrics' passes."""
+        posterior = self._bma_posterior(caller)
         with self._holding_posterior(posterior), _generation_by_bma(
             self.model, posterior, self.args.bma_num_samples, self.args.bma_seed
         ):
-            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix, bma=True, **gen_kwargs)
+            yield
 
 
 @contextmanager
