@@ -586,6 +586,29 @@ def test_a_state_dict_of_other_groups_is_refused_with_torchs_reason() -> None:
 
 
 
+def test_a_state_saved_before_add_param_group_is_refused_and_the_optimizer_steps_on_unchanged() -> None:
+    """``load_state_dict`` of a state saved before ``add_param_group`` is refused with torch's reason, and the
+    optimizer, whose new group has stepped, steps on bit for bit as a twin that never tried the load."""
+    runs = []
+    for load in (True, False):
+        model, extra = _model(), nn.Parameter(torch.linspace(-1.0, 1.0, 9).reshape(3, 3))
+        opt = _optimizer(model)
+        _step(opt, model)
+        saved = opt.state_dict()
+        opt.add_param_group({"params": [extra]})
+        for step in range(3):
+            opt.zero_grad()
+            with opt.sampled_params(train=True):
+                (nn.functional.cross_entropy(model(X), Y) + (X[:, :3] @ extra).square().mean()).backward()
+            opt.step()
+            if load and step == 1:
+                with pytest.raises(ValueError, match="different number of parameter groups"):
+                    opt.load_state_dict(saved)
+        runs.append([p.detach() for p in (*model.parameters(), extra)])
+    assert all(torch.isfinite(p).all() for p in runs[0])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
 def test_a_state_dict_of_groups_listed_in_another_order_is_refused_naming_the_group() -> None:
     """A state saved by an optimizer listing its groups in another order (AdamW's first) was refused
     with torch's bare "doesn't match the size of optimizer's group", naming neither the group nor
