@@ -886,6 +886,43 @@ def test_a_killed_safetensors_write_leaves_nothing_the_next_save_keeps(tmp_path,
     )
 
 
+@pytest.mark.skipif(not hasattr(os, "openpty") or not os.path.exists("/dev/tty"), reason="no terminals")
+def test_a_config_that_is_a_terminal_is_refused_without_becoming_the_controlling_terminal(tmp_path):
+    """A config that is a link to a terminal was opened without O_NOCTTY: a session leader without a
+    controlling terminal (a daemon, a job started by setsid) loading it took that terminal as its own,
+    and would be sent its hang-up (SIGHUP) and its Ctrl-C."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = """
+        import os, sys
+        from hf_evon.posterior.format import read_config
+        master, terminal = os.openpty()
+        os.symlink(os.ttyname(terminal), sys.argv[1])
+        os.close(terminal)
+        try:
+            read_config(sys.argv[1])
+        except Exception as err:
+            print(type(err).__name__, err)
+        try:  # /dev/tty opens only for a process that has a controlling terminal
+            os.close(os.open("/dev/tty", os.O_RDONLY))
+            print("controlling terminal")
+        except OSError:
+            print("no controlling terminal")
+    """
+    config = tmp_path / POSTERIOR_CONFIG_NAME
+    done = subprocess.run(  # start_new_session: a session leader without a controlling terminal
+        [sys.executable, "-c", textwrap.dedent(code), str(config)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120, start_new_session=True,
+    )  # fmt: skip
+    assert done.stdout.splitlines() == [
+        f"PosteriorMismatchError {config}: not a regular file (a named pipe, device or directory); refusing to "
+        "read it as the config",
+        "no controlling terminal",
+    ], done.stderr[-3000:]
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
 @pytest.mark.parametrize("how", ["fifo", "symlink to a fifo"])
 def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, how):

@@ -321,8 +321,11 @@ def read_config(config_path: str | os.PathLike) -> PosteriorConfig:
     where = os.fspath(config_path)
     try:
         # O_NONBLOCK: opening a named pipe (a folder from elsewhere may hold one, or a link to /dev/stdin)
-        # would otherwise wait for a writer for ever; a regular file is then read blocking
-        fd = os.open(where, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        # would otherwise wait for a writer for ever; a regular file is then read blocking. O_NOCTTY: a
+        # session leader without a controlling terminal (a daemon) opening a link to a terminal would
+        # otherwise take it as its own, and be sent its hang-up
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+        fd = os.open(where, flags)
         try:  # checked on the descriptor: open(fd) refuses a directory's, which it then leaves open
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise PosteriorMismatchError(
