@@ -34,6 +34,7 @@ _PUBLIC = {
     "predictive_uncertainty": "predictive",
     "PredictiveUncertainty": "predictive",
     "PredictiveSpread": "predictive",
+    "SampleStrategy": "predictive",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -857,6 +857,80 @@ def test_auto_strategy_follows_the_flop_count(gpt2):
         }
 
 
+def _entered_strategies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, set[str]]]:
+    """Each BatchedSamples block entered from now on, as (its strategy, the names it applies factored)."""
+    entered: list[tuple[str, set[str]]] = []
+    enter = batched.BatchedSamples.__enter__
+
+    def recording(self: batched.BatchedSamples) -> batched.BatchedSamples:
+        out = enter(self)
+        entered.append((self.strategy, set(self.factored)))
+        return out
+
+    monkeypatch.setattr(batched.BatchedSamples, "__enter__", recording)
+    return entered
+
+
+def test_the_strategy_argument_reaches_the_batched_samples(gpt2, monkeypatch):
+    """generate_bma and bma_log_likelihood took no strategy: the way to per-sample weights (what the
+    docs ask for to get a per-sample loop's tokens in bfloat16) was the module global
+    batched_samples.DEFAULT_STRATEGY. ``strategy=`` (a SampleStrategy or its string) now reaches the
+    block: "materialize" factors no matrix, "factored" every matrix with a basis, whatever "auto" picks."""
+    from hf_evon.predictive import SampleStrategy
+
+    model, posterior = gpt2
+    with_basis = {n for n in posterior.names if posterior[n].Q_L is not None or posterior[n].Q_R is not None}
+    assert with_basis
+    entered = _entered_strategies(monkeypatch)
+    for strategy, factored in (
+        ("materialize", set()), ("factored", with_basis),
+        (SampleStrategy.MATERIALIZE, set()), (SampleStrategy.FACTORED, with_basis),
+    ):  # fmt: skip
+        plain = SampleStrategy(strategy).value
+        entered.clear()
+        generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, strategy=strategy)
+        assert entered == [(plain, factored)]
+        entered.clear()
+        bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=0, strategy=strategy)
+        assert entered == [(plain, factored)]
+        assert type(plain) is str
+
+
+def test_a_strategy_that_is_no_sample_strategy_is_refused_naming_the_argument(gpt2):
+    """A misspelled strategy raises ValueError naming ``strategy`` and the accepted ones, before any
+    block is entered: the model is left as it was."""
+    model, posterior = gpt2
+    before = snapshot(model)
+    for bad in ("materialise", 3, ["factored"]):
+        with pytest.raises(ValueError, match=r"generate_bma: strategy must be one of .*'materialize'.*got"):
+            generate_bma(model, posterior, PROMPTS, num_samples=2, seed=0, max_new_tokens=2, strategy=bad)
+        with pytest.raises(ValueError, match=r"bma_log_likelihood: strategy must be one of .*'factored'.*got"):
+            bma_log_likelihood(model, posterior, PROMPTS, num_samples=2, seed=0, strategy=bad)
+    with pytest.raises(ValueError, match=r"strategy must be one of .*got 'materialise'"):
+        batched.BatchedSamples(model, posterior, 2, strategy="materialise")
+    assert_unchanged(model, before)
+
+
+def test_materialize_decodes_a_bfloat16_model_as_a_per_sample_loop(monkeypatch):
+    """In bfloat16 the factored form rounds its products where a per-sample weight is rounded as
+    written into the model, so identical tokens to a loop over the samples need per-sample weights:
+    ``strategy="materialize"`` (reachable only through a module global before) decodes the tokens of
+    each sample written into a copy of the model in turn (reference_greedy on sampled_copies)."""
+    model = tiny_gpt2(seed=1)
+    noisy = train_posterior(model).with_ess(NOISY_ESS)
+    model = model.to(torch.bfloat16)
+    entered = _entered_strategies(monkeypatch)
+    ids, mask = left_pad([[5, 9, 17, 3, 22, 8], [40, 41, 7]])
+    for seed in (2, 3):  # seeds at which "auto" (factored on CPU here) decodes other tokens on an AVX-512 host
+        got = generate_bma(
+            model, noisy, ids, attention_mask=mask, num_samples=4, seed=seed, max_new_tokens=8, do_sample=False,
+            pad_token_id=0, eos_token_id=None, strategy="materialize",
+        )  # fmt: skip
+        want, _ = reference_greedy(sampled_copies(model, noisy, 4, seed), ids, mask, 8)
+        assert torch.equal(got, want), seed
+    assert [strategy for strategy, _ in entered] == ["materialize", "materialize"]
+
+
 def test_tied_embedding_and_head_share_one_representation(strategy):
     """A covered weight owned by both the embedding and the (tied) LM head is materialized for
     both, whatever the strategy: the embedding lookup needs whole per-sample weights."""
@@ -1367,14 +1441,14 @@ def test_seeded_sampling_on_cuda_device_0_seeds_that_devices_generator(gpt2, mon
     Two stand-in generators, no GPU needed: the block's own seeding is what is checked."""
     import contextlib
 
-    from hf_evon.predictive import generation
+    from hf_evon.predictive import bma_forward
 
     model, posterior = gpt2
     generators = (torch.Generator().manual_seed(100), torch.Generator().manual_seed(101))
     monkeypatch.setattr(torch.cuda, "default_generators", generators)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.random, "fork_rng", lambda **kwargs: contextlib.nullcontext())
-    with generation._on_the_predictive(model, posterior, 2, torch.device("cuda", 0), token_seed=12345):
+    with bma_forward.on_the_predictive(model, posterior, 2, torch.device("cuda", 0), token_seed=12345):
         seeds = [g.initial_seed() for g in generators]
     assert seeds == [12345, 101]
     assert not any("forward" in m.__dict__ for m in model.modules())
@@ -2444,8 +2518,7 @@ def test_an_encoder_decoder_the_batched_path_refuses_scores_one_draw_at_a_time_a
     # per-sample weights M + ΔW_s, as written into the weights: the factored samples round in another
     # order, and these ill-conditioned tiny models turn that into ~2e-3 of log p (float32 itself is
     # ~1e-3 off, see test_encoder_decoder_matches_slow_reference)
-    monkeypatch.setattr(batched, "DEFAULT_STRATEGY", "materialize")
-    expected = bma_log_likelihood(model, noisy, ids, **kwargs)
+    expected = bma_log_likelihood(model, noisy, ids, strategy="materialize", **kwargs)
     before = snapshot(model)
     _refuse_batched(monkeypatch)
     got = bma_log_likelihood(model, noisy, ids, **kwargs)
@@ -2557,17 +2630,16 @@ def test_speech_and_vision_encoder_decoders_match_the_slow_reference(feature_seq
     """Each sample runs its own encoder on the features: log p̄ of every step equals S separate
     models', and bma_log_likelihood (which took no ``input_features``/``pixel_values``) scores the
     generated tokens with the same log p̄; batched or with the samples written into the weights."""
-    if path == "one-draw-at-a-time":
+    strategy = None if path == "one-draw-at-a-time" else path
+    if strategy is None:
         _refuse_batched(monkeypatch)
-    else:
-        monkeypatch.setattr(batched, "DEFAULT_STRATEGY", path)
     model, name, features, posterior = feature_seq2seq
     noisy = posterior.with_ess(NOISY_ESS)
     before = snapshot(model)
     num_samples, new = 3, 5
     out = generate_bma(
         model, noisy, **{name: features}, num_samples=num_samples, seed=4, max_new_tokens=new, do_sample=False,
-        eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+        eos_token_id=None, return_dict_in_generate=True, output_logits=True, strategy=strategy,
     )  # fmt: skip
     copies = sampled_copies(model, noisy, num_samples, 4)
     picked = out.sequences[:, 1:]
@@ -2587,7 +2659,9 @@ def test_speech_and_vision_encoder_decoders_match_the_slow_reference(feature_seq
     assert float((got.double() - float64).abs().max()) <= bound
     mean_first = torch.log_softmax(model(**{name: features}, decoder_input_ids=out.sequences[:, :1]).logits[:, -1], -1)
     assert (got[:, 0] - mean_first).abs().max() > 1e-2  # the samples differ from the mean
-    scored = bma_log_likelihood(model, noisy, **{name: features}, labels=picked, num_samples=num_samples, seed=4)
+    scored = bma_log_likelihood(
+        model, noisy, **{name: features}, labels=picked, num_samples=num_samples, seed=4, strategy=strategy
+    )
     want = float64.gather(-1, picked[..., None])[..., 0]
     assert scored.token_log_probs.shape == picked.shape and bool(scored.mask.all())
     assert float((scored.token_log_probs.double() - want).abs().max()) <= bound

@@ -11,6 +11,7 @@ from hf_evon.predictive.metrics import (
     expected_calibration_error,
     negative_log_likelihood,
 )
+from hf_evon.predictive.sample_strategy import SampleStrategy
 from hf_evon.predictive.uncertainty import PredictiveSpread, PredictiveUncertainty, predictive_uncertainty
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "CalibrationResult",
     "PredictiveSpread",
     "PredictiveUncertainty",
+    "SampleStrategy",
     "accuracy",
     "bma_log_likelihood",
     "brier_score",

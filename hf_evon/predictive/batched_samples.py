@@ -24,7 +24,7 @@ encoder self-attention) or an input that is no batch (T5's relative position buc
 modules its one-token forward reaches. A covered module in a mixture of experts (fed the rows its
 router selects) is refused on entry, an input no multiple of S·B rows mid-forward (:mod:`.batched_refusals`).
 
-Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``):
+Two ways to apply sample ``s`` of a covered weight, chosen per matrix (``strategy``, a ``SampleStrategy``):
 
 - ``"materialize"``: store ``W_s = M + Q_L E_s Q_Rᵀ`` and run one batched matmul ``x_s @ W_s``.
   Forming ``W_s`` costs ``m·n·(m+n)`` multiply-adds per sample (GPT-2 small, S = 8: 2.3
@@ -89,18 +89,18 @@ from hf_evon.predictive.batched_refusals import (  # noqa: F401 - ONE_DRAW_AT_A_
     sample_major,
 )
 from hf_evon.predictive.module_forward import own_forward, replace_forward, restore_forward
+from hf_evon.predictive.sample_strategy import (  # noqa: F401 - STRATEGIES, expected_rows: part of this module's API
+    MIN_FACTORED_ROWS,
+    STRATEGIES,
+    SampleStrategy,
+    checked_strategy,
+    expected_rows,
+)
 
 Tensor = torch.Tensor
 
-STRATEGIES = ("auto", "materialize", "factored")
-DEFAULT_STRATEGY = "auto"
+DEFAULT_STRATEGY = "auto"  # a block's strategy where none is given (generate_bma's strategy=None)
 DRAW_CHUNK_ELEMENTS = 2**27  # float32 values drawn at once (512 MiB)
-# "auto": a decoding step runs the factored matmuls on one row per sample, less efficiently per
-# FLOP than the draw's large GEMMs, so it counts as DECODE_ROW_COST rows; below MIN_FACTORED_ROWS
-# rows per step (S·B) the extra small matmuls cost more than the draw they save.
-# measured: docs/trainer.md#batched-samples-auto
-DECODE_ROW_COST = 4
-MIN_FACTORED_ROWS = 8
 
 
 def chunked_draws(
@@ -127,11 +127,6 @@ def chunked_draws(
             for n in chunk:
                 yield n, draws.pop(n)
             chunk, size = [], 0
-
-
-def expected_rows(batch_size: int, prompt_tokens: int, new_tokens: int = 0) -> int:
-    """``rows`` for a call over ``batch_size`` prompts that adds up to ``new_tokens`` tokens."""
-    return batch_size * (prompt_tokens + DECODE_ROW_COST * new_tokens)
 
 
 def _conv1d_type() -> type | None:
@@ -235,7 +230,8 @@ class BatchedSamples:
         posterior: an ``EVONPosterior`` (anything with ``names`` and ``draw``).
         num_samples: S.
         seed: seed of the weight draws (``posterior.draw(S, seed=seed, ...)``).
-        strategy: ``"auto"``, ``"materialize"`` or ``"factored"`` (see the module docstring).
+        strategy: a ``SampleStrategy`` or its string, ``"auto"``, ``"materialize"`` or ``"factored"``
+            (see the module docstring); ``None``: ``DEFAULT_STRATEGY`` (``"auto"``).
         rows: how many input rows per sample the block will run (``expected_rows``), for
             ``"auto"``; ``None`` (unknown) materializes.
         batch_size: B, the rows per sample of one forward step (``"auto"`` materializes when
@@ -251,17 +247,15 @@ class BatchedSamples:
         posterior: Any,
         num_samples: int,
         seed: int | None = None,
-        strategy: str | None = None,
+        strategy: SampleStrategy | str | None = None,
         rows: int | None = None,
         batch_size: int | None = None,
         sequences: int | None = None,
     ) -> None:
-        strategy = DEFAULT_STRATEGY if strategy is None else strategy
+        strategy = checked_strategy(DEFAULT_STRATEGY if strategy is None else strategy, "BatchedSamples")
         if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as posterior.draw takes
             raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
         num_samples = int(num_samples)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}; got {strategy!r}")
         self.model = unwrap_model(model)
         self.posterior = posterior
         self.num_samples = num_samples

@@ -21,12 +21,10 @@ at a time (``hf_evon.predictive.sequential_samples``) and put the mean back afte
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import inspect
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +41,8 @@ from hf_evon.modeling import (
 from hf_evon.optim.checks import is_int
 from hf_evon.optim.noise import derived_seed, resolve_seed
 from hf_evon.predictive.batched_refusals import check_sample_count
-from hf_evon.predictive.batched_samples import BatchedSamples, BatchedSamplesRefused, expected_rows, refusal
+from hf_evon.predictive.batched_samples import BatchedSamples, BatchedSamplesRefused, refusal
+from hf_evon.predictive.bma_forward import averaged, on_the_predictive
 from hf_evon.predictive.encoder_inputs import (
     TOKENS,
     check_inputs,
@@ -68,10 +67,8 @@ from hf_evon.predictive.logprobs import (
     log_mean_prob,
     require_class_labels,
     sample_target_log_probs,
-    tempered,
-    widened,
 )
-from hf_evon.predictive.module_forward import instance_forward
+from hf_evon.predictive.sample_strategy import SampleStrategy, checked_strategy, expected_rows
 from hf_evon.predictive.sequential_samples import SequentialSamples, held_prompt, one_draw_at_a_time
 
 Tensor = torch.Tensor
@@ -115,17 +112,6 @@ def _check_sample_axis(
         sampler.check_sample_axis(lambda inputs=inputs: gen_model(**inputs, return_dict=True), rows)
 
 
-def _averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor, Tensor]:
-    """``(log p̄, c)`` of sample-major logits ``(S·N, …, V)``: the log of the S samples' averaged
-    softmax (of the tempered logits) and their mean log-normaliser ``c``; ``log p̄ + c`` are logits
-    on the model's own scale, the mean's at zero variance."""
-    logits = tempered(widened(logits), posterior)
-    normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
-    rows = logits.shape[0] // num_samples
-    log_mean = log_mean_prob((logits - normalizers).view(num_samples, rows, *logits.shape[1:]))
-    return log_mean, normalizers.view(num_samples, rows, *normalizers.shape[1:]).mean(0)
-
-
 def _checked_call_config(gen_model: nn.Module, generation_kwargs: dict[str, Any]) -> Any:
     """The call's effective ``GenerationConfig``, as ``model.generate`` forms it: the given one with
     its unset fields filled from the model's (or the model's), updated with the call's settings;
@@ -148,55 +134,6 @@ def _checked_call_config(gen_model: nn.Module, generation_kwargs: dict[str, Any]
     return config
 
 
-def _sample_major_cache(num_samples: int, config: Any) -> Any:
-    """A dynamic KV cache of ``S·N`` rows, sample-major, that beam search reorders with its ``N``
-    beam indices: row ``s·N + i`` follows row ``i``'s choice in every sample."""
-    from transformers import DynamicCache
-
-    class SampleMajorCache(DynamicCache):
-        def reorder_cache(self, beam_idx: Tensor) -> None:
-            offsets = torch.arange(num_samples, device=beam_idx.device)[:, None] * beam_idx.shape[0]
-            super().reorder_cache((beam_idx[None, :] + offsets).reshape(-1))
-
-    return SampleMajorCache(config=config)
-
-
-@contextlib.contextmanager
-def _averaging_forward(
-    model: nn.Module, num_samples: int, posterior: Any, returned: list[int] | None = None
-) -> Iterator[None]:
-    """``model``'s forward, for the block, as the BMA predictive's: each call's ``N`` rows run as
-    ``S·N`` (sample-major, the samples of the enclosing ``BatchedSamples``) and the logits it returns
-    are ``log p̄ + c`` (:func:`_averaged`). ``model.generate``'s own decoding (greedy, sampling, beam
-    search) then runs on the BMA predictive: ``log_softmax`` of these logits is ``log p̄``. Inputs of
-    ``S·N`` rows (the samples' encoder outputs) pass as they are. ``returned``: gets each call's ``N``
-    once its forward has returned."""
-    forward = model.forward
-    signature = inspect.signature(forward)
-
-    @functools.wraps(forward)  # generate reads the forward's signature
-    def bma_forward(*args: Any, **kwargs: Any) -> Any:
-        if args:  # guidance_scale's processor calls the model with the ids first, by position
-            kwargs = {**signature.bind_partial(*args).arguments, **kwargs}
-        keys = ("decoder_input_ids", "decoder_inputs_embeds", "input_ids", "inputs_embeds")
-        rows = next(kwargs[k].shape[0] for k in keys if kwargs.get(k) is not None)
-
-        def expand(value: Any) -> Any:
-            if isinstance(value, Tensor) and value.ndim >= 2 and value.shape[0] == rows:
-                return value.repeat(num_samples, *([1] * (value.ndim - 1)))
-            return value
-
-        outputs = forward(**{k: expand(v) for k, v in kwargs.items()})
-        log_mean, normalizer = _averaged(outputs.logits, num_samples, posterior)
-        outputs.logits = log_mean + normalizer
-        if returned is not None:
-            returned.append(rows)
-        return outputs
-
-    with instance_forward(model, bma_forward):
-        yield
-
-
 @torch.no_grad()
 def generate_bma(
     model: nn.Module,
@@ -206,6 +143,7 @@ def generate_bma(
     num_samples: int = 8,
     seed: int | None = None,
     token_seed: int | None = None,
+    strategy: SampleStrategy | str | None = None,
     **generation_kwargs: Any,
 ) -> Any:
     """Generate with the BMA predictive: next-token probabilities averaged over S samples.
@@ -226,6 +164,11 @@ def generate_bma(
             ``do_sample=True`` (``seed=None``: fresh weights, torch's global RNG for tokens).
         token_seed: seeds the token sampling alone, in place of ``seed``: the same weight samples with
             another token stream (a batch of prompts each with its own).
+        strategy: how the batched samples apply a covered weight's samples, a ``SampleStrategy`` or its
+            string: ``"materialize"`` (per-sample weights, rounded as ``posterior.sampled`` writes them:
+            a per-sample loop's tokens, also in bfloat16), ``"factored"`` (no per-sample weight formed; its
+            products round otherwise), ``"auto"`` (``None``, the default: per matrix by cost on CPU,
+            ``"materialize"`` on accelerators).
         **generation_kwargs: anything ``model.generate`` takes for greedy decoding, sampling and
             beam search: ``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
             ``repetition_penalty``, ``guidance_scale`` and the other processors, ``eos_token_id``,
@@ -260,6 +203,7 @@ def generate_bma(
     rounding, ``hf_evon.predictive.batched_samples``), at S forwards per step; the decoder's attentions
     and hidden states are every sample's too, an encoder-decoder's encoder's sample 0's (B rows).
     """
+    strategy = checked_strategy(strategy, "generate_bma")
     for key in _UNSUPPORTED_KWARGS:
         if generation_kwargs.get(key) is not None:
             raise ValueError(f"generate_bma does not support {key!r}")
@@ -298,8 +242,8 @@ def generate_bma(
     rows = expected_rows(len(source) * per_prompt, length(name, source), new_tokens)
     sampler = _entered_batched_samples(
         BatchedSamples(
-            model, posterior, num_samples, seed=seed, rows=rows, batch_size=len(source) * per_prompt,
-            sequences=len(source),
+            model, posterior, num_samples, seed=seed, strategy=strategy, rows=rows,
+            batch_size=len(source) * per_prompt, sequences=len(source),
         ),
         gen_model,
         source,
@@ -318,7 +262,7 @@ def generate_bma(
                 attempt["encoder_outputs"] = sampled_encoder_outputs(
                     gen_model, name, source, attention_mask, num_samples, config, keywords
                 )
-            predictive = _on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed, returned)
+            predictive = on_the_predictive(gen_model, posterior, num_samples, source.device, token_seed, returned)
             with predictive as cache:
                 return _generate_cached(gen_model, cache, given_config, {name: source}, attention_mask, attempt)
         except BatchedSamplesRefused as error:
@@ -326,7 +270,7 @@ def generate_bma(
         finally:
             sampler.__exit__(None, None, None)
     # the S samples the batched path would draw, written into the weights one at a time: its tokens
-    combine = lambda logits: torch.add(*_averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
+    combine = lambda logits: torch.add(*averaged(torch.cat(logits), num_samples, posterior))  # noqa: E731
     encoder = None
     if is_encoder_decoder(gen_model):  # each sample's own encoder, on the B rows
         encoder = functools.partial(
@@ -387,34 +331,6 @@ def _generate_cached(
     else:
         generation_kwargs.update(settings)
     return type(gen_model).generate(gen_model, **inputs, attention_mask=attention_mask, **generation_kwargs)
-
-
-@contextlib.contextmanager
-def _on_the_predictive(
-    gen_model: nn.Module,
-    posterior: Any,
-    num_samples: int,
-    device: torch.device,
-    token_seed: int | None,
-    returned: list[int] | None = None,
-) -> Iterator[Any]:
-    """For the block, ``model.generate``'s own decoding (greedy, sampling, beam search) runs on the
-    BMA predictive (:func:`_averaging_forward`); yields the KV cache to hand it, ``S·B·max(num_beams, num_return_sequences)``
-    rows reordered per sample (:func:`_sample_major_cache`). ``token_seed``: sampling draws from
-    torch's global generator, seeded with it for the block and restored after
-    (``torch.random.fork_rng``); unseeded, it draws from (and advances) that generator. ``returned``:
-    as :func:`_averaging_forward`'s."""
-    from transformers import EncoderDecoderCache
-
-    config = gen_model.config.get_text_config(decoder=True)
-    cache = _sample_major_cache(num_samples, config)
-    if is_encoder_decoder(gen_model):
-        cache = EncoderDecoderCache(cache, _sample_major_cache(num_samples, config))
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_averaging_forward(gen_model, num_samples, posterior, returned))
-        stack.enter_context(without_cache_setting(gen_model))
-        stack.enter_context(seeded_tokens(device, token_seed))
-        yield cache
 
 
 @dataclass
@@ -496,19 +412,20 @@ def bma_log_likelihood(
     labels: Tensor | None = None,
     num_samples: int = 8,
     seed: int | None = None,
+    strategy: SampleStrategy | str | None = None,
     **encoder_inputs: Tensor,
 ) -> BMALogLikelihood:
     """Log-likelihood of ``input_ids`` under the BMA predictive ``p̄ = 1/S Σ_s p(· | W_s)``.
 
     One forward of batch ``S·B`` (as in ``generate_bma``); a model the batched samples refuse (as
     ``generate_bma`` lists) runs the same S samples written into its weights, one forward of ``B``
-    rows each (``hf_evon.predictive.sequential_samples``). ``labels`` follow transformers'
-    convention (same shape as ``input_ids``, ``-100`` = not scored, shifted inside for a causal LM;
-    a masked LM's or token classifier's are not shifted, as its loss does not shift them); by default
-    they are ``input_ids`` with padding (``attention_mask == 0``) ignored (a token classifier, whose
-    classes are not ids, needs ``labels=``; a multiple-choice model is refused). With an attention
-    mask, position ids are counted from the first real token, so left- and right-padded
-    sequences score as they would alone. Loss and perplexity: ``result.loss``,
+    rows each (``hf_evon.predictive.sequential_samples``); ``strategy``: as ``generate_bma``'s.
+    ``labels`` follow transformers' convention (same shape as ``input_ids``, ``-100`` = not scored,
+    shifted inside for a causal LM; a masked LM's or token classifier's are not shifted, as its loss
+    does not shift them); by default they are ``input_ids`` with padding (``attention_mask == 0``)
+    ignored (a token classifier, whose classes are not ids, needs ``labels=``; a multiple-choice model
+    is refused). With an attention mask, position ids are counted from the first real token, so left-
+    and right-padded sequences score as they would alone. Loss and perplexity: ``result.loss``,
     ``result.perplexity``; see ``BMALogLikelihood``.
 
     An encoder-decoder model scores ``labels`` (required: the decoder's targets, ``(B, L)``) given
@@ -519,6 +436,7 @@ def bma_log_likelihood(
     The model's mode is left as it is, as ``generate`` leaves it: call ``model.eval()`` first, or
     dropout makes the scores differ from call to call whatever the ``seed``.
     """
+    strategy = checked_strategy(strategy, "bma_log_likelihood")
     gen_model = _generation_model(model)
     check_scored_model("bma_log_likelihood", gen_model, labels)
     name, source = encoder_input("bma_log_likelihood", gen_model, input_ids, encoder_inputs)
@@ -568,7 +486,7 @@ def bma_log_likelihood(
     score = functools.partial(sample_target_log_probs, targets=targets, scored=scored, labels=labels, posterior=posterior)
     rows = expected_rows(len(source), length(name, source) + (labels.shape[1] if encoder_decoder else 0))
     sampler = _entered_batched_samples(
-        BatchedSamples(model, posterior, num_samples, seed=seed, rows=rows, sequences=len(source)),
+        BatchedSamples(model, posterior, num_samples, seed=seed, strategy=strategy, rows=rows, sequences=len(source)),
         gen_model,
         source,
         name,
