@@ -140,6 +140,35 @@ def test_generate_matches_generate_bma(saved, capsys, beams):
         assert len(record["completion_ids"]) == 6
 
 
+def test_generate_strategy_reaches_the_batched_samples_and_a_bad_one_is_an_argparse_error(saved, capsys, monkeypatch):
+    """hf-evon generate had no --strategy: generate_bma's strategy (per-sample weights for a per-sample
+    loop's tokens in bfloat16) was out of its reach. Each of SampleStrategy's values now reaches the
+    batched samples; another is refused as argparse refuses a bad choice, naming --strategy."""
+    import hf_evon.predictive.batched_samples as batched
+    from hf_evon.predictive.sample_strategy import STRATEGIES
+
+    path, *_ = saved
+    entered: list[str] = []
+    enter = batched.BatchedSamples.__enter__
+
+    def recording(self: batched.BatchedSamples) -> batched.BatchedSamples:
+        out = enter(self)
+        entered.append(self.strategy)
+        return out
+
+    monkeypatch.setattr(batched.BatchedSamples, "__enter__", recording)
+    argv = ["generate", "--model", str(path), "--prompt-ids", "5 9", "--samples", "2", "--max-new-tokens", "2"]
+    for strategy in STRATEGIES:
+        entered.clear()
+        assert main([*argv, "--device", "cpu", "--strategy", strategy]) == 0
+        assert entered == [strategy]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--device", "cpu", "--strategy", "materialise"])
+    assert refused.value.code == 2 and entered == [STRATEGIES[-1]]
+    assert "argument --strategy: invalid choice: 'materialise'" in capsys.readouterr().err
+
+
 def test_generate_with_token_ids_and_separate_posterior_dir(saved, tmp_path, capsys):
     path, model, _, posterior = saved
     post_dir = tmp_path / "posterior"

@@ -33,6 +33,7 @@ from typing import Any
 
 from hf_evon.cli.loading import (
     UsageError,
+    check_prompts,
     failure_text,
     file_error_text,
     file_errors,
@@ -171,46 +172,14 @@ def _add_generate(subparsers: Any) -> None:
         "--num-beams", type=_positive_int, default=None,
         help="beam search over the averaged probabilities (default: the model's generation config)",
     )  # fmt: skip
+    p.add_argument(  # SampleStrategy's values: importing hf_evon.predictive here would load torch
+        "--strategy", default="auto", choices=("auto", "materialize", "factored"),
+        help="per-sample weights (materialize: a per-sample loop's tokens, also in bfloat16), the factored "
+        "form, or auto: per matrix by cost on CPU, materialize on accelerators (default)",
+    )  # fmt: skip
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps, ... (default: cuda if available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="model weight dtype (default: as saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-
-
-def _check_prompts(
-    input_ids: Any, attention_mask: Any, model: Any, args: argparse.Namespace, encoder_decoder: bool
-) -> None:
-    """Refuse prompts the model cannot run: empty, token ids outside the embedding table,
-    or longer (with the new tokens) than the model's context."""
-    option = "--prompt" if args.prompt is not None else "--prompt-ids"
-    lengths = attention_mask.sum(dim=1).tolist()
-    for row, length in enumerate(lengths):
-        if length == 0:
-            shown = f" ({args.prompt[row]!r})" if args.prompt is not None else ""
-            raise UsageError(f"{option} number {row + 1}{shown} has no tokens: give a non-empty prompt")
-    vocab = model.get_input_embeddings().num_embeddings
-    used = input_ids[attention_mask.bool()]
-    bad = used[(used < 0) | (used >= vocab)]
-    if bad.numel():
-        raise UsageError(
-            f"{option}: token id {int(bad[0])} is outside the model's vocabulary (ids 0 to {vocab - 1})"
-        )
-    context = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(context, int) and context > 0:
-        longest = int(max(lengths))
-        if longest > context:
-            raise UsageError(
-                f"{option}: a prompt of {longest} tokens is longer than the model's context of {context} "
-                "tokens (config.max_position_embeddings)"
-            )
-        # an encoder-decoder's decoder starts afresh from its start token; a causal LM continues
-        before = 1 if encoder_decoder else longest
-        after = "the decoder's start token" if encoder_decoder else f"a prompt of {longest} tokens"
-        if before + args.max_new_tokens > context:
-            raise UsageError(
-                f"--max-new-tokens {args.max_new_tokens} after {after} exceeds the "
-                f"model's context of {context} tokens (config.max_position_embeddings): use "
-                f"--max-new-tokens {context - before} or less"
-            )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -254,7 +223,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     input_ids = torch.tensor([padded(p, pad_id) for p in prompt_ids], dtype=torch.long)
     attention_mask = torch.tensor([padded([1] * len(p), 0) for p in prompt_ids], dtype=torch.long)
-    _check_prompts(input_ids, attention_mask, model, args, encoder_decoder)
+    check_prompts(input_ids, attention_mask, model, args, encoder_decoder)
 
     gen_kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.do_sample}
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "num_beams"):
@@ -269,6 +238,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         attention_mask=attention_mask.to(device),
         num_samples=args.samples,
         seed=args.seed,
+        strategy=args.strategy,
         **gen_kwargs,
     )
     # a causal LM continues its prompt; an encoder-decoder's output starts at its decoder start token

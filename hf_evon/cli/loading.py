@@ -1,5 +1,5 @@
 """Where the ``hf-evon`` commands get what they run on: locations (a local directory or a Hub
-repo id), the device, the model, its posterior and its tokenizer.
+repo id), the device, the model, its posterior and its tokenizer, and the prompts the model can run.
 
 torch, transformers and the rest of hf_evon are imported inside the functions, so that
 ``hf-evon -h`` and argument errors answer at once.
@@ -398,3 +398,40 @@ def load_model_posterior_tokenizer(
     model = from_location(args.model, "--model", lambda: _load_model(args.model, args.revision, dtype, adapter))
     model = model.to(device).eval()
     return model, posterior(), _load_tokenizer(args.model, args.revision, model)
+
+
+def check_prompts(
+    input_ids: Any, attention_mask: Any, model: Any, args: argparse.Namespace, encoder_decoder: bool
+) -> None:
+    """Refuse prompts the model cannot run: empty, token ids outside the embedding table,
+    or longer (with the new tokens) than the model's context."""
+    option = "--prompt" if args.prompt is not None else "--prompt-ids"
+    lengths = attention_mask.sum(dim=1).tolist()
+    for row, length in enumerate(lengths):
+        if length == 0:
+            shown = f" ({args.prompt[row]!r})" if args.prompt is not None else ""
+            raise UsageError(f"{option} number {row + 1}{shown} has no tokens: give a non-empty prompt")
+    vocab = model.get_input_embeddings().num_embeddings
+    used = input_ids[attention_mask.bool()]
+    bad = used[(used < 0) | (used >= vocab)]
+    if bad.numel():
+        raise UsageError(
+            f"{option}: token id {int(bad[0])} is outside the model's vocabulary (ids 0 to {vocab - 1})"
+        )
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and context > 0:
+        longest = int(max(lengths))
+        if longest > context:
+            raise UsageError(
+                f"{option}: a prompt of {longest} tokens is longer than the model's context of {context} "
+                "tokens (config.max_position_embeddings)"
+            )
+        # an encoder-decoder's decoder starts afresh from its start token; a causal LM continues
+        before = 1 if encoder_decoder else longest
+        after = "the decoder's start token" if encoder_decoder else f"a prompt of {longest} tokens"
+        if before + args.max_new_tokens > context:
+            raise UsageError(
+                f"--max-new-tokens {args.max_new_tokens} after {after} exceeds the "
+                f"model's context of {context} tokens (config.max_position_embeddings): use "
+                f"--max-new-tokens {context - before} or less"
+            )
