@@ -347,6 +347,9 @@ class EvaluationMixin(SearchObjectiveMixin):
     # skipped BMA: one per eval dataset, which the Trainer evaluates one after the other
     _evon_bma_skipped: list[tuple[int, PosteriorEvaluation, Any]] | None = None
     _evon_bma_asked = False  # evaluate(bma=True): the BMA passes run whatever bma_eval_every says
+    # inside EVONSeq2SeqTrainer.predict(bma=True) under predict_with_generate: the loop's predictions are
+    # decoded ids, and its metrics gain the labels' token metrics
+    _evon_generated_prediction = False
 
     def evaluate(self, *args: Any, bma: bool = False, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with ``eval_mean_*`` and (when due, or ``bma=True``) ``eval_bma_*``."""
@@ -394,12 +397,24 @@ class EvaluationMixin(SearchObjectiveMixin):
     ) -> Any:
         """The subclass's loop (``eval_loss``, ``compute_metrics``), read for ``eval_mean_*``, then BMA.
 
-        Only inside ``evaluate()``: ``predict()`` runs the same loop and stays the subclass's.
+        Only inside ``evaluate()``: ``predict()`` runs the same loop and stays the subclass's, but for
+        ``EVONSeq2SeqTrainer.predict(bma=True)`` under generation, whose metrics gain the labels' token
+        metrics here, before ``Trainer.predict`` hands them to the callbacks' ``on_predict``.
         """
         if not self._evon_in_evaluate or self._evon_evaluation is not None:
-            return super().evaluation_loop(
+            # before the Trainer's pass draws its order (a shuffled sampler) and masks: the token metrics'
+            # passes read its batches, not other rows than the predictions'
+            replay = replayed(dataloader, self) if self._evon_generated_prediction else None
+            output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
+            if replay is not None:
+                # the labels' token metrics (none without labels: not asked for by name, no refusal): 1 + S
+                # passes, as evaluate() runs them
+                evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
+                metrics = evaluation.finish(dataloader, lambda: self._length_sorted_loader(dataloader, replay))
+                merge_metrics(output.metrics, metrics)
+            return output
         evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=self._bma_due())
         self._evon_evaluation, replay = evaluation, replayed(dataloader, self)  # before the Trainer's pass draws its order
         try:

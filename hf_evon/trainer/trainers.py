@@ -11,10 +11,8 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from hf_evon.optim.noise import derived_seed, process_rank
 from hf_evon.predictive.generation import generate_bma
-from hf_evon.trainer.calibration_data import replayed
 from hf_evon.trainer.combined import register_evon_config
 from hf_evon.trainer.config import EVONConfig
-from hf_evon.trainer.evaluation import PosteriorEvaluation, merge_metrics
 from hf_evon.trainer.mixin import EVONTrainerMixin
 
 __all__ = ["EVONSeq2SeqConfig", "EVONSeq2SeqTrainer", "EVONTrainer"]
@@ -67,30 +65,6 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
                 return super().predict(test_dataset, ignore_keys, metric_key_prefix, **gen_kwargs)
             finally:
                 self._evon_generated_prediction = False
-
-    _evon_generated_prediction = False  # inside predict(bma=True) under predict_with_generate
-
-    def evaluation_loop(
-        self,
-        dataloader: Any,
-        description: str,
-        prediction_loss_only: bool | None = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
-    ) -> Any:
-        """The loop; in ``predict(bma=True)`` under generation its metrics gain the labels' token
-        metrics here, before ``Trainer.predict`` hands them to the callbacks' ``on_predict``."""
-        # before the Trainer's pass draws its order (a shuffled sampler) and masks: the token metrics'
-        # passes read its batches, not other rows than the predictions'
-        replay = replayed(dataloader, self) if self._evon_generated_prediction else None
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        if replay is not None:
-            # the labels' token metrics (none without labels: not asked for by name, no refusal): 1 + S passes,
-            # as evaluate() runs them
-            evaluation = PosteriorEvaluation(self, metric_key_prefix, with_bma=True)
-            metrics = evaluation.finish(dataloader, lambda: self._length_sorted_loader(dataloader, replay))
-            merge_metrics(output.metrics, metrics)
-        return output
 
     def evaluate(
         self,
