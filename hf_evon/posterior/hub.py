@@ -257,7 +257,7 @@ def push_folder(
             # no write access: a PR can still be opened where the branch exists (else the commit says so)
             if not (create_pr and err.response is not None and err.response.status_code == 403):
                 raise
-    folder = (path_in_repo or "").strip("/")
+    folder = subfolder_in_repo(path_in_repo) or ""  # the rule from_pretrained reads a subfolder by
     with tempfile.TemporaryDirectory(prefix="evon_posterior_push_") as tmp:
         card_dir = os.path.join(tmp, "card")
         files_dir = os.path.join(tmp, "files")
