@@ -143,6 +143,14 @@ def is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def sample_count(num_samples: Any, where: str = "") -> int:
+    """``num_samples`` as an ``int``: an integer >= 1 (NumPy integers too, as ``posterior.draw`` takes;
+    not a bool), else a ValueError naming it, after ``where`` (``"calibrate_posterior: "``)."""
+    if not is_int(num_samples) or num_samples < 1:
+        raise ValueError(f"{where}num_samples must be an integer >= 1; got {num_samples!r}")
+    return int(num_samples)
+
+
 def finite(x: Any) -> bool:
     """A real number that is not NaN or infinite."""
     return is_real(x) and math.isfinite(x)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import pruned_ranks, unused_adapter_parameters, unwrap_model
-from hf_evon.optim.checks import is_int, is_real
+from hf_evon.optim.checks import is_real, sample_count
 from hf_evon.optim.linalg import writing_weights
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
@@ -258,9 +258,7 @@ class EVONPosterior(PosteriorFilesMixin):
         ``(S, m, n)`` (``W_s − M = Q_L E_s Q_Rᵀ``): no matmuls, for code that applies the bases to activations
         instead of to the weights.
         """
-        if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as seeds
-            raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
-        num_samples = int(num_samples)
+        num_samples = sample_count(num_samples)
         seed, dtype = resolve_seed(seed), as_dtype(dtype, "draw: dtype")
         wanted = self._select(names)
         covered = set(wanted.values())

@@ -75,7 +75,7 @@ from torch import nn
 
 from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import is_dtensor
-from hf_evon.optim.checks import is_int
+from hf_evon.optim.checks import sample_count
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
 from hf_evon.posterior.names import claim_sample
@@ -253,9 +253,7 @@ class BatchedSamples:
         sequences: int | None = None,
     ) -> None:
         strategy = checked_strategy(DEFAULT_STRATEGY if strategy is None else strategy, "BatchedSamples")
-        if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as posterior.draw takes
-            raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
-        num_samples = int(num_samples)
+        num_samples = sample_count(num_samples)
         self.model = unwrap_model(model)
         self.posterior = posterior
         self.num_samples = num_samples

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import is_causal_lm
-from hf_evon.optim.checks import is_int as _is_int
 from hf_evon.optim.checks import is_real as _is_real
+from hf_evon.optim.checks import sample_count
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.predictive.held_out import scored_pass, tempered_log_probs
 from hf_evon.predictive.logprobs import log_mean_prob, require_softmax_model
@@ -301,9 +301,7 @@ def calibrate_posterior(
     factors = [] if isinstance(grid, str) else sorted({float(f) for f in grid if not isinstance(f, bool)}, reverse=True)
     if not factors or len(factors) != len(set(grid)) or any(not (f > 0.0 and math.isfinite(f)) for f in factors):
         raise ValueError(f"calibrate_posterior: grid must hold finite multiples > 0; got {list(grid)!r}")
-    if not _is_int(num_samples) or num_samples < 1:  # NumPy integers too, as posterior.draw takes
-        raise ValueError(f"calibrate_posterior: num_samples must be an integer >= 1; got {num_samples!r}")
-    num_samples = int(num_samples)
+    num_samples = sample_count(num_samples, "calibrate_posterior: ")
     flags = (("temperature", temperature), ("always_scan", always_scan), ("keep_trained", keep_trained))
     for name, flag in flags:
         if not isinstance(flag, bool):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import pruned_ranks, release_gathered, unwrap_model
-from hf_evon.optim.checks import is_int
+from hf_evon.optim.checks import sample_count
 from hf_evon.optim.linalg import writing_weights
 from hf_evon.posterior.gaussian import add_perturbation, sample_seed
 from hf_evon.posterior.names import claim_sample, release_sample
@@ -57,11 +57,10 @@ class SequentialSamples:
     """
 
     def __init__(self, model: nn.Module, posterior: Any, num_samples: int, seed: int | None = None) -> None:
-        if not is_int(num_samples) or num_samples < 1:  # NumPy integers too, as draw takes; not a bool
-            raise ValueError(f"num_samples must be an integer >= 1; got {num_samples!r}")
+        num_samples = sample_count(num_samples)
         self.model = unwrap_model(model)
         self.posterior = posterior
-        self.num_samples = int(num_samples)
+        self.num_samples = num_samples
         self.seed = seed
         self._params: dict[str, Tensor] = {}
         self._means: dict[str, Tensor] = {}
