@@ -1292,6 +1292,24 @@ def test_running_out_of_memory_is_one_error_line(saved, capsys, monkeypatch):
     assert failure_text(RuntimeError("shape mismatch")) is None
 
 
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_a_posterior_directory_whose_config_is_no_file_as_model_says_so(saved, tmp_path, capsys, kind):
+    """--model given a posterior's directory whose config is a directory or a link to nothing: it was
+    taken for a directory without a posterior (no hint), where loading the posterior names the file."""
+    posterior_dir = tmp_path / "calibrated"
+    saved[3].save_pretrained(posterior_dir)
+    config = posterior_dir / "evon_posterior_config.json"
+    config.unlink()
+    config.mkdir() if kind == "directory" else config.symlink_to(tmp_path / "moved-away")
+    assert main(["generate", "--model", str(posterior_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"hf-evon generate: error: --model {str(posterior_dir)!r} holds no config.json (nor a PEFT adapter's "
+        "adapter_config.json): it holds an EVON posterior; pass it as --posterior, and the model's directory or "
+        "Hub repo id as --model"
+    ), err
+
+
 @pytest.mark.parametrize("command", ["generate", "calibrate"])
 def test_a_model_without_a_language_modelling_head_is_refused(tmp_path, capsys, command):
     """A masked LM (BertForMaskedLM) loaded as AutoModelForCausalLM becomes a BertLMHeadModel whose

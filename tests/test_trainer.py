@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from hf_evon import EVON, EVONConfig, EVONTrainer, build_optimizer
+from hf_evon.posterior.config import PosteriorMismatchError
 from hf_evon.posterior.fingerprint import PosteriorMeanWarning
 from hf_evon.posterior.posterior import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME, EVONPosterior
 from hf_evon.predictive.metrics import calibration_metrics
@@ -1996,6 +1997,44 @@ def test_a_best_checkpoint_without_a_posterior_leaves_none_beside_its_weights(tm
     assert trainer.current_posterior() is None
     trainer.save_model()
     assert not (Path(trainer.args.output_dir) / "evon_posterior_config.json").exists()
+
+
+class _ConfigBroken(TrainerCallback):
+    """Replaces each checkpoint's posterior config, once it is saved, by a directory or a link to nothing."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        config = Path(args.output_dir) / f"checkpoint-{state.global_step}" / POSTERIOR_CONFIG_NAME
+        config.unlink()
+        config.mkdir() if self.kind == "directory" else config.symlink_to(config.parent / "moved-away")
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_a_best_checkpoint_whose_config_is_no_file_is_an_error_naming_it(tmp_path, kind):
+    """A best checkpoint whose posterior config is a directory or a link to nothing was taken for one
+    without a posterior (a warning, and training ended without one), where loading it names the file."""
+    args = config(
+        tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", bma_num_samples=2, evon_ess=100.0,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=tiny_bert(), args=args, train_dataset=classification_data(16), eval_dataset=classification_data(16, 1),
+        callbacks=[_ConfigBroken(kind)],
+    )  # fmt: skip
+    path = Path(args.output_dir) / "checkpoint-1" / POSTERIOR_CONFIG_NAME
+    expected = (
+        f"{path}: not a regular file"
+        if kind == "directory"
+        else f"{POSTERIOR_CONFIG_NAME} is a link to {str(path.parent / 'moved-away')!r}, which does not exist"
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*holds no posterior")
+        with pytest.raises((PosteriorMismatchError, FileNotFoundError)) as err:
+            trainer.train()
+    assert type(err.value) is (PosteriorMismatchError if kind == "directory" else FileNotFoundError)
+    assert expected in str(err.value), str(err.value)
 
 
 class _PosteriorMovedOut(TrainerCallback):

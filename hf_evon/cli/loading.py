@@ -225,7 +225,7 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     a PEFT adapter directory: the adapter on its base model, under the name ``adapter()`` gives (the
     posterior's: PEFT loads any adapter as "default", where the posterior names the one it was
     trained as), also from the folder of that name PEFT saves a named adapter in (``path/<name>``)."""
-    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
+    from hf_evon.posterior.hub import holds_posterior_config
 
     peft_kwargs: dict[str, Any] = {}
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -242,7 +242,7 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
         os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
     ):  # transformers would report a missing `model_type` key in the config.json that is not there
         hint = ""
-        if os.path.isfile(os.path.join(path, POSTERIOR_CONFIG_NAME)):  # e.g. calibrate's --output
+        if holds_posterior_config(path):  # e.g. calibrate's --output
             hint = (": it holds an EVON posterior; pass it as --posterior, and the model's directory or Hub "
                     "repo id as --model")  # fmt: skip
         raise UsageError(f"--model {path!r} holds no config.json (nor a PEFT adapter's adapter_config.json){hint}")

@@ -161,6 +161,13 @@ def _missing_text(directory: str, name: str, shown: str) -> str:
     return f"no EVON posterior in {directory!r}: {shown} is missing"
 
 
+def holds_posterior_config(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` lists a posterior config: also one that is a named pipe, a directory or a
+    link to nothing, which loading refuses naming it (:func:`resolve_files`), not a directory
+    without a posterior."""
+    return os.path.lexists(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+
+
 def _snapshot_commit(cached: str) -> str | None:
     """The commit a file of the Hub cache was downloaded at (``.../snapshots/<sha>/...``), or None."""
     parts = Path(cached).parts

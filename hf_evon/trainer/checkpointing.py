@@ -51,6 +51,7 @@ from hf_evon.posterior.format import (
     read_config,
     remove_posterior,
 )
+from hf_evon.posterior.hub import holds_posterior_config
 from hf_evon.trainer.adalora import every_rank_saved
 from hf_evon.trainer.card import save_trainer_model_card
 
@@ -69,8 +70,9 @@ EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full opti
 def _has_posterior(directory: str) -> bool:
     """Whether ``directory`` holds a posterior: its config. The weights file is the one the config
     names (a first save killed after its switch names the staged file: that loads); a config
-    that does not load is an error ``from_pretrained`` names, not a posterior to skip."""
-    return os.path.isfile(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+    that does not load (also one that is no regular file) is an error ``from_pretrained`` names,
+    not a posterior to skip."""
+    return holds_posterior_config(directory)
 
 
 def other_weights(model: Any, fingerprint: Any, names: Any) -> list[str] | None:
@@ -370,7 +372,7 @@ class CheckpointingMixin:
         checkpoint without one, remove the output directory's (:meth:`_remove_other_posterior`)."""
         if not self.is_world_process_zero():
             return
-        if not os.path.isfile(os.path.join(checkpoint_folder, POSTERIOR_CONFIG_NAME)):
+        if not _has_posterior(checkpoint_folder):
             # the checkpoint's model replaces the output directory's: an earlier push's posterior goes
             self._remove_other_posterior(self.args.output_dir)
             return
