@@ -770,6 +770,51 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
     )
 
 
+@pytest.mark.parametrize("revision, subfolder", [(None, None), ("v2", "post")])
+def test_inspect_sizes_the_hub_files_it_loaded_not_those_of_a_later_push(saved, tmp_path, revision, subfolder):
+    """inspect sized a Hub posterior's files by downloading them again at --revision: a push landing
+    after the load (here: the same posterior again, its bases in bfloat16) had it print the new
+    files' sizes beside the loaded posterior's tensors. The sizes are those of the files it loaded."""
+    try:
+        from hub_stub import HubStub
+    except ImportError:  # tests/ imported as a package
+        from tests.hub_stub import HubStub
+    _, _, _, posterior = saved
+    code = """
+        import torch
+        from hf_evon import EVONPosterior
+        from hf_evon.cli import main
+        load = EVONPosterior.from_pretrained.__func__
+        def loaded_then_pushed(cls, *args, **kwargs):
+            loaded = load(cls, *args, **kwargs)
+            loaded.push_to_hub("alice/moving", token="hf_dummy", eigenbasis_dtype=torch.bfloat16, **WHERE)
+            return loaded
+        EVONPosterior.from_pretrained = classmethod(loaded_then_pushed)
+        print("CODE", main(["inspect", "alice/moving", "--json", *OPTIONS]))
+    """
+    where = {"revision": revision, "path_in_repo": subfolder}
+    options = ["--revision", revision, "--subfolder", subfolder] if revision else []
+    code = f"WHERE = {where!r}\nOPTIONS = {options!r}\n" + textwrap.dedent(code)
+    names = ("evon_posterior.safetensors", "evon_posterior_config.json")
+    in_repo = {f: f"{subfolder}/{f}" if subfolder else f for f in names}
+    with HubStub() as hub:
+        posterior.push_to_hub("alice/moving", token="hf_dummy", endpoint=hub.endpoint, **where)
+        loaded = hub.files("alice/moving", revision or "main")
+        env = dict(
+            os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1"
+        )
+        env.pop("HF_HUB_OFFLINE", None)
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        pushed = hub.files("alice/moving", revision or "main")
+    head, _, tail = done.stdout.partition("CODE 0\n")
+    assert tail == "", done.stderr[-3000:]
+    weights = in_repo[names[0]]
+    assert len(pushed[weights]) < len(loaded[weights])  # the later push's files differ in size
+    assert json.loads(head)["files"] == {f: len(loaded[in_repo[f]]) for f in names}
+
+
 @pytest.mark.parametrize("flag, value, rule", [
     ("--temperature", "0", "a finite number > 0"), ("--temperature", "nan", "a finite number > 0"),
     ("--top-k", "-3", "an integer >= 0"), ("--top-p", "2", "a number in (0, 1]"), ("--top-p", "0", "a number in (0, 1]"),
@@ -1226,6 +1271,24 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_the_calibration(save
         assert f"--output {str(output)!r}: {str(read_only)!r} is a directory this user cannot write in" in err, err
 
 
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_a_posterior_directory_whose_config_is_no_file_as_model_says_so(saved, tmp_path, capsys, kind):
+    """--model given a posterior's directory whose config is a directory or a link to nothing: it was
+    taken for a directory without a posterior (no hint), where loading the posterior names the file."""
+    posterior_dir = tmp_path / "calibrated"
+    saved[3].save_pretrained(posterior_dir)
+    config = posterior_dir / "evon_posterior_config.json"
+    config.unlink()
+    config.mkdir() if kind == "directory" else config.symlink_to(tmp_path / "moved-away")
+    assert main(["generate", "--model", str(posterior_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"hf-evon generate: error: --model {str(posterior_dir)!r} holds no config.json (nor a PEFT adapter's "
+        "adapter_config.json): it holds an EVON posterior; pass it as --posterior, and the model's directory or "
+        "Hub repo id as --model"
+    ), err
+
+
 @pytest.mark.parametrize("command", ["generate", "calibrate"])
 def test_a_posterior_only_directory_as_model_says_so(saved, tmp_path, capsys, command):
     """--model given calibrate's --output (a posterior, no model): the error was transformers'
@@ -1290,24 +1353,6 @@ def test_running_out_of_memory_is_one_error_line(saved, capsys, monkeypatch):
     from hf_evon.cli.loading import failure_text
 
     assert failure_text(RuntimeError("shape mismatch")) is None
-
-
-@pytest.mark.parametrize("kind", ["directory", "dangling link"])
-def test_a_posterior_directory_whose_config_is_no_file_as_model_says_so(saved, tmp_path, capsys, kind):
-    """--model given a posterior's directory whose config is a directory or a link to nothing: it was
-    taken for a directory without a posterior (no hint), where loading the posterior names the file."""
-    posterior_dir = tmp_path / "calibrated"
-    saved[3].save_pretrained(posterior_dir)
-    config = posterior_dir / "evon_posterior_config.json"
-    config.unlink()
-    config.mkdir() if kind == "directory" else config.symlink_to(tmp_path / "moved-away")
-    assert main(["generate", "--model", str(posterior_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines()[-1] == (
-        f"hf-evon generate: error: --model {str(posterior_dir)!r} holds no config.json (nor a PEFT adapter's "
-        "adapter_config.json): it holds an EVON posterior; pass it as --posterior, and the model's directory or "
-        "Hub repo id as --model"
-    ), err
 
 
 @pytest.mark.parametrize("command", ["generate", "calibrate"])

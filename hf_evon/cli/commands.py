@@ -291,14 +291,17 @@ def _file_sizes(args: argparse.Namespace, posterior: Any) -> dict[str, int]:
             with contextlib.suppress(FileNotFoundError):
                 sizes[os.path.basename(path)] = os.path.getsize(path)
         return sizes
-    from huggingface_hub import hf_hub_download  # already in the cache: from_pretrained fetched them
+    from huggingface_hub import try_to_load_from_cache
 
-    return {
-        f: os.path.getsize(
-            hf_hub_download(args.location, f, subfolder=args.subfolder, revision=args.revision)
-        )
-        for f in names
-    }
+    # the files the load downloaded, found in the cache at the commit --revision resolved to then:
+    # not requested again, which would size the files of a push landing since
+    sizes = {}
+    for f in names:
+        cached = try_to_load_from_cache(args.location, "/".join(filter(None, (args.subfolder, f))), revision=args.revision)
+        if isinstance(cached, str):  # (a file evicted from the cache meanwhile: left out)
+            with contextlib.suppress(FileNotFoundError):
+                sizes[f] = os.path.getsize(cached)
+    return sizes
 
 
 def inspect_posterior(posterior: Any) -> dict[str, Any]:
