@@ -2037,6 +2037,26 @@ def test_a_best_checkpoint_whose_config_is_no_file_is_an_error_naming_it(tmp_pat
     assert expected in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("kind", ["dangling link", "named pipe"])
+def test_a_save_without_a_posterior_removes_a_config_that_is_no_regular_file(tmp_path, kind):
+    """A model saved without a posterior left a posterior config that is a link to nothing or a named
+    pipe beside it (only regular files were taken for a posterior to remove): loading the directory,
+    which takes any listed config for its posterior (holds_posterior_config), then failed on the stale one."""
+    from hf_evon.posterior.hub import holds_posterior_config
+
+    args = config(tmp_path)
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    assert trainer.current_posterior() is None
+    os.makedirs(args.output_dir, exist_ok=True)
+    stale = Path(args.output_dir) / POSTERIOR_CONFIG_NAME
+    stale.symlink_to(stale.parent / "moved-away") if kind == "dangling link" else os.mkfifo(stale)
+    with pytest.warns(UserWarning, match=rf"has no posterior, and the one there \({POSTERIOR_CONFIG_NAME}\)"):
+        trainer.save_model()
+    assert not os.path.lexists(stale)
+    assert not holds_posterior_config(args.output_dir)
+    assert (Path(args.output_dir) / "config.json").is_file()
+
+
 class _PosteriorMovedOut(TrainerCallback):
     """Moves each checkpoint's posterior into the output directory once it is saved (as a pushed
     checkpoint's copy leaves it there): the checkpoints hold none, the output directory the last one's."""
