@@ -770,11 +770,16 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
     )
 
 
+@pytest.mark.parametrize("then_cached", [False, True])
 @pytest.mark.parametrize("revision, subfolder", [(None, None), ("v2", "post")])
-def test_inspect_sizes_the_hub_files_it_loaded_not_those_of_a_later_push(saved, tmp_path, revision, subfolder):
+def test_inspect_sizes_the_hub_files_it_loaded_not_those_of_a_later_push(
+    saved, tmp_path, revision, subfolder, then_cached
+):
     """inspect sized a Hub posterior's files by downloading them again at --revision: a push landing
     after the load (here: the same posterior again, its bases in bfloat16) had it print the new
-    files' sizes beside the loaded posterior's tensors. The sizes are those of the files it loaded."""
+    files' sizes beside the loaded posterior's tensors. The sizes are those of the files it loaded.
+    Looked up again in the Hub cache at --revision, they were those of the push where another
+    process downloaded it meanwhile (then_cached: the cache's ref for --revision moved on)."""
     try:
         from hub_stub import HubStub
     except ImportError:  # tests/ imported as a package
@@ -788,13 +793,17 @@ def test_inspect_sizes_the_hub_files_it_loaded_not_those_of_a_later_push(saved, 
         def loaded_then_pushed(cls, *args, **kwargs):
             loaded = load(cls, *args, **kwargs)
             loaded.push_to_hub("alice/moving", token="hf_dummy", eigenbasis_dtype=torch.bfloat16, **WHERE)
+            if THEN_CACHED:
+                from huggingface_hub import hf_hub_download
+                for name in ("evon_posterior_config.json", "evon_posterior.safetensors"):
+                    hf_hub_download("alice/moving", name, subfolder=WHERE["path_in_repo"], revision=WHERE["revision"])
             return loaded
         EVONPosterior.from_pretrained = classmethod(loaded_then_pushed)
         print("CODE", main(["inspect", "alice/moving", "--json", *OPTIONS]))
     """
     where = {"revision": revision, "path_in_repo": subfolder}
     options = ["--revision", revision, "--subfolder", subfolder] if revision else []
-    code = f"WHERE = {where!r}\nOPTIONS = {options!r}\n" + textwrap.dedent(code)
+    code = f"WHERE = {where!r}\nOPTIONS = {options!r}\nTHEN_CACHED = {then_cached}\n" + textwrap.dedent(code)
     names = ("evon_posterior.safetensors", "evon_posterior_config.json")
     in_repo = {f: f"{subfolder}/{f}" if subfolder else f for f in names}
     with HubStub() as hub:

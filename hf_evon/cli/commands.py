@@ -276,31 +276,19 @@ def _add_inspect(subparsers: Any) -> None:
 def _file_sizes(args: argparse.Namespace, posterior: Any) -> dict[str, int]:
     """Bytes of the posterior files and, for a local directory, of the model weights beside them.
 
-    The weights file is the one the config names (after a killed save, a staged one); a file
-    that a save running meanwhile has removed is left out.
+    The posterior files are those the load read (``loaded_files``; after a killed save, the staged
+    weights file its config names); from the Hub, in the cache's snapshot of the commit read, which
+    neither a later push nor another process downloading it changes. A file removed meanwhile (by a
+    save, or evicted from the cache) is left out.
     """
-    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
-
-    names = (posterior.config.get("weights_file") or POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME)
+    files = list((posterior.loaded_files or {}).values())
     if os.path.isdir(args.location):
         directory = os.path.join(args.location, args.subfolder) if args.subfolder else args.location
-        sizes = {}
-        files = [os.path.join(directory, f) for f in names]
         files += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if MODEL_WEIGHT_FILE.fullmatch(f)]
-        for path in files:  # (a dangling link, or a file a save removed meanwhile: left out)
-            with contextlib.suppress(FileNotFoundError):
-                sizes[os.path.basename(path)] = os.path.getsize(path)
-        return sizes
-    from huggingface_hub import try_to_load_from_cache
-
-    # the files the load downloaded, found in the cache at the commit --revision resolved to then:
-    # not requested again, which would size the files of a push landing since
     sizes = {}
-    for f in names:
-        cached = try_to_load_from_cache(args.location, "/".join(filter(None, (args.subfolder, f))), revision=args.revision)
-        if isinstance(cached, str):  # (a file evicted from the cache meanwhile: left out)
-            with contextlib.suppress(FileNotFoundError):
-                sizes[f] = os.path.getsize(cached)
+    for path in files:  # (a dangling link, or a file a save removed meanwhile: left out)
+        with contextlib.suppress(FileNotFoundError):
+            sizes[os.path.basename(path)] = os.path.getsize(path)
     return sizes
 
 

@@ -83,8 +83,8 @@ class PosteriorSource:
         return os.path.join(self.path, self.subfolder) if self.subfolder else self.path
 
 
-def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str]:
-    """The validated config and the local path of the weights file it names.
+def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
+    """The validated config, its local path and the local path of the weights file it names.
 
     From a directory, or downloaded from the Hub. The config comes first: it names the
     weights file, which is how a reader sees one consistent pair while a save runs.
@@ -106,7 +106,7 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str]:
         if not os.path.isfile(weights_path):
             named = f"{config.weights_name} (named by {POSTERIOR_CONFIG_NAME})"
             raise FileNotFoundError(_missing_text(directory, config.weights_name, named))
-        return config, weights_path
+        return config, config_path, weights_path
     if os.path.exists(path):
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
     _check_repo_id(path)
@@ -149,7 +149,7 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str]:
     config = read_config(config_file)
     # the weights of the config's own commit: a push between the two downloads would pair the
     # config with the next commit's weights (its checkpoint_id refuses such a pair)
-    return config, download(config.weights_name, _snapshot_commit(config_file) or revision)
+    return config, config_file, download(config.weights_name, _snapshot_commit(config_file) or revision)
 
 
 def _missing_text(directory: str, name: str, shown: str) -> str:
@@ -206,8 +206,11 @@ def _local_switch_state(source: PosteriorSource) -> tuple[str | None, str] | Non
 _READ_ATTEMPTS = 16
 
 
-def read_posterior(source: PosteriorSource, read: Callable[[PosteriorConfig, str], T]) -> tuple[PosteriorConfig, T]:
-    """:func:`resolve_files`, then ``read(config, weights_path)``.
+def read_posterior(
+    source: PosteriorSource, read: Callable[[PosteriorConfig, str], T]
+) -> tuple[PosteriorConfig, dict[str, str], T]:
+    """:func:`resolve_files`, then ``read(config, weights_path)``; also the local paths of the two files
+    read, by file name (in the Hub cache: the snapshot of the commit they were downloaded at).
 
     In a local directory a save may switch the config between this reader's reading the
     config and its reading the weights (the weights it named are gone or replaced): where the
@@ -219,8 +222,9 @@ def read_posterior(source: PosteriorSource, read: Callable[[PosteriorConfig, str
     while True:
         before = _local_switch_state(source) if local else None
         try:
-            config, weights_path = resolve_files(source)
-            return config, read(config, weights_path)
+            config, config_path, weights_path = resolve_files(source)
+            files = {POSTERIOR_CONFIG_NAME: config_path, config.weights_name: weights_path}
+            return config, files, read(config, weights_path)
         except (PosteriorMismatchError, FileNotFoundError):
             attempts += 1
             if not local or attempts == _READ_ATTEMPTS or _local_switch_state(source) == before:

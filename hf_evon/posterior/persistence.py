@@ -44,6 +44,10 @@ class PosteriorFilesMixin:
     """Saving, loading and pushing of :class:`~hf_evon.EVONPosterior` (its ``factors``, ``config``, ``names``
     and point-estimate counts; ``check_model`` for a loaded posterior's ``model=``)."""
 
+    # set by from_pretrained on the posterior it returns: the local paths of the files it read, by
+    # file name (from the Hub: in the cache's snapshot of the commit it read). None otherwise
+    loaded_files: dict[str, str] | None = None
+
     # ------------------------------------------------------------------ files
     def to_tensors(self, eigenbasis_dtype: torch.dtype | str | None = None) -> dict[str, Tensor]:
         """The file's tensors (``<name>.Q_L``, ``.Q_R``, ``.hess``; CPU) as ``save_pretrained`` writes them."""
@@ -126,6 +130,9 @@ class PosteriorFilesMixin:
                 (useful for half-precision bases; default False).
             force_download, endpoint, etag_timeout, headers, user_agent: passed to
                 ``huggingface_hub.hf_hub_download``.
+
+        The returned posterior's ``loaded_files`` maps the two file names to the local paths read: from
+        the Hub, the cache's snapshot of the commit read, which a later push or download does not change.
         """
         device = kwargs.pop("device", "cpu")
         model = kwargs.pop("model", None)
@@ -137,13 +144,14 @@ class PosteriorFilesMixin:
         source = PosteriorSource(
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
         )
-        config, (groups, read_dtype) = read_posterior(
+        config, files, (groups, read_dtype) = read_posterior(
             source, lambda config, weights: read_factor_groups(config, weights, device, reorthonormalize)
         )
         settings = config.settings()
         if read_dtype is not None:  # half-precision bases under a config that declares no dtype
             settings["eigenbasis_dtype"] = dtype_name(read_dtype)
         posterior = cls(groups, settings, config.num_point_estimates, config.num_point_estimate_tensors)
+        posterior.loaded_files = files
         if model is not None:
             posterior.check_model(model)
         return posterior
