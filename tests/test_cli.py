@@ -413,6 +413,50 @@ def test_generate_loads_a_named_adapter_from_its_folder_beside_the_default_one_a
         _assert_generates_as_generate_bma(tmp_path, model, posterior, capsys)
 
 
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_a_named_adapters_config_that_is_no_file_is_refused_naming_it(saved, tmp_path, capsys, kind):
+    """The adapters "default" (at the root) and "mine" (in ``dir/mine``), whose adapter_config.json is a
+    directory or a link to nothing: "mine"'s folder was taken for none (os.path.isfile), and the root's
+    adapter ("default"'s weights) was loaded under the name "mine", beside the posterior of "mine"."""
+    from peft import LoraConfig, get_peft_model
+
+    path, _, _, _ = saved
+    lora = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(path), lora)
+    model.add_adapter("mine", lora)
+    model.set_adapter("mine")
+    posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    broken = tmp_path / "mine" / "adapter_config.json"
+    broken.unlink()
+    broken.mkdir() if kind == "directory" else broken.symlink_to(tmp_path / "moved-away")
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
+    why = "a link to " + repr(str(tmp_path / "moved-away")) + ", which does not exist" if kind == "dangling link" else (
+        "not a regular file (a directory, named pipe or device)"
+    )
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"hf-evon generate: error: --model {str(tmp_path)!r}: {str(broken)!r} is {why}", err
+
+
+@pytest.mark.parametrize("kind", ["directory", "dangling link"])
+def test_a_model_directory_whose_config_is_no_file_is_refused_naming_it(saved, tmp_path, capsys, kind):
+    """A model's directory (with its posterior) whose config.json is a directory or a link to nothing (a
+    copied Hub cache snapshot whose blobs are gone): it was 'holds no config.json ...: it holds an EVON
+    posterior; pass it as --posterior', advice that does not apply. The error names the file."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(saved[0], model_dir)  # the model, its tokenizer and its posterior
+    config = model_dir / "config.json"
+    config.unlink()
+    config.mkdir() if kind == "directory" else config.symlink_to(tmp_path / "moved-away")
+    assert main(["generate", "--model", str(model_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
+    why = "a link to " + repr(str(tmp_path / "moved-away")) + ", which does not exist" if kind == "dangling link" else (
+        "not a regular file (a directory, named pipe or device)"
+    )
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"hf-evon generate: error: --model {str(model_dir)!r}: {str(config)!r} is {why}", err
+
+
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
 def test_generate_decodes_an_ia3_or_adalora_adapter(saved, tmp_path, capsys, adapter):
     """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched

@@ -220,6 +220,20 @@ def resolve_device(name: str | None) -> Any:
     return device
 
 
+def _listed_file(given: str, *parts: str) -> bool:
+    """Whether the file ``os.path.join(*parts)`` of ``--model given`` (a directory) is there; one listed
+    that is a link to nothing or no regular file is refused naming it: taken for none, the directory
+    would be read as something else (the root's adapter loaded for a named one, a posterior's folder)."""
+    file = os.path.join(*parts)
+    if not os.path.lexists(file):
+        return False
+    if os.path.isfile(file):
+        return True
+    if os.path.islink(file) and not os.path.exists(file):
+        raise UsageError(f"--model {given!r}: {file!r} is a link to {os.readlink(file)!r}, which does not exist")
+    raise UsageError(f"--model {given!r}: {file!r} is not a regular file (a directory, named pipe or device)")
+
+
 def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:
     """The causal LM, or encoder-decoder model (its config's ``is_encoder_decoder``), at ``path``;
     a PEFT adapter directory: the adapter on its base model, under the name ``adapter()`` gives (the
@@ -228,18 +242,19 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     from hf_evon.posterior.hub import holds_posterior_config
 
     peft_kwargs: dict[str, Any] = {}
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        inside = os.path.isfile(os.path.join(path, "adapter_config.json"))
-        if any(os.path.isfile(os.path.join(d.path, "adapter_config.json")) for d in os.scandir(path) if d.is_dir()):
+    given = path
+    if os.path.isdir(path) and not _listed_file(given, path, "config.json"):
+        inside = _listed_file(given, path, "adapter_config.json")
+        if any(os.path.lexists(os.path.join(d.path, "adapter_config.json")) for d in os.scandir(path) if d.is_dir()):
             # PEFT's save_pretrained puts an adapter not named "default" in path/<name>, and "default" at the
             # root: the root holds the posterior's adapter only where that is "default" or no folder is named so
             named = adapter()
-            if named and not (inside and named == "default") and os.path.isfile(os.path.join(path, named, "adapter_config.json")):
+            if named and not (inside and named == "default") and _listed_file(given, path, named, "adapter_config.json"):
                 path, inside = os.path.join(path, named), True
         if inside and (named := adapter()) not in (None, "default"):
             peft_kwargs["adapter_name"] = named
     if os.path.isdir(path) and not any(
-        os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+        _listed_file(given, path, f) for f in ("config.json", "adapter_config.json")
     ):  # transformers would report a missing `model_type` key in the config.json that is not there
         hint = ""
         if holds_posterior_config(path):  # e.g. calibrate's --output
