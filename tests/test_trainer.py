@@ -1950,6 +1950,55 @@ def test_load_best_model_at_end_loads_every_active_adapter_of_the_best_checkpoin
         trainer.posterior.check_model(model)
 
 
+class _AdapterWeightsBroken(TrainerCallback):
+    """Replaces the first checkpoint's weights of adapter "other" by a link to nothing or a directory."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if state.global_step == 2:
+            weights = Path(args.output_dir) / "checkpoint-2" / "other" / "adapter_model.safetensors"
+            weights.unlink()
+            weights.symlink_to(weights.parent / "moved-away") if self.kind == "dangling link" else weights.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "directory"])
+def test_load_best_model_at_end_refuses_an_adapters_weights_that_are_no_file_naming_them(tmp_path, kind):
+    """The best checkpoint's weights of a second active adapter were a link to nothing or a directory:
+    taken for no weights (os.path.isfile), that adapter was silently left at the last step's weights
+    beside the best checkpoint's posterior. The load is refused naming the file, before anything loads."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
+    model = get_peft_model(tiny_bert(), lora)
+    model.add_adapter("other", lora)
+    model.base_model.set_adapter(["default", "other"])
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_early", bma_num_samples=2, evon_ess=100.0,
+    )  # fmt: skip
+    trainer = EVONTrainer(
+        model=model, args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1),
+        compute_metrics=lambda _: {"early": -trainer.state.global_step}, callbacks=[_AdapterWeightsBroken(kind)],
+    )  # fmt: skip
+    weights = os.path.join(args.output_dir, "checkpoint-2", "other", "adapter_model.safetensors")
+    where = f"load_best_model_at_end: the weights of adapter 'other' in the best checkpoint, {weights!r},"
+    if kind == "dangling link":
+        expected = FileNotFoundError, f"{where} are a link to {os.path.join(os.path.dirname(weights), 'moved-away')!r}"
+    else:
+        expected = ValueError, f"{where} are not a regular file"
+    with pytest.raises(expected[0]) as err:
+        trainer.train()
+    assert expected[1] in str(err.value), str(err.value)
+    last = os.path.join(args.output_dir, "checkpoint-4")  # refused before any load: both are the last step's
+    for adapter, folder in (("default", last), ("other", os.path.join(last, "other"))):
+        saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+        held = get_peft_model_state_dict(model, adapter_name=adapter)
+        assert held.keys() == saved.keys() and all(torch.equal(held[k], saved[k]) for k in saved), adapter
+
+
 def test_the_card_after_load_best_model_at_end_reports_the_best_checkpoints_evaluation_and_step(tmp_path):
     """save_model() after load_best_model_at_end writes the best checkpoint's weights and posterior:
     its card reports that checkpoint's evaluation and step, not the last evaluation's."""

@@ -82,11 +82,25 @@ def _active_adapter_folders(trainer: Any, model: nn.Module) -> list[tuple[str, s
     found = []
     for adapter in active if isinstance(active, list | tuple) else ():
         folder = best if adapter == "default" else os.path.join(best, str(adapter))
-        if any(os.path.isfile(os.path.join(folder, f)) for f in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)):
+        if any(_listed_weights(adapter, os.path.join(folder, f)) for f in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)):
             found.append((str(adapter), folder))
         elif not found:  # the first one's folder is where the Trainer loads from: it is left to the Trainer
             return []
     return found
+
+
+def _listed_weights(adapter: Any, path: str) -> bool:
+    """Whether the best checkpoint lists the weights file ``path`` of ``adapter``; one that is a link to
+    nothing, a directory or a named pipe is refused naming it: taken for none, the adapter would keep
+    the last step's weights beside the best checkpoint's posterior (PEFT's own load calls it missing)."""
+    if not os.path.lexists(path):
+        return False
+    if os.path.isfile(path):
+        return True
+    where = f"load_best_model_at_end: the weights of adapter {str(adapter)!r} in the best checkpoint, {path!r},"
+    if os.path.islink(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"{where} are a link to {os.readlink(path)!r}, which does not exist")
+    raise ValueError(f"{where} are not a regular file (a directory, named pipe or device)")
 
 
 class TrainerInternals:
