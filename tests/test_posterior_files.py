@@ -972,6 +972,36 @@ def test_a_weights_file_that_is_not_a_regular_file_is_named_as_such(tmp_path, ki
     assert str(err.value).startswith(f"{weights}: not a regular file"), str(err.value)
 
 
+def test_a_directory_whose_entries_cannot_be_looked_up_is_no_directory_without_a_posterior(tmp_path, monkeypatch):
+    """A directory this user may list but not search (its entries' stat answers EACCES; simulated: the
+    tests run as root, whom no permission stops): os.path.exists took the config for missing, so
+    from_pretrained said "evon_posterior_config.json is missing" and holds_posterior_config (the
+    Trainer's, the CLI's rule) answered no posterior. Both raise the PermissionError naming the config."""
+    from hf_evon.posterior.hub import holds_posterior_config
+
+    shared = tmp_path / "shared"
+    _posterior().save_pretrained(shared, model_card=False)
+    inside = str(shared) + os.sep
+
+    def refused(real):  # noqa: ANN001, ANN202
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if os.fspath(path).startswith(inside):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in ("stat", "lstat", "open"):
+        monkeypatch.setattr(os, name, refused(getattr(os, name)))
+    config = os.path.join(shared, POSTERIOR_CONFIG_NAME)
+    with pytest.raises(PermissionError) as err:
+        holds_posterior_config(shared)
+    assert err.value.filename == config
+    with pytest.raises(PermissionError) as err:
+        EVONPosterior.from_pretrained(shared)
+    assert err.value.filename == config
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd")
 def test_a_config_that_is_a_directory_is_refused_as_such_and_leaves_no_descriptor_open(tmp_path):
     """A config that is a directory opened (O_RDONLY opens a directory) and then failed in ``open(fd)``:

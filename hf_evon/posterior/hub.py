@@ -94,7 +94,8 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
     if os.path.isdir(path):
         directory = source.directory
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-        if not os.path.exists(config_path):  # one that is no regular file: read_config says so
+        # not listed, or listed as a link to nothing: missing. One that is no regular file: read_config says so
+        if not holds_posterior_config(directory) or not os.path.exists(config_path):
             raise FileNotFoundError(_missing_text(directory, POSTERIOR_CONFIG_NAME, POSTERIOR_CONFIG_NAME))
         config = read_config(config_path)
         weights_path = os.path.join(directory, config.weights_name)
@@ -164,8 +165,14 @@ def _missing_text(directory: str, name: str, shown: str) -> str:
 def holds_posterior_config(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` lists a posterior config: also one that is a named pipe, a directory or a
     link to nothing, which loading refuses naming it (:func:`resolve_files`), not a directory
-    without a posterior."""
-    return os.path.lexists(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+    without a posterior. The rule :func:`resolve_files` finds a config missing by. A directory whose
+    entries this user cannot look up raises the PermissionError naming the config: no answer there
+    is "no posterior"."""
+    try:
+        os.lstat(os.path.join(directory, POSTERIOR_CONFIG_NAME))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def _snapshot_commit(cached: str) -> str | None:
