@@ -312,6 +312,31 @@ def test_runaway_noise_warns_once_naming_the_cause() -> None:
         opt.posterior_health()  # once only
 
 
+def test_runaway_noise_at_the_fitted_defaults_names_the_matrix_and_no_default_as_its_fix() -> None:
+    """At the defaults (ess='auto', fitted to the pooled curvature) a matrix the loss drives towards
+    zero ends with weights below its noise (a tiny BERT's attention query/key on a bag-of-words task:
+    1.08x at step 100). The warning named no matrix and advised ess='auto', which was already set."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON([{"params": weights, "param_names": ["in", "hidden", "out"]}])
+    for seed in range(3):
+        one_sample(opt, model, seed)
+        opt.step()
+        opt.zero_grad()
+    assert opt.posterior_health(warn=False)["noise_to_signal_max"] < 1.0  # every matrix watched
+    with torch.no_grad():
+        weights[1].mul_(1e-3)  # the hidden matrix shrank, its curvature (so its noise) unchanged
+    std = float(opt.posterior_std(weights[1]).square().mean().sqrt())
+    ratio = std / float(weights[1].detach().square().mean().sqrt())
+    assert ratio > 1.0
+    with pytest.warns(RuntimeWarning, match="runaway posterior noise") as caught:
+        opt.posterior_health()
+    message = str(caught[0].message)
+    assert f"{ratio:.3g}x the RMS of hidden (shape (16, 16))" in message
+    assert "ess='auto' (the default" not in message  # what the optimizer already runs with
+    assert "shrank" in message
+
+
 def test_posterior_health_inside_a_sample_measures_the_mean_weights() -> None:
     """Inside ``sampled_params`` the weights hold a sample: the RMS weight was the sample's, so
     ess=50 noise of ~16x the mean's RMS read as ~1x (noise over mean plus noise) and the runaway

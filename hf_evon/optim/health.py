@@ -21,6 +21,7 @@ __all__ = [
     "health_rows",
     "health_stats",
     "is_point_estimate",
+    "runaway_matrix",
     "skipped_reason",
     "warn_health",
 ]
@@ -136,18 +137,59 @@ def warn_skipped(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=outside_stacklevel())
 
 
-def warn_health(stats: dict[str, float], warned: set[str]) -> None:
+def runaway_matrix(buckets: list[Bucket], param_groups: list[dict[str, Any]]) -> tuple[str, bool] | None:
+    """The label of the watched matrix with the largest noise-to-signal ratio among this process's,
+    and whether its group's ζ is fitted to the curvature; None where none of them is at 1 or more
+    (sharded: the matrix is another rank's). Slow; only when the runaway warning is issued."""
+    worst: tuple[float, str, bool] | None = None
+    for b in buckets:
+        g = b.group
+        members = covered_members(b)
+        if math.isinf(g["ess"]) or not members:
+            continue
+        weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
+        for i in members:
+            if not b.state["noise_watched"][i] > 0:
+                continue
+            var_sum = torch.reciprocal(g["ess"] * (b.state["hess"][i] + g["weight_decay"])).sum()
+            w_sq = weights[i].to(b.dtype).square().sum().clamp_min(torch.finfo(b.dtype).tiny)
+            ratio = float((var_sum / w_sq).sqrt())
+            if ratio >= 1.0 and (worst is None or ratio > worst[0]):
+                fitted = "ess" in (g.get("fit_to_curvature") or ())
+                worst = (ratio, param_label(param_groups, b.params[i]), fitted)
+    return None if worst is None else worst[1:]
+
+
+def warn_health(
+    stats: dict[str, float],
+    warned: set[str],
+    buckets: list[Bucket] | None = None,
+    param_groups: list[dict[str, Any]] | None = None,
+) -> None:
     """A ``RuntimeWarning`` naming cause and fix, the first time (per ``warned``) that the noise
-    runs away or the posterior collapses to a broad prior; at the caller's line outside hf_evon."""
+    runs away or the posterior collapses to a broad prior; at the caller's line outside hf_evon.
+    With ``buckets`` and ``param_groups`` the runaway warning names the matrix."""
     stacklevel = outside_stacklevel()
     if stats["noise_to_signal_max"] >= 1.0 and "runaway" not in warned:
         warned.add("runaway")
+        found = runaway_matrix(buckets, param_groups) if buckets is not None else None
+        what, fitted = found if found is not None else ("a weight matrix", False)
+        if fitted:  # ζ follows the pooled curvature: the noise did not grow, the matrix's weights shrank
+            why = (
+                "Cause: its weights shrank below the noise its curvature gives it (a matrix the loss "
+                "drives towards zero); ess='auto' fits ζ to its group's pooled curvature, not to this "
+                "matrix's scale. Fix: if it persists, train it in a group of its own with a larger ess, "
+                "or with AdamW (build_optimizer's adamw_patterns)."
+            )
+        else:
+            why = (
+                "Cause: ess too small for the weights' scale, or a Hessian estimate that fell to its floor "
+                "(the std is then 1/sqrt(ess*weight_decay)). Fix: ess='auto' (the default: initial std 5% "
+                "of the weights' RMS) or a larger ess; a larger weight_decay bounds the floor."
+            )
         warnings.warn(
             f"EVON: runaway posterior noise: its std is {stats['noise_to_signal_max']:.3g}x the RMS of "
-            "a weight matrix, so samples no longer resemble the mean and training suffers. Cause: ess too "
-            "small for the weights' scale, or a Hessian estimate that fell to its floor (the std is then "
-            "1/sqrt(ess*weight_decay)). Fix: ess='auto' (the default: initial std 5% of the weights' RMS) "
-            "or a larger ess; a larger weight_decay bounds the floor.",
+            f"{what}, so samples no longer resemble the mean and training suffers. {why}",
             RuntimeWarning,
             stacklevel=stacklevel,
         )
