@@ -536,3 +536,18 @@ def test_cholesky_factors_one_member_at_a_time_equal_the_batched_call() -> None:
     assert torch.equal(low_alone[[0, 1, 3]], low[[0, 1, 3]])
     torch.testing.assert_close(low_alone[0] @ low_alone[0].mT, gram[0], rtol=1e-12, atol=0)
     assert torch.equal(cholesky_factors(gram[:1], alone=True)[0], low[:1])  # one member: one call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 6, 6), (3, 12, 12), (2, 9, 5)])
+def test_householder_q_is_linalg_qrs_q_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """The CPU refresh's Q, from ``geqrf`` and ``householder_product`` without R, is
+    ``torch.linalg.qr``'s Q exactly (the same LAPACK calls), also for a zero member (Q = I)."""
+    from hf_evon.optim.linalg import householder_q
+
+    a = torch.randn(*shape, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    a[0] = 0.0
+    q = householder_q(a)
+    assert q.dtype == dtype and q.shape == shape
+    assert torch.equal(q, torch.linalg.qr(a).Q)
+    assert torch.equal(q[0], torch.eye(*shape[1:], dtype=dtype))
