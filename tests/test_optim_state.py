@@ -1405,3 +1405,36 @@ def test_a_checkpoint_saved_right_after_a_move_between_algorithms_resumes(source
     run(kernel, w, opt, 3)
     run(kernel2, w2, resumed, 3)
     assert torch.equal(kernel, kernel2) and torch.equal(w, w2)
+
+
+@pytest.mark.parametrize("members", [[1, 2], [0, 2], [2], None])
+def test_a_refresh_of_some_members_is_their_rows_of_the_whole_buckets_refresh(members: list[int] | None) -> None:
+    """Consecutive members are refreshed through a slice of the stacked state (views, no gather),
+    others through their index: either way the refreshed rows are bit for bit those of a refresh of
+    the whole bucket, and the other members' state is left as it was."""
+    from hf_evon.optim.buckets import Bucket, refresh_buckets
+    from hf_evon.optim.linalg import eigenbasis
+
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(3, 5, 7, generator=gen)
+    state = {
+        "L": g @ g.mT,
+        "R": g.mT @ g,
+        "Q_L": eigenbasis(g @ g.mT + 0.1),
+        "Q_R": eigenbasis(g.mT @ g + 0.1),
+        "exp_avg": torch.randn(3, 5, 7, generator=gen),
+        "hess": torch.ones(3, 5, 7),
+    }
+
+    def bucket() -> Bucket:
+        params = [torch.zeros(5, 7) for _ in range(3)]
+        return Bucket({}, params, 5, 7, True, True, torch.float32, state={k: v.clone() for k, v in state.items()})
+
+    whole, some = bucket(), bucket()
+    refresh_buckets([(whole, None)])
+    refresh_buckets([(some, members)])
+    rows = list(range(3)) if members is None else members
+    for k in ("Q_L", "Q_R", "exp_avg", "L", "R"):
+        for i in range(3):
+            assert torch.equal(some.state[k][i], (whole if i in rows else bucket()).state[k][i]), (k, i)
+    assert not torch.equal(whole.state["Q_L"], state["Q_L"])

@@ -378,7 +378,9 @@ def refresh_buckets(due: list[tuple[Bucket, list[int] | None]]) -> None:
     stacks, where = [], []
     for b, members in due:
         st = b.state
-        idx = slice(None) if members is None else b.member_index(members)
+        # all or consecutive members (a staggered refresh's one) by a slice: views read, copies written
+        rows = slice(None) if members is None else slice(members[0], members[0] + len(members))
+        idx = rows if members is None or members == list(range(len(b.params))[rows]) else b.member_index(members)
         rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
         stacks.append(
             (
