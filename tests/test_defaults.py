@@ -337,6 +337,64 @@ def test_runaway_noise_at_the_fitted_defaults_names_the_matrix_and_no_default_as
     assert "shrank" in message
 
 
+def _shrunk_hidden_matrix() -> tuple[EVON, list[torch.Tensor]]:
+    """Three steps at the defaults, then the hidden matrix shrunk 1000x: its noise runs away (as above)."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON([{"params": weights, "param_names": ["in", "hidden", "out"]}])
+    for seed in range(3):
+        one_sample(opt, model, seed)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        weights[1].mul_(1e-3)
+    return opt, weights
+
+
+def test_the_runaway_warning_names_the_parameter_a_bucket_member_stands_for() -> None:
+    """Under FSDP2 a bucket member is its owner's full copy of a DTensor parameter, which the groups do
+    not list (``hooks.model_param`` maps it back): the warning named "a parameter of shape (16, 16)"."""
+    from hf_evon.optim.hooks import ShardingHooks
+
+    opt, weights = _shrunk_hidden_matrix()
+    (bucket, i) = next((b, i) for b in opt.buckets for i, q in enumerate(b.params) if q is weights[1])
+    copy = weights[1].detach().clone().requires_grad_(True)  # the full copy that stands for it
+    bucket.params[i] = copy
+
+    class FullCopies(ShardingHooks):
+        def model_param(self, q: torch.Tensor) -> torch.Tensor:
+            return weights[1] if q is copy else q
+
+    opt.sharding = FullCopies()
+    with pytest.warns(RuntimeWarning, match="runaway posterior noise") as caught:
+        opt.posterior_health()
+    assert "x the RMS of hidden (shape (16, 16))" in str(caught[0].message)
+
+
+def test_the_runaway_warning_names_no_matrix_of_this_rank_below_the_pooled_maximum() -> None:
+    """Sharded, the maximum is over every rank's matrices (``pool_rows``): where another rank's matrix
+    has the larger ratio, this rank named its own runaway matrix beside the other's ratio."""
+    from hf_evon.optim.hooks import ShardingHooks
+
+    opt, weights = _shrunk_hidden_matrix()
+    local = opt.posterior_health(warn=False)["noise_to_signal_max"]
+    assert local > 1.0
+    opt._health_warned.clear()
+
+    class TwoRanks(ShardingHooks):
+        def pool_rows(self, rows: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+            other = rows[:1].clone()
+            other[0, 6] = 10 * local  # another rank's matrix, further gone than this rank's
+            return torch.cat([rows, other]), 2 * count
+
+    opt.sharding = TwoRanks()
+    with pytest.warns(RuntimeWarning, match="runaway posterior noise") as caught:
+        opt.posterior_health()
+    message = str(caught[0].message)
+    assert f"its std is {10 * local:.3g}x the RMS of a weight matrix," in message
+    assert "hidden" not in message
+
+
 def test_posterior_health_inside_a_sample_measures_the_mean_weights() -> None:
     """Inside ``sampled_params`` the weights hold a sample: the RMS weight was the sample's, so
     ess=50 noise of ~16x the mean's RMS read as ~1x (noise over mean plus noise) and the runaway

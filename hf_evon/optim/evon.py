@@ -530,7 +530,7 @@ class EVON(Optimizer):
         rows, numel = self._hooks.pool_rows(rows, numel)  # sharded: every rank's matrices
         stats = health.health_stats(rows, numel)
         if warn and stats:
-            health.warn_health(stats, self._health_warned, self.buckets, self.param_groups)
+            health.warn_health(stats, self._health_warned, self.buckets, self._param_label)
         return stats
 
     def posterior_factors(self, p: Tensor) -> dict[str, Any]:

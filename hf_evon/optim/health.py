@@ -45,6 +45,18 @@ def covered_members(b: Bucket) -> list[int]:
     return [i for i, p in enumerate(b.params) if not is_point_estimate(p.requires_grad, counts[i])]
 
 
+def _noise_to_signal(b: Bucket, members: list[int], hess: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per listed member of ``b`` (``hess``: their H): Σ V, Σ W² and the noise-to-signal ratio
+    sqrt(Σ V / Σ W²), in the state's dtype. The one computation of the ratio: the runaway warning
+    finds the matrix of the pooled maximum by equality with it."""
+    var = torch.reciprocal(b.group["ess"] * (hess + b.group["weight_decay"]))
+    # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
+    weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
+    w_sq = torch.stack(torch._foreach_norm([weights[i] for i in members])).to(b.dtype).square()
+    var_sum = var.sum(dim=(1, 2))
+    return var_sum, w_sq, (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
+
+
 def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
     """Per bucket, float64 on the CPU (one host sync), and the number of H entries:
     [Σ V, Σ W², min H, max H, Σ H, #H<δ, max per-matrix noise-to-signal, Σ h0·β2ᵗ, Σ 1/(ζδ)].
@@ -61,12 +73,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             continue
         idx = None if len(members) == len(b.params) else b.member_index(members)  # None: every member
         hess = b.state["hess"] if idx is None else b.state["hess"][idx]
-        var = torch.reciprocal(g["ess"] * (hess + g["weight_decay"]))
-        # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
-        weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
-        w_sq = torch.stack(torch._foreach_norm([weights[i] for i in members])).to(b.dtype).square()
-        var_sum = var.sum(dim=(1, 2))
-        ratio = (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
+        var_sum, w_sq, ratio = _noise_to_signal(b, members, hess)
         watched = b.state["noise_watched"] if idx is None else b.state["noise_watched"][idx]
         watched.masked_fill_(ratio < 1, 1.0)  # from then on: for good
         if idx is not None:
@@ -137,42 +144,42 @@ def warn_skipped(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=outside_stacklevel())
 
 
-def runaway_matrix(buckets: list[Bucket], param_groups: list[dict[str, Any]]) -> tuple[str, bool] | None:
-    """The label of the watched matrix with the largest noise-to-signal ratio among this process's,
-    and whether its group's ζ is fitted to the curvature; None where none of them is at 1 or more
-    (sharded: the matrix is another rank's). Slow; only when the runaway warning is issued."""
-    worst: tuple[float, str, bool] | None = None
+def runaway_matrix(buckets: list[Bucket], label: Callable[[Tensor], str], ratio: float) -> tuple[str, bool] | None:
+    """The label (``label`` of the optimizer's parameter) of this process's watched matrix whose
+    noise-to-signal ratio is ``ratio``, the pooled maximum, and whether its group's ζ is fitted to the
+    curvature; None where none is (sharded: the matrix is another rank's). Slow (a host sync per
+    bucket); only when the runaway warning is issued."""
     for b in buckets:
         g = b.group
         members = covered_members(b)
         if math.isinf(g["ess"]) or not members:
             continue
-        weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
-        for i in members:
-            if not b.state["noise_watched"][i] > 0:
-                continue
-            var_sum = torch.reciprocal(g["ess"] * (b.state["hess"][i] + g["weight_decay"])).sum()
-            w_sq = weights[i].to(b.dtype).square().sum().clamp_min(torch.finfo(b.dtype).tiny)
-            ratio = float((var_sum / w_sq).sqrt())
-            if ratio >= 1.0 and (worst is None or ratio > worst[0]):
-                fitted = "ess" in (g.get("fit_to_curvature") or ())
-                worst = (ratio, param_label(param_groups, b.params[i]), fitted)
-    return None if worst is None else worst[1:]
+        idx = None if len(members) == len(b.params) else b.member_index(members)  # as health_rows reads them
+        hess = b.state["hess"] if idx is None else b.state["hess"][idx]
+        watched = b.state["noise_watched"] if idx is None else b.state["noise_watched"][idx]
+        ratios = torch.where(watched > 0, _noise_to_signal(b, members, hess)[2], 0.0)
+        top = int(ratios.argmax())
+        if float(ratios[top]) == ratio:
+            return label(b.params[members[top]]), "ess" in (g.get("fit_to_curvature") or ())
+    return None
 
 
 def warn_health(
     stats: dict[str, float],
     warned: set[str],
     buckets: list[Bucket] | None = None,
-    param_groups: list[dict[str, Any]] | None = None,
+    label: Callable[[Tensor], str] | None = None,
 ) -> None:
     """A ``RuntimeWarning`` naming cause and fix, the first time (per ``warned``) that the noise
     runs away or the posterior collapses to a broad prior; at the caller's line outside hf_evon.
-    With ``buckets`` and ``param_groups`` the runaway warning names the matrix."""
+    With ``buckets`` and ``label`` (of a bucket member: its parameter's name) the runaway warning
+    names the matrix."""
     stacklevel = outside_stacklevel()
     if stats["noise_to_signal_max"] >= 1.0 and "runaway" not in warned:
         warned.add("runaway")
-        found = runaway_matrix(buckets, param_groups) if buckets is not None else None
+        found = None
+        if buckets is not None and label is not None:
+            found = runaway_matrix(buckets, label, stats["noise_to_signal_max"])
         what, fitted = found if found is not None else ("a weight matrix", False)
         if fitted:  # ζ follows the pooled curvature: the noise did not grow, the matrix's weights shrank
             why = (
