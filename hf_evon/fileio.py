@@ -8,11 +8,13 @@ the directory is fsynced so the switch itself survives a power loss.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import threading
 import uuid
 from collections.abc import Iterator
+from stat import S_ISLNK, S_ISREG
 
 try:
     import fcntl
@@ -28,9 +30,11 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "give_created_mode",
+    "listed_kind",
     "replaced_atomically",
     "temporary_name",
     "temporary_name_pattern",
+    "unreached_link_text",
 ]
 
 
@@ -170,6 +174,37 @@ def looks_like_local_path(value: str) -> bool:
         or (os.sep != "/" and os.sep in value)
         or ("/" in value and os.path.isdir(first))
     )
+
+
+def listed_kind(path: str) -> str | None:
+    """What the directory of ``path`` lists under its name: the one rule for "is this file there".
+
+    None only where ``os.lstat`` finds no entry (ENOENT, ENOTDIR); else ``"file"`` (a regular file or a
+    link to one), ``"link to nothing"``, ``"loop of links"`` (ELOOP) or ``"not a regular file"`` (a
+    directory, named pipe or device, or a link to one). Any other error (EACCES, ...) raises the
+    OSError naming ``path``: a file this user cannot look up is no file that is missing, and taking it
+    for one reads the directory as something else."""
+    try:
+        entry = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if S_ISLNK(entry.st_mode):
+        try:
+            entry = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "link to nothing"
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return "loop of links"
+            raise
+    return "file" if S_ISREG(entry.st_mode) else "not a regular file"
+
+
+def unreached_link_text(path: str, kind: str) -> str:
+    """"a link to <target>, which ...": why the link ``path`` reaches no file, by its :func:`listed_kind`
+    (``"link to nothing"`` or ``"loop of links"``)."""
+    why = "leads into a loop of links (ELOOP)" if kind == "loop of links" else "does not exist"
+    return f"a link to {os.readlink(path)!r}, which {why}"
 
 
 # terminal colour codes, which some libraries put in their error messages

@@ -1002,6 +1002,44 @@ def test_a_directory_whose_entries_cannot_be_looked_up_is_no_directory_without_a
     assert err.value.filename == config
 
 
+def test_a_config_that_is_a_loop_of_links_is_named_as_such(tmp_path):
+    """A config that is a link leading back to itself (ELOOP) was reported as "a link to ..., which does
+    not exist": its target is there, the links go round."""
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    config = tmp_path / POSTERIOR_CONFIG_NAME
+    config.unlink()
+    config.symlink_to(tmp_path / "back")
+    (tmp_path / "back").symlink_to(config)
+    with pytest.raises(OSError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert str(err.value) == (
+        f"no EVON posterior in {str(tmp_path)!r}: {POSTERIOR_CONFIG_NAME} is a link to {str(tmp_path / 'back')!r}, "
+        "which leads into a loop of links (ELOOP)"
+    ), str(err.value)
+
+
+def test_weights_that_cannot_be_looked_up_are_not_reported_missing(tmp_path, monkeypatch):
+    """Weights whose entry this user cannot look up (EACCES; simulated, the tests run as root): the
+    checks swallowing every error (os.path.exists, os.path.isfile) said "... is missing". The
+    PermissionError naming the weights is raised."""
+    _posterior().save_pretrained(tmp_path, model_card=False)
+    weights = str(tmp_path / POSTERIOR_WEIGHTS_NAME)
+
+    def refused(real):  # noqa: ANN001, ANN202
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if os.fspath(path) == weights:
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in ("stat", "lstat"):
+        monkeypatch.setattr(os, name, refused(getattr(os, name)))
+    with pytest.raises(PermissionError) as err:
+        EVONPosterior.from_pretrained(tmp_path)
+    assert err.value.filename == weights
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd")
 def test_a_config_that_is_a_directory_is_refused_as_such_and_leaves_no_descriptor_open(tmp_path):
     """A config that is a directory opened (O_RDONLY opens a directory) and then failed in ``open(fd)``:

@@ -26,7 +26,7 @@ from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 import hf_evon.posterior.format as posterior_format
-from hf_evon.fileio import looks_like_local_path
+from hf_evon.fileio import listed_kind, looks_like_local_path, unreached_link_text
 from hf_evon.posterior.config import (
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
@@ -94,19 +94,21 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
     if os.path.isdir(path):
         directory = source.directory
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-        # not listed, or listed as a link to nothing: missing. One that is no regular file: read_config says so
-        if not holds_posterior_config(directory) or not os.path.exists(config_path):
-            raise FileNotFoundError(_missing_text(directory, POSTERIOR_CONFIG_NAME, POSTERIOR_CONFIG_NAME))
+        # not listed, or a link that reaches no file: missing. One that is no regular file: read_config says so
+        kind = listed_kind(config_path)
+        if kind in (None, "link to nothing", "loop of links"):
+            raise FileNotFoundError(_missing_text(directory, POSTERIOR_CONFIG_NAME, POSTERIOR_CONFIG_NAME, kind))
         config = read_config(config_path)
         weights_path = os.path.join(directory, config.weights_name)
-        if os.path.exists(weights_path) and not os.path.isfile(weights_path):
+        kind = listed_kind(weights_path)
+        if kind == "not a regular file":
             raise PosteriorMismatchError(
                 f"{weights_path}: not a regular file (a named pipe, device or directory); refusing to read it "
                 f"as the weights {POSTERIOR_CONFIG_NAME} names"
             )
-        if not os.path.isfile(weights_path):
+        if kind != "file":
             named = f"{config.weights_name} (named by {POSTERIOR_CONFIG_NAME})"
-            raise FileNotFoundError(_missing_text(directory, config.weights_name, named))
+            raise FileNotFoundError(_missing_text(directory, config.weights_name, named, kind))
         return config, config_path, weights_path
     if os.path.exists(path):
         raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
@@ -153,26 +155,22 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
     return config, config_file, download(config.weights_name, _snapshot_commit(config_file) or revision)
 
 
-def _missing_text(directory: str, name: str, shown: str) -> str:
-    """Why the file ``name`` (``shown`` so) of a local posterior is not there: missing, or a link to
-    nothing, which ``ls`` still lists: its target is named."""
-    path = os.path.join(directory, name)
-    if os.path.islink(path):
-        return f"no EVON posterior in {directory!r}: {shown} is a link to {os.readlink(path)!r}, which does not exist"
-    return f"no EVON posterior in {directory!r}: {shown} is missing"
+def _missing_text(directory: str, name: str, shown: str, kind: str | None) -> str:
+    """Why the file ``name`` (``shown`` so) of a local posterior is not there: missing (``kind`` None), or
+    a link that reaches no file (its :func:`~hf_evon.fileio.listed_kind`), which ``ls`` still lists: its
+    target is named."""
+    if kind is None:
+        return f"no EVON posterior in {directory!r}: {shown} is missing"
+    return f"no EVON posterior in {directory!r}: {shown} is {unreached_link_text(os.path.join(directory, name), kind)}"
 
 
 def holds_posterior_config(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` lists a posterior config: also one that is a named pipe, a directory or a
-    link to nothing, which loading refuses naming it (:func:`resolve_files`), not a directory
-    without a posterior. The rule :func:`resolve_files` finds a config missing by. A directory whose
-    entries this user cannot look up raises the PermissionError naming the config: no answer there
-    is "no posterior"."""
-    try:
-        os.lstat(os.path.join(directory, POSTERIOR_CONFIG_NAME))
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    return True
+    link that reaches no file, which loading refuses naming it (:func:`resolve_files`), not a directory
+    without a posterior. The rule :func:`resolve_files` finds a config missing by
+    (:func:`~hf_evon.fileio.listed_kind`). A directory whose entries this user cannot look up raises
+    the PermissionError naming the config: no answer there is "no posterior"."""
+    return listed_kind(os.path.join(directory, POSTERIOR_CONFIG_NAME)) is not None
 
 
 def _snapshot_commit(cached: str) -> str | None:
