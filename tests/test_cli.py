@@ -457,6 +457,44 @@ def test_a_model_directory_whose_config_is_no_file_is_refused_naming_it(saved, t
     assert err == f"hf-evon generate: error: --model {str(model_dir)!r}: {str(config)!r} is {why}", err
 
 
+def test_a_model_directory_whose_config_cannot_be_looked_up_is_not_taken_for_one_without_it(
+    saved, tmp_path, capsys, monkeypatch
+):
+    """A model's directory whose config.json this user cannot look up (EACCES; simulated by os.lstat,
+    the tests run as root): os.path.lexists took it for no config.json, and the directory was told
+    it 'holds no config.json ...: it holds an EVON posterior; pass it as --posterior'. The
+    PermissionError naming the file is reported."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(saved[0], model_dir)
+    config = str(model_dir / "config.json")
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if os.fspath(path) == config:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    assert main(["generate", "--model", str(model_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"hf-evon generate: error: [Errno 13] Permission denied: {config!r}", err
+
+
+def test_a_model_directory_whose_config_is_a_loop_of_links_is_refused_naming_it(saved, tmp_path, capsys):
+    """A config.json that is a link leading back to itself (ELOOP) was reported as 'a link to ..., which
+    does not exist': its target is there, the links go round."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(saved[0], model_dir)
+    config = model_dir / "config.json"
+    config.unlink()
+    config.symlink_to(model_dir / "back")
+    (model_dir / "back").symlink_to(config)
+    assert main(["generate", "--model", str(model_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    why = f"a link to {str(model_dir / 'back')!r}, which leads into a loop of links (ELOOP)"
+    assert err == f"hf-evon generate: error: --model {str(model_dir)!r}: {str(config)!r} is {why}", err
+
+
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
 def test_generate_decodes_an_ia3_or_adalora_adapter(saved, tmp_path, capsys, adapter):
     """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched

@@ -14,7 +14,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from hf_evon.fileio import ANSI_ESCAPE, looks_like_local_path, refused_load_text
+from hf_evon.fileio import (
+    ANSI_ESCAPE,
+    listed_kind,
+    looks_like_local_path,
+    refused_load_text,
+    unreached_link_text,
+)
 
 
 # --------------------------------------------------------------------- shared helpers
@@ -223,15 +229,15 @@ def resolve_device(name: str | None) -> Any:
 def _listed_file(given: str, *parts: str) -> bool:
     """Whether the file ``os.path.join(*parts)`` of ``--model given`` (a directory) is there; one listed
     that is a link to nothing or no regular file is refused naming it: taken for none, the directory
-    would be read as something else (the root's adapter loaded for a named one, a posterior's folder)."""
+    would be read as something else (the root's adapter loaded for a named one, a posterior's folder).
+    One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
     file = os.path.join(*parts)
-    if not os.path.lexists(file):
-        return False
-    if os.path.isfile(file):
-        return True
-    if os.path.islink(file) and not os.path.exists(file):
-        raise UsageError(f"--model {given!r}: {file!r} is a link to {os.readlink(file)!r}, which does not exist")
-    raise UsageError(f"--model {given!r}: {file!r} is not a regular file (a directory, named pipe or device)")
+    kind = listed_kind(file)
+    if kind in (None, "file"):
+        return kind == "file"
+    if kind == "not a regular file":
+        raise UsageError(f"--model {given!r}: {file!r} is not a regular file (a directory, named pipe or device)")
+    raise UsageError(f"--model {given!r}: {file!r} is {unreached_link_text(file, kind)}")
 
 
 def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:
