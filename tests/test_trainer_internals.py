@@ -7,6 +7,7 @@ it, or stops honouring a documented switch it sets; see the mixin's docstring fo
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import pytest
@@ -104,6 +105,20 @@ def test_checkpoint_saves_the_model_then_the_optimizer_into_the_checkpoint_dir(t
         ("grad_norm", True),
     ] * 2
     assert os.path.isfile(os.path.join(ckpt, "evon_posterior.safetensors"))
+
+
+def test_evon_config_leaves_the_gradients_unclipped_by_default_and_still_logs_their_norm(tmp_path):
+    """EVONConfig's ``max_grad_norm`` defaults to 0 (docs/defaults.md#max-grad-norm), where
+    TrainingArguments' is 1.0: the Trainer skips ``_clip_grad_norm`` and still logs the mean
+    gradient's norm through ``_get_grad_norm(model, grad_norm=None)``."""
+    args = config(tmp_path, max_steps=2, logging_steps=1)
+    assert transformers.TrainingArguments(str(tmp_path / "plain"), use_cpu=True).max_grad_norm == 1.0
+    assert args.max_grad_norm == 0
+    trainer = _Recording(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    trainer.train()
+    assert [c for c in trainer.calls if c[0] in ("clip", "grad_norm")] == [("grad_norm", False)] * 2
+    norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+    assert len(norms) == 2 and all(math.isfinite(n) and n > 0 for n in norms)
 
 
 def test_resume_loads_the_optimizer_before_on_train_begin(tmp_path):

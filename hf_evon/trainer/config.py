@@ -83,6 +83,16 @@ class EVONConfig(TrainingArguments):
             "from_pretrained; the Trainer's default)."
         },
     )
+    # EVON bounds its own steps (evon_clip); the Trainer's clip would only reweight the gradients its
+    # momentum and H average: measured, docs/defaults.md#max-grad-norm
+    max_grad_norm: float = field(
+        default=0.0,
+        metadata={
+            "help": "Clip the norm of the mean gradient over the step's samples to this (both EVON's and the AdamW "
+            "part's gradients). Default 0: no clip, as EVON's steps are bounded by evon_clip; TrainingArguments' "
+            "1.0 lowered EVON's held-out NLL on most tasks where it bit (docs/defaults.md#max-grad-norm)."
+        },
+    )
     evon_learning_rate: float | None = field(
         default=None,
         metadata={

@@ -34,8 +34,9 @@ What the trainer does differently from ``transformers.Trainer``:
   the clipped G_rot, so a step whose clip bites adds c²·G_rot², its contribution lowered by the
   clip factor squared (and with it the ζ and δ refit from H). The Price estimate
   (``"price"``) reads each sample's gradient at its ``sampled_params`` block's exit, before the
-  clip: its H is not rescaled (only the step is). ``max_grad_norm=0`` disables the clip.
-  ``optimizer.synchronize()`` runs first (a no-op on one process). A
+  clip: its H is not rescaled (only the step is). ``max_grad_norm=0``, ``EVONConfig``'s default
+  (docs/defaults.md#max-grad-norm), disables the clip. ``optimizer.synchronize()`` runs first (a
+  no-op on one process). A
   non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
   deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
