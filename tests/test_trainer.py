@@ -1999,6 +1999,53 @@ def test_load_best_model_at_end_refuses_an_adapters_weights_that_are_no_file_nam
         assert held.keys() == saved.keys() and all(torch.equal(held[k], saved[k]) for k in saved), adapter
 
 
+@pytest.mark.parametrize("kind", ["EACCES", "loop"])
+def test_load_best_model_at_end_refuses_adapter_weights_it_cannot_look_up(tmp_path, monkeypatch, kind):
+    """The best checkpoint's weights of a second active adapter that this user cannot look up (EACCES;
+    simulated by os.lstat, the tests run as root) were taken for none (os.path.lexists): that adapter
+    was silently left at the last step's weights. Weights that are a loop of links (ELOOP) were called
+    'a link to ..., which does not exist'. Either is refused naming the file."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    from hf_evon.trainer.internals import _active_adapter_folders
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
+    model = get_peft_model(tiny_bert(), lora)
+    model.add_adapter("other", lora)
+    model.base_model.set_adapter(["default", "other"])
+    best = tmp_path / "checkpoint-2"
+    (best / "other").mkdir(parents=True)
+    (best / "adapter_model.safetensors").write_bytes(b"")
+    weights = best / "other" / "adapter_model.safetensors"
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(best_model_checkpoint=str(best)), is_deepspeed_enabled=False, is_fsdp_enabled=False
+    )
+    if kind == "loop":
+        weights.symlink_to(best / "other" / "back")
+        (best / "other" / "back").symlink_to(weights)
+        with pytest.raises(OSError) as err:
+            _active_adapter_folders(trainer, model)
+        assert str(err.value) == (
+            f"load_best_model_at_end: the weights of adapter 'other' in the best checkpoint, {str(weights)!r}, are a "
+            f"link to {str(best / 'other' / 'back')!r}, which leads into a loop of links (ELOOP)"
+        ), str(err.value)
+        return
+    weights.write_bytes(b"")
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if os.fspath(path) == str(weights):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    with pytest.raises(PermissionError) as err:
+        _active_adapter_folders(trainer, model)
+    assert err.value.filename == str(weights)
+
+
 def test_the_card_after_load_best_model_at_end_reports_the_best_checkpoints_evaluation_and_step(tmp_path):
     """save_model() after load_best_model_at_end writes the best checkpoint's weights and posterior:
     its card reports that checkpoint's evaluation and step, not the last evaluation's."""

@@ -54,6 +54,7 @@ from torch import nn
 from transformers.trainer_utils import HubStrategy
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
+from hf_evon.fileio import listed_kind, unreached_link_text
 from hf_evon.modeling import is_peft_model
 from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
 
@@ -92,15 +93,15 @@ def _active_adapter_folders(trainer: Any, model: nn.Module) -> list[tuple[str, s
 def _listed_weights(adapter: Any, path: str) -> bool:
     """Whether the best checkpoint lists the weights file ``path`` of ``adapter``; one that is a link to
     nothing, a directory or a named pipe is refused naming it: taken for none, the adapter would keep
-    the last step's weights beside the best checkpoint's posterior (PEFT's own load calls it missing)."""
-    if not os.path.lexists(path):
-        return False
-    if os.path.isfile(path):
-        return True
+    the last step's weights beside the best checkpoint's posterior (PEFT's own load calls it missing).
+    One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
+    kind = listed_kind(path)
+    if kind in (None, "file"):
+        return kind == "file"
     where = f"load_best_model_at_end: the weights of adapter {str(adapter)!r} in the best checkpoint, {path!r},"
-    if os.path.islink(path) and not os.path.exists(path):
-        raise FileNotFoundError(f"{where} are a link to {os.readlink(path)!r}, which does not exist")
-    raise ValueError(f"{where} are not a regular file (a directory, named pipe or device)")
+    if kind == "not a regular file":
+        raise ValueError(f"{where} are not a regular file (a directory, named pipe or device)")
+    raise FileNotFoundError(f"{where} are {unreached_link_text(path, kind)}")
 
 
 class TrainerInternals:
