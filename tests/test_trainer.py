@@ -1919,25 +1919,39 @@ def test_load_best_model_at_end_loads_a_non_default_adapter_from_its_own_subfold
         trainer.posterior.check_model(model)
 
 
-def test_load_best_model_at_end_loads_every_active_adapter_of_the_best_checkpoint(tmp_path):
-    """Two PEFT adapters trained together (both active): the Trainer's load_best_model_at_end loads only
-    the first active one, so "other" kept the last step's weights beside the best checkpoint's posterior.
-    Every active adapter is the best checkpoint's."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import load_file
+def _two_active_adapters() -> torch.nn.Module:
+    """A tiny BERT with two LoRA adapters, "default" and "other", both active and trainable."""
+    from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)  # no head copy
     model = get_peft_model(tiny_bert(), lora)
     model.add_adapter("other", lora)
-    model.base_model.set_adapter(["default", "other"])  # both active and trainable
+    model.base_model.set_adapter(["default", "other"])
+    return model
+
+
+def _best_is_first_checkpoint(tmp_path: Path, model: torch.nn.Module, callbacks: list | None = None) -> EVONTrainer:
+    """An EVONTrainer saving and evaluating every 2 of 4 steps whose metric makes checkpoint-2 the best."""
     args = config(
         tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
         load_best_model_at_end=True, metric_for_best_model="eval_early", bma_num_samples=2, evon_ess=100.0,
     )  # fmt: skip
     trainer = EVONTrainer(
         model=model, args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1),
-        compute_metrics=lambda _: {"early": -trainer.state.global_step},  # the first checkpoint is the best
+        compute_metrics=lambda _: {"early": -trainer.state.global_step}, callbacks=callbacks,
     )  # fmt: skip
+    return trainer
+
+
+def test_load_best_model_at_end_loads_every_active_adapter_of_the_best_checkpoint(tmp_path):
+    """Two PEFT adapters trained together (both active): the Trainer's load_best_model_at_end loads only
+    the first active one, so "other" kept the last step's weights beside the best checkpoint's posterior.
+    Every active adapter is the best checkpoint's."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model = _two_active_adapters()
+    trainer = _best_is_first_checkpoint(tmp_path, model)
     trainer.train()
     best = trainer.state.best_model_checkpoint
     assert best.endswith("checkpoint-2")
@@ -1968,21 +1982,12 @@ def test_load_best_model_at_end_refuses_an_adapters_weights_that_are_no_file_nam
     """The best checkpoint's weights of a second active adapter were a link to nothing or a directory:
     taken for no weights (os.path.isfile), that adapter was silently left at the last step's weights
     beside the best checkpoint's posterior. The load is refused naming the file, before anything loads."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
-    model = get_peft_model(tiny_bert(), lora)
-    model.add_adapter("other", lora)
-    model.base_model.set_adapter(["default", "other"])
-    args = config(
-        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-        load_best_model_at_end=True, metric_for_best_model="eval_early", bma_num_samples=2, evon_ess=100.0,
-    )  # fmt: skip
-    trainer = EVONTrainer(
-        model=model, args=args, train_dataset=classification_data(), eval_dataset=classification_data(16, 1),
-        compute_metrics=lambda _: {"early": -trainer.state.global_step}, callbacks=[_AdapterWeightsBroken(kind)],
-    )  # fmt: skip
+    model = _two_active_adapters()
+    trainer = _best_is_first_checkpoint(tmp_path, model, callbacks=[_AdapterWeightsBroken(kind)])
+    args = trainer.args
     weights = os.path.join(args.output_dir, "checkpoint-2", "other", "adapter_model.safetensors")
     where = f"load_best_model_at_end: the weights of adapter 'other' in the best checkpoint, {weights!r},"
     if kind == "dangling link":
@@ -2007,14 +2012,9 @@ def test_load_best_model_at_end_refuses_adapter_weights_it_cannot_look_up(tmp_pa
     'a link to ..., which does not exist'. Either is refused naming the file."""
     from types import SimpleNamespace
 
-    from peft import LoraConfig, get_peft_model
-
     from hf_evon.trainer.internals import _active_adapter_folders
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], lora_dropout=0.0)
-    model = get_peft_model(tiny_bert(), lora)
-    model.add_adapter("other", lora)
-    model.base_model.set_adapter(["default", "other"])
+    model = _two_active_adapters()
     best = tmp_path / "checkpoint-2"
     (best / "other").mkdir(parents=True)
     (best / "adapter_model.safetensors").write_bytes(b"")
