@@ -312,10 +312,8 @@ def test_runaway_noise_warns_once_naming_the_cause() -> None:
         opt.posterior_health()  # once only
 
 
-def test_runaway_noise_at_the_fitted_defaults_names_the_matrix_and_no_default_as_its_fix() -> None:
-    """At the defaults (ess='auto', fitted to the pooled curvature) a matrix the loss drives towards
-    zero ends with weights below its noise (a tiny BERT's attention query/key on a bag-of-words task:
-    1.08x at step 100). The warning named no matrix and advised ess='auto', which was already set."""
+def _trained_at_defaults() -> tuple[EVON, list[torch.Tensor]]:
+    """EVON at its defaults over the MLP's matrices (named "in", "hidden", "out") after three steps."""
     model = mlp()
     weights = [p for p in model.parameters() if p.ndim == 2]
     opt = EVON([{"params": weights, "param_names": ["in", "hidden", "out"]}])
@@ -323,6 +321,14 @@ def test_runaway_noise_at_the_fitted_defaults_names_the_matrix_and_no_default_as
         one_sample(opt, model, seed)
         opt.step()
         opt.zero_grad()
+    return opt, weights
+
+
+def test_runaway_noise_at_the_fitted_defaults_names_the_matrix_and_no_default_as_its_fix() -> None:
+    """At the defaults (ess='auto', fitted to the pooled curvature) a matrix the loss drives towards
+    zero ends with weights below its noise (a tiny BERT's attention query/key on a bag-of-words task:
+    1.08x at step 100). The warning named no matrix and advised ess='auto', which was already set."""
+    opt, weights = _trained_at_defaults()
     assert opt.posterior_health(warn=False)["noise_to_signal_max"] < 1.0  # every matrix watched
     with torch.no_grad():
         weights[1].mul_(1e-3)  # the hidden matrix shrank, its curvature (so its noise) unchanged
@@ -339,13 +345,7 @@ def test_runaway_noise_at_the_fitted_defaults_names_the_matrix_and_no_default_as
 
 def _shrunk_hidden_matrix() -> tuple[EVON, list[torch.Tensor]]:
     """Three steps at the defaults, then the hidden matrix shrunk 1000x: its noise runs away (as above)."""
-    model = mlp()
-    weights = [p for p in model.parameters() if p.ndim == 2]
-    opt = EVON([{"params": weights, "param_names": ["in", "hidden", "out"]}])
-    for seed in range(3):
-        one_sample(opt, model, seed)
-        opt.step()
-        opt.zero_grad()
+    opt, weights = _trained_at_defaults()
     with torch.no_grad():
         weights[1].mul_(1e-3)
     return opt, weights
