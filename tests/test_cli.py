@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -413,6 +414,20 @@ def test_generate_loads_a_named_adapter_from_its_folder_beside_the_default_one_a
         _assert_generates_as_generate_bma(tmp_path, model, posterior, capsys)
 
 
+def _assert_generate_refuses_the_broken_file(model: Path, file: Path, kind: str, capsys) -> None:  # noqa: ANN001
+    """``file`` of ``--model model`` replaced by a directory or a link to nothing (``kind``): hf-evon
+    generate exits 2 with a usage error naming the file and what it is."""
+    moved = file.parent / "moved-away"
+    file.unlink()
+    file.mkdir() if kind == "directory" else file.symlink_to(moved)
+    assert main(["generate", "--model", str(model), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
+    why = "a link to " + repr(str(moved)) + ", which does not exist" if kind == "dangling link" else (
+        "not a regular file (a directory, named pipe or device)"
+    )
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"hf-evon generate: error: --model {str(model)!r}: {str(file)!r} is {why}", err
+
+
 @pytest.mark.parametrize("kind", ["directory", "dangling link"])
 def test_a_named_adapters_config_that_is_no_file_is_refused_naming_it(saved, tmp_path, capsys, kind):
     """The adapters "default" (at the root) and "mine" (in ``dir/mine``), whose adapter_config.json is a
@@ -428,15 +443,7 @@ def test_a_named_adapters_config_that_is_no_file_is_refused_naming_it(saved, tmp
     posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
     model.save_pretrained(tmp_path)
     posterior.save_pretrained(tmp_path)
-    broken = tmp_path / "mine" / "adapter_config.json"
-    broken.unlink()
-    broken.mkdir() if kind == "directory" else broken.symlink_to(tmp_path / "moved-away")
-    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
-    why = "a link to " + repr(str(tmp_path / "moved-away")) + ", which does not exist" if kind == "dangling link" else (
-        "not a regular file (a directory, named pipe or device)"
-    )
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err == f"hf-evon generate: error: --model {str(tmp_path)!r}: {str(broken)!r} is {why}", err
+    _assert_generate_refuses_the_broken_file(tmp_path, tmp_path / "mine" / "adapter_config.json", kind, capsys)
 
 
 @pytest.mark.parametrize("kind", ["directory", "dangling link"])
@@ -446,15 +453,7 @@ def test_a_model_directory_whose_config_is_no_file_is_refused_naming_it(saved, t
     posterior; pass it as --posterior', advice that does not apply. The error names the file."""
     model_dir = tmp_path / "model"
     shutil.copytree(saved[0], model_dir)  # the model, its tokenizer and its posterior
-    config = model_dir / "config.json"
-    config.unlink()
-    config.mkdir() if kind == "directory" else config.symlink_to(tmp_path / "moved-away")
-    assert main(["generate", "--model", str(model_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 2
-    why = "a link to " + repr(str(tmp_path / "moved-away")) + ", which does not exist" if kind == "dangling link" else (
-        "not a regular file (a directory, named pipe or device)"
-    )
-    err = capsys.readouterr().err.splitlines()[-1]
-    assert err == f"hf-evon generate: error: --model {str(model_dir)!r}: {str(config)!r} is {why}", err
+    _assert_generate_refuses_the_broken_file(model_dir, model_dir / "config.json", kind, capsys)
 
 
 def test_a_model_directory_whose_config_cannot_be_looked_up_is_not_taken_for_one_without_it(
