@@ -14,6 +14,7 @@ import re
 import threading
 import uuid
 from collections.abc import Iterator
+from enum import Enum
 from stat import S_ISLNK, S_ISREG
 
 try:
@@ -30,11 +31,12 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "give_created_mode",
+    "Listed",
     "listed_kind",
+    "no_file_text",
     "replaced_atomically",
     "temporary_name",
     "temporary_name_pattern",
-    "unreached_link_text",
 ]
 
 
@@ -176,14 +178,21 @@ def looks_like_local_path(value: str) -> bool:
     )
 
 
-def listed_kind(path: str) -> str | None:
+class Listed(str, Enum):
+    """What a directory lists under a file's name (:func:`listed_kind`), where something is listed."""
+
+    FILE = "file"  # a regular file or a link to one
+    LINK_TO_NOTHING = "link to nothing"
+    LINK_LOOP = "loop of links"  # ELOOP
+    NOT_REGULAR = "not a regular file"  # a directory, named pipe or device, or a link to one
+
+
+def listed_kind(path: str) -> Listed | None:
     """What the directory of ``path`` lists under its name: the one rule for "is this file there".
 
-    None only where ``os.lstat`` finds no entry (ENOENT, ENOTDIR); else ``"file"`` (a regular file or a
-    link to one), ``"link to nothing"``, ``"loop of links"`` (ELOOP) or ``"not a regular file"`` (a
-    directory, named pipe or device, or a link to one). Any other error (EACCES, ...) raises the
-    OSError naming ``path``: a file this user cannot look up is no file that is missing, and taking it
-    for one reads the directory as something else."""
+    None only where ``os.lstat`` finds no entry (ENOENT, ENOTDIR); else its :class:`Listed`. Any other
+    error (EACCES, ...) raises the OSError naming ``path``: a file this user cannot look up is no file
+    that is missing, and taking it for one reads the directory as something else."""
     try:
         entry = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -192,18 +201,20 @@ def listed_kind(path: str) -> str | None:
         try:
             entry = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
-            return "link to nothing"
+            return Listed.LINK_TO_NOTHING
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return "loop of links"
+                return Listed.LINK_LOOP
             raise
-    return "file" if S_ISREG(entry.st_mode) else "not a regular file"
+    return Listed.FILE if S_ISREG(entry.st_mode) else Listed.NOT_REGULAR
 
 
-def unreached_link_text(path: str, kind: str) -> str:
-    """"a link to <target>, which ...": why the link ``path`` reaches no file, by its :func:`listed_kind`
-    (``"link to nothing"`` or ``"loop of links"``)."""
-    why = "leads into a loop of links (ELOOP)" if kind == "loop of links" else "does not exist"
+def no_file_text(path: str, kind: Listed) -> str:
+    """Why ``path``, listed as ``kind`` (not :attr:`Listed.FILE`), is no file to read: "not a regular
+    file (...)", or "a link to <target>, which ..." for a link that reaches none."""
+    if kind is Listed.NOT_REGULAR:
+        return "not a regular file (a directory, named pipe or device)"
+    why = "leads into a loop of links (ELOOP)" if kind is Listed.LINK_LOOP else "does not exist"
     return f"a link to {os.readlink(path)!r}, which {why}"
 
 

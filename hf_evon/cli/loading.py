@@ -16,10 +16,11 @@ from typing import Any
 
 from hf_evon.fileio import (
     ANSI_ESCAPE,
+    Listed,
     listed_kind,
     looks_like_local_path,
+    no_file_text,
     refused_load_text,
-    unreached_link_text,
 )
 
 
@@ -233,11 +234,9 @@ def _listed_file(given: str, *parts: str) -> bool:
     One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
     file = os.path.join(*parts)
     kind = listed_kind(file)
-    if kind in (None, "file"):
-        return kind == "file"
-    if kind == "not a regular file":
-        raise UsageError(f"--model {given!r}: {file!r} is not a regular file (a directory, named pipe or device)")
-    raise UsageError(f"--model {given!r}: {file!r} is {unreached_link_text(file, kind)}")
+    if kind in (None, Listed.FILE):
+        return kind is Listed.FILE
+    raise UsageError(f"--model {given!r}: {file!r} is {no_file_text(file, kind)}")
 
 
 def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:

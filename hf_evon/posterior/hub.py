@@ -26,7 +26,7 @@ from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 import hf_evon.posterior.format as posterior_format
-from hf_evon.fileio import listed_kind, looks_like_local_path, unreached_link_text
+from hf_evon.fileio import Listed, listed_kind, looks_like_local_path, no_file_text
 from hf_evon.posterior.config import (
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
@@ -96,17 +96,17 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
         # not listed, or a link that reaches no file: missing. One that is no regular file: read_config says so
         kind = listed_kind(config_path)
-        if kind in (None, "link to nothing", "loop of links"):
+        if kind in (None, Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
             raise FileNotFoundError(_missing_text(directory, POSTERIOR_CONFIG_NAME, POSTERIOR_CONFIG_NAME, kind))
         config = read_config(config_path)
         weights_path = os.path.join(directory, config.weights_name)
         kind = listed_kind(weights_path)
-        if kind == "not a regular file":
+        if kind is Listed.NOT_REGULAR:
             raise PosteriorMismatchError(
                 f"{weights_path}: not a regular file (a named pipe, device or directory); refusing to read it "
                 f"as the weights {POSTERIOR_CONFIG_NAME} names"
             )
-        if kind != "file":
+        if kind is not Listed.FILE:
             named = f"{config.weights_name} (named by {POSTERIOR_CONFIG_NAME})"
             raise FileNotFoundError(_missing_text(directory, config.weights_name, named, kind))
         return config, config_path, weights_path
@@ -155,13 +155,13 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
     return config, config_file, download(config.weights_name, _snapshot_commit(config_file) or revision)
 
 
-def _missing_text(directory: str, name: str, shown: str, kind: str | None) -> str:
+def _missing_text(directory: str, name: str, shown: str, kind: Listed | None) -> str:
     """Why the file ``name`` (``shown`` so) of a local posterior is not there: missing (``kind`` None), or
     a link that reaches no file (its :func:`~hf_evon.fileio.listed_kind`), which ``ls`` still lists: its
     target is named."""
     if kind is None:
         return f"no EVON posterior in {directory!r}: {shown} is missing"
-    return f"no EVON posterior in {directory!r}: {shown} is {unreached_link_text(os.path.join(directory, name), kind)}"
+    return f"no EVON posterior in {directory!r}: {shown} is {no_file_text(os.path.join(directory, name), kind)}"
 
 
 def holds_posterior_config(directory: str | os.PathLike) -> bool:

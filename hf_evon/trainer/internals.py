@@ -54,7 +54,7 @@ from torch import nn
 from transformers.trainer_utils import HubStrategy
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
-from hf_evon.fileio import listed_kind, unreached_link_text
+from hf_evon.fileio import Listed, listed_kind, no_file_text
 from hf_evon.modeling import is_peft_model
 from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
 
@@ -96,12 +96,13 @@ def _listed_weights(adapter: Any, path: str) -> bool:
     the last step's weights beside the best checkpoint's posterior (PEFT's own load calls it missing).
     One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
     kind = listed_kind(path)
-    if kind in (None, "file"):
-        return kind == "file"
-    where = f"load_best_model_at_end: the weights of adapter {str(adapter)!r} in the best checkpoint, {path!r},"
-    if kind == "not a regular file":
-        raise ValueError(f"{where} are not a regular file (a directory, named pipe or device)")
-    raise FileNotFoundError(f"{where} are {unreached_link_text(path, kind)}")
+    if kind in (None, Listed.FILE):
+        return kind is Listed.FILE
+    error = ValueError if kind is Listed.NOT_REGULAR else FileNotFoundError
+    raise error(
+        f"load_best_model_at_end: the weights of adapter {str(adapter)!r} in the best checkpoint, {path!r}, "
+        f"are {no_file_text(path, kind)}"
+    )
 
 
 class TrainerInternals:
