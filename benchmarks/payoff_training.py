@@ -29,9 +29,12 @@ def train(
     seed: int,
     sampled: Any = None,
     schedule: str = "linear",
+    max_grad_norm: float = 0.0,
 ) -> None:
     """The same loop, order and schedule (``SCHEDULES``) for every method; ``sampled`` wraps
-    the forward/backward of the variational optimizers (EVON's and ivon-opt's context)."""
+    the forward/backward of the variational optimizers (EVON's and ivon-opt's context).
+    ``max_grad_norm`` > 0 clips the mean gradient's norm before each step as ``EVONTrainer`` and
+    ``Trainer`` do (0: no clip, as every table here trains)."""
     total = task.epochs * len(task.train)
     factor = SCHEDULES[schedule]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: factor(t / total))
@@ -45,10 +48,21 @@ def train(
             else:
                 with sampled():
                     loss_of(model, batch, task.shift).backward()
+            if max_grad_norm > 0:
+                clip_mean_gradient(model, opt, max_grad_norm)
             opt.step()
             opt.zero_grad()
             sched.step()
     model.eval()
+
+
+def clip_mean_gradient(model: nn.Module, opt: torch.optim.Optimizer, max_norm: float) -> None:
+    """The Trainer's clip: ``p.grad`` holds the sum over EVON's recorded samples (one for the other
+    optimizers), so the norm of their mean is clipped to ``max_norm``."""
+    samples = max(getattr(opt, "recorded_samples", 1), 1)
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm * samples, total, foreach=True)
 
 
 @torch.no_grad()
@@ -110,18 +124,27 @@ def fit_temperature(logp: torch.Tensor, labels: torch.Tensor) -> float:
     return float(log_t.detach().exp())
 
 
-def train_adamw(task: Task, model: nn.Module, seed: int, schedule: str = "linear") -> torch.optim.Optimizer:
+def train_adamw(
+    task: Task, model: nn.Module, seed: int, schedule: str = "linear", max_grad_norm: float = 0.0
+) -> torch.optim.Optimizer:
     """AdamW with its conventions (the task's rate, weight decay 0.01), trained by ``train``."""
     opt = torch.optim.AdamW(model.parameters(), lr=task.adamw_lr * task.lr_scale, weight_decay=0.01)
-    train(task, model, opt, seed, schedule=schedule)
+    train(task, model, opt, seed, schedule=schedule, max_grad_norm=max_grad_norm)
     return opt
 
 
 def train_evon(
-    task: Task, model: nn.Module, seed: int, *, schedule: str = "linear", **evon_kwargs: Any
+    task: Task,
+    model: nn.Module,
+    seed: int,
+    *,
+    schedule: str = "linear",
+    max_grad_norm: float = 0.0,
+    **evon_kwargs: Any,
 ) -> EVON:
     """EVON at ``build_optimizer``'s defaults (``learning_rate``: the task's AdamW rate) but for
     ``evon_kwargs``, trained by ``train`` on sampled weights."""
     opt = build_optimizer(model, learning_rate=task.adamw_lr * task.lr_scale, seed=seed, **evon_kwargs)
-    train(task, model, opt, seed, sampled=lambda: opt.sampled_params(train=True), schedule=schedule)
+    sampled = lambda: opt.sampled_params(train=True)  # noqa: E731
+    train(task, model, opt, seed, sampled=sampled, schedule=schedule, max_grad_norm=max_grad_norm)
     return opt

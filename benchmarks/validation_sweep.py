@@ -14,6 +14,7 @@ the noise level's ceiling and the mean's pull ``mean_weight_decay=None`` resolve
     python benchmarks/validation_sweep.py --tasks minilm_lora docstring_topic/lora \\
         --settings '{}' '{"clip": "element"}' adamw --seeds 0 --processes 2
     python benchmarks/validation_sweep.py --tasks digits wine --settings '{}' '{"prior_std_ratio": 0.5}'
+    python benchmarks/validation_sweep.py --tasks tiny_gpt2 --settings '{}' '{"max_grad_norm": 1.0}' adamw adamw:1
     python benchmarks/validation_sweep.py --tasks minilm_full --settings ivon:0.1 'ivon:{"lr": 0.1, "ess": 1e7}'
 
 Figures: docs/defaults.md (each default's section says which settings it compared).
@@ -84,8 +85,8 @@ def run(job: tuple[str, int, Any]) -> dict[str, Any]:
     model = task.make_model(seed)
     start = time.time()
     health: dict[str, float] = {}
-    if setting == "adamw":
-        train_adamw(task, model, seed)
+    if isinstance(setting, str) and setting.split(":")[0] == "adamw":  # "adamw" or "adamw:<max_grad_norm>"
+        train_adamw(task, model, seed, max_grad_norm=float(setting.partition(":")[2] or 0))
     elif isinstance(setting, str):  # "ivon:<lr>" or "ivon:{...}": ivon-opt at its conventions but these
         import ivon
         import payoff
@@ -130,6 +131,11 @@ def parse_setting(text: str) -> Any:
     is none of them."""
     if text == "adamw":
         return text
+    if text.startswith("adamw:"):
+        try:
+            return text if float(text[6:]) >= 0 else None
+        except ValueError:
+            return None
     if text.startswith("ivon:"):
         return text if ivon_kwargs(text) is not None else None
     try:
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--settings", nargs="+", default=["{}"],
         help="each a JSON object of train_evon keyword arguments and/or \"prior_std_ratio\" ('{}': the "
-        "defaults), 'adamw', or 'ivon:<lr>' / 'ivon:{\"lr\": ..., \"ess\": ..., \"hess_init\": ...}' (ivon-opt at "
+        "defaults; \"max_grad_norm\": the Trainer's clip), 'adamw' ('adamw:<max_grad_norm>': clipped), or 'ivon:<lr>' / 'ivon:{\"lr\": ..., \"ess\": ..., \"hess_init\": ...}' (ivon-opt at "
         "that rate in its convention, ζ = N unless given)",
     )  # fmt: skip
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
