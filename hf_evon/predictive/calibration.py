@@ -163,10 +163,18 @@ class CalibrationResult:
                 + ")"
             )
         elif self.trained_nll is not None:
+            # which bound decided: a gain under min_gain is one only by its standard errors, and the
+            # reader sees how small it is
+            mean_nll = self.chosen_nll
+            percent = 100 * (self.trained_nll - mean_nll) / mean_nll if mean_nll else math.inf
+            bound = (
+                f"more than {100 * self.min_gain:g}%"
+                if percent > 100 * self.min_gain
+                else f"less than {100 * self.min_gain:g}% but more than {self.standard_errors:g} standard error(s)"
+            )
             scale = (
                 f"ess = inf: BMA is the mean (it predicted better than the trained posterior, NLL "
-                f"{self.trained_nll:.4f}, by more than {self.standard_errors:g} standard error(s) or "
-                f"{100 * self.min_gain:g}%)"
+                f"{self.trained_nll:.4f}, by {percent:.2g}%: {bound})"
             )
         elif not self.scanned:
             scale = f"ess = inf: BMA is the mean ({unscanned}; weight noise only softens)"
