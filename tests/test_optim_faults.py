@@ -10,6 +10,7 @@ import math
 import operator
 import re
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -797,6 +798,96 @@ def test_a_parameter_listed_twice_or_of_integers_is_refused_by_name() -> None:
     counts = nn.Parameter(torch.zeros(3, 4, dtype=torch.int64), requires_grad=False)
     with pytest.raises(ValueError, match=r"cannot train the torch\.int64 parameter #0 of its group"):
         EVON([counts])
+
+
+def test_a_parameter_listed_twice_in_an_adamw_group_is_refused_as_in_an_evon_group() -> None:
+    # the check of a group's list came after an AdamW group's checks had returned: torch warned, and
+    # each step updated the bias twice
+    w, b = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=r"parameter 'again' \(shape \(3,\)\) is listed twice in its group"):
+        EVON([{"params": [("w", w)]}, {"params": [("b", b), ("again", b)], "algorithm": "adamw"}])
+    opt = EVON([w])
+    with pytest.raises(ValueError, match=r"parameter #1 of its group \(shape \(3,\)\) is listed twice"):
+        opt.add_param_group({"params": [b, b], "algorithm": "adamw"})
+    assert len(opt.param_groups) == 1
+
+
+# a parameter listed again (in its own group or another) while it is still listed, from each algorithm's group
+APPENDED = {"its-own-group": (0, "0.weight"), "another-evon-group": (1, "0.weight"),
+            "an-adamw-group": (2, "0.weight"), "adamws-bias-to-evon": (0, "0.bias")}  # fmt: skip
+
+
+def _appended_run(into: int, name: str | None) -> dict[str, torch.Tensor]:
+    """Four steps of two EVON groups and an AdamW group. With ``name``: appended to ``param_groups[into]``
+    (in place, as torch.optim allows) before the third step's blocks, where the block must be refused,
+    and after the fourth step's blocks, where the step must be; each time taken out again at once."""
+    model, data = make_model(), make_data()
+    named = dict(model.named_parameters())
+    weights = [p for n, p in named.items() if n.endswith("weight")]
+    biases = [p for n, p in named.items() if n.endswith("bias")]
+    opt = EVON([{"params": weights[:2]}, {"params": weights[2:]}, {"params": biases, "algorithm": "adamw"}],
+               lr=0.05, ess=64.0, mc_samples=2, adamw_lr=0.01, precondition_frequency=3, seed=123)  # fmt: skip
+    twice = r"is listed (twice in its group|in param_groups\[\d\] and again in param_groups\[\d\])"
+
+    def refused(call: Callable[[], object]) -> None:
+        listed, kept, counts = opt.param_groups[into]["params"], snapshot(model, opt), opt.sample_blocks
+        listed.append(named[name])
+        with pytest.raises(ValueError, match=re.escape(f"(shape {tuple(named[name].shape)}) ") + twice):
+            call()
+        listed.pop()
+        assert_identical(snapshot(model, opt), kept)
+        assert opt.sample_blocks == counts
+
+    def block() -> None:
+        with opt.sampled_params(train=True):
+            loss_fn(model, data).backward()
+
+    for t in range(4):
+        if name is not None and t == 2:
+            refused(block)
+        for _ in range(opt.mc_samples):
+            block()
+        if name is not None and t == 3:
+            refused(opt.step)
+        assert opt.recorded_samples == opt.mc_samples
+        opt.step()
+        opt.zero_grad()
+    return snapshot(model, opt)
+
+
+@pytest.mark.parametrize(("into", "name"), APPENDED.values(), ids=APPENDED.keys())
+def test_a_parameter_appended_to_a_second_list_mid_run_is_refused_by_name_and_changes_nothing(
+    into: int, name: str
+) -> None:
+    """torch.optim lets a group's list be edited in place between steps, and EVON steps what the lists
+    hold. A parameter appended while still listed (in its own group or in another) was stepped twice
+    each step: by two buckets over one state entry, or by EVON and AdamW, AdamW's state replacing
+    EVON's. The groups' check skipped a group whose settings had not changed, whatever its list held."""
+    assert_identical(_appended_run(into, name), _appended_run(into, None))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+def test_a_parameter_evon_cannot_train_appended_mid_run_is_refused_as_the_constructor_refuses_it(
+    dtype: torch.dtype,
+) -> None:
+    """An integer tensor appended to an EVON group's list between steps raised torch's
+    "linalg.vector_norm: Expected a floating point" at the next block; a complex one was sampled
+    (its imaginary part cast away) before the step refused it. Both are refused at the block's entry."""
+    a, bad = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.zeros(3, 3, dtype=dtype), requires_grad=False)
+    opt = EVON([a], seed=0)
+    with opt.sampled_params(train=True):
+        a.square().sum().backward()
+    opt.step()
+    opt.param_groups[0]["params"].append(bad)
+    kept = a.detach().clone(), {k: v.clone() for k, v in opt.state[a].items()}, opt.sample_blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch's warning that a cast discards the imaginary part)
+        what = "complex" if dtype.is_complex else re.escape(str(dtype))
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]: EVON cannot train the {what} parameter #1 of"):
+            with opt.sampled_params(train=True):
+                pytest.fail("the block was entered")
+    assert torch.equal(a, kept[0]) and opt.sample_blocks == kept[2] and torch.equal(bad, torch.zeros_like(bad))
+    assert all(torch.equal(opt.state[a][k], v) for k, v in kept[1].items())
 
 
 def test_asking_for_the_posterior_of_a_tensor_evon_does_not_train_names_it() -> None:

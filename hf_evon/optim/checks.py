@@ -31,6 +31,7 @@ __all__ = [
     "outside_stacklevel",
     "python_number",
     "refuse_grad_scaler",
+    "refuse_listed_twice",
     "require",
     "uses_fisher",
 ]
@@ -169,6 +170,27 @@ def require(name: str, value: Any, ok: bool, rule: str) -> None:
     """The one place argument errors are raised: the message names the argument and its rule."""
     if not ok:
         raise ValueError(f"Invalid {name}: {value!r} (must be {rule})")
+
+
+def refuse_listed_twice(groups: list[dict[str, Any]], placed: bool = True) -> None:
+    """Raise, naming the parameter, where one is listed twice, in one group's list or in two: every step
+    would update it twice. torch only warns of the first, refuses the second in ``add_param_group``, and
+    checks neither in a list edited in place between steps. ``placed``: ``groups`` are the optimizer's, and
+    an unnamed parameter is named by its place in them; else (a group being added) by its place in its group."""
+    first: dict[int, tuple[int, int]] = {}  # id of a parameter -> where it is first listed (group, index)
+    for gi, group in enumerate(groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group.get("params", ())):
+            was = first.setdefault(id(p), (gi, i))[0]
+            if first[id(p)] == (gi, i):
+                continue
+            place = f"param_groups[{gi}]['params'][{i}]" if placed else f"#{i} of its group"
+            label = repr(names[i]) if names else place
+            where = "twice in its group" if was == gi else f"in param_groups[{was}] and again in param_groups[{gi}]"
+            raise ValueError(
+                f"EVON: parameter {label} (shape {tuple(p.shape)}) is listed {where}: each step would update it "
+                "twice. List it once (to move it to another group, remove it from the list it is in)"
+            )
 
 
 def uses_fisher(group: dict[str, Any]) -> bool:

@@ -26,6 +26,7 @@ from hf_evon.optim.checks import (
     is_real,
     mode_value,
     python_number,
+    refuse_listed_twice,
     require,
 )
 from hf_evon.optim.curvature import curvature_fitted, fitted_values, keep_user_numbers
@@ -208,6 +209,7 @@ def validate_group(group: dict[str, Any]) -> None:
 
     algorithm = group.get("algorithm", "evon")
     need("algorithm", algorithm in ALGORITHMS, "'evon' or 'adamw'")
+    refuse_listed_twice([group], placed=False)
     # torch.optim's options that neither algorithm implements: a group given them (or a torch callback
     # setting them between steps) would otherwise descend, without AMSGrad, outside autograd (the step
     # runs under no_grad) and with host syncs (its finite check: no CUDA graph capture), silently
@@ -289,12 +291,8 @@ def validate_group(group: dict[str, Any]) -> None:
             "True, False or 'adam' (a bool or that string)",
         )
     names = group.get("param_names")
-    seen: set[int] = set()
     for i, p in enumerate(group.get("params", ())):
         label = repr(names[i]) if names else f"#{i} of its group"
-        if id(p) in seen:  # torch only warns: every step would then update it twice
-            raise ValueError(f"EVON: parameter {label} (shape {tuple(p.shape)}) is listed twice in its group")
-        seen.add(id(p))
         if p.is_complex():
             raise ValueError(
                 f"EVON cannot train the complex parameter {label} (shape {tuple(p.shape)}, {p.dtype}): "
@@ -415,6 +413,7 @@ def validate_groups(
     optimizer's, by id of group) holds the settings last found valid: such a group is not checked
     again but for its rate, which schedulers set every step. ``built``: each group's keys that
     decided what is fitted to its curvature (``check_fit_record``), updated with the edits it takes."""
+    passed: dict[int, tuple[Any, ...]] = {}
     for i, group in enumerate(groups):
         lr = group.get("lr")
         on_host = not torch.is_tensor(lr) or lr.device.type == "cpu"  # a device's rate: read at set-up only
@@ -431,12 +430,16 @@ def validate_groups(
             raise type(err)(f"param_groups[{i}]: {err}") from None
         keep_user_numbers(group, record, numbers)
         built[id(group)] = record
-        checked[id(group)] = _settings(group)
+        passed[id(group)] = _settings(group)
+    if passed:  # a list edited in place (torch.optim allows it) may list a parameter again
+        refuse_listed_twice(groups)
+        checked.update(passed)
 
 
 def _settings(group: dict[str, Any]) -> tuple[Any, ...]:
-    """What ``validate_groups`` last found valid in ``group``: its values but the scheduled ones."""
-    return tuple(v for k, v in group.items() if k not in _SCHEDULED)
+    """What ``validate_groups`` last found valid in ``group``: its values but the scheduled ones, and
+    which parameters its list holds (by id: an edit in place changes the list, not the group's values)."""
+    return (*(v for k, v in group.items() if k not in _SCHEDULED), tuple(map(id, group["params"])))
 
 
 # what the buckets and their state are built from: fixed once they are (a change would silently
