@@ -869,6 +869,42 @@ def test_lora_classifier_card_given_the_model_names_num_labels(tokenizer):
     assert 'base = AutoModelForSequenceClassification.from_pretrained("me/base", num_labels=5)' in snippet
 
 
+@pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
+def test_a_peft_classifiers_snippet_builds_its_base_with_its_problem_type(tmp_path, tokenizer, problem):
+    """An adapter's directory holds no config.json, so the snippet's base is built by
+    ``from_pretrained(base, num_labels=N)``, whose ``config.problem_type`` is None: that model, handed to
+    EVONTrainer with the posterior, had ``predict(bma=True)`` average a softmax over a multi-label model's
+    labels or a multi-output regression's values (rows summing to 1), where the snippet averages sigmoids or
+    values. The snippet builds the base with the problem_type the model trained as, and the two agree."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=3,
+    )  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    base = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=3, problem_type=problem)
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.SEQ_CLS, r=2, target_modules=["query"]))
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    model.save_pretrained(adapter_dir)
+    posterior.save_pretrained(adapter_dir, model_card_kwargs={"model": model, "base_model": str(base_dir)})
+    snippet = _snippet((adapter_dir / "README.md").read_text())
+    namespace: dict = {}
+    exec(compile(snippet, "model_card_snippet", "exec"), namespace)  # noqa: S102
+    printed = namespace["values" if problem == "regression" else "probs"]
+
+    args = _args(tmp_path / "out", bma_num_samples=8)
+    trainer = EVONTrainer(model=namespace["model"], args=args, posterior=namespace["posterior"])
+    inputs = {k: v[0].tolist() for k, v in namespace["inputs"].items()}  # the snippet's input, unlabelled
+    predicted = torch.from_numpy(trainer.predict([inputs], bma=True).predictions)
+    assert printed.shape == predicted.shape == (1, 3) and not torch.allclose(printed.sum(-1), torch.ones(1))
+    torch.testing.assert_close(predicted, printed.float(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("adapter", ["lora", "ia3"])
 def test_a_peft_lm_built_without_task_type_records_its_base_models_class(adapter):
     """A PeftModel built without task_type (README's LoRA example) is plain ``PeftModel``, a name

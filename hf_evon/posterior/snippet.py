@@ -318,7 +318,8 @@ def usage_snippet(
     with ``generate_bma`` for causal LMs and encoder-decoders (their next token's averaged
     probabilities under PEFT's prompt learning, which it refuses), averaged start and end
     probabilities for extractive QA, averaged class probabilities otherwise. A PEFT
-    classifier's base model is built with ``labels_count`` (its head is in the adapter).
+    classifier's base model is built with ``labels_count`` (its head is in the adapter), and with ``problem``
+    where its outputs are no softmax's (a multi-label classifier's, a regression's).
     ``tokenizer``: whether one was saved with the model (the snippet loads it from there).
     ``revision``: the branch of ``location`` the card is on; what the snippet loads from
     ``location`` is loaded from it (without it, the default branch's files would be).
@@ -354,6 +355,10 @@ def usage_snippet(
     lines = [] if causal and (tokenizer or auto in _NON_TEXT_DECODERS) else ["import torch"]  # token ids need torch
     auto_names = f"{auto}, AutoTokenizer" if tokenizer else auto
     labels = f", num_labels={labels_count}" if labels_count is not None and auto in _LABELLED_AUTO_CLASSES else ""
+    if is_peft and labels and problem in ("multi_label_classification", "regression"):
+        # an adapter's directory holds no config.json: a base built without its problem_type is a softmax
+        # classifier to predict(bma=True) on unlabelled inputs, which would average a softmax over its outputs
+        labels += f", problem_type={_py(problem)}"
     if is_peft:
         model_location = _py(model_id or base_model or "<base model id>")
         lines += [
