@@ -98,6 +98,22 @@ def one_step_optimizer(lm: torch.nn.Module, vocab_size: int):
     return opt
 
 
+def entered_strategies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, set[str]]]:
+    """Each ``BatchedSamples`` block entered from now on, as (its strategy, the names it applies factored)."""
+    import hf_evon.predictive.batched_samples as batched
+
+    entered: list[tuple[str, set[str]]] = []
+    enter = batched.BatchedSamples.__enter__
+
+    def recording(self: batched.BatchedSamples) -> batched.BatchedSamples:
+        out = enter(self)
+        entered.append((self.strategy, set(self.factored)))
+        return out
+
+    monkeypatch.setattr(batched.BatchedSamples, "__enter__", recording)
+    return entered
+
+
 def tiny_whisper_config(**overrides):
     """A one-layer Whisper config (64 tokens, 8 mel bins, width 16, no suppressed tokens) for
     speech-to-text tests; ``overrides`` are ``WhisperConfig`` keyword arguments."""

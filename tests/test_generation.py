@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import count_forwards
+from conftest import count_forwards, entered_strategies
 from transformers import (
     DynamicCache,
     GPT2Config,
@@ -857,20 +857,6 @@ def test_auto_strategy_follows_the_flop_count(gpt2):
         }
 
 
-def _entered_strategies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, set[str]]]:
-    """Each BatchedSamples block entered from now on, as (its strategy, the names it applies factored)."""
-    entered: list[tuple[str, set[str]]] = []
-    enter = batched.BatchedSamples.__enter__
-
-    def recording(self: batched.BatchedSamples) -> batched.BatchedSamples:
-        out = enter(self)
-        entered.append((self.strategy, set(self.factored)))
-        return out
-
-    monkeypatch.setattr(batched.BatchedSamples, "__enter__", recording)
-    return entered
-
-
 def test_the_strategy_argument_reaches_the_batched_samples(gpt2, monkeypatch):
     """generate_bma and bma_log_likelihood took no strategy: the way to per-sample weights (what the
     docs ask for to get a per-sample loop's tokens in bfloat16) was the module global
@@ -881,7 +867,7 @@ def test_the_strategy_argument_reaches_the_batched_samples(gpt2, monkeypatch):
     model, posterior = gpt2
     with_basis = {n for n in posterior.names if posterior[n].Q_L is not None or posterior[n].Q_R is not None}
     assert with_basis
-    entered = _entered_strategies(monkeypatch)
+    entered = entered_strategies(monkeypatch)
     for strategy, factored in (
         ("materialize", set()), ("factored", with_basis),
         (SampleStrategy.MATERIALIZE, set()), (SampleStrategy.FACTORED, with_basis),
@@ -919,7 +905,7 @@ def test_materialize_decodes_a_bfloat16_model_as_a_per_sample_loop(monkeypatch):
     model = tiny_gpt2(seed=1)
     noisy = train_posterior(model).with_ess(NOISY_ESS)
     model = model.to(torch.bfloat16)
-    entered = _entered_strategies(monkeypatch)
+    entered = entered_strategies(monkeypatch)
     ids, mask = left_pad([[5, 9, 17, 3, 22, 8], [40, 41, 7]])
     for seed in (2, 3):  # seeds at which "auto" (factored on CPU here) decodes other tokens on an AVX-512 host
         got = generate_bma(

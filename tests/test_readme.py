@@ -90,11 +90,11 @@ def test_doc_links_and_anchors_resolve() -> None:
     assert len(pages) >= 10  # the pages above were all found
 
 
-def config_table() -> dict[str, str]:
-    """docs/trainer.md's table of ``EVONConfig``'s fields: each field's name -> its default column."""
+def config_table(config: str = "EVONConfig") -> dict[str, str]:
+    """docs/trainer.md's table of ``config``'s fields: each field's name -> its default column."""
     text = (REPO_ROOT / "docs" / "trainer.md").read_text()
-    _, found, rest = text.partition("## EVONConfig's fields\n")
-    assert found, "docs/trainer.md has no section 'EVONConfig's fields'"
+    _, found, rest = text.partition(f"## {config}'s fields\n")
+    assert found, f"docs/trainer.md has no section '{config}'s fields'"
     section = rest.split("\n## ", 1)[0]
     return dict(re.findall(r"^\| `(\w+)` \| [^|\n]* \| `([^`\n]*)` \|", section, re.M))
 
@@ -121,7 +121,7 @@ def test_evon_config_fields_documented() -> None:
     wrong = {name: (table[name], default) for name, default in ours.items() if ast.literal_eval(table[name]) != default}
     assert wrong == {}, "docs/trainer.md's default (first) against EVONConfig's (second)"
     # the fields and keyword arguments the pages cite: `evon_*`/`bma_*` names and EVONConfig(name=...)
-    every = {f.name for f in fields(EVONConfig)}
+    every = {f.name for f in fields(EVONConfig)} | {f.name for f in fields(hf_evon.trainer.EVONSeq2SeqConfig)}
     api = set(dir(hf_evon)) | set(dir(hf_evon.trainer))
     unknown = []
     for page in ("trainer.md", "usage.md"):
@@ -130,6 +130,24 @@ def test_evon_config_fields_documented() -> None:
         cited += [kw for call in re.findall(r"EVONConfig\(([^)]*)\)", text) for kw in re.findall(r"(\w+)=", call)]
         unknown += [f"{page}: {name}" for name in cited if name not in every and name not in api]
     assert unknown == []
+
+
+def test_evon_seq2seq_config_fields_documented() -> None:
+    """The fields ``EVONSeq2SeqConfig`` adds to ``EVONConfig`` and ``Seq2SeqTrainingArguments`` are the rows
+    of docs/trainer.md's table of its fields, each default column its default."""
+    import ast
+    from dataclasses import fields
+
+    from transformers import Seq2SeqTrainingArguments
+
+    from hf_evon import EVONConfig
+    from hf_evon.trainer import EVONSeq2SeqConfig
+
+    inherited = {f.name for f in fields(EVONConfig)} | {f.name for f in fields(Seq2SeqTrainingArguments)}
+    own = {f.name: f.default for f in fields(EVONSeq2SeqConfig) if f.name not in inherited}
+    table = config_table("EVONSeq2SeqConfig")
+    assert own and sorted(table) == sorted(own)
+    assert {name: ast.literal_eval(default) for name, default in table.items()} == own
 
 
 def posterior_config_rows() -> dict[str, str]:

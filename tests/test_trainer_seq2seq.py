@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_whisper_config
+from conftest import entered_strategies, tiny_whisper_config
 from datasets import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, TrainerCallback
 
@@ -94,13 +94,15 @@ def test_the_calibration_runs_an_encoder_decoder_whose_batches_have_no_decoder_i
     assert trainer.calibration.num_targets == sum(v != -100 for row in held_out["labels"] for v in row)
 
 
-def _generating_trainer(tmp_path, **fields) -> EVONSeq2SeqTrainer:
-    """A tiny T5 trained 3 steps with a wide posterior (samples decode differently from the mean)."""
+def _generating_trainer(tmp_path, settings: dict | None = None, **fields) -> EVONSeq2SeqTrainer:
+    """A tiny T5 trained 3 steps with a wide posterior (samples decode differently from the mean);
+    ``settings``: more ``EVONSeq2SeqConfig`` fields."""
     args = EVONSeq2SeqConfig(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=3, per_device_train_batch_size=8,
         per_device_eval_batch_size=4, evon_learning_rate=2e-2, evon_adamw_learning_rate=1e-3, evon_ess=30.0,
         evon_hess_init=1.0, lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True,
         bma_num_samples=3, bma_seed=5, predict_with_generate=True, generation_max_length=7, seed=0,
+        **(settings or {}),
     )  # fmt: skip
     trainer = EVONSeq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=reversal_data(32, seed=0), **fields)
     trainer.train()
@@ -154,6 +156,53 @@ def test_predict_bma_with_generate_decodes_with_generate_bma(tmp_path):
     assert not torch.equal(expected, mean_ids)
     assert "generate" not in model.__dict__
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy", ["materialize", "factored"])
+def test_bma_sample_strategy_reaches_the_decoding_of_predict_and_evaluate(tmp_path, monkeypatch, strategy):
+    """The trainer's BMA decoding took no strategy: it always ran generate_bma's "auto", so the tokens
+    of a loop over the samples in bfloat16 ("materialize") were out of reach through the trainer.
+    ``bma_sample_strategy`` reaches every block that predict(bma=True) and evaluate(bma=True) decode
+    with ("materialize": no matrix factored; "factored": every matrix with a basis), and the ids are
+    generate_bma's with that strategy."""
+    from hf_evon import generate_bma
+
+    rows = lambda p: {"rows": float(len(p.predictions))}  # noqa: E731 - evaluate() decodes for compute_metrics only
+    trainer = _generating_trainer(tmp_path, {"bma_sample_strategy": strategy}, compute_metrics=rows)
+    test = reversal_data(6, seed=3)
+    model, ids = trainer.model.eval(), torch.tensor(test["input_ids"])
+    posterior = trainer.current_posterior()
+    with_basis = {n for n in posterior.names if posterior[n].Q_L is not None or posterior[n].Q_R is not None}
+    assert with_basis
+    factored = with_basis if strategy == "factored" else set()
+    entered = entered_strategies(monkeypatch)
+    out = trainer.predict(test, bma=True)
+    assert entered == [(strategy, factored)] * 2  # two batches of at most 4
+    entered.clear()
+    trainer.evaluate(test, bma=True)
+    assert entered == [(strategy, factored)] * 2
+    expected = generate_bma(model, posterior, ids, num_samples=3, seed=5, max_length=7, strategy=strategy)
+    assert torch.equal(_decoded(out.predictions, expected.shape[1], model.config.pad_token_id), expected)
+
+
+def test_a_bma_sample_strategy_that_is_no_sample_strategy_is_refused_when_the_config_is_built(tmp_path):
+    """``bma_sample_strategy`` is checked by generate_bma's rule when the config is built, the error
+    naming the field; a valid one (its string, from the command line too) is held as a SampleStrategy."""
+    from transformers import HfArgumentParser
+
+    from hf_evon import SampleStrategy
+
+    common = dict(output_dir=str(tmp_path), report_to="none")
+    for bad in ("materialise", 3, ["factored"], True):
+        with pytest.raises(ValueError, match=r"^EVONSeq2SeqConfig\.bma_sample_strategy = .* is invalid: it must be None or one of \('auto', 'materialize', 'factored'\)"):
+            EVONSeq2SeqConfig(**common, bma_sample_strategy=bad)
+    assert EVONSeq2SeqConfig(**common).bma_sample_strategy is None
+    for value in (*SampleStrategy, *(s.value for s in SampleStrategy)):
+        args = EVONSeq2SeqConfig(**common, bma_sample_strategy=value)
+        assert args.bma_sample_strategy is SampleStrategy(value) and args.to_dict()["bma_sample_strategy"] == SampleStrategy(value).value
+    argv = ["--output_dir", str(tmp_path), "--report_to", "none", "--bma_sample_strategy", "materialize"]
+    (parsed,) = HfArgumentParser(EVONSeq2SeqConfig).parse_args_into_dataclasses(argv)
+    assert parsed.bma_sample_strategy is SampleStrategy.MATERIALIZE
 
 
 def test_predict_bma_with_generate_decodes_with_beam_search(tmp_path):

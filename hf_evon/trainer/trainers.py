@@ -3,7 +3,7 @@
 import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -11,6 +11,7 @@ from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer
 
 from hf_evon.optim.noise import derived_seed, process_rank
 from hf_evon.predictive.generation import generate_bma
+from hf_evon.predictive.sample_strategy import STRATEGIES, SampleStrategy, checked_strategy
 from hf_evon.trainer.combined import register_evon_config
 from hf_evon.trainer.config import EVONConfig
 from hf_evon.trainer.mixin import EVONTrainerMixin
@@ -30,7 +31,31 @@ class EVONTrainer(EVONTrainerMixin, Trainer):
 
 @dataclass
 class EVONSeq2SeqConfig(EVONConfig, Seq2SeqTrainingArguments):
-    """``Seq2SeqTrainingArguments`` (``predict_with_generate``, generation settings) plus the EVON fields."""
+    """``Seq2SeqTrainingArguments`` (``predict_with_generate``, generation settings) plus the EVON fields
+    and ``bma_sample_strategy``, the setting of the one BMA pass that decodes (:func:`generate_bma`)."""
+
+    # the Seq2Seq trainer's alone: evaluate()'s and predict(bma=True)'s sampled passes write each sample's
+    # weights into the model (posterior.sampled), which is what "materialize" reproduces in a batch
+    bma_sample_strategy: SampleStrategy | None = field(
+        default=None,
+        metadata={
+            "help": "How BMA decoding (predict(bma=True) and evaluate(bma=True) under predict_with_generate) "
+            "applies the samples, generate_bma's strategy: 'materialize' (per-sample weights, the tokens of a "
+            "loop over the samples also in bfloat16), 'factored' or 'auto'. Default (None): generate_bma's "
+            "default, 'auto'. The eval_bma_* token metrics write each sample into the model in turn, whatever this is."
+        },
+    )
+
+    def _check_trainer_fields(self) -> None:
+        super()._check_trainer_fields()
+        try:  # generate_bma's own rule
+            strategy = checked_strategy(self.bma_sample_strategy, "EVONSeq2SeqConfig")
+        except ValueError:
+            raise ValueError(
+                f"EVONSeq2SeqConfig.bma_sample_strategy = {self.bma_sample_strategy!r} is invalid: it must be "
+                f"None or one of {STRATEGIES} (or a SampleStrategy)"
+            ) from None
+        self.bma_sample_strategy = None if strategy is None else SampleStrategy(strategy)
 
 
 register_evon_config(Seq2SeqTrainingArguments, EVONSeq2SeqConfig)
@@ -91,17 +116,22 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         posterior of ``caller`` (:meth:`_bma_posterior`), held for the block: one posterior for decoding
         and the token metrics' passes."""
         posterior = self._bma_posterior(caller)
+        args = self.args
+        # an EVONConfig combined with another Seq2SeqTrainingArguments subclass (evon_config_class) has no such field
+        strategy = getattr(args, "bma_sample_strategy", None)
         with self._holding_posterior(posterior), _generation_by_bma(
-            self.model, posterior, self.args.bma_num_samples, self.args.bma_seed
+            self.model, posterior, args.bma_num_samples, args.bma_seed, strategy
         ):
             yield
 
 
 @contextmanager
-def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed: int) -> Iterator[None]:
+def _generation_by_bma(
+    model: nn.Module, posterior: Any, num_samples: int, seed: int, strategy: SampleStrategy | None = None
+) -> Iterator[None]:
     """``model.generate`` routed to :func:`generate_bma` for the block: ``Seq2SeqTrainer``'s
     ``prediction_step`` (its generation settings, padding and loss) then runs unchanged. The
-    batch's ``labels`` stay out of decoding, as ``generate`` ignores them.
+    batch's ``labels`` stay out of decoding, as ``generate`` ignores them. ``strategy``: generate_bma's.
 
     Every batch decodes with the same weight samples, those of seeds ``seed + s`` that the token metrics
     average; sampling (``do_sample``) draws its tokens from a stream of each batch's own (by its number in
@@ -113,7 +143,7 @@ def _generation_by_bma(model: nn.Module, posterior: Any, num_samples: int, seed:
         tokens = derived_seed(seed, "generation batch", process_rank(), next(batches))
         return generate_bma(
             model, posterior, input_ids, attention_mask=attention_mask, num_samples=num_samples, seed=seed,
-            token_seed=tokens, **kwargs,
+            token_seed=tokens, strategy=strategy, **kwargs,
         )
 
     previous = model.__dict__.get("generate")  # an instance's own (a Hub repo's custom_generate)
