@@ -141,12 +141,12 @@ def naive_generate(models: list, input_ids: torch.Tensor, new_tokens: int) -> to
 
 
 def draw_only(
-    model: torch.nn.Module, posterior: EVONPosterior, num_samples: int, ids: torch.Tensor, new: int
+    model: torch.nn.Module, posterior: EVONPosterior, num_samples: int, ids: torch.Tensor, new: int, strategy: str
 ) -> int:
-    """What ``generate_bma`` does before decoding; returns how many matrices it factors."""
+    """What ``generate_bma(..., strategy=strategy)`` does before decoding; returns how many matrices it factors."""
     rows = batched.expected_rows(*ids.shape, new)
     with batched.BatchedSamples(
-        model, posterior, num_samples, seed=0, rows=rows, batch_size=len(ids)
+        model, posterior, num_samples, seed=0, strategy=strategy, rows=rows, batch_size=len(ids)
     ) as sampler:
         return len(sampler.factored)
 
@@ -192,7 +192,6 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    batched.DEFAULT_STRATEGY = args.strategy
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -224,16 +223,18 @@ def main() -> None:
         t_plain = timed(lambda ids=ids: model.generate(ids, **gen_kwargs), device, args.repeats)
         for s in args.samples:
             t_bma = timed(
-                lambda ids=ids, s=s: generate_bma(model, posterior, ids, num_samples=s, seed=0, **gen_kwargs),
+                lambda ids=ids, s=s: generate_bma(
+                    model, posterior, ids, num_samples=s, seed=0, strategy=args.strategy, **gen_kwargs
+                ),
                 device,
                 args.repeats,
             )
             t_draw = timed(
-                lambda s=s, ids=ids: draw_only(model, posterior, s, ids, args.new_tokens),
+                lambda s=s, ids=ids: draw_only(model, posterior, s, ids, args.new_tokens, args.strategy),
                 device,
                 args.repeats,
             )
-            factored = draw_only(model, posterior, s, ids, args.new_tokens)
+            factored = draw_only(model, posterior, s, ids, args.new_tokens, args.strategy)
             t_naive = t_copies = float("nan")
             if not args.no_naive and args.num_beams == 1:  # the loop decodes greedily
                 if device.type == "cuda":
