@@ -166,15 +166,17 @@ def directory_lock(directory: str) -> Iterator[None]:
 def looks_like_local_path(value: str) -> bool:
     """Whether ``value`` is meant as a local path rather than a Hub repo id: it starts like a path,
     has more than one ``/`` (a repo id has at most one), uses the platform's other separator, or
-    its first component is a directory here (``out/run`` beside an ``out/`` folder). Hub clients
-    answer a mistyped local path with "Repo id must be in the form ..." or, offline, with retries."""
+    its first component is listed here as no regular file (``out/run`` beside an ``out/`` folder, or
+    beside an ``out`` link to a disk not mounted). Hub clients answer a mistyped local path with
+    "Repo id must be in the form ..." or, offline, with retries. A first component this user cannot
+    look up raises the OSError naming it (:func:`listed_kind`)."""
     first = value.split("/", 1)[0]
     return (
         value.startswith((".", "/", "~", os.sep))
         or value.count("/") > 1
         or (os.altsep is not None and os.altsep in value)
         or (os.sep != "/" and os.sep in value)
-        or ("/" in value and os.path.isdir(first))
+        or ("/" in value and listed_kind(first) not in (None, Listed.FILE))
     )
 
 

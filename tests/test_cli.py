@@ -622,6 +622,65 @@ def test_a_missing_run_beside_an_existing_output_folder_is_local(tmp_path, capsy
         EVONPosterior.from_pretrained("out/nonexistent")
 
 
+def test_a_missing_run_beside_a_link_to_nothing_is_local(tmp_path, capsys, monkeypatch):
+    """``--model out/run`` where ``out`` is a link to nothing (a disk not mounted): os.path.isdir('out')
+    answers False, so ``out/run`` was taken for a Hub repo id and looked up on the Hub."""
+    _unreachable_hub(monkeypatch, tmp_path)  # the working directory; a Hub lookup fails at once
+    (tmp_path / "out").symlink_to("unmounted")
+    assert main(["generate", "--model", "out/run", "--prompt", "x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "hf-evon generate: error: --model 'out/run': no such local directory", err
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        EVONPosterior.from_pretrained("out/run", local_files_only=True)
+
+
+def _refuse_lookups_under(monkeypatch: pytest.MonkeyPatch, directory: str) -> None:
+    """``os.lstat`` and ``os.stat`` of an entry in ``directory`` (a path as the code under test spells it)
+    answer EACCES, as in a directory this user may not search (simulated: the tests run as root)."""
+    inside = directory + os.sep
+
+    def refused(real):  # noqa: ANN001, ANN202
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if isinstance(path, str | os.PathLike) and os.fspath(path).startswith(inside):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in ("stat", "lstat"):
+        monkeypatch.setattr(os, name, refused(getattr(os, name)))
+
+
+@pytest.mark.parametrize(
+    ("location", "kind"), [("a/b", "EACCES"), ("loop", "loop"), ("./loop", "loop"), ("gone", "dangling link")]
+)
+def test_a_location_listed_here_that_is_no_directory_to_read_is_refused_naming_it(
+    tmp_path, monkeypatch, capsys, location, kind
+):
+    """A location that is there but cannot be looked up (``a/b`` where ``a`` may not be searched: EACCES),
+    a loop of links or a link to nothing: os.path.isdir and os.path.exists swallow why, so ``a/b`` was
+    'no such local directory', ``loop`` and ``gone`` were taken for Hub repo ids (and looked up on the Hub)
+    and ``./loop`` was 'no such local directory'. The error names the location and why."""
+    _unreachable_hub(monkeypatch, tmp_path)  # the working directory; a Hub lookup fails at once
+    if kind == "EACCES":
+        (tmp_path / "a" / "b").mkdir(parents=True)
+        _refuse_lookups_under(monkeypatch, "a")
+    else:
+        (tmp_path / location).symlink_to("loop" if kind == "loop" else "moved-away")
+    target = "'loop', which leads into a loop of links (ELOOP)" if kind == "loop" else "'moved-away', which does not exist"
+    for argv, option in (
+        (["generate", "--model", location, "--prompt-ids", "5 9", "--device", "cpu"], f"--model {location!r}"),
+        (["inspect", location], f"location {location!r}"),
+    ):
+        code = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        prog = f"hf-evon {argv[0]}: error: "
+        if kind == "EACCES":
+            assert (code, err) == (1, f"{prog}[Errno 13] Permission denied: {location!r}"), err
+        else:
+            assert (code, err) == (2, f"{prog}{option} is a link to {target}"), err
+
+
 def test_an_unreachable_hub_is_reported_before_any_retry_unless_the_repo_is_cached(tmp_path, monkeypatch, capsys):
     """A repo-id-shaped location with no such folder here, offline: the Hub libraries retry every
     file five times with backoff (~50 s for ``hf-evon generate``). One request to the endpoint

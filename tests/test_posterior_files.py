@@ -1098,6 +1098,38 @@ def test_loading_a_missing_local_path_says_the_path_does_not_exist(tmp_path):
         assert "Repo id" not in str(info.value) and missing in str(info.value)
 
 
+@pytest.mark.parametrize(("location", "kind"), [("a/b", "EACCES"), ("loop", "loop"), ("gone", "dangling link")])
+def test_loading_a_location_listed_here_that_is_no_directory_names_it(tmp_path, monkeypatch, location, kind):
+    """A location that is there but cannot be looked up (``a/b`` where ``a`` may not be searched: EACCES;
+    simulated, the tests run as root), a loop of links or a link to nothing: os.path.isdir and
+    os.path.exists swallow why, so ``a/b`` was 'no such directory' and ``loop`` and ``gone`` were taken
+    for Hub repo ids (downloaded from, or looked up in the Hub cache). The error names the location and why."""
+    monkeypatch.chdir(tmp_path)
+    if kind == "EACCES":
+        (tmp_path / "a" / "b").mkdir(parents=True)
+
+        def refused(real):  # noqa: ANN001, ANN202
+            def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                if isinstance(path, str | os.PathLike) and os.fspath(path).startswith("a" + os.sep):
+                    raise PermissionError(13, "Permission denied", os.fspath(path))
+                return real(path, *args, **kwargs)
+
+            return call
+
+        for name in ("stat", "lstat"):
+            monkeypatch.setattr(os, name, refused(getattr(os, name)))
+        with pytest.raises(PermissionError) as err:
+            EVONPosterior.from_pretrained(location, local_files_only=True)
+        assert err.value.filename == location
+        return
+    (tmp_path / location).symlink_to("loop" if kind == "loop" else "moved-away")
+    why = "leads into a loop of links (ELOOP)" if kind == "loop" else "does not exist"
+    target = "loop" if kind == "loop" else "moved-away"
+    with pytest.raises(FileNotFoundError) as err:
+        EVONPosterior.from_pretrained(location, local_files_only=True)
+    assert str(err.value) == f"no EVON posterior at {location!r}: it is a link to {target!r}, which {why}", str(err.value)
+
+
 # ----------------------------------------------------------------------------- item 2: two writers
 def _two_writers(directory, monkeypatch, module, a, b, a_is_inside, **save_kwargs) -> None:
     """Writer A saves ``a`` and stops at its next ``module.atomic_write`` once ``a_is_inside()``

@@ -91,7 +91,7 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
     """
     path, revision, subfolder = source.path, source.revision, source.subfolder
     token, cache_dir, local_files_only = source.token, source.cache_dir, source.local_files_only
-    if os.path.isdir(path):
+    if _is_local(path):
         directory = source.directory
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
         # not listed, or a link that reaches no file: missing. One that is no regular file: read_config says so
@@ -110,8 +110,6 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
             named = f"{config.weights_name} (named by {POSTERIOR_CONFIG_NAME})"
             raise FileNotFoundError(_missing_text(directory, config.weights_name, named, kind))
         return config, config_path, weights_path
-    if os.path.exists(path):
-        raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
     _check_repo_id(path)
 
     where = f"{path}" + (f"/{subfolder}" if subfolder else "") + (f" (revision {revision})" if revision else "")
@@ -153,6 +151,19 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
     # the weights of the config's own commit: a push between the two downloads would pair the
     # config with the next commit's weights (its checkpoint_id refuses such a pair)
     return config, config_file, download(config.weights_name, _snapshot_commit(config_file) or revision)
+
+
+def _is_local(path: str) -> bool:
+    """Whether ``path`` is a local directory; False where nothing is listed under it (a Hub repo id, or a
+    mistyped path :func:`_check_repo_id` refuses). Anything else listed there is refused naming it: a
+    file, a link that reaches nothing, and an entry this user cannot look up (the OSError of
+    :func:`~hf_evon.fileio.listed_kind`), which taken for no entry sends a local path to the Hub."""
+    kind = listed_kind(path)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise FileNotFoundError(f"no EVON posterior at {path!r}: it is {no_file_text(path, kind)}")
+    if kind is not None and not os.path.isdir(path):  # looked up already: isdir answers for this entry
+        raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
+    return kind is not None
 
 
 def _missing_text(directory: str, name: str, shown: str, kind: Listed | None) -> str:
@@ -222,7 +233,7 @@ def read_posterior(
     config has changed since, the pair is read again, so a reader sees the old posterior or a
     new one, never an error caused by a concurrent save.
     """
-    local = os.path.isdir(source.path)
+    local = _is_local(source.path)
     attempts = 0
     while True:
         before = _local_switch_state(source) if local else None
