@@ -1400,6 +1400,23 @@ def test_tokenizer_files_that_do_not_load_are_not_reported_as_missing(saved, tmp
     assert "(tokenizer.json, tokenizer_config.json) do not load (JSONDecodeError: Expecting value" in line, line
 
 
+@pytest.mark.parametrize("broken", [("tokenizer.json",), ("tokenizer.json", "tokenizer_config.json")])
+def test_a_tokenizer_file_that_is_a_link_to_nothing_is_refused_naming_it(saved, tmp_path, capsys, broken):
+    """Tokenizer files beside the model that are links to nothing (a copied Hub cache snapshot whose blobs
+    are gone): os.path.isfile took them for none, so the command went on without a tokenizer (bare ids
+    printed) or loaded the files left without the broken tokenizer.json. The error names the file."""
+    directory = _copy_of(saved, tmp_path)
+    for name in broken:
+        (directory / name).unlink()
+        (directory / name).symlink_to(tmp_path / "moved-away")
+    argv = ["generate", "--model", str(directory), "--prompt-ids", "5 9", "--max-new-tokens", "2", "--device", "cpu"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    file = str(directory / "tokenizer.json")
+    why = f"a link to {str(tmp_path / 'moved-away')!r}, which does not exist"
+    assert out == "" and err.splitlines()[-1] == f"hf-evon generate: error: --model {str(directory)!r}: {file!r} is {why}", err
+
+
 def test_calibrate_refuses_an_output_it_cannot_write_before_the_calibration(saved, tmp_path, capsys, monkeypatch):
     """An --output in a directory this user cannot write: the whole calibration ran and its result
     was lost at the save ("cannot save the calibrated posterior (Permission denied)"). The check

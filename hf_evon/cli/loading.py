@@ -232,16 +232,17 @@ def resolve_device(name: str | None) -> Any:
     return device
 
 
-def _listed_file(given: str, *parts: str) -> bool:
-    """Whether the file ``os.path.join(*parts)`` of ``--model given`` (a directory) is there; one listed
+def _listed_file(given: str, *parts: str, option: str = "--model") -> bool:
+    """Whether the file ``os.path.join(*parts)`` of ``option given`` (a directory) is there; one listed
     that is a link to nothing or no regular file is refused naming it: taken for none, the directory
-    would be read as something else (the root's adapter loaded for a named one, a posterior's folder).
-    One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
+    would be read as something else (the root's adapter loaded for a named one, a posterior's folder,
+    a model without its tokenizer). One this user cannot look up raises the OSError naming it
+    (:func:`~hf_evon.fileio.listed_kind`)."""
     file = os.path.join(*parts)
     kind = listed_kind(file)
     if kind in (None, Listed.FILE):
         return kind is Listed.FILE
-    raise UsageError(f"--model {given!r}: {file!r} is {no_file_text(file, kind)}")
+    raise UsageError(f"{option} {given!r}: {file!r} is {no_file_text(file, kind)}")
 
 
 def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:
@@ -372,8 +373,10 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
     for candidate in dict.fromkeys([path, base_model_name(model)]):  # an adapter's: its base model's
         if candidate is None:
             continue
-        files = [f for f in _TOKENIZER_FILES if os.path.isfile(os.path.join(candidate, f))]
-        if os.path.isdir(candidate) and not files:
+        which = "--model" if candidate == path else "the base model"
+        local = os.path.isdir(candidate)  # a location from_location has looked up already
+        files = [f for f in _TOKENIZER_FILES if local and _listed_file(candidate, candidate, f, option=which)]
+        if local and not files:
             continue
         try:
             tokenizer = AutoTokenizer.from_pretrained(candidate, revision=revision)
@@ -381,7 +384,6 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
             if not files:  # a Hub repo without a tokenizer, or the Hub unreachable: the next candidate
                 continue
             # a broken file, as a broken weights file, is an error: not "no tokenizer" (ids printed)
-            which = "--model" if candidate == path else "the base model"
             first = (str(err).strip().splitlines() or [""])[0]
             raise ValueError(
                 f"{which} {candidate!r}: its tokenizer files ({', '.join(files)}) do not load "
