@@ -446,6 +446,49 @@ def test_a_named_adapters_config_that_is_no_file_is_refused_naming_it(saved, tmp
     _assert_generate_refuses_the_broken_file(tmp_path, tmp_path / "mine" / "adapter_config.json", kind, capsys)
 
 
+def _two_adapters_mine_trained(saved, directory: Path) -> tuple[object, EVONPosterior]:  # noqa: ANN001
+    """The adapters "default" (saved at ``directory``'s root) and "mine" (in ``directory/mine``), "mine"
+    trained and its posterior saved beside them; returns the model and the posterior."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = get_peft_model(GPT2LMHeadModel.from_pretrained(saved[0]), lora)
+    model.add_adapter("mine", lora)
+    model.set_adapter("mine")
+    posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
+    model.save_pretrained(directory)
+    posterior.save_pretrained(directory)
+    return model, posterior
+
+
+def test_a_named_adapters_folder_that_cannot_be_looked_up_is_not_taken_for_none(saved, tmp_path, capsys, monkeypatch):
+    """The adapters "default" (at the root) and "mine" (in ``dir/mine``), where "mine"'s folder may not be
+    searched (EACCES; simulated by os.lstat and os.stat, the tests run as root): the scan for named adapters'
+    folders (os.path.lexists) took it for none, and the root's adapter ("default"'s weights) was loaded under
+    the name "mine", beside the posterior of "mine". The PermissionError naming its adapter_config.json is
+    reported."""
+    _two_adapters_mine_trained(saved, tmp_path)
+    _refuse_lookups_under(monkeypatch, str(tmp_path / "mine"))
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "5 9", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    config = str(tmp_path / "mine" / "adapter_config.json")
+    assert err == f"hf-evon generate: error: [Errno 13] Permission denied: {config!r}", err
+
+
+def test_entries_beside_a_named_adapter_that_cannot_be_looked_up_do_not_stop_its_load(
+    saved, tmp_path, capsys, monkeypatch
+):
+    """An adapters' directory that also holds a loop of links (``logs``) and a folder this user may not
+    search (``runs``: EACCES, simulated): DirEntry.is_dir() raised ELOOP in the scan for named adapters'
+    folders, and the load failed on an entry it has no use for. "mine" loads from its folder, and decodes as
+    generate_bma on the trained model."""
+    model, posterior = _two_adapters_mine_trained(saved, tmp_path)
+    (tmp_path / "logs").symlink_to("logs")
+    (tmp_path / "runs").mkdir()
+    _refuse_lookups_under(monkeypatch, str(tmp_path / "runs"))
+    _assert_generates_as_generate_bma(tmp_path, model, posterior, capsys)
+
+
 @pytest.mark.parametrize("kind", ["directory", "dangling link"])
 def test_a_model_directory_whose_config_is_no_file_is_refused_naming_it(saved, tmp_path, capsys, kind):
     """A model's directory (with its posterior) whose config.json is a directory or a link to nothing (a

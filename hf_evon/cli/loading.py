@@ -245,6 +245,17 @@ def _listed_file(given: str, *parts: str, option: str = "--model") -> bool:
     raise UsageError(f"{option} {given!r}: {file!r} is {no_file_text(file, kind)}")
 
 
+def _may_hold_adapter(entry: str) -> bool:
+    """Whether the entry ``entry`` of an adapter's directory may be a PEFT adapter's folder: it lists an
+    adapter_config.json, or cannot be looked up (EACCES, a loop of links). An entry that cannot is not
+    taken for none: the folder of the adapter loaded is looked up by its name (:func:`_listed_file`),
+    and any other entry of the directory is of no use to the load, so it never stops it."""
+    try:
+        return listed_kind(os.path.join(entry, "adapter_config.json")) is not None
+    except OSError:
+        return True
+
+
 def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:
     """The causal LM, or encoder-decoder model (its config's ``is_encoder_decoder``), at ``path``;
     a PEFT adapter directory: the adapter on its base model, under the name ``adapter()`` gives (the
@@ -256,7 +267,7 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     given = path
     if os.path.isdir(path) and not _listed_file(given, path, "config.json"):
         inside = _listed_file(given, path, "adapter_config.json")
-        if any(os.path.lexists(os.path.join(d.path, "adapter_config.json")) for d in os.scandir(path) if d.is_dir()):
+        if any(_may_hold_adapter(entry.path) for entry in os.scandir(path)):
             # PEFT's save_pretrained puts an adapter not named "default" in path/<name>, and "default" at the
             # root: the root holds the posterior's adapter only where that is "default" or no folder is named so
             named = adapter()
