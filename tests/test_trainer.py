@@ -2133,11 +2133,13 @@ def test_a_best_checkpoint_whose_config_is_no_file_is_an_error_naming_it(tmp_pat
     assert expected in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("kind", ["dangling link", "named pipe"])
+@pytest.mark.parametrize("kind", ["dangling link", "named pipe", "link to a directory"])
 def test_a_save_without_a_posterior_removes_a_config_that_is_no_regular_file(tmp_path, kind):
-    """A model saved without a posterior left a posterior config that is a link to nothing or a named
-    pipe beside it (only regular files were taken for a posterior to remove): loading the directory,
-    which takes any listed config for its posterior (holds_posterior_config), then failed on the stale one."""
+    """A model saved without a posterior left a posterior config that is a link to nothing, a named pipe
+    or a link to a directory beside it (only regular files were taken for a posterior to remove; then a
+    config os.path.isdir answers True for, a link to a directory too, was kept): loading the directory, which
+    takes any listed config for its posterior (holds_posterior_config), then failed on the stale one. The
+    link goes, its target stays."""
     from hf_evon.posterior.hub import holds_posterior_config
 
     args = config(tmp_path)
@@ -2145,12 +2147,38 @@ def test_a_save_without_a_posterior_removes_a_config_that_is_no_regular_file(tmp
     assert trainer.current_posterior() is None
     os.makedirs(args.output_dir, exist_ok=True)
     stale = Path(args.output_dir) / POSTERIOR_CONFIG_NAME
-    stale.symlink_to(stale.parent / "moved-away") if kind == "dangling link" else os.mkfifo(stale)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "notes.txt").write_text("kept")
+    if kind == "named pipe":
+        os.mkfifo(stale)
+    else:
+        stale.symlink_to(target if kind == "link to a directory" else stale.parent / "moved-away")
     with pytest.warns(UserWarning, match=rf"has no posterior, and the one there \({POSTERIOR_CONFIG_NAME}\)"):
         trainer.save_model()
-    assert not os.path.lexists(stale)
+    assert not os.path.lexists(stale) and (target / "notes.txt").read_text() == "kept"
     assert not holds_posterior_config(args.output_dir)
     assert (Path(args.output_dir) / "config.json").is_file()
+
+
+def test_a_save_without_a_posterior_removes_the_weights_beside_a_config_that_is_a_directory(tmp_path):
+    """A model saved without a posterior into a directory holding posterior weights beside a directory of
+    the config's name: remove_posterior's os.remove of that directory raised IsADirectoryError, after the
+    model was saved. The weights go (no reader takes them for a posterior, and a save without a posterior
+    leaves none); the directory, no file a save wrote, stays with what it holds."""
+    args = config(tmp_path)
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    assert trainer.current_posterior() is None
+    output = Path(args.output_dir)
+    kept = output / POSTERIOR_CONFIG_NAME / "notes.txt"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("kept")
+    (output / POSTERIOR_WEIGHTS_NAME).write_bytes(b"an earlier posterior's weights")
+    with pytest.warns(UserWarning, match=rf"has no posterior, and the one there \({POSTERIOR_WEIGHTS_NAME}\)"):
+        trainer.save_model()
+    assert not os.path.lexists(output / POSTERIOR_WEIGHTS_NAME)
+    assert kept.read_text() == "kept" and sorted(os.listdir(kept.parent)) == ["notes.txt"]
+    assert (output / "config.json").is_file()
 
 
 class _PosteriorMovedOut(TrainerCallback):

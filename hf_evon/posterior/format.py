@@ -442,6 +442,15 @@ def _remove_stale_files(directory: str) -> None:
                 os.remove(path)
 
 
+def _is_directory(path: str) -> bool:
+    """Whether ``path`` is listed as a directory (itself, not a link to one); only a missing entry is
+    none, any other error raises naming it (the rule of :func:`hf_evon.fileio.listed_kind`)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def _config_names(config_path: str, weights_name: str) -> bool:
     """Whether the config on disk names ``weights_name`` (True where it cannot be read: keep the file)."""
     try:
@@ -557,7 +566,8 @@ def copy_posterior(source: str, directory: str) -> None:
 def remove_posterior(directory: str) -> list[str]:
     """Remove the posterior saved in ``directory``: its config, its weights, the files killed saves
     left, and the card's EVON section, which describes it. Returns the names of the posterior's files
-    removed (none where the directory holds none); every other file stays.
+    removed (none where the directory holds none); every other file stays, and so does a directory
+    under a posterior file's name: no save wrote it, and what it holds is not the posterior's.
 
     Under the directory lock, the config first: it is what a reader follows, so a kill after it
     leaves weights that no reader takes for a posterior, never a config without its weights.
@@ -567,8 +577,11 @@ def remove_posterior(directory: str) -> list[str]:
         return removed
     with directory_lock(directory):
         for name in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME):
+            path = os.path.join(directory, name)
+            if _is_directory(path):
+                continue
             try:
-                os.remove(os.path.join(directory, name))
+                os.remove(path)
             except FileNotFoundError:
                 continue
             removed.append(name)

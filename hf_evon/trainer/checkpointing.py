@@ -288,10 +288,10 @@ class CheckpointingMixin:
         save's, or a pushed checkpoint's copy) unless it was taken at the model's weights (its
         ``mean_fingerprint``), so that no directory pairs a model with a posterior of other weights."""
         config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
-        # a config that is a link to nothing or a named pipe counts too: loading the directory takes it
-        # for its posterior and fails on it. A directory of that name is no file a save wrote: it stays
-        listed = _has_posterior(directory) and not os.path.isdir(config_path)
-        if not listed and not os.path.lexists(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)):
+        # a config that is a link (to nothing, to a directory) or a named pipe counts too: loading the
+        # directory takes it for its posterior and fails on it. A directory of that name is no file a
+        # save wrote: remove_posterior leaves it
+        if not _has_posterior(directory) and not os.path.lexists(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)):
             return
         try:
             config = read_config(config_path)
