@@ -1057,6 +1057,27 @@ def test_a_config_that_is_a_directory_is_refused_as_such_and_leaves_no_descripto
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+def test_a_save_onto_a_config_that_is_a_directory_is_refused_before_anything_is_written(tmp_path):
+    """A save into a directory whose config's name is a directory: the weights were staged, the card's EVON
+    section retracted, and then the config's os.replace onto the directory failed ("[Errno 21] Is a
+    directory"), leaving the staged weights and the card without its section. It is refused naming the
+    config before anything is written; the directory keeps every file as it was."""
+    _posterior().save_pretrained(tmp_path)
+    config = tmp_path / POSTERIOR_CONFIG_NAME
+    config.unlink()
+    config.mkdir()
+    (config / "notes.txt").write_text("kept")
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(IsADirectoryError) as err:
+        _posterior(2.0).save_pretrained(tmp_path)
+    assert str(err.value) == (
+        f"{config}: a directory, where a posterior save writes its config; refusing to save over it "
+        "(remove it, or save elsewhere)"
+    ), str(err.value)
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["README.md", POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
+
+
 @pytest.mark.skipif(not hasattr(os, "O_NONBLOCK"), reason="no O_NONBLOCK")
 def test_the_config_is_read_blocking_where_a_filesystem_honours_o_nonblock(tmp_path, monkeypatch):
     """The config is opened with O_NONBLOCK (a named pipe must not block the open), which POSIX leaves

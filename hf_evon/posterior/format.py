@@ -472,6 +472,11 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
     staging = os.path.join(directory, _staging_dir_name(checkpoint_id))
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
     with directory_lock(directory):
+        if _is_directory(config_path):  # the config's os.replace onto it fails, once the weights are staged
+            raise IsADirectoryError(
+                f"{config_path}: a directory, where a posterior save writes its config; refusing to save over "
+                "it (remove it, or save elsewhere)"
+            )
         switched, card = False, None
         # a retry of a save that failed after its switch: the config may name the staged file
         staged_before = os.path.exists(staged)
