@@ -2384,7 +2384,7 @@ def test_the_logged_learning_rate_is_adamws_in_use_under_a_scheduler_without_ini
         model=tiny_bert(),
         args=config(tmp_path, max_steps=4, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=1,
                     lr_scheduler_type="reduce_lr_on_plateau", metric_for_best_model="eval_loss", bma_num_samples=0,
-                    lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "mode": "max"}),  # fmt: skip
+                    lr_scheduler_kwargs=_PLATEAU),  # fmt: skip
         train_dataset=classification_data(),
         eval_dataset=classification_data(8, seed=1),
         callbacks=[Record()],
@@ -2578,6 +2578,8 @@ def test_a_plateau_schedules_bounds_are_in_the_units_of_learning_rate(tmp_path, 
     ``learning_rate``, as under ``Trainer``: AdamW stops at the bound, α at its ratio (20, or 40 with
     ``evon_adamw_learning_rate`` 5e-4 beside ``learning_rate`` 1e-3: AdamW's own rate is the unit)."""
     kwargs = {**bound, "factor": 0.1, "patience": 0, "mode": "max", "cooldown": 0}
+    if scheduler == "reduce_lr_on_plateau":  # no evaluation counts as a rise (none rises by 1): every one reduces
+        kwargs.update(threshold=1.0, threshold_mode="abs")
     args = config(
         tmp_path, max_steps=steps, learning_rate=1e-3, evon_adamw_learning_rate=adamw_rate, logging_steps=1,
         eval_strategy="steps", eval_steps=1, lr_scheduler_type=scheduler, metric_for_best_model="eval_loss",
