@@ -388,6 +388,55 @@ def test_a_group_added_mid_run_is_fitted_on_its_own_clock() -> None:
     assert ratio != pytest.approx(noise_std_ratio(22, group["hess_init"], group["betas"][1], group["init_std_ratio"]), rel=1e-3)
 
 
+Fit = tuple[float, float, torch.Tensor, torch.Tensor]
+
+
+def _linear_in_b(added_after: int | None, late: int, steps: int) -> list[Fit]:
+    """b's group (ζ, δ, H, b) after each of b's own updates, b joining ``EVON([a])`` after
+    ``added_after`` updates (None: b alone in a fresh optimizer) and getting its first gradient
+    ``late`` updates after that. The loss is linear in b, so its gradient does not depend on b's
+    sample and two runs that feed b the same gradients must fit the same numbers."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(6, 5) / 3), nn.Parameter(torch.randn(5, 4) / 3)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(5, 4, generator=gen) for _ in range(steps)]
+    x = torch.randn(16, 6)
+    opt = EVON([b] if added_after is None else [a], seed=0, curvature_refit=15)
+    start = 0 if added_after is None else added_after
+    out = []
+    for t in range(start + late + steps):
+        if added_after is not None and t == added_after:
+            opt.add_param_group({"params": [b]})
+        with opt.sampled_params(train=True):
+            loss = torch.zeros(()) if added_after is None else (x @ a).tanh().square().sum()
+            if t >= start + late:
+                loss = loss + (b * grads[len(out)]).sum()
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if t >= start + late:
+            ess, delta = opt.param_groups[-1]["ess"], opt.param_groups[-1]["weight_decay"]
+            out.append((ess, delta, opt.state[b]["hess"].clone(), b.detach().clone()))
+    return out
+
+
+@pytest.mark.parametrize("added_after", [0, 20])
+def test_a_group_whose_weights_get_a_gradient_late_is_fitted_on_their_clock(added_after: int) -> None:
+    """A group whose parameter gets its first gradient 3 updates after the group joins the
+    optimizer (from the start, or added after 20 updates) is fitted as one that gets it at once:
+    after each of its own updates its ζ, δ, H and weights equal, bit for bit, those of the same
+    parameter alone in a fresh optimizer fed the same gradients. Its fit after its second update
+    (the first to measure H) is what sets its noise to r(2) of its RMS: without it the noise stays
+    1/(ζ(H+δ)) of the auto ζ, set for H = h0, until the next fit curvature_refit updates on."""
+    reference = _linear_in_b(None, 0, 20)
+    assert reference[1][0] != reference[0][0]  # fitted after its second update
+    for late in (0, 3):
+        got = _linear_in_b(added_after, late, 20)
+        for k, (mine, theirs) in enumerate(zip(got, reference), start=1):
+            assert mine[:2] == theirs[:2], (late, k, mine[:2], theirs[:2])
+            assert torch.equal(mine[2], theirs[2]) and torch.equal(mine[3], theirs[3]), (late, k)
+
+
 # ---------------------------------------------------------------------- H and a clipped gradient
 def _rotated(grad: torch.Tensor, q_left: torch.Tensor | None, q_right: torch.Tensor | None) -> torch.Tensor:
     g = grad if q_left is None else q_left.mT @ grad

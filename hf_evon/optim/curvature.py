@@ -126,7 +126,8 @@ def fitted_ess(inv_sum: float, numel: int, w_sq_sum: float, ratio: float) -> flo
 
 def group_clock(group: dict[str, Any], t: int) -> int:
     """The optimizer's ``t``-th update counted on the group's own clock: from its first update
-    (``fit_from``, stored for a group added mid-run; 0 otherwise)."""
+    (``fit_from``: stored for a group added mid-run, and moved on by ``fit_from_curvature`` while
+    none of the group's weights has had a gradient; 0 otherwise)."""
     return t - group.get("fit_from", 0)
 
 
@@ -134,7 +135,8 @@ def refit_due(group: dict[str, Any], t: int) -> bool:
     """Whether the group's fitted ζ/δ are refit after the optimizer's ``t``-th update, counted from
     the group's first (``fit_from``: a group added mid-run): after its second, the first to estimate
     H (the first only sets up the eigenbases; left alone, the noise would then be the prior's until
-    the next fit), and every ``curvature_refit`` updates."""
+    the next fit), and every ``curvature_refit`` updates. While the group has measured no H (its
+    weights have had no gradient yet), it is due at every update: each such fit restarts its clock."""
     every, t = group.get("curvature_refit", 0), group_clock(group, t)
     return bool(group.get("fit_to_curvature")) and every > 0 and (t == 2 or (t > 0 and t % every == 0))
 
@@ -154,7 +156,9 @@ def fit_from_curvature(
     Sums are taken per matrix and added in the matrices' order in their group, so a sharded run
     (each rank holding some matrices) fits the very numbers a single process does."""
     index = {id(g): i for i, g in enumerate(groups)}
-    mine = [b for b in buckets if id(b.group) in index]
+    # a bucket none of whose matrices has been updated adds only zero rows (below): left out, a group
+    # waiting for its first gradient costs no pass over its H at each update it is due
+    mine = [b for b in buckets if id(b.group) in index and bool(b.state["step"].gt(0).any())]
     # each member's place: (group, position in the group's params), the order sums are added in
     places = []
     for b in mine:
@@ -194,6 +198,11 @@ def fit_from_curvature(
         w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).double().square()
         first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
     sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
+    waiting = [group for gi, group in enumerate(groups) if sums[gi, 1] == 0]  # no H measured on any rank
+    for group in waiting:  # its clock starts at its first gradient: the next update is its second again
+        group["fit_from"] = t - 1
+    if len(waiting) == len(groups):
+        return
     for gi, group in enumerate(groups):
         if "weight_decay" in group["fit_to_curvature"]:
             delta = fitted_prior(sums[gi, 2:])
