@@ -15,7 +15,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from enum import Enum
-from stat import S_ISLNK, S_ISREG
+from stat import S_ISDIR, S_ISLNK, S_ISREG
 
 try:
     import fcntl
@@ -32,6 +32,7 @@ __all__ = [
     "fsync_file",
     "give_created_mode",
     "Listed",
+    "listed_directory",
     "listed_kind",
     "no_file_text",
     "replaced_atomically",
@@ -189,15 +190,31 @@ class Listed(str, Enum):
     NOT_REGULAR = "not a regular file"  # a directory, named pipe or device, or a link to one
 
 
+def _listed_entry(path: str) -> os.stat_result | None:
+    """``os.lstat(path)``; None only where no entry is listed under its name (ENOENT, ENOTDIR), any other
+    error raises the OSError naming ``path``."""
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def listed_directory(path: str) -> bool:
+    """Whether the directory of ``path`` lists a directory under its name: the entry itself, not a link
+    to one. By the rule of :func:`listed_kind`: only a missing entry is none; one this user cannot look up
+    raises the OSError naming ``path``."""
+    entry = _listed_entry(path)
+    return entry is not None and S_ISDIR(entry.st_mode)
+
+
 def listed_kind(path: str) -> Listed | None:
     """What the directory of ``path`` lists under its name: the one rule for "is this file there".
 
     None only where ``os.lstat`` finds no entry (ENOENT, ENOTDIR); else its :class:`Listed`. Any other
     error (EACCES, ...) raises the OSError naming ``path``: a file this user cannot look up is no file
     that is missing, and taking it for one reads the directory as something else."""
-    try:
-        entry = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
+    entry = _listed_entry(path)
+    if entry is None:
         return None
     if S_ISLNK(entry.st_mode):
         try:

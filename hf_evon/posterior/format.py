@@ -31,6 +31,7 @@ from hf_evon.fileio import (
     fsync_dir,
     fsync_file,
     give_created_mode,
+    listed_directory,
     replaced_atomically,
     temporary_name_pattern,
 )
@@ -442,15 +443,6 @@ def _remove_stale_files(directory: str) -> None:
                 os.remove(path)
 
 
-def _is_directory(path: str) -> bool:
-    """Whether ``path`` is listed as a directory (itself, not a link to one); only a missing entry is
-    none, any other error raises naming it (the rule of :func:`hf_evon.fileio.listed_kind`)."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-
-
 def _config_names(config_path: str, weights_name: str) -> bool:
     """Whether the config on disk names ``weights_name`` (True where it cannot be read: keep the file)."""
     try:
@@ -472,7 +464,7 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
     staging = os.path.join(directory, _staging_dir_name(checkpoint_id))
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
     with directory_lock(directory):
-        if _is_directory(config_path):  # the config's os.replace onto it fails, once the weights are staged
+        if listed_directory(config_path):  # the config's os.replace onto it fails, once the weights are staged
             raise IsADirectoryError(
                 f"{config_path}: a directory, where a posterior save writes its config; refusing to save over "
                 "it (remove it, or save elsewhere)"
@@ -583,7 +575,7 @@ def remove_posterior(directory: str) -> list[str]:
     with directory_lock(directory):
         for name in (POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME):
             path = os.path.join(directory, name)
-            if _is_directory(path):
+            if listed_directory(path):
                 continue
             try:
                 os.remove(path)
