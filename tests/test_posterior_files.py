@@ -1040,6 +1040,51 @@ def test_weights_that_cannot_be_looked_up_are_not_reported_missing(tmp_path, mon
     assert err.value.filename == weights
 
 
+@pytest.mark.parametrize("kind", ["EACCES", "loop", "directory"])
+def test_copy_posterior_names_weights_listed_there_that_are_no_file_to_read(tmp_path, monkeypatch, kind):
+    """copy_posterior's weights check (os.path.isfile) said "... (named by evon_posterior_config.json) is
+    missing" for weights this user cannot look up (EACCES; simulated, the tests run as root), a loop of
+    links and a directory: each is there. The PermissionError naming the weights is raised, and the others
+    are named for what they are; the directory copied into is left as it was."""
+    from hf_evon.posterior.format import copy_posterior
+
+    source, target = tmp_path / "saved", tmp_path / "copied"
+    _posterior().save_pretrained(source, model_card=False)
+    target.mkdir()
+    weights = source / POSTERIOR_WEIGHTS_NAME
+    named = f"{source}: {POSTERIOR_WEIGHTS_NAME} (named by {POSTERIOR_CONFIG_NAME}) is "
+    if kind == "EACCES":
+
+        def refused(real):  # noqa: ANN001, ANN202
+            def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                if os.fspath(path) == str(weights):
+                    raise PermissionError(13, "Permission denied", os.fspath(path))
+                return real(path, *args, **kwargs)
+
+            return call
+
+        for name in ("stat", "lstat"):
+            monkeypatch.setattr(os, name, refused(getattr(os, name)))
+        with pytest.raises(PermissionError) as err:
+            copy_posterior(str(source), str(target))
+        assert err.value.filename == str(weights)
+    else:
+        weights.unlink()
+        weights.mkdir() if kind == "directory" else weights.symlink_to(source / "back")
+        if kind == "loop":
+            (source / "back").symlink_to(weights)
+        error = PosteriorMismatchError if kind == "directory" else FileNotFoundError
+        with pytest.raises(error) as err:
+            copy_posterior(str(source), str(target))
+        why = (
+            "not a regular file (a directory, named pipe or device)"
+            if kind == "directory"
+            else f"a link to {str(source / 'back')!r}, which leads into a loop of links (ELOOP)"
+        )
+        assert str(err.value) == named + why, str(err.value)
+    assert os.listdir(target) == []
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd")
 def test_a_config_that_is_a_directory_is_refused_as_such_and_leaves_no_descriptor_open(tmp_path):
     """A config that is a directory opened (O_RDONLY opens a directory) and then failed in ``open(fd)``:

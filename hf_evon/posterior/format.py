@@ -26,12 +26,15 @@ from safetensors.torch import save_file
 
 import hf_evon.posterior.json_rules as json_rules
 from hf_evon.fileio import (
+    Listed,
     atomic_write,
     directory_lock,
     fsync_dir,
     fsync_file,
     give_created_mode,
     listed_directory,
+    listed_kind,
+    no_file_text,
     replaced_atomically,
     temporary_name_pattern,
 )
@@ -538,10 +541,11 @@ def copy_posterior(source: str, directory: str) -> None:
     """
     config = read_config(os.path.join(source, POSTERIOR_CONFIG_NAME))
     weights = os.path.join(source, config.weights_name)
-    if not os.path.isfile(weights):
-        raise FileNotFoundError(
-            f"{source}: {config.weights_name} (named by {POSTERIOR_CONFIG_NAME}) is missing"
-        )
+    kind = listed_kind(weights)  # one this user cannot look up raises the OSError naming it
+    if kind is not Listed.FILE:
+        named = f"{source}: {config.weights_name} (named by {POSTERIOR_CONFIG_NAME}) is"
+        error = PosteriorMismatchError if kind is Listed.NOT_REGULAR else FileNotFoundError
+        raise error(f"{named} missing" if kind is None else f"{named} {no_file_text(weights, kind)}")
     if config.checkpoint_id is not None:
         _switch_in(directory, config, lambda path: shutil.copyfile(weights, path))
         return
