@@ -869,6 +869,38 @@ def test_lora_classifier_card_given_the_model_names_num_labels(tokenizer):
     assert 'base = AutoModelForSequenceClassification.from_pretrained("me/base", num_labels=5)' in snippet
 
 
+@pytest.mark.parametrize("kind", ["EACCES", "loop", "dangling link"])
+def test_a_local_base_model_listed_here_is_not_written_as_a_hub_id(tmp_path, monkeypatch, kind):
+    """A base model given as a relative path that reads as a repo id (``runs/base``), which this user
+    cannot look up (EACCES; simulated, the tests run as root), or which is a loop of links or a link to
+    nothing: os.path.exists swallows why, so the path went into the card's ``base_model`` metadata as a
+    Hub id, which the Hub links to another repo. Only a name listed nowhere here is taken for a Hub id."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    posterior = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    if kind == "EACCES":
+        (tmp_path / "runs" / "base").mkdir()
+
+        def refused(real):  # noqa: ANN001, ANN202
+            def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+                if isinstance(path, str | os.PathLike) and os.fspath(path).startswith("runs" + os.sep):
+                    raise PermissionError(13, "Permission denied", os.fspath(path))
+                return real(path, *args, **kwargs)
+
+            return call
+
+        for name in ("stat", "lstat"):
+            monkeypatch.setattr(os, name, refused(getattr(os, name)))
+    else:
+        (tmp_path / "runs" / "base").symlink_to("base" if kind == "loop" else "moved-away")
+    assert render_model_card(posterior, base_model="runs/base").data.base_model is None
+    assert render_model_card(posterior, base_model="me/base").data.base_model == "me/base"
+    assert render_model_card(posterior, base_model="me/ba\0se").data.base_model is None  # no path, no repo id
+
+
 @pytest.mark.parametrize("problem", ["multi_label_classification", "regression"])
 def test_a_peft_classifiers_snippet_builds_its_base_with_its_problem_type(tmp_path, tokenizer, problem):
     """An adapter's directory holds no config.json, so the snippet's base is built by

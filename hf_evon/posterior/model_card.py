@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hf_evon.fileio import atomic_write, directory_lock, temporary_name_pattern
+from hf_evon.fileio import atomic_write, directory_lock, listed_kind, temporary_name_pattern
 from hf_evon.modeling import problem_type
 from hf_evon.posterior.json_rules import as_float
 from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
@@ -141,8 +141,15 @@ def _code(value: Any) -> str:
 
 
 def _is_hub_id(name: str | None) -> bool:
-    """Whether ``name`` can go into the card's ``base_model`` metadata (a Hub id, not a path)."""
-    if not name or os.path.exists(name) or name.startswith((".", "/", "~")):
+    """Whether ``name`` can go into the card's ``base_model`` metadata (a Hub id, not a path): a name
+    listed here (:func:`~hf_evon.fileio.listed_kind`), a link that reaches nothing included, is a local
+    path, and so is one this user cannot look up: the Hub would link the card to another repo."""
+    if not name or name.startswith((".", "/", "~")):
+        return False
+    try:
+        if listed_kind(name) is not None:
+            return False
+    except (OSError, ValueError):  # ValueError: a NUL in the name, which no repo id holds either
         return False
     try:
         validate_repo_id(name)
