@@ -1480,6 +1480,30 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_the_calibration(save
         assert f"--output {str(output)!r}: {str(read_only)!r} is a directory this user cannot write in" in err, err
 
 
+@pytest.mark.parametrize("kind", ["dangling link", "loop"])
+def test_calibrate_refuses_an_output_under_a_link_that_reaches_nothing_before_the_calibration(
+    saved, tmp_path, capsys, monkeypatch, kind
+):
+    """An --output that is, or lies under, a link to nothing (a disk not mounted) or a loop of links:
+    os.path.exists took the link for missing, so the check went up to the directory holding it, the whole
+    calibration ran, and the save failed on the link (os.makedirs). It is a usage error naming the link
+    and what it is, before any pass."""
+    import hf_evon.predictive.calibration as calibration
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    link = tmp_path / "out"
+    target = link if kind == "loop" else tmp_path / "moved-away"
+    link.symlink_to(target)
+    why = "leads into a loop of links (ELOOP)" if kind == "loop" else "does not exist"
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    for output in (link, link / "run"):
+        argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
+        assert main([*argv, "--block-size", "8", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"--output {str(output)!r}: {str(link)!r} is a link to {str(target)!r}, which {why}" in err, err
+
+
 @pytest.mark.parametrize("kind", ["directory", "dangling link"])
 def test_a_posterior_directory_whose_config_is_no_file_as_model_says_so(saved, tmp_path, capsys, kind):
     """--model given a posterior's directory whose config is a directory or a link to nothing: it was

@@ -8,22 +8,39 @@ torch, transformers, peft and the rest of hf_evon are imported inside the functi
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from typing import Any
 
 from hf_evon.cli.loading import UsageError
-from hf_evon.fileio import ANSI_ESCAPE, refused_load_text
+from hf_evon.fileio import ANSI_ESCAPE, Listed, listed_kind, no_file_text, refused_load_text
 
 
 def check_output(output: str) -> None:
-    """A usage error where ``output`` cannot become a directory this user writes in."""
+    """A usage error where ``output`` cannot become a directory this user writes in. It is checked at the
+    nearest entry listed on its path (:func:`~hf_evon.fileio.listed_kind`): a link there that reaches
+    nothing is named as such (the save's os.makedirs would fail on it after the whole calibration)."""
     existing = os.path.abspath(output)
-    while not os.path.exists(existing):
+    while (kind := _listed_on_path(existing)) is None:
         existing = os.path.dirname(existing)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise UsageError(f"--output {output!r}: {existing!r} is {no_file_text(existing, kind)}")
     if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
         why = "is a directory this user cannot write in" if os.path.isdir(existing) else "is a file, not a directory"
         raise UsageError(f"--output {output!r}: {existing!r} {why}")
+
+
+def _listed_on_path(path: str) -> Listed | None:
+    """:func:`~hf_evon.fileio.listed_kind` of ``path``; None also where the way to it cannot be taken (a
+    directory on it this user may not search: EACCES; a loop of links on it: ELOOP): the walk up reaches
+    that entry, which :func:`check_output` refuses naming it."""
+    try:
+        return listed_kind(path)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.ELOOP):
+            raise
+        return None
 
 
 def check_output_posterior(output: str, model: Any) -> None:
