@@ -1040,6 +1040,46 @@ def test_the_skipped_checkpoints_warning_names_the_users_train_call(tmp_path, mo
     assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in caught]
 
 
+@pytest.mark.parametrize("name", ["trainer_state.json", "optimizer.pt"])
+def test_a_checkpoints_file_that_cannot_be_looked_up_is_not_taken_for_a_save_cut_short(tmp_path, monkeypatch, name):
+    """A checkpoint file this user cannot look up (EACCES; simulated, the tests run as root): os.path.isfile
+    took it for missing, so ``resume_from_checkpoint=True`` skipped the newest checkpoint as incomplete and
+    resumed from an older one, and an explicit path to it was refused as "an incomplete checkpoint (no
+    trainer_state.json): its save was cut short". The PermissionError naming the file is raised, before
+    the Trainer's train()."""
+    from transformers import Trainer
+
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(8))
+    older, newest = Path(trainer.args.output_dir) / "checkpoint-2", Path(trainer.args.output_dir) / "checkpoint-4"
+    for checkpoint in (older, newest):
+        checkpoint.mkdir(parents=True)
+        for file in ("trainer_state.json", "optimizer.pt", "scheduler.pt"):
+            (checkpoint / file).write_text("{}")
+    refused_path = str(newest / name)
+
+    def refused(real):  # noqa: ANN001, ANN202
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if isinstance(path, str | os.PathLike) and os.fspath(path) == refused_path:
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    def stop(self, *args, **kwargs):
+        raise KeyboardInterrupt(kwargs["resume_from_checkpoint"])  # the resolved checkpoint: no training
+
+    monkeypatch.setattr(Trainer, "train", stop)
+    for call in ("stat", "lstat"):
+        monkeypatch.setattr(os, call, refused(getattr(os, call)))
+    resumes = [str(newest), True] if name == "trainer_state.json" else [True]
+    for resume in resumes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no checkpoint is skipped
+            with pytest.raises(PermissionError) as err:
+                trainer.train(resume_from_checkpoint=resume)
+        assert err.value.filename == refused_path
+
+
 # ---------------------------------------------------------------------------- evaluation
 def _direct_bma(model, posterior, data, seeds, causal=False):
     model.eval()

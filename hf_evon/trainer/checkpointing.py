@@ -37,7 +37,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
-from hf_evon.fileio import directory_lock, refused_load_text, replaced_atomically
+from hf_evon.fileio import (
+    Listed,
+    directory_lock,
+    listed_kind,
+    refused_load_text,
+    replaced_atomically,
+)
 from hf_evon.modeling import unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.validation import GROUP_KEYS
@@ -120,16 +126,18 @@ _CHECKPOINT_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # transformer
 def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
     """What ``directory`` lacks to resume from, or None. The Trainer writes the weights, the
     optimizer state and then ``trainer_state.json``, each in place: a save killed mid-way leaves no
-    ``trainer_state.json``, or one cut short; ``needs`` are the further files the run resumes from."""
+    ``trainer_state.json``, or one cut short; ``needs`` are the further files the run resumes from.
+    A file this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`):
+    taken for none, the checkpoint would be called cut short and an older one resumed."""
     state = os.path.join(directory, TRAINER_STATE_NAME)
-    if not os.path.isfile(state):
+    if listed_kind(state) is not Listed.FILE:
         return f"no {TRAINER_STATE_NAME}"
     try:
         with open(state, encoding="utf-8") as f:
             json.load(f)
     except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return f"{TRAINER_STATE_NAME} cut short or unreadable: {str(err)[:120]}"
-    missing = [name for name in needs if not os.path.isfile(os.path.join(directory, name))]
+    missing = [name for name in needs if listed_kind(os.path.join(directory, name)) is not Listed.FILE]
     if not missing:
         return None
     lacks = f"no {' and no '.join(missing)}"
