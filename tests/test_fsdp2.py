@@ -350,6 +350,66 @@ def test_trainer_refuses_an_fsdp2_checkpoint_without_evon_optimizer_state(tmp_pa
     trainer._load_optimizer_and_scheduler(None)
 
 
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("evon_optimizer.pt", "EACCES"),
+        ("evon_optimizer.pt", "loop"),
+        ("scheduler.pt", "EACCES"),
+        ("scheduler.pt", "dangling link"),
+    ],
+)
+def test_an_fsdp2_checkpoints_state_file_listed_there_is_not_taken_for_none(tmp_path, name, kind) -> None:
+    """An FSDP2 checkpoint's ``evon_optimizer.pt`` or ``scheduler.pt`` that this user cannot look up (EACCES;
+    simulated, the tests run as root), that is a loop of links or a link to nothing: os.path.isfile took it
+    for none, so the checkpoint was said to have no evon_optimizer.pt, and a scheduler.pt so listed was
+    skipped: the run resumed with a fresh learning-rate schedule. The PermissionError naming the file is
+    raised, and a link that reaches nothing is named as such (the sharding object stands in for a real
+    FSDP2 one)."""
+    from datasets import Dataset
+
+    from hf_evon import EVONConfig, EVONTrainer
+    from hf_evon.distributed.fsdp2 import FSDP2Sharding
+
+    model = torch.nn.Linear(4, 4)
+    args = EVONConfig(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, max_steps=1)
+    trainer = EVONTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"x": [[0.0] * 4]}))
+    trainer.create_optimizer()
+    trainer.evon_optimizer.sharding = object.__new__(FSDP2Sharding)
+    checkpoint = tmp_path / "checkpoint-1"
+    checkpoint.mkdir()
+    (checkpoint / "evon_optimizer.pt").write_bytes(b"")  # read once EVON is sharded, not here
+    path = checkpoint / name
+    if kind == "EACCES":
+        path.write_bytes(b"")
+        real = {call: getattr(os, call) for call in ("stat", "lstat")}
+
+        def refused(call):  # noqa: ANN001, ANN202
+            def stat(p, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+                if isinstance(p, str | os.PathLike) and os.fspath(p) == str(path):
+                    raise PermissionError(13, "Permission denied", os.fspath(p))
+                return real[call](p, *a, **k)
+
+            return stat
+
+        with pytest.MonkeyPatch.context() as patch:
+            for call in real:
+                patch.setattr(os, call, refused(call))
+            with pytest.raises(PermissionError) as err:
+                trainer._load_optimizer_and_scheduler(str(checkpoint))
+        assert err.value.filename == str(path)
+        return
+    path.unlink(missing_ok=True)
+    target = path if kind == "loop" else tmp_path / "moved-away"
+    path.symlink_to(target)
+    with pytest.raises(FileNotFoundError) as err:
+        trainer._load_optimizer_and_scheduler(str(checkpoint))
+    why = "leads into a loop of links (ELOOP)" if kind == "loop" else "does not exist"
+    assert str(err.value) == (
+        f"EVONTrainer cannot resume this FSDP2 run: {str(path)!r} is a link to {str(target)!r}, which {why}"
+    ), str(err.value)
+
+
 @pytest.mark.parametrize("content", ["truncated", "code", "another model"])
 def test_an_unreadable_evon_optimizer_state_is_named_by_its_file(tmp_path, content) -> None:
     """A resume from an ``evon_optimizer.pt`` cut short, holding a pickle that would run code, or

@@ -41,6 +41,7 @@ from hf_evon.fileio import (
     Listed,
     directory_lock,
     listed_kind,
+    no_file_text,
     refused_load_text,
     replaced_atomically,
 )
@@ -151,6 +152,17 @@ def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
 # what any of the Trainer's saves (the FSDP ones too) and EVON's under FSDP2 write of the optimizer state
 _OPTIMIZER_STATE_FILES = (OPTIMIZER_NAME, SCHEDULER_NAME, OPTIMIZER_NAME_BIN, "optimizer_0", EVON_OPTIMIZER_NAME)
 _SAVED_WITHOUT_OPTIMIZER = "saved without its optimizer state, as save_only_model=True saves"
+
+
+def _listed_fsdp2_state(path: str) -> bool:
+    """Whether an FSDP2 checkpoint lists its state file ``path`` (``evon_optimizer.pt``, ``scheduler.pt``)
+    as a file to read. One listed that is a link to nothing or a loop of links is refused naming it: taken
+    for none, EVON's state would be called missing, or the run would resume with a fresh learning-rate
+    schedule. One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
+    kind = listed_kind(path)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise FileNotFoundError(f"EVONTrainer cannot resume this FSDP2 run: {path!r} is {no_file_text(path, kind)}")
+    return kind is Listed.FILE
 
 
 def _how_to_resume(skipped: list[str]) -> str:
@@ -478,7 +490,7 @@ class CheckpointingMixin:
         if checkpoint is None or not self._evon_fsdp2():
             return False
         path = os.path.join(checkpoint, EVON_OPTIMIZER_NAME)
-        if not os.path.isfile(path):
+        if not _listed_fsdp2_state(path):
             raise UnsupportedParallelismError(
                 f"EVONTrainer cannot resume this FSDP2 run: the checkpoint {checkpoint} has no "
                 f"{EVON_OPTIMIZER_NAME} (EVON's full optimizer state, written by EVONTrainer's FSDP2 "
@@ -487,7 +499,7 @@ class CheckpointingMixin:
             )
         self._evon_fsdp2_resume = path
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
+        if _listed_fsdp2_state(scheduler):
             with warnings.catch_warnings(record=True) as caught:
                 check_torch_load_is_safe()
                 try:
