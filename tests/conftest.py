@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,21 @@ def directory_locked(directory: str) -> bool:
     finally:
         os.close(fd)  # releases a lock this probe took
     return False
+
+
+def refuse_lookups(
+    monkeypatch: pytest.MonkeyPatch, refused: Callable[[str], bool], calls: tuple[str, ...] = ("stat", "lstat")
+) -> None:
+    """``os.<call>`` of every path ``refused`` names answers EACCES, as for an entry in a directory this user
+    may not search (simulated: the tests run as root); any other path is looked up as usual."""
+
+    def wrapped(real):  # noqa: ANN001, ANN202
+        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if isinstance(path, str | os.PathLike) and refused(os.fspath(path)):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(os, name, wrapped(getattr(os, name)))

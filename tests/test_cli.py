@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import plain_evon
+from conftest import plain_evon, refuse_lookups
 from launcher import free_port
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -680,18 +680,7 @@ def test_a_missing_run_beside_a_link_to_nothing_is_local(tmp_path, capsys, monke
 def _refuse_lookups_under(monkeypatch: pytest.MonkeyPatch, directory: str) -> None:
     """``os.lstat`` and ``os.stat`` of an entry in ``directory`` (a path as the code under test spells it)
     answer EACCES, as in a directory this user may not search (simulated: the tests run as root)."""
-    inside = directory + os.sep
-
-    def refused(real):  # noqa: ANN001, ANN202
-        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if isinstance(path, str | os.PathLike) and os.fspath(path).startswith(inside):
-                raise PermissionError(13, "Permission denied", os.fspath(path))
-            return real(path, *args, **kwargs)
-
-        return call
-
-    for name in ("stat", "lstat"):
-        monkeypatch.setattr(os, name, refused(getattr(os, name)))
+    refuse_lookups(monkeypatch, lambda path: path.startswith(directory + os.sep))
 
 
 @pytest.mark.parametrize(

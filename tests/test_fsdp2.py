@@ -15,7 +15,7 @@ import os
 import fsdp2_worker as worker
 import pytest
 import torch
-from conftest import approx_tree
+from conftest import approx_tree, refuse_lookups
 from launcher import rank_results, runs_per_world, torchrun
 
 from hf_evon import EVONPosterior, build_optimizer
@@ -382,19 +382,8 @@ def test_an_fsdp2_checkpoints_state_file_listed_there_is_not_taken_for_none(tmp_
     path = checkpoint / name
     if kind == "EACCES":
         path.write_bytes(b"")
-        real = {call: getattr(os, call) for call in ("stat", "lstat")}
-
-        def refused(call):  # noqa: ANN001, ANN202
-            def stat(p, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-                if isinstance(p, str | os.PathLike) and os.fspath(p) == str(path):
-                    raise PermissionError(13, "Permission denied", os.fspath(p))
-                return real[call](p, *a, **k)
-
-            return stat
-
         with pytest.MonkeyPatch.context() as patch:
-            for call in real:
-                patch.setattr(os, call, refused(call))
+            refuse_lookups(patch, lambda p: p == str(path))
             with pytest.raises(PermissionError) as err:
                 trainer._load_optimizer_and_scheduler(str(checkpoint))
         assert err.value.filename == str(path)

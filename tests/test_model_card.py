@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_locked, tiny_whisper_config
+from conftest import directory_locked, refuse_lookups, tiny_whisper_config
 from datasets import Dataset
 
 import hf_evon
@@ -884,16 +884,7 @@ def test_a_local_base_model_listed_here_is_not_written_as_a_hub_id(tmp_path, mon
     if kind == "EACCES":
         (tmp_path / "runs" / "base").mkdir()
 
-        def refused(real):  # noqa: ANN001, ANN202
-            def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-                if isinstance(path, str | os.PathLike) and os.fspath(path).startswith("runs" + os.sep):
-                    raise PermissionError(13, "Permission denied", os.fspath(path))
-                return real(path, *args, **kwargs)
-
-            return call
-
-        for name in ("stat", "lstat"):
-            monkeypatch.setattr(os, name, refused(getattr(os, name)))
+        refuse_lookups(monkeypatch, lambda path: path.startswith("runs" + os.sep))
     else:
         (tmp_path / "runs" / "base").symlink_to("base" if kind == "loop" else "moved-away")
     assert render_model_card(posterior, base_model="runs/base").data.base_model is None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_locked
+from conftest import directory_locked, refuse_lookups
 
 from hf_evon import EVONPosterior, PosteriorMismatchError
 from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
@@ -981,18 +981,7 @@ def test_a_directory_whose_entries_cannot_be_looked_up_is_no_directory_without_a
 
     shared = tmp_path / "shared"
     _posterior().save_pretrained(shared, model_card=False)
-    inside = str(shared) + os.sep
-
-    def refused(real):  # noqa: ANN001, ANN202
-        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if os.fspath(path).startswith(inside):
-                raise PermissionError(13, "Permission denied", os.fspath(path))
-            return real(path, *args, **kwargs)
-
-        return call
-
-    for name in ("stat", "lstat", "open"):
-        monkeypatch.setattr(os, name, refused(getattr(os, name)))
+    refuse_lookups(monkeypatch, lambda path: path.startswith(str(shared) + os.sep), ("stat", "lstat", "open"))
     config = os.path.join(shared, POSTERIOR_CONFIG_NAME)
     with pytest.raises(PermissionError) as err:
         holds_posterior_config(shared)
@@ -1024,17 +1013,7 @@ def test_weights_that_cannot_be_looked_up_are_not_reported_missing(tmp_path, mon
     PermissionError naming the weights is raised."""
     _posterior().save_pretrained(tmp_path, model_card=False)
     weights = str(tmp_path / POSTERIOR_WEIGHTS_NAME)
-
-    def refused(real):  # noqa: ANN001, ANN202
-        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if os.fspath(path) == weights:
-                raise PermissionError(13, "Permission denied", os.fspath(path))
-            return real(path, *args, **kwargs)
-
-        return call
-
-    for name in ("stat", "lstat"):
-        monkeypatch.setattr(os, name, refused(getattr(os, name)))
+    refuse_lookups(monkeypatch, lambda path: path == weights)
     with pytest.raises(PermissionError) as err:
         EVONPosterior.from_pretrained(tmp_path)
     assert err.value.filename == weights
@@ -1054,17 +1033,7 @@ def test_copy_posterior_names_weights_listed_there_that_are_no_file_to_read(tmp_
     weights = source / POSTERIOR_WEIGHTS_NAME
     named = f"{source}: {POSTERIOR_WEIGHTS_NAME} (named by {POSTERIOR_CONFIG_NAME}) is "
     if kind == "EACCES":
-
-        def refused(real):  # noqa: ANN001, ANN202
-            def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-                if os.fspath(path) == str(weights):
-                    raise PermissionError(13, "Permission denied", os.fspath(path))
-                return real(path, *args, **kwargs)
-
-            return call
-
-        for name in ("stat", "lstat"):
-            monkeypatch.setattr(os, name, refused(getattr(os, name)))
+        refuse_lookups(monkeypatch, lambda path: path == str(weights))
         with pytest.raises(PermissionError) as err:
             copy_posterior(str(source), str(target))
         assert err.value.filename == str(weights)
@@ -1173,17 +1142,7 @@ def test_loading_a_location_listed_here_that_is_no_directory_names_it(tmp_path, 
     monkeypatch.chdir(tmp_path)
     if kind == "EACCES":
         (tmp_path / "a" / "b").mkdir(parents=True)
-
-        def refused(real):  # noqa: ANN001, ANN202
-            def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-                if isinstance(path, str | os.PathLike) and os.fspath(path).startswith("a" + os.sep):
-                    raise PermissionError(13, "Permission denied", os.fspath(path))
-                return real(path, *args, **kwargs)
-
-            return call
-
-        for name in ("stat", "lstat"):
-            monkeypatch.setattr(os, name, refused(getattr(os, name)))
+        refuse_lookups(monkeypatch, lambda path: path.startswith("a" + os.sep))
         with pytest.raises(PermissionError) as err:
             EVONPosterior.from_pretrained(location, local_files_only=True)
         assert err.value.filename == location

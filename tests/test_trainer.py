@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import refuse_lookups
 from launcher import torchrun
 from transformers import (
     BertConfig,
@@ -1057,20 +1058,11 @@ def test_a_checkpoints_file_that_cannot_be_looked_up_is_not_taken_for_a_save_cut
             (checkpoint / file).write_text("{}")
     refused_path = str(newest / name)
 
-    def refused(real):  # noqa: ANN001, ANN202
-        def call(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if isinstance(path, str | os.PathLike) and os.fspath(path) == refused_path:
-                raise PermissionError(13, "Permission denied", os.fspath(path))
-            return real(path, *args, **kwargs)
-
-        return call
-
     def stop(self, *args, **kwargs):
         raise KeyboardInterrupt(kwargs["resume_from_checkpoint"])  # the resolved checkpoint: no training
 
     monkeypatch.setattr(Trainer, "train", stop)
-    for call in ("stat", "lstat"):
-        monkeypatch.setattr(os, call, refused(getattr(os, call)))
+    refuse_lookups(monkeypatch, lambda path: path == refused_path)
     resumes = [str(newest), True] if name == "trainer_state.json" else [True]
     for resume in resumes:
         with warnings.catch_warnings():
