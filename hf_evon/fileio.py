@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum
 from stat import S_ISDIR, S_ISLNK, S_ISREG
 
@@ -34,6 +34,7 @@ __all__ = [
     "Listed",
     "listed_directory",
     "listed_kind",
+    "local_directory",
     "no_file_text",
     "replaced_atomically",
     "temporary_name",
@@ -226,6 +227,23 @@ def listed_kind(path: str) -> Listed | None:
                 return Listed.LINK_LOOP
             raise
     return Listed.FILE if S_ISREG(entry.st_mode) else Listed.NOT_REGULAR
+
+
+def local_directory(
+    path: str, unreachable: Callable[[str], BaseException], no_directory: Callable[[], BaseException]
+) -> bool:
+    """Whether ``path``, given as a location (a local directory, else a Hub repo id), is a local directory:
+    the one rule for it. False only where nothing is listed under it (:func:`listed_kind` None), which
+    the caller goes on to check as a repo id. A link that reaches nothing or a loop of links raises
+    ``unreachable(why)``, ``why`` naming its target (:func:`no_file_text`); anything else listed that is
+    no directory (a file, a named pipe, a link to one) raises ``no_directory()``. One this user cannot
+    look up raises the OSError naming it: taken for no entry, it would send a local path to the Hub."""
+    kind = listed_kind(path)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise unreachable(no_file_text(path, kind))
+    if kind is not None and not os.path.isdir(path):  # looked up already: isdir answers for this entry
+        raise no_directory()
+    return kind is not None
 
 
 def no_file_text(path: str, kind: Listed) -> str:

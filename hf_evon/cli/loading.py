@@ -18,6 +18,7 @@ from hf_evon.fileio import (
     ANSI_ESCAPE,
     Listed,
     listed_kind,
+    local_directory,
     looks_like_local_path,
     no_file_text,
     refused_load_text,
@@ -34,16 +35,15 @@ def check_location(value: str, option: str) -> str:
 
     Why: huggingface_hub reports a mistyped local path as "Repo id must be in the form ...",
     which hides that the directory does not exist. Only a location not listed here can be a repo id
-    (:func:`~hf_evon.fileio.listed_kind`): one this user cannot look up raises the OSError naming it,
+    (:func:`~hf_evon.fileio.local_directory`): one this user cannot look up raises the OSError naming it,
     and a link that reaches nothing is named as such.
     """
-    kind = listed_kind(value)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise UsageError(f"{option} {value!r} is {no_file_text(value, kind)}")
-    if kind is not None:  # looked up already: isdir answers for this entry, not for an error
-        if os.path.isdir(value):
-            return "local"
-        raise UsageError(f"{option} {value!r} is a file; pass the directory that holds it")
+    if local_directory(
+        value,
+        lambda why: UsageError(f"{option} {value!r} is {why}"),
+        lambda: UsageError(f"{option} {value!r} is a file; pass the directory that holds it"),
+    ):
+        return "local"
     if looks_like_local_path(value):
         raise UsageError(f"{option} {value!r}: no such local directory")
     from huggingface_hub.utils import HFValidationError, validate_repo_id

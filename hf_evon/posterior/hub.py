@@ -26,7 +26,7 @@ from huggingface_hub.hf_api import RepoSibling
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 import hf_evon.posterior.format as posterior_format
-from hf_evon.fileio import Listed, listed_kind, looks_like_local_path, no_file_text
+from hf_evon.fileio import Listed, listed_kind, local_directory, looks_like_local_path, no_file_text
 from hf_evon.posterior.config import (
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
@@ -155,15 +155,14 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
 
 def _is_local(path: str) -> bool:
     """Whether ``path`` is a local directory; False where nothing is listed under it (a Hub repo id, or a
-    mistyped path :func:`_check_repo_id` refuses). Anything else listed there is refused naming it: a
-    file, a link that reaches nothing, and an entry this user cannot look up (the OSError of
-    :func:`~hf_evon.fileio.listed_kind`), which taken for no entry sends a local path to the Hub."""
-    kind = listed_kind(path)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise FileNotFoundError(f"no EVON posterior at {path!r}: it is {no_file_text(path, kind)}")
-    if kind is not None and not os.path.isdir(path):  # looked up already: isdir answers for this entry
-        raise ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}")
-    return kind is not None
+    mistyped path :func:`_check_repo_id` refuses). Anything else listed there is refused naming it
+    (:func:`~hf_evon.fileio.local_directory`): a file, a link that reaches nothing, and an entry this user
+    cannot look up, which taken for no entry sends a local path to the Hub."""
+    return local_directory(
+        path,
+        lambda why: FileNotFoundError(f"no EVON posterior at {path!r}: it is {why}"),
+        lambda: ValueError(f"{path!r} is a file; pass the directory that holds {POSTERIOR_CONFIG_NAME}"),
+    )
 
 
 def _missing_text(directory: str, name: str, shown: str, kind: Listed | None) -> str:
