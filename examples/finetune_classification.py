@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import math
 import os
@@ -105,17 +106,22 @@ def parse_source(path: str) -> ast.Module | None:
         return None
 
 
-def _docstrings(path: str) -> Iterator[str]:
+@functools.cache  # parsing a topic's sources takes seconds; the tasks built from them read each file again
+def _docstrings(path: str) -> tuple[str, ...]:
+    """The first paragraph (whitespace collapsed, 25 characters or more) of each function's and class's
+    docstring in the source file ``path``, in the syntax tree's order."""
     tree = parse_source(path)
     if tree is None:
-        return
+        return ()
+    paragraphs = []
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             doc = ast.get_docstring(node)
             if doc:
                 paragraph = " ".join(doc.strip().split("\n\n")[0].split())
                 if len(paragraph) >= 25:
-                    yield paragraph
+                    paragraphs.append(paragraph)
+    return tuple(paragraphs)
 
 
 def stdlib_docstring_dataset(train_per_class: int, eval_per_class: int) -> tuple[Any, Any, list[str]]:
