@@ -2031,3 +2031,91 @@ def test_calibrate_refuses_an_output_whose_posterior_config_is_a_directory_befor
         "where the save writes the posterior's config: pass another --output, or remove that directory"
     )
     assert os.listdir(output) == ["evon_posterior_config.json"]
+
+
+def _refused_or_linked(monkeypatch: pytest.MonkeyPatch, entry: Path, kind: str) -> str:
+    """``entry`` made what ``kind`` names: a file this user cannot look up ("EACCES": os.lstat and os.stat
+    of it answer so, simulated: the tests run as root), a "directory", a "dangling link" or a "loop" of
+    links; returns what the CLI reports of a link ("a link to ..., which ...")."""
+    if kind == "EACCES":
+        entry.write_bytes(b"another run's file")
+        refuse_lookups(monkeypatch, lambda path: path == str(entry))
+    elif kind == "directory":
+        entry.mkdir()
+    else:
+        entry.symlink_to(entry if kind == "loop" else entry.parent.parent / "moved-away")
+    if kind == "loop":
+        return f"a link to {str(entry)!r}, which leads into a loop of links (ELOOP)"
+    return f"a link to {str(entry.parent.parent / 'moved-away')!r}, which does not exist"
+
+
+@pytest.mark.parametrize("kind", ["EACCES", "dangling link", "loop"])
+def test_calibrate_refuses_an_output_whose_posterior_config_is_listed_but_no_file_before_the_calibration(
+    saved, tmp_path, capsys, monkeypatch, kind
+):
+    """An --output whose evon_posterior_config.json this user cannot look up, or is a link to nothing (a
+    posterior on a disk not mounted) or a loop of links: os.path.isdir and os.path.isfile took it for no
+    posterior, the whole calibration ran, and the save replaced the link. The PermissionError naming it is
+    reported, and a link is a usage error naming it and its target, before any pass; the entry stays."""
+    import hf_evon.predictive.calibration as calibration
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    output = tmp_path / "out"
+    output.mkdir()
+    config = output / "evon_posterior_config.json"
+    why = _refused_or_linked(monkeypatch, config, kind)
+    argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
+    code = main([*argv, "--block-size", "8", "--device", "cpu"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    if kind == "EACCES":
+        assert (code, err) == (1, f"hf-evon calibrate: error: [Errno 13] Permission denied: {str(config)!r}"), err
+    else:
+        assert (code, err) == (2, (
+            f"hf-evon calibrate: error: --output {str(output)!r}: its evon_posterior_config.json is {why}: "
+            "pass another --output, or remove its evon_posterior files to replace them"
+        )), err
+    assert os.listdir(output) == ["evon_posterior_config.json"]
+
+
+@pytest.mark.parametrize("kind", ["EACCES", "directory", "dangling link", "loop"])
+def test_calibrate_refuses_an_output_whose_adapter_weights_are_listed_but_no_file_before_the_calibration(
+    saved, tmp_path, capsys, monkeypatch, kind
+):
+    """calibrate of a LoRA model into an --output holding --model's adapter_config.json beside an
+    adapter_model.safetensors this user cannot look up, or that is a directory, a link to nothing (an adapter
+    on a disk not mounted) or a loop of links: os.path.isfile took it for no adapter weights, the whole
+    calibration ran, and the posterior was saved beside weights nobody read. The PermissionError naming it is
+    reported, and the others are a usage error naming the file and what it is, before any pass."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_evon.predictive.calibration as calibration
+
+    path, model, tokenizer, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    ours = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
+    adapter = tmp_path / "adapter"
+    ours.save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(path)}))
+    trained_posterior(ours, len(tokenizer), lambda x: x).save_pretrained(adapter)
+    output = tmp_path / "out"
+    ours.save_pretrained(output)
+    weights = output / "adapter_model.safetensors"
+    weights.unlink()
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    why = _refused_or_linked(monkeypatch, weights, kind)
+    if kind == "directory":
+        why = "not a regular file (a directory, named pipe or device)"
+    argv = ["calibrate", "--model", str(adapter), "--text", str(text), "--output", str(output)]
+    code = main([*argv, "--block-size", "8", "--device", "cpu"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    if kind == "EACCES":
+        assert (code, err) == (1, f"hf-evon calibrate: error: [Errno 13] Permission denied: {str(weights)!r}"), err
+    else:
+        assert (code, err) == (2, (
+            f"hf-evon calibrate: error: --output {str(output)!r}: its adapter_model.safetensors is {why}: saving "
+            "the posterior there would put it beside weights it does not fit: pass another --output"
+        )), err

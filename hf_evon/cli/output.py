@@ -57,15 +57,20 @@ def check_output_posterior(output: str, model: Any) -> None:
     from hf_evon.posterior.format import read_config
 
     path = os.path.join(output, POSTERIOR_CONFIG_NAME)
-    if os.path.isdir(path):  # the save's os.replace of the config onto it fails, after the whole calibration
+    kind = listed_kind(path)  # one this user cannot look up raises the OSError naming it
+    # looked up already: isdir answers for this entry. The save's os.replace of the config onto a
+    # directory fails, after the whole calibration
+    if kind is Listed.NOT_REGULAR and os.path.isdir(path):
         raise UsageError(
             f"--output {output!r}: its {POSTERIOR_CONFIG_NAME} is a directory, where the save writes the "
             "posterior's config: pass another --output, or remove that directory"
         )
-    if not os.path.isfile(path):
+    keep = "pass another --output, or remove its evon_posterior files to replace them"
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):  # a posterior on a disk not mounted: the save replaces the link
+        raise UsageError(f"--output {output!r}: its {POSTERIOR_CONFIG_NAME} is {no_file_text(path, kind)}: {keep}")
+    if kind is not Listed.FILE:
         check_output_weights(output, model)
         return
-    keep = "pass another --output, or remove its evon_posterior files to replace them"
     try:
         config = read_config(path)
     except PosteriorMismatchError as err:
@@ -227,9 +232,12 @@ def check_output_adapter(output: str, model: Any, keep: str) -> None:
     for folder in folders:
         for file in ("adapter_model.safetensors", "adapter_model.bin"):
             path = os.path.join(folder, file)
-            if not os.path.isfile(path):
-                continue
             where = os.path.relpath(path, output)
+            kind = listed_kind(path)  # one this user cannot look up raises the OSError naming it
+            if kind is None:
+                continue
+            if kind is not Listed.FILE:  # PEFT's load of the folder fails on it; it may be another adapter's
+                raise UsageError(f"--output {output!r}: its {where} is {no_file_text(path, kind)}: {keep}")
             stored = _stored_shapes(output, where, keep)
             for tensor, shape in sorted(stored.items()):
                 if tensor in allowed and shape != allowed[tensor]:
