@@ -744,6 +744,34 @@ def test_an_unreachable_hub_is_reported_before_any_retry_unless_the_repo_is_cach
     assert calls == [1, 1]
 
 
+@pytest.mark.parametrize("kind", ["EACCES", "dangling link", "loop"])
+def test_a_repos_hub_cache_folder_listed_but_no_directory_is_not_taken_for_nothing_cached(
+    tmp_path, monkeypatch, capsys, kind
+):
+    """A repo-id location whose folder in the Hub cache this user cannot look up (EACCES; simulated by
+    os.lstat and os.stat, the tests run as root), or is a link to nothing (a cache on a disk not mounted)
+    or a loop of links: os.path.isdir took it for nothing cached, and the Hub's failure was reported with
+    'nothing of it is in the local cache' (online, the download fails on that folder). The PermissionError
+    naming it is reported, and a link is named with its target, before any request; the loader never runs."""
+    from hf_evon.cli.loading import from_location
+
+    _unreachable_hub(monkeypatch, tmp_path)
+    cached = tmp_path / "hub" / "models--alice--absent"
+    cached.parent.mkdir()
+    if kind == "EACCES":
+        cached.mkdir()
+        refuse_lookups(monkeypatch, lambda path: path == str(cached))
+        error, message = PermissionError, f"[Errno 13] Permission denied: {str(cached)!r}"
+    else:
+        why = _refused_or_linked(monkeypatch, cached, kind)
+        error, message = FileNotFoundError, f"the Hub cache's folder of 'alice/absent' ({str(cached)!r}) is {why}"
+    with pytest.raises(error) as err:
+        from_location("alice/absent", "--model", lambda: pytest.fail("the loader ran"))
+    assert str(err.value) == message
+    assert main(["generate", "--model", "alice/absent", "--prompt-ids", "5 9", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"hf-evon generate: error: {message}"
+
+
 def test_a_file_or_an_invalid_name_is_neither_directory_nor_repo_id(saved, capsys):
     path, *_ = saved
     weights = str(path / "model.safetensors")

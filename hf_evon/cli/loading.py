@@ -156,13 +156,23 @@ def unreachable_hub(repo_id: str) -> str | None:
 
     Why: offline, huggingface_hub retries every file request five times with backoff, so a
     mistyped location (``out/run`` with no ``out/`` here) takes ~50 s to fail; one request to the
-    endpoint, without retries, tells at once."""
+    endpoint, without retries, tells at once.
+
+    The repo's folder in the cache is looked up by :func:`~hf_evon.fileio.listed_kind`: one this user
+    cannot look up raises the OSError naming it, and a link there that reaches nothing (a cache on a
+    disk not mounted) raises the FileNotFoundError naming it: every load of the repo, online or not,
+    stops at it, so neither is "nothing of it in the cache"."""
     from huggingface_hub import constants
     from huggingface_hub.file_download import repo_folder_name
     from huggingface_hub.utils import get_session
 
+    if constants.HF_HUB_OFFLINE:
+        return None
     cached = os.path.join(constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id, repo_type="model"))
-    if constants.HF_HUB_OFFLINE or os.path.isdir(cached):
+    kind = listed_kind(cached)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise FileNotFoundError(f"the Hub cache's folder of {repo_id!r} ({cached!r}) is {no_file_text(cached, kind)}")
+    if kind is Listed.NOT_REGULAR and os.path.isdir(cached):  # looked up already: isdir answers for this entry
         return None
     try:
         get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
