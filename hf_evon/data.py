@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_evon.fileio import Listed, listed_kind, local_directory, no_file_text
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -101,11 +103,21 @@ def dataset_corpus(
     files), named ``"<name>:<row>"`` (a local directory by its own name: the split hashes the
     names, and must not depend on how its path is spelled); empty rows are skipped; with
     ``max_bytes`` reading stops once that many bytes were collected (the last document is kept
-    whole)."""
+    whole).
+
+    Only a name listed nowhere here goes to ``datasets`` as a Hub dataset
+    (:func:`~hf_evon.fileio.local_directory`): a local path this user cannot look up raises the
+    OSError naming it, and a file or a link that reaches nothing is refused naming it, which
+    ``datasets`` would look up on the Hub."""
     from datasets import load_dataset
 
+    local = local_directory(
+        name,
+        lambda why: FileNotFoundError(f"dataset_corpus: {name!r} is {why}"),
+        lambda: ValueError(f"dataset_corpus: {name!r} is a file; pass the directory that holds it"),
+    )
     ds = load_dataset(name, config, split=split)
-    label = os.path.basename(os.path.abspath(name)) if os.path.isdir(name) else name
+    label = os.path.basename(os.path.abspath(name)) if local else name
     docs, size = [], 0
     for i, row in enumerate(ds):
         text = row[text_column]
@@ -165,7 +177,12 @@ def load_or_train_tokenizer(
     The size asked for is saved with it: a corpus too small to fill it gives fewer tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+    path = os.path.join(directory, "tokenizer.json")
+    kind = listed_kind(path)  # one this user cannot look up raises the OSError naming it
+    if kind not in (None, Listed.FILE):  # training would end in a save through the link, or onto the entry
+        error = ValueError if kind is Listed.NOT_REGULAR else FileNotFoundError
+        raise error(f"load_or_train_tokenizer: {path!r} is {no_file_text(path, kind)}: remove it, or pass another directory")
+    if kind is Listed.FILE:
         tok = PreTrainedTokenizerFast.from_pretrained(directory)
         if tok.init_kwargs.get(_REQUESTED_VOCAB_SIZE, len(tok)) == vocab_size:
             return tok

@@ -7,6 +7,7 @@ import zlib
 
 import pytest
 import torch
+from conftest import refuse_lookups
 
 from hf_evon import data
 
@@ -129,6 +130,65 @@ def test_a_local_datasets_documents_are_named_whatever_its_path_spelling(tmp_pat
     corpora = [data.dataset_corpus(path) for path in spellings]
     assert all(c == corpora[0] for c in corpora) and corpora[0][0] == ("corpus:0", "line 0 of the text")
     assert len({tuple(data.split_documents(c, 0.2)[1]) for c in corpora}) == 1
+
+
+@pytest.mark.parametrize("kind", ["EACCES", "file", "dangling link", "loop"])
+def test_a_local_dataset_path_listed_here_that_is_no_directory_to_read_is_not_sent_to_the_hub(
+    tmp_path, monkeypatch, kind
+):
+    """dataset_corpus of a local path this user cannot look up (``data/wiki`` where ``data`` may not be
+    searched: EACCES, simulated by os.lstat and os.stat, the tests run as root), a file, a link to nothing
+    (a disk not mounted) or a loop of links: datasets takes any of them for no directory and looks the name
+    up as a Hub dataset (online, a dataset of that name there is loaded in its place). The PermissionError
+    naming it is raised, and the others an error naming it and what it is; datasets is not asked."""
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail(f"sent to datasets: {a}"))
+    monkeypatch.chdir(tmp_path)
+    if kind == "EACCES":
+        (tmp_path / "data" / "wiki").mkdir(parents=True)
+        refuse_lookups(monkeypatch, lambda path: path.startswith("data" + os.sep))
+        name, error, message = "data/wiki", PermissionError, "[Errno 13] Permission denied: 'data/wiki'"
+    elif kind == "file":
+        (tmp_path / "wiki.txt").write_text("a line\n")
+        name, error = "wiki.txt", ValueError
+        message = "dataset_corpus: 'wiki.txt' is a file; pass the directory that holds it"
+    else:
+        name, error = "wiki", FileNotFoundError
+        (tmp_path / name).symlink_to(name if kind == "loop" else "moved-away")
+        why = "'wiki', which leads into a loop of links (ELOOP)" if kind == "loop" else "'moved-away', which does not exist"
+        message = f"dataset_corpus: 'wiki' is a link to {why}"
+    with pytest.raises(error) as err:
+        data.dataset_corpus(name)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("kind", ["EACCES", "directory", "dangling link", "loop"])
+def test_a_saved_tokenizer_file_listed_but_no_file_is_not_trained_over(tmp_path, monkeypatch, kind):
+    """load_or_train_tokenizer where the directory's tokenizer.json cannot be looked up (EACCES, simulated by
+    os.lstat and os.stat, the tests run as root), or is a directory, a link to nothing (a disk not mounted)
+    or a loop of links: os.path.isfile took it for no saved tokenizer, one was trained (tens of seconds on
+    the standard library), and its save wrote through the link or failed on the entry. The PermissionError
+    naming it is raised, and the others an error naming the file and what it is, before any training."""
+    monkeypatch.setattr(data, "train_bpe_tokenizer", lambda *a, **k: pytest.fail("trained"))
+    file = tmp_path / "tokenizer.json"
+    if kind == "EACCES":
+        file.write_text("{}")
+        refuse_lookups(monkeypatch, lambda path: path == str(file))
+        error, message = PermissionError, f"[Errno 13] Permission denied: {str(file)!r}"
+    else:
+        if kind == "directory":
+            file.mkdir()
+            error, why = ValueError, "not a regular file (a directory, named pipe or device)"
+        else:
+            target = file if kind == "loop" else tmp_path / "moved-away"
+            file.symlink_to(target)
+            end = "leads into a loop of links (ELOOP)" if kind == "loop" else "does not exist"
+            error, why = FileNotFoundError, f"a link to {str(target)!r}, which {end}"
+        message = f"load_or_train_tokenizer: {str(file)!r} is {why}: remove it, or pass another directory"
+    with pytest.raises(error) as err:
+        data.load_or_train_tokenizer(str(tmp_path), ["some text"], vocab_size=300)
+    assert str(err.value) == message
 
 
 def test_a_documents_own_end_of_text_string_is_text_not_the_token(tokenizer):
