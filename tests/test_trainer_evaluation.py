@@ -1582,6 +1582,63 @@ def test_evaluate_of_a_regression_warns_once_and_bma_true_is_refused(tmp_path, m
     assert not trainer._evon_in_evaluate and not trainer._evon_bma_asked and trainer._evon_evaluation is None
 
 
+@pytest.mark.parametrize("problem", ["multi_label", "regression", "regression_of_one_column"])
+def test_evaluating_a_model_without_class_logits_runs_no_pass_beyond_the_trainers(tmp_path, monkeypatch, problem):
+    """A multi-label classifier's logits (16, 3) against float labels (16, 3), or a regression's (16, 1)
+    against labels (16, 1), are no class distribution, but evaluate() took such a batch for one whose
+    forward gave nothing to read and ran one more forward at the mean to find that out (every
+    evaluate(), and each under prediction_loss_only). The batch's own forward decides it: evaluate() and
+    predict() run the forwards a plain Trainer runs on the same model and data, and warn as before."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    import hf_evon.trainer.evaluation as evaluation
+
+    outputs = 3 if problem == "multi_label" else 1
+    shown = {"multi_label": "(16, 3)", "regression": "(16,)", "regression_of_one_column": "(16, 1)"}[problem]
+
+    def data(n: int, seed: int) -> Dataset:
+        ids = torch.randint(3, 100, (n, 8), generator=torch.Generator().manual_seed(seed))
+        labels = ids[:, 1:4] % 2 if problem == "multi_label" else ids[:, 1:2] / 100
+        labels = labels.squeeze(-1) if problem == "regression" else labels
+        return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.float().tolist()})
+
+    def scored(prediction) -> dict[str, float]:  # noqa: ANN001
+        return {"rows": float(len(prediction.predictions))}
+
+    dev = data(40, 1)  # batches of 16: three
+    trainer = _trained(tmp_path, lambda: tiny_bert(num_labels=outputs), data(16, 0), dev, eval_strategy="no", max_steps=1)
+    expected_problem = "multi_label_classification" if problem == "multi_label" else "regression"
+    assert trainer.model.config.problem_type == expected_problem  # inferred by transformers from the labels
+    warned: list[str] = []
+    monkeypatch.setattr(evaluation.logger, "warning", lambda message, *a, **k: warned.append(message))
+    calls = count_forwards(trainer.model)
+
+    def forwards(runner, call: str = "evaluate", **settings) -> int:  # noqa: ANN001
+        """The forwards of ``runner.<call>()`` (``predict``: of ``dev``), under the args ``settings``."""
+        before = calls[0]
+        with monkeypatch.context() as patched:
+            for name, value in settings.items():
+                patched.setattr(runner.args, name, value)
+            runner.predict(dev) if call == "predict" else runner.evaluate()
+        return calls[0] - before
+
+    plain = Trainer(
+        model=trainer.model, eval_dataset=dev, compute_metrics=scored,
+        args=TrainingArguments(str(tmp_path / "plain"), per_device_eval_batch_size=16, use_cpu=True, report_to="none"),
+    )  # fmt: skip
+    expected = forwards(plain)
+    assert expected == forwards(plain, "predict") == forwards(plain, prediction_loss_only=True)
+    counts = {"evaluate, loss only": forwards(trainer)}  # no compute_metrics: the Trainer's loss-only loop
+    trainer.compute_metrics = scored
+    counts["evaluate"] = forwards(trainer)
+    counts["evaluate, prediction_loss_only"] = forwards(trainer, prediction_loss_only=True)
+    counts["predict"] = forwards(trainer, "predict")
+    assert counts == dict.fromkeys(counts, expected)
+    assert len(warned) == 1 and f"logits (16, {outputs}) and labels {shown}" in warned[0], warned
+    assert f"problem_type '{expected_problem}' has no softmax" in warned[0]
+
+
 @pytest.mark.parametrize("labelled", [True, False])
 def test_posterior_metrics_refuses_batches_it_cannot_score_before_any_forward(tmp_path, labelled):
     """posterior_metrics() of extractive QA batches (two label tensors) or of unlabelled ones

@@ -281,10 +281,14 @@ def output_field(output: Any, name: str) -> Any:
 
 def scored_field(output: Any, labels: torch.Tensor, causal: bool) -> str | None:
     """The field of a forward's ``output`` the mean metrics read for ``labels``: "logits" (one row per
-    label, or a classifier's), "log_probs" (a causal LM's fused head: the shifted labels'), or None."""
+    label, a classifier's, or one value per label: a multi-label classifier's or a regression's, which
+    ``task_of`` then finds no class distribution in), "log_probs" (a causal LM's fused head: the
+    shifted labels'), or None."""
     logits = output_field(output, "logits")
     if isinstance(logits, torch.Tensor) and (
-        (logits.ndim == labels.ndim + 1 and logits.shape[:-1] == labels.shape) or (logits.ndim == 2 and labels.ndim == 1)
+        (logits.ndim == labels.ndim + 1 and logits.shape[:-1] == labels.shape)
+        or (logits.ndim == 2 and labels.ndim == 1)
+        or logits.shape == labels.shape
     ):
         return "logits"
     token_logp = output_field(output, "log_probs") if causal else None
