@@ -1092,6 +1092,35 @@ def test_a_save_onto_a_config_that_is_a_directory_is_refused_before_anything_is_
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["README.md", POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
 
 
+@pytest.mark.parametrize("name,what", [(POSTERIOR_WEIGHTS_NAME, "weights"), ("README.md", "model card")])
+def test_a_save_onto_weights_or_a_card_that_is_a_directory_is_refused_before_anything_is_written(tmp_path, name, what):
+    """A save into a directory whose weights file's name is a directory: the new posterior was switched in
+    (its config naming the staged weights), and then the weights' os.replace onto the directory failed
+    ("[Errno 21] Is a directory"), leaving its staging folder; where README.md is a directory, reading the
+    card failed so ("[Errno 21] Is a directory: '.../README.md'"), once the weights were staged. Each is
+    refused naming it before anything is written, as a directory under the config's name is; the directory
+    keeps every file as it was. So is a copy into it (a pushed checkpoint's posterior)."""
+    from hf_evon.posterior.format import copy_posterior
+
+    out, other = tmp_path / "out", tmp_path / "other"
+    _posterior().save_pretrained(out)
+    _posterior(2.0).save_pretrained(other, model_card=False)
+    path = out / name
+    path.unlink()
+    path.mkdir()
+    (path / "notes.txt").write_text("kept")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for save in (lambda: _posterior(2.0).save_pretrained(out), lambda: copy_posterior(str(other), str(out))):
+        with pytest.raises(IsADirectoryError) as err:
+            save()
+        assert str(err.value) == (
+            f"{path}: a directory, where a posterior save writes its {what}; refusing to save over it "
+            "(remove it, or save elsewhere)"
+        ), str(err.value)
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
+
+
 @pytest.mark.skipif(not hasattr(os, "O_NONBLOCK"), reason="no O_NONBLOCK")
 def test_the_config_is_read_blocking_where_a_filesystem_honours_o_nonblock(tmp_path, monkeypatch):
     """The config is opened with O_NONBLOCK (a named pipe must not block the open), which POSIX leaves

@@ -71,6 +71,7 @@ __all__ = [
     "POSTERIOR_WEIGHTS_NAME",
     "STAGED_WEIGHTS_GLOB",
     "PosteriorMismatchError",
+    "check_destination",
     "check_finite_std",
     "copy_posterior",
     "file_tensors",
@@ -454,6 +455,16 @@ def _config_names(config_path: str, weights_name: str) -> bool:
         return True
 
 
+def check_destination(directory: str) -> None:
+    """Refuse a posterior save into ``directory`` before it writes: a directory under its card's, config's or
+    weights' name, where it fails after staging the weights (card, config) or switching them in (weights)."""
+    names = {POSTERIOR_CONFIG_NAME: "config", POSTERIOR_WEIGHTS_NAME: "weights", "README.md": "model card"}
+    for name, what in names.items():
+        if listed_directory(path := os.path.join(directory, name)):
+            advice = "refusing to save over it (remove it, or save elsewhere)"
+            raise IsADirectoryError(f"{path}: a directory, where a posterior save writes its {what}; {advice}")
+
+
 def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[[str], None]) -> None:
     """The save protocol (``docs/posterior-format.md#the-save-protocol``) for weights that
     ``write_weights(path)`` writes, under the directory lock."""
@@ -467,11 +478,7 @@ def _switch_in(directory: str, config: PosteriorConfig, write_weights: Callable[
     staging = os.path.join(directory, _staging_dir_name(checkpoint_id))
     config_path = os.path.join(directory, POSTERIOR_CONFIG_NAME)
     with directory_lock(directory):
-        if listed_directory(config_path):  # the config's os.replace onto it fails, once the weights are staged
-            raise IsADirectoryError(
-                f"{config_path}: a directory, where a posterior save writes its config; refusing to save over "
-                "it (remove it, or save elsewhere)"
-            )
+        check_destination(directory)
         switched, card = False, None
         # a retry of a save that failed after its switch: the config may name the staged file
         staged_before = os.path.exists(staged)
