@@ -1072,6 +1072,99 @@ def test_a_checkpoints_file_that_cannot_be_looked_up_is_not_taken_for_a_save_cut
         assert err.value.filename == refused_path
 
 
+def _two_checkpoints(trainer) -> tuple[Path, Path]:
+    """checkpoint-2 and checkpoint-4 of ``trainer``'s output_dir, each with the files a resume reads."""
+    older, newest = Path(trainer.args.output_dir) / "checkpoint-2", Path(trainer.args.output_dir) / "checkpoint-4"
+    for checkpoint in (older, newest):
+        checkpoint.mkdir(parents=True)
+        for file in ("trainer_state.json", "optimizer.pt", "scheduler.pt"):
+            (checkpoint / file).write_text("{}")
+    return older, newest
+
+
+class _Resolved(Exception):
+    """The checkpoint ``Trainer.train`` was to resume from: raised in its place, so that no training runs."""
+
+
+def _stop_at_resolved_checkpoint(self, *args, **kwargs):
+    raise _Resolved(kwargs["resume_from_checkpoint"])
+
+
+@pytest.mark.parametrize("listed", ["link to nothing", "loop of links", "cannot be looked up"])
+def test_a_checkpoint_directory_listed_there_is_not_taken_for_none(tmp_path, monkeypatch, listed):
+    """The checkpoint directory a resume goes on from was looked up with os.path.isdir, which swallows why:
+    a newest checkpoint-4 this user cannot look up (EACCES; simulated, the tests run as root), or that is a
+    link to nothing (a disk not mounted) or a loop of links, was passed over without a word and the run
+    resumed from checkpoint-2; an explicit resume_from_checkpoint so listed, and an output_dir that is a
+    link to nothing, met the Trainer's "Can't find a valid checkpoint" / "No such file or directory". The
+    PermissionError naming the path is raised, and a link that reaches nothing is a FileNotFoundError naming
+    it and what it is, before the Trainer's train()."""
+    from transformers import Trainer
+
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(8))
+    _, newest = _two_checkpoints(trainer)
+    if listed == "cannot be looked up":
+        refuse_lookups(monkeypatch, lambda path: path == str(newest) or path.startswith(f"{newest}{os.sep}"))
+    else:
+        shutil.rmtree(newest)
+        newest.symlink_to("moved-away" if listed == "link to nothing" else newest)
+    monkeypatch.setattr(Trainer, "train", _stop_at_resolved_checkpoint)
+    for resume in (True, str(newest)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no checkpoint is skipped
+            if listed == "cannot be looked up":
+                with pytest.raises(PermissionError) as err:
+                    trainer.train(resume_from_checkpoint=resume)
+                assert err.value.filename == str(newest)
+            else:
+                why = "does not exist" if listed == "link to nothing" else r"leads into a loop of links \(ELOOP\)"
+                with pytest.raises(FileNotFoundError, match=rf"'{newest}' is a link to '.*', which {why}"):
+                    trainer.train(resume_from_checkpoint=resume)
+    if listed == "link to nothing":
+        output_dir = Path(trainer.args.output_dir)
+        output_dir.rename(tmp_path / "moved-out")
+        output_dir.symlink_to("moved-away")
+        with pytest.raises(FileNotFoundError, match=rf"output_dir '{output_dir}' is a link to 'moved-away', which does"):
+            trainer.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize("listed", ["link to nothing", "loop of links", "cannot be looked up"])
+def test_an_optimizer_state_file_listed_there_is_not_said_to_be_saved_without(tmp_path, monkeypatch, listed):
+    """A checkpoint that lacks the optimizer state this run resumes from was said to be "saved without its
+    optimizer state, as save_only_model=True saves", with the advice to set save_only_model=True (which
+    resumes its weights alone), unless os.path.exists found one of the files a save writes of that state:
+    an optimizer.pt that is a link to nothing (a disk not mounted) or a loop of links, or an
+    evon_optimizer.pt this user cannot look up (EACCES; simulated, the tests run as root), was taken for
+    none. Such a checkpoint is skipped naming what it lacks, without that claim; the one that cannot be
+    looked up raises the PermissionError naming it."""
+    from transformers import Trainer
+
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(8))
+    older, newest = _two_checkpoints(trainer)
+    os.remove(newest / "scheduler.pt")
+    os.remove(newest / "optimizer.pt")
+    refused_path = str(newest / "evon_optimizer.pt")
+    if listed == "cannot be looked up":
+        refuse_lookups(monkeypatch, lambda path: path == refused_path)
+    else:
+        (newest / "optimizer.pt").symlink_to("moved-away" if listed == "link to nothing" else newest / "optimizer.pt")
+
+    monkeypatch.setattr(Trainer, "train", _stop_at_resolved_checkpoint)
+    if listed == "cannot be looked up":
+        with pytest.raises(PermissionError) as err:
+            trainer.train(resume_from_checkpoint=True)
+        assert err.value.filename == refused_path
+        return
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(_Resolved, match="checkpoint-2"):
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=True)
+    said = [str(w.message) for w in caught if "incomplete checkpoints" in str(w.message)]
+    assert said == [
+        f"resume_from_checkpoint=True: skipping the incomplete checkpoints ({newest} (no optimizer.pt and no "
+        f"scheduler.pt)); resuming from {older}"
+    ]
+
+
 # ---------------------------------------------------------------------------- evaluation
 def _direct_bma(model, posterior, data, seeds, causal=False):
     model.eval()

@@ -142,10 +142,12 @@ def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
     if not missing:
         return None
     lacks = f"no {' and no '.join(missing)}"
-    if any(os.path.exists(os.path.join(directory, name)) for name in _OPTIMIZER_STATE_FILES):
+    if any(listed_kind(os.path.join(directory, name)) is not None for name in _OPTIMIZER_STATE_FILES):
         return lacks
     # trainer_state.json is written after the optimizer state: a save with the one and none of the other
-    # finished without it
+    # finished without it. One of those files listed, a link that reaches nothing too, is no such save, and one
+    # this user cannot look up raises naming it: taken for none, the error would advise save_only_model=True,
+    # which resumes the weights alone
     return f"{lacks}: {_SAVED_WITHOUT_OPTIMIZER}"
 
 
@@ -163,6 +165,17 @@ def _listed_fsdp2_state(path: str) -> bool:
     if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
         raise FileNotFoundError(f"EVONTrainer cannot resume this FSDP2 run: {path!r} is {no_file_text(path, kind)}")
     return kind is Listed.FILE
+
+
+def _listed_checkpoint_directory(path: str, what: str) -> bool:
+    """Whether ``path`` (``what`` names it in the error) is a directory, or a link to one, to resume from. A
+    link there that reaches nothing or a loop of links is refused naming it, and one this user cannot look up
+    raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`): taken for none, a newer checkpoint
+    would be passed over for an older one, or the Trainer would answer that it finds no checkpoint there."""
+    kind = listed_kind(path)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise FileNotFoundError(f"{what} {path!r} is {no_file_text(path, kind)}")
+    return kind is Listed.NOT_REGULAR and os.path.isdir(path)  # looked up already: isdir answers for this entry
 
 
 def _how_to_resume(skipped: list[str]) -> str:
@@ -196,20 +209,21 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
         return resume
     if not isinstance(resume, bool):
         directory = os.fspath(resume)
-        if os.path.isdir(directory) and (lacks := _incomplete(directory)) is not None:
+        listed = _listed_checkpoint_directory(directory, "resume_from_checkpoint")
+        if listed and (lacks := _incomplete(directory)) is not None:
             raise ValueError(
                 f"resume_from_checkpoint={directory!r} is an incomplete checkpoint ({lacks}): its save was "
                 "cut short (the Trainer writes trainer_state.json last); resume from an earlier checkpoint"
             )
         return resume
     output_dir = trainer.args.output_dir
-    if not os.path.isdir(output_dir):
+    if not _listed_checkpoint_directory(output_dir, "resume_from_checkpoint=True: output_dir"):
         return resume  # the Trainer's own error
     steps = {int(m.group(1)): name for name in os.listdir(output_dir) if (m := _CHECKPOINT_DIR.match(name))}
     needs, skipped = _optimizer_files(trainer), []
     for step in sorted(steps, reverse=True):
         directory = os.path.join(output_dir, steps[step])
-        if not os.path.isdir(directory):
+        if not _listed_checkpoint_directory(directory, "resume_from_checkpoint=True: checkpoint"):
             continue
         lacks = _incomplete(directory, needs)
         if lacks is None:
