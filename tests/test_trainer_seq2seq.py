@@ -652,3 +652,64 @@ def test_predict_bma_with_generate_samples_other_tokens_in_each_batch(tmp_path):
     again = torch.as_tensor(trainer.predict(test, bma=True, do_sample=True, max_new_tokens=5).predictions)
     assert torch.equal(first, again)
 
+
+
+OWN_SEQ2SEQ_ARGUMENTS = """
+import dataclasses
+from transformers import Seq2SeqTrainingArguments
+
+@dataclasses.dataclass
+class OwnSeq2SeqArguments(Seq2SeqTrainingArguments):
+    predict_with_generate: bool = True
+    logging_steps: float = 10
+    learning_rate: float = 3e-4
+    extra: int = 1
+"""
+
+
+def test_a_subclass_of_seq2seq_training_arguments_combines_with_evon_seq2seq_config(tmp_path, monkeypatch):
+    """evon_config_class(OwnSeq2SeqArguments), a subclass of Seq2SeqTrainingArguments, was built from
+    (EVONConfig, OwnSeq2SeqArguments): no bma_sample_strategy and no check of it, so EVONSeq2SeqTrainer
+    decoded with generate_bma's default whatever the user meant. It combines with the combination its
+    base declares, EVONSeq2SeqConfig: the field, its check, the subclass's own defaults, and instances
+    that unpickle in a process that has not built the class."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hf_evon import SampleStrategy
+    from hf_evon.trainer import evon_config_class
+
+    (tmp_path / "own_seq2seq_arguments.py").write_text(OWN_SEQ2SEQ_ARGUMENTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from own_seq2seq_arguments import OwnSeq2SeqArguments
+
+    combined = evon_config_class(OwnSeq2SeqArguments)
+    assert combined.__bases__ == (EVONSeq2SeqConfig, OwnSeq2SeqArguments)
+    defaults = {f.name: f.default for f in dataclasses.fields(combined)}
+    assert defaults["bma_sample_strategy"] is None
+    own = ("predict_with_generate", "logging_steps", "learning_rate", "extra")
+    assert tuple(defaults[name] for name in own) == (True, 10, 3e-4, 1)
+    common = dict(output_dir=str(tmp_path / "out"), report_to="none")
+    with pytest.raises(ValueError, match=r"^EVONSeq2SeqConfig\.bma_sample_strategy = 'materialise' is invalid"):
+        combined(**common, bma_sample_strategy="materialise")
+    args = combined(**common, bma_sample_strategy="factored", evon_ess=500.0, extra=5)
+    assert args.bma_sample_strategy is SampleStrategy.FACTORED
+    assert (args.predict_with_generate, args.logging_steps, args.learning_rate) == (True, 10, 3e-4)
+    torch.save(args, tmp_path / "training_args.bin")
+    script = (
+        "import sys, torch\n"
+        "args = torch.load(sys.argv[1], weights_only=False)\n"
+        "print(type(args).__name__, [c.__name__ for c in type(args).__bases__], args.bma_sample_strategy.value,\n"
+        "      args.evon_ess, args.extra, args.predict_with_generate)\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "training_args.bin")], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = "EVONOwnSeq2SeqArguments ['EVONSeq2SeqConfig', 'OwnSeq2SeqArguments'] factored 500.0 5 True"
+    assert proc.stdout.split() == expected.split()

@@ -20,15 +20,16 @@ __all__ = [
     "register_evon_config",
 ]
 
-_COMBINED: dict[type, type] = {}
+_COMBINED: dict[type, type] = {}  # what evon_config_class returns for each base, declared or built
+_DECLARED: dict[type, type] = {}  # register_evon_config's: what a subclass of each base is built from
 
 
 def register_evon_config(base: type[TrainingArguments], combined: type[EVONConfig]) -> None:
     """Make ``combined`` (a declared ``EVONConfig`` + ``base`` dataclass) what
-    :func:`evon_config_class` returns for ``base``."""
+    :func:`evon_config_class` returns for ``base``, and what it combines a subclass of ``base`` with."""
     if not (issubclass(combined, EVONConfig) and issubclass(combined, base)):
         raise TypeError(f"{combined.__name__} must subclass both EVONConfig and {base.__name__}")
-    _COMBINED[base] = combined
+    _COMBINED[base] = _DECLARED[base] = combined
 
 
 def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
@@ -41,6 +42,9 @@ def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
     combination (``EVONSeq2SeqConfig``) to that; any other is built once (``EVONSFTConfig``), as
     ``hf_evon.trainer.combined.EVON<Base>``, whose instances pickle by ``base``: a process that has
     not built the class (one loading ``training_args.bin``, a spawned worker) builds it to unpickle.
+    A subclass of a base with a declared combination (your own ``Seq2SeqTrainingArguments``) is built
+    from that combination and itself, ``(EVONSeq2SeqConfig, Base)``: it has the combination's fields
+    and checks (``bma_sample_strategy``); one of no such base, from ``(EVONConfig, Base)``.
     """
     if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
         raise TypeError(f"base must be a TrainingArguments subclass; got {base!r}")
@@ -53,29 +57,35 @@ def evon_config_class(base: type[TrainingArguments]) -> type[EVONConfig]:
         while name in globals():
             name += "_"
         namespace = {"__module__": __name__, "__qualname__": name, "__reduce__": _reduce_by_base}
-        namespace.update(_fields_base_declares(base))
-        combined = type(name, (EVONConfig, base), namespace)
+        declared = next((_DECLARED[c] for c in base.__mro__ if c in _DECLARED), EVONConfig)
+        namespace.update(_fields_base_declares(base, declared))
+        combined = type(name, (declared, base), namespace)
         combined.__doc__ = f"``{base.__name__}`` plus the EVON fields of :class:`~hf_evon.EVONConfig`."
         globals()[name] = _COMBINED[base] = dataclass(combined)
     return _COMBINED[base]
 
 
-def _fields_base_declares(base: type[TrainingArguments]) -> dict[str, Any]:
+def _fields_base_declares(base: type[TrainingArguments], declared: type[EVONConfig]) -> dict[str, Any]:
     """Class-body entries re-declaring the fields ``base`` declares anew (its own defaults): the
-    dataclass of ``(EVONConfig, base)`` would otherwise take each from ``EVONConfig``, first in its
-    MRO, whose inherited fields carry ``TrainingArguments``' defaults. A field ``EVONConfig``
-    declares itself (``learning_rate``) keeps ``EVONConfig``'s type and help, and takes ``base``'s
-    default where ``base`` declares one: a trainer's own rate (TRL's SFT 2e-5, GRPO 1e-6) is the
-    rate you would give AdamW there, from which EVON derives its own."""
-    own = {f.name: f for f in fields(EVONConfig)}
-    inherited = {f.name: f for f in fields(TrainingArguments)}
-    evon_types = get_type_hints(EVONConfig)
+    dataclass of ``(declared, base)`` (``declared``: ``EVONConfig`` or a declared combination
+    ``base`` derives from) would otherwise take each from ``declared``, first in its MRO, whose
+    inherited fields carry the defaults of the class both derive from (``TrainingArguments``,
+    ``Seq2SeqTrainingArguments``). A field an ``EVONConfig`` class declares itself (``learning_rate``,
+    ``bma_sample_strategy``) keeps that class's type and help, and takes ``base``'s default where
+    ``base`` declares one: a trainer's own rate (TRL's SFT 2e-5, GRPO 1e-6) is the rate you would
+    give AdamW there, from which EVON derives its own."""
+    own = {f.name: f for f in fields(declared)}
+    shared = next(c for c in base.__mro__ if issubclass(declared, c))  # TrainingArguments at the least
+    inherited = {f.name: f for f in fields(shared)}
+    evon_classes = [c for c in declared.__mro__ if issubclass(c, EVONConfig)]
+    evon_declared = {name for c in evon_classes for name in vars(c).get("__annotations__", {})}
+    evon_types = get_type_hints(declared)
     types = get_type_hints(base)  # resolved: a string annotation would be read in this module
     namespace: dict[str, Any] = {"__annotations__": {}}
     for f in fields(base):
         if f.name not in own or f is own[f.name] or f is inherited.get(f.name):
             continue
-        if f.name in vars(EVONConfig)["__annotations__"]:
+        if f.name in evon_declared:
             declared = copy.copy(own[f.name])
             declared.default, declared.default_factory = f.default, f.default_factory
             namespace["__annotations__"][f.name] = evon_types[f.name]

@@ -117,7 +117,7 @@ class EVONSeq2SeqTrainer(EVONTrainerMixin, Seq2SeqTrainer):
         and the token metrics' passes."""
         posterior = self._bma_posterior(caller)
         args = self.args
-        # an EVONConfig combined with another Seq2SeqTrainingArguments subclass (evon_config_class) has no such field
+        # a config of EVONConfig and Seq2SeqTrainingArguments declared outside EVONSeq2SeqConfig has no such field
         strategy = getattr(args, "bma_sample_strategy", None)
         with self._holding_posterior(posterior), _generation_by_bma(
             self.model, posterior, args.bma_num_samples, args.bma_seed, strategy
