@@ -1360,6 +1360,23 @@ def test_predict_bma_honours_prediction_loss_only(tmp_path):
     assert [bma.metrics[k] for k in keys] == [full.metrics[k] for k in keys]
 
 
+def test_predict_uncertainty_returns_its_arrays_under_prediction_loss_only(tmp_path):
+    """predict_uncertainty() is called for its arrays, so ``prediction_loss_only`` (which empties
+    ``predict``'s and ``predict(bma=True)``'s predictions, as ``Trainer.predict``'s) leaves them and the
+    labels as they are without it, and the same ``test_bma_*`` metrics."""
+    trainer = _trained(tmp_path, bma_num_samples=2)
+    test = classification_data(40, seed=2)
+    full = trainer.predict_uncertainty(test)
+    trainer.args.prediction_loss_only = True
+    assert trainer.predict(test, bma=True).predictions is None
+    out = trainer.predict_uncertainty(test)
+    assert isinstance(out.predictions, PredictiveUncertainty)
+    for got, want in zip(out.predictions, full.predictions, strict=True):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(out.label_ids, np.asarray(test["labels"]))
+    assert _without_runtime(out.metrics) == _without_runtime(full.metrics)
+
+
 def test_evaluate_bma_true_snapshots_the_posterior_once(tmp_path, monkeypatch):
     """``evaluate(bma=True)`` took two snapshots of the optimizer's posterior (a copy of every factor
     each): one to check that there is one, one for the BMA passes. One now, with the same metrics

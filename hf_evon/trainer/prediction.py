@@ -418,6 +418,9 @@ class PredictionMixin:
         calibration chooses its scale by the NLL on data like the training data and often keeps
         the mean, whose samples never disagree (docs/usage.md#epistemic-uncertainty).
         ``calibrated_scale=True`` draws at the calibrated scale, as ``predict(bma=True)`` does.
+
+        ``args.prediction_loss_only`` does not apply: the arrays are what this is called for, so they and
+        the labels are returned under it too (``predict``, as ``Trainer.predict``, returns None for both).
         """
         _refuse_generated_batches(self, "predict_uncertainty()")
         posterior = self._bma_posterior("predict_uncertainty()")
