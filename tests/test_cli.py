@@ -537,6 +537,41 @@ def test_a_model_directory_whose_config_is_a_loop_of_links_is_refused_naming_it(
     assert err == f"hf-evon generate: error: --model {str(model_dir)!r}: {str(config)!r} is {why}", err
 
 
+@pytest.mark.parametrize("kind", ["EACCES", "directory", "dangling link", "loop"])
+def test_an_adapter_config_beside_a_models_config_that_is_no_file_to_read_is_not_taken_for_none(
+    saved, tmp_path, capsys, monkeypatch, kind
+):
+    """A model's directory that also holds a PEFT adapter of it (config.json, the base weights,
+    adapter_config.json and its weights, the adapter's posterior): generate loads the adapter on its base.
+    Where its adapter_config.json cannot be looked up (EACCES, simulated: the tests run as root), or is a
+    directory, a link to nothing or a loop of links, os.path.isfile took it for none and the base model was
+    loaded without the adapter. The PermissionError naming it is reported, and the others are a usage error
+    naming the file and what it is."""
+    from peft import LoraConfig, get_peft_model
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(saved[0], model_dir)
+    model = get_peft_model(
+        GPT2LMHeadModel.from_pretrained(saved[0]), LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    )  # its base_model_name_or_path: saved[0], whose copy model_dir is
+    posterior = trained_posterior(model, model.config.vocab_size, lambda x: x)
+    model.save_pretrained(model_dir)
+    posterior.save_pretrained(model_dir)
+    assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+    _assert_generates_as_generate_bma(model_dir, model, posterior, capsys)
+    config = model_dir / "adapter_config.json"
+    config.unlink()
+    why = _refused_or_linked(monkeypatch, config, kind)
+    if kind == "directory":
+        why = "not a regular file (a directory, named pipe or device)"
+    code = main(["generate", "--model", str(model_dir), "--prompt-ids", "5 9", "--device", "cpu"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    if kind == "EACCES":
+        assert (code, err) == (1, f"hf-evon generate: error: [Errno 13] Permission denied: {str(config)!r}"), err
+    else:
+        assert (code, err) == (2, f"hf-evon generate: error: --model {str(model_dir)!r}: {str(config)!r} is {why}"), err
+
+
 @pytest.mark.parametrize("adapter", ["ia3", "adalora"])
 def test_generate_decodes_an_ia3_or_adalora_adapter(saved, tmp_path, capsys, adapter):
     """IA3's and AdaLoRA's covered tensors live in ParameterDicts, which generate_bma's batched

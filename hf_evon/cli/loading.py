@@ -296,7 +296,9 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     kwargs: dict[str, Any] = {"revision": revision}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+    # beside a config.json too: taken for none, the model would load without its adapter (a Hub repo id
+    # lists nothing here: check_location has looked it up)
+    if _listed_file(given, path, "adapter_config.json"):
         from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, PeftConfig
 
         base = PeftConfig.from_pretrained(path, revision=revision).base_model_name_or_path
