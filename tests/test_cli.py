@@ -2182,3 +2182,25 @@ def test_calibrate_refuses_an_output_whose_adapter_weights_are_listed_but_no_fil
             f"hf-evon calibrate: error: --output {str(output)!r}: its adapter_model.safetensors is {why}: saving "
             "the posterior there would put it beside weights it does not fit: pass another --output"
         )), err
+
+
+@pytest.mark.parametrize("kind", ["EACCES", "dangling link", "loop"])
+def test_calibrate_refuses_a_text_listed_but_no_file_to_read_naming_why(saved, tmp_path, capsys, monkeypatch, kind):
+    """A --text this user cannot look up (EACCES, simulated: the tests run as root), a link to nothing (a file
+    on a disk not mounted) or a loop of links: os.path.isfile swallowed why, and each was '--text ... is not a
+    file', as for a path where nothing is. The PermissionError naming it is reported, and a link is a usage
+    error naming its target, before the model loads."""
+    import hf_evon.cli.commands as commands
+
+    monkeypatch.setattr(commands, "load_model_posterior_tokenizer", lambda *a, **k: pytest.fail("loaded first"))
+    (tmp_path / "data").mkdir()
+    text = tmp_path / "data" / "held_out.txt"
+    why = _refused_or_linked(monkeypatch, text, kind)
+    argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(tmp_path / "out")]
+    code = main([*argv, "--block-size", "8", "--device", "cpu"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    if kind == "EACCES":
+        assert (code, err) == (1, f"hf-evon calibrate: error: [Errno 13] Permission denied: {str(text)!r}"), err
+    else:
+        assert (code, err) == (2, f"hf-evon calibrate: error: --text {str(text)!r} is {why}"), err
+

@@ -53,6 +53,7 @@ from hf_evon.cli.text import (
     printable,
     size_text,
 )
+from hf_evon.fileio import Listed, listed_kind, no_file_text
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight files of a model or adapter saved beside a posterior (sizes shown by `inspect`).
@@ -455,8 +456,11 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     from hf_evon.posterior.config import json_value
     from hf_evon.predictive.calibration import calibrate_posterior
 
-    if not os.path.isfile(args.text):
+    # one this user cannot look up raises the OSError naming it, and a link that reaches nothing says so
+    if (kind := listed_kind(args.text)) is None:
         raise UsageError(f"--text {args.text!r} is not a file")
+    if kind is not Listed.FILE:  # a named pipe too: the text is read several times
+        raise UsageError(f"--text {args.text!r} is {no_file_text(args.text, kind)}")
     read_text(args.text, "--text")  # its start before the model loads: a file in another encoding fails at once
     check_output(args.output)  # checked before the passes, not at the save after them
     device = resolve_device(args.device)
