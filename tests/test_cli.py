@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -2204,3 +2205,79 @@ def test_calibrate_refuses_a_text_listed_but_no_file_to_read_naming_why(saved, t
     else:
         assert (code, err) == (2, f"hf-evon calibrate: error: --text {str(text)!r} is {why}"), err
 
+
+
+@contextlib.contextmanager
+def _fifo_writer(fifo: Path, data: str):  # noqa: ANN202
+    """A shell that writes ``data`` to the named pipe ``fifo`` for every reader that opens it: opening it for
+    reading waits for a writer, so a reader reads ``data`` and an end of file at once instead of blocking
+    for ever. Killed on leaving."""
+    writer = subprocess.Popen(["sh", "-c", 'while :; do printf %s "$2" > "$1"; done', "sh", str(fifo), data])
+    try:
+        yield
+    finally:
+        writer.kill()
+        writer.wait()
+
+
+def test_calibrate_refuses_an_output_whose_weights_file_is_a_named_pipe_without_reading_it(saved, tmp_path, capsys, monkeypatch):
+    """An --output holding a named pipe (or a link to nothing) under a model weights file's name: the check of
+    the weights there opened every such file listed, and opening a named pipe for reading waits for a writer:
+    calibrate blocked for ever before any pass (here a writer answers, so the pipe was read: 'does not read as
+    safetensors'). Anything there that is no regular file is a usage error naming it, and nothing is opened."""
+    import hf_evon.predictive.calibration as calibration
+
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return x\n" * 6)
+    keep = "saving the posterior there would put it beside weights it does not fit: pass another --output"
+    for name, kind in (("model.safetensors", "named pipe"), ("pytorch_model.bin", "dangling link")):
+        output = tmp_path / name.split(".")[0]
+        output.mkdir()
+        weights = output / name
+        if kind == "named pipe":
+            os.mkfifo(weights)
+            why = "not a regular file (a directory, named pipe or device)"
+        else:
+            why = _refused_or_linked(monkeypatch, weights, kind)
+        argv = ["calibrate", "--model", str(saved[0]), "--text", str(text), "--output", str(output)]
+        with _fifo_writer(weights, "not safetensors") if kind == "named pipe" else contextlib.nullcontext():
+            code = main([*argv, "--block-size", "8", "--device", "cpu"])
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert (code, err) == (2, f"hf-evon calibrate: error: --output {str(output)!r}: its {name} is {why}: {keep}"), err
+        assert os.listdir(output) == [name]
+
+
+@pytest.mark.parametrize("kind", ["named pipe", "EACCES"])
+def test_an_outputs_config_json_is_not_read_unless_it_is_a_file_nor_taken_for_none_where_it_cannot_be_looked_up(
+    saved, tmp_path, monkeypatch, kind
+):
+    """calibrate's check of the model weights in --output read its config.json: a named pipe there blocked it
+    for ever (an open for reading waits for a writer; here one answers with another model's config, which was
+    then refused), and one this user cannot look up (EACCES, simulated for os.stat, os.lstat and open: the
+    tests run as root) was taken for none, another model's config unread. A config.json that is no regular file is not read (the weights files there still tell), and one
+    that cannot be looked up raises the PermissionError naming it."""
+    from hf_evon.cli.output import check_output_weights
+
+    output = tmp_path / "out"
+    output.mkdir()
+    config = output / "config.json"
+    other = json.dumps({"model_type": "gpt2", "n_embd": 16})  # another model's
+    if kind == "named pipe":
+        os.mkfifo(config)
+        with _fifo_writer(config, other):
+            assert check_output_weights(str(output), saved[1]) is None
+        return
+    config.write_text(other)
+    refuse_lookups(monkeypatch, lambda path: path == str(config))
+    real_open = open
+
+    def refusing_open(file, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - as the lookups are refused
+        if isinstance(file, str | os.PathLike) and os.fspath(file) == str(config):
+            raise PermissionError(13, "Permission denied", os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refusing_open)
+    with pytest.raises(PermissionError) as refused:
+        check_output_weights(str(output), saved[1])
+    assert (refused.value.errno, refused.value.filename) == (13, str(config))

@@ -158,9 +158,13 @@ def _stored_shapes(output: str, file: str, keep: str) -> dict[str, tuple[int, ..
 
 
 def _json_object(path: str) -> dict[str, Any]:
-    """The JSON object in ``path``; {} where there is none or it is no object (not a config)."""
+    """The JSON object in ``path``; {} where there is none or it is no object (not a config). Only a regular
+    file is read (opening a named pipe waits for a writer); one this user cannot look up raises the OSError
+    naming it (:func:`~hf_evon.fileio.listed_kind`)."""
     import json
 
+    if listed_kind(path) is not Listed.FILE:
+        return {}
     try:
         with open(path, encoding="utf-8") as fh:
             value = json.load(fh)
@@ -198,6 +202,12 @@ def check_output_weights(output: str, model: Any) -> None:
         shapes[name] = shapes[name.removeprefix(f"{prefix}.") if prefix else name] = tuple(param.shape)
     names = sorted(n for n in os.listdir(output) if WEIGHT_FILES.fullmatch(n)) if os.path.isdir(output) else []
     for file in names:
+        path = os.path.join(output, file)
+        kind = listed_kind(path)  # one this user cannot look up raises the OSError naming it
+        if kind is None:  # removed since the listing
+            continue
+        if kind is not Listed.FILE:  # not opened: opening a named pipe waits for a writer
+            raise UsageError(f"--output {output!r}: its {file} is {no_file_text(path, kind)}: {keep}")
         stored = _stored_shapes(output, file, keep)
         for tensor, shape in sorted(stored.items()):
             if tensor in shapes and shape is not None and shapes[tensor] != shape:
