@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import torch
 
@@ -24,34 +28,87 @@ def worker_env() -> dict[str, str]:
     return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(TESTS))
 
 
+def rank_env(world: int, rank: int, port: int) -> dict[str, str]:
+    """:func:`worker_env` plus what ``torch.distributed.run`` gives worker ``rank`` of a one-node run
+    (``env://`` rendezvous at ``port``, rank 0 holding its store)."""
+    return dict(
+        worker_env(),
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",
+        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="none", TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+    )  # fmt: skip
+
+
 def torchrun(world: int, script: str, *args: str, timeout: float = 300) -> None:
-    """Run ``script args`` in ``world`` processes (``torch.distributed.run``); fail with its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-    cmd += ["--master_port", str(free_port()), script, *args]
-    # on a timeout (a hung collective) the workers must go too: SIGTERM to torchrun, which stops them,
-    # then SIGKILL to its process group (a session of its own) for whatever is left
-    with subprocess.Popen(
-        cmd,
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
+    """Run ``script args`` in ``world`` processes, each with the environment ``torch.distributed.run``
+    gives its workers (:func:`rank_env`), and fail with their output where one fails. They are started
+    directly, not under torchrun's agent, whose own start (a Python importing torch, then its
+    rendezvous) adds seconds to every launch: dozens of launches in the suite. As the agent does, a
+    worker's failure stops the others (a rank left in a collective would wait for the timeout), after
+    ``GRACE`` seconds in which they may finish or report their own error."""
+    port = free_port()
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, *args],
+            env=rank_env(world, rank, port),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            text=True,
+            start_new_session=True,  # its own process group: stopped with whatever it started
+        )
+        for rank, (out, err) in enumerate(logs)
+    ]
+    deadline, failed_at, timed_out = time.monotonic() + timeout, None, False
+    ended: dict[int, float] = {}  # rank: when it was seen to have exited
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            ended.update((r, now) for r, p in enumerate(procs) if p.returncode is not None and r not in ended)
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE):
+                timed_out = now > deadline
+                break
+            time.sleep(0.02)
+    finally:
+        _stop(procs)
+    text = []
+    for rank, (out, err) in enumerate(logs):
+        out.seek(0), err.seek(0)
+        text.append((rank, out.read(), err.read()))
+        out.close(), err.close()
+    # the ranks that failed last, the first to fail at the very end: the message keeps the end of it,
+    # and the first failure is the cause of the others (a peer's closed connection)
+    text.sort(key=lambda t: (procs[t[0]].returncode != 0, -ended.get(t[0], math.inf), t[0]))
+    stdout = "".join(f"[rank {r}]\n{o}" for r, o, _ in text)
+    stderr = "".join(f"[rank {r}, exit {procs[r].returncode}]\n{e}" for r, _, e in text)
+    if timed_out:
+        raise AssertionError(
+            f"world {world}: {os.path.basename(script)} still running after {timeout:g} s (killed):\n"
+            f"{stdout[-3000:]}\n{stderr[-6000:]}"
+        )
+    assert all(p.returncode == 0 for p in procs), f"world {world} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+
+
+GRACE = 10.0  # seconds the other ranks get once one has failed
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each process group still running, then SIGKILL to what is left after 10 s."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in running:
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            p.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun passes SIGTERM on to its workers (their own process groups)
-            try:
-                stdout, stderr = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                stdout, stderr = proc.communicate(timeout=30)
-            raise AssertionError(
-                f"world {world}: {os.path.basename(script)} still running after {timeout:g} s (killed):\n"
-                f"{stdout[-3000:]}\n{stderr[-6000:]}"
-            ) from None
-    assert proc.returncode == 0, f"world {world} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
 
 
 def rank_results(world: int, script: str, out: str, timeout: float = 300) -> list[dict]:
