@@ -86,13 +86,13 @@ def _fields_base_declares(base: type[TrainingArguments], declared: type[EVONConf
         if f.name not in own or f is own[f.name] or f is inherited.get(f.name):
             continue
         if f.name in evon_declared:
-            declared = copy.copy(own[f.name])
-            declared.default, declared.default_factory = f.default, f.default_factory
+            entry = copy.copy(own[f.name])
+            entry.default, entry.default_factory = f.default, f.default_factory
             namespace["__annotations__"][f.name] = evon_types[f.name]
         else:
-            declared = copy.copy(f)  # a dataclass takes over the Field objects in its body
+            entry = copy.copy(f)  # a dataclass takes over the Field objects in its body
             namespace["__annotations__"][f.name] = types[f.name]
-        namespace[f.name] = declared
+        namespace[f.name] = entry
     return namespace
 
 
