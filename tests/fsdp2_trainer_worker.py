@@ -93,6 +93,26 @@ def refused(out: str, rank: int) -> None:
         f.write(msg)
 
 
+def save_into_refused(trainer: EVONTrainer, out: str) -> tuple[str | None, list[str]]:
+    """``save_model`` on every rank into a directory that holds a directory under the posterior config's name
+    (each rank makes it: one filesystem): the error this rank raised (None where it saved), and what the
+    directory holds once every rank is through."""
+    import torch.distributed as dist
+
+    from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME
+
+    directory = os.path.join(out, "refused")
+    os.makedirs(os.path.join(directory, POSTERIOR_CONFIG_NAME), exist_ok=True)
+    try:
+        trainer.save_model(directory)
+        error = None
+    except IsADirectoryError as err:
+        error = str(err)
+    if dist.is_initialized():
+        dist.barrier()
+    return error, sorted(os.listdir(directory))
+
+
 def train(out: str, world: int, rank: int, mode: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
@@ -116,6 +136,7 @@ def train(out: str, world: int, rank: int, mode: str) -> dict:
         "skipped": evon.skipped_steps,
     }
     trainer.save_model(os.path.join(out, "saved"))  # every rank: the Trainer gathers the weights
+    result["refused"] = save_into_refused(trainer, out)  # every rank refuses, before the weights are gathered
     if mode == "fsdp2":  # a fresh 2-process trainer resumes from the mid-run checkpoint to the end
         again = EVONTrainer(
             model=base.Regressor(),
@@ -156,9 +177,11 @@ def held(out: str, world: int) -> dict:
         warnings.simplefilter("ignore")
         trainer.train()
         after = trainer.current_posterior()
+        unrefused = save_into_refused(trainer, out)  # no posterior to save: no rank refuses
     return {
         "before": before,
         "after": None if after is None else after is posterior,
+        "unrefused": unrefused,
         "dtensor_params": sum(hasattr(p, "placements") for p in trainer.model.parameters()),
     }
 

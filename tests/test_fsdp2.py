@@ -255,6 +255,14 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
         assert all(torch.equal(ranks[0]["weights"][k], r["weights"][k]) for k in init)
         got = [e["grad_norm"] for e in r["log"] if "grad_norm" in e]
         assert got == pytest.approx(norms, rel=1e-6)
+        # a save into a directory whose posterior config's name is a directory: every rank refused it before
+        # the weights were gathered and written (rank 0 wrote them, then its posterior's save refused)
+        refused = os.path.join(fsdp_dir, "refused", "evon_posterior_config.json")
+        assert r["refused"] == (
+            f"{refused}: a directory, where a posterior save writes its config; refusing to save over it "
+            "(remove it, or save elsewhere)",
+            ["evon_posterior_config.json"],
+        ), r["refused"]
     # save_model: the weights the Trainer gathered, and the posterior, loaded in one process
     from safetensors.torch import load_file
 
@@ -298,6 +306,10 @@ def test_a_given_posterior_is_dropped_on_every_rank_once_fsdp2_training_moved_th
     assert all(r["dtensor_params"] > 0 for r in ranks)  # the model is sharded
     assert [r["before"] for r in ranks] == [True, True]  # the weights it was taken at
     assert [r["after"] for r in ranks] == [None, None]  # AdamW moved them: no rank keeps it
+    # nor does any rank refuse a save into a directory that holds a directory under the posterior config's name:
+    # no posterior is saved (a rank refusing alone would leave the others waiting in the weights' gathering)
+    for r in ranks:
+        assert r["unrefused"][0] is None and "model.safetensors" in r["unrefused"][1], r["unrefused"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

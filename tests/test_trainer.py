@@ -2306,6 +2306,59 @@ def test_a_save_without_a_posterior_removes_the_weights_beside_a_config_that_is_
     assert (output / "config.json").is_file()
 
 
+def _listing(directory: Path) -> dict[Path, tuple[bytes, int]]:
+    """Every file under ``directory``: its bytes and mtime (ns); and every folder, as None."""
+    return {
+        p.relative_to(directory): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
+        for p in directory.rglob("*")
+    }
+
+
+@pytest.mark.parametrize(
+    "name,what", [(POSTERIOR_CONFIG_NAME, "config"), (POSTERIOR_WEIGHTS_NAME, "weights"), ("README.md", "model card")]
+)
+@pytest.mark.parametrize("how", ["save_model", "push_to_hub", "checkpoint", "checkpoint push"])
+def test_a_refused_posterior_save_writes_nothing_over_the_earlier_save(tmp_path, hub_api, how, name, what):
+    """A save into a directory that holds an earlier save (model and posterior) and a directory under a name
+    the posterior's save writes: save_model() (which push_to_hub() and each checkpoint call) wrote the model
+    over the earlier one first, then the posterior's save refused (the config's name), failed on reading the
+    card (README.md) or failed after its switch (the weights'): the directory paired the new model with the
+    earlier posterior (or the new posterior with the earlier model, where a pushed checkpoint's posterior is
+    copied in). The save is refused before anything is written, naming the directory; every file stays."""
+    args = config(
+        tmp_path, max_steps=2, save_strategy="steps", save_steps=2, hub_model_id="user/evon-refused",
+        hub_token="hf_dummy",
+    )  # fmt: skip
+    first = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    first.train()  # checkpoint-2
+    first.save_model()
+    out = Path(args.output_dir)
+    saved = out / "checkpoint-2" if how == "checkpoint" else out
+    (saved / name).unlink()
+    (saved / name).mkdir()
+    (saved / name / "notes.txt").write_text("kept")
+    before = _listing(saved)
+    if how == "checkpoint":  # a second run's checkpoint-2, where the first run's is
+        call = EVONTrainer(model=tiny_bert(seed=1), args=args, train_dataset=classification_data(16)).train
+    else:
+        with torch.no_grad():  # weights other than the ones saved
+            for p in first.model.parameters():
+                p.add_(1.0)
+        call = {
+            "save_model": first.save_model,
+            "push_to_hub": first.push_to_hub,
+            "checkpoint push": lambda: first._push_from_checkpoint(str(out / "checkpoint-2")),
+        }[how]
+        first.init_hf_repo()
+    with pytest.raises(IsADirectoryError) as err:
+        call()
+    assert str(err.value) == (
+        f"{saved / name}: a directory, where a posterior save writes its {what}; refusing to save over it "
+        "(remove it, or save elsewhere)"
+    ), str(err.value)
+    assert _listing(saved) == before
+
+
 class _PosteriorMovedOut(TrainerCallback):
     """Moves each checkpoint's posterior into the output directory once it is saved (as a pushed
     checkpoint's copy leaves it there): the checkpoints hold none, the output directory the last one's."""

@@ -54,6 +54,7 @@ from hf_evon.posterior.format import (
     POSTERIOR_WEIGHTS_NAME,
     STAGED_WEIGHTS_GLOB,
     PosteriorMismatchError,
+    check_destination,
     copy_posterior,
     read_config,
     remove_posterior,
@@ -306,9 +307,10 @@ class CheckpointingMixin:
             self._held_mismatch(self.posterior)
         # taken first: a posterior that does not fit the model (merged away) refuses before anything is written
         posterior = self.current_posterior() if self.args.should_save else None
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self._check_posterior_destination(output_dir, posterior)
         with every_rank_saved(self.model):
             super().save_model(output_dir, _internal_call)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
         if posterior is None:
             if self.args.should_save:
                 self._remove_other_posterior(output_dir)
@@ -316,6 +318,22 @@ class CheckpointingMixin:
         with directory_lock(output_dir):  # one turn: no other save comes between the posterior and its card
             posterior.save_pretrained(output_dir, model_card=False)
             self._write_model_card(output_dir, posterior)
+
+    def _check_posterior_destination(self, directory: str, posterior: Any) -> None:
+        """Refuse a save whose posterior ``directory`` refuses (:func:`~hf_evon.posterior.format.check_destination`)
+        before the model is written: else the model replaces the one the directory's posterior belongs to, and
+        then the posterior's save fails. Every rank refuses alike (under FSDP2 the model's save gathers on every
+        rank): each looks at the directory itself, and one that does not save asks whether a posterior is saved
+        without taking it (:meth:`current_posterior`'s choice, whose held verdict every rank shares)."""
+        try:
+            check_destination(directory)
+        except IsADirectoryError:
+            if self.args.should_save:
+                saved = posterior is not None
+            else:
+                saved = self._takes_evon_posterior() or self._held_posterior() is not None
+            if saved:
+                raise
 
     def _remove_other_posterior(self, directory: str) -> None:
         """Where the model is saved without a posterior: remove the one ``directory`` holds (an earlier

@@ -307,11 +307,16 @@ class EVONTrainerMixin(
 
     def _trained_posterior(self) -> Any:
         """:meth:`current_posterior` before its calibration."""
-        opt = self.evon_optimizer
-        # no EVON matrix to cover (all with AdamW, or every one frozen and never updated): the held one
-        if self._posterior_from_checkpoint or opt is None or not has_posterior_to_take(opt):
+        if not self._takes_evon_posterior():
             return self._held_posterior()
+        opt = self.evon_optimizer
         return EVONPosterior.from_optimizer(opt, self.model, max_basis_ratio=self.args.posterior_max_basis_ratio)
+
+    def _takes_evon_posterior(self) -> bool:
+        """Whether :meth:`current_posterior` is taken from EVON, else it is the held one: also where EVON covers
+        no matrix (all with AdamW, or every one frozen and never updated)."""
+        opt = self.evon_optimizer
+        return not self._posterior_from_checkpoint and opt is not None and has_posterior_to_take(opt)
 
     @property
     def posterior(self) -> Any:
