@@ -482,8 +482,8 @@ RETRACTED_SECTION = (
 
 def retract_card_section(directory: str | os.PathLike, replacement: str = RETRACTED_SECTION) -> str | None:
     """Replace the EVON section of ``directory/README.md`` by ``replacement`` (:data:`RETRACTED_SECTION`;
-    "" drops it: no posterior is left to name), keeping every other byte; a no-op where there is no card,
-    no section, or no UTF-8 text.
+    "" drops it: no posterior is left to name), keeping every other byte; a no-op where there is no card
+    (nor a regular file under its name), no section, or no UTF-8 text.
 
     A posterior save calls it before its switch: the section describes the posterior the save
     replaces, and the new card is written only after the switch. Returns the card's text as it
@@ -492,6 +492,8 @@ def retract_card_section(directory: str | os.PathLike, replacement: str = RETRAC
     folder = os.fspath(directory)
     path = os.path.join(folder, "README.md")
     with directory_lock(folder):
+        if not os.path.isfile(path):  # a named pipe or device holds no card, and opening one waits for a writer
+            return None
         try:
             with open(path, encoding="utf-8", newline="") as fh:  # newline="": line ends kept as they are
                 text = fh.read()
