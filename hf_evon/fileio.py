@@ -31,11 +31,13 @@ __all__ = [
     "fsync_dir",
     "fsync_file",
     "give_created_mode",
+    "leads_to_directory",
     "Listed",
     "listed_directory",
     "listed_kind",
     "local_directory",
     "no_file_text",
+    "reachable_kind",
     "replaced_atomically",
     "temporary_name",
     "temporary_name_pattern",
@@ -229,19 +231,35 @@ def listed_kind(path: str) -> Listed | None:
     return Listed.FILE if S_ISREG(entry.st_mode) else Listed.NOT_REGULAR
 
 
+def reachable_kind(path: str, unreachable: Callable[[str], BaseException]) -> Listed | None:
+    """:func:`listed_kind` of ``path``, refusing a link that reaches nothing: the one rule for it. A link
+    to nothing or a loop of links raises ``unreachable(why)``, ``why`` naming its target
+    (:func:`no_file_text`): taken for no entry, a file on a disk not mounted would read as missing. One
+    this user cannot look up raises the OSError naming it."""
+    kind = listed_kind(path)
+    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
+        raise unreachable(no_file_text(path, kind))
+    return kind
+
+
+def leads_to_directory(path: str, kind: Listed | None) -> bool:
+    """Whether ``path``, listed as ``kind`` (:func:`listed_kind`), is a directory or a link to one; unlike
+    :func:`listed_directory`, a link to a directory counts. ``kind`` is looked up already, so
+    ``os.path.isdir`` (which takes any error for False) answers for what this entry reaches."""
+    return kind is Listed.NOT_REGULAR and os.path.isdir(path)
+
+
 def local_directory(
     path: str, unreachable: Callable[[str], BaseException], no_directory: Callable[[], BaseException]
 ) -> bool:
     """Whether ``path``, given as a location (a local directory, else a Hub repo id), is a local directory:
     the one rule for it. False only where nothing is listed under it (:func:`listed_kind` None), which
     the caller goes on to check as a repo id. A link that reaches nothing or a loop of links raises
-    ``unreachable(why)``, ``why`` naming its target (:func:`no_file_text`); anything else listed that is
-    no directory (a file, a named pipe, a link to one) raises ``no_directory()``. One this user cannot
-    look up raises the OSError naming it: taken for no entry, it would send a local path to the Hub."""
-    kind = listed_kind(path)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise unreachable(no_file_text(path, kind))
-    if kind is not None and not os.path.isdir(path):  # looked up already: isdir answers for this entry
+    ``unreachable(why)`` (:func:`reachable_kind`); anything else listed that is no directory (a file, a
+    named pipe, a link to one) raises ``no_directory()``. One this user cannot look up raises the OSError
+    naming it: taken for no entry, it would send a local path to the Hub."""
+    kind = reachable_kind(path, unreachable)
+    if kind is not None and not leads_to_directory(path, kind):
         raise no_directory()
     return kind is not None
 

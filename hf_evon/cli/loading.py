@@ -17,10 +17,12 @@ from typing import Any
 from hf_evon.fileio import (
     ANSI_ESCAPE,
     Listed,
+    leads_to_directory,
     listed_kind,
     local_directory,
     looks_like_local_path,
     no_file_text,
+    reachable_kind,
     refused_load_text,
 )
 
@@ -158,7 +160,7 @@ def unreachable_hub(repo_id: str) -> str | None:
     mistyped location (``out/run`` with no ``out/`` here) takes ~50 s to fail; one request to the
     endpoint, without retries, tells at once.
 
-    The repo's folder in the cache is looked up by :func:`~hf_evon.fileio.listed_kind`: one this user
+    The repo's folder in the cache is looked up by :func:`~hf_evon.fileio.reachable_kind`: one this user
     cannot look up raises the OSError naming it, and a link there that reaches nothing (a cache on a
     disk not mounted) raises the FileNotFoundError naming it: every load of the repo, online or not,
     stops at it, so neither is "nothing of it in the cache"."""
@@ -169,10 +171,10 @@ def unreachable_hub(repo_id: str) -> str | None:
     if constants.HF_HUB_OFFLINE:
         return None
     cached = os.path.join(constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id, repo_type="model"))
-    kind = listed_kind(cached)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise FileNotFoundError(f"the Hub cache's folder of {repo_id!r} ({cached!r}) is {no_file_text(cached, kind)}")
-    if kind is Listed.NOT_REGULAR and os.path.isdir(cached):  # looked up already: isdir answers for this entry
+    kind = reachable_kind(
+        cached, lambda why: FileNotFoundError(f"the Hub cache's folder of {repo_id!r} ({cached!r}) is {why}")
+    )
+    if leads_to_directory(cached, kind):
         return None
     try:
         get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)

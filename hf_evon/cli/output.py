@@ -14,7 +14,15 @@ import re
 from typing import Any
 
 from hf_evon.cli.loading import UsageError
-from hf_evon.fileio import ANSI_ESCAPE, Listed, listed_kind, no_file_text, refused_load_text
+from hf_evon.fileio import (
+    ANSI_ESCAPE,
+    Listed,
+    leads_to_directory,
+    listed_kind,
+    no_file_text,
+    reachable_kind,
+    refused_load_text,
+)
 
 
 def check_output(output: str) -> None:
@@ -22,21 +30,20 @@ def check_output(output: str) -> None:
     nearest entry listed on its path (:func:`~hf_evon.fileio.listed_kind`): a link there that reaches
     nothing is named as such (the save's os.makedirs would fail on it after the whole calibration)."""
     existing = os.path.abspath(output)
-    while (kind := _listed_on_path(existing)) is None:
+    while _listed_on_path(existing, output) is None:
         existing = os.path.dirname(existing)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise UsageError(f"--output {output!r}: {existing!r} is {no_file_text(existing, kind)}")
     if not (os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)):
         why = "is a directory this user cannot write in" if os.path.isdir(existing) else "is a file, not a directory"
         raise UsageError(f"--output {output!r}: {existing!r} {why}")
 
 
-def _listed_on_path(path: str) -> Listed | None:
-    """:func:`~hf_evon.fileio.listed_kind` of ``path``; None also where the way to it cannot be taken (a
-    directory on it this user may not search: EACCES; a loop of links on it: ELOOP): the walk up reaches
-    that entry, which :func:`check_output` refuses naming it."""
+def _listed_on_path(path: str, output: str) -> Listed | None:
+    """:func:`~hf_evon.fileio.reachable_kind` of ``path``, on the way to ``output``: a link that reaches
+    nothing is a usage error naming both. None also where the way to it cannot be taken (a directory on it
+    this user may not search: EACCES; a loop of links on it: ELOOP): the walk up reaches that entry, which
+    :func:`check_output` refuses naming it."""
     try:
-        return listed_kind(path)
+        return reachable_kind(path, lambda why: UsageError(f"--output {output!r}: {path!r} is {why}"))
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.ELOOP):
             raise
@@ -57,17 +64,17 @@ def check_output_posterior(output: str, model: Any) -> None:
     from hf_evon.posterior.format import read_config
 
     path = os.path.join(output, POSTERIOR_CONFIG_NAME)
-    kind = listed_kind(path)  # one this user cannot look up raises the OSError naming it
-    # looked up already: isdir answers for this entry. The save's os.replace of the config onto a
-    # directory fails, after the whole calibration
-    if kind is Listed.NOT_REGULAR and os.path.isdir(path):
+    keep = "pass another --output, or remove its evon_posterior files to replace them"
+    # one this user cannot look up raises the OSError naming it; a link that reaches nothing is a posterior
+    # on a disk not mounted, which the save would replace
+    kind = reachable_kind(
+        path, lambda why: UsageError(f"--output {output!r}: its {POSTERIOR_CONFIG_NAME} is {why}: {keep}")
+    )
+    if leads_to_directory(path, kind):  # the save's os.replace of the config onto it fails, after the passes
         raise UsageError(
             f"--output {output!r}: its {POSTERIOR_CONFIG_NAME} is a directory, where the save writes the "
             "posterior's config: pass another --output, or remove that directory"
         )
-    keep = "pass another --output, or remove its evon_posterior files to replace them"
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):  # a posterior on a disk not mounted: the save replaces the link
-        raise UsageError(f"--output {output!r}: its {POSTERIOR_CONFIG_NAME} is {no_file_text(path, kind)}: {keep}")
     if kind is not Listed.FILE:
         check_output_weights(output, model)
         return

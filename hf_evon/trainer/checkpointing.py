@@ -40,8 +40,9 @@ from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import (
     Listed,
     directory_lock,
+    leads_to_directory,
     listed_kind,
-    no_file_text,
+    reachable_kind,
     refused_load_text,
     replaced_atomically,
 )
@@ -161,22 +162,21 @@ def _listed_fsdp2_state(path: str) -> bool:
     """Whether an FSDP2 checkpoint lists its state file ``path`` (``evon_optimizer.pt``, ``scheduler.pt``)
     as a file to read. One listed that is a link to nothing or a loop of links is refused naming it: taken
     for none, EVON's state would be called missing, or the run would resume with a fresh learning-rate
-    schedule. One this user cannot look up raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`)."""
-    kind = listed_kind(path)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise FileNotFoundError(f"EVONTrainer cannot resume this FSDP2 run: {path!r} is {no_file_text(path, kind)}")
+    schedule. One this user cannot look up raises the OSError naming it
+    (:func:`~hf_evon.fileio.reachable_kind`)."""
+    kind = reachable_kind(
+        path, lambda why: FileNotFoundError(f"EVONTrainer cannot resume this FSDP2 run: {path!r} is {why}")
+    )
     return kind is Listed.FILE
 
 
 def _listed_checkpoint_directory(path: str, what: str) -> bool:
     """Whether ``path`` (``what`` names it in the error) is a directory, or a link to one, to resume from. A
     link there that reaches nothing or a loop of links is refused naming it, and one this user cannot look up
-    raises the OSError naming it (:func:`~hf_evon.fileio.listed_kind`): taken for none, a newer checkpoint
+    raises the OSError naming it (:func:`~hf_evon.fileio.reachable_kind`): taken for none, a newer checkpoint
     would be passed over for an older one, or the Trainer would answer that it finds no checkpoint there."""
-    kind = listed_kind(path)
-    if kind in (Listed.LINK_TO_NOTHING, Listed.LINK_LOOP):
-        raise FileNotFoundError(f"{what} {path!r} is {no_file_text(path, kind)}")
-    return kind is Listed.NOT_REGULAR and os.path.isdir(path)  # looked up already: isdir answers for this entry
+    kind = reachable_kind(path, lambda why: FileNotFoundError(f"{what} {path!r} is {why}"))
+    return leads_to_directory(path, kind)
 
 
 def _how_to_resume(skipped: list[str]) -> str:
