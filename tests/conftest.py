@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -144,6 +147,38 @@ def directory_locked(directory: str) -> bool:
     finally:
         os.close(fd)  # releases a lock this probe took
     return False
+
+
+class Entry(NamedTuple):
+    """One entry of a :func:`directory_state`."""
+
+    data: bytes | None  # a regular file's bytes; None for a folder, a link or anything else
+    mtime_ns: int | None  # its own mtime (a link's, not its target's); None where the state leaves them out
+
+
+# More than one tick of the coarse clock that stamps mtimes (Linux: 1 to 10 ms, by CONFIG_HZ).
+_MTIME_TICK_NS = 20_000_000
+
+
+def directory_state(directory: Path, *, mtimes: bool = True) -> dict[str, Entry]:
+    """Every entry under ``directory`` by its path relative to it (``"sub/name"``; links not followed): two
+    equal states mean nothing under it was created, removed or changed in between. With ``mtimes`` a file
+    rewritten with the same bytes counts as changed, and so does a folder under it (not ``directory``
+    itself) in which an entry was created and removed again; without, only what each file holds counts (for
+    a test where a file may be rewritten as it was).
+
+    It returns once the clock is more than a coarse tick past every mtime it read: without multigrain
+    timestamps (Linux before 6.13) a file written within the tick of the one recorded would get the same
+    mtime, and a rewrite right after this state was taken would pass unseen."""
+    state = {}
+    for path in sorted(directory.rglob("*")):
+        listed = path.lstat()
+        data = path.read_bytes() if stat.S_ISREG(listed.st_mode) else None
+        state[path.relative_to(directory).as_posix()] = Entry(data, listed.st_mtime_ns if mtimes else None)
+    newest = max((entry.mtime_ns for entry in state.values() if entry.mtime_ns is not None), default=None)
+    if newest is not None:
+        time.sleep(max(0, newest + _MTIME_TICK_NS - time.time_ns()) / 1e9)
+    return state
 
 
 def refuse_lookups(

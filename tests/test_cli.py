@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import plain_evon, refuse_lookups
+from conftest import directory_state, plain_evon, refuse_lookups
 from launcher import free_port
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -1800,11 +1800,11 @@ def refused_outputs(model, text, outputs, capsys, monkeypatch) -> dict:
     monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
     said = {}
     for output in outputs:
-        before = {f.name: f.read_bytes() for f in output.iterdir()}
+        before = directory_state(output)
         argv = ["calibrate", "--model", str(model), "--text", str(text), "--output", str(output)]
         assert main([*argv, "--block-size", "16", "--max-blocks", "2", "--samples", "2"]) == 2, output
         said[output] = capsys.readouterr()
-        assert {f.name: f.read_bytes() for f in output.iterdir()} == before, output
+        assert directory_state(output) == before, output
     monkeypatch.setattr(calibration, "calibrate_posterior", calibrate)
     return said
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import plain_evon
+from conftest import directory_state, plain_evon
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -127,10 +127,6 @@ def _assert_same_factors(a: EVONPosterior, b: EVONPosterior) -> None:
             assert (qa is None) == (qb is None), name
             if qa is not None:
                 assert torch.equal(qa, qb), name
-
-
-def _file_bytes(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 def _run_python(code: str, *args: str, env: dict | None = None) -> str:
@@ -1189,13 +1185,13 @@ def test_saving_beside_a_transformers_model_keeps_its_files(gpt2, tmp_path):
 
     model, _, post = gpt2
     model.save_pretrained(tmp_path)
-    model_files = _file_bytes(tmp_path)
+    model_files = directory_state(tmp_path)
     assert "model.safetensors" in model_files and "config.json" in model_files
     post.save_pretrained(tmp_path)
     post.with_ess(2000.0).save_pretrained(tmp_path)  # overwrite the posterior: still no harm
-    after = _file_bytes(tmp_path)
+    after = directory_state(tmp_path)
     assert set(after) == set(model_files) | {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "README.md"}
-    assert all(after[name] == data for name, data in model_files.items())
+    assert all(after[name] == entry for name, entry in model_files.items())
     reloaded = GPT2LMHeadModel.from_pretrained(tmp_path)
     loaded = EVONPosterior.from_pretrained(tmp_path, model=reloaded)
     assert loaded.ess == 2000.0
@@ -1206,7 +1202,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
 
     _, _, post = mlp
     post.save_pretrained(tmp_path)
-    before = _file_bytes(tmp_path)
+    before = directory_state(tmp_path, mtimes=False)  # the rollback writes the card back as it was
     newer = post.with_ess(999.0)
 
     def failing_writer(*args, **kwargs):
@@ -1216,7 +1212,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
     with pytest.raises(OSError, match="disk full"):
         newer.save_pretrained(tmp_path)
     monkeypatch.undo()
-    assert _file_bytes(tmp_path) == before
+    assert directory_state(tmp_path, mtimes=False) == before
 
     real_replace = os.replace
 
@@ -1229,7 +1225,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(mlp, tmp_path, monk
     with pytest.raises(OSError, match="interrupted"):
         newer.save_pretrained(tmp_path)
     monkeypatch.undo()
-    assert _file_bytes(tmp_path) == before  # weights rolled back, no temporary files left
+    assert directory_state(tmp_path, mtimes=False) == before  # weights rolled back, no temporary files left
     assert EVONPosterior.from_pretrained(tmp_path).ess == 256
 
 
@@ -1700,18 +1696,18 @@ def test_peft_lora_posterior_lives_next_to_the_adapter(tmp_path):
     assert any(post[n].Q_L is not None for n in post.names)
 
     model.save_pretrained(tmp_path)
-    adapter_files = _file_bytes(tmp_path)
+    adapter_files = directory_state(tmp_path)
     assert "adapter_model.safetensors" in adapter_files and "README.md" in adapter_files
     post.save_pretrained(tmp_path)
-    after = _file_bytes(tmp_path)
+    after = directory_state(tmp_path)
     # issue 11 item 6: the default (lean) posterior is at most 2x the adapter, headers included
-    sizes = len(after[POSTERIOR_WEIGHTS_NAME]), len(adapter_files["adapter_model.safetensors"])
+    sizes = len(after[POSTERIOR_WEIGHTS_NAME].data), len(adapter_files["adapter_model.safetensors"].data)
     assert sizes[0] <= 2 * sizes[1], sizes
-    for name, data in adapter_files.items():
+    for name, entry in adapter_files.items():
         if name != "README.md":
-            assert after[name] == data, name
-    readme = after["README.md"].decode()
-    peft_text = adapter_files["README.md"].decode().split("---", 2)[2].strip()
+            assert after[name] == entry, name
+    readme = after["README.md"].data.decode()
+    peft_text = adapter_files["README.md"].data.decode().split("---", 2)[2].strip()
     assert peft_text in readme and readme.count(SECTION_START) == 1
     assert "library_name: peft" in readme and "- evon" in readme  # PEFT's card updated, not replaced
     assert "PeftModel.from_pretrained(base" in readme

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_locked, refuse_lookups
+from conftest import directory_locked, directory_state, refuse_lookups
 
 from hf_evon import EVONPosterior, PosteriorMismatchError
 from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
@@ -1081,14 +1081,14 @@ def test_a_save_onto_a_config_that_is_a_directory_is_refused_before_anything_is_
     config.unlink()
     config.mkdir()
     (config / "notes.txt").write_text("kept")
-    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    before = directory_state(tmp_path)
     with pytest.raises(IsADirectoryError) as err:
         _posterior(2.0).save_pretrained(tmp_path)
     assert str(err.value) == (
         f"{config}: a directory, where a posterior save writes its config; refusing to save over it "
         "(remove it, or save elsewhere)"
     ), str(err.value)
-    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert directory_state(tmp_path) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["README.md", POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
 
 
@@ -1109,7 +1109,7 @@ def test_a_save_onto_weights_or_a_card_that_is_a_directory_is_refused_before_any
     path.unlink()
     path.mkdir()
     (path / "notes.txt").write_text("kept")
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = directory_state(out)
     for save in (lambda: _posterior(2.0).save_pretrained(out), lambda: copy_posterior(str(other), str(out))):
         with pytest.raises(IsADirectoryError) as err:
             save()
@@ -1117,7 +1117,7 @@ def test_a_save_onto_weights_or_a_card_that_is_a_directory_is_refused_before_any
             f"{path}: a directory, where a posterior save writes its {what}; refusing to save over it "
             "(remove it, or save elsewhere)"
         ), str(err.value)
-        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+        assert directory_state(out) == before
         assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME])
 
 
@@ -1450,10 +1450,10 @@ def test_a_card_keyword_the_card_does_not_take_is_refused_before_anything_is_wri
     factors = MatrixFactors(_orthonormal(4, 0), None, torch.ones(4, 3), (4, 3), (4, 3), 100.0, 1e-3)
     first = EVONPosterior.from_factors({"w": factors})
     first.save_pretrained(tmp_path)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = directory_state(tmp_path)
     with pytest.raises(TypeError, match=r"model_card_kwargs: unknown keyword\(s\) \['bogus'\]"):
         first.with_temperature(3.0).save_pretrained(tmp_path, model_card_kwargs={"bogus": 1})
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert directory_state(tmp_path) == before
 
 
 def test_a_posterior_over_a_0d_parameter_saves_loads_and_samples_alike(tmp_path) -> None:

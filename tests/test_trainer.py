@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import refuse_lookups
+from conftest import directory_state, refuse_lookups
 from launcher import torchrun
 from transformers import (
     BertConfig,
@@ -1354,14 +1354,14 @@ def test_save_model_after_merge_and_unload_refuses_before_writing_and_names_the_
     trainer.train()
     trainer.save_model()
     out = Path(trainer.args.output_dir)
-    saved = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    saved = directory_state(out)
     assert "adapter_model.safetensors" in saved and POSTERIOR_WEIGHTS_NAME in saved
     trainer.model.merge_and_unload()
     lora_a = "base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.default"
     for call in (trainer.save_model, trainer.current_posterior):
         with pytest.raises(PosteriorMismatchError, match=rf"{lora_a}.*merge_and_unload\(\)"):
             call()
-    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == saved
+    assert directory_state(out) == saved
 
 
 def test_adaloras_rank_allocation_runs_at_every_optimizer_step(tmp_path):
@@ -2306,14 +2306,6 @@ def test_a_save_without_a_posterior_removes_the_weights_beside_a_config_that_is_
     assert (output / "config.json").is_file()
 
 
-def _listing(directory: Path) -> dict[Path, tuple[bytes, int]]:
-    """Every file under ``directory``: its bytes and mtime (ns); and every folder, as None."""
-    return {
-        p.relative_to(directory): (p.read_bytes(), p.stat().st_mtime_ns) if p.is_file() else None
-        for p in directory.rglob("*")
-    }
-
-
 @pytest.mark.parametrize(
     "name,what", [(POSTERIOR_CONFIG_NAME, "config"), (POSTERIOR_WEIGHTS_NAME, "weights"), ("README.md", "model card")]
 )
@@ -2337,7 +2329,7 @@ def test_a_refused_posterior_save_writes_nothing_over_the_earlier_save(tmp_path,
     (saved / name).unlink()
     (saved / name).mkdir()
     (saved / name / "notes.txt").write_text("kept")
-    before = _listing(saved)
+    before = directory_state(saved)
     if how == "checkpoint":  # a second run's checkpoint-2, where the first run's is
         call = EVONTrainer(model=tiny_bert(seed=1), args=args, train_dataset=classification_data(16)).train
     else:
@@ -2356,7 +2348,7 @@ def test_a_refused_posterior_save_writes_nothing_over_the_earlier_save(tmp_path,
         f"{saved / name}: a directory, where a posterior save writes its {what}; refusing to save over it "
         "(remove it, or save elsewhere)"
     ), str(err.value)
-    assert _listing(saved) == before
+    assert directory_state(saved) == before
 
 
 class _PosteriorMovedOut(TrainerCallback):
