@@ -510,14 +510,7 @@ def test_a_model_directory_whose_config_cannot_be_looked_up_is_not_taken_for_one
     model_dir = tmp_path / "model"
     shutil.copytree(saved[0], model_dir)
     config = str(model_dir / "config.json")
-    real = os.lstat
-
-    def lstat(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if os.fspath(path) == config:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "lstat", lstat)
+    refuse_lookups(monkeypatch, lambda path: path == config, ("lstat",))
     assert main(["generate", "--model", str(model_dir), "--prompt-ids", "5 9", "--device", "cpu"]) == 1
     err = capsys.readouterr().err.splitlines()[-1]
     assert err == f"hf-evon generate: error: [Errno 13] Permission denied: {config!r}", err

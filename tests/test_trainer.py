@@ -2158,14 +2158,7 @@ def test_load_best_model_at_end_refuses_adapter_weights_it_cannot_look_up(tmp_pa
         ), str(err.value)
         return
     weights.write_bytes(b"")
-    real = os.lstat
-
-    def lstat(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if os.fspath(path) == str(weights):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "lstat", lstat)
+    refuse_lookups(monkeypatch, lambda path: path == str(weights), ("lstat",))
     with pytest.raises(PermissionError) as err:
         _active_adapter_folders(trainer, model)
     assert err.value.filename == str(weights)
