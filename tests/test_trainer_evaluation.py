@@ -1095,10 +1095,25 @@ def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path
     trainer = _trained_masked_lm(
         tmp_path, dataloader_num_workers=workers, dataloader_persistent_workers=persistent
     )
-    for _ in range(2):  # each evaluation draws its own masks, the same in each of its passes
-        metrics = trainer.evaluate()
-        assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
-        assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
+    try:
+        for _ in range(2):  # each evaluation draws its own masks, the same in each of its passes
+            metrics = trainer.evaluate()
+            assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
+            assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
+    finally:
+        _stop_persistent_workers(trainer)
+
+
+def _stop_persistent_workers(trainer: EVONTrainer) -> None:
+    """Stop the worker processes of ``trainer``'s persistent loaders (its training loader and its
+    cached eval loaders) now. Left to the garbage collector (a Trainer sits in reference cycles),
+    torch's shutdown of each waits out its 5 s join timeout, charged to whichever later test
+    collects them."""
+    loaders = [trainer.callback_handler.train_dataloader, *getattr(trainer, "_eval_dataloaders", {}).values()]
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)  # a persistent loader's live iterator
+        if iterator is not None:
+            iterator._shutdown_workers()
 
 
 def test_posterior_metrics_of_a_masked_lm_score_the_same_masks_in_every_pass(tmp_path) -> None:
@@ -1788,9 +1803,27 @@ def test_a_multi_label_or_regression_models_refused_bma_metrics_and_uncertainty_
         trainer.predict_uncertainty(data(8, 2))
 
 
+@pytest.fixture(scope="module")
+def token_bma_runs(tmp_path_factory):
+    """What each rank of token_bma_worker.py saved, by world size: the worker is launched once per
+    world size for the token classifier's test and the question answerer's (a launch's start, not its
+    two trainings, is most of its time)."""
+    from launcher import rank_results
+
+    runs: dict[int, list[dict]] = {}
+
+    def saved(world: int) -> list[dict]:
+        if world not in runs:
+            out = str(tmp_path_factory.mktemp(f"token_bma{world}"))
+            runs[world] = rank_results(world, os.path.join(os.path.dirname(__file__), "token_bma_worker.py"), out)
+        return runs[world]
+
+    return saved
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_predict_bma_of_a_token_classifier_over_processes_pads_what_preprocess_logits_for_metrics_returns(
-    tmp_path, world
+    token_bma_runs, world
 ):
     """A token classifier's preprocess_logits_for_metrics keeps the argmax, (B, T): predict(bma=True)
     padded only three-dimensional outputs across processes, so two processes whose batches were
@@ -1798,9 +1831,7 @@ def test_predict_bma_of_a_token_classifier_over_processes_pads_what_preprocess_l
     ("terminate called after throwing an instance of 'gloo::EnforceNotMet'"), where Trainer.predict
     pads them. Each process's output is padded to the longest now: every sentence's labelled tokens
     get the argmax of their BMA probabilities, the rest -100 or a class."""
-    from launcher import rank_results
-
-    for saved in rank_results(world, os.path.join(os.path.dirname(__file__), "token_bma_worker.py"), str(tmp_path)):
+    for saved in token_bma_runs(world):
         probabilities, argmax = saved["probabilities"], saved["argmax"]
         labels = probabilities.label_ids
         assert labels.shape == (10, 13) and argmax.predictions.shape == labels.shape
@@ -1810,18 +1841,16 @@ def test_predict_bma_of_a_token_classifier_over_processes_pads_what_preprocess_l
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_predict_bma_of_a_question_answerer_over_processes_pads_its_start_and_end_probabilities(tmp_path, world):
+def test_predict_bma_of_a_question_answerer_over_processes_pads_its_start_and_end_probabilities(token_bma_runs, world):
     """A question answerer's BMA start and end probabilities are (B, T) each: predict(bma=True) padded
     only three-dimensional outputs across processes, so two processes whose batches were padded to
     other lengths gathered tensors of other widths, and gloo aborted rank 0 ("terminate called after
     throwing an instance of 'gloo::EnforceNotMet'"), where Trainer.predict pads them. Each row is now
     padded with -100 to the longest: the rest of it is its batch's distribution over positions."""
-    from launcher import torchrun
     from token_bma_worker import answers as worker_answers
 
-    torchrun(world, os.path.join(os.path.dirname(__file__), "token_bma_worker.py"), str(tmp_path), "qa")
-    for r in range(world):
-        answers = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)["answers"]
+    for saved in token_bma_runs(world):
+        answers = saved["answers"]
         for probabilities in answers.predictions:
             assert probabilities.shape == (10, 13)
             kept = probabilities != -100

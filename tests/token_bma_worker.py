@@ -3,9 +3,10 @@
 Trains a tiny BERT token classifier for 2 steps, then predicts 10 sentences of 3 to 13 tokens in
 batches of 2 per process, padded by ``DataCollatorForTokenClassification`` to each batch's longest (so
 the processes' batches differ in width), with and without a ``preprocess_logits_for_metrics`` that
-keeps the argmax (B, T). Each rank saves both outputs. Task "qa": a tiny BERT question answerer's
-start and end probabilities (B, T each) of the same sentences, padded by ``DataCollatorWithPadding``.
-Usage: ``torch.distributed.run --nproc_per_node W token_bma_worker.py OUT_DIR [token|qa]``.
+keeps the argmax (B, T); then a tiny BERT question answerer's start and end probabilities (B, T each)
+of the same sentences, padded by ``DataCollatorWithPadding``. Each rank saves the three outputs: one
+launch serves the token classifier's test and the question answerer's.
+Usage: ``torch.distributed.run --nproc_per_node W token_bma_worker.py OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def answers(n: int, seed: int) -> list[dict[str, Any]]:
             for r in rows(n, seed)]  # fmt: skip
 
 
-def main(out: str, task: str = "token") -> None:
+def main(out: str) -> None:
     torch.set_num_threads(1)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
@@ -58,14 +59,6 @@ def main(out: str, task: str = "token") -> None:
         per_device_train_batch_size=4, per_device_eval_batch_size=2, max_steps=2, evon_ess=60.0,
         bma_num_samples=2, bma_seed=3, save_strategy="no", disable_tqdm=True, seed=0,
     )  # fmt: skip
-    if task == "qa":
-        config.num_labels = 2  # a start and an end logit per token
-        trainer = EVONTrainer(
-            model=BertForQuestionAnswering(config), args=args, train_dataset=Dataset.from_list(answers(16, 0)),
-            data_collator=DataCollatorWithPadding(_word_tokenizer()),
-        )  # fmt: skip
-        trainer.train()
-        save_and_finish({"answers": trainer.predict(Dataset.from_list(answers(10, 1)), bma=True)}, out, rank)  # exits
     trainer = EVONTrainer(
         model=BertForTokenClassification(config), args=args, train_dataset=Dataset.from_list(rows(16, 0)),
         data_collator=DataCollatorForTokenClassification(_word_tokenizer()),
@@ -75,7 +68,15 @@ def main(out: str, task: str = "token") -> None:
     probabilities = trainer.predict(test, bma=True)
     trainer.preprocess_logits_for_metrics = lambda logits, labels: logits.argmax(-1)
     argmax = trainer.predict(test, bma=True)
-    save_and_finish({"probabilities": probabilities, "argmax": argmax}, out, rank)
+    torch.manual_seed(0)
+    config.num_labels = 2  # a start and an end logit per token
+    answerer = EVONTrainer(
+        model=BertForQuestionAnswering(config), args=args, train_dataset=Dataset.from_list(answers(16, 0)),
+        data_collator=DataCollatorWithPadding(_word_tokenizer()),
+    )  # fmt: skip
+    answerer.train()
+    answered = answerer.predict(Dataset.from_list(answers(10, 1)), bma=True)
+    save_and_finish({"probabilities": probabilities, "argmax": argmax, "answers": answered}, out, rank)  # exits
 
 
 if __name__ == "__main__":
