@@ -9,7 +9,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -197,3 +197,15 @@ def refuse_lookups(
 
     for name in calls:
         monkeypatch.setattr(os, name, wrapped(getattr(os, name)))
+
+
+def stop_persistent_workers(trainer: Any) -> None:
+    """Stop the worker processes of ``trainer``'s persistent loaders (its training loader and its
+    cached eval loaders) now. Left to the garbage collector (a Trainer sits in reference cycles),
+    torch's shutdown of each waits out its 5 s join timeout, charged to whichever later test
+    collects them."""
+    loaders = [trainer.callback_handler.train_dataloader, *getattr(trainer, "_eval_dataloaders", {}).values()]
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)  # a persistent loader's live iterator
+        if iterator is not None:
+            iterator._shutdown_workers()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import stop_persistent_workers
 from datasets import Dataset
 from test_trainer import config, tiny_bert
 
@@ -145,13 +146,16 @@ def test_the_calibration_split_and_the_eval_set_keep_their_own_loaders_with_pers
         eval_dataset=eval_set,
         calibration_dataset=calibration_set,
     )
-    trainer.train()  # the calibration split is checked before the first step and calibrated after the last
-    assert trainer.calibration.num_targets == len(calibration_set)
-    assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
-    trainer.evaluate()
-    assert trainer.calibrate().num_targets == len(calibration_set)
-    assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
-    assert trainer.args.dataloader_persistent_workers
+    try:
+        trainer.train()  # the calibration split is checked before the first step and calibrated after the last
+        assert trainer.calibration.num_targets == len(calibration_set)
+        assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
+        trainer.evaluate()
+        assert trainer.calibrate().num_targets == len(calibration_set)
+        assert len(trainer.get_eval_dataloader().dataset) == len(eval_set)
+        assert trainer.args.dataloader_persistent_workers
+    finally:
+        stop_persistent_workers(trainer)
 
 
 def test_evaluate_takes_its_bma_passes_in_order_of_length_with_the_same_metrics(

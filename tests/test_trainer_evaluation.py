@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import count_forwards
+from conftest import count_forwards, stop_persistent_workers
 from test_trainer import _direct_bma, classification_data, config, lm_data, tiny_bert, tiny_gpt2
 from transformers import TrainerCallback
 
@@ -1101,19 +1101,7 @@ def test_bma_passes_of_a_masked_lm_score_the_masks_its_mean_pass_scores(tmp_path
             assert metrics["eval_bma_nll"] == pytest.approx(metrics["eval_mean_nll"], rel=1e-6)
             assert metrics["eval_bma_accuracy"] == metrics["eval_mean_accuracy"]
     finally:
-        _stop_persistent_workers(trainer)
-
-
-def _stop_persistent_workers(trainer: EVONTrainer) -> None:
-    """Stop the worker processes of ``trainer``'s persistent loaders (its training loader and its
-    cached eval loaders) now. Left to the garbage collector (a Trainer sits in reference cycles),
-    torch's shutdown of each waits out its 5 s join timeout, charged to whichever later test
-    collects them."""
-    loaders = [trainer.callback_handler.train_dataloader, *getattr(trainer, "_eval_dataloaders", {}).values()]
-    for loader in loaders:
-        iterator = getattr(loader, "_iterator", None)  # a persistent loader's live iterator
-        if iterator is not None:
-            iterator._shutdown_workers()
+        stop_persistent_workers(trainer)
 
 
 def test_posterior_metrics_of_a_masked_lm_score_the_same_masks_in_every_pass(tmp_path) -> None:
