@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import types
+from unittest import mock
 
 import pytest
 from conftest import argument_error, load_script
@@ -48,7 +49,8 @@ def example():
 
 def run_here(example: types.ModuleType, args: list[str]) -> str:
     """What ``main(args)`` prints, run in this process: a one-process run without the start of
-    another Python (its imports are most of a tiny run's time). accelerate's process-wide state,
+    another Python (its imports are most of a tiny run's time), on the CPU as the launched runs
+    are (``worker_env``), also where an accelerator is present. accelerate's process-wide state,
     which ``main``'s Accelerator sets up, is reset before and after, so that the run and the
     other tests in this process do not see each other's."""
     from accelerate.state import AcceleratorState, GradientState
@@ -57,7 +59,7 @@ def run_here(example: types.ModuleType, args: list[str]) -> str:
     GradientState._reset_state()
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), mock.patch.object(example, "_has_accelerator", lambda: False):
             example.main(args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
