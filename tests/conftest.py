@@ -209,3 +209,21 @@ def stop_persistent_workers(trainer: Any) -> None:
         iterator = getattr(loader, "_iterator", None)  # a persistent loader's live iterator
         if iterator is not None:
             iterator._shutdown_workers()
+
+
+def load_where_never_built(monkeypatch: pytest.MonkeyPatch, path: str | Path, base_module: str) -> Any:
+    """``torch.load(path)`` as a process that has not built any ``evon_config_class`` combination (one
+    loading ``training_args.bin``, a spawned worker) loads it: pickle finds a class by its module and
+    name, so each built class's name in ``hf_evon.trainer.combined`` and its record there go, and so does
+    ``base_module`` (the module declaring the base, imported again from ``sys.path``); ``monkeypatch``
+    puts them back after the test."""
+    import sys
+
+    import hf_evon.trainer.combined as combined
+
+    for base, built in list(combined._COMBINED.items()):
+        if combined._DECLARED.get(base) is not built:  # built by evon_config_class, not declared
+            monkeypatch.delitem(combined._COMBINED, base)
+            monkeypatch.delattr(combined, built.__name__)
+    monkeypatch.delitem(sys.modules, base_module)
+    return torch.load(path, weights_only=False)
