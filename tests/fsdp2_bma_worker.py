@@ -2,16 +2,14 @@
 factored) on an FSDP2-sharded GPT-2 (``fully_shard`` per block and at the root: DTensor
 parameters, rows split unevenly over the ranks), each rank on its own prompts.
 
-``tests/test_fsdp2.py`` runs the same calls on the unsharded model and compares.
+``tests/test_fsdp2.py`` runs the same calls on the unsharded model and compares (:func:`sharded`, a
+scenario of ``tests/fsdp2_edge_worker.py``).
 """
 
 from __future__ import annotations
 
-import sys
-
 import fsdp2_worker as worker
 import torch
-import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_evon import EVONPosterior
@@ -130,15 +128,12 @@ def not_gathered(mesh) -> str:
     return "not refused"
 
 
-def main(out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def sharded(mesh, rank: int) -> dict:
+    """What the test compares, on ``model()`` ``fully_shard``-ed per block and at the root over ``mesh``,
+    on rank ``rank``'s prompts."""
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
     net = model()
-    mesh = init_device_mesh("cpu", (world,))
     for block in net.transformer.h:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -153,11 +148,4 @@ def main(out: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported to the test
         result["mixed_precision"] = f"{type(err).__name__}: {err}"
     result["after"] = worker.full_weights(net)  # the root's stay gathered after a forward (FSDP2's way)
-    save_and_finish(result, out, rank)  # exits here: no process-group destructor runs (launcher.finish)
-
-
-from launcher import finish, save_and_finish  # noqa: E402
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    finish()
+    return result

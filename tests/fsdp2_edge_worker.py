@@ -1,4 +1,10 @@
-"""Edge cases of FSDP2 (``fully_shard``, 2 CPU ranks, gloo) for ``tests/test_fsdp2.py``.
+"""Edge cases of FSDP2 (``fully_shard``, 2 CPU ranks, gloo) for ``tests/test_fsdp2.py``: the scenarios
+(argv[2:], of ``SCENARIOS``) run in one launch, each result saved by ``launcher.run_scenarios``:
+``edge`` (below), ``posterior_sampled`` (``tests/fsdp2_posterior_worker.py``), ``reshard``
+(``tests/fsdp2_reshard_worker.py``), ``bma`` (``tests/fsdp2_bma_worker.py``) and ``block_raised``
+(``tests/sharded_fault_worker.py``'s ``fsdp2_block_raised``), ``trainer_refused``
+(``tests/fsdp2_trainer_worker.py``'s ``refused``: accelerate's FSDP switch is not patched here). The
+edge cases:
 
 * ``tiny``: a model whose matrices have fewer rows than ranks (rank 1 holds none of ``c.weight``,
   rank 0 one row of ``b.weight``) trains one step; every rank takes the posterior, rank 0 saves it
@@ -14,6 +20,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import fsdp2_posterior_worker as pw
@@ -170,13 +177,11 @@ def sequential(mesh) -> dict:
     return {"outs": outs, "after": after, "weights": worker.full_weights(model)}
 
 
-def main(out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+SCENARIOS = ("edge", "posterior_sampled", "reshard", "bma", "block_raised", "trainer_refused")
 
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+
+def edge_cases(mesh, rank: int, world: int, out: str) -> dict:
+    """The edge cases above, each its result or the error it raised."""
     result: dict = {}
     for key, fn in (
         ("tiny", lambda: tiny_run(mesh, rank, world, out)),
@@ -191,11 +196,33 @@ def main(out: str) -> None:
             result[key] = fn()
         except Exception as err:  # noqa: BLE001 - reported to the test
             result[key] = f"{type(err).__name__}: {err}"
-    save_and_finish(result, out, rank)
+    return result
 
 
-from launcher import finish, save_and_finish  # noqa: E402
+def main(out: str, names: list[str]) -> None:
+    import fsdp2_bma_worker as bw
+    import fsdp2_reshard_worker as rw
+    import fsdp2_trainer_worker as tw
+    import sharded_fault_worker as fw
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    scenarios = {
+        "edge": lambda: edge_cases(mesh, rank, world, out),
+        "posterior_sampled": lambda: pw.sampled(mesh),
+        "reshard": lambda: rw.variants(mesh, rank, world),
+        "bma": lambda: bw.sharded(mesh, rank),
+        "block_raised": lambda: fw.fsdp2_block_raised(rank),
+        "trainer_refused": lambda: tw.refused(os.path.join(out, "trainer_refused")),
+    }
+    run_scenarios(out, rank, scenarios, names)
+    finish()  # exits here: no process-group destructor runs (launcher.finish)
+
+from launcher import finish, run_scenarios  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
     finish()

@@ -1,7 +1,7 @@
 """``EVONPosterior.sampled`` on an FSDP2-sharded model (``fully_shard``: DTensor parameters, rows
 split unevenly over the ranks): each rank saves the full weights inside a sample and after it,
 the most elements any tensor the sample's set-up made held, and what ``sampled(model)`` without a
-seed raised.
+seed raised (:func:`sampled`, a scenario of ``tests/fsdp2_edge_worker.py``).
 
 The posterior is given by its factors (random orthonormal bases, float64), so no training is
 needed: ``tests/test_fsdp2.py`` compares with the same posterior sampled into the unsharded model.
@@ -9,11 +9,8 @@ needed: ``tests/test_fsdp2.py`` compares with the same posterior sampled into th
 
 from __future__ import annotations
 
-import sys
-
 import fsdp2_worker as worker
 import torch
-import torch.distributed as dist
 
 from hf_evon import EVONPosterior
 
@@ -46,13 +43,10 @@ def largest_tensor(fn) -> int:
     return mode.numel
 
 
-def main(out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
-    model = worker.shard(worker.net(), init_device_mesh("cpu", (world,)))
+def sampled(mesh) -> dict:
+    """On ``worker.net`` sharded over ``mesh``: the full weights inside a sample and after it, the most
+    elements a tensor of the sample's set-up held, and what ``sampled(model)`` without a seed raised."""
+    model = worker.shard(worker.net(), mesh)
     result = {}
     try:
         with posterior().sampled(model, seed=SEED):
@@ -72,11 +66,4 @@ def main(out: str) -> None:
         result["error"] = f"{type(err).__name__}: {err}"
     result["seed_none"] = worker.expect_error(lambda: posterior().sampled(model).__enter__())
     result["after_seed_none"] = worker.full_weights(model)
-    save_and_finish(result, out, rank)  # exits here: no process-group destructor runs (launcher.finish)
-
-
-from launcher import finish, save_and_finish  # noqa: E402
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    finish()
+    return result

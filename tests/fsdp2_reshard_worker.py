@@ -1,16 +1,14 @@
 """``sampled_params(train=False)`` blocks between the steps of an FSDP2 model whose forward leaves
 the weights gathered (``reshard_after_forward=False``; the root of a lone ``fully_shard(model)``
 by default). Each rank saves, per variant, the full weights after every step of a run with such
-blocks and of one without, and per block its inputs, output and the sample its shards hold.
+blocks and of one without, and per block its inputs, output and the sample its shards hold
+(:func:`variants`, a scenario of ``tests/fsdp2_edge_worker.py``).
 """
 
 from __future__ import annotations
 
-import sys
-
 import fsdp2_worker as worker
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hf_evon import build_optimizer, prepare_distributed
@@ -49,24 +47,12 @@ def run(mesh, rank: int, world: int, variant: str, evals: bool) -> dict:
     return {"trace": trace, "blocks": blocks}
 
 
-def main(out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+def variants(mesh, rank: int, world: int) -> dict:
+    """Each variant's runs with and without evaluation blocks (or the error it raised)."""
     result = {}
     for variant in ("no_reshard", "root"):
         try:
             result[variant] = {evals: run(mesh, rank, world, variant, evals) for evals in (True, False)}
         except Exception as err:  # noqa: BLE001 - reported to the test
             result[variant] = f"{type(err).__name__}: {err}"
-    save_and_finish(result, out, rank)
-
-
-from launcher import finish, save_and_finish  # noqa: E402
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-    finish()
+    return result

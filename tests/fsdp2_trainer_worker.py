@@ -1,26 +1,28 @@
 """Worker for tests/test_fsdp2.py: ``EVONTrainer`` with the Trainer's FSDP2 arguments on CPUs.
 
-``MODE`` (argv[2]):
+The modes (``fsdp2``, ``held`` and ``reference`` are argv[2:], run in turn in one launch, each result
+saved by ``launcher.run_scenarios``):
 
 * ``refused``: accelerate (1.15) enables its FSDP plugin only for GPUs and other accelerators,
   not for ``MULTI_CPU`` (``accelerate/state.py``, ``AcceleratorState.__init__``: the branch
   listing ``MULTI_GPU``, ``MULTI_NPU``, ...): the Trainer would silently train plain DDP.
-  EVONTrainer refuses before any step; each rank writes the error to ``trainer_rank{r}.txt``.
+  EVONTrainer refuses before any step; each rank saves the error (:func:`refused`, a scenario of
+  ``tests/fsdp2_edge_worker.py``).
 * ``fsdp2``: the same arguments, with accelerate's decision patched *in this worker only*
   (:func:`enable_fsdp_on_cpu`) to what it does on GPUs: ``DistributedType.FSDP`` with the
   plugin. The Trainer and accelerate then take their own FSDP2 path unchanged
   (``fully_shard`` of each ``Linear`` and the root, the optimizer's parameters switched to the
   DTensors, ``prepare_distributed`` shards EVON over the mesh). Trains the float64 regressor
   of ``sharded_trainer_worker`` and calls ``save_model``.
-* ``held``: the ``fsdp2`` arguments, a ``posterior=`` and AdamW (:func:`held`).
+* ``held``: the ``fsdp2`` arguments, a ``posterior=`` and AdamW (:func:`held`), under ``OUT_DIR/held``.
 * ``reference``: one process, no FSDP, ``evon_shard=True`` (the noise semantics of sharded
   runs), the same global batch.
 
-Each rank of ``fsdp2``/``reference`` saves ``rank{r}.pt``: the full weights, the set-up seen,
-the set-up seen and the logs; the run saves ``run/checkpoint-2`` (and ``checkpoint-3``) and
-``save_model`` writes ``OUT_DIR/saved``; ``fsdp2`` then resumes a fresh trainer from
-``checkpoint-2`` (into ``OUT_DIR/resumed``) to the end and records its weights (or the error).
-Usage: ``torch.distributed.run --nproc_per_node W fsdp2_trainer_worker.py OUT_DIR MODE``.
+Each rank of ``fsdp2``/``reference`` saves the full weights, the set-up seen and the logs; the run
+saves ``run/checkpoint-2`` (and ``checkpoint-3``) and ``save_model`` writes ``OUT_DIR/saved``;
+``fsdp2`` then resumes a fresh trainer from ``checkpoint-2`` (into ``OUT_DIR/resumed``) to the end
+and records its weights (or the error).
+Usage: ``torch.distributed.run --nproc_per_node W fsdp2_trainer_worker.py OUT_DIR MODE...``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def config(out: str, world: int, mode: str, run: str = "run") -> EVONConfig:
     )
 
 
-def refused(out: str, rank: int) -> None:
+def refused(out: str) -> dict:
     args = config(out, 2, "refused")
     trainer = EVONTrainer(model=base.Regressor(), args=args, train_dataset=base.data(STEPS))
     try:
@@ -89,8 +91,7 @@ def refused(out: str, rank: int) -> None:
         msg = f"trained {trainer.state.global_step} steps"
     except Exception as err:  # noqa: BLE001 - the test checks the type and message
         msg = f"{type(err).__name__}: {err}"
-    with open(os.path.join(out, f"trainer_rank{rank}.txt"), "w") as f:
-        f.write(msg)
+    return {"message": msg}
 
 
 def save_into_refused(trainer: EVONTrainer, out: str) -> tuple[str | None, list[str]]:
@@ -186,25 +187,23 @@ def held(out: str, world: int) -> dict:
     }
 
 
-def main(out: str, mode: str) -> None:
+def main(out: str, modes: list[str]) -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    result = None
-    if mode == "refused":
-        refused(out, rank)
-    elif mode == "held":
+    if {"fsdp2", "held"}.intersection(modes):
         enable_fsdp_on_cpu()
-        result = held(out, world)
-    else:
-        if mode == "fsdp2":
-            enable_fsdp_on_cpu()
-        result = train(out, world, rank, mode)
-    save_and_finish(result, out, rank)  # exits here: no DDP or process-group destructor runs
+    scenarios = {
+        "fsdp2": lambda: train(out, world, rank, "fsdp2"),
+        "reference": lambda: train(out, world, rank, "reference"),
+        "held": lambda: held(os.path.join(out, "held"), world),
+    }
+    run_scenarios(out, rank, scenarios, modes)
+    finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
-from launcher import finish, save_and_finish  # noqa: E402
+from launcher import finish, run_scenarios  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])
     finish()

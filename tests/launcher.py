@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -126,6 +128,58 @@ def runs_per_world(
         d = str(tmp_path_factory.mktemp(f"{prefix}{world}"))
         out[world] = (d, rank_results(world, script, d))
     return out
+
+
+def scenario_results(
+    world: int, script: str, out: str, scenarios: list[str], timeout: float = 300
+) -> Callable[[str], list[dict]]:
+    """Run ``script out *scenarios`` once in ``world`` processes, a worker that calls
+    :func:`run_scenarios`: one launch (its start, the imports and the process group, is most of a small
+    scenario's cost) for several tests. Returns ``load(scenario)``: what each rank saved for it. ``load``
+    fails the calling test, naming the scenario, where a rank saved its traceback instead, or nothing
+    (the launch ended before it: a hang, a crash), with the launch's own failure."""
+    try:
+        torchrun(world, script, out, *scenarios, timeout=timeout)
+        failure = ""
+    except AssertionError as err:  # each test whose scenario is missing says so: the fixture does not fail
+        failure = str(err)
+
+    def load(scenario: str) -> list[dict]:
+        import pytest  # here: the workers import this module too
+
+        assert scenario in scenarios, scenario
+        ranks = []
+        for rank in range(world):
+            path = os.path.join(out, f"{scenario}_rank{rank}.pt")
+            if not os.path.exists(path):
+                pytest.fail(f"scenario {scenario!r}: rank {rank} saved no result; the launch:\n{failure}")
+            result = torch.load(path, weights_only=False)
+            if isinstance(result, dict) and "scenario_crash" in result:
+                pytest.fail(f"scenario {scenario!r} raised on rank {rank}:\n{result['scenario_crash']}")
+            ranks.append(result)
+        return ranks
+
+    return load
+
+
+def run_scenarios(out: str, rank: int, scenarios: dict[str, Callable[[], dict]], names: list[str]) -> None:
+    """A worker's loop over the scenarios ``names`` (keys of ``scenarios``), each run by its function,
+    its result saved as ``out/{name}_rank{rank}.pt`` (what :func:`scenario_results` loads), the ranks
+    waiting for each other between two. A scenario that raises is saved as its traceback and ends the
+    run (raising): the ranks' collectives may no longer pair, and a later scenario would hang in them."""
+    import torch.distributed as dist
+
+    for name in names:
+        print(f"rank {rank}: scenario {name}", file=sys.stderr, flush=True)  # where a hang stopped
+        path = os.path.join(out, f"{name}_rank{rank}.pt")
+        try:
+            result = scenarios[name]()
+        except BaseException:
+            torch.save({"scenario_crash": traceback.format_exc()}, path)
+            raise
+        torch.save(result, path)
+        if dist.is_initialized():
+            dist.barrier()
 
 
 def finish() -> None:

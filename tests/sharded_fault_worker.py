@@ -1,18 +1,20 @@
 """Worker for tests/test_sharding.py: a step one rank refuses from its own share (one EVON matrix,
 two ranks), which every rank must refuse alike instead of leaving the others in the step's
-collective for ever. Scenario (argv[2]): "no_samples" (the default), a step without
+collective for ever. The scenarios (argv[2:]) run in one launch, each result saved by
+``launcher.run_scenarios``: "no_samples", a step without
 ``sampled_params`` while some rank owns no noisy matrix; "moved", a step after an AdamW bias (rank 1's)
 was recast, which only its owner, holding its state, can see; "block_raised", a step after a
 ``sampled_params`` block that raised on rank 1 only (and was caught); "overflow", a step whose
-AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``;
-"fsdp2_block_raised", "block_raised" under FSDP2 (tests/fsdp2_worker.py's model), next to a run of
-the first block alone; "ddp_moved", non-sharded DDP, a step after rank 1 alone recast that bias;
-"param_edit", a step after rank 1 alone doubled the learning rate of that bias's group; "steady", a
-correct step, counting the all-reduces it runs and the calls of the step's agreed flag."""
+AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``; "ddp_moved",
+non-sharded DDP, a step after rank 1 alone recast that bias; "param_edit", a step after rank 1 alone
+doubled the learning rate of that bias's group; "steady", a correct step, counting the all-reduces it
+runs and the calls of the step's agreed flag. :func:`fsdp2_block_raised`, "block_raised" under FSDP2
+(tests/fsdp2_worker.py's model) next to a run of the first block alone, is a scenario of
+tests/fsdp2_edge_worker.py."""
 
 from __future__ import annotations
 
-import os
+import functools
 import sys
 
 import torch
@@ -60,19 +62,23 @@ def counted(owner: object, name: str, counts: dict[str, int]) -> None:
     setattr(owner, name, wrapper)
 
 
-def main(out: str, scenario: str) -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    if scenario == "fsdp2_block_raised":
-        result = {"raised": fsdp2_blocks(rank, 2), "alone": fsdp2_blocks(rank, 1)}
-        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-        dist.barrier()
-        finish()
+SCENARIOS = ("no_samples", "moved", "ddp_moved", "param_edit", "overflow", "block_raised", "steady")
+KEEP: list = []  # every scenario's DDP model, alive to the end (launcher.finish: no DDP destructor runs)
+
+
+def fsdp2_block_raised(rank: int) -> dict:
+    """:func:`fsdp2_blocks`: two blocks (rank 1's second raised), and the first alone."""
+    return {"raised": fsdp2_blocks(rank, 2), "alone": fsdp2_blocks(rank, 1)}
+
+
+def refused_step(rank: int, scenario: str) -> dict:
+    """One of ``SCENARIOS``: a correct step, then the scenario's step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     raising = {"nonfinite": "raise"} if scenario == "overflow" else {}
     opt = build_optimizer(model, adamw_patterns=[r"^2\."], seed=0, **raising)  # one EVON matrix: "0.weight"
     ddp = nn.parallel.DistributedDataParallel(model)
+    KEEP.append(ddp)
     prepare_distributed(ddp, opt, shard=not scenario.startswith("ddp_"))
     x = torch.randn(6, 4, dtype=torch.float64)
     with opt.sampled_params(train=True):  # a correct first step
@@ -118,6 +124,7 @@ def main(out: str, scenario: str) -> None:
         ddp(x).square().mean().backward()  # the loop forgot sampled_params
     samples = opt.recorded_samples
     counts = {"all_reduce": 0, "all_ranks": 0}
+    all_reduce = dist.all_reduce
     if scenario == "steady":  # counted in the step alone
         counted(dist, "all_reduce", counts)
         counted(opt.sharding, "all_ranks", counts)
@@ -126,16 +133,23 @@ def main(out: str, scenario: str) -> None:
         message = ""
     except (RuntimeError, FloatingPointError) as err:  # FloatingPointError: NonFiniteGradientError
         message = str(err)
+    finally:
+        dist.all_reduce = all_reduce  # the next scenarios' and the barriers' own
     result = {"message": message, "owner": owner, "block_error": block_error, "samples": samples, "counts": counts}
     result["weights"] = {k: v.clone() for k, v in model.state_dict().items()}
     result["before"], result["group"] = before, group
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
+    return result
+
+
+def main(out: str, names: list[str]) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    run_scenarios(out, rank, {name: functools.partial(refused_step, rank, name) for name in SCENARIOS}, names)
     finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 
 
-from launcher import finish  # noqa: E402
+from launcher import finish, run_scenarios  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "no_samples")
+    main(sys.argv[1], sys.argv[2:])
     finish()

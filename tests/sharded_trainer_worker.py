@@ -1,8 +1,10 @@
 """Worker for tests/test_sharding.py: ``EVONTrainer(evon_shard=True)`` on W CPU processes.
 
-Trains the float64 regressor of ``sharded_worker`` for 4 steps (checkpoint at step 2), then
-resumes a fresh trainer from that checkpoint; saves the weights of both runs per rank.
-Usage: ``torch.distributed.run --nproc_per_node W sharded_trainer_worker.py OUT_DIR``.
+Its scenarios (argv[2:], run in turn in one launch, each result saved by ``launcher.run_scenarios``):
+``runs`` trains the float64 regressor of ``sharded_worker`` for 4 steps (checkpoint at step 2), then
+resumes a fresh trainer from that checkpoint, and saves the weights of both runs per rank; ``card``
+(:func:`card`) writes a model card on every rank.
+Usage: ``torch.distributed.run --nproc_per_node W sharded_trainer_worker.py OUT_DIR SCENARIO...``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from datasets import Dataset
 from torch import nn
+from transformers import PretrainedConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sharded_worker  # noqa: E402
@@ -76,10 +78,9 @@ def run(out: str, world: int, resume: str | None = None) -> EVONTrainer:
     return trainer
 
 
-def main(out: str) -> None:
-    torch.set_num_threads(1)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+def runs(out: str, world: int) -> dict:
+    """A run, then a fresh trainer resumed from its checkpoint-2: the weights of both, and the first's
+    pooled statistics."""
     first = run(os.path.join(out, "first"), world)
     evon = first.evon_optimizer
     assert evon.sharding is not None and evon.sharding.world == world
@@ -87,14 +88,41 @@ def main(out: str) -> None:
     stats = first.posterior_statistics()  # every rank: it pools the ranks' shares
     resumed = run(os.path.join(out, "resumed"), world, resume=os.path.join(out, "first", "checkpoint-2"))
     again = {n: p.detach().clone() for n, p in resumed.model.named_parameters()}
-    torch.save({"weights": weights, "resumed": again, "stats": stats}, os.path.join(out, f"rank{rank}.pt"))
-    if dist.is_initialized():
-        dist.barrier()
-        finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
+    return {"weights": weights, "resumed": again, "stats": stats}
 
 
-from launcher import finish  # noqa: E402
+def card(out: str, world: int, rank: int) -> dict:
+    """``create_model_card()`` on every process after ``evon_shard=True`` training, as transformers'
+    example scripts do when they do not push: the Trainer's own method returns on all but rank 0, so
+    gathering the sharded posterior inside it would leave rank 0 waiting alone. No checkpoint is saved,
+    so nothing was gathered before. The card is ``out/README.md``."""
+    args = trainer_config(
+        out, world, evon_shard=True, ddp_backend="gloo" if world > 1 else None, save_strategy="no"
+    )
+    model = Regressor()
+    model.config = PretrainedConfig()  # the Trainer's card reads the model's config
+    trainer = EVONTrainer(model=model, args=args, train_dataset=data())
+    trainer.train()
+    print(f"rank {rank}: trained", file=sys.stderr, flush=True)  # where a hang stopped, if one does
+    trainer.create_model_card(model_name="sharded-card")  # every rank, as run_glue.py does
+    print(f"rank {rank}: card done", file=sys.stderr, flush=True)
+    return {}
+
+
+def main(out: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    scenarios = {
+        "runs": lambda: runs(out, world),
+        "card": lambda: card(os.path.join(out, "card"), world, rank),
+    }
+    run_scenarios(out, rank, scenarios, names)
+    finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
+
+
+from launcher import finish, run_scenarios  # noqa: E402
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
     finish()

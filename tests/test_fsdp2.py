@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 
 import fsdp2_worker as worker
 import pytest
 import torch
 from conftest import approx_tree, refuse_lookups
-from launcher import rank_results, runs_per_world, torchrun
+from launcher import runs_per_world, scenario_results
 
 from hf_evon import EVONPosterior, build_optimizer
 from hf_evon.distributed.fsdp2 import shard_rows
@@ -34,6 +35,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[
 @pytest.fixture(scope="module")
 def ref(runs) -> dict:
     return runs[1][1][0]["reference"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Callable[[str], list[dict]]]:
+    """Every scenario of ``tests/fsdp2_edge_worker.py``, in one 2-rank launch (its start is most of a
+    scenario's cost): the output directory and ``load(scenario)``, what each rank saved for it."""
+    import fsdp2_edge_worker as ew
+
+    out = str(tmp_path_factory.mktemp("fsdp2_two_ranks"))
+    return out, scenario_results(2, os.path.join(HERE, "fsdp2_edge_worker.py"), out, list(ew.SCENARIOS))
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -208,33 +219,36 @@ def test_bad_setups_are_refused_naming_the_parameter(runs) -> None:
         assert e["fsdp1"].startswith(unsupported) and "FSDP1" in e["fsdp1"] and "fully_shard" in e["fsdp1"]
 
 
-def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(tmp_path) -> None:
+def test_trainer_fsdp_arguments_on_cpu_are_refused_not_silently_ddp(two_ranks) -> None:
     """accelerate enables its FSDP plugin on GPUs/accelerators only: on 2 CPU processes the
     Trainer's fsdp arguments would give plain DDP; EVONTrainer says so before any step."""
-    torchrun(2, TRAINER_WORKER, str(tmp_path), "refused")
-    for rank in range(2):
-        with open(os.path.join(tmp_path, f"trainer_rank{rank}.txt")) as f:
-            msg = f.read()
+    for r in two_ranks[1]("trainer_refused"):
+        msg = r["message"]
         assert msg.startswith("UnsupportedParallelismError: ") and "accelerate did not enable FSDP" in msg
         assert "MULTI_CPU" in msg and "fully_shard" in msg
 
 
-def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def trainer_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[int, tuple[str, Callable[[str], list[dict]]]]:
+    """``tests/fsdp2_trainer_worker.py``'s modes: ``fsdp2`` and ``held`` (under accelerate's FSDP switch)
+    in one 2-rank launch, ``reference`` in one process. ``{world: (its output directory, load(mode))}``."""
+    out = {}
+    for world, modes in ((2, ["fsdp2", "held"]), (1, ["reference"])):
+        d = str(tmp_path_factory.mktemp(f"fsdp2_trainer{world}"))
+        out[world] = d, scenario_results(world, TRAINER_WORKER, d, modes)
+    return out
+
+
+def test_trainer_fsdp2_arguments_equal_the_single_process_run(trainer_runs) -> None:
     """The Trainer's own FSDP2 path (``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}``)
     on 2 CPU processes, accelerate's GPU-only FSDP switch turned on in the worker: the same
     weights and posterior as one process with ``evon_shard=True`` on the same global batch."""
     import fsdp2_trainer_worker as tw
 
-    runs = {}
-    for world, mode in ((2, "fsdp2"), (1, "reference")):
-        d = str(tmp_path / mode)
-        os.makedirs(d)
-        torchrun(world, TRAINER_WORKER, d, mode)
-        runs[mode] = (
-            d,
-            [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)],
-        )
-    (ref_dir, (ref,)), (fsdp_dir, ranks) = runs["reference"], runs["fsdp2"]
+    (ref_dir, load_ref), (fsdp_dir, load_fsdp2) = trainer_runs[1], trainer_runs[2]
+    (ref,), ranks = load_ref("reference"), load_fsdp2("fsdp2")
     assert ref["sharding"] == "EVONSharding" and ref["dtensor_params"] == 0 and not ref["is_fsdp2"]
     init = {n: p.detach() for n, p in tw.base.Regressor().named_parameters()}
     assert _max_rel(ref["weights"], init) > 1e-3  # trained: the comparison is of moved weights
@@ -297,12 +311,13 @@ def test_trainer_fsdp2_arguments_equal_the_single_process_run(tmp_path) -> None:
         assert _max_rel(wa, wb) <= 1e-6 and _max_rel(wa, init) > 1e-6
 
 
-def test_a_given_posterior_is_dropped_on_every_rank_once_fsdp2_training_moved_the_weights(tmp_path) -> None:
+def test_a_given_posterior_is_dropped_on_every_rank_once_fsdp2_training_moved_the_weights(
+    trainer_runs,
+) -> None:
     """``posterior=`` with another optimizer under the Trainer's FSDP2: only rank 0 holds the leading
     values its ``mean_fingerprint`` is compared with, so after training rank 0 dropped the posterior and
     rank 1 kept it (its BMA passes would then wait on collectives rank 0 never joins)."""
-    torchrun(2, TRAINER_WORKER, str(tmp_path), "held")
-    ranks = [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    ranks = trainer_runs[2][1]("held")
     assert all(r["dtensor_params"] > 0 for r in ranks)  # the model is sharded
     assert [r["before"] for r in ranks] == [True, True]  # the weights it was taken at
     assert [r["after"] for r in ranks] == [None, None]  # AdamW moved them: no rank keeps it
@@ -322,13 +337,12 @@ def test_a_nonfinite_gradient_row_skips_the_step_on_every_rank(runs, world: int)
             assert "layers.3.weight" in nf["messages"][0]
 
 
-def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> None:
+def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(two_ranks) -> None:
     """Rank 1's second block raised after its backward (and was caught): before the fix rank 0 sent
     that block's gradients to the owners alone (an all_to_all) while rank 1 went on into the step's
     all-reduce, and the job hung (the timeout fails it). Now rank 0's block raises naming rank 1,
     neither records it, and the step equals that of a run of the first block alone."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "fsdp2_block_raised", timeout=90)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = two_ranks[1]("block_raised")
     raised = [r["raised"] for r in results]
     assert "raised on rank 1, so this block is recorded on no rank" in raised[0]["block_error"]
     assert raised[1]["block_error"] == "a failed logging callback"
@@ -471,16 +485,15 @@ def test_a_refused_scheduler_state_is_named_by_its_file(tmp_path) -> None:
     assert "weights_only=False" not in text and "can still be loaded" not in text, text
 
 
-def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> None:
+def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(two_ranks) -> None:
     """``posterior.sampled(model)`` on DTensor parameters (the Trainer's BMA evaluation under FSDP2)
     raised torch's "aten.add.Tensor got mixed torch.Tensor and DTensor": the whole draw was added to
     the shard. Each rank now holds its rows of the same sample as the unsharded model's. Without a
     seed each rank took one from its own RNG, writing its rows of another sample: refused, naming
     ``seed``, before any weight is written."""
     import fsdp2_posterior_worker as pw
-    from launcher import rank_results
 
-    ranks = rank_results(2, os.path.join(HERE, "fsdp2_posterior_worker.py"), str(tmp_path))
+    ranks = two_ranks[1]("posterior_sampled")
     model = worker.net()
     mean = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pw.posterior().sampled(model, seed=pw.SEED):
@@ -496,25 +509,23 @@ def test_a_posterior_samples_into_an_fsdp2_model_and_restores_it(tmp_path) -> No
         assert all(torch.equal(r["after_seed_none"][n], mean[n]) for n in mean)
 
 
-def test_a_posterior_sampled_into_an_fsdp2_model_holds_one_parameters_draw_at_a_time(tmp_path) -> None:
+def test_a_posterior_sampled_into_an_fsdp2_model_holds_one_parameters_draw_at_a_time(two_ranks) -> None:
     """``posterior.sampled(model)`` on DTensor parameters drew every covered parameter's whole
     perturbation on every rank (one (5, 1, 7, 7) tensor for the five 7x7 matrices of one factor
     group, 245 values), to keep only its rows of each: a rank's peak was the unsharded model's. It
     now draws one parameter at a time, so no tensor it makes exceeds one covered matrix (m·n) or a
     basis of one (m², n²): 49 values here."""
     import fsdp2_posterior_worker as pw
-    from launcher import rank_results
 
     post = pw.posterior()
     bound = max(max(m * n, m * m, n * n) for m, n in (post[name].matrix_shape for name in post.names))
     assert bound == worker.DIM**2 and len(post.names) == worker.DEPTH
-    ranks = rank_results(2, os.path.join(HERE, "fsdp2_posterior_worker.py"), str(tmp_path))
-    for r in ranks:
+    for r in two_ranks[1]("posterior_sampled"):
         assert "error" not in r, r["error"]
         assert r["largest"] == bound  # one matrix's draw is made whole: the bound holds exactly
 
 
-def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> None:
+def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(two_ranks) -> None:
     """``bma_log_likelihood``, ``generate_bma`` and both ``BatchedSamples`` strategies on DTensor
     parameters, each rank on its own prompts: the setup added the whole draw to a rank's shard
     ("The size of tensor a (5) must match the size of tensor b (10)") or failed making its guard of
@@ -530,9 +541,8 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
     the factored strategy multiplied float32 activations with the float64 samples ("expected m1 and
     m2 to have the same dtype"); both strategies now give the float32 model's samples, exactly."""
     import fsdp2_bma_worker as bw
-    from launcher import rank_results
 
-    ranks = rank_results(2, os.path.join(HERE, "fsdp2_bma_worker.py"), str(tmp_path))
+    ranks = two_ranks[1]("bma")
     net = bw.model()
     mean = {n: p.detach().clone() for n, p in net.named_parameters()}
     threads = torch.get_num_threads()
@@ -563,7 +573,7 @@ def test_batched_bma_on_an_fsdp2_model_equals_the_unsharded_model(tmp_path) -> N
         assert r["after"].keys() == mean.keys() and all(torch.equal(r["after"][n], mean[n]) for n in mean)
 
 
-def test_evaluation_blocks_on_gathered_fsdp2_weights_see_their_own_sample(tmp_path) -> None:
+def test_evaluation_blocks_on_gathered_fsdp2_weights_see_their_own_sample(two_ranks) -> None:
     """Under ``reshard_after_forward=False`` (and for the root of a lone ``fully_shard(model)``, by
     default) a forward without backward leaves the weights gathered, and FSDP2 gathers again only
     after a reshard: the second ``sampled_params(train=False)`` block's forward ran on the first
@@ -572,7 +582,7 @@ def test_evaluation_blocks_on_gathered_fsdp2_weights_see_their_own_sample(tmp_pa
     hold (the unsharded model's output on those weights), and evaluation leaves training exact."""
     from torch.func import functional_call
 
-    ranks = rank_results(2, os.path.join(HERE, "fsdp2_reshard_worker.py"), str(tmp_path), timeout=120)
+    ranks = two_ranks[1]("reshard")
     plain = worker.net()
     for r in ranks:
         for variant in ("no_reshard", "root"):
@@ -588,11 +598,11 @@ def test_evaluation_blocks_on_gathered_fsdp2_weights_see_their_own_sample(tmp_pa
                 assert all(torch.equal(a[k], c[k]) for k in a), variant
 
 
-@pytest.fixture(scope="module")
-def edge(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """``tests/fsdp2_edge_worker.py`` on 2 ranks: its output directory and what each rank saved."""
-    out = str(tmp_path_factory.mktemp("fsdp2_edge"))
-    return out, rank_results(2, os.path.join(HERE, "fsdp2_edge_worker.py"), out, timeout=180)
+@pytest.fixture
+def edge(two_ranks) -> tuple[str, list[dict]]:
+    """The ``edge`` scenario of ``tests/fsdp2_edge_worker.py``: its output directory and what each rank
+    saved."""
+    return two_ranks[0], two_ranks[1]("edge")
 
 
 def test_a_posterior_of_matrices_with_fewer_rows_than_ranks_records_its_mean_fingerprint(edge) -> None:

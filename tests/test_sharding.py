@@ -10,12 +10,13 @@ optimizer's own bookkeeping.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import sharded_worker as worker
 import torch
 from conftest import approx_tree
-from launcher import rank_results, runs_per_world, torchrun
+from launcher import runs_per_world, scenario_results
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, prepare_distributed
@@ -258,13 +259,22 @@ TRAINER_WORKER = os.path.join(HERE, "sharded_trainer_worker.py")
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
+def trainer_launches(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[int, tuple[str, Callable[[str], list[dict]]]]:
+    """``tests/sharded_trainer_worker.py`` on 1 and 2 processes (the card too, on 2, in the same launch):
+    ``{world: (its output directory, load(scenario))}``."""
     out = {}
-    for world in (1, 2):
+    for world, scenarios in ((1, ["runs"]), (2, ["runs", "card"])):
         d = str(tmp_path_factory.mktemp(f"trainer{world}"))
-        torchrun(world, TRAINER_WORKER, d)
-        out[world] = (d, [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)])
+        out[world] = d, scenario_results(world, TRAINER_WORKER, d, scenarios, timeout=180)
     return out
+
+
+@pytest.fixture
+def trainer_runs(trainer_launches) -> dict[int, tuple[str, list[dict]]]:
+    """The ``runs`` scenario: ``{world: (its output directory, what each rank saved)}``."""
+    return {world: (d, load("runs")) for world, (d, load) in trainer_launches.items()}
 
 
 def test_trainer_two_ranks_equal_one_process_and_resume_exactly(trainer_runs) -> None:
@@ -337,30 +347,39 @@ def test_a_sharded_checkpoint_resumes_in_one_process(runs, world: int) -> None:
     assert len(plain.state) == 16
 
 
-def test_a_step_without_samples_raises_on_every_rank_not_only_the_owners(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict]]:
+    """``tests/sharded_fault_worker.py``'s refused steps, all in one 2-rank launch: ``faults(scenario)``
+    is what each rank saved for it (a scenario that hangs is named in the launch's failure)."""
+    import sharded_fault_worker as fw
+
+    out = str(tmp_path_factory.mktemp("faults"))
+    script = os.path.join(HERE, "sharded_fault_worker.py")
+    return scenario_results(2, script, out, list(fw.SCENARIOS), timeout=120)
+
+
+def test_a_step_without_samples_raises_on_every_rank_not_only_the_owners(faults) -> None:
     """Rank 1 owns no matrix: it must refuse the step too, not wait in a collective for ever."""
-    results = rank_results(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), timeout=90)
+    results = faults("no_samples")
     assert [bool(r["message"]) for r in results] == [True, True]
     assert all("sampled_params" in r["message"] for r in results)
 
 
-def test_a_recast_parameter_refuses_the_step_on_every_rank_not_only_its_owner(tmp_path) -> None:
+def test_a_recast_parameter_refuses_the_step_on_every_rank_not_only_its_owner(faults) -> None:
     """Only rank 1 owns (holds the AdamW state of) the recast bias: before the fix it raised alone and
     rank 0 waited in the step's finiteness all-reduce for ever (the timeout fails it)."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "moved", timeout=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = faults("moved")
     assert [r["owner"] for r in results] == [False, True]
     assert "parameter 0.bias (shape (4,)) is torch.float32" in results[1]["message"]
     assert "rank 1" in results[0]["message"] and "parameter 0.bias (shape (4,)) is torch.float32" in results[0]["message"]
 
 
-def test_a_parameter_recast_on_one_rank_refuses_the_unsharded_step_on_every_rank(tmp_path) -> None:
+def test_a_parameter_recast_on_one_rank_refuses_the_unsharded_step_on_every_rank(faults) -> None:
     """Non-sharded DDP, rank 1 alone recast an AdamW bias to float32: before the fix its gradient went
     into a float32 flat buffer of its own on rank 1 only, so the ranks' averaging all-reduces did not
     pair (or, had they, rank 1 raised after them while rank 0 stepped). Now the structure check
     before them refuses the step on every rank, rank 0 naming rank 1 and the bias; no rank steps."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "ddp_moved", timeout=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = faults("ddp_moved")
     reason = "parameter 0.bias (shape (4,)) is torch.float32"
     assert results[1]["message"].startswith(f"EVON.step: {reason}"), results[1]["message"]
     assert results[0]["message"].startswith("rank 1 refused the step, so every rank does"), results[0]["message"]
@@ -370,13 +389,12 @@ def test_a_parameter_recast_on_one_rank_refuses_the_unsharded_step_on_every_rank
             assert torch.equal(r["weights"][k], v.to(r["weights"][k].dtype)), k
 
 
-def test_a_param_groups_edit_on_one_rank_refuses_the_sharded_step_on_every_rank(tmp_path) -> None:
+def test_a_param_groups_edit_on_one_rank_refuses_the_sharded_step_on_every_rank(faults) -> None:
     """Rank 1 alone doubled the learning rate of the bias's group: before the fix the sharded averager
     compared no settings, both ranks stepped, and each owner applied its own rate. Now the step's
     agreed flag carries the settings' checksum: every rank refuses the step naming rank 1 and the
     group's lr, and no rank steps."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "param_edit", timeout=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = faults("param_edit")
     for r in results:
         assert "hyperparameters differ" in r["message"] and f"group {r['group']} lr" in r["message"], r["message"]
         assert "rank 1" in r["message"], r["message"]
@@ -384,13 +402,12 @@ def test_a_param_groups_edit_on_one_rank_refuses_the_sharded_step_on_every_rank(
             assert torch.equal(r["weights"][k], v), k
 
 
-def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> None:
+def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(faults) -> None:
     """Rank 1's second block raised (and was caught): before the fix rank 0 averaged that block's
     gradients alone, its all-reduce met rank 1's next collective and gloo aborted rank 1 (SIGABRT,
     rank 0: "Connection reset by peer"). Now every rank learns it at the block's exit: rank 0's
     block raises naming rank 1, neither records it, and both take the same one-sample step."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "block_raised", timeout=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = faults("block_raised")
     assert "raised on rank 1, so this block is recorded on no rank" in results[0]["block_error"]
     assert results[1]["block_error"] == "a failed logging callback"
     assert [r["samples"] for r in results] == [1, 1] and [r["message"] for r in results] == ["", ""]
@@ -398,30 +415,30 @@ def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(tmp_path) -> Non
         assert torch.equal(v, results[1]["weights"][k]), k
 
 
-def test_a_refused_nonfinite_step_names_the_parameter_on_every_rank(tmp_path) -> None:
+def test_a_refused_nonfinite_step_names_the_parameter_on_every_rank(faults) -> None:
     """Only rank 1 owns the bias whose squared gradient overflows: every rank refuses the step, and
     each names the bias (rank 0 said only "a non-finite value" before the fix)."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "overflow", timeout=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = faults("overflow")
     assert [r["owner"] for r in results] == [False, True]
     for r in results:
         assert r["message"].startswith("overflow in AdamW's squared gradient of 0.bias (shape (4,))"), r["message"]
 
 
-def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(tmp_path) -> None:
+def test_create_model_card_on_every_rank_does_not_leave_rank_zero_waiting(trainer_launches) -> None:
     """transformers' scripts call ``create_model_card()`` on every process; its rank-0-only body
     must not gather the sharded posterior alone (a hang, before the fix: the timeout fails it)."""
-    torchrun(2, os.path.join(HERE, "sharded_card_worker.py"), str(tmp_path), timeout=120)
-    card = (tmp_path / "README.md").read_text()
+    out, load = trainer_launches[2]
+    assert load("card") == [{}, {}]
+    with open(os.path.join(out, "card", "README.md")) as f:
+        card = f.read()
     assert card.startswith("---") and "# sharded-card" in card
     assert "## EVON posterior (SOAP-Bubble)" in card
 
 
-def test_a_sharded_step_agrees_in_one_all_reduce(tmp_path) -> None:
+def test_a_sharded_step_agrees_in_one_all_reduce(faults) -> None:
     """A correct sharded step runs one all-reduce (the agreed flag: finite values, no refusal, the
     same settings) and no other; a refusal's agreement folded into the same flag, not a second
     all-reduce (and host read) per step."""
-    torchrun(2, os.path.join(HERE, "sharded_fault_worker.py"), str(tmp_path), "steady", timeout=60)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    results = faults("steady")
     assert [r["message"] for r in results] == ["", ""]
     assert [r["counts"] for r in results] == [{"all_reduce": 1, "all_ranks": 1}] * 2
