@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -77,16 +76,23 @@ def saved(tmp_path_factory):
     return path, model, tokenizer, posterior
 
 
-def _unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> int:
-    """huggingface_hub pointed at a local port nothing listens on (connections are refused), online,
-    with an empty cache under ``tmp_path``, which is the working directory; returns the port."""
+def _hub_at(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike, endpoint: str) -> None:
+    """huggingface_hub pointed at ``endpoint``, online, with an empty cache under ``tmp_path``, which is
+    the working directory (a repo id there names no local directory). Its file URLs are formatted from
+    a template it builds from ``HF_ENDPOINT`` once, at import: the template follows."""
     from huggingface_hub import constants
 
-    port = free_port()
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.chdir(tmp_path)
+
+
+def _unreachable_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike) -> int:
+    """:func:`_hub_at` a local port nothing listens on (connections are refused); returns the port."""
+    port = free_port()
+    _hub_at(monkeypatch, tmp_path, f"http://127.0.0.1:{port}")
     return port
 
 
@@ -957,7 +963,7 @@ def test_inspect_missing_posterior_is_a_clear_error(saved, tmp_path, capsys):
     assert "hf-evon inspect: error:" in capsys.readouterr().err
 
 
-def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
+def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path, monkeypatch, capsys):
     """A repo id is looked up on the Hub (here a local stand-in); when that fails, the error
     says it was a Hub lookup because no such local directory exists."""
     try:
@@ -965,92 +971,67 @@ def test_hub_locations_inspect_and_report_hub_failures_as_such(saved, tmp_path):
     except ImportError:  # tests/ imported as a package
         from tests.hub_stub import HubStub
     _, _, _, posterior = saved
-    code = """
-        import sys
-        from hf_evon.cli import main
-        print("CODE", main(["inspect", "alice/cli-posterior", "--json"]))
-        print("CODE", main(["inspect", "alice/no-such-repo"]))
-    """
     with HubStub() as hub:
         posterior.push_to_hub("alice/cli-posterior", token="hf_dummy", endpoint=hub.endpoint)
-        env = dict(
-            os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1"
-        )
-        env.pop("HF_HUB_OFFLINE", None)
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        _hub_at(monkeypatch, tmp_path, hub.endpoint)
+        assert main(["inspect", "alice/cli-posterior", "--json"]) == 0, capsys.readouterr().err[-3000:]
+        summary = json.loads(capsys.readouterr().out)
+        assert main(["inspect", "alice/no-such-repo"]) == 1
+        err = capsys.readouterr().err
         files = hub.files("alice/cli-posterior")
-    head, tail = done.stdout.split("CODE 0\n")
-    assert tail.strip() == "CODE 1", done.stderr[-3000:]
-    summary = json.loads(head)
     assert list(summary["tensors"]) == list(posterior.names)
     assert summary["files"] == {
         f: len(files[f]) for f in ("evon_posterior.safetensors", "evon_posterior_config.json")
     }
     assert (
         "hf-evon inspect: error: location 'alice/no-such-repo' is not a local directory, so it was looked up "
-        "on the Hugging Face Hub, which failed:" in done.stderr
+        "on the Hugging Face Hub, which failed:" in err
     )
 
 
 @pytest.mark.parametrize("then_cached", [False, True])
 @pytest.mark.parametrize("revision, subfolder", [(None, None), ("v2", "post")])
 def test_inspect_sizes_the_hub_files_it_loaded_not_those_of_a_later_push(
-    saved, tmp_path, revision, subfolder, then_cached
+    saved, tmp_path, monkeypatch, capsys, revision, subfolder, then_cached
 ):
     """inspect sized a Hub posterior's files by downloading them again at --revision: a push landing
     after the load (here: the same posterior again, its bases in bfloat16) had it print the new
     files' sizes beside the loaded posterior's tensors. The sizes are those of the files it loaded.
     Looked up again in the Hub cache at --revision, they were those of the push where another
     process downloaded it meanwhile (then_cached: the cache's ref for --revision moved on)."""
+    from huggingface_hub import hf_hub_download
+
     try:
         from hub_stub import HubStub
     except ImportError:  # tests/ imported as a package
         from tests.hub_stub import HubStub
     _, _, _, posterior = saved
-    code = """
-        import torch
-        from hf_evon import EVONPosterior
-        from hf_evon.cli import main
-        load = EVONPosterior.from_pretrained.__func__
-        def loaded_then_pushed(cls, *args, **kwargs):
-            loaded = load(cls, *args, **kwargs)
-            loaded.push_to_hub("alice/moving", token="hf_dummy", eigenbasis_dtype=torch.bfloat16, **WHERE)
-            if THEN_CACHED:
-                from huggingface_hub import hf_hub_download
-                for name in ("evon_posterior_config.json", "evon_posterior.safetensors"):
-                    hf_hub_download("alice/moving", name, subfolder=WHERE["path_in_repo"], revision=WHERE["revision"])
-            return loaded
-        EVONPosterior.from_pretrained = classmethod(loaded_then_pushed)
-        print("CODE", main(["inspect", "alice/moving", "--json", *OPTIONS]))
-    """
     where = {"revision": revision, "path_in_repo": subfolder}
     options = ["--revision", revision, "--subfolder", subfolder] if revision else []
-    code = f"WHERE = {where!r}\nOPTIONS = {options!r}\nTHEN_CACHED = {then_cached}\n" + textwrap.dedent(code)
     names = ("evon_posterior.safetensors", "evon_posterior_config.json")
     in_repo = {f: f"{subfolder}/{f}" if subfolder else f for f in names}
+    load = EVONPosterior.from_pretrained.__func__
+
+    def loaded_then_pushed(cls, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        loaded = load(cls, *args, **kwargs)
+        loaded.push_to_hub("alice/moving", token="hf_dummy", eigenbasis_dtype=torch.bfloat16, **where)
+        if then_cached:  # another process downloads the push into the cache
+            for name in names:
+                hf_hub_download("alice/moving", name, subfolder=subfolder, revision=revision)
+        return loaded
+
     with HubStub() as hub:
         posterior.push_to_hub("alice/moving", token="hf_dummy", endpoint=hub.endpoint, **where)
         loaded = hub.files("alice/moving", revision or "main")
-        env = dict(
-            os.environ, HF_ENDPOINT=hub.endpoint, HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1"
-        )
-        env.pop("HF_HUB_OFFLINE", None)
-        done = subprocess.run(
-            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+        _hub_at(monkeypatch, tmp_path, hub.endpoint)
+        monkeypatch.setattr(EVONPosterior, "from_pretrained", classmethod(loaded_then_pushed))
+        code = main(["inspect", "alice/moving", "--json", *options])
         pushed = hub.files("alice/moving", revision or "main")
-    head, _, tail = done.stdout.partition("CODE 0\n")
-    assert tail == "", done.stderr[-3000:]
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
     weights = in_repo[names[0]]
     assert len(pushed[weights]) < len(loaded[weights])  # the later push's files differ in size
-    assert json.loads(head)["files"] == {f: len(loaded[in_repo[f]]) for f in names}
+    assert json.loads(out)["files"] == {f: len(loaded[in_repo[f]]) for f in names}
 
 
 @pytest.mark.parametrize("flag, value, rule", [
