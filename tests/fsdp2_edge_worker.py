@@ -1,10 +1,10 @@
 """Edge cases of FSDP2 (``fully_shard``, 2 CPU ranks, gloo) for ``tests/test_fsdp2.py``: the scenarios
 (argv[2:], of ``SCENARIOS``) run in one launch, each result saved by ``launcher.run_scenarios``:
-``edge`` (below), ``posterior_sampled`` (``tests/fsdp2_posterior_worker.py``), ``reshard``
-(``tests/fsdp2_reshard_worker.py``), ``bma`` (``tests/fsdp2_bma_worker.py``) and ``block_raised``
-(``tests/sharded_fault_worker.py``'s ``fsdp2_block_raised``), ``trainer_refused``
-(``tests/fsdp2_trainer_worker.py``'s ``refused``: accelerate's FSDP switch is not patched here). The
-edge cases:
+``trained`` (``tests/fsdp2_worker.py`` on 2 ranks), ``edge`` (below), ``posterior_sampled``
+(``tests/fsdp2_posterior_worker.py``), ``reshard`` (``tests/fsdp2_reshard_worker.py``), ``bma``
+(``tests/fsdp2_bma_worker.py``), ``block_raised`` (``tests/sharded_fault_worker.py``'s
+``fsdp2_block_raised``) and ``trainer_refused`` (``tests/fsdp2_trainer_worker.py``'s ``refused``:
+accelerate's FSDP switch is not patched here). The edge cases:
 
 * ``tiny``: a model whose matrices have fewer rows than ranks (rank 1 holds none of ``c.weight``,
   rank 0 one row of ``b.weight``) trains one step; every rank takes the posterior, rank 0 saves it
@@ -177,7 +177,7 @@ def sequential(mesh) -> dict:
     return {"outs": outs, "after": after, "weights": worker.full_weights(model)}
 
 
-SCENARIOS = ("edge", "posterior_sampled", "reshard", "bma", "block_raised", "trainer_refused")
+SCENARIOS = ("trained", "edge", "posterior_sampled", "reshard", "bma", "block_raised", "trainer_refused")
 
 
 def edge_cases(mesh, rank: int, world: int, out: str) -> dict:
@@ -211,6 +211,7 @@ def main(out: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     scenarios = {
+        "trained": lambda: worker.results(mesh, rank, world, out),
         "edge": lambda: edge_cases(mesh, rank, world, out),
         "posterior_sampled": lambda: pw.sampled(mesh),
         "reshard": lambda: rw.variants(mesh, rank, world),

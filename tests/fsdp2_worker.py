@@ -6,7 +6,8 @@ also trains the reference: the same model without FSDP2 in one process with
 one stream per matrix) on the whole batch. Every rank of an FSDP2 run trains on its rows of
 each step's global batch (FSDP2 averages the gradients) and saves the full weights after
 every step, one posterior sample per step, the gathered state dict, a resumed run's weights,
-its state bytes and the posterior; W = 2 also records the errors of refused set-ups.
+its state bytes and the posterior; W = 2 also records the errors of refused set-ups. W = 2 runs as
+the ``trained`` scenario of ``tests/fsdp2_edge_worker.py`` (:func:`results`), beside the others.
 """
 
 from __future__ import annotations
@@ -273,13 +274,8 @@ def refusals(mesh, world: int) -> dict[str, str | None]:
     }
 
 
-def main(out: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+def results(mesh, rank: int, world: int, out: str) -> dict:
+    """What this rank saves (see the module's docstring), its files written under ``out``."""
     result = {"fsdp2": run(mesh, rank, world, out, "fsdp2")}
     if world == 1:
         result["reference"] = run(None, rank, world, out, "reference")
@@ -290,6 +286,17 @@ def main(out: str) -> None:
             result["refusals"] = refusals(mesh, world)
         except Exception:  # noqa: BLE001 - reported to the test
             result["refusals_crash"] = traceback.format_exc()
+    return result
+
+
+def main(out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    result = results(mesh, rank, world, out)
     save_and_finish(result, out, rank)  # exits here: no DDP or process-group destructor runs
 
 

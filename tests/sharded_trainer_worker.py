@@ -3,7 +3,8 @@
 Its scenarios (argv[2:], run in turn in one launch, each result saved by ``launcher.run_scenarios``):
 ``runs`` trains the float64 regressor of ``sharded_worker`` for 4 steps (checkpoint at step 2), then
 resumes a fresh trainer from that checkpoint, and saves the weights of both runs per rank; ``card``
-(:func:`card`) writes a model card on every rank.
+(:func:`card`) writes a model card on every rank; ``sharded`` is ``sharded_worker``'s run (after the
+Trainer's: they set up the process group, as in a script without one of its own).
 Usage: ``torch.distributed.run --nproc_per_node W sharded_trainer_worker.py OUT_DIR SCENARIO...``.
 """
 
@@ -116,6 +117,7 @@ def main(out: str, names: list[str]) -> None:
     scenarios = {
         "runs": lambda: runs(out, world),
         "card": lambda: card(os.path.join(out, "card"), world, rank),
+        "sharded": lambda: sharded_worker.results(out, world, rank),
     }
     run_scenarios(out, rank, scenarios, names)
     finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)

@@ -3,7 +3,9 @@
 Run by ``torch.distributed.run --nproc_per_node W sharded_worker.py OUT_DIR`` (W = 1 is the
 single-process reference). Every rank trains the same tiny float64 model on its rows of each
 step's global batch and saves what the test compares: the weights after every step, its
-state bytes, the full (gathered) state dict, a resumed run's weights and the posterior.
+state bytes, the full (gathered) state dict, a resumed run's weights and the posterior. W = 2 runs
+as the ``sharded`` scenario of ``tests/sharded_trainer_worker.py`` (:func:`results`), after its
+Trainer runs.
 """
 
 from __future__ import annotations
@@ -118,12 +120,8 @@ def rank_deficient(rank: int, world: int, identity_basis: bool = False) -> dict:
     return out
 
 
-def main(out: str) -> None:
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.set_num_threads(1)
+def results(out: str, world: int, rank: int) -> dict:
+    """What this rank saves (see the module's docstring), its files written under ``out``."""
     model, ddp, opt = make(world)
     trace: list = []
     samples: list = []
@@ -163,7 +161,16 @@ def main(out: str) -> None:
     result["frozen"] = frozen
     result["rank_deficient"] = rank_deficient(rank, world)
     result["rank_deficient_identity"] = rank_deficient(rank, world, identity_basis=True)
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    return result
+
+
+def main(out: str) -> None:
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_num_threads(1)
+    torch.save(results(out, world, rank), os.path.join(out, f"rank{rank}.pt"))
     if dist.is_initialized():
         finish()  # exits here: no DDP or process-group destructor runs (launcher.finish)
 

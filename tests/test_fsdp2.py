@@ -28,8 +28,11 @@ TRAINER_WORKER = os.path.join(HERE, "fsdp2_trainer_worker.py")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
-    return runs_per_world(tmp_path_factory, WORKER, "fsdp2_world")
+def runs(tmp_path_factory: pytest.TempPathFactory, two_ranks) -> dict[int, tuple[str, list[dict]]]:
+    """``{world: (its output directory, what each rank saved)}``: world 2 in the launch of ``two_ranks``."""
+    out = runs_per_world(tmp_path_factory, WORKER, "fsdp2_world", worlds=(1, 3))
+    out[2] = two_ranks[0], two_ranks[1]("trained")
+    return out
 
 
 @pytest.fixture(scope="module")

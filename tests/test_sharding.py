@@ -28,8 +28,12 @@ WORKER = os.path.join(HERE, "sharded_worker.py")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[str, list[dict]]]:
-    return runs_per_world(tmp_path_factory, WORKER, "world")
+def runs(tmp_path_factory: pytest.TempPathFactory, trainer_launches) -> dict[int, tuple[str, list[dict]]]:
+    """``{world: (its output directory, what each rank saved)}``: world 2 in the 2-rank launch of
+    ``trainer_launches``."""
+    out = runs_per_world(tmp_path_factory, WORKER, "world", worlds=(1, 3))
+    out[2] = trainer_launches[2][0], trainer_launches[2][1]("sharded")
+    return out
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -262,10 +266,10 @@ TRAINER_WORKER = os.path.join(HERE, "sharded_trainer_worker.py")
 def trainer_launches(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[int, tuple[str, Callable[[str], list[dict]]]]:
-    """``tests/sharded_trainer_worker.py`` on 1 and 2 processes (the card too, on 2, in the same launch):
-    ``{world: (its output directory, load(scenario))}``."""
+    """``tests/sharded_trainer_worker.py`` on 1 and 2 processes (the card and ``sharded_worker``'s run
+    too, on 2, in the same launch): ``{world: (its output directory, load(scenario))}``."""
     out = {}
-    for world, scenarios in ((1, ["runs"]), (2, ["runs", "card"])):
+    for world, scenarios in ((1, ["runs"]), (2, ["runs", "card", "sharded"])):
         d = str(tmp_path_factory.mktemp(f"trainer{world}"))
         out[world] = d, scenario_results(world, TRAINER_WORKER, d, scenarios, timeout=180)
     return out
