@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_state, refuse_lookups
-from launcher import torchrun
+from conftest import directory_state, load_where_never_built, refuse_lookups
+from launcher import scenario_results
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -241,21 +241,10 @@ def test_a_combined_arguments_class_keeps_its_bases_defaults_and_unpickles_elsew
     args = combined(output_dir=str(tmp_path / "out"), report_to="none", evon_ess=500.0, extra=5)
     assert args.remove_unused_columns is False and args.logging_steps == 10
     torch.save(args, tmp_path / "training_args.bin")
-    script = (
-        "import sys, torch\n"
-        "args = torch.load(sys.argv[1], weights_only=False)\n"
-        "print(type(args).__name__, type(args).__mro__[2].__name__, args.evon_ess, args.extra,\n"
-        "      args.remove_unused_columns)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "training_args.bin")],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["EVONOwnArguments", "OwnArguments", "500.0", "5", "False"]
+    loaded = load_where_never_built(monkeypatch, tmp_path / "training_args.bin", "own_arguments")
+    assert (type(loaded).__name__, type(loaded).__mro__[2].__name__) == ("EVONOwnArguments", "OwnArguments")
+    assert type(loaded) is not combined and type(loaded).__mro__[2] is not OwnArguments  # both built anew
+    assert (loaded.evon_ess, loaded.extra, loaded.remove_unused_columns) == (500.0, 5, False)
 
 
 @pytest.mark.parametrize(
@@ -2452,39 +2441,53 @@ DDP_WORKER = textwrap.dedent(
     from pathlib import Path
     import torch
     torch.set_num_threads(1)
-    sys.path.insert(0, sys.argv[1])
+    from launcher import finish, run_scenarios
     from test_trainer import classification_data, config, lm_data, tiny_bert, tiny_gpt2
     from hf_evon import EVONTrainer
 
-    out, kind, ess = Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    make, data = (tiny_bert, classification_data(48)) if kind == "bert" else (tiny_gpt2, lm_data(24))
-    args = config(out, max_steps=3, evon_ess=ess, evon_clip="none", per_device_train_batch_size=4,
-                  evon_precondition_frequency=1, ddp_backend="gloo", bma_num_samples=2)
-    trainer = EVONTrainer(model=make(), args=args, train_dataset=data, eval_dataset=data.select(range(8)))
-    trainer.train()
-    metrics = trainer.evaluate()
-    assert trainer.evon_optimizer.gradient_reducer is not None
-    rank = int(os.environ["RANK"])
-    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
-    state["eval_bma_nll"] = torch.tensor(metrics["eval_bma_nll"])
-    torch.save(state, out / f"rank{rank}.pt")
-    torch.distributed.barrier()
-    from launcher import finish  # ends the worker before gloo's destructors can abort or hang it
-    finish()
+    ESS = {"det": float("inf"), "noisy": 300.0}
+
+
+    def trained(out, kind, run):
+        make, data = (tiny_bert, classification_data(48)) if kind == "bert" else (tiny_gpt2, lm_data(24))
+        args = config(out / f"{kind}-{run}", max_steps=3, evon_ess=ESS[run], evon_clip="none",
+                      per_device_train_batch_size=4, evon_precondition_frequency=1, ddp_backend="gloo",
+                      bma_num_samples=2)
+        trainer = EVONTrainer(model=make(), args=args, train_dataset=data, eval_dataset=data.select(range(8)))
+        trainer.train()
+        metrics = trainer.evaluate()
+        assert trainer.evon_optimizer.gradient_reducer is not None
+        state = {n: p.detach() for n, p in trainer.model.named_parameters()}
+        state["eval_bma_nll"] = torch.tensor(metrics["eval_bma_nll"])
+        return state
+
+
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    scenarios = {name: lambda name=name: trained(out, *name.split("-")) for name in names}  # "<kind>-<run>"
+    run_scenarios(str(out), int(os.environ["RANK"]), scenarios, names)
+    finish()  # ends the worker before gloo's destructors can abort or hang it
     """
 )
+DDP_KINDS = ("bert", "gpt2")
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt2"])
-def test_ddp_two_processes(tmp_path, kind):
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """``load("<kind>-<run>")`` (``launcher.scenario_results``): what each rank saved for a scenario of
+    test_ddp_two_processes, each kind with ess=inf (``det``) and with noise (``noisy``), all trained in
+    one two-process launch of DDP_WORKER (a launch's start, not its 3-step trainings, is most of its time)."""
+    out = tmp_path_factory.mktemp("ddp")
+    worker = out / "worker.py"
+    worker.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n" + DDP_WORKER)
+    return scenario_results(2, str(worker), str(out), [f"{kind}-{run}" for kind in DDP_KINDS for run in ("det", "noisy")])
+
+
+@pytest.mark.parametrize("kind", DDP_KINDS)
+def test_ddp_two_processes(tmp_path, ddp_runs, kind):
     """torchrun, 2 CPU ranks (gloo) × batch 4: with ess=inf exactly one process × batch 8 (GPT-2: the
     token weights use the global token count); with noise, both ranks stay identical."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(DDP_WORKER)
-    runs = {"det": "inf", "noisy": "300"}
-    for name, ess in runs.items():
-        (tmp_path / name).mkdir()
-        torchrun(2, str(worker), str(Path(__file__).parent), str(tmp_path / name), kind, ess)
+    det, _ = ddp_runs(f"{kind}-det")
+    r0, r1 = ddp_runs(f"{kind}-noisy")
     make, data = (tiny_bert, classification_data(48)) if kind == "bert" else (tiny_gpt2, lm_data(24))
     args = config(
         tmp_path / "single",
@@ -2496,10 +2499,8 @@ def test_ddp_two_processes(tmp_path, kind):
     single = EVONTrainer(model=make(), args=args, train_dataset=data)
     single.train()
     reference = params(single.model)
-    det = torch.load(tmp_path / "det" / "rank0.pt")
     for name, value in reference.items():
         torch.testing.assert_close(det[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    r0, r1 = torch.load(tmp_path / "noisy" / "rank0.pt"), torch.load(tmp_path / "noisy" / "rank1.pt")
     assert all(torch.equal(r0[k], r1[k]) for k in r0)
     assert not all(torch.equal(r0[k], det[k]) for k in reference)
 
