@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import entered_strategies, tiny_whisper_config
+from conftest import entered_strategies, load_where_never_built, tiny_whisper_config
 from datasets import Dataset
 from transformers import T5Config, T5ForConditionalGeneration, TrainerCallback
 
@@ -674,10 +674,6 @@ def test_a_subclass_of_seq2seq_training_arguments_combines_with_evon_seq2seq_con
     base declares, EVONSeq2SeqConfig: the field, its check, the subclass's own defaults, and instances
     that unpickle in a process that has not built the class."""
     import dataclasses
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from hf_evon import SampleStrategy
     from hf_evon.trainer import evon_config_class
@@ -699,17 +695,9 @@ def test_a_subclass_of_seq2seq_training_arguments_combines_with_evon_seq2seq_con
     assert args.bma_sample_strategy is SampleStrategy.FACTORED
     assert (args.predict_with_generate, args.logging_steps, args.learning_rate) == (True, 10, 3e-4)
     torch.save(args, tmp_path / "training_args.bin")
-    script = (
-        "import sys, torch\n"
-        "args = torch.load(sys.argv[1], weights_only=False)\n"
-        "print(type(args).__name__, [c.__name__ for c in type(args).__bases__], args.bma_sample_strategy.value,\n"
-        "      args.evon_ess, args.extra, args.predict_with_generate)\n"
-    )
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])}
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "training_args.bin")], capture_output=True, text=True, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    expected = "EVONOwnSeq2SeqArguments ['EVONSeq2SeqConfig', 'OwnSeq2SeqArguments'] factored 500.0 5 True"
-    assert proc.stdout.split() == expected.split()
+    loaded = load_where_never_built(monkeypatch, tmp_path / "training_args.bin", "own_seq2seq_arguments")
+    assert type(loaded).__name__ == "EVONOwnSeq2SeqArguments"
+    assert [c.__name__ for c in type(loaded).__bases__] == ["EVONSeq2SeqConfig", "OwnSeq2SeqArguments"]
+    assert type(loaded) is not combined and type(loaded).__bases__[1] is not OwnSeq2SeqArguments  # both built anew
+    assert loaded.bma_sample_strategy is SampleStrategy.FACTORED
+    assert (loaded.evon_ess, loaded.extra, loaded.predict_with_generate) == (500.0, 5, True)
