@@ -227,3 +227,29 @@ def load_where_never_built(monkeypatch: pytest.MonkeyPatch, path: str | Path, ba
             monkeypatch.delattr(combined, built.__name__)
     monkeypatch.delitem(sys.modules, base_module)
     return torch.load(path, weights_only=False)
+
+
+def outcome_beside_a_pipe(call: Callable[[], Any], fifo: Path, what: str, wait: float = 30.0) -> BaseException | None:
+    """What ``call()`` raised (None: it returned), run in a thread beside the named pipe ``fifo``; where it
+    still runs after ``wait`` s (it opened the pipe and waits for a writer) the test fails with ``what``,
+    after the pipe is written to (an empty file for the reader), so the thread ends."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait)
+    if thread.is_alive():
+        with open(fifo, "w") as fh:  # the writer the reader waits for
+            fh.write("")
+        thread.join(wait)
+        pytest.fail(what)
+    return outcome[0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_locked, refuse_lookups, tiny_whisper_config
+from conftest import directory_locked, outcome_beside_a_pipe, refuse_lookups, tiny_whisper_config
 from datasets import Dataset
 
 import hf_evon
@@ -1421,8 +1421,6 @@ def test_a_save_over_a_card_that_is_a_named_pipe_replaces_it_without_blocking(tm
     """A save into a directory whose README.md is a named pipe blocked for ever: the posterior save's
     retract_card_section opened the card to read its EVON section, waiting for a writer. A pipe holds no
     card to retract from; the save writes its card in the pipe's place, as save_model_card does."""
-    import threading
-
     model = torch.nn.Linear(3, 2)
     optimizer = hf_evon.build_optimizer(model)
     with optimizer.sampled_params(train=True):
@@ -1431,23 +1429,7 @@ def test_a_save_over_a_card_that_is_a_named_pipe_replaces_it_without_blocking(tm
     posterior = EVONPosterior.from_optimizer(optimizer, model)
     readme = tmp_path / "README.md"
     os.mkfifo(readme)
-    outcome: list[BaseException | None] = []
-
-    def save() -> None:
-        try:
-            posterior.save_pretrained(tmp_path)
-            outcome.append(None)
-        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(err)
-
-    thread = threading.Thread(target=save, daemon=True)
-    thread.start()
-    thread.join(30)
-    if thread.is_alive():
-        with open(readme, "w") as fh:  # the writer the reader waits for: it reads an empty card and ends
-            fh.write("")
-        thread.join(30)
-        pytest.fail("save_pretrained blocked opening a README.md that is a named pipe")
-    assert outcome == [None], outcome
+    what = "save_pretrained blocked opening a README.md that is a named pipe"
+    assert outcome_beside_a_pipe(lambda: posterior.save_pretrained(tmp_path), readme, what) is None
     assert readme.is_file() and "evon" in readme.read_text(encoding="utf-8")
     assert set(EVONPosterior.from_pretrained(tmp_path).factors) == set(posterior.factors)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import directory_locked, directory_state, refuse_lookups
+from conftest import directory_locked, directory_state, outcome_beside_a_pipe, refuse_lookups
 
 from hf_evon import EVONPosterior, PosteriorMismatchError
 from hf_evon.posterior.config import POSTERIOR_CONFIG_NAME, POSTERIOR_WEIGHTS_NAME
@@ -928,8 +928,6 @@ def test_a_config_that_is_a_terminal_is_refused_without_becoming_the_controlling
 def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, how):
     """A folder from elsewhere whose config is a named pipe (or a link to one, to ``/dev/stdin``) made
     ``from_pretrained`` block for ever in ``open()``, waiting for a writer."""
-    import threading
-
     _posterior().save_pretrained(tmp_path, model_card=False)
     config = tmp_path / POSTERIOR_CONFIG_NAME
     config.unlink()
@@ -937,25 +935,10 @@ def test_a_config_that_is_not_a_regular_file_is_refused_without_blocking(tmp_pat
     os.mkfifo(fifo)
     if fifo != config:
         config.symlink_to(fifo)
-    outcome: list[BaseException | None] = []
-
-    def load() -> None:
-        try:
-            EVONPosterior.from_pretrained(tmp_path)
-            outcome.append(None)
-        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(err)
-
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
-    thread.join(10)
-    if thread.is_alive():
-        with open(fifo, "w") as fh:  # the writer the reader waits for: it reads an empty config and ends
-            fh.write("")
-        thread.join(10)
-        pytest.fail("from_pretrained blocked opening a config that is a named pipe")
-    assert isinstance(outcome[0], PosteriorMismatchError), outcome
-    assert str(outcome[0]).startswith(f"{config}: not a regular file"), str(outcome[0])
+    what = "from_pretrained blocked opening a config that is a named pipe"
+    outcome = outcome_beside_a_pipe(lambda: EVONPosterior.from_pretrained(tmp_path), fifo, what, wait=10)
+    assert isinstance(outcome, PosteriorMismatchError), outcome
+    assert str(outcome).startswith(f"{config}: not a regular file"), str(outcome)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
