@@ -221,10 +221,11 @@ def load_where_never_built(monkeypatch: pytest.MonkeyPatch, path: str | Path, ba
 
     import hf_evon.trainer.combined as combined
 
-    for base, built in list(combined._COMBINED.items()):
-        if combined._DECLARED.get(base) is not built:  # built by evon_config_class, not declared
-            monkeypatch.delitem(combined._COMBINED, base)
-            monkeypatch.delattr(combined, built.__name__)
+    declared = {base: built for base, built in combined._COMBINED.items() if combined._DECLARED.get(base) is built}
+    for built in set(combined._COMBINED.values()) - set(declared.values()):  # built by evon_config_class
+        monkeypatch.delattr(combined, built.__name__, raising=False)  # an earlier test's rebuild shares its name
+    # a record of its own for the load, which builds the class again: the test's record comes back untouched
+    monkeypatch.setattr(combined, "_COMBINED", declared)
     monkeypatch.delitem(sys.modules, base_module)
     return torch.load(path, weights_only=False)
 
