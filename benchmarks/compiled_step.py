@@ -69,6 +69,8 @@ from typing import Any
 
 import torch
 import torch._inductor.config
+from payoff_tasks import tiny_gpt2_model
+from small_model_step import small_mlp
 
 import hf_evon.optim.linalg as linalg
 import hf_evon.optim.update as update
@@ -111,17 +113,7 @@ def build(variant: str, model_name: str) -> tuple[torch.nn.Module, torch.optim.O
     small_model_step.py's; ``gpt2``: trainer_wall_time.py's tiny GPT-2 (2 layers, width 128,
     context 64, 1024 tokens)."""
     torch.manual_seed(0)
-    if model_name == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(
-            vocab_size=1024, n_positions=64, n_embd=128, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        model: torch.nn.Module = GPT2LMHeadModel(cfg)
-    else:
-        layers = [torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU()]
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(128, 10))
+    model = tiny_gpt2_model(1024, 64) if model_name == "gpt2" else small_mlp()
     if variant == "eager-ulp":
         with torch.no_grad():
             for p in model.parameters():

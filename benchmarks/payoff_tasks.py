@@ -208,6 +208,17 @@ def tabular_task(name: str, seed: int, fast: bool, development: bool = False) ->
     )  # fmt: skip
 
 
+def tiny_gpt2_model(vocab_size: int, context: int) -> nn.Module:
+    """The tiny GPT-2 of ``tiny_gpt2`` (2 layers, width 128, 4 heads, no dropout), from the current seed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=vocab_size, n_positions=context, n_embd=128, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
 def lm_task(
     seed: int,
     fast: bool,
@@ -222,8 +233,6 @@ def lm_task(
     library's source); whole documents held out by ``split_documents(docs, val_fraction)``, every
     other one for calibration, the rest for test (48 blocks each at most; the seed draws only the
     training blocks); ``development``: no test batches."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from hf_evon.data import encode_documents, split_documents, stdlib_corpus, train_bpe_tokenizer
 
     if docs is None:
@@ -253,11 +262,7 @@ def lm_task(
 
     def make_model(s: int) -> nn.Module:
         torch.manual_seed(s)
-        cfg = GPT2Config(
-            vocab_size=len(tok), n_positions=ctx, n_embd=128, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-        return GPT2LMHeadModel(cfg)
+        return tiny_gpt2_model(len(tok), ctx)
 
     return Task(
         name, make_model, [(x, y) for x, y in train], rows(cal_rows), None if development else rows(test_rows),

@@ -40,6 +40,14 @@ WARMUP = 60  # past the initialising step and the first curvature fits
 COUNTED = 50  # five refresh cycles of 10 updates (the default precondition_frequency)
 
 
+def small_mlp():  # noqa: ANN201 - torch is imported here: main runs other checkouts' measure in subprocesses
+    """The 64-128-128-10 MLP (ReLU) this benchmark and ``compiled_step.py`` time, from the current seed."""
+    import torch
+
+    layers = [torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(128, 10))
+
+
 def measure(kind: str, timed_steps: int) -> dict:
     """One variant's figures, in this process (called in a subprocess by ``main``)."""
     import torch
@@ -58,8 +66,7 @@ def measure(kind: str, timed_steps: int) -> dict:
             self.ops[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    layers = [torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(128, 10))
+    model = small_mlp()
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     loss_fn = torch.nn.CrossEntropyLoss()
     if kind == "adamw":  # the issue's baseline
