@@ -18,13 +18,8 @@ On a machine without GPUs, ``accelerate launch --multi_gpu --num_processes N`` s
 processes (DDP over gloo); accelerate's ``--cpu --num_processes N`` only does so through MPI
 (``--mpirun_hostfile``) and otherwise starts one process. ``--batch-size`` is per process.
 
-Measured 2026-11-30 (300 steps, the defaults, 2 shared CPU cores, OMP_NUM_THREADS=1, validation
-loss at the end; ``python examples/pretrain_lm.py --optimizer adamw|soap|ivon|evon`` and the
-``accelerate launch`` line above): AdamW 5.517, SOAP-mode 5.173, IVON-mode 5.199 (BMA 5.199),
-EVON 5.178 (BMA 5.178); EVON on 2 processes (global batch 16) 4.872 (BMA 4.872). Wall time 51 s
-(AdamW) to 160 s (IVON) beside other jobs (EVON 108 s; 249 s on 2 processes). With the paper's
-ζ = 5.27e6 the posterior noise of this short run is tiny (mean std 6.5e-4), so BMA changes the
-loss only in the 4th decimal.
+With the paper's fixed ζ (``EVON_DEFAULTS``) the posterior noise of the short default run is tiny, so
+BMA changes the validation loss only slightly. Measured figures: docs/results.md#lm-pre-training.
 
 Distributed: EVON needs ``hf_evon.prepare_distributed(model, optimizer)`` after
 ``accelerator.prepare`` (each rank keeps its own gradient for its own Hessian estimate;

@@ -198,7 +198,7 @@ def test_the_default_settings_run_the_papers_algorithm(optimizer: str, example) 
     which the paper tuned for its own algorithm: the Price estimate, the per-entry step, no
     ``snr_scaling``. They ran under the library's defaults (the Fisher estimate), where H falls far
     below δ, the posterior std grew to 39x the weights' RMS (both health warnings) and the 300-step
-    validation loss was 8.3 instead of the docstring's 5.18."""
+    validation loss was 8.3 instead of the 5.18 in docs/results.md#lm-pre-training."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from hf_evon.optim.recipes import PAPER_ALGORITHM
