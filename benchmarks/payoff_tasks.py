@@ -294,10 +294,10 @@ def minilm_model(num_labels: int, seed: int, lora: bool) -> nn.Module:
 def minilm_task(lora: bool, seed: int, fast: bool, noisy: bool = False, development: bool = False) -> Task:
     """The docstring task; ``noisy``: 30 training texts per class, 30% of every split's labels
     random (as noisy_digits), 20 epochs: few examples, noisy labels, trained long enough to fit them."""
-    import finetune_classification as fc
+    import stdlib_texts
 
     per_class = 40 if fast else (30 if noisy else 100)
-    train_ds, held_ds, names = fc.stdlib_docstring_dataset(per_class, 40)
+    train_ds, held_ds, names = stdlib_texts.stdlib_docstring_dataset(per_class, 40)
     name = ("minilm_noisy_" if noisy else "minilm_") + ("lora" if lora else "full")
     return text_task(
         name, (list(train_ds["text"]), list(train_ds["label"])), (list(held_ds["text"]), list(held_ds["label"])),

@@ -28,9 +28,10 @@ def _one_thread():
     torch.set_num_threads(saved)
 
 
-def test_stdlib_docstring_dataset_is_deterministic_balanced_and_disjoint(example):
-    train, test, names = example.stdlib_docstring_dataset(train_per_class=30, eval_per_class=10)
-    again, test_again, _ = example.stdlib_docstring_dataset(train_per_class=30, eval_per_class=10)
+def test_stdlib_docstring_dataset_is_deterministic_balanced_and_disjoint():
+    texts = load_script(EXAMPLE.parent / "stdlib_texts.py")
+    train, test, names = texts.stdlib_docstring_dataset(train_per_class=30, eval_per_class=10)
+    again, test_again, _ = texts.stdlib_docstring_dataset(train_per_class=30, eval_per_class=10)
     assert len(names) == 5 and train["text"] == again["text"] and test["text"] == test_again["text"]
     assert sorted(train["label"]) == sorted([i for i in range(5) for _ in range(30)])
     assert sorted(test["label"]) == sorted([i for i in range(5) for _ in range(10)])

@@ -71,11 +71,11 @@ EXCEPTIONS = ("ValueError", "TypeError", "RuntimeError")  # and a fourth class: 
 
 # ------------------------------------------------------------------------------------- data
 def _stdlib_files(entries: Sequence[str]) -> Iterator[str]:
-    import finetune_classification as fc
+    import stdlib_texts
 
     stdlib = sysconfig.get_paths()["stdlib"]
     for entry in entries:
-        yield from fc._source_files(stdlib, entry)
+        yield from stdlib_texts.source_files(stdlib, entry)
 
 
 def _comments(path: str) -> Iterator[str]:
@@ -96,9 +96,9 @@ def _comments(path: str) -> Iterator[str]:
 
 def _raise_messages(path: str) -> Iterator[tuple[str, str]]:
     """(exception name, message) of every ``raise Name("…")``; an f-string's fields as ``{}``."""
-    import finetune_classification as fc
+    import stdlib_texts
 
-    tree = fc.parse_source(path)
+    tree = stdlib_texts.parse_source(path)
     if tree is None:
         return
     for node in ast.walk(tree):
@@ -120,12 +120,12 @@ def _raise_messages(path: str) -> Iterator[tuple[str, str]]:
 
 def _texts_by_class(task: str) -> tuple[list[str], list[list[str]]]:
     """(class names, texts of each class) for one text task, from the running interpreter."""
-    import finetune_classification as fc
+    import stdlib_texts
 
     if task in ("docstring_topic", "comment_topic"):
-        extract = fc._docstrings if task == "docstring_topic" else _comments
-        return list(fc.TOPICS), [
-            [t for p in _stdlib_files(e) for t in extract(p)] for e in fc.TOPICS.values()
+        extract = stdlib_texts.docstrings if task == "docstring_topic" else _comments
+        return list(stdlib_texts.TOPICS), [
+            [t for p in _stdlib_files(e) for t in extract(p)] for e in stdlib_texts.TOPICS.values()
         ]
     if task == "exception_type":
         stdlib = sysconfig.get_paths()["stdlib"]
