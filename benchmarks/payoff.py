@@ -21,7 +21,8 @@ its rate in its rescaled convention and ζ per kind of task as the others get a 
 and ess 1e7 for LoRA; its other defaults) at the mean and at BMA@8/@32 after the same
 calibration of ζ as EVON's (``calibrate_posterior``); EVON (``build_optimizer`` defaults; the
 AdamW part at the task's AdamW rate, as ``EVONTrainer`` takes ``learning_rate`` for it) at the
-mean and with the calibrated posterior at BMA@8 and @32; the same EVON with
+mean, the mean with temperature scaling (what a temperature alone does, beside the samples), and
+with the calibrated posterior at BMA@8 and @32; the same EVON with
 ``identity_basis=True`` (the diagonal posterior of IVON inside EVON: the rotation is the only
 difference). Same linear-decay schedule and data order for every method.
 
@@ -75,15 +76,23 @@ def point_estimate_rows(name: str, task: Task, model: nn.Module) -> tuple[dict[s
     2017), and by the rule EVON's calibration applies to its mean (``mean_temperature``: a grid,
     softening only past ``DEFAULT_STANDARD_ERRORS`` standard errors, sharpening only where the split's errors and a
     cross-validation support it), which a tiny or error-free calibration split does not mislead."""
-    test_lp, test_y = log_probs(model, task.test, task.shift)
     cal = log_probs(model, task.cal, task.shift)
-    temp, rule = fit_temperature(*cal), mean_temperature(*cal)
-    rows = {
+    rows, temp = tempered_rows(name, log_probs(model, task.test, task.shift), cal)
+    return {**rows, **selection_row(name, cal)}, temp
+
+
+def tempered_rows(
+    name: str, test: tuple[torch.Tensor, torch.Tensor], cal: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[dict[str, Any], float]:
+    """``name``'s test scores from its log-probabilities ``test`` = (log p, labels), and at the
+    temperatures fitted on the calibration split's ``cal``: by ``fit_temperature`` (returned) and by
+    ``mean_temperature``, the rule EVON's calibration applies to its mean."""
+    (test_lp, test_y), temp, rule = test, fit_temperature(*cal), mean_temperature(*cal)
+    return {
         name: scores(test_lp, test_y),
         f"{name} + temperature": scores(torch.log_softmax(test_lp / temp, -1), test_y),
         f"{name} + temperature (calibration's rule)": scores(torch.log_softmax(test_lp / rule, -1), test_y),
-    }
-    return {**rows, **selection_row(name, cal)}, temp
+    }, temp
 
 
 def selection_row(
@@ -262,12 +271,13 @@ def run_evon(task: Task, seed: int, sizes: list[int], diagonal: bool = False) ->
     start = time.perf_counter()
     opt = train_evon(task, model, seed, identity_basis=diagonal)
     train_seconds = time.perf_counter() - start
-    mean = log_probs(model, task.test, task.shift)
+    mean, cal = log_probs(model, task.test, task.shift), log_probs(model, task.cal, task.shift)
     posterior = EVONPosterior.from_optimizer(opt, model)
     name = "EVON diagonal (identity_basis)" if diagonal else "EVON"
+    # "mean + temperature" beside the calibrated BMA: what the samples add beyond a temperature
     rows = {
-        f"{name} mean": scores(*mean),
-        **selection_row(name, model=model, task=task),
+        **tempered_rows(f"{name} mean", mean, cal)[0],
+        **selection_row(name, cal),
         **calibrated_bma_rows(name, task, model, posterior, mean, seed, sizes),
     }
     if not diagonal:

@@ -43,7 +43,8 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
     saved = json.load(open(out + ".json"))
     runs = saved["runs"]["digits"]
     assert len(runs) == 2
-    for row in ("AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)", "EVON mean", "EVON calibrated BMA@2"):
+    rows = ("AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)", "EVON mean", "EVON calibrated BMA@2")
+    for row in rows + ("EVON mean + temperature", "EVON mean + temperature (calibration's rule)"):
         values = [r[row]["nll"] for r in runs]
         assert summary["digits"][row]["nll"][0] == pytest.approx(statistics.fmean(values), rel=1e-12)
         assert summary["digits"][row]["nll"][1] == pytest.approx(statistics.stdev(values), rel=1e-12)
@@ -54,6 +55,26 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
     # a combined report from the saved run is the same report
     payoff.main(["--combine", out + ".json", "--out", out + "_again"])
     assert open(out + "_again.md").read() == report
+
+
+def test_tempered_rows_score_the_test_split_at_the_calibration_splits_temperatures() -> None:
+    """``tempered_rows`` (AdamW's and EVON mean's "+ temperature" rows): the test log-probs scored
+    as they are, at ``fit_temperature``'s T of the calibration split and at ``mean_temperature``'s,
+    each T read off an overconfident calibration split (logits 4× a calibrated model's)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 4.0 * torch.randn(400, 5, generator=gen)
+    labels = torch.multinomial(torch.softmax(logits / 4.0, -1), 1, generator=gen).squeeze(1)
+    cal = (torch.log_softmax(logits[:200], -1), labels[:200])
+    test = (torch.log_softmax(logits[200:], -1), labels[200:])
+    rows, temp = payoff.tempered_rows("EVON mean", test, cal)
+    assert temp == payoff.fit_temperature(*cal) and temp > 2.0  # the split asks to soften
+    rule = payoff.mean_temperature(*cal)
+    assert rows == {
+        "EVON mean": payoff.scores(*test),
+        "EVON mean + temperature": payoff.scores(torch.log_softmax(test[0] / temp, -1), test[1]),
+        "EVON mean + temperature (calibration's rule)": payoff.scores(torch.log_softmax(test[0] / rule, -1), test[1]),
+    }
+    assert rows["EVON mean + temperature"]["nll"] < rows["EVON mean"]["nll"]
 
 
 def test_one_job_runs_in_this_process_on_one_thread_as_the_report_says(monkeypatch) -> None:

@@ -392,6 +392,7 @@ MAIN_ROWS = (
     ("IVON@32", "IVON (ivon-opt) calibrated BMA@32"),
     ("EVON diag.@32", "EVON diagonal (identity_basis) calibrated BMA@32"),
     ("EVON mean", "EVON mean"),
+    ("EVON mean + T", "EVON mean + temperature"),
     ("EVON@8", "EVON calibrated BMA@8"),
     ("EVON@32", "EVON calibrated BMA@32"),
 )
@@ -427,7 +428,7 @@ def plot(plt: Any, summary: dict[str, Any], size: int) -> Any:
     width = 0.4 if tuned else 0.8
     colors = {
         "AdamW": COLORS["AdamW"], "AdamW + T": "#f5b971", "Laplace (LL)": "#999999", "Laplace (LoRA)": "#cccccc", "SOAP": COLORS["SOAP"],
-        "IVON@32": COLORS["IVON"], "EVON diag.@32": "#9ecae1", "EVON mean": "#f4a582", "EVON@8": "#d6604d",
+        "IVON@32": COLORS["IVON"], "EVON diag.@32": "#9ecae1", "EVON mean": "#f4a582", "EVON mean + T": "#fddbc7", "EVON@8": "#d6604d",
         "EVON@32": COLORS["EVON"],
     }  # fmt: skip
     for ax in axes.flat[len(tasks) :]:
