@@ -45,6 +45,7 @@ def test_a_fast_run_reports_every_row() -> None:
     adamw, evon = runs
     rows = {"AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)"}
     assert set(adamw["rows"]) == rows and adamw["temperature"] > 0
-    assert set(evon["rows"]) == {"EVON mean", "EVON calibrated BMA@2"}
+    tempered = {"EVON mean + temperature", "EVON mean + temperature (calibration's rule)"}
+    assert set(evon["rows"]) == {"EVON mean", "EVON calibrated BMA@2"} | tempered
     assert all(math.isfinite(s["nll"]) for r in runs for s in r["rows"].values())
     assert evon["calibration"]["trained_ess"] > 0 and 0 <= evon["health"]["hess_below_prior"] <= 1
