@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_evon import EVON, build_optimizer
 from hf_evon.optim.curvature import HIST_LOW, HIST_STEP, fitted_ess, fitted_prior, log_histogram
@@ -485,3 +486,55 @@ def test_a_gradient_clipped_before_step_scales_the_fisher_estimate_of_h_and_not_
     doc = " ".join(mixin.__doc__.split())
     assert "the Hessian estimate of EVON is not rescaled" not in doc
     assert "clip factor squared" in doc and "before the clip" in doc
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: every read of a tensor's value back to Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_and_pools(with_unused: bool, steps: int = 40) -> tuple[list[int], int, torch.Tensor]:
+    """Per step after the 5th: the scalar reads of ``step()``; the pooled reductions of those steps;
+    the used weight at the end. The used matrix alone in its group, beside (``with_unused``) a group
+    whose weight never gets a gradient."""
+    torch.manual_seed(0)
+    used, unused = nn.Parameter(torch.randn(8, 6) / 3), nn.Parameter(torch.randn(8, 6) / 3)
+    x = torch.randn(16, 8)
+    groups = [{"params": [used]}] + ([{"params": [unused]}] if with_unused else [])
+    opt = EVON(groups, seed=0, curvature_refit=15)
+    opt.health_check_every = 0
+    pools = []
+    pool_rows = opt._hooks.pool_rows
+    opt._hooks.pool_rows = lambda *a, **k: pools.append(1) or pool_rows(*a, **k)
+    reads = []
+    for t in range(steps):
+        with opt.sampled_params(train=True):
+            (x @ used).tanh().square().sum().backward()
+        if t == 5:
+            pools.clear()
+        with _ScalarReads() as counter:
+            opt.step()
+        if t >= 5:
+            reads.append(counter.reads)
+        opt.zero_grad()
+    return reads, len(pools), used.detach().clone()
+
+
+def test_a_group_whose_weights_never_get_a_gradient_costs_no_fit_per_update() -> None:
+    """A group whose weights have no gradient (an unused branch) waits for its first measured H.
+    Its clock restarts at each update, and it used to be refit at each to learn that: a pass over
+    H, two pooled reductions (collectives under DDP) and two scalar reads on every step of the run.
+    Now, once a fit has found it waiting, the steps read what a lone used group's steps read (the
+    used group's own refits, every 15 updates, pool alike), and the used weights are the same."""
+    alone_reads, alone_pools, alone = _reads_and_pools(False)
+    reads, pools, weights = _reads_and_pools(True)
+    assert alone_pools > 0 and pools == alone_pools
+    assert reads == alone_reads
+    assert torch.equal(weights, alone)

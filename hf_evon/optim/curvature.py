@@ -44,6 +44,7 @@ __all__ = [
     "mean_pull",
     "note_fitted",
     "refit_due",
+    "refits_due",
 ]
 
 Tensor = torch.Tensor
@@ -136,9 +137,28 @@ def refit_due(group: dict[str, Any], t: int) -> bool:
     the group's first (``fit_from``: a group added mid-run): after its second, the first to estimate
     H (the first only sets up the eigenbases; left alone, the noise would then be the prior's until
     the next fit), and every ``curvature_refit`` updates. While the group has measured no H (its
-    weights have had no gradient yet), it is due at every update: each such fit restarts its clock."""
+    weights have had no gradient yet), each fit restarts its clock, so that it is due again at the
+    next update (``refits_due`` restarts it without a fit where nothing of it has moved)."""
     every, t = group.get("curvature_refit", 0), group_clock(group, t)
     return bool(group.get("fit_to_curvature")) and every > 0 and (t == 2 or (t > 0 and t % every == 0))
+
+
+def refits_due(groups: list[dict[str, Any]], t: int) -> list[dict[str, Any]]:
+    """The ``groups`` to refit after the optimizer's ``t``-th update (``refit_due``), but those whose
+    fit would only restart their clock: the last fit found no H measured on any rank
+    (``fit_waiting``) and none of their weights has a gradient now, so none of their matrices has
+    moved since. Their clock restarts here, as that fit would restart it, without its pass over H
+    and its pooled reductions: a group whose weights never get a gradient (an unused branch, a layer
+    unfrozen later) costs nothing per update. Whether a weight has a gradient is the same on every
+    rank (the gradients are averaged), so every rank skips the same fits and the pooled reductions
+    stay matched."""
+    due = []
+    for group in groups:
+        if group.get("fit_waiting") and not any(p.grad is not None for p in group["params"]):
+            group["fit_from"] = t - 1
+        elif refit_due(group, t):
+            due.append(group)
+    return due
 
 
 @torch.no_grad()
@@ -158,7 +178,7 @@ def fit_from_curvature(
     index = {id(g): i for i, g in enumerate(groups)}
     # a bucket none of whose matrices has been updated adds only zero rows (below): left out, a group
     # waiting for its first gradient costs no pass over its H at each update it is due
-    mine = [b for b in buckets if id(b.group) in index and bool(b.state["step"].gt(0).any())]
+    mine = [b for b in buckets if id(b.group) in index and any(c > 0 for c in b.counts)]
     # each member's place: (group, position in the group's params), the order sums are added in
     places = []
     for b in mine:
@@ -199,8 +219,10 @@ def fit_from_curvature(
         first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
     sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
     waiting = [group for gi, group in enumerate(groups) if sums[gi, 1] == 0]  # no H measured on any rank
+    for group in groups:
+        group.pop("fit_waiting", None)
     for group in waiting:  # its clock starts at its first gradient: the next update is its second again
-        group["fit_from"] = t - 1
+        group["fit_from"], group["fit_waiting"] = t - 1, True
     if len(waiting) == len(groups):
         return
     for gi, group in enumerate(groups):

@@ -41,7 +41,7 @@ from hf_evon.optim.buckets import (
     stack_state,
 )
 from hf_evon.optim.checks import Clip, HessEstimator, NonFinite, StepCurvature, mode_value, refuse_grad_scaler
-from hf_evon.optim.curvature import fit_from_curvature, note_fitted, refit_due
+from hf_evon.optim.curvature import fit_from_curvature, note_fitted, refits_due
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -454,7 +454,7 @@ class EVON(Optimizer):
         self._hooks.after_step()
         self.discard_samples()
         self._updates += 1
-        due = [g for g in self.param_groups if refit_due(g, self._updates)]
+        due = refits_due(self.param_groups, self._updates)
         if due:
             fit_from_curvature(due, self.buckets, self._hooks, self._updates, self._fit_records)
         if self.health_check_every and self._updates % self.health_check_every == 0:
