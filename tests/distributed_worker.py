@@ -339,6 +339,27 @@ def scenario_uneven_batches(accelerator, out: dict) -> None:
     expect_error(out, "error_uneven_batches_sharded", lambda: uneven(True))
 
 
+def scenario_unused_group(accelerator, out: dict) -> None:
+    """(i) A group whose weight never gets a gradient (a frozen extra layer in its own group): the
+    pooled reductions of the curvature fits (``pool_rows``: collectives) per rank over 6 steps at
+    ``curvature_refit=3``, with that group and without it, and the weights after them."""
+    for extra in (False, True):
+        raw = tiny_gpt2()
+        raw.extra = torch.nn.Linear(12, 12, bias=False).double().requires_grad_(False)
+        optimizer = build_optimizer(raw, ess="auto", curvature_refit=3)
+        if extra:
+            optimizer.add_param_group({"params": [raw.extra.weight], "param_names": ["extra.weight"]})
+        model, optimizer = accelerator.prepare(raw, optimizer)
+        evon = prepare_distributed(model, optimizer)
+        calls = []
+        pool_rows = evon._hooks.pool_rows
+        evon._hooks.pool_rows = lambda *a, calls=calls, pool_rows=pool_rows, **k: calls.append(1) or pool_rows(*a, **k)
+        for step in range(6):
+            sampled_step(accelerator, model, optimizer, evon, micro_batches(step, 4, accelerator.process_index))
+        out[f"unused_group_pools_{extra}"] = len(calls)
+        out[f"unused_group_weights_{extra}"] = {k: v.clone() for k, v in raw.state_dict().items()}
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO)
@@ -349,6 +370,7 @@ def main() -> None:
     scenario_misuse(accelerator, out)
     scenario_fsdp(accelerator, out)
     scenario_uneven_join(accelerator, out)
+    scenario_unused_group(accelerator, out)
     scenario_uneven_batches(accelerator, out)  # last: it leaves its loaders half-iterated
     torch.save(out, os.path.join(out_dir, f"rank{accelerator.process_index}.pt"))
     accelerator.wait_for_everyone()
