@@ -53,6 +53,7 @@ def run(name: str, seed: int, train_at_nb: bool = False) -> dict[str, Any]:
     hess = torch.cat([opt.state[p]["hess"].flatten().double() for g in evon for p in g["params"]])
     logp, labels = payoff_training.log_probs(model, task.cal, task.shift)
     temperature = payoff_training.fit_temperature(logp, labels)
+    mean = payoff_training.scores(logp, labels)
     posterior = EVONPosterior.from_optimizer(opt, model)
     bma = {
         label: bma_scores(model, posterior.with_ess(ess), task.cal, task.shift)["nll"]
@@ -65,8 +66,8 @@ def run(name: str, seed: int, train_at_nb: bool = False) -> dict[str, Any]:
         "nb": n * b,
         "delta": evon[0]["weight_decay"],
         "hess": torch.quantile(hess, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist(),
-        "mean": payoff_training.scores(logp, labels)["nll"],
-        "accuracy": payoff_training.scores(logp, labels)["accuracy"],
+        "mean": mean["nll"],
+        "accuracy": mean["accuracy"],
         "temperature": temperature,
         "mean_t": payoff_training.scores(torch.log_softmax(logp / temperature, -1), labels)["nll"],
         "bma": bma,

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The tests use tiny matrices: more threads only add overhead (and oversubscribe CI runners).
 torch.set_num_threads(1)
@@ -65,6 +66,19 @@ def argument_error(call, argv: list[str], capsys) -> str:
 def plain_evon(**overrides):
     """``PLAIN_EVON`` updated by ``overrides`` (keyword arguments of ``EVON``/``build_optimizer``)."""
     return {**PLAIN_EVON, **overrides}
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts (``count``) the reads of a tensor's value back to Python (``aten._local_scalar_dense``:
+    one per ``.item()``, ``bool()`` or ``tolist()`` element): on a GPU each waits for queued work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
 
 
 def approx_tree(value, rel: float = 1e-6):

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from conftest import ScalarReads
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_evon import EVON, build_optimizer
 from hf_evon.optim.curvature import HIST_LOW, HIST_STEP, fitted_ess, fitted_prior, log_histogram
@@ -488,18 +488,6 @@ def test_a_gradient_clipped_before_step_scales_the_fisher_estimate_of_h_and_not_
     assert "clip factor squared" in doc and "before the clip" in doc
 
 
-class _ScalarReads(TorchDispatchMode):
-    """Counts ``aten._local_scalar_dense``: every read of a tensor's value back to Python."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 def _reads_and_pools(with_unused: bool, steps: int = 40) -> tuple[list[int], int, torch.Tensor]:
     """Per step after the 5th: the scalar reads of ``step()``; the pooled reductions of those steps;
     the used weight at the end. The used matrix alone in its group, beside (``with_unused``) a group
@@ -519,10 +507,10 @@ def _reads_and_pools(with_unused: bool, steps: int = 40) -> tuple[list[int], int
             (x @ used).tanh().square().sum().backward()
         if t == 5:
             pools.clear()
-        with _ScalarReads() as counter:
+        with ScalarReads() as counter:
             opt.step()
         if t >= 5:
-            reads.append(counter.reads)
+            reads.append(counter.count)
         opt.zero_grad()
     return reads, len(pools), used.detach().clone()
 

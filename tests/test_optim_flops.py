@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import ScalarReads
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 optimizer_flops = pytest.importorskip("optimizer_flops")
@@ -50,17 +51,7 @@ def test_a_step_reads_no_scalar_back_from_a_tensor(device: str) -> None:
     sampled block, for matrices of three shapes (three buckets) under the default estimator, with
     their biases in an AdamW group (torch's multi-tensor Adam reads each step count twice). On
     CUDA too (skipped without it; ``benchmarks/gpu.sh`` runs it there)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from hf_evon import EVON
-
-    class ScalarReads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if func.overloadpacket == torch.ops.aten._local_scalar_dense:
-                ScalarReads.count += 1
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(m, n).to(device) / n**0.5) for m, n in ((6, 4), (5, 6), (3, 5))]
@@ -79,10 +70,10 @@ def test_a_step_reads_no_scalar_back_from_a_tensor(device: str) -> None:
 
     for _ in range(3):  # the initialising step and the first curvature fit
         train_step()
-    with ScalarReads():
+    with ScalarReads() as reads:
         for _ in range(12):  # across a refresh (every 10 updates), before the next fit (50)
             train_step()
-    assert ScalarReads.count == 0
+    assert reads.count == 0
     assert all(opt.state[b]["step"].item() == 15 for b in biases)  # AdamW trained them
 
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import ScalarReads
 
 from hf_evon.predictive.logprobs import LogMeanExp, log_mean_prob
 from hf_evon.predictive.uncertainty import (
@@ -226,17 +227,6 @@ def test_the_accumulators_results_read_the_host_once_and_average_once() -> None:
     """``predict_uncertainty`` reads ``value()`` (log p̄) and ``uncertainty()`` of each batch: each
     computed log p̄ anew (a copy the size of the logits) and read the host once to check the samples,
     two reads a batch. One now, and the same tensors bit for bit, also after more samples."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class HostReads(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
-            self.count += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
     g = torch.Generator().manual_seed(0)
     samples = torch.log_softmax(torch.randn(4, 3, 5, generator=g, dtype=torch.float64), -1)
 
@@ -248,7 +238,7 @@ def test_the_accumulators_results_read_the_host_once_and_average_once() -> None:
         return acc, average
 
     acc, average = fed(3)
-    with HostReads() as reads:
+    with ScalarReads() as reads:
         value, u = acc.value(), acc.uncertainty()
     assert reads.count == 1
     alone = fed(3)[0].uncertainty()  # read on its own
