@@ -970,6 +970,52 @@ def test_load_state_dict_refuses_state_the_next_step_cannot_use(corrupt, named: 
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
 
 
+def _adamw_entry(sd: dict) -> dict:
+    return next(st for st in sd["state"].values() if "exp_avg_sq" in st)
+
+
+@pytest.mark.parametrize(
+    "corrupt,named",
+    [
+        (lambda sd: _adamw_entry(sd)["exp_avg"].fill_(float("nan")), "'exp_avg'"),
+        (lambda sd: _adamw_entry(sd)["exp_avg_sq"].fill_(-1.0), "'exp_avg_sq'"),
+        (lambda sd: _adamw_entry(sd)["exp_avg_sq"].fill_(float("inf")), "'exp_avg_sq'"),
+        (lambda sd: _adamw_entry(sd)["step"].fill_(-3.0), "'step'"),
+        (lambda sd: _adamw_entry(sd)["step"].fill_(float("nan")), "'step'"),
+        (lambda sd: _adamw_entry(sd).update(step=3), "'step'"),
+        (lambda sd: _evon_entry(sd).update(step=torch.tensor([3.0, 3.0, 3.0])), "'step'"),
+        (lambda sd: sd["state"].update({0: 7}), "state[0]"),
+        (lambda sd: sd.update(state=[]), "'state'"),
+        (lambda sd: sd["param_groups"][1].pop("params"), "'params'"),
+    ],
+    ids=["adamw-exp_avg-nan", "adamw-exp_avg_sq<0", "adamw-exp_avg_sq-inf", "adamw-step<0", "adamw-step-nan",
+         "adamw-step-int", "evon-step-vector", "entry-int", "state-list", "group-no-params"],
+)  # fmt: skip
+def test_load_state_dict_refuses_adamw_state_and_layouts_the_next_step_cannot_use(corrupt, named: str) -> None:
+    """Only EVON groups' entries were checked: a NaN or negative AdamW moment or step count loaded and
+    the next step wrote NaN into the weights (no error, no warning, under nonfinite="raise" too), an
+    AdamW step count as a Python number or an EVON one of shape (3,) loaded and every later step
+    raised, and a state dict whose 'state' is not a dict of dicts, or a group without 'params', raised
+    an AttributeError or KeyError naming nothing. Each is refused at load, naming the entry, and the
+    optimizer keeps its own state and trains on."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    _refused_and_unchanged(opt, model, data, bad, named)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+
+
+def test_load_state_dict_refuses_what_is_not_an_optimizer_state_dict() -> None:
+    model = make_model()
+    opt = make_opt(model)
+    for bad in ([], "state", None):
+        with pytest.raises(ValueError, match="load_state_dict: expected an optimizer state dict"):
+            opt.load_state_dict(bad)
+
+
 @pytest.mark.parametrize("missing", ["hess", "step", "exp_avg_unrotated"])
 def test_load_state_dict_refuses_an_evon_entry_missing_some_of_its_keys(missing: str) -> None:
     """An EVON entry holding some of its state but not H, its step count or its momentum loaded

@@ -567,7 +567,7 @@ class EVON(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refuse_rebuild("load_state_dict()")
-        with loading(self, self._hooks.local_state_dict):  # sharded: this rank's part of a full one
+        with loading(self, state_dict, self._hooks.local_state_dict):  # sharded: this rank's part of a full one
             super().load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:

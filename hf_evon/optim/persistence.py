@@ -24,7 +24,7 @@ from hf_evon.optim.buckets import (
 )
 from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads, consumed_places
-from hf_evon.optim.validation import fit_records, validate_state_dict
+from hf_evon.optim.validation import check_state_dict_layout, fit_records, validate_state_dict
 
 __all__ = ["COPIED_ATTRIBUTES", "copied_attributes", "loading", "restore_copied", "saving"]
 
@@ -103,9 +103,13 @@ def saving(optimizer: Any, full_state_dict: Callable[[dict[str, Any]], dict[str,
 
 
 @contextlib.contextmanager
-def loading(optimizer: Any, local_state_dict: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
-    """EVON's checks and restores around ``Optimizer.load_state_dict`` inside the block, as that
-    load's hooks. ``local_state_dict``: this rank's part of a full state dict (sharded runs)."""
+def loading(
+    optimizer: Any, given: Any, local_state_dict: Callable[[dict[str, Any]], dict[str, Any]]
+) -> Iterator[None]:
+    """EVON's checks and restores around ``Optimizer.load_state_dict(given)`` inside the block, as that
+    load's hooks (``given``'s layout checked first: torch's load reads it before any hook runs).
+    ``local_state_dict``: this rank's part of a full state dict (sharded runs)."""
+    check_state_dict_layout(given)
     loaded: dict[str, Any] = {}
 
     def check(_: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +172,7 @@ def upgraded_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
     format that keeps AdamW's ε there, on every group, and EVON's inert Hessian ε (1e-12) as an
     AdamW group's ``eps``: that ``adamw_eps`` becomes an AdamW group's ``eps`` and leaves an EVON
     group. New dicts where a group changes: the state dict given is left as it is."""
-    groups = state_dict.get("param_groups")
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if not isinstance(groups, list) or not any(isinstance(g, dict) and "adamw_eps" in g for g in groups):
         return state_dict  # nothing to upgrade (what is not a list of dicts, validate_state_dict names)
     upgraded = []
@@ -215,6 +219,7 @@ _STATE_SHAPES: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "Q_R": lambda m, n: (n, n),
     "exp_avg_sq_norm": lambda m, n: (),
     "noise_watched": lambda m, n: (),
+    "step": lambda m, n: (),
 }
 
 

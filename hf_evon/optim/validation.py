@@ -509,16 +509,43 @@ def check_entry_complete(idx: Any, entries: dict[str, Any], name: str | None) ->
             )
 
 
-def validate_state_dict(state_dict: dict[str, Any]) -> None:
-    """Check a state dict before ``EVON.load_state_dict`` changes anything: every group's
-    hyperparameters as the constructor checks them, each EVON parameter's state complete
-    (:func:`check_entry_complete`), every entry a finite tensor, its step count at least
-    ``UNINITIALIZED`` and its ``exp_avg_sq_norm`` at least 0, its eigenbases orthonormal within
-    ``ORTHONORMAL_TOL`` (at least float32's) and H + δ > 0 (a positive, finite posterior variance).
-    The message names the group or the parameter's index and entry."""
+def check_state_dict_layout(state_dict: Any) -> None:
+    """Raise, naming what is wrong, where ``state_dict`` is not laid out as an optimizer's: a dict
+    whose ``param_groups`` is a list of dicts, each with a list of ``params``, and whose ``state``
+    maps each parameter's index to a dict of its entries."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(
+            f"EVON.load_state_dict: expected an optimizer state dict (a dict with 'state' and 'param_groups'); "
+            f"got {type(state_dict).__name__}"
+        )
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
+    for gi, group in enumerate(groups):
+        if not isinstance(group.get("params"), list):
+            raise ValueError(f"EVON.load_state_dict: param_groups[{gi}] has no list of 'params' (their indices)")
+    state = state_dict.get("state")
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"EVON.load_state_dict: 'state' must be a dict of each parameter's entries; got {type(state).__name__}"
+        )
+    for idx, entries in state.items():
+        if not isinstance(entries, dict):
+            raise ValueError(
+                f"EVON.load_state_dict: state[{idx!r}] must be a dict of tensors; got {type(entries).__name__}"
+            )
+
+
+def validate_state_dict(state_dict: dict[str, Any]) -> None:
+    """Check a state dict before ``EVON.load_state_dict`` changes anything: its layout
+    (:func:`check_state_dict_layout`), every group's hyperparameters as the constructor checks them,
+    each EVON parameter's state complete (:func:`check_entry_complete`), every entry of every group
+    a finite tensor, a step count at least 0 (EVON's at least ``UNINITIALIZED``), ``exp_avg_sq_norm``
+    and AdamW's ``exp_avg_sq`` at least 0, the eigenbases orthonormal within ``ORTHONORMAL_TOL`` (at
+    least float32's) and H + δ > 0 (a positive, finite posterior variance). The message names the
+    group or the parameter's index and entry."""
+    check_state_dict_layout(state_dict)
+    groups = state_dict["param_groups"]
     prior: dict[Any, float] = {}  # parameter index -> its group's δ, for EVON groups
     names: dict[Any, str] = {}  # parameter index -> its name, where its EVON group has names
     for gi, group in enumerate(groups):
@@ -533,22 +560,25 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
         except ValueError as err:
             raise ValueError(f"EVON.load_state_dict: param_groups[{gi}]: {err}") from None
         if hyper.get("algorithm", "evon") == "evon":
-            prior.update(dict.fromkeys(group.get("params", ()), float(hyper.get("weight_decay") or 0.0)))
-            names.update(zip(group.get("params", ()), group.get("param_names") or ()))
-    for idx, entries in state_dict.get("state", {}).items():
+            prior.update(dict.fromkeys(group["params"], float(hyper.get("weight_decay") or 0.0)))
+            names.update(zip(group["params"], group.get("param_names") or ()))
+    for idx, entries in state_dict["state"].items():
         if idx in prior:
             check_entry_complete(idx, entries, names.get(idx))
-        for key, value in entries.items() if idx in prior else ():
+        # AdamW's entries (its group's, or a parameter's moved to an EVON group since, which the step
+        # drops) feed torch's fused kernel, which takes a non-finite or negative moment or step as it is
+        adamw = ADAMW_ONLY_KEY in entries
+        for key, value in entries.items():
             if not torch.is_tensor(value):  # the step reads every entry as a tensor
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a tensor; got {type(value).__name__}"
                 )
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] has NaN or inf entries")
-            # a step count (UNINITIALIZED: a member awaiting its first gradient) and a squared norm:
-            # below these the bias correction and the square root are NaN
-            low = UNINITIALIZED if key == "step" else 0
-            if key in ("step", "exp_avg_sq_norm") and not bool((value >= low).all()):
+            # a step count (EVON's UNINITIALIZED: a member awaiting its first gradient) and a squared
+            # norm or second moment: below these the bias correction and the square root are NaN
+            low = (0 if adamw else UNINITIALIZED) if key == "step" else 0
+            if key in ("step", "exp_avg_sq_norm", ADAMW_ONLY_KEY) and not bool((value >= low).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
             if key in ("Q_L", "Q_R") and value.numel():
                 # a saved posterior's bound, at least float32's, which the bases are computed in
@@ -560,7 +590,7 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
                         f"(‖QᵀQx − x‖/‖x‖ = {err:.3g} > {tol:g} for {value.dtype}): a posterior saved from it "
                         "would not load"
                     )
-            if key == "hess" and not bool((value + prior[idx] > 0).all()):
+            if key == "hess" and idx in prior and not bool((value + prior[idx] > 0).all()):
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}]['hess'] has entries with H + weight_decay <= 0 "
                     "(the posterior variance 1/(ess·(H + weight_decay)) must be positive)"
