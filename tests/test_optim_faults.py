@@ -387,6 +387,33 @@ def test_a_clean_phased_step_leaves_h_as_it_was(estimator: str) -> None:
     assert [m for _, m in moved] == [noisy for noisy, _ in moved] and any(n for n, _ in moved)
 
 
+def test_under_phased_gradients_the_fisher_h_is_the_plain_average_of_the_noisy_steps_squares() -> None:
+    """Phased gradients under the Fisher estimate: H is the plain average of the noisy steps'
+    squared gradients until the EMA's window fills, as without phasing. Its weight β = 1 − 1/t
+    counted every update, clean ones too, so the k-th noisy update took 1 − 1/(2k − 1): after two,
+    H was ⅔·G₁² + ⅓·G₃² and the first, early gradient kept about 28% of H after ten."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    a, b = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    # the identity basis: no initialising step, and the rotated gradient is the gradient; the
+    # fitted ζ and δ stay as given
+    opt = EVON([w], lr=0.01, ess=1e3, weight_decay=1e-3, phased_gradients=True, identity_basis=True,
+               curvature_refit=0, seed=0)  # fmt: skip
+    squares = []
+    for _ in range(9):  # updates 1-9: noisy at 1, 3, 5, 7, 9 (from the counts 0, 2, 4, 6, 8)
+        count = int(opt.state[w]["step"]) if "step" in opt.state[w] else 0
+        with opt.sampled_params(train=True):
+            (0.5 * (a @ w.T - b).square().sum() / 16).backward()
+        grad = w.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        if count % 2 == 0:
+            squares.append(grad.square())
+            average = torch.stack(squares).mean(0)
+            assert torch.allclose(opt.state[w]["hess"], average, rtol=1e-12, atol=0), len(squares)
+    assert len(squares) == 5
+
+
 def test_members_that_step_apart_under_a_float64_default_dtype() -> None:
     """The per-member counters were raised with torch.ones of the default dtype: under
     set_default_dtype(float64) a step without one member's gradient raised in index_add_."""

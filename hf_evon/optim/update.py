@@ -208,8 +208,9 @@ def evon_update(
     if plan.hess is not None:
         hess.copy_(plan.hess)
     elif fisher:
-        # finite: every entry of G_rot² is at most ‖G‖²_F, which finite_flags checked
-        fisher_update(hess, g_rot, beta2, t)
+        # finite: every entry of G_rot² is at most ‖G‖²_F, which finite_flags checked; phased, the
+        # noisy updates (t = 1, 3, 5, …) are H's only ones: its average counts them alone
+        fisher_update(hess, g_rot, beta2, (t + 1) // 2 if g["phased_gradients"] else t)
     momentum = momentum_update(st[momentum_key(g)], grad if matrix_step else g_rot, beta1)
     correction = 1 - beta1**t  # m̂ = m / correction
     scale = None
