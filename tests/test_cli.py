@@ -2255,3 +2255,34 @@ def test_an_outputs_config_json_is_not_read_unless_it_is_a_file_nor_taken_for_no
     with pytest.raises(PermissionError) as refused:
         check_output_weights(str(output), saved[1])
     assert (refused.value.errno, refused.value.filename) == (13, str(config))
+
+
+def test_an_adapter_name_from_the_posterior_never_picks_a_folder_outside_the_model(tmp_path, monkeypatch):
+    """The adapter's name is read from the posterior's parameter names (``lora_A.<name>.weight``: a
+    file that may come from the Hub), and PEFT's folder of a named adapter is ``--model``'s
+    ``<name>``: a name that is an absolute path (it needs no dots) made the CLI load another local
+    adapter than ``--model``'s without a word. It is refused, naming the name and ``--model``, before
+    any adapter is read."""
+    import peft
+
+    from hf_evon.cli import loading
+    from hf_evon.cli.loading import UsageError
+    from hf_evon.modeling import adapter_of_names
+
+    model_dir, other = tmp_path / "mine", tmp_path / "someone_elses"
+    for d in (model_dir, model_dir / "inner", other):
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "gpt2"}))
+    named = str(other)
+    assert adapter_of_names([f"base_model.model.h.0.attn.lora_A.{named}.weight"]) == named
+    read: list[str] = []
+
+    def recorded(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        read.append(str(path))
+        raise RuntimeError("read")
+
+    monkeypatch.setattr(peft.PeftConfig, "from_pretrained", recorded)
+    with pytest.raises(UsageError) as err:
+        loading._load_model(str(model_dir), None, None, lambda: named)
+    assert read == []
+    assert repr(named) in str(err.value) and f"--model {str(model_dir)!r}" in str(err.value), str(err.value)

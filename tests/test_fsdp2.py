@@ -465,10 +465,12 @@ def test_an_unreadable_evon_optimizer_state_is_named_by_its_file(tmp_path, conte
     assert after["param_groups"] == before["param_groups"] and after["state"].keys() == before["state"].keys()
 
 
-def test_a_refused_scheduler_state_is_named_by_its_file(tmp_path) -> None:
+@pytest.mark.parametrize("content", ["code", "truncated"])
+def test_a_refused_scheduler_state_is_named_by_its_file(tmp_path, content) -> None:
     """An FSDP2 resume from a ``scheduler.pt`` holding a pickle that would run code raised torch's
     "Weights only load failed", naming no file and advising ``weights_only=False``, which would run
-    it. It is a ValueError naming the file and the global the unpickler met, with no such advice."""
+    it; one cut short raised torch's "PytorchStreamReader failed reading zip archive", naming no file.
+    Each is a ValueError naming the file (and the global the unpickler met), with no such advice."""
     from datasets import Dataset
 
     from hf_evon import EVONConfig, EVONTrainer
@@ -479,12 +481,19 @@ def test_a_refused_scheduler_state_is_named_by_its_file(tmp_path) -> None:
     trainer = EVONTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"x": [[0.0] * 4]}))
     trainer.create_optimizer_and_scheduler(num_training_steps=1)
     torch.save(trainer.evon_optimizer.state_dict(), tmp_path / "evon_optimizer.pt")
-    torch.save({"last_epoch": os.getcwd}, tmp_path / "scheduler.pt")
+    scheduler = tmp_path / "scheduler.pt"
+    if content == "code":
+        torch.save({"last_epoch": os.getcwd}, scheduler)
+    else:
+        torch.save(trainer.lr_scheduler.state_dict(), scheduler)
+        scheduler.write_bytes(scheduler.read_bytes()[:100])
     trainer.evon_optimizer.sharding = object.__new__(FSDP2Sharding)
     with pytest.raises(ValueError) as err:
         trainer._load_optimizer_and_scheduler(str(tmp_path))
     text = str(err.value)
-    assert text.startswith(f"{tmp_path / 'scheduler.pt'}: ") and f"{os.getcwd.__module__}.getcwd" in text, text
+    assert text.startswith(f"{scheduler}: "), text
+    if content == "code":
+        assert f"{os.getcwd.__module__}.getcwd" in text, text
     assert "weights_only=False" not in text and "can still be loaded" not in text, text
 
 

@@ -1433,3 +1433,23 @@ def test_a_save_over_a_card_that_is_a_named_pipe_replaces_it_without_blocking(tm
     assert outcome_beside_a_pipe(lambda: posterior.save_pretrained(tmp_path), readme, what) is None
     assert readme.is_file() and "evon" in readme.read_text(encoding="utf-8")
     assert set(EVONPosterior.from_pretrained(tmp_path).factors) == set(posterior.factors)
+
+
+def test_adapter_names_from_a_posterior_file_cannot_end_the_snippets_code_or_the_card_section():
+    """The adapters' names come from a posterior's parameter names (a file from elsewhere): the line
+    that makes them all active wrote them by ``repr``, so a name holding the card's end marker and a
+    newline ended the snippet's code fence and the card's section there. Each name is a string
+    literal that holds neither, and the line still names the adapters exactly."""
+    import ast
+
+    from hf_evon.posterior.snippet import _peft_model_lines
+
+    pytest.importorskip("peft")
+    odd = "<!-- hf-evon:end -->\n\n```\n## License"
+    lines = _peft_model_lines(["m.query.lora_A.default.weight", f"m.value.lora_A.{odd}.weight"], "out", "")
+    active = next(line for line in lines if line.startswith("model.base_model.set_adapter("))
+    assert not any(c in active for c in "<>`\n")
+    listed = active[len("model.base_model.set_adapter(") : active.index(")  #")]
+    assert ast.literal_eval(listed) == ["default", odd]
+    for line in lines:
+        assert not any(c in line for c in "<>`\n"), line

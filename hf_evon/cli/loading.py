@@ -268,6 +268,19 @@ def _may_hold_adapter(entry: str) -> bool:
         return True
 
 
+def _adapter_folder(given: str, named: str) -> bool:
+    """Refuse an adapter name (read from the posterior's parameter names: a file that may come from
+    elsewhere) that, as PEFT's folder of a named adapter (``--model``'s ``<name>``), would lead out of
+    ``--model``: an absolute path, or one that climbs out with "..". True for any other."""
+    parts = named.replace("\\", "/").split("/")
+    if os.path.isabs(named) or os.path.splitdrive(named)[0] or ".." in parts:
+        raise UsageError(
+            f"the posterior names its PEFT adapter {named!r}, which is no folder inside --model {given!r}: "
+            "a posterior of another adapter's parameters (pass the posterior saved with this adapter)"
+        )
+    return True
+
+
 def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[], str | None]) -> Any:
     """The causal LM, or encoder-decoder model (its config's ``is_encoder_decoder``), at ``path``;
     a PEFT adapter directory: the adapter on its base model, under the name ``adapter()`` gives (the
@@ -283,7 +296,9 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
             # PEFT's save_pretrained puts an adapter not named "default" in path/<name>, and "default" at the
             # root: the root holds the posterior's adapter only where that is "default" or no folder is named so
             named = adapter()
-            if named and not (inside and named == "default") and _listed_file(given, path, named, "adapter_config.json"):
+            if named and not (inside and named == "default") and _adapter_folder(given, named) and _listed_file(
+                given, path, named, "adapter_config.json"
+            ):
                 path, inside = os.path.join(path, named), True
         if inside and (named := adapter()) not in (None, "default"):
             peft_kwargs["adapter_name"] = named

@@ -283,7 +283,7 @@ def _peft_model_lines(names: Any, location: str, rev: str, folder: str | None = 
     return [
         f"model = PeftModel.from_pretrained(base, {_py(location)}{rev}{arguments(first)})",
         *(f"model.load_adapter({_py(location)}{rev}{arguments(a)})" for a in others),
-        f"model.base_model.set_adapter({order!r})  # the posterior covers each of these adapters",
+        f"model.base_model.set_adapter([{', '.join(map(_py, order))}])  # the posterior covers each of these adapters",
     ]
 
 

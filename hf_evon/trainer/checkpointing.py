@@ -533,12 +533,7 @@ class CheckpointingMixin:
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if _listed_fsdp2_state(scheduler):
             with warnings.catch_warnings(record=True) as caught:
-                check_torch_load_is_safe()
-                try:
-                    state = torch.load(scheduler, weights_only=True)
-                except pickle.UnpicklingError as err:
-                    raise ValueError(refused_load_text(scheduler, err)) from err
-                self.lr_scheduler.load_state_dict(state)
+                self.lr_scheduler.load_state_dict(_read_state(scheduler, "the learning-rate scheduler's state"))
             reissue_pt_warnings(caught)
         return True
 
@@ -547,17 +542,22 @@ class CheckpointingMixin:
         path = getattr(self, "_evon_fsdp2_resume", None)
         if path is None:
             return
-        check_torch_load_is_safe()
-        # torch's errors (a file cut short, a pickle refused) and EVON's name neither file nor checkpoint
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            raise ValueError(refused_load_text(path, err)) from err
-        except (RuntimeError, EOFError, OSError) as err:
-            first = (str(err).splitlines() or [repr(err)])[0][:300]
-            raise ValueError(f"{path}: cannot read EVON's optimizer state ({first})") from err
-        try:
+        state = _read_state(path, "EVON's optimizer state", map_location="cpu")
+        try:  # EVON's errors name neither the file nor the checkpoint
             self.evon_optimizer.load_state_dict(state)
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}: {err}") from err
         self._evon_fsdp2_resume = None
+
+
+def _read_state(path: str, what: str, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True)``; torch's errors (a file cut short, a pickle refused), which
+    name no file, become a ValueError naming ``path`` and ``what`` it holds."""
+    check_torch_load_is_safe()
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise ValueError(refused_load_text(path, err)) from err
+    except (RuntimeError, EOFError, OSError) as err:
+        first = (str(err).splitlines() or [repr(err)])[0][:300]
+        raise ValueError(f"{path}: cannot read {what} ({first})") from err

@@ -382,7 +382,7 @@ class EvaluationMixin(SearchObjectiveMixin):
         for i, (_, evaluation, passes) in enumerate(skipped):
             bma = evaluation.bma_metrics(None, passes)
             if bma:
-                self.log(bma)
+                self.log(dict(bma))  # Trainer.log adds "epoch" to the dict it is given
                 if i >= ours:
                     metrics = merge_metrics(dict(metrics), bma, added_metric_keys(self))
         return metrics
