@@ -193,3 +193,32 @@ def test_trainer_decides_whether_the_loss_shifts_labels(tmp_path):
     assert int(plain._get_num_items_in_batch([batch], torch.device("cpu"))) == 5
     evon = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "b"))
     assert evon._loss_shifts_labels is True and evon._causal_lm
+
+
+def test_the_trainers_evaluation_runs_the_model_as_evons_own_passes_do(tmp_path):
+    """EVON's own passes (BMA evaluation, ``predict(bma=True)``, the calibration) take the model from
+    ``Trainer._wrap_model(model, training=False)`` and each batch through ``Trainer._prepare_inputs``
+    (``TrainerInternals._evon_eval_model``, ``_evon_prepared``), as the Trainer's evaluation does:
+    ``evaluate()`` calls both so, the batches prepared once each."""
+    calls: list[tuple] = []
+
+    class Recording(Trainer):
+        def _wrap_model(self, model, training=True, dataloader=None):  # noqa: ANN001, ANN202
+            calls.append(("wrap", training))
+            return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+        def _prepare_inputs(self, inputs):  # noqa: ANN001, ANN202
+            calls.append(("prepare", inputs["input_ids"].shape[0]))
+            return super()._prepare_inputs(inputs)
+
+    trainer = Recording(
+        model=tiny_bert(), args=config(tmp_path / "a", per_device_eval_batch_size=4), eval_dataset=classification_data(12)
+    )
+    trainer.evaluate()
+    assert calls[0] == ("wrap", False)
+    assert [c for c in calls if c[0] == "prepare"] == [("prepare", 4)] * 3  # 12 rows, batches of 4
+    evon = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "b"), eval_dataset=classification_data(12))
+    assert evon._evon_eval_model() is evon._wrap_model(evon.model, training=False)
+    batch = next(iter(evon.get_eval_dataloader()))
+    prepared, expected = evon._evon_prepared(dict(batch)), evon._prepare_inputs(dict(batch))
+    assert prepared.keys() == expected.keys() and all(torch.equal(prepared[k], expected[k]) for k in expected)

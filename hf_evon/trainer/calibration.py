@@ -39,7 +39,7 @@ class CalibrationMixin:
         )
         calibration_data.check_calibration_batches(
             (calibration_data.under_labels(b, self.label_names, self.model) for b in loader), vocab, self._causal_lm,
-            (lambda b, where: held_out_classes(self.model, self._prepare_inputs(b), self._causal_lm, where)) if loaded else None,
+            (lambda b, where: held_out_classes(self.model, self._evon_prepared(b), self._causal_lm, where)) if loaded else None,
         )  # fmt: skip
 
     def _refuse_eval_set(self, dataset: Any, name: str = "calibrate(): dataset") -> None:
@@ -86,7 +86,7 @@ class CalibrationMixin:
         posterior = self._trained_posterior()  # the calibration in place stays until this one succeeds
         if posterior is None:
             raise ValueError("calibrate(): no posterior yet (train first, or pass posterior= to the trainer)")
-        model = self._wrap_model(self.model, training=False)
+        model = self._evon_eval_model()
         start = time.perf_counter()
         # sorted by length, the long tail cut (each pass pads little; the dataset order's result), labels as "labels"
         split = calibration_data.length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
@@ -94,7 +94,7 @@ class CalibrationMixin:
             lambda: calibration_data.whole_split(self._uncached_eval_dataloader(split), split),
             "calibration_dataset" if given is None else "calibrate(): dataset",
         )
-        batches = calibration_data.cut_by_length([calibration_data.under_labels(self._prepare_inputs(b), self.label_names, self.model) for b in loader])
+        batches = calibration_data.cut_by_length([calibration_data.under_labels(self._evon_prepared(b), self.label_names, self.model) for b in loader])
         batches = [calibration_data.as_loss_forward(self, b) for b in batches]  # after the cut: a flag is no row
         _, result = calibrate_posterior(
             model,

@@ -318,10 +318,10 @@ class PosteriorEvaluation:
     def _own_mean_pass(self, dataloader: Any) -> bool:
         """One pass at the mean, when the Trainer's pass gave nothing to reuse."""
         self.task, self.mean = None, None
-        model = self.trainer._wrap_model(self.trainer.model, training=False)
+        model = self.trainer._evon_eval_model()
         model.eval()
         for inputs in dataloader:
-            inputs = self.trainer._prepare_inputs(inputs)
+            inputs = self.trainer._evon_prepared(inputs)
             labels = batch_labels(self.trainer, inputs)
             if not isinstance(labels, Tensor):
                 if self.asked:

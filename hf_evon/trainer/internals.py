@@ -32,15 +32,36 @@ changes it fails there rather than silently here.
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
 
+Private ``Trainer`` members called or set, each through one method here (pinned by
+``tests/test_trainer_internals.py``):
+
+* ``_wrap_model(model, training=False)`` and ``_prepare_inputs(batch)``
+  (:meth:`TrainerInternals._evon_eval_model`, :meth:`TrainerInternals._evon_prepared`): EVON's own
+  passes (BMA evaluation, ``predict(bma=True)``, the calibration) run the model and its batches as the
+  Trainer's evaluation does (DDP where evaluation needs it, inputs on the device, TRL's input buffering
+  refused where it applies).
+* ``_loss_shifts_labels`` (:meth:`TrainerInternals._evon_set_loss_shift`): the Trainer decides it from
+  ``model.loss_type``, which is None for e.g. GPT-2 although its loss shifts the labels; it then
+  over-counts ``num_items_in_batch`` by one token per sequence, which makes its own ``eval_loss`` too
+  small. The mixin reads it back as :attr:`TrainerInternals._evon_loss_shift`.
+* ``_memory_tracker``: ``predict(bma=True)`` reports the ``*_mem_*`` metrics as ``Trainer.predict``
+  does. Its calls stay in that ``predict`` (:mod:`hf_evon.trainer.prediction`): the tracker names its
+  stage by the function that calls it.
+
 One private name of ``transformers.trainer`` is relied on: ``push_to_hub`` and
 ``_push_from_checkpoint`` upload through its ``hf_api()`` factory, which
 :func:`~hf_evon.trainer.checkpointing.posterior_deleting_uploads` wraps for the length of the call so
 that a folder without a posterior deletes the repo's older one in the same commit.
 
-One private attribute of TRL's trainers is corrected too (pinned by ``tests/test_trl.py``):
-``_total_train_tokens``, to which ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer`` and
-``RewardTrainer`` add a micro-batch's tokens at each ``compute_loss`` (and log as ``num_tokens``):
-the mixin runs each micro-batch once per posterior sample, and its tokens count once.
+TRL's private members (pinned by ``tests/test_trl.py``):
+
+* ``_total_train_tokens`` and ``_metrics["train"]["num_tokens"]``, corrected
+  (:meth:`TrainerInternals._trl_tokens_counted_once`): ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``
+  and ``RewardTrainer`` add a micro-batch's tokens at each ``compute_loss`` (and log them as
+  ``num_tokens``); the mixin runs each micro-batch once per posterior sample, and its tokens count once.
+* ``SFTTrainer._prepare_dataset``, ``_skip_prepare_dataset`` and ``_formatting_func``
+  (:meth:`TrainerInternals._trl_prepared_eval_dataset`): ``EVONSFTTrainer`` prepares a calibration
+  dataset as TRL's own ``evaluate`` prepares a dataset passed to it, raw text included.
 """
 
 import os
@@ -106,7 +127,33 @@ def _listed_weights(adapter: Any, path: str) -> bool:
 
 
 class TrainerInternals:
-    """The private ``Trainer`` methods :class:`~hf_evon.trainer.EVONTrainerMixin` overrides."""
+    """The private ``Trainer`` (and TRL) members :class:`~hf_evon.trainer.EVONTrainerMixin` overrides,
+    calls or sets: the module docstring says which and why."""
+
+    def _evon_eval_model(self) -> nn.Module:
+        """The model as the Trainer's evaluation runs it: ``Trainer._wrap_model(model, training=False)``."""
+        return self._wrap_model(self.model, training=False)
+
+    def _evon_prepared(self, inputs: Any) -> Any:
+        """A batch as the Trainer's passes take it (on the device): ``Trainer._prepare_inputs``."""
+        return self._prepare_inputs(inputs)
+
+    def _evon_set_loss_shift(self, shifts: bool) -> None:
+        """Tell the Trainer whether the loss shifts the labels (``Trainer._loss_shifts_labels``)."""
+        self._loss_shifts_labels = shifts
+
+    @property
+    def _evon_loss_shift(self) -> bool:
+        """The Trainer's verdict: whether its loss shifts the labels (``Trainer._loss_shifts_labels``)."""
+        return bool(getattr(self, "_loss_shifts_labels", False))
+
+    def _trl_prepared_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """``dataset`` prepared as TRL's ``SFTTrainer`` prepares an eval set (tokenized, packed as
+        ``eval_packing`` says; idempotent on tokenized data), under the name ``name``."""
+        if dataset is None or self._skip_prepare_dataset:
+            return dataset
+        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+        return self._prepare_dataset(dataset, self.processing_class, self.args, packing, self._formatting_func, name)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         inner = _compiled_inner(self.model)

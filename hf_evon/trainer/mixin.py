@@ -79,17 +79,10 @@ the loss), ``get_batch_samples``, ``log``, ``evaluate``, ``evaluation_loop``, ``
 ``predict``, ``train``, ``save_model``, ``create_model_card``, the documented ``loss_is_scaled_for_ga`` switch and a ``TrainerCallback``
 (``on_train_begin``: :func:`hf_evon.prepare_distributed` once the model is wrapped).
 
-Private transformers internals used, and why (each pinned by ``tests/test_trainer_internals.py``):
-
-* overridden, all in :mod:`hf_evon.trainer.internals`: ``_save_optimizer_and_scheduler`` and
-  ``_load_optimizer_and_scheduler`` (EVON's FSDP2 state does not fit torch's distributed checkpoint),
-  ``_push_from_checkpoint`` (a pushed checkpoint carries its posterior), ``_save``, ``_load_from_checkpoint``,
-  ``_load_best_model`` (a compiled model's own names), ``_clip_grad_norm``, ``_get_grad_norm`` (mean gradient);
-* called: ``_wrap_model`` and ``_prepare_inputs`` (the evaluation's own passes run the model as
-  the Trainer's do);
-* set: ``_loss_shifts_labels`` (the Trainer decides it from ``model.loss_type``, which is None for
-  e.g. GPT-2 although its loss shifts the labels; it then over-counts ``num_items_in_batch`` by
-  one token per sequence, which makes its own ``eval_loss`` too small).
+Private transformers (and TRL) internals: overridden, called or set in
+:mod:`hf_evon.trainer.internals` (``_memory_tracker``'s calls stay in ``predict``, whose name names its
+stage), whose docstring lists each and why, each pinned by ``tests/test_trainer_internals.py`` or
+``tests/test_trl.py``.
 """
 
 import copy
@@ -227,7 +220,7 @@ class EVONTrainerMixin(
         self._causal_lm = self._detect_causal_lm()
         # see the module docstring (private internals); PEFT's prompt tuning prepends virtual tokens,
         # and its loss scores every label, the first from the prompt
-        self._loss_shifts_labels = self._causal_lm and not prepends_virtual_tokens(self.model)
+        self._evon_set_loss_shift(self._causal_lm and not prepends_virtual_tokens(self.model))
         self.add_callback(_EVONSetUp(self))
         self.add_callback(UsedRates(self))
         add_rank_allocation(self)  # AdaLoRA's rank allocation, which Trainer leaves to the user
@@ -291,7 +284,7 @@ class EVONTrainerMixin(
 
     def _detect_causal_lm(self) -> bool:
         """Whether the labels are shifted: the Trainer's own verdict, else :func:`hf_evon.modeling.is_causal_lm`."""
-        if getattr(self, "_loss_shifts_labels", False):
+        if self._evon_loss_shift:
             return True
         return self.model is not None and is_causal_lm(self.model)  # it unwraps DDP, compile, PEFT
 
@@ -435,7 +428,7 @@ class EVONTrainerMixin(
     ) -> tuple[list, Any]:
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         counts = [
-            count_label_items(b.get("labels") if isinstance(b, Mapping) else None, self._loss_shifts_labels)
+            count_label_items(b.get("labels") if isinstance(b, Mapping) else None, self._evon_loss_shift)
             for b in batch_samples
         ]
         self._evon_step_items = None
@@ -456,7 +449,7 @@ class EVONTrainerMixin(
 
     def _loss_share(self, labels: Any) -> Tensor:
         """This micro-batch's share ``w_i = n_i / N`` of the accumulated batch's label items."""
-        items = count_label_items(labels, self._loss_shifts_labels)
+        items = count_label_items(labels, self._evon_loss_shift)
         total = self._evon_step_items
         even = 1.0 / self.current_gradient_accumulation_steps
         if items is None or total is None:

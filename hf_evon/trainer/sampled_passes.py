@@ -112,7 +112,7 @@ def sample_passes(
     the passes of every seed before the next is read, each sample drawn (``posterior.sampled``)
     once per chunk. A seed draws the same weights every time, so the chunks change no number.
     """
-    model = trainer._wrap_model(trainer.model, training=False)
+    model = trainer._evon_eval_model()
     model.eval()
     try:
         batches = len(dataloader)
@@ -141,7 +141,7 @@ def sample_passes(
                 with sample:
                     if p_index == 0:  # the first pass reads the chunk
                         while raw is not None and (chunk_size is None or len(chunk) < chunk_size):
-                            inputs = trainer._prepare_inputs(raw)
+                            inputs = trainer._evon_prepared(raw)
                             logp = forward(inputs)
                             accumulated.append(average())
                             accumulated[-1].add(logp)

@@ -26,9 +26,8 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
     The mean metrics of ``evaluate()`` are read from ``SFTTrainer``'s own evaluation pass (its
     per-token log-probabilities), so an evaluation costs ``1 + bma_num_samples`` passes.
     ``calibration_dataset`` (and a dataset passed to ``calibrate``) is prepared as TRL prepares
-    an eval set, raw text included: through TRL's private ``SFTTrainer._prepare_dataset``, as its
-    own ``evaluate`` does for a dataset passed to it (idempotent on tokenized data; pinned by
-    ``tests/test_trl.py``).
+    an eval set, raw text included, as its own ``evaluate`` does for a dataset passed to it (through
+    TRL's private members: :mod:`hf_evon.trainer.internals`).
     """
 
     config_class = EVONSFTConfig
@@ -45,9 +44,4 @@ class EVONSFTTrainer(EVONTrainerMixin, SFTTrainer):
         return super().calibrate(self._prepared_for_calibration(dataset), *args, **kwargs)
 
     def _prepared_for_calibration(self, dataset: Any) -> Any:
-        if dataset is None or self._skip_prepare_dataset:
-            return dataset
-        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
-        return self._prepare_dataset(
-            dataset, self.processing_class, self.args, packing, self._formatting_func, "calibration"
-        )
+        return self._trl_prepared_eval_dataset(dataset, "calibration")  # TRL's private preparation
