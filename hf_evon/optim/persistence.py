@@ -17,14 +17,17 @@ import torch
 from hf_evon.optim.buckets import (
     ADAMW_ONLY_KEY,
     ROTATED_MOMENTUM,
+    UNINITIALIZED,
     WEIGHT_SPACE_MOMENTUM,
     group_buckets,
     matrix_shape,
     state_dtype,
 )
+from hf_evon.optim.checks import ALGORITHMS
 from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads, consumed_places
-from hf_evon.optim.validation import check_state_dict_layout, fit_records, validate_state_dict
+from hf_evon.optim.linalg import ORTHONORMAL_TOL, orthonormality_error
+from hf_evon.optim.validation import fit_records, resolve_prior, validate_group
 
 __all__ = ["COPIED_ATTRIBUTES", "copied_attributes", "loading", "restore_copied", "saving"]
 
@@ -184,6 +187,115 @@ def upgraded_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
                 group["eps"] = eps
         upgraded.append(group)
     return {**state_dict, "param_groups": upgraded}
+
+
+# what every stepped EVON entry holds (a momentum under either space's key): the step fills in a
+# missing one afresh, so an entry with some of them but not all would restart that piece silently
+_REQUIRED_KEYS = ("hess", "step", (ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM))
+
+
+def check_entry_complete(idx: Any, entries: dict[str, Any], name: str | None) -> None:
+    """Raise, naming the parameter and the key, where an EVON state entry holds some of
+    ``_REQUIRED_KEYS`` but not all. No keys (a parameter not stepped yet) and AdamW's state (a
+    parameter moved from an AdamW group, which the step drops) pass."""
+    if not entries or ADAMW_ONLY_KEY in entries:
+        return
+    for key in _REQUIRED_KEYS:
+        keys = key if isinstance(key, tuple) else (key,)
+        if not any(k in entries for k in keys):
+            label = f"state[{idx!r}]" + (f" (parameter {name!r})" if name else "")
+            raise ValueError(
+                f"EVON.load_state_dict: {label} has no {' or '.join(map(repr, keys))} but holds "
+                f"{sorted(entries)}: a corrupt or partial EVON state"
+            )
+
+
+def check_state_dict_layout(state_dict: Any) -> None:
+    """Raise, naming what is wrong, where ``state_dict`` is not laid out as an optimizer's: a dict
+    whose ``param_groups`` is a list of dicts, each with a list of ``params``, and whose ``state``
+    maps each parameter's index to a dict of its entries."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(
+            f"EVON.load_state_dict: expected an optimizer state dict (a dict with 'state' and 'param_groups'); "
+            f"got {type(state_dict).__name__}"
+        )
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError("EVON.load_state_dict: 'param_groups' must be a list of dicts (an optimizer state dict)")
+    for gi, group in enumerate(groups):
+        if not isinstance(group.get("params"), list):
+            raise ValueError(f"EVON.load_state_dict: param_groups[{gi}] has no list of 'params' (their indices)")
+    state = state_dict.get("state")
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"EVON.load_state_dict: 'state' must be a dict of each parameter's entries; got {type(state).__name__}"
+        )
+    for idx, entries in state.items():
+        if not isinstance(entries, dict):
+            raise ValueError(
+                f"EVON.load_state_dict: state[{idx!r}] must be a dict of tensors; got {type(entries).__name__}"
+            )
+
+
+def validate_state_dict(state_dict: dict[str, Any]) -> None:
+    """Check a state dict before ``EVON.load_state_dict`` changes anything: its layout
+    (:func:`check_state_dict_layout`), every group's hyperparameters as the constructor checks them,
+    each EVON parameter's state complete (:func:`check_entry_complete`), every entry of every group
+    a finite tensor, a step count at least 0 (EVON's at least ``UNINITIALIZED``), ``exp_avg_sq_norm``
+    and AdamW's ``exp_avg_sq`` at least 0, the eigenbases orthonormal within ``ORTHONORMAL_TOL`` (at
+    least float32's) and H + δ > 0 (a positive, finite posterior variance). The message names the
+    group or the parameter's index and entry."""
+    check_state_dict_layout(state_dict)
+    groups = state_dict["param_groups"]
+    prior: dict[Any, float] = {}  # parameter index -> its group's δ, for EVON groups
+    names: dict[Any, str] = {}  # parameter index -> its name, where its EVON group has names
+    for gi, group in enumerate(groups):
+        if group.get("algorithm") not in ALGORITHMS:  # every group an EVON saves names its algorithm
+            raise ValueError(
+                f"EVON.load_state_dict: param_groups[{gi}] has no 'algorithm' ({' or '.join(map(repr, ALGORITHMS))}): "
+                "not the state dict of an EVON optimizer (another optimizer's state cannot be loaded)"
+            )
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        try:
+            validate_group(resolve_prior(hyper))
+        except ValueError as err:
+            raise ValueError(f"EVON.load_state_dict: param_groups[{gi}]: {err}") from None
+        if hyper.get("algorithm", "evon") == "evon":
+            prior.update(dict.fromkeys(group["params"], float(hyper.get("weight_decay") or 0.0)))
+            names.update(zip(group["params"], group.get("param_names") or ()))
+    for idx, entries in state_dict["state"].items():
+        if idx in prior:
+            check_entry_complete(idx, entries, names.get(idx))
+        # AdamW's entries (its group's, or a parameter's moved to an EVON group since, which the step
+        # drops) feed torch's fused kernel, which takes a non-finite or negative moment or step as it is
+        adamw = ADAMW_ONLY_KEY in entries
+        for key, value in entries.items():
+            if not torch.is_tensor(value):  # the step reads every entry as a tensor
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a tensor; got {type(value).__name__}"
+                )
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] has NaN or inf entries")
+            # a step count (EVON's UNINITIALIZED: a member awaiting its first gradient) and a squared
+            # norm or second moment: below these the bias correction and the square root are NaN
+            low = (0 if adamw else UNINITIALIZED) if key == "step" else 0
+            if key in ("step", "exp_avg_sq_norm", ADAMW_ONLY_KEY) and not bool((value >= low).all()):
+                raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
+            if key in ("Q_L", "Q_R") and value.numel():
+                # a saved posterior's bound, at least float32's, which the bases are computed in
+                err = orthonormality_error(value)
+                tol = max(ORTHONORMAL_TOL.get(value.dtype, 6e-2), ORTHONORMAL_TOL[torch.float32])
+                if err > tol:
+                    raise ValueError(
+                        f"EVON.load_state_dict: state[{idx!r}][{key!r}] is not orthonormal "
+                        f"(‖QᵀQx − x‖/‖x‖ = {err:.3g} > {tol:g} for {value.dtype}): a posterior saved from it "
+                        "would not load"
+                    )
+            if key == "hess" and idx in prior and not bool((value + prior[idx] > 0).all()):
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}]['hess'] has entries with H + weight_decay <= 0 "
+                    "(the posterior variance 1/(ess·(H + weight_decay)) must be positive)"
+                )
 
 
 def check_group_structure(param_groups: list[dict[str, Any]], loaded: dict[str, Any]) -> None:
