@@ -584,6 +584,22 @@ def test_recipes_are_the_paper_tables_and_explicit_arguments_win(name: str) -> N
     assert group["lr"] == 0.123
 
 
+@pytest.mark.parametrize("name", ["nanogpt", "clip-finetuning"])
+def test_a_recipes_rate_is_the_papers_for_lora_adapters_too(name: str) -> None:
+    """A LoRA model's adapters took the default adapter scale times the recipe's α (nanogpt 0.0172 →
+    0.043, clip-finetuning 0.055 → 0.1375): a scale that sizes an α derived from an AdamW rate, which a
+    recipe's tabled α is not. Under a recipe every EVON group runs at its α; adapter_lr_scale given wins."""
+    import peft
+
+    from hf_evon import RECIPES
+
+    model = peft.get_peft_model(mlp(), peft.LoraConfig(r=2, target_modules=["0", "2"]))
+    rates = {g["lr"] for g in build_optimizer(model, recipe=name).param_groups if g["algorithm"] == "evon"}
+    assert rates == {RECIPES[name]["lr"]}
+    scaled = build_optimizer(model, recipe=name, adapter_lr_scale=0.5).param_groups
+    assert {g["lr"] for g in scaled if g["algorithm"] == "evon"} == {RECIPES[name]["lr"] * 0.5}
+
+
 def test_the_nanogpt_recipe_is_its_table_row() -> None:
     """Spot check against the paper's Table (EVON (NanoGPT)): ζ 5.27e6, h0 0.582, α 1.72e-2,
     β1 0.943, 1-β2 9.12e-4, δ 1e-6, β3 0.995, γ 1.5."""

@@ -127,6 +127,50 @@ def test_name_patterns_are_whole_regexes_and_a_bad_one_is_named() -> None:
         build_optimizer(model, evon_patterns="[")
     with pytest.raises(TypeError, match=r"adamw_patterns: each pattern must be a regex string; got 5"):
         build_optimizer(model, adamw_patterns=[5])
+    # not a string or an iterable of strings: named, with the type given (a compiled regex, a number and
+    # bytes raised "'re.Pattern' object is not iterable", "'int' object ..." and "... got 48")
+    import re
+
+    for bad in (re.compile("mlp"), 5, b"mlp"):
+        with pytest.raises(TypeError, match=rf"evon_patterns: expected a regex string or a list of them; got {type(bad).__name__}"):
+            build_optimizer(model, evon_patterns=bad)
+    assert evon(build_optimizer(model, adamw_patterns=(p for p in ["mlp"]))) == ["attn.weight", "out.weight"]
+
+
+def test_patterns_given_as_a_generator_are_read_once() -> None:
+    """A generator of adamw_patterns sent the prompt-tuning adapter to AdamW, then was found empty where
+    build_optimizer read it again: its check of adapters left to AdamW saw no pattern and warned that the
+    adapter goes uncovered, as if the user had not named it (a list gave no warning)."""
+    import warnings
+
+    import peft
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_evon import build_optimizer
+
+    torch.manual_seed(0)
+    bert = BertForSequenceClassification(
+        BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                   vocab_size=100, num_labels=3)
+    )  # fmt: skip
+    model = peft.get_peft_model(bert, peft.PromptTuningConfig(num_virtual_tokens=4, task_type="SEQ_CLS"))
+    for patterns in (["prompt_encoder"], (p for p in ["prompt_encoder"])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer = build_optimizer(model, adamw_patterns=patterns)
+        assert [str(w.message) for w in caught if "adapter" in str(w.message)] == [], type(patterns)
+        adamw = [n for g in optimizer.param_groups if g["algorithm"] == "adamw" for n in g["param_names"]]
+        assert "prompt_encoder.default.embedding.weight" in adamw
+
+
+def test_a_model_without_parameters_is_named_as_such() -> None:
+    from hf_evon import build_optimizer
+
+    with pytest.raises(ValueError, match=r"the model has no parameters"):
+        build_optimizer(torch.nn.Module())
+    frozen = torch.nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"requires_grad=False"):
+        build_optimizer(frozen)
 
 
 def test_a_pattern_matches_a_tied_weight_by_any_of_its_names_and_one_matching_nothing_warns() -> None:

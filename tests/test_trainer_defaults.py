@@ -306,6 +306,24 @@ def test_an_unset_learning_rate_is_chosen_from_how_the_model_is_trained(tmp_path
         p.requires_grad_(False)
     assert EVONTrainer(model=probe, args=EVONConfig(**args), train_dataset=data).args.learning_rate == 1e-3
 
+    # the word embeddings frozen (to save memory), the encoder trained: still full fine-tuning. The rule
+    # counted every entry, and a small encoder's vocabulary table holds most of them (MiniLM: 52%): a
+    # frozen table switched the run to the from-scratch defaults (α 32x, AdamW's rate 20x).
+    from transformers import BertConfig
+
+    torch.manual_seed(0)
+    big_vocab = BertForSequenceClassification(BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=1000,
+        max_position_embeddings=32, num_labels=3,
+    ))  # fmt: skip
+    big_vocab.save_pretrained(tmp_path / "big_vocab")
+    table_frozen = BertForSequenceClassification.from_pretrained(tmp_path / "big_vocab")
+    table = table_frozen.bert.embeddings.word_embeddings.weight
+    assert 2 * table.numel() > sum(p.numel() for p in table_frozen.parameters())  # most of the entries
+    table.requires_grad_(False)
+    frozen = EVONTrainer(model=table_frozen, args=EVONConfig(**args), train_dataset=data)
+    assert frozen.args.learning_rate == 5e-5 and _clips(frozen) == {"element"}
+
     # one unset config serves trainers of both kinds: each resolves its own rate, the config stays unset
     shared = EVONConfig(**args)
     assert EVONTrainer(model=pretrained(), args=shared, train_dataset=data).args.learning_rate == 5e-5

@@ -38,13 +38,17 @@ _TASK_HEAD = re.compile(r"(^|\.)(classifier|pre_classifier|score|qa_outputs)(\.|
 
 def is_full_finetuning(model: nn.Module) -> bool:
     """Most of a pretrained model's weights are trained: loaded with ``from_pretrained``, no PEFT
-    adapters, more than half of its entries trainable (a linear probe trains a new head from scratch)."""
+    adapters, more than half of the entries outside its embedding tables trainable (a linear probe
+    trains a new head from scratch). The tables do not count: a small encoder's vocabulary holds most
+    of its entries (MiniLM's 52%), and freezing it leaves the encoder fine-tuned."""
     if not pretrained_name(model) or is_peft_model(model):
         return False
     params = list(model.named_parameters())
     if any(_ADAPTER.search(n) for n, p in params if p.requires_grad):
         return False
-    return 2 * sum(p.numel() for _, p in params if p.requires_grad) > sum(p.numel() for _, p in params)
+    tables = _embedding_ids(model)
+    body = [p for _, p in params if id(p) not in tables]
+    return 2 * sum(p.numel() for p in body if p.requires_grad) > sum(p.numel() for p in body)
 
 
 def _require_module(model: Any, function: str) -> None:
@@ -118,13 +122,26 @@ def _warn_unmatched(
             )
 
 
-def compiled_patterns(patterns: Iterable[str] | str | None, argument: str) -> list[re.Pattern[str]]:
-    """The regexes of ``argument``; one string is one regex (not its letters)."""
-    items = [patterns] if isinstance(patterns, str) else list(patterns or ())
-    out = []
+def pattern_strings(patterns: Iterable[str] | str | None, argument: str) -> list[str]:
+    """The regex strings of ``argument``, read once (a generator is used up by a reading); one string
+    is one regex (not its letters)."""
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        return [patterns]
+    if isinstance(patterns, bytes | bytearray | re.Pattern) or not isinstance(patterns, Iterable):
+        raise TypeError(f"{argument}: expected a regex string or a list of them; got {type(patterns).__name__}")
+    items = list(patterns)
     for pat in items:
         if not isinstance(pat, str):
             raise TypeError(f"{argument}: each pattern must be a regex string; got {pat!r}")
+    return items
+
+
+def compiled_patterns(patterns: Iterable[str] | str | None, argument: str) -> list[re.Pattern[str]]:
+    """The regexes of ``argument`` (:func:`pattern_strings`)."""
+    out = []
+    for pat in pattern_strings(patterns, argument):
         try:
             out.append(re.compile(pat))
         except re.error as err:
@@ -188,6 +205,8 @@ def build_param_groups(
     if no_decay:
         groups.append(group(no_decay, algorithm="adamw", weight_decay=0.0, **adamw_extra))
     if not groups:
+        if next(model.parameters(), None) is None:
+            raise ValueError("the model has no parameters: there is nothing to train")
         raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
     return groups
 
@@ -212,7 +231,7 @@ def build_optimizer(
     task head of a model loaded with ``from_pretrained``) forms its own EVON group at
     ``adapter_lr_scale`` times EVON's rate (1: the same rate; None:
     :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`: steps of at most 1.0·rate per entry,
-    AdamW's).
+    AdamW's; under a ``recipe``, 1: its α as tabled).
     ``learning_rate`` is the rate you would give AdamW (None: 1e-3, or 5e-5 for full fine-tuning,
     as ``EVONTrainer``): EVON's α
     becomes :func:`~hf_evon.optim.defaults.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe``
@@ -224,6 +243,8 @@ def build_optimizer(
     reasons: :mod:`hf_evon.optim.defaults`; the measurements: ``docs/defaults.md``.
     """
     _require_module(model, "build_optimizer")
+    evon_patterns = pattern_strings(evon_patterns, "evon_patterns")  # read once: below and in the groups
+    adamw_patterns = pattern_strings(adamw_patterns, "adamw_patterns")
     require(
         "adapter_lr_scale",
         adapter_lr_scale,
@@ -253,8 +274,8 @@ def build_optimizer(
                 rate = DEFAULT_FINETUNING_LR if finetuning else DEFAULT_ADAMW_LR
             evon_kwargs["lr"] = lr_from_adamw_lr(rate, radius, clip=clip, finetuning=finetuning)
     kwargs = recipe_kwargs(recipe, evon_kwargs)
-    if adapter_lr_scale is None:
-        adapter_lr_scale = default_adapter_lr_scale(kwargs.get("clip", DEFAULT_CLIP), finetuning)
+    if adapter_lr_scale is None:  # a recipe's α is the paper's own number, not one sized from an AdamW rate
+        adapter_lr_scale = 1.0 if recipe is not None else default_adapter_lr_scale(kwargs.get("clip", DEFAULT_CLIP), finetuning)
     groups = build_param_groups(model, evon_patterns, adamw_patterns, adamw_lr, adamw_weight_decay)
     _refuse_unused_adapters(model, groups)
     split = []
