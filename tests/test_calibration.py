@@ -1415,3 +1415,18 @@ print(sorted(m for m in ("peft", "transformers") if m in sys.modules))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_batch_whose_labels_are_all_ignored_adds_no_targets() -> None:
+    """A held-out batch whose labels are all -100 (or an LM batch of one-token rows) raised
+    UnboundLocalError inside the temperature scoring, which read its chunk loop's variable after a
+    loop that never ran. Such a batch adds no targets: the calibration equals the one without it;
+    with no labelled target anywhere it is refused by name."""
+    model, posterior, cal, _ = trained()
+    x, _ = cal[0]
+    ignored = (torch.randn_like(x), torch.full((len(x),), -100))
+    _, alone = calibrate_posterior(model, posterior, cal, seed=0, num_samples=4)
+    _, with_it = calibrate_posterior(model, posterior, [*cal, ignored], seed=0, num_samples=4)
+    assert (with_it.ess, with_it.temperature, with_it.chosen_nll) == (alone.ess, alone.temperature, alone.chosen_nll)
+    with pytest.raises(ValueError, match="hold no labelled targets"):
+        calibrate_posterior(model, posterior, [ignored], seed=0, num_samples=4)

@@ -2919,3 +2919,36 @@ def test_a_token_classifier_without_labels_and_a_multiple_choice_model_are_refus
     with pytest.raises(ValueError, match=r"^bma_log_likelihood: BertForMultipleChoice is a multiple-choice model"):
         bma_log_likelihood(choices, posterior, PROMPTS[:, None].expand(2, 3, 6), num_samples=2, seed=0)
     assert forwards[0] == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bma_log_likelihood_of_a_roberta_model_counts_positions_as_the_model_does(causal: bool) -> None:
+    """RoBERTa-family embeddings count positions from ``padding_idx + 1`` and pad positions at
+    ``padding_idx`` (``create_position_ids_from_input_ids``), and take given ``position_ids`` as they
+    are: bma_log_likelihood gave them 0-based ids, and every position was off by two (log p 0.16 and
+    0.10 off the model's own at zero variance, masked and causal). At zero variance it is the model's
+    own log-softmax and loss, padding in the rows included."""
+    from transformers import RobertaConfig, RobertaForCausalLM, RobertaForMaskedLM
+
+    from hf_evon import bma_log_likelihood
+
+    torch.manual_seed(0)
+    config = RobertaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=40, pad_token_id=1, is_decoder=causal)  # fmt: skip
+    model = (RobertaForCausalLM if causal else RobertaForMaskedLM)(config).eval()
+    point = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=1e4), model).with_ess(float("inf"))
+    ids = torch.tensor([[0, 5, 6, 7, 8, 9, 2], [0, 10, 11, 12, 2, 1, 1]])  # the second row right-padded
+    mask = (ids != 1).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    result = bma_log_likelihood(model, point, ids, attention_mask=mask, num_samples=1, seed=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    log_probs = out.logits.log_softmax(-1)
+    if causal:
+        log_probs, targets = log_probs[:, :-1], ids[:, 1:]
+    else:
+        targets = ids
+    own = log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    scored = (labels[:, 1:] if causal else labels) != -100
+    assert torch.allclose(result.token_log_probs[scored], own[scored], atol=1e-5)
+    assert float(result.loss) == pytest.approx(float(out.loss), abs=1e-5)

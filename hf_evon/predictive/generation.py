@@ -404,6 +404,16 @@ class BMALogLikelihood:
 
 
 @torch.no_grad()
+def _position_padding_idx(model: nn.Module) -> int | None:
+    """The ``padding_idx`` of a position embedding that counts positions from it (RoBERTa's family:
+    XLM-R, CamemBERT, Longformer, ESM: ``padding_idx + 1`` for the first token, ``padding_idx`` at a
+    pad, read from the token ids), or None (positions from 0)."""
+    for name, module in model.named_modules():
+        if name.endswith("position_embeddings") and isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            return module.padding_idx
+    return None
+
+
 def bma_log_likelihood(
     model: nn.Module,
     posterior: Any,
@@ -425,7 +435,8 @@ def bma_log_likelihood(
     does not shift them); by default they are ``input_ids`` with padding (``attention_mask == 0``)
     ignored (a token classifier, whose classes are not ids, needs ``labels=``; a multiple-choice model
     is refused). With an attention mask, position ids are counted from the first real token, so left-
-    and right-padded sequences score as they would alone. Loss and perplexity: ``result.loss``,
+    and right-padded sequences score as they would alone (RoBERTa's family counts them as it does
+    itself: from ``padding_idx + 1``, by the token ids). Loss and perplexity: ``result.loss``,
     ``result.perplexity``; see ``BMALogLikelihood``.
 
     An encoder-decoder model scores ``labels`` (required: the decoder's targets, ``(B, L)``) given
@@ -474,8 +485,13 @@ def bma_log_likelihood(
         if "position_ids" in inspect.signature(gen_model.forward).parameters:
             # also without a mask: a model's own (1, T) ids would reach a covered position embedding
             # as one row, not S·B
-            mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            pad = _position_padding_idx(gen_model)
+            if pad is not None:  # RoBERTa's family: from padding_idx + 1, pads at padding_idx, as its own
+                real = input_ids.ne(pad).long()
+                inputs["position_ids"] = real.cumsum(-1) * real + pad
+            else:
+                mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+                inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
         if not is_causal_lm(gen_model):  # a masked LM's labels are not next tokens: t scores labels[t]
             targets, scored = labels, slice(None)
         else:

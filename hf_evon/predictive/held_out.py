@@ -166,7 +166,7 @@ def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures
         for i, scale in enumerate(inverse):
             scaled_chunk = torch.mul(chunk, scale, out=scaled[: len(chunk)]).clamp_min_(_EXP_FLOOR)
             sums[i, start:stop] = scaled_chunk.exp_().sum(-1)
-    return at_target * torch.tensor(inverse, dtype=torch.float64, device=rows.device)[:, None] - sums.log()
+    return at_target * torch.tensor(inverse, dtype=torch.float64, device=device)[:, None] - sums.log()
 
 
 @torch.no_grad()
