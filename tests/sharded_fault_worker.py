@@ -7,7 +7,10 @@ was recast, which only its owner, holding its state, can see; "block_raised", a 
 ``sampled_params`` block that raised on rank 1 only (and was caught); "overflow", a step whose
 AdamW bias (rank 1's) has a gradient too large to square, under ``nonfinite="raise"``; "ddp_moved",
 non-sharded DDP, a step after rank 1 alone recast that bias; "param_edit", a step after rank 1 alone
-doubled the learning rate of that bias's group; "steady", a correct step, counting the all-reduces it
+doubled the learning rate of that bias's group; "no_grads" and "ddp_no_grads", a step whose block ran
+no backward on rank 1 (sharded and not); "plain_zero_grads", data parallelism by hand (the plain module
+given to prepare_distributed), rank 1's loss times 0; "add_group", add_param_group after the sharding;
+"steady", a correct step, counting the all-reduces it
 runs and the calls of the step's agreed flag. :func:`fsdp2_block_raised`, "block_raised" under FSDP2
 (tests/fsdp2_worker.py's model) next to a run of the first block alone, is a scenario of
 tests/fsdp2_edge_worker.py."""
@@ -62,7 +65,10 @@ def counted(owner: object, name: str, counts: dict[str, int]) -> None:
     setattr(owner, name, wrapper)
 
 
-SCENARIOS = ("no_samples", "moved", "ddp_moved", "param_edit", "overflow", "block_raised", "steady")
+SCENARIOS = (
+    "no_samples", "moved", "ddp_moved", "param_edit", "overflow", "block_raised", "no_grads", "ddp_no_grads",
+    "plain_zero_grads", "add_group", "steady",
+)  # fmt: skip
 KEEP: list = []  # every scenario's DDP model, alive to the end (launcher.finish: no DDP destructor runs)
 
 
@@ -77,9 +83,10 @@ def refused_step(rank: int, scenario: str) -> dict:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)).double()
     raising = {"nonfinite": "raise"} if scenario == "overflow" else {}
     opt = build_optimizer(model, adamw_patterns=[r"^2\."], seed=0, **raising)  # one EVON matrix: "0.weight"
-    ddp = nn.parallel.DistributedDataParallel(model)
+    # "plain_": data parallelism by hand, the plain module given to prepare_distributed
+    ddp = model if scenario.startswith("plain_") else nn.parallel.DistributedDataParallel(model)
     KEEP.append(ddp)
-    prepare_distributed(ddp, opt, shard=not scenario.startswith("ddp_"))
+    prepare_distributed(ddp, opt, shard=not scenario.startswith(("ddp_", "plain_")))
     x = torch.randn(6, 4, dtype=torch.float64)
     with opt.sampled_params(train=True):  # a correct first step
         ddp(x).square().mean().backward()
@@ -117,6 +124,24 @@ def refused_step(rank: int, scenario: str) -> dict:
                         raise ValueError("a failed logging callback")
             except (ValueError, RuntimeError) as err:
                 block_error = str(err)
+    elif scenario in ("no_grads", "ddp_no_grads"):  # rank 1 skips its backward (a loss guard): no gradient
+        try:  # sharded: the block's exit averages its gradients, and refuses there
+            with opt.sampled_params(train=True):
+                loss = ddp(x).square().mean()
+                if rank == 0:
+                    loss.backward()
+        except RuntimeError as err:
+            block_error = str(err)
+    elif scenario == "plain_zero_grads":  # rank 1's loss times 0 (a batch skipped in step): zero gradients
+        with opt.sampled_params(train=True):
+            (ddp(x).square().mean() * (0.0 if rank == 1 else 1.0)).backward()
+    elif scenario == "add_group":  # a layer unfrozen into a group of its own, after the sharding
+        try:
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))]})
+        except RuntimeError as err:
+            block_error = str(err)
+        with opt.sampled_params(train=True):
+            ddp(x).square().mean().backward()
     elif scenario == "steady":
         with opt.sampled_params(train=True):
             ddp(x).square().mean().backward()

@@ -369,6 +369,42 @@ def test_a_step_without_samples_raises_on_every_rank_not_only_the_owners(faults)
     assert all("sampled_params" in r["message"] for r in results)
 
 
+@pytest.mark.parametrize("scenario", ["no_grads", "ddp_no_grads"])
+def test_a_rank_without_gradients_refuses_the_step_on_every_rank(faults, scenario: str) -> None:
+    """Rank 1 skipped its backward (a loss guard), so it had no gradient: its averager returned before
+    the structure check's all-reduce, rank 0's check met rank 1's next collective (its step paired with
+    rank 1's next step, then it timed out; sharded, gloo aborted on mismatched sizes). Every rank now
+    joins the check, which refuses the step on both, naming the disagreement, and neither steps."""
+    results = faults(scenario)
+    for r in results:
+        assert "the ranks disagree on which gradients to average" in r["block_error"] + r["message"], r
+        for key, value in r["before"].items():
+            assert torch.equal(r["weights"][key], value), key
+
+
+def test_a_rank_whose_gradients_are_all_zero_steps_with_the_others(faults) -> None:
+    """Hand-made data parallelism: rank 1's loss times 0 gave it all-zero gradients, and its check of
+    the local gradients skipped the all-reduce that rank 0 ran (gloo aborted on mismatched sizes).
+    Both ranks step, on the same averaged gradients: equal weights."""
+    results = faults("plain_zero_grads")
+    assert [r["message"] for r in results] == ["", ""]
+    for key, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][key], value), key
+        assert not torch.equal(results[0]["before"][key], value) or key.startswith("2."), key
+
+
+def test_add_param_group_after_sharding_is_refused_on_every_rank(faults) -> None:
+    """A group added after prepare_distributed(shard=True) has no owner: every rank updated its own
+    copy from its own gradient and the ranks' weights parted (an EVON group's noise raised KeyError).
+    It is refused, naming the call; the optimizer steps on as before, the ranks equal."""
+    results = faults("add_group")
+    for r in results:
+        assert r["block_error"].startswith("EVON.add_param_group() after prepare_distributed(shard=True)"), r
+        assert r["message"] == ""
+    for key, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][key], value), key
+
+
 def test_a_recast_parameter_refuses_the_step_on_every_rank_not_only_its_owner(faults) -> None:
     """Only rank 1 owns (holds the AdamW state of) the recast bias: before the fix it raised alone and
     rank 0 waited in the step's finiteness all-reduce for ever (the timeout fails it)."""

@@ -134,12 +134,16 @@ class RankAverager:
             self.guard()
         self.calls += 1
         world = world_size(self.group)
-        if world == 1 or not tensors and not failed:
+        if world == 1 or not tensors and not failed and not self.check_consistency:
             return None
         if self.check_consistency:
-            failed_rank = self._check_same_structure(tensors, failed, device)
+            # also on a rank without gradients (its backward skipped): every rank joins the check, which
+            # refuses the step on all of them where another rank has some, instead of mispairing collectives
+            failed_rank = self._check_same_structure(tensors, failed, device or self._flag_device())
             if failed_rank is not None:
                 return failed_rank
+        if not tensors:  # none on any rank (the check found the same count everywhere)
+            return None
         if self.verify_local_gradients and self._verifications_left > 0:
             self._verify_local(tensors)
         works = []
@@ -154,6 +158,12 @@ class RankAverager:
             flat.div_(world)
             torch._foreach_copy_(bucket, list(_unflatten_dense_tensors(flat, bucket)))
         return None
+
+    def _flag_device(self) -> torch.device:
+        """Where the structure check's flags go on a rank that holds no tensor: the optimizer's
+        parameters' device (NCCL reduces no CPU tensor)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]] if self.optimizer is not None else []
+        return params[0].device if params else torch.device("cpu")
 
     def _buckets(self, tensors: list[Tensor]) -> list[list[Tensor]]:
         by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
@@ -239,11 +249,11 @@ class RankAverager:
         fingerprint = torch.stack(
             [g.detach().double().square().sum() + g.detach().double().sum() for g in grads]
         ).sum()
-        if fingerprint.item() == 0.0:
-            return
+        # every rank joins the all-reduce (a rank whose gradients are all zero, e.g. a loss times 0,
+        # too): only the same nonzero fingerprint everywhere says the gradients were averaged before
         both = torch.stack([fingerprint, -fingerprint])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if both[0].item() == -both[1].item():
+        if both[0].item() == -both[1].item() != 0.0:
             raise RuntimeError(
                 "EVON: every rank has bitwise the same gradients at its own posterior sample, so something "
                 "averaged them before EVON could form each rank's Hessian estimate. The model that runs "

@@ -150,6 +150,16 @@ class EVONSharding(ShardingHooks):
         # both caches hold until the state changes (step, load): see prefetch()
 
     # ------------------------------------------------------------- ownership
+    def new_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Refused: each parameter's owner, and its noise stream's index, are assigned once, when the
+        state is sharded; a parameter added later would be updated by every rank from its own
+        gradient, unaveraged, and the ranks' weights would part."""
+        raise RuntimeError(
+            "EVON.add_param_group() after prepare_distributed(shard=True): the parameters' owners are "
+            "assigned when the state is sharded. Give the optimizer every group before that call (a "
+            "layer to unfreeze later can sit in its group, frozen, from the start)"
+        )
+
     def _every_rank_owns(self, p: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``p`` is left out of the assignment, each rank owning its own part of it."""
         return False

@@ -228,7 +228,7 @@ class EVON(Optimizer):
         """``torch.optim``'s ``add_param_group``, validated; refused while samples are pending: a new
         group rebuilds the buckets, which hold the Hessian numerators recorded since the last step."""
         self._refuse_rebuild("add_param_group()")
-        super().add_param_group(prepare_group(param_group, self._adamw_defaults))
+        super().add_param_group(self._hooks.new_group(prepare_group(param_group, self._adamw_defaults)))
         try:
             build_group(self.param_groups[-1], self._updates, self._fit_records)
         except ValueError:

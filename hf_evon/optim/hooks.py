@@ -32,6 +32,10 @@ class ShardingHooks:
     """
 
     # ------------------------------------------------------------- ownership
+    def new_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """A group ``add_param_group`` adds, as it is added (sharded: refused, owners are fixed)."""
+        return group
+
     def owns(self, p: Tensor) -> bool:
         """Whether this rank keeps the state of, and updates, parameter ``p``."""
         return True
