@@ -153,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in (*counts, "n_layer", "n_embd", "n_head", "vocab_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
+    if args.n_embd % args.n_head:  # each attention head takes an equal slice of the width
+        ap.error(f"--n-embd must be a multiple of --n-head; got {args.n_embd} and {args.n_head}")
     if args.corpus_mb is not None and not args.corpus_mb > 0:  # an empty corpus: nothing to train on
         ap.error(f"--corpus-mb must be a number > 0 (MB of text); got {args.corpus_mb:g}")
     # the run evaluates on the held-out documents and trains on the others, so it needs both: a
@@ -536,6 +538,10 @@ def save(args, accelerator, raw, tokenizer, evon, final, history) -> None:
     if not accelerator.is_main_process:
         return
     out = os.path.join(args.output_dir, "model")
+    if args.no_progress:  # transformers' own bar while it writes the weights
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     raw.save_pretrained(out)
     tokenizer.save_pretrained(out)
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as fh:

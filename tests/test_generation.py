@@ -2941,6 +2941,7 @@ def test_bma_log_likelihood_of_a_roberta_model_counts_positions_as_the_model_doe
     mask = (ids != 1).long()
     labels = ids.masked_fill(mask == 0, -100)
     result = bma_log_likelihood(model, point, ids, attention_mask=mask, num_samples=1, seed=0)
+    assert not result.sample_token_log_probs.requires_grad  # no autograd graph kept (it runs without grad)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
     log_probs = out.logits.log_softmax(-1)

@@ -251,6 +251,12 @@ def test_a_count_below_one_is_an_argument_error(flag: str, capsys, example) -> N
     assert f"{flag} must be an integer >= 1; got 0" in error
 
 
+def test_a_width_its_heads_do_not_divide_is_an_argument_error(capsys, example) -> None:
+    """--n-embd 33 --n-head 2 ended in transformers' "embed_dim must be divisible by num_heads" traceback."""
+    error = argument_error(example.parse_args, ["--n-embd", "33", "--n-head", "2", "--output-dir", "unused"], capsys)
+    assert "--n-embd must be a multiple of --n-head; got 33 and 2" in error
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
 def test_a_corpus_cap_that_is_not_positive_is_an_argument_error(value: str, capsys, example) -> None:
     """--corpus-mb 0 or -1 tokenised an empty corpus, cached its tokenizer in the output directory

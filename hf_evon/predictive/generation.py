@@ -403,7 +403,6 @@ class BMALogLikelihood:
         return BMALogLikelihood((log_mean_prob(sub) * self.mask), self.mask, sub)
 
 
-@torch.no_grad()
 def _position_padding_idx(model: nn.Module) -> int | None:
     """The ``padding_idx`` of a position embedding that counts positions from it (RoBERTa's family:
     XLM-R, CamemBERT, Longformer, ESM: ``padding_idx + 1`` for the first token, ``padding_idx`` at a
@@ -414,6 +413,7 @@ def _position_padding_idx(model: nn.Module) -> int | None:
     return None
 
 
+@torch.no_grad()
 def bma_log_likelihood(
     model: nn.Module,
     posterior: Any,
