@@ -261,7 +261,7 @@ _ACCELERATE = _LM_EVON + "from accelerate import Accelerator\naccelerator = Acce
 USAGE_BLOCKS = {
     "from hf_evon import build_optimizer": (_LM, []),
     "from hf_evon import EVONConfig, EVONTrainer": (_CLASSIFIER, [('"out"', '"out", num_train_epochs=1')]),
-    "from hf_evon.trainer import EVONSFTConfig, EVONSFTTrainer": (_SFT, [("packing=True", "packing=True, bf16=False")]),
+    "from hf_evon.trainer import EVONSFTConfig, EVONSFTTrainer": (_SFT, []),  # as written: bf16 only on a GPU
     "from hf_evon import EVONPosterior, calibrate_posterior": (_LM_EVON + "val_batches = loader\n", []),
     "import torch": (
         "import torch\nfrom hf_evon import EVONPosterior, build_optimizer\n"
@@ -275,7 +275,7 @@ USAGE_BLOCKS = {
         "input_ids = ids[:2, :4]\nmask = torch.ones_like(input_ids)\n",
         [],
     ),
-    "model, optimizer, loader = accelerator.prepare(model, optimizer, loader)": (_ACCELERATE, []),
+    "from hf_evon import prepare_distributed": (_ACCELERATE, []),
     "for micro_batches in steps:": (
         _ACCELERATE.replace("cpu=True", "cpu=True, gradient_accumulation_steps=2")
         + "model, optimizer = accelerator.prepare(model, optimizer)\n"
