@@ -1308,3 +1308,69 @@ def test_an_optimizer_dropped_after_a_block_without_its_step_is_collected_and_gu
     (expected,) = torch.autograd.grad((x @ w.T).square().mean(), w)
     assert torch.equal(w.grad, expected)
     assert len(w._post_accumulate_grad_hooks) == 1
+
+
+def test_a_float16_adamw_parameters_squared_gradient_overflow_skips_the_step() -> None:
+    """A float16 parameter in an AdamW group keeps its moments in float16: a gradient of 1e4 (finite in
+    float16, its square too in the float32 check) made β2·v + (1−β2)·g² = 1e5 > 65504, so exp_avg_sq
+    went inf without a skip or a warning, and the parameter never moved again. The step is skipped,
+    named, with everything as it was, and the next steps move the parameter."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 8).half())
+    b = nn.Parameter(torch.zeros(4).half())
+    opt = EVON([{"params": [w]}, {"params": [b], "algorithm": "adamw"}], seed=0)
+    x = torch.randn(16, 8).half()
+
+    def step(spike: float | None = None) -> None:
+        with opt.sampled_params(train=True):
+            (x @ w.T + b).float().square().mean().backward()
+            if spike is not None:
+                b.grad.fill_(spike)
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    before = {k: v.clone() for k, v in opt.state[b].items()}
+    with pytest.warns(RuntimeWarning, match=r"overflow in AdamW's squared gradient of .*kept in float16"):
+        step(spike=1e4)
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(opt.state[b][k], v) for k, v in before.items())
+    moved = b.detach().clone()
+    for _ in range(5):
+        step()
+    assert torch.isfinite(opt.state[b]["exp_avg_sq"]).all() and not torch.equal(b.detach(), moved)
+
+
+def test_float16_weights_whose_norm_overflows_float16_keep_a_positive_fitted_ess() -> None:
+    """The curvature fit took the weights' norms in their own dtype: float16 weights of norm 7.7e4
+    (every entry finite) gave Σ W² = inf and ζ = 0, and every later step was refused ("Invalid ess:
+    0.0"), posterior_health raising ZeroDivisionError. The norms are taken in float32: ζ stays finite
+    and positive, the steps go on, and posterior_health reports a finite noise-to-signal."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 256, bias=False).half()
+    with torch.no_grad():
+        lin.weight.normal_(0, 300.0)
+    assert torch.isinf(lin.weight.norm()) and torch.isfinite(lin.weight.float().norm())
+    opt = EVON(lin.parameters(), seed=0)
+    x = torch.randn(8, 256).half()
+    for _ in range(5):
+        with opt.sampled_params(train=True):
+            (lin(x).float().square().mean() * 1e-6).backward()
+        opt.step()
+        opt.zero_grad()
+        ess = opt.param_groups[0]["ess"]
+        assert math.isfinite(ess) and ess > 0
+    stats = opt.posterior_health(warn=False)
+    assert math.isfinite(stats["noise_to_signal_max"]) and stats["noise_to_signal_max"] > 0
+
+
+def test_posterior_health_of_a_prior_whose_precision_underflows_does_not_raise() -> None:
+    """ess = weight_decay = 1e-200: ζ·δ underflows to 0, and posterior_health divided by it
+    (ZeroDivisionError). The prior's variance is then infinite, as with weight_decay = 0."""
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    opt = EVON([w], ess=1e-200, weight_decay=1e-200, seed=0)
+    with opt.sampled_params(train=True):
+        w.square().sum().backward()
+    opt.step()
+    assert isinstance(opt.posterior_health(warn=False), dict)

@@ -32,6 +32,7 @@ from hf_evon.optim.defaults import (
     noise_std_ratio,
 )
 from hf_evon.optim.hooks import ShardingHooks
+from hf_evon.optim.linalg import norms_of
 
 __all__ = [
     "curvature_fitted",
@@ -120,9 +121,10 @@ def fitted_prior(counts: Tensor) -> float | None:
 def fitted_ess(inv_sum: float, numel: int, w_sq_sum: float, ratio: float) -> float | None:
     """ζ with mean 1/(ζ(H+δ)) = ``ratio``²·mean W² from Σ 1/(H+δ) and Σ W² over ``numel``
     entries (None: the weights are all zero, their scale says nothing)."""
-    if numel == 0 or w_sq_sum <= 0.0 or not math.isfinite(inv_sum):
+    if numel == 0 or not 0.0 < w_sq_sum < math.inf or not math.isfinite(inv_sum):
         return None
-    return (inv_sum / numel) / (ratio**2 * w_sq_sum / numel)
+    ess = (inv_sum / numel) / (ratio**2 * w_sq_sum / numel)
+    return ess if 0.0 < ess < math.inf else None  # a ζ that under- or overflows: the last one stays
 
 
 def group_clock(group: dict[str, Any], t: int) -> int:
@@ -215,7 +217,8 @@ def fit_from_curvature(
         numel = torch.full(
             (len(b.params), 1), float(hess[0].numel()), dtype=torch.float64, device=hess.device
         )
-        w_sq = torch.stack(torch._foreach_norm([p.detach() for p in b.params])).double().square()
+        # in float32 at least: a float16 matrix's norm overflows above 65504 while its entries are finite
+        w_sq = torch.stack(norms_of([p.detach() for p in b.params])).double().square()
         first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
     sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
     waiting = [group for gi, group in enumerate(groups) if sums[gi, 1] == 0]  # no H measured on any rank

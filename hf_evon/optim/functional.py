@@ -17,6 +17,7 @@ kernels do; op order and in-place ops are part of the contract (resumes are bit-
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.adam import adam as _functional_adam
@@ -247,3 +248,11 @@ def adamw_step_device(p: Tensor) -> torch.device:
     """Where ``p``'s AdamW step count lives: on ``p``'s device for the fused kernel, else on the
     CPU, where the multi-tensor kernel reads it cheaply."""
     return p.device if fused_adamw(p) else torch.device("cpu")
+
+
+def half_adamw_second_moment(g: Tensor, state: dict[str, Any], beta2: float) -> Tensor:
+    """The largest entry of AdamW's next second moment β2·v + (1−β2)·g², in float32 (a float16
+    parameter keeps its moments in float16, where it can overflow while ``g`` is finite)."""
+    top = g.detach().float().abs().amax().square() * (1.0 - beta2)
+    v = state.get("exp_avg_sq")
+    return top if v is None else top + beta2 * v.float().amax()

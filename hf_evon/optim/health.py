@@ -13,6 +13,7 @@ import torch
 from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
 from hf_evon.optim.checks import outside_stacklevel, uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
+from hf_evon.optim.functional import half_adamw_second_moment
 from hf_evon.optim.linalg import norms_of
 
 __all__ = [
@@ -52,7 +53,7 @@ def _noise_to_signal(b: Bucket, members: list[int], hess: Tensor) -> tuple[Tenso
     var = torch.reciprocal(b.group["ess"] * (hess + b.group["weight_decay"]))
     # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
     weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
-    w_sq = torch.stack(torch._foreach_norm([weights[i] for i in members])).to(b.dtype).square()
+    w_sq = torch.stack(norms_of([weights[i] for i in members])).to(b.dtype).square()  # float32 at least
     var_sum = var.sum(dim=(1, 2))
     return var_sum, w_sq, (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
 
@@ -93,7 +94,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
         kept = steps.eq(0).double() if uses_fisher(g) else torch.pow(g["betas"][1], steps)
         init_part = g["hess_init"] * (kept * hess[0].numel()).sum()  # per member: its own count
         prior_var = torch.tensor(  # built where the row is stacked: no copy
-            hess.numel() / (g["ess"] * g["weight_decay"]) if g["weight_decay"] else math.inf,
+            hess.numel() / (g["ess"] * g["weight_decay"]) if g["ess"] * g["weight_decay"] > 0 else math.inf,
             dtype=torch.float64,
             device=hess.device,
         )
@@ -254,6 +255,15 @@ def first_nonfinite(
                     f"overflow in AdamW's squared gradient of {label(p)}: its gradient is "
                     "finite but so large (a spike) that its square is not"
                 )
+    for gi, (params, g_list, states) in adamw.items():
+        for p, g, st in zip(params, g_list, states):
+            if g.dtype == torch.float16:
+                top = float(half_adamw_second_moment(g, st, param_groups[gi]["betas"][1]))
+                if not top <= torch.finfo(torch.float16).max:
+                    return (
+                        f"overflow in AdamW's squared gradient of {label(p)}: its second moment, kept in "
+                        f"float16 as the parameter is, would reach {top:.3g} (float16 ends at 65504)"
+                    )
     return UNNAMED
 
 

@@ -27,6 +27,7 @@ from hf_evon.optim.functional import (
     adamw_step_device,
     clipped_update,
     fisher_update,
+    half_adamw_second_moment,
     hessian_update,
     matrix_curvature,
     momentum_update,
@@ -137,6 +138,17 @@ def all_finite(x: Tensor, signed: bool = True) -> Tensor:
     return (x.abs() if signed else x).amax() < math.inf
 
 
+def half_adamw_flags(adamw: AdamWInputs, param_groups: list[dict[str, Any]]) -> list[Tensor]:
+    """Per float16 parameter of an AdamW group, whether its float16 second moment stays finite: a
+    gradient of 1e4 is finite, its square too in the float32 check, but 1e5 is not a float16."""
+    return [
+        half_adamw_second_moment(g, st, param_groups[gi]["betas"][1]) <= torch.finfo(torch.float16).max
+        for gi, (_, g_list, states) in adamw.items()
+        for g, st in zip(g_list, states)
+        if g.dtype == torch.float16
+    ]
+
+
 def finite_flags(
     plans: list[Plan], adamw: AdamWInputs, param_groups: list[dict[str, Any]], label: Callable[[Tensor], str]
 ) -> bool:
@@ -155,6 +167,7 @@ def finite_flags(
             raise
         checks.append(all_finite(torch.stack([n.to(norms[0].device) for n in norms]).square(), signed=False))
     checks += [all_finite(plan.hess) for plan in plans if plan.hess is not None]
+    checks += half_adamw_flags(adamw, param_groups)
     reusable = [plan for plan in plans if plan.unchanged is not None]
     flags = checks + [plan.unchanged for plan in reusable]
     values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
