@@ -1707,6 +1707,34 @@ def test_push_to_hub_uploads_model_posterior_and_card(tmp_path, hub_api):
 
 
 
+def test_a_checkpoint_push_of_a_named_peft_adapter_carries_the_adapter_its_posterior_covers(tmp_path, hub_api):
+    """PEFT saves an adapter not named "default" in ``checkpoint-N/<name>/``, and the Trainer's checkpoint
+    push copies the checkpoint's root files alone: the repo got the posterior (of ``lora_A.sst2``) and
+    no adapter, so the card's snippet failed (and a repo that held an older run's adapter paired it with
+    the new posterior). The adapter's folder travels with its posterior, and the pushed adapter is the
+    checkpoint's, bit for bit."""
+    from peft import LoraConfig, get_peft_model
+
+    hub, _ = hub_api
+    model = get_peft_model(
+        tiny_bert(), LoraConfig(r=2, target_modules=["query", "value"], task_type="SEQ_CLS"), adapter_name="sst2"
+    )
+    args = config(
+        tmp_path, max_steps=2, hub_model_id="user/lora-named", hub_token="hf_dummy", save_strategy="steps",
+        save_steps=1, push_to_hub=True, hub_strategy="every_save",
+    )  # fmt: skip
+    trainer = EVONTrainer(model=model, args=args, train_dataset=classification_data(16))
+    trainer.train()
+    trainer._finish_current_push()
+    files = hub.files("user/lora-named")
+    assert {POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME, "sst2/adapter_config.json"} <= set(files), sorted(files)
+    pushed = next(f for f in files if f.startswith("sst2/adapter_model"))
+    # the checkpoint whose posterior was pushed (a push still uploading skips the next checkpoint's)
+    out = Path(trainer.args.output_dir)
+    source = [c for c in ("checkpoint-1", "checkpoint-2") if (out / c / POSTERIOR_WEIGHTS_NAME).read_bytes() == files[POSTERIOR_WEIGHTS_NAME]]
+    assert len(source) == 1 and files[pushed] == (out / source[0] / pushed).read_bytes()
+
+
 class _FirstPosteriorDropped(TrainerCallback):
     """Removes checkpoint-1's posterior once it is saved (and pushed): the best checkpoint holds none."""
 

@@ -46,7 +46,7 @@ from hf_evon.fileio import (
     refused_load_text,
     replaced_atomically,
 )
-from hf_evon.modeling import unwrap_model
+from hf_evon.modeling import adapters_of_names, unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.validation import GROUP_KEYS
 from hf_evon.posterior.fingerprint import mean_mismatches
@@ -74,6 +74,25 @@ __all__ = [
 ]
 
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
+
+
+def _copy_named_adapters(checkpoint: str, output_dir: str, names: list[str]) -> None:
+    """The folders of the PEFT adapters other than "default" that ``names`` (a posterior's) cover, from
+    ``checkpoint`` into ``output_dir``, each replacing the one there: PEFT saves such an adapter in a
+    folder of its name, which the Trainer's checkpoint push (the checkpoint's root files alone) leaves
+    behind, so the repo would pair the posterior with no adapter, or with an older run's."""
+    import shutil
+
+    for name in sorted(adapters_of_names(names) - {"default"}):
+        source = os.path.join(checkpoint, name)
+        if os.path.isabs(name) or not os.path.isfile(os.path.join(source, "adapter_config.json")):
+            continue
+        target = os.path.join(output_dir, name)
+        staged = target + ".hf-evon-staging"
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.copytree(source, staged)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staged, target)
 
 
 def _has_posterior(directory: str) -> bool:
@@ -441,6 +460,7 @@ class CheckpointingMixin:
             # read in full first (copy_posterior copies weights that carry a checkpoint_id as they are):
             # a checkpoint that does not load never replaces the output directory's posterior
             posterior = EVONPosterior.from_pretrained(checkpoint_folder)
+            _copy_named_adapters(checkpoint_folder, output_dir, posterior.names)  # before the posterior
             copy_posterior(checkpoint_folder, output_dir)
             self._write_model_card(output_dir, posterior)
 
