@@ -1453,3 +1453,29 @@ def test_adapter_names_from_a_posterior_file_cannot_end_the_snippets_code_or_the
     assert ast.literal_eval(listed) == ["default", odd]
     for line in lines:
         assert not any(c in line for c in "<>`\n"), line
+
+
+def test_a_start_marker_left_without_its_end_never_takes_the_users_text_with_it(tmp_path):
+    """A user replaced the tail of the EVON section, its end marker included, by a Citation section. The
+    next save appended a fresh section (two start markers, one end), and the one after took everything
+    from the first start marker to the new end marker as the section: the Citation was deleted. The
+    section is the last start marker paired with the end marker after it; the user's text stays."""
+    from huggingface_hub import ModelCard
+
+    from hf_evon.posterior.model_card import (
+        SECTION_END,
+        SECTION_START,
+        retract_card_section,
+        update_model_card,
+    )
+
+    user = f"# My model\n\n{SECTION_START}\n## EVON posterior\n\nedited by hand\n\n## Citation\n\nkeep me\n"
+    fresh = ModelCard(f"---\nlibrary_name: hf-evon\n---\n{SECTION_START}\nnew section\n{SECTION_END}\n")
+    once = update_model_card(ModelCard(f"---\nlicense: mit\n---\n{user}"), fresh)
+    twice = update_model_card(once, ModelCard(f"---\nlibrary_name: hf-evon\n---\n{SECTION_START}\nnewer\n{SECTION_END}\n"))
+    assert "keep me" in twice.text and "edited by hand" in twice.text
+    assert twice.text.count("newer") == 1 and "new section" not in twice.text
+    (tmp_path / "README.md").write_text(twice.content, encoding="utf-8")
+    assert retract_card_section(tmp_path) is not None
+    kept = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "keep me" in kept and "newer" not in kept

@@ -441,10 +441,25 @@ def render_model_card(
 
 
 def _section(text: str) -> str:
-    start, end = text.find(SECTION_START), text.find(SECTION_END)
-    if start < 0 or end < start:
+    span = section_span(text)
+    if span is None:
         raise RuntimeError("the EVON card template lost its section markers")
-    return text[start : end + len(SECTION_END)]
+    return text[span[0] : span[1]]
+
+
+def section_span(text: str) -> tuple[int, int] | None:
+    """``(start, end)`` of the EVON section in ``text``: the last start marker that the next end marker
+    closes, with no start marker between them (None: no such pair). A start marker whose end marker
+    the user edited away is not a section: what follows it is the user's text, which stays."""
+    end = text.rfind(SECTION_END)
+    while end >= 0:
+        start = text.rfind(SECTION_START, 0, end)
+        if start < 0:
+            return None
+        if text.find(SECTION_END, start, end) < 0:
+            return start, end + len(SECTION_END)
+        end = text.rfind(SECTION_END, 0, end)
+    return None
 
 
 def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | None = None) -> ModelCard:
@@ -462,9 +477,9 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
     if optimizer is not None:
         text = _OPTIMIZER_LINE.sub(lambda _: f"- optimizer: {optimizer}", text)
     section = _section(fresh.text)
-    start, end = text.find(SECTION_START), text.find(SECTION_END)
-    if start >= 0 and end > start:
-        text = text[:start] + section + text[end + len(SECTION_END) :]
+    span = section_span(text)
+    if span is not None:
+        text = text[: span[0]] + section + text[span[1] :]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
@@ -499,10 +514,10 @@ def retract_card_section(directory: str | os.PathLike, replacement: str = RETRAC
                 text = fh.read()
         except (FileNotFoundError, UnicodeDecodeError):  # no card; a card save_model_card leaves as it is
             return None
-        start, end = text.find(SECTION_START), text.find(SECTION_END)
-        if start < 0 or end < start or text[start : end + len(SECTION_END)] == replacement:
+        span = section_span(text)
+        if span is None or text[span[0] : span[1]] == replacement:
             return None
-        atomic_write(path, text[:start] + replacement + text[end + len(SECTION_END) :])
+        atomic_write(path, text[: span[0]] + replacement + text[span[1] :])
         return text
 
 
