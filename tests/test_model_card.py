@@ -1479,3 +1479,29 @@ def test_a_start_marker_left_without_its_end_never_takes_the_users_text_with_it(
     assert retract_card_section(tmp_path) is not None
     kept = (tmp_path / "README.md").read_text(encoding="utf-8")
     assert "keep me" in kept and "newer" not in kept
+
+
+@pytest.mark.parametrize(
+    "readme",
+    ["---\nA README that opens with a thematic break.\n---\n\n# Title\n", "---\nlicense: [mit\n---\n\n# Title\n"],
+    ids=["thematic-break", "bad-yaml"],
+)
+def test_a_readme_whose_metadata_does_not_parse_is_left_as_it_is_and_the_save_completes(tmp_path, readme):
+    """A README whose opening ``---`` block is no YAML mapping raised ValueError ("repo card metadata
+    block should be a dict") or a YAML ParserError from save_pretrained after the new posterior was
+    switched in: a save that reported failure and had succeeded. The card is left as it is, with a
+    warning naming the file, and the save completes."""
+    def posterior(seed: int) -> EVONPosterior:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        return EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+
+    first, second = posterior(0), posterior(1)
+    first.save_pretrained(tmp_path, model_card=False)
+    (tmp_path / "README.md").write_text(readme, encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"README\.md: its metadata block does not parse .*left as it is"):
+        second.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text(encoding="utf-8") == readme
+    loaded = EVONPosterior.from_pretrained(tmp_path).to_tensors()
+    expected = second.to_tensors()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)

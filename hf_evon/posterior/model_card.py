@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any, Protocol
 
+import yaml
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -590,6 +591,11 @@ def save_model_card(
                     existing = ModelCard(fh.read(), ignore_metadata_errors=True)
             except UnicodeDecodeError as err:
                 msg = f"{path} is not UTF-8 text ({err.reason}, byte {err.start}): left as it is, without EVON's card"
+                warnings.warn(msg, UserWarning, stacklevel=2)
+                return fresh
+            except (ValueError, yaml.YAMLError) as err:  # an opening "---" block that is no YAML mapping
+                first = (str(err).splitlines() or [type(err).__name__])[0]
+                msg = f"{path}: its metadata block does not parse ({first}): left as it is, without EVON's card"
                 warnings.warn(msg, UserWarning, stacklevel=2)
                 return fresh
             card = update_model_card(existing, fresh, optimizer)
