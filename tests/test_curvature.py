@@ -526,3 +526,18 @@ def test_a_group_whose_weights_never_get_a_gradient_costs_no_fit_per_update() ->
     assert alone_pools > 0 and pools == alone_pools
     assert reads == alone_reads
     assert torch.equal(weights, alone)
+
+
+def test_the_fitted_prior_is_h_s_quantile_at_any_float32_scale() -> None:
+    """The histogram of log10 H ended at 1e5, every larger H counted in its top bin: for a loss of
+    large scale (H around 1e8-1e10) δ stopped at 1e5, far below H's 30% quantile, and the share of
+    H below δ the fit promises (docs/defaults.md#curvature-fit) was 3%. It spans float32's range: δ is
+    the upper edge of the bin that holds the quantile, at any scale."""
+    from hf_evon.optim.defaults import PRIOR_QUANTILE
+
+    gen = torch.Generator().manual_seed(0)
+    for low, high in ((-8.0, -4.0), (8.0, 10.0), (30.0, 38.0)):
+        hess = 10.0 ** (low + (high - low) * torch.rand(1, 40, 50, generator=gen))
+        delta = fitted_prior(log_histogram(hess)[0])
+        quantile = float(torch.quantile(hess.flatten().double(), PRIOR_QUANTILE))
+        assert quantile <= delta <= quantile * 10 ** (2 * HIST_STEP), (low, high, delta, quantile)

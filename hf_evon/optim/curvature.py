@@ -51,8 +51,8 @@ __all__ = [
 Tensor = torch.Tensor
 
 # the histogram of log10 H: bins of HIST_STEP decades from HIST_LOW to HIST_LOW + HIST_BINS·HIST_STEP
-# = 1e5; H = 0 (and anything below float32's normal range) counts in the first
-HIST_LOW, HIST_STEP, HIST_BINS = -45.0, 0.1, 500
+# = 1e39, past float32's largest; H = 0 (and anything below float32's normal range) counts in the first
+HIST_LOW, HIST_STEP, HIST_BINS = -45.0, 0.1, 840
 
 
 def curvature_fitted(group: dict[str, Any]) -> tuple[str, ...]:
