@@ -1374,3 +1374,18 @@ def test_posterior_health_of_a_prior_whose_precision_underflows_does_not_raise()
         w.square().sum().backward()
     opt.step()
     assert isinstance(opt.posterior_health(warn=False), dict)
+
+
+@pytest.mark.parametrize("value", [2.0, "2", 0])
+def test_an_invalid_mc_samples_edit_is_named_where_the_loop_reads_it(value) -> None:
+    """``param_groups[0]["mc_samples"] = 2.0`` between steps: ``step(closure)`` and the documented loop
+    ``range(optimizer.mc_samples)`` raised Python's "'float' object cannot be interpreted as an
+    integer", naming nothing. Reading it names the group and the field; the optimizer is unchanged."""
+    w = nn.Parameter(torch.randn(3, 3))
+    opt = EVON([w], seed=0)
+    opt.param_groups[0]["mc_samples"] = value
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: Invalid mc_samples: .* \(must be an integer >= 1\)"):
+        opt.mc_samples  # noqa: B018
+    with pytest.raises(ValueError, match=r"Invalid mc_samples"):
+        opt.step(lambda: w.square().sum().backward())
+    assert opt.state[w] == {} and opt.sample_blocks == 0

@@ -76,6 +76,7 @@ from hf_evon.optim.validation import (
     BuiltLayout,
     build_group,
     prepare_group,
+    samples_per_step,
     validate_groups,
     validate_hyperparameters,
 )
@@ -239,7 +240,7 @@ class EVON(Optimizer):
     @property
     def mc_samples(self) -> int:
         """The largest ``mc_samples`` over EVON groups (how many samples a step expects)."""
-        return max((g["mc_samples"] for g in self.param_groups if g["algorithm"] == "evon"), default=1)
+        return samples_per_step(self.param_groups)  # each checked: an edit is named, not met by range()
 
     @property
     def recorded_samples(self) -> int:
@@ -288,8 +289,7 @@ class EVON(Optimizer):
         self._buckets = None
 
     def install_sharding(self, hooks: ShardingHooks) -> None:
-        """Let ``hooks`` distribute this optimizer (``hf_evon.prepare_distributed`` calls this): state of
-        parameters this rank does not own is dropped; the buckets are rebuilt with this rank's members."""
+        """Distribute by ``hooks`` (``prepare_distributed``): others' state dropped, buckets rebuilt."""
         self.sharding = hooks
         for p in [p for p in self.state if not hooks.owns(p)]:
             del self.state[p]

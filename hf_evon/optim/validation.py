@@ -401,6 +401,16 @@ def check_fit_record(group: dict[str, Any], built: dict[int, dict[str, Any]]) ->
     )
 
 
+def samples_per_step(groups: list[dict[str, Any]]) -> int:
+    """The largest ``mc_samples`` over EVON groups, each checked as ``validate_group`` checks it (an
+    edit between steps, a float or a string, is named here, not by the loop's ``range``)."""
+    counts = [(i, g["mc_samples"]) for i, g in enumerate(groups) if g["algorithm"] == "evon"]
+    for i, n in counts:
+        if not (is_int(n) and n >= 1):
+            raise ValueError(f"param_groups[{i}]: Invalid mc_samples: {n!r} (must be an integer >= 1)")
+    return max((n for _, n in counts), default=1)
+
+
 def validate_groups(
     groups: list[dict[str, Any]], checked: dict[int, tuple[Any, ...]], built: dict[int, dict[str, Any]]
 ) -> None:

@@ -442,24 +442,20 @@ def render_model_card(
 
 
 def _section(text: str) -> str:
-    span = section_span(text)
-    if span is None:
+    if (span := section_span(text)) is None:
         raise RuntimeError("the EVON card template lost its section markers")
     return text[span[0] : span[1]]
 
 
 def section_span(text: str) -> tuple[int, int] | None:
-    """``(start, end)`` of the EVON section in ``text``: the last start marker that the next end marker
-    closes, with no start marker between them (None: no such pair). A start marker whose end marker
-    the user edited away is not a section: what follows it is the user's text, which stays."""
+    """``(start, end)`` of the EVON section: the last start marker the next end marker closes (None: none
+    does). A start marker whose end the user edited away opens no section: the user's text follows it."""
     end = text.rfind(SECTION_END)
     while end >= 0:
         start = text.rfind(SECTION_START, 0, end)
-        if start < 0:
-            return None
-        if text.find(SECTION_END, start, end) < 0:
+        if start >= 0 and text.find(SECTION_END, start, end) < 0:
             return start, end + len(SECTION_END)
-        end = text.rfind(SECTION_END, 0, end)
+        end = text.rfind(SECTION_END, 0, end) if start >= 0 else -1
     return None
 
 
@@ -589,14 +585,10 @@ def save_model_card(
             try:
                 with open(path, encoding="utf-8") as fh:
                     existing = ModelCard(fh.read(), ignore_metadata_errors=True)
-            except UnicodeDecodeError as err:
-                msg = f"{path} is not UTF-8 text ({err.reason}, byte {err.start}): left as it is, without EVON's card"
-                warnings.warn(msg, UserWarning, stacklevel=2)
-                return fresh
-            except (ValueError, yaml.YAMLError) as err:  # an opening "---" block that is no YAML mapping
-                first = (str(err).splitlines() or [type(err).__name__])[0]
-                msg = f"{path}: its metadata block does not parse ({first}): left as it is, without EVON's card"
-                warnings.warn(msg, UserWarning, stacklevel=2)
+            except (ValueError, yaml.YAMLError) as err:  # not UTF-8, or an opening "---" block no YAML mapping
+                why = (f" is not UTF-8 text ({err.reason}, byte {err.start})" if isinstance(err, UnicodeDecodeError)
+                       else f": its metadata block does not parse ({(str(err).splitlines() or [''])[0]})")  # fmt: skip
+                warnings.warn(f"{path}{why}: left as it is, without EVON's card", UserWarning, stacklevel=2)
                 return fresh
             card = update_model_card(existing, fresh, optimizer)
         for name in os.listdir(folder):  # left by a write that was killed before its os.replace
