@@ -2273,3 +2273,27 @@ def test_adaloras_pruned_ranks_have_no_spread_in_draw_and_std(tmp_path):
             sample = {n: params[n].detach().clone() for n in loaded.names}
         means = {n: params[n].detach() for n in loaded.names}
         assert all(torch.equal(sample[n], means[n] + one[n][0]) for n in loaded.names)
+
+
+def test_the_mean_fingerprint_of_mixed_dtypes_compares_each_tensor_at_its_own_dtype() -> None:
+    """Covered tensors of several dtypes (T5 in bfloat16 keeps its ``wo`` in float32; float32 LoRA beside
+    a bfloat16 head) recorded only "mixed", and every tensor was compared at bfloat16's tolerance (0.8%):
+    a float32 weight that moved by 4.5e-5 after the posterior was taken passed as the mean. Each tensor's
+    dtype is recorded, and one at its recorded dtype is compared exactly; a cast one still by its rounding."""
+    from hf_evon.posterior.fingerprint import PosteriorMeanWarning, mean_fingerprint, mean_mismatches
+
+    torch.manual_seed(0)
+    params = {"a": torch.randn(5, 6).bfloat16(), "b": torch.randn(2, 5)}
+    fingerprint = mean_fingerprint(params, ["a", "b"])
+    assert fingerprint["dtype"] == "mixed" and fingerprint["dtypes"] == {"a": "bfloat16", "b": "float32"}
+    assert mean_mismatches(fingerprint, params, ["a", "b"]) == []
+    moved = {**params, "b": params["b"] + 4.5e-5}
+    assert mean_mismatches(fingerprint, moved, ["a", "b"]) == ["b"]
+    cast = {"a": params["a"].float(), "b": params["b"].double()}  # each within its cast's rounding
+    assert mean_mismatches(fingerprint, cast, ["a", "b"]) == []
+    older = {k: v for k, v in fingerprint.items() if k != "dtypes"}  # a file written before the per-tensor dtypes
+    assert mean_mismatches(older, params, ["a", "b"]) == []
+    with pytest.warns(PosteriorMeanWarning):
+        from hf_evon.posterior.fingerprint import warn_if_other_mean
+
+        warn_if_other_mean(fingerprint, moved, ["a", "b"])

@@ -94,12 +94,16 @@ def _dtype_label(dtypes: Iterable[torch.dtype]) -> str:
 
 
 def mean_fingerprint(params: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, Any] | None:
-    """``{"dtype": ..., "values": {name: [...]}}`` of the covered ``names`` (None: not recordable)."""
+    """``{"dtype": ..., "values": {name: [...]}}`` of the covered ``names`` (None: not recordable);
+    where their dtypes differ ("mixed"), also ``"dtypes": {name: dtype}``: each is compared at its own."""
     names = sorted(names)
     values = _values(params, names)
     if len(values) < len(names):
         return None
-    return {"dtype": _dtype_label(params[n].dtype for n in names), "values": values}
+    fingerprint: dict[str, Any] = {"dtype": _dtype_label(params[n].dtype for n in names), "values": values}
+    if fingerprint["dtype"] == _MIXED:
+        fingerprint["dtypes"] = {n: str(params[n].dtype).removeprefix("torch.") for n in names}
+    return fingerprint
 
 
 def _rounding(*dtype_names: str) -> tuple[float, float]:
@@ -128,9 +132,10 @@ def mean_mismatches(
     current = _values(params, names)
     unread = len(current) < len(names)
     names = [n for n in names if n in current]
-    recorded_dtype = str(fingerprint.get("dtype"))
+    each = fingerprint.get("dtypes") or {}  # per tensor where they were mixed (absent in older files)
     different = []
     for name in names:
+        recorded_dtype = str(each.get(name, fingerprint.get("dtype")))
         want, got = [float(v) for v in recorded[name]], current[name]  # "nan"/"inf" as json_value writes them
         # the leading values both hold: a record or a model sharded by FSDP2 may hold fewer
         want, got = want[: len(got)], got[: len(want)]

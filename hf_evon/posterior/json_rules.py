@@ -229,6 +229,9 @@ def mean_fingerprint(value: Any, field: str, where: str) -> dict[str, Any]:
             raise rule_error(where, key, "a list of at most 64 numbers", entry)
         for i, number in enumerate(entry):
             json_float(number, f"{key}[{i}]", where)
+    dtypes = value.get("dtypes", {})  # where the covered tensors' dtypes differ: each one's
+    if not isinstance(dtypes, dict) or not all(isinstance(d, str) for d in dtypes.values()):
+        raise rule_error(where, f"{field}.dtypes", "an object {parameter name: a dtype's name}", dtypes)
     return value
 
 
