@@ -222,3 +222,28 @@ def test_the_trainers_evaluation_runs_the_model_as_evons_own_passes_do(tmp_path)
     batch = next(iter(evon.get_eval_dataloader()))
     prepared, expected = evon._evon_prepared(dict(batch)), evon._prepare_inputs(dict(batch))
     assert prepared.keys() == expected.keys() and all(torch.equal(prepared[k], expected[k]) for k in expected)
+
+
+def test_a_step_evon_skips_does_not_advance_the_trainers_schedule(tmp_path):
+    """The Trainer builds its scheduler after accelerate wraps the optimizer, and torch's LRScheduler keeps
+    on that wrapper its own ``step`` around the wrapper class's: the class swap of prepare_distributed
+    (at on_train_begin) then never reached EVON's ``step_was_skipped`` bookkeeping, and a step EVON
+    skipped (a NaN loss) advanced the linear schedule as if it had happened. The schedule holds still at
+    the skipped step: the rates used are those of a run one step shorter, from there on."""
+    import warnings
+
+    class NaNAtStep2(EVONTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+            loss = super().compute_loss(model, inputs, False, num_items_in_batch)
+            return loss * float("nan") if self.state.global_step == 2 else loss
+
+    args = config(tmp_path, max_steps=6, lr_scheduler_type="linear", logging_steps=1, bma_num_samples=0)
+    trainer = NaNAtStep2(model=tiny_bert(), args=args, train_dataset=classification_data())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert trainer.evon_optimizer.skipped_steps == 1
+    rates = [log["evon/learning_rate"] for log in trainer.state.log_history if "loss" in log]
+    base = rates[0]
+    expected = [base * f for f in (6 / 6, 5 / 6, 4 / 6, 4 / 6, 3 / 6, 2 / 6)]  # held at the skipped 3rd step
+    assert rates == pytest.approx(expected, rel=1e-6)

@@ -129,18 +129,29 @@ else:
     class EVONAcceleratedOptimizer(EVONHandle, AcceleratedOptimizer):
         """accelerate's ``AcceleratedOptimizer`` around an EVON, with EVON's API (importable, so it
         pickles), whose ``step_was_skipped`` also says when EVON skipped a non-finite step: the
-        Trainer and accelerate's prepared scheduler read it (only a GradScaler's skip set it)."""
-
-        def step(self, closure: Any = None) -> Any:
-            evon = unwrap_optimizer(self)
-            before = evon.skipped_steps
-            out = super().step(closure)
-            self._evon_skipped = evon.skipped_steps != before
-            return out
+        Trainer and accelerate's prepared scheduler read it (only a GradScaler's skip set it). Whether
+        EVON's last step skipped is recorded by step hooks on the EVON (:func:`_watch_skips`), not by
+        this class's ``step``: an LRScheduler built on the wrapper before it became this class keeps,
+        on the instance, a ``step`` that calls the old class's."""
 
         @property
         def step_was_skipped(self) -> bool:
             return bool(super().step_was_skipped or self.__dict__.get("_evon_skipped", False))
+
+    def _watch_skips(handle: Any) -> None:
+        """Record on ``handle`` whether each step of its EVON skipped (torch's step pre/post hooks)."""
+        evon, ref = unwrap_optimizer(handle), weakref.ref(handle)
+
+        def before(opt: Any, args: Any, kwargs: Any) -> None:
+            if (h := ref()) is not None:
+                h.__dict__["_evon_skips_before"] = opt.skipped_steps
+
+        def after(opt: Any, args: Any, kwargs: Any) -> None:
+            if (h := ref()) is not None:
+                h.__dict__["_evon_skipped"] = opt.skipped_steps != h.__dict__.get("_evon_skips_before")
+
+        evon.register_step_pre_hook(before)
+        evon.register_step_post_hook(after)
 
 
 _HANDLE_CLASSES: dict[type, type] = {}
@@ -178,6 +189,8 @@ def as_evon_handle(optimizer: Any) -> Any:
         handle_cls = type(f"EVON{cls.__name__}", (EVONHandle, cls), {"__module__": cls.__module__})
         _HANDLE_CLASSES[cls] = handle_cls
     optimizer.__class__ = handle_cls
+    if EVONAcceleratedOptimizer is not None and handle_cls is EVONAcceleratedOptimizer:
+        _watch_skips(optimizer)
     return optimizer
 
 
