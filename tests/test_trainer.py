@@ -277,6 +277,14 @@ def test_a_combined_arguments_class_keeps_its_bases_defaults_and_unpickles_elsew
         ("bma_seed", 1.5),  # refused only by the first BMA evaluation, after training
         ("bma_seed", "3"),
         ("posterior_max_basis_ratio", True),  # a bool is no ratio (True would be 1: drop every non-square basis)
+        # None where None means nothing (only fields whose default is None choose from the model): taken,
+        # then refused by EVON at train(), the message naming no field
+        ("evon_hess_estimator", None),
+        ("evon_step_curvature", None),
+        ("evon_nonfinite", None),
+        ("evon_phased_gradients", None),
+        ("evon_identity_basis", None),
+        ("evon_stagger_refresh", None),
     ],
 )
 def test_config_rejects_invalid_values(tmp_path, field, value):

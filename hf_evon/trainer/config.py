@@ -436,9 +436,10 @@ class EVONConfig(TrainingArguments):
         a given ``evon_weight_decay`` is checked once more with the config's own ``evon_ess``,
         ``evon_hess_estimator`` and ``evon_curvature_refit``: they decide whether its bound applies.
         """
+        none_chooses = {f.name for f in fields(self) if f.default is None}  # None: chosen from the model
         for name, keyword in self._EVON_CHECKED.items():
             value = getattr(self, name)
-            if value is None:
+            if value is None and name in none_chooses:
                 continue
             kwargs: dict[str, Any] = {}
             if isinstance(keyword, tuple):
