@@ -3057,3 +3057,26 @@ def test_every_override_takes_the_parents_parameters(ours, parent):
         assert mine == expected, f"{ours.__name__}.{name} (from {definer.__name__}) vs {parent.__name__}.{name}"
         checked.append(name)
     assert {"push_to_hub", "evaluate", "predict", "train", "create_model_card"} <= set(checked)
+
+
+def test_a_numpy_plateau_bound_is_scaled_per_group_as_a_python_number_is(tmp_path):
+    """reduce_lr_on_plateau's ``min_lr`` is the user's rate's bound, scaled to each group's rate: one given
+    as a NumPy number (a search grid's) was taken as every group's, so EVON's α (20x AdamW's rate here)
+    could decay 20x further than the schedule says."""
+    import numpy as np
+
+    floors = {}
+    for bound in (2.5e-4, np.float64(2.5e-4), np.float32(2.5e-4)):
+        args = config(
+            tmp_path, max_steps=4, learning_rate=1e-3, lr_scheduler_type="reduce_lr_on_plateau",
+            lr_scheduler_kwargs={"min_lr": bound}, eval_strategy="steps", eval_steps=1,
+        )  # fmt: skip
+        trainer = EVONTrainer(
+            model=tiny_bert(), args=args, train_dataset=classification_data(), eval_dataset=classification_data(8, 1)
+        )
+        trainer.create_optimizer_and_scheduler(num_training_steps=4)
+        floors[type(bound).__name__] = [float(x) for x in trainer.lr_scheduler.min_lrs]
+    rates = [g["lr"] for g in trainer.evon_optimizer.param_groups]
+    assert floors["float"] == pytest.approx([2.5e-4 * r / 1e-3 for r in rates], rel=1e-9)
+    for kind in ("float64", "float32"):
+        assert floors[kind] == pytest.approx(floors["float"], rel=1e-6), kind

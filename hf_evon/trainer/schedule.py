@@ -17,6 +17,7 @@ EVON holds its α as the first parameter group's rate and as ``optimizer.default
 """
 
 import inspect
+from numbers import Real
 from typing import Any
 
 import torch
@@ -116,7 +117,12 @@ class ScheduleMixin:
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
         # a bound not given is the schedule's default, one number too; a list is the user's per group
         stated = {**default_bounds(kind), **(given if isinstance(given, dict) else {})}
-        numbers = {key: stated[key] for key in GROUP_BOUNDS.get(kind, ()) if type(stated.get(key)) in (int, float)}
+        # one number (a NumPy one from a search grid too, not a bool): the user's rate's bound, scaled per group
+        numbers = {
+            key: float(stated[key])
+            for key in GROUP_BOUNDS.get(kind, ())
+            if isinstance(stated.get(key), Real) and not isinstance(stated.get(key), bool)
+        }
         # AdamW's rate 0 (held still, as Trainer allows) leaves no ratio to keep: each bound is every group's
         ratios = [scheduler_base(g) / rate if rate else 1.0 for g in evon.param_groups] if numbers else []
         bounds = {key: [value * ratio for ratio in ratios] for key, value in numbers.items()}
