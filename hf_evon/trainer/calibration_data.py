@@ -467,9 +467,26 @@ def length_sorted(dataset: Any, collator: Any = None, drop_last: bool = False) -
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     if order == list(range(len(lengths))):
         return dataset
+    if pads_left(collator, [dataset[order[0]], dataset[order[-1]]]):  # a function's side, told by its batch
+        return dataset
     if column_names is not None:
         return dataset.select(order)
     return torch.utils.data.Subset(dataset, order)
+
+
+def pads_left(collator: Any, rows: list[Any]) -> bool:
+    """Whether ``collator`` pads ``rows`` (examples of unequal length) on the left: its batch's
+    ``attention_mask`` opens with a zero in some row. False where it cannot tell (no collator, it
+    fails on the rows as given, or its batch has no 2-D mask); torch's generator as it was."""
+    if collator is None:
+        return False
+    try:
+        with torch.random.fork_rng(devices=[]):
+            batch = collator(rows)
+    except Exception:  # noqa: BLE001 - a collator of the Trainer's pruned columns, given the raw rows
+        return False
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    return isinstance(mask, torch.Tensor) and mask.ndim == 2 and bool((mask[:, 0] == 0).any())
 
 
 def masks_at_random(collator: Any) -> bool:
