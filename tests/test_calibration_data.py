@@ -518,3 +518,50 @@ def test_a_plain_function_collator_that_pads_on_the_left_keeps_the_datasets_orde
         assert ordered is data
     else:
         assert [len(r) for r in ordered["input_ids"]] == [2, 3, 5, 7]
+
+
+def test_a_masking_collator_with_its_own_seed_draws_the_same_masks_for_training_whatever_evon_reads() -> None:
+    """``DataCollatorForLanguageModeling(mlm=True, seed=42)`` draws its masks from its own generator,
+    which the BMA passes' replay and the pre-training check of ``calibration_dataset`` did not save: the
+    BMA passes scored other masks than the Trainer's pass, and training itself changed with
+    ``bma_eval_every`` (weights 3.9e-3 apart) and with a calibration split given (1.0e-2 apart). The
+    collator's draws are kept: the final weights are bit-identical across the three runs."""
+    import tempfile
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{f"w{i}": i for i in range(3, 100)}}
+    words = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]", mask_token="[MASK]", unk_token="[UNK]")
+
+    def rows(n: int, seed: int) -> Dataset:
+        g = torch.Generator().manual_seed(seed)
+        lengths = [4 + int(torch.randint(0, 10, (1,), generator=g)) for _ in range(n)]
+        return Dataset.from_list([{"input_ids": torch.randint(3, 100, (k,), generator=g).tolist()} for k in lengths])
+
+    def run(every: int, calibration: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = BertForMaskedLM(BertConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        ))  # fmt: skip
+        collator = DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.3, seed=42)
+        with tempfile.TemporaryDirectory() as out:
+            args = config(Path(out), max_steps=4, evon_ess=60.0, bma_num_samples=2, per_device_eval_batch_size=4,
+                          eval_strategy="steps", eval_steps=2, bma_eval_every=every)  # fmt: skip
+            trainer = EVONTrainer(
+                model=model, args=args, train_dataset=rows(24, 0), eval_dataset=rows(9, 1), data_collator=collator,
+                calibration_dataset=rows(9, 2) if calibration else None,
+            )
+            trainer.calibrate = lambda *a, **k: None  # the weights at the end of training only
+            trainer.train()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain = run(0, False)
+    for other in (run(1, False), run(0, True)):
+        assert all(torch.equal(other[k], plain[k]) for k in plain)

@@ -127,19 +127,17 @@ except ImportError:  # pragma: no cover - accelerate is a dependency
 else:
 
     class EVONAcceleratedOptimizer(EVONHandle, AcceleratedOptimizer):
-        """accelerate's ``AcceleratedOptimizer`` around an EVON, with EVON's API (importable, so it
-        pickles), whose ``step_was_skipped`` also says when EVON skipped a non-finite step: the
-        Trainer and accelerate's prepared scheduler read it (only a GradScaler's skip set it). Whether
-        EVON's last step skipped is recorded by step hooks on the EVON (:func:`_watch_skips`), not by
-        this class's ``step``: an LRScheduler built on the wrapper before it became this class keeps,
-        on the instance, a ``step`` that calls the old class's."""
+        """accelerate's ``AcceleratedOptimizer`` around an EVON, with EVON's API (importable: it pickles),
+        whose ``step_was_skipped`` also says when EVON skipped a non-finite step (:func:`_watch_skips`): the
+        Trainer and accelerate's prepared scheduler read it (only a GradScaler's skip set it)."""
 
         @property
         def step_was_skipped(self) -> bool:
             return bool(super().step_was_skipped or self.__dict__.get("_evon_skipped", False))
 
-    def _watch_skips(handle: Any) -> None:
-        """Record on ``handle`` whether each step of its EVON skipped (torch's step pre/post hooks)."""
+    def _watch_skips(handle: Any) -> Any:
+        """Record on ``handle`` whether each step of its EVON skipped, by torch's step hooks on the EVON:
+        an LRScheduler built on the wrapper before its class swap keeps a ``step`` calling the old class's."""
         evon, ref = unwrap_optimizer(handle), weakref.ref(handle)
 
         def before(opt: Any, args: Any, kwargs: Any) -> None:
@@ -152,6 +150,7 @@ else:
 
         evon.register_step_pre_hook(before)
         evon.register_step_post_hook(after)
+        return handle
 
 
 _HANDLE_CLASSES: dict[type, type] = {}
@@ -189,9 +188,7 @@ def as_evon_handle(optimizer: Any) -> Any:
         handle_cls = type(f"EVON{cls.__name__}", (EVONHandle, cls), {"__module__": cls.__module__})
         _HANDLE_CLASSES[cls] = handle_cls
     optimizer.__class__ = handle_cls
-    if EVONAcceleratedOptimizer is not None and handle_cls is EVONAcceleratedOptimizer:
-        _watch_skips(optimizer)
-    return optimizer
+    return _watch_skips(optimizer) if handle_cls is EVONAcceleratedOptimizer else optimizer
 
 
 def _module_chain(model: nn.Module) -> list[nn.Module]:

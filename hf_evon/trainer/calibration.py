@@ -37,10 +37,11 @@ class CalibrationMixin:
         loader = calibration_data.named_batches(
             lambda: calibration_data.whole_split(self._uncached_eval_dataloader(d), d), "calibration_dataset"
         )
-        calibration_data.check_calibration_batches(
-            (calibration_data.under_labels(b, self.label_names, self.model) for b in loader), vocab, self._causal_lm,
-            (lambda b, where: held_out_classes(self.model, self._evon_prepared(b), self._causal_lm, where)) if loaded else None,
-        )  # fmt: skip
+        with calibration_data.collator_draws_kept(self.data_collator):  # training's masks as without the check
+            calibration_data.check_calibration_batches(
+                (calibration_data.under_labels(b, self.label_names, self.model) for b in loader), vocab, self._causal_lm,
+                (lambda b, where: held_out_classes(self.model, self._evon_prepared(b), self._causal_lm, where)) if loaded else None,
+            )  # fmt: skip
 
     def _refuse_eval_set(self, dataset: Any, name: str = "calibrate(): dataset") -> None:
         """Refuse ``dataset`` for calibration where it is the eval set as kept or, while the trainer keeps

@@ -15,9 +15,11 @@ dataset's order.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -495,13 +497,45 @@ def masks_at_random(collator: Any) -> bool:
     return getattr(collator, "mlm", False) is True or hasattr(collator, "plm_probability")
 
 
+class CollatorDraws:
+    """A collator's own random generator (a transformers masking collator's ``seed=``: its ``generator``,
+    made at its first batch) as it is now; :meth:`restore` sets it back, to "not made yet" too."""
+
+    def __init__(self, collate: Any) -> None:
+        self.owner = getattr(collate, "data_collator", collate)  # the Trainer's column-removing wrapper holds it
+        self.held = hasattr(self.owner, "generator")
+        self.generator = getattr(self.owner, "generator", None)
+        bit = getattr(self.generator, "bit_generator", None)  # NumPy's, for return_tensors="np"
+        held_by_torch = isinstance(self.generator, torch.Generator)
+        self.state = self.generator.get_state() if held_by_torch else None if bit is None else copy.deepcopy(bit.state)
+
+    def restore(self) -> None:
+        if not self.held:
+            return
+        self.owner.generator = self.generator
+        if isinstance(self.generator, torch.Generator):
+            self.generator.set_state(self.state)
+        elif self.state is not None:
+            self.generator.bit_generator.state = copy.deepcopy(self.state)
+
+
+@contextmanager
+def collator_draws_kept(collate: Any) -> Iterator[None]:
+    """``collate``'s own draws (:class:`CollatorDraws`) as they were before the block, after it."""
+    draws = CollatorDraws(collate)
+    try:
+        yield
+    finally:
+        draws.restore()
+
+
 class _Replay:
     """``loader`` read with torch's CPU generator at ``state`` (None: as it is; where a collator masks
     at random, its workers' seeds too), that generator's state restored after the read: a read of
     the BMA passes leaves the training's draws as they would be without it."""
 
-    def __init__(self, loader: Any, state: torch.Tensor | None = None) -> None:
-        self.loader, self.state = loader, state
+    def __init__(self, loader: Any, state: torch.Tensor | None = None, draws: CollatorDraws | None = None) -> None:
+        self.loader, self.state, self.draws = loader, state, draws
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -512,10 +546,17 @@ class _Replay:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
-        with torch.random.fork_rng(devices=[]):
-            if self.state is not None:
-                torch.set_rng_state(self.state)
-            yield from self.loader
+        after = None if self.draws is None else CollatorDraws(self.draws.owner)  # as the Trainer's read left it
+        try:
+            with torch.random.fork_rng(devices=[]):
+                if self.state is not None:
+                    torch.set_rng_state(self.state)
+                if self.draws is not None:
+                    self.draws.restore()
+                yield from self.loader
+        finally:
+            if after is not None:
+                after.restore()
 
 
 def forked(loader: Any) -> Any:
@@ -546,13 +587,14 @@ def replayed(loader: Any, trainer: Any) -> Callable[[], Any]:
     states = [(generator, generator.get_state()) for generator in found.values()]
     torch_state = torch.get_rng_state()
     collate = getattr(loader, "collate_fn", None)  # the Trainer's column-removing wrapper holds the collator
+    draws = CollatorDraws(collate)  # a collator's own generator (a masking collator's seed=)
     masking = masks_at_random(getattr(collate, "data_collator", collate))
     stale = masking and getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0
 
     def again() -> Any:
         for generator, state in states:
             generator.set_state(state)
-        return _Replay(trainer._uncached_eval_dataloader(loader.dataset) if stale else loader, torch_state)
+        return _Replay(trainer._uncached_eval_dataloader(loader.dataset) if stale else loader, torch_state, draws)
 
     again.stale = stale  # type: ignore[attr-defined]
     return again
