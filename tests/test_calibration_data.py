@@ -532,7 +532,12 @@ def test_a_masking_collator_with_its_own_seed_draws_the_same_masks_for_training_
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, PreTrainedTokenizerFast
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        DataCollatorForLanguageModeling,
+        PreTrainedTokenizerFast,
+    )
 
     vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, **{f"w{i}": i for i in range(3, 100)}}
     words = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))

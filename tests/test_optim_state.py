@@ -911,6 +911,19 @@ def _refused_and_unchanged(opt: EVON, model: nn.Module, data, bad: dict, named: 
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _corrupted_state_refused(corrupt, named: str) -> None:  # noqa: ANN001
+    """After three steps, the optimizer's own state dict edited by ``corrupt`` is refused at load naming
+    ``named`` (the optimizer unchanged, training on: :func:`_refused_and_unchanged`); its own still loads."""
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    for _ in range(3):
+        train_step(model, opt, data)
+    bad = copy.deepcopy(opt.state_dict())
+    corrupt(bad)
+    _refused_and_unchanged(opt, model, data, bad, named)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+
+
 @pytest.mark.parametrize(
     "corrupt,named",
     [
@@ -927,14 +940,7 @@ def test_load_state_dict_validates_as_the_constructor_does(corrupt, named: str) 
     """Issue 33 item 13: load_state_dict accepted ess=-5, weight_decay=inf, identity_basis='false'
     and NaN H, which then failed (or sampled nonsense) steps later. Each is refused at load,
     naming the field, and the optimizer keeps its own state and trains on."""
-    model, data = make_model(), make_data()
-    opt = make_opt(model)
-    for _ in range(3):
-        train_step(model, opt, data)
-    bad = copy.deepcopy(opt.state_dict())
-    corrupt(bad)
-    _refused_and_unchanged(opt, model, data, bad, named)
-    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+    _corrupted_state_refused(corrupt, named)
 
 
 def _evon_entry(sd: dict) -> dict:
@@ -960,14 +966,7 @@ def test_load_state_dict_refuses_state_the_next_step_cannot_use(corrupt, named: 
     made every weight NaN (reported as a 'non-finite gradient'), or raised an AttributeError or
     TypeError, the last after the state was already replaced. Each is refused at load, naming the
     entry, and the optimizer keeps its own state and trains on."""
-    model, data = make_model(), make_data()
-    opt = make_opt(model)
-    for _ in range(3):
-        train_step(model, opt, data)
-    bad = copy.deepcopy(opt.state_dict())
-    corrupt(bad)
-    _refused_and_unchanged(opt, model, data, bad, named)
-    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+    _corrupted_state_refused(corrupt, named)
 
 
 def _adamw_entry(sd: dict) -> dict:
@@ -998,14 +997,7 @@ def test_load_state_dict_refuses_adamw_state_and_layouts_the_next_step_cannot_us
     raised, and a state dict whose 'state' is not a dict of dicts, or a group without 'params', raised
     an AttributeError or KeyError naming nothing. Each is refused at load, naming the entry, and the
     optimizer keeps its own state and trains on."""
-    model, data = make_model(), make_data()
-    opt = make_opt(model)
-    for _ in range(3):
-        train_step(model, opt, data)
-    bad = copy.deepcopy(opt.state_dict())
-    corrupt(bad)
-    _refused_and_unchanged(opt, model, data, bad, named)
-    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a valid one still loads
+    _corrupted_state_refused(corrupt, named)
 
 
 def test_load_state_dict_refuses_what_is_not_an_optimizer_state_dict() -> None:
