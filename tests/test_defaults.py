@@ -859,3 +859,12 @@ def test_learning_rate_takes_numpy_numbers_as_every_other_rate_does() -> None:
     assert all(type(g["lr"]) is float for g in ours.param_groups)
     with pytest.raises(ValueError, match="learning_rate"):
         build_optimizer(model, learning_rate=np.float32("nan"))
+
+
+def test_lr_from_adamw_lr_refuses_an_infinite_radius() -> None:
+    """``lr_from_adamw_lr(1e-3, clip_radius=inf)`` returned α = 0 (a rate that trains nothing) where
+    build_optimizer and EVONConfig refuse that radius."""
+    from hf_evon.optim.defaults import lr_from_adamw_lr
+
+    with pytest.raises(ValueError, match=r"Invalid clip_radius: inf \(must be a finite number > 0\)"):
+        lr_from_adamw_lr(1e-3, clip_radius=float("inf"))

@@ -3080,3 +3080,28 @@ def test_a_numpy_plateau_bound_is_scaled_per_group_as_a_python_number_is(tmp_pat
     assert floors["float"] == pytest.approx([2.5e-4 * r / 1e-3 for r in rates], rel=1e-9)
     for kind in ("float64", "float32"):
         assert floors[kind] == pytest.approx(floors["float"], rel=1e-6), kind
+
+
+@pytest.mark.parametrize("kind", ["polynomial", "cosine_with_min_lr"])
+def test_an_adamw_group_held_still_leaves_the_schedule_the_users_rate(tmp_path, kind):
+    """``evon_adamw_learning_rate=0`` (AdamW's groups held still) built the scheduler on a rate of 0:
+    polynomial refused it ("lr_end must be smaller than initial lr (0.0)") and cosine_with_min_lr divided
+    by it, though the user's learning_rate was 1e-3. EVON's α follows the schedule of learning_rate, as
+    plain Trainer's rate does, and the AdamW groups stay at 0."""
+    from transformers import get_scheduler
+
+    extra = {"min_lr": 1e-5} if kind == "cosine_with_min_lr" else {}
+    args = config(tmp_path, max_steps=6, learning_rate=1e-3, evon_adamw_learning_rate=0.0, lr_scheduler_type=kind,
+                  lr_scheduler_kwargs=extra)  # fmt: skip
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data())
+    trainer.create_optimizer_and_scheduler(num_training_steps=6)
+    evon = trainer.evon_optimizer
+    alpha = next(g["lr"] for g in evon.param_groups if g["algorithm"] == "evon")
+    reference = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    plain = get_scheduler(kind, reference, num_warmup_steps=0, num_training_steps=6, scheduler_specific_kwargs=extra)
+    for _ in range(4):
+        trainer.lr_scheduler.step()
+        plain.step()
+        rates = {g["algorithm"]: g["lr"] for g in evon.param_groups}
+        assert rates["adamw"] == 0.0
+        assert rates["evon"] / alpha == pytest.approx(reference.param_groups[0]["lr"] / 1e-3, rel=1e-9)

@@ -143,7 +143,7 @@ def lr_from_adamw_lr(
         is_real(adamw_lr) and finite(adamw_lr) and adamw_lr >= 0,
         "a finite number >= 0",
     )
-    require("clip_radius", clip_radius, is_real(clip_radius) and clip_radius > 0, "a number > 0")
+    require("clip_radius", clip_radius, is_real(clip_radius) and finite(clip_radius) and clip_radius > 0, "a finite number > 0")
     clip = default_clip(finetuning) if clip is None else clip
     if step_ratio is None:
         known = sorted(c for c, ft in STEP_RATIOS if ft == bool(finetuning))

@@ -113,7 +113,8 @@ class ScheduleMixin:
             _refuse_another_optimizers(self.lr_scheduler, evon)
             return _configured_rates_recorded(evon, super().create_scheduler(num_training_steps, optimizer))
         alpha, given = evon.defaults["lr"], self.args.lr_scheduler_kwargs
-        rate = user_rate(evon.param_groups, self.args.learning_rate)
+        # AdamW's group held still (rate 0): the schedule is the user's learning_rate's, which it scales
+        rate = user_rate(evon.param_groups, self.args.learning_rate) or self.args.learning_rate
         kind = getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type)
         # a bound not given is the schedule's default, one number too; a list is the user's per group
         stated = {**default_bounds(kind), **(given if isinstance(given, dict) else {})}
