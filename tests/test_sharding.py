@@ -390,7 +390,7 @@ def test_a_rank_whose_gradients_are_all_zero_steps_with_the_others(faults) -> No
     assert [r["message"] for r in results] == ["", ""]
     for key, value in results[0]["weights"].items():
         assert torch.equal(results[1]["weights"][key], value), key
-        assert not torch.equal(results[0]["before"][key], value) or key.startswith("2."), key
+        assert not torch.equal(results[0]["before"][key], value), key  # the step was taken
 
 
 def test_add_param_group_after_sharding_is_refused_on_every_rank(faults) -> None:

@@ -271,9 +271,9 @@ def _may_hold_adapter(entry: str) -> bool:
 def _adapter_folder(given: str, named: str) -> bool:
     """Refuse an adapter name (read from the posterior's parameter names: a file that may come from
     elsewhere) that, as PEFT's folder of a named adapter (``--model``'s ``<name>``), would lead out of
-    ``--model``: an absolute path, or one that climbs out with "..". True for any other."""
-    parts = named.replace("\\", "/").split("/")
-    if os.path.isabs(named) or os.path.splitdrive(named)[0] or ".." in parts:
+    ``--model``: an absolute path (a name read between dots holds no "..", so none climbs out). True
+    for any other."""
+    if os.path.isabs(named) or os.path.splitdrive(named)[0]:
         raise UsageError(
             f"the posterior names its PEFT adapter {named!r}, which is no folder inside --model {given!r}: "
             "a posterior of another adapter's parameters (pass the posterior saved with this adapter)"

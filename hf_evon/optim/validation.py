@@ -406,8 +406,10 @@ def samples_per_step(groups: list[dict[str, Any]]) -> int:
     edit between steps, a float or a string, is named here, not by the loop's ``range``)."""
     counts = [(i, g["mc_samples"]) for i, g in enumerate(groups) if g["algorithm"] == "evon"]
     for i, n in counts:
-        if not (is_int(n) and n >= 1):
-            raise ValueError(f"param_groups[{i}]: Invalid mc_samples: {n!r} (must be an integer >= 1)")
+        try:
+            require("mc_samples", n, is_int(n) and n >= 1, "an integer >= 1")
+        except ValueError as err:
+            raise ValueError(f"param_groups[{i}]: {err}") from None
     return max((n for _, n in counts), default=1)
 
 
