@@ -1049,6 +1049,10 @@ def test_load_state_dict_refuses_an_eigenbasis_that_is_not_orthonormal() -> None
     bad = copy.deepcopy(opt.state_dict())
     _evon_entry(bad)["Q_L"].mul_(1.5)
     _refused_and_unchanged(opt, model, data, bad, "['Q_L'] is not orthonormal")
+    # finite entries whose QᵀQx overflows (3e38² with a zero beside it: NaN, which `err > tol` let pass)
+    q = _evon_entry(bad)["Q_L"]
+    q.copy_(torch.eye(len(q))).view(-1)[0].fill_(3e38)
+    _refused_and_unchanged(opt, model, data, bad, "['Q_L'] is not orthonormal")
 
 
 def test_another_optimizers_state_dict_is_refused_before_anything_changes() -> None:

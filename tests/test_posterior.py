@@ -1457,6 +1457,12 @@ LOAD_ERRORS = {
         rf"'{W}\.Q_R' has non-finite",
     ),
     "Q_L not orthonormal": (lambda t: t[f"{W}.Q_L"].mul_(1.01), None, rf"'{W}\.Q_L' is not orthonormal"),
+    # finite entries whose QᵀQx overflows: the check's NaN (inf·0) passed `err > tol`, and samples wrote ~1e38
+    "Q_L overflows": (
+        lambda t: t[f"{W}.Q_L"].copy_(torch.eye(len(t[f"{W}.Q_L"]))).view(-1)[0].fill_(3e38),
+        None,
+        rf"'{W}\.Q_L' is not orthonormal \(.* = inf",
+    ),
     "undeclared parameter": (
         None,
         lambda c: c["parameters"].pop("0.weight"),

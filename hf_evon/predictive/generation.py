@@ -433,9 +433,11 @@ def bma_log_likelihood(
     ``labels`` follow transformers' convention (same shape as ``input_ids``, ``-100`` = not scored,
     shifted inside for a causal LM; a masked LM's or token classifier's are not shifted, as its loss
     does not shift them); by default they are ``input_ids`` with padding (``attention_mask == 0``)
-    ignored (a token classifier, whose classes are not ids, needs ``labels=``; a multiple-choice model
-    is refused). With an attention mask, position ids are counted from the first real token, so left-
-    and right-padded sequences score as they would alone (RoBERTa's family counts them as it does
+    ignored and, for a causal LM, no token scored from a pad (left padding's first token), so left-
+    and right-padded rows score as they would alone; ``labels=`` given are scored as given, as the
+    model's own loss scores them, a left-padded row's first token included (a token classifier, whose
+    classes are not ids, needs ``labels=``; a multiple-choice model is refused). With an attention
+    mask, position ids are counted from the first real token (RoBERTa's family counts them as it does
     itself: from ``padding_idx + 1``, by the token ids). Loss and perplexity: ``result.loss``,
     ``result.perplexity``; see ``BMALogLikelihood``.
 
