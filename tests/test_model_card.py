@@ -1471,11 +1471,11 @@ def test_a_start_marker_left_without_its_end_never_takes_the_users_text_with_it(
 
     user = f"# My model\n\n{SECTION_START}\n## EVON posterior\n\nedited by hand\n\n## Citation\n\nkeep me\n"
     fresh = ModelCard(f"---\nlibrary_name: hf-evon\n---\n{SECTION_START}\nnew section\n{SECTION_END}\n")
-    once = update_model_card(ModelCard(f"---\nlicense: mit\n---\n{user}"), fresh)
+    once = update_model_card(f"---\nlicense: mit\n---\n{user}", fresh)
     twice = update_model_card(once, ModelCard(f"---\nlibrary_name: hf-evon\n---\n{SECTION_START}\nnewer\n{SECTION_END}\n"))
-    assert "keep me" in twice.text and "edited by hand" in twice.text
-    assert twice.text.count("newer") == 1 and "new section" not in twice.text
-    (tmp_path / "README.md").write_text(twice.content, encoding="utf-8")
+    assert "keep me" in twice and "edited by hand" in twice
+    assert twice.count("newer") == 1 and "new section" not in twice
+    (tmp_path / "README.md").write_text(twice, encoding="utf-8")
     assert retract_card_section(tmp_path) is not None
     kept = (tmp_path / "README.md").read_text(encoding="utf-8")
     assert "keep me" in kept and "newer" not in kept
@@ -1505,3 +1505,51 @@ def test_a_readme_whose_metadata_does_not_parse_is_left_as_it_is_and_the_save_co
     loaded = EVONPosterior.from_pretrained(tmp_path).to_tensors()
     expected = second.to_tensors()
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def _small_posterior(seed: int) -> EVONPosterior:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    return EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=100.0), model)
+
+
+@pytest.mark.parametrize("tags", ["5", "true", "{a: b}"])
+def test_a_readme_whose_tags_are_no_list_is_left_as_it_is_and_the_save_completes(tmp_path, tags):
+    """``tags: 5`` (or true, or a mapping) made the card's merge raise a bare TypeError ("'int' object is
+    not iterable") after the new posterior was switched in. The card is left as it is, with a warning
+    naming the file and the tags, and the save completes."""
+    readme = f"---\nlicense: mit\ntags: {tags}\n---\n\n# Title\n"
+    (tmp_path / "README.md").write_text(readme, encoding="utf-8")
+    posterior = _small_posterior(0)
+    with pytest.warns(UserWarning, match=r"README\.md: its metadata has tags that are neither a list nor a string .*left as it is"):
+        posterior.save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text(encoding="utf-8") == readme
+    loaded, expected = EVONPosterior.from_pretrained(tmp_path).to_tensors(), posterior.to_tensors()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_the_card_keeps_the_users_metadata_as_written(tmp_path):
+    """The merge went through huggingface_hub's ModelCardData, which dropped a ``model-index`` it finds
+    invalid (a result without ``dataset``), and a README opening with a UTF-8 byte-order mark was not
+    seen to have metadata: a second ``---`` block went before it and its license became body text.
+    Every key is kept as read, tags in their order with EVON's after them; one metadata block."""
+    import yaml
+
+    user = {
+        "license": "mit",
+        "tags": ["mine", ["nested", "list"]],
+        "model-index": [{"name": "m", "results": [{"task": {"type": "text-generation"},
+                                                   "metrics": [{"type": "perplexity", "value": 12.3}]}]}],
+        "my_own_key": {"kept": [1, 2]},
+    }
+    for bom in ("", "\ufeff"):
+        readme = tmp_path / "README.md"
+        readme.write_text(f"{bom}---\n{yaml.safe_dump(user, sort_keys=False)}---\n# My model\n\nmy text\n", encoding="utf-8")
+        _small_posterior(0).save_pretrained(tmp_path)
+        written = readme.read_text(encoding="utf-8")
+        assert written.startswith("---\n") and written.count("\n---\n") == 1, written
+        meta = yaml.safe_load(written.split("\n---\n")[0].removeprefix("---\n"))
+        tags = meta.pop("tags")
+        assert tags == ["mine", ["nested", "list"], *hf_evon.posterior.model_card.EVON_TAGS]
+        assert meta == {**{k: v for k, v in user.items() if k != "tags"}, "library_name": "hf-evon"}
+        assert "# My model\n\nmy text\n" in written

@@ -37,12 +37,12 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any, Protocol
 
-import yaml
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import atomic_write, directory_lock, listed_kind, temporary_name_pattern
 from hf_evon.modeling import problem_type
+from hf_evon.posterior.card_merge import CardMetadataError, merged_metadata, metadata_block, split_card
 from hf_evon.posterior.json_rules import as_float
 from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
 
@@ -459,18 +459,12 @@ def section_span(text: str) -> tuple[int, int] | None:
     return None
 
 
-def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | None = None) -> ModelCard:
-    """Merge ``fresh`` (a rendered EVON card) into ``existing`` without losing anything of it,
-    except the ``- optimizer: ...`` line of a Trainer card, which becomes ``optimizer`` if given."""
-    data = existing.data
-    current_tags = data.tags or []
-    tags = [current_tags] if isinstance(current_tags, str) else list(current_tags)
-    data.tags = list(dict.fromkeys([*tags, *(fresh.data.tags or [])]))
-    if not getattr(data, "library_name", None):
-        data.library_name = LIBRARY_NAME
-    if fresh.data.base_model and not getattr(data, "base_model", None):
-        data.base_model = fresh.data.base_model
-    text = existing.text
+def update_model_card(existing: str, fresh: ModelCard, optimizer: str | None = None) -> str:
+    """The README text ``existing`` with ``fresh`` (a rendered EVON card) merged in, losing nothing of it
+    (:mod:`~hf_evon.posterior.card_merge`), except the ``- optimizer: ...`` line of a Trainer card,
+    which becomes ``optimizer`` if given. Raises ``CardMetadataError`` for metadata it cannot keep."""
+    data, text = split_card(existing)
+    data = merged_metadata(data, fresh.data)
     if optimizer is not None:
         text = _OPTIMIZER_LINE.sub(lambda _: f"- optimizer: {optimizer}", text)
     section = _section(fresh.text)
@@ -479,7 +473,7 @@ def update_model_card(existing: ModelCard, fresh: ModelCard, optimizer: str | No
         text = text[: span[0]] + section + text[span[1] :]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{text}", ignore_metadata_errors=True)
+    return f"---\n{metadata_block(data)}\n---\n{text}"
 
 
 # what a save puts in place of the EVON section before it switches its posterior in: a kill before
@@ -580,21 +574,21 @@ def save_model_card(
     path = os.path.join(folder, "README.md")
     # the posterior's lock: no save switches its files between this card's reading and writing
     with directory_lock(folder):
-        card = fresh
+        card, content = fresh, str(fresh)
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as fh:
-                    existing = ModelCard(fh.read(), ignore_metadata_errors=True)
-            except (ValueError, yaml.YAMLError) as err:  # not UTF-8, or an opening "---" block no YAML mapping
+                    content = update_model_card(fh.read(), fresh, optimizer)
+            except (UnicodeDecodeError, CardMetadataError) as err:  # the merge would lose what the README holds
                 why = (f" is not UTF-8 text ({err.reason}, byte {err.start})" if isinstance(err, UnicodeDecodeError)
-                       else f": its metadata block does not parse ({(str(err).splitlines() or [''])[0]})")  # fmt: skip
+                       else f": its metadata {err}")  # fmt: skip
                 warnings.warn(f"{path}{why}: left as it is, without EVON's card", UserWarning, stacklevel=2)
                 return fresh
-            card = update_model_card(existing, fresh, optimizer)
+            card = ModelCard(content, ignore_metadata_errors=True)
         for name in os.listdir(folder):  # left by a write that was killed before its os.replace
             stale = os.path.join(folder, name)
             with contextlib.suppress(OSError):  # not one another process is writing now
                 if _CARD_TMP.fullmatch(name) and time.time() - os.path.getmtime(stale) > _CARD_TMP_STALE_SECONDS:
                     os.remove(stale)
-        atomic_write(path, str(card))
+        atomic_write(path, content)
     return card
