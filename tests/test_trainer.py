@@ -681,6 +681,34 @@ def test_clipping_and_grad_norm_refer_to_the_mean_gradient(tmp_path):
     assert not torch.equal(params(manual_model)["classifier.weight"], start["classifier.weight"])
 
 
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_a_micro_batch_without_label_items_adds_nothing_to_the_logged_loss(tmp_path, nan_filter):
+    """A one-token document (no next-token label) in an accumulated step: its mean loss over zero items
+    is NaN, and NaN × its share 0 stayed NaN, so the logged loss was NaN (logging_nan_inf_filter=False)
+    or, the Trainer's filter replacing it by the running mean, about twice the step's (9.24 vs 4.62).
+    The step's loss is the item-weighted mean: the one document's loss, as with it alone."""
+    from torch.utils.data import SequentialSampler
+
+    class InOrder(EVONTrainer):
+        def _get_train_sampler(self, *args, **kwargs):  # the documents in their order: [doc, one token]
+            return SequentialSampler(self.train_dataset)
+
+    docs = [[5, 8, 11, 14, 17, 20, 23, 26], [40]]
+    losses, weights = [], []
+    for accumulate, rows in ((2, docs), (1, docs[:1])):
+        trainer = InOrder(
+            model=tiny_gpt2(),
+            args=config(tmp_path / str(accumulate), max_steps=1, logging_steps=1, per_device_train_batch_size=1,
+                        gradient_accumulation_steps=accumulate, evon_ess=float("inf"), logging_nan_inf_filter=nan_filter),
+            train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}),
+        )  # fmt: skip
+        trainer.train()
+        losses.append(next(h["loss"] for h in trainer.state.log_history if "loss" in h))
+        weights.append(params(trainer.model))
+    assert math.isfinite(losses[0]) and losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])  # the same step
+
+
 def test_the_trainers_step_reads_no_scalar_back_from_a_tensor(tmp_path):
     """Issue 32: on a GPU every scalar read back (``aten._local_scalar_dense``) waits for all
     queued kernels. The trainer's own per-step code reads none: each micro-batch's share of the

@@ -505,7 +505,8 @@ class EVONTrainerMixin(
             loss, outputs = result if return_outputs else (result, None)
             if self.args.n_gpu > 1:
                 loss = loss.mean()
-            loss = loss * share.to(loss.dtype)
+            # share 0 (no label items): the model's mean over zero items is NaN, which × 0 stays
+            loss = torch.where(share > 0, loss * share.to(loss.dtype), 0.0)
             logged.append(loss.detach().float())
             loss = loss * self.current_gradient_accumulation_steps
             return (loss, outputs) if return_outputs else loss
