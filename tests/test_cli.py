@@ -320,6 +320,28 @@ def test_generate_with_an_encoder_decoder_model(saved_seq2seq, capsys):
     assert printed == tokenizer.batch_decode(expected[:, 1:], skip_special_tokens=True)
 
 
+def test_prompt_ids_of_two_lengths_pad_with_an_id_in_the_vocabulary(tmp_path, capsys):
+    """A model without a tokenizer whose config's eos id lies outside its vocabulary (GPT-2's 50256 on
+    64 ids): the shorter prompt was left-padded with 50256 and the command refused its own padding
+    ("input_ids holds ids from 1 to 50256, outside the model's vocabulary"). Masked padding takes id 0."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    assert model.config.eos_token_id == 50256 and model.config.pad_token_id is None
+    posterior = trained_posterior(model, 64, lambda x: x)
+    model.save_pretrained(tmp_path)
+    posterior.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--samples", "3", "--max-new-tokens", "4", "--seed", "2", "--json"]
+    assert main([*argv, "--prompt-ids", "5 9 17", "--prompt-ids", "4 4", "--device", "cpu"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ids, mask = torch.tensor([[5, 9, 17], [0, 4, 4]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
+    expected = generate_bma(
+        model, posterior, ids, attention_mask=mask, num_samples=3, seed=2, max_new_tokens=4, do_sample=False,
+        pad_token_id=0,
+    )  # fmt: skip
+    assert [r["completion_ids"] for r in records] == expected[:, 3:].tolist()
+    assert [r["prompt"] for r in records] == [[5, 9, 17], [4, 4]]
+
+
 def test_an_encoder_decoder_context_counts_the_decoder_from_its_start_token(saved_seq2seq, capsys):
     path, *_ = saved_seq2seq
     argv = ["generate", "--model", str(path), "--samples", "1", "--prompt-ids", " ".join(["5"] * 30)]

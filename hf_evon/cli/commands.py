@@ -215,7 +215,11 @@ def _run_generate(args: argparse.Namespace) -> int:
             pad_id = getattr(model.config, "eos_token_id", None)
         if isinstance(pad_id, list):
             pad_id = pad_id[0]
-        pad_id = 0 if pad_id is None else int(pad_id)
+        try:  # a config's id outside the embedding (GPT-2's eos 50256 on a smaller vocabulary) does not
+            vocab = model.get_input_embeddings().num_embeddings
+        except (AttributeError, NotImplementedError):
+            vocab = None
+        pad_id = int(pad_id) if pad_id is not None and 0 <= int(pad_id) < (vocab or math.inf) else 0
     width = max(map(len, prompt_ids))
 
     def padded(row: list[int], fill: int) -> list[int]:  # decoder-only batches are left-padded; encoders take either
