@@ -786,6 +786,36 @@ def test_sampled_restores_on_exception_and_in_half_precision(mlp):
         assert all(torch.equal(m.state_dict()[k], v) for k, v in before.items())
 
 
+def test_the_optimizer_neither_steps_nor_samples_inside_a_posterior_sampled_block():
+    """Steps taken inside ``posterior.sampled(model)`` ran and their update was thrown away at the
+    block's exit, which wrote the old mean back (20 steps: the step count 3 → 23, the weights as
+    before). step() and sampled_params() there are refused naming the weight; after the block they run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=0.05, ess=256, seed=0))
+    x, y = torch.randn(64, 4), torch.randn(64, 2)
+    loss = lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    _train(model, opt, [(x, y)] * 3, loss)
+    post = EVONPosterior.from_optimizer(opt, model)
+    mean, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    with post.sampled(model, seed=0):
+        with pytest.raises(RuntimeError, match=r"sampled_params\(\) called while .*\(shape \(8, 4\)\) holds a posterior sample"):
+            with opt.sampled_params(train=True):
+                pass
+        loss(model, (x, y)).backward()
+        with pytest.raises(RuntimeError, match=r"step\(\) called while .* holds a posterior sample"):
+            opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in mean.items())
+    assert all(torch.equal(a, b) for a, b in zip(_state_tensors(opt.state_dict()), _state_tensors(state), strict=True))
+    _train(model, opt, [(x, y)], loss)  # after the block: the optimizer trains on
+    assert not torch.equal(model[0].weight, mean["0.weight"])
+
+
+def _state_tensors(state: dict) -> list[torch.Tensor]:
+    return [v for s in state["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
 def test_sampled_blocks_that_overlap_on_a_weight_are_refused_and_the_mean_comes_back(mlp):
     """A second sampled() over a weight that already holds a sample drew around the sample, not the
     mean (a silent sample of twice the variance), and from another thread, whose block could end

@@ -58,6 +58,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_STEP_CURVATURE,
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
+from hf_evon.optim.held_samples import refuse_held
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
 from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std, writing_weights
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
@@ -244,8 +245,7 @@ class EVON(Optimizer):
 
     @property
     def recorded_samples(self) -> int:
-        """``sampled_params(train=True)`` blocks since the last step; ``step()`` divides the summed
-        gradients by it (at least 1), as code that clips or logs them before the step must."""
+        """Training blocks since the last step: ``step()`` divides the summed gradients by it (at least 1)."""
         return self._samples
 
     @property
@@ -283,8 +283,7 @@ class EVON(Optimizer):
         return self._buckets
 
     def invalidate_buckets(self) -> None:
-        """Rebuild the buckets (and re-stack the state) at their next use: after the parameters'
-        ownership or ``optimizer.state`` changed outside the optimizer."""
+        """Rebuild the buckets and re-stack the state at next use (ownership or ``self.state`` changed outside)."""
         self._refuse_rebuild("invalidate_buckets()")
         self._buckets = None
 
@@ -320,6 +319,7 @@ class EVON(Optimizer):
     def _refuse_in_sample(self, call: str) -> None:
         if self._in_sample:
             raise RuntimeError(f"{call} called inside a sampled_params() block: call it after the block")
+        refuse_held((p for g in self.param_groups for p in g["params"]), call.partition(" (")[0], self._param_label)
 
     def _refuse_rebuild(self, call: str, called: bool = True) -> None:  # buckets: the samples' numerators
         if called:  # else found at the next use of the buckets, which may be inside a block

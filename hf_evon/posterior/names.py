@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -26,9 +25,10 @@ from hf_evon.modeling import (
     unwrap_model,
 )
 from hf_evon.optim.checks import outside_stacklevel
+from hf_evon.optim.held_samples import claim_sample, release_sample
 
 __all__ = ["model_problems", "name_hint", "peft_unsaved_module", "resident_parameters", "shape_hint"]
-__all__ += ["claim_sample", "holding_sample", "release_sample", "warn_peft_unsaved"]
+__all__ += ["holding_sample", "warn_peft_unsaved"]
 
 # PEFT saves a prompt-learning adapter as its prompt encoder's output (``prompt_embeddings``, loaded
 # back as ``embedding.weight``), never the modules that compute that output from the embedding: it
@@ -264,39 +264,6 @@ def resident_parameters(model: nn.Module, names: Any) -> dict[str, nn.Parameter]
         "posterior samples around or write them into; load the model without offloading the posterior's "
         "modules (a device_map or max_memory that keeps them on the execution device)"
     )
-
-
-# the parameters (by id) that hold a sample of an open ``sampled()`` block, of any posterior or thread
-_HELD: set[int] = set()
-_HELD_LOCK = threading.Lock()
-
-
-def claim_sample(params: Mapping[str, Any], hold: bool = True) -> set[int]:
-    """Claim the parameters ``params`` (name: parameter) for one sample's writes (``hold=False``: check
-    only, for code that reads them as the mean), or raise ``RuntimeError`` naming one an open
-    ``sampled()`` block holds: a sample drawn there would be drawn around that block's sample, not the
-    mean, and the block that ends last would restore the other's sample as the mean (threads end in any
-    order). Returns the ids claimed, for :func:`release_sample`."""
-    mine = {id(p): n for n, p in params.items()}
-    with _HELD_LOCK:
-        held = [n for key, n in mine.items() if key in _HELD]
-        if held:
-            more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
-            raise RuntimeError(
-                f"posterior parameter {held[0]!r}{more} already holds a posterior sample of an open sampled() "
-                "block (this thread's or another's): a model holds one sample at a time; nest no sampled() "
-                "blocks, generate_bma or bma_log_likelihood over the same weights, and give each thread its "
-                "own copy of the model"
-            )
-        if hold:
-            _HELD.update(mine)
-    return set(mine) if hold else set()
-
-
-def release_sample(claimed: set[int]) -> None:
-    """Release what :func:`claim_sample` claimed (the mean back in those parameters)."""
-    with _HELD_LOCK:
-        _HELD.difference_update(claimed)
 
 
 @contextlib.contextmanager

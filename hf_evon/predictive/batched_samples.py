@@ -76,9 +76,9 @@ from torch import nn
 from hf_evon.modeling import unwrap_model
 from hf_evon.optim.buckets import is_dtensor
 from hf_evon.optim.checks import sample_count
+from hf_evon.optim.held_samples import claim_sample
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.gaussian import add_perturbation
-from hf_evon.posterior.names import claim_sample
 from hf_evon.predictive.batched_refusals import (  # noqa: F401 - ONE_DRAW_AT_A_TIME: part of this module's API
     ONE_DRAW_AT_A_TIME,
     BatchedSamplesRefused,

@@ -28,9 +28,9 @@ from torch import nn
 
 from hf_evon.modeling import pruned_ranks, release_gathered, unwrap_model
 from hf_evon.optim.checks import sample_count
+from hf_evon.optim.held_samples import claim_sample, release_sample
 from hf_evon.optim.linalg import writing_weights
 from hf_evon.posterior.gaussian import add_perturbation, sample_seed
-from hf_evon.posterior.names import claim_sample, release_sample
 from hf_evon.predictive.batched_samples import chunked_draws
 from hf_evon.predictive.module_forward import instance_forward
 

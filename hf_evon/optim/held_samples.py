@@ -1,0 +1,66 @@
+"""Which parameters hold a posterior sample now: the registry that ``EVONPosterior.sampled()`` blocks
+and the predictive code claim weights in, and that ``EVON`` reads before it steps or samples, so that
+no step is taken on a sample that the block's exit then overwrites with the mean. It lives with the
+optimizer, the lowest layer that reads it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["claim_sample", "first_held", "refuse_held", "release_sample"]
+
+# the parameters (by id) that hold a sample of an open ``sampled()`` block, of any posterior or thread
+_HELD: set[int] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def claim_sample(params: Mapping[str, Any], hold: bool = True) -> set[int]:
+    """Claim the parameters ``params`` (name: parameter) for one sample's writes (``hold=False``: check
+    only, for code that reads them as the mean), or raise ``RuntimeError`` naming one an open
+    ``sampled()`` block holds: a sample drawn there would be drawn around that block's sample, not the
+    mean, and the block that ends last would restore the other's sample as the mean (threads end in any
+    order). Returns the ids claimed, for :func:`release_sample`."""
+    mine = {id(p): n for n, p in params.items()}
+    with _HELD_LOCK:
+        held = [n for key, n in mine.items() if key in _HELD]
+        if held:
+            more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+            raise RuntimeError(
+                f"posterior parameter {held[0]!r}{more} already holds a posterior sample of an open sampled() "
+                "block (this thread's or another's): a model holds one sample at a time; nest no sampled() "
+                "blocks, generate_bma or bma_log_likelihood over the same weights, and give each thread its "
+                "own copy of the model"
+            )
+        if hold:
+            _HELD.update(mine)
+    return set(mine) if hold else set()
+
+
+def release_sample(claimed: set[int]) -> None:
+    """Release what :func:`claim_sample` claimed (the mean back in those parameters)."""
+    with _HELD_LOCK:
+        _HELD.difference_update(claimed)
+
+
+def first_held(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """The first of ``params`` that holds a sample of an open block, or None; O(1) while none is open."""
+    if not _HELD:
+        return None
+    with _HELD_LOCK:
+        return next((p for p in params if id(p) in _HELD), None)
+
+
+def refuse_held(params: Iterable[torch.Tensor], call: str, label: Callable[[torch.Tensor], str]) -> None:
+    """Raise ``RuntimeError`` for ``call`` where one of ``params`` holds a sample of an open block:
+    the block's exit writes the mean back over any step taken in it, and samples drawn in it are
+    drawn around its sample."""
+    if (held := first_held(params)) is not None:
+        raise RuntimeError(
+            f"{call} called while {label(held)} holds a posterior sample of an open sampled() block "
+            "(EVONPosterior.sampled or a BMA pass): its exit writes the mean back over any step taken in "
+            "it; call it after the block"
+        )
