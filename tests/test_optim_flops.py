@@ -252,3 +252,24 @@ def test_a_staggered_refresh_builds_each_phases_index_once(monkeypatch: pytest.M
         changed.append(tuple((bucket.state["Q_L"] != before).flatten(1).any(1).tolist()))
     assert built == first_cycle
     assert len(set(changed[:3])) == 3 and changed[3:] == changed[:3]
+
+
+def test_a_refresh_cycle_longer_than_any_run_spreads_its_members_as_a_short_one():
+    """``precondition_frequency=10**12`` (a natural "never refresh") made the first step build a list of
+    10**12 phase loads: MemoryError, no argument named. Past the members' count, more phases change
+    nothing: the phases are those of any cycle at least that long."""
+    from hf_evon import EVON
+
+    def phases(frequency: int) -> list[list[int]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Linear(6, 7), torch.nn.Linear(7, 3))
+        opt = EVON(model.parameters(), seed=0, precondition_frequency=frequency, stagger_refresh=True)
+        with opt.sampled_params(train=True):
+            model(torch.randn(4, 5)).square().sum().backward()
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        return [b.refresh_phase for b in opt._buckets]
+
+    cycle = phases(6)  # six members: the three matrices in phases of their own, the biases (no QR) in one
+    assert sorted(p for bucket in cycle for p in bucket) == [0, 1, 2, 3, 3, 3]
+    assert phases(10**12) == phases(7) == cycle

@@ -478,8 +478,8 @@ def assign_refresh_phases(param_groups: list[dict[str, Any]], buckets: list[Buck
                 b.refresh_phase = [0] * len(b.params)
         if not group.get("stagger_refresh", False):
             continue
-        f = group["precondition_frequency"]
-        load = [0.0] * f
+        # phases past the members' count stay empty: the same choice, without a list of f entries
+        load = [0.0] * min(group["precondition_frequency"], len(members))
 
         def cost(member: tuple[Bucket, int]) -> float:
             b = member[0]
