@@ -1365,15 +1365,32 @@ def test_float16_weights_whose_norm_overflows_float16_keep_a_positive_fitted_ess
     assert math.isfinite(stats["noise_to_signal_max"]) and stats["noise_to_signal_max"] > 0
 
 
-def test_posterior_health_of_a_prior_whose_precision_underflows_does_not_raise() -> None:
-    """ess = weight_decay = 1e-200: ζ·δ underflows to 0, and posterior_health divided by it
-    (ZeroDivisionError). The prior's variance is then infinite, as with weight_decay = 0."""
+def test_hyperparameters_float32_cannot_hold_are_refused_by_name() -> None:
+    """ess = weight_decay = 1e-200 made ζ·δ underflow to 0 (posterior_health divided by it:
+    ZeroDivisionError); ess = 1e-300 drew infinite noise, and every step was skipped as a "non-finite
+    gradient"; lr = 1e300 or hess_init = 1e300 raised "value cannot be converted to type float without
+    overflow" inside the first step, naming nothing. Each is refused at construction, by name."""
     w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
-    opt = EVON([w], ess=1e-200, weight_decay=1e-200, seed=0)
+    largest = r"at most float32's largest, 3\.4e\+38"
+    normal = r"outside float32's normal range \(1\.18e-38 to 3\.4e\+38\)"
+    for kwargs, message in (
+        ({"ess": 1e-200, "weight_decay": 1e-200}, r"Invalid ess: 1e-200 \(must be a number whose product with weight_decay \(1e-200\), the prior's precision, is at least 1\.18e-38\)"),
+        ({"ess": 1e-300}, r"Invalid ess: 1e-300 \(must be a number whose product with weight_decay \(0\.000416667\)"),
+        ({"lr": 1e300}, rf"Invalid lr: 1e\+300 \(must be a finite number >= 0 \({largest}\)"),
+        ({"weight_decay": 1e300}, rf"Invalid weight_decay: 1e\+300 \(must be a finite number >= 0 \({largest}\)\)"),
+        ({"hess_init": 1e300}, rf"weight_decay=None makes the prior's weight_decay 4\.16667e\+298 of hess_init=1e\+300 and init_std_ratio=0\.05, {normal}"),
+        ({"init_std_ratio": 1e-300}, rf"weight_decay=None makes the prior's weight_decay 0 of hess_init=0\.01 and init_std_ratio=1e-300, {normal}"),
+        ({"mean_weight_decay": 1e300}, rf"Invalid mean_weight_decay: 1e\+300 \(must be None or a finite number >= 0 \({largest}\)"),
+        ({"clip_radius": 1e-300}, rf"lr=None makes the default lr \S+e\+29\d of clip_radius=1e-300, not {largest}: pass lr"),
+        ({"clip_radius": 1e300}, rf"Invalid clip_radius: 1e\+300 \(must be a finite number > 0 \({largest}\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EVON([w], seed=0, **kwargs)
+    opt = EVON([w], ess=1e-20, weight_decay=2e-18, seed=0)  # ζ·δ = 2e-38: float32 holds it, and 1/(ζ·δ)
     with opt.sampled_params(train=True):
         w.square().sum().backward()
     opt.step()
-    assert isinstance(opt.posterior_health(warn=False), dict)
+    assert isinstance(opt.posterior_health(warn=False), dict) and torch.isfinite(w).all()
 
 
 @pytest.mark.parametrize("value", [2.0, "2", 0])

@@ -116,8 +116,19 @@ def validate_hyperparameters(**kwargs: Any) -> dict[str, Any]:
     return python_numbers(group)
 
 
+# the state is float32 (float64 for float64 weights): a number above float32's largest overflows in the
+# first step's arithmetic ("value cannot be converted to type float without overflow")
+_F32 = torch.finfo(torch.float32)
+IN_RANGE = f"at most float32's largest, {_F32.max:.3g}"
+
+
+def in_range(x: Any) -> bool:
+    """A finite number no larger than float32 holds (``IN_RANGE``)."""
+    return finite(x) and abs(x) <= _F32.max
+
+
 # a learning rate's rule: torch.optim takes one as a tensor too (its schedulers then set it in place)
-RATE_RULE = "a finite number >= 0, or a 0-dim floating-point tensor holding one"
+RATE_RULE = f"a finite number >= 0 ({IN_RANGE}), or a 0-dim floating-point tensor holding one"
 
 
 def rate_ok(lr: Any, read: bool = True) -> bool:
@@ -125,7 +136,7 @@ def rate_ok(lr: Any, read: bool = True) -> bool:
     as valid (reading one on an accelerator waits for all its queued work)."""
     if torch.is_tensor(lr):
         return lr.ndim == 0 and lr.is_floating_point() and (not read or bool(torch.isfinite(lr) & (lr >= 0)))
-    return finite(lr) and lr >= 0.0
+    return in_range(lr) and lr >= 0.0
 
 
 def python_numbers(values: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +174,9 @@ def resolve_rate(group: dict[str, Any]) -> dict[str, Any]:
     ``clip_radius``; an unknown clip takes "element"'s ratio, and ``validate_group`` names it)."""
     if group.get("lr", 0.0) is None and group.get("algorithm", "evon") == "evon":
         radius, clip = group.get("clip_radius", DEFAULT_CLIP_RADIUS), group.get("clip", DEFAULT_CLIP)
-        group["lr"] = lr_from_adamw_lr(DEFAULT_ADAMW_LR, radius, clip=ratio_clip(clip))
+        group["lr"] = lr = lr_from_adamw_lr(DEFAULT_ADAMW_LR, radius, clip=ratio_clip(clip))
+        if not in_range(lr):  # named by what it is made of: none was given
+            raise ValueError(f"EVON: lr=None makes the default lr {lr:g} of clip_radius={radius!r}, not {IN_RANGE}: pass lr")
     return group
 
 
@@ -178,7 +191,14 @@ def resolve_prior(group: dict[str, Any]) -> dict[str, Any]:
                     f"EVON: weight_decay=None makes the prior's std {DEFAULT_PRIOR_STD_RATIO} of the weights' "
                     f"RMS, which needs init_std_ratio below it; got init_std_ratio={ratio!r}: pass weight_decay"
                 )
-            group["weight_decay"] = default_weight_decay(h0, ratio)
+            wd = default_weight_decay(h0, ratio)
+            if not (in_range(wd) and wd >= _F32.tiny):  # named by what it is made of: none was given
+                raise ValueError(
+                    f"EVON: weight_decay=None makes the prior's weight_decay {wd:g} of hess_init={h0!r} and "
+                    f"init_std_ratio={ratio!r}, outside float32's normal range ({_F32.tiny:.3g} to "
+                    f"{_F32.max:.3g}): pass weight_decay, or hess_init and init_std_ratio that give one"
+                )
+            group["weight_decay"] = wd
     return group
 
 
@@ -212,6 +232,8 @@ def validate_group(group: dict[str, Any]) -> None:
     # runs under no_grad) and with host syncs (its finite check: no CUDA graph capture), silently
     for option in ("maximize", "amsgrad", "differentiable", "capturable"):
         need(option, not group.get(option), "False or absent: EVON does not implement it (torch.optim's option)")
+    if has("clip_radius"):  # first: a default lr is derived from it
+        need("clip_radius", in_range(group["clip_radius"]) and group["clip_radius"] > 0.0, f"a finite number > 0 ({IN_RANGE})")
     if has("lr"):
         need("lr", rate_ok(group["lr"]), RATE_RULE)
     if has("betas"):
@@ -220,7 +242,7 @@ def validate_group(group: dict[str, Any]) -> None:
         wd = group["weight_decay"]
         # None survives resolve_prior only where h0 or init_std_ratio is invalid: those are named below
         unresolved = wd is None and algorithm == "evon"
-        need("weight_decay", unresolved or (finite(wd) and wd >= 0.0), "a finite number >= 0")
+        need("weight_decay", unresolved or (in_range(wd) and wd >= 0.0), f"a finite number >= 0 ({IN_RANGE})")
     if algorithm == "adamw":
         if has("eps"):  # AdamW's ε (torch AdamW's key); the step reads no other
             need("eps", finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
@@ -239,6 +261,11 @@ def validate_group(group: dict[str, Any]) -> None:
             # H is 0 where the data does not curve (a dead unit): only the prior bounds the variance there
             rule = "> 0 where ess is finite: the prior N(0, 1/(ess·weight_decay)) bounds the variance (0 only with ess=inf)"
             need("weight_decay", False, rule)
+        wd = group.get("weight_decay")
+        if is_real(ess) and 0.0 < ess < float("inf") and finite(wd) and wd > 0.0:
+            # the widest variance, the prior's 1/(ess·weight_decay), must be finite in float32
+            rule = f"a number whose product with weight_decay ({wd:g}), the prior's precision, is at least {_F32.tiny:.3g}"
+            need("ess", ess * wd >= _F32.tiny, rule)
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     need("init_std_ratio", finite(ratio) and ratio > 0.0, "a finite number > 0")
     if finite(ratio) and ratio > 0.0 and _ess_fitted(group):
@@ -250,7 +277,7 @@ def validate_group(group: dict[str, Any]) -> None:
         )
         need("init_std_ratio", ratio < DEFAULT_PRIOR_STD_RATIO, rule)
     if has("hess_init"):
-        need("hess_init", finite(group["hess_init"]) and group["hess_init"] > 0.0, "a finite number > 0")
+        need("hess_init", in_range(group["hess_init"]) and group["hess_init"] > 0.0, f"a finite number > 0 ({IN_RANGE})")
     for name in ("mc_samples", "precondition_frequency", "max_precond_dim"):
         if has(name):
             need(name, is_int(group[name]) and group[name] >= 1, "an integer >= 1")
@@ -271,11 +298,9 @@ def validate_group(group: dict[str, Any]) -> None:
         need("step_curvature", group["step_curvature"] in STEP_CURVATURES, f"one of {STEP_CURVATURES}")
     if has("mean_weight_decay"):
         mwd = group["mean_weight_decay"]
-        need("mean_weight_decay", mwd is None or (finite(mwd) and mwd >= 0.0), "None or a finite number >= 0")
+        need("mean_weight_decay", mwd is None or (in_range(mwd) and mwd >= 0.0), f"None or a finite number >= 0 ({IN_RANGE})")
     if has("curvature_refit"):
         need("curvature_refit", is_int(group["curvature_refit"]) and group["curvature_refit"] >= 0, "an integer >= 0")
-    if has("clip_radius"):
-        need("clip_radius", finite(group["clip_radius"]) and group["clip_radius"] > 0.0, "a finite number > 0")
     if has("eps"):
         need("eps", finite(group["eps"]) and group["eps"] > 0.0, "a finite number > 0")
     for name in ("phased_gradients", "identity_basis", "stagger_refresh"):
