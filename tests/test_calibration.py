@@ -756,6 +756,21 @@ def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
         calibrate_posterior(model, post, cal, **kwargs)
 
 
+def test_an_optimizer_for_the_posterior_and_a_shift_without_a_sequence_are_named() -> None:
+    """``calibrate_posterior(model, optimizer, ...)`` raised "'EVON' object has no attribute 'config'",
+    and ``shift_labels=True`` with a classifier's (batch,) labels an IndexError inside the shift; each
+    names its argument. The model keeps its mean."""
+    import hf_evon
+
+    model, post, cal, _ = trained(steps=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match=r"calibrate_posterior: posterior must be an EVONPosterior; got EVON \("):
+        calibrate_posterior(model, hf_evon.EVON(model.parameters()), cal)
+    with pytest.raises(ValueError, match=r"labels shaped \(50,\) do not align with the model's logits \(50, \d+\) \(a causal LM"):
+        calibrate_posterior(model, post, cal, shift_labels=True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 def test_a_numpy_sample_count_calibrates_as_its_int() -> None:
     """``num_samples=np.int64(4)``, which ``posterior.draw`` takes, was refused here ("must be an integer");
     it now gives what 4 gives, recorded as a Python int (the posterior's JSON record takes no NumPy type)."""

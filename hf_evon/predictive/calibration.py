@@ -328,6 +328,11 @@ def calibrate_posterior(
         raise TypeError(
             "calibrate_posterior: batches must be re-iterable (a list or a DataLoader), not an iterator"
         )
+    if not (hasattr(posterior, "config") and hasattr(posterior, "with_ess")):  # an EVON given for its posterior
+        raise TypeError(
+            f"calibrate_posterior: posterior must be an EVONPosterior; got {type(posterior).__name__} "
+            "(EVONPosterior.from_optimizer(optimizer, model) makes one of a trained optimizer)"
+        )
     base = trained_posterior(posterior)  # the grid multiplies each parameter's trained ζ
     trained = float(base.ess)
     if math.isinf(trained):

@@ -85,7 +85,9 @@ def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> i
 def require_aligned(logits: Tensor, labels: Any, shift: bool, where: str) -> None:
     """Raise, naming ``where``, where ``labels`` do not give one class label per row of ``logits``, or
     where the logits have one class (a sigmoid's single logit, a regression's value)."""
-    rows, targets = shifted(logits, labels, shift) if isinstance(labels, Tensor) else (logits, None)
+    # a shift needs a sequence axis: (batch,) labels have none to shift along
+    shiftable = isinstance(labels, Tensor) and (not shift or (labels.dim() >= 2 and logits.dim() >= 3))
+    rows, targets = shifted(logits, labels, shift) if shiftable else (logits, None)
     if targets is None or rows.shape[:-1] != targets.shape:
         raise ValueError(
             f"{where}: labels shaped {tuple(getattr(labels, 'shape', ()))} do not align with the model's logits "
