@@ -665,6 +665,9 @@ def test_lora_adapters_get_their_own_group_at_adamws_step() -> None:
     assert [g["lr"] for g in same.param_groups if g["algorithm"] == "evon"] == [0.03]
     with pytest.raises(ValueError, match="adapter_lr_scale"):
         build_optimizer(model, adapter_lr_scale=0)
+    # inf was taken, and refused as the adapters' "Invalid lr: inf", an argument not given
+    with pytest.raises(ValueError, match=r"Invalid adapter_lr_scale: inf \(must be None or a finite number > 0\)"):
+        build_optimizer(model, adapter_lr_scale=float("inf"))
 
 
 @pytest.mark.parametrize("kind", ["lora_embedding", "lokr", "loha", "ia3"])

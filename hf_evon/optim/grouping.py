@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import adapter_parameter_ids, is_peft_model, pretrained_name, unused_adapter_parameters
-from hf_evon.optim.checks import finite, is_real, outside_stacklevel, require
+from hf_evon.optim.checks import finite, outside_stacklevel, require
 from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
     DEFAULT_CLIP,
@@ -248,8 +248,8 @@ def build_optimizer(
     require(
         "adapter_lr_scale",
         adapter_lr_scale,
-        adapter_lr_scale is None or (is_real(adapter_lr_scale) and adapter_lr_scale > 0),
-        "None or a number > 0",
+        adapter_lr_scale is None or (finite(adapter_lr_scale) and adapter_lr_scale > 0),
+        "None or a finite number > 0",
     )
     if learning_rate is not None:
         require("learning_rate", learning_rate, finite(learning_rate) and learning_rate >= 0, "a finite number >= 0")
