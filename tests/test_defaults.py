@@ -698,6 +698,25 @@ def test_every_peft_adapter_kind_gets_the_adapter_rate(kind: str) -> None:
     assert evon and all(lr == pytest.approx(0.1, rel=1e-12) for _, lr in evon), evon  # 1.6·1e-3/0.01·0.625
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_trainable_tokens_on_a_tied_head_are_an_adapters_tensor(tied: bool) -> None:
+    """LoRA with ``trainable_token_indices`` on a GPT-2 whose head is tied to its embedding: PEFT's
+    TrainableTokensWrapper is then the head, and its token delta was counted as the head's own weight
+    (AdamW: no posterior, no warning), while untied it is EVON's. Either way it is an adapter's tensor,
+    at the adapters' rate beside the LoRA factors."""
+    import peft
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=16, tie_word_embeddings=tied))
+    config = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, trainable_token_indices=[3, 5])
+    opt = build_optimizer(peft.get_peft_model(base, config))
+    where = {n: (g["algorithm"], g["lr"]) for g in opt.param_groups for n in g["param_names"]}
+    (delta,) = [n for n in where if "trainable_tokens_delta" in n]
+    lora = [v for n, v in where.items() if "lora_" in n]
+    assert lora and where[delta] == lora[0] and lora[0][0] == "evon"
+
+
 def _moves_under_binding_clip(opt: EVON, model: nn.Module) -> list[torch.Tensor]:
     """Each EVON matrix's change in the second step, under full-rank gradients far above H."""
     evon_params = [p for g in opt.param_groups if g["algorithm"] == "evon" for p in g["params"]]

@@ -67,7 +67,13 @@ def _output_head_ids(model: nn.Module) -> set[int]:
     # beside it are an adapter's, trained as on any other layer
     base_layer = getattr(head, "get_base_layer", None)
     head = base_layer() if isinstance(head, nn.Module) and callable(base_layer) else head
-    return {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    if not isinstance(head, nn.Module):
+        return set()
+    # PEFT's trainable tokens on a head tied to the embedding (TrainableTokensWrapper, no base layer to
+    # ask for): their delta rows are an adapter's tensors, trained as where the head is not tied
+    tokens = getattr(head, "token_adapter", None)
+    adapter = {id(p) for a in getattr(tokens, "adapter_layer_names", ()) for p in getattr(tokens, a).parameters()}
+    return {id(p) for p in head.parameters()} - adapter
 
 
 def _embedding_ids(model: nn.Module) -> set[int]:
