@@ -924,6 +924,9 @@ def test_asking_for_the_posterior_of_a_tensor_evon_does_not_train_names_it() -> 
     for ask in (opt.posterior_std, opt.posterior_covariance, opt.posterior_factors):
         with pytest.raises(ValueError, match=r"a tensor of shape \(4,\) is not trained by EVON"):
             ask(b)
+        # a parameter's name: "'str' object has no attribute 'shape'" before
+        with pytest.raises(TypeError, match=r"expected one of this optimizer's parameters, a tensor; got str '0\.weight'"):
+            ask("0.weight")
     assert opt.posterior_std(w).shape == w.shape
 
 

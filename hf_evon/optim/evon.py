@@ -198,8 +198,7 @@ class EVON(Optimizer):
         self._health_warned: set[str] = set()  # each health warning is given once
         # train=True / train=False blocks entered so far: the blocks' noise labels (noise_label)
         self._sample_blocks = self._eval_blocks = 0
-        # _sample_blocks when the last step() call ended: a trainer starting over rewinds the noise to it
-        self._stepped_blocks = 0
+        self._stepped_blocks = 0  # _sample_blocks when the last step() ended: a trainer starting over rewinds to it
         self._reset_transient()
         super().__init__(params, defaults)
 
@@ -212,8 +211,7 @@ class EVON(Optimizer):
         self._bucket_index: dict[int, tuple[Bucket, int]] | None = None
         self._samples = 0  # samples recorded since the last step
         self._in_sample = self._training_block = False
-        # the gradients the last step consumed (gradients.consumed_grads): a block drops, not adds, them
-        self._consumed: Consumed = {}
+        self._consumed: Consumed = {}  # what the last step consumed (consumed_grads): a block drops, not adds, it
         self._held: Consumed = {}  # the gradients that hold the step's samples (set_aside_grads)
         # set by prepare_distributed: all-reduces (averages) a list of tensors in place
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
@@ -514,6 +512,8 @@ class EVON(Optimizer):
 
     # ---------------------------------------------------------- inspection
     def _locate(self, p: Tensor) -> tuple[Bucket, int]:
+        if not isinstance(p, Tensor):  # a name, say: posterior_std(model.get_parameter(name)) takes it
+            raise TypeError(f"expected one of this optimizer's parameters, a tensor; got {type(p).__name__} {p!r}")
         p = self._hooks.bucket_param(p)  # FSDP2: a DTensor's bucket member is its owner's full copy
         if not self.buckets or self._bucket_index is None:  # self.buckets first: a rebuild drops the index
             self._bucket_index = {id(q): (b, i) for b in self.buckets for i, q in enumerate(b.params)}
