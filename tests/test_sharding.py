@@ -455,6 +455,20 @@ def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(faults) -> None:
         assert torch.equal(v, results[1]["weights"][k]), k
 
 
+def test_a_block_that_raised_before_its_forward_stops_the_job_instead_of_hanging(tmp_path) -> None:
+    """Rank 1's block raised before its forward on a DDP model with a buffer (uncaught): its exit joined
+    the averaging's exchange while rank 0 was in DDP's own forward broadcast, and both waited until the
+    process group's timeout (30 minutes under gloo). A block that raised before its backward joins no
+    exchange where the model runs collectives of its own: rank 1 exits with its error, and the launch
+    stops rank 0 (as torchrun does)."""
+    from launcher import torchrun
+
+    with pytest.raises(AssertionError) as failed:
+        torchrun(2, os.path.join(HERE, "sharded_raise_worker.py"), timeout=90)
+    message = str(failed.value)
+    assert "still running after" not in message and "ValueError: rank 1 failed before its forward" in message, message
+
+
 def test_a_refused_nonfinite_step_names_the_parameter_on_every_rank(faults) -> None:
     """Only rank 1 owns the bias whose squared gradient overflows: every rank refuses the step, and
     each names the bias (rank 0 said only "a non-finite value" before the fix)."""

@@ -509,7 +509,7 @@ def prepare_distributed(
         if isinstance(evon.sharding, FSDP2Sharding):
             raise ValueError("this EVON was prepared for FSDP2, but the model given is not fully_shard-ed")
         if evon.sharding is None:
-            evon.install_sharding(EVONSharding(evon, process_group, bucket_cap_mb))
+            evon.install_sharding(EVONSharding(evon, process_group, bucket_cap_mb, model_collectives=bool(ddps)))
         if world > 1:
             reduce = evon.sharding.reduce_gradients
 

@@ -91,7 +91,7 @@ class FSDP2Sharding(EVONSharding):
     def __init__(self, optimizer: EVON, mesh: Any, modules: list[Any] | tuple[Any, ...] = ()) -> None:
         self.mesh = mesh
         self.modules = list(modules)
-        super().__init__(optimizer, mesh.get_group())
+        super().__init__(optimizer, mesh.get_group(), model_collectives=True)  # FSDP2's gathers and scatters
         self.evon_params = [p for p in self.params if id(p) in self.index]
         self.proxy: dict[int, Tensor] = {}  # id(DTensor) -> the owner's full copy
         self._param_of: dict[int, Tensor] = {}  # id(copy) -> its DTensor

@@ -114,10 +114,12 @@ class EVONSharding(ShardingHooks):
     Args:
         optimizer: the EVON to shard (its parameter groups are final: ownership is fixed here).
         group: the data-parallel process group (default: the world; none: one process).
+        model_collectives: whether the model runs collectives of its own (a DDP model's buffers and
+            buckets): see :attr:`~hf_evon.optim.hooks.ShardingHooks.model_collectives`.
     """
 
-    def __init__(self, optimizer: EVON, group: Any = None, bucket_cap_mb: float = 64.0) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: EVON, group: Any = None, bucket_cap_mb: float = 64.0, model_collectives: bool = False) -> None:
+        self.optimizer, self.model_collectives = optimizer, model_collectives  # the latter: a DDP model
         self.group = group
         self.bucket_cap_mb = bucket_cap_mb  # of the averager's flat buffers (prepare_distributed's)
         initialized = dist.is_available() and dist.is_initialized()

@@ -372,7 +372,8 @@ class EVON(Optimizer):
                 ok = True
             finally:
                 with torch.no_grad(), writing_weights():
-                    refused = self._hooks.end_sample(recorded=ok and train, failed=train and not ok)
+                    failed = train and not ok and (not self._hooks.model_collectives or gradients.backward_ran(self.param_groups))
+                    refused = self._hooks.end_sample(recorded=ok and train, failed=failed)
                     ok = ok and refused is None  # sharded: it raised on another rank, recorded on none
                     kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
                     for b in perturbed if ok else ():
@@ -578,8 +579,7 @@ class EVON(Optimizer):
         return {**super().__getstate__(), "_evon": copied_attributes(self)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        own = state.pop("_evon", None)  # None: torch's load_state_dict setting state and groups
+        own = (state := dict(state)).pop("_evon", None)  # None: torch's load_state_dict setting state and groups
         super().__setstate__(state)
         if own is not None:
             restore_copied(self, own)

@@ -23,6 +23,7 @@ from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.health import param_label
 
 __all__ = [
+    "backward_ran",
     "closure_loss",
     "consumed_grads",
     "consumed_places",
@@ -179,6 +180,14 @@ def _refuse_mid_accumulation() -> None:
     refusal = mid_accumulation_refusal(kwargs.get("num_steps", 1), shared.get("sync_gradients", True))
     if refusal is not None:
         raise RuntimeError(refusal)
+
+
+def backward_ran(param_groups: list[dict[str, Any]]) -> bool:
+    """Whether a ``sampled_params(train=True)`` block's backward produced a gradient: the block set
+    every ``.grad`` aside at entry, so one now is its own. Read at the exit of a block that raised:
+    one that raised before its backward may have left the other ranks inside the model's own
+    collectives (DDP's buffers and buckets, FSDP2's gathers), which no exchange of EVON's pairs with."""
+    return any(p.grad is not None for g in param_groups for p in g["params"])
 
 
 def set_aside_grads(

@@ -31,6 +31,11 @@ class ShardingHooks:
     ``remote_factors``. Checkpoints: ``full_state_dict``, ``local_state_dict``.
     """
 
+    # whether the model runs collectives of its own in forward/backward (DDP, FSDP2): a block that
+    # raised there before its backward joins no exchange of EVON's, which those would not pair with,
+    # and its error stops the job (caught, the ranks' collectives no longer pair)
+    model_collectives = False
+
     # ------------------------------------------------------------- ownership
     def new_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """A group ``add_param_group`` adds, as it is added (sharded: refused, owners are fixed)."""
@@ -88,8 +93,10 @@ class ShardingHooks:
 
     def end_sample(self, recorded: bool, failed: bool = False) -> str | None:
         """At a block's exit, before the means are restored (``recorded``: a ``train=True``
-        block that completed; ``failed``: one that raised on this rank). Returns why a block that
-        completed here is not recorded after all (it raised on another rank), else None."""
+        block that completed; ``failed``: one that raised on this rank, which the other ranks learn
+        in the exchange; under ``model_collectives`` only one that raised after its backward: one
+        that raised before it is neither, and joins none). Returns why a block that completed here
+        is not recorded after all (it raised on another rank), else None."""
         return None
 
     def before_step(self) -> None:
