@@ -1274,6 +1274,30 @@ def test_every_state_entry_out_of_place_is_named_by_the_moved_params_check(name:
     assert re.match(rf"EVON.step: parameter {name} .*is torch\.float32 on cpu, but its state '{key}' is ", check())
 
 
+@pytest.mark.parametrize(("start", "cast"), [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_an_all_evon_model_cast_between_float32_and_float64_is_refused_until_its_state_is_reloaded(start, cast) -> None:
+    """A bias-free MLP, every weight EVON's (no AdamW state to notice the cast), cast after three steps:
+    the step went on with state of the old dtype (float32 state for float64 weights, 2.4e-3 from the
+    run the documented reload gives after 17 steps). It is refused, naming the weight and the state, and
+    after ``load_state_dict(state_dict())`` the state is the new dtype's and the step runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False)).to(start)
+    opt = EVON(model.parameters(), seed=1)
+    x = torch.randn(6, 4)
+    for _ in range(3):
+        _mlp_step(model, opt, x.to(start))
+    model.to(cast)
+    kept = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=rf"parameter .* \(shape \(8, 4\)\) is {cast} on cpu, but its state 'hess' is {start} on cpu"):
+        _mlp_step(model, opt, x.to(cast))
+    assert all(torch.equal(p, k) for p, k in zip(model.parameters(), kept, strict=True))
+    opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+    _mlp_step(model, opt, x.to(cast))
+    assert opt.state[model[0].weight]["hess"].dtype == cast
+    assert not torch.equal(model[0].weight, kept[0])
+
+
 def test_an_optimizer_dropped_after_a_block_without_its_step_is_collected_and_guards_nothing() -> None:
     """A run that ends between a block's exit and the step (interrupted, or ending mid-accumulation)
     left the late-gradient guard holding the optimizer's param_groups and bound discard_samples in a

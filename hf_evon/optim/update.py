@@ -19,6 +19,7 @@ from hf_evon.optim.buckets import (
     momentum_key,
     point_state_views,
     refresh_buckets,
+    state_dtype,
 )
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.curvature import mean_pull
@@ -357,8 +358,8 @@ def _moved_param(buckets: list[Bucket], adamw: AdamWInputs) -> tuple[Tensor, str
     for b in buckets:
         hess = b.state["hess"]
         device = hess.device  # read once: the members' states are rows of this one tensor
-        for p in b.params:
-            if p.device != device:
+        for p in b.params:  # a float32/float64 cast changes the state's dtype (buckets.state_dtype)
+            if p.device != device or state_dtype(p) != hess.dtype:
                 return p, "hess", hess
     step_devices: dict[tuple[torch.dtype, torch.device], torch.device] = {}  # adamw_step_device per place
     for params, _, states in adamw.values():
