@@ -12,6 +12,7 @@ GPUs this starts 2 CPU processes (torchrun) and accelerate uses DDP over gloo; w
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import subprocess
@@ -634,8 +635,8 @@ def test_handle_forwards_only_what_the_wrapper_lacks_and_pickles() -> None:
 
     handle = object.__new__(EVONAcceleratedOptimizer)
     handle.__setstate__({"optimizer": opt, "scaler": None})
-    copy = pickle.loads(pickle.dumps(handle))
-    assert type(copy) is EVONAcceleratedOptimizer and copy.mc_samples == opt.mc_samples
+    copied = pickle.loads(pickle.dumps(handle))
+    assert type(copied) is EVONAcceleratedOptimizer and copied.mc_samples == opt.mc_samples
 
 
 def test_a_skipped_evon_step_is_reported_to_accelerate_and_its_scheduler() -> None:
@@ -656,17 +657,29 @@ def test_a_skipped_evon_step_is_reported_to_accelerate_and_its_scheduler() -> No
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         optimizer = prepare_distributed(model, optimizer)
         ids = torch.randint(0, 32, (2, 6))
-        for scale in (1.0, 1.0, math.nan, 1.0):
-            with optimizer.sampled_params(train=True):
-                accelerator.backward(model(input_ids=ids, labels=ids).loss * scale)
-            before = [g["lr"] for g in optimizer.param_groups]
-            with pytest.warns(RuntimeWarning, match="skipped") if scale != scale else contextlib.nullcontext():
-                optimizer.step()
-            assert optimizer.step_was_skipped == (scale != scale)
-            scheduler.step()
-            optimizer.zero_grad()
-            assert ([g["lr"] for g in optimizer.param_groups] == before) == (scale != scale)
+
+        def train(model, optimizer, scheduler, scales) -> None:  # noqa: ANN001
+            for scale in scales:
+                with optimizer.sampled_params(train=True):
+                    accelerator.backward(model(input_ids=ids, labels=ids).loss * scale)
+                before = [g["lr"] for g in optimizer.param_groups]
+                with pytest.warns(RuntimeWarning, match="skipped") if scale != scale else contextlib.nullcontext():
+                    optimizer.step()
+                assert optimizer.step_was_skipped == (scale != scale)
+                scheduler.step()
+                optimizer.zero_grad()
+                assert ([g["lr"] for g in optimizer.param_groups] == before) == (scale != scale)
+
+        train(model, optimizer, scheduler, (1.0, 1.0, math.nan))
+        # a copy (deepcopy, pickle) lost its EVON's step hooks, and its step_was_skipped kept the value it
+        # was copied with: True after every later step of a copy made here (its scheduler never advanced)
+        copied = copy.deepcopy((model, optimizer, scheduler))
+        train(model, optimizer, scheduler, (1.0,))
+        again = copy.deepcopy((model, optimizer, scheduler))  # made after a good step: False for a skipped one
+        train(*copied, (1.0, math.nan, 1.0))
+        train(*again, (math.nan, 1.0))
         assert unwrap_optimizer(optimizer).skipped_steps == 1
+        assert [unwrap_optimizer(c[1]).skipped_steps for c in (copied, again)] == [2, 2]
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()

@@ -135,6 +135,10 @@ else:
         def step_was_skipped(self) -> bool:
             return bool(super().step_was_skipped or self.__dict__.get("_evon_skipped", False))
 
+        def __setstate__(self, state: dict[str, Any]) -> None:  # a copy: torch copies no step hook of its EVON
+            super().__setstate__(state)
+            _watch_skips(self)
+
     def _watch_skips(handle: Any) -> Any:
         """Record on ``handle`` whether each step of its EVON skipped, by torch's step hooks on the EVON:
         an LRScheduler built on the wrapper before its class swap keeps a ``step`` calling the old class's."""
@@ -157,28 +161,24 @@ _HANDLE_CLASSES: dict[type, type] = {}
 if EVONAcceleratedOptimizer is not None:
     _HANDLE_CLASSES[AcceleratedOptimizer] = EVONAcceleratedOptimizer
     # The one change hf_evon makes to another library's class: accelerate's AcceleratedOptimizer
-    # defines no __getattr__ and offers no hook when ``accelerator.prepare`` wraps an optimizer,
-    # so a loop written the usual way (``accelerator.prepare(build_optimizer(model))``, then
-    # ``optimizer.sampled_params``) would meet an AttributeError. With EVONHandle's lookup, what
-    # the wrapper lacks is the wrapped EVON's; around any other optimizer a missing attribute
-    # stays an AttributeError. Under DDP, EVON's step still refuses to run without
-    # prepare_distributed. tests/test_distributed.py pins that accelerate defines none of its own.
+    # defines no __getattr__ and no hook when ``accelerator.prepare`` wraps an optimizer: a loop written the
+    # usual way (``accelerator.prepare(build_optimizer(model))``, then ``optimizer.sampled_params``) would
+    # meet an AttributeError. With EVONHandle's lookup what the wrapper lacks is the EVON's (around another
+    # optimizer it stays one); tests/test_distributed.py pins that accelerate defines none of its own.
     if "__getattr__" not in vars(AcceleratedOptimizer):
         AcceleratedOptimizer.__getattr__ = EVONHandle.__getattr__  # type: ignore[attr-defined]
 
 
 def as_evon_handle(optimizer: Any) -> Any:
-    """``optimizer`` itself, answering EVON's API too (see :class:`EVONHandle`).
+    """``optimizer`` itself, answering EVON's API too (see :class:`EVONHandle`): a bare EVON as is, a
+    wrapper (accelerate's ``AcceleratedOptimizer``, any object holding the EVON as ``.optimizer``) with
+    :class:`EVONHandle` mixed into its class.
 
-    A bare EVON is returned as is; a wrapper (accelerate's ``AcceleratedOptimizer`` or any
-    object holding the EVON as ``.optimizer``) gets :class:`EVONHandle` mixed into its class.
-
-    Why the class of a live object is replaced (the one place this is done): the caller keeps
-    using the object it passed (``prepare_distributed(model, opt) is opt``), and other code
-    (accelerate's ``Accelerator``, the Trainer) holds references to that same object, so a new
-    wrapper object would leave them with one that lacks EVON's API. The new class derives from
-    the old one, so ``isinstance`` checks and the wrapper's own methods are unchanged.
-    """
+    Why the class of a live object is replaced (the one place this is done): the caller keeps using the
+    object it passed (``prepare_distributed(model, opt) is opt``), and other code (accelerate's
+    ``Accelerator``, the Trainer) holds references to that same object, so a new wrapper object would
+    leave them with one that lacks EVON's API. The new class derives from the old one, so ``isinstance``
+    checks and the wrapper's own methods are unchanged."""
     unwrap_optimizer(optimizer)  # raises TypeError for non-EVON optimizers
     cls = type(optimizer)
     if isinstance(optimizer, EVON | EVONHandle):
