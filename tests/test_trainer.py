@@ -1621,6 +1621,54 @@ def test_an_adalora_run_resumed_after_its_final_allocation_ends_as_the_whole_run
     assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
 
 
+def _adalora_config():  # noqa: ANN202
+    from peft import AdaLoraConfig
+
+    return AdaLoraConfig(
+        init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=6, tinit=0, tfinal=2, deltaT=1,
+    )  # fmt: skip
+
+
+def test_an_adalora_run_resumed_at_its_final_allocation_allocates_its_budget(tmp_path):
+    """Resumed from the checkpoint of step total_step − tfinal (4 here), the first step is AdaLoRA's final
+    allocation, which reads the importance averages no file keeps: PEFT raised a KeyError there. They start
+    afresh from that step's gradients, as a run resumed earlier has them: the run ends with the full run's
+    budget of ranks, the pruned ones 0."""
+    common = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=4, evon_ess=300.0)
+    full = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "full", **common), peft_config=_adalora_config(),
+                       train_dataset=lm_data())  # fmt: skip
+    full.train()
+    resumed = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "res", **common), peft_config=_adalora_config(),
+                          train_dataset=lm_data())  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-4"))
+    kept = [resumed.model.peft_config["default"].rank_pattern, full.model.peft_config["default"].rank_pattern]
+    assert kept[0].keys() == kept[1].keys() and [sum(sum(v) for v in k.values()) for k in kept] == [2, 2]
+    singular = {n.removeprefix("base_model.model."): p for n, p in resumed.model.named_parameters() if "lora_E" in n}
+    assert singular.keys() == kept[0].keys()
+    for key, p in singular.items():
+        assert torch.equal(p.detach().view(-1) != 0, torch.tensor(kept[0][key])), key
+
+
+def test_load_best_model_at_end_loads_an_adalora_checkpoint(tmp_path):
+    """An AdaLoRA checkpoint holds every rank (the pruned ones as zeros), and PEFT's load shrank the modules
+    to the config's rank_pattern first: load_best_model_at_end raised a size mismatch at the end of
+    train(). The best checkpoint's adapter is loaded, and the pattern is its kept ranks."""
+    from safetensors.torch import load_file
+
+    common = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=3, eval_strategy="steps",
+                  eval_steps=3, load_best_model_at_end=True, metric_for_best_model="loss", evon_ess=300.0, bma_num_samples=0)
+    trainer = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path, **common), peft_config=_adalora_config(),
+                          train_dataset=lm_data(), eval_dataset=lm_data(8, seed=1))  # fmt: skip
+    trainer.train()
+    best = load_file(os.path.join(trainer.state.best_model_checkpoint, "adapter_model.safetensors"))
+    loaded = {n.replace(".default", ""): p for n, p in params(trainer.model).items()}  # the file's names
+    assert best and all(torch.equal(loaded[k], v) for k, v in best.items())
+    pattern = trainer.model.peft_config["default"].rank_pattern
+    singular = {n.removeprefix("base_model.model."): p for n, p in trainer.model.named_parameters() if "lora_E" in n}
+    assert pattern.keys() == singular.keys()
+    assert all(torch.equal(p.detach().view(-1) != 0, torch.tensor(pattern[k])) for k, p in singular.items())
+
+
 # ---------------------------------------------------------------------------- fresh process
 RELOAD_SCRIPT = textwrap.dedent(
     """

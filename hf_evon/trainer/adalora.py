@@ -9,8 +9,9 @@ also under gradient accumulation) with ``state.global_step``, the step's index f
 loop does. Every ``EVONTrainerMixin`` trainer adds one (:func:`add_rank_allocation`); with any other
 ``Trainer`` pass ``callbacks=[AdaLoraRankAllocation()]``. It does nothing for other models. A run
 resumed after the final allocation gets its ``rank_pattern`` back from the checkpoint's zeros
-(:func:`kept_ranks`); one resumed before it starts AdaLoRA's importance averages afresh (PEFT keeps them
-in no file).
+(:func:`kept_ranks`); one resumed before it, or at it, starts AdaLoRA's importance averages afresh (PEFT
+keeps them in no file). A best checkpoint loaded at the end of training (``load_best_model_at_end``) is
+loaded with every rank (:func:`every_rank_loaded`).
 Do not call ``update_and_allocate`` yourself as well: a second call in a step updates AdaLoRA's
 importance averages twice.
 
@@ -34,7 +35,8 @@ from transformers import TrainerCallback
 
 from hf_evon.modeling import adalora_singular_values, is_peft_model, unwrap_model
 
-__all__ = ["AdaLoraRankAllocation", "adalora_model", "add_rank_allocation", "every_rank_saved", "kept_ranks"]
+__all__ = ["AdaLoraRankAllocation", "adalora_model", "add_rank_allocation", "every_rank_loaded", "every_rank_saved"]
+__all__ += ["kept_ranks"]
 __all__ += ["pruned_entries", "zero_pruned"]
 
 
@@ -67,8 +69,14 @@ class AdaLoraRankAllocation(TrainerCallback):
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         adalora = adalora_model(model)
-        if adalora is not None:
-            adalora.update_and_allocate(state.global_step)
+        if adalora is None:
+            return
+        config = adalora.peft_config[adalora.trainable_adapter_name]
+        if state.global_step == config.total_step - config.tfinal and not adalora.rankallocator.ipt:
+            # resumed at the final allocation, which reads the importance averages: they start afresh
+            # here, from this step's gradients (PEFT's allocation updates them only before this step)
+            adalora.rankallocator.update_ipt(adalora.model)
+        adalora.update_and_allocate(state.global_step)
 
 
 def kept_ranks(adalora: Any, adapter: str) -> dict[str, list[bool]]:
@@ -122,3 +130,17 @@ def every_rank_saved(model: Any) -> Iterator[None]:
     finally:
         for c, pattern in zip(configs, patterns, strict=True):
             c.rank_pattern = pattern
+
+
+@contextlib.contextmanager
+def every_rank_loaded(model: Any) -> Iterator[None]:
+    """For the enclosed load of a checkpoint :func:`every_rank_saved` wrote, ``model``'s AdaLoRA adapters
+    without a ``rank_pattern``: PEFT's load shrinks the modules to a pattern first, and then refuses the
+    checkpoint's every rank (a size mismatch). Afterwards each pattern is the loaded ranks' (:func:`kept_ranks`);
+    on an error, as before."""
+    adalora = adalora_model(model)
+    names = [] if adalora is None else [n for n, c in adalora.peft_config.items() if c.rank_pattern is not None]
+    with every_rank_saved(model):
+        yield
+    for name in names:
+        adalora.peft_config[name].rank_pattern = kept_ranks(adalora, name)

@@ -77,6 +77,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from hf_evon.fileio import Listed, listed_kind, no_file_text
 from hf_evon.modeling import is_peft_model
+from hf_evon.trainer.adalora import every_rank_loaded
 from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
 
 __all__ = ["TrainerInternals"]
@@ -175,7 +176,8 @@ class TrainerInternals:
         if adapters:  # the Trainer loads the checkpoint's root, which holds "default"'s adapter, into the first
             self.state.best_model_checkpoint = adapters[0][1]
         try:
-            super()._load_best_model()
+            with every_rank_loaded(self.model):  # an AdaLoRA checkpoint holds every rank
+                super()._load_best_model()
             for adapter, folder in adapters[1:]:  # the Trainer loads the first active adapter only
                 self.model.load_adapter(folder, adapter)
         finally:
