@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import re
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -78,7 +79,8 @@ def fsync_dir(directory: str) -> None:
 
 @contextlib.contextmanager
 def replaced_atomically(path: str) -> Iterator[str]:
-    """Yield a temporary path to write; on a clean exit it is fsynced and switched onto ``path``.
+    """Yield a temporary path to write; on a clean exit it is fsynced and switched onto ``path``,
+    with the permissions of the file it replaces where there is one (as ``open(path, "w")`` keeps them).
 
     On an exception the temporary file is removed and ``path`` is left as it was::
 
@@ -89,6 +91,8 @@ def replaced_atomically(path: str) -> Iterator[str]:
     try:
         yield tmp
         fsync_file(tmp)
+        with contextlib.suppress(FileNotFoundError):  # a 0600 file stays private, a 0444 one read-only
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):

@@ -1510,6 +1510,22 @@ def test_the_posterior_files_get_the_mode_a_plain_open_gives(tmp_path, umask):
     assert modes == dict.fromkeys(modes, 0o666 & ~umask)
 
 
+def test_a_resave_keeps_the_modes_the_user_gave_the_files(tmp_path):
+    """A posterior's files made private (0600) by their owner became 0644 at the next save, readable by
+    everyone: the writes go through temporaries made under the umask. Each file the save replaces keeps
+    its mode, as ``open(path, "w")`` keeps it; a file the save creates gets the umask's."""
+    previous = os.umask(0o022)
+    try:
+        _posterior().save_pretrained(tmp_path)
+        for path in tmp_path.iterdir():
+            path.chmod(0o600)
+        _posterior().save_pretrained(tmp_path)
+    finally:
+        os.umask(previous)
+    names = {"README.md", POSTERIOR_WEIGHTS_NAME, POSTERIOR_CONFIG_NAME}
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == dict.fromkeys(names, 0o600)
+
+
 @pytest.mark.parametrize("missing", ["weights", "config"])
 def test_a_checkpoint_id_on_one_side_only_is_a_mismatch(tmp_path, missing):
     """The format promises the weights file's metadata and the config share one checkpoint_id, and
