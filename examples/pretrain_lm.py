@@ -164,8 +164,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
             f"the rest); got {args.val_fraction:g}"
         )
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        ap.error(f"--output-dir {args.output_dir!r} is a file, not a directory")
+    existing = args.output_dir  # the path, or the nearest folder above it that exists
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    if existing and not os.path.isdir(existing):
+        ap.error(f"--output-dir {existing!r} is a file, not a directory")
     # the schedule multiplies every group's rate by a factor that ends at --min-lr-ratio: below 0 the
     # rate turns negative (EVON refuses that step mid-run, AdamW ascends), NaN makes it NaN
     if not 0 <= args.min_lr_ratio <= 1:

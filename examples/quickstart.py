@@ -149,8 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):  # found before the training
-        ap.error(f"--output-dir: {args.output_dir} is a file, not a directory")
+    existing = args.output_dir  # the path, or the nearest folder above it that exists: a file there is
+    while existing and not os.path.exists(existing):  # found before the training, not at the save
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    if existing and not os.path.isdir(existing):
+        ap.error(f"--output-dir: {existing} is a file, not a directory")
     train_rows = len(split_data(0)[0][0])  # the same for every seed
     if args.batch_size > train_rows:  # no full batch: no step
         ap.error(f"--batch-size must be at most the training split's {train_rows} images; got {args.batch_size}")

@@ -387,3 +387,5 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(tmp_path, capsy
     error = argument_error(example.parse_args, ["--output-dir", str(path)], capsys)
     assert error.endswith(f"--output-dir {str(path)!r} is a file, not a directory")
     assert path.read_text() == "keep me"
+    error = argument_error(example.parse_args, ["--output-dir", str(path / "sub")], capsys)  # a file above it
+    assert error.endswith(f"--output-dir {str(path)!r} is a file, not a directory")

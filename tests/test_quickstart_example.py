@@ -85,3 +85,6 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(quickstart, cap
     error = argument_error(quickstart.main, ["--output-dir", str(tmp_path / "q")], capsys)
     assert (tmp_path / "q").read_text() == "notes"
     assert f"--output-dir: {tmp_path / 'q'} is a file, not a directory" in error
+    # a file above it: NotADirectoryError at the save, after the training, before
+    error = argument_error(quickstart.main, ["--output-dir", str(tmp_path / "q" / "sub" / "dir")], capsys)
+    assert f"--output-dir: {tmp_path / 'q'} is a file, not a directory" in error
