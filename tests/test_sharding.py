@@ -455,16 +455,17 @@ def test_a_block_that_raised_on_one_rank_is_recorded_on_no_rank(faults) -> None:
         assert torch.equal(v, results[1]["weights"][k]), k
 
 
-def test_a_block_that_raised_before_its_forward_stops_the_job_instead_of_hanging(tmp_path) -> None:
-    """Rank 1's block raised before its forward on a DDP model with a buffer (uncaught): its exit joined
-    the averaging's exchange while rank 0 was in DDP's own forward broadcast, and both waited until the
-    process group's timeout (30 minutes under gloo). A block that raised before its backward joins no
-    exchange where the model runs collectives of its own: rank 1 exits with its error, and the launch
-    stops rank 0 (as torchrun does)."""
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_block_that_raised_before_its_forward_stops_the_job_instead_of_hanging(tmp_path, kind: str) -> None:
+    """Rank 1's block raised before its forward on a DDP model with a buffer, or an FSDP2 model (uncaught):
+    its exit joined EVON's exchange while rank 0 was in the model's own forward collectives (DDP's buffer
+    broadcast, FSDP2's all-gather), and both waited until the process group's timeout (30 minutes under
+    gloo). A block that raised before its backward joins no exchange where the model runs collectives of
+    its own: rank 1 exits with its error, and the launch stops rank 0 (as torchrun does)."""
     from launcher import torchrun
 
     with pytest.raises(AssertionError) as failed:
-        torchrun(2, os.path.join(HERE, "sharded_raise_worker.py"), timeout=90)
+        torchrun(2, os.path.join(HERE, "sharded_raise_worker.py"), kind, timeout=90)
     message = str(failed.value)
     assert "still running after" not in message and "ValueError: rank 1 failed before its forward" in message, message
 
