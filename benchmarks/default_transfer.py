@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict[str, fl
         choices=list(payoff_training.SCHEDULES),
         help="payoff_training.SCHEDULES: linear decay, held for half the run then linear, or constant",
     )
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *EXTRA])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(dict.fromkeys([*METHODS, *EXTRA])))
     ap.add_argument(
         "--finetuning-lr", type=float, default=FINETUNING_LR, help="AdamW rate of minilm_license_full"
     )
