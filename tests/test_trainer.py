@@ -1595,32 +1595,6 @@ def test_a_vera_classifier_run_says_its_posterior_misses_the_adapter_and_the_pat
     assert set(vectors) < set(trainer.current_posterior().names)
 
 
-def test_an_adalora_run_resumed_after_its_final_allocation_ends_as_the_whole_run(tmp_path):
-    """Past AdaLoRA's final allocation, ``update_and_allocate`` masks with the config's rank_pattern, which
-    a checkpoint's adapter (saved with every rank, the pruned ones as zeros) does not carry: a run resumed
-    there crashed at its first step (``mask_using_rank_pattern(model, None)``: AttributeError). The
-    pattern is now read back from the zeros, and the resumed run ends exactly as the whole run does."""
-    from peft import AdaLoraConfig
-
-    def adalora() -> AdaLoraConfig:
-        return AdaLoraConfig(
-            init_r=4, target_r=1, target_modules=["c_attn"], fan_in_fan_out=True, total_step=6, tinit=0, tfinal=2,
-            deltaT=1,
-        )  # fmt: skip
-
-    common = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=5, evon_ess=300.0)
-    full = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "full", **common), peft_config=adalora(),
-                       train_dataset=lm_data())  # fmt: skip
-    full.train()
-    resumed = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "res", **common), peft_config=adalora(),
-                          train_dataset=lm_data())  # fmt: skip
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-5"))
-    pattern = full.model.peft_config["default"].rank_pattern
-    assert resumed.model.peft_config["default"].rank_pattern == pattern
-    pa, pb = params(full.model), params(resumed.model)
-    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
-
-
 def _adalora_config():  # noqa: ANN202
     from peft import AdaLoraConfig
 
@@ -1629,24 +1603,49 @@ def _adalora_config():  # noqa: ANN202
     )  # fmt: skip
 
 
+def _adalora_resumed(tmp_path: Path, step: int) -> tuple[EVONTrainer, EVONTrainer]:
+    """A whole 6-step AdaLoRA run saving at ``step``, and a run resumed from that checkpoint."""
+    common = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=step, evon_ess=300.0)
+    runs = []
+    for name in ("full", "res"):
+        runs.append(EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / name, **common), peft_config=_adalora_config(),
+                                train_dataset=lm_data()))  # fmt: skip
+    runs[0].train()
+    runs[1].train(resume_from_checkpoint=str(tmp_path / "full" / "out" / f"checkpoint-{step}"))
+    return runs[0], runs[1]
+
+
+def _assert_rank_pattern_is_the_zeros(model: torch.nn.Module) -> None:
+    """The adapter's rank_pattern keeps exactly the ranks whose singular value (lora_E) is not 0."""
+    pattern = model.peft_config["default"].rank_pattern
+    singular = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if "lora_E" in n}
+    assert pattern.keys() == singular.keys()
+    for key, p in singular.items():
+        assert torch.equal(p.detach().view(-1) != 0, torch.tensor(pattern[key])), key
+
+
+def test_an_adalora_run_resumed_after_its_final_allocation_ends_as_the_whole_run(tmp_path):
+    """Past AdaLoRA's final allocation, ``update_and_allocate`` masks with the config's rank_pattern, which
+    a checkpoint's adapter (saved with every rank, the pruned ones as zeros) does not carry: a run resumed
+    there crashed at its first step (``mask_using_rank_pattern(model, None)``: AttributeError). The
+    pattern is now read back from the zeros, and the resumed run ends exactly as the whole run does."""
+    full, resumed = _adalora_resumed(tmp_path, 5)
+    pattern = full.model.peft_config["default"].rank_pattern
+    assert resumed.model.peft_config["default"].rank_pattern == pattern
+    pa, pb = params(full.model), params(resumed.model)
+    assert [n for n in pa if not torch.equal(pa[n], pb[n])] == []
+
+
 def test_an_adalora_run_resumed_at_its_final_allocation_allocates_its_budget(tmp_path):
     """Resumed from the checkpoint of step total_step − tfinal (4 here), the first step is AdaLoRA's final
     allocation, which reads the importance averages no file keeps: PEFT raised a KeyError there. They start
     afresh from that step's gradients, as a run resumed earlier has them: the run ends with the full run's
-    budget of ranks, the pruned ones 0."""
-    common = dict(max_steps=6, per_device_train_batch_size=4, save_strategy="steps", save_steps=4, evon_ess=300.0)
-    full = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "full", **common), peft_config=_adalora_config(),
-                       train_dataset=lm_data())  # fmt: skip
-    full.train()
-    resumed = EVONTrainer(model=tiny_gpt2(), args=config(tmp_path / "res", **common), peft_config=_adalora_config(),
-                          train_dataset=lm_data())  # fmt: skip
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-4"))
-    kept = [resumed.model.peft_config["default"].rank_pattern, full.model.peft_config["default"].rank_pattern]
-    assert kept[0].keys() == kept[1].keys() and [sum(sum(v) for v in k.values()) for k in kept] == [2, 2]
-    singular = {n.removeprefix("base_model.model."): p for n, p in resumed.model.named_parameters() if "lora_E" in n}
-    assert singular.keys() == kept[0].keys()
-    for key, p in singular.items():
-        assert torch.equal(p.detach().view(-1) != 0, torch.tensor(kept[0][key])), key
+    budget of ranks (target_r per adapted matrix), the pruned ones 0."""
+    full, resumed = _adalora_resumed(tmp_path, 4)
+    kept = [run.model.peft_config["default"].rank_pattern for run in (resumed, full)]
+    budget = _adalora_config().target_r * len(kept[1])
+    assert kept[0].keys() == kept[1].keys() and [sum(sum(v) for v in k.values()) for k in kept] == [budget, budget]
+    _assert_rank_pattern_is_the_zeros(resumed.model)
 
 
 def test_load_best_model_at_end_loads_an_adalora_checkpoint(tmp_path):
@@ -1663,10 +1662,7 @@ def test_load_best_model_at_end_loads_an_adalora_checkpoint(tmp_path):
     best = load_file(os.path.join(trainer.state.best_model_checkpoint, "adapter_model.safetensors"))
     loaded = {n.replace(".default", ""): p for n, p in params(trainer.model).items()}  # the file's names
     assert best and all(torch.equal(loaded[k], v) for k, v in best.items())
-    pattern = trainer.model.peft_config["default"].rank_pattern
-    singular = {n.removeprefix("base_model.model."): p for n, p in trainer.model.named_parameters() if "lora_E" in n}
-    assert pattern.keys() == singular.keys()
-    assert all(torch.equal(p.detach().view(-1) != 0, torch.tensor(pattern[k])) for k, p in singular.items())
+    _assert_rank_pattern_is_the_zeros(trainer.model)
 
 
 # ---------------------------------------------------------------------------- fresh process

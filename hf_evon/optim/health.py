@@ -243,11 +243,12 @@ def first_nonfinite(
     for plan in plans:
         sq = torch.linalg.vector_norm(plan.grad, dim=(1, 2)).square()
         bad = (~torch.isfinite(sq)).nonzero().flatten().tolist()
-        if bad and not bool(torch.isfinite(plan.grad[bad[0]]).all()):  # FSDP2: another rank's rows of it
-            return f"non-finite gradient in {label(plan.work.params[bad[0]])}"
         if bad:
+            name = label(plan.work.params[bad[0]])
+            if not bool(torch.isfinite(plan.grad[bad[0]]).all()):  # FSDP2: another rank's rows of it
+                return f"non-finite gradient in {name}"
             return (
-                f"overflow in the Shampoo statistics (G Gᵀ) of {label(plan.work.params[bad[0]])}: "
+                f"overflow in the Shampoo statistics (G Gᵀ) of {name}: "
                 "its gradient is finite but so large (a spike) that its square is not"
             )
     for params, g_list, _ in adamw.values():

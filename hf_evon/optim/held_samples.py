@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["claim_sample", "first_held", "refuse_held", "release_sample"]
+__all__ = ["claim_sample", "refuse_held", "release_sample"]
 
 # the parameters (by id) that hold a sample of an open ``sampled()`` block, of any posterior or thread
 _HELD: set[int] = set()
@@ -46,19 +46,15 @@ def release_sample(claimed: set[int]) -> None:
         _HELD.difference_update(claimed)
 
 
-def first_held(params: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """The first of ``params`` that holds a sample of an open block, or None; O(1) while none is open."""
-    if not _HELD:
-        return None
-    with _HELD_LOCK:
-        return next((p for p in params if id(p) in _HELD), None)
-
-
 def refuse_held(params: Iterable[torch.Tensor], call: str, label: Callable[[torch.Tensor], str]) -> None:
     """Raise ``RuntimeError`` for ``call`` where one of ``params`` holds a sample of an open block:
     the block's exit writes the mean back over any step taken in it, and samples drawn in it are
-    drawn around its sample."""
-    if (held := first_held(params)) is not None:
+    drawn around its sample. O(1) while no block is open."""
+    if not _HELD:
+        return
+    with _HELD_LOCK:
+        held = next((p for p in params if id(p) in _HELD), None)
+    if held is not None:
         raise RuntimeError(
             f"{call} called while {label(held)} holds a posterior sample of an open sampled() block "
             "(EVONPosterior.sampled or a BMA pass): its exit writes the mean back over any step taken in "

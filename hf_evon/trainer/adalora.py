@@ -36,8 +36,7 @@ from transformers import TrainerCallback
 from hf_evon.modeling import adalora_singular_values, is_peft_model, unwrap_model
 
 __all__ = ["AdaLoraRankAllocation", "adalora_model", "add_rank_allocation", "every_rank_loaded", "every_rank_saved"]
-__all__ += ["kept_ranks"]
-__all__ += ["pruned_entries", "zero_pruned"]
+__all__ += ["kept_ranks", "pruned_entries", "zero_pruned"]
 
 
 def adalora_model(model: Any) -> Any:
