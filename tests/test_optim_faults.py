@@ -161,6 +161,28 @@ def test_a_failed_sample_leaves_no_trace() -> None:
     assert_identical(runs[1], runs[0])
 
 
+def test_a_weight_resized_in_place_is_refused_by_name_and_the_run_goes_on_once_it_is_put_back() -> None:
+    """``p.data = <another shape>`` after the state was stacked: refused, naming the weight, at the
+    next block, with nothing changed; the old tensor put back, the run equals one never resized."""
+    data = make_data()
+    runs = []
+    for resize in (False, True):
+        model = make_model()
+        opt = make_opt(model)
+        for step in range(5):
+            if step == 3 and resize:
+                old = model[2].weight.data
+                model[2].weight.data = torch.zeros(7, 5)
+                before = snapshot(model, opt)
+                with pytest.raises(ValueError, match=re.escape("['params'][1] (shape (7, 5)) changed shape from (5, 5) to (7, 5)")):
+                    train_step(model, opt, data)
+                assert_identical(snapshot(model, opt), before)
+                model[2].weight.data = old
+            train_step(model, opt, data)
+        runs.append(snapshot(model, opt))
+    assert_identical(runs[1], runs[0])
+
+
 # ------------------------------------------------- item 5: a finite gradient spike
 def spiked_run(spike: float, *, where: str, **options) -> tuple[nn.Module, EVON, list[str]]:
     """Eight steps of a named model; step 3's gradient of ``where`` multiplied by ``spike``."""

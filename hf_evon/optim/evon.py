@@ -271,7 +271,7 @@ class EVON(Optimizer):
     def buckets(self) -> list[Bucket]:
         """This rank's EVON parameters, bucketed with their stacked state (built on first use)."""
         reset = any(b.stale(self.state, self._hooks.model_param) for b in self._buckets or ())  # torch's reset
-        if reset or self._buckets is not None and self._layout.edited(self.param_groups):
+        if reset or self._buckets is not None and self._layout.edited(self.param_groups, self._param_label):
             if self._samples:  # stacked again (optimizer.state or a group's params), unless samples await
                 self._refuse_rebuild("clearing or replacing optimizer.state, or editing a group's params", False)
             self._buckets = None

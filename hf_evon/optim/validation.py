@@ -8,6 +8,7 @@ Both raise ``ValueError("Invalid <name>: <value> (must be <rule>)")`` at the fir
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -499,9 +500,24 @@ def check_layout(groups: list[dict[str, Any]], built: dict[int, tuple[Any, ...]]
             )
 
 
-def _evon_members(groups: list[dict[str, Any]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Each EVON group (by id) with its parameters (by id), in order: whom its buckets hold."""
-    return tuple((id(g), tuple(map(id, g["params"]))) for g in groups if g.get("algorithm") == "evon")
+def _evon_members(groups: list[dict[str, Any]]) -> tuple[tuple[int, tuple[tuple[int, torch.Size], ...]], ...]:
+    """Each EVON group (by id) with its parameters (by id and shape), in order: whom its buckets hold."""
+    return tuple((id(g), tuple((id(p), p.shape) for p in g["params"])) for g in groups if g.get("algorithm") == "evon")
+
+
+def _refuse_resized(built: tuple, groups: list[dict[str, Any]], label: Callable[[torch.Tensor], str]) -> None:
+    """Raise, naming the parameter, where one of the ``built`` members now has another shape (its
+    ``.data`` replaced): the stacked state is shaped for the old one, and nothing is changed yet."""
+    shapes = {pid: shape for _, members in built for pid, shape in members}
+    for g in groups:
+        for p in g["params"] if g.get("algorithm") == "evon" else ():
+            was = shapes.get(id(p), p.shape)
+            if was != p.shape:
+                raise ValueError(
+                    f"parameter {label(p)} changed shape from {tuple(was)} to {tuple(p.shape)} after the "
+                    "optimizer built its state, which is shaped for the old one: put the old shape back, "
+                    "or build a new optimizer for the resized model"
+                )
 
 
 class BuiltLayout:
@@ -518,8 +534,12 @@ class BuiltLayout:
     def check(self, groups: list[dict[str, Any]]) -> None:
         check_layout(groups, self.layouts)
 
-    def edited(self, groups: list[dict[str, Any]]) -> bool:
-        return _evon_members(groups) != self.members
+    def edited(self, groups: list[dict[str, Any]], label: Callable[[torch.Tensor], str]) -> bool:
+        members = _evon_members(groups)
+        if members == self.members:
+            return False
+        _refuse_resized(self.members, groups, label)
+        return True
 
 
 # an EVON group's hyperparameters (EVON's keyword arguments that become group defaults), in the
