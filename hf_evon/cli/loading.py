@@ -157,7 +157,7 @@ def unreachable_hub(repo_id: str) -> str | None:
     local cache, or ``HF_HUB_OFFLINE`` is set: the libraries then load from the cache).
 
     Why: offline, huggingface_hub retries every file request five times with backoff, so a
-    mistyped location (``out/run`` with no ``out/`` here) takes ~50 s to fail; one request to the
+    mistyped location (``out/run`` with no ``out/`` here) takes most of a minute to fail; one request to the
     endpoint, without retries, tells at once.
 
     The repo's folder in the cache is looked up by :func:`~hf_evon.fileio.reachable_kind`: one this user

@@ -401,6 +401,6 @@ def _cpu_copy(v: Any) -> Any:
 
 def _fresh(state: dict[Any, Any]) -> dict[Any, Any]:
     """The cached full state in new dicts (its tensors shared): callers may rekey or edit what
-    ``state_dict()`` returns (torch's distributed checkpoint renames its keys in place, which
-    had turned the cache's parameter indices into names until the next step)."""
+    ``state_dict()`` returns (torch's distributed checkpoint renames its keys in place; the cache
+    keeps its parameter indices)."""
     return {k: dict(v) if isinstance(v, dict) else v for k, v in state.items()}

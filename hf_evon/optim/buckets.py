@@ -502,7 +502,7 @@ def stack_state(b: Bucket, member_state: Callable[[Tensor], dict[str, Any]]) -> 
     for st in b.member_states:
         if ADAMW_ONLY_KEY in st:  # AdamW's state (moved here from an AdamW group) means nothing to EVON
             st.clear()  # so it starts as a parameter appended to the group does
-    # each member's counter (a state saved before they were per member holds one shared by all)
+    # each member's counter (a state with one counter for the bucket gives it to every member)
     zero = torch.zeros((), dtype=torch.float32)
     step = torch.stack([member_state(p).get("step", zero).detach().cpu().float().reshape(()) for p in b.params])
     momentum = momentum_key(b.group)

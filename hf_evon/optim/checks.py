@@ -194,7 +194,7 @@ def refuse_listed_twice(groups: list[dict[str, Any]], placed: bool = True) -> No
 
 
 def uses_fisher(group: dict[str, Any]) -> bool:
-    """Whether a group's H is the Fisher estimate (groups saved before the option: the Price one)."""
+    """Whether a group's H is the Fisher estimate (a group without the key: the Price one)."""
     ess = group.get("ess")
     return group.get("hess_estimator", "price") == "fisher" and not (
         isinstance(ess, float) and math.isinf(ess)

@@ -68,8 +68,8 @@ def unrotate_scaled(
 # arithmetic and cost launches
 GRAM_MIN_BLOCK = 128
 # On CPU the blocked product is slower than one matmul although it multiplies less: its strided and
-# transposed block copies cost more there than the multiply-adds saved (one thread, 6×1024×256:
-# 26.7 vs 22.4 ms; Gᵀ G of 6×256×1024: 45.7 vs 20.8 ms). Accelerators use it; set True to count it.
+# transposed block copies cost more there than the multiply-adds saved (docs/defaults.md#gram-blocked).
+# Accelerators use it; set True to count it.
 GRAM_BLOCKED_ON_CPU = False
 
 
@@ -252,9 +252,8 @@ def orthonormality_error(q: Tensor, probes: int = 2) -> float:
     return float((residual.norm(dim=-2) / x.norm(dim=0)).nan_to_num(nan=math.inf).max())
 
 
-# the side from which an accelerator factors each member of a stack in a call of its own: on an
-# H200 cuSOLVER's batched Cholesky of two 3072² members takes 9.3 ms, one member alone 1.5 ms
-# (2304²: 5.3 and 1.1 ms; 768²: batched is the faster from four members on) (docs/defaults.md#cholesky-qr)
+# the side from which an accelerator factors each member of a stack in a call of its own: cuSOLVER's
+# batched Cholesky of large sides is slower than one call per member (docs/defaults.md#cholesky-qr)
 CHOLESKY_ALONE_MIN_SIDE = 1536
 
 

@@ -30,8 +30,8 @@ Tensor = torch.Tensor
 # memory once per temperature (docs/results.md#calibration-speed)
 _CHUNK_ENTRIES = 1 << 18
 # every row's sum holds its maximum's exp(0) = 1, and exp(-80) < 2e-35: V such terms are below
-# float64's resolution of it, while an exp that underflows to a subnormal or 0 takes a slow path
-# (10-30× per entry on a CPU, for an LM's far-off tokens at a low temperature)
+# float64's resolution of it, while an exp that underflows to a subnormal or 0 takes a CPU's slow
+# path (an LM's far-off tokens at a low temperature; docs/results.md#calibration-speed)
 _EXP_FLOOR = -80.0
 
 
@@ -138,8 +138,8 @@ def tempered_log_probs(logits: Tensor, labels: Tensor, shift: bool, temperatures
     about ``_CHUNK_ENTRIES`` entries, each less its rows' maxima (no exp overflows, at any T > 0) and
     scored at every temperature while it is in cache: an LM's [targets, vocabulary] rows cost one
     exp per entry and temperature, and two chunks of memory. The exps run in the logits' precision, float32 at least (float64 logits: float64):
-    float32's are 2-3× faster and add an error below 1e-6 to each log-sum-exp, the size of the
-    float32 logits' own rounding; the label's logit less its row's maximum is taken exactly, in
+    float32's are the faster (docs/results.md#calibration-speed) and add an error below 1e-6 to each
+    log-sum-exp, the size of the float32 logits' own rounding; the label's logit less its row's maximum is taken exactly, in
     float64. A label outside the logits' classes is gathered as class 0 (:func:`scored_pass`
     refuses it): an index out of range would fail here, on a GPU with a device-side assert."""
     row_index, target = labelled_row_index(logits, labels, shift)

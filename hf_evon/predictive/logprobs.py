@@ -172,7 +172,7 @@ def widened(logits: Tensor) -> Tensor:
 def tempered(logits: Tensor, posterior: object) -> Tensor:
     """``logits / T`` for the posterior's BMA temperature ``T`` (``posterior.temperature``, 1 when it
     has none; then ``logits`` itself): the calibrated predictive is ``1/S Σ_s softmax(logits_s / T)``.
-    Divided in float32 at least: bfloat16 logits / T would round each to 3 digits (0.08 nats seen)."""
+    Divided in float32 at least: bfloat16 logits / T would round each to 3 significant digits."""
     temperature = float(getattr(posterior, "temperature", 1.0))
     if temperature == 1.0:
         return logits
