@@ -266,6 +266,19 @@ def test_an_ignore_index_that_is_not_an_integer_is_named():
 def test_ece_bins_validated():
     with pytest.raises(ValueError, match="n_bins"):
         expected_calibration_error(PROBS, LABELS, n_bins=0)
+    with pytest.raises(ValueError, match="n_bins"):
+        calibration_metrics(PROBS, LABELS, n_bins=True)
+
+
+def test_numpy_integers_are_integers_as_in_every_other_argument():
+    """``n_bins`` and ``ignore_index`` from a NumPy config are taken as the ints they hold (as
+    ``num_samples`` is), the same numbers as with Python ints."""
+    labels = [LABELS[0], -7, *LABELS[1:]]
+    probs = [PROBS[0], PROBS[0], *PROBS[1:]]
+    expected = calibration_metrics(probs, labels, n_bins=4, ignore_index=-7)
+    assert expected == calibration_metrics(PROBS, LABELS, n_bins=4)  # the -7 row left out
+    assert calibration_metrics(probs, labels, n_bins=np.int32(4), ignore_index=np.int64(-7)) == expected
+    assert expected_calibration_error(probs, labels, n_bins=np.int64(4), ignore_index=-7) == expected["ece"]
 
 
 @pytest.fixture

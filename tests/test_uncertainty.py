@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 from conftest import ScalarReads
@@ -83,6 +84,8 @@ def test_random_samples_match_the_plain_formulas() -> None:
     moved = predictive_uncertainty(logp.transpose(0, 1), dim=1)
     for a, b in zip(u, moved, strict=True):
         assert torch.equal(a, b)
+    for a, b in zip(moved, predictive_uncertainty(logp.transpose(0, 1), dim=np.int64(1)), strict=True):
+        assert torch.equal(a, b)  # a NumPy integer is the axis it holds
 
 
 def test_a_negative_samples_dim_means_what_it_means_for_torch() -> None:

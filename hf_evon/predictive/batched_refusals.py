@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_evon.optim.checks import is_int
+
 Tensor = torch.Tensor
 
 # the way out of every refusal of the batched path: each sample written into the weights in turn, which
@@ -91,9 +93,9 @@ def check_sequences(sequences: Any) -> int:
     """``sequences`` (B, ``None``: 1) checked: an integer >= 1."""
     if sequences is None:
         return 1
-    if not isinstance(sequences, int) or isinstance(sequences, bool) or sequences < 1:
+    if not is_int(sequences) or sequences < 1:
         raise ValueError(f"sequences must be an integer >= 1; got {sequences!r}")
-    return sequences
+    return int(sequences)
 
 
 def check_sample_count(k: Any, num_samples: int) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from hf_evon.optim.checks import is_int
 from hf_evon.predictive.logprobs import normalization_tolerance
 
 Tensor = torch.Tensor
@@ -104,7 +105,7 @@ def _log_probs(
         )
     if not bool(torch.all(labels == labels.round())):
         raise ValueError("references must be integer class indices")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+    if ignore_index is not None and not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an integer or None; got {ignore_index!r}")
     labels = labels.long()
     if ignore_index is not None:
@@ -173,9 +174,13 @@ def expected_calibration_error(
     ignore_index: int | None = -100,
 ) -> float:
     """Top-label ECE with ``n_bins`` equal-width bins over the confidence (0, 1]."""
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index), _checked_bins(n_bins))["ece"]
+
+
+def _checked_bins(n_bins: Any) -> int:
+    if not is_int(n_bins) or n_bins < 1:
         raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
-    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index), n_bins)["ece"]
+    return int(n_bins)
 
 
 def _binned_calibration_error(conf: Tensor, correct: Tensor, n_bins: int) -> float:
@@ -199,9 +204,7 @@ def calibration_metrics(
 ) -> dict[str, float]:
     """``CALIBRATION_METRIC_KEYS`` (nll, accuracy, ece, brier) in one call (the keys ``EVONTrainer`` reports),
     through :func:`item_statistics`, as the trainer's token metrics are summed batch by batch."""
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
-        raise ValueError(f"n_bins must be an integer >= 1; got {n_bins!r}")
-    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index), n_bins)
+    return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index), _checked_bins(n_bins))
 
 
 # the columns of :func:`item_statistics`

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from hf_evon.optim.checks import is_int
 from hf_evon.predictive.logprobs import LogMeanExp, ValueMean, log_mean_prob, normalization_tolerance
 
 Tensor = torch.Tensor
@@ -103,12 +104,12 @@ def predictive_uncertainty(sample_log_probs: Tensor, dim: int = 0) -> Predictive
     if sample_log_probs.ndim < 2:
         shape = tuple(sample_log_probs.shape)
         raise ValueError(f"sample_log_probs needs a samples and a classes dimension; got shape {shape}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -sample_log_probs.ndim <= dim < sample_log_probs.ndim:
+    if not is_int(dim) or not -sample_log_probs.ndim <= dim < sample_log_probs.ndim:
         raise ValueError(f"dim must be an axis of sample_log_probs (shape {tuple(sample_log_probs.shape)}); got {dim!r}")
     if sample_log_probs.shape[dim] == 0:  # their average would be log(0 / 0)
         shape = tuple(sample_log_probs.shape)
         raise ValueError(f"sample_log_probs has no samples along dim {dim} (shape {shape})")
-    dim %= sample_log_probs.ndim  # entropy() drops the classes axis: a negative dim would move
+    dim = int(dim) % sample_log_probs.ndim  # entropy() drops the classes axis: a negative dim would move
     if dim == sample_log_probs.ndim - 1:
         raise ValueError("dim must not be the last dimension: the classes are there")
     logp = sample_log_probs.double()
