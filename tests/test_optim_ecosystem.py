@@ -633,6 +633,61 @@ def test_a_state_dict_of_groups_listed_in_another_order_is_refused_naming_the_gr
     assert after["param_groups"] == before["param_groups"] and after["state"] == before["state"] == {}
 
 
+def test_a_state_dict_whose_parameters_are_named_in_another_order_is_refused_naming_both() -> None:
+    """Two same-shape layers registered in the other order: torch pairs the state by position, so
+    each took the other's eigenbases and H with no error, and the saved names then labelled the
+    wrong tensors. Refused where both sides name the parameters, the optimizer left as it was."""
+
+    class Net(nn.Module):
+        def __init__(self, swapped: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+            if swapped:
+                self.second, self.first = b, a
+            else:
+                self.first, self.second = a, b
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.tanh(self.first(x)))
+
+    source = Net(False)
+    src = EVON(source.named_parameters(), lr=0.01, ess=100.0, seed=0)
+    with src.sampled_params(train=True):
+        nn.functional.cross_entropy(source(X), Y).backward()
+    src.step()
+    target = Net(True)
+    target.load_state_dict(source.state_dict())
+    opt = EVON(target.named_parameters(), lr=0.01, ess=100.0, seed=0)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError) as refused:
+        opt.load_state_dict(src.state_dict())
+    assert str(refused.value) == (
+        "EVON.load_state_dict: param_groups[0]'s state for 'first.weight' would be loaded into "
+        "'second.weight' (position 0): the state dict lists this group's parameters in another order. "
+        "Build the optimizer from the parameters in the order they were saved in"
+    )
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["state"] == before["state"] == {}
+    # names that differ otherwise (a wrapper's prefix) still pair by position, as torch's do
+    wrapped = nn.Sequential(source)
+    prefixed = EVON(wrapped.named_parameters(), lr=0.01, ess=100.0, seed=0)
+    prefixed.load_state_dict(src.state_dict())
+    assert torch.equal(prefixed.state[source.first.weight]["hess"], src.state[source.first.weight]["hess"])
+
+
+def test_a_parameter_on_the_meta_device_is_refused_by_name_before_any_state_is_made() -> None:
+    """A model made under torch.device("meta") failed inside the first block with torch's "Cannot copy
+    out of meta tensor" (ess="auto") or "META device type not an accelerator", naming no parameter,
+    and left state entries behind."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))
+    for options in ({}, {"ess": 100.0}):
+        opt = EVON(model.named_parameters(), lr=0.01, seed=0, **options)
+        with pytest.raises(RuntimeError, match=re.escape("EVON cannot train 0.weight (shape (4, 6)): it is on the meta device")):
+            with opt.sampled_params(train=True):
+                pass
+        assert len(opt.state) == 0
 # ----------------------------------------------------------------------------- precision and kinds
 def test_a_step_inside_autocast_keeps_evons_float32_state() -> None:
     """step() under torch.autocast stored the Shampoo statistics in bfloat16; every later step

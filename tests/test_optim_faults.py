@@ -1082,6 +1082,27 @@ def test_numpy_hyperparameters_are_stored_as_python_numbers_for_a_weights_only_l
     assert groups[1]["weight_decay"] == 0.5 and type(groups[1]["weight_decay"]) is float
 
 
+def test_a_numpy_rate_a_scheduler_set_after_the_last_step_is_saved_as_a_python_number() -> None:
+    """A LambdaLR of NumPy maths sets a NumPy rate after each step(); a checkpoint saved then (the usual
+    place: step, scheduler step, save) needed NumPy's unpickler. The live group keeps what was set."""
+    import io
+
+    np = pytest.importorskip("numpy")
+    model, data = make_model(), make_data()
+    opt = make_opt(model)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 * (1 + np.cos(np.pi * e / 10)))
+    train_step(model, opt, data)
+    schedule.step()
+    assert type(opt.param_groups[0]["lr"]) is np.float64
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    groups = torch.load(buffer, weights_only=True)["param_groups"]
+    assert [type(g["lr"]) for g in groups] == [float, float]
+    assert [g["lr"] for g in groups] == [float(g["lr"]) for g in opt.param_groups]
+    assert type(opt.param_groups[0]["lr"]) is np.float64
+
+
 def test_a_skipped_steps_warning_points_at_the_callers_line() -> None:
     """The warning that a non-finite gradient skipped the step names the line that called
     ``step()`` (before: a line inside evon.py, which warning filters by module then missed)."""

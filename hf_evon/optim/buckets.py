@@ -33,7 +33,7 @@ __all__ = [
     "assign_refresh_phases",
     "auto_ess",
     "resolve_auto_ess",
-    "refuse_dtensors",
+    "refuse_unplaced",
     "restore_means",
     "group_buckets",
     "is_dtensor",
@@ -97,11 +97,17 @@ def is_dtensor(p: Tensor) -> bool:
     return type(p).__name__ == "DTensor" and hasattr(p, "placements")
 
 
-def refuse_dtensors(param_groups: list[dict[str, Any]], label: Callable[[Tensor], str]) -> None:
-    """Raise for an EVON parameter that is a DTensor while the optimizer is not sharded."""
+def refuse_unplaced(param_groups: list[dict[str, Any]], label: Callable[[Tensor], str], sharded: bool) -> None:
+    """Raise, before any state is made, for an EVON parameter on the meta device or a DTensor unsharded."""
     for g in param_groups:
         for p in g["params"] if g["algorithm"] == "evon" else ():
-            if is_dtensor(p):
+            if p.is_meta:
+                raise RuntimeError(
+                    f"EVON cannot train {label(p)}: it is on the meta device, which holds no values. "
+                    "Materialise the model first (model.to_empty(device=...), then initialise or load its "
+                    "weights: to_empty makes new parameters), then build the optimizer over them"
+                )
+            if is_dtensor(p) and not sharded:
                 raise RuntimeError(
                     f"EVON cannot train the DTensor {label(p)} as a plain tensor: under FSDP2 "
                     "(fully_shard) call hf_evon.prepare_distributed(model, optimizer) before the "
@@ -123,8 +129,8 @@ def state_dtype(param: Tensor) -> torch.dtype:
 
 
 _INDEX_CACHE_SIZE = 64  # member lists one bucket keeps as device indices
-# the update counter of a member that had no gradient at its bucket's initialising step: its
-# statistics hold nothing yet, so its own first gradient initialises them (then it counts from 0)
+# the update counter of a member without a gradient at its bucket's initialising step: its own first
+# gradient initialises its empty statistics (then it counts from 0)
 UNINITIALIZED = -1
 
 
@@ -148,13 +154,9 @@ class Bucket:
     live: list[int] | None = None  # members a sample perturbs (None: all; frozen ones are left alone)
     exit_grads: Tensor | None = None  # Σ_s G_s as stacked at the last sample's exit, and its
     rotated_grads: Tensor | None = None  # rotation, reused by step() if the gradients are unchanged
-    # posterior_health's per-matrix runaway watch: members that were non-zero when the optimizer first
-    # saw them or whose noise has since been below their RMS (a zero-initialised LoRA B joins once it
-    # has outgrown its noise)
     # ((id, version) of state["step"], its values): the members' counters as last read or set
     _counts: tuple[tuple[int, int], list[int]] | None = field(default=None, repr=False)
-    # member lists as index tensors on the state's device, built once: building one from a list is
-    # a host-to-device copy, which on a GPU waits for all queued work (a sync per refresh)
+    # member lists as index tensors on the state's device, built once (a list's copy waits on a GPU)
     _indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = field(default_factory=dict, repr=False)
     # the members' ``optimizer.state`` entries, which ``stack_state`` pointed at the stacked state
     member_states: list[dict[str, Any]] | None = field(default=None, repr=False)
@@ -259,7 +261,6 @@ class Bucket:
         # own shape works for any memory layout (channels_last)
         torch._foreach_copy_(*self.unstacked(values, idx))
 
-    # ------------------------------------------------------------- sampling
     def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> bool:
         """Write a posterior sample into the unfrozen members (``draw(self)``: the standard
         normal ``z``); with ``train``, keep ``z`` and, under the Price estimate, start the
@@ -295,7 +296,6 @@ class Bucket:
         self.acc.addcmul_(rotated, self.z)
         self.exit_grads, self.rotated_grads = (grads, rotated) if alone else (None, None)
 
-    # ------------------------------------------------------------- eigenbasis
     def update_statistics(self, grad: Tensor, beta3: float) -> None:
         """The Shampoo statistics L (and R) of the sides with a basis, from the mean gradient."""
         st = self.state

@@ -35,7 +35,7 @@ from hf_evon.optim.buckets import (
     Plan,
     assign_refresh_phases,
     group_buckets,
-    refuse_dtensors,
+    refuse_unplaced,
     resolve_auto_ess,
     restore_means,
     stack_state,
@@ -293,8 +293,7 @@ class EVON(Optimizer):
         self.invalidate_buckets()
 
     def _build_buckets(self) -> list[Bucket]:
-        if self.sharding is None:
-            refuse_dtensors(self.param_groups, self._param_label)
+        refuse_unplaced(self.param_groups, self._param_label, sharded=self.sharding is not None)
         built = group_buckets(self.param_groups)
         assign_refresh_phases(self.param_groups, built)  # over every member: the same sharded or not
         built = [b for b in (self._hooks.owned_bucket(b) for b in built) if b.params]

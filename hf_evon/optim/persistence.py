@@ -27,7 +27,7 @@ from hf_evon.optim.checks import ALGORITHMS
 from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads, consumed_places
 from hf_evon.optim.linalg import ORTHONORMAL_TOL, orthonormality_error
-from hf_evon.optim.validation import fit_records, resolve_prior, validate_group
+from hf_evon.optim.validation import fit_records, python_numbers, resolve_prior, validate_group
 
 __all__ = ["COPIED_ATTRIBUTES", "copied_attributes", "loading", "restore_copied", "saving"]
 
@@ -90,12 +90,15 @@ def checked_extras(extra: Any) -> Any:
 
 @contextlib.contextmanager
 def saving(optimizer: Any, full_state_dict: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
-    """EVON's additions to the state dict ``Optimizer.state_dict`` builds inside the block, as that
+    """EVON's additions to the state dict ``Optimizer.state_dict`` builds inside the block (its extras;
+    every number a Python one, so that it loads with ``torch.load(weights_only=True)``), as that
     call's first post-hook: the user's post-hooks then see (and may keep) the state dict as saved,
     with ``EXTRA_KEY``. ``full_state_dict``: every rank's state (sharded runs; a collective)."""
 
     def add(_: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
         state_dict[EXTRA_KEY] = saved_extras(optimizer)
+        for group in state_dict["param_groups"]:  # the state dict's copies: a NumPy rate set by a
+            python_numbers(group)  # scheduler since the last step() is saved as Python's number
         return full_state_dict(state_dict)
 
     handle = optimizer.register_state_dict_post_hook(add, prepend=True)  # before the user's
@@ -317,6 +320,24 @@ def check_group_structure(param_groups: list[dict[str, Any]], loaded: dict[str, 
             raise ValueError(
                 f"EVON.load_state_dict: param_groups[{i}] is an {group['algorithm']!r} group here but an "
                 f"{saved_group['algorithm']!r} group in the state dict"
+            )
+        _refuse_reordered(i, group.get("param_names"), saved_group.get("param_names"))
+
+
+def _refuse_reordered(index: int, names: Any, saved: Any) -> None:
+    """Raise where a group's parameters are named on both sides and a name the state dict holds at
+    one position is this group's name at another: the state, paired by position, would go to
+    another tensor of the same shape (modules registered in another order). Names that differ
+    otherwise (a wrapper's prefix) pair by position, as torch's do."""
+    if not isinstance(names, list) or not isinstance(saved, list):
+        return
+    here = set(names)
+    for position, (name, was) in enumerate(zip(names, saved)):
+        if name != was and was in here:
+            raise ValueError(
+                f"EVON.load_state_dict: param_groups[{index}]'s state for {was!r} would be loaded into "
+                f"{name!r} (position {position}): the state dict lists this group's parameters in another "
+                "order. Build the optimizer from the parameters in the order they were saved in"
             )
 
 
