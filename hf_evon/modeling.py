@@ -16,6 +16,7 @@ __all__ = [
     "base_model_name",
     "decoder_inputs_from_labels",
     "fsdp2_modules",
+    "has_accelerate_hook",
     "in_auto_mapping",
     "is_causal_lm",
     "is_encoder_decoder",
@@ -29,6 +30,14 @@ __all__ = [
     "release_gathered",
     "unwrap_model",
 ]
+
+
+def has_accelerate_hook(module: nn.Module) -> bool:
+    """Whether accelerate's ``add_hook_to_module`` hooked ``module`` (offloading, ``device_map``): the
+    one place hf-evon reads accelerate's private ``_hf_hook``, whose hooked forward is then the
+    instance's ``_old_forward`` (pinned by the offloaded models of tests/test_generation.py and
+    tests/test_posterior.py)."""
+    return hasattr(module, "_hf_hook")
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -74,6 +74,7 @@ from hf_evon.distributed.fsdp2 import FSDP2Sharding, shard_rows
 from hf_evon.distributed.sharding import EVONSharding
 from hf_evon.modeling import fsdp2_modules
 from hf_evon.optim.evon import EVON, unwrap_optimizer
+from hf_evon.optim.gradients import accelerate_gradient_state
 
 Tensor = torch.Tensor
 
@@ -365,8 +366,7 @@ class _UnevenBatchesCheck:
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group, self.device = group, device
-        # the loaders themselves, not their ids: a new loader at a freed one's address must be compared
-        # again, or one rank skips the all-gather another runs; each with the epoch it was compared in
+        # the loaders themselves (a new one at a freed one's address is compared again), with their epochs
         self.checked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.first = True
 
@@ -375,7 +375,7 @@ class _UnevenBatchesCheck:
             from accelerate.state import GradientState
         except ImportError:  # pragma: no cover - accelerate is a dependency
             return
-        loader = GradientState().active_dataloader if GradientState._shared_state else None  # no new state
+        loader = GradientState().active_dataloader if accelerate_gradient_state() else None  # no new state
         epoch = getattr(loader, "iteration", None)
         if not self.first and (loader is None or loader in self.checked and self.checked[loader] == epoch):
             return  # looked up first: a loader's length can cost what its sampler's does, every step

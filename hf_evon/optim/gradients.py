@@ -23,6 +23,7 @@ from hf_evon.optim.checks import outside_stacklevel
 from hf_evon.optim.health import param_label
 
 __all__ = [
+    "accelerate_gradient_state",
     "backward_ran",
     "closure_loss",
     "consumed_grads",
@@ -171,11 +172,19 @@ def mid_accumulation_refusal(num_steps: int, sync_gradients: bool) -> str | None
     )
 
 
+def accelerate_gradient_state() -> dict[str, Any]:
+    """accelerate's gradient state as its ``GradientState`` shares it between instances (empty where
+    accelerate was never imported or made none; reading it makes none): the one place hf-evon reads
+    accelerate's private ``GradientState._shared_state``, pinned by tests/test_distributed.py's
+    accumulation tests under a real ``Accelerator``."""
+    state = getattr(sys.modules.get("accelerate.state"), "GradientState", None)
+    return getattr(state, "_shared_state", None) or {}
+
+
 def _refuse_mid_accumulation() -> None:
     """Raise :func:`mid_accumulation_refusal` for accelerate's gradient state, if any (no import: a
     process that never imported accelerate runs no accumulation). Dictionary reads, no host sync."""
-    state = getattr(sys.modules.get("accelerate.state"), "GradientState", None)
-    shared = getattr(state, "_shared_state", None) or {}
+    shared = accelerate_gradient_state()
     kwargs = shared.get("plugin_kwargs") or {}
     refusal = mid_accumulation_refusal(kwargs.get("num_steps", 1), shared.get("sync_gradients", True))
     if refusal is not None:

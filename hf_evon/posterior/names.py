@@ -20,6 +20,7 @@ from hf_evon.modeling import (
     adapter_name_of,
     adapter_of_names,
     adapter_parameter_ids,
+    has_accelerate_hook,
     is_peft_model,
     release_gathered,
     unwrap_model,
@@ -251,7 +252,7 @@ def resident_parameters(model: nn.Module, names: Any) -> dict[str, nn.Parameter]
     name, more = empty[0], f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
     path = name.split(".")[:-1]
     # accelerate's hook sits on the owner or, for a block offloaded as one, on a module above it
-    hooked = any(hasattr(inner.get_submodule(".".join(path[:i])), "_hf_hook") for i in range(len(path) + 1))
+    hooked = any(has_accelerate_hook(inner.get_submodule(".".join(path[:i]))) for i in range(len(path) + 1))
     if not hooked:
         raise ValueError(
             f"posterior parameter {name!r}{more} is on the meta device, which holds no values: load the "

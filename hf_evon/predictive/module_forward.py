@@ -16,12 +16,14 @@ from typing import Any
 
 from torch import nn
 
+from hf_evon.modeling import has_accelerate_hook
+
 __all__ = ["instance_forward", "own_forward", "replace_forward", "restore_forward"]
 
 
 def _attribute(module: nn.Module) -> str:
     """The instance attribute holding ``module``'s own forward: ``_old_forward`` under an accelerate hook."""
-    return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+    return "_old_forward" if has_accelerate_hook(module) and "_old_forward" in module.__dict__ else "forward"
 
 
 def own_forward(module: nn.Module) -> Any:
