@@ -1923,7 +1923,10 @@ def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running
     (tmp_path / "pickle").mkdir()
     shutil.copy(path / "model.safetensors", tmp_path / "pickle" / "model.safetensors")
     _evil_pickle(tmp_path / "pickle")
+    (tmp_path / "deep").mkdir()  # nested past the recursion limit: named, as any unreadable index
+    (tmp_path / "deep" / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
     expected = {
+        "deep": "its model.safetensors.index.json does not read as a shard index (maximum recursion depth",
         "bin": "holds the weights of another model than --model's (tensor 'lm_head.weight' has shape "
         f"({len(tokenizer)}, 16) in pytorch_model.bin, ({len(tokenizer)}, 32) in --model)",
         "index": "holds the weights of another model than --model's (none of the tensors of its "

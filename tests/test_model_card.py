@@ -1483,8 +1483,12 @@ def test_a_start_marker_left_without_its_end_never_takes_the_users_text_with_it(
 
 @pytest.mark.parametrize(
     "readme",
-    ["---\nA README that opens with a thematic break.\n---\n\n# Title\n", "---\nlicense: [mit\n---\n\n# Title\n"],
-    ids=["thematic-break", "bad-yaml"],
+    [
+        "---\nA README that opens with a thematic break.\n---\n\n# Title\n",
+        "---\nlicense: [mit\n---\n\n# Title\n",
+        "---\nlicense: " + "[" * 2000 + "]" * 2000 + "\n---\n\n# Title\n",  # past the recursion limit
+    ],
+    ids=["thematic-break", "bad-yaml", "nested-too-deep"],
 )
 def test_a_readme_whose_metadata_does_not_parse_is_left_as_it_is_and_the_save_completes(tmp_path, readme):
     """A README whose opening ``---`` block is no YAML mapping raised ValueError ("repo card metadata

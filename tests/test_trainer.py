@@ -1023,6 +1023,16 @@ def test_a_resume_refuses_a_checkpoint_a_killed_save_left_incomplete(tmp_path):
     assert again.state.global_step == 8
 
 
+def test_a_trainer_state_nested_past_the_recursion_limit_is_an_unreadable_checkpoint(tmp_path):
+    """A trainer_state.json of nested arrays raised json's bare RecursionError from the resume check,
+    naming no file; such a checkpoint is incomplete, as one cut short is."""
+    from hf_evon.trainer.checkpointing import _incomplete
+
+    (tmp_path / "trainer_state.json").write_text("[" * 100_000 + "]" * 100_000)
+    reason = _incomplete(str(tmp_path))
+    assert reason is not None and reason.startswith("trainer_state.json cut short or unreadable: maximum recursion depth")
+
+
 def test_resume_true_says_a_checkpoint_without_optimizer_state_was_saved_so_and_how_to_resume_it(tmp_path):
     """A ``save_only_model=True`` run's checkpoints resumed with ``save_only_model`` off: each finished
     save (its trainer_state.json, written last, complete) was refused as "incomplete", the error naming

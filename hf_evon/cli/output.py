@@ -157,7 +157,7 @@ def _stored_shapes(output: str, file: str, keep: str) -> dict[str, tuple[int, ..
     it does not read so."""
     try:
         return weights_file_shapes(os.path.join(output, file))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         what = "as safetensors" if file.endswith(".safetensors") else (
             "as a shard index" if file.endswith(".json") else "as tensors without running code"
         )
@@ -175,7 +175,7 @@ def _json_object(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as fh:
             value = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -32,7 +32,7 @@ def split_card(content: str) -> tuple[dict[str, Any], str]:
         return {}, content
     try:
         data = yaml.safe_load(match.group(2))
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, RecursionError) as err:  # a block nested past Python's recursion limit
         raise CardMetadataError(f"block does not parse ({(str(err).splitlines() or [''])[0]})") from err
     if data is None:
         data = {}

@@ -157,7 +157,7 @@ def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
     try:
         with open(state, encoding="utf-8") as f:
             json.load(f)
-    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, OSError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return f"{TRAINER_STATE_NAME} cut short or unreadable: {str(err)[:120]}"
     missing = [name for name in needs if listed_kind(os.path.join(directory, name)) is not Listed.FILE]
     if not missing:
