@@ -1023,6 +1023,35 @@ def test_a_resume_refuses_a_checkpoint_a_killed_save_left_incomplete(tmp_path):
     assert again.state.global_step == 8
 
 
+def test_a_resume_names_an_optimizer_or_scheduler_file_torch_cannot_read(tmp_path):
+    """A checkpoint whose optimizer.pt is cut short, or holds a pickle torch.load(weights_only=True)
+    refuses, raised torch's own error naming no file (the refusal with torch's advice to load it with
+    weights_only=False, which would run its code); it is a ValueError naming the file. So is a
+    scheduler.pt cut short, read after EVON's state loaded."""
+    import io
+    import pickle
+
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", **common), train_dataset=classification_data(32)).train()
+    source = tmp_path / "full" / "out" / "checkpoint-2"
+    payload = io.BytesIO()
+    torch.save({"x": pickle.loads(pickle.dumps(print))}, payload)
+    cases = {
+        "optimizer.pt": ((source / "optimizer.pt").read_bytes()[:4000], "cannot read EVON's state (PytorchStreamReader"),
+        "optimizer.pt ": (payload.getvalue(), "refusing to load it: torch.load(weights_only=True) loads tensors"),
+        "scheduler.pt": ((source / "scheduler.pt").read_bytes()[:100], "cannot read the scheduler's state ("),
+    }
+    for k, (name, (data, said)) in enumerate(cases.items()):
+        checkpoint = tmp_path / f"bad{k}" / "checkpoint-2"
+        shutil.copytree(source, checkpoint)
+        (checkpoint / name.strip()).write_bytes(data)
+        trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path / f"run{k}", **common), train_dataset=classification_data(32))
+        with pytest.raises(ValueError) as refused:
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+        assert str(refused.value).startswith(f"{checkpoint / name.strip()}: {said}"), str(refused.value)
+        assert "weights_only=False" not in str(refused.value)
+
+
 def test_a_trainer_state_nested_past_the_recursion_limit_is_an_unreadable_checkpoint(tmp_path):
     """A trainer_state.json of nested arrays raised json's bare RecursionError from the resume check,
     naming no file; such a checkpoint is incomplete, as one cut short is."""

@@ -66,11 +66,13 @@ from hf_evon.trainer.card import save_trainer_model_card
 
 __all__ = [
     "EVON_OPTIMIZER_NAME",
+    "UNREADABLE_STATE_ERRORS",
     "CheckpointingMixin",
     "other_weights",
     "posterior_deleting_uploads",
     "resume_arguments",
     "settings_replaced",
+    "unreadable_state",
 ]
 
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
@@ -570,14 +572,23 @@ class CheckpointingMixin:
         self._evon_fsdp2_resume = None
 
 
+# what torch.load raises for a file it cannot read (cut short, not a torch file) or refuses (a pickle)
+UNREADABLE_STATE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError)
+
+
+def unreadable_state(path: str, what: str, err: BaseException) -> ValueError:
+    """The error for a file ``torch.load(weights_only=True)`` raised ``err`` on (torch's names no file):
+    it names ``path`` and ``what`` it holds; a refused pickle's without torch's advice to run its code."""
+    if isinstance(err, pickle.UnpicklingError):
+        return ValueError(refused_load_text(path, err))
+    first = (str(err).splitlines() or [repr(err)])[0][:300]
+    return ValueError(f"{path}: cannot read {what} ({first})")
+
+
 def _read_state(path: str, what: str, **kwargs: Any) -> Any:
-    """``torch.load(path, weights_only=True)``; torch's errors (a file cut short, a pickle refused), which
-    name no file, become a ValueError naming ``path`` and ``what`` it holds."""
+    """``torch.load(path, weights_only=True)``, its errors as :func:`unreadable_state`'s."""
     check_torch_load_is_safe()
     try:
         return torch.load(path, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as err:
-        raise ValueError(refused_load_text(path, err)) from err
-    except (RuntimeError, EOFError, OSError) as err:
-        first = (str(err).splitlines() or [repr(err)])[0][:300]
-        raise ValueError(f"{path}: cannot read {what} ({first})") from err
+    except UNREADABLE_STATE_ERRORS as err:
+        raise unreadable_state(path, what, err) from err

@@ -72,13 +72,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import HubStrategy
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from hf_evon.fileio import Listed, listed_kind, no_file_text
 from hf_evon.modeling import is_peft_model
 from hf_evon.trainer.adalora import every_rank_loaded
-from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
+from hf_evon.trainer.checkpointing import (
+    UNREADABLE_STATE_ERRORS,
+    posterior_deleting_uploads,
+    settings_replaced,
+    unreadable_state,
+)
 
 __all__ = ["TrainerInternals"]
 
@@ -194,13 +200,24 @@ class TrainerInternals:
         if optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         fresh, seed, had_state = [dict(g) for g in optimizer.param_groups], optimizer.seed, bool(optimizer.state)
-        # whether the Trainer loaded EVON's state: its own rules (which files, which together) decide
+        # whether the Trainer began and finished loading EVON's state: its own rules (which files, which
+        # together) decide; an error outside the load itself is torch.load's of the file, which names none
+        began: list[bool] = []
         loads: list[bool] = []
-        hook = optimizer.register_load_state_dict_post_hook(lambda _: loads.append(True))
+        hooks = [
+            optimizer.register_load_state_dict_pre_hook(lambda *_: began.append(True)),
+            optimizer.register_load_state_dict_post_hook(lambda _: loads.append(True)),
+        ]
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
+        except UNREADABLE_STATE_ERRORS as err:
+            if checkpoint is None or (began and not loads):  # EVON's refusal of the state names it
+                raise
+            file, what = (SCHEDULER_NAME, "the scheduler's state") if loads else (OPTIMIZER_NAME, "EVON's state")
+            raise unreadable_state(os.path.join(checkpoint, file), what, err) from err
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         if checkpoint is not None and not loads:
             what = (
                 "goes on from the state this trainer already had (its last train()'s, not the checkpoint's)"
