@@ -90,6 +90,24 @@ def test_an_adamw_group_steps_complex_parameters_as_torch_adamw_does() -> None:
     torch.testing.assert_close(got_state["exp_avg_sq"], ref_state["exp_avg_sq"], rtol=1e-6, atol=1e-9)
 
 
+def test_a_complex_adamw_weights_state_round_trips_and_trains_on_as_one_never_saved() -> None:
+    """load_state_dict compared the complex second moment with 0 ("ge_cpu" not implemented for
+    'ComplexFloat'): an optimizer holding a complex weight could not load its own state dict."""
+    c0 = torch.randn(3, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for reload in (False, True):
+        c = nn.Parameter(c0.clone())
+        opt = EVON([{"params": [c], "algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.0}])
+        for step in range(6):
+            if reload and step == 3:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            ((c - 1j).abs() ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(c.detach().clone())
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], c0)
+
+
 def _adamw_run(make, eps_schedule: list[float] | None = None, steps: int = 5) -> list[torch.Tensor]:  # noqa: ANN001
     """The weights after ``steps`` full-batch steps of the optimizer ``make`` builds on a fresh model,
     its first group's ``eps`` set before each step from ``eps_schedule`` where given."""

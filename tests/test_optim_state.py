@@ -957,12 +957,18 @@ def _evon_entry(sd: dict) -> dict:
         (lambda sd: _evon_entry(sd).update(hess="x"), "'hess'"),
         (lambda sd: sd.update(evon="junk"), "'evon'"),
         (lambda sd: sd["evon"].update(seed="x"), "'seed'"),
+        (lambda sd: _evon_entry(sd).update(hess=_evon_entry(sd)["hess"].to(torch.int32)), "'hess'] must be a floating"),
+        (lambda sd: _evon_entry(sd).update(hess=_evon_entry(sd)["hess"] > 0), "'hess'] must be a floating"),
+        (lambda sd: _evon_entry(sd).update(hess=_evon_entry(sd)["hess"].to(torch.complex64)), "'hess'] must be a floating"),
     ],
-    ids=["step<0", "step-nan", "step-str", "exp_avg_sq_norm<0", "hess-str", "extras-str", "seed-str"],
-)
+    ids=["step<0", "step-nan", "step-str", "exp_avg_sq_norm<0", "hess-str", "extras-str", "seed-str", "hess-int",
+         "hess-bool", "hess-complex"],
+)  # fmt: skip
 def test_load_state_dict_refuses_state_the_next_step_cannot_use(corrupt, named: str) -> None:
     """A state dict with a negative or NaN step count, a negative EMA of ‖G‖² (whose square root
-    the step takes), a non-tensor entry or bad counters under 'evon' loaded: the next steps then
+    the step takes), a non-tensor entry or bad counters under 'evon' loaded (an integer or boolean H
+    too, the learned curvature truncated to 0 or 1; a complex one raised torch's "not implemented
+    for 'ComplexFloat'"): the next steps then
     made every weight NaN (reported as a 'non-finite gradient'), or raised an AttributeError or
     TypeError, the last after the state was already replaced. Each is refused at load, naming the
     entry, and the optimizer keeps its own state and trains on."""

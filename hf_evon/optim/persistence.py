@@ -244,7 +244,7 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
     """Check a state dict before ``EVON.load_state_dict`` changes anything: its layout
     (:func:`check_state_dict_layout`), every group's hyperparameters as the constructor checks them,
     each EVON parameter's state complete (:func:`check_entry_complete`), every entry of every group
-    a finite tensor, a step count at least 0 (EVON's at least ``UNINITIALIZED``), ``exp_avg_sq_norm``
+    a finite floating-point tensor (complex only for AdamW's), a step count at least 0 (EVON's at least ``UNINITIALIZED``), ``exp_avg_sq_norm``
     and AdamW's ``exp_avg_sq`` at least 0, the eigenbases orthonormal within ``ORTHONORMAL_TOL`` (at
     least float32's) and H + δ > 0 (a positive, finite posterior variance). The message names the
     group or the parameter's index and entry."""
@@ -277,12 +277,17 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a tensor; got {type(value).__name__}"
                 )
+            if not (value.is_floating_point() or value.is_complex() and idx not in prior):  # AdamW's of a complex weight
+                raise ValueError(
+                    f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a floating-point tensor; got {value.dtype}"
+                )
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] has NaN or inf entries")
             # a step count (EVON's UNINITIALIZED: a member awaiting its first gradient) and a squared
             # norm or second moment: below these the bias correction and the square root are NaN
             low = (0 if adamw else UNINITIALIZED) if key == "step" else 0
-            if key in ("step", "exp_avg_sq_norm", ADAMW_ONLY_KEY) and not bool((value >= low).all()):
+            parts = torch.view_as_real(value) if value.is_complex() else value  # torch's complex moments: per part
+            if key in ("step", "exp_avg_sq_norm", ADAMW_ONLY_KEY) and not bool((parts >= low).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
             if key in ("Q_L", "Q_R") and value.numel():
                 # a saved posterior's bound, at least float32's, which the bases are computed in
