@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pickle
 import re
 import stat
 import threading
@@ -25,6 +26,7 @@ except ImportError:  # Windows: no flock
 
 __all__ = [
     "ANSI_ESCAPE",
+    "UNREADABLE_STATE_ERRORS",
     "atomic_write",
     "directory_lock",
     "looks_like_local_path",
@@ -38,10 +40,12 @@ __all__ = [
     "listed_kind",
     "local_directory",
     "no_file_text",
+    "raised_by_torch_load",
     "reachable_kind",
     "replaced_atomically",
     "temporary_name",
     "temporary_name_pattern",
+    "unreadable_state",
 ]
 
 
@@ -302,3 +306,26 @@ def refused_load_text(path: str, err: BaseException) -> str:
         f"{path}: refusing to load it: torch.load(weights_only=True) loads tensors and plain data only, "
         f"and this file holds more, which loading could run as code ({why})"
     )
+
+
+# what torch.load raises for a file it cannot read (cut short, not a torch file) or refuses (a pickle)
+UNREADABLE_STATE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError)
+
+
+def unreadable_state(path: str, what: str, err: BaseException) -> ValueError:
+    """The error for a file ``torch.load(weights_only=True)`` raised ``err`` on (torch's names no file):
+    it names ``path`` and ``what`` it holds; a refused pickle's without torch's advice to run its code."""
+    if isinstance(err, pickle.UnpicklingError):
+        return ValueError(refused_load_text(path, err))
+    first = (str(err).splitlines() or [repr(err)])[0][:300]
+    return ValueError(f"{path}: cannot read {what} ({first})")
+
+
+def raised_by_torch_load(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside ``torch.load`` (reading a file), not by what its result was given to."""
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "torch.serialization":
+            return True
+        tb = tb.tb_next
+    return False

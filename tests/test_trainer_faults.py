@@ -335,6 +335,34 @@ def test_a_train_after_an_aborted_one_drops_its_pending_samples(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(retried.model.parameters(), fresh.model.parameters()))
 
 
+def test_a_resume_after_a_train_aborted_mid_step_goes_on_as_the_uninterrupted_run(tmp_path):
+    """train() stopped between the micro-batches of a step (an interrupt, an error), then
+    train(resume_from_checkpoint=...) on the same trainer: EVON refused the checkpoint's state ("called
+    between a sampled_params(train=True) block and step()"), the Trainer loading it before
+    on_train_begin dropped the aborted samples, at every later try too. It resumes, and ends as a run
+    never interrupted does."""
+    common = dict(max_steps=4, gradient_accumulation_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                  save_strategy="steps", save_steps=1, evon_ess=300.0)  # fmt: skip
+    full = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "full", **common), train_dataset=classification_data())
+    full.train()
+    stopped = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "stopped", **common), train_dataset=classification_data())
+    own, calls = stopped.compute_loss, [0]
+
+    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        if calls[0] == 4:  # step 2's second micro-batch
+            raise KeyboardInterrupt
+        return own(*args, **kwargs)
+
+    stopped.compute_loss = flaky
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    assert stopped.state.global_step == 1 and stopped.evon_optimizer.recorded_samples == 1
+    stopped.train(resume_from_checkpoint=str(tmp_path / "stopped" / "out" / "checkpoint-1"))
+    assert stopped.state.global_step == 4
+    assert all(torch.equal(a, b) for a, b in zip(stopped.model.parameters(), full.model.parameters()))
+
+
 @pytest.mark.parametrize("mc_samples", [1, 2])
 def test_an_out_of_memory_retry_draws_the_noise_of_a_fresh_run(tmp_path, mc_samples):
     """auto_find_batch_size: the last of the first step's posterior samples runs out of memory at batch size 16,

@@ -23,7 +23,6 @@ The private ``Trainer`` methods that call into this module are overridden in
 
 import json
 import os
-import pickle
 import re
 import warnings
 from collections.abc import Iterator
@@ -38,13 +37,14 @@ from transformers.utils.import_utils import check_torch_load_is_safe
 
 from hf_evon.distributed.ddp import UnsupportedParallelismError
 from hf_evon.fileio import (
+    UNREADABLE_STATE_ERRORS,
     Listed,
     directory_lock,
     leads_to_directory,
     listed_kind,
     reachable_kind,
-    refused_load_text,
     replaced_atomically,
+    unreadable_state,
 )
 from hf_evon.modeling import adapters_of_names, unwrap_model
 from hf_evon.optim.checks import outside_stacklevel
@@ -66,13 +66,11 @@ from hf_evon.trainer.card import save_trainer_model_card
 
 __all__ = [
     "EVON_OPTIMIZER_NAME",
-    "UNREADABLE_STATE_ERRORS",
     "CheckpointingMixin",
     "other_weights",
     "posterior_deleting_uploads",
     "resume_arguments",
     "settings_replaced",
-    "unreadable_state",
 ]
 
 EVON_OPTIMIZER_NAME = "evon_optimizer.pt"  # FSDP2 checkpoints: EVON's full optimizer state
@@ -570,19 +568,6 @@ class CheckpointingMixin:
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{path}: {err}") from err
         self._evon_fsdp2_resume = None
-
-
-# what torch.load raises for a file it cannot read (cut short, not a torch file) or refuses (a pickle)
-UNREADABLE_STATE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError)
-
-
-def unreadable_state(path: str, what: str, err: BaseException) -> ValueError:
-    """The error for a file ``torch.load(weights_only=True)`` raised ``err`` on (torch's names no file):
-    it names ``path`` and ``what`` it holds; a refused pickle's without torch's advice to run its code."""
-    if isinstance(err, pickle.UnpicklingError):
-        return ValueError(refused_load_text(path, err))
-    first = (str(err).splitlines() or [repr(err)])[0][:300]
-    return ValueError(f"{path}: cannot read {what} ({first})")
 
 
 def _read_state(path: str, what: str, **kwargs: Any) -> Any:

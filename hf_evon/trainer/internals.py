@@ -76,15 +76,17 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_utils import HubStrategy
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
-from hf_evon.fileio import Listed, listed_kind, no_file_text
-from hf_evon.modeling import is_peft_model
-from hf_evon.trainer.adalora import every_rank_loaded
-from hf_evon.trainer.checkpointing import (
+from hf_evon.fileio import (
     UNREADABLE_STATE_ERRORS,
-    posterior_deleting_uploads,
-    settings_replaced,
+    Listed,
+    listed_kind,
+    no_file_text,
+    raised_by_torch_load,
     unreadable_state,
 )
+from hf_evon.modeling import is_peft_model
+from hf_evon.trainer.adalora import every_rank_loaded
+from hf_evon.trainer.checkpointing import posterior_deleting_uploads, settings_replaced
 
 __all__ = ["TrainerInternals"]
 
@@ -199,25 +201,22 @@ class TrainerInternals:
         optimizer = self.evon_optimizer
         if optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        # an aborted train()'s samples (stopped between micro-batches), dropped as on_train_begin drops
+        # them, but first: EVON refuses to load a state over samples that await their step
+        optimizer.discard_samples(rewind=True)
         fresh, seed, had_state = [dict(g) for g in optimizer.param_groups], optimizer.seed, bool(optimizer.state)
-        # whether the Trainer began and finished loading EVON's state: its own rules (which files, which
-        # together) decide; an error outside the load itself is torch.load's of the file, which names none
-        began: list[bool] = []
+        # whether the Trainer loaded EVON's state: its own rules (which files, which together) decide
         loads: list[bool] = []
-        hooks = [
-            optimizer.register_load_state_dict_pre_hook(lambda *_: began.append(True)),
-            optimizer.register_load_state_dict_post_hook(lambda _: loads.append(True)),
-        ]
+        hook = optimizer.register_load_state_dict_post_hook(lambda _: loads.append(True))
         try:
             super()._load_optimizer_and_scheduler(checkpoint)
         except UNREADABLE_STATE_ERRORS as err:
-            if checkpoint is None or (began and not loads):  # EVON's refusal of the state names it
+            if checkpoint is None or not raised_by_torch_load(err):  # EVON's refusals name what they refuse
                 raise
             file, what = (SCHEDULER_NAME, "the scheduler's state") if loads else (OPTIMIZER_NAME, "EVON's state")
             raise unreadable_state(os.path.join(checkpoint, file), what, err) from err
         finally:
-            for hook in hooks:
-                hook.remove()
+            hook.remove()
         if checkpoint is not None and not loads:
             what = (
                 "goes on from the state this trainer already had (its last train()'s, not the checkpoint's)"
