@@ -122,6 +122,21 @@ def test_optim_is_ignored_with_a_warning(tmp_path):
         EVONConfig(output_dir=str(tmp_path), report_to="none")
 
 
+@pytest.mark.parametrize("optim", ["lomo", "adalomo"])
+def test_an_ignored_lomo_optim_is_ignored_while_training_too(tmp_path, optim):
+    """optim="lomo" was said to be ignored, but the Trainer also reads it in training_step, passing
+    backward(learning_rate=...), and train() raised a TypeError from Tensor.backward. The field is
+    set back to its default after the warning: the run equals one at the default."""
+    with pytest.warns(UserWarning, match=rf"EVONConfig\.optim = '{optim}' .* is ignored"):
+        args = config(tmp_path / optim, max_steps=2, evon_ess=300.0, optim=optim)
+    assert args.optim == EVONConfig.__dataclass_fields__["optim"].default
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    trainer.train()
+    plain = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "plain", max_steps=2, evon_ess=300.0), train_dataset=classification_data(16))
+    plain.train()
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), plain.model.parameters()))
+
+
 @pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, torch.optim.AdamW])
 def test_optimizer_cls_and_kwargs_is_refused_naming_the_argument(tmp_path, optimizer_cls):
     """``Trainer(optimizer_cls_and_kwargs=(cls, kwargs))`` was ignored without a word: EVONTrainer built
