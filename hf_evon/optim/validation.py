@@ -8,6 +8,7 @@ Both raise ``ValueError("Invalid <name>: <value> (must be <rule>)")`` at the fir
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -500,15 +501,20 @@ def check_layout(groups: list[dict[str, Any]], built: dict[int, tuple[Any, ...]]
             )
 
 
-def _evon_members(groups: list[dict[str, Any]]) -> tuple[tuple[int, tuple[tuple[int, torch.Size], ...]], ...]:
-    """Each EVON group (by id) with its parameters (by id and shape), in order: whom its buckets hold."""
-    return tuple((id(g), tuple((id(p), p.shape) for p in g["params"])) for g in groups if g.get("algorithm") == "evon")
+_SHAPE = operator.attrgetter("shape")
+
+
+def _evon_members(groups: list[dict[str, Any]]) -> tuple[tuple[int, tuple[int, ...], tuple[torch.Size, ...]], ...]:
+    """Each EVON group (by id) with its parameters' ids and shapes, in order: whom its buckets hold
+    (read a few times a step: ``map`` keeps the per-parameter work out of Python's loop)."""
+    evon = [g for g in groups if g.get("algorithm") == "evon"]
+    return tuple((id(g), tuple(map(id, g["params"])), tuple(map(_SHAPE, g["params"]))) for g in evon)
 
 
 def _refuse_resized(built: tuple, groups: list[dict[str, Any]], label: Callable[[torch.Tensor], str]) -> None:
     """Raise, naming the parameter, where one of the ``built`` members now has another shape (its
     ``.data`` replaced): the stacked state is shaped for the old one, and nothing is changed yet."""
-    shapes = {pid: shape for _, members in built for pid, shape in members}
+    shapes = {pid: shape for _, ids, sizes in built for pid, shape in zip(ids, sizes)}
     for g in groups:
         for p in g["params"] if g.get("algorithm") == "evon" else ():
             was = shapes.get(id(p), p.shape)
