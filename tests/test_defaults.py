@@ -890,3 +890,24 @@ def test_lr_from_adamw_lr_refuses_an_infinite_radius() -> None:
 
     with pytest.raises(ValueError, match=r"Invalid clip_radius: inf \(must be a finite number > 0\)"):
         lr_from_adamw_lr(1e-3, clip_radius=float("inf"))
+
+
+def test_pretrained_name_tells_loaded_weights_from_a_config_by_what_from_pretrained_leaves(tmp_path):
+    """Pins the transformers behaviour ``modeling.pretrained_name`` relies on: ``from_pretrained`` sets
+    ``config._name_or_path`` and leaves the private ``_weight_conversions`` on the model; ``from_config``
+    of the same config keeps the name but not the list (a model trained from scratch)."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        BertConfig,
+        BertForSequenceClassification,
+    )
+
+    from hf_evon.modeling import pretrained_name
+
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert loaded._weight_conversions is not None and pretrained_name(loaded) == str(tmp_path)
+    scratch = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert scratch.config._name_or_path == str(tmp_path) and pretrained_name(scratch) == ""

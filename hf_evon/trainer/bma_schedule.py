@@ -16,7 +16,7 @@ def bma_due(trainer: Any) -> bool:
     """
     every, step, logs = trainer.args.bma_eval_every, trainer.state.global_step, trainer.state.log_history
     start = getattr(trainer, "_evon_start_evaluation", None)  # (its step, the log entries before it)
-    on_start = step == getattr(trainer, "_initial_global_step", None)  # no step of this train() yet
+    on_start = step == trainer._evon_initial_step  # no step of this train() yet
     if on_start and (start is None or start[0] != step):
         start = trainer._evon_start_evaluation = (step, len(logs))
 

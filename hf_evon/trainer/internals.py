@@ -44,6 +44,9 @@ Private ``Trainer`` members called or set, each through one method here (pinned 
   ``model.loss_type``, which is None for e.g. GPT-2 although its loss shifts the labels; it then
   over-counts ``num_items_in_batch`` by one token per sequence, which makes its own ``eval_loss`` too
   small. The mixin reads it back as :attr:`TrainerInternals._evon_loss_shift`.
+* ``_initial_global_step`` (:attr:`TrainerInternals._evon_initial_step`): an evaluation at that step
+  is the one before this ``train()``'s first step (``eval_on_start``), which ``bma_eval_every``
+  counts apart (pinned by ``tests/test_trainer_evaluation.py``'s ``eval_on_start`` runs).
 * ``_memory_tracker``: ``predict(bma=True)`` reports the ``*_mem_*`` metrics as ``Trainer.predict``
   does. Its calls stay in that ``predict`` (:mod:`hf_evon.trainer.prediction`): the tracker names its
   stage by the function that calls it.
@@ -59,6 +62,9 @@ TRL's private members (pinned by ``tests/test_trl.py``):
   (:meth:`TrainerInternals._trl_tokens_counted_once`): ``SFTTrainer``, ``DPOTrainer``, ``KTOTrainer``
   and ``RewardTrainer`` add a micro-batch's tokens at each ``compute_loss`` (and log them as
   ``num_tokens``); the mixin runs each micro-batch once per posterior sample, and its tokens count once.
+* ``_buffered_inputs`` (:func:`~hf_evon.trainer.combined.buffers_generations`): the trainers that
+  generate and buffer their own batches (GRPO, RLOO), whose refusals it decides (pinned by
+  ``tests/test_trl.py``'s GRPO runs).
 * ``SFTTrainer._prepare_dataset``, ``_skip_prepare_dataset`` and ``_formatting_func``
   (:meth:`TrainerInternals._trl_prepared_eval_dataset`): ``EVONSFTTrainer`` prepares a calibration
   dataset as TRL's own ``evaluate`` prepares a dataset passed to it, raw text included.
@@ -155,6 +161,11 @@ class TrainerInternals:
     def _evon_loss_shift(self) -> bool:
         """The Trainer's verdict: whether its loss shifts the labels (``Trainer._loss_shifts_labels``)."""
         return bool(getattr(self, "_loss_shifts_labels", False))
+
+    @property
+    def _evon_initial_step(self) -> int | None:
+        """The step this ``train()`` started at (``Trainer._initial_global_step``; None before one)."""
+        return getattr(self, "_initial_global_step", None)
 
     def _trl_prepared_eval_dataset(self, dataset: Any, name: str) -> Any:
         """``dataset`` prepared as TRL's ``SFTTrainer`` prepares an eval set (tokenized, packed as
