@@ -1384,6 +1384,29 @@ def test_an_uncalibrated_posteriors_card_names_its_hand_set_temperature(problem,
     assert "T = " not in str(render_model_card(post.with_temperature(1.0), model=model))
 
 
+def test_a_temperature_set_by_hand_after_a_calibration_is_carded_as_set_by_hand():
+    """``with_temperature(2)`` on a calibrated posterior (T 8) kept the calibration's record, and the card
+    called the hand-set T "chosen with the scale". It says the T was set by hand and which one the
+    calibration chose; the scale is still the calibration's."""
+    from types import SimpleNamespace
+
+    from transformers import PretrainedConfig
+
+    from hf_evon.posterior.gaussian import MatrixFactors
+    from hf_evon.predictive.calibration import CalibrationResult
+
+    eye = torch.eye(3)
+    post = EVONPosterior.from_factors({"w": MatrixFactors(eye, eye, torch.ones(3, 3), (3, 3), (3, 3), 100.0, 1e-3)})
+    result = CalibrationResult(ess=400.0, trained_ess=100.0, grid=[400.0], nll=[0.5], mean_nll=0.6,
+                               num_samples=2, num_targets=4, seed=0, temperature=8.0)  # fmt: skip
+    model = SimpleNamespace(config=PretrainedConfig(num_labels=3))
+    calibrated = result.apply(post)
+    assert "T = 8 (chosen with the scale; `posterior.temperature`)" in str(render_model_card(calibrated, model=model))
+    text = str(render_model_card(calibrated.with_temperature(2.0), model=model))
+    assert "T = 2 (set by hand; the calibration chose 8; `posterior.temperature`)" in text
+    assert "Calibrated on 4 held-out targets" in text and "`ess` = 400 (4 × the trained 100;" in text
+
+
 def test_a_hand_set_scale_is_carded_as_set_by_hand_beside_the_trained_one(tmp_path):
     """``with_ess``/``scale_ess`` kept a calibration's record: a calibrated posterior (ess 400 = 4 x the trained
     100) set to ``with_ess(5)`` was saved with the record and carded "Calibrated ... `ess` = 400 (4 × the trained

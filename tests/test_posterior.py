@@ -527,6 +527,28 @@ def test_draw_sample_s_is_the_one_sample_of_seed_plus_s(gpt2):
     assert torch.equal(written, add_perturbation(mean, many[name][2]))
 
 
+@pytest.mark.parametrize("samples", [2, 4, 8])
+def test_draw_sample_s_is_sampleds_bit_for_bit_for_a_small_left_basis(samples):
+    """With a small left basis (a 3×16 matrix, as a rank-r LoRA A) ``draw(S)`` multiplied Q_L by all S
+    samples as one (m, S·n) block, which BLAS rounds otherwise than ``sampled()``'s one (m, n) sample:
+    from S = 4 every draw was 1 ulp off the weights ``sampled(seed + s)`` writes (3.7e-8)."""
+    from hf_evon.posterior import MatrixFactors
+    from hf_evon.posterior.gaussian import add_perturbation
+
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 3, bias=False)
+    factors = MatrixFactors(
+        Q_L=torch.linalg.qr(torch.randn(3, 3))[0], Q_R=torch.linalg.qr(torch.randn(16, 16))[0],
+        hess=torch.rand(3, 16) + 0.1, shape=(3, 16), matrix_shape=(3, 16), ess=100.0, weight_decay=1e-3,
+    )  # fmt: skip
+    post = EVONPosterior.from_factors({"weight": factors})
+    mean = layer.weight.detach().clone()
+    many = post.draw(samples, seed=10)["weight"]
+    for s in range(samples):
+        with post.sampled(layer, seed=10 + s):
+            assert torch.equal(layer.weight, add_perturbation(mean, many[s]))
+
+
 def test_draw_determinism_subsets_and_dtypes(gpt2):
     post = gpt2[2]
     a, b, c = post.draw(2, seed=5), post.draw(2, seed=5), post.draw(2, seed=6)
@@ -2284,7 +2306,7 @@ def test_adaloras_pruned_ranks_stay_zero_in_every_sample(tmp_path):
 def test_adaloras_pruned_ranks_have_no_spread_in_draw_and_std(tmp_path):
     """``sampled()`` keeps AdaLoRA's pruned singular values at the mean's 0, but ``draw()`` returned noise
     and ``std()`` the posterior's spread there: a sample built from ``draw()`` (``M + ΔW``) was not the one
-    ``sampled()`` writes, and ``std()`` reported uncertainty for a rank that is off. Both now hold 0 at
+    ``sampled()`` writes, and ``std()`` (and ``covariance()``) reported uncertainty for a rank that is off. All now hold 0 at
     the pruned entries (recorded by ``from_optimizer``), the same after a save and a reload without the
     model; every other entry is as before."""
     model, opt = _adalora_past_its_allocation()
@@ -2301,6 +2323,11 @@ def test_adaloras_pruned_ranks_have_no_spread_in_draw_and_std(tmp_path):
             f = loaded[name]
             spread = f.marginal_variance().sqrt().reshape(f.shape)
             assert torch.equal(loaded.std(name), spread.masked_fill(mask, 0.0)) and bool(spread[mask].gt(0).all())
+            # the dense covariance too (it gave the pruned entries their variance): 0 in their rows and columns
+            cov, off = loaded.covariance(name), mask.reshape(-1)
+            full = f.covariance()
+            assert bool(full[off][:, off].diagonal().gt(0).all())
+            assert torch.equal(cov, full.masked_fill(off[:, None] | off[None, :], 0.0))
         draws = loaded.draw(2, seed=5)
         assert all(torch.equal(draws[n][:, m], torch.zeros(2, int(m.sum()))) for n, m in pruned.items())
         assert all(draws[n][:, ~m].ne(0).all() for n, m in pruned.items())

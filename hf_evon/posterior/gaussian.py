@@ -150,9 +150,10 @@ class MatrixFactors:
         """Marginal standard deviations shaped like the parameter; 0 at ``pruned`` (:func:`zero_entries`)."""
         return zero_entries(self.marginal_variance().sqrt().reshape(self.shape), pruned)
 
-    def covariance(self) -> Tensor:
-        """Dense covariance of the row-major flatten of the matrix."""
-        return dense_covariance(*self._wide(), self.ess, self.weight_decay)
+    def covariance(self, pruned: list[int] | None = None) -> Tensor:
+        """Dense covariance of the row-major flatten of the matrix; 0 in the rows and columns of ``pruned``."""
+        cov = dense_covariance(*self._wide(), self.ess, self.weight_decay)
+        return zero_entries(zero_entries(cov, pruned, 1).mT, pruned, 1).mT
 
 
 @dataclass
@@ -339,17 +340,17 @@ def perturbations(
 ) -> Tensor:
     """``Q_L (z_s ⊙ √V) Q_Rᵀ`` for ``z`` of shape ``(B, S, m, n)``: S samples of B matrices.
 
-    The math of ``linalg.sample_perturbation``, arranged so that all S samples of a matrix
-    share one batched matmul per side: samples are folded into the columns (left basis) or
-    rows (right basis) instead of broadcasting Q over S, which would copy every basis S
-    times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases).
+    The math of ``linalg.sample_perturbation``, without broadcasting Q over S, which would copy
+    every basis S times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases): the left basis
+    multiplies each sample in turn, a product as wide as one sample's, so that each rounds as
+    ``sampled()``'s one sample does (a product S times as wide rounds otherwise); the right one
+    all S samples' rows at once, which rounds each row as alone.
     """
     b, s, m, n = z.shape
     with exact_float32_matmul():
         x = z * rotated_std(hess, ess, weight_decay).unsqueeze(1)
-        if q_left is not None:  # Q_L @ [X_1 … X_S] as one (m, S·n) block per matrix
-            x = unrotate(x.transpose(1, 2).reshape(b, m, s * n), q_left, None)
-            x = x.reshape(b, m, s, n).transpose(1, 2)
+        if q_left is not None:  # Q_L @ X_k, sample by sample
+            x = torch.stack([unrotate(x[:, k].contiguous(), q_left, None) for k in range(s)], dim=1)
         if q_right is not None:  # [X_1; …; X_S] @ Q_Rᵀ as one (S·m, n) block per matrix
             x = unrotate(x.reshape(b, s * m, n), None, q_right)
     return x.reshape(b, s, m, n)

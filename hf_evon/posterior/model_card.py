@@ -254,7 +254,9 @@ def _calibration_text(
             "calibrated BMA is never worse than the mean by more than half a standard error or 1% (its "
             "defaults)." + _tempered_text(config.get("temperature"), "`posterior.temperature`", kind)
         )
-    tempered = _tempered_text(config.get("temperature"), "chosen with the scale; `posterior.temperature`", kind)
+    chose = cal.get("temperature", 1.0)  # with_temperature after a calibration: T set by hand, the scale not
+    how = "chosen with the scale" if chose == config.get("temperature", 1.0) else f"set by hand; the calibration chose {_md(format_value(chose))}"
+    tempered = _tempered_text(config.get("temperature"), f"{how}; `posterior.temperature`", kind)
     # numbers as json_value writes them ("inf", "nan" for floats); the config validated them on load
     ess, trained = float(cal["ess"]), float(cal["trained_ess"])
     kept = _is_number(cal.get("trained_nll")) and ess == trained

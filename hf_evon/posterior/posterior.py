@@ -226,7 +226,8 @@ class EVONPosterior(PosteriorFilesMixin):
         return self[name].std((self.config.get("pruned_ranks") or {}).get(self._aliases.get(name, name)))
 
     def covariance(self, name: str, max_elements: int = MAX_DENSE_COVARIANCE_ELEMENTS) -> Tensor:
-        """Dense covariance of the row-major flatten of ``name`` (small parameters only)."""
+        """Dense covariance of the row-major flatten of ``name`` (small parameters only; 0 in the rows
+        and columns of pruned ranks, as ``std`` and ``draw``)."""
         f = self[name]
         numel = math.prod(f.shape)
         if numel > max_elements:
@@ -235,7 +236,7 @@ class EVONPosterior(PosteriorFilesMixin):
                 f"covariance() is for parameters with at most {max_elements} elements "
                 "(pass max_elements to override, or use std() / draw())"
             )
-        return f.covariance()
+        return f.covariance((self.config.get("pruned_ranks") or {}).get(self._aliases.get(name, name)))
 
     # ------------------------------------------------------------------ sampling
     def draw(
@@ -414,7 +415,7 @@ class EVONPosterior(PosteriorFilesMixin):
         """A copy whose BMA predictions (evaluation, ``generate_bma``) use ``temperature`` (> 0)."""
         if not (is_real(temperature) and 0 < temperature < math.inf):  # NumPy numbers too, not a bool
             raise ValueError(f"with_temperature: temperature must be a finite number > 0; got {temperature!r}")
-        config = dict(self.config, temperature=float(temperature))
+        config = dict(self.config, temperature=float(temperature))  # the card says a T set by hand so
         return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     def to(
