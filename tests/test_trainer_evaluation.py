@@ -1930,3 +1930,30 @@ def test_predict_bma_refuses_a_mask_query_segmentation_model_and_keeps_detr_segm
     with torch.no_grad():  # the class logits: (B, queries, classes + 1), each row a distribution
         assert probabilities.shape == detr(pixel_values=torch.tensor(data["pixel_values"])).logits.shape
     np.testing.assert_allclose(probabilities.sum(-1), 1.0, rtol=1e-6)
+
+
+class _LossThenLogits(torch.nn.Module):
+    """A user's model without ``return_dict``: ``(loss, logits)``, its loss None without labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.hidden, self.out = torch.nn.Embedding(100, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):  # noqa: ANN001, ANN201
+        logits = self.out(torch.tanh(self.hidden(self.emb(input_ids).mean(1))))
+        return (None if labels is None else torch.nn.functional.cross_entropy(logits, labels)), logits
+
+
+def test_a_tuple_output_whose_loss_is_none_without_labels_is_scored_by_its_logits(tmp_path):
+    """The BMA passes call the model without its labels, and ``(None, logits)`` was read as an output
+    without logits: evaluate() and predict(bma=True) raised "its output has none (a tuple of 2)". Its
+    logits are scored: at the mean, the NLL is the Trainer's own eval_loss."""
+    data = classification_data(16)
+    trainer = EVONTrainer(model=_LossThenLogits(), args=config(tmp_path, max_steps=2, bma_num_samples=2), train_dataset=data)
+    trainer.train()
+    metrics = trainer.evaluate(data)
+    assert metrics["eval_mean_nll"] == pytest.approx(metrics["eval_loss"], rel=1e-6)
+    assert math.isfinite(metrics["eval_bma_nll"])
+    probs = trainer.predict(data, bma=True).predictions
+    assert probs.shape == (16, 3) and np.allclose(probs.sum(-1), 1.0, atol=1e-6)

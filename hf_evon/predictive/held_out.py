@@ -106,13 +106,14 @@ def require_aligned(logits: Tensor, labels: Any, shift: bool, where: str) -> Non
 def output_logits(output: Any, labels_given: bool = False) -> Tensor | tuple[Tensor, ...] | None:
     """A model output's logits, as ``Trainer.prediction_step`` reads them: ``logits``, else every
     ``*_logits`` field in order (extractive QA's start and end: one distribution each); a tuple
-    (``return_dict=False``) after its loss (there where ``labels_given``, or a leading 0-d tensor),
+    (``return_dict=False``) after its loss (there where ``labels_given``, or a leading 0-d tensor or
+    None: a loss the model computes only from labels),
     its leading tensors shaped as the first (not the hidden states or cache that follow). None:
     the output has none."""
     if isinstance(output, Tensor):
         return output
     if isinstance(output, tuple | list):
-        if output and (labels_given or (isinstance(output[0], Tensor) and output[0].ndim == 0)):
+        if output and (labels_given or output[0] is None or (isinstance(output[0], Tensor) and output[0].ndim == 0)):
             output = output[1:]
         fields = tuple(takewhile(lambda v: isinstance(v, Tensor) and v.shape == output[0].shape, output or ()))
     elif (logits := output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)) is not None:
