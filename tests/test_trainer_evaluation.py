@@ -6,6 +6,7 @@ import collections
 import json
 import math
 import os
+import re
 import sys
 import warnings
 
@@ -1536,6 +1537,20 @@ def test_evaluate_of_extractive_qa_warns_once_naming_its_label_names(tmp_path, m
         assert "eval_loss" in metrics and not any("_mean_" in k or "_bma_" in k for k in metrics), metrics
     assert len(warned) == 1 and "['start_positions', 'end_positions']" in warned[0], warned
     assert "eval_mean_" in warned[0]
+
+
+def test_a_calibration_of_extractive_qa_names_its_several_label_tensors(tmp_path):
+    """A calibration split (or calibrate(dataset)) of extractive QA batches was refused as having "no
+    'labels'" though they hold the trainer's two label tensors; the refusal names them, before training."""
+    message = "label_names = ['start_positions', 'end_positions'] are several (extractive QA's start and end positions)"
+    trainer = EVONTrainer(model=_tiny_qa(), args=config(tmp_path / "split", max_steps=1),
+                          train_dataset=_qa_data(16, 0), calibration_dataset=_qa_data(6, 2))  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    trainer = _trained(tmp_path / "called", _tiny_qa, _qa_data(16, 0), _qa_data(8, 1), eval_strategy="no")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.calibrate(_qa_data(6, 2))
 
 
 def test_evaluate_of_one_label_tensor_against_several_distributions_is_refused_by_name(tmp_path, monkeypatch):

@@ -35,8 +35,8 @@ from hf_evon.modeling import (
 from hf_evon.predictive.held_out import output_logits
 from hf_evon.predictive.logprobs import count_label_items, require_class_labels, require_scorable_labels
 
-# What a whole-split loader over an ``IterableDataset`` keeps of the loader accelerate prepared (those
-# its torch's ``DataLoader`` takes): the batching, the collator (which drops the unused columns), the workers.
+# What a whole-split loader over an ``IterableDataset`` keeps of accelerate's prepared loader (what
+# torch's ``DataLoader`` takes): the batching, the collator (which drops unused columns), the workers.
 LOADER_SETTINGS = (
     "batch_size", "drop_last", "collate_fn", "num_workers", "pin_memory", "pin_memory_device", "timeout",
     "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor", "in_order",
@@ -108,8 +108,7 @@ def check_calibration_batches(
     scored as the calibration will: :func:`~hf_evon.predictive.held_out.held_out_classes`),
     labels that do not align with the logits or lie outside their classes (-1 for "no label")."""
     targets, classes = 0, None
-    # reading the batches draws from torch's generator (a loader's workers' seed, a masking collator):
-    # the training after the check draws as it would without a calibration split
+    # reading the batches draws from torch's generator (workers' seeds, a masking collator): kept as it was
     with torch.random.fork_rng(devices=[]):
         for i, batch in enumerate(batches):
             where = f"EVONTrainer: calibration_dataset batch {i}"
@@ -333,13 +332,14 @@ def _forward_names(model: torch.nn.Module) -> frozenset[str] | None:
 
 def under_labels(batch: Any, label_names: Sequence[str] | None, model: torch.nn.Module | None = None) -> Any:
     """``batch`` with its labels under ``labels`` where the trainer's ``label_names`` name one other
-    entry (a model whose ``forward`` calls its labels otherwise): the calibration reads ``labels``
-    and passes the rest to the model, which then predicts without computing a loss. With ``model``,
-    only the entries its ``forward`` takes, and the labels (:func:`forward_inputs`). Any other batch
-    as it is."""
+    entry (a model whose ``forward`` calls its labels otherwise; several are refused): the calibration
+    reads ``labels`` and passes the rest to the model, which then predicts without computing a loss.
+    With ``model``, only the entries its ``forward`` takes, and the labels (:func:`forward_inputs`)."""
     if model is not None:
         batch = forward_inputs(model, batch, ["labels", *(label_names or ())])
     names = list(label_names or ())
+    if len(names) > 1 and isinstance(batch, Mapping) and sum(n in batch for n in names) > 1:
+        raise ValueError(f"EVONTrainer: the calibration scores one label tensor per batch, and label_names = {names} are several (extractive QA's start and end positions): no class distribution to calibrate")
     if len(names) != 1 or names[0] == "labels" or not isinstance(batch, Mapping) or names[0] not in batch:
         return batch
     return {**{k: v for k, v in batch.items() if k != names[0]}, "labels": batch[names[0]]}
