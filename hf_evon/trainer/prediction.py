@@ -376,7 +376,8 @@ class PredictionMixin:
 
         ``bma=True``: ``predictions`` are the averaged probabilities ``1/S Σ_s softmax(logits_s)``
         over ``bma_num_samples`` posterior samples (seeds ``bma_seed + s``), shaped like the
-        model's logits; ``metrics`` holds your ``compute_metrics`` of them and ``{prefix}_bma_*``
+        model's logits (the logits alone: an encoder-decoder's encoder states, which ``Trainer.predict``
+        returns beside them without generation, are not averaged); ``metrics`` holds your ``compute_metrics`` of them and ``{prefix}_bma_*``
         where the task has them (:func:`bma_predict`). As from ``Trainer.predict``: the runtime
         metrics (and ``{prefix}_mem_*`` with ``skip_memory_metrics=False``), the callbacks'
         ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``, no predictions or
