@@ -70,7 +70,7 @@ def parse_args(
         "--fast",
         action="store_true",
         default=os.environ.get("HF_EVON_PAPER_FAST", "") not in ("", "0"),
-        help="a shrunken run (what the test suite runs: seconds; table2_finetune.py about two minutes on 2 CPU cores); also HF_EVON_PAPER_FAST=1",
+        help="a shrunken run (what the test suite runs: seconds; table2_finetune.py up to two minutes on 2 busy CPU cores); also HF_EVON_PAPER_FAST=1",
     )
     ap.add_argument("--out-dir", default=DEFAULT_OUT, help="where the PNG, markdown table and JSON go")
     ap.add_argument("--seed", type=int, default=0)
