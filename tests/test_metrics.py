@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_evon import accuracy, brier_score, expected_calibration_error, negative_log_likelihood
-from hf_evon.predictive.metrics import calibration_metrics, item_statistics, load_metric, metric_module_path
+from hf_evon.predictive.metrics import InputType, calibration_metrics, item_statistics, load_metric, metric_module_path
 
 # 6 items, 3 classes; confidences 0.9, 0.8, 0.55, 0.5, 0.45, 0.7 (top class first column
 # unless noted). Hand-made so every bin of a 5-bin ECE is easy to check.
@@ -120,6 +120,8 @@ def test_input_types_agree_and_ignore_index():
         ref = fn(probs, labels)
         assert fn(logits, labels, input_type="logits") == pytest.approx(ref, rel=1e-6)
         assert fn(logp, labels, input_type="log_probs") == pytest.approx(ref, rel=1e-6)
+        assert fn(logits, labels, input_type=InputType.LOGITS) == fn(logits, labels, input_type="logits")
+        assert fn(logp, labels, input_type=InputType.LOG_PROBS) == fn(logp, labels, input_type="log_probs")
         assert fn(probs.tolist(), labels.tolist()) == pytest.approx(ref, rel=1e-6)
         # ignored items are left out
         padded = torch.cat([labels, torch.full((7,), -100)])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from enum import Enum
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ Tensor = torch.Tensor
 __all__ = [
     "CALIBRATION_METRIC_KEYS",
     "INPUT_TYPES",
+    "InputType",
     "METRIC_MODULES",
     "accuracy",
     "brier_score",
@@ -57,7 +59,16 @@ __all__ = [
     "negative_log_likelihood",
 ]
 
-INPUT_TYPES = ("probs", "logits", "log_probs")
+class InputType(str, Enum):
+    """What the metrics' ``predictions`` hold (a plain string works too): probabilities, logits (a
+    softmax is taken) or log-probabilities."""
+
+    PROBS = "probs"
+    LOGITS = "logits"
+    LOG_PROBS = "log_probs"
+
+
+INPUT_TYPES = tuple(m.value for m in InputType)
 CALIBRATION_METRIC_KEYS = ("nll", "accuracy", "ece", "brier")  # what calibration_metrics returns
 
 # module folder name -> accepted aliases for load_metric
@@ -81,12 +92,13 @@ def _given_dtype(x: Any) -> torch.dtype:
 
 
 def _log_probs(
-    predictions: Any, references: Any, input_type: str, ignore_index: int | None
+    predictions: Any, references: Any, input_type: InputType | str, ignore_index: int | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Validated ``(log p (N, C) float64, labels (N,) int64, p)`` with ignored items removed; ``p`` the
     given probabilities, or the logits' softmax, else (``input_type="log_probs"``) None."""
-    if input_type not in INPUT_TYPES:
+    if input_type not in INPUT_TYPES:  # an InputType is its string
         raise ValueError(f"input_type must be one of {INPUT_TYPES}; got {input_type!r}")
+    input_type = InputType(input_type)
     preds = _as_tensor(predictions, torch.float64)
     labels = _as_tensor(references, torch.float64)
     if preds.ndim != 2:
@@ -116,9 +128,9 @@ def _log_probs(
     num_classes = preds.shape[1]
     if bool(((labels < 0) | (labels >= num_classes)).any()):
         raise ValueError(f"references must be in [0, {num_classes}); got values outside")
-    if input_type == "logits":
+    if input_type is InputType.LOGITS:
         return torch.log_softmax(preds, dim=-1), labels, torch.softmax(preds, dim=-1)
-    if input_type == "log_probs":
+    if input_type is InputType.LOG_PROBS:
         if bool((preds > 1e-6).any()):
             raise ValueError("log_probs must be <= 0")
         # logits that happen to be negative are no log-probabilities; a NaN row passes (its metrics are NaN)
@@ -138,13 +150,13 @@ def _log_probs(
     return preds.log(), labels, preds
 
 
-def _statistics(predictions: Any, references: Any, input_type: str, ignore_index: int | None) -> Tensor:
+def _statistics(predictions: Any, references: Any, input_type: InputType | str, ignore_index: int | None) -> Tensor:
     """:func:`item_statistics` of the validated input (:func:`_log_probs`)."""
     return item_statistics(*_log_probs(predictions, references, input_type, ignore_index))
 
 
 def accuracy(
-    predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
+    predictions: Any, references: Any, input_type: InputType | str = "probs", ignore_index: int | None = -100
 ) -> float:
     """Fraction of items whose most probable class is the reference; NaN where a logit or
     log-probability is NaN (as the other metrics are: a diverged model's row has no most probable
@@ -153,14 +165,14 @@ def accuracy(
 
 
 def negative_log_likelihood(
-    predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
+    predictions: Any, references: Any, input_type: InputType | str = "probs", ignore_index: int | None = -100
 ) -> float:
     """Mean ``−log p(reference)`` (natural log); ``inf`` if a reference has probability 0."""
     return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index))["nll"]
 
 
 def brier_score(
-    predictions: Any, references: Any, input_type: str = "probs", ignore_index: int | None = -100
+    predictions: Any, references: Any, input_type: InputType | str = "probs", ignore_index: int | None = -100
 ) -> float:
     """Mean over items of ``Σ_c (p_c − onehot_c)²`` (multi-class Brier score, in [0, 2])."""
     return metrics_of_statistics(_statistics(predictions, references, input_type, ignore_index))["brier"]
@@ -170,7 +182,7 @@ def expected_calibration_error(
     predictions: Any,
     references: Any,
     n_bins: int = 15,
-    input_type: str = "probs",
+    input_type: InputType | str = "probs",
     ignore_index: int | None = -100,
 ) -> float:
     """Top-label ECE with ``n_bins`` equal-width bins over the confidence (0, 1]."""
@@ -198,7 +210,7 @@ def _binned_calibration_error(conf: Tensor, correct: Tensor, n_bins: int) -> flo
 def calibration_metrics(
     predictions: Any,
     references: Any,
-    input_type: str = "probs",
+    input_type: InputType | str = "probs",
     n_bins: int = 15,
     ignore_index: int | None = -100,
 ) -> dict[str, float]:
