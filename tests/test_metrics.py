@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from hf_evon import accuracy, brier_score, expected_calibration_error, negative_log_likelihood
-from hf_evon.predictive.metrics import InputType, calibration_metrics, item_statistics, load_metric, metric_module_path
+from hf_evon.predictive.metrics import (
+    InputType,
+    calibration_metrics,
+    item_statistics,
+    load_metric,
+    metric_module_path,
+)
 
 # 6 items, 3 classes; confidences 0.9, 0.8, 0.55, 0.5, 0.45, 0.7 (top class first column
 # unless noted). Hand-made so every bin of a 5-bin ECE is easy to check.
