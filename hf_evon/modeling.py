@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from enum import Enum
 from typing import Any
 
 from torch import nn
@@ -23,6 +24,8 @@ __all__ = [
     "is_peft_model",
     "unused_adapter_parameters",
     "model_class",
+    "output_kind",
+    "OutputKind",
     "peft_base_model",
     "pretrained_name",
     "problem_type",
@@ -202,6 +205,25 @@ def problem_type(model: Any) -> str | None:
         model = unwrap_model(model)
     value = getattr(getattr(model, "config", None), "problem_type", None)
     return value if isinstance(value, str) else None
+
+
+class OutputKind(str, Enum):
+    """What BMA averages of a model's outputs: VALUE (a regression's values, untempered), SIGMOID (a
+    multi-label classifier's per-label probabilities), SOFTMAX (a class distribution)."""
+
+    VALUE = "value"
+    SIGMOID = "sigmoid"
+    SOFTMAX = "softmax"
+
+
+def output_kind(model: Any) -> OutputKind | None:
+    """The :class:`OutputKind` transformers' ``config.problem_type`` gives (:func:`problem_type`); None
+    where it is unset (the callers then read the outputs' number)."""
+    problem = problem_type(model)
+    if problem is None:
+        return None
+    kinds = {"regression": OutputKind.VALUE, "multi_label_classification": OutputKind.SIGMOID}
+    return kinds.get(problem, OutputKind.SOFTMAX)
 
 
 def decoder_inputs_from_labels(model: nn.Module, labels: Any) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hf_evon.fileio import atomic_write, directory_lock, listed_kind, temporary_name_pattern
-from hf_evon.modeling import problem_type
+from hf_evon.modeling import OutputKind, output_kind, problem_type
 from hf_evon.posterior.card_merge import CardMetadataError, merged_metadata, metadata_block, split_card
 from hf_evon.posterior.json_rules import as_float
 from hf_evon.posterior.snippet import has_tokenizer, num_labels, usage_snippet
@@ -213,13 +213,10 @@ TRAINED_SCALE_NOTE = (
 )
 
 
-def _bma_kind(model: Any) -> str:
-    """What the model's BMA averages, as ``predict(bma=True)`` and the card's snippet read it: "value" for a
-    regression (or one output without a problem_type), "sigmoid" for a multi-label classifier, else "softmax"."""
-    problem = problem_type(model)
-    if problem == "regression" or (problem is None and num_labels(model) == 1):
-        return "value"
-    return "sigmoid" if problem == "multi_label_classification" else "softmax"
+def _bma_kind(model: Any) -> OutputKind:
+    """What the model's BMA averages, as ``predict(bma=True)`` and the card's snippet read it
+    (:func:`~hf_evon.modeling.output_kind`); without a problem_type one output a value, else a softmax."""
+    return output_kind(model) or (OutputKind.VALUE if num_labels(model) == 1 else OutputKind.SOFTMAX)
 
 
 def _tempered_text(temperature: Any, where: str, kind: str) -> str:

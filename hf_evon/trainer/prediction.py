@@ -17,7 +17,15 @@ import torch
 from torch import nn
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, denumpify_detensorize, speed_metrics
 
-from hf_evon.modeling import in_auto_mapping, model_class, peft_base_model, problem_type, unwrap_model
+from hf_evon.modeling import (
+    OutputKind,
+    in_auto_mapping,
+    model_class,
+    output_kind,
+    peft_base_model,
+    problem_type,
+    unwrap_model,
+)
 from hf_evon.predictive.calibration import trained_posterior
 from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
 from hf_evon.predictive.uncertainty import (
@@ -43,22 +51,13 @@ Tensor = torch.Tensor
 __all__ = ["PredictionMixin", "bma_predict"]
 
 
-def _output_kind(model: nn.Module) -> str | None:
-    """What the model's logits are, from transformers' ``config.problem_type``: "value"
-    (regression), "sigmoid" (multi-label), "softmax" (single-label); None where it is not set."""
-    problem = problem_type(model)
-    return {"regression": "value", "multi_label_classification": "sigmoid"}.get(
-        problem, "softmax" if problem else None
-    )
-
-
-def _kind_of_unset(logits: Tensor, labels: Tensor | None, caller: str) -> str:
-    """:func:`_output_kind` of a model without ``config.problem_type``: one output a value, several a
+def _kind_of_unset(logits: Tensor, labels: Tensor | None, caller: str) -> OutputKind:
+    """:func:`~hf_evon.modeling.output_kind` of a model without ``config.problem_type``: one output a value, several a
     class distribution; ValueError where several come with floating-point labels, which are multi-label
     targets, regression values or soft class targets alike, each averaged otherwise (sigmoids, values,
     softmaxes): only the model's problem_type says which."""
     if logits.shape[-1] == 1:
-        return "value"
+        return OutputKind.VALUE
     if isinstance(labels, Tensor) and labels.is_floating_point():
         raise ValueError(
             f"{caller}: the model has no config.problem_type and its labels are floating point "
@@ -68,7 +67,7 @@ def _kind_of_unset(logits: Tensor, labels: Tensor | None, caller: str) -> str:
             "'regression' or 'single_label_classification' (model.config = transformers.PretrainedConfig("
             "problem_type=...) for a plain module)"
         )
-    return "softmax"
+    return OutputKind.SOFTMAX
 
 
 def _refuse_classes_not_last(model: nn.Module, caller: str) -> None:
@@ -122,7 +121,7 @@ def bma_predict(
 ) -> PredictionOutput:
     """BMA predictions: the averaged probabilities ``p̄ = 1/S Σ_s softmax(logits_s)`` for every input;
     for a regression (``problem_type`` "regression", or one output) the averaged outputs, for a
-    multi-label classifier the averaged sigmoid probabilities (:func:`_output_kind`). A model without
+    multi-label classifier the averaged sigmoid probabilities (:func:`~hf_evon.modeling.output_kind`). A model without
     ``problem_type`` whose several outputs come with floating-point labels is refused
     (:func:`_kind_of_unset`).
 
@@ -188,7 +187,7 @@ def bma_predict(
             # read after the forward: a transformers model whose problem_type is unset sets it from
             # its first labelled batch (float labels: multi-label); still unset (no labels), one output
             # is a value, several a class distribution
-            kind = _output_kind(trainer.model) or _kind_of_unset(logits, labels, caller)
+            kind = output_kind(trainer.model) or _kind_of_unset(logits, labels, caller)
         if kind == "value":
             return logits.double()
         if kind == "sigmoid":
@@ -209,7 +208,7 @@ def bma_predict(
                 raise ValueError(
                     "predict_uncertainty needs a model with one softmax output (a classifier or an LM: "
                     "entropies) or a regression's values (their mean and spread); this model's output is "
-                    f"{outputs} distribution(s) of kind {kind!r}"
+                    f"{outputs} distribution(s) of kind {kind.value!r}"
                     + (f" (its problem_type {problem!r})" if kind != "softmax" and problem else "")
                     + (
                         ": a label's sigmoid p is the two classes [1 - p, p], whose samples' entropies "
