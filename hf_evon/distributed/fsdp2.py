@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hf_evon.distributed.sharding import EVONSharding, _cpu_copy, _fresh, block_raised_on
+from hf_evon.distributed.sharding import EVONSharding, block_raised_on, cpu_copy, fresh_state
 from hf_evon.optim.buckets import Bucket
 
 if TYPE_CHECKING:
@@ -372,13 +372,13 @@ class FSDP2Sharding(EVONSharding):
     def _full_rows(self, p: Tensor, v: Any) -> Any:
         """A state tensor of ``p``'s local rows, gathered to the full shape (a collective)."""
         if not torch.is_tensor(v) or v.dim() == 0:
-            return _cpu_copy(v)
+            return cpu_copy(v)
         from torch.distributed.tensor import DTensor
 
         whole = DTensor.from_local(
             v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
-        return _cpu_copy(whole.full_tensor())
+        return cpu_copy(whole.full_tensor())
 
     def full_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         if self._state is None:
@@ -389,7 +389,7 @@ class FSDP2Sharding(EVONSharding):
                 if st is None:
                     continue
                 if id(p) in self.index:
-                    local[i] = _cpu_copy(st)
+                    local[i] = cpu_copy(st)
                 else:  # every rank holds its rows of this AdamW state: gather them
                     rows[i] = {k: self._full_rows(p, v) for k, v in st.items()}
             merged: dict[int, Any] = {}
@@ -397,7 +397,7 @@ class FSDP2Sharding(EVONSharding):
                 merged.update(part)
             merged.update(rows)
             self._state = dict(sorted(merged.items()))
-        return {**sd, "state": _fresh(self._state)}
+        return {**sd, "state": fresh_state(self._state)}
 
     def local_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         out = super().local_state_dict(sd)

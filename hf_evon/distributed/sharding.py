@@ -57,7 +57,15 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["EVONSharding", "assign_owners", "optimizer_state_bytes", "parameter_cost"]
+__all__ = [
+    "EVONSharding",
+    "assign_owners",
+    "block_raised_on",
+    "cpu_copy",
+    "fresh_state",
+    "optimizer_state_bytes",
+    "parameter_cost",
+]
 
 
 def block_raised_on(rank: int) -> str:
@@ -317,12 +325,12 @@ class EVONSharding(ShardingHooks):
         """The local ``state_dict`` with every rank's entries (a collective unless
         :meth:`prefetch` gathered them since the last step; CPU copies)."""
         if self._state is None:
-            local = {k: _cpu_copy(v) for k, v in sd["state"].items()}
+            local = {k: cpu_copy(v) for k, v in sd["state"].items()}
             merged: dict[int, Any] = {}
             for part in self._gather_objects(local):
                 merged.update(part)
             self._state = dict(sorted(merged.items()))
-        return {**sd, "state": _fresh(self._state)}
+        return {**sd, "state": fresh_state(self._state)}
 
     def prefetch(self) -> None:
         """Gather the full state and every posterior factor now, on every rank (a collective).
@@ -352,7 +360,7 @@ class EVONSharding(ShardingHooks):
         for p in self.params:
             if id(p) in self.index and self.owns(p):
                 f = {**opt.posterior_factors(p), "step": opt.state[p].get("step")}
-                local[self.index[id(p)]] = {k: _cpu_copy(v) for k, v in f.items()}
+                local[self.index[id(p)]] = {k: cpu_copy(v) for k, v in f.items()}
         merged: dict[int, dict[str, Any]] = {}
         for part in self._gather_objects(local):
             merged.update(part)
@@ -391,15 +399,15 @@ class EVONSharding(ShardingHooks):
         return total
 
 
-def _cpu_copy(v: Any) -> Any:
+def cpu_copy(v: Any) -> Any:
     if torch.is_tensor(v):
         return v.detach().to("cpu", copy=True).contiguous()
     if isinstance(v, dict):
-        return {k: _cpu_copy(x) for k, x in v.items()}
+        return {k: cpu_copy(x) for k, x in v.items()}
     return v
 
 
-def _fresh(state: dict[Any, Any]) -> dict[Any, Any]:
+def fresh_state(state: dict[Any, Any]) -> dict[Any, Any]:
     """The cached full state in new dicts (its tensors shared): callers may rekey or edit what
     ``state_dict()`` returns (torch's distributed checkpoint renames its keys in place; the cache
     keeps its parameter indices)."""

@@ -13,7 +13,7 @@ from typing import Any, get_type_hints
 
 from transformers import Trainer, TrainingArguments
 
-from hf_evon.trainer.config import _LOWER_IS_BETTER, EVONConfig
+from hf_evon.trainer.config import LOWER_IS_BETTER, EVONConfig
 
 __all__ = [
     "TrainerCall", "converted_config", "evon_config_class", "rebuilt_config", "refuse_buffered_generations",
@@ -131,7 +131,7 @@ def converted_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONC
         if f.name not in vars(args):  # an EVON field
             setattr(config, f.name, f.default if f.default_factory is MISSING else f.default_factory())
     metric = args.metric_for_best_model or ""
-    if metric.endswith(_LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
+    if metric.endswith(LOWER_IS_BETTER) and args.greater_is_better == (not metric.endswith("loss")):
         config.greater_is_better = False
     config._refuse_fp16()
     config._finish_evon_fields()
@@ -148,7 +148,7 @@ def rebuilt_config(args: TrainingArguments, target: type[EVONConfig]) -> EVONCon
         if f.init and f.name.endswith("_token"):
             values[f.name] = getattr(args, f.name)  # to_dict() hides the tokens' values
     metric = args.metric_for_best_model or ""
-    if not isinstance(args, EVONConfig) and metric.endswith(_LOWER_IS_BETTER):
+    if not isinstance(args, EVONConfig) and metric.endswith(LOWER_IS_BETTER):
         if args.greater_is_better == (not metric.endswith("loss")):  # TrainingArguments' own choice
             values["greater_is_better"] = None  # EVONConfig's choice, as converted_config makes it
     return target(**values)

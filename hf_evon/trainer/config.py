@@ -36,7 +36,7 @@ from hf_evon.optim.grouping import compiled_patterns
 from hf_evon.optim.recipes import RECIPES
 from hf_evon.optim.validation import validate_hyperparameters
 
-__all__ = ["EVONConfig"]
+__all__ = ["EVONConfig", "LOWER_IS_BETTER"]
 
 # learning_rate=None: EVONTrainer picks one of these from the model (the rate AdamW would get)
 SCRATCH_LEARNING_RATE = DEFAULT_ADAMW_LR  # torch's AdamW default; from scratch and PEFT adapters
@@ -51,7 +51,7 @@ _H0, _H0_FINETUNING = default_hess_init(False), default_hess_init(True)
 _PRIOR, _PRIOR_FINETUNING = (default_weight_decay(h, DEFAULT_INIT_STD_RATIO) for h in (_H0, _H0_FINETUNING))
 _PRIOR_REACHED_AFTER = math.log(_PRIOR / _H0) / math.log(DEFAULT_BETAS[1])  # steps until h0·β2ᵗ = δ
 # the metrics EVONTrainer reports that fall as predictions improve (mean_* and bma_*)
-_LOWER_IS_BETTER = ("_nll", "_ece", "_brier", "_perplexity")
+LOWER_IS_BETTER = ("_nll", "_ece", "_brier", "_perplexity")
 # command line text -> EVON's snr_scaling ("None": the default, chosen from the model)
 _SNR_CHOICES = {"true": True, "false": False, "adam": "adam", "None": None}
 
@@ -380,7 +380,7 @@ class EVONConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         self._refuse_fp16()  # before TrainingArguments' own checks, so this is the error users see
-        if self.greater_is_better is None and (self.metric_for_best_model or "").endswith(_LOWER_IS_BETTER):
+        if self.greater_is_better is None and (self.metric_for_best_model or "").endswith(LOWER_IS_BETTER):
             self.greater_is_better = False  # transformers' default knows only that a "...loss" falls
         super().__post_init__()
         self._finish_evon_fields()
