@@ -218,7 +218,8 @@ def fit_from_curvature(
             (len(b.params), 1), float(hess[0].numel()), dtype=torch.float64, device=hess.device
         )
         # in float32 at least: a float16 matrix's norm overflows above 65504 while its entries are finite
-        w_sq = torch.stack(norms_of([p.detach() for p in b.params])).double().square()
+        with torch.no_grad():  # one context, not a detach per matrix
+            w_sq = torch.stack(norms_of(b.params)).double().square()
         first.append(torch.cat([w_sq[:, None], numel, log_histogram(hess)], dim=1))
     sums = pooled(first, 2 + HIST_BINS)  # [Σ W², numel, the histogram of log10 H]
     waiting = [group for gi, group in enumerate(groups) if sums[gi, 1] == 0]  # no H measured on any rank

@@ -250,9 +250,13 @@ def adamw_step_device(p: Tensor) -> torch.device:
     return p.device if fused_adamw(p) else torch.device("cpu")
 
 
-def half_adamw_second_moment(g: Tensor, state: dict[str, Any], beta2: float) -> Tensor:
-    """The largest entry of AdamW's next second moment β2·v + (1−β2)·g², in float32 (a float16
-    parameter keeps its moments in float16, where it can overflow while ``g`` is finite)."""
-    top = g.detach().float().abs().amax().square() * (1.0 - beta2)
-    v = state.get("exp_avg_sq")
-    return top if v is None else top + beta2 * v.float().amax()
+def half_adamw_second_moments(grads: list[Tensor], states: list[dict[str, Any]], beta2: float) -> Tensor:
+    """The largest entry of each parameter's next AdamW second moment β2·v + (1−β2)·g², in float32 (a
+    float16 parameter keeps its moments in float16, where they can overflow while ``g`` is finite):
+    multi-tensor norms, a few ops for all of them (on the first gradient's device)."""
+    dev = grads[0].device
+    top = torch.stack([n.to(dev) for n in torch._foreach_norm(grads, math.inf)]).float().square() * (1.0 - beta2)
+    moments = [st.get("exp_avg_sq") for st in states]
+    if any(v is None for v in moments):  # a first step (or a late member): that moment is 0
+        return top + beta2 * torch.stack([top.new_zeros(()) if v is None else v.float().amax().to(dev) for v in moments])
+    return top + beta2 * torch.stack([n.to(dev) for n in torch._foreach_norm(moments, math.inf)]).float()

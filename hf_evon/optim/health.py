@@ -13,7 +13,7 @@ import torch
 from hf_evon.optim.buckets import Bucket, Plan, is_dtensor
 from hf_evon.optim.checks import outside_stacklevel, uses_fisher
 from hf_evon.optim.defaults import COLLAPSE_PRIOR_TO_SIGNAL
-from hf_evon.optim.functional import half_adamw_second_moment
+from hf_evon.optim.functional import half_adamw_second_moments
 from hf_evon.optim.linalg import norms_of
 
 __all__ = [
@@ -46,13 +46,14 @@ def covered_members(b: Bucket) -> list[int]:
     return [i for i, p in enumerate(b.params) if not is_point_estimate(p.requires_grad, counts[i])]
 
 
+@torch.no_grad()  # the weights' norms without a graph, and without a detach per matrix
 def _noise_to_signal(b: Bucket, members: list[int], hess: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per listed member of ``b`` (``hess``: their H): Σ V, Σ W² and the noise-to-signal ratio
     sqrt(Σ V / Σ W²), in the state's dtype. The one computation of the ratio: the runaway warning
     finds the matrix of the pooled maximum by equality with it."""
     var = torch.reciprocal(b.group["ess"] * (hess + b.group["weight_decay"]))
     # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
-    weights = [p.detach() for p in b.params] if b.mean is None else list(b.mean.unbind(0))
+    weights = b.params if b.mean is None else list(b.mean.unbind(0))
     w_sq = torch.stack(norms_of([weights[i] for i in members])).to(b.dtype).square()  # float32 at least
     var_sum = var.sum(dim=(1, 2))
     return var_sum, w_sq, (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
@@ -261,7 +262,7 @@ def first_nonfinite(
     for gi, (params, g_list, states) in adamw.items():
         for p, g, st in zip(params, g_list, states):
             if g.dtype == torch.float16:
-                top = float(half_adamw_second_moment(g, st, param_groups[gi]["betas"][1]))
+                top = float(half_adamw_second_moments([g], [st], param_groups[gi]["betas"][1])[0])
                 if not top <= torch.finfo(torch.float16).max:
                     return (
                         f"overflow in AdamW's squared gradient of {label(p)}: its second moment, kept in "

@@ -28,7 +28,7 @@ from hf_evon.optim.functional import (
     adamw_step_device,
     clipped_update,
     fisher_update,
-    half_adamw_second_moment,
+    half_adamw_second_moments,
     hessian_update,
     matrix_curvature,
     momentum_update,
@@ -140,14 +140,15 @@ def all_finite(x: Tensor, signed: bool = True) -> Tensor:
 
 
 def half_adamw_flags(adamw: AdamWInputs, param_groups: list[dict[str, Any]]) -> list[Tensor]:
-    """Per float16 parameter of an AdamW group, whether its float16 second moment stays finite: a
+    """Per AdamW group with float16 parameters, whether their float16 second moments stay finite: a
     gradient of 1e4 is finite, its square too in the float32 check, but 1e5 is not a float16."""
-    return [
-        half_adamw_second_moment(g, st, param_groups[gi]["betas"][1]) <= torch.finfo(torch.float16).max
-        for gi, (_, g_list, states) in adamw.items()
-        for g, st in zip(g_list, states)
-        if g.dtype == torch.float16
-    ]
+    flags = []
+    for gi, (_, g_list, states) in adamw.items():
+        half = [(g, st) for g, st in zip(g_list, states) if g.dtype == torch.float16]
+        if half:
+            top = half_adamw_second_moments([g for g, _ in half], [st for _, st in half], param_groups[gi]["betas"][1])
+            flags.append(top.amax() <= torch.finfo(torch.float16).max)
+    return flags
 
 
 def finite_flags(
