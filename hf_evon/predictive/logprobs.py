@@ -24,6 +24,7 @@ __all__ = [
     "PerOutput",
     "ValueMean",
     "count_label_items",
+    "float64_log_softmax",
     "label_log_probs",
     "labelled_row_index",
     "labelled_rows",
@@ -162,6 +163,11 @@ def log_mean_prob(log_probs: Tensor, dim: int = 0) -> Tensor:
     uncertainty) and a calibration scale whose draws equal the mean ties with it."""
     shift = _shift(log_probs.amax(dim, keepdim=True))
     return shift.squeeze(dim) + ((log_probs - shift).exp().sum(dim) / log_probs.shape[dim]).log()
+
+
+def float64_log_softmax(logits: Tensor) -> Tensor:
+    """Log-probabilities in float64: the metrics sum them over whole evaluation sets."""
+    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def widened(logits: Tensor) -> Tensor:

@@ -34,6 +34,7 @@ from hf_evon.modeling import problem_type
 from hf_evon.predictive.logprobs import (
     IGNORE_INDEX,
     NOT_SOFTMAX_PROBLEMS,
+    float64_log_softmax,
     label_log_probs,
     shifted,
     tempered,
@@ -67,7 +68,6 @@ __all__ = [
     "PosteriorEvaluation",
     "batch_labels",
     "class_labels",
-    "float64_log_softmax",
     "gathered_rows",
     "merge_metrics",
     "reduce_log_probs",
@@ -98,11 +98,6 @@ def reduce_log_probs(logp: Tensor, labels: Tensor, task: str) -> Tensor:
     if task == "causal_lm":  # PEFT's prompt tuning: (B, T) after its virtual tokens (``shifted``)
         return label_log_probs(*shifted(logp, labels.to(logp.device), shift=True))
     return logp
-
-
-def float64_log_softmax(logits: Tensor) -> Tensor:
-    """Log-probabilities in float64: the metrics sum them over whole evaluation sets."""
-    return torch.log_softmax(logits.double(), dim=-1)
 
 
 def _metric_log_probs(logits: Tensor, labels: Tensor, task: str) -> Tensor:

@@ -27,7 +27,7 @@ from hf_evon.modeling import (
     unwrap_model,
 )
 from hf_evon.predictive.calibration import trained_posterior
-from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, tempered
+from hf_evon.predictive.logprobs import LogMeanExp, PerOutput, ValueMean, float64_log_softmax, tempered
 from hf_evon.predictive.uncertainty import (
     PredictiveSpread,
     PredictiveUncertainty,
@@ -38,7 +38,6 @@ from hf_evon.trainer.combined import buffers_generations
 from hf_evon.trainer.evaluation import (
     MetricAccumulator,
     batch_labels,
-    float64_log_softmax,
     gathered_rows,
     merge_metrics,
     reduce_log_probs,
