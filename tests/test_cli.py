@@ -1866,8 +1866,9 @@ def test_generate_reads_prompts_with_a_tokenizer_that_has_no_special_tokens(save
 def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved, tmp_path, capsys, monkeypatch):
     """An --output holding another model's weights and no posterior: calibrate saved --model's
     calibrated posterior beside them, where it fits nothing. It is a usage error before any pass
-    naming what differs (config.json's model_type or sizes, a tensor's shape in the safetensors
-    file); the files stay as they were. A copy of --model's own weights is saved to."""
+    naming what differs (config.json's model_type or sizes, a tensor's shape or, the shapes all
+    equal, its values in the safetensors file); the files stay as they were. A copy of --model's own
+    weights is saved to. An empty --output was found only at the save, after every pass (exit 1)."""
     from transformers import BartConfig, BartForConditionalGeneration
 
 
@@ -1885,7 +1886,11 @@ def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved,
     wider.save_pretrained(tmp_path / "weights_only")
     os.remove(tmp_path / "weights_only" / "config.json")
     wider.config.save_pretrained(tmp_path / "config_only")
+    # the same architecture and shapes, other weights: found by their values (it was saved to)
+    torch.manual_seed(123)
+    type(model)(model.config).save_pretrained(tmp_path / "same_shapes")
     expected = {
+        "same_shapes": "tensor 'transformer.h.0.attn.c_attn.bias' holds other values in model.safetensors than in --model",
         "bart": "its config.json's model_type 'bart', --model's 'gpt2'",
         "wider": "its config.json's n_embd 16, --model's 32",
         "config_only": "its config.json's n_embd 16, --model's 32",
@@ -1899,6 +1904,8 @@ def test_calibrate_refuses_an_output_holding_the_weights_of_another_model(saved,
     copy_of_own = tmp_path / "copy"
     model.save_pretrained(copy_of_own)
     assert_calibrated_into(copy_of_own, capsys, "--model", str(path), "--text", str(text))
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", "", "--samples", "2"]
+    assert main(argv) == 2 and "--output '': give a directory" in capsys.readouterr().err
 
 
 def test_calibrate_checks_an_outputs_pickled_and_sharded_weights_without_running_their_code(

@@ -29,6 +29,8 @@ def check_output(output: str) -> None:
     """A usage error where ``output`` cannot become a directory this user writes in. It is checked at the
     nearest entry listed on its path (:func:`~hf_evon.fileio.listed_kind`): a link there that reaches
     nothing is named as such (the save's os.makedirs would fail on it after the whole calibration)."""
+    if not output:  # abspath("") is the current directory, and the save's os.makedirs("") fails
+        raise UsageError("--output '': give a directory")
     existing = os.path.abspath(output)
     while _listed_on_path(existing, output) is None:
         existing = os.path.dirname(existing)
@@ -183,8 +185,9 @@ def _json_object(path: str) -> dict[str, Any]:
 def check_output_weights(output: str, model: Any) -> None:
     """A usage error where ``output`` holds another model's weights than ``model``'s: its config.json
     of another ``model_type`` or sizes (SIZE_KEYS), or a tensor of its weights files (safetensors, a
-    pickled ``.bin``, a shard index: ``weights_file_shapes``) of a name the model has and another shape,
-    or none of the model's names; a ``.bin`` that loads only by running code is refused.
+    pickled ``.bin``, a shard index: ``weights_file_shapes``) of a name the model has and another shape
+    or other values (:func:`_other_values`), or none of the model's names; a ``.bin`` that loads only
+    by running code is refused.
 
     Why: the posterior saved there would sit beside weights it does not fit, and ``from_pretrained``
     of the directory would load the one with the other. A copy of the model's weights is fine."""
@@ -204,9 +207,11 @@ def check_output_weights(output: str, model: Any) -> None:
     # and a headless save's without the base model's prefix
     prefix = getattr(base, "base_model_prefix", "")
     shapes: dict[str, tuple[int, ...]] = {}
+    params: dict[str, Any] = {}
     for name, param in base.named_parameters(remove_duplicate=False):
         name = name.replace(".base_layer.", ".")
         shapes[name] = shapes[name.removeprefix(f"{prefix}.") if prefix else name] = tuple(param.shape)
+        params[name] = params[name.removeprefix(f"{prefix}.") if prefix else name] = param
     names = sorted(n for n in os.listdir(output) if WEIGHT_FILES.fullmatch(n)) if os.path.isdir(output) else []
     for file in names:
         path = os.path.join(output, file)
@@ -223,8 +228,39 @@ def check_output_weights(output: str, model: Any) -> None:
                 )
         if stored and not set(stored) & set(shapes):
             raise UsageError(f"{other} (none of the tensors of its {file} is --model's, e.g. {min(stored)!r}): {keep}")
+        differing = _other_values(path, params) if not file.endswith(".json") else None
+        if differing is not None:
+            raise UsageError(f"{other} (tensor {differing!r} holds other values in {file} than in --model): {keep}")
     if is_peft_model(model):
         check_output_adapter(output, model, keep)
+
+
+def _other_values(path: str, params: dict[str, Any]) -> str | None:
+    """The first tensor of the weights file at ``path`` (its shapes already checked) whose values are not
+    those of the model's parameter of its name, compared in the coarser of the two dtypes (a model loaded
+    in bfloat16 from float32 weights holds their rounding); None where every one is. Read one tensor at a
+    time (safetensors), or memory-mapped (a ``.bin``, without running code)."""
+    import torch
+
+    def other(name: str, stored: torch.Tensor) -> bool:
+        mine = params[name].detach()
+        if not (stored.is_floating_point() and mine.is_floating_point()):
+            return not torch.equal(stored, mine.cpu().to(stored.dtype))
+        coarse = min(stored.dtype, mine.dtype, key=lambda d: torch.finfo(d).eps * -1)
+        return not torch.equal(stored.to(coarse), mine.to("cpu", coarse))
+
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, "pt") as f:
+            return next((k for k in sorted(f.keys()) if k in params and other(k, f.get_tensor(k))), None)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as err:  # a file of torch's legacy format cannot be memory-mapped
+        if "mmap" not in str(err):
+            raise
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    return next((k for k in sorted(state) if k in params and other(k, state[k])), None)
 
 
 def check_output_adapter(output: str, model: Any, keep: str) -> None:
