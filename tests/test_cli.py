@@ -2318,3 +2318,16 @@ def test_an_adapter_name_from_the_posterior_never_picks_a_folder_outside_the_mod
         loading._load_model(str(model_dir), None, None, lambda: named)
     assert read == []
     assert repr(named) in str(err.value) and f"--model {str(model_dir)!r}" in str(err.value), str(err.value)
+
+
+def test_calibrate_says_a_block_size_above_the_context_is_cut_to_it(saved, tmp_path, capsys):
+    """``--block-size 100`` on a model of 64 positions was cut to 64 without a word: the NLLs were of
+    shorter blocks than asked for. It is said on stderr, and the calibration runs on blocks of 64."""
+    path, _, _, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    argv = ["calibrate", "--model", str(path), "--text", str(text), "--output", str(tmp_path / "out"), "--json"]
+    assert main([*argv, "--block-size", "100", "--max-blocks", "2", "--samples", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "--block-size 100 is above the model's context: blocks of 64" in err
+    assert json.loads(out)["num_targets"] == 2 * 63

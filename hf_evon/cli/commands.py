@@ -479,6 +479,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model!r} has no tokenizer files: calibrate needs one to read --text")
     context = getattr(model.config, "max_position_embeddings", None)  # None or absent: no bound (e.g. Mamba's)
     block = min(args.block_size, context) if isinstance(context, int) and context > 0 else args.block_size
+    if block < args.block_size:  # said, not silent: the NLLs are of shorter blocks than asked for
+        print(f"{args.parser.prog}: --block-size {args.block_size} is above the model's context: blocks of {block}", file=sys.stderr)
     ids = text_tokens(args.text, "--text", tokenizer, block * args.max_blocks)  # what the blocks use
     n = min(len(ids) // block, args.max_blocks)
     if n == 0:
