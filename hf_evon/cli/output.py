@@ -138,12 +138,7 @@ def weights_file_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
     import torch
 
     try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:  # a file of torch's legacy format cannot be memory-mapped
-            if "mmap" not in str(err):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        state = _load_bin(path)
     except pickle.UnpicklingError as err:
         raise ValueError(refused_load_text(path, err)) from None
     except (RuntimeError, EOFError, AttributeError, TypeError) as err:
@@ -152,6 +147,18 @@ def weights_file_shapes(path: str) -> dict[str, tuple[int, ...] | None]:
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise ValueError("it is not a dictionary of tensors")
     return {str(k): tuple(t.shape) for k, t in state.items()}
+
+
+def _load_bin(path: str) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, memory-mapped where the file's format allows."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as err:  # a file of torch's legacy format cannot be memory-mapped
+        if "mmap" not in str(err):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _stored_shapes(output: str, file: str, keep: str) -> dict[str, tuple[int, ...] | None]:
@@ -246,7 +253,7 @@ def _other_values(path: str, params: dict[str, Any]) -> str | None:
         mine = params[name].detach()
         if not (stored.is_floating_point() and mine.is_floating_point()):
             return not torch.equal(stored, mine.cpu().to(stored.dtype))
-        coarse = min(stored.dtype, mine.dtype, key=lambda d: torch.finfo(d).eps * -1)
+        coarse = max(stored.dtype, mine.dtype, key=lambda d: torch.finfo(d).eps)
         return not torch.equal(stored.to(coarse), mine.to("cpu", coarse))
 
     if path.endswith(".safetensors"):
@@ -254,12 +261,7 @@ def _other_values(path: str, params: dict[str, Any]) -> str | None:
 
         with safe_open(path, "pt") as f:
             return next((k for k in sorted(f.keys()) if k in params and other(k, f.get_tensor(k))), None)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as err:  # a file of torch's legacy format cannot be memory-mapped
-        if "mmap" not in str(err):
-            raise
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    state = _load_bin(path)
     return next((k for k in sorted(state) if k in params and other(k, state[k])), None)
 
 

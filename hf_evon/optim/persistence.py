@@ -277,7 +277,7 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a tensor; got {type(value).__name__}"
                 )
-            if not (value.is_floating_point() or value.is_complex() and idx not in prior):  # AdamW's of a complex weight
+            if not (value.is_floating_point() or (value.is_complex() and idx not in prior)):  # AdamW's of a complex weight
                 raise ValueError(
                     f"EVON.load_state_dict: state[{idx!r}][{key!r}] must be a floating-point tensor; got {value.dtype}"
                 )

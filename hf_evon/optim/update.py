@@ -146,7 +146,7 @@ def half_adamw_flags(adamw: AdamWInputs, param_groups: list[dict[str, Any]]) -> 
     for gi, (_, g_list, states) in adamw.items():
         half = [(g, st) for g, st in zip(g_list, states) if g.dtype == torch.float16]
         if half:
-            top = half_adamw_second_moments([g for g, _ in half], [st for _, st in half], param_groups[gi]["betas"][1])
+            top = half_adamw_second_moments(*map(list, zip(*half)), param_groups[gi]["betas"][1])
             flags.append(top.amax() <= torch.finfo(torch.float16).max)
     return flags
 

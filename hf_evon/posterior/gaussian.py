@@ -350,7 +350,7 @@ def perturbations(
     with exact_float32_matmul():
         x = z * rotated_std(hess, ess, weight_decay).unsqueeze(1)
         if q_left is not None:  # Q_L @ X_k, sample by sample
-            x = torch.stack([unrotate(x[:, k].contiguous(), q_left, None) for k in range(s)], dim=1)
+            x = torch.stack([unrotate(x[:, k], q_left, None) for k in range(s)], dim=1)
         if q_right is not None:  # [X_1; …; X_S] @ Q_Rᵀ as one (S·m, n) block per matrix
             x = unrotate(x.reshape(b, s * m, n), None, q_right)
     return x.reshape(b, s, m, n)

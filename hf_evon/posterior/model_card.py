@@ -219,23 +219,23 @@ def _bma_kind(model: Any) -> OutputKind:
     return output_kind(model) or (OutputKind.VALUE if num_labels(model) == 1 else OutputKind.SOFTMAX)
 
 
-def _tempered_text(temperature: Any, where: str, kind: str) -> str:
+def _tempered_text(temperature: Any, where: str, kind: OutputKind) -> str:
     """The card's words for the BMA temperature (none where it is 1) of a model whose BMA averages ``kind``
     (:func:`_bma_kind`); ``where``: what the parenthesis after T says."""
     if not _is_number(temperature) or float(temperature) == 1.0:
         return ""
     t = f"T = {_md(format_value(temperature))} ({where})"
-    if kind == "value":  # predict(bma=True) averages a regression's outputs untempered
+    if kind is OutputKind.VALUE:  # predict(bma=True) averages a regression's outputs untempered
         return (
             " BMA predicts the outputs themselves averaged over samples (values, no logits): the temperature "
             f"{t} does not apply to them."
         )
-    what = "each label's sigmoid(logits / T)" if kind == "sigmoid" else "softmax(logits / T)"
+    what = "each label's sigmoid(logits / T)" if kind is OutputKind.SIGMOID else "softmax(logits / T)"
     return f" BMA predicts {what} averaged over samples, {t}."
 
 
 def _calibration_text(
-    config: Mapping[str, Any], scales: Mapping[str, float] | None = None, kind: str = "softmax"
+    config: Mapping[str, Any], scales: Mapping[str, float] | None = None, kind: OutputKind = OutputKind.SOFTMAX
 ) -> str:
     """What the card says about the posterior's sampling scale (hf_evon.predictive.calibration);
     ``scales``: each covered name's ζ, where tensors may differ from the top-level one; ``kind``: what
@@ -342,7 +342,7 @@ def hand_set_scale_text(
     return f"the sampling scale was set by hand ({where}), not chosen on held-out data"
 
 
-def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float], kind: str = "softmax") -> str:
+def _hand_set_text(config: Mapping[str, Any], scales: Mapping[str, float], kind: OutputKind = OutputKind.SOFTMAX) -> str:
     """The card's words for a sampling scale set by hand (``with_ess``, ``scale_ess``), or "" (as
     :func:`hand_set_scale_text`); ``kind``: what the model's BMA averages (:func:`_bma_kind`)."""
     hand = hand_set_scale_text(config, scales, lambda v: _md(format_value(v)))

@@ -415,7 +415,8 @@ class EVONPosterior(PosteriorFilesMixin):
         """A copy whose BMA predictions (evaluation, ``generate_bma``) use ``temperature`` (> 0)."""
         if not (is_real(temperature) and 0 < temperature < math.inf):  # NumPy numbers too, not a bool
             raise ValueError(f"with_temperature: temperature must be a finite number > 0; got {temperature!r}")
-        config = dict(self.config, temperature=float(temperature))  # the card says a T set by hand so
+        # a calibration's record stays: the card tells this T from the one the calibration chose
+        config = dict(self.config, temperature=float(temperature))
         return EVONPosterior(self._groups, config, self.num_point_estimates, self.num_point_estimate_tensors)
 
     def to(

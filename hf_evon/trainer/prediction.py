@@ -168,7 +168,7 @@ def bma_predict(
     metrics_acc: MetricAccumulator | None = None
     checked = False
     description = f"BMA prediction ({len(seeds)} posterior samples)"
-    kind: str | None = None  # decided after the first forward (transform_one)
+    kind: OutputKind | None = None  # decided after the first forward (transform_one)
 
     outputs = 1  # the model's distributions per input (2 for extractive QA's start and end)
     concat = args.eval_do_concat_batches
@@ -187,9 +187,9 @@ def bma_predict(
             # its first labelled batch (float labels: multi-label); still unset (no labels), one output
             # is a value, several a class distribution
             kind = output_kind(trainer.model) or _kind_of_unset(logits, labels, caller)
-        if kind == "value":
+        if kind is OutputKind.VALUE:
             return logits.double()
-        if kind == "sigmoid":
+        if kind is OutputKind.SIGMOID:
             return torch.sigmoid(tempered(logits, posterior).double())
         return float64_log_softmax(tempered(logits, posterior))
 
@@ -202,21 +202,21 @@ def bma_predict(
 
     def average() -> Any:
         if uncertainty:
-            if kind == "sigmoid" or outputs != 1:
+            if kind is OutputKind.SIGMOID or outputs != 1:
                 problem = problem_type(trainer.model)
                 raise ValueError(
                     "predict_uncertainty needs a model with one softmax output (a classifier or an LM: "
                     "entropies) or a regression's values (their mean and spread); this model's output is "
                     f"{outputs} distribution(s) of kind {kind.value!r}"
-                    + (f" (its problem_type {problem!r})" if kind != "softmax" and problem else "")
+                    + (f" (its problem_type {problem!r})" if kind is not OutputKind.SOFTMAX and problem else "")
                     + (
                         ": a label's sigmoid p is the two classes [1 - p, p], whose samples' entropies "
                         "hf_evon.predictive_uncertainty splits (docs/usage.md#epistemic-uncertainty)"
-                        if kind == "sigmoid" else ""
+                        if kind is OutputKind.SIGMOID else ""
                     )
                 )
-            return SpreadAccumulator() if kind == "value" else UncertaintyAccumulator()
-        make = LogMeanExp if kind == "softmax" else ValueMean
+            return SpreadAccumulator() if kind is OutputKind.VALUE else UncertaintyAccumulator()
+        make = LogMeanExp if kind is OutputKind.SOFTMAX else ValueMean
         return make() if outputs == 1 else PerOutput([make() for _ in range(outputs)])
 
     def gathered(values: Tensor, rows: int) -> Tensor:
@@ -230,7 +230,7 @@ def bma_predict(
         """Probabilities (or values), through the user's ``preprocess_logits_for_metrics`` as
         ``Trainer.predict`` passes its logits, gathered over processes."""
         def convert(x: Tensor) -> Tensor:
-            return (x.exp() if kind == "softmax" else x).float()
+            return (x.exp() if kind is OutputKind.SOFTMAX else x).float()
 
         probs = tuple(map(convert, logp)) if isinstance(logp, tuple) else convert(logp)
         if trainer.preprocess_logits_for_metrics is not None:
@@ -239,12 +239,12 @@ def bma_predict(
 
     for done, inputs, rows in sample_passes(trainer, dataloader, posterior, seeds, transform, description, average):
         logp = done.value()
-        entropies = (done.spread() if kind == "value" else done.uncertainty()) if uncertainty else None
+        entropies = (done.spread() if kind is OutputKind.VALUE else done.uncertainty()) if uncertainty else None
         del done  # one chunk's accumulators alive at a time
         labels = batch_labels(trainer, inputs)  # a tuple where there are several (QA's start and end)
         if not isinstance(logp, tuple):  # the class metrics: of one softmax's log p̄ only
             if isinstance(labels, Tensor) and not checked:
-                task = task_of(logp, labels, trainer._causal_lm) if kind == "softmax" else None
+                task = task_of(logp, labels, trainer._causal_lm) if kind is OutputKind.SOFTMAX else None
                 metrics_acc = None if task is None else MetricAccumulator(trainer, task)
             checked = True
             if metrics_acc is not None and isinstance(labels, Tensor):
@@ -270,7 +270,7 @@ def bma_predict(
     tensors = (predictions, label_ids, input_ids)
     if uncertainty and predictions is not None:  # per field: one tensor, or the batches' (a list)
         fields = list(predictions) if concat else [list(f) for f in zip(*predictions)]
-        predictions = (PredictiveSpread if kind == "value" else PredictiveUncertainty)(*map(_arrays, fields))
+        predictions = (PredictiveSpread if kind is OutputKind.VALUE else PredictiveUncertainty)(*map(_arrays, fields))
     else:
         predictions = _arrays(predictions)
     label_ids = _arrays(label_ids)
