@@ -308,3 +308,48 @@ def test_a_refresh_cycle_longer_than_any_run_spreads_its_members_as_a_short_one(
     cycle = phases(6)  # six members: the three matrices in phases of their own, the biases (no QR) in one
     assert sorted(p for bucket in cycle for p in bucket) == [0, 1, 2, 3, 3, 3]
     assert phases(10**12) == phases(7) == cycle
+
+
+@pytest.mark.parametrize(("blocks", "zero_grad"), [(1, True), (2, True), (1, False)])
+def test_evons_own_python_runs_nothing_per_parameter_on_a_steady_step(blocks: int, zero_grad: bool) -> None:
+    """The lines of the package's Python that a training loop's steps run (each sampled block's entry
+    and exit, ``step()``) over two refresh cycles are the same at 4 layers and at 16, with one or
+    two blocks a step, with ``zero_grad()`` after each step or never (the step's gradients are then
+    dropped at the next block): the per-parameter reads (gradients, states, dtypes and devices,
+    counters) run in ``map``s, not in Python's loop (they ran 71 lines per parameter and step)."""
+    import hf_evon
+
+    package = os.path.dirname(hf_evon.__file__)
+
+    def lines_run(layers: int) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+        opt = hf_evon.build_optimizer(model, precondition_frequency=10, stagger_refresh=False)
+        x = torch.randn(8, 4)
+        count = 0
+
+        def line(frame, event, arg):  # noqa: ANN001, ANN202
+            nonlocal count
+            count += event == "line" and frame.f_code.co_filename.startswith(package)
+            return line
+
+        def traced(counting: bool, call, *args):  # noqa: ANN001, ANN002, ANN202
+            if counting:
+                sys.settrace(lambda *_: line)
+            try:
+                return call(*args)
+            finally:
+                sys.settrace(None)
+
+        for counting in [False] * 12 + [True] * 20:
+            for _ in range(blocks):
+                block = opt.sampled_params(train=True)
+                traced(counting, block.__enter__)
+                model(x).square().mean().backward()
+                traced(counting, block.__exit__, None, None, None)
+            traced(counting, opt.step)
+            if zero_grad:
+                opt.zero_grad()
+        return count
+
+    assert lines_run(4) == lines_run(16) > 0

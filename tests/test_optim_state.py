@@ -1462,8 +1462,9 @@ def test_a_refresh_of_some_members_is_their_rows_of_the_whole_buckets_refresh(me
     of a bucket of just those members, within float32 rounding of the whole bucket's refresh (a
     batched LAPACK or BLAS call may round a row differently with the batch's size on some CPUs), and
     the other members' state is left as it was."""
-    from hf_evon.optim.buckets import Bucket, refresh_buckets
+    from hf_evon.optim.buckets import Bucket
     from hf_evon.optim.linalg import eigenbasis
+    from hf_evon.optim.update import refresh_buckets
 
     gen = torch.Generator().manual_seed(4)
     g = torch.randn(3, 5, 7, generator=gen)

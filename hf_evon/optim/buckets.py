@@ -14,15 +14,16 @@ weights' space spares that step two products a step and the refresh two more per
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
 
 from hf_evon.optim.checks import uses_fisher
 from hf_evon.optim.defaults import AUTO_ESS, DEFAULT_INIT_STD_RATIO
-from hf_evon.optim.functional import refresh_bases as refreshed_bases
 from hf_evon.optim.functional import shampoo_statistics
 from hf_evon.optim.linalg import eigenbasis, rotate, sample_perturbation, unrotate
 
@@ -40,7 +41,6 @@ __all__ = [
     "matrix_shape",
     "momentum_key",
     "preconditioned_sides",
-    "refresh_buckets",
     "wide_sides",
     "stack_state",
     "state_dtype",
@@ -128,6 +128,8 @@ def state_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _INDEX_CACHE_SIZE = 64  # member lists one bucket keeps as device indices
 # the update counter of a member without a gradient at its bucket's initialising step: its own first
 # gradient initialises its empty statistics (then it counts from 0)
@@ -160,6 +162,19 @@ class Bucket:
     _indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = field(default_factory=dict, repr=False)
     # the members' ``optimizer.state`` entries, which ``stack_state`` pointed at the stacked state
     member_states: list[dict[str, Any]] | None = field(default=None, repr=False)
+    # the keys of ``member_states`` in ``optimizer.state`` (the hooks' ``model_param`` of each member)
+    member_keys: list[Tensor] | None = field(default=None, repr=False)
+    _matrix_shaped: bool | None = field(default=None, repr=False)
+    # ((frequency, phases), members by phase % frequency): read by ``refresh_due``
+    _phases: tuple[tuple[int, tuple[int, ...]], dict[int, list[int]]] | None = field(default=None, repr=False)
+
+    @property
+    def matrix_shaped(self) -> bool:
+        """Whether every member is an ``m×n`` matrix: its tensors stack without a reshape each (read
+        once the members are in; a member resized later is refused before it is stepped)."""
+        if self._matrix_shaped is None:
+            self._matrix_shaped = all(p.shape == (self.m, self.n) for p in self.params)
+        return self._matrix_shaped
 
     def stale(self, state: dict[Tensor, Any], model_param: Callable[[Tensor], Tensor]) -> bool:
         """Whether the optimizer's ``state`` no longer holds the entries this bucket's state was
@@ -168,8 +183,12 @@ class Bucket:
         stacked again from what it holds now (a reset member restarts as a late one)."""
         if self.member_states is None:
             return False
-        return any(
-            state.get(model_param(p)) is not st or "step" not in st for p, st in zip(self.params, self.member_states)
+        if self.member_keys is None:
+            self.member_keys = list(map(model_param, self.params))
+        # read at every step and sample: ``map`` keeps the per-member work out of Python's loop
+        held = map(state.get, self.member_keys)
+        return not all(map(operator.is_, held, self.member_states)) or not all(
+            map(operator.contains, self.member_states, repeat("step"))
         )
 
     @property
@@ -206,6 +225,17 @@ class Bucket:
             counts[i] = value
         self._counts = ((id(step), step._version), counts)
 
+    def refresh_due(self, t: int, frequency: int) -> list[int]:
+        """The members whose eigenbasis refresh is due at update ``t``: ``(t + phase) % frequency == 0``
+        (the members of each phase are listed once per frequency and phases)."""
+        key = (frequency, tuple(self.refresh_phase))
+        if self._phases is None or self._phases[0] != key:
+            by_phase: dict[int, list[int]] = {}
+            for i, phase in enumerate(self.refresh_phase):
+                by_phase.setdefault(phase % frequency, []).append(i)
+            self._phases = (key, by_phase)
+        return list(self._phases[1].get(-t % frequency, ()))
+
     def bases(self) -> tuple[Tensor | None, Tensor | None]:
         return self.state.get("Q_L"), self.state.get("Q_R")
 
@@ -225,26 +255,31 @@ class Bucket:
 
         Called under ``no_grad``: no ``detach``, and no ``reshape`` of a tensor that is already
         ``m×n``, so the aten ops of a step do not grow with the number of parameters."""
+        if self.matrix_shaped:  # the members' own tensors (their gradients, the weights)
+            return torch.stack(tensors)
         mn = (self.m, self.n)
         return torch.stack([x if x.shape == mn else x.reshape(mn) for x in tensors])
 
     def matrices(self, tensors: list[Tensor | None]) -> Tensor:
         """Stack per-parameter tensors as ``(B, m, n)`` in the state dtype (None -> zeros)."""
-        shaped = [
-            torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype) if x is None else x
-            for x in tensors
-        ]
-        out = self.stacked(shaped)
+        if not all(map(operator.is_not, tensors, repeat(None))):
+            zeros = torch.zeros(self.m, self.n, device=self.params[0].device, dtype=self.dtype)
+            tensors = [zeros if x is None else x for x in tensors]
+        out = self.stacked(tensors)
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
-    def unstacked(self, values: Tensor, idx: Iterable[int]) -> tuple[list[Tensor], list[Tensor]]:
-        """``(params, values in each parameter's own shape)`` for the listed members (one unbind)."""
+    def unstacked(self, values: Tensor, members: list[int] | None = None) -> tuple[list[Tensor], list[Tensor]]:
+        """``(params, values in each parameter's own shape)`` for the listed members (None: all;
+        one unbind)."""
         rows = values.unbind(0)
+        if members is None and self.matrix_shaped:
+            return list(self.params), list(rows)
+        idx = range(len(self.params)) if members is None else members
         pairs = [(self.params[i], rows[i]) for i in idx]
         return [p for p, _ in pairs], [v if v.shape == p.shape else v.reshape(p.shape) for p, v in pairs]
 
     def grads(self) -> Tensor:
-        return self.matrices([p.grad for p in self.params])
+        return self.matrices(list(map(_GRAD, self.params)))
 
     def rotated_mean_grad(self, grad: Tensor, num_samples: int) -> Tensor:
         """``Q_Lᵀ grad Q_R`` for ``grad`` = gradient sum / num_samples; the rotation made at the
@@ -255,11 +290,10 @@ class Bucket:
 
     def write_params(self, values: Tensor, members: list[int] | None = None) -> None:
         """Copy ``values[i]`` into member ``i`` (all members, or those listed)."""
-        idx = range(len(self.params)) if members is None else members
         # in place into the parameters themselves (callers hold no_grad): the version counter
         # moves, so autograd notices a graph used across a swap; copy_ into the parameter's
         # own shape works for any memory layout (channels_last)
-        torch._foreach_copy_(*self.unstacked(values, idx))
+        torch._foreach_copy_(*self.unstacked(values, members))
 
     def perturb(self, draw: Callable[[Bucket], Tensor], train: bool) -> bool:
         """Write a posterior sample into the unfrozen members (``draw(self)``: the standard
@@ -269,11 +303,14 @@ class Bucket:
         # phased gradients: a member that missed a step is a count behind the others, in its own
         # phase; a training sample perturbs only the members whose step is a noisy one
         phased = train and self.group["phased_gradients"]
-        counts = self.counts if phased else []
-        live = [i for i, p in enumerate(self.params) if p.requires_grad and (not phased or counts[i] % 2 == 0)]
-        if not live:
-            return False
-        self.live = None if len(live) == len(self.params) else live
+        if not phased and all(map(_REQUIRES_GRAD, self.params)):
+            self.live = None  # all of them
+        else:
+            counts = self.counts if phased else []
+            live = [i for i, p in enumerate(self.params) if p.requires_grad and (not phased or counts[i] % 2 == 0)]
+            if not live:
+                return False
+            self.live = None if len(live) == len(self.params) else live
         g = self.group
         self.mean = self.stacked(self.params)  # exact copy, in the parameters' dtype
         z = draw(self)
@@ -281,7 +318,7 @@ class Bucket:
         noise = sample_perturbation(z, self.state["hess"], q_left, q_right, g["ess"], g["weight_decay"])
         # the noise added into the weights in place, computed as mean + noise in the state's
         # dtype and rounded to the weights' (an in-place add promotes): no stacked sum to copy back
-        torch._foreach_add_(*self.unstacked(noise, range(len(self.params)) if self.live is None else self.live))
+        torch._foreach_add_(*self.unstacked(noise, self.live))
         if train and self.initialized:
             self.z = z
             if self.acc is None and not uses_fisher(g):
@@ -369,56 +406,6 @@ class Bucket:
         # phased gradients: the initialising step and even updates are clean, each member by its
         # own count (the bucket's step is noisy if any member's is)
         return self.initialized and any(c % 2 == 0 for c in self.counts)
-
-
-def refresh_buckets(due: list[tuple[Bucket, list[int] | None]]) -> None:
-    """One power iteration + QR for the listed members of each bucket (None: all of them), the
-    momentum moved to the new bases; the QRs of all buckets together (``refresh_bases``). A
-    bucket may be listed once per set of its members (the sets are disjoint)."""
-    stacks, where = [], []
-    for b, members in due:
-        st = b.state
-        # all or consecutive members (a staggered refresh's one) by a slice: views read, copies written
-        rows = slice(None) if members is None else slice(members[0], members[0] + len(members))
-        idx = rows if members is None or members == list(range(len(b.params))[rows]) else b.member_index(members)
-        rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
-        stacks.append(
-            (
-                st["L"][idx] if b.left else None,
-                st["R"][idx] if b.right else None,
-                st["Q_L"][idx] if b.left else None,
-                st["Q_R"][idx] if b.right else None,
-                st[ROTATED_MOMENTUM][idx] if rotated else None,
-            )
-        )
-        where.append((st, idx))
-    for (st, idx), values in zip(where, refreshed_bases(stacks)):
-        for key, value in zip((ROTATED_MOMENTUM, "Q_L", "Q_R"), values):
-            if value is not None:
-                st[key][idx] = value
-
-
-def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:
-    """Add one to the update counters of the listed members of each bucket (None: all of them;
-    whole buckets in one multi-tensor op; in place: members' ``optimizer.state`` are views of
-    them), and to what ``Bucket.counts`` reads, so that it reads no scalar back from them. A
-    bucket may be listed once per set of its members (members of different counts step as
-    separate plans; the sets are disjoint)."""
-    counts: dict[int, tuple[Bucket, list[int]]] = {}
-    for b, members in stepped:  # before the counters move: the cached counts are still current
-        new = counts.setdefault(id(b), (b, list(b.counts)))[1]
-        for i in range(len(new)) if members is None else members:
-            new[i] += 1
-    whole = [b.state["step"] for b, members in stepped if members is None]
-    if whole:
-        torch._foreach_add_(whole, 1)
-    for b, members in stepped:
-        if members is not None:
-            step = b.state["step"]  # (its dtype: a float64 default dtype would make ones float64)
-            step.index_add_(0, torch.tensor(members), torch.ones(len(members), dtype=step.dtype))
-    for b, new in counts.values():
-        step = b.state["step"]
-        b._counts = ((id(step), step._version), new)
 
 
 @dataclass

@@ -374,10 +374,10 @@ class EVON(Optimizer):
                     failed = train and not ok and (not self._hooks.model_collectives or gradients.backward_ran(self.param_groups))
                     refused = self._hooks.end_sample(recorded=ok and train, failed=failed)
                     ok = ok and refused is None  # sharded: it raised on another rank, recorded on none
-                    kept = set() if stash is None else {id(p) for p, keep in stash if keep is not None}
+                    kept = set() if stash is None else gradients.kept_ids(stash)
                     for b in perturbed if ok else ():
                         if b.acc is not None and b.z is not None:
-                            b.record_sample(alone=not any(id(p) in kept for p in b.params))
+                            b.record_sample(alone=kept.isdisjoint(map(id, b.params)))
                     restore_means(perturbed)
                     if stash is not None:
                         self._held = restore_grads(stash, ok, self) or self._held  # None: not recorded

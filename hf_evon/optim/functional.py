@@ -17,6 +17,7 @@ kernels do; op order and in-place ops are part of the contract (resumes are bit-
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from hf_evon.optim.linalg import (
 __all__ = [
     "adamw",
     "adamw_step_device",
+    "all_fused_adamw",
     "clipped_update",
     "fisher_update",
     "fused_adamw",
@@ -212,7 +214,7 @@ def adamw(
     tensor is a real float on a CPU or CUDA device, as ``transformers.Trainer``'s default
     ``adamw_torch_fused`` is; else multi-tensor, whose bias corrections read each step count
     back to the host. ``lr`` may be a 0-dim tensor (torch AdamW's), on a device read there."""
-    fused = all(map(fused_adamw, params))
+    fused = all_fused_adamw(params)
     if torch.is_tensor(lr) and (not fused or lr.device.type == "cpu"):
         # torch's multi-tensor kernel refuses a tensor rate (but capturable); a CPU one is read as a number
         lr = lr.item()
@@ -242,6 +244,15 @@ def adamw(
 def fused_adamw(p: Tensor) -> bool:
     """Whether :func:`adamw` steps ``p`` with torch's fused kernel."""
     return p.device.type in ("cpu", "cuda") and p.is_floating_point()
+
+
+def all_fused_adamw(params: list[Tensor]) -> bool:
+    """Whether :func:`adamw` steps all of ``params`` with torch's fused kernel (``fused_adamw`` of
+    each, read in ``map``s: it runs at every step)."""
+    return {"cpu", "cuda"}.issuperset(map(_DEVICE_TYPE, params)) and all(map(Tensor.is_floating_point, params))
+
+
+_DEVICE_TYPE = operator.attrgetter("device.type")
 
 
 def adamw_step_device(p: Tensor) -> torch.device:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import sys
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable
+from itertools import chain, compress, repeat
 from typing import Any
 
 import torch
@@ -45,6 +48,27 @@ _HOOKED: dict[int, weakref.ref] = {}
 # a run may end between a block and its step: a strong one would keep the optimizer, its state and every
 # parameter alive for the rest of the process, and refuse gradients for an optimizer the user dropped
 _ARMED: dict[int, weakref.ref] = {}
+# the per-parameter reads of every block and step run in ``map``s over these, not in Python's loop
+_GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _all_params(param_groups: list[dict[str, Any]]) -> list[Tensor]:
+    return list(chain.from_iterable(map(_PARAMS, param_groups)))
+
+
+def _with_grad(params: list[Tensor]) -> list[Tensor]:
+    return list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))
+
+
+def _identities(params: list[Tensor]) -> Consumed:
+    """The gradients of ``params`` (those that have one) by identity and version."""
+    params = _with_grad(params)
+    grads = list(map(_GRAD, params))
+    return dict(zip(map(id, params), zip(map(weakref.ref, grads), map(_VERSION, grads))))
 
 
 def _refuse_late(p: torch.Tensor) -> None:
@@ -87,38 +111,53 @@ def guard_late_gradients(optimizer: Any) -> None:
     for group in optimizer.param_groups:
         if group["algorithm"] != "evon" or math.isinf(group["ess"]):  # no noise: the same weights
             continue
-        for p in group["params"]:
-            if p.requires_grad:
-                pid = id(p)
+        params = list(compress(group["params"], map(_REQUIRES_GRAD, group["params"])))
+        ids = list(map(id, params))
+        if not _HOOKED.keys() >= set(ids):
+            for p, pid in zip(params, ids):
                 if pid not in _HOOKED:
                     p.register_post_accumulate_grad_hook(_refuse_late)
                     _HOOKED[pid] = weakref.ref(p, _forget(pid))
-                _ARMED[pid] = owner
+        _ARMED.update(zip(ids, repeat(owner)))
 
 
 def _unguard(param_groups: list[dict[str, Any]]) -> None:
-    if _ARMED:
-        for group in param_groups:
-            for p in group["params"]:
-                _ARMED.pop(id(p), None)
+    if _ARMED:  # (a deque of length 0 runs the pops without keeping their results)
+        deque(map(_ARMED.pop, map(id, _all_params(param_groups)), repeat(None)), maxlen=0)
 
 
 def consumed_grads(param_groups: list[dict[str, Any]], places: list[tuple[int, int]] | None = None) -> Consumed:
     """The gradients a step has just used (``places``: only those at these (group, position)),
     recognisable later by identity and version."""
     _unguard(param_groups)  # the step is over: a later gradient is the next step's
-    chosen = None if places is None else set(places)
-    return {
-        id(p): (weakref.ref(p.grad), p.grad._version)
-        for gi, group in enumerate(param_groups)
-        for j, p in enumerate(group["params"])
-        if p.grad is not None and (chosen is None or (gi, j) in chosen)
-    }
+    if places is None:
+        return _identities(_all_params(param_groups))
+    chosen = set(places)
+    return _identities([p for gi, group in enumerate(param_groups) for j, p in enumerate(group["params"]) if (gi, j) in chosen])
 
 
 def _is_consumed(p: Tensor, consumed: Consumed) -> bool:
     ref, version = consumed.get(id(p), (None, None))
     return ref is not None and ref() is p.grad and p.grad._version == version
+
+
+class _Gone:
+    pass
+
+
+_NOT_RECORDED = (weakref.ref(_Gone()), None)  # a (reference, version) entry whose referent is gone
+
+
+def _consumed_mask(params: list[Tensor], grads: list[Tensor | None], consumed: Consumed) -> list[bool]:
+    """``_is_consumed`` of each of ``params`` (whose gradients are ``grads``): the gradient is
+    there, is the tensor recorded and has the version recorded, each read in ``map``s."""
+    if not params:
+        return []
+    refs, versions = zip(*map(consumed.get, map(id, params), repeat(_NOT_RECORDED)))
+    same = map(operator.is_, map(weakref.ref.__call__, refs), grads)
+    unchanged = map(operator.eq, map(getattr, grads, repeat("_version"), repeat(None)), versions)
+    there = map(operator.is_not, grads, repeat(None))
+    return list(map(all, zip(there, same, unchanged)))
 
 
 def consumed_places(param_groups: list[dict[str, Any]], consumed: Consumed) -> list[tuple[int, int]]:
@@ -142,11 +181,14 @@ def _lost_gradient(param_groups: list[dict[str, Any]], held: Consumed) -> Tensor
     (``zero_grad()``), or, where every gradient changed in place since the last recorded exit is
     zero, the first of those (``zero_grad(set_to_none=False)``). Another change in place (an
     average over ranks, a clip) leaves a non-zero gradient; only those changed are read (a sync)."""
-    params = [p for group in param_groups for p in group["params"] if id(p) in held]
-    lost = next((p for p in params if p.grad is None), None)
-    if lost is not None:
+    everyone = _all_params(param_groups)
+    params = list(compress(everyone, map(held.__contains__, map(id, everyone))))
+    grads = list(map(_GRAD, params))
+    lost = next(compress(params, map(operator.is_, grads, repeat(None))), None)
+    if lost is not None or not params:
         return lost
-    changed = [p for p in params if not _is_consumed(p, held)]  # not the tensor, or not the version, left there
+    # not the tensor, or not the version, left there
+    changed = list(compress(params, map(operator.not_, _consumed_mask(params, grads, held))))
     if changed and not any(bool(_local(p.grad).any()) for p in changed):
         return changed[0]
     return None
@@ -232,18 +274,28 @@ def set_aside_grads(
         if discard is not None:
             discard()
         consumed = consumed_grads(param_groups)  # what is left of the dropped samples' gradients
-    for group in param_groups:
-        for p in group["params"]:
-            grad = keep = p.grad
-            if grad is not None:
-                if _is_consumed(p, consumed):
-                    keep = None  # the last step used it already
-                elif grad._base is not None:
-                    # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
-                    # block's backward overwrites: keep a copy
-                    keep = grad.clone()
-            out.append((p, keep))
-            p.grad = None
+    params = _all_params(param_groups)
+    grads = list(map(_GRAD, params))
+    if all(map(operator.is_, grads, repeat(None))):  # zero_grad() since the step: nothing to set aside
+        out.extend(zip(params, grads))
+        return
+    used = _consumed_mask(params, grads, consumed) if consumed else repeat(False)
+    if not any(map(operator.is_not, map(getattr, grads, repeat("_base"), repeat(None)), repeat(None))):
+        # no view among them: the loop below, in ``map``s
+        out.extend(zip(params, map(operator.getitem, zip(grads, repeat(None)), used)))  # None: consumed
+        deque(map(setattr, params, repeat("grad"), repeat(None)), maxlen=0)
+        return
+    for p, grad, consumed_grad in zip(params, grads, used):
+        keep = grad
+        if grad is not None:
+            if consumed_grad:
+                keep = None  # the last step used it already
+            elif grad._base is not None:
+                # a view into a shared buffer (DDP's gradient_as_bucket_view), which the
+                # block's backward overwrites: keep a copy
+                keep = grad.clone()
+        out.append((p, keep))
+        p.grad = None
 
 
 def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, optimizer: Any = None) -> Consumed | None:
@@ -260,9 +312,11 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
             p.grad = keep
         return None
     own, kept = [], []
-    for p, keep in stash:
-        if keep is None:
-            continue
+    kept_pairs = _kept(stash)
+    if kept_pairs and all(map(operator.is_not, map(_GRAD, map(_FIRST, kept_pairs)), repeat(None))):
+        own, kept = list(map(_GRAD, map(_FIRST, kept_pairs))), list(map(_SECOND, kept_pairs))
+        kept_pairs = []
+    for p, keep in kept_pairs:
         if p.grad is None:
             p.grad = keep
         else:  # added into the block's own tensor, which may be a buffer view DDP relies on
@@ -270,7 +324,17 @@ def restore_grads(stash: list[tuple[Tensor, Tensor | None]], recorded: bool, opt
             kept.append(keep)
     if own:
         torch._foreach_add_(own, kept)
-    return {id(p): (weakref.ref(p.grad), p.grad._version) for p, _ in stash if p.grad is not None}
+    return _identities(list(map(_FIRST, stash)))
+
+
+def _kept(stash: list[tuple[Tensor, Tensor | None]]) -> list[tuple[Tensor, Tensor]]:
+    """The entries of ``stash`` (``set_aside_grads``) whose gradient from before the block was kept."""
+    return list(compress(stash, map(operator.is_not, map(_SECOND, stash), repeat(None))))
+
+
+def kept_ids(stash: list[tuple[Tensor, Tensor | None]]) -> set[int]:
+    """ids of the parameters whose gradient from before the block is kept (added back at its exit)."""
+    return set(map(id, map(_FIRST, _kept(stash))))
 
 
 def _is_numeric_loss(loss: Any) -> bool:

@@ -9,6 +9,7 @@ its object as ``optimizer.sharding``; ``hf_evon.optim`` imports nothing from the
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from hf_evon.optim.buckets import Bucket
 __all__ = ["LOCAL", "ShardingHooks", "refuse_unprepared_processes"]
 
 Tensor = torch.Tensor
+_GRAD = operator.attrgetter("grad")
 
 
 class ShardingHooks:
@@ -45,6 +47,10 @@ class ShardingHooks:
         """Whether this rank keeps the state of, and updates, parameter ``p``."""
         return True
 
+    def owned(self, params: list[Tensor]) -> list[Tensor]:
+        """The members of ``params`` this rank owns (``owns``), in order."""
+        return params if type(self).owns is ShardingHooks.owns else list(filter(self.owns, params))
+
     def owned_bucket(self, b: Bucket) -> Bucket:
         """The bucket of this rank's members of ``b`` (before any state is stacked)."""
         return b
@@ -70,7 +76,7 @@ class ShardingHooks:
 
     def adamw_tensors(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """The tensors AdamW updates for ``params`` and their gradients."""
-        return params, [p.grad for p in params]
+        return params, list(map(_GRAD, params))
 
     def pool_rows(self, rows: Tensor, count: int) -> tuple[Tensor, int]:
         """Per-bucket health statistics (CPU) and element counts of every rank, pooled."""

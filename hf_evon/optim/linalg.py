@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import warnings
 from collections.abc import Iterator
 
@@ -500,10 +501,13 @@ def dense_covariance(
         return (basis * rotated_variance(hess, ess, weight_decay).reshape(-1)) @ basis.mT
 
 
+_DTYPE = operator.attrgetter("dtype")
+
+
 def norms_of(tensors: list[Tensor]) -> list[Tensor]:
     """Each tensor's 2-norm in float32 at least (float64 if any is): a float16 gradient's norm
     overflows above 65504 and its square above 256 while every entry is finite."""
-    dtypes = {t.dtype for t in tensors}
+    dtypes = set(map(_DTYPE, tensors))
     if any(d.is_complex for d in dtypes):  # an AdamW group's complex parameters: their own norms
         complex_ = [i for i, t in enumerate(tensors) if t.is_complex()]
         norms = norms_of([t for t in tensors if not t.is_complex()]) if len(complex_) < len(tensors) else []

@@ -4,7 +4,9 @@ state, in the order ``EVON.step`` runs them (plan, check, update), and the AdamW
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
+from itertools import chain, compress, repeat
 from typing import Any
 
 import torch
@@ -12,13 +14,12 @@ import torch
 import hf_evon.optim.linalg as linalg
 from hf_evon.optim.buckets import (
     ADAMW_ONLY_KEY,
+    ROTATED_MOMENTUM,
     UNINITIALIZED,
     Bucket,
     Plan,
-    count_updates,
     momentum_key,
     point_state_views,
-    refresh_buckets,
     state_dtype,
 )
 from hf_evon.optim.checks import uses_fisher
@@ -26,6 +27,7 @@ from hf_evon.optim.curvature import mean_pull
 from hf_evon.optim.functional import (
     adamw,
     adamw_step_device,
+    all_fused_adamw,
     clipped_update,
     fisher_update,
     half_adamw_second_moments,
@@ -36,6 +38,7 @@ from hf_evon.optim.functional import (
     price_estimate,
     snr_scale,
 )
+from hf_evon.optim.functional import refresh_bases as refreshed_bases
 from hf_evon.optim.hooks import ShardingHooks
 from hf_evon.optim.linalg import eigenbasis, norms_of, rotate
 
@@ -43,12 +46,14 @@ __all__ = [
     "AdamWInputs",
     "adamw_inputs",
     "adamw_update",
+    "count_updates",
     "evon_update",
     "evon_updates",
     "finite_flags",
     "hessian_candidate",
     "plan_update",
     "moved_refusal",
+    "refresh_buckets",
     "refresh_runs",
     "refuse_step",
     "step_plans",
@@ -56,6 +61,11 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+# the per-parameter reads of every step run in ``map``s over these, not in Python's loop
+_GRAD, _DEVICE, _DTYPE = operator.attrgetter("grad"), operator.attrgetter("device"), operator.attrgetter("dtype")
+_PLACE = operator.attrgetter("dtype", "device")
+_EXP_AVG, _EXP_AVG_SQ, _STEP = operator.itemgetter("exp_avg"), operator.itemgetter("exp_avg_sq"), operator.itemgetter("step")
+_GRADS = operator.itemgetter(1)  # of an AdamW group's inputs
 # group index -> (params, their gradients / num_samples, their state dicts)
 AdamWInputs = dict[int, tuple[list[Tensor], list[Tensor], list[dict]]]
 # a bucket's step for its weights: (params, Δ in each one's shape, each one's scale or None)
@@ -70,17 +80,17 @@ def plan_update(b: Bucket, num_samples: int) -> list[Plan]:
     weights and state stay bit-identical (no plan: no member has a gradient). A member whose
     first gradient comes after the others' counts its own updates from there.
     """
-    active = [i for i, p in enumerate(b.params) if p.grad is not None]
-    if not active:
+    has_grad = list(map(operator.is_not, map(_GRAD, b.params), repeat(None)))
+    if not any(has_grad):
         return []
     if not b.initialized:  # the initialising step only records statistics: for the whole bucket
         return [_plan(b, None, num_samples)]
     counts = b.counts
-    by_count: dict[int, list[int]] = {}
-    for i in active:
-        by_count.setdefault(counts[i], []).append(i)
-    if len(by_count) == 1 and len(active) == len(b.params):
+    if all(has_grad) and len(set(counts)) == 1:
         return [_plan(b, None, num_samples)]
+    by_count: dict[int, list[int]] = {}
+    for i in compress(range(len(b.params)), has_grad):
+        by_count.setdefault(counts[i], []).append(i)
     return [_plan(b, members, num_samples) for members in by_count.values()]
 
 
@@ -144,6 +154,8 @@ def half_adamw_flags(adamw: AdamWInputs, param_groups: list[dict[str, Any]]) -> 
     gradient of 1e4 is finite, its square too in the float32 check, but 1e5 is not a float16."""
     flags = []
     for gi, (_, g_list, states) in adamw.items():
+        if torch.float16 not in set(map(_DTYPE, g_list)):
+            continue
         half = [(g, st) for g, st in zip(g_list, states) if g.dtype == torch.float16]
         if half:
             top = half_adamw_second_moments(*map(list, zip(*half)), param_groups[gi]["betas"][1])
@@ -157,7 +169,7 @@ def finite_flags(
     """Whether every gradient and every candidate Hessian is finite; also settles, in the same
     single device sync, which buckets may reuse their exit rotation. A sparse gradient (which no
     norm takes) is refused by name (``refuse_sparse``; ``label`` names a parameter)."""
-    grads = [plan.grad for plan in plans] + [g for _, g_list, _ in adamw.values() for g in g_list]
+    grads = [plan.grad for plan in plans] + list(chain.from_iterable(map(_GRADS, adamw.values())))
     checks = []
     if grads:
         # every ‖G‖²_F finite, in one norm call: it bounds every entry of G Gᵀ and Gᵀ G (L and R
@@ -167,12 +179,12 @@ def finite_flags(
         except (RuntimeError, NotImplementedError):
             refuse_sparse(param_groups, label)
             raise
-        checks.append(all_finite(torch.stack([n.to(norms[0].device) for n in norms]).square(), signed=False))
+        checks.append(all_finite(_stacked(norms).square(), signed=False))
     checks += [all_finite(plan.hess) for plan in plans if plan.hess is not None]
     checks += half_adamw_flags(adamw, param_groups)
     reusable = [plan for plan in plans if plan.unchanged is not None]
     flags = checks + [plan.unchanged for plan in reusable]
-    values = torch.stack([f.to(flags[0].device) for f in flags]).tolist() if flags else []
+    values = _stacked(flags).tolist() if flags else []
     for plan, same in zip(reusable, values[len(checks) :]):
         plan.work.exit_grads = None  # compared; only the rotation may still be needed
         if not same:
@@ -250,14 +262,14 @@ def evon_update(
             update = update.clamp_(-65504.0, 65504.0)
         update = update.to(b.params[0].dtype)
     # in each parameter's own shape: works for any memory layout (channels_last)
-    params, deltas = b.unstacked(update, range(len(b.params)))
+    params, deltas = b.unstacked(update)
     step = (params, deltas, None if scale is None else list(scale.unbind(0)))
 
     if b.preconditioned and not (g["phased_gradients"] and not plan.clean and not math.isinf(ess)):
         b.update_statistics(grad, beta3)
     if b.preconditioned:
         f = g["precondition_frequency"]
-        due = [i for i, phase in enumerate(b.refresh_phase) if (t + phase) % f == 0]
+        due = b.refresh_due(t, f)
         if plan.members is not None:  # refreshed in the bucket, after the scatter below
             due = [plan.members[i] for i in due]
         if due:
@@ -332,7 +344,7 @@ def step_weights(params: list[Tensor], deltas: list[Tensor], scales: list[Tensor
 
 def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states: list[dict]) -> None:
     """One AdamW step of an AdamW group's ``params`` (their state created on the first)."""
-    for p, st in zip(params, states):
+    for p, st in [] if all(map(operator.contains, states, repeat(ADAMW_ONLY_KEY))) else zip(params, states):
         if ADAMW_ONLY_KEY not in st:  # none yet, or EVON's (moved here from an EVON group): AdamW's starts fresh
             st.clear()
             st["step"] = torch.zeros((), dtype=torch.float32, device=adamw_step_device(p))
@@ -342,9 +354,9 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
     adamw(
         params,
         grads,
-        [st["exp_avg"] for st in states],
-        [st["exp_avg_sq"] for st in states],
-        [st["step"] for st in states],
+        list(map(_EXP_AVG, states)),
+        list(map(_EXP_AVG_SQ, states)),
+        list(map(_STEP, states)),
         lr=group["lr"],
         beta1=beta1,
         beta2=beta2,
@@ -353,18 +365,55 @@ def adamw_update(group: dict, params: list[Tensor], grads: list[Tensor], states:
     )
 
 
+def _stacked(flags: list[Tensor]) -> Tensor:
+    """0-dim ``flags`` stacked on the first one's device."""
+    one_device = len(set(map(_DEVICE, flags))) == 1
+    return torch.stack(flags if one_device else [f.to(flags[0].device) for f in flags])
+
+
+def _placed_as_made(b: Bucket) -> bool:
+    """Whether every member is on the device and of a dtype its stacked state was made for (a
+    float32/float64 cast changes the state's dtype: ``buckets.state_dtype``), read in ``map``s."""
+    hess = b.state["hess"]
+    dtypes = set(map(_DTYPE, b.params))
+    if set(map(_DEVICE, b.params)) != {hess.device}:
+        return False
+    if hess.dtype == torch.float64:
+        return dtypes == {torch.float64}
+    return hess.dtype == torch.float32 and torch.float64 not in dtypes
+
+
+def _adamw_placed_as_made(params: list[Tensor], states: list[dict]) -> bool:
+    """Whether every one of an AdamW group's ``params`` has its state, made for its dtype and device
+    (its step count where :func:`adamw` reads it, the fused kernel's: on its device), read in
+    ``map``s; False sends :func:`_moved_param` through them one by one."""
+    if not all(map(operator.contains, states, repeat(ADAMW_ONLY_KEY))):
+        return False
+    places = list(map(_PLACE, params))
+    if not places == list(map(_PLACE, map(_EXP_AVG, states))) == list(map(_PLACE, map(_EXP_AVG_SQ, states))):
+        return False
+    steps = list(map(dict.get, states, repeat("step")))
+    return (
+        all(map(isinstance, steps, repeat(Tensor)))
+        and list(map(_DEVICE, steps)) == list(map(_DEVICE, params))
+        and all_fused_adamw(params)
+    )
+
+
 def _moved_param(buckets: list[Bucket], adamw: AdamWInputs) -> tuple[Tensor, str, Tensor] | None:
     """The first parameter, with its state entry, no longer of the dtype or on the device that entry was
     made for; None if there is none."""
     for b in buckets:
+        if _placed_as_made(b):
+            continue
         hess = b.state["hess"]
         device = hess.device  # read once: the members' states are rows of this one tensor
-        for p in b.params:  # a float32/float64 cast changes the state's dtype (buckets.state_dtype)
+        for p in b.params:
             if p.device != device or state_dtype(p) != hess.dtype:
                 return p, "hess", hess
     step_devices: dict[tuple[torch.dtype, torch.device], torch.device] = {}  # adamw_step_device per place
     for params, _, states in adamw.values():
-        for p, st in zip(params, states):
+        for p, st in [] if _adamw_placed_as_made(params, states) else zip(params, states):
             avg_sq = st.get(ADAMW_ONLY_KEY)
             if avg_sq is None:  # no AdamW state yet: the step makes it, as p is now
                 continue
@@ -437,12 +486,64 @@ def adamw_inputs(
     for gi, group in enumerate(param_groups):
         if group["algorithm"] != "adamw":
             continue
-        params = [p for p in group["params"] if p.grad is not None and hooks.owns(p)]
+        params = hooks.owned(list(compress(group["params"], map(operator.is_not, map(_GRAD, group["params"]), repeat(None)))))
         if not params:
             continue
-        states = [state[p] for p in params]
+        states = list(map(state.__getitem__, params))  # (torch's defaultdict: a new one gets its entry)
         params, g_list = hooks.adamw_tensors(params)
         if num_samples > 1:
             g_list = torch._foreach_div(g_list, num_samples)
         out[gi] = (params, g_list, states)
     return out
+
+
+def refresh_buckets(due: list[tuple[Bucket, list[int] | None]]) -> None:
+    """One power iteration + QR for the listed members of each bucket (None: all of them), the
+    momentum moved to the new bases; the QRs of all buckets together (``refresh_bases``). A
+    bucket may be listed once per set of its members (the sets are disjoint)."""
+    stacks, where = [], []
+    for b, members in due:
+        st = b.state
+        # all or consecutive members (a staggered refresh's one) by a slice: views read, copies written
+        rows = slice(None) if members is None else slice(members[0], members[0] + len(members))
+        idx = rows if members is None or members == list(range(len(b.params))[rows]) else b.member_index(members)
+        rotated = ROTATED_MOMENTUM in st  # a momentum in the weights' space needs no move
+        stacks.append(
+            (
+                st["L"][idx] if b.left else None,
+                st["R"][idx] if b.right else None,
+                st["Q_L"][idx] if b.left else None,
+                st["Q_R"][idx] if b.right else None,
+                st[ROTATED_MOMENTUM][idx] if rotated else None,
+            )
+        )
+        where.append((st, idx))
+    for (st, idx), values in zip(where, refreshed_bases(stacks)):
+        for key, value in zip((ROTATED_MOMENTUM, "Q_L", "Q_R"), values):
+            if value is not None:
+                st[key][idx] = value
+
+
+def count_updates(stepped: list[tuple[Bucket, list[int] | None]]) -> None:
+    """Add one to the update counters of the listed members of each bucket (None: all of them;
+    whole buckets in one multi-tensor op; in place: members' ``optimizer.state`` are views of
+    them), and to what ``Bucket.counts`` reads, so that it reads no scalar back from them. A
+    bucket may be listed once per set of its members (members of different counts step as
+    separate plans; the sets are disjoint)."""
+    counts: dict[int, tuple[Bucket, list[int]]] = {}
+    for b, members in stepped:  # before the counters move: the cached counts are still current
+        new = counts.setdefault(id(b), (b, list(b.counts)))[1]
+        if members is None:
+            new[:] = map(operator.add, new, repeat(1))
+        for i in members or ():
+            new[i] += 1
+    whole = [b.state["step"] for b, members in stepped if members is None]
+    if whole:
+        torch._foreach_add_(whole, 1)
+    for b, members in stepped:
+        if members is not None:
+            step = b.state["step"]  # (its dtype: a float64 default dtype would make ones float64)
+            step.index_add_(0, torch.tensor(members), torch.ones(len(members), dtype=step.dtype))
+    for b, new in counts.values():
+        step = b.state["step"]
+        b._counts = ((id(step), step._version), new)
