@@ -543,3 +543,21 @@ def test_the_fitted_prior_is_h_s_quantile_at_any_float32_scale() -> None:
         ranked = hess.flatten().double().sort().values
         at = float(ranked[math.ceil(PRIOR_QUANTILE * len(ranked)) - 1])
         assert at < delta <= at * 10**HIST_STEP, (low, high, delta, at)
+
+
+def test_the_fitted_prior_stays_a_float32_so_a_huge_finite_curvature_leaves_the_optimizer_usable() -> None:
+    """H near float32's largest number (a finite gradient of 1.8e19) falls in a bin whose upper edge,
+    10^38.6, is not a float32: δ was set there, and the group's validation refused every later call
+    (naming a weight_decay the user never set). δ is that edge or float32's largest, whichever is less."""
+    p = torch.nn.Parameter(torch.ones(1, 1))
+    opt = EVON([p], seed=0)
+    for _ in range(4):
+        with opt.sampled_params(train=True):
+            p.sum().backward()
+        p.grad.fill_(1.8e19)
+        opt.step()
+        opt.zero_grad()
+    group = opt.param_groups[0]
+    assert group["weight_decay"] == torch.finfo(torch.float32).max
+    assert group["ess"] * group["weight_decay"] >= torch.finfo(torch.float32).tiny
+    assert torch.isfinite(p).all()

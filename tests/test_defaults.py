@@ -911,3 +911,27 @@ def test_pretrained_name_tells_loaded_weights_from_a_config_by_what_from_pretrai
     assert loaded._weight_conversions is not None and pretrained_name(loaded) == str(tmp_path)
     scratch = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(tmp_path))
     assert scratch.config._name_or_path == str(tmp_path) and pretrained_name(scratch) == ""
+
+
+@pytest.mark.parametrize("scale", [2e19, 1e-30])
+def test_auto_ess_reads_the_weights_scale_where_float32_squares_over_or_underflow(scale: float) -> None:
+    """Σ p² was taken in float32: weights of 2e19 squared to inf (ζ = 0, refused as an invalid ess at the
+    first call) and weights of 1e-30 to 0 (read as all-zero: the fan-in's scale, noise 1e28 times the
+    weights). In float64, ζ is its closed form 1/(ρ²·mean p²·(h0 + δ)) at both scales."""
+    w = nn.Parameter(torch.full((4, 25), scale))
+    opt = EVON([w], hess_init=1e-3, weight_decay=1e-3, init_std_ratio=0.1)
+    with opt.sampled_params(train=True):
+        w.sum().backward()
+    expected = 1.0 / (0.1**2 * float(torch.tensor(scale, dtype=torch.float32)) ** 2 * (1e-3 + 1e-3))
+    assert opt.param_groups[0]["ess"] == pytest.approx(expected, rel=1e-9, abs=0.0)
+
+
+def test_auto_ess_whose_prior_float32_cannot_hold_is_refused_naming_auto_and_the_group() -> None:
+    """Weights of 1e20: 5% of their RMS asks for a prior variance beyond float32. The refusal names
+    ess='auto' and the group (it named an ess of 4.6e-36 the user never set), and leaves ess as it was."""
+    w = nn.Parameter(torch.full((4, 4), 1e20))
+    opt = EVON([w])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: ess='auto' .* beyond float32"):
+        with opt.sampled_params(train=True):
+            pass
+    assert opt.param_groups[0]["ess"] == "auto"

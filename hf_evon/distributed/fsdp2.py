@@ -126,11 +126,11 @@ class FSDP2Sharding(EVONSharding):
         """Each owner's ``Σ p²`` of its full copy (as one process computes it), summed over ranks."""
         self._refresh()
         # on the parameters' device: NCCL (accelerate's backend on GPUs) refuses CPU tensors
-        out = torch.zeros(len(params), dtype=torch.float32, device=self._device())
+        out = torch.zeros(len(params), dtype=torch.float64, device=self._device())
         for i, p in enumerate(params):
             q = self.proxy.get(id(p))
             if q is not None:
-                out[i] = q.float().square().sum()
+                out[i] = q.double().square().sum()
         if self.world > 1:
             dist.all_reduce(out, group=self.group)  # one non-zero term each: exact
         return out.cpu()

@@ -582,6 +582,13 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
 def resolve_auto_ess(groups: list[dict[str, Any]], square_sums: Callable[[list[Tensor]], Tensor]) -> None:
     """Replace each EVON group's ``ess="auto"`` by :func:`auto_ess` of its weights as they are
     (``square_sums``: Σ p² per parameter; FSDP2: a collective)."""
-    for group in groups:
+    for i, group in enumerate(groups):
         if group["algorithm"] == "evon" and group["ess"] == AUTO_ESS:
-            group["ess"] = auto_ess(group, square_sums(group["params"]))
+            ess = auto_ess(group, square_sums(group["params"]))
+            if group["weight_decay"] > 0.0 and not ess * group["weight_decay"] >= torch.finfo(torch.float32).tiny:
+                raise ValueError(
+                    f"param_groups[{i}]: ess='auto' sets the initial std to {group.get('init_std_ratio', DEFAULT_INIT_STD_RATIO):g}× "
+                    f"the weights' RMS, and at this group's scale its prior's variance 1/(ess·weight_decay) "
+                    f"({1 / (ess * group['weight_decay']):.3g}) is beyond float32: rescale the weights, or set ess"
+                )
+            group["ess"] = ess

@@ -53,6 +53,7 @@ Tensor = torch.Tensor
 # the histogram of log10 H: bins of HIST_STEP decades from HIST_LOW to HIST_LOW + HIST_BINS·HIST_STEP
 # = 1e39, past float32's largest; H = 0 (and anything below float32's normal range) counts in the first
 HIST_LOW, HIST_STEP, HIST_BINS = -45.0, 0.1, 840
+_F32_MAX, _F32_TINY = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
 
 
 def curvature_fitted(group: dict[str, Any]) -> tuple[str, ...]:
@@ -115,7 +116,8 @@ def fitted_prior(counts: Tensor) -> float | None:
     if total == 0:
         return None
     k = int(torch.searchsorted(counts.cumsum(0), torch.tensor(PRIOR_QUANTILE * total, dtype=counts.dtype)))
-    return 10.0 ** (HIST_LOW + (k + 1) * HIST_STEP) if k > 0 else None
+    # the top bins' edges pass float32's largest number, which the state (and a group's δ) must not
+    return min(10.0 ** (HIST_LOW + (k + 1) * HIST_STEP), _F32_MAX) if k > 0 else None
 
 
 def fitted_ess(inv_sum: float, numel: int, w_sq_sum: float, ratio: float) -> float | None:
@@ -248,6 +250,7 @@ def fit_from_curvature(
                 group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO),
             )
             ess = fitted_ess(float(inv[gi, 0]), int(sums[gi, 1]), float(sums[gi, 0]), ratio)
-            if ess is not None:
+            # the prior's variance 1/(ζδ) must stay a float32 (validation's bound): else the last ζ stays
+            if ess is not None and ess * group["weight_decay"] >= _F32_TINY:
                 group["ess"] = ess
     note_fitted(groups, records or {})

@@ -65,8 +65,9 @@ class ShardingHooks:
 
     # ------------------------------------------------------------- values
     def square_sums(self, params: list[Tensor]) -> Tensor:
-        """``Σ p²`` (float32, on the CPU) of each parameter, for ``ess="auto"``."""
-        sq = [p.detach().float().square().sum() for p in params]
+        """``Σ p²`` (float64, on the CPU) of each parameter, for ``ess="auto"``: float32's squares
+        overflow above 1.8e19 and vanish below 1e-23."""
+        sq = [p.detach().double().square().sum() for p in params]
         return torch.stack(sq).cpu() if sq else torch.zeros(0)
 
     def standard_normal(self, b: Bucket) -> Tensor | None:
