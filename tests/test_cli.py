@@ -1840,6 +1840,31 @@ def test_calibrate_refuses_an_output_holding_the_posterior_of_other_weights(save
         assert_calibrated_into(own, capsys, "--model", str(own), "--text", str(text))
 
 
+def test_calibrate_refuses_a_posterior_taken_at_other_weights_of_the_same_shapes(saved, tmp_path, capsys, monkeypatch):
+    """calibrate --posterior DIR, DIR's posterior taken at other weights of --model's shapes (a
+    retrained copy): it only warned, calibrated noise around weights the posterior was not taken at,
+    and saved that record, into the model's own directory too, where it replaced the model's trained
+    posterior. It is a usage error naming --posterior before any pass; every directory stays as it was."""
+    import hf_evon.predictive.calibration as calibration
+
+    path, model, tokenizer, _ = saved
+    text = tmp_path / "held_out.txt"
+    text.write_text("def held_out(x):\n    return [y * 2 for y in x if y]\n" * 6)
+    retrained = copy.deepcopy(model)
+    trained_posterior(retrained, len(tokenizer), lambda x: x.roll(1, 1)).save_pretrained(tmp_path / "retrained")
+    own = tmp_path / "own"
+    shutil.copytree(path, own)
+    monkeypatch.setattr(calibration, "calibrate_posterior", lambda *a, **k: pytest.fail("calibrated first"))
+    for output in (own, tmp_path / "fresh"):
+        before = directory_state(own), directory_state(tmp_path / "retrained")
+        argv = ["calibrate", "--model", str(own), "--posterior", str(tmp_path / "retrained"), "--text", str(text)]
+        assert main([*argv, "--output", str(output), "--block-size", "16", "--max-blocks", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"--posterior {str(tmp_path / 'retrained')!r} holds the EVON posterior of other weights" in err, err
+        assert (directory_state(own), directory_state(tmp_path / "retrained")) == before
+        assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").iterdir())
+
+
 def test_generate_reads_prompts_with_a_tokenizer_that_has_no_special_tokens(saved, tmp_path, capsys):
     """A tokenizer with no pad, end-of-sequence or unknown token (a tokenizers' model wrapped as it is):
     --prompt failed, also for one prompt, with transformers' "Asking to pad but the tokenizer does not
@@ -1970,11 +1995,12 @@ def test_calibrate_refuses_an_output_holding_another_adapter(saved, tmp_path, ca
         return get_peft_model(copy.deepcopy(model), LoraConfig(r=r, target_modules=modules, fan_in_fan_out=True))
 
     ours = lora(2, ["c_attn"])
+    posterior = trained_posterior(ours, len(tokenizer), lambda x: x)  # the adapter saved is the one trained
     adapter = tmp_path / "adapter"
     ours.save_pretrained(adapter)
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(path)}))
-    trained_posterior(ours, len(tokenizer), lambda x: x).save_pretrained(adapter)
+    posterior.save_pretrained(adapter)
     name = "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"
     expected = {
         "rank": f"tensor {name!r} has shape (4, 32) in adapter_model.safetensors, (2, 32) in --model",

@@ -44,7 +44,7 @@ from hf_evon.cli.loading import (
     text_tokens,
     torch_dtype,
 )
-from hf_evon.cli.output import check_output, check_output_posterior
+from hf_evon.cli.output import check_output, check_output_posterior, check_posterior_weights
 from hf_evon.cli.text import (
     CALIBRATION_KEY,
     calibration_text,
@@ -470,6 +470,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, None)
     check_output_posterior(args.output, model)
+    check_posterior_weights(posterior, model, f"--posterior {args.posterior!r}" if args.posterior else f"--model {args.model!r}")
     if is_encoder_decoder(model):
         raise UsageError(
             f"--model {args.model!r} is an encoder-decoder model: calibrate scores --text as a causal LM's "

@@ -97,6 +97,28 @@ def check_output_posterior(output: str, model: Any) -> None:
     check_output_weights(output, model)
 
 
+def check_posterior_weights(posterior: Any, model: Any, source: str) -> None:
+    """A usage error where ``posterior`` (loaded from ``source``, e.g. ``--posterior 'dir'``) was taken
+    at other weights than ``model``'s, by its recorded ``mean_fingerprint``: a calibration of it would
+    score noise around weights it was not fitted at, and save that record beside them."""
+    from hf_evon.modeling import unwrap_model
+    from hf_evon.posterior.fingerprint import mean_mismatches
+
+    fingerprint = posterior.config.get("mean_fingerprint")
+    if not fingerprint:
+        return
+    params = dict(unwrap_model(model).named_parameters(remove_duplicate=False))
+    if any(n not in params or params[n].shape != posterior[n].shape for n in posterior.names):
+        return  # it does not fit the model at all: the calibration's own check says so, naming each
+    other = mean_mismatches(fingerprint, params, posterior.names)
+    if other:
+        raise UsageError(
+            f"{source} holds the EVON posterior of other weights than --model's (tensor {other[0]!r} "
+            f"differs{f', and {len(other) - 1} more' if len(other) > 1 else ''}): its calibration would "
+            "describe weights it was not taken at; pass the posterior saved with --model's weights"
+        )
+
+
 # config.json sizes that set parameter shapes, compared where both configs hold them
 SIZE_KEYS = (
     "vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "num_hidden_layers",
