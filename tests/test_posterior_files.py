@@ -1633,3 +1633,52 @@ def test_a_save_killed_anywhere_leaves_no_card_of_another_posterior(tmp_path, mo
     assert seen[0] == (200.0, ["200"]) and seen[-1] == (500.0, ["500"]), seen
     assert (500.0, []) in seen  # the section is retracted before the switch, rewritten after it
     assert _ESS_ROW.findall((tmp_path / "count" / "README.md").read_text()) == ["500"]
+
+
+def test_a_push_killed_anywhere_leaves_the_named_adapter_old_or_new_or_aside_for_the_next_push(tmp_path, monkeypatch):
+    """A posterior over the adapter "other" (PEFT saves it in a folder of its name): the push copied the
+    checkpoint's folder beside output_dir's, deleted output_dir's and renamed the copy in. A kill during
+    that delete left output_dir with part of an adapter folder or none, which no load reads and no later
+    push repaired. At every kill point the folder is the old adapter or the new one, or (between the two
+    renames of the swap) the old one waits aside, and the next push ends with the new one and no leftover."""
+    from hf_evon.trainer.checkpointing import CheckpointingMixin
+
+    other = ("base_model.model.h.0.attn.lora_A.other.weight", "h.1.mlp.weight")
+
+    def adapter(directory: Path, label: str) -> Path:
+        folder = directory / "other"
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"label": label}))
+        (folder / "adapter_model.safetensors").write_bytes(label.encode() * 1000)
+        return folder
+
+    def state(folder: Path) -> str:
+        files = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        if files != ["adapter_config.json", "adapter_model.safetensors"]:
+            return "missing" if not files else f"broken {files}"
+        label = json.loads((folder / "adapter_config.json").read_text())["label"]
+        assert (folder / "adapter_model.safetensors").read_bytes() == label.encode() * 1000
+        return label
+
+    checkpoint = tmp_path / "checkpoint-2"
+    _posterior(scale=3.0, names=other).save_pretrained(checkpoint)
+    adapter(checkpoint, "new")
+    pristine = tmp_path / "pristine"
+    _posterior(names=other).save_pretrained(pristine)
+    adapter(pristine, "old")
+
+    def push(directory: Path) -> None:
+        CheckpointingMixin._copy_posterior_for_push(_FakeTrainer(directory), str(checkpoint))
+
+    def check(directory: Path, call: str) -> str:
+        now = state(directory / "other")
+        if now == "missing" and state(directory / "other.hf-evon-replaced") == "old":
+            now = "aside"
+        assert now in ("old", "new", "aside"), (call, now)
+        push(directory)  # the next push
+        assert state(directory / "other") == "new", call
+        assert sorted(p.name for p in directory.iterdir() if p.name.startswith("other")) == ["other"], call
+        return now
+
+    seen = _at_every_kill_point(monkeypatch, tmp_path, pristine, push, check)
+    assert seen[0] == "old" and seen[-1] == "new" and seen.count("aside") == 1, seen

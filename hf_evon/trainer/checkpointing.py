@@ -80,7 +80,11 @@ def _copy_named_adapters(checkpoint: str, output_dir: str, names: list[str]) -> 
     """The folders of the PEFT adapters other than "default" that ``names`` (a posterior's) cover, from
     ``checkpoint`` into ``output_dir``, each replacing the one there: PEFT saves such an adapter in a
     folder of its name, which the Trainer's checkpoint push (the checkpoint's root files alone) leaves
-    behind, so the repo would pair the posterior with no adapter, or with an older run's."""
+    behind, so the repo would pair the posterior with no adapter, or with an older run's.
+
+    The copy is staged beside the folder and swapped in by two renames, the old folder moved aside
+    first and deleted last: a kill leaves the old folder or the new one in place, but between the
+    two renames, where the old one waits aside and the next push puts it back before its own swap."""
     import shutil
 
     for name in sorted(adapters_of_names(names) - {"default"}):
@@ -88,11 +92,16 @@ def _copy_named_adapters(checkpoint: str, output_dir: str, names: list[str]) -> 
         if os.path.isabs(name) or not os.path.isfile(os.path.join(source, "adapter_config.json")):
             continue
         target = os.path.join(output_dir, name)
-        staged = target + ".hf-evon-staging"
-        shutil.rmtree(staged, ignore_errors=True)
+        staged, aside = target + ".hf-evon-staging", target + ".hf-evon-replaced"
+        if os.path.isdir(aside) and not os.path.lexists(target):  # a swap killed between its renames
+            os.replace(aside, target)
+        for leftover in (staged, aside):
+            shutil.rmtree(leftover, ignore_errors=True)
         shutil.copytree(source, staged)
-        shutil.rmtree(target, ignore_errors=True)
+        if os.path.lexists(target):
+            os.replace(target, aside)
         os.replace(staged, target)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _has_posterior(directory: str) -> bool:
