@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hf_evon import EVON, EVONPosterior
+from hf_evon.optim import held_samples
 from hf_evon.optim.defaults import lr_from_adamw_lr
 
 
@@ -1235,6 +1236,7 @@ def test_an_interrupt_at_any_line_of_a_step_leaves_the_mean_and_a_usable_optimiz
                 ("a sample in the weights", any(b.mean is not None for b in opt.buckets)),
                 ("non-finite weights", not all(torch.isfinite(p).all() for p in model.parameters())),
                 ("grad mode off", not torch.is_grad_enabled()),
+                ("weights still claimed as a sample's", bool(held_samples._HELD)),
             )
             if bad
         ]

@@ -911,6 +911,89 @@ def test_bma_inside_a_sampled_block_is_refused_and_the_mean_comes_back(gpt2):
     hf_evon.bma_log_likelihood(model, post, ids, num_samples=2, seed=0)  # outside any block: as ever
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_bma_inside_the_optimizers_own_sampled_block_is_refused_and_released_at_its_exit(gpt2, train):
+    """Inside EVON's sampled_params() the weights hold the optimizer's sample, but its block claimed
+    none of them: generate_bma, bma_log_likelihood and posterior.sampled drew their samples around
+    that sample (the noise twice), with only a warning about another save. They are refused naming a
+    weight, as inside posterior.sampled(); the block's exit (also one that raised) releases them."""
+    model, opt, post = gpt2
+    ids = torch.randint(0, 100, (2, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    was_training = model.training
+    model.eval()  # no dropout: the BMA before and after the blocks compare exactly
+    expected = float(hf_evon.bma_log_likelihood(model, post, ids, num_samples=2, seed=0).loss)
+    with opt.sampled_params(train=train):
+        with pytest.raises(RuntimeError, match=r"'transformer\.h\.0\..*already holds a posterior sample"):
+            hf_evon.bma_log_likelihood(model, post, ids, num_samples=2, seed=0)
+        with pytest.raises(RuntimeError, match="already holds a posterior sample"):
+            hf_evon.generate_bma(model, post, ids, num_samples=2, seed=0, max_new_tokens=2, pad_token_id=0)
+        with pytest.raises(RuntimeError, match="already holds a posterior sample"):
+            with post.sampled(model, seed=0):
+                pass
+    with pytest.raises(ValueError, match="inside"):
+        with opt.sampled_params(train=train):
+            raise ValueError("inside")
+    opt.discard_samples()
+    opt.zero_grad()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert float(hf_evon.bma_log_likelihood(model, post, ids, num_samples=2, seed=0).loss) == expected
+    with post.sampled(model, seed=0):
+        pass
+    model.train(was_training)
+
+
+def test_a_parametrized_weight_under_parametrize_cached_is_each_samples_own():
+    """``torch.nn.utils.parametrize.cached()`` keeps a parametrized weight (weight_norm's g·v/‖v‖) once
+    computed, blind to in-place writes into g and v: every sample of sampled_params() and of
+    posterior.sampled() used the value cached first (the mean's, or sample 0's): a BMA of one model,
+    without a warning. Each block's writes empty that cache: inside the blocks a cached forward is the
+    uncached forward of the same sample, and the samples differ."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(6, 8)), nn.Tanh(), nn.Linear(8, 3))
+    opt = hf_evon.build_optimizer(model, **plain_evon(lr=1e-2, ess=50.0, seed=0))
+    x = torch.randn(5, 6)
+    _train(model, opt, [x] * 3, lambda m, b: m(b).square().mean())
+    post = EVONPosterior.from_optimizer(opt, model)
+    assert any("original1" in n for n in post.names)
+    blocks = [lambda: opt.sampled_params(train=False)] + [lambda s=s: post.sampled(model, seed=s) for s in (0, 1)]
+    with torch.no_grad(), parametrize.cached():
+        mean = model(x)  # cached at the mean
+        outputs = []
+        for block in blocks:
+            with block():
+                cached = model(x)
+                with parametrize.cached():  # nested: the same cache
+                    assert torch.equal(model(x), cached)
+                parametrize._cache.clear()  # uncached: computed from the sample's g and v
+                assert torch.equal(model(x), cached)
+            outputs.append(cached)
+        assert torch.equal(model(x), mean)  # the mean back, read afresh
+    assert not any(torch.equal(outputs[i], outputs[j]) for i in range(3) for j in range(i))
+    assert not any(torch.equal(out, mean) for out in outputs)
+
+
+def test_parametrize_cached_keeps_its_values_in_the_private_dict_writing_weights_empties():
+    """What ``linalg.writing_weights`` relies on of torch: inside ``parametrize.cached()`` a parametrized
+    weight is computed once and kept in the module dict ``parametrize._cache``; once that dict is
+    emptied, the next read computes it again from its parameters."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    layer = weight_norm(nn.Linear(3, 2))
+    with parametrize.cached(), torch.no_grad():
+        first = layer.weight
+        assert layer.weight is first and len(parametrize._cache) == 1
+        layer.parametrizations.weight.original1.mul_(2.0)  # v: the direction, so the value is unchanged
+        layer.parametrizations.weight.original0.mul_(3.0)  # g: the norm, three times
+        assert layer.weight is first
+        parametrize._cache.clear()
+        assert torch.allclose(layer.weight, 3.0 * first)
+
+
 @pytest.mark.parametrize("how", ["cpu_offload", "dispatch_to_disk"])
 def test_sampled_refuses_an_offloaded_weight_naming_it(mlp, how, tmp_path):
     """accelerate's offload keeps a weight on the meta device and loads it into its module for each

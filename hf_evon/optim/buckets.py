@@ -183,13 +183,17 @@ class Bucket:
         stacked again from what it holds now (a reset member restarts as a late one)."""
         if self.member_states is None:
             return False
-        if self.member_keys is None:
-            self.member_keys = list(map(model_param, self.params))
         # read at every step and sample: ``map`` keeps the per-member work out of Python's loop
-        held = map(state.get, self.member_keys)
+        held = map(state.get, self.model_params(model_param))
         return not all(map(operator.is_, held, self.member_states)) or not all(
             map(operator.contains, self.member_states, repeat("step"))
         )
+
+    def model_params(self, model_param: Callable[[Tensor], Tensor]) -> list[Tensor]:
+        """The optimizer's parameters the members stand for (the hooks' ``model_param`` of each), read once."""
+        if self.member_keys is None:
+            self.member_keys = list(map(model_param, self.params))
+        return self.member_keys
 
     @property
     def preconditioned(self) -> bool:

@@ -58,7 +58,7 @@ from hf_evon.optim.defaults import (
     DEFAULT_STEP_CURVATURE,
 )
 from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
-from hf_evon.optim.held_samples import refuse_held
+from hf_evon.optim.held_samples import claim_samples, refuse_held, release_sample
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
 from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std, writing_weights
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
@@ -189,9 +189,7 @@ class EVON(Optimizer):
         defaults = validate_hyperparameters(**given)
         lr = defaults["lr"]
         defaults = {"algorithm": "evon", **defaults, "betas": tuple(defaults["betas"])}
-        adamw_rate = lr if adamw_lr is None else adamw_lr
-        # an AdamW group's keys, as torch AdamW names them
-        self._adamw_defaults = dict(lr=adamw_rate, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)
+        self._adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay)  # torch AdamW's keys
         self.nonfinite, self.seed, self.skipped_steps = nonfinite, resolve_seed(seed), 0
         # posterior_health(warn=True) every this many steps (a host sync; 0: never); steps this object took
         self.health_check_every, self._updates = 100, 0
@@ -350,7 +348,7 @@ class EVON(Optimizer):
         self._settle_groups()
         perturbed: list[Bucket] = []
         stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
-        ok, exited, refused, grad_mode = False, False, None, torch.is_grad_enabled()
+        ok, exited, refused, grad_mode, claimed = False, False, None, torch.is_grad_enabled(), set()
         try:
             try:  # from here on an interrupt anywhere is cleaned up below
                 self._in_sample, self._training_block, self._streams = True, train, StreamGenerators()
@@ -366,6 +364,8 @@ class EVON(Optimizer):
                             perturbed.append(b)  # before the draw: an error inside still restores it
                             if not b.perturb(self._standard_normal, train):  # all its members frozen
                                 perturbed.pop()
+                    # held_samples: no posterior block or BMA pass samples around this sample
+                    claim_samples((b.model_params(self._hooks.model_param) for b in perturbed), claimed)
                     self._hooks.share_sample()
                 yield
                 ok = True
@@ -379,6 +379,7 @@ class EVON(Optimizer):
                         if b.acc is not None and b.z is not None:
                             b.record_sample(alone=kept.isdisjoint(map(id, b.params)))
                     restore_means(perturbed)
+                    release_sample(claimed)  # the means are back
                     if stash is not None:
                         self._held = restore_grads(stash, ok, self) or self._held  # None: not recorded
                 self._samples += int(ok and train)
@@ -390,6 +391,7 @@ class EVON(Optimizer):
             if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped
                 with torch.no_grad(), writing_weights():
                     restore_means(perturbed)
+                    release_sample(claimed)
                     if stash is not None:
                         restore_grads(stash, False)
                 self.discard_samples()
@@ -556,8 +558,7 @@ class EVON(Optimizer):
     def posterior_std(self, p: Tensor) -> Tensor:
         """Marginal posterior standard deviations, shaped like ``p``."""
         f = self.posterior_factors(p)
-        var = marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
-        return var.sqrt().reshape(p.shape)
+        return marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"]).sqrt().reshape(p.shape)
 
     # ---------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:

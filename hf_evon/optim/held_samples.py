@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
 
-__all__ = ["claim_sample", "refuse_held", "release_sample"]
+__all__ = ["claim_sample", "claim_samples", "refuse_held", "release_sample"]
 
 # the parameters (by id) that hold a sample of an open ``sampled()`` block, of any posterior or thread
 _HELD: set[int] = set()
@@ -31,7 +32,8 @@ def claim_sample(params: Mapping[str, Any], hold: bool = True) -> set[int]:
             more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
             raise RuntimeError(
                 f"posterior parameter {held[0]!r}{more} already holds a posterior sample of an open sampled() "
-                "block (this thread's or another's): a model holds one sample at a time; nest no sampled() "
+                "or optimizer sampled_params() block (this thread's or another's): a model holds one sample at "
+                "a time; nest no sampled() "
                 "blocks, generate_bma or bma_log_likelihood over the same weights, and give each thread its "
                 "own copy of the model"
             )
@@ -40,10 +42,23 @@ def claim_sample(params: Mapping[str, Any], hold: bool = True) -> set[int]:
     return set(mine) if hold else set()
 
 
+def claim_samples(params: Iterable[list[torch.Tensor]], claimed: set[int]) -> None:
+    """:func:`claim_sample` of the lists ``params`` for an optimizer's sampled block, which has refused
+    held ones by name at its entry (``refuse_held``): by id, in set operations, as it runs at every
+    block (one that another thread's block claimed since is refused here). The ids go into the
+    caller's ``claimed`` before the registry, and no lock is held, so an interrupt at any point leaves
+    nothing claimed that the caller's :func:`release_sample` of ``claimed`` does not release."""
+    ids = set(map(id, chain.from_iterable(params)))
+    if not _HELD.isdisjoint(ids):
+        raise RuntimeError("a parameter already holds a posterior sample of an open sampled() block of another thread")
+    claimed |= ids
+    _HELD.update(ids)
+
+
 def release_sample(claimed: set[int]) -> None:
-    """Release what :func:`claim_sample` claimed (the mean back in those parameters)."""
-    with _HELD_LOCK:
-        _HELD.difference_update(claimed)
+    """Release what :func:`claim_sample` claimed (the mean back in those parameters): one C call on the
+    set, atomic under the GIL without the lock (an interrupt cannot leave the lock held)."""
+    _HELD.difference_update(claimed)
 
 
 def refuse_held(params: Iterable[torch.Tensor], call: str, label: Callable[[torch.Tensor], str]) -> None:

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+from torch.nn.utils import parametrize
 
 from hf_evon.optim.checks import outside_stacklevel
 
@@ -211,12 +212,18 @@ def writing_weights() -> Iterator[None]:
     """:func:`autocast_disabled` around code that writes parameters in place, autocast's cached casts
     dropped after it: autocast keeps its lower-precision copy of each parameter (a leaf that requires
     grad) until its outermost region ends and does not see in-place writes, so a forward after a sample
-    or the mean is written would otherwise run at the weights cast before it."""
+    or the mean is written would otherwise run at the weights cast before it.
+
+    ``torch.nn.utils.parametrize.cached()`` keeps a parametrized weight's value, computed from the
+    parameters it is made of, until its block ends, blind to in-place writes too: its cache (the
+    private module dict ``parametrize._cache``, the one private member read here; pinned by
+    tests/test_posterior.py) is emptied with autocast's."""
     try:
         with autocast_disabled():
             yield
     finally:
         torch.clear_autocast_cache()
+        parametrize._cache.clear()
 
 
 @contextlib.contextmanager
