@@ -249,6 +249,25 @@ def test_an_adamw_overflow_is_named_too() -> None:
     assert_identical(snapshot(model, opt), before)
 
 
+def test_weights_an_unclipped_step_overflowed_are_named_as_the_cause_not_their_gradient() -> None:
+    """A step of finite gradients at lr=1e30 without clipping writes inf into the weights; the next
+    step's gradients through them are NaN, and its warning named them a "non-finite gradient"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = EVON(model.parameters(), lr=1e30, clip="none", ess=1e4)
+    data = (torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    messages = []
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(model, opt, data)
+        messages += [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    bad = next(i for i, p in enumerate(model.parameters()) if not torch.isfinite(p).all())
+    assert messages and all(
+        m.startswith(f"non-finite weights in param_groups[0]['params'][{bad}]") for m in messages
+    ), messages
+
+
 def test_a_spike_that_would_overflow_the_shampoo_statistics_skips_the_step() -> None:
     """With the defaults (γ = 2 clamps the Hessian estimate) a ×1e30 spike still overflowed
     L = β3 L + (1-β3) G Gᵀ (1e60): inf/NaN in L, then in the eigenbasis and every weight."""

@@ -218,6 +218,19 @@ def warn_health(
         )
 
 
+def non_finite_weights(param_groups: list[dict[str, Any]], label: Callable[[Tensor], str]) -> str | None:
+    """Why the gradients are not finite where a weight is not (slow): that weight, the cause."""
+    for group in param_groups:
+        for p in group["params"]:
+            if not bool(torch.isfinite(p._local_tensor if is_dtensor(p) else p).all()):
+                return (
+                    f"non-finite weights in {label(p)}, so gradients through them are not finite: an "
+                    "earlier step's update overflowed them (a learning rate far too large, or clip='none') "
+                    "or code outside the optimizer wrote them"
+                )
+    return None
+
+
 def first_nonfinite(
     param_groups: list[dict[str, Any]],
     plans: list[Plan],
@@ -231,7 +244,7 @@ def first_nonfinite(
             if g is not None and is_dtensor(g):  # FSDP2: this rank's rows (no collective)
                 g = g._local_tensor
             if g is not None and not bool(torch.isfinite(g).all()):
-                return f"non-finite gradient in {label(p)}"
+                return non_finite_weights(param_groups, label) or f"non-finite gradient in {label(p)}"
     for plan in plans:
         if plan.hess is not None:
             bad = (~torch.isfinite(plan.hess)).flatten(1).any(1).nonzero().flatten().tolist()

@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 def averaged(logits: Tensor, num_samples: int, posterior: Any) -> tuple[Tensor, Tensor]:
     """``(log p̄, c)`` of sample-major logits ``(S·N, …, V)``: the log of the S samples' averaged
     softmax (of the tempered logits) and their mean log-normaliser ``c``; ``log p̄ + c`` are logits
-    on the model's own scale, the mean's at zero variance."""
+    on the model's own scale, the mean's to rounding at zero variance."""
     logits = tempered(widened(logits), posterior)
     normalizers = torch.logsumexp(logits, dim=-1, keepdim=True)
     rows = logits.shape[0] // num_samples

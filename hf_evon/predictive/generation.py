@@ -6,7 +6,7 @@ encoder-decoder models (T5, BART: each sample runs its own encoder too).
 of logits). ``model.generate`` itself decodes (greedy, sampling, beam search; its config,
 processors, stopping criteria and outputs), on a forward that returns the predictive's logits
 ``log p̄ + c`` for every row: ``c``, the samples' mean log-normaliser, puts them on the model's
-scale (the mean's own at zero variance), which processors that are not shift-invariant read as
+scale (the mean's own, to rounding, at zero variance), which processors that are not shift-invariant read as
 they read the model's. ``bma_log_likelihood`` scores given sequences under the same predictive
 (evaluation loss / perplexity).
 
@@ -185,7 +185,7 @@ def generate_bma(
         from its decoder start token), or with ``return_dict_in_generate=True`` its output object.
         Its ``logits`` are the predictive's logits ``log p̄ + c`` (``log_softmax`` of them is
         ``log p̄``, the log of the averaged probabilities; ``c`` is the samples' mean log-normaliser,
-        ``logsumexp`` of their logits): on the model's scale and the mean's own at zero variance,
+        ``logsumexp`` of their logits): on the model's scale and the mean's own (to rounding) at zero variance,
         so processors that are not shift-invariant (``repetition_penalty``, length penalties) act
         as in ``model.generate``. ``scores`` are what the processors made of them; beam search's
         ``sequences_scores`` are sums of ``log p̄``. Attentions and hidden states, if requested,
