@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_evon import EVON, NonFiniteGradientError
 from hf_evon.optim import evon as evon_module
+from hf_evon.optim.persistence import REQUIRED_GROUP_KEYS
 
 F64 = torch.float64
 
@@ -1003,6 +1004,35 @@ def test_load_state_dict_refuses_adamw_state_and_layouts_the_next_step_cannot_us
     raised, and a state dict whose 'state' is not a dict of dicts, or a group without 'params', raised
     an AttributeError or KeyError naming nothing. Each is refused at load, naming the entry, and the
     optimizer keeps its own state and trains on."""
+    _corrupted_state_refused(corrupt, named)
+
+
+@pytest.mark.parametrize(
+    "group,key", [(g, k) for g, algorithm in enumerate(["evon", "adamw"]) for k in REQUIRED_GROUP_KEYS[algorithm]]
+)
+def test_load_state_dict_refuses_a_group_that_lacks_a_hyperparameter(group: int, key: str) -> None:
+    """A saved group without one of the hyperparameters its step reads loaded (torch's load replaces
+    the groups with the saved ones, so the optimizer's own value was gone too) and the next step
+    raised a bare ``KeyError`` naming neither the group nor the file. Refused at load, naming both."""
+    _corrupted_state_refused(lambda sd: sd["param_groups"][group].pop(key), f"param_groups[{group}] lacks [{key!r}]")
+
+
+@pytest.mark.parametrize(
+    "corrupt,named",
+    [
+        (lambda sd: sd["param_groups"][0].update(params=[0, 0]), "distinct parameter indices"),
+        (lambda sd: sd["param_groups"][1]["params"].__setitem__(0, 0), "distinct parameter indices"),
+        (lambda sd: sd["param_groups"][0]["params"].__setitem__(0, [0]), "distinct parameter indices"),
+        (lambda sd: sd["param_groups"][0].update(param_names=5), "'param_names'"),
+        (lambda sd: sd["param_groups"][0].update(param_names={0: "a"}), "'param_names'"),
+        (lambda sd: sd["param_groups"][0].update(param_names=["a"]), "'param_names'"),
+    ],
+    ids=["twice-in-a-group", "twice-across-groups", "unhashable", "names-int", "names-dict", "names-short"],
+)  # fmt: skip
+def test_load_state_dict_refuses_indices_listed_twice_and_malformed_names(corrupt, named: str) -> None:
+    """A parameter index listed twice loaded: the second parameter took the first one's state and its
+    own was lost; ``param_names`` of 5 raised a ``TypeError`` during the load, a dict a ``KeyError``
+    at the next step. Each is refused at load, naming what is wrong."""
     _corrupted_state_refused(corrupt, named)
 
 

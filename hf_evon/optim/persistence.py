@@ -197,6 +197,15 @@ def upgraded_groups(state_dict: dict[str, Any]) -> dict[str, Any]:
 _REQUIRED_KEYS = ("hess", "step", (ROTATED_MOMENTUM, WEIGHT_SPACE_MOMENTUM))
 
 
+# the hyperparameters every saved group has had, by algorithm: a group without one is corrupt (the
+# step reads it). Those added since (``snr_scaling``, ``max_precond_ratio``, …) read as off when absent
+REQUIRED_GROUP_KEYS = {
+    "evon": ("lr", "ess", "hess_init", "betas", "weight_decay", "precondition_frequency", "max_precond_dim",
+             "shampoo_beta", "clip", "clip_radius", "phased_gradients", "identity_basis"),
+    "adamw": ("lr", "betas", "eps", "weight_decay", "precondition_frequency"),
+}  # fmt: skip
+
+
 def check_entry_complete(idx: Any, entries: dict[str, Any], name: str | None) -> None:
     """Raise, naming the parameter and the key, where an EVON state entry holds some of
     ``_REQUIRED_KEYS`` but not all. No keys (a parameter not stepped yet) and AdamW's state (a
@@ -228,6 +237,16 @@ def check_state_dict_layout(state_dict: Any) -> None:
     for gi, group in enumerate(groups):
         if not isinstance(group.get("params"), list):
             raise ValueError(f"EVON.load_state_dict: param_groups[{gi}] has no list of 'params' (their indices)")
+    indices = [i for group in groups for i in group["params"]]
+    try:  # each index names one parameter's state: listed twice, two parameters would share one entry
+        twice = len(set(indices)) != len(indices)
+    except TypeError:
+        twice = True  # an unhashable index names no entry of 'state'
+    if twice:
+        raise ValueError(
+            "EVON.load_state_dict: the groups' 'params' must list distinct parameter indices (ints); "
+            f"got {[g['params'] for g in groups]}"
+        )
     state = state_dict.get("state")
     if not isinstance(state, dict):
         raise ValueError(
@@ -259,6 +278,14 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
                 "not the state dict of an EVON optimizer (another optimizer's state cannot be loaded)"
             )
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        # torch's load replaces the groups with the saved ones: a key they lack would be gone, and every step fail
+        if missing := [k for k in REQUIRED_GROUP_KEYS[hyper["algorithm"]] if k not in hyper]:
+            raise ValueError(f"EVON.load_state_dict: param_groups[{gi}] lacks {missing}: a corrupt or partial EVON state")
+        names_given = group.get("param_names")
+        if names_given is not None and not (
+            isinstance(names_given, list) and len(names_given) == len(group["params"]) and all(isinstance(n, str) for n in names_given)
+        ):
+            raise ValueError(f"EVON.load_state_dict: param_groups[{gi}]['param_names'] must be a list of one str per parameter")
         try:
             validate_group(resolve_prior(hyper))
         except ValueError as err:
