@@ -169,7 +169,7 @@ def base_model_name(model: nn.Module) -> str | None:
         name = getattr(cfg, "base_model_name_or_path", None)
         if name:
             return str(name)
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(
+    name = getattr(getattr(model, "config", None), "name_or_path", None) or getattr(
         model, "name_or_path", None
     )
     return str(name) if name else None
@@ -178,10 +178,10 @@ def base_model_name(model: nn.Module) -> str | None:
 def pretrained_name(model: nn.Module) -> str:
     """The checkpoint a (PEFT-wrapped) transformers model's weights were loaded from; "" if built
     from a config. ``from_config`` of a downloaded config keeps the checkpoint's name in
-    ``config._name_or_path`` but starts from scratch: loaded weights are told apart by the
+    ``config.name_or_path`` but starts from scratch: loaded weights are told apart by the
     ``_weight_conversions`` list that transformers' (>= 5) ``from_pretrained`` always leaves."""
     config = getattr(model, "config", None)  # PEFT models answer with their base model's config
-    name = getattr(config, "_name_or_path", "") if config is not None else ""
+    name = getattr(config, "name_or_path", "") if config is not None else ""
     if not isinstance(name, str) or not name:
         return ""
     return name if getattr(peft_base_model(model), "_weight_conversions", None) is not None else ""
@@ -328,14 +328,13 @@ def unused_adapter_parameters(model: nn.Module, names: list[str]) -> list[str]:
     not take part: a sample of it changes nothing the model computes. Empty without PEFT."""
     layers = _tuner_layers(model)
     prompting = getattr(model, "active_adapter", None)  # a PeftModel's: prompt learning has one at a time
-    # PEFT's disable_adapter() runs a prompt-learning model's base model alone (its prompt encoder unused)
-    # and records that on the PeftModel only: prompt learning has no tuner layers to hold the flag
-    prompts_off = getattr(model, "_adapters_disabled", False) is True
     reasons = []
     for name in names:
         parts = name.split(".")
         if parts[0] == "prompt_encoder" and len(parts) > 2 and isinstance(prompting, str):
-            if prompts_off:
+            # PEFT's disable_adapter() runs a prompt-learning model's base model alone (its prompt encoder
+            # unused), which its public has_active_enabled_adapter says: no tuner layers hold a flag
+            if model.has_active_enabled_adapter is False:
                 reasons.append(f"{name!r}: the model's adapters are disabled")
             elif parts[1] != prompting:  # prompt_encoder.<adapter>.…
                 reasons.append(f"{name!r}: adapter {parts[1]!r} is not active (active: [{prompting!r}])")

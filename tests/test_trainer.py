@@ -2147,6 +2147,35 @@ def test_load_best_model_at_end_restores_the_best_checkpoints_posterior(tmp_path
     assert all(torch.equal(saved[k], on_disk[k]) for k in saved)
 
 
+def test_on_train_end_callbacks_see_the_best_checkpoints_posterior_beside_its_weights(tmp_path):
+    """The Trainer loads the best weights and then calls ``on_train_end``; the best posterior was
+    loaded only after ``train()`` returned, so a callback evaluating or saving there paired the last
+    step's posterior with the best step's weights (and saved it under their fingerprint)."""
+    from transformers import TrainerCallback
+
+    seen = {}
+
+    class AtEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            seen["posterior"] = trainer.current_posterior().to_tensors()
+
+    args = config(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
+        bma_num_samples=0, evon_ess=100.0,
+    )  # fmt: skip
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(),
+                          eval_dataset=classification_data(16, 1), callbacks=[AtEnd()])  # fmt: skip
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-4")  # the last step's posterior differs
+    on_disk = EVONPosterior.from_pretrained(best).to_tensors()
+    last = EVONPosterior.from_optimizer(trainer.evon_optimizer, trainer.model).to_tensors()
+    assert not all(torch.equal(last[k], on_disk[k]) for k in last)
+    assert seen["posterior"].keys() == on_disk.keys()
+    assert all(torch.equal(seen["posterior"][k], on_disk[k]) for k in on_disk)
+
+
 def test_load_best_model_at_end_loads_a_non_default_adapter_from_its_own_subfolder(tmp_path):
     """PEFT saves the adapter "default" at a checkpoint's root and any other in a subfolder of its name.
     With "other" active, the Trainer's load_best_model_at_end loaded the root's adapter ("default"'s
@@ -3216,3 +3245,19 @@ def test_an_adamw_group_held_still_leaves_the_schedule_the_users_rate(tmp_path, 
         rates = {g["algorithm"]: g["lr"] for g in evon.param_groups}
         assert rates["adamw"] == 0.0
         assert rates["evon"] / alpha == pytest.approx(reference.param_groups[0]["lr"] / 1e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("mc_samples", [1, 3])
+def test_total_flos_counts_every_sampled_forward_and_backward(tmp_path, mc_samples: int) -> None:
+    """The Trainer adds ``floating_point_ops(inputs)`` once per micro-batch; EVON runs
+    ``evon_mc_samples`` forward and backward passes on it, and ``total_flos`` (the model card's,
+    the trainer state's) was the same at 1, 2 or 4 samples. It is K times plain Trainer's."""
+    common = dict(max_steps=3, per_device_train_batch_size=8, gradient_accumulation_steps=2, save_strategy="no")
+    plain = dict(output_dir=str(tmp_path / "plain"), report_to="none", use_cpu=True, disable_tqdm=True)
+    reference = Trainer(model=tiny_bert(), args=TrainingArguments(**plain, **common), train_dataset=classification_data())
+    reference.train()
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path, evon_mc_samples=mc_samples, **common),
+                          train_dataset=classification_data())  # fmt: skip
+    trainer.train()
+    assert reference.state.total_flos > 0
+    assert trainer.state.total_flos == mc_samples * reference.state.total_flos

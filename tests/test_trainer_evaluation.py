@@ -1972,3 +1972,33 @@ def test_a_tuple_output_whose_loss_is_none_without_labels_is_scored_by_its_logit
     assert math.isfinite(metrics["eval_bma_nll"])
     probs = trainer.predict(data, bma=True).predictions
     assert probs.shape == (16, 3) and np.allclose(probs.sum(-1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["trains-on", "stops-there"])
+def test_a_predict_inside_evaluate_is_a_predict_and_adds_nothing_to_the_evaluation(tmp_path, stop: bool) -> None:
+    """``trainer.predict(test)`` from an ``on_evaluate`` callback (a common way to log test metrics)
+    ran inside ``evaluate()``'s state: it gained ``test_mean_*`` (and ``test_bma_*`` with extra
+    sampled passes), and where the callback stopped training there, the evaluation's returned
+    metrics gained the predict's ``test_bma_*``. It returns what a predict outside training returns."""
+    test = classification_data(8, 5)
+    inside = []
+
+    class TestSet(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+            inside.append(set(trainer.predict(test).metrics))
+            control.should_training_stop = stop
+
+    trainer = EVONTrainer(
+        model=tiny_bert(),
+        args=config(tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, bma_eval_every=2, logging_steps=2),
+        train_dataset=classification_data(32),
+        eval_dataset=classification_data(16, 1),
+        callbacks=[TestSet()],
+    )
+    trainer.train()
+    outside = set(trainer.predict(test).metrics)
+    assert inside and all(keys == outside for keys in inside), (inside, outside)
+    assert not any(k.startswith(("test_mean", "test_bma")) for k in outside)
+    logged = [k for h in trainer.state.log_history for k in h]
+    assert not any(k.startswith("test_") for k in logged), logged
+    assert any(k.startswith("eval_bma_") for k in logged)  # the evaluation's own BMA ran

@@ -175,7 +175,7 @@ class TrainerCall:
         """The ``output_dir`` ``trainer_class`` given ``args=None`` writes to, as its base picks it: a
         TRL trainer ``<X>Trainer`` (the first of ``trainer_class``'s bases from TRL: ``DPOTrainer``,
         ``GRPOTrainer``, ...) ``"<model name>-<X>"``, the last part of the call's model's id or path
-        (its config's ``_name_or_path``, or the model given as a string); any other ``Trainer``
+        (its config's ``name_or_path``, or the model given as a string); any other ``Trainer``
         ``"tmp_trainer"``."""
         model = self.get("model")
         trl_bases = (c for c in trainer_class.__mro__ if c.__module__.split(".")[0] == "trl")
@@ -183,7 +183,7 @@ class TrainerCall:
         if trl_base is None or model is None:  # TRL's trainers need a model to name the directory
             return "tmp_trainer"
         config = getattr(model, "config", None)
-        name = model if isinstance(model, str) else getattr(config, "_name_or_path", "")
+        name = model if isinstance(model, str) else getattr(config, "name_or_path", "")
         return f"{str(name).split('/')[-1]}-{trl_base.__name__.removesuffix('Trainer')}"
 
     def get(self, name: str) -> Any:

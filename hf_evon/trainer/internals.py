@@ -27,7 +27,8 @@ changes it fails there rather than silently here.
   wrapper; the weights are saved and loaded under the model's own names instead. ``_load_best_model``
   also loads each of a PEFT model's active adapters from where PEFT saved it: the Trainer loads the
   checkpoint's root, which holds the adapter "default", into the first active one only, and PEFT saves
-  any other adapter in a subfolder of its name.
+  any other adapter in a subfolder of its name, and then the checkpoint's posterior, before the
+  Trainer calls ``on_train_end`` (its callbacks see the best weights beside their own posterior).
 * ``_clip_grad_norm(model)`` / ``_get_grad_norm(model, grad_norm)``: the gradient norm the Trainer
   clips and logs; ``p.grad`` holds the *sum* over the step's recorded samples, which EVON divides by
   their number, so the norm and the clip refer to the mean gradient instead.
@@ -201,6 +202,7 @@ class TrainerInternals:
                 self.model.load_adapter(folder, adapter)
         finally:
             self.model, self.state.best_model_checkpoint = compiled, best
+        self._load_best_posterior()  # with the weights: on_train_end's callbacks see the pair
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)

@@ -531,6 +531,13 @@ class EVONTrainerMixin(
             raise RuntimeError("the Trainer's training_step did not call compute_loss: EVON has no loss to scale")
         return torch.stack(logged).sum() / optimizer.mc_samples
 
+    def floating_point_ops(self, inputs: dict[str, Tensor | Any]) -> int:
+        """The subclass's count for a training micro-batch (the Trainer's ``total_flos``) times
+        ``evon_mc_samples``: :meth:`training_step` runs that many forward and backward passes."""
+        optimizer = self.evon_optimizer
+        flos = super().floating_point_ops(inputs)
+        return flos if optimizer is None else flos * optimizer.mc_samples
+
     # ------------------------------------------------------------------ logging
     def posterior_statistics(self) -> dict[str, float]:
         """``evon/posterior_std_mean``, ``evon/hess_min``/``max``/``mean``, ``evon/skipped_steps`` and
@@ -570,8 +577,6 @@ class EVONTrainerMixin(
         # (not in one process, which needs none, nor under FSDP2, whose model saving is a collective)
         if self.args.world_size > 1 and not self._evon_fsdp2():
             self._gather_sharded_state()
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self._load_best_posterior()  # the Trainer has just loaded that checkpoint's weights
         self._held_verdict = None  # the best checkpoint's weights, at the last step
         if self.posterior is not None:  # every rank is here: rank-0-only saving finds the verdict
             self._held_mismatch(self.posterior)

@@ -381,24 +381,35 @@ class PredictionMixin:
         ``on_predict``, per-batch lists with ``eval_do_concat_batches=False``, no predictions or
         labels (None) with ``prediction_loss_only``.
         ``kwargs``: the subclass's own (``Seq2SeqTrainer``'s generation settings).
+        A ``predict()`` inside ``evaluate()`` (an ``on_evaluate`` callback's) is a predict's: no
+        ``evaluate()`` metrics are added to it, nor its to the evaluation's.
         """
-        if not bma:
-            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
-        _refuse_unknown_keywords(super().predict, kwargs)  # as the subclass's predict would
-        _refuse_generated_batches(self, "predict(bma=True)")
-        posterior = self._bma_posterior("predict(bma=True)")
-        # the tracker names its stage by the function that calls it: both calls stay in this predict
-        self._memory_tracker.start()
+        with self._evon_outside_evaluate():
+            if not bma:
+                return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
+            _refuse_unknown_keywords(super().predict, kwargs)  # as the subclass's predict would
+            _refuse_generated_batches(self, "predict(bma=True)")
+            posterior = self._bma_posterior("predict(bma=True)")
+            # the tracker names its stage by the function that calls it: both calls stay in this predict
+            self._memory_tracker.start()
+            try:
+                start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
+                output = bma_predict(
+                    self, dataloader, posterior, metric_key_prefix, loss_only=bool(self.args.prediction_loss_only)
+                )
+            except BaseException:
+                self._memory_tracker.stop_and_update_metrics()  # free for the next call's stage
+                raise
+            self._memory_tracker.stop_and_update_metrics(output.metrics)
+            return self._reported(output, start, dataloader, metric_key_prefix)
+
+    @contextlib.contextmanager
+    def _evon_outside_evaluate(self) -> Iterator[None]:
+        outer, self._evon_in_evaluate = self._evon_in_evaluate, False
         try:
-            start, dataloader = time.time(), self.get_test_dataloader(test_dataset)
-            output = bma_predict(
-                self, dataloader, posterior, metric_key_prefix, loss_only=bool(self.args.prediction_loss_only)
-            )
-        except BaseException:
-            self._memory_tracker.stop_and_update_metrics()  # free for the next call's stage
-            raise
-        self._memory_tracker.stop_and_update_metrics(output.metrics)
-        return self._reported(output, start, dataloader, metric_key_prefix)
+            yield
+        finally:
+            self._evon_in_evaluate = outer
 
     def predict_uncertainty(
         self, test_dataset: Any, metric_key_prefix: str = "test", calibrated_scale: bool = False
