@@ -551,3 +551,18 @@ def test_householder_q_is_linalg_qrs_q_bit_for_bit(dtype: torch.dtype, shape: tu
     assert q.dtype == dtype and q.shape == shape
     assert torch.equal(q, torch.linalg.qr(a).Q)
     assert torch.equal(q[0], torch.eye(*shape[1:], dtype=dtype))
+
+
+def test_a_basis_made_to_pass_the_seed_0_probes_is_not_orthonormal_to_a_fresh_check() -> None:
+    """The check's two probes were drawn from seed 0 every time: ``Q = I + 1e4·uuᵀ`` with ``u``
+    orthogonal to them gave ``QᵀQx = x`` on both, and a file carrying it loaded (its std ~8000× the
+    honest one). Probes drawn afresh see that QᵀQ is far from I; an orthonormal Q still passes."""
+    from hf_evon.optim.linalg import orthonormality_error
+
+    probes = torch.randn(4, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = torch.linalg.qr(torch.cat([probes, torch.eye(4, dtype=torch.float64)[:, :2]], 1))[0][:, 2]
+    crafted = torch.eye(4, dtype=torch.float64) + 1e4 * torch.outer(u, u)
+    assert orthonormality_error(crafted) < 1e-6  # seed 0's probes see I: decisions on them repeat exactly
+    assert all(orthonormality_error(crafted, fresh=True) > 1.0 for _ in range(20))
+    honest = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))[0]
+    assert all(orthonormality_error(honest, fresh=True) < 1e-12 for _ in range(20))

@@ -237,6 +237,23 @@ def test_a_bad_trained_ess_by_parameter_is_refused_on_load(tmp_path, value, mess
         EVONPosterior.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("by_parameter", [False, True], ids=["trained_ess", "trained_ess_by_parameter"])
+def test_a_trained_scale_whose_std_is_not_finite_is_refused_on_load_naming_the_file_and_field(tmp_path, by_parameter):
+    """``trained_ess`` was checked only to be > 0: 1e-300 loaded, and calibration (which puts the trained
+    ζ back first) failed later in ``with_ess``, naming neither file nor field. Refused at load, naming
+    both and the matrix; a finite one beside it loads."""
+    post = _posterior()
+    post.save_pretrained(tmp_path)
+    name = post.names[1] if by_parameter else post.names[0]  # the matrix named: the first at that scale
+    values = {"trained_ess": 10.0, "trained_ess_by_parameter": {name: 1e-300}} if by_parameter else {"trained_ess": 1e-300}
+    _edit_config(tmp_path, **values)
+    where = re.escape(str(tmp_path / POSTERIOR_CONFIG_NAME))
+    with pytest.raises(PosteriorMismatchError, match=rf"^{where}: trained_ess = 1e-300 .* of '{re.escape(name)}' non-finite"):
+        EVONPosterior.from_pretrained(tmp_path)
+    _edit_config(tmp_path, **{k: (10.0 if k == "trained_ess" else {name: 20.0}) for k in values})
+    assert EVONPosterior.from_pretrained(tmp_path).config["trained_ess"] == 10.0
+
+
 @pytest.mark.parametrize(
     "value, message",
     [
@@ -390,6 +407,20 @@ def _edit_weights(directory: Path, edit) -> Path:
     edit(tensors, metadata)
     save_file(tensors, path, metadata=metadata)
     return path
+
+
+def test_a_file_whose_basis_was_made_to_pass_fixed_probes_is_refused(tmp_path):
+    """The load checked QᵀQx = x on two probes of seed 0: ``Q_L = I + 1e4·uuᵀ`` with ``u`` orthogonal
+    to them loaded, and its samples were ~8000× the honest posterior's. A load draws its probes afresh."""
+    factors = MatrixFactors(_orthonormal(4, 0).double(), _orthonormal(6, 1).double(), torch.ones(4, 6, dtype=torch.float64),
+                            (4, 6), (4, 6), 100.0, 1e-3)  # fmt: skip
+    EVONPosterior.from_factors({"weight": factors}, {"ess": 100.0, "weight_decay": 1e-3}).save_pretrained(tmp_path)
+    probes = torch.randn(4, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = torch.linalg.qr(torch.cat([probes, torch.eye(4, dtype=torch.float64)[:, :2]], 1))[0][:, 2]
+    _edit_weights(tmp_path, lambda t, _: t.update({"weight.Q_L": torch.eye(4, dtype=torch.float64) + 1e4 * torch.outer(u, u)}))
+    for _ in range(5):
+        with pytest.raises(PosteriorMismatchError, match=r"tensor 'weight\.Q_L' is not orthonormal"):
+            EVONPosterior.from_pretrained(tmp_path)
 
 
 # errors in the weights file, none of them also in test_posterior.py's LOAD_ERRORS: the message

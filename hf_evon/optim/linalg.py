@@ -248,16 +248,20 @@ ORTHONORMAL_TOL = {
 }
 
 
-def orthonormality_error(q: Tensor, probes: int = 2) -> float:
-    """``max ‖QᵀQx − x‖ / ‖x‖`` over fixed random probes, for one basis or a stack of them: O(k n²)
+def orthonormality_error(q: Tensor, probes: int = 2, fresh: bool = False) -> float:
+    """``max ‖QᵀQx − x‖ / ‖x‖`` over random probes, for one basis or a stack of them: O(k n²)
     instead of O(n³). Measured in float32 (float64 bases: float64), as ``buckets.state_dtype``; inf
-    where the products are not finite (a NaN, which no ``err > tol`` check would refuse)."""
+    where the products are not finite (a NaN, which no ``err > tol`` check would refuse). The probes
+    are seed 0's, so a decision made on the error is the same at every call; ``fresh`` (a load's check
+    of a file) draws them afresh, the global generator untouched: a basis made to pass known probes
+    (``I + c·uuᵀ``, ``u`` orthogonal to them) does not pass."""
     q32 = q.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device="cpu")
+    gen.seed() if fresh else gen.manual_seed(0)
     x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
     with exact_float32_matmul():
         residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q
-    return float((residual.norm(dim=-2) / x.norm(dim=0)).nan_to_num(nan=math.inf).max())
+    return float((residual.norm(dim=-2) / x.norm(dim=0)).nan_to_num(nan=math.inf, posinf=math.inf).max())
 
 
 # the side from which an accelerator factors each member of a stack in a call of its own: cuSOLVER's

@@ -318,7 +318,7 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
             if key in ("Q_L", "Q_R") and value.numel():
                 # a saved posterior's bound, at least float32's, which the bases are computed in
-                err = orthonormality_error(value)
+                err = orthonormality_error(value, fresh=True)
                 tol = max(ORTHONORMAL_TOL.get(value.dtype, 6e-2), ORTHONORMAL_TOL[torch.float32])
                 if err > tol:
                     raise ValueError(

@@ -259,7 +259,7 @@ def _check_values(
         return
     # measured in the buffer's dtype: a float32 basis stored as float64 is read back as float32
     tol = orthonormal_tolerance(stored, slot.dtype)
-    err = orthonormality_error(slot)
+    err = orthonormality_error(slot, fresh=True)
     if err > tol:
         raise PosteriorMismatchError(
             f"{where}: tensor {key!r} is not orthonormal "

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +23,7 @@ from hf_evon.posterior.config import (
     declared_basis_dtype,
     dtype_name,
 )
-from hf_evon.posterior.format import file_tensors, read_factor_groups, write_posterior
+from hf_evon.posterior.format import check_finite_std, file_tensors, read_factor_groups, write_posterior
 from hf_evon.posterior.hub import (
     HUB_DOWNLOAD_KWARGS,
     PUSH_KWARGS,
@@ -38,6 +39,22 @@ Tensor = torch.Tensor
 __all__ = ["PosteriorFilesMixin"]
 
 P = TypeVar("P", bound="PosteriorFilesMixin")
+
+
+def _trained_scale_checked(config: Any, read: tuple[list[Any], Any]) -> tuple[list[Any], Any]:
+    """``read`` (the factor groups and their read precision), once the trained ζ the config records
+    (``trained_ess``, ``trained_ess_by_parameter``; what calibration and ``predict_uncertainty`` put
+    back) is known to give every matrix a finite std, as its own ``ess`` is (``check_finite_std``)."""
+    trained = config.trained_ess
+    if trained is not None:
+        by_name = config.trained_ess_by_parameter or {}
+        for g in read[0]:
+            scales = [float(by_name.get(n, trained)) for n in g.names]
+            for ess in set(scales):
+                idx = [i for i, s in enumerate(scales) if s == ess]
+                part = replace(g, names=[g.names[i] for i in idx], hess=g.hess[idx], ess=ess)
+                check_finite_std([part], config.source, field="trained_ess")
+    return read
 
 
 class PosteriorFilesMixin:
@@ -145,7 +162,7 @@ class PosteriorFilesMixin:
             os.fspath(dir_or_repo_id), revision, subfolder, token, cache_dir, local_files_only, hub_kwargs
         )
         config, files, (groups, read_dtype) = read_posterior(
-            source, lambda config, weights: read_factor_groups(config, weights, device, reorthonormalize)
+            source, lambda config, weights: _trained_scale_checked(config, read_factor_groups(config, weights, device, reorthonormalize))
         )
         settings = config.settings()
         if read_dtype is not None:  # half-precision bases under a config that declares no dtype
