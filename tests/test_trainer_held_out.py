@@ -4,6 +4,8 @@ a calibration split refused wherever it is also an evaluation set."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from test_trainer import classification_data, config
@@ -97,3 +99,37 @@ def test_a_calibration_split_that_is_an_eval_set_is_refused_before_training(tmp_
     with pytest.raises(ValueError, match="dataset is the eval_dataset"):
         trainer.calibrate(held_out)
     assert trainer.calibrate(classification_data(40, 2)).num_targets == 40  # another split is fine
+
+
+def test_the_training_set_is_refused_as_the_calibration_split(tmp_path) -> None:
+    """``calibration_dataset=train_dataset`` (and ``calibrate(train_dataset)``) was accepted: the noise
+    scale and temperature were chosen on the examples the model was trained on, and the summary called
+    that NLL held-out. Refused by name when the trainer is made and by ``calibrate()``."""
+    train = classification_data()
+    args = config(tmp_path, max_steps=1)
+    with pytest.raises(ValueError, match="^calibration_dataset is the train_dataset"):
+        EVONTrainer(model=Classifier("labels"), args=args, train_dataset=train, calibration_dataset=train)
+    trainer = EVONTrainer(model=Classifier("labels"), args=args, train_dataset=train)
+    trainer.train()
+    with pytest.raises(ValueError, match=r"^calibrate\(\): dataset is the train_dataset"):
+        trainer.calibrate(train)
+    assert trainer.calibrate(classification_data(40, 2)).num_targets == 40  # another split is fine
+
+
+def test_bma_metrics_on_the_split_the_calibration_chose_on_warn_that_they_are_not_held_out(tmp_path) -> None:
+    """``calibrate(eval)`` is refused, but ``evaluate(calibration split)`` and ``predict(bma=True)`` on it
+    reported ``eval_bma_*`` at the scale and temperature chosen on those very examples, silently. They
+    warn; another split does not."""
+    split, other = classification_data(32, 1), classification_data(40, 2)
+    args = config(tmp_path, max_steps=1, bma_num_samples=2)
+    trainer = EVONTrainer(model=Classifier("labels"), args=args, train_dataset=classification_data(), calibration_dataset=split)
+    trainer.train()
+    assert trainer.calibration is not None
+    with pytest.warns(UserWarning, match=r"^evaluate\(\): this dataset is the split the posterior's noise scale"):
+        trainer.evaluate(split)
+    with pytest.warns(UserWarning, match=r"^predict\(bma=True\): this dataset is the split"):
+        trainer.predict(split, bma=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer.evaluate(other)
+        trainer.predict(other, bma=True)

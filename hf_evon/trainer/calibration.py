@@ -7,6 +7,7 @@ dataset before training: it must not be an eval set, its batches must hold label
 """
 
 import time
+import warnings
 from typing import Any
 
 from transformers.utils import logging
@@ -22,6 +23,20 @@ __all__ = ["CalibrationMixin"]
 class CalibrationMixin:
     """The calibration of :class:`~hf_evon.trainer.EVONTrainerMixin`: :meth:`calibrate` and the checks of its
     data (``calibration_dataset``, before the first step)."""
+
+    _evon_calibrated_on: Any = None  # the dataset the last calibrate() chose its scale on
+
+    def _warn_calibration_split(self, dataset: Any, call: str) -> None:
+        """Warn where ``dataset`` is the split the calibration in effect was chosen on: BMA metrics
+        there are not held-out figures (they favour the scale chosen on them)."""
+        in_effect = self.calibration is not None and self._calibrated_step == self.state.global_step
+        if in_effect and dataset is not None and dataset is self._evon_calibrated_on:
+            warnings.warn(
+                f"{call}: this dataset is the split the posterior's noise scale and temperature were calibrated "
+                "on, so its BMA metrics are not held-out figures; report them on another split",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _check_calibration_data(self) -> None:
         """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
@@ -46,11 +61,18 @@ class CalibrationMixin:
     def _refuse_eval_set(self, dataset: Any, name: str = "calibrate(): dataset") -> None:
         """Refuse ``dataset`` for calibration where it is the eval set as kept or, while the trainer keeps
         the one it was made with, that set as it was given (``bind_partial`` of the parent's signature);
-        any dataset for a trainer that generates its batches (TRL's GRPO: combined.py's refusal)."""
+        the training set likewise; any dataset for a trainer that generates its batches (TRL's GRPO:
+        combined.py's refusal)."""
         combined.refuse_generated_calibration(self, dataset, name)  # batches of prompts: no labels to score
         given, kept = self._evon_eval_given
         sets = (self.eval_dataset, given) if self.eval_dataset is kept else (self.eval_dataset,)
         calibration_data.refuse_eval_set(dataset, name, *sets)
+        given, kept = self._evon_train_given
+        if dataset is not None and any(dataset is s for s in (self.train_dataset, given if self.train_dataset is kept else None)):
+            raise ValueError(
+                f"{name} is the train_dataset: the sampling scale would be chosen on the examples the model was "
+                "trained on, which it fits better than new ones. Hold out separate examples for calibration"
+            )
 
     def calibrate(
         self,
@@ -112,7 +134,7 @@ class CalibrationMixin:
             screen_factor=screen_factor,
             keep_trained=keep_trained,
         )
-        self.calibration, self._calibrated_step = result, self.state.global_step
+        self.calibration, self._calibrated_step, self._evon_calibrated_on = result, self.state.global_step, dataset
         if self.is_world_process_zero():  # the run's outcome: shown at the default verbosity
             logger.warning(f"EVONTrainer: {result.summary()}")
         self.log(

@@ -348,6 +348,7 @@ class EvaluationMixin(SearchObjectiveMixin):
 
     def evaluate(self, *args: Any, bma: bool = False, **kwargs: Any) -> dict[str, float]:
         """The subclass's ``evaluate()``, with ``eval_mean_*`` and (when due, or ``bma=True``) ``eval_bma_*``."""
+        self._warn_calibration_split(kwargs.get("eval_dataset", args[0] if args else None), "evaluate()")
         # asked for: no posterior or no samples is an error, as for predict(bma=True); one serves every pass
         held = self._holding_posterior(self._bma_posterior("evaluate(bma=True)") if bma else None)
         outer, asked, step = self._evon_in_evaluate, self._evon_bma_asked, self.state.global_step

@@ -201,6 +201,7 @@ class EVONTrainerMixin(
         combined.refuse_buffered_generations(self)  # TRL's GRPO, RLOO, Distillation: generations trained at other samples
         # the eval set as given beside the one kept: TRL's trainers keep it prepared anew, another object
         self._evon_eval_given = (given_eval, self.eval_dataset)
+        self._evon_train_given = (call.get("train_dataset"), self.train_dataset)  # the same for the training set
         self._refuse_eval_set(calibration_dataset, "calibration_dataset")
         if posterior is not None and not isinstance(posterior, EVONPosterior):
             raise TypeError(f"posterior= takes an EVONPosterior (EVONPosterior.from_pretrained); got {type(posterior)}")

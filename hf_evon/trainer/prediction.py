@@ -388,6 +388,7 @@ class PredictionMixin:
             if not bma:
                 return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, **kwargs)
             _refuse_unknown_keywords(super().predict, kwargs)  # as the subclass's predict would
+            self._warn_calibration_split(test_dataset, "predict(bma=True)")
             _refuse_generated_batches(self, "predict(bma=True)")
             posterior = self._bma_posterior("predict(bma=True)")
             # the tracker names its stage by the function that calls it: both calls stay in this predict
