@@ -20,6 +20,7 @@ about half its step time here) the second. One thread; ``--base DIR`` also measu
 of an older commit), each variant in its own subprocess, alternating, ``--repeats`` times.
 
     python benchmarks/small_model_step.py --repeats 3
+    python benchmarks/small_model_step.py --hidden-layers 64 --steps 100   # per-parameter costs
     git worktree add /tmp/base COMMIT && python benchmarks/small_model_step.py --base /tmp/base
 
 Figures: ``docs/results.md#speed``.
@@ -40,15 +41,18 @@ WARMUP = 60  # past the initialising step and the first curvature fits
 COUNTED = 50  # five refresh cycles of 10 updates (the default precondition_frequency)
 
 
-def small_mlp():  # noqa: ANN201 - torch is imported here: main runs other checkouts' measure in subprocesses
-    """The 64-128-128-10 MLP (ReLU) this benchmark and ``compiled_step.py`` time, from the current seed."""
+def small_mlp(hidden_layers: int = 2):  # noqa: ANN201 - torch is imported here: main runs other checkouts' measure in subprocesses
+    """The 64-128-128-10 MLP (ReLU) this benchmark and ``compiled_step.py`` time, from the current seed;
+    ``hidden_layers`` 128-wide layers (64-128-…-128-10; 2 is the issue's model)."""
     import torch
 
-    layers = [torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128), torch.nn.ReLU()]
+    layers = [torch.nn.Linear(64, 128), torch.nn.ReLU()]
+    for _ in range(hidden_layers - 1):
+        layers += [torch.nn.Linear(128, 128), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(128, 10))
 
 
-def measure(kind: str, timed_steps: int) -> dict:
+def measure(kind: str, timed_steps: int, hidden_layers: int = 2) -> dict:
     """One variant's figures, in this process (called in a subprocess by ``main``)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,7 +70,7 @@ def measure(kind: str, timed_steps: int) -> dict:
             self.ops[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
-    model = small_mlp()
+    model = small_mlp(hidden_layers)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     loss_fn = torch.nn.CrossEntropyLoss()
     if kind == "adamw":  # the issue's baseline
@@ -119,7 +123,7 @@ def measure(kind: str, timed_steps: int) -> dict:
     }
 
 
-def run(kind: str, source: str | None, timed_steps: int) -> dict:
+def run(kind: str, source: str | None, timed_steps: int, hidden_layers: int = 2) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     code = (
         "import json, sys\n"
@@ -132,7 +136,7 @@ def run(kind: str, source: str | None, timed_steps: int) -> dict:
         )
         + f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
         + "import small_model_step as s\n"
-        + f"print(json.dumps(s.measure({kind!r}, {timed_steps})))\n"
+        + f"print(json.dumps(s.measure({kind!r}, {timed_steps}, {hidden_layers})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -143,6 +147,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300, help="timed steps per run")
     parser.add_argument("--base", help="another checkout's root, measured beside this one")
+    parser.add_argument(
+        "--hidden-layers", type=int, default=2, help="128-wide hidden layers (more: one bucket of many matrices)"
+    )
     args = parser.parse_args()
     variants = [("adamw", None), ("adamw-fused", None), ("evon", None), ("evon-matrices", None)]
     if args.base:
@@ -151,7 +158,7 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved: a load change hits every variant alike
         for kind, source in variants:
             label = kind + (" (base)" if source else "")
-            runs.setdefault(label, []).append(run(kind, source, args.steps))
+            runs.setdefault(label, []).append(run(kind, source, args.steps, args.hidden_layers))
     adamw_ms = statistics.median(r["step_ms"] for r in runs["adamw"])
     fused_ms = statistics.median(r["step_ms"] for r in runs["adamw-fused"])
     print("| variant | step ops | scalar reads / step | block ops | step ms | × AdamW (foreach) | × AdamW (fused) | fwd+bwd ms |")
