@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -342,6 +343,31 @@ def test_prompt_ids_of_two_lengths_pad_with_an_id_in_the_vocabulary(tmp_path, ca
     assert [r["prompt"] for r in records] == [[5, 9, 17], [4, 4]]
 
 
+def test_prompts_of_two_lengths_pad_with_an_id_in_the_vocabulary_when_the_tokenizers_pad_is_not(saved, tmp_path, capsys):
+    """A tokenizer whose added pad token (id = the vocabulary's size) the model has no embedding for:
+    one prompt decoded, two of different lengths failed on the padding ("input_ids holds ids from 2 to
+    36, outside the model's vocabulary 0..36", an off-by-one bound too). Masked padding takes an id
+    in the vocabulary, and the completions are generate_bma's."""
+    path, model, tokenizer, posterior = saved
+    shutil.copytree(path, tmp_path / "m")
+    added = char_tokenizer()
+    added.add_special_tokens({"pad_token": "[PAD]"})
+    added.save_pretrained(tmp_path / "m")
+    vocab = model.get_input_embeddings().num_embeddings
+    assert added.pad_token_id == vocab  # outside the embedding
+    argv = ["generate", "--model", str(tmp_path / "m"), "--samples", "2", "--max-new-tokens", "3", "--seed", "1"]
+    assert main([*argv, "--prompt", "abc", "--prompt", "abcdef", "--json", "--device", "cpu"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    short, long = (added("abc")["input_ids"], added("abcdef")["input_ids"])
+    ids = torch.tensor([[0] * (len(long) - len(short)) + short, long])
+    mask = torch.tensor([[0] * (len(long) - len(short)) + [1] * len(short), [1] * len(long)])
+    expected = generate_bma(model, posterior, ids, attention_mask=mask, num_samples=2, seed=1, max_new_tokens=3,
+                            do_sample=False, pad_token_id=0)  # fmt: skip
+    assert [r["completion_ids"] for r in records] == expected[:, len(long):].tolist()
+    with pytest.raises(ValueError, match=rf"from 2 to {vocab}, outside the model's vocabulary 0\.\.{vocab - 1}$"):
+        generate_bma(model, posterior, torch.tensor([[2, vocab]]), num_samples=1, max_new_tokens=1)
+
+
 def test_an_encoder_decoder_context_counts_the_decoder_from_its_start_token(saved_seq2seq, capsys):
     path, *_ = saved_seq2seq
     argv = ["generate", "--model", str(path), "--samples", "1", "--prompt-ids", " ".join(["5"] * 30)]
@@ -516,6 +542,37 @@ def test_entries_beside_a_named_adapter_that_cannot_be_looked_up_do_not_stop_its
     (tmp_path / "runs").mkdir()
     _refuse_lookups_under(monkeypatch, str(tmp_path / "runs"))
     _assert_generates_as_generate_bma(tmp_path, model, posterior, capsys)
+
+
+def _config_edited(config: dict, key: str, value):  # noqa: ANN001, ANN202
+    return value if key == "" else {**config, key: value}
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("vocab_size", 10, r"its files do not load \(RuntimeError: .*ignore_mismatched_sizes"),
+        ("n_positions", 8, r"its files do not load \(RuntimeError: .*ignore_mismatched_sizes"),
+        ("n_embd", "x", r"its files do not load \(StrictDataclassFieldValidationError: .*'n_embd'"),
+        ("", [1, 2], r"its config\.json is not a JSON object"),
+        ("n_layer", 3, r"its weights lack 12 of the model's tensors \(transformer\.h\.2\.attn\.c_attn\.bias, .*random"),
+    ],
+    ids=["vocab-size", "positions", "field-type", "json-list", "missing-layer"],
+)
+def test_a_model_whose_config_disagrees_with_its_files_is_one_error_line_naming_it(saved, tmp_path, capsys, key, value, message):
+    """transformers' own refusals of a model's files (a config.json whose sizes disagree with the weights,
+    a field of the wrong type, a JSON list) escaped as tracebacks of RuntimeError, TypeError or
+    AttributeError; a config with a layer the weights lack loaded that layer as random values and
+    decoded with exit status 0. Each is one error line naming --model, exit status 1."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(saved[0], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(_config_edited(config, key, value)))
+    capsys.readouterr()
+    argv = ["generate", "--model", str(model_dir), "--prompt", "ab", "--samples", "2", "--device", "cpu"]
+    assert main(argv) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(rf"^hf-evon generate: error: --model {re.escape(repr(str(model_dir)))}: {message}", line), line
 
 
 @pytest.mark.parametrize("kind", ["directory", "dangling link"])

@@ -198,7 +198,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, torch_dtype(args.dtype))
     encoder_decoder = is_encoder_decoder(model)
 
-    pad_id = None
+    pad_candidates: list[Any] = []
     if args.prompt is not None:
         if tokenizer is None:
             raise UsageError(
@@ -206,20 +206,19 @@ def _run_generate(args: argparse.Namespace) -> int:
             )
         # one prompt at a time, padded here: a tokenizer without a pad token cannot pad a batch
         prompt_ids = [tokenizer(p)["input_ids"] for p in args.prompt]
-        pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) if t is not None), None)
+        pad_candidates = [tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
     else:
         prompt_ids = args.prompt_ids
-    if pad_id is None:  # the padding is masked: any id in the vocabulary does
-        pad_id = getattr(model.config, "pad_token_id", None)
-        if pad_id is None:
-            pad_id = getattr(model.config, "eos_token_id", None)
-        if isinstance(pad_id, list):
-            pad_id = pad_id[0]
-        try:  # a config's id outside the embedding (GPT-2's eos 50256 on a smaller vocabulary) does not
-            vocab = model.get_input_embeddings().num_embeddings
-        except (AttributeError, NotImplementedError):
-            vocab = None
-        pad_id = int(pad_id) if pad_id is not None and 0 <= int(pad_id) < (vocab or math.inf) else 0
+    eos = getattr(model.config, "eos_token_id", None)
+    pad_candidates += [getattr(model.config, "pad_token_id", None), *(eos if isinstance(eos, list) else [eos])]
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        vocab = None
+    # the padding is masked: any id in the embedding does, and an id outside it (a tokenizer's added
+    # pad token, GPT-2's eos 50256 on a smaller vocabulary) would fail the forward
+    in_vocab = (int(t) for t in pad_candidates if isinstance(t, int) and 0 <= t < (vocab or math.inf))
+    pad_id = next(in_vocab, 0)
     width = max(map(len, prompt_ids))
 
     def padded(row: list[int], fill: int) -> list[int]:  # decoder-only batches are left-padded; encoders take either

@@ -329,11 +329,36 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
         option = f"the base model (base_model_name_or_path in {os.path.join(path, 'adapter_config.json')!r})"
         seq2seq = from_location(base, option, lambda: _config_is_encoder_decoder(base, None, option))
         auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
-        return auto.from_pretrained(path, **kwargs, **peft_kwargs)
+        return _loaded(given, lambda: auto.from_pretrained(path, **kwargs, **peft_kwargs))
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     seq2seq = _config_is_encoder_decoder(path, revision, "--model")
-    return (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(path, **kwargs)
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    model, info = _loaded(given, lambda: auto.from_pretrained(path, **kwargs, output_loading_info=True))
+    if missing := info.get("missing_keys"):  # transformers fills them with fresh random values
+        raise ValueError(
+            f"--model {given!r}: its weights lack {len(missing)} of the model's tensors ({', '.join(sorted(missing)[:3])}"
+            f"{', …' if len(missing) > 3 else ''}), which would be random: its config.json and weights do not match"
+        )
+    return model
+
+
+def _loaded(path: str, load: Callable[[], Any], passed: type[Exception] | tuple = ()) -> Any:
+    """``load()`` of the model (or its config) at ``path``, transformers' or PEFT's own refusal of its
+    files (a config.json that disagrees with its weights' sizes, is a JSON list or holds a field of the
+    wrong type) reported as one line naming it; a file error, out of memory, ``passed`` (the caller's
+    to handle) or an interrupt as they are."""
+    try:
+        return load()
+    except (OSError, MemoryError, *file_errors()):
+        raise
+    except passed:
+        raise
+    except Exception as err:  # noqa: BLE001 - the library's error about the files, named here
+        if failure_text(err) is not None:  # out of memory
+            raise
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise ValueError(f"--model {path!r}: its files do not load ({type(err).__name__}: {first})") from err
 
 
 # text generators whose input is not token ids alone: the mapping of their classes, what they are, their
@@ -356,13 +381,15 @@ def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> 
         return {n for name in names for n in ([name] if isinstance(name, str) else name or ())}
 
     try:
-        config = AutoConfig.from_pretrained(path, revision=revision)
+        config = _loaded(path, lambda: AutoConfig.from_pretrained(path, revision=revision), ValueError)
     except ValueError:
         # transformers' message for a model_type it lacks is a paragraph of pip advice naming no file
         import transformers
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
         stored = transformers.PretrainedConfig.get_config_dict(path, revision=revision)[0]
+        if not isinstance(stored, dict):
+            raise ValueError(f"{option} {path!r}: its config.json is not a JSON object") from None
         model_type = stored.get("model_type")  # (a model of its own code, auto_map, keeps transformers' message)
         if not isinstance(model_type, str) or model_type in CONFIG_MAPPING or "auto_map" in stored:
             raise
@@ -420,7 +447,9 @@ def _load_tokenizer(path: str, revision: str | None, model: Any) -> Any:
             continue
         try:
             tokenizer = AutoTokenizer.from_pretrained(candidate, revision=revision)
-        except (OSError, ValueError) as err:
+        except (MemoryError, *file_errors()):
+            raise
+        except Exception as err:  # noqa: BLE001 - a file's error (a config that is a JSON list: AttributeError)
             if not files:  # a Hub repo without a tokenizer, or the Hub unreachable: the next candidate
                 continue
             # a broken file, as a broken weights file, is an error: not "no tokenizer" (ids printed)

@@ -145,7 +145,7 @@ def check_inputs(
     vocab = getattr(getattr(unwrap_model(model), "config", None), "vocab_size", None)
     low, high = value.aminmax()
     if int(low) < 0 or (isinstance(vocab, int) and int(high) >= vocab):
-        raise ValueError(f"{where}: input_ids holds ids from {int(low)} to {int(high)}, outside the model's vocabulary 0..{vocab}")
+        raise ValueError(f"{where}: input_ids holds ids from {int(low)} to {int(high)}, outside the model's vocabulary 0..{vocab - 1}")
     if attention_mask is not None and (not isinstance(attention_mask, Tensor) or attention_mask.shape != value.shape):
         what = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
         raise ValueError(f"{where}: attention_mask must have input_ids' shape {tuple(value.shape)}; got {what}")
