@@ -1922,6 +1922,24 @@ def test_calibrate_refuses_a_posterior_taken_at_other_weights_of_the_same_shapes
         assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").iterdir())
 
 
+def test_generate_refuses_a_posterior_taken_at_other_weights_of_the_same_shapes(saved, tmp_path, capsys):
+    """generate --posterior DIR, DIR's posterior taken at other weights of --model's shapes: it warned
+    and decoded with exit status 0, its samples drawn around weights the posterior was not taken at,
+    where calibrate refuses the same pair. A usage error naming --posterior, before any decoding."""
+    path, model, tokenizer, _ = saved
+    retrained = copy.deepcopy(model)
+    trained_posterior(retrained, len(tokenizer), lambda x: x.roll(1, 1)).save_pretrained(tmp_path / "retrained")
+    argv = ["generate", "--model", str(path), "--posterior", str(tmp_path / "retrained"), "--prompt", "ab"]
+    assert main([*argv, "--samples", "2", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        f"--posterior {str(tmp_path / 'retrained')!r} holds the EVON posterior of other weights than --model's"
+        in captured.err
+    ), captured.err
+    assert "its samples would be drawn around weights it was not taken at" in captured.err
+
+
 def test_generate_reads_prompts_with_a_tokenizer_that_has_no_special_tokens(saved, tmp_path, capsys):
     """A tokenizer with no pad, end-of-sequence or unknown token (a tokenizers' model wrapped as it is):
     --prompt failed, also for one prompt, with transformers' "Asking to pad but the tokenizer does not

@@ -196,6 +196,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, torch_dtype(args.dtype))
+    source = f"--posterior {args.posterior!r}" if args.posterior else f"--model {args.model!r}"
+    check_posterior_weights(posterior, model, source, "its samples would be drawn around weights it was not taken at")
     encoder_decoder = is_encoder_decoder(model)
 
     pad_candidates: list[Any] = []

@@ -97,10 +97,13 @@ def check_output_posterior(output: str, model: Any) -> None:
     check_output_weights(output, model)
 
 
-def check_posterior_weights(posterior: Any, model: Any, source: str) -> None:
+def check_posterior_weights(
+    posterior: Any, model: Any, source: str, why: str = "its calibration would describe weights it was not taken at"
+) -> None:
     """A usage error where ``posterior`` (loaded from ``source``, e.g. ``--posterior 'dir'``) was taken
     at other weights than ``model``'s, by its recorded ``mean_fingerprint``: a calibration of it would
-    score noise around weights it was not fitted at, and save that record beside them."""
+    score noise around weights it was not fitted at, and save that record beside them; ``generate``'s
+    samples would be drawn around them (``why`` says which)."""
     from hf_evon.modeling import unwrap_model
     from hf_evon.posterior.fingerprint import mean_mismatches
 
@@ -114,8 +117,8 @@ def check_posterior_weights(posterior: Any, model: Any, source: str) -> None:
     if other:
         raise UsageError(
             f"{source} holds the EVON posterior of other weights than --model's (tensor {other[0]!r} "
-            f"differs{f', and {len(other) - 1} more' if len(other) > 1 else ''}): its calibration would "
-            "describe weights it was not taken at; pass the posterior saved with --model's weights"
+            f"differs{f', and {len(other) - 1} more' if len(other) > 1 else ''}): {why}; pass the "
+            "posterior saved with --model's weights"
         )
 
 
