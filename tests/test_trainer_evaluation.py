@@ -407,6 +407,30 @@ def test_predict_bma_reports_the_memory_metrics_trainer_predict_reports(tmp_path
     assert any(k.startswith("eval_mem_") for k in trainer.evaluate())
     assert {k for k in trainer.predict(test, bma=True).metrics if k.startswith("test_mem_")} == memory
 
+@pytest.mark.parametrize("concat", [True, False], ids=["concatenated", "per-batch"])
+def test_predict_bma_on_an_iterable_dataset_reports_the_speed_trainer_predict_reports(tmp_path, concat):
+    """A streamed test set has no length: ``Trainer.predict`` reports its samples and steps per second
+    from the rows it saw; predict(bma=True) reported neither. Both now report the same keys, from
+    the rows predicted (a list of batches with ``eval_do_concat_batches=False``)."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __init__(self, rows):  # noqa: ANN001
+            self.rows = list(rows)
+
+        def __iter__(self):  # noqa: ANN204
+            return iter({"input_ids": r["input_ids"], "labels": r["labels"]} for r in self.rows)
+
+    trainer = _trained(tmp_path, eval_do_concat_batches=concat, per_device_eval_batch_size=5)
+    test = Stream(classification_data(13, seed=2))
+    plain = set(trainer.predict(test).metrics)
+    averaged = trainer.predict(test, bma=True).metrics
+    assert {"test_samples_per_second", "test_steps_per_second"} <= plain
+    assert {"test_samples_per_second", "test_steps_per_second"} <= set(averaged)
+    # 13 rows in ceil(13 / 5) = 3 batches (each rate rounded to 3 decimals, the runtime to 4)
+    assert averaged["test_samples_per_second"] / averaged["test_steps_per_second"] == pytest.approx(13 / 3, rel=1e-4)
+    assert averaged["test_samples_per_second"] == pytest.approx(13 / averaged["test_runtime"], rel=0.01)
+
+
 @pytest.mark.parametrize(
     "problem, inferred",
     [("regression", False), ("multi_label_classification", False), ("multi_label_classification", True)],

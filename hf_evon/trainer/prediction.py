@@ -447,8 +447,10 @@ class PredictionMixin:
         ``on_predict`` event with the metrics."""
         try:
             rows = self.num_examples(dataloader)
-        except (TypeError, AttributeError):  # an iterable dataset: no length
-            rows = None
+        except (TypeError, AttributeError):  # an iterable dataset: the rows predicted, as Trainer.predict counts them
+            seen = output.predictions if output.predictions is not None else output.label_ids
+            batches = seen if isinstance(seen, list) else [] if seen is None else [seen]  # per batch, or one array
+            rows = sum(map(len, batches)) if batches else None
         steps = None if rows is None else math.ceil(rows / (self.args.eval_batch_size * self.args.world_size))
         output.metrics.update(speed_metrics(prefix, start, num_samples=rows, num_steps=steps))
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
