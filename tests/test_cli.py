@@ -1128,6 +1128,15 @@ def test_a_sampling_option_out_of_range_is_a_usage_error(saved, flag, value, rul
     assert f"argument {flag}: wants {rule}; got '{value}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--temperature", "0.7"), ("--top-k", "5"), ("--top-p", "0.9")])
+def test_a_sampling_option_without_do_sample_is_a_usage_error(saved, flag, value, capsys):
+    """--temperature, --top-k or --top-p without --do-sample decoded greedily with exit status 0, the
+    option dropped (transformers only warns that it "may be ignored"). A usage error naming it."""
+    path, *_ = saved
+    assert main(["generate", "--model", str(path), "--prompt", "def", flag, value]) == 2
+    assert f"{flag} applies to sampling only: add --do-sample" in capsys.readouterr().err
+
+
 def test_a_block_too_short_to_score_is_a_usage_error(saved, tmp_path, capsys):
     """--block-size 1 leaves a causal LM no target: it failed after the model loaded, exit code 1."""
     path, *_ = saved

@@ -194,6 +194,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from hf_evon.modeling import is_encoder_decoder
     from hf_evon.predictive.generation import generate_bma
 
+    # greedy decoding and beam search read none of these (transformers would only warn, and drop them)
+    if not args.do_sample and (given := [f"--{k.replace('_', '-')}" for k in ("temperature", "top_k", "top_p")
+                                         if getattr(args, k) is not None]):  # fmt: skip
+        raise UsageError(f"{given[0]} applies to sampling only: add --do-sample, or leave it out")
     device = resolve_device(args.device)
     model, posterior, tokenizer = load_model_posterior_tokenizer(args, device, torch_dtype(args.dtype))
     source = f"--posterior {args.posterior!r}" if args.posterior else f"--model {args.model!r}"
