@@ -343,16 +343,14 @@ def _load_model(path: str, revision: str | None, dtype: Any, adapter: Callable[[
     return model
 
 
-def _loaded(path: str, load: Callable[[], Any], passed: type[Exception] | tuple = ()) -> Any:
+def _loaded(path: str, load: Callable[[], Any], passed: tuple[type[Exception], ...] = ()) -> Any:
     """``load()`` of the model (or its config) at ``path``, transformers' or PEFT's own refusal of its
     files (a config.json that disagrees with its weights' sizes, is a JSON list or holds a field of the
     wrong type) reported as one line naming it; a file error, out of memory, ``passed`` (the caller's
     to handle) or an interrupt as they are."""
     try:
         return load()
-    except (OSError, MemoryError, *file_errors()):
-        raise
-    except passed:
+    except (OSError, MemoryError, *file_errors(), *passed):
         raise
     except Exception as err:  # noqa: BLE001 - the library's error about the files, named here
         if failure_text(err) is not None:  # out of memory
@@ -381,7 +379,7 @@ def _config_is_encoder_decoder(path: str, revision: str | None, option: str) -> 
         return {n for name in names for n in ([name] if isinstance(name, str) else name or ())}
 
     try:
-        config = _loaded(path, lambda: AutoConfig.from_pretrained(path, revision=revision), ValueError)
+        config = _loaded(path, lambda: AutoConfig.from_pretrained(path, revision=revision), (ValueError,))
     except ValueError:
         # transformers' message for a model_type it lacks is a paragraph of pip advice naming no file
         import transformers

@@ -257,7 +257,10 @@ def orthonormality_error(q: Tensor, probes: int = 2, fresh: bool = False) -> flo
     (``I + c·uuᵀ``, ``u`` orthogonal to them) does not pass."""
     q32 = q.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     gen = torch.Generator(device="cpu")
-    gen.seed() if fresh else gen.manual_seed(0)
+    if fresh:
+        gen.seed()
+    else:
+        gen.manual_seed(0)
     x = torch.randn(q.shape[-1], probes, generator=gen, dtype=q32.dtype).to(q32.device)
     with exact_float32_matmul():
         residual = ((q32 @ x).mT @ q32).mT - x  # QᵀQx without transposing Q

@@ -52,7 +52,8 @@ def _trained_scale_checked(config: Any, read: tuple[list[Any], Any]) -> tuple[li
             scales = [float(by_name.get(n, trained)) for n in g.names]
             for ess in set(scales):
                 idx = [i for i, s in enumerate(scales) if s == ess]
-                part = replace(g, names=[g.names[i] for i in idx], hess=g.hess[idx], ess=ess)
+                whole = len(idx) == len(scales)  # the group at one scale: its hess as it is, not a copy
+                part = replace(g, ess=ess) if whole else replace(g, names=[g.names[i] for i in idx], hess=g.hess[idx], ess=ess)
                 check_finite_std([part], config.source, field="trained_ess")
     return read
 
