@@ -571,6 +571,27 @@ def test_a_zero_size_parameter_is_left_out_and_the_rest_trains_as_without_it(opt
 
 
 # ------------------------------------------------- item 8: add_param_group with pending samples
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 3)])
+def test_a_group_of_zero_size_parameters_only_trains_the_other_groups_under_auto_ess(shape: tuple) -> None:
+    # per-layer groups (layer-wise rates) give a pruned Linear(0, d) a group of its own; its ess="auto"
+    # had divided by the fan-in 0 of its only tensor (a ZeroDivisionError at the first sample)
+    runs = []
+    for with_empty in (False, True):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 3))
+        empty = nn.Parameter(torch.randn(*shape))
+        opt = EVON([{"params": [w]}] + ([{"params": [empty]}] if with_empty else []), seed=0)
+        for _ in range(4):
+            with opt.sampled_params(train=True):
+                ((w**2).sum() + (empty**2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(w.detach().clone())
+        if with_empty:
+            assert opt.state[empty] == {} and math.isfinite(opt.param_groups[1]["ess"])
+    assert torch.equal(runs[0], runs[1])
 def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     data = make_data()
     runs = []

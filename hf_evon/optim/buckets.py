@@ -576,7 +576,8 @@ def auto_ess(group: dict[str, Any], square_sums: Tensor) -> float:
     if nonzero:
         rms_sq = sum(t for t, _ in nonzero) / sum(n for _, n in nonzero)
     else:
-        fan_in = max((matrix_shape(p.shape)[1] for p, k in zip(group["params"], trained) if k), default=1)
+        # (a group of zero-size tensors only, such as a pruned Linear(0, d), has nothing to sample: fan-in 1)
+        fan_in = max((matrix_shape(p.shape)[1] for p, k in zip(group["params"], trained) if k and p.numel()), default=1)
         rms_sq = 1.0 / fan_in
     ratio = group.get("init_std_ratio", DEFAULT_INIT_STD_RATIO)
     return 1.0 / (ratio**2 * rms_sq * (group["hess_init"] + group["weight_decay"]))
