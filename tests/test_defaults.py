@@ -784,6 +784,13 @@ def test_learning_rate_is_adamws_rate_and_sets_an_alpha_of_equal_step_size() -> 
     for bad in (float("nan"), -1e-3, "1e-3", True):  # named as learning_rate even when α is given
         with pytest.raises(ValueError, match="learning_rate"):
             build_optimizer(model, learning_rate=bad, lr=0.02)
+    # beyond float32, or an α = ratio·rate/radius beyond it: named as given, not as adamw_lr or lr
+    for given in ({"learning_rate": 1e39}, {"learning_rate": 1e39, "adamw_lr": 1e-3}, {"learning_rate": 1e38}):
+        with pytest.raises(ValueError, match=r"learning_rate(=|: )1e\+3[89]"):
+            build_optimizer(model, **given)
+    with pytest.raises(ValueError, match=r"sized from clip_radius=1e-300"):
+        build_optimizer(model, clip_radius=1e-300)
+    assert build_optimizer(model, learning_rate=1e30).param_groups[0]["lr"] == lr_from_adamw_lr(1e30)  # in range
 
 
 def test_evons_default_rate_follows_its_clip_mode() -> None:

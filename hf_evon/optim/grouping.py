@@ -27,7 +27,7 @@ from hf_evon.optim.defaults import (
 )
 from hf_evon.optim.evon import EVON
 from hf_evon.optim.recipes import recipe_kwargs
-from hf_evon.optim.validation import validate_hyperparameters
+from hf_evon.optim.validation import IN_RANGE, in_range, validate_hyperparameters
 
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
 # transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
@@ -258,7 +258,7 @@ def build_optimizer(
         "None or a finite number > 0",
     )
     if learning_rate is not None:
-        require("learning_rate", learning_rate, finite(learning_rate) and learning_rate >= 0, "a finite number >= 0")
+        require("learning_rate", learning_rate, in_range(learning_rate) and learning_rate >= 0, f"a number >= 0 ({IN_RANGE})")
         learning_rate = float(learning_rate)
         adamw_lr = learning_rate if adamw_lr is None else adamw_lr
     for key in ("clip", "lr", "hess_init", "snr_scaling", "weight_decay"):
@@ -279,6 +279,12 @@ def build_optimizer(
             else:
                 rate = DEFAULT_FINETUNING_LR if finetuning else DEFAULT_ADAMW_LR
             evon_kwargs["lr"] = lr_from_adamw_lr(rate, radius, clip=clip, finetuning=finetuning)
+            if not in_range(evon_kwargs["lr"]):  # a rate or a radius near float32's ends: named as given
+                given = [f"{k}={v!r}" for k, v in (("learning_rate", learning_rate), ("clip_radius", radius)) if v is not None]
+                raise ValueError(
+                    f"build_optimizer: EVON's lr α = {evon_kwargs['lr']:g}, sized from {' and '.join(given)}, is "
+                    f"not a rate ({IN_RANGE}): pass a smaller learning_rate, a larger clip_radius, or lr"
+                )
     kwargs = recipe_kwargs(recipe, evon_kwargs)
     if adapter_lr_scale is None:  # a recipe's α is the paper's own number, not one sized from an AdamW rate
         adapter_lr_scale = 1.0 if recipe is not None else default_adapter_lr_scale(kwargs.get("clip", DEFAULT_CLIP), finetuning)
