@@ -1666,6 +1666,29 @@ def test_a_save_killed_anywhere_leaves_no_card_of_another_posterior(tmp_path, mo
     assert _ESS_ROW.findall((tmp_path / "count" / "README.md").read_text()) == ["500"]
 
 
+def test_a_save_interrupted_before_its_switch_writes_the_card_back_as_it_was(tmp_path, monkeypatch):
+    """A Ctrl-C in the fsync right after the card's retraction was replaced in (inside
+    ``retract_card_section``, before it returned the card's text) left the old posterior beside the
+    retracted card: the save's rollback had no text to write back. At every interrupt point where the
+    old posterior loads, the card is byte for byte the one before the save."""
+    old, new = _posterior().with_ess(200.0), _posterior(scale=3.0).with_ess(500.0)
+    pristine = tmp_path / "pristine"
+    pristine.mkdir()
+    (pristine / "README.md").write_text("# My model\n\nThe user's notes.\n")
+    old.save_pretrained(pristine)
+    before = (pristine / "README.md").read_bytes()
+
+    def card_of(directory: Path, call: str) -> tuple[float, bool]:
+        ess = EVONPosterior.from_pretrained(directory).ess
+        same = (directory / "README.md").read_bytes() == before
+        assert same or ess == 500.0, call  # the old posterior keeps its card as it was
+        return ess, same
+
+    seen = _at_every_kill_point(monkeypatch, tmp_path, pristine, new.save_pretrained, card_of, interrupt=True)
+    assert seen[0] == (200.0, True) and seen[-1] == (500.0, False), seen
+    assert sum(ess == 200.0 for ess, _ in seen) >= 3, seen  # the card's replace and its fsync among them
+
+
 def test_a_push_killed_anywhere_leaves_the_named_adapter_old_or_new_or_aside_for_the_next_push(tmp_path, monkeypatch):
     """A posterior over the adapter "other" (PEFT saves it in a folder of its name): the push copied the
     checkpoint's folder beside output_dir's, deleted output_dir's and renamed the copy in. A kill during

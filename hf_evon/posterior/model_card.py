@@ -507,7 +507,12 @@ def retract_card_section(directory: str | os.PathLike, replacement: str = RETRAC
         span = section_span(text)
         if span is None or text[span[0] : span[1]] == replacement:
             return None
-        atomic_write(path, text[: span[0]] + replacement + text[span[1] :])
+        try:
+            atomic_write(path, text[: span[0]] + replacement + text[span[1] :])
+        except BaseException:  # also after its os.replace (an interrupt in its fsync): the card as it was
+            with contextlib.suppress(OSError):
+                atomic_write(path, text)
+            raise
         return text
 
 
