@@ -546,14 +546,20 @@ def test_an_unclipped_step_past_float16s_range_leaves_float16_weights_finite() -
 
 
 @pytest.mark.parametrize("options", [{}, {"ess": math.inf}, {"hess_estimator": "price"}])
-def test_a_zero_size_parameter_is_left_out_and_the_rest_trains_as_without_it(options: dict) -> None:
-    # a zero-width layer (pruned, or a config with 0 heads): torch's optimizers accept it
+@pytest.mark.parametrize("shape, own_group", [((0, 3), False), ((0, 3), True), ((4, 0), True)])
+def test_a_zero_size_parameter_is_left_out_and_the_rest_trains_as_without_it(
+    options: dict, shape: tuple, own_group: bool
+) -> None:
+    # a zero-width layer (pruned, or a config with 0 heads): torch's optimizers accept it. Per-layer
+    # groups (layer-wise rates) give a pruned Linear(0, d) a group of its own, whose ess="auto" had
+    # divided by the fan-in 0 of its only tensor (a ZeroDivisionError at the first sample)
     runs = []
     for with_empty in (False, True):
         torch.manual_seed(0)
         w = nn.Parameter(torch.randn(4, 3))
-        empty = nn.Parameter(torch.randn(0, 3))
-        opt = EVON([w, empty] if with_empty else [w], seed=0, **options)
+        empty = nn.Parameter(torch.randn(*shape))
+        groups = [{"params": [w]}, {"params": [empty]}] if own_group else [{"params": [w, empty]}]
+        opt = EVON(groups if with_empty else [w], seed=0, **options)
         for _ in range(4):
             with opt.sampled_params(train=True):
                 ((w**2).sum() + (empty**2).sum()).backward()
@@ -567,31 +573,12 @@ def test_a_zero_size_parameter_is_left_out_and_the_rest_trains_as_without_it(opt
             holder.w, holder.empty = w, empty
             posterior = EVONPosterior.from_optimizer(opt, holder)
             assert list(posterior.factors) == ["w"]  # a posterior of w; nothing to sample in empty
+            if "ess" not in options:  # "auto", resolved to a number in every group
+                assert all(math.isfinite(g["ess"]) for g in opt.param_groups)
     assert torch.equal(runs[0], runs[1])
 
 
 # ------------------------------------------------- item 8: add_param_group with pending samples
-
-
-@pytest.mark.parametrize("shape", [(4, 0), (0, 3)])
-def test_a_group_of_zero_size_parameters_only_trains_the_other_groups_under_auto_ess(shape: tuple) -> None:
-    # per-layer groups (layer-wise rates) give a pruned Linear(0, d) a group of its own; its ess="auto"
-    # had divided by the fan-in 0 of its only tensor (a ZeroDivisionError at the first sample)
-    runs = []
-    for with_empty in (False, True):
-        torch.manual_seed(0)
-        w = nn.Parameter(torch.randn(4, 3))
-        empty = nn.Parameter(torch.randn(*shape))
-        opt = EVON([{"params": [w]}] + ([{"params": [empty]}] if with_empty else []), seed=0)
-        for _ in range(4):
-            with opt.sampled_params(train=True):
-                ((w**2).sum() + (empty**2).sum()).backward()
-            opt.step()
-            opt.zero_grad()
-        runs.append(w.detach().clone())
-        if with_empty:
-            assert opt.state[empty] == {} and math.isfinite(opt.param_groups[1]["ess"])
-    assert torch.equal(runs[0], runs[1])
 def test_add_param_group_between_a_sample_and_step_is_refused() -> None:
     data = make_data()
     runs = []

@@ -280,9 +280,9 @@ def build_optimizer(
                 rate = DEFAULT_FINETUNING_LR if finetuning else DEFAULT_ADAMW_LR
             evon_kwargs["lr"] = lr_from_adamw_lr(rate, radius, clip=clip, finetuning=finetuning)
             if not in_range(evon_kwargs["lr"]):  # a rate or a radius near float32's ends: named as given
-                given = [f"{k}={v!r}" for k, v in (("learning_rate", learning_rate), ("clip_radius", radius)) if v is not None]
+                given = "" if learning_rate is None else f"learning_rate={learning_rate!r} and "
                 raise ValueError(
-                    f"build_optimizer: EVON's lr α = {evon_kwargs['lr']:g}, sized from {' and '.join(given)}, is "
+                    f"build_optimizer: EVON's lr α = {evon_kwargs['lr']:g}, sized from {given}clip_radius={radius!r}, is "
                     f"not a rate ({IN_RANGE}): pass a smaller learning_rate, a larger clip_radius, or lr"
                 )
     kwargs = recipe_kwargs(recipe, evon_kwargs)
