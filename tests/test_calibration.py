@@ -117,6 +117,34 @@ def test_labels_that_do_not_align_with_the_logits_are_named_for_a_direct_caller(
         calibrate_posterior(model, post, [(x, y[:1])], num_samples=2)
 
 
+@pytest.mark.parametrize("labels", [lambda y: y.numpy(), lambda y: y.tolist(), lambda y: None], ids=["array", "list", "none"])
+def test_labels_that_are_not_a_tensor_are_named_by_their_type(labels) -> None:
+    # refused as "labels shaped (20,) do not align with the model's logits (20, 3)", which they did
+    model, post, cal = overfitted()
+    x, y = cal[0]
+    given = labels(y)
+    with pytest.raises(TypeError, match=rf"batch 0 \(counting from 0\) has labels of type {type(given).__name__}: .*torch"):
+        calibrate_posterior(model, post, [(x, given)], num_samples=2)
+
+
+def test_one_target_has_no_standard_error_and_chooses_nothing_from_it() -> None:
+    """The spread of one target's gain is unknown: its standard error was taken as 0, so any gain
+    passed every "k standard errors" test and one confidently wrong example chose the grid's ends
+    (0.001x the trained scale at T 8). With k > 0 nothing is taken from it; k = 0 still takes the
+    lowest NLL, as documented."""
+    model, post, cal = overfitted()
+    x, y = cal[0]
+    with torch.no_grad():
+        own = model(x).log_softmax(-1).gather(1, y[:, None])[:, 0]
+    i = int(own.argmin())  # the example the mean is most confidently wrong on
+    one = [(x[i : i + 1], y[i : i + 1])]
+    _, result = calibrate_posterior(model, post, one, num_samples=4, grid=[1.0, 0.01, 0.001])
+    assert result.num_targets == 1 and result.temperature == 1.0
+    assert result.ess in (result.trained_ess, math.inf)
+    _, free = calibrate_posterior(model, post, one, num_samples=4, grid=[1.0, 0.01, 0.001], standard_errors=0.0)
+    assert free.ess < free.trained_ess or free.temperature > 1.0  # more noise, or a softening
+
+
 def test_a_wrapped_multi_label_model_is_refused_naming_its_problem_type() -> None:
     """A model handed over in its data-parallel wrapper (accelerate's prepare, ``nn.DataParallel``)
     has no ``config`` of its own: the problem_type check read none and calibrated a multi-label
@@ -1045,6 +1073,10 @@ def test_a_calibration_summary_says_what_was_chosen() -> None:
     chosen = CalibrationResult(ess=2e3, **common).summary()
     assert "ess = 2000 = 0.1 x the trained 2e+04" in chosen and "NLL 0.4000 vs 0.6000" in chosen
     assert "50 targets" in chosen and "temperature there 1.50: overconfident" in chosen
+    assert "at its temperature" not in chosen  # no tempered mean scored
+    # the mean at its temperature beside the chosen scale: what the noise adds to a temperature
+    tempered = CalibrationResult(ess=2e3, **common, tempered_mean_nll=0.45).summary()
+    assert "NLL 0.4000 vs 0.6000 at the mean, 0.4500 at its temperature (50 targets" in tempered
     kept = CalibrationResult(ess=math.inf, **{**common, "mean_temperature": 0.9}).summary()
     assert "BMA is the mean" in kept and "NLL 0.6000 vs 0.6000" in kept and "not overconfident" in kept
 
@@ -1269,6 +1301,28 @@ def test_a_tuple_output_led_by_its_loss_is_calibrated_on_its_logits() -> None:
     _, result = calibrate_posterior(model, posterior, [{"input_ids": ids, "labels": ids}], grid=[1.0], num_samples=2)
     assert result.num_targets == ids.numel()
     assert result.mean_nll == pytest.approx(float(loss), rel=1e-6)
+
+
+def test_an_encoder_decoder_calibrates_on_pairs_as_on_dict_batches() -> None:
+    """A T5 given (input_ids, labels) pairs was called as model(input_ids) and raised transformers'
+    "You must specify exactly one of input_ids or inputs_embeds" from inside its decoder."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config)
+    x = torch.randint(2, 40, (4, 6))
+    y = x.flip(-1)
+    posterior = _trained_posterior(model, lambda: model(input_ids=x, labels=y).loss, 2)
+    with torch.no_grad():
+        loss = float(model.eval()(input_ids=x, labels=y).loss)  # the calibration's forward: no dropout
+    _, as_dict = calibrate_posterior(model, posterior, [{"input_ids": x, "labels": y}], grid=[1.0], num_samples=2)
+    _, as_pair = calibrate_posterior(model, posterior, [(x, y)], grid=[1.0], num_samples=2)
+    assert as_dict.mean_nll == pytest.approx(loss, rel=1e-6)
+    assert (as_pair.num_targets, as_pair.mean_nll, as_pair.nll) == (as_dict.num_targets, as_dict.mean_nll, as_dict.nll)
 
 
 def test_the_causal_lm_rule_agrees_with_each_models_own_loss() -> None:

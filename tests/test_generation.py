@@ -1587,8 +1587,9 @@ def test_a_masked_lm_scores_its_labels_unshifted_as_its_own_loss():
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda m, p: generate_bma(m, p, torch.tensor([5, 6, 7]), num_samples=2), r"input_ids must be a \(batch, length\) tensor of token ids; got \(3,\)"),
-        (lambda m, p: generate_bma(m, p, torch.ones(1, 3), num_samples=2), r"input_ids must be a \(batch, length\) tensor"),
+        (lambda m, p: generate_bma(m, p, torch.tensor([5, 6, 7]), num_samples=2), r"input_ids must be a \(batch, length\) integer tensor of token ids; got torch.int64 shaped \(3,\)"),
+        (lambda m, p: generate_bma(m, p, torch.ones(1, 3), num_samples=2), r"integer tensor of token ids; got torch.float32 shaped \(1, 3\)"),
+        (lambda m, p: bma_log_likelihood(m, p, torch.ones(1, 3), num_samples=2), r"integer tensor of token ids; got torch.float32 shaped"),
         (lambda m, p: generate_bma(m, p, [[5, 6]], num_samples=2), r"got list"),
         (lambda m, p: generate_bma(m, p, torch.zeros(1, 0, dtype=torch.long), num_samples=2), r"input_ids is empty"),
         (lambda m, p: generate_bma(m, p, torch.tensor([[5, VOCAB]]), num_samples=2), r"outside the model's vocabulary"),

@@ -191,9 +191,13 @@ class CalibrationResult:
         if self.mean_temperature is not None:
             confident = "overconfident" if self.mean_temperature > 1 else "not overconfident"
             temperature = f"; the mean's temperature there {self.mean_temperature:.2f}: {confident}"
+        # the mean at its own temperature beside a chosen noise scale: what the noise adds to a temperature
+        tempered = self.tempered_mean_nll is not None and self.chosen_nll != self.tempered_mean_nll
+        at_temperature = f", {self.tempered_mean_nll:.4f} at its temperature" if tempered else ""
         return (
             f"calibrated sampling scale {scale}, temperature {self.temperature:.3g}; held-out NLL "
-            f"{self.chosen_nll:.4f} vs {self.mean_nll:.4f} at the mean ({self.num_targets} targets{temperature})"
+            f"{self.chosen_nll:.4f} vs {self.mean_nll:.4f} at the mean{at_temperature} ({self.num_targets} "
+            f"targets{temperature})"
         )
 
     def apply(self, posterior: Any) -> Any:
@@ -417,7 +421,7 @@ def calibrate_posterior(
                 trained_logp, t, t_nll = score(1.0, temperatures, probed)
                 trained_t, trained_nll = temperatures[t], float(t_nll[t])
             excess, error = _gain_and_error(trained_logp, draws[0])
-            keep = excess <= standard_errors * error and excess <= min_gain * reference
+            keep = not _beyond(excess, standard_errors, error) and excess <= min_gain * reference
     finally:
         model.train(was_training)
     result = CalibrationResult(
@@ -481,7 +485,7 @@ def mean_temperature_choice(mean_logp: Tensor, standard_errors: float, min_gain:
     soft = one + int(mean_logp[one:].mean(1).argmax())
     if soft != one:
         excess, error = _gain_and_error(mean_logp[soft][None], mean_logp[one][None])
-        if -excess > standard_errors * error:
+        if _beyond(-excess, standard_errors, error):
             return soft
     return _sharpening(mean_logp, one, standard_errors, min_gain)
 
@@ -510,7 +514,7 @@ def _sharpening(mean_logp: Tensor, one: int, standard_errors: float, min_gain: f
     for fit, score in (halves, halves[::-1]):
         held_out[score] = mean_logp[int(mean_logp[:, fit].mean(1).argmax()), score]
     excess, error = _gain_and_error(held_out[None], mean_logp[one][None])  # NLL above T = 1's
-    if -excess > standard_errors * error and -excess >= min_gain * float(nll[one]):
+    if _beyond(-excess, standard_errors, error) and -excess >= min_gain * float(nll[one]):
         return best
     return one
 
@@ -541,16 +545,26 @@ def _gain_and_error(draws: Tensor, best: Tensor) -> tuple[float, float]:
     """Mean NLL of ``draws`` above ``best``'s and its standard error, from both sources of
     error: the targets (paired differences) and the draws, which every target shares, so a
     lucky set of S draws looks like a gain on every target (jackknife over the draw index,
-    common to both: the same seeds). A candidate without draws (the mean) adds no draw error."""
+    common to both: the same seeds). A candidate without draws (the mean) adds no draw error.
+    One target has no spread to measure: its error is infinite, so no rule with k > 0 takes a
+    gain from it (:func:`_beyond`)."""
     diff = _bma_nll(draws) - _bma_nll(best)
     n = diff.numel()
-    var = float(diff.var()) / n if n > 1 else 0.0
+    if n < 2:
+        return float(diff.mean()), math.inf
+    var = float(diff.var()) / n
     s = max(draws.shape[0], best.shape[0])
     if s > 1:
         drop = lambda x, k: x if x.shape[0] == 1 else torch.cat([x[:k], x[k + 1 :]])  # noqa: E731
         loo = torch.stack([(_bma_nll(drop(draws, k)) - _bma_nll(drop(best, k))).mean() for k in range(s)])
         var += float((loo - loo.mean()).square().sum()) * (s - 1) / s
     return float(diff.mean()), math.sqrt(var)
+
+
+def _beyond(gain: float, standard_errors: float, error: float) -> bool:
+    """Whether ``gain`` exceeds ``standard_errors`` standard errors ``error`` (k = 0: any gain > 0,
+    also where the error is infinite)."""
+    return gain > (standard_errors * error if standard_errors else 0.0)
 
 
 def _stepwise_choice(draws: list[Tensor], standard_errors: float) -> int:
@@ -560,6 +574,6 @@ def _stepwise_choice(draws: list[Tensor], standard_errors: float) -> int:
     choice = 0
     for i in range(1, len(draws)):
         excess, error = _gain_and_error(draws[i], draws[choice])
-        if -excess > standard_errors * error:
+        if _beyond(-excess, standard_errors, error):
             choice = i
     return choice

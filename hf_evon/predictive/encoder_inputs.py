@@ -138,8 +138,8 @@ def check_inputs(
         posterior.check_model(model)
         return
     if not isinstance(value, Tensor) or value.dim() != 2 or value.is_floating_point():
-        what = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-        raise ValueError(f"{where}: input_ids must be a (batch, length) tensor of token ids; got {what}")
+        what = f"{value.dtype} shaped {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"{where}: input_ids must be a (batch, length) integer tensor of token ids; got {what}")
     if 0 in value.shape:
         raise ValueError(f"{where}: input_ids is empty (shape {tuple(value.shape)})")
     vocab = getattr(getattr(unwrap_model(model), "config", None), "vocab_size", None)

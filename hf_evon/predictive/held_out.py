@@ -44,23 +44,25 @@ def split_batch(batch: Any) -> tuple[Callable[[nn.Module], Any], Tensor]:
     if isinstance(batch, Mapping):
         if "labels" not in batch:
             raise ValueError("calibrate_posterior: a dict batch needs a 'labels' entry")
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
         labels = batch["labels"]
-
-        def call(m: nn.Module) -> Any:
-            if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
-                return m(**inputs)
-            if not is_encoder_decoder(m):
-                return m(**inputs)
-            return m(**inputs, **decoder_inputs_from_labels(m, labels))
-
-        return call, labels
+        return _forward((), {k: v for k, v in batch.items() if k != "labels"}, labels), labels
     if isinstance(batch, list | tuple) and len(batch) == 2:
-        x, y = batch
-        return (lambda m: m(x)), y
+        return _forward((batch[0],), {}, batch[1]), batch[1]
     raise TypeError(
         f"calibrate_posterior: batches must be dicts with 'labels' or (inputs, labels) pairs; got {type(batch).__name__}"
     )
+
+
+def _forward(args: tuple, inputs: dict[str, Any], labels: Any) -> Callable[[nn.Module], Any]:
+    """The model's forward on a batch's inputs (``args`` positional, ``inputs`` by name): with the
+    decoder inputs an encoder-decoder model derives from ``labels`` where the batch holds none."""
+
+    def call(m: nn.Module) -> Any:
+        if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs or not is_encoder_decoder(m):
+            return m(*args, **inputs)
+        return m(*args, **inputs, **decoder_inputs_from_labels(m, labels))
+
+    return call
 
 
 def held_out_classes(model: nn.Module, batch: Any, shift: bool, where: str) -> int:

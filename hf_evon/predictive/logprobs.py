@@ -53,7 +53,12 @@ def require_class_labels(labels: Any, where: str) -> None:
     """Raise, naming ``where``, unless ``labels`` are class indices (an integer tensor): the log-
     probabilities here are of a softmax over classes or tokens, which a regression's or a multi-
     label model's floating-point targets do not index."""
-    if isinstance(labels, Tensor) and (labels.is_floating_point() or labels.is_complex()):
+    if not isinstance(labels, Tensor):  # an array or a list reached the alignment check as "shaped ()"
+        raise TypeError(
+            f"{where} has labels of type {type(labels).__name__}: give class indices as a torch integer "
+            "tensor (torch.as_tensor converts an array or a list)"
+        )
+    if labels.is_floating_point() or labels.is_complex():
         raise ValueError(
             f"{where} has floating-point labels ({labels.dtype}): a regression or multi-label target. "
             "Calibration and BMA log-likelihoods score class labels (integer indices, -100 not scored) "
