@@ -374,6 +374,19 @@ def test_covariance_refuses_big_parameters(gpt2):
         post_big.covariance("weight")
 
 
+def test_the_optimizers_covariance_refuses_big_parameters_as_the_posteriors_does():
+    """EVON.posterior_covariance had no bound: a 512×512 matrix asked torch for a 262144² matrix
+    (256 GiB), which fails only once memory is exhausted, where EVONPosterior.covariance refuses."""
+    big = nn.Linear(65, 64)  # 4160 > 4096 elements
+    opt = hf_evon.EVON([big.weight, big.bias], **plain_evon(ess=1.0))
+    with pytest.raises(ValueError, match=r"has 4160 elements: .*posterior_covariance\(\) is for parameters with at most 4096"):
+        opt.posterior_covariance(big.weight)
+    with pytest.raises(ValueError, match=r"has 64 elements: .*at most 10 elements"):
+        opt.posterior_covariance(big.bias, max_elements=10)
+    cov = opt.posterior_covariance(big.bias, max_elements=64)  # within the bound: computed
+    torch.testing.assert_close(cov.diagonal().sqrt(), opt.posterior_std(big.bias))
+
+
 def test_empirical_covariance_matches_within_sampling_error(mlp):
     """N draws of the 3×4 matrix: every entry of Σ̂ = XᵀX/N is within sampling error of Σ.
 

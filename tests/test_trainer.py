@@ -2573,6 +2573,10 @@ def test_a_given_posterior_is_not_saved_beside_weights_another_optimizer_moved(t
         trainer.train()
     with pytest.warns(UserWarning, match=r"weights differ from the ones the posterior \(posterior="):
         assert trainer.current_posterior() is None
+    # BMA is refused naming why the posterior given is not used (it said "pass posterior=", as given)
+    refused = r"evaluate\(bma=True\) needs a posterior: the one held \(posterior=.*\) was taken at other weights"
+    with pytest.warns(UserWarning, match="weights differ"), pytest.raises(ValueError, match=refused):
+        trainer.evaluate(classification_data(8), bma=True)
     with pytest.warns(UserWarning, match=rf"{POSTERIOR_CONFIG_NAME}.*{POSTERIOR_WEIGHTS_NAME}"):
         trainer.save_model()
     assert not (out / POSTERIOR_CONFIG_NAME).exists() and not (out / POSTERIOR_WEIGHTS_NAME).exists()

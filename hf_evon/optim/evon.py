@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 import hf_evon.optim.gradients as gradients
 import hf_evon.optim.health as health
+import hf_evon.optim.linalg as linalg
 from hf_evon.optim.buckets import (
     Bucket,
     Plan,
@@ -60,7 +61,6 @@ from hf_evon.optim.defaults import (
 from hf_evon.optim.gradients import Consumed, consumed_grads, restore_grads, set_aside_grads
 from hf_evon.optim.held_samples import claim_samples, refuse_held, release_sample
 from hf_evon.optim.hooks import LOCAL, ShardingHooks, refuse_unprepared_processes
-from hf_evon.optim.linalg import dense_covariance, marginal_variance, rotated_std, writing_weights
 from hf_evon.optim.noise import StreamGenerators, process_rank, resolve_seed
 from hf_evon.optim.persistence import copied_attributes, loading, restore_copied, saving
 from hf_evon.optim.update import (
@@ -354,7 +354,7 @@ class EVON(Optimizer):
                 self._in_sample, self._training_block, self._streams = True, train, StreamGenerators()
                 if stash is not None:  # filled as it goes: every gradient set aside is given back
                     set_aside_grads(self.param_groups, self._consumed, stash, self._held, self.discard_samples)
-                with torch.no_grad(), writing_weights():
+                with torch.no_grad(), linalg.writing_weights():
                     self._hooks.before_sample()  # FSDP2: the owners' copies of the weights up to date
                     buckets = self.buckets  # its refusals (and set_aside_grads') before the block counts
                     self._sample_blocks += train  # the block's noise label, a refused block's never
@@ -370,7 +370,7 @@ class EVON(Optimizer):
                 yield
                 ok = True
             finally:
-                with torch.no_grad(), writing_weights():
+                with torch.no_grad(), linalg.writing_weights():
                     failed = train and not ok and (not self._hooks.model_collectives or gradients.backward_ran(self.param_groups))
                     refused = self._hooks.end_sample(recorded=ok and train, failed=failed)
                     ok = ok and refused is None  # sharded: it raised on another rank, recorded on none
@@ -389,7 +389,7 @@ class EVON(Optimizer):
                     raise RuntimeError(refused)
         finally:
             if not exited:  # interrupted (Ctrl-C): the means back, the step's samples dropped
-                with torch.no_grad(), writing_weights():
+                with torch.no_grad(), linalg.writing_weights():
                     restore_means(perturbed)
                     release_sample(claimed)
                     if stash is not None:
@@ -413,8 +413,7 @@ class EVON(Optimizer):
         b, i = self._locate(p)
         if b.z is None:
             raise RuntimeError("no training sample is in progress for this parameter")
-        g = b.group
-        return b.z[i] * rotated_std(b.state["hess"][i], g["ess"], g["weight_decay"])
+        return b.z[i] * linalg.rotated_std(b.state["hess"][i], b.group["ess"], b.group["weight_decay"])
 
     # --------------------------------------------------------------- step
     @torch.no_grad()
@@ -426,7 +425,7 @@ class EVON(Optimizer):
         self._refuse_in_sample("step()")  # before the step mark below: a refused call changes nothing
         refuse_grad_scaler(self)
         loss = None if closure is None else gradients.closure_loss(self, closure)
-        with writing_weights():  # no autocast: the state keeps its dtypes; a forward casts the new means
+        with linalg.writing_weights():  # no autocast: the state keeps its dtypes; a forward casts the new means
             try:
                 self._update()
             finally:  # a skipped or refused step too: a rewind never draws its noise again
@@ -550,15 +549,16 @@ class EVON(Optimizer):
             "matrix_shape": (b.m, b.n),
         }
 
-    def posterior_covariance(self, p: Tensor) -> Tensor:
-        """Dense covariance of ``p.flatten()`` (row-major), for small parameters."""
+    def posterior_covariance(self, p: Tensor, max_elements: int = linalg.MAX_DENSE_COVARIANCE_ELEMENTS) -> Tensor:
+        """Dense covariance of ``p.flatten()`` (row-major), for parameters of at most ``max_elements`` entries."""
         f = self.posterior_factors(p)
-        return dense_covariance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
+        linalg.refuse_dense_covariance(self._param_label(p), p.numel(), max_elements, "posterior_covariance()")
+        return linalg.dense_covariance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"])
 
     def posterior_std(self, p: Tensor) -> Tensor:
         """Marginal posterior standard deviations, shaped like ``p``."""
         f = self.posterior_factors(p)
-        return marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"]).sqrt().reshape(p.shape)
+        return linalg.marginal_variance(f["hess"], f["Q_L"], f["Q_R"], f["ess"], f["weight_decay"]).sqrt().reshape(p.shape)
 
     # ---------------------------------------------------------- state dict
     def state_dict(self) -> dict[str, Any]:

@@ -501,6 +501,22 @@ def marginal_variance(
         )
 
 
+# a dense covariance of 4096 entries is 4096² float32 numbers (64 MiB): more is a mistake, not a query
+MAX_DENSE_COVARIANCE_ELEMENTS = 4096
+
+
+def refuse_dense_covariance(label: str, numel: int, max_elements: int, call: str) -> None:
+    """Raise, naming the parameter (``label``) and the method (``call``), where its dense covariance
+    would have more than ``max_elements`` rows: numel² entries, which an allocation fails on only
+    once it has exhausted memory."""
+    if numel > max_elements:
+        raise ValueError(
+            f"{label} has {numel} elements: its dense covariance would be {numel}×{numel}; {call} is for "
+            f"parameters with at most {max_elements} elements (pass max_elements to override, or use the "
+            "marginal stds or samples)"
+        )
+
+
 def dense_covariance(
     hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, ess: float, weight_decay: float
 ) -> Tensor:

@@ -28,7 +28,7 @@ from torch import nn
 
 from hf_evon.modeling import pruned_ranks, unused_adapter_parameters, unwrap_model
 from hf_evon.optim.checks import is_real, sample_count
-from hf_evon.optim.linalg import writing_weights
+from hf_evon.optim.linalg import MAX_DENSE_COVARIANCE_ELEMENTS, refuse_dense_covariance, writing_weights
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
     FORMAT_VERSION,
@@ -67,7 +67,6 @@ Tensor = torch.Tensor
 __all__ = ["FORMAT_VERSION", "MAX_DENSE_COVARIANCE_ELEMENTS", "POSTERIOR_CONFIG_NAME", "POSTERIOR_WEIGHTS_NAME"]
 __all__ += ["EVONPosterior", "MatrixFactors", "PosteriorMismatchError"]
 
-MAX_DENSE_COVARIANCE_ELEMENTS = 4096
 
 
 class EVONPosterior(PosteriorFilesMixin):
@@ -229,13 +228,7 @@ class EVONPosterior(PosteriorFilesMixin):
         """Dense covariance of the row-major flatten of ``name`` (small parameters only; 0 in the rows
         and columns of pruned ranks, as ``std`` and ``draw``)."""
         f = self[name]
-        numel = math.prod(f.shape)
-        if numel > max_elements:
-            raise ValueError(
-                f"{name!r} has {numel} elements: its dense covariance would be {numel}×{numel}; "
-                f"covariance() is for parameters with at most {max_elements} elements "
-                "(pass max_elements to override, or use std() / draw())"
-            )
+        refuse_dense_covariance(repr(name), math.prod(f.shape), max_elements, "covariance()")
         return f.covariance((self.config.get("pruned_ranks") or {}).get(self._aliases.get(name, name)))
 
     # ------------------------------------------------------------------ sampling

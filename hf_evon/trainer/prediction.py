@@ -480,6 +480,12 @@ class PredictionMixin:
     def _no_posterior(self) -> str:
         """Why :meth:`_evaluated_posterior` is None, and the way to one."""
         given = "pass posterior=EVONPosterior.from_pretrained(...) to the trainer"
+        if self.posterior is not None:  # held, but its mean is not the model's weights (_held_posterior)
+            return (
+                "the one held (posterior=, or the best checkpoint's) was taken at other weights than the model's "
+                "(the PosteriorMeanWarning above names them): load the weights it was taken at, or set "
+                "trainer.posterior to these weights' posterior"
+            )
         opt = self.evon_optimizer
         if opt is not None and not any(g["algorithm"] == "evon" and g["params"] for g in opt.param_groups):
             # e.g. PEFT's prompt or prefix tuning: one embedding, which AdamW owns by default
