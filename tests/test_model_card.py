@@ -953,6 +953,29 @@ def test_a_peft_lm_built_without_task_type_records_its_base_models_class(adapter
     assert "output_ids = generate_bma(" in snippet
 
 
+def test_the_cards_optimizer_line_gives_the_configured_rates_not_the_schedules_last(tmp_path, tokenizer):
+    """Under a linear decay the card said "lr 0" for both EVON and AdamW: the groups' rate at save
+    time, the schedule's end. It gives the rates training was configured with."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    vocab = tokenizer.vocab_size
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(
+        BertConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+    )
+    args = _args(tmp_path, lr_scheduler_type="linear", learning_rate=1e-3)
+    trainer = EVONTrainer(model=model, args=args, train_dataset=_data(vocab, 3))
+    trainer.train()
+    groups = trainer.optimizer.param_groups
+    assert all(g["lr"] == 0 for g in groups)  # the decay's end: what the card read
+    trainer.save_model()
+    trainer.create_model_card()
+    (line,) = re.findall(r"^- optimizer: .*$", (tmp_path / "README.md").read_text(), re.MULTILINE)
+    evon_lr = next(g["initial_lr"] for g in groups if g["algorithm"] == "evon")
+    assert line.startswith(f"- optimizer: EVON (hf-evon; lr {evon_lr:g}, ess 100")
+    assert "AdamW (lr 0.001," in line
+
+
 def test_trainer_pushed_card_names_repo_evon_and_steps_and_its_snippet_runs(tmp_path, tokenizer, monkeypatch):
     from huggingface_hub import HfApi, ModelCard
     from transformers import BertConfig, BertForSequenceClassification

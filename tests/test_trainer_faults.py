@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -74,7 +75,13 @@ def test_plain_training_arguments_keep_their_learning_rates_meaning(tmp_path):
         "EVON's α = 0.008 (0.005 when all weights of a pretrained model" in text  # 1.6, 1.0 x 5e-5 / 0.01
         and "Pass an EVONConfig" in text
     )
+    # TrainingArguments' clip of 1.0 is kept, and said so (EVONConfig's default 0 was not said to differ)
+    assert "Its max_grad_norm = 1 is kept" in text and trainer.args.max_grad_norm == 1.0
     assert isinstance(trainer.args, EVONConfig) and trainer.args.learning_rate == 5e-5
+    unclipped = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_grad_norm=0.0)
+    with pytest.warns(UserWarning, match="converted to EVONConfig") as record:
+        EVONTrainer(model=tiny_bert(), args=unclipped, train_dataset=classification_data(16))
+    assert not any("max_grad_norm" in str(w.message) for w in record)
     opt = trainer.create_optimizer()
     rates = {g["algorithm"]: g["lr"] for g in opt.param_groups}
     # AdamW's rate as given; EVON's α from the step-RMS rule of the default clip ("whiten_rms", 1.6)
@@ -122,16 +129,24 @@ def test_optim_is_ignored_with_a_warning(tmp_path):
         EVONConfig(output_dir=str(tmp_path), report_to="none")
 
 
+@pytest.mark.parametrize("when", ["built", "set_later"])
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
-def test_an_ignored_lomo_optim_is_ignored_while_training_too(tmp_path, optim):
+def test_an_ignored_lomo_optim_is_ignored_while_training_too(tmp_path, optim, when):
     """optim="lomo" was said to be ignored, but the Trainer also reads it in training_step, passing
     backward(learning_rate=...), and train() raised a TypeError from Tensor.backward. The field is
-    set back to its default after the warning: the run equals one at the default."""
-    with pytest.warns(UserWarning, match=rf"EVONConfig\.optim = '{optim}' .* is ignored"):
-        args = config(tmp_path / optim, max_steps=2, evon_ess=300.0, optim=optim)
-    assert args.optim == EVONConfig.__dataclass_fields__["optim"].default
+    set back to its default after the warning: the run equals one at the default. Set after the
+    config was built (``args.set_optimizer``) it was not seen at all: train() raised the same error."""
+    ignored = rf"EVONConfig\.optim = '{optim}' .* is ignored"
+    if when == "built":
+        with pytest.warns(UserWarning, match=ignored):
+            args = config(tmp_path / optim, max_steps=2, evon_ess=300.0, optim=optim)
+        assert args.optim == EVONConfig.__dataclass_fields__["optim"].default
+    else:
+        args = config(tmp_path / optim, max_steps=2, evon_ess=300.0).set_optimizer(name=optim)
     trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
-    trainer.train()
+    with pytest.warns(UserWarning, match=ignored) if when == "set_later" else contextlib.nullcontext():
+        trainer.train()
+    assert trainer.args.optim == EVONConfig.__dataclass_fields__["optim"].default
     plain = EVONTrainer(model=tiny_bert(), args=config(tmp_path / "plain", max_steps=2, evon_ess=300.0), train_dataset=classification_data(16))
     plain.train()
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), plain.model.parameters()))
@@ -488,3 +503,32 @@ def test_labels_the_data_collator_makes_class_indices_are_not_refused_before_tra
             require_softmax_training(trainer)
             trainer.train()
             assert model.config.problem_type == "single_label_classification"
+
+
+def test_log_level_governs_hf_evons_messages_as_it_does_transformers_own(tmp_path, caplog):
+    """``log_level="error"`` quieted transformers' messages but not hf-evon's (the calibration's summary
+    still printed at WARNING): its loggers are not under transformers'. The passive default leaves them
+    as the user set them."""
+    import logging
+
+    import transformers
+
+    evon_logger, verbosity = logging.getLogger("hf_evon"), transformers.logging.get_verbosity()
+
+    def run(name: str, **fields) -> str:
+        caplog.clear()
+        trainer = EVONTrainer(
+            model=tiny_bert(), args=config(tmp_path / name, max_steps=2, **fields), train_dataset=classification_data(16),
+            calibration_dataset=classification_data(8, 1),
+        )  # fmt: skip
+        with caplog.at_level("INFO"):  # the root's: hf_evon's own level decides
+            trainer.train()
+        return caplog.text
+
+    try:
+        assert "EVONTrainer: calibrated" in run("passive") and evon_logger.level == logging.NOTSET
+        assert "EVONTrainer: calibrated" not in run("error", log_level="error")
+        assert evon_logger.level == logging.ERROR
+    finally:
+        evon_logger.setLevel(logging.NOTSET)
+        transformers.logging.set_verbosity(verbosity)

@@ -11,6 +11,7 @@ from typing import Any
 from huggingface_hub import ModelCard
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
+from hf_evon.optim.rates import configured_rate
 from hf_evon.posterior.model_card import CardSource, format_value, save_model_card
 
 __all__ = ["save_trainer_model_card"]
@@ -53,17 +54,24 @@ def _posterior_metrics(trainer: Any, best_step: int | None) -> dict[str, float] 
     return None
 
 
+def configured(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with the rate it is configured with (:func:`~hf_evon.optim.rates.configured_rate`) as its
+    ``lr``: a schedule's rate at save time (0 at the end of a linear decay) says nothing of the training."""
+    rate = configured_rate(group)
+    return group if rate is None else {**group, "lr": rate}
+
+
 def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
     """What trained the model, from the trainer's optimizer (the posterior config otherwise)."""
     groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None) or []
     evon = [g for g in groups if g.get("algorithm", "evon") == "evon"]
     adamw = [g for g in groups if g.get("algorithm") == "adamw"]
-    source = evon[0] if evon else posterior.config
+    source = configured(evon[0]) if evon else posterior.config
     keys = ("lr", "ess", "betas", "weight_decay")
     text = "EVON (hf-evon; " + ", ".join(f"{k} {format_value(source[k])}" for k in keys if k in source) + ")"
     text += " for the weight matrices of the EVON posterior below"
     if adamw:
-        a = adamw[0]
+        a = configured(adamw[0])
         text += "; AdamW (" + ", ".join(
             f"{k} {format_value(a[k])}" for k in ("lr", "betas", "weight_decay") if k in a
         )

@@ -80,7 +80,8 @@ class EVONConfig(TrainingArguments):
             "fine-tuned: AdamW's own step bound) — unless evon_learning_rate sets α. Default (None): "
             f"{SCRATCH_LEARNING_RATE:g} for a model trained from scratch or through PEFT adapters (torch's AdamW "
             f"default), {FINETUNING_LEARNING_RATE:g} for full fine-tuning of a pretrained model (one loaded with "
-            "from_pretrained; the Trainer's default)."
+            "from_pretrained; the Trainer's default), set on the trainer's own copy (trainer.args; the config "
+            "passed stays unset for the next model): edit trainer.args after building the trainer."
         },
     )
     # EVON bounds its own steps (evon_clip); the Trainer's clip would only reweight the gradients its

@@ -136,6 +136,16 @@ def _unwrap_evon(optimizer: Any) -> EVON | None:
         return None
 
 
+def _kept_clip(args: TrainingArguments) -> str:
+    """A plain config's ``max_grad_norm``, kept where it clips (TrainingArguments' default 1.0 does)."""
+    if not args.max_grad_norm:
+        return ""
+    return (
+        f" Its max_grad_norm = {args.max_grad_norm:g} is kept: it clips the gradients EVON averages into its "
+        "momentum and H, where EVONConfig's default is 0 (docs/defaults.md#max-grad-norm)."
+    )
+
+
 class _EVONSetUp(TrainerCallback):
     """``on_train_begin``: the model is wrapped and the optimizer prepared and resumed; set EVON up."""
 
@@ -198,6 +208,8 @@ class EVONTrainerMixin(
         elif peft_config is not None:
             call.set("model", self._wrap_peft(call.get("model"), args, peft_config))
         super().__init__(*call.args, **call.kwargs)
+        if (self.args.log_level if self.args.should_log else self.args.log_level_replica) != "passive":
+            logging.get_logger("hf_evon").setLevel(self.args.get_process_log_level())  # as Trainer sets its own
         combined.refuse_buffered_generations(self)  # TRL's GRPO, RLOO, Distillation: generations trained at other samples
         # the eval set as given beside the one kept: TRL's trainers keep it prepared anew, another object
         self._evon_eval_given = (given_eval, self.eval_dataset)
@@ -254,8 +266,8 @@ class EVONTrainerMixin(
             f"EVON fields at their defaults. Its learning_rate = {args.learning_rate!r} is used as for AdamW: by the "
             "AdamW part (embeddings, heads, 1-D tensors) and, through lr_from_adamw_lr, for EVON's α = "
             f"{lr_from_adamw_lr(args.learning_rate):g} ({lr_from_adamw_lr(args.learning_rate, finetuning=True):g} "
-            f"when all weights of a pretrained model are fine-tuned). Pass an {target.__name__} to set the EVON fields (and to "
-            "let EVONTrainer choose the learning rate from the model).",
+            f"when all weights of a pretrained model are fine-tuned).{_kept_clip(args)} Pass an {target.__name__} to set the "
+            "EVON fields (and to let EVONTrainer choose the learning rate from the model).",
             UserWarning,
             stacklevel=3,
         )
@@ -389,6 +401,7 @@ class EVONTrainerMixin(
         """EVON through :func:`hf_evon.build_optimizer`, configured by the ``evon_*`` fields."""
         opt_model = self.model if model is None else model
         if self.optimizer is None:
+            self.args._warn_unused_optimizer_settings()  # optim set after the config was built, too
             self.optimizer = build_optimizer(opt_model, **self.args.evon_optimizer_kwargs())
         return self.optimizer
 
