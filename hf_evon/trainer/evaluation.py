@@ -12,7 +12,9 @@ warns):
 with ``<m>`` = ``nll``, ``accuracy``, ``ece``, ``brier`` for (token) classification (definitions in
 :mod:`hf_evon.predictive.metrics`) and ``nll``, ``perplexity`` (mean NLL per label token over the whole set,
 and its exp) for causal LMs. The ``Trainer``'s ``eval_loss`` stays the ``Trainer``'s: the average
-of per-batch mean losses of the model (label smoothing and custom losses included); compare
+of per-batch mean losses of the model (label smoothing and custom losses included), each counted over
+its shifted labels where the loss shifts them (a GPT-2 without ``loss_type``, whose plain Trainer
+counts one token per sequence too many: :mod:`hf_evon.trainer.internals`); compare
 ``eval_mean_nll`` with ``eval_bma_nll`` (exact per-item means over the whole set) instead.
 
 Cost: the mean metrics reuse the ``Trainer``'s own evaluation pass (its model outputs are read
