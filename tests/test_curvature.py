@@ -528,6 +528,44 @@ def test_a_group_whose_weights_never_get_a_gradient_costs_no_fit_per_update() ->
     assert torch.equal(weights, alone)
 
 
+def test_entries_at_rounding_level_below_their_matrixs_largest_count_as_no_curvature() -> None:
+    """A direction the gradients never move holds H = 0 in the identity basis, and the rounding of
+    rotated zeros (about 1e-19 here) in an eigenbasis, which the histogram counted as curvature: δ,
+    its quantile, fell to that rounding wherever such entries passed 30% of the group."""
+    eps = torch.finfo(torch.float32).eps
+    hess = torch.tensor([[[1e-3, 1e-3 * eps * 1.01, 1e-3 * eps * 0.99, 1e-19, 0.0, 3e-5]]])
+    counts = log_histogram(hess)[0]
+    assert float(counts.sum()) == 6 and float(counts[0]) == 3  # 0.99·eps·max, 1e-19 and 0: no curvature
+    assert float(log_histogram(hess * 1e20)[0][0]) == 3  # relative to the matrix's own largest
+    # per matrix: the quieter matrix's entries are measured against its own largest
+    both = torch.stack([hess[0], hess[0] * 1e-9])
+    assert log_histogram(both)[:, 0].tolist() == [3.0, 3.0]
+
+
+def test_dead_units_do_not_collapse_the_live_weights_posterior() -> None:
+    """Half of a ReLU layer's units dead (a bias of -100: rows of exactly zero gradient): their
+    entries, the rounding of rotated zeros, set δ to 8e-19 and ζ to 7e20, and every live weight's
+    std fell to 1e-8 of its RMS: a point estimate. They are no curvature; δ and ζ keep their scale."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=gen)
+    y = (x @ torch.randn(8, 3, generator=gen)).argmax(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[0].bias[:8] = -100.0
+    opt = build_optimizer(model, seed=0)
+    for t in range(300):
+        xb, yb = x[(t * 64) % 256 :][:64], y[(t * 64) % 256 :][:64]
+        with opt.sampled_params(train=True):
+            nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+    live = model[0].weight[8:]
+    std = opt.posterior_std(model[0].weight)[8:]
+    assert float(std.mean() / live.square().mean().sqrt()) > 1e-3
+    assert opt.param_groups[0]["weight_decay"] > 1e-12
+
+
 def test_the_fitted_prior_is_h_s_quantile_at_any_float32_scale() -> None:
     """The histogram of log10 H ended at 1e5, every larger H counted in its top bin: for a loss of
     large scale (H around 1e8-1e10) δ stopped at 1e5, far below H's 30% quantile, and the share of

@@ -1464,6 +1464,20 @@ def test_float16_weights_whose_norm_overflows_float16_keep_a_positive_fitted_ess
     assert math.isfinite(stats["noise_to_signal_max"]) and stats["noise_to_signal_max"] > 0
 
 
+def test_the_health_check_sums_the_widest_priors_variances_without_overflow() -> None:
+    """ζδ at the validation's bound (just above float32's smallest): each variance 1/(ζ(H + δ)) is a
+    float32, but their float32 sum overflowed, and posterior_health reported a noise-to-signal of inf
+    (its warning: "std is infx")."""
+    tiny = torch.finfo(torch.float32).tiny
+    lin = nn.Linear(64, 64, bias=False)
+    opt = EVON([lin.weight], ess=tiny / 1e-8 * 1.0001, weight_decay=1e-8, hess_init=1e-30)
+    var = 1.0 / (opt.param_groups[0]["ess"] * (1e-30 + 1e-8))
+    assert var < torch.finfo(torch.float32).max < 64 * 64 * var  # finite entries, a sum float32 cannot hold
+    stats = opt.posterior_health(warn=False)
+    expected = math.sqrt(64 * 64 * var / float(lin.weight.double().square().sum()))
+    assert stats["noise_to_signal"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_hyperparameters_float32_cannot_hold_are_refused_by_name() -> None:
     """ess = weight_decay = 1e-200 made ζ·δ underflow to 0 (posterior_health divided by it:
     ZeroDivisionError); ess = 1e-300 drew infinite noise, and every step was skipped as a "non-finite

@@ -164,7 +164,7 @@ def _add_generate(subparsers: Any) -> None:
     )
     p.add_argument(
         "--top-p", type=_number("a number in (0, 1]", lambda x: 0.0 < x <= 1.0), default=None,
-        help="nucleus sampling: keep tokens of cumulative probability p",
+        help="nucleus sampling: keep tokens of cumulative probability p (with --do-sample)",
     )  # fmt: skip
     p.add_argument(
         "--repetition-penalty", type=_positive_float, default=None, help="penalise repeated tokens (1.0: no penalty)"

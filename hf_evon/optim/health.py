@@ -49,14 +49,15 @@ def covered_members(b: Bucket) -> list[int]:
 @torch.no_grad()  # the weights' norms without a graph, and without a detach per matrix
 def _noise_to_signal(b: Bucket, members: list[int], hess: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per listed member of ``b`` (``hess``: their H): Σ V, Σ W² and the noise-to-signal ratio
-    sqrt(Σ V / Σ W²), in the state's dtype. The one computation of the ratio: the runaway warning
+    sqrt(Σ V / Σ W²), in float64: a float32 sum of variances that are each finite overflows at the
+    prior's widest (ζδ near float32's smallest). The one computation of the ratio: the runaway warning
     finds the matrix of the pooled maximum by equality with it."""
     var = torch.reciprocal(b.group["ess"] * (hess + b.group["weight_decay"]))
     # inside sampled_params the parameters hold a sample: the posterior's weights are its mean
     weights = b.params if b.mean is None else list(b.mean.unbind(0))
-    w_sq = torch.stack(norms_of([weights[i] for i in members])).to(b.dtype).square()  # float32 at least
-    var_sum = var.sum(dim=(1, 2))
-    return var_sum, w_sq, (var_sum / w_sq.clamp_min(torch.finfo(b.dtype).tiny)).sqrt()
+    w_sq = torch.stack(norms_of([weights[i] for i in members])).double().square()  # float32 at least
+    var_sum = var.sum(dim=(1, 2), dtype=torch.float64)
+    return var_sum, w_sq, (var_sum / w_sq.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
 
 
 def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
@@ -225,7 +226,8 @@ def non_finite_weights(param_groups: list[dict[str, Any]], label: Callable[[Tens
             if not bool(torch.isfinite(p._local_tensor if is_dtensor(p) else p).all()):
                 return (
                     f"non-finite weights in {label(p)}, so gradients through them are not finite: an "
-                    "earlier step's update overflowed them (a learning rate far too large, or clip='none') "
+                    "earlier step's update overflowed them (a learning rate far too large, clip='none', or a weight_decay, "
+                    "mean_weight_decay or hess_init so large that its pull on the weights overflows) "
                     "or code outside the optimizer wrote them"
                 )
     return None
