@@ -100,7 +100,7 @@ def mean_pull(group: dict[str, Any]) -> float:
 
 def log_histogram(hess: Tensor) -> Tensor:
     """Per matrix of ``hess`` (B, m, n), the counts of log10 H in the ``HIST_BINS`` bins, (B, bins).
-    An entry more than float32's resolution below its matrix's largest counts as no curvature: a
+    An entry below float32's resolution of its matrix's largest H (eps·max) counts as no curvature: a
     direction the gradients never move (a dead unit's row) holds exactly 0 in the identity basis and
     the rounding of rotated zeros in an eigenbasis, which must not set δ (the quantile) by itself."""
     hess = hess.float()

@@ -68,7 +68,6 @@ __all__ = ["FORMAT_VERSION", "MAX_DENSE_COVARIANCE_ELEMENTS", "POSTERIOR_CONFIG_
 __all__ += ["EVONPosterior", "MatrixFactors", "PosteriorMismatchError"]
 
 
-
 class EVONPosterior(PosteriorFilesMixin):
     """The SOAP-Bubble posterior of an EVON-trained model, usable without the optimizer.
 

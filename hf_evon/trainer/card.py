@@ -54,7 +54,7 @@ def _posterior_metrics(trainer: Any, best_step: int | None) -> dict[str, float] 
     return None
 
 
-def configured(group: dict[str, Any]) -> dict[str, Any]:
+def _configured(group: dict[str, Any]) -> dict[str, Any]:
     """``group`` with the rate it is configured with (:func:`~hf_evon.optim.rates.configured_rate`) as its
     ``lr``: a schedule's rate at save time (0 at the end of a linear decay) says nothing of the training."""
     rate = configured_rate(group)
@@ -66,12 +66,12 @@ def _optimizer_text(trainer: Any, posterior: CardSource) -> str:
     groups = getattr(getattr(trainer, "optimizer", None), "param_groups", None) or []
     evon = [g for g in groups if g.get("algorithm", "evon") == "evon"]
     adamw = [g for g in groups if g.get("algorithm") == "adamw"]
-    source = configured(evon[0]) if evon else posterior.config
+    source = _configured(evon[0]) if evon else posterior.config
     keys = ("lr", "ess", "betas", "weight_decay")
     text = "EVON (hf-evon; " + ", ".join(f"{k} {format_value(source[k])}" for k in keys if k in source) + ")"
     text += " for the weight matrices of the EVON posterior below"
     if adamw:
-        a = configured(adamw[0])
+        a = _configured(adamw[0])
         text += "; AdamW (" + ", ".join(
             f"{k} {format_value(a[k])}" for k in ("lr", "betas", "weight_decay") if k in a
         )
