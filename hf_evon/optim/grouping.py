@@ -233,11 +233,11 @@ def build_optimizer(
 
     ``recipe`` names one of the paper's tuned settings (:data:`hf_evon.optim.recipes.RECIPES`:
     "nanogpt", "llama", "clip-finetuning"); ``evon_kwargs`` given next to it win. What starts
-    from scratch in a pretrained model (PEFT's ``lora_A``/``lora_B`` and ``modules_to_save``, the
-    task head of a model loaded with ``from_pretrained``) forms its own EVON group at
-    ``adapter_lr_scale`` times EVON's rate (1: the same rate; None:
-    :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`: steps of at most 1.0·rate per entry,
-    AdamW's; under a ``recipe``, 1: its α as tabled).
+    from scratch in a pretrained model (PEFT's ``lora_A``/``lora_B`` and ``modules_to_save``, but copies
+    of the embeddings or the head, AdamW's as the model's own, which a warning names; the task head of
+    a model loaded with ``from_pretrained``) forms its own EVON group at ``adapter_lr_scale`` times
+    EVON's rate (1: the same rate; None: :func:`~hf_evon.optim.defaults.default_adapter_lr_scale`:
+    steps of at most 1.0·rate per entry, AdamW's; under a ``recipe``, 1: its α as tabled).
     ``learning_rate`` is the rate you would give AdamW (None: 1e-3, or 5e-5 for full fine-tuning,
     as ``EVONTrainer``): EVON's α
     becomes :func:`~hf_evon.optim.defaults.lr_from_adamw_lr` of it (unless ``lr`` or ``recipe``
@@ -338,7 +338,29 @@ def build_optimizer(
             UserWarning,
             stacklevel=outside_stacklevel(),
         )
+    if (copies := _head_copies_left_to_adamw(split, adamw_patterns)) and any(g["algorithm"] == "evon" for g in split):
+        names, patterns = sorted(copies), sorted(set(copies.values()))
+        warnings.warn(
+            f"build_optimizer: PEFT's modules_to_save copies of the embeddings or the output head ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}) train with AdamW, as the model's own do, so the posterior covers "
+            f"none of them; to cover them, pass evon_patterns={patterns} (EVONConfig's evon_patterns for the trainer)",
+            UserWarning,
+            stacklevel=outside_stacklevel(),
+        )
     return EVON(split, **kwargs)
+
+
+def _head_copies_left_to_adamw(groups: list[dict[str, Any]], adamw_patterns: list[str]) -> dict[str, str]:
+    """PEFT ``modules_to_save`` copies that AdamW trains as tables (the embeddings', the output head's),
+    not by ``adamw_patterns``: each name, with the pattern that would give it to EVON instead."""
+    asked = compiled_patterns(adamw_patterns, "adamw_patterns")
+    copies = {}
+    for g in groups:
+        for name, p in zip(g["param_names"], g["params"]):
+            parts = name.split(".")
+            if g["algorithm"] == "adamw" and p.ndim >= 2 and "modules_to_save" in parts[1:] and not _matches([name], asked):
+                copies[name] = re.escape(parts[parts.index("modules_to_save") - 1]) + r"\.modules_to_save\."
+    return copies
 
 
 def _refuse_unused_adapters(model: nn.Module, groups: list[dict[str, Any]]) -> None:
