@@ -2371,6 +2371,31 @@ def test_a_hand_written_routed_expert_is_refused_before_any_forward():
     assert all(type(p) is torch.nn.Parameter for p in routed.parameters())
 
 
+def test_a_shared_experts_gate_fed_every_row_is_batched():
+    """Qwen2-MoE's ``shared_expert_gate``, a Linear fed every row as its ``shared_expert`` is, was
+    refused as a routed expert ("shared_experts?" had to be the whole name): BMA fell back to S
+    forwards. It is batched, and its rows are each sample's own."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared_expert = torch.nn.Linear(4, 4)
+            self.shared_expert_gate = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    torch.manual_seed(0)
+    shared, x = Shared(), torch.randn(3, 4)
+    posterior = _trained_posterior(shared, x, lambda out: out.square().mean())
+    with torch.no_grad():
+        with batched.BatchedSamples(shared, posterior, 2, seed=0, strategy="materialize"):
+            both = shared(x.repeat(2, 1))
+        for s in range(2):  # the one-draw-at-a-time path: the same draws
+            with posterior.sampled(shared, seed=s):
+                torch.testing.assert_close(both[3 * s : 3 * (s + 1)], shared(x), rtol=1e-6, atol=1e-6)
+
+
 def test_a_layer_fed_a_selection_of_rows_that_is_no_multiple_of_the_batch_is_refused():
     """A covered layer fed a selection of the S·B rows whose size is a multiple of S but not of S·B (the
     call's B sequences per sample) cannot hold the samples' rows in S equal blocks: refused mid-forward,

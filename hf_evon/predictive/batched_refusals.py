@@ -43,9 +43,10 @@ def refusal(reason: str) -> BatchedSamplesRefused:
 
 
 # transformers keeps a mixture's experts in an ``experts`` container (``mlp.experts.expert_0``,
-# ``block_sparse_moe.experts.3``, a ``…Experts`` class); its shared experts are fed every row
+# ``block_sparse_moe.experts.3``, a ``…Experts`` class); its shared experts, and their gates
+# (Qwen2-MoE's ``shared_expert_gate``), are fed every row
 _EXPERT = re.compile("expert", re.IGNORECASE)
-_SHARED_EXPERT = re.compile("shared_experts?", re.IGNORECASE)
+_SHARED_EXPERT = re.compile(r"shared_experts?(_\w+)?", re.IGNORECASE)
 
 
 def _expert_part(part: str, module: nn.Module) -> bool:

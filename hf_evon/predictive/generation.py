@@ -437,8 +437,10 @@ def bma_log_likelihood(
     and right-padded rows score as they would alone; ``labels=`` given are scored as given, as the
     model's own loss scores them, a left-padded row's first token included (a token classifier, whose
     classes are not ids, needs ``labels=``; a multiple-choice model is refused). With an attention
-    mask, position ids are counted from the first real token (RoBERTa's family counts them as it does
-    itself: from ``padding_idx + 1``, by the token ids). Loss and perplexity: ``result.loss``,
+    mask, position ids are counted from the first real token and a pad's is 0 (RoBERTa's family counts
+    them as it does itself: from ``padding_idx + 1``, by the token ids), so that first token, scored
+    from the pad before it, differs from the model's own loss where the model gives pads another
+    position (OPT's learned positions: -1). Loss and perplexity: ``result.loss``,
     ``result.perplexity``; see ``BMALogLikelihood``.
 
     An encoder-decoder model scores ``labels`` (required: the decoder's targets, ``(B, L)``) given
