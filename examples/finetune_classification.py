@@ -279,9 +279,16 @@ def run_evon(args: argparse.Namespace, data: dict, num_labels: int, identity_bas
 
 
 # ---------------------------------------------------------------------------- main
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, but None: those flags' help says what None means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n\n")[0], formatter_class=_DefaultsHelp
     )
     p.add_argument("--methods", default="adamw,ivon,evon", help="comma-separated subset of adamw,ivon,evon")
     p.add_argument(
@@ -331,7 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="update clipping (default: 'element' for full fine-tuning, 'whiten_rms' through LoRA)",
     )  # fmt: skip
     p.add_argument("--evon-clip-radius", type=float, default=None, help="clip radius (default 0.01)")
-    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default: 4.2e-5 here, hf_evon.optim.defaults.default_weight_decay)")
+    p.add_argument("--evon-weight-decay", type=float, default=None, help="EVON prior precision δ (default: fitted to the measured curvature every 50 steps from hf_evon.optim.defaults.default_weight_decay's start)")
     p.add_argument(
         "--calibration-fraction", type=float, default=1 / 3,
         help="share of the held-out texts used to calibrate the posterior's sampling scale (the rest: test)",
@@ -354,7 +361,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="also evaluate (mean and BMA) every N steps (0: only at the end)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the split, the initialisation and the order (0 to 2**32 - 1)")
     p.add_argument(
         "--threads", type=int, default=1,
         help="torch CPU threads (1 is fastest for this small model on a shared 2-core machine; 0: torch's default)",
@@ -378,12 +385,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--learning-rate must be a finite number >= 0; got {args.learning_rate}")
     if not 0 < args.lora_lr_factor < math.inf:
         p.error(f"--lora-lr-factor must be a finite number > 0; got {args.lora_lr_factor}")
+    if not 0 <= args.seed < 2**32:  # numpy's and torch's seeds: failed deep in the data's shuffle
+        p.error(f"--seed must be an integer from 0 to 2**32 - 1; got {args.seed}")
     if args.max_length < 3:  # [CLS], [SEP] and a token of the text; below 2 the tokenizer does not truncate
         p.error(f"--max-length must be an integer >= 3; got {args.max_length}")
     args.methods = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - {"adamw", "ivon", "evon"}
     if unknown or not args.methods:
-        p.error(f"unknown methods {sorted(unknown)}" if unknown else "--methods names none")
+        p.error(f"--methods: unknown {sorted(unknown)}; choose from adamw, ivon, evon" if unknown else "--methods names none")
     twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
     if twice:  # each method trains into <output-dir>/<method>: a second run would replace the first
         p.error(f"--methods names {', '.join(twice)} twice")
@@ -400,8 +409,11 @@ def check_before_training(p: argparse.ArgumentParser, args: argparse.Namespace) 
         get_reporting_integration_callbacks(args.report_to)
     except ValueError as err:
         p.error(f"--report-to: {err}")
-    for path in (args.output_dir, *(os.path.join(args.output_dir, m) for m in args.methods)):
-        if os.path.exists(path) and not os.path.isdir(path):
+    existing = args.output_dir  # the nearest path on the way that exists: a file there fails the first save
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    for path in (existing, *(os.path.join(args.output_dir, m) for m in args.methods)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
             p.error(f"--output-dir: {path} is a file, not a directory")
     if {"ivon", "evon"} & set(args.methods):
         try:

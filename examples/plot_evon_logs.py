@@ -138,6 +138,11 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     args = p.parse_args(argv)
     if os.path.isdir(args.output):
         p.error(f"--output {args.output}: is a directory (name the image file to write)")
+    above = os.path.dirname(os.path.abspath(args.output))  # the folder it goes in, made if missing
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        p.error(f"--output {args.output}: {above} is a file, not a directory")
     try:
         image_format(args.output)
     except ValueError as err:

@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     v.add_argument("--output-dir", default="outputs/pretrain_lm")
     v.add_argument("--cache-dir", default=None, help="tokenizer + token cache (default: the output dir)")
     v.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="push model + posterior + card")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=int, default=0, help="data split, initialisation and noise (default 0)")
     v.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     # counts a run divides by or reads the last of: refused here, not after the training
@@ -164,11 +164,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--val-fraction must be above 0 and below 1 (the run reports its validation loss, and trains on "
             f"the rest); got {args.val_fraction:g}"
         )
-    existing = args.output_dir  # the path, or the nearest folder above it that exists
-    while existing and not os.path.exists(existing):
-        existing = os.path.dirname(existing.rstrip(os.sep))
-    if existing and not os.path.isdir(existing):
-        ap.error(f"--output-dir {existing!r} is a file, not a directory")
+    for flag, path in (("--output-dir", args.output_dir), ("--cache-dir", args.cache_dir)):
+        existing = path  # the path, or the nearest folder above it that exists
+        while existing and not os.path.exists(existing):
+            existing = os.path.dirname(existing.rstrip(os.sep))
+        if existing and not os.path.isdir(existing):
+            ap.error(f"{flag} {existing!r} is a file, not a directory")
+    if not 0 <= args.seed < 2**32:  # torch's and numpy's seeds: failed after the data was read
+        ap.error(f"--seed must be an integer from 0 to 2**32 - 1; got {args.seed}")
     # the schedule multiplies every group's rate by a factor that ends at --min-lr-ratio: below 0 the
     # rate turns negative (EVON refuses that step mid-run, AdamW ascends), NaN makes it NaN
     if not 0 <= args.min_lr_ratio <= 1:

@@ -139,12 +139,19 @@ def run_seed(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--output-dir", default="outputs/quickstart")
-    ap.add_argument("--epochs", type=int, default=60)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--bma-samples", type=int, default=32)
-    ap.add_argument("--seeds", type=int, default=3, help="splits and initialisations; the table is their mean")
+    ap.add_argument(
+        "--output-dir",
+        default="outputs/quickstart",
+        help="where the model and posterior of one seed (the first whose calibrated BMA samples) and every "
+        "seed's metrics.json go (default %(default)s)",
+    )
+    ap.add_argument("--epochs", type=int, default=60, help="passes over the training images (default %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=64, help="images per step (default %(default)s)")
+    ap.add_argument("--width", type=int, default=256, help="the MLP's two hidden layers' width (default %(default)s)")
+    ap.add_argument("--bma-samples", type=int, default=32, help="posterior samples BMA averages (default %(default)s)")
+    ap.add_argument(
+        "--seeds", type=int, default=3, help="splits and initialisations; the table is their mean (default %(default)s)"
+    )
     args = ap.parse_args(argv)
     for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
         if getattr(args, name) < 1:
@@ -171,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     save_model(model, os.path.join(args.output_dir, "model.safetensors"))
     posterior.save_pretrained(args.output_dir)
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
-        json.dump({"per_seed": per_seed}, f, indent=1)
+        # the saved model's seed and shape: what rebuilds it and finds its test split (split_data(seed))
+        json.dump({"saved_seed": saved_seed, "width": args.width, "epochs": args.epochs, "per_seed": per_seed}, f, indent=1)
 
     # reload from disk, as a user elsewhere would, and check the BMA numbers are reproduced
     reloaded = make_model(args.width)

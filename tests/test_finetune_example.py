@@ -122,6 +122,8 @@ def test_example_lora(example, tmp_path, capsys):
     (["--epochs", "0"], "--epochs must be a finite number > 0"),
     (["--max-length", "2"], "--max-length must be an integer >= 3"),
     (["--max-length", "-3"], "--max-length must be an integer >= 3"),
+    (["--seed", "-1"], "--seed must be an integer from 0 to 2**32 - 1; got -1"),  # numpy's ValueError, after data
+    (["--methods", "sgd"], "--methods: unknown ['sgd']; choose from adamw, ivon, evon"),  # did not name the flag
 ])  # fmt: skip
 def test_a_bad_count_or_an_empty_method_list_is_an_argument_error(example, argv, message, capsys):
     """--bma-samples 0 trained, then raised a KeyError on the missing eval_bma_* metrics;
@@ -176,7 +178,9 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(example, tmp_pa
     (tmp_path / "file").write_text("")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "evon").write_text("")
+    # a file on the way to it, too: NotADirectoryError from EVONTrainer, after the data was prepared
     for argv, path in ((["--output-dir", str(tmp_path / "file")], tmp_path / "file"),
+                       (["--output-dir", str(tmp_path / "file" / "sub")], tmp_path / "file"),
                        (["--output-dir", str(tmp_path / "out")], tmp_path / "out" / "evon")):  # fmt: skip
         error = argument_error(example.parse_args, argv, capsys)
         assert f"--output-dir: {path} is a file, not a directory" in error

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -362,3 +363,41 @@ def test_a_changed_library_default_fails_the_settings_check(monkeypatch: pytest.
         "fig4_gpt",
         "table2_finetune",
     }
+
+
+def test_a_fast_run_never_writes_over_the_committed_results(tmp_path, monkeypatch) -> None:
+    """``--fast`` without ``--out-dir`` wrote its shrunken figure, table and numbers over
+    ``examples/paper/results/``, the README's; it writes to the temporary directory. A full run keeps
+    ``results/``, and an ``--out-dir`` that is a file is refused by name (a FileExistsError from makedirs)."""
+    import tempfile
+
+    monkeypatch.delenv("HF_EVON_PAPER_FAST", raising=False)  # --fast's default
+    fast = _common.parse_args(None, ["--fast"])
+    assert fast.out_dir == os.path.join(tempfile.gettempdir(), "hf_evon_paper_fast") != _common.DEFAULT_OUT
+    assert _common.parse_args(None, []).out_dir == _common.DEFAULT_OUT
+    assert _common.parse_args(None, ["--fast", "--out-dir", str(tmp_path)]).out_dir == str(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit):
+        _common.parse_args(None, ["--out-dir", str(afile)])
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["--jobs", "-3"], "--jobs -3: give 1 or more processes"),
+        (["--search", "-2"], "--search -2: give 0 or more draws"),
+        (["--run-tasks", "bogus"], "--run-tasks bogus: not tasks of this mode; choose from docstring_topic/lora"),
+        (["--data", "/nonexistent/texts.json"], "--data '/nonexistent/texts.json': no such file"),
+        (["--resume", "/nonexistent/run.partial.json"], "--resume '/nonexistent/run.partial.json': no such file"),
+    ],
+)
+def test_table2s_bad_arguments_are_named_before_anything_runs(tmp_path, extra: list[str], said: str) -> None:
+    """--search -2 failed in torch ("negative dimension"), --run-tasks with an unknown name ran nothing and
+    then raised an IndexError, a missing --data or --resume file a FileNotFoundError after the output
+    directory was made, and --jobs -3 was taken. Each exits naming the flag, the output directory untouched."""
+    module = __import__("table2_finetune")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"^table2_finetune.py: error: {re.escape(said)}$"):
+        module.run(["--fast", "--methods", "adamw", "--out-dir", str(out), *extra])
+    assert not out.exists()

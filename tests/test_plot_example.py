@@ -117,11 +117,13 @@ def test_the_figure_is_written_at_the_output_path_it_prints(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "curves.png").exists()
     assert f"wrote {out}: training loss" in capsys.readouterr().out
     (tmp_path / "adir").mkdir()
-    for output, message in ((tmp_path / "adir", "is a directory"), (tmp_path / "c.xyz", "'xyz' is not a format")):
+    (tmp_path / "afile").write_text("")  # a file on the way: FileExistsError from makedirs, after the reading
+    for output, message in ((tmp_path / "adir", "is a directory"), (tmp_path / "c.xyz", "'xyz' is not a format"),
+                            (tmp_path / "afile" / "x.png", f"{tmp_path / 'afile'} is a file, not a directory")):  # fmt: skip
         with pytest.raises(SystemExit) as exit_:
             plot_evon_logs.main([str(tmp_path / "runs"), "--output", str(output)])
         assert exit_.value.code == 2 and f"--output {output}: " in (err := capsys.readouterr().err) and message in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "curves", "runs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile", "curves", "runs"]
 
 
 def test_the_docstrings_commands_plot_the_run_the_first_one_logs():

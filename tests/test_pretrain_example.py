@@ -389,3 +389,15 @@ def test_an_output_directory_that_is_a_file_is_an_argument_error(tmp_path, capsy
     assert path.read_text() == "keep me"
     error = argument_error(example.parse_args, ["--output-dir", str(path / "sub")], capsys)  # a file above it
     assert error.endswith(f"--output-dir {str(path)!r} is a file, not a directory")
+
+
+def test_a_cache_directory_that_is_a_file_and_a_seed_out_of_range_are_argument_errors(tmp_path, capsys, example) -> None:
+    """--cache-dir at a file (or under one) raised NotADirectoryError, and --seed -1 torch's "Seed must
+    be between 0 and 2**32 - 1", both after the corpus was read: each is refused naming its flag."""
+    path = tmp_path / "cache"
+    path.write_text("keep me")
+    for given in (path, path / "sub"):
+        error = argument_error(example.parse_args, ["--output-dir", str(tmp_path / "o"), "--cache-dir", str(given)], capsys)
+        assert error.endswith(f"--cache-dir {str(path)!r} is a file, not a directory")
+    error = argument_error(example.parse_args, ["--output-dir", str(tmp_path / "o"), "--seed", "-1"], capsys)
+    assert error.endswith("--seed must be an integer from 0 to 2**32 - 1; got -1")

@@ -42,6 +42,9 @@ def test_quickstart_runs_saves_and_reproduces_its_bma(tmp_path) -> None:
     finite = [i for i, line in enumerate(lines) if "ess = inf" not in line]
     want = finite[0] if finite else 0
     assert f"saved seed {want}'s model" in run.stdout
+    # the file says which seed and shape the saved model is (it was only in the console's log)
+    written = json.loads((out / "metrics.json").read_text())
+    assert (written["saved_seed"], written["width"], written["epochs"]) == (want, 256, 60)
     assert math.isinf(saved.ess) == (not finite)
 
 

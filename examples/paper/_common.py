@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,11 +73,22 @@ def parse_args(
         default=os.environ.get("HF_EVON_PAPER_FAST", "") not in ("", "0"),
         help="a shrunken run (what the test suite runs: seconds; table2_finetune.py up to two minutes on 2 busy CPU cores); also HF_EVON_PAPER_FAST=1",
     )
-    ap.add_argument("--out-dir", default=DEFAULT_OUT, help="where the PNG, markdown table and JSON go")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--out-dir",
+        default=None,
+        help="where the PNG, markdown table and JSON go (default: results/ beside the scripts, whose files the "
+        "README shows; with --fast, hf_evon_paper_fast/ in the temporary directory, so a shrunken run never "
+        "replaces them)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
     if add is not None:
         add(ap)
-    return ap.parse_args(list(argv) if argv is not None else None)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.out_dir is None:
+        args.out_dir = os.path.join(tempfile.gettempdir(), "hf_evon_paper_fast") if args.fast else DEFAULT_OUT
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        ap.error(f"--out-dir {args.out_dir!r} is a file, not a directory")
+    return args
 
 
 def setup_matplotlib() -> Any:

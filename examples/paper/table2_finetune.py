@@ -451,6 +451,25 @@ def plot(plt: Any, summary: dict[str, Any], size: int) -> Any:
     return fig
 
 
+def refuse_bad_arguments(args: Any) -> None:
+    """Exit naming the flag (as argparse does) for a count out of range, a task this mode does not run
+    or a file that is not there: they failed deep inside, after the output directory was made."""
+    bad = None
+    if args.jobs < 1:
+        bad = f"--jobs {args.jobs}: give 1 or more processes"
+    elif args.search is not None and args.search < 0:
+        bad = f"--search {args.search}: give 0 or more draws"
+    elif args.run_tasks and (unknown := sorted(set(args.run_tasks) - set(task_names(args.fast)))):
+        bad = f"--run-tasks {' '.join(unknown)}: not tasks of this mode; choose from {' '.join(task_names(args.fast))}"
+    else:
+        for flag, path in (("--data", args.data), ("--from-partial", args.from_partial), ("--resume", args.resume)):
+            if path is not None and not os.path.isfile(path):
+                bad = f"{flag} {path!r}: no such file"
+                break
+    if bad is not None:
+        raise SystemExit(f"{NAME}.py: error: {bad}")
+
+
 def run(argv: Sequence[str] | None = None) -> dict:
     def add(ap: Any) -> None:
         ap.add_argument("--jobs", type=int, default=1, help="runs in this many processes of one thread each")
@@ -469,6 +488,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         )
 
     args = parse_args(__doc__, argv, add)
+    refuse_bad_arguments(args)
     tasks = sorted({n.split("/")[0] for n in task_names(args.fast) if "/" in n})
     if args.data:
         with open(args.data) as fh:
