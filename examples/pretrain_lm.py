@@ -211,6 +211,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 validate_hyperparameters(**kwargs)
             except ValueError as err:
                 ap.error(f"{flag}: {err}")
+    if args.push_to_hub:  # the push comes after the training: what stops it is found before
+        from huggingface_hub import constants, get_token
+
+        if constants.HF_HUB_OFFLINE:
+            ap.error(f"--push-to-hub {args.push_to_hub}: HF_HUB_OFFLINE is set, so nothing can be pushed")
+        if get_token() is None:
+            ap.error(f"--push-to-hub {args.push_to_hub}: no Hub token (set HF_TOKEN, or log in with `hf auth login`)")
     return args
 
 

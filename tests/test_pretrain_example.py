@@ -401,3 +401,23 @@ def test_a_cache_directory_that_is_a_file_and_a_seed_out_of_range_are_argument_e
         assert error.endswith(f"--cache-dir {str(path)!r} is a file, not a directory")
     error = argument_error(example.parse_args, ["--output-dir", str(tmp_path / "o"), "--seed", "-1"], capsys)
     assert error.endswith("--seed must be an integer from 0 to 2**32 - 1; got -1")
+
+
+def test_a_push_that_cannot_happen_is_refused_before_training(tmp_path, capsys, example, monkeypatch) -> None:
+    """--push-to-hub offline (HF_HUB_OFFLINE) or without a token trained and saved, then failed at the
+    push (OfflineModeIsEnabled); both are refused before the corpus is read, naming the flag."""
+    from huggingface_hub import constants
+
+    argv = ["--output-dir", str(tmp_path / "o"), "--push-to-hub", "me/x"]
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    error = argument_error(example.parse_args, argv, capsys)
+    assert error.endswith("--push-to-hub me/x: HF_HUB_OFFLINE is set, so nothing can be pushed")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+    error = argument_error(example.parse_args, argv, capsys)
+    assert error.endswith("--push-to-hub me/x: no Hub token (set HF_TOKEN, or log in with `hf auth login`)")
+    monkeypatch.setenv("HF_TOKEN", "hf_dummy")
+    assert example.parse_args(argv).push_to_hub == "me/x"
