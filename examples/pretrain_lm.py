@@ -12,7 +12,7 @@ model, tokenizer, posterior and model card are saved (and pushed with ``--push-t
     python examples/pretrain_lm.py --optimizer ivon                  #   EVON with Q = I
     accelerate launch --num_processes 2 --multi_gpu examples/pretrain_lm.py   # DDP, 2 processes
     python examples/pretrain_lm.py --model llama --n-layer 8 --n-embd 256 --dataset wikitext \\
-        --dataset-config wikitext-103-raw-v1
+        --dataset-config wikitext-103-raw-v1                          # downloads it: needs the network
 
 On a machine without GPUs, ``accelerate launch --multi_gpu --num_processes N`` starts N CPU
 processes (DDP over gloo); accelerate's ``--cpu --num_processes N`` only does so through MPI
@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.add_argument("--seq-len", type=int, default=128)
     a.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary trained on the corpus")
     d = ap.add_argument_group("data")
-    d.add_argument("--dataset", default=None, help="a `datasets` text dataset instead of the stdlib corpus")
+    d.add_argument("--dataset", default=None, help="a `datasets` text dataset instead of the stdlib corpus (downloaded: needs the network)")
     d.add_argument("--dataset-config", default=None)
     d.add_argument("--text-column", default="text")
     d.add_argument("--corpus-mb", type=float, default=None, help="cap on the corpus size (MB of text)")
