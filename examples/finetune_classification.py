@@ -19,7 +19,7 @@ docstring come from?* The first paragraph of every function/class docstring in t
 five groups of stdlib modules (files & OS, text processing, numbers & math, networking &
 internet, concurrency & processes), parsed with ``ast`` from the interpreter's own ``Lib/``
 directory: deterministic, offline, ~3000 labelled texts. Train/test split by a hash of the
-text; classes balanced.
+text; classes balanced (a warning says so where a topic holds fewer texts than asked).
 
     python examples/finetune_classification.py                  # the three methods, ~10 minutes on CPU
     python examples/finetune_classification.py --lora           # LoRA on the attention matrices

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import os
 import sysconfig
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,6 +106,14 @@ def stdlib_docstring_dataset(train_per_class: int, eval_per_class: int) -> tuple
             splits[split]["label"] += [label] * len(chosen)
     if min(splits["test"]["label"].count(i) for i in range(len(TOPICS))) == 0:
         raise RuntimeError(f"no docstrings found under {stdlib}: is the Python source installed?")
+    for split, asked in (("train", train_per_class), ("test", eval_per_class)):
+        counts = [splits[split]["label"].count(i) for i in range(len(TOPICS))]
+        if min(counts) < asked:  # the classes are then not balanced: say so, with what there is
+            warnings.warn(
+                f"{split}: {asked} texts per class asked, but the standard library here holds "
+                f"{dict(zip(TOPICS, counts))}: the classes are not balanced",
+                stacklevel=2,
+            )
     train = Dataset.from_dict(splits["train"]).shuffle(seed=0)
     test = Dataset.from_dict(splits["test"])
     return train, test, list(TOPICS)

@@ -37,6 +37,10 @@ def test_stdlib_docstring_dataset_is_deterministic_balanced_and_disjoint():
     assert sorted(test["label"]) == sorted([i for i in range(5) for _ in range(10)])
     assert not set(train["text"]) & set(test["text"])
     assert all(len(t) >= 25 for t in train["text"])
+    # more per class than a topic holds: unbalanced classes, said (they were given silently)
+    with pytest.warns(UserWarning, match=r"^train: 100000 texts per class asked, .*: the classes are not balanced$"):
+        big, _, _ = texts.stdlib_docstring_dataset(train_per_class=100000, eval_per_class=10)
+    assert len(set(big["label"])) == 5 and len({big["label"].count(i) for i in range(5)}) > 1
 
 
 TINY = [
