@@ -739,6 +739,20 @@ def test_a_reader_that_leaves_early_gets_no_error_line(saved):
     assert proc.wait(timeout=300) == 141 and err == ""
 
 
+def test_a_closed_standard_output_is_an_error_not_a_silent_success(saved):
+    """`hf-evon inspect DIR >&-`: Python starts with sys.stdout None, print() writes nowhere, and the
+    command exited 0 having shown nothing. It exits 2 saying so, before loading anything."""
+    path, *_ = saved
+    exe = shutil.which("hf-evon")
+    cmd = [exe] if exe else [sys.executable, "-m", "hf_evon.cli"]
+    done = subprocess.run(
+        [*cmd, "inspect", str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == "hf-evon inspect: error: standard output is closed: there is nowhere to write the result\n"
+
+
 def test_a_broken_pipe_that_is_not_stdouts_is_an_error(saved, capsys, monkeypatch):
     """A pipe or socket other than the output breaking (here: inside generate_bma) is reported."""
     import hf_evon.predictive.generation as generation

@@ -550,6 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    if sys.stdout is None:  # started with its standard output closed (`>&-`): print() writes nowhere, silently
+        print(f"{args.parser.prog}: error: standard output is closed: there is nowhere to write the result", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except UsageError as err:
