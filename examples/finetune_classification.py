@@ -385,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--learning-rate must be a finite number >= 0; got {args.learning_rate}")
     if not 0 < args.lora_lr_factor < math.inf:
         p.error(f"--lora-lr-factor must be a finite number > 0; got {args.lora_lr_factor}")
-    if not 0 <= args.seed < 2**32:  # numpy's and torch's seeds: failed deep in the data's shuffle
+    if not 0 <= args.seed < 2**32:  # numpy's and torch's seeds: out of range, numpy refuses it deep in the data's shuffle
         p.error(f"--seed must be an integer from 0 to 2**32 - 1; got {args.seed}")
     if args.max_length < 3:  # [CLS], [SEP] and a token of the text; below 2 the tokenizer does not truncate
         p.error(f"--max-length must be an integer >= 3; got {args.max_length}")

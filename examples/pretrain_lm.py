@@ -170,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             existing = os.path.dirname(existing.rstrip(os.sep))
         if existing and not os.path.isdir(existing):
             ap.error(f"{flag} {existing!r} is a file, not a directory")
-    if not 0 <= args.seed < 2**32:  # torch's and numpy's seeds: failed after the data was read
+    if not 0 <= args.seed < 2**32:  # torch's and numpy's seeds: out of range, they fail only after the data is read
         ap.error(f"--seed must be an integer from 0 to 2**32 - 1; got {args.seed}")
     # the schedule multiplies every group's rate by a factor that ends at --min-lr-ratio: below 0 the
     # rate turns negative (EVON refuses that step mid-run, AdamW ascends), NaN makes it NaN

@@ -53,7 +53,7 @@ def require_class_labels(labels: Any, where: str) -> None:
     """Raise, naming ``where``, unless ``labels`` are class indices (an integer tensor): the log-
     probabilities here are of a softmax over classes or tokens, which a regression's or a multi-
     label model's floating-point targets do not index."""
-    if not isinstance(labels, Tensor):  # an array or a list reached the alignment check as "shaped ()"
+    if not isinstance(labels, Tensor):  # an array or a list would reach the alignment check as "shaped ()"
         raise TypeError(
             f"{where} has labels of type {type(labels).__name__}: give class indices as a torch integer "
             "tensor (torch.as_tensor converts an array or a list)"
