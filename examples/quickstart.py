@@ -137,21 +137,23 @@ def run_seed(
     return rows, model, posterior, calibration, x_te, bma
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default after its help."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     ap.add_argument(
         "--output-dir",
         default="outputs/quickstart",
         help="where the model and posterior of one seed (the first whose calibrated BMA samples) and every "
-        "seed's metrics.json go (default %(default)s)",
+        "seed's metrics.json go",
     )
-    ap.add_argument("--epochs", type=int, default=60, help="passes over the training images (default %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=64, help="images per step (default %(default)s)")
-    ap.add_argument("--width", type=int, default=256, help="the MLP's two hidden layers' width (default %(default)s)")
-    ap.add_argument("--bma-samples", type=int, default=32, help="posterior samples BMA averages (default %(default)s)")
-    ap.add_argument(
-        "--seeds", type=int, default=3, help="splits and initialisations; the table is their mean (default %(default)s)"
-    )
+    ap.add_argument("--epochs", type=int, default=60, help="passes over the training images")
+    ap.add_argument("--batch-size", type=int, default=64, help="images per step")
+    ap.add_argument("--width", type=int, default=256, help="the MLP's two hidden layers' width")
+    ap.add_argument("--bma-samples", type=int, default=32, help="posterior samples BMA averages")
+    ap.add_argument("--seeds", type=int, default=3, help="splits and initialisations; the table is their mean")
     args = ap.parse_args(argv)
     for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
         if getattr(args, name) < 1:

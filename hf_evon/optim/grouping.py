@@ -315,8 +315,10 @@ def build_optimizer(
                 split.append(
                     {**g, "params": [p for p, _ in members], "param_names": [n for _, n in members], **extra}
                 )
-    uncovered = _adapters_left_to_adamw(model, split, compiled_patterns(adamw_patterns, "adamw_patterns"))
-    if not any(g["algorithm"] == "evon" and g["params"] for g in split):
+    asked = compiled_patterns(adamw_patterns, "adamw_patterns")
+    uncovered = _adapters_left_to_adamw(model, split, asked)
+    trains = any(g["algorithm"] == "evon" and g["params"] for g in split)
+    if not trains:
         warnings.warn(
             "build_optimizer: EVON trains none of this model's parameters (every trainable tensor went to "
             "AdamW: 1-D tensors and embeddings do by default, e.g. PEFT's prompt tuning), so the run is "
@@ -338,7 +340,7 @@ def build_optimizer(
             UserWarning,
             stacklevel=outside_stacklevel(),
         )
-    if (copies := _head_copies_left_to_adamw(split, adamw_patterns)) and any(g["algorithm"] == "evon" for g in split):
+    if trains and (copies := _head_copies_left_to_adamw(split, asked)):
         names, patterns = sorted(copies), sorted(set(copies.values()))
         warnings.warn(
             f"build_optimizer: PEFT's modules_to_save copies of the embeddings or the output head ({', '.join(names[:3])}"
@@ -350,15 +352,14 @@ def build_optimizer(
     return EVON(split, **kwargs)
 
 
-def _head_copies_left_to_adamw(groups: list[dict[str, Any]], adamw_patterns: list[str]) -> dict[str, str]:
+def _head_copies_left_to_adamw(groups: list[dict[str, Any]], adamw_patterns: list[re.Pattern[str]]) -> dict[str, str]:
     """PEFT ``modules_to_save`` copies that AdamW trains as tables (the embeddings', the output head's),
     not by ``adamw_patterns``: each name, with the pattern that would give it to EVON instead."""
-    asked = compiled_patterns(adamw_patterns, "adamw_patterns")
     copies = {}
     for g in groups:
         for name, p in zip(g["param_names"], g["params"]):
             parts = name.split(".")
-            if g["algorithm"] == "adamw" and p.ndim >= 2 and "modules_to_save" in parts[1:] and not _matches([name], asked):
+            if g["algorithm"] == "adamw" and p.ndim >= 2 and "modules_to_save" in parts[1:] and not _matches([name], adamw_patterns):
                 copies[name] = re.escape(parts[parts.index("modules_to_save") - 1]) + r"\.modules_to_save\."
     return copies
 
