@@ -100,13 +100,15 @@ def mean_pull(group: dict[str, Any]) -> float:
 
 def log_histogram(hess: Tensor) -> Tensor:
     """Per matrix of ``hess`` (B, m, n), the counts of log10 H in the ``HIST_BINS`` bins, (B, bins).
-    An entry below float32's resolution of its matrix's largest H (eps·max) counts as no curvature: a
-    direction the gradients never move (a dead unit's row) holds exactly 0 in the identity basis and
-    the rounding of rotated zeros in an eigenbasis, which must not set δ (the quantile) by itself."""
+    An entry below eps²·max (eps: float32's resolution; max: its matrix's largest H) counts as no
+    curvature: a direction the gradients never move (a dead unit's row) holds exactly 0 in the identity
+    basis and, in an eigenbasis, the square of a rotation's rounding of zeros (about eps·|G| each),
+    which must not set δ (the quantile) by itself. Curvature that spans more decades than eps alone
+    allows (a table's features of unlike scales) is measured."""
     hess = hess.float()
     log_h = hess.clamp_min(_F32_TINY).log10()
     idx = ((log_h - HIST_LOW) / HIST_STEP).floor().clamp_(0, HIST_BINS - 1).long()
-    floor = hess.flatten(1).amax(1).mul_(torch.finfo(torch.float32).eps).clamp_min_(_F32_TINY)[:, None, None]
+    floor = hess.flatten(1).amax(1).mul_(torch.finfo(torch.float32).eps ** 2).clamp_min_(_F32_TINY)[:, None, None]
     idx = torch.where(hess >= floor, idx, 0).flatten(1)  # no curvature (or below float32's normals): the first bin
     counts = torch.zeros(hess.shape[0], HIST_BINS, dtype=torch.float64, device=hess.device)
     return counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.float64))
