@@ -201,8 +201,10 @@ CONFIG_ERRORS = {
     ),
     "integer hess_dtype": (
         _set("hess_dtype", "int8"),
-        r"^v1\.json: field 'hess_dtype' must be one of \['bfloat16', 'float16', 'float32', 'float64'\]; got 'int8'$",
+        r"^v1\.json: field 'hess_dtype' must be one of \['float32', 'float64'\]; got 'int8'$",
     ),
+    # H is saved in float32 or float64 only (the tensors' table in docs/posterior-format.md)
+    "half hess_dtype": (_set("hess_dtype", "float16"), r"field 'hess_dtype' must be one of \['float32', 'float64'\]; got 'float16'$"),
     "float8 eigenbasis_dtype": (_set("eigenbasis_dtype", "float8_e4m3fn"), r"field 'eigenbasis_dtype' must be one of"),
 }
 

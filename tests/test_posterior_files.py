@@ -431,6 +431,15 @@ WEIGHTS_ERRORS = {
         lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"].int()}),
         f"tensor '{LORA}.hess' has dtype I32",
     ),
+    # H in half precision: a large H is inf there (a zero std), a small one 0 (the prior's std)
+    "half hess": (
+        lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"].half()}),
+        f"tensor '{LORA}.hess' has dtype F16; expected one of ['F32', 'F64']",
+    ),
+    "bfloat16 hess": (
+        lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"].bfloat16()}),
+        f"tensor '{LORA}.hess' has dtype BF16; expected one of ['F32', 'F64']",
+    ),
     "shape": (
         lambda t, m: t.update({f"{LORA}.hess": t[f"{LORA}.hess"][:, :3].contiguous()}),
         f"tensor '{LORA}.hess' has shape [4, 3]; expected [4, 6]",
@@ -662,11 +671,12 @@ def test_a_config_read_and_saved_again_keeps_its_keys_order(tmp_path):
     items = list(json.loads(path.read_text()).items())
     items = items[-2::-1] + items[-1:]  # any order a writer chose (parameters last), a key of its own
     items.insert(3, ("note", {"by": "hand"}))
+    items[-1][1]["w"]["note"] = "by hand"  # an entry of parameters is written anew from its tensors
     path.write_text(json.dumps(dict(items)))
     EVONPosterior.from_pretrained(tmp_path / "a").save_pretrained(tmp_path / "b", model_card=False)
     again = json.loads((tmp_path / "b" / "evon_posterior_config.json").read_text())
     assert list(again) == [k for k, _ in items]  # format_version too stays where it was
-    assert again["note"] == {"by": "hand"}
+    assert again["note"] == {"by": "hand"} and list(again["parameters"]["w"]) == ["shape", "matrix_shape", "left_basis", "right_basis"]
 
 
 def test_a_copy_retried_after_it_failed_past_its_switch_keeps_a_posterior_that_loads(tmp_path, monkeypatch):

@@ -337,7 +337,7 @@ class PosteriorConfig:
     library_version: str | None = _optional(rules.string)
     checkpoint_id: str | None = _optional(rules.string)
     weights_file: str | None = _optional(_weights_file)
-    hess_dtype: str | None = _optional(_tensor_dtype)
+    hess_dtype: str | None = _optional(rules.one_of(("float32", "float64")))  # H is never saved narrower
     num_point_estimates: int | None = _optional(rules.integer(0), nullable=True)
     num_point_estimate_tensors: int | None = _optional(rules.integer(0), nullable=True)
     parameters: dict[str, ParameterEntry]

@@ -182,16 +182,15 @@ def _check_tensor_headers(fh: Any, config: PosteriorConfig, where: str) -> dict[
     keys = set(fh.keys())
     stored: dict[str, torch.dtype] = {}
     for name, entry in config.parameters.items():
-        for key, _, want in entry.tensors(name):
+        for key, kind, want in entry.tensors(name):
             if key not in keys:
                 raise PosteriorMismatchError(f"{where}: tensor {key!r} is missing")
             header = fh.get_slice(key)
             dtype = _STORED_DTYPES.get(header.get_dtype())
-            if dtype is None:
-                raise PosteriorMismatchError(
-                    f"{where}: tensor {key!r} has dtype {header.get_dtype()}; "
-                    f"expected one of {sorted(_STORED_DTYPES)}"
-                )
+            # H is float32 or float64: in half precision a large H is inf (a zero std), a small one 0
+            allowed = ["F32", "F64"] if kind == "hess" else sorted(_STORED_DTYPES)
+            if dtype is None or header.get_dtype() not in allowed:
+                raise PosteriorMismatchError(f"{where}: tensor {key!r} has dtype {header.get_dtype()}; expected one of {allowed}")
             if tuple(header.get_shape()) != want:
                 raise PosteriorMismatchError(
                     f"{where}: tensor {key!r} has shape {list(header.get_shape())}; expected {list(want)}"
