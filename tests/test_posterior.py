@@ -2182,6 +2182,16 @@ def test_sampling_into_a_model_on_the_meta_device_says_so(mlp):
     assert posterior.draw(1, seed=0)["0.weight"].shape == (1, 4, 5)
 
 
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_loading_onto_the_meta_device_is_refused_by_name(mlp, tmp_path, device):
+    """``from_pretrained(d, device="meta")`` failed in torch's "Tensor.item() cannot be called on meta
+    tensors": the load checks every tensor's values, which a meta tensor does not hold."""
+    mlp[2].save_pretrained(tmp_path, model_card=False)
+    with pytest.raises(ValueError, match=r"^Invalid from_pretrained: device: .*meta.* \(must be a device that holds values"):
+        EVONPosterior.from_pretrained(tmp_path, device=device)
+    assert torch.equal(EVONPosterior.from_pretrained(tmp_path).std("0.weight"), mlp[2].std("0.weight"))
+
+
 def _posterior_of(model: nn.Module, batch: dict) -> EVONPosterior:
     from hf_evon import build_optimizer
 

@@ -153,6 +153,9 @@ class PosteriorFilesMixin:
         the Hub, the cache's snapshot of the commit read, which a later push or download does not change.
         """
         device = kwargs.pop("device", "cpu")
+        # the load checks every tensor's values (finite, orthonormal), which a meta tensor does not hold
+        require("from_pretrained: device", device, not isinstance(device, (str, torch.device)) or torch.device(device).type != "meta",
+                "a device that holds values (cpu, cuda, ...), not 'meta'")  # fmt: skip
         model = kwargs.pop("model", None)
         reorthonormalize = kwargs.pop("reorthonormalize", False)  # a string like "no" is no flag
         require("from_pretrained: reorthonormalize", reorthonormalize, isinstance(reorthonormalize, bool), "True or False")
