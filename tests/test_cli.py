@@ -917,6 +917,13 @@ def test_version(capsys):
     assert out.startswith(f"hf-evon {hf_evon.__version__} (torch {torch.__version__}, transformers ")
 
 
+@pytest.mark.parametrize("module", ["hf_evon", "hf_evon.cli"])
+def test_python_dash_m_runs_the_command(module):
+    """``python -m hf_evon`` ran nothing ("'hf_evon' is a package and cannot be directly executed")."""
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith(f"hf-evon {hf_evon.__version__} (torch "), done.stderr
+
+
 def test_every_option_has_help():
     parser = build_parser()
     (subparsers,) = [a for a in parser._actions if a.choices and isinstance(a.choices, dict)]
@@ -2185,6 +2192,34 @@ def test_inspect_takes_a_subfolder_with_slashes_as_the_posterior_loads_it(saved,
     assert json.loads(capsys.readouterr().out) == plain
     assert main(["inspect", str(tmp_path), "--subfolder", "/run/"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"EVON posterior at {tmp_path}/run"
+
+
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_a_subfolder_missing_from_a_local_directory_is_a_usage_error(saved, capsys, command):
+    """A missing local directory exits 2 (a usage error), but a missing subfolder of an existing one
+    exited 1 ("no EVON posterior in '…/sub': evon_posterior_config.json is missing")."""
+    path, *_ = saved
+    if command == "inspect":
+        argv, option = ["inspect", str(path), "--subfolder", "sub"], "--subfolder"
+    else:
+        argv = ["generate", "--model", str(path), "--prompt", "def", "--posterior-subfolder", "sub"]
+        option = "--posterior-subfolder"
+    assert main(argv) == 2
+    assert f"{option} 'sub': no such directory in " in capsys.readouterr().err
+
+
+def test_inspect_names_the_revision_it_read(saved, tmp_path, monkeypatch, capsys):
+    """``inspect REPO --revision dev`` printed "EVON posterior at REPO", the revision nowhere."""
+    try:
+        from hub_stub import HubStub
+    except ImportError:  # tests/ imported as a package
+        from tests.hub_stub import HubStub
+    _, _, _, posterior = saved
+    with HubStub() as hub:
+        posterior.push_to_hub("alice/dev", token="hf_dummy", endpoint=hub.endpoint, revision="dev")
+        _hub_at(monkeypatch, tmp_path, hub.endpoint)
+        assert main(["inspect", "alice/dev", "--revision", "dev"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "EVON posterior at alice/dev, revision dev"
 
 
 @pytest.mark.parametrize("file", ["evon_posterior_config.json", "evon_posterior.safetensors"])

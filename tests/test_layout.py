@@ -19,7 +19,7 @@ LAYERS = [
     {"hf_evon.distributed", "hf_evon.posterior"},
     {"hf_evon.predictive"},
     {"hf_evon.trainer"},
-    {"hf_evon.cli"},
+    {"hf_evon.cli", "hf_evon.__main__"},  # python -m hf_evon: the command, as python -m hf_evon.cli
 ]
 MAX_MODULE_LINES = 600
 

@@ -361,6 +361,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         lambda: EVONPosterior.from_pretrained(
             args.location, revision=args.revision, subfolder=args.subfolder
         ),
+        ("--subfolder", args.subfolder),
     )
     summary = inspect_posterior(posterior)
     summary["files"] = _file_sizes(args, posterior)
@@ -373,7 +374,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
         else f"{summary['num_point_estimate_tensors']} tensors, {summary['num_point_estimates']:,} parameters"
     )
     lines = [
-        f"EVON posterior at {args.location}" + (f"/{args.subfolder}" if args.subfolder else ""),
+        f"EVON posterior at {args.location}" + (f"/{args.subfolder}" if args.subfolder else "")
+        + (f", revision {args.revision}" if args.revision else ""),
         f"  format {summary['format_version']}, written by hf-evon {summary['library_version']}; "
         f"model {summary['model_class']} (base {summary['base_model']})",
         f"  ess {number_text(summary['ess'])}, BMA temperature {number_text(summary['temperature'])}, "

@@ -184,11 +184,14 @@ def unreachable_hub(repo_id: str) -> str | None:
     return None
 
 
-def from_location(value: str, option: str, load: Callable[[], Any]) -> Any:
+def from_location(value: str, option: str, load: Callable[[], Any], subfolder: tuple[str, str | None] = ("", None)) -> Any:
     """``load()``, with a Hub failure reported as such (the value was not a local directory), and
     a file that does not load reported with the option it came from; an unreachable Hub is
-    reported before ``load`` starts its retries (:func:`unreachable_hub`)."""
+    reported before ``load`` starts its retries (:func:`unreachable_hub`). ``subfolder``: (its option,
+    its value): a local directory must hold it, as the directory must exist (a usage error)."""
     where = check_location(value, option)
+    if where == "local" and subfolder[1] and not os.path.isdir(os.path.join(value, subfolder[1])):
+        raise UsageError(f"{subfolder[0]} {subfolder[1]!r}: no such directory in {option} {value!r}")
     if where == "hub" and (why := unreachable_hub(value)) is not None:
         raise OSError(
             f"{option} {value!r} is not a local directory, so it was looked up on the Hugging Face Hub, "
@@ -480,6 +483,7 @@ def load_model_posterior_tokenizer(
                 lambda: EVONPosterior.from_pretrained(
                     location, revision=args.revision, subfolder=args.posterior_subfolder, device=device
                 ),
+                ("--posterior-subfolder", args.posterior_subfolder),
             ))  # fmt: skip
         return loaded[0]
 
