@@ -730,6 +730,32 @@ def test_a_refused_step_leaves_the_next_steps_gradients_to_be_averaged() -> None
     assert len(calls) == done + 1
 
 
+def test_a_step_with_every_evon_matrix_frozen_needs_no_sample() -> None:
+    """Training only biases and norms for a while (BitFit), with EVON's matrices frozen, a plain
+    backward and step() was refused ("EVON needs the gradient at a posterior sample") although no
+    matrix had a gradient to take at one. The AdamW step runs as torch.optim's would; a matrix
+    with a gradient outside a block is still refused."""
+    from hf_evon import build_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = build_optimizer(model, seed=0)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    for m in (model[0], model[2]):
+        m.weight.requires_grad_(False)
+    before = copy.deepcopy(model.state_dict())
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in ("0.weight", "2.weight"))
+    assert not any(torch.equal(after[k], before[k]) for k in ("0.bias", "2.bias"))
+    opt.zero_grad()
+    model[2].weight.requires_grad_(True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="needs the gradient at a posterior sample"):
+        opt.step()
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_backward_after_its_block_is_refused_also_through_activation_checkpointing(reentrant: bool) -> None:
     """Outside its block the weights hold the mean again. Without checkpointing autograd refuses

@@ -211,8 +211,7 @@ class EVON(Optimizer):
         self._in_sample = self._training_block = False
         self._consumed: Consumed = {}  # what the last step consumed (consumed_grads): a block drops, not adds, it
         self._held: Consumed = {}  # the gradients that hold the step's samples (set_aside_grads)
-        # set by prepare_distributed: all-reduces (averages) a list of tensors in place
-        self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
+        self.gradient_reducer: Callable[[list[Tensor]], None] | None = None  # prepare_distributed's: averages tensors in place
         self._synchronized = False
         # this rank's share of the parameters (prepare_distributed(shard=True), FSDP2); None: all (LOCAL)
         self.sharding: ShardingHooks | None = None
@@ -440,7 +439,8 @@ class EVON(Optimizer):
         num_samples = max(self._samples, 1)
         adamw = adamw_inputs(self.param_groups, self.state, self._hooks, num_samples)
         moved = None if self._placement_checked else moved_refusal(self.buckets, adamw, self._param_label)
-        needs_samples = self._samples == 0 and any(b.noisy_phase() for b in self.buckets)
+        # (a bucket whose members are all frozen, none with a gradient, steps nothing: it needs no sample)
+        needs_samples = self._samples == 0 and any(b.noisy_phase() and any(p.grad is not None for p in b.params) for b in self.buckets)
         refused = moved is not None or needs_samples  # then no plans: the step raises
         plans = [] if refused else [p for b in self.buckets for p in step_plans(b, num_samples, self._member_state)]
         if not self._step_agreed(plans, adamw, moved, needs_samples):
