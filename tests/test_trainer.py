@@ -834,6 +834,29 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     )
 
 
+def test_a_resume_from_a_checkpoint_without_its_rng_state_says_the_run_is_not_continued_exactly(tmp_path):
+    """Without ``rng_state.pth`` (deleted) the Trainer logs at info level only and resumes with fresh
+    random states: with dropout the weights came out other than the uninterrupted run's, silently.
+    Both ways of resuming warn; a complete checkpoint's resume does not (and is exact)."""
+    data = classification_data(32)
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, evon_ess=300.0)
+    full = EVONTrainer(model=tiny_bert(dropout=0.1), args=config(tmp_path / "full", **common), train_dataset=data)
+    full.train()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="resuming from .* which has no")
+        exact = EVONTrainer(model=tiny_bert(seed=7, dropout=0.1), args=config(tmp_path / "exact", **common), train_dataset=data)
+        exact.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-2"))
+    assert all(torch.equal(a, params(exact.model)[n]) for n, a in params(full.model).items())
+    for run in ("path", "true"):  # each its own output_dir: the first resume's checkpoint-4 is complete
+        shutil.copytree(tmp_path / "full" / "out" / "checkpoint-2", tmp_path / run / "out" / "checkpoint-2")
+        os.remove(tmp_path / run / "out" / "checkpoint-2" / "rng_state.pth")
+    for run, resume in (("path", str(tmp_path / "path" / "out" / "checkpoint-2")), ("true", True)):
+        inexact = EVONTrainer(model=tiny_bert(seed=7, dropout=0.1), args=config(tmp_path / run, **common), train_dataset=data)
+        with pytest.warns(UserWarning, match=r"checkpoint-2, which has no rng_state\.pth: the random states \(data order, dropout\) start afresh"):
+            inexact.train(resume_from_checkpoint=resume)
+        assert not all(torch.equal(a, params(inexact.model)[n]) for n, a in params(full.model).items())
+
+
 def test_a_resume_on_the_trainer_that_trained_continues_exactly(tmp_path):
     """``trainer.train(resume_from_checkpoint=...)`` on the trainer that wrote the checkpoint loads
     its state into the same EVON, whose noise generator had drawn the last step's sample: the

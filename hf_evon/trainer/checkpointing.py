@@ -174,10 +174,9 @@ def _incomplete(directory: str, needs: tuple[str, ...] = ()) -> str | None:
     lacks = f"no {' and no '.join(missing)}"
     if any(listed_kind(os.path.join(directory, name)) is not None for name in _OPTIMIZER_STATE_FILES):
         return lacks
-    # trainer_state.json is written after the optimizer state: a save with the one and none of the other
-    # finished without it. One of those files listed, a link that reaches nothing too, is no such save, and one
-    # this user cannot look up raises naming it: taken for none, the error would advise save_only_model=True,
-    # which resumes the weights alone
+    # trainer_state.json is written after the optimizer state: a save with the one and none of the other finished
+    # without it. One of those files listed, a link that reaches nothing too, is no such save, and one this user
+    # cannot look up raises naming it: taken for none, the error would advise save_only_model=True (weights alone)
     return f"{lacks}: {_SAVED_WITHOUT_OPTIMIZER}"
 
 
@@ -244,6 +243,8 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
                 f"resume_from_checkpoint={directory!r} is an incomplete checkpoint ({lacks}): its save was "
                 "cut short (the Trainer writes trainer_state.json last); resume from an earlier checkpoint"
             )
+        if listed:
+            _warn_without_rng_state(trainer, directory)
         return resume
     output_dir = trainer.args.output_dir
     if not _listed_checkpoint_directory(output_dir, "resume_from_checkpoint=True: output_dir"):
@@ -256,6 +257,7 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
             continue
         lacks = _incomplete(directory, needs)
         if lacks is None:
+            _warn_without_rng_state(trainer, directory)
             if skipped:
                 warnings.warn(
                     f"resume_from_checkpoint=True: skipping the incomplete checkpoints "
@@ -271,6 +273,16 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
             f"incomplete: {'; '.join(skipped)}{_how_to_resume(skipped)}"
         )
     return resume  # no checkpoint at all: the Trainer's own error
+
+
+def _warn_without_rng_state(trainer: Any, directory: str) -> None:
+    """Warn where a checkpoint with its optimizer state lacks this process's RNG file (deleted; another number
+    of processes): the Trainer only logs it, and the data order and dropout draw afresh (EVON's noise is in its state)."""
+    a = trainer.args
+    name = f"rng_state_{a.process_index}.pth" if a.world_size > 1 else "rng_state.pth"
+    if not a.save_only_model and not os.path.isfile(os.path.join(directory, name)):
+        message = f"resuming from {directory}, which has no {name}: the random states (data order, dropout) start afresh"
+        warnings.warn(message + ", so the run does not continue as an uninterrupted one", UserWarning, stacklevel=outside_stacklevel())
 
 
 def resume_arguments(trainer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
