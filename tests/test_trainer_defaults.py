@@ -201,6 +201,29 @@ def test_a_recipe_fills_the_fields_left_at_their_defaults(tmp_path) -> None:
         EVONConfig(output_dir=str(tmp_path), report_to="none", evon_recipe="gpt5")
 
 
+@pytest.mark.parametrize("recipe", ["nanogpt", "clip-finetuning"])
+def test_a_recipe_trains_peft_adapters_at_its_alpha_as_build_optimizer_does(tmp_path, recipe: str) -> None:
+    """``EVONConfig(evon_recipe=...)`` through PEFT split the adapters off at 2.5x the recipe's α (the
+    default adapter scale of its 'whiten'/'spectral' clip), where ``build_optimizer(recipe=...)`` and
+    the docs give them the recipe's α as tabled: the config merged the recipe's values itself."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_evon import RECIPES, build_optimizer
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+
+    lora = dict(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    args = EVONConfig(output_dir=str(tmp_path), report_to="none", evon_recipe=recipe)
+    trainer = EVONTrainer(model=model(), args=args, peft_config=LoraConfig(**lora))
+    trainer.create_optimizer()
+    own = build_optimizer(get_peft_model(model(), LoraConfig(**lora)), recipe=recipe)
+    rates = [g["lr"] for g in trainer.evon_optimizer.param_groups if g["algorithm"] == "evon"]
+    assert rates == [g["lr"] for g in own.param_groups if g["algorithm"] == "evon"] == [RECIPES[recipe]["lr"]]
+
+
 def test_the_recipe_help_says_a_field_set_to_its_default_takes_the_recipes_value(tmp_path) -> None:
     """evon_recipe's help promised "fields you set yourself win", but a field set to its default value
     cannot be told from one left unset: --evon_hess_estimator fisher (the default) with the

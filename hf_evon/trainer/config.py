@@ -551,6 +551,7 @@ class EVONConfig(TrainingArguments):
             kwargs["lr"] = self.evon_learning_rate
         if self.evon_recipe is None:
             return kwargs
+        kwargs["adapter_lr_scale"] = 1.0  # as build_optimizer(recipe=...): adapters at the recipe's α, as tabled
         fields = type(self).__dataclass_fields__
         at_default = {name for name, f in fields.items() if getattr(self, name, None) == f.default}
         for key, value in RECIPES[self.evon_recipe].items():
