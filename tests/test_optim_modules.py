@@ -481,3 +481,92 @@ def test_an_adapter_that_is_trainable_but_not_active_is_refused_naming_it(tmp_pa
     assert {n for g in optimizer.param_groups for n in g["param_names"]} == {
         n for n, p in model.named_parameters() if ".default." in n and p.requires_grad
     }
+
+
+def test_a_wrapped_model_is_split_and_defaulted_as_the_model_itself() -> None:
+    """``build_optimizer(DistributedDataParallel(model))`` (or a compiled model) split the model
+    other than ``build_optimizer(model)``: DDP forwards neither ``get_output_embeddings`` nor
+    ``config``, so an untied LM head went to EVON, a ``from_pretrained`` model was taken for one
+    trained from scratch (AdamW at 1e-3 where full fine-tuning's is 5e-5), and every name carried
+    the wrapper's ``module.`` / ``_orig_mod.`` prefix. The wrappers are stripped first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_evon import build_optimizer, build_param_groups
+    from hf_evon.optim.grouping import is_full_finetuning
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))  # fmt: skip
+    # as transformers' from_pretrained leaves a model it loaded: full fine-tuning
+    llama.config._name_or_path, llama._weight_conversions = "a/checkpoint", []
+    assert is_full_finetuning(llama)
+
+    def split(groups: list[dict]) -> list[tuple[str, list[str], list[int]]]:
+        return [(g["algorithm"], g["param_names"], [id(p) for p in g["params"]]) for g in groups]
+
+    plain = split(build_param_groups(llama))
+    assert "lm_head.weight" in plain[1][1]  # AdamW's, as the output head
+    for wrapped in (torch.nn.DataParallel(llama), torch.compile(llama), torch.nn.DataParallel(torch.compile(llama))):
+        assert split(build_param_groups(wrapped)) == plain
+        assert is_full_finetuning(wrapped)
+        opt = build_optimizer(wrapped)
+        assert [(g["algorithm"], g["lr"], g.get("clip")) for g in opt.param_groups] == [
+            (g["algorithm"], g["lr"], g.get("clip")) for g in build_optimizer(llama).param_groups
+        ]
+
+
+def test_bare_tables_tokens_biases_and_scales_go_to_adamw_and_bare_matrices_to_evon() -> None:
+    """A bare 2-D parameter went to EVON as a weight matrix whatever it was: Swin's
+    ``relative_position_bias_table``, DINOv2's ``mask_token`` [1, D], XLNet's ``r_w_bias`` and
+    ``seg_embed``, Perceiver's ``latents``, SwinV2's ``logit_scale`` [heads, 1, 1], Mamba's ``A_log``.
+    These roles are AdamW's where a model stores them as an ``nn.Embedding`` or a [1, 1, D] token;
+    now by their names too. Bare linear maps (``in_proj_weight``, an LSTM's ``weight_hh_l0``, a fused
+    expert stack, a token-mixing matrix) stay EVON's."""
+    from hf_evon import build_param_groups
+
+    class Bare(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shapes = {
+                "mask_token": (1, 8), "relative_position_bias_table": (9, 2), "r_w_bias": (2, 4),
+                "seg_embed": (2, 2, 4), "latents": (5, 8), "logit_scale": (2, 1, 1), "A_log": (8, 4),
+                "position_embeddings": (6, 8),
+                "in_proj_weight": (24, 8), "weight_hh_l0": (32, 8), "gate_up_proj": (3, 16, 8), "token_mix": (6, 6),
+            }  # fmt: skip
+            for name, shape in shapes.items():
+                self.register_parameter(name, torch.nn.Parameter(torch.randn(*shape)))
+
+    groups = build_param_groups(Bare(), adamw_weight_decay=0.1)
+    assert [(g["algorithm"], g.get("weight_decay")) for g in groups] == [("evon", None), ("adamw", 0.1), ("adamw", 0.0)]
+    evon, tables, vectors = (sorted(g["param_names"]) for g in groups)
+    assert evon == ["gate_up_proj", "in_proj_weight", "token_mix", "weight_hh_l0"]
+    assert tables == ["latents", "position_embeddings", "relative_position_bias_table", "seg_embed"]
+    assert vectors == ["A_log", "logit_scale", "mask_token", "r_w_bias"]
+
+
+def test_a_mixture_with_one_expert_keeps_its_expert_stack_in_evon() -> None:
+    """With one expert the fused stack [1, out, in] has a leading 1 and went to AdamW as a table
+    broadcast over the batch (weight-decayed as an embedding); with two it is EVON's."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hf_evon import build_param_groups
+
+    for experts in (1, 2):
+        model = MixtralForCausalLM(MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=2, num_local_experts=experts,
+                                                 num_experts_per_tok=1))  # fmt: skip
+        stacks = sorted(n for n, p in model.named_parameters() if ".experts." in n and p.ndim == 3)
+        assert len(stacks) == 2, stacks
+        evon = build_param_groups(model)[0]
+        assert evon["algorithm"] == "evon" and set(stacks) <= set(evon["param_names"]), (experts, stacks)
+
+
+@pytest.mark.parametrize("name", ["classifier", "pre_classifier", "cls_classifier", "distillation_classifier",
+                                  "classification_head", "score", "qa_outputs"])  # fmt: skip
+def test_a_new_task_head_is_known_by_the_names_transformers_gives_its_heads(name: str) -> None:
+    """The new head's own rate went to heads named ``classifier``, ``pre_classifier``, ``score`` or
+    ``qa_outputs`` only: BART's ``classification_head`` and DeiT's ``cls_classifier`` and
+    ``distillation_classifier`` trained at EVON's full α in a linear probe."""
+    from hf_evon.optim.grouping import _TASK_HEAD
+
+    assert _TASK_HEAD.search(f"model.{name}.out_proj.weight") and _TASK_HEAD.search(f"{name}.weight")
+    assert not _TASK_HEAD.search(f"model.{name}s_table.weight") and not _TASK_HEAD.search("encoder.scores.weight")

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_evon.modeling import adapter_parameter_ids, is_peft_model, pretrained_name, unused_adapter_parameters
+from hf_evon.modeling import (
+    adapter_parameter_ids,
+    is_peft_model,
+    pretrained_name,
+    unused_adapter_parameters,
+    unwrap_model,
+)
 from hf_evon.optim.checks import finite, outside_stacklevel, require
 from hf_evon.optim.defaults import (
     DEFAULT_ADAMW_LR,
@@ -30,10 +36,17 @@ from hf_evon.optim.recipes import recipe_kwargs
 from hf_evon.optim.validation import IN_RANGE, in_range, validate_hyperparameters
 
 _ADAPTER = re.compile(r"(^|\.)(lora_[AB]|modules_to_save)(\.|$)")
-# transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, GPT-2/Llama
-# ``score``, question answering ``qa_outputs``), by name: usually new in a model loaded with
-# ``from_pretrained`` for a task (a checkpoint that already holds a trained head gets the rate too)
-_TASK_HEAD = re.compile(r"(^|\.)(classifier|pre_classifier|score|qa_outputs)(\.|$)")
+# transformers' task heads (BERT/ViT/... ``classifier``, DistilBERT ``pre_classifier``, DeiT
+# ``cls_classifier``/``distillation_classifier``, BART ``classification_head``, GPT-2/Llama ``score``,
+# question answering ``qa_outputs``), by name: usually new in a model loaded with ``from_pretrained``
+# for a task (a checkpoint that already holds a trained head gets the rate too)
+_TASK_HEAD = re.compile(r"(^|\.)(\w*classifier|classification_head|score|qa_outputs)(\.|$)")
+# bare parameters (no nn.Linear/nn.Embedding of their own) that are no linear map, by their own name:
+# biases, learned tokens, scales and log-rates (XLNet's ``r_w_bias``, DINOv2's ``mask_token`` [1, D],
+# SwinV2's ``logit_scale``, Mamba's ``A_log``) train as 1-D tensors; lookup tables (Swin's
+# ``relative_position_bias_table``, XLNet's ``seg_embed``, Perceiver's ``latents``) as embeddings
+_BARE_VECTOR = re.compile(r"(^|_)(bias|token|tokens|scale|log)$")
+_BARE_TABLE = re.compile(r"(^|_)(embed|embeds|embedding|embeddings|table|latents)$")
 
 
 def is_full_finetuning(model: nn.Module) -> bool:
@@ -41,6 +54,7 @@ def is_full_finetuning(model: nn.Module) -> bool:
     adapters, more than half of the entries outside its embedding tables trainable (a linear probe
     trains a new head from scratch). The tables do not count: a small encoder's vocabulary holds most
     of its entries (MiniLM's 52%), and freezing it leaves the encoder fine-tuned."""
+    model = unwrap_model(model)  # DDP forwards neither config nor the output head
     if not pretrained_name(model) or is_peft_model(model):
         return False
     params = list(model.named_parameters())
@@ -86,18 +100,33 @@ def _embedding_ids(model: nn.Module) -> set[int]:
 
 
 def _broadcast_ids(model: nn.Module) -> tuple[set[int], set[int]]:
-    """The bare parameters of 3 or more dimensions whose leading dimension is 1 (conv kernels
-    aside): tensors added to the activations by broadcasting over the batch, not linear maps.
-    Returned as (learned vectors, embedding tables) by how many of their dimensions exceed 1:
-    ViT's ``cls_token`` [1, 1, D] is a vector, its ``position_embeddings`` [1, N, D] a table. A PEFT
-    adapter's tensors are none of these: they act inside their layer (BOFT's rotations
-    [1, blocks, b, b] are a stack of matrices that multiply the layer's weight)."""
+    """The parameters of 2 or more dimensions that are no linear map, as (learned vectors, embedding
+    tables): those of 3 or more dimensions whose leading dimension is 1 (conv kernels and expert stacks
+    aside), added to the activations by broadcasting over the batch, by how many of their dimensions
+    exceed 1 (ViT's ``cls_token`` [1, 1, D] is a vector, its ``position_embeddings`` [1, N, D] a table);
+    and the others by their own names (``_BARE_VECTOR``, ``_BARE_TABLE``). A PEFT adapter's tensors are
+    none of these: they act inside their layer (BOFT's rotations [1, blocks, b, b] are a stack of
+    matrices that multiply the layer's weight)."""
     kernels = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.modules.conv._ConvNd)}
-    kept = kernels | adapter_parameter_ids(model)
+    # a fused expert stack [E, out, in] with one expert is a matrix too (Mixtral's ``mlp.experts``)
+    experts = {
+        id(p)
+        for name, mod in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "experts" or type(mod).__name__.endswith("Experts")
+        for p in mod.parameters(recurse=False)
+    }
+    kept = kernels | experts | adapter_parameter_ids(model)
     vectors, tables = set(), set()
-    for p in model.parameters():
-        if p.ndim >= 3 and p.shape[0] == 1 and id(p) not in kept:
+    for name, p in model.named_parameters():
+        if id(p) in kept or p.ndim < 2:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if p.ndim >= 3 and p.shape[0] == 1:
             (vectors if sum(d > 1 for d in p.shape) <= 1 else tables).add(id(p))
+        elif _BARE_VECTOR.search(leaf):
+            vectors.add(id(p))
+        elif _BARE_TABLE.search(leaf):
+            tables.add(id(p))
     return vectors, tables
 
 
@@ -168,7 +197,11 @@ def build_param_groups(
     embeddings, the output head (``model.get_output_embeddings()``) and 1-D tensors, as in
     the paper. A bare parameter of 3 or more dimensions with a leading 1, which broadcasts over
     the batch, is AdamW's too: a learned token (ViT's ``cls_token`` [1, 1, D]) as a 1-D tensor, a
-    learned table (ViT's ``position_embeddings`` [1, N, D]) as an embedding. Frozen parameters are left out; tied weights appear once, under their first name
+    learned table (ViT's ``position_embeddings`` [1, N, D]) as an embedding; so are bare parameters
+    named as biases, tokens, scales or log-rates (as 1-D tensors: ``r_w_bias``, ``mask_token``,
+    ``logit_scale``, ``A_log``) or as tables (as embeddings: ``relative_position_bias_table``,
+    ``seg_embed``, ``latents``). DDP and ``torch.compile`` wrappers are stripped first: the names are
+    the model's own. Frozen parameters are left out; tied weights appear once, under their first name
     (``named_parameters()``'s). Name regexes override the split: ``adamw_patterns`` first, then
     ``evon_patterns``; a tied weight matches where any of its names does (GPT-2's ``lm_head`` is
     ``transformer.wte``'s weight). A pattern that matches no name at all is warned about. Each group
@@ -176,6 +209,7 @@ def build_param_groups(
     a module: parameters or groups of your own go to ``EVON(params)``.
     """
     _require_module(model, "build_param_groups")
+    model = unwrap_model(model)  # the model's own names, head and config (DDP forwards neither)
     # by their own names: inside the AdamW groups EVON would name them "lr" and "weight_decay"
     validate_hyperparameters(adamw_lr=adamw_lr, adamw_weight_decay=adamw_weight_decay)
     adamw_patterns = compiled_patterns(adamw_patterns, "adamw_patterns")
@@ -249,6 +283,7 @@ def build_optimizer(
     reasons: :mod:`hf_evon.optim.defaults`; the measurements: ``docs/defaults.md``.
     """
     _require_module(model, "build_optimizer")
+    model = unwrap_model(model)  # the model's own names, head and config (DDP forwards neither)
     evon_patterns = pattern_strings(evon_patterns, "evon_patterns")  # read once: below and in the groups
     adamw_patterns = pattern_strings(adamw_patterns, "adamw_patterns")
     require(
