@@ -112,6 +112,8 @@ def test_perfect_calibration_and_extremes():
     assert expected_calibration_error(probs, labels) == pytest.approx(0.0, abs=1e-12)
     onehot = np.eye(3)[LABELS]
     assert brier_score(onehot, LABELS) == 0.0 and negative_log_likelihood(onehot, LABELS) == 0.0
+    # 0.0, not -0.0 (equal, but printed and logged as "-0.0")
+    assert math.copysign(1.0, negative_log_likelihood(onehot, LABELS)) == 1.0
     wrong = np.eye(3)[(LABELS + 1) % 3]
     assert brier_score(wrong, LABELS) == pytest.approx(2.0)
     assert math.isinf(negative_log_likelihood(wrong, LABELS))
@@ -193,6 +195,7 @@ def test_half_precision_probabilities_are_scored_as_given(dtype):
         ([[0.5, 0.5]], [2], {}, r"in \[0, 2\)"),
         ([[0.5, 0.5]], [0.5], {}, "integer"),
         ([[0.5, 0.5]], [-100], {}, "no items"),
+        ([], [], {}, "^no items to evaluate"),  # as an empty (0, C) input: not "must have shape (N, C)"
         ([[0.5, 0.5]], [0], {"input_type": "softmax"}, "input_type"),
         ([[0.1, -0.2]], [0], {"input_type": "log_probs"}, "<= 0"),
     ],

@@ -101,6 +101,8 @@ def _log_probs(
     input_type = InputType(input_type)
     preds = _as_tensor(predictions, torch.float64)
     labels = _as_tensor(references, torch.float64)
+    if preds.numel() == 0 and labels.numel() == 0:  # [] and [] as the empty (0, C) input is named
+        raise ValueError("no items to evaluate (empty input, or every reference is ignore_index)")
     if preds.ndim != 2:
         raise ValueError(f"predictions must have shape (N, C); got {tuple(preds.shape)}")
     if preds.shape[1] < 2:  # a softmax over one column is 1 whatever the input: every metric "perfect"
@@ -266,7 +268,7 @@ def metrics_of_statistics(stats: Tensor, n_bins: int = 15) -> dict[str, float]:
     stats = stats.double()
     nan = bool(stats[:, _NAN].any())
     values = (
-        float(-stats[:, _LOGP_LABEL].mean()),
+        0.0 - float(stats[:, _LOGP_LABEL].mean()),  # 0.0 - x, not -x: a perfect prediction's NLL is 0.0, not -0.0
         math.nan if nan else float(stats[:, _CORRECT].mean()),
         _binned_calibration_error(stats[:, _CONF].contiguous(), stats[:, _CONF_CORRECT].contiguous(), n_bins),
         float(stats[:, _BRIER].mean()),
