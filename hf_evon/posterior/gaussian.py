@@ -341,19 +341,16 @@ def perturbations(
     """``Q_L (z_s ⊙ √V) Q_Rᵀ`` for ``z`` of shape ``(B, S, m, n)``: S samples of B matrices.
 
     The math of ``linalg.sample_perturbation``, without broadcasting Q over S, which would copy
-    every basis S times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases): the left basis
-    multiplies each sample in turn, a product as wide as one sample's, so that each rounds as
-    ``sampled()``'s one sample does (a product S times as wide rounds otherwise); the right one
-    all S samples' rows at once, which rounds each row as alone.
+    every basis S times (7 GB for 8 samples of GPT-2 small's 3072×3072 bases): each basis multiplies
+    each sample in turn, a product the size of one sample's, so that each rounds as ``sampled()``'s
+    one sample does (BLAS rounds a product S times as wide or as tall otherwise).
     """
     b, s, m, n = z.shape
     with exact_float32_matmul():
         x = z * rotated_std(hess, ess, weight_decay).unsqueeze(1)
-        if q_left is not None:  # Q_L @ X_k, sample by sample
-            x = torch.stack([unrotate(x[:, k], q_left, None) for k in range(s)], dim=1)
-        if q_right is not None:  # [X_1; …; X_S] @ Q_Rᵀ as one (S·m, n) block per matrix
-            x = unrotate(x.reshape(b, s * m, n), None, q_right)
-    return x.reshape(b, s, m, n)
+        if q_left is not None or q_right is not None:  # Q_L @ X_k @ Q_Rᵀ, sample by sample
+            x = torch.stack([unrotate(x[:, k], q_left, q_right) for k in range(s)], dim=1)
+    return x
 
 
 def polar_step(q: Tensor) -> Tensor:

@@ -34,6 +34,7 @@ from hf_evon.posterior.config import (
     FORMAT_VERSION,
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
+    PosteriorConfig,
     PosteriorMismatchError,
     as_dtype,
     check_noise_scale,
@@ -149,7 +150,9 @@ class EVONPosterior(PosteriorFilesMixin):
     ) -> EVONPosterior:
         """A posterior from explicit per-parameter factors (tests, benchmarks, conversions).
 
-        Shapes are checked here; orthonormality and positivity are the caller's business
+        Shapes and ``config`` are checked here (its fields as a save checks them; its top-level ``ess``
+        and ``weight_decay``, by default the first factor's, must be some factor's: the factors' own are
+        what the posterior samples with); orthonormality and positivity are the caller's business
         (they are checked when the posterior is loaded from files).
         """
         if not factors:
@@ -159,8 +162,14 @@ class EVONPosterior(PosteriorFilesMixin):
         config["format_version"] = FORMAT_VERSION
         some = factors[next(iter(factors))]
         config["eigenbasis_dtype"] = dtype_name(basis_dtype(factors))
-        config.setdefault("ess", some.ess)
-        config.setdefault("weight_decay", some.weight_decay)
+        for key in ("ess", "weight_decay"):
+            held = sorted({getattr(f, key) for f in factors.values()})
+            if config.setdefault(key, getattr(some, key)) not in held:
+                raise ValueError(
+                    f"from_factors: config[{key!r}] = {config[key]!r} is no covered parameter's {key} "
+                    f"(the factors hold {held[:5]}), which the posterior samples with"
+                )
+        PosteriorConfig.for_save(config, factors, None, num_point_estimates, num_point_estimate_tensors)  # valid?
         return cls(groups, config, num_point_estimates, num_point_estimate_tensors)
 
     # ------------------------------------------------------------------ inspection
