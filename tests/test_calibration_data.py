@@ -131,6 +131,22 @@ def test_trainer_calibrates_in_order_of_length_as_in_the_datasets_order(
     assert result.temperature == expected.temperature
 
 
+def test_the_calibration_scores_every_example_under_dataloader_drop_last(tmp_path) -> None:
+    """With ``dataloader_drop_last=True`` the calibration read the split through the Trainer's eval loader,
+    which drops the last batch: 30 examples in batches of 16 were calibrated on 16 (the summary said "16
+    targets"), and a split of 20 in batches of 32 was refused as having "no labelled target"."""
+    for n, batch in ((30, 16), (20, 32)):
+        held_out = ragged_classification(n, seed=2)
+        trainer = EVONTrainer(
+            model=tiny_bert(),
+            args=config(tmp_path / f"{n}", max_steps=2, per_device_eval_batch_size=batch, dataloader_drop_last=True),
+            train_dataset=ragged_classification(32, seed=0), data_collator=pad, calibration_dataset=held_out,
+        )  # fmt: skip
+        trainer.train()  # checks the split before the first step, calibrates after the last
+        assert trainer.calibration.num_targets == n
+        assert trainer.calibrate(held_out, grid=(1.0, 0.1), num_samples=2, always_scan=True).num_targets == n
+
+
 def test_the_calibration_split_and_the_eval_set_keep_their_own_loaders_with_persistent_workers(tmp_path) -> None:
     """With ``dataloader_persistent_workers`` the Trainer caches one eval loader under one key for
     whatever dataset ``get_eval_dataloader`` is given: the calibration split's loader (built by the

@@ -38,6 +38,16 @@ class CalibrationMixin:
                 stacklevel=3,
             )
 
+    def _whole_split(self, split: Any) -> Any:
+        """The loader of :func:`~hf_evon.trainer.calibration_data.whole_split` over ``split``, with
+        ``dataloader_drop_last`` off: the calibration scores every example of the split (the Trainer's
+        evaluation drops the last batch under it; here that left a split smaller than a batch empty)."""
+        drop_last, self.args.dataloader_drop_last = self.args.dataloader_drop_last, False
+        try:
+            return calibration_data.whole_split(self._uncached_eval_dataloader(split), split)
+        finally:
+            self.args.dataloader_drop_last = drop_last
+
     def _check_calibration_data(self) -> None:
         """:func:`~hf_evon.trainer.calibration_data.check_calibration_batches` on the
         ``calibration_dataset``'s batches, its first scored by the model (where its weights are
@@ -50,7 +60,7 @@ class CalibrationMixin:
         loaded = not any(p.is_meta for p in self.model.parameters())
         d = self.calibration_dataset
         loader = calibration_data.named_batches(
-            lambda: calibration_data.whole_split(self._uncached_eval_dataloader(d), d), "calibration_dataset"
+            lambda: self._whole_split(d), "calibration_dataset"
         )
         with calibration_data.collator_draws_kept(self.data_collator):  # training's masks as without the check
             calibration_data.check_calibration_batches(
@@ -112,9 +122,9 @@ class CalibrationMixin:
         model = self._evon_eval_model()
         start = time.perf_counter()
         # sorted by length, the long tail cut (each pass pads little; the dataset order's result), labels as "labels"
-        split = calibration_data.length_sorted(dataset, self.data_collator, self.args.dataloader_drop_last)
+        split = calibration_data.length_sorted(dataset, self.data_collator)  # read whole: no batch dropped
         loader = calibration_data.named_batches(  # every rank reads the whole split: one choice
-            lambda: calibration_data.whole_split(self._uncached_eval_dataloader(split), split),
+            lambda: self._whole_split(split),
             "calibration_dataset" if given is None else "calibrate(): dataset",
         )
         batches = calibration_data.cut_by_length([calibration_data.under_labels(self._evon_prepared(b), self.label_names, self.model) for b in loader])
