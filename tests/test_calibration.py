@@ -1079,6 +1079,10 @@ def test_a_calibration_summary_says_what_was_chosen() -> None:
     assert "NLL 0.4000 vs 0.6000 at the mean, 0.4500 at its temperature (50 targets" in tempered
     kept = CalibrationResult(ess=math.inf, **{**common, "mean_temperature": 0.9}).summary()
     assert "BMA is the mean" in kept and "NLL 0.6000 vs 0.6000" in kept and "not overconfident" in kept
+    assert "at least" not in chosen + kept
+    # the grid's largest temperature: the mean may be more overconfident than it says (it read "8.00: overconfident")
+    capped = CalibrationResult(ess=2e3, **{**common, "mean_temperature": 8.0}).summary()
+    assert "temperature there 8.00: overconfident, at least (the largest temperature scored, 8)" in capped
 
 
 def _two_group_posterior(reverse: bool = False) -> tuple[nn.Module, EVONPosterior]:

@@ -1044,6 +1044,26 @@ def test_trainer_pushed_card_names_repo_evon_and_steps_and_its_snippet_runs(tmp_
     torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_the_cards_calibration_text_credits_the_temperature_and_says_the_trained_posterior_lost():
+    """The card compared the chosen BMA's NLL with the mean's at temperature 1 alone: with a noise
+    scale chosen it credited the noise with the temperature's gain (3.21 → 1.069, the mean at its own
+    temperature 1.085); with ess = ∞ at T 1.19 the whole gap was the temperature's; and where the mean
+    beat the posterior as trained, the card said nothing of it (the summary did)."""
+    from hf_evon.posterior.model_card import _calibration_text
+
+    base = {"ess": 30.0, "trained_ess": 300.0, "grid": [3000.0, 300.0, 30.0], "nll": [3.0, 2.0, 1.06937], "num_samples": 8,
+            "num_targets": 50, "mean_nll": 3.21103, "tempered_mean_nll": 1.0848, "chosen_nll": 1.06937, "temperature": 2.0,
+            "standard_errors": 0.5, "min_gain": 0.01, "mean_temperature": 2.5}  # fmt: skip
+    text = _calibration_text({"calibration": base, "temperature": 2.0})
+    assert "Held-out NLL 1.06937 vs 3.21103 at the mean, 1.0848 at its own temperature." in text
+    mean = {**base, "ess": "inf", "chosen_nll": 0.950673, "mean_nll": 0.97556, "tempered_mean_nll": 0.950673, "trained_nll": 0.96}
+    text = _calibration_text({"calibration": mean, "temperature": 1.19})
+    assert "Held-out NLL 0.950673 vs 0.97556 at the mean at temperature 1: the gain is the temperature's." in text
+    assert "The mean predicted better than the posterior as trained (held-out NLL 0.96) by more than 0.5 standard error(s) or 1%." in text
+    plain = {**mean, "tempered_mean_nll": None, "chosen_nll": 0.97556, "trained_nll": None}
+    assert "Held-out NLL 0.97556 vs 0.97556 at the mean. " in _calibration_text({"calibration": plain})
+
+
 def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
     """The card promised that BMA beats the mean; now it says what the sampling scale rests on."""
     from torch import nn

@@ -259,11 +259,13 @@ def _calibration_text(
     kept = _is_number(cal.get("trained_nll")) and ess == trained
     errors = f"{_md(format_value(cal['standard_errors']))} standard error(s) or " if cal.get("standard_errors") else ""
     margin = f" by more than {errors}{_md(format_value(100 * float(cal.get('min_gain', 0.0))))}%"
+    trained_nll = _md(format_value(cal.get("trained_nll")))
     trained_text = (
-        f" The mean did not predict better than the posterior as trained (held-out NLL "
-        f"{_md(format_value(cal.get('trained_nll')))}){margin}, so the posterior as trained is kept: its samples "
-        "disagree where inputs are unlike the training data."
+        f" The mean did not predict better than the posterior as trained (held-out NLL {trained_nll}){margin}, so "
+        "the posterior as trained is kept: its samples disagree where inputs are unlike the training data."
         if kept
+        else f" The mean predicted better than the posterior as trained (held-out NLL {trained_nll}){margin}."
+        if _is_number(cal.get("trained_nll")) and ess == float("inf")
         else ""
     )
     if cal.get("scanned") is False:
@@ -293,11 +295,7 @@ def _calibration_text(
             if scored or not screened
             else "(the mean alone"  # every scale screened out: none was scored with all its samples
         )
-        + (
-            f"; {screened} scale(s) with less noise screened out: their samples barely moved the predictions"
-            if screened
-            else ""
-        )
+        + (f"; {screened} scale(s) with less noise screened out: their samples barely moved the predictions" if screened else "")
         + "): "
         f"`ess` = {show(cal.get('ess'))} ({mult} × the trained {show(cal.get('trained_ess'))}; ∞ means no "
         f"scale predicted at least {show(100 * float(cal.get('min_gain', 0.0)))}% better than the mean"
@@ -307,8 +305,12 @@ def _calibration_text(
             if cal.get("standard_errors")
             else ""
         )
-        + f"). Held-out NLL {show(chosen)} vs "
-        f"{show(cal.get('mean_nll'))} at the mean."
+        + f"). Held-out NLL {show(chosen)} vs {show(cal.get('mean_nll'))} at the mean"
+        + (  # what the noise adds to a temperature on the mean, or (BMA the mean) what the temperature gives
+            "." if not _is_number(tempered_nll := cal.get("tempered_mean_nll")) or chosen == cal.get("mean_nll")
+            else f", {show(tempered_nll)} at its own temperature." if tempered_nll != chosen
+            else " at temperature 1: the gain is the temperature's."
+        )
         + trained_text
         + _temperature_text(cal.get("mean_temperature"))
         + tempered

@@ -190,6 +190,8 @@ class CalibrationResult:
         temperature = ""
         if self.mean_temperature is not None:
             confident = "overconfident" if self.mean_temperature > 1 else "not overconfident"
+            if self.mean_temperature >= TEMPERATURE_GRID[-1]:  # the grid's end: a larger one may fit better
+                confident += f", at least (the largest temperature scored, {TEMPERATURE_GRID[-1]:g})"
             temperature = f"; the mean's temperature there {self.mean_temperature:.2f}: {confident}"
         # the mean at its own temperature beside a chosen noise scale: what the noise adds to a temperature
         tempered = self.tempered_mean_nll is not None and self.chosen_nll != self.tempered_mean_nll
