@@ -258,7 +258,10 @@ def main() -> None:
     if unknown := [name for name in args.variants if name not in known]:
         parser.error(f"unknown variants {unknown}; known: {', '.join(known)}")
     if WARMUP + args.steps < COMPARED_AT:
-        parser.error(f"--steps must be at least {COMPARED_AT - WARMUP} (the comparison after {COMPARED_AT} steps)")
+        parser.error(
+            f"--steps must be at least {COMPARED_AT - WARMUP}: the {WARMUP} warm-up steps and the timed ones reach "
+            f"step {COMPARED_AT}, where the compiled step is compared with eager's"
+        )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="compiled_step_")
     torch._inductor.config.cpp_wrapper = args.cpp_wrapper
     if args.recompile_limit:

@@ -363,7 +363,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 record(job, run_job(*job, args.fast, args.samples))
         finally:
             torch.set_num_threads(threads)
-    return report(collect(done, args.methods), args, (time.perf_counter() - start) / 60)
+    result = report(collect(done, args.methods), args, (time.perf_counter() - start) / 60)
+    if args.out:  # the report holds every run: the crash record goes (it stayed beside the results)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(args.out + ".partial.json")
+    return result
 
 
 def print_rows(run: Callable[[str, int], dict[str, Any]], tasks: list[str], seeds: list[int], jobs: int) -> list[dict[str, Any]]:

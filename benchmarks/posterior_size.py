@@ -126,7 +126,7 @@ def gpt2_small(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config())
     n_params = sum(p.numel() for p in model.parameters())
-    out = args.out or tempfile.mkdtemp(prefix="evon_posterior_size_")
+    out = args.out
     model.save_pretrained(os.path.join(out, "model"))
     model_size = os.path.getsize(os.path.join(out, "model", "model.safetensors"))
 
@@ -164,7 +164,7 @@ def gpt2_small(args: argparse.Namespace) -> None:
         name = f"{POSTERIOR_WEIGHTS_NAME} ({label} bases)"
         print(f"{name:44s} {mib(size)} {size / model_size:9.2f} {save_s:6.1f}s {load_s:6.1f}s  {worst:.2e}")
         del loaded
-    print(f"files in {out}")
+    print(f"files in {out}" + (" (removed at exit; --out DIR keeps them)" if args.temporary else ""))
 
 
 # ----------------------------------------------------------------------------- trained models
@@ -327,22 +327,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--what", choices=("gpt2-small", "trained"), default="gpt2-small")
     parser.add_argument("--factors", choices=("direct", "optimizer"), default="direct")
-    parser.add_argument("--out", default=None, help="directory to write into (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="directory to write into (default: a temporary one, removed at exit: GPT-2 small's files take ~5 GB)")
     parser.add_argument("--samples", type=int, default=32, help="--what trained: posterior samples for BMA")
     parser.add_argument("--steps", type=int, default=150, help="--what trained: training steps")
     parser.add_argument("--lr", type=float, default=3e-3, help="--what trained: tiny GPT-2's EVON lr")
     parser.add_argument("--only", choices=("gpt2", "lora"), default=None, help="--what trained: one model")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="evon_posterior_size_") as temporary:
+        args.temporary, args.out = args.out is None, args.out or temporary
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     if args.what == "gpt2-small":
         gpt2_small(args)
         return
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    out = args.out or tempfile.mkdtemp(prefix="evon_posterior_lean_")
+    out = args.out
     if args.only in (None, "gpt2"):
         tiny_gpt2(args, out)
     if args.only in (None, "lora"):
         minilm_lora(args, out)
-    print(f"files in {out}")
+    print(f"files in {out}" + (" (removed at exit; --out DIR keeps them)" if args.temporary else ""))
 
 
 if __name__ == "__main__":

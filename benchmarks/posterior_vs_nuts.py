@@ -54,7 +54,8 @@ read the weight numbers next to the predictive ones.
     python benchmarks/posterior_vs_nuts.py --out-dir DIR --seed 1 --steps 12000 --methods "EVON price"
 
 Writes ``posterior_vs_nuts.png``, ``.md`` and ``.json`` into ``--out-dir``
-(default ``benchmarks/results``). Needs pyro-ppl (the ``test`` extra), and for the ivon-opt and
+(default ``benchmarks/results``; with ``--fast``, ``hf_evon_posterior_vs_nuts_fast/`` in the temporary
+directory, so a smoke run never writes over the committed results). Needs pyro-ppl (the ``test`` extra), and for the ivon-opt and
 Laplace rows ivon-opt and laplace-torch (``bash scripts/setup_benchmarks.sh``); a row whose
 package is missing says so instead of a number.
 """
@@ -69,6 +70,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -624,11 +626,17 @@ def write_outputs(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fast", action="store_true", help="a smoke run of ~20 s (what the test suite runs)")
-    ap.add_argument("--out-dir", default=DEFAULT_OUT, help="where the PNG, markdown table and JSON go")
+    ap.add_argument(
+        "--out-dir", default=None, help="where the PNG, markdown table and JSON go (default: benchmarks/results; "
+        "with --fast, hf_evon_posterior_vs_nuts_fast/ in the temporary directory, never over the committed results)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--steps", type=int, default=None, help="training steps of the variational methods")
-    return ap.parse_args(list(argv) if argv is not None else None)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.out_dir is None:
+        args.out_dir = os.path.join(tempfile.gettempdir(), "hf_evon_posterior_vs_nuts_fast") if args.fast else DEFAULT_OUT
+    return args
 
 
 def run(argv: Sequence[str] | None = None) -> dict:

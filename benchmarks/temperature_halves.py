@@ -7,7 +7,7 @@ errors, sharpening where
 the split has enough errors and a cross-validation within it agrees; "rule"), and that rule without
 sharpening ("rule_soft"). Validation data only: the test split is not read.
 
-    python benchmarks/temperature_halves.py          # ~15 min on one core
+    python benchmarks/temperature_halves.py          # ~10-15 min on one core
     python benchmarks/temperature_halves.py --tasks wine minilm_lora
 
 Figures: docs/trainer.md#calibration-temperature.

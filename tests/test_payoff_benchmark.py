@@ -43,6 +43,7 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
     saved = json.load(open(out + ".json"))
     runs = saved["runs"]["digits"]
     assert len(runs) == 2
+    assert not os.path.exists(out + ".partial.json")  # the crash record goes with the report (it stayed)
     rows = ("AdamW", "AdamW + temperature", "AdamW + temperature (calibration's rule)", "EVON mean", "EVON calibrated BMA@2")
     for row in rows + ("EVON mean + temperature", "EVON mean + temperature (calibration's rule)"):
         values = [r[row]["nll"] for r in runs]

@@ -47,3 +47,21 @@ def test_the_lora_run_trains_with_the_examples_evon_settings(monkeypatch: pytest
     assert config.learning_rate == 1e-4 * ex.lora_lr_factor
     assert (config.max_steps, config.bma_num_samples) == (3, 0)
     assert config.output_dir.startswith(os.fspath(tmp_path)) and seen["peft_config"] is not None
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_the_default_output_directory_is_removed_at_exit(monkeypatch: pytest.MonkeyPatch, tmp_path, given: bool) -> None:
+    """Without ``--out`` the files (about 5 GB for GPT-2 small) went to a ``mkdtemp`` folder that was never
+    removed; it is now a temporary directory removed at exit, and ``--out DIR`` keeps them."""
+    seen: list[tuple[str, bool]] = []
+
+    def run(args: argparse.Namespace) -> None:
+        with open(os.path.join(args.out, "f"), "w") as fh:
+            fh.write("x")
+        seen.append((args.out, args.temporary))
+
+    monkeypatch.setattr(sizes, "run", run)
+    monkeypatch.setattr(sys, "argv", ["posterior_size.py", *(["--out", str(tmp_path)] if given else [])])
+    sizes.main()
+    (out, temporary), = seen
+    assert temporary is not given and os.path.exists(out) is given

@@ -83,6 +83,16 @@ def test_the_flat_layout_is_the_models_parameter_order() -> None:
         torch.testing.assert_close(bench.potential(theta, x, y), expected)
 
 
+def test_a_fast_run_never_writes_over_the_committed_results() -> None:
+    """``--fast``, the documented smoke run, wrote its numbers over ``benchmarks/results/posterior_vs_nuts.*``
+    (the ``--out-dir`` default in every mode); it now writes to the temporary directory by default."""
+    import tempfile
+
+    fast, full = bench.parse_args(["--fast"]), bench.parse_args([])
+    assert fast.out_dir == str(Path(tempfile.gettempdir()) / "hf_evon_posterior_vs_nuts_fast")
+    assert full.out_dir == bench.DEFAULT_OUT and bench.parse_args(["--fast", "--out-dir", "x"]).out_dir == "x"
+
+
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("posterior_vs_nuts")
