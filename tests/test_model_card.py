@@ -1062,6 +1062,8 @@ def test_the_cards_calibration_text_credits_the_temperature_and_says_the_trained
     assert "The mean predicted better than the posterior as trained (held-out NLL 0.96) by more than 0.5 standard error(s) or 1%." in text
     plain = {**mean, "tempered_mean_nll": None, "chosen_nll": 0.97556, "trained_nll": None}
     assert "Held-out NLL 0.97556 vs 0.97556 at the mean. " in _calibration_text({"calibration": plain})
+    unscanned = _calibration_text({"calibration": {**mean, "scanned": False, "mean_temperature": 0.9}})
+    assert ": BMA is the mean (`ess` = ∞; held-out NLL 0.97556). The mean predicted better than the posterior as trained (held-out NLL 0.96)" in unscanned
 
 
 def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():

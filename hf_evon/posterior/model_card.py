@@ -275,10 +275,10 @@ def _calibration_text(
             f"weight samples only softens them, so no {'other ' if kept else ''}sampling scale was scored"
             + (
                 f" (`ess` = {_md(format_value(ess))}; held-out NLL {_md(format_value(cal.get('mean_nll')))} at the mean)."
-                + trained_text
                 if kept
                 else f": BMA is the mean (`ess` = ∞; held-out NLL {_md(format_value(cal.get('mean_nll')))})."
             )
+            + trained_text  # kept, or (BMA the mean) beaten by the mean
             + _temperature_text(cal.get("mean_temperature"))
             + tempered
             + ("" if kept else TRAINED_SCALE_NOTE)

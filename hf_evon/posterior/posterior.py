@@ -169,7 +169,8 @@ class EVONPosterior(PosteriorFilesMixin):
                     f"from_factors: config[{key!r}] = {config[key]!r} is no covered parameter's {key} "
                     f"(the factors hold {held[:5]}), which the posterior samples with"
                 )
-        PosteriorConfig.for_save(config, factors, None, num_point_estimates, num_point_estimate_tensors)  # valid?
+        # every field checked as a save checks it: the error names the field, here and not at save_pretrained
+        PosteriorConfig.for_save(config, factors, None, num_point_estimates, num_point_estimate_tensors)
         return cls(groups, config, num_point_estimates, num_point_estimate_tensors)
 
     # ------------------------------------------------------------------ inspection
