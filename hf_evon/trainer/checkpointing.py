@@ -278,9 +278,9 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
 def _warn_without_rng_state(trainer: Any, directory: str) -> None:
     """Warn where a checkpoint with its optimizer state lacks this process's RNG file (deleted; another number
     of processes): the Trainer only logs it, and the data order and dropout draw afresh (EVON's noise is in its state)."""
-    a = trainer.args
-    name = f"rng_state_{a.process_index}.pth" if a.world_size > 1 else "rng_state.pth"
-    if not a.save_only_model and not os.path.isfile(os.path.join(directory, name)):
+    args = trainer.args
+    name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
+    if not args.save_only_model and not os.path.isfile(os.path.join(directory, name)):
         message = f"resuming from {directory}, which has no {name}: the random states (data order, dropout) start afresh"
         warnings.warn(message + ", so the run does not continue as an uninterrupted one", UserWarning, stacklevel=outside_stacklevel())
 
