@@ -2,9 +2,12 @@
 
 ``EVONTrainer`` logs, next to the Trainer's ``loss``/``learning_rate``, the posterior's health
 at every logging step: ``evon/posterior_std_mean`` (mean marginal posterior std),
-``evon/hess_min|mean|max`` (the rotated-space Hessian H) and ``evon/skipped_steps``. With
+``evon/hess_min|mean|max`` (the rotated-space Hessian H), ``evon/skipped_steps`` and every
+``posterior_health()`` statistic (``evon/noise_to_signal``, ``evon/hess_below_prior``, ...). With
 ``report_to="tensorboard"`` they land in ``<output_dir>/runs``; ``tensorboard --logdir`` shows
-them live, and this script draws the same scalars as a PNG (for a README or a report)::
+them all live, and this script draws four panels of them as a PNG (for a README or a report,
+:data:`PANELS`): the training loss, the mean posterior std, H's range and the evaluation NLL of the
+mean and of BMA::
 
     python examples/finetune_classification.py --methods evon --report-to tensorboard --output-dir outputs/finetune
     python examples/plot_evon_logs.py outputs/finetune/evon/runs --output docs/evon_tensorboard.png

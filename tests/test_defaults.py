@@ -486,6 +486,52 @@ def test_a_zero_initialised_matrix_is_watched_for_runaway_noise_once_it_outgrows
         assert opt.posterior_health()["noise_to_signal_max"] > 1.0
 
 
+def test_a_watched_matrix_pruned_to_zero_leaves_the_runaway_watch() -> None:
+    """AdaLoRA's final allocation can prune every rank of a ``lora_E`` to exactly 0 (off, not uncertain:
+    samples keep it 0). Watched before, its ratio became sqrt(Σ V / tiny): ``noise_to_signal_max``
+    1.9e151 in the logs and a runaway warning naming the pruned matrix. A matrix that is exactly 0 has
+    no scale to compare its noise with, as before it was first watched."""
+    torch.manual_seed(0)
+    a, e = nn.Parameter(torch.randn(4, 16) / 4), nn.Parameter(torch.randn(8, 1))
+    opt = EVON([a, e])
+    x = torch.randn(32, 16)
+    for _ in range(3):
+        with opt.sampled_params(train=True):
+            ((x @ a.T).sum(1, keepdim=True) @ e.T).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    group = opt.param_groups[0]
+    ratio = lambda p: math.sqrt(float((1.0 / (group["ess"] * (opt.state[p]["hess"].double() + group["weight_decay"]))).sum() / p.detach().double().square().sum()))  # noqa: E731
+    assert opt.posterior_health(warn=False)["noise_to_signal_max"] == pytest.approx(max(ratio(a), ratio(e)), rel=1e-5)
+    with torch.no_grad():
+        e.zero_()  # every rank pruned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = opt.posterior_health()
+    assert stats["noise_to_signal_max"] == pytest.approx(ratio(a), rel=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["fisher", "price"])
+def test_the_collapse_warning_names_the_cause_of_the_estimator_in_use(estimator: str) -> None:
+    """Under the default Fisher estimate H is the squared gradients' average, not h0's decay (its
+    ``hess_init_share`` is 0), but the warning named "a noise-dominated Hessian estimate ... decays as
+    hess_init·betas[1]^t" and "a larger betas[1]" as the fix. And a share of 99.5% read "100%"."""
+    model = mlp()
+    weights = [p for p in model.parameters() if p.ndim == 2]
+    opt = EVON(weights, weight_decay=2.5e-5, hess_estimator=estimator)
+    one_sample(opt, model)
+    for p in weights:
+        opt.state[p]["hess"].fill_(1e-9)
+    opt.state[weights[0]]["hess"].view(-1)[0] = 1.0  # 431 of the 432 entries below δ: 99.8%
+    with pytest.warns(RuntimeWarning, match="collapsed to the prior") as caught:
+        stats = opt.posterior_health()
+    text = next(str(w.message) for w in caught if "collapsed to the prior" in str(w.message))
+    assert 0.995 < stats["hess_below_prior"] < 1.0 and f"in {math.floor(100 * stats['hess_below_prior'])}% of" in text
+    assert ("betas[1]" in text) is (estimator == "price") and "weight_decay=None" in text
+    if estimator == "fisher":
+        assert "above most of the data's curvature" in text
+
+
 def test_collapse_to_a_broad_prior_warns_once() -> None:
     model = mlp()
     weights = [p for p in model.parameters() if p.ndim == 2]

@@ -60,6 +60,13 @@ def _noise_to_signal(b: Bucket, members: list[int], hess: Tensor) -> tuple[Tenso
     return var_sum, w_sq, (var_sum / w_sq.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
 
 
+def _watched_ratios(watched: Tensor, w_sq: Tensor, ratio: Tensor) -> Tensor:
+    """The ratios the runaway watch compares, 0 elsewhere: a matrix is watched from the first check at which
+    its noise is below its RMS (LoRA's B starts at 0), and not while its weights are exactly 0 (AdaLoRA
+    prunes every rank of a ``lora_E`` to 0: off, not uncertain), which give no scale to compare with."""
+    return torch.where((watched > 0) & (w_sq > 0), ratio, 0.0)
+
+
 def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
     """Per bucket, float64 on the CPU (one host sync), and the number of H entries:
     [Σ V, Σ W², min H, max H, Σ H, #H<δ, max per-matrix noise-to-signal, Σ h0·β2ᵗ, Σ 1/(ζδ)].
@@ -100,7 +107,7 @@ def health_rows(buckets: list[Bucket]) -> tuple[Tensor, int]:
             dtype=torch.float64,
             device=hess.device,
         )
-        row += [torch.where(watched > 0, ratio, 0.0).max(), init_part, prior_var]
+        row += [_watched_ratios(watched, w_sq, ratio).max(), init_part, prior_var]
         rows.append(torch.stack([x.double().to(hess.device) for x in row]))
         numel += hess.numel()
     t = (
@@ -160,7 +167,8 @@ def runaway_matrix(buckets: list[Bucket], label: Callable[[Tensor], str], ratio:
         idx = None if len(members) == len(b.params) else b.member_index(members)  # as health_rows reads them
         hess = b.state["hess"] if idx is None else b.state["hess"][idx]
         watched = b.state["noise_watched"] if idx is None else b.state["noise_watched"][idx]
-        ratios = torch.where(watched > 0, _noise_to_signal(b, members, hess)[2], 0.0)
+        _, w_sq, own = _noise_to_signal(b, members, hess)
+        ratios = _watched_ratios(watched, w_sq, own)
         top = int(ratios.argmax())
         if float(ratios[top]) == ratio:
             return label(b.params[members[top]]), "ess" in (g.get("fit_to_curvature") or ())
@@ -206,14 +214,25 @@ def warn_health(
     broad = stats["prior_to_signal"] >= COLLAPSE_PRIOR_TO_SIGNAL
     if stats["hess_below_prior"] > 0.5 and broad and "collapse" not in warned:
         warned.add("collapse")
+        if buckets is not None and all(uses_fisher(b.group) for b in buckets):  # H is no decay of h0 there
+            why = (
+                "Cause: weight_decay above most of the data's curvature H (the Fisher estimate's scale follows "
+                "the loss and the batch size), so the prior sets those entries' variance. Fix: ess='auto' with "
+                "weight_decay=None (the defaults: both fitted to H, docs/defaults.md#curvature-fit), or a "
+                "smaller weight_decay."
+            )
+        else:
+            why = (
+                "Cause: a noise-dominated Hessian estimate (the adaptive clip keeps ±hess_clip_ratio·H of it) "
+                "decays as hess_init·betas[1]^t, and a prior this broad lets the noise grow with it. Fix: "
+                "weight_decay=None (the default: the prior's std is 5x the initial std, 25% of the weights' "
+                "RMS with ess='auto'), or a larger weight_decay or ess; a larger betas[1] (0.999) slows the decay."
+            )
+        share = math.floor(100 * stats["hess_below_prior"])  # floored: 99.8% is not all of them
         warnings.warn(
-            f"EVON: the posterior collapsed to the prior: H < weight_decay in {stats['hess_below_prior']:.0%} "
-            "of the entries, so their std is ~1/sqrt(ess*weight_decay), the prior's, which is "
-            f"{stats['prior_to_signal']:.3g}x the weights' RMS. Cause: a noise-dominated Hessian estimate "
-            "(the adaptive clip keeps ±hess_clip_ratio·H of it) decays as hess_init·betas[1]^t, and a "
-            "prior this broad lets the noise grow with it. Fix: weight_decay=None (the default: the "
-            "prior's std is 5x the initial std, 25% of the weights' RMS with ess='auto'), or a larger "
-            "weight_decay or ess; a larger betas[1] (0.999) slows the decay.",
+            f"EVON: the posterior collapsed to the prior: H < weight_decay in {share}% of the entries, so their "
+            "std is ~1/sqrt(ess*weight_decay), the prior's, which is "
+            f"{stats['prior_to_signal']:.3g}x the weights' RMS. {why}",
             RuntimeWarning,
             stacklevel=stacklevel,
         )
