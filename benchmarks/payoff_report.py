@@ -174,7 +174,7 @@ def markdown(summary: dict[str, dict[str, Any]], bma_row: str, meta: dict[str, A
         *lines,
         "",
         "Average BMA gain in NLL over tasks: "
-        + ", ".join(f"{k} {v:+.4f}" for k, v in gains.items())
+        + ", ".join(f"{k} {v:+.4f}" if not math.isnan(v) else f"{k} n/a (not run)" for k, v in gains.items())
         + f" ({verdict}).",
     ]
     return "\n".join(out) + "\n"

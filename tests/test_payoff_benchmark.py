@@ -52,6 +52,8 @@ def test_fast_mode_writes_the_report_and_its_numbers_are_the_runs(tmp_path) -> N
         assert 0.0 <= summary["digits"][row]["accuracy"][0] <= 1.0
     report = open(out + ".md").read()
     assert "| digits |" in report and "EVON calibrated BMA@2" in report
+    # a method not run has no average gain: "n/a", not "+nan" (payoff_noisy_text.md printed it)
+    assert "IVON (ivon-opt) n/a (not run)" in report and "nan" not in report.rsplit("Average BMA gain", 1)[1]
     assert os.path.getsize(out + ".png") > 1000
     # a combined report from the saved run is the same report
     payoff.main(["--combine", out + ".json", "--out", out + "_again"])
