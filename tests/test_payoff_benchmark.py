@@ -625,7 +625,7 @@ def test_the_ivon_comparison_is_not_judged_where_ivon_did_not_run() -> None:
         }
     }
     text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
-    assert text.rstrip().endswith("+nan (n/a: IVON did not run)."), text.splitlines()[-1]
+    assert text.rstrip().endswith("IVON (ivon-opt) n/a (not run), EVON diagonal (identity_basis) n/a (not run) (n/a: IVON did not run)."), text.splitlines()[-1]
     summary["digits"] |= {"IVON (ivon-opt) mean": _summary_row(0.30), "IVON (ivon-opt) calibrated BMA@32": _summary_row(0.20)}
     text = payoff_report.markdown(summary, "EVON calibrated BMA@32", {"seeds": 1, "minutes": 0.1})
     assert "EVON +0.0900, IVON (ivon-opt) +0.1000," in text
