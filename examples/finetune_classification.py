@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 
+from hf_evon.fileio import file_on_the_way
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # stdlib_texts, next to this file
 from stdlib_texts import stdlib_docstring_dataset  # noqa: E402
 
@@ -409,12 +411,9 @@ def check_before_training(p: argparse.ArgumentParser, args: argparse.Namespace) 
         get_reporting_integration_callbacks(args.report_to)
     except ValueError as err:
         p.error(f"--report-to: {err}")
-    existing = args.output_dir  # the nearest path on the way that exists: a file there fails the first save
-    while existing and not os.path.exists(existing):
-        existing = os.path.dirname(existing.rstrip(os.sep))
-    for path in (existing, *(os.path.join(args.output_dir, m) for m in args.methods)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            p.error(f"--output-dir: {path} is a file, not a directory")
+    for path in (args.output_dir, *(os.path.join(args.output_dir, m) for m in args.methods)):
+        if (blocking := file_on_the_way(path)) is not None:
+            p.error(f"--output-dir: {blocking} is a file, not a directory")
     if {"ivon", "evon"} & set(args.methods):
         try:
             evon_config(args, identity_basis=False)

@@ -22,6 +22,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hf_evon.fileio import file_on_the_way
+
 # (panel title, tags drawn in it, log-scale y axis); tags missing from a run are left out
 PANELS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("training loss", ("train/loss",), False),
@@ -141,10 +143,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     args = p.parse_args(argv)
     if os.path.isdir(args.output):
         p.error(f"--output {args.output}: is a directory (name the image file to write)")
-    above = os.path.dirname(os.path.abspath(args.output))  # the folder it goes in, made if missing
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
+    # the folder it goes in, made if missing
+    if (above := file_on_the_way(os.path.dirname(os.path.abspath(args.output)))) is not None:
         p.error(f"--output {args.output}: {above} is a file, not a directory")
     try:
         image_format(args.output)

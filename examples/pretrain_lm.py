@@ -54,6 +54,7 @@ from hf_evon.data import (
     split_documents,
     stdlib_corpus,
 )
+from hf_evon.fileio import file_on_the_way
 from hf_evon.optim.checks import CLIP_MODES
 from hf_evon.optim.recipes import PAPER_ALGORITHM, recipe_kwargs
 from hf_evon.optim.validation import validate_hyperparameters
@@ -165,11 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"the rest); got {args.val_fraction:g}"
         )
     for flag, path in (("--output-dir", args.output_dir), ("--cache-dir", args.cache_dir)):
-        existing = path  # the path, or the nearest folder above it that exists
-        while existing and not os.path.exists(existing):
-            existing = os.path.dirname(existing.rstrip(os.sep))
-        if existing and not os.path.isdir(existing):
-            ap.error(f"{flag} {existing!r} is a file, not a directory")
+        if path and (blocking := file_on_the_way(path)) is not None:
+            ap.error(f"{flag} {blocking!r} is a file, not a directory")
     if not 0 <= args.seed < 2**32:  # torch's and numpy's seeds: out of range, they fail only after the data is read
         ap.error(f"--seed must be an integer from 0 to 2**32 - 1; got {args.seed}")
     # the schedule multiplies every group's rate by a factor that ends at --min-lr-ratio: below 0 the

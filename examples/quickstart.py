@@ -44,6 +44,7 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 
 from hf_evon import EVONPosterior, build_optimizer, calibrate_posterior
+from hf_evon.fileio import file_on_the_way
 from hf_evon.predictive.calibration import CalibrationResult
 from hf_evon.predictive.metrics import calibration_metrics
 
@@ -158,11 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("seeds", "epochs", "batch_size", "width", "bma_samples"):  # a count of 0 or less trains nothing
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    existing = args.output_dir  # the path, or the nearest folder above it that exists: a file there is
-    while existing and not os.path.exists(existing):  # found before the training, not at the save
-        existing = os.path.dirname(existing.rstrip(os.sep))
-    if existing and not os.path.isdir(existing):
-        ap.error(f"--output-dir: {existing} is a file, not a directory")
+    if (blocking := file_on_the_way(args.output_dir)) is not None:
+        ap.error(f"--output-dir: {blocking} is a file, not a directory")
     train_rows = len(split_data(0)[0][0])  # the same for every seed
     if args.batch_size > train_rows:  # no full batch: no step
         ap.error(f"--batch-size must be at most the training split's {train_rows} images; got {args.batch_size}")

@@ -29,6 +29,7 @@ __all__ = [
     "UNREADABLE_STATE_ERRORS",
     "atomic_write",
     "directory_lock",
+    "file_on_the_way",
     "looks_like_local_path",
     "refused_load_text",
     "fsync_dir",
@@ -173,6 +174,16 @@ def directory_lock(directory: str) -> Iterator[None]:
             held.discard(key)
     finally:
         os.close(fd)  # releases the lock (a nested turn's descriptor holds none)
+
+
+def file_on_the_way(path: str) -> str | None:
+    """The nearest entry on the way to ``path`` that exists (``path``, else the folder above it, ...) where it
+    is not a directory: what makes ``os.makedirs(path)`` fail, found before a run rather than at its first
+    save; None where there is none."""
+    existing = path
+    while existing and not os.path.exists(existing):
+        existing = os.path.dirname(existing.rstrip(os.sep))
+    return existing if existing and not os.path.isdir(existing) else None
 
 
 def looks_like_local_path(value: str) -> bool:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from hf_evon.fileio import Listed, leads_to_directory, listed_directory, reachable_kind
+from hf_evon.fileio import Listed, file_on_the_way, leads_to_directory, listed_directory, reachable_kind
 
 
 @pytest.mark.parametrize("kind", ["file", "directory", "link to a directory", "missing", "dangling link", "loop"])
@@ -35,3 +37,14 @@ def test_reachable_kind_refuses_a_link_to_nothing_and_leads_to_directory_counts_
     assert listed is {"file": Listed.FILE, "missing": None}.get(kind, Listed.NOT_REGULAR)
     assert leads_to_directory(str(path), listed) is (kind in ("directory", "link to a directory"))
     assert listed_directory(str(path)) is (kind == "directory")
+
+
+def test_file_on_the_way_names_the_nearest_existing_entry_that_is_no_directory(tmp_path) -> None:
+    """The examples' check before a run: the file an ``os.makedirs(path)`` would fail on, or None."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    assert file_on_the_way(str(tmp_path / "dir" / "new" / "deeper")) is None  # made as it goes
+    assert file_on_the_way(str(tmp_path / "dir")) is None
+    assert file_on_the_way(str(tmp_path / "file")) == str(tmp_path / "file")
+    assert file_on_the_way(str(tmp_path / "file" / "new" / "deeper") + os.sep) == str(tmp_path / "file")
+    assert file_on_the_way("") is None

@@ -99,7 +99,7 @@ def _embedding_ids(model: nn.Module) -> set[int]:
     }
 
 
-def _broadcast_ids(model: nn.Module) -> tuple[set[int], set[int]]:
+def _vector_and_table_ids(model: nn.Module) -> tuple[set[int], set[int]]:
     """The parameters of 2 or more dimensions that are no linear map, as (learned vectors, embedding
     tables): those of 3 or more dimensions whose leading dimension is 1 (conv kernels and expert stacks
     aside), added to the activations by broadcasting over the batch, by how many of their dimensions
@@ -215,7 +215,7 @@ def build_param_groups(
     adamw_patterns = compiled_patterns(adamw_patterns, "adamw_patterns")
     evon_patterns = compiled_patterns(evon_patterns, "evon_patterns")
     head, embeddings = _output_head_ids(model), _embedding_ids(model)
-    vectors, tables = _broadcast_ids(model)
+    vectors, tables = _vector_and_table_ids(model)
     aliased = _aliased_parameters(model)
     _warn_unmatched(aliased, adamw_patterns, "adamw_patterns")
     _warn_unmatched(aliased, evon_patterns, "evon_patterns")
