@@ -42,10 +42,6 @@ __all__ = sorted(_PUBLIC)
 
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
-        if _PUBLIC[name] == "optim":
-            # an EVON may meet ``accelerator.prepare``: hf_evon.distributed lets accelerate's
-            # wrapper answer EVON's API (see its _HANDLE_CLASSES comment)
-            importlib.import_module(".distributed", __name__)
         return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
     raise AttributeError(f"module 'hf_evon' has no attribute {name!r}")
 

@@ -43,6 +43,7 @@ __all__ = [
     "no_file_text",
     "raised_by_torch_load",
     "reachable_kind",
+    "refuse_no_repo_id",
     "replaced_atomically",
     "temporary_name",
     "temporary_name_pattern",
@@ -266,6 +267,23 @@ def leads_to_directory(path: str, kind: Listed | None) -> bool:
     :func:`listed_directory`, a link to a directory counts. ``kind`` is looked up already, so
     ``os.path.isdir`` (which takes any error for False) answers for what this entry reaches."""
     return kind is Listed.NOT_REGULAR and os.path.isdir(path)
+
+
+def refuse_no_repo_id(
+    value: str, no_directory: Callable[[], BaseException], no_repo_id: Callable[[], BaseException]
+) -> None:
+    """For a location no local directory holds (:func:`local_directory` False): raise ``no_directory()``
+    where it is meant as a local path (:func:`looks_like_local_path`), ``no_repo_id()`` where it is no
+    valid Hub repo id either. Hub clients answer both with "Repo id must be in the form ...", which hides
+    that the directory does not exist."""
+    if looks_like_local_path(value):
+        raise no_directory()
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        raise no_repo_id() from None
 
 
 def local_directory(

@@ -590,16 +590,18 @@ def test_accelerate_prepare_alone_answers_evons_api() -> None:
     one hf_evon installs is EVONHandle's: if accelerate ever adds one, this fails)."""
     from accelerate.optimizer import AcceleratedOptimizer
 
-    from hf_evon.distributed.ddp import EVONHandle
+    from hf_evon.optim import EVONHandle
 
     assert AcceleratedOptimizer.__getattr__ is EVONHandle.__getattr__
-    fresh = (  # a user's script imports only the public API
-        "from hf_evon import build_optimizer\n"
-        "from accelerate.optimizer import AcceleratedOptimizer\n"
-        "print(AcceleratedOptimizer.__getattr__.__qualname__)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "EVONHandle.__getattr__"
+    paths = [("hf_evon", "build_optimizer"), ("hf_evon.optim", "EVON"), ("hf_evon.optim.evon", "EVON")]
+    for public, name in paths + [("hf_evon.optim.grouping", "build_optimizer")]:
+        fresh = (  # a user's script imports the optimizer by one path and accelerate after it
+            f"from {public} import {name}\n"
+            "from accelerate.optimizer import AcceleratedOptimizer\n"
+            "print(getattr(AcceleratedOptimizer.__dict__.get('__getattr__'), '__qualname__', None))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == "EVONHandle.__getattr__", public
     expected = _accelerate_run(False, 2)
     got = _accelerate_run(True, 2, distributed=False)
     assert set(got) == set(expected)

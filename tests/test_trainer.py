@@ -3104,6 +3104,27 @@ def test_a_calibration_applies_to_the_best_checkpoints_posterior(tmp_path) -> No
     assert trainer.current_posterior().ess == result.ess != trainer.posterior.ess
 
 
+def test_a_posterior_set_after_training_is_the_trainers_until_it_trains_again(tmp_path) -> None:
+    """``trainer.posterior = p`` after an EVON run was stored and ignored: ``current_posterior()``,
+    evaluation and ``save_model`` kept taking EVON's (and its calibration), though the setter's docstring
+    says setting it vouches for it. It is the trainer's posterior, uncalibrated, until ``train()`` runs."""
+    trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(32))
+    trainer.train()
+    _recalibrated(trainer)
+    trained = trainer._trained_posterior()
+    hand = trained.with_ess(trained.ess * 1e-3)
+    trainer.posterior = hand
+    assert trainer.current_posterior() is hand
+    trainer.save_model(tmp_path / "hand")
+    assert EVONPosterior.from_pretrained(tmp_path / "hand").ess == hand.ess != trained.ess
+    trainer.posterior = None  # EVON's again (its calibration was for the posterior in place before)
+    assert trainer.current_posterior().ess == trained.ess
+    trainer.posterior = hand
+    trainer.args.max_steps = 6
+    trainer.train(resume_from_checkpoint=False)
+    assert trainer.current_posterior().ess == trainer._trained_posterior().ess == trained.ess
+
+
 def test_a_failed_calibration_keeps_the_one_before(tmp_path) -> None:
     trainer = EVONTrainer(model=tiny_bert(), args=config(tmp_path), train_dataset=classification_data(32))
     trainer.train()

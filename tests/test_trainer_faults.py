@@ -129,6 +129,19 @@ def test_optim_is_ignored_with_a_warning(tmp_path):
         EVONConfig(output_dir=str(tmp_path), report_to="none")
 
 
+def test_ignored_optim_args_are_said_once(tmp_path):
+    """``optim_args`` at the default ``optim`` was warned about where the config was built and again where
+    the trainer built its optimizer: the warning resets ``optim`` but kept ``optim_args``. Both are reset."""
+    with pytest.warns(UserWarning, match=r"optim_args = 'foo=1'\) is ignored"):
+        args = config(tmp_path, max_steps=1, optim_args="foo=1")
+    assert args.optim_args is None
+    trainer = EVONTrainer(model=tiny_bert(), args=args, train_dataset=classification_data(16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.create_optimizer()
+    assert not [w for w in record if "is ignored" in str(w.message)], [str(w.message) for w in record]
+
+
 @pytest.mark.parametrize("when", ["built", "set_later"])
 @pytest.mark.parametrize("optim", ["lomo", "adalomo"])
 def test_an_ignored_lomo_optim_is_ignored_while_training_too(tmp_path, optim, when):

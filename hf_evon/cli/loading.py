@@ -20,9 +20,9 @@ from hf_evon.fileio import (
     leads_to_directory,
     listed_kind,
     local_directory,
-    looks_like_local_path,
     no_file_text,
     reachable_kind,
+    refuse_no_repo_id,
     refused_load_text,
 )
 
@@ -46,16 +46,11 @@ def check_location(value: str, option: str) -> str:
         lambda: UsageError(f"{option} {value!r} is a file; pass the directory that holds it"),
     ):
         return "local"
-    if looks_like_local_path(value):
-        raise UsageError(f"{option} {value!r}: no such local directory")
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        raise UsageError(
-            f"{option} {value!r} is neither a local directory nor a Hub repo id ('name' or 'namespace/name')"
-        ) from None
+    refuse_no_repo_id(
+        value,
+        lambda: UsageError(f"{option} {value!r}: no such local directory"),
+        lambda: UsageError(f"{option} {value!r} is neither a local directory nor a Hub repo id ('name' or 'namespace/name')"),
+    )
     return "hub"
 
 

@@ -68,13 +68,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_evon.distributed.accumulation import accumulation_checked
 from hf_evon.distributed.averaging import RankAverager, world_size
 from hf_evon.distributed.fsdp2 import FSDP2Sharding, shard_rows
 from hf_evon.distributed.sharding import EVONSharding
 from hf_evon.modeling import fsdp2_modules
 from hf_evon.optim.evon import EVON, unwrap_optimizer
 from hf_evon.optim.gradients import accelerate_gradient_state
+from hf_evon.optim.handle import EVONHandle
 
 Tensor = torch.Tensor
 
@@ -96,28 +96,6 @@ _PREPARED_ATTR = "_hf_evon_local_gradients"
 class UnsupportedParallelismError(RuntimeError):
     """A parallel set-up EVON cannot train correctly (FSDP1, DeepSpeed, FSDP2 other than ``Shard(0)``
     on one 1-D mesh, DTensors without FSDP2); the message names the parameter and what is supported."""
-
-
-class EVONHandle:
-    """Mixin for optimizer wrappers: attributes the wrapper lacks are the wrapped EVON's.
-
-    Why: accelerate's ``AcceleratedOptimizer`` forwards ``step``/``zero_grad``/``state_dict``
-    but not ``sampled_params`` or ``mc_samples``, so users kept two handles.
-    :func:`prepare_distributed` gives the wrapper this mixin (it stays the same object, an
-    instance of its own class too); the wrapper's own methods (``step``, which honours
-    accelerate's gradient accumulation, ``zero_grad``, ...) are unchanged.
-    """
-
-    def __getattr__(self, name: str) -> Any:  # only called when normal lookup fails
-        missing = AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if name.startswith("__") or name == "optimizer":  # unset during unpickling: no recursion
-            raise missing
-        try:
-            evon = unwrap_optimizer(self)
-        except TypeError:
-            raise missing from None
-        found = getattr(evon, name)  # a training block is checked against accelerate's accumulation
-        return accumulation_checked(self, found) if name == "sampled_params" else found
 
 
 try:
@@ -161,13 +139,6 @@ else:
 _HANDLE_CLASSES: dict[type, type] = {}
 if EVONAcceleratedOptimizer is not None:
     _HANDLE_CLASSES[AcceleratedOptimizer] = EVONAcceleratedOptimizer
-    # The one change hf_evon makes to another library's class: accelerate's AcceleratedOptimizer
-    # defines no __getattr__ and no hook when ``accelerator.prepare`` wraps an optimizer: a loop written the
-    # usual way (``accelerator.prepare(build_optimizer(model))``, then ``optimizer.sampled_params``) would
-    # meet an AttributeError. With EVONHandle's lookup what the wrapper lacks is the EVON's (around another
-    # optimizer it stays one); tests/test_distributed.py pins that accelerate defines none of its own.
-    if "__getattr__" not in vars(AcceleratedOptimizer):
-        AcceleratedOptimizer.__getattr__ = EVONHandle.__getattr__  # type: ignore[attr-defined]
 
 
 def as_evon_handle(optimizer: Any) -> Any:

@@ -2,10 +2,12 @@
 
 from hf_evon.optim.evon import EVON, NonFiniteGradientError
 from hf_evon.optim.grouping import build_optimizer, build_param_groups, describe_param_groups
+from hf_evon.optim.handle import EVONHandle  # also gives accelerate's wrapper EVON's API
 from hf_evon.optim.recipes import RECIPES
 
 __all__ = [
     "EVON",
+    "EVONHandle",
     "RECIPES",
     "NonFiniteGradientError",
     "build_optimizer",

@@ -23,10 +23,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoSibling
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 import hf_evon.posterior.format as posterior_format
-from hf_evon.fileio import Listed, listed_kind, local_directory, looks_like_local_path, no_file_text
+from hf_evon.fileio import Listed, listed_kind, local_directory, no_file_text, refuse_no_repo_id
 from hf_evon.posterior.config import (
     POSTERIOR_CONFIG_NAME,
     POSTERIOR_WEIGHTS_NAME,
@@ -196,14 +195,13 @@ def _snapshot_commit(cached: str) -> str | None:
 def _check_repo_id(path: str) -> None:
     """Refuse a location that is no directory here and cannot be a Hub repo id: huggingface_hub
     would answer "Repo id must be in the form ...", hiding that the directory does not exist."""
-    if looks_like_local_path(path):
-        raise FileNotFoundError(f"no EVON posterior at {path!r}: no such directory")
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        raise FileNotFoundError(
+    refuse_no_repo_id(
+        path,
+        lambda: FileNotFoundError(f"no EVON posterior at {path!r}: no such directory"),
+        lambda: FileNotFoundError(
             f"no EVON posterior at {path!r}: no such directory, and not a Hub repo id ('name' or 'namespace/name')"
-        ) from None
+        ),
+    )
 
 
 def _local_switch_state(source: PosteriorSource) -> tuple[str | None, str] | None:

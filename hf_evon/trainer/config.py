@@ -517,8 +517,8 @@ class EVONConfig(TrainingArguments):
             compiled_patterns(getattr(self, name), f"EVONConfig.{name}")
 
     def _warn_unused_optimizer_settings(self) -> None:
-        """``optim``/``optim_args`` select the Trainer's optimizer, which EVON replaces: say so, and set
-        ``optim`` back to its default, which the Trainer also reads while training (LOMO's
+        """``optim``/``optim_args`` select the Trainer's optimizer, which EVON replaces: say so once, and set
+        both back to their defaults (the Trainer also reads ``optim`` while training: LOMO's
         ``backward(learning_rate=...)``)."""
         default = type(self).__dataclass_fields__["optim"].default
         optim = getattr(self.optim, "value", self.optim)
@@ -531,7 +531,7 @@ class EVONConfig(TrainingArguments):
                 UserWarning,
                 stacklevel=3,
             )
-            self.optim = type(self.optim)(getattr(default, "value", default))
+            self.optim, self.optim_args = type(self.optim)(getattr(default, "value", default)), None
 
     # recipe key -> the config field that holds it (betas: two fields, handled apart)
     _RECIPE_FIELDS: ClassVar[dict[str, str]] = {

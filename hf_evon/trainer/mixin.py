@@ -28,15 +28,11 @@ What the trainer does differently from ``transformers.Trainer``:
   the accumulated batch; the trainer then back-propagates ``A · loss``.
 * **Gradient clipping and grad-norm logging** refer to the *mean* gradient over the step's
   samples (what EVON uses), not to the sum that ``p.grad`` holds: the norm is divided by A·K,
-  and ``max_grad_norm`` clips the mean. Clipping rescales the gradients of every parameter
-  (EVON and AdamW) by c = max_grad_norm / norm, and EVON's H sees it where H is estimated from
-  the step's gradient: under ``hess_estimator="fisher"`` (the default) H ← β·H + (1−β)·G_rot² takes
-  the clipped G_rot, so a step whose clip bites adds c²·G_rot², its contribution lowered by the
-  clip factor squared (and with it the ζ and δ refit from H). The Price estimate
-  (``"price"``) reads each sample's gradient at its ``sampled_params`` block's exit, before the
-  clip: its H is not rescaled (only the step is). ``max_grad_norm=0``, ``EVONConfig``'s default
-  (docs/defaults.md#max-grad-norm), disables the clip. ``optimizer.synchronize()`` runs first (a
-  no-op on one process). A
+  and ``max_grad_norm`` clips the mean. Clipping rescales the gradients of every parameter by
+  c = max_grad_norm / norm; under ``hess_estimator="fisher"`` (the default) H takes the clipped
+  rotated gradient, so that step adds c²·G_rot² (the Price estimate reads each sample's gradient
+  before the clip). ``max_grad_norm=0``, ``EVONConfig``'s default (docs/defaults.md#max-grad-norm),
+  disables the clip. ``optimizer.synchronize()`` runs first (a no-op on one process). A
   non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
   deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
@@ -301,7 +297,7 @@ class EVONTrainerMixin(
             return True
         return self.model is not None and is_causal_lm(self.model)  # it unwraps DDP, compile, PEFT
 
-    def current_posterior(self) -> Any:
+    def current_posterior(self) -> EVONPosterior | None:
         """The posterior that belongs to the model's current weights, or None: a snapshot of the
         EVON optimizer's posterior; the ``posterior`` given to the trainer before it has an
         optimizer; the best checkpoint's after ``load_best_model_at_end`` restored its weights.
@@ -311,7 +307,7 @@ class EVONTrainerMixin(
             posterior = self.calibration.apply(posterior)
         return posterior
 
-    def _trained_posterior(self) -> Any:
+    def _trained_posterior(self) -> EVONPosterior | None:
         """:meth:`current_posterior` before its calibration."""
         if not self._takes_evon_posterior():
             return self._held_posterior()
@@ -322,17 +318,20 @@ class EVONTrainerMixin(
         """Whether :meth:`current_posterior` is taken from EVON, else it is the held one: also where EVON covers
         no matrix (all with AdamW, or every one frozen and never updated)."""
         opt = self.evon_optimizer
-        return not self._posterior_from_checkpoint and opt is not None and has_posterior_to_take(opt)
+        held = self._posterior_from_checkpoint or self.__dict__.get("_posterior_set_by_hand", False)
+        return not held and opt is not None and has_posterior_to_take(opt)
 
     @property
-    def posterior(self) -> Any:
+    def posterior(self) -> EVONPosterior | None:
         """The posterior held for the model's weights (``posterior=``, the best checkpoint's, or one set
-        here): see :meth:`current_posterior`. Setting it vouches for it as the current weights'."""
+        here): see :meth:`current_posterior`. Setting it vouches for it as the current weights': it is
+        the trainer's posterior, uncalibrated, in place of EVON's until ``train()`` runs again (None: EVON's)."""
         return self.__dict__.get("_evon_posterior")
 
     @posterior.setter
-    def posterior(self, value: Any) -> None:
+    def posterior(self, value: EVONPosterior | None) -> None:
         self._evon_posterior, self._posterior_trained_past = value, None
+        self._posterior_set_by_hand, self._calibrated_step = value is not None, -1
 
     def _held_posterior(self) -> Any:
         """``self.posterior`` (``posterior=``, or the best checkpoint's) while its mean is the model's
@@ -578,7 +577,8 @@ class EVONTrainerMixin(
         args, kwargs = resume_arguments(self, args, kwargs)  # the newest complete checkpoint for True
         if self.calibration_dataset is not None:
             self._check_calibration_data()  # before the first step: not after the whole run
-        self._posterior_from_checkpoint, self.calibration = False, None  # it held for the weights it scored
+        self._posterior_from_checkpoint = self._posterior_set_by_hand = False
+        self.calibration = None  # it held for the weights it scored
         self._posterior_trained_past = self.posterior  # the weights it may have been taken at change from here
         self._held_verdict = None  # a resume loads other weights at the same step
         self._evon_fsdp2_resume, self._evon_in_training = None, True
