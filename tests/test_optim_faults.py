@@ -1545,3 +1545,88 @@ def test_an_invalid_mc_samples_edit_is_named_where_the_loop_reads_it(value) -> N
     with pytest.raises(ValueError, match=r"Invalid mc_samples"):
         opt.step(lambda: w.square().sum().backward())
     assert opt.state[w] == {} and opt.sample_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        ({"params": [nn.Parameter(torch.zeros(5, 5)), torch.zeros(5, 5, dtype=torch.long)], "param_names": ["a"]}, "param_names"),
+        ({"params": [nn.Parameter(torch.zeros(5, 5))], "param_names": 5}, "param_names"),
+        ({"params": [nn.Parameter(torch.zeros(5, 5))], "param_names": ["a", "b"]}, "param_names"),
+        ({"params": [nn.Parameter(torch.zeros(5, 5))], "param_names": ["w"], "fit_to_curvature": 5}, "fit_to_curvature"),
+        ({"params": [nn.Parameter(torch.zeros(5, 5))], "param_names": ["w"], "fit_to_curvature": ("bogus",)}, "fit_to_curvature"),
+    ],
+)
+def test_a_refused_added_group_leaves_the_optimizer_as_it_was(extra, said) -> None:
+    """``add_param_group`` undid a refused group on a ValueError only: a short ``param_names`` (IndexError)
+    or a ``fit_to_curvature`` of 5 (TypeError) left the group in place, and every later block and step
+    raised. Names that do not fit the parameters were taken, and the optimizer's own state dict then did
+    not load. Each is a ValueError naming the key, the optimizer unchanged and training on as a fresh one."""
+    from hf_evon import build_optimizer
+
+    data = make_data()
+    model, reference = make_model(), make_model()
+    opt, ref_opt = build_optimizer(model, seed=0), build_optimizer(reference, seed=0)  # groups with names
+    with pytest.raises(ValueError, match=rf"Invalid {said}: "):
+        opt.add_param_group(extra)
+    assert len(opt.param_groups) == len(ref_opt.param_groups)
+    for _ in range(2):
+        train_step(model, opt, data)
+        train_step(reference, ref_opt, data)
+    assert_identical(snapshot(model, opt), snapshot(reference, ref_opt))
+    opt.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize("value", ["abc", float("nan"), [1, 2], -3.0])
+def test_a_state_dicts_configured_rate_is_checked_as_the_rate_is(value) -> None:
+    """``configured_lr`` (the rate the posterior records as its ``lr``) was loaded as it came: "abc" or a
+    list failed at the posterior's save, naming nothing; -3.0 was saved as the posterior's rate."""
+    data = make_data()
+    model = make_model()
+    opt = make_opt(model)
+    train_step(model, opt, data)
+    saved = opt.state_dict()
+    state = copy.deepcopy(saved)
+    state["param_groups"][0]["configured_lr"] = value
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: Invalid configured_lr: "):
+        opt.load_state_dict(state)
+    assert_identical(snapshot(model, opt), before)
+    assert opt.param_groups[0]["configured_lr"] == saved["param_groups"][0]["configured_lr"]
+
+
+def test_a_state_dicts_basis_of_another_rank_is_named_by_its_shape() -> None:
+    """A flattened ``Q_L`` met the orthonormality check first: torch's "tensor.mT is only supported on
+    matrices", naming no key. The shape check names it."""
+    model = make_model()
+    opt = make_opt(model, precondition_frequency=1)
+    train_step(model, opt, make_data())
+    state = copy.deepcopy(opt.state_dict())
+    index = next(i for i, entry in state["state"].items() if "Q_L" in entry and entry["Q_L"].numel())
+    state["state"][index]["Q_L"] = state["state"][index]["Q_L"].flatten()
+    with pytest.raises(ValueError, match=rf"state\[{index}\]\['Q_L'\] has shape \(\d+,\)"):
+        opt.load_state_dict(state)
+
+
+def test_flags_and_sizes_given_as_other_types_are_refused_by_name() -> None:
+    """``discard_samples(rewind="no")`` rewound, a posterior's ``draw(rotated="no")`` drew rotated (a string
+    reads as True); ``max_elements="x"`` raised Python's comparison error; a sparse parameter was taken and
+    failed in torch's norm at its first block."""
+    model = make_model()
+    opt = make_opt(model)
+    with pytest.raises(TypeError, match="discard_samples: rewind must be True or False; got 'no'"):
+        opt.discard_samples(rewind="no")
+    weight = model[0].weight
+    for bad in ("x", -1, 1.5):
+        with pytest.raises(ValueError, match=rf"posterior_covariance\(\): max_elements must be an integer >= 0; got {re.escape(repr(bad))}"):
+            opt.posterior_covariance(weight, max_elements=bad)
+    train_step(model, opt, make_data())
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    with pytest.raises(TypeError, match="draw: rotated must be True or False; got 'no'"):
+        posterior.draw(1, seed=0, rotated="no")
+    with pytest.raises(ValueError, match=r"covariance\(\): max_elements must be an integer >= 0; got 'x'"):
+        posterior.covariance(posterior.names[0], max_elements="x")
+    with pytest.raises(ValueError, match="to: a posterior cannot move to the meta device"):
+        posterior.to("meta")
+    with pytest.raises(ValueError, match=r"EVON cannot train the torch.sparse_coo parameter #0 of its group: it needs dense weights"):
+        EVON([nn.Parameter(torch.eye(3).to_sparse())])

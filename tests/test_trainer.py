@@ -1050,7 +1050,8 @@ def test_a_resume_names_an_optimizer_or_scheduler_file_torch_cannot_read(tmp_pat
     """A checkpoint whose optimizer.pt is cut short, or holds a pickle torch.load(weights_only=True)
     refuses, raised torch's own error naming no file (the refusal with torch's advice to load it with
     weights_only=False, which would run its code); it is a ValueError naming the file. So is a
-    scheduler.pt cut short, read after EVON's state loaded."""
+    scheduler.pt cut short, read after EVON's state loaded. An rng_state.pth of either kind raised torch's
+    errors too, after the weights and EVON's state had loaded: it is refused, naming it, before anything loads."""
     import io
     import pickle
 
@@ -1063,6 +1064,8 @@ def test_a_resume_names_an_optimizer_or_scheduler_file_torch_cannot_read(tmp_pat
         "optimizer.pt": ((source / "optimizer.pt").read_bytes()[:4000], "cannot read EVON's state (PytorchStreamReader"),
         "optimizer.pt ": (payload.getvalue(), "refusing to load it: torch.load(weights_only=True) loads tensors"),
         "scheduler.pt": ((source / "scheduler.pt").read_bytes()[:100], "cannot read the scheduler's state ("),
+        "rng_state.pth": ((source / "rng_state.pth").read_bytes()[:300], "cannot read the random number generators' state ("),
+        "rng_state.pth ": (payload.getvalue(), "refusing to load it: torch.load(weights_only=True) loads tensors"),
     }
     for k, (name, (data, said)) in enumerate(cases.items()):
         checkpoint = tmp_path / f"bad{k}" / "checkpoint-2"
@@ -1073,6 +1076,10 @@ def test_a_resume_names_an_optimizer_or_scheduler_file_torch_cannot_read(tmp_pat
             trainer.train(resume_from_checkpoint=str(checkpoint))
         assert str(refused.value).startswith(f"{checkpoint / name.strip()}: {said}"), str(refused.value)
         assert "weights_only=False" not in str(refused.value)
+        if name.startswith("rng"):  # refused first: nothing of the checkpoint loaded
+            fresh = tiny_bert()
+            assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), fresh.parameters()))
+            assert trainer.optimizer is None or not trainer.optimizer.state
 
 
 def test_a_trainer_state_nested_past_the_recursion_limit_is_an_unreadable_checkpoint(tmp_path):

@@ -72,6 +72,7 @@ from hf_evon.distributed.averaging import RankAverager, world_size
 from hf_evon.distributed.fsdp2 import FSDP2Sharding, shard_rows
 from hf_evon.distributed.sharding import EVONSharding
 from hf_evon.modeling import fsdp2_modules
+from hf_evon.optim.checks import check_flag
 from hf_evon.optim.evon import EVON, unwrap_optimizer
 from hf_evon.optim.gradients import accelerate_gradient_state
 from hf_evon.optim.handle import EVONHandle
@@ -433,8 +434,7 @@ def prepare_distributed(
         raise TypeError(f"prepare_distributed: model must be an nn.Module (the prepared model); got {type(model).__name__}")
     if shard is not None and not isinstance(shard, bool):  # 'no' would be truthy, and sharding is for good
         raise TypeError(f"prepare_distributed: shard must be True, False or None; got {shard!r}")
-    if not isinstance(check_consistency, bool):
-        raise TypeError(f"prepare_distributed: check_consistency must be True or False; got {check_consistency!r}")
+    check_flag(check_consistency, "prepare_distributed: check_consistency")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float) or not 0 < bucket_cap_mb < math.inf:
         raise ValueError(f"prepare_distributed: bucket_cap_mb must be a finite number > 0; got {bucket_cap_mb!r}")
     if any(type(m).__name__ == "DeepSpeedEngine" for m in _module_chain(model)):

@@ -166,6 +166,14 @@ def betas_ok(betas: Any) -> bool:
     )
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` where it is True or False, else a TypeError naming ``name``: a string such as "no" would
+    read as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
 def require(name: str, value: Any, ok: bool, rule: str) -> None:
     """The one place argument errors are raised: the message names the argument and its rule."""
     if not ok:

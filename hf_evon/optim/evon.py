@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+import hf_evon.optim.checks as checks
 import hf_evon.optim.gradients as gradients
 import hf_evon.optim.health as health
 import hf_evon.optim.linalg as linalg
@@ -228,7 +229,7 @@ class EVON(Optimizer):
         super().add_param_group(self._hooks.new_group(prepare_group(param_group, self._adamw_defaults)))
         try:
             build_group(self.param_groups[-1], self._updates, self._fit_records)
-        except ValueError:
+        except BaseException:
             self.param_groups.pop()  # a refused group leaves the optimizer as it was
             raise
         self._buckets = None
@@ -342,8 +343,7 @@ class EVON(Optimizer):
         less what the last step consumed); an interrupt (Ctrl-C) also drops the step's earlier
         samples. Frozen parameters are not perturbed. ``train=False`` only samples (BMA)."""
         self._refuse_in_sample("sampled_params() (blocks cannot be nested)")
-        if not isinstance(train, bool):  # a string would decide the recording only at the exit
-            raise TypeError(f"sampled_params: train must be True or False; got {train!r}")
+        checks.check_flag(train, "sampled_params: train")  # a string would decide the recording only at the exit
         self._settle_groups()
         perturbed: list[Bucket] = []
         stash: list[tuple[Tensor, Tensor | None]] | None = [] if train else None
@@ -482,7 +482,7 @@ class EVON(Optimizer):
         """Drop the samples recorded since the last step. ``rewind`` (a trainer starting over after an
         abort): also the noise counter back to the end of the last ``step()`` call, so the blocks of
         the step that never completed draw again the noise a run that never aborted draws."""
-        if rewind:
+        if checks.check_flag(rewind, "discard_samples: rewind"):
             self._refuse_in_sample("discard_samples(rewind=True)")
             self._sample_blocks = self._stepped_blocks
         self._samples, self._synchronized = 0, False

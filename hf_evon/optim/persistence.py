@@ -27,7 +27,13 @@ from hf_evon.optim.checks import ALGORITHMS
 from hf_evon.optim.functional import adamw_step_device
 from hf_evon.optim.gradients import consumed_grads, consumed_places
 from hf_evon.optim.linalg import ORTHONORMAL_TOL, orthonormality_error
-from hf_evon.optim.validation import fit_records, python_numbers, resolve_prior, validate_group
+from hf_evon.optim.validation import (
+    fit_records,
+    param_names_ok,
+    python_numbers,
+    resolve_prior,
+    validate_group,
+)
 
 __all__ = ["COPIED_ATTRIBUTES", "copied_attributes", "loading", "restore_copied", "saving"]
 
@@ -281,10 +287,7 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
         # torch's load replaces the groups with the saved ones: a key they lack would be gone, and every step fail
         if missing := [k for k in REQUIRED_GROUP_KEYS[hyper["algorithm"]] if k not in hyper]:
             raise ValueError(f"EVON.load_state_dict: param_groups[{gi}] lacks {missing}: a corrupt or partial EVON state")
-        names_given = group.get("param_names")
-        if names_given is not None and not (
-            isinstance(names_given, list) and len(names_given) == len(group["params"]) and all(isinstance(n, str) for n in names_given)
-        ):
+        if group.get("param_names") is not None and not param_names_ok(group["param_names"], len(group["params"])):
             raise ValueError(f"EVON.load_state_dict: param_groups[{gi}]['param_names'] must be a list of one str per parameter")
         try:
             validate_group(resolve_prior(hyper))
@@ -316,7 +319,7 @@ def validate_state_dict(state_dict: dict[str, Any]) -> None:
             parts = torch.view_as_real(value) if value.is_complex() else value  # torch's complex moments: per part
             if key in ("step", "exp_avg_sq_norm", ADAMW_ONLY_KEY) and not bool((parts >= low).all()):
                 raise ValueError(f"EVON.load_state_dict: state[{idx!r}][{key!r}] is below {low}")
-            if key in ("Q_L", "Q_R") and value.numel():
+            if key in ("Q_L", "Q_R") and value.numel() and value.ndim >= 2:  # else the shape check names it
                 # a saved posterior's bound, at least float32's, which the bases are computed in
                 err = orthonormality_error(value, fresh=True)
                 tol = max(ORTHONORMAL_TOL.get(value.dtype, 6e-2), ORTHONORMAL_TOL[torch.float32])

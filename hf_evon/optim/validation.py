@@ -216,6 +216,17 @@ def resolve_mean_weight_decay(group: dict[str, Any]) -> None:
     group["mean_weight_decay"] = default_weight_decay(group["hess_init"], ratio) if fitted else 0.0
 
 
+def param_names_ok(names: Any, count: int) -> bool:
+    """Whether ``names`` is a group's ``param_names`` for ``count`` parameters: a list of one str each."""
+    return isinstance(names, list) and len(names) == count and all(isinstance(n, str) for n in names)
+
+
+def check_fit_to_curvature(fit: Any) -> None:
+    """A group's ``fit_to_curvature``: names among ``ess`` and ``weight_decay`` (none: nothing fitted)."""
+    ok = isinstance(fit, tuple | list) and all(name in ("ess", "weight_decay") for name in fit)
+    require("fit_to_curvature", fit, ok, "a tuple of names among 'ess' and 'weight_decay' (empty: nothing fitted)")
+
+
 def validate_group(group: dict[str, Any]) -> None:
     """Check a group's hyperparameters (types and values) after ``resolve_prior``; the message
     names the field. Fields the group lacks are not checked (a group built by ``EVON`` has them all)."""
@@ -236,8 +247,12 @@ def validate_group(group: dict[str, Any]) -> None:
         need(option, not group.get(option), "False or absent: EVON does not implement it (torch.optim's option)")
     if has("clip_radius"):  # first: a default lr is derived from it
         need("clip_radius", in_range(group["clip_radius"]) and group["clip_radius"] > 0.0, f"a finite number > 0 ({IN_RANGE})")
-    if has("lr"):
-        need("lr", rate_ok(group["lr"]), RATE_RULE)
+    for name in ("lr", "configured_lr", "initial_lr"):  # the rate, and as configured (the posterior's lr)
+        if has(name):
+            need(name, rate_ok(group[name]), RATE_RULE)
+    if has("params") and group.get("param_names") is not None:
+        count = len(group["params"])
+        need("param_names", param_names_ok(group["param_names"], count), f"a list of one str per parameter ({count})")
     if has("betas"):
         need("betas", betas_ok(group["betas"]), "two numbers in [0, 1)")
     if has("weight_decay"):
@@ -252,6 +267,8 @@ def validate_group(group: dict[str, Any]) -> None:
         rule = "absent: an AdamW group's ε is its 'eps', as in torch.optim.AdamW"
         need("adamw_eps", not has("adamw_eps"), rule)
         return
+    if has("fit_to_curvature"):  # first: whether ess is fitted decides rules below
+        check_fit_to_curvature(group["fit_to_curvature"])
     if has("ess"):
         ess = group["ess"]
         need(
@@ -325,6 +342,8 @@ def validate_group(group: dict[str, Any]) -> None:
             )
         if not p.is_floating_point():
             raise ValueError(f"EVON cannot train the {p.dtype} parameter {label}: it needs floating-point weights")
+        if p.layout != torch.strided:
+            raise ValueError(f"EVON cannot train the {p.layout} parameter {label}: it needs dense weights")
 
 
 # what a group not built yet fits to its curvature where it omits these keys (the constructor's defaults)
@@ -356,7 +375,7 @@ def build_group(group: dict[str, Any], updates: int, built: dict[int, dict[str, 
     curvature decided (``curvature_fitted``, fixed from here on), its fits' clock started where it is
     added mid-run (``fit_from``), settled (``settle_group``), and the keys that decided it kept in
     ``built`` (``fit_record``, by id of group), which ``validate_groups`` holds it to."""
-    group.setdefault("fit_to_curvature", curvature_fitted(group))
+    check_fit_to_curvature(group.setdefault("fit_to_curvature", curvature_fitted(group)))
     if group["fit_to_curvature"] and updates:  # added mid-run: its fits' clock starts here
         group.setdefault("fit_from", updates)
     record = fit_record(group)  # before settle_group resolves weight_decay=None

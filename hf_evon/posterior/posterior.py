@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hf_evon.modeling import pruned_ranks, unused_adapter_parameters, unwrap_model
-from hf_evon.optim.checks import is_real, sample_count
+from hf_evon.optim.checks import check_flag, is_real, sample_count
 from hf_evon.optim.linalg import MAX_DENSE_COVARIANCE_ELEMENTS, refuse_dense_covariance, writing_weights
 from hf_evon.optim.noise import resolve_seed
 from hf_evon.posterior.config import (
@@ -262,6 +262,7 @@ class EVONPosterior(PosteriorFilesMixin):
         instead of to the weights.
         """
         num_samples = sample_count(num_samples)
+        check_flag(rotated, "draw: rotated")
         seed, dtype = resolve_seed(seed), as_dtype(dtype, "draw: dtype")
         wanted = self._select(names)
         covered = set(wanted.values())
@@ -434,6 +435,8 @@ class EVONPosterior(PosteriorFilesMixin):
                 raise TypeError(f"to: dtype given twice ({device} and {dtype}); pass to(device, dtype)")
             device, dtype = None, device
         dtype = as_dtype(dtype, "to: dtype")
+        if device is not None and torch.device(device).type == "meta":  # no values to sample or save
+            raise ValueError("to: a posterior cannot move to the meta device, which holds no values")
         groups = [g.cast(device, dtype, declared_basis_dtype(self.config)) for g in self._groups]
         config = dict(self.config)
         if dtype is not None:

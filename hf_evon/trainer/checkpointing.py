@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME
-from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_pt_utils import reissue_pt_warnings, safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils.import_utils import check_torch_load_is_safe
 
@@ -102,14 +102,6 @@ def _copy_named_adapters(checkpoint: str, output_dir: str, names: list[str]) -> 
             os.replace(target, aside)
         os.replace(staged, target)
         shutil.rmtree(aside, ignore_errors=True)
-
-
-def _has_posterior(directory: str) -> bool:
-    """Whether ``directory`` holds a posterior: its config. The weights file is the one the config
-    names (a first save killed after its switch names the staged file: that loads); a config
-    that does not load (also one that is no regular file) is an error ``from_pretrained`` names,
-    not a posterior to skip."""
-    return holds_posterior_config(directory)
 
 
 def other_weights(model: Any, fingerprint: Any, names: Any) -> list[str] | None:
@@ -244,7 +236,7 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
                 "cut short (the Trainer writes trainer_state.json last); resume from an earlier checkpoint"
             )
         if listed:
-            _warn_without_rng_state(trainer, directory)
+            _check_rng_state(trainer, directory)
         return resume
     output_dir = trainer.args.output_dir
     if not _listed_checkpoint_directory(output_dir, "resume_from_checkpoint=True: output_dir"):
@@ -257,7 +249,7 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
             continue
         lacks = _incomplete(directory, needs)
         if lacks is None:
-            _warn_without_rng_state(trainer, directory)
+            _check_rng_state(trainer, directory)
             if skipped:
                 warnings.warn(
                     f"resume_from_checkpoint=True: skipping the incomplete checkpoints "
@@ -275,14 +267,22 @@ def _checkpoint_to_resume(trainer: Any, resume: Any) -> Any:
     return resume  # no checkpoint at all: the Trainer's own error
 
 
-def _warn_without_rng_state(trainer: Any, directory: str) -> None:
+def _check_rng_state(trainer: Any, directory: str) -> None:
     """Warn where a checkpoint with its optimizer state lacks this process's RNG file (deleted; another number
-    of processes): the Trainer only logs it, and the data order and dropout draw afresh (EVON's noise is in its state)."""
+    of processes): the Trainer only logs it, and the data order and dropout draw afresh (EVON's noise is in its
+    state). One ``torch.load`` refuses is refused here, naming it, before the Trainer loads the weights."""
     args = trainer.args
     name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
-    if not args.save_only_model and not os.path.isfile(os.path.join(directory, name)):
-        message = f"resuming from {directory}, which has no {name}: the random states (data order, dropout) start afresh"
-        warnings.warn(message + ", so the run does not continue as an uninterrupted one", UserWarning, stacklevel=outside_stacklevel())
+    if not os.path.isfile(path := os.path.join(directory, name)):
+        if not args.save_only_model:
+            message = f"resuming from {directory}, which has no {name}: the random states (data order, dropout) start afresh"
+            warnings.warn(message + ", so the run does not continue as an uninterrupted one", UserWarning, stacklevel=outside_stacklevel())
+        return
+    try:
+        with safe_globals():  # as the Trainer reads it: numpy's random state
+            torch.load(path, weights_only=True)
+    except UNREADABLE_STATE_ERRORS as err:
+        raise unreadable_state(path, "the random number generators' state", err) from err
 
 
 def resume_arguments(trainer: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -314,7 +314,7 @@ class _PosteriorDeletingApi:
 
     def upload_folder(self, *args: Any, **kwargs: Any) -> Any:
         folder = kwargs.get("folder_path", args[1] if len(args) > 1 else None)
-        if folder is not None and not _has_posterior(os.fspath(folder)):
+        if folder is not None and not holds_posterior_config(os.fspath(folder)):
             patterns = kwargs.get("delete_patterns") or []
             patterns = [patterns] if isinstance(patterns, str) else list(patterns)
             kwargs["delete_patterns"] = patterns + [p for p in _HUB_POSTERIOR_FILES if p not in patterns]
@@ -383,7 +383,7 @@ class CheckpointingMixin:
         # a config that is a link (to nothing, to a directory) or a named pipe counts too: loading the
         # directory takes it for its posterior and fails on it. A directory of that name is no file a
         # save wrote: remove_posterior leaves it
-        if not _has_posterior(directory) and not os.path.lexists(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)):
+        if not holds_posterior_config(directory) and not os.path.lexists(os.path.join(directory, POSTERIOR_WEIGHTS_NAME)):
             return
         try:
             config = read_config(config_path)
@@ -436,7 +436,7 @@ class CheckpointingMixin:
         if not self.is_world_process_zero():
             return
         posterior = self.current_posterior()
-        if posterior is None and _has_posterior(self.args.output_dir):
+        if posterior is None and holds_posterior_config(self.args.output_dir):
             from hf_evon.posterior.posterior import EVONPosterior
 
             posterior = EVONPosterior.from_pretrained(self.args.output_dir)
@@ -450,7 +450,7 @@ class CheckpointingMixin:
         if not best:
             return
         self._posterior_from_checkpoint, self.posterior = True, None
-        if not _has_posterior(best):  # never the last step's posterior beside the best step's weights
+        if not holds_posterior_config(best):  # never the last step's posterior beside the best step's weights
             warnings.warn(
                 f"load_best_model_at_end: the best checkpoint {best} holds no posterior, so the trainer has "
                 "none for its weights (BMA evaluation and saving skip it)",
@@ -467,7 +467,7 @@ class CheckpointingMixin:
         checkpoint without one, remove the output directory's (:meth:`_remove_other_posterior`)."""
         if not self.is_world_process_zero():
             return
-        if not _has_posterior(checkpoint_folder):
+        if not holds_posterior_config(checkpoint_folder):
             # the checkpoint's model replaces the output directory's: an earlier push's posterior goes
             self._remove_other_posterior(self.args.output_dir)
             return
