@@ -245,6 +245,18 @@ def test_missing_repo_and_missing_posterior(hub, tmp_path):
         _load(hub, "alice/empty", tmp_path)
 
 
+def test_a_corrupt_file_on_the_hub_is_named_by_the_repo_it_came_from(hub, posterior, tmp_path):
+    """A posterior file the Hub serves but that does not load was named by its Hub cache path alone
+    (``.../models--alice--broken/snapshots/<sha>/...``): the error also names the repo, as a missing one does."""
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    for k, (name, data) in enumerate([(POSTERIOR_WEIGHTS_NAME, b"garbage, not safetensors"), (POSTERIOR_CONFIG_NAME, b"{not json")]):
+        repo = f"alice/broken{k}"
+        posterior.push_to_hub(repo, token=TOKEN, endpoint=hub.endpoint)
+        api.upload_file(path_or_fileobj=data, path_in_repo=name, repo_id=repo)
+        with pytest.raises(hf_evon.PosteriorMismatchError, match=rf"^EVON posterior at {repo}: .*snapshots.*{name}"):
+            _load(hub, repo, tmp_path / f"cache{k}")
+
+
 def test_load_by_repo_id_in_a_fresh_process_via_hf_endpoint(hub, posterior, tmp_path):
     posterior.push_to_hub("alice/fresh", token=TOKEN, endpoint=hub.endpoint, eigenbasis_dtype=torch.bfloat16)
     code = """

@@ -6,11 +6,12 @@ files' names; what the files hold is ``format``'s business, and the card's ``mod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -111,7 +112,7 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
         return config, config_path, weights_path
     _check_repo_id(path)
 
-    where = f"{path}" + (f"/{subfolder}" if subfolder else "") + (f" (revision {revision})" if revision else "")
+    where = _hub_location(source)
 
     def download(fname: str, at: str | None, max_bytes: int | None = None) -> str:
         kwargs = dict(
@@ -146,10 +147,26 @@ def resolve_files(source: PosteriorSource) -> tuple[PosteriorConfig, str, str]:
             raise FileNotFoundError(f"no EVON posterior at {where}: {fname} is missing ({err})") from err
 
     config_file = download(POSTERIOR_CONFIG_NAME, revision, posterior_format.MAX_CONFIG_BYTES)
-    config = read_config(config_file)
+    with _named_by(where):
+        config = read_config(config_file)
     # the weights of the config's own commit: a push between the two downloads would pair the
     # config with the next commit's weights (its checkpoint_id refuses such a pair)
     return config, config_file, download(config.weights_name, _snapshot_commit(config_file) or revision)
+
+
+def _hub_location(source: PosteriorSource) -> str:
+    """The repo, subfolder and revision a posterior is read from, as errors name them."""
+    subfolder, revision = source.subfolder, source.revision
+    return f"{source.path}" + (f"/{subfolder}" if subfolder else "") + (f" (revision {revision})" if revision else "")
+
+
+@contextlib.contextmanager
+def _named_by(where: str) -> Iterator[None]:
+    """A refusal of a downloaded file named by the repo too (its own message names the Hub cache's copy)."""
+    try:
+        yield
+    except PosteriorMismatchError as err:
+        raise PosteriorMismatchError(f"EVON posterior at {where}: {err}") from err
 
 
 def _is_local(path: str) -> bool:
@@ -237,7 +254,8 @@ def read_posterior(
         try:
             config, config_path, weights_path = resolve_files(source)
             files = {POSTERIOR_CONFIG_NAME: config_path, config.weights_name: weights_path}
-            return config, files, read(config, weights_path)
+            with contextlib.nullcontext() if local else _named_by(_hub_location(source)):
+                return config, files, read(config, weights_path)
         except (PosteriorMismatchError, FileNotFoundError):
             attempts += 1
             if not local or attempts == _READ_ATTEMPTS or _local_switch_state(source) == before:
