@@ -25,7 +25,8 @@ from conftest import load_script, plain_evon
 from launcher import free_port, worker_env
 
 from hf_evon import build_optimizer, prepare_distributed
-from hf_evon.distributed.ddp import RankAverager, UnsupportedParallelismError, unwrap_optimizer
+from hf_evon.distributed.ddp import RankAverager, UnsupportedParallelismError
+from hf_evon.optim import unwrap_optimizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed_worker.py")

@@ -10,7 +10,6 @@ from hf_evon.distributed.ddp import (
     check_ranks_in_sync,
     check_supported_parallelism,
     prepare_distributed,
-    unwrap_optimizer,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "check_ranks_in_sync",
     "check_supported_parallelism",
     "prepare_distributed",
-    "unwrap_optimizer",
 ]

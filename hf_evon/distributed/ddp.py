@@ -88,7 +88,6 @@ __all__ = [
     "check_supported_parallelism",
     "as_evon_handle",
     "prepare_distributed",
-    "unwrap_optimizer",
 ]
 
 _PREPARED_ATTR = "_hf_evon_local_gradients"
