@@ -30,8 +30,8 @@ What the trainer does differently from ``transformers.Trainer``:
   samples (what EVON uses), not to the sum that ``p.grad`` holds: the norm is divided by A·K,
   and ``max_grad_norm`` clips the mean. Clipping rescales the gradients of every parameter by
   c = max_grad_norm / norm; under ``hess_estimator="fisher"`` (the default) H takes the clipped
-  rotated gradient, so that step adds c²·G_rot² (the Price estimate reads each sample's gradient
-  before the clip). ``max_grad_norm=0``, ``EVONConfig``'s default (docs/defaults.md#max-grad-norm),
+  rotated gradient, so that step adds c²·G_rot², lowered by the clip factor squared (the Price
+  estimate reads each sample's gradient before the clip). ``max_grad_norm=0``, ``EVONConfig``'s default (docs/defaults.md#max-grad-norm),
   disables the clip. ``optimizer.synchronize()`` runs first (a no-op on one process). A
   non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
