@@ -103,3 +103,21 @@ def test_noisy_license_task_splits_and_relabels_every_split() -> None:
         sd = (0.24 * 0.76 / sizes[name]) ** 0.5  # binomial: 0.24 ± 4.5 standard deviations
         assert abs(changed - 0.24) < 4.5 * sd, (name, changed)
     assert task.epochs == 20 and task.adamw_lr == 1e-3
+
+
+@pytest.mark.parametrize("name, rows, classes", [("noisy_synth5", 600, 5), ("noisy_synth3", 300, 3)])
+def test_the_noisy_tables_are_the_generators_rows_split_70_30_by_seed(name, rows, classes) -> None:
+    """The noisy tables hold make_classification's rows (the same for every seed), 70/30 per seed with
+    no row in both, and a head of one output per class."""
+    first, again, other = (transfer.TASKS[name](s) for s in (0, 0, 1))
+
+    def table(task) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(task.train + task.test))
+        return torch.cat(xs), torch.cat(ys)
+
+    x, y = table(first)
+    assert len(y) == rows and set(y.tolist()) == set(range(classes))
+    assert torch.equal(table(again)[0], x) and not torch.equal(table(other)[0], x)  # the seed draws the split
+    train = {tuple(r.tolist()) for xs, _ in first.train for r in xs}
+    assert len(train) == round(0.7 * rows) and not train & {tuple(r.tolist()) for xs, _ in first.test for r in xs}
+    assert first.make_model(0)[-1].out_features == classes and first.epochs == 80
