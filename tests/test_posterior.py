@@ -713,6 +713,28 @@ def test_lean_posterior_drops_wide_bases_and_keeps_every_marginal(gpt2):
         full.lean(0.5)
 
 
+def test_a_lean_snapshot_never_copies_the_bases_it_drops(gpt2, monkeypatch):
+    """``from_optimizer``'s default stacked every basis into copies, the wide ones too, then dropped those
+    with float64 squares of each whole stack: a peak of ~5x the posterior it returned (above the
+    optimizer's whole state on a 23M-parameter GPT-2). The wide bases are dropped per parameter before the
+    stacking, one matrix's float64 temporaries at a time; the result is the full snapshot's ``lean()``."""
+    model, opt, full = gpt2
+    stacked = []
+    original = EVONPosterior.from_factors.__func__
+    monkeypatch.setattr(EVONPosterior, "from_factors", classmethod(lambda cls, f, *a: stacked.append(f) or original(cls, f, *a)))
+    lean = EVONPosterior.from_optimizer(opt, model)
+    (given,) = stacked
+    fc, proj = "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"
+    assert given[fc].Q_R is None and given[proj].Q_L is None  # never stacked
+    assert all(f.Q_L is None or f.Q_L.shape[0] <= 3 * f.matrix_shape[1] for f in given.values())
+    assert all(f.Q_R is None or f.Q_R.shape[0] <= 3 * f.matrix_shape[0] for f in given.values())
+    reference = full.lean()
+    for name in full.names:
+        for key in ("hess", "Q_L", "Q_R"):
+            a, b = getattr(lean[name], key), getattr(reference[name], key)
+            assert (a is None and b is None) or torch.equal(a, b), (name, key)
+
+
 def test_lean_takes_a_numpy_ratio():
     """``lean(np.float32(3))`` was refused as "max_basis_ratio must be a number >= 1 or None", which it is."""
     from hf_evon.posterior.posterior import MatrixFactors

@@ -430,17 +430,32 @@ def drop_wide_bases(group: FactorGroup, max_basis_ratio: float) -> FactorGroup:
     left, right = group.q_left is not None and wide_left, group.q_right is not None and wide_right
     if not (left or right):
         return group
+    members = range(group.hess.shape[0])  # one member's float64 temporaries at a time, not the stack's
+    hess = torch.stack([
+        _marginal_hess(group.hess[b], group.q_left[b] if left else None, group.q_right[b] if right else None, group.weight_decay)
+        for b in members
+    ])  # fmt: skip
+    return replace(group, hess=hess, q_left=None if left else group.q_left, q_right=None if right else group.q_right)
+
+
+def drop_wide_basis(factors: MatrixFactors, max_basis_ratio: float) -> MatrixFactors:
+    """:func:`drop_wide_bases` of one parameter's factors, before they are stacked: the dropped basis is
+    never copied (``EVONPosterior.from_optimizer`` reads the optimizer's live views)."""
+    wide_left, wide_right = wide_sides(*factors.matrix_shape, max_basis_ratio)
+    left, right = factors.Q_L is not None and wide_left, factors.Q_R is not None and wide_right
+    if not (left or right):
+        return factors
+    hess = _marginal_hess(factors.hess, factors.Q_L if left else None, factors.Q_R if right else None, factors.weight_decay)
+    return replace(factors, hess=hess, Q_L=None if left else factors.Q_L, Q_R=None if right else factors.Q_R)
+
+
+def _marginal_hess(hess: Tensor, q_left: Tensor | None, q_right: Tensor | None, weight_decay: float) -> Tensor:
+    """One matrix's ``H`` re-expressed without ``q_left`` and/or ``q_right`` (:func:`drop_wide_bases`)."""
     wide = torch.float64  # the harmonic mean in float64: H spans many decades
-    inv = 1.0 / (group.hess.to(wide) + group.weight_decay)  # (B, m, n)
+    inv = 1.0 / (hess.to(wide) + weight_decay)
     with exact_float32_matmul():
-        if right:
-            inv = inv @ group.q_right.to(wide).square().mT
-        if left:
-            inv = group.q_left.to(wide).square() @ inv
-    hess = (1.0 / inv - group.weight_decay).to(group.hess.dtype)
-    return replace(
-        group,
-        hess=hess,
-        q_left=None if left else group.q_left,
-        q_right=None if right else group.q_right,
-    )
+        if q_right is not None:
+            inv = inv @ q_right.to(wide).square().mT
+        if q_left is not None:
+            inv = q_left.to(wide).square() @ inv
+    return (1.0 / inv - weight_decay).to(hess.dtype)

@@ -54,6 +54,7 @@ from hf_evon.posterior.gaussian import (
     basis_dtype,
     draw_batches,
     drop_wide_bases,
+    drop_wide_basis,
     sample_group,
     sample_seed,
     stack_factors,
@@ -67,6 +68,17 @@ Tensor = torch.Tensor
 # EVONPosterior, and the names that come with it (their homes are config and gaussian)
 __all__ = ["FORMAT_VERSION", "MAX_DENSE_COVARIANCE_ELEMENTS", "POSTERIOR_CONFIG_NAME", "POSTERIOR_WEIGHTS_NAME"]
 __all__ += ["EVONPosterior", "MatrixFactors", "PosteriorMismatchError"]
+
+
+def checked_basis_ratio(max_basis_ratio: Any) -> float | None:
+    """``max_basis_ratio`` as a float (None: keep every basis), or the error naming it."""
+    if max_basis_ratio is None:
+        return None
+    if not is_real(max_basis_ratio):  # NumPy numbers too, not a bool
+        raise TypeError(f"max_basis_ratio must be a number >= 1 or None; got {max_basis_ratio!r}")
+    if not max_basis_ratio >= 1.0:
+        raise ValueError(f"max_basis_ratio must be >= 1 (or None: keep every basis); got {max_basis_ratio!r}")
+    return float(max_basis_ratio)
 
 
 class EVONPosterior(PosteriorFilesMixin):
@@ -132,9 +144,10 @@ class EVONPosterior(PosteriorFilesMixin):
         copy of the optimizer's factors). ``eigenbasis_dtype`` (e.g. ``torch.float16``) holds
         the bases in half precision (half their bytes).
         """
-        taken = snapshot(optimizer, model)
-        posterior = cls.from_factors(  # stacks the live views into copies
-            taken.factors, taken.settings, taken.num_point_estimates, taken.num_point_estimate_tensors
+        taken, ratio = snapshot(optimizer, model), checked_basis_ratio(max_basis_ratio)
+        factors = taken.factors if ratio is None else {n: drop_wide_basis(f, ratio) for n, f in taken.factors.items()}
+        posterior = cls.from_factors(  # stacks the live views into copies (not the bases dropped first)
+            factors, taken.settings, taken.num_point_estimates, taken.num_point_estimate_tensors
         )
         if max_basis_ratio is None and eigenbasis_dtype is None:
             return posterior
@@ -351,14 +364,8 @@ class EVONPosterior(PosteriorFilesMixin):
         """
         groups = self._groups
         config = dict(self.config)
-        if max_basis_ratio is not None:
-            if not is_real(max_basis_ratio):  # NumPy numbers too, not a bool
-                raise TypeError(f"max_basis_ratio must be a number >= 1 or None; got {max_basis_ratio!r}")
-            if not max_basis_ratio >= 1.0:
-                raise ValueError(
-                    f"max_basis_ratio must be >= 1 (or None: keep every basis); got {max_basis_ratio!r}"
-                )
-            groups = [drop_wide_bases(g, float(max_basis_ratio)) for g in groups]
+        if (max_basis_ratio := checked_basis_ratio(max_basis_ratio)) is not None:
+            groups = [drop_wide_bases(g, max_basis_ratio) for g in groups]
             previous = config.get("max_basis_ratio")
             config["max_basis_ratio"] = float(
                 max_basis_ratio if previous is None else min(previous, max_basis_ratio)
