@@ -156,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be an integer >= 1; got {getattr(args, name)}")
     if args.n_embd % args.n_head:  # each attention head takes an equal slice of the width
         ap.error(f"--n-embd must be a multiple of --n-head; got {args.n_embd} and {args.n_head}")
+    if args.batch_size % args.grad_accum:
+        ap.error(f"--batch-size must be a multiple of --grad-accum; got {args.batch_size} and {args.grad_accum}")
     if args.corpus_mb is not None and not args.corpus_mb > 0:  # an empty corpus: nothing to train on
         ap.error(f"--corpus-mb must be a number > 0 (MB of text); got {args.corpus_mb:g}")
     # the run evaluates on the held-out documents and trains on the others, so it needs both: a
@@ -448,8 +450,6 @@ def main(argv: list[str] | None = None) -> dict:
             f"EVON cannot run under {accelerator.distributed_type.value}: it needs whole weight matrices on every "
             "rank (its eigenbasis is per matrix). Launch with plain DDP, or use --optimizer adamw."
         )
-    if args.batch_size % args.grad_accum:
-        raise SystemExit("--batch-size must be a multiple of --grad-accum")
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     t0 = time.time()

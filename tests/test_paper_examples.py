@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 
 import pytest
@@ -392,12 +391,33 @@ def test_a_fast_run_never_writes_over_the_committed_results(tmp_path, monkeypatc
         (["--resume", "/nonexistent/run.partial.json"], "--resume '/nonexistent/run.partial.json': no such file"),
     ],
 )
-def test_table2s_bad_arguments_are_named_before_anything_runs(tmp_path, extra: list[str], said: str) -> None:
+def test_table2s_bad_arguments_are_named_before_anything_runs(tmp_path, capsys, extra: list[str], said: str) -> None:
     """--search -2 failed in torch ("negative dimension"), --run-tasks with an unknown name ran nothing and
     then raised an IndexError, a missing --data or --resume file a FileNotFoundError after the output
-    directory was made, and --jobs -3 was taken. Each exits naming the flag, the output directory untouched."""
+    directory was made, and --jobs -3 was taken. Each exits as argparse does (status 2) naming the flag,
+    the output directory untouched."""
     module = __import__("table2_finetune")
     out = tmp_path / "out"
-    with pytest.raises(SystemExit, match=f"^table2_finetune.py: error: {re.escape(said)}$"):
+    with pytest.raises(SystemExit) as exited:
         module.run(["--fast", "--methods", "adamw", "--out-dir", str(out), *extra])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"table2_finetune.py: error: {said}\n"
+    assert not out.exists()
+
+
+def test_table2_refuses_a_partial_made_with_other_settings(tmp_path, capsys) -> None:
+    """--from-partial and --resume took any .partial.json: a fast run's runs were reported as a full run's
+    (its settings, epochs and samples in the record). The partial records its settings; another run's
+    are refused naming what differs, and the fast record names the texts per class it built."""
+    module = __import__("table2_finetune")
+    partial = tmp_path / "run.partial.json"
+    settings = module.settings(True, 0, "0" * 64, per_class=(8, 8))
+    assert settings["per_class"] == [8, 8]
+    partial.write_text(json.dumps({"settings": module.jsonable(settings), "done": []}))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        module.run(["--methods", "adamw", "--from-partial", str(partial), "--out-dir", str(out)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"table2_finetune.py: error: {partial} was made with other settings (seeds, tasks, per_class,"), err
     assert not out.exists()

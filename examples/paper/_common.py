@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -84,6 +85,7 @@ def parse_args(
     if add is not None:
         add(ap)
     args = ap.parse_args(list(argv) if argv is not None else None)
+    args.command_line = list(argv) if argv is not None else sys.argv[1:]  # what the record names as its source
     if args.out_dir is None:
         args.out_dir = os.path.join(tempfile.gettempdir(), "hf_evon_paper_fast") if args.fast else DEFAULT_OUT
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
@@ -167,7 +169,7 @@ class Outputs:
         wall = time.time() - self.start
         fig.savefig(self.path("png"), bbox_inches="tight")
         source = (
-            f"examples/paper/{self.name}.py{' --fast' if self.args.fast else ''} "
+            f"`{shlex.join(['python', f'examples/paper/{self.name}.py', *self.args.command_line])}` "
             f"(seed {self.args.seed}; {wall:.0f} s on {os.cpu_count()} CPU threads available, "
             f"torch {torch.__version__})"
         )
@@ -188,7 +190,7 @@ class Outputs:
             "wall_s": round(wall, 1),
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "argv": sys.argv[1:] if self.args is not None else [],
+            "argv": self.args.command_line,
         }
         with open(self.path("json"), "w") as fh:
             json.dump(jsonable(record), fh, indent=2)

@@ -220,15 +220,17 @@ def settings(
     data_sha256: str,
     methods: Sequence[str] = METHODS,
     lr_multipliers: Sequence[float] | None = None,
+    per_class: tuple[int, int] | None = PER_CLASS,
 ) -> dict[str, Any]:
     """Everything the results depend on but the training code (cheap: no training);
-    ``lr_multipliers`` None: ``lr_draws`` of the mode's count (4; 1 with ``fast``)."""
+    ``lr_multipliers`` None: ``lr_draws`` of the mode's count (4; 1 with ``fast``); ``per_class`` the
+    texts built per class (None: read from ``--data``, which ``data_sha256`` names)."""
     seeds = 1 if fast else 3
     draws = lr_draws(1 if fast else 4) if lr_multipliers is None else list(lr_multipliers)
     return dict(
         seeds=list(range(seed, seed + seeds)),
         tasks=task_names(fast),
-        per_class=PER_CLASS,
+        per_class=None if per_class is None else list(per_class),
         label_noise=0.3,
         epochs=2 if fast else 20,
         methods=list(methods),
@@ -285,7 +287,7 @@ def run_all(
             os.makedirs(args.out_dir, exist_ok=True)
             # after every run, and atomically: a time limit or a kill loses nothing measured
             with open(partial + ".tmp", "w") as fh:
-                json.dump(jsonable({"done": [[list(j), r] for j, r in done.items()]}), fh)
+                json.dump(jsonable({"settings": cfg, "done": [[list(j), r] for j, r in done.items()]}), fh)
             os.replace(partial + ".tmp", partial)
             print(f"{job} {rows['_seconds'][job[2]]:.0f} s", flush=True)
 
@@ -467,7 +469,24 @@ def refuse_bad_arguments(args: Any) -> None:
                 bad = f"{flag} {path!r}: no such file"
                 break
     if bad is not None:
-        raise SystemExit(f"{NAME}.py: error: {bad}")
+        _usage_error(bad)
+
+
+def _usage_error(message: str) -> None:
+    """Exit as argparse does for a bad flag: the message on stderr, status 2."""
+    print(f"{NAME}.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def refuse_other_settings(path: str, recorded: dict[str, Any] | None, cfg: dict[str, Any]) -> None:
+    """Exit where the partial ``path`` was made with other settings than this command's (its runs would be
+    reported, or resumed, under this command's): all but the methods, whose runs are keyed by method."""
+    if recorded is None:
+        print(f"{NAME}.py: {path} records no settings: its runs are taken as this command's", file=sys.stderr)
+        return
+    same = lambda k: json.dumps(jsonable(recorded.get(k)), sort_keys=True) == json.dumps(jsonable(cfg[k]), sort_keys=True)  # noqa: E731
+    if differ := [k for k in cfg if k != "methods" and not same(k)]:
+        _usage_error(f"{path} was made with other settings ({', '.join(differ)}): give the flags it was run with")
 
 
 def run(argv: Sequence[str] | None = None) -> dict:
@@ -494,18 +513,21 @@ def run(argv: Sequence[str] | None = None) -> dict:
         with open(args.data) as fh:
             data = json.load(fh)
     else:
-        data = text_data(tasks, (8, 8) if args.fast else PER_CLASS)
+        data = text_data(tasks, (8, 8) if args.fast else PER_CLASS)  # settings() records it
     if args.save_data:
         with open(args.save_data, "w") as fh:
             json.dump(data, fh)
         return {"data_sha256": data_sha256(data)}
     draws = None if args.search is None else lr_draws(args.search)
-    cfg = settings(args.fast, args.seed, data_sha256(data), args.methods, draws)
-    out = Outputs(NAME, args, cfg)
+    per_class = None if args.data else (8, 8) if args.fast else PER_CLASS
+    cfg = settings(args.fast, args.seed, data_sha256(data), args.methods, draws, per_class)
     earlier: dict[Job, Any] = {}
     for path in filter(None, (args.from_partial, args.resume)):
         with open(path) as fh:
-            earlier = {tuple(j): rows for j, rows in restore_floats(json.load(fh))["done"]}
+            loaded = restore_floats(json.load(fh))
+        refuse_other_settings(path, loaded.get("settings"), cfg)
+        earlier = {tuple(j): rows for j, rows in loaded["done"]}
+    out = Outputs(NAME, args, cfg)
     if args.from_partial:
         done = earlier
     else:
@@ -542,7 +564,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
             "| task | AdamW T | EVON mean vs AdamW | BMA ≤ mean | BMA ≤ 0.95 × mean | BMA NLL ≤ AdamW, AdamW + T "
             "| BMA ECE ≤ AdamW | EVON BMA gain (NLL) |\n|---|---|---|---|---|---|---|---|\n"
             + "\n".join(lines),
-            "Average BMA gain in NLL over tasks: " + ", ".join(f"{k} {v:+.4f}" for k, v in gains.items()),
+            "Average BMA gain in NLL over tasks: "
+            + ", ".join(f"{k} {v:+.4f}" if not math.isnan(v) else f"{k} n/a (not run)" for k, v in gains.items()),
         ]
     )
     detail = payoff_report.markdown(summary, f"EVON calibrated BMA@{size}", meta).split("\n## Targets")[0]
