@@ -257,6 +257,13 @@ def test_a_width_its_heads_do_not_divide_is_an_argument_error(capsys, example) -
     assert "--n-embd must be a multiple of --n-head; got 33 and 2" in error
 
 
+def test_a_batch_the_accumulation_does_not_divide_is_an_argument_error(capsys, example) -> None:
+    """--batch-size 3 --grad-accum 2 exited with status 1 after the Accelerator was built; it is an
+    argument error (status 2), named with both values."""
+    error = argument_error(example.parse_args, ["--batch-size", "3", "--grad-accum", "2", "--output-dir", "unused"], capsys)
+    assert "--batch-size must be a multiple of --grad-accum; got 3 and 2" in error
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])
 def test_a_corpus_cap_that_is_not_positive_is_an_argument_error(value: str, capsys, example) -> None:
     """--corpus-mb 0 or -1 tokenised an empty corpus, cached its tokenizer in the output directory
