@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import stat
+import struct
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -338,7 +339,7 @@ def refused_load_text(path: str, err: BaseException) -> str:
 
 
 # what torch.load raises for a file it cannot read (cut short, not a torch file) or refuses (a pickle)
-UNREADABLE_STATE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError)
+UNREADABLE_STATE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, OSError, struct.error)
 
 
 def unreadable_state(path: str, what: str, err: BaseException) -> ValueError:

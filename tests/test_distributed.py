@@ -614,6 +614,16 @@ def test_accelerate_prepare_alone_answers_evons_api() -> None:
         adamw.mc_samples  # noqa: B018
 
 
+def test_unwrap_optimizers_old_import_path_warns_and_gives_the_one_in_hf_evon_optim() -> None:
+    import hf_evon.distributed as distributed
+
+    with pytest.warns(DeprecationWarning, match=r"is hf_evon\.optim\.unwrap_optimizer: import it from there"):
+        moved = distributed.unwrap_optimizer
+    assert moved is unwrap_optimizer and "unwrap_optimizer" not in distributed.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        distributed.nothing_here  # noqa: B018
+
+
 def test_handle_forwards_only_what_the_wrapper_lacks_and_pickles() -> None:
     import pickle
 

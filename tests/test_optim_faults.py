@@ -1577,6 +1577,20 @@ def test_a_refused_added_group_leaves_the_optimizer_as_it_was(extra, said) -> No
     opt.load_state_dict(opt.state_dict())
 
 
+def test_a_fit_to_curvature_edited_between_steps_is_named_before_the_step_changes_anything() -> None:
+    """``param_groups[0]["fit_to_curvature"] = 5`` set between steps raised Python's "'int' object is not
+    iterable" from the step's check, naming neither the group nor the key."""
+    model = make_model()
+    opt = make_opt(model)
+    train_step(model, opt, make_data())
+    before = snapshot(model, opt)
+    opt.param_groups[0]["fit_to_curvature"] = 5
+    with pytest.raises(ValueError, match=r"^param_groups\[0\]: Invalid fit_to_curvature: 5 "):
+        train_step(model, opt, make_data())
+    opt.zero_grad()
+    assert_identical(snapshot(model, opt), before)
+
+
 @pytest.mark.parametrize("value", ["abc", float("nan"), [1, 2], -3.0])
 def test_a_state_dicts_configured_rate_is_checked_as_the_rate_is(value) -> None:
     """``configured_lr`` (the rate the posterior records as its ``lr``) was loaded as it came: "abc" or a
@@ -1617,14 +1631,16 @@ def test_flags_and_sizes_given_as_other_types_are_refused_by_name() -> None:
     with pytest.raises(TypeError, match="discard_samples: rewind must be True or False; got 'no'"):
         opt.discard_samples(rewind="no")
     weight = model[0].weight
-    for bad in ("x", -1, 1.5):
-        with pytest.raises(ValueError, match=rf"posterior_covariance\(\): max_elements must be an integer >= 0; got {re.escape(repr(bad))}"):
+    for bad in ("x", -1, float("nan")):
+        with pytest.raises(ValueError, match=rf"posterior_covariance\(\): max_elements must be a number >= 0 \(inf: no limit\); got {re.escape(repr(bad))}"):
             opt.posterior_covariance(weight, max_elements=bad)
+    for bound in (1e6, math.inf):  # a float bound, and no bound
+        assert opt.posterior_covariance(weight, max_elements=bound).shape == (weight.numel(), weight.numel())
     train_step(model, opt, make_data())
     posterior = EVONPosterior.from_optimizer(opt, model)
     with pytest.raises(TypeError, match="draw: rotated must be True or False; got 'no'"):
         posterior.draw(1, seed=0, rotated="no")
-    with pytest.raises(ValueError, match=r"covariance\(\): max_elements must be an integer >= 0; got 'x'"):
+    with pytest.raises(ValueError, match=r"covariance\(\): max_elements must be a number >= 0 \(inf: no limit\); got 'x'"):
         posterior.covariance(posterior.names[0], max_elements="x")
     with pytest.raises(ValueError, match="to: a posterior cannot move to the meta device"):
         posterior.to("meta")

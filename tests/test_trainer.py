@@ -1066,6 +1066,7 @@ def test_a_resume_names_an_optimizer_or_scheduler_file_torch_cannot_read(tmp_pat
         "scheduler.pt": ((source / "scheduler.pt").read_bytes()[:100], "cannot read the scheduler's state ("),
         "rng_state.pth": ((source / "rng_state.pth").read_bytes()[:300], "cannot read the random number generators' state ("),
         "rng_state.pth ": (payload.getvalue(), "refusing to load it: torch.load(weights_only=True) loads tensors"),
+        "rng_state.pth  ": (b"junk", "cannot read the random number generators' state ("),  # struct's error
     }
     for k, (name, (data, said)) in enumerate(cases.items()):
         checkpoint = tmp_path / f"bad{k}" / "checkpoint-2"

@@ -220,17 +220,17 @@ def settings(
     data_sha256: str,
     methods: Sequence[str] = METHODS,
     lr_multipliers: Sequence[float] | None = None,
-    per_class: tuple[int, int] | None = PER_CLASS,
+    per_class: tuple[int, int] = PER_CLASS,
 ) -> dict[str, Any]:
     """Everything the results depend on but the training code (cheap: no training);
     ``lr_multipliers`` None: ``lr_draws`` of the mode's count (4; 1 with ``fast``); ``per_class`` the
-    texts built per class (None: read from ``--data``, which ``data_sha256`` names)."""
+    mode's texts per class."""
     seeds = 1 if fast else 3
     draws = lr_draws(1 if fast else 4) if lr_multipliers is None else list(lr_multipliers)
     return dict(
         seeds=list(range(seed, seed + seeds)),
         tasks=task_names(fast),
-        per_class=None if per_class is None else list(per_class),
+        per_class=list(per_class),
         label_noise=0.3,
         epochs=2 if fast else 20,
         methods=list(methods),
@@ -513,14 +513,14 @@ def run(argv: Sequence[str] | None = None) -> dict:
         with open(args.data) as fh:
             data = json.load(fh)
     else:
-        data = text_data(tasks, (8, 8) if args.fast else PER_CLASS)  # settings() records it
+        data = text_data(tasks, (8, 8) if args.fast else PER_CLASS)
     if args.save_data:
         with open(args.save_data, "w") as fh:
             json.dump(data, fh)
         return {"data_sha256": data_sha256(data)}
     draws = None if args.search is None else lr_draws(args.search)
-    per_class = None if args.data else (8, 8) if args.fast else PER_CLASS
-    cfg = settings(args.fast, args.seed, data_sha256(data), args.methods, draws, per_class)
+    # the mode's texts per class (a --data file of --save-data holds them; data_sha256 names it)
+    cfg = settings(args.fast, args.seed, data_sha256(data), args.methods, draws, (8, 8) if args.fast else PER_CLASS)
     earlier: dict[Job, Any] = {}
     for path in filter(None, (args.from_partial, args.resume)):
         with open(path) as fh:

@@ -4,6 +4,9 @@ Each module implements :class:`hf_evon.optim.hooks.ShardingHooks` or prepares a 
 nothing in :mod:`hf_evon.optim` imports from here.
 """
 
+import warnings
+from typing import Any
+
 from hf_evon.distributed.ddp import (
     RankAverager,
     UnsupportedParallelismError,
@@ -19,3 +22,16 @@ __all__ = [
     "check_supported_parallelism",
     "prepare_distributed",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "unwrap_optimizer":  # its home is hf_evon.optim
+        warnings.warn(
+            "hf_evon.distributed.unwrap_optimizer is hf_evon.optim.unwrap_optimizer: import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from hf_evon.optim import unwrap_optimizer
+
+        return unwrap_optimizer
+    raise AttributeError(f"module 'hf_evon.distributed' has no attribute {name!r}")

@@ -510,8 +510,8 @@ def refuse_dense_covariance(label: str, numel: int, max_elements: int, call: str
     """Raise, naming the parameter (``label``) and the method (``call``), where its dense covariance
     would have more than ``max_elements`` rows: numel² entries, which an allocation fails on only
     once it has exhausted memory."""
-    if isinstance(max_elements, bool) or not isinstance(max_elements, numbers.Integral) or max_elements < 0:
-        raise ValueError(f"{call}: max_elements must be an integer >= 0; got {max_elements!r}")
+    if isinstance(max_elements, bool) or not isinstance(max_elements, numbers.Real) or not max_elements >= 0:
+        raise ValueError(f"{call}: max_elements must be a number >= 0 (inf: no limit); got {max_elements!r}")
     if numel > max_elements:
         raise ValueError(
             f"{label} has {numel} elements: its dense covariance would be {numel}×{numel}; {call} is for "

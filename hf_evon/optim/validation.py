@@ -476,9 +476,9 @@ def validate_groups(
             if checked.get(id(group)) == _settings(group) and rate_ok(lr, read=on_host):
                 group["lr"] = python_number(lr)  # a NumPy rate: Python's
                 continue
-        fitted = group.get("fit_to_curvature") or ()
-        numbers = [k for k in fitted if group.get(k) is not None and not isinstance(group.get(k), str)]
         try:
+            check_fit_to_curvature(fitted := group.get("fit_to_curvature") or ())  # first: read below
+            numbers = [k for k in fitted if group.get(k) is not None and not isinstance(group.get(k), str)]
             record = check_fit_record(group, built)  # before a None is resolved
             settle_group(group)  # weight_decay=None and mean_weight_decay=None set mid-run: resolved
         except (ValueError, TypeError) as err:

@@ -31,9 +31,8 @@ What the trainer does differently from ``transformers.Trainer``:
   and ``max_grad_norm`` clips the mean. Clipping rescales the gradients of every parameter by
   c = max_grad_norm / norm; under ``hess_estimator="fisher"`` (the default) H takes the clipped
   rotated gradient, so that step adds c²·G_rot², lowered by the clip factor squared (the Price
-  estimate reads each sample's gradient before the clip). ``max_grad_norm=0``, ``EVONConfig``'s default (docs/defaults.md#max-grad-norm),
-  disables the clip. ``optimizer.synchronize()`` runs first (a no-op on one process). A
-  non-finite norm is returned unclipped, so EVON's warning names the parameter at fault.
+  estimate reads each sample's gradient before the clip); ``max_grad_norm=0`` (docs/defaults.md#max-grad-norm)
+  disables it. ``optimizer.synchronize()`` runs first; a non-finite norm is returned unclipped (EVON names it).
 * **Logs.** At logging steps: ``evon/posterior_std_mean`` (mean marginal posterior standard
   deviation over all EVON-owned weights), ``evon/hess_min``/``hess_max``/``hess_mean`` (range
   of the rotated-space Hessian H), ``evon/skipped_steps`` and every ``posterior_health()``
@@ -299,9 +298,9 @@ class EVONTrainerMixin(
 
     def current_posterior(self) -> EVONPosterior | None:
         """The posterior that belongs to the model's current weights, or None: a snapshot of the
-        EVON optimizer's posterior; the ``posterior`` given to the trainer before it has an
-        optimizer; the best checkpoint's after ``load_best_model_at_end`` restored its weights.
-        Whichever it is, a ``calibrate()`` made at the current step applies to it."""
+        EVON optimizer's posterior; the ``posterior`` given to the trainer before it has an optimizer,
+        or set after ``train()``; the best checkpoint's after ``load_best_model_at_end`` restored its
+        weights. A ``calibrate()`` made at the current step applies to it (setting one drops it)."""
         posterior = self._trained_posterior()
         if posterior is not None and self.calibration is not None and self._calibrated_step == self.state.global_step:
             posterior = self.calibration.apply(posterior)
@@ -324,8 +323,9 @@ class EVONTrainerMixin(
     @property
     def posterior(self) -> EVONPosterior | None:
         """The posterior held for the model's weights (``posterior=``, the best checkpoint's, or one set
-        here): see :meth:`current_posterior`. Setting it vouches for it as the current weights': it is
-        the trainer's posterior, uncalibrated, in place of EVON's until ``train()`` runs again (None: EVON's)."""
+        here): see :meth:`current_posterior`. Setting it vouches for it as the current weights': it is the
+        trainer's posterior, uncalibrated, in place of EVON's until ``train()`` runs again (None: EVON's,
+        or none beside the best checkpoint's weights)."""
         return self.__dict__.get("_evon_posterior")
 
     @posterior.setter
