@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from transformers import TrainingArguments
 
-from hf_evon.optim.checks import CLIP_MODES, HESS_ESTIMATORS, STEP_CURVATURES, python_number
+from hf_evon.optim.checks import CLIP_MODES, HESS_ESTIMATORS, NONFINITE_MODES, STEP_CURVATURES, python_number
 from hf_evon.optim.defaults import (
     AUTO_ESS,
     DEFAULT_ADAMW_LR,
@@ -275,7 +275,7 @@ class EVONConfig(TrainingArguments):
         default="skip",
         metadata={
             "help": "On a NaN/inf gradient: 'skip' the step (warn, state unchanged) or 'raise'.",
-            "choices": ["skip", "raise"],
+            "choices": list(NONFINITE_MODES),
         },
     )
     evon_shard: bool = field(
