@@ -2979,3 +2979,36 @@ def test_bma_log_likelihood_of_a_roberta_model_counts_positions_as_the_model_doe
     scored = (labels[:, 1:] if causal else labels) != -100
     assert torch.allclose(result.token_log_probs[scored], own[scored], atol=1e-5)
     assert float(result.loss) == pytest.approx(float(out.loss), abs=1e-5)
+
+
+def test_bma_log_likelihood_scores_labels_at_right_pads_at_the_models_own_positions() -> None:
+    """A right pad got the last real token's position id (the mask's cumulative count), where the model
+    itself counts on: labels given at a pad scored 0.07 off the model's own log-probability at zero
+    variance. Positions count from the first real token, right pads included; a left pad's stays 0."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_evon import bma_log_likelihood
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=48, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32)  # fmt: skip
+    model = BertForMaskedLM(config).eval()
+    point = EVONPosterior.from_optimizer(hf_evon.build_optimizer(model, ess=1e4), model).with_ess(float("inf"))
+    ids = torch.randint(3, 48, (3, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[2, 5:] = 0  # the last row right-padded
+    labels = ids.clone()
+    labels[:, ::2] = -100  # scored at odd positions: the pads at 5 and 7 among them
+    result = bma_log_likelihood(model, point, ids, attention_mask=mask, labels=labels, num_samples=1, seed=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    own = out.logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    scored = labels != -100
+    assert torch.allclose(result.token_log_probs[scored], own[scored], atol=1e-5)
+    assert float(result.loss) == pytest.approx(float(out.loss), abs=1e-5)
+    # a left-padded row still scores as it does alone
+    left = torch.cat([torch.zeros(1, 2, dtype=ids.dtype), ids[:1, :6]], 1)
+    left_mask = torch.cat([torch.zeros(1, 2, dtype=mask.dtype), torch.ones(1, 6, dtype=mask.dtype)], 1)
+    alone = bma_log_likelihood(model, point, ids[:1, :6], num_samples=1, seed=0)
+    padded = bma_log_likelihood(model, point, left, attention_mask=left_mask, num_samples=1, seed=0)
+    assert torch.allclose(padded.token_log_probs[:, 2:], alone.token_log_probs, atol=1e-5)

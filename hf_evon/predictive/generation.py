@@ -437,7 +437,7 @@ def bma_log_likelihood(
     and right-padded rows score as they would alone; ``labels=`` given are scored as given, as the
     model's own loss scores them, a left-padded row's first token included (a token classifier, whose
     classes are not ids, needs ``labels=``; a multiple-choice model is refused). With an attention
-    mask, position ids are counted from the first real token and a pad's is 0 (RoBERTa's family counts
+    mask, position ids are counted from the first real token (a right pad's too) and a left pad's is 0 (RoBERTa's family counts
     them as it does itself: from ``padding_idx + 1``, by the token ids), so that first token, scored
     from the pad before it, differs from the model's own loss where the model gives pads another
     position (OPT's learned positions: -1). Loss and perplexity: ``result.loss``,
@@ -495,7 +495,9 @@ def bma_log_likelihood(
                 inputs["position_ids"] = real.cumsum(-1) * real + pad
             else:
                 mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-                inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+                # counted from the first real token, the pads after it too (as a model counts them itself)
+                leading = (mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)
+                inputs["position_ids"] = (torch.arange(mask.shape[-1], device=mask.device) - leading).clamp(min=0)
         if not is_causal_lm(gen_model):  # a masked LM's labels are not next tokens: t scores labels[t]
             targets, scored = labels, slice(None)
         else:
