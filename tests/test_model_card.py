@@ -1063,7 +1063,8 @@ def test_the_cards_calibration_text_credits_the_temperature_and_says_the_trained
     plain = {**mean, "tempered_mean_nll": None, "chosen_nll": 0.97556, "trained_nll": None}
     assert "Held-out NLL 0.97556 vs 0.97556 at the mean. " in _calibration_text({"calibration": plain})
     unscanned = _calibration_text({"calibration": {**mean, "scanned": False, "mean_temperature": 0.9}})
-    assert ": BMA is the mean (`ess` = ∞; held-out NLL 0.97556). The mean predicted better than the posterior as trained (held-out NLL 0.96)" in unscanned
+    # BMA here is the mean at its temperature: its NLL is the calibrated one, not the mean's at T = 1
+    assert ": BMA is the mean (`ess` = ∞; held-out NLL 0.97556, 0.950673 at the temperature below). The mean predicted better than the posterior as trained (held-out NLL 0.96)" in unscanned
 
 
 def test_card_states_the_calibrated_sampling_scale_or_that_there_is_none():
@@ -1625,3 +1626,47 @@ def test_the_card_keeps_the_users_metadata_as_written(tmp_path):
         assert tags == ["mine", ["nested", "list"], *hf_evon.posterior.model_card.EVON_TAGS]
         assert meta == {**{k: v for k, v in user.items() if k != "tags"}, "library_name": "hf-evon"}
         assert "# My model\n\nmy text\n" in written
+
+
+def test_a_trainer_card_leaves_out_bma_columns_measured_before_its_calibration() -> None:
+    """After ``train()`` with a ``calibration_dataset`` the card's BMA column was the last evaluation's,
+    taken at the trained ζ and T = 1, beside a posterior calibrated to another ζ and T afterwards. The
+    BMA columns of an evaluation logged before the calibration are left out; one logged after it (an
+    ``evaluate()`` of the calibrated posterior) stays."""
+    from types import SimpleNamespace
+
+    from hf_evon.trainer.card import _posterior_metrics
+
+    evaluation = {"eval_mean_nll": 1.5, "eval_bma_nll": 4.1, "eval_bma_accuracy": 0.3, "step": 4}
+    calibration = {"calibration/ess": 1e9, "calibration/bma_nll": 1.0, "step": 4}
+    after = {"eval_mean_nll": 1.5, "eval_bma_nll": 1.1, "step": 4}
+
+    def trainer(history):
+        return SimpleNamespace(state=SimpleNamespace(log_history=history))
+
+    assert _posterior_metrics(trainer([evaluation, calibration]), None, True) == {"eval_mean_nll": 1.5, "step": 4}
+    assert _posterior_metrics(trainer([evaluation, calibration]), None, False) == evaluation
+    assert _posterior_metrics(trainer([evaluation, calibration]), 4, True) == {"eval_mean_nll": 1.5, "step": 4}
+    assert _posterior_metrics(trainer([evaluation, calibration, after]), None, True)["eval_bma_nll"] == 1.1
+
+
+def test_a_card_saved_with_half_precision_bases_says_so(tmp_path) -> None:
+    """``save_pretrained(eigenbasis_dtype=torch.float16)`` wrote float16 bases and a card saying "eigenbases
+    stored in float32": the card read the posterior in memory, not the config saved beside it."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    opt = hf_evon.build_optimizer(model, ess=100.0, precondition_frequency=1)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            model(torch.randn(8, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    posterior = EVONPosterior.from_optimizer(opt, model)
+    posterior.save_pretrained(tmp_path / "half", eigenbasis_dtype=torch.float16)
+    card = (tmp_path / "half" / "README.md").read_text()
+    assert EVONPosterior.from_pretrained(tmp_path / "half").config["eigenbasis_dtype"] == "float16"
+    assert "stored in float16" in card and "stored in float32" not in card
+    posterior.save_pretrained(tmp_path / "full")
+    assert "stored in float32" in (tmp_path / "full" / "README.md").read_text()

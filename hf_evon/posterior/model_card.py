@@ -269,15 +269,14 @@ def _calibration_text(
         else ""
     )
     if cal.get("scanned") is False:
+        # the NLL at T = 1, and the calibrated one where a temperature (below) changed it
+        as_chosen = cal.get("chosen_nll") if _is_number(cal.get("chosen_nll")) and cal.get("chosen_nll") != cal.get("mean_nll") else None
+        nll, tempered_nll = _md(format_value(cal.get("mean_nll"))), f", {_md(format_value(as_chosen))} at the temperature below" if as_chosen is not None else ""
         return (
             f"Calibrated on {_md(format_value(cal.get('num_targets')))} held-out targets: the posterior mean is not "
             "overconfident there (no softmax temperature above 1 lowers its held-out NLL), and averaging "
             f"weight samples only softens them, so no {'other ' if kept else ''}sampling scale was scored"
-            + (
-                f" (`ess` = {_md(format_value(ess))}; held-out NLL {_md(format_value(cal.get('mean_nll')))} at the mean)."
-                if kept
-                else f": BMA is the mean (`ess` = ∞; held-out NLL {_md(format_value(cal.get('mean_nll')))})."
-            )
+            + (f" (`ess` = {_md(format_value(ess))}; held-out NLL {nll} at the mean{tempered_nll})." if kept else f": BMA is the mean (`ess` = ∞; held-out NLL {nll}{tempered_nll}).")
             + trained_text  # kept, or (BMA the mean) beaten by the mean
             + _temperature_text(cal.get("mean_temperature"))
             + tempered

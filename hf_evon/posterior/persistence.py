@@ -118,8 +118,9 @@ class PosteriorFilesMixin:
         tensors = file_tensors(factors, eig, declared_basis_dtype(self.config))  # pre-lock: others wait less
         with directory_lock(directory):  # one turn: no other save comes between the posterior and its card
             write_posterior(directory, tensors, config)
-            if write_card:
-                save_model_card(directory, self, **card_kwargs)
+            if write_card:  # the card describes the files: their eigenbasis dtype
+                saved = self if eig is None else _AsSaved(self, {**self.config, "eigenbasis_dtype": dtype_name(eig)})
+                save_model_card(directory, saved, **card_kwargs)
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or os.path.basename(os.path.abspath(directory))
             push_kwargs.update(model_card_kwargs=card_kwargs, model_card=write_card)
@@ -207,8 +208,10 @@ class PosteriorFilesMixin:
 
         def write(files_dir: str, card_dir: str, location: dict[str, Any]) -> None:
             self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
-            if model_card:
-                save_model_card(card_dir, self, **{**location, **card_kwargs})  # the snippet loads from `location`
+            if model_card:  # the snippet loads from `location`; the card describes the files pushed
+                eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
+                saved = self if eig is None else _AsSaved(self, {**self.config, "eigenbasis_dtype": dtype_name(eig)})
+                save_model_card(card_dir, saved, **{**location, **card_kwargs})
             else:  # the section there describes the posterior this push replaces
                 retract_card_section(card_dir)
 
@@ -224,3 +227,13 @@ class PosteriorFilesMixin:
             path_in_repo=path_in_repo,
             endpoint=endpoint,
         )
+
+
+class _AsSaved:
+    """A posterior as its files describe it (``config``: the one saved), for the card rendered beside them."""
+
+    def __init__(self, posterior: Any, config: dict[str, Any]) -> None:
+        self._posterior, self.config = posterior, config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._posterior, name)

@@ -40,18 +40,22 @@ def _best_checkpoint_step(trainer: Any) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _posterior_metrics(trainer: Any, best_step: int | None) -> dict[str, float] | None:
+def _posterior_metrics(trainer: Any, best_step: int | None, calibrated: bool) -> dict[str, float] | None:
     """The evaluation of the card's posterior that has BMA metrics (``eval_*_bma_*`` /
-    ``eval_bma_*``): the one at ``best_step`` (None where it ran no BMA), else the last logged."""
+    ``eval_bma_*``): the one at ``best_step`` (None where it ran no BMA), else the last logged. Where the
+    card's posterior is ``calibrated`` and the calibration was logged after that evaluation, its BMA
+    columns are another posterior's (the one before the calibration) and are left out."""
     state = getattr(trainer, "state", None)
     history = state.log_history if state is not None else []
-    if best_step is not None:
-        metrics = _evaluation_at(history, best_step)
-        return metrics if _is_bma_evaluation(metrics) else None
-    for entry in reversed(history):
-        if _is_bma_evaluation(entry):
-            return _evaluation_at(history, entry["step"]) if "step" in entry else dict(entry)
-    return None
+    evaluations = [i for i, h in enumerate(history) if _is_bma_evaluation(h) and (best_step is None or h.get("step") == best_step)]
+    if not evaluations:
+        return None
+    last = history[evaluations[-1]]
+    metrics = _evaluation_at(history, last["step"]) if "step" in last else dict(last)
+    calibrations = [i for i, h in enumerate(history) if any(k.startswith("calibration/") for k in h)]
+    if calibrated and calibrations and calibrations[-1] > evaluations[-1]:
+        metrics = {k: v for k, v in metrics.items() if not (k.startswith("eval_") and "bma_" in k)}
+    return metrics
 
 
 def _configured(group: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +110,7 @@ def save_trainer_model_card(trainer: Any, directory: str | os.PathLike, posterio
     best_step = _best_checkpoint_step(trainer)
     kwargs: dict[str, Any] = {
         "base_model": posterior.config.get("base_model"),
-        "metrics": _posterior_metrics(trainer, best_step),
+        "metrics": _posterior_metrics(trainer, best_step, "calibration" in posterior.config),
         "model": trainer.model,
         "training_steps": best_step or getattr(state, "global_step", None) or None,
         "num_bma_samples": getattr(args, "bma_num_samples", None),
