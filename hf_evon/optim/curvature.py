@@ -8,7 +8,7 @@ noise level are refit from it every ``curvature_refit`` steps:
 - δ = the ``PRIOR_QUANTILE`` (30%) quantile of the group's H: the data, not the prior, sets the
   variance of the other 70% of the entries; the directions the data constrains least (H near 0)
   keep the prior's variance 1/(ζδ), which stays within a few times the pooled variance (at
-  least 15% of the entries have H ≤ δ, so the prior's share of the mean below is ≥ 0.15);
+  least 30% of the entries have H ≤ δ, so the prior's share of the mean below is ≥ 0.15);
 - ζ such that the pooled posterior variance, mean 1/(ζ(H+δ)), is r² × the weights' mean square,
   r = ``noise_std_ratio(t)``: the noise level is set, its shape across entries and matrices is H's.
 

@@ -69,8 +69,8 @@ PRIOR_QUANTILE = 0.3
 DEFAULT_STEP_CURVATURE = "matrix"
 # h0: the paper's CLIP fine-tuning range (docs/defaults.md#hess-init)
 DEFAULT_HESS_INIT = 0.01
-# h0 of full fine-tuning: puts a pretrained model's small gradients at the clip from the first
-# step (docs/defaults.md#finetuning-hess-init)
+# h0 of full fine-tuning: ζ, the noise schedule and the pull on the mean at a pretrained model's
+# scale (docs/defaults.md#finetuning-hess-init)
 DEFAULT_FINETUNING_HESS_INIT = 1e-3
 # β1 the paper's; β2 slower than its 0.95, because the Price estimate is noisy at small noise
 # (docs/defaults.md#betas)

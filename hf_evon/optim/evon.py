@@ -128,7 +128,7 @@ class EVON(Optimizer):
         clip: update clipping: "none" (the pure algorithm), "element" (|Δ_ij| ≤ radius),
             "spectral" (singular values ≤ radius), "whiten" (Newton–Schulz, as Muon) or
             "whiten_rms" (the default: Newton–Schulz, scaled to entry RMS ``clip_radius``).
-        clip_radius: the radius for "element" and "spectral"; the entry RMS for "whiten_rms".
+        clip_radius: the radius for "element" and "spectral"; for "whiten_rms" a full-rank step's entry RMS (a low-rank one's is less).
         snr_scaling: "adam" (default, ``DEFAULT_SNR_SCALING``): scale each matrix's clipped step by min(1, ρ),
             ρ = ‖m̂‖_F / sqrt(EMA‖G‖²_F) (Adam's own step size; EMA decay ``SNR_AVERAGE_BETA``). True: by
             min(1, ρ/ρ₀), ρ₀ = ``snr_floor(β1)``: full steps until the gradients fade. No effect with
@@ -138,7 +138,7 @@ class EVON(Optimizer):
         identity_basis: keep Q = I everywhere, i.e. IVON (a diagonal posterior).
         stagger_refresh: give each matrix its own phase in the refresh cycle (still every f updates),
             balanced by cost, so no step pays for all QRs at once. False refreshes every matrix after
-            the updates with t % f == 0. A group's first (or only) matrix always has phase 0.
+            the updates with t % f == 0. A group's costliest (or only) matrix has phase 0.
         init_std_ratio: the initial posterior std relative to the weights' RMS for ``ess="auto"``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW groups' lr, betas, eps, weight_decay
             (torch AdamW's keys; ``adamw_lr=None``: use ``lr``, EVON's rate, which is rarely right for AdamW).

@@ -133,8 +133,8 @@ class EVONConfig(TrainingArguments):
         default=None,
         metadata={
             "help": f"Initial Hessian estimate h0 > 0 (everywhere). Default (None): {_H0:g}, or {_H0_FINETUNING:g} for full "
-            "fine-tuning of a pretrained model, whose small gradients would leave EVON's first steps under "
-            "the update clip (hf_evon.optim.defaults.default_hess_init)."
+            "fine-tuning of a pretrained model: it sets the initial noise, the noise schedule and the pull on the mean "
+            "(hf_evon.optim.defaults.default_hess_init)."
         },
     )
     evon_beta1: float = field(
@@ -240,7 +240,7 @@ class EVONConfig(TrainingArguments):
     )
     evon_clip_radius: float = field(
         default=DEFAULT_CLIP_RADIUS,
-        metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of 'whiten_rms', > 0."},
+        metadata={"help": "Radius of 'element' and 'spectral' clipping, the entry RMS of a full-rank 'whiten_rms' step, > 0."},
     )
     # typed str for the command line ('true'/'false'/'adam'); __post_init__ parses it into EVON's
     # snr_scaling: True, False or 'adam' (None: chosen from the model)
