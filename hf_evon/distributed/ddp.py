@@ -81,7 +81,6 @@ Tensor = torch.Tensor
 
 __all__ = [
     "EVONAcceleratedOptimizer",
-    "EVONHandle",
     "RankAverager",
     "UnsupportedParallelismError",
     "check_ranks_in_sync",

@@ -119,8 +119,7 @@ class PosteriorFilesMixin:
         with directory_lock(directory):  # one turn: no other save comes between the posterior and its card
             write_posterior(directory, tensors, config)
             if write_card:  # the card describes the files: their eigenbasis dtype
-                saved = self if eig is None else _AsSaved(self, {**self.config, "eigenbasis_dtype": dtype_name(eig)})
-                save_model_card(directory, saved, **card_kwargs)
+                save_model_card(directory, _as_saved(self, eig), **card_kwargs)
         if push_to_hub:
             repo_id = push_kwargs.pop("repo_id", None) or os.path.basename(os.path.abspath(directory))
             push_kwargs.update(model_card_kwargs=card_kwargs, model_card=write_card)
@@ -209,9 +208,7 @@ class PosteriorFilesMixin:
         def write(files_dir: str, card_dir: str, location: dict[str, Any]) -> None:
             self.save_pretrained(files_dir, eigenbasis_dtype=eigenbasis_dtype, model_card=False)
             if model_card:  # the snippet loads from `location`; the card describes the files pushed
-                eig = as_dtype(eigenbasis_dtype, "eigenbasis_dtype")
-                saved = self if eig is None else _AsSaved(self, {**self.config, "eigenbasis_dtype": dtype_name(eig)})
-                save_model_card(card_dir, saved, **{**location, **card_kwargs})
+                save_model_card(card_dir, _as_saved(self, as_dtype(eigenbasis_dtype, "eigenbasis_dtype")), **{**location, **card_kwargs})
             else:  # the section there describes the posterior this push replaces
                 retract_card_section(card_dir)
 
@@ -237,3 +234,10 @@ class _AsSaved:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._posterior, name)
+
+
+def _as_saved(posterior: Any, eigenbasis_dtype: torch.dtype | None) -> Any:
+    """``posterior`` as files saved with ``eigenbasis_dtype`` (None: its own) describe it, for their card."""
+    if eigenbasis_dtype is None:
+        return posterior
+    return _AsSaved(posterior, {**posterior.config, "eigenbasis_dtype": dtype_name(eigenbasis_dtype)})
